@@ -1,0 +1,93 @@
+/* Implementation of skv_log(): level names, the output stream and its reopening. */
+#include "common/log.h"
+#include "common/status.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int skv_log_level_current = SKV_LOG_INFO;
+
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static FILE *log_stream;
+static char *log_path;
+
+static const char *const level_names[] = {"error", "warn", "info", "debug"};
+
+int skv_log_level_parse(const char *name)
+{
+    for (int i = 0; i < 4; i++)
+        if (name && strcmp(name, level_names[i]) == 0)
+            return i;
+    return -1;
+}
+
+const char *skv_log_level_name(int level)
+{
+    return level >= 0 && level < 4 ? level_names[level] : "?";
+}
+
+void skv_log_set_level(int level)
+{
+    if (level >= SKV_LOG_ERROR && level <= SKV_LOG_DEBUG)
+        skv_log_level_current = level;
+}
+
+int skv_log_open(const char *path)
+{
+    pthread_mutex_lock(&log_lock);
+    free(log_path);
+    log_path = path ? strdup(path) : NULL;
+    pthread_mutex_unlock(&log_lock);
+    return skv_log_reopen();
+}
+
+int skv_log_reopen(void)
+{
+    int rc = SKV_OK;
+    pthread_mutex_lock(&log_lock);
+    if (log_stream && log_stream != stderr)
+        fclose(log_stream);
+    log_stream = NULL;
+    if (log_path) {
+        log_stream = fopen(log_path, "a");
+        if (!log_stream)
+            rc = SKV_E_IO;
+        else
+            setvbuf(log_stream, NULL, _IOLBF, 0);
+    }
+    pthread_mutex_unlock(&log_lock);
+    return rc;
+}
+
+void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+
+    pthread_mutex_lock(&log_lock);
+    FILE *out = log_stream ? log_stream : stderr;
+    if (log_stream) {
+        char ts[32];
+        time_t now = time(NULL);
+        struct tm tm;
+        localtime_r(&now, &tm);
+        strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
+        fprintf(out, "%s ", ts);
+    }
+    /* sd-daemon priority prefix so journald keeps the level */
+    static const int prio[] = {3, 4, 6, 7};
+    if (!log_stream)
+        fprintf(out, "<%d>", prio[level < 0 ? 0 : level > 3 ? 3 : level]);
+    if (level == SKV_LOG_DEBUG)
+        fprintf(out, "%s: %s (%s:%d)\n", level_names[level], msg, file, line);
+    else
+        fprintf(out, "%s: %s\n", skv_log_level_name(level), msg);
+    pthread_mutex_unlock(&log_lock);
+}

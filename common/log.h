@@ -1,0 +1,32 @@
+/* Daemon-side logging: a level check before any argument is evaluated, one line per call,
+ * to stderr (journald adds the timestamp) or to a file reopened on SIGHUP.
+ * Library code (libclient, engine, kernels) never logs; it returns a status instead. */
+#ifndef SKV_LOG_H
+#define SKV_LOG_H
+
+enum skv_log_level {
+    SKV_LOG_ERROR = 0,
+    SKV_LOG_WARN = 1,
+    SKV_LOG_INFO = 2,
+    SKV_LOG_DEBUG = 3,
+};
+
+extern int skv_log_level_current;
+
+#define skv_log(level, ...)                                                                   \
+    do {                                                                                      \
+        if ((level) <= skv_log_level_current)                                                 \
+            skv_log_write((level), __FILE__, __LINE__, __VA_ARGS__);                          \
+    } while (0)
+
+void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* "error", "warn", "info", "debug" -> level; returns -1 when unknown. */
+int skv_log_level_parse(const char *name);
+const char *skv_log_level_name(int level);
+void skv_log_set_level(int level);
+/* Log to `path` (NULL: stderr). Reopened by skv_log_reopen() on SIGHUP. Returns SKV_OK or SKV_E_IO. */
+int skv_log_open(const char *path);
+int skv_log_reopen(void);
+
+#endif

@@ -1,0 +1,240 @@
+/* The option table and the three ways into it: command line, config file, CONFIG GET. */
+#include "daemon/config.h"
+#include "common/status.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define OPT(field) offsetof(struct skv_config, field)
+
+static const struct skv_config_option options[] = {
+    {"config", SKV_CFG_STRING, OPT(config_file), "", 0, 0, "configuration file to read first"},
+    {"model", SKV_CFG_STRING, OPT(model), "/var/lib/snapkvd/models/SmolLM2-135M-Instruct.Q4_1.gguf", 0, 0,
+     "model: a GGUF file or a Hugging Face folder (config.json + *.safetensors)"},
+    {"backend", SKV_CFG_STRING, OPT(backend), "auto", 0, 0, "compute backend: auto, cpu or cuda"},
+    {"threads", SKV_CFG_INT, OPT(threads), "0", 0, 256, "CPU threads (0: all online CPUs)"},
+    {"pool-size", SKV_CFG_SIZE, OPT(pool_size), "1G", 1 << 20, INT64_C(1) << 42, "bytes of KV pool"},
+    {"endpoint", SKV_CFG_STRING, OPT(endpoint), "ipc:///run/snapkvd/snapkvd.sock", 0, 0,
+     "client endpoint (ipc:// or tcp://)"},
+    {"admin-endpoint", SKV_CFG_STRING, OPT(admin_endpoint), "ipc:///run/snapkvd/admin.sock", 0, 0,
+     "admin endpoint"},
+    {"state-dir", SKV_CFG_STRING, OPT(state_dir), "/var/lib/snapkvd", 0, 0, "where saved sessions live"},
+    {"log-level", SKV_CFG_STRING, OPT(log_level), "info", 0, 0, "error, warn, info or debug"},
+    {"log-file", SKV_CFG_STRING, OPT(log_file), "", 0, 0, "log file (empty: stderr / journald)"},
+    {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0, "stay in the foreground (systemd runs it so)"},
+    {"max-prompt-tokens", SKV_CFG_INT, OPT(max_prompt_tokens), "8192", 1, 1 << 24, "longest prompt accepted"},
+    {"max-new-tokens", SKV_CFG_INT, OPT(max_new_tokens), "2048", 1, 1 << 24, "most tokens one DECODE may generate"},
+    {"max-sessions-per-tenant", SKV_CFG_INT, OPT(max_sessions_per_tenant), "64", 1, 1 << 20,
+     "sessions one tenant may hold"},
+    {"max-bytes-per-tenant", SKV_CFG_SIZE, OPT(max_bytes_per_tenant), "512M", 1 << 16, INT64_C(1) << 42,
+     "KV bytes one tenant may hold"},
+    {"max-message-bytes", SKV_CFG_SIZE, OPT(max_message_bytes), "16M", 1024, INT64_C(1) << 31,
+     "largest request message (ZMQ_MAXMSGSIZE)"},
+    {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
+    {"lease-seconds", SKV_CFG_INT, OPT(lease_seconds), "600", 1, INT64_C(1) << 31,
+     "an unpinned session idle this long is released"},
+    {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
+     "compression spec used when a request names none"},
+};
+
+const struct skv_config_option *skv_config_options(size_t *n)
+{
+    *n = sizeof options / sizeof options[0];
+    return options;
+}
+
+static const struct skv_config_option *find_option(const char *name)
+{
+    for (size_t i = 0; i < sizeof options / sizeof options[0]; i++)
+        if (strcmp(options[i].name, name) == 0)
+            return &options[i];
+    return NULL;
+}
+
+int skv_parse_size(const char *text, int64_t *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (end == text || errno || v < 0)
+        return skv_errorf(SKV_E_INVAL, "'%s' is not a size", text);
+    double mul = 1;
+    switch (toupper((unsigned char)*end)) {
+    case 'K': mul = 1024.0; end++; break;
+    case 'M': mul = 1024.0 * 1024; end++; break;
+    case 'G': mul = 1024.0 * 1024 * 1024; end++; break;
+    case 'T': mul = 1024.0 * 1024 * 1024 * 1024; end++; break;
+    default: break;
+    }
+    if (*end == 'i' || *end == 'B')
+        end += (*end == 'i' && end[1] == 'B') ? 2 : 1;
+    if (*end != '\0')
+        return skv_errorf(SKV_E_INVAL, "'%s' is not a size (use e.g. 512M, 4G)", text);
+    v *= mul;
+    if (v > 9.0e18)
+        return skv_errorf(SKV_E_INVAL, "'%s' is too large", text);
+    *out = (int64_t)v;
+    return SKV_OK;
+}
+
+static int parse_bool(const char *text, bool *out)
+{
+    static const char *const yes[] = {"1", "yes", "true", "on"};
+    static const char *const no[] = {"0", "no", "false", "off"};
+    for (int i = 0; i < 4; i++) {
+        if (strcasecmp(text, yes[i]) == 0)
+            return *out = true, SKV_OK;
+        if (strcasecmp(text, no[i]) == 0)
+            return *out = false, SKV_OK;
+    }
+    return skv_errorf(SKV_E_INVAL, "'%s' is not a boolean (yes/no)", text);
+}
+
+static int set_option(struct skv_config *cfg, const struct skv_config_option *o, const char *value)
+{
+    char *base = (char *)cfg + o->offset;
+    int64_t v;
+    int rc;
+    switch (o->type) {
+    case SKV_CFG_STRING: {
+        char *copy = strdup(value);
+        if (!copy)
+            return SKV_E_NOMEM;
+        free(*(char **)base);
+        *(char **)base = copy;
+        return SKV_OK;
+    }
+    case SKV_CFG_BOOL:
+        rc = parse_bool(value, (bool *)base);
+        return rc ? skv_errorf(rc, "%s: '%s' is not a boolean (yes/no)", o->name, value) : SKV_OK;
+    case SKV_CFG_INT: {
+        char *end;
+        errno = 0;
+        long long ll = strtoll(value, &end, 10);
+        if (end == value || *end || errno)
+            return skv_errorf(SKV_E_INVAL, "%s: '%s' is not an integer", o->name, value);
+        v = ll;
+        break;
+    }
+    case SKV_CFG_SIZE:
+        rc = skv_parse_size(value, &v);
+        if (rc)
+            return skv_errorf(rc, "%s: '%s' is not a size (e.g. 512M, 4G)", o->name, value);
+        break;
+    default:
+        return SKV_E_INTERNAL;
+    }
+    if (v < o->min || v > o->max)
+        return skv_errorf(SKV_E_INVAL, "%s: %" PRId64 " is outside [%" PRId64 ", %" PRId64 "]", o->name, v,
+                          o->min, o->max);
+    *(int64_t *)base = v;
+    return SKV_OK;
+}
+
+int skv_config_set(struct skv_config *cfg, const char *name, const char *value)
+{
+    const struct skv_config_option *o = find_option(name);
+    if (!o)
+        return skv_errorf(SKV_E_NOT_FOUND, "unknown option '%s'", name);
+    return set_option(cfg, o, value);
+}
+
+int skv_config_init(struct skv_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) {
+        int rc = set_option(cfg, &options[i], options[i].default_value);
+        if (rc) {
+            skv_config_free(cfg);
+            return rc;
+        }
+    }
+    return SKV_OK;
+}
+
+void skv_config_free(struct skv_config *cfg)
+{
+    for (size_t i = 0; i < sizeof options / sizeof options[0]; i++)
+        if (options[i].type == SKV_CFG_STRING) {
+            char **p = (char **)((char *)cfg + options[i].offset);
+            free(*p);
+            *p = NULL;
+        }
+}
+
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    char *e = s + strlen(s);
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = '\0';
+    return s;
+}
+
+int skv_config_load_file(struct skv_config *cfg, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    char line[4096];
+    int lineno = 0, rc = SKV_OK;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            rc = skv_errorf(SKV_E_INVAL, "%s:%d: line too long", path, lineno);
+            break;
+        }
+        char *hash = strchr(line, '#');
+        if (hash)
+            *hash = '\0';
+        char *s = trim(line);
+        if (!*s)
+            continue;
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            rc = skv_errorf(SKV_E_INVAL, "%s:%d: expected 'key = value'", path, lineno);
+            break;
+        }
+        *eq = '\0';
+        char *key = trim(s), *value = trim(eq + 1);
+        if (strcmp(key, "config") == 0) {
+            rc = skv_errorf(SKV_E_INVAL, "%s:%d: 'config' cannot be set in a config file", path, lineno);
+            break;
+        }
+        rc = skv_config_set(cfg, key, value);
+        if (rc) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", skv_error_msg());
+            rc = skv_errorf(rc, "%s:%d: %s", path, lineno, msg);
+            break;
+        }
+    }
+    fclose(f);
+    return rc;
+}
+
+int skv_config_get(const struct skv_config *cfg, const char *name, char *buf, size_t cap)
+{
+    const struct skv_config_option *o = find_option(name);
+    if (!o)
+        return skv_errorf(SKV_E_NOT_FOUND, "unknown option '%s'", name);
+    const char *base = (const char *)cfg + o->offset;
+    switch (o->type) {
+    case SKV_CFG_STRING:
+        snprintf(buf, cap, "%s", *(char *const *)base ? *(char *const *)base : "");
+        break;
+    case SKV_CFG_BOOL:
+        snprintf(buf, cap, "%s", *(const bool *)base ? "yes" : "no");
+        break;
+    case SKV_CFG_INT:
+    case SKV_CFG_SIZE:
+        snprintf(buf, cap, "%" PRId64, *(const int64_t *)base);
+        break;
+    }
+    return SKV_OK;
+}

@@ -1,0 +1,58 @@
+/* snapkvd's options: one table row per option drives the command line, /etc/snapkvd.conf
+ * and the admin CONFIG GET command (the redis config.c idea). */
+#ifndef SKV_CONFIG_H
+#define SKV_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct skv_config {
+    char *config_file;
+    char *model;
+    char *backend;            /* auto | cpu | cuda */
+    int64_t threads;          /* 0: all online CPUs */
+    int64_t pool_size;        /* bytes of KV pool */
+    char *endpoint;           /* client socket */
+    char *admin_endpoint;     /* admin socket */
+    char *state_dir;          /* saved sessions */
+    char *log_level;
+    char *log_file;           /* empty: stderr (journald) */
+    bool foreground;
+    int64_t max_prompt_tokens;
+    int64_t max_new_tokens;
+    int64_t max_sessions_per_tenant;
+    int64_t max_bytes_per_tenant;
+    int64_t max_message_bytes;
+    int64_t queue_depth;
+    int64_t lease_seconds;
+    char *default_compress;   /* spec used when a PREFILL names none */
+};
+
+enum skv_config_type { SKV_CFG_STRING, SKV_CFG_INT, SKV_CFG_SIZE, SKV_CFG_BOOL };
+
+struct skv_config_option {
+    const char *name;         /* long option and config-file key */
+    enum skv_config_type type;
+    size_t offset;            /* into struct skv_config */
+    const char *default_value;
+    int64_t min, max;         /* for INT and SIZE */
+    const char *help;
+};
+
+/* The table and its length. */
+const struct skv_config_option *skv_config_options(size_t *n);
+
+/* Fills every field with its default. Returns SKV_OK or SKV_E_NOMEM. */
+int skv_config_init(struct skv_config *cfg);
+void skv_config_free(struct skv_config *cfg);
+/* Sets one option from text ("4G", "yes", "12"); SKV_E_INVAL / SKV_E_NOT_FOUND with a message. */
+int skv_config_set(struct skv_config *cfg, const char *name, const char *value);
+/* Reads `key = value` lines ('#' comments, blank lines); errors name the file and line. */
+int skv_config_load_file(struct skv_config *cfg, const char *path);
+/* Formats an option's current value into buf. Returns SKV_OK or SKV_E_NOT_FOUND. */
+int skv_config_get(const struct skv_config *cfg, const char *name, char *buf, size_t cap);
+/* "4G", "512M", "1024" -> bytes. */
+int skv_parse_size(const char *text, int64_t *out);
+
+#endif

@@ -1,0 +1,367 @@
+/* The Llama-family forward pass over backend ops, layer by layer over the whole batch so a
+ * hook can compress each layer's KV right after its attention (memory-lean prefill).
+ * Projections and the MLP run in chunks of tokens to bound activation memory. */
+#include "daemon/engine/engine.h"
+#include "common/status.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 256 /* tokens per projection / MLP chunk */
+
+struct skv_engine {
+    struct skv_model *m;
+    struct skv_backend *be;
+    int cap_tokens;        /* n the full-batch buffers hold */
+    float *x;              /* [cap][dim] residual stream */
+    float *x_in;           /* [cap][dim] residual before the layer (hooks only) */
+    float *q;              /* [cap][n_heads * head_dim] post-RoPE queries */
+    float *att;            /* [cap][n_heads * head_dim] attention output */
+    int32_t *pos;          /* [cap] positions (host) */
+    float *xb;             /* [CHUNK][dim] */
+    float *kb, *vb;        /* [CHUNK][n_kv_heads * head_dim] */
+    float *ob;             /* [CHUNK][dim] */
+    float *gb, *ub;        /* [CHUNK][ffn_dim] */
+    uint64_t scratch_bytes;
+};
+
+/* ---- KV cache ----------------------------------------------------------------------------- */
+
+int skv_kv_cache_new(const struct skv_model *m, struct skv_kv_cache **out)
+{
+    struct skv_kv_cache *c = calloc(1, sizeof *c);
+    if (!c)
+        return SKV_E_NOMEM;
+    c->n_layers = m->cfg.n_layers;
+    c->n_kv_heads = m->cfg.n_kv_heads;
+    c->head_dim = m->cfg.head_dim;
+    c->be = m->be;
+    c->heads = calloc((size_t)c->n_layers * c->n_kv_heads, sizeof *c->heads);
+    if (!c->heads) {
+        free(c);
+        return SKV_E_NOMEM;
+    }
+    *out = c;
+    return SKV_OK;
+}
+
+void skv_kv_cache_free(struct skv_kv_cache **cache_p)
+{
+    if (!cache_p || !*cache_p)
+        return;
+    struct skv_kv_cache *c = *cache_p;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        c->be->ops->free(c->be, c->heads[i].k);
+        c->be->ops->free(c->be, c->heads[i].v);
+        free(c->heads[i].pos);
+    }
+    free(c->heads);
+    free(c);
+    *cache_p = NULL;
+}
+
+static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
+{
+    if (need <= hd->cap)
+        return SKV_OK;
+    int cap = hd->cap ? hd->cap : 64;
+    while (cap < need)
+        cap = cap > (1 << 29) ? need : cap * 2;
+    size_t row = (size_t)c->head_dim * sizeof(float);
+    void *k = NULL, *v = NULL;
+    int32_t *pos = NULL;
+    int rc = c->be->ops->alloc(c->be, (size_t)cap * row, &k);
+    if (!rc)
+        rc = c->be->ops->alloc(c->be, (size_t)cap * row, &v);
+    if (!rc && !(pos = malloc((size_t)cap * sizeof *pos)))
+        rc = SKV_E_NOMEM;
+    if (!rc && hd->len) {
+        rc = c->be->ops->copy_2d(c->be, k, row, hd->k, row, row, hd->len);
+        if (!rc)
+            rc = c->be->ops->copy_2d(c->be, v, row, hd->v, row, row, hd->len);
+        if (!rc)
+            memcpy(pos, hd->pos, (size_t)hd->len * sizeof *pos);
+    }
+    if (rc) {
+        c->be->ops->free(c->be, k);
+        c->be->ops->free(c->be, v);
+        free(pos);
+        return rc;
+    }
+    c->be->ops->free(c->be, hd->k);
+    c->be->ops->free(c->be, hd->v);
+    free(hd->pos);
+    hd->k = k;
+    hd->v = v;
+    hd->pos = pos;
+    hd->cap = cap;
+    return SKV_OK;
+}
+
+int skv_kv_cache_reserve(struct skv_kv_cache *c, int extra)
+{
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        int rc = head_grow(c, &c->heads[i], c->heads[i].len + extra);
+        if (rc)
+            return rc;
+    }
+    return SKV_OK;
+}
+
+int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out)
+{
+    struct skv_kv_cache *c = calloc(1, sizeof *c);
+    if (!c)
+        return SKV_E_NOMEM;
+    *c = *src;
+    c->heads = calloc((size_t)c->n_layers * c->n_kv_heads, sizeof *c->heads);
+    if (!c->heads) {
+        free(c);
+        return SKV_E_NOMEM;
+    }
+    size_t row = (size_t)c->head_dim * sizeof(float);
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *s = &src->heads[i];
+        struct skv_kv_head *d = &c->heads[i];
+        int rc = s->len ? head_grow(c, d, s->len) : SKV_OK;
+        if (!rc && s->len) {
+            rc = c->be->ops->copy_2d(c->be, d->k, row, s->k, row, row, s->len);
+            if (!rc)
+                rc = c->be->ops->copy_2d(c->be, d->v, row, s->v, row, row, s->len);
+            memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
+            d->len = s->len;
+        }
+        if (rc) {
+            skv_kv_cache_free(&c);
+            return rc;
+        }
+    }
+    *out = c;
+    return SKV_OK;
+}
+
+uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *c)
+{
+    uint64_t rows = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        rows += (uint64_t)c->heads[i].len;
+    return rows * 2 * (uint64_t)c->head_dim * sizeof(float);
+}
+
+/* ---- engine --------------------------------------------------------------------------------- */
+
+static void free_buffers(struct skv_engine *e)
+{
+    float **bufs[] = {&e->x, &e->x_in, &e->q, &e->att, &e->xb, &e->kb, &e->vb, &e->ob, &e->gb, &e->ub};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+        e->be->ops->free(e->be, *bufs[i]);
+        *bufs[i] = NULL;
+    }
+    free(e->pos);
+    e->pos = NULL;
+    e->cap_tokens = 0;
+    e->scratch_bytes = 0;
+}
+
+/* Makes the full-batch buffers hold n tokens. */
+static int ensure_capacity(struct skv_engine *e, int n)
+{
+    if (n <= e->cap_tokens)
+        return SKV_OK;
+    const struct skv_model_config *c = &e->m->cfg;
+    int cap = e->cap_tokens ? e->cap_tokens : 16;
+    while (cap < n)
+        cap *= 2;
+    free_buffers(e);
+    size_t qdim = (size_t)c->n_heads * c->head_dim, kvdim = (size_t)c->n_kv_heads * c->head_dim;
+    size_t chunk = CHUNK;
+    struct {
+        float **p;
+        size_t floats;
+    } plan[] = {
+        {&e->x, (size_t)cap * c->dim},  {&e->x_in, (size_t)cap * c->dim}, {&e->q, (size_t)cap * qdim},
+        {&e->att, (size_t)cap * qdim},  {&e->xb, chunk * c->dim},         {&e->kb, chunk * kvdim},
+        {&e->vb, chunk * kvdim},        {&e->ob, chunk * c->dim},         {&e->gb, chunk * c->ffn_dim},
+        {&e->ub, chunk * c->ffn_dim},
+    };
+    for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
+        int rc = e->be->ops->alloc(e->be, plan[i].floats * sizeof(float), (void **)plan[i].p);
+        if (rc) {
+            free_buffers(e);
+            return rc;
+        }
+        e->scratch_bytes += plan[i].floats * sizeof(float);
+    }
+    e->pos = malloc((size_t)cap * sizeof *e->pos);
+    if (!e->pos) {
+        free_buffers(e);
+        return SKV_E_NOMEM;
+    }
+    e->cap_tokens = cap;
+    return SKV_OK;
+}
+
+int skv_engine_new(struct skv_model *m, struct skv_engine **out)
+{
+    struct skv_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return SKV_E_NOMEM;
+    e->m = m;
+    e->be = m->be;
+    *out = e;
+    return SKV_OK;
+}
+
+void skv_engine_free(struct skv_engine **e_p)
+{
+    if (!e_p || !*e_p)
+        return;
+    free_buffers(*e_p);
+    free(*e_p);
+    *e_p = NULL;
+}
+
+struct skv_model *skv_engine_model(const struct skv_engine *e)
+{
+    return e->m;
+}
+
+uint64_t skv_engine_scratch_bytes(const struct skv_engine *e)
+{
+    return e->scratch_bytes;
+}
+
+#define CHECK(expr)                                                                                \
+    do {                                                                                           \
+        int rc_ = (expr);                                                                          \
+        if (rc_)                                                                                   \
+            return rc_;                                                                            \
+    } while (0)
+
+/* Attention half of layer l: projections, RoPE, cache append, attention, output projection
+ * and residual. Leaves x = x + attn(x). */
+static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int l, int n)
+{
+    struct skv_backend *be = e->be;
+    const struct skv_backend_ops *ops = be->ops;
+    const struct skv_model_config *c = &e->m->cfg;
+    const struct skv_layer_weights *w = &e->m->layers[l];
+    int hd = c->head_dim, hkv = c->n_kv_heads;
+    size_t qdim = (size_t)c->n_heads * hd, kvdim = (size_t)hkv * hd, row = (size_t)hd * sizeof(float);
+    int32_t len0[SKV_MAX_KV_HEADS];
+    for (int h = 0; h < hkv; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+        CHECK(head_grow(cache, kh, kh->len + n));
+        len0[h] = kh->len;
+    }
+    for (int i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        float *q = e->q + (size_t)i0 * qdim;
+        CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, w->attn_norm.data, m, c->dim, c->norm_eps));
+        CHECK(ops->matmul(be, q, &w->wq, w->bq.data, e->xb, m));
+        CHECK(ops->matmul(be, e->kb, &w->wk, w->bk.data, e->xb, m));
+        CHECK(ops->matmul(be, e->vb, &w->wv, w->bv.data, e->xb, m));
+        CHECK(ops->rope(be, q, m, c->n_heads, hd, e->pos + i0, &c->rope));
+        CHECK(ops->rope(be, e->kb, m, hkv, hd, e->pos + i0, &c->rope));
+        for (int h = 0; h < hkv; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+            size_t at = (size_t)(len0[h] + i0) * hd;
+            CHECK(ops->copy_2d(be, kh->k + at, row, e->kb + (size_t)h * hd, kvdim * sizeof(float), row, m));
+            CHECK(ops->copy_2d(be, kh->v + at, row, e->vb + (size_t)h * hd, kvdim * sizeof(float), row, m));
+            memcpy(kh->pos + len0[h] + i0, e->pos + i0, (size_t)m * sizeof(int32_t));
+        }
+    }
+    struct skv_kv_view view = {.n_kv_heads = hkv, .head_dim = hd, .kv_type = SKV_DTYPE_F32};
+    for (int h = 0; h < hkv; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+        kh->len = len0[h] + n;
+        view.k[h] = kh->k;
+        view.v[h] = kh->v;
+        view.prefix_len[h] = len0[h];
+    }
+    CHECK(ops->attention(be, e->att, e->q, n, c->n_heads, &view));
+    for (int i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        float *x = e->x + (size_t)i0 * c->dim;
+        CHECK(ops->matmul(be, e->ob, &w->wo, NULL, e->att + (size_t)i0 * qdim, m));
+        CHECK(ops->add(be, x, x, e->ob, (int64_t)m * c->dim));
+    }
+    return SKV_OK;
+}
+
+/* MLP half of layer l: x = x + down(silu(gate(norm(x))) * up(norm(x))). */
+static int layer_mlp(struct skv_engine *e, int l, int n)
+{
+    struct skv_backend *be = e->be;
+    const struct skv_backend_ops *ops = be->ops;
+    const struct skv_model_config *c = &e->m->cfg;
+    const struct skv_layer_weights *w = &e->m->layers[l];
+    for (int i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        float *x = e->x + (size_t)i0 * c->dim;
+        CHECK(ops->rmsnorm(be, e->xb, x, w->ffn_norm.data, m, c->dim, c->norm_eps));
+        CHECK(ops->matmul(be, e->gb, &w->w_gate, NULL, e->xb, m));
+        CHECK(ops->matmul(be, e->ub, &w->w_up, NULL, e->xb, m));
+        CHECK(ops->swiglu(be, e->gb, e->gb, e->ub, (int64_t)m * c->ffn_dim));
+        CHECK(ops->matmul(be, e->ob, &w->w_down, NULL, e->gb, m));
+        CHECK(ops->add(be, x, x, e->ob, (int64_t)m * c->dim));
+    }
+    return SKV_OK;
+}
+
+int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
+                       const struct skv_forward_opts *opts, float *logits)
+{
+    const struct skv_model_config *c = &e->m->cfg;
+    if (!cache || !tokens || n <= 0)
+        return skv_errorf(SKV_E_INVAL, "forward needs a cache and at least one token");
+    if (cache->n_layers != c->n_layers || cache->n_kv_heads != c->n_kv_heads || cache->head_dim != c->head_dim)
+        return skv_errorf(SKV_E_INVAL, "the cache was made for another model");
+    if ((int64_t)cache->n_past + n > INT32_MAX / 2)
+        return skv_errorf(SKV_E_LIMIT, "sequence too long");
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= c->n_vocab)
+            return skv_errorf(SKV_E_INVAL, "token %d at index %d is outside the vocabulary [0, %d)",
+                              tokens[i], i, c->n_vocab);
+    struct skv_backend *be = e->be;
+    const struct skv_backend_ops *ops = be->ops;
+    CHECK(ensure_capacity(e, n));
+    for (int i = 0; i < n; i++)
+        e->pos[i] = cache->n_past + i;
+    for (int i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        CHECK(ops->get_rows(be, e->x + (size_t)i0 * c->dim, &e->m->tok_embd, tokens + i0, m));
+    }
+    bool hook = opts && opts->hook;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (hook)
+            CHECK(ops->copy_2d(be, e->x_in, (size_t)n * c->dim * sizeof(float), e->x,
+                               (size_t)n * c->dim * sizeof(float), (size_t)n * c->dim * sizeof(float), 1));
+        CHECK(layer_attention(e, cache, l, n));
+        if (hook) {
+            struct skv_layer_view v = {
+                .layer = l, .n = n, .q = e->q, .x_in = e->x_in, .x_mid = e->x, .cache = cache};
+            CHECK(opts->hook(opts->hook_user, &v));
+        }
+        CHECK(layer_mlp(e, l, n));
+    }
+    cache->n_past += n;
+    if (!logits)
+        return SKV_OK;
+    bool all = opts && opts->logits_all;
+    int first = all ? 0 : n - 1, rows = all ? n : 1;
+    for (int i0 = 0; i0 < rows; i0 += CHUNK) {
+        int m = rows - i0 < CHUNK ? rows - i0 : CHUNK;
+        float *out = NULL;
+        size_t bytes = (size_t)m * c->n_vocab * sizeof(float);
+        CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)(first + i0) * c->dim, e->m->output_norm.data, m, c->dim,
+                           c->norm_eps));
+        CHECK(ops->alloc(be, bytes, (void **)&out));
+        int rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, m);
+        if (!rc)
+            rc = ops->download(be, logits + (size_t)i0 * c->n_vocab, out, bytes);
+        ops->free(be, out);
+        CHECK(rc);
+    }
+    return SKV_OK;
+}

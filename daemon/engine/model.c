@@ -1,0 +1,532 @@
+/* Model loading: GGUF files and Hugging Face folders become one struct skv_model.
+ * Maps each format's tensor names and hyper-parameters onto the Llama-family layout the
+ * engine runs, checks every shape, and in reference mode dequantizes weights to f32. */
+#include "daemon/engine/model.h"
+#include "common/status.h"
+#include "daemon/engine/gguf.h"
+#include "daemon/engine/safetensors.h"
+#include "daemon/engine/tokenizer.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* Loader state behind model->impl. */
+struct model_impl {
+    struct skv_gguf *gguf;
+    struct skv_safetensors *st;
+    void **owned;        /* backend buffers this model allocated (f32 copies) */
+    int n_owned, cap_owned;
+};
+
+static int own(struct skv_model *m, void *ptr)
+{
+    struct model_impl *impl = m->impl;
+    if (impl->n_owned == impl->cap_owned) {
+        int cap = impl->cap_owned ? impl->cap_owned * 2 : 64;
+        void **p = realloc(impl->owned, (size_t)cap * sizeof *p);
+        if (!p)
+            return SKV_E_NOMEM;
+        impl->owned = p;
+        impl->cap_owned = cap;
+    }
+    impl->owned[impl->n_owned++] = ptr;
+    return SKV_OK;
+}
+
+static int64_t tensor_elems(const struct skv_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->ne[i];
+    return n;
+}
+
+/* Replaces t's data by an f32 copy in backend memory (dequantizing / widening). */
+static int to_f32(struct skv_model *m, struct skv_tensor *t)
+{
+    if (t->type == SKV_DTYPE_F32 && !m->reference)
+        return SKV_OK;
+    if (!skv_dtype_supported(t->type))
+        return skv_errorf(SKV_E_UNSUPPORTED, "tensor %s: type %s is not supported", t->name,
+                          skv_dtype_name(t->type) ? skv_dtype_name(t->type) : "?");
+    int64_t n = tensor_elems(t);
+    int64_t row = t->ne[0];
+    float *host = malloc((size_t)n * sizeof *host);
+    if (!host)
+        return SKV_E_NOMEM;
+    size_t row_bytes = skv_dtype_row_bytes(t->type, row);
+    int rc = SKV_OK;
+    for (int64_t r = 0; r < n / row && rc == SKV_OK; r++)
+        rc = skv_dequantize_row(t->type, (const char *)t->data + r * row_bytes, host + r * row, row);
+    void *dev = NULL;
+    if (rc == SKV_OK)
+        rc = m->be->ops->alloc(m->be, (size_t)n * sizeof(float), &dev);
+    if (rc == SKV_OK)
+        rc = m->be->ops->upload(m->be, dev, host, (size_t)n * sizeof(float));
+    free(host);
+    if (rc == SKV_OK)
+        rc = own(m, dev);
+    if (rc) {
+        if (dev)
+            m->be->ops->free(m->be, dev);
+        return rc;
+    }
+    t->type = SKV_DTYPE_F32;
+    t->data = dev;
+    t->nbytes = (size_t)n * sizeof(float);
+    return SKV_OK;
+}
+
+/* Checks t's shape: ne0 x ne1 (ne1 == 0: a vector of ne0). */
+static int check_shape(const struct skv_tensor *t, int64_t ne0, int64_t ne1)
+{
+    bool ok = ne1 ? (t->ndim == 2 && t->ne[0] == ne0 && t->ne[1] == ne1)
+                  : (t->ndim == 1 && t->ne[0] == ne0);
+    if (!ok)
+        return skv_errorf(SKV_E_FORMAT, "tensor %s: shape [%lld, %lld] where [%lld, %lld] was expected",
+                          t->name ? t->name : "?", (long long)t->ne[0],
+                          (long long)(t->ndim > 1 ? t->ne[1] : 0), (long long)ne0, (long long)ne1);
+    if (!skv_dtype_supported(t->type))
+        return skv_errorf(SKV_E_UNSUPPORTED, "tensor %s: type %s is not supported", t->name,
+                          skv_dtype_name(t->type) ? skv_dtype_name(t->type) : "?");
+    return SKV_OK;
+}
+
+typedef const struct skv_tensor *(*find_fn)(const struct skv_model *m, const char *name);
+
+static const struct skv_tensor *find_gguf(const struct skv_model *m, const char *name)
+{
+    return skv_gguf_find_tensor(((struct model_impl *)m->impl)->gguf, name);
+}
+
+static const struct skv_tensor *find_st(const struct skv_model *m, const char *name)
+{
+    return skv_safetensors_find(((struct model_impl *)m->impl)->st, name);
+}
+
+/* Tensor names of one format: printf patterns with the layer number. */
+struct name_map {
+    const char *tok_embd, *output_norm, *output;
+    const char *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *ffn_norm, *w_gate, *w_up, *w_down;
+};
+
+static const struct name_map gguf_names = {
+    "token_embd.weight", "output_norm.weight", "output.weight",
+    "blk.%d.attn_norm.weight", "blk.%d.attn_q.weight", "blk.%d.attn_k.weight",
+    "blk.%d.attn_v.weight", "blk.%d.attn_output.weight", "blk.%d.attn_q.bias",
+    "blk.%d.attn_k.bias", "blk.%d.attn_v.bias", "blk.%d.ffn_norm.weight",
+    "blk.%d.ffn_gate.weight", "blk.%d.ffn_up.weight", "blk.%d.ffn_down.weight",
+};
+
+static const struct name_map hf_names = {
+    "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+    "model.layers.%d.input_layernorm.weight", "model.layers.%d.self_attn.q_proj.weight",
+    "model.layers.%d.self_attn.k_proj.weight", "model.layers.%d.self_attn.v_proj.weight",
+    "model.layers.%d.self_attn.o_proj.weight", "model.layers.%d.self_attn.q_proj.bias",
+    "model.layers.%d.self_attn.k_proj.bias", "model.layers.%d.self_attn.v_proj.bias",
+    "model.layers.%d.post_attention_layernorm.weight", "model.layers.%d.mlp.gate_proj.weight",
+    "model.layers.%d.mlp.up_proj.weight", "model.layers.%d.mlp.down_proj.weight",
+};
+
+/* Finds a tensor by pattern and layer, copies its descriptor into *dst and checks the shape.
+ * optional: a missing tensor leaves dst zeroed and returns SKV_OK. */
+static int take(struct skv_model *m, find_fn find, const char *pattern, int layer, struct skv_tensor *dst,
+                int64_t ne0, int64_t ne1, bool optional)
+{
+    char name[256];
+    snprintf(name, sizeof name, pattern, layer);
+    const struct skv_tensor *t = find(m, name);
+    memset(dst, 0, sizeof *dst);
+    if (!t)
+        return optional ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "tensor %s is missing", name);
+    *dst = *t;
+    return check_shape(dst, ne0, ne1);
+}
+
+static int map_weights(struct skv_model *m, find_fn find, const struct name_map *nm)
+{
+    const struct skv_model_config *c = &m->cfg;
+    int64_t q_dim = (int64_t)c->n_heads * c->head_dim, kv_dim = (int64_t)c->n_kv_heads * c->head_dim;
+    int rc;
+    if ((rc = take(m, find, nm->tok_embd, 0, &m->tok_embd, c->dim, c->n_vocab, false)))
+        return rc;
+    if ((rc = take(m, find, nm->output_norm, 0, &m->output_norm, c->dim, 0, false)))
+        return rc;
+    if ((rc = take(m, find, nm->output, 0, &m->output, c->dim, c->n_vocab, true)))
+        return rc;
+    m->cfg.tied_output = m->output.data == NULL;
+    if (m->cfg.tied_output)
+        m->output = m->tok_embd;
+    m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
+    if (!m->layers)
+        return SKV_E_NOMEM;
+    bool any_bias = false;
+    for (int l = 0; l < c->n_layers; l++) {
+        struct skv_layer_weights *w = &m->layers[l];
+        if ((rc = take(m, find, nm->attn_norm, l, &w->attn_norm, c->dim, 0, false)) ||
+            (rc = take(m, find, nm->wq, l, &w->wq, c->dim, q_dim, false)) ||
+            (rc = take(m, find, nm->wk, l, &w->wk, c->dim, kv_dim, false)) ||
+            (rc = take(m, find, nm->wv, l, &w->wv, c->dim, kv_dim, false)) ||
+            (rc = take(m, find, nm->wo, l, &w->wo, q_dim, c->dim, false)) ||
+            (rc = take(m, find, nm->bq, l, &w->bq, q_dim, 0, true)) ||
+            (rc = take(m, find, nm->bk, l, &w->bk, kv_dim, 0, true)) ||
+            (rc = take(m, find, nm->bv, l, &w->bv, kv_dim, 0, true)) ||
+            (rc = take(m, find, nm->ffn_norm, l, &w->ffn_norm, c->dim, 0, false)) ||
+            (rc = take(m, find, nm->w_gate, l, &w->w_gate, c->dim, c->ffn_dim, false)) ||
+            (rc = take(m, find, nm->w_up, l, &w->w_up, c->dim, c->ffn_dim, false)) ||
+            (rc = take(m, find, nm->w_down, l, &w->w_down, c->ffn_dim, c->dim, false)))
+            return rc;
+        any_bias |= w->bq.data || w->bk.data || w->bv.data;
+    }
+    m->cfg.qkv_bias = any_bias;
+    return SKV_OK;
+}
+
+/* Norm weights and biases always become f32 (the ops take float vectors); in reference mode
+ * every matrix is dequantized too. */
+static int prepare_weights(struct skv_model *m)
+{
+    int rc;
+    if ((rc = to_f32(m, &m->output_norm)))
+        return rc;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        struct skv_layer_weights *w = &m->layers[l];
+        struct skv_tensor *vecs[] = {&w->attn_norm, &w->ffn_norm, &w->bq, &w->bk, &w->bv};
+        for (size_t i = 0; i < sizeof vecs / sizeof vecs[0]; i++)
+            if (vecs[i]->data && (rc = to_f32(m, vecs[i])))
+                return rc;
+        if (m->reference) {
+            struct skv_tensor *mats[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+            for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
+                if ((rc = to_f32(m, mats[i])))
+                    return rc;
+        }
+    }
+    if (m->reference) {
+        if ((rc = to_f32(m, &m->tok_embd)))
+            return rc;
+        if (m->cfg.tied_output)
+            m->output = m->tok_embd;
+        else if ((rc = to_f32(m, &m->output)))
+            return rc;
+    }
+    return SKV_OK;
+}
+
+static int validate_config(const struct skv_model_config *c)
+{
+    if (c->n_layers < 1 || c->n_layers > 1024 || c->dim < 1 || c->dim > (1 << 16) || c->n_heads < 1 ||
+        c->n_heads > 1024 || c->n_kv_heads < 1 || c->n_kv_heads > SKV_MAX_KV_HEADS ||
+        c->n_heads % c->n_kv_heads || c->head_dim < 2 || c->head_dim > 1024 || c->head_dim % 2 ||
+        c->ffn_dim < 1 || c->ffn_dim > (1 << 20) || c->n_vocab < 1 || c->n_vocab > (1 << 24))
+        return skv_errorf(SKV_E_FORMAT,
+                          "implausible hyper-parameters: %d layers, dim %d, %d heads, %d kv heads, "
+                          "head dim %d, ffn %d, vocab %d",
+                          c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim, c->ffn_dim, c->n_vocab);
+    if (c->rope.rot_dim < 2 || c->rope.rot_dim > c->head_dim || c->rope.rot_dim % 2)
+        return skv_errorf(SKV_E_FORMAT, "rope dimension %d does not fit head dim %d", c->rope.rot_dim,
+                          c->head_dim);
+    if (!(c->rope.theta > 0) || !(c->norm_eps > 0))
+        return skv_errorf(SKV_E_FORMAT, "rope theta %g / norm eps %g must be positive", c->rope.theta,
+                          c->norm_eps);
+    return SKV_OK;
+}
+
+/* ---- GGUF -------------------------------------------------------------------------------- */
+
+static bool gguf_u32(const struct skv_gguf *g, const char *arch, const char *key, int *out)
+{
+    char full[128];
+    uint32_t v;
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    if (!skv_gguf_get_u32(g, full, &v) || v > INT32_MAX)
+        return false;
+    *out = (int)v;
+    return true;
+}
+
+static bool gguf_f32(const struct skv_gguf *g, const char *arch, const char *key, float *out)
+{
+    char full[128];
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    return skv_gguf_get_f32(g, full, out);
+}
+
+static void fingerprint_bytes(struct skv_model *m, const void *data, size_t len, uint64_t file_size)
+{
+    unsigned char digest[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256_state st;
+    crypto_hash_sha256_init(&st);
+    crypto_hash_sha256_update(&st, data, len);
+    crypto_hash_sha256_update(&st, (const unsigned char *)&file_size, sizeof file_size);
+    crypto_hash_sha256_final(&st, digest);
+    for (int i = 0; i < 32; i++)
+        snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
+}
+
+static int load_gguf(struct skv_model *m, const char *path)
+{
+    struct model_impl *impl = m->impl;
+    int rc = skv_gguf_open(path, &impl->gguf);
+    if (rc)
+        return rc;
+    const struct skv_gguf *g = impl->gguf;
+    struct skv_gguf_str s;
+    if (!skv_gguf_get_str(g, "general.architecture", &s) || s.len == 0 || s.len >= sizeof m->cfg.arch)
+        return skv_errorf(SKV_E_FORMAT, "%s: general.architecture is missing", path);
+    memcpy(m->cfg.arch, s.ptr, s.len);
+    m->cfg.arch[s.len] = '\0';
+    const char *arch = m->cfg.arch;
+    bool is_qwen2 = strcmp(arch, "qwen2") == 0;
+    if (strcmp(arch, "llama") != 0 && !is_qwen2)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: architecture '%s' is not supported (llama, qwen2)", path,
+                          arch);
+    if (skv_gguf_get_str(g, "general.name", &s) && s.len)
+        snprintf(m->name, sizeof m->name, "%.*s", (int)(s.len < 127 ? s.len : 127), s.ptr);
+
+    struct skv_model_config *c = &m->cfg;
+    if (!gguf_u32(g, arch, "block_count", &c->n_layers) || !gguf_u32(g, arch, "embedding_length", &c->dim) ||
+        !gguf_u32(g, arch, "feed_forward_length", &c->ffn_dim) ||
+        !gguf_u32(g, arch, "attention.head_count", &c->n_heads))
+        return skv_errorf(SKV_E_FORMAT, "%s: missing %s.block_count / embedding_length / "
+                                        "feed_forward_length / attention.head_count", path, arch);
+    if (!gguf_u32(g, arch, "attention.head_count_kv", &c->n_kv_heads))
+        c->n_kv_heads = c->n_heads;
+    c->head_dim = c->n_heads ? c->dim / c->n_heads : 0;
+    gguf_u32(g, arch, "attention.key_length", &c->head_dim);
+    if (!gguf_u32(g, arch, "context_length", &c->max_ctx))
+        c->max_ctx = 4096;
+    if (!gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps))
+        c->norm_eps = 1e-5f;
+    c->rope.mode = is_qwen2 ? SKV_ROPE_NEOX : SKV_ROPE_NORM;
+    c->rope.theta = 10000.0f;
+    gguf_f32(g, arch, "rope.freq_base", &c->rope.theta);
+    c->rope.rot_dim = c->head_dim;
+    gguf_u32(g, arch, "rope.dimension_count", &c->rope.rot_dim);
+    c->rope.freq_scale = 1.0f;
+    struct skv_gguf_str stype;
+    char key[128];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
+    if (skv_gguf_get_str(g, key, &stype) && stype.len == 6 && memcmp(stype.ptr, "linear", 6) == 0) {
+        float factor;
+        if (gguf_f32(g, arch, "rope.scaling.factor", &factor) && factor > 0)
+            c->rope.freq_scale = 1.0f / factor;
+    }
+    if (skv_gguf_find_tensor(g, "rope_freqs.weight"))
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: per-dimension rope frequency factors (rope_freqs.weight, "
+                                             "Llama 3.1 scaling in GGUF) are not supported yet", path);
+    const struct skv_tensor *embd = skv_gguf_find_tensor(g, "token_embd.weight");
+    if (!embd || embd->ndim != 2)
+        return skv_errorf(SKV_E_FORMAT, "%s: token_embd.weight is missing", path);
+    c->n_vocab = (int)embd->ne[1];
+    if ((rc = validate_config(c)))
+        return rc;
+    if ((rc = map_weights(m, find_gguf, &gguf_names)))
+        return rc;
+    if ((rc = skv_tokenizer_from_gguf(g, &m->tok)))
+        return rc;
+
+    const char *lo = NULL;
+    for (int64_t i = 0; i < skv_gguf_n_tensors(g); i++) {
+        const char *d = skv_gguf_tensor(g, i)->data;
+        if (!lo || d < lo)
+            lo = d;
+    }
+    /* Fingerprint: every tensor's name, shape, type, relative offset and first bytes, and the
+     * file size, so the same weights hash the same wherever the file lives. */
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        sb.st_size = 0;
+    crypto_hash_sha256_state st;
+    unsigned char digest[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256_init(&st);
+    for (int64_t i = 0; i < skv_gguf_n_tensors(g); i++) {
+        const struct skv_tensor *t = skv_gguf_tensor(g, i);
+        int64_t off = (const char *)t->data - lo;
+        crypto_hash_sha256_update(&st, (const unsigned char *)t->name, strlen(t->name));
+        crypto_hash_sha256_update(&st, (const unsigned char *)t->ne, sizeof t->ne);
+        crypto_hash_sha256_update(&st, (const unsigned char *)&t->type, sizeof t->type);
+        crypto_hash_sha256_update(&st, (const unsigned char *)&off, sizeof off);
+        crypto_hash_sha256_update(&st, t->data, t->nbytes < 64 ? t->nbytes : 64);
+    }
+    uint64_t size = (uint64_t)sb.st_size;
+    crypto_hash_sha256_update(&st, (const unsigned char *)&size, sizeof size);
+    crypto_hash_sha256_final(&st, digest);
+    for (int i = 0; i < 32; i++)
+        snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
+    return SKV_OK;
+}
+
+/* ---- Hugging Face folder ------------------------------------------------------------------ */
+
+static int json_int(json_t *root, const char *key, int *out, bool required)
+{
+    json_t *v = json_object_get(root, key);
+    if (!v || json_is_null(v))
+        return required ? skv_errorf(SKV_E_FORMAT, "config.json: '%s' is missing", key) : SKV_OK;
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX)
+        return skv_errorf(SKV_E_FORMAT, "config.json: '%s' is not a non-negative integer", key);
+    *out = (int)json_integer_value(v);
+    return SKV_OK;
+}
+
+static int json_float(json_t *root, const char *key, float *out)
+{
+    json_t *v = json_object_get(root, key);
+    if (!v || json_is_null(v))
+        return SKV_OK;
+    if (!json_is_number(v))
+        return skv_errorf(SKV_E_FORMAT, "config.json: '%s' is not a number", key);
+    *out = (float)json_number_value(v);
+    return SKV_OK;
+}
+
+static int load_hf(struct skv_model *m, const char *dir)
+{
+    struct model_impl *impl = m->impl;
+    char path[1200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root)
+        return skv_errorf(SKV_E_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
+    struct skv_model_config *c = &m->cfg;
+    int rc = SKV_OK;
+    const char *mt = json_string_value(json_object_get(root, "model_type"));
+    if (!mt || (strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 && strcmp(mt, "mistral") != 0)) {
+        rc = skv_errorf(SKV_E_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, mistral, qwen2)",
+                        path, mt ? mt : "(none)");
+        goto out;
+    }
+    snprintf(c->arch, sizeof c->arch, "%s", strcmp(mt, "qwen2") == 0 ? "qwen2" : "llama");
+    const char *slash = strrchr(dir, '/');
+    snprintf(m->name, sizeof m->name, "%s", slash && slash[1] ? slash + 1 : dir);
+    c->norm_eps = 1e-6f;
+    c->rope.theta = 10000.0f;
+    c->max_ctx = 4096;
+    if ((rc = json_int(root, "num_hidden_layers", &c->n_layers, true)) ||
+        (rc = json_int(root, "hidden_size", &c->dim, true)) ||
+        (rc = json_int(root, "intermediate_size", &c->ffn_dim, true)) ||
+        (rc = json_int(root, "num_attention_heads", &c->n_heads, true)) ||
+        (rc = json_int(root, "vocab_size", &c->n_vocab, true)) ||
+        (rc = json_int(root, "max_position_embeddings", &c->max_ctx, false)) ||
+        (rc = json_float(root, "rms_norm_eps", &c->norm_eps)) ||
+        (rc = json_float(root, "rope_theta", &c->rope.theta)))
+        goto out;
+    c->n_kv_heads = c->n_heads;
+    if ((rc = json_int(root, "num_key_value_heads", &c->n_kv_heads, false)))
+        goto out;
+    c->head_dim = c->n_heads ? c->dim / c->n_heads : 0;
+    if ((rc = json_int(root, "head_dim", &c->head_dim, false)))
+        goto out;
+    c->rope.mode = SKV_ROPE_NEOX;
+    c->rope.rot_dim = c->head_dim;
+    c->rope.freq_scale = 1.0f;
+    json_t *rs = json_object_get(root, "rope_scaling");
+    if (rs && json_is_object(rs)) {
+        const char *type = json_string_value(json_object_get(rs, "rope_type"));
+        if (!type)
+            type = json_string_value(json_object_get(rs, "type"));
+        float factor = 1.0f;
+        json_float(rs, "factor", &factor);
+        if (type && strcmp(type, "linear") == 0 && factor > 0) {
+            c->rope.freq_scale = 1.0f / factor;
+        } else if (type && strcmp(type, "llama3") == 0) {
+            c->rope.l3_factor = factor;
+            c->rope.l3_low_freq_factor = 1.0f;
+            c->rope.l3_high_freq_factor = 4.0f;
+            c->rope.l3_original_ctx = 8192;
+            if ((rc = json_float(rs, "low_freq_factor", &c->rope.l3_low_freq_factor)) ||
+                (rc = json_float(rs, "high_freq_factor", &c->rope.l3_high_freq_factor)) ||
+                (rc = json_int(rs, "original_max_position_embeddings", &c->rope.l3_original_ctx, false)))
+                goto out;
+        } else if (type && strcmp(type, "default") != 0) {
+            rc = skv_errorf(SKV_E_UNSUPPORTED, "%s: rope_scaling type '%s' is not supported", path, type);
+            goto out;
+        }
+    }
+    if ((rc = validate_config(c)))
+        goto out;
+    if ((rc = skv_safetensors_open_dir(dir, &impl->st)))
+        goto out;
+    if ((rc = map_weights(m, find_st, &hf_names)))
+        goto out;
+    json_t *tie = json_object_get(root, "tie_word_embeddings");
+    if (json_is_false(tie) && m->cfg.tied_output) {
+        rc = skv_errorf(SKV_E_FORMAT, "%s: lm_head.weight is missing and tie_word_embeddings is false", dir);
+        goto out;
+    }
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    struct stat sb;
+    if (stat(path, &sb) == 0 && (rc = skv_tokenizer_from_json(path, &m->tok)))
+        goto out;
+    /* Fingerprint: config.json's text plus the tensor table. */
+    char *text = json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT);
+    if (text) {
+        fingerprint_bytes(m, text, strlen(text), (uint64_t)skv_safetensors_n_tensors(impl->st));
+        free(text);
+    }
+out:
+    json_decref(root);
+    return rc;
+}
+
+int skv_model_load(const char *path, struct skv_backend *be, const struct skv_model_opts *opts,
+                   struct skv_model **out)
+{
+    if (!path || !be || !out)
+        return skv_errorf(SKV_E_INVAL, "model path and backend are required");
+    if (sodium_init() < 0)
+        return skv_errorf(SKV_E_INTERNAL, "libsodium failed to initialize");
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return skv_errorf(SKV_E_NOT_FOUND, "%s: %s", path, strerror(errno));
+    struct skv_model *m = calloc(1, sizeof *m);
+    struct model_impl *impl = calloc(1, sizeof *impl);
+    if (!m || !impl) {
+        free(m);
+        free(impl);
+        return SKV_E_NOMEM;
+    }
+    m->impl = impl;
+    m->be = be;
+    m->reference = opts && opts->reference;
+    snprintf(m->path, sizeof m->path, "%s", path);
+    int rc = S_ISDIR(sb.st_mode) ? load_hf(m, path) : load_gguf(m, path);
+    if (!rc)
+        rc = prepare_weights(m);
+    if (rc) {
+        skv_model_free(&m);
+        return rc;
+    }
+    if (!m->name[0])
+        snprintf(m->name, sizeof m->name, "%s", path);
+    *out = m;
+    return SKV_OK;
+}
+
+void skv_model_free(struct skv_model **model_p)
+{
+    if (!model_p || !*model_p)
+        return;
+    struct skv_model *m = *model_p;
+    struct model_impl *impl = m->impl;
+    if (impl) {
+        for (int i = 0; i < impl->n_owned; i++)
+            m->be->ops->free(m->be, impl->owned[i]);
+        free(impl->owned);
+        skv_gguf_close(&impl->gguf);
+        skv_safetensors_close(&impl->st);
+        free(impl);
+    }
+    skv_tokenizer_free(&m->tok);
+    free(m->layers);
+    free(m);
+    *model_p = NULL;
+}

@@ -1,0 +1,114 @@
+/* Sampling: temperature-scaled softmax, top-k then top-p truncation, one uniform draw from a
+ * splitmix64 stream seeded by the request. */
+#include "daemon/engine/sampler.h"
+#include "common/status.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int32_t skv_argmax(const float *logits, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best])
+            best = i;
+    return best;
+}
+
+int skv_sampler_init(struct skv_sampler *s, const struct skv_sampler_params *p, int n_vocab)
+{
+    memset(s, 0, sizeof *s);
+    if (n_vocab <= 0)
+        return skv_errorf(SKV_E_INVAL, "vocabulary is empty");
+    if (isnan(p->temperature) || p->temperature < 0 || p->temperature > 100)
+        return skv_errorf(SKV_E_INVAL, "temperature %g is outside [0, 100]", p->temperature);
+    if (isnan(p->top_p) || p->top_p < 0 || p->top_p > 1)
+        return skv_errorf(SKV_E_INVAL, "top_p %g is outside [0, 1]", p->top_p);
+    if (p->top_k < 0)
+        return skv_errorf(SKV_E_INVAL, "top_k %d is negative", p->top_k);
+    s->p = *p;
+    s->state = p->seed ^ 0x9E3779B97F4A7C15ull;
+    s->n_vocab = n_vocab;
+    if (p->temperature > 0) {
+        s->idx = malloc((size_t)n_vocab * sizeof *s->idx);
+        s->prob = malloc((size_t)n_vocab * sizeof *s->prob);
+        if (!s->idx || !s->prob) {
+            skv_sampler_fini(s);
+            return SKV_E_NOMEM;
+        }
+    }
+    return SKV_OK;
+}
+
+void skv_sampler_fini(struct skv_sampler *s)
+{
+    free(s->idx);
+    free(s->prob);
+    s->idx = NULL;
+    s->prob = NULL;
+}
+
+static uint64_t splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Sorts idx[0..n) by prob descending (ties: lower id first). */
+static int by_prob_desc(const void *a, const void *b, void *arg)
+{
+    const float *prob = arg;
+    int32_t ia = *(const int32_t *)a, ib = *(const int32_t *)b;
+    float pa = prob[ia], pb = prob[ib];
+    if (pa != pb)
+        return pa > pb ? -1 : 1;
+    return ia < ib ? -1 : ia > ib;
+}
+
+int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
+{
+    int n = s->n_vocab;
+    if (s->p.temperature <= 0)
+        return skv_argmax(logits, n);
+    float maxl = logits[skv_argmax(logits, n)];
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        s->prob[i] = expf((logits[i] - maxl) / s->p.temperature);
+        sum += s->prob[i];
+    }
+    for (int i = 0; i < n; i++)
+        s->idx[i] = i;
+    /* Candidates: top-k first (partial order is enough but a full sort keeps ties stable). */
+    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    bool need_sort = k < n || (s->p.top_p > 0 && s->p.top_p < 1);
+    if (need_sort) {
+        qsort_r(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc, s->prob);
+    }
+    double kept = 0;
+    for (int i = 0; i < k; i++)
+        kept += s->prob[s->idx[i]];
+    if (s->p.top_p > 0 && s->p.top_p < 1) {
+        double acc = 0;
+        for (int i = 0; i < k; i++) {
+            acc += s->prob[s->idx[i]];
+            if (acc >= s->p.top_p * kept) {
+                k = i + 1;
+                kept = acc;
+                break;
+            }
+        }
+    }
+    if (!need_sort)
+        kept = sum;
+    double u = (double)(splitmix64(&s->state) >> 11) * (1.0 / 9007199254740992.0) * kept;
+    double acc = 0;
+    for (int i = 0; i < k; i++) {
+        acc += s->prob[s->idx[i]];
+        if (u < acc)
+            return s->idx[i];
+    }
+    return s->idx[k - 1];
+}

@@ -1,0 +1,178 @@
+/* snapkvd's entry point: options (table in config.c), logging, signals, backend and model
+ * start-up, sd_notify, then the server loop until SIGTERM. */
+#include "build-config.h"
+
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/config.h"
+#include "daemon/engine/model.h"
+#include "daemon/server.h"
+#include "kernels/backend.h"
+
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef HAVE_SYSTEMD
+#include <systemd/sd-daemon.h>
+#else
+static int sd_notify(int unset, const char *state)
+{
+    (void)unset;
+    (void)state;
+    return 0;
+}
+#endif
+
+static volatile sig_atomic_t stop_flag;
+static volatile sig_atomic_t reopen_flag;
+
+static void on_signal(int sig)
+{
+    if (sig == SIGHUP)
+        reopen_flag = 1;
+    else
+        stop_flag = 1;
+}
+
+static void usage(FILE *out)
+{
+    size_t n;
+    const struct skv_config_option *o = skv_config_options(&n);
+    fprintf(out, "usage: snapkvd [OPTION]...\n\nOptions (also keys of the config file, shown by "
+                 "'snapkvctl config'):\n");
+    for (size_t i = 0; i < n; i++)
+        fprintf(out, "  --%-26s %s (default: %s)\n", o[i].name, o[i].help,
+                *o[i].default_value ? o[i].default_value : "\"\"");
+    fprintf(out, "  --%-26s %s\n  --%-26s %s\n", "help", "this text", "version", "print the version");
+}
+
+int main(int argc, char **argv)
+{
+    struct skv_config cfg;
+    if (skv_config_init(&cfg)) {
+        fprintf(stderr, "snapkvd: out of memory\n");
+        return 1;
+    }
+    size_t n_opts;
+    const struct skv_config_option *opts = skv_config_options(&n_opts);
+    struct option *longopts = calloc(n_opts + 3, sizeof *longopts);
+    if (!longopts)
+        return 1;
+    for (size_t i = 0; i < n_opts; i++)
+        longopts[i] = (struct option){opts[i].name, opts[i].type == SKV_CFG_BOOL ? optional_argument
+                                                                                 : required_argument,
+                                      NULL, (int)(256 + i)};
+    longopts[n_opts] = (struct option){"help", no_argument, NULL, 'h'};
+    longopts[n_opts + 1] = (struct option){"version", no_argument, NULL, 'V'};
+
+    /* Pass 1: find --config so the file is read before command-line options override it. */
+    int c, rc, exit_code = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "hV", longopts, NULL)) != -1)
+        if (c >= 256 && strcmp(opts[c - 256].name, "config") == 0)
+            skv_config_set(&cfg, "config", optarg);
+    if (*cfg.config_file && (rc = skv_config_load_file(&cfg, cfg.config_file))) {
+        fprintf(stderr, "snapkvd: %s\n", skv_error_msg());
+        goto out;
+    }
+    optind = 1;
+    opterr = 1;
+    while ((c = getopt_long(argc, argv, "hV", longopts, NULL)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            exit_code = 0;
+            goto out;
+        }
+        if (c == 'V') {
+            printf("snapkvd %s\n", PACKAGE_VERSION);
+            exit_code = 0;
+            goto out;
+        }
+        if (c < 256) {
+            usage(stderr);
+            goto out;
+        }
+        const struct skv_config_option *o = &opts[c - 256];
+        rc = skv_config_set(&cfg, o->name, optarg ? optarg : "yes");
+        if (rc) {
+            fprintf(stderr, "snapkvd: %s\n", skv_error_msg());
+            goto out;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "snapkvd: unexpected argument '%s'\n", argv[optind]);
+        goto out;
+    }
+    int level = skv_log_level_parse(cfg.log_level);
+    if (level < 0) {
+        fprintf(stderr, "snapkvd: log-level: '%s' is not error, warn, info or debug\n", cfg.log_level);
+        goto out;
+    }
+    skv_log_set_level(level);
+    if (*cfg.log_file && skv_log_open(cfg.log_file)) {
+        fprintf(stderr, "snapkvd: cannot open log file %s\n", cfg.log_file);
+        goto out;
+    }
+
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    struct skv_backend *be = NULL;
+    struct skv_model *model = NULL;
+    struct skv_server *srv = NULL;
+    if (strcmp(cfg.backend, "auto") == 0 && skv_backend_cuda_compiled()) {
+        rc = skv_backend_cuda_new(0, &be);
+        if (rc)
+            skv_log(SKV_LOG_INFO, "no CUDA device answered (%s); using the CPU", skv_error_msg());
+    }
+    if (!be) {
+        rc = skv_backend_open(strcmp(cfg.backend, "auto") == 0 ? "cpu" : cfg.backend, (int)cfg.threads, &be);
+        if (rc) {
+            skv_log(SKV_LOG_ERROR, "backend %s: %s", cfg.backend, skv_error_msg());
+            goto out;
+        }
+    }
+    skv_log(SKV_LOG_INFO, "backend %s, %d threads", be->name, be->n_threads);
+
+    sd_notify(0, "STATUS=loading model");
+    skv_log(SKV_LOG_INFO, "loading model %s", cfg.model);
+    rc = skv_model_load(cfg.model, be, NULL, &model);
+    if (rc) {
+        skv_log(SKV_LOG_ERROR, "model %s: %s", cfg.model, skv_error_msg());
+        goto out_backend;
+    }
+    skv_log(SKV_LOG_INFO, "model %s: %d layers, %d heads (%d kv), dim %d, vocab %d", skv_model_name(model),
+            skv_model_config(model)->n_layers, skv_model_config(model)->n_heads,
+            skv_model_config(model)->n_kv_heads, skv_model_config(model)->dim,
+            skv_model_config(model)->n_vocab);
+
+    struct skv_server_env env = {
+        .cfg = &cfg, .backend = be, .model = model, .stop = &stop_flag, .reopen = &reopen_flag};
+    rc = skv_server_new(&env, &srv);
+    if (rc) {
+        skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
+        goto out_model;
+    }
+    skv_log(SKV_LOG_INFO, "serving clients on %s, admin on %s", cfg.endpoint, cfg.admin_endpoint);
+    sd_notify(0, "READY=1\nSTATUS=serving");
+    rc = skv_server_run(srv);
+    sd_notify(0, "STOPPING=1");
+    skv_log(SKV_LOG_INFO, "stopped (%s)", skv_status_str(rc));
+    exit_code = rc ? 1 : 0;
+    skv_server_destroy(&srv);
+out_model:
+    skv_model_free(&model);
+out_backend:
+    skv_backend_destroy(&be);
+out:
+    free(longopts);
+    skv_config_free(&cfg);
+    return exit_code;
+}

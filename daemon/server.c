@@ -1,0 +1,366 @@
+/* snapkvd's socket loop: one ROUTER for clients and one for admins, polled together.
+ * Each request frame is decoded, checked (version, size, which socket may send it) and
+ * dispatched; every request gets exactly one final reply with a status and message. */
+#include "build-config.h"
+
+#include "daemon/server.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/engine/model.h"
+#include "daemon/engine/tokenizer.h"
+#include "kernels/backend.h"
+#include "proto/snapkv.pb-c.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#define PROTOCOL_VERSION 1
+
+struct skv_server {
+    struct skv_server_env env;
+    void *zctx;
+    void *client_sock;
+    void *admin_sock;
+    int lock_fds[2];              /* flock()ed next to ipc sockets: one daemon per endpoint */
+    char *ipc_paths[2];           /* unlinked at exit */
+    time_t started;
+    uint64_t n_requests;
+};
+
+/* For ipc:// endpoints: hold an exclusive lock on "<path>.lock"; a second daemon fails here
+ * instead of silently stealing the socket file. */
+static int lock_endpoint(struct skv_server *srv, int idx, const char *endpoint)
+{
+    srv->lock_fds[idx] = -1;
+    if (strncmp(endpoint, "ipc://", 6) != 0)
+        return SKV_OK;
+    const char *path = endpoint + 6;
+    char lock_path[4096];
+    if (snprintf(lock_path, sizeof lock_path, "%s.lock", path) >= (int)sizeof lock_path)
+        return skv_errorf(SKV_E_INVAL, "endpoint path too long: %s", path);
+    int fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return skv_errorf(SKV_E_IO, "%s: %s", lock_path, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+        close(fd);
+        return skv_errorf(SKV_E_EXISTS, "another snapkvd already serves %s", endpoint);
+    }
+    srv->lock_fds[idx] = fd;
+    srv->ipc_paths[idx] = strdup(path);
+    unlink(path); /* a stale socket file from a crashed daemon */
+    return SKV_OK;
+}
+
+static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, void **sock_out)
+{
+    int rc = lock_endpoint(srv, idx, endpoint);
+    if (rc)
+        return rc;
+    void *s = zmq_socket(srv->zctx, ZMQ_ROUTER);
+    if (!s)
+        return skv_errorf(SKV_E_IO, "zmq_socket: %s", zmq_strerror(zmq_errno()));
+    int64_t maxmsg = srv->env.cfg->max_message_bytes;
+    int linger = 1000, mandatory = 1;
+    zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
+    if (zmq_bind(s, endpoint) < 0) {
+        int err = zmq_errno();
+        zmq_close(s);
+        return skv_errorf(err == EADDRINUSE ? SKV_E_EXISTS : SKV_E_IO, "bind %s: %s", endpoint,
+                          zmq_strerror(err));
+    }
+    if (srv->ipc_paths[idx])
+        chmod(srv->ipc_paths[idx], idx == 0 ? 0660 : 0600);
+    *sock_out = s;
+    return SKV_OK;
+}
+
+int skv_server_new(const struct skv_server_env *env, struct skv_server **out)
+{
+    struct skv_server *srv = calloc(1, sizeof *srv);
+    if (!srv)
+        return SKV_E_NOMEM;
+    srv->env = *env;
+    srv->lock_fds[0] = srv->lock_fds[1] = -1;
+    srv->started = time(NULL);
+    int rc;
+    srv->zctx = zmq_ctx_new();
+    if (!srv->zctx) {
+        rc = SKV_E_NOMEM;
+        goto out_destroy;
+    }
+    if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
+        goto out_destroy;
+    if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
+        goto out_destroy;
+    *out = srv;
+    return SKV_OK;
+
+out_destroy:
+    skv_server_destroy(&srv);
+    return rc;
+}
+
+void skv_server_destroy(struct skv_server **srv_p)
+{
+    if (!srv_p || !*srv_p)
+        return;
+    struct skv_server *srv = *srv_p;
+    if (srv->client_sock)
+        zmq_close(srv->client_sock);
+    if (srv->admin_sock)
+        zmq_close(srv->admin_sock);
+    if (srv->zctx)
+        zmq_ctx_term(srv->zctx);
+    for (int i = 0; i < 2; i++) {
+        if (srv->ipc_paths[i])
+            unlink(srv->ipc_paths[i]);
+        free(srv->ipc_paths[i]);
+        if (srv->lock_fds[i] >= 0)
+            close(srv->lock_fds[i]);
+    }
+    free(srv);
+    *srv_p = NULL;
+}
+
+static void send_reply(void *sock, zmq_msg_t *identity, Snapkv__Reply *rep)
+{
+    size_t len = snapkv__reply__get_packed_size(rep);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) {
+        skv_log(SKV_LOG_ERROR, "out of memory packing a reply");
+        return;
+    }
+    snapkv__reply__pack(rep, buf);
+    zmq_msg_t id_copy;
+    zmq_msg_init(&id_copy);
+    zmq_msg_copy(&id_copy, identity);
+    if (zmq_msg_send(&id_copy, sock, ZMQ_SNDMORE) < 0 || zmq_send(sock, buf, len, 0) < 0)
+        skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone)", zmq_strerror(zmq_errno()));
+    zmq_msg_close(&id_copy);
+    free(buf);
+}
+
+static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snapkv__Reply *rep,
+                        Snapkv__HelloReply *h)
+{
+    (void)req;
+    const struct skv_model *m = srv->env.model;
+    const struct skv_config *cfg = srv->env.cfg;
+    h->server_version = PACKAGE_VERSION;
+    h->model_name = (char *)m->name;
+    h->model_fingerprint = (char *)m->fingerprint;
+    h->backend = (char *)srv->env.backend->name;
+    h->n_layers = (uint32_t)m->cfg.n_layers;
+    h->n_heads = (uint32_t)m->cfg.n_heads;
+    h->n_kv_heads = (uint32_t)m->cfg.n_kv_heads;
+    h->head_dim = (uint32_t)m->cfg.head_dim;
+    h->n_vocab = (uint32_t)m->cfg.n_vocab;
+    h->max_prompt_tokens = (uint32_t)cfg->max_prompt_tokens;
+    h->max_new_tokens = (uint32_t)cfg->max_new_tokens;
+    h->max_sessions_per_tenant = (uint32_t)cfg->max_sessions_per_tenant;
+    h->max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant;
+    h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
+    h->kv_block_tokens = 16;
+    if (m->tok) {
+        h->bos_token = (uint32_t)skv_tokenizer_bos(m->tok);
+        h->eos_token = (uint32_t)skv_tokenizer_eos(m->tok);
+    }
+    rep->result_case = SNAPKV__REPLY__RESULT_HELLO;
+    rep->hello = h;
+    return SKV_OK;
+}
+
+static int handle_status(struct skv_server *srv, Snapkv__Reply *rep, Snapkv__StatusReply *s)
+{
+    s->server_version = PACKAGE_VERSION;
+    s->model_name = srv->env.model->name;
+    s->backend = (char *)srv->env.backend->name;
+    s->uptime_seconds = (uint64_t)(time(NULL) - srv->started);
+    s->pool_bytes_total = (uint64_t)srv->env.cfg->pool_size;
+    s->threads = (uint32_t)srv->env.backend->n_threads;
+    rep->result_case = SNAPKV__REPLY__RESULT_STATUS_REPLY;
+    rep->status_reply = s;
+    return SKV_OK;
+}
+
+/* CONFIG GET: entries point into one arena freed after the reply is sent. */
+struct config_arena {
+    Snapkv__ConfigEntry *entries;
+    Snapkv__ConfigEntry **ptrs;
+    char (*values)[1024];
+};
+
+static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequest *creq,
+                             Snapkv__Reply *rep, Snapkv__ConfigGetReply *cr, struct config_arena *a)
+{
+    size_t n;
+    const struct skv_config_option *o = skv_config_options(&n);
+    a->entries = calloc(n, sizeof *a->entries);
+    a->ptrs = calloc(n, sizeof *a->ptrs);
+    a->values = calloc(n, sizeof *a->values);
+    if (!a->entries || !a->ptrs || !a->values)
+        return SKV_E_NOMEM;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (creq->key && *creq->key && strcmp(creq->key, o[i].name) != 0)
+            continue;
+        snapkv__config_entry__init(&a->entries[k]);
+        skv_config_get(srv->env.cfg, o[i].name, a->values[k], sizeof a->values[k]);
+        a->entries[k].key = (char *)o[i].name;
+        a->entries[k].value = a->values[k];
+        a->entries[k].help = (char *)o[i].help;
+        a->ptrs[k] = &a->entries[k];
+        k++;
+    }
+    if (k == 0)
+        return skv_errorf(SKV_E_NOT_FOUND, "unknown option '%s'", creq->key);
+    cr->n_entries = k;
+    cr->entries = a->ptrs;
+    rep->result_case = SNAPKV__REPLY__RESULT_CONFIG_GET;
+    rep->config_get = cr;
+    return SKV_OK;
+}
+
+static bool is_admin_command(Snapkv__Request__CommandCase c)
+{
+    return c >= SNAPKV__REQUEST__COMMAND_STATUS;
+}
+
+/* Reads one [identity][request] message from sock and answers it. */
+static void serve_one(struct skv_server *srv, void *sock, bool admin)
+{
+    zmq_msg_t identity, body;
+    zmq_msg_init(&identity);
+    zmq_msg_init(&body);
+    if (zmq_msg_recv(&identity, sock, ZMQ_DONTWAIT) < 0)
+        goto out;
+    if (!zmq_msg_more(&identity))
+        goto out; /* nothing to answer */
+    if (zmq_msg_recv(&body, sock, 0) < 0)
+        goto out;
+    while (zmq_msg_more(&body)) { /* drain unexpected extra frames */
+        zmq_msg_t extra;
+        zmq_msg_init(&extra);
+        zmq_msg_recv(&extra, sock, 0);
+        int more = zmq_msg_more(&extra);
+        zmq_msg_close(&extra);
+        if (!more)
+            break;
+    }
+    srv->n_requests++;
+
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    rep.version = PROTOCOL_VERSION;
+    rep.final = true;
+    Snapkv__HelloReply hello = SNAPKV__HELLO_REPLY__INIT;
+    Snapkv__StatusReply status = SNAPKV__STATUS_REPLY__INIT;
+    Snapkv__ConfigGetReply config = SNAPKV__CONFIG_GET_REPLY__INIT;
+    struct config_arena arena = {0};
+    int rc;
+    skv_error_clear();
+
+    Snapkv__Request *req = snapkv__request__unpack(NULL, zmq_msg_size(&body), zmq_msg_data(&body));
+    if (!req) {
+        rc = skv_errorf(SKV_E_PROTO, "malformed request (%zu bytes): not a snapkv.Request",
+                        zmq_msg_size(&body));
+        goto reply;
+    }
+    rep.request_id = req->request_id;
+    if (req->version != PROTOCOL_VERSION) {
+        rc = skv_errorf(SKV_E_VERSION, "protocol version %u not supported (this daemon speaks %d)",
+                        req->version, PROTOCOL_VERSION);
+        goto reply;
+    }
+    if (is_admin_command(req->command_case) && !admin) {
+        rc = skv_errorf(SKV_E_PERM, "admin commands are only accepted on the admin endpoint");
+        goto reply;
+    }
+    switch (req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_HELLO:
+        rc = handle_hello(srv, req, &rep, &hello);
+        break;
+    case SNAPKV__REQUEST__COMMAND_STATUS:
+        rc = handle_status(srv, &rep, &status);
+        break;
+    case SNAPKV__REQUEST__COMMAND_CONFIG_GET:
+        rc = handle_config_get(srv, req->config_get, &rep, &config, &arena);
+        break;
+    case SNAPKV__REQUEST__COMMAND__NOT_SET:
+        rc = skv_errorf(SKV_E_PROTO, "request names no command");
+        break;
+    default:
+        rc = skv_errorf(SKV_E_UNSUPPORTED, "command %d is not implemented by this daemon yet",
+                        (int)req->command_case);
+        break;
+    }
+
+reply:
+    rep.status = rc;
+    if (rc) {
+        rep.result_case = SNAPKV__REPLY__RESULT__NOT_SET;
+        rep.message = (char *)(*skv_error_msg() ? skv_error_msg() : skv_status_str(rc));
+        skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id,
+                skv_status_name(rc), rep.message);
+    }
+    send_reply(sock, &identity, &rep);
+    free(arena.entries);
+    free(arena.ptrs);
+    free(arena.values);
+    if (req)
+        snapkv__request__free_unpacked(req, NULL);
+out:
+    zmq_msg_close(&identity);
+    zmq_msg_close(&body);
+}
+
+int skv_server_run(struct skv_server *srv)
+{
+    zmq_pollitem_t items[2] = {
+        {.socket = srv->client_sock, .events = ZMQ_POLLIN},
+        {.socket = srv->admin_sock, .events = ZMQ_POLLIN},
+    };
+    while (!*srv->env.stop) {
+        int n = zmq_poll(items, 2, 200);
+        if (n < 0) {
+            if (zmq_errno() == EINTR)
+                continue;
+            return skv_errorf(SKV_E_IO, "zmq_poll: %s", zmq_strerror(zmq_errno()));
+        }
+        if (*srv->env.reopen) {
+            *srv->env.reopen = 0;
+            skv_log_reopen();
+            skv_log(SKV_LOG_INFO, "log reopened");
+        }
+        for (int i = 0; i < 2; i++)
+            if (items[i].revents & ZMQ_POLLIN)
+                for (int k = 0; k < 64; k++) { /* fairness: bounded batch per socket */
+                    int events = 0;
+                    size_t sz = sizeof events;
+                    zmq_getsockopt(items[i].socket, ZMQ_EVENTS, &events, &sz);
+                    if (!(events & ZMQ_POLLIN))
+                        break;
+                    serve_one(srv, items[i].socket, i == 1);
+                }
+    }
+    /* Stop accepting; answer what is already queued. */
+    for (int i = 0; i < 2; i++)
+        for (;;) {
+            int events = 0;
+            size_t sz = sizeof events;
+            zmq_getsockopt(items[i].socket, ZMQ_EVENTS, &events, &sz);
+            if (!(events & ZMQ_POLLIN))
+                break;
+            serve_one(srv, items[i].socket, i == 1);
+        }
+    return SKV_OK;
+}

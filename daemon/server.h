@@ -1,0 +1,28 @@
+/* The ZeroMQ side of snapkvd: client and admin ROUTER sockets, request decoding and
+ * validation, dispatch, replies. Nothing below this file knows ZeroMQ or protobuf. */
+#ifndef SKV_SERVER_H
+#define SKV_SERVER_H
+
+#include <signal.h>
+
+#include "daemon/config.h"
+
+struct skv_server;
+struct skv_backend;
+struct skv_model;
+
+struct skv_server_env {
+    const struct skv_config *cfg;
+    struct skv_backend *backend;
+    struct skv_model *model;          /* may be NULL while no model is loaded */
+    volatile sig_atomic_t *stop;      /* set by SIGTERM / SIGINT */
+    volatile sig_atomic_t *reopen;    /* set by SIGHUP */
+};
+
+/* Binds both endpoints (refusing when another daemon holds them). */
+int skv_server_new(const struct skv_server_env *env, struct skv_server **out);
+/* Serves until *env->stop; answers every queued request before returning. */
+int skv_server_run(struct skv_server *srv);
+void skv_server_destroy(struct skv_server **srv_p);
+
+#endif

@@ -1,0 +1,156 @@
+/* The backend op table: everything the engine and the compression policies compute goes
+ * through these function pointers, so the same forward pass runs on the CPU (reference) and
+ * on CUDA. Ops know tensors and shapes, never models or sessions.
+ * Activations are contiguous row-major f32; weights keep their file dtype (quantized or not). */
+#ifndef SKV_BACKEND_H
+#define SKV_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Values match GGML's type ids so GGUF tensors map one to one. */
+enum skv_dtype {
+    SKV_DTYPE_F32 = 0,
+    SKV_DTYPE_F16 = 1,
+    SKV_DTYPE_Q4_0 = 2,
+    SKV_DTYPE_Q4_1 = 3,
+    SKV_DTYPE_Q5_0 = 6,
+    SKV_DTYPE_Q5_1 = 7,
+    SKV_DTYPE_Q8_0 = 8,
+    SKV_DTYPE_Q8_1 = 9,
+    SKV_DTYPE_Q2_K = 10,
+    SKV_DTYPE_Q3_K = 11,
+    SKV_DTYPE_Q4_K = 12,
+    SKV_DTYPE_Q5_K = 13,
+    SKV_DTYPE_Q6_K = 14,
+    SKV_DTYPE_Q8_K = 15,
+    SKV_DTYPE_I8 = 24,
+    SKV_DTYPE_I16 = 25,
+    SKV_DTYPE_I32 = 26,
+    SKV_DTYPE_I64 = 27,
+    SKV_DTYPE_F64 = 28,
+    SKV_DTYPE_BF16 = 30,
+    SKV_DTYPE_COUNT = 31,
+};
+
+/* "f32", "q4_1", ...; NULL when the id is not a known type. */
+const char *skv_dtype_name(int type);
+/* Elements per block (1 for plain types) and bytes per block; 0 when unknown. */
+int64_t skv_dtype_block_elems(int type);
+size_t skv_dtype_block_bytes(int type);
+/* Bytes of a row of n elements; 0 when n is not a multiple of the block or type unknown. */
+size_t skv_dtype_row_bytes(int type, int64_t n);
+/* True when the CPU backend can dequantize and multiply with this type. */
+bool skv_dtype_supported(int type);
+
+/* A weight or table. ne[0] is the innermost (contiguous) dimension, GGUF order:
+ * a matrix mapping cols -> rows has ne[0] = cols (input features), ne[1] = rows. */
+struct skv_tensor {
+    int type;           /* enum skv_dtype */
+    int ndim;
+    int64_t ne[4];
+    void *data;         /* backend memory (host memory or an mmap on the CPU backend) */
+    size_t nbytes;
+    const char *name;   /* for error messages; may be NULL */
+};
+
+enum skv_rope_mode {
+    SKV_ROPE_NORM = 0, /* rotate adjacent pairs (x[2i], x[2i+1]): GGUF llama */
+    SKV_ROPE_NEOX = 2, /* rotate halves (x[i], x[i+d/2]): HF checkpoints, Qwen2 */
+};
+
+struct skv_rope {
+    int mode;            /* enum skv_rope_mode */
+    int rot_dim;         /* leading dims of each head that rotate (usually head_dim) */
+    float theta;         /* base frequency, e.g. 10000 or 100000 */
+    float freq_scale;    /* linear scaling: position * freq_scale (1 = none) */
+    /* Llama 3 "llama3" scaling (factor 0 = off) */
+    float l3_factor, l3_low_freq_factor, l3_high_freq_factor;
+    int l3_original_ctx;
+};
+
+/* The keys and values one layer's attention reads: per KV head a contiguous [len][d] run
+ * of rows (f32 unless kv_type says otherwise). Query i of a batch of n new tokens sees the
+ * first prefix_len[h] + i + 1 rows of head h: the cache before the batch, then the batch
+ * causally. So one op serves a fresh prefill (prefix 0), an append and a decode step (n = 1),
+ * with per-head lengths after head-wise compression. */
+#define SKV_MAX_KV_HEADS 64
+struct skv_kv_view {
+    int n_kv_heads;
+    int head_dim;
+    int kv_type;                          /* SKV_DTYPE_F32 (F16 later) */
+    const void *k[SKV_MAX_KV_HEADS];      /* head h: [prefix_len[h] + n][head_dim] */
+    const void *v[SKV_MAX_KV_HEADS];
+    int32_t prefix_len[SKV_MAX_KV_HEADS];
+};
+
+struct skv_backend;
+
+struct skv_backend_ops {
+    void (*destroy)(struct skv_backend *be);
+
+    /* Memory the ops read and write. On the CPU backend this is host memory. */
+    int (*alloc)(struct skv_backend *be, size_t bytes, void **out);
+    void (*free)(struct skv_backend *be, void *ptr);
+    int (*upload)(struct skv_backend *be, void *dst, const void *src, size_t bytes);
+    int (*download)(struct skv_backend *be, void *dst, const void *src, size_t bytes);
+    /* Strided copy inside backend memory: rows of row_bytes from src (rows src_stride bytes
+     * apart) to dst (dst_stride apart). Regions must not overlap. */
+    int (*copy_2d)(struct skv_backend *be, void *dst, size_t dst_stride, const void *src,
+                   size_t src_stride, size_t row_bytes, int64_t n_rows);
+    /* Block until queued work is done (no-op on the CPU). */
+    int (*sync)(struct skv_backend *be);
+
+    /* out[i][:] = dequant(table row ids[i]); out is [n][table->ne[0]]. ids are validated by the caller. */
+    int (*get_rows)(struct skv_backend *be, float *out, const struct skv_tensor *table,
+                    const int32_t *ids, int n);
+    /* out[n][rows] = x[n][cols] . W^T (+ bias[rows] when bias != NULL), W = w (ne[0] = cols,
+     * ne[1] = rows), any supported dtype. Small n uses quantized GEMV, large n a GEMM. */
+    int (*matmul)(struct skv_backend *be, float *out, const struct skv_tensor *w,
+                  const float *bias, const float *x, int n);
+    /* out[i] = x[i] / rms(x[i]) * w, rows of `dim`; out may alias x. */
+    int (*rmsnorm)(struct skv_backend *be, float *out, const float *x, const float *w, int n,
+                   int dim, float eps);
+    /* In place on x [n][n_heads][head_dim], token i at position pos[i]. */
+    int (*rope)(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
+                const int32_t *pos, const struct skv_rope *rope);
+    /* out = silu(gate) * up, elementwise over count; out may alias gate. */
+    int (*swiglu)(struct skv_backend *be, float *out, const float *gate, const float *up,
+                  int64_t count);
+    /* out = a + b elementwise; out may alias a. */
+    int (*add)(struct skv_backend *be, float *out, const float *a, const float *b, int64_t count);
+    /* Causal GQA attention of n queries q [n][n_heads][head_dim] over kv (see skv_kv_view);
+     * query head h reads KV head h / (n_heads / n_kv_heads). out is [n][n_heads][head_dim].
+     * Tiled by query blocks with an online softmax: never an n x n matrix. scale = 1/sqrt(d). */
+    int (*attention)(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
+                     const struct skv_kv_view *kv);
+};
+
+struct skv_backend {
+    const char *name;          /* "cpu", "cuda" */
+    const struct skv_backend_ops *ops;
+    int n_threads;
+    void *impl;                /* the implementation's own state: no file-static globals */
+};
+
+/* Constructors. Each returns SKV_OK or a negative status with skv_error_msg() set. */
+int skv_backend_cpu_new(int n_threads, struct skv_backend **out);
+/* CUDA: SKV_E_UNSUPPORTED when not compiled in, SKV_E_DEVICE when no device answers. */
+int skv_backend_cuda_new(int device, struct skv_backend **out);
+bool skv_backend_cuda_compiled(void);
+/* name: "auto" (CUDA when a device answers, else the CPU), "cpu" or "cuda". */
+int skv_backend_open(const char *name, int n_threads, struct skv_backend **out);
+/* Accepts NULL and *be_p == NULL; sets *be_p to NULL. */
+void skv_backend_destroy(struct skv_backend **be_p);
+
+/* Host-side dequantization of n elements (n a multiple of the block size) of `type`. */
+int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);
+
+/* fp16 / bf16 scalar conversions (host). */
+float skv_fp16_to_f32(uint16_t h);
+uint16_t skv_f32_to_fp16(float f);
+float skv_bf16_to_f32(uint16_t h);
+uint16_t skv_f32_to_bf16(float f);
+
+#endif

@@ -1,0 +1,827 @@
+/* CPU causal GQA attention over a struct skv_kv_view: query blocks x key blocks with an
+ * online softmax (running max and sum, never an n x n matrix). The queries of one KV group
+ * share every key block they load. Prefill splits work over (KV head, query block); short
+ * batches (decode) split the keys into fixed chunks and merge the partial softmaxes.
+ * Every split and kernel choice depends on shapes only, so results are bitwise the same for
+ * any thread count. */
+#include <limits.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "kernels/cpu/cpu.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+
+#define ATT_BK 64            /* keys per block: one K and one V block stay in L1/L2 */
+#define ATT_ROWS 64          /* target rows (queries x heads of a group) per query block */
+#define ATT_CHUNK_MIN 256    /* split-K: fewest keys per chunk (a multiple of ATT_BK) */
+#define ATT_MAX_TASKS 128    /* split-K: most (KV head, chunk) tasks, bounds the partials */
+#define ATT_LOG2E 1.4426950408889634
+/* Tiles of at least this many rows take the "wide" kernels, which keep rows in the SIMD
+ * lanes (q, scores and output transposed): register-blocked and free of horizontal sums.
+ * Fewer rows (decode) take the row kernels, which vectorize along head_dim. */
+#define ATT_WIDE_MIN_ROWS 16
+#define ATT_RT 16            /* rows per wide tile: two vectors of 8 */
+
+/* One call's shapes and buffers. Scores are kept in base 2 (q is pre-scaled by
+ * log2(e)/sqrt(d)), so the softmax uses exp2. */
+struct att_ctx {
+    float *out;                  /* [n][n_heads][d] */
+    const float *q;              /* [n][n_heads][d] */
+    const struct skv_kv_view *kv;
+    int n, n_heads, n_kv, group, d;
+    float qscale;
+    int bq, nqb;                 /* queries per block, query blocks */
+    int64_t chunk;               /* split-K: keys per chunk */
+    int nchunks;                 /* split-K: chunks per KV head (0: no split) */
+    float *part;                 /* split-K partials: [n_kv][nchunks][rows][d + 2] */
+    float *thread_mem;           /* per thread: see get_row_bufs() and get_wide_bufs() */
+    size_t thread_floats;
+    size_t rows_max;             /* rows of the largest task */
+};
+
+/* Working set of the row kernels: row r is query i0 + r / group, head g * group + r % group. */
+struct row_bufs {
+    float *qs, *acc;             /* [rows][d]: scaled q, unnormalized output */
+    float *m, *l;                /* [rows]: running max (base 2) and sum */
+    float *s;                    /* [ATT_BK]: one row's scores */
+};
+
+/* Working set of the wide kernels, rows padded to rp (a multiple of ATT_RT). */
+struct wide_bufs {
+    size_t rp;
+    float *qt;                   /* [d][rp]: scaled q, transposed */
+    float *st;                   /* [ATT_BK][rp]: scores, then probabilities */
+    float *acct;                 /* [d][rp]: unnormalized output, transposed */
+    float *m, *l;                /* [rp] */
+    int32_t *lim;                /* [rp]: keys [0, lim) are visible to the row (0: padding) */
+};
+
+static size_t round16(size_t x)
+{
+    return (x + 15) & ~(size_t)15;
+}
+
+/* ---- row kernels ------------------------------------------------------------------ */
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+static float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot1(const float *a, const float *b, int d)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 16 <= d; t += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t + 8), _mm256_loadu_ps(b + t + 8), acc1);
+    }
+    for (; t + 8 <= d; t += 8)
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), acc0);
+    float s = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; t < d; t++)
+        s += a[t] * b[t];
+    return s;
+}
+
+/* s[0..8) = q . k_j for 8 consecutive key rows k (row stride d). */
+static void dot8(const float *q, const float *k, int d, float *s)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    int t = 0;
+    for (; t + 8 <= d; t += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + t);
+        const float *kt = k + t;
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 2 * d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 3 * d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 4 * d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 5 * d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 6 * d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 7 * d), a7);
+    }
+    /* Transposing reduction: lane j of the result is the full sum of a_j. */
+    const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+    const __m256 h45 = _mm256_hadd_ps(a4, a5), h67 = _mm256_hadd_ps(a6, a7);
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                             _mm256_permute2f128_ps(h0123, h4567, 0x31));
+    _mm256_storeu_ps(s, r);
+    for (; t < d; t++)
+        for (int j = 0; j < 8; j++)
+            s[j] += q[t] * k[j * d + t];
+}
+
+static void att_scores(const float *q, const float *k, int nv, int d, float *s)
+{
+    int j = 0;
+    for (; j + 8 <= nv; j += 8)
+        dot8(q, k + (int64_t)j * d, d, s + j);
+    for (; j < nv; j++)
+        s[j] = dot1(q, k + (int64_t)j * d, d);
+}
+
+/* 2^x for x <= 0, exactly 0 below -126 (and for -inf): round-to-nearest split, degree-7
+ * polynomial for 2^f on [-0.5, 0.5] (relative error ~5e-9), exponent bits for 2^n. */
+static __m256 exp2_ps(__m256 x)
+{
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(126.0f));
+    const __m256 nr = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, nr);
+    __m256 p = _mm256_set1_ps(1.5252733804059838e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428441e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821576e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910070e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994530e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(nr), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+static float max_of(const float *s, int nv)
+{
+    int j = 0;
+    float m = -INFINITY;
+    if (nv >= 8) {
+        __m256 mv = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= nv; j += 8)
+            mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        m = _mm_cvtss_f32(h);
+    }
+    for (; j < nv; j++)
+        m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* s[j] = 2^(s[j] - m); returns the sum. */
+static float exp2_sub_sum(float *s, int nv, float m)
+{
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= nv; j += 8) {
+        const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (; j < nv; j++) {
+        s[j] = exp2f(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+
+static void scale_row(float *acc, int d, float alpha)
+{
+    const __m256 av = _mm256_set1_ps(alpha);
+    int t = 0;
+    for (; t + 8 <= d; t += 8)
+        _mm256_storeu_ps(acc + t, _mm256_mul_ps(_mm256_loadu_ps(acc + t), av));
+    for (; t < d; t++)
+        acc[t] *= alpha;
+}
+
+/* acc[0..d) += sum_j p[j] * v_j over nv value rows (row stride d). */
+static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
+{
+    int t = 0;
+    for (; t + 64 <= d; t += 64) {
+        float *a = acc + t;
+        __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8),
+               c2 = _mm256_loadu_ps(a + 16), c3 = _mm256_loadu_ps(a + 24),
+               c4 = _mm256_loadu_ps(a + 32), c5 = _mm256_loadu_ps(a + 40),
+               c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
+        for (int j = 0; j < nv; j++) {
+            const __m256 pj = _mm256_broadcast_ss(p + j);
+            const float *vr = v + (int64_t)j * d + t;
+            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), c0);
+            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), c1);
+            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), c2);
+            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), c3);
+            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 32), c4);
+            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 40), c5);
+            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 48), c6);
+            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 56), c7);
+        }
+        _mm256_storeu_ps(a, c0);
+        _mm256_storeu_ps(a + 8, c1);
+        _mm256_storeu_ps(a + 16, c2);
+        _mm256_storeu_ps(a + 24, c3);
+        _mm256_storeu_ps(a + 32, c4);
+        _mm256_storeu_ps(a + 40, c5);
+        _mm256_storeu_ps(a + 48, c6);
+        _mm256_storeu_ps(a + 56, c7);
+    }
+    for (; t + 8 <= d; t += 8) {
+        __m256 c = _mm256_loadu_ps(acc + t);
+        for (int j = 0; j < nv; j++)
+            c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j),
+                                _mm256_loadu_ps(v + (int64_t)j * d + t), c);
+        _mm256_storeu_ps(acc + t, c);
+    }
+    for (; t < d; t++) {
+        float c = acc[t];
+        for (int j = 0; j < nv; j++)
+            c += p[j] * v[(int64_t)j * d + t];
+        acc[t] = c;
+    }
+}
+
+
+/* ---- wide kernels (AVX2 only) ----------------------------------------------------- */
+
+#define ATT_HAVE_WIDE 1
+
+/* Scores of one ATT_RT-row tile (rows r0..) against keys [0, nk) of the block:
+ * st[j][r] = sum_t qt[t][r] * k[j][t]. 4 keys x 16 rows per register tile. */
+static void wide_scores(const struct wide_bufs *w, size_t r0, const float *k, int nk, int d)
+{
+    const size_t rp = w->rp;
+    const float *qt = w->qt + r0;
+    float *st = w->st + r0;
+    int j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *k0 = k + (int64_t)j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,
+               a21 = a00, a30 = a00, a31 = a00;
+        for (int t = 0; t < d; t++) {
+            const __m256 q0 = _mm256_loadu_ps(qt + t * rp), q1 = _mm256_loadu_ps(qt + t * rp + 8);
+            __m256 b = _mm256_broadcast_ss(k0 + t);
+            a00 = _mm256_fmadd_ps(b, q0, a00);
+            a01 = _mm256_fmadd_ps(b, q1, a01);
+            b = _mm256_broadcast_ss(k1 + t);
+            a10 = _mm256_fmadd_ps(b, q0, a10);
+            a11 = _mm256_fmadd_ps(b, q1, a11);
+            b = _mm256_broadcast_ss(k2 + t);
+            a20 = _mm256_fmadd_ps(b, q0, a20);
+            a21 = _mm256_fmadd_ps(b, q1, a21);
+            b = _mm256_broadcast_ss(k3 + t);
+            a30 = _mm256_fmadd_ps(b, q0, a30);
+            a31 = _mm256_fmadd_ps(b, q1, a31);
+        }
+        float *s = st + j * rp;
+        _mm256_storeu_ps(s, a00);
+        _mm256_storeu_ps(s + 8, a01);
+        _mm256_storeu_ps(s + rp, a10);
+        _mm256_storeu_ps(s + rp + 8, a11);
+        _mm256_storeu_ps(s + 2 * rp, a20);
+        _mm256_storeu_ps(s + 2 * rp + 8, a21);
+        _mm256_storeu_ps(s + 3 * rp, a30);
+        _mm256_storeu_ps(s + 3 * rp + 8, a31);
+    }
+    for (; j < nk; j++) {
+        const float *kj = k + (int64_t)j * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int t = 0; t < d; t++) {
+            const __m256 b = _mm256_broadcast_ss(kj + t);
+            a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(qt + t * rp), a0);
+            a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(qt + t * rp + 8), a1);
+        }
+        _mm256_storeu_ps(st + j * rp, a0);
+        _mm256_storeu_ps(st + j * rp + 8, a1);
+    }
+}
+
+/* Online softmax for 8 rows (r0..) over nk scores of the block starting at key kb:
+ * masks keys at or past each row's limit when `mask`, turns scores into probabilities,
+ * updates m and l and rescales the rows' output. */
+static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int nk, bool mask,
+                          int d)
+{
+    const size_t rp = w->rp;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i limv = _mm256_loadu_si256((const __m256i *)(w->lim + r0));
+    float *st = w->st + r0;
+    __m256 mx = ninf;
+
+    if (mask) {
+        for (int j = 0; j < nk; j++) {
+            const __m256i keep = _mm256_cmpgt_epi32(limv, _mm256_set1_epi32((int32_t)(kb + j)));
+            const __m256 s = _mm256_blendv_ps(ninf, _mm256_loadu_ps(st + j * rp),
+                                              _mm256_castsi256_ps(keep));
+            _mm256_storeu_ps(st + j * rp, s);
+            mx = _mm256_max_ps(mx, s);
+        }
+    } else {
+        for (int j = 0; j < nk; j++)
+            mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + j * rp));
+    }
+    const __m256 m_old = _mm256_loadu_ps(w->m + r0);
+    const __m256 m_new = _mm256_max_ps(m_old, mx);
+    /* rows that have seen no key yet keep m = -inf; subtract 0 instead of -inf for them */
+    const __m256 m_use =
+        _mm256_blendv_ps(m_new, _mm256_setzero_ps(), _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ));
+    const __m256 alpha = exp2_ps(_mm256_sub_ps(m_old, m_use));
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < nk; j++) {
+        const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(st + j * rp), m_use));
+        _mm256_storeu_ps(st + j * rp, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    _mm256_storeu_ps(w->l + r0, _mm256_fmadd_ps(_mm256_loadu_ps(w->l + r0), alpha, sum));
+    _mm256_storeu_ps(w->m + r0, m_new);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(alpha, _mm256_set1_ps(1.0f), _CMP_NEQ_UQ)) != 0) {
+        float *a = w->acct + r0;
+        for (int t = 0; t < d; t++)
+            _mm256_storeu_ps(a + t * rp, _mm256_mul_ps(_mm256_loadu_ps(a + t * rp), alpha));
+    }
+}
+
+/* acct[t][r] += sum_j st[j][r] * v[j][t] for one tile: 4 dims x 16 rows per register tile. */
+static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int nk, int d)
+{
+    const size_t rp = w->rp;
+    const float *st = w->st + r0;
+    float *acct = w->acct + r0;
+    int t = 0;
+    for (; t + 4 <= d; t += 4) {
+        float *a = acct + t * rp;
+        __m256 c00 = _mm256_loadu_ps(a), c01 = _mm256_loadu_ps(a + 8);
+        __m256 c10 = _mm256_loadu_ps(a + rp), c11 = _mm256_loadu_ps(a + rp + 8);
+        __m256 c20 = _mm256_loadu_ps(a + 2 * rp), c21 = _mm256_loadu_ps(a + 2 * rp + 8);
+        __m256 c30 = _mm256_loadu_ps(a + 3 * rp), c31 = _mm256_loadu_ps(a + 3 * rp + 8);
+        for (int j = 0; j < nk; j++) {
+            const __m256 p0 = _mm256_loadu_ps(st + j * rp), p1 = _mm256_loadu_ps(st + j * rp + 8);
+            const float *vj = v + (int64_t)j * d + t;
+            __m256 b = _mm256_broadcast_ss(vj);
+            c00 = _mm256_fmadd_ps(b, p0, c00);
+            c01 = _mm256_fmadd_ps(b, p1, c01);
+            b = _mm256_broadcast_ss(vj + 1);
+            c10 = _mm256_fmadd_ps(b, p0, c10);
+            c11 = _mm256_fmadd_ps(b, p1, c11);
+            b = _mm256_broadcast_ss(vj + 2);
+            c20 = _mm256_fmadd_ps(b, p0, c20);
+            c21 = _mm256_fmadd_ps(b, p1, c21);
+            b = _mm256_broadcast_ss(vj + 3);
+            c30 = _mm256_fmadd_ps(b, p0, c30);
+            c31 = _mm256_fmadd_ps(b, p1, c31);
+        }
+        _mm256_storeu_ps(a, c00);
+        _mm256_storeu_ps(a + 8, c01);
+        _mm256_storeu_ps(a + rp, c10);
+        _mm256_storeu_ps(a + rp + 8, c11);
+        _mm256_storeu_ps(a + 2 * rp, c20);
+        _mm256_storeu_ps(a + 2 * rp + 8, c21);
+        _mm256_storeu_ps(a + 3 * rp, c30);
+        _mm256_storeu_ps(a + 3 * rp + 8, c31);
+    }
+    for (; t < d; t++) {
+        float *a = acct + t * rp;
+        __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8);
+        for (int j = 0; j < nk; j++) {
+            const __m256 b = _mm256_broadcast_ss(v + (int64_t)j * d + t);
+            c0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(st + j * rp), c0);
+            c1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(st + j * rp + 8), c1);
+        }
+        _mm256_storeu_ps(a, c0);
+        _mm256_storeu_ps(a + 8, c1);
+    }
+}
+
+#else /* portable kernels */
+
+/* Without AVX2 every tile takes the row kernels. */
+#define ATT_HAVE_WIDE 0
+
+static void wide_scores(const struct wide_bufs *w, size_t r0, const float *k, int nk, int d)
+{
+    (void)w, (void)r0, (void)k, (void)nk, (void)d;
+}
+
+static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int nk, bool mask,
+                          int d)
+{
+    (void)w, (void)r0, (void)kb, (void)nk, (void)mask, (void)d;
+}
+
+static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int nk, int d)
+{
+    (void)w, (void)r0, (void)v, (void)nk, (void)d;
+}
+
+
+static void att_scores(const float *q, const float *k, int nv, int d, float *s)
+{
+    for (int j = 0; j < nv; j++) {
+        const float *kr = k + (int64_t)j * d;
+        float acc = 0.0f;
+        for (int t = 0; t < d; t++)
+            acc += q[t] * kr[t];
+        s[j] = acc;
+    }
+}
+
+static float max_of(const float *s, int nv)
+{
+    float m = -INFINITY;
+    for (int j = 0; j < nv; j++)
+        m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+static float exp2_sub_sum(float *s, int nv, float m)
+{
+    float sum = 0.0f;
+    for (int j = 0; j < nv; j++) {
+        s[j] = exp2f(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+
+static void scale_row(float *acc, int d, float alpha)
+{
+    for (int t = 0; t < d; t++)
+        acc[t] *= alpha;
+}
+
+static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
+{
+    for (int j = 0; j < nv; j++) {
+        const float *vr = v + (int64_t)j * d;
+        for (int t = 0; t < d; t++)
+            acc[t] += p[j] * vr[t];
+    }
+}
+
+#endif
+
+/* One query row against nv keys: online-softmax update of its running max m, sum l and
+ * unnormalized output acc. s is [ATT_BK] scratch. */
+static void att_row(const float *q, const float *k, const float *v, int nv, int d, float *m,
+                    float *l, float *acc, float *s)
+{
+    att_scores(q, k, nv, d, s);
+    const float mb = max_of(s, nv);
+    const float m_new = mb > *m ? mb : *m;
+    const float alpha = exp2f(*m - m_new);
+    const float sum = exp2_sub_sum(s, nv, m_new);
+    *l = *l * alpha + sum;
+    *m = m_new;
+    if (alpha != 1.0f)
+        scale_row(acc, d, alpha);
+    att_accum(acc, s, v, nv, d);
+}
+
+/* ---- tiles ------------------------------------------------------------------------ */
+
+/* Row layout: row r of queries [i0, i1) is query i0 + r / group, head g * group + r % group. */
+static const float *q_row(const struct att_ctx *c, int g, int i0, size_t r)
+{
+    const int i = i0 + (int)(r / c->group), h = g * c->group + (int)(r % c->group);
+    return c->q + ((int64_t)i * c->n_heads + h) * c->d;
+}
+
+static float *out_row(const struct att_ctx *c, int g, int i0, size_t r)
+{
+    const int i = i0 + (int)(r / c->group), h = g * c->group + (int)(r % c->group);
+    return c->out + ((int64_t)i * c->n_heads + h) * c->d;
+}
+
+static size_t rows_padded(size_t rows)
+{
+    return (rows + ATT_RT - 1) / ATT_RT * ATT_RT;
+}
+
+/* The per-thread region serves either working set; sizes from the largest task's rows. */
+static size_t thread_floats_for(size_t rows_max, int d)
+{
+    const size_t rp = rows_padded(rows_max);
+    const size_t row = 2 * round16(rows_max * d) + 2 * round16(rows_max) + ATT_BK;
+    const size_t wide = 2 * round16(rp * d) + round16((size_t)ATT_BK * rp) + 3 * round16(rp);
+    return row > wide ? row : wide;
+}
+
+static struct row_bufs get_row_bufs(const struct att_ctx *c, int tid)
+{
+    float *base = c->thread_mem + (size_t)tid * c->thread_floats;
+    const size_t rd = round16(c->rows_max * c->d), rr = round16(c->rows_max);
+    struct row_bufs b = {
+        .qs = base,
+        .acc = base + rd,
+        .m = base + 2 * rd,
+        .l = base + 2 * rd + rr,
+        .s = base + 2 * rd + 2 * rr,
+    };
+    return b;
+}
+
+static struct wide_bufs get_wide_bufs(const struct att_ctx *c, int tid, size_t rows)
+{
+    float *base = c->thread_mem + (size_t)tid * c->thread_floats;
+    const size_t rp = rows_padded(rows), rpd = round16(rp * c->d), r16 = round16(rp);
+    struct wide_bufs b = {
+        .rp = rp,
+        .qt = base,
+        .acct = base + rpd,
+        .st = base + 2 * rpd,
+        .m = base + 2 * rpd + round16((size_t)ATT_BK * rp),
+    };
+    b.l = b.m + r16;
+    b.lim = (int32_t *)(b.l + r16);
+    return b;
+}
+
+/* Row kernels: queries [i0, i1) of KV group g over keys [ks, ke), each row limited causally;
+ * state in b (m, l, acc must be initialized). */
+static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks, int64_t ke,
+                      const struct row_bufs *b)
+{
+    const int d = c->d, G = c->group;
+    const float *K = c->kv->k[g], *V = c->kv->v[g];
+    const int64_t prefix = c->kv->prefix_len[g];
+
+    for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
+        const int64_t nblk = ke - kb < ATT_BK ? ke - kb : ATT_BK;
+        const float *kblk = K + kb * d, *vblk = V + kb * d;
+        for (int i = i0; i < i1; i++) {
+            const int64_t lim = prefix + i + 1 - kb;
+            if (lim <= 0)
+                continue;
+            const int nv = (int)(lim < nblk ? lim : nblk);
+            for (int hh = 0; hh < G; hh++) {
+                const size_t r = (size_t)(i - i0) * G + hh;
+                att_row(b->qs + r * d, kblk, vblk, nv, d, &b->m[r], &b->l[r], b->acc + r * d,
+                        b->s);
+            }
+        }
+    }
+}
+
+/* Runs the row kernels over [ks, ke) from a fresh state left in b. */
+static void row_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks, int64_t ke,
+                    const struct row_bufs *b)
+{
+    const size_t rows = (size_t)(i1 - i0) * c->group;
+    for (size_t r = 0; r < rows; r++) {
+        const float *src = q_row(c, g, i0, r);
+        for (int t = 0; t < c->d; t++)
+            b->qs[r * c->d + t] = src[t] * c->qscale;
+        b->m[r] = -INFINITY;
+        b->l[r] = 0.0f;
+    }
+    memset(b->acc, 0, rows * c->d * sizeof(float));
+    row_range(c, g, i0, i1, ks, ke, b);
+}
+
+/* Wide kernels over [ks, ke) from a fresh state left in w (transposed). */
+static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks, int64_t ke,
+                     const struct wide_bufs *w)
+{
+    const int d = c->d;
+    const size_t rows = (size_t)(i1 - i0) * c->group, rp = w->rp;
+    const float *K = c->kv->k[g], *V = c->kv->v[g];
+    const int64_t prefix = c->kv->prefix_len[g];
+
+    for (size_t r = 0; r < rp; r++) {
+        const float *src = r < rows ? q_row(c, g, i0, r) : NULL;
+        for (int t = 0; t < d; t++)
+            w->qt[t * rp + r] = src ? src[t] * c->qscale : 0.0f;
+        w->lim[r] = src ? (int32_t)(prefix + i0 + (int)(r / c->group) + 1) : 0;
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->acct, 0, (size_t)d * rp * sizeof(float));
+
+    for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
+        const int nblk = (int)(ke - kb < ATT_BK ? ke - kb : ATT_BK);
+        const float *kblk = K + kb * d, *vblk = V + kb * d;
+        for (size_t r0 = 0; r0 < rp; r0 += ATT_RT) {
+            int32_t lo = INT32_MAX, hi = 0;
+            for (size_t r = r0; r < r0 + ATT_RT; r++) {
+                lo = w->lim[r] < lo ? w->lim[r] : lo;
+                hi = w->lim[r] > hi ? w->lim[r] : hi;
+            }
+            if (hi <= kb)
+                continue;   /* no row of the tile sees this block */
+            const int nk = hi - kb < nblk ? (int)(hi - kb) : nblk;
+            const bool mask = lo < kb + nk;
+            wide_scores(w, r0, kblk, nk, d);
+            wide_softmax8(w, r0, kb, nk, mask, d);
+            wide_softmax8(w, r0 + 8, kb, nk, mask, d);
+            wide_accum(w, r0, vblk, nk, d);
+        }
+    }
+}
+
+static bool use_wide(size_t rows)
+{
+    return ATT_HAVE_WIDE && rows >= ATT_WIDE_MIN_ROWS;
+}
+
+/* Work order that interleaves cheap early and costly late query blocks, so the
+ * contiguous per-thread split of the task list stays balanced. */
+static int zigzag(int j, int nqb)
+{
+    return j % 2 == 0 ? j / 2 : nqb - 1 - j / 2;
+}
+
+/* Task t: (query block, KV head), whole causal key range, normalized output. */
+static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct att_ctx *c = p;
+    const int d = c->d;
+
+    for (int64_t t = begin; t < end; t++) {
+        const int g = (int)(t % c->n_kv);
+        const int qb = zigzag((int)(t / c->n_kv), c->nqb);
+        const int i0 = qb * c->bq, i1 = i0 + c->bq < c->n ? i0 + c->bq : c->n;
+        const size_t rows = (size_t)(i1 - i0) * c->group;
+        const int64_t ke = c->kv->prefix_len[g] + (int64_t)i1;
+
+        if (use_wide(rows)) {
+            const struct wide_bufs w = get_wide_bufs(c, tid, rows);
+            wide_run(c, g, i0, i1, 0, ke, &w);
+            for (size_t r = 0; r < rows; r++) {
+                float *o = out_row(c, g, i0, r);
+                for (int k = 0; k < d; k++)
+                    o[k] = w.acct[k * w.rp + r] / w.l[r];
+            }
+        } else {
+            const struct row_bufs b = get_row_bufs(c, tid);
+            row_run(c, g, i0, i1, 0, ke, &b);
+            for (size_t r = 0; r < rows; r++) {
+                float *o = out_row(c, g, i0, r);
+                for (int k = 0; k < d; k++)
+                    o[k] = b.acc[r * d + k] / b.l[r];
+            }
+        }
+    }
+}
+
+static float *part_of(const struct att_ctx *c, int g, int ch)
+{
+    const size_t rows = (size_t)c->n * c->group;
+    return c->part + ((size_t)g * c->nchunks + ch) * rows * (c->d + 2);
+}
+
+/* Task t: (KV head, key chunk) for all n queries; unnormalized partials acc [rows][d],
+ * m [rows], l [rows]. */
+static void att_task_chunks(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct att_ctx *c = p;
+    const int d = c->d;
+    const size_t rows = (size_t)c->n * c->group;
+
+    for (int64_t t = begin; t < end; t++) {
+        const int g = (int)(t / c->nchunks), ch = (int)(t % c->nchunks);
+        float *acc = part_of(c, g, ch), *m = acc + rows * d, *l = m + rows;
+        const int64_t len = (int64_t)c->kv->prefix_len[g] + c->n;
+        const int64_t ks = ch * c->chunk;
+        const int64_t ke = ks + c->chunk < len ? ks + c->chunk : len;
+
+        if (ks >= ke) {
+            for (size_t r = 0; r < rows; r++) {
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+            }
+        } else if (use_wide(rows)) {
+            const struct wide_bufs w = get_wide_bufs(c, tid, rows);
+            wide_run(c, g, 0, c->n, ks, ke, &w);
+            for (size_t r = 0; r < rows; r++) {
+                for (int k = 0; k < d; k++)
+                    acc[r * d + k] = w.acct[k * w.rp + r];
+                m[r] = w.m[r];
+                l[r] = w.l[r];
+            }
+        } else {
+            const struct row_bufs b = get_row_bufs(c, tid);
+            row_run(c, g, 0, c->n, ks, ke, &b);
+            memcpy(acc, b.acc, rows * d * sizeof(float));
+            memcpy(m, b.m, rows * sizeof(float));
+            memcpy(l, b.l, rows * sizeof(float));
+        }
+    }
+}
+
+/* Merges the chunks of each row in chunk order: out = sum_c 2^(m_c - M) acc_c / L. */
+static void att_combine(const struct att_ctx *c)
+{
+    const int d = c->d;
+    const size_t rows = (size_t)c->n * c->group;
+
+    for (int g = 0; g < c->n_kv; g++)
+        for (size_t r = 0; r < rows; r++) {
+            float mx = -INFINITY;
+            for (int ch = 0; ch < c->nchunks; ch++) {
+                const float *pm = part_of(c, g, ch) + rows * d;
+                if (pm[rows + r] > 0.0f && pm[r] > mx)
+                    mx = pm[r];
+            }
+            float *o = out_row(c, g, 0, r);
+            float lsum = 0.0f;
+            for (int t = 0; t < d; t++)
+                o[t] = 0.0f;
+            for (int ch = 0; ch < c->nchunks; ch++) {
+                const float *acc = part_of(c, g, ch), *pm = acc + rows * d;
+                if (!(pm[rows + r] > 0.0f))
+                    continue;
+                const float w = exp2f(pm[r] - mx);
+                lsum += w * pm[rows + r];
+                for (int t = 0; t < d; t++)
+                    o[t] += w * acc[r * d + t];
+            }
+            for (int t = 0; t < d; t++)
+                o[t] /= lsum;
+        }
+}
+
+static int att_check(const float *out, const float *q, int n, int n_heads,
+                     const struct skv_kv_view *kv)
+{
+    if (!out || !q || !kv)
+        return skv_errorf(SKV_E_INVAL, "attention: NULL buffer");
+    if (n < 0 || n_heads <= 0 || kv->head_dim <= 0)
+        return skv_errorf(SKV_E_INVAL, "attention: n=%d n_heads=%d head_dim=%d", n, n_heads,
+                          kv->head_dim);
+    if (kv->n_kv_heads <= 0 || kv->n_kv_heads > SKV_MAX_KV_HEADS ||
+        n_heads % kv->n_kv_heads != 0)
+        return skv_errorf(SKV_E_INVAL, "attention: %d heads over %d KV heads (max %d)", n_heads,
+                          kv->n_kv_heads, SKV_MAX_KV_HEADS);
+    if (kv->kv_type != SKV_DTYPE_F32)
+        return skv_errorf(SKV_E_UNSUPPORTED, "attention: KV type %d (only f32)", kv->kv_type);
+    for (int g = 0; g < kv->n_kv_heads; g++) {
+        if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
+            return skv_errorf(SKV_E_INVAL, "attention: KV head %d prefix %d with %d new", g,
+                              (int)kv->prefix_len[g], n);
+        if (!kv->k[g] || !kv->v[g])
+            return skv_errorf(SKV_E_INVAL, "attention: KV head %d has no buffer", g);
+    }
+    return SKV_OK;
+}
+
+int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
+                      const struct skv_kv_view *kv)
+{
+    int rc = att_check(out, q, n, n_heads, kv);
+    if (rc < 0)
+        return rc;
+    if (n == 0)
+        return SKV_OK;
+
+    struct att_ctx c = {
+        .out = out,
+        .q = q,
+        .kv = kv,
+        .n = n,
+        .n_heads = n_heads,
+        .n_kv = kv->n_kv_heads,
+        .group = n_heads / kv->n_kv_heads,
+        .d = kv->head_dim,
+        .qscale = (float)(ATT_LOG2E / sqrt((double)kv->head_dim)),
+    };
+    c.bq = ATT_ROWS / c.group > 0 ? ATT_ROWS / c.group : 1;
+    c.nqb = (n + c.bq - 1) / c.bq;
+
+    int64_t max_len = 0;
+    for (int g = 0; g < c.n_kv; g++)
+        if (kv->prefix_len[g] + (int64_t)n > max_len)
+            max_len = kv->prefix_len[g] + (int64_t)n;
+    if (c.nqb == 1 && max_len >= 2 * ATT_CHUNK_MIN) {
+        const int64_t max_chunks = ATT_MAX_TASKS / c.n_kv > 1 ? ATT_MAX_TASKS / c.n_kv : 2;
+        int64_t per = (max_len + max_chunks - 1) / max_chunks;
+        per = (per + ATT_BK - 1) / ATT_BK * ATT_BK;
+        c.chunk = per > ATT_CHUNK_MIN ? per : ATT_CHUNK_MIN;
+        c.nchunks = (int)((max_len + c.chunk - 1) / c.chunk);
+    }
+
+    c.rows_max = (size_t)(c.nqb == 1 ? n : c.bq) * c.group;
+    c.thread_floats = thread_floats_for(c.rows_max, c.d);
+    size_t part_floats = round16((size_t)c.n_kv * c.nchunks * c.rows_max * (c.d + 2));
+    size_t total = part_floats + (size_t)be->n_threads * c.thread_floats;
+    float *mem = skv_cpu_scratch(be, 0, total * sizeof(float));
+    if (!mem)
+        return skv_errorf(SKV_E_NOMEM, "attention: %zu bytes of scratch", total * sizeof(float));
+    c.part = mem;
+    c.thread_mem = mem + part_floats;
+
+    if (c.nchunks > 0) {
+        skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nchunks, 1, att_task_chunks, &c);
+        att_combine(&c);
+    } else {
+        skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nqb, 1, att_task_blocks, &c);
+    }
+    return SKV_OK;
+}

@@ -1,0 +1,42 @@
+/* Internals shared by the CPU backend's files: its state, the thread pool and the entry
+ * points each op file exports to cpu_backend.c (which fills the op table). */
+#ifndef SKV_CPU_H
+#define SKV_CPU_H
+
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+/* Runs fn(arg, begin, end, thread_id) over [0, n) split into contiguous chunks, one per
+ * thread (the calling thread takes part), and returns when all are done. Chunks are
+ * aligned to `grain` items. With one thread (or n <= grain) it runs inline. */
+typedef void (*skv_cpu_task_fn)(void *arg, int64_t begin, int64_t end, int thread_id);
+void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_cpu_task_fn fn,
+                          void *arg);
+
+/* Per-thread scratch buffer of at least `bytes`, owned by the backend (valid until the next
+ * call with the same thread_id). NULL on allocation failure. */
+void *skv_cpu_scratch(struct skv_backend *be, int thread_id, size_t bytes);
+
+/* Op entry points (signatures as in struct skv_backend_ops). */
+int skv_cpu_get_rows(struct skv_backend *be, float *out, const struct skv_tensor *table,
+                     const int32_t *ids, int n);
+int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
+                   const float *bias, const float *x, int n);
+int skv_cpu_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n,
+                    int dim, float eps);
+int skv_cpu_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
+                 const int32_t *pos, const struct skv_rope *rope);
+int skv_cpu_swiglu(struct skv_backend *be, float *out, const float *gate, const float *up,
+                   int64_t count);
+int skv_cpu_add(struct skv_backend *be, float *out, const float *a, const float *b,
+                int64_t count);
+int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
+                      const struct skv_kv_view *kv);
+
+/* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
+ * calling thread for the length of the call, and attention takes slot 0 for its working
+ * area; no op may hold a scratch pointer from one call to the next. parallel_for is not
+ * reentrant. */
+
+#endif

@@ -1,0 +1,289 @@
+/* CPU elementwise and per-row ops: rmsnorm, rope (NORM / NEOX, linear and Llama 3 scaling),
+ * swiglu and add. Rows or tokens are independent, so results do not depend on the thread
+ * count. Large calls are split over the backend's pool. */
+#include <math.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "kernels/cpu/cpu.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+
+/* Elements one parallel_for chunk should at least cover before splitting pays off. */
+#define OPS_GRAIN_ELEMS 16384
+/* Largest rot_dim: the per-token angle tables live on the stack. */
+#define ROPE_MAX_DIM 1024
+#define ROPE_TWO_PI 6.283185307179586476925286766559
+
+/* ---- vector helpers --------------------------------------------------------------- */
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Sum of squares with the products and the sum in double. */
+static double sum_squares(const float *x, int n)
+{
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    __m256d a = _mm256_add_pd(a0, a1);
+    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    double s = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+    for (; i < n; i++)
+        s += (double)x[i] * x[i];
+    return s;
+}
+
+/* o[i] = x[i] * s * w[i]; o may alias x. */
+static void scale_mul(float *o, const float *x, float s, const float *w, int n)
+{
+    const __m256 sv = _mm256_set1_ps(s);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv),
+                                              _mm256_loadu_ps(w + i)));
+    for (; i < n; i++)
+        o[i] = x[i] * s * w[i];
+}
+
+/* o[i] = a[i] + b[i]; o may alias a or b. */
+static void add_vec(float *o, const float *a, const float *b, int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    for (; i < end; i++)
+        o[i] = a[i] + b[i];
+}
+#else
+static double sum_squares(const float *x, int n)
+{
+    double s = 0.0;
+    for (int i = 0; i < n; i++)
+        s += (double)x[i] * x[i];
+    return s;
+}
+
+static void scale_mul(float *o, const float *x, float s, const float *w, int n)
+{
+    for (int i = 0; i < n; i++)
+        o[i] = x[i] * s * w[i];
+}
+
+static void add_vec(float *o, const float *a, const float *b, int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++)
+        o[i] = a[i] + b[i];
+}
+#endif
+
+/* ---- rmsnorm ---------------------------------------------------------------------- */
+
+struct rmsnorm_args {
+    float *out;
+    const float *x, *w;
+    int dim;
+    float eps;
+};
+
+static void rmsnorm_rows(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct rmsnorm_args *a = p;
+    const int dim = a->dim;
+    (void)tid;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = a->x + r * dim;
+        float *o = a->out + r * dim;
+        const float s = (float)(1.0 / sqrt(sum_squares(x, dim) / dim + (double)a->eps));
+        scale_mul(o, x, s, a->w, dim);
+    }
+}
+
+int skv_cpu_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n,
+                    int dim, float eps)
+{
+    if (n < 0 || dim <= 0 || !(eps >= 0.0f))
+        return skv_errorf(SKV_E_INVAL, "rmsnorm: bad shape n=%d dim=%d eps=%g", n, dim,
+                          (double)eps);
+    if (n == 0)
+        return SKV_OK;
+    if (!out || !x || !w)
+        return skv_errorf(SKV_E_INVAL, "rmsnorm: NULL buffer");
+    struct rmsnorm_args a = {.out = out, .x = x, .w = w, .dim = dim, .eps = eps};
+    int64_t grain = OPS_GRAIN_ELEMS / dim + 1;
+    skv_cpu_parallel_for(be, n, grain, rmsnorm_rows, &a);
+    return SKV_OK;
+}
+
+/* ---- rope ------------------------------------------------------------------------- */
+
+struct rope_args {
+    float *x;
+    const int32_t *pos;
+    int n_heads, head_dim, rot_dim, mode;
+    double freq_scale;
+    double inv_freq[ROPE_MAX_DIM / 2];  /* per rotated pair, scaling applied */
+};
+
+/* Inverse frequencies theta^(-2j/rot_dim), then Llama 3 scaling as HF transformers'
+ * _compute_llama3_parameters defines it: long wavelengths divided by the factor, short ones
+ * kept, the band between interpolated smoothly. */
+static void rope_inv_freq(const struct skv_rope *r, int half, double *inv_freq)
+{
+    for (int j = 0; j < half; j++)
+        inv_freq[j] = pow((double)r->theta, -2.0 * j / (2.0 * half));
+    if (r->l3_factor == 0.0f)
+        return;
+
+    const double factor = r->l3_factor, lo = r->l3_low_freq_factor, hi = r->l3_high_freq_factor;
+    const double old_ctx = r->l3_original_ctx;
+    const double low_freq_wavelen = old_ctx / lo, high_freq_wavelen = old_ctx / hi;
+    for (int j = 0; j < half; j++) {
+        const double f = inv_freq[j], wavelen = ROPE_TWO_PI / f;
+        if (wavelen > low_freq_wavelen) {
+            inv_freq[j] = f / factor;
+        } else if (wavelen >= high_freq_wavelen) {
+            const double smooth = (old_ctx / wavelen - lo) / (hi - lo);
+            inv_freq[j] = (1.0 - smooth) * f / factor + smooth * f;
+        }
+    }
+}
+
+static void rope_tokens(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct rope_args *a = p;
+    const int half = a->rot_dim / 2, hd = a->head_dim;
+    /* NORM rotates (x[2j], x[2j+1]); NEOX rotates (x[j], x[j + half]). */
+    const int stride = a->mode == SKV_ROPE_NEOX ? 1 : 2;
+    const int other = a->mode == SKV_ROPE_NEOX ? half : 1;
+    float c[ROPE_MAX_DIM / 2], s[ROPE_MAX_DIM / 2];
+    (void)tid;
+
+    for (int64_t t = begin; t < end; t++) {
+        const double p_scaled = (double)a->pos[t] * a->freq_scale;
+        for (int j = 0; j < half; j++) {
+            const double ang = p_scaled * a->inv_freq[j];
+            c[j] = (float)cos(ang);
+            s[j] = (float)sin(ang);
+        }
+        for (int h = 0; h < a->n_heads; h++) {
+            float *x = a->x + (t * a->n_heads + h) * (int64_t)hd;
+            for (int j = 0; j < half; j++) {
+                float *x0 = x + j * stride, *x1 = x0 + other;
+                const float v0 = *x0, v1 = *x1;
+                *x0 = v0 * c[j] - v1 * s[j];
+                *x1 = v0 * s[j] + v1 * c[j];
+            }
+        }
+    }
+}
+
+static int rope_check(const struct skv_rope *r, int head_dim)
+{
+    if (r->mode != SKV_ROPE_NORM && r->mode != SKV_ROPE_NEOX)
+        return skv_errorf(SKV_E_INVAL, "rope: unknown mode %d", r->mode);
+    if (r->rot_dim <= 0 || r->rot_dim % 2 != 0 || r->rot_dim > head_dim ||
+        r->rot_dim > ROPE_MAX_DIM)
+        return skv_errorf(SKV_E_INVAL, "rope: rot_dim %d with head_dim %d", r->rot_dim,
+                          head_dim);
+    if (!(r->theta > 0.0f) || !isfinite(r->theta) || !(r->freq_scale > 0.0f) ||
+        !isfinite(r->freq_scale))
+        return skv_errorf(SKV_E_INVAL, "rope: theta %g freq_scale %g", (double)r->theta,
+                          (double)r->freq_scale);
+    if (r->l3_factor != 0.0f &&
+        (!(r->l3_factor > 0.0f) || !(r->l3_low_freq_factor > 0.0f) ||
+         !(r->l3_high_freq_factor > r->l3_low_freq_factor) || r->l3_original_ctx <= 0))
+        return skv_errorf(SKV_E_INVAL,
+                          "rope: llama3 scaling factor %g low %g high %g original ctx %d",
+                          (double)r->l3_factor, (double)r->l3_low_freq_factor,
+                          (double)r->l3_high_freq_factor, r->l3_original_ctx);
+    return SKV_OK;
+}
+
+int skv_cpu_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
+                 const int32_t *pos, const struct skv_rope *rope)
+{
+    if (n < 0 || n_heads <= 0 || head_dim <= 0 || !rope)
+        return skv_errorf(SKV_E_INVAL, "rope: bad shape n=%d heads=%d head_dim=%d", n,
+                          n_heads, head_dim);
+    int rc = rope_check(rope, head_dim);
+    if (rc < 0)
+        return rc;
+    if (n == 0)
+        return SKV_OK;
+    if (!x || !pos)
+        return skv_errorf(SKV_E_INVAL, "rope: NULL buffer");
+
+    struct rope_args a = {
+        .x = x,
+        .pos = pos,
+        .n_heads = n_heads,
+        .head_dim = head_dim,
+        .rot_dim = rope->rot_dim,
+        .mode = rope->mode,
+        .freq_scale = rope->freq_scale,
+    };
+    rope_inv_freq(rope, rope->rot_dim / 2, a.inv_freq);
+    int64_t grain = OPS_GRAIN_ELEMS / ((int64_t)n_heads * head_dim + rope->rot_dim * 8) + 1;
+    skv_cpu_parallel_for(be, n, grain, rope_tokens, &a);
+    return SKV_OK;
+}
+
+/* ---- swiglu, add ------------------------------------------------------------------ */
+
+struct binary_args {
+    float *out;
+    const float *a, *b;
+};
+
+static void swiglu_range(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct binary_args *a = p;
+    (void)tid;
+    for (int64_t i = begin; i < end; i++) {
+        const float g = a->a[i];
+        a->out[i] = g / (1.0f + expf(-g)) * a->b[i];
+    }
+}
+
+static void add_range(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct binary_args *a = p;
+    (void)tid;
+    add_vec(a->out, a->a, a->b, begin, end);
+}
+
+int skv_cpu_swiglu(struct skv_backend *be, float *out, const float *gate, const float *up,
+                   int64_t count)
+{
+    if (count < 0)
+        return skv_errorf(SKV_E_INVAL, "swiglu: count %lld", (long long)count);
+    if (count == 0)
+        return SKV_OK;
+    if (!out || !gate || !up)
+        return skv_errorf(SKV_E_INVAL, "swiglu: NULL buffer");
+    struct binary_args a = {.out = out, .a = gate, .b = up};
+    skv_cpu_parallel_for(be, count, OPS_GRAIN_ELEMS, swiglu_range, &a);
+    return SKV_OK;
+}
+
+int skv_cpu_add(struct skv_backend *be, float *out, const float *a, const float *b,
+                int64_t count)
+{
+    if (count < 0)
+        return skv_errorf(SKV_E_INVAL, "add: count %lld", (long long)count);
+    if (count == 0)
+        return SKV_OK;
+    if (!out || !a || !b)
+        return skv_errorf(SKV_E_INVAL, "add: NULL buffer");
+    struct binary_args args = {.out = out, .a = a, .b = b};
+    skv_cpu_parallel_for(be, count, 4 * OPS_GRAIN_ELEMS, add_range, &args);
+    return SKV_OK;
+}

@@ -1,0 +1,134 @@
+/* Fixture lookup for the tests (see fixture.h). */
+#include "tests/common/fixture.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+char *fixture_path(const char *rel)
+{
+    const char *src = getenv("SKV_SRCDIR");
+    if (!src || !*src)
+        src = ".";
+    size_t n = strlen(src) + strlen(rel) + 2;
+    char *p = malloc(n);
+    if (p)
+        snprintf(p, n, "%s/%s", src, rel);
+    return p;
+}
+
+char *fixture_model_path(void)
+{
+    const char *env = getenv("SKV_MODEL");
+    char *p = env && *env ? strdup(env) : fixture_path("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    struct stat sb;
+    if (p && stat(p, &sb) != 0) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+void *fixture_read(const char *rel, size_t *size)
+{
+    char *path = fixture_path(rel);
+    FILE *f = path ? fopen(path, "rb") : NULL;
+    free(path);
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    void *buf = malloc(len > 0 ? (size_t)len : 1);
+    if (buf && fread(buf, 1, (size_t)len, f) != (size_t)len) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    if (buf && size)
+        *size = (size_t)len;
+    return buf;
+}
+
+json_t *fixture_json(const char *rel)
+{
+    char *path = fixture_path(rel);
+    json_error_t err;
+    json_t *j = path ? json_load_file(path, 0, &err) : NULL;
+    free(path);
+    return j;
+}
+
+static int copy_file(const char *from, const char *to)
+{
+    FILE *in = fopen(from, "rb"), *out = in ? fopen(to, "wb") : NULL;
+    char buf[65536];
+    size_t n;
+    int rc = in && out ? 0 : -1;
+    while (rc == 0 && (n = fread(buf, 1, sizeof buf, in)) > 0)
+        if (fwrite(buf, 1, n, out) != n)
+            rc = -1;
+    if (in)
+        fclose(in);
+    if (out)
+        fclose(out);
+    return rc;
+}
+
+char *fixture_stage_dir(const char *rel)
+{
+    char *src = fixture_path(rel);
+    char tmpl[] = "/tmp/skv-fixture-XXXXXX";
+    char *dst = mkdtemp(tmpl) ? strdup(tmpl) : NULL;
+    DIR *d = src && dst ? opendir(src) : NULL;
+    if (!d) {
+        free(src);
+        if (dst)
+            rmdir(dst);
+        free(dst);
+        return NULL;
+    }
+    struct dirent *de;
+    int rc = 0;
+    while (rc == 0 && (de = readdir(d))) {
+        if (de->d_name[0] == '.')
+            continue;
+        char from[4096], to[4096];
+        snprintf(from, sizeof from, "%s/%s", src, de->d_name);
+        snprintf(to, sizeof to, "%s/%s", dst, de->d_name);
+        size_t len = strlen(to);
+        if (len > 8 && strcmp(to + len - 8, ".fixture") == 0)
+            to[len - 8] = '\0';
+        rc = copy_file(from, to);
+    }
+    closedir(d);
+    free(src);
+    if (rc) {
+        fixture_remove_dir(dst);
+        return NULL;
+    }
+    return dst;
+}
+
+void fixture_remove_dir(char *path)
+{
+    if (!path)
+        return;
+    DIR *d = opendir(path);
+    if (d) {
+        struct dirent *de;
+        while ((de = readdir(d))) {
+            if (de->d_name[0] == '.')
+                continue;
+            char p[4096];
+            snprintf(p, sizeof p, "%s/%s", path, de->d_name);
+            unlink(p);
+        }
+        closedir(d);
+    }
+    rmdir(path);
+    free(path);
+}

@@ -1,0 +1,24 @@
+/* Test helpers: where fixtures and the model are, reading binary fixtures and JSON. */
+#ifndef SKV_TEST_FIXTURE_H
+#define SKV_TEST_FIXTURE_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+/* $SKV_SRCDIR/rel (SKV_SRCDIR defaults to "."); static buffer per call site is not needed:
+ * returns a malloc'd string. */
+char *fixture_path(const char *rel);
+/* The default model ($SKV_MODEL or $SKV_SRCDIR/models/SmolLM2-135M-Instruct.Q4_1.gguf);
+ * NULL when the file does not exist. malloc'd. */
+char *fixture_model_path(void);
+/* Reads a whole fixture file; NULL when missing. *size gets its length. */
+void *fixture_read(const char *rel, size_t *size);
+/* Loads a JSON fixture; NULL when missing or invalid. */
+json_t *fixture_json(const char *rel);
+/* Copies directory `rel` to a fresh temporary directory, renaming files that end in
+ * ".fixture" to drop that suffix (weights-like fixtures are committed under that suffix).
+ * Returns the temporary path (malloc'd) or NULL. */
+char *fixture_stage_dir(const char *rel);
+void fixture_remove_dir(char *path);
+
+#endif

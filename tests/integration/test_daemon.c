@@ -1,0 +1,314 @@
+/* The real daemon on temporary ipc endpoints with the default model, driven by several
+ * client processes through libsnapkv: handshake, admin commands, errors, a second daemon
+ * on the same endpoint, malformed frames, and SIGTERM. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "libclient/snapkv.h"
+
+struct daemon {
+    pid_t pid;
+    char dir[64];
+    char endpoint[128];
+    char admin[128];
+    char log[128];
+};
+
+static char *model_path(void)
+{
+    const char *env = getenv("SKV_MODEL");
+    const char *src = getenv("SKV_SRCDIR") ? getenv("SKV_SRCDIR") : ".";
+    char *p = malloc(4096);
+    if (env && *env)
+        snprintf(p, 4096, "%s", env);
+    else
+        snprintf(p, 4096, "%s/models/SmolLM2-135M-Instruct.Q4_1.gguf", src);
+    struct stat sb;
+    if (stat(p, &sb) != 0) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+static pid_t spawn_daemon(const struct daemon *d, const char *model)
+{
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char exe[4096];
+    snprintf(exe, sizeof exe, "%s/snapkvd", build);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char ep[160], aep[160], mo[4200], sd[120];
+        snprintf(ep, sizeof ep, "--endpoint=%s", d->endpoint);
+        snprintf(aep, sizeof aep, "--admin-endpoint=%s", d->admin);
+        snprintf(mo, sizeof mo, "--model=%s", model);
+        snprintf(sd, sizeof sd, "--state-dir=%s", d->dir);
+        FILE *f = freopen(d->log, "a", stderr);
+        (void)f;
+        execl(exe, exe, ep, aep, mo, sd, "--threads=1", "--backend=cpu", "--log-level=debug", (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+/* Waits until HELLO answers (the model is loaded); false after ~60 s or if the daemon died. */
+static bool wait_ready(struct daemon *d)
+{
+    for (int i = 0; i < 600; i++) {
+        int st;
+        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+            d->pid = 0;
+            return false;
+        }
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.timeout_ms = 200};
+        if (snapkv_connect(d->endpoint, &o, &c) == SNAPKV_OK) {
+            snapkv_close(&c);
+            return true;
+        }
+        usleep(100 * 1000);
+    }
+    return false;
+}
+
+static int setup(void **state)
+{
+    char *model = model_path();
+    if (!model) {
+        *state = NULL;
+        return 0;
+    }
+    struct daemon *d = calloc(1, sizeof *d);
+    snprintf(d->dir, sizeof d->dir, "/tmp/skv-it-XXXXXX");
+    if (!mkdtemp(d->dir))
+        return -1;
+    snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
+    snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
+    snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
+    d->pid = spawn_daemon(d, model);
+    free(model);
+    if (!wait_ready(d)) {
+        fprintf(stderr, "daemon did not come up; see %s\n", d->log);
+        return -1;
+    }
+    *state = d;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    struct daemon *d = *state;
+    if (!d)
+        return 0;
+    if (d->pid > 0) {
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, NULL, 0);
+    }
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", d->dir);
+    if (system(cmd) != 0)
+        return -1;
+    free(d);
+    return 0;
+}
+
+#define NEED_DAEMON(d)                                                                             \
+    struct daemon *d = *state;                                                                     \
+    if (!d)                                                                                        \
+        skip();
+
+static void test_hello(void **state)
+{
+    NEED_DAEMON(d);
+    snapkv_client_t *c = NULL;
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
+    struct snapkv_server_info in;
+    assert_int_equal(snapkv_server_info(c, &in), SNAPKV_OK);
+    assert_int_equal(in.n_layers, 30);
+    assert_int_equal(in.n_heads, 9);
+    assert_int_equal(in.n_kv_heads, 3);
+    assert_int_equal(in.head_dim, 64);
+    assert_int_equal(in.n_vocab, 49152);
+    assert_string_equal(in.backend, "cpu");
+    assert_int_equal(strlen(in.model_fingerprint), 64);
+    snapkv_close(&c);
+    assert_null(c);
+    snapkv_close(&c); /* NULL is fine */
+}
+
+static void test_admin(void **state)
+{
+    NEED_DAEMON(d);
+    snapkv_client_t *a = NULL;
+    assert_int_equal(snapkv_connect(d->admin, NULL, &a), SNAPKV_OK);
+    struct snapkv_status_info s;
+    assert_int_equal(snapkv_admin_status(a, &s), SNAPKV_OK);
+    assert_string_equal(s.backend, "cpu");
+    assert_int_equal(s.threads, 1);
+    assert_int_equal(s.pool_bytes_total, UINT64_C(1) << 30);
+    snapkv_close(&a);
+}
+
+static void count_entries(void *user, const char *key, const char *value, const char *help)
+{
+    int *n = user;
+    (*n)++;
+    assert_non_null(help);
+    if (strcmp(key, "threads") == 0)
+        assert_string_equal(value, "1");
+}
+
+static void test_config_get(void **state)
+{
+    NEED_DAEMON(d);
+    snapkv_client_t *a = NULL;
+    assert_int_equal(snapkv_connect(d->admin, NULL, &a), SNAPKV_OK);
+    int n = 0;
+    assert_int_equal(snapkv_admin_config_get(a, NULL, count_entries, &n), SNAPKV_OK);
+    assert_true(n >= 15);
+    n = 0;
+    assert_int_equal(snapkv_admin_config_get(a, "threads", count_entries, &n), SNAPKV_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(snapkv_admin_config_get(a, "no-such-key", count_entries, &n), SNAPKV_E_NOT_FOUND);
+    assert_non_null(strstr(snapkv_last_error(), "no-such-key"));
+    snapkv_close(&a);
+}
+
+static void test_admin_on_client_socket_refused(void **state)
+{
+    NEED_DAEMON(d);
+    snapkv_client_t *c = NULL;
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
+    struct snapkv_status_info s;
+    assert_int_equal(snapkv_admin_status(c, &s), SNAPKV_E_PERM);
+    assert_non_null(strstr(snapkv_last_error(), "admin"));
+    snapkv_close(&c);
+}
+
+/* Raw frames that are not requests get a PROTO reply; the daemon keeps serving. */
+static void test_malformed(void **state)
+{
+    NEED_DAEMON(d);
+    void *ctx = zmq_ctx_new();
+    void *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0, tmo = 5000;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+    assert_int_equal(zmq_connect(s, d->endpoint), 0);
+    const char junk[] = "\xff\xff\xff\xff this is not protobuf";
+    assert_true(zmq_send(s, junk, sizeof junk, 0) >= 0);
+    char buf[4096];
+    int n = zmq_recv(s, buf, sizeof buf, 0);
+    assert_true(n > 0);
+    /* field 3 (status, sint32 zigzag) = SKV_E_PROTO (-5) -> zigzag 9: bytes 0x18 0x09 */
+    bool found = false;
+    for (int i = 0; i + 1 < n; i++)
+        found |= buf[i] == 0x18 && buf[i + 1] == 0x09;
+    assert_true(found);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+    /* still serving */
+    snapkv_client_t *c = NULL;
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
+    snapkv_close(&c);
+}
+
+static void test_many_clients(void **state)
+{
+    NEED_DAEMON(d);
+    enum { N = 8 };
+    pid_t kids[N];
+    for (int i = 0; i < N; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            int bad = 0;
+            for (int k = 0; k < 20; k++) {
+                snapkv_client_t *c = NULL;
+                char tenant[32];
+                snprintf(tenant, sizeof tenant, "tenant-%d", i);
+                struct snapkv_connect_opts o = {.tenant = tenant};
+                if (snapkv_connect(k % 2 ? d->admin : d->endpoint, &o, &c) != SNAPKV_OK) {
+                    bad++;
+                    continue;
+                }
+                struct snapkv_status_info s;
+                if (k % 2 && snapkv_admin_status(c, &s) != SNAPKV_OK)
+                    bad++;
+                snapkv_close(&c);
+            }
+            _exit(bad ? 1 : 0);
+        }
+    }
+    for (int i = 0; i < N; i++) {
+        int st;
+        assert_int_equal(waitpid(kids[i], &st, 0), kids[i]);
+        assert_true(WIFEXITED(st));
+        assert_int_equal(WEXITSTATUS(st), 0);
+    }
+}
+
+static void test_second_daemon_refused(void **state)
+{
+    NEED_DAEMON(d);
+    char *model = model_path();
+    struct daemon second = *d;
+    snprintf(second.log, sizeof second.log, "%s/second.log", d->dir);
+    pid_t pid = spawn_daemon(&second, model);
+    free(model);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st));
+    assert_int_not_equal(WEXITSTATUS(st), 0);
+    FILE *f = fopen(second.log, "r");
+    assert_non_null(f);
+    char line[1024];
+    bool said = false;
+    while (fgets(line, sizeof line, f))
+        said |= strstr(line, "another snapkvd") != NULL;
+    fclose(f);
+    assert_true(said);
+    /* the first one still answers */
+    snapkv_client_t *c = NULL;
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
+    snapkv_close(&c);
+}
+
+static void test_sigterm(void **state)
+{
+    NEED_DAEMON(d);
+    assert_int_equal(kill(d->pid, SIGTERM), 0);
+    int st;
+    assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
+    d->pid = 0;
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    struct stat sb;
+    assert_int_not_equal(stat(d->endpoint + 6, &sb), 0); /* socket file removed */
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hello),
+        cmocka_unit_test(test_admin),
+        cmocka_unit_test(test_config_get),
+        cmocka_unit_test(test_admin_on_client_socket_refused),
+        cmocka_unit_test(test_malformed),
+        cmocka_unit_test(test_many_clients),
+        cmocka_unit_test(test_second_daemon_refused),
+        cmocka_unit_test(test_sigterm),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

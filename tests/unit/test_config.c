@@ -1,0 +1,130 @@
+/* The option table: defaults, parsing of sizes / integers / booleans, range checks, the
+ * config file reader with its error positions, and CONFIG GET formatting. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/status.h"
+#include "daemon/config.h"
+
+static void test_defaults(void **state)
+{
+    (void)state;
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    assert_string_equal(cfg.backend, "auto");
+    assert_int_equal(cfg.pool_size, INT64_C(1) << 30);
+    assert_int_equal(cfg.max_prompt_tokens, 8192);
+    assert_true(cfg.foreground);
+    char buf[256];
+    assert_int_equal(skv_config_get(&cfg, "pool-size", buf, sizeof buf), SKV_OK);
+    assert_string_equal(buf, "1073741824");
+    assert_int_equal(skv_config_get(&cfg, "foreground", buf, sizeof buf), SKV_OK);
+    assert_string_equal(buf, "yes");
+    assert_int_equal(skv_config_get(&cfg, "nope", buf, sizeof buf), SKV_E_NOT_FOUND);
+    skv_config_free(&cfg);
+}
+
+static void test_sizes(void **state)
+{
+    (void)state;
+    int64_t v;
+    assert_int_equal(skv_parse_size("4G", &v), SKV_OK);
+    assert_int_equal(v, INT64_C(4) << 30);
+    assert_int_equal(skv_parse_size("512M", &v), SKV_OK);
+    assert_int_equal(v, INT64_C(512) << 20);
+    assert_int_equal(skv_parse_size("1.5K", &v), SKV_OK);
+    assert_int_equal(v, 1536);
+    assert_int_equal(skv_parse_size("2GiB", &v), SKV_OK);
+    assert_int_equal(v, INT64_C(2) << 30);
+    assert_int_equal(skv_parse_size("12", &v), SKV_OK);
+    assert_int_equal(v, 12);
+    assert_int_equal(skv_parse_size("x", &v), SKV_E_INVAL);
+    assert_int_equal(skv_parse_size("-1G", &v), SKV_E_INVAL);
+    assert_int_equal(skv_parse_size("4Q", &v), SKV_E_INVAL);
+    assert_int_equal(skv_parse_size("99999999T", &v), SKV_E_INVAL);
+}
+
+static void test_set(void **state)
+{
+    (void)state;
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "threads", "4"), SKV_OK);
+    assert_int_equal(cfg.threads, 4);
+    assert_int_equal(skv_config_set(&cfg, "threads", "-1"), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "threads"));
+    assert_int_equal(skv_config_set(&cfg, "threads", "4x"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "pool-size", "10"), SKV_E_INVAL); /* below 1 MiB */
+    assert_int_equal(skv_config_set(&cfg, "foreground", "no"), SKV_OK);
+    assert_false(cfg.foreground);
+    assert_int_equal(skv_config_set(&cfg, "foreground", "maybe"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "model", "/x/y.gguf"), SKV_OK);
+    assert_string_equal(cfg.model, "/x/y.gguf");
+    assert_int_equal(skv_config_set(&cfg, "unknown-key", "1"), SKV_E_NOT_FOUND);
+    skv_config_free(&cfg);
+}
+
+static char *write_temp(const char *text)
+{
+    char tmpl[] = "/tmp/skv-conf-XXXXXX";
+    int fd = mkstemp(tmpl);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    return strdup(tmpl);
+}
+
+static void test_file(void **state)
+{
+    (void)state;
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    char *ok = write_temp("# comment\n\nthreads = 3   # trailing\npool-size=2G\n  backend = cpu\n");
+    assert_int_equal(skv_config_load_file(&cfg, ok), SKV_OK);
+    assert_int_equal(cfg.threads, 3);
+    assert_int_equal(cfg.pool_size, INT64_C(2) << 30);
+    assert_string_equal(cfg.backend, "cpu");
+    char *bad = write_temp("threads = 2\nnot a pair\n");
+    assert_int_equal(skv_config_load_file(&cfg, bad), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), ":2:"));
+    char *unknown = write_temp("colour = blue\n");
+    assert_int_equal(skv_config_load_file(&cfg, unknown), SKV_E_NOT_FOUND);
+    assert_non_null(strstr(skv_error_msg(), "colour"));
+    assert_int_equal(skv_config_load_file(&cfg, "/nonexistent/snapkvd.conf"), SKV_E_IO);
+    unlink(ok);
+    unlink(bad);
+    unlink(unknown);
+    free(ok);
+    free(bad);
+    free(unknown);
+    skv_config_free(&cfg);
+}
+
+static void test_table_unique(void **state)
+{
+    (void)state;
+    size_t n;
+    const struct skv_config_option *o = skv_config_options(&n);
+    assert_true(n >= 15);
+    for (size_t i = 0; i < n; i++) {
+        assert_non_null(o[i].help);
+        for (size_t j = i + 1; j < n; j++)
+            assert_string_not_equal(o[i].name, o[j].name);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults), cmocka_unit_test(test_sizes), cmocka_unit_test(test_set),
+        cmocka_unit_test(test_file),     cmocka_unit_test(test_table_unique),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,72 @@
+/* Status codes: names, texts, the thread-local detail message, and that the public client
+ * codes equal the daemon's. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "libclient/snapkv.h"
+
+static void test_names(void **state)
+{
+    (void)state;
+    assert_string_equal(skv_status_str(SKV_OK), "ok");
+    assert_string_equal(skv_status_name(SKV_E_POOL_FULL), "SKV_E_POOL_FULL");
+    assert_string_equal(skv_status_str(SKV_E_INVAL), "invalid argument");
+    assert_string_equal(skv_status_str(12345), "unknown status");
+    for (int s = SKV_STATUS_MIN; s <= 0; s++) {
+        assert_non_null(skv_status_str(s));
+        assert_string_not_equal(skv_status_str(s), "unknown status");
+    }
+}
+
+static void test_error_message(void **state)
+{
+    (void)state;
+    skv_error_clear();
+    assert_string_equal(skv_error_msg(), "");
+    int rc = skv_errorf(SKV_E_FORMAT, "tensor %s at %d", "blk.0", 42);
+    assert_int_equal(rc, SKV_E_FORMAT);
+    assert_string_equal(skv_error_msg(), "tensor blk.0 at 42");
+    char big[2000];
+    memset(big, 'x', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    skv_errorf(SKV_E_IO, "%s", big); /* truncated, never overflows */
+    assert_true(strlen(skv_error_msg()) < sizeof big);
+}
+
+static void test_client_codes_match(void **state)
+{
+    (void)state;
+    assert_int_equal(SNAPKV_OK, SKV_OK);
+    assert_int_equal(SNAPKV_E_NOMEM, SKV_E_NOMEM);
+    assert_int_equal(SNAPKV_E_INVAL, SKV_E_INVAL);
+    assert_int_equal(SNAPKV_E_DEVICE, SKV_E_DEVICE);
+    assert_int_equal(SNAPKV_E_BUSY, SKV_E_BUSY);
+    assert_int_equal(SNAPKV_E_PROTO, SKV_E_PROTO);
+    assert_int_equal(SNAPKV_E_IO, SKV_E_IO);
+    assert_int_equal(SNAPKV_E_POOL_FULL, SKV_E_POOL_FULL);
+    assert_int_equal(SNAPKV_E_NOT_FOUND, SKV_E_NOT_FOUND);
+    assert_int_equal(SNAPKV_E_UNSUPPORTED, SKV_E_UNSUPPORTED);
+    assert_int_equal(SNAPKV_E_FORMAT, SKV_E_FORMAT);
+    assert_int_equal(SNAPKV_E_LIMIT, SKV_E_LIMIT);
+    assert_int_equal(SNAPKV_E_PERM, SKV_E_PERM);
+    assert_int_equal(SNAPKV_E_VERSION, SKV_E_VERSION);
+    assert_int_equal(SNAPKV_E_CANCELLED, SKV_E_CANCELLED);
+    assert_int_equal(SNAPKV_E_TIMEOUT, SKV_E_TIMEOUT);
+    assert_int_equal(SNAPKV_E_EXISTS, SKV_E_EXISTS);
+    assert_int_equal(SNAPKV_E_INTERNAL, SKV_E_INTERNAL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_names),
+        cmocka_unit_test(test_error_message),
+        cmocka_unit_test(test_client_codes_match),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,864 @@
+/* Tokenizer tests: ids identical to Hugging Face for the fixture strings (from the model's GGUF
+ * and from its tokenizer.json), decode round trips, special tokens, byte tokens, chat rendering,
+ * error paths, and the pre-tokenizer families on a small vocabulary through in-memory GGUFs. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+
+#include "common/status.h"
+#include "daemon/engine/gguf.h"
+#include "daemon/engine/tokenizer.h"
+
+struct fx {
+    char srcdir[1024];
+    char model[1200];
+    json_t *ids;  /* tests/fixtures/tokenizer_ids.json */
+    json_t *tiny; /* tests/fixtures/tokenizer_tiny_ids.json */
+    struct skv_gguf *g;
+    struct skv_tokenizer *gguf_tok; /* NULL when the model is missing */
+    struct skv_tokenizer *json_tok;
+};
+
+static json_t *load_json(const char *srcdir, const char *rel)
+{
+    char path[1400];
+    json_error_t err;
+    snprintf(path, sizeof path, "%s/%s", srcdir, rel);
+    json_t *j = json_load_file(path, JSON_ALLOW_NUL, &err);
+    if (j == NULL)
+        fprintf(stderr, "cannot load %s: line %d: %s\n", path, err.line, err.text);
+    return j;
+}
+
+static int setup(void **state)
+{
+    struct fx *f = calloc(1, sizeof *f);
+    if (f == NULL)
+        return -1;
+    const char *src = getenv("SKV_SRCDIR");
+    snprintf(f->srcdir, sizeof f->srcdir, "%s", src && *src ? src : ".");
+    const char *model = getenv("SKV_MODEL");
+    if (model && *model)
+        snprintf(f->model, sizeof f->model, "%s", model);
+    else
+        snprintf(f->model, sizeof f->model, "%s/models/SmolLM2-135M-Instruct.Q4_1.gguf", f->srcdir);
+    f->ids = load_json(f->srcdir, "tests/fixtures/tokenizer_ids.json");
+    f->tiny = load_json(f->srcdir, "tests/fixtures/tokenizer_tiny_ids.json");
+    if (f->ids == NULL || f->tiny == NULL)
+        return -1;
+    if (access(f->model, R_OK) == 0) {
+        if (skv_gguf_open(f->model, &f->g) != SKV_OK ||
+            skv_tokenizer_from_gguf(f->g, &f->gguf_tok) != SKV_OK) {
+            fprintf(stderr, "model tokenizer: %s\n", skv_error_msg());
+            return -1;
+        }
+    }
+    char path[1400];
+    snprintf(path, sizeof path, "%s/tests/fixtures/smollm2_tokenizer.json", f->srcdir);
+    if (skv_tokenizer_from_json(path, &f->json_tok) != SKV_OK) {
+        fprintf(stderr, "%s: %s\n", path, skv_error_msg());
+        return -1;
+    }
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    struct fx *f = *state;
+    skv_tokenizer_free(&f->gguf_tok);
+    skv_tokenizer_free(&f->json_tok);
+    skv_gguf_close(&f->g);
+    json_decref(f->ids);
+    json_decref(f->tiny);
+    free(f);
+    return 0;
+}
+
+static struct skv_tokenizer *need_model(struct fx *f)
+{
+    if (f->gguf_tok == NULL)
+        skip();
+    return f->gguf_tok;
+}
+
+/* The model's tokenizer, or the same one from the committed tokenizer.json without the model. */
+static struct skv_tokenizer *any_tok(struct fx *f)
+{
+    return f->gguf_tok != NULL ? f->gguf_tok : f->json_tok;
+}
+
+/* Encodes text and compares with the JSON array `want`; prints the first difference. */
+static bool ids_match(const struct skv_tokenizer *tok, const char *text, size_t len, bool special,
+                      const json_t *want, const char *what)
+{
+    size_t nw = json_array_size(want);
+    int32_t *ids = malloc((nw + len + 4) * sizeof *ids);
+    int n = -1;
+    int rc = skv_tokenizer_encode(tok, text, len, false, special, ids, (int)(nw + len + 4), &n);
+    bool ok = rc == SKV_OK && (size_t)n == nw;
+    for (size_t i = 0; ok && i < nw; i++)
+        ok = ids[i] == (int32_t)json_integer_value(json_array_get(want, i));
+    if (!ok) {
+        fprintf(stderr, "[%s] mismatch (rc %d, %d ids vs %zu) for \"%.60s\":\n  got ", what, rc, n, nw,
+                text);
+        for (int i = 0; i < n && i < 24; i++)
+            fprintf(stderr, " %d", ids[i]);
+        fprintf(stderr, "\n  want");
+        for (size_t i = 0; i < nw && i < 24; i++)
+            fprintf(stderr, " %lld", (long long)json_integer_value(json_array_get(want, i)));
+        fprintf(stderr, "\n");
+    }
+    free(ids);
+    return ok;
+}
+
+static void check_fixture_ids(const struct skv_tokenizer *tok, const json_t *fx, const char *what)
+{
+    const json_t *strings = json_object_get(fx, "strings");
+    size_t i, bad = 0;
+    const json_t *e;
+    assert_true(json_array_size(strings) >= 300);
+    json_array_foreach(strings, i, e) {
+        const json_t *t = json_object_get(e, "text");
+        const char *s = json_string_value(t);
+        size_t len = json_string_length(t);
+        if (!ids_match(tok, s, len, true, json_object_get(e, "ids"), what))
+            bad++;
+        if (!ids_match(tok, s, len, false, json_object_get(e, "ids_plain"), what))
+            bad++;
+    }
+    assert_int_equal(bad, 0);
+}
+
+static void test_gguf_ids(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = need_model(f);
+    assert_int_equal(skv_tokenizer_n_vocab(tok), 49152);
+    check_fixture_ids(tok, f->ids, "gguf");
+}
+
+static void test_json_ids(void **state)
+{
+    struct fx *f = *state;
+    assert_int_equal(skv_tokenizer_n_vocab(f->json_tok), 49152);
+    check_fixture_ids(f->json_tok, f->ids, "json");
+}
+
+/* Length of the decoded text (it may hold NUL bytes, so not strlen). */
+static size_t decoded_len(const struct skv_tokenizer *tok, const int32_t *ids, int n)
+{
+    size_t total = 0, len = 0;
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(skv_tokenizer_token_bytes(tok, ids[i], NULL, 0, &len) <= 0, 1);
+        total += len;
+    }
+    return total;
+}
+
+static void check_roundtrip(const struct skv_tokenizer *tok, const char *s, size_t len)
+{
+    int32_t *ids = malloc((len + 1) * sizeof *ids);
+    int n = 0;
+    char *out = NULL;
+    assert_int_equal(skv_tokenizer_encode(tok, s, len, false, false, ids, (int)len + 1, &n), SKV_OK);
+    assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+    size_t out_len = decoded_len(tok, ids, n);
+    if (out_len != len || memcmp(out, s, len) != 0)
+        fprintf(stderr, "round trip failed for \"%.60s\" -> \"%.60s\"\n", s, out);
+    assert_int_equal(out_len, len);
+    assert_memory_equal(out, s, len);
+    assert_int_equal(out[len], '\0');
+    free(out);
+    free(ids);
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+static size_t put_utf8(uint32_t cp, char *o)
+{
+    if (cp < 0x80) {
+        o[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        o[0] = (char)(0xc0 | (cp >> 6));
+        o[1] = (char)(0x80 | (cp & 0x3f));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        o[0] = (char)(0xe0 | (cp >> 12));
+        o[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        o[2] = (char)(0x80 | (cp & 0x3f));
+        return 3;
+    }
+    o[0] = (char)(0xf0 | (cp >> 18));
+    o[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+    o[2] = (char)(0x80 | ((cp >> 6) & 0x3f));
+    o[3] = (char)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
+/* Random valid UTF-8 mixing ASCII, whitespace, digits, Latin, CJK, emoji, combining marks. */
+static size_t random_text(uint64_t *rng, char *buf, size_t max_chars)
+{
+    static const uint32_t ranges[][2] = {
+        {0x20, 0x7e}, {0x20, 0x7e}, {0x20, 0x7e}, {'0', '9'}, {0x09, 0x0d}, {0xa0, 0x17f},
+        {0x300, 0x36f}, {0x391, 0x3c9}, {0x400, 0x44f}, {0x600, 0x6ff}, {0x4e00, 0x9fff},
+        {0x3040, 0x30ff}, {0xac00, 0xd7a3}, {0x1f300, 0x1f64f}, {0x2000, 0x206f}, {0x10000, 0x10ffff},
+    };
+    size_t n = 0, chars = 1 + rng_next(rng) % max_chars;
+    for (size_t i = 0; i < chars; i++) {
+        const uint32_t *r = ranges[rng_next(rng) % (sizeof ranges / sizeof ranges[0])];
+        uint32_t cp = r[0] + (uint32_t)(rng_next(rng) % (r[1] - r[0] + 1));
+        /* surrogates; characters needing a byte SmolLM2's vocabulary lacks (HF drops those):
+         * controls 04 06 13 14 16 1d and lead bytes f1 f2 (U+40000..U+BFFFF) */
+        if ((cp >= 0xd800 && cp <= 0xdfff) || cp == 0x04 || cp == 0x06 || cp == 0x13 || cp == 0x14 ||
+            cp == 0x16 || cp == 0x1d || (cp >= 0x40000 && cp < 0xc0000))
+            cp = 'x';
+        n += put_utf8(cp, buf + n);
+    }
+    return n;
+}
+
+static void test_roundtrip(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    const json_t *strings = json_object_get(f->ids, "strings");
+    bool missing[256];
+    for (int b = 0; b < 256; b++) {
+        char c = (char)b;
+        int n = -1;
+        assert_int_equal(skv_tokenizer_encode(tok, &c, 1, false, false, NULL, 0, &n) <= 0, 1);
+        missing[b] = n == 0;
+    }
+    size_t i, n_rt = 0;
+    const json_t *e;
+    json_array_foreach(strings, i, e) {
+        const json_t *t = json_object_get(e, "text");
+        const char *s = json_string_value(t);
+        size_t len = json_string_length(t);
+        if (json_is_true(json_object_get(e, "roundtrip"))) {
+            check_roundtrip(tok, s, len);
+            check_roundtrip(f->json_tok, s, len);
+            n_rt++;
+            continue;
+        }
+        /* HF cannot give these back either: bytes without a token are dropped, nothing else */
+        char *want = malloc(len + 1);
+        size_t nw = 0;
+        for (size_t k = 0; k < len; k++)
+            if (!missing[(uint8_t)s[k]])
+                want[nw++] = s[k];
+        assert_true(nw < len);
+        int32_t ids[1024];
+        int n = 0;
+        char *out = NULL;
+        assert_int_equal(skv_tokenizer_encode(tok, s, len, false, false, ids, 1024, &n), SKV_OK);
+        assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+        assert_int_equal(decoded_len(tok, ids, n), nw);
+        assert_memory_equal(out, want, nw);
+        free(out);
+        free(want);
+    }
+    assert_true(n_rt >= 300);
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    char buf[64 * 4 + 1];
+    for (int k = 0; k < 3000; k++) {
+        size_t len = random_text(&rng, buf, 64);
+        buf[len] = '\0';
+        check_roundtrip(tok, buf, len);
+    }
+}
+
+static void test_special(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    int32_t ids[64];
+    int n = 0;
+    assert_int_equal(skv_tokenizer_bos(tok), 1);
+    assert_int_equal(skv_tokenizer_eos(tok), 2);
+    assert_int_equal(skv_tokenizer_eot(tok), 2);
+    assert_false(skv_tokenizer_add_bos(tok));
+    for (int32_t id = 0; id < 17; id++)
+        assert_true(skv_tokenizer_is_special(tok, id));
+    assert_false(skv_tokenizer_is_special(tok, 17));
+    assert_false(skv_tokenizer_is_special(tok, 49151));
+    assert_false(skv_tokenizer_is_special(tok, -1));
+    assert_false(skv_tokenizer_is_special(tok, 49152));
+
+    const char *s = "<|im_start|>user\nHi<|im_end|>";
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, true, ids, 64, &n), SKV_OK);
+    assert_int_equal(ids[0], 1);
+    assert_int_equal(ids[n - 1], 2);
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, false, ids, 64, &n), SKV_OK);
+    for (int i = 0; i < n; i++)
+        assert_false(skv_tokenizer_is_special(tok, ids[i]));
+    /* add_bos is a request: SmolLM2 says add_bos_token = false, so nothing is added */
+    assert_int_equal(skv_tokenizer_encode(tok, "Hi", 2, true, true, ids, 64, &n), SKV_OK);
+    assert_int_equal(n, 1);
+    /* longest match: "<|im_start|>" not "<|im_start" prefix noise; adjacent specials */
+    s = "<|endoftext|><|im_start|><|im_end|>";
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, true, ids, 64, &n), SKV_OK);
+    assert_int_equal(n, 3);
+    assert_int_equal(ids[0], 0);
+    assert_int_equal(ids[1], 1);
+    assert_int_equal(ids[2], 2);
+    char *out = NULL;
+    assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+    assert_string_equal(out, s);
+    free(out);
+}
+
+static void test_token_bytes(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    int n_missing = 0;
+    for (int b = 0; b < 256; b++) {
+        char in = (char)b, buf[8];
+        int32_t ids[4];
+        int n = -1;
+        size_t len = 0;
+        /* a lone byte >= 0x80 is invalid UTF-8 and is still byte-level encoded */
+        assert_int_equal(skv_tokenizer_encode(tok, &in, 1, false, false, ids, 4, &n), SKV_OK);
+        if (n == 0) {
+            n_missing++;
+            continue;
+        }
+        assert_int_equal(n, 1);
+        assert_int_equal(skv_tokenizer_token_bytes(tok, ids[0], buf, sizeof buf, &len), SKV_OK);
+        assert_int_equal(len, 1);
+        assert_int_equal((uint8_t)buf[0], b);
+    }
+    /* SmolLM2 lacks 0x04 0x06 0x13 0x14 0x16 0x1d 0xc0 0xc1 0xf5..0xff: HF drops them */
+    assert_int_equal(n_missing, 21);
+
+    char buf[32];
+    size_t len = 0;
+    assert_int_equal(skv_tokenizer_token_bytes(tok, 1, buf, sizeof buf, &len), SKV_OK);
+    assert_int_equal(len, 12);
+    assert_memory_equal(buf, "<|im_start|>", 12);
+    int32_t ids[8];
+    int n = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, " Hello", 6, false, false, ids, 8, &n), SKV_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(skv_tokenizer_token_bytes(tok, ids[0], buf, sizeof buf, &len), SKV_OK);
+    assert_int_equal(len, 6);
+    assert_memory_equal(buf, " Hello", 6);
+    /* truncated: LIMIT, the full length reported, cap bytes written */
+    memset(buf, 0, sizeof buf);
+    assert_int_equal(skv_tokenizer_token_bytes(tok, ids[0], buf, 3, &len), SKV_E_LIMIT);
+    assert_int_equal(len, 6);
+    assert_memory_equal(buf, " He", 3);
+    assert_int_equal(skv_tokenizer_token_bytes(tok, ids[0], NULL, 0, &len), SKV_E_LIMIT);
+    assert_int_equal(len, 6);
+    assert_int_equal(skv_tokenizer_token_bytes(tok, 49152, buf, sizeof buf, &len), SKV_E_INVAL);
+    assert_int_equal(skv_tokenizer_token_bytes(tok, -1, buf, sizeof buf, &len), SKV_E_INVAL);
+    /* a multi-byte character split over byte tokens: each token holds a partial sequence */
+    const char *cjk = "\xf0\xa0\x9c\x8e"; /* U+2070E */
+    assert_int_equal(skv_tokenizer_encode(tok, cjk, 4, false, false, ids, 8, &n), SKV_OK);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(skv_tokenizer_token_bytes(tok, ids[i], buf + total, sizeof buf - total, &len),
+                         SKV_OK);
+        total += len;
+    }
+    assert_int_equal(total, 4);
+    assert_memory_equal(buf, cjk, 4);
+}
+
+static void check_chats(const struct skv_tokenizer *tok, const json_t *chats)
+{
+    size_t i;
+    const json_t *c;
+    assert_true(json_array_size(chats) >= 3);
+    json_array_foreach(chats, i, c) {
+        const json_t *m = json_object_get(c, "messages");
+        size_t n = json_array_size(m);
+        struct skv_chat_msg msgs[8];
+        assert_true(n <= 8);
+        for (size_t k = 0; k < n; k++) {
+            msgs[k].role = json_string_value(json_object_get(json_array_get(m, k), "role"));
+            msgs[k].content = json_string_value(json_object_get(json_array_get(m, k), "content"));
+        }
+        char *out = NULL;
+        bool gen = json_is_true(json_object_get(c, "add_generation_prompt"));
+        assert_int_equal(skv_tokenizer_chat_render(tok, msgs, (int)n, gen, &out), SKV_OK);
+        assert_string_equal(out, json_string_value(json_object_get(c, "text")));
+        assert_true(ids_match(tok, out, strlen(out), true, json_object_get(c, "ids"), "chat"));
+        free(out);
+    }
+}
+
+static void test_chat(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = need_model(f);
+    check_chats(tok, json_object_get(f->ids, "chats"));
+    struct skv_chat_msg m = {"user", "hi"};
+    char *out = NULL;
+    assert_int_equal(skv_tokenizer_chat_render(tok, &m, 0, true, &out), SKV_E_INVAL);
+    m.content = NULL;
+    assert_int_equal(skv_tokenizer_chat_render(tok, &m, 1, true, &out), SKV_E_INVAL);
+    /* the JSON fixture has no tokenizer_config.json next to it: no template */
+    m.content = "hi";
+    assert_int_equal(skv_tokenizer_chat_render(f->json_tok, &m, 1, true, &out), SKV_E_UNSUPPORTED);
+}
+
+static void test_errors(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    const char *s = "Hello world, this is a test.";
+    int32_t ids[64];
+    int n = -1, full = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, true, ids, 64, &full), SKV_OK);
+    assert_true(full > 3);
+    int32_t small[3] = {-7, -7, -7};
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, true, small, 2, &n), SKV_E_LIMIT);
+    assert_int_equal(n, full);
+    assert_int_equal(small[0], ids[0]);
+    assert_int_equal(small[1], ids[1]);
+    assert_int_equal(small[2], -7);
+    n = -1;
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, true, NULL, 0, &n), SKV_E_LIMIT);
+    assert_int_equal(n, full);
+    assert_int_equal(skv_tokenizer_encode(tok, "", 0, false, true, NULL, 0, &n), SKV_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(skv_tokenizer_encode(NULL, s, 3, false, true, ids, 64, &n), SKV_E_INVAL);
+    assert_int_equal(skv_tokenizer_encode(tok, NULL, 3, false, true, ids, 64, &n), SKV_E_INVAL);
+    assert_int_equal(skv_tokenizer_encode(tok, s, 3, false, true, NULL, 4, &n), SKV_E_INVAL);
+    assert_int_equal(skv_tokenizer_encode(tok, s, 3, false, true, ids, -1, &n), SKV_E_INVAL);
+    assert_int_equal(skv_tokenizer_encode(tok, s, 3, false, true, ids, 64, NULL), SKV_E_INVAL);
+    char *out = NULL;
+    int32_t bad = 49152;
+    assert_int_equal(skv_tokenizer_decode(tok, &bad, 1, &out), SKV_E_INVAL);
+    assert_null(out);
+    assert_int_equal(skv_tokenizer_decode(tok, NULL, 0, &out), SKV_OK);
+    assert_string_equal(out, "");
+    free(out);
+
+    struct skv_tokenizer *t2 = NULL;
+    char path[1400];
+    snprintf(path, sizeof path, "%s/tests/fixtures/no_such_tokenizer.json", f->srcdir);
+    assert_int_equal(skv_tokenizer_from_json(path, &t2), SKV_E_NOT_FOUND);
+    assert_null(t2);
+    snprintf(path, sizeof path, "%s/tests/fixtures/tokenizer_ids.json", f->srcdir);
+    assert_int_equal(skv_tokenizer_from_json(path, &t2), SKV_E_FORMAT); /* JSON, not a tokenizer */
+    assert_null(t2);
+    snprintf(path, sizeof path, "/tmp/skv_test_tok_%d.json", (int)getpid());
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fputs("{\"model\": {\"vocab\": {\"a\": 0}, \"merges\": [", fp);
+    fclose(fp);
+    assert_int_equal(skv_tokenizer_from_json(path, &t2), SKV_E_FORMAT); /* truncated */
+    fp = fopen(path, "w");
+    fputs("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b\"]},"
+          " \"pre_tokenizer\": {\"type\": \"ByteLevel\"}}", fp);
+    fclose(fp);
+    assert_int_equal(skv_tokenizer_from_json(path, &t2), SKV_E_FORMAT); /* merge result missing */
+    fp = fopen(path, "w");
+    fputs("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []},"
+          " \"pre_tokenizer\": {\"type\": \"Metaspace\"}}", fp);
+    fclose(fp);
+    assert_int_equal(skv_tokenizer_from_json(path, &t2), SKV_E_UNSUPPORTED);
+    unlink(path);
+    assert_int_equal(skv_tokenizer_from_gguf(NULL, &t2), SKV_E_INVAL);
+    skv_tokenizer_free(NULL);
+    skv_tokenizer_free(&t2);
+}
+
+static void test_invalid_utf8(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    /* invalid bytes (lone continuation, truncated sequences, overlong, surrogate) are
+     * encoded byte by byte and decode back exactly */
+    static const char *const cases[] = {
+        "ab\x80\x81 cd", "\xe4\xb8", "x\xe4\xb8 y", "\xed\xa0\x80 surrogate", "\xe0\x80\xaf overlong",
+        "ok \xf0\x9f\x98 trunc emoji", "\xc3", "caf\xc3", "<|im_start|>\x80<|im_end|>",
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *s = cases[i];
+        size_t len = strlen(s);
+        int32_t ids[64];
+        int n = 0;
+        char *out = NULL;
+        assert_int_equal(skv_tokenizer_encode(tok, s, len, false, true, ids, 64, &n), SKV_OK);
+        assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+        assert_string_equal(out, s);
+        free(out);
+    }
+    /* bytes that cannot occur in UTF-8 have no token in SmolLM2's vocabulary: dropped */
+    const char *s = "a\xff\xfe\xc0z";
+    int32_t ids[8];
+    int n = 0;
+    char *out = NULL;
+    assert_int_equal(skv_tokenizer_encode(tok, s, strlen(s), false, false, ids, 8, &n), SKV_OK);
+    assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+    assert_string_equal(out, "az");
+    free(out);
+}
+
+static void test_big_input(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    size_t cap = (1u << 20) + 8192, len = 0;
+    char *big = malloc(cap);
+    const json_t *strings = json_object_get(f->ids, "strings");
+    for (size_t k = 0; len < (1u << 20); k++) {
+        const json_t *e = json_array_get(strings, k % json_array_size(strings));
+        const json_t *t = json_object_get(e, "text");
+        size_t n = json_string_length(t);
+        if (!json_is_true(json_object_get(e, "roundtrip")) || len + n + 1 > cap)
+            continue;
+        memcpy(big + len, json_string_value(t), n);
+        len += n;
+        big[len++] = '\n';
+    }
+    int32_t *ids = malloc(len * sizeof *ids);
+    int n = 0;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_int_equal(skv_tokenizer_encode(tok, big, len, false, true, ids, (int)len, &n), SKV_OK);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    printf("    1 MiB mixed text: %d tokens in %.1f ms\n", n,
+           (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6);
+    char *out = NULL;
+    assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+    assert_int_equal(decoded_len(tok, ids, n), len);
+    assert_memory_equal(out, big, len);
+    free(out);
+    /* one 1 MiB word, one 1 MiB run of spaces: a single huge pre-token each */
+    memset(big, 'a', 1u << 20);
+    assert_int_equal(skv_tokenizer_encode(tok, big, 1u << 20, false, true, ids, (int)len, &n), SKV_OK);
+    assert_true(n > 0 && n < (1 << 20) / 2);
+    memset(big, ' ', 1u << 20);
+    assert_int_equal(skv_tokenizer_encode(tok, big, 1u << 20, false, true, ids, (int)len, &n), SKV_OK);
+    assert_true(n > 0);
+    free(ids);
+    free(big);
+}
+
+/* ---- the small vocabulary: tokenizer.json (+ tokenizer_config.json) and in-memory GGUFs ---- */
+
+static void test_tiny_json(void **state)
+{
+    struct fx *f = *state;
+    char path[1400];
+    struct skv_tokenizer *tok = NULL;
+    snprintf(path, sizeof path, "%s/tests/fixtures/tok_tiny/tokenizer.json", f->srcdir);
+    assert_int_equal(skv_tokenizer_from_json(path, &tok), SKV_OK);
+    assert_int_equal(skv_tokenizer_n_vocab(tok), json_integer_value(json_object_get(f->tiny, "n_vocab")));
+    assert_int_equal(skv_tokenizer_bos(tok), 0);
+    assert_int_equal(skv_tokenizer_eos(tok), 4); /* tokenizer_config.json: <|eot_id|> */
+    assert_int_equal(skv_tokenizer_eot(tok), 4);
+    assert_true(skv_tokenizer_add_bos(tok));
+    assert_true(skv_tokenizer_is_special(tok, 2));
+    assert_false(skv_tokenizer_is_special(tok, 1201)); /* <tool>: added, not special */
+
+    size_t i, bad = 0;
+    const json_t *e;
+    json_array_foreach(json_object_get(f->tiny, "strings"), i, e) {
+        const json_t *t = json_object_get(e, "text");
+        if (!ids_match(tok, json_string_value(t), json_string_length(t), true,
+                       json_object_get(e, "llama-bpe"), "tiny-json"))
+            bad++;
+        if (!ids_match(tok, json_string_value(t), json_string_length(t), false,
+                       json_object_get(e, "llama-bpe_plain"), "tiny-json-plain"))
+            bad++;
+        int32_t ids[4096];
+        int n = 0;
+        char *out = NULL;
+        assert_int_equal(skv_tokenizer_encode(tok, json_string_value(t), json_string_length(t), false,
+                                              false, ids, 4096, &n), SKV_OK);
+        assert_int_equal(skv_tokenizer_decode(tok, ids, n, &out), SKV_OK);
+        assert_memory_equal(out, json_string_value(t), json_string_length(t));
+        free(out);
+    }
+    assert_int_equal(bad, 0);
+    json_array_foreach(json_object_get(f->tiny, "with_bos"), i, e) {
+        const json_t *t = json_object_get(e, "text");
+        const json_t *want = json_object_get(e, "ids");
+        int32_t ids[4096];
+        int n = 0;
+        assert_int_equal(skv_tokenizer_encode(tok, json_string_value(t), json_string_length(t), true,
+                                              true, ids, 4096, &n), SKV_OK);
+        assert_int_equal(n, json_array_size(want));
+        for (int k = 0; k < n; k++)
+            assert_int_equal(ids[k], json_integer_value(json_array_get(want, (size_t)k)));
+    }
+    check_chats(tok, json_object_get(f->tiny, "chats"));
+    skv_tokenizer_free(&tok);
+    assert_null(tok);
+}
+
+/* tokenizer.json features beyond the GGUF families: Split behaviors, invert, String patterns,
+ * grouped Digits, an added token with lstrip/rstrip. */
+static void test_tiny_json_variants(void **state)
+{
+    struct fx *f = *state;
+    char dir[] = "/tmp/skv_test_tok_XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    const char *name;
+    const json_t *pre;
+    int n_variants = 0;
+    json_object_foreach(json_object_get(f->tiny, "json_variants"), name, pre) {
+        json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
+        assert_non_null(tj);
+        char key[64];
+        snprintf(key, sizeof key, "v:%s", name);
+        if (strcmp(name, "strip_tool") == 0) {
+            json_t *seq = json_pack("{s:s, s:[O, {s:s, s:b, s:b, s:b}]}", "type", "Sequence",
+                                    "pretokenizers", pre, "type", "ByteLevel", "add_prefix_space", 0,
+                                    "trim_offsets", 1, "use_regex", 0);
+            json_object_set_new(tj, "pre_tokenizer", seq);
+            size_t i;
+            json_t *a;
+            json_array_foreach(json_object_get(tj, "added_tokens"), i, a) {
+                if (strcmp(json_string_value(json_object_get(a, "content")), "<tool>") == 0) {
+                    json_object_set_new(a, "lstrip", json_true());
+                    json_object_set_new(a, "rstrip", json_true());
+                }
+            }
+        } else {
+            json_object_set(tj, "pre_tokenizer", (json_t *)pre);
+        }
+        assert_int_equal(json_dump_file(tj, path, 0), 0);
+        json_decref(tj);
+        struct skv_tokenizer *tok = NULL;
+        if (skv_tokenizer_from_json(path, &tok) != SKV_OK)
+            fprintf(stderr, "%s: %s\n", name, skv_error_msg());
+        assert_non_null(tok);
+        size_t i, bad = 0;
+        const json_t *e;
+        json_array_foreach(json_object_get(f->tiny, "strings"), i, e) {
+            const json_t *t = json_object_get(e, "text");
+            if (!ids_match(tok, json_string_value(t), json_string_length(t), true,
+                           json_object_get(e, key), key))
+                bad++;
+        }
+        assert_int_equal(bad, 0);
+        skv_tokenizer_free(&tok);
+        n_variants++;
+    }
+    assert_true(n_variants >= 7);
+    unlink(path);
+    rmdir(dir);
+}
+
+struct gbuf {
+    uint8_t *p;
+    size_t len, cap;
+    uint64_t n_kv;
+};
+
+static void gb_put(struct gbuf *b, const void *s, size_t n)
+{
+    if (b->len + n > b->cap) {
+        b->cap = (b->len + n) * 2;
+        b->p = realloc(b->p, b->cap);
+        assert_non_null(b->p);
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+}
+
+static void gb_u32(struct gbuf *b, uint32_t v) { gb_put(b, &v, 4); }
+static void gb_u64(struct gbuf *b, uint64_t v) { gb_put(b, &v, 8); }
+
+static void gb_str(struct gbuf *b, const char *s, size_t n)
+{
+    gb_u64(b, n);
+    gb_put(b, s, n);
+}
+
+static void gb_key(struct gbuf *b, const char *key, uint32_t type)
+{
+    gb_str(b, key, strlen(key));
+    gb_u32(b, type);
+    b->n_kv++;
+}
+
+static void gb_kv_str(struct gbuf *b, const char *key, const char *v)
+{
+    gb_key(b, key, 8);
+    gb_str(b, v, strlen(v));
+}
+
+static void gb_kv_u32(struct gbuf *b, const char *key, uint32_t v)
+{
+    gb_key(b, key, 4);
+    gb_u32(b, v);
+}
+
+static void gb_kv_bool(struct gbuf *b, const char *key, bool v)
+{
+    uint8_t x = v;
+    gb_key(b, key, 7);
+    gb_put(b, &x, 1);
+}
+
+/* A GGUF with no tensors holding the tiny tokenizer.json's vocabulary under `model`/`pre`. */
+static struct gbuf tiny_gguf(const json_t *tj, const char *model, const char *pre, const char *tmpl)
+{
+    struct gbuf b = {0};
+    gb_put(&b, "GGUF", 4);
+    gb_u32(&b, 3);
+    gb_u64(&b, 0);
+    gb_u64(&b, 0); /* n_kv, patched below */
+    gb_kv_str(&b, "general.architecture", "llama");
+    gb_kv_str(&b, "tokenizer.ggml.model", model);
+    if (pre != NULL)
+        gb_kv_str(&b, "tokenizer.ggml.pre", pre);
+
+    const json_t *vocab = json_object_get(json_object_get(tj, "model"), "vocab");
+    const json_t *added = json_object_get(tj, "added_tokens");
+    size_t n = json_object_size(vocab) + 1; /* + <tool>, the one added token outside model.vocab */
+    const char **names = calloc(n, sizeof *names);
+    int32_t *types = calloc(n, sizeof *types);
+    const char *key;
+    const json_t *v;
+    size_t i;
+    json_object_foreach((json_t *)vocab, key, v) {
+        names[json_integer_value(v)] = key;
+        types[json_integer_value(v)] = 1;
+    }
+    json_array_foreach(added, i, v) {
+        size_t id = (size_t)json_integer_value(json_object_get(v, "id"));
+        assert_true(id < n);
+        names[id] = json_string_value(json_object_get(v, "content"));
+        types[id] = json_is_true(json_object_get(v, "special")) ? 3 : 4;
+    }
+    gb_key(&b, "tokenizer.ggml.tokens", 9);
+    gb_u32(&b, 8);
+    gb_u64(&b, n);
+    for (i = 0; i < n; i++) {
+        assert_non_null(names[i]);
+        gb_str(&b, names[i], strlen(names[i]));
+    }
+    gb_key(&b, "tokenizer.ggml.token_type", 9);
+    gb_u32(&b, 5);
+    gb_u64(&b, n);
+    for (i = 0; i < n; i++)
+        gb_u32(&b, (uint32_t)types[i]);
+    const json_t *merges = json_object_get(json_object_get(tj, "model"), "merges");
+    gb_key(&b, "tokenizer.ggml.merges", 9);
+    gb_u32(&b, 8);
+    gb_u64(&b, json_array_size(merges));
+    json_array_foreach(merges, i, v) {
+        const char *l = json_string_value(json_array_get(v, 0));
+        const char *r = json_string_value(json_array_get(v, 1));
+        size_t nl = strlen(l), nr = strlen(r);
+        gb_u64(&b, nl + 1 + nr);
+        gb_put(&b, l, nl);
+        gb_put(&b, " ", 1);
+        gb_put(&b, r, nr);
+    }
+    gb_kv_u32(&b, "tokenizer.ggml.bos_token_id", 0);
+    gb_kv_u32(&b, "tokenizer.ggml.eos_token_id", 4);
+    gb_kv_bool(&b, "tokenizer.ggml.add_bos_token", true);
+    if (tmpl != NULL)
+        gb_kv_str(&b, "tokenizer.chat_template", tmpl);
+    memcpy(b.p + 16, &b.n_kv, 8);
+    free(names);
+    free(types);
+    return b;
+}
+
+static void test_tiny_gguf_pre(void **state)
+{
+    struct fx *f = *state;
+    json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
+    assert_non_null(tj);
+    static const char *const pres[] = {"llama-bpe", "qwen2", "tekken", "gpt2", "smollm"};
+    for (size_t p = 0; p < sizeof pres / sizeof pres[0]; p++) {
+        const char *tmpl = json_string_value(json_object_get(f->tiny, "chat_template"));
+        struct gbuf b = tiny_gguf(tj, "gpt2", pres[p], tmpl);
+        struct skv_gguf *g = NULL;
+        struct skv_tokenizer *tok = NULL;
+        assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+        if (skv_tokenizer_from_gguf(g, &tok) != SKV_OK)
+            fprintf(stderr, "%s: %s\n", pres[p], skv_error_msg());
+        assert_non_null(tok);
+        assert_int_equal(skv_tokenizer_eot(tok), 4);
+        assert_true(skv_tokenizer_add_bos(tok));
+        size_t i, bad = 0;
+        const json_t *e;
+        json_array_foreach(json_object_get(f->tiny, "strings"), i, e) {
+            const json_t *t = json_object_get(e, "text");
+            if (!ids_match(tok, json_string_value(t), json_string_length(t), true,
+                           json_object_get(e, pres[p]), pres[p]))
+                bad++;
+        }
+        assert_int_equal(bad, 0);
+        if (p == 0)
+            check_chats(tok, json_object_get(f->tiny, "chats"));
+        skv_tokenizer_free(&tok);
+        skv_gguf_close(&g);
+        free(b.p);
+    }
+    /* what the GGUF path refuses */
+    static const char *const bad_model[][2] = {{"llama", "default"}, {"gpt2", "no-such-pre"}};
+    for (size_t k = 0; k < 2; k++) {
+        struct gbuf b = tiny_gguf(tj, bad_model[k][0], bad_model[k][1], "{{ messages }}");
+        struct skv_gguf *g = NULL;
+        struct skv_tokenizer *tok = NULL;
+        assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+        assert_int_equal(skv_tokenizer_from_gguf(g, &tok), SKV_E_UNSUPPORTED);
+        assert_null(tok);
+        skv_gguf_close(&g);
+        free(b.p);
+    }
+    /* no pre key: GPT-2 default; an unknown chat template is refused at render time */
+    struct gbuf b = tiny_gguf(tj, "gpt2", NULL, "{{ messages }}");
+    struct skv_gguf *g = NULL;
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+    assert_int_equal(skv_tokenizer_from_gguf(g, &tok), SKV_OK);
+    const json_t *e = json_array_get(json_object_get(f->tiny, "strings"), 40);
+    const json_t *t = json_object_get(e, "text");
+    assert_true(ids_match(tok, json_string_value(t), json_string_length(t), true,
+                          json_object_get(e, "gpt2"), "gpt2-default"));
+    struct skv_chat_msg m = {"user", "hi"};
+    char *out = NULL;
+    assert_int_equal(skv_tokenizer_chat_render(tok, &m, 1, true, &out), SKV_E_UNSUPPORTED);
+    skv_tokenizer_free(&tok);
+    skv_gguf_close(&g);
+    free(b.p);
+    json_decref(tj);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_gguf_ids),    cmocka_unit_test(test_json_ids),
+        cmocka_unit_test(test_roundtrip),   cmocka_unit_test(test_special),
+        cmocka_unit_test(test_token_bytes), cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_errors),      cmocka_unit_test(test_invalid_utf8),
+        cmocka_unit_test(test_big_input),   cmocka_unit_test(test_tiny_json),
+        cmocka_unit_test(test_tiny_json_variants), cmocka_unit_test(test_tiny_gguf_pre),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,579 @@
+/* snapkv-bench: the in-process engine from the command line — tokenize, logits, generate —
+ * and the speed benchmark (prefill and decode tokens/s, peak memory) as JSON and a table.
+ * Tests and users drive the engine through the same subcommands. */
+#include "build-config.h"
+
+#include "common/status.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/model.h"
+#include "daemon/engine/sampler.h"
+#include "daemon/engine/tokenizer.h"
+#include "kernels/backend.h"
+
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+struct args {
+    const char *cmd;
+    const char *model;
+    const char *backend;
+    int threads;
+    bool json;
+    bool reference;
+    const char *prompt;
+    const char *prompt_file;
+    const char *tokens;
+    bool chat;
+    bool special;
+    bool bos;
+    int top;
+    bool all_logits;
+    int max_tokens;
+    float temperature, top_p;
+    int top_k;
+    uint64_t seed;
+    const char *prefill_sizes;
+    const char *decode_depths;
+    int decode_tokens;
+    int repeat;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static double peak_rss_mib(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss / 1024.0;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: snapkv-bench COMMAND --model PATH [--threads N] [--backend auto|cpu|cuda] [--json]\n"
+            "                    [--reference]\n"
+            "commands:\n"
+            "  tokenize [--special] [--bos]          stdin text -> token ids\n"
+            "  logits (--prompt T | --prompt-file F | --tokens 1,2,3) [--chat] [--top N] [--all]\n"
+            "                                        last-position logits (--all: every value)\n"
+            "  generate (--prompt T | --prompt-file F | --tokens ...) [--chat] [--max-tokens N]\n"
+            "           [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+            "  speed [--prefill 512,2048,8192] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
+            "        [--repeat R]                    prefill / decode tokens/s and peak memory\n"
+            "--reference: weights dequantized to f32 (the numerical reference mode).\n");
+}
+
+static char *read_all(FILE *f, size_t *len_out)
+{
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    size_t n;
+    while (buf && (n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += n;
+        if (cap - len < 2) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                return NULL;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    if (buf) {
+        buf[len] = '\0';
+        *len_out = len;
+    }
+    return buf;
+}
+
+static int fail(const char *what, int rc)
+{
+    fprintf(stderr, "snapkv-bench: %s: %s (%s)\n", what, skv_error_msg(), skv_status_str(rc));
+    return 1;
+}
+
+/* Prompt ids from --tokens, or text (--prompt / --prompt-file, optionally as one chat turn). */
+static int prompt_ids(const struct args *a, const struct skv_model *m, int32_t **ids_out, int *n_out)
+{
+    if (a->tokens) {
+        int cap = 16, n = 0;
+        int32_t *ids = malloc((size_t)cap * sizeof *ids);
+        const char *p = a->tokens;
+        while (ids && *p) {
+            char *end;
+            long v = strtol(p, &end, 10);
+            if (end == p)
+                return free(ids), skv_errorf(SKV_E_INVAL, "--tokens: expected comma-separated ids");
+            if (n == cap && !(ids = realloc(ids, (size_t)(cap *= 2) * sizeof *ids)))
+                return SKV_E_NOMEM;
+            ids[n++] = (int32_t)v;
+            p = *end == ',' ? end + 1 : end;
+        }
+        *ids_out = ids;
+        *n_out = n;
+        return ids ? SKV_OK : SKV_E_NOMEM;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    if (a->prompt_file) {
+        FILE *f = fopen(a->prompt_file, "rb");
+        if (!f)
+            return skv_errorf(SKV_E_IO, "cannot open %s", a->prompt_file);
+        text = read_all(f, &len);
+        fclose(f);
+    } else if (a->prompt) {
+        text = strdup(a->prompt);
+        len = text ? strlen(text) : 0;
+    } else {
+        return skv_errorf(SKV_E_INVAL, "give --prompt, --prompt-file or --tokens");
+    }
+    if (!text)
+        return SKV_E_NOMEM;
+    if (!m->tok)
+        return free(text), skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer; use --tokens");
+    int rc;
+    if (a->chat) {
+        struct skv_chat_msg msg = {"user", text};
+        char *rendered = NULL;
+        rc = skv_tokenizer_chat_render(m->tok, &msg, 1, true, &rendered);
+        free(text);
+        if (rc)
+            return rc;
+        text = rendered;
+        len = strlen(text);
+    }
+    int n = 0;
+    rc = skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), a->chat, NULL, 0, &n);
+    int32_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+    if (!ids)
+        return free(text), SKV_E_NOMEM;
+    rc = skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), a->chat, ids, n, &n);
+    free(text);
+    if (rc)
+        return free(ids), rc;
+    *ids_out = ids;
+    *n_out = n;
+    return SKV_OK;
+}
+
+static json_t *ids_json(const int32_t *ids, int n)
+{
+    json_t *arr = json_array();
+    for (int i = 0; i < n; i++)
+        json_array_append_new(arr, json_integer(ids[i]));
+    return arr;
+}
+
+static void emit(json_t *j)
+{
+    char *s = json_dumps(j, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    if (s) {
+        puts(s);
+        free(s);
+    }
+}
+
+static int cmd_tokenize(const struct args *a, struct skv_model *m)
+{
+    size_t len;
+    char *text = read_all(stdin, &len);
+    if (!text)
+        return 1;
+    int n = 0, rc = skv_tokenizer_encode(m->tok, text, len, a->bos, a->special, NULL, 0, &n);
+    int32_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+    rc = ids ? skv_tokenizer_encode(m->tok, text, len, a->bos, a->special, ids, n, &n) : SKV_E_NOMEM;
+    free(text);
+    if (rc)
+        return free(ids), fail("tokenize", rc);
+    if (a->json) {
+        json_t *j = ids_json(ids, n);
+        emit(j);
+        json_decref(j);
+    } else {
+        for (int i = 0; i < n; i++)
+            printf("%s%d", i ? " " : "", ids[i]);
+        printf("\n");
+    }
+    free(ids);
+    return 0;
+}
+
+/* Top-n entries of logits by value (ties: lower id). */
+static void top_n(const float *logits, int n_vocab, int n, int32_t *ids)
+{
+    for (int k = 0; k < n; k++) {
+        int32_t best = -1;
+        for (int i = 0; i < n_vocab; i++) {
+            bool taken = false;
+            for (int j = 0; j < k && !taken; j++)
+                taken = ids[j] == i;
+            if (!taken && (best < 0 || logits[i] > logits[best]))
+                best = i;
+        }
+        ids[k] = best;
+    }
+}
+
+static json_t *token_text_json(const struct skv_model *m, int32_t id)
+{
+    if (!m->tok)
+        return json_null();
+    char buf[256];
+    size_t len = 0;
+    if (skv_tokenizer_token_bytes(m->tok, id, buf, sizeof buf, &len))
+        return json_null();
+    return json_stringn_nocheck(buf, len < sizeof buf ? len : sizeof buf);
+}
+
+static int cmd_logits(const struct args *a, struct skv_engine *e, struct skv_model *m)
+{
+    int32_t *ids = NULL;
+    int n = 0, rc = prompt_ids(a, m, &ids, &n);
+    if (rc)
+        return fail("prompt", rc);
+    struct skv_kv_cache *cache = NULL;
+    int nv = m->cfg.n_vocab;
+    float *logits = malloc((size_t)nv * sizeof *logits);
+    rc = logits ? skv_kv_cache_new(m, &cache) : SKV_E_NOMEM;
+    double t0 = now_s();
+    if (!rc)
+        rc = skv_engine_forward(e, cache, ids, n, NULL, logits);
+    double dt = now_s() - t0;
+    skv_kv_cache_free(&cache);
+    if (rc) {
+        free(ids);
+        free(logits);
+        return fail("forward", rc);
+    }
+    int top = a->top > 0 ? (a->top < nv ? a->top : nv) : 10;
+    int32_t *tids = malloc((size_t)top * sizeof *tids);
+    top_n(logits, nv, top, tids);
+    if (a->json) {
+        json_t *j = json_object(), *arr = json_array();
+        json_object_set_new(j, "n_tokens", json_integer(n));
+        json_object_set_new(j, "seconds", json_real(dt));
+        for (int k = 0; k < top; k++) {
+            json_t *t = json_object();
+            json_object_set_new(t, "id", json_integer(tids[k]));
+            json_object_set_new(t, "logit", json_real(logits[tids[k]]));
+            json_object_set_new(t, "text", token_text_json(m, tids[k]));
+            json_array_append_new(arr, t);
+        }
+        json_object_set_new(j, "top", arr);
+        if (a->all_logits) {
+            json_t *all = json_array();
+            for (int i = 0; i < nv; i++)
+                json_array_append_new(all, json_real(logits[i]));
+            json_object_set_new(j, "logits", all);
+        }
+        emit(j);
+        json_decref(j);
+    } else {
+        printf("%d prompt tokens, %.3f s\n%6s  %10s  %s\n", n, dt, "id", "logit", "token");
+        for (int k = 0; k < top; k++) {
+            char buf[64];
+            size_t len = 0;
+            if (!m->tok || skv_tokenizer_token_bytes(m->tok, tids[k], buf, sizeof buf - 1, &len))
+                len = 0;
+            buf[len < sizeof buf - 1 ? len : sizeof buf - 1] = '\0';
+            printf("%6d  %10.4f  %s\n", tids[k], logits[tids[k]], buf);
+        }
+    }
+    free(tids);
+    free(ids);
+    free(logits);
+    return 0;
+}
+
+static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_model *m)
+{
+    int32_t *ids = NULL;
+    int n = 0, rc = prompt_ids(a, m, &ids, &n);
+    if (rc)
+        return fail("prompt", rc);
+    int nv = m->cfg.n_vocab, max = a->max_tokens > 0 ? a->max_tokens : 64;
+    float *logits = malloc((size_t)nv * sizeof *logits);
+    int32_t *out = malloc((size_t)max * sizeof *out);
+    struct skv_kv_cache *cache = NULL;
+    struct skv_sampler s;
+    struct skv_sampler_params sp = {
+        .temperature = a->temperature, .top_k = a->top_k, .top_p = a->top_p, .seed = a->seed};
+    rc = logits && out ? skv_sampler_init(&s, &sp, nv) : SKV_E_NOMEM;
+    if (rc) {
+        free(ids);
+        free(logits);
+        free(out);
+        return fail("sampler", rc);
+    }
+    rc = skv_kv_cache_new(m, &cache);
+    double t0 = now_s();
+    if (!rc)
+        rc = skv_engine_forward(e, cache, ids, n, NULL, logits);
+    double t_prefill = now_s() - t0;
+    int produced = 0;
+    const char *finish = "length";
+    t0 = now_s();
+    while (!rc && produced < max) {
+        int32_t t = skv_sampler_sample(&s, logits);
+        out[produced++] = t;
+        if (a->chat && m->tok && (t == skv_tokenizer_eot(m->tok) || t == skv_tokenizer_eos(m->tok))) {
+            finish = "stop";
+            break;
+        }
+        if (produced < max)
+            rc = skv_engine_forward(e, cache, &t, 1, NULL, logits);
+    }
+    double t_decode = now_s() - t0;
+    skv_sampler_fini(&s);
+    skv_kv_cache_free(&cache);
+    if (rc) {
+        free(ids);
+        free(logits);
+        free(out);
+        return fail("generate", rc);
+    }
+    char *text = NULL;
+    if (m->tok && skv_tokenizer_decode(m->tok, out, produced, &text))
+        text = NULL;
+    if (a->json) {
+        json_t *j = json_object();
+        json_object_set_new(j, "prompt_tokens", json_integer(n));
+        json_object_set_new(j, "tokens", ids_json(out, produced));
+        json_object_set_new(j, "text", text ? json_string(text) : json_null());
+        json_object_set_new(j, "finish_reason", json_string(finish));
+        json_object_set_new(j, "prefill_seconds", json_real(t_prefill));
+        json_object_set_new(j, "decode_seconds", json_real(t_decode));
+        emit(j);
+        json_decref(j);
+    } else {
+        printf("%s\n", text ? text : "");
+        fprintf(stderr, "[%d prompt tokens in %.2f s (%.1f t/s); %d tokens in %.2f s (%.1f t/s)]\n", n, t_prefill,
+                n / t_prefill, produced, t_decode, produced > 1 ? (produced - 1) / t_decode : 0.0);
+    }
+    free(text);
+    free(ids);
+    free(logits);
+    free(out);
+    return 0;
+}
+
+static int parse_list(const char *s, int *vals, int max)
+{
+    int n = 0;
+    while (s && *s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s)
+            break;
+        vals[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
+/* Deterministic pseudo-random prompt ids (avoiding the first 256 byte tokens is not needed). */
+static void fill_ids(int32_t *ids, int n, int n_vocab, uint64_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((seed >> 33) % (uint64_t)n_vocab);
+    }
+}
+
+static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_model *m)
+{
+    int prefill[16], depth[16];
+    int np = parse_list(a->prefill_sizes ? a->prefill_sizes : "512,2048,8192", prefill, 16);
+    int nd = parse_list(a->decode_depths ? a->decode_depths : "0,512,4096,8192", depth, 16);
+    int dtok = a->decode_tokens > 0 ? a->decode_tokens : 32;
+    int rep = a->repeat > 0 ? a->repeat : 1;
+    int maxn = 1;
+    for (int i = 0; i < np; i++)
+        maxn = prefill[i] > maxn ? prefill[i] : maxn;
+    for (int i = 0; i < nd; i++)
+        maxn = depth[i] > maxn ? depth[i] : maxn;
+    int nv = m->cfg.n_vocab;
+    int32_t *ids = malloc((size_t)maxn * sizeof *ids);
+    float *logits = malloc((size_t)nv * sizeof *logits);
+    if (!ids || !logits)
+        return 1;
+    fill_ids(ids, maxn, nv, 42);
+    json_t *j = json_object(), *jp = json_array(), *jd = json_array();
+    int rc = SKV_OK;
+    for (int i = 0; i < np && !rc; i++) {
+        double best = 1e30;
+        for (int r = 0; r < rep && !rc; r++) {
+            struct skv_kv_cache *cache = NULL;
+            rc = skv_kv_cache_new(m, &cache);
+            double t0 = now_s();
+            if (!rc)
+                rc = skv_engine_forward(e, cache, ids, prefill[i], NULL, logits);
+            double dt = now_s() - t0;
+            best = dt < best ? dt : best;
+            skv_kv_cache_free(&cache);
+        }
+        json_t *o = json_object();
+        json_object_set_new(o, "tokens", json_integer(prefill[i]));
+        json_object_set_new(o, "seconds", json_real(best));
+        json_object_set_new(o, "tokens_per_second", json_real(prefill[i] / best));
+        json_array_append_new(jp, o);
+        if (!a->json)
+            fprintf(stderr, "prefill %5d: %8.1f t/s\n", prefill[i], prefill[i] / best);
+    }
+    for (int i = 0; i < nd && !rc; i++) {
+        struct skv_kv_cache *cache = NULL;
+        rc = skv_kv_cache_new(m, &cache);
+        if (!rc && depth[i] > 0)
+            rc = skv_engine_forward(e, cache, ids, depth[i], NULL, logits);
+        if (!rc)
+            rc = skv_kv_cache_reserve(cache, dtok + 1);
+        int32_t t = 0;
+        double best = 1e30;
+        for (int r = 0; r < rep && !rc; r++) {
+            double t0 = now_s();
+            for (int k = 0; k < dtok && !rc; k++) {
+                t = (int32_t)((t * 7919 + 13) % nv);
+                rc = skv_engine_forward(e, cache, &t, 1, NULL, logits);
+            }
+            double dt = now_s() - t0;
+            best = dt < best ? dt : best;
+        }
+        skv_kv_cache_free(&cache);
+        json_t *o = json_object();
+        json_object_set_new(o, "depth", json_integer(depth[i]));
+        json_object_set_new(o, "tokens", json_integer(dtok));
+        json_object_set_new(o, "seconds", json_real(best));
+        json_object_set_new(o, "tokens_per_second", json_real(dtok / best));
+        json_array_append_new(jd, o);
+        if (!a->json)
+            fprintf(stderr, "decode @%5d: %8.1f t/s\n", depth[i], dtok / best);
+    }
+    free(ids);
+    free(logits);
+    if (rc) {
+        json_decref(j);
+        json_decref(jp);
+        json_decref(jd);
+        return fail("speed", rc);
+    }
+    json_object_set_new(j, "model", json_string(m->name));
+    json_object_set_new(j, "backend", json_string(m->be->name));
+    json_object_set_new(j, "threads", json_integer(m->be->n_threads));
+    json_object_set_new(j, "mode", json_string(m->reference ? "reference" : "fast"));
+    json_object_set_new(j, "prefill", jp);
+    json_object_set_new(j, "decode", jd);
+    json_object_set_new(j, "peak_rss_mib", json_real(peak_rss_mib()));
+    if (a->json) {
+        emit(j);
+    } else {
+        printf("| %-8s | %-8s | %12s |\n|---|---|---|\n", "phase", "tokens", "tokens/s");
+        size_t k;
+        json_t *o;
+        json_array_foreach(jp, k, o)
+            printf("| prefill  | %8lld | %12.1f |\n", (long long)json_integer_value(json_object_get(o, "tokens")),
+                   json_real_value(json_object_get(o, "tokens_per_second")));
+        json_array_foreach(jd, k, o)
+            printf("| decode @ | %8lld | %12.1f |\n", (long long)json_integer_value(json_object_get(o, "depth")),
+                   json_real_value(json_object_get(o, "tokens_per_second")));
+        printf("threads %d, backend %s, mode %s, peak RSS %.0f MiB\n", m->be->n_threads, m->be->name,
+               m->reference ? "reference" : "fast", peak_rss_mib());
+    }
+    json_decref(j);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct args a = {.backend = "auto", .threads = 0};
+    enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
+           O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT };
+    static const struct option opts[] = {
+        {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
+        {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
+        {"reference", no_argument, NULL, O_REF},           {"prompt", required_argument, NULL, O_PROMPT},
+        {"prompt-file", required_argument, NULL, O_PFILE}, {"tokens", required_argument, NULL, O_TOKENS},
+        {"chat", no_argument, NULL, O_CHAT},               {"special", no_argument, NULL, O_SPECIAL},
+        {"bos", no_argument, NULL, O_BOS},                 {"top", required_argument, NULL, O_TOP},
+        {"all", no_argument, NULL, O_ALL},                 {"max-tokens", required_argument, NULL, O_MAXT},
+        {"temperature", required_argument, NULL, O_TEMP},  {"top-k", required_argument, NULL, O_TOPK},
+        {"top-p", required_argument, NULL, O_TOPP},        {"seed", required_argument, NULL, O_SEED},
+        {"prefill", required_argument, NULL, O_PREFILL},   {"decode-depth", required_argument, NULL, O_DEPTH},
+        {"decode-tokens", required_argument, NULL, O_DTOK}, {"repeat", required_argument, NULL, O_REPEAT},
+        {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
+    };
+    int c;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case O_MODEL: a.model = optarg; break;
+        case O_THREADS: a.threads = atoi(optarg); break;
+        case O_BACKEND: a.backend = optarg; break;
+        case O_JSON: a.json = true; break;
+        case O_REF: a.reference = true; break;
+        case O_PROMPT: a.prompt = optarg; break;
+        case O_PFILE: a.prompt_file = optarg; break;
+        case O_TOKENS: a.tokens = optarg; break;
+        case O_CHAT: a.chat = true; break;
+        case O_SPECIAL: a.special = true; break;
+        case O_BOS: a.bos = true; break;
+        case O_TOP: a.top = atoi(optarg); break;
+        case O_ALL: a.all_logits = true; break;
+        case O_MAXT: a.max_tokens = atoi(optarg); break;
+        case O_TEMP: a.temperature = strtof(optarg, NULL); break;
+        case O_TOPK: a.top_k = atoi(optarg); break;
+        case O_TOPP: a.top_p = strtof(optarg, NULL); break;
+        case O_SEED: a.seed = strtoull(optarg, NULL, 10); break;
+        case O_PREFILL: a.prefill_sizes = optarg; break;
+        case O_DEPTH: a.decode_depths = optarg; break;
+        case O_DTOK: a.decode_tokens = atoi(optarg); break;
+        case O_REPEAT: a.repeat = atoi(optarg); break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind >= argc || !a.model) {
+        usage(stderr);
+        return 2;
+    }
+    a.cmd = argv[optind];
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    int rc = skv_backend_open(strcmp(a.backend, "auto") == 0 ? "cpu" : a.backend, a.threads, &be);
+    if (rc)
+        return fail("backend", rc);
+    struct skv_model_opts mo = {.reference = a.reference};
+    rc = skv_model_load(a.model, be, &mo, &m);
+    if (rc) {
+        skv_backend_destroy(&be);
+        return fail(a.model, rc);
+    }
+    rc = skv_engine_new(m, &e);
+    int exit_code = 2;
+    if (rc)
+        exit_code = fail("engine", rc);
+    else if (strcmp(a.cmd, "tokenize") == 0)
+        exit_code = m->tok ? cmd_tokenize(&a, m) : fail("tokenize", SKV_E_UNSUPPORTED);
+    else if (strcmp(a.cmd, "logits") == 0)
+        exit_code = cmd_logits(&a, e, m);
+    else if (strcmp(a.cmd, "generate") == 0)
+        exit_code = cmd_generate(&a, e, m);
+    else if (strcmp(a.cmd, "speed") == 0)
+        exit_code = cmd_speed(&a, e, m);
+    else
+        usage(stderr);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    return exit_code;
+}
