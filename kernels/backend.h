@@ -125,6 +125,20 @@ struct skv_backend_ops {
      * Tiled by query blocks with an online softmax: never an n x n matrix. scale = 1/sqrt(d). */
     int (*attention)(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                      const struct skv_kv_view *kv);
+
+    /* Compression scoring. Column sums of the causal attention probabilities the queries
+     * q_first..n-1 of the batch give each key: out[h][j] (row stride out_stride floats) for
+     * query head h and key row j of its KV head, summed over those queries (a query that
+     * cannot see row j adds 0). Same masking and scale as `attention`. */
+    int (*attention_colsum)(struct skv_backend *be, float *out, int64_t out_stride, const float *q,
+                            int n, int n_heads, const struct skv_kv_view *kv, int q_first);
+    /* Mean over the n rows of cos(a[i], b[i]) (rows of dim); written to *out (host). */
+    int (*cosine_mean)(struct skv_backend *be, float *out, const float *a, const float *b, int n,
+                       int dim);
+    /* dst[i] = src[idx[i]] for rows of row_bytes, i < n. dst may be src when idx is strictly
+     * increasing (in-place compaction). idx is host memory. */
+    int (*gather_rows)(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
+                       const int32_t *idx, int n);
 };
 
 struct skv_backend {

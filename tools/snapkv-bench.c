@@ -4,6 +4,7 @@
 #include "build-config.h"
 
 #include "common/status.h"
+#include "daemon/compress/compress.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
@@ -41,6 +42,7 @@ struct args {
     const char *decode_depths;
     int decode_tokens;
     int repeat;
+    const char *compress;
 };
 
 static double now_s(void)
@@ -67,7 +69,9 @@ static void usage(FILE *out)
             "  logits (--prompt T | --prompt-file F | --tokens 1,2,3) [--chat] [--top N] [--all]\n"
             "                                        last-position logits (--all: every value)\n"
             "  generate (--prompt T | --prompt-file F | --tokens ...) [--chat] [--max-tokens N]\n"
-            "           [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+            "           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compress SPEC]\n"
+            "  select (--prompt T | --prompt-file F | --tokens ...) --compress SPEC\n"
+            "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
             "        [--repeat R]                    prefill / decode tokens/s and peak memory\n"
             "--reference: weights dequantized to f32 (the numerical reference mode).\n");
@@ -165,6 +169,44 @@ static int prompt_ids(const struct args *a, const struct skv_model *m, int32_t *
     *ids_out = ids;
     *n_out = n;
     return SKV_OK;
+}
+
+/* A prefill that compresses with `spec_text` (NULL or "": none), tracking peak KV bytes
+ * (measured right before each layer is cut: earlier layers compressed, this one whole). */
+struct prefill_run {
+    struct skv_compressor *comp;
+    uint64_t peak_kv_bytes;
+};
+
+static int peak_hook(void *user, const struct skv_layer_view *v)
+{
+    struct prefill_run *r = user;
+    uint64_t b = skv_kv_cache_bytes(v->cache);
+    if (b > r->peak_kv_bytes)
+        r->peak_kv_bytes = b;
+    return r->comp ? skv_compressor_hook(r->comp, v) : SKV_OK;
+}
+
+static int compressed_forward(struct skv_engine *e, struct skv_model *m, struct skv_kv_cache *cache,
+                              const int32_t *ids, int n, const char *spec_text, float *logits,
+                              struct prefill_run *run)
+{
+    memset(run, 0, sizeof *run);
+    if (spec_text && *spec_text) {
+        struct skv_compress_spec spec;
+        int rc = skv_compress_spec_parse(spec_text, &spec);
+        if (!rc)
+            rc = skv_compressor_new(&spec, m, &run->comp);
+        if (!rc)
+            rc = skv_compressor_begin(run->comp, cache, n);
+        if (rc)
+            return rc;
+    }
+    struct skv_forward_opts fo = {.hook = peak_hook, .hook_user = run};
+    int rc = skv_engine_forward(e, cache, ids, n, &fo, logits);
+    if (!rc && run->comp)
+        rc = skv_compressor_finish(run->comp, cache);
+    return rc;
 }
 
 static json_t *ids_json(const int32_t *ids, int n)
@@ -317,10 +359,13 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
         return fail("sampler", rc);
     }
     rc = skv_kv_cache_new(m, &cache);
+    struct prefill_run run = {0};
     double t0 = now_s();
     if (!rc)
-        rc = skv_engine_forward(e, cache, ids, n, NULL, logits);
+        rc = compressed_forward(e, m, cache, ids, n, a->compress, logits, &run);
     double t_prefill = now_s() - t0;
+    uint64_t kv_after = cache ? skv_kv_cache_bytes(cache) : 0;
+    struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = run.comp};
     int produced = 0;
     const char *finish = "length";
     t0 = now_s();
@@ -331,12 +376,17 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
             finish = "stop";
             break;
         }
-        if (produced < max)
-            rc = skv_engine_forward(e, cache, &t, 1, NULL, logits);
+        if (produced < max) {
+            if (run.comp)
+                rc = skv_compressor_begin_decode(run.comp, cache);
+            if (!rc)
+                rc = skv_engine_forward(e, cache, &t, 1, run.comp ? &dec : NULL, logits);
+        }
     }
     double t_decode = now_s() - t0;
     skv_sampler_fini(&s);
     skv_kv_cache_free(&cache);
+    skv_compressor_free(&run.comp);
     if (rc) {
         free(ids);
         free(logits);
@@ -354,6 +404,8 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
         json_object_set_new(j, "finish_reason", json_string(finish));
         json_object_set_new(j, "prefill_seconds", json_real(t_prefill));
         json_object_set_new(j, "decode_seconds", json_real(t_decode));
+        json_object_set_new(j, "kv_bytes_after_prefill", json_integer((json_int_t)kv_after));
+        json_object_set_new(j, "peak_kv_bytes_prefill", json_integer((json_int_t)run.peak_kv_bytes));
         emit(j);
         json_decref(j);
     } else {
@@ -365,6 +417,78 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
     free(ids);
     free(logits);
     free(out);
+    return 0;
+}
+
+/* Kept original positions per layer and KV head after a compressed prefill. */
+static int cmd_select(const struct args *a, struct skv_engine *e, struct skv_model *m)
+{
+    int32_t *ids = NULL;
+    int n = 0, rc = prompt_ids(a, m, &ids, &n);
+    if (rc)
+        return fail("prompt", rc);
+    struct skv_kv_cache *cache = NULL;
+    struct prefill_run run = {0};
+    float *logits = malloc((size_t)m->cfg.n_vocab * sizeof *logits);
+    rc = logits ? skv_kv_cache_new(m, &cache) : SKV_E_NOMEM;
+    double t0 = now_s();
+    if (!rc)
+        rc = compressed_forward(e, m, cache, ids, n, a->compress ? a->compress : "policy=full", logits, &run);
+    double dt = now_s() - t0;
+    if (rc) {
+        skv_kv_cache_free(&cache);
+        skv_compressor_free(&run.comp);
+        free(ids);
+        free(logits);
+        return fail("select", rc);
+    }
+    const struct skv_model_config *c = &m->cfg;
+    uint64_t before = (uint64_t)n * c->n_layers * c->n_kv_heads * c->head_dim * 2 * sizeof(float);
+    uint64_t after = skv_kv_cache_bytes(cache);
+    json_t *j = json_object(), *layers = json_array();
+    json_object_set_new(j, "n_tokens", json_integer(n));
+    json_object_set_new(j, "spec", json_string(a->compress ? a->compress : "policy=full"));
+    json_object_set_new(j, "bytes_before", json_integer((json_int_t)before));
+    json_object_set_new(j, "bytes_after", json_integer((json_int_t)after));
+    json_object_set_new(j, "bytes_query_head_width", json_integer((json_int_t)(after / c->n_kv_heads * c->n_heads)));
+    json_object_set_new(j, "peak_kv_bytes", json_integer((json_int_t)run.peak_kv_bytes));
+    json_object_set_new(j, "seconds", json_real(dt));
+    const float *sim = run.comp ? skv_compressor_similarity(run.comp) : NULL;
+    for (int l = 0; l < c->n_layers; l++) {
+        json_t *jl = json_object(), *heads = json_array();
+        json_object_set_new(jl, "layer", json_integer(l));
+        if (run.comp)
+            json_object_set_new(jl, "budget", json_integer(skv_compressor_layer_budgets(run.comp)[l]));
+        if (sim)
+            json_object_set_new(jl, "similarity", json_real(sim[l]));
+        for (int h = 0; h < c->n_kv_heads; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+            json_array_append_new(heads, ids_json(kh->pos, kh->len));
+        }
+        json_object_set_new(jl, "kept", heads);
+        json_array_append_new(layers, jl);
+    }
+    json_object_set_new(j, "layers", layers);
+    if (a->json) {
+        emit(j);
+    } else {
+        printf("%d tokens, spec %s: %.2f MiB -> %.2f MiB of KV (%.1f%%), peak %.2f MiB, %.2f s\n", n,
+               a->compress ? a->compress : "policy=full", before / 1048576.0, after / 1048576.0,
+               100.0 * after / (double)before, run.peak_kv_bytes / 1048576.0, dt);
+        for (int l = 0; l < c->n_layers; l++) {
+            printf("layer %2d:", l);
+            for (int h = 0; h < c->n_kv_heads; h++)
+                printf(" %5d", skv_kv_cache_head(cache, l, h)->len);
+            if (sim)
+                printf("   sim %.4f", sim[l]);
+            printf("\n");
+        }
+    }
+    json_decref(j);
+    skv_kv_cache_free(&cache);
+    skv_compressor_free(&run.comp);
+    free(ids);
+    free(logits);
     return 0;
 }
 
@@ -497,7 +621,8 @@ int main(int argc, char **argv)
 {
     struct args a = {.backend = "auto", .threads = 0};
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
-           O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT };
+           O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
+           O_COMPRESS };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
         {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
@@ -510,6 +635,7 @@ int main(int argc, char **argv)
         {"top-p", required_argument, NULL, O_TOPP},        {"seed", required_argument, NULL, O_SEED},
         {"prefill", required_argument, NULL, O_PREFILL},   {"decode-depth", required_argument, NULL, O_DEPTH},
         {"decode-tokens", required_argument, NULL, O_DTOK}, {"repeat", required_argument, NULL, O_REPEAT},
+        {"compress", required_argument, NULL, O_COMPRESS},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c;
@@ -537,6 +663,7 @@ int main(int argc, char **argv)
         case O_DEPTH: a.decode_depths = optarg; break;
         case O_DTOK: a.decode_tokens = atoi(optarg); break;
         case O_REPEAT: a.repeat = atoi(optarg); break;
+        case O_COMPRESS: a.compress = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -568,6 +695,8 @@ int main(int argc, char **argv)
         exit_code = cmd_logits(&a, e, m);
     else if (strcmp(a.cmd, "generate") == 0)
         exit_code = cmd_generate(&a, e, m);
+    else if (strcmp(a.cmd, "select") == 0)
+        exit_code = cmd_select(&a, e, m);
     else if (strcmp(a.cmd, "speed") == 0)
         exit_code = cmd_speed(&a, e, m);
     else

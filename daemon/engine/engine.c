@@ -54,6 +54,7 @@ void skv_kv_cache_free(struct skv_kv_cache **cache_p)
         c->be->ops->free(c->be, c->heads[i].k);
         c->be->ops->free(c->be, c->heads[i].v);
         free(c->heads[i].pos);
+        free(c->heads[i].score);
     }
     free(c->heads);
     free(c);
@@ -70,30 +71,36 @@ static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
     size_t row = (size_t)c->head_dim * sizeof(float);
     void *k = NULL, *v = NULL;
     int32_t *pos = NULL;
+    float *score = NULL;
     int rc = c->be->ops->alloc(c->be, (size_t)cap * row, &k);
     if (!rc)
         rc = c->be->ops->alloc(c->be, (size_t)cap * row, &v);
-    if (!rc && !(pos = malloc((size_t)cap * sizeof *pos)))
+    if (!rc && (!(pos = malloc((size_t)cap * sizeof *pos)) || !(score = malloc((size_t)cap * sizeof *score))))
         rc = SKV_E_NOMEM;
     if (!rc && hd->len) {
         rc = c->be->ops->copy_2d(c->be, k, row, hd->k, row, row, hd->len);
         if (!rc)
             rc = c->be->ops->copy_2d(c->be, v, row, hd->v, row, row, hd->len);
-        if (!rc)
+        if (!rc) {
             memcpy(pos, hd->pos, (size_t)hd->len * sizeof *pos);
+            memcpy(score, hd->score, (size_t)hd->len * sizeof *score);
+        }
     }
     if (rc) {
         c->be->ops->free(c->be, k);
         c->be->ops->free(c->be, v);
         free(pos);
+        free(score);
         return rc;
     }
     c->be->ops->free(c->be, hd->k);
     c->be->ops->free(c->be, hd->v);
     free(hd->pos);
+    free(hd->score);
     hd->k = k;
     hd->v = v;
     hd->pos = pos;
+    hd->score = score;
     hd->cap = cap;
     return SKV_OK;
 }
@@ -129,6 +136,7 @@ int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out
             if (!rc)
                 rc = c->be->ops->copy_2d(c->be, d->v, row, s->v, row, row, s->len);
             memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
+            memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
             d->len = s->len;
         }
         if (rc) {
@@ -269,6 +277,7 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
             CHECK(ops->copy_2d(be, kh->k + at, row, e->kb + (size_t)h * hd, kvdim * sizeof(float), row, m));
             CHECK(ops->copy_2d(be, kh->v + at, row, e->vb + (size_t)h * hd, kvdim * sizeof(float), row, m));
             memcpy(kh->pos + len0[h] + i0, e->pos + i0, (size_t)m * sizeof(int32_t));
+            memset(kh->score + len0[h] + i0, 0, (size_t)m * sizeof(float));
         }
     }
     struct skv_kv_view view = {.n_kv_heads = hkv, .head_dim = hd, .kv_type = SKV_DTYPE_F32};

@@ -14,6 +14,7 @@ struct skv_kv_head {
     float *k;          /* [cap][head_dim], post-RoPE keys */
     float *v;          /* [cap][head_dim] */
     int32_t *pos;      /* [cap] original position of each kept row (host memory) */
+    float *score;      /* [cap] the compression policy's importance of each row (host) */
     int len;           /* rows in use */
     int cap;           /* rows allocated */
 };

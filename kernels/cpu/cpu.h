@@ -33,6 +33,12 @@ int skv_cpu_add(struct skv_backend *be, float *out, const float *a, const float 
                 int64_t count);
 int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                       const struct skv_kv_view *kv);
+int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q,
+                             int n, int n_heads, const struct skv_kv_view *kv, int q_first);
+int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b, int n,
+                        int dim);
+int skv_cpu_gather_rows(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
+                        const int32_t *idx, int n);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
  * calling thread for the length of the call, and attention takes slot 0 for its working

@@ -317,6 +317,9 @@ static const struct skv_backend_ops cpu_ops = {
     .swiglu = skv_cpu_swiglu,
     .add = skv_cpu_add,
     .attention = skv_cpu_attention,
+    .attention_colsum = skv_cpu_attention_colsum,
+    .cosine_mean = skv_cpu_cosine_mean,
+    .gather_rows = skv_cpu_gather_rows,
 };
 
 int skv_backend_cpu_new(int n_threads, struct skv_backend **out)

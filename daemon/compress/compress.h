@@ -1,0 +1,56 @@
+/* Compression of a sequence's KV cache, run as the engine's layer hook: right after a
+ * layer's attention, the layer's rows are scored by the sequence policy (SnapKV, H2O,
+ * StreamingLLM, sliding window) and cut to the layer's budget (uniform, PyramidKV or
+ * SqueezeAttention allocation), per KV head or with one top-k over the layer's heads.
+ * So at most one layer's full KV exists during a prefill (memory-lean). Knows no socket. */
+#ifndef SKV_COMPRESS_H
+#define SKV_COMPRESS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "daemon/compress/spec.h"
+#include "daemon/engine/engine.h"
+
+struct skv_compressor;
+
+/* A compressor for one sequence (a session): spec checked against the model. */
+int skv_compressor_new(const struct skv_compress_spec *spec, const struct skv_model *m,
+                       struct skv_compressor **out);
+void skv_compressor_free(struct skv_compressor **c_p);
+
+/* Prepares a compressing forward of n tokens onto `cache` (whose rows before the forward stay
+ * candidates too: an appended question can re-compress a kept document). The budget comes
+ * from the sequence length after the forward. Then run the engine with
+ *     opts.hook = skv_compressor_hook, opts.hook_user = c
+ * and call skv_compressor_finish() after it (SqueezeAttention trims there). */
+int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, int n);
+int skv_compressor_hook(void *user, const struct skv_layer_view *view);
+int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
+
+/* Decode-time upkeep after each generated token's forward (run with the hook too): H2O and
+ * StreamingLLM / window keep evicting to the decode budget. */
+int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
+
+/* What the last compression decided: budget per layer (length n_layers) and SqueezeAttention
+ * similarities (NULL unless alloc=squeeze). */
+const int *skv_compressor_layer_budgets(const struct skv_compressor *c);
+const float *skv_compressor_similarity(const struct skv_compressor *c);
+int skv_compressor_budget(const struct skv_compressor *c);
+
+/* ---- policy pieces (also unit-tested on their own) ---------------------------------------- */
+
+/* Pools scores[0..n) into out with a kernel of k (odd), stride 1, same padding: max pooling
+ * ignores the padding, avg pooling divides by k (padding counts as zeros, as torch's
+ * avg_pool1d does by default). */
+void skv_pool1d(const float *scores, float *out, int n, int k, enum skv_pool pool);
+/* out[j] = mean or max over the g rows of in (row stride `stride`), j < n. */
+void skv_gqa_reduce(const float *in, int64_t stride, int g, int n, enum skv_gqa how, float *out);
+/* Layer budgets for PyramidKV (KVCache-Factory's schedule): B per layer on average,
+ * window w, beta; n prompt tokens. */
+void skv_pyramid_budgets(int n_layers, int budget, int window, int beta, int n, int *out);
+/* SqueezeAttention: KMeans(3) on sim[0..L); the cluster with the highest mean similarity
+ * gets p * B per layer, the others share the rest so that the total stays L * B. */
+void skv_squeeze_budgets(const float *sim, int n_layers, int budget, double p, int n, int *out);
+
+#endif

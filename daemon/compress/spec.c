@@ -1,0 +1,184 @@
+/* Parsing and formatting of compression specs (see spec.h). */
+#include "daemon/compress/spec.h"
+#include "common/status.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const policy_names[] = {"full", "snapkv", "h2o", "streaming", "window"};
+static const char *const alloc_names[] = {"uniform", "squeeze", "pyramid"};
+static const char *const pool_names[] = {"max", "avg"};
+static const char *const gqa_names[] = {"mean", "max"};
+static const char *const gran_names[] = {"layer", "head"};
+
+const char *skv_policy_name(enum skv_policy p)
+{
+    return (unsigned)p < 5 ? policy_names[p] : "?";
+}
+
+const char *skv_alloc_name(enum skv_alloc a)
+{
+    return (unsigned)a < 3 ? alloc_names[a] : "?";
+}
+
+void skv_compress_spec_default(struct skv_compress_spec *s)
+{
+    *s = (struct skv_compress_spec){
+        .policy = SKV_POLICY_FULL,
+        .alloc = SKV_ALLOC_UNIFORM,
+        .budget = 0,
+        .ratio = 1.0,
+        .window = 32,
+        .kernel = 7,
+        .pool = SKV_POOL_MAX,
+        .gqa = SKV_GQA_MEAN,
+        .granularity = SKV_GRAN_LAYER,
+        .sinks = 4,
+        .p = 0.3,
+        .pyramid_beta = 20,
+        .decode_budget = 0,
+        .interval = 64,
+    };
+}
+
+static int parse_enum(const char *key, const char *val, const char *const *names, int n, int *out)
+{
+    for (int i = 0; i < n; i++)
+        if (strcmp(val, names[i]) == 0)
+            return *out = i, SKV_OK;
+    char allowed[128] = "";
+    for (int i = 0; i < n; i++)
+        snprintf(allowed + strlen(allowed), sizeof allowed - strlen(allowed), "%s%s", i ? "|" : "", names[i]);
+    return skv_errorf(SKV_E_INVAL, "compression spec: %s=%s: expected %s", key, val, allowed);
+}
+
+static int parse_int(const char *key, const char *val, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(val, &end, 10);
+    if (end == val || *end || errno || v < lo || v > hi)
+        return skv_errorf(SKV_E_INVAL, "compression spec: %s=%s: expected an integer in [%ld, %ld]", key, val, lo,
+                          hi);
+    *out = (int)v;
+    return SKV_OK;
+}
+
+static int parse_real(const char *key, const char *val, double lo, double hi, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(val, &end);
+    if (end == val || *end || errno || !(v >= lo && v <= hi))
+        return skv_errorf(SKV_E_INVAL, "compression spec: %s=%s: expected a number in [%g, %g]", key, val, lo, hi);
+    *out = v;
+    return SKV_OK;
+}
+
+int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
+{
+    struct skv_compress_spec s;
+    skv_compress_spec_default(&s);
+    if (!text)
+        return skv_errorf(SKV_E_INVAL, "compression spec: missing");
+    if (strlen(text) > 1024)
+        return skv_errorf(SKV_E_INVAL, "compression spec: longer than 1024 characters");
+    char buf[1025];
+    snprintf(buf, sizeof buf, "%s", text);
+    static const char *const keys[] = {"policy", "alloc", "budget", "ratio", "window", "kernel", "pool", "gqa",
+                                       "granularity", "sinks", "p", "beta", "decode_budget", "interval"};
+    enum { NKEYS = sizeof keys / sizeof keys[0] };
+    bool seen[NKEYS] = {false};
+    int rc = SKV_OK;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ')
+            tok++;
+        if (!*tok)
+            continue;
+        char *eq = strchr(tok, '=');
+        if (!eq)
+            return skv_errorf(SKV_E_INVAL, "compression spec: '%s' is not key=value", tok);
+        *eq = '\0';
+        const char *key = tok, *val = eq + 1;
+        int k = -1;
+        for (int i = 0; i < NKEYS; i++)
+            if (strcmp(key, keys[i]) == 0)
+                k = i;
+        if (k < 0)
+            return skv_errorf(SKV_E_INVAL, "compression spec: unknown key '%s'", key);
+        if (seen[k])
+            return skv_errorf(SKV_E_INVAL, "compression spec: '%s' given twice", key);
+        seen[k] = true;
+        int e;
+        switch (k) {
+        case 0: rc = parse_enum(key, val, policy_names, 5, &e); s.policy = e; break;
+        case 1: rc = parse_enum(key, val, alloc_names, 3, &e); s.alloc = e; break;
+        case 2: rc = parse_int(key, val, 1, SKV_SPEC_MAX_BUDGET, &s.budget); break;
+        case 3: rc = parse_real(key, val, 0.0, 1.0, &s.ratio); break;
+        case 4: rc = parse_int(key, val, 1, 4096, &s.window); break;
+        case 5:
+            rc = parse_int(key, val, 1, 255, &s.kernel);
+            if (!rc && s.kernel % 2 == 0)
+                rc = skv_errorf(SKV_E_INVAL, "compression spec: kernel=%d: must be odd", s.kernel);
+            break;
+        case 6: rc = parse_enum(key, val, pool_names, 2, &e); s.pool = e; break;
+        case 7: rc = parse_enum(key, val, gqa_names, 2, &e); s.gqa = e; break;
+        case 8: rc = parse_enum(key, val, gran_names, 2, &e); s.granularity = e; break;
+        case 9: rc = parse_int(key, val, 0, 4096, &s.sinks); break;
+        case 10: rc = parse_real(key, val, 0.0, 1.0, &s.p); break;
+        case 11: rc = parse_int(key, val, 1, 1000, &s.pyramid_beta); break;
+        case 12: rc = parse_int(key, val, 1, SKV_SPEC_MAX_BUDGET, &s.decode_budget); break;
+        case 13: rc = parse_int(key, val, 1, 1 << 20, &s.interval); break;
+        }
+        if (rc)
+            return rc;
+    }
+    if (seen[2] && seen[3])
+        return skv_errorf(SKV_E_INVAL, "compression spec: give budget or ratio, not both");
+    if (seen[2])
+        s.ratio = -1;
+    if (s.policy == SKV_POLICY_FULL && (seen[1] || seen[2] || seen[3]))
+        return skv_errorf(SKV_E_INVAL, "compression spec: policy=full keeps everything; budget, ratio and alloc "
+                                       "do not apply");
+    if (s.policy != SKV_POLICY_FULL && !seen[2] && !seen[3])
+        return skv_errorf(SKV_E_INVAL, "compression spec: policy=%s needs budget=N or ratio=R",
+                          policy_names[s.policy]);
+    *out = s;
+    return SKV_OK;
+}
+
+int skv_compress_spec_format(const struct skv_compress_spec *s, char *buf, size_t cap)
+{
+    char size[48];
+    if (s->ratio >= 0)
+        snprintf(size, sizeof size, "ratio=%g", s->ratio);
+    else
+        snprintf(size, sizeof size, "budget=%d", s->budget);
+    int n;
+    if (s->policy == SKV_POLICY_FULL)
+        n = snprintf(buf, cap, "policy=full");
+    else
+        n = snprintf(buf, cap,
+                     "policy=%s,alloc=%s,%s,window=%d,kernel=%d,pool=%s,gqa=%s,granularity=%s,sinks=%d,p=%g,"
+                     "beta=%d,interval=%d%s",
+                     policy_names[s->policy], alloc_names[s->alloc], size, s->window, s->kernel, pool_names[s->pool],
+                     gqa_names[s->gqa], gran_names[s->granularity], s->sinks, s->p, s->pyramid_beta, s->interval,
+                     "");
+    if (n >= 0 && (size_t)n < cap && s->decode_budget > 0)
+        n += snprintf(buf + n, cap - (size_t)n, ",decode_budget=%d", s->decode_budget);
+    return n < 0 || (size_t)n >= cap ? SKV_E_LIMIT : SKV_OK;
+}
+
+int skv_compress_spec_budget(const struct skv_compress_spec *s, int n)
+{
+    if (n <= 0)
+        return 0;
+    long b = s->ratio >= 0 ? (long)ceil(s->ratio * n - 1e-9) : s->budget;
+    if (s->policy == SKV_POLICY_FULL)
+        b = n;
+    return (int)(b < 1 ? 1 : b > n ? n : b);
+}

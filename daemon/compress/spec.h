@@ -1,0 +1,49 @@
+/* A compression spec: the key=value string users write (CLI, config file, protocol, client
+ * helper) parsed into one validated struct, and formatted back. */
+#ifndef SKV_COMPRESS_SPEC_H
+#define SKV_COMPRESS_SPEC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+enum skv_policy { SKV_POLICY_FULL, SKV_POLICY_SNAPKV, SKV_POLICY_H2O, SKV_POLICY_STREAMING, SKV_POLICY_WINDOW };
+enum skv_alloc { SKV_ALLOC_UNIFORM, SKV_ALLOC_SQUEEZE, SKV_ALLOC_PYRAMID };
+enum skv_pool { SKV_POOL_MAX, SKV_POOL_AVG };
+enum skv_gqa { SKV_GQA_MEAN, SKV_GQA_MAX };
+enum skv_granularity { SKV_GRAN_LAYER, SKV_GRAN_HEAD };
+
+struct skv_compress_spec {
+    enum skv_policy policy;
+    enum skv_alloc alloc;
+    int budget;           /* tokens per layer and KV head; 0 when ratio is used */
+    double ratio;         /* fraction of the prompt; < 0 when budget is used */
+    int window;           /* observation window (snapkv), recent window (h2o) */
+    int kernel;           /* pooling kernel (odd) */
+    enum skv_pool pool;
+    enum skv_gqa gqa;
+    enum skv_granularity granularity;
+    int sinks;            /* streaming */
+    double p;             /* squeeze: budget fraction of the least important layer cluster */
+    int pyramid_beta;     /* pyramid: min budget = (B - w) / beta */
+    int decode_budget;    /* rows per head kept while decoding (0: policy default) */
+    int interval;         /* decode: re-score every `interval` tokens */
+};
+
+#define SKV_SPEC_MAX_BUDGET (1 << 24)
+
+/* Defaults: policy=full, alloc=uniform, ratio 1, window 32, kernel 7, pool max, gqa mean,
+ * granularity layer, sinks 4, p 0.3, beta 20, interval 64. */
+void skv_compress_spec_default(struct skv_compress_spec *spec);
+/* Parses "policy=snapkv,ratio=0.1,..." over the defaults. Unknown keys, repeated keys and bad
+ * values are SKV_E_INVAL with skv_error_msg() naming the key; *spec is written only on success. */
+int skv_compress_spec_parse(const char *text, struct skv_compress_spec *spec);
+/* Canonical text of a spec (every key); returns SKV_OK or SKV_E_LIMIT when cap is too small. */
+int skv_compress_spec_format(const struct skv_compress_spec *spec, char *buf, size_t cap);
+/* The per-layer-and-head budget for a prompt of n tokens: budget, or ceil(ratio * n), at
+ * least 1, at most n. */
+int skv_compress_spec_budget(const struct skv_compress_spec *spec, int n);
+
+const char *skv_policy_name(enum skv_policy p);
+const char *skv_alloc_name(enum skv_alloc a);
+
+#endif

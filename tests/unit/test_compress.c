@@ -1,0 +1,475 @@
+/* Compression: spec parsing, the policy pieces on hand-computed inputs (pooling, GQA
+ * reduction, PyramidKV and SqueezeAttention budgets), and whole compressed prefills on the
+ * tiny random Llama fixture: every policy's kept rows against a naive re-implementation from
+ * the same queries and keys, the edge cases, head granularity, decode-time eviction and
+ * query-aware reuse of a kept document. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "daemon/compress/compress.h"
+#include "daemon/engine/engine.h"
+#include "kernels/backend.h"
+#include "tests/common/fixture.h"
+
+/* ---- spec ------------------------------------------------------------------------------ */
+
+static void test_spec_parse(void **state)
+{
+    (void)state;
+    struct skv_compress_spec s;
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
+    assert_int_equal(s.policy, SKV_POLICY_SNAPKV);
+    assert_true(fabs(s.ratio - 0.1) < 1e-12);
+    assert_int_equal(s.window, 32);
+    assert_int_equal(s.kernel, 7);
+    assert_int_equal(s.pool, SKV_POOL_MAX);
+    assert_int_equal(s.gqa, SKV_GQA_MEAN);
+    assert_int_equal(s.granularity, SKV_GRAN_LAYER);
+    assert_int_equal(skv_compress_spec_parse(
+                         "policy=snapkv,alloc=squeeze,budget=512,window=32,kernel=7,pool=max,gqa=mean,granularity=head",
+                         &s),
+                     SKV_OK);
+    assert_int_equal(s.budget, 512);
+    assert_true(s.ratio < 0);
+    assert_int_equal(s.alloc, SKV_ALLOC_SQUEEZE);
+    assert_int_equal(s.granularity, SKV_GRAN_HEAD);
+    assert_int_equal(skv_compress_spec_parse("policy=full", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse("", &s), SKV_OK);
+    assert_int_equal(s.policy, SKV_POLICY_FULL);
+
+    const char *bad[] = {
+        "policy=snapkv",                      /* no budget */
+        "policy=snapkv,budget=10,ratio=0.5",  /* both */
+        "policy=nope,budget=10",              "policy=snapkv,budget=0",
+        "policy=snapkv,budget=-3",            "policy=snapkv,ratio=1.5",
+        "policy=snapkv,ratio=abc",            "policy=snapkv,budget=10,kernel=4",
+        "policy=snapkv,budget=10,pool=min",   "policy=snapkv,budget=10,colour=red",
+        "policy=snapkv,budget=10,budget=11",  "policy=full,budget=10",
+        "policy=snapkv,budget=10,window",     "policy=snapkv,budget=10,gqa=sum",
+        "policy=snapkv,budget=10,granularity=token", "policy=snapkv,budget=10,p=2",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        struct skv_compress_spec before;
+        skv_compress_spec_default(&before);
+        s = before;
+        assert_int_equal(skv_compress_spec_parse(bad[i], &s), SKV_E_INVAL);
+        assert_true(strlen(skv_error_msg()) > 10);
+        assert_memory_equal(&s, &before, sizeof s); /* untouched on error */
+    }
+}
+
+static void test_spec_format_and_budget(void **state)
+{
+    (void)state;
+    struct skv_compress_spec s, t;
+    char buf[512];
+    assert_int_equal(skv_compress_spec_parse("policy=h2o,alloc=pyramid,budget=64,window=8,gqa=max", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
+    assert_memory_equal(&s, &t, sizeof s);
+    assert_int_equal(skv_compress_spec_format(&s, buf, 8), SKV_E_LIMIT);
+    /* budgets: ratio rounds up, at least 1, at most n */
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_budget(&s, 1000), 100);
+    assert_int_equal(skv_compress_spec_budget(&s, 1001), 101);
+    assert_int_equal(skv_compress_spec_budget(&s, 1), 1);
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_budget(&s, 500), 1);
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=1", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_budget(&s, 500), 500);
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,budget=1024", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_budget(&s, 300), 300);
+}
+
+/* ---- policy pieces ----------------------------------------------------------------------- */
+
+static void test_pool1d(void **state)
+{
+    (void)state;
+    const float x[] = {1, 5, 2, 0, 3};
+    float out[5];
+    skv_pool1d(x, out, 5, 3, SKV_POOL_MAX);
+    const float want_max[] = {5, 5, 5, 3, 3};
+    for (int i = 0; i < 5; i++)
+        assert_true(out[i] == want_max[i]);
+    skv_pool1d(x, out, 5, 3, SKV_POOL_AVG); /* zero padding counted: divide by 3 */
+    const float want_avg[] = {6.0f / 3, 8.0f / 3, 7.0f / 3, 5.0f / 3, 3.0f / 3};
+    for (int i = 0; i < 5; i++)
+        assert_true(fabsf(out[i] - want_avg[i]) < 1e-6f);
+    skv_pool1d(x, out, 5, 1, SKV_POOL_MAX); /* kernel 1 is the identity */
+    assert_memory_equal(out, x, sizeof x);
+}
+
+static void test_gqa_reduce(void **state)
+{
+    (void)state;
+    const float in[] = {1, 2, 3, 0, /* head 0 */ 3, 0, 3, 4 /* head 1 */};
+    float out[4];
+    skv_gqa_reduce(in, 4, 2, 4, SKV_GQA_MEAN, out);
+    const float mean[] = {2, 1, 3, 2};
+    assert_memory_equal(out, mean, sizeof mean);
+    skv_gqa_reduce(in, 4, 2, 4, SKV_GQA_MAX, out);
+    const float mx[] = {3, 2, 3, 4};
+    assert_memory_equal(out, mx, sizeof mx);
+}
+
+static void test_pyramid(void **state)
+{
+    (void)state;
+    int b[4];
+    /* B 40, w 8: avg 32, min 32/20 = 1, max 63, steps (63-1)/3 = 20 -> 71, 51, 31, 11 */
+    skv_pyramid_budgets(4, 40, 8, 20, 1000, b);
+    assert_int_equal(b[0], 71);
+    assert_int_equal(b[1], 51);
+    assert_int_equal(b[2], 31);
+    assert_int_equal(b[3], 11);
+    /* a short prompt clamps the top: max = n - w = 50 - 8 = 42, min = 64 - 42 = 22, steps 6 */
+    skv_pyramid_budgets(4, 40, 8, 20, 50, b);
+    assert_int_equal(b[0], 50);
+    assert_int_equal(b[3], 50 - 18);
+}
+
+static void test_squeeze_budgets(void **state)
+{
+    (void)state;
+    const float sim[] = {0.50f, 0.98f, 0.97f, 0.70f, 0.99f, 0.72f, 0.98f, 0.51f};
+    int b[8];
+    skv_squeeze_budgets(sim, 8, 100, 0.3, 10000, b);
+    long total = 0;
+    for (int l = 0; l < 8; l++)
+        total += b[l];
+    assert_int_equal(total, 800); /* conserved */
+    /* the least-changing cluster {1, 2, 4, 6} gets p * B = 30; the other four share 680 */
+    const int low[] = {1, 2, 4, 6}, high[] = {0, 3, 5, 7};
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(b[low[i]], 30);
+        assert_int_equal(b[high[i]], 170);
+    }
+}
+
+/* ---- whole compressed prefills on the tiny model ------------------------------------------ */
+
+struct tiny {
+    char *dir;
+    struct skv_backend *be;
+    struct skv_model *m;
+    struct skv_engine *e;
+    int32_t ids[64];
+    int n;
+};
+
+static int tiny_setup(void **state)
+{
+    struct tiny *t = calloc(1, sizeof *t);
+    t->dir = fixture_stage_dir("tests/fixtures/tiny-llama");
+    if (!t->dir || skv_backend_cpu_new(2, &t->be) || skv_model_load(t->dir, t->be, NULL, &t->m) ||
+        skv_engine_new(t->m, &t->e))
+        return -1;
+    t->n = 40;
+    for (int i = 0; i < 64; i++)
+        t->ids[i] = (int32_t)((i * 37 + 11) % t->m->cfg.n_vocab);
+    *state = t;
+    return 0;
+}
+
+static int tiny_teardown(void **state)
+{
+    struct tiny *t = *state;
+    skv_engine_free(&t->e);
+    skv_model_free(&t->m);
+    skv_backend_destroy(&t->be);
+    fixture_remove_dir(t->dir);
+    free(t);
+    return 0;
+}
+
+/* Runs a compressed forward of ids[0..n) onto cache (new when *cache is NULL). */
+static void run(struct tiny *t, const char *spec_text, struct skv_kv_cache **cache, const int32_t *ids, int n,
+                struct skv_compressor **keep)
+{
+    struct skv_compress_spec spec;
+    struct skv_compressor *c = NULL;
+    if (!*cache)
+        assert_int_equal(skv_kv_cache_new(t->m, cache), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, t->m, &c), SKV_OK);
+    assert_int_equal(skv_compressor_begin(c, *cache, n), SKV_OK);
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = c};
+    assert_int_equal(skv_engine_forward(t->e, *cache, ids, n, &fo, NULL), SKV_OK);
+    assert_int_equal(skv_compressor_finish(c, *cache), SKV_OK);
+    if (keep)
+        *keep = c;
+    else
+        skv_compressor_free(&c);
+}
+
+static void expect_positions(struct skv_kv_cache *c, int layer, int h, const int32_t *want, int n)
+{
+    const struct skv_kv_head *kh = skv_kv_cache_head(c, layer, h);
+    assert_int_equal(kh->len, n);
+    assert_memory_equal(kh->pos, want, (size_t)n * sizeof *want);
+}
+
+static void test_streaming_and_window(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    run(t, "policy=streaming,budget=8,sinks=2", &c, t->ids, t->n, NULL);
+    const int32_t s[] = {0, 1, 34, 35, 36, 37, 38, 39};
+    for (int l = 0; l < c->n_layers; l++)
+        for (int h = 0; h < c->n_kv_heads; h++)
+            expect_positions(c, l, h, s, 8);
+    assert_int_equal(c->n_past, 40);
+    skv_kv_cache_free(&c);
+    run(t, "policy=window,budget=5", &c, t->ids, t->n, NULL);
+    const int32_t w[] = {35, 36, 37, 38, 39};
+    expect_positions(c, 1, 1, w, 5);
+    skv_kv_cache_free(&c);
+    /* sinks > budget: the earliest sinks fill it */
+    run(t, "policy=streaming,budget=3,sinks=6", &c, t->ids, t->n, NULL);
+    const int32_t s3[] = {0, 1, 2};
+    expect_positions(c, 0, 0, s3, 3);
+    skv_kv_cache_free(&c);
+}
+
+/* Naive SnapKV from the hook's view: softmax of each window query over the keys it sees,
+ * mean over the window, mean over the group, max-pool, top (B - w) + window. */
+struct naive {
+    struct skv_compressor *c;
+    int budget, window, kernel;
+    int32_t want[2][4][64]; /* [layer][kv head][kept positions] */
+};
+
+static int cmp_i32(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int naive_hook(void *user, const struct skv_layer_view *v)
+{
+    struct naive *nv = user;
+    int l = v->layer, n = v->n, H = 4, hkv = v->cache->n_kv_heads, d = v->cache->head_dim, g = H / hkv;
+    int w = nv->window < n ? nv->window : n;
+    for (int h = 0; h < hkv; h++) {
+        const struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
+        double score[64] = {0};
+        for (int qh = h * g; qh < (h + 1) * g; qh++)
+            for (int i = n - w; i < n; i++) {
+                const float *q = v->q + ((size_t)i * H + qh) * d;
+                double p[64], mx = -1e300, z = 0;
+                for (int j = 0; j <= i; j++) {
+                    double dot = 0;
+                    for (int k = 0; k < d; k++)
+                        dot += (double)q[k] * kh->k[(size_t)j * d + k];
+                    p[j] = dot / sqrt((double)d);
+                    mx = p[j] > mx ? p[j] : mx;
+                }
+                for (int j = 0; j <= i; j++)
+                    z += p[j] = exp(p[j] - mx);
+                for (int j = 0; j <= i; j++)
+                    score[j] += p[j] / z / w / g;
+            }
+        int cand = n - w, keep = nv->budget - w;
+        double pooled[64];
+        for (int j = 0; j < cand; j++) {
+            pooled[j] = -1;
+            for (int t = j - nv->kernel / 2; t <= j + nv->kernel / 2; t++)
+                if (t >= 0 && t < cand && score[t] > pooled[j])
+                    pooled[j] = score[t];
+        }
+        int32_t *out = nv->want[l][h], k = 0;
+        for (int r = 0; r < keep; r++) { /* top by pooled score, ties to the earlier position */
+            int best = -1;
+            for (int j = 0; j < cand; j++)
+                if (pooled[j] >= 0 && (best < 0 || pooled[j] > pooled[best]))
+                    best = j;
+            out[k++] = best;
+            pooled[best] = -2;
+        }
+        for (int j = cand; j < n; j++)
+            out[k++] = j;
+        qsort(out, (size_t)k, sizeof *out, cmp_i32);
+    }
+    return skv_compressor_hook(nv->c, v);
+}
+
+static void test_snapkv_matches_naive(void **state)
+{
+    struct tiny *t = *state;
+    assert_int_equal(t->m->cfg.n_heads, 4);
+    struct skv_compress_spec spec;
+    struct naive nv = {.budget = 14, .window = 6, .kernel = 3};
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,budget=14,window=6,kernel=3,pool=max,gqa=mean", &spec),
+                     SKV_OK);
+    struct skv_kv_cache *c = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, t->m, &nv.c), SKV_OK);
+    assert_int_equal(skv_compressor_begin(nv.c, c, t->n), SKV_OK);
+    struct skv_forward_opts fo = {.hook = naive_hook, .hook_user = &nv};
+    assert_int_equal(skv_engine_forward(t->e, c, t->ids, t->n, &fo, NULL), SKV_OK);
+    for (int l = 0; l < c->n_layers; l++)
+        for (int h = 0; h < c->n_kv_heads; h++)
+            expect_positions(c, l, h, nv.want[l][h], 14);
+    skv_compressor_free(&nv.c);
+    skv_kv_cache_free(&c);
+}
+
+static void test_edge_cases(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    int32_t all[40];
+    for (int i = 0; i < 40; i++)
+        all[i] = i;
+    /* budget >= prompt: kept whole */
+    run(t, "policy=snapkv,budget=64", &c, t->ids, t->n, NULL);
+    expect_positions(c, 1, 0, all, 40);
+    skv_kv_cache_free(&c);
+    /* ratio 1: whole; ratio 0: one row (the newest) */
+    run(t, "policy=snapkv,ratio=1", &c, t->ids, t->n, NULL);
+    expect_positions(c, 0, 1, all, 40);
+    skv_kv_cache_free(&c);
+    run(t, "policy=snapkv,ratio=0", &c, t->ids, t->n, NULL);
+    expect_positions(c, 0, 1, all + 39, 1);
+    skv_kv_cache_free(&c);
+    /* budget < window: the newest budget rows of the window */
+    run(t, "policy=snapkv,budget=4,window=10", &c, t->ids, t->n, NULL);
+    expect_positions(c, 1, 1, all + 36, 4);
+    skv_kv_cache_free(&c);
+    /* prompt shorter than the window, budget smaller than the prompt */
+    run(t, "policy=snapkv,budget=3,window=32", &c, t->ids, 5, NULL);
+    expect_positions(c, 0, 0, all + 2, 3);
+    skv_kv_cache_free(&c);
+    /* one-token prompt */
+    for (int p = 0; p < 4; p++) {
+        const char *specs[] = {"policy=snapkv,ratio=0.1", "policy=h2o,budget=1", "policy=streaming,budget=1",
+                               "policy=window,ratio=0"};
+        run(t, specs[p], &c, t->ids, 1, NULL);
+        expect_positions(c, 0, 0, all, 1);
+        skv_kv_cache_free(&c);
+    }
+}
+
+static void test_head_granularity(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    run(t, "policy=snapkv,budget=12,window=4,granularity=head", &c, t->ids, t->n, NULL);
+    bool differ = false;
+    for (int l = 0; l < c->n_layers; l++) {
+        int total = 0;
+        for (int h = 0; h < c->n_kv_heads; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(c, l, h);
+            total += kh->len;
+            differ |= kh->len != 12;
+            for (int j = 36; j < 40; j++) { /* window kept in every head */
+                bool found = false;
+                for (int r = 0; r < kh->len; r++)
+                    found |= kh->pos[r] == j;
+                assert_true(found);
+            }
+            for (int r = 1; r < kh->len; r++)
+                assert_true(kh->pos[r] > kh->pos[r - 1]);
+        }
+        assert_int_equal(total, 12 * c->n_kv_heads);
+    }
+    assert_true(differ); /* heads really keep different counts */
+    /* bytes are real: the cache holds exactly the kept rows */
+    assert_int_equal(skv_kv_cache_bytes(c), (uint64_t)12 * c->n_kv_heads * c->n_layers * 2 * c->head_dim * 4);
+    skv_kv_cache_free(&c);
+}
+
+/* Decode continues at the original positions; streaming and h2o keep evicting to budget;
+ * logits after compression differ from full but decode runs. */
+static void test_decode_eviction(void **state)
+{
+    struct tiny *t = *state;
+    const char *specs[] = {"policy=streaming,budget=10,sinks=2", "policy=h2o,budget=10,window=3"};
+    for (int s = 0; s < 2; s++) {
+        struct skv_kv_cache *c = NULL;
+        struct skv_compressor *comp = NULL;
+        run(t, specs[s], &c, t->ids, t->n, &comp);
+        struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+        for (int k = 0; k < 6; k++) {
+            int32_t tok = t->ids[40 + k];
+            assert_int_equal(skv_compressor_begin_decode(comp, c), SKV_OK);
+            assert_int_equal(skv_engine_forward(t->e, c, &tok, 1, &fo, NULL), SKV_OK);
+            const struct skv_kv_head *kh = skv_kv_cache_head(c, 1, 0);
+            assert_int_equal(kh->len, 10);
+            assert_int_equal(kh->pos[kh->len - 1], 40 + k); /* newest row at its original position */
+            if (s == 0)
+                assert_true(kh->pos[0] == 0 && kh->pos[1] == 1);
+        }
+        assert_int_equal(c->n_past, 46);
+        skv_compressor_free(&comp);
+        skv_kv_cache_free(&c);
+    }
+}
+
+/* Query-aware reuse: a document prefilled whole, cloned, a question appended with SnapKV:
+ * the question is the observation window, the document's rows compete for the budget. */
+static void test_query_aware_reuse(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *doc = NULL, *fork = NULL;
+    run(t, "policy=full", &doc, t->ids, 32, NULL);
+    assert_int_equal(skv_kv_cache_head(doc, 0, 0)->len, 32);
+    assert_int_equal(skv_kv_cache_clone(doc, &fork), SKV_OK);
+    run(t, "policy=snapkv,budget=16,window=8", &fork, t->ids + 32, 8, NULL);
+    for (int l = 0; l < fork->n_layers; l++)
+        for (int h = 0; h < fork->n_kv_heads; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(fork, l, h);
+            assert_int_equal(kh->len, 16);
+            for (int j = 0; j < 8; j++)
+                assert_int_equal(kh->pos[8 + j], 32 + j); /* the question, whole */
+            for (int r = 0; r < 8; r++)
+                assert_true(kh->pos[r] < 32); /* the rest from the document */
+        }
+    assert_int_equal(fork->n_past, 40);
+    assert_int_equal(skv_kv_cache_head(doc, 0, 0)->len, 32); /* the document is untouched */
+    skv_kv_cache_free(&doc);
+    skv_kv_cache_free(&fork);
+}
+
+static void test_squeeze_conserves(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    struct skv_compressor *comp = NULL;
+    run(t, "policy=snapkv,alloc=squeeze,budget=10,window=4", &c, t->ids, t->n, &comp);
+    const float *sim = skv_compressor_similarity(comp);
+    assert_non_null(sim);
+    for (int l = 0; l < c->n_layers; l++)
+        assert_true(sim[l] > -1.0f && sim[l] <= 1.0f);
+    /* two layers: fewer than three clusters, so uniform */
+    assert_int_equal(skv_kv_cache_head(c, 0, 0)->len + skv_kv_cache_head(c, 1, 0)->len, 20);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+}
+
+int main(void)
+{
+    const struct CMUnitTest pure[] = {
+        cmocka_unit_test(test_spec_parse),   cmocka_unit_test(test_spec_format_and_budget),
+        cmocka_unit_test(test_pool1d),       cmocka_unit_test(test_gqa_reduce),
+        cmocka_unit_test(test_pyramid),      cmocka_unit_test(test_squeeze_budgets),
+    };
+    const struct CMUnitTest model[] = {
+        cmocka_unit_test(test_streaming_and_window), cmocka_unit_test(test_snapkv_matches_naive),
+        cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
+        cmocka_unit_test(test_decode_eviction),      cmocka_unit_test(test_query_aware_reuse),
+        cmocka_unit_test(test_squeeze_conserves),
+    };
+    int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);
+    failed += cmocka_run_group_tests_name("compress-tiny-model", model, tiny_setup, tiny_teardown);
+    return failed;
+}
