@@ -4,6 +4,7 @@
 #include "build-config.h"
 
 #include "daemon/server.h"
+#include "daemon/worker.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/engine/model.h"
@@ -31,9 +32,13 @@ struct skv_server {
     void *admin_sock;
     int lock_fds[2];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[2];           /* unlinked at exit */
+    void *replies;                /* inproc PULL: replies from the engine worker */
+    struct skv_worker *worker;
     time_t started;
     uint64_t n_requests;
 };
+
+#define REPLY_ENDPOINT "inproc://snapkvd-replies"
 
 /* For ipc:// endpoints: hold an exclusive lock on "<path>.lock"; a second daemon fails here
  * instead of silently stealing the socket file. */
@@ -102,6 +107,13 @@ int skv_server_new(const struct skv_server_env *env, struct skv_server **out)
         goto out_destroy;
     if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
         goto out_destroy;
+    srv->replies = zmq_socket(srv->zctx, ZMQ_PULL);
+    if (!srv->replies || zmq_bind(srv->replies, REPLY_ENDPOINT) < 0) {
+        rc = skv_errorf(SKV_E_IO, "inproc reply socket: %s", zmq_strerror(zmq_errno()));
+        goto out_destroy;
+    }
+    if ((rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
+        goto out_destroy;
     *out = srv;
     return SKV_OK;
 
@@ -115,6 +127,9 @@ void skv_server_destroy(struct skv_server **srv_p)
     if (!srv_p || !*srv_p)
         return;
     struct skv_server *srv = *srv_p;
+    skv_worker_stop(&srv->worker);
+    if (srv->replies)
+        zmq_close(srv->replies);
     if (srv->client_sock)
         zmq_close(srv->client_sock);
     if (srv->admin_sock)
@@ -188,6 +203,11 @@ static int handle_status(struct skv_server *srv, Snapkv__Reply *rep, Snapkv__Sta
     s->uptime_seconds = (uint64_t)(time(NULL) - srv->started);
     s->pool_bytes_total = (uint64_t)srv->env.cfg->pool_size;
     s->threads = (uint32_t)srv->env.backend->n_threads;
+    struct skv_worker_stats ws;
+    skv_worker_stats(srv->worker, &ws);
+    s->n_sessions = ws.n_sessions;
+    s->queue_depth = ws.queue_depth;
+    s->pool_bytes_used = ws.pool_bytes_used;
     rep->result_case = SNAPKV__REPLY__RESULT_STATUS_REPLY;
     rep->status_reply = s;
     return SKV_OK;
@@ -240,6 +260,7 @@ static bool is_admin_command(Snapkv__Request__CommandCase c)
 static void serve_one(struct skv_server *srv, void *sock, bool admin)
 {
     zmq_msg_t identity, body;
+    Snapkv__Request *req = NULL;
     zmq_msg_init(&identity);
     zmq_msg_init(&body);
     if (zmq_msg_recv(&identity, sock, ZMQ_DONTWAIT) < 0)
@@ -269,7 +290,7 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
     int rc;
     skv_error_clear();
 
-    Snapkv__Request *req = snapkv__request__unpack(NULL, zmq_msg_size(&body), zmq_msg_data(&body));
+    req = snapkv__request__unpack(NULL, zmq_msg_size(&body), zmq_msg_data(&body));
     if (!req) {
         rc = skv_errorf(SKV_E_PROTO, "malformed request (%zu bytes): not a snapkv.Request",
                         zmq_msg_size(&body));
@@ -298,10 +319,31 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
     case SNAPKV__REQUEST__COMMAND__NOT_SET:
         rc = skv_errorf(SKV_E_PROTO, "request names no command");
         break;
-    default:
-        rc = skv_errorf(SKV_E_UNSUPPORTED, "command %d is not implemented by this daemon yet",
-                        (int)req->command_case);
+    case SNAPKV__REQUEST__COMMAND_REGISTER_BUFFER:
+        rc = skv_errorf(SKV_E_UNSUPPORTED, "REGISTER_BUFFER is not needed: name the buffer in EXPORT_KV / IMPORT_KV");
         break;
+    default: {
+        /* session work runs on the engine worker, which sends the reply */
+        struct skv_job *job = calloc(1, sizeof *job);
+        size_t id_len = zmq_msg_size(&identity);
+        if (!job || id_len > sizeof job->identity) {
+            free(job);
+            rc = skv_errorf(SKV_E_NOMEM, "cannot queue the request");
+            break;
+        }
+        job->sock = admin ? 1 : 0;
+        memcpy(job->identity, zmq_msg_data(&identity), id_len);
+        job->identity_len = id_len;
+        job->req = req;
+        rc = skv_worker_submit(srv->worker, job);
+        if (rc == SKV_OK) {
+            req = NULL; /* owned by the job */
+            goto out;
+        }
+        job->req = NULL;
+        free(job);
+        break;
+    }
     }
 
 reply:
@@ -316,21 +358,40 @@ reply:
     free(arena.entries);
     free(arena.ptrs);
     free(arena.values);
+out:
     if (req)
         snapkv__request__free_unpacked(req, NULL);
-out:
     zmq_msg_close(&identity);
     zmq_msg_close(&body);
 }
 
+/* Forwards one [sock][identity][reply] message from the worker to its ROUTER. */
+static bool forward_reply(struct skv_server *srv, int flags)
+{
+    zmq_msg_t parts[3];
+    for (int i = 0; i < 3; i++)
+        zmq_msg_init(&parts[i]);
+    bool ok = zmq_msg_recv(&parts[0], srv->replies, flags) >= 0 && zmq_msg_recv(&parts[1], srv->replies, 0) >= 0 &&
+              zmq_msg_recv(&parts[2], srv->replies, 0) >= 0;
+    if (ok) {
+        void *sock = *(const uint8_t *)zmq_msg_data(&parts[0]) ? srv->admin_sock : srv->client_sock;
+        if (zmq_msg_send(&parts[1], sock, ZMQ_SNDMORE) < 0 || zmq_msg_send(&parts[2], sock, 0) < 0)
+            skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone)", zmq_strerror(zmq_errno()));
+    }
+    for (int i = 0; i < 3; i++)
+        zmq_msg_close(&parts[i]);
+    return ok;
+}
+
 int skv_server_run(struct skv_server *srv)
 {
-    zmq_pollitem_t items[2] = {
+    zmq_pollitem_t items[3] = {
         {.socket = srv->client_sock, .events = ZMQ_POLLIN},
         {.socket = srv->admin_sock, .events = ZMQ_POLLIN},
+        {.socket = srv->replies, .events = ZMQ_POLLIN},
     };
     while (!*srv->env.stop) {
-        int n = zmq_poll(items, 2, 200);
+        int n = zmq_poll(items, 3, 200);
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -341,6 +402,9 @@ int skv_server_run(struct skv_server *srv)
             skv_log_reopen();
             skv_log(SKV_LOG_INFO, "log reopened");
         }
+        if (items[2].revents & ZMQ_POLLIN)
+            while (forward_reply(srv, ZMQ_DONTWAIT))
+                ;
         for (int i = 0; i < 2; i++)
             if (items[i].revents & ZMQ_POLLIN)
                 for (int k = 0; k < 64; k++) { /* fairness: bounded batch per socket */
@@ -352,7 +416,8 @@ int skv_server_run(struct skv_server *srv)
                     serve_one(srv, items[i].socket, i == 1);
                 }
     }
-    /* Stop accepting; answer what is already queued. */
+    /* Stop accepting: answer what already arrived (the worker refuses new work with
+     * SKV_E_CANCELLED), let the worker cancel its queue and decodes, forward every reply. */
     for (int i = 0; i < 2; i++)
         for (;;) {
             int events = 0;
@@ -362,5 +427,8 @@ int skv_server_run(struct skv_server *srv)
                 break;
             serve_one(srv, items[i].socket, i == 1);
         }
+    skv_worker_stop(&srv->worker);
+    while (forward_reply(srv, ZMQ_DONTWAIT))
+        ;
     return SKV_OK;
 }

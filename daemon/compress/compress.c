@@ -100,6 +100,26 @@ void skv_compressor_free(struct skv_compressor **c_p)
     *c_p = NULL;
 }
 
+int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor **out)
+{
+    struct skv_compressor *c = NULL;
+    int rc = skv_compressor_new(&src->spec, src->m, &c);
+    if (rc)
+        return rc;
+    c->budget = src->budget;
+    c->total_len = src->total_len;
+    c->batch = src->batch;
+    memcpy(c->layer_budget, src->layer_budget, (size_t)c->n_layers * sizeof *c->layer_budget);
+    memcpy(c->sim, src->sim, (size_t)c->n_layers * sizeof *c->sim);
+    *out = c;
+    return SKV_OK;
+}
+
+const struct skv_compress_spec *skv_compressor_spec(const struct skv_compressor *c)
+{
+    return &c->spec;
+}
+
 const int *skv_compressor_layer_budgets(const struct skv_compressor *c)
 {
     return c->layer_budget;

@@ -18,6 +18,9 @@ struct skv_compressor;
 int skv_compressor_new(const struct skv_compress_spec *spec, const struct skv_model *m,
                        struct skv_compressor **out);
 void skv_compressor_free(struct skv_compressor **c_p);
+/* A copy with the same spec and decided budgets (for FORK). */
+int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor **out);
+const struct skv_compress_spec *skv_compressor_spec(const struct skv_compressor *c);
 
 /* Prepares a compressing forward of n tokens onto `cache` (whose rows before the forward stay
  * candidates too: an appended question can re-compress a kept document). The budget comes

@@ -1,0 +1,1307 @@
+/* The command handlers, run on the engine worker thread: PREFILL, APPEND, DECODE (streamed,
+ * one token per scheduling round), COMPRESS, FORK, RELEASE, EXPORT_KV / IMPORT_KV through
+ * POSIX shared memory, and the admin commands LIST, INSPECT, EVICT, PIN, SAVE, LOAD, STATS.
+ * Every request ends in exactly one final reply with a status and a message. */
+#include "daemon/worker_impl.h"
+#include "build-config.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/engine/model.h"
+#include "daemon/engine/tokenizer.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define DEFAULT_TENANT "default"
+#define DEFAULT_MAX_TOKENS 64
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void reply_init(Snapkv__Reply *rep, const struct skv_job *job)
+{
+    snapkv__reply__init(rep);
+    rep->version = 1;
+    rep->request_id = job->req->request_id;
+    rep->final = true;
+}
+
+void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg)
+{
+    Snapkv__Reply rep;
+    reply_init(&rep, job);
+    rep.status = status;
+    rep.message = (char *)(msg && *msg ? msg : skv_status_str(status));
+    w->metrics.errors++;
+    skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id, skv_status_name(status),
+            rep.message);
+    skv_worker_reply(w, job, &rep);
+}
+
+static void fail_rc(struct skv_worker *w, const struct skv_job *job, int rc)
+{
+    skv_requests_fail(w, job, rc, skv_error_msg());
+}
+
+static const char *tenant_of(const struct skv_job *job)
+{
+    const char *t = job->req->tenant;
+    return t && *t ? t : DEFAULT_TENANT;
+}
+
+static int check_tenant(const char *t)
+{
+    size_t n = strlen(t);
+    if (n == 0 || n >= SKV_TENANT_MAX)
+        return skv_errorf(SKV_E_INVAL, "tenant names are 1..%d characters", SKV_TENANT_MAX - 1);
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)t[i]) && !strchr("._-@", t[i]))
+            return skv_errorf(SKV_E_INVAL, "tenant '%s': only letters, digits and . _ - @", t);
+    return SKV_OK;
+}
+
+/* The session named by `id` for this tenant (admins: any tenant). */
+static int find_session(struct skv_worker *w, const struct skv_job *job, ProtobufCBinaryData id, bool admin,
+                        struct skv_session **out)
+{
+    if (id.len != SKV_SESSION_ID_BYTES)
+        return skv_errorf(SKV_E_INVAL, "a session id is %d bytes, got %zu", SKV_SESSION_ID_BYTES, id.len);
+    struct skv_session *s = skv_session_find(w->sessions, id.data, admin ? NULL : tenant_of(job));
+    if (!s) {
+        char hex[2 * SKV_SESSION_ID_BYTES + 1];
+        skv_session_id_hex(id.data, hex);
+        return skv_errorf(SKV_E_NOT_FOUND, "no session %s%s", hex, admin ? "" : " for this tenant");
+    }
+    *out = s;
+    return SKV_OK;
+}
+
+/* Token ids from a request: explicit ids, or text (as one chat turn when chat). malloc'd. */
+static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_ids, const char *text, bool chat,
+                          int limit, int32_t **out, int *n_out)
+{
+    const struct skv_model *m = w->m;
+    if (n_ids && text && *text)
+        return skv_errorf(SKV_E_INVAL, "give tokens or text, not both");
+    if (n_ids) {
+        if (n_ids > (size_t)limit)
+            return skv_errorf(SKV_E_LIMIT, "%zu tokens: more than the limit of %d", n_ids, limit);
+        int32_t *v = malloc(n_ids * sizeof *v);
+        if (!v)
+            return SKV_E_NOMEM;
+        for (size_t i = 0; i < n_ids; i++) {
+            if (ids[i] >= (uint32_t)m->cfg.n_vocab) {
+                free(v);
+                return skv_errorf(SKV_E_INVAL, "token %u at index %zu is outside the vocabulary [0, %d)", ids[i], i,
+                                  m->cfg.n_vocab);
+            }
+            v[i] = (int32_t)ids[i];
+        }
+        *out = v;
+        *n_out = (int)n_ids;
+        return SKV_OK;
+    }
+    if (!text || !*text)
+        return skv_errorf(SKV_E_INVAL, "no tokens and no text");
+    if (!m->tok)
+        return skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer: send token ids");
+    char *rendered = NULL;
+    int rc;
+    if (chat) {
+        struct skv_chat_msg msg = {"user", text};
+        if ((rc = skv_tokenizer_chat_render(m->tok, &msg, 1, true, &rendered)))
+            return rc;
+        text = rendered;
+    }
+    size_t len = strlen(text);
+    int n = 0;
+    /* control tokens only come from the chat template, never from a client's text */
+    rc = skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), chat, NULL, 0, &n);
+    if (rc && rc != SKV_E_LIMIT) {
+        free(rendered);
+        return rc;
+    }
+    if (n > limit) {
+        free(rendered);
+        return skv_errorf(SKV_E_LIMIT, "the text is %d tokens: more than the limit of %d", n, limit);
+    }
+    int32_t *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
+    rc = v ? skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), chat, v, n, &n) : SKV_E_NOMEM;
+    free(rendered);
+    if (rc || n == 0) {
+        free(v);
+        return rc ? rc : skv_errorf(SKV_E_INVAL, "the text encodes to no tokens");
+    }
+    *out = v;
+    *n_out = n;
+    return SKV_OK;
+}
+
+/* Per-layer kept counts for a reply: arrays malloc'd into *arena (free with free_kept). */
+struct kept_arena {
+    Snapkv__LayerKept *layers;
+    Snapkv__LayerKept **ptrs;
+    uint32_t *per_head;
+};
+
+static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, size_t *n_out, Snapkv__LayerKept ***out)
+{
+    int L = c->n_layers, H = c->n_kv_heads;
+    a->layers = calloc((size_t)L, sizeof *a->layers);
+    a->ptrs = calloc((size_t)L, sizeof *a->ptrs);
+    a->per_head = calloc((size_t)L * H, sizeof *a->per_head);
+    if (!a->layers || !a->ptrs || !a->per_head)
+        return SKV_E_NOMEM;
+    for (int l = 0; l < L; l++) {
+        Snapkv__LayerKept *k = &a->layers[l];
+        snapkv__layer_kept__init(k);
+        k->layer = (uint32_t)l;
+        k->n_kept_per_head = (size_t)H;
+        k->kept_per_head = a->per_head + (size_t)l * H;
+        for (int h = 0; h < H; h++) {
+            int len = c->heads[l * H + h].len;
+            k->kept_per_head[h] = (uint32_t)len;
+            k->kept = (uint32_t)len > k->kept ? (uint32_t)len : k->kept;
+            k->bytes += (uint64_t)len * c->head_dim * 2 * sizeof(float);
+        }
+        a->ptrs[l] = k;
+    }
+    *n_out = (size_t)L;
+    *out = a->ptrs;
+    return SKV_OK;
+}
+
+static void free_kept(struct kept_arena *a)
+{
+    free(a->layers);
+    free(a->ptrs);
+    free(a->per_head);
+}
+
+static uint64_t full_bytes(const struct skv_model *m, int n_tokens)
+{
+    return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * m->cfg.head_dim * 2 * sizeof(float);
+}
+
+/* Runs tokens through the session's model and cache. compress: a compressing forward with
+ * comp (prefill / compress); else decode-time upkeep when the session has a compressor. */
+static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
+{
+    if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
+        return SKV_E_NOMEM;
+    struct skv_forward_opts fo = {0};
+    int rc = SKV_OK;
+    if (s->comp) {
+        rc = compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
+        fo.hook = skv_compressor_hook;
+        fo.hook_user = s->comp;
+    }
+    if (!rc)
+        rc = skv_engine_forward(w->engine, s->cache, ids, n, &fo, s->logits);
+    if (!rc && s->comp && compress)
+        rc = skv_compressor_finish(s->comp, s->cache);
+    if (!rc)
+        rc = skv_session_push_tokens(s, ids, n);
+    s->last_used_ms = skv_now_ms();
+    return rc;
+}
+
+static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text)
+{
+    struct skv_compress_spec spec;
+    int rc = skv_compress_spec_parse(text, &spec);
+    if (rc)
+        return rc;
+    skv_compressor_free(&s->comp);
+    if (spec.policy != SKV_POLICY_FULL && (rc = skv_compressor_new(&spec, w->m, &s->comp)))
+        return rc;
+    skv_compress_spec_format(&spec, s->spec, sizeof s->spec);
+    return SKV_OK;
+}
+
+/* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
+
+static void handle_prefill(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__PrefillRequest *p = job->req->prefill;
+    const struct skv_config *cfg = w->cfg;
+    const char *tenant = tenant_of(job);
+    int32_t *ids = NULL;
+    int n = 0, rc;
+    struct skv_session *s = NULL;
+    if ((rc = check_tenant(tenant)) ||
+        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, (int)cfg->max_prompt_tokens, &ids, &n)))
+        goto fail;
+    const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
+                                                                                : cfg->default_compress;
+    if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)))
+        goto fail;
+    s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
+    s->busy = 1;
+    double t0 = now_s();
+    rc = session_forward(w, s, ids, n, true);
+    s->busy = 0;
+    if (rc)
+        goto fail;
+    w->metrics.prefill_tokens += (uint64_t)n;
+    w->metrics.prefill_seconds += now_s() - t0;
+    s->prompt_len = n;
+    int evicted = 0;
+    if ((rc = skv_session_charge(w->sessions, s, &evicted)))
+        goto fail;
+    if (evicted)
+        skv_log(SKV_LOG_INFO, "evicted %d idle session(s) to make room", evicted);
+
+    Snapkv__Reply rep;
+    Snapkv__PrefillReply pr = SNAPKV__PREFILL_REPLY__INIT;
+    struct kept_arena arena = {0};
+    reply_init(&rep, job);
+    pr.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    pr.n_tokens = (uint32_t)n;
+    pr.bytes_before = full_bytes(w->m, n);
+    pr.bytes_after = s->bytes;
+    pr.next_token = (uint32_t)skv_argmax(s->logits, w->m->cfg.n_vocab);
+    if (p->return_logits) {
+        pr.n_logits = (size_t)w->m->cfg.n_vocab;
+        pr.logits = s->logits;
+    }
+    w->metrics.bytes_before += pr.bytes_before;
+    w->metrics.bytes_after += pr.bytes_after;
+    if ((rc = fill_kept(s->cache, &arena, &pr.n_kept, &pr.kept))) {
+        free_kept(&arena);
+        goto fail;
+    }
+    rep.result_case = SNAPKV__REPLY__RESULT_PREFILL;
+    rep.prefill = &pr;
+    skv_worker_reply(w, job, &rep);
+    free_kept(&arena);
+    free(ids);
+    return;
+fail:
+    fail_rc(w, job, rc);
+    if (s)
+        skv_session_destroy(w->sessions, s);
+    free(ids);
+}
+
+static void handle_append(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__AppendRequest *a = job->req->append;
+    struct skv_session *s = NULL;
+    int32_t *ids = NULL;
+    int n = 0, rc;
+    int room = (int)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens);
+    if ((rc = find_session(w, job, a->session_id, false, &s)))
+        goto fail;
+    if (s->busy) {
+        rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
+        goto fail;
+    }
+    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, room - s->n_tokens, &ids, &n)) ||
+        (rc = session_forward(w, s, ids, n, false)) || (rc = skv_session_charge(w->sessions, s, NULL)))
+        goto fail;
+    Snapkv__Reply rep;
+    Snapkv__AppendReply ar = SNAPKV__APPEND_REPLY__INIT;
+    reply_init(&rep, job);
+    ar.n_tokens = (uint32_t)s->cache->n_past;
+    ar.next_token = (uint32_t)skv_argmax(s->logits, w->m->cfg.n_vocab);
+    if (a->return_logits) {
+        ar.n_logits = (size_t)w->m->cfg.n_vocab;
+        ar.logits = s->logits;
+    }
+    rep.result_case = SNAPKV__REPLY__RESULT_APPEND;
+    rep.append = &ar;
+    skv_worker_reply(w, job, &rep);
+    free(ids);
+    return;
+fail:
+    fail_rc(w, job, rc);
+    free(ids);
+}
+
+/* Re-compression: the last `window` tokens are taken off the cache and run again with the
+ * new spec, so they serve as the observation window exactly as at prefill. */
+static void handle_compress(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__CompressRequest *c = job->req->compress;
+    struct skv_session *s = NULL;
+    int rc;
+    if ((rc = find_session(w, job, c->session_id, false, &s)))
+        goto fail;
+    if (s->busy) {
+        rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
+        goto fail;
+    }
+    uint64_t before = full_bytes(w->m, s->cache->n_past);
+    if ((rc = set_spec(w, s, c->compress && c->compress->spec ? c->compress->spec : "")))
+        goto fail;
+    int window = s->comp ? skv_compressor_spec(s->comp)->window : 1;
+    int n_past = s->cache->n_past;
+    if (window > n_past)
+        window = n_past;
+    if (window > 0 && s->n_tokens == n_past) {
+        int cut = n_past - window;
+        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
+            struct skv_kv_head *kh = &s->cache->heads[i];
+            while (kh->len > 0 && kh->pos[kh->len - 1] >= cut)
+                kh->len--;
+        }
+        s->cache->n_past = cut;
+        s->n_tokens = cut;
+        int32_t *redo = malloc((size_t)window * sizeof *redo);
+        if (!redo) {
+            rc = SKV_E_NOMEM;
+            goto fail;
+        }
+        memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
+        rc = session_forward(w, s, redo, window, true);
+        free(redo);
+        if (rc)
+            goto fail;
+    }
+    if ((rc = skv_session_charge(w->sessions, s, NULL)))
+        goto fail;
+    Snapkv__Reply rep;
+    Snapkv__CompressReply cr = SNAPKV__COMPRESS_REPLY__INIT;
+    struct kept_arena arena = {0};
+    reply_init(&rep, job);
+    cr.bytes_before = before;
+    cr.bytes_after = s->bytes;
+    if ((rc = fill_kept(s->cache, &arena, &cr.n_kept, &cr.kept))) {
+        free_kept(&arena);
+        goto fail;
+    }
+    rep.result_case = SNAPKV__REPLY__RESULT_COMPRESS;
+    rep.compress = &cr;
+    skv_worker_reply(w, job, &rep);
+    free_kept(&arena);
+    return;
+fail:
+    fail_rc(w, job, rc);
+}
+
+static void handle_fork(struct skv_worker *w, struct skv_job *job)
+{
+    struct skv_session *src = NULL, *s = NULL;
+    int rc;
+    if ((rc = find_session(w, job, job->req->fork->session_id, false, &src)) ||
+        (rc = skv_session_create(w->sessions, w->m, src->tenant, job->req->tenant, &s)))
+        goto fail;
+    skv_kv_cache_free(&s->cache);
+    if ((rc = skv_kv_cache_clone(src->cache, &s->cache)) ||
+        (src->comp && (rc = skv_compressor_clone(src->comp, &s->comp))) ||
+        (rc = skv_session_push_tokens(s, src->tokens, src->n_tokens)))
+        goto fail;
+    if (src->logits) {
+        s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits);
+        if (!s->logits) {
+            rc = SKV_E_NOMEM;
+            goto fail;
+        }
+        memcpy(s->logits, src->logits, (size_t)w->m->cfg.n_vocab * sizeof *s->logits);
+    }
+    memcpy(s->spec, src->spec, sizeof s->spec);
+    s->prompt_len = src->prompt_len;
+    s->lease_seconds = src->lease_seconds;
+    src->last_used_ms = skv_now_ms();
+    if ((rc = skv_session_charge(w->sessions, s, NULL)))
+        goto fail;
+    Snapkv__Reply rep;
+    Snapkv__ForkReply fr = SNAPKV__FORK_REPLY__INIT;
+    reply_init(&rep, job);
+    fr.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    fr.shared_bytes = 0; /* a fork copies its parent's rows (no copy-on-write blocks yet) */
+    rep.result_case = SNAPKV__REPLY__RESULT_FORK;
+    rep.fork = &fr;
+    skv_worker_reply(w, job, &rep);
+    return;
+fail:
+    fail_rc(w, job, rc);
+    if (s)
+        skv_session_destroy(w->sessions, s);
+}
+
+static void handle_release(struct skv_worker *w, struct skv_job *job)
+{
+    struct skv_session *s = NULL;
+    int rc = find_session(w, job, job->req->release->session_id, false, &s);
+    if (!rc && s->busy)
+        rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    skv_session_destroy(w->sessions, s);
+    Snapkv__Reply rep;
+    Snapkv__ReleaseReply rr = SNAPKV__RELEASE_REPLY__INIT;
+    reply_init(&rep, job);
+    rep.result_case = SNAPKV__REPLY__RESULT_RELEASE;
+    rep.release = &rr;
+    skv_worker_reply(w, job, &rep);
+}
+
+/* ---- EXPORT_KV / IMPORT_KV through a client's POSIX shared-memory object -------------------- */
+
+static int map_buffer(const Snapkv__BufferRef *b, uint64_t need, void **map_out, size_t *size_out)
+{
+    if (!b || b->kind_case != SNAPKV__BUFFER_REF__KIND_SHM_NAME)
+        return skv_errorf(SKV_E_UNSUPPORTED, "this daemon runs on the CPU: register a POSIX shared-memory buffer");
+    const char *name = b->shm_name;
+    size_t len = strlen(name);
+    if (len < 2 || len > 200 || name[0] != '/')
+        return skv_errorf(SKV_E_INVAL, "shared-memory name '%s' must be '/' and 1..199 characters", name);
+    for (size_t i = 1; i < len; i++)
+        if (!isalnum((unsigned char)name[i]) && !strchr("._-", name[i]))
+            return skv_errorf(SKV_E_INVAL, "shared-memory name '%s': only letters, digits and . _ -", name);
+    int fd = shm_open(name, O_RDWR, 0);
+    if (fd < 0)
+        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_PERM, "shm_open %s: %s", name, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return skv_errorf(SKV_E_IO, "%s is not a shared-memory object", name);
+    }
+    uint64_t size = (uint64_t)sb.st_size;
+    if (b->offset > size || need > size - b->offset) {
+        close(fd);
+        return skv_errorf(SKV_E_LIMIT, "%s holds %llu bytes; %llu are needed from offset %llu", name,
+                          (unsigned long long)size, (unsigned long long)need, (unsigned long long)b->offset);
+    }
+    void *map = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED)
+        return skv_errorf(SKV_E_IO, "mmap %s: %s", name, strerror(errno));
+    *map_out = map;
+    *size_out = (size_t)size;
+    return SKV_OK;
+}
+
+static void handle_export(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__ExportKvRequest *e = job->req->export_kv;
+    struct skv_session *s = NULL;
+    int rc = find_session(w, job, e->session_id, false, &s);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    const struct skv_kv_cache *c = s->cache;
+    int L = c->n_layers, H = c->n_kv_heads, d = c->head_dim;
+    uint32_t first = e->layer_first, count = e->layer_count ? e->layer_count : (uint32_t)L - first;
+    if (first >= (uint32_t)L || count > (uint32_t)L - first) {
+        skv_requests_fail(w, job, SKV_E_INVAL, "layer range outside the model");
+        return;
+    }
+    uint64_t need = 0, n_pos = 0;
+    for (uint32_t l = first; l < first + count; l++) {
+        int mx = 0;
+        for (int h = 0; h < H; h++) {
+            int len = c->heads[l * H + h].len;
+            mx = len > mx ? len : mx;
+            n_pos += (uint64_t)len;
+        }
+        need += (uint64_t)2 * H * mx * d * sizeof(float);
+    }
+    void *map = NULL;
+    size_t size = 0;
+    if ((rc = map_buffer(e->buffer, need, &map, &size))) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    uint32_t *positions = malloc((size_t)(n_pos ? n_pos : 1) * sizeof *positions);
+    if (!positions) {
+        munmap(map, size);
+        skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
+        return;
+    }
+    /* per layer: K then V, each [Hkv][max kept][d] f32, heads padded with zeros */
+    char *out = (char *)map + e->buffer->offset;
+    size_t row = (size_t)d * sizeof(float), at_pos = 0;
+    for (uint32_t l = first; l < first + count; l++) {
+        int mx = 0;
+        for (int h = 0; h < H; h++)
+            mx = c->heads[l * H + h].len > mx ? c->heads[l * H + h].len : mx;
+        for (int kv = 0; kv < 2; kv++)
+            for (int h = 0; h < H; h++) {
+                const struct skv_kv_head *kh = &c->heads[l * H + h];
+                memcpy(out, kv ? (void *)kh->v : (void *)kh->k, (size_t)kh->len * row);
+                memset(out + (size_t)kh->len * row, 0, (size_t)(mx - kh->len) * row);
+                out += (size_t)mx * row;
+            }
+        for (int h = 0; h < H; h++) {
+            const struct skv_kv_head *kh = &c->heads[l * H + h];
+            for (int j = 0; j < kh->len; j++)
+                positions[at_pos++] = (uint32_t)kh->pos[j];
+        }
+    }
+    munmap(map, size);
+    Snapkv__Reply rep;
+    Snapkv__ExportKvReply er = SNAPKV__EXPORT_KV_REPLY__INIT;
+    struct kept_arena arena = {0};
+    reply_init(&rep, job);
+    er.bytes_written = need;
+    er.n_positions = (size_t)n_pos;
+    er.positions = positions;
+    if ((rc = fill_kept(c, &arena, &er.n_kept, &er.kept))) {
+        fail_rc(w, job, rc);
+    } else {
+        er.kept += first;
+        er.n_kept = count;
+        rep.result_case = SNAPKV__REPLY__RESULT_EXPORT_KV;
+        rep.export_kv = &er;
+        skv_worker_reply(w, job, &rep);
+    }
+    free_kept(&arena);
+    free(positions);
+    s->last_used_ms = skv_now_ms();
+}
+
+static void handle_import(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__ImportKvRequest *im = job->req->import_kv;
+    const struct skv_model_config *mc = &w->m->cfg;
+    int L = mc->n_layers, H = mc->n_kv_heads, d = mc->head_dim, rc;
+    struct skv_session *s = NULL;
+    void *map = NULL;
+    size_t size = 0;
+    if (im->n_kept != (size_t)L) {
+        rc = skv_errorf(SKV_E_INVAL, "kept lists %zu layers; the model has %d", im->n_kept, L);
+        goto fail;
+    }
+    uint64_t need = 0, n_pos = 0;
+    for (int l = 0; l < L; l++) {
+        const Snapkv__LayerKept *k = im->kept[l];
+        if (k->n_kept_per_head != (size_t)H) {
+            rc = skv_errorf(SKV_E_INVAL, "layer %d lists %zu heads; the model has %d", l, k->n_kept_per_head, H);
+            goto fail;
+        }
+        uint32_t mx = 0;
+        for (int h = 0; h < H; h++) {
+            if (k->kept_per_head[h] > im->original_length) {
+                rc = skv_errorf(SKV_E_INVAL, "layer %d head %d keeps more rows than the sequence has", l, h);
+                goto fail;
+            }
+            mx = k->kept_per_head[h] > mx ? k->kept_per_head[h] : mx;
+            n_pos += k->kept_per_head[h];
+        }
+        need += (uint64_t)2 * H * mx * d * sizeof(float);
+    }
+    if (im->n_positions != n_pos || im->original_length == 0 || im->n_tokens > im->original_length ||
+        im->original_length > (uint32_t)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens)) {
+        rc = skv_errorf(SKV_E_INVAL, "positions (%zu, expected %llu), tokens or original length do not fit",
+                        im->n_positions, (unsigned long long)n_pos);
+        goto fail;
+    }
+    for (size_t i = 0; i < im->n_tokens; i++)
+        if (im->tokens[i] >= (uint32_t)mc->n_vocab) {
+            rc = skv_errorf(SKV_E_INVAL, "token %u outside the vocabulary", im->tokens[i]);
+            goto fail;
+        }
+    if ((rc = check_tenant(tenant_of(job))) || (rc = map_buffer(im->buffer, need, &map, &size)) ||
+        (rc = skv_session_create(w->sessions, w->m, tenant_of(job), job->req->tenant, &s)) ||
+        (rc = set_spec(w, s, "policy=full")))
+        goto fail;
+    int max_len = 0;
+    for (int l = 0; l < L; l++)
+        for (int h = 0; h < H; h++)
+            max_len = (int)im->kept[l]->kept_per_head[h] > max_len ? (int)im->kept[l]->kept_per_head[h] : max_len;
+    if ((rc = skv_kv_cache_reserve(s->cache, max_len)))
+        goto fail;
+    const char *in = (const char *)map + im->buffer->offset;
+    size_t row = (size_t)d * sizeof(float), at_pos = 0;
+    for (int l = 0; l < L; l++) {
+        uint32_t mx = 0;
+        for (int h = 0; h < H; h++)
+            mx = im->kept[l]->kept_per_head[h] > mx ? im->kept[l]->kept_per_head[h] : mx;
+        for (int kv = 0; kv < 2; kv++)
+            for (int h = 0; h < H; h++) {
+                struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
+                int len = (int)im->kept[l]->kept_per_head[h];
+                memcpy(kv ? (void *)kh->v : (void *)kh->k, in, (size_t)len * row);
+                in += (size_t)mx * row;
+                kh->len = len;
+            }
+        for (int h = 0; h < H; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
+            for (int j = 0; j < kh->len; j++) {
+                uint32_t p = im->positions[at_pos++];
+                if (p >= im->original_length || (j > 0 && (int32_t)p <= kh->pos[j - 1])) {
+                    rc = skv_errorf(SKV_E_INVAL, "layer %d head %d: positions must increase below the length", l, h);
+                    goto fail;
+                }
+                kh->pos[j] = (int32_t)p;
+                kh->score[j] = 0;
+            }
+        }
+    }
+    munmap(map, size);
+    map = NULL;
+    s->cache->n_past = (int32_t)im->original_length;
+    s->prompt_len = (int32_t)im->original_length;
+    s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
+    for (size_t i = 0; i < im->n_tokens && !rc; i++) {
+        int32_t t = (int32_t)im->tokens[i];
+        rc = skv_session_push_tokens(s, &t, 1);
+    }
+    if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
+        goto fail;
+    Snapkv__Reply rep;
+    Snapkv__ImportKvReply ir = SNAPKV__IMPORT_KV_REPLY__INIT;
+    reply_init(&rep, job);
+    ir.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    rep.result_case = SNAPKV__REPLY__RESULT_IMPORT_KV;
+    rep.import_kv = &ir;
+    skv_worker_reply(w, job, &rep);
+    return;
+fail:
+    fail_rc(w, job, rc);
+    if (map)
+        munmap(map, size);
+    if (s)
+        skv_session_destroy(w->sessions, s);
+}
+
+/* ---- DECODE ------------------------------------------------------------------------------------ */
+
+void skv_requests_decode_free(struct skv_decode *d)
+{
+    if (!d)
+        return;
+    if (d->session)
+        d->session->busy = 0;
+    skv_sampler_fini(&d->sampler);
+    free(d->stop);
+    free(d->out);
+    if (d->job) {
+        snapkv__request__free_unpacked(d->job->req, NULL);
+        free(d->job);
+    }
+    free(d);
+}
+
+struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__DecodeRequest *q = job->req->decode;
+    struct skv_session *s = NULL;
+    int rc = find_session(w, job, q->session_id, false, &s);
+    if (!rc && s->busy)
+        rc = skv_errorf(SKV_E_BUSY, "the session is already decoding");
+    if (!rc && !s->logits)
+        rc = skv_errorf(SKV_E_INVAL, "the session has no tokens to continue from");
+    const Snapkv__Sampling *sp = q->sampling;
+    uint32_t max = sp && sp->max_tokens ? sp->max_tokens : DEFAULT_MAX_TOKENS;
+    if (!rc && max > (uint32_t)w->cfg->max_new_tokens)
+        rc = skv_errorf(SKV_E_LIMIT, "max_tokens %u is above the limit of %lld", max,
+                        (long long)w->cfg->max_new_tokens);
+    if (!rc && s->n_tokens + (int64_t)max > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens)
+        rc = skv_errorf(SKV_E_LIMIT, "the session would grow past %lld tokens",
+                        (long long)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens));
+    struct skv_decode *d = NULL;
+    if (!rc && !(d = calloc(1, sizeof *d)))
+        rc = SKV_E_NOMEM;
+    if (!rc) {
+        struct skv_sampler_params p = {0};
+        if (sp) {
+            p.temperature = sp->temperature;
+            p.top_k = (int)(sp->top_k > 1000000 ? 1000000 : sp->top_k);
+            p.top_p = sp->top_p;
+            p.seed = sp->seed;
+        }
+        rc = skv_sampler_init(&d->sampler, &p, w->m->cfg.n_vocab);
+        if (sp && sp->n_stop_tokens > 64 && !rc)
+            rc = skv_errorf(SKV_E_LIMIT, "at most 64 stop tokens");
+    }
+    if (!rc && !(d->out = malloc((size_t)max * sizeof *d->out)))
+        rc = SKV_E_NOMEM;
+    if (!rc && sp && sp->n_stop_tokens) {
+        if (!(d->stop = malloc(sp->n_stop_tokens * sizeof *d->stop)))
+            rc = SKV_E_NOMEM;
+        else {
+            memcpy(d->stop, sp->stop_tokens, sp->n_stop_tokens * sizeof *d->stop);
+            d->n_stop = sp->n_stop_tokens;
+        }
+    }
+    if (rc) {
+        fail_rc(w, job, rc);
+        if (d) {
+            d->job = NULL;
+            skv_requests_decode_free(d);
+        }
+        return NULL; /* the caller frees the job */
+    }
+    d->job = job;
+    d->session = s;
+    d->max_tokens = max;
+    d->stop_at_eos = sp && sp->stop_at_eos;
+    d->stream = q->stream;
+    s->busy = 1;
+    return d;
+}
+
+/* Text of the new token, holding back an incomplete UTF-8 character for the next one. */
+static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, char *buf, size_t cap)
+{
+    size_t len = 0;
+    memcpy(buf, d->pending, d->n_pending);
+    size_t have = d->n_pending;
+    if (w->m->tok && skv_tokenizer_token_bytes(w->m->tok, t, buf + have, cap - have - 1, &len) == SKV_OK)
+        have += len < cap - have - 1 ? len : cap - have - 1;
+    /* find the end of the last complete character */
+    size_t end = have;
+    for (size_t back = 1; back <= 4 && back <= have; back++) {
+        unsigned char c = (unsigned char)buf[have - back];
+        if ((c & 0xC0) == 0x80)
+            continue;
+        size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+        if (need > back)
+            end = have - back;
+        break;
+    }
+    d->n_pending = have - end < sizeof d->pending ? have - end : 0;
+    memcpy(d->pending, buf + end, d->n_pending);
+    buf[end] = '\0';
+    return end;
+}
+
+static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final, const char *reason, int32_t *tokens,
+                         size_t n, const char *text)
+{
+    Snapkv__Reply rep;
+    Snapkv__DecodeReply dr = SNAPKV__DECODE_REPLY__INIT;
+    reply_init(&rep, d->job);
+    rep.final = final;
+    uint32_t ids[n ? n : 1];
+    for (size_t i = 0; i < n; i++)
+        ids[i] = (uint32_t)tokens[i];
+    dr.n_tokens = n;
+    dr.tokens = ids;
+    dr.text = (char *)text;
+    dr.n_generated = d->produced;
+    dr.finish_reason = (char *)(reason ? reason : "");
+    rep.result_case = SNAPKV__REPLY__RESULT_DECODE;
+    rep.decode = &dr;
+    skv_worker_reply(w, d->job, &rep);
+}
+
+bool skv_requests_decode_step(struct skv_worker *w, struct skv_decode *d)
+{
+    struct skv_session *s = d->session;
+    double t0 = now_s();
+    int32_t t = skv_sampler_sample(&d->sampler, s->logits);
+    d->out[d->produced++] = t;
+    const char *reason = NULL;
+    for (size_t i = 0; i < d->n_stop && !reason; i++)
+        if ((uint32_t)t == d->stop[i])
+            reason = "stop";
+    if (!reason && d->stop_at_eos && w->m->tok &&
+        (t == skv_tokenizer_eos(w->m->tok) || t == skv_tokenizer_eot(w->m->tok)))
+        reason = "eos";
+    if (!reason && d->produced >= d->max_tokens)
+        reason = "length";
+    /* the token always enters the cache, so the session stays consistent for APPEND / DECODE */
+    int rc = session_forward(w, s, &t, 1, false);
+    if (!rc)
+        rc = skv_session_charge(w->sessions, s, NULL);
+    w->metrics.decode_tokens++;
+    w->metrics.decode_seconds += now_s() - t0;
+    if (rc) {
+        fail_rc(w, d->job, rc);
+        return true;
+    }
+    char text[512];
+    if (d->stream) {
+        token_text(w, d, t, text, sizeof text);
+        decode_reply(w, d, reason != NULL, reason, &t, 1, text);
+    } else if (reason) {
+        char *all = NULL;
+        if (w->m->tok && skv_tokenizer_decode(w->m->tok, d->out, (int)d->produced, &all))
+            all = NULL;
+        decode_reply(w, d, true, reason, d->out, d->produced, all ? all : "");
+        free(all);
+    }
+    return reason != NULL;
+}
+
+void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
+{
+    decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced, "");
+}
+
+/* ---- admin ------------------------------------------------------------------------------------ */
+
+struct info_arena {
+    Snapkv__SessionInfo *infos;
+    Snapkv__SessionInfo **ptrs;
+    int n, cap;
+};
+
+static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s)
+{
+    snapkv__session_info__init(in);
+    in->session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    in->tenant = s->tenant;
+    in->owner = s->owner;
+    in->n_tokens = (uint32_t)s->cache->n_past;
+    uint32_t kept = 0;
+    for (int l = 0; l < s->cache->n_layers; l++) {
+        int mx = 0;
+        for (int h = 0; h < s->cache->n_kv_heads; h++)
+            mx = skv_kv_cache_head(s->cache, l, h)->len > mx ? skv_kv_cache_head(s->cache, l, h)->len : mx;
+        kept += (uint32_t)mx;
+    }
+    in->kept_tokens = kept;
+    in->bytes = s->bytes;
+    in->policy = s->spec;
+    in->created_unix_ms = s->created_ms;
+    in->last_used_unix_ms = s->last_used_ms;
+    in->pinned = s->pinned;
+    in->lease_seconds = s->lease_seconds;
+}
+
+struct list_ctx {
+    struct info_arena *a;
+    const char *tenant;
+};
+
+static bool list_visit(void *user, struct skv_session *s)
+{
+    struct list_ctx *ctx = user;
+    struct info_arena *a = ctx->a;
+    if (ctx->tenant && *ctx->tenant && strcmp(ctx->tenant, s->tenant) != 0)
+        return false;
+    if (a->n < a->cap)
+        fill_info(&a->infos[a->n++], s);
+    return false;
+}
+
+static void handle_list(struct skv_worker *w, struct skv_job *job)
+{
+    struct skv_session_stats st;
+    skv_session_stats(w->sessions, &st);
+    struct info_arena a = {.cap = st.n_sessions};
+    a.infos = calloc((size_t)(a.cap ? a.cap : 1), sizeof *a.infos);
+    a.ptrs = calloc((size_t)(a.cap ? a.cap : 1), sizeof *a.ptrs);
+    if (!a.infos || !a.ptrs) {
+        skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
+        goto out;
+    }
+    struct list_ctx ctx = {&a, job->req->list->tenant};
+    skv_session_foreach(w->sessions, list_visit, &ctx);
+    for (int i = 0; i < a.n; i++)
+        a.ptrs[i] = &a.infos[i];
+    Snapkv__Reply rep;
+    Snapkv__ListReply lr = SNAPKV__LIST_REPLY__INIT;
+    reply_init(&rep, job);
+    lr.n_sessions = (size_t)a.n;
+    lr.sessions = a.ptrs;
+    rep.result_case = SNAPKV__REPLY__RESULT_LIST;
+    rep.list = &lr;
+    skv_worker_reply(w, job, &rep);
+out:
+    free(a.infos);
+    free(a.ptrs);
+}
+
+static void handle_inspect(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__InspectRequest *q = job->req->inspect;
+    struct skv_session *s = NULL;
+    int rc = find_session(w, job, q->session_id, true, &s);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__InspectReply ir = SNAPKV__INSPECT_REPLY__INIT;
+    Snapkv__SessionInfo info;
+    struct kept_arena arena = {0};
+    uint32_t *positions = NULL;
+    fill_info(&info, s);
+    reply_init(&rep, job);
+    ir.info = &info;
+    ir.spec = s->spec;
+    if ((rc = fill_kept(s->cache, &arena, &ir.n_kept, &ir.kept))) {
+        fail_rc(w, job, rc);
+        goto out;
+    }
+    if (q->with_positions) {
+        size_t n = 0;
+        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++)
+            n += (size_t)s->cache->heads[i].len;
+        positions = malloc((n ? n : 1) * sizeof *positions);
+        if (!positions) {
+            skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
+            goto out;
+        }
+        size_t at = 0;
+        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++)
+            for (int j = 0; j < s->cache->heads[i].len; j++)
+                positions[at++] = (uint32_t)s->cache->heads[i].pos[j];
+        ir.n_positions = n;
+        ir.positions = positions;
+    }
+    const float *sim = s->comp ? skv_compressor_similarity(s->comp) : NULL;
+    if (sim) {
+        ir.n_layer_similarity = (size_t)s->cache->n_layers;
+        ir.layer_similarity = (float *)sim;
+    }
+    rep.result_case = SNAPKV__REPLY__RESULT_INSPECT;
+    rep.inspect = &ir;
+    skv_worker_reply(w, job, &rep);
+out:
+    free_kept(&arena);
+    free(positions);
+}
+
+struct evict_ctx {
+    const char *tenant;
+    bool all;
+    uint32_t count;
+    uint64_t bytes;
+};
+
+static bool evict_visit(void *user, struct skv_session *s)
+{
+    struct evict_ctx *e = user;
+    if (s->pinned || s->busy)
+        return false;
+    if (!e->all && strcmp(s->tenant, e->tenant) != 0)
+        return false;
+    e->count++;
+    e->bytes += s->bytes;
+    return true;
+}
+
+static void handle_evict(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__EvictRequest *q = job->req->evict;
+    struct evict_ctx e = {.tenant = q->tenant, .all = q->all_unpinned};
+    if (q->session_id.len) {
+        struct skv_session *s = NULL;
+        int rc = find_session(w, job, q->session_id, true, &s);
+        if (!rc && s->busy)
+            rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
+        if (rc) {
+            fail_rc(w, job, rc);
+            return;
+        }
+        e.count = 1;
+        e.bytes = s->bytes;
+        skv_session_destroy(w->sessions, s);
+    } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
+        skv_session_foreach(w->sessions, evict_visit, &e);
+    } else {
+        skv_requests_fail(w, job, SKV_E_INVAL, "EVICT needs a session id, a tenant or all_unpinned");
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__EvictReply er = SNAPKV__EVICT_REPLY__INIT;
+    reply_init(&rep, job);
+    er.evicted = e.count;
+    er.bytes_freed = e.bytes;
+    rep.result_case = SNAPKV__REPLY__RESULT_EVICT;
+    rep.evict = &er;
+    skv_worker_reply(w, job, &rep);
+}
+
+static void handle_pin(struct skv_worker *w, struct skv_job *job)
+{
+    struct skv_session *s = NULL;
+    int rc = find_session(w, job, job->req->pin->session_id, true, &s);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    s->pinned = job->req->pin->pin;
+    Snapkv__Reply rep;
+    Snapkv__PinReply pr = SNAPKV__PIN_REPLY__INIT;
+    reply_init(&rep, job);
+    rep.result_case = SNAPKV__REPLY__RESULT_PIN;
+    rep.pin = &pr;
+    skv_worker_reply(w, job, &rep);
+}
+
+/* Saved sessions: "<state-dir>/<name>.skv" = header, tokens, per head (len, positions, K, V),
+ * then a BLAKE2b checksum of everything before it. */
+#define SAVE_MAGIC "SKVSESS1"
+#define SAVE_VERSION 1
+
+struct save_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t n_layers, n_kv_heads, head_dim;
+    int32_t n_past, prompt_len, n_tokens;
+    char fingerprint[65];
+    char spec[256];
+    char pad[3];
+};
+
+static int save_path(struct skv_worker *w, const char *name, char *out, size_t cap)
+{
+    size_t n = strlen(name);
+    if (n == 0 || n > 64 || name[0] == '.')
+        return skv_errorf(SKV_E_INVAL, "save names are 1..64 characters and do not start with '.'");
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)name[i]) && !strchr("._-", name[i]))
+            return skv_errorf(SKV_E_INVAL, "save name '%s': only letters, digits and . _ -", name);
+    if ((size_t)snprintf(out, cap, "%s/%s.skv", w->cfg->state_dir, name) >= cap)
+        return skv_errorf(SKV_E_INVAL, "state directory path too long");
+    return SKV_OK;
+}
+
+static int write_all(FILE *f, crypto_generichash_state *h, const void *p, size_t n)
+{
+    crypto_generichash_update(h, p, n);
+    return fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+}
+
+static void handle_save(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__SaveRequest *q = job->req->save;
+    struct skv_session *s = NULL;
+    char path[1200], tmp[1300];
+    int rc = find_session(w, job, q->session_id, true, &s);
+    if (!rc)
+        rc = save_path(w, q->name, path, sizeof path);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) {
+        rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
+        fail_rc(w, job, rc);
+        return;
+    }
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, NULL, 0, 32);
+    struct save_header hd = {.version = SAVE_VERSION};
+    memcpy(hd.magic, SAVE_MAGIC, 8);
+    hd.n_layers = (uint32_t)s->cache->n_layers;
+    hd.n_kv_heads = (uint32_t)s->cache->n_kv_heads;
+    hd.head_dim = (uint32_t)s->cache->head_dim;
+    hd.n_past = s->cache->n_past;
+    hd.prompt_len = s->prompt_len;
+    hd.n_tokens = s->n_tokens;
+    memcpy(hd.fingerprint, w->m->fingerprint, sizeof hd.fingerprint);
+    memcpy(hd.spec, s->spec, sizeof hd.spec);
+    rc = write_all(f, &h, &hd, sizeof hd);
+    if (!rc)
+        rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
+    size_t row = (size_t)s->cache->head_dim * sizeof(float);
+    for (int i = 0; !rc && i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
+        const struct skv_kv_head *kh = &s->cache->heads[i];
+        int32_t len = kh->len;
+        if (!(rc = write_all(f, &h, &len, sizeof len)) && !(rc = write_all(f, &h, kh->pos, (size_t)len * 4)) &&
+            !(rc = write_all(f, &h, kh->k, (size_t)len * row)))
+            rc = write_all(f, &h, kh->v, (size_t)len * row);
+    }
+    unsigned char sum[32];
+    crypto_generichash_final(&h, sum, sizeof sum);
+    if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
+        rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    long bytes = ftell(f);
+    if (fclose(f) != 0 && !rc)
+        rc = skv_errorf(SKV_E_IO, "close: %s", strerror(errno));
+    if (!rc && rename(tmp, path) != 0)
+        rc = skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
+    if (rc) {
+        unlink(tmp);
+        fail_rc(w, job, rc);
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__SaveReply sr = SNAPKV__SAVE_REPLY__INIT;
+    reply_init(&rep, job);
+    sr.bytes = (uint64_t)bytes;
+    rep.result_case = SNAPKV__REPLY__RESULT_SAVE;
+    rep.save = &sr;
+    skv_worker_reply(w, job, &rep);
+}
+
+static int read_exact(FILE *f, crypto_generichash_state *h, void *p, size_t n)
+{
+    if (fread(p, 1, n, f) != n)
+        return skv_errorf(SKV_E_FORMAT, "saved session is truncated");
+    crypto_generichash_update(h, p, n);
+    return SKV_OK;
+}
+
+static void handle_load(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__LoadRequest *q = job->req->load;
+    char path[1200];
+    const char *tenant = q->tenant && *q->tenant ? q->tenant : DEFAULT_TENANT;
+    struct skv_session *s = NULL;
+    FILE *f = NULL;
+    int rc = save_path(w, q->name, path, sizeof path);
+    if (!rc)
+        rc = check_tenant(tenant);
+    if (!rc && !(f = fopen(path, "rb")))
+        rc = skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, NULL, 0, 32);
+    struct save_header hd;
+    if (!rc)
+        rc = read_exact(f, &h, &hd, sizeof hd);
+    const struct skv_model_config *mc = &w->m->cfg;
+    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version != SAVE_VERSION))
+        rc = skv_errorf(SKV_E_VERSION, "%s is not a version %d saved session", path, SAVE_VERSION);
+    if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
+                hd.n_kv_heads != (uint32_t)mc->n_kv_heads || hd.head_dim != (uint32_t)mc->head_dim))
+        rc = skv_errorf(SKV_E_INVAL, "%s was saved with another model", path);
+    if (!rc && (hd.n_tokens < 0 || hd.n_past < 0 || hd.n_tokens > hd.n_past ||
+                hd.n_past > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens))
+        rc = skv_errorf(SKV_E_FORMAT, "%s: implausible lengths", path);
+    hd.spec[sizeof hd.spec - 1] = '\0';
+    if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, "load", &s)))
+        rc = set_spec(w, s, "policy=full");
+    int32_t *tok = NULL;
+    if (!rc && hd.n_tokens && !(tok = malloc((size_t)hd.n_tokens * sizeof *tok)))
+        rc = SKV_E_NOMEM;
+    if (!rc && hd.n_tokens && !(rc = read_exact(f, &h, tok, (size_t)hd.n_tokens * 4)))
+        rc = skv_session_push_tokens(s, tok, hd.n_tokens);
+    free(tok);
+    size_t row = (size_t)mc->head_dim * sizeof(float);
+    for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
+        struct skv_kv_head *kh = &s->cache->heads[i];
+        int32_t len;
+        if ((rc = read_exact(f, &h, &len, sizeof len)))
+            break;
+        if (len < 0 || len > hd.n_past) {
+            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d holds %d rows", path, i, len);
+            break;
+        }
+        if (len > kh->cap && (rc = skv_kv_cache_reserve(s->cache, len)))
+            break; /* grows every head by len: heads not loaded yet are empty */
+        if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)) || (rc = read_exact(f, &h, kh->k, (size_t)len * row)) ||
+            (rc = read_exact(f, &h, kh->v, (size_t)len * row)))
+            break;
+        for (int j = 0; j < len; j++)
+            if (kh->pos[j] < 0 || kh->pos[j] >= hd.n_past || (j && kh->pos[j] <= kh->pos[j - 1]))
+                rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
+        memset(kh->score, 0, (size_t)len * sizeof *kh->score);
+        kh->len = len;
+    }
+    unsigned char want[32], got[32];
+    if (!rc) {
+        crypto_generichash_final(&h, want, sizeof want);
+        if (fread(got, 1, sizeof got, f) != sizeof got || memcmp(want, got, sizeof got) != 0)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: checksum mismatch", path);
+    }
+    if (f)
+        fclose(f);
+    if (!rc) {
+        s->cache->n_past = hd.n_past;
+        s->prompt_len = hd.prompt_len;
+        s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
+        snprintf(s->spec, sizeof s->spec, "%s", hd.spec);
+        rc = skv_session_charge(w->sessions, s, NULL);
+    }
+    if (rc) {
+        fail_rc(w, job, rc);
+        if (s)
+            skv_session_destroy(w->sessions, s);
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__LoadReply lr = SNAPKV__LOAD_REPLY__INIT;
+    reply_init(&rep, job);
+    lr.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    rep.result_case = SNAPKV__REPLY__RESULT_LOAD;
+    rep.load = &lr;
+    skv_worker_reply(w, job, &rep);
+}
+
+static void handle_stats(struct skv_worker *w, struct skv_job *job)
+{
+    struct skv_session_stats st;
+    skv_session_stats(w->sessions, &st);
+    const struct skv_metrics *m = &w->metrics;
+    struct {
+        const char *name, *help;
+        double value;
+    } rows[] = {
+        {"snapkv_requests_total", "requests handled by the engine worker", (double)m->requests},
+        {"snapkv_errors_total", "requests answered with an error", (double)m->errors},
+        {"snapkv_prefill_tokens_total", "prompt tokens prefilled", (double)m->prefill_tokens},
+        {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
+        {"snapkv_prefill_tokens_per_second", "prefill throughput since start",
+         m->prefill_seconds > 0 ? m->prefill_tokens / m->prefill_seconds : 0},
+        {"snapkv_decode_tokens_per_second", "decode throughput since start",
+         m->decode_seconds > 0 ? m->decode_tokens / m->decode_seconds : 0},
+        {"snapkv_sessions", "sessions held", (double)st.n_sessions},
+        {"snapkv_pool_bytes_used", "KV bytes held by sessions", (double)st.bytes_used},
+        {"snapkv_pool_bytes_free", "KV bytes left in the pool",
+         (double)((uint64_t)w->cfg->pool_size > st.bytes_used ? (uint64_t)w->cfg->pool_size - st.bytes_used : 0)},
+        {"snapkv_compression_ratio", "KV bytes kept / full-cache bytes over all prefills",
+         m->bytes_before ? (double)m->bytes_after / (double)m->bytes_before : 1.0},
+        {"snapkv_evictions_total", "sessions evicted under pool pressure", (double)st.evictions},
+    };
+    enum { N = sizeof rows / sizeof rows[0] };
+    Snapkv__Stat stats[N], *ptrs[N];
+    char prom[4096];
+    size_t at = 0;
+    for (int i = 0; i < N; i++) {
+        snapkv__stat__init(&stats[i]);
+        stats[i].name = (char *)rows[i].name;
+        stats[i].help = (char *)rows[i].help;
+        stats[i].value = rows[i].value;
+        ptrs[i] = &stats[i];
+        bool counter = strstr(rows[i].name, "_total") != NULL;
+        at += (size_t)snprintf(prom + at, sizeof prom - at, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", rows[i].name,
+                               rows[i].help, rows[i].name, counter ? "counter" : "gauge", rows[i].name,
+                               rows[i].value);
+        if (at >= sizeof prom)
+            at = sizeof prom - 1;
+    }
+    Snapkv__Reply rep;
+    Snapkv__StatsReply sr = SNAPKV__STATS_REPLY__INIT;
+    reply_init(&rep, job);
+    sr.n_stats = N;
+    sr.stats = ptrs;
+    sr.prometheus_text = job->req->stats->prometheus ? prom : (char *)"";
+    rep.result_case = SNAPKV__REPLY__RESULT_STATS;
+    rep.stats = &sr;
+    skv_worker_reply(w, job, &rep);
+}
+
+void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
+{
+    w->metrics.requests++;
+    skv_error_clear();
+    switch (job->req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_PREFILL: handle_prefill(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_APPEND: handle_append(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_COMPRESS: handle_compress(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_FORK: handle_fork(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_RELEASE: handle_release(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_EXPORT_KV: handle_export(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_IMPORT_KV: handle_import(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_LIST: handle_list(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_INSPECT: handle_inspect(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_EVICT: handle_evict(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_PIN: handle_pin(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_SAVE: handle_save(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_LOAD: handle_load(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_STATS: handle_stats(w, job); break;
+    default:
+        skv_requests_fail(w, job, SKV_E_UNSUPPORTED, "this command is not served by the engine worker");
+        break;
+    }
+}

@@ -1,0 +1,238 @@
+/* The session table: a hash of sessions by id, per-tenant counts, pool accounting and
+ * LRU eviction (see session.h for the rules). */
+#include "daemon/session.h"
+#include "common/status.h"
+
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define BUCKETS 1024
+
+struct skv_session_table {
+    struct skv_session_limits lim;
+    struct skv_session *bucket[BUCKETS];
+    int n_sessions;
+    uint64_t bytes_used;
+    uint64_t evictions;
+};
+
+uint64_t skv_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1])
+{
+    for (int i = 0; i < SKV_SESSION_ID_BYTES; i++)
+        snprintf(out + 2 * i, 3, "%02x", id[i]);
+}
+
+static unsigned bucket_of(const uint8_t *id)
+{
+    unsigned h;
+    memcpy(&h, id, sizeof h);
+    return h % BUCKETS;
+}
+
+int skv_session_table_new(const struct skv_session_limits *lim, struct skv_session_table **out)
+{
+    if (sodium_init() < 0)
+        return skv_errorf(SKV_E_INTERNAL, "libsodium failed to initialize");
+    struct skv_session_table *t = calloc(1, sizeof *t);
+    if (!t)
+        return SKV_E_NOMEM;
+    t->lim = *lim;
+    *out = t;
+    return SKV_OK;
+}
+
+static void session_free(struct skv_session *s)
+{
+    skv_kv_cache_free(&s->cache);
+    skv_compressor_free(&s->comp);
+    free(s->tokens);
+    free(s->logits);
+    free(s);
+}
+
+void skv_session_table_free(struct skv_session_table **t_p)
+{
+    if (!t_p || !*t_p)
+        return;
+    struct skv_session_table *t = *t_p;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct skv_session *s = t->bucket[b], *next; s; s = next) {
+            next = s->next;
+            session_free(s);
+        }
+    free(t);
+    *t_p = NULL;
+}
+
+static void tenant_usage(const struct skv_session_table *t, const char *tenant, int *count, uint64_t *bytes)
+{
+    *count = 0;
+    *bytes = 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (strcmp(s->tenant, tenant) == 0) {
+                (*count)++;
+                *bytes += s->bytes;
+            }
+}
+
+int skv_session_create(struct skv_session_table *t, const struct skv_model *m, const char *tenant, const char *owner,
+                       struct skv_session **out)
+{
+    int count;
+    uint64_t bytes;
+    tenant_usage(t, tenant, &count, &bytes);
+    if (count >= t->lim.max_sessions_per_tenant)
+        return skv_errorf(SKV_E_LIMIT, "tenant '%s' already holds %d sessions (max-sessions-per-tenant)", tenant,
+                          count);
+    struct skv_session *s = calloc(1, sizeof *s);
+    if (!s)
+        return SKV_E_NOMEM;
+    int rc = skv_kv_cache_new(m, &s->cache);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    do
+        randombytes_buf(s->id, sizeof s->id);
+    while (skv_session_find(t, s->id, NULL));
+    snprintf(s->tenant, sizeof s->tenant, "%s", tenant);
+    snprintf(s->owner, sizeof s->owner, "%s", owner ? owner : "");
+    s->created_ms = s->last_used_ms = skv_now_ms();
+    unsigned b = bucket_of(s->id);
+    s->next = t->bucket[b];
+    t->bucket[b] = s;
+    t->n_sessions++;
+    *out = s;
+    return SKV_OK;
+}
+
+struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t *id, const char *tenant)
+{
+    for (struct skv_session *s = t->bucket[bucket_of(id)]; s; s = s->next)
+        if (memcmp(s->id, id, SKV_SESSION_ID_BYTES) == 0)
+            return !tenant || strcmp(s->tenant, tenant) == 0 ? s : NULL;
+    return NULL;
+}
+
+void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
+{
+    struct skv_session **pp = &t->bucket[bucket_of(s->id)];
+    while (*pp && *pp != s)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = s->next;
+    t->n_sessions--;
+    t->bytes_used -= s->bytes;
+    session_free(s);
+}
+
+int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n)
+{
+    if (s->n_tokens + n > s->cap_tokens) {
+        int cap = s->cap_tokens ? s->cap_tokens : 256;
+        while (cap < s->n_tokens + n)
+            cap *= 2;
+        int32_t *p = realloc(s->tokens, (size_t)cap * sizeof *p);
+        if (!p)
+            return SKV_E_NOMEM;
+        s->tokens = p;
+        s->cap_tokens = cap;
+    }
+    memcpy(s->tokens + s->n_tokens, ids, (size_t)n * sizeof *ids);
+    s->n_tokens += n;
+    return SKV_OK;
+}
+
+/* Least recently used session that may be evicted for `except`'s sake; `tenant` restricts
+ * the choice to one tenant (quota pressure). */
+static struct skv_session *lru_victim(struct skv_session_table *t, const struct skv_session *except, const char *tenant)
+{
+    struct skv_session *best = NULL;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (s != except && !s->pinned && !s->busy && (!tenant || strcmp(s->tenant, tenant) == 0) &&
+                (!best || s->last_used_ms < best->last_used_ms))
+                best = s;
+    return best;
+}
+
+int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out)
+{
+    uint64_t now = skv_kv_cache_bytes(s->cache);
+    t->bytes_used = t->bytes_used - s->bytes + now;
+    s->bytes = now;
+    int evicted = 0;
+    int count;
+    uint64_t tenant_bytes;
+    tenant_usage(t, s->tenant, &count, &tenant_bytes);
+    while (tenant_bytes > t->lim.max_bytes_per_tenant) {
+        struct skv_session *v = lru_victim(t, s, s->tenant);
+        if (!v)
+            return skv_errorf(SKV_E_LIMIT, "tenant '%s' would hold %llu KV bytes (max-bytes-per-tenant %llu)",
+                              s->tenant, (unsigned long long)tenant_bytes,
+                              (unsigned long long)t->lim.max_bytes_per_tenant);
+        tenant_bytes -= v->bytes;
+        skv_session_destroy(t, v);
+        t->evictions++;
+        evicted++;
+    }
+    while (t->bytes_used > t->lim.pool_bytes) {
+        struct skv_session *v = lru_victim(t, s, NULL);
+        if (!v)
+            return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
+                              (unsigned long long)t->bytes_used, (unsigned long long)t->lim.pool_bytes);
+        skv_session_destroy(t, v);
+        t->evictions++;
+        evicted++;
+    }
+    if (evicted_out)
+        *evicted_out = evicted;
+    return SKV_OK;
+}
+
+int skv_session_expire(struct skv_session_table *t, uint64_t now_ms)
+{
+    int n = 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct skv_session *s = t->bucket[b], *next; s; s = next) {
+            next = s->next;
+            if (!s->pinned && !s->busy && s->lease_seconds &&
+                now_ms > s->last_used_ms + (uint64_t)s->lease_seconds * 1000) {
+                skv_session_destroy(t, s);
+                n++;
+            }
+        }
+    return n;
+}
+
+int skv_session_foreach(struct skv_session_table *t, skv_session_visit_fn fn, void *user)
+{
+    int destroyed = 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct skv_session *s = t->bucket[b], *next; s; s = next) {
+            next = s->next;
+            if (fn(user, s)) {
+                skv_session_destroy(t, s);
+                destroyed++;
+            }
+        }
+    return destroyed;
+}
+
+void skv_session_stats(const struct skv_session_table *t, struct skv_session_stats *out)
+{
+    out->n_sessions = t->n_sessions;
+    out->bytes_used = t->bytes_used;
+    out->evictions = t->evictions;
+}

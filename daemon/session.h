@@ -1,0 +1,79 @@
+/* Sessions: one sequence's KV cache, token history, compression state and bookkeeping
+ * (tenant, owner, times, pin, lease), in a table with per-tenant limits, pool byte
+ * accounting and LRU eviction of idle, unpinned sessions. Knows no socket, no protobuf.
+ * Not thread-safe: the engine worker thread owns the table. */
+#ifndef SKV_SESSION_H
+#define SKV_SESSION_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "daemon/compress/compress.h"
+#include "daemon/engine/engine.h"
+
+#define SKV_SESSION_ID_BYTES 16
+#define SKV_TENANT_MAX 64
+
+struct skv_session {
+    uint8_t id[SKV_SESSION_ID_BYTES];
+    char tenant[SKV_TENANT_MAX];
+    char owner[SKV_TENANT_MAX];
+    int32_t *tokens;              /* token history (prompt, appends, generated) */
+    int n_tokens, cap_tokens;
+    int32_t prompt_len;           /* original prompt length */
+    struct skv_kv_cache *cache;
+    struct skv_compressor *comp;  /* NULL for policy=full */
+    char spec[256];
+    uint64_t created_ms, last_used_ms;
+    bool pinned;
+    uint32_t lease_seconds;       /* released when idle this long (unless pinned) */
+    uint64_t bytes;               /* KV bytes charged to the pool */
+    float *logits;                /* [n_vocab] after the last forward (DECODE samples from it) */
+    int busy;                     /* a decode in flight: never evicted */
+    struct skv_session *next;     /* table chain */
+};
+
+struct skv_session_limits {
+    uint64_t pool_bytes;
+    int max_sessions_per_tenant;
+    uint64_t max_bytes_per_tenant;
+};
+
+struct skv_session_table;
+
+int skv_session_table_new(const struct skv_session_limits *lim, struct skv_session_table **out);
+void skv_session_table_free(struct skv_session_table **t_p);
+
+/* A new, empty session (random 128-bit id) charged to nobody yet. SKV_E_LIMIT when the
+ * tenant holds max_sessions_per_tenant already. */
+int skv_session_create(struct skv_session_table *t, const struct skv_model *m, const char *tenant, const char *owner,
+                       struct skv_session **out);
+/* NULL when unknown or of another tenant (tenant NULL: any; used by admins). */
+struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t *id, const char *tenant);
+void skv_session_destroy(struct skv_session_table *t, struct skv_session *s);
+int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
+
+/* Re-counts s's KV bytes against the pool and its tenant. When the pool or the tenant's
+ * quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`);
+ * SKV_E_POOL_FULL / SKV_E_LIMIT when that is not enough (the caller then drops `s`).
+ * *evicted_out (may be NULL) counts the sessions evicted. */
+int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out);
+
+/* Releases every unpinned session idle past its lease; returns how many. */
+int skv_session_expire(struct skv_session_table *t, uint64_t now_ms);
+
+/* Iteration (admin LIST/EVICT): calls fn for each session; fn returns true to destroy it. */
+typedef bool (*skv_session_visit_fn)(void *user, struct skv_session *s);
+int skv_session_foreach(struct skv_session_table *t, skv_session_visit_fn fn, void *user);
+
+struct skv_session_stats {
+    int n_sessions;
+    uint64_t bytes_used;
+    uint64_t evictions;
+};
+void skv_session_stats(const struct skv_session_table *t, struct skv_session_stats *out);
+
+uint64_t skv_now_ms(void);
+void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1]);
+
+#endif

@@ -1,0 +1,207 @@
+/* The engine worker thread (see worker.h): a bounded FIFO of requests, plus the set of
+ * running DECODEs advanced one token each per round between queued requests. */
+#include "daemon/worker_impl.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/engine/model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep)
+{
+    size_t len = snapkv__reply__get_packed_size(rep);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) {
+        skv_log(SKV_LOG_ERROR, "out of memory packing a reply");
+        return;
+    }
+    snapkv__reply__pack(rep, buf);
+    uint8_t sock = (uint8_t)job->sock;
+    zmq_send(w->push, &sock, 1, ZMQ_SNDMORE);
+    zmq_send(w->push, job->identity, job->identity_len, ZMQ_SNDMORE);
+    zmq_send(w->push, buf, len, 0);
+    free(buf);
+}
+
+static void job_free(struct skv_job *job)
+{
+    if (job->req)
+        snapkv__request__free_unpacked(job->req, NULL);
+    free(job);
+}
+
+static void publish_stats(struct skv_worker *w)
+{
+    struct skv_session_stats st;
+    skv_session_stats(w->sessions, &st);
+    atomic_store(&w->st_sessions, (unsigned)st.n_sessions);
+    atomic_store(&w->st_pool_used, (unsigned long long)st.bytes_used);
+}
+
+static void *worker_main(void *arg)
+{
+    struct skv_worker *w = arg;
+    w->push = zmq_socket(w->zctx, ZMQ_PUSH);
+    int linger = 2000;
+    zmq_setsockopt(w->push, ZMQ_LINGER, &linger, sizeof linger);
+    if (zmq_connect(w->push, w->endpoint) < 0)
+        skv_log(SKV_LOG_ERROR, "worker: connect %s: %s", w->endpoint, zmq_strerror(zmq_errno()));
+    uint64_t last_expire = skv_now_ms();
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        while (!w->head && !w->decodes && !w->stopping) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_sec += 1;
+            pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+            if (!w->head && !w->decodes)
+                break; /* a second passed: expire leases */
+        }
+        struct skv_job *job = w->head;
+        if (job) {
+            w->head = job->next;
+            if (!w->head)
+                w->tail = NULL;
+            w->queued--;
+            atomic_store(&w->st_queue, (unsigned)w->queued);
+        }
+        bool stopping = w->stopping;
+        pthread_mutex_unlock(&w->mu);
+
+        if (stopping) {
+            if (job) {
+                skv_requests_fail(w, job, SKV_E_CANCELLED, "snapkvd is shutting down");
+                job_free(job);
+                continue;
+            }
+            while (w->decodes) {
+                struct skv_decode *d = w->decodes;
+                w->decodes = d->next;
+                skv_requests_decode_cancel(w, d);
+                skv_requests_decode_free(d);
+            }
+            break;
+        }
+        if (job) {
+            if (job->req->command_case == SNAPKV__REQUEST__COMMAND_DECODE) {
+                struct skv_decode *d = skv_requests_decode_start(w, job);
+                if (d) {
+                    /* append at the tail: round-robin order */
+                    struct skv_decode **pp = &w->decodes;
+                    while (*pp)
+                        pp = &(*pp)->next;
+                    *pp = d;
+                    job = NULL; /* owned by the decode now */
+                }
+            } else {
+                skv_requests_execute(w, job);
+            }
+            if (job)
+                job_free(job);
+        }
+        /* one token for every running decode */
+        for (struct skv_decode **pp = &w->decodes; *pp;) {
+            struct skv_decode *d = *pp;
+            if (skv_requests_decode_step(w, d)) {
+                *pp = d->next;
+                skv_requests_decode_free(d);
+            } else {
+                pp = &d->next;
+            }
+        }
+        uint64_t now = skv_now_ms();
+        if (now - last_expire >= 1000) {
+            int n = skv_session_expire(w->sessions, now);
+            if (n)
+                skv_log(SKV_LOG_INFO, "released %d session(s) past their lease", n);
+            last_expire = now;
+        }
+        publish_stats(w);
+    }
+    zmq_close(w->push);
+    return NULL;
+}
+
+int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_config *cfg, struct skv_model *m,
+                     struct skv_worker **out)
+{
+    struct skv_worker *w = calloc(1, sizeof *w);
+    if (!w)
+        return SKV_E_NOMEM;
+    w->cfg = cfg;
+    w->m = m;
+    w->zctx = zctx;
+    snprintf(w->endpoint, sizeof w->endpoint, "%s", reply_endpoint);
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    struct skv_session_limits lim = {
+        .pool_bytes = (uint64_t)cfg->pool_size,
+        .max_sessions_per_tenant = (int)cfg->max_sessions_per_tenant,
+        .max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant,
+    };
+    int rc = skv_session_table_new(&lim, &w->sessions);
+    if (!rc)
+        rc = skv_engine_new(m, &w->engine);
+    if (!rc && pthread_create(&w->thread, NULL, worker_main, w) != 0)
+        rc = skv_errorf(SKV_E_INTERNAL, "cannot start the engine thread");
+    if (rc) {
+        skv_engine_free(&w->engine);
+        skv_session_table_free(&w->sessions);
+        free(w);
+        return rc;
+    }
+    w->started = true;
+    *out = w;
+    return SKV_OK;
+}
+
+int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
+{
+    pthread_mutex_lock(&w->mu);
+    if (w->stopping || w->queued >= w->cfg->queue_depth) {
+        bool stopping = w->stopping;
+        pthread_mutex_unlock(&w->mu);
+        return stopping ? skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down")
+                        : skv_errorf(SKV_E_BUSY, "%d requests already wait (queue-depth)", (int)w->cfg->queue_depth);
+    }
+    job->next = NULL;
+    if (w->tail)
+        w->tail->next = job;
+    else
+        w->head = job;
+    w->tail = job;
+    w->queued++;
+    atomic_store(&w->st_queue, (unsigned)w->queued);
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return SKV_OK;
+}
+
+void skv_worker_stop(struct skv_worker **w_p)
+{
+    if (!w_p || !*w_p)
+        return;
+    struct skv_worker *w = *w_p;
+    pthread_mutex_lock(&w->mu);
+    w->stopping = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    if (w->started)
+        pthread_join(w->thread, NULL);
+    skv_engine_free(&w->engine);
+    skv_session_table_free(&w->sessions);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+    *w_p = NULL;
+}
+
+void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out)
+{
+    out->n_sessions = atomic_load(&w->st_sessions);
+    out->queue_depth = atomic_load(&w->st_queue);
+    out->pool_bytes_used = atomic_load(&w->st_pool_used);
+}

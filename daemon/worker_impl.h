@@ -1,0 +1,71 @@
+/* Internals shared by worker.c (thread, queue, decode scheduling) and requests.c (the
+ * command handlers that run on the worker thread). */
+#ifndef SKV_WORKER_IMPL_H
+#define SKV_WORKER_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "daemon/engine/sampler.h"
+#include "daemon/session.h"
+#include "daemon/worker.h"
+
+/* A DECODE in progress: one token per scheduling round. */
+struct skv_decode {
+    struct skv_job *job;
+    struct skv_session *session;
+    struct skv_sampler sampler;
+    uint32_t max_tokens, produced;
+    uint32_t *stop;
+    size_t n_stop;
+    bool stop_at_eos, stream;
+    int32_t *out;             /* generated ids (non-streaming reply) */
+    float *logits;            /* [n_vocab] */
+    char pending[8];          /* bytes of an incomplete UTF-8 character */
+    size_t n_pending;
+    struct skv_decode *next;
+};
+
+struct skv_metrics {
+    uint64_t requests, errors;
+    uint64_t prefill_tokens, decode_tokens;
+    double prefill_seconds, decode_seconds;
+    uint64_t bytes_before, bytes_after; /* over all compressed prefills */
+};
+
+struct skv_worker {
+    const struct skv_config *cfg;
+    struct skv_model *m;
+    struct skv_engine *engine;
+    struct skv_session_table *sessions;
+    void *push;               /* inproc PUSH to the socket thread (worker thread only) */
+    void *zctx;
+    char endpoint[64];
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct skv_job *head, *tail;
+    int queued;
+    bool stopping;
+    struct skv_decode *decodes;
+    struct skv_metrics metrics;
+    atomic_uint st_sessions, st_queue;
+    atomic_ullong st_pool_used;
+    int start_rc;
+    bool started;
+};
+
+/* Runs one queued request (not DECODE) to completion and replies. */
+void skv_requests_execute(struct skv_worker *w, struct skv_job *job);
+/* Starts a DECODE (may reply at once on error); returns the decode to schedule or NULL. */
+struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_job *job);
+/* One token of a decode; returns true when it finished (the final reply was sent). */
+bool skv_requests_decode_step(struct skv_worker *w, struct skv_decode *d);
+/* Ends a decode early (shutdown): final reply with finish_reason "cancelled". */
+void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
+void skv_requests_decode_free(struct skv_decode *d);
+/* Sends a status-only final reply. */
+void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg);
+
+#endif
