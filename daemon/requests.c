@@ -90,9 +90,10 @@ static int find_session(struct skv_worker *w, const struct skv_job *job, Protobu
     return SKV_OK;
 }
 
-/* Token ids from a request: explicit ids, or text (as one chat turn when chat). malloc'd. */
+/* Token ids from a request: explicit ids, or text (rendered as one chat turn when chat;
+ * markup parsed as control tokens when special). malloc'd. */
 static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_ids, const char *text, bool chat,
-                          int limit, int32_t **out, int *n_out)
+                          bool special, int limit, int32_t **out, int *n_out)
 {
     const struct skv_model *m = w->m;
     if (n_ids && text && *text)
@@ -130,7 +131,8 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
     size_t len = strlen(text);
     int n = 0;
     /* control tokens only come from the chat template, never from a client's text */
-    rc = skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), chat, NULL, 0, &n);
+    bool parse = chat || special, bos = skv_tokenizer_add_bos(m->tok) && !special;
+    rc = skv_tokenizer_encode(m->tok, text, len, bos, parse, NULL, 0, &n);
     if (rc && rc != SKV_E_LIMIT) {
         free(rendered);
         return rc;
@@ -140,7 +142,7 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
         return skv_errorf(SKV_E_LIMIT, "the text is %d tokens: more than the limit of %d", n, limit);
     }
     int32_t *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
-    rc = v ? skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), chat, v, n, &n) : SKV_E_NOMEM;
+    rc = v ? skv_tokenizer_encode(m->tok, text, len, bos, parse, v, n, &n) : SKV_E_NOMEM;
     free(rendered);
     if (rc || n == 0) {
         free(v);
@@ -197,18 +199,51 @@ static uint64_t full_bytes(const struct skv_model *m, int n_tokens)
     return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * m->cfg.head_dim * 2 * sizeof(float);
 }
 
+/* Progress of a long prefill: one non-final PREFILL reply per layer done. */
+struct progress {
+    struct skv_worker *w;
+    const struct skv_job *job;   /* NULL: no progress replies */
+    struct skv_compressor *comp;
+    int n, n_layers;
+};
+
+static int progress_hook(void *user, const struct skv_layer_view *v)
+{
+    struct progress *p = user;
+    int rc = p->comp ? skv_compressor_hook(p->comp, v) : SKV_OK;
+    if (!rc && p->job) {
+        Snapkv__Reply rep;
+        Snapkv__PrefillReply pr = SNAPKV__PREFILL_REPLY__INIT;
+        reply_init(&rep, p->job);
+        rep.final = false;
+        pr.n_tokens = (uint32_t)p->n;
+        pr.tokens_done = (uint32_t)((int64_t)p->n * (v->layer + 1) / p->n_layers);
+        rep.result_case = SNAPKV__REPLY__RESULT_PREFILL;
+        rep.prefill = &pr;
+        skv_worker_reply(p->w, p->job, &rep);
+    }
+    return rc;
+}
+
 /* Runs tokens through the session's model and cache. compress: a compressing forward with
- * comp (prefill / compress); else decode-time upkeep when the session has a compressor. */
-static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
+ * comp (prefill / compress); else decode-time upkeep when the session has a compressor.
+ * progress_job: send per-layer progress replies for it (may be NULL). */
+static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
+                                    bool compress, const struct skv_job *progress_job)
 {
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
+    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
     int rc = SKV_OK;
     if (s->comp) {
         rc = compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
         fo.hook = skv_compressor_hook;
         fo.hook_user = s->comp;
+    }
+    if (progress_job) {
+        fo.hook = progress_hook;
+        fo.hook_user = &prog;
     }
     if (!rc)
         rc = skv_engine_forward(w->engine, s->cache, ids, n, &fo, s->logits);
@@ -218,6 +253,11 @@ static int session_forward(struct skv_worker *w, struct skv_session *s, const in
         rc = skv_session_push_tokens(s, ids, n);
     s->last_used_ms = skv_now_ms();
     return rc;
+}
+
+static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
+{
+    return session_forward_progress(w, s, ids, n, compress, NULL);
 }
 
 static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text)
@@ -244,7 +284,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     int n = 0, rc;
     struct skv_session *s = NULL;
     if ((rc = check_tenant(tenant)) ||
-        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, (int)cfg->max_prompt_tokens, &ids, &n)))
+        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, (int)cfg->max_prompt_tokens, &ids,
+                                  &n)))
         goto fail;
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
@@ -253,7 +294,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     s->busy = 1;
     double t0 = now_s();
-    rc = session_forward(w, s, ids, n, true);
+    rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
     s->busy = 0;
     if (rc)
         goto fail;
@@ -311,7 +352,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
         goto fail;
     }
-    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, room - s->n_tokens, &ids, &n)) ||
+    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->n_tokens, &ids, &n)) ||
         (rc = session_forward(w, s, ids, n, false)) || (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
     Snapkv__Reply rep;

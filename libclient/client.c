@@ -1,32 +1,27 @@
-/* libsnapkv: one DEALER socket per client, request/reply envelopes from proto/snapkv.proto,
- * status codes and the thread-local last error. Never logs. */
-#include "libclient/snapkv.h"
+/* libsnapkv core: one DEALER socket per client, the HELLO handshake, request/reply envelopes
+ * from proto/snapkv.proto (request ids, stale and streamed replies, timeouts, version checks),
+ * the thread-local last error and session id helpers. Never logs. */
+#include "libclient/client_internal.h"
 #include "common/status.h"
-#include "proto/snapkv.pb-c.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
 _Static_assert((int)SNAPKV_E_INTERNAL == (int)SKV_E_INTERNAL, "client and daemon status codes differ");
 _Static_assert((int)SNAPKV_E_POOL_FULL == (int)SKV_E_POOL_FULL, "client and daemon status codes differ");
+_Static_assert((int)SNAPKV_E_CANCELLED == (int)SKV_E_CANCELLED, "client and daemon status codes differ");
 
-struct snapkv_client {
-    void *zctx;
-    void *sock;
-    char *tenant;
-    int timeout_ms;
-    uint64_t next_request_id;
-    Snapkv__HelloReply *hello;   /* kept for snapkv_server_info */
-};
+#define DEFAULT_TIMEOUT_MS 30000
 
 static _Thread_local char last_error[512];
 
-static int fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(int status, const char *fmt, ...)
+int skv_client_fail(int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -45,82 +40,149 @@ const char *snapkv_status_str(int status)
     return skv_status_str(status);
 }
 
-/* Sends req (version, id and tenant filled in here) and waits for its final reply.
- * On success *reply_out owns the reply (free with snapkv__reply__free_unpacked). */
-static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply **reply_out)
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Receives one message; a multi-part message (a REQ-style empty delimiter) counts by its last
+ * part. On success *out owns the unpacked reply. */
+static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
+{
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    for (;;) {
+        if (zmq_msg_recv(&msg, c->sock, 0) < 0) {
+            int err = zmq_errno();
+            zmq_msg_close(&msg);
+            if (err == EINTR)
+                return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while waiting for the daemon");
+            return skv_client_fail(SNAPKV_E_IO, "recv: %s", zmq_strerror(err));
+        }
+        if (!zmq_msg_more(&msg))
+            break;
+    }
+    Snapkv__Reply *rep = snapkv__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+    zmq_msg_close(&msg);
+    if (!rep)
+        return skv_client_fail(SNAPKV_E_PROTO, "malformed reply from the daemon");
+    *out = rep;
+    return SNAPKV_OK;
+}
+
+int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
+                    skv_partial_fn partial, void *user, Snapkv__Reply **reply_out)
 {
     req->version = SNAPKV_PROTOCOL_VERSION;
     req->request_id = ++c->next_request_id;
     req->tenant = c->tenant;
     size_t len = snapkv__request__get_packed_size(req);
+    if (c->hello && c->hello->max_message_bytes && len > c->hello->max_message_bytes)
+        return skv_client_fail(SNAPKV_E_LIMIT, "%s request is %zu bytes, the daemon takes at most %llu", what,
+                               len, (unsigned long long)c->hello->max_message_bytes);
     uint8_t *buf = malloc(len ? len : 1);
     if (!buf)
-        return fail(SNAPKV_E_NOMEM, "out of memory packing a request");
+        return skv_client_fail(SNAPKV_E_NOMEM, "out of memory packing a %s request", what);
     snapkv__request__pack(req, buf);
     int rc = zmq_send(c->sock, buf, len, 0);
     free(buf);
     if (rc < 0)
-        return fail(SNAPKV_E_IO, "send: %s", zmq_strerror(zmq_errno()));
+        return skv_client_fail(SNAPKV_E_IO, "send: %s", zmq_strerror(zmq_errno()));
 
+    /* the timeout bounds the wait for each reply of this request; stale replies do not extend it */
+    int64_t deadline = c->timeout_ms < 0 ? -1 : now_ms() + c->timeout_ms;
     for (;;) {
-        zmq_pollitem_t item = {.socket = c->sock, .events = ZMQ_POLLIN};
-        rc = zmq_poll(&item, 1, c->timeout_ms);
-        if (rc < 0)
-            return fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
-        if (rc == 0)
-            return fail(SNAPKV_E_TIMEOUT, "no reply from the daemon within %d ms", c->timeout_ms);
-        zmq_msg_t msg;
-        zmq_msg_init(&msg);
-        if (zmq_msg_recv(&msg, c->sock, 0) < 0) {
-            zmq_msg_close(&msg);
-            return fail(SNAPKV_E_IO, "recv: %s", zmq_strerror(zmq_errno()));
+        long wait = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ms();
+            wait = left > 0 ? (long)left : 0;
         }
-        Snapkv__Reply *rep = snapkv__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
-        zmq_msg_close(&msg);
-        if (!rep)
-            return fail(SNAPKV_E_PROTO, "malformed reply from the daemon");
-        if (rep->request_id != req->request_id || !rep->final) {
-            /* a late reply to an earlier, timed-out request, or progress we do not show */
+        zmq_pollitem_t item = {.socket = c->sock, .events = ZMQ_POLLIN};
+        rc = zmq_poll(&item, 1, wait);
+        if (rc < 0) {
+            if (zmq_errno() == EINTR)
+                return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while waiting for the %s reply", what);
+            return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
+        }
+        if (rc == 0)
+            return skv_client_fail(SNAPKV_E_TIMEOUT, "no %s reply from the daemon within %d ms", what,
+                                   c->timeout_ms);
+        Snapkv__Reply *rep = NULL;
+        rc = recv_reply(c, &rep);
+        if (rc)
+            return rc;
+        if (rep->request_id != req->request_id) {
+            /* a late reply to an earlier request that timed out or was cancelled */
             snapkv__reply__free_unpacked(rep, NULL);
             continue;
         }
+        if (rep->version != SNAPKV_PROTOCOL_VERSION) {
+            rc = skv_client_fail(SNAPKV_E_VERSION, "daemon speaks protocol %u, this library %d", rep->version,
+                                 SNAPKV_PROTOCOL_VERSION);
+            goto out_free_reply;
+        }
         if (rep->status != SNAPKV_OK) {
-            int status = rep->status;
-            fail(status, "%s", rep->message && *rep->message ? rep->message : skv_status_str(status));
+            /* an error ends the request, streamed or not */
+            rc = rep->status > 0 ? SNAPKV_E_PROTO : rep->status; /* newer negative codes pass through */
+            skv_client_fail(rc, "%s", rep->message && *rep->message ? rep->message : skv_status_str(rc));
+            goto out_free_reply;
+        }
+        /* a streamed reply may carry no result; so may the final one of a command whose result
+         * is an empty message (RELEASE, PIN) */
+        bool empty_ok = !rep->final || want == SNAPKV__REPLY__RESULT_RELEASE || want == SNAPKV__REPLY__RESULT_PIN;
+        if (rep->result_case != want && !(rep->result_case == SNAPKV__REPLY__RESULT__NOT_SET && empty_ok)) {
+            rc = skv_client_fail(SNAPKV_E_PROTO, "%s answered with the wrong reply type (%d)", what,
+                                 (int)rep->result_case);
+            goto out_free_reply;
+        }
+        if (!rep->final) {
+            rc = partial && rep->result_case == want ? partial(user, rep) : SNAPKV_OK;
             snapkv__reply__free_unpacked(rep, NULL);
-            return status;
+            if (rc)
+                return rc;
+            if (deadline >= 0)
+                deadline = now_ms() + c->timeout_ms;
+            continue;
         }
         *reply_out = rep;
         return SNAPKV_OK;
+
+    out_free_reply:
+        snapkv__reply__free_unpacked(rep, NULL);
+        return rc;
     }
 }
 
 int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts, snapkv_client_t **out)
 {
-    if (!endpoint || !out)
-        return fail(SNAPKV_E_INVAL, "endpoint and out are required");
+    if (!endpoint || !*endpoint || !out)
+        return skv_client_fail(SNAPKV_E_INVAL, "endpoint and out are required");
+    if (opts && opts->timeout_ms < -1)
+        return skv_client_fail(SNAPKV_E_INVAL, "timeout_ms must be -1, 0 or positive");
     snapkv_client_t *c = calloc(1, sizeof *c);
     if (!c)
-        return fail(SNAPKV_E_NOMEM, "out of memory");
+        return skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
     int rc;
-    const char *tenant = opts && opts->tenant ? opts->tenant : "default";
-    c->timeout_ms = opts && opts->timeout_ms ? opts->timeout_ms : 30000;
+    const char *tenant = opts && opts->tenant && *opts->tenant ? opts->tenant : "default";
+    c->timeout_ms = opts && opts->timeout_ms ? opts->timeout_ms : DEFAULT_TIMEOUT_MS;
     c->tenant = strdup(tenant);
     c->zctx = zmq_ctx_new();
     if (!c->tenant || !c->zctx) {
-        rc = fail(SNAPKV_E_NOMEM, "out of memory");
-        goto out_free;
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
+        goto out_close;
     }
     c->sock = zmq_socket(c->zctx, ZMQ_DEALER);
     if (!c->sock) {
-        rc = fail(SNAPKV_E_IO, "socket: %s", zmq_strerror(zmq_errno()));
-        goto out_free;
+        rc = skv_client_fail(SNAPKV_E_IO, "socket: %s", zmq_strerror(zmq_errno()));
+        goto out_close;
     }
     int linger = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
     if (zmq_connect(c->sock, endpoint) < 0) {
-        rc = fail(SNAPKV_E_INVAL, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
-        goto out_free;
+        rc = skv_client_fail(SNAPKV_E_INVAL, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto out_close;
     }
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
@@ -131,15 +193,9 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     req.command_case = SNAPKV__REQUEST__COMMAND_HELLO;
     req.hello = &hello;
     Snapkv__Reply *rep = NULL;
-    rc = call(c, &req, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, &rep);
     if (rc)
-        goto out_free;
-    if (rep->version != SNAPKV_PROTOCOL_VERSION || rep->result_case != SNAPKV__REPLY__RESULT_HELLO) {
-        rc = fail(SNAPKV_E_VERSION, "daemon speaks protocol %u, this library %d", rep->version,
-                  SNAPKV_PROTOCOL_VERSION);
-        snapkv__reply__free_unpacked(rep, NULL);
-        goto out_free;
-    }
+        goto out_close;
     c->hello = rep->hello;
     rep->hello = NULL;
     rep->result_case = SNAPKV__REPLY__RESULT__NOT_SET;
@@ -147,7 +203,7 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     *out = c;
     return SNAPKV_OK;
 
-out_free:
+out_close:
     snapkv_close(&c);
     return rc;
 }
@@ -168,10 +224,20 @@ void snapkv_close(snapkv_client_t **client_p)
     *client_p = NULL;
 }
 
+int snapkv_set_timeout(snapkv_client_t *c, int timeout_ms)
+{
+    if (!c)
+        return skv_client_fail(SNAPKV_E_INVAL, "client is required");
+    if (timeout_ms < -1)
+        return skv_client_fail(SNAPKV_E_INVAL, "timeout_ms must be -1, 0 or positive");
+    c->timeout_ms = timeout_ms ? timeout_ms : DEFAULT_TIMEOUT_MS;
+    return SNAPKV_OK;
+}
+
 int snapkv_server_info(snapkv_client_t *c, struct snapkv_server_info *out)
 {
     if (!c || !out || !c->hello)
-        return fail(SNAPKV_E_INVAL, "not connected");
+        return skv_client_fail(SNAPKV_E_INVAL, "not connected");
     const Snapkv__HelloReply *h = c->hello;
     *out = (struct snapkv_server_info){
         .server_version = h->server_version,
@@ -186,65 +252,153 @@ int snapkv_server_info(snapkv_client_t *c, struct snapkv_server_info *out)
         .max_prompt_tokens = h->max_prompt_tokens,
         .max_new_tokens = h->max_new_tokens,
         .max_message_bytes = h->max_message_bytes,
+        .max_sessions_per_tenant = h->max_sessions_per_tenant,
+        .max_bytes_per_tenant = h->max_bytes_per_tenant,
+        .kv_block_tokens = h->kv_block_tokens,
+        .bos_token = h->bos_token,
+        .eos_token = h->eos_token,
     };
     return SNAPKV_OK;
 }
 
-int snapkv_admin_status(snapkv_client_t *c, struct snapkv_status_info *out)
+/* ---- session ids ------------------------------------------------------------------------------ */
+
+int snapkv_session_id_to_hex(const struct snapkv_session_id *id, char *buf, size_t cap)
 {
-    if (!c || !out)
-        return fail(SNAPKV_E_INVAL, "client and out are required");
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__StatusRequest sreq = SNAPKV__STATUS_REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_STATUS;
-    req.status = &sreq;
-    Snapkv__Reply *rep = NULL;
-    int rc = call(c, &req, &rep);
-    if (rc)
-        return rc;
-    if (rep->result_case != SNAPKV__REPLY__RESULT_STATUS_REPLY) {
-        snapkv__reply__free_unpacked(rep, NULL);
-        return fail(SNAPKV_E_PROTO, "STATUS answered with the wrong reply type");
+    static const char digits[] = "0123456789abcdef";
+    if (!id || !buf || cap < SNAPKV_SESSION_ID_HEX_SIZE)
+        return skv_client_fail(SNAPKV_E_INVAL, "session id and a buffer of %d bytes are required",
+                               SNAPKV_SESSION_ID_HEX_SIZE);
+    for (size_t i = 0; i < sizeof id->bytes; i++) {
+        buf[2 * i] = digits[id->bytes[i] >> 4];
+        buf[2 * i + 1] = digits[id->bytes[i] & 15];
     }
-    const Snapkv__StatusReply *s = rep->status_reply;
-    struct snapkv_status_info info = {
-        .uptime_seconds = s->uptime_seconds,
-        .n_sessions = s->n_sessions,
-        .n_clients = s->n_clients,
-        .queue_depth = s->queue_depth,
-        .threads = s->threads,
-        .pool_bytes_total = s->pool_bytes_total,
-        .pool_bytes_used = s->pool_bytes_used,
-    };
-    snprintf(info.server_version, sizeof info.server_version, "%s", s->server_version);
-    snprintf(info.model_name, sizeof info.model_name, "%s", s->model_name);
-    snprintf(info.backend, sizeof info.backend, "%s", s->backend);
-    *out = info;
-    snapkv__reply__free_unpacked(rep, NULL);
+    buf[2 * sizeof id->bytes] = '\0';
     return SNAPKV_OK;
 }
 
-int snapkv_admin_config_get(snapkv_client_t *c, const char *key, snapkv_config_fn fn, void *user)
+static int hex_digit(char ch)
 {
-    if (!c || !fn)
-        return fail(SNAPKV_E_INVAL, "client and fn are required");
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__ConfigGetRequest creq = SNAPKV__CONFIG_GET_REQUEST__INIT;
-    creq.key = (char *)(key ? key : "");
-    req.command_case = SNAPKV__REQUEST__COMMAND_CONFIG_GET;
-    req.config_get = &creq;
-    Snapkv__Reply *rep = NULL;
-    int rc = call(c, &req, &rep);
-    if (rc)
-        return rc;
-    if (rep->result_case != SNAPKV__REPLY__RESULT_CONFIG_GET) {
-        snapkv__reply__free_unpacked(rep, NULL);
-        return fail(SNAPKV_E_PROTO, "CONFIG GET answered with the wrong reply type");
+    if (ch >= '0' && ch <= '9')
+        return ch - '0';
+    if (ch >= 'a' && ch <= 'f')
+        return ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F')
+        return ch - 'A' + 10;
+    return -1;
+}
+
+int snapkv_session_id_from_hex(const char *hex, struct snapkv_session_id *out)
+{
+    if (!hex || !out)
+        return skv_client_fail(SNAPKV_E_INVAL, "hex and out are required");
+    struct snapkv_session_id id;
+    for (size_t i = 0; i < sizeof id.bytes; i++) {
+        int hi = hex_digit(hex[2 * i]);
+        int lo = hi < 0 ? -1 : hex_digit(hex[2 * i + 1]);
+        if (hi < 0 || lo < 0)
+            return skv_client_fail(SNAPKV_E_INVAL, "session id '%.40s' is not 32 hex digits", hex);
+        id.bytes[i] = (uint8_t)(hi << 4 | lo);
     }
-    for (size_t i = 0; i < rep->config_get->n_entries; i++) {
-        const Snapkv__ConfigEntry *e = rep->config_get->entries[i];
-        fn(user, e->key, e->value, e->help);
+    if (hex[2 * sizeof id.bytes] != '\0')
+        return skv_client_fail(SNAPKV_E_INVAL, "session id '%.40s' is not 32 hex digits", hex);
+    *out = id;
+    return SNAPKV_OK;
+}
+
+ProtobufCBinaryData skv_client_id_wire(const struct snapkv_session_id *id)
+{
+    return (ProtobufCBinaryData){.len = sizeof id->bytes, .data = (uint8_t *)id->bytes};
+}
+
+int skv_client_id_parse(const ProtobufCBinaryData *b, const char *what, struct snapkv_session_id *out)
+{
+    if (b->len != sizeof out->bytes)
+        return skv_client_fail(SNAPKV_E_PROTO, "%s reply carries a %zu-byte session id, not 16", what, b->len);
+    memcpy(out->bytes, b->data, sizeof out->bytes);
+    return SNAPKV_OK;
+}
+
+int skv_client_check(const snapkv_client_t *c, const void *id, const char *what)
+{
+    if (!c || !c->hello)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: not connected", what);
+    if (!id)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: session id is required", what);
+    return SNAPKV_OK;
+}
+
+/* ---- shared conversions ------------------------------------------------------------------------ */
+
+bool skv_client_dup_u32(const uint32_t *src, size_t n, uint32_t **out)
+{
+    *out = NULL;
+    if (n == 0)
+        return true;
+    *out = malloc(n * sizeof **out);
+    if (!*out)
+        return false;
+    memcpy(*out, src, n * sizeof **out);
+    return true;
+}
+
+bool skv_client_dup_f32(const float *src, size_t n, float **out)
+{
+    *out = NULL;
+    if (n == 0)
+        return true;
+    *out = malloc(n * sizeof **out);
+    if (!*out)
+        return false;
+    memcpy(*out, src, n * sizeof **out);
+    return true;
+}
+
+int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, size_t n,
+                      const uint32_t *positions, size_t n_positions, struct snapkv_layer_kept **out)
+{
+    *out = NULL;
+    if (n == 0)
+        return SNAPKV_OK;
+    uint32_t n_kv_heads = c->hello ? c->hello->n_kv_heads : 0;
+    size_t n_heads_total = 0, n_kept_total = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t nh = kept[i]->n_kept_per_head ? kept[i]->n_kept_per_head : n_kv_heads;
+        if (nh > 4096)
+            return skv_client_fail(SNAPKV_E_PROTO, "layer %u reports %zu heads", kept[i]->layer, nh);
+        n_heads_total += nh;
+        if (kept[i]->n_kept_per_head)
+            for (size_t h = 0; h < nh; h++)
+                n_kept_total += kept[i]->kept_per_head[h];
+        else
+            n_kept_total += nh * (size_t)kept[i]->kept;
     }
-    snapkv__reply__free_unpacked(rep, NULL);
+    /* one block: the layer array, then every layer's per-head counts */
+    struct snapkv_layer_kept *layers = calloc(1, n * sizeof *layers + n_heads_total * sizeof(uint32_t));
+    if (!layers)
+        return skv_client_fail(SNAPKV_E_NOMEM, "out of memory for %zu layers", n);
+    uint32_t *heads = (uint32_t *)(layers + n);
+    const uint32_t *pos = positions && n_positions == n_kept_total ? positions : NULL;
+    for (size_t i = 0; i < n; i++) {
+        const Snapkv__LayerKept *k = kept[i];
+        size_t nh = k->n_kept_per_head ? k->n_kept_per_head : n_kv_heads;
+        size_t layer_entries = 0;
+        for (size_t h = 0; h < nh; h++) {
+            heads[h] = k->n_kept_per_head ? k->kept_per_head[h] : k->kept;
+            layer_entries += heads[h];
+        }
+        layers[i] = (struct snapkv_layer_kept){
+            .layer = k->layer,
+            .kept = k->kept,
+            .n_heads = (uint32_t)nh,
+            .kept_per_head = heads,
+            .bytes = k->bytes,
+            .positions = pos,
+        };
+        heads += nh;
+        if (pos)
+            pos += layer_entries;
+    }
+    *out = layers;
     return SNAPKV_OK;
 }

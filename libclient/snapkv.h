@@ -2,9 +2,16 @@
  *
  * Thread safety: a snapkv_client_t is NOT safe to use from several threads at once; use one
  * client per thread (they are cheap: one ZeroMQ DEALER socket each) or serialize calls.
- * Different clients may be used concurrently. The library never logs: every function returns
- * a status (SNAPKV_OK = 0 or a negative SNAPKV_E_* code, the same codes the daemon sends)
- * and snapkv_last_error() gives the detail message of this thread's last failure. */
+ * Different clients may be used concurrently. Result structs (snapkv_*_result, lists, stats)
+ * belong to the caller, do not refer to the client and may outlive it.
+ * The library never logs: every function returns a status (SNAPKV_OK = 0 or a negative
+ * SNAPKV_E_* code, the same codes the daemon sends) and snapkv_last_error() gives the detail
+ * message of this thread's last failure. Out-parameters are written only on success.
+ *
+ * Compression specs are plain strings of comma-separated key=value pairs, the same the daemon's
+ * config file and snapkvctl take, e.g. "policy=snapkv,ratio=0.1" or
+ * "policy=snapkv,alloc=squeeze,budget=512,window=32". NULL or "" means no compression. The
+ * daemon parses and validates them (unknown keys and bad values are errors). */
 #ifndef SNAPKV_H
 #define SNAPKV_H
 
@@ -42,20 +49,34 @@ enum snapkv_status {
     SNAPKV_E_INTERNAL = -17,
 };
 
+/* Detail message of this thread's last failed call ("" when none; a later successful call
+ * does not clear it). */
+SNAPKV_API const char *snapkv_last_error(void);
+/* Short text of a status code ("invalid argument", ...); never NULL. */
+SNAPKV_API const char *snapkv_status_str(int status);
+
+/* ---- connection ---------------------------------------------------------------------------- */
+
 typedef struct snapkv_client snapkv_client_t;
 
 struct snapkv_connect_opts {
     const char *tenant;     /* NULL: "default" */
     const char *name;       /* client name shown to admins; NULL: "libsnapkv" */
-    int timeout_ms;         /* per reply; 0: 30000, -1: wait forever */
+    int timeout_ms;         /* wait for each reply; 0: 30000, -1: wait forever */
 };
 
 /* Connects to `endpoint` ("ipc:///run/snapkvd/snapkvd.sock", "tcp://host:port") and does the
- * HELLO handshake (protocol version check). *out is written only on success. */
+ * HELLO handshake (protocol version check). Admin commands need a client connected to the
+ * daemon's admin endpoint. *out is written only on success. */
 SNAPKV_API int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
                               snapkv_client_t **out);
 /* Accepts NULL and *client_p == NULL; sets *client_p to NULL. */
 SNAPKV_API void snapkv_close(snapkv_client_t **client_p);
+
+/* Changes how long each later call waits for each reply (0: 30000, -1: forever). The timeout
+ * restarts with every streamed reply, so a long prefill either asks for progress or needs a
+ * longer timeout. A reply that arrives after its call timed out is discarded by later calls. */
+SNAPKV_API int snapkv_set_timeout(snapkv_client_t *client, int timeout_ms);
 
 /* What HELLO told us about the daemon and its model. Strings live as long as the client. */
 struct snapkv_server_info {
@@ -66,10 +87,211 @@ struct snapkv_server_info {
     uint32_t n_layers, n_heads, n_kv_heads, head_dim, n_vocab;
     uint32_t max_prompt_tokens, max_new_tokens;
     uint64_t max_message_bytes;
+    uint32_t max_sessions_per_tenant;
+    uint64_t max_bytes_per_tenant;
+    uint32_t kv_block_tokens;
+    uint32_t bos_token, eos_token;
 };
 SNAPKV_API int snapkv_server_info(snapkv_client_t *client, struct snapkv_server_info *out);
 
-/* Admin: STATUS (on an admin endpoint). */
+/* ---- sessions -------------------------------------------------------------------------------- */
+
+/* A session's 128-bit id (random, chosen by the daemon). */
+struct snapkv_session_id {
+    uint8_t bytes[16];
+};
+#define SNAPKV_SESSION_ID_HEX_SIZE 33 /* 32 lower-case hex digits and the NUL */
+
+/* Writes 32 lower-case hex digits and a NUL into buf (cap >= SNAPKV_SESSION_ID_HEX_SIZE). */
+SNAPKV_API int snapkv_session_id_to_hex(const struct snapkv_session_id *id, char *buf, size_t cap);
+/* Parses exactly 32 hex digits (either case); anything else is SNAPKV_E_INVAL. */
+SNAPKV_API int snapkv_session_id_from_hex(const char *hex, struct snapkv_session_id *out);
+
+/* How many KV entries one layer of a session keeps. The library fills kept_per_head with one
+ * entry per KV head even when the daemon sent only the layer's count. */
+struct snapkv_layer_kept {
+    uint32_t layer;
+    uint32_t kept;                /* max over heads */
+    uint32_t n_heads;             /* entries in kept_per_head */
+    const uint32_t *kept_per_head;
+    uint64_t bytes;
+    /* Original positions this layer keeps, head after head (kept_per_head[h] each, not
+     * padded), when the call returned positions; else NULL. Points into the owning result. */
+    const uint32_t *positions;
+};
+
+/* Called for each progress reply of a prefill (tokens_done of n_tokens; n_tokens may be 0 when
+ * the daemon did not say). */
+typedef void (*snapkv_progress_fn)(void *user, uint32_t tokens_done, uint32_t n_tokens);
+
+struct snapkv_prefill_opts {
+    const uint32_t *tokens;       /* either token ids ... */
+    size_t n_tokens;
+    const char *text;             /* ... or UTF-8 text, tokenized by the daemon */
+    bool chat;                    /* render text as one user turn with the model's chat template */
+    const char *compress;         /* compression spec; NULL or "": keep everything */
+    bool return_logits;           /* the last position's logits in the result */
+    uint32_t lease_seconds;       /* released when idle this long; 0: the daemon's default */
+    snapkv_progress_fn progress;  /* NULL: no progress replies */
+    void *progress_user;
+};
+
+struct snapkv_prefill_result {
+    struct snapkv_session_id id;
+    uint32_t n_tokens;            /* prompt length */
+    uint64_t bytes_before;        /* KV bytes a full cache would hold */
+    uint64_t bytes_after;         /* KV bytes kept */
+    uint32_t next_token;          /* greedy next token */
+    size_t n_layers;
+    struct snapkv_layer_kept *layers;
+    size_t n_logits;              /* n_vocab when return_logits, else 0 */
+    float *logits;
+};
+
+/* Runs the prompt and creates a session (compressed right after prefill when opts->compress is
+ * given). Call snapkv_prefill_result_free() on *out afterwards. */
+SNAPKV_API int snapkv_prefill(snapkv_client_t *client, const struct snapkv_prefill_opts *opts,
+                              struct snapkv_prefill_result *out);
+/* Frees the arrays and zeroes *r; accepts NULL and a zeroed struct. */
+SNAPKV_API void snapkv_prefill_result_free(struct snapkv_prefill_result *r);
+
+struct snapkv_append_opts {
+    const uint32_t *tokens;       /* either token ids ... */
+    size_t n_tokens;
+    const char *text;             /* ... or text (tokenized by the daemon as is) */
+    bool return_logits;
+    bool chat;                    /* text holds chat-template markup (<|im_start|> ...): parse it */
+};
+struct snapkv_append_result {
+    uint32_t n_tokens;            /* session length after the append, in original positions */
+    uint32_t next_token;
+    size_t n_logits;
+    float *logits;
+};
+/* Runs more tokens through a session (at positions after its original length). out may be
+ * NULL; otherwise free it with snapkv_append_result_free(). */
+SNAPKV_API int snapkv_append(snapkv_client_t *client, const struct snapkv_session_id *id,
+                             const struct snapkv_append_opts *opts, struct snapkv_append_result *out);
+SNAPKV_API void snapkv_append_result_free(struct snapkv_append_result *r);
+
+struct snapkv_sampling {
+    float temperature;            /* 0: greedy */
+    uint32_t top_k;               /* 0: off */
+    float top_p;                  /* 0 or 1: off */
+    uint64_t seed;
+    const uint32_t *stop_tokens;
+    size_t n_stop_tokens;
+    uint32_t max_tokens;          /* 0: the daemon's default */
+    bool stop_at_eos;             /* stop at the model's end-of-turn / eos token */
+};
+/* Greedy, no stop tokens, max_tokens 0, stop_at_eos true: what a NULL sampling means. */
+SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
+
+/* Called with each batch of new tokens while a decode streams, with their text (complete
+ * UTF-8 only; may be ""). Return 0 to go on; anything else stops waiting: snapkv_decode then
+ * returns SNAPKV_E_CANCELLED. The protocol has no cancel, so the daemon still finishes that
+ * decode and the session holds all its tokens; later calls discard the remaining replies. */
+typedef int (*snapkv_token_fn)(void *user, const uint32_t *tokens, size_t n_tokens, const char *text);
+
+struct snapkv_decode_result {
+    uint32_t *tokens;             /* every generated token, also when streamed */
+    size_t n_tokens;
+    char *text;                   /* their text, NUL-terminated, never NULL on success */
+    uint32_t n_generated;         /* as the daemon counted */
+    char finish_reason[16];       /* "length" | "stop" | "eos" */
+};
+/* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the
+ * daemon streams and on_tokens sees each batch as it comes; without, one reply carries all.
+ * out may be NULL when on_tokens is given; free it with snapkv_decode_result_free(). */
+SNAPKV_API int snapkv_decode(snapkv_client_t *client, const struct snapkv_session_id *id,
+                             const struct snapkv_sampling *sampling, snapkv_token_fn on_tokens,
+                             void *user, struct snapkv_decode_result *out);
+SNAPKV_API void snapkv_decode_result_free(struct snapkv_decode_result *r);
+
+struct snapkv_compress_result {
+    uint64_t bytes_before, bytes_after;
+    size_t n_layers;
+    struct snapkv_layer_kept *layers;
+};
+/* Re-compresses a session with `spec`. window_from: where the observation window (the spec's
+ * `window` tokens) starts; 0: the daemon's default (the session's last tokens). out may be
+ * NULL; free it with snapkv_compress_result_free(). */
+SNAPKV_API int snapkv_compress(snapkv_client_t *client, const struct snapkv_session_id *id, const char *spec,
+                               uint32_t window_from, struct snapkv_compress_result *out);
+SNAPKV_API void snapkv_compress_result_free(struct snapkv_compress_result *r);
+
+/* A copy-on-write copy of a session. shared_bytes may be NULL. */
+SNAPKV_API int snapkv_fork(snapkv_client_t *client, const struct snapkv_session_id *id,
+                           struct snapkv_session_id *out, uint64_t *shared_bytes);
+
+/* Frees a session now. */
+SNAPKV_API int snapkv_release(snapkv_client_t *client, const struct snapkv_session_id *id);
+
+/* ---- tensor exchange through POSIX shared memory ---------------------------------------------
+ * The daemon opens the object by name (O_RDWR) and writes (export) or reads (import) K/V at an
+ * offset; the client reads or writes the same bytes through its mapping. The object is created
+ * with mode 0660 (whatever the umask) and belongs to the caller's effective group: when the
+ * daemon runs as another user (production: user snapkv), the caller must be in the daemon's
+ * group and either run with it as effective group or fchown(shm.fd, -1, gid) after creating it. */
+struct snapkv_shm {
+    char name[64];                /* "/snapkv-<hint>-<pid>-<random>" */
+    void *addr;                   /* mapping of the whole object, read/write */
+    size_t size;
+    int fd;
+};
+/* Creates (O_EXCL), sizes and maps a new object. name_hint: a few [A-Za-z0-9_-] characters
+ * for the name (others are replaced; NULL: "buf"). Pair with snapkv_shm_destroy(). */
+SNAPKV_API int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out);
+/* Unmaps, closes and unlinks; accepts NULL and a zeroed or already destroyed struct. */
+SNAPKV_API void snapkv_shm_destroy(struct snapkv_shm *shm);
+
+/* What an export wrote. Layout in the buffer from the offset: for each exported layer in order,
+ * K then V, each [n_kv_heads][kept][head_dim] float32 (kept: the layer's max over heads; a head
+ * with fewer entries is padded; kept_per_head says each head's real length). */
+struct snapkv_kv_layout {
+    uint64_t bytes_written;
+    size_t n_layers;
+    struct snapkv_layer_kept *layers;
+    size_t n_positions;           /* original positions, per layer per head, concatenated */
+    uint32_t *positions;
+};
+SNAPKV_API void snapkv_kv_layout_free(struct snapkv_kv_layout *l);
+
+/* Bytes the export layout takes for `n` layers (2 * n_kv_heads * kept * head_dim * 4 each),
+ * e.g. from snapkv_admin_inspect() to size a buffer. */
+SNAPKV_API uint64_t snapkv_kv_bytes(const struct snapkv_layer_kept *layers, size_t n, uint32_t n_kv_heads,
+                                    uint32_t head_dim);
+/* Byte offset, from the start of the exported data, of layer index `i` (index into the layout,
+ * not the model layer number) head `head`'s K (v = false) or V (v = true) rows. */
+SNAPKV_API uint64_t snapkv_kv_offset(const struct snapkv_kv_layout *l, size_t i, uint32_t head, bool v,
+                                     uint32_t n_kv_heads, uint32_t head_dim);
+
+/* Copies all layers of a session's K/V into shm at `offset`. Free *out with
+ * snapkv_kv_layout_free(). A buffer too small for the session is an error from the daemon. */
+SNAPKV_API int snapkv_export_kv(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                const struct snapkv_shm *shm, uint64_t offset, struct snapkv_kv_layout *out);
+/* The same for layers [layer_first, layer_first + layer_count) (layer_count 0: to the end). */
+SNAPKV_API int snapkv_export_kv_layers(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                       const struct snapkv_shm *shm, uint64_t offset, uint32_t layer_first,
+                                       uint32_t layer_count, struct snapkv_kv_layout *out);
+
+struct snapkv_import_opts {
+    const struct snapkv_shm *shm; /* K/V in the export layout ... */
+    uint64_t offset;              /* ... from here */
+    const struct snapkv_layer_kept *layers;  /* per layer kept lengths (e.g. an export's) */
+    size_t n_layers;
+    const uint32_t *positions;    /* per layer per head, concatenated */
+    size_t n_positions;
+    const uint32_t *tokens;       /* token history (inspection, re-compression); may be empty */
+    size_t n_tokens;
+    uint32_t original_length;     /* next position; 0: n_tokens */
+};
+/* Creates a session from K/V in a buffer. */
+SNAPKV_API int snapkv_import_kv(snapkv_client_t *client, const struct snapkv_import_opts *opts,
+                                struct snapkv_session_id *out);
+
+/* ---- admin (a client connected to the admin endpoint) ----------------------------------------- */
+
 struct snapkv_status_info {
     char server_version[32];
     char model_name[128];
@@ -80,15 +302,79 @@ struct snapkv_status_info {
 };
 SNAPKV_API int snapkv_admin_status(snapkv_client_t *client, struct snapkv_status_info *out);
 
-/* Admin: CONFIG GET. key NULL or "": all options. Calls fn once per entry. */
+/* CONFIG GET. key NULL or "": all options. Calls fn once per entry. */
 typedef void (*snapkv_config_fn)(void *user, const char *key, const char *value, const char *help);
 SNAPKV_API int snapkv_admin_config_get(snapkv_client_t *client, const char *key, snapkv_config_fn fn,
                                        void *user);
 
-/* Detail message of this thread's last failed call ("" when none). */
-SNAPKV_API const char *snapkv_last_error(void);
-/* Short text of a status code. */
-SNAPKV_API const char *snapkv_status_str(int status);
+/* One session as LIST and INSPECT show it (strings truncated to fit). */
+struct snapkv_session_info {
+    struct snapkv_session_id id;
+    char tenant[128];
+    char owner[128];
+    char policy[64];
+    uint32_t n_tokens;            /* original length */
+    uint32_t kept_tokens;         /* sum over layers of max kept */
+    uint64_t bytes;
+    uint64_t shared_bytes;        /* shared copy-on-write with forks */
+    uint64_t created_unix_ms, last_used_unix_ms;
+    uint32_t lease_seconds;
+    bool pinned;
+};
+struct snapkv_session_list {
+    size_t n;
+    struct snapkv_session_info *sessions;
+};
+/* Sessions of `tenant` (NULL or "": all). Free with snapkv_session_list_free(). */
+SNAPKV_API int snapkv_admin_list(snapkv_client_t *client, const char *tenant, struct snapkv_session_list *out);
+SNAPKV_API void snapkv_session_list_free(struct snapkv_session_list *l);
+
+struct snapkv_inspect_result {
+    struct snapkv_session_info info;
+    char *spec;                   /* the compression spec in force ("" when none) */
+    size_t n_layers;
+    struct snapkv_layer_kept *layers;
+    size_t n_positions;           /* with_positions: per layer per head, concatenated */
+    uint32_t *positions;
+    size_t n_layer_similarity;    /* SqueezeAttention cosine per layer, when measured */
+    float *layer_similarity;
+};
+SNAPKV_API int snapkv_admin_inspect(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                    bool with_positions, struct snapkv_inspect_result *out);
+SNAPKV_API void snapkv_inspect_result_free(struct snapkv_inspect_result *r);
+
+/* Evicts exactly one of: the session `id`, every unpinned session of `tenant`, or (all_unpinned)
+ * every unpinned session. evicted and bytes_freed may be NULL. */
+SNAPKV_API int snapkv_admin_evict(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                  const char *tenant, bool all_unpinned, uint32_t *evicted,
+                                  uint64_t *bytes_freed);
+
+/* A pinned session is never evicted and outlives its lease. */
+SNAPKV_API int snapkv_admin_pin(snapkv_client_t *client, const struct snapkv_session_id *id);
+SNAPKV_API int snapkv_admin_unpin(snapkv_client_t *client, const struct snapkv_session_id *id);
+
+/* Saves a session under the daemon's state directory. name: [A-Za-z0-9._-]{1,64}, not "." or
+ * "..". bytes (file size) may be NULL. */
+SNAPKV_API int snapkv_admin_save(snapkv_client_t *client, const struct snapkv_session_id *id, const char *name,
+                                 uint64_t *bytes);
+/* Loads a saved session as a new one, for `tenant` (NULL or "": the daemon's choice). */
+SNAPKV_API int snapkv_admin_load(snapkv_client_t *client, const char *name, const char *tenant,
+                                 struct snapkv_session_id *out);
+
+struct snapkv_stat {
+    char *name;
+    double value;
+    char *help;
+};
+struct snapkv_stats {
+    size_t n;
+    struct snapkv_stat *stats;
+    char *prometheus_text;        /* when asked for ("" otherwise) */
+};
+/* Counters and gauges; prometheus: also (or, as the daemon chooses, only) the Prometheus text
+ * exposition. Free with snapkv_stats_free(). */
+SNAPKV_API int snapkv_admin_stats(snapkv_client_t *client, bool prometheus, struct snapkv_stats *out);
+SNAPKV_API void snapkv_stats_free(struct snapkv_stats *s);
 
 #ifdef __cplusplus
 }

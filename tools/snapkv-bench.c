@@ -10,6 +10,7 @@
 #include "daemon/engine/sampler.h"
 #include "daemon/engine/tokenizer.h"
 #include "kernels/backend.h"
+#include "tools/bench_quality.h"
 
 #include <getopt.h>
 #include <jansson.h>
@@ -43,6 +44,7 @@ struct args {
     int decode_tokens;
     int repeat;
     const char *compress;
+    struct skv_quality_opts quality;
 };
 
 static double now_s(void)
@@ -74,6 +76,12 @@ static void usage(FILE *out)
             "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
             "        [--repeat R]                    prefill / decode tokens/s and peak memory\n"
+            "  quality [--task passkey|fidelity|all] [--specs \"SPEC;SPEC;...\"] [--out-dir DIR]\n"
+            "          [--lengths 512,1024,...] [--depths 0,25,50,75,100] [--trials N] [--seed S]\n"
+            "          [--max-tokens N] [--passkey-style K] [--texts F1,F2] [--fid-prefill N]\n"
+            "          [--fid-tokens M]              compression quality vs the full cache (always the\n"
+            "                                        baseline): passkey accuracy, next-token KL; JSON,\n"
+            "                                        markdown and PNGs into DIR (default ./quality-out)\n"
             "--reference: weights dequantized to f32 (the numerical reference mode).\n");
 }
 
@@ -617,12 +625,26 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     return 0;
 }
 
+/* The quality benchmark (tools/bench_quality.c) with the shared options filled in. */
+static int cmd_quality(struct args *a, struct skv_engine *e, struct skv_model *m, int argc, char **argv)
+{
+    struct skv_quality_opts *q = &a->quality;
+    q->seed = a->seed;
+    q->max_tokens = a->max_tokens;
+    q->json_stdout = a->json;
+    q->argc = argc;
+    q->argv = argv;
+    int rc = skv_bench_quality(e, m, q);
+    return rc ? fail("quality", rc) : 0;
+}
+
 int main(int argc, char **argv)
 {
-    struct args a = {.backend = "auto", .threads = 0};
+    struct args a = {.backend = "auto", .threads = 0, .quality = {.passkey_style = -1}};
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
-           O_COMPRESS };
+           O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
+           O_FIDM };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
         {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
@@ -636,6 +658,11 @@ int main(int argc, char **argv)
         {"prefill", required_argument, NULL, O_PREFILL},   {"decode-depth", required_argument, NULL, O_DEPTH},
         {"decode-tokens", required_argument, NULL, O_DTOK}, {"repeat", required_argument, NULL, O_REPEAT},
         {"compress", required_argument, NULL, O_COMPRESS},
+        {"task", required_argument, NULL, O_TASK},         {"lengths", required_argument, NULL, O_LENGTHS},
+        {"depths", required_argument, NULL, O_DEPTHS},     {"specs", required_argument, NULL, O_SPECS},
+        {"trials", required_argument, NULL, O_TRIALS},     {"out-dir", required_argument, NULL, O_OUTDIR},
+        {"passkey-style", required_argument, NULL, O_PKSTYLE}, {"texts", required_argument, NULL, O_TEXTS},
+        {"fid-prefill", required_argument, NULL, O_FIDN},  {"fid-tokens", required_argument, NULL, O_FIDM},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c;
@@ -664,6 +691,16 @@ int main(int argc, char **argv)
         case O_DTOK: a.decode_tokens = atoi(optarg); break;
         case O_REPEAT: a.repeat = atoi(optarg); break;
         case O_COMPRESS: a.compress = optarg; break;
+        case O_TASK: a.quality.task = optarg; break;
+        case O_LENGTHS: a.quality.lengths = optarg; break;
+        case O_DEPTHS: a.quality.depths = optarg; break;
+        case O_SPECS: a.quality.specs = optarg; break;
+        case O_TRIALS: a.quality.trials = atoi(optarg); break;
+        case O_OUTDIR: a.quality.out_dir = optarg; break;
+        case O_PKSTYLE: a.quality.passkey_style = atoi(optarg); break;
+        case O_TEXTS: a.quality.texts = optarg; break;
+        case O_FIDN: a.quality.fid_prefill = atoi(optarg); break;
+        case O_FIDM: a.quality.fid_tokens = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -699,6 +736,8 @@ int main(int argc, char **argv)
         exit_code = cmd_select(&a, e, m);
     else if (strcmp(a.cmd, "speed") == 0)
         exit_code = cmd_speed(&a, e, m);
+    else if (strcmp(a.cmd, "quality") == 0)
+        exit_code = cmd_quality(&a, e, m, argc, argv);
     else
         usage(stderr);
     skv_engine_free(&e);

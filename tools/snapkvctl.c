@@ -1,15 +1,46 @@
-/* snapkvctl: the command line of snapkvd for users (generate, chat, prefill, ...) and admins
- * (status, list, inspect, evict, ...). Talks only through libsnapkv. */
+/* snapkvctl: the command line of snapkvd for users (generate, chat, prefill, append, decode,
+ * compress, fork, export/import, release) and admins (status, list, inspect, evict, pin, save,
+ * load, stats, config). Talks only through libsnapkv; human tables by default, --json for scripts. */
+#include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "libclient/snapkv.h"
 
 #define DEFAULT_ENDPOINT "ipc:///run/snapkvd/snapkvd.sock"
 #define DEFAULT_ADMIN_ENDPOINT "ipc:///run/snapkvd/admin.sock"
+#define DEFAULT_MAX_TOKENS 256
+#define MAX_INPUT_BYTES (64u << 20)
+
+/* Later chat turns go through APPEND, which takes raw text: this wraps each user line in the
+ * model's turn markup (%s: the line). The default is ChatML (SmolLM2, Qwen2); it closes the
+ * previous assistant turn, whose end-of-turn token the daemon does not feed back. */
+#define DEFAULT_TURN_TEMPLATE "<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n"
+
+/* The file `export` writes and `import` reads, all integers in host byte order:
+ *   header (struct export_header), then per layer: u32 layer, u32 kept, u32 kept_per_head[n_kv_heads],
+ *   then u32 positions[n_positions], then data_bytes of K/V in the daemon's export layout
+ *   (per layer K then V, each [n_kv_heads][kept][head_dim] float32). */
+#define EXPORT_MAGIC "SNAPKVKV"
+#define EXPORT_VERSION 1u
+struct export_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t n_layers;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t original_length;
+    uint32_t n_positions;
+    uint64_t data_bytes;
+    char model_fingerprint[64];   /* NUL-padded */
+};
 
 struct ctl {
     const char *endpoint;
@@ -25,13 +56,53 @@ static void usage(FILE *out)
             "usage: snapkvctl [-e URL] [-a URL] [--tenant T] [--json] [--timeout MS] COMMAND [ARGS]\n"
             "  -e, --endpoint URL        client endpoint (default %s, or $SNAPKV_ENDPOINT)\n"
             "  -a, --admin-endpoint URL  admin endpoint (default %s, or $SNAPKV_ADMIN_ENDPOINT)\n"
-            "commands:\n"
-            "  info                      what the daemon serves (HELLO)\n"
-            "  status                    daemon status (admin)\n"
-            "  config [KEY]              options in force (admin)\n"
-            "not yet in this version: generate, chat, prefill, append, decode, compress, fork, export,\n"
-            "  release, list, inspect, evict, pin, unpin, save, load, stats\n",
+            "  -t, --tenant T            tenant of the sessions (default \"default\")\n"
+            "  -j, --json                JSON output for scripts\n"
+            "      --timeout MS          wait for each reply this long (default 30000; -1 forever)\n"
+            "client commands:\n"
+            "  info                                   what the daemon serves (HELLO)\n"
+            "  generate (--prompt TEXT | --file F) [--question TEXT] [SAMPLING] [--compress SPEC] [--stats]\n"
+            "                                         one-shot: prefill as a chat turn, stream the answer, release\n"
+            "  chat [--compress SPEC] [SAMPLING] [--turn-template T]\n"
+            "                                         interactive: one line per turn, answers streamed\n"
+            "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S]\n"
+            "                                         prints the new session id\n"
+            "  append SESSION TEXT                    run more text through a session\n"
+            "  decode SESSION [SAMPLING]              generate, streamed to stdout\n"
+            "  compress SESSION SPEC [--window-from N]\n"
+            "  fork SESSION                           copy-on-write copy; prints the new id\n"
+            "  export SESSION [--out FILE] [--size BYTES]\n"
+            "                                         K/V through shared memory into FILE (default SESSION.skvkv)\n"
+            "  import FILE                            a session from an exported file; prints its id\n"
+            "  release SESSION\n"
+            "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
+            "admin commands (admin endpoint):\n"
+            "  status | list [TENANT] | inspect SESSION [--positions]\n"
+            "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
+            "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
+            "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
+}
+
+/* ---- small helpers ---------------------------------------------------------------------------- */
+
+static int usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int usage_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "snapkvctl %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n(see snapkvctl --help)\n");
+    va_end(ap);
+    return 2;
+}
+
+/* Reports a failed library call; returns the exit status 1. */
+static int failed(const char *what, int rc)
+{
+    fprintf(stderr, "snapkvctl: %s: %s (%s)\n", what, snapkv_last_error(), snapkv_status_str(rc));
+    return 1;
 }
 
 static int connect_to(const struct ctl *c, bool admin, snapkv_client_t **out)
@@ -46,12 +117,275 @@ static int connect_to(const struct ctl *c, bool admin, snapkv_client_t **out)
 
 static void print_json(json_t *j)
 {
-    char *s = json_dumps(j, JSON_INDENT(2));
+    char *s = j ? json_dumps(j, JSON_INDENT(2)) : NULL;
     if (s)
         puts(s);
     free(s);
     json_decref(j);
 }
+
+static bool parse_u64(const char *s, uint64_t max, uint64_t *out)
+{
+    if (!s || !*s || *s == '-')
+        return false;
+    errno = 0;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v > max)
+        return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_u32(const char *s, uint32_t *out)
+{
+    uint64_t v;
+    if (!parse_u64(s, UINT32_MAX, &v))
+        return false;
+    *out = (uint32_t)v;
+    return true;
+}
+
+static bool parse_float(const char *s, float *out)
+{
+    if (!s || !*s)
+        return false;
+    errno = 0;
+    char *end;
+    float v = strtof(s, &end);
+    if (errno || *end || v != v)
+        return false;
+    *out = v;
+    return true;
+}
+
+/* 1536 -> "1.5 KiB" */
+static const char *fmt_bytes(uint64_t n, char *buf, size_t cap)
+{
+    static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)n;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0)
+        snprintf(buf, cap, "%llu B", (unsigned long long)n);
+    else
+        snprintf(buf, cap, "%.1f %s", v, units[u]);
+    return buf;
+}
+
+static bool parse_session(const char *cmd, const char *arg, struct snapkv_session_id *out)
+{
+    if (snapkv_session_id_from_hex(arg, out) == SNAPKV_OK)
+        return true;
+    fprintf(stderr, "snapkvctl %s: '%s' is not a session id (32 hex digits)\n", cmd, arg ? arg : "");
+    return false;
+}
+
+static void id_hex(const struct snapkv_session_id *id, char hex[SNAPKV_SESSION_ID_HEX_SIZE])
+{
+    snapkv_session_id_to_hex(id, hex, SNAPKV_SESSION_ID_HEX_SIZE);
+}
+
+/* Reads a whole file ("-": stdin) as a NUL-terminated string. */
+static char *read_text(const char *path)
+{
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "snapkvctl: %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        if (len + 1 == cap) {
+            if (cap >= MAX_INPUT_BYTES) {
+                fprintf(stderr, "snapkvctl: %s: larger than %u bytes\n", path, MAX_INPUT_BYTES);
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            char *grown = realloc(buf, cap * 2);
+            if (!grown) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = grown;
+            cap *= 2;
+        }
+        size_t n = fread(buf + len, 1, cap - 1 - len, f);
+        len += n;
+        if (n == 0) {
+            if (ferror(f)) {
+                fprintf(stderr, "snapkvctl: %s: read error\n", path);
+                free(buf);
+                buf = NULL;
+            }
+            break;
+        }
+    }
+    if (buf)
+        buf[len] = '\0';
+    if (f != stdin)
+        fclose(f);
+    return buf;
+}
+
+/* Options of a subcommand (argv[0] is its name); they may follow the positional arguments. */
+static int next_opt(int argc, char **argv, const struct option *opts)
+{
+    return getopt_long(argc, argv, "", opts, NULL);
+}
+
+static void reset_getopt(void)
+{
+    optind = 0; /* glibc: full re-initialisation */
+}
+
+static json_t *layers_json(const struct snapkv_layer_kept *layers, size_t n, const float *similarity,
+                           size_t n_similarity)
+{
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) {
+        const struct snapkv_layer_kept *l = &layers[i];
+        json_t *heads = json_array();
+        for (uint32_t h = 0; h < l->n_heads; h++)
+            json_array_append_new(heads, json_integer(l->kept_per_head[h]));
+        json_t *row = json_pack("{s:i, s:i, s:o, s:I}", "layer", (int)l->layer, "kept", (int)l->kept,
+                                "kept_per_head", heads, "bytes", (json_int_t)l->bytes);
+        if (l->positions) {
+            json_t *per_head = json_array();
+            const uint32_t *p = l->positions;
+            for (uint32_t h = 0; h < l->n_heads; h++) {
+                json_t *ph = json_array();
+                for (uint32_t k = 0; k < l->kept_per_head[h]; k++)
+                    json_array_append_new(ph, json_integer(*p++));
+                json_array_append_new(per_head, ph);
+            }
+            json_object_set_new(row, "positions", per_head);
+        }
+        if (similarity && i < n_similarity)
+            json_object_set_new(row, "similarity", json_real(similarity[i]));
+        json_array_append_new(arr, row);
+    }
+    return arr;
+}
+
+static void print_ratio(const char *what, uint64_t before, uint64_t after)
+{
+    char a[32], b[32];
+    double pct = before ? 100.0 * (double)after / (double)before : 100.0;
+    fprintf(stderr, "%s: kv %s of %s (%.1f%%)\n", what, fmt_bytes(after, a, sizeof a), fmt_bytes(before, b, sizeof b),
+            pct);
+}
+
+/* ---- sampling options shared by generate, chat and decode ------------------------------------------ */
+
+enum {
+    OPT_MAX_TOKENS = 1000,
+    OPT_TEMPERATURE,
+    OPT_TOP_P,
+    OPT_TOP_K,
+    OPT_SEED,
+    OPT_NO_EOS,
+    OPT_COMPRESS,
+    OPT_PROMPT,
+    OPT_FILE,
+    OPT_QUESTION,
+    OPT_STATS,
+    OPT_CHAT,
+    OPT_LEASE,
+    OPT_TURN_TEMPLATE,
+    OPT_WINDOW_FROM,
+    OPT_OUT,
+    OPT_SIZE,
+    OPT_POSITIONS,
+    OPT_TENANT,
+    OPT_ALL,
+    OPT_PROMETHEUS,
+};
+
+#define SAMPLING_OPTIONS                                                                                  \
+    {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},                                              \
+        {"temperature", required_argument, NULL, OPT_TEMPERATURE},                                        \
+        {"top-p", required_argument, NULL, OPT_TOP_P}, {"top-k", required_argument, NULL, OPT_TOP_K},     \
+        {"seed", required_argument, NULL, OPT_SEED}, {"no-eos", no_argument, NULL, OPT_NO_EOS}
+
+/* Applies one sampling option; returns 1 when o is one, 0 when not, 2 on a bad value. */
+static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
+{
+    uint64_t seed;
+    switch (o) {
+    case OPT_MAX_TOKENS:
+        if (!parse_u32(optarg, &s->max_tokens) || s->max_tokens == 0)
+            return usage_error(cmd, "--max-tokens wants a positive integer, not '%s'", optarg);
+        return 1;
+    case OPT_TEMPERATURE:
+        if (!parse_float(optarg, &s->temperature) || s->temperature < 0.0f)
+            return usage_error(cmd, "--temperature wants a number >= 0, not '%s'", optarg);
+        return 1;
+    case OPT_TOP_P:
+        if (!parse_float(optarg, &s->top_p) || s->top_p < 0.0f || s->top_p > 1.0f)
+            return usage_error(cmd, "--top-p wants a number in [0, 1], not '%s'", optarg);
+        return 1;
+    case OPT_TOP_K:
+        if (!parse_u32(optarg, &s->top_k))
+            return usage_error(cmd, "--top-k wants an integer, not '%s'", optarg);
+        return 1;
+    case OPT_SEED:
+        if (!parse_u64(optarg, UINT64_MAX, &seed))
+            return usage_error(cmd, "--seed wants an integer, not '%s'", optarg);
+        s->seed = seed;
+        return 1;
+    case OPT_NO_EOS:
+        s->stop_at_eos = false;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static void sampling_init(struct snapkv_sampling *s)
+{
+    snapkv_sampling_defaults(s);
+    s->max_tokens = DEFAULT_MAX_TOKENS;
+    s->seed = (uint64_t)time(NULL);
+}
+
+/* Streams decoded text to stdout. */
+static int print_tokens(void *user, const uint32_t *tokens, size_t n, const char *text)
+{
+    (void)user;
+    (void)tokens;
+    (void)n;
+    fputs(text, stdout);
+    fflush(stdout);
+    return 0;
+}
+
+/* Prefill progress, on a terminal only. */
+static void show_progress(void *user, uint32_t done, uint32_t total)
+{
+    (void)user;
+    if (!isatty(STDERR_FILENO))
+        return;
+    if (total)
+        fprintf(stderr, "\rprefill %u / %u tokens", done, total);
+    else
+        fprintf(stderr, "\rprefill %u tokens", done);
+    fflush(stderr);
+}
+
+static void end_progress(void)
+{
+    if (isatty(STDERR_FILENO))
+        fputs("\r\033[K", stderr);
+}
+
+/* ---- info, status, config --------------------------------------------------------------------------------- */
 
 static int cmd_info(const struct ctl *c)
 {
@@ -61,18 +395,23 @@ static int cmd_info(const struct ctl *c)
     struct snapkv_server_info in;
     snapkv_server_info(cl, &in);
     if (c->json) {
-        print_json(json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "server_version",
-                             in.server_version, "model", in.model_name, "fingerprint", in.model_fingerprint,
-                             "backend", in.backend, "layers", in.n_layers, "heads", in.n_heads, "kv_heads",
-                             in.n_kv_heads, "head_dim", in.head_dim, "vocab", in.n_vocab, "max_prompt_tokens",
-                             in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens));
+        print_json(json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I, s:I}",
+                             "server_version", in.server_version, "model", in.model_name, "fingerprint",
+                             in.model_fingerprint, "backend", in.backend, "layers", in.n_layers, "heads",
+                             in.n_heads, "kv_heads", in.n_kv_heads, "head_dim", in.head_dim, "vocab", in.n_vocab,
+                             "max_prompt_tokens", in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens,
+                             "bos_token", in.bos_token, "eos_token", in.eos_token, "max_message_bytes",
+                             (json_int_t)in.max_message_bytes, "max_bytes_per_tenant",
+                             (json_int_t)in.max_bytes_per_tenant));
     } else {
+        char b[32];
         printf("server      snapkvd %s (%s backend)\n", in.server_version, in.backend);
         printf("model       %s\n", in.model_name);
         printf("fingerprint %s\n", in.model_fingerprint);
         printf("shape       %u layers, %u heads, %u kv heads, head dim %u, vocab %u\n", in.n_layers, in.n_heads,
                in.n_kv_heads, in.head_dim, in.n_vocab);
-        printf("limits      prompt %u tokens, %u new tokens\n", in.max_prompt_tokens, in.max_new_tokens);
+        printf("limits      prompt %u tokens, %u new tokens, %u sessions and %s per tenant\n", in.max_prompt_tokens,
+               in.max_new_tokens, in.max_sessions_per_tenant, fmt_bytes(in.max_bytes_per_tenant, b, sizeof b));
     }
     snapkv_close(&cl);
     return 0;
@@ -86,10 +425,8 @@ static int cmd_status(const struct ctl *c)
     struct snapkv_status_info s;
     int rc = snapkv_admin_status(cl, &s);
     snapkv_close(&cl);
-    if (rc) {
-        fprintf(stderr, "snapkvctl: status: %s\n", snapkv_last_error());
-        return 1;
-    }
+    if (rc)
+        return failed("status", rc);
     if (c->json) {
         print_json(json_pack("{s:s, s:s, s:s, s:I, s:i, s:i, s:I, s:I, s:i, s:i}", "server_version",
                              s.server_version, "model", s.model_name, "backend", s.backend, "uptime_seconds",
@@ -97,11 +434,13 @@ static int cmd_status(const struct ctl *c)
                              "pool_bytes_total", (json_int_t)s.pool_bytes_total, "pool_bytes_used",
                              (json_int_t)s.pool_bytes_used, "queue_depth", s.queue_depth, "threads", s.threads));
     } else {
+        char a[32], b[32];
         printf("snapkvd %s, model %s, backend %s (%u threads)\n", s.server_version, s.model_name, s.backend,
                s.threads);
         printf("uptime %llu s, %u sessions, %u clients, queue %u\n", (unsigned long long)s.uptime_seconds,
                s.n_sessions, s.n_clients, s.queue_depth);
-        printf("pool %.1f MiB used of %.1f MiB\n", s.pool_bytes_used / 1048576.0, s.pool_bytes_total / 1048576.0);
+        printf("pool %s used of %s\n", fmt_bytes(s.pool_bytes_used, a, sizeof a),
+               fmt_bytes(s.pool_bytes_total, b, sizeof b));
     }
     return 0;
 }
@@ -125,11 +464,953 @@ static int cmd_config(const struct ctl *c, const char *key)
     snapkv_close(&cl);
     if (rc) {
         json_decref(arr);
-        fprintf(stderr, "snapkvctl: config: %s\n", snapkv_last_error());
-        return 1;
+        return failed("config", rc);
     }
     if (arr)
         print_json(arr);
+    return 0;
+}
+
+/* ---- generate, chat ------------------------------------------------------------------------------------------- */
+
+static int cmd_generate(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"prompt", required_argument, NULL, OPT_PROMPT}, {"file", required_argument, NULL, OPT_FILE},
+        {"question", required_argument, NULL, OPT_QUESTION}, {"compress", required_argument, NULL, OPT_COMPRESS},
+        {"stats", no_argument, NULL, OPT_STATS}, SAMPLING_OPTIONS, {NULL, 0, NULL, 0},
+    };
+    const char *prompt = NULL, *file = NULL, *question = NULL, *spec = NULL;
+    bool stats = false;
+    struct snapkv_sampling s;
+    sampling_init(&s);
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        int r = sampling_opt("generate", o, &s);
+        if (r == 2)
+            return 2;
+        if (r == 1)
+            continue;
+        switch (o) {
+        case OPT_PROMPT: prompt = optarg; break;
+        case OPT_FILE: file = optarg; break;
+        case OPT_QUESTION: question = optarg; break;
+        case OPT_COMPRESS: spec = optarg; break;
+        case OPT_STATS: stats = true; break;
+        default: return usage_error("generate", "unknown option");
+        }
+    }
+    if (optind != argc)
+        return usage_error("generate", "unexpected argument '%s'", argv[optind]);
+    if (!prompt == !file)
+        return usage_error("generate", "give exactly one of --prompt and --file");
+
+    int ret = 1;
+    char *doc = file ? read_text(file) : strdup(prompt);
+    char *text = NULL;
+    snapkv_client_t *cl = NULL;
+    if (!doc)
+        return 1;
+    /* the document and the question go in as one user turn */
+    size_t len = strlen(doc) + (question ? strlen(question) + 2 : 0) + 1;
+    text = malloc(len);
+    if (!text) {
+        fprintf(stderr, "snapkvctl: out of memory\n");
+        goto out_free;
+    }
+    snprintf(text, len, "%s%s%s", doc, question ? "\n\n" : "", question ? question : "");
+    if (connect_to(c, false, &cl))
+        goto out_free;
+
+    struct snapkv_prefill_opts po = {.text = text, .chat = true, .compress = spec, .progress = show_progress};
+    struct snapkv_prefill_result pr;
+    int rc = snapkv_prefill(cl, &po, &pr);
+    end_progress();
+    if (rc) {
+        failed("prefill", rc);
+        goto out_close;
+    }
+    struct snapkv_decode_result dr;
+    rc = snapkv_decode(cl, &pr.id, &s, c->json ? NULL : print_tokens, NULL, &dr);
+    if (rc) {
+        if (!c->json)
+            putchar('\n');
+        failed("decode", rc);
+    } else {
+        if (c->json) {
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+            id_hex(&pr.id, hex);
+            json_t *toks = json_array();
+            for (size_t i = 0; i < dr.n_tokens; i++)
+                json_array_append_new(toks, json_integer(dr.tokens[i]));
+            print_json(json_pack("{s:s, s:s, s:o, s:s, s:i, s:I, s:I, s:s}", "session", hex, "text", dr.text,
+                                 "tokens", toks, "finish_reason", dr.finish_reason, "prompt_tokens", pr.n_tokens,
+                                 "kv_bytes_before", (json_int_t)pr.bytes_before, "kv_bytes_after",
+                                 (json_int_t)pr.bytes_after, "compress", spec ? spec : ""));
+        } else {
+            putchar('\n');
+            if (stats) {
+                fprintf(stderr, "prompt %u tokens, generated %zu (%s)\n", pr.n_tokens, dr.n_tokens,
+                        dr.finish_reason);
+                print_ratio("compression", pr.bytes_before, pr.bytes_after);
+            }
+        }
+        snapkv_decode_result_free(&dr);
+        ret = 0;
+    }
+    rc = snapkv_release(cl, &pr.id);
+    if (rc) {
+        failed("release", rc);
+        ret = 1;
+    }
+    snapkv_prefill_result_free(&pr);
+
+out_close:
+    snapkv_close(&cl);
+out_free:
+    free(text);
+    free(doc);
+    return ret;
+}
+
+/* The template with its first %s replaced by line (no printf: the template is user text). */
+static char *render_turn(const char *tmpl, const char *line)
+{
+    const char *at = strstr(tmpl, "%s");
+    size_t head = at ? (size_t)(at - tmpl) : strlen(tmpl);
+    const char *tail = at ? at + 2 : "";
+    size_t len = head + strlen(line) + strlen(tail) + 1;
+    char *out = malloc(len);
+    if (out)
+        snprintf(out, len, "%.*s%s%s", (int)head, tmpl, line, tail);
+    return out;
+}
+
+static int cmd_chat(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"compress", required_argument, NULL, OPT_COMPRESS},
+        {"turn-template", required_argument, NULL, OPT_TURN_TEMPLATE},
+        {"stats", no_argument, NULL, OPT_STATS},
+        SAMPLING_OPTIONS,
+        {NULL, 0, NULL, 0},
+    };
+    const char *spec = NULL, *tmpl = DEFAULT_TURN_TEMPLATE;
+    bool stats = false;
+    struct snapkv_sampling s;
+    sampling_init(&s);
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        int r = sampling_opt("chat", o, &s);
+        if (r == 2)
+            return 2;
+        if (r == 1)
+            continue;
+        switch (o) {
+        case OPT_COMPRESS: spec = optarg; break;
+        case OPT_TURN_TEMPLATE: tmpl = optarg; break;
+        case OPT_STATS: stats = true; break;
+        default: return usage_error("chat", "unknown option");
+        }
+    }
+    if (optind != argc)
+        return usage_error("chat", "unexpected argument '%s'", argv[optind]);
+    if (!strstr(tmpl, "%s"))
+        return usage_error("chat", "--turn-template needs a %%s for the user's line");
+
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    bool tty = isatty(STDIN_FILENO);
+    if (tty)
+        fprintf(stderr, "chat with snapkvd: one line per turn, end with Ctrl-D\n");
+    bool have_session = false;
+    struct snapkv_session_id id;
+    int ret = 0;
+    char *line = NULL;
+    size_t cap = 0;
+    for (;;) {
+        if (tty)
+            fputs("> ", stderr);
+        ssize_t n = getline(&line, &cap, stdin);
+        if (n < 0)
+            break;
+        while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
+            line[--n] = '\0';
+        if (n == 0)
+            continue;
+        if (strcmp(line, "/quit") == 0 || strcmp(line, "/exit") == 0)
+            break;
+        int rc;
+        if (!have_session) {
+            struct snapkv_prefill_opts po = {.text = line, .chat = true, .compress = spec, .progress = show_progress};
+            struct snapkv_prefill_result pr;
+            rc = snapkv_prefill(cl, &po, &pr);
+            end_progress();
+            if (rc) {
+                ret = failed("prefill", rc);
+                break;
+            }
+            id = pr.id;
+            have_session = true;
+            if (stats)
+                print_ratio("prefill", pr.bytes_before, pr.bytes_after);
+            snapkv_prefill_result_free(&pr);
+        } else {
+            char *turn = render_turn(tmpl, line);
+            if (!turn) {
+                fprintf(stderr, "snapkvctl: out of memory\n");
+                ret = 1;
+                break;
+            }
+            rc = snapkv_append(cl, &id, &(struct snapkv_append_opts){.text = turn, .chat = true}, NULL);
+            free(turn);
+            if (rc) {
+                ret = failed("append", rc);
+                break;
+            }
+        }
+        struct snapkv_decode_result dr;
+        rc = snapkv_decode(cl, &id, &s, print_tokens, NULL, &dr);
+        putchar('\n');
+        fflush(stdout);
+        if (rc) {
+            ret = failed("decode", rc);
+            break;
+        }
+        if (stats)
+            fprintf(stderr, "[%zu tokens, %s]\n", dr.n_tokens, dr.finish_reason);
+        snapkv_decode_result_free(&dr);
+    }
+    free(line);
+    if (have_session) {
+        int rc = snapkv_release(cl, &id);
+        if (rc)
+            ret = failed("release", rc);
+    }
+    snapkv_close(&cl);
+    return ret;
+}
+
+/* ---- prefill, append, decode, compress, fork, release ------------------------------------------------------- */
+
+static int cmd_prefill(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"prompt", required_argument, NULL, OPT_PROMPT}, {"file", required_argument, NULL, OPT_FILE},
+        {"compress", required_argument, NULL, OPT_COMPRESS}, {"chat", no_argument, NULL, OPT_CHAT},
+        {"lease", required_argument, NULL, OPT_LEASE}, {NULL, 0, NULL, 0},
+    };
+    const char *prompt = NULL, *file = NULL, *spec = NULL;
+    bool chat = false;
+    uint32_t lease = 0;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        switch (o) {
+        case OPT_PROMPT: prompt = optarg; break;
+        case OPT_FILE: file = optarg; break;
+        case OPT_COMPRESS: spec = optarg; break;
+        case OPT_CHAT: chat = true; break;
+        case OPT_LEASE:
+            if (!parse_u32(optarg, &lease))
+                return usage_error("prefill", "--lease wants seconds, not '%s'", optarg);
+            break;
+        default: return usage_error("prefill", "unknown option");
+        }
+    }
+    if (optind != argc)
+        return usage_error("prefill", "unexpected argument '%s'", argv[optind]);
+    if (!prompt == !file)
+        return usage_error("prefill", "give exactly one of --prompt and --file");
+    char *text = file ? read_text(file) : strdup(prompt);
+    if (!text)
+        return 1;
+    snapkv_client_t *cl = NULL;
+    int ret = 1;
+    if (connect_to(c, false, &cl))
+        goto out_free;
+    struct snapkv_prefill_opts po = {
+        .text = text, .chat = chat, .compress = spec, .lease_seconds = lease, .progress = show_progress};
+    struct snapkv_prefill_result pr;
+    int rc = snapkv_prefill(cl, &po, &pr);
+    end_progress();
+    if (rc) {
+        failed("prefill", rc);
+        goto out_close;
+    }
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    id_hex(&pr.id, hex);
+    if (c->json) {
+        print_json(json_pack("{s:s, s:i, s:I, s:I, s:i, s:o}", "session", hex, "n_tokens", pr.n_tokens,
+                             "bytes_before", (json_int_t)pr.bytes_before, "bytes_after", (json_int_t)pr.bytes_after,
+                             "next_token", pr.next_token, "layers", layers_json(pr.layers, pr.n_layers, NULL, 0)));
+    } else {
+        puts(hex);
+        fprintf(stderr, "%u prompt tokens\n", pr.n_tokens);
+        print_ratio("prefill", pr.bytes_before, pr.bytes_after);
+    }
+    snapkv_prefill_result_free(&pr);
+    ret = 0;
+out_close:
+    snapkv_close(&cl);
+out_free:
+    free(text);
+    return ret;
+}
+
+static int cmd_append(const struct ctl *c, int argc, char **argv)
+{
+    if (argc != 3)
+        return usage_error("append", "usage: append SESSION TEXT");
+    struct snapkv_session_id id;
+    if (!parse_session("append", argv[1], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    struct snapkv_append_result ar;
+    int rc = snapkv_append(cl, &id, &(struct snapkv_append_opts){.text = argv[2]}, &ar);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("append", rc);
+    if (c->json)
+        print_json(json_pack("{s:s, s:i, s:i}", "session", argv[1], "n_tokens", ar.n_tokens, "next_token",
+                             ar.next_token));
+    else
+        printf("session length %u tokens\n", ar.n_tokens);
+    snapkv_append_result_free(&ar);
+    return 0;
+}
+
+static int cmd_decode(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {SAMPLING_OPTIONS, {NULL, 0, NULL, 0}};
+    struct snapkv_sampling s;
+    sampling_init(&s);
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        int r = sampling_opt("decode", o, &s);
+        if (r == 2)
+            return 2;
+        if (r == 0)
+            return usage_error("decode", "unknown option");
+    }
+    if (optind + 1 != argc)
+        return usage_error("decode", "usage: decode SESSION [SAMPLING]");
+    struct snapkv_session_id id;
+    if (!parse_session("decode", argv[optind], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    struct snapkv_decode_result dr;
+    int rc = snapkv_decode(cl, &id, &s, c->json ? NULL : print_tokens, NULL, &dr);
+    snapkv_close(&cl);
+    if (!c->json)
+        putchar('\n');
+    if (rc)
+        return failed("decode", rc);
+    if (c->json) {
+        json_t *toks = json_array();
+        for (size_t i = 0; i < dr.n_tokens; i++)
+            json_array_append_new(toks, json_integer(dr.tokens[i]));
+        print_json(json_pack("{s:s, s:o, s:i, s:s}", "text", dr.text, "tokens", toks, "n_generated", dr.n_generated,
+                             "finish_reason", dr.finish_reason));
+    }
+    snapkv_decode_result_free(&dr);
+    return 0;
+}
+
+static int cmd_compress(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"window-from", required_argument, NULL, OPT_WINDOW_FROM},
+                                         {NULL, 0, NULL, 0}};
+    uint32_t window_from = 0;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        if (o != OPT_WINDOW_FROM || !parse_u32(optarg, &window_from))
+            return usage_error("compress", "usage: compress SESSION SPEC [--window-from N]");
+    }
+    if (optind + 2 != argc)
+        return usage_error("compress", "usage: compress SESSION SPEC [--window-from N]");
+    struct snapkv_session_id id;
+    if (!parse_session("compress", argv[optind], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    struct snapkv_compress_result cr;
+    int rc = snapkv_compress(cl, &id, argv[optind + 1], window_from, &cr);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("compress", rc);
+    if (c->json) {
+        print_json(json_pack("{s:s, s:I, s:I, s:o}", "session", argv[optind], "bytes_before",
+                             (json_int_t)cr.bytes_before, "bytes_after", (json_int_t)cr.bytes_after, "layers",
+                             layers_json(cr.layers, cr.n_layers, NULL, 0)));
+    } else {
+        char a[32], b[32];
+        printf("kv %s of %s (%.1f%%)\n", fmt_bytes(cr.bytes_after, a, sizeof a),
+               fmt_bytes(cr.bytes_before, b, sizeof b),
+               cr.bytes_before ? 100.0 * (double)cr.bytes_after / (double)cr.bytes_before : 100.0);
+    }
+    snapkv_compress_result_free(&cr);
+    return 0;
+}
+
+static int cmd_fork(const struct ctl *c, int argc, char **argv)
+{
+    if (argc != 2)
+        return usage_error("fork", "usage: fork SESSION");
+    struct snapkv_session_id id, new_id;
+    if (!parse_session("fork", argv[1], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    uint64_t shared = 0;
+    int rc = snapkv_fork(cl, &id, &new_id, &shared);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("fork", rc);
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    id_hex(&new_id, hex);
+    if (c->json)
+        print_json(json_pack("{s:s, s:I}", "session", hex, "shared_bytes", (json_int_t)shared));
+    else
+        puts(hex);
+    return 0;
+}
+
+static int cmd_release(const struct ctl *c, int argc, char **argv)
+{
+    if (argc != 2)
+        return usage_error("release", "usage: release SESSION");
+    struct snapkv_session_id id;
+    if (!parse_session("release", argv[1], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    int rc = snapkv_release(cl, &id);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("release", rc);
+    if (c->json)
+        print_json(json_pack("{s:s, s:b}", "session", argv[1], "released", 1));
+    return 0;
+}
+
+/* ---- export, import ------------------------------------------------------------------------------------------ */
+
+static bool write_all(FILE *f, const void *p, size_t n)
+{
+    return n == 0 || fwrite(p, 1, n, f) == n;
+}
+
+static int cmd_export(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"out", required_argument, NULL, OPT_OUT},
+                                         {"size", required_argument, NULL, OPT_SIZE},
+                                         {NULL, 0, NULL, 0}};
+    const char *out_path = NULL;
+    uint64_t size = 0;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        switch (o) {
+        case OPT_OUT: out_path = optarg; break;
+        case OPT_SIZE:
+            if (!parse_u64(optarg, SIZE_MAX, &size) || size == 0)
+                return usage_error("export", "--size wants a positive byte count, not '%s'", optarg);
+            break;
+        default: return usage_error("export", "usage: export SESSION [--out FILE] [--size BYTES]");
+        }
+    }
+    if (optind + 1 != argc)
+        return usage_error("export", "usage: export SESSION [--out FILE] [--size BYTES]");
+    struct snapkv_session_id id;
+    if (!parse_session("export", argv[optind], &id))
+        return 2;
+    char default_path[SNAPKV_SESSION_ID_HEX_SIZE + 8];
+    if (!out_path) {
+        char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+        id_hex(&id, hex);
+        snprintf(default_path, sizeof default_path, "%s.skvkv", hex);
+        out_path = default_path;
+    }
+
+    int ret = 1, rc;
+    snapkv_client_t *cl = NULL;
+    struct snapkv_shm shm = {.fd = -1};
+    struct snapkv_kv_layout lay = {0};
+    FILE *f = NULL;
+    if (connect_to(c, false, &cl))
+        return 1;
+    struct snapkv_server_info si;
+    snapkv_server_info(cl, &si);
+    uint32_t original_length = 0;
+    if (!size) {
+        /* size the buffer from what the session keeps (INSPECT is an admin command) */
+        snapkv_client_t *admin = NULL;
+        if (connect_to(c, true, &admin)) {
+            fprintf(stderr, "snapkvctl export: sizing the buffer needs the admin endpoint, or give --size\n");
+            goto out_close;
+        }
+        struct snapkv_inspect_result in;
+        rc = snapkv_admin_inspect(admin, &id, false, &in);
+        snapkv_close(&admin);
+        if (rc) {
+            failed("inspect", rc);
+            goto out_close;
+        }
+        size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
+        original_length = in.info.n_tokens;
+        snapkv_inspect_result_free(&in);
+        if (size == 0)
+            size = 4096; /* an empty session still needs a buffer to name */
+    }
+    rc = snapkv_shm_create("export", (size_t)size, &shm);
+    if (rc) {
+        failed("shared memory", rc);
+        goto out_close;
+    }
+    rc = snapkv_export_kv(cl, &id, &shm, 0, &lay);
+    if (rc) {
+        failed("export", rc);
+        goto out_shm;
+    }
+    for (size_t i = 0; i < lay.n_layers; i++)
+        if (lay.layers[i].n_heads != si.n_kv_heads) {
+            fprintf(stderr, "snapkvctl export: layer %u has %u heads, the model %u\n", lay.layers[i].layer,
+                    lay.layers[i].n_heads, si.n_kv_heads);
+            goto out_layout;
+        }
+    f = fopen(out_path, "wb");
+    if (!f) {
+        fprintf(stderr, "snapkvctl export: %s: %s\n", out_path, strerror(errno));
+        goto out_layout;
+    }
+    struct export_header h = {
+        .version = EXPORT_VERSION,
+        .n_layers = (uint32_t)lay.n_layers,
+        .n_kv_heads = si.n_kv_heads,
+        .head_dim = si.head_dim,
+        .original_length = original_length,
+        .n_positions = (uint32_t)lay.n_positions,
+        .data_bytes = lay.bytes_written,
+    };
+    memcpy(h.magic, EXPORT_MAGIC, sizeof h.magic);
+    snprintf(h.model_fingerprint, sizeof h.model_fingerprint, "%s", si.model_fingerprint);
+    bool ok = write_all(f, &h, sizeof h);
+    for (size_t i = 0; ok && i < lay.n_layers; i++) {
+        uint32_t two[2] = {lay.layers[i].layer, lay.layers[i].kept};
+        ok = write_all(f, two, sizeof two) &&
+             write_all(f, lay.layers[i].kept_per_head, lay.layers[i].n_heads * sizeof(uint32_t));
+    }
+    ok = ok && write_all(f, lay.positions, lay.n_positions * sizeof(uint32_t)) &&
+         write_all(f, shm.addr, (size_t)lay.bytes_written);
+    if (fclose(f) != 0 || !ok) {
+        fprintf(stderr, "snapkvctl export: writing %s failed\n", out_path);
+        goto out_layout;
+    }
+    if (c->json) {
+        print_json(json_pack("{s:s, s:s, s:I, s:i, s:o}", "session", argv[optind], "file", out_path,
+                             "bytes_written", (json_int_t)lay.bytes_written, "n_positions", (int)lay.n_positions,
+                             "layers", layers_json(lay.layers, lay.n_layers, NULL, 0)));
+    } else {
+        char b[32];
+        printf("%s: %zu layers, %s of K/V\n", out_path, lay.n_layers, fmt_bytes(lay.bytes_written, b, sizeof b));
+    }
+    ret = 0;
+
+out_layout:
+    snapkv_kv_layout_free(&lay);
+out_shm:
+    snapkv_shm_destroy(&shm);
+out_close:
+    snapkv_close(&cl);
+    return ret;
+}
+
+static bool read_all(FILE *f, void *p, size_t n)
+{
+    return n == 0 || fread(p, 1, n, f) == n;
+}
+
+static int cmd_import(const struct ctl *c, int argc, char **argv)
+{
+    if (argc != 2)
+        return usage_error("import", "usage: import FILE");
+    const char *path = argv[1];
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "snapkvctl import: %s: %s\n", path, strerror(errno));
+        return 1;
+    }
+    int ret = 1, rc;
+    struct snapkv_layer_kept *layers = NULL;
+    uint32_t *heads = NULL, *positions = NULL;
+    snapkv_client_t *cl = NULL;
+    struct snapkv_shm shm = {.fd = -1};
+    struct export_header h;
+    if (!read_all(f, &h, sizeof h) || memcmp(h.magic, EXPORT_MAGIC, sizeof h.magic) != 0 ||
+        h.version != EXPORT_VERSION || h.n_layers == 0 || h.n_layers > 4096 || h.n_kv_heads > 4096 ||
+        h.model_fingerprint[sizeof h.model_fingerprint - 1] != '\0') {
+        fprintf(stderr, "snapkvctl import: %s is not a snapkvctl export (version %u)\n", path, EXPORT_VERSION);
+        goto out_close_file;
+    }
+    layers = calloc(h.n_layers, sizeof *layers);
+    heads = calloc((size_t)h.n_layers * h.n_kv_heads + 1, sizeof *heads);
+    positions = calloc((size_t)h.n_positions + 1, sizeof *positions);
+    if (!layers || !heads || !positions) {
+        fprintf(stderr, "snapkvctl import: out of memory\n");
+        goto out_free;
+    }
+    bool ok = true;
+    for (uint32_t i = 0; ok && i < h.n_layers; i++) {
+        uint32_t two[2];
+        uint32_t *kh = heads + (size_t)i * h.n_kv_heads;
+        ok = read_all(f, two, sizeof two) && read_all(f, kh, h.n_kv_heads * sizeof *kh);
+        layers[i] = (struct snapkv_layer_kept){
+            .layer = two[0], .kept = two[1], .n_heads = h.n_kv_heads, .kept_per_head = kh};
+    }
+    ok = ok && read_all(f, positions, h.n_positions * sizeof *positions);
+    uint64_t expect = snapkv_kv_bytes(layers, h.n_layers, h.n_kv_heads, h.head_dim);
+    if (!ok || h.data_bytes != expect) {
+        fprintf(stderr, "snapkvctl import: %s is truncated or inconsistent\n", path);
+        goto out_free;
+    }
+    if (connect_to(c, false, &cl))
+        goto out_free;
+    struct snapkv_server_info si;
+    snapkv_server_info(cl, &si);
+    if (si.n_kv_heads != h.n_kv_heads || si.head_dim != h.head_dim ||
+        (h.model_fingerprint[0] && strcmp(si.model_fingerprint, h.model_fingerprint) != 0)) {
+        fprintf(stderr, "snapkvctl import: %s was exported from another model (%s)\n", path, h.model_fingerprint);
+        goto out_close;
+    }
+    rc = snapkv_shm_create("import", h.data_bytes ? (size_t)h.data_bytes : 4096, &shm);
+    if (rc) {
+        failed("shared memory", rc);
+        goto out_close;
+    }
+    if (!read_all(f, shm.addr, (size_t)h.data_bytes)) {
+        fprintf(stderr, "snapkvctl import: %s is truncated\n", path);
+        goto out_shm;
+    }
+    struct snapkv_import_opts io = {
+        .shm = &shm,
+        .layers = layers,
+        .n_layers = h.n_layers,
+        .positions = positions,
+        .n_positions = h.n_positions,
+        .original_length = h.original_length,
+    };
+    struct snapkv_session_id id;
+    rc = snapkv_import_kv(cl, &io, &id);
+    if (rc) {
+        failed("import", rc);
+        goto out_shm;
+    }
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    id_hex(&id, hex);
+    if (c->json)
+        print_json(json_pack("{s:s, s:s}", "session", hex, "file", path));
+    else
+        puts(hex);
+    ret = 0;
+
+out_shm:
+    snapkv_shm_destroy(&shm);
+out_close:
+    snapkv_close(&cl);
+out_free:
+    free(positions);
+    free(heads);
+    free(layers);
+out_close_file:
+    fclose(f);
+    return ret;
+}
+
+/* ---- admin: list, inspect, evict, pin, save, load, stats ------------------------------------------------------ */
+
+static json_t *info_json(const struct snapkv_session_info *s)
+{
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    id_hex(&s->id, hex);
+    return json_pack("{s:s, s:s, s:s, s:i, s:i, s:I, s:I, s:s, s:I, s:I, s:b, s:i}", "session", hex, "tenant",
+                     s->tenant, "owner", s->owner, "n_tokens", (int)s->n_tokens, "kept_tokens", (int)s->kept_tokens,
+                     "bytes", (json_int_t)s->bytes, "shared_bytes", (json_int_t)s->shared_bytes, "policy", s->policy,
+                     "created_unix_ms", (json_int_t)s->created_unix_ms, "last_used_unix_ms",
+                     (json_int_t)s->last_used_unix_ms, "pinned", s->pinned, "lease_seconds", (int)s->lease_seconds);
+}
+
+static long long idle_seconds(uint64_t last_used_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long now_ms = (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    long long idle = (now_ms - (long long)last_used_ms) / 1000;
+    return idle < 0 ? 0 : idle;
+}
+
+static int cmd_list(const struct ctl *c, int argc, char **argv)
+{
+    if (argc > 2)
+        return usage_error("list", "usage: list [TENANT]");
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    struct snapkv_session_list l;
+    int rc = snapkv_admin_list(cl, argc == 2 ? argv[1] : NULL, &l);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("list", rc);
+    if (c->json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; i < l.n; i++)
+            json_array_append_new(arr, info_json(&l.sessions[i]));
+        print_json(arr);
+    } else {
+        printf("%-32s  %-12s %7s %7s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT", "BYTES",
+               "POLICY", "PIN", "LEASE", "IDLE");
+        for (size_t i = 0; i < l.n; i++) {
+            const struct snapkv_session_info *s = &l.sessions[i];
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32];
+            id_hex(&s->id, hex);
+            printf("%-32s  %-12.12s %7u %7u %10s %-10.10s %3s %6u %6lld\n", hex, s->tenant, s->n_tokens,
+                   s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), s->policy[0] ? s->policy : "full",
+                   s->pinned ? "yes" : "", s->lease_seconds, idle_seconds(s->last_used_unix_ms));
+        }
+    }
+    snapkv_session_list_free(&l);
+    return 0;
+}
+
+static int cmd_inspect(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"positions", no_argument, NULL, OPT_POSITIONS}, {NULL, 0, NULL, 0}};
+    bool positions = false;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        if (o != OPT_POSITIONS)
+            return usage_error("inspect", "usage: inspect SESSION [--positions]");
+        positions = true;
+    }
+    if (optind + 1 != argc)
+        return usage_error("inspect", "usage: inspect SESSION [--positions]");
+    struct snapkv_session_id id;
+    if (!parse_session("inspect", argv[optind], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    struct snapkv_inspect_result in;
+    int rc = snapkv_admin_inspect(cl, &id, positions, &in);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("inspect", rc);
+    if (c->json) {
+        json_t *j = info_json(&in.info);
+        json_object_set_new(j, "spec", json_string(in.spec));
+        json_object_set_new(j, "layers", layers_json(in.layers, in.n_layers, in.layer_similarity,
+                                                     in.n_layer_similarity));
+        print_json(j);
+    } else {
+        const struct snapkv_session_info *s = &in.info;
+        char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
+        id_hex(&s->id, hex);
+        printf("session  %s\n", hex);
+        printf("tenant   %s (owner %s)%s\n", s->tenant, s->owner, s->pinned ? ", pinned" : "");
+        printf("tokens   %u, kept %u over all layers\n", s->n_tokens, s->kept_tokens);
+        printf("bytes    %s (%s shared)\n", fmt_bytes(s->bytes, b, sizeof b),
+               fmt_bytes(s->shared_bytes, sb, sizeof sb));
+        printf("policy   %s\n", in.spec[0] ? in.spec : (s->policy[0] ? s->policy : "full"));
+        printf("lease    %u s, idle %lld s\n", s->lease_seconds, idle_seconds(s->last_used_unix_ms));
+        printf("%5s %6s %10s %6s  %s\n", "LAYER", "KEPT", "BYTES", "SIM", "KEPT PER HEAD");
+        for (size_t i = 0; i < in.n_layers; i++) {
+            const struct snapkv_layer_kept *l = &in.layers[i];
+            char sim[16] = "-";
+            if (i < in.n_layer_similarity)
+                snprintf(sim, sizeof sim, "%.3f", in.layer_similarity[i]);
+            printf("%5u %6u %10s %6s ", l->layer, l->kept, fmt_bytes(l->bytes, b, sizeof b), sim);
+            for (uint32_t h = 0; h < l->n_heads; h++)
+                printf(" %u", l->kept_per_head[h]);
+            putchar('\n');
+            const uint32_t *p = l->positions;
+            for (uint32_t h = 0; p && h < l->n_heads; h++) {
+                printf("      head %u:", h);
+                for (uint32_t k = 0; k < l->kept_per_head[h]; k++)
+                    printf(" %u", *p++);
+                putchar('\n');
+            }
+        }
+        if (positions && in.n_positions && !in.layers[0].positions)
+            printf("(%zu positions did not match the kept lengths; see --json)\n", in.n_positions);
+    }
+    snapkv_inspect_result_free(&in);
+    return 0;
+}
+
+static int cmd_evict(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"tenant", required_argument, NULL, OPT_TENANT},
+                                         {"all", no_argument, NULL, OPT_ALL},
+                                         {NULL, 0, NULL, 0}};
+    const char *tenant = NULL;
+    bool all = false;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        switch (o) {
+        case OPT_TENANT: tenant = optarg; break;
+        case OPT_ALL: all = true; break;
+        default: return usage_error("evict", "usage: evict (SESSION | --tenant T | --all)");
+        }
+    }
+    const char *session = optind < argc ? argv[optind] : NULL;
+    if (optind + (session != NULL) != argc || (session != NULL) + (tenant != NULL) + all != 1)
+        return usage_error("evict", "usage: evict (SESSION | --tenant T | --all)");
+    struct snapkv_session_id id;
+    if (session && !parse_session("evict", session, &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    uint32_t evicted = 0;
+    uint64_t freed = 0;
+    int rc = snapkv_admin_evict(cl, session ? &id : NULL, tenant, all, &evicted, &freed);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("evict", rc);
+    if (c->json) {
+        print_json(json_pack("{s:i, s:I}", "evicted", (int)evicted, "bytes_freed", (json_int_t)freed));
+    } else {
+        char b[32];
+        printf("evicted %u session%s, freed %s\n", evicted, evicted == 1 ? "" : "s", fmt_bytes(freed, b, sizeof b));
+    }
+    return 0;
+}
+
+static int cmd_pin(const struct ctl *c, int argc, char **argv, bool on)
+{
+    const char *cmd = on ? "pin" : "unpin";
+    if (argc != 2)
+        return usage_error(cmd, "usage: %s SESSION", cmd);
+    struct snapkv_session_id id;
+    if (!parse_session(cmd, argv[1], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    int rc = on ? snapkv_admin_pin(cl, &id) : snapkv_admin_unpin(cl, &id);
+    snapkv_close(&cl);
+    if (rc)
+        return failed(cmd, rc);
+    if (c->json)
+        print_json(json_pack("{s:s, s:b}", "session", argv[1], "pinned", on));
+    return 0;
+}
+
+static int cmd_save(const struct ctl *c, int argc, char **argv)
+{
+    if (argc != 3)
+        return usage_error("save", "usage: save SESSION NAME");
+    struct snapkv_session_id id;
+    if (!parse_session("save", argv[1], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    uint64_t bytes = 0;
+    int rc = snapkv_admin_save(cl, &id, argv[2], &bytes);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("save", rc);
+    if (c->json) {
+        print_json(json_pack("{s:s, s:s, s:I}", "session", argv[1], "name", argv[2], "bytes", (json_int_t)bytes));
+    } else {
+        char b[32];
+        printf("saved %s as %s (%s)\n", argv[1], argv[2], fmt_bytes(bytes, b, sizeof b));
+    }
+    return 0;
+}
+
+static int cmd_load(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"tenant", required_argument, NULL, OPT_TENANT}, {NULL, 0, NULL, 0}};
+    const char *tenant = NULL;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        if (o != OPT_TENANT)
+            return usage_error("load", "usage: load NAME [--tenant T]");
+        tenant = optarg;
+    }
+    if (optind + 1 != argc)
+        return usage_error("load", "usage: load NAME [--tenant T]");
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    struct snapkv_session_id id;
+    int rc = snapkv_admin_load(cl, argv[optind], tenant, &id);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("load", rc);
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    id_hex(&id, hex);
+    if (c->json)
+        print_json(json_pack("{s:s, s:s}", "session", hex, "name", argv[optind]));
+    else
+        puts(hex);
+    return 0;
+}
+
+static int cmd_stats(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"prometheus", no_argument, NULL, OPT_PROMETHEUS}, {NULL, 0, NULL, 0}};
+    bool prometheus = false;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        if (o != OPT_PROMETHEUS)
+            return usage_error("stats", "usage: stats [--prometheus]");
+        prometheus = true;
+    }
+    if (optind != argc)
+        return usage_error("stats", "usage: stats [--prometheus]");
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    struct snapkv_stats st;
+    int rc = snapkv_admin_stats(cl, prometheus, &st);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("stats", rc);
+    if (prometheus && !c->json) {
+        fputs(st.prometheus_text, stdout);
+    } else if (c->json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; i < st.n; i++)
+            json_array_append_new(arr, json_pack("{s:s, s:f, s:s}", "name", st.stats[i].name, "value",
+                                                 st.stats[i].value, "help", st.stats[i].help));
+        json_t *j = json_pack("{s:o}", "stats", arr);
+        if (prometheus)
+            json_object_set_new(j, "prometheus", json_string(st.prometheus_text));
+        print_json(j);
+    } else {
+        for (size_t i = 0; i < st.n; i++)
+            printf("%-36s %16.6g  # %s\n", st.stats[i].name, st.stats[i].value, st.stats[i].help);
+    }
+    snapkv_stats_free(&st);
     return 0;
 }
 
@@ -154,7 +1435,16 @@ int main(int argc, char **argv)
         case 'a': c.admin_endpoint = optarg; break;
         case 't': c.tenant = optarg; break;
         case 'j': c.json = true; break;
-        case 'T': c.timeout_ms = atoi(optarg); break;
+        case 'T': {
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*end || v < -1 || v > INT_MAX || v == 0) {
+                fprintf(stderr, "snapkvctl: --timeout wants milliseconds (or -1), not '%s'\n", optarg);
+                return 2;
+            }
+            c.timeout_ms = (int)v;
+            break;
+        }
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -164,13 +1454,32 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = argv[optind];
+    int sub_argc = argc - optind;
+    char **sub_argv = argv + optind;
     if (strcmp(cmd, "info") == 0)
         return cmd_info(&c);
     if (strcmp(cmd, "status") == 0)
         return cmd_status(&c);
-    if (strcmp(cmd, "config") == 0)
-        return cmd_config(&c, optind + 1 < argc ? argv[optind + 1] : NULL);
-    fprintf(stderr, "snapkvctl: '%s' is not available in this version\n", cmd);
+    if (strcmp(cmd, "config") == 0) {
+        if (sub_argc > 2)
+            return usage_error("config", "usage: config [KEY]");
+        return cmd_config(&c, sub_argc == 2 ? sub_argv[1] : NULL);
+    }
+    static const struct {
+        const char *name;
+        int (*fn)(const struct ctl *, int, char **);
+    } cmds[] = {
+        {"generate", cmd_generate}, {"chat", cmd_chat},       {"prefill", cmd_prefill}, {"append", cmd_append},
+        {"decode", cmd_decode},     {"compress", cmd_compress}, {"fork", cmd_fork},     {"export", cmd_export},
+        {"import", cmd_import},     {"release", cmd_release}, {"list", cmd_list},       {"inspect", cmd_inspect},
+        {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},
+    };
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
+        if (strcmp(cmd, cmds[i].name) == 0)
+            return cmds[i].fn(&c, sub_argc, sub_argv);
+    if (strcmp(cmd, "pin") == 0 || strcmp(cmd, "unpin") == 0)
+        return cmd_pin(&c, sub_argc, sub_argv, strcmp(cmd, "pin") == 0);
+    fprintf(stderr, "snapkvctl: unknown command '%s'\n", cmd);
     usage(stderr);
     return 2;
 }

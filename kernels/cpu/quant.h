@@ -1,6 +1,6 @@
-/* Internal to the CPU backend: the GGML block layouts, the 8-bit activation rows the quantized
- * GEMV multiplies against, and the per-type dot kernels matmul.c dispatches to. The layouts
- * are GGML's byte for byte (gguf-py's gguf/quants.py is the reference they are tested against). */
+/* Internal to the CPU backend: the GGML block layouts (byte for byte; gguf-py's quants.py is
+ * the reference they are tested against), the 16-bit activation rows the quantized GEMV
+ * multiplies against, and the per-type dot kernels matmul.c dispatches to. */
 #ifndef SKV_CPU_QUANT_H
 #define SKV_CPU_QUANT_H
 
@@ -87,18 +87,18 @@ static inline float skv_quant_fp16(uint16_t h)
 /* True when skv_dequantize_row() and the matmul handle this type. */
 bool skv_quant_supported(int type);
 
-/* One activation row quantized to 8 bits per 32 elements: x[k] ~= d_b * qs[k] with b = k / 32,
- * and s_b = d_b * (sum of block b's qs), which the offset and min formats need. d_b and s_b
- * sit side by side so a kernel loads both with one 8-byte load. */
-struct skv_q8_act {
-    const int8_t *qs;    /* [cols] */
-    const float *ds;     /* [cols / 32][2]: d_b, s_b */
+/* One activation row quantized to 16 bits per 32 elements: x[k] ~= e_b * qs[k] with b = k / 32,
+ * e_b = amax_b / 32767, and s_b = e_b * (sum of block b's qs), which the offset and min formats
+ * need. e_b and s_b sit side by side so a kernel loads both with one 8-byte load. */
+struct skv_q16_act {
+    const int16_t *qs;   /* [cols] */
+    const float *ds;     /* [cols / 32][2]: e_b, s_b */
 };
 
 /* Bytes one quantized row of `cols` (a multiple of 32) takes in a buffer; a multiple of 64. */
-size_t skv_q8_act_bytes(int64_t cols);
-/* Quantizes x[cols] into buf (skv_q8_act_bytes(cols) bytes) and points *act into it. */
-void skv_q8_act_quantize(const float *x, int64_t cols, void *buf, struct skv_q8_act *act);
+size_t skv_q16_act_bytes(int64_t cols);
+/* Quantizes x[cols] into buf (skv_q16_act_bytes(cols) bytes) and points *act into it. */
+void skv_q16_act_quantize(const float *x, int64_t cols, void *buf, struct skv_q16_act *act);
 
 /* Most activation columns one dot kernel call handles (the weight row is decoded once for
  * all of them). */
@@ -108,10 +108,10 @@ void skv_q8_act_quantize(const float *x, int64_t cols, void *buf, struct skv_q8_
  * and columns j < nc (1 <= nc <= SKV_DOT_MAX_NC), rows of nb32 * 32 elements in their block
  * format, X_j the quantized activation xa[j]. NULL when the type has no integer kernel in
  * this build (matmul falls back to floats). */
-typedef void (*skv_q8_gemv_fn)(const void *w, size_t row_bytes, int64_t nrows,
-                               const struct skv_q8_act *xa, int64_t nb32, int nc, float *out,
-                               int64_t out_stride);
-skv_q8_gemv_fn skv_q8_gemv_for(int type);
+typedef void (*skv_q16_gemv_fn)(const void *w, size_t row_bytes, int64_t nrows,
+                                const struct skv_q16_act *xa, int64_t nb32, int nc, float *out,
+                                int64_t out_stride);
+skv_q16_gemv_fn skv_q16_gemv_for(int type);
 
 /* res[j] = sum_k W[k] * x[j * x_stride + k], k < cols, for a float weight row
  * (F32, F16 or BF16; any cols). NULL for other types. */

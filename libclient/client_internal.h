@@ -1,0 +1,48 @@
+/* libsnapkv internals shared by client.c (connection, transport, errors, ids), session.c
+ * (client commands, shared memory) and admin.c (admin commands). Not installed. */
+#ifndef SKV_CLIENT_INTERNAL_H
+#define SKV_CLIENT_INTERNAL_H
+
+#include "libclient/snapkv.h"
+#include "proto/snapkv.pb-c.h"
+
+struct snapkv_client {
+    void *zctx;
+    void *sock;
+    char *tenant;
+    int timeout_ms;
+    uint64_t next_request_id;
+    Snapkv__HelloReply *hello;   /* kept for snapkv_server_info */
+};
+
+/* Sets this thread's last error and returns status. */
+int skv_client_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Called for each streamed (final = false, status ok) reply of the current request: return 0
+ * to go on, a negative status to stop waiting (the call returns it; set the message first). */
+typedef int (*skv_partial_fn)(void *user, const Snapkv__Reply *rep);
+
+/* Sends req (version, request id and tenant filled in here) and waits for its final reply,
+ * skipping replies to earlier requests. The final reply must be ok and carry result_case
+ * `want` (what: the command's name for messages). On success *reply_out owns the reply
+ * (free with snapkv__reply__free_unpacked). */
+int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
+                    skv_partial_fn partial, void *user, Snapkv__Reply **reply_out);
+
+/* Session ids on the wire: exactly 16 bytes. */
+ProtobufCBinaryData skv_client_id_wire(const struct snapkv_session_id *id);
+int skv_client_id_parse(const ProtobufCBinaryData *b, const char *what, struct snapkv_session_id *out);
+
+/* Converts LayerKept messages into one allocation (layers, then their per-head counts) that
+ * free() releases. Positions, when their count matches, are pointed at per layer. */
+int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, size_t n,
+                      const uint32_t *positions, size_t n_positions, struct snapkv_layer_kept **out);
+
+/* A copy of n uint32 / float values (NULL when n == 0); returns false when out of memory. */
+bool skv_client_dup_u32(const uint32_t *src, size_t n, uint32_t **out);
+bool skv_client_dup_f32(const float *src, size_t n, float **out);
+
+/* Checks that id is non-NULL (the "bad argument" message names `what`). */
+int skv_client_check(const snapkv_client_t *c, const void *id, const char *what);
+
+#endif

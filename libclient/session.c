@@ -1,0 +1,647 @@
+/* libsnapkv client commands on sessions: PREFILL (with progress), APPEND, DECODE (collected or
+ * streamed), COMPRESS, FORK, RELEASE, and K/V exchange through POSIX shared memory (the shm
+ * helpers, EXPORT_KV, IMPORT_KV and the layout arithmetic). Never logs. */
+#include "libclient/client_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Token input shared by PREFILL and APPEND: exactly one of tokens and text, ids in range. */
+static int check_input(const snapkv_client_t *c, const uint32_t *tokens, size_t n_tokens, const char *text,
+                       const char *what)
+{
+    bool have_tokens = n_tokens > 0;
+    bool have_text = text && *text;
+    if (have_tokens == have_text)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: give either tokens or text", what);
+    if (have_tokens && !tokens)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: n_tokens is %zu but tokens is NULL", what, n_tokens);
+    uint32_t n_vocab = c->hello->n_vocab;
+    for (size_t i = 0; have_tokens && n_vocab && i < n_tokens; i++)
+        if (tokens[i] >= n_vocab)
+            return skv_client_fail(SNAPKV_E_INVAL, "%s: token %u at %zu is outside the vocabulary (%u)", what,
+                                   tokens[i], i, n_vocab);
+    return SNAPKV_OK;
+}
+
+/* ---- PREFILL ------------------------------------------------------------------------------------ */
+
+static int prefill_progress(void *user, const Snapkv__Reply *rep)
+{
+    const struct snapkv_prefill_opts *o = user;
+    if (o->progress)
+        o->progress(o->progress_user, rep->prefill->tokens_done, rep->prefill->n_tokens);
+    return SNAPKV_OK;
+}
+
+int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, struct snapkv_prefill_result *out)
+{
+    int rc = skv_client_check(c, opts, "prefill");
+    if (rc)
+        return rc;
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "prefill: out is required");
+    rc = check_input(c, opts->tokens, opts->n_tokens, opts->text, "prefill");
+    if (rc)
+        return rc;
+    uint32_t max_prompt = c->hello->max_prompt_tokens;
+    if (max_prompt && opts->n_tokens > max_prompt)
+        return skv_client_fail(SNAPKV_E_LIMIT, "prefill: %zu tokens, the daemon takes at most %u", opts->n_tokens,
+                               max_prompt);
+
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    Snapkv__CompressSpec spec = SNAPKV__COMPRESS_SPEC__INIT;
+    p.n_tokens = opts->n_tokens;
+    p.tokens = (uint32_t *)opts->tokens;
+    p.text = (char *)(opts->text ? opts->text : "");
+    p.chat = opts->chat;
+    if (opts->compress && *opts->compress) {
+        spec.spec = (char *)opts->compress;
+        p.compress = &spec;
+    }
+    p.return_logits = opts->return_logits;
+    p.lease_seconds = opts->lease_seconds;
+    p.progress = opts->progress != NULL;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_PREFILL, "PREFILL", prefill_progress, (void *)opts, &rep);
+    if (rc)
+        return rc;
+
+    const Snapkv__PrefillReply *r = rep->prefill;
+    struct snapkv_prefill_result res = {
+        .n_tokens = r->n_tokens,
+        .bytes_before = r->bytes_before,
+        .bytes_after = r->bytes_after,
+        .next_token = r->next_token,
+        .n_layers = r->n_kept,
+        .n_logits = r->n_logits,
+    };
+    rc = skv_client_id_parse(&r->session_id, "PREFILL", &res.id);
+    if (rc)
+        goto out_free_reply;
+    rc = skv_client_layers(c, r->kept, r->n_kept, NULL, 0, &res.layers);
+    if (rc)
+        goto out_free_reply;
+    if (!skv_client_dup_f32(r->logits, r->n_logits, &res.logits)) {
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "prefill: out of memory for %zu logits", r->n_logits);
+        goto out_free_result;
+    }
+    *out = res;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return SNAPKV_OK;
+
+out_free_result:
+    snapkv_prefill_result_free(&res);
+out_free_reply:
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+void snapkv_prefill_result_free(struct snapkv_prefill_result *r)
+{
+    if (!r)
+        return;
+    free(r->layers);
+    free(r->logits);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- APPEND ------------------------------------------------------------------------------------- */
+
+int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
+                  struct snapkv_append_result *out)
+{
+    int rc = skv_client_check(c, id, "append");
+    if (rc)
+        return rc;
+    if (!opts)
+        return skv_client_fail(SNAPKV_E_INVAL, "append: opts is required");
+    rc = check_input(c, opts->tokens, opts->n_tokens, opts->text, "append");
+    if (rc)
+        return rc;
+
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+    a.session_id = skv_client_id_wire(id);
+    a.n_tokens = opts->n_tokens;
+    a.tokens = (uint32_t *)opts->tokens;
+    a.text = (char *)(opts->text ? opts->text : "");
+    a.return_logits = opts->return_logits;
+    a.chat = opts->chat;
+    req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    req.append = &a;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_APPEND, "APPEND", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    if (out) {
+        const Snapkv__AppendReply *r = rep->append;
+        struct snapkv_append_result res = {.n_tokens = r->n_tokens, .next_token = r->next_token,
+                                           .n_logits = r->n_logits};
+        if (!skv_client_dup_f32(r->logits, r->n_logits, &res.logits)) {
+            snapkv__reply__free_unpacked(rep, NULL);
+            return skv_client_fail(SNAPKV_E_NOMEM, "append: out of memory for %zu logits", r->n_logits);
+        }
+        *out = res;
+    }
+    snapkv__reply__free_unpacked(rep, NULL);
+    return SNAPKV_OK;
+}
+
+void snapkv_append_result_free(struct snapkv_append_result *r)
+{
+    if (!r)
+        return;
+    free(r->logits);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- DECODE ------------------------------------------------------------------------------------- */
+
+void snapkv_sampling_defaults(struct snapkv_sampling *s)
+{
+    if (s)
+        *s = (struct snapkv_sampling){.temperature = 0.0f, .top_p = 1.0f, .stop_at_eos = true};
+}
+
+/* Everything a decode produced so far, and who wants to see it as it comes. */
+struct decode_acc {
+    snapkv_token_fn fn;
+    void *user;
+    uint32_t *tokens;
+    size_t n_tokens, cap_tokens;
+    char *text;
+    size_t len_text, cap_text;
+};
+
+static int acc_add(struct decode_acc *a, const Snapkv__DecodeReply *d)
+{
+    if (a->n_tokens + d->n_tokens > a->cap_tokens) {
+        size_t cap = a->cap_tokens ? a->cap_tokens : 64;
+        while (cap < a->n_tokens + d->n_tokens)
+            cap *= 2;
+        uint32_t *t = realloc(a->tokens, cap * sizeof *t);
+        if (!t)
+            return skv_client_fail(SNAPKV_E_NOMEM, "decode: out of memory for %zu tokens", cap);
+        a->tokens = t;
+        a->cap_tokens = cap;
+    }
+    if (d->n_tokens)
+        memcpy(a->tokens + a->n_tokens, d->tokens, d->n_tokens * sizeof *d->tokens);
+    a->n_tokens += d->n_tokens;
+
+    size_t len = d->text ? strlen(d->text) : 0;
+    if (!a->text || a->len_text + len + 1 > a->cap_text) {
+        size_t cap = a->cap_text ? a->cap_text : 256;
+        while (cap < a->len_text + len + 1)
+            cap *= 2;
+        char *t = realloc(a->text, cap);
+        if (!t)
+            return skv_client_fail(SNAPKV_E_NOMEM, "decode: out of memory for %zu bytes of text", cap);
+        a->text = t;
+        a->cap_text = cap;
+    }
+    memcpy(a->text + a->len_text, d->text ? d->text : "", len);
+    a->len_text += len;
+    a->text[a->len_text] = '\0';
+    return SNAPKV_OK;
+}
+
+static int decode_partial(void *user, const Snapkv__Reply *rep)
+{
+    struct decode_acc *a = user;
+    const Snapkv__DecodeReply *d = rep->decode;
+    size_t first = a->n_tokens;
+    int rc = acc_add(a, d);
+    if (rc)
+        return rc;
+    if (a->fn && (d->n_tokens || (d->text && *d->text)) &&
+        a->fn(a->user, a->tokens + first, d->n_tokens, d->text ? d->text : "") != 0)
+        return skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller");
+    return SNAPKV_OK;
+}
+
+int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_sampling *sampling,
+                  snapkv_token_fn on_tokens, void *user, struct snapkv_decode_result *out)
+{
+    int rc = skv_client_check(c, id, "decode");
+    if (rc)
+        return rc;
+    if (!out && !on_tokens)
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: give on_tokens, out or both");
+    struct snapkv_sampling s;
+    if (sampling)
+        s = *sampling;
+    else
+        snapkv_sampling_defaults(&s);
+    if (s.n_stop_tokens && !s.stop_tokens)
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: n_stop_tokens is %zu but stop_tokens is NULL",
+                               s.n_stop_tokens);
+    if (s.temperature < 0.0f || s.top_p < 0.0f || s.top_p > 1.0f || s.temperature != s.temperature ||
+        s.top_p != s.top_p)
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: temperature must be >= 0 and top_p in [0, 1]");
+
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    Snapkv__Sampling ws = SNAPKV__SAMPLING__INIT;
+    ws.temperature = s.temperature;
+    ws.top_k = s.top_k;
+    ws.top_p = s.top_p;
+    ws.seed = s.seed;
+    ws.n_stop_tokens = s.n_stop_tokens;
+    ws.stop_tokens = (uint32_t *)s.stop_tokens;
+    ws.max_tokens = s.max_tokens;
+    ws.stop_at_eos = s.stop_at_eos;
+    d.session_id = skv_client_id_wire(id);
+    d.sampling = &ws;
+    d.stream = on_tokens != NULL;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+
+    struct decode_acc acc = {.fn = on_tokens, .user = user};
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DECODE, "DECODE", decode_partial, &acc, &rep);
+    if (rc)
+        goto out_free_acc;
+    /* the final reply may carry the last batch (and, without streaming, all of them); what the
+     * callback answers to it no longer matters: the decode is complete */
+    const Snapkv__DecodeReply *r = rep->decode;
+    size_t first = acc.n_tokens;
+    rc = acc_add(&acc, r);
+    if (rc)
+        goto out_free_reply;
+    if (on_tokens && (r->n_tokens || (r->text && *r->text)))
+        (void)on_tokens(user, acc.tokens + first, r->n_tokens, r->text ? r->text : "");
+    if (out) {
+        struct snapkv_decode_result res = {
+            .tokens = acc.tokens,
+            .n_tokens = acc.n_tokens,
+            .text = acc.text,
+            .n_generated = r->n_generated,
+        };
+        snprintf(res.finish_reason, sizeof res.finish_reason, "%s", r->finish_reason ? r->finish_reason : "");
+        acc.tokens = NULL;
+        acc.text = NULL;
+        *out = res;
+    }
+
+out_free_reply:
+    snapkv__reply__free_unpacked(rep, NULL);
+out_free_acc:
+    free(acc.tokens);
+    free(acc.text);
+    return rc;
+}
+
+void snapkv_decode_result_free(struct snapkv_decode_result *r)
+{
+    if (!r)
+        return;
+    free(r->tokens);
+    free(r->text);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- COMPRESS, FORK, RELEASE ---------------------------------------------------------------------- */
+
+int snapkv_compress(snapkv_client_t *c, const struct snapkv_session_id *id, const char *spec, uint32_t window_from,
+                    struct snapkv_compress_result *out)
+{
+    int rc = skv_client_check(c, id, "compress");
+    if (rc)
+        return rc;
+    if (!spec || !*spec)
+        return skv_client_fail(SNAPKV_E_INVAL, "compress: a compression spec is required");
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__CompressRequest cr = SNAPKV__COMPRESS_REQUEST__INIT;
+    Snapkv__CompressSpec ws = SNAPKV__COMPRESS_SPEC__INIT;
+    ws.spec = (char *)spec;
+    cr.session_id = skv_client_id_wire(id);
+    cr.compress = &ws;
+    cr.window_from = window_from;
+    req.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
+    req.compress = &cr;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_COMPRESS, "COMPRESS", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    if (out) {
+        const Snapkv__CompressReply *r = rep->compress;
+        struct snapkv_compress_result res = {
+            .bytes_before = r->bytes_before,
+            .bytes_after = r->bytes_after,
+            .n_layers = r->n_kept,
+        };
+        rc = skv_client_layers(c, r->kept, r->n_kept, NULL, 0, &res.layers);
+        if (!rc)
+            *out = res;
+    }
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+void snapkv_compress_result_free(struct snapkv_compress_result *r)
+{
+    if (!r)
+        return;
+    free(r->layers);
+    memset(r, 0, sizeof *r);
+}
+
+int snapkv_fork(snapkv_client_t *c, const struct snapkv_session_id *id, struct snapkv_session_id *out,
+                uint64_t *shared_bytes)
+{
+    int rc = skv_client_check(c, id, "fork");
+    if (rc)
+        return rc;
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "fork: out is required");
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__ForkRequest f = SNAPKV__FORK_REQUEST__INIT;
+    f.session_id = skv_client_id_wire(id);
+    req.command_case = SNAPKV__REQUEST__COMMAND_FORK;
+    req.fork = &f;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_FORK, "FORK", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    struct snapkv_session_id new_id;
+    rc = skv_client_id_parse(&rep->fork->session_id, "FORK", &new_id);
+    if (!rc) {
+        *out = new_id;
+        if (shared_bytes)
+            *shared_bytes = rep->fork->shared_bytes;
+    }
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+int snapkv_release(snapkv_client_t *c, const struct snapkv_session_id *id)
+{
+    int rc = skv_client_check(c, id, "release");
+    if (rc)
+        return rc;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__ReleaseRequest r = SNAPKV__RELEASE_REQUEST__INIT;
+    r.session_id = skv_client_id_wire(id);
+    req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    req.release = &r;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_RELEASE, "RELEASE", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return SNAPKV_OK;
+}
+
+/* ---- POSIX shared memory ---------------------------------------------------------------------------- */
+
+int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out)
+{
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "shm: out is required");
+    if (size == 0 || size > (size_t)INT64_MAX)
+        return skv_client_fail(SNAPKV_E_INVAL, "shm: size %zu is not usable", size);
+    char hint[25];
+    const char *h = name_hint && *name_hint ? name_hint : "buf";
+    size_t n = 0;
+    for (; h[n] && n < sizeof hint - 1; n++) {
+        char ch = h[n];
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                  ch == '-';
+        hint[n] = ok ? ch : '_';
+    }
+    hint[n] = '\0';
+
+    struct snapkv_shm shm = {.fd = -1, .size = size};
+    int rc;
+    for (int attempt = 0; attempt < 16 && shm.fd < 0; attempt++) {
+        uint32_t rnd;
+        if (getrandom(&rnd, sizeof rnd, GRND_NONBLOCK) != (ssize_t)sizeof rnd) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            rnd = (uint32_t)ts.tv_nsec ^ (uint32_t)attempt * 0x9e3779b9u;
+        }
+        snprintf(shm.name, sizeof shm.name, "/snapkv-%s-%ld-%08x", hint, (long)getpid(), rnd);
+        shm.fd = shm_open(shm.name, O_RDWR | O_CREAT | O_EXCL, 0660);
+        if (shm.fd < 0 && errno != EEXIST)
+            return skv_client_fail(errno == EACCES ? SNAPKV_E_PERM : SNAPKV_E_IO, "shm_open %s: %s", shm.name,
+                                   strerror(errno));
+    }
+    if (shm.fd < 0)
+        return skv_client_fail(SNAPKV_E_EXISTS, "shm: no free name for '%s'", hint);
+    /* the daemon runs as another user: group read/write whatever the umask */
+    if (fchmod(shm.fd, 0660) < 0) {
+        rc = skv_client_fail(SNAPKV_E_IO, "fchmod %s: %s", shm.name, strerror(errno));
+        goto out_unlink;
+    }
+    if (ftruncate(shm.fd, (off_t)size) < 0) {
+        rc = skv_client_fail(errno == ENOSPC || errno == EFBIG ? SNAPKV_E_LIMIT : SNAPKV_E_IO,
+                             "ftruncate %s to %zu bytes: %s", shm.name, size, strerror(errno));
+        goto out_unlink;
+    }
+    shm.addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, shm.fd, 0);
+    if (shm.addr == MAP_FAILED) {
+        rc = skv_client_fail(errno == ENOMEM ? SNAPKV_E_NOMEM : SNAPKV_E_IO, "mmap %s (%zu bytes): %s", shm.name,
+                             size, strerror(errno));
+        goto out_unlink;
+    }
+    *out = shm;
+    return SNAPKV_OK;
+
+out_unlink:
+    shm_unlink(shm.name);
+    close(shm.fd);
+    return rc;
+}
+
+void snapkv_shm_destroy(struct snapkv_shm *shm)
+{
+    if (!shm)
+        return;
+    if (shm->addr && shm->addr != MAP_FAILED)
+        munmap(shm->addr, shm->size);
+    if (shm->name[0])
+        shm_unlink(shm->name);
+    if (shm->name[0] && shm->fd >= 0)
+        close(shm->fd);
+    memset(shm, 0, sizeof *shm);
+    shm->fd = -1;
+}
+
+static int check_shm(const struct snapkv_shm *shm, uint64_t offset, const char *what)
+{
+    if (!shm || !shm->name[0] || memchr(shm->name, '\0', sizeof shm->name) == NULL)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: a created shared-memory buffer is required", what);
+    if (offset >= shm->size)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: offset %llu is past the buffer's %zu bytes", what,
+                               (unsigned long long)offset, shm->size);
+    return SNAPKV_OK;
+}
+
+/* ---- K/V layout ---------------------------------------------------------------------------------- */
+
+uint64_t snapkv_kv_bytes(const struct snapkv_layer_kept *layers, size_t n, uint32_t n_kv_heads, uint32_t head_dim)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; layers && i < n; i++)
+        total += 2ull * n_kv_heads * layers[i].kept * head_dim * sizeof(float);
+    return total;
+}
+
+uint64_t snapkv_kv_offset(const struct snapkv_kv_layout *l, size_t i, uint32_t head, bool v, uint32_t n_kv_heads,
+                          uint32_t head_dim)
+{
+    if (!l || i >= l->n_layers)
+        return 0;
+    uint64_t off = snapkv_kv_bytes(l->layers, i, n_kv_heads, head_dim);
+    uint64_t plane = (uint64_t)l->layers[i].kept * head_dim * sizeof(float); /* one head's rows */
+    return off + (v ? plane * n_kv_heads : 0) + plane * head;
+}
+
+void snapkv_kv_layout_free(struct snapkv_kv_layout *l)
+{
+    if (!l)
+        return;
+    free(l->layers);
+    free(l->positions);
+    memset(l, 0, sizeof *l);
+}
+
+/* ---- EXPORT_KV, IMPORT_KV -------------------------------------------------------------------------- */
+
+int snapkv_export_kv_layers(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_shm *shm,
+                            uint64_t offset, uint32_t layer_first, uint32_t layer_count, struct snapkv_kv_layout *out)
+{
+    int rc = skv_client_check(c, id, "export");
+    if (rc)
+        return rc;
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "export: out is required");
+    rc = check_shm(shm, offset, "export");
+    if (rc)
+        return rc;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = (char *)shm->name;
+    buf.size = shm->size;
+    buf.offset = offset;
+    e.session_id = skv_client_id_wire(id);
+    e.buffer = &buf;
+    e.layer_first = layer_first;
+    e.layer_count = layer_count;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_EXPORT_KV, "EXPORT_KV", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    const Snapkv__ExportKvReply *r = rep->export_kv;
+    struct snapkv_kv_layout res = {.bytes_written = r->bytes_written, .n_layers = r->n_kept,
+                                   .n_positions = r->n_positions};
+    if (r->bytes_written > shm->size - offset) {
+        rc = skv_client_fail(SNAPKV_E_PROTO, "export: the daemon reports %llu bytes written into %llu",
+                             (unsigned long long)r->bytes_written, (unsigned long long)(shm->size - offset));
+        goto out_free_reply;
+    }
+    if (!skv_client_dup_u32(r->positions, r->n_positions, &res.positions)) {
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "export: out of memory for %zu positions", r->n_positions);
+        goto out_free_reply;
+    }
+    rc = skv_client_layers(c, r->kept, r->n_kept, res.positions, res.n_positions, &res.layers);
+    if (rc) {
+        free(res.positions);
+        goto out_free_reply;
+    }
+    *out = res;
+
+out_free_reply:
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+int snapkv_export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_shm *shm,
+                     uint64_t offset, struct snapkv_kv_layout *out)
+{
+    return snapkv_export_kv_layers(c, id, shm, offset, 0, 0, out);
+}
+
+int snapkv_import_kv(snapkv_client_t *c, const struct snapkv_import_opts *opts, struct snapkv_session_id *out)
+{
+    int rc = skv_client_check(c, opts, "import");
+    if (rc)
+        return rc;
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "import: out is required");
+    rc = check_shm(opts->shm, opts->offset, "import");
+    if (rc)
+        return rc;
+    if (opts->n_layers == 0 || !opts->layers)
+        return skv_client_fail(SNAPKV_E_INVAL, "import: per-layer kept lengths are required");
+    if ((opts->n_positions && !opts->positions) || (opts->n_tokens && !opts->tokens))
+        return skv_client_fail(SNAPKV_E_INVAL, "import: a count is set but its array is NULL");
+    for (size_t i = 0; i < opts->n_layers; i++)
+        if (opts->layers[i].n_heads && !opts->layers[i].kept_per_head)
+            return skv_client_fail(SNAPKV_E_INVAL, "import: layer %zu has n_heads but no kept_per_head", i);
+
+    Snapkv__LayerKept *kept = calloc(opts->n_layers, sizeof *kept);
+    Snapkv__LayerKept **kept_p = calloc(opts->n_layers, sizeof *kept_p);
+    if (!kept || !kept_p) {
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "import: out of memory for %zu layers", opts->n_layers);
+        goto out_free_kept;
+    }
+    for (size_t i = 0; i < opts->n_layers; i++) {
+        const struct snapkv_layer_kept *l = &opts->layers[i];
+        snapkv__layer_kept__init(&kept[i]);
+        kept[i].layer = l->layer;
+        kept[i].kept = l->kept;
+        kept[i].n_kept_per_head = l->n_heads;
+        kept[i].kept_per_head = (uint32_t *)l->kept_per_head;
+        kept[i].bytes = l->bytes;
+        kept_p[i] = &kept[i];
+    }
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = (char *)opts->shm->name;
+    buf.size = opts->shm->size;
+    buf.offset = opts->offset;
+    im.buffer = &buf;
+    im.n_kept = opts->n_layers;
+    im.kept = kept_p;
+    im.n_positions = opts->n_positions;
+    im.positions = (uint32_t *)opts->positions;
+    im.n_tokens = opts->n_tokens;
+    im.tokens = (uint32_t *)opts->tokens;
+    im.original_length = opts->original_length ? opts->original_length : (uint32_t)opts->n_tokens;
+    req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
+    req.import_kv = &im;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_IMPORT_KV, "IMPORT_KV", NULL, NULL, &rep);
+    if (rc)
+        goto out_free_kept;
+    struct snapkv_session_id new_id;
+    rc = skv_client_id_parse(&rep->import_kv->session_id, "IMPORT_KV", &new_id);
+    if (!rc)
+        *out = new_id;
+    snapkv__reply__free_unpacked(rep, NULL);
+
+out_free_kept:
+    free(kept_p);
+    free(kept);
+    return rc;
+}

@@ -1,0 +1,1583 @@
+/* libsnapkv without the daemon: argument checks, the thread-local last error, session ids,
+ * shared memory, and every command against a fake ROUTER peer (a thread of this test answering
+ * canned replies): request encoding, reply decoding, streaming, timeouts, stale replies,
+ * version mismatches and malformed replies. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "libclient/snapkv.h"
+#include "proto/snapkv.pb-c.h"
+
+/* ---- the fake daemon -------------------------------------------------------------------------- */
+
+struct fake;
+/* Answers one request (HELLO included when it returns true; false: use the default HELLO). */
+typedef bool (*fake_handler)(struct fake *f, const Snapkv__Request *req);
+
+struct fake {
+    void *ctx;
+    void *router;
+    char endpoint[128];
+    pthread_t thread;
+    atomic_bool stop;
+    fake_handler handler;
+    uint32_t hello_version;         /* version in the HELLO reply */
+    uint64_t max_message_bytes;
+
+    /* the request being answered (fake thread only) */
+    uint8_t ident[256];
+    size_t ident_len;
+    uint64_t request_id;
+
+    pthread_mutex_t lock;           /* guards what the test reads back */
+    int n_requests;                 /* every request, HELLO included */
+    uint8_t last[1 << 16];          /* the last request, packed */
+    size_t last_len;
+    int step;                       /* per-test state, touched by the fake thread only */
+};
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void fake_send_raw(struct fake *f, const void *data, size_t len, bool delimiter)
+{
+    zmq_send(f->router, f->ident, f->ident_len, ZMQ_SNDMORE);
+    if (delimiter)
+        zmq_send(f->router, "", 0, ZMQ_SNDMORE);
+    zmq_send(f->router, data, len, 0);
+}
+
+/* Sends rep for the current request (version 1 and the request id unless set already). */
+static void fake_send(struct fake *f, Snapkv__Reply *rep)
+{
+    if (!rep->version)
+        rep->version = 1;
+    if (!rep->request_id)
+        rep->request_id = f->request_id;
+    uint8_t buf[1 << 16];
+    size_t len = snapkv__reply__get_packed_size(rep);
+    if (len > sizeof buf)
+        return; /* no cmocka asserts on this thread: the test sees a timeout instead */
+    snapkv__reply__pack(rep, buf);
+    fake_send_raw(f, buf, len, false);
+}
+
+static void fake_error(struct fake *f, int status, const char *message)
+{
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    rep.status = status;
+    rep.message = (char *)message;
+    rep.final = true;
+    fake_send(f, &rep);
+}
+
+static void fake_hello(struct fake *f, const Snapkv__Request *req)
+{
+    (void)req;
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    Snapkv__HelloReply h = SNAPKV__HELLO_REPLY__INIT;
+    h.server_version = "0.1.0-fake";
+    h.model_name = "tiny";
+    h.model_fingerprint = "abc123";
+    h.backend = "cpu";
+    h.n_layers = 2;
+    h.n_heads = 6;
+    h.n_kv_heads = 3;
+    h.head_dim = 4;
+    h.n_vocab = 100;
+    h.max_prompt_tokens = 50;
+    h.max_new_tokens = 64;
+    h.max_sessions_per_tenant = 8;
+    h.max_bytes_per_tenant = 1 << 30;
+    h.max_message_bytes = f->max_message_bytes;
+    h.kv_block_tokens = 16;
+    h.bos_token = 1;
+    h.eos_token = 2;
+    rep.version = f->hello_version;
+    rep.final = true;
+    rep.result_case = SNAPKV__REPLY__RESULT_HELLO;
+    rep.hello = &h;
+    fake_send(f, &rep);
+}
+
+static void *fake_main(void *arg)
+{
+    struct fake *f = arg;
+    while (!atomic_load(&f->stop)) {
+        zmq_pollitem_t item = {.socket = f->router, .events = ZMQ_POLLIN};
+        if (zmq_poll(&item, 1, 20) <= 0)
+            continue;
+        int n = zmq_recv(f->router, f->ident, sizeof f->ident, 0);
+        if (n < 0)
+            continue;
+        f->ident_len = (size_t)n;
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        zmq_msg_recv(&msg, f->router, 0);
+        Snapkv__Request *req = snapkv__request__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+        pthread_mutex_lock(&f->lock);
+        f->n_requests++;
+        f->last_len = zmq_msg_size(&msg) < sizeof f->last ? zmq_msg_size(&msg) : 0;
+        memcpy(f->last, zmq_msg_data(&msg), f->last_len);
+        pthread_mutex_unlock(&f->lock);
+        zmq_msg_close(&msg);
+        if (!req)
+            continue;
+        f->request_id = req->request_id;
+        bool handled = f->handler && f->handler(f, req);
+        if (!handled && req->command_case == SNAPKV__REQUEST__COMMAND_HELLO)
+            fake_hello(f, req);
+        snapkv__request__free_unpacked(req, NULL);
+    }
+    return NULL;
+}
+
+static struct fake *fake_start(fake_handler handler)
+{
+    struct fake *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    f->handler = handler;
+    f->hello_version = 1;
+    f->max_message_bytes = 1 << 20;
+    pthread_mutex_init(&f->lock, NULL);
+    f->ctx = zmq_ctx_new();
+    f->router = zmq_socket(f->ctx, ZMQ_ROUTER);
+    int linger = 0;
+    zmq_setsockopt(f->router, ZMQ_LINGER, &linger, sizeof linger);
+    assert_int_equal(zmq_bind(f->router, "tcp://127.0.0.1:*"), 0);
+    size_t len = sizeof f->endpoint;
+    zmq_getsockopt(f->router, ZMQ_LAST_ENDPOINT, f->endpoint, &len);
+    assert_int_equal(pthread_create(&f->thread, NULL, fake_main, f), 0);
+    return f;
+}
+
+static void fake_stop(struct fake **fp)
+{
+    struct fake *f = *fp;
+    atomic_store(&f->stop, true);
+    pthread_join(f->thread, NULL);
+    zmq_close(f->router);
+    zmq_ctx_term(f->ctx);
+    pthread_mutex_destroy(&f->lock);
+    free(f);
+    *fp = NULL;
+}
+
+static int fake_requests(struct fake *f)
+{
+    pthread_mutex_lock(&f->lock);
+    int n = f->n_requests;
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
+/* The last request the fake received (free with snapkv__request__free_unpacked). */
+static Snapkv__Request *fake_last(struct fake *f)
+{
+    pthread_mutex_lock(&f->lock);
+    Snapkv__Request *req = snapkv__request__unpack(NULL, f->last_len, f->last);
+    pthread_mutex_unlock(&f->lock);
+    assert_non_null(req);
+    return req;
+}
+
+static snapkv_client_t *connect_fake(struct fake *f, int timeout_ms)
+{
+    struct snapkv_connect_opts o = {.tenant = "acme", .name = "unit", .timeout_ms = timeout_ms};
+    snapkv_client_t *c = NULL;
+    int rc = snapkv_connect(f->endpoint, &o, &c);
+    if (rc)
+        fail_msg("connect: %s", snapkv_last_error());
+    return c;
+}
+
+static const struct snapkv_session_id ID_A = {{0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa,
+                                               0xbb, 0xcc, 0xdd, 0xee, 0xff}};
+static const struct snapkv_session_id ID_B = {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}};
+
+static ProtobufCBinaryData wire_id(const struct snapkv_session_id *id)
+{
+    return (ProtobufCBinaryData){.len = 16, .data = (uint8_t *)id->bytes};
+}
+
+static void assert_wire_id(ProtobufCBinaryData b, const struct snapkv_session_id *id)
+{
+    assert_int_equal(b.len, 16);
+    assert_memory_equal(b.data, id->bytes, 16);
+}
+
+/* ---- session ids, last error, argument checks -------------------------------------------------- */
+
+static void test_session_id_hex(void **state)
+{
+    (void)state;
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    assert_int_equal(snapkv_session_id_to_hex(&ID_A, hex, sizeof hex), SNAPKV_OK);
+    assert_string_equal(hex, "00112233445566778899aabbccddeeff");
+    struct snapkv_session_id back;
+    assert_int_equal(snapkv_session_id_from_hex(hex, &back), SNAPKV_OK);
+    assert_memory_equal(back.bytes, ID_A.bytes, 16);
+    assert_int_equal(snapkv_session_id_from_hex("00112233445566778899AABBCCDDEEFF", &back), SNAPKV_OK);
+    assert_memory_equal(back.bytes, ID_A.bytes, 16);
+
+    struct snapkv_session_id untouched = ID_B;
+    assert_int_equal(snapkv_session_id_from_hex("00112233445566778899aabbccddeef", &untouched), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_id_from_hex("00112233445566778899aabbccddeeff0", &untouched), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_id_from_hex("0011223344556677g899aabbccddeeff", &untouched), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_id_from_hex("", &untouched), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_id_from_hex(NULL, &untouched), SNAPKV_E_INVAL);
+    assert_memory_equal(untouched.bytes, ID_B.bytes, 16);
+    assert_non_null(strstr(snapkv_last_error(), "required"));
+    assert_int_equal(snapkv_session_id_to_hex(&ID_A, hex, 32), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_id_to_hex(NULL, hex, sizeof hex), SNAPKV_E_INVAL);
+}
+
+static void *read_last_error(void *arg)
+{
+    (void)arg;
+    return (void *)(strcmp(snapkv_last_error(), "") == 0 ? "empty" : "set");
+}
+
+static void test_last_error(void **state)
+{
+    (void)state;
+    snapkv_client_t *c = (snapkv_client_t *)0x1;
+    assert_int_equal(snapkv_connect(NULL, NULL, &c), SNAPKV_E_INVAL);
+    assert_ptr_equal(c, (snapkv_client_t *)0x1); /* out untouched */
+    assert_string_equal(snapkv_last_error(), "endpoint and out are required");
+    /* thread-local: another thread has its own, empty message */
+    pthread_t t;
+    void *res = NULL;
+    pthread_create(&t, NULL, read_last_error, NULL);
+    pthread_join(t, &res);
+    assert_string_equal((const char *)res, "empty");
+    /* a later success does not clear it */
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    assert_int_equal(snapkv_session_id_to_hex(&ID_A, hex, sizeof hex), SNAPKV_OK);
+    assert_string_equal(snapkv_last_error(), "endpoint and out are required");
+    assert_string_equal(snapkv_status_str(SNAPKV_E_POOL_FULL), "kv pool full");
+    assert_string_equal(snapkv_status_str(SNAPKV_E_TIMEOUT), "timed out");
+}
+
+static void test_null_client(void **state)
+{
+    (void)state;
+    struct snapkv_prefill_opts po = {.text = "hi"};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(NULL, &po, &pr), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_release(NULL, &ID_A), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_decode(NULL, &ID_A, NULL, NULL, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_evict(NULL, &ID_A, NULL, false, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_set_timeout(NULL, 10), SNAPKV_E_INVAL);
+    struct snapkv_server_info si;
+    assert_int_equal(snapkv_server_info(NULL, &si), SNAPKV_E_INVAL);
+    /* destructors accept NULL and zeroed structs */
+    snapkv_close(NULL);
+    snapkv_client_t *none = NULL;
+    snapkv_close(&none);
+    snapkv_prefill_result_free(NULL);
+    struct snapkv_prefill_result zp = {0};
+    snapkv_prefill_result_free(&zp);
+    struct snapkv_decode_result zd = {0};
+    snapkv_decode_result_free(&zd);
+    struct snapkv_stats zs = {0};
+    snapkv_stats_free(&zs);
+    struct snapkv_shm zshm = {0};
+    snapkv_shm_destroy(&zshm);
+    snapkv_shm_destroy(NULL);
+}
+
+static void test_argument_checks(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    int before = fake_requests(f);
+    assert_int_equal(before, 1);
+
+    struct snapkv_prefill_result pr = {.n_tokens = 777};
+    uint32_t toks[3] = {5, 6, 7};
+    struct snapkv_prefill_opts both = {.tokens = toks, .n_tokens = 3, .text = "x"};
+    assert_int_equal(snapkv_prefill(c, &both, &pr), SNAPKV_E_INVAL);
+    struct snapkv_prefill_opts neither = {.text = ""};
+    assert_int_equal(snapkv_prefill(c, &neither, &pr), SNAPKV_E_INVAL);
+    struct snapkv_prefill_opts null_tokens = {.n_tokens = 3};
+    assert_int_equal(snapkv_prefill(c, &null_tokens, &pr), SNAPKV_E_INVAL);
+    uint32_t bad[2] = {5, 100};
+    struct snapkv_prefill_opts out_of_vocab = {.tokens = bad, .n_tokens = 2};
+    assert_int_equal(snapkv_prefill(c, &out_of_vocab, &pr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "vocabulary"));
+    uint32_t many[51] = {0};
+    struct snapkv_prefill_opts too_long = {.tokens = many, .n_tokens = 51};
+    assert_int_equal(snapkv_prefill(c, &too_long, &pr), SNAPKV_E_LIMIT);
+    assert_int_equal(snapkv_prefill(c, NULL, &pr), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = "x"}, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(pr.n_tokens, 777);
+
+    struct snapkv_append_opts ao = {0};
+    assert_int_equal(snapkv_append(c, &ID_A, &ao, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_append(c, NULL, &(struct snapkv_append_opts){.text = "x"}, NULL), SNAPKV_E_INVAL);
+
+    assert_int_equal(snapkv_decode(c, &ID_A, NULL, NULL, NULL, NULL), SNAPKV_E_INVAL);
+    struct snapkv_decode_result dr;
+    struct snapkv_sampling s;
+    snapkv_sampling_defaults(&s);
+    s.top_p = 1.5f;
+    assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    snapkv_sampling_defaults(&s);
+    s.temperature = -1.0f;
+    assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    snapkv_sampling_defaults(&s);
+    s.n_stop_tokens = 2;
+    assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+
+    assert_int_equal(snapkv_compress(c, &ID_A, "", 0, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_compress(c, &ID_A, NULL, 0, NULL), SNAPKV_E_INVAL);
+    struct snapkv_session_id out;
+    assert_int_equal(snapkv_fork(c, &ID_A, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_fork(c, NULL, &out, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_release(c, NULL), SNAPKV_E_INVAL);
+
+    assert_int_equal(snapkv_admin_evict(c, NULL, NULL, false, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_evict(c, &ID_A, "t", false, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_evict(c, NULL, "t", true, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_evict(c, NULL, "", false, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_save(c, &ID_A, "../etc/passwd", NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_save(c, &ID_A, "", NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_save(c, &ID_A, "..", NULL), SNAPKV_E_INVAL);
+    char longname[70];
+    memset(longname, 'a', 65);
+    longname[65] = '\0';
+    assert_int_equal(snapkv_admin_save(c, &ID_A, longname, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_load(c, "a/b", NULL, &out), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_load(c, "ok", NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_inspect(c, &ID_A, false, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_list(c, NULL, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_admin_stats(c, false, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_set_timeout(c, -2), SNAPKV_E_INVAL);
+
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("x", 64, &shm), SNAPKV_OK);
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(c, &ID_A, &shm, 64, &lay), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_export_kv(c, &ID_A, NULL, 0, &lay), SNAPKV_E_INVAL);
+    struct snapkv_import_opts io = {.shm = &shm};
+    assert_int_equal(snapkv_import_kv(c, &io, &out), SNAPKV_E_INVAL); /* no layers */
+    snapkv_shm_destroy(&shm);
+
+    /* none of these reached the daemon */
+    assert_int_equal(fake_requests(f), before);
+    snapkv_close(&c);
+    assert_null(c);
+    fake_stop(&f);
+}
+
+/* ---- connection ------------------------------------------------------------------------------------ */
+
+static void test_connect_hello(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->version, 1);
+    assert_int_equal(req->request_id, 1);
+    assert_string_equal(req->tenant, "acme");
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_HELLO);
+    assert_string_equal(req->hello->client_name, "unit");
+    assert_string_equal(req->hello->tenant, "acme");
+    assert_int_equal(req->hello->pid, (uint32_t)getpid());
+    snapkv__request__free_unpacked(req, NULL);
+
+    struct snapkv_server_info si;
+    assert_int_equal(snapkv_server_info(c, &si), SNAPKV_OK);
+    assert_string_equal(si.server_version, "0.1.0-fake");
+    assert_string_equal(si.model_name, "tiny");
+    assert_string_equal(si.model_fingerprint, "abc123");
+    assert_string_equal(si.backend, "cpu");
+    assert_int_equal(si.n_layers, 2);
+    assert_int_equal(si.n_kv_heads, 3);
+    assert_int_equal(si.head_dim, 4);
+    assert_int_equal(si.n_vocab, 100);
+    assert_int_equal(si.max_prompt_tokens, 50);
+    assert_int_equal(si.kv_block_tokens, 16);
+    assert_int_equal(si.eos_token, 2);
+    assert_int_equal(si.max_sessions_per_tenant, 8);
+    snapkv_close(&c);
+
+    /* defaults: tenant "default", name "libsnapkv" */
+    assert_int_equal(snapkv_connect(f->endpoint, NULL, &c), SNAPKV_OK);
+    req = fake_last(f);
+    assert_string_equal(req->tenant, "default");
+    assert_string_equal(req->hello->client_name, "libsnapkv");
+    snapkv__request__free_unpacked(req, NULL);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static void test_version_mismatch(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    f->hello_version = 2;
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts o = {.timeout_ms = 2000};
+    assert_int_equal(snapkv_connect(f->endpoint, &o, &c), SNAPKV_E_VERSION);
+    assert_null(c);
+    assert_non_null(strstr(snapkv_last_error(), "protocol 2"));
+    fake_stop(&f);
+}
+
+static bool answer_nothing(struct fake *f, const Snapkv__Request *req)
+{
+    (void)f;
+    return req->command_case == SNAPKV__REQUEST__COMMAND_HELLO;
+}
+
+static void test_connect_timeout(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_nothing);
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts o = {.timeout_ms = 150};
+    int64_t t0 = now_ms();
+    assert_int_equal(snapkv_connect(f->endpoint, &o, &c), SNAPKV_E_TIMEOUT);
+    int64_t dt = now_ms() - t0;
+    assert_true(dt >= 140 && dt < 2000);
+    assert_null(c);
+    assert_non_null(strstr(snapkv_last_error(), "150 ms"));
+    fake_stop(&f);
+}
+
+/* ---- PREFILL --------------------------------------------------------------------------------------------- */
+
+static bool answer_prefill(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_PREFILL)
+        return false;
+    if (req->prefill->progress) {
+        for (uint32_t done = 100; done <= 300; done += 100) {
+            Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+            Snapkv__PrefillReply p = SNAPKV__PREFILL_REPLY__INIT;
+            p.tokens_done = done;
+            p.n_tokens = 350;
+            rep.result_case = SNAPKV__REPLY__RESULT_PREFILL;
+            rep.prefill = &p;
+            fake_send(f, &rep);
+        }
+        /* a progress reply with no result at all is tolerated */
+        Snapkv__Reply bare = SNAPKV__REPLY__INIT;
+        fake_send(f, &bare);
+    }
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    Snapkv__PrefillReply p = SNAPKV__PREFILL_REPLY__INIT;
+    Snapkv__LayerKept l0 = SNAPKV__LAYER_KEPT__INIT, l1 = SNAPKV__LAYER_KEPT__INIT;
+    uint32_t heads0[3] = {10, 7, 9};
+    l0.layer = 0;
+    l0.kept = 10;
+    l0.n_kept_per_head = 3;
+    l0.kept_per_head = heads0;
+    l0.bytes = 1234;
+    l1.layer = 1;
+    l1.kept = 5; /* no per-head counts: every head keeps 5 */
+    l1.bytes = 555;
+    Snapkv__LayerKept *kept[2] = {&l0, &l1};
+    float logits[4] = {0.5f, -1.0f, 2.0f, 3.5f};
+    p.session_id = wire_id(&ID_A);
+    p.n_tokens = 350;
+    p.n_kept = 2;
+    p.kept = kept;
+    p.bytes_before = 9000;
+    p.bytes_after = 1789;
+    p.next_token = 42;
+    if (req->prefill->return_logits) {
+        p.n_logits = 4;
+        p.logits = logits;
+    }
+    rep.final = true;
+    rep.result_case = SNAPKV__REPLY__RESULT_PREFILL;
+    rep.prefill = &p;
+    fake_send(f, &rep);
+    return true;
+}
+
+static void test_prefill_text(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_prefill);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct snapkv_prefill_opts o = {
+        .text = "Summarize this.",
+        .chat = true,
+        .compress = "policy=snapkv,ratio=0.1",
+        .return_logits = true,
+        .lease_seconds = 90,
+    };
+    struct snapkv_prefill_result r;
+    assert_int_equal(snapkv_prefill(c, &o, &r), SNAPKV_OK);
+
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->version, 1);
+    assert_int_equal(req->request_id, 2);
+    assert_string_equal(req->tenant, "acme");
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_PREFILL);
+    assert_string_equal(req->prefill->text, "Summarize this.");
+    assert_int_equal(req->prefill->n_tokens, 0);
+    assert_true(req->prefill->chat);
+    assert_non_null(req->prefill->compress);
+    assert_string_equal(req->prefill->compress->spec, "policy=snapkv,ratio=0.1");
+    assert_true(req->prefill->return_logits);
+    assert_int_equal(req->prefill->lease_seconds, 90);
+    assert_false(req->prefill->progress);
+    snapkv__request__free_unpacked(req, NULL);
+
+    assert_memory_equal(r.id.bytes, ID_A.bytes, 16);
+    assert_int_equal(r.n_tokens, 350);
+    assert_int_equal(r.bytes_before, 9000);
+    assert_int_equal(r.bytes_after, 1789);
+    assert_int_equal(r.next_token, 42);
+    assert_int_equal(r.n_layers, 2);
+    assert_int_equal(r.layers[0].layer, 0);
+    assert_int_equal(r.layers[0].kept, 10);
+    assert_int_equal(r.layers[0].n_heads, 3);
+    assert_int_equal(r.layers[0].kept_per_head[1], 7);
+    assert_int_equal(r.layers[0].bytes, 1234);
+    assert_null(r.layers[0].positions);
+    assert_int_equal(r.layers[1].n_heads, 3); /* filled from HELLO's n_kv_heads */
+    assert_int_equal(r.layers[1].kept_per_head[0], 5);
+    assert_int_equal(r.layers[1].kept_per_head[2], 5);
+    assert_int_equal(r.n_logits, 4);
+    assert_true(r.logits[3] == 3.5f);
+    snapkv_prefill_result_free(&r);
+    assert_null(r.layers);
+    assert_int_equal(r.n_layers, 0);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+struct progress_log {
+    int n;
+    uint32_t done[8];
+    uint32_t total;
+};
+
+static void on_progress(void *user, uint32_t done, uint32_t total)
+{
+    struct progress_log *p = user;
+    if (p->n < 8)
+        p->done[p->n++] = done;
+    p->total = total;
+}
+
+static void test_prefill_tokens_progress(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_prefill);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    uint32_t toks[5] = {1, 20, 30, 40, 99};
+    struct progress_log log = {0};
+    struct snapkv_prefill_opts o = {.tokens = toks, .n_tokens = 5, .progress = on_progress, .progress_user = &log};
+    struct snapkv_prefill_result r;
+    assert_int_equal(snapkv_prefill(c, &o, &r), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->prefill->n_tokens, 5);
+    assert_int_equal(req->prefill->tokens[4], 99);
+    assert_string_equal(req->prefill->text, "");
+    assert_null(req->prefill->compress);
+    assert_true(req->prefill->progress);
+    assert_false(req->prefill->chat);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(log.n, 3);
+    assert_int_equal(log.done[0], 100);
+    assert_int_equal(log.done[2], 300);
+    assert_int_equal(log.total, 350);
+    assert_int_equal(r.n_logits, 0);
+    assert_null(r.logits);
+    snapkv_prefill_result_free(&r);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static bool answer_error(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_HELLO)
+        return false;
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_RELEASE)
+        fake_error(f, -8, "no session 0011...");
+    else if (req->command_case == SNAPKV__REQUEST__COMMAND_PREFILL)
+        fake_error(f, -7, "");
+    else
+        fake_error(f, 5, "a positive status is not a status");
+    return true;
+}
+
+static void test_error_status(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_error);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    assert_int_equal(snapkv_release(c, &ID_A), SNAPKV_E_NOT_FOUND);
+    assert_string_equal(snapkv_last_error(), "no session 0011...");
+    struct snapkv_prefill_result r = {.n_tokens = 3};
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = "x"}, &r), SNAPKV_E_POOL_FULL);
+    assert_string_equal(snapkv_last_error(), "kv pool full");
+    assert_int_equal(r.n_tokens, 3);
+    struct snapkv_session_id out;
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_PROTO);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* ---- DECODE ------------------------------------------------------------------------------------------------ */
+
+static void send_decode(struct fake *f, bool final, const uint32_t *toks, size_t n, const char *text,
+                        uint32_t n_generated, const char *finish)
+{
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    Snapkv__DecodeReply d = SNAPKV__DECODE_REPLY__INIT;
+    d.n_tokens = n;
+    d.tokens = (uint32_t *)toks;
+    d.text = (char *)text;
+    d.n_generated = n_generated;
+    d.finish_reason = (char *)finish;
+    rep.final = final;
+    rep.result_case = SNAPKV__REPLY__RESULT_DECODE;
+    rep.decode = &d;
+    fake_send(f, &rep);
+}
+
+static bool answer_decode(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_RELEASE) {
+        Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+        Snapkv__ReleaseReply r = SNAPKV__RELEASE_REPLY__INIT;
+        rep.final = true;
+        rep.result_case = SNAPKV__REPLY__RESULT_RELEASE;
+        rep.release = &r;
+        fake_send(f, &rep);
+        return true;
+    }
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_DECODE)
+        return false;
+    static const uint32_t t[6] = {11, 12, 13, 14, 15, 2};
+    if (!req->decode->stream) {
+        send_decode(f, true, t, 6, "Hello, world!", 6, "eos");
+        return true;
+    }
+    send_decode(f, false, t, 2, "Hel", 2, "");
+    send_decode(f, false, t + 2, 1, "", 3, ""); /* a partial UTF-8 character: text waits */
+    send_decode(f, false, t + 3, 2, "lo, world", 5, "");
+    send_decode(f, true, t + 5, 1, "!", 6, "eos");
+    return true;
+}
+
+static void test_decode_collect(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    uint32_t stops[2] = {7, 8};
+    struct snapkv_sampling s = {.temperature = 0.7f, .top_k = 40, .top_p = 0.9f, .seed = 1234567890123ull,
+                                .stop_tokens = stops, .n_stop_tokens = 2, .max_tokens = 32, .stop_at_eos = true};
+    struct snapkv_decode_result r;
+    assert_int_equal(snapkv_decode(c, &ID_B, &s, NULL, NULL, &r), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_DECODE);
+    assert_wire_id(req->decode->session_id, &ID_B);
+    assert_false(req->decode->stream);
+    assert_non_null(req->decode->sampling);
+    assert_true(req->decode->sampling->temperature == 0.7f);
+    assert_int_equal(req->decode->sampling->top_k, 40);
+    assert_true(req->decode->sampling->top_p == 0.9f);
+    assert_int_equal(req->decode->sampling->seed, 1234567890123ull);
+    assert_int_equal(req->decode->sampling->n_stop_tokens, 2);
+    assert_int_equal(req->decode->sampling->stop_tokens[1], 8);
+    assert_int_equal(req->decode->sampling->max_tokens, 32);
+    assert_true(req->decode->sampling->stop_at_eos);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(r.n_tokens, 6);
+    assert_int_equal(r.tokens[0], 11);
+    assert_int_equal(r.tokens[5], 2);
+    assert_string_equal(r.text, "Hello, world!");
+    assert_int_equal(r.n_generated, 6);
+    assert_string_equal(r.finish_reason, "eos");
+    snapkv_decode_result_free(&r);
+
+    /* NULL sampling: greedy, stop at eos */
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_OK);
+    req = fake_last(f);
+    assert_true(req->decode->sampling->temperature == 0.0f);
+    assert_true(req->decode->sampling->stop_at_eos);
+    assert_int_equal(req->decode->sampling->max_tokens, 0);
+    snapkv__request__free_unpacked(req, NULL);
+    snapkv_decode_result_free(&r);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+struct stream_log {
+    int batches;
+    size_t tokens;
+    char text[128];
+    int stop_after;     /* > 0: return nonzero after this many batches */
+};
+
+static int on_tokens(void *user, const uint32_t *toks, size_t n, const char *text)
+{
+    struct stream_log *l = user;
+    l->batches++;
+    for (size_t i = 0; i < n; i++)
+        assert_true(toks[i] >= 11 || toks[i] == 2);
+    l->tokens += n;
+    strncat(l->text, text, sizeof l->text - strlen(l->text) - 1);
+    return l->stop_after && l->batches >= l->stop_after;
+}
+
+static void test_decode_stream(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct stream_log log = {0};
+    struct snapkv_decode_result r;
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens, &log, &r), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_true(req->decode->stream);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(log.batches, 4);
+    assert_int_equal(log.tokens, 6);
+    assert_string_equal(log.text, "Hello, world!");
+    assert_int_equal(r.n_tokens, 6);
+    assert_int_equal(r.tokens[2], 13);
+    assert_int_equal(r.tokens[5], 2);
+    assert_string_equal(r.text, "Hello, world!");
+    assert_string_equal(r.finish_reason, "eos");
+    snapkv_decode_result_free(&r);
+
+    /* out may be NULL when streaming */
+    memset(&log, 0, sizeof log);
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens, &log, NULL), SNAPKV_OK);
+    assert_string_equal(log.text, "Hello, world!");
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static void test_decode_cancel_skips_rest(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct stream_log log = {.stop_after = 1};
+    struct snapkv_decode_result r = {.n_tokens = 99};
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens, &log, &r), SNAPKV_E_CANCELLED);
+    assert_int_equal(log.batches, 1);
+    assert_int_equal(r.n_tokens, 99); /* untouched */
+    /* the rest of that stream is still coming: the next call skips it */
+    assert_int_equal(snapkv_release(c, &ID_B), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_RELEASE);
+    assert_wire_id(req->release->session_id, &ID_B);
+    snapkv__request__free_unpacked(req, NULL);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* ---- timeouts, stale and malformed replies --------------------------------------------------------------- */
+
+static bool answer_fork_late(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_FORK)
+        return false;
+    if (f->step++ == 0)
+        usleep(400 * 1000); /* the client gives up first */
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    Snapkv__ForkReply fr = SNAPKV__FORK_REPLY__INIT;
+    fr.session_id = wire_id(f->step == 1 ? &ID_A : &ID_B);
+    fr.shared_bytes = f->step == 1 ? 1 : 4096;
+    rep.final = true;
+    rep.result_case = SNAPKV__REPLY__RESULT_FORK;
+    rep.fork = &fr;
+    fake_send(f, &rep);
+    return true;
+}
+
+static void test_timeout_then_stale_reply(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_fork_late);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    assert_int_equal(snapkv_set_timeout(c, 100), SNAPKV_OK);
+    struct snapkv_session_id out = ID_B;
+    int64_t t0 = now_ms();
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_TIMEOUT);
+    int64_t dt = now_ms() - t0;
+    assert_true(dt >= 90 && dt < 390);
+    assert_memory_equal(out.bytes, ID_B.bytes, 16);
+    /* the late answer (ID_A) to the first fork arrives while we wait for the second */
+    assert_int_equal(snapkv_set_timeout(c, 3000), SNAPKV_OK);
+    uint64_t shared = 0;
+    memset(&out, 0, sizeof out);
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, &shared), SNAPKV_OK);
+    assert_memory_equal(out.bytes, ID_B.bytes, 16);
+    assert_int_equal(shared, 4096);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static bool answer_odd(struct fake *f, const Snapkv__Request *req)
+{
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    switch (req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_FORK: { /* wrong result type */
+        Snapkv__ReleaseReply r = SNAPKV__RELEASE_REPLY__INIT;
+        rep.final = true;
+        rep.result_case = SNAPKV__REPLY__RESULT_RELEASE;
+        rep.release = &r;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_LOAD: { /* a 15-byte session id */
+        Snapkv__LoadReply l = SNAPKV__LOAD_REPLY__INIT;
+        l.session_id = (ProtobufCBinaryData){.len = 15, .data = (uint8_t *)ID_A.bytes};
+        rep.final = true;
+        rep.result_case = SNAPKV__REPLY__RESULT_LOAD;
+        rep.load = &l;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_PIN: /* garbage bytes */
+        fake_send_raw(f, "\xff\xff\xff\xff\x0f", 5, false);
+        return true;
+    case SNAPKV__REQUEST__COMMAND_RELEASE: { /* REQ-style delimiter frame, empty result */
+        rep.version = 1;
+        rep.request_id = f->request_id;
+        rep.final = true;
+        uint8_t buf[64];
+        size_t len = snapkv__reply__pack(&rep, buf);
+        fake_send_raw(f, buf, len, true);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_STATUS: /* a later protocol version */
+        rep.version = 2;
+        rep.final = true;
+        fake_send(f, &rep);
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void test_odd_replies(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_odd);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct snapkv_session_id out = ID_B;
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_PROTO);
+    assert_non_null(strstr(snapkv_last_error(), "wrong reply type"));
+    assert_int_equal(snapkv_admin_load(c, "saved", NULL, &out), SNAPKV_E_PROTO);
+    assert_non_null(strstr(snapkv_last_error(), "15-byte"));
+    assert_memory_equal(out.bytes, ID_B.bytes, 16);
+    assert_int_equal(snapkv_admin_pin(c, &ID_A), SNAPKV_E_PROTO);
+    assert_non_null(strstr(snapkv_last_error(), "malformed"));
+    assert_int_equal(snapkv_release(c, &ID_A), SNAPKV_OK);
+    struct snapkv_status_info si;
+    assert_int_equal(snapkv_admin_status(c, &si), SNAPKV_E_VERSION);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static void test_message_size_limit(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    f->max_message_bytes = 256;
+    snapkv_client_t *c = connect_fake(f, 2000);
+    char text[600];
+    memset(text, 'a', sizeof text - 1);
+    text[sizeof text - 1] = '\0';
+    struct snapkv_prefill_result r;
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = text}, &r), SNAPKV_E_LIMIT);
+    assert_non_null(strstr(snapkv_last_error(), "at most 256"));
+    assert_int_equal(fake_requests(f), 1);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* ---- APPEND, COMPRESS, FORK, RELEASE ------------------------------------------------------------------------ */
+
+static bool answer_session_cmds(struct fake *f, const Snapkv__Request *req)
+{
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    rep.final = true;
+    switch (req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_APPEND: {
+        Snapkv__AppendReply a = SNAPKV__APPEND_REPLY__INIT;
+        float logits[2] = {1.0f, 2.0f};
+        a.n_tokens = 360;
+        a.next_token = 17;
+        if (req->append->return_logits) {
+            a.n_logits = 2;
+            a.logits = logits;
+        }
+        rep.result_case = SNAPKV__REPLY__RESULT_APPEND;
+        rep.append = &a;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_COMPRESS: {
+        Snapkv__CompressReply cr = SNAPKV__COMPRESS_REPLY__INIT;
+        Snapkv__LayerKept l0 = SNAPKV__LAYER_KEPT__INIT;
+        uint32_t heads[3] = {4, 4, 3};
+        l0.layer = 1;
+        l0.kept = 4;
+        l0.n_kept_per_head = 3;
+        l0.kept_per_head = heads;
+        Snapkv__LayerKept *kept[1] = {&l0};
+        cr.n_kept = 1;
+        cr.kept = kept;
+        cr.bytes_before = 800;
+        cr.bytes_after = 200;
+        rep.result_case = SNAPKV__REPLY__RESULT_COMPRESS;
+        rep.compress = &cr;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_RELEASE: /* an empty result may be left out */
+        fake_send(f, &rep);
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void test_append_compress_release(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_session_cmds);
+    snapkv_client_t *c = connect_fake(f, 2000);
+
+    struct snapkv_append_result ar;
+    struct snapkv_append_opts ao = {.text = " and more", .return_logits = true};
+    assert_int_equal(snapkv_append(c, &ID_A, &ao, &ar), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_APPEND);
+    assert_wire_id(req->append->session_id, &ID_A);
+    assert_string_equal(req->append->text, " and more");
+    assert_true(req->append->return_logits);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(ar.n_tokens, 360);
+    assert_int_equal(ar.next_token, 17);
+    assert_int_equal(ar.n_logits, 2);
+    assert_true(ar.logits[1] == 2.0f);
+    snapkv_append_result_free(&ar);
+
+    uint32_t toks[2] = {3, 4};
+    assert_int_equal(snapkv_append(c, &ID_A, &(struct snapkv_append_opts){.tokens = toks, .n_tokens = 2}, NULL),
+                     SNAPKV_OK);
+    req = fake_last(f);
+    assert_int_equal(req->append->n_tokens, 2);
+    assert_int_equal(req->append->tokens[1], 4);
+    snapkv__request__free_unpacked(req, NULL);
+
+    struct snapkv_compress_result cr;
+    assert_int_equal(snapkv_compress(c, &ID_A, "policy=h2o,budget=64", 300, &cr), SNAPKV_OK);
+    req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_COMPRESS);
+    assert_string_equal(req->compress->compress->spec, "policy=h2o,budget=64");
+    assert_int_equal(req->compress->window_from, 300);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(cr.bytes_before, 800);
+    assert_int_equal(cr.bytes_after, 200);
+    assert_int_equal(cr.n_layers, 1);
+    assert_int_equal(cr.layers[0].layer, 1);
+    assert_int_equal(cr.layers[0].kept_per_head[2], 3);
+    snapkv_compress_result_free(&cr);
+    assert_int_equal(snapkv_compress(c, &ID_A, "policy=window,budget=8", 0, NULL), SNAPKV_OK);
+
+    assert_int_equal(snapkv_release(c, &ID_A), SNAPKV_OK);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* ---- shared memory, EXPORT_KV, IMPORT_KV ------------------------------------------------------------------- */
+
+static void test_shm(void **state)
+{
+    (void)state;
+    mode_t old = umask(077); /* mode must still come out 0660 */
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("my buf/../x", 10000, &shm), SNAPKV_OK);
+    umask(old);
+    assert_true(strncmp(shm.name, "/snapkv-my_buf____x-", 20) == 0);
+    assert_null(strchr(shm.name + 1, '/'));
+    assert_int_equal(shm.size, 10000);
+    assert_true(shm.fd >= 0);
+    struct stat sb;
+    assert_int_equal(fstat(shm.fd, &sb), 0);
+    assert_int_equal(sb.st_mode & 0777, 0660);
+    assert_int_equal(sb.st_size, 10000);
+    ((uint8_t *)shm.addr)[9999] = 0xab;
+    /* another opener (the daemon) sees the same bytes */
+    int fd = shm_open(shm.name, O_RDONLY, 0);
+    assert_true(fd >= 0);
+    uint8_t *view = mmap(NULL, 10000, PROT_READ, MAP_SHARED, fd, 0);
+    assert_true(view != MAP_FAILED);
+    assert_int_equal(view[9999], 0xab);
+    munmap(view, 10000);
+    close(fd);
+    /* two buffers with one hint get different names */
+    struct snapkv_shm other;
+    assert_int_equal(snapkv_shm_create("my buf/../x", 16, &other), SNAPKV_OK);
+    assert_string_not_equal(other.name, shm.name);
+    snapkv_shm_destroy(&other);
+
+    char name[64];
+    snprintf(name, sizeof name, "%s", shm.name);
+    snapkv_shm_destroy(&shm);
+    assert_null(shm.addr);
+    assert_int_equal(shm.fd, -1);
+    errno = 0;
+    assert_true(shm_open(name, O_RDONLY, 0) < 0 && errno == ENOENT);
+    snapkv_shm_destroy(&shm); /* twice is fine */
+
+    struct snapkv_shm untouched = {.size = 5};
+    assert_int_equal(snapkv_shm_create(NULL, 0, &untouched), SNAPKV_E_INVAL);
+    assert_int_equal(untouched.size, 5);
+    assert_int_equal(snapkv_shm_create(NULL, 8, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_shm_create(NULL, 8, &untouched), SNAPKV_OK);
+    assert_true(strncmp(untouched.name, "/snapkv-buf-", 12) == 0);
+    snapkv_shm_destroy(&untouched);
+}
+
+/* two layers (model layers 0 and 1), 3 KV heads, head_dim 4; layer 0 keeps {2, 1, 2} (max 2),
+ * layer 1 keeps 1 per head: value of K/V element = layer*1000 + v*100 + head*10 + row + col/10 */
+#define EXPORT_OFFSET 64
+
+static float kv_value(int layer, int v, int head, int row, int col)
+{
+    return (float)(layer * 1000 + v * 100 + head * 10 + row) + (float)col / 10.0f;
+}
+
+static bool answer_kv(struct fake *f, const Snapkv__Request *req)
+{
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    rep.final = true;
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_EXPORT_KV) {
+        const Snapkv__BufferRef *b = req->export_kv->buffer;
+        if (!b || b->kind_case != SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
+            fake_error(f, -2, "no shm buffer");
+            return true;
+        }
+        int fd = shm_open(b->shm_name, O_RDWR, 0);
+        float *base = mmap(NULL, b->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        float *p = (float *)((uint8_t *)base + b->offset);
+        const int kept[2] = {2, 1};
+        for (int l = 0; l < 2; l++)
+            for (int v = 0; v < 2; v++)
+                for (int h = 0; h < 3; h++)
+                    for (int r = 0; r < kept[l]; r++)
+                        for (int col = 0; col < 4; col++)
+                            *p++ = kv_value(l, v, h, r, col);
+        uint64_t written = (uint64_t)((uint8_t *)p - (uint8_t *)base) - b->offset;
+        munmap(base, b->size);
+
+        Snapkv__ExportKvReply e = SNAPKV__EXPORT_KV_REPLY__INIT;
+        Snapkv__LayerKept l0 = SNAPKV__LAYER_KEPT__INIT, l1 = SNAPKV__LAYER_KEPT__INIT;
+        uint32_t h0[3] = {2, 1, 2}, h1[3] = {1, 1, 1};
+        l0.layer = 0;
+        l0.kept = 2;
+        l0.n_kept_per_head = 3;
+        l0.kept_per_head = h0;
+        l1.layer = 1;
+        l1.kept = 1;
+        l1.n_kept_per_head = 3;
+        l1.kept_per_head = h1;
+        Snapkv__LayerKept *k[2] = {&l0, &l1};
+        uint32_t pos[8] = {0, 9, 9, 3, 9, 7, 8, 9};
+        e.bytes_written = written;
+        e.n_kept = 2;
+        e.kept = k;
+        e.n_positions = 8;
+        e.positions = pos;
+        rep.result_case = SNAPKV__REPLY__RESULT_EXPORT_KV;
+        rep.export_kv = &e;
+        fake_send(f, &rep);
+        return true;
+    }
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_IMPORT_KV) {
+        const Snapkv__ImportKvRequest *im = req->import_kv;
+        /* check what arrived, and that the data in the buffer is there */
+        int fd = shm_open(im->buffer->shm_name, O_RDONLY, 0);
+        float *base = mmap(NULL, im->buffer->size, PROT_READ, MAP_SHARED, fd, 0);
+        close(fd);
+        const float *p = (const float *)((const uint8_t *)base + im->buffer->offset);
+        bool ok = im->n_kept == 2 && im->kept[0]->n_kept_per_head == 3 && im->kept[0]->kept_per_head[1] == 1 &&
+                  im->kept[1]->kept == 1 && im->n_positions == 8 && im->positions[3] == 3 && im->n_tokens == 3 &&
+                  im->tokens[2] == 33 && im->original_length == 10 && p[0] == kv_value(0, 0, 0, 0, 0) &&
+                  p[5] == kv_value(0, 0, 0, 1, 1);
+        munmap(base, im->buffer->size);
+        if (!ok) {
+            fake_error(f, -2, "import request not as expected");
+            return true;
+        }
+        Snapkv__ImportKvReply r = SNAPKV__IMPORT_KV_REPLY__INIT;
+        r.session_id = wire_id(&ID_B);
+        rep.result_case = SNAPKV__REPLY__RESULT_IMPORT_KV;
+        rep.import_kv = &r;
+        fake_send(f, &rep);
+        return true;
+    }
+    return false;
+}
+
+static void test_export_import(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_kv);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("kv", 4096, &shm), SNAPKV_OK);
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(c, &ID_A, &shm, EXPORT_OFFSET, &lay), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_EXPORT_KV);
+    assert_wire_id(req->export_kv->session_id, &ID_A);
+    assert_string_equal(req->export_kv->buffer->shm_name, shm.name);
+    assert_int_equal(req->export_kv->buffer->size, 4096);
+    assert_int_equal(req->export_kv->buffer->offset, EXPORT_OFFSET);
+    assert_int_equal(req->export_kv->layer_first, 0);
+    assert_int_equal(req->export_kv->layer_count, 0);
+    snapkv__request__free_unpacked(req, NULL);
+
+    /* 2 * 3 heads * 4 dims * 4 bytes * (2 + 1) rows */
+    assert_int_equal(lay.bytes_written, 288);
+    assert_int_equal(snapkv_kv_bytes(lay.layers, lay.n_layers, 3, 4), 288);
+    assert_int_equal(lay.n_layers, 2);
+    assert_int_equal(lay.n_positions, 8);
+    /* positions split per layer: layer 0 has 2 + 1 + 2, layer 1 has 3 */
+    assert_ptr_equal(lay.layers[0].positions, lay.positions);
+    assert_ptr_equal(lay.layers[1].positions, lay.positions + 5);
+    assert_int_equal(lay.layers[1].positions[0], 7);
+    const uint8_t *data = (const uint8_t *)shm.addr + EXPORT_OFFSET;
+    for (size_t l = 0; l < 2; l++)
+        for (uint32_t h = 0; h < 3; h++)
+            for (int v = 0; v < 2; v++) {
+                const float *rows = (const float *)(data + snapkv_kv_offset(&lay, l, h, v, 3, 4));
+                for (uint32_t r = 0; r < lay.layers[l].kept; r++)
+                    for (int col = 0; col < 4; col++)
+                        assert_true(rows[r * 4 + col] == kv_value((int)l, v, (int)h, (int)r, col));
+            }
+    assert_int_equal(snapkv_kv_offset(&lay, 5, 0, false, 3, 4), 0); /* out of range */
+
+    /* and back: the layout an export returned is what an import takes */
+    uint32_t toks[3] = {11, 22, 33};
+    struct snapkv_import_opts io = {
+        .shm = &shm,
+        .offset = EXPORT_OFFSET,
+        .layers = lay.layers,
+        .n_layers = lay.n_layers,
+        .positions = lay.positions,
+        .n_positions = lay.n_positions,
+        .tokens = toks,
+        .n_tokens = 3,
+        .original_length = 10,
+    };
+    struct snapkv_session_id id;
+    assert_int_equal(snapkv_import_kv(c, &io, &id), SNAPKV_OK);
+    assert_memory_equal(id.bytes, ID_B.bytes, 16);
+
+    /* a partial export names its layers */
+    struct snapkv_kv_layout lay2;
+    assert_int_equal(snapkv_export_kv_layers(c, &ID_A, &shm, 0, 1, 1, &lay2), SNAPKV_OK);
+    req = fake_last(f);
+    assert_int_equal(req->export_kv->layer_first, 1);
+    assert_int_equal(req->export_kv->layer_count, 1);
+    assert_int_equal(req->export_kv->buffer->offset, 0);
+    snapkv__request__free_unpacked(req, NULL);
+    snapkv_kv_layout_free(&lay2);
+
+    snapkv_kv_layout_free(&lay);
+    assert_null(lay.layers);
+    snapkv_shm_destroy(&shm);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* ---- admin ---------------------------------------------------------------------------------------------------- */
+
+static void fill_info(Snapkv__SessionInfo *s, const struct snapkv_session_id *id, const char *tenant, bool pinned)
+{
+    s->session_id = wire_id(id);
+    s->tenant = (char *)tenant;
+    s->owner = "unit:42";
+    s->n_tokens = 350;
+    s->kept_tokens = 15;
+    s->bytes = 1789;
+    s->policy = "snapkv";
+    s->created_unix_ms = 1700000000000ull;
+    s->last_used_unix_ms = 1700000001000ull;
+    s->pinned = pinned;
+    s->lease_seconds = 90;
+    s->shared_bytes = 12;
+}
+
+static bool answer_admin(struct fake *f, const Snapkv__Request *req)
+{
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    rep.final = true;
+    switch (req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_LIST: {
+        Snapkv__ListReply l = SNAPKV__LIST_REPLY__INIT;
+        Snapkv__SessionInfo a = SNAPKV__SESSION_INFO__INIT, b = SNAPKV__SESSION_INFO__INIT;
+        fill_info(&a, &ID_A, "acme", false);
+        fill_info(&b, &ID_B, "other", true);
+        Snapkv__SessionInfo *all[2] = {&a, &b};
+        bool one = req->list->tenant && strcmp(req->list->tenant, "acme") == 0;
+        l.n_sessions = one ? 1 : 2;
+        l.sessions = all;
+        rep.result_case = SNAPKV__REPLY__RESULT_LIST;
+        rep.list = &l;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_INSPECT: {
+        Snapkv__InspectReply in = SNAPKV__INSPECT_REPLY__INIT;
+        Snapkv__SessionInfo info = SNAPKV__SESSION_INFO__INIT;
+        fill_info(&info, &ID_A, "acme", false);
+        Snapkv__LayerKept l0 = SNAPKV__LAYER_KEPT__INIT, l1 = SNAPKV__LAYER_KEPT__INIT;
+        uint32_t h0[3] = {2, 2, 1}, h1[3] = {1, 0, 1};
+        l0.layer = 0;
+        l0.kept = 2;
+        l0.n_kept_per_head = 3;
+        l0.kept_per_head = h0;
+        l1.layer = 1;
+        l1.kept = 1;
+        l1.n_kept_per_head = 3;
+        l1.kept_per_head = h1;
+        Snapkv__LayerKept *k[2] = {&l0, &l1};
+        uint32_t pos[7] = {0, 5, 1, 5, 5, 4, 5};
+        float sim[2] = {0.25f, 0.75f};
+        in.info = &info;
+        in.n_kept = 2;
+        in.kept = k;
+        if (req->inspect->with_positions) {
+            in.n_positions = 7;
+            in.positions = pos;
+        }
+        in.spec = "policy=snapkv,ratio=0.1";
+        in.n_layer_similarity = 2;
+        in.layer_similarity = sim;
+        rep.result_case = SNAPKV__REPLY__RESULT_INSPECT;
+        rep.inspect = &in;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_EVICT: {
+        Snapkv__EvictReply e = SNAPKV__EVICT_REPLY__INIT;
+        e.evicted = req->evict->all_unpinned ? 5 : req->evict->tenant[0] ? 2 : 1;
+        e.bytes_freed = 1000u * e.evicted;
+        rep.result_case = SNAPKV__REPLY__RESULT_EVICT;
+        rep.evict = &e;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_PIN: {
+        Snapkv__PinReply p = SNAPKV__PIN_REPLY__INIT;
+        rep.result_case = SNAPKV__REPLY__RESULT_PIN;
+        rep.pin = &p;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_SAVE: {
+        Snapkv__SaveReply s = SNAPKV__SAVE_REPLY__INIT;
+        s.bytes = 65536;
+        rep.result_case = SNAPKV__REPLY__RESULT_SAVE;
+        rep.save = &s;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_LOAD: {
+        Snapkv__LoadReply l = SNAPKV__LOAD_REPLY__INIT;
+        l.session_id = wire_id(&ID_B);
+        rep.result_case = SNAPKV__REPLY__RESULT_LOAD;
+        rep.load = &l;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_STATS: {
+        Snapkv__StatsReply s = SNAPKV__STATS_REPLY__INIT;
+        Snapkv__Stat a = SNAPKV__STAT__INIT, b = SNAPKV__STAT__INIT;
+        a.name = "snapkv_requests_total";
+        a.value = 12;
+        a.help = "requests served";
+        b.name = "snapkv_pool_bytes_used";
+        b.value = 1.5e9;
+        b.help = "";
+        Snapkv__Stat *all[2] = {&a, &b};
+        s.n_stats = 2;
+        s.stats = all;
+        if (req->stats->prometheus)
+            s.prometheus_text = "# HELP snapkv_requests_total requests served\nsnapkv_requests_total 12\n";
+        rep.result_case = SNAPKV__REPLY__RESULT_STATS;
+        rep.stats = &s;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_STATUS: {
+        Snapkv__StatusReply s = SNAPKV__STATUS_REPLY__INIT;
+        s.server_version = "0.1.0-fake";
+        s.model_name = "tiny";
+        s.backend = "cpu";
+        s.uptime_seconds = 77;
+        s.n_sessions = 2;
+        s.pool_bytes_total = 1 << 20;
+        rep.result_case = SNAPKV__REPLY__RESULT_STATUS_REPLY;
+        rep.status_reply = &s;
+        fake_send(f, &rep);
+        return true;
+    }
+    case SNAPKV__REQUEST__COMMAND_CONFIG_GET: {
+        Snapkv__ConfigGetReply cg = SNAPKV__CONFIG_GET_REPLY__INIT;
+        Snapkv__ConfigEntry e = SNAPKV__CONFIG_ENTRY__INIT;
+        e.key = "threads";
+        e.value = "4";
+        e.help = "worker threads";
+        Snapkv__ConfigEntry *all[1] = {&e};
+        cg.n_entries = 1;
+        cg.entries = all;
+        rep.result_case = SNAPKV__REPLY__RESULT_CONFIG_GET;
+        rep.config_get = &cg;
+        fake_send(f, &rep);
+        return true;
+    }
+    default:
+        return false;
+    }
+}
+
+static void config_row(void *user, const char *key, const char *value, const char *help)
+{
+    int *n = user;
+    assert_string_equal(key, "threads");
+    assert_string_equal(value, "4");
+    assert_string_equal(help, "worker threads");
+    (*n)++;
+}
+
+static void test_admin_list_inspect(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_admin);
+    snapkv_client_t *c = connect_fake(f, 2000);
+
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(c, NULL, &l), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_LIST);
+    assert_string_equal(req->list->tenant, "");
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(l.n, 2);
+    assert_memory_equal(l.sessions[0].id.bytes, ID_A.bytes, 16);
+    assert_string_equal(l.sessions[0].tenant, "acme");
+    assert_string_equal(l.sessions[0].owner, "unit:42");
+    assert_string_equal(l.sessions[0].policy, "snapkv");
+    assert_int_equal(l.sessions[0].n_tokens, 350);
+    assert_int_equal(l.sessions[0].kept_tokens, 15);
+    assert_int_equal(l.sessions[0].bytes, 1789);
+    assert_int_equal(l.sessions[0].created_unix_ms, 1700000000000ull);
+    assert_int_equal(l.sessions[0].lease_seconds, 90);
+    assert_int_equal(l.sessions[0].shared_bytes, 12);
+    assert_false(l.sessions[0].pinned);
+    assert_true(l.sessions[1].pinned);
+    assert_string_equal(l.sessions[1].tenant, "other");
+    snapkv_session_list_free(&l);
+    assert_int_equal(snapkv_admin_list(c, "acme", &l), SNAPKV_OK);
+    assert_int_equal(l.n, 1);
+    snapkv_session_list_free(&l);
+
+    struct snapkv_inspect_result in;
+    assert_int_equal(snapkv_admin_inspect(c, &ID_A, true, &in), SNAPKV_OK);
+    req = fake_last(f);
+    assert_wire_id(req->inspect->session_id, &ID_A);
+    assert_true(req->inspect->with_positions);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_memory_equal(in.info.id.bytes, ID_A.bytes, 16);
+    assert_string_equal(in.spec, "policy=snapkv,ratio=0.1");
+    assert_int_equal(in.n_layers, 2);
+    assert_int_equal(in.layers[1].kept_per_head[1], 0);
+    assert_int_equal(in.n_positions, 7);
+    assert_ptr_equal(in.layers[0].positions, in.positions);
+    assert_ptr_equal(in.layers[1].positions, in.positions + 5);
+    assert_int_equal(in.layers[1].positions[0], 4);
+    assert_int_equal(in.n_layer_similarity, 2);
+    assert_true(in.layer_similarity[1] == 0.75f);
+    snapkv_inspect_result_free(&in);
+    assert_null(in.spec);
+
+    assert_int_equal(snapkv_admin_inspect(c, &ID_A, false, &in), SNAPKV_OK);
+    assert_int_equal(in.n_positions, 0);
+    assert_null(in.positions);
+    assert_null(in.layers[0].positions);
+    snapkv_inspect_result_free(&in);
+
+    struct snapkv_status_info si;
+    assert_int_equal(snapkv_admin_status(c, &si), SNAPKV_OK);
+    assert_string_equal(si.model_name, "tiny");
+    assert_int_equal(si.uptime_seconds, 77);
+    assert_int_equal(si.n_sessions, 2);
+    int rows = 0;
+    assert_int_equal(snapkv_admin_config_get(c, "threads", config_row, &rows), SNAPKV_OK);
+    assert_int_equal(rows, 1);
+    req = fake_last(f);
+    assert_string_equal(req->config_get->key, "threads");
+    snapkv__request__free_unpacked(req, NULL);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static void test_admin_actions(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_admin);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    uint32_t evicted = 0;
+    uint64_t freed = 0;
+    assert_int_equal(snapkv_admin_evict(c, &ID_A, NULL, false, &evicted, &freed), SNAPKV_OK);
+    Snapkv__Request *req = fake_last(f);
+    assert_wire_id(req->evict->session_id, &ID_A);
+    assert_string_equal(req->evict->tenant, "");
+    assert_false(req->evict->all_unpinned);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(evicted, 1);
+    assert_int_equal(freed, 1000);
+    assert_int_equal(snapkv_admin_evict(c, NULL, "acme", false, &evicted, NULL), SNAPKV_OK);
+    req = fake_last(f);
+    assert_int_equal(req->evict->session_id.len, 0);
+    assert_string_equal(req->evict->tenant, "acme");
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(evicted, 2);
+    assert_int_equal(snapkv_admin_evict(c, NULL, NULL, true, NULL, &freed), SNAPKV_OK);
+    req = fake_last(f);
+    assert_true(req->evict->all_unpinned);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(freed, 5000);
+
+    assert_int_equal(snapkv_admin_pin(c, &ID_B), SNAPKV_OK);
+    req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_PIN);
+    assert_wire_id(req->pin->session_id, &ID_B);
+    assert_true(req->pin->pin);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(snapkv_admin_unpin(c, &ID_B), SNAPKV_OK);
+    req = fake_last(f);
+    assert_false(req->pin->pin);
+    snapkv__request__free_unpacked(req, NULL);
+
+    uint64_t bytes = 0;
+    assert_int_equal(snapkv_admin_save(c, &ID_A, "run-1.v2_x", &bytes), SNAPKV_OK);
+    req = fake_last(f);
+    assert_string_equal(req->save->name, "run-1.v2_x");
+    assert_wire_id(req->save->session_id, &ID_A);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_int_equal(bytes, 65536);
+    struct snapkv_session_id id;
+    assert_int_equal(snapkv_admin_load(c, "run-1.v2_x", "acme", &id), SNAPKV_OK);
+    req = fake_last(f);
+    assert_string_equal(req->load->name, "run-1.v2_x");
+    assert_string_equal(req->load->tenant, "acme");
+    snapkv__request__free_unpacked(req, NULL);
+    assert_memory_equal(id.bytes, ID_B.bytes, 16);
+
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(c, false, &st), SNAPKV_OK);
+    assert_int_equal(st.n, 2);
+    assert_string_equal(st.stats[0].name, "snapkv_requests_total");
+    assert_true(st.stats[0].value == 12.0);
+    assert_string_equal(st.stats[0].help, "requests served");
+    assert_true(st.stats[1].value == 1.5e9);
+    assert_string_equal(st.prometheus_text, "");
+    snapkv_stats_free(&st);
+    assert_int_equal(snapkv_admin_stats(c, true, &st), SNAPKV_OK);
+    req = fake_last(f);
+    assert_true(req->stats->prometheus);
+    snapkv__request__free_unpacked(req, NULL);
+    assert_non_null(strstr(st.prometheus_text, "snapkv_requests_total 12\n"));
+    snapkv_stats_free(&st);
+    assert_null(st.stats);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static void test_kv_arithmetic(void **state)
+{
+    (void)state;
+    uint32_t h[2] = {3, 3};
+    struct snapkv_layer_kept layers[2] = {{.layer = 4, .kept = 3, .n_heads = 2, .kept_per_head = h},
+                                          {.layer = 5, .kept = 10, .n_heads = 2, .kept_per_head = h}};
+    /* 2 (K, V) * 2 heads * 3 rows * 64 dims * 4 bytes = 3072, then 10 rows: 10240 */
+    assert_int_equal(snapkv_kv_bytes(layers, 1, 2, 64), 3072);
+    assert_int_equal(snapkv_kv_bytes(layers, 2, 2, 64), 3072 + 10240);
+    assert_int_equal(snapkv_kv_bytes(NULL, 2, 2, 64), 0);
+    struct snapkv_kv_layout l = {.n_layers = 2, .layers = layers};
+    assert_int_equal(snapkv_kv_offset(&l, 0, 0, false, 2, 64), 0);
+    assert_int_equal(snapkv_kv_offset(&l, 0, 1, false, 2, 64), 768);
+    assert_int_equal(snapkv_kv_offset(&l, 0, 0, true, 2, 64), 1536);
+    assert_int_equal(snapkv_kv_offset(&l, 0, 1, true, 2, 64), 2304);
+    assert_int_equal(snapkv_kv_offset(&l, 1, 1, true, 2, 64), 3072 + 5120 + 2560);
+    struct snapkv_sampling s;
+    memset(&s, 0x5a, sizeof s);
+    snapkv_sampling_defaults(&s);
+    assert_true(s.temperature == 0.0f && s.top_k == 0 && s.top_p == 1.0f && s.max_tokens == 0);
+    assert_true(s.stop_at_eos);
+    assert_null(s.stop_tokens);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_session_id_hex),
+        cmocka_unit_test(test_last_error),
+        cmocka_unit_test(test_null_client),
+        cmocka_unit_test(test_argument_checks),
+        cmocka_unit_test(test_connect_hello),
+        cmocka_unit_test(test_version_mismatch),
+        cmocka_unit_test(test_connect_timeout),
+        cmocka_unit_test(test_prefill_text),
+        cmocka_unit_test(test_prefill_tokens_progress),
+        cmocka_unit_test(test_error_status),
+        cmocka_unit_test(test_decode_collect),
+        cmocka_unit_test(test_decode_stream),
+        cmocka_unit_test(test_decode_cancel_skips_rest),
+        cmocka_unit_test(test_timeout_then_stale_reply),
+        cmocka_unit_test(test_odd_replies),
+        cmocka_unit_test(test_message_size_limit),
+        cmocka_unit_test(test_append_compress_release),
+        cmocka_unit_test(test_shm),
+        cmocka_unit_test(test_export_import),
+        cmocka_unit_test(test_admin_list_inspect),
+        cmocka_unit_test(test_admin_actions),
+        cmocka_unit_test(test_kv_arithmetic),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
