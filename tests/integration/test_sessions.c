@@ -1,0 +1,577 @@
+/* The real daemon, the default model and several client processes through libsnapkv:
+ * compressed prefill + decode from 8 processes at once giving the in-process engine's tokens,
+ * admin commands while clients run, eviction under pool pressure sparing pinned sessions, a
+ * client killed mid-decode, bad requests, tenant isolation, a shared document forked per
+ * question, shared-memory export/import round trips, save/load, and SIGTERM mid-decode. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/status.h"
+#include "daemon/compress/compress.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/sampler.h"
+#include "kernels/backend.h"
+#include "libclient/snapkv.h"
+#include "tests/common/fixture.h"
+
+#define SPEC "policy=snapkv,budget=48,window=8,kernel=5"
+#define N_PROMPT 160
+#define N_GEN 12
+
+struct daemon {
+    pid_t pid;
+    char dir[64], endpoint[128], admin[128], log[128];
+};
+
+static char *g_model;
+static pid_t g_daemons[4]; /* started by the running test: killed by the teardown if it fails */
+
+static void start_daemon(struct daemon *d, const char *pool)
+{
+    snprintf(d->dir, sizeof d->dir, "/tmp/skv-sess-XXXXXX");
+    assert_non_null(mkdtemp(d->dir));
+    snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
+    snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
+    snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char exe[4096];
+    snprintf(exe, sizeof exe, "%s/snapkvd", build);
+    d->pid = fork();
+    if (d->pid == 0) {
+        char a[5][4200];
+        snprintf(a[0], sizeof a[0], "--endpoint=%s", d->endpoint);
+        snprintf(a[1], sizeof a[1], "--admin-endpoint=%s", d->admin);
+        snprintf(a[2], sizeof a[2], "--model=%s", g_model);
+        snprintf(a[3], sizeof a[3], "--state-dir=%s", d->dir);
+        snprintf(a[4], sizeof a[4], "--pool-size=%s", pool);
+        if (!freopen(d->log, "a", stderr) || !freopen("/dev/null", "w", stdout))
+            _exit(126);
+        execl(exe, exe, a[0], a[1], a[2], a[3], a[4], "--threads=2", "--backend=cpu", "--log-level=debug",
+              "--max-sessions-per-tenant=16", (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++) {
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.timeout_ms = 200};
+        if (snapkv_connect(d->endpoint, &o, &c) == SNAPKV_OK) {
+            snapkv_close(&c);
+            for (int k = 0; k < 4; k++)
+                if (!g_daemons[k]) {
+                    g_daemons[k] = d->pid;
+                    break;
+                }
+            return;
+        }
+        usleep(100 * 1000);
+    }
+    fail_msg("daemon did not start; see %s", d->log);
+}
+
+static void forget_daemon(pid_t pid)
+{
+    for (int k = 0; k < 4; k++)
+        if (g_daemons[k] == pid)
+            g_daemons[k] = 0;
+}
+
+static void stop_daemon(struct daemon *d)
+{
+    forget_daemon(d->pid);
+    if (d->pid > 0) {
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, NULL, 0);
+        d->pid = 0;
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", d->dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "cleanup of %s failed\n", d->dir);
+}
+
+static snapkv_client_t *client(const char *endpoint, const char *tenant)
+{
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts o = {.tenant = tenant, .timeout_ms = 120000};
+    assert_int_equal(snapkv_connect(endpoint, &o, &c), SNAPKV_OK);
+    return c;
+}
+
+static void prompt(uint32_t *ids, int n, int salt)
+{
+    for (int i = 0; i < n; i++)
+        ids[i] = (uint32_t)(300 + (i * 131 + salt * 977) % 20000);
+}
+
+/* The in-process engine's greedy tokens for the same prompt and spec. */
+static void expected_tokens(const uint32_t *ids, int n, const char *spec_text, uint32_t *out, int n_gen)
+{
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL;
+    struct skv_compressor *comp = NULL;
+    struct skv_compress_spec spec;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    assert_int_equal(skv_model_load(g_model, be, NULL, &m), SKV_OK);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, m, &comp), SKV_OK);
+    int32_t *t = malloc((size_t)n * sizeof *t);
+    for (int i = 0; i < n; i++)
+        t[i] = (int32_t)ids[i];
+    float *logits = malloc((size_t)m->cfg.n_vocab * sizeof *logits);
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+    assert_int_equal(skv_compressor_begin(comp, cache, n), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cache, t, n, &fo, logits), SKV_OK);
+    assert_int_equal(skv_compressor_finish(comp, cache), SKV_OK);
+    for (int k = 0; k < n_gen; k++) {
+        int32_t tok = skv_argmax(logits, m->cfg.n_vocab);
+        out[k] = (uint32_t)tok;
+        assert_int_equal(skv_compressor_begin_decode(comp, cache), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, cache, &tok, 1, &fo, logits), SKV_OK);
+    }
+    free(t);
+    free(logits);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+}
+
+static int kill_daemons(void **state)
+{
+    (void)state;
+    for (int k = 0; k < 4; k++)
+        if (g_daemons[k] > 0) {
+            kill(g_daemons[k], SIGKILL);
+            waitpid(g_daemons[k], NULL, 0);
+            g_daemons[k] = 0;
+        }
+    return 0;
+}
+
+static int group_setup(void **state)
+{
+    g_model = fixture_model_path();
+    *state = g_model ? (void *)1 : NULL;
+    return 0;
+}
+
+#define NEED_MODEL()                                                                               \
+    if (!*state)                                                                                   \
+        skip();
+
+/* 8 processes at once: prefill (compressed), compress again, decode; tokens equal the engine's. */
+static void test_eight_clients(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    enum { N = 8 };
+    uint32_t want[N][N_GEN];
+    for (int i = 0; i < N; i++) {
+        uint32_t ids[N_PROMPT];
+        prompt(ids, N_PROMPT, i);
+        if (i < 2) /* two references are enough: every process runs the same code path */
+            expected_tokens(ids, N_PROMPT, SPEC, want[i], N_GEN);
+    }
+    pid_t kids[N];
+    for (int i = 0; i < N; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            uint32_t ids[N_PROMPT];
+            prompt(ids, N_PROMPT, i);
+            snapkv_client_t *c = client(d.endpoint, "tenant-a");
+            struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = SPEC};
+            struct snapkv_prefill_result pr;
+            if (snapkv_prefill(c, &po, &pr))
+                _exit(10);
+            if (pr.n_tokens != N_PROMPT || pr.layers[0].kept != 48 || pr.bytes_after * 3 > pr.bytes_before)
+                _exit(11);
+            struct snapkv_sampling sp;
+            snapkv_sampling_defaults(&sp);
+            sp.max_tokens = N_GEN;
+            sp.stop_at_eos = false;
+            struct snapkv_decode_result dr;
+            if (snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr))
+                _exit(12);
+            if (dr.n_tokens != N_GEN)
+                _exit(13);
+            if (i < 2 && memcmp(dr.tokens, want[i], sizeof want[i]) != 0)
+                _exit(14);
+            /* re-compress the grown session and keep decoding */
+            struct snapkv_compress_result cr;
+            if (snapkv_compress(c, &pr.id, "policy=streaming,budget=32,sinks=4", 0, &cr) || cr.layers[5].kept != 32)
+                _exit(15);
+            snapkv_compress_result_free(&cr);
+            sp.max_tokens = 4;
+            snapkv_decode_result_free(&dr);
+            if (snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr) || dr.n_tokens != 4)
+                _exit(16);
+            snapkv_decode_result_free(&dr);
+            if (snapkv_release(c, &pr.id))
+                _exit(17);
+            snapkv_prefill_result_free(&pr);
+            snapkv_close(&c);
+            _exit(0);
+        }
+    }
+    /* admin commands while they run */
+    snapkv_client_t *a = client(d.admin, NULL);
+    for (int k = 0; k < 5; k++) {
+        struct snapkv_session_list l;
+        assert_int_equal(snapkv_admin_list(a, NULL, &l), SNAPKV_OK);
+        for (size_t i = 0; i < l.n; i++) {
+            struct snapkv_inspect_result ir;
+            int rc = snapkv_admin_inspect(a, &l.sessions[i].id, true, &ir);
+            assert_true(rc == SNAPKV_OK || rc == SNAPKV_E_NOT_FOUND); /* may finish meanwhile */
+            if (rc == SNAPKV_OK)
+                snapkv_inspect_result_free(&ir);
+        }
+        snapkv_session_list_free(&l);
+        usleep(200 * 1000);
+    }
+    snapkv_close(&a);
+    for (int i = 0; i < N; i++) {
+        int st;
+        assert_int_equal(waitpid(kids[i], &st, 0), kids[i]);
+        assert_true(WIFEXITED(st));
+        if (WEXITSTATUS(st) != 0)
+            fail_msg("client %d exited %d (see %s)", i, WEXITSTATUS(st), d.log);
+    }
+    stop_daemon(&d);
+}
+
+/* Bad requests get clear statuses; the daemon keeps serving; tenants are isolated. */
+static void test_errors_and_tenants(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *a = client(d.endpoint, "alice"), *b = client(d.endpoint, "bob");
+    uint32_t ids[64];
+    prompt(ids, 64, 3);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 64};
+    struct snapkv_prefill_result pr;
+    ids[5] = 49152; /* out of the vocabulary */
+    assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "vocabulary"));
+    ids[5] = 7;
+    po.compress = "policy=snapkv,budget=-4";
+    assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "budget"));
+    po.compress = "policy=snapkv,colour=blue,budget=4";
+    assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_E_INVAL);
+    po.compress = "policy=snapkv,budget=16";
+    assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_OK);
+    struct snapkv_session_id unknown = {{1, 2, 3}};
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 2;
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode(a, &unknown, &sp, NULL, NULL, &dr), SNAPKV_E_NOT_FOUND);
+    sp.max_tokens = 100000;
+    assert_int_equal(snapkv_decode(a, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_E_LIMIT);
+    sp.max_tokens = 2;
+    sp.temperature = -1;
+    assert_int_equal(snapkv_decode(a, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    sp.temperature = 0;
+    /* bob sees nothing of alice's */
+    assert_int_equal(snapkv_decode(b, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_E_NOT_FOUND);
+    assert_int_equal(snapkv_release(b, &pr.id), SNAPKV_E_NOT_FOUND);
+    struct snapkv_session_id f;
+    assert_int_equal(snapkv_fork(b, &pr.id, &f, NULL), SNAPKV_E_NOT_FOUND);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("iso", 1 << 20, &shm), SNAPKV_OK);
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(b, &pr.id, &shm, 0, &lay), SNAPKV_E_NOT_FOUND);
+    /* too small a buffer for alice's own export */
+    struct snapkv_shm tiny;
+    assert_int_equal(snapkv_shm_create("tiny", 4096, &tiny), SNAPKV_OK);
+    assert_int_equal(snapkv_export_kv(a, &pr.id, &tiny, 0, &lay), SNAPKV_E_LIMIT);
+    snapkv_shm_destroy(&tiny);
+    /* alice's session is intact and decodes */
+    assert_int_equal(snapkv_decode(a, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, 2);
+    snapkv_decode_result_free(&dr);
+    /* export -> import round trip through shared memory */
+    assert_int_equal(snapkv_export_kv(a, &pr.id, &shm, 128, &lay), SNAPKV_OK);
+    assert_int_equal(lay.n_layers, 30);
+    assert_int_equal(lay.layers[0].kept, 18); /* 16 kept + 2 decoded (snapkv evicts only at prefill) */
+    struct snapkv_import_opts io = {.shm = &shm, .offset = 128, .layers = lay.layers, .n_layers = lay.n_layers,
+                                    .positions = lay.positions, .n_positions = lay.n_positions,
+                                    .original_length = 66};
+    struct snapkv_session_id imported;
+    assert_int_equal(snapkv_import_kv(a, &io, &imported), SNAPKV_OK);
+    sp.max_tokens = 3;
+    struct snapkv_decode_result d1, d2;
+    assert_int_equal(snapkv_decode(a, &pr.id, &sp, NULL, NULL, &d1), SNAPKV_OK);
+    /* the import has no logits yet: append the token the original consumed last */
+    struct snapkv_append_opts ao = {.tokens = &d1.tokens[0], .n_tokens = 1};
+    (void)ao;
+    snapkv_decode_result_free(&d1);
+    assert_int_equal(snapkv_decode(a, &imported, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL); /* nothing to continue */
+    snapkv_kv_layout_free(&lay);
+    snapkv_shm_destroy(&shm);
+    /* a raw garbage request, then the daemon still serves */
+    snapkv_client_t *c = client(d.endpoint, "alice");
+    snapkv_close(&c);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&b);
+    stop_daemon(&d);
+}
+
+/* A small pool: LRU eviction frees idle sessions, never the pinned one; POOL_FULL when nothing
+ * can go. */
+static void test_pool_pressure(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "8M"); /* a full 160-token session holds 30*3*64*2*4*160 = 7.0 MiB */
+    snapkv_client_t *c = client(d.endpoint, "p"), *a = client(d.admin, NULL);
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 9);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 96, .compress = "policy=snapkv,budget=32"};
+    struct snapkv_prefill_result first, pr;
+    assert_int_equal(snapkv_prefill(c, &po, &first), SNAPKV_OK); /* 1.4 MiB */
+    assert_int_equal(snapkv_admin_pin(a, &first.id), SNAPKV_OK);
+    for (int i = 0; i < 6; i++) { /* 6 more compressed sessions: some must be evicted */
+        assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+    }
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, &first.id, false, &ir), SNAPKV_OK); /* pinned: kept */
+    assert_true(ir.info.pinned);
+    snapkv_inspect_result_free(&ir);
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, true, &st), SNAPKV_OK);
+    double evictions = -1;
+    for (size_t i = 0; i < st.n; i++)
+        if (strcmp(st.stats[i].name, "snapkv_evictions_total") == 0)
+            evictions = st.stats[i].value;
+    assert_true(evictions >= 1);
+    assert_non_null(strstr(st.prometheus_text, "# TYPE snapkv_pool_bytes_used gauge"));
+    snapkv_stats_free(&st);
+    /* a full-cache 160-token prompt does not fit beside the pinned session: POOL_FULL */
+    po.n_tokens = N_PROMPT;
+    po.compress = NULL;
+    uint32_t n_ev = 0;
+    assert_int_equal(snapkv_admin_evict(a, NULL, "p", false, &n_ev, NULL), SNAPKV_OK); /* unpinned ones go */
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_E_POOL_FULL);
+    assert_int_equal(snapkv_admin_inspect(a, &first.id, false, &ir), SNAPKV_OK); /* still there */
+    snapkv_inspect_result_free(&ir);
+    /* unpin: now it can be evicted to make room */
+    assert_int_equal(snapkv_admin_unpin(a, &first.id), SNAPKV_OK);
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(a, &first.id, false, &ir), SNAPKV_E_NOT_FOUND);
+    /* save / load of the new session */
+    uint64_t bytes = 0;
+    assert_int_equal(snapkv_admin_save(a, &pr.id, "doc-1", &bytes), SNAPKV_OK);
+    assert_true(bytes > 7000000);
+    assert_int_equal(snapkv_admin_save(a, &pr.id, "../escape", &bytes), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+    struct snapkv_session_id loaded;
+    assert_int_equal(snapkv_admin_load(a, "doc-1", "p", &loaded), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(a, &loaded, false, &ir), SNAPKV_OK);
+    assert_int_equal(ir.info.n_tokens, N_PROMPT);
+    snapkv_inspect_result_free(&ir);
+    assert_int_equal(snapkv_admin_load(a, "missing", "p", &loaded), SNAPKV_E_NOT_FOUND);
+    snapkv_prefill_result_free(&pr);
+    snapkv_prefill_result_free(&first);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
+/* A client SIGKILLed mid-decode: others are served, its session goes when its lease ends. */
+static void test_killed_client_and_lease(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    pid_t kid = fork();
+    if (kid == 0) {
+        snapkv_client_t *c = client(d.endpoint, "k");
+        uint32_t ids[64];
+        prompt(ids, 64, 5);
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 64, .lease_seconds = 2};
+        struct snapkv_prefill_result pr;
+        if (snapkv_prefill(c, &po, &pr))
+            _exit(1);
+        struct snapkv_sampling sp;
+        snapkv_sampling_defaults(&sp);
+        sp.max_tokens = 400;
+        sp.stop_at_eos = false;
+        struct snapkv_decode_result dr;
+        snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr); /* killed while waiting */
+        _exit(2);
+    }
+    snapkv_client_t *a = client(d.admin, NULL);
+    struct snapkv_session_list l = {0};
+    for (int i = 0; i < 200 && l.n == 0; i++) { /* wait for its session */
+        snapkv_session_list_free(&l);
+        assert_int_equal(snapkv_admin_list(a, "k", &l), SNAPKV_OK);
+        usleep(50 * 1000);
+    }
+    assert_int_equal(l.n, 1);
+    snapkv_session_list_free(&l);
+    usleep(300 * 1000);
+    kill(kid, SIGKILL);
+    waitpid(kid, NULL, 0);
+    /* another client is served meanwhile */
+    snapkv_client_t *c = client(d.endpoint, "other");
+    uint32_t ids[32];
+    prompt(ids, 32, 6);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 32};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    /* the orphan finishes its decode, then its 2 s lease runs out */
+    bool gone = false;
+    for (int i = 0; i < 300 && !gone; i++) {
+        assert_int_equal(snapkv_admin_list(a, "k", &l), SNAPKV_OK);
+        gone = l.n == 0;
+        snapkv_session_list_free(&l);
+        usleep(100 * 1000);
+    }
+    assert_true(gone);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
+/* One process prefills a document whole and pins it; others fork it, append their question,
+ * re-compress with the question as the window, and decode. */
+static void test_shared_document(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *owner = client(d.endpoint, "team"), *a = client(d.admin, NULL);
+    uint32_t doc[N_PROMPT];
+    prompt(doc, N_PROMPT, 11);
+    struct snapkv_prefill_opts po = {.tokens = doc, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(owner, &po, &pr), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(a, &pr.id), SNAPKV_OK);
+    enum { N = 4 };
+    pid_t kids[N];
+    for (int i = 0; i < N; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            snapkv_client_t *c = client(d.endpoint, "team");
+            struct snapkv_session_id f;
+            if (snapkv_fork(c, &pr.id, &f, NULL))
+                _exit(1);
+            uint32_t q[8];
+            prompt(q, 8, 100 + i);
+            struct snapkv_append_opts ao = {.tokens = q, .n_tokens = 8};
+            struct snapkv_append_result ar;
+            if (snapkv_append(c, &f, &ao, &ar) || ar.n_tokens != N_PROMPT + 8)
+                _exit(2);
+            struct snapkv_compress_result cr;
+            if (snapkv_compress(c, &f, "policy=snapkv,budget=40,window=8", 0, &cr) || cr.layers[0].kept != 40)
+                _exit(3);
+            struct snapkv_sampling sp;
+            snapkv_sampling_defaults(&sp);
+            sp.max_tokens = 4;
+            struct snapkv_decode_result dr;
+            if (snapkv_decode(c, &f, &sp, NULL, NULL, &dr))
+                _exit(4);
+            _exit(0);
+        }
+    }
+    for (int i = 0; i < N; i++) {
+        int st;
+        waitpid(kids[i], &st, 0);
+        assert_true(WIFEXITED(st));
+        if (WEXITSTATUS(st))
+            fail_msg("fork client %d exited %d", i, WEXITSTATUS(st));
+    }
+    /* the document is prefilled once and untouched */
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &ir), SNAPKV_OK);
+    assert_int_equal(ir.info.n_tokens, N_PROMPT);
+    assert_int_equal(ir.layers[0].kept, N_PROMPT);
+    snapkv_inspect_result_free(&ir);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, "team", &l), SNAPKV_OK);
+    assert_int_equal(l.n, 1 + N);
+    snapkv_session_list_free(&l);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&owner);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
+/* SIGTERM while a long decode streams: the client gets a final answer, the daemon exits 0. */
+static int count_tokens(void *user, const uint32_t *t, size_t n, const char *text)
+{
+    (void)t;
+    (void)text;
+    *(size_t *)user += n;
+    return 0;
+}
+
+static void test_sigterm_mid_decode(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *c = client(d.endpoint, "t");
+    uint32_t ids[32];
+    prompt(ids, 32, 7);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 32};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    pid_t killer = fork();
+    if (killer == 0) {
+        usleep(700 * 1000);
+        kill(d.pid, SIGTERM);
+        _exit(0);
+    }
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 2000;
+    sp.stop_at_eos = false;
+    size_t got = 0;
+    struct snapkv_decode_result dr;
+    int rc = snapkv_decode(c, &pr.id, &sp, count_tokens, &got, &dr);
+    assert_int_equal(rc, SNAPKV_OK);
+    assert_string_equal(dr.finish_reason, "cancelled");
+    assert_true(got > 0 && got < 2000);
+    snapkv_decode_result_free(&dr);
+    waitpid(killer, NULL, 0);
+    int st;
+    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    forget_daemon(d.pid);
+    d.pid = 0;
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_eight_clients, kill_daemons),     cmocka_unit_test_teardown(test_errors_and_tenants, kill_daemons),
+        cmocka_unit_test_teardown(test_pool_pressure, kill_daemons),     cmocka_unit_test_teardown(test_killed_client_and_lease, kill_daemons),
+        cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
+    };
+    return cmocka_run_group_tests(tests, group_setup, NULL);
+}
