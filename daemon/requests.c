@@ -799,7 +799,9 @@ static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, 
     size_t len = 0;
     memcpy(buf, d->pending, d->n_pending);
     size_t have = d->n_pending;
-    if (w->m->tok && skv_tokenizer_token_bytes(w->m->tok, t, buf + have, cap - have - 1, &len) == SKV_OK)
+    /* control tokens (<|im_end|> ...) carry no text for the reader; their ids still stream */
+    if (w->m->tok && !skv_tokenizer_is_special(w->m->tok, t) &&
+        skv_tokenizer_token_bytes(w->m->tok, t, buf + have, cap - have - 1, &len) == SKV_OK)
         have += len < cap - have - 1 ? len : cap - have - 1;
     /* find the end of the last complete character */
     size_t end = have;
