@@ -717,17 +717,21 @@ void skv_q16_act_quantize(const float *x, int64_t cols, void *buf, struct skv_q1
 
 /* Why 16-bit activations. With GGML-style 8-bit activations (x ~= d * q8, d = amax / 127 per
  * 32 values) SmolLM2-135M decoded 1024 tokens with top-1 agreement 0.973 and mean KL 3.4e-3
- * against the f32 reference: its activations have outliers, so the 8-bit step is coarse for
- * the other values of a block. Measured alternatives (agreement / KL; decode tok/s at 2
- * threads; one-thread ms per token of weights, memory-bound and with the weights in cache):
- *   8-bit (before)                       0.973 / 3.4e-3   ~114    14.2 ms   0.16 ms
- *   two 8-bit levels, 254 hi + lo        1.000 / <1e-5             14.1 ms   0.20 ms
- *   16-bit, madd_epi16 (this)            1.000 / <1e-5             __B1__ ms   __B2__ ms
- * The two-level form reuses maddubs but needs two maddubs and two madds per 32 values; int16
- * needs the weights widened to int16 once per block (vpmovzxbw, shared by all columns) and
- * then only two madds, so it costs about one instruction per block more than 8 bits. The
- * float alternative (unpack to f32 and FMA) would be exact but needs four conversions and
- * four FMAs per block and column. Decode is memory-bound, so the extra work hides. */
+ * against the f32 reference: its activations have outlier channels, so the 8-bit step is
+ * coarse for the other values of a block. Alternatives measured on the target (agreement /
+ * mean KL; one thread, ms per pass over one layer's Q4_1 matrices in cache, and over a whole
+ * token's 96 MB of weights from memory):
+ *   8-bit (before)                            0.973 / 3.4e-3    0.154 ms   14.2 ms
+ *   two 8-bit levels, x ~= e (254 hi + lo)    1.000 / < 1e-5    0.193 ms   14.1 ms
+ *   16-bit, madd_epi16 (this)                 1.000 / < 1e-5    0.150 ms   ~14 ms
+ * The two-level form keeps maddubs but needs two maddubs and two madds per 32 values and
+ * column. int16 widens the weights once per block (vpmovzxbw, shared by all columns) and then
+ * needs two madds per column, as cheap as 8 bits for Q4_0 / Q4_1 / Q8_0 / Q4_K; Q5_K loses
+ * ~6%, Q6_K ~20% and Q5_0 / Q5_1 ~35% in cache (their extra bits cost more to widen), which
+ * decode, bound by memory bandwidth, mostly hides. A float path (weights unpacked to f32 in
+ * registers, FMA) would be exact but needs four conversions per block and four FMAs per block
+ * and column. Decode at 2 threads measured the same before and after (within the noise of a
+ * shared machine). */
 
 /* A tile of nr weight rows x nc activation columns of a 32-wide format. Per block, the weight
  * scales times act_ds give [d * e_b, m * s_b] (or [d * e_b, d * s_b]) in one multiply:
