@@ -22,6 +22,9 @@
 #include <time.h>
 
 #define MAX_LIST 32
+/* passkey counts are [length][spec][depth], so the lengths done so far are a prefix */
+#define CIDX(i, l, d) (((l) * q->n_specs + (i)) * nd + (d))
+#define VERIFY_TOKENS 1024  /* prompt length of the fan-out / reuse equivalence check */
 
 /* ---- passkey prompt text --------------------------------------------------------------------- */
 
@@ -46,7 +49,7 @@ static const struct passkey_style STYLES[] = {
     {"", "What is the pass key? Answer with the 5-digit number only.", "The pass key is"},
 };
 #define N_STYLES ((int)(sizeof STYLES / sizeof STYLES[0]))
-#define DEFAULT_STYLE 1
+#define DEFAULT_STYLE 5
 
 int skv_bench_quality_n_styles(void)
 {
@@ -584,6 +587,14 @@ struct qctx {
     char cmdline[4096];
 };
 
+/* The model's file name (what the reader recognises), else its general.name. */
+static const char *model_label(const struct qctx *q)
+{
+    const char *slash = strrchr(q->m->path, '/');
+    const char *base = slash ? slash + 1 : q->m->path;
+    return *base ? base : q->m->name;
+}
+
 static json_t *meta_json(const struct qctx *q)
 {
     json_t *j = json_object();
@@ -713,6 +724,56 @@ static int passkey_prompt(const struct qctx *q, const struct passkey_style *st, 
     return SKV_OK;
 }
 
+/* Prompt indices of the key's digit tokens (every occurrence): tokens whose bytes spell
+ * the key when concatenated over a run. Returns the count written to pos (<= max). */
+static int key_token_positions(const struct skv_tokenizer *tok, const int32_t *ids, int n, const char *key,
+                               int32_t *pos, int max)
+{
+    size_t klen = strlen(key);
+    int found = 0;
+    for (int i = 0; i < n && found < max; i++) {
+        char buf[64];
+        size_t at = 0;
+        int j = i;
+        while (j < n && at < klen) {
+            size_t len = 0;
+            if (skv_tokenizer_token_bytes(tok, ids[j], buf, sizeof buf, &len) || len == 0 || len > sizeof buf ||
+                at + len > klen || memcmp(buf, key + at, len))
+                break;
+            at += len;
+            j++;
+        }
+        if (at == klen) {
+            for (int k = i; k < j && found < max; k++)
+                pos[found++] = k;
+            i = j - 1;
+        }
+    }
+    return found;
+}
+
+/* Fraction of (layer, KV head, key token) rows a cache kept. */
+static double key_rows_kept(const struct skv_kv_cache *c, const int32_t *kpos, int nk)
+{
+    long kept = 0, total = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *h = &c->heads[i];
+        for (int k = 0; k < nk; k++) {
+            int lo = 0, hi = h->len; /* positions are sorted */
+            while (lo < hi) {
+                int mid = (lo + hi) / 2;
+                if (h->pos[mid] < kpos[k])
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            kept += lo < h->len && h->pos[lo] == kpos[k];
+            total++;
+        }
+    }
+    return total ? (double)kept / total : 0.0;
+}
+
 static int passkey_key(uint64_t seed, int length, int depth, int trial)
 {
     uint64_t h = splitmix64(seed ^ splitmix64((uint64_t)length * 1000003u + (uint64_t)depth * 101u + (uint64_t)trial));
@@ -788,12 +849,12 @@ static int passkey_verify(struct qctx *q, const int32_t *ids, int n, json_t *out
 static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengths, int nl, const int *depths, int nd,
                        int trials, const int *correct, int style, int max_tokens, double seconds, json_t *verify)
 {
-    /* correct[(i * nl + li) * nd + di] keys found out of `trials` */
+    /* correct[CIDX(spec, length, depth)]: keys found out of `trials` */
     sb_add(md, "## Passkey retrieval\n\n");
     sb_add(md, "Command: `%s`  \n", q->cmdline);
     sb_add(md, "Model %s, backend %s, %d threads; %d keys per (length, depth), greedy, at most %d answer "
                "tokens; prompt style %d (%s); %.0f s.\n\n",
-           q->m->name, q->m->be->name, q->m->be->n_threads, trials, max_tokens, style,
+           model_label(q), q->m->be->name, q->m->be->n_threads, trials, max_tokens, style,
            skv_bench_quality_style_desc(style), seconds);
     sb_add(md, "Accuracy (%%) per prompt length in tokens, averaged over depths");
     for (int d = 0; d < nd; d++)
@@ -812,7 +873,7 @@ static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengt
         for (int l = 0; l < nl; l++) {
             int c = 0;
             for (int d = 0; d < nd; d++)
-                c += correct[(i * nl + l) * nd + d];
+                c += correct[CIDX(i, l, d)];
             tot += c;
             sb_add(md, " %.0f |", 100.0 * c / per);
         }
@@ -832,8 +893,8 @@ static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengt
             for (int l = 0; l < nl; l++) {
                 int c = 0, f = 0;
                 for (int d = 0; d < nd; d++) {
-                    c += correct[(i * nl + l) * nd + d];
-                    f += correct[(0 * nl + l) * nd + d];
+                    c += correct[CIDX(i, l, d)];
+                    f += correct[CIDX(0, l, d)];
                 }
                 if (f)
                     sb_add(md, " %.0f%% |", 100.0 * c / f);
@@ -855,7 +916,7 @@ static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengt
         for (int d = 0; d < nd; d++) {
             sb_add(md, "| %d%% |", depths[d]);
             for (int l = 0; l < nl; l++)
-                sb_add(md, " %d/%d |", correct[(i * nl + l) * nd + d], trials);
+                sb_add(md, " %d/%d |", correct[CIDX(i, l, d)], trials);
             sb_add(md, "\n");
         }
     }
@@ -905,7 +966,7 @@ static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int n
         for (int l = 0; l < nl; l++) {
             int c = 0;
             for (int d = 0; d < nd; d++)
-                c += correct[(i * nl + l) * nd + d];
+                c += correct[CIDX(i, l, d)];
             sb_add(&gp, "%d %.4f\n", lengths[l], (double)c / (nd * trials));
         }
         sb_add(&gp, "EOD\n");
@@ -914,11 +975,11 @@ static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int n
     sb_add(&gp, "set output 'passkey_accuracy.png'\n"
                 "set title 'Passkey retrieval: %s'\n"
                 "set logscale x 2\nset xtics (",
-           q->m->name);
+           model_label(q));
     for (int l = 0; l < nl; l++)
         sb_add(&gp, "%s'%d' %d", l ? ", " : "", lengths[l], lengths[l]);
     sb_add(&gp, ")\nset xlabel 'prompt length (tokens)'\nset ylabel 'accuracy'\nset yrange [-0.05:1.05]\n"
-                "set grid\nset key below\nplot ");
+                "set grid\nset key below maxrows 4\nplot ");
     for (int i = 0; i < q->n_specs; i++)
         sb_add(&gp, "%s$d%d using ($1*(1+0.015*(%d-%d/2.0))):2 with linespoints lw %d title '%s'", i ? ", \\\n     " : "",
                i, i, q->n_specs, i == 0 ? 3 : 1, spec_name(q, i));
@@ -928,104 +989,33 @@ static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int n
     free(gp.s);
 }
 
-static int task_passkey(struct qctx *q, json_t *root)
+/* One passkey run's state (what the outputs are written from). */
+struct pk_run {
+    int lengths[MAX_LIST], depths[MAX_LIST], nl, nd;
+    int trials, max_tokens, style;
+    int *correct;              /* [CIDX] */
+    json_t *results, *verify;
+    double t_prefill, t_decode;
+};
+
+/* Writes passkey.json / .md / .png for the first nl_done lengths (after each length, so a
+ * run cut short keeps what it finished). *jp_out: the JSON (new reference). */
+static int passkey_write(struct qctx *q, const struct pk_run *p, int nl_done, bool final, double seconds,
+                         json_t **jp_out)
 {
-    const struct skv_quality_opts *o = q->o;
-    int lengths[MAX_LIST], depths[MAX_LIST], nl = 0, nd = 0;
-    int rc = parse_ints(o->lengths ? o->lengths : "512,1024,2048,4096", "--lengths", lengths, MAX_LIST, 16, 1 << 20,
-                        &nl);
-    if (!rc)
-        rc = parse_ints(o->depths ? o->depths : "0,50,100", "--depths", depths, MAX_LIST, 0, 100, &nd);
-    if (rc)
-        return rc;
-    int trials = o->trials > 0 ? o->trials : 2;
-    int max_tokens = o->max_tokens > 0 ? o->max_tokens : 8;
-    int style = o->passkey_style >= 0 ? o->passkey_style : DEFAULT_STYLE;
-    if (style >= N_STYLES)
-        return skv_errorf(SKV_E_INVAL, "--passkey-style: 0..%d", N_STYLES - 1);
-    const struct passkey_style *st = &STYLES[style];
-    int nv = q->m->cfg.n_vocab;
-    int *correct = calloc((size_t)q->n_specs * nl * nd, sizeof *correct);
-    float *first = malloc((size_t)nv * sizeof *first), *logits = malloc((size_t)nv * sizeof *logits);
-    int32_t *out = malloc((size_t)max_tokens * sizeof *out);
-    json_t *jp = json_object(), *results = json_array(), *verify = json_array();
-    if (!correct || !first || !logits || !out) {
-        rc = SKV_E_NOMEM;
-        goto out_free;
-    }
-    double t_start = now_s(), t_prefill = 0, t_decode = 0;
-    for (int l = 0; l < nl && !rc; l++) {
-        for (int d = 0; d < nd && !rc; d++) {
-            for (int t = 0; t < trials && !rc; t++) {
-                int key = passkey_key(o->seed, lengths[l], depths[d], t);
-                int32_t *ids = NULL;
-                int n = 0;
-                rc = passkey_prompt(q, st, lengths[l], depths[d], key, &ids, &n);
-                if (rc)
-                    break;
-                if (l == 0 && d == 0 && t == 0 && q->n_specs > 1) {
-                    double tv = now_s();
-                    rc = passkey_verify(q, ids, n, verify);
-                    fprintf(stderr, "verify: %.1f s\n", now_s() - tv);
-                    if (rc) {
-                        free(ids);
-                        break;
-                    }
-                }
-                struct fan_run r;
-                double t0 = now_s();
-                rc = fan_prefill(q->e, q->m, q->specs, q->n_specs, ids, n, first, &r);
-                double t1 = now_s();
-                t_prefill += t1 - t0;
-                char keytxt[16];
-                snprintf(keytxt, sizeof keytxt, "%05d", key);
-                fprintf(stderr, "passkey len %5d (%5d tok) depth %3d%% key %s prefill %6.1f s:", lengths[l], n,
-                        depths[d], keytxt, t1 - t0);
-                for (int i = 0; i < q->n_specs && !rc; i++) {
-                    uint64_t kv = skv_kv_cache_bytes(r.cache[i]);
-                    int got = 0;
-                    rc = greedy(q->e, q->m, r.cache[i], r.comp[i], first, logits, max_tokens, true, keytxt, out, &got);
-                    char *text = NULL;
-                    if (!rc)
-                        rc = skv_tokenizer_decode(q->m->tok, out, got, &text);
-                    if (rc)
-                        break;
-                    bool ok = strstr(text, keytxt) != NULL;
-                    correct[(i * nl + l) * nd + d] += ok;
-                    fprintf(stderr, " %c", ok ? '+' : '-');
-                    json_t *jr = json_object();
-                    json_object_set_new(jr, "spec", json_string(q->specs[i].text));
-                    json_object_set_new(jr, "length", json_integer(lengths[l]));
-                    json_object_set_new(jr, "prompt_tokens", json_integer(n));
-                    json_object_set_new(jr, "depth", json_integer(depths[d]));
-                    json_object_set_new(jr, "trial", json_integer(t));
-                    json_object_set_new(jr, "key", json_string(keytxt));
-                    json_object_set_new(jr, "output", json_string(text));
-                    json_object_set_new(jr, "correct", json_boolean(ok));
-                    json_object_set_new(jr, "kv_bytes_after_prefill", json_integer((json_int_t)kv));
-                    json_array_append_new(results, jr);
-                    free(text);
-                }
-                t_decode += now_s() - t1;
-                fprintf(stderr, "  (%.1f s)\n", now_s() - t1);
-                fan_free(&r);
-                free(ids);
-            }
-        }
-    }
-    if (rc)
-        goto out_free;
-    double seconds = now_s() - t_start;
-    json_t *acc = json_array(), *jl = json_array(), *jd = json_array();
-    for (int l = 0; l < nl; l++)
+    const struct passkey_style *st = &STYLES[p->style];
+    const int *lengths = p->lengths, *depths = p->depths, *correct = p->correct;
+    int nd = p->nd, trials = p->trials;
+    json_t *jp = json_object(), *acc = json_array(), *jl = json_array(), *jd = json_array();
+    for (int l = 0; l < nl_done; l++)
         json_array_append_new(jl, json_integer(lengths[l]));
     for (int d = 0; d < nd; d++)
         json_array_append_new(jd, json_integer(depths[d]));
     for (int i = 0; i < q->n_specs; i++)
-        for (int l = 0; l < nl; l++) {
+        for (int l = 0; l < nl_done; l++) {
             int c = 0;
             for (int d = 0; d < nd; d++) {
-                int cd = correct[(i * nl + l) * nd + d];
+                int cd = correct[CIDX(i, l, d)];
                 c += cd;
                 json_t *a = json_object();
                 json_object_set_new(a, "spec", json_string(q->specs[i].text));
@@ -1042,39 +1032,155 @@ static int task_passkey(struct qctx *q, json_t *root)
             json_array_append_new(acc, a);
         }
     json_t *jst = json_object();
-    json_object_set_new(jst, "index", json_integer(style));
+    json_object_set_new(jst, "index", json_integer(p->style));
     json_object_set_new(jst, "intro", json_string(st->intro));
     json_object_set_new(jst, "filler", json_string(FILLER));
     json_object_set_new(jst, "question", json_string(st->question));
     json_object_set_new(jst, "assistant_prefix", json_string(st->prefix));
     json_object_set_new(jp, "meta", meta_json(q));
+    json_object_set_new(jp, "complete", json_boolean(final));
     json_object_set_new(jp, "specs", specs_json(q));
     json_object_set_new(jp, "style", jst);
     json_object_set_new(jp, "lengths", jl);
     json_object_set_new(jp, "depths", jd);
     json_object_set_new(jp, "trials", json_integer(trials));
-    json_object_set_new(jp, "max_tokens", json_integer(max_tokens));
-    json_object_set_new(jp, "equivalence", json_incref(verify));
+    json_object_set_new(jp, "max_tokens", json_integer(p->max_tokens));
+    json_object_set_new(jp, "equivalence", json_incref(p->verify));
     json_object_set_new(jp, "accuracy", acc);
-    json_object_set_new(jp, "results", json_incref(results));
+    json_object_set_new(jp, "results", json_incref(p->results));
     json_object_set_new(jp, "seconds", json_real(seconds));
-    json_object_set_new(jp, "prefill_seconds", json_real(t_prefill));
-    json_object_set_new(jp, "decode_seconds", json_real(t_decode));
-    rc = write_json(q->out_dir, "passkey.json", jp);
+    json_object_set_new(jp, "prefill_seconds", json_real(p->t_prefill));
+    json_object_set_new(jp, "decode_seconds", json_real(p->t_decode));
+    int rc = write_json(q->out_dir, "passkey.json", jp);
     struct strbuf md = {0};
-    md_passkey(q, &md, lengths, nl, depths, nd, trials, correct, style, max_tokens, seconds, verify);
+    md_passkey(q, &md, lengths, nl_done, depths, nd, trials, correct, p->style, p->max_tokens, seconds, p->verify);
     if (!rc)
         rc = md.err ? md.err : write_file(q->out_dir, "passkey.md", md.s, md.len);
-    if (!rc && !q->o->json_stdout)
+    if (!rc && final && !q->o->json_stdout)
         fputs(md.s, stdout);
     free(md.s);
     if (!rc)
-        plot_passkey(q, lengths, nl, nd, trials, correct);
-    json_object_set(root, "passkey", jp);
+        plot_passkey(q, lengths, nl_done, nd, trials, correct);
+    if (rc)
+        json_decref(jp);
+    else
+        *jp_out = jp;
+    return rc;
+}
+
+static int task_passkey(struct qctx *q, json_t *root)
+{
+    const struct skv_quality_opts *o = q->o;
+    struct pk_run pr = {0};
+    int rc = parse_ints(o->lengths ? o->lengths : "512,1024,2048,4096", "--lengths", pr.lengths, MAX_LIST, 16,
+                        1 << 20, &pr.nl);
+    if (!rc)
+        rc = parse_ints(o->depths ? o->depths : "0,50,100", "--depths", pr.depths, MAX_LIST, 0, 100, &pr.nd);
+    if (rc)
+        return rc;
+    pr.trials = o->trials > 0 ? o->trials : 2;
+    pr.max_tokens = o->max_tokens > 0 ? o->max_tokens : 8;
+    pr.style = o->passkey_style >= 0 ? o->passkey_style : DEFAULT_STYLE;
+    if (pr.style >= N_STYLES)
+        return skv_errorf(SKV_E_INVAL, "--passkey-style: 0..%d", N_STYLES - 1);
+    const struct passkey_style *st = &STYLES[pr.style];
+    const int *lengths = pr.lengths, *depths = pr.depths;
+    int nl = pr.nl, nd = pr.nd, trials = pr.trials, max_tokens = pr.max_tokens;
+    int nv = q->m->cfg.n_vocab;
+    pr.correct = calloc((size_t)q->n_specs * nl * nd, sizeof *pr.correct);
+    int *correct = pr.correct;
+    float *first = malloc((size_t)nv * sizeof *first), *logits = malloc((size_t)nv * sizeof *logits);
+    int32_t *out = malloc((size_t)max_tokens * sizeof *out);
+    pr.results = json_array();
+    pr.verify = json_array();
+    json_t *jp = NULL;
+    if (!correct || !first || !logits || !out || !pr.results || !pr.verify) {
+        rc = SKV_E_NOMEM;
+        goto out_free;
+    }
+    double t_start = now_s();
+    for (int l = 0; l < nl && !rc; l++) {
+        for (int d = 0; d < nd && !rc; d++) {
+            for (int t = 0; t < trials && !rc; t++) {
+                int key = passkey_key(o->seed, lengths[l], depths[d], t);
+                int32_t *ids = NULL;
+                int n = 0;
+                rc = passkey_prompt(q, st, lengths[l], depths[d], key, &ids, &n);
+                if (rc)
+                    break;
+                if (l == 0 && d == 0 && t == 0 && q->n_specs > 1) {
+                    /* once, on a short prompt (at most VERIFY_TOKENS) */
+                    int32_t *vids = NULL;
+                    int vn = 0, vlen = lengths[0] < VERIFY_TOKENS ? lengths[0] : VERIFY_TOKENS;
+                    double tv = now_s();
+                    rc = passkey_prompt(q, st, vlen, 50, passkey_key(o->seed, vlen, 50, -1), &vids, &vn);
+                    if (!rc)
+                        rc = passkey_verify(q, vids, vn, pr.verify);
+                    free(vids);
+                    fprintf(stderr, "verify (%d tokens): %.1f s\n", vn, now_s() - tv);
+                    if (rc) {
+                        free(ids);
+                        break;
+                    }
+                }
+                struct fan_run r;
+                double t0 = now_s();
+                rc = fan_prefill(q->e, q->m, q->specs, q->n_specs, ids, n, first, &r);
+                double t1 = now_s();
+                pr.t_prefill += t1 - t0;
+                char keytxt[16];
+                snprintf(keytxt, sizeof keytxt, "%05d", key);
+                int32_t kpos[32];
+                int nk = key_token_positions(q->m->tok, ids, n, keytxt, kpos, 32);
+                fprintf(stderr, "passkey len %5d (%5d tok) depth %3d%% key %s prefill %6.1f s:", lengths[l], n,
+                        depths[d], keytxt, t1 - t0);
+                for (int i = 0; i < q->n_specs && !rc; i++) {
+                    uint64_t kv = skv_kv_cache_bytes(r.cache[i]);
+                    double kept = key_rows_kept(r.cache[i], kpos, nk);
+                    int got = 0;
+                    rc = greedy(q->e, q->m, r.cache[i], r.comp[i], first, logits, max_tokens, true, keytxt, out, &got);
+                    char *text = NULL;
+                    if (!rc)
+                        rc = skv_tokenizer_decode(q->m->tok, out, got, &text);
+                    if (rc)
+                        break;
+                    bool ok = strstr(text, keytxt) != NULL;
+                    correct[CIDX(i, l, d)] += ok;
+                    fprintf(stderr, " %c", ok ? '+' : '-');
+                    json_t *jr = json_object();
+                    json_object_set_new(jr, "spec", json_string(q->specs[i].text));
+                    json_object_set_new(jr, "length", json_integer(lengths[l]));
+                    json_object_set_new(jr, "prompt_tokens", json_integer(n));
+                    json_object_set_new(jr, "depth", json_integer(depths[d]));
+                    json_object_set_new(jr, "trial", json_integer(t));
+                    json_object_set_new(jr, "key", json_string(keytxt));
+                    json_object_set_new(jr, "output", json_string(text));
+                    json_object_set_new(jr, "correct", json_boolean(ok));
+                    json_object_set_new(jr, "kv_bytes_after_prefill", json_integer((json_int_t)kv));
+                    json_object_set_new(jr, "key_token_positions", json_integer(nk));
+                    json_object_set_new(jr, "key_rows_kept", json_real(kept));
+                    json_array_append_new(pr.results, jr);
+                    free(text);
+                }
+                pr.t_decode += now_s() - t1;
+                fprintf(stderr, "  (%.1f s)\n", now_s() - t1);
+                fan_free(&r);
+                free(ids);
+            }
+        }
+        if (!rc && l + 1 < nl) {
+            json_t *partial = NULL;
+            rc = passkey_write(q, &pr, l + 1, false, now_s() - t_start, &partial);
+            json_decref(partial);
+        }
+    }
+    if (!rc)
+        rc = passkey_write(q, &pr, nl, true, now_s() - t_start, &jp);
+    if (!rc)
+        json_object_set_new(root, "passkey", jp);
 out_free:
-    json_decref(jp);
-    json_decref(results);
-    json_decref(verify);
+    json_decref(pr.results);
+    json_decref(pr.verify);
     free(correct);
     free(first);
     free(logits);
@@ -1301,7 +1407,7 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
     sb_add(&gp, "set output 'fidelity_kl.png'\nset multiplot layout 1,2 title 'Fidelity vs the full cache: %s'\n"
                 "set grid\nset xlabel 'budget ratio'\nset key top right\nset logscale y\n"
                 "set ylabel 'mean KL(full || compressed), nats'\nplot ",
-           q->m->name);
+           model_label(q));
     for (int k = 0; k < ns; k++)
         sb_add(&gp, "%s$s%d using 1:2 with linespoints title '%s'", k ? ", " : "", k, q->specs[series[k]].group);
     sb_add(&gp, "\nunset logscale y\nset key bottom right\nset yrange [0:1.02]\nset ylabel 'top-1 agreement'\nplot ");
@@ -1381,7 +1487,7 @@ static int task_fidelity(struct qctx *q, json_t *root)
                 "token (the prefill's own logits are the full forward's for every spec and are not counted); "
                 "then a %d-token greedy continuation from the prefilled cache compared with the full cache's: "
                 "identical tokens before the first divergence (prefix) and at the same index (overall).\n\n",
-           q->m->name, q->m->be->name, q->m->be->n_threads, seconds, N, M, M, M);
+           model_label(q), q->m->be->name, q->m->be->n_threads, seconds, N, M, M, M);
     sb_add(&md, "Texts:");
     size_t k;
     json_t *jt;

@@ -11,6 +11,7 @@
 #include "daemon/engine/tokenizer.h"
 #include "kernels/backend.h"
 #include "tools/bench_quality.h"
+#include "tools/bench_serve.h"
 
 #include <getopt.h>
 #include <jansson.h>
@@ -45,6 +46,7 @@ struct args {
     int repeat;
     const char *compress;
     struct skv_quality_opts quality;
+    struct skv_serve_opts serve;
 };
 
 static double now_s(void)
@@ -82,6 +84,12 @@ static void usage(FILE *out)
             "          [--fid-tokens M]              compression quality vs the full cache (always the\n"
             "                                        baseline): passkey accuracy, next-token KL; JSON,\n"
             "                                        markdown and PNGs into DIR (default ./quality-out)\n"
+            "  serve [--endpoint URL --admin-endpoint URL] [--clients N] [--requests R] [--sessions S]\n"
+            "        [--context T] [--decode-tokens D]\n"
+            "                                        snapkvd: round trips, N client processes vs in-process,\n"
+            "                                        sessions per 1 GiB pool, S concurrent T-token decodes;\n"
+            "                                        starts its own snapkvd unless given the endpoints\n"
+            "                                        (--json: JSON on stdout, the table on stderr)\n"
             "--reference: weights dequantized to f32 (the numerical reference mode).\n");
 }
 
@@ -638,6 +646,21 @@ static int cmd_quality(struct args *a, struct skv_engine *e, struct skv_model *m
     return rc ? fail("quality", rc) : 0;
 }
 
+/* The daemon benchmark (tools/bench_serve.c) with the shared options filled in. */
+static int cmd_serve(struct args *a, struct skv_engine *e, struct skv_model *m, int argc, char **argv)
+{
+    struct skv_serve_opts *s = &a->serve;
+    s->argv0 = argv[0];
+    s->model_path = a->model;
+    s->threads = a->threads;
+    s->decode_tokens = a->decode_tokens;
+    s->json_stdout = a->json;
+    s->argc = argc;
+    s->argv = argv;
+    int rc = skv_bench_serve(e, m, s);
+    return rc ? fail("serve", rc) : 0;
+}
+
 int main(int argc, char **argv)
 {
     struct args a = {.backend = "auto", .threads = 0, .quality = {.passkey_style = -1}};
@@ -645,6 +668,7 @@ int main(int argc, char **argv)
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
            O_FIDM };
+    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
         {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
@@ -663,6 +687,9 @@ int main(int argc, char **argv)
         {"trials", required_argument, NULL, O_TRIALS},     {"out-dir", required_argument, NULL, O_OUTDIR},
         {"passkey-style", required_argument, NULL, O_PKSTYLE}, {"texts", required_argument, NULL, O_TEXTS},
         {"fid-prefill", required_argument, NULL, O_FIDN},  {"fid-tokens", required_argument, NULL, O_FIDM},
+        {"endpoint", required_argument, NULL, O_ENDPOINT}, {"admin-endpoint", required_argument, NULL, O_ADMIN_EP},
+        {"clients", required_argument, NULL, O_CLIENTS},   {"requests", required_argument, NULL, O_REQUESTS},
+        {"sessions", required_argument, NULL, O_SESSIONS}, {"context", required_argument, NULL, O_CONTEXT},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c;
@@ -701,6 +728,12 @@ int main(int argc, char **argv)
         case O_TEXTS: a.quality.texts = optarg; break;
         case O_FIDN: a.quality.fid_prefill = atoi(optarg); break;
         case O_FIDM: a.quality.fid_tokens = atoi(optarg); break;
+        case O_ENDPOINT: a.serve.endpoint = optarg; break;
+        case O_ADMIN_EP: a.serve.admin_endpoint = optarg; break;
+        case O_CLIENTS: a.serve.clients = atoi(optarg); break;
+        case O_REQUESTS: a.serve.requests = atoi(optarg); break;
+        case O_SESSIONS: a.serve.sessions = atoi(optarg); break;
+        case O_CONTEXT: a.serve.context = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -738,6 +771,8 @@ int main(int argc, char **argv)
         exit_code = cmd_speed(&a, e, m);
     else if (strcmp(a.cmd, "quality") == 0)
         exit_code = cmd_quality(&a, e, m, argc, argv);
+    else if (strcmp(a.cmd, "serve") == 0)
+        exit_code = cmd_serve(&a, e, m, argc, argv);
     else
         usage(stderr);
     skv_engine_free(&e);

@@ -1,0 +1,1254 @@
+/* snapkv-bench serve: measures snapkvd through libsnapkv — no-op round trips, N client
+ * processes against the same work in-process, how many long sessions a 1 GiB pool holds per
+ * compression spec (computed, then checked by forking until the pool evicts), and aggregate
+ * decode throughput of concurrent long sessions. Starts its own snapkvd unless given one. */
+#include "build-config.h"
+
+#include "tools/bench_serve.h"
+
+#include "common/status.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/model.h"
+#include "daemon/engine/sampler.h"
+#include "libclient/snapkv.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define GIB (UINT64_C(1) << 30)
+#define CAPACITY_POOL GIB          /* the pool the capacity question is about */
+#define ROUNDTRIP_CALLS 2000
+#define ROUNDTRIP_WARMUP 100
+#define TP_PROMPT_TOKENS 128       /* throughput run: prompt and greedy decode per request */
+#define TP_DECODE_TOKENS 16
+#define LONG_TIMEOUT_MS 900000     /* a 4096-token prefill on a shared CPU */
+#define MAX_REPORT_TOKENS 64
+
+enum { N_SPECS = 3 };
+static const char *const spec_text[N_SPECS] = {"", "policy=snapkv,ratio=0.1", "policy=snapkv,alloc=squeeze,ratio=0.1"};
+static const char *const spec_name[N_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
+
+/* A snapkvd this benchmark started (pid 0: none). */
+struct daemon_child {
+    pid_t pid;
+    char dir[64];
+    char endpoint[128];
+    char admin[128];
+    char log[128];
+    uint64_t pool_bytes;
+};
+
+struct serve_ctx {
+    const struct skv_serve_opts *o;
+    struct skv_engine *e;
+    struct skv_model *m;
+    struct daemon_child d;
+    const char *endpoint, *admin_endpoint;
+    snapkv_client_t *admin;          /* on the admin endpoint */
+    snapkv_client_t *cl;             /* on the client endpoint */
+    uint64_t pool_bytes;             /* of the daemon in use */
+    int clients, requests, context, sessions, decode_tokens;
+};
+
+/* What one client process sends back (followed by n_lat doubles). */
+struct child_report {
+    int32_t status;
+    uint32_t n_lat;
+    uint32_t n_tokens;               /* tokens of the first request's decode */
+    uint32_t tokens[MAX_REPORT_TOKENS];
+    double t_start, t_end;           /* CLOCK_MONOTONIC, comparable across processes */
+    char err[256];
+};
+
+/* The work each client process does once connected. */
+struct child_job {
+    int (*run)(snapkv_client_t *c, const struct child_job *j, int idx, struct child_report *r, double *lat);
+    const char *endpoint;
+    int max_lat;
+    int requests, prompt_tokens, decode_tokens, n_vocab;
+    const struct snapkv_session_id *ids;  /* decode run: one session per process */
+};
+
+static double load_1min(void);
+static double rss_mib(pid_t pid);
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int client_fail(const char *what, int rc)
+{
+    return skv_errorf(rc < 0 && rc >= SKV_STATUS_MIN ? rc : SKV_E_INTERNAL, "%s: %s (%s)", what,
+                      snapkv_last_error(), snapkv_status_str(rc));
+}
+
+/* Deterministic pseudo-random prompt ids (the same generator as snapkv-bench speed). */
+static void fill_ids(uint32_t *ids, int n, int n_vocab, uint64_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (uint32_t)((seed >> 33) % (uint64_t)n_vocab);
+    }
+}
+
+static uint64_t request_seed(int client, int request)
+{
+    return UINT64_C(1000003) * (uint64_t)(client + 1) + (uint64_t)request;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentiles, mean, min and max of v (sorted in place), scaled by `scale`. */
+static json_t *summary_json(double *v, size_t n, double scale)
+{
+    json_t *j = json_object();
+    if (n == 0)
+        return j;
+    qsort(v, n, sizeof *v, cmp_double);
+    double sum = 0;
+    for (size_t i = 0; i < n; i++)
+        sum += v[i];
+    size_t i50 = (size_t)ceil(0.50 * (double)n) - 1, i99 = (size_t)ceil(0.99 * (double)n) - 1;
+    json_object_set_new(j, "n", json_integer((json_int_t)n));
+    json_object_set_new(j, "p50", json_real(v[i50] * scale));
+    json_object_set_new(j, "p99", json_real(v[i99] * scale));
+    json_object_set_new(j, "mean", json_real(sum / (double)n * scale));
+    json_object_set_new(j, "min", json_real(v[0] * scale));
+    json_object_set_new(j, "max", json_real(v[n - 1] * scale));
+    return j;
+}
+
+static double jnum(const json_t *o, const char *key)
+{
+    return json_number_value(json_object_get(o, key));
+}
+
+static int stat_get(snapkv_client_t *admin, const char *name, double *out)
+{
+    struct snapkv_stats st;
+    int rc = snapkv_admin_stats(admin, false, &st);
+    if (rc)
+        return client_fail("STATS", rc);
+    rc = skv_errorf(SKV_E_NOT_FOUND, "the daemon reports no %s", name);
+    for (size_t i = 0; i < st.n; i++)
+        if (strcmp(st.stats[i].name, name) == 0) {
+            *out = st.stats[i].value;
+            rc = SKV_OK;
+        }
+    snapkv_stats_free(&st);
+    return rc;
+}
+
+static int evict_all(struct serve_ctx *x)
+{
+    int rc = snapkv_admin_evict(x->admin, NULL, NULL, true, NULL, NULL);
+    return rc ? client_fail("EVICT", rc) : SKV_OK;
+}
+
+/* ---- the snapkvd child ------------------------------------------------------------------------- */
+
+static bool is_executable(const char *path)
+{
+    return access(path, X_OK) == 0;
+}
+
+/* <directory of argv0>/snapkvd; a libtool wrapper runs us from .libs/, so also its parent. */
+static int find_daemon(const char *argv0, char *out, size_t cap)
+{
+    char dir[3072];
+    if (argv0 && strchr(argv0, '/')) {
+        snprintf(dir, sizeof dir, "%s", argv0);
+    } else {
+        ssize_t n = readlink("/proc/self/exe", dir, sizeof dir - 1);
+        if (n <= 0)
+            return skv_errorf(SKV_E_IO, "cannot find the running binary (/proc/self/exe)");
+        dir[n] = '\0';
+    }
+    char *slash = strrchr(dir, '/');
+    *slash = '\0';
+    snprintf(out, cap, "%s/snapkvd", *dir ? dir : "/");
+    if (is_executable(out))
+        return SKV_OK;
+    size_t len = strlen(dir);
+    if (len >= 5 && strcmp(dir + len - 5, ".libs") == 0) {
+        if (len == 5)
+            snprintf(out, cap, "./snapkvd");
+        else {
+            dir[len - 6] = '\0';
+            snprintf(out, cap, "%s/snapkvd", *dir ? dir : "/");
+        }
+        if (is_executable(out))
+            return SKV_OK;
+    }
+    return skv_errorf(SKV_E_NOT_FOUND, "no snapkvd next to %s (give --endpoint and --admin-endpoint)",
+                      argv0 ? argv0 : "snapkv-bench");
+}
+
+static void remove_dir(const char *path)
+{
+    DIR *dir = opendir(path);
+    if (dir) {
+        struct dirent *de;
+        char p[512];
+        while ((de = readdir(dir)))
+            if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) {
+                snprintf(p, sizeof p, "%s/%s", path, de->d_name);
+                unlink(p);
+            }
+        closedir(dir);
+    }
+    rmdir(path);
+}
+
+static void print_log_tail(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char buf[4096];
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, size > (long)sizeof buf - 1 ? size - (long)sizeof buf + 1 : 0, SEEK_SET);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    fprintf(stderr, "--- end of the snapkvd log (%s) ---\n%s\n---\n", path, buf);
+}
+
+/* SIGTERM, up to 60 s for a clean exit, then SIGKILL. Returns the exit status (-1: killed). */
+static int daemon_stop(struct daemon_child *d, bool keep_log)
+{
+    int code = -1;
+    if (d->pid > 0) {
+        kill(d->pid, SIGTERM);
+        int st;
+        double t0 = now_s();
+        pid_t got;
+        while ((got = waitpid(d->pid, &st, WNOHANG)) == 0 && now_s() - t0 < 60)
+            usleep(20000);
+        if (got == 0) {
+            kill(d->pid, SIGKILL);
+            waitpid(d->pid, &st, 0);
+        } else if (got == d->pid && WIFEXITED(st)) {
+            code = WEXITSTATUS(st);
+        }
+        d->pid = 0;
+    }
+    if (*d->dir) {
+        if (keep_log)
+            print_log_tail(d->log);
+        remove_dir(d->dir);
+        *d->dir = '\0';
+    }
+    return code;
+}
+
+static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct daemon_child *d)
+{
+    char exe[4096];
+    int rc = find_daemon(x->o->argv0, exe, sizeof exe);
+    if (rc)
+        return rc;
+    memset(d, 0, sizeof *d);
+    snprintf(d->dir, sizeof d->dir, "/tmp/snapkv-bench-XXXXXX");
+    if (!mkdtemp(d->dir))
+        return skv_errorf(SKV_E_IO, "mkdtemp: %s", strerror(errno));
+    snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
+    snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
+    snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
+    d->pool_bytes = pool_bytes;
+    int max_prompt = x->context > 8192 ? x->context : 8192;
+    char a[12][4200];
+    snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
+    snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
+    snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
+    snprintf(a[3], sizeof a[3], "--pool-size=%llu", (unsigned long long)pool_bytes);
+    snprintf(a[4], sizeof a[4], "--endpoint=%s", d->endpoint);
+    snprintf(a[5], sizeof a[5], "--admin-endpoint=%s", d->admin);
+    snprintf(a[6], sizeof a[6], "--state-dir=%s", d->dir);
+    snprintf(a[7], sizeof a[7], "--log-level=warn");
+    /* the tenant quotas must not bind before the pool does */
+    snprintf(a[8], sizeof a[8], "--max-bytes-per-tenant=%llu", (unsigned long long)pool_bytes);
+    snprintf(a[9], sizeof a[9], "--max-sessions-per-tenant=100000");
+    snprintf(a[10], sizeof a[10], "--max-prompt-tokens=%d", max_prompt);
+    snprintf(a[11], sizeof a[11], "--lease-seconds=3600");
+    char *argv[14] = {exe};
+    for (int i = 0; i < 12; i++)
+        argv[i + 1] = a[i];
+    argv[13] = NULL;
+    fflush(NULL);
+    d->pid = fork();
+    if (d->pid < 0) {
+        d->pid = 0;
+        remove_dir(d->dir);
+        return skv_errorf(SKV_E_IO, "fork: %s", strerror(errno));
+    }
+    if (d->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (!freopen(d->log, "a", stderr) || !freopen("/dev/null", "w", stdout))
+            _exit(126);
+        execv(exe, argv);
+        _exit(127);
+    }
+    double t0 = now_s();
+    for (;;) {
+        int st;
+        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+            d->pid = 0;
+            daemon_stop(d, true);
+            return skv_errorf(SKV_E_IO, "snapkvd (%s) exited during start-up", exe);
+        }
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts co = {.name = "snapkv-bench", .timeout_ms = 300};
+        if (snapkv_connect(d->admin, &co, &c) == SNAPKV_OK) {
+            snapkv_close(&c);
+            break;
+        }
+        if (now_s() - t0 > 120) {
+            daemon_stop(d, true);
+            return skv_errorf(SKV_E_TIMEOUT, "snapkvd did not answer on %s within 120 s", d->admin);
+        }
+        usleep(100000);
+    }
+    fprintf(stderr, "serve: started %s (pid %d, pool %.2f GiB) in %.1f s\n", exe, (int)d->pid,
+            (double)pool_bytes / GIB, now_s() - t0);
+    return SKV_OK;
+}
+
+static void disconnect(struct serve_ctx *x)
+{
+    snapkv_close(&x->cl);
+    snapkv_close(&x->admin);
+}
+
+static int connect_both(struct serve_ctx *x)
+{
+    struct snapkv_connect_opts co = {.name = "snapkv-bench", .timeout_ms = LONG_TIMEOUT_MS};
+    int rc = snapkv_connect(x->admin_endpoint, &co, &x->admin);
+    if (rc)
+        return client_fail(x->admin_endpoint, rc);
+    if ((rc = snapkv_connect(x->endpoint, &co, &x->cl))) {
+        snapkv_close(&x->admin);
+        return client_fail(x->endpoint, rc);
+    }
+    struct snapkv_status_info st;
+    if ((rc = snapkv_admin_status(x->admin, &st))) {
+        disconnect(x);
+        return client_fail("STATUS", rc);
+    }
+    x->pool_bytes = st.pool_bytes_total;
+    return SKV_OK;
+}
+
+/* Starts (or restarts) our daemon with a pool of pool_bytes and connects to it. */
+static int use_own_daemon(struct serve_ctx *x, uint64_t pool_bytes)
+{
+    disconnect(x);
+    if (x->d.pid) {
+        int code = daemon_stop(&x->d, false);
+        if (code != 0)
+            fprintf(stderr, "serve: warning: snapkvd exited with status %d on SIGTERM\n", code);
+    }
+    int rc = daemon_start(x, pool_bytes, &x->d);
+    if (rc)
+        return rc;
+    x->endpoint = x->d.endpoint;
+    x->admin_endpoint = x->d.admin;
+    if ((rc = connect_both(x)))
+        daemon_stop(&x->d, true);
+    return rc;
+}
+
+/* ---- client processes ---------------------------------------------------------------------------- */
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    const char *c = p;
+    while (n > 0) {
+        ssize_t w = write(fd, c, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        c += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static size_t read_all(int fd, void *p, size_t n)
+{
+    char *c = p;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, c + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    return got;
+}
+
+static void child_main(const struct child_job *j, int idx, int ready_fd, int go_fd, int out_fd)
+{
+    struct child_report r = {0};
+    double *lat = calloc((size_t)(j->max_lat > 0 ? j->max_lat : 1), sizeof *lat);
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts co = {.name = "snapkv-bench-client", .timeout_ms = LONG_TIMEOUT_MS};
+    int rc = lat ? snapkv_connect(j->endpoint, &co, &c) : SNAPKV_E_NOMEM;
+    if (rc)
+        snprintf(r.err, sizeof r.err, "connect: %s (%s)", snapkv_last_error(), snapkv_status_str(rc));
+    char b = 'r';
+    write_all(ready_fd, &b, 1);
+    while (read(go_fd, &b, 1) > 0) /* EOF: go */
+        ;
+    r.t_start = now_s();
+    if (!rc)
+        rc = j->run(c, j, idx, &r, lat);
+    r.t_end = now_s();
+    r.status = rc;
+    snapkv_close(&c);
+    write_all(out_fd, &r, sizeof r);
+    if (r.n_lat)
+        write_all(out_fd, lat, r.n_lat * sizeof *lat);
+    _exit(rc ? 1 : 0);
+}
+
+/* Forks n client processes that connect, wait for a common start, run j->run and report.
+ * reports[n], lat[n * j->max_lat]; *t_go: when they were let go. Fails only when the
+ * processes cannot be started; each report's status says how its process fared. */
+static int run_children(const struct child_job *j, int n, struct child_report *reports, double *lat, double *t_go)
+{
+    int ready[2], go[2];
+    pid_t *pids = calloc((size_t)n, sizeof *pids);
+    int *res = calloc((size_t)n, sizeof *res);
+    if (!pids || !res) {
+        free(pids);
+        free(res);
+        return SKV_E_NOMEM;
+    }
+    if (pipe(ready) || pipe(go)) {
+        free(pids);
+        free(res);
+        return skv_errorf(SKV_E_IO, "pipe: %s", strerror(errno));
+    }
+    int started = 0, rc = SKV_OK;
+    fflush(NULL);
+    for (; started < n; started++) {
+        int out[2];
+        if (pipe(out)) {
+            rc = skv_errorf(SKV_E_IO, "pipe: %s", strerror(errno));
+            break;
+        }
+        pid_t pid = fork();
+        if (pid < 0) {
+            close(out[0]);
+            close(out[1]);
+            rc = skv_errorf(SKV_E_IO, "fork: %s", strerror(errno));
+            break;
+        }
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            close(ready[0]);
+            close(go[1]);
+            close(out[0]);
+            for (int i = 0; i < started; i++)
+                close(res[i]);
+            child_main(j, started, ready[1], go[0], out[1]);
+        }
+        close(out[1]);
+        pids[started] = pid;
+        res[started] = out[0];
+    }
+    close(ready[1]);
+    close(go[0]);
+    /* every process connected (or gave up), at most 120 s */
+    int n_ready = 0;
+    double t0 = now_s();
+    while (n_ready < started && now_s() - t0 < 120) {
+        struct pollfd pfd = {ready[0], POLLIN, 0};
+        if (poll(&pfd, 1, 1000) > 0) {
+            char buf[64];
+            ssize_t r = read(ready[0], buf, sizeof buf);
+            if (r <= 0)
+                break;
+            n_ready += (int)r;
+        }
+    }
+    close(ready[0]);
+    *t_go = now_s();
+    close(go[1]);
+    for (int i = 0; i < started; i++) {
+        struct child_report *r = &reports[i];
+        if (read_all(res[i], r, sizeof *r) != sizeof *r) {
+            memset(r, 0, sizeof *r);
+            r->status = SKV_E_IO;
+            snprintf(r->err, sizeof r->err, "client process %d died without a report", i);
+        } else if (r->n_lat > (uint32_t)j->max_lat ||
+                   read_all(res[i], lat + (size_t)i * (size_t)j->max_lat, r->n_lat * sizeof *lat) !=
+                       r->n_lat * sizeof *lat) {
+            r->n_lat = 0;
+            r->status = SKV_E_IO;
+            snprintf(r->err, sizeof r->err, "client process %d sent a short report", i);
+        }
+        close(res[i]);
+        int st;
+        waitpid(pids[i], &st, 0);
+    }
+    for (int i = started; i < n; i++) {
+        memset(&reports[i], 0, sizeof reports[i]);
+        reports[i].status = rc;
+        snprintf(reports[i].err, sizeof reports[i].err, "not started");
+    }
+    free(pids);
+    free(res);
+    return rc;
+}
+
+/* The first failed report as an error status (SKV_OK when all succeeded). */
+static int children_status(const struct child_report *reports, int n, const char *what)
+{
+    for (int i = 0; i < n; i++)
+        if (reports[i].status)
+            return skv_errorf(reports[i].status < 0 && reports[i].status >= SKV_STATUS_MIN ? reports[i].status
+                                                                                           : SKV_E_INTERNAL,
+                              "%s: client process %d: %s", what, i, reports[i].err);
+    return SKV_OK;
+}
+
+static int child_fail(struct child_report *r, const char *what, int rc)
+{
+    snprintf(r->err, sizeof r->err, "%s: %s (%s)", what, snapkv_last_error(), snapkv_status_str(rc));
+    return rc;
+}
+
+static void sampling_greedy(struct snapkv_sampling *s, int max_tokens)
+{
+    snapkv_sampling_defaults(s);
+    s->max_tokens = (uint32_t)max_tokens;
+    s->stop_at_eos = false;
+}
+
+/* Throughput run, in a client process: prefill + greedy decode + release, j->requests times. */
+static int child_requests(snapkv_client_t *c, const struct child_job *j, int idx, struct child_report *r, double *lat)
+{
+    uint32_t *ids = malloc((size_t)j->prompt_tokens * sizeof *ids);
+    if (!ids)
+        return SNAPKV_E_NOMEM;
+    int rc = SNAPKV_OK;
+    for (int q = 0; q < j->requests && !rc; q++) {
+        fill_ids(ids, j->prompt_tokens, j->n_vocab, request_seed(idx, q));
+        double t0 = now_s();
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = (size_t)j->prompt_tokens};
+        struct snapkv_prefill_result pr = {0};
+        struct snapkv_decode_result dr = {0};
+        struct snapkv_sampling s;
+        sampling_greedy(&s, j->decode_tokens);
+        if ((rc = snapkv_prefill(c, &po, &pr))) {
+            child_fail(r, "PREFILL", rc);
+            break;
+        }
+        if ((rc = snapkv_decode(c, &pr.id, &s, NULL, NULL, &dr)))
+            child_fail(r, "DECODE", rc);
+        else if (dr.n_tokens != (size_t)j->decode_tokens)
+            snprintf(r->err, sizeof r->err, "DECODE gave %zu tokens, not %d", dr.n_tokens, j->decode_tokens),
+                rc = SNAPKV_E_INTERNAL;
+        int rc2 = snapkv_release(c, &pr.id);
+        if (!rc && rc2)
+            rc = child_fail(r, "RELEASE", rc2);
+        lat[r->n_lat++] = now_s() - t0;
+        if (!rc && q == 0) {
+            r->n_tokens = dr.n_tokens < MAX_REPORT_TOKENS ? (uint32_t)dr.n_tokens : MAX_REPORT_TOKENS;
+            memcpy(r->tokens, dr.tokens, r->n_tokens * sizeof *r->tokens);
+        }
+        snapkv_prefill_result_free(&pr);
+        snapkv_decode_result_free(&dr);
+    }
+    free(ids);
+    return rc;
+}
+
+/* Decode run, in a client process: one greedy decode of its own long session. */
+static int child_decode(snapkv_client_t *c, const struct child_job *j, int idx, struct child_report *r, double *lat)
+{
+    struct snapkv_sampling s;
+    sampling_greedy(&s, j->decode_tokens);
+    struct snapkv_decode_result dr = {0};
+    double t0 = now_s();
+    int rc = snapkv_decode(c, &j->ids[idx], &s, NULL, NULL, &dr);
+    lat[r->n_lat++] = now_s() - t0;
+    if (rc)
+        return child_fail(r, "DECODE", rc);
+    if (dr.n_tokens != (size_t)j->decode_tokens) {
+        snprintf(r->err, sizeof r->err, "DECODE gave %zu tokens, not %d", dr.n_tokens, j->decode_tokens);
+        rc = SNAPKV_E_INTERNAL;
+    }
+    r->n_tokens = dr.n_tokens < MAX_REPORT_TOKENS ? (uint32_t)dr.n_tokens : MAX_REPORT_TOKENS;
+    memcpy(r->tokens, dr.tokens, r->n_tokens * sizeof *r->tokens);
+    snapkv_decode_result_free(&dr);
+    return rc;
+}
+
+/* ---- 1. round trips ------------------------------------------------------------------------------- */
+
+static int bench_roundtrip(struct serve_ctx *x, json_t *out)
+{
+    double *lat = malloc(ROUNDTRIP_CALLS * sizeof *lat);
+    if (!lat)
+        return SKV_E_NOMEM;
+    int rc = SKV_OK;
+    struct snapkv_status_info st;
+    for (int i = 0; i < ROUNDTRIP_WARMUP + ROUNDTRIP_CALLS && !rc; i++) {
+        double t0 = now_s();
+        if ((rc = snapkv_admin_status(x->admin, &st)))
+            rc = client_fail("STATUS", rc);
+        else if (i >= ROUNDTRIP_WARMUP)
+            lat[i - ROUNDTRIP_WARMUP] = now_s() - t0;
+    }
+    if (!rc) {
+        json_t *j = summary_json(lat, ROUNDTRIP_CALLS, 1e6);
+        json_object_set_new(j, "what", json_string("admin STATUS, answered by the socket thread"));
+        json_object_set_new(out, "admin_status_us", j);
+    }
+    /* an unknown id: the request crosses to the engine worker and back as NOT_FOUND */
+    struct snapkv_session_id unknown;
+    memset(unknown.bytes, 0xa5, sizeof unknown.bytes);
+    for (int i = 0; i < ROUNDTRIP_WARMUP + ROUNDTRIP_CALLS && !rc; i++) {
+        double t0 = now_s();
+        int r = snapkv_release(x->cl, &unknown);
+        if (r != SNAPKV_E_NOT_FOUND)
+            rc = r ? client_fail("RELEASE of an unknown id", r)
+                   : skv_errorf(SKV_E_INTERNAL, "RELEASE of an unknown id succeeded");
+        else if (i >= ROUNDTRIP_WARMUP)
+            lat[i - ROUNDTRIP_WARMUP] = now_s() - t0;
+    }
+    if (!rc) {
+        json_t *j = summary_json(lat, ROUNDTRIP_CALLS, 1e6);
+        json_object_set_new(j, "what", json_string("RELEASE of an unknown id (NOT_FOUND) through the engine worker"));
+        json_object_set_new(out, "engine_release_not_found_us", j);
+    }
+    free(lat);
+    return rc;
+}
+
+/* ---- 2. throughput: N client processes vs the in-process engine --------------------------------------- */
+
+/* One request in-process: a fresh cache, the prompt, greedy decode as the daemon does it. */
+static int inproc_request(struct skv_engine *e, const struct skv_model *m, const int32_t *ids, int n, int dtok,
+                          float *logits, int32_t *out)
+{
+    struct skv_kv_cache *cache = NULL;
+    int rc = skv_kv_cache_new(m, &cache);
+    if (!rc)
+        rc = skv_engine_forward(e, cache, ids, n, NULL, logits);
+    for (int k = 0; k < dtok && !rc; k++) {
+        int32_t t = skv_argmax(logits, m->cfg.n_vocab);
+        out[k] = t;
+        rc = skv_engine_forward(e, cache, &t, 1, NULL, logits);
+    }
+    skv_kv_cache_free(&cache);
+    return rc;
+}
+
+static void throughput_json(json_t *o, double wall, int n_req, double *lat, size_t n_lat)
+{
+    json_object_set_new(o, "wall_s", json_real(wall));
+    json_object_set_new(o, "requests", json_integer(n_req));
+    json_object_set_new(o, "requests_per_s", json_real(n_req / wall));
+    json_object_set_new(o, "tokens_per_s", json_real(n_req * (TP_PROMPT_TOKENS + TP_DECODE_TOKENS) / wall));
+    json_object_set_new(o, "generated_tokens_per_s", json_real(n_req * TP_DECODE_TOKENS / wall));
+    json_object_set_new(o, "latency_ms", summary_json(lat, n_lat, 1e3));
+}
+
+static int bench_throughput(struct serve_ctx *x, json_t *out)
+{
+    const struct skv_model *m = x->m;
+    int n = x->clients, reqs = x->requests, total = n * reqs;
+    struct child_job j = {.run = child_requests, .endpoint = x->endpoint, .max_lat = reqs, .requests = reqs,
+                          .prompt_tokens = TP_PROMPT_TOKENS, .decode_tokens = TP_DECODE_TOKENS,
+                          .n_vocab = m->cfg.n_vocab};
+    struct child_report *reports = calloc((size_t)n, sizeof *reports);
+    double *lat = calloc((size_t)total, sizeof *lat);
+    double *lat_in = calloc((size_t)total, sizeof *lat_in);
+    uint32_t *uids = malloc(TP_PROMPT_TOKENS * sizeof *uids);
+    int32_t *ids = malloc(TP_PROMPT_TOKENS * sizeof *ids);
+    int32_t *toks = malloc((size_t)total * TP_DECODE_TOKENS * sizeof *toks);
+    float *logits = malloc((size_t)m->cfg.n_vocab * sizeof *logits);
+    int rc = SKV_OK;
+    if (!reports || !lat || !lat_in || !uids || !ids || !toks || !logits) {
+        rc = SKV_E_NOMEM;
+        goto out;
+    }
+    fprintf(stderr, "serve: throughput: %d client processes x %d requests (prefill %d + decode %d) ...\n", n, reqs,
+            TP_PROMPT_TOKENS, TP_DECODE_TOKENS);
+    double t_go;
+    if ((rc = run_children(&j, n, reports, lat, &t_go)) || (rc = children_status(reports, n, "throughput")))
+        goto out;
+    double t_end = t_go;
+    for (int i = 0; i < n; i++)
+        t_end = reports[i].t_end > t_end ? reports[i].t_end : t_end;
+    double wall_d = t_end - t_go;
+
+    fprintf(stderr, "serve: throughput: the same %d requests in-process, one after another ...\n", total);
+    double t0 = now_s();
+    for (int c = 0; c < n && !rc; c++)
+        for (int q = 0; q < reqs && !rc; q++) {
+            fill_ids(uids, TP_PROMPT_TOKENS, m->cfg.n_vocab, request_seed(c, q));
+            for (int i = 0; i < TP_PROMPT_TOKENS; i++)
+                ids[i] = (int32_t)uids[i];
+            double t1 = now_s();
+            rc = inproc_request(x->e, m, ids, TP_PROMPT_TOKENS, TP_DECODE_TOKENS, logits,
+                                toks + (size_t)(c * reqs + q) * TP_DECODE_TOKENS);
+            lat_in[c * reqs + q] = now_s() - t1;
+        }
+    double wall_i = now_s() - t0;
+    if (rc)
+        goto out;
+    /* the daemon's greedy tokens against in-process ones (first request of each client) */
+    int match = 0;
+    for (int c = 0; c < n; c++)
+        match += reports[c].n_tokens == TP_DECODE_TOKENS &&
+                 memcmp(reports[c].tokens, toks + (size_t)c * reqs * TP_DECODE_TOKENS,
+                        TP_DECODE_TOKENS * sizeof *toks) == 0;
+    size_t n_lat = 0;
+    for (int i = 0; i < n; i++) {
+        memmove(lat + n_lat, lat + (size_t)i * reqs, reports[i].n_lat * sizeof *lat);
+        n_lat += reports[i].n_lat;
+    }
+    json_t *jd = json_object(), *ji = json_object();
+    throughput_json(jd, wall_d, total, lat, n_lat);
+    throughput_json(ji, wall_i, total, lat_in, (size_t)total);
+    json_object_set_new(out, "clients", json_integer(n));
+    json_object_set_new(out, "requests_per_client", json_integer(reqs));
+    json_object_set_new(out, "prompt_tokens", json_integer(TP_PROMPT_TOKENS));
+    json_object_set_new(out, "decode_tokens", json_integer(TP_DECODE_TOKENS));
+    json_object_set_new(out, "daemon", jd);
+    json_object_set_new(out, "in_process", ji);
+    json_object_set_new(out, "ratio", json_real(wall_i / wall_d));
+    json_object_set_new(out, "greedy_tokens_match", json_integer(match));
+    json_object_set_new(out, "greedy_tokens_compared", json_integer(n));
+out:
+    free(reports);
+    free(lat);
+    free(lat_in);
+    free(uids);
+    free(ids);
+    free(toks);
+    free(logits);
+    return rc;
+}
+
+/* ---- 3. pool capacity and 4. concurrent decode ---------------------------------------------------- */
+
+static int prefill_long(struct serve_ctx *x, int spec, struct snapkv_session_id *id, uint64_t *bytes_before,
+                        uint64_t *bytes_after, double *seconds)
+{
+    int n = x->context;
+    uint32_t *ids = malloc((size_t)n * sizeof *ids);
+    if (!ids)
+        return SKV_E_NOMEM;
+    fill_ids(ids, n, x->m->cfg.n_vocab, 7);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = (size_t)n,
+                                     .compress = *spec_text[spec] ? spec_text[spec] : NULL};
+    struct snapkv_prefill_result pr;
+    fprintf(stderr, "serve: prefill %d tokens, %s ...\n", n, spec_name[spec]);
+    double t0 = now_s();
+    int rc = snapkv_prefill(x->cl, &po, &pr);
+    *seconds = now_s() - t0;
+    free(ids);
+    if (rc)
+        return client_fail("PREFILL", rc);
+    *id = pr.id;
+    *bytes_before = pr.bytes_before;
+    *bytes_after = pr.bytes_after;
+    snapkv_prefill_result_free(&pr);
+    fprintf(stderr, "serve:   %.1f s, %.2f MiB of KV kept of %.2f MiB\n", *seconds, *bytes_after / 1048576.0,
+            *bytes_before / 1048576.0);
+    return SKV_OK;
+}
+
+/* Forks `src` until the pool evicts; *held: sessions held before the first eviction. */
+static int fill_pool(struct serve_ctx *x, const struct snapkv_session_id *src, int64_t expected, int64_t *held)
+{
+    double ev0, ev;
+    int rc = stat_get(x->admin, "snapkv_evictions_total", &ev0);
+    int64_t n = 1;
+    while (!rc) {
+        struct snapkv_session_id f;
+        if ((rc = snapkv_fork(x->cl, src, &f, NULL))) {
+            rc = client_fail("FORK", rc);
+            break;
+        }
+        if ((rc = stat_get(x->admin, "snapkv_evictions_total", &ev)))
+            break;
+        if (ev > ev0)
+            break;
+        if (++n > expected + 8) {
+            rc = skv_errorf(SKV_E_INTERNAL, "%lld sessions held and still no eviction (expected %lld)",
+                            (long long)n, (long long)expected);
+            break;
+        }
+    }
+    if (!rc)
+        *held = n;
+    int rc2 = evict_all(x);
+    return rc ? rc : rc2;
+}
+
+static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after_out[N_SPECS],
+                          uint64_t *bytes_before_out)
+{
+    int rc = evict_all(x);
+    if (rc)
+        return rc;
+    json_t *arr = json_array();
+    json_object_set_new(out, "pool_bytes", json_integer((json_int_t)x->pool_bytes));
+    json_object_set_new(out, "context_tokens", json_integer(x->context));
+    json_object_set_new(out, "specs", arr);
+    int64_t cap[N_SPECS] = {0};
+    for (int s = 0; s < N_SPECS && !rc; s++) {
+        struct snapkv_session_id id;
+        uint64_t before, after;
+        double secs, used;
+        if ((rc = stat_get(x->admin, "snapkv_pool_bytes_used", &used)))
+            break;
+        if (used != 0) {
+            rc = skv_errorf(SKV_E_INTERNAL, "the pool holds %.0f bytes before the capacity run", used);
+            break;
+        }
+        if ((rc = prefill_long(x, s, &id, &before, &after, &secs)))
+            break;
+        cap[s] = after ? (int64_t)(x->pool_bytes / after) : 0;
+        int64_t held = -1;
+        fprintf(stderr, "serve:   %lld sessions should fit; forking until the pool evicts ...\n", (long long)cap[s]);
+        if ((rc = fill_pool(x, &id, cap[s], &held)))
+            break;
+        fprintf(stderr, "serve:   %lld sessions held before the first eviction\n", (long long)held);
+        bytes_after_out[s] = after;
+        *bytes_before_out = before;
+        json_t *o = json_object();
+        json_object_set_new(o, "name", json_string(spec_name[s]));
+        json_object_set_new(o, "spec", json_string(*spec_text[s] ? spec_text[s] : "policy=full"));
+        json_object_set_new(o, "prefill_s", json_real(secs));
+        json_object_set_new(o, "prefill_tokens_per_s", json_real(x->context / secs));
+        json_object_set_new(o, "bytes_before", json_integer((json_int_t)before));
+        json_object_set_new(o, "bytes_after", json_integer((json_int_t)after));
+        json_object_set_new(o, "sessions_fit", json_integer(cap[s]));
+        json_object_set_new(o, "sessions_held_before_eviction", json_integer(held));
+        json_object_set_new(o, "verified", json_boolean(llabs(held - cap[s]) <= 1));
+        json_object_set_new(o, "ratio_vs_full", json_real(cap[0] ? (double)cap[s] / (double)cap[0] : 0));
+        /* the session-count ratio carries the floor of each count; this one does not */
+        json_object_set_new(o, "kv_bytes_ratio_vs_full", json_real(after ? (double)before / (double)after : 0));
+        json_array_append_new(arr, o);
+    }
+    return rc;
+}
+
+static int bench_decode(struct serve_ctx *x, json_t *out, int spec, double *wall_out)
+{
+    int n = x->sessions;
+    struct snapkv_session_id *ids = calloc((size_t)n, sizeof *ids);
+    struct child_report *reports = calloc((size_t)n, sizeof *reports);
+    double *lat = calloc((size_t)n, sizeof *lat);
+    int rc = SKV_OK, held = 0;
+    if (!ids || !reports || !lat) {
+        rc = SKV_E_NOMEM;
+        goto out;
+    }
+    uint64_t before, after;
+    double secs, ev0, ev1, rss0 = x->d.pid ? rss_mib(x->d.pid) : -1;
+    if ((rc = evict_all(x)) || (rc = stat_get(x->admin, "snapkv_evictions_total", &ev0)) ||
+        (rc = prefill_long(x, spec, &ids[0], &before, &after, &secs)))
+        goto out;
+    for (held = 1; held < n; held++)
+        if ((rc = snapkv_fork(x->cl, &ids[0], &ids[held], NULL))) {
+            rc = client_fail("FORK", rc);
+            goto out;
+        }
+    if ((rc = stat_get(x->admin, "snapkv_evictions_total", &ev1)))
+        goto out;
+    if (ev1 > ev0) {
+        rc = skv_errorf(SKV_E_POOL_FULL, "%d sessions of %s do not fit in the pool (%.0f evicted)", n,
+                        spec_name[spec], ev1 - ev0);
+        goto out;
+    }
+    fprintf(stderr, "serve:   %d client processes decode %d tokens each, concurrently ...\n", n, x->decode_tokens);
+    struct child_job j = {.run = child_decode, .endpoint = x->endpoint, .max_lat = 1,
+                          .decode_tokens = x->decode_tokens, .n_vocab = x->m->cfg.n_vocab, .ids = ids};
+    double t_go;
+    if ((rc = run_children(&j, n, reports, lat, &t_go)) || (rc = children_status(reports, n, "decode")))
+        goto out;
+    double t_end = t_go;
+    for (int i = 0; i < n; i++)
+        t_end = reports[i].t_end > t_end ? reports[i].t_end : t_end;
+    double wall = t_end - t_go;
+    int same = 0;
+    for (int i = 1; i < n; i++)
+        same += reports[i].n_tokens == reports[0].n_tokens &&
+                memcmp(reports[i].tokens, reports[0].tokens, reports[0].n_tokens * sizeof *reports[0].tokens) == 0;
+    fprintf(stderr, "serve:   %.1f s, %.1f tokens/s\n", wall, n * x->decode_tokens / wall);
+    json_object_set_new(out, "name", json_string(spec_name[spec]));
+    json_object_set_new(out, "spec", json_string(*spec_text[spec] ? spec_text[spec] : "policy=full"));
+    json_object_set_new(out, "bytes_per_session", json_integer((json_int_t)after));
+    json_object_set_new(out, "prefill_s", json_real(secs));
+    json_object_set_new(out, "wall_s", json_real(wall));
+    json_object_set_new(out, "tokens_per_s", json_real(n * x->decode_tokens / wall));
+    json_object_set_new(out, "session_decode_s", summary_json(lat, (size_t)n, 1.0));
+    json_object_set_new(out, "forks_agree_with_first", json_integer(same));
+    if (x->d.pid) {
+        json_object_set_new(out, "daemon_rss_mib_before", json_real(rss0));
+        json_object_set_new(out, "daemon_rss_mib_after", json_real(rss_mib(x->d.pid)));
+    }
+    json_object_set_new(out, "load_1min_after", json_real(load_1min()));
+    *wall_out = wall;
+out:
+    if (held > 0) {
+        int rc2 = evict_all(x);
+        rc = rc ? rc : rc2;
+    }
+    free(ids);
+    free(reports);
+    free(lat);
+    return rc;
+}
+
+static int bench_decodes(struct serve_ctx *x, json_t *out, const uint64_t bytes_after[N_SPECS], uint64_t bytes_before)
+{
+    /* bytes one session holds after decoding: kept entries plus the new tokens' rows */
+    uint64_t per_token = x->context ? bytes_before / (uint64_t)x->context : 0;
+    uint64_t need_max = 0;
+    for (int s = 0; s < N_SPECS; s++) {
+        uint64_t need = (uint64_t)x->sessions * (bytes_after[s] + per_token * (uint64_t)(x->decode_tokens + 1));
+        need_max = need > need_max ? need : need_max;
+    }
+    if (x->d.pid && need_max > x->pool_bytes) {
+        /* a 1 GiB pool cannot hold 16 full-cache sessions: run this part with a pool that can */
+        uint64_t pool = (need_max + need_max / 16 + GIB - 1) / GIB * GIB;
+        fprintf(stderr, "serve: restarting snapkvd with a %.0f GiB pool for %d full-cache sessions\n",
+                (double)pool / GIB, x->sessions);
+        int rc = use_own_daemon(x, pool);
+        if (rc)
+            return rc;
+    }
+    json_t *arr = json_array();
+    json_object_set_new(out, "sessions", json_integer(x->sessions));
+    json_object_set_new(out, "context_tokens", json_integer(x->context));
+    json_object_set_new(out, "tokens_per_session", json_integer(x->decode_tokens));
+    json_object_set_new(out, "pool_bytes", json_integer((json_int_t)x->pool_bytes));
+    json_object_set_new(out, "specs", arr);
+    double wall_full = 0;
+    int rc = SKV_OK;
+    for (int s = 0; s < N_SPECS && !rc; s++) {
+        json_t *o = json_object();
+        uint64_t need = (uint64_t)x->sessions * (bytes_after[s] + per_token * (uint64_t)(x->decode_tokens + 1));
+        if (need > x->pool_bytes) {
+            json_object_set_new(o, "name", json_string(spec_name[s]));
+            json_object_set_new(o, "skipped", json_string("the sessions do not fit in the daemon's pool"));
+            json_array_append_new(arr, o);
+            continue;
+        }
+        double wall = 0;
+        rc = bench_decode(x, o, s, &wall);
+        if (!rc && s == 0)
+            wall_full = wall;
+        if (!rc && wall_full > 0)
+            json_object_set_new(o, "ratio_vs_full", json_real(wall_full / wall));
+        json_array_append_new(arr, o);
+    }
+    return rc;
+}
+
+/* ---- report ---------------------------------------------------------------------------------------- */
+
+static void cpu_model(char *buf, size_t cap)
+{
+    snprintf(buf, cap, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "model name", 10) == 0) {
+            char *p = strchr(line, ':');
+            if (p) {
+                p += 1 + (p[1] == ' ');
+                p[strcspn(p, "\n")] = '\0';
+                snprintf(buf, cap, "%s", p);
+            }
+            break;
+        }
+    fclose(f);
+}
+
+/* The 1-minute load average (the machine may be shared: it says how quiet it was). */
+static double load_1min(void)
+{
+    double l[1] = {-1};
+    return getloadavg(l, 1) == 1 ? l[0] : -1;
+}
+
+/* Resident MiB of a process (our snapkvd), -1 when unknown. */
+static double rss_mib(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = pid > 0 ? fopen(path, "r") : NULL;
+    double v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0)
+            v = strtod(line + 6, NULL) / 1024.0;
+    if (f)
+        fclose(f);
+    return v;
+}
+
+static const char *yes_no(bool ok)
+{
+    return ok ? "yes" : "NO";
+}
+
+static void print_table(FILE *f, const json_t *j)
+{
+    const json_t *rt = json_object_get(j, "roundtrip"), *tp = json_object_get(j, "throughput"),
+                 *cp = json_object_get(j, "capacity"), *dc = json_object_get(j, "decode");
+    fprintf(f, "snapkvd benchmark: %s, backend %s, %lld threads, %s (%lld online CPUs, load %.1f at start, "
+               "%.1f at end, %.0f s)\n",
+            json_string_value(json_object_get(j, "model")), json_string_value(json_object_get(j, "backend")),
+            (long long)json_integer_value(json_object_get(j, "threads")), json_string_value(json_object_get(j, "cpu")),
+            (long long)json_integer_value(json_object_get(j, "online_cpus")), jnum(j, "load_1min_start"),
+            jnum(j, "load_1min_end"), jnum(j, "seconds"));
+    if (rt) {
+        const json_t *a = json_object_get(rt, "admin_status_us"), *r = json_object_get(rt, "engine_release_not_found_us");
+        fprintf(f, "\n| round trip (%d calls)                 | p50 µs | p99 µs | mean µs |\n|---|---|---|---|\n",
+                ROUNDTRIP_CALLS);
+        fprintf(f, "| admin STATUS (socket thread)          | %6.1f | %6.1f | %7.1f |\n", jnum(a, "p50"), jnum(a, "p99"),
+                jnum(a, "mean"));
+        fprintf(f, "| RELEASE unknown id (engine worker)    | %6.1f | %6.1f | %7.1f |\n", jnum(r, "p50"), jnum(r, "p99"),
+                jnum(r, "mean"));
+    }
+    if (tp) {
+        const json_t *d = json_object_get(tp, "daemon"), *i = json_object_get(tp, "in_process");
+        const json_t *dl = json_object_get(d, "latency_ms"), *il = json_object_get(i, "latency_ms");
+        fprintf(f,
+                "\n%lld clients x %lld requests, each prefill %lld + greedy decode %lld + release\n"
+                "| path                     | wall s | req/s | tokens/s | p50 ms | p99 ms |\n|---|---|---|---|---|---|\n",
+                (long long)json_integer_value(json_object_get(tp, "clients")),
+                (long long)json_integer_value(json_object_get(tp, "requests_per_client")),
+                (long long)json_integer_value(json_object_get(tp, "prompt_tokens")),
+                (long long)json_integer_value(json_object_get(tp, "decode_tokens")));
+        fprintf(f, "| daemon, client processes | %6.2f | %5.2f | %8.1f | %6.1f | %6.1f |\n", jnum(d, "wall_s"),
+                jnum(d, "requests_per_s"), jnum(d, "tokens_per_s"), jnum(dl, "p50"), jnum(dl, "p99"));
+        fprintf(f, "| in-process, sequential   | %6.2f | %5.2f | %8.1f | %6.1f | %6.1f |\n", jnum(i, "wall_s"),
+                jnum(i, "requests_per_s"), jnum(i, "tokens_per_s"), jnum(il, "p50"), jnum(il, "p99"));
+        fprintf(f, "daemon / in-process throughput: %.3f; greedy tokens equal in %lld of %lld compared requests\n",
+                jnum(tp, "ratio"), (long long)json_integer_value(json_object_get(tp, "greedy_tokens_match")),
+                (long long)json_integer_value(json_object_get(tp, "greedy_tokens_compared")));
+    }
+    if (cp) {
+        fprintf(f,
+                "\n%lld-token sessions in a %.2f GiB pool\n"
+                "| spec                 | KV MiB / session | prefill s | fit (computed) | held before eviction | x full |\n"
+                "|---|---|---|---|---|---|\n",
+                (long long)json_integer_value(json_object_get(cp, "context_tokens")), jnum(cp, "pool_bytes") / GIB);
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(cp, "specs"), k, o)
+            fprintf(f, "| %-20s | %16.2f | %9.1f | %14lld | %20lld | %6.2f |\n",
+                    json_string_value(json_object_get(o, "name")), jnum(o, "bytes_after") / 1048576.0,
+                    jnum(o, "prefill_s"), (long long)json_integer_value(json_object_get(o, "sessions_fit")),
+                    (long long)json_integer_value(json_object_get(o, "sessions_held_before_eviction")),
+                    jnum(o, "ratio_vs_full"));
+    }
+    if (dc) {
+        fprintf(f,
+                "\n%lld concurrent %lld-token sessions, %lld greedy tokens each (pool %.2f GiB)\n"
+                "| spec                 | wall s | aggregate tokens/s | x full | session p50 s | snapkvd RSS MiB before -> after |\n"
+                "|---|---|---|---|---|---|\n",
+                (long long)json_integer_value(json_object_get(dc, "sessions")),
+                (long long)json_integer_value(json_object_get(dc, "context_tokens")),
+                (long long)json_integer_value(json_object_get(dc, "tokens_per_session")), jnum(dc, "pool_bytes") / GIB);
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(dc, "specs"), k, o) {
+            if (json_object_get(o, "skipped"))
+                fprintf(f, "| %-20s | skipped: %s |\n", json_string_value(json_object_get(o, "name")),
+                        json_string_value(json_object_get(o, "skipped")));
+            else
+                fprintf(f, "| %-20s | %6.1f | %18.1f | %6.2f | %13.1f | %6.0f -> %6.0f |\n",
+                        json_string_value(json_object_get(o, "name")), jnum(o, "wall_s"), jnum(o, "tokens_per_s"),
+                        jnum(o, "ratio_vs_full"), jnum(json_object_get(o, "session_decode_s"), "p50"),
+                        jnum(o, "daemon_rss_mib_before"), jnum(o, "daemon_rss_mib_after"));
+        }
+    }
+    const json_t *g = json_object_get(j, "goals");
+    if (g && json_object_size(g)) {
+        fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
+        const char *key;
+        const json_t *o;
+        json_object_foreach((json_t *)g, key, o)
+            fprintf(f, "| %s | %.3f | %s |\n", json_string_value(json_object_get(o, "goal")), jnum(o, "measured"),
+                    yes_no(json_is_true(json_object_get(o, "met"))));
+    }
+}
+
+static void goal(json_t *goals, const char *key, const char *text, double measured, bool met)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "goal", json_string(text));
+    json_object_set_new(o, "measured", json_real(measured));
+    json_object_set_new(o, "met", json_boolean(met));
+    json_object_set_new(goals, key, o);
+}
+
+static void add_goals(json_t *j)
+{
+    json_t *goals = json_object();
+    const json_t *rt = json_object_get(j, "roundtrip"), *tp = json_object_get(j, "throughput"),
+                 *cp = json_object_get(j, "capacity");
+    if (rt) {
+        double p50 = jnum(json_object_get(rt, "admin_status_us"), "p50");
+        goal(goals, "noop_p50_us", "no-op round trip p50 < 100 us", p50, p50 < 100);
+    }
+    if (tp) {
+        double r = jnum(tp, "ratio");
+        char text[96];
+        snprintf(text, sizeof text, "throughput with %lld clients >= 0.9x in-process",
+                 (long long)json_integer_value(json_object_get(tp, "clients")));
+        goal(goals, "throughput_ratio", text, r, r >= 0.9);
+    }
+    const json_t *specs = json_object_get(cp, "specs");
+    for (size_t s = 1; s < json_array_size(specs); s++) {
+        const json_t *o = json_array_get(specs, s);
+        double r = jnum(o, "ratio_vs_full");
+        char key[48], text[128];
+        snprintf(key, sizeof key, "capacity_ratio_%zu", s);
+        snprintf(text, sizeof text, "%s: >= 9.5x the full-cache sessions in 1 GiB",
+                 json_string_value(json_object_get(o, "name")));
+        goal(goals, key, text, r, r >= 9.5);
+    }
+    for (size_t s = 0; s < json_array_size(specs); s++) {
+        const json_t *o = json_array_get(specs, s);
+        char key[48], text[128];
+        snprintf(key, sizeof key, "capacity_verified_%zu", s);
+        snprintf(text, sizeof text, "%s: sessions held before eviction = computed +-1",
+                 json_string_value(json_object_get(o, "name")));
+        goal(goals, key, text, (double)json_integer_value(json_object_get(o, "sessions_held_before_eviction")),
+             json_is_true(json_object_get(o, "verified")));
+    }
+    json_object_set_new(j, "goals", goals);
+}
+
+int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_serve_opts *o)
+{
+    struct serve_ctx x = {
+        .o = o, .e = e, .m = m,
+        .clients = o->clients > 0 ? o->clients : 8,
+        .requests = o->requests > 0 ? o->requests : 4,
+        .context = o->context > 0 ? o->context : 4096,
+        .sessions = o->sessions > 0 ? o->sessions : 16,
+        .decode_tokens = o->decode_tokens > 0 ? o->decode_tokens : 32,
+    };
+    if (!o->endpoint != !o->admin_endpoint)
+        return skv_errorf(SKV_E_INVAL, "give both --endpoint and --admin-endpoint, or neither");
+    if (x.decode_tokens > MAX_REPORT_TOKENS)
+        return skv_errorf(SKV_E_INVAL, "--decode-tokens: at most %d", MAX_REPORT_TOKENS);
+    signal(SIGPIPE, SIG_IGN);
+    int rc;
+    if (o->endpoint) {
+        x.endpoint = o->endpoint;
+        x.admin_endpoint = o->admin_endpoint;
+        rc = connect_both(&x);
+    } else {
+        rc = use_own_daemon(&x, CAPACITY_POOL);
+    }
+    if (rc)
+        return rc;
+    json_t *j = json_object(), *cmd = json_array();
+    for (int i = 0; i < o->argc; i++)
+        json_array_append_new(cmd, json_string(o->argv[i]));
+    char cpu[256];
+    cpu_model(cpu, sizeof cpu);
+    json_object_set_new(j, "command", cmd);
+    json_object_set_new(j, "model", json_string(m->name));
+    json_object_set_new(j, "backend", json_string(m->be->name));
+    json_object_set_new(j, "threads", json_integer(m->be->n_threads));
+    json_object_set_new(j, "cpu", json_string(cpu));
+    json_object_set_new(j, "online_cpus", json_integer(sysconf(_SC_NPROCESSORS_ONLN)));
+    json_object_set_new(j, "daemon_started_by_bench", json_boolean(x.d.pid != 0));
+    json_object_set_new(j, "notes",
+                        json_string("snapkvd runs every request on one engine worker thread (the backend's thread "
+                                    "pool inside it), so daemon throughput is bounded by the engine; decodes of "
+                                    "concurrent sessions are interleaved one token per session per round, not "
+                                    "batched. The decode part runs on a pool large enough for all sessions of "
+                                    "every spec (a 1 GiB pool holds only the computed number of full-cache "
+                                    "sessions)."));
+    double t_all = now_s();
+    json_object_set_new(j, "load_1min_start", json_real(load_1min()));
+    json_t *rt = json_object(), *tp = json_object(), *cp = json_object(), *dc = json_object();
+    uint64_t bytes_after[N_SPECS] = {0}, bytes_before = 0;
+    fprintf(stderr, "serve: round trips ...\n");
+    rc = bench_roundtrip(&x, rt);
+    json_object_set_new(j, "roundtrip", rt);
+    if (!rc)
+        rc = bench_throughput(&x, tp);
+    json_object_set_new(j, "throughput", tp);
+    if (!rc) {
+        if (x.d.pid == 0 && x.pool_bytes != CAPACITY_POOL)
+            fprintf(stderr, "serve: note: the daemon's pool is %.2f GiB, not 1 GiB\n", (double)x.pool_bytes / GIB);
+        rc = bench_capacity(&x, cp, bytes_after, &bytes_before);
+    }
+    json_object_set_new(j, "capacity", cp);
+    if (!rc)
+        rc = bench_decodes(&x, dc, bytes_after, bytes_before);
+    json_object_set_new(j, "decode", dc);
+    json_object_set_new(j, "seconds", json_real(now_s() - t_all));
+    json_object_set_new(j, "load_1min_end", json_real(load_1min()));
+    add_goals(j);
+
+    char saved_err[512];
+    snprintf(saved_err, sizeof saved_err, "%s", rc ? skv_error_msg() : "");
+    disconnect(&x);
+    if (x.d.pid) {
+        int code = daemon_stop(&x.d, rc != 0);
+        if (code != 0)
+            fprintf(stderr, "serve: warning: snapkvd exited with status %d on SIGTERM\n", code);
+        json_object_set_new(j, "daemon_exit_status", json_integer(code));
+    }
+    if (rc) {
+        json_object_set_new(j, "error", json_string(saved_err));
+        print_table(stderr, j);
+        json_decref(j);
+        return skv_errorf(rc, "%s", saved_err);
+    }
+    print_table(o->json_stdout ? stderr : stdout, j);
+    if (o->json_stdout) {
+        char *s = json_dumps(j, JSON_INDENT(1) | JSON_REAL_PRECISION(6));
+        if (s) {
+            puts(s);
+            free(s);
+        }
+    }
+    json_decref(j);
+    return SKV_OK;
+}
