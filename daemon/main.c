@@ -10,6 +10,7 @@
 #include "kernels/backend.h"
 
 #include <getopt.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,7 +25,32 @@ static int sd_notify(int unset, const char *state)
     (void)state;
     return 0;
 }
+static int sd_watchdog_enabled(int unset, uint64_t *usec)
+{
+    (void)unset;
+    (void)usec;
+    return 0;
+}
 #endif
+
+#include <time.h>
+
+static uint64_t watchdog_usec; /* WatchdogSec from systemd, 0 when off */
+
+/* Pings the systemd watchdog at half its interval while the socket loop turns. */
+static void watchdog_tick(void)
+{
+    static struct timespec last;
+    struct timespec now;
+    if (!watchdog_usec)
+        return;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    uint64_t since = (uint64_t)(now.tv_sec - last.tv_sec) * 1000000u + (uint64_t)((now.tv_nsec - last.tv_nsec) / 1000);
+    if (since >= watchdog_usec / 2) {
+        sd_notify(0, "WATCHDOG=1");
+        last = now;
+    }
+}
 
 static volatile sig_atomic_t stop_flag;
 static volatile sig_atomic_t reopen_flag;
@@ -153,15 +179,21 @@ int main(int argc, char **argv)
             skv_model_config(model)->n_kv_heads, skv_model_config(model)->dim,
             skv_model_config(model)->n_vocab);
 
-    struct skv_server_env env = {
-        .cfg = &cfg, .backend = be, .model = model, .stop = &stop_flag, .reopen = &reopen_flag};
+    if (sd_watchdog_enabled(0, &watchdog_usec) <= 0)
+        watchdog_usec = 0;
+    struct skv_server_env env = {.cfg = &cfg,
+                                 .backend = be,
+                                 .model = model,
+                                 .stop = &stop_flag,
+                                 .reopen = &reopen_flag,
+                                 .tick = watchdog_tick};
     rc = skv_server_new(&env, &srv);
     if (rc) {
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_model;
     }
     skv_log(SKV_LOG_INFO, "serving clients on %s, admin on %s", cfg.endpoint, cfg.admin_endpoint);
-    sd_notify(0, "READY=1\nSTATUS=serving");
+    sd_notify(0, "READY=1\nSTATUS=serving clients");
     rc = skv_server_run(srv);
     sd_notify(0, "STOPPING=1");
     skv_log(SKV_LOG_INFO, "stopped (%s)", skv_status_str(rc));

@@ -402,6 +402,8 @@ int skv_server_run(struct skv_server *srv)
             skv_log_reopen();
             skv_log(SKV_LOG_INFO, "log reopened");
         }
+        if (srv->env.tick)
+            srv->env.tick();
         if (items[2].revents & ZMQ_POLLIN)
             while (forward_reply(srv, ZMQ_DONTWAIT))
                 ;

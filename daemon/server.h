@@ -17,6 +17,7 @@ struct skv_server_env {
     struct skv_model *model;          /* may be NULL while no model is loaded */
     volatile sig_atomic_t *stop;      /* set by SIGTERM / SIGINT */
     volatile sig_atomic_t *reopen;    /* set by SIGHUP */
+    void (*tick)(void);               /* called from the socket loop at least every 200 ms (watchdog) */
 };
 
 /* Binds both endpoints (refusing when another daemon holds them). */
