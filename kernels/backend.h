@@ -102,7 +102,8 @@ struct skv_backend_ops {
     /* Block until queued work is done (no-op on the CPU). */
     int (*sync)(struct skv_backend *be);
 
-    /* out[i][:] = dequant(table row ids[i]); out is [n][table->ne[0]]. ids are validated by the caller. */
+    /* out[i][:] = dequant(table row ids[i]); out is [n][table->ne[0]]. ids are host memory
+     * (the CUDA backend also accepts device pointers), validated by the caller. */
     int (*get_rows)(struct skv_backend *be, float *out, const struct skv_tensor *table,
                     const int32_t *ids, int n);
     /* out[n][rows] = x[n][cols] . W^T (+ bias[rows] when bias != NULL), W = w (ne[0] = cols,
@@ -112,7 +113,8 @@ struct skv_backend_ops {
     /* out[i] = x[i] / rms(x[i]) * w, rows of `dim`; out may alias x. */
     int (*rmsnorm)(struct skv_backend *be, float *out, const float *x, const float *w, int n,
                    int dim, float eps);
-    /* In place on x [n][n_heads][head_dim], token i at position pos[i]. */
+    /* In place on x [n][n_heads][head_dim], token i at position pos[i] (pos: host memory; the
+     * CUDA backend also accepts device pointers). */
     int (*rope)(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
                 const int32_t *pos, const struct skv_rope *rope);
     /* out = silu(gate) * up, elementwise over count; out may alias gate. */

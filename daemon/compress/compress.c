@@ -26,6 +26,7 @@ struct skv_compressor {
     int *layer_budget;      /* [L] */
     float *sim;             /* [L] squeeze cosines */
     float *colsum;          /* [n_heads][colsum_cap] (backend memory) */
+    float *colsum_host;     /* the same, read back for the host-side policy code */
     int64_t colsum_cap;
     float *agg;             /* [colsum_cap] host scratch */
     struct row *rows;       /* selection scratch */
@@ -91,6 +92,7 @@ void skv_compressor_free(struct skv_compressor **c_p)
     struct skv_compressor *c = *c_p;
     if (c->colsum)
         c->be->ops->free(c->be, c->colsum);
+    free(c->colsum_host);
     free(c->agg);
     free(c->rows);
     free(c->idx);
@@ -194,6 +196,10 @@ static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *
         if (!agg)
             return SKV_E_NOMEM;
         c->agg = agg;
+        float *host = realloc(c->colsum_host, (size_t)cap * c->n_heads * sizeof *host);
+        if (!host)
+            return SKV_E_NOMEM;
+        c->colsum_host = host;
         int rc = c->be->ops->alloc(c->be, (size_t)cap * c->n_heads * sizeof(float), (void **)&c->colsum);
         if (rc)
             return rc;
@@ -206,7 +212,11 @@ static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *
         kv.v[h] = kh->v;
         kv.prefix_len[h] = kh->len - v->n;
     }
-    return c->be->ops->attention_colsum(c->be, c->colsum, c->colsum_cap, v->q, v->n, c->n_heads, &kv, q_first);
+    int rc = c->be->ops->attention_colsum(c->be, c->colsum, c->colsum_cap, v->q, v->n, c->n_heads, &kv, q_first);
+    if (!rc)
+        rc = c->be->ops->download(c->be, c->colsum_host, c->colsum,
+                                  (size_t)c->colsum_cap * c->n_heads * sizeof(float));
+    return rc;
 }
 
 static int by_keep_order(const void *a, const void *b)
@@ -380,7 +390,7 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         int g = c->n_heads / c->n_kv;
         for (int h = 0; h < c->n_kv; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
-            skv_gqa_reduce(c->colsum + (int64_t)h * g * c->colsum_cap, c->colsum_cap, g, kh->len, s->gqa, c->agg);
+            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_cap, c->colsum_cap, g, kh->len, s->gqa, c->agg);
             for (int j = 0; j < kh->len; j++)
                 kh->score[j] += c->agg[j];
         }
@@ -392,7 +402,7 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         for (int h = 0; h < c->n_kv; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
             int cand = kh->len - w_obs;
-            skv_gqa_reduce(c->colsum + (int64_t)h * g * c->colsum_cap, c->colsum_cap, g, kh->len, s->gqa, c->agg);
+            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_cap, c->colsum_cap, g, kh->len, s->gqa, c->agg);
             for (int j = 0; j < kh->len; j++)
                 c->agg[j] /= (float)w_obs; /* mean over the window's queries */
             if (cand > 0)
