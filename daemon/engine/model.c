@@ -50,8 +50,8 @@ static int64_t tensor_elems(const struct skv_tensor *t)
 /* Replaces t's data by an f32 copy in backend memory (dequantizing / widening). */
 static int to_f32(struct skv_model *m, struct skv_tensor *t)
 {
-    if (t->type == SKV_DTYPE_F32 && !m->reference)
-        return SKV_OK;
+    if (t->type == SKV_DTYPE_F32 && !m->reference && strcmp(m->be->name, "cpu") == 0)
+        return SKV_OK; /* the CPU reads f32 straight from the mapped file */
     if (!skv_dtype_supported(t->type))
         return skv_errorf(SKV_E_UNSUPPORTED, "tensor %s: type %s is not supported", t->name,
                           skv_dtype_name(t->type) ? skv_dtype_name(t->type) : "?");
@@ -80,6 +80,27 @@ static int to_f32(struct skv_model *m, struct skv_tensor *t)
     t->type = SKV_DTYPE_F32;
     t->data = dev;
     t->nbytes = (size_t)n * sizeof(float);
+    return SKV_OK;
+}
+
+/* Copies t's bytes (any dtype) into backend memory: weights live on the device for every
+ * backend but the CPU, which reads the mapped file directly. */
+static int to_device(struct skv_model *m, struct skv_tensor *t)
+{
+    if (!t->data || strcmp(m->be->name, "cpu") == 0)
+        return SKV_OK;
+    void *dev = NULL;
+    int rc = m->be->ops->alloc(m->be, t->nbytes, &dev);
+    if (!rc)
+        rc = m->be->ops->upload(m->be, dev, t->data, t->nbytes);
+    if (!rc)
+        rc = own(m, dev);
+    if (rc) {
+        if (dev)
+            m->be->ops->free(m->be, dev);
+        return rc;
+    }
+    t->data = dev;
     return SKV_OK;
 }
 
@@ -214,6 +235,22 @@ static int prepare_weights(struct skv_model *m)
         if (m->cfg.tied_output)
             m->output = m->tok_embd;
         else if ((rc = to_f32(m, &m->output)))
+            return rc;
+    }
+    /* quantized / f16 matrices still in the mapped file go to the device (f32 copies already are) */
+    for (int l = 0; l < m->cfg.n_layers && !m->reference; l++) {
+        struct skv_layer_weights *w = &m->layers[l];
+        struct skv_tensor *mats[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
+            if ((rc = to_device(m, mats[i])))
+                return rc;
+    }
+    if (!m->reference) {
+        if ((rc = to_device(m, &m->tok_embd)))
+            return rc;
+        if (m->cfg.tied_output)
+            m->output = m->tok_embd;
+        else if ((rc = to_device(m, &m->output)))
             return rc;
     }
     return SKV_OK;
