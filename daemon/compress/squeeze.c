@@ -5,6 +5,7 @@
 #include "common/status.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,6 +106,20 @@ void skv_squeeze_budgets(const float *sim, int n_layers, int budget, double p, i
         }
         if (out[l] > n)
             out[l] = n;
+    }
+    /* A layer holds at most the whole prompt: what the important layers cannot take goes back
+     * to the others, so the total stays L * B whenever the prompt allows it. */
+    long used = 0;
+    for (int l = 0; l < n_layers; l++)
+        used += out[l];
+    for (bool moved = true; used < total && moved;) {
+        moved = false;
+        for (int l = 0; l < n_layers && used < total; l++)
+            if (out[l] < n) {
+                out[l]++;
+                used++;
+                moved = true;
+            }
     }
     free(label);
 }

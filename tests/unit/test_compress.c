@@ -153,6 +153,17 @@ static void test_squeeze_budgets(void **state)
         assert_int_equal(b[low[i]], 30);
         assert_int_equal(b[high[i]], 170);
     }
+    /* a prompt of 150 tokens caps the important layers at 150: the 80 they cannot hold go
+     * back to the others, 20 each, and the total is still 800 */
+    skv_squeeze_budgets(sim, 8, 100, 0.3, 150, b);
+    total = 0;
+    for (int l = 0; l < 8; l++)
+        total += b[l];
+    assert_int_equal(total, 800);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(b[high[i]], 150);
+        assert_int_equal(b[low[i]], 50);
+    }
 }
 
 /* ---- whole compressed prefills on the tiny model ------------------------------------------ */
