@@ -160,6 +160,10 @@ int skv_backend_open(const char *name, int n_threads, struct skv_backend **out);
 /* Accepts NULL and *be_p == NULL; sets *be_p to NULL. */
 void skv_backend_destroy(struct skv_backend **be_p);
 
+/* RoPE inverse frequencies of the `half` rotated pairs (theta, then Llama 3 scaling as HF
+ * transformers defines it), in double; the position scale (freq_scale) is not applied. */
+void skv_rope_inv_freq(const struct skv_rope *rope, int half, double *inv_freq);
+
 /* Host-side dequantization of n elements (n a multiple of the block size) of `type`. */
 int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);
 

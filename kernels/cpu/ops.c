@@ -16,7 +16,6 @@
 #define OPS_GRAIN_ELEMS 16384
 /* Largest rot_dim: the per-token angle tables live on the stack. */
 #define ROPE_MAX_DIM 1024
-#define ROPE_TWO_PI 6.283185307179586476925286766559
 
 /* ---- vector helpers --------------------------------------------------------------- */
 
@@ -132,30 +131,6 @@ struct rope_args {
     double inv_freq[ROPE_MAX_DIM / 2];  /* per rotated pair, scaling applied */
 };
 
-/* Inverse frequencies theta^(-2j/rot_dim), then Llama 3 scaling as HF transformers'
- * _compute_llama3_parameters defines it: long wavelengths divided by the factor, short ones
- * kept, the band between interpolated smoothly. */
-static void rope_inv_freq(const struct skv_rope *r, int half, double *inv_freq)
-{
-    for (int j = 0; j < half; j++)
-        inv_freq[j] = pow((double)r->theta, -2.0 * j / (2.0 * half));
-    if (r->l3_factor == 0.0f)
-        return;
-
-    const double factor = r->l3_factor, lo = r->l3_low_freq_factor, hi = r->l3_high_freq_factor;
-    const double old_ctx = r->l3_original_ctx;
-    const double low_freq_wavelen = old_ctx / lo, high_freq_wavelen = old_ctx / hi;
-    for (int j = 0; j < half; j++) {
-        const double f = inv_freq[j], wavelen = ROPE_TWO_PI / f;
-        if (wavelen > low_freq_wavelen) {
-            inv_freq[j] = f / factor;
-        } else if (wavelen >= high_freq_wavelen) {
-            const double smooth = (old_ctx / wavelen - lo) / (hi - lo);
-            inv_freq[j] = (1.0 - smooth) * f / factor + smooth * f;
-        }
-    }
-}
-
 static void rope_tokens(void *p, int64_t begin, int64_t end, int tid)
 {
     const struct rope_args *a = p;
@@ -230,7 +205,7 @@ int skv_cpu_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_
         .mode = rope->mode,
         .freq_scale = rope->freq_scale,
     };
-    rope_inv_freq(rope, rope->rot_dim / 2, a.inv_freq);
+    skv_rope_inv_freq(rope, rope->rot_dim / 2, a.inv_freq);
     int64_t grain = OPS_GRAIN_ELEMS / ((int64_t)n_heads * head_dim + rope->rot_dim * 8) + 1;
     skv_cpu_parallel_for(be, n, grain, rope_tokens, &a);
     return SKV_OK;

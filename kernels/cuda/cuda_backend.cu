@@ -17,7 +17,6 @@ extern "C" {
 
 /* Largest rot_dim, as on the CPU. */
 #define ROPE_MAX_DIM 1024
-#define ROPE_TWO_PI 6.283185307179586476925286766559
 /* Up to this many activation rows the matmul runs a dequantizing GEMV kernel. */
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
@@ -508,26 +507,6 @@ __global__ void rope_kernel(float *x, const int32_t *pos, const double *inv_freq
     }
 }
 
-/* Mirrors the CPU's rope_inv_freq (HF _compute_llama3_parameters for Llama 3 scaling). */
-static void rope_inv_freq(const struct skv_rope *r, int half, double *inv_freq)
-{
-    for (int j = 0; j < half; j++)
-        inv_freq[j] = pow((double)r->theta, -2.0 * j / (2.0 * half));
-    if (r->l3_factor == 0.0f)
-        return;
-    const double factor = r->l3_factor, lo = r->l3_low_freq_factor, hi = r->l3_high_freq_factor;
-    const double old_ctx = r->l3_original_ctx;
-    const double low_freq_wavelen = old_ctx / lo, high_freq_wavelen = old_ctx / hi;
-    for (int j = 0; j < half; j++) {
-        const double f = inv_freq[j], wavelen = ROPE_TWO_PI / f;
-        if (wavelen > low_freq_wavelen) {
-            inv_freq[j] = f / factor;
-        } else if (wavelen >= high_freq_wavelen) {
-            const double smooth = (old_ctx / wavelen - lo) / (hi - lo);
-            inv_freq[j] = (1.0 - smooth) * f / factor + smooth * f;
-        }
-    }
-}
 
 static int rope_check(const struct skv_rope *r, int head_dim)
 {
@@ -567,7 +546,7 @@ static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int h
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     const int half = rope->rot_dim / 2;
     double inv_freq[ROPE_MAX_DIM / 2];
-    rope_inv_freq(rope, half, inv_freq);
+    skv_rope_inv_freq(rope, half, inv_freq);
 
     const bool pos_dev = is_device_ptr(pos);
     const size_t freq_bytes = align_up((size_t)half * sizeof(double));
