@@ -262,8 +262,11 @@ static int parse_specs(const char *list, struct qspec *specs, int max, int *n_ou
             memcpy(q->text, p, len);
             q->text[len] = '\0';
             int rc = skv_compress_spec_parse(q->text, &q->spec);
-            if (rc)
-                return skv_errorf(rc, "--specs '%s': %s", q->text, skv_error_msg());
+            if (rc) {
+                char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+                snprintf(why, sizeof why, "%s", skv_error_msg());
+                return skv_errorf(rc, "--specs '%s': %s", q->text, why);
+            }
             if (q->spec.policy != SKV_POLICY_FULL) {
                 /* series label: every item but ratio= */
                 q->group[0] = '\0';
@@ -941,7 +944,8 @@ static const char GP_TERM[] = "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n
                               "    set terminal pngcairo size %d,%d font ',9'\n"
                               "} else {\n"
                               "    set terminal png size %d,%d\n"
-                              "}\n";
+                              "}\n"
+                              "set termoption noenhanced\n";
 
 /* Runs gnuplot on a script written into the output folder. */
 static void run_gnuplot(const char *dir, const char *script_name, const char *script)
@@ -1368,7 +1372,8 @@ out_free:
 
 static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
 {
-    /* one series per group (spec without its ratio) with >= 2 ratios */
+    /* one series per group (spec without its ratio) with >= 2 ratios; x is the KV actually kept
+     * (SqueezeAttention can keep less than its ratio) */
     struct strbuf gp = {0};
     int series[MAX_LIST + 1], ns = 0;
     bool done[MAX_LIST + 1] = {false};
@@ -1393,8 +1398,8 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
                 break;
             done[best] = true;
             const struct fid_stat *s = &stat[best];
-            sb_add(&gp, "%g %.6g %.4f %.4f\n", q->specs[best].spec.ratio, s->kl_sum / s->steps,
-                   (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n);
+            sb_add(&gp, "%.4f %.6g %.4f %.4f %g\n", s->kv_frac_sum / s->texts, s->kl_sum / s->steps,
+                   (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n, q->specs[best].spec.ratio);
         }
         sb_add(&gp, "EOD\n");
         series[ns++] = i;
@@ -1405,7 +1410,8 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
     }
     sb_add(&gp, GP_TERM, 960, 400, 960, 400);
     sb_add(&gp, "set output 'fidelity_kl.png'\nset multiplot layout 1,2 title 'Fidelity vs the full cache: %s'\n"
-                "set grid\nset xlabel 'budget ratio'\nset key top right\nset logscale y\n"
+                "set grid\nset xlabel 'KV kept after prefill (fraction of the full cache)'\nset key bottom left\n"
+                "set logscale y\n"
                 "set ylabel 'mean KL(full || compressed), nats'\nplot ",
            model_label(q));
     for (int k = 0; k < ns; k++)
