@@ -157,6 +157,10 @@ int main(int argc, char **argv)
         rc = skv_backend_cuda_new(0, &be);
         if (rc)
             skv_log(SKV_LOG_INFO, "no CUDA device answered (%s); using the CPU", skv_error_msg());
+        else if ((rc = skv_backend_selftest(be))) {
+            skv_log(SKV_LOG_WARN, "%s; using the CPU", skv_error_msg());
+            skv_backend_destroy(&be);
+        }
     }
     if (!be) {
         rc = skv_backend_open(strcmp(cfg.backend, "auto") == 0 ? "cpu" : cfg.backend, (int)cfg.threads, &be);

@@ -30,3 +30,75 @@ void skv_backend_destroy(struct skv_backend **be_p)
     (*be_p)->ops->destroy(*be_p);
     *be_p = NULL;
 }
+
+/* ---- start-up self-test --------------------------------------------------------------------- */
+
+static double nmse(const float *a, const float *b, int n)
+{
+    double num = 0, den = 1e-30;
+    for (int i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return num / den;
+}
+
+/* Runs RMSNorm and a small GQA attention on `be` and on a 1-thread CPU backend and compares. */
+int skv_backend_selftest(struct skv_backend *be)
+{
+    enum { N = 7, DIM = 64, H = 4, HKV = 2, D = 16, ROWS = N };
+    float x[N * DIM], w[DIM], q[N * H * D], kv[2][HKV][ROWS * D], got[N * H * D], want[N * H * D];
+    uint32_t s = 12345;
+    float *all[] = {x, w, q, &kv[0][0][0]};
+    int sizes[] = {N * DIM, DIM, N * H * D, 2 * HKV * ROWS * D};
+    for (int a = 0; a < 4; a++)
+        for (int i = 0; i < sizes[a]; i++) {
+            s = s * 1664525u + 1013904223u;
+            all[a][i] = (float)((s >> 8) & 0xffff) / 32768.0f - 1.0f;
+        }
+    struct skv_backend *cpu = NULL;
+    int rc = skv_backend_cpu_new(1, &cpu);
+    if (rc)
+        return rc;
+    void *dx = NULL, *dw = NULL, *dq = NULL, *dout = NULL, *dk[HKV] = {0}, *dv[HKV] = {0};
+    size_t bx = sizeof x, bw = sizeof w, bq = sizeof q, bkv = sizeof kv[0][0];
+    rc = be->ops->alloc(be, bx, &dx);
+    rc = rc ? rc : be->ops->alloc(be, bw, &dw);
+    rc = rc ? rc : be->ops->alloc(be, bq, &dq);
+    rc = rc ? rc : be->ops->alloc(be, bq, &dout);
+    for (int h = 0; h < HKV && !rc; h++) {
+        rc = be->ops->alloc(be, bkv, &dk[h]);
+        rc = rc ? rc : be->ops->alloc(be, bkv, &dv[h]);
+        rc = rc ? rc : be->ops->upload(be, dk[h], kv[0][h], bkv);
+        rc = rc ? rc : be->ops->upload(be, dv[h], kv[1][h], bkv);
+    }
+    rc = rc ? rc : be->ops->upload(be, dx, x, bx);
+    rc = rc ? rc : be->ops->upload(be, dw, w, bw);
+    rc = rc ? rc : be->ops->upload(be, dq, q, bq);
+    /* rmsnorm */
+    float norm_cpu[N * DIM], norm_dev[N * DIM];
+    rc = rc ? rc : be->ops->rmsnorm(be, dx, dx, dw, N, DIM, 1e-5f);
+    rc = rc ? rc : be->ops->download(be, norm_dev, dx, bx);
+    rc = rc ? rc : cpu->ops->rmsnorm(cpu, norm_cpu, x, w, N, DIM, 1e-5f);
+    /* attention: 3 cached rows then 4 new queries */
+    struct skv_kv_view view = {.n_kv_heads = HKV, .head_dim = D, .kv_type = SKV_DTYPE_F32};
+    struct skv_kv_view host = view;
+    for (int h = 0; h < HKV; h++) {
+        view.k[h] = dk[h];
+        view.v[h] = dv[h];
+        view.prefix_len[h] = host.prefix_len[h] = ROWS - 4;
+        host.k[h] = kv[0][h];
+        host.v[h] = kv[1][h];
+    }
+    rc = rc ? rc : be->ops->attention(be, dout, dq, 4, H, &view);
+    rc = rc ? rc : be->ops->download(be, got, dout, (size_t)4 * H * D * sizeof(float));
+    rc = rc ? rc : cpu->ops->attention(cpu, want, q, 4, H, &host);
+    if (!rc && (nmse(norm_dev, norm_cpu, N * DIM) > 1e-8 || nmse(got, want, 4 * H * D) > 1e-8))
+        rc = skv_errorf(SKV_E_DEVICE, "%s backend self-test: results differ from the CPU reference", be->name);
+    void *bufs[] = {dx, dw, dq, dout, dk[0], dk[1], dv[0], dv[1]};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i])
+            be->ops->free(be, bufs[i]);
+    skv_backend_destroy(&cpu);
+    return rc;
+}

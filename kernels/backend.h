@@ -159,6 +159,9 @@ bool skv_backend_cuda_compiled(void);
 int skv_backend_open(const char *name, int n_threads, struct skv_backend **out);
 /* Accepts NULL and *be_p == NULL; sets *be_p to NULL. */
 void skv_backend_destroy(struct skv_backend **be_p);
+/* A quick parity check of a few ops against the CPU reference (used before trusting a device
+ * backend at start-up). SKV_OK or SKV_E_DEVICE with a message. */
+int skv_backend_selftest(struct skv_backend *be);
 
 /* RoPE inverse frequencies of the `half` rotated pairs (theta, then Llama 3 scaling as HF
  * transformers defines it), in double; the position scale (freq_scale) is not applied. */

@@ -755,6 +755,16 @@ static void test_determinism(void **state)
     }
 }
 
+/* The start-up self-test the daemon runs before trusting a device backend passes on the CPU. */
+static void test_selftest(void **state)
+{
+    (void)state;
+    struct skv_backend *be = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
+    assert_int_equal(skv_backend_selftest(be), SKV_OK);
+    skv_backend_destroy(&be);
+}
+
 static void test_backend_open(void **state)
 {
     (void)state;
@@ -813,6 +823,7 @@ int main(void)
         cmocka_unit_test(test_scratch_alloc),
         cmocka_unit_test(test_determinism),
         cmocka_unit_test(test_backend_open),
+        cmocka_unit_test(test_selftest),
     };
     const struct CMUnitTest cuda_tests[] = {OP_TESTS};
     int failed = cmocka_run_group_tests_name("backend_ops_cpu", cpu_tests, setup_cpu, teardown);
