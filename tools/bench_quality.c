@@ -314,91 +314,19 @@ static void fan_free(struct fan_run *r)
     memset(r, 0, sizeof *r);
 }
 
-/* Reallocates a head to exactly `cap` rows (>= len), keeping its rows. */
-static int head_resize(struct skv_kv_cache *c, struct skv_kv_head *hd, int cap)
-{
-    if (cap < hd->len)
-        cap = hd->len;
-    if (cap < 1)
-        cap = 1;
-    if (cap == hd->cap)
-        return SKV_OK;
-    struct skv_backend *be = c->be;
-    size_t row = (size_t)c->head_dim * sizeof(float);
-    void *k = NULL, *v = NULL;
-    int32_t *pos = NULL;
-    float *score = NULL;
-    int rc = be->ops->alloc(be, (size_t)cap * row, &k);
-    if (!rc)
-        rc = be->ops->alloc(be, (size_t)cap * row, &v);
-    if (!rc && (!(pos = malloc((size_t)cap * sizeof *pos)) || !(score = malloc((size_t)cap * sizeof *score))))
-        rc = SKV_E_NOMEM;
-    if (!rc && hd->len) {
-        rc = be->ops->copy_2d(be, k, row, hd->k, row, row, hd->len);
-        if (!rc)
-            rc = be->ops->copy_2d(be, v, row, hd->v, row, row, hd->len);
-        memcpy(pos, hd->pos, (size_t)hd->len * sizeof *pos);
-        memcpy(score, hd->score, (size_t)hd->len * sizeof *score);
-    }
-    if (rc) {
-        if (k)
-            be->ops->free(be, k);
-        if (v)
-            be->ops->free(be, v);
-        free(pos);
-        free(score);
-        return rc;
-    }
-    if (hd->k)
-        be->ops->free(be, hd->k);
-    if (hd->v)
-        be->ops->free(be, hd->v);
-    free(hd->pos);
-    free(hd->score);
-    hd->k = k;
-    hd->v = v;
-    hd->pos = pos;
-    hd->score = score;
-    hd->cap = cap;
-    return SKV_OK;
-}
-
-static int head_copy(struct skv_kv_cache *c, struct skv_kv_head *d, const struct skv_kv_head *s)
-{
-    if (d->len)
-        return skv_errorf(SKV_E_INTERNAL, "fan-out: target head not empty");
-    int rc = head_resize(c, d, s->len);
-    if (rc || !s->len)
-        return rc;
-    size_t row = (size_t)c->head_dim * sizeof(float);
-    rc = c->be->ops->copy_2d(c->be, d->k, row, s->k, row, row, s->len);
-    if (!rc)
-        rc = c->be->ops->copy_2d(c->be, d->v, row, s->v, row, row, s->len);
-    if (rc)
-        return rc;
-    memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
-    memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
-    d->len = s->len;
-    return SKV_OK;
-}
-
 static int fan_hook(void *user, const struct skv_layer_view *v)
 {
     struct fan_run *r = user;
     for (int i = 1; i < r->n; i++) {
         struct skv_kv_cache *dst = r->cache[i];
-        for (int h = 0; h < dst->n_kv_heads; h++) {
-            int rc = head_copy(dst, skv_kv_cache_head(dst, v->layer, h), skv_kv_cache_head(v->cache, v->layer, h));
-            if (rc)
-                return rc;
-        }
+        int rc = skv_kv_cache_copy_layer(dst, v->cache, v->layer);
+        if (rc)
+            return rc;
         struct skv_layer_view dv = *v;
         dv.cache = dst;
-        int rc = skv_compressor_hook(r->comp[i], &dv);
-        for (int h = 0; h < dst->n_kv_heads && !rc; h++) {
-            struct skv_kv_head *hd = skv_kv_cache_head(dst, v->layer, h);
-            rc = head_resize(dst, hd, hd->len);
-        }
+        rc = skv_compressor_hook(r->comp[i], &dv);
+        if (!rc)
+            rc = skv_kv_cache_fit(dst, v->layer, 0);
         if (rc)
             return rc;
     }

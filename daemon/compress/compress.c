@@ -304,7 +304,8 @@ static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int lay
         }
         kh->len = cnt;
     }
-    return SKV_OK;
+    /* give the dropped rows' memory back (a little room for decoded tokens) */
+    return skv_kv_cache_fit(cache, layer, 16);
 }
 
 /* Cuts layer `layer` to `budget` rows per head (layer granularity) or budget * Hkv rows over

@@ -61,13 +61,9 @@ void skv_kv_cache_free(struct skv_kv_cache **cache_p)
     *cache_p = NULL;
 }
 
-static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
+/* Reallocates a head to exactly `cap` rows (cap >= len), keeping its rows. */
+static int head_realloc(struct skv_kv_cache *c, struct skv_kv_head *hd, int cap)
 {
-    if (need <= hd->cap)
-        return SKV_OK;
-    int cap = hd->cap ? hd->cap : 64;
-    while (cap < need)
-        cap = cap > (1 << 29) ? need : cap * 2;
     size_t row = (size_t)c->head_dim * sizeof(float);
     void *k = NULL, *v = NULL;
     int32_t *pos = NULL;
@@ -105,6 +101,51 @@ static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
     return SKV_OK;
 }
 
+static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
+{
+    if (need <= hd->cap)
+        return SKV_OK;
+    int cap = hd->cap ? hd->cap : 64;
+    while (cap < need)
+        cap = cap > (1 << 29) ? need : cap * 2;
+    return head_realloc(c, hd, cap);
+}
+
+int skv_kv_cache_fit(struct skv_kv_cache *c, int layer, int slack)
+{
+    for (int h = 0; h < c->n_kv_heads; h++) {
+        struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+        int target = hd->len + slack;
+        if (target < hd->cap) {
+            int rc = head_realloc(c, hd, target > 0 ? target : 1);
+            if (rc)
+                return rc;
+        }
+    }
+    return SKV_OK;
+}
+
+int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer)
+{
+    size_t row = (size_t)dst->head_dim * sizeof(float);
+    for (int h = 0; h < dst->n_kv_heads; h++) {
+        const struct skv_kv_head *s = &src->heads[layer * src->n_kv_heads + h];
+        struct skv_kv_head *d = skv_kv_cache_head(dst, layer, h);
+        int rc = head_grow(dst, d, s->len);
+        if (!rc && s->len) {
+            rc = dst->be->ops->copy_2d(dst->be, d->k, row, s->k, row, row, s->len);
+            if (!rc)
+                rc = dst->be->ops->copy_2d(dst->be, d->v, row, s->v, row, row, s->len);
+        }
+        if (rc)
+            return rc;
+        memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
+        memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
+        d->len = s->len;
+    }
+    return SKV_OK;
+}
+
 int skv_kv_cache_reserve(struct skv_kv_cache *c, int extra)
 {
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
@@ -126,19 +167,8 @@ int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out
         free(c);
         return SKV_E_NOMEM;
     }
-    size_t row = (size_t)c->head_dim * sizeof(float);
-    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
-        const struct skv_kv_head *s = &src->heads[i];
-        struct skv_kv_head *d = &c->heads[i];
-        int rc = s->len ? head_grow(c, d, s->len) : SKV_OK;
-        if (!rc && s->len) {
-            rc = c->be->ops->copy_2d(c->be, d->k, row, s->k, row, row, s->len);
-            if (!rc)
-                rc = c->be->ops->copy_2d(c->be, d->v, row, s->v, row, row, s->len);
-            memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
-            memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
-            d->len = s->len;
-        }
+    for (int l = 0; l < c->n_layers; l++) {
+        int rc = skv_kv_cache_copy_layer(c, src, l);
         if (rc) {
             skv_kv_cache_free(&c);
             return rc;

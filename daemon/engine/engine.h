@@ -37,6 +37,11 @@ static inline struct skv_kv_head *skv_kv_cache_head(struct skv_kv_cache *c, int 
 {
     return &c->heads[layer * c->n_kv_heads + h];
 }
+/* Releases each head's capacity of `layer` beyond its rows plus `slack` (after compression:
+ * the memory really goes back). */
+int skv_kv_cache_fit(struct skv_kv_cache *cache, int layer, int slack);
+/* Makes dst's `layer` an exact copy of src's (same model). */
+int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer);
 /* Bytes of K and V held (used rows, not capacity). */
 uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *cache);
 

@@ -236,8 +236,10 @@ static void test_streaming_and_window(void **state)
     run(t, "policy=streaming,budget=8,sinks=2", &c, t->ids, t->n, NULL);
     const int32_t s[] = {0, 1, 34, 35, 36, 37, 38, 39};
     for (int l = 0; l < c->n_layers; l++)
-        for (int h = 0; h < c->n_kv_heads; h++)
+        for (int h = 0; h < c->n_kv_heads; h++) {
             expect_positions(c, l, h, s, 8);
+            assert_true(skv_kv_cache_head(c, l, h)->cap <= 8 + 16); /* the memory went back */
+        }
     assert_int_equal(c->n_past, 40);
     skv_kv_cache_free(&c);
     run(t, "policy=window,budget=5", &c, t->ids, t->n, NULL);
