@@ -25,9 +25,10 @@ struct skv_compressor {
     bool decode;            /* decode upkeep instead of a compressing forward */
     int *layer_budget;      /* [L] */
     float *sim;             /* [L] squeeze cosines */
-    float *colsum;          /* [n_heads][colsum_cap] (backend memory) */
+    float *colsum;          /* [n_heads][colsum_stride] (backend memory, capacity colsum_cap per head) */
     float *colsum_host;     /* the same, read back for the host-side policy code */
     int64_t colsum_cap;
+    int64_t colsum_stride;  /* rows per head in the last window_colsum: the layer's longest head */
     float *agg;             /* [colsum_cap] host scratch */
     struct row *rows;       /* selection scratch */
     int rows_cap;
@@ -181,7 +182,8 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
 }
 
 /* Column sums of the attention the queries q_first.. of the batch give every row of the
- * layer: c->colsum [n_heads][colsum_cap]. */
+ * layer: c->colsum [n_heads][max_rows], read back into c->colsum_host (only the rows in use,
+ * so a decode step copies what the layer holds, not the buffer's capacity). */
 static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *v, int q_first, int64_t max_rows)
 {
     if (max_rows > c->colsum_cap) {
@@ -212,10 +214,10 @@ static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *
         kv.v[h] = kh->v;
         kv.prefix_len[h] = kh->len - v->n;
     }
-    int rc = c->be->ops->attention_colsum(c->be, c->colsum, c->colsum_cap, v->q, v->n, c->n_heads, &kv, q_first);
+    c->colsum_stride = max_rows;
+    int rc = c->be->ops->attention_colsum(c->be, c->colsum, max_rows, v->q, v->n, c->n_heads, &kv, q_first);
     if (!rc)
-        rc = c->be->ops->download(c->be, c->colsum_host, c->colsum,
-                                  (size_t)c->colsum_cap * c->n_heads * sizeof(float));
+        rc = c->be->ops->download(c->be, c->colsum_host, c->colsum, (size_t)max_rows * c->n_heads * sizeof(float));
     return rc;
 }
 
@@ -391,7 +393,8 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         int g = c->n_heads / c->n_kv;
         for (int h = 0; h < c->n_kv; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
-            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_cap, c->colsum_cap, g, kh->len, s->gqa, c->agg);
+            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_stride, c->colsum_stride, g, kh->len, s->gqa,
+                           c->agg);
             for (int j = 0; j < kh->len; j++)
                 kh->score[j] += c->agg[j];
         }
@@ -403,7 +406,8 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         for (int h = 0; h < c->n_kv; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
             int cand = kh->len - w_obs;
-            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_cap, c->colsum_cap, g, kh->len, s->gqa, c->agg);
+            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_stride, c->colsum_stride, g, kh->len, s->gqa,
+                           c->agg);
             for (int j = 0; j < kh->len; j++)
                 c->agg[j] /= (float)w_obs; /* mean over the window's queries */
             if (cand > 0)
