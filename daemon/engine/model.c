@@ -295,14 +295,12 @@ static bool gguf_f32(const struct skv_gguf *g, const char *arch, const char *key
     return skv_gguf_get_f32(g, full, out);
 }
 
-static void fingerprint_bytes(struct skv_model *m, const void *data, size_t len, uint64_t file_size)
+/* Ends a fingerprint hash with a trailing count (file size, tensor count) and writes its hex. */
+static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st, uint64_t trailer)
 {
     unsigned char digest[crypto_hash_sha256_BYTES];
-    crypto_hash_sha256_state st;
-    crypto_hash_sha256_init(&st);
-    crypto_hash_sha256_update(&st, data, len);
-    crypto_hash_sha256_update(&st, (const unsigned char *)&file_size, sizeof file_size);
-    crypto_hash_sha256_final(&st, digest);
+    crypto_hash_sha256_update(st, (const unsigned char *)&trailer, sizeof trailer);
+    crypto_hash_sha256_final(st, digest);
     for (int i = 0; i < 32; i++)
         snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
 }
@@ -381,7 +379,6 @@ static int load_gguf(struct skv_model *m, const char *path)
     if (stat(path, &sb) != 0)
         sb.st_size = 0;
     crypto_hash_sha256_state st;
-    unsigned char digest[crypto_hash_sha256_BYTES];
     crypto_hash_sha256_init(&st);
     for (int64_t i = 0; i < skv_gguf_n_tensors(g); i++) {
         const struct skv_tensor *t = skv_gguf_tensor(g, i);
@@ -392,11 +389,7 @@ static int load_gguf(struct skv_model *m, const char *path)
         crypto_hash_sha256_update(&st, (const unsigned char *)&off, sizeof off);
         crypto_hash_sha256_update(&st, t->data, t->nbytes < 64 ? t->nbytes : 64);
     }
-    uint64_t size = (uint64_t)sb.st_size;
-    crypto_hash_sha256_update(&st, (const unsigned char *)&size, sizeof size);
-    crypto_hash_sha256_final(&st, digest);
-    for (int i = 0; i < 32; i++)
-        snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
+    fingerprint_finish(m, &st, (uint64_t)sb.st_size);
     return SKV_OK;
 }
 
@@ -506,7 +499,10 @@ static int load_hf(struct skv_model *m, const char *dir)
     /* Fingerprint: config.json's text plus the tensor table. */
     char *text = json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT);
     if (text) {
-        fingerprint_bytes(m, text, strlen(text), (uint64_t)skv_safetensors_n_tensors(impl->st));
+        crypto_hash_sha256_state st;
+        crypto_hash_sha256_init(&st);
+        crypto_hash_sha256_update(&st, (const unsigned char *)text, strlen(text));
+        fingerprint_finish(m, &st, (uint64_t)skv_safetensors_n_tensors(impl->st));
         free(text);
     }
 out:
