@@ -383,6 +383,20 @@ static bool forward_reply(struct skv_server *srv, int flags)
     return ok;
 }
 
+/* Serves up to `max` waiting requests of socket idx (0 client, 1 admin; max < 0: all). */
+static void serve_ready(struct skv_server *srv, int idx, int max)
+{
+    void *sock = idx ? srv->admin_sock : srv->client_sock;
+    for (int k = 0; max < 0 || k < max; k++) {
+        int events = 0;
+        size_t sz = sizeof events;
+        zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz);
+        if (!(events & ZMQ_POLLIN))
+            break;
+        serve_one(srv, sock, idx == 1);
+    }
+}
+
 int skv_server_run(struct skv_server *srv)
 {
     zmq_pollitem_t items[3] = {
@@ -409,26 +423,12 @@ int skv_server_run(struct skv_server *srv)
                 ;
         for (int i = 0; i < 2; i++)
             if (items[i].revents & ZMQ_POLLIN)
-                for (int k = 0; k < 64; k++) { /* fairness: bounded batch per socket */
-                    int events = 0;
-                    size_t sz = sizeof events;
-                    zmq_getsockopt(items[i].socket, ZMQ_EVENTS, &events, &sz);
-                    if (!(events & ZMQ_POLLIN))
-                        break;
-                    serve_one(srv, items[i].socket, i == 1);
-                }
+                serve_ready(srv, i, 64); /* fairness: bounded batch per socket */
     }
     /* Stop accepting: answer what already arrived (the worker refuses new work with
      * SKV_E_CANCELLED), let the worker cancel its queue and decodes, forward every reply. */
     for (int i = 0; i < 2; i++)
-        for (;;) {
-            int events = 0;
-            size_t sz = sizeof events;
-            zmq_getsockopt(items[i].socket, ZMQ_EVENTS, &events, &sz);
-            if (!(events & ZMQ_POLLIN))
-                break;
-            serve_one(srv, items[i].socket, i == 1);
-        }
+        serve_ready(srv, i, -1);
     skv_worker_stop(&srv->worker);
     while (forward_reply(srv, ZMQ_DONTWAIT))
         ;
