@@ -85,6 +85,13 @@ struct skv_kv_view {
     int32_t prefix_len[SKV_MAX_KV_HEADS];
 };
 
+/* One weight of a matmul_multi: out[n][rows] = x . w^T (+ bias[rows] when bias != NULL). */
+struct skv_matmul_part {
+    float *out;
+    const struct skv_tensor *w;
+    const float *bias;
+};
+
 struct skv_backend;
 
 struct skv_backend_ops {
@@ -110,6 +117,11 @@ struct skv_backend_ops {
      * ne[1] = rows), any supported dtype. Small n uses quantized GEMV, large n a GEMM. */
     int (*matmul)(struct skv_backend *be, float *out, const struct skv_tensor *w,
                   const float *bias, const float *x, int n);
+    /* count matmuls of the same x (q/k/v, gate/up), each exactly as `matmul` computes it;
+     * the CPU backend quantizes x once and runs all their rows as one parallel job. The
+     * weights must share ne[0]; outputs must not overlap x. */
+    int (*matmul_multi)(struct skv_backend *be, const struct skv_matmul_part *parts, int count,
+                        const float *x, int n);
     /* out[i] = x[i] / rms(x[i]) * w, rows of `dim`; out may alias x. */
     int (*rmsnorm)(struct skv_backend *be, float *out, const float *x, const float *w, int n,
                    int dim, float eps);

@@ -296,9 +296,10 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
         int m = n - i0 < CHUNK ? n - i0 : CHUNK;
         float *q = e->q + (size_t)i0 * qdim;
         CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, w->attn_norm.data, m, c->dim, c->norm_eps));
-        CHECK(ops->matmul(be, q, &w->wq, w->bq.data, e->xb, m));
-        CHECK(ops->matmul(be, e->kb, &w->wk, w->bk.data, e->xb, m));
-        CHECK(ops->matmul(be, e->vb, &w->wv, w->bv.data, e->xb, m));
+        const struct skv_matmul_part qkv[3] = {
+            {q, &w->wq, w->bq.data}, {e->kb, &w->wk, w->bk.data}, {e->vb, &w->wv, w->bv.data},
+        };
+        CHECK(ops->matmul_multi(be, qkv, 3, e->xb, m));
         CHECK(ops->rope(be, q, m, c->n_heads, hd, e->pos + i0, &c->rope));
         CHECK(ops->rope(be, e->kb, m, hkv, hd, e->pos + i0, &c->rope));
         for (int h = 0; h < hkv; h++) {
@@ -339,8 +340,8 @@ static int layer_mlp(struct skv_engine *e, int l, int n)
         int m = n - i0 < CHUNK ? n - i0 : CHUNK;
         float *x = e->x + (size_t)i0 * c->dim;
         CHECK(ops->rmsnorm(be, e->xb, x, w->ffn_norm.data, m, c->dim, c->norm_eps));
-        CHECK(ops->matmul(be, e->gb, &w->w_gate, NULL, e->xb, m));
-        CHECK(ops->matmul(be, e->ub, &w->w_up, NULL, e->xb, m));
+        const struct skv_matmul_part gate_up[2] = {{e->gb, &w->w_gate, NULL}, {e->ub, &w->w_up, NULL}};
+        CHECK(ops->matmul_multi(be, gate_up, 2, e->xb, m));
         CHECK(ops->swiglu(be, e->gb, e->gb, e->ub, (int64_t)m * c->ffn_dim));
         CHECK(ops->matmul(be, e->ob, &w->w_down, NULL, e->gb, m));
         CHECK(ops->add(be, x, x, e->ob, (int64_t)m * c->dim));

@@ -23,6 +23,8 @@ int skv_cpu_get_rows(struct skv_backend *be, float *out, const struct skv_tensor
                      const int32_t *ids, int n);
 int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
                    const float *bias, const float *x, int n);
+int skv_cpu_matmul_multi(struct skv_backend *be, const struct skv_matmul_part *parts, int count,
+                         const float *x, int n);
 int skv_cpu_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n,
                     int dim, float eps);
 int skv_cpu_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,

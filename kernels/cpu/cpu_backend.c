@@ -312,6 +312,7 @@ static const struct skv_backend_ops cpu_ops = {
     .sync = cpu_sync,
     .get_rows = skv_cpu_get_rows,
     .matmul = skv_cpu_matmul,
+    .matmul_multi = skv_cpu_matmul_multi,
     .rmsnorm = skv_cpu_rmsnorm,
     .rope = skv_cpu_rope,
     .swiglu = skv_cpu_swiglu,

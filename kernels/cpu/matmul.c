@@ -3,6 +3,7 @@
  * large batches (prefill) dequantize W a tile of rows at a time and call OpenBLAS sgemm. */
 #include <limits.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <cblas.h>
@@ -31,6 +32,8 @@
 #endif
 /* Output rows per parallel_for grain, and the f32 tile each worker dequantizes into. */
 #define SKV_MM_ROW_GRAIN 16
+/* Most weights one matmul_multi takes. */
+#define SKV_MM_MULTI_MAX 8
 #define SKV_MM_ROW_BLOCK 64
 #ifndef SKV_MM_TILE_BYTES
 #define SKV_MM_TILE_BYTES (2048 * 1024)
@@ -177,11 +180,9 @@ static int mm_quantize_x(struct skv_backend *be, const float *x, int n, int64_t 
     return SKV_OK;
 }
 
-int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
-                   const float *bias, const float *x, int n)
+/* Checks w against the op's rules and fills the job's weight fields. */
+static int mm_check_weight(const struct skv_tensor *w, struct mm_job *job)
 {
-    if (be == NULL || out == NULL || w == NULL || x == NULL || n < 0)
-        return skv_errorf(SKV_E_INVAL, "matmul: bad arguments");
     const char *name = w->name != NULL ? w->name : "?";
     if (w->ndim < 1 || w->ndim > 4)
         return skv_errorf(SKV_E_INVAL, "matmul: weight %s has %d dimensions", name, w->ndim);
@@ -202,20 +203,32 @@ int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *
     if (w->data == NULL || w->nbytes < (size_t)rows * row_bytes)
         return skv_errorf(SKV_E_INVAL, "matmul: weight %s holds %zu bytes, needs %zu", name,
                           w->nbytes, (size_t)rows * row_bytes);
+    job->w = w->data;
+    job->row_bytes = row_bytes;
+    job->rows = rows;
+    job->cols = cols;
+    job->type = w->type;
+    job->qgemv = skv_q16_gemv_for(w->type);
+    job->fdot = skv_f_dot_for(w->type);
+    return SKV_OK;
+}
+
+int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
+                   const float *bias, const float *x, int n)
+{
+    if (be == NULL || out == NULL || w == NULL || x == NULL || n < 0)
+        return skv_errorf(SKV_E_INVAL, "matmul: bad arguments");
+    struct mm_job job = {.be = be, .out = out, .bias = bias, .x = x, .n = n};
+    int rc = mm_check_weight(w, &job);
+    if (rc < 0)
+        return rc;
     if (n == 0)
         return SKV_OK;
-
-    struct mm_job job = {
-        .be = be, .out = out, .w = w->data, .bias = bias, .x = x, .row_bytes = row_bytes,
-        .rows = rows, .cols = cols, .type = w->type, .n = n,
-    };
     atomic_init(&job.status, SKV_OK);
     struct skv_q16_act xa_small[SKV_MM_GEMV_MAX_N];
     skv_cpu_task_fn task;
-    job.qgemv = skv_q16_gemv_for(w->type);
-    job.fdot = skv_f_dot_for(w->type);
     if (job.qgemv != NULL && n <= SKV_MM_GEMV_MAX_N) {
-        int rc = mm_quantize_x(be, x, n, cols, xa_small);
+        rc = mm_quantize_x(be, x, n, job.cols, xa_small);
         if (rc < 0)
             return rc;
         job.xa = xa_small;
@@ -225,14 +238,82 @@ int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *
     } else if (job.qgemv == NULL && job.fdot == NULL && n <= SKV_MM_FLOAT_GEMV_MAX_N) {
         task = mm_gemv_deq_task;
     } else {
-        int64_t tr = SKV_MM_TILE_BYTES / ((int64_t)cols * (int64_t)sizeof(float));
+        int64_t tr = SKV_MM_TILE_BYTES / (job.cols * (int64_t)sizeof(float));
         tr = tr < SKV_MM_ROW_GRAIN ? SKV_MM_ROW_GRAIN : tr - tr % SKV_MM_ROW_GRAIN;
         job.tile_rows = tr;
         task = mm_gemm_task;
     }
-    skv_cpu_parallel_for(be, rows, SKV_MM_ROW_GRAIN, task, &job);
-    int rc = atomic_load(&job.status);
+    skv_cpu_parallel_for(be, job.rows, SKV_MM_ROW_GRAIN, task, &job);
+    rc = atomic_load(&job.status);
     if (rc < 0)
-        return skv_errorf(rc, "matmul: weight %s: out of scratch memory", name);
+        return skv_errorf(rc, "matmul: weight %s: out of scratch memory",
+                          w->name != NULL ? w->name : "?");
+    return SKV_OK;
+}
+
+/* The rows of several integer-path jobs laid end to end: [start[i], start[i + 1]) are
+ * job i's rows. */
+struct mm_multi {
+    struct mm_job *jobs;
+    int64_t start[SKV_MM_MULTI_MAX + 1];
+    int count;
+};
+
+static void mm_multi_task(void *arg, int64_t begin, int64_t end, int thread_id)
+{
+    struct mm_multi *mm = arg;
+    for (int i = 0; i < mm->count && begin < end; i++) {
+        const int64_t lo = mm->start[i], hi = mm->start[i + 1];
+        if (begin >= hi)
+            continue;
+        const int64_t e = end < hi ? end : hi;
+        mm_gemv_q16_task(&mm->jobs[i], begin - lo, e - lo, thread_id);
+        begin = e;
+    }
+}
+
+int skv_cpu_matmul_multi(struct skv_backend *be, const struct skv_matmul_part *parts, int count,
+                         const float *x, int n)
+{
+    if (be == NULL || parts == NULL || count < 1 || x == NULL || n < 0)
+        return skv_errorf(SKV_E_INVAL, "matmul_multi: bad arguments");
+    if (count > SKV_MM_MULTI_MAX)
+        return skv_errorf(SKV_E_INVAL, "matmul_multi: %d weights, at most %d", count,
+                          SKV_MM_MULTI_MAX);
+    struct mm_job jobs[SKV_MM_MULTI_MAX];
+    struct mm_multi mm = {.jobs = jobs, .count = count};
+    bool fused = n <= SKV_MM_GEMV_MAX_N;
+    for (int i = 0; i < count; i++) {
+        if (parts[i].out == NULL || parts[i].w == NULL)
+            return skv_errorf(SKV_E_INVAL, "matmul_multi: weight %d: bad arguments", i);
+        jobs[i] = (struct mm_job){.be = be, .out = parts[i].out, .bias = parts[i].bias, .x = x, .n = n};
+        int rc = mm_check_weight(parts[i].w, &jobs[i]);
+        if (rc < 0)
+            return rc;
+        if (jobs[i].cols != jobs[0].cols)
+            return skv_errorf(SKV_E_INVAL, "matmul_multi: weight %d has %lld columns, weight 0 %lld",
+                              i, (long long)jobs[i].cols, (long long)jobs[0].cols);
+        fused = fused && jobs[i].qgemv != NULL;
+        mm.start[i + 1] = mm.start[i] + jobs[i].rows;
+    }
+    if (n == 0)
+        return SKV_OK;
+    if (!fused) {
+        for (int i = 0; i < count; i++) {
+            int rc = skv_cpu_matmul(be, parts[i].out, parts[i].w, parts[i].bias, x, n);
+            if (rc < 0)
+                return rc;
+        }
+        return SKV_OK;
+    }
+    struct skv_q16_act xa[SKV_MM_GEMV_MAX_N];
+    int rc = mm_quantize_x(be, x, n, jobs[0].cols, xa);
+    if (rc < 0)
+        return rc;
+    for (int i = 0; i < count; i++) {
+        jobs[i].xa = xa;
+        atomic_init(&jobs[i].status, SKV_OK);
+    }
+    skv_cpu_parallel_for(be, mm.start[count], SKV_MM_ROW_GRAIN, mm_multi_task, &mm);
     return SKV_OK;
 }

@@ -451,6 +451,22 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
     return SKV_OK;
 }
 
+/* The weights one after the other: each is a launch of its own on the stream. */
+static int cuda_matmul_multi(struct skv_backend *be, const struct skv_matmul_part *parts,
+                             int count, const float *x, int n)
+{
+    if (be == NULL || parts == NULL || count < 1 || x == NULL || n < 0)
+        return skv_errorf(SKV_E_INVAL, "matmul_multi: bad arguments");
+    for (int i = 0; i < count; i++) {
+        if (parts[i].w == NULL || parts[i].w->ne[0] != parts[0].w->ne[0])
+            return skv_errorf(SKV_E_INVAL, "matmul_multi: weight %d does not match weight 0", i);
+        int rc = cuda_matmul(be, parts[i].out, parts[i].w, parts[i].bias, x, n);
+        if (rc < 0)
+            return rc;
+    }
+    return SKV_OK;
+}
+
 /* ---- rmsnorm, rope, swiglu, add ----------------------------------------------------- */
 
 __global__ void rmsnorm_kernel(float *out, const float *x, const float *w, int dim, float eps)
@@ -1036,6 +1052,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* sync */ cuda_sync,
     /* get_rows */ cuda_get_rows,
     /* matmul */ cuda_matmul,
+    /* matmul_multi */ cuda_matmul_multi,
     /* rmsnorm */ cuda_rmsnorm,
     /* rope */ cuda_rope,
     /* swiglu */ cuda_swiglu,

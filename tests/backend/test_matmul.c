@@ -433,6 +433,87 @@ static void test_matmul_errors(void **state)
     assert_int_equal(be->ops->matmul(be, out, &w, NULL, x, 1), SKV_E_INVAL);
 }
 
+/* matmul_multi computes each weight exactly as matmul does: the fused integer path (shared
+ * quantized x, one job over every row) is bit-identical to separate calls, for row counts
+ * that do not line up with the grain and for batches past the GEMV limit (which loop). */
+static void test_matmul_multi(void **state)
+{
+    struct skv_backend *be = *state;
+    struct rng r = {0x77aa55ULL};
+    static const int types[][3] = {
+        {SKV_DTYPE_Q4_1, SKV_DTYPE_Q4_1, SKV_DTYPE_Q4_1},
+        {SKV_DTYPE_Q8_0, SKV_DTYPE_Q4_K, SKV_DTYPE_Q6_K},
+        {SKV_DTYPE_Q4_0, SKV_DTYPE_F32, SKV_DTYPE_BF16},   /* float weights: not fused */
+    };
+    static const int64_t rows[3] = {576, 37, 200};
+    static const int ns[] = {1, 3, 32, 40};
+    const int64_t cols = 256;
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+            const int n = ns[ni];
+            struct skv_tensor w[3];
+            struct skv_matmul_part parts[3];
+            float *sep[3], *bias = malloc(sizeof(float) * 576);
+            float *x = malloc(sizeof(float) * (size_t)(n * cols));
+            assert_non_null(bias);
+            assert_non_null(x);
+            for (int64_t i = 0; i < n * cols; i++)
+                x[i] = rng_normal(&r);
+            for (int i = 0; i < 576; i++)
+                bias[i] = rng_unit(&r);
+            for (int k = 0; k < 3; k++) {
+                size_t nbytes;
+                w[k] = (struct skv_tensor){.type = types[ti][k], .ndim = 2, .ne = {cols, rows[k], 1, 1},
+                                           .name = "w"};
+                w[k].data = random_weights(&r, types[ti][k], rows[k], cols, &nbytes);
+                w[k].nbytes = nbytes;
+                sep[k] = malloc(sizeof(float) * (size_t)(n * rows[k]));
+                parts[k] = (struct skv_matmul_part){malloc(sizeof(float) * (size_t)(n * rows[k])), &w[k],
+                                                    k == 1 ? bias : NULL};
+                assert_non_null(sep[k]);
+                assert_non_null(parts[k].out);
+                for (int64_t i = 0; i < n * rows[k]; i++)
+                    parts[k].out[i] = NAN;
+                assert_int_equal(be->ops->matmul(be, sep[k], &w[k], parts[k].bias, x, n), SKV_OK);
+            }
+            assert_int_equal(be->ops->matmul_multi(be, parts, 3, x, n), SKV_OK);
+            for (int k = 0; k < 3; k++) {
+                if (memcmp(sep[k], parts[k].out, sizeof(float) * (size_t)(n * rows[k])) != 0)
+                    fail_msg("matmul_multi %s n=%d weight %d differs from matmul",
+                             skv_dtype_name(types[ti][k]), n, k);
+                free(sep[k]);
+                free(parts[k].out);
+                free(w[k].data);
+            }
+            free(bias);
+            free(x);
+        }
+    }
+}
+
+static void test_matmul_multi_errors(void **state)
+{
+    struct skv_backend *be = *state;
+    uint8_t data[4096] = {0};
+    float x[256] = {0}, out[2][64];
+    struct skv_tensor a = {.type = SKV_DTYPE_Q4_1, .ndim = 2, .ne = {64, 8, 1, 1}, .data = data,
+                           .nbytes = sizeof data};
+    struct skv_tensor b = a;
+    b.ne[0] = 32;
+    struct skv_matmul_part parts[9];
+    for (int i = 0; i < 9; i++)
+        parts[i] = (struct skv_matmul_part){out[0], &a, NULL};
+    parts[1].out = out[1];
+    assert_int_equal(be->ops->matmul_multi(be, parts, 2, x, 1), SKV_OK);
+    assert_int_equal(be->ops->matmul_multi(be, parts, 0, x, 1), SKV_E_INVAL);
+    assert_int_equal(be->ops->matmul_multi(be, parts, 9, x, 1), SKV_E_INVAL);
+    assert_int_equal(be->ops->matmul_multi(be, parts, 2, NULL, 1), SKV_E_INVAL);
+    parts[1].w = &b;   /* columns differ */
+    assert_int_equal(be->ops->matmul_multi(be, parts, 2, x, 1), SKV_E_INVAL);
+    parts[1].w = NULL;
+    assert_int_equal(be->ops->matmul_multi(be, parts, 2, x, 1), SKV_E_INVAL);
+}
+
 /* ---- get_rows ---- */
 
 static void test_get_rows(void **state)
@@ -505,6 +586,8 @@ int main(void)
         cmocka_unit_test(test_matmul_outlier_activations),
         cmocka_unit_test(test_matmul_3d_weight),
         cmocka_unit_test(test_matmul_errors),
+        cmocka_unit_test(test_matmul_multi),
+        cmocka_unit_test(test_matmul_multi_errors),
         cmocka_unit_test(test_get_rows),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);

@@ -24,6 +24,7 @@
 #define NMSE_ROPE 1e-10
 #define NMSE_SWIGLU 1e-12
 #define NMSE_ADD 1e-14
+#define NMSE_MATMUL_F32 1e-10
 #define NMSE_ATTENTION 1e-10
 
 #define TEST_THREADS 2
@@ -451,6 +452,60 @@ static void test_add(void **state)
         run_binary(be, &r, counts[i], false, i % 2 == 0);
 }
 
+/* ---- matmul_multi ----------------------------------------------------------------- */
+
+/* Two f32 weights (one with a bias) against the same x, every output element checked
+ * against a double-precision product. */
+static void test_matmul_multi(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0x3131ULL};
+    const int cols = 96, rows[2] = {70, 33};
+    const int ns[] = {1, 5, 40};
+    for (size_t t = 0; t < sizeof ns / sizeof ns[0]; t++) {
+        const int n = ns[t];
+        float *x = host_normal(&r, (size_t)n * cols, 1.0), *bias = host_normal(&r, 70, 1.0);
+        float *dx = dev_from(be, x, (size_t)n * cols * sizeof(float));
+        float *dbias = dev_from(be, bias, 70 * sizeof(float));
+        float *w[2], *got[2];
+        struct skv_tensor tw[2];
+        struct skv_matmul_part parts[2];
+        for (int k = 0; k < 2; k++) {
+            w[k] = host_normal(&r, (size_t)rows[k] * cols, 0.5);
+            got[k] = host_nan((size_t)n * rows[k]);
+            tw[k] = (struct skv_tensor){.type = SKV_DTYPE_F32, .ndim = 2, .ne = {cols, rows[k], 1, 1},
+                                        .data = dev_from(be, w[k], (size_t)rows[k] * cols * sizeof(float)),
+                                        .nbytes = (size_t)rows[k] * cols * sizeof(float), .name = "w"};
+            parts[k] = (struct skv_matmul_part){dev_from(be, got[k], (size_t)n * rows[k] * sizeof(float)),
+                                                &tw[k], k == 0 ? dbias : NULL};
+        }
+        assert_int_equal(be->ops->matmul_multi(be, parts, 2, dx, n), SKV_OK);
+        for (int k = 0; k < 2; k++) {
+            dev_to(be, got[k], parts[k].out, (size_t)n * rows[k] * sizeof(float));
+            double *ref = host_double((size_t)n * rows[k]);
+            for (int i = 0; i < n; i++)
+                for (int o = 0; o < rows[k]; o++) {
+                    double acc = k == 0 ? bias[o] : 0.0;
+                    for (int c = 0; c < cols; c++)
+                        acc += (double)x[i * cols + c] * w[k][o * cols + c];
+                    ref[i * rows[k] + o] = acc;
+                }
+            char what[64];
+            snprintf(what, sizeof what, "matmul_multi n=%d weight %d", n, k);
+            check_nmse(what, got[k], ref, (size_t)n * rows[k], NMSE_MATMUL_F32);
+            be->ops->free(be, parts[k].out);
+            be->ops->free(be, tw[k].data);
+            free(ref);
+            free(got[k]);
+            free(w[k]);
+        }
+        be->ops->free(be, dbias);
+        be->ops->free(be, dx);
+        free(bias);
+        free(x);
+    }
+}
+
 /* ---- attention -------------------------------------------------------------------- */
 
 struct att_case {
@@ -809,7 +864,8 @@ static void test_backend_open(void **state)
 #define OP_TESTS                                                                              \
     cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_rope),                              \
         cmocka_unit_test(test_rope_invalid), cmocka_unit_test(test_swiglu),                   \
-        cmocka_unit_test(test_add), cmocka_unit_test(test_attention),                         \
+        cmocka_unit_test(test_add), cmocka_unit_test(test_matmul_multi),                      \
+        cmocka_unit_test(test_attention),                                                     \
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_invalid)
 
