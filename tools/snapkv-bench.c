@@ -581,6 +581,10 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         int32_t t = 0;
         double best = 1e30;
         for (int r = 0; r < rep && !rc; r++) {
+            /* every repeat decodes from the same depth: drop the previous repeat's tokens */
+            for (int h = 0; h < cache->n_layers * cache->n_kv_heads; h++)
+                cache->heads[h].len = depth[i];
+            cache->n_past = depth[i];
             double t0 = now_s();
             for (int k = 0; k < dtok && !rc; k++) {
                 t = (int32_t)((t * 7919 + 13) % nv);

@@ -23,6 +23,9 @@
 #define ATT_CHUNK_MIN 256    /* split-K: fewest keys per chunk (a multiple of ATT_BK) */
 #define ATT_MAX_TASKS 128    /* split-K: most (KV head, chunk) tasks, bounds the partials */
 #define ATT_LOG2E 1.4426950408889634
+/* Below this many multiply-adds (queries x heads x keys x head_dim) a call runs on the
+ * calling thread: waking the pool costs more than the work (a decode step at small depth). */
+#define ATT_INLINE_MACS (1 << 17)
 /* Tiles of at least this many rows take the "wide" kernels, which keep rows in the SIMD
  * lanes (q, scores and output transposed): register-blocked and free of horizontal sums.
  * Fewer rows (decode) take the row kernels, which vectorize along head_dim. */
@@ -820,6 +823,8 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
     if (c.nchunks > 0) {
         skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nchunks, 1, att_task_chunks, &c);
         att_combine(&c);
+    } else if ((int64_t)n * n_heads * max_len * c.d < ATT_INLINE_MACS) {
+        att_task_blocks(&c, 0, (int64_t)c.n_kv * c.nqb, 0);
     } else {
         skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nqb, 1, att_task_blocks, &c);
     }
