@@ -22,6 +22,7 @@ struct skv_engine {
     float *kb, *vb;        /* [CHUNK][n_kv_heads * head_dim] */
     float *ob;             /* [CHUNK][dim] */
     float *gb, *ub;        /* [CHUNK][ffn_dim] */
+    float *lb;             /* [n_vocab]: one position's logits (decode), kept between calls */
     uint64_t scratch_bytes;
 };
 
@@ -190,7 +191,7 @@ uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *c)
 
 static void free_buffers(struct skv_engine *e)
 {
-    float **bufs[] = {&e->x, &e->x_in, &e->q, &e->att, &e->xb, &e->kb, &e->vb, &e->ob, &e->gb, &e->ub};
+    float **bufs[] = {&e->x, &e->x_in, &e->q, &e->att, &e->xb, &e->kb, &e->vb, &e->ob, &e->gb, &e->ub, &e->lb};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         e->be->ops->free(e->be, *bufs[i]);
         *bufs[i] = NULL;
@@ -220,7 +221,7 @@ static int ensure_capacity(struct skv_engine *e, int n)
         {&e->x, (size_t)cap * c->dim},  {&e->x_in, (size_t)cap * c->dim}, {&e->q, (size_t)cap * qdim},
         {&e->att, (size_t)cap * qdim},  {&e->xb, chunk * c->dim},         {&e->kb, chunk * kvdim},
         {&e->vb, chunk * kvdim},        {&e->ob, chunk * c->dim},         {&e->gb, chunk * c->ffn_dim},
-        {&e->ub, chunk * c->ffn_dim},
+        {&e->ub, chunk * c->ffn_dim},   {&e->lb, (size_t)c->n_vocab},
     };
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
         int rc = e->be->ops->alloc(e->be, plan[i].floats * sizeof(float), (void **)plan[i].p);
@@ -396,11 +397,15 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
         size_t bytes = (size_t)m * c->n_vocab * sizeof(float);
         CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)(first + i0) * c->dim, e->m->output_norm.data, m, c->dim,
                            c->norm_eps));
-        CHECK(ops->alloc(be, bytes, (void **)&out));
+        if (m == 1)
+            out = e->lb;
+        else
+            CHECK(ops->alloc(be, bytes, (void **)&out));
         int rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, m);
         if (!rc)
             rc = ops->download(be, logits + (size_t)i0 * c->n_vocab, out, bytes);
-        ops->free(be, out);
+        if (out != e->lb)
+            ops->free(be, out);
         CHECK(rc);
     }
     return SKV_OK;
