@@ -277,57 +277,123 @@ uint64_t skv_engine_scratch_bytes(const struct skv_engine *e)
             return rc_;                                                                            \
     } while (0)
 
-/* Attention half of layer l: projections, RoPE, cache append, attention, output projection
- * and residual. Leaves x = x + attn(x). */
-static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int l, int n)
+/* Rows [i0, i0 + m) of layer l's attention input: x normalized, projected and rotated.
+ * Queries land in e->q (row i0 onwards), keys and values in e->kb / e->vb (row 0 onwards). */
+static int attn_project(struct skv_engine *e, int l, int i0, int m)
 {
     struct skv_backend *be = e->be;
     const struct skv_backend_ops *ops = be->ops;
     const struct skv_model_config *c = &e->m->cfg;
     const struct skv_layer_weights *w = &e->m->layers[l];
-    int hd = c->head_dim, hkv = c->n_kv_heads;
-    size_t qdim = (size_t)c->n_heads * hd, kvdim = (size_t)hkv * hd, row = (size_t)hd * sizeof(float);
-    int32_t len0[SKV_MAX_KV_HEADS];
-    for (int h = 0; h < hkv; h++) {
+    float *q = e->q + (size_t)i0 * c->n_heads * c->head_dim;
+    CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, w->attn_norm.data, m, c->dim, c->norm_eps));
+    const struct skv_matmul_part qkv[3] = {
+        {q, &w->wq, w->bq.data}, {e->kb, &w->wk, w->bk.data}, {e->vb, &w->wv, w->bv.data},
+    };
+    CHECK(ops->matmul_multi(be, qkv, 3, e->xb, m));
+    CHECK(ops->rope(be, q, m, c->n_heads, c->head_dim, e->pos + i0, &c->rope));
+    CHECK(ops->rope(be, e->kb, m, c->n_kv_heads, c->head_dim, e->pos + i0, &c->rope));
+    return SKV_OK;
+}
+
+/* Appends rows [j, j + m) of e->kb / e->vb (original positions e->pos[i0 ...]) to layer l of
+ * the cache at row `at` of every head (the heads have room). */
+static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int j,
+                       int m, int i0)
+{
+    struct skv_backend *be = e->be;
+    const struct skv_model_config *c = &e->m->cfg;
+    int hd = c->head_dim;
+    size_t kvdim = (size_t)c->n_kv_heads * hd, row = (size_t)hd * sizeof(float);
+    for (int h = 0; h < c->n_kv_heads; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+        size_t off = (size_t)at[h] * hd;
+        const float *ks = e->kb + (size_t)j * kvdim + (size_t)h * hd, *vs = e->vb + (size_t)j * kvdim + (size_t)h * hd;
+        CHECK(be->ops->copy_2d(be, kh->k + off, row, ks, kvdim * sizeof(float), row, m));
+        CHECK(be->ops->copy_2d(be, kh->v + off, row, vs, kvdim * sizeof(float), row, m));
+        memcpy(kh->pos + at[h], e->pos + i0, (size_t)m * sizeof(int32_t));
+        memset(kh->score + at[h], 0, (size_t)m * sizeof(float));
+    }
+    return SKV_OK;
+}
+
+/* Makes every head of layer l take n more rows; len0[h] = its rows before. */
+static int cache_open_rows(struct skv_kv_cache *cache, int l, int n, int32_t *len0)
+{
+    for (int h = 0; h < cache->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
         CHECK(head_grow(cache, kh, kh->len + n));
         len0[h] = kh->len;
     }
-    for (int i0 = 0; i0 < n; i0 += CHUNK) {
-        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
-        float *q = e->q + (size_t)i0 * qdim;
-        CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, w->attn_norm.data, m, c->dim, c->norm_eps));
-        const struct skv_matmul_part qkv[3] = {
-            {q, &w->wq, w->bq.data}, {e->kb, &w->wk, w->bk.data}, {e->vb, &w->wv, w->bv.data},
-        };
-        CHECK(ops->matmul_multi(be, qkv, 3, e->xb, m));
-        CHECK(ops->rope(be, q, m, c->n_heads, hd, e->pos + i0, &c->rope));
-        CHECK(ops->rope(be, e->kb, m, hkv, hd, e->pos + i0, &c->rope));
-        for (int h = 0; h < hkv; h++) {
-            struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
-            size_t at = (size_t)(len0[h] + i0) * hd;
-            CHECK(ops->copy_2d(be, kh->k + at, row, e->kb + (size_t)h * hd, kvdim * sizeof(float), row, m));
-            CHECK(ops->copy_2d(be, kh->v + at, row, e->vb + (size_t)h * hd, kvdim * sizeof(float), row, m));
-            memcpy(kh->pos + len0[h] + i0, e->pos + i0, (size_t)m * sizeof(int32_t));
-            memset(kh->score + len0[h] + i0, 0, (size_t)m * sizeof(float));
-        }
-    }
-    struct skv_kv_view view = {.n_kv_heads = hkv, .head_dim = hd, .kv_type = SKV_DTYPE_F32};
-    for (int h = 0; h < hkv; h++) {
+    return SKV_OK;
+}
+
+/* Attention of the n queries at e->q + i0 rows over layer l of the cache (whose heads held
+ * len0[h] rows before these n were appended), into e->att from row i0. */
+static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *len0, int i0,
+                           int n)
+{
+    const struct skv_model_config *c = &e->m->cfg;
+    size_t qdim = (size_t)c->n_heads * c->head_dim;
+    struct skv_kv_view view = {.n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32};
+    for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
         kh->len = len0[h] + n;
         view.k[h] = kh->k;
         view.v[h] = kh->v;
         view.prefix_len[h] = len0[h];
     }
-    CHECK(ops->attention(be, e->att, e->q, n, c->n_heads, &view));
+    return e->be->ops->attention(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, n, c->n_heads, &view);
+}
+
+/* x += attention output . Wo over the n rows. */
+static int attn_output(struct skv_engine *e, int l, int n)
+{
+    struct skv_backend *be = e->be;
+    const struct skv_backend_ops *ops = be->ops;
+    const struct skv_model_config *c = &e->m->cfg;
+    size_t qdim = (size_t)c->n_heads * c->head_dim;
     for (int i0 = 0; i0 < n; i0 += CHUNK) {
         int m = n - i0 < CHUNK ? n - i0 : CHUNK;
         float *x = e->x + (size_t)i0 * c->dim;
-        CHECK(ops->matmul(be, e->ob, &w->wo, NULL, e->att + (size_t)i0 * qdim, m));
+        CHECK(ops->matmul(be, e->ob, &e->m->layers[l].wo, NULL, e->att + (size_t)i0 * qdim, m));
         CHECK(ops->add(be, x, x, e->ob, (int64_t)m * c->dim));
     }
     return SKV_OK;
+}
+
+/* Attention half of layer l for n tokens of one sequence: projections, RoPE, cache append,
+ * attention, output projection and residual. Leaves x = x + attn(x). */
+static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int l, int n)
+{
+    int32_t len0[SKV_MAX_KV_HEADS];
+    CHECK(cache_open_rows(cache, l, n, len0));
+    for (int i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        int32_t at[SKV_MAX_KV_HEADS];
+        for (int h = 0; h < cache->n_kv_heads; h++)
+            at[h] = len0[h] + i0;
+        CHECK(attn_project(e, l, i0, m));
+        CHECK(cache_store(e, cache, l, at, 0, m, i0));
+    }
+    CHECK(attn_over_cache(e, cache, l, len0, 0, n));
+    return attn_output(e, l, n);
+}
+
+/* Attention half of layer l for one new token of each of n sequences (row i: seqs[i]). */
+static int layer_attention_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int l, int n)
+{
+    for (int i0 = 0; i0 < n; i0 += CHUNK) {
+        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        CHECK(attn_project(e, l, i0, m));
+        for (int i = i0; i < i0 + m; i++) {
+            int32_t len0[SKV_MAX_KV_HEADS];
+            CHECK(cache_open_rows(seqs[i].cache, l, 1, len0));
+            CHECK(cache_store(e, seqs[i].cache, l, len0, i - i0, 1, i));
+            CHECK(attn_over_cache(e, seqs[i].cache, l, len0, i, 1));
+        }
+    }
+    return attn_output(e, l, n);
 }
 
 /* MLP half of layer l: x = x + down(silu(gate(norm(x))) * up(norm(x))). */
@@ -350,16 +416,22 @@ static int layer_mlp(struct skv_engine *e, int l, int n)
     return SKV_OK;
 }
 
+static int check_cache(const struct skv_model_config *c, const struct skv_kv_cache *cache, int n)
+{
+    if (cache->n_layers != c->n_layers || cache->n_kv_heads != c->n_kv_heads || cache->head_dim != c->head_dim)
+        return skv_errorf(SKV_E_INVAL, "the cache was made for another model");
+    if ((int64_t)cache->n_past + n > INT32_MAX / 2)
+        return skv_errorf(SKV_E_LIMIT, "sequence too long");
+    return SKV_OK;
+}
+
 int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
                        const struct skv_forward_opts *opts, float *logits)
 {
     const struct skv_model_config *c = &e->m->cfg;
     if (!cache || !tokens || n <= 0)
         return skv_errorf(SKV_E_INVAL, "forward needs a cache and at least one token");
-    if (cache->n_layers != c->n_layers || cache->n_kv_heads != c->n_kv_heads || cache->head_dim != c->head_dim)
-        return skv_errorf(SKV_E_INVAL, "the cache was made for another model");
-    if ((int64_t)cache->n_past + n > INT32_MAX / 2)
-        return skv_errorf(SKV_E_LIMIT, "sequence too long");
+    CHECK(check_cache(c, cache, n));
     for (int i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= c->n_vocab)
             return skv_errorf(SKV_E_INVAL, "token %d at index %d is outside the vocabulary [0, %d)",
@@ -409,4 +481,63 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
         CHECK(rc);
     }
     return SKV_OK;
+}
+
+int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)
+{
+    const struct skv_model_config *c = &e->m->cfg;
+    if (!seqs || n < 1 || n > SKV_ENGINE_MAX_BATCH)
+        return skv_errorf(SKV_E_INVAL, "a batched decode takes 1 to %d sequences, not %d", SKV_ENGINE_MAX_BATCH, n);
+    int32_t tokens[SKV_ENGINE_MAX_BATCH];
+    bool hook = false;
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i].cache)
+            return skv_errorf(SKV_E_INVAL, "sequence %d of the batch has no cache", i);
+        CHECK(check_cache(c, seqs[i].cache, 1));
+        for (int j = 0; j < i; j++)
+            if (seqs[j].cache == seqs[i].cache)
+                return skv_errorf(SKV_E_INVAL, "sequences %d and %d of the batch share a cache", j, i);
+        if (seqs[i].token < 0 || seqs[i].token >= c->n_vocab)
+            return skv_errorf(SKV_E_INVAL, "token %d of sequence %d is outside the vocabulary [0, %d)",
+                              seqs[i].token, i, c->n_vocab);
+        tokens[i] = seqs[i].token;
+        hook = hook || (seqs[i].opts && seqs[i].opts->hook);
+    }
+    struct skv_backend *be = e->be;
+    const struct skv_backend_ops *ops = be->ops;
+    size_t qdim = (size_t)c->n_heads * c->head_dim;
+    CHECK(ensure_capacity(e, n));
+    for (int i = 0; i < n; i++)
+        e->pos[i] = seqs[i].cache->n_past;
+    CHECK(ops->get_rows(be, e->x, &e->m->tok_embd, tokens, n));
+    for (int l = 0; l < c->n_layers; l++) {
+        if (hook)
+            CHECK(ops->copy_2d(be, e->x_in, (size_t)n * c->dim * sizeof(float), e->x,
+                               (size_t)n * c->dim * sizeof(float), (size_t)n * c->dim * sizeof(float), 1));
+        CHECK(layer_attention_batch(e, seqs, l, n));
+        for (int i = 0; i < n; i++) {
+            const struct skv_forward_opts *o = seqs[i].opts;
+            if (!o || !o->hook)
+                continue;
+            struct skv_layer_view v = {.layer = l, .n = 1, .q = e->q + (size_t)i * qdim,
+                                       .x_in = e->x_in + (size_t)i * c->dim, .x_mid = e->x + (size_t)i * c->dim,
+                                       .cache = seqs[i].cache};
+            CHECK(o->hook(o->hook_user, &v));
+        }
+        CHECK(layer_mlp(e, l, n));
+    }
+    for (int i = 0; i < n; i++)
+        seqs[i].cache->n_past += 1;
+    CHECK(ops->rmsnorm(be, e->xb, e->x, e->m->output_norm.data, n, c->dim, c->norm_eps));
+    size_t row = (size_t)c->n_vocab * sizeof(float);
+    float *out = e->lb;
+    if (n > 1)
+        CHECK(ops->alloc(be, (size_t)n * row, (void **)&out));
+    int rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, n);
+    for (int i = 0; i < n && !rc; i++)
+        if (seqs[i].logits)
+            rc = ops->download(be, seqs[i].logits, out + (size_t)i * c->n_vocab, row);
+    if (out != e->lb)
+        ops->free(be, out);
+    return rc;
 }

@@ -78,6 +78,21 @@ struct skv_model *skv_engine_model(const struct skv_engine *e);
 int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
                        const struct skv_forward_opts *opts, float *logits);
 
+/* One sequence of a batched decode step. */
+struct skv_batch_seq {
+    struct skv_kv_cache *cache;
+    int32_t token;                          /* the next token (position cache->n_past) */
+    const struct skv_forward_opts *opts;    /* its hook, or NULL; logits_all is ignored */
+    float *logits;                          /* [n_vocab] out, or NULL */
+};
+#define SKV_ENGINE_MAX_BATCH 64
+
+/* One token for each of n sequences (distinct caches of this model) in one forward: the
+ * projections and the MLP run over all n rows at once (weights read once), attention over
+ * each sequence's own cache; each sequence's hook sees its own row (view.n = 1). Results
+ * equal n separate skv_engine_forward calls. n in [1, SKV_ENGINE_MAX_BATCH]. */
+int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n);
+
 /* Peak bytes of activation scratch the engine holds. */
 uint64_t skv_engine_scratch_bytes(const struct skv_engine *e);
 

@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "common/status.h"
+#include "daemon/compress/compress.h"
+#include "daemon/compress/spec.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
@@ -179,6 +181,108 @@ static void test_incremental_matches_full(void **state)
     json_decref(ref);
 }
 
+/* A batched decode step equals separate forwards: four sessions of different lengths on the
+ * default model (quantized weights: the integer GEMV path with several columns), one of them
+ * evicting while it decodes (StreamingLLM through the compression hook). */
+static void test_decode_batch_matches_single(void **state)
+{
+    (void)state;
+    char *path = fixture_model_path();
+    if (!path) {
+        free(path);
+        skip();
+    }
+    enum { NS = 4, STEPS = 6 };
+    const int lens[NS] = {5, 40, 150, 1};
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
+    assert_int_equal(skv_model_load(path, be, NULL, &m), SKV_OK);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    const int nv = m->cfg.n_vocab;
+    struct skv_kv_cache *one[NS], *bat[NS];
+    struct skv_compressor *c_one = NULL, *c_bat = NULL;
+    struct skv_compress_spec spec;
+    assert_int_equal(skv_compress_spec_parse("policy=streaming,budget=48,sinks=4", &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, m, &c_one), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, m, &c_bat), SKV_OK);
+    float *lo = malloc((size_t)NS * nv * sizeof *lo), *lb = malloc((size_t)NS * nv * sizeof *lb);
+    int32_t next[NS];
+    assert_non_null(lo);
+    assert_non_null(lb);
+    for (int s = 0; s < NS; s++) {
+        int32_t ids[150];
+        for (int i = 0; i < lens[s]; i++)
+            ids[i] = (int32_t)((i * 7919 + s * 104729 + 11) % 49000) + 100;
+        assert_int_equal(skv_kv_cache_new(m, &one[s]), SKV_OK);
+        assert_int_equal(skv_kv_cache_new(m, &bat[s]), SKV_OK);
+        if (s == 2) { /* the compressed one */
+            struct skv_forward_opts o1 = {.hook = skv_compressor_hook, .hook_user = c_one};
+            struct skv_forward_opts o2 = {.hook = skv_compressor_hook, .hook_user = c_bat};
+            assert_int_equal(skv_compressor_begin(c_one, one[s], lens[s]), SKV_OK);
+            assert_int_equal(skv_engine_forward(e, one[s], ids, lens[s], &o1, lo + (size_t)s * nv), SKV_OK);
+            assert_int_equal(skv_compressor_finish(c_one, one[s]), SKV_OK);
+            assert_int_equal(skv_compressor_begin(c_bat, bat[s], lens[s]), SKV_OK);
+            assert_int_equal(skv_engine_forward(e, bat[s], ids, lens[s], &o2, lb + (size_t)s * nv), SKV_OK);
+            assert_int_equal(skv_compressor_finish(c_bat, bat[s]), SKV_OK);
+        } else {
+            assert_int_equal(skv_engine_forward(e, one[s], ids, lens[s], NULL, lo + (size_t)s * nv), SKV_OK);
+            assert_int_equal(skv_engine_forward(e, bat[s], ids, lens[s], NULL, lb + (size_t)s * nv), SKV_OK);
+        }
+    }
+    struct skv_forward_opts h_one = {.hook = skv_compressor_hook, .hook_user = c_one};
+    struct skv_forward_opts h_bat = {.hook = skv_compressor_hook, .hook_user = c_bat};
+    for (int step = 0; step < STEPS; step++) {
+        struct skv_batch_seq seqs[NS];
+        for (int s = 0; s < NS; s++) {
+            /* greedy from the single-sequence logits; the batch must agree */
+            const float *a = lo + (size_t)s * nv, *b = lb + (size_t)s * nv;
+            int best = 0;
+            for (int i = 1; i < nv; i++)
+                best = a[i] > a[best] ? i : best;
+            for (int i = 0; i < nv; i++)
+                if (fabsf(a[i] - b[i]) > 1e-5f * (1.0f + fabsf(a[i])))
+                    fail_msg("step %d sequence %d logit %d: single %g batch %g", step, s, i, a[i], b[i]);
+            next[s] = best;
+            seqs[s] = (struct skv_batch_seq){bat[s], best, s == 2 ? &h_bat : NULL, lb + (size_t)s * nv};
+        }
+        for (int s = 0; s < NS; s++) {
+            if (s == 2)
+                assert_int_equal(skv_compressor_begin_decode(c_one, one[s]), SKV_OK);
+            assert_int_equal(skv_engine_forward(e, one[s], &next[s], 1, s == 2 ? &h_one : NULL, lo + (size_t)s * nv),
+                             SKV_OK);
+        }
+        assert_int_equal(skv_compressor_begin_decode(c_bat, bat[2]), SKV_OK);
+        assert_int_equal(skv_engine_decode_batch(e, seqs, NS), SKV_OK);
+        for (int s = 0; s < NS; s++) {
+            assert_int_equal(bat[s]->n_past, one[s]->n_past);
+            assert_int_equal(skv_kv_cache_head(bat[s], 7, 1)->len, skv_kv_cache_head(one[s], 7, 1)->len);
+        }
+    }
+    assert_int_equal(skv_kv_cache_head(bat[2], 0, 0)->len, 48); /* kept evicting */
+    /* errors change nothing */
+    struct skv_batch_seq bad[2] = {{bat[0], 1, NULL, NULL}, {bat[0], 2, NULL, NULL}};
+    assert_int_equal(skv_engine_decode_batch(e, bad, 2), SKV_E_INVAL);   /* same cache twice */
+    bad[1] = (struct skv_batch_seq){bat[1], nv, NULL, NULL};
+    assert_int_equal(skv_engine_decode_batch(e, bad, 2), SKV_E_INVAL);   /* token out of range */
+    assert_int_equal(skv_engine_decode_batch(e, bad, 0), SKV_E_INVAL);
+    assert_int_equal(skv_engine_decode_batch(e, bad, SKV_ENGINE_MAX_BATCH + 1), SKV_E_INVAL);
+    assert_int_equal(bat[0]->n_past, one[0]->n_past);
+    for (int s = 0; s < NS; s++) {
+        skv_kv_cache_free(&one[s]);
+        skv_kv_cache_free(&bat[s]);
+    }
+    skv_compressor_free(&c_one);
+    skv_compressor_free(&c_bat);
+    free(lo);
+    free(lb);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    free(path);
+}
+
 static void test_load_errors(void **state)
 {
     (void)state;
@@ -201,6 +305,7 @@ int main(void)
         cmocka_unit_test(test_tiny_llama),        cmocka_unit_test(test_tiny_llama_sharded),
         cmocka_unit_test(test_tiny_llama_bf16),   cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_llama3_rope),  cmocka_unit_test(test_incremental_matches_full),
+        cmocka_unit_test(test_decode_batch_matches_single),
         cmocka_unit_test(test_load_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
