@@ -6,6 +6,7 @@
 #include "build-config.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/tokenizer.h"
 
@@ -840,27 +841,35 @@ static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final,
     skv_worker_reply(w, d->job, &rep);
 }
 
-bool skv_requests_decode_step(struct skv_worker *w, struct skv_decode *d)
+/* Samples d's next token from its session's logits and decides whether it is the last. */
+static void decode_pick(struct skv_worker *w, struct skv_decode *d)
 {
     struct skv_session *s = d->session;
-    double t0 = now_s();
     int32_t t = skv_sampler_sample(&d->sampler, s->logits);
     d->out[d->produced++] = t;
-    const char *reason = NULL;
-    for (size_t i = 0; i < d->n_stop && !reason; i++)
+    d->token = t;
+    d->reason = NULL;
+    for (size_t i = 0; i < d->n_stop && !d->reason; i++)
         if ((uint32_t)t == d->stop[i])
-            reason = "stop";
-    if (!reason && d->stop_at_eos && w->m->tok &&
+            d->reason = "stop";
+    if (!d->reason && d->stop_at_eos && w->m->tok &&
         (t == skv_tokenizer_eos(w->m->tok) || t == skv_tokenizer_eot(w->m->tok)))
-        reason = "eos";
-    if (!reason && d->produced >= d->max_tokens)
-        reason = "length";
-    /* the token always enters the cache, so the session stays consistent for APPEND / DECODE */
-    int rc = session_forward(w, s, &t, 1, false);
+        d->reason = "eos";
+    if (!d->reason && d->produced >= d->max_tokens)
+        d->reason = "length";
+}
+
+/* After the token's forward (rc): charge the session and reply; true when d is finished. */
+static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
+{
+    struct skv_session *s = d->session;
+    int32_t t = d->token;
+    if (!rc)
+        rc = skv_session_push_tokens(s, &t, 1);
+    s->last_used_ms = skv_now_ms();
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     w->metrics.decode_tokens++;
-    w->metrics.decode_seconds += now_s() - t0;
     if (rc) {
         fail_rc(w, d->job, rc);
         return true;
@@ -868,15 +877,46 @@ bool skv_requests_decode_step(struct skv_worker *w, struct skv_decode *d)
     char text[512];
     if (d->stream) {
         token_text(w, d, t, text, sizeof text);
-        decode_reply(w, d, reason != NULL, reason, &t, 1, text);
-    } else if (reason) {
+        decode_reply(w, d, d->reason != NULL, d->reason, &t, 1, text);
+    } else if (d->reason) {
         char *all = NULL;
         if (w->m->tok && skv_tokenizer_decode(w->m->tok, d->out, (int)d->produced, &all))
             all = NULL;
-        decode_reply(w, d, true, reason, d->out, d->produced, all ? all : "");
+        decode_reply(w, d, true, d->reason, d->out, d->produced, all ? all : "");
         free(all);
     }
-    return reason != NULL;
+    return d->reason != NULL;
+}
+
+int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int n, bool *finished)
+{
+    /* the token always enters the cache, so the session stays consistent for APPEND / DECODE */
+    struct skv_batch_seq seqs[SKV_ENGINE_MAX_BATCH];
+    struct skv_forward_opts opts[SKV_ENGINE_MAX_BATCH];
+    int rcs[SKV_ENGINE_MAX_BATCH];
+    if (n > SKV_ENGINE_MAX_BATCH)
+        n = SKV_ENGINE_MAX_BATCH;
+    double t0 = now_s();
+    int nb = 0;
+    for (int i = 0; i < n; i++) {
+        struct skv_session *s = ds[i]->session;
+        decode_pick(w, ds[i]);
+        rcs[i] = SKV_OK;
+        opts[i] = (struct skv_forward_opts){0};
+        if (s->comp) {
+            rcs[i] = skv_compressor_begin_decode(s->comp, s->cache);
+            opts[i].hook = skv_compressor_hook;
+            opts[i].hook_user = s->comp;
+        }
+        if (!rcs[i])
+            seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
+    }
+    int rc = nb ? skv_engine_decode_batch(w->engine, seqs, nb) : SKV_OK;
+    w->metrics.decode_seconds += now_s() - t0;
+    w->metrics.decode_batches++;
+    for (int i = 0; i < n; i++)
+        finished[i] = decode_done(w, ds[i], rcs[i] ? rcs[i] : rc);
+    return n;
 }
 
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
@@ -1284,6 +1324,8 @@ static void handle_stats(struct skv_worker *w, struct skv_job *job)
         {"snapkv_errors_total", "requests answered with an error", (double)m->errors},
         {"snapkv_prefill_tokens_total", "prompt tokens prefilled", (double)m->prefill_tokens},
         {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
+        {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
+         (double)m->decode_batches},
         {"snapkv_prefill_tokens_per_second", "prefill throughput since start",
          m->prefill_seconds > 0 ? m->prefill_tokens / m->prefill_seconds : 0},
         {"snapkv_decode_tokens_per_second", "decode throughput since start",

@@ -102,14 +102,22 @@ static void *worker_main(void *arg)
             if (job)
                 job_free(job);
         }
-        /* one token for every running decode */
-        for (struct skv_decode **pp = &w->decodes; *pp;) {
-            struct skv_decode *d = *pp;
-            if (skv_requests_decode_step(w, d)) {
-                *pp = d->next;
-                skv_requests_decode_free(d);
-            } else {
-                pp = &d->next;
+        /* one token for every running decode, up to SKV_ENGINE_MAX_BATCH per forward */
+        struct skv_decode *batch[SKV_ENGINE_MAX_BATCH];
+        bool finished[SKV_ENGINE_MAX_BATCH];
+        for (struct skv_decode *d = w->decodes; d;) {
+            int n = 0;
+            for (; d && n < SKV_ENGINE_MAX_BATCH; d = d->next)
+                batch[n++] = d;
+            skv_requests_decode_round(w, batch, n, finished);
+            for (int i = 0; i < n; i++) {
+                if (!finished[i])
+                    continue;
+                struct skv_decode **pp = &w->decodes;
+                while (*pp != batch[i])
+                    pp = &(*pp)->next;
+                *pp = batch[i]->next;
+                skv_requests_decode_free(batch[i]);
             }
         }
         uint64_t now = skv_now_ms();

@@ -22,6 +22,8 @@ struct skv_decode {
     bool stop_at_eos, stream;
     int32_t *out;             /* generated ids (non-streaming reply) */
     float *logits;            /* [n_vocab] */
+    int32_t token;            /* the token of the current round */
+    const char *reason;       /* why it is the last one ("stop", "eos", "length") or NULL */
     char pending[8];          /* bytes of an incomplete UTF-8 character */
     size_t n_pending;
     struct skv_decode *next;
@@ -29,7 +31,7 @@ struct skv_decode {
 
 struct skv_metrics {
     uint64_t requests, errors;
-    uint64_t prefill_tokens, decode_tokens;
+    uint64_t prefill_tokens, decode_tokens, decode_batches;
     double prefill_seconds, decode_seconds;
     uint64_t bytes_before, bytes_after; /* over all compressed prefills */
 };
@@ -60,8 +62,10 @@ struct skv_worker {
 void skv_requests_execute(struct skv_worker *w, struct skv_job *job);
 /* Starts a DECODE (may reply at once on error); returns the decode to schedule or NULL. */
 struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_job *job);
-/* One token of a decode; returns true when it finished (the final reply was sent). */
-bool skv_requests_decode_step(struct skv_worker *w, struct skv_decode *d);
+/* One token for each of the n decodes ds[] (at most SKV_ENGINE_MAX_BATCH are taken) in one
+ * batched forward; finished[i] is set when ds[i] sent its final reply. Returns how many
+ * decodes it advanced. */
+int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int n, bool *finished);
 /* Ends a decode early (shutdown): final reply with finish_reason "cancelled". */
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
 void skv_requests_decode_free(struct skv_decode *d);

@@ -251,6 +251,22 @@ static void test_eight_clients(void **state)
         if (WEXITSTATUS(st) != 0)
             fail_msg("client %d exited %d (see %s)", i, WEXITSTATUS(st), d.log);
     }
+    /* concurrent decodes share forwards: fewer batches than tokens */
+    a = client(d.admin, NULL);
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, false, &st), SNAPKV_OK);
+    double tokens = -1, batches = -1;
+    for (size_t i = 0; i < st.n; i++) {
+        if (!strcmp(st.stats[i].name, "snapkv_decode_tokens_total"))
+            tokens = st.stats[i].value;
+        if (!strcmp(st.stats[i].name, "snapkv_decode_batches_total"))
+            batches = st.stats[i].value;
+    }
+    print_message("decode: %.0f tokens in %.0f forwards (mean batch %.2f)\n", tokens, batches, tokens / batches);
+    assert_true(tokens == N * (N_GEN + 4));
+    assert_true(batches > 0 && batches < tokens);
+    snapkv_stats_free(&st);
+    snapkv_close(&a);
     stop_daemon(&d);
 }
 
