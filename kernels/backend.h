@@ -68,6 +68,10 @@ struct skv_rope {
     /* Llama 3 "llama3" scaling (factor 0 = off) */
     float l3_factor, l3_low_freq_factor, l3_high_freq_factor;
     int l3_original_ctx;
+    /* Per-pair frequency factors (GGUF rope_freqs.weight, llama.cpp's freq_factors): pair j's
+     * inverse frequency is divided by freq_factors[j]. Host memory, rot_dim / 2 values, each
+     * finite and > 0; NULL = none. */
+    const float *freq_factors;
 };
 
 /* The keys and values one layer's attention reads: per KV head a contiguous [len][d] run
@@ -164,8 +168,11 @@ void skv_backend_destroy(struct skv_backend **be_p);
 int skv_backend_selftest(struct skv_backend *be);
 
 /* RoPE inverse frequencies of the `half` rotated pairs (theta, then Llama 3 scaling as HF
- * transformers defines it), in double; the position scale (freq_scale) is not applied. */
+ * transformers defines it, then division by freq_factors), in double; the position scale
+ * (freq_scale) is not applied. */
 void skv_rope_inv_freq(const struct skv_rope *rope, int half, double *inv_freq);
+/* True when every one of the `half` frequency factors is finite and > 0 (or there are none). */
+bool skv_rope_factors_valid(const struct skv_rope *rope, int half);
 
 /* Host-side dequantization of n elements (n a multiple of the block size) of `type`. */
 int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);

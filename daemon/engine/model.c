@@ -22,6 +22,7 @@ struct model_impl {
     struct skv_safetensors *st;
     void **owned;        /* backend buffers this model allocated (f32 copies) */
     int n_owned, cap_owned;
+    float *rope_factors; /* [rot_dim / 2] host copy of GGUF rope_freqs.weight, or NULL */
 };
 
 static int own(struct skv_model *m, void *ptr)
@@ -305,6 +306,33 @@ static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st
         snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
 }
 
+/* rope_freqs.weight (llama.cpp's Llama 3.1 converter: the llama3 scaling as one factor per
+ * rotated pair, dividing that pair's frequency): a host f32 copy the rope op reads. */
+static int gguf_rope_factors(struct skv_model *m, const char *path)
+{
+    struct model_impl *impl = m->impl;
+    const struct skv_tensor *t = skv_gguf_find_tensor(impl->gguf, "rope_freqs.weight");
+    if (!t)
+        return SKV_OK;
+    const int half = m->cfg.rope.rot_dim / 2;
+    if (half < 1 || t->ndim != 1 || t->ne[0] != half)
+        return skv_errorf(SKV_E_FORMAT, "%s: rope_freqs.weight has %lld values where rope dimension %d needs %d",
+                          path, (long long)t->ne[0], m->cfg.rope.rot_dim, half);
+    if (t->type != SKV_DTYPE_F32 && t->type != SKV_DTYPE_F16 && t->type != SKV_DTYPE_BF16)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: rope_freqs.weight of type %s (f32, f16 or bf16)", path,
+                          skv_dtype_name(t->type) ? skv_dtype_name(t->type) : "?");
+    impl->rope_factors = malloc((size_t)half * sizeof *impl->rope_factors);
+    if (!impl->rope_factors)
+        return SKV_E_NOMEM;
+    int rc = skv_dequantize_row(t->type, t->data, impl->rope_factors, half);
+    if (rc)
+        return rc;
+    m->cfg.rope.freq_factors = impl->rope_factors;
+    if (!skv_rope_factors_valid(&m->cfg.rope, half))
+        return skv_errorf(SKV_E_FORMAT, "%s: rope_freqs.weight holds a value that is not finite and > 0", path);
+    return SKV_OK;
+}
+
 static int load_gguf(struct skv_model *m, const char *path)
 {
     struct model_impl *impl = m->impl;
@@ -353,9 +381,8 @@ static int load_gguf(struct skv_model *m, const char *path)
         if (gguf_f32(g, arch, "rope.scaling.factor", &factor) && factor > 0)
             c->rope.freq_scale = 1.0f / factor;
     }
-    if (skv_gguf_find_tensor(g, "rope_freqs.weight"))
-        return skv_errorf(SKV_E_UNSUPPORTED, "%s: per-dimension rope frequency factors (rope_freqs.weight, "
-                                             "Llama 3.1 scaling in GGUF) are not supported yet", path);
+    if ((rc = gguf_rope_factors(m, path)))
+        return rc;
     const struct skv_tensor *embd = skv_gguf_find_tensor(g, "token_embd.weight");
     if (!embd || embd->ndim != 2)
         return skv_errorf(SKV_E_FORMAT, "%s: token_embd.weight is missing", path);
@@ -364,7 +391,9 @@ static int load_gguf(struct skv_model *m, const char *path)
         return rc;
     if ((rc = map_weights(m, find_gguf, &gguf_names)))
         return rc;
-    if ((rc = skv_tokenizer_from_gguf(g, &m->tok)))
+    /* a GGUF without tokenizer.ggml.model (a test checkpoint) loads with no tokenizer, as an
+     * HF folder without tokenizer.json does */
+    if (skv_gguf_find_key(g, "tokenizer.ggml.model") >= 0 && (rc = skv_tokenizer_from_gguf(g, &m->tok)))
         return rc;
 
     const char *lo = NULL;
@@ -556,6 +585,7 @@ void skv_model_free(struct skv_model **model_p)
         free(impl->owned);
         skv_gguf_close(&impl->gguf);
         skv_safetensors_close(&impl->st);
+        free(impl->rope_factors);
         free(impl);
     }
     skv_tokenizer_free(&m->tok);

@@ -527,6 +527,8 @@ static int rope_check(const struct skv_rope *r, int head_dim)
                           "rope: llama3 scaling factor %g low %g high %g original ctx %d",
                           (double)r->l3_factor, (double)r->l3_low_freq_factor,
                           (double)r->l3_high_freq_factor, r->l3_original_ctx);
+    if (!skv_rope_factors_valid(r, r->rot_dim / 2))
+        return skv_errorf(SKV_E_INVAL, "rope: a frequency factor is not a finite value > 0");
     return SKV_OK;
 }
 

@@ -143,7 +143,7 @@ static void rmsnorm_ref(double *out, const float *x, const float *w, int n, int 
 }
 
 /* Inverse frequency of pair j, following HF transformers' rope init (default + llama3). */
-static double rope_inv_freq_ref(const struct skv_rope *rp, int j)
+static double rope_inv_freq_hf(const struct skv_rope *rp, int j)
 {
     double f = 1.0 / pow(rp->theta, (2.0 * j) / rp->rot_dim);
     if (rp->l3_factor == 0.0f)
@@ -157,6 +157,13 @@ static double rope_inv_freq_ref(const struct skv_rope *rp, int j)
     double smoothed = (1.0 - smooth) * scaled / rp->l3_factor + smooth * scaled;
     bool medium = !(wl < high_wl) && !(wl > low_wl);
     return medium ? smoothed : scaled;
+}
+
+/* ... then divided by pair j's frequency factor, as llama.cpp's rope applies freq_factors. */
+static double rope_inv_freq_ref(const struct skv_rope *rp, int j)
+{
+    double f = rope_inv_freq_hf(rp, j);
+    return rp->freq_factors ? f / rp->freq_factors[j] : f;
 }
 
 static void rope_ref(double *out, const float *x, int n, int n_heads, int hd, const int32_t *pos,
@@ -346,6 +353,16 @@ static void test_rope(void **state)
     struct skv_rope wide = {.mode = SKV_ROPE_NEOX, .rot_dim = 128, .theta = 1000000.0f,
                             .freq_scale = 1.0f};
     run_rope(be, &r, &wide, 2, 128);
+    /* frequency factors (GGUF rope_freqs.weight): 1 for short wavelengths, up to 8 for long */
+    float factors[32];
+    for (int j = 0; j < 32; j++)
+        factors[j] = j < 10 ? 1.0f : j > 24 ? 8.0f : 1.0f + 7.0f * (float)(j - 10) / 15.0f;
+    struct skv_rope ff = {.mode = SKV_ROPE_NORM, .rot_dim = 64, .theta = 500000.0f,
+                          .freq_scale = 1.0f, .freq_factors = factors};
+    run_rope(be, &r, &ff, 3, 64);
+    ff.mode = SKV_ROPE_NEOX;
+    ff.freq_scale = 0.5f;
+    run_rope(be, &r, &ff, 3, 64);
 }
 
 static void test_rope_llama3_freqs(void **state)
@@ -368,6 +385,23 @@ static void test_rope_llama3_freqs(void **state)
         if (wl >= 2048.0 && wl <= 8192.0)
             assert_true(s <= f && s >= f / 8.0);
     }
+    /* llama.cpp's converter stores the same rule as rope_freqs.weight factors (1 for short
+     * wavelengths, the factor for long ones, 1 / ((1 - smooth) / factor + smooth) between):
+     * theta plus those f32 factors gives the llama3 frequencies to float precision. */
+    float factors[64];
+    for (int j = 0; j < 64; j++) {
+        double f = rope_inv_freq_hf(&plain, j), wl = 2.0 * 3.14159265358979323846 / f;
+        double smooth = (8192.0 / wl - 1.0) / (4.0 - 1.0);
+        factors[j] = (float)(wl < 8192.0 / 4.0 ? 1.0 : wl > 8192.0 ? 8.0
+                                                                    : 1.0 / ((1.0 - smooth) / 8.0 + smooth));
+    }
+    struct skv_rope ff = plain;
+    ff.freq_factors = factors;
+    double a[64], b[64];
+    skv_rope_inv_freq(&rp, 64, a);
+    skv_rope_inv_freq(&ff, 64, b);
+    for (int j = 0; j < 64; j++)
+        assert_true(fabs(b[j] / a[j] - 1.0) < 1e-7);
 }
 
 static void test_rope_invalid(void **state)
@@ -392,6 +426,16 @@ static void test_rope_invalid(void **state)
     assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
     bad = ok;
     bad.l3_factor = 8.0f; /* high <= low */
+    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    float factors[32];
+    for (int j = 0; j < 32; j++)
+        factors[j] = 2.0f;
+    bad = ok;
+    bad.freq_factors = factors;
+    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_OK);
+    factors[31] = 0.0f;
+    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    factors[31] = NAN;
     assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
 }
 

@@ -1,7 +1,7 @@
 /* Hugging Face folders through the whole engine: tiny random-weight Llama / Qwen2
  * checkpoints (f32, bf16, sharded, Llama 3 rope scaling) made by transformers
  * (tests/reference/gen_model_reference.py) must give transformers' logits at every position
- * and the same greedy continuation. */
+ * and the same greedy continuation; so must the Llama 3 one as a GGUF with rope_freqs.weight. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,9 +11,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/status.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/gguf.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
 #include "kernels/backend.h"
@@ -130,6 +132,99 @@ static void test_tiny_llama3_rope(void **state)
     check_folder("tiny-llama3-rope", 1e-4, false);
 }
 
+/* Runs ids through a loaded model; the logits of every position ([n][n_vocab]). */
+static float *forward_all(struct skv_model *m, const int32_t *ids, int n)
+{
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL;
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
+    float *got = malloc((size_t)n * m->cfg.n_vocab * sizeof *got);
+    struct skv_forward_opts fo = {.logits_all = true};
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, got), SKV_OK);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    return got;
+}
+
+/* The same checkpoint as tiny-llama3-rope, as llama.cpp's converter writes a Llama 3.1 GGUF:
+ * rope_freqs.weight instead of scaling keys, Q/K rows permuted. Must give the folder's
+ * transformers logits (last position, and the top-10 ids where they are clear). */
+static void test_gguf_rope_freqs(void **state)
+{
+    (void)state;
+    json_t *ref = fixture_json("tests/fixtures/tiny-llama3-rope/reference.json");
+    assert_non_null(ref);
+    size_t size = 0;
+    float *want = fixture_read("tests/fixtures/tiny-llama3-rope/logits_last.f32", &size);
+    assert_non_null(want);
+    char *path = fixture_path("tests/fixtures/tiny-llama3-rope-freqs.gguf.fixture");
+    struct skv_backend *be = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
+    for (int mode = 0; mode < 2; mode++) {
+        struct skv_model *m = NULL;
+        struct skv_model_opts mo = {.reference = mode == 1};
+        if (skv_model_load(path, be, &mo, &m))
+            fail_msg("%s: %s", path, skv_error_msg());
+        const struct skv_rope *rp = &m->cfg.rope;
+        assert_int_equal(rp->mode, SKV_ROPE_NORM);
+        assert_true(rp->freq_factors != NULL && rp->l3_factor == 0.0f && rp->freq_scale == 1.0f);
+        assert_true(rp->freq_factors[0] == 1.0f && rp->freq_factors[7] == 8.0f);
+        assert_true(rp->freq_factors[1] > 1.0f && rp->freq_factors[1] < 8.0f);
+        assert_null(m->tok);
+        int n, nv = m->cfg.n_vocab;
+        assert_int_equal((size_t)nv * sizeof(float), size);
+        int32_t *ids = json_ids(json_object_get(ref, "ids"), &n);
+        float *got = forward_all(m, ids, n);
+        const float *last = got + (size_t)(n - 1) * nv;
+        double max_ref = 0, max_diff = 0;
+        for (int i = 0; i < nv; i++) {
+            max_ref = fmax(max_ref, fabs(want[i]));
+            max_diff = fmax(max_diff, fabs(want[i] - last[i]));
+        }
+        printf("# gguf rope_freqs (%s): last of %d positions, max |ref| %.4f, max |diff| %.3g\n",
+               mode ? "reference" : "fast", n, max_ref, max_diff);
+        assert_true(max_diff <= 1e-4 * max_ref);
+        /* top-1 at every position the fixture records */
+        size_t k;
+        json_t *tk;
+        json_array_foreach(json_object_get(ref, "topk"), k, tk) {
+            int p = (int)json_integer_value(json_object_get(tk, "pos"));
+            json_t *tids = json_object_get(tk, "ids"), *tvals = json_object_get(tk, "values");
+            double gap = json_number_value(json_array_get(tvals, 0)) - json_number_value(json_array_get(tvals, 1));
+            if (gap > 1e-3)
+                assert_int_equal(skv_argmax(got + (size_t)p * nv, nv), json_integer_value(json_array_get(tids, 0)));
+        }
+        free(got);
+        free(ids);
+        skv_model_free(&m);
+    }
+
+    /* a factor of 0 in the file is refused with a message, and a wrong count too */
+    size_t fsize = 0;
+    unsigned char *bytes = fixture_read("tests/fixtures/tiny-llama3-rope-freqs.gguf.fixture", &fsize);
+    assert_non_null(bytes);
+    struct skv_gguf *g = NULL;
+    assert_int_equal(skv_gguf_open_buffer(bytes, fsize, &g), SKV_OK);
+    size_t off = (size_t)((const unsigned char *)skv_gguf_find_tensor(g, "rope_freqs.weight")->data - bytes);
+    skv_gguf_close(&g);
+    char tmp[] = "/tmp/skv-ropefreqs-XXXXXX";
+    int fd = mkstemp(tmp);
+    assert_true(fd >= 0);
+    memset(bytes + off + 3 * sizeof(float), 0, sizeof(float));
+    assert_int_equal(write(fd, bytes, fsize), (ssize_t)fsize);
+    close(fd);
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_model_load(tmp, be, NULL, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "rope_freqs.weight"));
+    unlink(tmp);
+    free(bytes);
+    free(path);
+    skv_backend_destroy(&be);
+    json_decref(ref);
+}
+
 /* Append and decode give the same logits as one forward over the whole sequence. */
 static void test_incremental_matches_full(void **state)
 {
@@ -201,7 +296,7 @@ int main(void)
         cmocka_unit_test(test_tiny_llama),        cmocka_unit_test(test_tiny_llama_sharded),
         cmocka_unit_test(test_tiny_llama_bf16),   cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_llama3_rope),  cmocka_unit_test(test_incremental_matches_full),
-        cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_load_errors),       cmocka_unit_test(test_gguf_rope_freqs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

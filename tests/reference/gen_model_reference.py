@@ -445,10 +445,91 @@ def tiny(args):
     print("tiny: done", file=sys.stderr)
 
 
+def llama_cpp_permute(w, n_head):
+    """Q/K rows in llama.cpp's GGUF layout (its converter's LlamaModel.permute): within each
+    head, rotate-half pairs (i, i + d/2) become adjacent rows (2i, 2i + 1)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(theta, head_dim, scaling):
+    """rope_freqs.weight as llama.cpp's converter (conversion/llama.py,
+    generate_extra_tensors) computes it from a "llama3" rope_scaling: one factor per rotated
+    pair that divides the pair's frequency."""
+    import math
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wl, high_wl = old_ctx / lo, old_ctx / hi
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(1)
+        elif wl > low_wl:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wl - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def gguf_rope_freqs(args):
+    """tiny-llama3-rope as a GGUF the way llama.cpp's converter writes a Llama 3.1 model: the
+    rope scaling as a rope_freqs.weight tensor and no rope scaling keys; Q/K rows permuted to
+    llama.cpp's layout; f32 tensors; no tokenizer. Read from the committed folder, so its
+    logits are the folder's transformers reference (tiny-llama3-rope/logits_last.f32)."""
+    import gguf
+    from safetensors.numpy import load_file
+    src = os.path.join(FIXTURES, "tiny-llama3-rope")
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    w = load_file(os.path.join(src, "model.safetensors.fixture"))
+    n_head, n_kv, hd = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
+    out = os.path.join(FIXTURES, "tiny-llama3-rope-freqs.gguf.fixture")
+    wr = gguf.GGUFWriter(out, "llama")
+    wr.add_name("tiny-llama3-rope-freqs")
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_kv)
+    wr.add_key_length(hd)
+    wr.add_value_length(hd)
+    wr.add_rope_dimension_count(hd)
+    wr.add_rope_freq_base(cfg["rope_theta"])
+    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    wr.add_file_type(gguf.LlamaFileType.ALL_F32)
+    wr.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg["rope_theta"], hd, cfg["rope_scaling"]))
+    wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p = "model.layers.%d." % i
+        b = "blk.%d." % i
+        wr.add_tensor(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        wr.add_tensor(b + "attn_q.weight", llama_cpp_permute(w[p + "self_attn.q_proj.weight"], n_head))
+        wr.add_tensor(b + "attn_k.weight", llama_cpp_permute(w[p + "self_attn.k_proj.weight"], n_kv))
+        wr.add_tensor(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
+        wr.add_tensor(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        wr.add_tensor(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        wr.add_tensor(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
+        wr.add_tensor(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
+        wr.add_tensor(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    wr.add_tensor("output_norm.weight", w["model.norm.weight"])
+    wr.add_tensor("output.weight", w["lm_head.weight"])
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    os.chmod(out, 0o644)
+    print("gguf-rope: %s (%d bytes)" % (os.path.relpath(out, REPO), os.path.getsize(out)),
+          file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("SKV_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--only", choices=["golden", "tiny", "all"], default="all")
+    ap.add_argument("--only", choices=["golden", "tiny", "gguf-rope", "all"], default="all")
     ap.add_argument("--refresh-texts", action="store_true",
                     help="recreate long_prompt.txt / fidelity_prompt.txt from the license files")
     args = ap.parse_args()
@@ -458,6 +539,8 @@ def main():
     transformers.logging.set_verbosity_error()
     if args.only in ("tiny", "all"):
         tiny(args)
+    if args.only in ("tiny", "gguf-rope", "all"):
+        gguf_rope_freqs(args)
     if args.only in ("golden", "all"):
         if not os.path.exists(args.model):
             raise SystemExit(f"{args.model}: not found (scripts/fetch-model)")
