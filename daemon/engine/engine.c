@@ -310,13 +310,17 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
             memset(kh->score + len0[h] + i0, 0, (size_t)m * sizeof(float));
         }
     }
-    struct skv_kv_view view = {.n_kv_heads = hkv, .head_dim = hd, .kv_type = SKV_DTYPE_F32};
+    /* sliding-window layers mask by the rows' original positions (compression may have
+     * dropped rows), so the cache keeps every row; the op skips the ones out of reach */
+    struct skv_kv_view view = {.n_kv_heads = hkv, .head_dim = hd, .kv_type = SKV_DTYPE_F32,
+                               .window = w->window};
     for (int h = 0; h < hkv; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
         kh->len = len0[h] + n;
         view.k[h] = kh->k;
         view.v[h] = kh->v;
         view.prefix_len[h] = len0[h];
+        view.pos[h] = kh->pos;
     }
     CHECK(ops->attention(be, e->att, e->q, n, c->n_heads, &view));
     for (int i0 = 0; i0 < n; i0 += CHUNK) {
@@ -378,8 +382,8 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
                                (size_t)n * c->dim * sizeof(float), (size_t)n * c->dim * sizeof(float), 1));
         CHECK(layer_attention(e, cache, l, n));
         if (hook) {
-            struct skv_layer_view v = {
-                .layer = l, .n = n, .q = e->q, .x_in = e->x_in, .x_mid = e->x, .cache = cache};
+            struct skv_layer_view v = {.layer = l, .n = n, .window = e->m->layers[l].window, .q = e->q,
+                                       .x_in = e->x_in, .x_mid = e->x, .cache = cache};
             CHECK(opts->hook(opts->hook_user, &v));
         }
         CHECK(layer_mlp(e, l, n));

@@ -333,6 +333,40 @@ static int gguf_rope_factors(struct skv_model *m, const char *path)
     return SKV_OK;
 }
 
+/* <arch>.attention.sliding_window (0 or absent: none), in every layer unless
+ * <arch>.attention.sliding_window_pattern (one bool per layer, llama.cpp's converter) says
+ * which layers slide. */
+static int gguf_sliding_window(struct skv_model *m, const char *path)
+{
+    const struct skv_gguf *g = ((struct model_impl *)m->impl)->gguf;
+    struct skv_model_config *c = &m->cfg;
+    char key[128], pkey[128];
+    snprintf(key, sizeof key, "%s.attention.sliding_window", c->arch);
+    snprintf(pkey, sizeof pkey, "%s.attention.sliding_window_pattern", c->arch);
+    if (skv_gguf_find_key(g, key) < 0)
+        return SKV_OK;
+    int w = 0;
+    if (!gguf_u32(g, c->arch, "attention.sliding_window", &w))
+        return skv_errorf(SKV_E_FORMAT, "%s: %s is not an unsigned integer", path, key);
+    c->sliding_window = w;
+    if (w == 0)
+        return SKV_OK;
+    int type;
+    uint64_t count;
+    bool has_pattern = skv_gguf_find_key(g, pkey) >= 0;
+    if (has_pattern && (!skv_gguf_get_arr(g, pkey, &type, &count) || type != SKV_GGUF_BOOL ||
+                        count != (uint64_t)c->n_layers))
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: %s is not one bool per layer (%d layers)", path, pkey,
+                          c->n_layers);
+    for (int l = 0; l < c->n_layers; l++) {
+        bool slides = true;
+        if (has_pattern)
+            skv_gguf_get_arr_bool(g, pkey, (uint64_t)l, &slides);
+        m->layers[l].window = slides ? w : 0;
+    }
+    return SKV_OK;
+}
+
 static int load_gguf(struct skv_model *m, const char *path)
 {
     struct model_impl *impl = m->impl;
@@ -389,7 +423,7 @@ static int load_gguf(struct skv_model *m, const char *path)
     c->n_vocab = (int)embd->ne[1];
     if ((rc = validate_config(c)))
         return rc;
-    if ((rc = map_weights(m, find_gguf, &gguf_names)))
+    if ((rc = map_weights(m, find_gguf, &gguf_names)) || (rc = gguf_sliding_window(m, path)))
         return rc;
     /* a GGUF without tokenizer.ggml.model (a test checkpoint) loads with no tokenizer, as an
      * HF folder without tokenizer.json does */
@@ -443,6 +477,49 @@ static int json_float(json_t *root, const char *key, float *out)
     if (!json_is_number(v))
         return skv_errorf(SKV_E_FORMAT, "config.json: '%s' is not a number", key);
     *out = (float)json_number_value(v);
+    return SKV_OK;
+}
+
+/* Sliding-window attention as transformers reads config.json: Mistral slides in every layer
+ * (sliding_window; 4096 when the key is absent, as MistralConfig defaults; null: off). Qwen2
+ * only with use_sliding_window, in the layers layer_types marks "sliding_attention" (without
+ * layer_types: from max_window_layers on, 28 by default). */
+static int hf_sliding_window(struct skv_model *m, json_t *root, const char *mt, const char *path)
+{
+    struct skv_model_config *c = &m->cfg;
+    bool mistral = strcmp(mt, "mistral") == 0;
+    if (!mistral && !(strcmp(mt, "qwen2") == 0 && json_is_true(json_object_get(root, "use_sliding_window"))))
+        return SKV_OK;
+    json_t *sw = json_object_get(root, "sliding_window");
+    int w = 4096, from = 0, rc;
+    if (sw && json_is_null(sw))
+        return SKV_OK;
+    if ((rc = json_int(root, "sliding_window", &w, false)))
+        return rc;
+    if (w < 1)
+        return skv_errorf(SKV_E_FORMAT, "%s: sliding_window %d must be at least 1", path, w);
+    c->sliding_window = w;
+    json_t *types = mistral ? NULL : json_object_get(root, "layer_types");
+    if (types && !json_is_null(types)) {
+        if (!json_is_array(types) || json_array_size(types) != (size_t)c->n_layers)
+            return skv_errorf(SKV_E_FORMAT, "%s: layer_types is not a list of %d layer types", path,
+                              c->n_layers);
+        for (int l = 0; l < c->n_layers; l++) {
+            const char *t = json_string_value(json_array_get(types, (size_t)l));
+            if (!t || (strcmp(t, "sliding_attention") != 0 && strcmp(t, "full_attention") != 0))
+                return skv_errorf(SKV_E_UNSUPPORTED, "%s: layer %d has layer type '%s' (full_attention, "
+                                  "sliding_attention)", path, l, t ? t : "?");
+            m->layers[l].window = strcmp(t, "sliding_attention") == 0 ? w : 0;
+        }
+        return SKV_OK;
+    }
+    if (!mistral) {
+        from = 28;
+        if ((rc = json_int(root, "max_window_layers", &from, false)))
+            return rc;
+    }
+    for (int l = from; l < c->n_layers; l++)
+        m->layers[l].window = w;
     return SKV_OK;
 }
 
@@ -514,7 +591,7 @@ static int load_hf(struct skv_model *m, const char *dir)
         goto out;
     if ((rc = skv_safetensors_open_dir(dir, &impl->st)))
         goto out;
-    if ((rc = map_weights(m, find_st, &hf_names)))
+    if ((rc = map_weights(m, find_st, &hf_names)) || (rc = hf_sliding_window(m, root, mt, path)))
         goto out;
     json_t *tie = json_object_get(root, "tie_word_embeddings");
     if (json_is_false(tie) && m->cfg.tied_output) {

@@ -30,15 +30,16 @@ static int32_t *json_ids(json_t *arr, int *n)
     return ids;
 }
 
-/* Loads fixture folder `name`, runs its ids, compares logits (rel tolerance) and greedy ids. */
-static void check_folder(const char *name, double rel_tol, bool reference_mode)
+/* Loads fixture folder `name` (or, when gguf is set, that GGUF fixture made from the same
+ * weights), runs the folder's ids, compares logits (rel tolerance) and greedy ids. */
+static void check_model(const char *name, const char *gguf, double rel_tol, bool reference_mode)
 {
     char rel[256];
     snprintf(rel, sizeof rel, "tests/fixtures/%s/reference.json", name);
     json_t *ref = fixture_json(rel);
     assert_non_null(ref);
     snprintf(rel, sizeof rel, "tests/fixtures/%s", name);
-    char *dir = fixture_stage_dir(rel);
+    char *dir = gguf ? fixture_path(gguf) : fixture_stage_dir(rel);
     assert_non_null(dir);
 
     struct skv_backend *be = NULL;
@@ -74,7 +75,8 @@ static void check_folder(const char *name, double rel_tol, bool reference_mode)
         max_ref = fmax(max_ref, fabs(want[i]));
         max_diff = fmax(max_diff, fabs(want[i] - got[i]));
     }
-    printf("# %s: %d positions x %d, max |ref| %.4f, max |diff| %.3g\n", name, rows, nv, max_ref, max_diff);
+    printf("# %s%s: %d positions x %d, max |ref| %.4f, max |diff| %.3g\n", name, gguf ? " (gguf)" : "", rows,
+           nv, max_ref, max_diff);
     assert_true(max_diff <= rel_tol * max_ref);
 
     /* greedy continuation, when the fixture has one: decode token by token */
@@ -97,8 +99,16 @@ static void check_folder(const char *name, double rel_tol, bool reference_mode)
     skv_engine_free(&e);
     skv_model_free(&m);
     skv_backend_destroy(&be);
-    fixture_remove_dir(dir);
+    if (gguf)
+        free(dir);
+    else
+        fixture_remove_dir(dir);
     json_decref(ref);
+}
+
+static void check_folder(const char *name, double rel_tol, bool reference_mode)
+{
+    check_model(name, NULL, rel_tol, reference_mode);
 }
 
 static void test_tiny_llama(void **state)
@@ -130,6 +140,184 @@ static void test_tiny_llama3_rope(void **state)
 {
     (void)state;
     check_folder("tiny-llama3-rope", 1e-4, false);
+}
+
+/* Sliding-window attention (transformers' rule: query q sees keys k with q - W < k <= q):
+ * Mistral with W = 16 in every layer, Qwen2 with W = 12 in layer 1 only; 40-token prompts,
+ * so most queries drop keys, and 16 greedy tokens decoded one by one over the cache. */
+static void test_tiny_mistral_swa(void **state)
+{
+    (void)state;
+    check_folder("tiny-mistral-swa", 1e-4, false);
+    check_folder("tiny-mistral-swa", 1e-4, true);
+}
+
+static void test_tiny_qwen2_swa(void **state)
+{
+    (void)state;
+    check_folder("tiny-qwen2-swa", 1e-4, false);
+    /* the same weights as llama.cpp's converter writes them: qwen2.attention.sliding_window
+     * and sliding_window_pattern [false, true] */
+    check_model("tiny-qwen2-swa", "tests/fixtures/tiny-qwen2-swa.gguf.fixture", 1e-4, false);
+    char *path = fixture_path("tests/fixtures/tiny-qwen2-swa.gguf.fixture");
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    assert_int_equal(skv_model_load(path, be, NULL, &m), SKV_OK);
+    assert_true(m->cfg.sliding_window == 12 && m->layers[0].window == 0 && m->layers[1].window == 12);
+    assert_true(m->cfg.qkv_bias && m->cfg.tied_output && m->cfg.rope.mode == SKV_ROPE_NEOX);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    free(path);
+}
+
+/* Loads a staged copy of fixture folder `name` with config.json edited by `edit`; returns the
+ * load status, the windows of layers 0 and 1 in w[] and cfg.sliding_window in w[2]. */
+static int load_edited(const char *name, void (*edit)(json_t *cfg), int w[3])
+{
+    char rel[256];
+    snprintf(rel, sizeof rel, "tests/fixtures/%s", name);
+    char *dir = fixture_stage_dir(rel);
+    assert_non_null(dir);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_t *cfg = json_load_file(path, 0, NULL);
+    assert_non_null(cfg);
+    edit(cfg);
+    assert_int_equal(json_dump_file(cfg, path, JSON_INDENT(1)), 0);
+    json_decref(cfg);
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    int rc = skv_model_load(dir, be, NULL, &m);
+    if (rc == SKV_OK) {
+        w[0] = m->layers[0].window;
+        w[1] = m->layers[1].window;
+        w[2] = m->cfg.sliding_window;
+    }
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    fixture_remove_dir(dir);
+    return rc;
+}
+
+static void edit_none(json_t *c) { (void)c; }
+static void edit_drop_window(json_t *c) { json_object_del(c, "sliding_window"); }
+static void edit_null_window(json_t *c) { json_object_set_new(c, "sliding_window", json_null()); }
+static void edit_zero_window(json_t *c) { json_object_set_new(c, "sliding_window", json_integer(0)); }
+static void edit_no_swa(json_t *c) { json_object_set_new(c, "use_sliding_window", json_false()); }
+static void edit_no_types(json_t *c) { json_object_del(c, "layer_types"); }
+static void edit_types_all(json_t *c)
+{
+    json_t *t = json_array();
+    json_array_append_new(t, json_string("sliding_attention"));
+    json_array_append_new(t, json_string("sliding_attention"));
+    json_object_set_new(c, "layer_types", t);
+}
+static void edit_types_bad(json_t *c)
+{
+    json_t *t = json_array();
+    json_array_append_new(t, json_string("chunked_attention"));
+    json_array_append_new(t, json_string("full_attention"));
+    json_object_set_new(c, "layer_types", t);
+}
+static void edit_types_short(json_t *c)
+{
+    json_t *t = json_array();
+    json_array_append_new(t, json_string("full_attention"));
+    json_object_set_new(c, "layer_types", t);
+}
+
+/* Which layers slide, from each way config.json can say it (transformers' reading). */
+static void test_swa_config(void **state)
+{
+    (void)state;
+    int w[3];
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_none, w), SKV_OK);
+    assert_true(w[0] == 16 && w[1] == 16 && w[2] == 16);
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_drop_window, w), SKV_OK);
+    assert_true(w[0] == 4096 && w[1] == 4096 && w[2] == 4096); /* MistralConfig's default */
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_null_window, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 0 && w[2] == 0);
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_zero_window, w), SKV_E_FORMAT);
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_types_bad, w), SKV_OK); /* Mistral ignores them */
+    assert_true(w[0] == 16 && w[1] == 16);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_none, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 12 && w[2] == 12);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_no_types, w), SKV_OK); /* max_window_layers 1 */
+    assert_true(w[0] == 0 && w[1] == 12);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_types_all, w), SKV_OK);
+    assert_true(w[0] == 12 && w[1] == 12);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_no_swa, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 0 && w[2] == 0);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_types_bad, w), SKV_E_UNSUPPORTED);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_types_short, w), SKV_E_FORMAT);
+    assert_int_equal(load_edited("tiny-qwen2", edit_none, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 0 && w[2] == 0);
+}
+
+/* Rows out of every future query's window can leave the cache (as compression drops rows):
+ * decoding over the compacted cache gives the same logits, because the window is applied by
+ * the rows' original positions; and a prefill in pieces equals the whole one. */
+static void test_swa_compacted_cache(void **state)
+{
+    (void)state;
+    char *dir = fixture_stage_dir("tests/fixtures/tiny-mistral-swa");
+    json_t *ref = fixture_json("tests/fixtures/tiny-mistral-swa/reference.json");
+    assert_non_null(dir);
+    assert_non_null(ref);
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *full = NULL, *cut = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
+    assert_int_equal(skv_model_load(dir, be, NULL, &m), SKV_OK);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    int n, nv = m->cfg.n_vocab, W = m->cfg.sliding_window;
+    int32_t *ids = json_ids(json_object_get(ref, "ids"), &n);
+    float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+    assert_int_equal(skv_kv_cache_new(m, &full), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, full, ids, n, NULL, a), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cut), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cut, ids, 7, NULL, b), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cut, ids + 7, 20, NULL, b), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cut, ids + 27, n - 27, NULL, b), SKV_OK);
+    for (int i = 0; i < nv; i++)
+        assert_true(fabsf(a[i] - b[i]) <= 1e-4f * (1.0f + fabsf(a[i])));
+    /* queries from position n on see positions > n - W: drop every row at or below n - W */
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        for (int h = 0; h < m->cfg.n_kv_heads; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(cut, l, h);
+            int32_t idx[64];
+            int kept = 0;
+            for (int r = 0; r < kh->len; r++)
+                if (kh->pos[r] > n - W)
+                    idx[kept++] = r;
+            size_t row = (size_t)m->cfg.head_dim * sizeof(float);
+            assert_int_equal(be->ops->gather_rows(be, kh->k, kh->k, row, idx, kept), SKV_OK);
+            assert_int_equal(be->ops->gather_rows(be, kh->v, kh->v, row, idx, kept), SKV_OK);
+            for (int r = 0; r < kept; r++)
+                kh->pos[r] = kh->pos[idx[r]];
+            kh->len = kept;
+        }
+    assert_int_equal(skv_kv_cache_head(cut, 1, 1)->len, W - 1);
+    for (int k = 0; k < 16; k++) {
+        int32_t t = skv_argmax(a, nv);
+        assert_int_equal(skv_engine_forward(e, full, &t, 1, NULL, a), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, cut, &t, 1, NULL, b), SKV_OK);
+        for (int i = 0; i < nv; i++)
+            assert_true(fabsf(a[i] - b[i]) <= 1e-5f * (1.0f + fabsf(a[i])));
+    }
+    free(a);
+    free(b);
+    free(ids);
+    skv_kv_cache_free(&full);
+    skv_kv_cache_free(&cut);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    fixture_remove_dir(dir);
+    json_decref(ref);
 }
 
 /* Runs ids through a loaded model; the logits of every position ([n][n_vocab]). */
@@ -297,6 +485,8 @@ int main(void)
         cmocka_unit_test(test_tiny_llama_bf16),   cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_llama3_rope),  cmocka_unit_test(test_incremental_matches_full),
         cmocka_unit_test(test_load_errors),       cmocka_unit_test(test_gguf_rope_freqs),
+        cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
+        cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
