@@ -1,6 +1,7 @@
-/* Backend selection by name ("auto", "cpu", "cuda") and the one destructor every backend
- * shares. The chosen backend's name is in be->name; callers that want the reason CUDA was
- * not taken call skv_backend_cuda_new() themselves. */
+/* Backend selection by name ("auto", "cpu", "cuda"), the one destructor every backend
+ * shares, and the sliding-window row bounds every attention op uses. The chosen backend's
+ * name is in be->name; callers that want the reason CUDA was not taken call
+ * skv_backend_cuda_new() themselves. */
 #include <string.h>
 
 #include "common/status.h"
@@ -29,6 +30,36 @@ void skv_backend_destroy(struct skv_backend **be_p)
         return;
     (*be_p)->ops->destroy(*be_p);
     *be_p = NULL;
+}
+
+/* ---- sliding window ------------------------------------------------------------------------ */
+
+int32_t skv_kv_view_first(const struct skv_kv_view *kv, int h, int i)
+{
+    const int32_t self = kv->prefix_len[h] + i;
+    if (kv->window <= 0)
+        return 0;
+    const int32_t *pos = kv->pos[h];
+    const int64_t lim = (int64_t)pos[self] - kv->window; /* rows at or below lim are out */
+    int32_t lo = 0, hi = self;                            /* positions ascend: binary search */
+    while (lo < hi) {
+        const int32_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)pos[mid] > lim)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op)
+{
+    if (kv->window < 0)
+        return skv_errorf(SKV_E_INVAL, "%s: sliding window %d", op, (int)kv->window);
+    for (int h = 0; kv->window > 0 && h < kv->n_kv_heads; h++)
+        if (!kv->pos[h])
+            return skv_errorf(SKV_E_INVAL, "%s: sliding window without positions for KV head %d", op, h);
+    return SKV_OK;
 }
 
 /* ---- start-up self-test --------------------------------------------------------------------- */

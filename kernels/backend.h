@@ -68,13 +68,22 @@ struct skv_rope {
     /* Llama 3 "llama3" scaling (factor 0 = off) */
     float l3_factor, l3_low_freq_factor, l3_high_freq_factor;
     int l3_original_ctx;
+    /* Per-pair frequency factors (GGUF rope_freqs.weight, llama.cpp's freq_factors): pair j's
+     * inverse frequency is divided by freq_factors[j]. Host memory, rot_dim / 2 values, each
+     * finite and > 0; NULL = none. */
+    const float *freq_factors;
 };
 
 /* The keys and values one layer's attention reads: per KV head a contiguous [len][d] run
  * of rows (f32 unless kv_type says otherwise). Query i of a batch of n new tokens sees the
  * first prefix_len[h] + i + 1 rows of head h: the cache before the batch, then the batch
  * causally. So one op serves a fresh prefill (prefix 0), an append and a decode step (n = 1),
- * with per-head lengths after head-wise compression. */
+ * with per-head lengths after head-wise compression.
+ * Sliding window (window > 0, Mistral / Qwen2): the query at original position p sees, of
+ * those rows, only the ones whose original position is > p - window. pos[h] gives head h's
+ * row positions (host memory, ascending, prefix_len[h] + n of them; query i is at
+ * pos[h][prefix_len[h] + i]). Rows that compression dropped are simply absent, so the rows a
+ * query sees are always one contiguous range: see skv_kv_view_first(). */
 #define SKV_MAX_KV_HEADS 64
 struct skv_kv_view {
     int n_kv_heads;
@@ -83,6 +92,8 @@ struct skv_kv_view {
     const void *k[SKV_MAX_KV_HEADS];      /* head h: [prefix_len[h] + n][head_dim] */
     const void *v[SKV_MAX_KV_HEADS];
     int32_t prefix_len[SKV_MAX_KV_HEADS];
+    int32_t window;                       /* 0: full causal attention */
+    const int32_t *pos[SKV_MAX_KV_HEADS]; /* read only when window > 0 */
 };
 
 /* One weight of a matmul_multi: out[n][rows] = x . w^T (+ bias[rows] when bias != NULL). */
@@ -91,6 +102,13 @@ struct skv_matmul_part {
     const struct skv_tensor *w;
     const float *bias;
 };
+
+/* First row of head h that query i (of the batch) sees: 0 without a window, else the first
+ * row whose position is > the query's position - window (never past the query's own row). */
+int32_t skv_kv_view_first(const struct skv_kv_view *kv, int h, int i);
+/* SKV_OK when the window fields are usable (window >= 0; a position array per head when
+ * window > 0), else SKV_E_INVAL with a message naming op. */
+int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op);
 
 struct skv_backend;
 
@@ -134,9 +152,10 @@ struct skv_backend_ops {
                   int64_t count);
     /* out = a + b elementwise; out may alias a. */
     int (*add)(struct skv_backend *be, float *out, const float *a, const float *b, int64_t count);
-    /* Causal GQA attention of n queries q [n][n_heads][head_dim] over kv (see skv_kv_view);
-     * query head h reads KV head h / (n_heads / n_kv_heads). out is [n][n_heads][head_dim].
-     * Tiled by query blocks with an online softmax: never an n x n matrix. scale = 1/sqrt(d). */
+    /* Causal GQA attention of n queries q [n][n_heads][head_dim] over kv (see skv_kv_view,
+     * sliding window included); query head h reads KV head h / (n_heads / n_kv_heads). out is
+     * [n][n_heads][head_dim]. Tiled by query blocks with an online softmax: never an n x n
+     * matrix. scale = 1/sqrt(d). */
     int (*attention)(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                      const struct skv_kv_view *kv);
 
@@ -176,8 +195,11 @@ void skv_backend_destroy(struct skv_backend **be_p);
 int skv_backend_selftest(struct skv_backend *be);
 
 /* RoPE inverse frequencies of the `half` rotated pairs (theta, then Llama 3 scaling as HF
- * transformers defines it), in double; the position scale (freq_scale) is not applied. */
+ * transformers defines it, then division by freq_factors), in double; the position scale
+ * (freq_scale) is not applied. */
 void skv_rope_inv_freq(const struct skv_rope *rope, int half, double *inv_freq);
+/* True when every one of the `half` frequency factors is finite and > 0 (or there are none). */
+bool skv_rope_factors_valid(const struct skv_rope *rope, int half);
 
 /* Host-side dequantization of n elements (n a multiple of the block size) of `type`. */
 int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);

@@ -207,12 +207,14 @@ static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *
             return rc;
         c->colsum_cap = cap;
     }
-    struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32};
+    struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32,
+                             .window = v->window};
     for (int h = 0; h < c->n_kv; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(v->cache, v->layer, h);
         kv.k[h] = kh->k;
         kv.v[h] = kh->v;
         kv.prefix_len[h] = kh->len - v->n;
+        kv.pos[h] = kh->pos;
     }
     c->colsum_stride = max_rows;
     int rc = c->be->ops->attention_colsum(c->be, c->colsum, max_rows, v->q, v->n, c->n_heads, &kv, q_first);

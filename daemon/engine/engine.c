@@ -335,13 +335,17 @@ static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int
 {
     const struct skv_model_config *c = &e->m->cfg;
     size_t qdim = (size_t)c->n_heads * c->head_dim;
-    struct skv_kv_view view = {.n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32};
+    /* sliding-window layers mask by the rows' original positions (compression may have
+     * dropped rows), so the cache keeps every row; the op skips the ones out of reach */
+    struct skv_kv_view view = {.n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32,
+                               .window = e->m->layers[l].window};
     for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
         kh->len = len0[h] + n;
         view.k[h] = kh->k;
         view.v[h] = kh->v;
         view.prefix_len[h] = len0[h];
+        view.pos[h] = kh->pos;
     }
     return e->be->ops->attention(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, n, c->n_heads, &view);
 }
@@ -452,8 +456,8 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
                                (size_t)n * c->dim * sizeof(float), (size_t)n * c->dim * sizeof(float), 1));
         CHECK(layer_attention(e, cache, l, n));
         if (hook) {
-            struct skv_layer_view v = {
-                .layer = l, .n = n, .q = e->q, .x_in = e->x_in, .x_mid = e->x, .cache = cache};
+            struct skv_layer_view v = {.layer = l, .n = n, .window = e->m->layers[l].window, .q = e->q,
+                                       .x_in = e->x_in, .x_mid = e->x, .cache = cache};
             CHECK(opts->hook(opts->hook_user, &v));
         }
         CHECK(layer_mlp(e, l, n));

@@ -55,6 +55,7 @@ struct skv_engine;
 struct skv_layer_view {
     int layer;
     int n;                 /* tokens in this forward */
+    int window;            /* the layer's sliding window (0: full causal attention) */
     const float *q;
     const float *x_in;
     const float *x_mid;

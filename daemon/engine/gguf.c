@@ -868,6 +868,15 @@ bool skv_gguf_get_arr_i64(const struct skv_gguf *g, const char *key, uint64_t i,
     return p != NULL && value_i64(kv->arr_type, p, out);
 }
 
+bool skv_gguf_get_arr_bool(const struct skv_gguf *g, const char *key, uint64_t i, bool *out)
+{
+    const struct gguf_kv *kv = find_kv(g, key);
+    if (kv == NULL || kv->type != SKV_GGUF_ARRAY || kv->arr_type != SKV_GGUF_BOOL || i >= kv->arr_count)
+        return false;
+    *out = kv->val[i] != 0;
+    return true;
+}
+
 bool skv_gguf_get_arr_f64(const struct skv_gguf *g, const char *key, uint64_t i, double *out)
 {
     const struct gguf_kv *kv = find_kv(g, key);

@@ -64,6 +64,8 @@ bool skv_gguf_get_arr_str(const struct skv_gguf *g, const char *key, uint64_t i,
 /* Numeric array element i converted to int64 / double; false when out of range or not numeric. */
 bool skv_gguf_get_arr_i64(const struct skv_gguf *g, const char *key, uint64_t i, int64_t *out);
 bool skv_gguf_get_arr_f64(const struct skv_gguf *g, const char *key, uint64_t i, double *out);
+/* Bool array element i; false when out of range or the array is not of bools. */
+bool skv_gguf_get_arr_bool(const struct skv_gguf *g, const char *key, uint64_t i, bool *out);
 
 /* Tensors: views into the map (data points into the file). */
 int64_t skv_gguf_n_tensors(const struct skv_gguf *g);

@@ -22,6 +22,7 @@ struct model_impl {
     struct skv_safetensors *st;
     void **owned;        /* backend buffers this model allocated (f32 copies) */
     int n_owned, cap_owned;
+    float *rope_factors; /* [rot_dim / 2] host copy of GGUF rope_freqs.weight, or NULL */
 };
 
 static int own(struct skv_model *m, void *ptr)
@@ -305,6 +306,67 @@ static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st
         snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
 }
 
+/* rope_freqs.weight (llama.cpp's Llama 3.1 converter: the llama3 scaling as one factor per
+ * rotated pair, dividing that pair's frequency): a host f32 copy the rope op reads. */
+static int gguf_rope_factors(struct skv_model *m, const char *path)
+{
+    struct model_impl *impl = m->impl;
+    const struct skv_tensor *t = skv_gguf_find_tensor(impl->gguf, "rope_freqs.weight");
+    if (!t)
+        return SKV_OK;
+    const int half = m->cfg.rope.rot_dim / 2;
+    if (half < 1 || t->ndim != 1 || t->ne[0] != half)
+        return skv_errorf(SKV_E_FORMAT, "%s: rope_freqs.weight has %lld values where rope dimension %d needs %d",
+                          path, (long long)t->ne[0], m->cfg.rope.rot_dim, half);
+    if (t->type != SKV_DTYPE_F32 && t->type != SKV_DTYPE_F16 && t->type != SKV_DTYPE_BF16)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: rope_freqs.weight of type %s (f32, f16 or bf16)", path,
+                          skv_dtype_name(t->type) ? skv_dtype_name(t->type) : "?");
+    impl->rope_factors = malloc((size_t)half * sizeof *impl->rope_factors);
+    if (!impl->rope_factors)
+        return SKV_E_NOMEM;
+    int rc = skv_dequantize_row(t->type, t->data, impl->rope_factors, half);
+    if (rc)
+        return rc;
+    m->cfg.rope.freq_factors = impl->rope_factors;
+    if (!skv_rope_factors_valid(&m->cfg.rope, half))
+        return skv_errorf(SKV_E_FORMAT, "%s: rope_freqs.weight holds a value that is not finite and > 0", path);
+    return SKV_OK;
+}
+
+/* <arch>.attention.sliding_window (0 or absent: none), in every layer unless
+ * <arch>.attention.sliding_window_pattern (one bool per layer, llama.cpp's converter) says
+ * which layers slide. */
+static int gguf_sliding_window(struct skv_model *m, const char *path)
+{
+    const struct skv_gguf *g = ((struct model_impl *)m->impl)->gguf;
+    struct skv_model_config *c = &m->cfg;
+    char key[128], pkey[128];
+    snprintf(key, sizeof key, "%s.attention.sliding_window", c->arch);
+    snprintf(pkey, sizeof pkey, "%s.attention.sliding_window_pattern", c->arch);
+    if (skv_gguf_find_key(g, key) < 0)
+        return SKV_OK;
+    int w = 0;
+    if (!gguf_u32(g, c->arch, "attention.sliding_window", &w))
+        return skv_errorf(SKV_E_FORMAT, "%s: %s is not an unsigned integer", path, key);
+    c->sliding_window = w;
+    if (w == 0)
+        return SKV_OK;
+    int type;
+    uint64_t count;
+    bool has_pattern = skv_gguf_find_key(g, pkey) >= 0;
+    if (has_pattern && (!skv_gguf_get_arr(g, pkey, &type, &count) || type != SKV_GGUF_BOOL ||
+                        count != (uint64_t)c->n_layers))
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: %s is not one bool per layer (%d layers)", path, pkey,
+                          c->n_layers);
+    for (int l = 0; l < c->n_layers; l++) {
+        bool slides = true;
+        if (has_pattern)
+            skv_gguf_get_arr_bool(g, pkey, (uint64_t)l, &slides);
+        m->layers[l].window = slides ? w : 0;
+    }
+    return SKV_OK;
+}
+
 static int load_gguf(struct skv_model *m, const char *path)
 {
     struct model_impl *impl = m->impl;
@@ -353,18 +415,19 @@ static int load_gguf(struct skv_model *m, const char *path)
         if (gguf_f32(g, arch, "rope.scaling.factor", &factor) && factor > 0)
             c->rope.freq_scale = 1.0f / factor;
     }
-    if (skv_gguf_find_tensor(g, "rope_freqs.weight"))
-        return skv_errorf(SKV_E_UNSUPPORTED, "%s: per-dimension rope frequency factors (rope_freqs.weight, "
-                                             "Llama 3.1 scaling in GGUF) are not supported yet", path);
+    if ((rc = gguf_rope_factors(m, path)))
+        return rc;
     const struct skv_tensor *embd = skv_gguf_find_tensor(g, "token_embd.weight");
     if (!embd || embd->ndim != 2)
         return skv_errorf(SKV_E_FORMAT, "%s: token_embd.weight is missing", path);
     c->n_vocab = (int)embd->ne[1];
     if ((rc = validate_config(c)))
         return rc;
-    if ((rc = map_weights(m, find_gguf, &gguf_names)))
+    if ((rc = map_weights(m, find_gguf, &gguf_names)) || (rc = gguf_sliding_window(m, path)))
         return rc;
-    if ((rc = skv_tokenizer_from_gguf(g, &m->tok)))
+    /* a GGUF without tokenizer.ggml.model (a test checkpoint) loads with no tokenizer, as an
+     * HF folder without tokenizer.json does */
+    if (skv_gguf_find_key(g, "tokenizer.ggml.model") >= 0 && (rc = skv_tokenizer_from_gguf(g, &m->tok)))
         return rc;
 
     const char *lo = NULL;
@@ -414,6 +477,49 @@ static int json_float(json_t *root, const char *key, float *out)
     if (!json_is_number(v))
         return skv_errorf(SKV_E_FORMAT, "config.json: '%s' is not a number", key);
     *out = (float)json_number_value(v);
+    return SKV_OK;
+}
+
+/* Sliding-window attention as transformers reads config.json: Mistral slides in every layer
+ * (sliding_window; 4096 when the key is absent, as MistralConfig defaults; null: off). Qwen2
+ * only with use_sliding_window, in the layers layer_types marks "sliding_attention" (without
+ * layer_types: from max_window_layers on, 28 by default). */
+static int hf_sliding_window(struct skv_model *m, json_t *root, const char *mt, const char *path)
+{
+    struct skv_model_config *c = &m->cfg;
+    bool mistral = strcmp(mt, "mistral") == 0;
+    if (!mistral && !(strcmp(mt, "qwen2") == 0 && json_is_true(json_object_get(root, "use_sliding_window"))))
+        return SKV_OK;
+    json_t *sw = json_object_get(root, "sliding_window");
+    int w = 4096, from = 0, rc;
+    if (sw && json_is_null(sw))
+        return SKV_OK;
+    if ((rc = json_int(root, "sliding_window", &w, false)))
+        return rc;
+    if (w < 1)
+        return skv_errorf(SKV_E_FORMAT, "%s: sliding_window %d must be at least 1", path, w);
+    c->sliding_window = w;
+    json_t *types = mistral ? NULL : json_object_get(root, "layer_types");
+    if (types && !json_is_null(types)) {
+        if (!json_is_array(types) || json_array_size(types) != (size_t)c->n_layers)
+            return skv_errorf(SKV_E_FORMAT, "%s: layer_types is not a list of %d layer types", path,
+                              c->n_layers);
+        for (int l = 0; l < c->n_layers; l++) {
+            const char *t = json_string_value(json_array_get(types, (size_t)l));
+            if (!t || (strcmp(t, "sliding_attention") != 0 && strcmp(t, "full_attention") != 0))
+                return skv_errorf(SKV_E_UNSUPPORTED, "%s: layer %d has layer type '%s' (full_attention, "
+                                  "sliding_attention)", path, l, t ? t : "?");
+            m->layers[l].window = strcmp(t, "sliding_attention") == 0 ? w : 0;
+        }
+        return SKV_OK;
+    }
+    if (!mistral) {
+        from = 28;
+        if ((rc = json_int(root, "max_window_layers", &from, false)))
+            return rc;
+    }
+    for (int l = from; l < c->n_layers; l++)
+        m->layers[l].window = w;
     return SKV_OK;
 }
 
@@ -485,7 +591,7 @@ static int load_hf(struct skv_model *m, const char *dir)
         goto out;
     if ((rc = skv_safetensors_open_dir(dir, &impl->st)))
         goto out;
-    if ((rc = map_weights(m, find_st, &hf_names)))
+    if ((rc = map_weights(m, find_st, &hf_names)) || (rc = hf_sliding_window(m, root, mt, path)))
         goto out;
     json_t *tie = json_object_get(root, "tie_word_embeddings");
     if (json_is_false(tie) && m->cfg.tied_output) {
@@ -556,6 +662,7 @@ void skv_model_free(struct skv_model **model_p)
         free(impl->owned);
         skv_gguf_close(&impl->gguf);
         skv_safetensors_close(&impl->st);
+        free(impl->rope_factors);
         free(impl);
     }
     skv_tokenizer_free(&m->tok);

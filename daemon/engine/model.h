@@ -1,6 +1,7 @@
 /* A loaded Llama-family model: hyper-parameters, weights (views into the mapped GGUF or
  * safetensors files, or dequantized copies in reference mode) and the tokenizer.
- * Architectures: llama (Llama 2/3, SmolLM2, Mistral) and qwen2 (q/k/v bias). */
+ * Architectures: llama (Llama 2/3, SmolLM2, Mistral with its sliding window) and qwen2
+ * (q/k/v bias, optional sliding-window layers). */
 #ifndef SKV_MODEL_H
 #define SKV_MODEL_H
 
@@ -23,6 +24,7 @@ struct skv_model_config {
     int max_ctx;            /* trained context length */
     float norm_eps;
     struct skv_rope rope;
+    int sliding_window;     /* W of the sliding-window layers (0: none); see layer window */
     bool tied_output;       /* output matrix is the token embedding */
     bool qkv_bias;
 };
@@ -38,6 +40,8 @@ struct skv_layer_weights {
     struct skv_tensor w_gate;      /* (dim -> ffn_dim) */
     struct skv_tensor w_up;        /* (dim -> ffn_dim) */
     struct skv_tensor w_down;      /* (ffn_dim -> dim) */
+    int window;                    /* this layer's sliding window: a query at position p sees
+                                    * keys at positions > p - window; 0: full causal */
 };
 
 struct skv_model {

@@ -1,5 +1,6 @@
 /* CPU causal GQA attention over a struct skv_kv_view: query blocks x key blocks with an
- * online softmax (running max and sum, never an n x n matrix). The queries of one KV group
+ * online softmax (running max and sum, never an n x n matrix), with the view's sliding window
+ * as a per-row lower key bound. The queries of one KV group
  * share every key block they load. Prefill splits work over (KV head, query block); short
  * batches (decode) split the keys into fixed chunks and merge the partial softmaxes.
  * Every split and kernel choice depends on shapes only, so results are bitwise the same for
@@ -38,6 +39,7 @@ struct att_ctx {
     float *out;                  /* [n][n_heads][d] */
     const float *q;              /* [n][n_heads][d] */
     const struct skv_kv_view *kv;
+    const int32_t *first;        /* [n_kv][n]: first key row each query sees; NULL: 0 */
     int n, n_heads, n_kv, group, d;
     float qscale;
     int bq, nqb;                 /* queries per block, query blocks */
@@ -63,7 +65,8 @@ struct wide_bufs {
     float *st;                   /* [ATT_BK][rp]: scores, then probabilities */
     float *acct;                 /* [d][rp]: unnormalized output, transposed */
     float *m, *l;                /* [rp] */
-    int32_t *lim;                /* [rp]: keys [0, lim) are visible to the row (0: padding) */
+    int32_t *lim;                /* [rp]: keys [lo, lim) are visible to the row (0: padding) */
+    int32_t *lo;                 /* [rp]: sliding-window start (INT32_MAX: padding) */
 };
 
 static size_t round16(size_t x)
@@ -308,7 +311,7 @@ static void wide_scores(const struct wide_bufs *w, size_t r0, const float *k, in
 }
 
 /* Online softmax for 8 rows (r0..) over nk scores of the block starting at key kb:
- * masks keys at or past each row's limit when `mask`, turns scores into probabilities,
+ * masks keys outside each row's [lo, lim) when `mask`, turns scores into probabilities,
  * updates m and l and rescales the rows' output. */
 static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int nk, bool mask,
                           int d)
@@ -316,12 +319,15 @@ static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int 
     const size_t rp = w->rp;
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     const __m256i limv = _mm256_loadu_si256((const __m256i *)(w->lim + r0));
+    const __m256i lov = _mm256_loadu_si256((const __m256i *)(w->lo + r0));
     float *st = w->st + r0;
     __m256 mx = ninf;
 
     if (mask) {
         for (int j = 0; j < nk; j++) {
-            const __m256i keep = _mm256_cmpgt_epi32(limv, _mm256_set1_epi32((int32_t)(kb + j)));
+            const __m256i key = _mm256_set1_epi32((int32_t)(kb + j));
+            const __m256i keep = _mm256_andnot_si256(_mm256_cmpgt_epi32(lov, key),
+                                                     _mm256_cmpgt_epi32(limv, key));
             const __m256 s = _mm256_blendv_ps(ninf, _mm256_loadu_ps(st + j * rp),
                                               _mm256_castsi256_ps(keep));
             _mm256_storeu_ps(st + j * rp, s);
@@ -513,7 +519,7 @@ static size_t thread_floats_for(size_t rows_max, int d)
 {
     const size_t rp = rows_padded(rows_max);
     const size_t row = 2 * round16(rows_max * d) + 2 * round16(rows_max) + ATT_BK;
-    const size_t wide = 2 * round16(rp * d) + round16((size_t)ATT_BK * rp) + 3 * round16(rp);
+    const size_t wide = 2 * round16(rp * d) + round16((size_t)ATT_BK * rp) + 4 * round16(rp);
     return row > wide ? row : wide;
 }
 
@@ -544,6 +550,7 @@ static struct wide_bufs get_wide_bufs(const struct att_ctx *c, int tid, size_t r
     };
     b.l = b.m + r16;
     b.lim = (int32_t *)(b.l + r16);
+    b.lo = b.lim + r16;
     return b;
 }
 
@@ -564,10 +571,14 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
             if (lim <= 0)
                 continue;
             const int nv = (int)(lim < nblk ? lim : nblk);
+            const int64_t skip = c->first ? c->first[(int64_t)g * c->n + i] - kb : 0;
+            if (skip >= nv)
+                continue;   /* the whole block is before the row's window */
+            const int s0 = skip > 0 ? (int)skip : 0;
             for (int hh = 0; hh < G; hh++) {
                 const size_t r = (size_t)(i - i0) * G + hh;
-                att_row(b->qs + r * d, kblk, vblk, nv, d, &b->m[r], &b->l[r], b->acc + r * d,
-                        b->s);
+                att_row(b->qs + r * d, kblk + (int64_t)s0 * d, vblk + (int64_t)s0 * d, nv - s0,
+                        d, &b->m[r], &b->l[r], b->acc + r * d, b->s);
             }
         }
     }
@@ -602,7 +613,9 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
         const float *src = r < rows ? q_row(c, g, i0, r) : NULL;
         for (int t = 0; t < d; t++)
             w->qt[t * rp + r] = src ? src[t] * c->qscale : 0.0f;
-        w->lim[r] = src ? (int32_t)(prefix + i0 + (int)(r / c->group) + 1) : 0;
+        const int i = i0 + (int)(r / c->group);
+        w->lim[r] = src ? (int32_t)(prefix + i + 1) : 0;
+        w->lo[r] = !src ? INT32_MAX : c->first ? c->first[(int64_t)g * c->n + i] : 0;
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
@@ -612,15 +625,19 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
         const int nblk = (int)(ke - kb < ATT_BK ? ke - kb : ATT_BK);
         const float *kblk = K + kb * d, *vblk = V + kb * d;
         for (size_t r0 = 0; r0 < rp; r0 += ATT_RT) {
-            int32_t lo = INT32_MAX, hi = 0;
+            int32_t lo = INT32_MAX, hi = 0, first_lo = INT32_MAX, first_hi = 0;
             for (size_t r = r0; r < r0 + ATT_RT; r++) {
                 lo = w->lim[r] < lo ? w->lim[r] : lo;
                 hi = w->lim[r] > hi ? w->lim[r] : hi;
+                if (w->lim[r] > 0) {
+                    first_lo = w->lo[r] < first_lo ? w->lo[r] : first_lo;
+                    first_hi = w->lo[r] > first_hi ? w->lo[r] : first_hi;
+                }
             }
-            if (hi <= kb)
+            if (hi <= kb || first_lo >= kb + nblk)
                 continue;   /* no row of the tile sees this block */
             const int nk = hi - kb < nblk ? (int)(hi - kb) : nblk;
-            const bool mask = lo < kb + nk;
+            const bool mask = lo < kb + nk || first_hi > kb;
             wide_scores(w, r0, kblk, nk, d);
             wide_softmax8(w, r0, kb, nk, mask, d);
             wide_softmax8(w, r0 + 8, kb, nk, mask, d);
@@ -641,6 +658,18 @@ static int zigzag(int j, int nqb)
     return j % 2 == 0 ? j / 2 : nqb - 1 - j / 2;
 }
 
+/* Start of the first key block any of queries [i0, i1) of KV head g sees (a multiple of
+ * ATT_BK): 0 without a sliding window. */
+static int64_t first_block(const struct att_ctx *c, int g, int i0, int i1)
+{
+    if (!c->first)
+        return 0;
+    int32_t lo = INT32_MAX;
+    for (int i = i0; i < i1; i++)
+        lo = c->first[(int64_t)g * c->n + i] < lo ? c->first[(int64_t)g * c->n + i] : lo;
+    return (int64_t)lo / ATT_BK * ATT_BK;
+}
+
 /* Task t: (query block, KV head), whole causal key range, normalized output. */
 static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
 {
@@ -653,10 +682,11 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
         const int i0 = qb * c->bq, i1 = i0 + c->bq < c->n ? i0 + c->bq : c->n;
         const size_t rows = (size_t)(i1 - i0) * c->group;
         const int64_t ke = c->kv->prefix_len[g] + (int64_t)i1;
+        const int64_t ks = first_block(c, g, i0, i1);
 
         if (use_wide(rows)) {
             const struct wide_bufs w = get_wide_bufs(c, tid, rows);
-            wide_run(c, g, i0, i1, 0, ke, &w);
+            wide_run(c, g, i0, i1, ks, ke, &w);
             for (size_t r = 0; r < rows; r++) {
                 float *o = out_row(c, g, i0, r);
                 for (int k = 0; k < d; k++)
@@ -664,7 +694,7 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
             }
         } else {
             const struct row_bufs b = get_row_bufs(c, tid);
-            row_run(c, g, i0, i1, 0, ke, &b);
+            row_run(c, g, i0, i1, ks, ke, &b);
             for (size_t r = 0; r < rows; r++) {
                 float *o = out_row(c, g, i0, r);
                 for (int k = 0; k < d; k++)
@@ -692,8 +722,9 @@ static void att_task_chunks(void *p, int64_t begin, int64_t end, int tid)
         const int g = (int)(t / c->nchunks), ch = (int)(t % c->nchunks);
         float *acc = part_of(c, g, ch), *m = acc + rows * d, *l = m + rows;
         const int64_t len = (int64_t)c->kv->prefix_len[g] + c->n;
-        const int64_t ks = ch * c->chunk;
-        const int64_t ke = ks + c->chunk < len ? ks + c->chunk : len;
+        const int64_t ks0 = ch * c->chunk, lo = first_block(c, g, 0, c->n);
+        const int64_t ks = ks0 > lo ? ks0 : lo;
+        const int64_t ke = ks0 + c->chunk < len ? ks0 + c->chunk : len;
 
         if (ks >= ke) {
             for (size_t r = 0; r < rows; r++) {
@@ -779,6 +810,8 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
                       const struct skv_kv_view *kv)
 {
     int rc = att_check(out, q, n, n_heads, kv);
+    if (rc == SKV_OK)
+        rc = skv_kv_view_check_window(kv, "attention");
     if (rc < 0)
         return rc;
     if (n == 0)
@@ -813,12 +846,20 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
     c.rows_max = (size_t)(c.nqb == 1 ? n : c.bq) * c.group;
     c.thread_floats = thread_floats_for(c.rows_max, c.d);
     size_t part_floats = round16((size_t)c.n_kv * c.nchunks * c.rows_max * (c.d + 2));
-    size_t total = part_floats + (size_t)be->n_threads * c.thread_floats;
+    size_t first_words = kv->window > 0 ? round16((size_t)c.n_kv * n) : 0;
+    size_t total = part_floats + first_words + (size_t)be->n_threads * c.thread_floats;
     float *mem = skv_cpu_scratch(be, 0, total * sizeof(float));
     if (!mem)
         return skv_errorf(SKV_E_NOMEM, "attention: %zu bytes of scratch", total * sizeof(float));
     c.part = mem;
-    c.thread_mem = mem + part_floats;
+    c.thread_mem = mem + part_floats + first_words;
+    if (first_words) {
+        int32_t *first = (int32_t *)(mem + part_floats);
+        for (int g = 0; g < c.n_kv; g++)
+            for (int i = 0; i < n; i++)
+                first[(int64_t)g * n + i] = skv_kv_view_first(kv, g, i);
+        c.first = first;
+    }
 
     if (c.nchunks > 0) {
         skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nchunks, 1, att_task_chunks, &c);

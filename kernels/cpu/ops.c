@@ -1,6 +1,6 @@
-/* CPU elementwise and per-row ops: rmsnorm, rope (NORM / NEOX, linear and Llama 3 scaling),
- * swiglu and add. Rows or tokens are independent, so results do not depend on the thread
- * count. Large calls are split over the backend's pool. */
+/* CPU elementwise and per-row ops: rmsnorm, rope (NORM / NEOX, linear and Llama 3 scaling,
+ * frequency factors), swiglu and add. Rows or tokens are independent, so results do not
+ * depend on the thread count. Large calls are split over the backend's pool. */
 #include <math.h>
 #include <stdint.h>
 
@@ -220,6 +220,8 @@ static int rope_check(const struct skv_rope *r, int head_dim)
                           "rope: llama3 scaling factor %g low %g high %g original ctx %d",
                           (double)r->l3_factor, (double)r->l3_low_freq_factor,
                           (double)r->l3_high_freq_factor, r->l3_original_ctx);
+    if (!skv_rope_factors_valid(r, r->rot_dim / 2))
+        return skv_errorf(SKV_E_INVAL, "rope: a frequency factor is not a finite value > 0");
     return SKV_OK;
 }
 

@@ -45,7 +45,8 @@ static float dot(const float *a, const float *b, int d)
 }
 #endif
 
-/* One query head per task item: probabilities of each query in the window, summed. */
+/* One query head per task item: probabilities of each query in the window, summed (keys
+ * outside a query's sliding window get 0 from it, as in attention). */
 static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
 {
     struct colsum_job *job = arg;
@@ -65,19 +66,19 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         memset(out, 0, (size_t)n_keys * sizeof *out);
         for (int i = job->q_first; i < job->n; i++) {
             const float *qi = job->q + ((size_t)i * job->n_heads + (size_t)h) * d;
-            int seen = prefix + i + 1;
+            int seen = prefix + i + 1, lo = skv_kv_view_first(job->kv, kvh, i);
             float mx = -INFINITY;
-            for (int j = 0; j < seen; j++) {
+            for (int j = lo; j < seen; j++) {
                 p[j] = dot(qi, k + (size_t)j * d, d) * scale;
                 mx = p[j] > mx ? p[j] : mx;
             }
             double sum = 0;
-            for (int j = 0; j < seen; j++) {
+            for (int j = lo; j < seen; j++) {
                 p[j] = expf(p[j] - mx);
                 sum += p[j];
             }
             float inv = (float)(1.0 / sum);
-            for (int j = 0; j < seen; j++)
+            for (int j = lo; j < seen; j++)
                 out[j] += p[j] * inv;
         }
     }
@@ -91,6 +92,9 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
         return skv_errorf(SKV_E_INVAL, "attention_colsum: bad shape");
     if (kv->kv_type != SKV_DTYPE_F32)
         return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d", kv->kv_type);
+    int rc = skv_kv_view_check_window(kv, "attention_colsum");
+    if (rc)
+        return rc;
     for (int h = 0; h < kv->n_kv_heads; h++)
         if (kv->prefix_len[h] < 0 || kv->prefix_len[h] + n > out_stride)
             return skv_errorf(SKV_E_INVAL, "attention_colsum: output row too short");

@@ -543,6 +543,8 @@ static int rope_check(const struct skv_rope *r, int head_dim)
                           "rope: llama3 scaling factor %g low %g high %g original ctx %d",
                           (double)r->l3_factor, (double)r->l3_low_freq_factor,
                           (double)r->l3_high_freq_factor, r->l3_original_ctx);
+    if (!skv_rope_factors_valid(r, r->rot_dim / 2))
+        return skv_errorf(SKV_E_INVAL, "rope: a frequency factor is not a finite value > 0");
     return SKV_OK;
 }
 
@@ -642,6 +644,7 @@ struct att_params {
     int prefix[SKV_MAX_KV_HEADS];
     int n, n_heads, group, d;
     float scale;
+    const int32_t *first; /* device [n_kv][n]: sliding window's first row per query; NULL: 0 */
 };
 
 static int att_check(const char *op, const float *out, const float *q, int n, int n_heads,
@@ -681,6 +684,39 @@ static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, 
     p->group = n_heads / kv->n_kv_heads;
     p->d = kv->head_dim;
     p->scale = 1.0f / sqrtf((float)kv->head_dim);
+    p->first = NULL;
+}
+
+/* Bytes upload_first() writes: 0 without a sliding window. */
+static size_t first_bytes(const struct skv_kv_view *kv, int n)
+{
+    return kv->window > 0 ? align_up((size_t)kv->n_kv_heads * n * sizeof(int32_t)) : 0;
+}
+
+/* With a sliding window, computes on the host the first row each (KV head, query) sees
+ * (skv_kv_view_first, from the host positions) and copies the table to dst (device), where
+ * p->first then points. */
+static int upload_first(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
+                        struct att_params *p)
+{
+    if (kv->window <= 0)
+        return SKV_OK;
+    const size_t count = (size_t)kv->n_kv_heads * n;
+    int32_t *host = (int32_t *)malloc(count * sizeof *host);
+    if (!host)
+        return skv_errorf(SKV_E_NOMEM, "attention: %zu window bounds", count);
+    for (int g = 0; g < kv->n_kv_heads; g++)
+        for (int i = 0; i < n; i++)
+            host[(size_t)g * n + i] = skv_kv_view_first(kv, g, i);
+    /* a pageable source is staged when cudaMemcpyAsync returns, so host can go */
+    cudaError_t err = cudaMemcpyAsync(dst, host, count * sizeof *host, cudaMemcpyHostToDevice,
+                                      impl->stream);
+    free(host);
+    if (err != cudaSuccess)
+        return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
+                          cudaGetErrorString(err));
+    p->first = (const int32_t *)dst;
+    return SKV_OK;
 }
 
 /* Scores of keys j0 .. j0+tn-1 against the query in shared memory: one warp per key, lanes
@@ -700,7 +736,8 @@ __device__ __forceinline__ void att_scores(float *sc, const float *qs, const flo
     }
 }
 
-/* One block per (query, head): online softmax over key tiles, output accumulated in double. */
+/* One block per (query, head): online softmax over the key tiles of its causal (and sliding)
+ * window, output accumulated in double. */
 __global__ void attention_kernel(float *out, const float *q, struct att_params p)
 {
     extern __shared__ double att_smem[];
@@ -714,6 +751,7 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
     const float *qi = q + ((size_t)i * p.n_heads + h) * d;
     const float *k = p.k[g], *v = p.v[g];
     const int seen = p.prefix[g] + i + 1;
+    const int lo = p.first ? p.first[(size_t)g * p.n + i] : 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
     for (int t = threadIdx.x; t < d; t += blockDim.x) {
@@ -725,7 +763,7 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
         s_l = 0.0;
     }
     __syncthreads();
-    for (int j0 = 0; j0 < seen; j0 += ATT_TILE) {
+    for (int j0 = lo; j0 < seen; j0 += ATT_TILE) {
         const int tn = seen - j0 < ATT_TILE ? seen - j0 : ATT_TILE;
         att_scores(sc, qs, k, j0, tn, d, p.scale);
         __syncthreads();
@@ -773,6 +811,8 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
                           const struct skv_kv_view *kv)
 {
     int rc = att_check("attention", out, q, n, n_heads, kv);
+    if (rc == SKV_OK)
+        rc = skv_kv_view_check_window(kv, "attention");
     if (rc < 0)
         return rc;
     if (n == 0)
@@ -786,6 +826,10 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     struct att_params p;
     att_params_fill(&p, kv, n, n_heads);
+    void *s = NULL;
+    if (kv->window > 0 && ((rc = scratch_get(impl, first_bytes(kv, n), &s)) < 0 ||
+                           (rc = upload_first(impl, kv, n, s, &p)) < 0))
+        return rc;
     attention_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, smem, impl->stream>>>(out, q, p);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
@@ -807,11 +851,12 @@ __global__ void colsum_stats_kernel(float *m_out, double *l_out, const float *q,
     const int g = h / p.group;
     const float *qi = q + ((size_t)i * p.n_heads + h) * d;
     const int seen = p.prefix[g] + i + 1;
+    const int lo = p.first ? p.first[(size_t)g * p.n + i] : 0;
     for (int t = threadIdx.x; t < d; t += blockDim.x)
         qs[t] = qi[t];
     __syncthreads();
     float mx = -INFINITY;
-    for (int j0 = 0; j0 < seen; j0 += ATT_TILE) {
+    for (int j0 = lo; j0 < seen; j0 += ATT_TILE) {
         const int tn = seen - j0 < ATT_TILE ? seen - j0 : ATT_TILE;
         att_scores(sc, qs, p.k[g], j0, tn, d, p.scale);
         __syncthreads();
@@ -833,7 +878,7 @@ __global__ void colsum_stats_kernel(float *m_out, double *l_out, const float *q,
     __syncthreads();
     const float m = s_m;
     double l = 0.0;
-    for (int j0 = 0; j0 < seen; j0 += ATT_TILE) {
+    for (int j0 = lo; j0 < seen; j0 += ATT_TILE) {
         const int tn = seen - j0 < ATT_TILE ? seen - j0 : ATT_TILE;
         att_scores(sc, qs, p.k[g], j0, tn, d, p.scale);
         __syncthreads();
@@ -863,6 +908,8 @@ __global__ void colsum_sum_kernel(float *out, int64_t out_stride, const float *q
     i0 = i0 > q_first ? i0 : q_first;
     double sum = 0.0;
     for (int i = i0; i < p.n; i++) {
+        if (p.first && j < p.first[(size_t)g * p.n + i])
+            continue;   /* outside query i's sliding window */
         const float *qi = q + ((size_t)i * p.n_heads + h) * d;
         float s = 0.0f;
         for (int t = 0; t < d; t++)
@@ -883,6 +930,9 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
         return skv_errorf(SKV_E_INVAL, "attention_colsum: bad shape");
     if (kv->kv_type != SKV_DTYPE_F32)
         return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d", kv->kv_type);
+    int rc = skv_kv_view_check_window(kv, "attention_colsum");
+    if (rc < 0)
+        return rc;
     int max_keys = 0;
     for (int h = 0; h < kv->n_kv_heads; h++) {
         if (kv->prefix_len[h] < 0 || (int64_t)kv->prefix_len[h] + n > out_stride ||
@@ -902,11 +952,14 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
     const int64_t nq = (int64_t)(n - q_first) * n_heads;
     void *s = NULL;
     const size_t m_bytes = align_up((size_t)nq * sizeof(float));
-    int rc = scratch_get(impl, m_bytes + (size_t)nq * sizeof(double), &s);
+    const size_t l_bytes = align_up((size_t)nq * sizeof(double));
+    rc = scratch_get(impl, m_bytes + l_bytes + first_bytes(kv, n), &s);
     if (rc < 0)
         return rc;
     float *m = (float *)s;
     double *l = (double *)((char *)s + m_bytes);
+    if ((rc = upload_first(impl, kv, n, (char *)s + m_bytes + l_bytes, &p)) < 0)
+        return rc;
     colsum_stats_kernel<<<(unsigned)nq, ATT_THREADS, smem, impl->stream>>>(m, l, q, q_first, p);
     SKV_CUDA_CHECK(cudaGetLastError());
     dim3 grid((unsigned)((max_keys + 127) / 128), (unsigned)n_heads);

@@ -144,7 +144,7 @@ static void rmsnorm_ref(double *out, const float *x, const float *w, int n, int 
 }
 
 /* Inverse frequency of pair j, following HF transformers' rope init (default + llama3). */
-static double rope_inv_freq_ref(const struct skv_rope *rp, int j)
+static double rope_inv_freq_hf(const struct skv_rope *rp, int j)
 {
     double f = 1.0 / pow(rp->theta, (2.0 * j) / rp->rot_dim);
     if (rp->l3_factor == 0.0f)
@@ -158,6 +158,13 @@ static double rope_inv_freq_ref(const struct skv_rope *rp, int j)
     double smoothed = (1.0 - smooth) * scaled / rp->l3_factor + smooth * scaled;
     bool medium = !(wl < high_wl) && !(wl > low_wl);
     return medium ? smoothed : scaled;
+}
+
+/* ... then divided by pair j's frequency factor, as llama.cpp's rope applies freq_factors. */
+static double rope_inv_freq_ref(const struct skv_rope *rp, int j)
+{
+    double f = rope_inv_freq_hf(rp, j);
+    return rp->freq_factors ? f / rp->freq_factors[j] : f;
 }
 
 static void rope_ref(double *out, const float *x, int n, int n_heads, int hd, const int32_t *pos,
@@ -180,9 +187,11 @@ static void rope_ref(double *out, const float *x, int n, int n_heads, int hd, co
         }
 }
 
-/* k[g], v[g]: [prefix[g] + n][d] on the host. */
+/* k[g], v[g]: [prefix[g] + n][d] on the host. window > 0: query i of head g (position
+ * pos[g][prefix[g] + i]) sees only rows j with pos[g][j] > that - window. */
 static void attention_ref(double *out, const float *q, int n, int n_heads, int n_kv, int d,
-                          float *const *k, float *const *v, const int32_t *prefix)
+                          float *const *k, float *const *v, const int32_t *prefix, int window,
+                          int32_t *const *pos)
 {
     int group = n_heads / n_kv;
     int64_t max_len = 0;
@@ -201,6 +210,8 @@ static void attention_ref(double *out, const float *q, int n, int n_heads, int n
                 for (int t = 0; t < d; t++)
                     s += (double)qi[t] * k[g][j * d + t];
                 p[j] = s / sqrt((double)d);
+                if (window > 0 && pos[g][j] <= pos[g][len - 1] - window)
+                    p[j] = -INFINITY;
                 mx = p[j] > mx ? p[j] : mx;
             }
             for (int64_t j = 0; j < len; j++) {
@@ -347,6 +358,16 @@ static void test_rope(void **state)
     struct skv_rope wide = {.mode = SKV_ROPE_NEOX, .rot_dim = 128, .theta = 1000000.0f,
                             .freq_scale = 1.0f};
     run_rope(be, &r, &wide, 2, 128);
+    /* frequency factors (GGUF rope_freqs.weight): 1 for short wavelengths, up to 8 for long */
+    float factors[32];
+    for (int j = 0; j < 32; j++)
+        factors[j] = j < 10 ? 1.0f : j > 24 ? 8.0f : 1.0f + 7.0f * (float)(j - 10) / 15.0f;
+    struct skv_rope ff = {.mode = SKV_ROPE_NORM, .rot_dim = 64, .theta = 500000.0f,
+                          .freq_scale = 1.0f, .freq_factors = factors};
+    run_rope(be, &r, &ff, 3, 64);
+    ff.mode = SKV_ROPE_NEOX;
+    ff.freq_scale = 0.5f;
+    run_rope(be, &r, &ff, 3, 64);
 }
 
 static void test_rope_llama3_freqs(void **state)
@@ -369,6 +390,23 @@ static void test_rope_llama3_freqs(void **state)
         if (wl >= 2048.0 && wl <= 8192.0)
             assert_true(s <= f && s >= f / 8.0);
     }
+    /* llama.cpp's converter stores the same rule as rope_freqs.weight factors (1 for short
+     * wavelengths, the factor for long ones, 1 / ((1 - smooth) / factor + smooth) between):
+     * theta plus those f32 factors gives the llama3 frequencies to float precision. */
+    float factors[64];
+    for (int j = 0; j < 64; j++) {
+        double f = rope_inv_freq_hf(&plain, j), wl = 2.0 * 3.14159265358979323846 / f;
+        double smooth = (8192.0 / wl - 1.0) / (4.0 - 1.0);
+        factors[j] = (float)(wl < 8192.0 / 4.0 ? 1.0 : wl > 8192.0 ? 8.0
+                                                                    : 1.0 / ((1.0 - smooth) / 8.0 + smooth));
+    }
+    struct skv_rope ff = plain;
+    ff.freq_factors = factors;
+    double a[64], b[64];
+    skv_rope_inv_freq(&rp, 64, a);
+    skv_rope_inv_freq(&ff, 64, b);
+    for (int j = 0; j < 64; j++)
+        assert_true(fabs(b[j] / a[j] - 1.0) < 1e-7);
 }
 
 static void test_rope_invalid(void **state)
@@ -393,6 +431,16 @@ static void test_rope_invalid(void **state)
     assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
     bad = ok;
     bad.l3_factor = 8.0f; /* high <= low */
+    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    float factors[32];
+    for (int j = 0; j < 32; j++)
+        factors[j] = 2.0f;
+    bad = ok;
+    bad.freq_factors = factors;
+    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_OK);
+    factors[31] = 0.0f;
+    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    factors[31] = NAN;
     assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
 }
 
@@ -512,7 +560,27 @@ struct att_case {
     int n, n_heads, n_kv, d;
     int32_t prefix[SKV_MAX_KV_HEADS];
     double q_scale;
+    int window;      /* sliding window (0: none) */
+    int gaps;        /* window cases: prefix rows spread over gaps x the longest prefix */
 };
+
+/* Row positions of head g for a window case: the prefix rows spread evenly over
+ * [0, P) (P = gaps x the longest prefix, so compression-like holes when gaps > 1), then
+ * the batch at P, P + 1, ... */
+static int32_t *case_positions(const struct att_case *c, int g)
+{
+    int32_t maxp = 0;
+    for (int h = 0; h < c->n_kv; h++)
+        maxp = c->prefix[h] > maxp ? c->prefix[h] : maxp;
+    const int64_t big = (int64_t)maxp * (c->gaps > 1 ? c->gaps : 1);
+    int32_t *pos = malloc((size_t)(c->prefix[g] + c->n) * sizeof *pos);
+    assert_non_null(pos);
+    for (int j = 0; j < c->prefix[g]; j++)
+        pos[j] = (int32_t)((int64_t)j * big / c->prefix[g]);
+    for (int i = 0; i < c->n; i++)
+        pos[c->prefix[g] + i] = (int32_t)big + i;
+    return pos;
+}
 
 /* Runs one case on `be`; returns the output (caller frees) after checking it against the
  * reference when `check` is set. */
@@ -523,7 +591,9 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
     size_t qcount = (size_t)n * c->n_heads * d;
     float *q = host_normal(r, qcount, c->q_scale), *got = host_nan(qcount);
     float *k[SKV_MAX_KV_HEADS], *v[SKV_MAX_KV_HEADS];
-    struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32};
+    int32_t *pos[SKV_MAX_KV_HEADS] = {NULL};
+    struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32,
+                             .window = c->window};
     for (int g = 0; g < c->n_kv; g++) {
         size_t kc = (size_t)(c->prefix[g] + n) * d;
         k[g] = host_normal(r, kc, 1.0);
@@ -531,6 +601,8 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
         kv.k[g] = dev_from(be, k[g], kc * sizeof(float));
         kv.v[g] = dev_from(be, v[g], kc * sizeof(float));
         kv.prefix_len[g] = c->prefix[g];
+        if (c->window > 0)
+            kv.pos[g] = pos[g] = case_positions(c, g);
     }
     float *dq = dev_from(be, q, qcount * sizeof(float));
     float *dout = dev_from(be, got, qcount * sizeof(float));
@@ -539,11 +611,12 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
     dev_to(be, got, dout, qcount * sizeof(float));
     if (check) {
         double *ref = host_double(qcount);
-        attention_ref(ref, q, n, c->n_heads, c->n_kv, d, k, v, c->prefix);
+        attention_ref(ref, q, n, c->n_heads, c->n_kv, d, k, v, c->prefix, c->window, pos);
         char what[160];
         snprintf(what, sizeof what,
-                 "attention n=%d heads=%d kv=%d d=%d prefix=%d,%d q_scale=%g", n, c->n_heads,
-                 c->n_kv, d, (int)c->prefix[0], (int)c->prefix[c->n_kv - 1], c->q_scale);
+                 "attention n=%d heads=%d kv=%d d=%d prefix=%d,%d q_scale=%g window=%d gaps=%d", n,
+                 c->n_heads, c->n_kv, d, (int)c->prefix[0], (int)c->prefix[c->n_kv - 1], c->q_scale,
+                 c->window, c->gaps);
         check_nmse(what, got, ref, qcount, NMSE_ATTENTION);
         free(ref);
     }
@@ -555,6 +628,7 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
         be->ops->free(be, (void *)kv.k[g]);
         free(v[g]);
         free(k[g]);
+        free(pos[g]);
     }
     free(q);
     return got;
@@ -625,6 +699,106 @@ static void test_attention_odd_dim(void **state)
     }
 }
 
+/* Sliding window over every kernel path: prefill (wide tiles, row tiles), appends after a
+ * cache, decode (split keys), positions with holes (rows compression dropped), a window of
+ * 1 (only the query itself), head_dim 18. */
+static void test_attention_window(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0x5a5aULL};
+    const struct att_case cases[] = {
+        {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .q_scale = 1.0, .window = 16},
+        {.n = 200, .n_heads = 8, .n_kv = 2, .d = 128, .q_scale = 2.0, .window = 70},
+        {.n = 100, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 40, 130}, .q_scale = 3.0,
+         .window = 50, .gaps = 2},
+        {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 1.0,
+         .window = 37},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {8999, 4000, 700}, .q_scale = 1.0,
+         .window = 4096, .gaps = 1},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {8999, 4000, 700}, .q_scale = 1.0,
+         .window = 3000, .gaps = 3},
+        {.n = 1, .n_heads = 4, .n_kv = 2, .d = 64, .prefix = {2000, 2000}, .q_scale = 1.0,
+         .window = 1},
+        {.n = 16, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {1000, 700, 1500}, .q_scale = 1.0,
+         .window = 200, .gaps = 2},
+        {.n = 40, .n_heads = 4, .n_kv = 2, .d = 18, .prefix = {5, 600}, .q_scale = 1.5,
+         .window = 100},
+        {.n = 64, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {10, 20, 30}, .q_scale = 1.0,
+         .window = 100000},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        free(run_attention(be, &r, &cases[i], true));
+}
+
+/* Column sums with a window: each query adds only to the keys its window holds. */
+static void test_colsum_window(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0xc01ULL};
+    struct att_case c = {.n = 30, .n_heads = 4, .n_kv = 2, .d = 32, .prefix = {50, 70},
+                         .q_scale = 2.0, .window = 24, .gaps = 2};
+    const int n = c.n, d = c.d, q_first = 10, stride = 100;
+    size_t qcount = (size_t)n * c.n_heads * d;
+    float *q = host_normal(&r, qcount, c.q_scale);
+    float *k[2], *v[2];
+    int32_t *pos[2];
+    struct skv_kv_view kv = {.n_kv_heads = 2, .head_dim = d, .kv_type = SKV_DTYPE_F32,
+                             .window = c.window};
+    for (int g = 0; g < 2; g++) {
+        size_t kc = (size_t)(c.prefix[g] + n) * d;
+        k[g] = host_normal(&r, kc, 1.0);
+        v[g] = host_normal(&r, kc, 1.0);
+        kv.k[g] = dev_from(be, k[g], kc * sizeof(float));
+        kv.v[g] = dev_from(be, v[g], kc * sizeof(float));
+        kv.prefix_len[g] = c.prefix[g];
+        kv.pos[g] = pos[g] = case_positions(&c, g);
+    }
+    float *dq = dev_from(be, q, qcount * sizeof(float));
+    float *got = host_nan((size_t)c.n_heads * stride);
+    for (size_t i = 0; i < (size_t)c.n_heads * stride; i++)
+        got[i] = 0.0f;
+    float *dout = dev_from(be, got, (size_t)c.n_heads * stride * sizeof(float));
+    assert_int_equal(be->ops->attention_colsum(be, dout, stride, dq, n, c.n_heads, &kv, q_first),
+                     SKV_OK);
+    dev_to(be, got, dout, (size_t)c.n_heads * stride * sizeof(float));
+    for (int h = 0; h < c.n_heads; h++) {
+        const int g = h / 2, len = c.prefix[g] + n;
+        double ref[100] = {0};
+        for (int i = q_first; i < n; i++) {
+            const int self = c.prefix[g] + i;
+            double p[100], mx = -INFINITY, sum = 0.0;
+            for (int j = 0; j <= self; j++) {
+                double sc = 0.0;
+                for (int t = 0; t < d; t++)
+                    sc += (double)q[((size_t)i * c.n_heads + h) * d + t] * k[g][(size_t)j * d + t];
+                p[j] = pos[g][j] > pos[g][self] - c.window ? sc / sqrt((double)d) : -INFINITY;
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            for (int j = 0; j <= self; j++)
+                sum += (p[j] = exp(p[j] - mx));
+            for (int j = 0; j <= self; j++)
+                ref[j] += p[j] / sum;
+        }
+        int outside = 0;
+        for (int j = 0; j < len; j++) {
+            assert_true(fabs(got[h * stride + j] - ref[j]) < 1e-5 * (1.0 + ref[j]));
+            outside += ref[j] == 0.0;
+        }
+        assert_true(outside > 0); /* some keys were outside every window */
+    }
+    be->ops->free(be, dout);
+    be->ops->free(be, dq);
+    for (int g = 0; g < 2; g++) {
+        be->ops->free(be, (void *)kv.k[g]);
+        be->ops->free(be, (void *)kv.v[g]);
+        free(k[g]);
+        free(v[g]);
+        free(pos[g]);
+    }
+    free(got);
+    free(q);
+}
+
 static void test_attention_invalid(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -649,6 +823,12 @@ static void test_attention_invalid(void **state)
     kv.kv_type = SKV_DTYPE_F32;
     kv.prefix_len[1] = -1;
     assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_INVAL);
+    kv.prefix_len[1] = 0;
+    kv.window = -1;
+    assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_INVAL);
+    kv.window = 16; /* a window needs the rows' positions */
+    assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_INVAL);
+    assert_int_equal(be->ops->attention_colsum(be, out, 64, q, 1, 8, &kv, 0), SKV_E_INVAL);
 }
 
 /* ---- CPU pool, scratch, determinism, selection ------------------------------------ */
@@ -780,6 +960,10 @@ static void test_determinism(void **state)
         {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {8999, 6000, 100}, .q_scale = 1.0},
         {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2000, 2000, 2000}, .q_scale = 1.0},
         {.n = 16, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {1000, 700, 1500}, .q_scale = 1.0},
+        {.n = 150, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {100, 0, 50}, .q_scale = 1.0,
+         .window = 40, .gaps = 2},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {8999, 6000, 100}, .q_scale = 1.0,
+         .window = 2000, .gaps = 1},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         float *out[3];
@@ -867,7 +1051,8 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_add), cmocka_unit_test(test_matmul_multi),                      \
         cmocka_unit_test(test_attention),                                                     \
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
-        cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_invalid)
+        cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
+        cmocka_unit_test(test_colsum_window), cmocka_unit_test(test_attention_invalid)
 
 int main(void)
 {

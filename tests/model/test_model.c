@@ -1,7 +1,7 @@
 /* Hugging Face folders through the whole engine: tiny random-weight Llama / Qwen2
  * checkpoints (f32, bf16, sharded, Llama 3 rope scaling) made by transformers
  * (tests/reference/gen_model_reference.py) must give transformers' logits at every position
- * and the same greedy continuation. */
+ * and the same greedy continuation; so must the Llama 3 one as a GGUF with rope_freqs.weight. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,11 +11,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/status.h"
 #include "daemon/compress/compress.h"
 #include "daemon/compress/spec.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/gguf.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
 #include "kernels/backend.h"
@@ -30,15 +32,16 @@ static int32_t *json_ids(json_t *arr, int *n)
     return ids;
 }
 
-/* Loads fixture folder `name`, runs its ids, compares logits (rel tolerance) and greedy ids. */
-static void check_folder(const char *name, double rel_tol, bool reference_mode)
+/* Loads fixture folder `name` (or, when gguf is set, that GGUF fixture made from the same
+ * weights), runs the folder's ids, compares logits (rel tolerance) and greedy ids. */
+static void check_model(const char *name, const char *gguf, double rel_tol, bool reference_mode)
 {
     char rel[256];
     snprintf(rel, sizeof rel, "tests/fixtures/%s/reference.json", name);
     json_t *ref = fixture_json(rel);
     assert_non_null(ref);
     snprintf(rel, sizeof rel, "tests/fixtures/%s", name);
-    char *dir = fixture_stage_dir(rel);
+    char *dir = gguf ? fixture_path(gguf) : fixture_stage_dir(rel);
     assert_non_null(dir);
 
     struct skv_backend *be = NULL;
@@ -74,7 +77,8 @@ static void check_folder(const char *name, double rel_tol, bool reference_mode)
         max_ref = fmax(max_ref, fabs(want[i]));
         max_diff = fmax(max_diff, fabs(want[i] - got[i]));
     }
-    printf("# %s: %d positions x %d, max |ref| %.4f, max |diff| %.3g\n", name, rows, nv, max_ref, max_diff);
+    printf("# %s%s: %d positions x %d, max |ref| %.4f, max |diff| %.3g\n", name, gguf ? " (gguf)" : "", rows,
+           nv, max_ref, max_diff);
     assert_true(max_diff <= rel_tol * max_ref);
 
     /* greedy continuation, when the fixture has one: decode token by token */
@@ -97,8 +101,16 @@ static void check_folder(const char *name, double rel_tol, bool reference_mode)
     skv_engine_free(&e);
     skv_model_free(&m);
     skv_backend_destroy(&be);
-    fixture_remove_dir(dir);
+    if (gguf)
+        free(dir);
+    else
+        fixture_remove_dir(dir);
     json_decref(ref);
+}
+
+static void check_folder(const char *name, double rel_tol, bool reference_mode)
+{
+    check_model(name, NULL, rel_tol, reference_mode);
 }
 
 static void test_tiny_llama(void **state)
@@ -130,6 +142,277 @@ static void test_tiny_llama3_rope(void **state)
 {
     (void)state;
     check_folder("tiny-llama3-rope", 1e-4, false);
+}
+
+/* Sliding-window attention (transformers' rule: query q sees keys k with q - W < k <= q):
+ * Mistral with W = 16 in every layer, Qwen2 with W = 12 in layer 1 only; 40-token prompts,
+ * so most queries drop keys, and 16 greedy tokens decoded one by one over the cache. */
+static void test_tiny_mistral_swa(void **state)
+{
+    (void)state;
+    check_folder("tiny-mistral-swa", 1e-4, false);
+    check_folder("tiny-mistral-swa", 1e-4, true);
+}
+
+static void test_tiny_qwen2_swa(void **state)
+{
+    (void)state;
+    check_folder("tiny-qwen2-swa", 1e-4, false);
+    /* the same weights as llama.cpp's converter writes them: qwen2.attention.sliding_window
+     * and sliding_window_pattern [false, true] */
+    check_model("tiny-qwen2-swa", "tests/fixtures/tiny-qwen2-swa.gguf.fixture", 1e-4, false);
+    char *path = fixture_path("tests/fixtures/tiny-qwen2-swa.gguf.fixture");
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    assert_int_equal(skv_model_load(path, be, NULL, &m), SKV_OK);
+    assert_true(m->cfg.sliding_window == 12 && m->layers[0].window == 0 && m->layers[1].window == 12);
+    assert_true(m->cfg.qkv_bias && m->cfg.tied_output && m->cfg.rope.mode == SKV_ROPE_NEOX);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    free(path);
+}
+
+/* Loads a staged copy of fixture folder `name` with config.json edited by `edit`; returns the
+ * load status, the windows of layers 0 and 1 in w[] and cfg.sliding_window in w[2]. */
+static int load_edited(const char *name, void (*edit)(json_t *cfg), int w[3])
+{
+    char rel[256];
+    snprintf(rel, sizeof rel, "tests/fixtures/%s", name);
+    char *dir = fixture_stage_dir(rel);
+    assert_non_null(dir);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_t *cfg = json_load_file(path, 0, NULL);
+    assert_non_null(cfg);
+    edit(cfg);
+    assert_int_equal(json_dump_file(cfg, path, JSON_INDENT(1)), 0);
+    json_decref(cfg);
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    int rc = skv_model_load(dir, be, NULL, &m);
+    if (rc == SKV_OK) {
+        w[0] = m->layers[0].window;
+        w[1] = m->layers[1].window;
+        w[2] = m->cfg.sliding_window;
+    }
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    fixture_remove_dir(dir);
+    return rc;
+}
+
+static void edit_none(json_t *c) { (void)c; }
+static void edit_drop_window(json_t *c) { json_object_del(c, "sliding_window"); }
+static void edit_null_window(json_t *c) { json_object_set_new(c, "sliding_window", json_null()); }
+static void edit_zero_window(json_t *c) { json_object_set_new(c, "sliding_window", json_integer(0)); }
+static void edit_no_swa(json_t *c) { json_object_set_new(c, "use_sliding_window", json_false()); }
+static void edit_no_types(json_t *c) { json_object_del(c, "layer_types"); }
+static void edit_types_all(json_t *c)
+{
+    json_t *t = json_array();
+    json_array_append_new(t, json_string("sliding_attention"));
+    json_array_append_new(t, json_string("sliding_attention"));
+    json_object_set_new(c, "layer_types", t);
+}
+static void edit_types_bad(json_t *c)
+{
+    json_t *t = json_array();
+    json_array_append_new(t, json_string("chunked_attention"));
+    json_array_append_new(t, json_string("full_attention"));
+    json_object_set_new(c, "layer_types", t);
+}
+static void edit_types_short(json_t *c)
+{
+    json_t *t = json_array();
+    json_array_append_new(t, json_string("full_attention"));
+    json_object_set_new(c, "layer_types", t);
+}
+
+/* Which layers slide, from each way config.json can say it (transformers' reading). */
+static void test_swa_config(void **state)
+{
+    (void)state;
+    int w[3];
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_none, w), SKV_OK);
+    assert_true(w[0] == 16 && w[1] == 16 && w[2] == 16);
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_drop_window, w), SKV_OK);
+    assert_true(w[0] == 4096 && w[1] == 4096 && w[2] == 4096); /* MistralConfig's default */
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_null_window, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 0 && w[2] == 0);
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_zero_window, w), SKV_E_FORMAT);
+    assert_int_equal(load_edited("tiny-mistral-swa", edit_types_bad, w), SKV_OK); /* Mistral ignores them */
+    assert_true(w[0] == 16 && w[1] == 16);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_none, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 12 && w[2] == 12);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_no_types, w), SKV_OK); /* max_window_layers 1 */
+    assert_true(w[0] == 0 && w[1] == 12);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_types_all, w), SKV_OK);
+    assert_true(w[0] == 12 && w[1] == 12);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_no_swa, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 0 && w[2] == 0);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_types_bad, w), SKV_E_UNSUPPORTED);
+    assert_int_equal(load_edited("tiny-qwen2-swa", edit_types_short, w), SKV_E_FORMAT);
+    assert_int_equal(load_edited("tiny-qwen2", edit_none, w), SKV_OK);
+    assert_true(w[0] == 0 && w[1] == 0 && w[2] == 0);
+}
+
+/* Rows out of every future query's window can leave the cache (as compression drops rows):
+ * decoding over the compacted cache gives the same logits, because the window is applied by
+ * the rows' original positions; and a prefill in pieces equals the whole one. */
+static void test_swa_compacted_cache(void **state)
+{
+    (void)state;
+    char *dir = fixture_stage_dir("tests/fixtures/tiny-mistral-swa");
+    json_t *ref = fixture_json("tests/fixtures/tiny-mistral-swa/reference.json");
+    assert_non_null(dir);
+    assert_non_null(ref);
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *full = NULL, *cut = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
+    assert_int_equal(skv_model_load(dir, be, NULL, &m), SKV_OK);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    int n, nv = m->cfg.n_vocab, W = m->cfg.sliding_window;
+    int32_t *ids = json_ids(json_object_get(ref, "ids"), &n);
+    float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+    assert_int_equal(skv_kv_cache_new(m, &full), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, full, ids, n, NULL, a), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cut), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cut, ids, 7, NULL, b), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cut, ids + 7, 20, NULL, b), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cut, ids + 27, n - 27, NULL, b), SKV_OK);
+    for (int i = 0; i < nv; i++)
+        assert_true(fabsf(a[i] - b[i]) <= 1e-4f * (1.0f + fabsf(a[i])));
+    /* queries from position n on see positions > n - W: drop every row at or below n - W */
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        for (int h = 0; h < m->cfg.n_kv_heads; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(cut, l, h);
+            int32_t idx[64];
+            int kept = 0;
+            for (int r = 0; r < kh->len; r++)
+                if (kh->pos[r] > n - W)
+                    idx[kept++] = r;
+            size_t row = (size_t)m->cfg.head_dim * sizeof(float);
+            assert_int_equal(be->ops->gather_rows(be, kh->k, kh->k, row, idx, kept), SKV_OK);
+            assert_int_equal(be->ops->gather_rows(be, kh->v, kh->v, row, idx, kept), SKV_OK);
+            for (int r = 0; r < kept; r++)
+                kh->pos[r] = kh->pos[idx[r]];
+            kh->len = kept;
+        }
+    assert_int_equal(skv_kv_cache_head(cut, 1, 1)->len, W - 1);
+    for (int k = 0; k < 16; k++) {
+        int32_t t = skv_argmax(a, nv);
+        assert_int_equal(skv_engine_forward(e, full, &t, 1, NULL, a), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, cut, &t, 1, NULL, b), SKV_OK);
+        for (int i = 0; i < nv; i++)
+            assert_true(fabsf(a[i] - b[i]) <= 1e-5f * (1.0f + fabsf(a[i])));
+    }
+    free(a);
+    free(b);
+    free(ids);
+    skv_kv_cache_free(&full);
+    skv_kv_cache_free(&cut);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    fixture_remove_dir(dir);
+    json_decref(ref);
+}
+
+/* Runs ids through a loaded model; the logits of every position ([n][n_vocab]). */
+static float *forward_all(struct skv_model *m, const int32_t *ids, int n)
+{
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL;
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
+    float *got = malloc((size_t)n * m->cfg.n_vocab * sizeof *got);
+    struct skv_forward_opts fo = {.logits_all = true};
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, got), SKV_OK);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    return got;
+}
+
+/* The same checkpoint as tiny-llama3-rope, as llama.cpp's converter writes a Llama 3.1 GGUF:
+ * rope_freqs.weight instead of scaling keys, Q/K rows permuted. Must give the folder's
+ * transformers logits (last position, and the top-10 ids where they are clear). */
+static void test_gguf_rope_freqs(void **state)
+{
+    (void)state;
+    json_t *ref = fixture_json("tests/fixtures/tiny-llama3-rope/reference.json");
+    assert_non_null(ref);
+    size_t size = 0;
+    float *want = fixture_read("tests/fixtures/tiny-llama3-rope/logits_last.f32", &size);
+    assert_non_null(want);
+    char *path = fixture_path("tests/fixtures/tiny-llama3-rope-freqs.gguf.fixture");
+    struct skv_backend *be = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
+    for (int mode = 0; mode < 2; mode++) {
+        struct skv_model *m = NULL;
+        struct skv_model_opts mo = {.reference = mode == 1};
+        if (skv_model_load(path, be, &mo, &m))
+            fail_msg("%s: %s", path, skv_error_msg());
+        const struct skv_rope *rp = &m->cfg.rope;
+        assert_int_equal(rp->mode, SKV_ROPE_NORM);
+        assert_true(rp->freq_factors != NULL && rp->l3_factor == 0.0f && rp->freq_scale == 1.0f);
+        assert_true(rp->freq_factors[0] == 1.0f && rp->freq_factors[7] == 8.0f);
+        assert_true(rp->freq_factors[1] > 1.0f && rp->freq_factors[1] < 8.0f);
+        assert_null(m->tok);
+        int n, nv = m->cfg.n_vocab;
+        assert_int_equal((size_t)nv * sizeof(float), size);
+        int32_t *ids = json_ids(json_object_get(ref, "ids"), &n);
+        float *got = forward_all(m, ids, n);
+        const float *last = got + (size_t)(n - 1) * nv;
+        double max_ref = 0, max_diff = 0;
+        for (int i = 0; i < nv; i++) {
+            max_ref = fmax(max_ref, fabs(want[i]));
+            max_diff = fmax(max_diff, fabs(want[i] - last[i]));
+        }
+        printf("# gguf rope_freqs (%s): last of %d positions, max |ref| %.4f, max |diff| %.3g\n",
+               mode ? "reference" : "fast", n, max_ref, max_diff);
+        assert_true(max_diff <= 1e-4 * max_ref);
+        /* top-1 at every position the fixture records */
+        size_t k;
+        json_t *tk;
+        json_array_foreach(json_object_get(ref, "topk"), k, tk) {
+            int p = (int)json_integer_value(json_object_get(tk, "pos"));
+            json_t *tids = json_object_get(tk, "ids"), *tvals = json_object_get(tk, "values");
+            double gap = json_number_value(json_array_get(tvals, 0)) - json_number_value(json_array_get(tvals, 1));
+            if (gap > 1e-3)
+                assert_int_equal(skv_argmax(got + (size_t)p * nv, nv), json_integer_value(json_array_get(tids, 0)));
+        }
+        free(got);
+        free(ids);
+        skv_model_free(&m);
+    }
+
+    /* a factor of 0 in the file is refused with a message, and a wrong count too */
+    size_t fsize = 0;
+    unsigned char *bytes = fixture_read("tests/fixtures/tiny-llama3-rope-freqs.gguf.fixture", &fsize);
+    assert_non_null(bytes);
+    struct skv_gguf *g = NULL;
+    assert_int_equal(skv_gguf_open_buffer(bytes, fsize, &g), SKV_OK);
+    size_t off = (size_t)((const unsigned char *)skv_gguf_find_tensor(g, "rope_freqs.weight")->data - bytes);
+    skv_gguf_close(&g);
+    char tmp[] = "/tmp/skv-ropefreqs-XXXXXX";
+    int fd = mkstemp(tmp);
+    assert_true(fd >= 0);
+    memset(bytes + off + 3 * sizeof(float), 0, sizeof(float));
+    assert_int_equal(write(fd, bytes, fsize), (ssize_t)fsize);
+    close(fd);
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_model_load(tmp, be, NULL, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "rope_freqs.weight"));
+    unlink(tmp);
+    free(bytes);
+    free(path);
+    skv_backend_destroy(&be);
+    json_decref(ref);
 }
 
 /* Append and decode give the same logits as one forward over the whole sequence. */
@@ -306,7 +589,9 @@ int main(void)
         cmocka_unit_test(test_tiny_llama_bf16),   cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_llama3_rope),  cmocka_unit_test(test_incremental_matches_full),
         cmocka_unit_test(test_decode_batch_matches_single),
-        cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_load_errors),       cmocka_unit_test(test_gguf_rope_freqs),
+        cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
+        cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

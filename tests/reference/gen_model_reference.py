@@ -445,10 +445,207 @@ def tiny(args):
     print("tiny: done", file=sys.stderr)
 
 
+SWA_WINDOW = 16
+QWEN2_SWA_WINDOW = 12
+
+
+def rename_safetensors(folder):
+    """Commits *.safetensors as *.safetensors.fixture (random test weights, not a model to
+    ship); the C tests stage a copy under the real names (tests/common/fixture.c)."""
+    for fn in os.listdir(folder):
+        if fn.endswith(".safetensors"):
+            os.replace(os.path.join(folder, fn), os.path.join(folder, fn + ".fixture"))
+
+
+@torch.no_grad()
+def tiny_swa(args):
+    """Sliding-window attention: a Mistral with sliding_window 16 (every layer) and a Qwen2
+    with use_sliding_window, sliding_window 12, max_window_layers 1 (layer 1 slides, layer 0
+    does not), 40-token prompts and 16 greedy tokens, so every query past the window drops
+    keys. transformers' rule (masking_utils.sliding_window_overlay): query position q sees key
+    position k iff q - W < k <= q. reference.json also records how far full causal attention
+    on the same weights is from the reference (max |diff| of the logits), to show the window
+    matters."""
+    from transformers import MistralConfig, MistralForCausalLM
+    ids40 = fixed_ids(TINY_SEQ, 40, TINY_SIZES["vocab_size"])
+    cases = [
+        ("tiny-mistral-swa", MistralConfig, MistralForCausalLM, 5,
+         dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              sliding_window=SWA_WINDOW)),
+        ("tiny-qwen2-swa", Qwen2Config, Qwen2ForCausalLM, 6,
+         dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              use_sliding_window=True, sliding_window=QWEN2_SWA_WINDOW, max_window_layers=1)),
+    ]
+    for name, config_cls, model_cls, seed, extra in cases:
+        cfg = config_cls(**TINY_SIZES, **extra)
+        torch.manual_seed(seed)
+        model = model_cls(cfg)
+        reinit(model, seed)
+        d = os.path.join(FIXTURES, name)
+        save_checkpoint(model, d, extra["rope_theta"])
+        tiny_reference(d, ids40, TINY_GREEDY)
+        m = load_f32(d)
+        assert m.config.sliding_window == extra["sliding_window"], m.config.sliding_window
+        swa = full_logits(m, ids40)
+        layer_types = getattr(m.config, "layer_types", None)
+        m.config.sliding_window = None  # the same weights with full causal attention
+        if layer_types:
+            m.config.layer_types = ["full_attention"] * len(layer_types)
+        for layer in m.model.layers:
+            layer.self_attn.sliding_window = None
+            if hasattr(layer, "attention_type"):
+                layer.attention_type = "full_attention"
+        m.model.has_sliding_layers = False
+        full = full_logits(m, ids40)
+        ref_path = os.path.join(d, "reference.json")
+        with open(ref_path, encoding="utf-8") as f:
+            ref = json.load(f)
+        ref["sliding_window"] = extra["sliding_window"]
+        ref["layer_types"] = layer_types
+        ref["full_attention_max_diff"] = float((swa - full).abs().max())
+        ref["full_attention_same_before_window"] = bool(
+            torch.equal(swa[:extra["sliding_window"]], full[:extra["sliding_window"]]))
+        write_json(ref_path, ref)
+        rename_safetensors(d)
+        print("%s: layer_types %s, full attention differs by %.3g" %
+              (name, layer_types, ref["full_attention_max_diff"]), file=sys.stderr)
+    gguf_qwen2_swa()
+
+
+def gguf_qwen2_swa():
+    """tiny-qwen2-swa as a GGUF the way llama.cpp's converter writes a Qwen2 with
+    use_sliding_window (conversion/qwen.py): qwen2.attention.sliding_window and
+    sliding_window_pattern (one bool per layer: [false, true]); f32 tensors, rotate-half
+    Q/K rows left as they are (llama.cpp does not permute qwen2), q/k/v biases, tied output
+    (no output.weight), no tokenizer. Its reference is the folder's transformers logits."""
+    import gguf
+    from safetensors.numpy import load_file
+    src = os.path.join(FIXTURES, "tiny-qwen2-swa")
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    w = load_file(os.path.join(src, "model.safetensors.fixture"))
+    out = os.path.join(FIXTURES, "tiny-qwen2-swa.gguf.fixture")
+    wr = gguf.GGUFWriter(out, "qwen2")
+    wr.add_name("tiny-qwen2-swa")
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(cfg["num_attention_heads"])
+    wr.add_head_count_kv(cfg["num_key_value_heads"])
+    wr.add_rope_freq_base(cfg["rope_theta"])
+    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    wr.add_sliding_window(cfg["sliding_window"])
+    wr.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    wr.add_file_type(gguf.LlamaFileType.ALL_F32)
+    wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+             "self_attn.o_proj.weight": "attn_output.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in names.items():
+            wr.add_tensor("blk.%d.%s" % (i, gg), w["model.layers.%d.%s" % (i, hf)])
+    wr.add_tensor("output_norm.weight", w["model.norm.weight"])
+    assert "lm_head.weight" not in w
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    os.chmod(out, 0o644)
+    print("gguf-qwen2-swa: %s (%d bytes)" % (os.path.relpath(out, REPO), os.path.getsize(out)),
+          file=sys.stderr)
+
+
+def llama_cpp_permute(w, n_head):
+    """Q/K rows in llama.cpp's GGUF layout (its converter's LlamaModel.permute): within each
+    head, rotate-half pairs (i, i + d/2) become adjacent rows (2i, 2i + 1)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(theta, head_dim, scaling):
+    """rope_freqs.weight as llama.cpp's converter (conversion/llama.py,
+    generate_extra_tensors) computes it from a "llama3" rope_scaling: one factor per rotated
+    pair that divides the pair's frequency."""
+    import math
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wl, high_wl = old_ctx / lo, old_ctx / hi
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(1)
+        elif wl > low_wl:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wl - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def gguf_rope_freqs(args):
+    """tiny-llama3-rope as a GGUF the way llama.cpp's converter writes a Llama 3.1 model: the
+    rope scaling as a rope_freqs.weight tensor and no rope scaling keys; Q/K rows permuted to
+    llama.cpp's layout; f32 tensors; no tokenizer. Read from the committed folder, so its
+    logits are the folder's transformers reference (tiny-llama3-rope/logits_last.f32)."""
+    import gguf
+    from safetensors.numpy import load_file
+    src = os.path.join(FIXTURES, "tiny-llama3-rope")
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    w = load_file(os.path.join(src, "model.safetensors.fixture"))
+    n_head, n_kv, hd = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
+    out = os.path.join(FIXTURES, "tiny-llama3-rope-freqs.gguf.fixture")
+    wr = gguf.GGUFWriter(out, "llama")
+    wr.add_name("tiny-llama3-rope-freqs")
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_kv)
+    wr.add_key_length(hd)
+    wr.add_value_length(hd)
+    wr.add_rope_dimension_count(hd)
+    wr.add_rope_freq_base(cfg["rope_theta"])
+    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    wr.add_file_type(gguf.LlamaFileType.ALL_F32)
+    wr.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg["rope_theta"], hd, cfg["rope_scaling"]))
+    wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p = "model.layers.%d." % i
+        b = "blk.%d." % i
+        wr.add_tensor(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        wr.add_tensor(b + "attn_q.weight", llama_cpp_permute(w[p + "self_attn.q_proj.weight"], n_head))
+        wr.add_tensor(b + "attn_k.weight", llama_cpp_permute(w[p + "self_attn.k_proj.weight"], n_kv))
+        wr.add_tensor(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
+        wr.add_tensor(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        wr.add_tensor(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        wr.add_tensor(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
+        wr.add_tensor(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
+        wr.add_tensor(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    wr.add_tensor("output_norm.weight", w["model.norm.weight"])
+    wr.add_tensor("output.weight", w["lm_head.weight"])
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    os.chmod(out, 0o644)
+    print("gguf-rope: %s (%d bytes)" % (os.path.relpath(out, REPO), os.path.getsize(out)),
+          file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("SKV_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--only", choices=["golden", "tiny", "all"], default="all")
+    ap.add_argument("--only", choices=["golden", "tiny", "gguf-rope", "swa", "all"], default="all")
     ap.add_argument("--refresh-texts", action="store_true",
                     help="recreate long_prompt.txt / fidelity_prompt.txt from the license files")
     args = ap.parse_args()
@@ -458,6 +655,10 @@ def main():
     transformers.logging.set_verbosity_error()
     if args.only in ("tiny", "all"):
         tiny(args)
+    if args.only in ("tiny", "gguf-rope", "all"):
+        gguf_rope_freqs(args)
+    if args.only in ("tiny", "swa", "all"):
+        tiny_swa(args)
     if args.only in ("golden", "all"):
         if not os.path.exists(args.model):
             raise SystemExit(f"{args.model}: not found (scripts/fetch-model)")

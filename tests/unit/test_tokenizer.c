@@ -1,5 +1,6 @@
 /* Tokenizer tests: ids identical to Hugging Face for the fixture strings (from the model's GGUF
- * and from its tokenizer.json), decode round trips, special tokens, byte tokens, chat rendering,
+ * and from its tokenizer.json) and to llama.cpp except its documented disagreements, decode
+ * round trips, special tokens, byte tokens, chat rendering,
  * error paths, and the pre-tokenizer families on a small vocabulary through in-memory GGUFs. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -23,6 +24,7 @@ struct fx {
     char model[1200];
     json_t *ids;  /* tests/fixtures/tokenizer_ids.json */
     json_t *tiny; /* tests/fixtures/tokenizer_tiny_ids.json */
+    json_t *llamacpp; /* tests/fixtures/tokenizer_llamacpp_ids.json */
     struct skv_gguf *g;
     struct skv_tokenizer *gguf_tok; /* NULL when the model is missing */
     struct skv_tokenizer *json_tok;
@@ -53,7 +55,8 @@ static int setup(void **state)
         snprintf(f->model, sizeof f->model, "%s/models/SmolLM2-135M-Instruct.Q4_1.gguf", f->srcdir);
     f->ids = load_json(f->srcdir, "tests/fixtures/tokenizer_ids.json");
     f->tiny = load_json(f->srcdir, "tests/fixtures/tokenizer_tiny_ids.json");
-    if (f->ids == NULL || f->tiny == NULL)
+    f->llamacpp = load_json(f->srcdir, "tests/fixtures/tokenizer_llamacpp_ids.json");
+    if (f->ids == NULL || f->tiny == NULL || f->llamacpp == NULL)
         return -1;
     if (access(f->model, R_OK) == 0) {
         if (skv_gguf_open(f->model, &f->g) != SKV_OK ||
@@ -80,6 +83,7 @@ static int teardown(void **state)
     skv_gguf_close(&f->g);
     json_decref(f->ids);
     json_decref(f->tiny);
+    json_decref(f->llamacpp);
     free(f);
     return 0;
 }
@@ -153,6 +157,49 @@ static void test_json_ids(void **state)
     struct fx *f = *state;
     assert_int_equal(skv_tokenizer_n_vocab(f->json_tok), 49152);
     check_fixture_ids(f->json_tok, f->ids, "json");
+}
+
+/* llama.cpp's ids (tests/reference/gen_llamacpp_tokenizer_fixture.py) for the same strings:
+ * equal to ours except the documented disagreements, where ours must be the reference's (the
+ * model's tokenizer.json rules) and llama.cpp's must really differ. */
+static void test_llamacpp_ids(void **state)
+{
+    struct fx *f = *state;
+    const struct skv_tokenizer *tok = any_tok(f);
+    const json_t *ref = json_object_get(f->ids, "strings");
+    const json_t *ll = json_object_get(f->llamacpp, "strings");
+    const json_t *dis = json_object_get(f->llamacpp, "disagreements");
+    assert_int_equal(json_array_size(ll), json_array_size(ref));
+    assert_true(json_array_size(ll) >= 300);
+    size_t i, k, bad = 0, n_dis = 0;
+    const json_t *e, *d;
+    json_array_foreach(ll, i, e) {
+        const json_t *t = json_object_get(json_array_get(ref, i), "text");
+        const char *s = json_string_value(t);
+        size_t len = json_string_length(t);
+        const json_t *doc = NULL;
+        json_array_foreach(dis, k, d) {
+            if ((size_t)json_integer_value(json_object_get(d, "index")) == i)
+                doc = d;
+        }
+        if (doc) {
+            n_dis++;
+            assert_string_equal(json_string_value(json_object_get(doc, "text")), s);
+            assert_true(strlen(json_string_value(json_object_get(doc, "reason"))) > 40);
+            assert_true(ids_match(tok, s, len, true, json_object_get(doc, "reference"), "llama.cpp doc"));
+            assert_false(json_equal(json_object_get(doc, "llama_cpp"), json_object_get(doc, "reference")) &&
+                         json_equal(json_object_get(doc, "llama_cpp_plain"),
+                                    json_object_get(doc, "reference_plain")));
+            continue;
+        }
+        if (!ids_match(tok, s, len, true, json_object_get(e, "ids"), "llama.cpp"))
+            bad++;
+        if (!ids_match(tok, s, len, false, json_object_get(e, "ids_plain"), "llama.cpp plain"))
+            bad++;
+    }
+    assert_int_equal(bad, 0);
+    assert_int_equal(n_dis, json_array_size(dis));
+    assert_int_equal(n_dis, 1); /* "!\x04!": see the fixture's reason */
 }
 
 /* Length of the decoded text (it may hold NUL bytes, so not strlen). */
@@ -854,6 +901,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gguf_ids),    cmocka_unit_test(test_json_ids),
+        cmocka_unit_test(test_llamacpp_ids),
         cmocka_unit_test(test_roundtrip),   cmocka_unit_test(test_special),
         cmocka_unit_test(test_token_bytes), cmocka_unit_test(test_chat),
         cmocka_unit_test(test_errors),      cmocka_unit_test(test_invalid_utf8),
