@@ -22,7 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DEFAULT_TENANT "default"
+#define DEFAULT_TENANT SKV_TENANT_DEFAULT
 #define DEFAULT_MAX_TOKENS 64
 
 static double now_s(void)
@@ -61,17 +61,6 @@ static const char *tenant_of(const struct skv_job *job)
 {
     const char *t = job->req->tenant;
     return t && *t ? t : DEFAULT_TENANT;
-}
-
-static int check_tenant(const char *t)
-{
-    size_t n = strlen(t);
-    if (n == 0 || n >= SKV_TENANT_MAX)
-        return skv_errorf(SKV_E_INVAL, "tenant names are 1..%d characters", SKV_TENANT_MAX - 1);
-    for (size_t i = 0; i < n; i++)
-        if (!isalnum((unsigned char)t[i]) && !strchr("._-@", t[i]))
-            return skv_errorf(SKV_E_INVAL, "tenant '%s': only letters, digits and . _ - @", t);
-    return SKV_OK;
 }
 
 /* The session named by `id` for this tenant (admins: any tenant). */
@@ -283,7 +272,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     int32_t *ids = NULL;
     int n = 0, rc;
     struct skv_session *s = NULL;
-    if ((rc = check_tenant(tenant)) ||
+    if ((rc = skv_session_check_tenant(tenant)) ||
         (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, (int)cfg->max_prompt_tokens, &ids,
                                   &n)))
         goto fail;
@@ -652,7 +641,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             rc = skv_errorf(SKV_E_INVAL, "token %u outside the vocabulary", im->tokens[i]);
             goto fail;
         }
-    if ((rc = check_tenant(tenant_of(job))) || (rc = map_buffer(im->buffer, need, &map, &size)) ||
+    if ((rc = skv_session_check_tenant(tenant_of(job))) || (rc = map_buffer(im->buffer, need, &map, &size)) ||
         (rc = skv_session_create(w->sessions, w->m, tenant_of(job), job->req->tenant, &s)) ||
         (rc = set_spec(w, s, "policy=full")))
         goto fail;
@@ -1194,7 +1183,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     FILE *f = NULL;
     int rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = check_tenant(tenant);
+        rc = skv_session_check_tenant(tenant);
     if (!rc && !(f = fopen(path, "rb")))
         rc = skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
     crypto_generichash_state h;
