@@ -5,6 +5,7 @@
 
 #include "daemon/server.h"
 #include "daemon/auth.h"
+#include "daemon/metrics_http.h"
 #include "daemon/session.h"
 #include "daemon/worker.h"
 #include "common/log.h"
@@ -37,6 +38,7 @@ struct skv_server {
     char *ipc_paths[2];           /* unlinked at exit */
     void *replies;                /* inproc PULL: replies from the engine worker */
     struct skv_worker *worker;
+    struct skv_metrics_http *metrics;  /* NULL unless metrics-listen is set */
     time_t started;
     uint64_t n_requests;
 };
@@ -96,6 +98,12 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     return SKV_OK;
 }
 
+/* HTTP /metrics: the same text as admin STATS --prometheus. */
+static size_t render_metrics(void *worker, char *buf, size_t cap)
+{
+    return skv_worker_prometheus(worker, buf, cap);
+}
+
 int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, struct skv_server **out)
 {
     struct skv_server *srv = calloc(1, sizeof *srv);
@@ -127,6 +135,9 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     }
     if ((rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
         goto out_destroy;
+    if (*env->cfg->metrics_listen &&
+        (rc = skv_metrics_http_start(env->cfg->metrics_listen, render_metrics, srv->worker, &srv->metrics)))
+        goto out_destroy;
     *out = srv;
     return SKV_OK;
 
@@ -140,6 +151,7 @@ void skv_server_destroy(struct skv_server **srv_p)
     if (!srv_p || !*srv_p)
         return;
     struct skv_server *srv = *srv_p;
+    skv_metrics_http_stop(&srv->metrics);
     skv_worker_stop(&srv->worker);
     if (srv->replies)
         zmq_close(srv->replies);
