@@ -119,6 +119,11 @@ static int check_handshake(snapkv_client_t *c)
                                  "CURVE handshake failed (%s): is the server public key the daemon's, and does the "
                                  "endpoint use CURVE?",
                                  zmq_strerror((int)value));
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            rc = skv_client_fail(SNAPKV_E_PERM,
+                                 "handshake failed (%s): the daemon closed the connection; a tcp:// endpoint "
+                                 "requires CURVE (give its public key and a client key pair)",
+                                 zmq_strerror((int)value));
     }
     return rc;
 }

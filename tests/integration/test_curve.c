@@ -107,15 +107,21 @@ static pid_t spawn(const struct curve_env *e, const char *log, const char *const
     return pid;
 }
 
-static int connect_as(const struct curve_env *e, const struct keypair *kp, const char *server_pub, const char *tenant,
-                      int timeout_ms, snapkv_client_t **out)
+static int connect_to(const char *endpoint, const struct curve_env *e, const struct keypair *kp,
+                      const char *server_pub, const char *tenant, int timeout_ms, snapkv_client_t **out)
 {
     struct snapkv_connect_opts o = {.tenant = tenant, .timeout_ms = timeout_ms};
     if (kp) {
         o.curve_server_key = server_pub ? server_pub : e->server.pub;
         o.curve_secret_key = kp->sec; /* the public key is derived */
     }
-    return snapkv_connect(e->endpoint, &o, out);
+    return snapkv_connect(endpoint, &o, out);
+}
+
+static int connect_as(const struct curve_env *e, const struct keypair *kp, const char *server_pub, const char *tenant,
+                      int timeout_ms, snapkv_client_t **out)
+{
+    return connect_to(e->endpoint, e, kp, server_pub, tenant, timeout_ms, out);
 }
 
 static bool log_has(const char *path, const char *needle)
@@ -414,6 +420,78 @@ static void test_bad_setups_refused(void **state)
     assert_still_serving(e);
 }
 
+/* An admin endpoint on tcp:// is CURVE too, with its own key list (no tenants in it). */
+static void test_admin_endpoint_over_curve(void **state)
+{
+    NEED_DAEMON(e);
+    char admins[160], text[160], opt_list[200], opt_ep[160], opt_admin[160], admin_ep[64], log[160];
+    snprintf(admins, sizeof admins, "%s/admins", e->dir);
+    snprintf(text, sizeof text, "%s\n", e->bob.pub);
+    write_file(admins, 0600, text);
+    snprintf(admin_ep, sizeof admin_ep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(opt_list, sizeof opt_list, "--admin-authorized-keys=%s", admins);
+    snprintf(opt_ep, sizeof opt_ep, "--endpoint=ipc://%s/c3.sock", e->dir);
+    snprintf(opt_admin, sizeof opt_admin, "--admin-endpoint=%s", admin_ep);
+    snprintf(log, sizeof log, "%s/admin-daemon.log", e->dir);
+    const char *extra[] = {opt_ep, opt_admin, opt_list, NULL};
+    pid_t pid = spawn(e, log, extra);
+    snapkv_client_t *a = NULL;
+    int rc = SNAPKV_E_TIMEOUT;
+    for (int i = 0; i < 600 && rc != SNAPKV_OK; i++) {
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            fail_msg("daemon exited; see %s", log);
+        if ((rc = connect_to(admin_ep, e, &e->bob, NULL, NULL, 200, &a)))
+            usleep(100 * 1000);
+    }
+    assert_int_equal(rc, SNAPKV_OK);
+    struct snapkv_status_info st;
+    assert_int_equal(snapkv_admin_status(a, &st), SNAPKV_OK);
+    assert_string_equal(st.backend, "cpu");
+    snapkv_close(&a);
+    /* alice may use the client endpoint, not the admin one */
+    assert_int_equal(connect_to(admin_ep, e, &e->alice, NULL, NULL, REFUSE_TIMEOUT_MS, &a), SNAPKV_E_PERM);
+    assert_non_null(strstr(snapkv_last_error(), "refused this client's CURVE key"));
+    assert_int_equal(connect_to(admin_ep, e, NULL, NULL, NULL, REFUSE_TIMEOUT_MS, &a), SNAPKV_E_PERM);
+    kill(pid, SIGTERM);
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+
+    snprintf(text, sizeof text, "%s root\n", e->bob.pub);
+    write_file(admins, 0600, text);
+    assert_refuses_to_start(e, extra, "admin keys are not bound to a tenant");
+}
+
+/* allow-insecure-tcp = yes serves tcp:// in clear (with a warning in the log); a CURVE client
+ * is then told the endpoint does not use CURVE. */
+static void test_insecure_tcp_opt_in(void **state)
+{
+    NEED_DAEMON(e);
+    char opt_ep[96], ep[64], opt_admin[160], log[160];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(opt_ep, sizeof opt_ep, "--endpoint=%s", ep);
+    snprintf(opt_admin, sizeof opt_admin, "--admin-endpoint=ipc://%s/a4.sock", e->dir);
+    snprintf(log, sizeof log, "%s/insecure.log", e->dir);
+    const char *extra[] = {opt_ep, opt_admin, "--curve-secret-key=", "--allow-insecure-tcp=yes", NULL};
+    pid_t pid = spawn(e, log, extra);
+    snapkv_client_t *c = NULL;
+    int rc = SNAPKV_E_TIMEOUT;
+    for (int i = 0; i < 600 && rc != SNAPKV_OK; i++) {
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            fail_msg("daemon exited; see %s", log);
+        if ((rc = connect_to(ep, e, NULL, NULL, NULL, 200, &c)))
+            usleep(100 * 1000);
+    }
+    assert_int_equal(rc, SNAPKV_OK);
+    snapkv_close(&c);
+    assert_true(log_has(log, "WITHOUT CURVE"));
+    assert_int_equal(connect_to(ep, e, &e->alice, NULL, NULL, REFUSE_TIMEOUT_MS, &c), SNAPKV_E_PERM);
+    if (!strstr(snapkv_last_error(), "does not use CURVE") && !strstr(snapkv_last_error(), "endpoint use CURVE?"))
+        fail_msg("unclear error: %s", snapkv_last_error());
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
 /* The key file helpers behind snapkvctl --server-key / --client-key. */
 static void test_key_files(void **state)
 {
@@ -453,6 +531,8 @@ int main(void)
         cmocka_unit_test(test_tenant_bound_to_key),
         cmocka_unit_test(test_sighup_reloads_keys),
         cmocka_unit_test(test_bad_setups_refused),
+        cmocka_unit_test(test_admin_endpoint_over_curve),
+        cmocka_unit_test(test_insecure_tcp_opt_in),
         cmocka_unit_test(test_key_files),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
