@@ -388,7 +388,8 @@ static const char *handshake_reason(uint16_t event, uint32_t value, char *buf, s
     if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
         snprintf(buf, cap, "ZMTP protocol error 0x%08x", value);
     else
-        snprintf(buf, cap, "%s", zmq_strerror((int)value));
+        snprintf(buf, cap, "the connection closed during the handshake (%s): a client without CURVE?",
+                 zmq_strerror((int)value));
     return buf;
 }
 
