@@ -15,6 +15,11 @@ struct skv_config {
     int64_t pool_size;        /* bytes of KV pool */
     char *endpoint;           /* client socket */
     char *admin_endpoint;     /* admin socket */
+    char *curve_secret_key;   /* file: the daemon's CURVE secret key (tcp:// endpoints) */
+    char *curve_authorized_keys;  /* file: client public keys allowed on a tcp:// endpoint */
+    char *admin_authorized_keys;  /* file: admin public keys allowed on a tcp:// admin endpoint */
+    bool allow_insecure_tcp;  /* serve tcp:// without CURVE (trusted networks only) */
+    char *metrics_listen;     /* HOST:PORT of the HTTP /metrics endpoint; "" = off */
     char *state_dir;          /* saved sessions */
     char *log_level;
     char *log_file;           /* empty: stderr (journald) */

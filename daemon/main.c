@@ -4,6 +4,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/auth.h"
 #include "daemon/config.h"
 #include "daemon/engine/model.h"
 #include "daemon/server.h"
@@ -153,6 +154,12 @@ int main(int argc, char **argv)
     struct skv_backend *be = NULL;
     struct skv_model *model = NULL;
     struct skv_server *srv = NULL;
+    struct skv_auth *auth = NULL;
+    /* endpoint security and key files: refuse a bad setup before the model loads */
+    if ((rc = skv_auth_new(&cfg, &auth))) {
+        skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
+        goto out;
+    }
     if (strcmp(cfg.backend, "auto") == 0 && skv_backend_cuda_compiled()) {
         rc = skv_backend_cuda_new(0, &be);
         if (rc)
@@ -166,7 +173,7 @@ int main(int argc, char **argv)
         rc = skv_backend_open(strcmp(cfg.backend, "auto") == 0 ? "cpu" : cfg.backend, (int)cfg.threads, &be);
         if (rc) {
             skv_log(SKV_LOG_ERROR, "backend %s: %s", cfg.backend, skv_error_msg());
-            goto out;
+            goto out_auth;
         }
     }
     skv_log(SKV_LOG_INFO, "backend %s, %d threads", be->name, be->n_threads);
@@ -191,7 +198,7 @@ int main(int argc, char **argv)
                                  .stop = &stop_flag,
                                  .reopen = &reopen_flag,
                                  .tick = watchdog_tick};
-    rc = skv_server_new(&env, &srv);
+    rc = skv_server_new(&env, &auth, &srv);
     if (rc) {
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_model;
@@ -207,6 +214,8 @@ out_model:
     skv_model_free(&model);
 out_backend:
     skv_backend_destroy(&be);
+out_auth:
+    skv_auth_destroy(&auth);
 out:
     free(longopts);
     skv_config_free(&cfg);

@@ -23,7 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DEFAULT_TENANT "default"
+#define DEFAULT_TENANT SKV_TENANT_DEFAULT
 #define DEFAULT_MAX_TOKENS 64
 
 static double now_s(void)
@@ -62,17 +62,6 @@ static const char *tenant_of(const struct skv_job *job)
 {
     const char *t = job->req->tenant;
     return t && *t ? t : DEFAULT_TENANT;
-}
-
-static int check_tenant(const char *t)
-{
-    size_t n = strlen(t);
-    if (n == 0 || n >= SKV_TENANT_MAX)
-        return skv_errorf(SKV_E_INVAL, "tenant names are 1..%d characters", SKV_TENANT_MAX - 1);
-    for (size_t i = 0; i < n; i++)
-        if (!isalnum((unsigned char)t[i]) && !strchr("._-@", t[i]))
-            return skv_errorf(SKV_E_INVAL, "tenant '%s': only letters, digits and . _ - @", t);
-    return SKV_OK;
 }
 
 /* The session named by `id` for this tenant (admins: any tenant). */
@@ -284,7 +273,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     int32_t *ids = NULL;
     int n = 0, rc;
     struct skv_session *s = NULL;
-    if ((rc = check_tenant(tenant)) ||
+    if ((rc = skv_session_check_tenant(tenant)) ||
         (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, (int)cfg->max_prompt_tokens, &ids,
                                   &n)))
         goto fail;
@@ -653,7 +642,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             rc = skv_errorf(SKV_E_INVAL, "token %u outside the vocabulary", im->tokens[i]);
             goto fail;
         }
-    if ((rc = check_tenant(tenant_of(job))) || (rc = map_buffer(im->buffer, need, &map, &size)) ||
+    if ((rc = skv_session_check_tenant(tenant_of(job))) || (rc = map_buffer(im->buffer, need, &map, &size)) ||
         (rc = skv_session_create(w->sessions, w->m, tenant_of(job), job->req->tenant, &s)) ||
         (rc = set_spec(w, s, "policy=full")))
         goto fail;
@@ -1234,7 +1223,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     FILE *f = NULL;
     int rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = check_tenant(tenant);
+        rc = skv_session_check_tenant(tenant);
     if (!rc && !(f = fopen(path, "rb")))
         rc = skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
     crypto_generichash_state h;
@@ -1313,54 +1302,27 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
 
 static void handle_stats(struct skv_worker *w, struct skv_job *job)
 {
-    struct skv_session_stats st;
-    skv_session_stats(w->sessions, &st);
-    const struct skv_metrics *m = &w->metrics;
-    struct {
-        const char *name, *help;
-        double value;
-    } rows[] = {
-        {"snapkv_requests_total", "requests handled by the engine worker", (double)m->requests},
-        {"snapkv_errors_total", "requests answered with an error", (double)m->errors},
-        {"snapkv_prefill_tokens_total", "prompt tokens prefilled", (double)m->prefill_tokens},
-        {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
-        {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
-         (double)m->decode_batches},
-        {"snapkv_prefill_tokens_per_second", "prefill throughput since start",
-         m->prefill_seconds > 0 ? m->prefill_tokens / m->prefill_seconds : 0},
-        {"snapkv_decode_tokens_per_second", "decode throughput since start",
-         m->decode_seconds > 0 ? m->decode_tokens / m->decode_seconds : 0},
-        {"snapkv_sessions", "sessions held", (double)st.n_sessions},
-        {"snapkv_pool_bytes_used", "KV bytes held by sessions", (double)st.bytes_used},
-        {"snapkv_pool_bytes_free", "KV bytes left in the pool",
-         (double)((uint64_t)w->cfg->pool_size > st.bytes_used ? (uint64_t)w->cfg->pool_size - st.bytes_used : 0)},
-        {"snapkv_compression_ratio", "KV bytes kept / full-cache bytes over all prefills",
-         m->bytes_before ? (double)m->bytes_after / (double)m->bytes_before : 1.0},
-        {"snapkv_evictions_total", "sessions evicted under pool pressure", (double)st.evictions},
-    };
-    enum { N = sizeof rows / sizeof rows[0] };
-    Snapkv__Stat stats[N], *ptrs[N];
-    char prom[4096];
-    size_t at = 0;
-    for (int i = 0; i < N; i++) {
+    struct skv_stats_input in;
+    skv_worker_stats_input(w, &in);
+    struct skv_stat rows[SKV_N_STATS];
+    skv_stats_rows(&in, rows);
+    Snapkv__Stat stats[SKV_N_STATS], *ptrs[SKV_N_STATS];
+    for (int i = 0; i < SKV_N_STATS; i++) {
         snapkv__stat__init(&stats[i]);
         stats[i].name = (char *)rows[i].name;
         stats[i].help = (char *)rows[i].help;
         stats[i].value = rows[i].value;
         ptrs[i] = &stats[i];
-        bool counter = strstr(rows[i].name, "_total") != NULL;
-        at += (size_t)snprintf(prom + at, sizeof prom - at, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", rows[i].name,
-                               rows[i].help, rows[i].name, counter ? "counter" : "gauge", rows[i].name,
-                               rows[i].value);
-        if (at >= sizeof prom)
-            at = sizeof prom - 1;
     }
+    char prom[4096] = "";
+    if (job->req->stats->prometheus)
+        skv_stats_prometheus(rows, SKV_N_STATS, prom, sizeof prom);
     Snapkv__Reply rep;
     Snapkv__StatsReply sr = SNAPKV__STATS_REPLY__INIT;
     reply_init(&rep, job);
-    sr.n_stats = N;
+    sr.n_stats = SKV_N_STATS;
     sr.stats = ptrs;
-    sr.prometheus_text = job->req->stats->prometheus ? prom : (char *)"";
+    sr.prometheus_text = prom;
     rep.result_case = SNAPKV__REPLY__RESULT_STATS;
     rep.stats = &sr;
     skv_worker_reply(w, job, &rep);

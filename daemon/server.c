@@ -4,6 +4,9 @@
 #include "build-config.h"
 
 #include "daemon/server.h"
+#include "daemon/auth.h"
+#include "daemon/metrics_http.h"
+#include "daemon/session.h"
 #include "daemon/worker.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -28,12 +31,14 @@
 struct skv_server {
     struct skv_server_env env;
     void *zctx;
+    struct skv_auth *auth;        /* CURVE policy and the ZAP handler */
     void *client_sock;
     void *admin_sock;
     int lock_fds[2];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[2];           /* unlinked at exit */
     void *replies;                /* inproc PULL: replies from the engine worker */
     struct skv_worker *worker;
+    struct skv_metrics_http *metrics;  /* NULL unless metrics-listen is set */
     time_t started;
     uint64_t n_requests;
 };
@@ -77,6 +82,10 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
+    if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT))) {
+        zmq_close(s);
+        return rc;
+    }
     if (zmq_bind(s, endpoint) < 0) {
         int err = zmq_errno();
         zmq_close(s);
@@ -89,11 +98,21 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     return SKV_OK;
 }
 
-int skv_server_new(const struct skv_server_env *env, struct skv_server **out)
+/* HTTP /metrics: the same text as admin STATS --prometheus. */
+static size_t render_metrics(void *worker, char *buf, size_t cap)
+{
+    return skv_worker_prometheus(worker, buf, cap);
+}
+
+int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, struct skv_server **out)
 {
     struct skv_server *srv = calloc(1, sizeof *srv);
-    if (!srv)
+    if (!srv) {
+        skv_auth_destroy(auth_p);
         return SKV_E_NOMEM;
+    }
+    srv->auth = *auth_p;
+    *auth_p = NULL;
     srv->env = *env;
     srv->lock_fds[0] = srv->lock_fds[1] = -1;
     srv->started = time(NULL);
@@ -103,6 +122,8 @@ int skv_server_new(const struct skv_server_env *env, struct skv_server **out)
         rc = SKV_E_NOMEM;
         goto out_destroy;
     }
+    if ((rc = skv_auth_start(srv->auth, srv->zctx)))
+        goto out_destroy;
     if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
         goto out_destroy;
     if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
@@ -113,6 +134,9 @@ int skv_server_new(const struct skv_server_env *env, struct skv_server **out)
         goto out_destroy;
     }
     if ((rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
+        goto out_destroy;
+    if (*env->cfg->metrics_listen &&
+        (rc = skv_metrics_http_start(env->cfg->metrics_listen, render_metrics, srv->worker, &srv->metrics)))
         goto out_destroy;
     *out = srv;
     return SKV_OK;
@@ -127,6 +151,7 @@ void skv_server_destroy(struct skv_server **srv_p)
     if (!srv_p || !*srv_p)
         return;
     struct skv_server *srv = *srv_p;
+    skv_metrics_http_stop(&srv->metrics);
     skv_worker_stop(&srv->worker);
     if (srv->replies)
         zmq_close(srv->replies);
@@ -134,6 +159,7 @@ void skv_server_destroy(struct skv_server **srv_p)
         zmq_close(srv->client_sock);
     if (srv->admin_sock)
         zmq_close(srv->admin_sock);
+    skv_auth_destroy(&srv->auth);
     if (srv->zctx)
         zmq_ctx_term(srv->zctx);
     for (int i = 0; i < 2; i++) {
@@ -251,6 +277,28 @@ static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequ
     return SKV_OK;
 }
 
+/* A CURVE key bound to a tenant (its ZAP User-Id) acts only for that tenant: a request naming
+ * no tenant or the default one gets the bound tenant, one naming another tenant is refused. */
+static int bind_tenant(Snapkv__Request *req, zmq_msg_t *body)
+{
+    const char *bound = zmq_msg_gets(body, "User-Id");
+    if (!bound || !*bound)
+        return SKV_OK;
+    const char *claims[2] = {req->tenant,
+                             req->command_case == SNAPKV__REQUEST__COMMAND_HELLO && req->hello ? req->hello->tenant : NULL};
+    for (int i = 0; i < 2; i++)
+        if (claims[i] && *claims[i] && strcmp(claims[i], SKV_TENANT_DEFAULT) != 0 && strcmp(claims[i], bound) != 0)
+            return skv_errorf(SKV_E_PERM, "this client's CURVE key is bound to tenant '%s'; it cannot act for '%.64s'",
+                              bound, claims[i]);
+    char *copy = strdup(bound);
+    if (!copy)
+        return SKV_E_NOMEM;
+    if (req->tenant != protobuf_c_empty_string)
+        free(req->tenant); /* free_unpacked frees the replacement */
+    req->tenant = copy;
+    return SKV_OK;
+}
+
 static bool is_admin_command(Snapkv__Request__CommandCase c)
 {
     return c >= SNAPKV__REQUEST__COMMAND_STATUS;
@@ -306,6 +354,8 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         rc = skv_errorf(SKV_E_PERM, "admin commands are only accepted on the admin endpoint");
         goto reply;
     }
+    if ((rc = bind_tenant(req, &body)))
+        goto reply;
     switch (req->command_case) {
     case SNAPKV__REQUEST__COMMAND_HELLO:
         rc = handle_hello(srv, req, &rep, &hello);
@@ -399,13 +449,19 @@ static void serve_ready(struct skv_server *srv, int idx, int max)
 
 int skv_server_run(struct skv_server *srv)
 {
-    zmq_pollitem_t items[3] = {
-        {.socket = srv->client_sock, .events = ZMQ_POLLIN},
-        {.socket = srv->admin_sock, .events = ZMQ_POLLIN},
-        {.socket = srv->replies, .events = ZMQ_POLLIN},
+    enum { CLIENT, ADMIN, REPLIES, AUTH, MAX_ITEMS = AUTH + 3 };
+    zmq_pollitem_t items[MAX_ITEMS] = {
+        [CLIENT] = {.socket = srv->client_sock, .events = ZMQ_POLLIN},
+        [ADMIN] = {.socket = srv->admin_sock, .events = ZMQ_POLLIN},
+        [REPLIES] = {.socket = srv->replies, .events = ZMQ_POLLIN},
     };
+    void *auth_socks[MAX_ITEMS - AUTH];
+    size_t n_auth = skv_auth_sockets(srv->auth, auth_socks);
+    for (size_t i = 0; i < n_auth; i++)
+        items[AUTH + i] = (zmq_pollitem_t){.socket = auth_socks[i], .events = ZMQ_POLLIN};
+    int n_items = AUTH + (int)n_auth;
     while (!*srv->env.stop) {
-        int n = zmq_poll(items, 3, 200);
+        int n = zmq_poll(items, n_items, 200);
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -415,13 +471,21 @@ int skv_server_run(struct skv_server *srv)
             *srv->env.reopen = 0;
             skv_log_reopen();
             skv_log(SKV_LOG_INFO, "log reopened");
+            if (skv_auth_reload(srv->auth))
+                skv_log(SKV_LOG_ERROR, "authorized keys not reloaded (the old ones stay in force): %s",
+                        skv_error_msg());
         }
         if (srv->env.tick)
             srv->env.tick();
-        if (items[2].revents & ZMQ_POLLIN)
+        for (int i = AUTH; i < n_items; i++)
+            if (items[i].revents & ZMQ_POLLIN) {
+                skv_auth_serve(srv->auth);
+                break;
+            }
+        if (items[REPLIES].revents & ZMQ_POLLIN)
             while (forward_reply(srv, ZMQ_DONTWAIT))
                 ;
-        for (int i = 0; i < 2; i++)
+        for (int i = CLIENT; i <= ADMIN; i++)
             if (items[i].revents & ZMQ_POLLIN)
                 serve_ready(srv, i, 64); /* fairness: bounded batch per socket */
     }

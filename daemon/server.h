@@ -1,5 +1,6 @@
-/* The ZeroMQ side of snapkvd: client and admin ROUTER sockets, request decoding and
- * validation, dispatch, replies. Nothing below this file knows ZeroMQ or protobuf. */
+/* The ZeroMQ side of snapkvd: client and admin ROUTER sockets (CURVE on tcp://, see auth.h),
+ * request decoding and validation, dispatch, replies. Nothing below this file knows ZeroMQ
+ * or protobuf. */
 #ifndef SKV_SERVER_H
 #define SKV_SERVER_H
 
@@ -8,6 +9,7 @@
 #include "daemon/config.h"
 
 struct skv_server;
+struct skv_auth;
 struct skv_backend;
 struct skv_model;
 
@@ -20,9 +22,12 @@ struct skv_server_env {
     void (*tick)(void);               /* called from the socket loop at least every 200 ms (watchdog) */
 };
 
-/* Binds both endpoints (refusing when another daemon holds them). */
-int skv_server_new(const struct skv_server_env *env, struct skv_server **out);
-/* Serves until *env->stop; answers every queued request before returning. */
+/* Binds both endpoints (refusing when another daemon holds them), secured as *auth_p decided,
+ * and starts the metrics endpoint when metrics-listen is set. Takes *auth_p (sets it to NULL),
+ * also on failure. */
+int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, struct skv_server **out);
+/* Serves until *env->stop; answers every queued request before returning. SIGHUP (*env->reopen)
+ * reopens the log and re-reads the authorized keys files. */
 int skv_server_run(struct skv_server *srv);
 void skv_server_destroy(struct skv_server **srv_p);
 

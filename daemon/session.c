@@ -3,6 +3,7 @@
 #include "daemon/session.h"
 #include "common/status.h"
 
+#include <ctype.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +31,17 @@ void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1
 {
     for (int i = 0; i < SKV_SESSION_ID_BYTES; i++)
         snprintf(out + 2 * i, 3, "%02x", id[i]);
+}
+
+int skv_session_check_tenant(const char *t)
+{
+    size_t n = strlen(t);
+    if (n == 0 || n >= SKV_TENANT_MAX)
+        return skv_errorf(SKV_E_INVAL, "tenant names are 1..%d characters", SKV_TENANT_MAX - 1);
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)t[i]) && !strchr("._-@", t[i]))
+            return skv_errorf(SKV_E_INVAL, "tenant '%s': only letters, digits and . _ - @", t);
+    return SKV_OK;
 }
 
 static unsigned bucket_of(const uint8_t *id)

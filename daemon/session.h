@@ -13,6 +13,7 @@
 
 #define SKV_SESSION_ID_BYTES 16
 #define SKV_TENANT_MAX 64
+#define SKV_TENANT_DEFAULT "default"  /* requests that name no tenant */
 
 struct skv_session {
     uint8_t id[SKV_SESSION_ID_BYTES];
@@ -40,6 +41,9 @@ struct skv_session_limits {
 };
 
 struct skv_session_table;
+
+/* A tenant name is 1..SKV_TENANT_MAX-1 letters, digits and . _ - @ (SKV_E_INVAL otherwise). */
+int skv_session_check_tenant(const char *tenant);
 
 int skv_session_table_new(const struct skv_session_limits *lim, struct skv_session_table **out);
 void skv_session_table_free(struct skv_session_table **t_p);

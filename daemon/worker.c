@@ -33,12 +33,28 @@ static void job_free(struct skv_job *job)
     free(job);
 }
 
-static void publish_stats(struct skv_worker *w)
+void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
 {
     struct skv_session_stats st;
     skv_session_stats(w->sessions, &st);
-    atomic_store(&w->st_sessions, (unsigned)st.n_sessions);
-    atomic_store(&w->st_pool_used, (unsigned long long)st.bytes_used);
+    *out = (struct skv_stats_input){
+        .metrics = w->metrics,
+        .n_sessions = (uint64_t)st.n_sessions,
+        .pool_bytes_used = st.bytes_used,
+        .pool_bytes_total = (uint64_t)w->cfg->pool_size,
+        .evictions = st.evictions,
+    };
+}
+
+static void publish_stats(struct skv_worker *w)
+{
+    struct skv_stats_input in;
+    skv_worker_stats_input(w, &in);
+    atomic_store(&w->st_sessions, (unsigned)in.n_sessions);
+    atomic_store(&w->st_pool_used, (unsigned long long)in.pool_bytes_used);
+    pthread_mutex_lock(&w->snap_mu);
+    w->snap = in;
+    pthread_mutex_unlock(&w->snap_mu);
 }
 
 static void *worker_main(void *arg)
@@ -144,7 +160,9 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     w->zctx = zctx;
     snprintf(w->endpoint, sizeof w->endpoint, "%s", reply_endpoint);
     pthread_mutex_init(&w->mu, NULL);
+    pthread_mutex_init(&w->snap_mu, NULL);
     pthread_cond_init(&w->cv, NULL);
+    w->snap.pool_bytes_total = (uint64_t)cfg->pool_size;
     struct skv_session_limits lim = {
         .pool_bytes = (uint64_t)cfg->pool_size,
         .max_sessions_per_tenant = (int)cfg->max_sessions_per_tenant,
@@ -202,9 +220,21 @@ void skv_worker_stop(struct skv_worker **w_p)
     skv_engine_free(&w->engine);
     skv_session_table_free(&w->sessions);
     pthread_mutex_destroy(&w->mu);
+    pthread_mutex_destroy(&w->snap_mu);
     pthread_cond_destroy(&w->cv);
     free(w);
     *w_p = NULL;
+}
+
+size_t skv_worker_prometheus(struct skv_worker *w, char *buf, size_t cap)
+{
+    struct skv_stats_input in;
+    pthread_mutex_lock(&w->snap_mu);
+    in = w->snap;
+    pthread_mutex_unlock(&w->snap_mu);
+    struct skv_stat rows[SKV_N_STATS];
+    skv_stats_rows(&in, rows);
+    return skv_stats_prometheus(rows, SKV_N_STATS, buf, cap);
 }
 
 void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out)

@@ -39,6 +39,9 @@ struct skv_worker_stats {
     uint64_t pool_bytes_used;
 };
 void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out);
+/* The STATS metrics as Prometheus text (what admin STATS --prometheus sends), from the snapshot
+ * the worker publishes after every round (any thread). Returns the length written. */
+size_t skv_worker_prometheus(struct skv_worker *w, char *buf, size_t cap);
 
 /* Packs and sends a reply for job (worker thread only). */
 void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep);

@@ -9,6 +9,7 @@
 
 #include "daemon/engine/sampler.h"
 #include "daemon/session.h"
+#include "daemon/stats.h"
 #include "daemon/worker.h"
 
 /* A DECODE in progress: one token per scheduling round. */
@@ -29,13 +30,6 @@ struct skv_decode {
     struct skv_decode *next;
 };
 
-struct skv_metrics {
-    uint64_t requests, errors;
-    uint64_t prefill_tokens, decode_tokens, decode_batches;
-    double prefill_seconds, decode_seconds;
-    uint64_t bytes_before, bytes_after; /* over all compressed prefills */
-};
-
 struct skv_worker {
     const struct skv_config *cfg;
     struct skv_model *m;
@@ -54,9 +48,14 @@ struct skv_worker {
     struct skv_metrics metrics;
     atomic_uint st_sessions, st_queue;
     atomic_ullong st_pool_used;
+    pthread_mutex_t snap_mu;
+    struct skv_stats_input snap;  /* published after every round, for HTTP /metrics */
     int start_rc;
     bool started;
 };
+
+/* The live metrics (worker thread only). */
+void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 
 /* Runs one queued request (not DECODE) to completion and replies. */
 void skv_requests_execute(struct skv_worker *w, struct skv_job *job);

@@ -2,6 +2,7 @@
  * from proto/snapkv.proto (request ids, stale and streamed replies, timeouts, version checks),
  * the thread-local last error and session id helpers. Never logs. */
 #include "libclient/client_internal.h"
+#include "common/keyfile.h"
 #include "common/status.h"
 
 #include <errno.h>
@@ -17,7 +18,10 @@ _Static_assert((int)SNAPKV_E_INTERNAL == (int)SKV_E_INTERNAL, "client and daemon
 _Static_assert((int)SNAPKV_E_POOL_FULL == (int)SKV_E_POOL_FULL, "client and daemon status codes differ");
 _Static_assert((int)SNAPKV_E_CANCELLED == (int)SKV_E_CANCELLED, "client and daemon status codes differ");
 
+_Static_assert(SNAPKV_CURVE_KEY_SIZE == SKV_KEY_Z85_LEN + 1, "CURVE key sizes differ");
+
 #define DEFAULT_TIMEOUT_MS 30000
+#define MONITOR_ENDPOINT "inproc://snapkv-handshake" /* one context per client: no clash */
 
 static _Thread_local char last_error[512];
 
@@ -72,6 +76,58 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
     return SNAPKV_OK;
 }
 
+/* Reads the handshake events libzmq reported while connecting; a failed handshake fails the
+ * call at once (the daemon sends nothing to a refused client). */
+static int check_handshake(snapkv_client_t *c)
+{
+    int rc = SNAPKV_OK;
+    while (!rc) {
+        zmq_msg_t head, addr;
+        zmq_msg_init(&head);
+        zmq_msg_init(&addr);
+        if (zmq_msg_recv(&head, c->monitor, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&head);
+            zmq_msg_close(&addr);
+            break;
+        }
+        if (zmq_msg_more(&head))
+            zmq_msg_recv(&addr, c->monitor, 0);
+        uint16_t event = 0;
+        uint32_t value = 0;
+        if (zmq_msg_size(&head) == 6) {
+            memcpy(&event, zmq_msg_data(&head), sizeof event);
+            memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
+        }
+        zmq_msg_close(&head);
+        zmq_msg_close(&addr);
+        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+            rc = skv_client_fail(SNAPKV_E_PERM,
+                                 "the daemon refused this client's CURVE key (ZAP status %u): its public key must be "
+                                 "listed in the daemon's authorized keys file",
+                                 value);
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+            rc = c->curve ? skv_client_fail(SNAPKV_E_PERM, "handshake refused: this endpoint does not use CURVE")
+                          : skv_client_fail(SNAPKV_E_PERM,
+                                            "handshake refused: the daemon requires CURVE on this endpoint; give "
+                                            "its public key and a client key pair");
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC)
+            rc = skv_client_fail(SNAPKV_E_PERM, "CURVE handshake failed: the messages do not decrypt (wrong keys?)");
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            rc = skv_client_fail(SNAPKV_E_PROTO, "handshake failed: ZMTP protocol error 0x%08x", value);
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && c->curve)
+            rc = skv_client_fail(SNAPKV_E_PERM,
+                                 "CURVE handshake failed (%s): is the server public key the daemon's, and does the "
+                                 "endpoint use CURVE?",
+                                 zmq_strerror((int)value));
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            rc = skv_client_fail(SNAPKV_E_PERM,
+                                 "handshake failed (%s): the daemon closed the connection; a tcp:// endpoint "
+                                 "requires CURVE (give its public key and a client key pair)",
+                                 zmq_strerror((int)value));
+    }
+    return rc;
+}
+
 int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
                     skv_partial_fn partial, void *user, Snapkv__Reply **reply_out)
 {
@@ -99,12 +155,19 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
             int64_t left = deadline - now_ms();
             wait = left > 0 ? (long)left : 0;
         }
-        zmq_pollitem_t item = {.socket = c->sock, .events = ZMQ_POLLIN};
-        rc = zmq_poll(&item, 1, wait);
+        zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLIN},
+                                   {.socket = c->monitor, .events = ZMQ_POLLIN}};
+        rc = zmq_poll(items, c->monitor ? 2 : 1, wait);
         if (rc < 0) {
             if (zmq_errno() == EINTR)
                 return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while waiting for the %s reply", what);
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
+        }
+        if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
+            if ((rc = check_handshake(c)))
+                return rc;
+            if (!(items[0].revents & ZMQ_POLLIN))
+                continue;
         }
         if (rc == 0)
             return skv_client_fail(SNAPKV_E_TIMEOUT, "no %s reply from the daemon within %d ms", what,
@@ -155,6 +218,59 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
     }
 }
 
+/* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
+static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opts)
+{
+    if (!opts || (!opts->curve_server_key && !opts->curve_secret_key && !opts->curve_public_key))
+        return SNAPKV_OK;
+    if (!opts->curve_server_key || !opts->curve_secret_key)
+        return skv_client_fail(SNAPKV_E_INVAL, "CURVE needs the server's public key and this client's secret key");
+    const char *keys[3] = {opts->curve_server_key, opts->curve_secret_key, opts->curve_public_key};
+    static const char *const names[3] = {"server public key", "client secret key", "client public key"};
+    for (int i = 0; i < 3; i++)
+        if (keys[i] && !skv_key_z85_decode(keys[i], NULL))
+            return skv_client_fail(SNAPKV_E_INVAL, "the CURVE %s is not a Z85 key (40 characters)", names[i]);
+    if (!zmq_has("curve"))
+        return skv_client_fail(SNAPKV_E_UNSUPPORTED, "this libzmq was built without CURVE (zmq_has(\"curve\") is false)");
+    char derived[SNAPKV_CURVE_KEY_SIZE];
+    if (!keys[2]) {
+        if (zmq_curve_public(derived, keys[1]) != 0)
+            return skv_client_fail(SNAPKV_E_INVAL, "cannot derive the CURVE public key: %s", zmq_strerror(zmq_errno()));
+        keys[2] = derived;
+    }
+    if (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, keys[0], SKV_KEY_Z85_LEN + 1) < 0 ||
+        zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, keys[1], SKV_KEY_Z85_LEN + 1) < 0 ||
+        zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, keys[2], SKV_KEY_Z85_LEN + 1) < 0)
+        return skv_client_fail(SNAPKV_E_INVAL, "CURVE options: %s", zmq_strerror(zmq_errno()));
+    c->curve = true;
+    return SNAPKV_OK;
+}
+
+/* Watches the handshake so a refused client fails at once instead of at its timeout. */
+static void monitor_start(snapkv_client_t *c)
+{
+    int events = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+    if (zmq_socket_monitor(c->sock, MONITOR_ENDPOINT, events) < 0)
+        return; /* without it a refusal still ends at the timeout */
+    c->monitor = zmq_socket(c->zctx, ZMQ_PAIR);
+    if (c->monitor && zmq_connect(c->monitor, MONITOR_ENDPOINT) == 0)
+        return;
+    if (c->monitor)
+        zmq_close(c->monitor);
+    c->monitor = NULL;
+    zmq_socket_monitor(c->sock, NULL, 0);
+}
+
+static void monitor_stop(snapkv_client_t *c)
+{
+    if (!c->monitor)
+        return;
+    zmq_socket_monitor(c->sock, NULL, 0);
+    zmq_close(c->monitor);
+    c->monitor = NULL;
+}
+
 int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts, snapkv_client_t **out)
 {
     if (!endpoint || !*endpoint || !out)
@@ -180,6 +296,9 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     }
     int linger = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
+    if ((rc = setup_curve(c, opts)))
+        goto out_close;
+    monitor_start(c);
     if (zmq_connect(c->sock, endpoint) < 0) {
         rc = skv_client_fail(SNAPKV_E_INVAL, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
         goto out_close;
@@ -194,6 +313,7 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     req.hello = &hello;
     Snapkv__Reply *rep = NULL;
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, &rep);
+    monitor_stop(c);
     if (rc)
         goto out_close;
     c->hello = rep->hello;
@@ -208,6 +328,32 @@ out_close:
     return rc;
 }
 
+int snapkv_curve_keypair(char public_key[SNAPKV_CURVE_KEY_SIZE], char secret_key[SNAPKV_CURVE_KEY_SIZE])
+{
+    if (!public_key || !secret_key)
+        return skv_client_fail(SNAPKV_E_INVAL, "public_key and secret_key are required");
+    if (!zmq_has("curve"))
+        return skv_client_fail(SNAPKV_E_UNSUPPORTED, "this libzmq was built without CURVE (zmq_has(\"curve\") is false)");
+    char pub[SNAPKV_CURVE_KEY_SIZE], sec[SNAPKV_CURVE_KEY_SIZE];
+    if (zmq_curve_keypair(pub, sec) != 0)
+        return skv_client_fail(SNAPKV_E_INTERNAL, "zmq_curve_keypair: %s", zmq_strerror(zmq_errno()));
+    memcpy(public_key, pub, sizeof pub);
+    memcpy(secret_key, sec, sizeof sec);
+    return SNAPKV_OK;
+}
+
+int snapkv_curve_key_load(const char *path, bool secret, char key[SNAPKV_CURVE_KEY_SIZE])
+{
+    if (!path || !key)
+        return skv_client_fail(SNAPKV_E_INVAL, "path and key are required");
+    char z85[SNAPKV_CURVE_KEY_SIZE];
+    int rc = skv_keyfile_read(path, secret, z85);
+    if (rc)
+        return skv_client_fail(rc, "%s", skv_error_msg());
+    memcpy(key, z85, sizeof z85);
+    return SNAPKV_OK;
+}
+
 void snapkv_close(snapkv_client_t **client_p)
 {
     if (!client_p || !*client_p)
@@ -215,6 +361,7 @@ void snapkv_close(snapkv_client_t **client_p)
     snapkv_client_t *c = *client_p;
     if (c->hello)
         snapkv__hello_reply__free_unpacked(c->hello, NULL);
+    monitor_stop(c);
     if (c->sock)
         zmq_close(c->sock);
     if (c->zctx)

@@ -9,6 +9,8 @@
 struct snapkv_client {
     void *zctx;
     void *sock;
+    void *monitor;               /* handshake events, only while snapkv_connect runs */
+    bool curve;                  /* CURVE keys were given */
     char *tenant;
     int timeout_ms;
     uint64_t next_request_id;

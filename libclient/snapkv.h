@@ -2,7 +2,8 @@
  *
  * Thread safety: a snapkv_client_t is NOT safe to use from several threads at once; use one
  * client per thread (they are cheap: one ZeroMQ DEALER socket each) or serialize calls.
- * Different clients may be used concurrently. Result structs (snapkv_*_result, lists, stats)
+ * Different clients may be used concurrently, and several threads may connect at once (each
+ * client has its own ZeroMQ context and CURVE keys). Result structs (snapkv_*_result, lists, stats)
  * belong to the caller, do not refer to the client and may outlive it.
  * The library never logs: every function returns a status (SNAPKV_OK = 0 or a negative
  * SNAPKV_E_* code, the same codes the daemon sends) and snapkv_last_error() gives the detail
@@ -63,15 +64,38 @@ struct snapkv_connect_opts {
     const char *tenant;     /* NULL: "default" */
     const char *name;       /* client name shown to admins; NULL: "libsnapkv" */
     int timeout_ms;         /* wait for each reply; 0: 30000, -1: wait forever */
+    /* CURVE, which a daemon's tcp:// endpoint requires: Z85 keys (40 characters, e.g. read with
+     * snapkv_curve_key_load). All NULL: no CURVE (ipc://, or a daemon run with
+     * allow-insecure-tcp). The strings are copied during snapkv_connect. */
+    const char *curve_server_key;  /* the daemon's public key */
+    const char *curve_secret_key;  /* this client's secret key */
+    const char *curve_public_key;  /* this client's public key; NULL: derived from the secret */
 };
 
 /* Connects to `endpoint` ("ipc:///run/snapkvd/snapkvd.sock", "tcp://host:port") and does the
  * HELLO handshake (protocol version check). Admin commands need a client connected to the
- * daemon's admin endpoint. *out is written only on success. */
+ * daemon's admin endpoint. *out is written only on success.
+ * A refused connection fails as soon as libzmq reports the failed handshake, not at the
+ * timeout: SNAPKV_E_PERM when the daemon does not authorize this client's CURVE key, when it
+ * requires CURVE and none was given (or the reverse), or when the server key is wrong; a
+ * client key bound to a tenant by the daemon gets SNAPKV_E_PERM for any other tenant. */
 SNAPKV_API int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
                               snapkv_client_t **out);
 /* Accepts NULL and *client_p == NULL; sets *client_p to NULL. */
 SNAPKV_API void snapkv_close(snapkv_client_t **client_p);
+
+/* ---- CURVE keys ------------------------------------------------------------------------------
+ * Both functions are thread-safe (no shared state). SNAPKV_E_UNSUPPORTED when the libzmq in
+ * use has no CURVE. */
+
+#define SNAPKV_CURVE_KEY_SIZE 41 /* 40 Z85 characters and the NUL */
+
+/* A new random key pair in Z85 (what `snapkvctl keygen` writes). */
+SNAPKV_API int snapkv_curve_keypair(char public_key[SNAPKV_CURVE_KEY_SIZE], char secret_key[SNAPKV_CURVE_KEY_SIZE]);
+/* Reads a key file: exactly one Z85 key on a line; blank lines and lines starting with '#'
+ * are skipped.
+ * secret: the file must not be readable or writable by others (SNAPKV_E_PERM otherwise). */
+SNAPKV_API int snapkv_curve_key_load(const char *path, bool secret, char key[SNAPKV_CURVE_KEY_SIZE]);
 
 /* Changes how long each later call waits for each reply (0: 30000, -1: forever). The timeout
  * restarts with every streamed reply, so a long prefill either asks for progress or needs a

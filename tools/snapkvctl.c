@@ -2,6 +2,7 @@
  * compress, fork, export/import, release) and admins (status, list, inspect, evict, pin, save,
  * load, stats, config). Talks only through libsnapkv; human tables by default, --json for scripts. */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
@@ -45,6 +46,8 @@ struct export_header {
 struct ctl {
     const char *endpoint;
     const char *admin_endpoint;
+    const char *server_key;       /* file: the daemon's CURVE public key */
+    const char *client_key;       /* file: this client's CURVE secret key */
     const char *tenant;
     bool json;
     int timeout_ms;
@@ -53,9 +56,12 @@ struct ctl {
 static void usage(FILE *out)
 {
     fprintf(out,
-            "usage: snapkvctl [-e URL] [-a URL] [--tenant T] [--json] [--timeout MS] COMMAND [ARGS]\n"
+            "usage: snapkvctl [-e URL] [-a URL] [--server-key F --client-key F] [--tenant T] [--json] [--timeout MS]\n"
+            "                 COMMAND [ARGS]\n"
             "  -e, --endpoint URL        client endpoint (default %s, or $SNAPKV_ENDPOINT)\n"
             "  -a, --admin-endpoint URL  admin endpoint (default %s, or $SNAPKV_ADMIN_ENDPOINT)\n"
+            "      --server-key FILE     CURVE: the daemon's public key file, for tcp:// (or $SNAPKV_SERVER_KEY)\n"
+            "      --client-key FILE     CURVE: this client's secret key file (or $SNAPKV_CLIENT_KEY)\n"
             "  -t, --tenant T            tenant of the sessions (default \"default\")\n"
             "  -j, --json                JSON output for scripts\n"
             "      --timeout MS          wait for each reply this long (default 30000; -1 forever)\n"
@@ -80,6 +86,8 @@ static void usage(FILE *out)
             "  status | list [TENANT] | inspect SESSION [--positions]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
+            "other:\n"
+            "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
@@ -109,7 +117,22 @@ static int connect_to(const struct ctl *c, bool admin, snapkv_client_t **out)
 {
     struct snapkv_connect_opts o = {.tenant = c->tenant, .name = "snapkvctl", .timeout_ms = c->timeout_ms};
     const char *ep = admin ? c->admin_endpoint : c->endpoint;
-    int rc = snapkv_connect(ep, &o, out);
+    char server_key[SNAPKV_CURVE_KEY_SIZE], client_key[SNAPKV_CURVE_KEY_SIZE];
+    int rc = SNAPKV_OK;
+    if (!c->server_key != !c->client_key) {
+        fprintf(stderr, "snapkvctl: CURVE needs both --server-key and --client-key\n");
+        return SNAPKV_E_INVAL;
+    }
+    if (c->server_key) {
+        if ((rc = snapkv_curve_key_load(c->server_key, false, server_key)) ||
+            (rc = snapkv_curve_key_load(c->client_key, true, client_key))) {
+            fprintf(stderr, "snapkvctl: %s (%s)\n", snapkv_last_error(), snapkv_status_str(rc));
+            return rc;
+        }
+        o.curve_server_key = server_key;
+        o.curve_secret_key = client_key;
+    }
+    rc = snapkv_connect(ep, &o, out);
     if (rc)
         fprintf(stderr, "snapkvctl: %s: %s (%s)\n", ep, snapkv_last_error(), snapkv_status_str(rc));
     return rc;
@@ -1414,11 +1437,65 @@ static int cmd_stats(const struct ctl *c, int argc, char **argv)
     return 0;
 }
 
+/* Writes one key file; O_EXCL: never replaces an existing key. */
+static int write_key_file(const char *path, const char *what, const char *key, mode_t mode)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+    if (fd < 0) {
+        fprintf(stderr, "snapkvctl keygen: %s: %s%s\n", path, strerror(errno),
+                errno == EEXIST ? " (remove it first; keys are never overwritten)" : "");
+        return 1;
+    }
+    FILE *f = fdopen(fd, "w");
+    if (!f) {
+        close(fd);
+        return 1;
+    }
+    fprintf(f, "# snapkv CURVE %s key (Z85), made by snapkvctl keygen%s\n%s\n", what,
+            strcmp(what, "secret") == 0 ? "; keep it private" : "", key);
+    if (fclose(f) != 0) {
+        fprintf(stderr, "snapkvctl keygen: %s: %s\n", path, strerror(errno));
+        unlink(path);
+        return 1;
+    }
+    return 0;
+}
+
+static int cmd_keygen(const struct ctl *c, int argc, char **argv)
+{
+    if (argc != 2 || !*argv[1])
+        return usage_error("keygen", "usage: keygen NAME (writes NAME.pub and NAME.key)");
+    char pub_path[4096], key_path[4096];
+    if (snprintf(pub_path, sizeof pub_path, "%s.pub", argv[1]) >= (int)sizeof pub_path ||
+        snprintf(key_path, sizeof key_path, "%s.key", argv[1]) >= (int)sizeof key_path)
+        return usage_error("keygen", "NAME is too long");
+    char pub[SNAPKV_CURVE_KEY_SIZE], sec[SNAPKV_CURVE_KEY_SIZE];
+    int rc = snapkv_curve_keypair(pub, sec);
+    if (rc)
+        return failed("keygen", rc);
+    /* the secret first: a public key without its secret is useless */
+    if (write_key_file(key_path, "secret", sec, 0600))
+        return 1;
+    if (write_key_file(pub_path, "public", pub, 0644)) {
+        unlink(key_path);
+        return 1;
+    }
+    memset(sec, 0, sizeof sec);
+    if (c->json)
+        print_json(json_pack("{s:s, s:s, s:s}", "public_key", pub, "public_file", pub_path, "secret_file", key_path));
+    else
+        printf("%s\n", pub);
+    fprintf(stderr, "wrote %s (secret, mode 0600) and %s\n", key_path, pub_path);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct ctl c = {
         .endpoint = getenv("SNAPKV_ENDPOINT") ? getenv("SNAPKV_ENDPOINT") : DEFAULT_ENDPOINT,
         .admin_endpoint = getenv("SNAPKV_ADMIN_ENDPOINT") ? getenv("SNAPKV_ADMIN_ENDPOINT") : DEFAULT_ADMIN_ENDPOINT,
+        .server_key = getenv("SNAPKV_SERVER_KEY") && *getenv("SNAPKV_SERVER_KEY") ? getenv("SNAPKV_SERVER_KEY") : NULL,
+        .client_key = getenv("SNAPKV_CLIENT_KEY") && *getenv("SNAPKV_CLIENT_KEY") ? getenv("SNAPKV_CLIENT_KEY") : NULL,
         .tenant = "default",
         .timeout_ms = 30000,
     };
@@ -1426,6 +1503,7 @@ int main(int argc, char **argv)
         {"endpoint", required_argument, NULL, 'e'}, {"admin-endpoint", required_argument, NULL, 'a'},
         {"tenant", required_argument, NULL, 't'},   {"json", no_argument, NULL, 'j'},
         {"timeout", required_argument, NULL, 'T'},  {"help", no_argument, NULL, 'h'},
+        {"server-key", required_argument, NULL, 'S'}, {"client-key", required_argument, NULL, 'K'},
         {NULL, 0, NULL, 0},
     };
     int o;
@@ -1434,6 +1512,8 @@ int main(int argc, char **argv)
         case 'e': c.endpoint = optarg; break;
         case 'a': c.admin_endpoint = optarg; break;
         case 't': c.tenant = optarg; break;
+        case 'S': c.server_key = optarg; break;
+        case 'K': c.client_key = optarg; break;
         case 'j': c.json = true; break;
         case 'T': {
             char *end;
@@ -1473,6 +1553,7 @@ int main(int argc, char **argv)
         {"decode", cmd_decode},     {"compress", cmd_compress}, {"fork", cmd_fork},     {"export", cmd_export},
         {"import", cmd_import},     {"release", cmd_release}, {"list", cmd_list},       {"inspect", cmd_inspect},
         {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},
+        {"keygen", cmd_keygen},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (strcmp(cmd, cmds[i].name) == 0)

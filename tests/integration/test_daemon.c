@@ -1,15 +1,18 @@
 /* The real daemon on temporary ipc endpoints with the default model, driven by several
  * client processes through libsnapkv: handshake, admin commands, errors, a second daemon
- * on the same endpoint, malformed frames, and SIGTERM. */
+ * on the same endpoint, malformed frames, the HTTP /metrics endpoint, and SIGTERM. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -24,6 +27,7 @@ struct daemon {
     char endpoint[128];
     char admin[128];
     char log[128];
+    int metrics_port;
 };
 
 static char *model_path(void)
@@ -50,14 +54,15 @@ static pid_t spawn_daemon(const struct daemon *d, const char *model)
     snprintf(exe, sizeof exe, "%s/snapkvd", build);
     pid_t pid = fork();
     if (pid == 0) {
-        char ep[160], aep[160], mo[4200], sd[120];
+        char ep[160], aep[160], mo[4200], sd[120], ml[64];
         snprintf(ep, sizeof ep, "--endpoint=%s", d->endpoint);
+        snprintf(ml, sizeof ml, "--metrics-listen=127.0.0.1:%d", d->metrics_port);
         snprintf(aep, sizeof aep, "--admin-endpoint=%s", d->admin);
         snprintf(mo, sizeof mo, "--model=%s", model);
         snprintf(sd, sizeof sd, "--state-dir=%s", d->dir);
         FILE *f = freopen(d->log, "a", stderr);
         (void)f;
-        execl(exe, exe, ep, aep, mo, sd, "--threads=1", "--backend=cpu", "--log-level=debug", (char *)NULL);
+        execl(exe, exe, ep, aep, mo, sd, ml, "--threads=1", "--backend=cpu", "--log-level=debug", (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -83,6 +88,18 @@ static bool wait_ready(struct daemon *d)
     return false;
 }
 
+/* A TCP port nobody listens on right now. */
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || getsockname(fd, (struct sockaddr *)&a, &len) < 0)
+        return -1;
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
 static int setup(void **state)
 {
     char *model = model_path();
@@ -97,6 +114,8 @@ static int setup(void **state)
     snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
     snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
     snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
+    if ((d->metrics_port = free_port()) < 0)
+        return -1;
     d->pid = spawn_daemon(d, model);
     free(model);
     if (!wait_ready(d)) {
@@ -285,6 +304,185 @@ static void test_second_daemon_refused(void **state)
     snapkv_close(&c);
 }
 
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int metrics_connect(const struct daemon *d)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)d->metrics_port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct timeval tv = {.tv_sec = 10};
+    assert_true(fd >= 0);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    return fd;
+}
+
+/* Reads until the server closes; returns the NUL-terminated length. */
+static size_t read_all(int fd, char *buf, size_t cap)
+{
+    size_t len = 0;
+    ssize_t k;
+    while (len < cap - 1 && (k = recv(fd, buf + len, cap - 1 - len, 0)) > 0)
+        len += (size_t)k;
+    buf[len] = '\0';
+    return len;
+}
+
+/* Sends a raw request and returns the whole answer (malloc'd). */
+static char *http(const struct daemon *d, const char *request, size_t len)
+{
+    int fd = metrics_connect(d);
+    assert_int_equal(send(fd, request, len, MSG_NOSIGNAL), (ssize_t)len);
+    char *buf = malloc(1 << 16);
+    read_all(fd, buf, 1 << 16);
+    close(fd);
+    return buf;
+}
+
+/* The "# TYPE" lines of a Prometheus text, in order. */
+static void type_lines(const char *text, char *out, size_t cap)
+{
+    size_t at = 0;
+    out[0] = '\0';
+    for (const char *p = strstr(text, "# TYPE "); p && at < cap; p = strstr(p + 1, "# TYPE ")) {
+        const char *nl = strchr(p, '\n');
+        size_t n = nl ? (size_t)(nl - p + 1) : strlen(p);
+        at += (size_t)snprintf(out + at, cap - at, "%.*s", (int)n, p);
+    }
+}
+
+static double metric_value(const char *text, const char *name)
+{
+    char needle[96];
+    snprintf(needle, sizeof needle, "\n%s ", name);
+    const char *p = strstr(text, needle);
+    assert_non_null(p);
+    return strtod(p + strlen(needle), NULL);
+}
+
+/* GET /metrics answers the same exposition as admin STATS --prometheus. */
+static void test_metrics_http(void **state)
+{
+    NEED_DAEMON(d);
+    snapkv_client_t *a = NULL;
+    assert_int_equal(snapkv_connect(d->admin, NULL, &a), SNAPKV_OK);
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, true, &st), SNAPKV_OK);
+    usleep(1100 * 1000); /* the worker publishes its snapshot at least once a second */
+
+    const char get[] = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nUser-Agent: test\r\n\r\n";
+    char *r = http(d, get, sizeof get - 1);
+    assert_true(strncmp(r, "HTTP/1.1 200 OK\r\n", 17) == 0);
+    assert_non_null(strstr(r, "Content-Type: text/plain; version=0.0.4"));
+    char *body = strstr(r, "\r\n\r\n");
+    assert_non_null(body);
+    body += 4;
+    const char *cl = strstr(r, "Content-Length: ");
+    assert_non_null(cl);
+    assert_int_equal(strtoul(cl + 16, NULL, 10), strlen(body));
+    char want[4096], got[4096];
+    type_lines(st.prometheus_text, want, sizeof want);
+    type_lines(body, got, sizeof got);
+    assert_true(strlen(want) > 200);
+    assert_string_equal(got, want);
+    const char *gauges[] = {"snapkv_sessions", "snapkv_pool_bytes_used", "snapkv_pool_bytes_free"};
+    for (int i = 0; i < 3; i++)
+        assert_true(metric_value(body, gauges[i]) == metric_value(st.prometheus_text, gauges[i]));
+    assert_true(metric_value(body, "snapkv_pool_bytes_free") == (double)(UINT64_C(1) << 30));
+    /* STATS counted itself: the snapshot taken after it has it too */
+    assert_true(metric_value(body, "snapkv_requests_total") >= metric_value(st.prometheus_text, "snapkv_requests_total"));
+    snapkv_stats_free(&st);
+    snapkv_close(&a);
+    free(r);
+
+    const char head[] = "HEAD /metrics?x=1 HTTP/1.0\r\n\r\n";
+    r = http(d, head, sizeof head - 1);
+    assert_true(strncmp(r, "HTTP/1.1 200 OK\r\n", 17) == 0);
+    assert_string_equal(strstr(r, "\r\n\r\n"), "\r\n\r\n"); /* no body */
+    free(r);
+    const char other[] = "GET /other HTTP/1.1\r\n\r\n";
+    r = http(d, other, sizeof other - 1);
+    assert_true(strncmp(r, "HTTP/1.1 404 Not Found\r\n", 24) == 0);
+    free(r);
+    const char post[] = "POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc";
+    r = http(d, post, sizeof post - 1);
+    assert_true(strncmp(r, "HTTP/1.1 405 ", 13) == 0);
+    assert_non_null(strstr(r, "Allow: GET, HEAD\r\n"));
+    free(r);
+    const char junk[] = "\x16\x03\x01 not http\r\n\r\n";
+    r = http(d, junk, sizeof junk - 1);
+    assert_true(strncmp(r, "HTTP/1.1 400 ", 13) == 0);
+    free(r);
+}
+
+/* An oversized request gets 431; a silent connection gets 408 after the timeout, and while it
+ * is held the ZeroMQ endpoints answer as usual. */
+static void test_metrics_limits(void **state)
+{
+    NEED_DAEMON(d);
+    char *big = malloc(20000);
+    memcpy(big, "GET /metrics HTTP/1.1\r\nX-Pad: ", 31);
+    memset(big + 31, 'a', 20000 - 31);
+    int fd = metrics_connect(d);
+    send(fd, big, 20000, MSG_NOSIGNAL); /* the daemon may close before reading it all */
+    char buf[4096];
+    read_all(fd, buf, sizeof buf);
+    close(fd);
+    free(big);
+    assert_true(strncmp(buf, "HTTP/1.1 431 ", 13) == 0);
+
+    int64_t t0 = now_ms();
+    int silent = metrics_connect(d);
+    snapkv_client_t *a = NULL;
+    assert_int_equal(snapkv_connect(d->admin, NULL, &a), SNAPKV_OK);
+    struct snapkv_status_info s;
+    assert_int_equal(snapkv_admin_status(a, &s), SNAPKV_OK);
+    snapkv_close(&a);
+    assert_true(now_ms() - t0 < 1000);
+    read_all(silent, buf, sizeof buf);
+    int64_t held = now_ms() - t0;
+    close(silent);
+    assert_true(strncmp(buf, "HTTP/1.1 408 ", 13) == 0);
+    assert_true(held >= 1500 && held < 5000);
+    printf("# silent HTTP connection closed after %lld ms\n", (long long)held);
+
+    const char get[] = "GET /metrics HTTP/1.1\r\n\r\n";
+    char *r = http(d, get, sizeof get - 1);
+    assert_true(strncmp(r, "HTTP/1.1 200 OK\r\n", 17) == 0);
+    free(r);
+}
+
+/* A metrics port already taken stops the daemon from starting, with the reason. */
+static void test_metrics_port_taken(void **state)
+{
+    NEED_DAEMON(d);
+    char *model = model_path();
+    struct daemon second = *d;
+    snprintf(second.endpoint, sizeof second.endpoint, "ipc://%s/c2.sock", d->dir);
+    snprintf(second.admin, sizeof second.admin, "ipc://%s/a2.sock", d->dir);
+    snprintf(second.log, sizeof second.log, "%s/metrics-taken.log", d->dir);
+    pid_t pid = spawn_daemon(&second, model);
+    free(model);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st));
+    assert_int_not_equal(WEXITSTATUS(st), 0);
+    FILE *f = fopen(second.log, "r");
+    assert_non_null(f);
+    char line[1024];
+    bool said = false;
+    while (fgets(line, sizeof line, f))
+        said |= strstr(line, "metrics-listen") != NULL && strstr(line, "in use") != NULL;
+    fclose(f);
+    assert_true(said);
+}
+
 static void test_sigterm(void **state)
 {
     NEED_DAEMON(d);
@@ -308,6 +506,9 @@ int main(void)
         cmocka_unit_test(test_malformed),
         cmocka_unit_test(test_many_clients),
         cmocka_unit_test(test_second_daemon_refused),
+        cmocka_unit_test(test_metrics_http),
+        cmocka_unit_test(test_metrics_limits),
+        cmocka_unit_test(test_metrics_port_taken),
         cmocka_unit_test(test_sigterm),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

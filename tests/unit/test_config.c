@@ -22,6 +22,12 @@ static void test_defaults(void **state)
     assert_int_equal(cfg.pool_size, INT64_C(1) << 30);
     assert_int_equal(cfg.max_prompt_tokens, 8192);
     assert_true(cfg.foreground);
+    /* production-sane network defaults: tcp:// needs CURVE, no HTTP metrics */
+    assert_false(cfg.allow_insecure_tcp);
+    assert_string_equal(cfg.curve_secret_key, "");
+    assert_string_equal(cfg.metrics_listen, "");
+    assert_int_equal(strncmp(cfg.endpoint, "ipc://", 6), 0);
+    assert_int_equal(strncmp(cfg.admin_endpoint, "ipc://", 6), 0);
     char buf[256];
     assert_int_equal(skv_config_get(&cfg, "pool-size", buf, sizeof buf), SKV_OK);
     assert_string_equal(buf, "1073741824");
@@ -107,6 +113,22 @@ static void test_file(void **state)
     skv_config_free(&cfg);
 }
 
+/* The example config shipped in systemd/ parses and keeps the network defaults. */
+static void test_example_config(void **state)
+{
+    (void)state;
+    const char *src = getenv("SKV_SRCDIR") ? getenv("SKV_SRCDIR") : ".";
+    char path[4096];
+    snprintf(path, sizeof path, "%s/systemd/snapkvd.conf", src);
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    assert_int_equal(skv_config_load_file(&cfg, path), SKV_OK);
+    assert_false(cfg.allow_insecure_tcp);
+    assert_string_equal(cfg.metrics_listen, "");
+    assert_string_equal(cfg.endpoint, "ipc:///run/snapkvd/snapkvd.sock");
+    skv_config_free(&cfg);
+}
+
 static void test_table_unique(void **state)
 {
     (void)state;
@@ -124,7 +146,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults), cmocka_unit_test(test_sizes), cmocka_unit_test(test_set),
-        cmocka_unit_test(test_file),     cmocka_unit_test(test_table_unique),
+        cmocka_unit_test(test_file),     cmocka_unit_test(test_example_config), cmocka_unit_test(test_table_unique),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

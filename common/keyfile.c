@@ -1,0 +1,112 @@
+/* CURVE key files (see keyfile.h): the mode check, Z85 validation and line splitting that
+ * snapkvd and libsnapkv share. Reports through skv_errorf, never logs. */
+#include "common/keyfile.h"
+#include "common/status.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+static const char z85_alphabet[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#";
+
+bool skv_key_z85_decode(const char *text, unsigned char key[SKV_KEY_BYTES])
+{
+    unsigned char tmp[SKV_KEY_BYTES];
+    if (strlen(text) != SKV_KEY_Z85_LEN || strspn(text, z85_alphabet) != SKV_KEY_Z85_LEN)
+        return false;
+    if (!zmq_z85_decode(tmp, text))
+        return false;
+    if (key)
+        memcpy(key, tmp, sizeof tmp);
+    return true;
+}
+
+int skv_keyfile_open(const char *path, bool private_file, FILE **out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        return skv_errorf(errno == EACCES ? SKV_E_PERM : SKV_E_IO, "key file %s: %s", path, strerror(errno));
+    struct stat sb;
+    int rc = SKV_OK;
+    if (fstat(fd, &sb) < 0)
+        rc = skv_errorf(SKV_E_IO, "key file %s: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        rc = skv_errorf(SKV_E_INVAL, "key file %s is not a regular file", path);
+    else if (sb.st_size > SKV_KEYFILE_MAX_BYTES)
+        rc = skv_errorf(SKV_E_LIMIT, "key file %s is larger than %d bytes", path, SKV_KEYFILE_MAX_BYTES);
+    else if (private_file && (sb.st_mode & (S_IROTH | S_IWOTH)))
+        rc = skv_errorf(SKV_E_PERM, "key file %s is %s by others (mode %04o): refusing it; run 'chmod o-rw %s'",
+                        path, sb.st_mode & S_IROTH ? "readable" : "writable", (unsigned)(sb.st_mode & 07777), path);
+    FILE *f = rc ? NULL : fdopen(fd, "r");
+    if (!rc && !f)
+        rc = skv_errorf(SKV_E_NOMEM, "key file %s: %s", path, strerror(errno));
+    if (rc) {
+        close(fd);
+        return rc;
+    }
+    *out = f;
+    return SKV_OK;
+}
+
+char *skv_keyfile_words(char *line, char **rest)
+{
+    char *s = line;
+    while (isspace((unsigned char)*s))
+        s++;
+    if (*s == '#') /* only whole-line comments: '#' is a Z85 digit */
+        *s = '\0';
+    char *e = s + strlen(s);
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = '\0';
+    if (!*s) {
+        *rest = s;
+        return NULL;
+    }
+    char *w = s;
+    while (*s && !isspace((unsigned char)*s))
+        s++;
+    if (*s) {
+        *s++ = '\0';
+        while (isspace((unsigned char)*s))
+            s++;
+    }
+    *rest = s;
+    return w;
+}
+
+int skv_keyfile_read(const char *path, bool private_file, char z85[SKV_KEY_Z85_LEN + 1])
+{
+    FILE *f;
+    int rc = skv_keyfile_open(path, private_file, &f);
+    if (rc)
+        return rc;
+    char line[512], found[SKV_KEY_Z85_LEN + 1] = "";
+    int lineno = 0;
+    while (!rc && fgets(line, sizeof line, f)) {
+        lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            rc = skv_errorf(SKV_E_FORMAT, "%s:%d: line too long", path, lineno);
+            break;
+        }
+        char *rest, *word = skv_keyfile_words(line, &rest);
+        if (!word)
+            continue;
+        if (*found)
+            rc = skv_errorf(SKV_E_FORMAT, "%s:%d: more than one key in the file", path, lineno);
+        else if (*rest || !skv_key_z85_decode(word, NULL))
+            rc = skv_errorf(SKV_E_FORMAT, "%s:%d: not a Z85 CURVE key (40 characters)", path, lineno);
+        else
+            memcpy(found, word, sizeof found);
+    }
+    fclose(f);
+    if (!rc && !*found)
+        rc = skv_errorf(SKV_E_FORMAT, "%s: no key in the file", path);
+    if (rc)
+        return rc;
+    memcpy(z85, found, sizeof found);
+    return SKV_OK;
+}

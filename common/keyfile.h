@@ -1,0 +1,30 @@
+/* CURVE key files: one Z85 key (40 characters) on a line; blank lines and lines starting
+ * with '#' are skipped ('#' is also a Z85 digit, so there are no end-of-line comments). Shared by snapkvd (its secret key, the authorized client keys) and libsnapkv
+ * (a client's keys, the server's public key). */
+#ifndef SKV_KEYFILE_H
+#define SKV_KEYFILE_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#define SKV_KEY_Z85_LEN 40           /* a 32-byte CURVE key in Z85 */
+#define SKV_KEY_BYTES 32
+#define SKV_KEYFILE_MAX_BYTES (1 << 20)
+
+/* Opens a key file for reading and checks it is a regular file no bigger than
+ * SKV_KEYFILE_MAX_BYTES; private: others (not owner, not group) may neither read nor write
+ * it. Errors name the path and say how to fix the mode. On success *out is the open stream. */
+int skv_keyfile_open(const char *path, bool private_file, FILE **out);
+
+/* True when text is exactly one Z85-encoded 32-byte key; key (may be NULL) gets the bytes. */
+bool skv_key_z85_decode(const char *text, unsigned char key[SKV_KEY_BYTES]);
+
+/* Reads a file holding exactly one key and copies its 40 characters and a NUL into z85
+ * (private_file: as for skv_keyfile_open). */
+int skv_keyfile_read(const char *path, bool private_file, char z85[SKV_KEY_Z85_LEN + 1]);
+
+/* Splits a key-file line in place: skips a comment line, strips surrounding blanks, returns the
+ * first word (NULL for a blank line) and points *rest at what follows it ("" when nothing). */
+char *skv_keyfile_words(char *line, char **rest);
+
+#endif

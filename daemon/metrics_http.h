@@ -1,0 +1,27 @@
+/* The optional plain-HTTP metrics endpoint (metrics-listen = HOST:PORT): one thread of its own
+ * answering GET /metrics with the Prometheus text, 404 for other paths, one connection at a
+ * time with bounded request size and time. It never touches the ZeroMQ sockets, so a slow or
+ * hostile HTTP client cannot stall the daemon's request loop. */
+#ifndef SKV_METRICS_HTTP_H
+#define SKV_METRICS_HTTP_H
+
+#include <stddef.h>
+
+#define SKV_METRICS_MAX_REQUEST 8192    /* request line and headers */
+#define SKV_METRICS_TIMEOUT_MS 2000     /* to receive the request, and again to send the answer;
+                                           closing drains the client for at most 0.5 s more */
+
+struct skv_metrics_http;
+
+/* Writes the metrics text into buf (NUL-terminated, at most cap - 1 bytes); returns its length.
+ * Called on the HTTP thread. */
+typedef size_t (*skv_metrics_render_fn)(void *user, char *buf, size_t cap);
+
+/* Binds `address` ("127.0.0.1:9464", "[::1]:9464", "localhost:9464") and starts the thread.
+ * SKV_E_INVAL for a malformed address, SKV_E_IO when it cannot be bound. */
+int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, void *user,
+                           struct skv_metrics_http **out);
+/* Stops the thread (an answer in progress is abandoned) and closes the socket. Accepts NULL. */
+void skv_metrics_http_stop(struct skv_metrics_http **http_p);
+
+#endif

@@ -1,0 +1,48 @@
+/* Metric rows and their Prometheus text (see stats.h). */
+#include "daemon/stats.h"
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS])
+{
+    const struct skv_metrics *m = &in->metrics;
+    uint64_t free_bytes = in->pool_bytes_total > in->pool_bytes_used ? in->pool_bytes_total - in->pool_bytes_used : 0;
+    const struct skv_stat r[SKV_N_STATS] = {
+        {"snapkv_requests_total", "requests handled by the engine worker", (double)m->requests},
+        {"snapkv_errors_total", "requests answered with an error", (double)m->errors},
+        {"snapkv_prefill_tokens_total", "prompt tokens prefilled", (double)m->prefill_tokens},
+        {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
+        {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
+         (double)m->decode_batches},
+        {"snapkv_prefill_tokens_per_second", "prefill throughput since start",
+         m->prefill_seconds > 0 ? (double)m->prefill_tokens / m->prefill_seconds : 0},
+        {"snapkv_decode_tokens_per_second", "decode throughput since start",
+         m->decode_seconds > 0 ? (double)m->decode_tokens / m->decode_seconds : 0},
+        {"snapkv_sessions", "sessions held", (double)in->n_sessions},
+        {"snapkv_pool_bytes_used", "KV bytes held by sessions", (double)in->pool_bytes_used},
+        {"snapkv_pool_bytes_free", "KV bytes left in the pool", (double)free_bytes},
+        {"snapkv_compression_ratio", "KV bytes kept / full-cache bytes over all prefills",
+         m->bytes_before ? (double)m->bytes_after / (double)m->bytes_before : 1.0},
+        {"snapkv_evictions_total", "sessions evicted under pool pressure", (double)in->evictions},
+    };
+    memcpy(rows, r, sizeof r);
+}
+
+size_t skv_stats_prometheus(const struct skv_stat *rows, size_t n, char *buf, size_t cap)
+{
+    size_t at = 0;
+    if (cap == 0)
+        return 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < n && at < cap - 1; i++) {
+        bool counter = strstr(rows[i].name, "_total") != NULL;
+        int k = snprintf(buf + at, cap - at, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", rows[i].name, rows[i].help,
+                         rows[i].name, counter ? "counter" : "gauge", rows[i].name, rows[i].value);
+        if (k < 0)
+            break;
+        at += (size_t)k;
+    }
+    return at < cap ? at : cap - 1;
+}

@@ -1,0 +1,38 @@
+/* The daemon's metrics: the counters the engine worker keeps, the rows STATS reports and their
+ * Prometheus text exposition (one formatter for admin STATS --prometheus and HTTP /metrics). */
+#ifndef SKV_STATS_H
+#define SKV_STATS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Counters kept by the engine worker thread. */
+struct skv_metrics {
+    uint64_t requests, errors;
+    uint64_t prefill_tokens, decode_tokens, decode_batches;
+    double prefill_seconds, decode_seconds;
+    uint64_t bytes_before, bytes_after; /* over all compressed prefills */
+};
+
+/* Everything the rows are computed from (a plain copy: any thread may format one). */
+struct skv_stats_input {
+    struct skv_metrics metrics;
+    uint64_t n_sessions;
+    uint64_t pool_bytes_used, pool_bytes_total;
+    uint64_t evictions;
+};
+
+struct skv_stat {
+    const char *name;             /* Prometheus metric name; "_total" ones are counters */
+    const char *help;
+    double value;
+};
+
+#define SKV_N_STATS 12
+
+void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
+/* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and
+ * truncated to cap - 1; returns the length written. */
+size_t skv_stats_prometheus(const struct skv_stat *rows, size_t n, char *buf, size_t cap);
+
+#endif
