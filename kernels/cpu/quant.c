@@ -783,6 +783,24 @@ static SKV_ALWAYS_INLINE void gemv32_tile(const uint8_t *w, size_t row_bytes,
     }
 }
 
+/* Rows this far ahead are prefetched while the current ones are computed: the hardware
+ * prefetcher alone leaves decode's GEMV waiting on memory. One thread streaming 64 MB of
+ * 576-column weights (AMD EPYC, 14 GB/s single-thread read): Q8_0 6.4 -> 13.5 GB/s, Q4_1
+ * 9.7 -> 12.5 GB/s with 8 rows ahead (4, 16 and 32 rows measured within 5% of that). */
+#ifndef SKV_GEMV_PF_ROWS
+#define SKV_GEMV_PF_ROWS 8
+#endif
+
+/* Prefetches rows [r, r + n) of w (rows of rb bytes) that exist (r + n <= nrows). */
+static SKV_ALWAYS_INLINE void gemv32_prefetch(const uint8_t *w, size_t rb, int64_t r, int n, int64_t nrows)
+{
+    if (r + n > nrows)
+        return;
+    const char *p = (const char *)(w + r * rb);
+    for (size_t o = 0; o < n * rb; o += 64)
+        _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 /* All rows of a 32-wide format: pairs of rows for one column (two independent chains and a
  * shared activation load), single rows for several columns. */
 static SKV_ALWAYS_INLINE void gemv32(const void *w, size_t rb, int64_t nrows,
@@ -793,22 +811,30 @@ static SKV_ALWAYS_INLINE void gemv32(const void *w, size_t rb, int64_t nrows,
     int64_t r = 0;
     switch (nc) {
     case 1:
-        for (; r + 2 <= nrows; r += 2)
+        for (; r + 2 <= nrows; r += 2) {
+            gemv32_prefetch(wr, rb, r + SKV_GEMV_PF_ROWS, 2, nrows);
             gemv32_tile(wr + r * rb, rb, xa, nb, 2, 1, kind, out + r, os);
+        }
         for (; r < nrows; r++)
             gemv32_tile(wr + r * rb, rb, xa, nb, 1, 1, kind, out + r, os);
         break;
     case 2:
-        for (; r < nrows; r++)
+        for (; r < nrows; r++) {
+            gemv32_prefetch(wr, rb, r + SKV_GEMV_PF_ROWS, 1, nrows);
             gemv32_tile(wr + r * rb, rb, xa, nb, 1, 2, kind, out + r, os);
+        }
         break;
     case 3:
-        for (; r < nrows; r++)
+        for (; r < nrows; r++) {
+            gemv32_prefetch(wr, rb, r + SKV_GEMV_PF_ROWS, 1, nrows);
             gemv32_tile(wr + r * rb, rb, xa, nb, 1, 3, kind, out + r, os);
+        }
         break;
     default:
-        for (; r < nrows; r++)
+        for (; r < nrows; r++) {
+            gemv32_prefetch(wr, rb, r + SKV_GEMV_PF_ROWS, 1, nrows);
             gemv32_tile(wr + r * rb, rb, xa, nb, 1, 4, kind, out + r, os);
+        }
         break;
     }
 }
@@ -941,6 +967,7 @@ static SKV_ALWAYS_INLINE void dot_q6_k_nc(const void *w, const struct skv_q16_ac
         float res[SKV_DOT_MAX_NC];                                                            \
         for (int64_t r = 0; r < nrows; r++) {                                                 \
             const uint8_t *wr = (const uint8_t *)w + r * rb;                                  \
+            gemv32_prefetch(w, rb, r + SKV_GEMV_PF_ROWS, 1, nrows);                           \
             switch (nc) {                                                                     \
             case 1: dot_##name##_nc(wr, xa, nb, 1, res); break;                               \
             case 2: dot_##name##_nc(wr, xa, nb, 2, res); break;                               \
