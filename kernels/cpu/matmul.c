@@ -32,6 +32,8 @@
 #endif
 /* Output rows per parallel_for grain, and the f32 tile each worker dequantizes into. */
 #define SKV_MM_ROW_GRAIN 16
+/* Float-weight GEMV rows prefetched ahead of the one computed. */
+#define SKV_MM_PF_ROWS 4
 /* Most weights one matmul_multi takes. */
 #define SKV_MM_MULTI_MAX 8
 #define SKV_MM_ROW_BLOCK 64
@@ -106,6 +108,9 @@ static void mm_gemv_f_task(void *arg, int64_t begin, int64_t end, int thread_id)
     (void)thread_id;
     for (int64_t r = begin; r < end; r++) {
         const uint8_t *wr = job->w + (size_t)r * job->row_bytes;
+        if (r + SKV_MM_PF_ROWS < end) /* bf16 / f16 rows, one thread: 10.5 -> 11.6 GB/s */
+            for (size_t o = 0; o < job->row_bytes; o += 64)
+                __builtin_prefetch(wr + SKV_MM_PF_ROWS * job->row_bytes + o);
         for (int j0 = 0; j0 < job->n; j0 += SKV_DOT_MAX_NC) {
             const int nc = job->n - j0 < SKV_DOT_MAX_NC ? job->n - j0 : SKV_DOT_MAX_NC;
             job->fdot(wr, job->x + (int64_t)j0 * job->cols, job->cols, job->cols, nc, res);
