@@ -78,6 +78,8 @@ static void usage(FILE *out)
             "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
             "        [--repeat R]                    prefill / decode tokens/s and peak memory\n"
+            "  gemv [--repeat R]                     decode's weight traffic: every weight matrix\n"
+            "                                        times one row, GB/s per dtype\n"
             "  quality [--task passkey|fidelity|all] [--specs \"SPEC;SPEC;...\"] [--out-dir DIR]\n"
             "          [--lengths 512,1024,...] [--depths 0,25,50,75,100] [--trials N] [--seed S]\n"
             "          [--max-tokens N] [--passkey-style K] [--texts F1,F2] [--fid-prefill N]\n"
@@ -638,6 +640,102 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
 }
 
 /* The quality benchmark (tools/bench_quality.c) with the shared options filled in. */
+/* Decode's weight traffic alone: one matmul of a single activation row through every weight
+ * matrix of the model (what a decode step streams from memory), best of --repeat passes, in
+ * GB/s of weight bytes per dtype and in all. Compare with the machine's read bandwidth. */
+static int cmd_gemv(const struct args *a, struct skv_model *m)
+{
+    const struct skv_model_config *c = &m->cfg;
+    int nt = c->n_layers * 7 + 1, rep = a->repeat > 0 ? a->repeat : 5;
+    const struct skv_tensor **ts = malloc((size_t)nt * sizeof *ts);
+    if (!ts)
+        return 1;
+    int64_t maxr = 0, maxc = 0;
+    nt = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const struct skv_layer_weights *w = &m->layers[l];
+        const struct skv_tensor *lw[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+        for (int k = 0; k < 7; k++)
+            ts[nt++] = lw[k];
+    }
+    ts[nt++] = &m->output;
+    for (int i = 0; i < nt; i++) {
+        maxc = ts[i]->ne[0] > maxc ? ts[i]->ne[0] : maxc;
+        maxr = ts[i]->ne[1] > maxr ? ts[i]->ne[1] : maxr;
+    }
+    struct skv_backend *be = m->be;
+    float *x = NULL, *out = NULL, *hx = calloc((size_t)maxc, sizeof *hx);
+    int rc = hx ? SKV_OK : SKV_E_NOMEM;
+    for (int64_t i = 0; hx && i < maxc; i++)
+        hx[i] = (float)((i * 37) % 17 - 8) / 8.0f;
+    if (!rc)
+        rc = be->ops->alloc(be, (size_t)maxc * sizeof(float), (void **)&x);
+    if (!rc)
+        rc = be->ops->alloc(be, (size_t)maxr * sizeof(float), (void **)&out);
+    if (!rc)
+        rc = be->ops->upload(be, x, hx, (size_t)maxc * sizeof(float));
+    double sec[SKV_DTYPE_COUNT] = {0}, bytes[SKV_DTYPE_COUNT] = {0}, best = 1e30, total = 0;
+    for (int i = 0; i < nt; i++)
+        bytes[ts[i]->type] += (double)ts[i]->nbytes;
+    for (int r = 0; r < rep && !rc; r++) {
+        double per[SKV_DTYPE_COUNT] = {0}, t_all = 0;
+        for (int i = 0; i < nt && !rc; i++) {
+            double t0 = now_s();
+            rc = be->ops->matmul(be, out, ts[i], NULL, x, 1);
+            if (!rc)
+                rc = be->ops->sync(be);
+            double dt = now_s() - t0;
+            per[ts[i]->type] += dt;
+            t_all += dt;
+        }
+        if (!rc && t_all < best) {
+            best = t_all;
+            memcpy(sec, per, sizeof sec);
+        }
+    }
+    be->ops->free(be, x);
+    be->ops->free(be, out);
+    free(hx);
+    free(ts);
+    if (rc)
+        return fail("gemv", rc);
+    json_t *j = json_object(), *jt = json_array();
+    for (int t = 0; t < SKV_DTYPE_COUNT; t++) {
+        if (bytes[t] == 0)
+            continue;
+        total += bytes[t];
+        json_t *o = json_object();
+        json_object_set_new(o, "dtype", json_string(skv_dtype_name(t)));
+        json_object_set_new(o, "bytes", json_integer((json_int_t)bytes[t]));
+        json_object_set_new(o, "seconds", json_real(sec[t]));
+        json_object_set_new(o, "gb_per_second", json_real(bytes[t] / sec[t] / 1e9));
+        json_array_append_new(jt, o);
+    }
+    json_object_set_new(j, "types", jt);
+    json_object_set_new(j, "bytes", json_integer((json_int_t)total));
+    json_object_set_new(j, "seconds", json_real(best));
+    json_object_set_new(j, "gb_per_second", json_real(total / best / 1e9));
+    json_object_set_new(j, "threads", json_integer(be->n_threads));
+    json_object_set_new(j, "backend", json_string(be->name));
+    if (a->json) {
+        json_dumpf(j, stdout, JSON_INDENT(2));
+        putchar('\n');
+    } else {
+        printf("| dtype | MiB | GB/s |\n|---|---:|---:|\n");
+        json_t *o;
+        size_t k;
+        json_array_foreach(jt, k, o)
+            printf("| %s | %.1f | %.2f |\n", json_string_value(json_object_get(o, "dtype")),
+                   json_integer_value(json_object_get(o, "bytes")) / 1048576.0,
+                   json_real_value(json_object_get(o, "gb_per_second")));
+        printf("| all | %.1f | %.2f |\n", total / 1048576.0, total / best / 1e9);
+        printf("threads %d, backend %s: one pass = one decode step's weight traffic, %.2f ms\n", be->n_threads,
+               be->name, best * 1e3);
+    }
+    json_decref(j);
+    return 0;
+}
+
 static int cmd_quality(struct args *a, struct skv_engine *e, struct skv_model *m, int argc, char **argv)
 {
     struct skv_quality_opts *q = &a->quality;
@@ -773,6 +871,8 @@ int main(int argc, char **argv)
         exit_code = cmd_select(&a, e, m);
     else if (strcmp(a.cmd, "speed") == 0)
         exit_code = cmd_speed(&a, e, m);
+    else if (strcmp(a.cmd, "gemv") == 0)
+        exit_code = cmd_gemv(&a, m);
     else if (strcmp(a.cmd, "quality") == 0)
         exit_code = cmd_quality(&a, e, m, argc, argv);
     else if (strcmp(a.cmd, "serve") == 0)
