@@ -89,8 +89,11 @@ static void mm_gemv_q16_task(void *arg, int64_t begin, int64_t end, int thread_i
     const struct mm_job *job = arg;
     const int64_t nb32 = job->cols / SKV_QK;
     (void)thread_id;
-    for (int64_t r0 = begin; r0 < end; r0 += SKV_MM_ROW_BLOCK) {
-        const int64_t nr = end - r0 < SKV_MM_ROW_BLOCK ? end - r0 : SKV_MM_ROW_BLOCK;
+    /* one column group: the whole range in one call, so the kernel's prefetch runs ahead
+     * across it instead of stopping at every block's end */
+    const int64_t block = job->n <= SKV_DOT_MAX_NC ? end - begin : SKV_MM_ROW_BLOCK;
+    for (int64_t r0 = begin; r0 < end; r0 += block) {
+        const int64_t nr = end - r0 < block ? end - r0 : block;
         for (int j0 = 0; j0 < job->n; j0 += SKV_DOT_MAX_NC) {
             const int nc = job->n - j0 < SKV_DOT_MAX_NC ? job->n - j0 : SKV_DOT_MAX_NC;
             job->qgemv(job->w + (size_t)r0 * job->row_bytes, job->row_bytes, nr, job->xa + j0,
