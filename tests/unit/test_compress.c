@@ -77,6 +77,12 @@ static void test_spec_format_and_budget(void **state)
     assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
     assert_memory_equal(&s, &t, sizeof s);
     assert_int_equal(skv_compress_spec_format(&s, buf, 8), SKV_E_LIMIT);
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,budget=64,decode_budget=48,interval=8", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
+    assert_memory_equal(&s, &t, sizeof s);
+    assert_int_equal(t.decode_budget, 48);
+    assert_int_equal(t.interval, 8);
     /* budgets: ratio rounds up, at least 1, at most n */
     assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
     assert_int_equal(skv_compress_spec_budget(&s, 1000), 100);
