@@ -10,8 +10,9 @@
 #include <string.h>
 
 /* Memory-lean SqueezeAttention keeps at most 4 B rows per layer and head until every layer's
- * similarity is known; a layer allotted more gets the cap, and what it cannot hold goes to the
- * most important (least similar) layers still under their cap. */
+ * similarity is known; a layer allotted more gets the cap, and what it cannot hold is shared
+ * evenly by the layers still under their cap (the reference has no cap: it only bounds memory,
+ * it should not reshape the allocation). */
 #define SQUEEZE_CAP_FACTOR 4
 /* Rows of room a compacted head keeps for decoded tokens (the rest of its memory goes back). */
 #define COMPACT_SLACK 16
@@ -565,24 +566,30 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
     int *final = malloc((size_t)c->n_layers * sizeof *final);
     if (!final)
         return SKV_E_NOMEM;
-    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, c->spec.p, c->total_len, final);
+    bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
+    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, c->total_len,
+                        final);
     long excess = 0;
     for (int l = 0; l < c->n_layers; l++)
         if (final[l] > c->layer_budget[l]) {
             excess += final[l] - c->layer_budget[l];
             final[l] = c->layer_budget[l];
         }
+    /* what the capped layers cannot hold is shared evenly by the layers under their cap */
     while (excess > 0) {
-        int best = -1;
+        int open = 0;
         for (int l = 0; l < c->n_layers; l++)
-            if (final[l] < c->layer_budget[l] && (best < 0 || c->sim[l] < c->sim[best]))
-                best = l;
-        if (best < 0)
+            open += final[l] < c->layer_budget[l];
+        if (!open)
             break; /* every layer holds what it can */
-        long room = c->layer_budget[best] - final[best];
-        long give = room < excess ? room : excess;
-        final[best] += (int)give;
-        excess -= give;
+        long share = excess / open > 0 ? excess / open : 1;
+        for (int l = 0; l < c->n_layers && excess > 0; l++) {
+            long room = c->layer_budget[l] - final[l];
+            long give = room < share ? room : share;
+            give = give < excess ? give : excess;
+            final[l] += (int)give;
+            excess -= give;
+        }
     }
     int rc = SKV_OK;
     int w_obs = c->spec.window < c->batch ? c->spec.window : c->batch;

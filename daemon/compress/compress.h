@@ -61,7 +61,9 @@ void skv_gqa_reduce(const float *in, int64_t stride, int g, int n, enum skv_gqa 
  * window w, beta; n prompt tokens. */
 void skv_pyramid_budgets(int n_layers, int budget, int window, int beta, int n, int *out);
 /* SqueezeAttention: KMeans(3) on sim[0..L); the cluster with the highest mean similarity
- * gets p * B per layer, the others share the rest so that the total stays L * B. */
-void skv_squeeze_budgets(const float *sim, int n_layers, int budget, double p, int n, int *out);
+ * gets w + p * (B - w) per layer (w = min(window, B): the rows the sequence policy always
+ * keeps, 0 for streaming / window), the others share the rest so that the total stays L * B;
+ * a layer holds at most n, and what it cannot hold goes back to the others. */
+void skv_squeeze_budgets(const float *sim, int n_layers, int budget, int window, double p, int n, int *out);
 
 #endif

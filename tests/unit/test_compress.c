@@ -149,7 +149,7 @@ static void test_squeeze_budgets(void **state)
     (void)state;
     const float sim[] = {0.50f, 0.98f, 0.97f, 0.70f, 0.99f, 0.72f, 0.98f, 0.51f};
     int b[8];
-    skv_squeeze_budgets(sim, 8, 100, 0.3, 10000, b);
+    skv_squeeze_budgets(sim, 8, 100, 0, 0.3, 10000, b);
     long total = 0;
     for (int l = 0; l < 8; l++)
         total += b[l];
@@ -162,7 +162,7 @@ static void test_squeeze_budgets(void **state)
     }
     /* a prompt of 150 tokens caps the important layers at 150: the 80 they cannot hold go
      * back to the others, 20 each, and the total is still 800 */
-    skv_squeeze_budgets(sim, 8, 100, 0.3, 150, b);
+    skv_squeeze_budgets(sim, 8, 100, 0, 0.3, 150, b);
     total = 0;
     for (int l = 0; l < 8; l++)
         total += b[l];
@@ -171,6 +171,16 @@ static void test_squeeze_budgets(void **state)
         assert_int_equal(b[high[i]], 150);
         assert_int_equal(b[low[i]], 50);
     }
+    /* a policy window of 32 stays on top: the low cluster gets 32 + 0.3 * 68 = 52, the others
+     * (800 - 4 * 52) / 4 = 148; a window above the budget is the budget */
+    skv_squeeze_budgets(sim, 8, 100, 32, 0.3, 10000, b);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(b[low[i]], 52);
+        assert_int_equal(b[high[i]], 148);
+    }
+    skv_squeeze_budgets(sim, 8, 100, 500, 0.3, 10000, b);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(b[low[i]], 100);
 }
 
 /* ---- whole compressed prefills on the tiny model ------------------------------------------ */
