@@ -1,7 +1,9 @@
 /* The compressor: the engine's layer hook that scores a layer's cached rows with the
  * sequence policy and cuts each KV head (or the layer's heads together) to its budget, then
- * compacts K, V, positions and scores in place. H2O and StreamingLLM / window rules live
- * here beside the selection; SnapKV pooling, PyramidKV and SqueezeAttention have files. */
+ * compacts K, V, positions and scores in place; while decoding, the same hook keeps evicting
+ * (H2O, StreamingLLM / window) or re-scores SnapKV with the newest decoded tokens' queries.
+ * H2O and StreamingLLM / window rules live here beside the selection; SnapKV pooling,
+ * PyramidKV and SqueezeAttention have files. */
 #include "daemon/compress/compress.h"
 #include "common/status.h"
 
