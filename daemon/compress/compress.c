@@ -1,7 +1,9 @@
 /* The compressor: the engine's layer hook that scores a layer's cached rows with the
  * sequence policy and cuts each KV head (or the layer's heads together) to its budget, then
- * compacts K, V, positions and scores in place. H2O and StreamingLLM / window rules live
- * here beside the selection; SnapKV pooling, PyramidKV and SqueezeAttention have files. */
+ * compacts K, V, positions and scores in place; while decoding, the same hook keeps evicting
+ * (H2O, StreamingLLM / window) or re-scores SnapKV with the newest decoded tokens' queries.
+ * H2O and StreamingLLM / window rules live here beside the selection; SnapKV pooling,
+ * PyramidKV and SqueezeAttention have files. */
 #include "daemon/compress/compress.h"
 #include "common/status.h"
 
@@ -10,9 +12,12 @@
 #include <string.h>
 
 /* Memory-lean SqueezeAttention keeps at most 4 B rows per layer and head until every layer's
- * similarity is known; a layer allotted more gets the cap, and what it cannot hold goes to the
- * most important (least similar) layers still under their cap. */
+ * similarity is known; a layer allotted more gets the cap, and what it cannot hold is shared
+ * evenly by the layers still under their cap (the reference has no cap: it only bounds memory,
+ * it should not reshape the allocation). */
 #define SQUEEZE_CAP_FACTOR 4
+/* Rows of room a compacted head keeps for decoded tokens (the rest of its memory goes back). */
+#define COMPACT_SLACK 16
 
 struct skv_compressor {
     struct skv_compress_spec spec;
@@ -34,6 +39,14 @@ struct skv_compressor {
     int rows_cap;
     int32_t *idx;           /* kept indices of one head */
     int idx_cap;
+    /* SnapKV re-scoring while decoding (decode_budget): the post-RoPE queries of the newest
+     * obs_cap tokens decoded since the last compressing forward, per layer, in a ring indexed
+     * by position: obs_q [L][obs_cap][n_heads * head_dim] (backend memory), slot pos % obs_cap. */
+    float *obs_q;
+    float *obs_win;         /* [obs_cap][n_heads * head_dim]: the window in position order */
+    int obs_cap;            /* min(window, decode_budget) */
+    int32_t obs_start;      /* position of the first decoded token observed */
+    int32_t obs_end;        /* position after the last token observed; -1: none yet */
 };
 
 struct row {
@@ -61,9 +74,8 @@ static int grow(void **p, int *cap, int need, size_t elem)
 
 int skv_compressor_new(const struct skv_compress_spec *spec, const struct skv_model *m, struct skv_compressor **out)
 {
-    if (spec->policy == SKV_POLICY_SNAPKV && spec->decode_budget > 0)
-        return skv_errorf(SKV_E_UNSUPPORTED, "compression spec: decode_budget with policy=snapkv (re-scoring "
-                                             "while decoding) is not implemented yet");
+    if (spec->interval <= 0 || spec->decode_budget < 0)
+        return skv_errorf(SKV_E_INVAL, "compression spec: interval must be >= 1 and decode_budget >= 0");
     if (spec->window > 0 && spec->policy == SKV_POLICY_SNAPKV && spec->kernel > 255)
         return skv_errorf(SKV_E_INVAL, "compression spec: kernel too large");
     struct skv_compressor *c = calloc(1, sizeof *c);
@@ -76,6 +88,7 @@ int skv_compressor_new(const struct skv_compress_spec *spec, const struct skv_mo
     c->n_heads = m->cfg.n_heads;
     c->n_kv = m->cfg.n_kv_heads;
     c->head_dim = m->cfg.head_dim;
+    c->obs_end = -1;
     c->layer_budget = calloc((size_t)c->n_layers, sizeof *c->layer_budget);
     c->sim = calloc((size_t)c->n_layers, sizeof *c->sim);
     if (!c->layer_budget || !c->sim) {
@@ -93,6 +106,10 @@ void skv_compressor_free(struct skv_compressor **c_p)
     struct skv_compressor *c = *c_p;
     if (c->colsum)
         c->be->ops->free(c->be, c->colsum);
+    if (c->obs_q)
+        c->be->ops->free(c->be, c->obs_q);
+    if (c->obs_win)
+        c->be->ops->free(c->be, c->obs_win);
     free(c->colsum_host);
     free(c->agg);
     free(c->rows);
@@ -101,6 +118,32 @@ void skv_compressor_free(struct skv_compressor **c_p)
     free(c->sim);
     free(c);
     *c_p = NULL;
+}
+
+static bool rescores_decode(const struct skv_compress_spec *s)
+{
+    return s->policy == SKV_POLICY_SNAPKV && s->decode_budget > 0;
+}
+
+/* The query ring keeps the newest min(window, decode_budget) queries per layer: more could
+ * never be used, since the newest decode_budget rows are all a window can keep. */
+static int obs_alloc(struct skv_compressor *c)
+{
+    if (c->obs_q)
+        return SKV_OK;
+    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    size_t row = (size_t)c->n_heads * c->head_dim * sizeof(float);
+    int rc = c->be->ops->alloc(c->be, (size_t)c->n_layers * cap * row, (void **)&c->obs_q);
+    if (!rc)
+        rc = c->be->ops->alloc(c->be, (size_t)cap * row, (void **)&c->obs_win);
+    if (rc) {
+        if (c->obs_q)
+            c->be->ops->free(c->be, c->obs_q);
+        c->obs_q = NULL;
+        return rc;
+    }
+    c->obs_cap = cap;
+    return SKV_OK;
 }
 
 int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor **out)
@@ -114,6 +157,17 @@ int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor
     c->batch = src->batch;
     memcpy(c->layer_budget, src->layer_budget, (size_t)c->n_layers * sizeof *c->layer_budget);
     memcpy(c->sim, src->sim, (size_t)c->n_layers * sizeof *c->sim);
+    if (src->obs_q) { /* the fork's cache is a copy: its observation window stays valid */
+        size_t row = (size_t)c->n_heads * c->head_dim * sizeof(float);
+        if ((rc = obs_alloc(c)) ||
+            (rc = c->be->ops->copy_2d(c->be, c->obs_q, row, src->obs_q, row, row,
+                                      (int64_t)c->n_layers * c->obs_cap))) {
+            skv_compressor_free(&c);
+            return rc;
+        }
+        c->obs_start = src->obs_start;
+        c->obs_end = src->obs_end;
+    }
     *out = c;
     return SKV_OK;
 }
@@ -145,6 +199,8 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     c->decode = false;
     c->batch = n;
     c->total_len = cache->n_past + n;
+    /* decoded tokens observed from here on: the rows this forward keeps are no window */
+    c->obs_start = c->obs_end = c->total_len;
     c->budget = skv_compress_spec_budget(&c->spec, c->total_len);
     int L = c->n_layers;
     switch (c->spec.alloc) {
@@ -171,20 +227,25 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     c->decode = true;
     c->batch = 1;
     c->total_len = cache->n_past + 1;
+    /* tokens that went through the model without this compressor left no queries here: the
+     * observation (and the interval count) starts again at this forward */
+    if (c->obs_end != cache->n_past)
+        c->obs_start = c->obs_end = cache->n_past;
     /* h2o / streaming / window keep each layer at its prefill budget (or decode_budget);
-     * snapkv never evicts while decoding (rejected at creation when asked to) */
+     * snapkv keeps all until a decode_budget re-scores it every `interval` tokens */
     for (int l = 0; l < c->n_layers; l++)
-        if (c->spec.policy == SKV_POLICY_SNAPKV)
-            c->layer_budget[l] = 0;
-        else if (c->spec.decode_budget > 0)
+        if (c->spec.policy == SKV_POLICY_SNAPKV || c->spec.decode_budget > 0)
             c->layer_budget[l] = c->spec.decode_budget;
     return SKV_OK;
 }
 
-/* Column sums of the attention the queries q_first.. of the batch give every row of the
- * layer: c->colsum [n_heads][max_rows], read back into c->colsum_host (only the rows in use,
- * so a decode step copies what the layer holds, not the buffer's capacity). */
-static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *v, int q_first, int64_t max_rows)
+/* Column sums of the attention the queries q[q_first..nq) give every row of the layer; q
+ * [nq][n_heads][head_dim] are the queries of the layer's newest nq rows (so query i sees rows
+ * up to len - nq + i of each head). Into c->colsum [n_heads][max_rows], read back into
+ * c->colsum_host (only the rows in use, so a decode step copies what the layer holds, not the
+ * buffer's capacity). */
+static int window_colsum(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
+                         int q_first, int64_t max_rows)
 {
     if (max_rows > c->colsum_cap) {
         int64_t cap = c->colsum_cap ? c->colsum_cap : 1024;
@@ -208,16 +269,16 @@ static int window_colsum(struct skv_compressor *c, const struct skv_layer_view *
         c->colsum_cap = cap;
     }
     struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32,
-                             .window = v->window};
+                             .window = c->m->layers[layer].window};
     for (int h = 0; h < c->n_kv; h++) {
-        struct skv_kv_head *kh = skv_kv_cache_head(v->cache, v->layer, h);
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
         kv.k[h] = kh->k;
         kv.v[h] = kh->v;
-        kv.prefix_len[h] = kh->len - v->n;
+        kv.prefix_len[h] = kh->len - nq;
         kv.pos[h] = kh->pos;
     }
     c->colsum_stride = max_rows;
-    int rc = c->be->ops->attention_colsum(c->be, c->colsum, max_rows, v->q, v->n, c->n_heads, &kv, q_first);
+    int rc = c->be->ops->attention_colsum(c->be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
     if (!rc)
         rc = c->be->ops->download(c->be, c->colsum_host, c->colsum, (size_t)max_rows * c->n_heads * sizeof(float));
     return rc;
@@ -283,8 +344,10 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
     }
 }
 
-/* Keeps the chosen rows (sorted by head, then index) and compacts each head in place. */
-static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, struct row *keep, int n_keep)
+/* Keeps the chosen rows (sorted by head, then index) and compacts each head in place; each
+ * head keeps room for `slack` more rows and gives the rest of its memory back. */
+static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, struct row *keep, int n_keep,
+                   int slack)
 {
     qsort(keep, (size_t)n_keep, sizeof *keep, by_head_idx);
     size_t row_bytes = (size_t)c->head_dim * sizeof(float);
@@ -308,13 +371,13 @@ static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int lay
         }
         kh->len = cnt;
     }
-    /* give the dropped rows' memory back (a little room for decoded tokens) */
-    return skv_kv_cache_fit(cache, layer, 16);
+    return skv_kv_cache_fit(cache, layer, slack);
 }
 
 /* Cuts layer `layer` to `budget` rows per head (layer granularity) or budget * Hkv rows over
- * its heads (head granularity), by the rows' classification. */
-static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int w_obs)
+ * its heads (head granularity), by the rows' classification; slack as in compact(). */
+static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int w_obs,
+                        int slack)
 {
     int total = 0, over = 0;
     for (int h = 0; h < c->n_kv; h++) {
@@ -361,7 +424,97 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         qsort(c->rows, (size_t)base, sizeof *c->rows, by_keep_order);
         n_keep = quota < base ? quota : base;
     }
-    return compact(c, cache, layer, c->rows, n_keep);
+    return compact(c, cache, layer, c->rows, n_keep, slack);
+}
+
+/* SnapKV's scores of layer `layer`: the attention of the queries q[q_first..nq) (those of the
+ * newest nq rows) on every row, summed over the group's query heads (GQA mean or max), averaged
+ * over the queries; the rows before the newest n_window pooled with the kernel (the window's
+ * own rows keep their raw score: they are kept anyway). Into each head's score[]. */
+static int snapkv_score(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
+                        int q_first, int n_window, int64_t max_rows)
+{
+    const struct skv_compress_spec *s = &c->spec;
+    int rc = window_colsum(c, cache, layer, q, nq, q_first, max_rows);
+    if (rc)
+        return rc;
+    int g = c->n_heads / c->n_kv;
+    for (int h = 0; h < c->n_kv; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
+        int cand = kh->len - n_window;
+        skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_stride, c->colsum_stride, g, kh->len, s->gqa,
+                       c->agg);
+        for (int j = 0; j < kh->len; j++)
+            c->agg[j] /= (float)(nq - q_first); /* mean over the window's queries */
+        if (cand > 0)
+            skv_pool1d(c->agg, kh->score, cand, s->kernel, s->pool);
+        for (int j = cand < 0 ? 0 : cand; j < kh->len; j++)
+            kh->score[j] = c->agg[j];
+    }
+    return SKV_OK;
+}
+
+/* Copies the queries of positions [first, end) between the layer's ring (slot pos % obs_cap)
+ * and a linear buffer `lin` whose row 0 is position `first`: into the ring when to_ring. */
+static int obs_copy(struct skv_compressor *c, int layer, float *lin, int32_t first, int32_t end, bool to_ring)
+{
+    size_t row = (size_t)c->n_heads * c->head_dim;
+    float *ring = c->obs_q + (size_t)layer * c->obs_cap * row;
+    for (int32_t p = first; p < end;) {
+        int slot = p % c->obs_cap, run = end - p < c->obs_cap - slot ? end - p : c->obs_cap - slot;
+        float *r = ring + (size_t)slot * row, *x = lin + (size_t)(p - first) * row;
+        int rc = to_ring ? c->be->ops->copy_2d(c->be, r, row * sizeof(float), x, row * sizeof(float),
+                                               row * sizeof(float), run)
+                         : c->be->ops->copy_2d(c->be, x, row * sizeof(float), r, row * sizeof(float),
+                                               row * sizeof(float), run);
+        if (rc)
+            return rc;
+        p += run;
+    }
+    return SKV_OK;
+}
+
+/* SnapKV while decoding: remember the newest queries; when this forward completes another
+ * `interval` decoded tokens and the layer holds more than decode_budget rows per head (or
+ * decode_budget * Hkv over its heads, head granularity), re-score every row with the newest
+ * window's queries exactly as a prefill does and keep decode_budget, the newest window
+ * (min(window, decode_budget) rows) always. The window's queries are those of decoded tokens
+ * only, so right after a compression it is shorter than `window` (down to one query). */
+static int snapkv_decode_hook(struct skv_compressor *c, const struct skv_layer_view *v)
+{
+    const struct skv_compress_spec *s = &c->spec;
+    int l = v->layer, budget = s->decode_budget;
+    int32_t start = v->cache->n_past, end = start + v->n;
+    int rc = obs_alloc(c);
+    if (rc)
+        return rc;
+    int32_t first = end - c->obs_cap > start ? end - c->obs_cap : start;
+    size_t row = (size_t)c->n_heads * c->head_dim;
+    if ((rc = obs_copy(c, l, (float *)v->q + (size_t)(first - start) * row, first, end, true)))
+        return rc;
+    c->obs_end = end;
+    int32_t before = start - c->obs_start, seen = end - c->obs_start;
+    if (before / s->interval == seen / s->interval)
+        return SKV_OK; /* no re-scoring in this forward */
+    int64_t max_rows = 0, total = 0;
+    bool over = false;
+    for (int h = 0; h < c->n_kv; h++) {
+        int len = skv_kv_cache_head(v->cache, l, h)->len;
+        max_rows = len > max_rows ? len : max_rows;
+        total += len;
+        over |= len > budget;
+    }
+    if (s->granularity == SKV_GRAN_HEAD ? total <= (int64_t)budget * c->n_kv : !over)
+        return SKV_OK;
+    int w_keep = c->obs_cap; /* min(window, decode_budget) */
+    int w_q = seen < w_keep ? seen : w_keep;
+    if (budget > w_keep) { /* else the window is all that stays: no scores needed */
+        if ((rc = obs_copy(c, l, c->obs_win, end - w_q, end, false)) ||
+            (rc = snapkv_score(c, v->cache, l, c->obs_win, w_q, 0, w_keep, max_rows)))
+            return rc;
+    }
+    int slack = s->interval < budget ? s->interval : budget; /* room for the next interval's rows */
+    return select_layer(c, v->cache, l, budget, w_keep, slack);
 }
 
 int skv_compressor_hook(void *user, const struct skv_layer_view *v)
@@ -376,8 +529,10 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         if (rc)
             return rc;
     }
+    if (c->decode && rescores_decode(s))
+        return snapkv_decode_hook(c, v);
     if (budget <= 0)
-        return SKV_OK; /* decode without a decode budget */
+        return SKV_OK; /* snapkv decode without a decode budget */
     int64_t max_rows = 0;
     bool over = false;
     for (int h = 0; h < c->n_kv; h++) {
@@ -388,7 +543,7 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
     int w_obs = s->window < v->n ? s->window : v->n;
     if (s->policy == SKV_POLICY_H2O) {
         /* accumulated attention of every query so far; recent window kept */
-        int rc = window_colsum(c, v, 0, max_rows);
+        int rc = window_colsum(c, v->cache, l, v->q, v->n, 0, max_rows);
         if (rc)
             return rc;
         w_obs = s->window;
@@ -400,25 +555,12 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
             for (int j = 0; j < kh->len; j++)
                 kh->score[j] += c->agg[j];
         }
-    } else if (s->policy == SKV_POLICY_SNAPKV && over && !c->decode) {
-        int rc = window_colsum(c, v, v->n - w_obs, max_rows);
+    } else if (s->policy == SKV_POLICY_SNAPKV && over) {
+        int rc = snapkv_score(c, v->cache, l, v->q, v->n, v->n - w_obs, w_obs, max_rows);
         if (rc)
             return rc;
-        int g = c->n_heads / c->n_kv;
-        for (int h = 0; h < c->n_kv; h++) {
-            struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
-            int cand = kh->len - w_obs;
-            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_stride, c->colsum_stride, g, kh->len, s->gqa,
-                           c->agg);
-            for (int j = 0; j < kh->len; j++)
-                c->agg[j] /= (float)w_obs; /* mean over the window's queries */
-            if (cand > 0)
-                skv_pool1d(c->agg, kh->score, cand, s->kernel, s->pool);
-            for (int j = cand < 0 ? 0 : cand; j < kh->len; j++)
-                kh->score[j] = c->agg[j];
-        }
     }
-    return select_layer(c, v->cache, l, budget, w_obs);
+    return select_layer(c, v->cache, l, budget, w_obs, COMPACT_SLACK);
 }
 
 int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
@@ -428,31 +570,37 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
     int *final = malloc((size_t)c->n_layers * sizeof *final);
     if (!final)
         return SKV_E_NOMEM;
-    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, c->spec.p, c->total_len, final);
+    bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
+    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, c->total_len,
+                        final);
     long excess = 0;
     for (int l = 0; l < c->n_layers; l++)
         if (final[l] > c->layer_budget[l]) {
             excess += final[l] - c->layer_budget[l];
             final[l] = c->layer_budget[l];
         }
+    /* what the capped layers cannot hold is shared evenly by the layers under their cap */
     while (excess > 0) {
-        int best = -1;
+        int open = 0;
         for (int l = 0; l < c->n_layers; l++)
-            if (final[l] < c->layer_budget[l] && (best < 0 || c->sim[l] < c->sim[best]))
-                best = l;
-        if (best < 0)
+            open += final[l] < c->layer_budget[l];
+        if (!open)
             break; /* every layer holds what it can */
-        long room = c->layer_budget[best] - final[best];
-        long give = room < excess ? room : excess;
-        final[best] += (int)give;
-        excess -= give;
+        long share = excess / open > 0 ? excess / open : 1;
+        for (int l = 0; l < c->n_layers && excess > 0; l++) {
+            long room = c->layer_budget[l] - final[l];
+            long give = room < share ? room : share;
+            give = give < excess ? give : excess;
+            final[l] += (int)give;
+            excess -= give;
+        }
     }
     int rc = SKV_OK;
     int w_obs = c->spec.window < c->batch ? c->spec.window : c->batch;
     for (int l = 0; l < c->n_layers && !rc; l++) {
         int b = final[l] < c->layer_budget[l] ? final[l] : c->layer_budget[l];
         c->layer_budget[l] = b;
-        rc = select_layer(c, cache, l, b, w_obs);
+        rc = select_layer(c, cache, l, b, w_obs, COMPACT_SLACK);
     }
     free(final);
     return rc;

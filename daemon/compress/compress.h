@@ -31,8 +31,16 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
 int skv_compressor_hook(void *user, const struct skv_layer_view *view);
 int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
 
-/* Decode-time upkeep after each generated token's forward (run with the hook too): H2O and
- * StreamingLLM / window keep evicting to the decode budget. */
+/* Decode-time upkeep: call before each decoding forward (run with the hook too). H2O and
+ * StreamingLLM / window keep evicting to their budget (or decode_budget) every token. SnapKV
+ * with decode_budget keeps the post-RoPE queries of the newest min(window, decode_budget)
+ * decoded tokens per layer; each time `interval` more tokens were decoded since the last
+ * compressing forward, a layer holding more than decode_budget rows per head (head
+ * granularity: decode_budget * Hkv over its heads) is re-scored by those queries exactly as a
+ * prefill window scores the prompt and cut to decode_budget, the newest min(window,
+ * decode_budget) rows always kept, and its memory beyond min(interval, decode_budget) rows of
+ * room goes back. Right after a compression the window holds the tokens decoded so far (down
+ * to one). SnapKV without decode_budget never evicts while decoding. */
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
 
 /* What the last compression decided: budget per layer (length n_layers) and SqueezeAttention
@@ -53,7 +61,9 @@ void skv_gqa_reduce(const float *in, int64_t stride, int g, int n, enum skv_gqa 
  * window w, beta; n prompt tokens. */
 void skv_pyramid_budgets(int n_layers, int budget, int window, int beta, int n, int *out);
 /* SqueezeAttention: KMeans(3) on sim[0..L); the cluster with the highest mean similarity
- * gets p * B per layer, the others share the rest so that the total stays L * B. */
-void skv_squeeze_budgets(const float *sim, int n_layers, int budget, double p, int n, int *out);
+ * gets w + p * (B - w) per layer (w = min(window, B): the rows the sequence policy always
+ * keeps, 0 for streaming / window), the others share the rest so that the total stays L * B;
+ * a layer holds at most n, and what it cannot hold goes back to the others. */
+void skv_squeeze_budgets(const float *sim, int n_layers, int budget, int window, double p, int n, int *out);
 
 #endif

@@ -1,6 +1,7 @@
 /* SqueezeAttention's layer allocator: layers whose attention changes the hidden state least
- * (highest input/output cosine similarity) form one KMeans cluster and get p * B; the
- * others share what they give up, so the total stays L * B (hetailang/SqueezeAttention). */
+ * (highest input/output cosine similarity) form one KMeans cluster and get p times the rows
+ * they would choose; the others share what they give up, so the total stays L * B
+ * (hetailang/SqueezeAttention). */
 #include "daemon/compress/compress.h"
 #include "common/status.h"
 
@@ -65,7 +66,7 @@ static int kmeans3(const float *x, int n, int *label)
     return SKV_OK;
 }
 
-void skv_squeeze_budgets(const float *sim, int n_layers, int budget, double p, int n, int *out)
+void skv_squeeze_budgets(const float *sim, int n_layers, int budget, int window, double p, int n, int *out)
 {
     int *label = calloc((size_t)n_layers, sizeof *label);
     if (!label || n_layers < 3) {
@@ -90,7 +91,11 @@ void skv_squeeze_budgets(const float *sim, int n_layers, int budget, double p, i
         return;
     }
     long total = (long)n_layers * budget;
-    int low = (int)floor(p * budget);
+    /* p scales the rows a layer chooses; the rows the policy always keeps (SnapKV's
+     * observation window, H2O's recent window) stay on top, so no layer is left with its
+     * window alone. Without such a window this is SqueezeAttention's p * B. */
+    int w = window < budget ? window : budget;
+    int low = w + (int)floor(p * (budget - w));
     if (low < 1)
         low = 1;
     long rest = total - (long)n_low * low;

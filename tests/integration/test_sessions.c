@@ -2,7 +2,8 @@
  * compressed prefill + decode from 8 processes at once giving the in-process engine's tokens,
  * admin commands while clients run, eviction under pool pressure sparing pinned sessions, a
  * client killed mid-decode, bad requests, tenant isolation, a shared document forked per
- * question, shared-memory export/import round trips, save/load, and SIGTERM mid-decode. */
+ * question, shared-memory export/import round trips, save/load, SIGTERM mid-decode, and SnapKV
+ * re-scoring while decoding (decode_budget) through DECODE. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -582,12 +583,55 @@ static void test_sigterm_mid_decode(void **state)
     stop_daemon(&d);
 }
 
+/* SnapKV re-scoring while decoding through the daemon: the spec string travels, DECODE gives
+ * the in-process engine's tokens, and INSPECT shows every layer back at the decode budget
+ * (48 kept at prefill, 12 tokens decoded, cut to 40 at 4, 8 and 12). */
+static void test_decode_budget(void **state)
+{
+    NEED_MODEL();
+    const char *spec = "policy=snapkv,budget=48,window=8,kernel=5,decode_budget=40,interval=4";
+    struct daemon d;
+    start_daemon(&d, "1G");
+    uint32_t ids[N_PROMPT], want[N_GEN];
+    prompt(ids, N_PROMPT, 3);
+    expected_tokens(ids, N_PROMPT, spec, want, N_GEN);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a");
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = spec};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    assert_int_equal(pr.layers[0].kept, 48);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = N_GEN;
+    sp.stop_at_eos = false;
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, N_GEN);
+    assert_memory_equal(dr.tokens, want, sizeof want);
+    snapkv_client_t *a = client(d.admin, NULL);
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &ir), SNAPKV_OK);
+    assert_non_null(strstr(ir.spec, "decode_budget=40"));
+    for (size_t l = 0; l < ir.n_layers; l++)
+        assert_int_equal(ir.layers[l].kept, 40);
+    snapkv_inspect_result_free(&ir);
+    snapkv_decode_result_free(&dr);
+    assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_eight_clients, kill_daemons),     cmocka_unit_test_teardown(test_errors_and_tenants, kill_daemons),
         cmocka_unit_test_teardown(test_pool_pressure, kill_daemons),     cmocka_unit_test_teardown(test_killed_client_and_lease, kill_daemons),
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
+        cmocka_unit_test_teardown(test_decode_budget, kill_daemons),
     };
+    if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
+        cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
     return cmocka_run_group_tests(tests, group_setup, NULL);
 }

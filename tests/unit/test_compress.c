@@ -2,7 +2,8 @@
  * reduction, PyramidKV and SqueezeAttention budgets), and whole compressed prefills on the
  * tiny random Llama fixture: every policy's kept rows against a naive re-implementation from
  * the same queries and keys, the edge cases, head granularity, decode-time eviction and
- * query-aware reuse of a kept document. */
+ * query-aware reuse of a kept document; SnapKV re-scoring while decoding on a hand-made cache,
+ * against a naive double-precision re-implementation, at its edges and across a clone. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -76,6 +77,12 @@ static void test_spec_format_and_budget(void **state)
     assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
     assert_memory_equal(&s, &t, sizeof s);
     assert_int_equal(skv_compress_spec_format(&s, buf, 8), SKV_E_LIMIT);
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,budget=64,decode_budget=48,interval=8", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
+    assert_memory_equal(&s, &t, sizeof s);
+    assert_int_equal(t.decode_budget, 48);
+    assert_int_equal(t.interval, 8);
     /* budgets: ratio rounds up, at least 1, at most n */
     assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
     assert_int_equal(skv_compress_spec_budget(&s, 1000), 100);
@@ -142,7 +149,7 @@ static void test_squeeze_budgets(void **state)
     (void)state;
     const float sim[] = {0.50f, 0.98f, 0.97f, 0.70f, 0.99f, 0.72f, 0.98f, 0.51f};
     int b[8];
-    skv_squeeze_budgets(sim, 8, 100, 0.3, 10000, b);
+    skv_squeeze_budgets(sim, 8, 100, 0, 0.3, 10000, b);
     long total = 0;
     for (int l = 0; l < 8; l++)
         total += b[l];
@@ -155,7 +162,7 @@ static void test_squeeze_budgets(void **state)
     }
     /* a prompt of 150 tokens caps the important layers at 150: the 80 they cannot hold go
      * back to the others, 20 each, and the total is still 800 */
-    skv_squeeze_budgets(sim, 8, 100, 0.3, 150, b);
+    skv_squeeze_budgets(sim, 8, 100, 0, 0.3, 150, b);
     total = 0;
     for (int l = 0; l < 8; l++)
         total += b[l];
@@ -164,6 +171,16 @@ static void test_squeeze_budgets(void **state)
         assert_int_equal(b[high[i]], 150);
         assert_int_equal(b[low[i]], 50);
     }
+    /* a policy window of 32 stays on top: the low cluster gets 32 + 0.3 * 68 = 52, the others
+     * (800 - 4 * 52) / 4 = 148; a window above the budget is the budget */
+    skv_squeeze_budgets(sim, 8, 100, 32, 0.3, 10000, b);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(b[low[i]], 52);
+        assert_int_equal(b[high[i]], 148);
+    }
+    skv_squeeze_budgets(sim, 8, 100, 500, 0.3, 10000, b);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(b[low[i]], 100);
 }
 
 /* ---- whole compressed prefills on the tiny model ------------------------------------------ */
@@ -469,6 +486,279 @@ static void test_squeeze_conserves(void **state)
     skv_kv_cache_free(&c);
 }
 
+/* ---- SnapKV re-scoring while decoding ---------------------------------------------------- */
+
+/* One decode step by hand on layer 0 of a cache whose rows we wrote: a new row (key 0) at
+ * position n_past and the queries q [n_heads][head_dim], through begin_decode and the hook. */
+static void synthetic_step(struct skv_compressor *comp, struct skv_kv_cache *c, const float *q)
+{
+    assert_int_equal(skv_compressor_begin_decode(comp, c), SKV_OK);
+    for (int h = 0; h < c->n_kv_heads; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
+        memset(kh->k + (size_t)kh->len * c->head_dim, 0, (size_t)c->head_dim * sizeof(float));
+        memset(kh->v + (size_t)kh->len * c->head_dim, 0, (size_t)c->head_dim * sizeof(float));
+        kh->pos[kh->len] = c->n_past;
+        kh->score[kh->len] = 0;
+        kh->len++;
+    }
+    struct skv_layer_view v = {.layer = 0, .n = 1, .q = q, .cache = c};
+    assert_int_equal(skv_compressor_hook(comp, &v), SKV_OK);
+    c->n_past++;
+}
+
+/* Hand-computed: 10 rows whose keys are c_j * e0 and queries e0 in every head, so each
+ * query's attention grows with c_j; after 2 decoded tokens (interval 2) the 12 rows are cut
+ * to decode_budget 6: the 2-token window plus the 4 best of rows 0..9 (kernel 1: by c_j,
+ * ties to the earlier row; kernel 3: by the max of c over the neighbours). */
+static void test_decode_rescore_hand(void **state)
+{
+    struct tiny *t = *state;
+    const float cval[2][10] = {{0, 5, 0, 3, 0, 0, 4, 0, 0, 1}, {2, 0, 0, 0, 6, 0, 0, 0, 5, 0}};
+    const int32_t want[2][2][6] = {
+        {{1, 3, 6, 9, 10, 11}, {0, 1, 4, 8, 10, 11}}, /* kernel 1 */
+        {{0, 1, 2, 5, 10, 11}, {3, 4, 5, 7, 10, 11}}, /* kernel 3 */
+    };
+    const char *specs[] = {"policy=snapkv,budget=6,window=2,kernel=1,decode_budget=6,interval=2",
+                           "policy=snapkv,budget=6,window=2,kernel=3,decode_budget=6,interval=2"};
+    for (int k = 0; k < 2; k++) {
+        struct skv_kv_cache *c = NULL;
+        struct skv_compress_spec spec;
+        struct skv_compressor *comp = NULL;
+        assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+        assert_int_equal(skv_kv_cache_reserve(c, 16), SKV_OK);
+        int d = c->head_dim;
+        for (int h = 0; h < 2; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
+            memset(kh->k, 0, (size_t)10 * d * sizeof(float));
+            memset(kh->v, 0, (size_t)10 * d * sizeof(float));
+            for (int j = 0; j < 10; j++) {
+                kh->k[(size_t)j * d] = cval[h][j];
+                kh->v[(size_t)j * d] = (float)j;
+                kh->pos[j] = j;
+            }
+            kh->len = 10;
+        }
+        c->n_past = 10;
+        float q[4 * 16] = {0};
+        for (int qh = 0; qh < 4; qh++)
+            q[qh * d] = 1.0f;
+        assert_int_equal(skv_compress_spec_parse(specs[k], &spec), SKV_OK);
+        assert_int_equal(skv_compressor_new(&spec, t->m, &comp), SKV_OK);
+        synthetic_step(comp, c, q);
+        assert_int_equal(skv_kv_cache_head(c, 0, 0)->len, 11); /* 1 of 2: nothing cut yet */
+        synthetic_step(comp, c, q);
+        for (int h = 0; h < 2; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
+            expect_positions(c, 0, h, want[k][h], 6);
+            for (int r = 0; r < 6; r++) { /* K and V moved with their positions */
+                float cj = kh->pos[r] < 10 ? cval[h][kh->pos[r]] : 0;
+                assert_true(kh->k[(size_t)r * d] == cj);
+                assert_true(kh->v[(size_t)r * d] == (kh->pos[r] < 10 ? (float)kh->pos[r] : 0));
+            }
+            assert_true(kh->cap <= 6 + 2); /* memory released: room for one interval */
+        }
+        assert_int_equal(c->n_past, 12);
+        skv_compressor_free(&comp);
+        skv_kv_cache_free(&c);
+    }
+}
+
+/* Naive re-scoring in double precision from the hook's view: every decoded token's queries
+ * are recorded; at each interval boundary the expected rows come from the cache as the
+ * forward left it (softmax of the newest min(w, D, decoded) queries over the rows each can
+ * see, mean over queries and the group, max-pool over the rows before the kept window, top
+ * D - w_keep, plus the newest w_keep). */
+struct naive_dec {
+    struct skv_compressor *c;
+    int budget, window, kernel, interval;
+    int step;                      /* decoded tokens before this forward */
+    float q[2][32][4 * 16];        /* [layer][step][n_heads * head_dim] */
+    bool check[2];
+    int32_t want[2][2][64];
+};
+
+static int naive_dec_hook(void *user, const struct skv_layer_view *v)
+{
+    struct naive_dec *nd = user;
+    int l = v->layer, H = 4, hkv = v->cache->n_kv_heads, d = v->cache->head_dim, g = H / hkv;
+    memcpy(nd->q[l][nd->step], v->q, sizeof nd->q[l][nd->step]);
+    int seen = nd->step + 1;
+    nd->check[l] = seen % nd->interval == 0 && skv_kv_cache_head(v->cache, l, 0)->len > nd->budget;
+    if (!nd->check[l])
+        return skv_compressor_hook(nd->c, v);
+    int w_keep = nd->window < nd->budget ? nd->window : nd->budget;
+    int w_q = seen < w_keep ? seen : w_keep;
+    for (int h = 0; h < hkv; h++) {
+        const struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
+        int n = kh->len;
+        double score[64] = {0};
+        for (int qh = h * g; qh < (h + 1) * g; qh++)
+            for (int i = 0; i < w_q; i++) {
+                const float *q = nd->q[l][seen - w_q + i] + qh * d;
+                int last = n - w_q + i; /* its own row */
+                double p[64], mx = -1e300, z = 0;
+                for (int j = 0; j <= last; j++) {
+                    double dot = 0;
+                    for (int k = 0; k < d; k++)
+                        dot += (double)q[k] * kh->k[(size_t)j * d + k];
+                    p[j] = dot / sqrt((double)d);
+                    mx = p[j] > mx ? p[j] : mx;
+                }
+                for (int j = 0; j <= last; j++)
+                    z += p[j] = exp(p[j] - mx);
+                for (int j = 0; j <= last; j++)
+                    score[j] += p[j] / z / w_q / g;
+            }
+        int cand = n - w_keep, keep = nd->budget - w_keep;
+        double pooled[64];
+        for (int j = 0; j < cand; j++) {
+            pooled[j] = -1;
+            for (int t = j - nd->kernel / 2; t <= j + nd->kernel / 2; t++)
+                if (t >= 0 && t < cand && score[t] > pooled[j])
+                    pooled[j] = score[t];
+        }
+        int32_t *out = nd->want[l][h], k = 0;
+        for (int r = 0; r < keep; r++) {
+            int best = -1;
+            for (int j = 0; j < cand; j++)
+                if (pooled[j] >= 0 && (best < 0 || pooled[j] > pooled[best]))
+                    best = j;
+            out[k++] = kh->pos[best];
+            pooled[best] = -2;
+        }
+        for (int j = cand; j < n; j++)
+            out[k++] = kh->pos[j];
+        qsort(out, (size_t)k, sizeof *out, cmp_i32);
+    }
+    return skv_compressor_hook(nd->c, v);
+}
+
+static void test_decode_rescore_matches_naive(void **state)
+{
+    struct tiny *t = *state;
+    /* interval 3 (the first window has 3 queries, then 4); interval 1 (1, 2, 3, then 4) */
+    const char *specs[] = {"policy=snapkv,budget=20,window=4,kernel=3,decode_budget=12,interval=3",
+                           "policy=snapkv,budget=20,window=4,kernel=1,decode_budget=9,interval=1"};
+    const int budgets[] = {12, 9}, kernels[] = {3, 1}, intervals[] = {3, 1};
+    for (int s = 0; s < 2; s++) {
+        struct skv_kv_cache *c = NULL;
+        struct naive_dec *nd = calloc(1, sizeof *nd);
+        run(t, specs[s], &c, t->ids, t->n, &nd->c);
+        nd->budget = budgets[s];
+        nd->window = 4;
+        nd->kernel = kernels[s];
+        nd->interval = intervals[s];
+        struct skv_forward_opts fo = {.hook = naive_dec_hook, .hook_user = nd};
+        int len = 20, rescored = 0;
+        for (int k = 0; k < 10; k++) {
+            nd->step = k;
+            assert_int_equal(skv_compressor_begin_decode(nd->c, c), SKV_OK);
+            assert_int_equal(skv_engine_forward(t->e, c, &t->ids[40 + k], 1, &fo, NULL), SKV_OK);
+            len = (k + 1) % nd->interval == 0 && len + 1 > nd->budget ? nd->budget : len + 1;
+            for (int l = 0; l < c->n_layers; l++)
+                for (int h = 0; h < c->n_kv_heads; h++) {
+                    const struct skv_kv_head *kh = skv_kv_cache_head(c, l, h);
+                    assert_int_equal(kh->len, len); /* the bound, exactly */
+                    assert_int_equal(kh->pos[kh->len - 1], 40 + k);
+                    if (nd->check[l]) {
+                        expect_positions(c, l, h, nd->want[l][h], nd->budget);
+                        rescored++;
+                    }
+                }
+        }
+        assert_int_equal(rescored, 2 * 2 * (s == 0 ? 3 : 10));
+        assert_int_equal(c->n_past, 50); /* positions continue from the original length */
+        skv_compressor_free(&nd->c);
+        free(nd);
+        skv_kv_cache_free(&c);
+    }
+}
+
+/* Decodes k tokens with the compressor's hook. */
+static void decode_steps(struct tiny *t, struct skv_compressor *comp, struct skv_kv_cache *c, int first, int k)
+{
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+    for (int i = 0; i < k; i++) {
+        assert_int_equal(skv_compressor_begin_decode(comp, c), SKV_OK);
+        assert_int_equal(skv_engine_forward(t->e, c, &t->ids[first + i], 1, &fo, NULL), SKV_OK);
+    }
+}
+
+static void test_decode_rescore_edges(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    struct skv_compressor *comp = NULL;
+    /* decode_budget < window: only the newest decode_budget rows stay, every interval */
+    run(t, "policy=snapkv,budget=10,window=8,decode_budget=5,interval=1", &c, t->ids, t->n, &comp);
+    for (int k = 0; k < 4; k++) {
+        decode_steps(t, comp, c, 40 + k, 1);
+        int32_t newest[5];
+        for (int i = 0; i < 5; i++)
+            newest[i] = 36 + k + i;
+        for (int l = 0; l < c->n_layers; l++)
+            for (int h = 0; h < c->n_kv_heads; h++)
+                expect_positions(c, l, h, newest, 5);
+    }
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+    /* decode_budget >= length: nothing is cut, rows append at positions 40, 41, ... */
+    run(t, "policy=snapkv,budget=10,window=4,decode_budget=100,interval=1", &c, t->ids, t->n, &comp);
+    int32_t before[10];
+    memcpy(before, skv_kv_cache_head(c, 1, 1)->pos, sizeof before);
+    decode_steps(t, comp, c, 40, 6);
+    const struct skv_kv_head *kh = skv_kv_cache_head(c, 1, 1);
+    assert_int_equal(kh->len, 16);
+    assert_memory_equal(kh->pos, before, sizeof before);
+    for (int i = 0; i < 6; i++)
+        assert_int_equal(kh->pos[10 + i], 40 + i);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+    /* head granularity: one top-k over the layer's heads at each boundary, the window in each */
+    run(t, "policy=snapkv,budget=16,window=4,granularity=head,decode_budget=8,interval=2", &c, t->ids, t->n, &comp);
+    for (int k = 0; k < 6; k++) {
+        decode_steps(t, comp, c, 40 + k, 1);
+        for (int l = 0; l < c->n_layers; l++) {
+            int total = 0;
+            for (int h = 0; h < c->n_kv_heads; h++) {
+                const struct skv_kv_head *hh = skv_kv_cache_head(c, l, h);
+                total += hh->len;
+                if (k % 2 == 1)
+                    for (int i = 0; i < 4; i++) /* the newest window, whole */
+                        assert_int_equal(hh->pos[hh->len - 4 + i], 40 + k - 3 + i);
+            }
+            assert_int_equal(total, k % 2 == 1 ? 8 * 2 : k == 0 ? 2 * 16 + 2 : 8 * 2 + 2);
+        }
+    }
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+}
+
+/* A cloned compressor on a cloned cache carries the observation window: both decode alike. */
+static void test_decode_rescore_clone(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *a = NULL, *b = NULL;
+    struct skv_compressor *ca = NULL, *cb = NULL;
+    run(t, "policy=snapkv,budget=16,window=4,decode_budget=10,interval=4", &a, t->ids, t->n, &ca);
+    decode_steps(t, ca, a, 40, 3);
+    assert_int_equal(skv_kv_cache_clone(a, &b), SKV_OK);
+    assert_int_equal(skv_compressor_clone(ca, &cb), SKV_OK);
+    decode_steps(t, ca, a, 43, 5);
+    decode_steps(t, cb, b, 43, 5);
+    for (int l = 0; l < a->n_layers; l++)
+        for (int h = 0; h < a->n_kv_heads; h++) {
+            const struct skv_kv_head *x = skv_kv_cache_head(a, l, h), *y = skv_kv_cache_head(b, l, h);
+            assert_int_equal(x->len, 10); /* cut at 4 and at 8 decoded tokens */
+            expect_positions(b, l, h, x->pos, x->len);
+            assert_memory_equal(x->k, y->k, (size_t)x->len * a->head_dim * sizeof(float));
+        }
+    skv_compressor_free(&ca);
+    skv_compressor_free(&cb);
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest pure[] = {
@@ -480,7 +770,9 @@ int main(void)
         cmocka_unit_test(test_streaming_and_window), cmocka_unit_test(test_snapkv_matches_naive),
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
         cmocka_unit_test(test_decode_eviction),      cmocka_unit_test(test_query_aware_reuse),
-        cmocka_unit_test(test_squeeze_conserves),
+        cmocka_unit_test(test_squeeze_conserves),    cmocka_unit_test(test_decode_rescore_hand),
+        cmocka_unit_test(test_decode_rescore_matches_naive), cmocka_unit_test(test_decode_rescore_edges),
+        cmocka_unit_test(test_decode_rescore_clone),
     };
     int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);
     failed += cmocka_run_group_tests_name("compress-tiny-model", model, tiny_setup, tiny_teardown);
