@@ -386,11 +386,16 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         window = n_past;
     if (window > 0 && s->n_tokens == n_past) {
         int cut = n_past - window;
-        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
-            struct skv_kv_head *kh = &s->cache->heads[i];
-            while (kh->len > 0 && kh->pos[kh->len - 1] >= cut)
-                kh->len--;
+        int H = s->cache->n_kv_heads;
+        for (int i = 0; i < s->cache->n_layers * H && !rc; i++) {
+            const struct skv_kv_head *kh = &s->cache->heads[i];
+            int len = kh->len;
+            while (len > 0 && kh->pos[len - 1] >= cut)
+                len--;
+            rc = skv_kv_cache_truncate(s->cache, i / H, i % H, len);
         }
+        if (rc)
+            goto fail;
         s->cache->n_past = cut;
         s->n_tokens = cut;
         int32_t *redo = malloc((size_t)window * sizeof *redo);
@@ -569,7 +574,8 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
         for (int kv = 0; kv < 2; kv++)
             for (int h = 0; h < H; h++) {
                 const struct skv_kv_head *kh = &c->heads[l * H + h];
-                memcpy(out, kv ? (void *)kh->v : (void *)kh->k, (size_t)kh->len * row);
+                if (!rc)
+                    rc = skv_kv_cache_read_rows(c, (int)l, h, kv, 0, kh->len, (float *)out);
                 memset(out + (size_t)kh->len * row, 0, (size_t)(mx - kh->len) * row);
                 out += (size_t)mx * row;
             }
@@ -580,6 +586,11 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
         }
     }
     munmap(map, size);
+    if (rc) {
+        free(positions);
+        fail_rc(w, job, rc);
+        return;
+    }
     Snapkv__Reply rep;
     Snapkv__ExportKvReply er = SNAPKV__EXPORT_KV_REPLY__INIT;
     struct kept_arena arena = {0};
@@ -660,11 +671,10 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             mx = im->kept[l]->kept_per_head[h] > mx ? im->kept[l]->kept_per_head[h] : mx;
         for (int kv = 0; kv < 2; kv++)
             for (int h = 0; h < H; h++) {
-                struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
                 int len = (int)im->kept[l]->kept_per_head[h];
-                memcpy(kv ? (void *)kh->v : (void *)kh->k, in, (size_t)len * row);
+                if ((rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)in)))
+                    goto fail;
                 in += (size_t)mx * row;
-                kh->len = len;
             }
         for (int h = 0; h < H; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
@@ -1176,13 +1186,24 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
     size_t row = (size_t)s->cache->head_dim * sizeof(float);
-    for (int i = 0; !rc && i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
+    float *rows = NULL; /* one head's K or V rows, read out of its blocks */
+    int H = s->cache->n_kv_heads;
+    for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
-        if (!(rc = write_all(f, &h, &len, sizeof len)) && !(rc = write_all(f, &h, kh->pos, (size_t)len * 4)) &&
-            !(rc = write_all(f, &h, kh->k, (size_t)len * row)))
-            rc = write_all(f, &h, kh->v, (size_t)len * row);
+        float *more = realloc(rows, (size_t)(len ? len : 1) * row);
+        if (!more) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        rows = more;
+        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)))
+            break;
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            if (!(rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, kv, 0, len, rows)))
+                rc = write_all(f, &h, rows, (size_t)len * row);
     }
+    free(rows);
     unsigned char sum[32];
     crypto_generichash_final(&h, sum, sizeof sum);
     if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
@@ -1250,6 +1271,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         rc = skv_session_push_tokens(s, tok, hd.n_tokens);
     free(tok);
     size_t row = (size_t)mc->head_dim * sizeof(float);
+    float *rows = NULL; /* one head's K or V rows on their way into its blocks */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -1261,15 +1283,25 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         }
         if (len > kh->cap && (rc = skv_kv_cache_reserve(s->cache, len)))
             break; /* grows every head by len: heads not loaded yet are empty */
-        if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)) || (rc = read_exact(f, &h, kh->k, (size_t)len * row)) ||
-            (rc = read_exact(f, &h, kh->v, (size_t)len * row)))
+        float *more = realloc(rows, (size_t)(len ? len : 1) * row);
+        if (!more) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        rows = more;
+        if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)))
+            break;
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            if (!(rc = read_exact(f, &h, rows, (size_t)len * row)))
+                rc = skv_kv_cache_write_rows(s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads, kv, 0, len, rows);
+        if (rc)
             break;
         for (int j = 0; j < len; j++)
             if (kh->pos[j] < 0 || kh->pos[j] >= hd.n_past || (j && kh->pos[j] <= kh->pos[j - 1]))
                 rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
         memset(kh->score, 0, (size_t)len * sizeof *kh->score);
-        kh->len = len;
     }
+    free(rows);
     unsigned char want[32], got[32];
     if (!rc) {
         crypto_generichash_final(&h, want, sizeof want);

@@ -57,6 +57,7 @@ struct skv_model {
     char path[1024];
     bool reference;                /* weights dequantized to f32 */
     void *impl;                    /* loader state (mapped files, owned buffers) */
+    struct skv_kv_pool *kv_pool;      /* KV blocks of this model's caches (daemon/engine/kv_pool.h) */
 };
 
 struct skv_model_opts {
