@@ -147,15 +147,17 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
 struct kept_arena {
     Snapkv__LayerKept *layers;
     Snapkv__LayerKept **ptrs;
-    uint32_t *per_head;
+    uint32_t *per_head;       /* [3][L * H]: kept rows, then (with blocks) blocks and shared blocks */
 };
 
-static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, size_t *n_out, Snapkv__LayerKept ***out)
+/* with_blocks (INSPECT): also each head's blocks and shared blocks. */
+static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, bool with_blocks, size_t *n_out,
+                     Snapkv__LayerKept ***out)
 {
     int L = c->n_layers, H = c->n_kv_heads;
     a->layers = calloc((size_t)L, sizeof *a->layers);
     a->ptrs = calloc((size_t)L, sizeof *a->ptrs);
-    a->per_head = calloc((size_t)L * H, sizeof *a->per_head);
+    a->per_head = calloc((size_t)3 * L * H, sizeof *a->per_head);
     if (!a->layers || !a->ptrs || !a->per_head)
         return SKV_E_NOMEM;
     for (int l = 0; l < L; l++) {
@@ -169,6 +171,17 @@ static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, size_t 
             k->kept_per_head[h] = (uint32_t)len;
             k->kept = (uint32_t)len > k->kept ? (uint32_t)len : k->kept;
             k->bytes += (uint64_t)len * c->head_dim * 2 * sizeof(float);
+        }
+        if (with_blocks) {
+            k->n_blocks_per_head = k->n_shared_blocks_per_head = (size_t)H;
+            k->blocks_per_head = a->per_head + (size_t)(L + l) * H;
+            k->shared_blocks_per_head = a->per_head + (size_t)(2 * L + l) * H;
+            for (int h = 0; h < H; h++) {
+                struct skv_kv_blocks b;
+                skv_kv_head_blocks(c, &c->heads[l * H + h], &b);
+                k->blocks_per_head[h] = (uint32_t)b.held;
+                k->shared_blocks_per_head[h] = (uint32_t)b.shared;
+            }
         }
         a->ptrs[l] = k;
     }
@@ -312,7 +325,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     }
     w->metrics.bytes_before += pr.bytes_before;
     w->metrics.bytes_after += pr.bytes_after;
-    if ((rc = fill_kept(s->cache, &arena, &pr.n_kept, &pr.kept))) {
+    if ((rc = fill_kept(s->cache, &arena, false, &pr.n_kept, &pr.kept))) {
         free_kept(&arena);
         goto fail;
     }
@@ -417,7 +430,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     reply_init(&rep, job);
     cr.bytes_before = before;
     cr.bytes_after = s->bytes;
-    if ((rc = fill_kept(s->cache, &arena, &cr.n_kept, &cr.kept))) {
+    if ((rc = fill_kept(s->cache, &arena, false, &cr.n_kept, &cr.kept))) {
         free_kept(&arena);
         goto fail;
     }
@@ -460,7 +473,7 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
     Snapkv__ForkReply fr = SNAPKV__FORK_REPLY__INIT;
     reply_init(&rep, job);
     fr.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
-    fr.shared_bytes = 0; /* a fork copies its parent's rows (no copy-on-write blocks yet) */
+    fr.shared_bytes = skv_session_shared_bytes(s); /* every block, until one side writes */
     rep.result_case = SNAPKV__REPLY__RESULT_FORK;
     rep.fork = &fr;
     skv_worker_reply(w, job, &rep);
@@ -598,7 +611,7 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
     er.bytes_written = need;
     er.n_positions = (size_t)n_pos;
     er.positions = positions;
-    if ((rc = fill_kept(c, &arena, &er.n_kept, &er.kept))) {
+    if ((rc = fill_kept(c, &arena, false, &er.n_kept, &er.kept))) {
         fail_rc(w, job, rc);
     } else {
         er.kept += first;
@@ -947,6 +960,7 @@ static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s)
     }
     in->kept_tokens = kept;
     in->bytes = s->bytes;
+    in->shared_bytes = skv_session_shared_bytes(s);
     in->policy = s->spec;
     in->created_unix_ms = s->created_ms;
     in->last_used_unix_ms = s->last_used_ms;
@@ -1016,7 +1030,7 @@ static void handle_inspect(struct skv_worker *w, struct skv_job *job)
     reply_init(&rep, job);
     ir.info = &info;
     ir.spec = s->spec;
-    if ((rc = fill_kept(s->cache, &arena, &ir.n_kept, &ir.kept))) {
+    if ((rc = fill_kept(s->cache, &arena, true, &ir.n_kept, &ir.kept))) {
         fail_rc(w, job, rc);
         goto out;
     }
