@@ -519,14 +519,14 @@ static void tile_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk,
     }
     const int64_t t = kv->block_rows;
     int64_t b = kb / t, off = kb % t;
-    for (int j = 0; j < nk; j++) {
-        const float *base = kv->blocks[g][b];
-        krow[j] = base + off * d;
-        vrow[j] = base + (t + off) * d;
-        if (++off == t) {
-            off = 0;
-            b++;
+    for (int j = 0; j < nk; b++, off = 0) { /* one run of rows per block */
+        const float *K = (const float *)kv->blocks[g][b] + off * d, *V = K + t * d;
+        const int m = t - off < nk - j ? (int)(t - off) : nk - j;
+        for (int i = 0; i < m; i++) {
+            krow[j + i] = K + i * d;
+            vrow[j + i] = V + i * d;
         }
+        j += m;
     }
 }
 
