@@ -112,6 +112,46 @@ static void prompt(uint32_t *ids, int n, int salt)
         ids[i] = (uint32_t)(300 + (i * 131 + salt * 977) % 20000);
 }
 
+/* Blocks a session's INSPECT shows: the sum over layers and heads, and whether every head
+ * holds exactly the blocks its kept rows need. */
+static uint64_t inspect_blocks(const struct snapkv_inspect_result *ir, uint32_t block_rows, uint64_t *shared,
+                               bool *exact)
+{
+    uint64_t held = 0;
+    *shared = 0;
+    *exact = true;
+    for (size_t l = 0; l < ir->n_layers; l++) {
+        const struct snapkv_layer_kept *k = &ir->layers[l];
+        assert_non_null(k->blocks_per_head);
+        assert_non_null(k->shared_blocks_per_head);
+        for (uint32_t h = 0; h < k->n_heads; h++) {
+            held += k->blocks_per_head[h];
+            *shared += k->shared_blocks_per_head[h];
+            assert_true(k->shared_blocks_per_head[h] <= k->blocks_per_head[h]);
+            *exact &= k->blocks_per_head[h] == (k->kept_per_head[h] + block_rows - 1) / block_rows;
+        }
+    }
+    return held;
+}
+
+/* The document's K/V and positions, exported through shared memory (a malloc'd copy). */
+static void *export_copy(snapkv_client_t *c, const struct snapkv_session_id *id, struct snapkv_shm *shm,
+                         size_t *bytes, uint32_t **pos, size_t *n_pos)
+{
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(c, id, shm, 0, &lay), SNAPKV_OK);
+    void *copy = malloc(lay.bytes_written);
+    assert_non_null(copy);
+    memcpy(copy, shm->addr, lay.bytes_written);
+    *bytes = lay.bytes_written;
+    *n_pos = lay.n_positions;
+    *pos = malloc(lay.n_positions * sizeof **pos);
+    assert_non_null(*pos);
+    memcpy(*pos, lay.positions, lay.n_positions * sizeof **pos);
+    snapkv_kv_layout_free(&lay);
+    return copy;
+}
+
 /* The in-process engine's greedy tokens for the same prompt and spec. */
 static void expected_tokens(const uint32_t *ids, int n, const char *spec_text, uint32_t *out, int n_gen)
 {
@@ -395,6 +435,11 @@ static void test_pool_pressure(void **state)
     assert_int_equal(snapkv_admin_inspect(a, &first.id, false, &ir), SNAPKV_E_NOT_FOUND);
     /* save / load of the new session */
     uint64_t bytes = 0;
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("saved", 16 << 20, &shm), SNAPKV_OK);
+    size_t kv_bytes, n_pos, kv_bytes1, n_pos1;
+    uint32_t *pos0, *pos1;
+    void *kv0 = export_copy(c, &pr.id, &shm, &kv_bytes, &pos0, &n_pos);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "doc-1", &bytes), SNAPKV_OK);
     assert_true(bytes > 7000000);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "../escape", &bytes), SNAPKV_E_INVAL);
@@ -404,6 +449,17 @@ static void test_pool_pressure(void **state)
     assert_int_equal(snapkv_admin_inspect(a, &loaded, false, &ir), SNAPKV_OK);
     assert_int_equal(ir.info.n_tokens, N_PROMPT);
     snapkv_inspect_result_free(&ir);
+    /* what was saved comes back bit for bit (K, V and positions through the block tables) */
+    void *kv1 = export_copy(c, &loaded, &shm, &kv_bytes1, &pos1, &n_pos1);
+    assert_int_equal(kv_bytes1, kv_bytes);
+    assert_int_equal(n_pos1, n_pos);
+    assert_memory_equal(kv1, kv0, kv_bytes);
+    assert_memory_equal(pos1, pos0, n_pos * sizeof *pos0);
+    free(kv0);
+    free(kv1);
+    free(pos0);
+    free(pos1);
+    snapkv_shm_destroy(&shm);
     assert_int_equal(snapkv_admin_load(a, "missing", "p", &loaded), SNAPKV_E_NOT_FOUND);
     snapkv_prefill_result_free(&pr);
     snapkv_prefill_result_free(&first);
@@ -473,46 +529,6 @@ static void test_killed_client_and_lease(void **state)
  * re-compress with the question as the window, and decode. Until they write, the forks share
  * every block of the document (INSPECT and STATUS show it, the pool holds it once); after,
  * each holds its own blocks and the document is unchanged bit for bit. */
-/* Blocks a session's INSPECT shows: the sum over layers and heads, and whether every head
- * holds exactly the blocks its kept rows need. */
-static uint64_t inspect_blocks(const struct snapkv_inspect_result *ir, uint32_t block_rows, uint64_t *shared,
-                               bool *exact)
-{
-    uint64_t held = 0;
-    *shared = 0;
-    *exact = true;
-    for (size_t l = 0; l < ir->n_layers; l++) {
-        const struct snapkv_layer_kept *k = &ir->layers[l];
-        assert_non_null(k->blocks_per_head);
-        assert_non_null(k->shared_blocks_per_head);
-        for (uint32_t h = 0; h < k->n_heads; h++) {
-            held += k->blocks_per_head[h];
-            *shared += k->shared_blocks_per_head[h];
-            assert_true(k->shared_blocks_per_head[h] <= k->blocks_per_head[h]);
-            *exact &= k->blocks_per_head[h] == (k->kept_per_head[h] + block_rows - 1) / block_rows;
-        }
-    }
-    return held;
-}
-
-/* The document's K/V and positions, exported through shared memory (a malloc'd copy). */
-static void *export_copy(snapkv_client_t *c, const struct snapkv_session_id *id, struct snapkv_shm *shm,
-                         size_t *bytes, uint32_t **pos, size_t *n_pos)
-{
-    struct snapkv_kv_layout lay;
-    assert_int_equal(snapkv_export_kv(c, id, shm, 0, &lay), SNAPKV_OK);
-    void *copy = malloc(lay.bytes_written);
-    assert_non_null(copy);
-    memcpy(copy, shm->addr, lay.bytes_written);
-    *bytes = lay.bytes_written;
-    *n_pos = lay.n_positions;
-    *pos = malloc(lay.n_positions * sizeof **pos);
-    assert_non_null(*pos);
-    memcpy(*pos, lay.positions, lay.n_positions * sizeof **pos);
-    snapkv_kv_layout_free(&lay);
-    return copy;
-}
-
 static void test_shared_document(void **state)
 {
     NEED_MODEL();
