@@ -159,12 +159,17 @@ static int head_open(struct skv_kv_cache *c, struct skv_kv_head *hd, int row0, i
     return rc;
 }
 
-/* Copies rows [row0, row0 + n) of a head between its blocks and a [n] run of rows of K (or
- * V) elsewhere, row stride `stride` bytes: dir 0 writes the blocks from backend memory,
- * 1 from host memory, 2 reads them into host memory. The blocks are present (and, to
- * write, private). */
+enum rows_io {
+    ROWS_FROM_BACKEND, /* write the blocks from backend memory (any row stride) */
+    ROWS_FROM_HOST,    /* write the blocks from host memory (contiguous rows) */
+    ROWS_TO_HOST,      /* read the blocks into host memory (contiguous rows) */
+};
+
+/* Copies rows [row0, row0 + n) of a head between its blocks and a run of n rows of K
+ * (which == 0) or V elsewhere, `stride` bytes apart. The blocks are present (and, to be
+ * written, private). */
 static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *hd, int which, int row0, int n,
-                        void *other, size_t stride, int dir)
+                        void *other, size_t stride, enum rows_io dir)
 {
     struct skv_backend *be = c->be;
     const int t = c->block_rows;
@@ -173,11 +178,12 @@ static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *
         int b = j / t, off = j % t, m = t - off < row0 + n - j ? t - off : row0 + n - j;
         char *blk = (char *)hd->mem[b] + ((size_t)which * t + off) * row, *o = (char *)other + (size_t)(j - row0) * stride;
         int rc;
-        if (dir == 0)
+        if (dir == ROWS_FROM_BACKEND)
             rc = be->ops->copy_2d(be, blk, row, o, stride, row, m);
-        else if (dir == 1)
-            rc = stride == row ? be->ops->upload(be, blk, o, (size_t)m * row)
-                               : skv_errorf(SKV_E_INTERNAL, "KV rows: host copies are contiguous");
+        else if (stride != row)
+            rc = skv_errorf(SKV_E_INTERNAL, "KV rows: host copies are contiguous");
+        else if (dir == ROWS_FROM_HOST)
+            rc = be->ops->upload(be, blk, o, (size_t)m * row);
         else
             rc = be->ops->download(be, o, blk, (size_t)m * row);
         if (rc)
@@ -344,7 +350,7 @@ int skv_kv_cache_read_rows(const struct skv_kv_cache *c, int layer, int h, int w
     const struct skv_kv_head *hd = &c->heads[layer * c->n_kv_heads + h];
     if (row0 < 0 || n < 0 || row0 + n > hd->len || (which != 0 && which != 1))
         return skv_errorf(SKV_E_INVAL, "reading rows [%d, %d) of %d", row0, row0 + n, hd->len);
-    return head_rows_io(c, hd, which, row0, n, dst, (size_t)c->head_dim * sizeof(float), 2);
+    return head_rows_io(c, hd, which, row0, n, dst, (size_t)c->head_dim * sizeof(float), ROWS_TO_HOST);
 }
 
 int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which, int row0, int n,
@@ -357,7 +363,7 @@ int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which,
     if (!rc)
         rc = head_open(c, hd, row0, n);
     if (!rc)
-        rc = head_rows_io(c, hd, which, row0, n, (void *)src, (size_t)c->head_dim * sizeof(float), 1);
+        rc = head_rows_io(c, hd, which, row0, n, (void *)src, (size_t)c->head_dim * sizeof(float), ROWS_FROM_HOST);
     if (!rc && row0 + n > hd->len)
         hd->len = row0 + n;
     return rc;
@@ -388,9 +394,7 @@ uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *c)
 void skv_kv_head_blocks(const struct skv_kv_cache *c, const struct skv_kv_head *hd, struct skv_kv_blocks *out)
 {
     out->held = (uint64_t)hd->n_blocks;
-    out->shared = 0;
-    for (int b = 0; b < hd->n_blocks; b++)
-        out->shared += skv_kv_pool_is_shared(c->pool, hd->blk[b]);
+    out->shared = skv_kv_pool_count_shared(c->pool, hd->blk, hd->n_blocks);
 }
 
 void skv_kv_cache_blocks(const struct skv_kv_cache *c, struct skv_kv_blocks *out)
@@ -524,8 +528,8 @@ static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, 
     for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
         float *ks = e->kb + (size_t)j * kvdim + (size_t)h * hd, *vs = e->vb + (size_t)j * kvdim + (size_t)h * hd;
-        CHECK(head_rows_io(cache, kh, 0, at[h], m, ks, kvdim * sizeof(float), 0));
-        CHECK(head_rows_io(cache, kh, 1, at[h], m, vs, kvdim * sizeof(float), 0));
+        CHECK(head_rows_io(cache, kh, 0, at[h], m, ks, kvdim * sizeof(float), ROWS_FROM_BACKEND));
+        CHECK(head_rows_io(cache, kh, 1, at[h], m, vs, kvdim * sizeof(float), ROWS_FROM_BACKEND));
         memcpy(kh->pos + at[h], e->pos + i0, (size_t)m * sizeof(int32_t));
         memset(kh->score + at[h], 0, (size_t)m * sizeof(float));
     }

@@ -208,6 +208,16 @@ bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *
     return shared;
 }
 
+uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n)
+{
+    uint64_t shared = 0;
+    pthread_mutex_lock(&pool->lock);
+    for (int i = 0; i < n; i++)
+        shared += blocks[i]->refs > 1;
+    pthread_mutex_unlock(&pool->lock);
+    return shared;
+}
+
 int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p)
 {
     struct skv_kv_block *old = *b_p, *copy = NULL;

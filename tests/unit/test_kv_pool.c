@@ -123,6 +123,7 @@ static void test_pool_counts(void **state)
     skv_kv_pool_hold(p, b[7]);
     assert_true(skv_kv_pool_is_shared(p, b[7]));
     assert_int_equal(pool_stats(p).blocks_shared, 1);
+    assert_int_equal(skv_kv_pool_count_shared(p, b, N), 1);
     struct skv_kv_block *mine = b[7];
     assert_int_equal(skv_kv_pool_unshare(p, &mine), SKV_OK);
     assert_ptr_not_equal(mine, b[7]);
