@@ -1067,7 +1067,6 @@ struct evict_ctx {
     const char *tenant;
     bool all;
     uint32_t count;
-    uint64_t bytes;
 };
 
 static bool evict_visit(void *user, struct skv_session *s)
@@ -1078,7 +1077,6 @@ static bool evict_visit(void *user, struct skv_session *s)
     if (!e->all && strcmp(s->tenant, e->tenant) != 0)
         return false;
     e->count++;
-    e->bytes += s->bytes;
     return true;
 }
 
@@ -1086,6 +1084,8 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__EvictRequest *q = job->req->evict;
     struct evict_ctx e = {.tenant = q->tenant, .all = q->all_unpinned};
+    struct skv_session_stats before, after; /* freed: pool bytes, so blocks forks still hold do not count */
+    skv_session_stats(w->sessions, &before);
     if (q->session_id.len) {
         struct skv_session *s = NULL;
         int rc = find_session(w, job, q->session_id, true, &s);
@@ -1096,7 +1096,6 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
             return;
         }
         e.count = 1;
-        e.bytes = s->bytes;
         skv_session_destroy(w->sessions, s);
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
         skv_session_foreach(w->sessions, evict_visit, &e);
@@ -1107,8 +1106,9 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
     Snapkv__Reply rep;
     Snapkv__EvictReply er = SNAPKV__EVICT_REPLY__INIT;
     reply_init(&rep, job);
+    skv_session_stats(w->sessions, &after);
     er.evicted = e.count;
-    er.bytes_freed = e.bytes;
+    er.bytes_freed = before.bytes_used - after.bytes_used;
     rep.result_case = SNAPKV__REPLY__RESULT_EVICT;
     rep.evict = &er;
     skv_worker_reply(w, job, &rep);

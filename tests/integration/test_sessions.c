@@ -641,21 +641,28 @@ static void test_shared_document(void **state)
     assert_memory_equal(pos1, pos0, n_pos * sizeof *pos0);
     /* each fork now holds its own 44 rows (40 kept + 4 decoded) per head, in exactly the
      * blocks they need, and the pool holds no copy of the document */
-    uint64_t fork_blocks = 0;
+    uint64_t fork_blocks = 0, own[N];
     for (int i = 0; i < N; i++) {
         assert_int_equal(snapkv_admin_inspect(a, &forks[i], false, &ir), SNAPKV_OK);
         assert_int_equal(ir.layers[0].kept_per_head[0], 44);
         uint64_t held = inspect_blocks(&ir, T, &shared, &exact);
         assert_true(exact);
         assert_true(shared < held);
-        fork_blocks += held - shared;
+        own[i] = held - shared;
+        fork_blocks += own[i];
         snapkv_inspect_result_free(&ir);
     }
     assert_int_equal(snapkv_admin_status(a, &st), SNAPKV_OK);
     assert_int_equal(st.pool_blocks_used, doc_blocks + fork_blocks);
+    /* evicting a fork gives back its own blocks only */
+    uint32_t n_ev = 0;
+    uint64_t freed = 0;
+    assert_int_equal(snapkv_admin_evict(a, &forks[0], NULL, false, &n_ev, &freed), SNAPKV_OK);
+    assert_int_equal(n_ev, 1);
+    assert_int_equal(freed, own[0] * st.pool_block_bytes);
     struct snapkv_session_list l;
     assert_int_equal(snapkv_admin_list(a, "team", &l), SNAPKV_OK);
-    assert_int_equal(l.n, 1 + N);
+    assert_int_equal(l.n, N); /* the document and the forks left */
     snapkv_session_list_free(&l);
     free(kv0);
     free(kv1);
