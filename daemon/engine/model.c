@@ -653,6 +653,17 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
     return SKV_OK;
 }
 
+int skv_model_set_kv_block_rows(struct skv_model *m, int rows)
+{
+    struct skv_kv_pool *pool = NULL;
+    int rc = skv_kv_pool_new(m->be, m->cfg.head_dim, rows, &pool);
+    if (rc)
+        return rc;
+    skv_kv_pool_unref(&m->kv_pool);
+    m->kv_pool = pool;
+    return SKV_OK;
+}
+
 void skv_model_free(struct skv_model **model_p)
 {
     if (!model_p || !*model_p)

@@ -317,6 +317,32 @@ static void test_block_sizes(void **state)
     free(got);
 }
 
+/* A model's pool can be replaced (snapkvd's kv-block-tokens): caches made before keep theirs. */
+static void test_model_block_rows(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab;
+    struct skv_kv_cache *before = NULL, *after = NULL;
+    float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+    assert_int_equal(skv_kv_cache_new(t->m, &before), SKV_OK);
+    prefill(t, before, t->ids, 20, NULL);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, 0), SKV_E_INVAL);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, 4), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &after), SKV_OK);
+    assert_int_equal(after->block_rows, 4);
+    assert_int_equal(before->block_rows, SKV_KV_BLOCK_ROWS);
+    prefill(t, after, t->ids, 20, NULL);
+    prefill(t, before, t->ids + 20, 1, a);
+    prefill(t, after, t->ids + 20, 1, b);
+    assert_memory_equal(a, b, (size_t)nv * sizeof *a);
+    assert_int_equal(skv_kv_cache_head(after, 0, 0)->n_blocks, 6);
+    skv_kv_cache_free(&before); /* the old pool goes with its last cache */
+    skv_kv_cache_free(&after);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, SKV_KV_BLOCK_ROWS), SKV_OK);
+    free(a);
+    free(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -324,6 +350,7 @@ int main(void)
         cmocka_unit_test(test_fork_append),
         cmocka_unit_test(test_fork_compact),
         cmocka_unit_test(test_block_sizes),
+        cmocka_unit_test(test_model_block_rows),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
 }
