@@ -193,6 +193,11 @@ struct skv_backend_ops {
      * increasing (in-place compaction). idx is host memory. */
     int (*gather_rows)(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
                        const int32_t *idx, int n);
+    /* n rows of row_bytes, each from its own place to its own place: dst[i] <- src[i] (host
+     * arrays of backend pointers; what a paged KV compaction moves between blocks in one
+     * call). No destination row may overlap a source row or another destination. */
+    int (*copy_rows)(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
+                     int n);
 };
 
 struct skv_backend {

@@ -1,6 +1,6 @@
 /* The CPU backend's compression math: attention column sums (SnapKV's observation window,
- * H2O's accumulated attention), the mean residual cosine (SqueezeAttention) and row gathers
- * that compact a cache in place. */
+ * H2O's accumulated attention), the mean residual cosine (SqueezeAttention), row gathers
+ * that compact a cache in place and row copies that compact a paged one. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -143,5 +143,18 @@ int skv_cpu_gather_rows(struct skv_backend *be, void *dst, const void *src, size
             continue;
         memmove((char *)dst + (size_t)i * row_bytes, (const char *)src + (size_t)idx[i] * row_bytes, row_bytes);
     }
+    return SKV_OK;
+}
+
+int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n)
+{
+    (void)be;
+    if (n < 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "copy_rows: bad arguments");
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "copy_rows: row %d has no %s", i, dst[i] ? "source" : "destination");
+    for (int i = 0; i < n; i++)
+        memcpy(dst[i], src[i], row_bytes);
     return SKV_OK;
 }

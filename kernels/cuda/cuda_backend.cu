@@ -1130,6 +1130,54 @@ static int cuda_gather_rows(struct skv_backend *be, void *dst, const void *src, 
     return SKV_OK;
 }
 
+/* Row i of n: dst[i] <- src[i], 32-bit words when every pointer and the row allow it. */
+__global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src, size_t row_bytes, int n,
+                                 int words)
+{
+    const int64_t per_row = words ? (int64_t)(row_bytes / 4) : (int64_t)row_bytes;
+    const int64_t total = (int64_t)n * per_row;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
+         k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = k / per_row, e = k % per_row;
+        if (words)
+            ((uint32_t *)dst[i])[e] = ((const uint32_t *)src[i])[e];
+        else
+            dst[i][e] = src[i][e];
+    }
+}
+
+/* The two pointer tables go to device scratch (one upload), then one kernel moves every row. */
+static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
+                          int n)
+{
+    if (n < 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "copy_rows: bad arguments");
+    int words = row_bytes % 4 == 0;
+    for (int i = 0; i < n; i++) {
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "copy_rows: row %d has no %s", i, dst[i] ? "source" : "destination");
+        words = words && (uintptr_t)dst[i] % 4 == 0 && (uintptr_t)src[i] % 4 == 0;
+    }
+    if (n == 0 || row_bytes == 0)
+        return SKV_OK;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    const size_t table = (size_t)n * sizeof(void *);
+    void *s = NULL;
+    int rc = scratch_get(impl, 2 * align_up(table), &s);
+    if (rc < 0)
+        return rc;
+    uint8_t **ddst = (uint8_t **)s;
+    const uint8_t **dsrc = (const uint8_t **)((char *)s + align_up(table));
+    /* pageable sources are staged when cudaMemcpyAsync returns */
+    SKV_CUDA_CHECK(cudaMemcpyAsync(ddst, dst, table, cudaMemcpyHostToDevice, impl->stream));
+    SKV_CUDA_CHECK(cudaMemcpyAsync(dsrc, src, table, cudaMemcpyHostToDevice, impl->stream));
+    const int64_t total = (int64_t)n * (int64_t)(words ? row_bytes / 4 : row_bytes);
+    copy_rows_kernel<<<grid_for(total, EW_THREADS), EW_THREADS, 0, impl->stream>>>(ddst, dsrc, row_bytes, n,
+                                                                                   words);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    return SKV_OK;
+}
+
 /* ---- construction ------------------------------------------------------------------- */
 
 static void cuda_destroy(struct skv_backend *be)
@@ -1170,6 +1218,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* attention_colsum */ cuda_attention_colsum,
     /* cosine_mean */ cuda_cosine_mean,
     /* gather_rows */ cuda_gather_rows,
+    /* copy_rows */ cuda_copy_rows,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -919,6 +919,41 @@ static void test_attention_paged(void **state)
     }
 }
 
+/* copy_rows: rows moved between two buffers in a scrambled order, odd and word-sized rows. */
+static void test_copy_rows(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0xc0e7ULL};
+    const size_t sizes[] = {256, 6};
+    for (size_t si = 0; si < 2; si++) {
+        enum { N = 37 };
+        const size_t row = sizes[si];
+        unsigned char src_h[N * 256], want[N * 256], got[N * 256];
+        for (size_t i = 0; i < N * row; i++)
+            src_h[i] = (unsigned char)(rng_next(&r) >> 24);
+        memset(want, 0xab, sizeof want);
+        char *dsrc = dev_from(be, src_h, N * row), *ddst = dev_from(be, want, N * row);
+        void *to[N];
+        const void *from[N];
+        for (int i = 0; i < N; i++) {
+            int j = (i * 11 + 5) % N; /* destination row i gets source row j */
+            to[i] = ddst + (size_t)i * row;
+            from[i] = dsrc + (size_t)j * row;
+            memcpy(want + (size_t)i * row, src_h + (size_t)j * row, row);
+        }
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, N), SKV_OK);
+        dev_to(be, got, ddst, N * row);
+        assert_memory_equal(got, want, N * row);
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, 0), SKV_OK);
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, -1), SKV_E_INVAL);
+        assert_int_equal(be->ops->copy_rows(be, NULL, from, row, 2), SKV_E_INVAL);
+        to[1] = NULL;
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, 2), SKV_E_INVAL);
+        be->ops->free(be, dsrc);
+        be->ops->free(be, ddst);
+    }
+}
+
 static void test_attention_invalid(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -1173,7 +1208,7 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
         cmocka_unit_test(test_colsum_window), cmocka_unit_test(test_attention_paged),        \
-        cmocka_unit_test(test_attention_invalid)
+        cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_attention_invalid)
 
 int main(void)
 {
