@@ -284,10 +284,12 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
         return SKV_OK; /* strictly increasing and as many as there are: every row in place */
     struct skv_backend *be = c->be;
     const int t = c->block_rows, nb = blocks_for(c, cnt);
-    const size_t row = (size_t)c->head_dim * sizeof(float);
+    const size_t row = (size_t)c->head_dim * sizeof(float), kv_off = (size_t)t * row;
     struct skv_kv_block **fresh = calloc((size_t)(nb ? nb : 1), sizeof *fresh);
-    int32_t *rel = malloc((size_t)t * sizeof *rel);
-    int rc = fresh && rel ? SKV_OK : SKV_E_NOMEM;
+    /* K and V of every moved row, one copy_rows call for the head */
+    void **to = malloc((size_t)(2 * cnt + 1) * sizeof *to);
+    const void **from = malloc((size_t)(2 * cnt + 1) * sizeof *from);
+    int rc = fresh && to && from ? SKV_OK : SKV_E_NOMEM, moved = 0;
     for (int b = 0; b < nb && !rc; b++) {
         int r0 = b * t, r1 = r0 + t < cnt ? r0 + t : cnt;
         if (idx[r0] == r0 && idx[r1 - 1] == r1 - 1) {
@@ -297,25 +299,23 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
         }
         if ((rc = skv_kv_pool_get(c->pool, &fresh[b])))
             break;
-        /* one gather per run of rows that come from the same old block, K then V */
-        for (int i = r0; i < r1 && !rc;) {
-            int sb = idx[i] / t, m = 0;
-            while (i + m < r1 && idx[i + m] / t == sb) {
-                rel[m] = idx[i + m] - sb * t;
-                m++;
-            }
-            char *dst = (char *)fresh[b]->mem + (size_t)(i - r0) * row, *from = hd->mem[sb];
-            rc = be->ops->gather_rows(be, dst, from, row, rel, m);
-            if (!rc)
-                rc = be->ops->gather_rows(be, dst + (size_t)t * row, from + (size_t)t * row, row, rel, m);
-            i += m;
+        for (int i = r0; i < r1; i++) {
+            char *dst = (char *)fresh[b]->mem + (size_t)(i - r0) * row;
+            const char *src = (const char *)hd->mem[idx[i] / t] + (size_t)(idx[i] % t) * row;
+            to[moved] = dst;
+            from[moved++] = src;
+            to[moved] = dst + kv_off;
+            from[moved++] = src + kv_off;
         }
     }
+    if (!rc && moved)
+        rc = be->ops->copy_rows(be, to, from, row, moved);
+    free(to);
+    free(from);
     if (rc) {
         for (int b = 0; fresh && b < nb; b++)
             skv_kv_pool_put(c->pool, fresh[b]);
         free(fresh);
-        free(rel);
         return rc;
     }
     head_release_from(c, hd, 0);
@@ -330,7 +330,6 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
     }
     hd->len = cnt;
     free(fresh);
-    free(rel);
     return SKV_OK;
 }
 
