@@ -176,7 +176,8 @@ static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *
     const size_t row = (size_t)c->head_dim * sizeof(float);
     for (int j = row0; j < row0 + n;) {
         int b = j / t, off = j % t, m = t - off < row0 + n - j ? t - off : row0 + n - j;
-        char *blk = (char *)hd->mem[b] + ((size_t)which * t + off) * row, *o = (char *)other + (size_t)(j - row0) * stride;
+        char *blk = (char *)hd->mem[b] + ((size_t)which * t + off) * row;
+        char *o = (char *)other + (size_t)(j - row0) * stride;
         int rc;
         if (dir == ROWS_FROM_BACKEND)
             rc = be->ops->copy_2d(be, blk, row, o, stride, row, m);
