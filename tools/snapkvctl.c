@@ -1216,15 +1216,16 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
             json_array_append_new(arr, info_json(&l.sessions[i]));
         print_json(arr);
     } else {
-        printf("%-32s  %-12s %7s %7s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT", "BYTES",
-               "POLICY", "PIN", "LEASE", "IDLE");
+        printf("%-32s  %-12s %7s %7s %10s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT",
+               "BYTES", "SHARED", "POLICY", "PIN", "LEASE", "IDLE");
         for (size_t i = 0; i < l.n; i++) {
             const struct snapkv_session_info *s = &l.sessions[i];
-            char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32];
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
             id_hex(&s->id, hex);
-            printf("%-32s  %-12.12s %7u %7u %10s %-10.10s %3s %6u %6lld\n", hex, s->tenant, s->n_tokens,
-                   s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), s->policy[0] ? s->policy : "full",
-                   s->pinned ? "yes" : "", s->lease_seconds, idle_seconds(s->last_used_unix_ms));
+            printf("%-32s  %-12.12s %7u %7u %10s %10s %-10.10s %3s %6u %6lld\n", hex, s->tenant, s->n_tokens,
+                   s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb),
+                   s->policy[0] ? s->policy : "full", s->pinned ? "yes" : "", s->lease_seconds,
+                   idle_seconds(s->last_used_unix_ms));
         }
     }
     snapkv_session_list_free(&l);
