@@ -13,6 +13,7 @@ struct skv_config {
     char *backend;            /* auto | cpu | cuda */
     int64_t threads;          /* 0: all online CPUs */
     int64_t pool_size;        /* bytes of KV pool */
+    int64_t kv_block_tokens;  /* rows per KV pool block */
     char *endpoint;           /* client socket */
     char *admin_endpoint;     /* admin socket */
     char *curve_secret_key;   /* file: the daemon's CURVE secret key (tcp:// endpoints) */

@@ -185,6 +185,10 @@ int main(int argc, char **argv)
         skv_log(SKV_LOG_ERROR, "model %s: %s", cfg.model, skv_error_msg());
         goto out_backend;
     }
+    if ((rc = skv_model_set_kv_block_rows(model, (int)cfg.kv_block_tokens))) {
+        skv_log(SKV_LOG_ERROR, "KV pool: %s", skv_error_msg());
+        goto out_model;
+    }
     skv_log(SKV_LOG_INFO, "model %s: %d layers, %d heads (%d kv), dim %d, vocab %d", skv_model_name(model),
             skv_model_config(model)->n_layers, skv_model_config(model)->n_heads,
             skv_model_config(model)->n_kv_heads, skv_model_config(model)->dim,

@@ -147,15 +147,17 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
 struct kept_arena {
     Snapkv__LayerKept *layers;
     Snapkv__LayerKept **ptrs;
-    uint32_t *per_head;
+    uint32_t *per_head;       /* [3][L * H]: kept rows, then (with blocks) blocks and shared blocks */
 };
 
-static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, size_t *n_out, Snapkv__LayerKept ***out)
+/* with_blocks (INSPECT): also each head's blocks and shared blocks. */
+static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, bool with_blocks, size_t *n_out,
+                     Snapkv__LayerKept ***out)
 {
     int L = c->n_layers, H = c->n_kv_heads;
     a->layers = calloc((size_t)L, sizeof *a->layers);
     a->ptrs = calloc((size_t)L, sizeof *a->ptrs);
-    a->per_head = calloc((size_t)L * H, sizeof *a->per_head);
+    a->per_head = calloc((size_t)3 * L * H, sizeof *a->per_head);
     if (!a->layers || !a->ptrs || !a->per_head)
         return SKV_E_NOMEM;
     for (int l = 0; l < L; l++) {
@@ -169,6 +171,17 @@ static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, size_t 
             k->kept_per_head[h] = (uint32_t)len;
             k->kept = (uint32_t)len > k->kept ? (uint32_t)len : k->kept;
             k->bytes += (uint64_t)len * c->head_dim * 2 * sizeof(float);
+        }
+        if (with_blocks) {
+            k->n_blocks_per_head = k->n_shared_blocks_per_head = (size_t)H;
+            k->blocks_per_head = a->per_head + (size_t)(L + l) * H;
+            k->shared_blocks_per_head = a->per_head + (size_t)(2 * L + l) * H;
+            for (int h = 0; h < H; h++) {
+                struct skv_kv_blocks b;
+                skv_kv_head_blocks(c, &c->heads[l * H + h], &b);
+                k->blocks_per_head[h] = (uint32_t)b.held;
+                k->shared_blocks_per_head[h] = (uint32_t)b.shared;
+            }
         }
         a->ptrs[l] = k;
     }
@@ -312,7 +325,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     }
     w->metrics.bytes_before += pr.bytes_before;
     w->metrics.bytes_after += pr.bytes_after;
-    if ((rc = fill_kept(s->cache, &arena, &pr.n_kept, &pr.kept))) {
+    if ((rc = fill_kept(s->cache, &arena, false, &pr.n_kept, &pr.kept))) {
         free_kept(&arena);
         goto fail;
     }
@@ -386,11 +399,16 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         window = n_past;
     if (window > 0 && s->n_tokens == n_past) {
         int cut = n_past - window;
-        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
-            struct skv_kv_head *kh = &s->cache->heads[i];
-            while (kh->len > 0 && kh->pos[kh->len - 1] >= cut)
-                kh->len--;
+        int H = s->cache->n_kv_heads;
+        for (int i = 0; i < s->cache->n_layers * H && !rc; i++) {
+            const struct skv_kv_head *kh = &s->cache->heads[i];
+            int len = kh->len;
+            while (len > 0 && kh->pos[len - 1] >= cut)
+                len--;
+            rc = skv_kv_cache_truncate(s->cache, i / H, i % H, len);
         }
+        if (rc)
+            goto fail;
         s->cache->n_past = cut;
         s->n_tokens = cut;
         int32_t *redo = malloc((size_t)window * sizeof *redo);
@@ -412,7 +430,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     reply_init(&rep, job);
     cr.bytes_before = before;
     cr.bytes_after = s->bytes;
-    if ((rc = fill_kept(s->cache, &arena, &cr.n_kept, &cr.kept))) {
+    if ((rc = fill_kept(s->cache, &arena, false, &cr.n_kept, &cr.kept))) {
         free_kept(&arena);
         goto fail;
     }
@@ -455,7 +473,7 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
     Snapkv__ForkReply fr = SNAPKV__FORK_REPLY__INIT;
     reply_init(&rep, job);
     fr.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
-    fr.shared_bytes = 0; /* a fork copies its parent's rows (no copy-on-write blocks yet) */
+    fr.shared_bytes = skv_session_shared_bytes(s); /* every block, until one side writes */
     rep.result_case = SNAPKV__REPLY__RESULT_FORK;
     rep.fork = &fr;
     skv_worker_reply(w, job, &rep);
@@ -569,7 +587,8 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
         for (int kv = 0; kv < 2; kv++)
             for (int h = 0; h < H; h++) {
                 const struct skv_kv_head *kh = &c->heads[l * H + h];
-                memcpy(out, kv ? (void *)kh->v : (void *)kh->k, (size_t)kh->len * row);
+                if (!rc)
+                    rc = skv_kv_cache_read_rows(c, (int)l, h, kv, 0, kh->len, (float *)out);
                 memset(out + (size_t)kh->len * row, 0, (size_t)(mx - kh->len) * row);
                 out += (size_t)mx * row;
             }
@@ -580,6 +599,11 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
         }
     }
     munmap(map, size);
+    if (rc) {
+        free(positions);
+        fail_rc(w, job, rc);
+        return;
+    }
     Snapkv__Reply rep;
     Snapkv__ExportKvReply er = SNAPKV__EXPORT_KV_REPLY__INIT;
     struct kept_arena arena = {0};
@@ -587,7 +611,7 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
     er.bytes_written = need;
     er.n_positions = (size_t)n_pos;
     er.positions = positions;
-    if ((rc = fill_kept(c, &arena, &er.n_kept, &er.kept))) {
+    if ((rc = fill_kept(c, &arena, false, &er.n_kept, &er.kept))) {
         fail_rc(w, job, rc);
     } else {
         er.kept += first;
@@ -660,11 +684,10 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             mx = im->kept[l]->kept_per_head[h] > mx ? im->kept[l]->kept_per_head[h] : mx;
         for (int kv = 0; kv < 2; kv++)
             for (int h = 0; h < H; h++) {
-                struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
                 int len = (int)im->kept[l]->kept_per_head[h];
-                memcpy(kv ? (void *)kh->v : (void *)kh->k, in, (size_t)len * row);
+                if ((rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)in)))
+                    goto fail;
                 in += (size_t)mx * row;
-                kh->len = len;
             }
         for (int h = 0; h < H; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
@@ -937,6 +960,7 @@ static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s)
     }
     in->kept_tokens = kept;
     in->bytes = s->bytes;
+    in->shared_bytes = skv_session_shared_bytes(s);
     in->policy = s->spec;
     in->created_unix_ms = s->created_ms;
     in->last_used_unix_ms = s->last_used_ms;
@@ -1006,7 +1030,7 @@ static void handle_inspect(struct skv_worker *w, struct skv_job *job)
     reply_init(&rep, job);
     ir.info = &info;
     ir.spec = s->spec;
-    if ((rc = fill_kept(s->cache, &arena, &ir.n_kept, &ir.kept))) {
+    if ((rc = fill_kept(s->cache, &arena, true, &ir.n_kept, &ir.kept))) {
         fail_rc(w, job, rc);
         goto out;
     }
@@ -1043,7 +1067,6 @@ struct evict_ctx {
     const char *tenant;
     bool all;
     uint32_t count;
-    uint64_t bytes;
 };
 
 static bool evict_visit(void *user, struct skv_session *s)
@@ -1054,7 +1077,6 @@ static bool evict_visit(void *user, struct skv_session *s)
     if (!e->all && strcmp(s->tenant, e->tenant) != 0)
         return false;
     e->count++;
-    e->bytes += s->bytes;
     return true;
 }
 
@@ -1062,6 +1084,8 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__EvictRequest *q = job->req->evict;
     struct evict_ctx e = {.tenant = q->tenant, .all = q->all_unpinned};
+    struct skv_session_stats before, after; /* freed: pool bytes, so blocks forks still hold do not count */
+    skv_session_stats(w->sessions, &before);
     if (q->session_id.len) {
         struct skv_session *s = NULL;
         int rc = find_session(w, job, q->session_id, true, &s);
@@ -1072,7 +1096,6 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
             return;
         }
         e.count = 1;
-        e.bytes = s->bytes;
         skv_session_destroy(w->sessions, s);
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
         skv_session_foreach(w->sessions, evict_visit, &e);
@@ -1083,8 +1106,9 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
     Snapkv__Reply rep;
     Snapkv__EvictReply er = SNAPKV__EVICT_REPLY__INIT;
     reply_init(&rep, job);
+    skv_session_stats(w->sessions, &after);
     er.evicted = e.count;
-    er.bytes_freed = e.bytes;
+    er.bytes_freed = before.bytes_used - after.bytes_used;
     rep.result_case = SNAPKV__REPLY__RESULT_EVICT;
     rep.evict = &er;
     skv_worker_reply(w, job, &rep);
@@ -1176,13 +1200,24 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
     size_t row = (size_t)s->cache->head_dim * sizeof(float);
-    for (int i = 0; !rc && i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
+    float *rows = NULL; /* one head's K or V rows, read out of its blocks */
+    int H = s->cache->n_kv_heads;
+    for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
-        if (!(rc = write_all(f, &h, &len, sizeof len)) && !(rc = write_all(f, &h, kh->pos, (size_t)len * 4)) &&
-            !(rc = write_all(f, &h, kh->k, (size_t)len * row)))
-            rc = write_all(f, &h, kh->v, (size_t)len * row);
+        float *more = realloc(rows, (size_t)(len ? len : 1) * row);
+        if (!more) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        rows = more;
+        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)))
+            break;
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            if (!(rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, kv, 0, len, rows)))
+                rc = write_all(f, &h, rows, (size_t)len * row);
     }
+    free(rows);
     unsigned char sum[32];
     crypto_generichash_final(&h, sum, sizeof sum);
     if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
@@ -1250,6 +1285,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         rc = skv_session_push_tokens(s, tok, hd.n_tokens);
     free(tok);
     size_t row = (size_t)mc->head_dim * sizeof(float);
+    float *rows = NULL; /* one head's K or V rows on their way into its blocks */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -1261,15 +1297,25 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         }
         if (len > kh->cap && (rc = skv_kv_cache_reserve(s->cache, len)))
             break; /* grows every head by len: heads not loaded yet are empty */
-        if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)) || (rc = read_exact(f, &h, kh->k, (size_t)len * row)) ||
-            (rc = read_exact(f, &h, kh->v, (size_t)len * row)))
+        float *more = realloc(rows, (size_t)(len ? len : 1) * row);
+        if (!more) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        rows = more;
+        if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)))
+            break;
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            if (!(rc = read_exact(f, &h, rows, (size_t)len * row)))
+                rc = skv_kv_cache_write_rows(s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads, kv, 0, len, rows);
+        if (rc)
             break;
         for (int j = 0; j < len; j++)
             if (kh->pos[j] < 0 || kh->pos[j] >= hd.n_past || (j && kh->pos[j] <= kh->pos[j - 1]))
                 rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
         memset(kh->score, 0, (size_t)len * sizeof *kh->score);
-        kh->len = len;
     }
+    free(rows);
     unsigned char want[32], got[32];
     if (!rc) {
         crypto_generichash_final(&h, want, sizeof want);

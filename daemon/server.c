@@ -234,6 +234,12 @@ static int handle_status(struct skv_server *srv, Snapkv__Reply *rep, Snapkv__Sta
     s->n_sessions = ws.n_sessions;
     s->queue_depth = ws.queue_depth;
     s->pool_bytes_used = ws.pool_bytes_used;
+    struct skv_kv_pool_stats ps; /* the pool is thread-safe: read it here, not via the worker */
+    skv_kv_pool_stats(srv->env.model->kv_pool, &ps);
+    s->pool_blocks_used = ps.blocks_in_use;
+    s->pool_blocks_shared = ps.blocks_shared;
+    s->pool_block_rows = (uint32_t)ps.block_rows;
+    s->pool_block_bytes = ps.block_bytes;
     rep->result_case = SNAPKV__REPLY__RESULT_STATUS_REPLY;
     rep->status_reply = s;
     return SKV_OK;

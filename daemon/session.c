@@ -16,7 +16,7 @@ struct skv_session_table {
     struct skv_session_limits lim;
     struct skv_session *bucket[BUCKETS];
     int n_sessions;
-    uint64_t bytes_used;
+    struct skv_kv_pool *pool;     /* the model's block pool (from the first session) */
     uint64_t evictions;
 };
 
@@ -121,6 +121,8 @@ int skv_session_create(struct skv_session_table *t, const struct skv_model *m, c
     snprintf(s->tenant, sizeof s->tenant, "%s", tenant);
     snprintf(s->owner, sizeof s->owner, "%s", owner ? owner : "");
     s->created_ms = s->last_used_ms = skv_now_ms();
+    if (!t->pool)
+        t->pool = m->kv_pool;
     unsigned b = bucket_of(s->id);
     s->next = t->bucket[b];
     t->bucket[b] = s;
@@ -145,7 +147,6 @@ void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
     if (*pp)
         *pp = s->next;
     t->n_sessions--;
-    t->bytes_used -= s->bytes;
     session_free(s);
 }
 
@@ -179,11 +180,33 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
     return best;
 }
 
+/* Bytes of the unique blocks in use: what the pool limit counts. */
+static uint64_t pool_bytes_used(const struct skv_session_table *t)
+{
+    if (!t->pool)
+        return 0;
+    struct skv_kv_pool_stats ps;
+    skv_kv_pool_stats(t->pool, &ps);
+    return ps.blocks_in_use * ps.block_bytes;
+}
+
+static uint64_t session_bytes(const struct skv_session *s)
+{
+    struct skv_kv_blocks b;
+    skv_kv_cache_blocks(s->cache, &b);
+    return b.held * skv_kv_pool_block_bytes(s->cache->pool);
+}
+
+uint64_t skv_session_shared_bytes(const struct skv_session *s)
+{
+    struct skv_kv_blocks b;
+    skv_kv_cache_blocks(s->cache, &b);
+    return b.shared * skv_kv_pool_block_bytes(s->cache->pool);
+}
+
 int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out)
 {
-    uint64_t now = skv_kv_cache_bytes(s->cache);
-    t->bytes_used = t->bytes_used - s->bytes + now;
-    s->bytes = now;
+    s->bytes = session_bytes(s);
     int evicted = 0;
     int count;
     uint64_t tenant_bytes;
@@ -199,11 +222,13 @@ int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *
         t->evictions++;
         evicted++;
     }
-    while (t->bytes_used > t->lim.pool_bytes) {
+    /* evicting a session frees only the blocks no one else holds: re-count each time */
+    uint64_t used;
+    while ((used = pool_bytes_used(t)) > t->lim.pool_bytes) {
         struct skv_session *v = lru_victim(t, s, NULL);
         if (!v)
             return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
-                              (unsigned long long)t->bytes_used, (unsigned long long)t->lim.pool_bytes);
+                              (unsigned long long)used, (unsigned long long)t->lim.pool_bytes);
         skv_session_destroy(t, v);
         t->evictions++;
         evicted++;
@@ -244,7 +269,14 @@ int skv_session_foreach(struct skv_session_table *t, skv_session_visit_fn fn, vo
 
 void skv_session_stats(const struct skv_session_table *t, struct skv_session_stats *out)
 {
+    struct skv_kv_pool_stats ps = {0};
+    if (t->pool)
+        skv_kv_pool_stats(t->pool, &ps);
     out->n_sessions = t->n_sessions;
-    out->bytes_used = t->bytes_used;
+    out->bytes_used = ps.blocks_in_use * ps.block_bytes;
     out->evictions = t->evictions;
+    out->blocks_used = ps.blocks_in_use;
+    out->blocks_shared = ps.blocks_shared;
+    out->block_rows = ps.block_rows;
+    out->block_bytes = ps.block_bytes;
 }

@@ -1,7 +1,13 @@
 /* Sessions: one sequence's KV cache, token history, compression state and bookkeeping
  * (tenant, owner, times, pin, lease), in a table with per-tenant limits, pool byte
  * accounting and LRU eviction of idle, unpinned sessions. Knows no socket, no protobuf.
- * Not thread-safe: the engine worker thread owns the table. */
+ * Not thread-safe: the engine worker thread owns the table.
+ * Accounting over the model's KV block pool (daemon/engine/kv_pool.h), where forks share
+ * blocks copy-on-write: the pool limit counts unique blocks (a block shared by a document
+ * and its forks counts once, so forks of a pinned document cost only the blocks they
+ * write); a session's bytes, and so its tenant's quota, count every block its tables hold,
+ * shared or not (a tenant cannot exceed its quota through forks, and releasing the
+ * document never pushes the forks over it). */
 #ifndef SKV_SESSION_H
 #define SKV_SESSION_H
 
@@ -28,7 +34,7 @@ struct skv_session {
     uint64_t created_ms, last_used_ms;
     bool pinned;
     uint32_t lease_seconds;       /* released when idle this long (unless pinned) */
-    uint64_t bytes;               /* KV bytes charged to the pool */
+    uint64_t bytes;               /* blocks its tables hold x block bytes (shared ones too) */
     float *logits;                /* [n_vocab] after the last forward (DECODE samples from it) */
     int busy;                     /* a decode in flight: never evicted */
     struct skv_session *next;     /* table chain */
@@ -57,8 +63,8 @@ struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t 
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
-/* Re-counts s's KV bytes against the pool and its tenant. When the pool or the tenant's
- * quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`);
+/* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or
+ * the tenant's quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`);
  * SKV_E_POOL_FULL / SKV_E_LIMIT when that is not enough (the caller then drops `s`).
  * *evicted_out (may be NULL) counts the sessions evicted. */
 int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out);
@@ -72,10 +78,15 @@ int skv_session_foreach(struct skv_session_table *t, skv_session_visit_fn fn, vo
 
 struct skv_session_stats {
     int n_sessions;
-    uint64_t bytes_used;
+    uint64_t bytes_used;          /* unique blocks in use x block bytes */
     uint64_t evictions;
+    uint64_t blocks_used, blocks_shared;
+    int block_rows;
+    uint64_t block_bytes;
 };
 void skv_session_stats(const struct skv_session_table *t, struct skv_session_stats *out);
+/* Bytes of s's blocks shared with another session. */
+uint64_t skv_session_shared_bytes(const struct skv_session *s);
 
 uint64_t skv_now_ms(void);
 void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1]);

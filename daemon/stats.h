@@ -19,6 +19,7 @@ struct skv_stats_input {
     struct skv_metrics metrics;
     uint64_t n_sessions;
     uint64_t pool_bytes_used, pool_bytes_total;
+    uint64_t pool_blocks_used, pool_blocks_shared;
     uint64_t evictions;
 };
 
@@ -28,7 +29,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 12
+#define SKV_N_STATS 14
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -42,6 +42,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .n_sessions = (uint64_t)st.n_sessions,
         .pool_bytes_used = st.bytes_used,
         .pool_bytes_total = (uint64_t)w->cfg->pool_size,
+        .pool_blocks_used = st.blocks_used,
+        .pool_blocks_shared = st.blocks_shared,
         .evictions = st.evictions,
     };
 }

@@ -62,6 +62,16 @@ int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op)
     return SKV_OK;
 }
 
+int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op)
+{
+    for (int h = 0; h < kv->n_kv_heads; h++) {
+        bool ok = kv->block_rows > 0 ? kv->blocks[h] != NULL : kv->k[h] && kv->v[h];
+        if (kv->block_rows < 0 || !ok)
+            return skv_errorf(SKV_E_INVAL, "%s: KV head %d has no buffer", op, h);
+    }
+    return SKV_OK;
+}
+
 /* ---- start-up self-test --------------------------------------------------------------------- */
 
 static double nmse(const float *a, const float *b, int n)

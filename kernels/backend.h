@@ -83,7 +83,13 @@ struct skv_rope {
  * those rows, only the ones whose original position is > p - window. pos[h] gives head h's
  * row positions (host memory, ascending, prefix_len[h] + n of them; query i is at
  * pos[h][prefix_len[h] + i]). Rows that compression dropped are simply absent, so the rows a
- * query sees are always one contiguous range: see skv_kv_view_first(). */
+ * query sees are always one contiguous range: see skv_kv_view_first().
+ * Two layouts of the rows. Contiguous (block_rows == 0: what tests and benchmarks build):
+ * k[h] and v[h] each point at [prefix_len[h] + n][head_dim]. Paged (block_rows > 0: what
+ * the engine's block pool passes): row j of head h is row j % block_rows of block
+ * blocks[h][j / block_rows], one backend allocation holding K [block_rows][head_dim] then
+ * V [block_rows][head_dim]; the table itself is host memory. Ops read a row through
+ * skv_kv_view_row() (or its device twin) and give bitwise the same results for both. */
 #define SKV_MAX_KV_HEADS 64
 struct skv_kv_view {
     int n_kv_heads;
@@ -94,7 +100,19 @@ struct skv_kv_view {
     int32_t prefix_len[SKV_MAX_KV_HEADS];
     int32_t window;                       /* 0: full causal attention */
     const int32_t *pos[SKV_MAX_KV_HEADS]; /* read only when window > 0 */
+    int32_t block_rows;                   /* 0: contiguous k / v; > 0: paged blocks */
+    void *const *blocks[SKV_MAX_KV_HEADS]; /* head h: [ceil(rows / block_rows)] blocks */
 };
+
+/* Row j of head h: K (which == 0) or V (which == 1), in either layout. */
+static inline const float *skv_kv_view_row(const struct skv_kv_view *kv, int h, int which, int64_t j)
+{
+    const int64_t d = kv->head_dim;
+    if (kv->block_rows <= 0)
+        return (const float *)(which ? kv->v[h] : kv->k[h]) + j * d;
+    const int64_t t = kv->block_rows;
+    return (const float *)kv->blocks[h][j / t] + (which * t + j % t) * d;
+}
 
 /* One weight of a matmul_multi: out[n][rows] = x . w^T (+ bias[rows] when bias != NULL). */
 struct skv_matmul_part {
@@ -109,6 +127,9 @@ int32_t skv_kv_view_first(const struct skv_kv_view *kv, int h, int i);
 /* SKV_OK when the window fields are usable (window >= 0; a position array per head when
  * window > 0), else SKV_E_INVAL with a message naming op. */
 int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op);
+/* SKV_OK when every head of the view has its rows (k and v, or a block table and
+ * block_rows > 0), else SKV_E_INVAL with a message naming op. */
+int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op);
 
 struct skv_backend;
 
@@ -172,6 +193,11 @@ struct skv_backend_ops {
      * increasing (in-place compaction). idx is host memory. */
     int (*gather_rows)(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
                        const int32_t *idx, int n);
+    /* n rows of row_bytes, each from its own place to its own place: dst[i] <- src[i] (host
+     * arrays of backend pointers; what a paged KV compaction moves between blocks in one
+     * call). No destination row may overlap a source row or another destination. */
+    int (*copy_rows)(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
+                     int n);
 };
 
 struct skv_backend {

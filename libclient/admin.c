@@ -27,6 +27,10 @@ int snapkv_admin_status(snapkv_client_t *c, struct snapkv_status_info *out)
         .threads = s->threads,
         .pool_bytes_total = s->pool_bytes_total,
         .pool_bytes_used = s->pool_bytes_used,
+        .pool_blocks_used = s->pool_blocks_used,
+        .pool_blocks_shared = s->pool_blocks_shared,
+        .pool_block_rows = s->pool_block_rows,
+        .pool_block_bytes = s->pool_block_bytes,
     };
     snprintf(info.server_version, sizeof info.server_version, "%s", s->server_version);
     snprintf(info.model_name, sizeof info.model_name, "%s", s->model_name);

@@ -520,8 +520,9 @@ int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, 
         else
             n_kept_total += nh * (size_t)kept[i]->kept;
     }
-    /* one block: the layer array, then every layer's per-head counts */
-    struct snapkv_layer_kept *layers = calloc(1, n * sizeof *layers + n_heads_total * sizeof(uint32_t));
+    /* one allocation: the layer array, then every layer's per-head counts, then (INSPECT)
+     * its per-head blocks and shared blocks */
+    struct snapkv_layer_kept *layers = calloc(1, n * sizeof *layers + 3 * n_heads_total * sizeof(uint32_t));
     if (!layers)
         return skv_client_fail(SNAPKV_E_NOMEM, "out of memory for %zu layers", n);
     uint32_t *heads = (uint32_t *)(layers + n);
@@ -542,6 +543,13 @@ int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, 
             .bytes = k->bytes,
             .positions = pos,
         };
+        if (k->n_blocks_per_head == nh && k->n_shared_blocks_per_head == nh) {
+            uint32_t *blocks = heads + n_heads_total, *shared = blocks + n_heads_total;
+            memcpy(blocks, k->blocks_per_head, nh * sizeof *blocks);
+            memcpy(shared, k->shared_blocks_per_head, nh * sizeof *shared);
+            layers[i].blocks_per_head = blocks;
+            layers[i].shared_blocks_per_head = shared;
+        }
         heads += nh;
         if (pos)
             pos += layer_entries;

@@ -142,6 +142,10 @@ struct snapkv_layer_kept {
     /* Original positions this layer keeps, head after head (kept_per_head[h] each, not
      * padded), when the call returned positions; else NULL. Points into the owning result. */
     const uint32_t *positions;
+    /* INSPECT: per head, the KV pool blocks the session holds and how many of them it shares
+     * copy-on-write with other sessions (forks of one document); else NULL. */
+    const uint32_t *blocks_per_head;
+    const uint32_t *shared_blocks_per_head;
 };
 
 /* Called for each progress reply of a prefill (tokens_done of n_tokens; n_tokens may be 0 when
@@ -322,7 +326,10 @@ struct snapkv_status_info {
     char backend[16];
     uint64_t uptime_seconds;
     uint32_t n_sessions, n_clients, queue_depth, threads;
-    uint64_t pool_bytes_total, pool_bytes_used;
+    uint64_t pool_bytes_total, pool_bytes_used; /* used: unique blocks x block bytes */
+    uint64_t pool_blocks_used, pool_blocks_shared; /* shared: held by more than one session */
+    uint32_t pool_block_rows;     /* tokens of one KV head of one layer per block */
+    uint64_t pool_block_bytes;
 };
 SNAPKV_API int snapkv_admin_status(snapkv_client_t *client, struct snapkv_status_info *out);
 
@@ -339,8 +346,8 @@ struct snapkv_session_info {
     char policy[64];
     uint32_t n_tokens;            /* original length */
     uint32_t kept_tokens;         /* sum over layers of max kept */
-    uint64_t bytes;
-    uint64_t shared_bytes;        /* shared copy-on-write with forks */
+    uint64_t bytes;               /* KV blocks held x block bytes, shared ones included */
+    uint64_t shared_bytes;        /* of bytes, those shared copy-on-write with other sessions */
     uint64_t created_unix_ms, last_used_unix_ms;
     uint32_t lease_seconds;
     bool pinned;

@@ -401,7 +401,6 @@ struct cache_diff {
 static int cache_compare(struct skv_kv_cache *a, struct skv_kv_cache *b, struct cache_diff *d)
 {
     memset(d, 0, sizeof *d);
-    struct skv_backend *be = a->be;
     size_t row = (size_t)a->head_dim;
     float *ha = NULL, *hb = NULL;
     size_t cap = 0;
@@ -440,9 +439,10 @@ static int cache_compare(struct skv_kv_cache *a, struct skv_kv_cache *b, struct 
             cap = need;
         }
         for (int kv = 0; kv < 2 && !rc; kv++) {
-            rc = be->ops->download(be, ha, kv ? x->v : x->k, need * sizeof(float));
+            int l = i / a->n_kv_heads, h = i % a->n_kv_heads;
+            rc = skv_kv_cache_read_rows(a, l, h, kv, 0, x->len, ha);
             if (!rc)
-                rc = be->ops->download(be, hb, kv ? y->v : y->k, need * sizeof(float));
+                rc = skv_kv_cache_read_rows(b, l, h, kv, 0, y->len, hb);
             for (size_t j = 0; j < need && !rc; j++) {
                 double df = fabs((double)ha[j] - hb[j]);
                 if (df > d->kv_max_abs)

@@ -1,7 +1,8 @@
 /* snapkv-bench serve: measures snapkvd through libsnapkv — no-op round trips, N client
  * processes against the same work in-process, how many long sessions a 1 GiB pool holds per
- * compression spec (computed, then checked by forking until the pool evicts), and aggregate
- * decode throughput of concurrent long sessions. Starts its own snapkvd unless given one. */
+ * compression spec (computed, then checked by importing copies until the pool evicts), and
+ * aggregate decode throughput of concurrent long sessions (forks of one prefill). Starts its
+ * own snapkvd unless given one. */
 #include "build-config.h"
 
 #include "tools/bench_serve.h"
@@ -788,16 +789,32 @@ static int prefill_long(struct serve_ctx *x, int spec, struct snapkv_session_id 
     return SKV_OK;
 }
 
-/* Forks `src` until the pool evicts; *held: sessions held before the first eviction. */
-static int fill_pool(struct serve_ctx *x, const struct snapkv_session_id *src, int64_t expected, int64_t *held)
+/* Private copies of `src` (EXPORT_KV once, then IMPORT_KV: each copy holds its own blocks, as
+ * a separately prefilled session would; a FORK shares src's blocks copy-on-write and costs the
+ * pool nothing) until the pool evicts; *held: sessions held before the first eviction.
+ * buffer_bytes: at least src's KV bytes (its full-cache size does). */
+static int fill_pool(struct serve_ctx *x, const struct snapkv_session_id *src, uint64_t buffer_bytes,
+                     int64_t expected, int64_t *held)
 {
+    struct snapkv_shm shm;
+    struct snapkv_kv_layout lay;
     double ev0, ev;
-    int rc = stat_get(x->admin, "snapkv_evictions_total", &ev0);
+    int rc = snapkv_shm_create("serve-cap", (size_t)buffer_bytes, &shm);
+    if (rc)
+        return client_fail("shared memory", rc);
+    if ((rc = snapkv_export_kv(x->cl, src, &shm, 0, &lay))) {
+        snapkv_shm_destroy(&shm);
+        return client_fail("EXPORT_KV", rc);
+    }
+    struct snapkv_import_opts io = {.shm = &shm, .layers = lay.layers, .n_layers = lay.n_layers,
+                                    .positions = lay.positions, .n_positions = lay.n_positions,
+                                    .original_length = (uint32_t)x->context};
+    rc = stat_get(x->admin, "snapkv_evictions_total", &ev0);
     int64_t n = 1;
     while (!rc) {
-        struct snapkv_session_id f;
-        if ((rc = snapkv_fork(x->cl, src, &f, NULL))) {
-            rc = client_fail("FORK", rc);
+        struct snapkv_session_id copy;
+        if ((rc = snapkv_import_kv(x->cl, &io, &copy))) {
+            rc = client_fail("IMPORT_KV", rc);
             break;
         }
         if ((rc = stat_get(x->admin, "snapkv_evictions_total", &ev)))
@@ -812,6 +829,8 @@ static int fill_pool(struct serve_ctx *x, const struct snapkv_session_id *src, i
     }
     if (!rc)
         *held = n;
+    snapkv_kv_layout_free(&lay);
+    snapkv_shm_destroy(&shm);
     int rc2 = evict_all(x);
     return rc ? rc : rc2;
 }
@@ -841,8 +860,8 @@ static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after
             break;
         cap[s] = after ? (int64_t)(x->pool_bytes / after) : 0;
         int64_t held = -1;
-        fprintf(stderr, "serve:   %lld sessions should fit; forking until the pool evicts ...\n", (long long)cap[s]);
-        if ((rc = fill_pool(x, &id, cap[s], &held)))
+        fprintf(stderr, "serve:   %lld sessions should fit; copying until the pool evicts ...\n", (long long)cap[s]);
+        if ((rc = fill_pool(x, &id, before, cap[s], &held)))
             break;
         fprintf(stderr, "serve:   %lld sessions held before the first eviction\n", (long long)held);
         bytes_after_out[s] = after;

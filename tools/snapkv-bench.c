@@ -584,8 +584,9 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         double best = 1e30;
         for (int r = 0; r < rep && !rc; r++) {
             /* every repeat decodes from the same depth: drop the previous repeat's tokens */
-            for (int h = 0; h < cache->n_layers * cache->n_kv_heads; h++)
-                cache->heads[h].len = depth[i];
+            for (int l = 0; l < cache->n_layers && !rc; l++)
+                for (int h = 0; h < cache->n_kv_heads && !rc; h++)
+                    rc = skv_kv_cache_truncate(cache, l, h, depth[i]);
             cache->n_past = depth[i];
             double t0 = now_s();
             for (int k = 0; k < dtok && !rc; k++) {

@@ -290,6 +290,15 @@ static json_t *layers_json(const struct snapkv_layer_kept *layers, size_t n, con
             }
             json_object_set_new(row, "positions", per_head);
         }
+        if (l->blocks_per_head && l->shared_blocks_per_head) {
+            json_t *blocks = json_array(), *shared = json_array();
+            for (uint32_t h = 0; h < l->n_heads; h++) {
+                json_array_append_new(blocks, json_integer(l->blocks_per_head[h]));
+                json_array_append_new(shared, json_integer(l->shared_blocks_per_head[h]));
+            }
+            json_object_set_new(row, "blocks_per_head", blocks);
+            json_object_set_new(row, "shared_blocks_per_head", shared);
+        }
         if (similarity && i < n_similarity)
             json_object_set_new(row, "similarity", json_real(similarity[i]));
         json_array_append_new(arr, row);
@@ -451,19 +460,24 @@ static int cmd_status(const struct ctl *c)
     if (rc)
         return failed("status", rc);
     if (c->json) {
-        print_json(json_pack("{s:s, s:s, s:s, s:I, s:i, s:i, s:I, s:I, s:i, s:i}", "server_version",
-                             s.server_version, "model", s.model_name, "backend", s.backend, "uptime_seconds",
-                             (json_int_t)s.uptime_seconds, "sessions", s.n_sessions, "clients", s.n_clients,
-                             "pool_bytes_total", (json_int_t)s.pool_bytes_total, "pool_bytes_used",
-                             (json_int_t)s.pool_bytes_used, "queue_depth", s.queue_depth, "threads", s.threads));
+        print_json(json_pack("{s:s, s:s, s:s, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:i, s:I, s:i, s:i}",
+                             "server_version", s.server_version, "model", s.model_name, "backend", s.backend,
+                             "uptime_seconds", (json_int_t)s.uptime_seconds, "sessions", s.n_sessions, "clients",
+                             s.n_clients, "pool_bytes_total", (json_int_t)s.pool_bytes_total, "pool_bytes_used",
+                             (json_int_t)s.pool_bytes_used, "pool_blocks_used", (json_int_t)s.pool_blocks_used,
+                             "pool_blocks_shared", (json_int_t)s.pool_blocks_shared, "pool_block_rows",
+                             (int)s.pool_block_rows, "pool_block_bytes", (json_int_t)s.pool_block_bytes,
+                             "queue_depth", s.queue_depth, "threads", s.threads));
     } else {
         char a[32], b[32];
         printf("snapkvd %s, model %s, backend %s (%u threads)\n", s.server_version, s.model_name, s.backend,
                s.threads);
         printf("uptime %llu s, %u sessions, %u clients, queue %u\n", (unsigned long long)s.uptime_seconds,
                s.n_sessions, s.n_clients, s.queue_depth);
-        printf("pool %s used of %s\n", fmt_bytes(s.pool_bytes_used, a, sizeof a),
-               fmt_bytes(s.pool_bytes_total, b, sizeof b));
+        printf("pool %s used of %s: %llu blocks of %u tokens (%llu shared by forks)\n",
+               fmt_bytes(s.pool_bytes_used, a, sizeof a), fmt_bytes(s.pool_bytes_total, b, sizeof b),
+               (unsigned long long)s.pool_blocks_used, s.pool_block_rows,
+               (unsigned long long)s.pool_blocks_shared);
     }
     return 0;
 }
@@ -1202,15 +1216,16 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
             json_array_append_new(arr, info_json(&l.sessions[i]));
         print_json(arr);
     } else {
-        printf("%-32s  %-12s %7s %7s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT", "BYTES",
-               "POLICY", "PIN", "LEASE", "IDLE");
+        printf("%-32s  %-12s %7s %7s %10s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT",
+               "BYTES", "SHARED", "POLICY", "PIN", "LEASE", "IDLE");
         for (size_t i = 0; i < l.n; i++) {
             const struct snapkv_session_info *s = &l.sessions[i];
-            char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32];
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
             id_hex(&s->id, hex);
-            printf("%-32s  %-12.12s %7u %7u %10s %-10.10s %3s %6u %6lld\n", hex, s->tenant, s->n_tokens,
-                   s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), s->policy[0] ? s->policy : "full",
-                   s->pinned ? "yes" : "", s->lease_seconds, idle_seconds(s->last_used_unix_ms));
+            printf("%-32s  %-12.12s %7u %7u %10s %10s %-10.10s %3s %6u %6lld\n", hex, s->tenant, s->n_tokens,
+                   s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb),
+                   s->policy[0] ? s->policy : "full", s->pinned ? "yes" : "", s->lease_seconds,
+                   idle_seconds(s->last_used_unix_ms));
         }
     }
     snapkv_session_list_free(&l);
@@ -1258,15 +1273,19 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
                fmt_bytes(s->shared_bytes, sb, sizeof sb));
         printf("policy   %s\n", in.spec[0] ? in.spec : (s->policy[0] ? s->policy : "full"));
         printf("lease    %u s, idle %lld s\n", s->lease_seconds, idle_seconds(s->last_used_unix_ms));
-        printf("%5s %6s %10s %6s  %s\n", "LAYER", "KEPT", "BYTES", "SIM", "KEPT PER HEAD");
+        printf("%5s %6s %10s %6s  %s\n", "LAYER", "KEPT", "BYTES", "SIM",
+               "KEPT PER HEAD [blocks/shared]");
         for (size_t i = 0; i < in.n_layers; i++) {
             const struct snapkv_layer_kept *l = &in.layers[i];
             char sim[16] = "-";
             if (i < in.n_layer_similarity)
                 snprintf(sim, sizeof sim, "%.3f", in.layer_similarity[i]);
             printf("%5u %6u %10s %6s ", l->layer, l->kept, fmt_bytes(l->bytes, b, sizeof b), sim);
-            for (uint32_t h = 0; h < l->n_heads; h++)
+            for (uint32_t h = 0; h < l->n_heads; h++) {
                 printf(" %u", l->kept_per_head[h]);
+                if (l->blocks_per_head && l->shared_blocks_per_head)
+                    printf(" [%u/%u]", l->blocks_per_head[h], l->shared_blocks_per_head[h]);
+            }
             putchar('\n');
             const uint32_t *p = l->positions;
             for (uint32_t h = 0; p && h < l->n_heads; h++) {

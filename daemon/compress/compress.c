@@ -268,15 +268,10 @@ static int window_colsum(struct skv_compressor *c, struct skv_kv_cache *cache, i
             return rc;
         c->colsum_cap = cap;
     }
-    struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32,
-                             .window = c->m->layers[layer].window};
-    for (int h = 0; h < c->n_kv; h++) {
-        struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
-        kv.k[h] = kh->k;
-        kv.v[h] = kh->v;
-        kv.prefix_len[h] = kh->len - nq;
-        kv.pos[h] = kh->pos;
-    }
+    struct skv_kv_view kv = {.window = c->m->layers[layer].window};
+    skv_kv_cache_view(cache, layer, &kv);
+    for (int h = 0; h < c->n_kv; h++)
+        kv.prefix_len[h] = skv_kv_cache_head(cache, layer, h)->len - nq;
     c->colsum_stride = max_rows;
     int rc = c->be->ops->attention_colsum(c->be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
     if (!rc)
@@ -350,7 +345,6 @@ static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int lay
                    int slack)
 {
     qsort(keep, (size_t)n_keep, sizeof *keep, by_head_idx);
-    size_t row_bytes = (size_t)c->head_dim * sizeof(float);
     int at = 0;
     for (int h = 0; h < c->n_kv; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
@@ -360,16 +354,8 @@ static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int lay
             return rc;
         while (at < n_keep && keep[at].head == h)
             c->idx[cnt++] = keep[at++].idx;
-        if (cnt == kh->len)
-            continue;
-        if ((rc = c->be->ops->gather_rows(c->be, kh->k, kh->k, row_bytes, c->idx, cnt)) ||
-            (rc = c->be->ops->gather_rows(c->be, kh->v, kh->v, row_bytes, c->idx, cnt)))
+        if ((rc = skv_kv_cache_compact(cache, layer, h, c->idx, cnt)))
             return rc;
-        for (int i = 0; i < cnt; i++) {
-            kh->pos[i] = kh->pos[c->idx[i]];
-            kh->score[i] = kh->score[c->idx[i]];
-        }
-        kh->len = cnt;
     }
     return skv_kv_cache_fit(cache, layer, slack);
 }

@@ -28,8 +28,10 @@ struct skv_engine {
 
 /* ---- KV cache ----------------------------------------------------------------------------- */
 
-int skv_kv_cache_new(const struct skv_model *m, struct skv_kv_cache **out)
+int skv_kv_cache_new_in(const struct skv_model *m, struct skv_kv_pool *pool, struct skv_kv_cache **out)
 {
+    if (!pool)
+        return skv_errorf(SKV_E_INVAL, "KV cache: no block pool");
     struct skv_kv_cache *c = calloc(1, sizeof *c);
     if (!c)
         return SKV_E_NOMEM;
@@ -42,8 +44,32 @@ int skv_kv_cache_new(const struct skv_model *m, struct skv_kv_cache **out)
         free(c);
         return SKV_E_NOMEM;
     }
+    c->pool = skv_kv_pool_ref(pool);
+    c->block_rows = skv_kv_pool_block_rows(pool);
     *out = c;
     return SKV_OK;
+}
+
+int skv_kv_cache_new(const struct skv_model *m, struct skv_kv_cache **out)
+{
+    return skv_kv_cache_new_in(m, m->kv_pool, out);
+}
+
+static int blocks_for(const struct skv_kv_cache *c, int rows)
+{
+    return (rows + c->block_rows - 1) / c->block_rows;
+}
+
+/* Gives back the head's blocks from index `keep` on. */
+static void head_release_from(struct skv_kv_cache *c, struct skv_kv_head *hd, int keep)
+{
+    for (int b = keep; b < hd->n_blocks; b++) {
+        skv_kv_pool_put(c->pool, hd->blk[b]);
+        hd->blk[b] = NULL;
+        hd->mem[b] = NULL;
+    }
+    if (keep < hd->n_blocks)
+        hd->n_blocks = keep;
 }
 
 void skv_kv_cache_free(struct skv_kv_cache **cache_p)
@@ -52,54 +78,53 @@ void skv_kv_cache_free(struct skv_kv_cache **cache_p)
         return;
     struct skv_kv_cache *c = *cache_p;
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
-        c->be->ops->free(c->be, c->heads[i].k);
-        c->be->ops->free(c->be, c->heads[i].v);
-        free(c->heads[i].pos);
-        free(c->heads[i].score);
+        struct skv_kv_head *hd = &c->heads[i];
+        head_release_from(c, hd, 0);
+        free(hd->blk);
+        free(hd->mem);
+        free(hd->pos);
+        free(hd->score);
     }
     free(c->heads);
+    skv_kv_pool_unref(&c->pool);
     free(c);
     *cache_p = NULL;
 }
 
-/* Reallocates a head to exactly `cap` rows (cap >= len), keeping its rows. */
+/* Makes the head's block table take nb blocks. */
+static int table_reserve(struct skv_kv_head *hd, int nb)
+{
+    if (nb <= hd->blk_cap)
+        return SKV_OK;
+    int cap = hd->blk_cap ? hd->blk_cap : 4;
+    while (cap < nb)
+        cap *= 2;
+    struct skv_kv_block **blk = realloc(hd->blk, (size_t)cap * sizeof *blk);
+    if (!blk)
+        return SKV_E_NOMEM;
+    hd->blk = blk;
+    void **mem = realloc(hd->mem, (size_t)cap * sizeof *mem);
+    if (!mem)
+        return SKV_E_NOMEM;
+    hd->mem = mem;
+    hd->blk_cap = cap;
+    return SKV_OK;
+}
+
+/* Resizes a head's host arrays to exactly `cap` rows (cap >= len) and its table to their
+ * blocks. */
 static int head_realloc(struct skv_kv_cache *c, struct skv_kv_head *hd, int cap)
 {
-    size_t row = (size_t)c->head_dim * sizeof(float);
-    void *k = NULL, *v = NULL;
-    int32_t *pos = NULL;
-    float *score = NULL;
-    int rc = c->be->ops->alloc(c->be, (size_t)cap * row, &k);
-    if (!rc)
-        rc = c->be->ops->alloc(c->be, (size_t)cap * row, &v);
-    if (!rc && (!(pos = malloc((size_t)cap * sizeof *pos)) || !(score = malloc((size_t)cap * sizeof *score))))
-        rc = SKV_E_NOMEM;
-    if (!rc && hd->len) {
-        rc = c->be->ops->copy_2d(c->be, k, row, hd->k, row, row, hd->len);
-        if (!rc)
-            rc = c->be->ops->copy_2d(c->be, v, row, hd->v, row, row, hd->len);
-        if (!rc) {
-            memcpy(pos, hd->pos, (size_t)hd->len * sizeof *pos);
-            memcpy(score, hd->score, (size_t)hd->len * sizeof *score);
-        }
-    }
-    if (rc) {
-        c->be->ops->free(c->be, k);
-        c->be->ops->free(c->be, v);
-        free(pos);
-        free(score);
-        return rc;
-    }
-    c->be->ops->free(c->be, hd->k);
-    c->be->ops->free(c->be, hd->v);
-    free(hd->pos);
-    free(hd->score);
-    hd->k = k;
-    hd->v = v;
+    int32_t *pos = realloc(hd->pos, (size_t)cap * sizeof *pos);
+    if (!pos)
+        return SKV_E_NOMEM;
     hd->pos = pos;
+    float *score = realloc(hd->score, (size_t)cap * sizeof *score);
+    if (!score)
+        return SKV_E_NOMEM;
     hd->score = score;
     hd->cap = cap;
-    return SKV_OK;
+    return table_reserve(hd, blocks_for(c, cap));
 }
 
 static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
@@ -112,10 +137,68 @@ static int head_grow(struct skv_kv_cache *c, struct skv_kv_head *hd, int need)
     return head_realloc(c, hd, cap);
 }
 
+/* Makes the blocks of rows [row0, row0 + n) present and private to this head (row0 <= its
+ * rows): new blocks from the pool, shared ones copied (copy-on-write). */
+static int head_open(struct skv_kv_cache *c, struct skv_kv_head *hd, int row0, int n)
+{
+    if (n <= 0)
+        return SKV_OK;
+    int b0 = row0 / c->block_rows, b1 = blocks_for(c, row0 + n);
+    int rc = table_reserve(hd, b1);
+    if (b0 > hd->n_blocks)
+        b0 = hd->n_blocks;
+    for (int b = b0; b < b1 && !rc; b++) {
+        if (b < hd->n_blocks) {
+            rc = skv_kv_pool_unshare(c->pool, &hd->blk[b]);
+        } else if (!(rc = skv_kv_pool_get(c->pool, &hd->blk[b]))) {
+            hd->n_blocks++;
+        }
+        if (!rc)
+            hd->mem[b] = hd->blk[b]->mem;
+    }
+    return rc;
+}
+
+enum rows_io {
+    ROWS_FROM_BACKEND, /* write the blocks from backend memory (any row stride) */
+    ROWS_FROM_HOST,    /* write the blocks from host memory (contiguous rows) */
+    ROWS_TO_HOST,      /* read the blocks into host memory (contiguous rows) */
+};
+
+/* Copies rows [row0, row0 + n) of a head between its blocks and a run of n rows of K
+ * (which == 0) or V elsewhere, `stride` bytes apart. The blocks are present (and, to be
+ * written, private). */
+static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *hd, int which, int row0, int n,
+                        void *other, size_t stride, enum rows_io dir)
+{
+    struct skv_backend *be = c->be;
+    const int t = c->block_rows;
+    const size_t row = (size_t)c->head_dim * sizeof(float);
+    for (int j = row0; j < row0 + n;) {
+        int b = j / t, off = j % t, m = t - off < row0 + n - j ? t - off : row0 + n - j;
+        char *blk = (char *)hd->mem[b] + ((size_t)which * t + off) * row;
+        char *o = (char *)other + (size_t)(j - row0) * stride;
+        int rc;
+        if (dir == ROWS_FROM_BACKEND)
+            rc = be->ops->copy_2d(be, blk, row, o, stride, row, m);
+        else if (stride != row)
+            rc = skv_errorf(SKV_E_INTERNAL, "KV rows: host copies are contiguous");
+        else if (dir == ROWS_FROM_HOST)
+            rc = be->ops->upload(be, blk, o, (size_t)m * row);
+        else
+            rc = be->ops->download(be, o, blk, (size_t)m * row);
+        if (rc)
+            return rc;
+        j += m;
+    }
+    return SKV_OK;
+}
+
 int skv_kv_cache_fit(struct skv_kv_cache *c, int layer, int slack)
 {
     for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+        head_release_from(c, hd, blocks_for(c, hd->len));
         int target = hd->len + slack;
         if (target < hd->cap) {
             int rc = head_realloc(c, hd, target > 0 ? target : 1);
@@ -128,18 +211,25 @@ int skv_kv_cache_fit(struct skv_kv_cache *c, int layer, int slack)
 
 int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer)
 {
-    size_t row = (size_t)dst->head_dim * sizeof(float);
+    if (dst->pool != src->pool || dst->head_dim != src->head_dim)
+        return skv_errorf(SKV_E_INVAL, "KV cache: copying a layer between different pools");
     for (int h = 0; h < dst->n_kv_heads; h++) {
         const struct skv_kv_head *s = &src->heads[layer * src->n_kv_heads + h];
         struct skv_kv_head *d = skv_kv_cache_head(dst, layer, h);
+        int nb = blocks_for(src, s->len);
         int rc = head_grow(dst, d, s->len);
-        if (!rc && s->len) {
-            rc = dst->be->ops->copy_2d(dst->be, d->k, row, s->k, row, row, s->len);
-            if (!rc)
-                rc = dst->be->ops->copy_2d(dst->be, d->v, row, s->v, row, row, s->len);
-        }
+        if (!rc)
+            rc = table_reserve(d, nb);
         if (rc)
             return rc;
+        for (int b = 0; b < nb; b++)
+            skv_kv_pool_hold(dst->pool, s->blk[b]); /* before the release: the blocks may be d's own */
+        head_release_from(dst, d, 0);
+        for (int b = 0; b < nb; b++) {
+            d->blk[b] = s->blk[b];
+            d->mem[b] = s->mem[b];
+        }
+        d->n_blocks = nb;
         memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
         memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
         d->len = s->len;
@@ -150,7 +240,10 @@ int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache 
 int skv_kv_cache_reserve(struct skv_kv_cache *c, int extra)
 {
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
-        int rc = head_grow(c, &c->heads[i], c->heads[i].len + extra);
+        struct skv_kv_head *hd = &c->heads[i];
+        int rc = head_grow(c, hd, hd->len + extra);
+        if (!rc)
+            rc = table_reserve(hd, blocks_for(c, hd->len + extra));
         if (rc)
             return rc;
     }
@@ -168,6 +261,7 @@ int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out
         free(c);
         return SKV_E_NOMEM;
     }
+    skv_kv_pool_ref(c->pool);
     for (int l = 0; l < c->n_layers; l++) {
         int rc = skv_kv_cache_copy_layer(c, src, l);
         if (rc) {
@@ -179,12 +273,139 @@ int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out
     return SKV_OK;
 }
 
+int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t *idx, int cnt)
+{
+    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+    if (cnt < 0 || cnt > hd->len || (cnt > 0 && !idx))
+        return skv_errorf(SKV_E_INVAL, "compaction: %d of %d rows", cnt, hd->len);
+    for (int i = 0; i < cnt; i++)
+        if (idx[i] < 0 || idx[i] >= hd->len || (i > 0 && idx[i] <= idx[i - 1]))
+            return skv_errorf(SKV_E_INVAL, "compaction: row %d at %d is out of range or order", idx[i], i);
+    if (cnt == hd->len)
+        return SKV_OK; /* strictly increasing and as many as there are: every row in place */
+    struct skv_backend *be = c->be;
+    const int t = c->block_rows, nb = blocks_for(c, cnt);
+    const size_t row = (size_t)c->head_dim * sizeof(float), kv_off = (size_t)t * row;
+    struct skv_kv_block **fresh = calloc((size_t)(nb ? nb : 1), sizeof *fresh);
+    /* K and V of every moved row, one copy_rows call for the head */
+    void **to = malloc((size_t)(2 * cnt + 1) * sizeof *to);
+    const void **from = malloc((size_t)(2 * cnt + 1) * sizeof *from);
+    int rc = fresh && to && from ? SKV_OK : SKV_E_NOMEM, moved = 0;
+    for (int b = 0; b < nb && !rc; b++) {
+        int r0 = b * t, r1 = r0 + t < cnt ? r0 + t : cnt;
+        if (idx[r0] == r0 && idx[r1 - 1] == r1 - 1) {
+            fresh[b] = hd->blk[b]; /* every row of the block stays where it is */
+            skv_kv_pool_hold(c->pool, fresh[b]);
+            continue;
+        }
+        if ((rc = skv_kv_pool_get(c->pool, &fresh[b])))
+            break;
+        for (int i = r0; i < r1; i++) {
+            char *dst = (char *)fresh[b]->mem + (size_t)(i - r0) * row;
+            const char *src = (const char *)hd->mem[idx[i] / t] + (size_t)(idx[i] % t) * row;
+            to[moved] = dst;
+            from[moved++] = src;
+            to[moved] = dst + kv_off;
+            from[moved++] = src + kv_off;
+        }
+    }
+    if (!rc && moved)
+        rc = be->ops->copy_rows(be, to, from, row, moved);
+    free(to);
+    free(from);
+    if (rc) {
+        for (int b = 0; fresh && b < nb; b++)
+            skv_kv_pool_put(c->pool, fresh[b]);
+        free(fresh);
+        return rc;
+    }
+    head_release_from(c, hd, 0);
+    for (int b = 0; b < nb; b++) {
+        hd->blk[b] = fresh[b];
+        hd->mem[b] = fresh[b]->mem;
+    }
+    hd->n_blocks = nb;
+    for (int i = 0; i < cnt; i++) { /* idx[i] >= i: forward in place */
+        hd->pos[i] = hd->pos[idx[i]];
+        hd->score[i] = hd->score[idx[i]];
+    }
+    hd->len = cnt;
+    free(fresh);
+    return SKV_OK;
+}
+
+int skv_kv_cache_truncate(struct skv_kv_cache *c, int layer, int h, int len)
+{
+    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+    if (len < 0 || len > hd->len)
+        return skv_errorf(SKV_E_INVAL, "truncating %d rows to %d", hd->len, len);
+    hd->len = len;
+    head_release_from(c, hd, blocks_for(c, len));
+    return SKV_OK;
+}
+
+int skv_kv_cache_read_rows(const struct skv_kv_cache *c, int layer, int h, int which, int row0, int n,
+                           float *dst)
+{
+    const struct skv_kv_head *hd = &c->heads[layer * c->n_kv_heads + h];
+    if (row0 < 0 || n < 0 || row0 + n > hd->len || (which != 0 && which != 1))
+        return skv_errorf(SKV_E_INVAL, "reading rows [%d, %d) of %d", row0, row0 + n, hd->len);
+    return head_rows_io(c, hd, which, row0, n, dst, (size_t)c->head_dim * sizeof(float), ROWS_TO_HOST);
+}
+
+int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which, int row0, int n,
+                            const float *src)
+{
+    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+    if (row0 < 0 || n < 0 || row0 > hd->len || (which != 0 && which != 1))
+        return skv_errorf(SKV_E_INVAL, "writing rows [%d, %d) after %d", row0, row0 + n, hd->len);
+    int rc = head_grow(c, hd, row0 + n);
+    if (!rc)
+        rc = head_open(c, hd, row0, n);
+    if (!rc)
+        rc = head_rows_io(c, hd, which, row0, n, (void *)src, (size_t)c->head_dim * sizeof(float), ROWS_FROM_HOST);
+    if (!rc && row0 + n > hd->len)
+        hd->len = row0 + n;
+    return rc;
+}
+
+void skv_kv_cache_view(struct skv_kv_cache *c, int layer, struct skv_kv_view *view)
+{
+    view->n_kv_heads = c->n_kv_heads;
+    view->head_dim = c->head_dim;
+    view->kv_type = SKV_DTYPE_F32;
+    view->block_rows = c->block_rows;
+    for (int h = 0; h < c->n_kv_heads; h++) {
+        struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+        view->k[h] = view->v[h] = NULL;
+        view->blocks[h] = hd->mem;
+        view->pos[h] = hd->pos;
+    }
+}
+
 uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *c)
 {
     uint64_t rows = 0;
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
         rows += (uint64_t)c->heads[i].len;
     return rows * 2 * (uint64_t)c->head_dim * sizeof(float);
+}
+
+void skv_kv_head_blocks(const struct skv_kv_cache *c, const struct skv_kv_head *hd, struct skv_kv_blocks *out)
+{
+    out->held = (uint64_t)hd->n_blocks;
+    out->shared = skv_kv_pool_count_shared(c->pool, hd->blk, hd->n_blocks);
+}
+
+void skv_kv_cache_blocks(const struct skv_kv_cache *c, struct skv_kv_blocks *out)
+{
+    out->held = out->shared = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        struct skv_kv_blocks one;
+        skv_kv_head_blocks(c, &c->heads[i], &one);
+        out->held += one.held;
+        out->shared += one.shared;
+    }
 }
 
 /* ---- engine --------------------------------------------------------------------------------- */
@@ -301,28 +522,28 @@ static int attn_project(struct skv_engine *e, int l, int i0, int m)
 static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int j,
                        int m, int i0)
 {
-    struct skv_backend *be = e->be;
     const struct skv_model_config *c = &e->m->cfg;
     int hd = c->head_dim;
-    size_t kvdim = (size_t)c->n_kv_heads * hd, row = (size_t)hd * sizeof(float);
+    size_t kvdim = (size_t)c->n_kv_heads * hd;
     for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
-        size_t off = (size_t)at[h] * hd;
-        const float *ks = e->kb + (size_t)j * kvdim + (size_t)h * hd, *vs = e->vb + (size_t)j * kvdim + (size_t)h * hd;
-        CHECK(be->ops->copy_2d(be, kh->k + off, row, ks, kvdim * sizeof(float), row, m));
-        CHECK(be->ops->copy_2d(be, kh->v + off, row, vs, kvdim * sizeof(float), row, m));
+        float *ks = e->kb + (size_t)j * kvdim + (size_t)h * hd, *vs = e->vb + (size_t)j * kvdim + (size_t)h * hd;
+        CHECK(head_rows_io(cache, kh, 0, at[h], m, ks, kvdim * sizeof(float), ROWS_FROM_BACKEND));
+        CHECK(head_rows_io(cache, kh, 1, at[h], m, vs, kvdim * sizeof(float), ROWS_FROM_BACKEND));
         memcpy(kh->pos + at[h], e->pos + i0, (size_t)m * sizeof(int32_t));
         memset(kh->score + at[h], 0, (size_t)m * sizeof(float));
     }
     return SKV_OK;
 }
 
-/* Makes every head of layer l take n more rows; len0[h] = its rows before. */
+/* Makes every head of layer l take n more rows (blocks taken, a shared last block copied);
+ * len0[h] = its rows before. */
 static int cache_open_rows(struct skv_kv_cache *cache, int l, int n, int32_t *len0)
 {
     for (int h = 0; h < cache->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
         CHECK(head_grow(cache, kh, kh->len + n));
+        CHECK(head_open(cache, kh, kh->len, n));
         len0[h] = kh->len;
     }
     return SKV_OK;
@@ -337,15 +558,11 @@ static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int
     size_t qdim = (size_t)c->n_heads * c->head_dim;
     /* sliding-window layers mask by the rows' original positions (compression may have
      * dropped rows), so the cache keeps every row; the op skips the ones out of reach */
-    struct skv_kv_view view = {.n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .kv_type = SKV_DTYPE_F32,
-                               .window = e->m->layers[l].window};
+    struct skv_kv_view view = {.window = e->m->layers[l].window};
+    skv_kv_cache_view(cache, l, &view);
     for (int h = 0; h < c->n_kv_heads; h++) {
-        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
-        kh->len = len0[h] + n;
-        view.k[h] = kh->k;
-        view.v[h] = kh->v;
+        skv_kv_cache_head(cache, l, h)->len = len0[h] + n;
         view.prefix_len[h] = len0[h];
-        view.pos[h] = kh->pos;
     }
     return e->be->ops->attention(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, n, c->n_heads, &view);
 }

@@ -1,6 +1,7 @@
 /* The forward pass: prefill, append and decode of Llama-family models over backend ops,
- * into a per-sequence KV cache that stores each (layer, KV head) separately so compression
- * can keep a different number of entries per layer and per head. Knows no socket. */
+ * into a per-sequence KV cache that stores each (layer, KV head) separately, in pool blocks
+ * behind a block table, so compression can keep a different number of entries per layer and
+ * per head and forks share blocks copy-on-write. Knows no socket. */
 #ifndef SKV_ENGINE_H
 #define SKV_ENGINE_H
 
@@ -8,15 +9,20 @@
 #include <stdint.h>
 
 #include "daemon/engine/model.h"
+#include "daemon/engine/kv_pool.h"
 
-/* One (layer, KV head) run of cached entries, rows in original-position order. */
+/* One (layer, KV head) run of cached entries, rows in original-position order. The K/V rows
+ * live in pool blocks of block_rows rows: row j is row j % block_rows of blk[j / block_rows].
+ * Blocks may be shared with forks of the cache: every write goes through the engine, which
+ * copies a shared block first (copy-on-write). Never write mem[] directly. */
 struct skv_kv_head {
-    float *k;          /* [cap][head_dim], post-RoPE keys */
-    float *v;          /* [cap][head_dim] */
+    struct skv_kv_block **blk; /* [n_blocks] the block table */
+    void **mem;                  /* [n_blocks] blk[b]->mem: the table an attention view reads */
+    int n_blocks, blk_cap;       /* blocks held; table entries allocated */
     int32_t *pos;      /* [cap] original position of each kept row (host memory) */
     float *score;      /* [cap] the compression policy's importance of each row (host) */
     int len;           /* rows in use */
-    int cap;           /* rows allocated */
+    int cap;           /* rows pos / score hold */
 };
 
 /* One sequence's cache. heads[layer * n_kv_heads + h]. */
@@ -25,25 +31,58 @@ struct skv_kv_cache {
     struct skv_kv_head *heads;
     int32_t n_past;    /* position of the next token: the original length, not the kept one */
     struct skv_backend *be;
+    struct skv_kv_pool *pool;   /* where its blocks come from (one reference held) */
+    int block_rows;
 };
 
+/* An empty cache whose blocks come from the model's pool (m->kv_pool). */
 int skv_kv_cache_new(const struct skv_model *m, struct skv_kv_cache **out);
+/* The same from another pool of the model's head_dim and backend (tests, other block sizes). */
+int skv_kv_cache_new_in(const struct skv_model *m, struct skv_kv_pool *pool, struct skv_kv_cache **out);
+/* Releases its blocks (a shared one stays with its other holders). Accepts NULL. */
 void skv_kv_cache_free(struct skv_kv_cache **cache_p);
-/* Makes every head able to take `extra` more rows. */
+/* Makes every head's host arrays and block table able to take `extra` more rows (blocks
+ * themselves are taken from the pool when rows are written). */
 int skv_kv_cache_reserve(struct skv_kv_cache *cache, int extra);
-/* Deep copy (for query-aware reuse: one prefilled document, many questions). */
+/* FORK: a copy that shares every block of src (reference counts), with its own positions
+ * and scores; either side copies a block before writing it. */
 int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out);
 static inline struct skv_kv_head *skv_kv_cache_head(struct skv_kv_cache *c, int layer, int h)
 {
     return &c->heads[layer * c->n_kv_heads + h];
 }
-/* Releases each head's capacity of `layer` beyond its rows plus `slack` (after compression:
- * the memory really goes back). */
+/* Gives back each head's blocks of `layer` past its rows and its host capacity beyond its
+ * rows plus `slack` (after compression: the memory really goes back). */
 int skv_kv_cache_fit(struct skv_kv_cache *cache, int layer, int slack);
-/* Makes dst's `layer` an exact copy of src's (same model). */
+/* Makes dst's `layer` hold src's rows (same model and pool): shares src's blocks. */
 int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer);
-/* Bytes of K and V held (used rows, not capacity). */
+/* Keeps rows idx[0..cnt) (strictly increasing, < len) of head h of `layer` as its rows
+ * 0..cnt, with their positions and scores. Leading blocks that keep all their rows in place
+ * are kept (and stay shared); the others are gathered into fresh blocks and the old ones
+ * released, so a fork's compaction never touches the rows of the cache it shares with. */
+int skv_kv_cache_compact(struct skv_kv_cache *cache, int layer, int h, const int32_t *idx, int cnt);
+/* Cuts head h of `layer` to its first len rows (len <= its rows), releasing blocks past. */
+int skv_kv_cache_truncate(struct skv_kv_cache *cache, int layer, int h, int len);
+/* Host copies of rows [row0, row0 + n) of head h of `layer`: K (which == 0) or V, [n][head_dim]. */
+int skv_kv_cache_read_rows(const struct skv_kv_cache *cache, int layer, int h, int which, int row0, int n,
+                           float *dst);
+/* Writes rows [row0, row0 + n) of head h of `layer` (row0 <= its rows) from host memory,
+ * taking blocks and copying shared ones as needed; the head's length becomes at least
+ * row0 + n (positions and scores of new rows are the caller's). */
+int skv_kv_cache_write_rows(struct skv_kv_cache *cache, int layer, int h, int which, int row0, int n,
+                            const float *src);
+/* The paged attention view of `layer` (k/v tables, positions, window 0); the caller sets
+ * prefix_len and window. */
+void skv_kv_cache_view(struct skv_kv_cache *cache, int layer, struct skv_kv_view *view);
+/* Bytes of K and V in used rows (what compression keeps; not the blocks' rounding). */
 uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *cache);
+/* Blocks the cache holds and how many of them are shared with another holder. */
+struct skv_kv_blocks {
+    uint64_t held, shared;
+};
+void skv_kv_cache_blocks(const struct skv_kv_cache *cache, struct skv_kv_blocks *out);
+/* The same for one head. */
+void skv_kv_head_blocks(const struct skv_kv_cache *cache, const struct skv_kv_head *hd, struct skv_kv_blocks *out);
 
 struct skv_engine;
 

@@ -4,6 +4,7 @@
 #include "daemon/engine/model.h"
 #include "common/status.h"
 #include "daemon/engine/gguf.h"
+#include "daemon/engine/kv_pool.h"
 #include "daemon/engine/safetensors.h"
 #include "daemon/engine/tokenizer.h"
 
@@ -640,6 +641,8 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
     int rc = S_ISDIR(sb.st_mode) ? load_hf(m, path) : load_gguf(m, path);
     if (!rc)
         rc = prepare_weights(m);
+    if (!rc)
+        rc = skv_kv_pool_new(be, m->cfg.head_dim, SKV_KV_BLOCK_ROWS, &m->kv_pool);
     if (rc) {
         skv_model_free(&m);
         return rc;
@@ -647,6 +650,17 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
     if (!m->name[0])
         snprintf(m->name, sizeof m->name, "%s", path);
     *out = m;
+    return SKV_OK;
+}
+
+int skv_model_set_kv_block_rows(struct skv_model *m, int rows)
+{
+    struct skv_kv_pool *pool = NULL;
+    int rc = skv_kv_pool_new(m->be, m->cfg.head_dim, rows, &pool);
+    if (rc)
+        return rc;
+    skv_kv_pool_unref(&m->kv_pool);
+    m->kv_pool = pool;
     return SKV_OK;
 }
 
@@ -666,6 +680,7 @@ void skv_model_free(struct skv_model **model_p)
         free(impl);
     }
     skv_tokenizer_free(&m->tok);
+    skv_kv_pool_unref(&m->kv_pool); /* caches still open keep it (and its blocks) alive */
     free(m->layers);
     free(m);
     *model_p = NULL;

@@ -57,6 +57,7 @@ struct skv_model {
     char path[1024];
     bool reference;                /* weights dequantized to f32 */
     void *impl;                    /* loader state (mapped files, owned buffers) */
+    struct skv_kv_pool *kv_pool;      /* KV blocks of this model's caches (daemon/engine/kv_pool.h) */
 };
 
 struct skv_model_opts {
@@ -68,6 +69,9 @@ struct skv_model_opts {
 int skv_model_load(const char *path, struct skv_backend *be, const struct skv_model_opts *opts,
                    struct skv_model **out);
 void skv_model_free(struct skv_model **model_p);
+/* Gives the model a new KV pool of `rows` rows per block (> 0) for the caches made from now
+ * on; caches made before keep the pool they hold. */
+int skv_model_set_kv_block_rows(struct skv_model *m, int rows);
 
 static inline const struct skv_model_config *skv_model_config(const struct skv_model *m)
 {

@@ -102,23 +102,24 @@ static float dot1(const float *a, const float *b, int d)
     return s;
 }
 
-/* s[0..8) = q . k_j for 8 consecutive key rows k (row stride d). */
-static void dot8(const float *q, const float *k, int d, float *s)
+/* s[0..8) = q . k_j for the 8 key rows k[0..8). */
+static void dot8(const float *q, const float *const *k, int d, float *s)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
            a7 = a0;
+    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5],
+                *k6 = k[6], *k7 = k[7];
     int t = 0;
     for (; t + 8 <= d; t += 8) {
         const __m256 qv = _mm256_loadu_ps(q + t);
-        const float *kt = k + t;
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 2 * d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 3 * d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 4 * d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 5 * d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 6 * d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + 7 * d), a7);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + t), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + t), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + t), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + t), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + t), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + t), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + t), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + t), a7);
     }
     /* Transposing reduction: lane j of the result is the full sum of a_j. */
     const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
@@ -129,16 +130,17 @@ static void dot8(const float *q, const float *k, int d, float *s)
     _mm256_storeu_ps(s, r);
     for (; t < d; t++)
         for (int j = 0; j < 8; j++)
-            s[j] += q[t] * k[j * d + t];
+            s[j] += q[t] * k[j][t];
 }
 
-static void att_scores(const float *q, const float *k, int nv, int d, float *s)
+/* s[j] = q . k[j] for the nv key rows k[0..nv). */
+static void att_scores(const float *q, const float *const *k, int nv, int d, float *s)
 {
     int j = 0;
     for (; j + 8 <= nv; j += 8)
-        dot8(q, k + (int64_t)j * d, d, s + j);
+        dot8(q, k + j, d, s + j);
     for (; j < nv; j++)
-        s[j] = dot1(q, k + (int64_t)j * d, d);
+        s[j] = dot1(q, k[j], d);
 }
 
 /* 2^x for x <= 0, exactly 0 below -126 (and for -inf): round-to-nearest split, degree-7
@@ -209,8 +211,8 @@ static void scale_row(float *acc, int d, float alpha)
         acc[t] *= alpha;
 }
 
-/* acc[0..d) += sum_j p[j] * v_j over nv value rows (row stride d). */
-static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
+/* acc[0..d) += sum_j p[j] * v[j] over the nv value rows v[0..nv). */
+static void att_accum(float *acc, const float *p, const float *const *v, int nv, int d)
 {
     int t = 0;
     for (; t + 64 <= d; t += 64) {
@@ -221,7 +223,7 @@ static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
                c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
         for (int j = 0; j < nv; j++) {
             const __m256 pj = _mm256_broadcast_ss(p + j);
-            const float *vr = v + (int64_t)j * d + t;
+            const float *vr = v[j] + t;
             c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), c0);
             c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), c1);
             c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), c2);
@@ -243,14 +245,13 @@ static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
     for (; t + 8 <= d; t += 8) {
         __m256 c = _mm256_loadu_ps(acc + t);
         for (int j = 0; j < nv; j++)
-            c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j),
-                                _mm256_loadu_ps(v + (int64_t)j * d + t), c);
+            c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v[j] + t), c);
         _mm256_storeu_ps(acc + t, c);
     }
     for (; t < d; t++) {
         float c = acc[t];
         for (int j = 0; j < nv; j++)
-            c += p[j] * v[(int64_t)j * d + t];
+            c += p[j] * v[j][t];
         acc[t] = c;
     }
 }
@@ -260,16 +261,17 @@ static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
 
 #define ATT_HAVE_WIDE 1
 
-/* Scores of one ATT_RT-row tile (rows r0..) against keys [0, nk) of the block:
+/* Scores of one ATT_RT-row tile (rows r0..) against the key rows k[0..nk) of the block:
  * st[j][r] = sum_t qt[t][r] * k[j][t]. 4 keys x 16 rows per register tile. */
-static void wide_scores(const struct wide_bufs *w, size_t r0, const float *k, int nk, int d)
+static void wide_scores(const struct wide_bufs *w, size_t r0, const float *const *k, int nk,
+                        int d)
 {
     const size_t rp = w->rp;
     const float *qt = w->qt + r0;
     float *st = w->st + r0;
     int j = 0;
     for (; j + 4 <= nk; j += 4) {
-        const float *k0 = k + (int64_t)j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,
                a21 = a00, a30 = a00, a31 = a00;
         for (int t = 0; t < d; t++) {
@@ -298,7 +300,7 @@ static void wide_scores(const struct wide_bufs *w, size_t r0, const float *k, in
         _mm256_storeu_ps(s + 3 * rp + 8, a31);
     }
     for (; j < nk; j++) {
-        const float *kj = k + (int64_t)j * d;
+        const float *kj = k[j];
         __m256 a0 = _mm256_setzero_ps(), a1 = a0;
         for (int t = 0; t < d; t++) {
             const __m256 b = _mm256_broadcast_ss(kj + t);
@@ -358,8 +360,10 @@ static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int 
     }
 }
 
-/* acct[t][r] += sum_j st[j][r] * v[j][t] for one tile: 4 dims x 16 rows per register tile. */
-static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int nk, int d)
+/* acct[t][r] += sum_j st[j][r] * v[j][t] for one tile (value rows v[0..nk)): 4 dims x 16
+ * rows per register tile. */
+static void wide_accum(const struct wide_bufs *w, size_t r0, const float *const *v, int nk,
+                       int d)
 {
     const size_t rp = w->rp;
     const float *st = w->st + r0;
@@ -373,7 +377,7 @@ static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int
         __m256 c30 = _mm256_loadu_ps(a + 3 * rp), c31 = _mm256_loadu_ps(a + 3 * rp + 8);
         for (int j = 0; j < nk; j++) {
             const __m256 p0 = _mm256_loadu_ps(st + j * rp), p1 = _mm256_loadu_ps(st + j * rp + 8);
-            const float *vj = v + (int64_t)j * d + t;
+            const float *vj = v[j] + t;
             __m256 b = _mm256_broadcast_ss(vj);
             c00 = _mm256_fmadd_ps(b, p0, c00);
             c01 = _mm256_fmadd_ps(b, p1, c01);
@@ -400,7 +404,7 @@ static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int
         float *a = acct + t * rp;
         __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8);
         for (int j = 0; j < nk; j++) {
-            const __m256 b = _mm256_broadcast_ss(v + (int64_t)j * d + t);
+            const __m256 b = _mm256_broadcast_ss(v[j] + t);
             c0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(st + j * rp), c0);
             c1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(st + j * rp + 8), c1);
         }
@@ -414,7 +418,8 @@ static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int
 /* Without AVX2 every tile takes the row kernels. */
 #define ATT_HAVE_WIDE 0
 
-static void wide_scores(const struct wide_bufs *w, size_t r0, const float *k, int nk, int d)
+static void wide_scores(const struct wide_bufs *w, size_t r0, const float *const *k, int nk,
+                        int d)
 {
     (void)w, (void)r0, (void)k, (void)nk, (void)d;
 }
@@ -425,16 +430,17 @@ static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int 
     (void)w, (void)r0, (void)kb, (void)nk, (void)mask, (void)d;
 }
 
-static void wide_accum(const struct wide_bufs *w, size_t r0, const float *v, int nk, int d)
+static void wide_accum(const struct wide_bufs *w, size_t r0, const float *const *v, int nk,
+                       int d)
 {
     (void)w, (void)r0, (void)v, (void)nk, (void)d;
 }
 
 
-static void att_scores(const float *q, const float *k, int nv, int d, float *s)
+static void att_scores(const float *q, const float *const *k, int nv, int d, float *s)
 {
     for (int j = 0; j < nv; j++) {
-        const float *kr = k + (int64_t)j * d;
+        const float *kr = k[j];
         float acc = 0.0f;
         for (int t = 0; t < d; t++)
             acc += q[t] * kr[t];
@@ -466,10 +472,10 @@ static void scale_row(float *acc, int d, float alpha)
         acc[t] *= alpha;
 }
 
-static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
+static void att_accum(float *acc, const float *p, const float *const *v, int nv, int d)
 {
     for (int j = 0; j < nv; j++) {
-        const float *vr = v + (int64_t)j * d;
+        const float *vr = v[j];
         for (int t = 0; t < d; t++)
             acc[t] += p[j] * vr[t];
     }
@@ -477,10 +483,10 @@ static void att_accum(float *acc, const float *p, const float *v, int nv, int d)
 
 #endif
 
-/* One query row against nv keys: online-softmax update of its running max m, sum l and
- * unnormalized output acc. s is [ATT_BK] scratch. */
-static void att_row(const float *q, const float *k, const float *v, int nv, int d, float *m,
-                    float *l, float *acc, float *s)
+/* One query row against the nv key / value rows k[], v[]: online-softmax update of its
+ * running max m, sum l and unnormalized output acc. s is [ATT_BK] scratch. */
+static void att_row(const float *q, const float *const *k, const float *const *v, int nv, int d,
+                    float *m, float *l, float *acc, float *s)
 {
     att_scores(q, k, nv, d, s);
     const float mb = max_of(s, nv);
@@ -495,6 +501,34 @@ static void att_row(const float *q, const float *k, const float *v, int nv, int 
 }
 
 /* ---- tiles ------------------------------------------------------------------------ */
+
+/* Row pointers of keys [kb, kb + nk) of KV head g (nk <= ATT_BK), in either view layout:
+ * the kernels read rows through these, so a paged view computes exactly what the
+ * contiguous one does (same tiles, same order). */
+static void tile_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk,
+                      const float **krow, const float **vrow)
+{
+    const int64_t d = kv->head_dim;
+    if (kv->block_rows <= 0) {
+        const float *K = (const float *)kv->k[g] + kb * d, *V = (const float *)kv->v[g] + kb * d;
+        for (int j = 0; j < nk; j++) {
+            krow[j] = K + j * d;
+            vrow[j] = V + j * d;
+        }
+        return;
+    }
+    const int64_t t = kv->block_rows;
+    int64_t b = kb / t, off = kb % t;
+    for (int j = 0; j < nk; b++, off = 0) { /* one run of rows per block */
+        const float *K = (const float *)kv->blocks[g][b] + off * d, *V = K + t * d;
+        const int m = t - off < nk - j ? (int)(t - off) : nk - j;
+        for (int i = 0; i < m; i++) {
+            krow[j + i] = K + i * d;
+            vrow[j + i] = V + i * d;
+        }
+        j += m;
+    }
+}
 
 /* Row layout: row r of queries [i0, i1) is query i0 + r / group, head g * group + r % group. */
 static const float *q_row(const struct att_ctx *c, int g, int i0, size_t r)
@@ -560,12 +594,12 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
                       const struct row_bufs *b)
 {
     const int d = c->d, G = c->group;
-    const float *K = c->kv->k[g], *V = c->kv->v[g];
     const int64_t prefix = c->kv->prefix_len[g];
+    const float *krow[ATT_BK], *vrow[ATT_BK];
 
     for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
         const int64_t nblk = ke - kb < ATT_BK ? ke - kb : ATT_BK;
-        const float *kblk = K + kb * d, *vblk = V + kb * d;
+        tile_rows(c->kv, g, kb, (int)nblk, krow, vrow);
         for (int i = i0; i < i1; i++) {
             const int64_t lim = prefix + i + 1 - kb;
             if (lim <= 0)
@@ -577,8 +611,8 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
             const int s0 = skip > 0 ? (int)skip : 0;
             for (int hh = 0; hh < G; hh++) {
                 const size_t r = (size_t)(i - i0) * G + hh;
-                att_row(b->qs + r * d, kblk + (int64_t)s0 * d, vblk + (int64_t)s0 * d, nv - s0,
-                        d, &b->m[r], &b->l[r], b->acc + r * d, b->s);
+                att_row(b->qs + r * d, krow + s0, vrow + s0, nv - s0, d, &b->m[r], &b->l[r],
+                        b->acc + r * d, b->s);
             }
         }
     }
@@ -606,8 +640,8 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
 {
     const int d = c->d;
     const size_t rows = (size_t)(i1 - i0) * c->group, rp = w->rp;
-    const float *K = c->kv->k[g], *V = c->kv->v[g];
     const int64_t prefix = c->kv->prefix_len[g];
+    const float *krow[ATT_BK], *vrow[ATT_BK];
 
     for (size_t r = 0; r < rp; r++) {
         const float *src = r < rows ? q_row(c, g, i0, r) : NULL;
@@ -623,7 +657,7 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
 
     for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
         const int nblk = (int)(ke - kb < ATT_BK ? ke - kb : ATT_BK);
-        const float *kblk = K + kb * d, *vblk = V + kb * d;
+        tile_rows(c->kv, g, kb, nblk, krow, vrow);
         for (size_t r0 = 0; r0 < rp; r0 += ATT_RT) {
             int32_t lo = INT32_MAX, hi = 0, first_lo = INT32_MAX, first_hi = 0;
             for (size_t r = r0; r < r0 + ATT_RT; r++) {
@@ -638,10 +672,10 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
                 continue;   /* no row of the tile sees this block */
             const int nk = hi - kb < nblk ? (int)(hi - kb) : nblk;
             const bool mask = lo < kb + nk || first_hi > kb;
-            wide_scores(w, r0, kblk, nk, d);
+            wide_scores(w, r0, krow, nk, d);
             wide_softmax8(w, r0, kb, nk, mask, d);
             wide_softmax8(w, r0 + 8, kb, nk, mask, d);
-            wide_accum(w, r0, vblk, nk, d);
+            wide_accum(w, r0, vrow, nk, d);
         }
     }
 }
@@ -800,10 +834,8 @@ static int att_check(const float *out, const float *q, int n, int n_heads,
         if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
             return skv_errorf(SKV_E_INVAL, "attention: KV head %d prefix %d with %d new", g,
                               (int)kv->prefix_len[g], n);
-        if (!kv->k[g] || !kv->v[g])
-            return skv_errorf(SKV_E_INVAL, "attention: KV head %d has no buffer", g);
     }
-    return SKV_OK;
+    return skv_kv_view_check_rows(kv, "attention");
 }
 
 int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,

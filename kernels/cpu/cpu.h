@@ -41,6 +41,7 @@ int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, cons
                         int dim);
 int skv_cpu_gather_rows(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
                         const int32_t *idx, int n);
+int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
  * calling thread for the length of the call, and attention takes slot 0 for its working

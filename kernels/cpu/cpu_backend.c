@@ -321,6 +321,7 @@ static const struct skv_backend_ops cpu_ops = {
     .attention_colsum = skv_cpu_attention_colsum,
     .cosine_mean = skv_cpu_cosine_mean,
     .gather_rows = skv_cpu_gather_rows,
+    .copy_rows = skv_cpu_copy_rows,
 };
 
 int skv_backend_cpu_new(int n_threads, struct skv_backend **out)

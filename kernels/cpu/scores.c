@@ -1,6 +1,6 @@
 /* The CPU backend's compression math: attention column sums (SnapKV's observation window,
- * H2O's accumulated attention), the mean residual cosine (SqueezeAttention) and row gathers
- * that compact a cache in place. */
+ * H2O's accumulated attention), the mean residual cosine (SqueezeAttention), row gathers
+ * that compact a cache in place and row copies that compact a paged one. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -54,7 +54,6 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
     float scale = 1.0f / sqrtf((float)d);
     for (int64_t h = begin; h < end; h++) {
         int kvh = (int)h / job->group;
-        const float *k = job->kv->k[kvh];
         int prefix = job->kv->prefix_len[kvh];
         int n_keys = prefix + job->n;
         float *out = job->out + h * job->out_stride;
@@ -69,7 +68,7 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
             int seen = prefix + i + 1, lo = skv_kv_view_first(job->kv, kvh, i);
             float mx = -INFINITY;
             for (int j = lo; j < seen; j++) {
-                p[j] = dot(qi, k + (size_t)j * d, d) * scale;
+                p[j] = dot(qi, skv_kv_view_row(job->kv, kvh, 0, j), d) * scale;
                 mx = p[j] > mx ? p[j] : mx;
             }
             double sum = 0;
@@ -93,6 +92,8 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
     if (kv->kv_type != SKV_DTYPE_F32)
         return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d", kv->kv_type);
     int rc = skv_kv_view_check_window(kv, "attention_colsum");
+    if (!rc)
+        rc = skv_kv_view_check_rows(kv, "attention_colsum");
     if (rc)
         return rc;
     for (int h = 0; h < kv->n_kv_heads; h++)
@@ -142,5 +143,18 @@ int skv_cpu_gather_rows(struct skv_backend *be, void *dst, const void *src, size
             continue;
         memmove((char *)dst + (size_t)i * row_bytes, (const char *)src + (size_t)idx[i] * row_bytes, row_bytes);
     }
+    return SKV_OK;
+}
+
+int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n)
+{
+    (void)be;
+    if (n < 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "copy_rows: bad arguments");
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "copy_rows: row %d has no %s", i, dst[i] ? "source" : "destination");
+    for (int i = 0; i < n; i++)
+        memcpy(dst[i], src[i], row_bytes);
     return SKV_OK;
 }

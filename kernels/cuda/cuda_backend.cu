@@ -637,10 +637,14 @@ static int cuda_add(struct skv_backend *be, float *out, const float *a, const fl
 
 /* ---- attention ---------------------------------------------------------------------- */
 
-/* The KV view as a kernel argument (about 1.3 KB, under the parameter limit). */
+/* The KV view as a kernel argument (about 1.8 KB, under the parameter limit). A paged view's
+ * block tables are host memory: each call copies them into device scratch (upload_tables),
+ * a few KB per layer, and blk[g] points there. */
 struct att_params {
     const float *k[SKV_MAX_KV_HEADS];
     const float *v[SKV_MAX_KV_HEADS];
+    const float *const *blk[SKV_MAX_KV_HEADS]; /* device [blocks of head g]; block_rows > 0 */
+    int block_rows;                            /* 0: contiguous k / v */
     int prefix[SKV_MAX_KV_HEADS];
     int n, n_heads, group, d;
     float scale;
@@ -665,10 +669,8 @@ static int att_check(const char *op, const float *out, const float *q, int n, in
         if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
             return skv_errorf(SKV_E_INVAL, "%s: KV head %d prefix %d with %d new", op, g,
                               (int)kv->prefix_len[g], n);
-        if (!kv->k[g] || !kv->v[g])
-            return skv_errorf(SKV_E_INVAL, "%s: KV head %d has no buffer", op, g);
     }
-    return SKV_OK;
+    return skv_kv_view_check_rows(kv, op);
 }
 
 static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, int n,
@@ -685,6 +687,58 @@ static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, 
     p->d = kv->head_dim;
     p->scale = 1.0f / sqrtf((float)kv->head_dim);
     p->first = NULL;
+    p->block_rows = kv->block_rows > 0 ? kv->block_rows : 0;
+    for (int g = 0; g < SKV_MAX_KV_HEADS; g++)
+        p->blk[g] = NULL;
+}
+
+/* Blocks of head g a paged view's call reads (its prefix and the n new rows). */
+static size_t view_blocks(const struct skv_kv_view *kv, int g, int n)
+{
+    return ((size_t)kv->prefix_len[g] + n + kv->block_rows - 1) / kv->block_rows;
+}
+
+/* Bytes upload_tables() writes: 0 for a contiguous view. */
+static size_t tables_bytes(const struct skv_kv_view *kv, int n)
+{
+    if (kv->block_rows <= 0)
+        return 0;
+    size_t count = 0;
+    for (int g = 0; g < kv->n_kv_heads; g++)
+        count += view_blocks(kv, g, n);
+    return align_up(count * sizeof(void *));
+}
+
+/* For a paged view, copies every head's block table (host) to dst (device), where
+ * p->blk[] then point. */
+static int upload_tables(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
+                         struct att_params *p)
+{
+    if (kv->block_rows <= 0)
+        return SKV_OK;
+    const float **at = (const float **)dst;
+    for (int g = 0; g < kv->n_kv_heads; g++) {
+        const size_t nb = view_blocks(kv, g, n);
+        /* a pageable source is staged when cudaMemcpyAsync returns */
+        cudaError_t err = cudaMemcpyAsync((void *)at, kv->blocks[g], nb * sizeof(void *),
+                                          cudaMemcpyHostToDevice, impl->stream);
+        if (err != cudaSuccess)
+            return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__,
+                              cudaGetErrorName(err), cudaGetErrorString(err));
+        p->blk[g] = at;
+        at += nb;
+    }
+    return SKV_OK;
+}
+
+/* Row j of KV head g: K (which == 0) or V, in either layout (skv_kv_view_row's twin). */
+__device__ __forceinline__ const float *kv_row(const struct att_params &p, int g, int which,
+                                               int j)
+{
+    if (p.block_rows <= 0)
+        return (which ? p.v[g] : p.k[g]) + (size_t)j * p.d;
+    const int t = p.block_rows;
+    return p.blk[g][j / t] + ((size_t)which * t + j % t) * p.d;
 }
 
 /* Bytes upload_first() writes: 0 without a sliding window. */
@@ -719,14 +773,14 @@ static int upload_first(struct cuda_impl *impl, const struct skv_kv_view *kv, in
     return SKV_OK;
 }
 
-/* Scores of keys j0 .. j0+tn-1 against the query in shared memory: one warp per key, lanes
- * over the head dimension. */
-__device__ __forceinline__ void att_scores(float *sc, const float *qs, const float *k, int j0,
-                                           int tn, int d, float scale)
+/* Scores of keys j0 .. j0+tn-1 of KV head g against the query in shared memory: one warp
+ * per key, lanes over the head dimension. */
+__device__ __forceinline__ void att_scores(float *sc, const float *qs, const struct att_params &p,
+                                           int g, int j0, int tn, int d, float scale)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     for (int jj = warp; jj < tn; jj += nw) {
-        const float *kr = k + (size_t)(j0 + jj) * d;
+        const float *kr = kv_row(p, g, 0, j0 + jj);
         float s = 0.0f;
         for (int t = lane; t < d; t += 32)
             s = fmaf(qs[t], kr[t], s);
@@ -749,7 +803,6 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
     float *sc = qs + d;
     const int i = blockIdx.x / p.n_heads, h = blockIdx.x % p.n_heads, g = h / p.group;
     const float *qi = q + ((size_t)i * p.n_heads + h) * d;
-    const float *k = p.k[g], *v = p.v[g];
     const int seen = p.prefix[g] + i + 1;
     const int lo = p.first ? p.first[(size_t)g * p.n + i] : 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -765,7 +818,7 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
     __syncthreads();
     for (int j0 = lo; j0 < seen; j0 += ATT_TILE) {
         const int tn = seen - j0 < ATT_TILE ? seen - j0 : ATT_TILE;
-        att_scores(sc, qs, k, j0, tn, d, p.scale);
+        att_scores(sc, qs, p, g, j0, tn, d, p.scale);
         __syncthreads();
         if (warp == 0) {
             float mx = -INFINITY;
@@ -794,9 +847,8 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
         }
         for (int t = threadIdx.x; t < d; t += blockDim.x) {
             double a = acc[t] * alpha;
-            const float *vt = v + (size_t)j0 * d + t;
             for (int jj = 0; jj < tn; jj++)
-                a += (double)sc[jj] * vt[(size_t)jj * d];
+                a += (double)sc[jj] * kv_row(p, g, 1, j0 + jj)[t];
             acc[t] = a;
         }
         __syncthreads();
@@ -827,8 +879,10 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     struct att_params p;
     att_params_fill(&p, kv, n, n_heads);
     void *s = NULL;
-    if (kv->window > 0 && ((rc = scratch_get(impl, first_bytes(kv, n), &s)) < 0 ||
-                           (rc = upload_first(impl, kv, n, s, &p)) < 0))
+    const size_t fb = first_bytes(kv, n), tb = tables_bytes(kv, n);
+    if (fb + tb > 0 && ((rc = scratch_get(impl, fb + tb, &s)) < 0 ||
+                        (rc = upload_first(impl, kv, n, s, &p)) < 0 ||
+                        (rc = upload_tables(impl, kv, n, (char *)s + fb, &p)) < 0))
         return rc;
     attention_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, smem, impl->stream>>>(out, q, p);
     SKV_CUDA_CHECK(cudaGetLastError());
@@ -858,7 +912,7 @@ __global__ void colsum_stats_kernel(float *m_out, double *l_out, const float *q,
     float mx = -INFINITY;
     for (int j0 = lo; j0 < seen; j0 += ATT_TILE) {
         const int tn = seen - j0 < ATT_TILE ? seen - j0 : ATT_TILE;
-        att_scores(sc, qs, p.k[g], j0, tn, d, p.scale);
+        att_scores(sc, qs, p, g, j0, tn, d, p.scale);
         __syncthreads();
         for (int jj = threadIdx.x; jj < tn; jj += blockDim.x)
             mx = fmaxf(mx, sc[jj]);
@@ -880,7 +934,7 @@ __global__ void colsum_stats_kernel(float *m_out, double *l_out, const float *q,
     double l = 0.0;
     for (int j0 = lo; j0 < seen; j0 += ATT_TILE) {
         const int tn = seen - j0 < ATT_TILE ? seen - j0 : ATT_TILE;
-        att_scores(sc, qs, p.k[g], j0, tn, d, p.scale);
+        att_scores(sc, qs, p, g, j0, tn, d, p.scale);
         __syncthreads();
         for (int jj = threadIdx.x; jj < tn; jj += blockDim.x)
             l += expf(sc[jj] - m);
@@ -903,7 +957,7 @@ __global__ void colsum_sum_kernel(float *out, int64_t out_stride, const float *q
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n_keys)
         return;
-    const float *kr = p.k[g] + (size_t)j * d;
+    const float *kr = kv_row(p, g, 0, j);
     int i0 = j - p.prefix[g];
     i0 = i0 > q_first ? i0 : q_first;
     double sum = 0.0;
@@ -931,6 +985,8 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
     if (kv->kv_type != SKV_DTYPE_F32)
         return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d", kv->kv_type);
     int rc = skv_kv_view_check_window(kv, "attention_colsum");
+    if (rc == SKV_OK)
+        rc = skv_kv_view_check_rows(kv, "attention_colsum");
     if (rc < 0)
         return rc;
     int max_keys = 0;
@@ -938,8 +994,6 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
         if (kv->prefix_len[h] < 0 || (int64_t)kv->prefix_len[h] + n > out_stride ||
             (int64_t)kv->prefix_len[h] + n > INT32_MAX)
             return skv_errorf(SKV_E_INVAL, "attention_colsum: output row too short");
-        if (!kv->k[h])
-            return skv_errorf(SKV_E_INVAL, "attention_colsum: KV head %d has no buffer", h);
         max_keys = kv->prefix_len[h] + n > max_keys ? kv->prefix_len[h] + n : max_keys;
     }
     const size_t smem = ((size_t)kv->head_dim + ATT_TILE) * sizeof(float);
@@ -953,12 +1007,14 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
     void *s = NULL;
     const size_t m_bytes = align_up((size_t)nq * sizeof(float));
     const size_t l_bytes = align_up((size_t)nq * sizeof(double));
-    rc = scratch_get(impl, m_bytes + l_bytes + first_bytes(kv, n), &s);
+    const size_t f_bytes = first_bytes(kv, n);
+    rc = scratch_get(impl, m_bytes + l_bytes + f_bytes + tables_bytes(kv, n), &s);
     if (rc < 0)
         return rc;
     float *m = (float *)s;
     double *l = (double *)((char *)s + m_bytes);
-    if ((rc = upload_first(impl, kv, n, (char *)s + m_bytes + l_bytes, &p)) < 0)
+    if ((rc = upload_first(impl, kv, n, (char *)s + m_bytes + l_bytes, &p)) < 0 ||
+        (rc = upload_tables(impl, kv, n, (char *)s + m_bytes + l_bytes + f_bytes, &p)) < 0)
         return rc;
     colsum_stats_kernel<<<(unsigned)nq, ATT_THREADS, smem, impl->stream>>>(m, l, q, q_first, p);
     SKV_CUDA_CHECK(cudaGetLastError());
@@ -1074,6 +1130,54 @@ static int cuda_gather_rows(struct skv_backend *be, void *dst, const void *src, 
     return SKV_OK;
 }
 
+/* Row i of n: dst[i] <- src[i], 32-bit words when every pointer and the row allow it. */
+__global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src, size_t row_bytes, int n,
+                                 int words)
+{
+    const int64_t per_row = words ? (int64_t)(row_bytes / 4) : (int64_t)row_bytes;
+    const int64_t total = (int64_t)n * per_row;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
+         k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = k / per_row, e = k % per_row;
+        if (words)
+            ((uint32_t *)dst[i])[e] = ((const uint32_t *)src[i])[e];
+        else
+            dst[i][e] = src[i][e];
+    }
+}
+
+/* The two pointer tables go to device scratch (one upload), then one kernel moves every row. */
+static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
+                          int n)
+{
+    if (n < 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "copy_rows: bad arguments");
+    int words = row_bytes % 4 == 0;
+    for (int i = 0; i < n; i++) {
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "copy_rows: row %d has no %s", i, dst[i] ? "source" : "destination");
+        words = words && (uintptr_t)dst[i] % 4 == 0 && (uintptr_t)src[i] % 4 == 0;
+    }
+    if (n == 0 || row_bytes == 0)
+        return SKV_OK;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    const size_t table = (size_t)n * sizeof(void *);
+    void *s = NULL;
+    int rc = scratch_get(impl, 2 * align_up(table), &s);
+    if (rc < 0)
+        return rc;
+    uint8_t **ddst = (uint8_t **)s;
+    const uint8_t **dsrc = (const uint8_t **)((char *)s + align_up(table));
+    /* pageable sources are staged when cudaMemcpyAsync returns */
+    SKV_CUDA_CHECK(cudaMemcpyAsync(ddst, dst, table, cudaMemcpyHostToDevice, impl->stream));
+    SKV_CUDA_CHECK(cudaMemcpyAsync(dsrc, src, table, cudaMemcpyHostToDevice, impl->stream));
+    const int64_t total = (int64_t)n * (int64_t)(words ? row_bytes / 4 : row_bytes);
+    copy_rows_kernel<<<grid_for(total, EW_THREADS), EW_THREADS, 0, impl->stream>>>(ddst, dsrc, row_bytes, n,
+                                                                                   words);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    return SKV_OK;
+}
+
 /* ---- construction ------------------------------------------------------------------- */
 
 static void cuda_destroy(struct skv_backend *be)
@@ -1114,6 +1218,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* attention_colsum */ cuda_attention_colsum,
     /* cosine_mean */ cuda_cosine_mean,
     /* gather_rows */ cuda_gather_rows,
+    /* copy_rows */ cuda_copy_rows,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -799,6 +799,161 @@ static void test_colsum_window(void **state)
     free(q);
 }
 
+/* Copies rows [rows][d] of K and V (host) into backend blocks of t rows (K [t][d] then
+ * V [t][d] each, as the engine's pool lays them out); returns the host block table. */
+static void **paged_from(struct skv_backend *be, const float *k, const float *v, int rows, int d,
+                         int t)
+{
+    const int nb = (rows + t - 1) / t;
+    void **tbl = calloc((size_t)(nb ? nb : 1), sizeof *tbl);
+    assert_non_null(tbl);
+    float *blk = host_nan((size_t)2 * t * d);
+    for (int b = 0; b < nb; b++) {
+        const int m = rows - b * t < t ? rows - b * t : t;
+        memcpy(blk, k + (size_t)b * t * d, (size_t)m * d * sizeof(float));
+        memcpy(blk + (size_t)t * d, v + (size_t)b * t * d, (size_t)m * d * sizeof(float));
+        tbl[b] = dev_from(be, blk, (size_t)2 * t * d * sizeof(float));
+    }
+    free(blk);
+    return tbl;
+}
+
+static void paged_free(struct skv_backend *be, void **tbl, int rows, int t)
+{
+    for (int b = 0; b < (rows + t - 1) / t; b++)
+        be->ops->free(be, tbl[b]);
+    free(tbl);
+}
+
+/* Attention and column sums over a paged view equal the contiguous view bit for bit, for
+ * block sizes that do and do not divide the kernels' tiles and lengths that are not a
+ * multiple of the block: every kernel path (wide prefill tiles, row tiles, split-K decode,
+ * sliding window). */
+static void test_attention_paged(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0x9a9eULL};
+    const struct att_case cases[] = {
+        {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 0, 0}, .q_scale = 1.0},
+        {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 2.0},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {4095, 2000, 77}, .q_scale = 1.0},
+        {.n = 16, .n_heads = 8, .n_kv = 2, .d = 18, .prefix = {1000, 601}, .q_scale = 1.5},
+        {.n = 100, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 40, 130}, .q_scale = 3.0,
+         .window = 50, .gaps = 2},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2999, 1000, 700}, .q_scale = 1.0,
+         .window = 900, .gaps = 3},
+    };
+    const int blocks[] = {1, 5, 16, 64, 100};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const struct att_case *c = &cases[ci];
+        const int n = c->n, d = c->d;
+        const size_t qcount = (size_t)n * c->n_heads * d;
+        float *q = host_normal(&r, qcount, c->q_scale);
+        float *k[SKV_MAX_KV_HEADS], *v[SKV_MAX_KV_HEADS];
+        int32_t *pos[SKV_MAX_KV_HEADS] = {NULL};
+        struct skv_kv_view flat = {.n_kv_heads = c->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32,
+                                   .window = c->window};
+        int max_rows = 0;
+        for (int g = 0; g < c->n_kv; g++) {
+            const int rows = c->prefix[g] + n;
+            k[g] = host_normal(&r, (size_t)rows * d, 1.0);
+            v[g] = host_normal(&r, (size_t)rows * d, 1.0);
+            flat.k[g] = dev_from(be, k[g], (size_t)rows * d * sizeof(float));
+            flat.v[g] = dev_from(be, v[g], (size_t)rows * d * sizeof(float));
+            flat.prefix_len[g] = c->prefix[g];
+            if (c->window > 0)
+                flat.pos[g] = pos[g] = case_positions(c, g);
+            max_rows = rows > max_rows ? rows : max_rows;
+        }
+        const int q_first = n > 4 ? n - 4 : 0;
+        const size_t ccount = (size_t)c->n_heads * max_rows;
+        float *dq = dev_from(be, q, qcount * sizeof(float));
+        float *want = host_nan(qcount), *got = host_nan(qcount);
+        float *cwant = calloc(ccount, sizeof(float)), *cgot = calloc(ccount, sizeof(float));
+        assert_non_null(cwant);
+        assert_non_null(cgot);
+        float *dout = dev_from(be, want, qcount * sizeof(float));
+        float *dcol = dev_from(be, cwant, ccount * sizeof(float));
+        assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &flat), SKV_OK);
+        dev_to(be, want, dout, qcount * sizeof(float));
+        assert_int_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &flat, q_first), SKV_OK);
+        dev_to(be, cwant, dcol, ccount * sizeof(float));
+        for (size_t bi = 0; bi < sizeof blocks / sizeof blocks[0]; bi++) {
+            struct skv_kv_view paged = flat;
+            void **tbl[SKV_MAX_KV_HEADS];
+            paged.block_rows = blocks[bi];
+            for (int g = 0; g < c->n_kv; g++) {
+                paged.k[g] = paged.v[g] = NULL; /* the paged form must not read them */
+                paged.blocks[g] = tbl[g] = paged_from(be, k[g], v[g], c->prefix[g] + n, d, blocks[bi]);
+            }
+            assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &paged), SKV_OK);
+            dev_to(be, got, dout, qcount * sizeof(float));
+            assert_int_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &paged, q_first),
+                             SKV_OK);
+            dev_to(be, cgot, dcol, ccount * sizeof(float));
+            if (memcmp(got, want, qcount * sizeof(float)) || memcmp(cgot, cwant, ccount * sizeof(float)))
+                fail_msg("case %zu, blocks of %d rows: paged view differs from the contiguous one", ci,
+                         blocks[bi]);
+            for (int g = 0; g < c->n_kv; g++)
+                paged_free(be, tbl[g], c->prefix[g] + n, blocks[bi]);
+        }
+        /* a paged view without a table is refused */
+        struct skv_kv_view bad = flat;
+        bad.block_rows = 16;
+        assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &bad), SKV_E_INVAL);
+        be->ops->free(be, dcol);
+        be->ops->free(be, dout);
+        be->ops->free(be, dq);
+        for (int g = 0; g < c->n_kv; g++) {
+            be->ops->free(be, (void *)flat.k[g]);
+            be->ops->free(be, (void *)flat.v[g]);
+            free(k[g]);
+            free(v[g]);
+            free(pos[g]);
+        }
+        free(cwant);
+        free(cgot);
+        free(want);
+        free(got);
+        free(q);
+    }
+}
+
+/* copy_rows: rows moved between two buffers in a scrambled order, odd and word-sized rows. */
+static void test_copy_rows(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0xc0e7ULL};
+    const size_t sizes[] = {256, 6};
+    for (size_t si = 0; si < 2; si++) {
+        enum { N = 37 };
+        const size_t row = sizes[si];
+        unsigned char src_h[N * 256], want[N * 256], got[N * 256];
+        for (size_t i = 0; i < N * row; i++)
+            src_h[i] = (unsigned char)(rng_next(&r) >> 24);
+        memset(want, 0xab, sizeof want);
+        char *dsrc = dev_from(be, src_h, N * row), *ddst = dev_from(be, want, N * row);
+        void *to[N];
+        const void *from[N];
+        for (int i = 0; i < N; i++) {
+            int j = (i * 11 + 5) % N; /* destination row i gets source row j */
+            to[i] = ddst + (size_t)i * row;
+            from[i] = dsrc + (size_t)j * row;
+            memcpy(want + (size_t)i * row, src_h + (size_t)j * row, row);
+        }
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, N), SKV_OK);
+        dev_to(be, got, ddst, N * row);
+        assert_memory_equal(got, want, N * row);
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, 0), SKV_OK);
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, -1), SKV_E_INVAL);
+        assert_int_equal(be->ops->copy_rows(be, NULL, from, row, 2), SKV_E_INVAL);
+        to[1] = NULL;
+        assert_int_equal(be->ops->copy_rows(be, to, from, row, 2), SKV_E_INVAL);
+        be->ops->free(be, dsrc);
+        be->ops->free(be, ddst);
+    }
+}
+
 static void test_attention_invalid(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -1052,7 +1207,8 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention),                                                     \
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
-        cmocka_unit_test(test_colsum_window), cmocka_unit_test(test_attention_invalid)
+        cmocka_unit_test(test_colsum_window), cmocka_unit_test(test_attention_paged),        \
+        cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_attention_invalid)
 
 int main(void)
 {

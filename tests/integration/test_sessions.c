@@ -113,6 +113,46 @@ static void prompt(uint32_t *ids, int n, int salt)
         ids[i] = (uint32_t)(300 + (i * 131 + salt * 977) % 20000);
 }
 
+/* Blocks a session's INSPECT shows: the sum over layers and heads, and whether every head
+ * holds exactly the blocks its kept rows need. */
+static uint64_t inspect_blocks(const struct snapkv_inspect_result *ir, uint32_t block_rows, uint64_t *shared,
+                               bool *exact)
+{
+    uint64_t held = 0;
+    *shared = 0;
+    *exact = true;
+    for (size_t l = 0; l < ir->n_layers; l++) {
+        const struct snapkv_layer_kept *k = &ir->layers[l];
+        assert_non_null(k->blocks_per_head);
+        assert_non_null(k->shared_blocks_per_head);
+        for (uint32_t h = 0; h < k->n_heads; h++) {
+            held += k->blocks_per_head[h];
+            *shared += k->shared_blocks_per_head[h];
+            assert_true(k->shared_blocks_per_head[h] <= k->blocks_per_head[h]);
+            *exact &= k->blocks_per_head[h] == (k->kept_per_head[h] + block_rows - 1) / block_rows;
+        }
+    }
+    return held;
+}
+
+/* The document's K/V and positions, exported through shared memory (a malloc'd copy). */
+static void *export_copy(snapkv_client_t *c, const struct snapkv_session_id *id, struct snapkv_shm *shm,
+                         size_t *bytes, uint32_t **pos, size_t *n_pos)
+{
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(c, id, shm, 0, &lay), SNAPKV_OK);
+    void *copy = malloc(lay.bytes_written);
+    assert_non_null(copy);
+    memcpy(copy, shm->addr, lay.bytes_written);
+    *bytes = lay.bytes_written;
+    *n_pos = lay.n_positions;
+    *pos = malloc(lay.n_positions * sizeof **pos);
+    assert_non_null(*pos);
+    memcpy(*pos, lay.positions, lay.n_positions * sizeof **pos);
+    snapkv_kv_layout_free(&lay);
+    return copy;
+}
+
 /* The in-process engine's greedy tokens for the same prompt and spec. */
 static void expected_tokens(const uint32_t *ids, int n, const char *spec_text, uint32_t *out, int n_gen)
 {
@@ -396,6 +436,11 @@ static void test_pool_pressure(void **state)
     assert_int_equal(snapkv_admin_inspect(a, &first.id, false, &ir), SNAPKV_E_NOT_FOUND);
     /* save / load of the new session */
     uint64_t bytes = 0;
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("saved", 16 << 20, &shm), SNAPKV_OK);
+    size_t kv_bytes, n_pos, kv_bytes1, n_pos1;
+    uint32_t *pos0, *pos1;
+    void *kv0 = export_copy(c, &pr.id, &shm, &kv_bytes, &pos0, &n_pos);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "doc-1", &bytes), SNAPKV_OK);
     assert_true(bytes > 7000000);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "../escape", &bytes), SNAPKV_E_INVAL);
@@ -405,6 +450,17 @@ static void test_pool_pressure(void **state)
     assert_int_equal(snapkv_admin_inspect(a, &loaded, false, &ir), SNAPKV_OK);
     assert_int_equal(ir.info.n_tokens, N_PROMPT);
     snapkv_inspect_result_free(&ir);
+    /* what was saved comes back bit for bit (K, V and positions through the block tables) */
+    void *kv1 = export_copy(c, &loaded, &shm, &kv_bytes1, &pos1, &n_pos1);
+    assert_int_equal(kv_bytes1, kv_bytes);
+    assert_int_equal(n_pos1, n_pos);
+    assert_memory_equal(kv1, kv0, kv_bytes);
+    assert_memory_equal(pos1, pos0, n_pos * sizeof *pos0);
+    free(kv0);
+    free(kv1);
+    free(pos0);
+    free(pos1);
+    snapkv_shm_destroy(&shm);
     assert_int_equal(snapkv_admin_load(a, "missing", "p", &loaded), SNAPKV_E_NOT_FOUND);
     snapkv_prefill_result_free(&pr);
     snapkv_prefill_result_free(&first);
@@ -471,7 +527,9 @@ static void test_killed_client_and_lease(void **state)
 }
 
 /* One process prefills a document whole and pins it; others fork it, append their question,
- * re-compress with the question as the window, and decode. */
+ * re-compress with the question as the window, and decode. Until they write, the forks share
+ * every block of the document (INSPECT and STATUS show it, the pool holds it once); after,
+ * each holds its own blocks and the document is unchanged bit for bit. */
 static void test_shared_document(void **state)
 {
     NEED_MODEL();
@@ -484,15 +542,36 @@ static void test_shared_document(void **state)
     struct snapkv_prefill_result pr;
     assert_int_equal(snapkv_prefill(owner, &po, &pr), SNAPKV_OK);
     assert_int_equal(snapkv_admin_pin(a, &pr.id), SNAPKV_OK);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("doc", 16 << 20, &shm), SNAPKV_OK);
+    size_t kv_bytes, n_pos;
+    uint32_t *pos0;
+    void *kv0 = export_copy(owner, &pr.id, &shm, &kv_bytes, &pos0, &n_pos);
+    struct snapkv_status_info st;
+    assert_int_equal(snapkv_admin_status(a, &st), SNAPKV_OK);
+    const uint64_t doc_blocks = st.pool_blocks_used;
+    const uint32_t T = st.pool_block_rows;
+    assert_true(T > 0);
+    assert_int_equal(st.pool_blocks_shared, 0);
+    assert_int_equal(st.pool_bytes_used, doc_blocks * st.pool_block_bytes);
+
+    /* each child forks, reports its fork and waits until the parent has inspected them all */
     enum { N = 4 };
     pid_t kids[N];
+    int ready[2], go[2];
+    assert_int_equal(pipe(ready), 0);
+    assert_int_equal(pipe(go), 0);
     for (int i = 0; i < N; i++) {
         kids[i] = fork();
         if (kids[i] == 0) {
             snapkv_client_t *c = client(d.endpoint, "team");
             struct snapkv_session_id f;
-            if (snapkv_fork(c, &pr.id, &f, NULL))
+            uint64_t shared = 0;
+            char byte;
+            if (snapkv_fork(c, &pr.id, &f, &shared) || shared == 0)
                 _exit(1);
+            if (write(ready[1], &f, sizeof f) != sizeof f || read(go[0], &byte, 1) != 1)
+                _exit(5);
             uint32_t q[8];
             prompt(q, 8, 100 + i);
             struct snapkv_append_opts ao = {.tokens = q, .n_tokens = 8};
@@ -511,23 +590,86 @@ static void test_shared_document(void **state)
             _exit(0);
         }
     }
-    for (int i = 0; i < N; i++) {
-        int st;
-        waitpid(kids[i], &st, 0);
-        assert_true(WIFEXITED(st));
-        if (WEXITSTATUS(st))
-            fail_msg("fork client %d exited %d", i, WEXITSTATUS(st));
-    }
-    /* the document is prefilled once and untouched */
+    struct snapkv_session_id forks[N];
+    for (int i = 0; i < N; i++)
+        assert_int_equal(read(ready[0], &forks[i], sizeof forks[i]), (ssize_t)sizeof forks[i]);
+    /* before they diverge: five sessions, the document's blocks once, every one shared */
+    assert_int_equal(snapkv_admin_status(a, &st), SNAPKV_OK);
+    assert_int_equal(st.pool_blocks_used, doc_blocks);
+    assert_int_equal(st.pool_blocks_shared, doc_blocks);
     struct snapkv_inspect_result ir;
+    uint64_t shared;
+    bool exact;
+    assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &ir), SNAPKV_OK);
+    assert_int_equal(inspect_blocks(&ir, T, &shared, &exact), doc_blocks);
+    assert_int_equal(shared, doc_blocks);
+    assert_true(exact);
+    assert_int_equal(ir.layers[0].blocks_per_head[0], (N_PROMPT + T - 1) / T);
+    assert_int_equal(ir.info.shared_bytes, ir.info.bytes);
+    snapkv_inspect_result_free(&ir);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(snapkv_admin_inspect(a, &forks[i], false, &ir), SNAPKV_OK);
+        assert_int_equal(inspect_blocks(&ir, T, &shared, &exact), doc_blocks);
+        assert_int_equal(shared, doc_blocks);
+        assert_int_equal(ir.info.shared_bytes, ir.info.bytes);
+        snapkv_inspect_result_free(&ir);
+    }
+    for (int i = 0; i < N; i++)
+        assert_int_equal(write(go[1], "g", 1), 1);
+    for (int i = 0; i < N; i++) {
+        int wst;
+        waitpid(kids[i], &wst, 0);
+        assert_true(WIFEXITED(wst));
+        if (WEXITSTATUS(wst))
+            fail_msg("fork client %d exited %d", i, WEXITSTATUS(wst));
+    }
+    close(ready[0]);
+    close(ready[1]);
+    close(go[0]);
+    close(go[1]);
+    /* the document is prefilled once and untouched, bit for bit */
     assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &ir), SNAPKV_OK);
     assert_int_equal(ir.info.n_tokens, N_PROMPT);
     assert_int_equal(ir.layers[0].kept, N_PROMPT);
+    assert_int_equal(inspect_blocks(&ir, T, &shared, &exact), doc_blocks);
     snapkv_inspect_result_free(&ir);
+    size_t kv_bytes1, n_pos1;
+    uint32_t *pos1;
+    void *kv1 = export_copy(owner, &pr.id, &shm, &kv_bytes1, &pos1, &n_pos1);
+    assert_int_equal(kv_bytes1, kv_bytes);
+    assert_int_equal(n_pos1, n_pos);
+    assert_memory_equal(kv1, kv0, kv_bytes);
+    assert_memory_equal(pos1, pos0, n_pos * sizeof *pos0);
+    /* each fork now holds its own 44 rows (40 kept + 4 decoded) per head, in exactly the
+     * blocks they need, and the pool holds no copy of the document */
+    uint64_t fork_blocks = 0, own[N];
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(snapkv_admin_inspect(a, &forks[i], false, &ir), SNAPKV_OK);
+        assert_int_equal(ir.layers[0].kept_per_head[0], 44);
+        uint64_t held = inspect_blocks(&ir, T, &shared, &exact);
+        assert_true(exact);
+        assert_true(shared < held);
+        own[i] = held - shared;
+        fork_blocks += own[i];
+        snapkv_inspect_result_free(&ir);
+    }
+    assert_int_equal(snapkv_admin_status(a, &st), SNAPKV_OK);
+    assert_int_equal(st.pool_blocks_used, doc_blocks + fork_blocks);
+    /* evicting a fork gives back its own blocks only */
+    uint32_t n_ev = 0;
+    uint64_t freed = 0;
+    assert_int_equal(snapkv_admin_evict(a, &forks[0], NULL, false, &n_ev, &freed), SNAPKV_OK);
+    assert_int_equal(n_ev, 1);
+    assert_int_equal(freed, own[0] * st.pool_block_bytes);
     struct snapkv_session_list l;
     assert_int_equal(snapkv_admin_list(a, "team", &l), SNAPKV_OK);
-    assert_int_equal(l.n, 1 + N);
+    assert_int_equal(l.n, N); /* the document and the forks left */
     snapkv_session_list_free(&l);
+    free(kv0);
+    free(kv1);
+    free(pos0);
+    free(pos1);
+    snapkv_shm_destroy(&shm);
     snapkv_prefill_result_free(&pr);
     snapkv_close(&owner);
     snapkv_close(&a);

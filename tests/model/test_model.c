@@ -295,12 +295,7 @@ static void test_swa_compacted_cache(void **state)
             for (int r = 0; r < kh->len; r++)
                 if (kh->pos[r] > n - W)
                     idx[kept++] = r;
-            size_t row = (size_t)m->cfg.head_dim * sizeof(float);
-            assert_int_equal(be->ops->gather_rows(be, kh->k, kh->k, row, idx, kept), SKV_OK);
-            assert_int_equal(be->ops->gather_rows(be, kh->v, kh->v, row, idx, kept), SKV_OK);
-            for (int r = 0; r < kept; r++)
-                kh->pos[r] = kh->pos[idx[r]];
-            kh->len = kept;
+            assert_int_equal(skv_kv_cache_compact(cut, l, h, idx, kept), SKV_OK);
         }
     assert_int_equal(skv_kv_cache_head(cut, 1, 1)->len, W - 1);
     for (int k = 0; k < 16; k++) {

@@ -256,6 +256,7 @@ static void test_streaming_and_window(void **state)
         for (int h = 0; h < c->n_kv_heads; h++) {
             expect_positions(c, l, h, s, 8);
             assert_true(skv_kv_cache_head(c, l, h)->cap <= 8 + 16); /* the memory went back */
+            assert_int_equal(skv_kv_cache_head(c, l, h)->n_blocks, (8 + c->block_rows - 1) / c->block_rows);
         }
     assert_int_equal(c->n_past, 40);
     skv_kv_cache_free(&c);
@@ -289,8 +290,9 @@ static int naive_hook(void *user, const struct skv_layer_view *v)
     struct naive *nv = user;
     int l = v->layer, n = v->n, H = 4, hkv = v->cache->n_kv_heads, d = v->cache->head_dim, g = H / hkv;
     int w = nv->window < n ? nv->window : n;
+    struct skv_kv_view kv = {0};
+    skv_kv_cache_view(v->cache, l, &kv); /* CPU: the blocks are host memory */
     for (int h = 0; h < hkv; h++) {
-        const struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
         double score[64] = {0};
         for (int qh = h * g; qh < (h + 1) * g; qh++)
             for (int i = n - w; i < n; i++) {
@@ -299,7 +301,7 @@ static int naive_hook(void *user, const struct skv_layer_view *v)
                 for (int j = 0; j <= i; j++) {
                     double dot = 0;
                     for (int k = 0; k < d; k++)
-                        dot += (double)q[k] * kh->k[(size_t)j * d + k];
+                        dot += (double)q[k] * skv_kv_view_row(&kv, h, 0, j)[k];
                     p[j] = dot / sqrt((double)d);
                     mx = p[j] > mx ? p[j] : mx;
                 }

@@ -1,0 +1,250 @@
+/* The KV block pool (see kv_pool.h): slabs of SLAB_BLOCKS blocks from the backend, a doubly
+ * linked free list of blocks so a slab whose blocks are all free can leave it and go back,
+ * reference counts and counts of blocks in use and shared, under one mutex. */
+#include "daemon/engine/kv_pool.h"
+#include "common/status.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdlib.h>
+
+#define SLAB_BLOCKS 64 /* blocks per backend allocation (512 KiB at 16 rows x 64 dims) */
+
+struct skv_kv_slab {
+    void *mem;                              /* SLAB_BLOCKS blocks of block_bytes */
+    int n_free;
+    struct skv_kv_slab *prev, *next;      /* all slabs */
+    struct skv_kv_block blocks[SLAB_BLOCKS];
+};
+
+struct skv_kv_pool {
+    pthread_mutex_t lock;
+    struct skv_backend *be;
+    int head_dim, block_rows;
+    size_t block_bytes;
+    int refs;                               /* the pool's own references (caches, owner) */
+    struct skv_kv_slab *slabs;
+    struct skv_kv_block *free_head;
+    int empty_slabs;                        /* slabs with every block free (at most 1 kept) */
+    uint64_t n_slabs, in_use, shared, n_free;
+};
+
+int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct skv_kv_pool **out)
+{
+    if (!be || !out || head_dim <= 0 || block_rows <= 0 || block_rows > (1 << 16))
+        return skv_errorf(SKV_E_INVAL, "KV pool: head_dim %d, %d rows per block", head_dim, block_rows);
+    struct skv_kv_pool *p = calloc(1, sizeof *p);
+    if (!p)
+        return SKV_E_NOMEM;
+    if (pthread_mutex_init(&p->lock, NULL)) {
+        free(p);
+        return SKV_E_NOMEM;
+    }
+    p->be = be;
+    p->head_dim = head_dim;
+    p->block_rows = block_rows;
+    p->block_bytes = (size_t)2 * block_rows * head_dim * sizeof(float);
+    p->refs = 1;
+    *out = p;
+    return SKV_OK;
+}
+
+struct skv_kv_pool *skv_kv_pool_ref(struct skv_kv_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->refs++;
+    pthread_mutex_unlock(&pool->lock);
+    return pool;
+}
+
+static void free_list_remove(struct skv_kv_pool *p, struct skv_kv_block *b)
+{
+    if (b->prev)
+        b->prev->next = b->next;
+    else
+        p->free_head = b->next;
+    if (b->next)
+        b->next->prev = b->prev;
+    b->prev = b->next = NULL;
+    p->n_free--;
+}
+
+static void free_list_push(struct skv_kv_pool *p, struct skv_kv_block *b)
+{
+    b->prev = NULL;
+    b->next = p->free_head;
+    if (p->free_head)
+        p->free_head->prev = b;
+    p->free_head = b;
+    p->n_free++;
+}
+
+/* Unlinks a slab whose blocks are all free and gives its memory back. */
+static void slab_release(struct skv_kv_pool *p, struct skv_kv_slab *s)
+{
+    for (int i = 0; i < SLAB_BLOCKS; i++)
+        free_list_remove(p, &s->blocks[i]);
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        p->slabs = s->next;
+    if (s->next)
+        s->next->prev = s->prev;
+    p->be->ops->free(p->be, s->mem);
+    free(s);
+    p->n_slabs--;
+}
+
+void skv_kv_pool_unref(struct skv_kv_pool **pool_p)
+{
+    if (!pool_p || !*pool_p)
+        return;
+    struct skv_kv_pool *p = *pool_p;
+    *pool_p = NULL;
+    pthread_mutex_lock(&p->lock);
+    bool last = --p->refs == 0;
+    pthread_mutex_unlock(&p->lock);
+    if (!last)
+        return;
+    /* blocks still in use here would be a holder's bug; their slabs go anyway */
+    while (p->slabs) {
+        struct skv_kv_slab *s = p->slabs;
+        p->slabs = s->next;
+        p->be->ops->free(p->be, s->mem);
+        free(s);
+    }
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+}
+
+int skv_kv_pool_block_rows(const struct skv_kv_pool *pool)
+{
+    return pool->block_rows;
+}
+
+size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool)
+{
+    return pool->block_bytes;
+}
+
+/* A new slab's blocks onto the free list (lock held). */
+static int slab_add(struct skv_kv_pool *p)
+{
+    struct skv_kv_slab *s = calloc(1, sizeof *s);
+    if (!s)
+        return SKV_E_NOMEM;
+    int rc = p->be->ops->alloc(p->be, p->block_bytes * SLAB_BLOCKS, &s->mem);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    for (int i = SLAB_BLOCKS - 1; i >= 0; i--) {
+        struct skv_kv_block *b = &s->blocks[i];
+        b->mem = (char *)s->mem + (size_t)i * p->block_bytes;
+        b->slab = s;
+        free_list_push(p, b);
+    }
+    s->n_free = SLAB_BLOCKS;
+    s->next = p->slabs;
+    if (p->slabs)
+        p->slabs->prev = s;
+    p->slabs = s;
+    p->n_slabs++;
+    p->empty_slabs++;
+    return SKV_OK;
+}
+
+int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out)
+{
+    pthread_mutex_lock(&pool->lock);
+    int rc = pool->free_head ? SKV_OK : slab_add(pool);
+    if (!rc) {
+        struct skv_kv_block *b = pool->free_head;
+        free_list_remove(pool, b);
+        if (b->slab->n_free-- == SLAB_BLOCKS)
+            pool->empty_slabs--;
+        b->refs = 1;
+        pool->in_use++;
+        *out = b;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
+}
+
+void skv_kv_pool_hold(struct skv_kv_pool *pool, struct skv_kv_block *b)
+{
+    pthread_mutex_lock(&pool->lock);
+    if (b->refs++ == 1)
+        pool->shared++;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b)
+{
+    if (!b)
+        return;
+    pthread_mutex_lock(&pool->lock);
+    if (--b->refs == 1)
+        pool->shared--;
+    if (b->refs == 0) {
+        struct skv_kv_slab *s = b->slab;
+        pool->in_use--;
+        free_list_push(pool, b);
+        if (++s->n_free == SLAB_BLOCKS) {
+            if (pool->empty_slabs >= 1)
+                slab_release(pool, s);
+            else
+                pool->empty_slabs++;
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+}
+
+bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool shared = b->refs > 1;
+    pthread_mutex_unlock(&pool->lock);
+    return shared;
+}
+
+uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n)
+{
+    uint64_t shared = 0;
+    pthread_mutex_lock(&pool->lock);
+    for (int i = 0; i < n; i++)
+        shared += blocks[i]->refs > 1;
+    pthread_mutex_unlock(&pool->lock);
+    return shared;
+}
+
+int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p)
+{
+    struct skv_kv_block *old = *b_p, *copy = NULL;
+    if (!skv_kv_pool_is_shared(pool, old))
+        return SKV_OK;
+    int rc = skv_kv_pool_get(pool, &copy);
+    if (rc)
+        return rc;
+    rc = pool->be->ops->copy_2d(pool->be, copy->mem, pool->block_bytes, old->mem, pool->block_bytes,
+                                pool->block_bytes, 1);
+    if (rc) {
+        skv_kv_pool_put(pool, copy);
+        return rc;
+    }
+    skv_kv_pool_put(pool, old);
+    *b_p = copy;
+    return SKV_OK;
+}
+
+void skv_kv_pool_stats(struct skv_kv_pool *pool, struct skv_kv_pool_stats *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    out->block_rows = pool->block_rows;
+    out->block_bytes = pool->block_bytes;
+    out->blocks_in_use = pool->in_use;
+    out->blocks_shared = pool->shared;
+    out->blocks_free = pool->n_free;
+    out->bytes_reserved = pool->n_slabs * SLAB_BLOCKS * pool->block_bytes;
+    pthread_mutex_unlock(&pool->lock);
+}

@@ -1,0 +1,64 @@
+/* The KV block pool: fixed-size blocks of block_rows rows of one (layer, KV head), K then V
+ * in one backend allocation, carved from slabs and reference-counted so that forked caches
+ * share them copy-on-write. The engine's caches hold blocks in per-head block tables.
+ * Thread-safe (one mutex): block tables of different caches may change on different threads. */
+#ifndef SKV_KV_POOL_H
+#define SKV_KV_POOL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+#define SKV_KV_BLOCK_ROWS 16 /* rows per block unless a pool is made with another size */
+
+struct skv_kv_pool;
+struct skv_kv_slab;
+
+struct skv_kv_block {
+    void *mem;                          /* backend: K [block_rows][head_dim], V [block_rows][head_dim] */
+    int refs;                           /* block tables holding it; 0: free (pool lock) */
+    struct skv_kv_slab *slab;
+    struct skv_kv_block *prev, *next; /* free list */
+};
+
+struct skv_kv_pool_stats {
+    int block_rows;
+    size_t block_bytes;        /* 2 * block_rows * head_dim * 4 */
+    uint64_t blocks_in_use;    /* unique blocks some table holds */
+    uint64_t blocks_shared;    /* of those, held by more than one table */
+    uint64_t blocks_free;      /* carved and reusable without allocating */
+    uint64_t bytes_reserved;   /* backend memory the pool's slabs hold */
+};
+
+/* A pool of blocks of block_rows (> 0) rows of head_dim f32 on `be`, holding one reference. */
+int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct skv_kv_pool **out);
+/* Another reference (a cache made from this pool); returns pool. */
+struct skv_kv_pool *skv_kv_pool_ref(struct skv_kv_pool *pool);
+/* Drops a reference; the last one frees the pool, which must then hold no block in use.
+ * Accepts NULL and *pool_p == NULL; sets *pool_p to NULL. */
+void skv_kv_pool_unref(struct skv_kv_pool **pool_p);
+
+int skv_kv_pool_block_rows(const struct skv_kv_pool *pool);
+size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool);
+
+/* A block of undefined contents with one reference (SKV_E_NOMEM / SKV_E_DEVICE when the
+ * backend cannot give memory). */
+int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out);
+/* One more holder of b (a fork's table). */
+void skv_kv_pool_hold(struct skv_kv_pool *pool, struct skv_kv_block *b);
+/* Drops one holder; the last one returns the block to the pool (and a slab whose blocks
+ * are all free to the backend, keeping one such slab for reuse). Accepts NULL. */
+void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b);
+/* Copy-on-write: when *b_p has other holders, replaces it (for this holder) by a private
+ * copy of its contents. */
+int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p);
+/* True when b has more than one holder. */
+bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b);
+/* How many of the n blocks have more than one holder (one lock for all). */
+uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n);
+
+void skv_kv_pool_stats(struct skv_kv_pool *pool, struct skv_kv_pool_stats *out);
+
+#endif

@@ -1,0 +1,356 @@
+/* The KV block pool and copy-on-write forks: pool counts and slab reuse, forks that share
+ * every block, appends and compactions of a fork that copy only what they write and leave
+ * the parent bit-identical, a fork that outlives its parent, block sizes that give the same
+ * logits bit for bit, and reference counts back at zero (no leak, also under ASan). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "daemon/compress/compress.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/kv_pool.h"
+#include "kernels/backend.h"
+#include "tests/common/fixture.h"
+
+struct tiny {
+    char *dir;
+    struct skv_backend *be;
+    struct skv_model *m;
+    struct skv_engine *e;
+    int32_t ids[64];
+};
+
+static int tiny_setup(void **state)
+{
+    struct tiny *t = calloc(1, sizeof *t);
+    t->dir = fixture_stage_dir("tests/fixtures/tiny-llama");
+    if (!t->dir || skv_backend_cpu_new(2, &t->be) || skv_model_load(t->dir, t->be, NULL, &t->m) ||
+        skv_engine_new(t->m, &t->e))
+        return -1;
+    for (int i = 0; i < 64; i++)
+        t->ids[i] = (int32_t)((i * 37 + 11) % t->m->cfg.n_vocab);
+    *state = t;
+    return 0;
+}
+
+static int tiny_teardown(void **state)
+{
+    struct tiny *t = *state;
+    skv_engine_free(&t->e);
+    skv_model_free(&t->m);
+    skv_backend_destroy(&t->be);
+    fixture_remove_dir(t->dir);
+    free(t);
+    return 0;
+}
+
+static struct skv_kv_pool_stats pool_stats(struct skv_kv_pool *p)
+{
+    struct skv_kv_pool_stats s;
+    skv_kv_pool_stats(p, &s);
+    return s;
+}
+
+/* Every row of every head, K then V, with positions: a cache's whole content on the host. */
+static float *snapshot(const struct skv_kv_cache *c, int32_t **pos_out, size_t *floats_out)
+{
+    size_t floats = 0, rows = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        rows += (size_t)c->heads[i].len;
+    floats = rows * 2 * (size_t)c->head_dim;
+    float *out = malloc((floats ? floats : 1) * sizeof *out), *at = out;
+    int32_t *pos = malloc((rows ? rows : 1) * sizeof *pos), *pat = pos;
+    assert_non_null(out);
+    assert_non_null(pos);
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *hd = &c->heads[i];
+        for (int kv = 0; kv < 2; kv++) {
+            assert_int_equal(skv_kv_cache_read_rows(c, i / c->n_kv_heads, i % c->n_kv_heads, kv, 0, hd->len, at),
+                             SKV_OK);
+            at += (size_t)hd->len * c->head_dim;
+        }
+        memcpy(pat, hd->pos, (size_t)hd->len * sizeof *pat);
+        pat += hd->len;
+    }
+    *pos_out = pos;
+    *floats_out = floats;
+    return out;
+}
+
+static void expect_snapshot(const struct skv_kv_cache *c, const float *want, const int32_t *want_pos, size_t floats)
+{
+    int32_t *pos;
+    size_t n;
+    float *got = snapshot(c, &pos, &n);
+    assert_int_equal(n, floats);
+    assert_memory_equal(got, want, floats * sizeof *got);
+    assert_memory_equal(pos, want_pos, floats / 2 / c->head_dim * sizeof *pos);
+    free(got);
+    free(pos);
+}
+
+static void prefill(struct tiny *t, struct skv_kv_cache *c, const int32_t *ids, int n, float *logits)
+{
+    assert_int_equal(skv_engine_forward(t->e, c, ids, n, NULL, logits), SKV_OK);
+}
+
+/* ---- the pool alone ------------------------------------------------------------------------- */
+
+static void test_pool_counts(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *p = NULL;
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 0, &p), SKV_E_INVAL);
+    assert_int_equal(skv_kv_pool_new(NULL, 16, 16, &p), SKV_E_INVAL);
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, &p), SKV_OK);
+    assert_int_equal(skv_kv_pool_block_bytes(p), (size_t)2 * 4 * 16 * 4);
+    enum { N = 200 };
+    struct skv_kv_block *b[N];
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(skv_kv_pool_get(p, &b[i]), SKV_OK);
+        memset(b[i]->mem, i, skv_kv_pool_block_bytes(p)); /* CPU: host memory */
+    }
+    struct skv_kv_pool_stats s = pool_stats(p);
+    assert_int_equal(s.blocks_in_use, N);
+    assert_int_equal(s.blocks_shared, 0);
+    assert_true(s.bytes_reserved >= N * s.block_bytes);
+    /* a second holder, then copy-on-write for one of them */
+    skv_kv_pool_hold(p, b[7]);
+    assert_true(skv_kv_pool_is_shared(p, b[7]));
+    assert_int_equal(pool_stats(p).blocks_shared, 1);
+    assert_int_equal(skv_kv_pool_count_shared(p, b, N), 1);
+    struct skv_kv_block *mine = b[7];
+    assert_int_equal(skv_kv_pool_unshare(p, &mine), SKV_OK);
+    assert_ptr_not_equal(mine, b[7]);
+    assert_memory_equal(mine->mem, b[7]->mem, skv_kv_pool_block_bytes(p));
+    assert_false(skv_kv_pool_is_shared(p, b[7]));
+    assert_int_equal(pool_stats(p).blocks_shared, 0);
+    assert_int_equal(pool_stats(p).blocks_in_use, N + 1);
+    struct skv_kv_block *same = mine; /* a private block stays itself */
+    assert_int_equal(skv_kv_pool_unshare(p, &same), SKV_OK);
+    assert_ptr_equal(same, mine);
+    skv_kv_pool_put(p, mine);
+    skv_kv_pool_put(p, NULL);
+    for (int i = 0; i < N; i++)
+        skv_kv_pool_put(p, b[i]);
+    s = pool_stats(p);
+    assert_int_equal(s.blocks_in_use, 0);
+    /* all but one slab went back to the backend */
+    assert_true(s.bytes_reserved <= 64 * s.block_bytes);
+    skv_kv_pool_unref(&p);
+    assert_null(p);
+    skv_kv_pool_unref(&p);
+}
+
+/* ---- forks ------------------------------------------------------------------------------------ */
+
+/* FORK shares every block; an append copies only each head's last, partial block; the
+ * parent stays bit-identical; the fork computes what an unshared cache computes. */
+static void test_fork_append(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    const int nv = t->m->cfg.n_vocab, heads = t->m->cfg.n_layers * t->m->cfg.n_kv_heads;
+    struct skv_kv_cache *doc = NULL, *fork = NULL, *solo = NULL;
+    float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+    assert_int_equal(skv_kv_cache_new(t->m, &doc), SKV_OK);
+    prefill(t, doc, t->ids, 40, NULL); /* 40 rows: blocks of 16, 16 and 8 per head */
+    const uint64_t base = pool_stats(pool).blocks_in_use;
+    struct skv_kv_blocks kb;
+    skv_kv_cache_blocks(doc, &kb);
+    assert_int_equal(kb.held, (uint64_t)heads * 3);
+    assert_int_equal(kb.shared, 0);
+    int32_t *pos;
+    size_t floats;
+    float *before = snapshot(doc, &pos, &floats);
+
+    assert_int_equal(skv_kv_cache_clone(doc, &fork), SKV_OK);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base); /* no byte more */
+    assert_int_equal(pool_stats(pool).blocks_shared, (uint64_t)heads * 3);
+    skv_kv_cache_blocks(fork, &kb);
+    assert_int_equal(kb.shared, (uint64_t)heads * 3);
+    assert_int_equal(skv_kv_cache_bytes(fork), skv_kv_cache_bytes(doc));
+    expect_snapshot(fork, before, pos, floats);
+
+    prefill(t, fork, t->ids + 40, 1, a); /* the append copies the partial block of each head */
+    assert_int_equal(pool_stats(pool).blocks_in_use, base + heads);
+    assert_int_equal(pool_stats(pool).blocks_shared, (uint64_t)heads * 2);
+    skv_kv_head_blocks(fork, skv_kv_cache_head(fork, 1, 1), &kb);
+    assert_int_equal(kb.held, 3);
+    assert_int_equal(kb.shared, 2);
+    expect_snapshot(doc, before, pos, floats);
+
+    /* an unshared cache fed the same tokens gives the same logits, bit for bit */
+    assert_int_equal(skv_kv_cache_new(t->m, &solo), SKV_OK);
+    prefill(t, solo, t->ids, 40, NULL);
+    prefill(t, solo, t->ids + 40, 1, b);
+    assert_memory_equal(a, b, (size_t)nv * sizeof *a);
+
+    /* the parent goes; the fork keeps its blocks and keeps decoding */
+    skv_kv_cache_free(&doc);
+    assert_int_equal(pool_stats(pool).blocks_shared, 0);
+    for (int i = 41; i < 60; i++) {
+        prefill(t, fork, t->ids + i, 1, a);
+        prefill(t, solo, t->ids + i, 1, b);
+        assert_memory_equal(a, b, (size_t)nv * sizeof *a);
+    }
+    skv_kv_cache_free(&fork);
+    skv_kv_cache_free(&solo);
+    assert_int_equal(pool_stats(pool).blocks_in_use, 0); /* every reference came back */
+    free(before);
+    free(pos);
+    free(a);
+    free(b);
+}
+
+/* Compaction of a fork (SnapKV with a question appended) leaves the parent intact; a
+ * compaction that keeps whole leading blocks in place keeps sharing them. */
+static void test_fork_compact(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    struct skv_kv_cache *doc = NULL, *fork = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &doc), SKV_OK);
+    prefill(t, doc, t->ids, 40, NULL);
+    int32_t *pos;
+    size_t floats;
+    float *before = snapshot(doc, &pos, &floats);
+
+    assert_int_equal(skv_kv_cache_clone(doc, &fork), SKV_OK);
+    struct skv_compress_spec spec;
+    struct skv_compressor *comp = NULL;
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,budget=12,window=4", &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, t->m, &comp), SKV_OK);
+    assert_int_equal(skv_compressor_begin(comp, fork, 4), SKV_OK);
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+    assert_int_equal(skv_engine_forward(t->e, fork, t->ids + 40, 4, &fo, NULL), SKV_OK);
+    assert_int_equal(skv_compressor_finish(comp, fork), SKV_OK);
+    skv_compressor_free(&comp);
+    assert_int_equal(skv_kv_cache_head(fork, 0, 0)->len, 12);
+    assert_int_equal(skv_kv_cache_head(fork, 0, 0)->n_blocks, 1);
+    expect_snapshot(doc, before, pos, floats);
+    skv_kv_cache_free(&fork);
+
+    /* keep rows 0..19 and 30..35 of one head: block 0 stays shared, block 1 is gathered */
+    assert_int_equal(skv_kv_cache_clone(doc, &fork), SKV_OK);
+    int32_t idx[26];
+    for (int i = 0; i < 20; i++)
+        idx[i] = i;
+    for (int i = 0; i < 6; i++)
+        idx[20 + i] = 30 + i;
+    const uint64_t used = pool_stats(pool).blocks_in_use;
+    int32_t bad[3] = {0, 5, 5};
+    assert_int_equal(skv_kv_cache_compact(fork, 1, 0, bad, 3), SKV_E_INVAL);
+    bad[2] = 40;
+    assert_int_equal(skv_kv_cache_compact(fork, 1, 0, bad, 3), SKV_E_INVAL);
+    assert_int_equal(skv_kv_cache_head(fork, 1, 0)->len, 40); /* refused: unchanged */
+    assert_int_equal(skv_kv_cache_compact(fork, 1, 0, idx, 26), SKV_OK);
+    struct skv_kv_blocks kb;
+    skv_kv_head_blocks(fork, skv_kv_cache_head(fork, 1, 0), &kb);
+    assert_int_equal(kb.held, 2);
+    assert_int_equal(kb.shared, 1);
+    assert_int_equal(pool_stats(pool).blocks_in_use, used + 1); /* one fresh block */
+    const int d = doc->head_dim;
+    float want[26 * 64], got[26 * 64];
+    for (int kv = 0; kv < 2; kv++) {
+        float all[40 * 64];
+        assert_int_equal(skv_kv_cache_read_rows(doc, 1, 0, kv, 0, 40, all), SKV_OK);
+        for (int i = 0; i < 26; i++)
+            memcpy(want + (size_t)i * d, all + (size_t)idx[i] * d, (size_t)d * sizeof(float));
+        assert_int_equal(skv_kv_cache_read_rows(fork, 1, 0, kv, 0, 26, got), SKV_OK);
+        assert_memory_equal(got, want, (size_t)26 * d * sizeof(float));
+    }
+    for (int i = 0; i < 26; i++)
+        assert_int_equal(skv_kv_cache_head(fork, 1, 0)->pos[i], idx[i]);
+
+    /* a host write to a shared row copies its block first; truncation gives blocks back */
+    float row[64];
+    for (int k = 0; k < d; k++)
+        row[k] = (float)k;
+    assert_int_equal(skv_kv_cache_write_rows(fork, 0, 1, 1, 3, 1, row), SKV_OK);
+    assert_int_equal(skv_kv_cache_read_rows(fork, 0, 1, 1, 3, 1, got), SKV_OK);
+    assert_memory_equal(got, row, (size_t)d * sizeof(float));
+    assert_int_equal(skv_kv_cache_read_rows(doc, 0, 1, 1, 3, 1, got), SKV_OK);
+    assert_memory_not_equal(got, row, (size_t)d * sizeof(float));
+    assert_int_equal(skv_kv_cache_truncate(fork, 0, 1, 10), SKV_OK);
+    assert_int_equal(skv_kv_cache_head(fork, 0, 1)->n_blocks, 1);
+    assert_int_equal(skv_kv_cache_truncate(fork, 0, 1, 11), SKV_E_INVAL);
+    expect_snapshot(doc, before, pos, floats);
+
+    skv_kv_cache_free(&fork);
+    skv_kv_cache_free(&doc);
+    assert_int_equal(pool_stats(pool).blocks_in_use, 0);
+    assert_int_equal(pool_stats(pool).blocks_shared, 0);
+    free(before);
+    free(pos);
+}
+
+/* Block sizes that do and do not divide the attention tiles give the same logits bit for
+ * bit as the default, over a prefill, appends and decode steps. */
+static void test_block_sizes(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab, sizes[] = {1, 5, 16, 64, 100};
+    float *want = malloc((size_t)nv * 5 * sizeof *want), *got = malloc((size_t)nv * 5 * sizeof *got);
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+        struct skv_kv_pool *pool = NULL;
+        struct skv_kv_cache *c = NULL;
+        float *out = s == 0 ? want : got;
+        assert_int_equal(skv_kv_pool_new(t->be, t->m->cfg.head_dim, sizes[s], &pool), SKV_OK);
+        assert_int_equal(skv_kv_cache_new_in(t->m, pool, &c), SKV_OK);
+        skv_kv_pool_unref(&pool); /* the cache holds it */
+        prefill(t, c, t->ids, 37, out);
+        prefill(t, c, t->ids + 37, 9, out + nv);
+        for (int i = 0; i < 3; i++)
+            prefill(t, c, t->ids + 46 + i, 1, out + (size_t)(2 + i) * nv);
+        assert_int_equal(skv_kv_cache_head(c, 1, 1)->n_blocks, (49 + sizes[s] - 1) / sizes[s]);
+        if (s > 0)
+            assert_memory_equal(got, want, (size_t)nv * 5 * sizeof *got);
+        skv_kv_cache_free(&c);
+    }
+    free(want);
+    free(got);
+}
+
+/* A model's pool can be replaced (snapkvd's kv-block-tokens): caches made before keep theirs. */
+static void test_model_block_rows(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab;
+    struct skv_kv_cache *before = NULL, *after = NULL;
+    float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+    assert_int_equal(skv_kv_cache_new(t->m, &before), SKV_OK);
+    prefill(t, before, t->ids, 20, NULL);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, 0), SKV_E_INVAL);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, 4), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &after), SKV_OK);
+    assert_int_equal(after->block_rows, 4);
+    assert_int_equal(before->block_rows, SKV_KV_BLOCK_ROWS);
+    prefill(t, after, t->ids, 20, NULL);
+    prefill(t, before, t->ids + 20, 1, a);
+    prefill(t, after, t->ids + 20, 1, b);
+    assert_memory_equal(a, b, (size_t)nv * sizeof *a);
+    assert_int_equal(skv_kv_cache_head(after, 0, 0)->n_blocks, 6);
+    skv_kv_cache_free(&before); /* the old pool goes with its last cache */
+    skv_kv_cache_free(&after);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, SKV_KV_BLOCK_ROWS), SKV_OK);
+    free(a);
+    free(b);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_pool_counts),
+        cmocka_unit_test(test_fork_append),
+        cmocka_unit_test(test_fork_compact),
+        cmocka_unit_test(test_block_sizes),
+        cmocka_unit_test(test_model_block_rows),
+    };
+    return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
+}
