@@ -495,13 +495,16 @@ static void test_squeeze_conserves(void **state)
 static void synthetic_step(struct skv_compressor *comp, struct skv_kv_cache *c, const float *q)
 {
     assert_int_equal(skv_compressor_begin_decode(comp, c), SKV_OK);
+    float zero[256] = {0};
+    assert_true(c->head_dim <= 256);
     for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
-        memset(kh->k + (size_t)kh->len * c->head_dim, 0, (size_t)c->head_dim * sizeof(float));
-        memset(kh->v + (size_t)kh->len * c->head_dim, 0, (size_t)c->head_dim * sizeof(float));
-        kh->pos[kh->len] = c->n_past;
-        kh->score[kh->len] = 0;
-        kh->len++;
+        int r = kh->len;
+        assert_int_equal(skv_kv_cache_write_rows(c, 0, h, 0, r, 1, zero), SKV_OK);
+        assert_int_equal(skv_kv_cache_write_rows(c, 0, h, 1, r, 1, zero), SKV_OK);
+        kh->pos[r] = c->n_past;
+        kh->score[r] = 0;
+        assert_int_equal(kh->len, r + 1);
     }
     struct skv_layer_view v = {.layer = 0, .n = 1, .q = q, .cache = c};
     assert_int_equal(skv_compressor_hook(comp, &v), SKV_OK);
@@ -530,15 +533,18 @@ static void test_decode_rescore_hand(void **state)
         assert_int_equal(skv_kv_cache_reserve(c, 16), SKV_OK);
         int d = c->head_dim;
         for (int h = 0; h < 2; h++) {
-            struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
-            memset(kh->k, 0, (size_t)10 * d * sizeof(float));
-            memset(kh->v, 0, (size_t)10 * d * sizeof(float));
+            float kr[10 * 16] = {0}, vr[10 * 16] = {0};
+            assert_true(d <= 16);
             for (int j = 0; j < 10; j++) {
-                kh->k[(size_t)j * d] = cval[h][j];
-                kh->v[(size_t)j * d] = (float)j;
-                kh->pos[j] = j;
+                kr[(size_t)j * d] = cval[h][j];
+                vr[(size_t)j * d] = (float)j;
             }
-            kh->len = 10;
+            assert_int_equal(skv_kv_cache_write_rows(c, 0, h, 0, 0, 10, kr), SKV_OK);
+            assert_int_equal(skv_kv_cache_write_rows(c, 0, h, 1, 0, 10, vr), SKV_OK);
+            struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
+            for (int j = 0; j < 10; j++)
+                kh->pos[j] = j;
+            assert_int_equal(kh->len, 10);
         }
         c->n_past = 10;
         float q[4 * 16] = {0};
@@ -552,12 +558,16 @@ static void test_decode_rescore_hand(void **state)
         for (int h = 0; h < 2; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
             expect_positions(c, 0, h, want[k][h], 6);
+            float kr[6 * 16], vr[6 * 16];
+            assert_int_equal(skv_kv_cache_read_rows(c, 0, h, 0, 0, 6, kr), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(c, 0, h, 1, 0, 6, vr), SKV_OK);
             for (int r = 0; r < 6; r++) { /* K and V moved with their positions */
                 float cj = kh->pos[r] < 10 ? cval[h][kh->pos[r]] : 0;
-                assert_true(kh->k[(size_t)r * d] == cj);
-                assert_true(kh->v[(size_t)r * d] == (kh->pos[r] < 10 ? (float)kh->pos[r] : 0));
+                assert_true(kr[(size_t)r * d] == cj);
+                assert_true(vr[(size_t)r * d] == (kh->pos[r] < 10 ? (float)kh->pos[r] : 0));
             }
-            assert_true(kh->cap <= 6 + 2); /* memory released: room for one interval */
+            /* memory released: room for one interval, in whole blocks */
+            assert_true(kh->n_blocks * c->block_rows <= ((6 + 2 + c->block_rows - 1) / c->block_rows) * c->block_rows);
         }
         assert_int_equal(c->n_past, 12);
         skv_compressor_free(&comp);
@@ -594,6 +604,9 @@ static int naive_dec_hook(void *user, const struct skv_layer_view *v)
         const struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
         int n = kh->len;
         double score[64] = {0};
+        float keys[64 * 16];
+        assert_true(n <= 64 && d <= 16);
+        assert_int_equal(skv_kv_cache_read_rows(v->cache, l, h, 0, 0, n, keys), SKV_OK);
         for (int qh = h * g; qh < (h + 1) * g; qh++)
             for (int i = 0; i < w_q; i++) {
                 const float *q = nd->q[l][seen - w_q + i] + qh * d;
@@ -602,7 +615,7 @@ static int naive_dec_hook(void *user, const struct skv_layer_view *v)
                 for (int j = 0; j <= last; j++) {
                     double dot = 0;
                     for (int k = 0; k < d; k++)
-                        dot += (double)q[k] * kh->k[(size_t)j * d + k];
+                        dot += (double)q[k] * keys[(size_t)j * d + k];
                     p[j] = dot / sqrt((double)d);
                     mx = p[j] > mx ? p[j] : mx;
                 }
@@ -753,7 +766,15 @@ static void test_decode_rescore_clone(void **state)
             const struct skv_kv_head *x = skv_kv_cache_head(a, l, h), *y = skv_kv_cache_head(b, l, h);
             assert_int_equal(x->len, 10); /* cut at 4 and at 8 decoded tokens */
             expect_positions(b, l, h, x->pos, x->len);
-            assert_memory_equal(x->k, y->k, (size_t)x->len * a->head_dim * sizeof(float));
+            float *xk = malloc((size_t)x->len * a->head_dim * sizeof(float));
+            float *yk = malloc((size_t)y->len * a->head_dim * sizeof(float));
+            assert_non_null(xk);
+            assert_non_null(yk);
+            assert_int_equal(skv_kv_cache_read_rows(a, l, h, 0, 0, x->len, xk), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(b, l, h, 0, 0, y->len, yk), SKV_OK);
+            assert_memory_equal(xk, yk, (size_t)x->len * a->head_dim * sizeof(float));
+            free(xk);
+            free(yk);
         }
     skv_compressor_free(&ca);
     skv_compressor_free(&cb);
