@@ -405,6 +405,7 @@ static void test_gguf_rope_freqs(void **state)
     assert_non_null(strstr(skv_error_msg(), "rope_freqs.weight"));
     unlink(tmp);
     free(bytes);
+    free(want);
     free(path);
     skv_backend_destroy(&be);
     json_decref(ref);
