@@ -503,12 +503,10 @@ static void handle_release(struct skv_worker *w, struct skv_job *job)
     skv_worker_reply(w, job, &rep);
 }
 
-/* ---- EXPORT_KV / IMPORT_KV through a client's POSIX shared-memory object -------------------- */
+/* ---- EXPORT_KV / IMPORT_KV through a client's buffer ------------------------------------------- */
 
 static int map_buffer(const Snapkv__BufferRef *b, uint64_t need, void **map_out, size_t *size_out)
 {
-    if (!b || b->kind_case != SNAPKV__BUFFER_REF__KIND_SHM_NAME)
-        return skv_errorf(SKV_E_UNSUPPORTED, "this daemon runs on the CPU: register a POSIX shared-memory buffer");
     const char *name = b->shm_name;
     size_t len = strlen(name);
     if (len < 2 || len > 200 || name[0] != '/')
@@ -539,6 +537,129 @@ static int map_buffer(const Snapkv__BufferRef *b, uint64_t need, void **map_out,
     return SKV_OK;
 }
 
+/* The CUDA buffer `handle` of the client behind `job`, opened on first use and kept until the
+ * client has been idle for a lease (skv_requests_ipc_expire) or the worker stops. */
+static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const ProtobufCBinaryData *handle,
+                      void **out)
+{
+    if (handle->len != SKV_IPC_HANDLE_BYTES)
+        return skv_errorf(SKV_E_INVAL, "a CUDA IPC handle has %d bytes, not %zu", SKV_IPC_HANDLE_BYTES, handle->len);
+    int mine = 0;
+    uint64_t now = skv_now_ms();
+    for (int i = 0; i < w->n_ipc; i++) {
+        struct skv_ipc_buf *e = &w->ipc[i];
+        if (e->identity_len != job->identity_len || memcmp(e->identity, job->identity, job->identity_len))
+            continue;
+        if (!memcmp(e->handle, handle->data, SKV_IPC_HANDLE_BYTES)) {
+            e->last_used_ms = now;
+            *out = e->ptr;
+            return SKV_OK;
+        }
+        mine++;
+    }
+    if (mine >= SKV_IPC_PER_CLIENT || w->n_ipc >= SKV_IPC_MAX)
+        return skv_errorf(SKV_E_LIMIT, "%d CUDA buffers are open for this client (%d in all; at most %d and %d)", mine,
+                          w->n_ipc, SKV_IPC_PER_CLIENT, SKV_IPC_MAX);
+    void *ptr = NULL;
+    int rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr);
+    if (rc)
+        return rc;
+    struct skv_ipc_buf *e = &w->ipc[w->n_ipc++];
+    memcpy(e->identity, job->identity, job->identity_len);
+    e->identity_len = job->identity_len;
+    memcpy(e->handle, handle->data, SKV_IPC_HANDLE_BYTES);
+    e->ptr = ptr;
+    e->last_used_ms = now;
+    *out = ptr;
+    return SKV_OK;
+}
+
+static void ipc_close_at(struct skv_worker *w, int i)
+{
+    w->m->be->ops->ipc_close(w->m->be, w->ipc[i].ptr);
+    w->ipc[i] = w->ipc[--w->n_ipc];
+}
+
+int skv_requests_ipc_expire(struct skv_worker *w, uint64_t now_ms)
+{
+    int n = 0;
+    uint64_t idle = (uint64_t)w->cfg->lease_seconds * 1000;
+    for (int i = w->n_ipc - 1; i >= 0; i--)
+        if (now_ms - w->ipc[i].last_used_ms > idle) {
+            ipc_close_at(w, i);
+            n++;
+        }
+    return n;
+}
+
+void skv_requests_ipc_close_all(struct skv_worker *w)
+{
+    while (w->n_ipc > 0)
+        ipc_close_at(w, w->n_ipc - 1);
+}
+
+/* Where an export writes or an import reads `need` bytes of the layout: host memory in both
+ * cases. A shared-memory object is mapped; a CUDA buffer goes through a host copy that
+ * xfer_close uploads (export) or that xfer_open filled by download (import). */
+struct xfer {
+    char *host;                /* the layout, from the buffer's offset */
+    void *map;                 /* shm mapping, map_size bytes */
+    size_t map_size;
+    char *dev;                 /* CUDA: the opened buffer + offset; host is a staging copy */
+    uint64_t need;
+};
+
+static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snapkv__BufferRef *b, uint64_t need,
+                     bool import, struct xfer *x)
+{
+    *x = (struct xfer){.need = need};
+    if (!b)
+        return skv_errorf(SKV_E_INVAL, "a buffer is required");
+    if (b->kind_case == SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
+        int rc = map_buffer(b, need, &x->map, &x->map_size);
+        if (!rc)
+            x->host = (char *)x->map + b->offset;
+        return rc;
+    }
+    if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
+        return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");
+    /* the client states the size; the copy engine refuses ranges outside the allocation */
+    if (b->offset > b->size || need > b->size - b->offset)
+        return skv_errorf(SKV_E_LIMIT, "the CUDA buffer holds %llu bytes; %llu are needed from offset %llu",
+                          (unsigned long long)b->size, (unsigned long long)need, (unsigned long long)b->offset);
+    if (need > (uint64_t)SIZE_MAX)
+        return skv_errorf(SKV_E_LIMIT, "%llu bytes do not fit in memory", (unsigned long long)need);
+    void *base = NULL;
+    int rc = ipc_buffer(w, job, &b->cuda_ipc_handle, &base);
+    if (rc)
+        return rc;
+    x->dev = (char *)base + b->offset;
+    if (!(x->host = malloc(need ? (size_t)need : 1)))
+        return skv_errorf(SKV_E_NOMEM, "no host memory to stage %llu bytes", (unsigned long long)need);
+    struct skv_backend *be = w->m->be;
+    if (import && need && ((rc = be->ops->download(be, x->host, x->dev, (size_t)need)) || (rc = be->ops->sync(be)))) {
+        free(x->host);
+        x->host = NULL;
+    }
+    return rc;
+}
+
+/* Ends a transfer; an export's staged layout (rc == SKV_OK) goes to the CUDA buffer. */
+static int xfer_close(struct skv_worker *w, struct xfer *x, bool export_ok)
+{
+    int rc = SKV_OK;
+    if (x->map) {
+        munmap(x->map, x->map_size);
+    } else if (x->dev && x->host) {
+        struct skv_backend *be = w->m->be;
+        if (export_ok && x->need && !(rc = be->ops->upload(be, x->dev, x->host, (size_t)x->need)))
+            rc = be->ops->sync(be);
+        free(x->host);
+    }
+    *x = (struct xfer){0};
+    return rc;
+}
+
 static void handle_export(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__ExportKvRequest *e = job->req->export_kv;
@@ -565,20 +686,20 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
         }
         need += (uint64_t)2 * H * mx * d * sizeof(float);
     }
-    void *map = NULL;
-    size_t size = 0;
-    if ((rc = map_buffer(e->buffer, need, &map, &size))) {
+    struct xfer x;
+    if ((rc = xfer_open(w, job, e->buffer, need, false, &x))) {
+        xfer_close(w, &x, false);
         fail_rc(w, job, rc);
         return;
     }
     uint32_t *positions = malloc((size_t)(n_pos ? n_pos : 1) * sizeof *positions);
     if (!positions) {
-        munmap(map, size);
+        xfer_close(w, &x, false);
         skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
         return;
     }
     /* per layer: K then V, each [Hkv][max kept][d] f32, heads padded with zeros */
-    char *out = (char *)map + e->buffer->offset;
+    char *out = x.host;
     size_t row = (size_t)d * sizeof(float), at_pos = 0;
     for (uint32_t l = first; l < first + count; l++) {
         int mx = 0;
@@ -598,7 +719,8 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
                 positions[at_pos++] = (uint32_t)kh->pos[j];
         }
     }
-    munmap(map, size);
+    int rc_close = xfer_close(w, &x, rc == SKV_OK);
+    rc = rc ? rc : rc_close;
     if (rc) {
         free(positions);
         fail_rc(w, job, rc);
@@ -631,8 +753,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
     const struct skv_model_config *mc = &w->m->cfg;
     int L = mc->n_layers, H = mc->n_kv_heads, d = mc->head_dim, rc;
     struct skv_session *s = NULL;
-    void *map = NULL;
-    size_t size = 0;
+    struct xfer x = {0};
     if (im->n_kept != (size_t)L) {
         rc = skv_errorf(SKV_E_INVAL, "kept lists %zu layers; the model has %d", im->n_kept, L);
         goto fail;
@@ -666,7 +787,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             rc = skv_errorf(SKV_E_INVAL, "token %u outside the vocabulary", im->tokens[i]);
             goto fail;
         }
-    if ((rc = skv_session_check_tenant(tenant_of(job))) || (rc = map_buffer(im->buffer, need, &map, &size)) ||
+    if ((rc = skv_session_check_tenant(tenant_of(job))) || (rc = xfer_open(w, job, im->buffer, need, true, &x)) ||
         (rc = skv_session_create(w->sessions, w->m, tenant_of(job), job->req->tenant, &s)) ||
         (rc = set_spec(w, s, "policy=full")))
         goto fail;
@@ -676,7 +797,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             max_len = (int)im->kept[l]->kept_per_head[h] > max_len ? (int)im->kept[l]->kept_per_head[h] : max_len;
     if ((rc = skv_kv_cache_reserve(s->cache, max_len)))
         goto fail;
-    const char *in = (const char *)map + im->buffer->offset;
+    const char *in = x.host;
     size_t row = (size_t)d * sizeof(float), at_pos = 0;
     for (int l = 0; l < L; l++) {
         uint32_t mx = 0;
@@ -702,8 +823,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             }
         }
     }
-    munmap(map, size);
-    map = NULL;
+    xfer_close(w, &x, false);
     s->cache->n_past = (int32_t)im->original_length;
     s->prompt_len = (int32_t)im->original_length;
     s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
@@ -723,8 +843,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
     return;
 fail:
     fail_rc(w, job, rc);
-    if (map)
-        munmap(map, size);
+    xfer_close(w, &x, false);
     if (s)
         skv_session_destroy(w->sessions, s);
 }

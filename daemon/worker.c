@@ -140,6 +140,9 @@ static void *worker_main(void *arg)
         }
         uint64_t now = skv_now_ms();
         if (now - last_expire >= 1000) {
+            int closed = skv_requests_ipc_expire(w, now);
+            if (closed)
+                skv_log(SKV_LOG_INFO, "closed %d CUDA buffer(s) of clients idle past their lease", closed);
             int n = skv_session_expire(w->sessions, now);
             if (n)
                 skv_log(SKV_LOG_INFO, "released %d session(s) past their lease", n);
@@ -147,6 +150,7 @@ static void *worker_main(void *arg)
         }
         publish_stats(w);
     }
+    skv_requests_ipc_close_all(w);
     zmq_close(w->push);
     return NULL;
 }

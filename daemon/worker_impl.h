@@ -30,6 +30,18 @@ struct skv_decode {
     struct skv_decode *next;
 };
 
+/* A client's CUDA buffer the worker opened (ipc_open), kept for the client's next transfers. */
+#define SKV_IPC_HANDLE_BYTES 64
+#define SKV_IPC_PER_CLIENT 8   /* CUDA buffers one client may have open at once */
+#define SKV_IPC_MAX 256        /* and all clients together */
+struct skv_ipc_buf {
+    uint8_t identity[256];    /* the client's ZeroMQ routing id */
+    size_t identity_len;
+    uint8_t handle[SKV_IPC_HANDLE_BYTES];
+    void *ptr;
+    uint64_t last_used_ms;
+};
+
 struct skv_worker {
     const struct skv_config *cfg;
     struct skv_model *m;
@@ -45,6 +57,8 @@ struct skv_worker {
     int queued;
     bool stopping;
     struct skv_decode *decodes;
+    struct skv_ipc_buf ipc[SKV_IPC_MAX];
+    int n_ipc;
     struct skv_metrics metrics;
     atomic_uint st_sessions, st_queue;
     atomic_ullong st_pool_used;
@@ -68,6 +82,10 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
 /* Ends a decode early (shutdown): final reply with finish_reason "cancelled". */
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
 void skv_requests_decode_free(struct skv_decode *d);
+/* Closes the CUDA buffers of clients idle for longer than a lease; returns how many. */
+int skv_requests_ipc_expire(struct skv_worker *w, uint64_t now_ms);
+/* Closes every CUDA buffer (shutdown). */
+void skv_requests_ipc_close_all(struct skv_worker *w);
 /* Sends a status-only final reply. */
 void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg);
 

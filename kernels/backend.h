@@ -198,6 +198,13 @@ struct skv_backend_ops {
      * call). No destination row may overlap a source row or another destination. */
     int (*copy_rows)(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
                      int n);
+
+    /* Tensor exchange with other processes. ipc_open maps another process's device buffer,
+     * given the bytes of its IPC handle (CUDA: a 64-byte cudaIpcMemHandle_t), into memory the
+     * other ops (upload, download, copy_2d) accept; SKV_E_UNSUPPORTED on a backend without it
+     * (the CPU: clients use POSIX shared memory). ipc_close unmaps what ipc_open returned. */
+    int (*ipc_open)(struct skv_backend *be, const void *handle, size_t handle_len, void **out);
+    void (*ipc_close)(struct skv_backend *be, void *ptr);
 };
 
 struct skv_backend {

@@ -521,24 +521,47 @@ void snapkv_kv_layout_free(struct snapkv_kv_layout *l)
 
 /* ---- EXPORT_KV, IMPORT_KV -------------------------------------------------------------------------- */
 
-int snapkv_export_kv_layers(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_shm *shm,
-                            uint64_t offset, uint32_t layer_first, uint32_t layer_count, struct snapkv_kv_layout *out)
+/* The buffer of an export or import: a shared-memory object or a CUDA IPC handle. */
+static int buffer_ref(const struct snapkv_shm *shm, const struct snapkv_cuda_ipc_buffer *cuda, uint64_t offset,
+                      const char *what, Snapkv__BufferRef *buf)
+{
+    snapkv__buffer_ref__init(buf);
+    if (shm && cuda)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: give a shared-memory buffer or a CUDA buffer, not both", what);
+    if (cuda) {
+        if (cuda->size == 0 || offset >= cuda->size)
+            return skv_client_fail(SNAPKV_E_INVAL, "%s: offset %llu is past the CUDA buffer's %llu bytes", what,
+                                   (unsigned long long)offset, (unsigned long long)cuda->size);
+        buf->kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
+        buf->cuda_ipc_handle = (ProtobufCBinaryData){SNAPKV_CUDA_IPC_HANDLE_BYTES, (uint8_t *)cuda->handle};
+        buf->size = cuda->size;
+    } else {
+        int rc = check_shm(shm, offset, what);
+        if (rc)
+            return rc;
+        buf->kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+        buf->shm_name = (char *)shm->name;
+        buf->size = shm->size;
+    }
+    buf->offset = offset;
+    return SNAPKV_OK;
+}
+
+static int export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_shm *shm,
+                     const struct snapkv_cuda_ipc_buffer *cuda, uint64_t offset, uint32_t layer_first,
+                     uint32_t layer_count, struct snapkv_kv_layout *out)
 {
     int rc = skv_client_check(c, id, "export");
     if (rc)
         return rc;
     if (!out)
         return skv_client_fail(SNAPKV_E_INVAL, "export: out is required");
-    rc = check_shm(shm, offset, "export");
+    Snapkv__BufferRef buf;
+    rc = buffer_ref(shm, cuda, offset, "export", &buf);
     if (rc)
         return rc;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
-    buf.shm_name = (char *)shm->name;
-    buf.size = shm->size;
-    buf.offset = offset;
     e.session_id = skv_client_id_wire(id);
     e.buffer = &buf;
     e.layer_first = layer_first;
@@ -552,9 +575,9 @@ int snapkv_export_kv_layers(snapkv_client_t *c, const struct snapkv_session_id *
     const Snapkv__ExportKvReply *r = rep->export_kv;
     struct snapkv_kv_layout res = {.bytes_written = r->bytes_written, .n_layers = r->n_kept,
                                    .n_positions = r->n_positions};
-    if (r->bytes_written > shm->size - offset) {
+    if (r->bytes_written > buf.size - offset) {
         rc = skv_client_fail(SNAPKV_E_PROTO, "export: the daemon reports %llu bytes written into %llu",
-                             (unsigned long long)r->bytes_written, (unsigned long long)(shm->size - offset));
+                             (unsigned long long)r->bytes_written, (unsigned long long)(buf.size - offset));
         goto out_free_reply;
     }
     if (!skv_client_dup_u32(r->positions, r->n_positions, &res.positions)) {
@@ -573,6 +596,24 @@ out_free_reply:
     return rc;
 }
 
+
+int snapkv_export_kv_layers(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_shm *shm,
+                            uint64_t offset, uint32_t layer_first, uint32_t layer_count, struct snapkv_kv_layout *out)
+{
+    if (!shm)
+        return skv_client_fail(SNAPKV_E_INVAL, "export: a created shared-memory buffer is required");
+    return export_kv(c, id, shm, NULL, offset, layer_first, layer_count, out);
+}
+
+int snapkv_export_kv_cuda(snapkv_client_t *c, const struct snapkv_session_id *id,
+                          const struct snapkv_cuda_ipc_buffer *buf, uint64_t offset, uint32_t layer_first,
+                          uint32_t layer_count, struct snapkv_kv_layout *out)
+{
+    if (!buf)
+        return skv_client_fail(SNAPKV_E_INVAL, "export: a CUDA buffer is required");
+    return export_kv(c, id, NULL, buf, offset, layer_first, layer_count, out);
+}
+
 int snapkv_export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_shm *shm,
                      uint64_t offset, struct snapkv_kv_layout *out)
 {
@@ -586,7 +627,10 @@ int snapkv_import_kv(snapkv_client_t *c, const struct snapkv_import_opts *opts, 
         return rc;
     if (!out)
         return skv_client_fail(SNAPKV_E_INVAL, "import: out is required");
-    rc = check_shm(opts->shm, opts->offset, "import");
+    Snapkv__BufferRef buf;
+    if (!opts->shm && !opts->cuda)
+        return skv_client_fail(SNAPKV_E_INVAL, "import: a shared-memory or CUDA buffer is required");
+    rc = buffer_ref(opts->shm, opts->cuda, opts->offset, "import", &buf);
     if (rc)
         return rc;
     if (opts->n_layers == 0 || !opts->layers)
@@ -615,11 +659,6 @@ int snapkv_import_kv(snapkv_client_t *c, const struct snapkv_import_opts *opts, 
     }
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
-    buf.shm_name = (char *)opts->shm->name;
-    buf.size = opts->shm->size;
-    buf.offset = opts->offset;
     im.buffer = &buf;
     im.n_kept = opts->n_layers;
     im.kept = kept_p;

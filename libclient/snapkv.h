@@ -303,8 +303,23 @@ SNAPKV_API int snapkv_export_kv_layers(snapkv_client_t *client, const struct sna
                                        const struct snapkv_shm *shm, uint64_t offset, uint32_t layer_first,
                                        uint32_t layer_count, struct snapkv_kv_layout *out);
 
+/* A CUDA buffer for EXPORT_KV / IMPORT_KV on a daemon that runs on a GPU: the bytes
+ * cudaIpcGetMemHandle() gave for a cudaMalloc'd buffer of `size` bytes (libsnapkv does not link
+ * CUDA; copy the cudaIpcMemHandle_t into `handle`). The daemon opens a handle once per client
+ * and closes it when the client has been idle for a lease (or the daemon stops); keep the
+ * buffer allocated until then. A daemon on the CPU answers SNAPKV_E_UNSUPPORTED. */
+#define SNAPKV_CUDA_IPC_HANDLE_BYTES 64
+struct snapkv_cuda_ipc_buffer {
+    unsigned char handle[SNAPKV_CUDA_IPC_HANDLE_BYTES];
+    uint64_t size;
+};
+/* snapkv_export_kv_layers() into a CUDA buffer (device memory in the export layout). */
+SNAPKV_API int snapkv_export_kv_cuda(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                     const struct snapkv_cuda_ipc_buffer *buf, uint64_t offset, uint32_t layer_first,
+                                     uint32_t layer_count, struct snapkv_kv_layout *out);
+
 struct snapkv_import_opts {
-    const struct snapkv_shm *shm; /* K/V in the export layout ... */
+    const struct snapkv_shm *shm; /* K/V in the export layout (or in `cuda`, last field) ... */
     uint64_t offset;              /* ... from here */
     const struct snapkv_layer_kept *layers;  /* per layer kept lengths (e.g. an export's) */
     size_t n_layers;
@@ -313,6 +328,7 @@ struct snapkv_import_opts {
     const uint32_t *tokens;       /* token history (inspection, re-compression); may be empty */
     size_t n_tokens;
     uint32_t original_length;     /* next position; 0: n_tokens */
+    const struct snapkv_cuda_ipc_buffer *cuda; /* instead of shm, on a GPU daemon */
 };
 /* Creates a session from K/V in a buffer. */
 SNAPKV_API int snapkv_import_kv(snapkv_client_t *client, const struct snapkv_import_opts *opts,

@@ -302,6 +302,23 @@ static int cpu_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, con
     return SKV_OK;
 }
 
+static int cpu_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
+{
+    (void)be;
+    (void)handle;
+    (void)handle_len;
+    (void)out;
+    return skv_errorf(SKV_E_UNSUPPORTED,
+                      "CUDA IPC buffers need a daemon on the CUDA backend; this one runs on the CPU: "
+                      "register a POSIX shared-memory buffer");
+}
+
+static void cpu_ipc_close(struct skv_backend *be, void *ptr)
+{
+    (void)be;
+    (void)ptr;
+}
+
 static const struct skv_backend_ops cpu_ops = {
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
@@ -322,6 +339,8 @@ static const struct skv_backend_ops cpu_ops = {
     .cosine_mean = skv_cpu_cosine_mean,
     .gather_rows = skv_cpu_gather_rows,
     .copy_rows = skv_cpu_copy_rows,
+    .ipc_open = cpu_ipc_open,
+    .ipc_close = cpu_ipc_close,
 };
 
 int skv_backend_cpu_new(int n_threads, struct skv_backend **out)

@@ -1199,6 +1199,32 @@ static void cuda_destroy(struct skv_backend *be)
     free(be);
 }
 
+/* ---- IPC ---------------------------------------------------------------------------- */
+
+static int cuda_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
+{
+    if (be == NULL || handle == NULL || out == NULL)
+        return skv_errorf(SKV_E_INVAL, "ipc_open: bad arguments");
+    if (handle_len != sizeof(cudaIpcMemHandle_t))
+        return skv_errorf(SKV_E_INVAL, "ipc_open: a CUDA IPC handle has %zu bytes, not %zu",
+                          sizeof(cudaIpcMemHandle_t), handle_len);
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof h);
+    void *p = NULL;
+    SKV_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    *out = p;
+    return SKV_OK;
+}
+
+static void cuda_ipc_close(struct skv_backend *be, void *ptr)
+{
+    if (be == NULL || ptr == NULL)
+        return;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    cudaStreamSynchronize(impl->stream); /* nothing queued may still write into it */
+    cudaIpcCloseMemHandle(ptr);
+}
+
 static const struct skv_backend_ops cuda_ops = {
     /* destroy */ cuda_destroy,
     /* alloc */ cuda_alloc,
@@ -1219,6 +1245,8 @@ static const struct skv_backend_ops cuda_ops = {
     /* cosine_mean */ cuda_cosine_mean,
     /* gather_rows */ cuda_gather_rows,
     /* copy_rows */ cuda_copy_rows,
+    /* ipc_open */ cuda_ipc_open,
+    /* ipc_close */ cuda_ipc_close,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

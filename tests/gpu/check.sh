@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU acceptance check for the CUDA backend, one command on a machine with a device:
 # configure --with-cuda=yes in a fresh build dir, build, run the CUDA op tests, compare CUDA
-# and CPU logits on the default model, time speed and device copy bandwidth; a table last.
+# and CPU logits on the default model, time speed, exchange a session between two processes
+# through CUDA IPC, measure device copy bandwidth; a table last.
 # Usage: tests/gpu/check.sh [BUILD_DIR]   (default: ./build-gpu-check). Exits non-zero on any failure.
 set -euo pipefail
 
@@ -81,7 +82,19 @@ while IFS= read -r l; do
     row "speed cuda" "ok" "$l"
 done < <(grep -E "prefill|decode" "$SPEED_LOG" | grep -E "t/s" | head -6)
 
-# 5. device-to-device copy bandwidth: 1 GiB cudaMemcpy, best of 10
+# 5. two client processes exchange a session through CUDA IPC with snapkvd on the GPU
+IPC_DIR=$(mktemp -d)
+"$BUILD/snapkvd" --model "$MODEL" --backend cuda --endpoint "ipc://$IPC_DIR/client.sock" \
+    --admin-endpoint "ipc://$IPC_DIR/admin.sock" --state-dir "$IPC_DIR" --pool-size 8G \
+    >"$BUILD/snapkvd_ipc.log" 2>&1 &
+DPID=$!
+for _ in $(seq 1 100); do [ -S "$IPC_DIR/client.sock" ] && break; sleep 0.2; done
+ipc_out=$(timeout 120 "$BUILD/tests/gpu/ipc_exchange" "ipc://$IPC_DIR/client.sock" 2>&1) ||
+    { kill "$DPID" 2>/dev/null; tail -20 "$BUILD/snapkvd_ipc.log" >&2; fail "CUDA IPC exchange: $ipc_out"; }
+kill -TERM "$DPID"; wait "$DPID" || true
+row "CUDA IPC, two processes" "ok" "$ipc_out"
+
+# 6. device-to-device copy bandwidth: 1 GiB cudaMemcpy, best of 10
 BW_SRC=$BUILD/bw.cu
 cat >"$BW_SRC" <<'EOF'
 #include <cstdio>

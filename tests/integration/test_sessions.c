@@ -380,6 +380,22 @@ static void test_errors_and_tenants(void **state)
     (void)ao;
     snapkv_decode_result_free(&d1);
     assert_int_equal(snapkv_decode(a, &imported, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL); /* nothing to continue */
+    /* a CUDA buffer on a CPU daemon: a clear refusal, nothing changes */
+    struct snapkv_cuda_ipc_buffer cb = {.size = 1 << 20};
+    memset(cb.handle, 0x5a, sizeof cb.handle);
+    struct snapkv_kv_layout lay2;
+    assert_int_equal(snapkv_export_kv_cuda(a, &pr.id, &cb, 0, 0, 0, &lay2), SNAPKV_E_UNSUPPORTED);
+    assert_non_null(strstr(snapkv_last_error(), "shared-memory"));
+    struct snapkv_import_opts ic = io;
+    ic.shm = NULL;
+    ic.cuda = &cb;
+    ic.offset = 0;
+    assert_int_equal(snapkv_import_kv(a, &ic, &imported), SNAPKV_E_UNSUPPORTED);
+    ic.shm = &shm; /* both kinds at once: refused by the library */
+    assert_int_equal(snapkv_import_kv(a, &ic, &imported), SNAPKV_E_INVAL);
+    cb.size = 0;
+    assert_int_equal(snapkv_export_kv_cuda(a, &pr.id, &cb, 0, 0, 0, &lay2), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_export_kv_cuda(b, &pr.id, NULL, 0, 0, 0, &lay2), SNAPKV_E_INVAL);
     snapkv_kv_layout_free(&lay);
     snapkv_shm_destroy(&shm);
     /* a raw garbage request, then the daemon still serves */
