@@ -14,12 +14,17 @@
 #include "tools/bench_serve.h"
 
 #include <getopt.h>
+#include <pthread.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 struct args {
     const char *cmd;
@@ -79,7 +84,8 @@ static void usage(FILE *out)
             "  speed [--prefill 512,2048,8192] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
             "        [--repeat R]                    prefill / decode tokens/s and peak memory\n"
             "  gemv [--repeat R]                     decode's weight traffic: every weight matrix\n"
-            "                                        times one row, GB/s per dtype\n"
+            "                                        times one row, GB/s per dtype, and the host's\n"
+            "                                        read bandwidth with the same threads\n"
             "  quality [--task passkey|fidelity|all] [--specs \"SPEC;SPEC;...\"] [--out-dir DIR]\n"
             "          [--lengths 512,1024,...] [--depths 0,25,50,75,100] [--trials N] [--seed S]\n"
             "          [--max-tokens N] [--passkey-style K] [--texts F1,F2] [--fid-prefill N]\n"
@@ -641,6 +647,67 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
 }
 
 /* The quality benchmark (tools/bench_quality.c) with the shared options filled in. */
+/* The machine's read bandwidth, for comparison with the GEMV: threads summing their slices of
+ * a 256 MiB buffer, best of 5 passes. */
+struct read_slice {
+    const uint64_t *p;
+    size_t n;     /* 64-bit words */
+    uint64_t sum;
+};
+
+static void *read_slice_run(void *arg)
+{
+    struct read_slice *r = arg;
+#if defined(__AVX2__)
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+    size_t i = 0;
+    for (; i + 8 <= r->n; i += 8) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(r->p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(r->p + i + 4)));
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(a0, a1));
+    r->sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < r->n; i++)
+        r->sum += r->p[i];
+#else
+    for (size_t i = 0; i < r->n; i++)
+        r->sum += r->p[i];
+#endif
+    return NULL;
+}
+
+static double read_bandwidth(int threads)
+{
+    const size_t bytes = (size_t)256 << 20, words = bytes / 8;
+    uint64_t *buf = aligned_alloc(64, bytes);
+    if (!buf || threads < 1 || threads > 256) {
+        free(buf);
+        return 0;
+    }
+    memset(buf, 1, bytes);
+    double best = 1e30;
+    for (int rep = 0; rep < 5; rep++) {
+        struct read_slice sl[256];
+        pthread_t th[256];
+        double t0 = now_s();
+        for (int t = 0; t < threads; t++) {
+            size_t a = words / threads * t / 4 * 4, b = t == threads - 1 ? words : words / threads * (t + 1) / 4 * 4;
+            sl[t] = (struct read_slice){buf + a, b - a, 0};
+            if (t > 0 && pthread_create(&th[t], NULL, read_slice_run, &sl[t]) != 0)
+                read_slice_run(&sl[t]), th[t] = 0;
+        }
+        read_slice_run(&sl[0]);
+        for (int t = 1; t < threads; t++)
+            if (th[t])
+                pthread_join(th[t], NULL);
+        double dt = now_s() - t0;
+        best = dt < best ? dt : best;
+    }
+    free(buf);
+    return bytes / best / 1e9;
+}
+
 /* Decode's weight traffic alone: one matmul of a single activation row through every weight
  * matrix of the model (what a decode step streams from memory), best of --repeat passes, in
  * GB/s of weight bytes per dtype and in all. Compare with the machine's read bandwidth. */
@@ -718,6 +785,8 @@ static int cmd_gemv(const struct args *a, struct skv_model *m)
     json_object_set_new(j, "gb_per_second", json_real(total / best / 1e9));
     json_object_set_new(j, "threads", json_integer(be->n_threads));
     json_object_set_new(j, "backend", json_string(be->name));
+    double rbw = read_bandwidth(be->n_threads);
+    json_object_set_new(j, "host_read_gb_per_second", json_real(rbw));
     if (a->json) {
         json_dumpf(j, stdout, JSON_INDENT(2));
         putchar('\n');
@@ -732,6 +801,7 @@ static int cmd_gemv(const struct args *a, struct skv_model *m)
         printf("| all | %.1f | %.2f |\n", total / 1048576.0, total / best / 1e9);
         printf("threads %d, backend %s: one pass = one decode step's weight traffic, %.2f ms\n", be->n_threads,
                be->name, best * 1e3);
+        printf("host memory read with %d threads (256 MiB, best of 5): %.2f GB/s\n", be->n_threads, rbw);
     }
     json_decref(j);
     return 0;
