@@ -16,6 +16,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "kernels/cpu/vexp.h"
 #endif
 
 
@@ -143,27 +144,6 @@ static void att_scores(const float *q, const float *const *k, int nv, int d, flo
         s[j] = dot1(q, k[j], d);
 }
 
-/* 2^x for x <= 0, exactly 0 below -126 (and for -inf): round-to-nearest split, degree-7
- * polynomial for 2^f on [-0.5, 0.5] (relative error ~5e-9), exponent bits for 2^n. */
-static __m256 exp2_ps(__m256 x)
-{
-    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(126.0f));
-    const __m256 nr = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, nr);
-    __m256 p = _mm256_set1_ps(1.5252733804059838e-05f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428441e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821576e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910070e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994530e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(nr), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
-}
-
 static float max_of(const float *s, int nv)
 {
     int j = 0;
@@ -189,7 +169,7 @@ static float exp2_sub_sum(float *s, int nv, float m)
     __m256 acc = _mm256_setzero_ps();
     int j = 0;
     for (; j + 8 <= nv; j += 8) {
-        const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        const __m256 e = skv_exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
         _mm256_storeu_ps(s + j, e);
         acc = _mm256_add_ps(acc, e);
     }
@@ -344,10 +324,10 @@ static void wide_softmax8(const struct wide_bufs *w, size_t r0, int64_t kb, int 
     /* rows that have seen no key yet keep m = -inf; subtract 0 instead of -inf for them */
     const __m256 m_use =
         _mm256_blendv_ps(m_new, _mm256_setzero_ps(), _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ));
-    const __m256 alpha = exp2_ps(_mm256_sub_ps(m_old, m_use));
+    const __m256 alpha = skv_exp2_ps(_mm256_sub_ps(m_old, m_use));
     __m256 sum = _mm256_setzero_ps();
     for (int j = 0; j < nk; j++) {
-        const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(st + j * rp), m_use));
+        const __m256 p = skv_exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(st + j * rp), m_use));
         _mm256_storeu_ps(st + j * rp, p);
         sum = _mm256_add_ps(sum, p);
     }

@@ -9,6 +9,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "kernels/cpu/vexp.h"
 #endif
 
 
@@ -62,27 +63,6 @@ static void add_vec(float *o, const float *a, const float *b, int64_t begin, int
         o[i] = a[i] + b[i];
 }
 
-/* e^x for 8 lanes: x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts so r is
- * exact), e^r by its degree-7 Taylor-like minimax polynomial, 2^k through the exponent
- * bits. Relative error ~1e-7 over [-87, 88]; inputs are clamped there (e^-87 ~ 1.6e-38). */
-static __m256 exp8(__m256 x)
-{
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i]; o may alias g. */
 static void swiglu_vec(float *o, const float *g, const float *u, int64_t begin, int64_t end)
 {
@@ -90,7 +70,9 @@ static void swiglu_vec(float *o, const float *g, const float *u, int64_t begin, 
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= end; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        /* e^-g = 2^(-g log2 e); below 2^-126 the term is 0 and silu(g) = g */
+        const __m256 e = skv_exp2_ps(_mm256_mul_ps(gv, _mm256_set1_ps(-1.44269504088896341f)));
+        const __m256 den = _mm256_add_ps(one, e);
         _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
     for (; i < end; i++)
