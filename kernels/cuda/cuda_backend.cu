@@ -14,6 +14,7 @@ extern "C" {
 #include <cmath>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Largest rot_dim, as on the CPU. */
 #define ROPE_MAX_DIM 1024
@@ -22,8 +23,18 @@ extern "C" {
 #define MM_GEMV_WARPS 8
 /* Bytes of f32 weight tile a quantized GEMM dequantizes at a time. */
 #define MM_TILE_BYTES ((size_t)64 << 20)
+/* attention_kernel (the fallback) and the colsum kernels */
 #define ATT_THREADS 128
 #define ATT_TILE 64
+/* The tiled attention kernels (split-K decode, flash-style prefill): see cuda_attention. */
+#define ATT_MAX_D 256         /* largest head_dim they take */
+#define ATT_SPLIT_MAX_N 8     /* batches of up to this many queries take split-K decode */
+#define ATT_TK 32             /* keys per tile */
+#define ATT_TILED_THREADS 256
+#define ATT_ACC 32            /* output accumulators per thread: rows x head_dim <= 256 x 32 */
+#define ATT_MAX_ROWS 64       /* (query, head) rows per block */
+#define ATT_CHUNK_MIN 256     /* split-K: fewest keys per chunk (a multiple of ATT_TK) */
+#define ATT_MAX_CHUNKS 1024   /* split-K: most chunks per KV head */
 #define EW_THREADS 256
 #define SCRATCH_ROUND ((size_t)1 << 20)
 
@@ -33,6 +44,10 @@ struct cuda_impl {
     cublasHandle_t blas;
     void *scratch;          /* device scratch, grown on demand; ops use it in stream order */
     size_t scratch_bytes;
+    void *stage;            /* host staging of per-call tables (window bounds, block tables) */
+    size_t stage_bytes;
+    int sm_count;           /* streaming multiprocessors: sizes the split-K grid */
+    bool att_smem_set;      /* the tiled attention kernels may use > 48 KB of shared memory */
 };
 
 /* ---- memory, copies ----------------------------------------------------------------- */
@@ -105,6 +120,21 @@ static int scratch_get(struct cuda_impl *impl, size_t bytes, void **out)
         impl->scratch_bytes = want;
     }
     *out = impl->scratch;
+    return SKV_OK;
+}
+
+/* A host buffer of at least `bytes` for tables that one cudaMemcpyAsync then uploads. A
+ * pageable source is staged when cudaMemcpyAsync returns, so the next call may reuse it. */
+static int stage_get(struct cuda_impl *impl, size_t bytes, void **out)
+{
+    if (bytes > impl->stage_bytes) {
+        void *p = realloc(impl->stage, bytes);
+        if (!p)
+            return skv_errorf(SKV_E_NOMEM, "CUDA backend: %zu bytes of host staging", bytes);
+        impl->stage = p;
+        impl->stage_bytes = bytes;
+    }
+    *out = impl->stage;
     return SKV_OK;
 }
 
@@ -638,8 +668,8 @@ static int cuda_add(struct skv_backend *be, float *out, const float *a, const fl
 /* ---- attention ---------------------------------------------------------------------- */
 
 /* The KV view as a kernel argument (about 1.8 KB, under the parameter limit). A paged view's
- * block tables are host memory: each call copies them into device scratch (upload_tables),
- * a few KB per layer, and blk[g] points there. */
+ * block tables are host memory: each call copies them into device scratch (att_stage, one
+ * copy with the window bounds), a few KB per layer, and blk[g] points there. */
 struct att_params {
     const float *k[SKV_MAX_KV_HEADS];
     const float *v[SKV_MAX_KV_HEADS];
@@ -698,7 +728,7 @@ static size_t view_blocks(const struct skv_kv_view *kv, int g, int n)
     return ((size_t)kv->prefix_len[g] + n + kv->block_rows - 1) / kv->block_rows;
 }
 
-/* Bytes upload_tables() writes: 0 for a contiguous view. */
+/* Bytes of a paged view's block tables on the device: 0 for a contiguous view. */
 static size_t tables_bytes(const struct skv_kv_view *kv, int n)
 {
     if (kv->block_rows <= 0)
@@ -707,28 +737,6 @@ static size_t tables_bytes(const struct skv_kv_view *kv, int n)
     for (int g = 0; g < kv->n_kv_heads; g++)
         count += view_blocks(kv, g, n);
     return align_up(count * sizeof(void *));
-}
-
-/* For a paged view, copies every head's block table (host) to dst (device), where
- * p->blk[] then point. */
-static int upload_tables(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
-                         struct att_params *p)
-{
-    if (kv->block_rows <= 0)
-        return SKV_OK;
-    const float **at = (const float **)dst;
-    for (int g = 0; g < kv->n_kv_heads; g++) {
-        const size_t nb = view_blocks(kv, g, n);
-        /* a pageable source is staged when cudaMemcpyAsync returns */
-        cudaError_t err = cudaMemcpyAsync((void *)at, kv->blocks[g], nb * sizeof(void *),
-                                          cudaMemcpyHostToDevice, impl->stream);
-        if (err != cudaSuccess)
-            return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__,
-                              cudaGetErrorName(err), cudaGetErrorString(err));
-        p->blk[g] = at;
-        at += nb;
-    }
-    return SKV_OK;
 }
 
 /* Row j of KV head g: K (which == 0) or V, in either layout (skv_kv_view_row's twin). */
@@ -741,35 +749,53 @@ __device__ __forceinline__ const float *kv_row(const struct att_params &p, int g
     return p.blk[g][j / t] + ((size_t)which * t + j % t) * p.d;
 }
 
-/* Bytes upload_first() writes: 0 without a sliding window. */
+/* Bytes of the window bounds on the device: 0 without a sliding window. */
 static size_t first_bytes(const struct skv_kv_view *kv, int n)
 {
     return kv->window > 0 ? align_up((size_t)kv->n_kv_heads * n * sizeof(int32_t)) : 0;
 }
 
-/* With a sliding window, computes on the host the first row each (KV head, query) sees
- * (skv_kv_view_first, from the host positions) and copies the table to dst (device), where
- * p->first then points. */
-static int upload_first(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
-                        struct att_params *p)
+/* Bytes att_stage() writes: the window bounds, then the block tables; 0 for a contiguous
+ * view without a window (nothing is uploaded then). */
+static size_t stage_bytes(const struct skv_kv_view *kv, int n)
 {
-    if (kv->window <= 0)
+    return first_bytes(kv, n) + tables_bytes(kv, n);
+}
+
+/* Uploads what the kernels need besides the view's pointers, in one copy to dst (device,
+ * stage_bytes() long), through the reused host staging buffer (no allocation per call):
+ * with a sliding window the first row each (KV head, query) sees (skv_kv_view_first, from
+ * the host positions), p->first then pointing there; for a paged view every head's block
+ * table, p->blk[] then pointing there. */
+static int att_stage(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
+                     struct att_params *p)
+{
+    const size_t fb = first_bytes(kv, n), total = stage_bytes(kv, n);
+    if (total == 0)
         return SKV_OK;
-    const size_t count = (size_t)kv->n_kv_heads * n;
-    int32_t *host = (int32_t *)malloc(count * sizeof *host);
-    if (!host)
-        return skv_errorf(SKV_E_NOMEM, "attention: %zu window bounds", count);
-    for (int g = 0; g < kv->n_kv_heads; g++)
-        for (int i = 0; i < n; i++)
-            host[(size_t)g * n + i] = skv_kv_view_first(kv, g, i);
-    /* a pageable source is staged when cudaMemcpyAsync returns, so host can go */
-    cudaError_t err = cudaMemcpyAsync(dst, host, count * sizeof *host, cudaMemcpyHostToDevice,
-                                      impl->stream);
-    free(host);
-    if (err != cudaSuccess)
-        return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
-                          cudaGetErrorString(err));
-    p->first = (const int32_t *)dst;
+    void *host = NULL;
+    int rc = stage_get(impl, total, &host);
+    if (rc < 0)
+        return rc;
+    if (fb > 0) {
+        int32_t *first = (int32_t *)host;
+        for (int g = 0; g < kv->n_kv_heads; g++)
+            for (int i = 0; i < n; i++)
+                first[(size_t)g * n + i] = skv_kv_view_first(kv, g, i);
+        p->first = (const int32_t *)dst;
+    }
+    if (kv->block_rows > 0) {
+        void **ht = (void **)((char *)host + fb);
+        const float **dt = (const float **)((char *)dst + fb);
+        for (int g = 0; g < kv->n_kv_heads; g++) {
+            const size_t nb = view_blocks(kv, g, n);
+            memcpy(ht, kv->blocks[g], nb * sizeof(void *));
+            p->blk[g] = dt;
+            ht += nb;
+            dt += nb;
+        }
+    }
+    SKV_CUDA_CHECK(cudaMemcpyAsync(dst, host, total, cudaMemcpyHostToDevice, impl->stream));
     return SKV_OK;
 }
 
@@ -859,6 +885,244 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
         o[t] = (float)(acc[t] * inv);
 }
 
+/* Shared memory of att_tiled_kernel for rb rows of head_dim d. */
+static size_t tiled_smem(int rb, int d)
+{
+    return ((size_t)rb * d + (size_t)ATT_TK * d + (size_t)rb * ATT_TK + 3 * (size_t)rb) *
+               sizeof(float) +
+           2 * (size_t)rb * sizeof(int);
+}
+
+/* Its bound over every shape the kernel takes (rows x d <= ATT_TILED_THREADS x ATT_ACC,
+ * d <= ATT_MAX_D, rows <= ATT_MAX_ROWS): about 75 KB, above the default 48 KB. */
+#define ATT_TILED_SMEM_MAX                                                                        \
+    ((ATT_TILED_THREADS * ATT_ACC + ATT_TK * ATT_MAX_D + ATT_MAX_ROWS * ATT_TK +                  \
+      3 * ATT_MAX_ROWS) * sizeof(float) + 2 * ATT_MAX_ROWS * sizeof(int))
+
+/* Row r of a tiled block: query i of the batch, query head h; false for a padding row. */
+template <bool SPLIT>
+__device__ __forceinline__ bool tiled_row(const struct att_params &p, int rb, int slices,
+                                          int nchunks, int r, int *i, int *h)
+{
+    if (SPLIT) {
+        /* block (g * slices + slice) * nchunks + chunk: the group's (query, head) pairs */
+        const int gs = blockIdx.x / nchunks, g = gs / slices;
+        const int rg = (gs % slices) * rb + r;
+        *i = rg / p.group;
+        *h = g * p.group + rg % p.group;
+        return rg < p.n * p.group;
+    }
+    /* block tile * n_heads + h: queries tile * rb ... of head h */
+    *h = blockIdx.x % p.n_heads;
+    *i = (blockIdx.x / p.n_heads) * rb + r;
+    return *i < p.n;
+}
+
+/* The tiled attention of one block: rb (query, head) rows that all read KV head g, over the
+ * keys [ks, ke) of a range, in tiles of ATT_TK keys with an online softmax per row. Each tile's
+ * K rows are read once (a warp per key, the row in registers) and its V rows once (into shared
+ * memory) for all the block's rows, so the query heads of a GQA group share every load.
+ * fp32 throughout; each row's keys outside [lo, hi) (causal end, sliding-window start) are
+ * masked. SPLIT (decode): the block is (KV head g, row slice, key chunk); its rows are the
+ * group's n x group (query, head) pairs, and it writes unnormalized partials
+ * part[q row][chunk] = (max, sum, acc[d]) that att_combine_kernel merges. Otherwise
+ * (prefill): the block is (query tile, head h) over every key its queries see, and writes out.
+ * Launched with ATT_TILED_THREADS threads and tiled_smem(rb, d) bytes of shared memory. */
+template <bool SPLIT>
+__global__ void __launch_bounds__(ATT_TILED_THREADS)
+att_tiled_kernel(float *out, float *part, const float *q, struct att_params p, int rb, int slices,
+                 int chunk, int nchunks)
+{
+    extern __shared__ float tsm[];
+    __shared__ int s_ks, s_ke;
+    const int d = p.d, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    float *qs = tsm;                        /* [rb][d] the rows' queries */
+    float *vt = qs + (size_t)rb * d;        /* [ATT_TK][d] the tile's V rows */
+    float *sc = vt + (size_t)ATT_TK * d;    /* [rb][ATT_TK] scores, then probabilities */
+    float *m = sc + (size_t)rb * ATT_TK;    /* [rb] running max */
+    float *l = m + rb;                      /* [rb] running sum of exp(score - max) */
+    float *alpha = l + rb;                  /* [rb] this tile's rescale of the row */
+    int *lo = (int *)(alpha + rb);          /* [rb] first key the row sees */
+    int *hi = lo + rb;                      /* [rb] one past its last (0: padding row) */
+    int i0, h0;
+    tiled_row<SPLIT>(p, rb, slices, nchunks, 0, &i0, &h0);
+    const int g = h0 / p.group;
+
+    for (int r = tid; r < rb; r += blockDim.x) {
+        int i, h;
+        const bool valid = tiled_row<SPLIT>(p, rb, slices, nchunks, r, &i, &h);
+        lo[r] = valid && p.first ? p.first[(size_t)g * p.n + i] : 0;
+        hi[r] = valid ? p.prefix[g] + i + 1 : 0;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int k = tid; k < rb * d; k += blockDim.x) {
+        int i, h;
+        const bool valid = tiled_row<SPLIT>(p, rb, slices, nchunks, k / d, &i, &h);
+        qs[k] = valid ? q[((size_t)i * p.n_heads + h) * d + k % d] : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        /* rows ascend by query, so by lo and hi; padding rows (hi 0) come last */
+        int ks = INT_MAX, ke = 0;
+        for (int r = 0; r < rb; r++) {
+            if (hi[r] > 0) {
+                ks = lo[r] < ks ? lo[r] : ks;
+                ke = hi[r] > ke ? hi[r] : ke;
+            }
+        }
+        if (SPLIT) {
+            const int64_t c0 = (int64_t)(blockIdx.x % nchunks) * chunk;
+            ks = c0 > ks ? (int)c0 : ks;
+            ke = c0 + chunk < ke ? (int)(c0 + chunk) : ke;
+        }
+        s_ks = ks;
+        s_ke = ke;
+    }
+    __syncthreads();
+    const int ks = s_ks, ke = s_ke;
+
+    float acc[ATT_ACC];
+#pragma unroll
+    for (int e = 0; e < ATT_ACC; e++)
+        acc[e] = 0.0f;
+    for (int j0 = ks; j0 < ke; j0 += ATT_TK) {
+        const int tn = ke - j0 < ATT_TK ? ke - j0 : ATT_TK;
+        for (int k = tid; k < tn * d; k += blockDim.x)
+            vt[k] = kv_row(p, g, 1, j0 + k / d)[k % d];
+        for (int jj = warp; jj < tn; jj += blockDim.x / 32) {
+            const int j = j0 + jj;
+            const float *kr = kv_row(p, g, 0, j);
+            float kreg[ATT_MAX_D / 32];
+#pragma unroll
+            for (int u = 0; u < ATT_MAX_D / 32; u++)
+                kreg[u] = lane + 32 * u < d ? kr[lane + 32 * u] : 0.0f;
+            for (int r = 0; r < rb; r++) {
+                if (j < lo[r] || j >= hi[r]) { /* the same for the whole warp */
+                    if (lane == 0)
+                        sc[r * ATT_TK + jj] = -INFINITY;
+                    continue;
+                }
+                const float *qr = qs + (size_t)r * d;
+                float s = 0.0f;
+#pragma unroll
+                for (int u = 0; u < ATT_MAX_D / 32; u++)
+                    if (lane + 32 * u < d)
+                        s = fmaf(qr[lane + 32 * u], kreg[u], s);
+                s = warp_sum(s);
+                if (lane == 0)
+                    sc[r * ATT_TK + jj] = s * p.scale;
+            }
+        }
+        __syncthreads();
+        for (int r = tid; r < rb; r += blockDim.x) {
+            float *sr = sc + r * ATT_TK;
+            float mx = -INFINITY;
+            for (int jj = 0; jj < tn; jj++)
+                mx = fmaxf(mx, sr[jj]);
+            const float m_new = fmaxf(m[r], mx);
+            if (m_new == -INFINITY) { /* nothing visible yet: weights 0, nothing to rescale */
+                for (int jj = 0; jj < tn; jj++)
+                    sr[jj] = 0.0f;
+                alpha[r] = 1.0f;
+                continue;
+            }
+            const float a = expf(m[r] - m_new); /* 0 while m[r] is -inf */
+            float sum = 0.0f;
+            for (int jj = 0; jj < tn; jj++) {
+                const float e = expf(sr[jj] - m_new); /* 0 for a masked key */
+                sr[jj] = e;
+                sum += e;
+            }
+            l[r] = l[r] * a + sum;
+            m[r] = m_new;
+            alpha[r] = a;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < ATT_ACC; e++) {
+            const int k = tid + e * ATT_TILED_THREADS;
+            if (k < rb * d) {
+                const int r = k / d, t = k % d;
+                const float *pr = sc + r * ATT_TK;
+                float a = acc[e] * alpha[r];
+                for (int jj = 0; jj < tn; jj++)
+                    a = fmaf(pr[jj], vt[jj * d + t], a);
+                acc[e] = a;
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int e = 0; e < ATT_ACC; e++) {
+        const int k = tid + e * ATT_TILED_THREADS;
+        if (k >= rb * d)
+            continue;
+        const int r = k / d, t = k % d;
+        int i, h;
+        if (!tiled_row<SPLIT>(p, rb, slices, nchunks, r, &i, &h))
+            continue;
+        const size_t row = (size_t)i * p.n_heads + h;
+        if (SPLIT) {
+            float *pp = part + (row * nchunks + blockIdx.x % nchunks) * (d + 2);
+            if (t == 0) {
+                pp[0] = m[r];
+                pp[1] = l[r];
+            }
+            pp[2 + t] = acc[e];
+        } else {
+            out[row * d + t] = acc[e] / l[r];
+        }
+    }
+}
+
+/* Merges the split-K partials of query row blockIdx.x (query i, head h at i * n_heads + h)
+ * in chunk order: weights exp(m_c - max), chunks that saw no key (m_c = -inf) skipped. */
+__global__ void att_combine_kernel(float *out, const float *part, int nchunks, int d)
+{
+    extern __shared__ float w[]; /* [nchunks] */
+    __shared__ float s_l;
+    const float *base = part + (size_t)blockIdx.x * nchunks * (d + 2);
+    if (threadIdx.x == 0) {
+        float mx = -INFINITY;
+        for (int c = 0; c < nchunks; c++)
+            mx = fmaxf(mx, base[(size_t)c * (d + 2)]);
+        float sum = 0.0f;
+        for (int c = 0; c < nchunks; c++) {
+            const float mc = base[(size_t)c * (d + 2)];
+            w[c] = mc == -INFINITY ? 0.0f : expf(mc - mx);
+            sum = fmaf(base[(size_t)c * (d + 2) + 1], w[c], sum);
+        }
+        s_l = sum;
+    }
+    __syncthreads();
+    const float inv = 1.0f / s_l;
+    for (int t = threadIdx.x; t < d; t += blockDim.x) {
+        float o = 0.0f;
+        for (int c = 0; c < nchunks; c++)
+            if (w[c] != 0.0f)
+                o = fmaf(base[(size_t)c * (d + 2) + 2 + t], w[c], o);
+        out[(size_t)blockIdx.x * d + t] = o * inv;
+    }
+}
+
+/* Rows per block of the tiled kernels: at most ATT_MAX_ROWS, and rows x head_dim within the
+ * threads' accumulators. */
+static int tiled_rows_cap(int d)
+{
+    const int cap = ATT_TILED_THREADS * ATT_ACC / d;
+    return cap < ATT_MAX_ROWS ? cap : ATT_MAX_ROWS;
+}
+
+/* Which kernel runs:
+ *  - head_dim > ATT_MAX_D: attention_kernel, one block per (query, head), double accumulators
+ *    (the first kernel written; kept as the fallback);
+ *  - n <= ATT_SPLIT_MAX_N (decode, short appends): split-K. Blocks over (KV head, slice of its
+ *    group's n x group (query, head) rows, key chunk), the chunk sized from the longest head
+ *    so about two blocks per SM run, then att_combine_kernel per (query, head);
+ *  - otherwise (prefill): flash-style tiles, one block per (tile of up to 64 queries, head).
+ * The choice depends on shapes only, so a paged view gives bitwise the contiguous result. */
 static int cuda_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                           const struct skv_kv_view *kv)
 {
@@ -869,22 +1133,69 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
         return rc;
     if (n == 0)
         return SKV_OK;
-    const size_t smem = (size_t)kv->head_dim * (sizeof(double) + sizeof(float)) +
-                        ATT_TILE * sizeof(float);
-    if (smem > 48 * 1024)
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention: head_dim %d too large", kv->head_dim);
     if ((int64_t)n * n_heads > INT_MAX)
         return skv_errorf(SKV_E_INVAL, "attention: %d queries x %d heads", n, n_heads);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    const int d = kv->head_dim;
     struct att_params p;
     att_params_fill(&p, kv, n, n_heads);
     void *s = NULL;
-    const size_t fb = first_bytes(kv, n), tb = tables_bytes(kv, n);
-    if (fb + tb > 0 && ((rc = scratch_get(impl, fb + tb, &s)) < 0 ||
-                        (rc = upload_first(impl, kv, n, s, &p)) < 0 ||
-                        (rc = upload_tables(impl, kv, n, (char *)s + fb, &p)) < 0))
+    const size_t sb = stage_bytes(kv, n);
+
+    if (d > ATT_MAX_D) {
+        const size_t smem = (size_t)d * (sizeof(double) + sizeof(float)) + ATT_TILE * sizeof(float);
+        if (smem > 48 * 1024)
+            return skv_errorf(SKV_E_UNSUPPORTED, "attention: head_dim %d too large", d);
+        if (sb > 0 && ((rc = scratch_get(impl, sb, &s)) < 0 || (rc = att_stage(impl, kv, n, s, &p)) < 0))
+            return rc;
+        attention_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, smem, impl->stream>>>(out, q, p);
+        SKV_CUDA_CHECK(cudaGetLastError());
+        return SKV_OK;
+    }
+
+    if (!impl->att_smem_set) {
+        const int most = (int)ATT_TILED_SMEM_MAX;
+        SKV_CUDA_CHECK(cudaFuncSetAttribute(att_tiled_kernel<true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+        SKV_CUDA_CHECK(cudaFuncSetAttribute(att_tiled_kernel<false>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+        impl->att_smem_set = true;
+    }
+    const int cap = tiled_rows_cap(d);
+    if (n > ATT_SPLIT_MAX_N) {
+        const int rb = n < cap ? n : cap;
+        const int64_t blocks = (int64_t)((n + rb - 1) / rb) * n_heads;
+        if (sb > 0 && ((rc = scratch_get(impl, sb, &s)) < 0 || (rc = att_stage(impl, kv, n, s, &p)) < 0))
+            return rc;
+        att_tiled_kernel<false><<<(unsigned)blocks, ATT_TILED_THREADS, tiled_smem(rb, d),
+                                  impl->stream>>>(out, NULL, q, p, rb, 1, 1, 1);
+        SKV_CUDA_CHECK(cudaGetLastError());
+        return SKV_OK;
+    }
+
+    /* split-K: slices of the group's rows, then chunks of the longest head's keys */
+    const int rows = n * p.group;
+    const int slices = (rows + cap - 1) / cap, rb = (rows + slices - 1) / slices;
+    int max_keys = 0;
+    for (int g = 0; g < kv->n_kv_heads; g++)
+        max_keys = kv->prefix_len[g] + n > max_keys ? kv->prefix_len[g] + n : max_keys;
+    const int64_t per_chunk = (int64_t)kv->n_kv_heads * slices;
+    int64_t want = (2 * (int64_t)impl->sm_count + per_chunk - 1) / per_chunk;
+    want = want < 1 ? 1 : (want > ATT_MAX_CHUNKS ? ATT_MAX_CHUNKS : want);
+    int64_t chunk = (max_keys + want - 1) / want;
+    chunk = (chunk + ATT_TK - 1) / ATT_TK * ATT_TK;
+    chunk = chunk < ATT_CHUNK_MIN ? ATT_CHUNK_MIN : chunk;
+    const int nchunks = (int)((max_keys + chunk - 1) / chunk);
+    const size_t part_bytes = (size_t)n * n_heads * nchunks * (d + 2) * sizeof(float);
+    if ((rc = scratch_get(impl, align_up(sb) + part_bytes, &s)) < 0 ||
+        (rc = att_stage(impl, kv, n, s, &p)) < 0)
         return rc;
-    attention_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, smem, impl->stream>>>(out, q, p);
+    float *part = (float *)((char *)s + align_up(sb));
+    att_tiled_kernel<true><<<(unsigned)(per_chunk * nchunks), ATT_TILED_THREADS, tiled_smem(rb, d),
+                             impl->stream>>>(NULL, part, q, p, rb, slices, (int)chunk, nchunks);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    att_combine_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, (size_t)nchunks * sizeof(float),
+                         impl->stream>>>(out, part, nchunks, d);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
 }
@@ -1007,14 +1318,12 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
     void *s = NULL;
     const size_t m_bytes = align_up((size_t)nq * sizeof(float));
     const size_t l_bytes = align_up((size_t)nq * sizeof(double));
-    const size_t f_bytes = first_bytes(kv, n);
-    rc = scratch_get(impl, m_bytes + l_bytes + f_bytes + tables_bytes(kv, n), &s);
+    rc = scratch_get(impl, m_bytes + l_bytes + stage_bytes(kv, n), &s);
     if (rc < 0)
         return rc;
     float *m = (float *)s;
     double *l = (double *)((char *)s + m_bytes);
-    if ((rc = upload_first(impl, kv, n, (char *)s + m_bytes + l_bytes, &p)) < 0 ||
-        (rc = upload_tables(impl, kv, n, (char *)s + m_bytes + l_bytes + f_bytes, &p)) < 0)
+    if ((rc = att_stage(impl, kv, n, (char *)s + m_bytes + l_bytes, &p)) < 0)
         return rc;
     colsum_stats_kernel<<<(unsigned)nq, ATT_THREADS, smem, impl->stream>>>(m, l, q, q_first, p);
     SKV_CUDA_CHECK(cudaGetLastError());
@@ -1190,6 +1499,7 @@ static void cuda_destroy(struct skv_backend *be)
             cudaStreamSynchronize(impl->stream);
         if (impl->scratch)
             cudaFree(impl->scratch);
+        free(impl->stage);
         if (impl->blas)
             cublasDestroy(impl->blas);
         if (impl->stream)
@@ -1273,6 +1583,8 @@ static int cuda_probe(int device, struct skv_backend **out)
     cublasStatus_t bst = err == cudaSuccess ? cublasCreate(&impl->blas) : CUBLAS_STATUS_NOT_INITIALIZED;
     if (bst == CUBLAS_STATUS_SUCCESS)
         bst = cublasSetStream(impl->blas, impl->stream);
+    if (err == cudaSuccess && bst == CUBLAS_STATUS_SUCCESS)
+        err = cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess || bst != CUBLAS_STATUS_SUCCESS) {
         cuda_destroy(be);
         return err != cudaSuccess
