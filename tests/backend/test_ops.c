@@ -562,6 +562,7 @@ struct att_case {
     double q_scale;
     int window;      /* sliding window (0: none) */
     int gaps;        /* window cases: prefix rows spread over gaps x the longest prefix */
+    int block_rows;  /* > 0: the rows are read through a paged view of blocks of this many */
 };
 
 /* Row positions of head g for a window case: the prefix rows spread evenly over
@@ -582,6 +583,32 @@ static int32_t *case_positions(const struct att_case *c, int g)
     return pos;
 }
 
+/* Copies rows [rows][d] of K and V (host) into backend blocks of t rows (K [t][d] then
+ * V [t][d] each, as the engine's pool lays them out); returns the host block table. */
+static void **paged_from(struct skv_backend *be, const float *k, const float *v, int rows, int d,
+                         int t)
+{
+    const int nb = (rows + t - 1) / t;
+    void **tbl = calloc((size_t)(nb ? nb : 1), sizeof *tbl);
+    assert_non_null(tbl);
+    float *blk = host_nan((size_t)2 * t * d);
+    for (int b = 0; b < nb; b++) {
+        const int m = rows - b * t < t ? rows - b * t : t;
+        memcpy(blk, k + (size_t)b * t * d, (size_t)m * d * sizeof(float));
+        memcpy(blk + (size_t)t * d, v + (size_t)b * t * d, (size_t)m * d * sizeof(float));
+        tbl[b] = dev_from(be, blk, (size_t)2 * t * d * sizeof(float));
+    }
+    free(blk);
+    return tbl;
+}
+
+static void paged_free(struct skv_backend *be, void **tbl, int rows, int t)
+{
+    for (int b = 0; b < (rows + t - 1) / t; b++)
+        be->ops->free(be, tbl[b]);
+    free(tbl);
+}
+
 /* Runs one case on `be`; returns the output (caller frees) after checking it against the
  * reference when `check` is set. */
 static float *run_attention(struct skv_backend *be, struct rng *r, const struct att_case *c,
@@ -592,14 +619,19 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
     float *q = host_normal(r, qcount, c->q_scale), *got = host_nan(qcount);
     float *k[SKV_MAX_KV_HEADS], *v[SKV_MAX_KV_HEADS];
     int32_t *pos[SKV_MAX_KV_HEADS] = {NULL};
+    void **tbl[SKV_MAX_KV_HEADS] = {NULL};
     struct skv_kv_view kv = {.n_kv_heads = c->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32,
-                             .window = c->window};
+                             .window = c->window, .block_rows = c->block_rows};
     for (int g = 0; g < c->n_kv; g++) {
         size_t kc = (size_t)(c->prefix[g] + n) * d;
         k[g] = host_normal(r, kc, 1.0);
         v[g] = host_normal(r, kc, 1.0);
-        kv.k[g] = dev_from(be, k[g], kc * sizeof(float));
-        kv.v[g] = dev_from(be, v[g], kc * sizeof(float));
+        if (c->block_rows > 0) {
+            kv.blocks[g] = tbl[g] = paged_from(be, k[g], v[g], c->prefix[g] + n, d, c->block_rows);
+        } else {
+            kv.k[g] = dev_from(be, k[g], kc * sizeof(float));
+            kv.v[g] = dev_from(be, v[g], kc * sizeof(float));
+        }
         kv.prefix_len[g] = c->prefix[g];
         if (c->window > 0)
             kv.pos[g] = pos[g] = case_positions(c, g);
@@ -614,9 +646,10 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
         attention_ref(ref, q, n, c->n_heads, c->n_kv, d, k, v, c->prefix, c->window, pos);
         char what[160];
         snprintf(what, sizeof what,
-                 "attention n=%d heads=%d kv=%d d=%d prefix=%d,%d q_scale=%g window=%d gaps=%d", n,
-                 c->n_heads, c->n_kv, d, (int)c->prefix[0], (int)c->prefix[c->n_kv - 1], c->q_scale,
-                 c->window, c->gaps);
+                 "attention n=%d heads=%d kv=%d d=%d prefix=%d,%d q_scale=%g window=%d gaps=%d "
+                 "block_rows=%d",
+                 n, c->n_heads, c->n_kv, d, (int)c->prefix[0], (int)c->prefix[c->n_kv - 1],
+                 c->q_scale, c->window, c->gaps, c->block_rows);
         check_nmse(what, got, ref, qcount, NMSE_ATTENTION);
         free(ref);
     }
@@ -624,8 +657,12 @@ static float *run_attention(struct skv_backend *be, struct rng *r, const struct 
     be->ops->free(be, dout);
     be->ops->free(be, dq);
     for (int g = 0; g < c->n_kv; g++) {
-        be->ops->free(be, (void *)kv.v[g]);
-        be->ops->free(be, (void *)kv.k[g]);
+        if (tbl[g]) {
+            paged_free(be, tbl[g], c->prefix[g] + n, c->block_rows);
+        } else {
+            be->ops->free(be, (void *)kv.v[g]);
+            be->ops->free(be, (void *)kv.k[g]);
+        }
         free(v[g]);
         free(k[g]);
         free(pos[g]);
@@ -730,6 +767,64 @@ static void test_attention_window(void **state)
         free(run_attention(be, &r, &cases[i], true));
 }
 
+/* Boundaries of every attention kernel path, against the double reference: decode (n = 1;
+ * CUDA's split-K) over 1, 63, 64, 65, 4097 and 33000 keys (tiles of 32 and 64 keys, chunks
+ * of 256 and more); prefill of 1, 63, 64, 65 and 300 queries (CUDA's 64-query tiles) after no
+ * cache or a short one; GQA groups of 1, 3 and 4; head_dim 64 and 128; contiguous and paged
+ * views (blocks of 16 and 100 rows); no window and a window. The combinations rotate so every
+ * length meets each layout and window setting. Then the edges between paths: 8 and 9 queries
+ * (split-K's limit), a group's rows split over blocks (head_dim 256, 8 x 8 rows), and
+ * head_dim 320 (CUDA's fallback kernel). */
+static void test_attention_paths(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0xba7e5ULL};
+    const int keys[] = {1, 63, 64, 65, 4097, 33000}, ns[] = {1, 63, 64, 65, 300};
+    const int groups[] = {1, 3, 4}, dims[] = {64, 128}, layouts[] = {0, 16, 100};
+    int rot = 0;
+    for (size_t a = 0; a < sizeof keys / sizeof keys[0]; a++)
+        for (size_t b = 0; b < 3; b++)
+            for (size_t c = 0; c < 2; c++, rot++) {
+                /* the longest head has exactly keys[a] rows; the other one fewer */
+                struct att_case ac = {.n = 1, .n_kv = 2, .n_heads = 2 * groups[b], .d = dims[c],
+                                      .prefix = {keys[a] - 1, keys[a] / 2}, .q_scale = 1.0,
+                                      .block_rows = layouts[rot % 3]};
+                if (rot % 2) {
+                    ac.window = keys[a] / 3 + 1;
+                    ac.gaps = 2;
+                }
+                free(run_attention(be, &r, &ac, true));
+            }
+    for (size_t a = 0; a < sizeof ns / sizeof ns[0]; a++)
+        for (size_t b = 0; b < 3; b++)
+            for (size_t c = 0; c < 2; c++, rot++) {
+                struct att_case ac = {.n = ns[a], .n_kv = 2, .n_heads = 2 * groups[b],
+                                      .d = dims[c], .q_scale = 1.5,
+                                      .block_rows = layouts[rot % 3]};
+                if (rot % 4 >= 2) {
+                    ac.prefix[0] = 100;
+                    ac.prefix[1] = 37;
+                }
+                if (rot % 2)
+                    ac.window = 50;
+                free(run_attention(be, &r, &ac, true));
+            }
+    const struct att_case edges[] = {
+        {.n = 8, .n_heads = 8, .n_kv = 2, .d = 128, .prefix = {700, 500}, .q_scale = 1.0},
+        {.n = 9, .n_heads = 8, .n_kv = 2, .d = 128, .prefix = {700, 500}, .q_scale = 1.0,
+         .block_rows = 16},
+        {.n = 8, .n_heads = 16, .n_kv = 2, .d = 256, .prefix = {3000, 20}, .q_scale = 1.0,
+         .window = 1000, .block_rows = 100},
+        {.n = 100, .n_heads = 8, .n_kv = 2, .d = 256, .prefix = {0, 30}, .q_scale = 1.0},
+        {.n = 1, .n_heads = 4, .n_kv = 2, .d = 320, .prefix = {900, 90}, .q_scale = 1.0,
+         .block_rows = 16},
+        {.n = 20, .n_heads = 4, .n_kv = 2, .d = 320, .prefix = {0, 10}, .q_scale = 1.0,
+         .window = 7},
+    };
+    for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++)
+        free(run_attention(be, &r, &edges[i], true));
+}
+
 /* Column sums with a window: each query adds only to the keys its window holds. */
 static void test_colsum_window(void **state)
 {
@@ -797,32 +892,6 @@ static void test_colsum_window(void **state)
     }
     free(got);
     free(q);
-}
-
-/* Copies rows [rows][d] of K and V (host) into backend blocks of t rows (K [t][d] then
- * V [t][d] each, as the engine's pool lays them out); returns the host block table. */
-static void **paged_from(struct skv_backend *be, const float *k, const float *v, int rows, int d,
-                         int t)
-{
-    const int nb = (rows + t - 1) / t;
-    void **tbl = calloc((size_t)(nb ? nb : 1), sizeof *tbl);
-    assert_non_null(tbl);
-    float *blk = host_nan((size_t)2 * t * d);
-    for (int b = 0; b < nb; b++) {
-        const int m = rows - b * t < t ? rows - b * t : t;
-        memcpy(blk, k + (size_t)b * t * d, (size_t)m * d * sizeof(float));
-        memcpy(blk + (size_t)t * d, v + (size_t)b * t * d, (size_t)m * d * sizeof(float));
-        tbl[b] = dev_from(be, blk, (size_t)2 * t * d * sizeof(float));
-    }
-    free(blk);
-    return tbl;
-}
-
-static void paged_free(struct skv_backend *be, void **tbl, int rows, int t)
-{
-    for (int b = 0; b < (rows + t - 1) / t; b++)
-        be->ops->free(be, tbl[b]);
-    free(tbl);
 }
 
 /* Attention and column sums over a paged view equal the contiguous view bit for bit, for
@@ -1207,7 +1276,8 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention),                                                     \
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
-        cmocka_unit_test(test_colsum_window), cmocka_unit_test(test_attention_paged),        \
+        cmocka_unit_test(test_attention_paths), cmocka_unit_test(test_colsum_window),       \
+        cmocka_unit_test(test_attention_paged),                                             \
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_attention_invalid)
 
 int main(void)
