@@ -94,11 +94,15 @@ static void usage(FILE *out)
             "          [--fid-tokens M]              compression quality vs the full cache (always the\n"
             "                                        baseline): passkey accuracy, next-token KL; JSON,\n"
             "                                        markdown and PNGs into DIR (default ./quality-out)\n"
-            "  serve [--endpoint URL --admin-endpoint URL] [--clients N] [--requests R] [--sessions S]\n"
-            "        [--context T] [--decode-tokens D]\n"
+            "  serve [--endpoint URL --admin-endpoint URL] [--clients N] [--requests R] [--sessions S|fit]\n"
+            "        [--context T] [--decode-tokens D] [--pool-gib G] [--specs \"SPEC;SPEC\"]\n"
+            "        [--parts roundtrip,throughput,capacity,decode]\n"
             "                                        snapkvd: round trips, N client processes vs in-process,\n"
-            "                                        sessions per 1 GiB pool, S concurrent T-token decodes;\n"
-            "                                        starts its own snapkvd unless given the endpoints\n"
+            "                                        sessions per G GiB pool (default 1), S concurrent\n"
+            "                                        T-token decodes (fit: as many as the pool held);\n"
+            "                                        specs: first is the baseline (default full, SnapKV\n"
+            "                                        10%%, squeeze+SnapKV 10%%); starts its own snapkvd\n"
+            "                                        unless given the endpoints\n"
             "                                        (--json: JSON on stdout, the table on stderr)\n"
             "--reference: weights dequantized to f32 (the numerical reference mode).\n");
 }
@@ -908,6 +912,7 @@ static int cmd_serve(struct args *a, struct skv_engine *e, struct skv_model *m, 
     s->model_path = a->model;
     s->threads = a->threads;
     s->decode_tokens = a->decode_tokens;
+    s->specs = a->quality.specs;
     s->json_stdout = a->json;
     s->argc = argc;
     s->argv = argv;
@@ -922,7 +927,7 @@ int main(int argc, char **argv)
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
            O_FIDM };
-    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT };
+    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
         {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
@@ -944,6 +949,7 @@ int main(int argc, char **argv)
         {"endpoint", required_argument, NULL, O_ENDPOINT}, {"admin-endpoint", required_argument, NULL, O_ADMIN_EP},
         {"clients", required_argument, NULL, O_CLIENTS},   {"requests", required_argument, NULL, O_REQUESTS},
         {"sessions", required_argument, NULL, O_SESSIONS}, {"context", required_argument, NULL, O_CONTEXT},
+        {"pool-gib", required_argument, NULL, O_POOL_GIB}, {"parts", required_argument, NULL, O_PARTS},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c;
@@ -986,7 +992,14 @@ int main(int argc, char **argv)
         case O_ADMIN_EP: a.serve.admin_endpoint = optarg; break;
         case O_CLIENTS: a.serve.clients = atoi(optarg); break;
         case O_REQUESTS: a.serve.requests = atoi(optarg); break;
-        case O_SESSIONS: a.serve.sessions = atoi(optarg); break;
+        case O_SESSIONS:
+            if (strcmp(optarg, "fit") == 0)
+                a.serve.sessions_fit = true;
+            else
+                a.serve.sessions = atoi(optarg);
+            break;
+        case O_POOL_GIB: a.serve.pool_gib = strtod(optarg, NULL); break;
+        case O_PARTS: a.serve.parts = optarg; break;
         case O_CONTEXT: a.serve.context = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
