@@ -654,10 +654,15 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     }
     for (int i = 0; i < nd && !rc; i++) {
         struct skv_kv_cache *cache = NULL;
-        struct prefill_run run = {0};
+        /* the prefill that builds the depth is timed too (once: compare its compressor share) */
+        struct prefill_run run = {.timed = spec ? m->be : NULL};
         rc = skv_kv_cache_new(m, &cache);
+        double t_pre = now_s();
         if (!rc && depth[i] > 0)
             rc = compressed_forward(e, m, cache, ids, depth[i], spec, logits, &run);
+        if (!rc)
+            rc = m->be->ops->sync(m->be);
+        t_pre = now_s() - t_pre;
         for (int k = 0; k < nh && !rc; k++)
             lens[k] = cache->heads[k].len;
         uint64_t kv_bytes = rc ? 0 : kv_read_bytes(cache);
@@ -682,6 +687,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
             double dt = now_s() - t0;
             best = dt < best ? dt : best;
         }
+        double run_comp_s = run.compress_seconds;
         skv_compressor_free(&run.comp);
         skv_kv_cache_free(&cache);
         json_t *o = json_object();
@@ -690,6 +696,11 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         json_object_set_new(o, "seconds", json_real(best));
         json_object_set_new(o, "tokens_per_second", json_real(dtok / best));
         json_object_set_new(o, "kv_read_bytes", json_integer((json_int_t)kv_bytes));
+        json_object_set_new(o, "prefill_seconds", json_real(depth[i] > 0 ? t_pre : 0));
+        if (spec && depth[i] > 0) {
+            json_object_set_new(o, "compress_seconds", json_real(run_comp_s));
+            json_object_set_new(o, "compress_share", json_real(run_comp_s / t_pre));
+        }
         json_array_append_new(jd, o);
         if (!a->json)
             fprintf(stderr, "decode @%5d: %8.1f t/s%s\n", depth[i], dtok / best, spec ? " (compressed)" : "");
