@@ -130,7 +130,8 @@ def main():
         return dict(prefill_s=t_prefill, kept_tokens=kept, decode_s=t_decode,
                     decode_tokens_per_s=a.decode_tokens / t_decode)
 
-    ratio = 1.0 - a.budget / a.context
+    # kvpress keeps int(n * (1 - ratio)) tokens: half a token of slack so that is exactly budget
+    ratio = 1.0 - (a.budget + 0.5) / a.context
     press = SnapKVPress(compression_ratio=ratio)
     snap = run(press)
     full = run(None)
