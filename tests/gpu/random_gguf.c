@@ -1,5 +1,5 @@
-/* random_gguf: writes a llama-architecture GGUF (v3) of a given shape with random F16 or Q8_0
- * weights and no tokenizer, for speed runs that need a model's shapes but not its weights
+/* random_gguf: writes a llama-architecture GGUF (v3) of a given shape with random F16, Q8_0 or
+ * Q4_1 weights and no tokenizer, for speed runs that need a model's shapes but not its weights
  * (tests/gpu/check.sh: Llama-3-8B's shapes without downloading 16 GB). Plain C, no project code. */
 #include <errno.h>
 #include <stdint.h>
@@ -8,7 +8,7 @@
 #include <string.h>
 
 enum { GGUF_U32 = 4, GGUF_F32 = 6, GGUF_STRING = 8 };
-enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q8_0 = 8 };
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 #define ALIGN 32
 
 struct shape {
@@ -20,6 +20,8 @@ struct shape {
 static const struct shape presets[] = {
     /* meta-llama/Meta-Llama-3-8B config.json */
     {"llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000.0f},
+    /* HuggingFaceTB/SmolLM2-135M-Instruct (the default model's shapes, when its file is absent) */
+    {"smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 100000.0f},
     /* small enough for a CPU run of tests/gpu/check.sh's dry mode */
     {"tiny", 2, 256, 8, 2, 32, 512, 2048, 10000.0f},
 };
@@ -44,7 +46,10 @@ static uint64_t rng_next(void)
 
 static uint64_t row_bytes(int type, int64_t ne0)
 {
-    return type == GGML_F32 ? (uint64_t)ne0 * 4 : type == GGML_F16 ? (uint64_t)ne0 * 2 : (uint64_t)ne0 / 32 * 34;
+    return type == GGML_F32   ? (uint64_t)ne0 * 4
+           : type == GGML_F16 ? (uint64_t)ne0 * 2
+           : type == GGML_Q4_1 ? (uint64_t)ne0 / 32 * 20
+                               : (uint64_t)ne0 / 32 * 34;
 }
 
 static int put(FILE *f, const void *p, size_t n)
@@ -92,6 +97,17 @@ static void fill_row(uint8_t *dst, int type, int64_t ne0)
                 memcpy(dst + 2 * (i + k), &bits, 2);
             }
         }
+    } else if (type == GGML_Q4_1) {
+        /* scale 0.00433 (0x1c6f) and minimum -7.5 * scale (0xa828) as f16, 4-bit quants
+         * uniform in [0, 15]: mean 0, std ~0.02 */
+        const uint16_t dm[2] = {0x1c6f, 0xa828};
+        for (int64_t b = 0; b < ne0 / 32; b++) {
+            uint8_t *blk = dst + 20 * b;
+            memcpy(blk, dm, 4);
+            uint64_t r0 = rng_next(), r1 = rng_next();
+            memcpy(blk + 4, &r0, 8);
+            memcpy(blk + 12, &r1, 8);
+        }
     } else {
         /* scale 2.7e-4 as f16 (0x0c6c), quants uniform in [-128, 127]: std ~0.02 */
         const uint16_t d = 0x0c6c;
@@ -108,7 +124,8 @@ static void fill_row(uint8_t *dst, int type, int64_t ne0)
 
 static void usage(FILE *out)
 {
-    fprintf(out, "usage: random_gguf --out FILE [--shape llama3-8b|tiny] [--type f16|q8_0] [--seed N]\n"
+    fprintf(out, "usage: random_gguf --out FILE [--shape llama3-8b|smollm2-135m|tiny] [--type f16|q8_0|q4_1]\n"
+                 "                   [--seed N]\n"
                  "                   [--layers N] [--dim N] [--heads N] [--kv-heads N] [--ffn N] [--vocab N]\n"
                  "Writes a llama GGUF of that shape with random weights (no tokenizer).\n");
 }
@@ -145,7 +162,7 @@ int main(int argc, char **argv)
             while (k < sizeof presets / sizeof presets[0] && strcmp(presets[k].name, v))
                 k++;
             if (k == sizeof presets / sizeof presets[0]) {
-                fprintf(stderr, "random_gguf: unknown shape '%s' (llama3-8b, tiny)\n", v);
+                fprintf(stderr, "random_gguf: unknown shape '%s' (llama3-8b, smollm2-135m, tiny)\n", v);
                 return 2;
             }
             s = presets[k];
@@ -154,9 +171,12 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    int wtype = !strcmp(type_name, "f16") ? GGML_F16 : !strcmp(type_name, "q8_0") ? GGML_Q8_0 : -1;
+    int wtype = !strcmp(type_name, "f16")    ? GGML_F16
+                : !strcmp(type_name, "q8_0") ? GGML_Q8_0
+                : !strcmp(type_name, "q4_1") ? GGML_Q4_1
+                                             : -1;
     if (!out || wtype < 0) {
-        fprintf(stderr, "random_gguf: give --out FILE and --type f16 or q8_0\n");
+        fprintf(stderr, "random_gguf: give --out FILE and --type f16, q8_0 or q4_1\n");
         return 2;
     }
     s.head_dim = s.heads > 0 ? s.dim / s.heads : 0;
@@ -179,9 +199,11 @@ int main(int argc, char **argv)
     /* "%.0d" prints nothing: the names without a layer number take the same path */
 #define T(fmt, layer, a, b, ty) (snprintf(ts[k].name, sizeof ts[k].name, fmt, layer), \
                                  ts[k].ne0 = (a), ts[k].ne1 = (b), ts[k].type = (ty), k++)
-    T("token_embd.weight%.0d", 0, s.dim, s.vocab, wtype);
+    /* Q4_1 files (llama.cpp's quantize) keep the embedding and output in Q8_0 */
+    int etype = wtype == GGML_Q4_1 ? GGML_Q8_0 : wtype;
+    T("token_embd.weight%.0d", 0, s.dim, s.vocab, etype);
     T("output_norm.weight%.0d", 0, s.dim, 1, GGML_F32);
-    T("output.weight%.0d", 0, s.dim, s.vocab, wtype);
+    T("output.weight%.0d", 0, s.dim, s.vocab, etype);
     for (int l = 0; l < s.layers; l++) {
         T("blk.%d.attn_norm.weight", l, s.dim, 1, GGML_F32);
         T("blk.%d.attn_q.weight", l, s.dim, q, wtype);
