@@ -105,6 +105,20 @@ say "mode: $([ "$DRY" = 1 ] && echo "dry run (CPU, tiny sizes)" || echo GPU), so
 mkdir -p "$BUILD"
 rm -f "$BUILD"/speed_*.json "$BUILD"/kvpress_*.json "$BUILD"/serve_*.json "$BUILD"/gemv.json
 t0=$SECONDS
+# what the build needs, named at once (a device image may lack the project's dependencies)
+missing=""
+for tool in make cc pkg-config protoc-c python3; do
+    command -v "$tool" >/dev/null || missing="$missing $tool"
+done
+[ -x "$SRC/configure" ] || command -v autoreconf >/dev/null || missing="$missing autoreconf"
+if command -v pkg-config >/dev/null; then
+    for mod in libzmq libprotobuf-c cmocka jansson libsodium libpcre2-8; do
+        pkg-config --exists "$mod" || missing="$missing $mod"
+    done
+    pkg-config --exists openblas || compgen -G "/usr/lib/*/libopenblas.so*" >/dev/null ||
+        missing="$missing openblas"
+fi
+[ -z "$missing" ] || fatal "missing build dependencies:$missing (see README.md; scripts/setup installs them)"
 if [ "$DRY" = 1 ] && [ -f "$BUILD/Makefile" ]; then
     say "dry run: reusing the configured $BUILD"
 else
