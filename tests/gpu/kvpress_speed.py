@@ -83,8 +83,11 @@ def main():
                       attn_implementation="sdpa")
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    # built in its dtype on the device (an 8B model never exists in f32)
+    torch.set_default_dtype(dtype)
     with torch.device(dev):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
     model.eval()
     t_init = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
