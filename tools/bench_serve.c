@@ -8,6 +8,7 @@
 #include "tools/bench_serve.h"
 
 #include "common/status.h"
+#include "daemon/compress/spec.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
@@ -29,7 +30,8 @@
 #include <unistd.h>
 
 #define GIB (UINT64_C(1) << 30)
-#define CAPACITY_POOL GIB          /* the pool the capacity question is about */
+#define CAPACITY_POOL GIB          /* the pool the capacity question is about (--pool-gib) */
+#define MAX_FIT_SESSIONS 1024      /* --sessions fit: at most this many client processes */
 #define ROUNDTRIP_CALLS 2000
 #define ROUNDTRIP_WARMUP 100
 #define TP_PROMPT_TOKENS 128       /* throughput run: prompt and greedy decode per request */
@@ -37,9 +39,10 @@
 #define LONG_TIMEOUT_MS 900000     /* a 4096-token prefill on a shared CPU */
 #define MAX_REPORT_TOKENS 64
 
-enum { N_SPECS = 3 };
-static const char *const spec_text[N_SPECS] = {"", "policy=snapkv,ratio=0.1", "policy=snapkv,alloc=squeeze,ratio=0.1"};
-static const char *const spec_name[N_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8 };
+static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
+                                                               "policy=snapkv,alloc=squeeze,ratio=0.1"};
+static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
 
 /* A snapkvd this benchmark started (pid 0: none). */
 struct daemon_child {
@@ -60,7 +63,13 @@ struct serve_ctx {
     snapkv_client_t *admin;          /* on the admin endpoint */
     snapkv_client_t *cl;             /* on the client endpoint */
     uint64_t pool_bytes;             /* of the daemon in use */
+    uint64_t capacity_pool;          /* the pool the capacity part asks about */
+    uint32_t block_rows;             /* rows of one pool block (of the daemon in use) */
     int clients, requests, context, sessions, decode_tokens;
+    int n_specs;                     /* compression specs compared; the first is the baseline */
+    char spec_text[MAX_SPECS][256];  /* "" = full cache */
+    char spec_name[MAX_SPECS][256];
+    bool default_specs;              /* the built-in three (their goals apply) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -357,6 +366,7 @@ static int connect_both(struct serve_ctx *x)
         return client_fail("STATUS", rc);
     }
     x->pool_bytes = st.pool_bytes_total;
+    x->block_rows = st.pool_block_rows;
     return SKV_OK;
 }
 
@@ -771,9 +781,9 @@ static int prefill_long(struct serve_ctx *x, int spec, struct snapkv_session_id 
         return SKV_E_NOMEM;
     fill_ids(ids, n, x->m->cfg.n_vocab, 7);
     struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = (size_t)n,
-                                     .compress = *spec_text[spec] ? spec_text[spec] : NULL};
+                                     .compress = *x->spec_text[spec] ? x->spec_text[spec] : NULL};
     struct snapkv_prefill_result pr;
-    fprintf(stderr, "serve: prefill %d tokens, %s ...\n", n, spec_name[spec]);
+    fprintf(stderr, "serve: prefill %d tokens, %s ...\n", n, x->spec_name[spec]);
     double t0 = now_s();
     int rc = snapkv_prefill(x->cl, &po, &pr);
     *seconds = now_s() - t0;
@@ -835,8 +845,8 @@ static int fill_pool(struct serve_ctx *x, const struct snapkv_session_id *src, u
     return rc ? rc : rc2;
 }
 
-static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after_out[N_SPECS],
-                          uint64_t *bytes_before_out)
+static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after_out[MAX_SPECS],
+                          int64_t held_out[MAX_SPECS], uint64_t *bytes_before_out)
 {
     int rc = evict_all(x);
     if (rc)
@@ -845,8 +855,8 @@ static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after
     json_object_set_new(out, "pool_bytes", json_integer((json_int_t)x->pool_bytes));
     json_object_set_new(out, "context_tokens", json_integer(x->context));
     json_object_set_new(out, "specs", arr);
-    int64_t cap[N_SPECS] = {0};
-    for (int s = 0; s < N_SPECS && !rc; s++) {
+    int64_t cap[MAX_SPECS] = {0};
+    for (int s = 0; s < x->n_specs && !rc; s++) {
         struct snapkv_session_id id;
         uint64_t before, after;
         double secs, used;
@@ -865,10 +875,11 @@ static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after
             break;
         fprintf(stderr, "serve:   %lld sessions held before the first eviction\n", (long long)held);
         bytes_after_out[s] = after;
+        held_out[s] = held;
         *bytes_before_out = before;
         json_t *o = json_object();
-        json_object_set_new(o, "name", json_string(spec_name[s]));
-        json_object_set_new(o, "spec", json_string(*spec_text[s] ? spec_text[s] : "policy=full"));
+        json_object_set_new(o, "name", json_string(x->spec_name[s]));
+        json_object_set_new(o, "spec", json_string(*x->spec_text[s] ? x->spec_text[s] : "policy=full"));
         json_object_set_new(o, "prefill_s", json_real(secs));
         json_object_set_new(o, "prefill_tokens_per_s", json_real(x->context / secs));
         json_object_set_new(o, "bytes_before", json_integer((json_int_t)before));
@@ -884,9 +895,10 @@ static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after
     return rc;
 }
 
-static int bench_decode(struct serve_ctx *x, json_t *out, int spec, double *wall_out)
+/* n concurrent sessions of spec `spec` (forks of one prefill), each decoding in its own client
+ * process. */
+static int bench_decode(struct serve_ctx *x, json_t *out, int spec, int n, double *wall_out)
 {
-    int n = x->sessions;
     struct snapkv_session_id *ids = calloc((size_t)n, sizeof *ids);
     struct child_report *reports = calloc((size_t)n, sizeof *reports);
     double *lat = calloc((size_t)n, sizeof *lat);
@@ -909,7 +921,7 @@ static int bench_decode(struct serve_ctx *x, json_t *out, int spec, double *wall
         goto out;
     if (ev1 > ev0) {
         rc = skv_errorf(SKV_E_POOL_FULL, "%d sessions of %s do not fit in the pool (%.0f evicted)", n,
-                        spec_name[spec], ev1 - ev0);
+                        x->spec_name[spec], ev1 - ev0);
         goto out;
     }
     fprintf(stderr, "serve:   %d client processes decode %d tokens each, concurrently ...\n", n, x->decode_tokens);
@@ -927,8 +939,9 @@ static int bench_decode(struct serve_ctx *x, json_t *out, int spec, double *wall
         same += reports[i].n_tokens == reports[0].n_tokens &&
                 memcmp(reports[i].tokens, reports[0].tokens, reports[0].n_tokens * sizeof *reports[0].tokens) == 0;
     fprintf(stderr, "serve:   %.1f s, %.1f tokens/s\n", wall, n * x->decode_tokens / wall);
-    json_object_set_new(out, "name", json_string(spec_name[spec]));
-    json_object_set_new(out, "spec", json_string(*spec_text[spec] ? spec_text[spec] : "policy=full"));
+    json_object_set_new(out, "name", json_string(x->spec_name[spec]));
+    json_object_set_new(out, "spec", json_string(*x->spec_text[spec] ? x->spec_text[spec] : "policy=full"));
+    json_object_set_new(out, "sessions", json_integer(n));
     json_object_set_new(out, "bytes_per_session", json_integer((json_int_t)after));
     json_object_set_new(out, "prefill_s", json_real(secs));
     json_object_set_new(out, "wall_s", json_real(wall));
@@ -952,13 +965,28 @@ out:
     return rc;
 }
 
-static int bench_decodes(struct serve_ctx *x, json_t *out, const uint64_t bytes_after[N_SPECS], uint64_t bytes_before)
+/* Concurrent decodes per spec: --sessions N of each, or (--sessions fit) as many as the
+ * capacity run held, less those whose decoded rows would not fit the pool. */
+static int bench_decodes(struct serve_ctx *x, json_t *out, const uint64_t bytes_after[MAX_SPECS],
+                         const int64_t held[MAX_SPECS], uint64_t bytes_before)
 {
-    /* bytes one session holds after decoding: kept entries plus the new tokens' rows */
+    /* bytes one session holds after decoding: kept entries plus the new tokens' rows, in whole
+     * blocks and one more (a fork copies its partial last block; the tenant quota counts a
+     * fork's shared blocks too) */
     uint64_t per_token = x->context ? bytes_before / (uint64_t)x->context : 0;
+    uint64_t br = x->block_rows ? x->block_rows : 1;
+    uint64_t grow_rows = ((uint64_t)x->decode_tokens + 1 + br - 1) / br * br + br;
     uint64_t need_max = 0;
-    for (int s = 0; s < N_SPECS; s++) {
-        uint64_t need = (uint64_t)x->sessions * (bytes_after[s] + per_token * (uint64_t)(x->decode_tokens + 1));
+    int n_sess[MAX_SPECS];
+    for (int s = 0; s < x->n_specs; s++) {
+        uint64_t each = bytes_after[s] + per_token * grow_rows;
+        n_sess[s] = x->sessions;
+        if (x->o->sessions_fit) {
+            int64_t fit = each ? (int64_t)(x->pool_bytes / each) : 0;
+            fit = fit < held[s] ? fit : held[s];
+            n_sess[s] = (int)(fit < 1 ? 1 : fit > MAX_FIT_SESSIONS ? MAX_FIT_SESSIONS : fit);
+        }
+        uint64_t need = (uint64_t)n_sess[s] * each;
         need_max = need > need_max ? need : need_max;
     }
     if (x->d.pid && need_max > x->pool_bytes) {
@@ -971,28 +999,30 @@ static int bench_decodes(struct serve_ctx *x, json_t *out, const uint64_t bytes_
             return rc;
     }
     json_t *arr = json_array();
-    json_object_set_new(out, "sessions", json_integer(x->sessions));
+    json_object_set_new(out, "sessions", x->o->sessions_fit ? json_string("fit") : json_integer(x->sessions));
     json_object_set_new(out, "context_tokens", json_integer(x->context));
     json_object_set_new(out, "tokens_per_session", json_integer(x->decode_tokens));
     json_object_set_new(out, "pool_bytes", json_integer((json_int_t)x->pool_bytes));
     json_object_set_new(out, "specs", arr);
-    double wall_full = 0;
+    double tps_base = 0;
     int rc = SKV_OK;
-    for (int s = 0; s < N_SPECS && !rc; s++) {
+    for (int s = 0; s < x->n_specs && !rc; s++) {
         json_t *o = json_object();
-        uint64_t need = (uint64_t)x->sessions * (bytes_after[s] + per_token * (uint64_t)(x->decode_tokens + 1));
+        uint64_t need = (uint64_t)n_sess[s] * (bytes_after[s] + per_token * grow_rows);
         if (need > x->pool_bytes) {
-            json_object_set_new(o, "name", json_string(spec_name[s]));
+            json_object_set_new(o, "name", json_string(x->spec_name[s]));
             json_object_set_new(o, "skipped", json_string("the sessions do not fit in the daemon's pool"));
             json_array_append_new(arr, o);
             continue;
         }
         double wall = 0;
-        rc = bench_decode(x, o, s, &wall);
-        if (!rc && s == 0)
-            wall_full = wall;
-        if (!rc && wall_full > 0)
-            json_object_set_new(o, "ratio_vs_full", json_real(wall_full / wall));
+        rc = bench_decode(x, o, s, n_sess[s], &wall);
+        double tps = !rc && wall > 0 ? n_sess[s] * x->decode_tokens / wall : 0;
+        if (s == 0)
+            tps_base = tps;
+        /* aggregate tokens/s against the baseline's (equal session counts: the wall-time ratio) */
+        if (!rc && tps_base > 0)
+            json_object_set_new(o, "ratio_vs_full", json_real(tps / tps_base));
         json_array_append_new(arr, o);
     }
     return rc;
@@ -1101,10 +1131,9 @@ static void print_table(FILE *f, const json_t *j)
     }
     if (dc) {
         fprintf(f,
-                "\n%lld concurrent %lld-token sessions, %lld greedy tokens each (pool %.2f GiB)\n"
-                "| spec                 | wall s | aggregate tokens/s | x full | session p50 s | snapkvd RSS MiB before -> after |\n"
-                "|---|---|---|---|---|---|\n",
-                (long long)json_integer_value(json_object_get(dc, "sessions")),
+                "\nconcurrent %lld-token sessions, %lld greedy tokens each (pool %.2f GiB)\n"
+                "| spec                 | sessions | wall s | aggregate tokens/s | x full | session p50 s | snapkvd RSS MiB before -> after |\n"
+                "|---|---|---|---|---|---|---|\n",
                 (long long)json_integer_value(json_object_get(dc, "context_tokens")),
                 (long long)json_integer_value(json_object_get(dc, "tokens_per_session")), jnum(dc, "pool_bytes") / GIB);
         size_t k;
@@ -1114,8 +1143,10 @@ static void print_table(FILE *f, const json_t *j)
                 fprintf(f, "| %-20s | skipped: %s |\n", json_string_value(json_object_get(o, "name")),
                         json_string_value(json_object_get(o, "skipped")));
             else
-                fprintf(f, "| %-20s | %6.1f | %18.1f | %6.2f | %13.1f | %6.0f -> %6.0f |\n",
-                        json_string_value(json_object_get(o, "name")), jnum(o, "wall_s"), jnum(o, "tokens_per_s"),
+                fprintf(f, "| %-20s | %8lld | %6.1f | %18.1f | %6.2f | %13.1f | %6.0f -> %6.0f |\n",
+                        json_string_value(json_object_get(o, "name")),
+                        (long long)json_integer_value(json_object_get(o, "sessions")), jnum(o, "wall_s"),
+                        jnum(o, "tokens_per_s"),
                         jnum(o, "ratio_vs_full"), jnum(json_object_get(o, "session_decode_s"), "p50"),
                         jnum(o, "daemon_rss_mib_before"), jnum(o, "daemon_rss_mib_after"));
         }
@@ -1140,7 +1171,7 @@ static void goal(json_t *goals, const char *key, const char *text, double measur
     json_object_set_new(goals, key, o);
 }
 
-static void add_goals(json_t *j)
+static void add_goals(json_t *j, bool default_specs)
 {
     json_t *goals = json_object();
     const json_t *rt = json_object_get(j, "roundtrip"), *tp = json_object_get(j, "throughput"),
@@ -1157,7 +1188,7 @@ static void add_goals(json_t *j)
         goal(goals, "throughput_ratio", text, r, r >= 0.9);
     }
     const json_t *specs = json_object_get(cp, "specs");
-    for (size_t s = 1; s < json_array_size(specs); s++) {
+    for (size_t s = 1; default_specs && s < json_array_size(specs); s++) {
         const json_t *o = json_array_get(specs, s);
         double r = jnum(o, "ratio_vs_full");
         char key[48], text[128];
@@ -1178,6 +1209,63 @@ static void add_goals(json_t *j)
     json_object_set_new(j, "goals", goals);
 }
 
+/* --specs "SPEC;SPEC;..." into x (the first is the baseline the others are compared with),
+ * or the built-in three. */
+static int parse_specs(struct serve_ctx *x, const char *list)
+{
+    x->default_specs = !list || !*list;
+    if (x->default_specs) {
+        x->n_specs = N_DEFAULT_SPECS;
+        for (int s = 0; s < N_DEFAULT_SPECS; s++) {
+            snprintf(x->spec_text[s], sizeof x->spec_text[s], "%s", default_spec_text[s]);
+            snprintf(x->spec_name[s], sizeof x->spec_name[s], "%s", default_spec_name[s]);
+        }
+        return SKV_OK;
+    }
+    x->n_specs = 0;
+    for (const char *p = list; *p;) {
+        size_t len = strcspn(p, ";");
+        if (x->n_specs == MAX_SPECS)
+            return skv_errorf(SKV_E_INVAL, "--specs: at most %d specs", MAX_SPECS);
+        if (len == 0 || len >= sizeof x->spec_text[0])
+            return skv_errorf(SKV_E_INVAL, "--specs: empty or overlong spec in '%s'", list);
+        char *t = x->spec_text[x->n_specs];
+        memcpy(t, p, len);
+        t[len] = '\0';
+        struct skv_compress_spec cs;
+        int rc = skv_compress_spec_parse(t, &cs);
+        if (rc)
+            return rc;
+        bool full = cs.policy == SKV_POLICY_FULL;
+        strcpy(x->spec_name[x->n_specs], full ? "full" : t); /* both fit: t is shorter than 256 */
+        if (full)
+            t[0] = '\0';
+        x->n_specs++;
+        p += len + (p[len] == ';');
+    }
+    return SKV_OK;
+}
+
+/* --parts: which of roundtrip, throughput, capacity, decode run (NULL: all). */
+static int parse_parts(const char *list, bool on[4])
+{
+    static const char *const names[4] = {"roundtrip", "throughput", "capacity", "decode"};
+    for (int i = 0; i < 4; i++)
+        on[i] = !list;
+    for (const char *p = list; p && *p;) {
+        size_t len = strcspn(p, ",");
+        int i = 0;
+        while (i < 4 && !(strlen(names[i]) == len && memcmp(names[i], p, len) == 0))
+            i++;
+        if (i == 4)
+            return skv_errorf(SKV_E_INVAL, "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode)",
+                              (int)len, p);
+        on[i] = true;
+        p += len + (p[len] == ',');
+    }
+    return SKV_OK;
+}
+
 int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_serve_opts *o)
 {
     struct serve_ctx x = {
@@ -1192,14 +1280,24 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         return skv_errorf(SKV_E_INVAL, "give both --endpoint and --admin-endpoint, or neither");
     if (x.decode_tokens > MAX_REPORT_TOKENS)
         return skv_errorf(SKV_E_INVAL, "--decode-tokens: at most %d", MAX_REPORT_TOKENS);
+    if (!(o->pool_gib >= 0 && o->pool_gib <= 65536))
+        return skv_errorf(SKV_E_INVAL, "--pool-gib: between 0 and 65536");
+    x.capacity_pool = o->pool_gib > 0 ? (uint64_t)(o->pool_gib * (double)GIB) : CAPACITY_POOL;
+    bool part[4];
+    int rc = parse_specs(&x, o->specs);
+    if (!rc)
+        rc = parse_parts(o->parts, part);
+    if (rc)
+        return rc;
+    if (o->sessions_fit && part[3] && !part[2])
+        return skv_errorf(SKV_E_INVAL, "--sessions fit needs the capacity part (--parts ...,capacity,decode)");
     signal(SIGPIPE, SIG_IGN);
-    int rc;
     if (o->endpoint) {
         x.endpoint = o->endpoint;
         x.admin_endpoint = o->admin_endpoint;
         rc = connect_both(&x);
     } else {
-        rc = use_own_daemon(&x, CAPACITY_POOL);
+        rc = use_own_daemon(&x, x.capacity_pool);
     }
     if (rc)
         return rc;
@@ -1225,25 +1323,49 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
     double t_all = now_s();
     json_object_set_new(j, "load_1min_start", json_real(load_1min()));
     json_t *rt = json_object(), *tp = json_object(), *cp = json_object(), *dc = json_object();
-    uint64_t bytes_after[N_SPECS] = {0}, bytes_before = 0;
-    fprintf(stderr, "serve: round trips ...\n");
-    rc = bench_roundtrip(&x, rt);
-    json_object_set_new(j, "roundtrip", rt);
-    if (!rc)
-        rc = bench_throughput(&x, tp);
-    json_object_set_new(j, "throughput", tp);
-    if (!rc) {
-        if (x.d.pid == 0 && x.pool_bytes != CAPACITY_POOL)
-            fprintf(stderr, "serve: note: the daemon's pool is %.2f GiB, not 1 GiB\n", (double)x.pool_bytes / GIB);
-        rc = bench_capacity(&x, cp, bytes_after, &bytes_before);
+    uint64_t bytes_after[MAX_SPECS] = {0}, bytes_before = 0;
+    int64_t held[MAX_SPECS] = {0};
+    if (part[0]) {
+        fprintf(stderr, "serve: round trips ...\n");
+        rc = bench_roundtrip(&x, rt);
+        json_object_set_new(j, "roundtrip", rt);
+    } else {
+        json_decref(rt);
     }
-    json_object_set_new(j, "capacity", cp);
-    if (!rc)
-        rc = bench_decodes(&x, dc, bytes_after, bytes_before);
-    json_object_set_new(j, "decode", dc);
+    if (!rc && part[1])
+        rc = bench_throughput(&x, tp);
+    if (part[1])
+        json_object_set_new(j, "throughput", tp);
+    else
+        json_decref(tp);
+    if (!rc && part[2]) {
+        if (x.d.pid == 0 && x.pool_bytes != x.capacity_pool)
+            fprintf(stderr, "serve: note: the daemon's pool is %.2f GiB, not %.2f GiB\n", (double)x.pool_bytes / GIB,
+                    (double)x.capacity_pool / GIB);
+        rc = bench_capacity(&x, cp, bytes_after, held, &bytes_before);
+    }
+    if (part[2])
+        json_object_set_new(j, "capacity", cp);
+    else
+        json_decref(cp);
+    if (!rc && part[3] && !part[2]) {
+        /* without the capacity run: one prefill per spec says what a session keeps */
+        for (int s = 0; s < x.n_specs && !rc; s++) {
+            struct snapkv_session_id id;
+            double secs;
+            if (!(rc = prefill_long(&x, s, &id, &bytes_before, &bytes_after[s], &secs)))
+                rc = evict_all(&x);
+        }
+    }
+    if (!rc && part[3])
+        rc = bench_decodes(&x, dc, bytes_after, held, bytes_before);
+    if (part[3])
+        json_object_set_new(j, "decode", dc);
+    else
+        json_decref(dc);
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
-    add_goals(j);
+    add_goals(j, x.default_specs);
 
     char saved_err[512];
     snprintf(saved_err, sizeof saved_err, "%s", rc ? skv_error_msg() : "");

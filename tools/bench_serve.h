@@ -20,6 +20,11 @@ struct skv_serve_opts {
     int context;                 /* long-session prompt tokens; <= 0: 4096 */
     int sessions;                /* concurrent long sessions decoding; <= 0: 16 */
     int decode_tokens;           /* tokens each long session decodes; <= 0: 32 */
+    bool sessions_fit;           /* decode as many sessions per spec as the capacity run held */
+    double pool_gib;             /* the capacity part's pool; <= 0: 1 GiB */
+    const char *specs;           /* "SPEC;SPEC;..." compared (first: baseline); NULL: full,
+                                  * snapkv 10%, squeeze+snapkv 10% */
+    const char *parts;           /* comma list of roundtrip,throughput,capacity,decode; NULL: all */
     bool json_stdout;            /* JSON on stdout, the table on stderr */
     int argc;                    /* the command line, recorded in the JSON */
     char **argv;

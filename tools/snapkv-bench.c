@@ -81,8 +81,10 @@ static void usage(FILE *out)
             "           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compress SPEC]\n"
             "  select (--prompt T | --prompt-file F | --tokens ...) --compress SPEC\n"
             "                                        kept original positions per layer and KV head\n"
-            "  speed [--prefill 512,2048,8192] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
-            "        [--repeat R]                    prefill / decode tokens/s and peak memory\n"
+            "  speed [--prefill 512,2048,8192|none] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
+            "        [--repeat R] [--compress SPEC]  prefill / decode tokens/s and peak memory; with\n"
+            "                                        SPEC every prefill compresses (its scoring +\n"
+            "                                        compaction timed) and decode runs on the kept KV\n"
             "  gemv [--repeat R]                     decode's weight traffic: every weight matrix\n"
             "                                        times one row, GB/s per dtype, and the host's\n"
             "                                        read bandwidth with the same threads\n"
@@ -92,11 +94,15 @@ static void usage(FILE *out)
             "          [--fid-tokens M]              compression quality vs the full cache (always the\n"
             "                                        baseline): passkey accuracy, next-token KL; JSON,\n"
             "                                        markdown and PNGs into DIR (default ./quality-out)\n"
-            "  serve [--endpoint URL --admin-endpoint URL] [--clients N] [--requests R] [--sessions S]\n"
-            "        [--context T] [--decode-tokens D]\n"
+            "  serve [--endpoint URL --admin-endpoint URL] [--clients N] [--requests R] [--sessions S|fit]\n"
+            "        [--context T] [--decode-tokens D] [--pool-gib G] [--specs \"SPEC;SPEC\"]\n"
+            "        [--parts roundtrip,throughput,capacity,decode]\n"
             "                                        snapkvd: round trips, N client processes vs in-process,\n"
-            "                                        sessions per 1 GiB pool, S concurrent T-token decodes;\n"
-            "                                        starts its own snapkvd unless given the endpoints\n"
+            "                                        sessions per G GiB pool (default 1), S concurrent\n"
+            "                                        T-token decodes (fit: as many as the pool held);\n"
+            "                                        specs: first is the baseline (default full, SnapKV\n"
+            "                                        10%%, squeeze+SnapKV 10%%); starts its own snapkvd\n"
+            "                                        unless given the endpoints\n"
             "                                        (--json: JSON on stdout, the table on stderr)\n"
             "--reference: weights dequantized to f32 (the numerical reference mode).\n");
 }
@@ -200,6 +206,8 @@ static int prompt_ids(const struct args *a, const struct skv_model *m, int32_t *
 struct prefill_run {
     struct skv_compressor *comp;
     uint64_t peak_kv_bytes;
+    struct skv_backend *timed;  /* non-NULL: time the compressor (synchronizing this backend) */
+    double compress_seconds;    /* scoring + compaction, all layers (when timed) */
 };
 
 static int peak_hook(void *user, const struct skv_layer_view *v)
@@ -208,14 +216,28 @@ static int peak_hook(void *user, const struct skv_layer_view *v)
     uint64_t b = skv_kv_cache_bytes(v->cache);
     if (b > r->peak_kv_bytes)
         r->peak_kv_bytes = b;
-    return r->comp ? skv_compressor_hook(r->comp, v) : SKV_OK;
+    if (!r->comp)
+        return SKV_OK;
+    if (!r->timed)
+        return skv_compressor_hook(r->comp, v);
+    /* the layer's queued work first, so only the compressor's own work lands in the timer */
+    int rc = r->timed->ops->sync(r->timed);
+    double t0 = now_s();
+    if (!rc)
+        rc = skv_compressor_hook(r->comp, v);
+    if (!rc)
+        rc = r->timed->ops->sync(r->timed);
+    r->compress_seconds += now_s() - t0;
+    return rc;
 }
 
 static int compressed_forward(struct skv_engine *e, struct skv_model *m, struct skv_kv_cache *cache,
                               const int32_t *ids, int n, const char *spec_text, float *logits,
                               struct prefill_run *run)
 {
+    struct skv_backend *timed = run->timed;
     memset(run, 0, sizeof *run);
+    run->timed = timed;
     if (spec_text && *spec_text) {
         struct skv_compress_spec spec;
         int rc = skv_compress_spec_parse(spec_text, &spec);
@@ -539,81 +561,161 @@ static void fill_ids(int32_t *ids, int n, int n_vocab, uint64_t seed)
     }
 }
 
+/* Bytes one decode step streams from weights: every matrix a token passes through (the
+ * embedding is one row, left out). */
+static uint64_t decode_weight_bytes(const struct skv_model *m)
+{
+    uint64_t b = m->output.nbytes;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct skv_layer_weights *w = &m->layers[l];
+        b += w->wq.nbytes + w->wk.nbytes + w->wv.nbytes + w->wo.nbytes + w->w_gate.nbytes + w->w_up.nbytes +
+             w->w_down.nbytes;
+    }
+    return b;
+}
+
+/* KV bytes one decode step reads: every kept K and V row (f32) of every layer and KV head. */
+static uint64_t kv_read_bytes(const struct skv_kv_cache *c)
+{
+    uint64_t rows = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        rows += (uint64_t)c->heads[i].len;
+    return rows * (uint64_t)c->head_dim * 2 * sizeof(float);
+}
+
+/* Prefill and decode speed. With --compress SPEC every prefill (the timed ones and the one
+ * that builds each decode depth) compresses as it goes, the compressor's share of the prefill
+ * is timed (the backend synchronized around it), and decode runs with the decode-time hook. */
 static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_model *m)
 {
     int prefill[16], depth[16];
-    int np = parse_list(a->prefill_sizes ? a->prefill_sizes : "512,2048,8192", prefill, 16);
+    /* --prefill none: only the prefills that build the decode depths (timed there too) */
+    bool no_prefill = a->prefill_sizes && strcmp(a->prefill_sizes, "none") == 0;
+    int np = no_prefill ? 0 : parse_list(a->prefill_sizes ? a->prefill_sizes : "512,2048,8192", prefill, 16);
     int nd = parse_list(a->decode_depths ? a->decode_depths : "0,512,4096,8192", depth, 16);
     int dtok = a->decode_tokens > 0 ? a->decode_tokens : 32;
     int rep = a->repeat > 0 ? a->repeat : 1;
+    const char *spec = a->compress && *a->compress ? a->compress : NULL;
     int maxn = 1;
     for (int i = 0; i < np; i++)
         maxn = prefill[i] > maxn ? prefill[i] : maxn;
     for (int i = 0; i < nd; i++)
         maxn = depth[i] > maxn ? depth[i] : maxn;
-    int nv = m->cfg.n_vocab;
+    if (spec) {
+        struct skv_compress_spec cs;
+        int rc = skv_compress_spec_parse(spec, &cs);
+        if (rc)
+            return fail("--compress", rc);
+    }
+    int nv = m->cfg.n_vocab, nh = m->cfg.n_layers * m->cfg.n_kv_heads;
     int32_t *ids = malloc((size_t)maxn * sizeof *ids);
     float *logits = malloc((size_t)nv * sizeof *logits);
-    if (!ids || !logits)
-        return 1;
+    int *lens = malloc((size_t)nh * sizeof *lens);
+    if (!ids || !logits || !lens) {
+        free(ids);
+        free(logits);
+        free(lens);
+        return fail("speed", SKV_E_NOMEM);
+    }
     fill_ids(ids, maxn, nv, 42);
     json_t *j = json_object(), *jp = json_array(), *jd = json_array();
-    int rc = SKV_OK;
+    /* one untimed forward first: one-time costs (device context, library handles, first-touch
+     * pages) stay out of the first figure */
+    struct skv_kv_cache *warm = NULL;
+    int rc = skv_kv_cache_new(m, &warm);
+    if (!rc)
+        rc = skv_engine_forward(e, warm, ids, maxn < 64 ? maxn : 64, NULL, logits);
+    skv_kv_cache_free(&warm);
     for (int i = 0; i < np && !rc; i++) {
-        double best = 1e30;
+        double best = 1e30, best_comp = 0;
+        uint64_t kv_after = 0;
         for (int r = 0; r < rep && !rc; r++) {
             struct skv_kv_cache *cache = NULL;
+            struct prefill_run run = {.timed = spec ? m->be : NULL};
             rc = skv_kv_cache_new(m, &cache);
             double t0 = now_s();
             if (!rc)
-                rc = skv_engine_forward(e, cache, ids, prefill[i], NULL, logits);
+                rc = compressed_forward(e, m, cache, ids, prefill[i], spec, logits, &run);
+            if (!rc)
+                rc = m->be->ops->sync(m->be);
             double dt = now_s() - t0;
-            best = dt < best ? dt : best;
+            if (dt < best) {
+                best = dt;
+                best_comp = run.compress_seconds;
+                kv_after = cache ? kv_read_bytes(cache) : 0;
+            }
+            skv_compressor_free(&run.comp);
             skv_kv_cache_free(&cache);
         }
         json_t *o = json_object();
         json_object_set_new(o, "tokens", json_integer(prefill[i]));
         json_object_set_new(o, "seconds", json_real(best));
         json_object_set_new(o, "tokens_per_second", json_real(prefill[i] / best));
+        json_object_set_new(o, "kv_bytes_after", json_integer((json_int_t)kv_after));
+        if (spec) {
+            json_object_set_new(o, "compress_seconds", json_real(best_comp));
+            json_object_set_new(o, "compress_share", json_real(best_comp / best));
+        }
         json_array_append_new(jp, o);
         if (!a->json)
-            fprintf(stderr, "prefill %5d: %8.1f t/s\n", prefill[i], prefill[i] / best);
+            fprintf(stderr, "prefill %5d: %8.1f t/s%s\n", prefill[i], prefill[i] / best, spec ? " (compressed)" : "");
     }
     for (int i = 0; i < nd && !rc; i++) {
         struct skv_kv_cache *cache = NULL;
+        /* the prefill that builds the depth is timed too (once: compare its compressor share) */
+        struct prefill_run run = {.timed = spec ? m->be : NULL};
         rc = skv_kv_cache_new(m, &cache);
+        double t_pre = now_s();
         if (!rc && depth[i] > 0)
-            rc = skv_engine_forward(e, cache, ids, depth[i], NULL, logits);
+            rc = compressed_forward(e, m, cache, ids, depth[i], spec, logits, &run);
+        if (!rc)
+            rc = m->be->ops->sync(m->be);
+        t_pre = now_s() - t_pre;
+        for (int k = 0; k < nh && !rc; k++)
+            lens[k] = cache->heads[k].len;
+        uint64_t kv_bytes = rc ? 0 : kv_read_bytes(cache);
         if (!rc)
             rc = skv_kv_cache_reserve(cache, dtok + 1);
+        struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = run.comp};
         int32_t t = 0;
         double best = 1e30;
         for (int r = 0; r < rep && !rc; r++) {
-            /* every repeat decodes from the same depth: drop the previous repeat's tokens */
-            for (int l = 0; l < cache->n_layers && !rc; l++)
-                for (int h = 0; h < cache->n_kv_heads && !rc; h++)
-                    rc = skv_kv_cache_truncate(cache, l, h, depth[i]);
+            /* every repeat decodes from the same cache: drop the previous repeat's tokens */
+            for (int k = 0; k < nh && !rc; k++)
+                rc = skv_kv_cache_truncate(cache, k / cache->n_kv_heads, k % cache->n_kv_heads, lens[k]);
             cache->n_past = depth[i];
             double t0 = now_s();
             for (int k = 0; k < dtok && !rc; k++) {
                 t = (int32_t)((t * 7919 + 13) % nv);
-                rc = skv_engine_forward(e, cache, &t, 1, NULL, logits);
+                if (run.comp)
+                    rc = skv_compressor_begin_decode(run.comp, cache);
+                if (!rc)
+                    rc = skv_engine_forward(e, cache, &t, 1, run.comp ? &dec : NULL, logits);
             }
             double dt = now_s() - t0;
             best = dt < best ? dt : best;
         }
+        double run_comp_s = run.compress_seconds;
+        skv_compressor_free(&run.comp);
         skv_kv_cache_free(&cache);
         json_t *o = json_object();
         json_object_set_new(o, "depth", json_integer(depth[i]));
         json_object_set_new(o, "tokens", json_integer(dtok));
         json_object_set_new(o, "seconds", json_real(best));
         json_object_set_new(o, "tokens_per_second", json_real(dtok / best));
+        json_object_set_new(o, "kv_read_bytes", json_integer((json_int_t)kv_bytes));
+        json_object_set_new(o, "prefill_seconds", json_real(depth[i] > 0 ? t_pre : 0));
+        if (spec && depth[i] > 0) {
+            json_object_set_new(o, "compress_seconds", json_real(run_comp_s));
+            json_object_set_new(o, "compress_share", json_real(run_comp_s / t_pre));
+        }
         json_array_append_new(jd, o);
         if (!a->json)
-            fprintf(stderr, "decode @%5d: %8.1f t/s\n", depth[i], dtok / best);
+            fprintf(stderr, "decode @%5d: %8.1f t/s%s\n", depth[i], dtok / best, spec ? " (compressed)" : "");
     }
     free(ids);
     free(logits);
+    free(lens);
     if (rc) {
         json_decref(j);
         json_decref(jp);
@@ -624,6 +726,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     json_object_set_new(j, "backend", json_string(m->be->name));
     json_object_set_new(j, "threads", json_integer(m->be->n_threads));
     json_object_set_new(j, "mode", json_string(m->reference ? "reference" : "fast"));
+    json_object_set_new(j, "compress", spec ? json_string(spec) : json_null());
+    json_object_set_new(j, "weight_bytes", json_integer((json_int_t)decode_weight_bytes(m)));
     json_object_set_new(j, "prefill", jp);
     json_object_set_new(j, "decode", jd);
     json_object_set_new(j, "peak_rss_mib", json_real(peak_rss_mib()));
@@ -827,6 +931,7 @@ static int cmd_serve(struct args *a, struct skv_engine *e, struct skv_model *m, 
     s->model_path = a->model;
     s->threads = a->threads;
     s->decode_tokens = a->decode_tokens;
+    s->specs = a->quality.specs;
     s->json_stdout = a->json;
     s->argc = argc;
     s->argv = argv;
@@ -841,7 +946,7 @@ int main(int argc, char **argv)
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
            O_FIDM };
-    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT };
+    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
         {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
@@ -863,6 +968,7 @@ int main(int argc, char **argv)
         {"endpoint", required_argument, NULL, O_ENDPOINT}, {"admin-endpoint", required_argument, NULL, O_ADMIN_EP},
         {"clients", required_argument, NULL, O_CLIENTS},   {"requests", required_argument, NULL, O_REQUESTS},
         {"sessions", required_argument, NULL, O_SESSIONS}, {"context", required_argument, NULL, O_CONTEXT},
+        {"pool-gib", required_argument, NULL, O_POOL_GIB}, {"parts", required_argument, NULL, O_PARTS},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c;
@@ -905,7 +1011,14 @@ int main(int argc, char **argv)
         case O_ADMIN_EP: a.serve.admin_endpoint = optarg; break;
         case O_CLIENTS: a.serve.clients = atoi(optarg); break;
         case O_REQUESTS: a.serve.requests = atoi(optarg); break;
-        case O_SESSIONS: a.serve.sessions = atoi(optarg); break;
+        case O_SESSIONS:
+            if (strcmp(optarg, "fit") == 0)
+                a.serve.sessions_fit = true;
+            else
+                a.serve.sessions = atoi(optarg);
+            break;
+        case O_POOL_GIB: a.serve.pool_gib = strtod(optarg, NULL); break;
+        case O_PARTS: a.serve.parts = optarg; break;
         case O_CONTEXT: a.serve.context = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
