@@ -105,35 +105,56 @@ say "mode: $([ "$DRY" = 1 ] && echo "dry run (CPU, tiny sizes)" || echo GPU), so
 mkdir -p "$BUILD"
 rm -f "$BUILD"/speed_*.json "$BUILD"/kvpress_*.json "$BUILD"/serve_*.json "$BUILD"/gemv.json
 t0=$SECONDS
-# what the build needs, named at once (a device image may lack the project's dependencies)
-missing=""
-for tool in make cc pkg-config protoc-c python3; do
-    command -v "$tool" >/dev/null || missing="$missing $tool"
-done
-[ -x "$SRC/configure" ] || command -v autoreconf >/dev/null || missing="$missing autoreconf"
-if command -v pkg-config >/dev/null; then
-    for mod in libzmq libprotobuf-c cmocka jansson libsodium libpcre2-8; do
-        pkg-config --exists "$mod" || missing="$missing $mod"
+# A bundle from tests/gpu/bundle.sh (built on a host with the dependencies; carried as
+# .gpubundle) replaces configure + make: the binaries at their build-tree paths, the
+# libraries the device image lacks beside them.
+BUNDLE=$SRC/.gpubundle/bundle.tar.xz
+if [ "$DRY" != 1 ] && [ -f "$BUNDLE" ]; then
+    rm -rf "$BUILD"
+    mkdir -p "$BUILD"
+    say "+ tar -xJf $BUNDLE -C $BUILD ($(tr '\n' ' ' <<<"$(tar -xJOf "$BUNDLE" ./BUNDLE 2>/dev/null)"))"
+    tar -xJf "$BUNDLE" -C "$BUILD" || fatal "unpacking $BUNDLE"
+    export LD_LIBRARY_PATH=$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        [ -d "$d" ] && LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d
     done
-    pkg-config --exists openblas || compgen -G "/usr/lib/*/libopenblas.so*" >/dev/null ||
-        missing="$missing openblas"
-fi
-[ -z "$missing" ] || fatal "missing build dependencies:$missing (see README.md; scripts/setup installs them)"
-if [ "$DRY" = 1 ] && [ -f "$BUILD/Makefile" ]; then
-    say "dry run: reusing the configured $BUILD"
+    "$BUILD/snapkvd" --help >/dev/null 2>&1 || { ldd "$BUILD/snapkvd" | grep "not found" >&2; fatal "bundled snapkvd does not start (libraries above)"; }
+    row "build (prebuilt bundle)" "ok" "$(tar -xJOf "$BUNDLE" ./BUNDLE | head -1)"
+    PREBUILT=1
 else
-    [ "$DRY" = 1 ] || { rm -rf "$BUILD"; mkdir -p "$BUILD"; }
-    ( cd "$SRC" && { [ -x configure ] || autoreconf -fi; } ) >"$BUILD/autoreconf.log" 2>&1 ||
-        fatal "autoreconf (see $BUILD/autoreconf.log)"
-    cuda=$([ "$DRY" = 1 ] && echo no || echo yes)
-    say "+ $SRC/configure --with-cuda=$cuda"
-    ( cd "$BUILD" && "$SRC/configure" --with-cuda="$cuda" ) >"$BUILD/configure.log" 2>&1 ||
-        fatal "configure --with-cuda=$cuda (see $BUILD/configure.log)"
+    PREBUILT=0
 fi
-say "+ make -j$JOBS all tests/backend/test_ops"
-$NICE make -C "$BUILD" -j"$JOBS" all tests/backend/test_ops >"$BUILD/make.log" 2>&1 ||
-    { tail -30 "$BUILD/make.log" >&2; fatal "make (see $BUILD/make.log)"; }
-row "build (configure+make)" "ok" "$((SECONDS - t0)) s"
+# what the build needs, named at once (a device image may lack the project's dependencies)
+if [ "$PREBUILT" = 0 ]; then
+    missing=""
+    for tool in make cc pkg-config protoc-c python3; do
+        command -v "$tool" >/dev/null || missing="$missing $tool"
+    done
+    [ -x "$SRC/configure" ] || command -v autoreconf >/dev/null || missing="$missing autoreconf"
+    if command -v pkg-config >/dev/null; then
+        for mod in libzmq libprotobuf-c cmocka jansson libsodium libpcre2-8; do
+            pkg-config --exists "$mod" || missing="$missing $mod"
+        done
+        pkg-config --exists openblas || compgen -G "/usr/lib/*/libopenblas.so*" >/dev/null ||
+            missing="$missing openblas"
+    fi
+    [ -z "$missing" ] || fatal "missing build dependencies:$missing (see README.md; scripts/setup installs them)"
+    if [ "$DRY" = 1 ] && [ -f "$BUILD/Makefile" ]; then
+        say "dry run: reusing the configured $BUILD"
+    else
+        [ "$DRY" = 1 ] || { rm -rf "$BUILD"; mkdir -p "$BUILD"; }
+        ( cd "$SRC" && { [ -x configure ] || autoreconf -fi; } ) >"$BUILD/autoreconf.log" 2>&1 ||
+            fatal "autoreconf (see $BUILD/autoreconf.log)"
+        cuda=$([ "$DRY" = 1 ] && echo no || echo yes)
+        say "+ $SRC/configure --with-cuda=$cuda"
+        ( cd "$BUILD" && "$SRC/configure" --with-cuda="$cuda" ) >"$BUILD/configure.log" 2>&1 ||
+            fatal "configure --with-cuda=$cuda (see $BUILD/configure.log)"
+    fi
+    say "+ make -j$JOBS all tests/backend/test_ops"
+    $NICE make -C "$BUILD" -j"$JOBS" all tests/backend/test_ops >"$BUILD/make.log" 2>&1 ||
+        { tail -30 "$BUILD/make.log" >&2; fatal "make (see $BUILD/make.log)"; }
+    row "build (configure+make)" "ok" "$((SECONDS - t0)) s"
+fi
 BENCH=$BUILD/snapkv-bench
 RGGUF=$BUILD/tests/gpu/random_gguf
 [ -x "$BENCH" ] || fatal "snapkv-bench not built"
