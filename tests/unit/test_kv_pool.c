@@ -16,38 +16,8 @@
 #include "daemon/engine/kv_pool.h"
 #include "kernels/backend.h"
 #include "tests/common/fixture.h"
+#include "tests/common/tiny.h"
 
-struct tiny {
-    char *dir;
-    struct skv_backend *be;
-    struct skv_model *m;
-    struct skv_engine *e;
-    int32_t ids[64];
-};
-
-static int tiny_setup(void **state)
-{
-    struct tiny *t = calloc(1, sizeof *t);
-    t->dir = fixture_stage_dir("tests/fixtures/tiny-llama");
-    if (!t->dir || skv_backend_cpu_new(2, &t->be) || skv_model_load(t->dir, t->be, NULL, &t->m) ||
-        skv_engine_new(t->m, &t->e))
-        return -1;
-    for (int i = 0; i < 64; i++)
-        t->ids[i] = (int32_t)((i * 37 + 11) % t->m->cfg.n_vocab);
-    *state = t;
-    return 0;
-}
-
-static int tiny_teardown(void **state)
-{
-    struct tiny *t = *state;
-    skv_engine_free(&t->e);
-    skv_model_free(&t->m);
-    skv_backend_destroy(&t->be);
-    fixture_remove_dir(t->dir);
-    free(t);
-    return 0;
-}
 
 static struct skv_kv_pool_stats pool_stats(struct skv_kv_pool *p)
 {
