@@ -20,6 +20,8 @@ static const struct skv_config_option options[] = {
     {"pool-size", SKV_CFG_SIZE, OPT(pool_size), "1G", 1 << 20, INT64_C(1) << 42, "bytes of KV pool"},
     {"kv-block-tokens", SKV_CFG_INT, OPT(kv_block_tokens), "16", 1, 4096,
      "tokens of one KV head of one layer per pool block (smaller: less rounding of small budgets)"},
+    {"pool-prealloc", SKV_CFG_BOOL, OPT(pool_prealloc), "no", 0, 0,
+     "take the whole pool-size of KV blocks at start (fails to start when the memory is not there)"},
     {"endpoint", SKV_CFG_STRING, OPT(endpoint), "ipc:///run/snapkvd/snapkvd.sock", 0, 0,
      "client endpoint (ipc:// or tcp://)"},
     {"admin-endpoint", SKV_CFG_STRING, OPT(admin_endpoint), "ipc:///run/snapkvd/admin.sock", 0, 0,

@@ -6,6 +6,7 @@
 #include "common/status.h"
 #include "daemon/auth.h"
 #include "daemon/config.h"
+#include "daemon/engine/kv_pool.h"
 #include "daemon/engine/model.h"
 #include "daemon/server.h"
 #include "kernels/backend.h"
@@ -16,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifdef HAVE_SYSTEMD
 #include <systemd/sd-daemon.h>
@@ -188,6 +190,24 @@ int main(int argc, char **argv)
     if ((rc = skv_model_set_kv_block_rows(model, (int)cfg.kv_block_tokens))) {
         skv_log(SKV_LOG_ERROR, "KV pool: %s", skv_error_msg());
         goto out_model;
+    }
+    if (cfg.pool_prealloc && strcmp(be->name, "cpu") == 0) {
+        /* host memory is taken page by page: refuse what would end in the OOM killer */
+        uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+        if ((uint64_t)cfg.pool_size > phys / 10 * 9) {
+            rc = SKV_E_LIMIT;
+            skv_log(SKV_LOG_ERROR, "pool-prealloc: pool-size %lld bytes is more than 90%% of this host's %llu bytes",
+                    (long long)cfg.pool_size, (unsigned long long)phys);
+            goto out_model;
+        }
+    }
+    if (cfg.pool_prealloc) {
+        sd_notify(0, "STATUS=reserving the KV pool");
+        if ((rc = skv_kv_pool_reserve(model->kv_pool, (uint64_t)cfg.pool_size))) {
+            skv_log(SKV_LOG_ERROR, "pool-prealloc: %s", skv_error_msg());
+            goto out_model;
+        }
+        skv_log(SKV_LOG_INFO, "KV pool: %lld bytes reserved at start", (long long)cfg.pool_size);
     }
     skv_log(SKV_LOG_INFO, "model %s: %d layers, %d heads (%d kv), dim %d, vocab %d", skv_model_name(model),
             skv_model_config(model)->n_layers, skv_model_config(model)->n_heads,

@@ -26,6 +26,7 @@ struct skv_kv_pool {
     struct skv_kv_slab *slabs;
     struct skv_kv_block *free_head;
     int empty_slabs;                        /* slabs with every block free (at most 1 kept) */
+    uint64_t keep_slabs;                    /* reserved: never fewer slabs than this */
     uint64_t n_slabs, in_use, shared, n_free;
 };
 
@@ -191,7 +192,7 @@ void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b)
         pool->in_use--;
         free_list_push(pool, b);
         if (++s->n_free == SLAB_BLOCKS) {
-            if (pool->empty_slabs >= 1)
+            if (pool->empty_slabs >= 1 && pool->n_slabs > pool->keep_slabs)
                 slab_release(pool, s);
             else
                 pool->empty_slabs++;
@@ -247,4 +248,20 @@ void skv_kv_pool_stats(struct skv_kv_pool *pool, struct skv_kv_pool_stats *out)
     out->blocks_free = pool->n_free;
     out->bytes_reserved = pool->n_slabs * SLAB_BLOCKS * pool->block_bytes;
     pthread_mutex_unlock(&pool->lock);
+}
+
+int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes)
+{
+    const uint64_t slab_bytes = (uint64_t)pool->block_bytes * SLAB_BLOCKS;
+    const uint64_t want = (bytes + slab_bytes - 1) / slab_bytes;
+    int rc = SKV_OK;
+    pthread_mutex_lock(&pool->lock);
+    while (!rc && pool->n_slabs < want)
+        rc = slab_add(pool);
+    pool->keep_slabs = pool->n_slabs;
+    pthread_mutex_unlock(&pool->lock);
+    if (rc)
+        return skv_errorf(rc, "KV pool: %llu of %llu bytes reserved, the backend has no more",
+                          (unsigned long long)(pool->n_slabs * slab_bytes), (unsigned long long)bytes);
+    return SKV_OK;
 }

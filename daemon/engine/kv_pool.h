@@ -60,5 +60,11 @@ bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *
 uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n);
 
 void skv_kv_pool_stats(struct skv_kv_pool *pool, struct skv_kv_pool_stats *out);
+/* Takes slabs from the backend until the pool holds at least `bytes` of blocks, and keeps
+ * them for its lifetime (free slabs up to that size are never given back): a daemon that
+ * reserves its pool-size at start cannot fail an allocation later, and on a GPU none happens
+ * while serving. SKV_E_NOMEM / SKV_E_DEVICE when the memory is not there (what was taken
+ * stays reserved). */
+int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes);
 
 #endif

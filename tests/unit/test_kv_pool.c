@@ -117,6 +117,33 @@ static void test_pool_counts(void **state)
     skv_kv_pool_unref(&p);
 }
 
+/* A reserved pool holds its slabs from the start and never gives them back. */
+static void test_pool_reserve(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *p = NULL;
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, &p), SKV_OK);
+    const size_t bb = skv_kv_pool_block_bytes(p), slab = 64 * bb;
+    assert_int_equal(skv_kv_pool_reserve(p, 3 * slab - 1), SKV_OK); /* rounds up to slabs */
+    struct skv_kv_pool_stats s = pool_stats(p);
+    assert_int_equal(s.bytes_reserved, 3 * slab);
+    assert_int_equal(s.blocks_free, 3 * 64);
+    assert_int_equal(s.blocks_in_use, 0);
+    enum { N = 3 * 64 + 10 }; /* past the reservation: one more slab */
+    struct skv_kv_block *b[N];
+    for (int i = 0; i < N; i++)
+        assert_int_equal(skv_kv_pool_get(p, &b[i]), SKV_OK);
+    assert_int_equal(pool_stats(p).bytes_reserved, 4 * slab);
+    for (int i = 0; i < N; i++)
+        skv_kv_pool_put(p, b[i]);
+    s = pool_stats(p);
+    assert_int_equal(s.blocks_in_use, 0);
+    assert_true(s.bytes_reserved >= 3 * slab && s.bytes_reserved <= 4 * slab); /* the reserved stay */
+    assert_int_equal(skv_kv_pool_reserve(p, 0), SKV_OK); /* never shrinks */
+    assert_true(pool_stats(p).bytes_reserved >= 3 * slab);
+    skv_kv_pool_unref(&p);
+}
+
 /* ---- forks ------------------------------------------------------------------------------------ */
 
 /* FORK shares every block; an append copies only each head's last, partial block; the
@@ -317,6 +344,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pool_counts),
+        cmocka_unit_test(test_pool_reserve),
         cmocka_unit_test(test_fork_append),
         cmocka_unit_test(test_fork_compact),
         cmocka_unit_test(test_block_sizes),
