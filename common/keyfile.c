@@ -78,23 +78,31 @@ char *skv_keyfile_words(char *line, char **rest)
     return w;
 }
 
+int skv_keyfile_next(FILE *f, const char *path, char *line, size_t cap, int *lineno, char **word, char **rest)
+{
+    while (fgets(line, (int)cap, f)) {
+        ++*lineno;
+        if (!strchr(line, '\n') && !feof(f))
+            return skv_errorf(SKV_E_FORMAT, "%s:%d: line too long", path, *lineno);
+        if ((*word = skv_keyfile_words(line, rest)))
+            return 1;
+    }
+    return 0;
+}
+
 int skv_keyfile_read(const char *path, bool private_file, char z85[SKV_KEY_Z85_LEN + 1])
 {
     FILE *f;
     int rc = skv_keyfile_open(path, private_file, &f);
     if (rc)
         return rc;
-    char line[512], found[SKV_KEY_Z85_LEN + 1] = "";
-    int lineno = 0;
-    while (!rc && fgets(line, sizeof line, f)) {
-        lineno++;
-        if (!strchr(line, '\n') && !feof(f)) {
-            rc = skv_errorf(SKV_E_FORMAT, "%s:%d: line too long", path, lineno);
+    char line[512], found[SKV_KEY_Z85_LEN + 1] = "", *word, *rest;
+    int lineno = 0, more;
+    while (!rc && (more = skv_keyfile_next(f, path, line, sizeof line, &lineno, &word, &rest)) != 0) {
+        if (more < 0) {
+            rc = more;
             break;
         }
-        char *rest, *word = skv_keyfile_words(line, &rest);
-        if (!word)
-            continue;
         if (*found)
             rc = skv_errorf(SKV_E_FORMAT, "%s:%d: more than one key in the file", path, lineno);
         else if (*rest || !skv_key_z85_decode(word, NULL))

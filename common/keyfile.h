@@ -26,5 +26,9 @@ int skv_keyfile_read(const char *path, bool private_file, char z85[SKV_KEY_Z85_L
 /* Splits a key-file line in place: skips a comment line, strips surrounding blanks, returns the
  * first word (NULL for a blank line) and points *rest at what follows it ("" when nothing). */
 char *skv_keyfile_words(char *line, char **rest);
+/* The next line of f that holds a word (blank and comment lines skipped; *lineno counts every
+ * line): 1 with *word and *rest as skv_keyfile_words sets them, 0 at the end of the file, or
+ * SKV_E_FORMAT for a line longer than cap - 1. */
+int skv_keyfile_next(FILE *f, const char *path, char *line, size_t cap, int *lineno, char **word, char **rest);
 
 #endif

@@ -89,19 +89,15 @@ static int key_list_load(const char *path, bool tenants_allowed, struct key_list
         return rc;
     struct key_list l = {.path = strdup(path)};
     size_t cap = 0;
-    char line[512];
-    int lineno = 0;
+    char line[512], *word, *rest;
+    int lineno = 0, more;
     if (!l.path)
         rc = SKV_E_NOMEM;
-    while (!rc && fgets(line, sizeof line, f)) {
-        lineno++;
-        if (!strchr(line, '\n') && !feof(f)) {
-            rc = skv_errorf(SKV_E_FORMAT, "%s:%d: line too long", path, lineno);
+    while (!rc && (more = skv_keyfile_next(f, path, line, sizeof line, &lineno, &word, &rest)) != 0) {
+        if (more < 0) {
+            rc = more;
             break;
         }
-        char *rest, *word = skv_keyfile_words(line, &rest);
-        if (!word)
-            continue;
         struct authorized_key k = {0};
         char *tenant_end = rest;
         while (*tenant_end && *tenant_end != ' ' && *tenant_end != '\t')
