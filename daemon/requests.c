@@ -1034,7 +1034,9 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
         decode_pick(w, ds[i]);
         rcs[i] = SKV_OK;
         opts[i] = (struct skv_forward_opts){0};
-        if (s->comp) {
+        /* this session's memory for the token first: out of memory fails it alone */
+        rcs[i] = skv_kv_cache_prepare(s->cache, 1);
+        if (s->comp && !rcs[i]) {
             rcs[i] = skv_compressor_begin_decode(s->comp, s->cache);
             opts[i].hook = skv_compressor_hook;
             opts[i].hook_user = s->comp;

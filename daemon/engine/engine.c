@@ -250,6 +250,14 @@ int skv_kv_cache_reserve(struct skv_kv_cache *c, int extra)
     return SKV_OK;
 }
 
+int skv_kv_cache_prepare(struct skv_kv_cache *c, int extra)
+{
+    int rc = skv_kv_cache_reserve(c, extra);
+    for (int i = 0; i < c->n_layers * c->n_kv_heads && !rc; i++)
+        rc = head_open(c, &c->heads[i], c->heads[i].len, extra);
+    return rc;
+}
+
 int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out)
 {
     struct skv_kv_cache *c = calloc(1, sizeof *c);

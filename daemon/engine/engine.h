@@ -44,6 +44,11 @@ void skv_kv_cache_free(struct skv_kv_cache **cache_p);
 /* Makes every head's host arrays and block table able to take `extra` more rows (blocks
  * themselves are taken from the pool when rows are written). */
 int skv_kv_cache_reserve(struct skv_kv_cache *cache, int extra);
+/* As reserve, and also takes (or copies, when shared with a fork) the blocks the next `extra`
+ * rows of every head will be written to, so a forward of that many tokens allocates nothing:
+ * a batched decode prepares each session first, and one that is out of memory fails alone
+ * instead of failing the batch halfway. Lengths do not change. */
+int skv_kv_cache_prepare(struct skv_kv_cache *cache, int extra);
 /* FORK: a copy that shares every block of src (reference counts), with its own positions
  * and scores; either side copies a block before writing it. */
 int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out);

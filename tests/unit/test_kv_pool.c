@@ -174,6 +174,12 @@ static void test_fork_append(void **state)
     assert_int_equal(skv_kv_cache_bytes(fork), skv_kv_cache_bytes(doc));
     expect_snapshot(fork, before, pos, floats);
 
+    /* prepare (a batched decode's first step) copies the partial block of each head without
+     * writing a row; the append that follows then takes nothing more */
+    assert_int_equal(skv_kv_cache_prepare(fork, 1), SKV_OK);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base + heads);
+    assert_int_equal(skv_kv_cache_head(fork, 1, 1)->len, 40);
+    expect_snapshot(fork, before, pos, floats);
     prefill(t, fork, t->ids + 40, 1, a); /* the append copies the partial block of each head */
     assert_int_equal(pool_stats(pool).blocks_in_use, base + heads);
     assert_int_equal(pool_stats(pool).blocks_shared, (uint64_t)heads * 2);
