@@ -500,6 +500,77 @@ static void test_add(void **state)
         run_binary(be, &r, counts[i], false, i % 2 == 0);
 }
 
+/* Quantized and half-precision weights: matmul against a double-precision product of the
+ * dequantized rows, on the GEMV path (n <= 8) and the GEMM path (n = 40); random block bytes
+ * with sane fp16 scales (any content is a valid block). The CPU's integer GEMV rounds x to 16
+ * bits (NMSE ~1e-9); CUDA's f16 / bf16 GEMMs round x to 16 bits too. */
+static void test_matmul_types(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0x7a7aULL};
+    const int types[] = {SKV_DTYPE_Q4_0, SKV_DTYPE_Q4_1, SKV_DTYPE_Q8_0, SKV_DTYPE_F16, SKV_DTYPE_BF16};
+    const double limit[] = {1e-7, 1e-7, 1e-7, 1e-6, 1e-4};
+    const int rows = 300, cols = 576, ns[] = {1, 5, 40};
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const int type = types[ti];
+        const size_t rb = skv_dtype_row_bytes(type, cols), total = rb * rows;
+        uint8_t *w = malloc(total);
+        float *wrow = malloc(sizeof(float) * cols);
+        assert_non_null(w);
+        assert_non_null(wrow);
+        if (type == SKV_DTYPE_F16 || type == SKV_DTYPE_BF16) {
+            for (size_t i = 0; i < total / 2; i++) {
+                const float v = (float)(rng_normal(&r) * 0.1);
+                ((uint16_t *)w)[i] = type == SKV_DTYPE_F16 ? skv_f32_to_fp16(v) : skv_f32_to_bf16(v);
+            }
+        } else {
+            const size_t bb = skv_dtype_block_bytes(type);
+            for (size_t i = 0; i < total; i++)
+                w[i] = (uint8_t)(rng_next(&r) >> 56);
+            for (size_t b = 0; b < total / bb; b++) {
+                const int fields = type == SKV_DTYPE_Q4_1 ? 2 : 1; /* d (and m) lead the block */
+                for (int f = 0; f < fields; f++) {
+                    const uint16_t h = skv_f32_to_fp16((float)(0.001 + 0.05 * rng_uniform(&r)) *
+                                                       (rng_uniform(&r) < 0.5 ? -1.0f : 1.0f));
+                    memcpy(w + b * bb + 2 * f, &h, sizeof h);
+                }
+            }
+        }
+        void *dw = dev_from(be, w, total);
+        struct skv_tensor tw = {.type = type, .ndim = 2, .ne = {cols, rows, 1, 1}, .data = dw, .nbytes = total,
+                                .name = "w"};
+        for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+            const int n = ns[k];
+            float *x = host_normal(&r, (size_t)n * cols, 1.0), *got = host_nan((size_t)n * rows);
+            double *ref = host_double((size_t)n * rows);
+            float *dx = dev_from(be, x, (size_t)n * cols * sizeof(float));
+            float *dout = dev_from(be, got, (size_t)n * rows * sizeof(float));
+            assert_int_equal(be->ops->matmul(be, dout, &tw, NULL, dx, n), SKV_OK);
+            dev_to(be, got, dout, (size_t)n * rows * sizeof(float));
+            for (int o = 0; o < rows; o++) {
+                assert_int_equal(skv_dequantize_row(type, w + (size_t)o * rb, wrow, cols), SKV_OK);
+                for (int i = 0; i < n; i++) {
+                    double acc = 0.0;
+                    for (int c = 0; c < cols; c++)
+                        acc += (double)wrow[c] * x[(size_t)i * cols + c];
+                    ref[(size_t)i * rows + o] = acc;
+                }
+            }
+            char what[64];
+            snprintf(what, sizeof what, "matmul %s n=%d", skv_dtype_name(type), n);
+            check_nmse(what, got, ref, (size_t)n * rows, limit[ti]);
+            be->ops->free(be, dout);
+            be->ops->free(be, dx);
+            free(ref);
+            free(got);
+            free(x);
+        }
+        be->ops->free(be, dw);
+        free(wrow);
+        free(w);
+    }
+}
+
 /* ---- matmul_multi ----------------------------------------------------------------- */
 
 /* Two f32 weights (one with a bias) against the same x, every output element checked
@@ -1273,6 +1344,7 @@ static void test_backend_open(void **state)
     cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_rope),                              \
         cmocka_unit_test(test_rope_invalid), cmocka_unit_test(test_swiglu),                   \
         cmocka_unit_test(test_add), cmocka_unit_test(test_matmul_multi),                      \
+        cmocka_unit_test(test_matmul_types),                                                  \
         cmocka_unit_test(test_attention),                                                     \
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
