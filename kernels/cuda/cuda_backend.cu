@@ -21,7 +21,7 @@ extern "C" {
 /* Up to this many activation rows the matmul runs a dequantizing GEMV kernel. */
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
-/* Bytes of f32 weight tile a quantized GEMM dequantizes at a time. */
+/* Bytes of bf16 weight tile a quantized GEMM dequantizes at a time. */
 #define MM_TILE_BYTES ((size_t)64 << 20)
 /* attention_kernel (the fallback) and the colsum kernels */
 #define ATT_THREADS 128
@@ -370,14 +370,15 @@ __global__ void gemv_kernel(float *out, const uint8_t *w, size_t row_bytes, cons
     }
 }
 
+/* Rows of a quantized weight dequantized to bf16: the quantized GEMM's tensor-core input. */
 template <int TYPE>
-__global__ void dequant_tile_kernel(float *dst, const uint8_t *w, size_t row_bytes, int64_t rows,
-                                    int64_t cols)
+__global__ void dequant_tile_bf16_kernel(__nv_bfloat16 *dst, const uint8_t *w, size_t row_bytes, int64_t rows,
+                                         int64_t cols)
 {
     const int64_t total = rows * cols;
     for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
          k += (int64_t)gridDim.x * blockDim.x)
-        dst[k] = deq_elem<TYPE>(w + (size_t)(k / cols) * row_bytes, k % cols);
+        dst[k] = __float2bfloat16_rn(deq_elem<TYPE>(w + (size_t)(k / cols) * row_bytes, k % cols));
 }
 
 __global__ void to_f16_kernel(__half *dst, const float *src, int64_t count)
@@ -451,25 +452,31 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
                                       wd, dt, cols, xs, dt, cols, &zero, out, CUDA_R_32F, rows,
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     } else {
-        /* quantized: dequantize row tiles to f32, one Sgemm per tile */
-        int64_t tr = (int64_t)(MM_TILE_BYTES / ((size_t)cols * sizeof(float)));
+        /* quantized: x once to bf16, then row tiles dequantized to bf16 and one tensor-core
+         * GemmEx per tile (bf16 inputs, fp32 accumulate and output), as the F16/BF16 path */
+        const int64_t xcount = (int64_t)n * cols;
+        const size_t xbytes = ((size_t)xcount * 2 + 255) / 256 * 256;
+        int64_t tr = (int64_t)(MM_TILE_BYTES / ((size_t)cols * 2));
         tr = tr < 1 ? 1 : tr > rows ? rows : tr;
-        void *tile = NULL;
-        if ((rc = scratch_get(impl, (size_t)tr * cols * sizeof(float), &tile)) < 0)
+        void *scratch = NULL;
+        if ((rc = scratch_get(impl, xbytes + (size_t)tr * cols * 2, &scratch)) < 0)
             return rc;
+        __nv_bfloat16 *xs = (__nv_bfloat16 *)scratch;
+        __nv_bfloat16 *tile = (__nv_bfloat16 *)((char *)scratch + xbytes);
+        to_bf16_kernel<<<grid_for(xcount, EW_THREADS), EW_THREADS, 0, impl->stream>>>(xs, x, xcount);
+        SKV_CUDA_CHECK(cudaGetLastError());
         for (int64_t r0 = 0; r0 < rows; r0 += tr) {
             const int64_t m = rows - r0 < tr ? rows - r0 : tr;
             const unsigned grid = grid_for(m * cols, EW_THREADS);
             const uint8_t *src = wd + (size_t)r0 * row_bytes;
 #define DQ_LAUNCH(T)                                                                              \
-    dequant_tile_kernel<T><<<grid, EW_THREADS, 0, impl->stream>>>((float *)tile, src, row_bytes, m, \
-                                                                  (int64_t)cols)
+    dequant_tile_bf16_kernel<T><<<grid, EW_THREADS, 0, impl->stream>>>(tile, src, row_bytes, m, (int64_t)cols)
             DISPATCH_TYPE(w->type, DQ_LAUNCH)
 #undef DQ_LAUNCH
             SKV_CUDA_CHECK(cudaGetLastError());
-            SKV_CUBLAS_CHECK(cublasSgemm(impl->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, cols,
-                                         &one, (const float *)tile, cols, x, cols, &zero,
-                                         out + r0, rows));
+            SKV_CUBLAS_CHECK(cublasGemmEx(impl->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, cols, &one, tile,
+                                          CUDA_R_16BF, cols, xs, CUDA_R_16BF, cols, &zero, out + r0, CUDA_R_32F,
+                                          rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         }
     }
     if (bias) {

@@ -503,7 +503,7 @@ static void test_add(void **state)
 /* Quantized and half-precision weights: matmul against a double-precision product of the
  * dequantized rows, on the GEMV path (n <= 8) and the GEMM path (n = 40); random block bytes
  * with sane fp16 scales (any content is a valid block). The CPU's integer GEMV rounds x to 16
- * bits (NMSE ~1e-9); CUDA's f16 / bf16 GEMMs round x to 16 bits too. */
+ * bits (NMSE ~1e-9); CUDA's GEMMs take f16 (F16 weights) or bf16 inputs (the others). */
 static void test_matmul_types(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -558,7 +558,8 @@ static void test_matmul_types(void **state)
             }
             char what[64];
             snprintf(what, sizeof what, "matmul %s n=%d", skv_dtype_name(type), n);
-            check_nmse(what, got, ref, (size_t)n * rows, limit[ti]);
+            /* CUDA's GEMM path (n > 8) runs on bf16 inputs for every weight type but f32 / f16 */
+            check_nmse(what, got, ref, (size_t)n * rows, n > 8 && type != SKV_DTYPE_F16 ? 1e-4 : limit[ti]);
             be->ops->free(be, dout);
             be->ops->free(be, dx);
             free(ref);
