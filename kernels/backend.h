@@ -233,6 +233,12 @@ int skv_backend_selftest(struct skv_backend *be);
 void skv_rope_inv_freq(const struct skv_rope *rope, int half, double *inv_freq);
 /* True when every one of the `half` frequency factors is finite and > 0 (or there are none). */
 bool skv_rope_factors_valid(const struct skv_rope *rope, int half);
+/* Largest rot_dim a rope op takes (its per-token angle tables live on the stack). */
+#define SKV_ROPE_MAX_DIM 1024
+/* The rope op's argument rules, shared by every backend: SKV_OK, or SKV_E_INVAL with a message
+ * for an unknown mode, a rot_dim that is odd, above head_dim or SKV_ROPE_MAX_DIM, a bad theta /
+ * freq_scale, inconsistent Llama 3 scaling or a frequency factor that is not finite and > 0. */
+int skv_rope_check(const struct skv_rope *rope, int head_dim);
 
 /* Host-side dequantization of n elements (n a multiple of the block size) of `type`. */
 int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);

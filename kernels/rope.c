@@ -2,6 +2,7 @@
  * backend builds its rotation from this one function. */
 #include <math.h>
 
+#include "common/status.h"
 #include "kernels/backend.h"
 
 #define ROPE_TWO_PI 6.283185307179586476925286766559
@@ -46,4 +47,23 @@ bool skv_rope_factors_valid(const struct skv_rope *r, int half)
         if (!isfinite(r->freq_factors[j]) || !(r->freq_factors[j] > 0.0f))
             return false;
     return true;
+}
+
+int skv_rope_check(const struct skv_rope *r, int head_dim)
+{
+    if (r->mode != SKV_ROPE_NORM && r->mode != SKV_ROPE_NEOX)
+        return skv_errorf(SKV_E_INVAL, "rope: unknown mode %d", r->mode);
+    if (r->rot_dim <= 0 || r->rot_dim % 2 != 0 || r->rot_dim > head_dim || r->rot_dim > SKV_ROPE_MAX_DIM)
+        return skv_errorf(SKV_E_INVAL, "rope: rot_dim %d with head_dim %d", r->rot_dim, head_dim);
+    if (!(r->theta > 0.0f) || !isfinite(r->theta) || !(r->freq_scale > 0.0f) || !isfinite(r->freq_scale))
+        return skv_errorf(SKV_E_INVAL, "rope: theta %g freq_scale %g", (double)r->theta, (double)r->freq_scale);
+    if (r->l3_factor != 0.0f &&
+        (!(r->l3_factor > 0.0f) || !(r->l3_low_freq_factor > 0.0f) ||
+         !(r->l3_high_freq_factor > r->l3_low_freq_factor) || r->l3_original_ctx <= 0))
+        return skv_errorf(SKV_E_INVAL, "rope: llama3 scaling factor %g low %g high %g original ctx %d",
+                          (double)r->l3_factor, (double)r->l3_low_freq_factor, (double)r->l3_high_freq_factor,
+                          r->l3_original_ctx);
+    if (!skv_rope_factors_valid(r, r->rot_dim / 2))
+        return skv_errorf(SKV_E_INVAL, "rope: a frequency factor is not a finite value > 0");
+    return SKV_OK;
 }

@@ -12,11 +12,8 @@
 #include "kernels/cpu/vexp.h"
 #endif
 
-
 /* Elements one parallel_for chunk should at least cover before splitting pays off. */
 #define OPS_GRAIN_ELEMS 16384
-/* Largest rot_dim: the per-token angle tables live on the stack. */
-#define ROPE_MAX_DIM 1024
 
 /* ---- vector helpers --------------------------------------------------------------- */
 
@@ -151,7 +148,7 @@ struct rope_args {
     const int32_t *pos;
     int n_heads, head_dim, rot_dim, mode;
     double freq_scale;
-    double inv_freq[ROPE_MAX_DIM / 2];  /* per rotated pair, scaling applied */
+    double inv_freq[SKV_ROPE_MAX_DIM / 2];  /* per rotated pair, scaling applied */
 };
 
 static void rope_tokens(void *p, int64_t begin, int64_t end, int tid)
@@ -161,7 +158,7 @@ static void rope_tokens(void *p, int64_t begin, int64_t end, int tid)
     /* NORM rotates (x[2j], x[2j+1]); NEOX rotates (x[j], x[j + half]). */
     const int stride = a->mode == SKV_ROPE_NEOX ? 1 : 2;
     const int other = a->mode == SKV_ROPE_NEOX ? half : 1;
-    float c[ROPE_MAX_DIM / 2], s[ROPE_MAX_DIM / 2];
+    float c[SKV_ROPE_MAX_DIM / 2], s[SKV_ROPE_MAX_DIM / 2];
     (void)tid;
 
     for (int64_t t = begin; t < end; t++) {
@@ -183,29 +180,6 @@ static void rope_tokens(void *p, int64_t begin, int64_t end, int tid)
     }
 }
 
-static int rope_check(const struct skv_rope *r, int head_dim)
-{
-    if (r->mode != SKV_ROPE_NORM && r->mode != SKV_ROPE_NEOX)
-        return skv_errorf(SKV_E_INVAL, "rope: unknown mode %d", r->mode);
-    if (r->rot_dim <= 0 || r->rot_dim % 2 != 0 || r->rot_dim > head_dim ||
-        r->rot_dim > ROPE_MAX_DIM)
-        return skv_errorf(SKV_E_INVAL, "rope: rot_dim %d with head_dim %d", r->rot_dim,
-                          head_dim);
-    if (!(r->theta > 0.0f) || !isfinite(r->theta) || !(r->freq_scale > 0.0f) ||
-        !isfinite(r->freq_scale))
-        return skv_errorf(SKV_E_INVAL, "rope: theta %g freq_scale %g", (double)r->theta,
-                          (double)r->freq_scale);
-    if (r->l3_factor != 0.0f &&
-        (!(r->l3_factor > 0.0f) || !(r->l3_low_freq_factor > 0.0f) ||
-         !(r->l3_high_freq_factor > r->l3_low_freq_factor) || r->l3_original_ctx <= 0))
-        return skv_errorf(SKV_E_INVAL,
-                          "rope: llama3 scaling factor %g low %g high %g original ctx %d",
-                          (double)r->l3_factor, (double)r->l3_low_freq_factor,
-                          (double)r->l3_high_freq_factor, r->l3_original_ctx);
-    if (!skv_rope_factors_valid(r, r->rot_dim / 2))
-        return skv_errorf(SKV_E_INVAL, "rope: a frequency factor is not a finite value > 0");
-    return SKV_OK;
-}
 
 int skv_cpu_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
                  const int32_t *pos, const struct skv_rope *rope)
@@ -213,7 +187,7 @@ int skv_cpu_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_
     if (n < 0 || n_heads <= 0 || head_dim <= 0 || !rope)
         return skv_errorf(SKV_E_INVAL, "rope: bad shape n=%d heads=%d head_dim=%d", n,
                           n_heads, head_dim);
-    int rc = rope_check(rope, head_dim);
+    int rc = skv_rope_check(rope, head_dim);
     if (rc < 0)
         return rc;
     if (n == 0)

@@ -16,8 +16,6 @@ extern "C" {
 #include <stdlib.h>
 #include <string.h>
 
-/* Largest rot_dim, as on the CPU. */
-#define ROPE_MAX_DIM 1024
 /* Up to this many activation rows the matmul runs a dequantizing GEMV kernel. */
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
@@ -561,29 +559,6 @@ __global__ void rope_kernel(float *x, const int32_t *pos, const double *inv_freq
 }
 
 
-static int rope_check(const struct skv_rope *r, int head_dim)
-{
-    if (r->mode != SKV_ROPE_NORM && r->mode != SKV_ROPE_NEOX)
-        return skv_errorf(SKV_E_INVAL, "rope: unknown mode %d", r->mode);
-    if (r->rot_dim <= 0 || r->rot_dim % 2 != 0 || r->rot_dim > head_dim ||
-        r->rot_dim > ROPE_MAX_DIM)
-        return skv_errorf(SKV_E_INVAL, "rope: rot_dim %d with head_dim %d", r->rot_dim,
-                          head_dim);
-    if (!(r->theta > 0.0f) || !std::isfinite(r->theta) || !(r->freq_scale > 0.0f) ||
-        !std::isfinite(r->freq_scale))
-        return skv_errorf(SKV_E_INVAL, "rope: theta %g freq_scale %g", (double)r->theta,
-                          (double)r->freq_scale);
-    if (r->l3_factor != 0.0f &&
-        (!(r->l3_factor > 0.0f) || !(r->l3_low_freq_factor > 0.0f) ||
-         !(r->l3_high_freq_factor > r->l3_low_freq_factor) || r->l3_original_ctx <= 0))
-        return skv_errorf(SKV_E_INVAL,
-                          "rope: llama3 scaling factor %g low %g high %g original ctx %d",
-                          (double)r->l3_factor, (double)r->l3_low_freq_factor,
-                          (double)r->l3_high_freq_factor, r->l3_original_ctx);
-    if (!skv_rope_factors_valid(r, r->rot_dim / 2))
-        return skv_errorf(SKV_E_INVAL, "rope: a frequency factor is not a finite value > 0");
-    return SKV_OK;
-}
 
 static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
                      const int32_t *pos, const struct skv_rope *rope)
@@ -591,7 +566,7 @@ static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int h
     if (n < 0 || n_heads <= 0 || head_dim <= 0 || !rope)
         return skv_errorf(SKV_E_INVAL, "rope: bad shape n=%d heads=%d head_dim=%d", n, n_heads,
                           head_dim);
-    int rc = rope_check(rope, head_dim);
+    int rc = skv_rope_check(rope, head_dim);
     if (rc < 0)
         return rc;
     if (n == 0)
@@ -600,7 +575,7 @@ static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int h
         return skv_errorf(SKV_E_INVAL, "rope: NULL buffer");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     const int half = rope->rot_dim / 2;
-    double inv_freq[ROPE_MAX_DIM / 2];
+    double inv_freq[SKV_ROPE_MAX_DIM / 2];
     skv_rope_inv_freq(rope, half, inv_freq);
 
     const bool pos_dev = is_device_ptr(pos);
