@@ -189,10 +189,6 @@ struct skv_backend_ops {
     /* Mean over the n rows of cos(a[i], b[i]) (rows of dim); written to *out (host). */
     int (*cosine_mean)(struct skv_backend *be, float *out, const float *a, const float *b, int n,
                        int dim);
-    /* dst[i] = src[idx[i]] for rows of row_bytes, i < n. dst may be src when idx is strictly
-     * increasing (in-place compaction). idx is host memory. */
-    int (*gather_rows)(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
-                       const int32_t *idx, int n);
     /* n rows of row_bytes, each from its own place to its own place: dst[i] <- src[i] (host
      * arrays of backend pointers; what a paged KV compaction moves between blocks in one
      * call). No destination row may overlap a source row or another destination. */

@@ -39,8 +39,6 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
                              int n, int n_heads, const struct skv_kv_view *kv, int q_first);
 int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b, int n,
                         int dim);
-int skv_cpu_gather_rows(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
-                        const int32_t *idx, int n);
 int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the

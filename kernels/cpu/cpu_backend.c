@@ -337,7 +337,6 @@ static const struct skv_backend_ops cpu_ops = {
     .attention = skv_cpu_attention,
     .attention_colsum = skv_cpu_attention_colsum,
     .cosine_mean = skv_cpu_cosine_mean,
-    .gather_rows = skv_cpu_gather_rows,
     .copy_rows = skv_cpu_copy_rows,
     .ipc_open = cpu_ipc_open,
     .ipc_close = cpu_ipc_close,

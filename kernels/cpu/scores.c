@@ -1,8 +1,7 @@
 /* The CPU backend's compression math: attention column sums (SnapKV's observation window,
- * H2O's accumulated attention), the mean residual cosine (SqueezeAttention), row gathers
- * that compact a cache in place and row copies that compact a paged one. */
+ * H2O's accumulated attention), the mean residual cosine (SqueezeAttention) and the row
+ * copies that compact a paged cache. */
 #include <math.h>
-#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -125,24 +124,6 @@ int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, cons
         total += den > 0 ? xy / den : 0;
     }
     *out = (float)(total / n);
-    return SKV_OK;
-}
-
-int skv_cpu_gather_rows(struct skv_backend *be, void *dst, const void *src, size_t row_bytes, const int32_t *idx,
-                        int n)
-{
-    (void)be;
-    if (n < 0 || (n > 0 && (!dst || !src || !idx)))
-        return skv_errorf(SKV_E_INVAL, "gather_rows: bad arguments");
-    bool in_place = dst == src;
-    for (int i = 0; i < n; i++)
-        if (idx[i] < 0 || (in_place && i > 0 && idx[i] <= idx[i - 1]))
-            return skv_errorf(SKV_E_INVAL, "gather_rows: index %d at %d is negative or out of order", idx[i], i);
-    for (int i = 0; i < n; i++) {
-        if (in_place && idx[i] == i)
-            continue;
-        memmove((char *)dst + (size_t)i * row_bytes, (const char *)src + (size_t)idx[i] * row_bytes, row_bytes);
-    }
     return SKV_OK;
 }
 

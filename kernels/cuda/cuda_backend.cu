@@ -1,6 +1,6 @@
 /* The CUDA backend: device probing, device memory and copies on one stream, and the whole op
  * table (get_rows, matmul via GEMV kernels or cuBLAS, rmsnorm, rope, swiglu, add, attention,
- * the compression scores and row gathers). kernels/cpu is the reference these ops mirror. */
+ * the compression scores and row copies). kernels/cpu is the reference these ops mirror. */
 #include "kernels/cuda/common.cuh"
 
 #include <cuda_bf16.h>
@@ -1367,60 +1367,6 @@ static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, 
     return SKV_OK;
 }
 
-/* dst row i = src row idx[i]; 4-byte words when everything is 4-byte aligned. */
-__global__ void gather_kernel(uint8_t *dst, const uint8_t *src, size_t row_bytes,
-                              const int32_t *idx, int n, int words)
-{
-    const int64_t per_row = words ? (int64_t)(row_bytes / 4) : (int64_t)row_bytes;
-    const int64_t total = (int64_t)n * per_row;
-    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
-         k += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t i = k / per_row, e = k % per_row;
-        const size_t so = (size_t)idx[i] * row_bytes, dof = (size_t)i * row_bytes;
-        if (words)
-            ((uint32_t *)(dst + dof))[e] = ((const uint32_t *)(src + so))[e];
-        else
-            dst[dof + e] = src[so + e];
-    }
-}
-
-static int cuda_gather_rows(struct skv_backend *be, void *dst, const void *src, size_t row_bytes,
-                            const int32_t *idx, int n)
-{
-    if (n < 0 || (n > 0 && (!dst || !src || !idx)))
-        return skv_errorf(SKV_E_INVAL, "gather_rows: bad arguments");
-    const bool in_place = dst == src;
-    for (int i = 0; i < n; i++)
-        if (idx[i] < 0 || (in_place && i > 0 && idx[i] <= idx[i - 1]))
-            return skv_errorf(SKV_E_INVAL,
-                              "gather_rows: index %d at %d is negative or out of order", idx[i], i);
-    if (n == 0 || row_bytes == 0)
-        return SKV_OK;
-    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
-    /* in place: gather into scratch, then copy back, so no row is overwritten before read */
-    const size_t idx_bytes = align_up((size_t)n * sizeof(int32_t));
-    const size_t rows_bytes = in_place ? (size_t)n * row_bytes : 0;
-    void *s = NULL;
-    int rc = scratch_get(impl, idx_bytes + rows_bytes, &s);
-    if (rc < 0)
-        return rc;
-    int32_t *didx = (int32_t *)s;
-    uint8_t *tmp = (uint8_t *)s + idx_bytes;
-    SKV_CUDA_CHECK(cudaMemcpyAsync(didx, idx, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                   impl->stream));
-    uint8_t *target = in_place ? tmp : (uint8_t *)dst;
-    const int words = (row_bytes % 4 == 0 && (uintptr_t)src % 4 == 0 &&
-                       (uintptr_t)target % 4 == 0) ? 1 : 0;
-    const int64_t total = (int64_t)n * (int64_t)(words ? row_bytes / 4 : row_bytes);
-    gather_kernel<<<grid_for(total, EW_THREADS), EW_THREADS, 0, impl->stream>>>(
-        target, (const uint8_t *)src, row_bytes, didx, n, words);
-    SKV_CUDA_CHECK(cudaGetLastError());
-    if (in_place)
-        SKV_CUDA_CHECK(cudaMemcpyAsync(dst, tmp, rows_bytes, cudaMemcpyDeviceToDevice,
-                                       impl->stream));
-    return SKV_OK;
-}
-
 /* Row i of n: dst[i] <- src[i], 32-bit words when every pointer and the row allow it. */
 __global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src, size_t row_bytes, int n,
                                  int words)
@@ -1535,7 +1481,6 @@ static const struct skv_backend_ops cuda_ops = {
     /* attention */ cuda_attention,
     /* attention_colsum */ cuda_attention_colsum,
     /* cosine_mean */ cuda_cosine_mean,
-    /* gather_rows */ cuda_gather_rows,
     /* copy_rows */ cuda_copy_rows,
     /* ipc_open */ cuda_ipc_open,
     /* ipc_close */ cuda_ipc_close,
