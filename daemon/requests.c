@@ -231,6 +231,17 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
 /* Runs tokens through the session's model and cache. compress: a compressing forward with
  * comp (prefill / compress); else decode-time upkeep when the session has a compressor.
  * progress_job: send per-layer progress replies for it (may be NULL). */
+/* Readies s's compressor for a forward of n tokens (compress: a compressing one; else decode
+ * upkeep) and points fo at its hook; nothing to do without a compressor. */
+static int session_hook(struct skv_session *s, int n, bool compress, struct skv_forward_opts *fo)
+{
+    if (!s->comp)
+        return SKV_OK;
+    fo->hook = skv_compressor_hook;
+    fo->hook_user = s->comp;
+    return compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
+}
+
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
                                     bool compress, const struct skv_job *progress_job)
 {
@@ -238,12 +249,7 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
     struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
-    int rc = SKV_OK;
-    if (s->comp) {
-        rc = compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
-        fo.hook = skv_compressor_hook;
-        fo.hook_user = s->comp;
-    }
+    int rc = session_hook(s, n, compress, &fo);
     if (progress_job) {
         fo.hook = progress_hook;
         fo.hook_user = &prog;
@@ -1032,21 +1038,17 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
     for (int i = 0; i < n; i++) {
         struct skv_session *s = ds[i]->session;
         decode_pick(w, ds[i]);
-        rcs[i] = SKV_OK;
         opts[i] = (struct skv_forward_opts){0};
         /* this session's memory for the token first: out of memory fails it alone */
         rcs[i] = skv_kv_cache_prepare(s->cache, 1);
-        if (s->comp && !rcs[i]) {
-            rcs[i] = skv_compressor_begin_decode(s->comp, s->cache);
-            opts[i].hook = skv_compressor_hook;
-            opts[i].hook_user = s->comp;
-        }
+        if (!rcs[i])
+            rcs[i] = session_hook(s, 1, false, &opts[i]);
         if (!rcs[i])
             seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
     }
     int rc = nb ? skv_engine_decode_batch(w->engine, seqs, nb) : SKV_OK;
     w->metrics.decode_seconds += now_s() - t0;
-    w->metrics.decode_batches++;
+    w->metrics.decode_batches += nb > 0;
     for (int i = 0; i < n; i++)
         finished[i] = decode_done(w, ds[i], rcs[i] ? rcs[i] : rc);
     return n;
