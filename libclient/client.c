@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -477,28 +478,32 @@ int skv_client_check(const snapkv_client_t *c, const void *id, const char *what)
 
 /* ---- shared conversions ------------------------------------------------------------------------ */
 
-bool skv_client_dup_u32(const uint32_t *src, size_t n, uint32_t **out)
+/* A malloc'd copy of n elements of `size` bytes (NULL and true for n == 0). */
+static bool dup_array(const void *src, size_t n, size_t size, void **out)
 {
     *out = NULL;
     if (n == 0)
         return true;
-    *out = malloc(n * sizeof **out);
-    if (!*out)
+    if (n > SIZE_MAX / size || !(*out = malloc(n * size)))
         return false;
-    memcpy(*out, src, n * sizeof **out);
+    memcpy(*out, src, n * size);
     return true;
+}
+
+bool skv_client_dup_u32(const uint32_t *src, size_t n, uint32_t **out)
+{
+    void *p;
+    bool ok = dup_array(src, n, sizeof *src, &p);
+    *out = p;
+    return ok;
 }
 
 bool skv_client_dup_f32(const float *src, size_t n, float **out)
 {
-    *out = NULL;
-    if (n == 0)
-        return true;
-    *out = malloc(n * sizeof **out);
-    if (!*out)
-        return false;
-    memcpy(*out, src, n * sizeof **out);
-    return true;
+    void *p;
+    bool ok = dup_array(src, n, sizeof *src, &p);
+    *out = p;
+    return ok;
 }
 
 int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, size_t n,
