@@ -777,6 +777,18 @@ static int passkey_verify(struct qctx *q, const int32_t *ids, int n, json_t *out
     return rc;
 }
 
+/* The rest of a markdown header row after its first cell: one column per prompt length, then
+ * the separator row (numbers right-aligned). */
+static void md_length_columns(struct strbuf *md, const int *lengths, int nl)
+{
+    for (int l = 0; l < nl; l++)
+        sb_add(md, " %d |", lengths[l]);
+    sb_add(md, "\n|---|");
+    for (int l = 0; l < nl; l++)
+        sb_add(md, "---:|");
+    sb_add(md, "\n");
+}
+
 static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengths, int nl, const int *depths, int nd,
                        int trials, const int *correct, int style, int max_tokens, double seconds, json_t *verify)
 {
@@ -813,12 +825,7 @@ static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengt
     if (q->n_specs > 1) {
         sb_add(md, "\nRetained accuracy: keys found by the spec / keys found by the full cache, per length "
                    "(\"-\" where the full cache finds none):\n\n| spec |");
-        for (int l = 0; l < nl; l++)
-            sb_add(md, " %d |", lengths[l]);
-        sb_add(md, "\n|---|");
-        for (int l = 0; l < nl; l++)
-            sb_add(md, "---:|");
-        sb_add(md, "\n");
+        md_length_columns(md, lengths, nl);
         for (int i = 1; i < q->n_specs; i++) {
             sb_add(md, "| %s |", spec_name(q, i));
             for (int l = 0; l < nl; l++) {
@@ -838,12 +845,7 @@ static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengt
     sb_add(md, "\nKeys found per depth (rows, %% of the filler) and length (columns), out of %d:\n", trials);
     for (int i = 0; i < q->n_specs; i++) {
         sb_add(md, "\n**%s**\n\n| depth \\ tokens |", spec_name(q, i));
-        for (int l = 0; l < nl; l++)
-            sb_add(md, " %d |", lengths[l]);
-        sb_add(md, "\n|---|");
-        for (int l = 0; l < nl; l++)
-            sb_add(md, "---:|");
-        sb_add(md, "\n");
+        md_length_columns(md, lengths, nl);
         for (int d = 0; d < nd; d++) {
             sb_add(md, "| %d%% |", depths[d]);
             for (int l = 0; l < nl; l++)
