@@ -2,6 +2,7 @@
  * shares, and the sliding-window row bounds every attention op uses. The chosen backend's
  * name is in be->name; callers that want the reason CUDA was not taken call
  * skv_backend_cuda_new() themselves. */
+#include <math.h>
 #include <string.h>
 
 #include "common/status.h"
@@ -70,6 +71,45 @@ int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op)
             return skv_errorf(SKV_E_INVAL, "%s: KV head %d has no buffer", op, h);
     }
     return SKV_OK;
+}
+
+/* ---- compression scores -------------------------------------------------------------------- */
+
+int skv_group_scores_check(const float *out, const float *colsum, int64_t stride, int n_heads, int n_kv,
+                           const int *len, const int *pooled, float div, int kernel)
+{
+    if (!out || !colsum || !len || !pooled || n_kv <= 0 || n_kv > SKV_MAX_KV_HEADS || n_heads <= 0 ||
+        n_heads % n_kv)
+        return skv_errorf(SKV_E_INVAL, "group_scores: bad shape (%d heads, %d KV heads)", n_heads, n_kv);
+    if (kernel <= 0 || kernel % 2 == 0)
+        return skv_errorf(SKV_E_INVAL, "group_scores: pooling kernel %d is not odd and positive", kernel);
+    if (!(div > 0.0f) || div == INFINITY)
+        return skv_errorf(SKV_E_INVAL, "group_scores: divisor %g", (double)div);
+    for (int h = 0; h < n_kv; h++)
+        if (len[h] < 0 || len[h] > stride || pooled[h] < 0 || pooled[h] > len[h])
+            return skv_errorf(SKV_E_INVAL, "group_scores: KV head %d: %d rows, %d pooled, stride %lld", h,
+                              len[h], pooled[h], (long long)stride);
+    return SKV_OK;
+}
+
+int skv_topk_check(const int32_t *idx, const int *cnt, const float *keys, int64_t stride, const int *n,
+                   int n_seg, int k)
+{
+    if (!idx || !cnt || !keys || !n || n_seg <= 0 || n_seg > SKV_MAX_KV_HEADS || k < 0)
+        return skv_errorf(SKV_E_INVAL, "topk_rows: bad arguments (%d segments, k %d)", n_seg, k);
+    for (int s = 0; s < n_seg; s++)
+        if (n[s] < 0 || n[s] > stride)
+            return skv_errorf(SKV_E_INVAL, "topk_rows: segment %d has %d rows, stride %lld", s, n[s],
+                              (long long)stride);
+    return SKV_OK;
+}
+
+int64_t skv_topk_total(const int *n, int n_seg, int k, bool joint)
+{
+    int64_t total = 0;
+    for (int s = 0; s < n_seg; s++)
+        total += joint ? n[s] : (n[s] < k ? n[s] : k);
+    return joint && total > k ? k : total;
 }
 
 /* ---- start-up self-test --------------------------------------------------------------------- */

@@ -186,6 +186,25 @@ struct skv_backend_ops {
      * cannot see row j adds 0). Same masking and scale as `attention`. */
     int (*attention_colsum)(struct skv_backend *be, float *out, int64_t out_stride, const float *q,
                             int n, int n_heads, const struct skv_kv_view *kv, int q_first);
+    /* SnapKV's and H2O's per-KV-head scores from column sums (DESIGN §3). For KV head h of
+     * n_kv (g = n_heads / n_kv query heads each) and row j < len[h]: the group's rows
+     * colsum[h*g + r][j] (row stride `stride`) reduced over r in order (a float sum divided by
+     * g, or the max when gqa_max), then divided by `div`; rows j < pooled[h] are then pooled
+     * over rows [0, pooled[h]) with an odd kernel k, stride 1, same padding (max pooling
+     * ignores the padding; avg pooling sums in double and divides by k, the padding counting
+     * as zeros, as torch's avg_pool1d does); rows from pooled[h] on keep the reduced score.
+     * out [n_kv][stride] (backend memory); rows from len[h] on are left alone. */
+    int (*group_scores)(struct skv_backend *be, float *out, const float *colsum, int64_t stride,
+                        int n_heads, int n_kv, const int *len, const int *pooled, float div,
+                        int kernel, bool pool_max, bool gqa_max);
+    /* Top-k rows by key. keys [n_seg][stride] (backend memory); segment s has rows
+     * [0, n[s]). Keeps the k largest keys of each segment, or with `joint` the k largest over
+     * all segments together; equal keys go to the lower segment, then the lower row; NaN ranks
+     * below every number. Writes each segment's kept rows in ascending order to idx (host),
+     * segment after segment, and their counts to cnt[n_seg] (host). The whole selection runs
+     * where the keys are: only the kept rows' indices come back. */
+    int (*topk_rows)(struct skv_backend *be, int32_t *idx, int *cnt, const float *keys, int64_t stride,
+                     const int *n, int n_seg, int k, bool joint);
     /* Mean over the n rows of cos(a[i], b[i]) (rows of dim); written to *out (host). */
     int (*cosine_mean)(struct skv_backend *be, float *out, const float *a, const float *b, int n,
                        int dim);
@@ -235,6 +254,18 @@ bool skv_rope_factors_valid(const struct skv_rope *rope, int half);
  * for an unknown mode, a rot_dim that is odd, above head_dim or SKV_ROPE_MAX_DIM, a bad theta /
  * freq_scale, inconsistent Llama 3 scaling or a frequency factor that is not finite and > 0. */
 int skv_rope_check(const struct skv_rope *rope, int head_dim);
+
+/* The group_scores and topk_rows ops' argument rules, shared by every backend: SKV_OK or
+ * SKV_E_INVAL with a message (shapes, more than SKV_MAX_KV_HEADS KV heads or segments, lengths
+ * above the stride, pooled rows above a length, an even or non-positive kernel, div not finite
+ * and > 0, k < 0). */
+int skv_group_scores_check(const float *out, const float *colsum, int64_t stride, int n_heads, int n_kv,
+                           const int *len, const int *pooled, float div, int kernel);
+int skv_topk_check(const int32_t *idx, const int *cnt, const float *keys, int64_t stride, const int *n,
+                   int n_seg, int k);
+/* Rows topk_rows keeps in all: min(k, n[s]) summed over segments, or min(k, sum of n[s]) when
+ * joint (the capacity idx needs). */
+int64_t skv_topk_total(const int *n, int n_seg, int k, bool joint);
 
 /* Host-side dequantization of n elements (n a multiple of the block size) of `type`. */
 int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);

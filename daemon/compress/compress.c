@@ -2,8 +2,9 @@
  * sequence policy and cuts each KV head (or the layer's heads together) to its budget, then
  * compacts K, V, positions and scores in place; while decoding, the same hook keeps evicting
  * (H2O, StreamingLLM / window) or re-scores SnapKV with the newest decoded tokens' queries.
- * H2O and StreamingLLM / window rules live here beside the selection; SnapKV pooling,
- * PyramidKV and SqueezeAttention have files. */
+ * H2O and StreamingLLM / window rules live here beside the selection; the scoring math
+ * (column sums, GQA reduction, SnapKV's pooling) and SnapKV's top-k are backend ops, so they
+ * run where the cache is; PyramidKV and SqueezeAttention have files. */
 #include "daemon/compress/compress.h"
 #include "common/status.h"
 
@@ -30,11 +31,15 @@ struct skv_compressor {
     bool decode;            /* decode upkeep instead of a compressing forward */
     int *layer_budget;      /* [L] */
     float *sim;             /* [L] squeeze cosines */
-    float *colsum;          /* [n_heads][colsum_stride] (backend memory, capacity colsum_cap per head) */
-    float *colsum_host;     /* the same, read back for the host-side policy code */
-    int64_t colsum_cap;
-    int64_t colsum_stride;  /* rows per head in the last window_colsum: the layer's longest head */
-    float *agg;             /* [colsum_cap] host scratch */
+    /* A layer's scores on the backend: column sums [n_heads][stride], then their reduction over
+     * each GQA group (pooled for SnapKV) [n_kv][stride]; capacity score_cap rows per head.
+     * scored_layer: the layer whose rows `scores` describes as they are now (-1: none). */
+    float *colsum, *scores;
+    int64_t score_cap;
+    int64_t score_stride;   /* rows per head in the last scoring: the layer's longest head */
+    int scored_layer;
+    float *agg;             /* [n_kv][score_cap] host copy of H2O's reduced scores */
+    int32_t *sel;           /* [n_kv][score_cap] rows topk_rows kept */
     struct row *rows;       /* selection scratch */
     int rows_cap;
     int32_t *idx;           /* kept indices of one head */
@@ -89,6 +94,7 @@ int skv_compressor_new(const struct skv_compress_spec *spec, const struct skv_mo
     c->n_kv = m->cfg.n_kv_heads;
     c->head_dim = m->cfg.head_dim;
     c->obs_end = -1;
+    c->scored_layer = -1;
     c->layer_budget = calloc((size_t)c->n_layers, sizeof *c->layer_budget);
     c->sim = calloc((size_t)c->n_layers, sizeof *c->sim);
     if (!c->layer_budget || !c->sim) {
@@ -106,12 +112,14 @@ void skv_compressor_free(struct skv_compressor **c_p)
     struct skv_compressor *c = *c_p;
     if (c->colsum)
         c->be->ops->free(c->be, c->colsum);
+    if (c->scores)
+        c->be->ops->free(c->be, c->scores);
     if (c->obs_q)
         c->be->ops->free(c->be, c->obs_q);
     if (c->obs_win)
         c->be->ops->free(c->be, c->obs_win);
-    free(c->colsum_host);
     free(c->agg);
+    free(c->sel);
     free(c->rows);
     free(c->idx);
     free(c->layer_budget);
@@ -239,43 +247,67 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     return SKV_OK;
 }
 
-/* Column sums of the attention the queries q[q_first..nq) give every row of the layer; q
- * [nq][n_heads][head_dim] are the queries of the layer's newest nq rows (so query i sees rows
- * up to len - nq + i of each head). Into c->colsum [n_heads][max_rows], read back into
- * c->colsum_host (only the rows in use, so a decode step copies what the layer holds, not the
- * buffer's capacity). */
-static int window_colsum(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
-                         int q_first, int64_t max_rows)
+/* Room for scores of max_rows rows per head (backend buffers and their host companions). */
+static int scores_reserve(struct skv_compressor *c, int64_t max_rows)
 {
-    if (max_rows > c->colsum_cap) {
-        int64_t cap = c->colsum_cap ? c->colsum_cap : 1024;
-        while (cap < max_rows)
-            cap *= 2;
-        if (c->colsum)
-            c->be->ops->free(c->be, c->colsum);
-        c->colsum = NULL;
-        c->colsum_cap = 0;
-        float *agg = realloc(c->agg, (size_t)cap * sizeof *agg);
-        if (!agg)
-            return SKV_E_NOMEM;
-        c->agg = agg;
-        float *host = realloc(c->colsum_host, (size_t)cap * c->n_heads * sizeof *host);
-        if (!host)
-            return SKV_E_NOMEM;
-        c->colsum_host = host;
-        int rc = c->be->ops->alloc(c->be, (size_t)cap * c->n_heads * sizeof(float), (void **)&c->colsum);
-        if (rc)
-            return rc;
-        c->colsum_cap = cap;
-    }
+    if (max_rows <= c->score_cap)
+        return SKV_OK;
+    int64_t cap = c->score_cap ? c->score_cap : 1024;
+    while (cap < max_rows)
+        cap *= 2;
+    struct skv_backend *be = c->be;
+    if (c->colsum)
+        be->ops->free(be, c->colsum);
+    if (c->scores)
+        be->ops->free(be, c->scores);
+    c->colsum = c->scores = NULL;
+    c->score_cap = 0;
+    float *agg = realloc(c->agg, (size_t)cap * c->n_kv * sizeof *agg);
+    if (!agg)
+        return SKV_E_NOMEM;
+    c->agg = agg;
+    int32_t *sel = realloc(c->sel, (size_t)cap * c->n_kv * sizeof *sel);
+    if (!sel)
+        return SKV_E_NOMEM;
+    c->sel = sel;
+    int rc = be->ops->alloc(be, (size_t)cap * c->n_heads * sizeof(float), (void **)&c->colsum);
+    if (!rc)
+        rc = be->ops->alloc(be, (size_t)cap * c->n_kv * sizeof(float), (void **)&c->scores);
+    if (rc)
+        return rc;
+    c->score_cap = cap;
+    return SKV_OK;
+}
+
+/* Scores of every row of layer `layer`, on the backend: the attention the queries
+ * q[q_first..nq) give each row (q [nq][n_heads][head_dim] are the queries of the layer's newest
+ * nq rows, so query i sees rows up to len - nq + i of each head), summed over the queries,
+ * reduced over each KV head's group (GQA mean or max) and divided by `div`; each head's rows
+ * before its newest `unpooled` are pooled with the spec's kernel (unpooled < 0: none are). Into
+ * c->scores [n_kv][max_rows]; nothing comes back to the host. */
+static int layer_scores(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
+                        int q_first, int64_t max_rows, int unpooled, float div)
+{
+    int rc = scores_reserve(c, max_rows);
+    if (rc)
+        return rc;
     struct skv_kv_view kv = {.window = c->m->layers[layer].window};
     skv_kv_cache_view(cache, layer, &kv);
-    for (int h = 0; h < c->n_kv; h++)
-        kv.prefix_len[h] = skv_kv_cache_head(cache, layer, h)->len - nq;
-    c->colsum_stride = max_rows;
-    int rc = c->be->ops->attention_colsum(c->be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
+    int len[SKV_MAX_KV_HEADS], pooled[SKV_MAX_KV_HEADS];
+    for (int h = 0; h < c->n_kv; h++) {
+        len[h] = skv_kv_cache_head(cache, layer, h)->len;
+        kv.prefix_len[h] = len[h] - nq;
+        pooled[h] = unpooled < 0 || len[h] < unpooled ? 0 : len[h] - unpooled;
+    }
+    c->score_stride = max_rows;
+    c->scored_layer = -1;
+    struct skv_backend *be = c->be;
+    rc = be->ops->attention_colsum(be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
     if (!rc)
-        rc = c->be->ops->download(c->be, c->colsum_host, c->colsum, (size_t)max_rows * c->n_heads * sizeof(float));
+        rc = be->ops->group_scores(be, c->scores, c->colsum, max_rows, c->n_heads, c->n_kv, len, pooled, div,
+                                   c->spec.kernel, c->spec.pool == SKV_POOL_MAX, c->spec.gqa == SKV_GQA_MAX);
+    if (!rc)
+        c->scored_layer = layer;
     return rc;
 }
 
@@ -360,8 +392,40 @@ static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int lay
     return skv_kv_cache_fit(cache, layer, slack);
 }
 
+/* SnapKV's cut where its scores are (the backend): each head keeps its newest w_obs rows
+ * (w_obs < budget) and topk_rows picks the rest among the older rows, per head or over the
+ * layer's heads together; only the kept rows' indices come back. The same rows as the host
+ * ordering below (by_keep_order) keeps. */
+static int select_scored(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int w_obs,
+                         int slack)
+{
+    bool joint = c->spec.granularity == SKV_GRAN_HEAD;
+    int cand[SKV_MAX_KV_HEADS], cnt[SKV_MAX_KV_HEADS], k = joint ? budget * c->n_kv : budget - w_obs;
+    for (int h = 0; h < c->n_kv; h++) {
+        int len = skv_kv_cache_head(cache, layer, h)->len, w = w_obs < len ? w_obs : len;
+        cand[h] = len - w;
+        k -= joint ? w : 0;
+    }
+    struct skv_backend *be = c->be;
+    int rc = be->ops->topk_rows(be, c->sel, cnt, c->scores, c->score_stride, cand, c->n_kv, k, joint);
+    c->scored_layer = -1; /* the rows move now */
+    int32_t *sel = c->sel;
+    for (int h = 0; h < c->n_kv && !rc; h++) {
+        int len = skv_kv_cache_head(cache, layer, h)->len, n_keep = cnt[h];
+        if ((rc = grow((void **)&c->idx, &c->idx_cap, len + 1, sizeof *c->idx)))
+            break;
+        memcpy(c->idx, sel, (size_t)n_keep * sizeof *c->idx);
+        for (int j = cand[h]; j < len; j++)
+            c->idx[n_keep++] = j; /* the window, after every older kept row */
+        sel += cnt[h];
+        rc = skv_kv_cache_compact(cache, layer, h, c->idx, n_keep);
+    }
+    return rc ? rc : skv_kv_cache_fit(cache, layer, slack);
+}
+
 /* Cuts layer `layer` to `budget` rows per head (layer granularity) or budget * Hkv rows over
- * its heads (head granularity), by the rows' classification; slack as in compact(). */
+ * its heads (head granularity), by the rows' classification; slack as in compact(). SnapKV
+ * right after layer_scores() selects on the backend; everything else sorts on the host. */
 static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int w_obs,
                         int slack)
 {
@@ -374,6 +438,8 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
     bool head_gran = c->spec.granularity == SKV_GRAN_HEAD;
     if (head_gran ? total <= budget * c->n_kv : !over)
         return SKV_OK;
+    if (c->spec.policy == SKV_POLICY_SNAPKV && c->scored_layer == layer && w_obs < budget)
+        return select_scored(c, cache, layer, budget, w_obs, slack);
     int rc = grow((void **)&c->rows, &c->rows_cap, total, sizeof *c->rows);
     if (rc)
         return rc;
@@ -416,28 +482,18 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
 /* SnapKV's scores of layer `layer`: the attention of the queries q[q_first..nq) (those of the
  * newest nq rows) on every row, summed over the group's query heads (GQA mean or max), averaged
  * over the queries; the rows before the newest n_window pooled with the kernel (the window's
- * own rows keep their raw score: they are kept anyway). Into each head's score[]. */
+ * own rows keep their raw score: they are kept anyway). They stay on the backend for
+ * select_scored(); SqueezeAttention's final trim (skv_compressor_finish) re-selects among the
+ * kept rows on the host, so with it they are also copied into each head's score[]. */
 static int snapkv_score(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
                         int q_first, int n_window, int64_t max_rows)
 {
-    const struct skv_compress_spec *s = &c->spec;
-    int rc = window_colsum(c, cache, layer, q, nq, q_first, max_rows);
-    if (rc)
-        return rc;
-    int g = c->n_heads / c->n_kv;
-    for (int h = 0; h < c->n_kv; h++) {
+    int rc = layer_scores(c, cache, layer, q, nq, q_first, max_rows, n_window, (float)(nq - q_first));
+    for (int h = 0; h < c->n_kv && !rc && c->spec.alloc == SKV_ALLOC_SQUEEZE; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
-        int cand = kh->len - n_window;
-        skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_stride, c->colsum_stride, g, kh->len, s->gqa,
-                       c->agg);
-        for (int j = 0; j < kh->len; j++)
-            c->agg[j] /= (float)(nq - q_first); /* mean over the window's queries */
-        if (cand > 0)
-            skv_pool1d(c->agg, kh->score, cand, s->kernel, s->pool);
-        for (int j = cand < 0 ? 0 : cand; j < kh->len; j++)
-            kh->score[j] = c->agg[j];
+        rc = c->be->ops->download(c->be, kh->score, c->scores + h * max_rows, (size_t)kh->len * sizeof(float));
     }
-    return SKV_OK;
+    return rc;
 }
 
 /* Copies the queries of positions [first, end) between the layer's ring (slot pos % obs_cap)
@@ -529,19 +585,19 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
     int w_obs = s->window < v->n ? s->window : v->n;
     if (s->policy == SKV_POLICY_H2O) {
         /* accumulated attention of every query so far; recent window kept */
-        int rc = window_colsum(c, v->cache, l, v->q, v->n, 0, max_rows);
+        int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f);
+        if (!rc)
+            rc = c->be->ops->download(c->be, c->agg, c->scores, (size_t)(max_rows * c->n_kv) * sizeof(float));
         if (rc)
             return rc;
         w_obs = s->window;
-        int g = c->n_heads / c->n_kv;
         for (int h = 0; h < c->n_kv; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
-            skv_gqa_reduce(c->colsum_host + (int64_t)h * g * c->colsum_stride, c->colsum_stride, g, kh->len, s->gqa,
-                           c->agg);
             for (int j = 0; j < kh->len; j++)
-                kh->score[j] += c->agg[j];
+                kh->score[j] += c->agg[h * max_rows + j];
         }
-    } else if (s->policy == SKV_POLICY_SNAPKV && over) {
+    } else if (s->policy == SKV_POLICY_SNAPKV && (over || s->alloc == SKV_ALLOC_SQUEEZE)) {
+        /* squeeze: finish() may cut a layer that fits its capped budget now: score it too */
         int rc = snapkv_score(c, v->cache, l, v->q, v->n, v->n - w_obs, w_obs, max_rows);
         if (rc)
             return rc;

@@ -51,12 +51,6 @@ int skv_compressor_budget(const struct skv_compressor *c);
 
 /* ---- policy pieces (also unit-tested on their own) ---------------------------------------- */
 
-/* Pools scores[0..n) into out with a kernel of k (odd), stride 1, same padding: max pooling
- * ignores the padding, avg pooling divides by k (padding counts as zeros, as torch's
- * avg_pool1d does by default). */
-void skv_pool1d(const float *scores, float *out, int n, int k, enum skv_pool pool);
-/* out[j] = mean or max over the g rows of in (row stride `stride`), j < n. */
-void skv_gqa_reduce(const float *in, int64_t stride, int g, int n, enum skv_gqa how, float *out);
 /* Layer budgets for PyramidKV (KVCache-Factory's schedule): B per layer on average,
  * window w, beta; n prompt tokens. */
 void skv_pyramid_budgets(int n_layers, int budget, int window, int beta, int n, int *out);

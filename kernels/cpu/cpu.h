@@ -37,6 +37,11 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
                       const struct skv_kv_view *kv);
 int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q,
                              int n, int n_heads, const struct skv_kv_view *kv, int q_first);
+int skv_cpu_group_scores(struct skv_backend *be, float *out, const float *colsum, int64_t stride, int n_heads,
+                         int n_kv, const int *len, const int *pooled, float div, int kernel, bool pool_max,
+                         bool gqa_max);
+int skv_cpu_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const float *keys, int64_t stride,
+                      const int *n, int n_seg, int k, bool joint);
 int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b, int n,
                         int dim);
 int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n);

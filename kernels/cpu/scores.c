@@ -1,7 +1,9 @@
 /* The CPU backend's compression math: attention column sums (SnapKV's observation window,
- * H2O's accumulated attention), the mean residual cosine (SqueezeAttention) and the row
+ * H2O's accumulated attention), their reduction over each GQA group with SnapKV's pooling,
+ * the top-k of rows by score, the mean residual cosine (SqueezeAttention) and the row
  * copies that compact a paged cache. */
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -137,5 +139,149 @@ int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *cons
             return skv_errorf(SKV_E_INVAL, "copy_rows: row %d has no %s", i, dst[i] ? "source" : "destination");
     for (int i = 0; i < n; i++)
         memcpy(dst[i], src[i], row_bytes);
+    return SKV_OK;
+}
+
+/* ---- SnapKV / H2O scores and top-k ---------------------------------------------------------- */
+
+struct group_job {
+    float *out;
+    const float *colsum;
+    int64_t stride;
+    int group;
+    const int *len, *pooled;
+    float div;
+    int kernel;
+    bool pool_max, gqa_max;
+    struct skv_backend *be;
+    int status;
+};
+
+/* One KV head per task item: the group's rows reduced, then the leading rows pooled. */
+static void group_task(void *arg, int64_t begin, int64_t end, int thread_id)
+{
+    struct group_job *job = arg;
+    const int g = job->group;
+    for (int64_t h = begin; h < end; h++) {
+        const int n = job->len[h], np = job->pooled[h], half = job->kernel / 2;
+        if (n == 0)
+            continue;
+        const float *in = job->colsum + h * g * job->stride;
+        float *out = job->out + h * job->stride;
+        float *agg = skv_cpu_scratch(job->be, thread_id, (size_t)n * sizeof(float));
+        if (!agg) {
+            job->status = SKV_E_NOMEM;
+            return;
+        }
+        for (int j = 0; j < n; j++) {
+            float acc = in[j];
+            for (int r = 1; r < g; r++) {
+                float v = in[(int64_t)r * job->stride + j];
+                acc = job->gqa_max ? (v > acc ? v : acc) : acc + v;
+            }
+            agg[j] = (job->gqa_max ? acc : acc / (float)g) / job->div;
+        }
+        for (int j = 0; j < np; j++) {
+            int lo = j - half < 0 ? 0 : j - half, hi = j + half >= np ? np - 1 : j + half;
+            if (job->pool_max) {
+                float m = -INFINITY;
+                for (int t = lo; t <= hi; t++)
+                    m = agg[t] > m ? agg[t] : m;
+                out[j] = m;
+            } else {
+                double s = 0;
+                for (int t = lo; t <= hi; t++)
+                    s += agg[t];
+                out[j] = (float)(s / job->kernel);
+            }
+        }
+        memcpy(out + np, agg + np, (size_t)(n - np) * sizeof *out);
+    }
+}
+
+int skv_cpu_group_scores(struct skv_backend *be, float *out, const float *colsum, int64_t stride, int n_heads,
+                         int n_kv, const int *len, const int *pooled, float div, int kernel, bool pool_max,
+                         bool gqa_max)
+{
+    int rc = skv_group_scores_check(out, colsum, stride, n_heads, n_kv, len, pooled, div, kernel);
+    if (rc)
+        return rc;
+    struct group_job job = {
+        .out = out, .colsum = colsum, .stride = stride, .group = n_heads / n_kv, .len = len, .pooled = pooled,
+        .div = div, .kernel = kernel, .pool_max = pool_max, .gqa_max = gqa_max, .be = be,
+    };
+    skv_cpu_parallel_for(be, n_kv, 1, group_task, &job);
+    return job.status;
+}
+
+/* Keys as unsigned integers in the same order (NaN lowest, -0 as +0). */
+static uint32_t order_key(float f)
+{
+    if (isnan(f))
+        return 0;
+    if (f == 0.0f)
+        f = 0.0f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+/* The k largest keys of segments [s0, s1) as one set: a radix select of the k-th largest key
+ * (four 8-bit digits, most significant first), then one pass in (segment, row) order keeps
+ * every larger key and the first `ties` equal ones. Returns the rows written to idx. */
+static int64_t select_segments(const float *keys, int64_t stride, const int *n, int s0, int s1, int k,
+                               int32_t *idx, int *cnt)
+{
+    int64_t total = 0;
+    for (int s = s0; s < s1; s++)
+        total += n[s];
+    const bool all = total <= k;
+    uint32_t thr = 0;
+    int64_t ties = 0;
+    if (!all && k > 0) {
+        uint32_t mask = 0;
+        int64_t want = k; /* rows still to take among those matching thr under mask */
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            int64_t hist[256] = {0};
+            for (int s = s0; s < s1; s++)
+                for (int j = 0; j < n[s]; j++) {
+                    uint32_t u = order_key(keys[s * stride + j]);
+                    if ((u & mask) == thr)
+                        hist[(u >> shift) & 255]++;
+                }
+            int b = 255;
+            for (; b > 0 && hist[b] < want; b--)
+                want -= hist[b];
+            thr |= (uint32_t)b << shift;
+            mask |= 255u << shift;
+        }
+        ties = want;
+    }
+    int64_t out = 0;
+    for (int s = s0; s < s1; s++) {
+        int c = 0;
+        for (int j = 0; j < n[s] && (all || k > 0); j++) {
+            uint32_t u = order_key(keys[s * stride + j]);
+            if (all || u > thr || (u == thr && ties > 0)) {
+                ties -= !all && u == thr;
+                idx[out++] = j;
+                c++;
+            }
+        }
+        cnt[s] = c;
+    }
+    return out;
+}
+
+int skv_cpu_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const float *keys, int64_t stride,
+                      const int *n, int n_seg, int k, bool joint)
+{
+    (void)be;
+    int rc = skv_topk_check(idx, cnt, keys, stride, n, n_seg, k);
+    if (rc)
+        return rc;
+    int64_t at = 0;
+    for (int s0 = 0; s0 < n_seg; s0 = joint ? n_seg : s0 + 1)
+        at += select_segments(keys, stride, n, s0, joint ? n_seg : s0 + 1, k, idx + at, cnt);
     return SKV_OK;
 }

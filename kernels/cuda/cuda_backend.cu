@@ -1367,6 +1367,231 @@ static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, 
     return SKV_OK;
 }
 
+/* Per-KV-head lengths of the group_scores op, passed by value. */
+struct group_params {
+    int len[SKV_MAX_KV_HEADS], pooled[SKV_MAX_KV_HEADS];
+};
+
+/* Row j of KV head h reduced over its group's colsum rows, in the CPU op's order. */
+__device__ __forceinline__ float group_reduced(const float *in, int64_t stride, int g, int j, bool gqa_max,
+                                               float div)
+{
+    float acc = in[j];
+    for (int r = 1; r < g; r++) {
+        const float v = in[(int64_t)r * stride + j];
+        acc = gqa_max ? (v > acc ? v : acc) : acc + v;
+    }
+    return (gqa_max ? acc : acc / (float)g) / div;
+}
+
+/* One thread per (KV head, row): pooled rows re-reduce their kernel's neighbours (k * g reads). */
+__global__ void group_scores_kernel(float *out, const float *colsum, int64_t stride, int g, struct group_params p,
+                                    float div, int kernel, bool pool_max, bool gqa_max)
+{
+    const int h = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int n = p.len[h], np = p.pooled[h], half = kernel / 2;
+    if (j >= n)
+        return;
+    const float *in = colsum + (int64_t)h * g * stride;
+    float v;
+    if (j >= np) {
+        v = group_reduced(in, stride, g, j, gqa_max, div);
+    } else {
+        const int lo = j - half < 0 ? 0 : j - half, hi = j + half >= np ? np - 1 : j + half;
+        if (pool_max) {
+            v = -INFINITY;
+            for (int t = lo; t <= hi; t++) {
+                const float x = group_reduced(in, stride, g, t, gqa_max, div);
+                v = x > v ? x : v;
+            }
+        } else {
+            double sum = 0.0;
+            for (int t = lo; t <= hi; t++)
+                sum += group_reduced(in, stride, g, t, gqa_max, div);
+            v = (float)(sum / kernel);
+        }
+    }
+    out[(int64_t)h * stride + j] = v;
+}
+
+static int cuda_group_scores(struct skv_backend *be, float *out, const float *colsum, int64_t stride, int n_heads,
+                             int n_kv, const int *len, const int *pooled, float div, int kernel, bool pool_max,
+                             bool gqa_max)
+{
+    int rc = skv_group_scores_check(out, colsum, stride, n_heads, n_kv, len, pooled, div, kernel);
+    if (rc < 0)
+        return rc;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    struct group_params p;
+    int max_len = 0;
+    for (int h = 0; h < n_kv; h++) {
+        p.len[h] = len[h];
+        p.pooled[h] = pooled[h];
+        max_len = len[h] > max_len ? len[h] : max_len;
+    }
+    if (max_len == 0)
+        return SKV_OK;
+    dim3 grid((unsigned)((max_len + EW_THREADS - 1) / EW_THREADS), (unsigned)n_kv);
+    group_scores_kernel<<<grid, EW_THREADS, 0, impl->stream>>>(out, colsum, stride, n_heads / n_kv, p, div, kernel,
+                                                               pool_max, gqa_max);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    return SKV_OK;
+}
+
+#define TOPK_THREADS 512
+
+/* Segments of the topk_rows op, passed by value; off[b]: where block b's rows go in idx. */
+struct topk_params {
+    int n[SKV_MAX_KV_HEADS];
+    int64_t off[SKV_MAX_KV_HEADS];
+    int64_t stride;
+    int n_seg, k;
+    bool joint;
+};
+
+/* Keys as unsigned integers in the same order (NaN lowest, -0 as +0), as the CPU op maps them. */
+__device__ __forceinline__ uint32_t order_key(float f)
+{
+    if (f != f)
+        return 0;
+    if (f == 0.0f)
+        f = 0.0f;
+    const uint32_t u = __float_as_uint(f);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+/* Exclusive prefix count of `flag` over the block in thread order; *total gets the block's
+ * count. Every thread of the block calls it. */
+__device__ int block_count_before(bool flag, int *sums, int *total)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const unsigned bits = __ballot_sync(0xffffffffu, flag);
+    if (lane == 0)
+        sums[wid] = __popc(bits);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < (int)blockDim.x / 32; w++) {
+            const int t = sums[w];
+            sums[w] = acc;
+            acc += t;
+        }
+        sums[32] = acc;
+    }
+    __syncthreads();
+    const int before = sums[wid] + __popc(bits & ((1u << lane) - 1u));
+    *total = sums[32];
+    __syncthreads();
+    return before;
+}
+
+/* One block per segment, or one for all segments (joint): a radix select finds the k-th
+ * largest key (four 8-bit digits through a shared histogram), then one ordered pass keeps every
+ * larger key and the first equal ones, each kept row written at its rank. */
+__global__ void __launch_bounds__(TOPK_THREADS)
+    topk_kernel(int32_t *idx, int *cnt, const float *keys, struct topk_params p)
+{
+    __shared__ unsigned int hist[256];
+    __shared__ uint32_t s_thr;
+    __shared__ long long s_want;
+    __shared__ int sums[33];
+    const int s0 = p.joint ? 0 : (int)blockIdx.x, s1 = p.joint ? p.n_seg : s0 + 1;
+    long long total = 0;
+    for (int s = s0; s < s1; s++)
+        total += p.n[s];
+    const bool all = total <= p.k;
+    if (threadIdx.x == 0) {
+        s_thr = 0;
+        s_want = p.k;
+    }
+    __syncthreads();
+    if (!all && p.k > 0) {
+        uint32_t mask = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = threadIdx.x; b < 256; b += blockDim.x)
+                hist[b] = 0;
+            __syncthreads();
+            const uint32_t thr = s_thr;
+            for (int s = s0; s < s1; s++)
+                for (int j = threadIdx.x; j < p.n[s]; j += blockDim.x) {
+                    const uint32_t u = order_key(keys[s * p.stride + j]);
+                    if ((u & mask) == thr)
+                        atomicAdd(&hist[(u >> shift) & 255u], 1u);
+                }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                long long want = s_want;
+                int b = 255;
+                for (; b > 0 && (long long)hist[b] < want; b--)
+                    want -= hist[b];
+                s_want = want;
+                s_thr = thr | (uint32_t)b << shift;
+            }
+            __syncthreads();
+            mask |= 255u << shift;
+        }
+    }
+    const uint32_t thr = s_thr;
+    const long long ties = s_want;
+    int32_t *out = idx + (p.joint ? 0 : p.off[blockIdx.x]);
+    long long kept = 0, tied = 0;
+    for (int s = s0; s < s1; s++) {
+        const long long first = kept;
+        for (int j0 = 0; j0 < p.n[s] && (all || p.k > 0); j0 += blockDim.x) {
+            const int j = j0 + (int)threadIdx.x;
+            const bool valid = j < p.n[s];
+            const uint32_t u = valid ? order_key(keys[s * p.stride + j]) : 0u;
+            const bool tie = valid && !all && u == thr;
+            int n_tie, n_keep;
+            const int tie_rank = block_count_before(tie, sums, &n_tie);
+            const bool keep = valid && (all || u > thr || (tie && tied + tie_rank < ties));
+            const int rank = block_count_before(keep, sums, &n_keep);
+            if (keep)
+                out[kept + rank] = j;
+            kept += n_keep;
+            tied += n_tie;
+        }
+        if (threadIdx.x == 0)
+            cnt[s] = (int)(kept - first);
+    }
+}
+
+static int cuda_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const float *keys, int64_t stride,
+                          const int *n, int n_seg, int k, bool joint)
+{
+    int rc = skv_topk_check(idx, cnt, keys, stride, n, n_seg, k);
+    if (rc < 0)
+        return rc;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    struct topk_params p;
+    memset(&p, 0, sizeof p);
+    p.stride = stride;
+    p.n_seg = n_seg;
+    p.k = k;
+    p.joint = joint;
+    int64_t at = 0;
+    for (int s = 0; s < n_seg; s++) {
+        p.n[s] = n[s];
+        p.off[s] = at;
+        at += n[s] < k ? n[s] : k;
+    }
+    const int64_t total = skv_topk_total(n, n_seg, k, joint);
+    void *buf = NULL;
+    const size_t cnt_bytes = align_up((size_t)n_seg * sizeof(int));
+    if ((rc = scratch_get(impl, cnt_bytes + (size_t)(total > 0 ? total : 1) * sizeof(int32_t), &buf)) < 0)
+        return rc;
+    int *dcnt = (int *)buf;
+    int32_t *didx = (int32_t *)((char *)buf + cnt_bytes);
+    topk_kernel<<<joint ? 1u : (unsigned)n_seg, TOPK_THREADS, 0, impl->stream>>>(didx, dcnt, keys, p);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    SKV_CUDA_CHECK(cudaMemcpyAsync(cnt, dcnt, (size_t)n_seg * sizeof(int), cudaMemcpyDeviceToHost, impl->stream));
+    if (total > 0)
+        SKV_CUDA_CHECK(cudaMemcpyAsync(idx, didx, (size_t)total * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                       impl->stream));
+    SKV_CUDA_CHECK(cudaStreamSynchronize(impl->stream));
+    return SKV_OK;
+}
+
 /* Row i of n: dst[i] <- src[i], 32-bit words when every pointer and the row allow it. */
 __global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src, size_t row_bytes, int n,
                                  int words)
@@ -1480,6 +1705,8 @@ static const struct skv_backend_ops cuda_ops = {
     /* add */ cuda_add,
     /* attention */ cuda_attention,
     /* attention_colsum */ cuda_attention_colsum,
+    /* group_scores */ cuda_group_scores,
+    /* topk_rows */ cuda_topk_rows,
     /* cosine_mean */ cuda_cosine_mean,
     /* copy_rows */ cuda_copy_rows,
     /* ipc_open */ cuda_ipc_open,

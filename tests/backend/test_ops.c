@@ -1095,6 +1095,269 @@ static void test_copy_rows(void **state)
     }
 }
 
+/* ---- SnapKV scores and top-k ---------------------------------------------------------- */
+
+/* group_scores' definition, step by step in the same float operations (so the op must match
+ * it to the last bit up to the 1e-6 relative slack the checks allow a device). */
+static void group_scores_ref(float *out, const float *colsum, int64_t stride, int n_heads, int n_kv, const int *len,
+                             const int *pooled, float div, int kernel, bool pool_max, bool gqa_max)
+{
+    int g = n_heads / n_kv, half = kernel / 2;
+    float *agg = malloc((size_t)stride * sizeof *agg + 1);
+    assert_non_null(agg);
+    for (int h = 0; h < n_kv; h++) {
+        for (int j = 0; j < len[h]; j++) {
+            float acc = colsum[(int64_t)h * g * stride + j];
+            for (int r = 1; r < g; r++) {
+                float v = colsum[((int64_t)h * g + r) * stride + j];
+                acc = gqa_max ? fmaxf(acc, v) : acc + v;
+            }
+            agg[j] = (gqa_max ? acc : acc / (float)g) / div;
+        }
+        for (int j = 0; j < len[h]; j++) {
+            float *o = &out[(int64_t)h * stride + j];
+            if (j >= pooled[h]) {
+                *o = agg[j];
+                continue;
+            }
+            double sum = 0;
+            float mx = -INFINITY;
+            for (int t = j - half; t <= j + half; t++)
+                if (t >= 0 && t < pooled[h]) {
+                    sum += agg[t];
+                    mx = fmaxf(mx, agg[t]);
+                }
+            *o = pool_max ? mx : (float)(sum / kernel);
+        }
+    }
+    free(agg);
+}
+
+/* Runs group_scores and checks it against the reference; rows at and past len stay poisoned. */
+static void check_group_scores(struct skv_backend *be, const float *colsum, int64_t stride, int n_heads, int n_kv,
+                               const int *len, const int *pooled, float div, int kernel, bool pool_max, bool gqa_max)
+{
+    size_t in_count = (size_t)stride * n_heads, out_count = (size_t)stride * n_kv;
+    float *got = host_nan(out_count), *want = host_nan(out_count);
+    float *din = dev_from(be, colsum, in_count * sizeof(float)), *dout = dev_from(be, got, out_count * sizeof(float));
+    assert_int_equal(be->ops->group_scores(be, dout, din, stride, n_heads, n_kv, len, pooled, div, kernel, pool_max,
+                                           gqa_max),
+                     SKV_OK);
+    dev_to(be, got, dout, out_count * sizeof(float));
+    group_scores_ref(want, colsum, stride, n_heads, n_kv, len, pooled, div, kernel, pool_max, gqa_max);
+    for (int h = 0; h < n_kv; h++)
+        for (int64_t j = 0; j < stride; j++) {
+            float a = got[h * stride + j], b = want[h * stride + j];
+            if (j >= len[h]) {
+                assert_true(isnan(a)); /* left alone */
+                continue;
+            }
+            if (!(fabsf(a - b) <= 1e-6f * fabsf(b))) {
+                print_error("group_scores h=%d j=%lld: %.9g, want %.9g (pooled %d, kernel %d, %s/%s)\n", h,
+                            (long long)j, a, b, pooled[h], kernel, pool_max ? "max" : "avg", gqa_max ? "max" : "mean");
+                fail();
+            }
+        }
+    be->ops->free(be, din);
+    be->ops->free(be, dout);
+    free(got);
+    free(want);
+}
+
+static void test_group_scores(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    /* by hand: one head, pooling over all 5 rows with kernel 3 */
+    const float x[] = {1, 5, 2, 0, 3};
+    int len1[] = {5}, all5[] = {5}, none[] = {0};
+    float *dx = dev_from(be, x, sizeof x), got[5];
+    float *dout = dev_from(be, x, sizeof x);
+    const float want_max[] = {5, 5, 5, 3, 3};
+    assert_int_equal(be->ops->group_scores(be, dout, dx, 5, 1, 1, len1, all5, 1.0f, 3, true, false), SKV_OK);
+    dev_to(be, got, dout, sizeof got);
+    assert_memory_equal(got, want_max, sizeof got);
+    const float want_avg[] = {6.0f / 3, 8.0f / 3, 7.0f / 3, 5.0f / 3, 3.0f / 3}; /* padding counts as 0 */
+    assert_int_equal(be->ops->group_scores(be, dout, dx, 5, 1, 1, len1, all5, 1.0f, 3, false, false), SKV_OK);
+    dev_to(be, got, dout, sizeof got);
+    for (int i = 0; i < 5; i++)
+        assert_true(fabsf(got[i] - want_avg[i]) < 1e-6f);
+    assert_int_equal(be->ops->group_scores(be, dout, dx, 5, 1, 1, len1, none, 2.0f, 3, true, false), SKV_OK);
+    dev_to(be, got, dout, sizeof got);
+    const float halved[] = {0.5f, 2.5f, 1, 0, 1.5f}; /* nothing pooled, divided by 2 */
+    assert_memory_equal(got, halved, sizeof got);
+    be->ops->free(be, dx);
+    be->ops->free(be, dout);
+    /* by hand: two query heads of one KV head, mean and max */
+    const float in[] = {1, 2, 3, 0, /* head 0 */ 3, 0, 3, 4 /* head 1 */};
+    int len4[] = {4}, none4[] = {0};
+    float *din = dev_from(be, in, sizeof in), g4[4];
+    dout = dev_from(be, in, 4 * sizeof(float));
+    const float mean[] = {2, 1, 3, 2}, mx[] = {3, 2, 3, 4};
+    assert_int_equal(be->ops->group_scores(be, dout, din, 4, 2, 1, len4, none4, 1.0f, 1, true, false), SKV_OK);
+    dev_to(be, g4, dout, sizeof g4);
+    assert_memory_equal(g4, mean, sizeof g4);
+    assert_int_equal(be->ops->group_scores(be, dout, din, 4, 2, 1, len4, none4, 1.0f, 1, true, true), SKV_OK);
+    dev_to(be, g4, dout, sizeof g4);
+    assert_memory_equal(g4, mx, sizeof g4);
+    be->ops->free(be, din);
+    be->ops->free(be, dout);
+
+    /* random: 12 query heads over 4 KV heads, ragged lengths, every pooling / GQA mode */
+    struct rng r = {0x5c0e5ULL};
+    enum { STRIDE = 3001 };
+    float *colsum = host_normal(&r, (size_t)STRIDE * 12, 1.0);
+    for (size_t i = 0; i < (size_t)STRIDE * 12; i++)
+        colsum[i] = fabsf(colsum[i]);
+    int len[4] = {3001, 0, 1, 2500}, pooled[4] = {2969, 0, 0, 2500};
+    for (int mode = 0; mode < 4; mode++)
+        check_group_scores(be, colsum, STRIDE, 12, 4, len, pooled, 7.0f, mode < 2 ? 7 : 5, mode & 1, mode >= 2);
+    int len_b[2] = {40, 9}, pooled_b[2] = {8, 9};
+    check_group_scores(be, colsum, 41, 8, 2, len_b, pooled_b, 3.0f, 31, false, false); /* kernel past the edges */
+    check_group_scores(be, colsum, 41, 1, 1, len_b, pooled_b, 1.0f, 1, true, false);  /* no GQA, kernel 1 */
+    free(colsum);
+
+    /* argument rules */
+    float *d = dev_from(be, x, sizeof x);
+    assert_int_equal(be->ops->group_scores(be, d, d, 5, 1, 1, len1, all5, 1.0f, 4, true, false), SKV_E_INVAL);
+    assert_int_equal(be->ops->group_scores(be, d, d, 5, 1, 1, len1, all5, 0.0f, 3, true, false), SKV_E_INVAL);
+    assert_int_equal(be->ops->group_scores(be, d, d, 5, 3, 2, len1, all5, 1.0f, 3, true, false), SKV_E_INVAL);
+    assert_int_equal(be->ops->group_scores(be, d, d, 4, 1, 1, len1, all5, 1.0f, 3, true, false), SKV_E_INVAL);
+    int six[] = {6};
+    assert_int_equal(be->ops->group_scores(be, d, d, 5, 1, 1, len1, six, 1.0f, 3, true, false), SKV_E_INVAL);
+    be->ops->free(be, d);
+}
+
+/* topk_rows' definition by sorting: larger key first (NaN last, -0 equal to +0), then lower
+ * segment, then lower row. */
+struct topk_item {
+    float key;
+    int seg, row;
+};
+
+static int topk_item_cmp(const void *a, const void *b)
+{
+    const struct topk_item *x = a, *y = b;
+    bool xn = isnan(x->key), yn = isnan(y->key);
+    if (xn != yn)
+        return xn ? 1 : -1;
+    if (!xn && x->key != y->key)
+        return x->key > y->key ? -1 : 1;
+    if (x->seg != y->seg)
+        return x->seg < y->seg ? -1 : 1;
+    return x->row < y->row ? -1 : x->row > y->row;
+}
+
+static int int_cmp(const void *a, const void *b)
+{
+    int x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void topk_ref(int32_t *idx, int *cnt, const float *keys, int64_t stride, const int *n, int n_seg, int k,
+                     bool joint)
+{
+    int64_t at = 0;
+    for (int s0 = 0; s0 < n_seg; s0 = joint ? n_seg : s0 + 1) {
+        int s1 = joint ? n_seg : s0 + 1, total = 0;
+        for (int s = s0; s < s1; s++)
+            total += n[s];
+        struct topk_item *it = malloc((size_t)total * sizeof *it + 1);
+        assert_non_null(it);
+        int m = 0;
+        for (int s = s0; s < s1; s++)
+            for (int j = 0; j < n[s]; j++)
+                it[m++] = (struct topk_item){keys[s * stride + j], s, j};
+        qsort(it, (size_t)m, sizeof *it, topk_item_cmp);
+        int take = k < m ? k : m;
+        for (int s = s0; s < s1; s++) {
+            int c = 0;
+            for (int i = 0; i < take; i++)
+                if (it[i].seg == s)
+                    idx[at + c++] = it[i].row;
+            qsort(idx + at, (size_t)c, sizeof *idx, int_cmp);
+            cnt[s] = c;
+            at += c;
+        }
+        free(it);
+    }
+}
+
+static void check_topk(struct skv_backend *be, const float *keys, int64_t stride, const int *n, int n_seg, int k,
+                       bool joint)
+{
+    size_t count = (size_t)stride * n_seg, cap = count + 8;
+    int32_t *got = malloc(cap * sizeof *got), *want = malloc(cap * sizeof *want);
+    assert_non_null(got);
+    assert_non_null(want);
+    for (size_t i = 0; i < cap; i++)
+        got[i] = want[i] = -7; /* poison */
+    int cnt[SKV_MAX_KV_HEADS], want_cnt[SKV_MAX_KV_HEADS];
+    for (int s = 0; s < n_seg; s++)
+        cnt[s] = -1;
+    float *dk = dev_from(be, keys, count * sizeof(float));
+    assert_int_equal(be->ops->topk_rows(be, got, cnt, dk, stride, n, n_seg, k, joint), SKV_OK);
+    topk_ref(want, want_cnt, keys, stride, n, n_seg, k, joint);
+    int64_t total = skv_topk_total(n, n_seg, k, joint), sum = 0;
+    for (int s = 0; s < n_seg; s++)
+        sum += want_cnt[s];
+    assert_int_equal(sum, total);
+    if (memcmp(cnt, want_cnt, (size_t)n_seg * sizeof *cnt) || memcmp(got, want, cap * sizeof *got)) {
+        print_error("topk_rows: %d segments (first %d rows), k %d, %s: kept rows differ\n", n_seg, n[0], k,
+                    joint ? "joint" : "per segment");
+        fail();
+    }
+    be->ops->free(be, dk);
+    free(got);
+    free(want);
+}
+
+static void test_topk_rows(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0x70bcULL};
+    enum { STRIDE = 5000, SEGS = 8 };
+    float *keys = host_normal(&r, (size_t)STRIDE * SEGS, 1.0);
+    /* many ties: a third of the keys from a handful of values, some zeros of both signs,
+     * NaN, infinities and negative numbers */
+    for (size_t i = 0; i < (size_t)STRIDE * SEGS; i++) {
+        uint64_t v = rng_next(&r) % 30;
+        if (v < 10)
+            keys[i] = (float)(v % 4) * 0.25f;
+        else if (v == 10)
+            keys[i] = -0.0f;
+        else if (v == 11)
+            keys[i] = NAN;
+        else if (v == 12)
+            keys[i] = rng_next(&r) & 1 ? INFINITY : -INFINITY;
+    }
+    const int lens[][SEGS] = {
+        {5000, 4096, 1, 0, 33, 4999, 512, 700},
+        {40, 40, 40, 40, 40, 40, 40, 40},
+    };
+    const int ks[] = {0, 1, 7, 39, 40, 41, 511, 2048, 4999, 5000, 40000};
+    for (int li = 0; li < 2; li++)
+        for (size_t ki = 0; ki < sizeof ks / sizeof *ks; ki++)
+            for (int joint = 0; joint < 2; joint++) {
+                check_topk(be, keys, STRIDE, lens[li], SEGS, ks[ki], joint);
+                check_topk(be, keys, STRIDE, lens[li], 3, ks[ki], joint);
+            }
+    /* all equal: the lowest rows (and segments) win */
+    for (size_t i = 0; i < (size_t)STRIDE * SEGS; i++)
+        keys[i] = 0.5f;
+    check_topk(be, keys, STRIDE, lens[0], SEGS, 2048, true);
+    check_topk(be, keys, STRIDE, lens[0], SEGS, 2048, false);
+
+    int32_t idx[4];
+    int cnt[2], n2[2] = {2, 2}, big[1] = {6};
+    float *dk = dev_from(be, keys, 4 * sizeof(float));
+    assert_int_equal(be->ops->topk_rows(be, idx, cnt, dk, 2, n2, 0, 1, false), SKV_E_INVAL);
+    assert_int_equal(be->ops->topk_rows(be, idx, cnt, dk, 2, n2, 2, -1, false), SKV_E_INVAL);
+    assert_int_equal(be->ops->topk_rows(be, idx, cnt, dk, 5, big, 1, 1, false), SKV_E_INVAL);
+    assert_int_equal(be->ops->topk_rows(be, idx, cnt, dk, 2, n2, SKV_MAX_KV_HEADS + 1, 1, false), SKV_E_INVAL);
+    be->ops->free(be, dk);
+    free(keys);
+}
+
 static void test_attention_invalid(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -1351,7 +1614,8 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
         cmocka_unit_test(test_attention_paths), cmocka_unit_test(test_colsum_window),       \
         cmocka_unit_test(test_attention_paged),                                             \
-        cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_attention_invalid)
+        cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
+        cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid)
 
 int main(void)
 {
