@@ -30,6 +30,7 @@ struct skv_compressor {
     int batch;              /* tokens in the forward */
     bool decode;            /* decode upkeep instead of a compressing forward */
     int *layer_budget;      /* [L] */
+    int *decode_budgets;    /* [L] decode_budget spread like the prefill's layer budgets */
     float *sim;             /* [L] squeeze cosines */
     /* A layer's scores on the backend: column sums [n_heads][stride], then their reduction over
      * each GQA group (pooled for SnapKV) [n_kv][stride]; capacity score_cap rows per head.
@@ -97,7 +98,8 @@ int skv_compressor_new(const struct skv_compress_spec *spec, const struct skv_mo
     c->scored_layer = -1;
     c->layer_budget = calloc((size_t)c->n_layers, sizeof *c->layer_budget);
     c->sim = calloc((size_t)c->n_layers, sizeof *c->sim);
-    if (!c->layer_budget || !c->sim) {
+    c->decode_budgets = calloc((size_t)c->n_layers, sizeof *c->decode_budgets);
+    if (!c->layer_budget || !c->sim || !c->decode_budgets) {
         skv_compressor_free(&c);
         return SKV_E_NOMEM;
     }
@@ -123,6 +125,7 @@ void skv_compressor_free(struct skv_compressor **c_p)
     free(c->rows);
     free(c->idx);
     free(c->layer_budget);
+    free(c->decode_budgets);
     free(c->sim);
     free(c);
     *c_p = NULL;
@@ -163,7 +166,9 @@ int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor
     c->budget = src->budget;
     c->total_len = src->total_len;
     c->batch = src->batch;
+    c->decode = src->decode;
     memcpy(c->layer_budget, src->layer_budget, (size_t)c->n_layers * sizeof *c->layer_budget);
+    memcpy(c->decode_budgets, src->decode_budgets, (size_t)c->n_layers * sizeof *c->decode_budgets);
     memcpy(c->sim, src->sim, (size_t)c->n_layers * sizeof *c->sim);
     if (src->obs_q) { /* the fork's cache is a copy: its observation window stays valid */
         size_t row = (size_t)c->n_heads * c->head_dim * sizeof(float);
@@ -230,8 +235,44 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     return SKV_OK;
 }
 
+/* decode_budget D is the mean over the layers; the prefill allocation's shape (PyramidKV,
+ * SqueezeAttention) carries over: layer l gets D * b_l / mean(b), b the layer budgets the
+ * prefill kept, rounded by largest remainder so that the total stays L * D, at least 1 row. */
+static void spread_decode_budget(struct skv_compressor *c)
+{
+    int L = c->n_layers, D = c->spec.decode_budget;
+    double sum = 0;
+    for (int l = 0; l < L; l++)
+        sum += c->layer_budget[l];
+    double *frac = malloc((size_t)L * sizeof *frac);
+    long total = 0;
+    for (int l = 0; l < L; l++) {
+        double want = sum > 0 ? (double)D * L * c->layer_budget[l] / sum : D;
+        c->decode_budgets[l] = (int)want;
+        if (frac)
+            frac[l] = want - c->decode_budgets[l];
+        total += c->decode_budgets[l];
+    }
+    /* the rows rounding left over go to the largest remainders (the earlier layer on ties) */
+    for (long left = (long)D * L - total; left > 0 && frac; left--) {
+        int best = 0;
+        for (int l = 1; l < L; l++)
+            best = frac[l] > frac[best] ? l : best;
+        c->decode_budgets[best]++;
+        frac[best] = -1;
+    }
+    if (!frac)
+        for (int l = 0; l < L; l++)
+            c->decode_budgets[l] = D;
+    for (int l = 0; l < L; l++)
+        c->decode_budgets[l] = c->decode_budgets[l] > 0 ? c->decode_budgets[l] : 1;
+    free(frac);
+}
+
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache)
 {
+    if (!c->decode && c->spec.decode_budget > 0)
+        spread_decode_budget(c); /* the first decode step after a compressing forward */
     c->decode = true;
     c->batch = 1;
     c->total_len = cache->n_past + 1;
@@ -243,7 +284,7 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
      * snapkv keeps all until a decode_budget re-scores it every `interval` tokens */
     for (int l = 0; l < c->n_layers; l++)
         if (c->spec.policy == SKV_POLICY_SNAPKV || c->spec.decode_budget > 0)
-            c->layer_budget[l] = c->spec.decode_budget;
+            c->layer_budget[l] = c->spec.decode_budget > 0 ? c->decode_budgets[l] : 0;
     return SKV_OK;
 }
 
@@ -517,15 +558,15 @@ static int obs_copy(struct skv_compressor *c, int layer, float *lin, int32_t fir
 }
 
 /* SnapKV while decoding: remember the newest queries; when this forward completes another
- * `interval` decoded tokens and the layer holds more than decode_budget rows per head (or
- * decode_budget * Hkv over its heads, head granularity), re-score every row with the newest
- * window's queries exactly as a prefill does and keep decode_budget, the newest window
- * (min(window, decode_budget) rows) always. The window's queries are those of decoded tokens
+ * `interval` decoded tokens and the layer holds more than its decode budget D_l rows per head
+ * (or D_l * Hkv over its heads, head granularity), re-score every row with the newest window's
+ * queries exactly as a prefill does and keep D_l, the newest window (min(window,
+ * decode_budget, D_l) rows) always. The window's queries are those of decoded tokens
  * only, so right after a compression it is shorter than `window` (down to one query). */
 static int snapkv_decode_hook(struct skv_compressor *c, const struct skv_layer_view *v)
 {
     const struct skv_compress_spec *s = &c->spec;
-    int l = v->layer, budget = s->decode_budget;
+    int l = v->layer, budget = c->layer_budget[l];
     int32_t start = v->cache->n_past, end = start + v->n;
     int rc = obs_alloc(c);
     if (rc)
@@ -548,7 +589,7 @@ static int snapkv_decode_hook(struct skv_compressor *c, const struct skv_layer_v
     }
     if (s->granularity == SKV_GRAN_HEAD ? total <= (int64_t)budget * c->n_kv : !over)
         return SKV_OK;
-    int w_keep = c->obs_cap; /* min(window, decode_budget) */
+    int w_keep = c->obs_cap < budget ? c->obs_cap : budget; /* min(window, decode_budget, this layer's) */
     int w_q = seen < w_keep ? seen : w_keep;
     if (budget > w_keep) { /* else the window is all that stays: no scores needed */
         if ((rc = obs_copy(c, l, c->obs_win, end - w_q, end, false)) ||

@@ -40,7 +40,10 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
  * prefill window scores the prompt and cut to decode_budget, the newest min(window,
  * decode_budget) rows always kept, and its memory beyond min(interval, decode_budget) rows of
  * room goes back. Right after a compression the window holds the tokens decoded so far (down
- * to one). SnapKV without decode_budget never evicts while decoding. */
+ * to one). SnapKV without decode_budget never evicts while decoding. decode_budget is the mean
+ * over the layers: with a PyramidKV or SqueezeAttention allocation layer l keeps
+ * decode_budget * b_l / mean(b) rows (b: the prefill's layer budgets; total conserved), so
+ * the allocation holds while decoding (the window then min(window, decode_budget, that)). */
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
 
 /* What the last compression decided: budget per layer (length n_layers) and SqueezeAttention

@@ -703,6 +703,53 @@ static void test_decode_rescore_edges(void **state)
     skv_kv_cache_free(&c);
 }
 
+/* decode_budget is the layers' mean: a PyramidKV allocation keeps its shape while decoding
+ * (layer l gets D * b_l / mean(b), total conserved), for SnapKV re-scoring and H2O alike. */
+static void test_decode_budget_spread(void **state)
+{
+    struct tiny *t = *state;
+    const char *specs[] = {"policy=snapkv,alloc=pyramid,budget=16,window=4,decode_budget=9,interval=2",
+                           "policy=h2o,alloc=pyramid,budget=16,window=4,decode_budget=9"};
+    for (int si = 0; si < 2; si++) {
+        struct skv_kv_cache *c = NULL;
+        struct skv_compressor *comp = NULL;
+        run(t, specs[si], &c, t->ids, t->n, &comp);
+        assert_int_equal(c->n_layers, 2);
+        const int *b = skv_compressor_layer_budgets(comp);
+        int b0 = b[0], b1 = b[1];
+        assert_true(b0 != b1); /* pyramid: the lower layer gets more */
+        assert_int_equal(skv_kv_cache_head(c, 0, 0)->len, b0);
+        /* by hand: 18 rows in all, split 9 * 2 * b_l / (b0 + b1), the spare row to the larger
+         * remainder */
+        double w0 = 18.0 * b0 / (b0 + b1), w1 = 18.0 * b1 / (b0 + b1);
+        int d0 = (int)w0, d1 = (int)w1;
+        if (d0 + d1 < 18) {
+            if (w0 - d0 >= w1 - d1)
+                d0++;
+            else
+                d1++;
+        }
+        assert_int_equal(d0 + d1, 18);
+        decode_steps(t, comp, c, 40, 2);
+        for (int h = 0; h < c->n_kv_heads; h++) {
+            assert_int_equal(skv_kv_cache_head(c, 0, h)->len, d0);
+            assert_int_equal(skv_kv_cache_head(c, 1, h)->len, d1);
+        }
+        const int *d = skv_compressor_layer_budgets(comp);
+        assert_int_equal(d[0], d0);
+        assert_int_equal(d[1], d1);
+        /* a clone made while decoding keeps the spread */
+        struct skv_compressor *cl = NULL;
+        assert_int_equal(skv_compressor_clone(comp, &cl), SKV_OK);
+        assert_int_equal(skv_compressor_begin_decode(cl, c), SKV_OK);
+        assert_int_equal(skv_compressor_layer_budgets(cl)[0], d0);
+        assert_int_equal(skv_compressor_layer_budgets(cl)[1], d1);
+        skv_compressor_free(&cl);
+        skv_compressor_free(&comp);
+        skv_kv_cache_free(&c);
+    }
+}
+
 /* A cloned compressor on a cloned cache carries the observation window: both decode alike. */
 static void test_decode_rescore_clone(void **state)
 {
@@ -740,7 +787,6 @@ int main(void)
 {
     const struct CMUnitTest pure[] = {
         cmocka_unit_test(test_spec_parse),   cmocka_unit_test(test_spec_format_and_budget),
-               
         cmocka_unit_test(test_pyramid),      cmocka_unit_test(test_squeeze_budgets),
     };
     const struct CMUnitTest model[] = {
@@ -749,6 +795,7 @@ int main(void)
         cmocka_unit_test(test_decode_eviction),      cmocka_unit_test(test_query_aware_reuse),
         cmocka_unit_test(test_squeeze_conserves),    cmocka_unit_test(test_decode_rescore_hand),
         cmocka_unit_test(test_decode_rescore_matches_naive), cmocka_unit_test(test_decode_rescore_edges),
+        cmocka_unit_test(test_decode_budget_spread),
         cmocka_unit_test(test_decode_rescore_clone),
     };
     int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);
