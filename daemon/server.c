@@ -82,7 +82,7 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
-    if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT))) {
+    if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT, NULL))) {
         zmq_close(s);
         return rc;
     }
