@@ -252,8 +252,12 @@ int skv_auth_start(struct skv_auth *a, void *zctx)
     return SKV_OK;
 }
 
-int skv_auth_secure_socket(struct skv_auth *a, void *sock, enum skv_auth_endpoint which)
+#define HANDSHAKE_EVENTS (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+int skv_auth_secure_socket(struct skv_auth *a, void *sock, enum skv_auth_endpoint which, int *monitor_events)
 {
+    if (monitor_events)
+        *monitor_events = 0;
     if (a->mode[which] != MODE_CURVE)
         return SKV_OK;
     int one = 1;
@@ -264,9 +268,10 @@ int skv_auth_secure_socket(struct skv_auth *a, void *sock, enum skv_auth_endpoin
         return skv_errorf(SKV_E_IO, "%s endpoint: CURVE options: %s", domain, zmq_strerror(zmq_errno()));
     char addr[64];
     snprintf(addr, sizeof addr, "inproc://snapkvd-handshakes-%s", domain);
-    int events = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL;
-    if (zmq_socket_monitor(sock, addr, events) < 0 || !(a->monitor[which] = zmq_socket(a->zctx, ZMQ_PAIR)) ||
-        zmq_connect(a->monitor[which], addr) < 0)
+    if (monitor_events)
+        *monitor_events = HANDSHAKE_EVENTS; /* the caller monitors the socket */
+    else if (zmq_socket_monitor(sock, addr, HANDSHAKE_EVENTS) < 0 ||
+             !(a->monitor[which] = zmq_socket(a->zctx, ZMQ_PAIR)) || zmq_connect(a->monitor[which], addr) < 0)
         return skv_errorf(SKV_E_IO, "%s endpoint: handshake monitor: %s", domain, zmq_strerror(zmq_errno()));
     skv_log(SKV_LOG_INFO, "%s endpoint %s: CURVE, %zu authorized key(s) from %s", domain, a->endpoint[which],
             a->lists[which].n, a->lists[which].path);
@@ -389,6 +394,19 @@ static const char *handshake_reason(uint16_t event, uint32_t value, char *buf, s
     return buf;
 }
 
+void skv_auth_handshake_event(struct skv_auth *a, enum skv_auth_endpoint which, uint16_t event, uint32_t value)
+{
+    if (!(event & HANDSHAKE_EVENTS))
+        return;
+    char reason[128];
+    if (log_allowed(&a->handshake[which], (uint64_t)event << 32 | value)) {
+        skv_log(SKV_LOG_WARN, "%s endpoint %s: a handshake failed: %s%s", endpoint_names[which], a->endpoint[which],
+                handshake_reason(event, value, reason, sizeof reason),
+                a->handshake[which].suppressed ? " (and earlier failures not logged)" : "");
+        a->handshake[which].suppressed = 0;
+    }
+}
+
 static void monitor_read_one(struct skv_auth *a, int which)
 {
     zmq_msg_t head, addr;
@@ -404,13 +422,7 @@ static void monitor_read_one(struct skv_auth *a, int which)
     uint32_t value;
     memcpy(&event, zmq_msg_data(&head), sizeof event);
     memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
-    char reason[128];
-    if (log_allowed(&a->handshake[which], (uint64_t)event << 32 | value)) {
-        skv_log(SKV_LOG_WARN, "%s endpoint %s: a handshake failed: %s%s", endpoint_names[which], a->endpoint[which],
-                handshake_reason(event, value, reason, sizeof reason),
-                a->handshake[which].suppressed ? " (and earlier failures not logged)" : "");
-        a->handshake[which].suppressed = 0;
-    }
+    skv_auth_handshake_event(a, which, event, value);
 out:
     zmq_msg_close(&head);
     zmq_msg_close(&addr);

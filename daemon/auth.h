@@ -7,6 +7,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "daemon/config.h"
 
@@ -25,8 +26,14 @@ void skv_auth_destroy(struct skv_auth **auth_p);
 /* Binds the ZAP handler and handshake monitors on zctx; call before binding the endpoints. */
 int skv_auth_start(struct skv_auth *auth, void *zctx);
 /* Sets the CURVE server options on sock (a ROUTER not yet bound) when endpoint `which` uses
- * CURVE; does nothing for ipc:// and insecure tcp:// endpoints. */
-int skv_auth_secure_socket(struct skv_auth *auth, void *sock, enum skv_auth_endpoint which);
+ * CURVE; does nothing for ipc:// and insecure tcp:// endpoints. libzmq allows one monitor per
+ * socket: with monitor_events NULL, auth starts its own handshake monitor on a CURVE socket;
+ * otherwise it starts none and sets *monitor_events to the events the caller's monitor must
+ * include and pass to skv_auth_handshake_event (0 for an endpoint without CURVE). */
+int skv_auth_secure_socket(struct skv_auth *auth, void *sock, enum skv_auth_endpoint which, int *monitor_events);
+/* Logs a handshake failure that the caller's monitor of endpoint `which` read (rate-limited);
+ * other events are ignored. */
+void skv_auth_handshake_event(struct skv_auth *auth, enum skv_auth_endpoint which, uint16_t event, uint32_t value);
 bool skv_auth_uses_curve(const struct skv_auth *auth, enum skv_auth_endpoint which);
 
 /* The ZAP and monitor sockets to poll for input (n written, at most 3). */

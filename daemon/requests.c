@@ -543,8 +543,16 @@ static int map_buffer(const Snapkv__BufferRef *b, uint64_t need, void **map_out,
     return SKV_OK;
 }
 
+/* True when e was opened for the client behind job (same endpoint, same routing id). */
+static bool ipc_owned_by(const struct skv_ipc_buf *e, const struct skv_job *job)
+{
+    return e->sock == job->sock && e->identity_len == job->identity_len &&
+           memcmp(e->identity, job->identity, job->identity_len) == 0;
+}
+
 /* The CUDA buffer `handle` of the client behind `job`, opened on first use and kept until the
- * client has been idle for a lease (skv_requests_ipc_expire) or the worker stops. */
+ * client's connection closes (skv_requests_client_gone), it has been idle for a lease
+ * (skv_requests_ipc_expire) or the worker stops. */
 static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const ProtobufCBinaryData *handle,
                       void **out)
 {
@@ -554,7 +562,7 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
     uint64_t now = skv_now_ms();
     for (int i = 0; i < w->n_ipc; i++) {
         struct skv_ipc_buf *e = &w->ipc[i];
-        if (e->identity_len != job->identity_len || memcmp(e->identity, job->identity, job->identity_len))
+        if (!ipc_owned_by(e, job))
             continue;
         if (!memcmp(e->handle, handle->data, SKV_IPC_HANDLE_BYTES)) {
             e->last_used_ms = now;
@@ -571,6 +579,7 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
     if (rc)
         return rc;
     struct skv_ipc_buf *e = &w->ipc[w->n_ipc++];
+    e->sock = job->sock;
     memcpy(e->identity, job->identity, job->identity_len);
     e->identity_len = job->identity_len;
     memcpy(e->handle, handle->data, SKV_IPC_HANDLE_BYTES);
@@ -595,6 +604,18 @@ int skv_requests_ipc_expire(struct skv_worker *w, uint64_t now_ms)
             ipc_close_at(w, i);
             n++;
         }
+    return n;
+}
+
+int skv_requests_client_gone(struct skv_worker *w, const struct skv_job *job)
+{
+    int n = 0;
+    for (int i = w->n_ipc - 1; i >= 0; i--) /* ipc_close_at moves the last entry into i */
+        if (ipc_owned_by(&w->ipc[i], job)) {
+            ipc_close_at(w, i);
+            n++;
+        }
+    w->metrics.ipc_closed_gone += (uint64_t)n;
     return n;
 }
 
@@ -1483,7 +1504,7 @@ static void handle_stats(struct skv_worker *w, struct skv_job *job)
         stats[i].value = rows[i].value;
         ptrs[i] = &stats[i];
     }
-    char prom[4096] = "";
+    char prom[8192] = "";
     if (job->req->stats->prometheus)
         skv_stats_prometheus(rows, SKV_N_STATS, prom, sizeof prom);
     Snapkv__Reply rep;

@@ -30,6 +30,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_compression_ratio", "KV bytes kept / full-cache bytes over all prefills",
          m->bytes_before ? (double)m->bytes_after / (double)m->bytes_before : 1.0},
         {"snapkv_evictions_total", "sessions evicted under pool pressure", (double)in->evictions},
+        {"snapkv_client_disconnects_total", "clients whose connection closed after they sent a request",
+         (double)in->client_disconnects},
+        {"snapkv_cuda_buffers_closed_on_disconnect_total",
+         "CUDA IPC buffers closed when their client's connection closed", (double)m->ipc_closed_gone},
     };
     memcpy(rows, r, sizeof r);
 }

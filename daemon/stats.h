@@ -12,6 +12,7 @@ struct skv_metrics {
     uint64_t prefill_tokens, decode_tokens, decode_batches;
     double prefill_seconds, decode_seconds;
     uint64_t bytes_before, bytes_after; /* over all compressed prefills */
+    uint64_t ipc_closed_gone;     /* CUDA buffers closed because their client's connection closed */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -21,6 +22,7 @@ struct skv_stats_input {
     uint64_t pool_bytes_used, pool_bytes_total;
     uint64_t pool_blocks_used, pool_blocks_shared;
     uint64_t evictions;
+    uint64_t client_disconnects;  /* clients (that sent a request) whose connection closed */
 };
 
 struct skv_stat {
@@ -29,7 +31,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 14
+#define SKV_N_STATS 16
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -45,6 +45,7 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .pool_blocks_used = st.blocks_used,
         .pool_blocks_shared = st.blocks_shared,
         .evictions = st.evictions,
+        .client_disconnects = atomic_load(&w->st_disconnects),
     };
 }
 
@@ -83,15 +84,19 @@ static void *worker_main(void *arg)
             w->head = job->next;
             if (!w->head)
                 w->tail = NULL;
-            w->queued--;
+            if (job->kind == SKV_JOB_CLIENT_GONE)
+                w->notices--;
+            else
+                w->queued--;
             atomic_store(&w->st_queue, (unsigned)w->queued);
         }
         bool stopping = w->stopping;
         pthread_mutex_unlock(&w->mu);
 
         if (stopping) {
-            if (job) {
-                skv_requests_fail(w, job, SKV_E_CANCELLED, "snapkvd is shutting down");
+            if (job) { /* notices need nothing: every CUDA buffer closes below */
+                if (job->kind == SKV_JOB_REQUEST)
+                    skv_requests_fail(w, job, SKV_E_CANCELLED, "snapkvd is shutting down");
                 job_free(job);
                 continue;
             }
@@ -103,7 +108,12 @@ static void *worker_main(void *arg)
             }
             break;
         }
-        if (job) {
+        if (job && job->kind == SKV_JOB_CLIENT_GONE) {
+            int closed = skv_requests_client_gone(w, job);
+            if (closed)
+                skv_log(SKV_LOG_INFO, "closed %d CUDA buffer(s) of a client whose connection closed", closed);
+            job_free(job);
+        } else if (job) {
             if (job->req->command_case == SNAPKV__REQUEST__COMMAND_DECODE) {
                 struct skv_decode *d = skv_requests_decode_start(w, job);
                 if (d) {
@@ -190,6 +200,18 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     return SKV_OK;
 }
 
+/* Appends job to the FIFO and wakes the thread (w->mu held). */
+static void enqueue_locked(struct skv_worker *w, struct skv_job *job)
+{
+    job->next = NULL;
+    if (w->tail)
+        w->tail->next = job;
+    else
+        w->head = job;
+    w->tail = job;
+    pthread_cond_signal(&w->cv);
+}
+
 int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
 {
     pthread_mutex_lock(&w->mu);
@@ -199,15 +221,36 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
         return stopping ? skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down")
                         : skv_errorf(SKV_E_BUSY, "%d requests already wait (queue-depth)", (int)w->cfg->queue_depth);
     }
-    job->next = NULL;
-    if (w->tail)
-        w->tail->next = job;
-    else
-        w->head = job;
-    w->tail = job;
+    enqueue_locked(w, job);
     w->queued++;
     atomic_store(&w->st_queue, (unsigned)w->queued);
-    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return SKV_OK;
+}
+
+int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t identity_len, bool first)
+{
+    if (identity_len > sizeof ((struct skv_job *)NULL)->identity)
+        return skv_errorf(SKV_E_INVAL, "routing id of %zu bytes", identity_len);
+    if (first) /* counted even when the notice cannot be queued */
+        atomic_fetch_add(&w->st_disconnects, 1);
+    struct skv_job *job = calloc(1, sizeof *job);
+    if (!job)
+        return SKV_E_NOMEM;
+    job->kind = SKV_JOB_CLIENT_GONE;
+    job->sock = 0;
+    memcpy(job->identity, identity, identity_len);
+    job->identity_len = identity_len;
+    pthread_mutex_lock(&w->mu);
+    if (w->stopping || w->notices >= SKV_WORKER_NOTICES_MAX) {
+        bool stopping = w->stopping;
+        pthread_mutex_unlock(&w->mu);
+        free(job);
+        return stopping ? skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down")
+                        : skv_errorf(SKV_E_LIMIT, "%d client-gone notices already wait", SKV_WORKER_NOTICES_MAX);
+    }
+    enqueue_locked(w, job);
+    w->notices++;
     pthread_mutex_unlock(&w->mu);
     return SKV_OK;
 }

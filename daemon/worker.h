@@ -5,6 +5,7 @@
 #ifndef SKV_WORKER_H
 #define SKV_WORKER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -15,11 +16,17 @@ struct skv_worker;
 struct skv_model;
 struct skv_backend;
 
+enum skv_job_kind {
+    SKV_JOB_REQUEST = 0,      /* req: a command to run and answer */
+    SKV_JOB_CLIENT_GONE,      /* no req, no reply: the client's connection closed */
+};
+
 struct skv_job {
+    enum skv_job_kind kind;
     int sock;                 /* 0: client endpoint, 1: admin endpoint */
     uint8_t identity[256];    /* ZeroMQ routing id */
     size_t identity_len;
-    Snapkv__Request *req;     /* owned by the job */
+    Snapkv__Request *req;     /* owned by the job; NULL for SKV_JOB_CLIENT_GONE */
     struct skv_job *next;
 };
 
@@ -29,6 +36,14 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
                      struct skv_worker **out);
 /* Queues a job (ownership passes on success). SKV_E_BUSY when queue-depth jobs wait. */
 int skv_worker_submit(struct skv_worker *w, struct skv_job *job);
+/* Notice that the client behind `identity` on the client endpoint closed its connection: after
+ * the jobs already queued, the worker closes that client's CUDA buffers. `first` says it is the
+ * client's first notice (counted in snapkv_client_disconnects_total); a later one follows a request
+ * read after the connection had closed. Never refused for queue-depth and never waits; past
+ * SKV_WORKER_NOTICES_MAX pending notices one is dropped (SKV_E_LIMIT; the buffers then close when
+ * the lease runs out). SKV_E_CANCELLED while stopping (every buffer closes then anyway). */
+#define SKV_WORKER_NOTICES_MAX 4096
+int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t identity_len, bool first);
 /* Cancels what is queued and in flight (each gets a final reply), then joins the thread. */
 void skv_worker_stop(struct skv_worker **w_p);
 

@@ -35,6 +35,7 @@ struct skv_decode {
 #define SKV_IPC_PER_CLIENT 8   /* CUDA buffers one client may have open at once */
 #define SKV_IPC_MAX 256        /* and all clients together */
 struct skv_ipc_buf {
+    int sock;                 /* the endpoint the client came through (skv_job.sock) */
     uint8_t identity[256];    /* the client's ZeroMQ routing id */
     size_t identity_len;
     uint8_t handle[SKV_IPC_HANDLE_BYTES];
@@ -54,7 +55,8 @@ struct skv_worker {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct skv_job *head, *tail;
-    int queued;
+    int queued;               /* requests waiting (queue-depth applies) */
+    int notices;              /* SKV_JOB_CLIENT_GONE jobs waiting (SKV_WORKER_NOTICES_MAX) */
     bool stopping;
     struct skv_decode *decodes;
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
@@ -62,6 +64,7 @@ struct skv_worker {
     struct skv_metrics metrics;
     atomic_uint st_sessions, st_queue;
     atomic_ullong st_pool_used;
+    atomic_ullong st_disconnects; /* clients gone (first notices, dropped ones too) */
     pthread_mutex_t snap_mu;
     struct skv_stats_input snap;  /* published after every round, for HTTP /metrics */
     int start_rc;
@@ -84,6 +87,9 @@ void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
 void skv_requests_decode_free(struct skv_decode *d);
 /* Closes the CUDA buffers of clients idle for longer than a lease; returns how many. */
 int skv_requests_ipc_expire(struct skv_worker *w, uint64_t now_ms);
+/* A SKV_JOB_CLIENT_GONE notice: closes the CUDA buffers of the job's client (its endpoint and
+ * routing id; other clients' stay); returns how many. */
+int skv_requests_client_gone(struct skv_worker *w, const struct skv_job *job);
 /* Closes every CUDA buffer (shutdown). */
 void skv_requests_ipc_close_all(struct skv_worker *w);
 /* Sends a status-only final reply. */

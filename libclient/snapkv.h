@@ -12,7 +12,17 @@
  * Compression specs are plain strings of comma-separated key=value pairs, the same the daemon's
  * config file and snapkvctl take, e.g. "policy=snapkv,ratio=0.1" or
  * "policy=snapkv,alloc=squeeze,budget=512,window=32". NULL or "" means no compression. The
- * daemon parses and validates them (unknown keys and bad values are errors). */
+ * daemon parses and validates them (unknown keys and bad values are errors).
+ *
+ * ABI: the shared library is libsnapkv.so.N, N = current - age of its libtool version
+ * (LIBSNAPKV_LT_VERSION in configure.ac, current:revision:age). A release that only changes code
+ * bumps revision. One that adds functions bumps current and age (programs built against the
+ * older library still run). One that removes or changes a function, or adds, removes, reorders or
+ * resizes a field of a struct the caller allocates or the library fills (the *_opts structs,
+ * snapkv_sampling, the results, ...), or renumbers an enum, sets current + 1, revision 0, age 0:
+ * N changes and programs must be rebuilt. 2:0:0 (libsnapkv.so.2) is the first such bump: structs
+ * grew fields after 1.0 (snapkv_import_opts.cuda, the CURVE keys of snapkv_connect_opts).
+ * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
 

@@ -290,6 +290,11 @@ static void test_client_without_curve_refused(void **state)
 {
     NEED_DAEMON(e);
     assert_refused(e, NULL, NULL, "requires CURVE");
+    /* logged through the client socket's one monitor, which also watches its connections */
+    const char *needle = "a handshake failed: the client does not use CURVE";
+    for (int i = 0; i < 20 && !log_has(e->log, needle); i++)
+        usleep(50 * 1000);
+    assert_true(log_has(e->log, needle));
     assert_still_serving(e);
 }
 

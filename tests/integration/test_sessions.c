@@ -3,7 +3,7 @@
  * admin commands while clients run, eviction under pool pressure sparing pinned sessions, a
  * client killed mid-decode, bad requests, tenant isolation, a shared document forked per
  * question, shared-memory export/import round trips, save/load, SIGTERM mid-decode, and SnapKV
- * re-scoring while decoding (decode_budget) through DECODE. */
+ * re-scoring while decoding (decode_budget) through DECODE, and clients going away counted. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "common/status.h"
 #include "daemon/compress/compress.h"
@@ -61,10 +62,10 @@ static void start_daemon(struct daemon *d, const char *pool)
               "--max-sessions-per-tenant=16", (char *)NULL);
         _exit(127);
     }
-    for (int i = 0; i < 600; i++) {
+    for (int i = 0; i < 600; i++) { /* asks the admin endpoint (bound after the client one): no client comes and goes */
         snapkv_client_t *c = NULL;
         struct snapkv_connect_opts o = {.timeout_ms = 200};
-        if (snapkv_connect(d->endpoint, &o, &c) == SNAPKV_OK) {
+        if (snapkv_connect(d->admin, &o, &c) == SNAPKV_OK) {
             snapkv_close(&c);
             for (int k = 0; k < 4; k++)
                 if (!g_daemons[k]) {
@@ -542,6 +543,87 @@ static void test_killed_client_and_lease(void **state)
     stop_daemon(&d);
 }
 
+#define DISCONNECTS "snapkv_client_disconnects_total"
+
+static double stat_value(snapkv_client_t *a, const char *name)
+{
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, false, &st), SNAPKV_OK);
+    double v = -1;
+    for (size_t i = 0; i < st.n; i++)
+        if (strcmp(st.stats[i].name, name) == 0)
+            v = st.stats[i].value;
+    snapkv_stats_free(&st);
+    if (v < 0)
+        fail_msg("STATS has no %s", name);
+    return v;
+}
+
+/* Asks STATS until `name` reaches want (at most about 5 s); the value then. */
+static double wait_stat(snapkv_client_t *a, const char *name, double want)
+{
+    double v = stat_value(a, name);
+    for (int i = 0; i < 100 && v < want; i++) {
+        usleep(50 * 1000);
+        v = stat_value(a, name);
+    }
+    return v;
+}
+
+/* A client process that connects (HELLO) and exits is counted gone within seconds, while
+ * another client stays connected, uncounted and served until it closes itself; clients that
+ * send one request and close at once (the daemon reads it before or after the close) count
+ * once each. A CPU daemon has no CUDA buffer to close (tests/unit/test_worker covers that). */
+static void test_client_disconnects(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *a = client(d.admin, NULL); /* the admin endpoint is not counted */
+    assert_true(stat_value(a, DISCONNECTS) == 0);
+    snapkv_client_t *b = client(d.endpoint, "b");
+    pid_t kid = fork();
+    if (kid == 0) {
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.tenant = "kid", .timeout_ms = 60000};
+        _exit(snapkv_connect(d.endpoint, &o, &c) == SNAPKV_OK ? 0 : 1); /* exits without closing */
+    }
+    int st;
+    assert_int_equal(waitpid(kid, &st, 0), kid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_true(wait_stat(a, DISCONNECTS, 1) == 1);
+    uint32_t ids[16];
+    prompt(ids, 16, 21);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(b, &po, &pr), SNAPKV_OK); /* b's connection is untouched */
+    snapkv_prefill_result_free(&pr);
+    assert_true(stat_value(a, DISCONNECTS) == 1);
+
+    enum { N_BRIEF = 6 };
+    for (int i = 0; i < N_BRIEF; i++) { /* one frame, then gone (linger: it is delivered) */
+        void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
+        int linger = 5000;
+        zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+        assert_int_equal(zmq_connect(s, d.endpoint), 0);
+        assert_int_equal(zmq_send(s, "not a request", 13, 0), 13);
+        zmq_close(s);
+        zmq_ctx_term(ctx);
+    }
+    assert_true(wait_stat(a, DISCONNECTS, 1 + N_BRIEF) == 1 + N_BRIEF);
+    snapkv_close(&b);
+    assert_true(wait_stat(a, DISCONNECTS, 2 + N_BRIEF) == 2 + N_BRIEF);
+
+    snapkv_client_t *c = client(d.endpoint, "c"); /* still serving */
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    assert_true(stat_value(a, DISCONNECTS) == 2 + N_BRIEF);
+    assert_true(stat_value(a, "snapkv_cuda_buffers_closed_on_disconnect_total") == 0);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
 /* One process prefills a document whole and pins it; others fork it, append their question,
  * re-compress with the question as the window, and decode. Until they write, the forks share
  * every block of the document (INSPECT and STATUS show it, the pool holds it once); after,
@@ -787,7 +869,7 @@ int main(void)
         cmocka_unit_test_teardown(test_eight_clients, kill_daemons),     cmocka_unit_test_teardown(test_errors_and_tenants, kill_daemons),
         cmocka_unit_test_teardown(test_pool_pressure, kill_daemons),     cmocka_unit_test_teardown(test_killed_client_and_lease, kill_daemons),
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
-        cmocka_unit_test_teardown(test_decode_budget, kill_daemons),
+        cmocka_unit_test_teardown(test_decode_budget, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
