@@ -297,6 +297,16 @@ if [ "$DRY" != 1 ]; then
     for _ in $(seq 1 100); do [ -S "$IPC_DIR/client.sock" ] && break; sleep 0.2; done
     if run ipc_exchange.out 120 "$BUILD/tests/gpu/ipc_exchange" "ipc://$IPC_DIR/client.sock"; then
         row "CUDA IPC, two processes" "ok" "$(tail -1 "$BUILD/ipc_exchange.out")"
+        # the exchange's clients have exited: their buffers must close on disconnect, not at a lease
+        for _ in $(seq 1 25); do
+            grep -q "of a client whose connection closed" "$BUILD/snapkvd_ipc.log" && break
+            sleep 0.2
+        done
+        if grep -q "of a client whose connection closed" "$BUILD/snapkvd_ipc.log"; then
+            row "CUDA IPC closed on disconnect" "ok" "$(grep "of a client whose connection closed" "$BUILD/snapkvd_ipc.log" | tail -1)"
+        else
+            bad "CUDA IPC closed on disconnect" "no client-gone close in snapkvd_ipc.log within 5 s"
+        fi
     else
         tail -20 "$BUILD/snapkvd_ipc.log" >&2
         bad "CUDA IPC, two processes" "$(tail -3 "$BUILD/ipc_exchange.log" | tr '\n' ' ')"
