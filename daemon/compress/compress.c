@@ -210,6 +210,7 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     if (n <= 0)
         return skv_errorf(SKV_E_INVAL, "compress: empty forward");
     c->decode = false;
+    c->scored_layer = -1; /* the cache may have changed since the last scores */
     c->batch = n;
     c->total_len = cache->n_past + n;
     /* decoded tokens observed from here on: the rows this forward keeps are no window */
@@ -274,6 +275,7 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     if (!c->decode && c->spec.decode_budget > 0)
         spread_decode_budget(c); /* the first decode step after a compressing forward */
     c->decode = true;
+    c->scored_layer = -1;
     c->batch = 1;
     c->total_len = cache->n_past + 1;
     /* tokens that went through the model without this compressor left no queries here: the
