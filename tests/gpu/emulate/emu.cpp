@@ -1,0 +1,371 @@
+/* Host emulation of the CUDA backend's attention, compression-score and top-k kernels (see
+ * run.sh): one std::thread per CUDA thread, real barriers for __syncthreads, warp shuffles and
+ * ballots; each case compares the kernels' host launcher with the CPU backend's op on the same
+ * data. Dynamic shared memory starts as garbage, as on a device. */
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <climits>
+#include <cstdint>
+#include <thread>
+#include <vector>
+#include <type_traits>
+#include <memory>
+extern "C" {
+#include "common/status.h"
+#include "kernels/backend.h"
+}
+struct dim3 { unsigned x = 1, y = 1, z = 1; dim3() {} dim3(unsigned a, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+static char *g_dyn;
+static std::barrier<> *g_bar;
+struct warpbuf { double v[32]; unsigned flags[32]; std::barrier<> *bar; };
+static warpbuf g_warps[32];
+#define __global__
+#define __device__
+#define __forceinline__
+#define __launch_bounds__(x)
+#define __shared__ static
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+template <class T> T __shfl_down_sync(unsigned, T v, int o)
+{
+    warpbuf &w = g_warps[threadIdx.x / 32];
+    int lane = threadIdx.x % 32;
+    w.v[lane] = (double)v;
+    w.bar->arrive_and_wait();
+    T r = lane + o < 32 ? (T)w.v[lane + o] : v;
+    w.bar->arrive_and_wait();
+    return r;
+}
+static unsigned __ballot_sync(unsigned, bool f)
+{
+    warpbuf &w = g_warps[threadIdx.x / 32];
+    int lane = threadIdx.x % 32;
+    w.flags[lane] = f;
+    w.bar->arrive_and_wait();
+    unsigned m = 0;
+    for (int i = 0; i < 32; i++)
+        m |= (w.flags[i] ? 1u : 0u) << i;
+    w.bar->arrive_and_wait();
+    return m;
+}
+static int __popc(unsigned v) { return __builtin_popcount(v); }
+static unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+typedef int cudaError_t;
+typedef void *cudaStream_t;
+typedef void *cublasHandle_t;
+#define cudaSuccess 0
+#define cudaMemcpyHostToDevice 1
+#define cudaMemcpyDeviceToHost 2
+#define cudaFuncAttributeMaxDynamicSharedMemorySize 0
+static cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, int, cudaStream_t) { memcpy(d, s, n); return 0; }
+static cudaError_t cudaStreamSynchronize(cudaStream_t) { return 0; }
+static cudaError_t cudaMalloc(void **p, size_t n) { *p = malloc(n); return 0; }
+static cudaError_t cudaFree(void *p) { free(p); return 0; }
+static cudaError_t cudaGetLastError() { return 0; }
+static const char *cudaGetErrorName(cudaError_t) { return "?"; }
+static const char *cudaGetErrorString(cudaError_t) { return "?"; }
+template <class F> cudaError_t cudaFuncSetAttribute(F, int, int v) { if (v > 227 * 1024) abort(); return 0; }
+#define SKV_CUDA_CHECK(expr) do { if ((expr) != 0) return SKV_E_DEVICE; } while (0)
+
+static size_t g_max_smem;
+template <class... KA>
+void emu_launch(void (*k)(KA...), dim3 grid, int threads, size_t smem, std::type_identity_t<KA>... args)
+{
+    if (smem > g_max_smem) g_max_smem = smem;
+    if (smem > 75 * 1024 + 512) { fprintf(stderr, "smem %zu\n", smem); abort(); }
+    std::vector<char> dyn(smem + 64, (char)0xff); /* garbage, like the device */
+    blockDim = dim3(threads);
+    gridDim = grid;
+    for (unsigned b = 0; b < grid.x * grid.y; b++) {
+        g_dyn = dyn.data();
+        std::barrier<> bar(threads);
+        g_bar = &bar;
+        std::vector<std::unique_ptr<std::barrier<>>> wb;
+        for (int w = 0; w < threads / 32; w++) {
+            wb.emplace_back(new std::barrier<>(32));
+            g_warps[w].bar = wb.back().get();
+        }
+        std::vector<std::thread> th;
+        for (int t = 0; t < threads; t++)
+            th.emplace_back([&, t] { threadIdx = dim3(t); blockIdx = dim3(b % grid.x, b / grid.x); k(args...); });
+        for (auto &x : th) x.join();
+    }
+}
+#define SCRATCH_ROUND ((size_t)1 << 20)
+#define EW_THREADS 256
+namespace emu {
+#include "kern.inc"
+}
+using namespace emu;
+
+static uint64_t rs = 88172645463325252ULL;
+static float rnd() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (float)((rs >> 11) * (1.0 / 9007199254740992.0) * 2 - 1) * 1.7f; }
+
+static int run(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int sms)
+{
+    const int n_heads = n_kv * group;
+    struct skv_kv_view kv;
+    memset(&kv, 0, sizeof kv);
+    kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
+    std::vector<std::vector<float>> K(n_kv), V(n_kv);
+    std::vector<std::vector<int32_t>> pos(n_kv);
+    std::vector<std::vector<void *>> tbl(n_kv);
+    for (int g = 0; g < n_kv; g++) {
+        int pre = g == 0 ? p0 : p1, rows = pre + n;
+        kv.prefix_len[g] = pre;
+        K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
+        for (auto &x : K[g]) x = rnd();
+        for (auto &x : V[g]) x = rnd();
+        kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
+        pos[g].resize(rows);
+        for (int j = 0; j < rows; j++) pos[g][j] = j < pre ? 2 * j : 2 * pre + (j - pre);
+        kv.pos[g] = pos[g].data();
+    }
+    std::vector<float> q((size_t)n * n_heads * d), got(q.size(), NAN), want(q.size(), NAN);
+    for (auto &x : q) x = rnd();
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    if (cpu->ops->attention(cpu, want.data(), q.data(), n, n_heads, &kv) != 0) { printf("cpu fail\n"); return 1; }
+    skv_backend_destroy(&cpu);
+    struct skv_kv_view pv = kv;
+    pv.block_rows = block_rows;
+    if (block_rows > 0) {
+        for (int g = 0; g < n_kv; g++) {
+            int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
+            for (int b = 0; b < nb; b++) {
+                float *blk = (float *)malloc((size_t)2 * block_rows * d * 4);
+                for (int x = 0; x < 2 * block_rows * d; x++) blk[x] = NAN;
+                for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
+                    memcpy(blk + (size_t)r * d, &K[g][(size_t)(b * block_rows + r) * d], d * 4);
+                    memcpy(blk + (size_t)(block_rows + r) * d, &V[g][(size_t)(b * block_rows + r) * d], d * 4);
+                }
+                tbl[g].push_back(blk);
+            }
+            pv.blocks[g] = tbl[g].data();
+            pv.k[g] = pv.v[g] = NULL;
+        }
+    }
+    struct cuda_impl impl;
+    memset(&impl, 0, sizeof impl);
+    impl.sm_count = sms;
+    struct skv_backend be;
+    memset(&be, 0, sizeof be);
+    be.impl = &impl;
+    int rc = cuda_attention(&be, got.data(), q.data(), n, n_heads, &pv);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < q.size(); i++) {
+        double e = (double)got[i] - want[i];
+        if (!std::isfinite(got[i])) num = INFINITY;
+        num += e * e; den += (double)want[i] * want[i];
+    }
+    double nm = num / den;
+    printf("%s n=%d kv=%d group=%d d=%d prefix=%d,%d window=%d block_rows=%d sms=%d rc=%d nmse=%.3g smem=%zu\n",
+           nm < 1e-10 && rc == 0 ? "ok  " : "FAIL", n, n_kv, group, d, p0, p1, window, block_rows, sms, rc, nm, g_max_smem);
+    free(impl.scratch); free(impl.stage);
+    for (auto &t : tbl) for (void *b : t) free(b);
+    return !(nm < 1e-10 && rc == 0);
+}
+
+
+static int run_colsum(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int q_first)
+{
+    const int n_heads = n_kv * group;
+    struct skv_kv_view kv;
+    memset(&kv, 0, sizeof kv);
+    kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
+    std::vector<std::vector<float>> K(n_kv), V(n_kv);
+    std::vector<std::vector<int32_t>> pos(n_kv);
+    std::vector<std::vector<void *>> tbl(n_kv);
+    int stride = 0;
+    for (int g = 0; g < n_kv; g++) {
+        int pre = g == 0 ? p0 : p1, rows = pre + n;
+        stride = rows > stride ? rows : stride;
+        kv.prefix_len[g] = pre;
+        K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
+        for (auto &x : K[g]) x = rnd();
+        for (auto &x : V[g]) x = rnd();
+        kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
+        pos[g].resize(rows);
+        for (int j = 0; j < rows; j++) pos[g][j] = j < pre ? 2 * j : 2 * pre + (j - pre);
+        kv.pos[g] = pos[g].data();
+    }
+    stride += 3;
+    std::vector<float> q((size_t)n * n_heads * d);
+    for (auto &x : q) x = rnd();
+    std::vector<float> got((size_t)stride * n_heads, NAN), want((size_t)stride * n_heads, NAN);
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    if (cpu->ops->attention_colsum(cpu, want.data(), stride, q.data(), n, n_heads, &kv, q_first) != 0) { printf("cpu fail\n"); return 1; }
+    skv_backend_destroy(&cpu);
+    struct skv_kv_view pv = kv;
+    pv.block_rows = block_rows;
+    if (block_rows > 0) {
+        for (int g = 0; g < n_kv; g++) {
+            int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
+            for (int b = 0; b < nb; b++) {
+                float *blk = (float *)malloc((size_t)2 * block_rows * d * 4);
+                for (int x = 0; x < 2 * block_rows * d; x++) blk[x] = NAN;
+                for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
+                    memcpy(blk + (size_t)r * d, &K[g][(size_t)(b * block_rows + r) * d], d * 4);
+                    memcpy(blk + (size_t)(block_rows + r) * d, &V[g][(size_t)(b * block_rows + r) * d], d * 4);
+                }
+                tbl[g].push_back(blk);
+            }
+            pv.blocks[g] = tbl[g].data();
+            pv.k[g] = pv.v[g] = NULL;
+        }
+    }
+    struct cuda_impl impl;
+    memset(&impl, 0, sizeof impl);
+    impl.sm_count = 4;
+    struct skv_backend be;
+    memset(&be, 0, sizeof be);
+    be.impl = &impl;
+    int rc = cuda_attention_colsum(&be, got.data(), stride, q.data(), n, n_heads, &pv, q_first);
+    double num = 0, den = 0;
+    int layout = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        if (std::isnan(want[i]) != std::isnan(got[i])) { layout++; continue; }
+        if (std::isnan(want[i])) continue;
+        double e = (double)got[i] - want[i];
+        num += e * e; den += (double)want[i] * want[i];
+    }
+    double nm = num / (den > 0 ? den : 1);
+    bool ok = rc == 0 && layout == 0 && nm < 1e-10;
+    printf("%s colsum n=%d kv=%d group=%d d=%d prefix=%d,%d window=%d block_rows=%d q_first=%d rc=%d nmse=%.3g layout_diffs=%d\n",
+           ok ? "ok  " : "FAIL", n, n_kv, group, d, p0, p1, window, block_rows, q_first, rc, nm, layout);
+    free(impl.scratch); free(impl.stage);
+    for (auto &t : tbl) for (void *b : t) free(b);
+    return !ok;
+}
+
+static int run_cosine(int n, int dim)
+{
+    std::vector<float> a((size_t)n * dim), b((size_t)n * dim);
+    for (auto &x : a) x = rnd();
+    for (size_t i = 0; i < b.size(); i++) b[i] = a[i] * 0.5f + rnd();
+    float want = 0, got = 0;
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    cpu->ops->cosine_mean(cpu, &want, a.data(), b.data(), n, dim);
+    skv_backend_destroy(&cpu);
+    struct cuda_impl impl;
+    memset(&impl, 0, sizeof impl);
+    struct skv_backend be;
+    memset(&be, 0, sizeof be);
+    be.impl = &impl;
+    int rc = cuda_cosine_mean(&be, &got, a.data(), b.data(), n, dim);
+    bool ok = rc == 0 && fabsf(got - want) <= 1e-6f * fabsf(want);
+    printf("%s cosine n=%d dim=%d %.9g vs %.9g\n", ok ? "ok  " : "FAIL", n, dim, got, want);
+    free(impl.scratch); free(impl.stage);
+    return !ok;
+}
+
+
+static int run_group(int n_heads, int n_kv, int64_t stride, const int *len, const int *pooled, float div, int kernel,
+                     bool pmax, bool gmax)
+{
+    std::vector<float> cs((size_t)stride * n_heads), want((size_t)stride * n_kv, NAN), got((size_t)stride * n_kv, NAN);
+    for (auto &x : cs) x = fabsf(rnd());
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    int rc_cpu = cpu->ops->group_scores(cpu, want.data(), cs.data(), stride, n_heads, n_kv, len, pooled, div, kernel,
+                                        pmax, gmax);
+    skv_backend_destroy(&cpu);
+    struct cuda_impl impl;
+    memset(&impl, 0, sizeof impl);
+    struct skv_backend be;
+    memset(&be, 0, sizeof be);
+    be.impl = &impl;
+    int rc = cuda_group_scores(&be, got.data(), cs.data(), stride, n_heads, n_kv, len, pooled, div, kernel, pmax, gmax);
+    bool ok = rc == 0 && rc_cpu == 0 && memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0;
+    printf("%s group_scores heads=%d kv=%d kernel=%d pool=%s gqa=%s (bitwise)\n", ok ? "ok  " : "FAIL", n_heads, n_kv,
+           kernel, pmax ? "max" : "avg", gmax ? "max" : "mean");
+    free(impl.scratch); free(impl.stage);
+    return !ok;
+}
+
+static int run_topk(const std::vector<float> &keys, int64_t stride, const int *n, int n_seg, int k, bool joint)
+{
+    std::vector<int32_t> want(keys.size() + 1, -7), got(keys.size() + 1, -7);
+    std::vector<int> cw(n_seg, -1), cg(n_seg, -1);
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    int rc_cpu = cpu->ops->topk_rows(cpu, want.data(), cw.data(), keys.data(), stride, n, n_seg, k, joint);
+    skv_backend_destroy(&cpu);
+    struct cuda_impl impl;
+    memset(&impl, 0, sizeof impl);
+    struct skv_backend be;
+    memset(&be, 0, sizeof be);
+    be.impl = &impl;
+    int rc = cuda_topk_rows(&be, got.data(), cg.data(), keys.data(), stride, n, n_seg, k, joint);
+    bool ok = rc == 0 && rc_cpu == 0 && got == want && cg == cw;
+    printf("%s topk_rows segments=%d rows0=%d k=%d %s\n", ok ? "ok  " : "FAIL", n_seg, n[0], k,
+           joint ? "joint" : "per segment");
+    free(impl.scratch); free(impl.stage);
+    return !ok;
+}
+
+/* Suites: attention (the tiled, split-K and fallback paths), colsum (+ cosine), topk (+ group
+ * scores); all three without an argument. */
+int main(int argc, char **argv)
+{
+    bool all = argc < 2;
+    auto want = [&](const char *s) { return all || strcmp(argv[1], s) == 0; };
+    int fails = 0;
+    if (want("attention")) {
+        /* n kv group d p0 p1 window block_rows sms */
+        fails += run(1, 2, 1, 64, 0, 0, 0, 0, 4);
+        fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
+        fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
+        fails += run(1, 2, 4, 128, 64, 2, 0, 100, 4);
+        fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
+        fails += run(3, 2, 4, 64, 1000, 17, 0, 0, 8);
+        fails += run(8, 2, 8, 256, 700, 20, 300, 100, 4);
+        fails += run(9, 2, 4, 128, 100, 37, 0, 16, 4);
+        fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
+        fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
+        fails += run(130, 2, 1, 18, 10, 0, 0, 0, 4);
+        fails += run(2, 2, 2, 320, 300, 30, 0, 16, 4);
+    }
+    if (want("colsum")) {
+        /* n kv group d p0 p1 window block_rows q_first */
+        fails += run_colsum(32, 3, 3, 64, 458, 458, 0, 0, 0);
+        fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
+        fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
+        fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
+        fails += run_colsum(17, 1, 4, 128, 300, 0, 100, 100, 0);
+        fails += run_colsum(5, 2, 1, 18, 3, 0, 0, 0, 4);
+        fails += run_cosine(7, 576);
+        fails += run_cosine(300, 64);
+    }
+    if (want("topk")) {
+        int len[4] = {700, 0, 1, 513}, pooled[4] = {668, 0, 0, 513};
+        for (int m = 0; m < 4; m++)
+            fails += run_group(12, 4, 701, len, pooled, 7.0f, m < 2 ? 7 : 5, m & 1, m >= 2);
+        int l2[2] = {40, 9}, p2[2] = {8, 9};
+        fails += run_group(8, 2, 41, l2, p2, 3.0f, 31, false, false);
+        std::vector<float> keys(8 * 3000);
+        for (auto &x : keys) {
+            unsigned v = (unsigned)(fabsf(rnd()) * 30);
+            x = v < 10 ? (float)(v % 4) * 0.25f : v == 10 ? -0.0f : v == 11 ? NAN : v == 12 ? -INFINITY : rnd();
+        }
+        int ns[8] = {3000, 2048, 1, 0, 33, 2999, 512, 700};
+        const int ks[] = {0, 1, 7, 40, 511, 1000, 2999, 3000, 40000};
+        for (int k : ks)
+            for (int j = 0; j < 2; j++) {
+                fails += run_topk(keys, 3000, ns, 8, k, j);
+                fails += run_topk(keys, 3000, ns, 3, k, j);
+            }
+        for (auto &x : keys) x = 0.5f;
+        fails += run_topk(keys, 3000, ns, 8, 2048, true);
+        fails += run_topk(keys, 3000, ns, 8, 100, false);
+    }
+    printf("%d failed\n", fails);
+    return fails != 0;
+}
