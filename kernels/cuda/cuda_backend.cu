@@ -19,6 +19,7 @@ extern "C" {
 /* Up to this many activation rows the matmul runs a dequantizing GEMV kernel. */
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
+#define MM_VEC_UNROLL 4        /* 16-byte weight loads in flight per lane (gemv_vec_kernel) */
 /* Bytes of bf16 weight tile a quantized GEMM dequantizes at a time. */
 #define MM_TILE_BYTES ((size_t)64 << 20)
 /* attention_kernel (the fallback) and the colsum kernels */
@@ -336,7 +337,8 @@ static int cuda_get_rows(struct skv_backend *be, float *out, const struct skv_te
 
 /* ---- matmul ------------------------------------------------------------------------- */
 
-/* One warp per weight row, lanes over the columns; n <= MM_GEMV_MAX_N activation rows. */
+/* One warp per weight row, lanes over the columns; n <= MM_GEMV_MAX_N activation rows (any
+ * type, any alignment; F32 / F16 / BF16 rows that allow it take gemv_vec_kernel). */
 template <int TYPE>
 __global__ void gemv_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias,
                             const float *x, int rows, int cols, int n)
@@ -356,6 +358,83 @@ __global__ void gemv_kernel(float *out, const uint8_t *w, size_t row_bytes, cons
         for (int j = 0; j < MM_GEMV_MAX_N; j++)
             if (j < n)
                 acc[j] = fmaf(wv, x[(size_t)j * cols + e], acc[j]);
+    }
+    const float b = bias ? bias[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < MM_GEMV_MAX_N; j++) {
+        if (j < n) {
+            const float s = warp_sum(acc[j]);
+            if (lane == 0)
+                out[(size_t)j * rows + r] = s + b;
+        }
+    }
+}
+
+/* Eight 16-bit (F16 or BF16) or four F32 weights of one 16-byte load, as floats. */
+template <int TYPE>
+__device__ __forceinline__ void unpack16(const uint4 v, float *f)
+{
+    const uint32_t word[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if constexpr (TYPE == SKV_DTYPE_F32) {
+            f[i] = __uint_as_float(word[i]);
+        } else if constexpr (TYPE == SKV_DTYPE_BF16) {
+            f[2 * i] = __uint_as_float(word[i] << 16);
+            f[2 * i + 1] = __uint_as_float(word[i] & 0xffff0000u);
+        } else {
+            const float2 t = __half22float2(*reinterpret_cast<const __half2 *>(&word[i]));
+            f[2 * i] = t.x;
+            f[2 * i + 1] = t.y;
+        }
+    }
+}
+
+/* gemv_kernel for F32 / F16 / BF16 rows whose bytes and activations are 16-byte aligned: one
+ * warp per row, each lane reading 16 bytes at a time (4 or 8 weights), MM_VEC_UNROLL loads in
+ * flight, so that decode streams the weights near the memory's bandwidth. */
+template <int TYPE>
+__global__ void gemv_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias,
+                                const float *x, int rows, int cols, int n)
+{
+    constexpr int EPL = TYPE == SKV_DTYPE_F32 ? 4 : 8; /* weights per 16-byte load */
+    const int lane = threadIdx.x % 32;
+    const int r = blockIdx.x * MM_GEMV_WARPS + threadIdx.x / 32;
+    if (r >= rows)
+        return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)r * row_bytes);
+    const int chunks = cols / EPL;
+    float acc[MM_GEMV_MAX_N];
+#pragma unroll
+    for (int j = 0; j < MM_GEMV_MAX_N; j++)
+        acc[j] = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * MM_VEC_UNROLL) {
+        uint4 v[MM_VEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MM_VEC_UNROLL; u++)
+            v[u] = c0 + 32 * u < chunks ? __ldg(wr + c0 + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int u = 0; u < MM_VEC_UNROLL; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks)
+                break;
+            float wf[EPL];
+            unpack16<TYPE>(v[u], wf);
+#pragma unroll
+            for (int j = 0; j < MM_GEMV_MAX_N; j++) {
+                if (j >= n)
+                    break;
+                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)j * cols + (size_t)c * EPL);
+#pragma unroll
+                for (int q = 0; q < EPL / 4; q++) {
+                    const float4 xv = __ldg(xp + q);
+                    acc[j] = fmaf(wf[4 * q], xv.x, acc[j]);
+                    acc[j] = fmaf(wf[4 * q + 1], xv.y, acc[j]);
+                    acc[j] = fmaf(wf[4 * q + 2], xv.z, acc[j]);
+                    acc[j] = fmaf(wf[4 * q + 3], xv.w, acc[j]);
+                }
+            }
+        }
     }
     const float b = bias ? bias[r] : 0.0f;
 #pragma unroll
@@ -419,6 +498,22 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
 
     if (n <= MM_GEMV_MAX_N) {
         const unsigned grid = (unsigned)((rows + MM_GEMV_WARPS - 1) / MM_GEMV_WARPS);
+        const bool wide = w->type == SKV_DTYPE_F32 || w->type == SKV_DTYPE_F16 || w->type == SKV_DTYPE_BF16;
+        const int epl = w->type == SKV_DTYPE_F32 ? 4 : 8;
+        if (wide && cols % epl == 0 && row_bytes % 16 == 0 && (uintptr_t)wd % 16 == 0 && (uintptr_t)x % 16 == 0) {
+#define MV_VEC_LAUNCH(T)                                                                          \
+    gemv_vec_kernel<T><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, \
+                                                                      rows, cols, n)
+            if (w->type == SKV_DTYPE_F32)
+                MV_VEC_LAUNCH(SKV_DTYPE_F32);
+            else if (w->type == SKV_DTYPE_F16)
+                MV_VEC_LAUNCH(SKV_DTYPE_F16);
+            else
+                MV_VEC_LAUNCH(SKV_DTYPE_BF16);
+#undef MV_VEC_LAUNCH
+            SKV_CUDA_CHECK(cudaGetLastError());
+            return SKV_OK;
+        }
 #define MV_LAUNCH(T)                                                                              \
     gemv_kernel<T><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x,     \
                                                                   rows, cols, n)

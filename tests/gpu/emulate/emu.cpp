@@ -55,6 +55,17 @@ static unsigned __ballot_sync(unsigned, bool f)
 static int __popc(unsigned v) { return __builtin_popcount(v); }
 static unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+struct __half { unsigned short x; };
+struct __half2 { unsigned short x, y; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+template <class T> static T __ldg(const T *p) { return *p; }
+static __half __ushort_as_half(unsigned short u) { return {u}; }
+static float __half2float(__half h) { return skv_fp16_to_f32(h.x); }
+static float2 __half22float2(__half2 h) { return {skv_fp16_to_f32(h.x), skv_fp16_to_f32(h.y)}; }
+static float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 typedef int cudaError_t;
 typedef void *cudaStream_t;
 typedef void *cublasHandle_t;
@@ -311,8 +322,57 @@ static int run_topk(const std::vector<float> &keys, int64_t stride, const int *n
     return !ok;
 }
 
-/* Suites: attention (the tiled, split-K and fallback paths), colsum (+ cosine), topk (+ group
- * scores); all three without an argument. */
+/* The decode GEMV: the 16-byte-load kernel and the element kernel on the same rows, both
+ * against a double product of the stored (rounded) weights. */
+static int run_gemv(int type, int rows, int cols, int n)
+{
+    const size_t esz = type == SKV_DTYPE_F32 ? 4 : 2, rb = (size_t)cols * esz;
+    std::vector<uint8_t> w(rb * rows + 16);
+    std::vector<float> wf((size_t)rows * cols), x((size_t)n * cols);
+    for (size_t i = 0; i < wf.size(); i++) {
+        float v = rnd();
+        if (type == SKV_DTYPE_F32) {
+            memcpy(&w[i * 4], &v, 4);
+            wf[i] = v;
+        } else {
+            uint16_t h = type == SKV_DTYPE_F16 ? skv_f32_to_fp16(v) : skv_f32_to_bf16(v);
+            memcpy(&w[i * 2], &h, 2);
+            wf[i] = type == SKV_DTYPE_F16 ? skv_fp16_to_f32(h) : skv_bf16_to_f32(h);
+        }
+    }
+    for (auto &v : x) v = rnd();
+    std::vector<float> vec((size_t)n * rows, NAN), ele((size_t)n * rows, NAN), bias(rows);
+    for (auto &v : bias) v = rnd();
+    unsigned grid = (unsigned)((rows + MM_GEMV_WARPS - 1) / MM_GEMV_WARPS);
+    if (type == SKV_DTYPE_F32) {
+        emu_launch(gemv_vec_kernel<SKV_DTYPE_F32>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+        emu_launch(gemv_kernel<SKV_DTYPE_F32>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+    } else if (type == SKV_DTYPE_F16) {
+        emu_launch(gemv_vec_kernel<SKV_DTYPE_F16>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+        emu_launch(gemv_kernel<SKV_DTYPE_F16>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+    } else {
+        emu_launch(gemv_vec_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+        emu_launch(gemv_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+    }
+    double num_v = 0, num_e = 0, den = 0;
+    for (int j = 0; j < n; j++)
+        for (int r = 0; r < rows; r++) {
+            double ref = bias[r];
+            for (int c = 0; c < cols; c++)
+                ref += (double)wf[(size_t)r * cols + c] * x[(size_t)j * cols + c];
+            double gv = vec[(size_t)j * rows + r], ge = ele[(size_t)j * rows + r];
+            num_v += std::isfinite(gv) ? (gv - ref) * (gv - ref) : INFINITY;
+            num_e += std::isfinite(ge) ? (ge - ref) * (ge - ref) : INFINITY;
+            den += ref * ref;
+        }
+    bool ok = num_v / den < 1e-11 && num_e / den < 1e-11;
+    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g\n", ok ? "ok  " : "FAIL", type, rows,
+           cols, n, num_v / den, num_e / den);
+    return !ok;
+}
+
+/* Suites: attention (the tiled, split-K and fallback paths), colsum (+ cosine), gemv, topk (+
+ * group scores); all of them without an argument. */
 int main(int argc, char **argv)
 {
     bool all = argc < 2;
@@ -343,6 +403,15 @@ int main(int argc, char **argv)
         fails += run_colsum(5, 2, 1, 18, 3, 0, 0, 0, 4);
         fails += run_cosine(7, 576);
         fails += run_cosine(300, 64);
+    }
+    if (want("gemv")) {
+        const int types[] = {SKV_DTYPE_F32, SKV_DTYPE_F16, SKV_DTYPE_BF16};
+        for (int t : types) {
+            fails += run_gemv(t, 37, 576, 1);
+            fails += run_gemv(t, 9, 4096, 3);
+            fails += run_gemv(t, 17, 136, 8);
+            fails += run_gemv(t, 8, 2056, 2); /* chunks not a multiple of 32 x unroll */
+        }
     }
     if (want("topk")) {
         int len[4] = {700, 0, 1, 513}, pooled[4] = {668, 0, 0, 513};

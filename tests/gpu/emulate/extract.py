@@ -15,10 +15,12 @@ def between(a, b):
 
 
 parts = [
-    between("/* attention_kernel (the fallback)", "#define EW_THREADS"),
+    between("/* Up to this many activation rows", "#define EW_THREADS"),
     between("struct cuda_impl {", "/* ---- memory, copies"),
     between("/* A device scratch buffer of at least", "/* True when p is device"),
     between("__device__ __forceinline__ float warp_sum(float v)", "__device__ __forceinline__ float half_bits"),
+    between("__device__ __forceinline__ float half_bits", "static bool cuda_type_supported"),
+    between("/* One warp per weight row", "/* Rows of a quantized weight dequantized"),
     between("/* ---- attention ----", "/* Row i of n: dst[i] <- src[i]"),
 ]
 code = "\n".join(parts)
