@@ -337,6 +337,21 @@ static int cuda_get_rows(struct skv_backend *be, float *out, const struct skv_te
 
 /* ---- matmul ------------------------------------------------------------------------- */
 
+/* A GEMV warp's row r: each lane's partial sums reduced over the warp, plus the bias. */
+__device__ __forceinline__ void gemv_store(float *out, const float *acc, const float *bias, int r, int rows, int n,
+                                           int lane)
+{
+    const float b = bias ? bias[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < MM_GEMV_MAX_N; j++) {
+        if (j < n) {
+            const float s = warp_sum(acc[j]);
+            if (lane == 0)
+                out[(size_t)j * rows + r] = s + b;
+        }
+    }
+}
+
 /* One warp per weight row, lanes over the columns; n <= MM_GEMV_MAX_N activation rows (any
  * type, any alignment; F32 / F16 / BF16 rows that allow it take gemv_vec_kernel). */
 template <int TYPE>
@@ -359,15 +374,7 @@ __global__ void gemv_kernel(float *out, const uint8_t *w, size_t row_bytes, cons
             if (j < n)
                 acc[j] = fmaf(wv, x[(size_t)j * cols + e], acc[j]);
     }
-    const float b = bias ? bias[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < MM_GEMV_MAX_N; j++) {
-        if (j < n) {
-            const float s = warp_sum(acc[j]);
-            if (lane == 0)
-                out[(size_t)j * rows + r] = s + b;
-        }
-    }
+    gemv_store(out, acc, bias, r, rows, n, lane);
 }
 
 /* Eight 16-bit (F16 or BF16) or four F32 weights of one 16-byte load, as floats. */
@@ -436,15 +443,7 @@ __global__ void gemv_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, 
             }
         }
     }
-    const float b = bias ? bias[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < MM_GEMV_MAX_N; j++) {
-        if (j < n) {
-            const float s = warp_sum(acc[j]);
-            if (lane == 0)
-                out[(size_t)j * rows + r] = s + b;
-        }
-    }
+    gemv_store(out, acc, bias, r, rows, n, lane);
 }
 
 /* Rows of a quantized weight dequantized to bf16: the quantized GEMM's tensor-core input. */

@@ -117,36 +117,36 @@ using namespace emu;
 static uint64_t rs = 88172645463325252ULL;
 static float rnd() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (float)((rs >> 11) * (1.0 / 9007199254740992.0) * 2 - 1) * 1.7f; }
 
-static int run(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int sms)
-{
-    const int n_heads = n_kv * group;
-    struct skv_kv_view kv;
-    memset(&kv, 0, sizeof kv);
-    kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
-    std::vector<std::vector<float>> K(n_kv), V(n_kv);
-    std::vector<std::vector<int32_t>> pos(n_kv);
-    std::vector<std::vector<void *>> tbl(n_kv);
-    for (int g = 0; g < n_kv; g++) {
-        int pre = g == 0 ? p0 : p1, rows = pre + n;
-        kv.prefix_len[g] = pre;
-        K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
-        for (auto &x : K[g]) x = rnd();
-        for (auto &x : V[g]) x = rnd();
-        kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
-        pos[g].resize(rows);
-        for (int j = 0; j < rows; j++) pos[g][j] = j < pre ? 2 * j : 2 * pre + (j - pre);
-        kv.pos[g] = pos[g].data();
-    }
-    std::vector<float> q((size_t)n * n_heads * d), got(q.size(), NAN), want(q.size(), NAN);
-    for (auto &x : q) x = rnd();
-    struct skv_backend *cpu = NULL;
-    skv_backend_cpu_new(1, &cpu);
-    if (cpu->ops->attention(cpu, want.data(), q.data(), n, n_heads, &kv) != 0) { printf("cpu fail\n"); return 1; }
-    skv_backend_destroy(&cpu);
-    struct skv_kv_view pv = kv;
-    pv.block_rows = block_rows;
-    if (block_rows > 0) {
+/* A random KV cache of n_kv heads (prefix p0 / p1 rows before the batch's n, positions with a
+ * gap so that a sliding window cuts inside the prefix), its contiguous view for the CPU and a
+ * paged copy (blocks of block_rows, unused rows NaN) for the kernels when block_rows > 0. */
+struct kv_case {
+    struct skv_kv_view kv, paged;
+    std::vector<std::vector<float>> K, V;
+    std::vector<std::vector<int32_t>> pos;
+    std::vector<std::vector<void *>> tbl;
+    int max_rows = 0;
+
+    kv_case(int n, int n_kv, int d, int p0, int p1, int window, int block_rows)
+        : K(n_kv), V(n_kv), pos(n_kv), tbl(n_kv)
+    {
+        memset(&kv, 0, sizeof kv);
+        kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
         for (int g = 0; g < n_kv; g++) {
+            int pre = g == 0 ? p0 : p1, rows = pre + n;
+            max_rows = rows > max_rows ? rows : max_rows;
+            kv.prefix_len[g] = pre;
+            K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
+            for (auto &x : K[g]) x = rnd();
+            for (auto &x : V[g]) x = rnd();
+            kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
+            pos[g].resize(rows);
+            for (int j = 0; j < rows; j++) pos[g][j] = j < pre ? 2 * j : 2 * pre + (j - pre);
+            kv.pos[g] = pos[g].data();
+        }
+        paged = kv;
+        paged.block_rows = block_rows;
+        for (int g = 0; g < n_kv && block_rows > 0; g++) {
             int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
             for (int b = 0; b < nb; b++) {
                 float *blk = (float *)malloc((size_t)2 * block_rows * d * 4);
@@ -157,101 +157,81 @@ static int run(int n, int n_kv, int group, int d, int p0, int p1, int window, in
                 }
                 tbl[g].push_back(blk);
             }
-            pv.blocks[g] = tbl[g].data();
-            pv.k[g] = pv.v[g] = NULL;
+            paged.blocks[g] = tbl[g].data();
+            paged.k[g] = paged.v[g] = NULL;
         }
     }
+    ~kv_case()
+    {
+        for (auto &t : tbl)
+            for (void *b : t) free(b);
+    }
+};
+
+/* An emulated CUDA backend (no device: the mocks above stand in for the runtime). */
+struct emu_backend {
     struct cuda_impl impl;
-    memset(&impl, 0, sizeof impl);
-    impl.sm_count = sms;
     struct skv_backend be;
-    memset(&be, 0, sizeof be);
-    be.impl = &impl;
-    int rc = cuda_attention(&be, got.data(), q.data(), n, n_heads, &pv);
+    explicit emu_backend(int sms = 4)
+    {
+        memset(&impl, 0, sizeof impl);
+        impl.sm_count = sms;
+        memset(&be, 0, sizeof be);
+        be.impl = &impl;
+    }
+    ~emu_backend() { free(impl.scratch); free(impl.stage); }
+};
+
+static int run(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int sms)
+{
+    const int n_heads = n_kv * group;
+    kv_case c(n, n_kv, d, p0, p1, window, block_rows);
+    std::vector<float> q((size_t)n * n_heads * d), got(q.size(), NAN), want(q.size(), NAN);
+    for (auto &x : q) x = rnd();
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    if (cpu->ops->attention(cpu, want.data(), q.data(), n, n_heads, &c.kv) != 0) { printf("cpu fail\n"); return 1; }
+    skv_backend_destroy(&cpu);
+    emu_backend e(sms);
+    int rc = cuda_attention(&e.be, got.data(), q.data(), n, n_heads, &c.paged);
     double num = 0, den = 0;
     for (size_t i = 0; i < q.size(); i++) {
-        double e = (double)got[i] - want[i];
+        double err = (double)got[i] - want[i];
         if (!std::isfinite(got[i])) num = INFINITY;
-        num += e * e; den += (double)want[i] * want[i];
+        num += err * err; den += (double)want[i] * want[i];
     }
     double nm = num / den;
     printf("%s n=%d kv=%d group=%d d=%d prefix=%d,%d window=%d block_rows=%d sms=%d rc=%d nmse=%.3g smem=%zu\n",
            nm < 1e-10 && rc == 0 ? "ok  " : "FAIL", n, n_kv, group, d, p0, p1, window, block_rows, sms, rc, nm, g_max_smem);
-    free(impl.scratch); free(impl.stage);
-    for (auto &t : tbl) for (void *b : t) free(b);
     return !(nm < 1e-10 && rc == 0);
 }
-
 
 static int run_colsum(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int q_first)
 {
     const int n_heads = n_kv * group;
-    struct skv_kv_view kv;
-    memset(&kv, 0, sizeof kv);
-    kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
-    std::vector<std::vector<float>> K(n_kv), V(n_kv);
-    std::vector<std::vector<int32_t>> pos(n_kv);
-    std::vector<std::vector<void *>> tbl(n_kv);
-    int stride = 0;
-    for (int g = 0; g < n_kv; g++) {
-        int pre = g == 0 ? p0 : p1, rows = pre + n;
-        stride = rows > stride ? rows : stride;
-        kv.prefix_len[g] = pre;
-        K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
-        for (auto &x : K[g]) x = rnd();
-        for (auto &x : V[g]) x = rnd();
-        kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
-        pos[g].resize(rows);
-        for (int j = 0; j < rows; j++) pos[g][j] = j < pre ? 2 * j : 2 * pre + (j - pre);
-        kv.pos[g] = pos[g].data();
-    }
-    stride += 3;
+    kv_case c(n, n_kv, d, p0, p1, window, block_rows);
+    const int stride = c.max_rows + 3;
     std::vector<float> q((size_t)n * n_heads * d);
     for (auto &x : q) x = rnd();
     std::vector<float> got((size_t)stride * n_heads, NAN), want((size_t)stride * n_heads, NAN);
     struct skv_backend *cpu = NULL;
     skv_backend_cpu_new(1, &cpu);
-    if (cpu->ops->attention_colsum(cpu, want.data(), stride, q.data(), n, n_heads, &kv, q_first) != 0) { printf("cpu fail\n"); return 1; }
+    if (cpu->ops->attention_colsum(cpu, want.data(), stride, q.data(), n, n_heads, &c.kv, q_first) != 0) { printf("cpu fail\n"); return 1; }
     skv_backend_destroy(&cpu);
-    struct skv_kv_view pv = kv;
-    pv.block_rows = block_rows;
-    if (block_rows > 0) {
-        for (int g = 0; g < n_kv; g++) {
-            int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
-            for (int b = 0; b < nb; b++) {
-                float *blk = (float *)malloc((size_t)2 * block_rows * d * 4);
-                for (int x = 0; x < 2 * block_rows * d; x++) blk[x] = NAN;
-                for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
-                    memcpy(blk + (size_t)r * d, &K[g][(size_t)(b * block_rows + r) * d], d * 4);
-                    memcpy(blk + (size_t)(block_rows + r) * d, &V[g][(size_t)(b * block_rows + r) * d], d * 4);
-                }
-                tbl[g].push_back(blk);
-            }
-            pv.blocks[g] = tbl[g].data();
-            pv.k[g] = pv.v[g] = NULL;
-        }
-    }
-    struct cuda_impl impl;
-    memset(&impl, 0, sizeof impl);
-    impl.sm_count = 4;
-    struct skv_backend be;
-    memset(&be, 0, sizeof be);
-    be.impl = &impl;
-    int rc = cuda_attention_colsum(&be, got.data(), stride, q.data(), n, n_heads, &pv, q_first);
+    emu_backend e;
+    int rc = cuda_attention_colsum(&e.be, got.data(), stride, q.data(), n, n_heads, &c.paged, q_first);
     double num = 0, den = 0;
     int layout = 0;
     for (size_t i = 0; i < got.size(); i++) {
         if (std::isnan(want[i]) != std::isnan(got[i])) { layout++; continue; }
         if (std::isnan(want[i])) continue;
-        double e = (double)got[i] - want[i];
-        num += e * e; den += (double)want[i] * want[i];
+        double err = (double)got[i] - want[i];
+        num += err * err; den += (double)want[i] * want[i];
     }
     double nm = num / (den > 0 ? den : 1);
     bool ok = rc == 0 && layout == 0 && nm < 1e-10;
     printf("%s colsum n=%d kv=%d group=%d d=%d prefix=%d,%d window=%d block_rows=%d q_first=%d rc=%d nmse=%.3g layout_diffs=%d\n",
            ok ? "ok  " : "FAIL", n, n_kv, group, d, p0, p1, window, block_rows, q_first, rc, nm, layout);
-    free(impl.scratch); free(impl.stage);
-    for (auto &t : tbl) for (void *b : t) free(b);
     return !ok;
 }
 
@@ -265,15 +245,10 @@ static int run_cosine(int n, int dim)
     skv_backend_cpu_new(1, &cpu);
     cpu->ops->cosine_mean(cpu, &want, a.data(), b.data(), n, dim);
     skv_backend_destroy(&cpu);
-    struct cuda_impl impl;
-    memset(&impl, 0, sizeof impl);
-    struct skv_backend be;
-    memset(&be, 0, sizeof be);
-    be.impl = &impl;
-    int rc = cuda_cosine_mean(&be, &got, a.data(), b.data(), n, dim);
+    emu_backend e;
+    int rc = cuda_cosine_mean(&e.be, &got, a.data(), b.data(), n, dim);
     bool ok = rc == 0 && fabsf(got - want) <= 1e-6f * fabsf(want);
     printf("%s cosine n=%d dim=%d %.9g vs %.9g\n", ok ? "ok  " : "FAIL", n, dim, got, want);
-    free(impl.scratch); free(impl.stage);
     return !ok;
 }
 
@@ -288,16 +263,11 @@ static int run_group(int n_heads, int n_kv, int64_t stride, const int *len, cons
     int rc_cpu = cpu->ops->group_scores(cpu, want.data(), cs.data(), stride, n_heads, n_kv, len, pooled, div, kernel,
                                         pmax, gmax);
     skv_backend_destroy(&cpu);
-    struct cuda_impl impl;
-    memset(&impl, 0, sizeof impl);
-    struct skv_backend be;
-    memset(&be, 0, sizeof be);
-    be.impl = &impl;
-    int rc = cuda_group_scores(&be, got.data(), cs.data(), stride, n_heads, n_kv, len, pooled, div, kernel, pmax, gmax);
+    emu_backend e;
+    int rc = cuda_group_scores(&e.be, got.data(), cs.data(), stride, n_heads, n_kv, len, pooled, div, kernel, pmax, gmax);
     bool ok = rc == 0 && rc_cpu == 0 && memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0;
     printf("%s group_scores heads=%d kv=%d kernel=%d pool=%s gqa=%s (bitwise)\n", ok ? "ok  " : "FAIL", n_heads, n_kv,
            kernel, pmax ? "max" : "avg", gmax ? "max" : "mean");
-    free(impl.scratch); free(impl.stage);
     return !ok;
 }
 
@@ -309,16 +279,11 @@ static int run_topk(const std::vector<float> &keys, int64_t stride, const int *n
     skv_backend_cpu_new(1, &cpu);
     int rc_cpu = cpu->ops->topk_rows(cpu, want.data(), cw.data(), keys.data(), stride, n, n_seg, k, joint);
     skv_backend_destroy(&cpu);
-    struct cuda_impl impl;
-    memset(&impl, 0, sizeof impl);
-    struct skv_backend be;
-    memset(&be, 0, sizeof be);
-    be.impl = &impl;
-    int rc = cuda_topk_rows(&be, got.data(), cg.data(), keys.data(), stride, n, n_seg, k, joint);
+    emu_backend e;
+    int rc = cuda_topk_rows(&e.be, got.data(), cg.data(), keys.data(), stride, n, n_seg, k, joint);
     bool ok = rc == 0 && rc_cpu == 0 && got == want && cg == cw;
     printf("%s topk_rows segments=%d rows0=%d k=%d %s\n", ok ? "ok  " : "FAIL", n_seg, n[0], k,
            joint ? "joint" : "per segment");
-    free(impl.scratch); free(impl.stage);
     return !ok;
 }
 

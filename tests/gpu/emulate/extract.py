@@ -20,7 +20,7 @@ parts = [
     between("/* A device scratch buffer of at least", "/* True when p is device"),
     between("__device__ __forceinline__ float warp_sum(float v)", "__device__ __forceinline__ float half_bits"),
     between("__device__ __forceinline__ float half_bits", "static bool cuda_type_supported"),
-    between("/* One warp per weight row", "/* Rows of a quantized weight dequantized"),
+    between("/* A GEMV warp's row r", "/* Rows of a quantized weight dequantized"),
     between("/* ---- attention ----", "/* Row i of n: dst[i] <- src[i]"),
 ]
 code = "\n".join(parts)
