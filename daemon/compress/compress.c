@@ -246,25 +246,27 @@ static void spread_decode_budget(struct skv_compressor *c)
     for (int l = 0; l < L; l++)
         sum += c->layer_budget[l];
     double *frac = malloc((size_t)L * sizeof *frac);
+    if (!frac || sum <= 0) { /* no shape to keep (or no memory to compute it): D everywhere */
+        for (int l = 0; l < L; l++)
+            c->decode_budgets[l] = D;
+        free(frac);
+        return;
+    }
     long total = 0;
     for (int l = 0; l < L; l++) {
-        double want = sum > 0 ? (double)D * L * c->layer_budget[l] / sum : D;
+        double want = (double)D * L * c->layer_budget[l] / sum;
         c->decode_budgets[l] = (int)want;
-        if (frac)
-            frac[l] = want - c->decode_budgets[l];
+        frac[l] = want - c->decode_budgets[l];
         total += c->decode_budgets[l];
     }
     /* the rows rounding left over go to the largest remainders (the earlier layer on ties) */
-    for (long left = (long)D * L - total; left > 0 && frac; left--) {
+    for (long left = (long)D * L - total; left > 0; left--) {
         int best = 0;
         for (int l = 1; l < L; l++)
             best = frac[l] > frac[best] ? l : best;
         c->decode_budgets[best]++;
         frac[best] = -1;
     }
-    if (!frac)
-        for (int l = 0; l < L; l++)
-            c->decode_budgets[l] = D;
     for (int l = 0; l < L; l++)
         c->decode_budgets[l] = c->decode_budgets[l] > 0 ? c->decode_budgets[l] : 1;
     free(frac);
