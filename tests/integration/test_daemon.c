@@ -278,26 +278,33 @@ static void test_many_clients(void **state)
     }
 }
 
-static void test_second_daemon_refused(void **state)
+/* Starts `second` and expects it to exit with a failure status and a log line holding both
+ * `what` and `and` (NULL: only what). */
+static void expect_start_refused(const struct daemon *second, const char *what, const char *and)
 {
-    NEED_DAEMON(d);
     char *model = model_path();
-    struct daemon second = *d;
-    snprintf(second.log, sizeof second.log, "%s/second.log", d->dir);
-    pid_t pid = spawn_daemon(&second, model);
+    pid_t pid = spawn_daemon(second, model);
     free(model);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
     assert_true(WIFEXITED(st));
     assert_int_not_equal(WEXITSTATUS(st), 0);
-    FILE *f = fopen(second.log, "r");
+    FILE *f = fopen(second->log, "r");
     assert_non_null(f);
     char line[1024];
     bool said = false;
     while (fgets(line, sizeof line, f))
-        said |= strstr(line, "another snapkvd") != NULL;
+        said |= strstr(line, what) != NULL && (!and || strstr(line, and) != NULL);
     fclose(f);
     assert_true(said);
+}
+
+static void test_second_daemon_refused(void **state)
+{
+    NEED_DAEMON(d);
+    struct daemon second = *d;
+    snprintf(second.log, sizeof second.log, "%s/second.log", d->dir);
+    expect_start_refused(&second, "another snapkvd", NULL);
     /* the first one still answers */
     snapkv_client_t *c = NULL;
     assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
@@ -462,25 +469,11 @@ static void test_metrics_limits(void **state)
 static void test_metrics_port_taken(void **state)
 {
     NEED_DAEMON(d);
-    char *model = model_path();
     struct daemon second = *d;
     snprintf(second.endpoint, sizeof second.endpoint, "ipc://%s/c2.sock", d->dir);
     snprintf(second.admin, sizeof second.admin, "ipc://%s/a2.sock", d->dir);
     snprintf(second.log, sizeof second.log, "%s/metrics-taken.log", d->dir);
-    pid_t pid = spawn_daemon(&second, model);
-    free(model);
-    int st;
-    assert_int_equal(waitpid(pid, &st, 0), pid);
-    assert_true(WIFEXITED(st));
-    assert_int_not_equal(WEXITSTATUS(st), 0);
-    FILE *f = fopen(second.log, "r");
-    assert_non_null(f);
-    char line[1024];
-    bool said = false;
-    while (fgets(line, sizeof line, f))
-        said |= strstr(line, "metrics-listen") != NULL && strstr(line, "in use") != NULL;
-    fclose(f);
-    assert_true(said);
+    expect_start_refused(&second, "metrics-listen", "in use");
 }
 
 static void test_sigterm(void **state)

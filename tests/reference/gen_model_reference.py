@@ -512,6 +512,60 @@ def tiny_swa(args):
     gguf_qwen2_swa()
 
 
+# Hugging Face Llama / Qwen2 layer tensor names -> GGUF's (blk.N.<name>).
+GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_begin(folder, arch, name):
+    """A GGUFWriter for tests/fixtures/<name>.gguf.fixture from the committed folder
+    tests/fixtures/<folder>, with the hyper-parameters every converter writes. Returns
+    (writer, config, weights, path)."""
+    import gguf
+    from safetensors.numpy import load_file
+    src = os.path.join(FIXTURES, folder)
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    w = load_file(os.path.join(src, "model.safetensors.fixture"))
+    out = os.path.join(FIXTURES, name + ".gguf.fixture")
+    wr = gguf.GGUFWriter(out, arch)
+    wr.add_name(name)
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(cfg["num_attention_heads"])
+    wr.add_head_count_kv(cfg["num_key_value_heads"])
+    return wr, cfg, w, out
+
+
+def gguf_layers(wr, cfg, w, permute=None):
+    """Every layer's tensors under their GGUF names, in GGUF_LAYER_NAMES order (those the
+    folder has); permute(hf_name, array) may rewrite one."""
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in GGUF_LAYER_NAMES.items():
+            key = "model.layers.%d.%s" % (i, hf)
+            if key in w:
+                wr.add_tensor("blk.%d.%s" % (i, gg), permute(hf, w[key]) if permute else w[key])
+
+
+def gguf_finish(wr, out, label):
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    os.chmod(out, 0o644)
+    print("%s: %s (%d bytes)" % (label, os.path.relpath(out, REPO), os.path.getsize(out)), file=sys.stderr)
+
+
 def gguf_qwen2_swa():
     """tiny-qwen2-swa as a GGUF the way llama.cpp's converter writes a Qwen2 with
     use_sliding_window (conversion/qwen.py): qwen2.attention.sliding_window and
@@ -519,46 +573,17 @@ def gguf_qwen2_swa():
     Q/K rows left as they are (llama.cpp does not permute qwen2), q/k/v biases, tied output
     (no output.weight), no tokenizer. Its reference is the folder's transformers logits."""
     import gguf
-    from safetensors.numpy import load_file
-    src = os.path.join(FIXTURES, "tiny-qwen2-swa")
-    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    w = load_file(os.path.join(src, "model.safetensors.fixture"))
-    out = os.path.join(FIXTURES, "tiny-qwen2-swa.gguf.fixture")
-    wr = gguf.GGUFWriter(out, "qwen2")
-    wr.add_name("tiny-qwen2-swa")
-    wr.add_context_length(cfg["max_position_embeddings"])
-    wr.add_embedding_length(cfg["hidden_size"])
-    wr.add_block_count(cfg["num_hidden_layers"])
-    wr.add_feed_forward_length(cfg["intermediate_size"])
-    wr.add_head_count(cfg["num_attention_heads"])
-    wr.add_head_count_kv(cfg["num_key_value_heads"])
+    wr, cfg, w, out = gguf_begin("tiny-qwen2-swa", "qwen2", "tiny-qwen2-swa")
     wr.add_rope_freq_base(cfg["rope_theta"])
     wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     wr.add_sliding_window(cfg["sliding_window"])
     wr.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     wr.add_file_type(gguf.LlamaFileType.ALL_F32)
     wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
-    names = {"input_layernorm.weight": "attn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-             "self_attn.o_proj.weight": "attn_output.weight",
-             "post_attention_layernorm.weight": "ffn_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
-    for i in range(cfg["num_hidden_layers"]):
-        for hf, gg in names.items():
-            wr.add_tensor("blk.%d.%s" % (i, gg), w["model.layers.%d.%s" % (i, hf)])
+    gguf_layers(wr, cfg, w)
     wr.add_tensor("output_norm.weight", w["model.norm.weight"])
     assert "lm_head.weight" not in w
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    os.chmod(out, 0o644)
-    print("gguf-qwen2-swa: %s (%d bytes)" % (os.path.relpath(out, REPO), os.path.getsize(out)),
-          file=sys.stderr)
+    gguf_finish(wr, out, "gguf-qwen2-swa")
 
 
 def llama_cpp_permute(w, n_head):
@@ -596,21 +621,8 @@ def gguf_rope_freqs(args):
     llama.cpp's layout; f32 tensors; no tokenizer. Read from the committed folder, so its
     logits are the folder's transformers reference (tiny-llama3-rope/logits_last.f32)."""
     import gguf
-    from safetensors.numpy import load_file
-    src = os.path.join(FIXTURES, "tiny-llama3-rope")
-    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    w = load_file(os.path.join(src, "model.safetensors.fixture"))
+    wr, cfg, w, out = gguf_begin("tiny-llama3-rope", "llama", "tiny-llama3-rope-freqs")
     n_head, n_kv, hd = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
-    out = os.path.join(FIXTURES, "tiny-llama3-rope-freqs.gguf.fixture")
-    wr = gguf.GGUFWriter(out, "llama")
-    wr.add_name("tiny-llama3-rope-freqs")
-    wr.add_context_length(cfg["max_position_embeddings"])
-    wr.add_embedding_length(cfg["hidden_size"])
-    wr.add_block_count(cfg["num_hidden_layers"])
-    wr.add_feed_forward_length(cfg["intermediate_size"])
-    wr.add_head_count(n_head)
-    wr.add_head_count_kv(n_kv)
     wr.add_key_length(hd)
     wr.add_value_length(hd)
     wr.add_rope_dimension_count(hd)
@@ -619,27 +631,11 @@ def gguf_rope_freqs(args):
     wr.add_file_type(gguf.LlamaFileType.ALL_F32)
     wr.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg["rope_theta"], hd, cfg["rope_scaling"]))
     wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
-    for i in range(cfg["num_hidden_layers"]):
-        p = "model.layers.%d." % i
-        b = "blk.%d." % i
-        wr.add_tensor(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
-        wr.add_tensor(b + "attn_q.weight", llama_cpp_permute(w[p + "self_attn.q_proj.weight"], n_head))
-        wr.add_tensor(b + "attn_k.weight", llama_cpp_permute(w[p + "self_attn.k_proj.weight"], n_kv))
-        wr.add_tensor(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
-        wr.add_tensor(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
-        wr.add_tensor(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
-        wr.add_tensor(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
-        wr.add_tensor(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
-        wr.add_tensor(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv}
+    gguf_layers(wr, cfg, w, lambda hf, a: llama_cpp_permute(a, heads[hf]) if hf in heads else a)
     wr.add_tensor("output_norm.weight", w["model.norm.weight"])
     wr.add_tensor("output.weight", w["lm_head.weight"])
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    os.chmod(out, 0o644)
-    print("gguf-rope: %s (%d bytes)" % (os.path.relpath(out, REPO), os.path.getsize(out)),
-          file=sys.stderr)
+    gguf_finish(wr, out, "gguf-rope")
 
 
 def main():
