@@ -923,6 +923,86 @@ static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int n
     free(gp.s);
 }
 
+/* Series of the budget plots: each group (a spec without its ratio) that has >= 2 ratio specs,
+ * as spec indices by ascending ratio. series[s][0..len[s]) ; returns the number of series. */
+static int ratio_series(const struct qctx *q, int series[][MAX_LIST + 1], int *len)
+{
+    bool done[MAX_LIST + 1] = {false};
+    int ns = 0;
+    for (int i = 1; i < q->n_specs; i++) {
+        if (done[i] || q->specs[i].spec.ratio < 0)
+            continue;
+        int n = 0;
+        for (;;) {
+            int best = -1;
+            for (int j = i; j < q->n_specs; j++)
+                if (!done[j] && q->specs[j].spec.ratio >= 0 && strcmp(q->specs[j].group, q->specs[i].group) == 0 &&
+                    (best < 0 || q->specs[j].spec.ratio < q->specs[best].spec.ratio))
+                    best = j;
+            if (best < 0)
+                break;
+            done[best] = true;
+            series[ns][n++] = best;
+        }
+        if (n >= 2)
+            len[ns++] = n;
+    }
+    return ns;
+}
+
+/* passkey_budget.png: accuracy against the budget (ratio of the prompt) per policy, one panel
+ * per prompt length, the full cache's accuracy as a dashed line. Needs a group with >= 2 ratios. */
+static void plot_passkey_budget(const struct qctx *q, const int *lengths, int nl, int nd, int trials,
+                                const int *correct)
+{
+    int series[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1];
+    int ns = ratio_series(q, series, len);
+    if (ns == 0 || nl == 0)
+        return;
+    struct strbuf gp = {0};
+    for (int s = 0; s < ns; s++)
+        for (int l = 0; l < nl; l++) {
+            sb_add(&gp, "$s%dl%d << EOD\n", s, l);
+            for (int k = 0; k < len[s]; k++) {
+                int i = series[s][k], c = 0;
+                for (int d = 0; d < nd; d++)
+                    c += correct[CIDX(i, l, d)];
+                sb_add(&gp, "%g %.4f\n", q->specs[i].spec.ratio, (double)c / (nd * trials));
+            }
+            sb_add(&gp, "EOD\n");
+        }
+    double xmax = 0;
+    for (int s = 0; s < ns; s++)
+        xmax = fmax(xmax, q->specs[series[s][len[s] - 1]].spec.ratio);
+    /* panels on a grid with fixed margins; the legend in a band below them */
+    int cols = nl < 3 ? nl : 3, rows = (nl + cols - 1) / cols;
+    int w = 330 * cols + 40, h = 320 * rows + 90 + 16 * ns;
+    sb_add(&gp, GP_TERM, w, h, w, h);
+    sb_add(&gp,
+           "set output 'passkey_budget.png'\n"
+           "set multiplot layout %d,%d title 'Passkey accuracy vs budget: %s (dashed: full cache)' "
+           "margins %.3f,0.98,%.3f,%.3f spacing %.3f,%.3f\n"
+           "set grid\nset xlabel 'budget (ratio of the prompt)'\nset ylabel 'accuracy'\n"
+           "set xrange [0:%g]\nset yrange [-0.05:1.05]\n"
+           "set key at screen 0.5,0.01 center bottom vertical maxrows %d\n",
+           rows, cols, model_label(q), 60.0 / w, (16.0 * ns + 60) / h, 1 - 60.0 / h, 70.0 / w, 95.0 / h,
+           xmax * 1.1, ns);
+    for (int l = 0; l < nl; l++) {
+        int c = 0;
+        for (int d = 0; d < nd; d++)
+            c += correct[CIDX(0, l, d)];
+        sb_add(&gp, "set title '%d tokens'\n%splot %.4f with lines dashtype 2 lc rgb 'black' notitle", lengths[l],
+               l == 1 ? "unset key\n" : "", (double)c / (nd * trials));
+        for (int s = 0; s < ns; s++)
+            sb_add(&gp, ", \\\n     $s%dl%d using 1:2 with linespoints title '%s'", s, l, q->specs[series[s][0]].group);
+        sb_add(&gp, "\n");
+    }
+    sb_add(&gp, "unset multiplot\n");
+    if (!gp.err)
+        run_gnuplot(q->out_dir, "passkey_budget.gp", gp.s);
+    free(gp.s);
+}
+
 /* One passkey run's state (what the outputs are written from). */
 struct pk_run {
     int lengths[MAX_LIST], depths[MAX_LIST], nl, nd;
@@ -993,8 +1073,10 @@ static int passkey_write(struct qctx *q, const struct pk_run *p, int nl_done, bo
     if (!rc && final && !q->o->json_stdout)
         fputs(md.s, stdout);
     free(md.s);
-    if (!rc)
+    if (!rc) {
         plot_passkey(q, lengths, nl_done, nd, trials, correct);
+        plot_passkey_budget(q, lengths, nl_done, nd, trials, correct);
+    }
     if (rc)
         json_decref(jp);
     else
@@ -1304,35 +1386,18 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
 {
     /* one series per group (spec without its ratio) with >= 2 ratios; x is the KV actually kept
      * (SqueezeAttention can keep less than its ratio) */
+    int groups[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1], series[MAX_LIST + 1];
+    int ns = ratio_series(q, groups, len);
     struct strbuf gp = {0};
-    int series[MAX_LIST + 1], ns = 0;
-    bool done[MAX_LIST + 1] = {false};
-    for (int i = 1; i < q->n_specs; i++) {
-        if (done[i] || q->specs[i].spec.ratio < 0)
-            continue;
-        int cnt = 0;
-        for (int j = i; j < q->n_specs; j++)
-            if (!done[j] && q->specs[j].spec.ratio >= 0 && strcmp(q->specs[j].group, q->specs[i].group) == 0)
-                cnt++;
-        if (cnt < 2)
-            continue;
-        sb_add(&gp, "$s%d << EOD\n", ns);
-        /* ratios ascending */
-        for (;;) {
-            int best = -1;
-            for (int j = i; j < q->n_specs; j++)
-                if (!done[j] && q->specs[j].spec.ratio >= 0 && strcmp(q->specs[j].group, q->specs[i].group) == 0 &&
-                    (best < 0 || q->specs[j].spec.ratio < q->specs[best].spec.ratio))
-                    best = j;
-            if (best < 0)
-                break;
-            done[best] = true;
-            const struct fid_stat *s = &stat[best];
+    for (int k = 0; k < ns; k++) {
+        sb_add(&gp, "$s%d << EOD\n", k);
+        for (int m = 0; m < len[k]; m++) {
+            const struct fid_stat *s = &stat[groups[k][m]];
             sb_add(&gp, "%.4f %.6g %.4f %.4f %g\n", s->kv_frac_sum / s->texts, s->kl_sum / s->steps,
-                   (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n, q->specs[best].spec.ratio);
+                   (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n, q->specs[groups[k][m]].spec.ratio);
         }
         sb_add(&gp, "EOD\n");
-        series[ns++] = i;
+        series[k] = groups[k][0];
     }
     if (ns == 0) {
         free(gp.s);
@@ -1485,7 +1550,7 @@ int skv_bench_quality(struct skv_engine *e, struct skv_model *m, const struct sk
     bool do_pk = strcmp(task, "passkey") == 0 || strcmp(task, "all") == 0;
     bool do_fid = strcmp(task, "fidelity") == 0 || strcmp(task, "all") == 0;
     if (!do_pk && !do_fid)
-        return skv_errorf(SKV_E_INVAL, "--task: passkey, fidelity or all");
+        return skv_errorf(SKV_E_INVAL, "--task '%s': expected passkey, fidelity or all", task);
     struct qctx *q = calloc(1, sizeof *q);
     if (!q)
         return SKV_E_NOMEM;

@@ -1,0 +1,297 @@
+/* `snapkv-bench quality` as a user runs it, on the default model: a passkey run and a fidelity
+ * run end to end (the process, its JSON, markdown, gnuplot scripts and PNGs), with the values
+ * they must report, and argument errors. Skips without the model. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tests/common/fixture.h"
+
+/* Bytes of one cached row of the default model: 30 layers x 3 KV heads x 64 x (K + V) x f32. */
+#define ROW_BYTES (30 * 3 * 64 * 2 * 4)
+
+struct run {
+    char dir[64];   /* temporary folder: out/ is --out-dir, stdout and stderr the streams */
+    char out[96];
+    int status;     /* exit status, or -1 when it did not exit */
+};
+
+/* Runs snapkv-bench quality --model M --threads 2 --out-dir R->out ARGS... */
+static void bench(struct run *r, const char *const *args)
+{
+    char *model = fixture_model_path();
+    if (!model)
+        skip();
+    snprintf(r->dir, sizeof r->dir, "/tmp/skv-quality-XXXXXX");
+    assert_non_null(mkdtemp(r->dir));
+    snprintf(r->out, sizeof r->out, "%s/out", r->dir);
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char exe[4096];
+    snprintf(exe, sizeof exe, "%s/snapkv-bench", build);
+    const char *argv[40] = {exe, "quality", "--model", model, "--threads", "2", "--out-dir", r->out};
+    int n = 8;
+    for (int i = 0; args[i]; i++)
+        argv[n++] = args[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/stdout", r->dir);
+        if (!freopen(path, "w", stdout))
+            _exit(126);
+        snprintf(path, sizeof path, "%s/stderr", r->dir);
+        if (!freopen(path, "w", stderr))
+            _exit(126);
+        execv(exe, (char *const *)argv);
+        _exit(127);
+    }
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    r->status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    free(model);
+}
+
+static void cleanup(struct run *r)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", r->dir);
+    assert_int_equal(system(cmd), 0);
+}
+
+/* The whole of R->dir/rel, or NULL when it does not exist. */
+static char *slurp(const struct run *r, const char *rel)
+{
+    char path[160];
+    snprintf(path, sizeof path, "%s/%s", r->dir, rel);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    char *buf = calloc(1, 1 << 20);
+    size_t n = fread(buf, 1, (1 << 20) - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+static json_t *load_json(const struct run *r, const char *rel)
+{
+    char path[160];
+    snprintf(path, sizeof path, "%s/%s", r->dir, rel);
+    json_error_t err;
+    json_t *j = json_load_file(path, 0, &err);
+    if (!j)
+        fail_msg("%s: %s", path, err.text);
+    return j;
+}
+
+/* The file exists and contains `needle`. */
+static void assert_file_has(const struct run *r, const char *rel, const char *needle)
+{
+    char *s = slurp(r, rel);
+    if (!s)
+        fail_msg("%s/%s was not written", r->dir, rel);
+    if (!strstr(s, needle))
+        fail_msg("%s/%s lacks \"%s\"", r->dir, rel, needle);
+    free(s);
+}
+
+/* With gnuplot on the PATH the script's PNG exists and is a PNG. */
+static void assert_png(const struct run *r, const char *rel)
+{
+    if (system("command -v gnuplot >/dev/null 2>&1") != 0)
+        return;
+    char *s = slurp(r, rel);
+    if (!s)
+        fail_msg("%s/%s was not written (gnuplot is installed)", r->dir, rel);
+    assert_memory_equal(s, "\x89PNG", 4);
+    free(s);
+}
+
+static json_t *result_of(json_t *results, const char *spec)
+{
+    size_t i;
+    json_t *v;
+    json_array_foreach(results, i, v) {
+        if (strcmp(json_string_value(json_object_get(v, "spec")), spec) == 0)
+            return v;
+    }
+    fail_msg("no result for %s", spec);
+    return NULL;
+}
+
+/* One key at half depth in a 512-token document. The full cache and SnapKV at 40% / 50% find
+ * it (measured: 20 of 20 keys at 512 tokens, docs/QUALITY.md); StreamingLLM at 10% keeps only
+ * sinks and the recent tail, so none of the key's rows, and misses it. Every spec's fan-out
+ * cache equals its own one-shot compressed prefill. */
+static void test_passkey_run(void **state)
+{
+    (void)state;
+    struct run r;
+    const char *args[] = {"--task", "passkey", "--lengths", "512", "--depths", "50", "--trials", "1",
+                          "--specs", "policy=snapkv,ratio=0.4;policy=snapkv,ratio=0.5;policy=streaming,ratio=0.1",
+                          NULL};
+    bench(&r, args);
+    assert_int_equal(r.status, 0);
+    json_t *j = load_json(&r, "out/passkey.json");
+    assert_true(json_is_true(json_object_get(j, "complete")));
+    json_t *results = json_object_get(j, "results");
+    assert_int_equal(json_array_size(results), 4);
+
+    static const struct {
+        const char *spec;
+        bool found;
+        long long rows; /* rows per layer and KV head after the prefill */
+    } want[] = {
+        {"policy=full", true, 490},
+        {"policy=snapkv,ratio=0.4", true, 196},
+        {"policy=snapkv,ratio=0.5", true, 245},
+        {"policy=streaming,ratio=0.1", false, 49},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        json_t *v = result_of(results, want[i].spec);
+        assert_int_equal(json_integer_value(json_object_get(v, "prompt_tokens")), 490);
+        /* the key is a function of (seed 0, length, depth, trial): the same for every spec */
+        assert_string_equal(json_string_value(json_object_get(v, "key")), "41205");
+        assert_int_equal(json_integer_value(json_object_get(v, "key_token_positions")), 10);
+        assert_int_equal(json_is_true(json_object_get(v, "correct")), want[i].found);
+        const char *out = json_string_value(json_object_get(v, "output"));
+        assert_int_equal(strstr(out, "41205") != NULL, want[i].found);
+        assert_int_equal(json_integer_value(json_object_get(v, "kv_bytes_after_prefill")), want[i].rows * ROW_BYTES);
+    }
+    assert_true(json_real_value(json_object_get(result_of(results, "policy=full"), "key_rows_kept")) == 1.0);
+    assert_true(json_real_value(json_object_get(result_of(results, "policy=streaming,ratio=0.1"), "key_rows_kept")) ==
+                0.0);
+
+    /* accuracy entries agree with the results: per depth and "all" */
+    size_t i;
+    json_t *a;
+    int seen = 0;
+    json_array_foreach(json_object_get(j, "accuracy"), i, a) {
+        json_t *v = result_of(results, json_string_value(json_object_get(a, "spec")));
+        assert_true(json_real_value(json_object_get(a, "accuracy")) ==
+                    (json_is_true(json_object_get(v, "correct")) ? 1.0 : 0.0));
+        seen++;
+    }
+    assert_int_equal(seen, 8);
+
+    json_t *eq = json_object_get(j, "equivalence");
+    assert_true(json_array_size(eq) >= 3);
+    json_array_foreach(eq, i, a) {
+        assert_true(json_is_true(json_object_get(a, "identical_positions")));
+        assert_int_equal(json_integer_value(json_object_get(a, "positions_sym_diff")), 0);
+        if (strstr(json_string_value(json_object_get(a, "against")), "fan-out"))
+            assert_true(json_real_value(json_object_get(a, "kv_max_abs_diff")) == 0.0);
+    }
+    json_decref(j);
+
+    assert_file_has(&r, "out/passkey.md", "| full cache (baseline) | 100 |");
+    assert_file_has(&r, "out/passkey.md", "| policy=streaming,ratio=0.1 | 0 |");
+    assert_file_has(&r, "stdout", "## Passkey retrieval");
+    /* accuracy vs budget: SnapKV's two ratios make a series; StreamingLLM's one ratio does not */
+    assert_file_has(&r, "out/passkey_budget.gp", "0.4 1.0000\n0.5 1.0000\n");
+    assert_file_has(&r, "out/passkey_budget.gp", "title 'policy=snapkv'");
+    char *gp = slurp(&r, "out/passkey_budget.gp");
+    assert_null(strstr(gp, "title 'policy=streaming'"));
+    free(gp);
+    assert_png(&r, "out/passkey_budget.png");
+    assert_png(&r, "out/passkey_accuracy.png");
+    cleanup(&r);
+}
+
+/* 200 tokens of the Apache-2.0 text, 8 forced tokens. A budget that holds the whole prompt is
+ * the full cache: KL exactly 0, every prediction and greedy token the same. Smaller budgets
+ * keep exactly their rows, and 10% is further from the full cache than 30%. */
+static void test_fidelity_run(void **state)
+{
+    (void)state;
+    struct run r;
+    char *text = fixture_path("tests/fixtures/golden/fidelity_prompt.txt");
+    const char *args[] = {"--task", "fidelity", "--texts", text, "--fid-prefill", "200", "--fid-tokens", "8",
+                          "--specs", "policy=snapkv,ratio=1.0;policy=snapkv,ratio=0.1;policy=snapkv,ratio=0.3",
+                          NULL};
+    bench(&r, args);
+    free(text);
+    assert_int_equal(r.status, 0);
+    json_t *j = load_json(&r, "out/fidelity.json");
+    json_t *texts = json_object_get(j, "texts");
+    assert_int_equal(json_array_size(texts), 1);
+    json_t *t = json_array_get(texts, 0);
+    assert_int_equal(json_integer_value(json_object_get(t, "text_tokens")), 1020);
+    assert_int_equal(json_integer_value(json_object_get(t, "prefill_tokens")), 200);
+    assert_int_equal(json_integer_value(json_object_get(t, "forced_tokens")), 8);
+    json_t *specs = json_object_get(t, "specs");
+    assert_int_equal(json_array_size(specs), 4);
+
+    json_t *whole = result_of(specs, "policy=snapkv,ratio=1.0");
+    assert_int_equal(json_integer_value(json_object_get(whole, "kv_bytes_after_prefill")), 200LL * ROW_BYTES);
+    assert_true(json_real_value(json_object_get(whole, "kl_mean")) == 0.0);
+    assert_true(json_real_value(json_object_get(whole, "top1_agreement")) == 1.0);
+    assert_true(json_real_value(json_object_get(whole, "greedy_overall_fraction")) == 1.0);
+    json_t *pk;
+    size_t k;
+    json_array_foreach(json_object_get(whole, "kl_per_step"), k, pk)
+        assert_true(json_real_value(pk) == 0.0);
+    assert_int_equal(k, 8);
+
+    json_t *r10 = result_of(specs, "policy=snapkv,ratio=0.1"), *r30 = result_of(specs, "policy=snapkv,ratio=0.3");
+    assert_int_equal(json_integer_value(json_object_get(r10, "budget")), 20);
+    assert_int_equal(json_integer_value(json_object_get(r30, "budget")), 60);
+    assert_int_equal(json_integer_value(json_object_get(r10, "kv_bytes_after_prefill")), 20LL * ROW_BYTES);
+    assert_int_equal(json_integer_value(json_object_get(r30, "kv_bytes_after_prefill")), 60LL * ROW_BYTES);
+    double kl10 = json_real_value(json_object_get(r10, "kl_mean"));
+    double kl30 = json_real_value(json_object_get(r30, "kl_mean"));
+    assert_true(kl10 > 0.1);
+    assert_true(kl30 > 0.0 && kl30 < kl10);
+    json_decref(j);
+
+    assert_file_has(&r, "out/fidelity.md", "| policy=snapkv,ratio=1.0 | 100.0% | 0.0000 |");
+    assert_file_has(&r, "out/fidelity_kl.gp", "title 'policy=snapkv'");
+    assert_png(&r, "out/fidelity_kl.png");
+    cleanup(&r);
+}
+
+/* Bad arguments: exit status 1, one line that names the argument, nothing written. */
+static void test_bad_arguments(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *args[6];
+        const char *message;
+    } cases[] = {
+        {{"--task", "passkey", "--specs", "policy=snapkv,ratio=2", NULL}, "ratio=2: expected a number in [0, 1]"},
+        {{"--task", "passkey", "--specs", "policy=snapkv,budget=64,frobnicate=1", NULL}, "frobnicate"},
+        {{"--task", "passkey", "--lengths", "10", NULL}, "--lengths: expected comma-separated integers in [16,"},
+        {{"--task", "passkey", "--depths", "150", NULL}, "--depths: expected comma-separated integers in [0, 100]"},
+        {{"--task", "fidelity", "--texts", "/nonexistent/text.txt", NULL}, "cannot open /nonexistent/text.txt"},
+        {{"--task", "haystack", NULL}, "--task 'haystack': expected passkey, fidelity or all"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct run r;
+        bench(&r, cases[i].args);
+        assert_int_equal(r.status, 1);
+        assert_file_has(&r, "stderr", cases[i].message);
+        char *json = slurp(&r, "out/passkey.json");
+        assert_null(json);
+        cleanup(&r);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_passkey_run),
+        cmocka_unit_test(test_fidelity_run),
+        cmocka_unit_test(test_bad_arguments),
+    };
+    return cmocka_run_group_tests_name("bench-quality", tests, NULL, NULL);
+}
