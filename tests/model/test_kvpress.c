@@ -17,31 +17,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/status.h"
-#include "daemon/compress/compress.h"
-#include "daemon/engine/engine.h"
-#include "kernels/backend.h"
 #include "tests/common/fixture.h"
+#include "tests/common/refmodel.h"
 
 static void check_fixture(const char *rel, bool head_granularity)
 {
-    char *path = fixture_model_path();
-    if (!path)
-        skip();
+    struct refmodel r;
+    refmodel_load(&r);
     json_t *fx = fixture_json(rel);
     assert_non_null(fx);
-    struct skv_backend *be = NULL;
-    struct skv_model *m = NULL;
-    struct skv_engine *e = NULL;
-    struct skv_model_opts mo = {.reference = true};
-    assert_int_equal(skv_backend_cpu_new(0, &be), SKV_OK);
-    assert_int_equal(skv_model_load(path, be, &mo, &m), SKV_OK);
-    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
-    json_t *jids = json_object_get(fx, "ids");
-    int n = (int)json_array_size(jids);
-    int32_t *ids = malloc((size_t)n * sizeof *ids);
-    for (int i = 0; i < n; i++)
-        ids[i] = (int32_t)json_integer_value(json_array_get(jids, (size_t)i));
+    int n = 0;
+    int32_t *ids = refmodel_ids(json_object_get(fx, "ids"), &n);
     json_t *cases = json_object_get(fx, "cases");
     for (size_t ci = 0; ci < json_array_size(cases); ci++) {
         json_t *cs = json_array_get(cases, ci);
@@ -49,15 +35,9 @@ static void check_fixture(const char *rel, bool head_granularity)
         char spec_text[128];
         snprintf(spec_text, sizeof spec_text, "policy=snapkv,budget=%d,window=32,kernel=5,pool=avg,gqa=mean%s", n_kept,
                  head_granularity ? ",granularity=head" : "");
-        struct skv_compress_spec spec;
         struct skv_compressor *comp = NULL;
         struct skv_kv_cache *cache = NULL;
-        assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
-        assert_int_equal(skv_compressor_new(&spec, m, &comp), SKV_OK);
-        assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
-        assert_int_equal(skv_compressor_begin(comp, cache, n), SKV_OK);
-        struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
-        assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, NULL), SKV_OK);
+        refmodel_prefill(&r, spec_text, ids, n, &cache, &comp);
         json_t *layers = json_object_get(cs, "layers");
         double worst = 1.0;
         int missed_total = 0, len_differ = 0, spread = 0;
@@ -105,11 +85,8 @@ static void check_fixture(const char *rel, bool head_granularity)
         skv_compressor_free(&comp);
     }
     free(ids);
-    skv_engine_free(&e);
-    skv_model_free(&m);
-    skv_backend_destroy(&be);
+    refmodel_free(&r);
     json_decref(fx);
-    free(path);
 }
 
 static void test_small(void **state)

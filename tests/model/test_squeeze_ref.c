@@ -14,11 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "common/status.h"
-#include "daemon/compress/compress.h"
-#include "daemon/engine/engine.h"
-#include "kernels/backend.h"
 #include "tests/common/fixture.h"
+#include "tests/common/refmodel.h"
 
 #define FIXTURE "tests/fixtures/squeeze/similarity.json"
 #define MAX_LAYERS 64
@@ -40,19 +37,11 @@ static void squeezed_layers(const float *sim, int n_layers, bool *out)
 static void test_similarity_and_clusters(void **state)
 {
     (void)state;
-    char *path = fixture_model_path();
-    if (!path)
-        skip();
+    struct refmodel r;
+    refmodel_load(&r);
     json_t *fx = fixture_json(FIXTURE);
     assert_non_null(fx);
-    struct skv_backend *be = NULL;
-    struct skv_model *m = NULL;
-    struct skv_engine *e = NULL;
-    struct skv_model_opts mo = {.reference = true};
-    assert_int_equal(skv_backend_cpu_new(0, &be), SKV_OK);
-    assert_int_equal(skv_model_load(path, be, &mo, &m), SKV_OK);
-    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
-    int L = m->cfg.n_layers;
+    int L = r.m->cfg.n_layers;
     assert_true(L <= MAX_LAYERS);
 
     json_t *prompts = json_object_get(fx, "prompts");
@@ -60,24 +49,13 @@ static void test_similarity_and_clusters(void **state)
     size_t pi;
     json_t *p;
     json_array_foreach(prompts, pi, p) {
-        json_t *jids = json_object_get(p, "ids"), *jsim = json_object_get(p, "similarity"),
-               *jlab = json_object_get(p, "kmeans_labels");
-        int n = (int)json_array_size(jids);
+        json_t *jsim = json_object_get(p, "similarity"), *jlab = json_object_get(p, "kmeans_labels");
         assert_int_equal((int)json_array_size(jsim), L);
-        int32_t *ids = malloc((size_t)n * sizeof *ids);
-        for (int i = 0; i < n; i++)
-            ids[i] = (int32_t)json_integer_value(json_array_get(jids, (size_t)i));
-
-        struct skv_compress_spec spec;
+        int n = 0;
+        int32_t *ids = refmodel_ids(json_object_get(p, "ids"), &n);
         struct skv_compressor *comp = NULL;
         struct skv_kv_cache *cache = NULL;
-        assert_int_equal(skv_compress_spec_parse("policy=snapkv,alloc=squeeze,ratio=0.1", &spec), SKV_OK);
-        assert_int_equal(skv_compressor_new(&spec, m, &comp), SKV_OK);
-        assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
-        assert_int_equal(skv_compressor_begin(comp, cache, n), SKV_OK);
-        struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
-        assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, NULL), SKV_OK);
-        assert_int_equal(skv_compressor_finish(comp, cache), SKV_OK);
+        refmodel_prefill(&r, "policy=snapkv,alloc=squeeze,ratio=0.1", ids, n, &cache, &comp);
 
         const float *ours = skv_compressor_similarity(comp);
         assert_non_null(ours);
@@ -122,11 +100,8 @@ static void test_similarity_and_clusters(void **state)
         skv_compressor_free(&comp);
         free(ids);
     }
-    skv_engine_free(&e);
-    skv_model_free(&m);
-    skv_backend_destroy(&be);
+    refmodel_free(&r);
     json_decref(fx);
-    free(path);
 }
 
 int main(void)
