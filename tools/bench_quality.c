@@ -684,6 +684,18 @@ static int key_token_positions(const struct skv_tokenizer *tok, const int32_t *i
 }
 
 /* Fraction of (layer, KV head, key token) rows a cache kept. */
+/* Exact match: the answer's first number (run of digits) is the key, no digit more or less. */
+static bool answer_is_key(const char *answer, const char *key)
+{
+    const char *d = answer;
+    while (*d && (*d < '0' || *d > '9'))
+        d++;
+    size_t run = 0;
+    while (d[run] >= '0' && d[run] <= '9')
+        run++;
+    return run == strlen(key) && strncmp(d, key, run) == 0;
+}
+
 static double key_rows_kept(const struct skv_kv_cache *c, const int32_t *kpos, int nk)
 {
     long kept = 0, total = 0;
@@ -796,7 +808,7 @@ static void md_passkey(const struct qctx *q, struct strbuf *md, const int *lengt
     sb_add(md, "## Passkey retrieval\n\n");
     sb_add(md, "Command: `%s`  \n", q->cmdline);
     sb_add(md, "Model %s, backend %s, %d threads; %d keys per (length, depth), greedy, at most %d answer "
-               "tokens; prompt style %d (%s); %.0f s.\n\n",
+               "tokens, found = the answer's first number is the key; prompt style %d (%s); %.0f s.\n\n",
            model_label(q), q->m->be->name, q->m->be->n_threads, trials, max_tokens, style,
            skv_bench_quality_style_desc(style), seconds);
     sb_add(md, "Accuracy (%%) per prompt length in tokens, averaged over depths");
@@ -1160,7 +1172,7 @@ static int task_passkey(struct qctx *q, json_t *root)
                         rc = skv_tokenizer_decode(q->m->tok, out, got, &text);
                     if (rc)
                         break;
-                    bool ok = strstr(text, keytxt) != NULL;
+                    bool ok = answer_is_key(text, keytxt);
                     correct[CIDX(i, l, d)] += ok;
                     fprintf(stderr, " %c", ok ? '+' : '-');
                     json_t *jr = json_object();
