@@ -15,28 +15,22 @@ the kept positions per layer and KV head are the complement. Same venv as the Sn
     /opt/kvpvenv/bin/python tests/reference/gen_kvpress_adakv_fixture.py
 """
 
-import argparse
-import hashlib
 import json
 import os
-import platform
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
-import kvpress  # noqa: E402
 from kvpress import AdaKVPress, SnapKVPress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gen_kvpress_fixture as snap  # noqa: E402  (prompts, tokenizer, float32 helpers)
+import gen_kvpress_fixture as snap  # noqa: E402  (prompts, model, float32 and output helpers)
 
 OUT_DIR = snap.OUT_DIR
 RATIOS = (0.75, 0.9)
@@ -101,29 +95,13 @@ def run_prompt(model, ids, ratio):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("SKV_MODEL", snap.DEFAULT_MODEL))
-    ap.add_argument("--out", default=OUT_DIR)
-    args = ap.parse_args()
+    args = snap.arg_parser(__doc__, OUT_DIR).parse_args()
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(0)
-
-    stored = snap.load_prompts()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(os.path.abspath(args.model)), gguf_file=os.path.basename(args.model),
-        dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
-
+    snap.setup_torch()
+    model = snap.load_model(args.model, "sdpa")
     os.makedirs(args.out, exist_ok=True)
     sizes = {}
-    for name, text_file, _ in snap.PROMPTS:
-        text = open(os.path.join(snap.REPO, text_file), encoding="utf-8").read()
-        ids = snap.tokenize(args.model, text)
-        if name in stored:
-            assert ids == stored[name], f"{name}: ids differ from golden/reference.json"
+    for name, text_file, _, ids in snap.prompt_ids(args.model):
         doc = {"prompt": name, "text_file": text_file, "n_tokens": len(ids), "ids": ids,
                "window_size": snap.WINDOW, "kernel_size": snap.KERNEL, "pooling": "avg",
                "group_reduce": "mean", "alpha_safeguard": 0.0, "cases": []}
@@ -135,30 +113,21 @@ def main():
             print(f"{name} n={len(ids)} r={ratio} kept/head={case['n_kept']} "
                   f"largest head spread in a layer {spread}, boundary ties {ties}", flush=True)
             doc["cases"].append(case)
-        path = os.path.join(args.out, f"adakv_{name}.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-            f.write("\n")
-        sizes[os.path.basename(path)] = os.path.getsize(path)
+        sizes[f"adakv_{name}.json"] = snap.write_compact(os.path.join(args.out, f"adakv_{name}.json"), doc)
 
-    with open(args.model, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+    model_info, versions = snap.provenance(args.model, "kvpress")
     meta = {
         "generator": "tests/reference/gen_kvpress_adakv_fixture.py",
         "command": "/opt/kvpvenv/bin/python tests/reference/gen_kvpress_adakv_fixture.py",
         "press": f"kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=r, "
                  f"window_size={snap.WINDOW}, kernel_size={snap.KERNEL}), alpha_safeguard=0.0)",
         "ratios": list(RATIOS),
-        "model": {"file": os.path.basename(args.model), "sha256": sha},
+        "model": model_info,
         "dtype": "float32", "attn_implementation": "sdpa", "torch_threads": 1,
-        "versions": {"kvpress": __import__("importlib.metadata").metadata.version("kvpress"),
-                     "transformers": transformers.__version__, "torch": torch.__version__,
-                     "numpy": np.__version__, "python": platform.python_version()},
+        "versions": versions,
         "files": sizes,
     }
-    with open(os.path.join(args.out, "meta_adakv.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-        f.write("\n")
+    snap.write_meta(os.path.join(args.out, "meta_adakv.json"), meta)
     print(json.dumps(sizes))
     return 0
 

@@ -31,7 +31,6 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
-import kvpress  # noqa: E402
 from kvpress import SnapKVPress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 
@@ -197,32 +196,78 @@ def tokenize(model_path, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("SKV_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"),
-                    help="sdpa makes kvpress recompute the window attention itself (cross-check)")
-    ap.add_argument("--out", default=OUT_DIR)
-    args = ap.parse_args()
-
+def setup_torch():
+    """One thread, deterministic kernels, no progress bars: the runs are reproducible."""
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
 
-    stored = load_prompts()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(os.path.abspath(args.model)), gguf_file=os.path.basename(args.model),
-        dtype=torch.float32, attn_implementation=args.attn)
-    model.eval()
 
-    os.makedirs(args.out, exist_ok=True)
-    sizes = {}
+def load_model(model_path, attn):
+    """The GGUF model through transformers, dequantized to float32."""
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(os.path.abspath(model_path)), gguf_file=os.path.basename(model_path),
+        dtype=torch.float32, attn_implementation=attn)
+    model.eval()
+    return model
+
+
+def prompt_ids(model_path):
+    """(name, text_file, want_scores, ids) for each prompt; ids checked against the golden ones."""
+    stored = load_prompts()
     for name, text_file, want_scores in PROMPTS:
         text = open(os.path.join(REPO, text_file), encoding="utf-8").read()
-        ids = tokenize(args.model, text)
+        ids = tokenize(model_path, text)
         if name in stored:
             assert ids == stored[name], f"{name}: ids differ from golden/reference.json"
+        yield name, text_file, want_scores, ids
+
+
+def write_compact(path, doc):
+    """Writes doc as one line of JSON; returns the file's size."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, separators=(",", ":"))
+        f.write("\n")
+    return os.path.getsize(path)
+
+
+def write_meta(path, meta):
+    """Writes a fixture's provenance (indented, sorted keys)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def arg_parser(doc, out_default):
+    """The generators' common options: --model and --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("SKV_MODEL", DEFAULT_MODEL))
+    ap.add_argument("--out", default=out_default)
+    return ap
+
+
+def provenance(model_path, *extra_packages):
+    """The model file and its sha256, and the versions of what produced a fixture."""
+    with open(model_path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    versions = {pkg: __import__("importlib.metadata").metadata.version(pkg) for pkg in extra_packages}
+    versions.update({"transformers": transformers.__version__, "torch": torch.__version__,
+                     "numpy": np.__version__, "python": platform.python_version()})
+    return {"file": os.path.basename(model_path), "sha256": sha}, versions
+
+
+def main():
+    ap = arg_parser(__doc__, OUT_DIR)
+    ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"),
+                    help="sdpa makes kvpress recompute the window attention itself (cross-check)")
+    args = ap.parse_args()
+
+    setup_torch()
+    model = load_model(args.model, args.attn)
+    os.makedirs(args.out, exist_ok=True)
+    sizes = {}
+    for name, text_file, want_scores, ids in prompt_ids(args.model):
         doc = {"prompt": name, "text_file": text_file, "n_tokens": len(ids), "ids": ids,
                "window_size": WINDOW, "kernel_size": KERNEL, "pooling": "avg",
                "group_reduce": "mean", "cases": []}
@@ -240,32 +285,22 @@ def main():
                         "6 significant digits; same for every ratio",
                 "layers": [[s for (li2, kh, s) in raw if li2 == li]
                            for li in range(model.config.num_hidden_layers)]}
-        path = os.path.join(args.out, f"snapkv_{name}.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-            f.write("\n")
-        sizes[os.path.basename(path)] = os.path.getsize(path)
+        sizes[f"snapkv_{name}.json"] = write_compact(os.path.join(args.out, f"snapkv_{name}.json"), doc)
 
-    with open(args.model, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+    model_info, versions = provenance(args.model, "kvpress")
     meta = {
         "generator": "tests/reference/gen_kvpress_fixture.py",
         "command": "/opt/kvpvenv/bin/python tests/reference/gen_kvpress_fixture.py",
         "press": f"kvpress.SnapKVPress(compression_ratio=r, window_size={WINDOW}, "
                  f"kernel_size={KERNEL})",
         "ratios": list(RATIOS),
-        "model": {"file": os.path.basename(args.model), "sha256": sha},
+        "model": model_info,
         "dtype": "float32", "attn_implementation": args.attn, "torch_threads": 1,
         "small_prompt_source": SMALL_SOURCE,
-        "versions": {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else
-                     __import__("importlib.metadata").metadata.version("kvpress"),
-                     "transformers": transformers.__version__, "torch": torch.__version__,
-                     "numpy": np.__version__, "python": platform.python_version()},
+        "versions": versions,
         "files": sizes,
     }
-    with open(os.path.join(args.out, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-        f.write("\n")
+    write_meta(os.path.join(args.out, "meta.json"), meta)
     print(json.dumps(sizes))
     return 0
 

@@ -19,26 +19,18 @@ answer is the optimum). Same venv as the kvpress fixtures, with scikit-learn add
     /opt/kvpvenv/bin/python tests/reference/gen_squeeze_fixture.py
 """
 
-import argparse
-import hashlib
-import json
 import os
-import platform
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import numpy as np  # noqa: E402
-import sklearn  # noqa: E402
 import torch  # noqa: E402
 from sklearn.cluster import KMeans  # noqa: E402
 
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gen_kvpress_fixture as snap  # noqa: E402  (prompts, tokenizer)
+import gen_kvpress_fixture as snap  # noqa: E402  (prompts, model, output helpers)
 
 OUT = os.path.join(snap.REPO, "tests", "fixtures", "squeeze", "similarity.json")
 
@@ -103,28 +95,12 @@ def exact_1d(x):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("SKV_MODEL", snap.DEFAULT_MODEL))
-    ap.add_argument("--out", default=OUT)
-    args = ap.parse_args()
+    args = snap.arg_parser(__doc__, OUT).parse_args()
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(0)
-
-    stored = snap.load_prompts()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(os.path.abspath(args.model)), gguf_file=os.path.basename(args.model),
-        dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-
+    snap.setup_torch()
+    model = snap.load_model(args.model, "eager")
     prompts = []
-    for name, text_file, _ in snap.PROMPTS:
-        text = open(os.path.join(snap.REPO, text_file), encoding="utf-8").read()
-        ids = snap.tokenize(args.model, text)
-        if name in stored:
-            assert ids == stored[name], f"{name}: ids differ from golden/reference.json"
+    for name, text_file, _, ids in snap.prompt_ids(args.model):
         sims = layer_similarities(model, ids)
         km = KMeans(n_clusters=3, n_init=10, random_state=0).fit(np.array(sims)[:, None])
         labels = ranked(km.labels_.tolist(), sims)
@@ -137,26 +113,20 @@ def main():
                         "similarity": sims, "kmeans_labels": labels,
                         "kmeans_inertia": float(km.inertia_), "exact_sse": exact_sse})
 
-    with open(args.model, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+    model_info, versions = snap.provenance(args.model, "scikit-learn")
     doc = {
         "generator": "tests/reference/gen_squeeze_fixture.py",
         "command": "/opt/kvpvenv/bin/python tests/reference/gen_squeeze_fixture.py",
         "what": "per layer: mean over tokens of cos(layer input, input + self_attn output); "
                 "kmeans_labels ranked by centre, 2 = highest similarity (least important)",
         "kmeans": "sklearn.cluster.KMeans(n_clusters=3, n_init=10, random_state=0)",
-        "model": {"file": os.path.basename(args.model), "sha256": sha},
+        "model": model_info,
         "dtype": "float32 (similarities accumulated in float64)", "attn_implementation": "eager",
-        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                     "scikit-learn": sklearn.__version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
+        "versions": versions,
         "prompts": prompts,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(doc, f, separators=(",", ":"))
-        f.write("\n")
-    print(args.out, os.path.getsize(args.out))
+    print(args.out, snap.write_compact(args.out, doc))
     return 0
 
 
