@@ -1570,11 +1570,17 @@ int skv_bench_quality(struct skv_engine *e, struct skv_model *m, const struct sk
     q->m = m;
     q->o = o;
     q->out_dir = o->out_dir ? o->out_dir : "./quality-out";
-    size_t at = 0;
-    for (int i = 0; i < o->argc && at < sizeof q->cmdline - 1; i++) {
-        const char *a = i ? o->argv[i] : "snapkv-bench";
+    /* the command line as one can run it again: getopt moved the command word to the end */
+    int word = o->argc - 1;
+    while (word > 0 && strcmp(o->argv[word], "quality") != 0)
+        word--;
+    size_t at = (size_t)snprintf(q->cmdline, sizeof q->cmdline, "snapkv-bench quality");
+    for (int i = 1; i < o->argc && at < sizeof q->cmdline - 1; i++) {
+        const char *a = o->argv[i];
+        if (i == word)
+            continue;
         bool quote = strpbrk(a, " ;*?()") != NULL;
-        int w = snprintf(q->cmdline + at, sizeof q->cmdline - at, quote ? "%s\"%s\"" : "%s%s", i ? " " : "", a);
+        int w = snprintf(q->cmdline + at, sizeof q->cmdline - at, quote ? " \"%s\"" : " %s", a);
         at += w > 0 ? (size_t)w : 0;
     }
     json_t *root = json_object();

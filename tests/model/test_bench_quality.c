@@ -194,6 +194,10 @@ static void test_passkey_run(void **state)
     }
     json_decref(j);
 
+    /* the command as one runs it again, command word first, the spec list quoted */
+    assert_file_has(&r, "out/passkey.md", "Command: `snapkv-bench quality --model ");
+    assert_file_has(&r, "out/passkey.md",
+                    "--specs \"policy=snapkv,ratio=0.4;policy=snapkv,ratio=0.5;policy=streaming,ratio=0.1\"`");
     assert_file_has(&r, "out/passkey.md", "| full cache (baseline) | 100 |");
     assert_file_has(&r, "out/passkey.md", "| policy=streaming,ratio=0.1 | 0 |");
     assert_file_has(&r, "stdout", "## Passkey retrieval");
