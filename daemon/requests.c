@@ -1275,10 +1275,13 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
     skv_worker_reply(w, job, &rep);
 }
 
-/* Saved sessions: "<state-dir>/<name>.skv" = header, tokens, per head (len, positions, K, V),
- * then a BLAKE2b checksum of everything before it. */
+/* Saved sessions: "<state-dir>/<name>.skv" = header, tokens, the compressor's state (int32
+ * length, then skv_compressor_state_write's bytes; length 0 without a compressor), per head
+ * (len, positions, scores, K, V), then a BLAKE2b checksum of everything before it. Version 1
+ * (no compressor state, no scores) still loads; such a session decodes with the full cache. */
 #define SAVE_MAGIC "SKVSESS1"
-#define SAVE_VERSION 1
+#define SAVE_VERSION 2
+#define SAVE_STATE_MAX 65536
 
 struct save_header {
     char magic[8];
@@ -1343,6 +1346,17 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     rc = write_all(f, &h, &hd, sizeof hd);
     if (!rc)
         rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
+    int32_t state_len = s->comp ? (int32_t)skv_compressor_state_size(s->comp) : 0;
+    void *state = state_len ? malloc((size_t)state_len) : NULL;
+    if (!rc && state_len && !state)
+        rc = SKV_E_NOMEM;
+    if (!rc && state)
+        skv_compressor_state_write(s->comp, state);
+    if (!rc)
+        rc = write_all(f, &h, &state_len, sizeof state_len);
+    if (!rc && state_len)
+        rc = write_all(f, &h, state, (size_t)state_len);
+    free(state);
     size_t row = (size_t)s->cache->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows, read out of its blocks */
     int H = s->cache->n_kv_heads;
@@ -1355,7 +1369,8 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
             break;
         }
         rows = more;
-        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)))
+        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)) ||
+            (rc = write_all(f, &h, kh->score, (size_t)len * sizeof *kh->score)))
             break;
         for (int kv = 0; kv < 2 && !rc; kv++)
             if (!(rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, kv, 0, len, rows)))
@@ -1411,8 +1426,8 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = read_exact(f, &h, &hd, sizeof hd);
     const struct skv_model_config *mc = &w->m->cfg;
-    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version != SAVE_VERSION))
-        rc = skv_errorf(SKV_E_VERSION, "%s is not a version %d saved session", path, SAVE_VERSION);
+    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION))
+        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION);
     if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
                 hd.n_kv_heads != (uint32_t)mc->n_kv_heads || hd.head_dim != (uint32_t)mc->head_dim))
         rc = skv_errorf(SKV_E_INVAL, "%s was saved with another model", path);
@@ -1428,6 +1443,16 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     if (!rc && hd.n_tokens && !(rc = read_exact(f, &h, tok, (size_t)hd.n_tokens * 4)))
         rc = skv_session_push_tokens(s, tok, hd.n_tokens);
     free(tok);
+    int32_t state_len = 0;
+    void *state = NULL;
+    if (!rc && hd.version >= 2 && !(rc = read_exact(f, &h, &state_len, sizeof state_len))) {
+        if (state_len < 0 || state_len > SAVE_STATE_MAX)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state of %d bytes", path, state_len);
+        else if (state_len && !(state = malloc((size_t)state_len)))
+            rc = SKV_E_NOMEM;
+        else if (state_len)
+            rc = read_exact(f, &h, state, (size_t)state_len);
+    }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows on their way into its blocks */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
@@ -1449,6 +1474,10 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         rows = more;
         if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)))
             break;
+        if (hd.version >= 2)
+            rc = read_exact(f, &h, kh->score, (size_t)len * sizeof *kh->score);
+        else
+            memset(kh->score, 0, (size_t)len * sizeof *kh->score);
         for (int kv = 0; kv < 2 && !rc; kv++)
             if (!(rc = read_exact(f, &h, rows, (size_t)len * row)))
                 rc = skv_kv_cache_write_rows(s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads, kv, 0, len, rows);
@@ -1457,7 +1486,6 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         for (int j = 0; j < len; j++)
             if (kh->pos[j] < 0 || kh->pos[j] >= hd.n_past || (j && kh->pos[j] <= kh->pos[j - 1]))
                 rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
-        memset(kh->score, 0, (size_t)len * sizeof *kh->score);
     }
     free(rows);
     unsigned char want[32], got[32];
@@ -1472,9 +1500,24 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         s->cache->n_past = hd.n_past;
         s->prompt_len = hd.prompt_len;
         s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
-        snprintf(s->spec, sizeof s->spec, "%s", hd.spec);
-        rc = skv_session_charge(w->sessions, s, NULL);
+        if (hd.version >= 2) {
+            /* the session goes on under its spec: the compressor with the state it had */
+            if ((rc = set_spec(w, s, hd.spec))) {
+                char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+                snprintf(why, sizeof why, "%s", skv_error_msg());
+                rc = skv_errorf(SKV_E_FORMAT, "%s: saved spec: %s", path, why);
+            }
+            else if (!s->comp != !state_len)
+                rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state does not match the spec", path);
+            else if (s->comp)
+                rc = skv_compressor_state_read(s->comp, state, (size_t)state_len, hd.n_past);
+        } else {
+            snprintf(s->spec, sizeof s->spec, "%s", hd.spec); /* shown; decoding keeps every row */
+        }
     }
+    free(state);
+    if (!rc)
+        rc = skv_session_charge(w->sessions, s, NULL);
     if (rc) {
         fail_rc(w, job, rc);
         if (s)

@@ -185,6 +185,69 @@ int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor
     return SKV_OK;
 }
 
+/* State bytes: int32 n_layers, budget, total_len, decode; int32 layer_budget[L],
+ * decode_budgets[L]; float sim[L]; host byte order (saved sessions are read on the host that
+ * wrote them; the model fingerprint already ties them to one model). */
+#define STATE_HEAD 4
+
+size_t skv_compressor_state_size(const struct skv_compressor *c)
+{
+    return (size_t)(STATE_HEAD + 3 * c->n_layers) * 4;
+}
+
+void skv_compressor_state_write(const struct skv_compressor *c, void *buf)
+{
+    int32_t head[STATE_HEAD] = {c->n_layers, c->budget, c->total_len, c->decode};
+    size_t L = (size_t)c->n_layers;
+    char *p = buf;
+    memcpy(p, head, sizeof head);
+    p += sizeof head;
+    for (size_t l = 0; l < L; l++, p += 4)
+        memcpy(p, &(int32_t){c->layer_budget[l]}, 4);
+    for (size_t l = 0; l < L; l++, p += 4)
+        memcpy(p, &(int32_t){c->decode_budgets[l]}, 4);
+    memcpy(p, c->sim, L * sizeof *c->sim);
+}
+
+int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t len, int n_past)
+{
+    if (len != skv_compressor_state_size(c))
+        return skv_errorf(SKV_E_FORMAT, "compressor state: %zu bytes, expected %zu", len,
+                          skv_compressor_state_size(c));
+    int32_t head[STATE_HEAD];
+    const char *p = buf;
+    memcpy(head, p, sizeof head);
+    p += sizeof head;
+    int L = c->n_layers;
+    /* rows a layer may be allotted: at most the sequence (a layer's budget never exceeds it) */
+    long most = (long)n_past + 1;
+    if (head[0] != L || head[1] < 0 || head[1] > most || head[2] < 0 || head[2] > most || (head[3] != 0 && head[3] != 1))
+        return skv_errorf(SKV_E_FORMAT, "compressor state: implausible header");
+    const char *lb = p, *db = p + (size_t)L * 4, *sp = p + (size_t)L * 8;
+    for (int l = 0; l < L; l++) {
+        int32_t b, d;
+        memcpy(&b, lb + (size_t)l * 4, 4);
+        memcpy(&d, db + (size_t)l * 4, 4);
+        if (b < 0 || b > most || d < 0 || d > SKV_SPEC_MAX_BUDGET)
+            return skv_errorf(SKV_E_FORMAT, "compressor state: layer %d out of range", l);
+    }
+    c->budget = head[1];
+    c->total_len = head[2];
+    c->decode = head[3] != 0;
+    for (int l = 0; l < L; l++) {
+        int32_t b, d;
+        memcpy(&b, lb + (size_t)l * 4, 4);
+        memcpy(&d, db + (size_t)l * 4, 4);
+        c->layer_budget[l] = b;
+        c->decode_budgets[l] = d;
+    }
+    memcpy(c->sim, sp, (size_t)L * sizeof *c->sim);
+    /* nothing observed yet: SnapKV re-scoring starts its window with the next decoded token */
+    c->obs_start = c->obs_end = n_past;
+    c->scored_layer = -1;
+    return SKV_OK;
+}
+
 const struct skv_compress_spec *skv_compressor_spec(const struct skv_compressor *c)
 {
     return &c->spec;

@@ -52,6 +52,17 @@ const int *skv_compressor_layer_budgets(const struct skv_compressor *c);
 const float *skv_compressor_similarity(const struct skv_compressor *c);
 int skv_compressor_budget(const struct skv_compressor *c);
 
+/* A compressor's decided state as bytes, for SAVE / LOAD: the budget, the sequence length,
+ * whether it is decoding, the layer budgets, the decode budgets and the SqueezeAttention
+ * similarities (what decoding under the same spec needs; SnapKV re-scoring's observation
+ * window is not part of it and starts again with the next decoded token). The rows' scores
+ * (H2O's accumulated attention) live in the cache. */
+size_t skv_compressor_state_size(const struct skv_compressor *c);
+void skv_compressor_state_write(const struct skv_compressor *c, void *buf);
+/* Restores what state_write wrote for a compressor of the same spec and model, on a cache of
+ * n_past tokens; SKV_E_FORMAT (nothing changed) when the bytes do not fit them. */
+int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t len, int n_past);
+
 /* ---- policy pieces (also unit-tested on their own) ---------------------------------------- */
 
 /* Layer budgets for PyramidKV (KVCache-Factory's schedule): B per layer on average,

@@ -863,6 +863,84 @@ static void test_decode_budget(void **state)
     stop_daemon(&d);
 }
 
+/* Rows per (layer, head) and their positions, as INSPECT shows them. */
+static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_id *id, size_t *n, uint32_t *kept0)
+{
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, id, true, &ir), SNAPKV_OK);
+    *kept0 = ir.layers[0].kept;
+    for (size_t l = 0; l < ir.n_layers; l++)
+        assert_int_equal(ir.layers[l].kept, *kept0);
+    uint32_t *pos = malloc(ir.n_positions * sizeof *pos);
+    memcpy(pos, ir.positions, ir.n_positions * sizeof *pos);
+    *n = ir.n_positions;
+    snapkv_inspect_result_free(&ir);
+    return pos;
+}
+
+/* A saved H2O session goes on under its policy after LOAD: the compressor's state and the
+ * rows' accumulated scores come back, so appending the token the original generates next and
+ * decoding on gives the original's tokens, the same 48 rows per head and the same positions
+ * (before, a loaded session kept every new row: 56). */
+static void test_save_load_goes_on(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    const char *spec = "policy=h2o,budget=48,window=8";
+    struct daemon d;
+    start_daemon(&d, "1G");
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 11);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a"), *a = client(d.admin, NULL);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = spec};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.stop_at_eos = false;
+    sp.max_tokens = 4;
+    struct snapkv_decode_result d0, d1, d2;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &d0), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_save(a, &pr.id, "h2o-1", NULL), SNAPKV_OK);
+    sp.max_tokens = 8;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &d1), SNAPKV_OK);
+    assert_int_equal(d1.n_tokens, 8);
+    size_t n_orig, n_load;
+    uint32_t kept_orig, kept_load;
+    uint32_t *pos_orig = kept_positions(a, &pr.id, &n_orig, &kept_orig);
+    assert_int_equal(kept_orig, 48);
+
+    struct snapkv_session_id loaded;
+    assert_int_equal(snapkv_admin_load(a, "h2o-1", "tenant-a", &loaded), SNAPKV_OK);
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, &loaded, false, &ir), SNAPKV_OK);
+    assert_non_null(strstr(ir.spec, "policy=h2o"));
+    assert_int_equal(ir.layers[0].kept, 48);
+    snapkv_inspect_result_free(&ir);
+    struct snapkv_append_opts ao = {.tokens = &d1.tokens[0], .n_tokens = 1};
+    struct snapkv_append_result ar;
+    assert_int_equal(snapkv_append(c, &loaded, &ao, &ar), SNAPKV_OK);
+    assert_int_equal(ar.next_token, d1.tokens[1]);
+    snapkv_append_result_free(&ar);
+    sp.max_tokens = 7;
+    assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
+    assert_int_equal(d2.n_tokens, 7);
+    assert_memory_equal(d2.tokens, d1.tokens + 1, 7 * sizeof *d2.tokens);
+    uint32_t *pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
+    assert_int_equal(kept_load, 48);
+    assert_int_equal(n_load, n_orig);
+    assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
+    free(pos_orig);
+    free(pos_load);
+    snapkv_decode_result_free(&d0);
+    snapkv_decode_result_free(&d1);
+    snapkv_decode_result_free(&d2);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -870,6 +948,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pool_pressure, kill_daemons),     cmocka_unit_test_teardown(test_killed_client_and_lease, kill_daemons),
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
         cmocka_unit_test_teardown(test_decode_budget, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
+        cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

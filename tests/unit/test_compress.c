@@ -783,6 +783,60 @@ static void test_decode_rescore_clone(void **state)
     skv_kv_cache_free(&b);
 }
 
+/* The state bytes SAVE stores: a new compressor of the same spec that reads them decodes on
+ * exactly as the original (H2O with decode budgets spread from a pyramid prefill, on a copy of
+ * the cache, whose rows carry their scores); bytes that do not fit are refused and change
+ * nothing. */
+static void test_state_round_trip(void **state)
+{
+    struct tiny *t = *state;
+    const char *spec_text = "policy=h2o,alloc=pyramid,budget=16,window=4,decode_budget=10";
+    struct skv_kv_cache *a = NULL, *b = NULL;
+    struct skv_compressor *ca = NULL, *cb = NULL;
+    run(t, spec_text, &a, t->ids, t->n, &ca);
+    decode_steps(t, ca, a, 40, 3);
+    size_t len = skv_compressor_state_size(ca);
+    assert_int_equal(len, (4 + 3 * (size_t)a->n_layers) * 4);
+    unsigned char *buf = malloc(len), *bad = malloc(len);
+    assert_non_null(buf);
+    assert_non_null(bad);
+    skv_compressor_state_write(ca, buf);
+    struct skv_compress_spec spec;
+    assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
+    /* refused: wrong length, another layer count, a negative budget, a layer budget beyond the
+     * sequence; the compressor keeps its (empty) state */
+    assert_int_equal(skv_compressor_state_read(cb, buf, len - 4, a->n_past), SKV_E_FORMAT);
+    memcpy(bad, buf, len);
+    bad[0] ^= 1;
+    assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
+    memcpy(bad, buf, len);
+    memcpy(bad + 4, &(int32_t){-1}, 4);
+    assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
+    memcpy(bad, buf, len);
+    memcpy(bad + 16, &(int32_t){a->n_past + 2}, 4);
+    assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
+    assert_int_equal(skv_compressor_budget(cb), 0);
+    assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past), SKV_OK);
+    assert_int_equal(skv_compressor_budget(cb), skv_compressor_budget(ca));
+    assert_memory_equal(skv_compressor_layer_budgets(cb), skv_compressor_layer_budgets(ca),
+                        (size_t)a->n_layers * sizeof(int));
+    assert_int_equal(skv_kv_cache_clone(a, &b), SKV_OK);
+    decode_steps(t, ca, a, 43, 8);
+    decode_steps(t, cb, b, 43, 8);
+    for (int l = 0; l < a->n_layers; l++)
+        for (int h = 0; h < a->n_kv_heads; h++) {
+            const struct skv_kv_head *x = skv_kv_cache_head(a, l, h);
+            expect_positions(b, l, h, x->pos, x->len);
+        }
+    free(buf);
+    free(bad);
+    skv_compressor_free(&ca);
+    skv_compressor_free(&cb);
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest pure[] = {
@@ -797,6 +851,7 @@ int main(void)
         cmocka_unit_test(test_decode_rescore_matches_naive), cmocka_unit_test(test_decode_rescore_edges),
         cmocka_unit_test(test_decode_budget_spread),
         cmocka_unit_test(test_decode_rescore_clone),
+        cmocka_unit_test(test_state_round_trip),
     };
     int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);
     failed += cmocka_run_group_tests_name("compress-tiny-model", model, tiny_setup, tiny_teardown);
