@@ -901,7 +901,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     if (!rc && s->busy)
         rc = skv_errorf(SKV_E_BUSY, "the session is already decoding");
     if (!rc && !s->logits)
-        rc = skv_errorf(SKV_E_INVAL, "the session has no tokens to continue from");
+        rc = skv_errorf(SKV_E_INVAL, "the session has no next-token logits (a loaded or imported session): "
+                                     "APPEND the next token first");
     const Snapkv__Sampling *sp = q->sampling;
     uint32_t max = sp && sp->max_tokens ? sp->max_tokens : DEFAULT_MAX_TOKENS;
     if (!rc && max > (uint32_t)w->cfg->max_new_tokens)

@@ -917,12 +917,15 @@ static void test_save_load_goes_on(void **state)
     assert_non_null(strstr(ir.spec, "policy=h2o"));
     assert_int_equal(ir.layers[0].kept, 48);
     snapkv_inspect_result_free(&ir);
+    /* no logits came back: DECODE says to APPEND first */
+    sp.max_tokens = 7;
+    assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "APPEND the next token first"));
     struct snapkv_append_opts ao = {.tokens = &d1.tokens[0], .n_tokens = 1};
     struct snapkv_append_result ar;
     assert_int_equal(snapkv_append(c, &loaded, &ao, &ar), SNAPKV_OK);
     assert_int_equal(ar.next_token, d1.tokens[1]);
     snapkv_append_result_free(&ar);
-    sp.max_tokens = 7;
     assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
     assert_int_equal(d2.n_tokens, 7);
     assert_memory_equal(d2.tokens, d1.tokens + 1, 7 * sizeof *d2.tokens);
