@@ -939,6 +939,25 @@ static void test_save_load_goes_on(void **state)
     snapkv_decode_result_free(&d1);
     snapkv_decode_result_free(&d2);
     snapkv_prefill_result_free(&pr);
+
+    /* SnapKV re-scoring while decoding: after LOAD its window starts again, and every 4th token
+     * from there cuts each layer back to decode_budget 40 */
+    po.compress = "policy=snapkv,budget=48,window=8,kernel=5,decode_budget=40,interval=4";
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    sp.max_tokens = 6;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &d0), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_save(a, &pr.id, "snapkv-1", NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_load(a, "snapkv-1", "tenant-a", &loaded), SNAPKV_OK);
+    ao.tokens = &d0.tokens[5];
+    assert_int_equal(snapkv_append(c, &loaded, &ao, NULL), SNAPKV_OK);
+    sp.max_tokens = 7;
+    assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d1), SNAPKV_OK);
+    uint32_t *pos = kept_positions(a, &loaded, &n_load, &kept_load);
+    assert_int_equal(kept_load, 40);
+    free(pos);
+    snapkv_decode_result_free(&d0);
+    snapkv_decode_result_free(&d1);
+    snapkv_prefill_result_free(&pr);
     snapkv_close(&a);
     snapkv_close(&c);
     stop_daemon(&d);
