@@ -233,7 +233,7 @@ static int encode(const struct skv_tokenizer *tok, const char *text, bool add_bo
 
 struct qspec {
     char text[256];        /* as written ("policy=full" for the baseline) */
-    char group[256];       /* the text without its ratio= item (plot series) */
+    char group[256];       /* the text without its ratio= / budget= item (plot series) */
     struct skv_compress_spec spec;
 };
 
@@ -268,13 +268,13 @@ static int parse_specs(const char *list, struct qspec *specs, int max, int *n_ou
                 return skv_errorf(rc, "--specs '%s': %s", q->text, why);
             }
             if (q->spec.policy != SKV_POLICY_FULL) {
-                /* series label: every item but ratio= */
+                /* series label: every item but ratio= and budget= (the plots' x axis) */
                 q->group[0] = '\0';
                 char tmp[256];
                 snprintf(tmp, sizeof tmp, "%s", q->text);
                 char *save = NULL;
                 for (char *it = strtok_r(tmp, ",", &save); it; it = strtok_r(NULL, ",", &save)) {
-                    if (strncmp(it, "ratio=", 6) == 0)
+                    if (strncmp(it, "ratio=", 6) == 0 || strncmp(it, "budget=", 7) == 0)
                         continue;
                     size_t gl = strlen(q->group);
                     snprintf(q->group + gl, sizeof q->group - gl, "%s%s", gl ? "," : "", it);
@@ -935,21 +935,22 @@ static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int n
     free(gp.s);
 }
 
-/* Series of the budget plots: each group (a spec without its ratio) that has >= 2 ratio specs,
- * as spec indices by ascending ratio. series[s][0..len[s]) ; returns the number of series. */
-static int ratio_series(const struct qctx *q, int series[][MAX_LIST + 1], int *len)
+/* Series of the budget plots: each group (a spec without its ratio= / budget=) that has >= 2
+ * specs, as spec indices by ascending key[spec] (the KV they kept). series[s][0..len[s]);
+ * returns the number of series. */
+static int budget_series(const struct qctx *q, const double *key, int series[][MAX_LIST + 1], int *len)
 {
     bool done[MAX_LIST + 1] = {false};
     int ns = 0;
     for (int i = 1; i < q->n_specs; i++) {
-        if (done[i] || q->specs[i].spec.ratio < 0)
+        if (done[i])
             continue;
         int n = 0;
         for (;;) {
             int best = -1;
             for (int j = i; j < q->n_specs; j++)
-                if (!done[j] && q->specs[j].spec.ratio >= 0 && strcmp(q->specs[j].group, q->specs[i].group) == 0 &&
-                    (best < 0 || q->specs[j].spec.ratio < q->specs[best].spec.ratio))
+                if (!done[j] && strcmp(q->specs[j].group, q->specs[i].group) == 0 &&
+                    (best < 0 || key[j] < key[best]))
                     best = j;
             if (best < 0)
                 break;
@@ -962,13 +963,30 @@ static int ratio_series(const struct qctx *q, int series[][MAX_LIST + 1], int *l
     return ns;
 }
 
-/* passkey_budget.png: accuracy against the budget (ratio of the prompt) per policy, one panel
- * per prompt length, the full cache's accuracy as a dashed line. Needs a group with >= 2 ratios. */
-static void plot_passkey_budget(const struct qctx *q, const int *lengths, int nl, int nd, int trials,
-                                const int *correct)
+/* One passkey run's state (what the outputs are written from). */
+struct pk_run {
+    int lengths[MAX_LIST], depths[MAX_LIST], nl, nd;
+    int trials, max_tokens, style;
+    int *correct;              /* [CIDX] */
+    double *kv_frac;           /* [length][spec]: sum over prompts of KV bytes / the full cache's */
+    int *prompts;              /* [length]: prompts run */
+    json_t *results, *verify;
+    double t_prefill, t_decode;
+};
+
+/* passkey_budget.png: accuracy against the KV kept (fraction of the full cache) per policy,
+ * one panel per prompt length, the full cache's accuracy as a dashed line. Needs a group
+ * with >= 2 budgets. */
+static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, int nl)
 {
+    const int *correct = p->correct;
+    int nd = p->nd, trials = p->trials;
+    double key[MAX_LIST + 1] = {0};
+    for (int i = 0; i < q->n_specs; i++)
+        for (int l = 0; l < nl; l++)
+            key[i] += p->kv_frac[l * q->n_specs + i] / (p->prompts[l] ? p->prompts[l] : 1) / nl;
     int series[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1];
-    int ns = ratio_series(q, series, len);
+    int ns = budget_series(q, key, series, len);
     if (ns == 0 || nl == 0)
         return;
     struct strbuf gp = {0};
@@ -979,13 +997,14 @@ static void plot_passkey_budget(const struct qctx *q, const int *lengths, int nl
                 int i = series[s][k], c = 0;
                 for (int d = 0; d < nd; d++)
                     c += correct[CIDX(i, l, d)];
-                sb_add(&gp, "%g %.4f\n", q->specs[i].spec.ratio, (double)c / (nd * trials));
+                double x = p->kv_frac[l * q->n_specs + i] / (p->prompts[l] ? p->prompts[l] : 1);
+                sb_add(&gp, "%.4g %.4f\n", x, (double)c / (nd * trials));
             }
             sb_add(&gp, "EOD\n");
         }
     double xmax = 0;
     for (int s = 0; s < ns; s++)
-        xmax = fmax(xmax, q->specs[series[s][len[s] - 1]].spec.ratio);
+        xmax = fmax(xmax, key[series[s][len[s] - 1]]);
     /* panels on a grid with fixed margins; the legend in a band below them */
     int cols = nl < 3 ? nl : 3, rows = (nl + cols - 1) / cols;
     int w = 330 * cols + 40, h = 320 * rows + 90 + 16 * ns;
@@ -994,16 +1013,16 @@ static void plot_passkey_budget(const struct qctx *q, const int *lengths, int nl
            "set output 'passkey_budget.png'\n"
            "set multiplot layout %d,%d title 'Passkey accuracy vs budget: %s (dashed: full cache)' "
            "margins %.3f,0.98,%.3f,%.3f spacing %.3f,%.3f\n"
-           "set grid\nset xlabel 'budget (ratio of the prompt)'\nset ylabel 'accuracy'\n"
-           "set xrange [0:%g]\nset yrange [-0.05:1.05]\n"
+           "set grid\nset xlabel 'KV kept (fraction of the full cache)'\nset ylabel 'accuracy'\n"
+           "set xrange [0:%.3g]\nset yrange [-0.05:1.05]\n"
            "set key at screen 0.5,0.01 center bottom vertical maxrows %d\n",
            rows, cols, model_label(q), 60.0 / w, (16.0 * ns + 60) / h, 1 - 60.0 / h, 70.0 / w, 95.0 / h,
-           xmax * 1.1, ns);
+           fmin(1.0, xmax * 1.1 + 0.01), ns);
     for (int l = 0; l < nl; l++) {
         int c = 0;
         for (int d = 0; d < nd; d++)
             c += correct[CIDX(0, l, d)];
-        sb_add(&gp, "set title '%d tokens'\n%splot %.4f with lines dashtype 2 lc rgb 'black' notitle", lengths[l],
+        sb_add(&gp, "set title '%d tokens'\n%splot %.4f with lines dashtype 2 lc rgb 'black' notitle", p->lengths[l],
                l == 1 ? "unset key\n" : "", (double)c / (nd * trials));
         for (int s = 0; s < ns; s++)
             sb_add(&gp, ", \\\n     $s%dl%d using 1:2 with linespoints title '%s'", s, l, q->specs[series[s][0]].group);
@@ -1015,14 +1034,6 @@ static void plot_passkey_budget(const struct qctx *q, const int *lengths, int nl
     free(gp.s);
 }
 
-/* One passkey run's state (what the outputs are written from). */
-struct pk_run {
-    int lengths[MAX_LIST], depths[MAX_LIST], nl, nd;
-    int trials, max_tokens, style;
-    int *correct;              /* [CIDX] */
-    json_t *results, *verify;
-    double t_prefill, t_decode;
-};
 
 /* Writes passkey.json / .md / .png for the first nl_done lengths (after each length, so a
  * run cut short keeps what it finished). *jp_out: the JSON (new reference). */
@@ -1087,7 +1098,7 @@ static int passkey_write(struct qctx *q, const struct pk_run *p, int nl_done, bo
     free(md.s);
     if (!rc) {
         plot_passkey(q, lengths, nl_done, nd, trials, correct);
-        plot_passkey_budget(q, lengths, nl_done, nd, trials, correct);
+        plot_passkey_budget(q, p, nl_done);
     }
     if (rc)
         json_decref(jp);
@@ -1116,13 +1127,15 @@ static int task_passkey(struct qctx *q, json_t *root)
     int nl = pr.nl, nd = pr.nd, trials = pr.trials, max_tokens = pr.max_tokens;
     int nv = q->m->cfg.n_vocab;
     pr.correct = calloc((size_t)q->n_specs * nl * nd, sizeof *pr.correct);
+    pr.kv_frac = calloc((size_t)q->n_specs * nl, sizeof *pr.kv_frac);
+    pr.prompts = calloc((size_t)nl, sizeof *pr.prompts);
     int *correct = pr.correct;
     float *first = malloc((size_t)nv * sizeof *first), *logits = malloc((size_t)nv * sizeof *logits);
     int32_t *out = malloc((size_t)max_tokens * sizeof *out);
     pr.results = json_array();
     pr.verify = json_array();
     json_t *jp = NULL;
-    if (!correct || !first || !logits || !out || !pr.results || !pr.verify) {
+    if (!correct || !pr.kv_frac || !pr.prompts || !first || !logits || !out || !pr.results || !pr.verify) {
         rc = SKV_E_NOMEM;
         goto out_free;
     }
@@ -1162,8 +1175,11 @@ static int task_passkey(struct qctx *q, json_t *root)
                 int nk = key_token_positions(q->m->tok, ids, n, keytxt, kpos, 32);
                 fprintf(stderr, "passkey len %5d (%5d tok) depth %3d%% key %s prefill %6.1f s:", lengths[l], n,
                         depths[d], keytxt, t1 - t0);
+                pr.prompts[l]++;
+                double full_kv = (double)skv_kv_cache_bytes(r.cache[0]); /* before its answer grows it */
                 for (int i = 0; i < q->n_specs && !rc; i++) {
                     uint64_t kv = skv_kv_cache_bytes(r.cache[i]);
+                    pr.kv_frac[l * q->n_specs + i] += (double)kv / full_kv;
                     double kept = key_rows_kept(r.cache[i], kpos, nk);
                     int got = 0;
                     rc = greedy(q->e, q->m, r.cache[i], r.comp[i], first, logits, max_tokens, true, keytxt, out, &got);
@@ -1210,6 +1226,8 @@ out_free:
     json_decref(pr.results);
     json_decref(pr.verify);
     free(correct);
+    free(pr.kv_frac);
+    free(pr.prompts);
     free(first);
     free(logits);
     free(out);
@@ -1396,17 +1414,20 @@ out_free:
 
 static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
 {
-    /* one series per group (spec without its ratio) with >= 2 ratios; x is the KV actually kept
-     * (SqueezeAttention can keep less than its ratio) */
+    /* one series per group (spec without its ratio / budget) with >= 2 specs; x is the KV
+     * actually kept */
     int groups[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1], series[MAX_LIST + 1];
-    int ns = ratio_series(q, groups, len);
+    double key[MAX_LIST + 1];
+    for (int i = 0; i < q->n_specs; i++)
+        key[i] = stat[i].texts ? stat[i].kv_frac_sum / stat[i].texts : 0;
+    int ns = budget_series(q, key, groups, len);
     struct strbuf gp = {0};
     for (int k = 0; k < ns; k++) {
         sb_add(&gp, "$s%d << EOD\n", k);
         for (int m = 0; m < len[k]; m++) {
             const struct fid_stat *s = &stat[groups[k][m]];
-            sb_add(&gp, "%.4f %.6g %.4f %.4f %g\n", s->kv_frac_sum / s->texts, s->kl_sum / s->steps,
-                   (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n, q->specs[groups[k][m]].spec.ratio);
+            sb_add(&gp, "%.4f %.6g %.4f %.4f\n", s->kv_frac_sum / s->texts, s->kl_sum / s->steps,
+                   (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n);
         }
         sb_add(&gp, "EOD\n");
         series[k] = groups[k][0];

@@ -138,14 +138,16 @@ static void test_passkey_run(void **state)
     (void)state;
     struct run r;
     const char *args[] = {"--task", "passkey", "--lengths", "512", "--depths", "50", "--trials", "1",
-                          "--specs", "policy=snapkv,ratio=0.4;policy=snapkv,ratio=0.5;policy=streaming,ratio=0.1",
+                          "--specs",
+                          "policy=snapkv,ratio=0.4;policy=snapkv,ratio=0.5;policy=streaming,ratio=0.1;"
+                          "policy=streaming,budget=98;policy=h2o,ratio=0.1",
                           NULL};
     bench(&r, args);
     assert_int_equal(r.status, 0);
     json_t *j = load_json(&r, "out/passkey.json");
     assert_true(json_is_true(json_object_get(j, "complete")));
     json_t *results = json_object_get(j, "results");
-    assert_int_equal(json_array_size(results), 4);
+    assert_int_equal(json_array_size(results), 6);
 
     static const struct {
         const char *spec;
@@ -156,6 +158,7 @@ static void test_passkey_run(void **state)
         {"policy=snapkv,ratio=0.4", true, 196},
         {"policy=snapkv,ratio=0.5", true, 245},
         {"policy=streaming,ratio=0.1", false, 49},
+        {"policy=streaming,budget=98", false, 98},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         json_t *v = result_of(results, want[i].spec);
@@ -182,10 +185,10 @@ static void test_passkey_run(void **state)
                     (json_is_true(json_object_get(v, "correct")) ? 1.0 : 0.0));
         seen++;
     }
-    assert_int_equal(seen, 8);
+    assert_int_equal(seen, 12);
 
     json_t *eq = json_object_get(j, "equivalence");
-    assert_true(json_array_size(eq) >= 3);
+    assert_true(json_array_size(eq) >= 5);
     json_array_foreach(eq, i, a) {
         assert_true(json_is_true(json_object_get(a, "identical_positions")));
         assert_int_equal(json_integer_value(json_object_get(a, "positions_sym_diff")), 0);
@@ -197,15 +200,19 @@ static void test_passkey_run(void **state)
     /* the command as one runs it again, command word first, the spec list quoted */
     assert_file_has(&r, "out/passkey.md", "Command: `snapkv-bench quality --model ");
     assert_file_has(&r, "out/passkey.md",
-                    "--specs \"policy=snapkv,ratio=0.4;policy=snapkv,ratio=0.5;policy=streaming,ratio=0.1\"`");
+                    "--specs \"policy=snapkv,ratio=0.4;policy=snapkv,ratio=0.5;policy=streaming,ratio=0.1;"
+                    "policy=streaming,budget=98;policy=h2o,ratio=0.1\"`");
     assert_file_has(&r, "out/passkey.md", "| full cache (baseline) | 100 |");
     assert_file_has(&r, "out/passkey.md", "| policy=streaming,ratio=0.1 | 0 |");
     assert_file_has(&r, "stdout", "## Passkey retrieval");
-    /* accuracy vs budget: SnapKV's two ratios make a series; StreamingLLM's one ratio does not */
+    /* accuracy vs the KV kept: SnapKV's two ratios make a series, and so do StreamingLLM's ratio
+     * and token budget (10% and 20% of the 490 tokens); H2O's one spec does not */
     assert_file_has(&r, "out/passkey_budget.gp", "0.4 1.0000\n0.5 1.0000\n");
+    assert_file_has(&r, "out/passkey_budget.gp", "0.1 0.0000\n0.2 0.0000\n");
     assert_file_has(&r, "out/passkey_budget.gp", "title 'policy=snapkv'");
+    assert_file_has(&r, "out/passkey_budget.gp", "title 'policy=streaming'");
     char *gp = slurp(&r, "out/passkey_budget.gp");
-    assert_null(strstr(gp, "title 'policy=streaming'"));
+    assert_null(strstr(gp, "title 'policy=h2o'"));
     free(gp);
     assert_png(&r, "out/passkey_budget.png");
     assert_png(&r, "out/passkey_accuracy.png");
