@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <sodium.h>
 #include <zmq.h>
 
 #include "common/status.h"
@@ -878,6 +879,54 @@ static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_
     return pos;
 }
 
+/* Rewrites a version-2 save as the version-1 file an earlier snapkvd wrote: the same header
+ * (360 bytes, version at byte 8, n_tokens at byte 32) and tokens, no compressor state, per
+ * head (len, positions, K, V) without scores, a BLAKE2b-256 checksum of the rest. */
+static void save_as_v1(const char *dir, const char *from, const char *to, int n_heads, int head_dim)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s.skv", dir, from);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *in = malloc((size_t)size), *out = malloc((size_t)size);
+    assert_non_null(in);
+    assert_non_null(out);
+    assert_int_equal(fread(in, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    uint32_t version;
+    int32_t n_tokens, state_len, len;
+    memcpy(&version, in + 8, 4);
+    assert_int_equal(version, 2);
+    memcpy(&n_tokens, in + 32, 4);
+    size_t at = 360 + (size_t)n_tokens * 4, o = at;
+    memcpy(out, in, at);
+    version = 1;
+    memcpy(out + 8, &version, 4);
+    memcpy(&state_len, in + at, 4);
+    at += 4 + (size_t)state_len;
+    for (int i = 0; i < n_heads; i++) {
+        memcpy(&len, in + at, 4);
+        memcpy(out + o, in + at, 4 + (size_t)len * 4); /* len, positions */
+        o += 4 + (size_t)len * 4;
+        at += 4 + (size_t)len * 8; /* and the scores */
+        memcpy(out + o, in + at, (size_t)len * head_dim * 8); /* K, V */
+        o += (size_t)len * head_dim * 8;
+        at += (size_t)len * head_dim * 8;
+    }
+    assert_int_equal(at + 32, (size_t)size);
+    crypto_generichash(out + o, 32, out, o, NULL, 0);
+    snprintf(path, sizeof path, "%s/%s.skv", dir, to);
+    f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(out, 1, o + 32, f), o + 32);
+    fclose(f);
+    free(in);
+    free(out);
+}
+
 /* A saved H2O session goes on under its policy after LOAD: the compressor's state and the
  * rows' accumulated scores come back, so appending the token the original generates next and
  * decoding on gives the original's tokens, the same 48 rows per head and the same positions
@@ -933,8 +982,21 @@ static void test_save_load_goes_on(void **state)
     assert_int_equal(kept_load, 48);
     assert_int_equal(n_load, n_orig);
     assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
-    free(pos_orig);
     free(pos_load);
+
+    /* a version-1 file (before compressor state) still loads, rows and spec intact; it decodes
+     * with every new row kept, as it did when it was written */
+    save_as_v1(d.dir, "h2o-1", "old-1", 30 * 3, 64);
+    struct snapkv_session_id old;
+    assert_int_equal(snapkv_admin_load(a, "old-1", "tenant-a", &old), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(a, &old, false, &ir), SNAPKV_OK);
+    assert_non_null(strstr(ir.spec, "policy=h2o"));
+    snapkv_inspect_result_free(&ir);
+    assert_int_equal(snapkv_append(c, &old, &ao, NULL), SNAPKV_OK);
+    pos_load = kept_positions(a, &old, &n_load, &kept_load);
+    assert_int_equal(kept_load, 49);
+    free(pos_load);
+    free(pos_orig);
     snapkv_decode_result_free(&d0);
     snapkv_decode_result_free(&d1);
     snapkv_decode_result_free(&d2);
