@@ -1507,11 +1507,11 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
                 char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
                 snprintf(why, sizeof why, "%s", skv_error_msg());
                 rc = skv_errorf(SKV_E_FORMAT, "%s: saved spec: %s", path, why);
-            }
-            else if (!s->comp != !state_len)
+            } else if (!s->comp != !state_len) {
                 rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state does not match the spec", path);
-            else if (s->comp)
+            } else if (s->comp) {
                 rc = skv_compressor_state_read(s->comp, state, (size_t)state_len, hd.n_past);
+            }
         } else {
             snprintf(s->spec, sizeof s->spec, "%s", hd.spec); /* shown; decoding keeps every row */
         }

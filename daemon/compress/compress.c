@@ -221,7 +221,8 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
     int L = c->n_layers;
     /* rows a layer may be allotted: at most the sequence (a layer's budget never exceeds it) */
     long most = (long)n_past + 1;
-    if (head[0] != L || head[1] < 0 || head[1] > most || head[2] < 0 || head[2] > most || (head[3] != 0 && head[3] != 1))
+    if (head[0] != L || head[1] < 0 || head[1] > most || head[2] < 0 || head[2] > most ||
+        (head[3] != 0 && head[3] != 1))
         return skv_errorf(SKV_E_FORMAT, "compressor state: implausible header");
     const char *lb = p, *db = p + (size_t)L * 4, *sp = p + (size_t)L * 8;
     for (int l = 0; l < L; l++) {

@@ -66,8 +66,9 @@ static void test_similarity_and_clusters(void **state)
             double d = fabs((double)ours[l] - json_real_value(json_array_get(jsim, (size_t)l)));
             worst = d > worst ? d : worst;
             if (d > 1e-5)
-                fail_msg("%s layer %d: similarity %.6f, transformers %.6f", json_string_value(json_object_get(p, "prompt")),
-                         l, ours[l], json_real_value(json_array_get(jsim, (size_t)l)));
+                fail_msg("%s layer %d: similarity %.6f, transformers %.6f",
+                         json_string_value(json_object_get(p, "prompt")), l, ours[l],
+                         json_real_value(json_array_get(jsim, (size_t)l)));
         }
 
         /* the squeezed layers are sklearn's cluster 2, from either set of similarities */
