@@ -117,14 +117,22 @@ void skv_squeeze_budgets(const float *sim, int n_layers, int budget, int window,
     long used = 0;
     for (int l = 0; l < n_layers; l++)
         used += out[l];
-    for (bool moved = true; used < total && moved;) {
-        moved = false;
-        for (int l = 0; l < n_layers && used < total; l++)
-            if (out[l] < n) {
-                out[l]++;
-                used++;
-                moved = true;
-            }
+    /* water-filling: every layer under the cap gets the same share of what is left (the last
+     * rows one each, earlier layers first), so the passes are few whatever the budget */
+    while (used < total) {
+        int open = 0;
+        for (int l = 0; l < n_layers; l++)
+            open += out[l] < n;
+        if (open == 0)
+            break;
+        long share = (total - used) / open;
+        share = share > 0 ? share : 1;
+        for (int l = 0; l < n_layers && used < total; l++) {
+            long room = (long)n - out[l], give = share < room ? share : room;
+            give = give < total - used ? give : total - used;
+            out[l] += (int)give;
+            used += give;
+        }
     }
     free(label);
 }
