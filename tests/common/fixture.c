@@ -32,11 +32,9 @@ char *fixture_model_path(void)
     return p;
 }
 
-void *fixture_read(const char *rel, size_t *size)
+void *fixture_read_file(const char *path, size_t *size)
 {
-    char *path = fixture_path(rel);
     FILE *f = path ? fopen(path, "rb") : NULL;
-    free(path);
     if (!f)
         return NULL;
     fseek(f, 0, SEEK_END);
@@ -50,6 +48,14 @@ void *fixture_read(const char *rel, size_t *size)
     fclose(f);
     if (buf && size)
         *size = (size_t)len;
+    return buf;
+}
+
+void *fixture_read(const char *rel, size_t *size)
+{
+    char *path = fixture_path(rel);
+    void *buf = fixture_read_file(path, size);
+    free(path);
     return buf;
 }
 

@@ -13,6 +13,8 @@ char *fixture_path(const char *rel);
 char *fixture_model_path(void);
 /* Reads a whole fixture file; NULL when missing. *size gets its length. */
 void *fixture_read(const char *rel, size_t *size);
+/* The same for any path (malloc'd). */
+void *fixture_read_file(const char *path, size_t *size);
 /* Loads a JSON fixture; NULL when missing or invalid. */
 json_t *fixture_json(const char *rel);
 /* Copies directory `rel` to a fresh temporary directory, renaming files that end in

@@ -886,16 +886,11 @@ static void save_as_v1(const char *dir, const char *from, const char *to, int n_
 {
     char path[256];
     snprintf(path, sizeof path, "%s/%s.skv", dir, from);
-    FILE *f = fopen(path, "rb");
-    assert_non_null(f);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *in = malloc((size_t)size), *out = malloc((size_t)size);
+    size_t size = 0;
+    unsigned char *in = fixture_read_file(path, &size);
     assert_non_null(in);
+    unsigned char *out = malloc(size);
     assert_non_null(out);
-    assert_int_equal(fread(in, 1, (size_t)size, f), (size_t)size);
-    fclose(f);
     uint32_t version;
     int32_t n_tokens, state_len, len;
     memcpy(&version, in + 8, 4);
@@ -916,10 +911,10 @@ static void save_as_v1(const char *dir, const char *from, const char *to, int n_
         o += (size_t)len * head_dim * 8;
         at += (size_t)len * head_dim * 8;
     }
-    assert_int_equal(at + 32, (size_t)size);
+    assert_int_equal(at + 32, size);
     crypto_generichash(out + o, 32, out, o, NULL, 0);
     snprintf(path, sizeof path, "%s/%s.skv", dir, to);
-    f = fopen(path, "wb");
+    FILE *f = fopen(path, "wb");
     assert_non_null(f);
     assert_int_equal(fwrite(out, 1, o + 32, f), o + 32);
     fclose(f);

@@ -547,16 +547,11 @@ static void test_mutated_fixture(void **state)
     const char *dir = *state;
     char src[1100];
     fixture_dir(src, sizeof src, "tiny-llama/model.safetensors.fixture");
-    FILE *f = fopen(src, "rb");
-    assert_non_null(f);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *orig = malloc((size_t)size), *buf = malloc((size_t)size);
+    size_t fsize = 0;
+    unsigned char *orig = fixture_read_file(src, &fsize), *buf = malloc(fsize);
     assert_non_null(orig);
     assert_non_null(buf);
-    assert_int_equal(fread(orig, 1, (size_t)size, f), (size_t)size);
-    fclose(f);
+    long size = (long)fsize;
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = (hlen << 8) | orig[i];
