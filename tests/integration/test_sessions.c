@@ -922,6 +922,27 @@ static void save_as_v1(const char *dir, const char *from, const char *to, int n_
     free(out);
 }
 
+/* Copies a version-2 save with the int32 at byte `at` of its compressor state set to `value`,
+ * and a checksum that matches again: only the state's own checks can refuse it. */
+static void save_with_state_int(const char *dir, const char *from, const char *to, size_t at, int32_t value)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s.skv", dir, from);
+    size_t size = 0;
+    unsigned char *buf = fixture_read_file(path, &size);
+    assert_non_null(buf);
+    int32_t n_tokens;
+    memcpy(&n_tokens, buf + 32, 4);
+    memcpy(buf + 360 + (size_t)n_tokens * 4 + 4 + at, &value, 4);
+    crypto_generichash(buf + size - 32, 32, buf, size - 32, NULL, 0);
+    snprintf(path, sizeof path, "%s/%s.skv", dir, to);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, size, f), size);
+    fclose(f);
+    free(buf);
+}
+
 /* A saved H2O session goes on under its policy after LOAD: the compressor's state and the
  * rows' accumulated scores come back, so appending the token the original generates next and
  * decoding on gives the original's tokens, the same 48 rows per head and the same positions
@@ -990,6 +1011,28 @@ static void test_save_load_goes_on(void **state)
     assert_int_equal(snapkv_append(c, &old, &ao, NULL), SNAPKV_OK);
     pos_load = kept_positions(a, &old, &n_load, &kept_load);
     assert_int_equal(kept_load, 49);
+    free(pos_load);
+
+    /* a state that does not fit the model or the session is refused by name, nothing loads,
+     * and the sessions already there are untouched */
+    static const struct {
+        size_t at;
+        int32_t value;
+        const char *why;
+    } bad[] = {
+        {0, 31, "compressor state: implausible header"},           /* 31 layers */
+        {16, -1, "compressor state: layer 0 out of range"},         /* a negative layer budget */
+        {16 + 4 * 5, 100000, "compressor state: layer 5 out of range"}, /* beyond the sequence */
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        save_with_state_int(d.dir, "h2o-1", "bad-1", bad[k].at, bad[k].value);
+        struct snapkv_session_id none;
+        assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
+        assert_non_null(strstr(snapkv_last_error(), bad[k].why));
+    }
+    pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
+    assert_int_equal(kept_load, 48);
+    assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
     free(pos_load);
     free(pos_orig);
     snapkv_decode_result_free(&d0);
