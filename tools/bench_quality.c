@@ -683,7 +683,6 @@ static int key_token_positions(const struct skv_tokenizer *tok, const int32_t *i
     return found;
 }
 
-/* Fraction of (layer, KV head, key token) rows a cache kept. */
 /* Exact match: the answer's first number (run of digits) is the key, no digit more or less. */
 static bool answer_is_key(const char *answer, const char *key)
 {
@@ -696,6 +695,7 @@ static bool answer_is_key(const char *answer, const char *key)
     return run == strlen(key) && strncmp(d, key, run) == 0;
 }
 
+/* Fraction of (layer, KV head, key token) rows a cache kept. */
 static double key_rows_kept(const struct skv_kv_cache *c, const int32_t *kpos, int nk)
 {
     long kept = 0, total = 0;
@@ -974,6 +974,12 @@ struct pk_run {
     double t_prefill, t_decode;
 };
 
+/* The KV spec i kept at length l: its mean fraction of the full cache over the prompts run. */
+static double pk_kv_kept(const struct qctx *q, const struct pk_run *p, int i, int l)
+{
+    return p->prompts[l] ? p->kv_frac[l * q->n_specs + i] / p->prompts[l] : 0;
+}
+
 /* passkey_budget.png: accuracy against the KV kept (fraction of the full cache) per policy,
  * one panel per prompt length, the full cache's accuracy as a dashed line. Needs a group
  * with >= 2 budgets. */
@@ -984,7 +990,7 @@ static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, in
     double key[MAX_LIST + 1] = {0};
     for (int i = 0; i < q->n_specs; i++)
         for (int l = 0; l < nl; l++)
-            key[i] += p->kv_frac[l * q->n_specs + i] / (p->prompts[l] ? p->prompts[l] : 1) / nl;
+            key[i] += pk_kv_kept(q, p, i, l) / nl;
     int series[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1];
     int ns = budget_series(q, key, series, len);
     if (ns == 0 || nl == 0)
@@ -997,8 +1003,7 @@ static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, in
                 int i = series[s][k], c = 0;
                 for (int d = 0; d < nd; d++)
                     c += correct[CIDX(i, l, d)];
-                double x = p->kv_frac[l * q->n_specs + i] / (p->prompts[l] ? p->prompts[l] : 1);
-                sb_add(&gp, "%.4g %.4f\n", x, (double)c / (nd * trials));
+                sb_add(&gp, "%.4g %.4f\n", pk_kv_kept(q, p, i, l), (double)c / (nd * trials));
             }
             sb_add(&gp, "EOD\n");
         }
@@ -1033,7 +1038,6 @@ static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, in
         run_gnuplot(q->out_dir, "passkey_budget.gp", gp.s);
     free(gp.s);
 }
-
 
 /* Writes passkey.json / .md / .png for the first nl_done lengths (after each length, so a
  * run cut short keeps what it finished). *jp_out: the JSON (new reference). */
@@ -1416,7 +1420,7 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
 {
     /* one series per group (spec without its ratio / budget) with >= 2 specs; x is the KV
      * actually kept */
-    int groups[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1], series[MAX_LIST + 1];
+    int groups[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1];
     double key[MAX_LIST + 1];
     for (int i = 0; i < q->n_specs; i++)
         key[i] = stat[i].texts ? stat[i].kv_frac_sum / stat[i].texts : 0;
@@ -1430,7 +1434,6 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
                    (double)s->top1 / s->steps, (double)s->greedy_same / s->greedy_n);
         }
         sb_add(&gp, "EOD\n");
-        series[k] = groups[k][0];
     }
     if (ns == 0) {
         free(gp.s);
@@ -1443,10 +1446,10 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
                 "set ylabel 'mean KL(full || compressed), nats'\nplot ",
            model_label(q));
     for (int k = 0; k < ns; k++)
-        sb_add(&gp, "%s$s%d using 1:2 with linespoints title '%s'", k ? ", " : "", k, q->specs[series[k]].group);
+        sb_add(&gp, "%s$s%d using 1:2 with linespoints title '%s'", k ? ", " : "", k, q->specs[groups[k][0]].group);
     sb_add(&gp, "\nunset logscale y\nset key bottom right\nset yrange [0:1.02]\nset ylabel 'top-1 agreement'\nplot ");
     for (int k = 0; k < ns; k++)
-        sb_add(&gp, "%s$s%d using 1:3 with linespoints title '%s'", k ? ", " : "", k, q->specs[series[k]].group);
+        sb_add(&gp, "%s$s%d using 1:3 with linespoints title '%s'", k ? ", " : "", k, q->specs[groups[k][0]].group);
     sb_add(&gp, "\nunset multiplot\n");
     if (!gp.err)
         run_gnuplot(q->out_dir, "fidelity_kl.gp", gp.s);
