@@ -879,24 +879,46 @@ static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_
     return pos;
 }
 
-/* Rewrites a version-2 save as the version-1 file an earlier snapkvd wrote: the same header
- * (360 bytes, version at byte 8, n_tokens at byte 32) and tokens, no compressor state, per
- * head (len, positions, K, V) without scores, a BLAKE2b-256 checksum of the rest. */
-static void save_as_v1(const char *dir, const char *from, const char *to, int n_heads, int head_dim)
+/* Saved-session files as test_save_load_goes_on rewrites them: the header is 360 bytes, with
+ * the version at byte 8 and n_tokens at byte 32, then the tokens; the file ends with a
+ * BLAKE2b-256 checksum of everything before it. */
+#define SAVE_HEADER 360
+
+/* <dir>/<name>.skv, whole (malloc'd); *n_tokens from its header. */
+static unsigned char *save_read(const char *dir, const char *name, size_t *size, int32_t *n_tokens)
 {
     char path[256];
-    snprintf(path, sizeof path, "%s/%s.skv", dir, from);
+    snprintf(path, sizeof path, "%s/%s.skv", dir, name);
+    unsigned char *buf = fixture_read_file(path, size);
+    assert_non_null(buf);
+    memcpy(n_tokens, buf + 32, 4);
+    return buf;
+}
+
+/* Writes buf[0..len) as <dir>/<name>.skv, its last 32 bytes the checksum of the rest. */
+static void save_write(const char *dir, const char *name, unsigned char *buf, size_t len)
+{
+    crypto_generichash(buf + len - 32, 32, buf, len - 32, NULL, 0);
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s.skv", dir, name);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, len, f), len);
+    fclose(f);
+}
+
+/* Rewrites a version-2 save as the version-1 file an earlier snapkvd wrote: the same header
+ * and tokens, no compressor state, per head (len, positions, K, V) without scores. */
+static void save_as_v1(const char *dir, const char *from, const char *to, int n_heads, int head_dim)
+{
     size_t size = 0;
-    unsigned char *in = fixture_read_file(path, &size);
-    assert_non_null(in);
-    unsigned char *out = malloc(size);
+    int32_t n_tokens, state_len, len;
+    unsigned char *in = save_read(dir, from, &size, &n_tokens), *out = malloc(size);
     assert_non_null(out);
     uint32_t version;
-    int32_t n_tokens, state_len, len;
     memcpy(&version, in + 8, 4);
     assert_int_equal(version, 2);
-    memcpy(&n_tokens, in + 32, 4);
-    size_t at = 360 + (size_t)n_tokens * 4, o = at;
+    size_t at = SAVE_HEADER + (size_t)n_tokens * 4, o = at;
     memcpy(out, in, at);
     version = 1;
     memcpy(out + 8, &version, 4);
@@ -912,12 +934,7 @@ static void save_as_v1(const char *dir, const char *from, const char *to, int n_
         at += (size_t)len * head_dim * 8;
     }
     assert_int_equal(at + 32, size);
-    crypto_generichash(out + o, 32, out, o, NULL, 0);
-    snprintf(path, sizeof path, "%s/%s.skv", dir, to);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(out, 1, o + 32, f), o + 32);
-    fclose(f);
+    save_write(dir, to, out, o + 32);
     free(in);
     free(out);
 }
@@ -926,20 +943,11 @@ static void save_as_v1(const char *dir, const char *from, const char *to, int n_
  * and a checksum that matches again: only the state's own checks can refuse it. */
 static void save_with_state_int(const char *dir, const char *from, const char *to, size_t at, int32_t value)
 {
-    char path[256];
-    snprintf(path, sizeof path, "%s/%s.skv", dir, from);
     size_t size = 0;
-    unsigned char *buf = fixture_read_file(path, &size);
-    assert_non_null(buf);
     int32_t n_tokens;
-    memcpy(&n_tokens, buf + 32, 4);
-    memcpy(buf + 360 + (size_t)n_tokens * 4 + 4 + at, &value, 4);
-    crypto_generichash(buf + size - 32, 32, buf, size - 32, NULL, 0);
-    snprintf(path, sizeof path, "%s/%s.skv", dir, to);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(buf, 1, size, f), size);
-    fclose(f);
+    unsigned char *buf = save_read(dir, from, &size, &n_tokens);
+    memcpy(buf + SAVE_HEADER + (size_t)n_tokens * 4 + 4 + at, &value, 4);
+    save_write(dir, to, buf, size);
     free(buf);
 }
 
