@@ -18,10 +18,10 @@ mkdir -p "$BUILD"
 # static libsnapkv: the programs are real binaries, not libtool wrappers that name this host's paths
 ( cd "$BUILD" && "$SRC/configure" -q --with-cuda=yes --disable-shared )
 jobs=$(nproc 2>/dev/null || echo 2)
-make -C "$BUILD" -j"$jobs" all tests/backend/test_ops >"$BUILD/make.log" 2>&1 ||
+make -C "$BUILD" -j"$jobs" all tests/backend/test_ops tests/model/test_model >"$BUILD/make.log" 2>&1 ||
     { tail -30 "$BUILD/make.log" >&2; exit 1; }
 
-progs="snapkvd snapkv-bench snapkvctl tests/backend/test_ops tests/gpu/random_gguf tests/gpu/ipc_exchange"
+progs="snapkvd snapkv-bench snapkvctl tests/backend/test_ops tests/model/test_model tests/gpu/random_gguf tests/gpu/ipc_exchange"
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib"

@@ -150,8 +150,8 @@ if [ "$PREBUILT" = 0 ]; then
         ( cd "$BUILD" && "$SRC/configure" --with-cuda="$cuda" ) >"$BUILD/configure.log" 2>&1 ||
             fatal "configure --with-cuda=$cuda (see $BUILD/configure.log)"
     fi
-    say "+ make -j$JOBS all tests/backend/test_ops"
-    $NICE make -C "$BUILD" -j"$JOBS" all tests/backend/test_ops >"$BUILD/make.log" 2>&1 ||
+    say "+ make -j$JOBS all tests/backend/test_ops tests/model/test_model"
+    $NICE make -C "$BUILD" -j"$JOBS" all tests/backend/test_ops tests/model/test_model >"$BUILD/make.log" 2>&1 ||
         { tail -30 "$BUILD/make.log" >&2; fatal "make (see $BUILD/make.log)"; }
     row "build (configure+make)" "ok" "$((SECONDS - t0)) s"
 fi
@@ -159,8 +159,8 @@ BENCH=$BUILD/snapkv-bench
 RGGUF=$BUILD/tests/gpu/random_gguf
 [ -x "$BENCH" ] || fatal "snapkv-bench not built"
 # The default model's file (98 MB) is larger than what a device call carries (64 MiB): where it
-# is absent, a random model of its shapes and types stands in for the speed figures, and the
-# check that needs its real weights (CUDA vs CPU logits) says it was skipped.
+# is absent, a random model of its shapes and types stands in for the speed figures and the CUDA
+# vs CPU logits (the golden check against transformers then rests on the tiny fixture models).
 REAL_MODEL=1
 if [ ! -f "$MODEL" ]; then
     REAL_MODEL=0
@@ -194,29 +194,49 @@ if [ "$DRY" != 1 ]; then
         bad "test_ops (CUDA group)" "test_ops failed (see $BUILD/test_ops.out)"
     fi
 
-    # 3. logits: CUDA vs CPU on the default model, top-5 ids must agree as a set, top-1 exactly
+    # 2b. golden: the tiny fixture models' forwards on the GPU against transformers' logits and
+    # greedy tokens (tests/fixtures/tiny-*, test_model's CUDA group)
+    if run test_model.out 120 "$BUILD/tests/model/test_model"; then
+        if grep -q "CUDA group skipped" "$BUILD/test_model.out"; then
+            bad "golden: tiny models on CUDA" "test_model skipped its CUDA group: $(grep -m1 "CUDA group skipped" "$BUILD/test_model.out")"
+        else
+            n=$(grep -c "^\[       OK \] .*_cuda$" "$BUILD/test_model.out" || true)
+            worst=$(grep "\[cuda\]" "$BUILD/test_model.out" | sed 's/.*max |diff| \([^ ]*\) (bound \([^)]*\)).*/\1 of \2/' | sort -g | tail -1)
+            row "golden: tiny models on CUDA" "ok" "$n tests vs transformers ($(grep "^\[  SKIPPED \] .*_cuda$" "$BUILD/test_model.out" | sort -u | wc -l) skipped: no default model); largest max|dlogit| $worst"
+        fi
+    else
+        grep -E "FAILED|\[cuda\]|Assert|Error" "$BUILD/test_model.out" | head -20 >&2 || true
+        bad "golden: tiny models on CUDA" "test_model failed (see $BUILD/test_model.out)"
+    fi
+
+    # 3. logits: CUDA vs CPU on the default model (or, where its file is absent, on the random
+    # model of its shapes and types): top-1 equal unless the CPU's top-2 margin is within the
+    # largest difference; on the real model also the top-5 ids as a set
     PROMPT="The capital of France is Paris. The capital of Germany is"
-    if [ "$REAL_MODEL" = 0 ]; then
-        row "logits top-5 cuda vs cpu" "skipped" "needs the real default model (absent; test_ops covers the ops)"
-    elif run logits_cpu 120 "$BENCH" logits --model "$MODEL" --backend cpu --prompt "$PROMPT" --top 5 --json &&
-       run logits_cuda 120 "$BENCH" logits --model "$MODEL" --backend cuda --prompt "$PROMPT" --top 5 --json; then
-        if cmp_out=$(python3 - "$BUILD/logits_cpu.json" "$BUILD/logits_cuda.json" <<'EOF'
+    if run logits_cpu 120 "$BENCH" logits --model "$MODEL" --backend cpu --prompt "$PROMPT" --top 20 --json &&
+       run logits_cuda 120 "$BENCH" logits --model "$MODEL" --backend cuda --prompt "$PROMPT" --top 20 --json; then
+        if cmp_out=$(python3 - "$BUILD/logits_cpu.json" "$BUILD/logits_cuda.json" "$REAL_MODEL" <<'EOF'
 import json, sys
 a = json.load(open(sys.argv[1]))["top"]
 b = json.load(open(sys.argv[2]))["top"]
+real = sys.argv[3] == "1"
 ia, ib = [t["id"] for t in a], [t["id"] for t in b]
-dmax = max(abs(x["logit"] - y["logit"]) for x, y in zip(a, b))
-ok = ia[0] == ib[0] and set(ia) == set(ib)
-print(("ok" if ok else "MISMATCH") + f" cpu={ia} cuda={ib} max|dlogit|={dmax:.4f}")
+lb = {t["id"]: t["logit"] for t in b}
+# the same ids' logits where CUDA's list holds them, else rank for rank
+dmax = max(abs(x["logit"] - lb.get(x["id"], y["logit"])) for x, y in zip(a, b))
+margin = a[0]["logit"] - a[1]["logit"]
+ok = (ia[0] == ib[0] or margin <= dmax) and (set(ia[:5]) == set(ib[:5]) or not real)
+print(("ok" if ok else "MISMATCH") + f" {'' if real else '(random weights) '}cpu={ia[:5]} cuda={ib[:5]} "
+      f"max|dlogit|={dmax:.4f} cpu top-2 margin={margin:.4f}")
 sys.exit(0 if ok else 1)
 EOF
         ); then
-            row "logits top-5 cuda vs cpu" "ok" "$cmp_out"
+            row "logits cuda vs cpu" "ok" "$cmp_out"
         else
-            bad "logits top-5 cuda vs cpu" "top-5 differ: $cmp_out"
+            bad "logits cuda vs cpu" "top-5 differ: $cmp_out"
         fi
     else
-        bad "logits top-5 cuda vs cpu" "snapkv-bench logits failed (see $BUILD/logits_*.log)"
+        bad "logits cuda vs cpu" "snapkv-bench logits failed (see $BUILD/logits_*.log)"
     fi
 
     # 4. device-to-device copy bandwidth: 1 GiB cudaMemcpy, best of 10
@@ -332,10 +352,10 @@ if compgen -G "$SRC/.whl/*.whl" >/dev/null; then
         "$SRC"/.whl/*.whl >"$BUILD/pip.log" 2>&1 && export PYTHONPATH=$BUILD/pysite${PYTHONPATH:+:$PYTHONPATH} ||
         say "  wheel install failed (see $BUILD/pip.log); trying the python as it is"
 fi
-if "$PY" -c "import torch" 2>/dev/null; then
+if env -u LD_LIBRARY_PATH "$PY" -c "import torch" 2>/dev/null; then
     kvp() {  # kvp NAME SHAPE
         local rc=0
-        run "$1" 150 env PYTHONUNBUFFERED=1 "$PY" "$SRC/tests/gpu/kvpress_speed.py" --shape "$2" --context "$C16" \
+        run "$1" 150 env -u LD_LIBRARY_PATH PYTHONUNBUFFERED=1 "$PY" "$SRC/tests/gpu/kvpress_speed.py" --shape "$2" --context "$C16" \
             --budget "$BUDGET" --decode-tokens "$KVP_DTOK" --device "$PYDEV" || rc=$?
         case $rc in
             0) ;;
