@@ -34,8 +34,15 @@ extern "C" {
 #define ATT_MAX_ROWS 64       /* (query, head) rows per block */
 #define ATT_CHUNK_MIN 256     /* split-K: fewest keys per chunk (a multiple of ATT_TK) */
 #define ATT_MAX_CHUNKS 1024   /* split-K: most chunks per KV head */
+#ifndef ATT_GEMM_S_BYTES /* the host emulation sets a small one: queries then go in batches */
+#define ATT_GEMM_S_BYTES ((size_t)256 << 20) /* prefill through cuBLAS: scores of one batch */
+#endif
+#define ATT_GEMM_MAX_BYTES ((size_t)4 << 30) /* its scratch above this: the tiled kernel */
 #define EW_THREADS 256
 #define SCRATCH_ROUND ((size_t)1 << 20)
+/* Pinned host ring for the small tables ops upload (positions, ids, RoPE frequencies, block
+ * tables); an upload above a quarter of it goes straight from the caller's memory. */
+#define PIN_RING_BYTES ((size_t)4 << 20)
 
 struct cuda_impl {
     int device;
@@ -45,6 +52,8 @@ struct cuda_impl {
     size_t scratch_bytes;
     void *stage;            /* host staging of per-call tables (window bounds, block tables) */
     size_t stage_bytes;
+    void *pin;              /* PIN_RING_BYTES of pinned host memory (NULL: none), see upload_small */
+    size_t pin_head;        /* next free byte of the ring */
     int sm_count;           /* streaming multiprocessors: sizes the split-K grid */
     bool att_smem_set;      /* the tiled attention kernels may use > 48 KB of shared memory */
 };
@@ -140,6 +149,29 @@ static int stage_get(struct cuda_impl *impl, size_t bytes, void **out)
 static size_t align_up(size_t v)
 {
     return (v + 255) / 256 * 256;
+}
+
+/* Uploads bytes from host src to device dst in stream order; src may be reused on return.
+ * Small uploads go through the pinned ring: a copy from pageable memory may wait for the
+ * stream to drain, which in a decode step (a few such tables per layer) costs more than the
+ * kernels. Wrapping around waits for the stream instead, which has then read every slice. */
+static int upload_small(struct cuda_impl *impl, void *dst, const void *src, size_t bytes)
+{
+    if (bytes == 0)
+        return SKV_OK;
+    if (!impl->pin || bytes > PIN_RING_BYTES / 4) {
+        SKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, impl->stream));
+        return SKV_OK;
+    }
+    if (impl->pin_head + bytes > PIN_RING_BYTES) {
+        SKV_CUDA_CHECK(cudaStreamSynchronize(impl->stream));
+        impl->pin_head = 0;
+    }
+    void *slot = (char *)impl->pin + impl->pin_head;
+    memcpy(slot, src, bytes);
+    impl->pin_head += align_up(bytes);
+    SKV_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, impl->stream));
+    return SKV_OK;
 }
 
 /* True when p is device (or managed) memory; pageable host memory answers false. Ops whose
@@ -320,8 +352,8 @@ static int cuda_get_rows(struct skv_backend *be, float *out, const struct skv_te
         void *s = NULL;
         if ((rc = scratch_get(impl, (size_t)n * sizeof(int32_t), &s)) < 0)
             return rc;
-        SKV_CUDA_CHECK(cudaMemcpyAsync(s, ids, (size_t)n * sizeof(int32_t),
-                                       cudaMemcpyHostToDevice, impl->stream));
+        if ((rc = upload_small(impl, s, ids, (size_t)n * sizeof(int32_t))) < 0)
+            return rc;
         dids = (const int32_t *)s;
     }
     const int64_t cols = table->ne[0];
@@ -677,14 +709,13 @@ static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int h
     void *s = NULL;
     if ((rc = scratch_get(impl, freq_bytes + (pos_dev ? 0 : (size_t)n * sizeof(int32_t)), &s)) < 0)
         return rc;
-    /* pageable host sources: the copy has staged them when cudaMemcpyAsync returns */
-    SKV_CUDA_CHECK(cudaMemcpyAsync(s, inv_freq, (size_t)half * sizeof(double),
-                                   cudaMemcpyHostToDevice, impl->stream));
+    if ((rc = upload_small(impl, s, inv_freq, (size_t)half * sizeof(double))) < 0)
+        return rc;
     const int32_t *dpos = pos;
     if (!pos_dev) {
         int32_t *p = (int32_t *)((char *)s + freq_bytes);
-        SKV_CUDA_CHECK(cudaMemcpyAsync(p, pos, (size_t)n * sizeof(int32_t),
-                                       cudaMemcpyHostToDevice, impl->stream));
+        if ((rc = upload_small(impl, p, pos, (size_t)n * sizeof(int32_t))) < 0)
+            return rc;
         dpos = p;
     }
     rope_kernel<<<grid_for((int64_t)n * half, EW_THREADS), EW_THREADS, 0, impl->stream>>>(
@@ -871,8 +902,7 @@ static int att_stage(struct cuda_impl *impl, const struct skv_kv_view *kv, int n
             dt += nb;
         }
     }
-    SKV_CUDA_CHECK(cudaMemcpyAsync(dst, host, total, cudaMemcpyHostToDevice, impl->stream));
-    return SKV_OK;
+    return upload_small(impl, dst, host, total);
 }
 
 /* Scores of keys j0 .. j0+tn-1 of KV head g against the query in shared memory: one warp
@@ -1199,6 +1229,120 @@ static int tiled_rows_cap(int d)
  *    so about two blocks per SM run, then att_combine_kernel per (query, head);
  *  - otherwise (prefill): flash-style tiles, one block per (tile of up to 64 queries, head).
  * The choice depends on shapes only, so a paged view gives bitwise the contiguous result. */
+/* Max over the block (blockDim a multiple of 32, at most 1024); every thread gets it. */
+__device__ float block_max_f(float v, float *red)
+{
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float m = lane < nw ? red[lane] : -INFINITY;
+        m = warp_max(m);
+        if (lane == 0)
+            red[32] = m;
+    }
+    __syncthreads();
+    return red[32];
+}
+
+/* K and V rows [0, rows) of KV head g of a paged view into contiguous [rows][d] copies. */
+__global__ void att_gather_kernel(float *kd, float *vd, struct att_params p, int g, int rows)
+{
+    const int64_t total = (int64_t)rows * p.d;
+    for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < total;
+         x += (int64_t)gridDim.x * blockDim.x) {
+        const int j = (int)(x / p.d), t = (int)(x % p.d);
+        kd[x] = kv_row(p, g, 0, j)[t];
+        vd[x] = kv_row(p, g, 1, j)[t];
+    }
+}
+
+/* Row r = hh * m + i of the scores s ([group][m][lk], scaled dot products of query i0 + i,
+ * query head g * group + hh, with keys [0, lk) of KV head g) becomes its softmax over the keys
+ * that query sees, [first, prefix + i0 + i + 1), and 0 at every other key. */
+__global__ void att_softmax_rows_kernel(float *s, int lk, int m, int i0, int g, struct att_params p)
+{
+    __shared__ float red[33];
+    __shared__ double redd[33];
+    const int i = (int)(blockIdx.x % m);
+    float *row = s + (size_t)blockIdx.x * lk;
+    const int hi = p.prefix[g] + i0 + i + 1;
+    const int lo = p.first ? p.first[(size_t)g * p.n + i0 + i] : 0;
+    float mx = -INFINITY;
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
+        mx = fmaxf(mx, row[j]);
+    mx = block_max_f(mx, red);
+    double sum = 0.0;
+    if (mx != -INFINITY)
+        for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
+            sum += (double)expf(row[j] - mx);
+    sum = block_sum_d(sum, redd);
+    const float inv = sum > 0.0 ? (float)(1.0 / sum) : 0.0f;
+    for (int j = threadIdx.x; j < lk; j += blockDim.x)
+        row[j] = j >= lo && j < hi && inv > 0.0f ? expf(row[j] - mx) * inv : 0.0f;
+}
+
+/* Prefill attention (n > ATT_SPLIT_MAX_N queries) as two cuBLAS fp32 GEMMs per KV head and
+ * batch of queries: S = scale * Q K^T for the group's query heads (one strided batch, K shared),
+ * a masked softmax over each row of S, then out = P V. A paged view's rows are first gathered
+ * into contiguous K and V. Queries go in batches of m whose scores fit ATT_GEMM_S_BYTES; a
+ * batch's keys end at its last query's causal end, so the masked work is at most m x m / 2 per
+ * head. The tiled kernel reads every key once per 64 query rows through warp-wide dot
+ * products; the GEMMs run near the device's fp32 rate. Returns 1 without doing anything when
+ * its scratch would pass ATT_GEMM_MAX_BYTES (the tiled kernel then serves the call). */
+static int att_gemm(struct cuda_impl *impl, float *out, const float *q, int n, int n_heads,
+                    const struct skv_kv_view *kv, struct att_params *p, size_t sb)
+{
+    const int d = p->d, group = p->group;
+    int lmax = 0;
+    for (int g = 0; g < kv->n_kv_heads; g++)
+        lmax = p->prefix[g] + n > lmax ? p->prefix[g] + n : lmax;
+    const bool paged = p->block_rows > 0;
+    const size_t kv_bytes = paged ? align_up((size_t)lmax * d * sizeof(float)) : 0;
+    int64_t mq = (int64_t)(ATT_GEMM_S_BYTES / ((size_t)group * lmax * sizeof(float)));
+    mq = mq < 1 ? 1 : mq > n ? n : mq;
+    const size_t s_bytes = (size_t)group * mq * lmax * sizeof(float);
+    if (2 * kv_bytes + s_bytes > ATT_GEMM_MAX_BYTES)
+        return 1;
+    void *s = NULL;
+    int rc = scratch_get(impl, align_up(sb) + 2 * kv_bytes + s_bytes, &s);
+    if (rc < 0 || (rc = att_stage(impl, kv, n, s, p)) < 0)
+        return rc;
+    float *kd = (float *)((char *)s + align_up(sb));
+    float *vd = (float *)((char *)kd + kv_bytes);
+    float *sc = (float *)((char *)vd + kv_bytes);
+    const float zero = 0.0f, one = 1.0f;
+    const int ldq = n_heads * d;
+    for (int g = 0; g < kv->n_kv_heads; g++) {
+        const int rows = p->prefix[g] + n;
+        const float *kg = p->k[g], *vg = p->v[g];
+        if (paged) {
+            att_gather_kernel<<<grid_for((int64_t)rows * d, EW_THREADS), EW_THREADS, 0, impl->stream>>>(
+                kd, vd, *p, g, rows);
+            SKV_CUDA_CHECK(cudaGetLastError());
+            kg = kd;
+            vg = vd;
+        }
+        for (int i0 = 0; i0 < n; i0 += (int)mq) {
+            const int m = n - i0 < mq ? n - i0 : (int)mq;
+            const int lk = p->prefix[g] + i0 + m;
+            const size_t at = ((size_t)i0 * n_heads + (size_t)g * group) * d;
+            SKV_CUBLAS_CHECK(cublasSgemmStridedBatched(impl->blas, CUBLAS_OP_T, CUBLAS_OP_N, lk, m, d, &p->scale,
+                                                       kg, d, 0, q + at, ldq, d, &zero, sc, lk,
+                                                       (long long)lk * m, group));
+            att_softmax_rows_kernel<<<(unsigned)(group * m), ATT_THREADS, 0, impl->stream>>>(sc, lk, m, i0, g, *p);
+            SKV_CUDA_CHECK(cudaGetLastError());
+            SKV_CUBLAS_CHECK(cublasSgemmStridedBatched(impl->blas, CUBLAS_OP_N, CUBLAS_OP_N, d, m, lk, &one, vg, d,
+                                                       0, sc, lk, (long long)lk * m, &zero, out + at, ldq, d,
+                                                       group));
+        }
+    }
+    return SKV_OK;
+}
+
 static int cuda_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                           const struct skv_kv_view *kv)
 {
@@ -1238,6 +1382,8 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
         impl->att_smem_set = true;
     }
     const int cap = tiled_rows_cap(d);
+    if (n > ATT_SPLIT_MAX_N && (rc = att_gemm(impl, out, q, n, n_heads, kv, &p, sb)) <= 0)
+        return rc;
     if (n > ATT_SPLIT_MAX_N) {
         const int rb = n < cap ? n : cap;
         const int64_t blocks = (int64_t)((n + rb - 1) / rb) * n_heads;
@@ -1724,9 +1870,8 @@ static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *
         return rc;
     uint8_t **ddst = (uint8_t **)s;
     const uint8_t **dsrc = (const uint8_t **)((char *)s + align_up(table));
-    /* pageable sources are staged when cudaMemcpyAsync returns */
-    SKV_CUDA_CHECK(cudaMemcpyAsync(ddst, dst, table, cudaMemcpyHostToDevice, impl->stream));
-    SKV_CUDA_CHECK(cudaMemcpyAsync(dsrc, src, table, cudaMemcpyHostToDevice, impl->stream));
+    if ((rc = upload_small(impl, ddst, dst, table)) < 0 || (rc = upload_small(impl, dsrc, src, table)) < 0)
+        return rc;
     const int64_t total = (int64_t)n * (int64_t)(words ? row_bytes / 4 : row_bytes);
     copy_rows_kernel<<<grid_for(total, EW_THREADS), EW_THREADS, 0, impl->stream>>>(ddst, dsrc, row_bytes, n,
                                                                                    words);
@@ -1747,6 +1892,8 @@ static void cuda_destroy(struct skv_backend *be)
         if (impl->scratch)
             cudaFree(impl->scratch);
         free(impl->stage);
+        if (impl->pin)
+            cudaFreeHost(impl->pin);
         if (impl->blas)
             cublasDestroy(impl->blas);
         if (impl->stream)
@@ -1833,6 +1980,11 @@ static int cuda_probe(int device, struct skv_backend **out)
         bst = cublasSetStream(impl->blas, impl->stream);
     if (err == cudaSuccess && bst == CUBLAS_STATUS_SUCCESS)
         err = cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess && bst == CUBLAS_STATUS_SUCCESS &&
+        cudaHostAlloc(&impl->pin, PIN_RING_BYTES, cudaHostAllocDefault) != cudaSuccess) {
+        impl->pin = NULL; /* uploads then go from pageable memory, as slower but correct */
+        (void)cudaGetLastError();
+    }
     if (err != cudaSuccess || bst != CUBLAS_STATUS_SUCCESS) {
         cuda_destroy(be);
         return err != cudaSuccess

@@ -417,31 +417,37 @@ static void test_rope_invalid(void **state)
     struct skv_rope ok = {.mode = SKV_ROPE_NORM, .rot_dim = 64, .theta = 10000.0f,
                           .freq_scale = 1.0f};
     struct skv_rope bad = ok;
+    /* the buffers on the backend's side: the valid call below runs the kernel */
+    float *dx = dev_from(be, x, sizeof x);
+    int32_t *dpos = dev_from(be, pos, sizeof pos);
     /* invalid parameters are rejected before any device access */
     bad.rot_dim = 66;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
     bad = ok;
     bad.rot_dim = 31;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
     bad = ok;
     bad.mode = 1;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
     bad = ok;
     bad.theta = 0.0f;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
     bad = ok;
     bad.l3_factor = 8.0f; /* high <= low */
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
     float factors[32];
     for (int j = 0; j < 32; j++)
         factors[j] = 2.0f;
     bad = ok;
     bad.freq_factors = factors;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_OK);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_OK);
     factors[31] = 0.0f;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
     factors[31] = NAN;
-    assert_int_equal(be->ops->rope(be, x, 2, 1, 64, pos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->rope(be, dx, 2, 1, 64, dpos, &bad), SKV_E_INVAL);
+    assert_int_equal(be->ops->sync(be), SKV_OK);
+    be->ops->free(be, dpos);
+    be->ops->free(be, dx);
 }
 
 static void run_binary(struct skv_backend *be, struct rng *r, int64_t count, bool swiglu,

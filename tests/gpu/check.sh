@@ -18,7 +18,7 @@
 #   skipped and say so), SKV_GPU_CHECK_WTYPE (f16 or q8_0 for the 8B-shaped model; default f16,
 #   the bytes of transformers' bf16), SKV_GPU_CHECK_SCRATCH (where the 16 GB model is written;
 #   default BUILD_DIR). Wheels in .whl/ at the repository root (tests/gpu/fetch-wheels.sh) are
-#   installed into BUILD_DIR/pysite for kvpress_speed.py.
+#   installed into BUILD_DIR/pysite for kvpress_speed.py; SKV_GPU_CHECK_KVPRESS=0 skips that step.
 # Every command is echoed ("+ ...") before it runs; outputs land in BUILD_DIR (*.json, *.log).
 # Exits non-zero when the build fails (at once) or any later step fails (after the table).
 set -euo pipefail
@@ -212,9 +212,11 @@ if [ "$DRY" != 1 ]; then
     # 3. logits: CUDA vs CPU on the default model (or, where its file is absent, on the random
     # model of its shapes and types): top-1 equal unless the CPU's top-2 margin is within the
     # largest difference; on the real model also the top-5 ids as a set
-    PROMPT="The capital of France is Paris. The capital of Germany is"
-    if run logits_cpu 120 "$BENCH" logits --model "$MODEL" --backend cpu --prompt "$PROMPT" --top 20 --json &&
-       run logits_cuda 120 "$BENCH" logits --model "$MODEL" --backend cuda --prompt "$PROMPT" --top 20 --json; then
+    # (the random model has no tokenizer: 64 fixed token ids instead of the text)
+    PROMPT=(--prompt "The capital of France is Paris. The capital of Germany is")
+    [ "$REAL_MODEL" = 1 ] || PROMPT=(--tokens "$(seq -s, 1000 37 3331)")
+    if run logits_cpu 120 "$BENCH" logits --model "$MODEL" --backend cpu "${PROMPT[@]}" --top 20 --json &&
+       run logits_cuda 120 "$BENCH" logits --model "$MODEL" --backend cuda "${PROMPT[@]}" --top 20 --json; then
         if cmp_out=$(python3 - "$BUILD/logits_cpu.json" "$BUILD/logits_cuda.json" "$REAL_MODEL" <<'EOF'
 import json, sys
 a = json.load(open(sys.argv[1]))["top"]
@@ -300,7 +302,7 @@ speed() {  # speed NAME MODEL [--compress SPEC]
     local name=$1 model=$2
     shift 2
     run "$name" 150 "$BENCH" speed --model "$model" --backend "$BACKEND" $THREADS --prefill none \
-        --decode-depth "$C1,$C8,$C16,$C32" --decode-tokens "$DTOK" "$@" --json ||
+        --decode-depth "$C1,$C8,$C16,$C32" --decode-tokens "$DTOK" "$@" --json || [ $? = 2 ] ||
         bad "$name" "snapkv-bench speed failed or timed out (see $BUILD/$name.log)"
 }
 speed speed_default_full "$MODEL"
@@ -345,14 +347,22 @@ else
     bad "random model" "random_gguf failed: $(tail -2 "$BUILD/random_gguf.log" | tr '\n' ' ')"
 fi
 
-# 8. transformers + kvpress SnapKVPress on the same shapes and budget (when torch imports)
+# 8. sessions that fit a fixed pool at 16K, full vs SnapKV, and their aggregate decode
+if [ -f "$BIG" ]; then
+    run serve_8b 200 "$BENCH" serve --model "$BIG" --backend "$BACKEND" $THREADS --parts capacity,decode \
+        --context "$C16" --pool-gib "$POOL_GIB" --specs "policy=full;$SNAP" --sessions fit \
+        --decode-tokens "$SERVE_DTOK" --json || [ $? = 2 ] || bad "serve_8b" "snapkv-bench serve failed (see $BUILD/serve_8b.log)"
+fi
+# 9. transformers + kvpress SnapKVPress on the same shapes and budget (when torch imports)
 if compgen -G "$SRC/.whl/*.whl" >/dev/null; then
     say "+ $PY -m pip install --no-index --no-deps --target $BUILD/pysite $SRC/.whl/*.whl"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$BUILD/pysite" \
         "$SRC"/.whl/*.whl >"$BUILD/pip.log" 2>&1 && export PYTHONPATH=$BUILD/pysite${PYTHONPATH:+:$PYTHONPATH} ||
         say "  wheel install failed (see $BUILD/pip.log); trying the python as it is"
 fi
-if env -u LD_LIBRARY_PATH "$PY" -c "import torch" 2>/dev/null; then
+if [ "${SKV_GPU_CHECK_KVPRESS:-1}" = 0 ]; then
+    row "kvpress" "skipped" "SKV_GPU_CHECK_KVPRESS=0"
+elif env -u LD_LIBRARY_PATH "$PY" -c "import torch" 2>/dev/null; then
     kvp() {  # kvp NAME SHAPE
         local rc=0
         run "$1" 150 env -u LD_LIBRARY_PATH PYTHONUNBUFFERED=1 "$PY" "$SRC/tests/gpu/kvpress_speed.py" --shape "$2" --context "$C16" \
@@ -369,12 +379,6 @@ else
     row "kvpress" "skipped" "$PY cannot import torch (SKV_PYTHON names one that can)"
 fi
 
-# 9. sessions that fit a fixed pool at 16K, full vs SnapKV, and their aggregate decode
-if [ -f "$BIG" ]; then
-    run serve_8b 200 "$BENCH" serve --model "$BIG" --backend "$BACKEND" $THREADS --parts capacity,decode \
-        --context "$C16" --pool-gib "$POOL_GIB" --specs "policy=full;$SNAP" --sessions fit \
-        --decode-tokens "$SERVE_DTOK" --json || bad "serve_8b" "snapkv-bench serve failed (see $BUILD/serve_8b.log)"
-fi
 rm -f "$BIG"
 
 # 10. the figures the goals need, from the JSON above

@@ -82,6 +82,32 @@ static const char *cudaGetErrorName(cudaError_t) { return "?"; }
 static const char *cudaGetErrorString(cudaError_t) { return "?"; }
 template <class F> cudaError_t cudaFuncSetAttribute(F, int, int v) { if (v > 227 * 1024) abort(); return 0; }
 #define SKV_CUDA_CHECK(expr) do { if ((expr) != 0) return SKV_E_DEVICE; } while (0)
+typedef int cublasStatus_t;
+typedef int cublasOperation_t;
+#define CUBLAS_STATUS_SUCCESS 0
+#define CUBLAS_OP_N 0
+#define CUBLAS_OP_T 1
+#define SKV_CUBLAS_CHECK(expr) do { if ((expr) != CUBLAS_STATUS_SUCCESS) return SKV_E_DEVICE; } while (0)
+/* cuBLAS's column-major C = alpha op(A) op(B) + beta C for each of `batch` strided triples */
+static cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                                int n, int k, const float *alpha, const float *A, int lda,
+                                                long long sa, const float *B, int ldb, long long sb,
+                                                const float *beta, float *C, int ldc, long long sc, int batch)
+{
+    for (int b = 0; b < batch; b++)
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                double acc = 0.0;
+                for (int l = 0; l < k; l++) {
+                    const float a = ta == CUBLAS_OP_N ? A[b * sa + i + (size_t)l * lda] : A[b * sa + l + (size_t)i * lda];
+                    const float v = tb == CUBLAS_OP_N ? B[b * sb + l + (size_t)j * ldb] : B[b * sb + j + (size_t)l * ldb];
+                    acc += (double)a * v;
+                }
+                float *c = &C[b * sc + i + (size_t)j * ldc];
+                *c = (float)(*alpha * acc + (*beta != 0.0f ? *beta * *c : 0.0f));
+            }
+    return CUBLAS_STATUS_SUCCESS;
+}
 
 static size_t g_max_smem;
 template <class... KA>
@@ -108,6 +134,8 @@ void emu_launch(void (*k)(KA...), dim3 grid, int threads, size_t smem, std::type
     }
 }
 #define SCRATCH_ROUND ((size_t)1 << 20)
+#define PIN_RING_BYTES ((size_t)4 << 20)
+#define ATT_GEMM_S_BYTES ((size_t)64 << 10) /* prefill attention in several query batches */
 #define EW_THREADS 256
 namespace emu {
 #include "kern.inc"
