@@ -17,8 +17,9 @@
 #   SKV_GPU_CHECK_LIMIT (seconds for the whole run, default 470: steps that would pass it are
 #   skipped and say so), SKV_GPU_CHECK_WTYPE (f16 or q8_0 for the 8B-shaped model; default f16,
 #   the bytes of transformers' bf16), SKV_GPU_CHECK_SCRATCH (where the 16 GB model is written;
-#   default BUILD_DIR). Wheels in .whl/ at the repository root (tests/gpu/fetch-wheels.sh) are
-#   installed into BUILD_DIR/pysite for kvpress_speed.py; SKV_GPU_CHECK_KVPRESS=0 skips that step.
+#   default /dev/shm when it has 24 GB free, else BUILD_DIR). Wheels in .whl/ at the repository
+#   root (tests/gpu/fetch-wheels.sh) are installed into BUILD_DIR/pysite for kvpress_speed.py;
+#   SKV_GPU_CHECK_KVPRESS=0 skips that step.
 # Every command is echoed ("+ ...") before it runs; outputs land in BUILD_DIR (*.json, *.log).
 # Exits non-zero when the build fails (at once) or any later step fails (after the table).
 set -euo pipefail
@@ -47,7 +48,13 @@ else
     NICE="" THREADS="" PYDEV=cuda
 fi
 SNAP="policy=snapkv,budget=$BUDGET"
+# the 8B-shaped model (16 GB) in RAM where /dev/shm has room: writing it to a VM's disk took
+# 90 s of a short device lease
 SCRATCH=${SKV_GPU_CHECK_SCRATCH:-$BUILD}
+if [ -z "${SKV_GPU_CHECK_SCRATCH:-}" ] && [ "$DRY" != 1 ] &&
+   [ "$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')" -gt $((24 << 20)) ] 2>/dev/null; then
+    SCRATCH=/dev/shm
+fi
 
 declare -a ROWS=()
 BAD=0
