@@ -25,19 +25,19 @@ extern "C" {
 /* attention_kernel (the fallback) and the colsum kernels */
 #define ATT_THREADS 128
 #define ATT_TILE 64
-/* The tiled attention kernels (split-K decode, flash-style prefill): see cuda_attention. */
-#define ATT_MAX_D 256         /* largest head_dim they take */
+/* Split-K decode (att_decode_kernel) and prefill through cuBLAS (att_gemm): see cuda_attention. */
+#define ATT_MAX_D 256         /* largest head_dim the decode kernel takes */
 #define ATT_SPLIT_MAX_N 8     /* batches of up to this many queries take split-K decode */
 #define ATT_TK 32             /* keys per tile */
-#define ATT_TILED_THREADS 256
-#define ATT_ACC 32            /* output accumulators per thread: rows x head_dim <= 256 x 32 */
-#define ATT_MAX_ROWS 64       /* (query, head) rows per block */
 #define ATT_CHUNK_MIN 256     /* split-K: fewest keys per chunk (a multiple of ATT_TK) */
+#define ATT_DEC_WARPS 4       /* split-K decode kernel: warps per block */
+#define ATT_DEC_RPW 4         /* its (query, head) rows per warp */
+#define ATT_DEC_BLOCKS_PER_SM 8 /* split-K: chunks sized for about this many blocks per SM */
 #define ATT_MAX_CHUNKS 1024   /* split-K: most chunks per KV head */
 #ifndef ATT_GEMM_S_BYTES /* the host emulation sets a small one: queries then go in batches */
 #define ATT_GEMM_S_BYTES ((size_t)256 << 20) /* prefill through cuBLAS: scores of one batch */
 #endif
-#define ATT_GEMM_MAX_BYTES ((size_t)4 << 30) /* its scratch above this: the tiled kernel */
+#define ATT_GEMM_MAX_BYTES ((size_t)4 << 30) /* its scratch above this: attention_kernel */
 #define EW_THREADS 256
 #define SCRATCH_ROUND ((size_t)1 << 20)
 /* Pinned host ring for the small tables ops upload (positions, ids, RoPE frequencies, block
@@ -55,7 +55,7 @@ struct cuda_impl {
     void *pin;              /* PIN_RING_BYTES of pinned host memory (NULL: none), see upload_small */
     size_t pin_head;        /* next free byte of the ring */
     int sm_count;           /* streaming multiprocessors: sizes the split-K grid */
-    bool att_smem_set;      /* the tiled attention kernels may use > 48 KB of shared memory */
+    bool att_smem_set;      /* att_decode_kernel may use > 48 KB of shared memory */
 };
 
 /* ---- memory, copies ----------------------------------------------------------------- */
@@ -991,195 +991,134 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
         o[t] = (float)(acc[t] * inv);
 }
 
-/* Shared memory of att_tiled_kernel for rb rows of head_dim d. */
-static size_t tiled_smem(int rb, int d)
+/* Sum and max over the warp, every lane getting the result. */
+__device__ __forceinline__ float warp_allsum(float v)
 {
-    return ((size_t)rb * d + (size_t)ATT_TK * d + (size_t)rb * ATT_TK + 3 * (size_t)rb) *
-               sizeof(float) +
-           2 * (size_t)rb * sizeof(int);
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 
-/* Its bound over every shape the kernel takes (rows x d <= ATT_TILED_THREADS x ATT_ACC,
- * d <= ATT_MAX_D, rows <= ATT_MAX_ROWS): about 75 KB, above the default 48 KB. */
-#define ATT_TILED_SMEM_MAX                                                                        \
-    ((ATT_TILED_THREADS * ATT_ACC + ATT_TK * ATT_MAX_D + ATT_MAX_ROWS * ATT_TK +                  \
-      3 * ATT_MAX_ROWS) * sizeof(float) + 2 * ATT_MAX_ROWS * sizeof(int))
-
-/* Row r of a tiled block: query i of the batch, query head h; false for a padding row. */
-template <bool SPLIT>
-__device__ __forceinline__ bool tiled_row(const struct att_params &p, int rb, int slices,
-                                          int nchunks, int r, int *i, int *h)
+__device__ __forceinline__ float warp_allmax(float v)
 {
-    if (SPLIT) {
-        /* block (g * slices + slice) * nchunks + chunk: the group's (query, head) pairs */
-        const int gs = blockIdx.x / nchunks, g = gs / slices;
-        const int rg = (gs % slices) * rb + r;
-        *i = rg / p.group;
-        *h = g * p.group + rg % p.group;
-        return rg < p.n * p.group;
-    }
-    /* block tile * n_heads + h: queries tile * rb ... of head h */
-    *h = blockIdx.x % p.n_heads;
-    *i = (blockIdx.x / p.n_heads) * rb + r;
-    return *i < p.n;
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
 }
 
-/* The tiled attention of one block: rb (query, head) rows that all read KV head g, over the
- * keys [ks, ke) of a range, in tiles of ATT_TK keys with an online softmax per row. Each tile's
- * K rows are read once (a warp per key, the row in registers) and its V rows once (into shared
- * memory) for all the block's rows, so the query heads of a GQA group share every load.
- * fp32 throughout; each row's keys outside [lo, hi) (causal end, sliding-window start) are
- * masked. SPLIT (decode): the block is (KV head g, row slice, key chunk); its rows are the
- * group's n x group (query, head) pairs, and it writes unnormalized partials
- * part[q row][chunk] = (max, sum, acc[d]) that att_combine_kernel merges. Otherwise
- * (prefill): the block is (query tile, head h) over every key its queries see, and writes out.
- * Launched with ATT_TILED_THREADS threads and tiled_smem(rb, d) bytes of shared memory. */
-template <bool SPLIT>
-__global__ void __launch_bounds__(ATT_TILED_THREADS)
-att_tiled_kernel(float *out, float *part, const float *q, struct att_params p, int rb, int slices,
-                 int chunk, int nchunks)
+/* Shared memory of att_decode_kernel for rb rows of head_dim d: the queries, a tile of K rows
+ * padded to d + 1 floats (lanes read different keys' same element without bank conflicts) and
+ * a tile of V rows. */
+static size_t decode_smem(int rb, int d)
 {
-    extern __shared__ float tsm[];
-    __shared__ int s_ks, s_ke;
-    const int d = p.d, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    float *qs = tsm;                        /* [rb][d] the rows' queries */
-    float *vt = qs + (size_t)rb * d;        /* [ATT_TK][d] the tile's V rows */
-    float *sc = vt + (size_t)ATT_TK * d;    /* [rb][ATT_TK] scores, then probabilities */
-    float *m = sc + (size_t)rb * ATT_TK;    /* [rb] running max */
-    float *l = m + rb;                      /* [rb] running sum of exp(score - max) */
-    float *alpha = l + rb;                  /* [rb] this tile's rescale of the row */
-    int *lo = (int *)(alpha + rb);          /* [rb] first key the row sees */
-    int *hi = lo + rb;                      /* [rb] one past its last (0: padding row) */
-    int i0, h0;
-    tiled_row<SPLIT>(p, rb, slices, nchunks, 0, &i0, &h0);
-    const int g = h0 / p.group;
+    return ((size_t)rb * d + (size_t)ATT_TK * (d + 1) + (size_t)ATT_TK * d) * sizeof(float);
+}
 
-    for (int r = tid; r < rb; r += blockDim.x) {
-        int i, h;
-        const bool valid = tiled_row<SPLIT>(p, rb, slices, nchunks, r, &i, &h);
-        lo[r] = valid && p.first ? p.first[(size_t)g * p.n + i] : 0;
-        hi[r] = valid ? p.prefix[g] + i + 1 : 0;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+/* Split-K decode attention (n <= ATT_SPLIT_MAX_N queries). Block (g * slices + slice) *
+ * nchunks + chunk holds rb of KV head g's n x group (query, head) rows, ATT_DEC_RPW per warp,
+ * over the keys of one chunk. Each tile of ATT_TK keys is loaded once into shared memory for
+ * all the rows; lane j of a warp scores key j of the tile against each of the warp's rows (a
+ * whole dot product per lane, no shuffles), the row's online softmax takes one warp max and
+ * one warp sum per tile, and each lane accumulates its d / 32 output elements from the V tile.
+ * Writes part[row][chunk] = (max, sum, acc[d]) for att_combine_kernel. */
+__global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
+att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int slices, int chunk, int nchunks)
+{
+    extern __shared__ float dsm[];
+    const int d = p.d, dp = d + 1, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    float *qs = dsm;                     /* [rb][d] */
+    float *kt = qs + (size_t)rb * d;     /* [ATT_TK][d + 1] */
+    float *vt = kt + (size_t)ATT_TK * dp; /* [ATT_TK][d] */
+    const int gs = blockIdx.x / nchunks, c = blockIdx.x % nchunks;
+    const int g = gs / slices, r0 = (gs % slices) * rb, rows = p.n * p.group;
     for (int k = tid; k < rb * d; k += blockDim.x) {
-        int i, h;
-        const bool valid = tiled_row<SPLIT>(p, rb, slices, nchunks, k / d, &i, &h);
-        qs[k] = valid ? q[((size_t)i * p.n_heads + h) * d + k % d] : 0.0f;
+        const int rg = r0 + k / d;
+        qs[k] = rg < rows ? q[((size_t)(rg / p.group) * p.n_heads + g * p.group + rg % p.group) * d + k % d] : 0.0f;
     }
-    __syncthreads();
-    if (tid == 0) {
-        /* rows ascend by query, so by lo and hi; padding rows (hi 0) come last */
-        int ks = INT_MAX, ke = 0;
-        for (int r = 0; r < rb; r++) {
-            if (hi[r] > 0) {
-                ks = lo[r] < ks ? lo[r] : ks;
-                ke = hi[r] > ke ? hi[r] : ke;
-            }
-        }
-        if (SPLIT) {
-            const int64_t c0 = (int64_t)(blockIdx.x % nchunks) * chunk;
-            ks = c0 > ks ? (int)c0 : ks;
-            ke = c0 + chunk < ke ? (int)(c0 + chunk) : ke;
-        }
-        s_ks = ks;
-        s_ke = ke;
-    }
-    __syncthreads();
-    const int ks = s_ks, ke = s_ke;
-
-    float acc[ATT_ACC];
+    /* the warp's rows: r = warp + ATT_DEC_WARPS * u */
+    float m[ATT_DEC_RPW], l[ATT_DEC_RPW], acc[ATT_DEC_RPW][ATT_MAX_D / 32];
+    int lo[ATT_DEC_RPW], hi[ATT_DEC_RPW];
 #pragma unroll
-    for (int e = 0; e < ATT_ACC; e++)
-        acc[e] = 0.0f;
+    for (int u = 0; u < ATT_DEC_RPW; u++) {
+        const int r = warp + ATT_DEC_WARPS * u, rg = r0 + r;
+        const bool valid = r < rb && rg < rows;
+        const int i = rg / p.group;
+        lo[u] = valid && p.first ? p.first[(size_t)g * p.n + i] : 0;
+        hi[u] = valid ? p.prefix[g] + i + 1 : 0;
+        m[u] = -INFINITY;
+        l[u] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < ATT_MAX_D / 32; e++)
+            acc[u][e] = 0.0f;
+    }
+    const int64_t c0 = (int64_t)c * chunk;
+    const int ks = (int)c0, ke_all = p.prefix[g] + p.n;
+    const int ke = c0 + chunk < ke_all ? (int)(c0 + chunk) : ke_all;
     for (int j0 = ks; j0 < ke; j0 += ATT_TK) {
         const int tn = ke - j0 < ATT_TK ? ke - j0 : ATT_TK;
-        for (int k = tid; k < tn * d; k += blockDim.x)
-            vt[k] = kv_row(p, g, 1, j0 + k / d)[k % d];
-        for (int jj = warp; jj < tn; jj += blockDim.x / 32) {
-            const int j = j0 + jj;
-            const float *kr = kv_row(p, g, 0, j);
-            float kreg[ATT_MAX_D / 32];
-#pragma unroll
-            for (int u = 0; u < ATT_MAX_D / 32; u++)
-                kreg[u] = lane + 32 * u < d ? kr[lane + 32 * u] : 0.0f;
-            for (int r = 0; r < rb; r++) {
-                if (j < lo[r] || j >= hi[r]) { /* the same for the whole warp */
-                    if (lane == 0)
-                        sc[r * ATT_TK + jj] = -INFINITY;
-                    continue;
-                }
-                const float *qr = qs + (size_t)r * d;
-                float s = 0.0f;
-#pragma unroll
-                for (int u = 0; u < ATT_MAX_D / 32; u++)
-                    if (lane + 32 * u < d)
-                        s = fmaf(qr[lane + 32 * u], kreg[u], s);
-                s = warp_sum(s);
-                if (lane == 0)
-                    sc[r * ATT_TK + jj] = s * p.scale;
-            }
+        __syncthreads(); /* the last tile is consumed (and, the first time, qs written) */
+        for (int k = tid; k < tn * d; k += blockDim.x) {
+            const int jj = k / d, e = k % d;
+            kt[jj * dp + e] = kv_row(p, g, 0, j0 + jj)[e];
+            vt[k] = kv_row(p, g, 1, j0 + jj)[e];
         }
         __syncthreads();
-        for (int r = tid; r < rb; r += blockDim.x) {
-            float *sr = sc + r * ATT_TK;
-            float mx = -INFINITY;
-            for (int jj = 0; jj < tn; jj++)
-                mx = fmaxf(mx, sr[jj]);
-            const float m_new = fmaxf(m[r], mx);
-            if (m_new == -INFINITY) { /* nothing visible yet: weights 0, nothing to rescale */
-                for (int jj = 0; jj < tn; jj++)
-                    sr[jj] = 0.0f;
-                alpha[r] = 1.0f;
+        const int j = j0 + lane;
+#pragma unroll
+        for (int u = 0; u < ATT_DEC_RPW; u++) {
+            const int r = warp + ATT_DEC_WARPS * u;
+            if (r >= rb || hi[u] == 0) /* the same for the whole warp */
                 continue;
+            const bool vis = lane < tn && j >= lo[u] && j < hi[u];
+            float sc = -INFINITY;
+            if (vis) {
+                const float *qr = qs + (size_t)r * d, *kr = kt + (size_t)lane * dp;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                int e = 0;
+                for (; e + 4 <= d; e += 4) {
+                    s0 = fmaf(qr[e], kr[e], s0);
+                    s1 = fmaf(qr[e + 1], kr[e + 1], s1);
+                    s2 = fmaf(qr[e + 2], kr[e + 2], s2);
+                    s3 = fmaf(qr[e + 3], kr[e + 3], s3);
+                }
+                for (; e < d; e++)
+                    s0 = fmaf(qr[e], kr[e], s0);
+                sc = ((s0 + s1) + (s2 + s3)) * p.scale;
             }
-            const float a = expf(m[r] - m_new); /* 0 while m[r] is -inf */
-            float sum = 0.0f;
+            const float m_new = fmaxf(m[u], warp_allmax(sc));
+            if (m_new == -INFINITY) /* nothing visible yet */
+                continue;
+            const float pe = vis ? expf(sc - m_new) : 0.0f;
+            const float a = expf(m[u] - m_new); /* 0 while m[u] is -inf */
+            l[u] = l[u] * a + warp_allsum(pe);
+            m[u] = m_new;
+#pragma unroll
+            for (int e = 0; e < ATT_MAX_D / 32; e++)
+                acc[u][e] *= a;
             for (int jj = 0; jj < tn; jj++) {
-                const float e = expf(sr[jj] - m_new); /* 0 for a masked key */
-                sr[jj] = e;
-                sum += e;
-            }
-            l[r] = l[r] * a + sum;
-            m[r] = m_new;
-            alpha[r] = a;
-        }
-        __syncthreads();
+                const float pj = __shfl_sync(0xffffffffu, pe, jj);
 #pragma unroll
-        for (int e = 0; e < ATT_ACC; e++) {
-            const int k = tid + e * ATT_TILED_THREADS;
-            if (k < rb * d) {
-                const int r = k / d, t = k % d;
-                const float *pr = sc + r * ATT_TK;
-                float a = acc[e] * alpha[r];
-                for (int jj = 0; jj < tn; jj++)
-                    a = fmaf(pr[jj], vt[jj * d + t], a);
-                acc[e] = a;
+                for (int e = 0; e < ATT_MAX_D / 32; e++)
+                    if (lane + 32 * e < d)
+                        acc[u][e] = fmaf(pj, vt[jj * d + lane + 32 * e], acc[u][e]);
             }
         }
-        __syncthreads();
     }
-
 #pragma unroll
-    for (int e = 0; e < ATT_ACC; e++) {
-        const int k = tid + e * ATT_TILED_THREADS;
-        if (k >= rb * d)
+    for (int u = 0; u < ATT_DEC_RPW; u++) {
+        const int r = warp + ATT_DEC_WARPS * u, rg = r0 + r;
+        if (r >= rb || rg >= rows)
             continue;
-        const int r = k / d, t = k % d;
-        int i, h;
-        if (!tiled_row<SPLIT>(p, rb, slices, nchunks, r, &i, &h))
-            continue;
-        const size_t row = (size_t)i * p.n_heads + h;
-        if (SPLIT) {
-            float *pp = part + (row * nchunks + blockIdx.x % nchunks) * (d + 2);
-            if (t == 0) {
-                pp[0] = m[r];
-                pp[1] = l[r];
-            }
-            pp[2 + t] = acc[e];
-        } else {
-            out[row * d + t] = acc[e] / l[r];
+        const size_t row = (size_t)(rg / p.group) * p.n_heads + g * p.group + rg % p.group;
+        float *pp = part + (row * nchunks + c) * (d + 2);
+        if (lane == 0) {
+            pp[0] = m[u];
+            pp[1] = l[u];
         }
+#pragma unroll
+        for (int e = 0; e < ATT_MAX_D / 32; e++)
+            if (lane + 32 * e < d)
+                pp[2 + lane + 32 * e] = acc[u][e];
     }
 }
 
@@ -1213,22 +1152,7 @@ __global__ void att_combine_kernel(float *out, const float *part, int nchunks, i
     }
 }
 
-/* Rows per block of the tiled kernels: at most ATT_MAX_ROWS, and rows x head_dim within the
- * threads' accumulators. */
-static int tiled_rows_cap(int d)
-{
-    const int cap = ATT_TILED_THREADS * ATT_ACC / d;
-    return cap < ATT_MAX_ROWS ? cap : ATT_MAX_ROWS;
-}
 
-/* Which kernel runs:
- *  - head_dim > ATT_MAX_D: attention_kernel, one block per (query, head), double accumulators
- *    (the first kernel written; kept as the fallback);
- *  - n <= ATT_SPLIT_MAX_N (decode, short appends): split-K. Blocks over (KV head, slice of its
- *    group's n x group (query, head) rows, key chunk), the chunk sized from the longest head
- *    so about two blocks per SM run, then att_combine_kernel per (query, head);
- *  - otherwise (prefill): flash-style tiles, one block per (tile of up to 64 queries, head).
- * The choice depends on shapes only, so a paged view gives bitwise the contiguous result. */
 /* Max over the block (blockDim a multiple of 32, at most 1024); every thread gets it. */
 __device__ float block_max_f(float v, float *red)
 {
@@ -1290,9 +1214,10 @@ __global__ void att_softmax_rows_kernel(float *s, int lk, int m, int i0, int g, 
  * a masked softmax over each row of S, then out = P V. A paged view's rows are first gathered
  * into contiguous K and V. Queries go in batches of m whose scores fit ATT_GEMM_S_BYTES; a
  * batch's keys end at its last query's causal end, so the masked work is at most m x m / 2 per
- * head. The tiled kernel reads every key once per 64 query rows through warp-wide dot
- * products; the GEMMs run near the device's fp32 rate. Returns 1 without doing anything when
- * its scratch would pass ATT_GEMM_MAX_BYTES (the tiled kernel then serves the call). */
+ * head. (The flash-style kernel this replaced, with warp-wide dot products per key and query,
+ * ran a 32K-token prefill of an 8B-shaped model at 2.8 TFLOP/s.) Returns 1 without doing
+ * anything when its scratch would pass ATT_GEMM_MAX_BYTES: attention_kernel then serves the
+ * call. */
 static int att_gemm(struct cuda_impl *impl, float *out, const float *q, int n, int n_heads,
                     const struct skv_kv_view *kv, struct att_params *p, size_t sb)
 {
@@ -1343,6 +1268,17 @@ static int att_gemm(struct cuda_impl *impl, float *out, const float *q, int n, i
     return SKV_OK;
 }
 
+/* Which kernel runs:
+ *  - n > ATT_SPLIT_MAX_N (prefill, long appends): att_gemm, cuBLAS GEMMs around a masked
+ *    softmax;
+ *  - n <= ATT_SPLIT_MAX_N (decode, short appends): split-K. att_decode_kernel over (KV head,
+ *    slice of its group's n x group (query, head) rows, key chunk), the chunk sized from the
+ *    longest head so that about ATT_DEC_BLOCKS_PER_SM blocks per SM run, then
+ *    att_combine_kernel per (query, head);
+ *  - head_dim > ATT_MAX_D in decode, or a prefill whose GEMM scratch would pass
+ *    ATT_GEMM_MAX_BYTES: attention_kernel, one block per (query, head), double accumulators
+ *    (the first kernel written; kept as the fallback).
+ * The choice depends on shapes only, so a paged view gives the contiguous result. */
 static int cuda_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                           const struct skv_kv_view *kv)
 {
@@ -1362,7 +1298,9 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     void *s = NULL;
     const size_t sb = stage_bytes(kv, n);
 
-    if (d > ATT_MAX_D) {
+    if (n > ATT_SPLIT_MAX_N && (rc = att_gemm(impl, out, q, n, n_heads, kv, &p, sb)) <= 0)
+        return rc;
+    if (d > ATT_MAX_D || n > ATT_SPLIT_MAX_N) {
         const size_t smem = (size_t)d * (sizeof(double) + sizeof(float)) + ATT_TILE * sizeof(float);
         if (smem > 48 * 1024)
             return skv_errorf(SKV_E_UNSUPPORTED, "attention: head_dim %d too large", d);
@@ -1374,35 +1312,18 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     }
 
     if (!impl->att_smem_set) {
-        const int most = (int)ATT_TILED_SMEM_MAX;
-        SKV_CUDA_CHECK(cudaFuncSetAttribute(att_tiled_kernel<true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-        SKV_CUDA_CHECK(cudaFuncSetAttribute(att_tiled_kernel<false>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+        SKV_CUDA_CHECK(cudaFuncSetAttribute(att_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)decode_smem(ATT_DEC_WARPS * ATT_DEC_RPW, ATT_MAX_D)));
         impl->att_smem_set = true;
     }
-    const int cap = tiled_rows_cap(d);
-    if (n > ATT_SPLIT_MAX_N && (rc = att_gemm(impl, out, q, n, n_heads, kv, &p, sb)) <= 0)
-        return rc;
-    if (n > ATT_SPLIT_MAX_N) {
-        const int rb = n < cap ? n : cap;
-        const int64_t blocks = (int64_t)((n + rb - 1) / rb) * n_heads;
-        if (sb > 0 && ((rc = scratch_get(impl, sb, &s)) < 0 || (rc = att_stage(impl, kv, n, s, &p)) < 0))
-            return rc;
-        att_tiled_kernel<false><<<(unsigned)blocks, ATT_TILED_THREADS, tiled_smem(rb, d),
-                                  impl->stream>>>(out, NULL, q, p, rb, 1, 1, 1);
-        SKV_CUDA_CHECK(cudaGetLastError());
-        return SKV_OK;
-    }
-
     /* split-K: slices of the group's rows, then chunks of the longest head's keys */
-    const int rows = n * p.group;
-    const int slices = (rows + cap - 1) / cap, rb = (rows + slices - 1) / slices;
+    const int rows = n * p.group, dcap = ATT_DEC_WARPS * ATT_DEC_RPW;
+    const int slices = (rows + dcap - 1) / dcap, rb = (rows + slices - 1) / slices;
     int max_keys = 0;
     for (int g = 0; g < kv->n_kv_heads; g++)
         max_keys = kv->prefix_len[g] + n > max_keys ? kv->prefix_len[g] + n : max_keys;
     const int64_t per_chunk = (int64_t)kv->n_kv_heads * slices;
-    int64_t want = (2 * (int64_t)impl->sm_count + per_chunk - 1) / per_chunk;
+    int64_t want = (ATT_DEC_BLOCKS_PER_SM * (int64_t)impl->sm_count + per_chunk - 1) / per_chunk;
     want = want < 1 ? 1 : (want > ATT_MAX_CHUNKS ? ATT_MAX_CHUNKS : want);
     int64_t chunk = (max_keys + want - 1) / want;
     chunk = (chunk + ATT_TK - 1) / ATT_TK * ATT_TK;
@@ -1413,8 +1334,8 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
         (rc = att_stage(impl, kv, n, s, &p)) < 0)
         return rc;
     float *part = (float *)((char *)s + align_up(sb));
-    att_tiled_kernel<true><<<(unsigned)(per_chunk * nchunks), ATT_TILED_THREADS, tiled_smem(rb, d),
-                             impl->stream>>>(NULL, part, q, p, rb, slices, (int)chunk, nchunks);
+    att_decode_kernel<<<(unsigned)(per_chunk * nchunks), ATT_DEC_WARPS * 32, decode_smem(rb, d), impl->stream>>>(
+        part, q, p, rb, slices, (int)chunk, nchunks);
     SKV_CUDA_CHECK(cudaGetLastError());
     att_combine_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, (size_t)nchunks * sizeof(float),
                          impl->stream>>>(out, part, nchunks, d);
