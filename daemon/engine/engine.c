@@ -24,6 +24,10 @@ struct skv_engine {
     float *gb, *ub;        /* [CHUNK][ffn_dim] */
     float *lb;             /* [n_vocab]: one position's logits (decode), kept between calls */
     uint64_t scratch_bytes;
+    /* rows_add / rows_flush: K and V rows bound for the cache, stored by one copy_rows */
+    void **row_dst;
+    const void **row_src;
+    size_t n_rows, rows_cap;
 };
 
 /* ---- KV cache ----------------------------------------------------------------------------- */
@@ -485,6 +489,8 @@ void skv_engine_free(struct skv_engine **e_p)
     if (!e_p || !*e_p)
         return;
     free_buffers(*e_p);
+    free((*e_p)->row_dst);
+    free((*e_p)->row_src);
     free(*e_p);
     *e_p = NULL;
 }
@@ -525,6 +531,66 @@ static int attn_project(struct skv_engine *e, int l, int i0, int m)
     return SKV_OK;
 }
 
+/* Rows per head up to which cache_store queues single rows for one copy_rows (decode, short
+ * appends: one launch for every head, K and V, and in a batched step every sequence, where
+ * copies per head cost a launch each); longer runs go by copy_2d, one per block. */
+#define STORE_BY_ROWS 8
+
+/* Queues rows [j, j + m) of e->kb / e->vb for rows at[h] ... of every head of layer l (the
+ * heads have room), to be stored by rows_flush. */
+static int rows_add(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int j, int m)
+{
+    const struct skv_model_config *c = &e->m->cfg;
+    const int hd = c->head_dim, t = cache->block_rows;
+    const size_t kvdim = (size_t)c->n_kv_heads * hd, row = (size_t)hd * sizeof(float);
+    const size_t need = e->n_rows + 2 * (size_t)c->n_kv_heads * m;
+    if (need > e->rows_cap) {
+        size_t cap = e->rows_cap ? e->rows_cap : 256;
+        while (cap < need)
+            cap *= 2;
+        void **d = realloc(e->row_dst, cap * sizeof *d);
+        if (d)
+            e->row_dst = d;
+        const void **src = realloc(e->row_src, cap * sizeof *src);
+        if (src)
+            e->row_src = src;
+        if (!d || !src)
+            return skv_errorf(SKV_E_NOMEM, "engine: a table of %zu KV rows", cap);
+        e->rows_cap = cap;
+    }
+    for (int h = 0; h < c->n_kv_heads; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+        for (int which = 0; which < 2; which++) {
+            const float *base = (which ? e->vb : e->kb) + (size_t)h * hd;
+            for (int r = 0; r < m; r++) {
+                const int at_r = at[h] + r;
+                e->row_dst[e->n_rows] = (char *)kh->mem[at_r / t] + ((size_t)which * t + at_r % t) * row;
+                e->row_src[e->n_rows++] = base + (size_t)(j + r) * kvdim;
+            }
+        }
+    }
+    return SKV_OK;
+}
+
+/* Stores every queued row: one copy_rows. */
+static int rows_flush(struct skv_engine *e)
+{
+    int n = (int)e->n_rows;
+    e->n_rows = 0;
+    return n > 0 ? e->be->ops->copy_rows(e->be, e->row_dst, e->row_src, e->m->cfg.head_dim * sizeof(float), n)
+                 : SKV_OK;
+}
+
+/* Records positions e->pos[i0 ...] and zero scores for rows at[h] ... of every head. */
+static void rows_meta(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int m, int i0)
+{
+    for (int h = 0; h < e->m->cfg.n_kv_heads; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+        memcpy(kh->pos + at[h], e->pos + i0, (size_t)m * sizeof(int32_t));
+        memset(kh->score + at[h], 0, (size_t)m * sizeof(float));
+    }
+}
+
 /* Appends rows [j, j + m) of e->kb / e->vb (original positions e->pos[i0 ...]) to layer l of
  * the cache at row `at` of every head (the heads have room). */
 static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int j,
@@ -533,14 +599,22 @@ static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, 
     const struct skv_model_config *c = &e->m->cfg;
     int hd = c->head_dim;
     size_t kvdim = (size_t)c->n_kv_heads * hd;
-    for (int h = 0; h < c->n_kv_heads; h++) {
-        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
-        float *ks = e->kb + (size_t)j * kvdim + (size_t)h * hd, *vs = e->vb + (size_t)j * kvdim + (size_t)h * hd;
-        CHECK(head_rows_io(cache, kh, 0, at[h], m, ks, kvdim * sizeof(float), ROWS_FROM_BACKEND));
-        CHECK(head_rows_io(cache, kh, 1, at[h], m, vs, kvdim * sizeof(float), ROWS_FROM_BACKEND));
-        memcpy(kh->pos + at[h], e->pos + i0, (size_t)m * sizeof(int32_t));
-        memset(kh->score + at[h], 0, (size_t)m * sizeof(float));
+    if (m <= STORE_BY_ROWS) {
+        int rc = rows_add(e, cache, l, at, j, m);
+        if (rc) {
+            e->n_rows = 0;
+            return rc;
+        }
+        CHECK(rows_flush(e));
+    } else {
+        for (int h = 0; h < c->n_kv_heads; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+            float *ks = e->kb + (size_t)j * kvdim + (size_t)h * hd, *vs = e->vb + (size_t)j * kvdim + (size_t)h * hd;
+            CHECK(head_rows_io(cache, kh, 0, at[h], m, ks, kvdim * sizeof(float), ROWS_FROM_BACKEND));
+            CHECK(head_rows_io(cache, kh, 1, at[h], m, vs, kvdim * sizeof(float), ROWS_FROM_BACKEND));
+        }
     }
+    rows_meta(e, cache, l, at, m, i0);
     return SKV_OK;
 }
 
@@ -615,12 +689,21 @@ static int layer_attention_batch(struct skv_engine *e, const struct skv_batch_se
     for (int i0 = 0; i0 < n; i0 += CHUNK) {
         int m = n - i0 < CHUNK ? n - i0 : CHUNK;
         CHECK(attn_project(e, l, i0, m));
+        /* every sequence's new K / V rows in one copy_rows, then each one's attention */
+        int32_t len0[SKV_ENGINE_MAX_BATCH][SKV_MAX_KV_HEADS];
         for (int i = i0; i < i0 + m; i++) {
-            int32_t len0[SKV_MAX_KV_HEADS];
-            CHECK(cache_open_rows(seqs[i].cache, l, 1, len0));
-            CHECK(cache_store(e, seqs[i].cache, l, len0, i - i0, 1, i));
-            CHECK(attn_over_cache(e, seqs[i].cache, l, len0, i, 1));
+            int rc = cache_open_rows(seqs[i].cache, l, 1, len0[i - i0]);
+            if (!rc)
+                rc = rows_add(e, seqs[i].cache, l, len0[i - i0], i - i0, 1);
+            if (rc) {
+                e->n_rows = 0; /* nothing queued is stored */
+                return rc;
+            }
+            rows_meta(e, seqs[i].cache, l, len0[i - i0], 1, i);
         }
+        CHECK(rows_flush(e));
+        for (int i = i0; i < i0 + m; i++)
+            CHECK(attn_over_cache(e, seqs[i].cache, l, len0[i - i0], i, 1));
     }
     return attn_output(e, l, n);
 }

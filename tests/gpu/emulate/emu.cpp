@@ -95,6 +95,12 @@ typedef void *cublasHandle_t;
 #define cudaFuncAttributeMaxDynamicSharedMemorySize 0
 static cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, int, cudaStream_t) { memcpy(d, s, n); return 0; }
 static cudaError_t cudaStreamSynchronize(cudaStream_t) { return 0; }
+static cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int v, size_t w, size_t h, cudaStream_t)
+{
+    for (size_t r = 0; r < h; r++)
+        memset((char *)p + r * pitch, v, w);
+    return 0;
+}
 static cudaError_t cudaMalloc(void **p, size_t n) { *p = malloc(n); return 0; }
 static cudaError_t cudaFree(void *p) { free(p); return 0; }
 static cudaError_t cudaGetLastError() { return 0; }
@@ -154,7 +160,6 @@ void emu_launch(void (*k)(KA...), dim3 grid, int threads, size_t smem, std::type
     }
 }
 #define SCRATCH_ROUND ((size_t)1 << 20)
-#define PIN_RING_BYTES ((size_t)4 << 20)
 #define ATT_GEMM_S_BYTES ((size_t)64 << 10) /* prefill attention in several query batches */
 #define EW_THREADS 256
 namespace emu {
