@@ -169,6 +169,45 @@ enum rows_io {
     ROWS_TO_HOST,      /* read the blocks into host memory (contiguous rows) */
 };
 
+/* head_rows_io between host memory and more than one block: the n rows go through one
+ * backend buffer, with one upload or download and one copy_rows between it and the blocks.
+ * Block by block, a 16K-row head of a GPU daemon took 1024 copies each way (IMPORT_KV of a
+ * full 16K session of an 8B shape: 524,288 copies; the H200 run of 2026-11-30 ran out of time
+ * filling a pool so). */
+static int head_rows_staged(const struct skv_kv_cache *c, const struct skv_kv_head *hd, int which, int row0, int n,
+                            void *host, enum rows_io dir)
+{
+    struct skv_backend *be = c->be;
+    const int t = c->block_rows;
+    const size_t row = (size_t)c->head_dim * sizeof(float);
+    char *tmp = NULL;
+    void **blk = malloc((size_t)n * sizeof *blk), **run = malloc((size_t)n * sizeof *run);
+    int rc = blk && run ? be->ops->alloc(be, (size_t)n * row, (void **)&tmp) : skv_errorf(SKV_E_NOMEM, "KV rows: tables");
+    if (!rc) {
+        for (int i = 0; i < n; i++) {
+            int j = row0 + i;
+            blk[i] = (char *)hd->mem[j / t] + ((size_t)which * t + j % t) * row;
+            run[i] = tmp + (size_t)i * row;
+        }
+        if (dir == ROWS_FROM_HOST) {
+            rc = be->ops->upload(be, tmp, host, (size_t)n * row);
+            if (!rc)
+                rc = be->ops->copy_rows(be, blk, (const void *const *)run, row, n);
+            if (!rc)
+                rc = be->ops->sync(be); /* before tmp is freed */
+        } else {
+            rc = be->ops->copy_rows(be, run, (const void *const *)blk, row, n);
+            if (!rc)
+                rc = be->ops->download(be, host, tmp, (size_t)n * row);
+        }
+    }
+    if (tmp)
+        be->ops->free(be, tmp);
+    free(blk);
+    free(run);
+    return rc;
+}
+
 /* Copies rows [row0, row0 + n) of a head between its blocks and a run of n rows of K
  * (which == 0) or V elsewhere, `stride` bytes apart. The blocks are present (and, to be
  * written, private). */
@@ -178,6 +217,8 @@ static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *
     struct skv_backend *be = c->be;
     const int t = c->block_rows;
     const size_t row = (size_t)c->head_dim * sizeof(float);
+    if (dir != ROWS_FROM_BACKEND && stride == row && row0 / t != (row0 + n - 1) / t)
+        return head_rows_staged(c, hd, which, row0, n, other, dir);
     for (int j = row0; j < row0 + n;) {
         int b = j / t, off = j % t, m = t - off < row0 + n - j ? t - off : row0 + n - j;
         char *blk = (char *)hd->mem[b] + ((size_t)which * t + off) * row;
