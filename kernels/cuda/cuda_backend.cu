@@ -186,24 +186,25 @@ static unsigned grid_for(int64_t count, int threads)
 
 /* ---- device helpers ----------------------------------------------------------------- */
 
+/* Sum (max) over the warp by butterfly: every lane gets the result. */
 __device__ __forceinline__ float warp_sum(float v)
 {
     for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_down_sync(0xffffffffu, v, o);
+        v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
 __device__ __forceinline__ double warp_sum_d(double v)
 {
     for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_down_sync(0xffffffffu, v, o);
+        v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
 __device__ __forceinline__ float warp_max(float v)
 {
     for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, o));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -1018,21 +1019,6 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
         o[t] = (float)(acc[t] * inv);
 }
 
-/* Sum and max over the warp, every lane getting the result. */
-__device__ __forceinline__ float warp_allsum(float v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_allmax(float v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 /* Shared memory of att_decode_kernel for rb rows of head_dim d: the queries, a tile of K rows
  * padded to d + 1 floats (lanes read different keys' same element without bank conflicts) and
  * a tile of V rows. */
@@ -1129,12 +1115,12 @@ att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int 
                     s0 = fmaf(qr[e], kr[e], s0);
                 sc = ((s0 + s1) + (s2 + s3)) * p.scale;
             }
-            const float m_new = fmaxf(m[u], warp_allmax(sc));
+            const float m_new = fmaxf(m[u], warp_max(sc));
             if (m_new == -INFINITY) /* nothing visible yet */
                 continue;
             const float pe = vis ? expf(sc - m_new) : 0.0f;
             const float a = expf(m[u] - m_new); /* 0 while m[u] is -inf */
-            l[u] = l[u] * a + warp_allsum(pe);
+            l[u] = l[u] * a + warp_sum(pe);
             m[u] = m_new;
 #pragma unroll
             for (int e = 0; e < ATT_MAX_D / 32; e++)

@@ -30,36 +30,20 @@ static warpbuf g_warps[32];
 #define __launch_bounds__(x)
 #define __shared__ static
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
-template <class T> T __shfl_down_sync(unsigned, T v, int o)
+/* Every lane publishes v and reads lane from(lane)'s */
+template <class T, class F> T warp_exchange(T v, F from)
 {
     warpbuf &w = g_warps[threadIdx.x / 32];
     int lane = threadIdx.x % 32;
     w.v[lane] = (double)v;
     w.bar->arrive_and_wait();
-    T r = lane + o < 32 ? (T)w.v[lane + o] : v;
+    T r = (T)w.v[from(lane)];
     w.bar->arrive_and_wait();
     return r;
 }
-template <class T> T __shfl_xor_sync(unsigned, T v, int o)
-{
-    warpbuf &w = g_warps[threadIdx.x / 32];
-    int lane = threadIdx.x % 32;
-    w.v[lane] = (double)v;
-    w.bar->arrive_and_wait();
-    T r = (T)w.v[lane ^ o];
-    w.bar->arrive_and_wait();
-    return r;
-}
-template <class T> T __shfl_sync(unsigned, T v, int src)
-{
-    warpbuf &w = g_warps[threadIdx.x / 32];
-    int lane = threadIdx.x % 32;
-    w.v[lane] = (double)v;
-    w.bar->arrive_and_wait();
-    T r = (T)w.v[src];
-    w.bar->arrive_and_wait();
-    return r;
-}
+template <class T> T __shfl_down_sync(unsigned, T v, int o) { return warp_exchange(v, [o](int l) { return l + o < 32 ? l + o : l; }); }
+template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return warp_exchange(v, [o](int l) { return l ^ o; }); }
+template <class T> T __shfl_sync(unsigned, T v, int src) { return warp_exchange(v, [src](int) { return src; }); }
 static unsigned __ballot_sync(unsigned, bool f)
 {
     warpbuf &w = g_warps[threadIdx.x / 32];
