@@ -186,46 +186,43 @@ static unsigned grid_for(int64_t count, int threads)
 
 /* ---- device helpers ----------------------------------------------------------------- */
 
-/* Sum (max) over the warp by butterfly: every lane gets the result. */
-__device__ __forceinline__ float warp_sum(float v)
+/* Sum (MAX: max) over the warp by butterfly: every lane gets the result. */
+template <bool MAX, class T>
+__device__ __forceinline__ T warp_reduce(T v)
 {
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) {
+        const T u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmax(v, u) : v + u; /* fmax: a NaN lane does not win */
+    }
     return v;
 }
 
-__device__ __forceinline__ double warp_sum_d(double v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce<false>(v); }
+__device__ __forceinline__ double warp_sum_d(double v) { return warp_reduce<false>(v); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce<true>(v); }
 
-__device__ __forceinline__ float warp_max(float v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-/* Sum over the block (blockDim a multiple of 32, at most 1024); every thread gets it. */
-__device__ double block_sum_d(double v, double *red)
+/* Sum (MAX: max) over the block (blockDim a multiple of 32, at most 1024) with red[33] of
+ * shared memory; every thread gets it. */
+template <bool MAX, class T>
+__device__ T block_reduce(T v, T *red)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    v = warp_sum_d(v);
+    v = warp_reduce<MAX>(v);
     __syncthreads();
     if (lane == 0)
         red[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        double s = lane < nw ? red[lane] : 0.0;
-        s = warp_sum_d(s);
+        T x = lane < nw ? red[lane] : MAX ? (T)-INFINITY : (T)0;
+        x = warp_reduce<MAX>(x);
         if (lane == 0)
-            red[32] = s;
+            red[32] = x;
     }
     __syncthreads();
     return red[32];
 }
+
+__device__ double block_sum_d(double v, double *red) { return block_reduce<false>(v, red); }
 
 __device__ __forceinline__ float half_bits(const uint8_t *p)
 {
@@ -1183,24 +1180,6 @@ __global__ void att_combine_kernel(float *out, const float *part, int nchunks, i
 }
 
 
-/* Max over the block (blockDim a multiple of 32, at most 1024); every thread gets it. */
-__device__ float block_max_f(float v, float *red)
-{
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float m = lane < nw ? red[lane] : -INFINITY;
-        m = warp_max(m);
-        if (lane == 0)
-            red[32] = m;
-    }
-    __syncthreads();
-    return red[32];
-}
 
 /* K and V rows [0, rows) of KV head g of a paged view into contiguous [rows][d] copies. */
 __global__ void att_gather_kernel(float *kd, float *vd, struct att_params p, int g, int rows)
@@ -1228,7 +1207,7 @@ __global__ void att_softmax_rows_kernel(float *s, int lk, int m, int i0, int g, 
     float mx = -INFINITY;
     for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
         mx = fmaxf(mx, row[j]);
-    mx = block_max_f(mx, red);
+    mx = block_reduce<true>(mx, red);
     double sum = 0.0;
     if (mx != -INFINITY)
         for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)

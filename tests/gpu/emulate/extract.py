@@ -19,7 +19,7 @@ parts = [
     between("struct cuda_impl {", "/* ---- memory, copies"),
     between("/* A device scratch buffer of at least", "/* True when p is device"),
     between("static unsigned grid_for(int64_t count", "/* ---- device helpers"),
-    between("__device__ __forceinline__ float warp_sum(float v)", "__device__ __forceinline__ float half_bits"),
+    between("/* Sum (MAX: max) over the warp by butterfly", "__device__ __forceinline__ float half_bits"),
     between("__device__ __forceinline__ float half_bits", "static bool cuda_type_supported"),
     between("/* A GEMV warp's row r", "/* Rows of a quantized weight dequantized"),
     between("/* ---- attention ----", "/* Row i of n: dst[i] <- src[i]"),
