@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU acceptance check for the CUDA backend (issue 6), one command on a machine with a device:
-# configure --with-cuda=yes in a fresh build dir and build; the CUDA op tests; CUDA vs CPU
-# logits on the default model; a session exchanged between two processes through CUDA IPC; the
+# configure --with-cuda=yes in a fresh build dir and build (or unpack tests/gpu/bundle.sh's
+# bundle); the CUDA op tests; the tiny fixture models against transformers on the GPU
+# (test_model's CUDA group); CUDA vs CPU logits on the default model (or a random model of its
+# shapes); a session exchanged between two processes through CUDA IPC; the
 # device's copy bandwidth; then every figure the issue's goals need: snapkv-bench speed (prefill
 # and decode t/s at 1K/8K/16K/32K, full cache and SnapKV budget 1024) on the default model and on
 # a random-weight model of Llama-3-8B's shapes (tests/gpu/random_gguf), the bandwidth roofline,
