@@ -1,7 +1,8 @@
 /* The KV block pool and copy-on-write forks: pool counts and slab reuse, forks that share
  * every block, appends and compactions of a fork that copy only what they write and leave
  * the parent bit-identical, a fork that outlives its parent, block sizes that give the same
- * logits bit for bit, and reference counts back at zero (no leak, also under ASan). */
+ * logits bit for bit, rows to and from host memory at any offset (one block or several), and
+ * reference counts back at zero (no leak, also under ASan). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -320,6 +321,62 @@ static void test_block_sizes(void **state)
     free(got);
 }
 
+/* Rows between host memory and the blocks (IMPORT_KV / EXPORT_KV / SAVE / LOAD): runs inside
+ * one block go block by block, runs across blocks through one backend buffer; either way each
+ * row lands where the other reads it, at any offset, and a clone's write leaves its parent as
+ * it was (5-row blocks). */
+static void expect_rows(const struct skv_kv_cache *c, int which, int row0, int n, const float *want)
+{
+    const size_t bytes = (size_t)n * c->head_dim * sizeof(float);
+    float *got = malloc(bytes);
+    assert_int_equal(skv_kv_cache_read_rows(c, 1, 0, which, row0, n, got), SKV_OK);
+    assert_memory_equal(got, want, bytes);
+    free(got);
+}
+
+static void test_rows_io(void **state)
+{
+    struct tiny *t = *state;
+    enum { N = 23 };
+    const int d = t->m->cfg.head_dim;
+    struct skv_kv_pool *pool = NULL;
+    struct skv_kv_cache *c = NULL, *f = NULL;
+    assert_int_equal(skv_kv_pool_new(t->be, d, 5, &pool), SKV_OK);
+    assert_int_equal(skv_kv_cache_new_in(t->m, pool, &c), SKV_OK);
+    skv_kv_pool_unref(&pool);
+    float *k = malloc((size_t)N * d * sizeof *k), *v = malloc((size_t)N * d * sizeof *v);
+    for (int i = 0; i < N * d; i++) {
+        k[i] = (float)i * 0.25f - 7.0f;
+        v[i] = -k[i];
+    }
+    /* K: rows 0-1 (inside block 0), then 2-22 (blocks 0 to 4); V: all 23 in one call */
+    assert_int_equal(skv_kv_cache_write_rows(c, 1, 0, 0, 0, 2, k), SKV_OK);
+    assert_int_equal(skv_kv_cache_write_rows(c, 1, 0, 0, 2, N - 2, k + 2 * d), SKV_OK);
+    assert_int_equal(skv_kv_cache_write_rows(c, 1, 0, 1, 0, N, v), SKV_OK);
+    assert_int_equal(skv_kv_cache_head(c, 1, 0)->len, N);
+    const int ranges[][2] = {{0, N}, {3, 14}, {10, 4}, {22, 1}, {4, 2}};
+    for (size_t r = 0; r < sizeof ranges / sizeof ranges[0]; r++) {
+        expect_rows(c, 0, ranges[r][0], ranges[r][1], k + (size_t)ranges[r][0] * d);
+        expect_rows(c, 1, ranges[r][0], ranges[r][1], v + (size_t)ranges[r][0] * d);
+    }
+    /* a clone shares the blocks; rewriting its K rows 6-12 (blocks 1 and 2) copies them */
+    assert_int_equal(skv_kv_cache_clone(c, &f), SKV_OK);
+    assert_int_equal(skv_kv_cache_write_rows(f, 1, 0, 0, 6, 7, v), SKV_OK);
+    expect_rows(f, 0, 0, 6, k);
+    expect_rows(f, 0, 6, 7, v);
+    expect_rows(f, 0, 13, N - 13, k + 13 * d);
+    expect_rows(c, 0, 0, N, k);
+    /* refused: rows past the end, a third kind */
+    float *one = malloc((size_t)4 * d * sizeof *one);
+    assert_int_equal(skv_kv_cache_read_rows(c, 1, 0, 0, 20, 4, one), SKV_E_INVAL);
+    assert_int_equal(skv_kv_cache_write_rows(c, 1, 0, 2, 0, 1, k), SKV_E_INVAL);
+    free(one);
+    skv_kv_cache_free(&f);
+    skv_kv_cache_free(&c);
+    free(k);
+    free(v);
+}
+
 /* A model's pool can be replaced (snapkvd's kv-block-tokens): caches made before keep theirs. */
 static void test_model_block_rows(void **state)
 {
@@ -354,6 +411,7 @@ int main(void)
         cmocka_unit_test(test_fork_append),
         cmocka_unit_test(test_fork_compact),
         cmocka_unit_test(test_block_sizes),
+        cmocka_unit_test(test_rows_io),
         cmocka_unit_test(test_model_block_rows),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
