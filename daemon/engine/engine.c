@@ -275,8 +275,10 @@ int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache 
             d->mem[b] = s->mem[b];
         }
         d->n_blocks = nb;
-        memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
-        memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
+        if (s->len > 0) { /* an empty head may have no arrays yet */
+            memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
+            memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
+        }
         d->len = s->len;
     }
     return SKV_OK;
