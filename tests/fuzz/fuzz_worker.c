@@ -1,0 +1,407 @@
+/* libFuzzer target for the engine worker: any snapkv.Request a client or admin can send,
+ * run by the real worker thread on the tiny model, as the socket thread would hand it over.
+ * Properties: every request gets exactly one final reply that unpacks, with SKV_OK or an
+ * error code and a message; the worker then still answers STATS; pool and tenant limits keep
+ * memory bounded across inputs (sessions live on between inputs, as in a daemon).
+ *
+ * Input: byte 0 is the routing id (clients 0..3), the rest a packed snapkv.Request. A
+ * session_id of one byte k names the k-th newest session the worker created (so the fuzzer
+ * can chain PREFILL, FORK, DECODE, COMPRESS, EXPORT, ... without guessing 16 random bytes); a
+ * shm_name "@" names a 1 MiB shared-memory buffer the harness made. The version is set to 1 and
+ * admin commands go to the admin endpoint, which is what the socket thread checks first; HELLO,
+ * STATUS and CONFIG_GET never reach the worker and are skipped.
+ *
+ * `fuzz_worker -seeds DIR` writes a seed corpus (one valid request per command) and exits.
+ * Build and run with scripts/fuzz, from the source tree (it stages tests/fixtures/tiny-llama). */
+#include <fcntl.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/status.h"
+#include "daemon/config.h"
+#include "daemon/worker.h"
+#include "proto/snapkv.pb-c.h"
+#include "tests/common/tiny.h"
+
+int LLVMFuzzerInitialize(int *argc, char ***argv);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+#define REPLIES "inproc://fuzz-worker-replies"
+#define N_IDS 16          /* newest session ids remembered */
+#define SHM_BYTES (1 << 20)
+#define MAX_REPLIES 4096  /* a streamed DECODE sends one per token; max-new-tokens bounds it */
+
+static struct {
+    struct tiny *tiny;
+    struct skv_config cfg;
+    void *zctx, *pull;
+    struct skv_worker *w;
+    char shm_name[64];
+    char state_dir[64];
+    uint8_t ids[N_IDS][16];
+    int n_ids, next_id;
+} g;
+
+static void remember(const ProtobufCBinaryData *sid)
+{
+    if (sid->len != 16)
+        return;
+    memcpy(g.ids[g.next_id], sid->data, 16);
+    g.next_id = (g.next_id + 1) % N_IDS;
+    if (g.n_ids < N_IDS)
+        g.n_ids++;
+}
+
+/* The field `name` of message m as bytes, or NULL. */
+static ProtobufCBinaryData *bytes_field(ProtobufCMessage *m, const char *name)
+{
+    const ProtobufCFieldDescriptor *f = protobuf_c_message_descriptor_get_field_by_name(m->descriptor, name);
+    if (!f || f->type != PROTOBUF_C_TYPE_BYTES || f->label == PROTOBUF_C_LABEL_REPEATED)
+        return NULL;
+    return (ProtobufCBinaryData *)((char *)m + f->offset);
+}
+
+/* The message a oneof case points to (request command or reply result), or NULL. */
+static ProtobufCMessage *oneof_message(ProtobufCMessage *m, uint32_t field_number)
+{
+    const ProtobufCFieldDescriptor *f = protobuf_c_message_descriptor_get_field(m->descriptor, field_number);
+    if (!f || f->type != PROTOBUF_C_TYPE_MESSAGE)
+        return NULL;
+    return *(ProtobufCMessage **)((char *)m + f->offset);
+}
+
+/* One-byte session ids become remembered ones; "@" becomes the harness's buffer. */
+static void rewrite(Snapkv__Request *req)
+{
+    ProtobufCMessage *cmd = oneof_message(&req->base, req->command_case);
+    if (!cmd)
+        return;
+    ProtobufCBinaryData *sid = bytes_field(cmd, "session_id");
+    if (sid && sid->len == 1 && g.n_ids > 0) {
+        uint8_t *d = malloc(16);
+        if (!d)
+            __builtin_trap();
+        memcpy(d, g.ids[(g.next_id + N_IDS - 1 - sid->data[0] % g.n_ids) % N_IDS], 16);
+        free(sid->data);
+        sid->data = d;
+        sid->len = 16;
+    }
+    Snapkv__BufferRef *buf = NULL;
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_EXPORT_KV)
+        buf = req->export_kv->buffer;
+    else if (req->command_case == SNAPKV__REQUEST__COMMAND_IMPORT_KV)
+        buf = req->import_kv->buffer;
+    if (buf && buf->kind_case == SNAPKV__BUFFER_REF__KIND_SHM_NAME && strcmp(buf->shm_name, "@") == 0) {
+        char *name = strdup(g.shm_name);
+        if (!name)
+            __builtin_trap();
+        free(buf->shm_name);
+        buf->shm_name = name;
+    }
+}
+
+/* Reads replies for (sock, id) until the final one; checks each. */
+static void drain(int sock, uint8_t id)
+{
+    for (int n = 0;; n++) {
+        if (n > MAX_REPLIES)
+            __builtin_trap(); /* more partial replies than max-new-tokens allows */
+        zmq_msg_t parts[3];
+        for (int i = 0; i < 3; i++) {
+            zmq_msg_init(&parts[i]);
+            if (zmq_msg_recv(&parts[i], g.pull, 0) < 0)
+                __builtin_trap();
+        }
+        if (*(const uint8_t *)zmq_msg_data(&parts[0]) != sock || zmq_msg_size(&parts[1]) != 1 ||
+            *(const uint8_t *)zmq_msg_data(&parts[1]) != id)
+            __builtin_trap(); /* a reply to someone else */
+        Snapkv__Reply *rep = snapkv__reply__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
+        if (!rep)
+            __builtin_trap();
+        if (rep->status > 0 || (rep->status < 0 && (!rep->message || !*rep->message)))
+            __builtin_trap(); /* an error says what went wrong */
+        if (rep->status < 0 && !rep->final)
+            __builtin_trap();
+        ProtobufCMessage *res = oneof_message(&rep->base, rep->result_case);
+        ProtobufCBinaryData *sid = res ? bytes_field(res, "session_id") : NULL;
+        if (rep->status == 0 && sid)
+            remember(sid);
+        bool final = rep->final;
+        snapkv__reply__free_unpacked(rep, NULL);
+        for (int i = 0; i < 3; i++)
+            zmq_msg_close(&parts[i]);
+        if (final)
+            return;
+    }
+}
+
+static void submit(int sock, uint8_t id, Snapkv__Request *req)
+{
+    struct skv_job *job = calloc(1, sizeof *job);
+    if (!job)
+        __builtin_trap();
+    job->sock = sock;
+    job->identity[0] = id;
+    job->identity_len = 1;
+    job->req = req;
+    if (skv_worker_submit(g.w, job) != SKV_OK)
+        __builtin_trap(); /* one request at a time never fills the queue */
+}
+
+/* STATS from the admin endpoint must still succeed. */
+static void check_alive(void)
+{
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    Snapkv__Request q = SNAPKV__REQUEST__INIT;
+    q.version = 1;
+    q.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    q.stats = &sr;
+    uint8_t buf[64];
+    size_t len = snapkv__request__pack(&q, buf);
+    submit(1, 200, snapkv__request__unpack(NULL, len, buf));
+    drain(1, 200);
+}
+
+static void write_seed(const char *dir, const char *name, uint8_t id, Snapkv__Request *req)
+{
+    req->version = 1;
+    size_t len = snapkv__request__get_packed_size(req);
+    uint8_t *buf = malloc(len + 1);
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!buf || !f)
+        exit(1);
+    buf[0] = id;
+    snapkv__request__pack(req, buf + 1);
+    fwrite(buf, 1, len + 1, f);
+    fclose(f);
+    free(buf);
+}
+
+/* One valid request per command the worker runs. */
+static void write_seeds(const char *dir)
+{
+    static uint8_t one[1] = {0};
+    ProtobufCBinaryData sid = {1, one};
+    uint32_t toks[12] = {11, 48, 85, 122, 159, 196, 233, 14, 51, 88, 125, 162};
+    Snapkv__CompressSpec spec = SNAPKV__COMPRESS_SPEC__INIT;
+    spec.spec = "policy=snapkv,budget=6,window=4";
+    Snapkv__Sampling samp = SNAPKV__SAMPLING__INIT;
+    samp.max_tokens = 3;
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = "@";
+    buf.size = SHM_BYTES;
+
+    Snapkv__Request r;
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.n_tokens = 12;
+    p.tokens = toks;
+    p.compress = &spec;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    r.prefill = &p;
+    write_seed(dir, "prefill", 0, &r);
+    Snapkv__PrefillRequest pt = SNAPKV__PREFILL_REQUEST__INIT;
+    pt.text = "Hello world, the pass key is 12345.";
+    r.prefill = &pt;
+    write_seed(dir, "prefill-text", 1, &r);
+
+    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+    a.session_id = sid;
+    a.n_tokens = 3;
+    a.tokens = toks;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    r.append = &a;
+    write_seed(dir, "append", 0, &r);
+
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = sid;
+    d.sampling = &samp;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    r.decode = &d;
+    write_seed(dir, "decode", 0, &r);
+
+    Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
+    c.session_id = sid;
+    c.compress = &spec;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
+    r.compress = &c;
+    write_seed(dir, "compress", 0, &r);
+
+    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
+    fk.session_id = sid;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_FORK;
+    r.fork = &fk;
+    write_seed(dir, "fork", 0, &r);
+
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = sid;
+    e.buffer = &buf;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    r.export_kv = &e;
+    write_seed(dir, "export", 0, &r);
+
+    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
+    uint32_t kept_h[1] = {2};
+    Snapkv__LayerKept lk = SNAPKV__LAYER_KEPT__INIT;
+    lk.kept = 2;
+    lk.n_kept_per_head = 1;
+    lk.kept_per_head = kept_h;
+    Snapkv__LayerKept *lks[2] = {&lk, &lk};
+    uint32_t pos[4] = {0, 1, 0, 1};
+    im.buffer = &buf;
+    im.n_kept = 2;
+    im.kept = lks;
+    im.n_positions = 4;
+    im.positions = pos;
+    im.n_tokens = 2;
+    im.tokens = toks;
+    im.original_length = 2;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
+    r.import_kv = &im;
+    write_seed(dir, "import", 0, &r);
+
+    Snapkv__ReleaseRequest rl = SNAPKV__RELEASE_REQUEST__INIT;
+    rl.session_id = sid;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    r.release = &rl;
+    write_seed(dir, "release", 0, &r);
+
+    Snapkv__ListRequest ls = SNAPKV__LIST_REQUEST__INIT;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_LIST;
+    r.list = &ls;
+    write_seed(dir, "list", 3, &r);
+
+    Snapkv__InspectRequest in = SNAPKV__INSPECT_REQUEST__INIT;
+    in.session_id = sid;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
+    r.inspect = &in;
+    write_seed(dir, "inspect", 3, &r);
+
+    Snapkv__EvictRequest ev = SNAPKV__EVICT_REQUEST__INIT;
+    ev.session_id = sid;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_EVICT;
+    r.evict = &ev;
+    write_seed(dir, "evict", 3, &r);
+
+    Snapkv__PinRequest pn = SNAPKV__PIN_REQUEST__INIT;
+    pn.session_id = sid;
+    pn.pin = 1;
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_PIN;
+    r.pin = &pn;
+    write_seed(dir, "pin", 3, &r);
+
+    Snapkv__SaveRequest sv = SNAPKV__SAVE_REQUEST__INIT;
+    sv.session_id = sid;
+    sv.name = "doc";
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
+    r.save = &sv;
+    write_seed(dir, "save", 3, &r);
+
+    Snapkv__LoadRequest ld = SNAPKV__LOAD_REQUEST__INIT;
+    ld.name = "doc";
+    snapkv__request__init(&r);
+    r.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
+    r.load = &ld;
+    write_seed(dir, "load", 3, &r);
+}
+
+static void cleanup(void)
+{
+    char cmd[128];
+    shm_unlink(g.shm_name);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g.state_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "fuzz_worker: could not remove %s\n", g.state_dir);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    for (int i = 1; i + 1 < *argc; i++)
+        if (strcmp((*argv)[i], "-seeds") == 0) {
+            write_seeds((*argv)[i + 1]);
+            exit(0);
+        }
+    void *tiny = NULL;
+    if (tiny_setup(&tiny)) {
+        fprintf(stderr, "fuzz_worker: tiny model: %s (run from the source tree)\n", skv_error_msg());
+        exit(1);
+    }
+    g.tiny = tiny;
+    snprintf(g.state_dir, sizeof g.state_dir, "/tmp/skv-fuzz-state-%d", (int)getpid());
+    snprintf(g.shm_name, sizeof g.shm_name, "/skv-fuzz-%d", (int)getpid());
+    if (mkdir(g.state_dir, 0700) != 0 || skv_config_init(&g.cfg))
+        exit(1);
+    /* small limits, so memory stays bounded however many sessions the inputs make */
+    const char *set[][2] = {{"state-dir", g.state_dir}, {"pool-size", "16M"}, {"max-prompt-tokens", "256"},
+                            {"max-new-tokens", "8"}, {"max-sessions-per-tenant", "24"},
+                            {"max-bytes-per-tenant", "8M"}};
+    for (size_t i = 0; i < sizeof set / sizeof set[0]; i++)
+        if (skv_config_set(&g.cfg, set[i][0], set[i][1]) != SKV_OK) {
+            fprintf(stderr, "fuzz_worker: %s: %s\n", set[i][0], skv_error_msg());
+            exit(1);
+        }
+    int fd = shm_open(g.shm_name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 || ftruncate(fd, SHM_BYTES) != 0)
+        exit(1);
+    close(fd);
+    g.zctx = zmq_ctx_new();
+    g.pull = zmq_socket(g.zctx, ZMQ_PULL);
+    if (!g.pull || zmq_bind(g.pull, REPLIES) < 0 ||
+        skv_worker_start(g.zctx, REPLIES, &g.cfg, g.tiny->m, &g.w) != SKV_OK) {
+        fprintf(stderr, "fuzz_worker: worker: %s\n", skv_error_msg());
+        exit(1);
+    }
+    atexit(cleanup);
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1)
+        return 0;
+    Snapkv__Request *req = snapkv__request__unpack(NULL, size - 1, data + 1);
+    if (!req)
+        return 0; /* the socket thread answers SKV_E_PROTO */
+    switch (req->command_case) {
+    case SNAPKV__REQUEST__COMMAND__NOT_SET:
+    case SNAPKV__REQUEST__COMMAND_HELLO:
+    case SNAPKV__REQUEST__COMMAND_STATUS:
+    case SNAPKV__REQUEST__COMMAND_CONFIG_GET:
+    case SNAPKV__REQUEST__COMMAND_REGISTER_BUFFER:
+        snapkv__request__free_unpacked(req, NULL);
+        return 0; /* answered by the socket thread */
+    default:
+        break;
+    }
+    req->version = 1;
+    rewrite(req);
+    int sock = req->command_case >= SNAPKV__REQUEST__COMMAND_STATUS;
+    uint8_t id = data[0] % 4;
+    submit(sock, id, req);
+    drain(sock, id);
+    check_alive();
+    return 0;
+}
