@@ -31,6 +31,7 @@ void skv_compress_spec_default(struct skv_compress_spec *s)
         .alloc = SKV_ALLOC_UNIFORM,
         .budget = 0,
         .ratio = 1.0,
+        .min_budget = 0,
         .window = 32,
         .kernel = 7,
         .pool = SKV_POOL_MAX,
@@ -89,7 +90,7 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
     char buf[1025];
     snprintf(buf, sizeof buf, "%s", text);
     static const char *const keys[] = {"policy", "alloc", "budget", "ratio", "window", "kernel", "pool", "gqa",
-                                       "granularity", "sinks", "p", "beta", "decode_budget", "interval"};
+                                       "granularity", "sinks", "p", "beta", "decode_budget", "interval", "min_budget"};
     enum { NKEYS = sizeof keys / sizeof keys[0] };
     bool seen[NKEYS] = {false};
     int rc = SKV_OK;
@@ -133,6 +134,7 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
         case 11: rc = parse_int(key, val, 1, 1000, &s.pyramid_beta); break;
         case 12: rc = parse_int(key, val, 1, SKV_SPEC_MAX_BUDGET, &s.decode_budget); break;
         case 13: rc = parse_int(key, val, 1, 1 << 20, &s.interval); break;
+        case 14: rc = parse_int(key, val, 1, SKV_SPEC_MAX_BUDGET, &s.min_budget); break;
         }
         if (rc)
             return rc;
@@ -141,9 +143,12 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
         return skv_errorf(SKV_E_INVAL, "compression spec: give budget or ratio, not both");
     if (seen[2])
         s.ratio = -1;
-    if (s.policy == SKV_POLICY_FULL && (seen[1] || seen[2] || seen[3]))
-        return skv_errorf(SKV_E_INVAL, "compression spec: policy=full keeps everything; budget, ratio and alloc "
-                                       "do not apply");
+    if (s.policy == SKV_POLICY_FULL && (seen[1] || seen[2] || seen[3] || seen[14]))
+        return skv_errorf(SKV_E_INVAL, "compression spec: policy=full keeps everything; budget, ratio, min_budget "
+                                       "and alloc do not apply");
+    if (seen[14] && !seen[3])
+        return skv_errorf(SKV_E_INVAL, "compression spec: min_budget is a floor under ratio=R; with budget=N "
+                                       "give the tokens directly");
     if (s.policy != SKV_POLICY_FULL && !seen[2] && !seen[3])
         return skv_errorf(SKV_E_INVAL, "compression spec: policy=%s needs budget=N or ratio=R",
                           policy_names[s.policy]);
@@ -168,6 +173,8 @@ int skv_compress_spec_format(const struct skv_compress_spec *s, char *buf, size_
                      policy_names[s->policy], alloc_names[s->alloc], size, s->window, s->kernel, pool_names[s->pool],
                      gqa_names[s->gqa], gran_names[s->granularity], s->sinks, s->p, s->pyramid_beta, s->interval,
                      "");
+    if (n >= 0 && (size_t)n < cap && s->min_budget > 0 && s->policy != SKV_POLICY_FULL)
+        n += snprintf(buf + n, cap - (size_t)n, ",min_budget=%d", s->min_budget);
     if (n >= 0 && (size_t)n < cap && s->decode_budget > 0)
         n += snprintf(buf + n, cap - (size_t)n, ",decode_budget=%d", s->decode_budget);
     return n < 0 || (size_t)n >= cap ? SKV_E_LIMIT : SKV_OK;
@@ -178,6 +185,8 @@ int skv_compress_spec_budget(const struct skv_compress_spec *s, int n)
     if (n <= 0)
         return 0;
     long b = s->ratio >= 0 ? (long)ceil(s->ratio * n - 1e-9) : s->budget;
+    if (s->ratio >= 0 && b < s->min_budget)
+        b = s->min_budget;
     if (s->policy == SKV_POLICY_FULL)
         b = n;
     return (int)(b < 1 ? 1 : b > n ? n : b);

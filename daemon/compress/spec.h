@@ -17,6 +17,7 @@ struct skv_compress_spec {
     enum skv_alloc alloc;
     int budget;           /* tokens per layer and KV head; 0 when ratio is used */
     double ratio;         /* fraction of the prompt; < 0 when budget is used */
+    int min_budget;       /* with ratio: at least this many tokens per layer and head (0: none) */
     int window;           /* observation window (snapkv), recent window (h2o) */
     int kernel;           /* pooling kernel (odd) */
     enum skv_pool pool;
@@ -39,8 +40,8 @@ void skv_compress_spec_default(struct skv_compress_spec *spec);
 int skv_compress_spec_parse(const char *text, struct skv_compress_spec *spec);
 /* Canonical text of a spec (every key); returns SKV_OK or SKV_E_LIMIT when cap is too small. */
 int skv_compress_spec_format(const struct skv_compress_spec *spec, char *buf, size_t cap);
-/* The per-layer-and-head budget for a prompt of n tokens: budget, or ceil(ratio * n), at
- * least 1, at most n. */
+/* The per-layer-and-head budget for a prompt of n tokens: budget, or ceil(ratio * n) raised
+ * to min_budget, at least 1, at most n. */
 int skv_compress_spec_budget(const struct skv_compress_spec *spec, int n);
 
 const char *skv_policy_name(enum skv_policy p);

@@ -57,6 +57,8 @@ static void test_spec_parse(void **state)
         "policy=snapkv,budget=10,budget=11",  "policy=full,budget=10",
         "policy=snapkv,budget=10,window",     "policy=snapkv,budget=10,gqa=sum",
         "policy=snapkv,budget=10,granularity=token", "policy=snapkv,budget=10,p=2",
+        "policy=snapkv,budget=10,min_budget=64", /* a floor only under ratio */
+        "policy=full,min_budget=64",          "policy=snapkv,ratio=0.1,min_budget=0",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         struct skv_compress_spec before;
@@ -95,6 +97,21 @@ static void test_spec_format_and_budget(void **state)
     assert_int_equal(skv_compress_spec_budget(&s, 500), 500);
     assert_int_equal(skv_compress_spec_parse("policy=snapkv,budget=1024", &s), SKV_OK);
     assert_int_equal(skv_compress_spec_budget(&s, 300), 300);
+    /* min_budget raises a ratio's budget on short prompts, still at most n */
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1,min_budget=96", &s), SKV_OK);
+    assert_int_equal(s.min_budget, 96);
+    assert_int_equal(skv_compress_spec_budget(&s, 512), 96);
+    assert_int_equal(skv_compress_spec_budget(&s, 960), 96);
+    assert_int_equal(skv_compress_spec_budget(&s, 961), 97);
+    assert_int_equal(skv_compress_spec_budget(&s, 2000), 200);
+    assert_int_equal(skv_compress_spec_budget(&s, 50), 50);
+    assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
+    assert_non_null(strstr(buf, ",min_budget=96"));
+    assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
+    assert_memory_equal(&s, &t, sizeof s);
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
+    assert_null(strstr(buf, "min_budget")); /* absent when unset */
 }
 
 /* ---- policy pieces ----------------------------------------------------------------------- */
@@ -837,6 +854,33 @@ static void test_state_round_trip(void **state)
     skv_kv_cache_free(&b);
 }
 
+/* min_budget: at 10% of the 40-token prompt a layer would keep 4 rows (the window alone);
+ * with min_budget=12 it keeps 12 per head, exactly the rows budget=12 keeps; a floor below
+ * the ratio's budget changes nothing. */
+static void test_min_budget(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+    run(t, "policy=snapkv,ratio=0.1,window=4,min_budget=12", &a, t->ids, t->n, NULL);
+    run(t, "policy=snapkv,budget=12,window=4", &b, t->ids, t->n, NULL);
+    run(t, "policy=snapkv,ratio=0.5,window=4,min_budget=12", &c, t->ids, t->n, NULL);
+    run(t, "policy=snapkv,ratio=0.5,window=4", &d, t->ids, t->n, NULL);
+    for (int l = 0; l < a->n_layers; l++)
+        for (int h = 0; h < a->n_kv_heads; h++) {
+            const struct skv_kv_head *ha = skv_kv_cache_head(a, l, h), *hb = skv_kv_cache_head(b, l, h);
+            const struct skv_kv_head *hc = skv_kv_cache_head(c, l, h), *hd = skv_kv_cache_head(d, l, h);
+            assert_int_equal(ha->len, 12);
+            assert_memory_equal(ha->pos, hb->pos, 12 * sizeof *ha->pos);
+            assert_int_equal(hc->len, 20);
+            assert_int_equal(hd->len, 20);
+            assert_memory_equal(hc->pos, hd->pos, 20 * sizeof *hc->pos);
+        }
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+    skv_kv_cache_free(&c);
+    skv_kv_cache_free(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest pure[] = {
@@ -852,6 +896,7 @@ int main(void)
         cmocka_unit_test(test_decode_budget_spread),
         cmocka_unit_test(test_decode_rescore_clone),
         cmocka_unit_test(test_state_round_trip),
+        cmocka_unit_test(test_min_budget),
     };
     int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);
     failed += cmocka_run_group_tests_name("compress-tiny-model", model, tiny_setup, tiny_teardown);
