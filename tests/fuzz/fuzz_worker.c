@@ -170,10 +170,15 @@ static void check_alive(void)
     drain(1, 200);
 }
 
-static void write_seed(const char *dir, const char *name, uint8_t id, Snapkv__Request *req)
+/* Writes [id][packed request] with command `cmd` (a message of case cc) as dir/name. */
+static void write_seed(const char *dir, const char *name, uint8_t id, Snapkv__Request__CommandCase cc, void *cmd)
 {
-    req->version = 1;
-    size_t len = snapkv__request__get_packed_size(req);
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, cc);
+    req.version = 1;
+    req.command_case = cc;
+    *(void **)((char *)&req + fd->offset) = cmd;
+    size_t len = snapkv__request__get_packed_size(&req);
     uint8_t *buf = malloc(len + 1);
     char path[512];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -181,17 +186,42 @@ static void write_seed(const char *dir, const char *name, uint8_t id, Snapkv__Re
     if (!buf || !f)
         exit(1);
     buf[0] = id;
-    snapkv__request__pack(req, buf + 1);
+    snapkv__request__pack(&req, buf + 1);
     fwrite(buf, 1, len + 1, f);
     fclose(f);
     free(buf);
 }
 
+/* A command whose only field set is session_id (one byte: the newest session). */
+static void write_session_seed(const char *dir, const char *name, uint8_t id, Snapkv__Request__CommandCase cc)
+{
+    static uint8_t newest[1] = {0};
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, cc);
+    const ProtobufCMessageDescriptor *md = fd->descriptor;
+    ProtobufCMessage *m = calloc(1, md->sizeof_message);
+    if (!m)
+        exit(1);
+    md->message_init(m);
+    *bytes_field(m, "session_id") = (ProtobufCBinaryData){1, newest};
+    write_seed(dir, name, id, cc, m);
+    free(m);
+}
+
 /* One valid request per command the worker runs. */
 static void write_seeds(const char *dir)
 {
-    static uint8_t one[1] = {0};
-    ProtobufCBinaryData sid = {1, one};
+    static const struct {
+        const char *name;
+        Snapkv__Request__CommandCase cc;
+        uint8_t id;
+    } plain[] = {{"fork", SNAPKV__REQUEST__COMMAND_FORK, 0},          {"release", SNAPKV__REQUEST__COMMAND_RELEASE, 1},
+                 {"inspect", SNAPKV__REQUEST__COMMAND_INSPECT, 3},    {"evict", SNAPKV__REQUEST__COMMAND_EVICT, 3},
+                 {"pin", SNAPKV__REQUEST__COMMAND_PIN, 3}};
+    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
+        write_session_seed(dir, plain[i].name, plain[i].id, plain[i].cc);
+
+    static uint8_t newest[1] = {0};
+    ProtobufCBinaryData sid = {1, newest};
     uint32_t toks[12] = {11, 48, 85, 122, 159, 196, 233, 14, 51, 88, 125, 162};
     Snapkv__CompressSpec spec = SNAPKV__COMPRESS_SPEC__INIT;
     spec.spec = "policy=snapkv,budget=6,window=4";
@@ -202,61 +232,36 @@ static void write_seeds(const char *dir)
     buf.shm_name = "@";
     buf.size = SHM_BYTES;
 
-    Snapkv__Request r;
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
     p.n_tokens = 12;
     p.tokens = toks;
     p.compress = &spec;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
-    r.prefill = &p;
-    write_seed(dir, "prefill", 0, &r);
+    write_seed(dir, "prefill", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &p);
     Snapkv__PrefillRequest pt = SNAPKV__PREFILL_REQUEST__INIT;
     pt.text = "Hello world, the pass key is 12345.";
-    r.prefill = &pt;
-    write_seed(dir, "prefill-text", 1, &r);
+    write_seed(dir, "prefill-text", 1, SNAPKV__REQUEST__COMMAND_PREFILL, &pt);
 
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
     a.session_id = sid;
     a.n_tokens = 3;
     a.tokens = toks;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
-    r.append = &a;
-    write_seed(dir, "append", 0, &r);
+    write_seed(dir, "append", 0, SNAPKV__REQUEST__COMMAND_APPEND, &a);
 
     Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
     d.session_id = sid;
     d.sampling = &samp;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
-    r.decode = &d;
-    write_seed(dir, "decode", 0, &r);
+    write_seed(dir, "decode", 0, SNAPKV__REQUEST__COMMAND_DECODE, &d);
 
     Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
     c.session_id = sid;
     c.compress = &spec;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
-    r.compress = &c;
-    write_seed(dir, "compress", 0, &r);
-
-    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
-    fk.session_id = sid;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_FORK;
-    r.fork = &fk;
-    write_seed(dir, "fork", 0, &r);
+    write_seed(dir, "compress", 0, SNAPKV__REQUEST__COMMAND_COMPRESS, &c);
 
     Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
     e.session_id = sid;
     e.buffer = &buf;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
-    r.export_kv = &e;
-    write_seed(dir, "export", 0, &r);
+    write_seed(dir, "export", 0, SNAPKV__REQUEST__COMMAND_EXPORT_KV, &e);
 
-    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
     uint32_t kept_h[1] = {2};
     Snapkv__LayerKept lk = SNAPKV__LAYER_KEPT__INIT;
     lk.kept = 2;
@@ -264,6 +269,7 @@ static void write_seeds(const char *dir)
     lk.kept_per_head = kept_h;
     Snapkv__LayerKept *lks[2] = {&lk, &lk};
     uint32_t pos[4] = {0, 1, 0, 1};
+    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
     im.buffer = &buf;
     im.n_kept = 2;
     im.kept = lks;
@@ -272,60 +278,17 @@ static void write_seeds(const char *dir)
     im.n_tokens = 2;
     im.tokens = toks;
     im.original_length = 2;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
-    r.import_kv = &im;
-    write_seed(dir, "import", 0, &r);
-
-    Snapkv__ReleaseRequest rl = SNAPKV__RELEASE_REQUEST__INIT;
-    rl.session_id = sid;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
-    r.release = &rl;
-    write_seed(dir, "release", 0, &r);
+    write_seed(dir, "import", 0, SNAPKV__REQUEST__COMMAND_IMPORT_KV, &im);
 
     Snapkv__ListRequest ls = SNAPKV__LIST_REQUEST__INIT;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_LIST;
-    r.list = &ls;
-    write_seed(dir, "list", 3, &r);
-
-    Snapkv__InspectRequest in = SNAPKV__INSPECT_REQUEST__INIT;
-    in.session_id = sid;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
-    r.inspect = &in;
-    write_seed(dir, "inspect", 3, &r);
-
-    Snapkv__EvictRequest ev = SNAPKV__EVICT_REQUEST__INIT;
-    ev.session_id = sid;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_EVICT;
-    r.evict = &ev;
-    write_seed(dir, "evict", 3, &r);
-
-    Snapkv__PinRequest pn = SNAPKV__PIN_REQUEST__INIT;
-    pn.session_id = sid;
-    pn.pin = 1;
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_PIN;
-    r.pin = &pn;
-    write_seed(dir, "pin", 3, &r);
-
+    write_seed(dir, "list", 3, SNAPKV__REQUEST__COMMAND_LIST, &ls);
     Snapkv__SaveRequest sv = SNAPKV__SAVE_REQUEST__INIT;
     sv.session_id = sid;
     sv.name = "doc";
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
-    r.save = &sv;
-    write_seed(dir, "save", 3, &r);
-
+    write_seed(dir, "save", 3, SNAPKV__REQUEST__COMMAND_SAVE, &sv);
     Snapkv__LoadRequest ld = SNAPKV__LOAD_REQUEST__INIT;
     ld.name = "doc";
-    snapkv__request__init(&r);
-    r.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
-    r.load = &ld;
-    write_seed(dir, "load", 3, &r);
+    write_seed(dir, "load", 3, SNAPKV__REQUEST__COMMAND_LOAD, &ld);
 }
 
 static void cleanup(void)
