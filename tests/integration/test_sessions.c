@@ -826,7 +826,8 @@ static void test_sigterm_mid_decode(void **state)
 
 /* SnapKV re-scoring while decoding through the daemon: the spec string travels, DECODE gives
  * the in-process engine's tokens, and INSPECT shows every layer back at the decode budget
- * (48 kept at prefill, 12 tokens decoded, cut to 40 at 4, 8 and 12). */
+ * (48 kept at prefill, 12 tokens decoded, cut to 40 at 4, 8 and 12). A ratio's floor travels
+ * too: ratio=0.1 of 160 tokens with min_budget=50 keeps 50 rows, and INSPECT shows the key. */
 static void test_decode_budget(void **state)
 {
     NEED_MODEL();
@@ -857,6 +858,16 @@ static void test_decode_budget(void **state)
         assert_int_equal(ir.layers[l].kept, 40);
     snapkv_inspect_result_free(&ir);
     snapkv_decode_result_free(&dr);
+    assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+
+    po.compress = "policy=snapkv,ratio=0.1,window=8,min_budget=50";
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &ir), SNAPKV_OK);
+    assert_non_null(strstr(ir.spec, ",min_budget=50"));
+    for (size_t l = 0; l < ir.n_layers; l++)
+        assert_int_equal(ir.layers[l].kept, 50);
+    snapkv_inspect_result_free(&ir);
     assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
     snapkv_prefill_result_free(&pr);
     snapkv_close(&a);
