@@ -74,7 +74,7 @@ int skv_parse_size(const char *text, int64_t *out)
     char *end;
     errno = 0;
     double v = strtod(text, &end);
-    if (end == text || errno || v < 0)
+    if (end == text || errno || !(v >= 0)) /* NaN fails every comparison */
         return skv_errorf(SKV_E_INVAL, "'%s' is not a size", text);
     double mul = 1;
     switch (toupper((unsigned char)*end)) {
@@ -89,7 +89,7 @@ int skv_parse_size(const char *text, int64_t *out)
     if (*end != '\0')
         return skv_errorf(SKV_E_INVAL, "'%s' is not a size (use e.g. 512M, 4G)", text);
     v *= mul;
-    if (v > 9.0e18)
+    if (!(v <= 9.0e18))
         return skv_errorf(SKV_E_INVAL, "'%s' is too large", text);
     *out = (int64_t)v;
     return SKV_OK;

@@ -55,6 +55,13 @@ static void test_sizes(void **state)
     assert_int_equal(skv_parse_size("-1G", &v), SKV_E_INVAL);
     assert_int_equal(skv_parse_size("4Q", &v), SKV_E_INVAL);
     assert_int_equal(skv_parse_size("99999999T", &v), SKV_E_INVAL);
+    /* strtod reads these; none is a size (NaN once reached an int64 conversion: found by fuzz_config) */
+    const char *not_sizes[] = {"nan", "NaN", "-nan", "nanG", "inf", "infinity", "-inf", "1e400"};
+    for (size_t i = 0; i < sizeof not_sizes / sizeof not_sizes[0]; i++) {
+        v = 7;
+        assert_int_equal(skv_parse_size(not_sizes[i], &v), SKV_E_INVAL);
+        assert_int_equal(v, 7);
+    }
 }
 
 static void test_set(void **state)
