@@ -13,6 +13,7 @@
  *
  * `fuzz_worker -seeds DIR` writes a seed corpus (one valid request per command) and exits.
  * Build and run with scripts/fuzz, from the source tree (it stages tests/fixtures/tiny-llama). */
+#include <errno.h>
 #include <fcntl.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -117,7 +118,10 @@ static void drain(int sock, uint8_t id)
         zmq_msg_t parts[3];
         for (int i = 0; i < 3; i++) {
             zmq_msg_init(&parts[i]);
-            if (zmq_msg_recv(&parts[i], g.pull, 0) < 0)
+            int rc;
+            while ((rc = zmq_msg_recv(&parts[i], g.pull, 0)) < 0 && zmq_errno() == EINTR)
+                ; /* libFuzzer's timeout alarm interrupts a blocking receive */
+            if (rc < 0)
                 __builtin_trap();
         }
         if (*(const uint8_t *)zmq_msg_data(&parts[0]) != sock || zmq_msg_size(&parts[1]) != 1 ||
