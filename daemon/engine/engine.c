@@ -580,7 +580,7 @@ static int attn_project(struct skv_engine *e, int l, int i0, int m)
 #define STORE_BY_ROWS 8
 
 /* Queues rows [j, j + m) of e->kb / e->vb for rows at[h] ... of every head of layer l (the
- * heads have room), to be stored by rows_flush. */
+ * heads have room), to be stored by rows_flush. Queues nothing when it fails. */
 static int rows_add(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int j, int m)
 {
     const struct skv_model_config *c = &e->m->cfg;
@@ -643,11 +643,7 @@ static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, 
     int hd = c->head_dim;
     size_t kvdim = (size_t)c->n_kv_heads * hd;
     if (m <= STORE_BY_ROWS) {
-        int rc = rows_add(e, cache, l, at, j, m);
-        if (rc) {
-            e->n_rows = 0;
-            return rc;
-        }
+        CHECK(rows_add(e, cache, l, at, j, m));
         CHECK(rows_flush(e));
     } else {
         for (int h = 0; h < c->n_kv_heads; h++) {
