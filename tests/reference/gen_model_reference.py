@@ -181,16 +181,22 @@ def topk_at(logits, positions):
 
 
 def golden(args):
-    os.makedirs(GOLDEN, exist_ok=True)
+    out_dir = os.path.abspath(args.golden_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    if out_dir != GOLDEN:
+        # another model: the same prompt texts as the default model's, copied, not re-cut
+        for name in ("long_prompt.txt", "fidelity_prompt.txt"):
+            shutil.copyfile(os.path.join(GOLDEN, name), os.path.join(out_dir, name))
+    logits_for = set(args.last_logits.split(",")) if args.last_logits else None
     model_dir, model_file = os.path.split(os.path.abspath(args.model))
     tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=model_file)
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=model_file,
                                                  dtype=torch.float32, attn_implementation="eager")
     model.eval()
 
-    long_text = prompt_text_file(os.path.join(GOLDEN, "long_prompt.txt"), LONG_SOURCE, tok,
+    long_text = prompt_text_file(os.path.join(out_dir, "long_prompt.txt"), LONG_SOURCE, tok,
                                  LONG_MIN_TOKENS, args.refresh_texts)
-    fid_text = prompt_text_file(os.path.join(GOLDEN, "fidelity_prompt.txt"), FIDELITY_SOURCE, tok,
+    fid_text = prompt_text_file(os.path.join(out_dir, "fidelity_prompt.txt"), FIDELITY_SOURCE, tok,
                                 FIDELITY_MIN_TOKENS, args.refresh_texts)
 
     chat_text = tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=False)
@@ -218,15 +224,12 @@ def golden(args):
         positions = list(range(0, n, TOPK_STRIDE))
         if positions[-1] != n - 1:
             positions.append(n - 1)
-        logits_file = f"logits_{p['name']}_last.f32"
-        write_f32(os.path.join(GOLDEN, logits_file), logits[-1])
-        entry = {
-            "name": p["name"],
-            "ids": ids,
-            "n_tokens": n,
-            "last_logits_file": logits_file,
-            "topk": topk_at(logits, positions),
-        }
+        entry = {"name": p["name"], "ids": ids, "n_tokens": n}
+        if logits_for is None or p["name"] in logits_for:
+            logits_file = f"logits_{p['name']}_last.f32"
+            write_f32(os.path.join(out_dir, logits_file), logits[-1])
+            entry["last_logits_file"] = logits_file
+        entry["topk"] = topk_at(logits, positions)
         if "text_file" in p:
             entry["text_file"] = p["text_file"]
         else:
@@ -252,16 +255,18 @@ def golden(args):
     ref = {
         "model_file": os.path.basename(args.model),
         "vocab_size": int(model.config.vocab_size),
-        "logits_format": "little-endian float32, vocab_size values, last prompt position",
+        "logits_format": "little-endian float32, vocab_size values, last prompt position"
+                         + ("" if logits_for is None else
+                            f" (only for {', '.join(sorted(logits_for))}; the others: top-k)"),
         "topk_positions": f"every {TOPK_STRIDE}th position (0, {TOPK_STRIDE}, ...) and the last",
         "prompts": out_prompts,
         "fidelity": {"text_file": "fidelity_prompt.txt", "ids": fid_ids, "n_tokens": len(fid_ids)},
     }
-    write_json(os.path.join(GOLDEN, "reference.json"), ref)
+    write_json(os.path.join(out_dir, "reference.json"), ref)
 
     meta = {
         "generator": "tests/reference/gen_model_reference.py",
-        "command": "/opt/refvenv/bin/python tests/reference/gen_model_reference.py",
+        "command": " ".join([sys.executable, "tests/reference/gen_model_reference.py"] + sys.argv[1:]),
         "versions": versions(),
         "model": {"file": os.path.basename(args.model), "sha256": sha256_file(args.model)},
         "tokenizer": type(tok).__name__ + " from the GGUF (AutoTokenizer gguf_file=...)",
@@ -270,7 +275,7 @@ def golden(args):
         "torch_threads": torch.get_num_threads(),
         "sources": {"long_prompt.txt": LONG_SOURCE, "fidelity_prompt.txt": FIDELITY_SOURCE},
     }
-    write_json(os.path.join(GOLDEN, "meta.json"), meta)
+    write_json(os.path.join(out_dir, "meta.json"), meta)
 
 
 # ---- tiny random-weight checkpoints ------------------------------------------------------
@@ -642,6 +647,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("SKV_MODEL", DEFAULT_MODEL))
     ap.add_argument("--only", choices=["golden", "tiny", "gguf-rope", "swa", "all"], default="all")
+    ap.add_argument("--golden-dir", default=GOLDEN,
+                    help="where --only golden writes (another model: its own folder; the prompt "
+                         "texts are copied from tests/fixtures/golden/)")
+    ap.add_argument("--last-logits", default=None,
+                    help="comma-separated prompt names whose whole last-position logits are "
+                         "written (default: every prompt); the others keep their top-k only")
     ap.add_argument("--refresh-texts", action="store_true",
                     help="recreate long_prompt.txt / fidelity_prompt.txt from the license files")
     args = ap.parse_args()
