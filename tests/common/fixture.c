@@ -20,16 +20,26 @@ char *fixture_path(const char *rel)
     return p;
 }
 
-char *fixture_model_path(void)
+static char *model_path(const char *env_name, const char *rel)
 {
-    const char *env = getenv("SKV_MODEL");
-    char *p = env && *env ? strdup(env) : fixture_path("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    const char *env = getenv(env_name);
+    char *p = env && *env ? strdup(env) : fixture_path(rel);
     struct stat sb;
     if (p && stat(p, &sb) != 0) {
         free(p);
         return NULL;
     }
     return p;
+}
+
+char *fixture_model_path(void)
+{
+    return model_path("SKV_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+}
+
+char *fixture_qwen_model_path(void)
+{
+    return model_path("SKV_MODEL_QWEN", "models/Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf");
 }
 
 void *fixture_read_file(const char *path, size_t *size)

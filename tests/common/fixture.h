@@ -11,6 +11,10 @@ char *fixture_path(const char *rel);
 /* The default model ($SKV_MODEL or $SKV_SRCDIR/models/SmolLM2-135M-Instruct.Q4_1.gguf);
  * NULL when the file does not exist. malloc'd. */
 char *fixture_model_path(void);
+/* The second model of the quality runs ($SKV_MODEL_QWEN or
+ * $SKV_SRCDIR/models/Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf, `scripts/fetch-model
+ * qwen2.5-coder-0.5b`); NULL when the file does not exist. malloc'd. */
+char *fixture_qwen_model_path(void);
 /* Reads a whole fixture file; NULL when missing. *size gets its length. */
 void *fixture_read(const char *rel, size_t *size);
 /* The same for any path (malloc'd). */

@@ -12,7 +12,11 @@
 
 void refmodel_load(struct refmodel *r)
 {
-    char *path = fixture_model_path();
+    refmodel_load_path(r, fixture_model_path());
+}
+
+void refmodel_load_path(struct refmodel *r, char *path)
+{
     if (!path)
         skip();
     *r = (struct refmodel){0};

@@ -20,6 +20,8 @@ struct refmodel {
 /* Loads the default model (fixture_model_path()) in reference mode; skips the test when the
  * model is not there. */
 void refmodel_load(struct refmodel *r);
+/* The same for the model at path (malloc'd, taken over; NULL: skip the test). */
+void refmodel_load_path(struct refmodel *r, char *path);
 void refmodel_free(struct refmodel *r);
 /* The integers of a JSON array as token ids (malloc'd); *n gets the count. */
 int32_t *refmodel_ids(const json_t *array, int *n);

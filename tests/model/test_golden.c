@@ -74,19 +74,9 @@ static int setup_smollm2(void **state)
     return setup_model(state, fixture_model_path(), "golden");
 }
 
-/* $SKV_MODEL_QWEN or models/Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf; NULL when absent. */
 static int setup_qwen(void **state)
 {
-    const char *env = getenv("SKV_MODEL_QWEN");
-    char *path = env && *env ? strdup(env) : fixture_path("models/Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf");
-    FILE *f = path ? fopen(path, "rb") : NULL;
-    if (f)
-        fclose(f);
-    else {
-        free(path);
-        path = NULL;
-    }
-    return setup_model(state, path, "golden-qwen2.5-coder-0.5b");
+    return setup_model(state, fixture_qwen_model_path(), "golden-qwen2.5-coder-0.5b");
 }
 
 static int teardown(void **state)

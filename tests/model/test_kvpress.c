@@ -5,7 +5,9 @@
  * own scores at the cut are a near-tie. The same for head granularity against kvpress's
  * AdaKVPress(SnapKVPress, alpha_safeguard 0) (gen_kvpress_adakv_fixture.py): one top-k over
  * the layer's KV heads, so heads keep different counts, and the layer keeps exactly
- * n_kv * n_kept rows. Skips without the model. */
+ * n_kv * n_kept rows. On the default model and on the second model of the quality runs
+ * (Qwen2.5-Coder-0.5B, tests/fixtures/kvpress-qwen2.5-coder-0.5b/); each case skips when its
+ * model is not there. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -20,10 +22,10 @@
 #include "tests/common/fixture.h"
 #include "tests/common/refmodel.h"
 
-static void check_fixture(const char *rel, bool head_granularity)
+static void check_fixture(const char *rel, bool head_granularity, bool qwen)
 {
     struct refmodel r;
-    refmodel_load(&r);
+    refmodel_load_path(&r, qwen ? fixture_qwen_model_path() : fixture_model_path());
     json_t *fx = fixture_json(rel);
     assert_non_null(fx);
     int n = 0;
@@ -89,51 +91,37 @@ static void check_fixture(const char *rel, bool head_granularity)
     json_decref(fx);
 }
 
-static void test_small(void **state)
+struct kvpress_case {
+    const char *fixture;
+    bool head_granularity; /* AdaKVPress */
+    bool qwen;             /* the second model (fixture_qwen_model_path) */
+};
+
+static void run_case(void **state)
 {
-    (void)state;
-    check_fixture("tests/fixtures/kvpress/snapkv_small.json", false);
+    const struct kvpress_case *c = *state;
+    check_fixture(c->fixture, c->head_granularity, c->qwen);
 }
 
-static void test_adakv_small(void **state)
-{
-    (void)state;
-    check_fixture("tests/fixtures/kvpress/adakv_small.json", true);
-}
-
-static void test_fidelity(void **state)
-{
-    (void)state;
-    check_fixture("tests/fixtures/kvpress/snapkv_fidelity.json", false);
-}
-
-static void test_adakv_fidelity(void **state)
-{
-    (void)state;
-    check_fixture("tests/fixtures/kvpress/adakv_fidelity.json", true);
-}
-
-static void test_long(void **state)
-{
-    (void)state;
-    check_fixture("tests/fixtures/kvpress/snapkv_long.json", false);
-}
-
-static void test_adakv_long(void **state)
-{
-    (void)state;
-    check_fixture("tests/fixtures/kvpress/adakv_long.json", true);
-}
+#define CASE(test_name, file, head, qwen)                                                          \
+    {.name = test_name, .test_func = run_case, .initial_state = &(struct kvpress_case){file, head, qwen}}
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_small),
-        cmocka_unit_test(test_fidelity),
-        cmocka_unit_test(test_long),
-        cmocka_unit_test(test_adakv_small),
-        cmocka_unit_test(test_adakv_fidelity),
-        cmocka_unit_test(test_adakv_long),
+        CASE("snapkv_small", "tests/fixtures/kvpress/snapkv_small.json", false, false),
+        CASE("snapkv_fidelity", "tests/fixtures/kvpress/snapkv_fidelity.json", false, false),
+        CASE("snapkv_long", "tests/fixtures/kvpress/snapkv_long.json", false, false),
+        CASE("adakv_small", "tests/fixtures/kvpress/adakv_small.json", true, false),
+        CASE("adakv_fidelity", "tests/fixtures/kvpress/adakv_fidelity.json", true, false),
+        CASE("adakv_long", "tests/fixtures/kvpress/adakv_long.json", true, false),
+        /* Qwen2.5-Coder-0.5B: 14 query heads on 2 KV heads, so the mean runs over groups of 7 */
+        CASE("qwen_snapkv_small", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/snapkv_small.json", false, true),
+        CASE("qwen_snapkv_fidelity", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/snapkv_fidelity.json", false, true),
+        CASE("qwen_snapkv_long", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/snapkv_long.json", false, true),
+        CASE("qwen_adakv_small", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_small.json", true, true),
+        CASE("qwen_adakv_fidelity", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_fidelity.json", true, true),
+        CASE("qwen_adakv_long", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_long.json", true, true),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

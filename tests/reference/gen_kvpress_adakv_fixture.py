@@ -60,6 +60,10 @@ def run_prompt(model, ids, ratio):
     cfg = model.config
     n_kv, n_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     n = len(ids)
+    if compute_n_kept(n, ratio) < snap.WINDOW:  # as in gen_kvpress_fixture.py: left out
+        print(f"n={n} r={ratio}: n_kept {compute_n_kept(n, ratio)} < window {snap.WINDOW}, "
+              "case left out (window ties, see README)", flush=True)
+        return None
     press = RecordingAdaKV(press=SnapKVPress(compression_ratio=ratio, window_size=snap.WINDOW,
                                              kernel_size=snap.KERNEL), alpha_safeguard=0.0)
     with torch.no_grad(), press(model):
@@ -101,12 +105,14 @@ def main():
     model = snap.load_model(args.model, "sdpa")
     os.makedirs(args.out, exist_ok=True)
     sizes = {}
-    for name, text_file, _, ids in snap.prompt_ids(args.model):
+    for name, text_file, _, ids in snap.prompt_ids(args.model, args.golden):
         doc = {"prompt": name, "text_file": text_file, "n_tokens": len(ids), "ids": ids,
                "window_size": snap.WINDOW, "kernel_size": snap.KERNEL, "pooling": "avg",
                "group_reduce": "mean", "alpha_safeguard": 0.0, "cases": []}
         for ratio in RATIOS:
             case = run_prompt(model, ids, ratio)
+            if case is None:
+                continue
             counts = [[len(h["kept"]) for h in layer["heads"]] for layer in case["layers"]]
             spread = max(max(c) - min(c) for c in counts)
             ties = sum(layer["boundary_tie"] for layer in case["layers"])
@@ -118,7 +124,8 @@ def main():
     model_info, versions = snap.provenance(args.model, "kvpress")
     meta = {
         "generator": "tests/reference/gen_kvpress_adakv_fixture.py",
-        "command": "/opt/kvpvenv/bin/python tests/reference/gen_kvpress_adakv_fixture.py",
+        "command": " ".join(["/opt/kvpvenv/bin/python", "tests/reference/gen_kvpress_adakv_fixture.py"]
+                            + sys.argv[1:]),
         "press": f"kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=r, "
                  f"window_size={snap.WINDOW}, kernel_size={snap.KERNEL}), alpha_safeguard=0.0)",
         "ratios": list(RATIOS),
