@@ -499,6 +499,7 @@ static int cmd_select(const struct args *a, struct skv_engine *e, struct skv_mod
     json_object_set_new(j, "bytes_query_head_width", json_integer((json_int_t)(after / c->n_kv_heads * c->n_heads)));
     json_object_set_new(j, "peak_kv_bytes", json_integer((json_int_t)run.peak_kv_bytes));
     json_object_set_new(j, "seconds", json_real(dt));
+    json_object_set_new(j, "ids", ids_json(ids, n));
     const float *sim = run.comp ? skv_compressor_similarity(run.comp) : NULL;
     for (int l = 0; l < c->n_layers; l++) {
         json_t *jl = json_object(), *heads = json_array();

@@ -1,6 +1,7 @@
 /* `snapkv-bench quality` as a user runs it, on the default model: a passkey run and a fidelity
  * run end to end (the process, its JSON, markdown, gnuplot scripts and PNGs), with the values
- * they must report, and argument errors. Skips without the model. */
+ * they must report, and argument errors. Also `snapkv-bench select --json` (kept positions,
+ * the prompt's ids, bytes). Skips without the model. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -25,8 +26,8 @@ struct run {
     int status;     /* exit status, or -1 when it did not exit */
 };
 
-/* Runs snapkv-bench quality --model M --threads 2 --out-dir R->out ARGS... */
-static void bench(struct run *r, const char *const *args)
+/* Runs snapkv-bench CMD --model M --threads 2 ARGS... (quality: also --out-dir R->out) */
+static void bench_cmd(struct run *r, const char *cmd, const char *const *args)
 {
     char *model = fixture_model_path();
     if (!model)
@@ -37,8 +38,8 @@ static void bench(struct run *r, const char *const *args)
     const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
     snprintf(exe, sizeof exe, "%s/snapkv-bench", build);
-    const char *argv[40] = {exe, "quality", "--model", model, "--threads", "2", "--out-dir", r->out};
-    int n = 8;
+    const char *argv[40] = {exe, cmd, "--model", model, "--threads", "2", "--out-dir", r->out};
+    int n = strcmp(cmd, "quality") == 0 ? 8 : 6;
     for (int i = 0; args[i]; i++)
         argv[n++] = args[i];
     argv[n] = NULL;
@@ -59,6 +60,11 @@ static void bench(struct run *r, const char *const *args)
     assert_int_equal(waitpid(pid, &st, 0), pid);
     r->status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
     free(model);
+}
+
+static void bench(struct run *r, const char *const *args)
+{
+    bench_cmd(r, "quality", args);
 }
 
 static void cleanup(struct run *r)
@@ -297,12 +303,56 @@ static void test_bad_arguments(void **state)
     }
 }
 
+/* select --json on a 54-token prompt with budget=40: every (layer, KV head) keeps exactly
+ * 40 sorted original positions, the last 32 (the window) among them; the JSON carries the
+ * prompt's ids and the bytes of 40 rows. */
+static void test_select_json(void **state)
+{
+    (void)state;
+    static const char *const args[] = {
+        "--prompt", "The lighthouse keeper climbed the spiral stairs every evening just before sunset. He checked "
+                    "the oil in the lamp, wiped the salt from the thick glass lenses, and wound the clockwork that "
+                    "turned the great light. From the gallery he could see the boats returning to the harbour.",
+        "--compress", "policy=snapkv,budget=40", "--json", NULL};
+    struct run r;
+    bench_cmd(&r, "select", args);
+    assert_int_equal(r.status, 0);
+    json_t *j = load_json(&r, "stdout");
+    int n = (int)json_integer_value(json_object_get(j, "n_tokens"));
+    assert_true(n > 40 && n < 120); /* 54 with SmolLM2 */
+    assert_int_equal(json_array_size(json_object_get(j, "ids")), n);
+    assert_int_equal(json_integer_value(json_object_get(j, "bytes_after")), 40 * ROW_BYTES);
+    assert_int_equal(json_integer_value(json_object_get(j, "bytes_before")), (json_int_t)n * ROW_BYTES);
+    json_t *layers = json_object_get(j, "layers");
+    assert_int_equal(json_array_size(layers), 30);
+    size_t l, h;
+    json_t *layer, *kept;
+    json_array_foreach(layers, l, layer) {
+        assert_int_equal(json_integer_value(json_object_get(layer, "budget")), 40);
+        json_array_foreach(json_object_get(layer, "kept"), h, kept) {
+            assert_int_equal(json_array_size(kept), 40);
+            for (size_t i = 0; i < 40; i++) {
+                json_int_t p = json_integer_value(json_array_get(kept, i));
+                assert_true(p >= 0 && p < n);
+                if (i > 0)
+                    assert_true(p > json_integer_value(json_array_get(kept, i - 1)));
+                if (i >= 8) /* the last 32 kept are the window */
+                    assert_int_equal(p, n - 40 + (json_int_t)i);
+            }
+        }
+        assert_int_equal(h, 3);
+    }
+    json_decref(j);
+    cleanup(&r);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_passkey_run),
         cmocka_unit_test(test_fidelity_run),
         cmocka_unit_test(test_bad_arguments),
+        cmocka_unit_test(test_select_json),
     };
     return cmocka_run_group_tests_name("bench-quality", tests, NULL, NULL);
 }
