@@ -722,15 +722,20 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
     if (!final)
         return SKV_E_NOMEM;
     bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
-    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, c->total_len,
-                        final);
+    /* every layer holds its capped upper bound (min(4 B, prompt)); allocating under that cap
+     * in one pass shares any surplus evenly (within one row) among the layers below it */
+    int lim = c->layer_budget[0];
+    for (int l = 1; l < c->n_layers; l++)
+        lim = c->layer_budget[l] < lim ? c->layer_budget[l] : lim;
+    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, lim, final);
     long excess = 0;
     for (int l = 0; l < c->n_layers; l++)
         if (final[l] > c->layer_budget[l]) {
             excess += final[l] - c->layer_budget[l];
             final[l] = c->layer_budget[l];
         }
-    /* what the capped layers cannot hold is shared evenly by the layers under their cap */
+    /* what the capped layers cannot hold is shared evenly by the layers under their cap (a
+     * safety net: with every layer's cap at least lim, nothing is over it) */
     while (excess > 0) {
         int open = 0;
         for (int l = 0; l < c->n_layers; l++)

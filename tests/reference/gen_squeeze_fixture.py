@@ -100,7 +100,7 @@ def main():
     snap.setup_torch()
     model = snap.load_model(args.model, "eager")
     prompts = []
-    for name, text_file, _, ids in snap.prompt_ids(args.model):
+    for name, text_file, _, ids in snap.prompt_ids(args.model, args.golden):
         sims = layer_similarities(model, ids)
         km = KMeans(n_clusters=3, n_init=10, random_state=0).fit(np.array(sims)[:, None])
         labels = ranked(km.labels_.tolist(), sims)
@@ -116,7 +116,8 @@ def main():
     model_info, versions = snap.provenance(args.model, "scikit-learn")
     doc = {
         "generator": "tests/reference/gen_squeeze_fixture.py",
-        "command": "/opt/kvpvenv/bin/python tests/reference/gen_squeeze_fixture.py",
+        "command": " ".join(["/opt/kvpvenv/bin/python", "tests/reference/gen_squeeze_fixture.py"]
+                            + sys.argv[1:]),
         "what": "per layer: mean over tokens of cos(layer input, input + self_attn output); "
                 "kmeans_labels ranked by centre, 2 = highest similarity (least important)",
         "kmeans": "sklearn.cluster.KMeans(n_clusters=3, n_init=10, random_state=0)",
