@@ -723,40 +723,17 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
         return SKV_E_NOMEM;
     bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
     /* every layer holds its capped upper bound (min(4 B, prompt)); allocating under that cap
-     * in one pass shares any surplus evenly (within one row) among the layers below it */
+     * in one pass shares what a capped layer cannot hold evenly (within one row) among the
+     * layers below it, so no final budget exceeds what its layer holds */
     int lim = c->layer_budget[0];
     for (int l = 1; l < c->n_layers; l++)
         lim = c->layer_budget[l] < lim ? c->layer_budget[l] : lim;
     skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, lim, final);
-    long excess = 0;
-    for (int l = 0; l < c->n_layers; l++)
-        if (final[l] > c->layer_budget[l]) {
-            excess += final[l] - c->layer_budget[l];
-            final[l] = c->layer_budget[l];
-        }
-    /* what the capped layers cannot hold is shared evenly by the layers under their cap (a
-     * safety net: with every layer's cap at least lim, nothing is over it) */
-    while (excess > 0) {
-        int open = 0;
-        for (int l = 0; l < c->n_layers; l++)
-            open += final[l] < c->layer_budget[l];
-        if (!open)
-            break; /* every layer holds what it can */
-        long share = excess / open > 0 ? excess / open : 1;
-        for (int l = 0; l < c->n_layers && excess > 0; l++) {
-            long room = c->layer_budget[l] - final[l];
-            long give = room < share ? room : share;
-            give = give < excess ? give : excess;
-            final[l] += (int)give;
-            excess -= give;
-        }
-    }
     int rc = SKV_OK;
     int w_obs = c->spec.window < c->batch ? c->spec.window : c->batch;
     for (int l = 0; l < c->n_layers && !rc; l++) {
-        int b = final[l] < c->layer_budget[l] ? final[l] : c->layer_budget[l];
-        c->layer_budget[l] = b;
-        rc = select_layer(c, cache, l, b, w_obs, COMPACT_SLACK);
+        c->layer_budget[l] = final[l];
+        rc = select_layer(c, cache, l, final[l], w_obs, COMPACT_SLACK);
     }
     free(final);
     return rc;
