@@ -261,7 +261,7 @@ static void test_tokenizer_on_prompts(void **state)
     }
 }
 
-/* Fast mode (quantized weights, 8-bit activations in the decode kernels) against the
+/* Fast mode (quantized weights, 16-bit activations in the decode kernels) against the
  * reference mode over an English text of about 1000 tokens: the fast side runs token by
  * token, the path generation takes; top-1 agreement and mean KL(ref || fast) at every
  * position. */
