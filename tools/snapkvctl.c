@@ -7,6 +7,7 @@
 #include <jansson.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +31,7 @@
  *   then u32 positions[n_positions], then data_bytes of K/V in the daemon's export layout
  *   (per layer K then V, each [n_kv_heads][kept][head_dim] float32). */
 #define EXPORT_MAGIC "SNAPKVKV"
-#define EXPORT_VERSION 1u
+#define EXPORT_VERSION 2u   /* 1 cut the 64-character fingerprint to 63, so no version-1 file imported */
 struct export_header {
     char magic[8];
     uint32_t version;
@@ -40,7 +41,7 @@ struct export_header {
     uint32_t original_length;
     uint32_t n_positions;
     uint64_t data_bytes;
-    char model_fingerprint[64];   /* NUL-padded */
+    char model_fingerprint[80];   /* NUL-terminated and NUL-padded */
 };
 
 struct ctl {
@@ -1028,6 +1029,10 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
                     lay.layers[i].n_heads, si.n_kv_heads);
             goto out_layout;
         }
+    if (strlen(si.model_fingerprint) >= sizeof(((struct export_header *)0)->model_fingerprint)) {
+        fprintf(stderr, "snapkvctl export: the daemon's model fingerprint is longer than an export holds\n");
+        goto out_layout;
+    }
     f = fopen(out_path, "wb");
     if (!f) {
         fprintf(stderr, "snapkvctl export: %s: %s\n", out_path, strerror(errno));
@@ -1043,7 +1048,7 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         .data_bytes = lay.bytes_written,
     };
     memcpy(h.magic, EXPORT_MAGIC, sizeof h.magic);
-    snprintf(h.model_fingerprint, sizeof h.model_fingerprint, "%s", si.model_fingerprint);
+    memcpy(h.model_fingerprint, si.model_fingerprint, strlen(si.model_fingerprint));
     bool ok = write_all(f, &h, sizeof h);
     for (size_t i = 0; ok && i < lay.n_layers; i++) {
         uint32_t two[2] = {lay.layers[i].layer, lay.layers[i].kept};
@@ -1096,6 +1101,13 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
     snapkv_client_t *cl = NULL;
     struct snapkv_shm shm = {.fd = -1};
     struct export_header h;
+    if (read_all(f, &h, offsetof(struct export_header, n_layers)) &&
+        memcmp(h.magic, EXPORT_MAGIC, sizeof h.magic) == 0 && h.version != EXPORT_VERSION) {
+        fprintf(stderr, "snapkvctl import: %s is a version %u export; this snapkvctl reads version %u: export the "
+                "session again\n", path, h.version, EXPORT_VERSION);
+        goto out_close_file;
+    }
+    rewind(f);
     if (!read_all(f, &h, sizeof h) || memcmp(h.magic, EXPORT_MAGIC, sizeof h.magic) != 0 ||
         h.version != EXPORT_VERSION || h.n_layers == 0 || h.n_layers > 4096 || h.n_kv_heads > 4096 ||
         h.model_fingerprint[sizeof h.model_fingerprint - 1] != '\0') {
