@@ -211,8 +211,10 @@ static void send_reply(void *sock, zmq_msg_t *identity, Snapkv__Reply *rep)
     zmq_msg_t id_copy;
     zmq_msg_init(&id_copy);
     zmq_msg_copy(&id_copy, identity);
-    if (zmq_msg_send(&id_copy, sock, ZMQ_SNDMORE) < 0 || zmq_send(sock, buf, len, 0) < 0)
-        skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone)", zmq_strerror(zmq_errno()));
+    /* never blocks: a client that stops reading fills its queue and loses replies, and the
+     * socket thread goes on serving everyone else (and SIGTERM) */
+    if (zmq_msg_send(&id_copy, sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 || zmq_send(sock, buf, len, ZMQ_DONTWAIT) < 0)
+        skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone or not reading)", zmq_strerror(zmq_errno()));
     zmq_msg_close(&id_copy);
     free(buf);
 }
@@ -237,7 +239,7 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->max_sessions_per_tenant = (uint32_t)cfg->max_sessions_per_tenant;
     h->max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant;
     h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
-    h->kv_block_tokens = 16;
+    h->kv_block_tokens = (uint32_t)cfg->kv_block_tokens;
     if (m->tok) {
         h->bos_token = (uint32_t)skv_tokenizer_bos(m->tok);
         h->eos_token = (uint32_t)skv_tokenizer_eos(m->tok);
@@ -516,8 +518,9 @@ static bool forward_reply(struct skv_server *srv, int flags)
               zmq_msg_recv(&parts[2], srv->replies, 0) >= 0;
     if (ok) {
         void *sock = *(const uint8_t *)zmq_msg_data(&parts[0]) ? srv->admin_sock : srv->client_sock;
-        if (zmq_msg_send(&parts[1], sock, ZMQ_SNDMORE) < 0 || zmq_msg_send(&parts[2], sock, 0) < 0)
-            skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone)", zmq_strerror(zmq_errno()));
+        if (zmq_msg_send(&parts[1], sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+            zmq_msg_send(&parts[2], sock, ZMQ_DONTWAIT) < 0) /* never blocks: see send_reply */
+            skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone or not reading)", zmq_strerror(zmq_errno()));
     }
     for (int i = 0; i < 3; i++)
         zmq_msg_close(&parts[i]);

@@ -336,10 +336,34 @@ static void spread_decode_budget(struct skv_compressor *c)
     free(frac);
 }
 
+/* A fixed budget (budget=N) that the prompt did not reach was cut to the prompt's length at
+ * prefill (the layer kept whole); while decoding, the layers grow to the budget the spec asks
+ * for, allocated as at prefill. */
+static void grow_fixed_budgets(struct skv_compressor *c)
+{
+    int B = c->spec.budget, L = c->n_layers;
+    bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
+    switch (c->spec.alloc) {
+    case SKV_ALLOC_UNIFORM:
+        for (int l = 0; l < L; l++)
+            c->layer_budget[l] = B;
+        break;
+    case SKV_ALLOC_PYRAMID: /* a length no layer's share reaches: nothing is cut */
+        skv_pyramid_budgets(L, B, c->spec.window, c->spec.pyramid_beta, 2 * B + c->spec.window + 1, c->layer_budget);
+        break;
+    case SKV_ALLOC_SQUEEZE:
+        skv_squeeze_budgets(c->sim, L, B, kept_window ? c->spec.window : 0, c->spec.p, B * SQUEEZE_CAP_FACTOR,
+                            c->layer_budget);
+        break;
+    }
+}
+
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache)
 {
     if (!c->decode && c->spec.decode_budget > 0)
         spread_decode_budget(c); /* the first decode step after a compressing forward */
+    else if (!c->decode && c->spec.ratio < 0 && c->budget < c->spec.budget && c->spec.policy != SKV_POLICY_SNAPKV)
+        grow_fixed_budgets(c);
     c->decode = true;
     c->scored_layer = -1;
     c->batch = 1;

@@ -670,6 +670,35 @@ static void decode_steps(struct tiny *t, struct skv_compressor *comp, struct skv
     }
 }
 
+/* A fixed budget above the prompt keeps the prompt whole, and decoding then grows each layer
+ * to the budget (allocated as the spec says) instead of holding it at the prompt's length. */
+static void test_fixed_budget_above_prompt(void **state)
+{
+    struct tiny *t = *state;
+    const char *specs[] = {"policy=window,budget=20", "policy=streaming,budget=20,sinks=2",
+                           "policy=h2o,budget=20,window=3", "policy=h2o,budget=20,window=3,alloc=pyramid"};
+    for (int s = 0; s < 4; s++) {
+        struct skv_kv_cache *c = NULL;
+        struct skv_compressor *comp = NULL;
+        run(t, specs[s], &c, t->ids, 12, &comp);
+        for (int l = 0; l < c->n_layers; l++)
+            assert_int_equal(skv_kv_cache_head(c, l, 0)->len, 12); /* whole */
+        decode_steps(t, comp, c, 40, 14);
+        assert_int_equal(c->n_past, 26);
+        int want[8];
+        skv_pyramid_budgets(c->n_layers, 20, 3, skv_compressor_spec(comp)->pyramid_beta, 2 * 20 + 3 + 1, want);
+        for (int l = 0; l < c->n_layers; l++) {
+            int b = s == 3 ? want[l] : 20;
+            const struct skv_kv_head *kh = skv_kv_cache_head(c, l, 0);
+            if (kh->len != (b < 26 ? b : 26))
+                fail_msg("%s: layer %d keeps %d rows, budget %d", specs[s], l, kh->len, b);
+            assert_int_equal(kh->pos[kh->len - 1], 25); /* the newest token is kept */
+        }
+        skv_compressor_free(&comp);
+        skv_kv_cache_free(&c);
+    }
+}
+
 static void test_decode_rescore_edges(void **state)
 {
     struct tiny *t = *state;
@@ -890,7 +919,8 @@ int main(void)
     const struct CMUnitTest model[] = {
         cmocka_unit_test(test_streaming_and_window), cmocka_unit_test(test_snapkv_matches_naive),
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
-        cmocka_unit_test(test_decode_eviction),      cmocka_unit_test(test_query_aware_reuse),
+        cmocka_unit_test(test_decode_eviction),
+        cmocka_unit_test(test_fixed_budget_above_prompt),      cmocka_unit_test(test_query_aware_reuse),
         cmocka_unit_test(test_squeeze_conserves),    cmocka_unit_test(test_decode_rescore_hand),
         cmocka_unit_test(test_decode_rescore_matches_naive), cmocka_unit_test(test_decode_rescore_edges),
         cmocka_unit_test(test_decode_budget_spread),
