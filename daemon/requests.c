@@ -18,13 +18,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
+#include <sys/mman.h> /* shm_open */
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #define DEFAULT_TENANT SKV_TENANT_DEFAULT
 #define DEFAULT_MAX_TOKENS 64
+/* what every shared-memory buffer a client names starts with (libsnapkv names them so) */
+#define SKV_SHM_PREFIX "/snapkv-"
 
 static double now_s(void)
 {
@@ -269,17 +271,46 @@ static int session_forward(struct skv_worker *w, struct skv_session *s, const in
     return session_forward_progress(w, s, ids, n, compress, NULL);
 }
 
-static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text)
+/* A compressor for spec text (NULL for policy=full), and the spec's canonical form. */
+static int parse_spec(struct skv_worker *w, const char *text, struct skv_compressor **comp, char *canon, size_t cap)
 {
     struct skv_compress_spec spec;
     int rc = skv_compress_spec_parse(text, &spec);
     if (rc)
         return rc;
-    skv_compressor_free(&s->comp);
-    if (spec.policy != SKV_POLICY_FULL && (rc = skv_compressor_new(&spec, w->m, &s->comp)))
+    *comp = NULL;
+    if (spec.policy != SKV_POLICY_FULL && (rc = skv_compressor_new(&spec, w->m, comp)))
         return rc;
-    skv_compress_spec_format(&spec, s->spec, sizeof s->spec);
+    skv_compress_spec_format(&spec, canon, cap);
     return SKV_OK;
+}
+
+static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text)
+{
+    struct skv_compressor *comp = NULL;
+    char canon[sizeof s->spec];
+    int rc = parse_spec(w, text, &comp, canon, sizeof canon);
+    if (rc)
+        return rc;
+    skv_compressor_free(&s->comp);
+    s->comp = comp;
+    memcpy(s->spec, canon, sizeof s->spec);
+    return SKV_OK;
+}
+
+/* Room for a forward of n more tokens on s (skv_kv_cache_growth's bound, plus what earlier
+ * sessions of the same decode round took: *round_held for s's tenant, *round_unique for the
+ * pool), made before the forward so that a request that cannot fit changes nothing. */
+static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, uint64_t round_held,
+                        uint64_t round_unique, uint64_t *held_out, uint64_t *unique_out)
+{
+    uint64_t held, unique;
+    skv_kv_cache_growth(s->cache, n, s->comp != NULL, &held, &unique);
+    if (held_out)
+        *held_out = held;
+    if (unique_out)
+        *unique_out = unique;
+    return skv_session_reserve(w->sessions, s, held + round_held, unique + round_unique, NULL);
 }
 
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
@@ -361,8 +392,10 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
         goto fail;
     }
-    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->n_tokens, &ids, &n)) ||
-        (rc = session_forward(w, s, ids, n, false)) || (rc = skv_session_charge(w->sessions, s, NULL)))
+    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->cache->n_past, &ids,
+                             &n)) ||
+        (rc = reserve_rows(w, s, n, 0, 0, NULL, NULL)) || (rc = session_forward(w, s, ids, n, false)) ||
+        (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
     Snapkv__Reply rep;
     Snapkv__AppendReply ar = SNAPKV__APPEND_REPLY__INIT;
@@ -383,12 +416,16 @@ fail:
     free(ids);
 }
 
-/* Re-compression: the last `window` tokens are taken off the cache and run again with the
- * new spec, so they serve as the observation window exactly as at prefill. */
+/* Re-compression: the tokens from window_from on (default: the spec's last `window` tokens)
+ * are taken off the cache and run again with the new spec, so they serve as the observation
+ * window exactly as at prefill. Refused, changing nothing, for a session whose tokens are not
+ * all known (an IMPORT without them) or that cannot have the room the re-run may take. */
 static void handle_compress(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__CompressRequest *c = job->req->compress;
     struct skv_session *s = NULL;
+    struct skv_compressor *comp = NULL;
+    char canon[sizeof s->spec];
     int rc;
     if ((rc = find_session(w, job, c->session_id, false, &s)))
         goto fail;
@@ -397,14 +434,39 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     uint64_t before = full_bytes(w->m, s->cache->n_past);
-    if ((rc = set_spec(w, s, c->compress && c->compress->spec ? c->compress->spec : "")))
+    if ((rc = parse_spec(w, c->compress && c->compress->spec ? c->compress->spec : "", &comp, canon, sizeof canon)))
         goto fail;
-    int window = s->comp ? skv_compressor_spec(s->comp)->window : 1;
     int n_past = s->cache->n_past;
-    if (window > n_past)
-        window = n_past;
-    if (window > 0 && s->n_tokens == n_past) {
-        int cut = n_past - window;
+    int cut = n_past - (comp ? skv_compressor_spec(comp)->window : 1);
+    if (c->window_from) {
+        if (c->window_from >= (uint32_t)n_past) {
+            rc = skv_errorf(SKV_E_INVAL, "window_from %u is not below the session's %d tokens", c->window_from,
+                            n_past);
+            goto fail;
+        }
+        cut = (int)c->window_from;
+    }
+    if (cut < 0)
+        cut = 0;
+    int window = n_past - cut;
+    if (window > 0 && s->n_tokens != n_past) {
+        rc = skv_errorf(SKV_E_INVAL,
+                        "the session knows %d of its %d tokens (an import without them), so its window cannot be "
+                        "run again",
+                        s->n_tokens, n_past);
+        goto fail;
+    }
+    if (window > 0) {
+        uint64_t held, unique;
+        skv_kv_cache_growth(s->cache, window, true, &held, &unique);
+        if ((rc = skv_session_reserve(w->sessions, s, held, unique, NULL)))
+            goto fail;
+    }
+    skv_compressor_free(&s->comp);
+    s->comp = comp;
+    comp = NULL;
+    memcpy(s->spec, canon, sizeof s->spec);
+    if (window > 0) {
         int H = s->cache->n_kv_heads;
         for (int i = 0; i < s->cache->n_layers * H && !rc; i++) {
             const struct skv_kv_head *kh = &s->cache->heads[i];
@@ -413,20 +475,23 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
                 len--;
             rc = skv_kv_cache_truncate(s->cache, i / H, i % H, len);
         }
-        if (rc)
-            goto fail;
-        s->cache->n_past = cut;
-        s->n_tokens = cut;
-        int32_t *redo = malloc((size_t)window * sizeof *redo);
-        if (!redo) {
+        int32_t *redo = rc ? NULL : malloc((size_t)window * sizeof *redo);
+        if (!rc && !redo)
             rc = SKV_E_NOMEM;
-            goto fail;
+        if (!rc) {
+            s->cache->n_past = cut;
+            s->n_tokens = cut;
+            memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
+            rc = session_forward(w, s, redo, window, true);
         }
-        memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
-        rc = session_forward(w, s, redo, window, true);
         free(redo);
-        if (rc)
-            goto fail;
+        if (rc) { /* cut part way: no longer the session the client had */
+            char msg[256];
+            snprintf(msg, sizeof msg, "%s; the session was released, since its cache was cut", skv_error_msg());
+            skv_session_destroy(w->sessions, s);
+            skv_requests_fail(w, job, rc, msg);
+            return;
+        }
     }
     if ((rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
@@ -446,6 +511,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     free_kept(&arena);
     return;
 fail:
+    skv_compressor_free(&comp);
     fail_rc(w, job, rc);
 }
 
@@ -511,12 +577,16 @@ static void handle_release(struct skv_worker *w, struct skv_job *job)
 
 /* ---- EXPORT_KV / IMPORT_KV through a client's buffer ------------------------------------------- */
 
-static int map_buffer(const Snapkv__BufferRef *b, uint64_t need, void **map_out, size_t *size_out)
+/* Opens the client's shared-memory object. It is never mapped: the client owns it and may
+ * shrink it at any time, and a mapping would then fault (SIGBUS) in the daemon. Transfers go
+ * through pread / pwrite, which report a short count instead. */
+static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
 {
     const char *name = b->shm_name;
     size_t len = strlen(name);
-    if (len < 2 || len > 200 || name[0] != '/')
-        return skv_errorf(SKV_E_INVAL, "shared-memory name '%s' must be '/' and 1..199 characters", name);
+    if (len <= strlen(SKV_SHM_PREFIX) || len > 200 || strncmp(name, SKV_SHM_PREFIX, strlen(SKV_SHM_PREFIX)) != 0)
+        return skv_errorf(SKV_E_INVAL, "shared-memory name '%s' must be '%s' and then 1..%zu characters", name,
+                          SKV_SHM_PREFIX, 200 - strlen(SKV_SHM_PREFIX));
     for (size_t i = 1; i < len; i++)
         if (!isalnum((unsigned char)name[i]) && !strchr("._-", name[i]))
             return skv_errorf(SKV_E_INVAL, "shared-memory name '%s': only letters, digits and . _ -", name);
@@ -529,17 +599,12 @@ static int map_buffer(const Snapkv__BufferRef *b, uint64_t need, void **map_out,
         return skv_errorf(SKV_E_IO, "%s is not a shared-memory object", name);
     }
     uint64_t size = (uint64_t)sb.st_size;
-    if (b->offset > size || need > size - b->offset) {
+    if (b->offset > size || need > size - b->offset || b->offset + need > (uint64_t)INT64_MAX) {
         close(fd);
         return skv_errorf(SKV_E_LIMIT, "%s holds %llu bytes; %llu are needed from offset %llu", name,
                           (unsigned long long)size, (unsigned long long)need, (unsigned long long)b->offset);
     }
-    void *map = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (map == MAP_FAILED)
-        return skv_errorf(SKV_E_IO, "mmap %s: %s", name, strerror(errno));
-    *map_out = map;
-    *size_out = (size_t)size;
+    *fd_out = fd;
     return SKV_OK;
 }
 
@@ -625,28 +690,27 @@ void skv_requests_ipc_close_all(struct skv_worker *w)
         ipc_close_at(w, w->n_ipc - 1);
 }
 
-/* Where an export writes or an import reads `need` bytes of the layout: host memory in both
- * cases. A shared-memory object is mapped; a CUDA buffer goes through a host copy that
+/* Where an export writes or an import reads `need` bytes of the layout, piece by piece
+ * (xfer_put / xfer_get at offsets into the layout). A shared-memory object is read and written
+ * with pread / pwrite. A CUDA buffer goes through a host copy of the whole layout that
  * xfer_close uploads (export) or that xfer_open filled by download (import). */
 struct xfer {
-    char *host;                /* the layout, from the buffer's offset */
-    void *map;                 /* shm mapping, map_size bytes */
-    size_t map_size;
-    char *dev;                 /* CUDA: the opened buffer + offset; host is a staging copy */
+    int fd;                    /* shm: the object, -1 otherwise */
+    uint64_t base;             /* shm: the buffer's offset in the object */
+    char *host;                /* CUDA: the staged layout */
+    char *dev;                 /* CUDA: the opened buffer + offset */
     uint64_t need;
 };
 
 static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snapkv__BufferRef *b, uint64_t need,
                      bool import, struct xfer *x)
 {
-    *x = (struct xfer){.need = need};
+    *x = (struct xfer){.fd = -1, .need = need};
     if (!b)
         return skv_errorf(SKV_E_INVAL, "a buffer is required");
     if (b->kind_case == SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
-        int rc = map_buffer(b, need, &x->map, &x->map_size);
-        if (!rc)
-            x->host = (char *)x->map + b->offset;
-        return rc;
+        x->base = b->offset;
+        return open_buffer(b, need, &x->fd);
     }
     if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
         return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");
@@ -671,19 +735,57 @@ static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snap
     return rc;
 }
 
+/* Writes len bytes of the layout at offset at. */
+static int xfer_put(struct xfer *x, uint64_t at, const void *src, size_t len)
+{
+    if (x->fd < 0) {
+        memcpy(x->host + at, src, len);
+        return SKV_OK;
+    }
+    for (size_t done = 0; done < len;) {
+        ssize_t k = pwrite(x->fd, (const char *)src + done, len - done, (off_t)(x->base + at + done));
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return skv_errorf(SKV_E_IO, "writing the shared-memory buffer: %s", k < 0 ? strerror(errno) : "no room");
+        done += (size_t)k;
+    }
+    return SKV_OK;
+}
+
+/* Reads len bytes of the layout from offset at. */
+static int xfer_get(struct xfer *x, uint64_t at, void *dst, size_t len)
+{
+    if (x->fd < 0) {
+        memcpy(dst, x->host + at, len);
+        return SKV_OK;
+    }
+    for (size_t done = 0; done < len;) {
+        ssize_t k = pread(x->fd, (char *)dst + done, len - done, (off_t)(x->base + at + done));
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0)
+            return skv_errorf(SKV_E_IO, "reading the shared-memory buffer: %s", strerror(errno));
+        if (k == 0)
+            return skv_errorf(SKV_E_INVAL, "the shared-memory buffer shrank during the transfer");
+        done += (size_t)k;
+    }
+    return SKV_OK;
+}
+
 /* Ends a transfer; an export's staged layout (rc == SKV_OK) goes to the CUDA buffer. */
 static int xfer_close(struct skv_worker *w, struct xfer *x, bool export_ok)
 {
     int rc = SKV_OK;
-    if (x->map) {
-        munmap(x->map, x->map_size);
+    if (x->fd >= 0) {
+        close(x->fd);
     } else if (x->dev && x->host) {
         struct skv_backend *be = w->m->be;
         if (export_ok && x->need && !(rc = be->ops->upload(be, x->dev, x->host, (size_t)x->need)))
             rc = be->ops->sync(be);
         free(x->host);
     }
-    *x = (struct xfer){0};
+    *x = (struct xfer){.fd = -1};
     return rc;
 }
 
@@ -725,20 +827,28 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
         skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
         return;
     }
-    /* per layer: K then V, each [Hkv][max kept][d] f32, heads padded with zeros */
-    char *out = x.host;
+    /* per layer: K then V, each [Hkv][max kept][d] f32, heads padded with zeros; one head's
+     * block at a time through a scratch of the longest head */
     size_t row = (size_t)d * sizeof(float), at_pos = 0;
-    for (uint32_t l = first; l < first + count; l++) {
+    int longest = 0;
+    for (int i = 0; i < L * H; i++)
+        longest = c->heads[i].len > longest ? c->heads[i].len : longest;
+    char *scratch = calloc(longest ? (size_t)longest : 1, row);
+    if (!scratch)
+        rc = skv_errorf(SKV_E_NOMEM, "no memory for a %d-row export scratch", longest);
+    uint64_t at = 0;
+    for (uint32_t l = first; l < first + count && !rc; l++) {
         int mx = 0;
         for (int h = 0; h < H; h++)
             mx = c->heads[l * H + h].len > mx ? c->heads[l * H + h].len : mx;
-        for (int kv = 0; kv < 2; kv++)
-            for (int h = 0; h < H; h++) {
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            for (int h = 0; h < H && !rc; h++) {
                 const struct skv_kv_head *kh = &c->heads[l * H + h];
+                rc = skv_kv_cache_read_rows(c, (int)l, h, kv, 0, kh->len, (float *)scratch);
+                memset(scratch + (size_t)kh->len * row, 0, (size_t)(mx - kh->len) * row);
                 if (!rc)
-                    rc = skv_kv_cache_read_rows(c, (int)l, h, kv, 0, kh->len, (float *)out);
-                memset(out + (size_t)kh->len * row, 0, (size_t)(mx - kh->len) * row);
-                out += (size_t)mx * row;
+                    rc = xfer_put(&x, at, scratch, (size_t)mx * row);
+                at += (uint64_t)mx * row;
             }
         for (int h = 0; h < H; h++) {
             const struct skv_kv_head *kh = &c->heads[l * H + h];
@@ -746,6 +856,7 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
                 positions[at_pos++] = (uint32_t)kh->pos[j];
         }
     }
+    free(scratch);
     int rc_close = xfer_close(w, &x, rc == SKV_OK);
     rc = rc ? rc : rc_close;
     if (rc) {
@@ -780,7 +891,8 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
     const struct skv_model_config *mc = &w->m->cfg;
     int L = mc->n_layers, H = mc->n_kv_heads, d = mc->head_dim, rc;
     struct skv_session *s = NULL;
-    struct xfer x = {0};
+    struct xfer x = {.fd = -1};
+    char *scratch = NULL;
     if (im->n_kept != (size_t)L) {
         rc = skv_errorf(SKV_E_INVAL, "kept lists %zu layers; the model has %d", im->n_kept, L);
         goto fail;
@@ -824,8 +936,12 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             max_len = (int)im->kept[l]->kept_per_head[h] > max_len ? (int)im->kept[l]->kept_per_head[h] : max_len;
     if ((rc = skv_kv_cache_reserve(s->cache, max_len)))
         goto fail;
-    const char *in = x.host;
     size_t row = (size_t)d * sizeof(float), at_pos = 0;
+    if (!(scratch = malloc(max_len ? (size_t)max_len * row : 1))) {
+        rc = skv_errorf(SKV_E_NOMEM, "no memory for a %d-row import scratch", max_len);
+        goto fail;
+    }
+    uint64_t at = 0;
     for (int l = 0; l < L; l++) {
         uint32_t mx = 0;
         for (int h = 0; h < H; h++)
@@ -833,9 +949,10 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
         for (int kv = 0; kv < 2; kv++)
             for (int h = 0; h < H; h++) {
                 int len = (int)im->kept[l]->kept_per_head[h];
-                if ((rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)in)))
+                if ((rc = xfer_get(&x, at, scratch, (size_t)len * row)) ||
+                    (rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)scratch)))
                     goto fail;
-                in += (size_t)mx * row;
+                at += (uint64_t)mx * row;
             }
         for (int h = 0; h < H; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
@@ -851,6 +968,8 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
         }
     }
     xfer_close(w, &x, false);
+    free(scratch);
+    scratch = NULL;
     s->cache->n_past = (int32_t)im->original_length;
     s->prompt_len = (int32_t)im->original_length;
     s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
@@ -871,6 +990,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
 fail:
     fail_rc(w, job, rc);
     xfer_close(w, &x, false);
+    free(scratch);
     if (s)
         skv_session_destroy(w->sessions, s);
 }
@@ -908,7 +1028,7 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     if (!rc && max > (uint32_t)w->cfg->max_new_tokens)
         rc = skv_errorf(SKV_E_LIMIT, "max_tokens %u is above the limit of %lld", max,
                         (long long)w->cfg->max_new_tokens);
-    if (!rc && s->n_tokens + (int64_t)max > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens)
+    if (!rc && (int64_t)s->cache->n_past + max > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens)
         rc = skv_errorf(SKV_E_LIMIT, "the session would grow past %lld tokens",
                         (long long)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens));
     struct skv_decode *d = NULL;
@@ -1049,20 +1169,32 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
 
 int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int n, bool *finished)
 {
-    /* the token always enters the cache, so the session stays consistent for APPEND / DECODE */
+    /* a token enters the cache, or (its room refused) the decode ends with an error and the
+     * session stays as it was before the token */
     struct skv_batch_seq seqs[SKV_ENGINE_MAX_BATCH];
     struct skv_forward_opts opts[SKV_ENGINE_MAX_BATCH];
     int rcs[SKV_ENGINE_MAX_BATCH];
     if (n > SKV_ENGINE_MAX_BATCH)
         n = SKV_ENGINE_MAX_BATCH;
+    uint64_t held[SKV_ENGINE_MAX_BATCH], unique[SKV_ENGINE_MAX_BATCH];
     double t0 = now_s();
     int nb = 0;
     for (int i = 0; i < n; i++) {
         struct skv_session *s = ds[i]->session;
         decode_pick(w, ds[i]);
         opts[i] = (struct skv_forward_opts){0};
+        /* room for the token in the pool and the tenant's quota, counting what the round's
+         * earlier sessions took: a session that cannot have it ends here, its cache unchanged */
+        uint64_t round_held = 0, round_unique = 0;
+        for (int j = 0; j < i; j++)
+            if (!rcs[j]) {
+                round_unique += unique[j];
+                round_held += strcmp(ds[j]->session->tenant, s->tenant) == 0 ? held[j] : 0;
+            }
+        rcs[i] = reserve_rows(w, s, 1, round_held, round_unique, &held[i], &unique[i]);
         /* this session's memory for the token first: out of memory fails it alone */
-        rcs[i] = skv_kv_cache_prepare(s->cache, 1);
+        if (!rcs[i])
+            rcs[i] = skv_kv_cache_prepare(s->cache, 1);
         if (!rcs[i])
             rcs[i] = session_hook(s, 1, false, &opts[i]);
         if (!rcs[i])

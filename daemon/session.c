@@ -204,13 +204,45 @@ uint64_t skv_session_shared_bytes(const struct skv_session *s)
     return b.shared * skv_kv_pool_block_bytes(s->cache->pool);
 }
 
-int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out)
+/* Bytes the sessions lru_victim may choose for `except` hold (tenant NULL: any tenant): an
+ * upper bound on what evicting them all frees (a block another session shares stays). */
+static uint64_t evictable_bytes(const struct skv_session_table *t, const struct skv_session *except,
+                                const char *tenant)
+{
+    uint64_t sum = 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (s != except && !s->pinned && !s->busy && (!tenant || strcmp(s->tenant, tenant) == 0))
+                sum += s->bytes;
+    return sum;
+}
+
+int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
+                        int *evicted_out)
 {
     s->bytes = session_bytes(s);
-    int evicted = 0;
+    if (evicted_out)
+        *evicted_out = 0;
     int count;
     uint64_t tenant_bytes;
     tenant_usage(t, s->tenant, &count, &tenant_bytes);
+    tenant_bytes += more_held;
+    uint64_t used = pool_bytes_used(t) + more_unique;
+    /* evict nothing for a request that cannot fit even with every candidate gone */
+    uint64_t t_free = evictable_bytes(t, s, s->tenant), p_free = evictable_bytes(t, s, NULL);
+    if (tenant_bytes > t->lim.max_bytes_per_tenant &&
+        tenant_bytes - (t_free < tenant_bytes ? t_free : tenant_bytes) > t->lim.max_bytes_per_tenant)
+        return skv_errorf(SKV_E_LIMIT,
+                          "tenant '%s' would hold %llu KV bytes (max-bytes-per-tenant %llu), %llu of them in sessions "
+                          "that could be evicted",
+                          s->tenant, (unsigned long long)tenant_bytes,
+                          (unsigned long long)t->lim.max_bytes_per_tenant, (unsigned long long)t_free);
+    if (used > t->lim.pool_bytes && used - (p_free < used ? p_free : used) > t->lim.pool_bytes)
+        return skv_errorf(SKV_E_POOL_FULL,
+                          "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be evicted "
+                          "hold %llu",
+                          (unsigned long long)used, (unsigned long long)t->lim.pool_bytes, (unsigned long long)p_free);
+    int evicted = 0;
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {
         struct skv_session *v = lru_victim(t, s, s->tenant);
         if (!v)
@@ -223,8 +255,7 @@ int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *
         evicted++;
     }
     /* evicting a session frees only the blocks no one else holds: re-count each time */
-    uint64_t used;
-    while ((used = pool_bytes_used(t)) > t->lim.pool_bytes) {
+    while ((used = pool_bytes_used(t) + more_unique) > t->lim.pool_bytes) {
         struct skv_session *v = lru_victim(t, s, NULL);
         if (!v)
             return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
@@ -236,6 +267,11 @@ int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *
     if (evicted_out)
         *evicted_out = evicted;
     return SKV_OK;
+}
+
+int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out)
+{
+    return skv_session_reserve(t, s, 0, 0, evicted_out);
 }
 
 int skv_session_expire(struct skv_session_table *t, uint64_t now_ms)

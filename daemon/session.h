@@ -65,9 +65,15 @@ int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or
  * the tenant's quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`);
- * SKV_E_POOL_FULL / SKV_E_LIMIT when that is not enough (the caller then drops `s`).
+ * SKV_E_POOL_FULL / SKV_E_LIMIT when that is not enough (the caller then drops `s`, or undoes
+ * what it added). Nothing is evicted when evicting every candidate could not make room.
  * *evicted_out (may be NULL) counts the sessions evicted. */
 int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out);
+/* The same before a request adds to s: room for `more_held` more bytes of blocks held by s's
+ * tenant and `more_unique` more unique bytes in the pool (skv_kv_cache_growth's bound), so that
+ * a request that will not fit fails before it changes anything. */
+int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
+                        int *evicted_out);
 
 /* Releases every unpinned session idle past its lease; returns how many. */
 int skv_session_expire(struct skv_session_table *t, uint64_t now_ms);

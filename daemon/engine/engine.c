@@ -463,6 +463,29 @@ void skv_kv_cache_blocks(const struct skv_kv_cache *c, struct skv_kv_blocks *out
     }
 }
 
+void skv_kv_cache_growth(const struct skv_kv_cache *c, int n, bool compacts, uint64_t *more_held,
+                         uint64_t *more_unique)
+{
+    uint64_t held = 0, unique = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *hd = &c->heads[i];
+        int need = blocks_for(c, hd->len + n);
+        if (need > hd->n_blocks)
+            held += (uint64_t)(need - hd->n_blocks);
+        int last = hd->len / c->block_rows; /* the block the next row goes to */
+        if (compacts) {
+            struct skv_kv_blocks one;
+            skv_kv_head_blocks(c, hd, &one);
+            unique += one.shared;
+        } else if (n > 0 && last < hd->n_blocks && skv_kv_pool_is_shared(c->pool, hd->blk[last])) {
+            unique++;
+        }
+    }
+    size_t bytes = skv_kv_pool_block_bytes(c->pool);
+    *more_held = held * bytes;
+    *more_unique = (held + unique) * bytes;
+}
+
 /* ---- engine --------------------------------------------------------------------------------- */
 
 static void free_buffers(struct skv_engine *e)

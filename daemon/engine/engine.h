@@ -88,6 +88,12 @@ struct skv_kv_blocks {
 void skv_kv_cache_blocks(const struct skv_kv_cache *cache, struct skv_kv_blocks *out);
 /* The same for one head. */
 void skv_kv_head_blocks(const struct skv_kv_cache *cache, const struct skv_kv_head *hd, struct skv_kv_blocks *out);
+/* An upper bound on what a forward of n more tokens adds, in bytes: to the blocks the cache
+ * holds (*more_held) and to the pool's unique blocks (*more_unique: also the shared blocks a
+ * write copies, i.e. the one the next row goes to, or every shared one when the forward may
+ * compact the cache). */
+void skv_kv_cache_growth(const struct skv_kv_cache *cache, int n, bool compacts, uint64_t *more_held,
+                         uint64_t *more_unique);
 
 struct skv_engine;
 

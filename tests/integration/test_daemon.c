@@ -1,6 +1,7 @@
 /* The real daemon on temporary ipc endpoints with the default model, driven by several
  * client processes through libsnapkv: handshake, admin commands, errors, a second daemon
  * on the same endpoint, malformed frames, the HTTP /metrics endpoint, and SIGTERM. */
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -62,7 +63,8 @@ static pid_t spawn_daemon(const struct daemon *d, const char *model)
         snprintf(sd, sizeof sd, "--state-dir=%s", d->dir);
         FILE *f = freopen(d->log, "a", stderr);
         (void)f;
-        execl(exe, exe, ep, aep, mo, sd, ml, "--threads=1", "--backend=cpu", "--log-level=debug", (char *)NULL);
+        execl(exe, exe, ep, aep, mo, sd, ml, "--threads=1", "--backend=cpu", "--log-level=debug", "--kv-block-tokens=8",
+              (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -162,6 +164,7 @@ static void test_hello(void **state)
     assert_int_equal(in.n_vocab, 49152);
     assert_string_equal(in.backend, "cpu");
     assert_int_equal(strlen(in.model_fingerprint), 64);
+    assert_int_equal(in.kv_block_tokens, 8); /* as configured */
     snapkv_close(&c);
     assert_null(c);
     snapkv_close(&c); /* NULL is fine */
@@ -476,6 +479,39 @@ static void test_metrics_port_taken(void **state)
     expect_start_refused(&second, "metrics-listen", "in use");
 }
 
+/* A client that sends and never reads: its replies pile up and are dropped, and the daemon
+ * goes on serving others and still stops on SIGTERM (test_sigterm, next). */
+static void test_client_not_reading(void **state)
+{
+    NEED_DAEMON(d);
+    void *ctx = zmq_ctx_new();
+    void *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0, hwm = 1;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
+    assert_int_equal(zmq_connect(s, d->endpoint), 0);
+    static const unsigned char hello[] = {0x08, 0x01, 0x52, 0x00}; /* version 1, hello {} */
+    int sent = 0;
+    for (int i = 0; i < 30000; i++) {
+        if (zmq_send(s, hello, sizeof hello, ZMQ_DONTWAIT) < 0) {
+            if (zmq_errno() != EAGAIN)
+                break;
+            usleep(1000); /* the daemon reads on; its socket is only momentarily full */
+            continue;
+        }
+        sent++;
+    }
+    assert_true(sent > 20000);
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts o = {.timeout_ms = 20000};
+    assert_int_equal(snapkv_connect(d->endpoint, &o, &c), SNAPKV_OK);
+    struct snapkv_server_info in;
+    assert_int_equal(snapkv_server_info(c, &in), SNAPKV_OK);
+    snapkv_close(&c);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+}
+
 static void test_sigterm(void **state)
 {
     NEED_DAEMON(d);
@@ -502,6 +538,7 @@ int main(void)
         cmocka_unit_test(test_metrics_http),
         cmocka_unit_test(test_metrics_limits),
         cmocka_unit_test(test_metrics_port_taken),
+        cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_sigterm),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

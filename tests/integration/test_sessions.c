@@ -382,6 +382,32 @@ static void test_errors_and_tenants(void **state)
     (void)ao;
     snapkv_decode_result_free(&d1);
     assert_int_equal(snapkv_decode(a, &imported, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL); /* nothing to continue */
+    /* an import without its tokens cannot run its window again: COMPRESS refuses and changes nothing */
+    struct snapkv_compress_result cr;
+    assert_int_equal(snapkv_compress(a, &imported, "policy=window,budget=8", 0, &cr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "import"));
+    snapkv_client_t *adm = client(d.admin, NULL);
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(adm, &imported, false, &ir), SNAPKV_OK);
+    assert_string_equal(ir.spec, "policy=full");
+    assert_int_equal(ir.layers[0].kept, 18);
+    snapkv_inspect_result_free(&ir);
+    /* window_from: where the re-run (and observation window) starts; at or past the end: refused */
+    assert_int_equal(snapkv_admin_inspect(adm, &pr.id, false, &ir), SNAPKV_OK);
+    uint32_t n_past = ir.info.n_tokens;
+    snapkv_inspect_result_free(&ir);
+    assert_int_equal(n_past, 69); /* 64 + 2 + 3 decoded */
+    assert_int_equal(snapkv_compress(a, &pr.id, "policy=snapkv,budget=20,window=4", n_past, &cr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "window_from"));
+    assert_int_equal(snapkv_compress(a, &pr.id, "policy=snapkv,budget=20,window=4", n_past - 10, &cr), SNAPKV_OK);
+    assert_int_equal(cr.layers[7].kept, 20);
+    snapkv_compress_result_free(&cr);
+    assert_int_equal(snapkv_admin_inspect(adm, &pr.id, true, &ir), SNAPKV_OK);
+    for (size_t h = 0; h < 3; h++) /* layer 0: the window's last 4 tokens end each head */
+        for (uint32_t j = 0; j < 4; j++)
+            assert_int_equal(ir.positions[h * 20 + 16 + j], n_past - 4 + j);
+    snapkv_inspect_result_free(&ir);
+    snapkv_close(&adm);
     /* a CUDA buffer on a CPU daemon: a clear refusal, nothing changes */
     struct snapkv_cuda_ipc_buffer cb = {.size = 1 << 20};
     memset(cb.handle, 0x5a, sizeof cb.handle);

@@ -1,20 +1,31 @@
-/* The engine worker's client-gone notice, without a GPU: the tiny model's CPU backend gets an
- * ipc_open that hands out host buffers (the CPU copy ops take them as device memory), so
- * EXPORT_KV over "CUDA" buffers runs through the real worker thread and queue. A notice for
- * client X closes X's buffers, also one opened by a request queued just before the notice,
- * and leaves client Y's and the admin endpoint's (same routing id as X) open until the worker
- * stops; STATS counts the disconnect once and the buffers it closed. */
+/* The engine worker on the tiny model, through its real thread and queue.
+ * - The client-gone notice, without a GPU: the CPU backend gets an ipc_open that hands out
+ *   host buffers (the CPU copy ops take them as device memory), so EXPORT_KV over "CUDA"
+ *   buffers runs. A notice for client X closes X's buffers, also one opened by a request
+ *   queued just before the notice, and leaves client Y's and the admin endpoint's (same
+ *   routing id as X) open until the worker stops; STATS counts the disconnect once and the
+ *   buffers it closed.
+ * - Quotas: an APPEND, DECODE or COMPRESS that cannot have room fails before it changes the
+ *   session, and evicts nothing unless evicting could make room.
+ * - Shared-memory buffers: only /snapkv-* names; a client shrinking its buffer during
+ *   transfers gets errors, never a daemon killed by SIGBUS. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "common/status.h"
 #include "daemon/config.h"
+#include "daemon/engine/kv_pool.h"
 #include "daemon/worker.h"
 #include "kernels/backend.h"
 #include "proto/snapkv.pb-c.h"
@@ -245,10 +256,238 @@ static void test_client_gone(void **state)
     assert_memory_equal(g_closed, want_end, sizeof want_end);
 }
 
+
+/* ---- quotas ---------------------------------------------------------------------------------- */
+
+/* Restarts the worker with the tenant quota at `blocks` blocks per KV head of the model. */
+static void restart_with_quota(struct fixture *f, int blocks)
+{
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    f->cfg.max_bytes_per_tenant =
+        (int64_t)blocks * mc->n_layers * mc->n_kv_heads * (int64_t)skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
+static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
+{
+    uint32_t tokens[64];
+    for (int i = 0; i < n; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = (char *)spec;
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.tokens = tokens;
+    p.n_tokens = (size_t)n;
+    p.compress = &cs;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    memcpy(sid, rep->prefill->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
+/* APPENDs n tokens; returns the status (and the reply's length when it succeeds). */
+static int append(struct fixture *f, const uint8_t sid[16], int n, int *n_tokens)
+{
+    uint32_t tokens[64];
+    for (int i = 0; i < n; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[63 - i];
+    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+    a.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    a.tokens = tokens;
+    a.n_tokens = (size_t)n;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    req.append = &a;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    int status = rep->status;
+    if (!status && n_tokens)
+        *n_tokens = (int)rep->append->n_tokens;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return status;
+}
+
+/* The admin view of session sid: its length and bytes, or -1 when it is gone; *n_sessions counts all. */
+static int listed(struct fixture *f, const uint8_t sid[16], uint64_t *bytes, int *n_sessions)
+{
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    Snapkv__ListRequest lr = SNAPKV__LIST_REQUEST__INIT;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
+    req.list = &lr;
+    Snapkv__Reply *rep = call(f, 1, admin, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    int n = -1;
+    for (size_t i = 0; i < rep->list->n_sessions; i++)
+        if (memcmp(rep->list->sessions[i]->session_id.data, sid, 16) == 0) {
+            n = (int)rep->list->sessions[i]->n_tokens;
+            if (bytes)
+                *bytes = rep->list->sessions[i]->bytes;
+        }
+    if (n_sessions)
+        *n_sessions = (int)rep->list->n_sessions;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return n;
+}
+
+static void test_append_over_quota(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_quota(f, 2); /* two blocks (32 rows) per head for the tenant */
+    uint8_t a[16], b[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    uint64_t bytes_b = 0;
+    int n = 0, count = 0;
+    /* b at 48 rows would need 3 blocks: with a evicted the tenant still holds 3 > 2 */
+    assert_int_equal(append(f, b, 40, NULL), SKV_E_LIMIT);
+    assert_int_equal(listed(f, b, &bytes_b, &count), 8); /* b unchanged */
+    assert_int_equal(count, 2);                          /* and a not evicted for nothing */
+    assert_int_equal(listed(f, a, NULL, NULL), 8);
+    /* b at 18 rows needs 2 blocks: evicting a (least recently used) makes room */
+    assert_int_equal(append(f, b, 10, &n), SKV_OK);
+    assert_int_equal(n, 18);
+    assert_int_equal(listed(f, a, NULL, &count), -1);
+    assert_int_equal(count, 1);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
+    /* 32 rows fit exactly; one more does not, and the session stays at 32 */
+    assert_int_equal(append(f, b, 14, &n), SKV_OK);
+    assert_int_equal(n, 32);
+    assert_int_equal(listed(f, b, &bytes_b, NULL), 32);
+    assert_int_equal(append(f, b, 1, NULL), SKV_E_LIMIT);
+    uint64_t after = 0;
+    assert_int_equal(listed(f, b, &after, NULL), 32);
+    assert_int_equal(after, bytes_b);
+}
+
+static void test_decode_over_quota(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_quota(f, 1);
+    uint8_t sid[16];
+    prefill(f, 16, "policy=full", sid); /* one full block per head: the next token needs another */
+    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+    sm.max_tokens = 4;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, sid};
+    d.sampling = &sm;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_non_null(strstr(rep->message, "max-bytes-per-tenant"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, sid, NULL, NULL), 16); /* the refused token never entered */
+    /* a policy that keeps 16 rows fits: streaming evicts as it goes */
+    uint8_t s2[16];
+    restart_with_quota(f, 2);
+    prefill(f, 16, "policy=streaming,budget=16,sinks=4", s2);
+    d.session_id = (ProtobufCBinaryData){16, s2};
+    rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("DECODE: %d %s", rep->status, rep->message);
+    assert_string_equal(rep->decode->finish_reason, "length");
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, s2, NULL, NULL), 20);
+}
+
+/* ---- shared-memory buffers ------------------------------------------------------------------- */
+
+static Snapkv__Reply *export_shm(struct fixture *f, const uint8_t sid[16], const char *name)
+{
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = (char *)name;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    e.buffer = &buf;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    return call(f, 0, ID_X, &req);
+}
+
+struct shrinker {
+    int fd;
+    off_t size;
+    volatile int stop;
+};
+
+static void *shrink_loop(void *arg)
+{
+    struct shrinker *k = arg;
+    while (!k->stop) {
+        if (ftruncate(k->fd, 0) != 0 || ftruncate(k->fd, k->size) != 0)
+            break;
+    }
+    return NULL;
+}
+
+static void test_shm_buffers(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t sid[16];
+    prefill(f, 40, "policy=full", sid);
+    /* names outside /snapkv-* are refused before anything is opened */
+    char other[64];
+    snprintf(other, sizeof other, "/skvtest-%ld", (long)getpid());
+    int ofd = shm_open(other, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(ofd >= 0);
+    assert_int_equal(ftruncate(ofd, 1 << 20), 0);
+    Snapkv__Reply *rep = export_shm(f, sid, other);
+    assert_int_equal(rep->status, SKV_E_INVAL);
+    assert_non_null(strstr(rep->message, "/snapkv-"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    char probe[4096];
+    assert_int_equal(pread(ofd, probe, sizeof probe, 0), (ssize_t)sizeof probe);
+    static const char zero[4096];
+    assert_memory_equal(probe, zero, sizeof zero); /* untouched */
+    close(ofd);
+    shm_unlink(other);
+
+    /* a buffer the client keeps shrinking and growing: each export answers, ok or an error */
+    char name[64];
+    snprintf(name, sizeof name, "/snapkv-test-worker-%ld", (long)getpid());
+    struct shrinker k = {.size = 1 << 20};
+    k.fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(k.fd >= 0);
+    assert_int_equal(ftruncate(k.fd, k.size), 0);
+    rep = export_shm(f, sid, name);
+    if (rep->status)
+        fail_msg("EXPORT_KV: %d %s", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, shrink_loop, &k), 0);
+    int ok = 0, refused = 0;
+    for (int i = 0; i < 200; i++) {
+        rep = export_shm(f, sid, name);
+        if (rep->status == SKV_OK)
+            ok++;
+        else if (rep->status == SKV_E_LIMIT || rep->status == SKV_E_IO)
+            refused++;
+        else
+            fail_msg("EXPORT_KV: unexpected %d %s", rep->status, rep->message);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    k.stop = 1;
+    pthread_join(th, NULL);
+    assert_int_equal(ok + refused, 200);
+    close(k.fd);
+    shm_unlink(name);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_client_gone, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
