@@ -741,21 +741,24 @@ static const char PAT_GPT4O[] =
     "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 static const char PAT_DIGIT[] = "\\p{N}";
 
-/* GGUF tokenizer.ggml.pre -> the splits of that family's tokenizer.json. */
+/* GGUF tokenizer.ggml.pre -> the splits of that family's tokenizer.json, and the flags
+ * llama.cpp's llama-vocab.cpp gives the family: ignore_merges, and add_bos when the file has no
+ * tokenizer.ggml.add_bos_token. */
 static const struct pre_family {
     const char *names; /* '|'-separated */
     const char *pat1, *pat2;
     bool ignore_merges;
+    bool add_bos;
 } PRE_FAMILIES[] = {
-    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false},
+    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false, false},
     /* SmolLM2 / StarCoder: Digits(individual_digits) then ByteLevel(use_regex) */
-    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false},
-    {"llama3|llama-v3|llama-bpe", PAT_LLAMA3, NULL, true},
-    {"falcon3|falcon-h1|pixtral|dbrx|smaug-bpe", PAT_LLAMA3, NULL, false},
-    {"qwen2|deepseek-r1-qwen|megrez", PAT_QWEN2, NULL, false},
-    {"qwen35", PAT_QWEN35, NULL, false},
-    {"tekken", PAT_TEKKEN, NULL, false},
-    {"gpt-4o|llama4", PAT_GPT4O, NULL, false},
+    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false, false},
+    {"llama3|llama-v3|llama-bpe|falcon3|falcon-h1|pixtral", PAT_LLAMA3, NULL, true, true},
+    {"dbrx|smaug-bpe", PAT_LLAMA3, NULL, false, false},
+    {"qwen2|deepseek-r1-qwen|megrez", PAT_QWEN2, NULL, false, false},
+    {"qwen35", PAT_QWEN35, NULL, false, false},
+    {"tekken", PAT_TEKKEN, NULL, true, true},
+    {"gpt-4o|llama4", PAT_GPT4O, NULL, false, false},
 };
 
 static bool name_in_list(const char *list, const char *name, size_t n)
@@ -940,6 +943,7 @@ int skv_tokenizer_from_gguf(const struct skv_gguf *g, struct skv_tokenizer **out
         t->eot = find_first_added(t, EOT_NAMES);
     if (t->eot < 0)
         t->eot = t->eos;
+    t->add_bos = fam->add_bos;
     if (skv_gguf_find_key(g, "tokenizer.ggml.add_bos_token") >= 0 &&
         !skv_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &t->add_bos)) {
         rc = skv_errorf(SKV_E_FORMAT, "tokenizer: tokenizer.ggml.add_bos_token is not a bool");

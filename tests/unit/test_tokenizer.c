@@ -897,6 +897,95 @@ static void test_tiny_gguf_pre(void **state)
     json_decref(tj);
 }
 
+/* A GGUF holding only a hand-made tokenizer: a b c ab bc abc <s>, merges "b c" before "a b"
+ * before "ab c", so BPE spells "abc" a + bc while the vocabulary has "abc" whole (what
+ * ignore_merges picks). add_bos < 0 leaves tokenizer.ggml.add_bos_token out. */
+static struct gbuf abc_gguf(const char *pre, int add_bos)
+{
+    static const char *const toks[] = {"a", "b", "c", "ab", "bc", "abc", "<s>"};
+    static const char *const merges[] = {"b c", "a b", "ab c"};
+    const uint64_t n_toks = sizeof toks / sizeof toks[0], n_merges = sizeof merges / sizeof merges[0];
+    struct gbuf b = {0};
+    gb_put(&b, "GGUF", 4);
+    gb_u32(&b, 3);
+    gb_u64(&b, 0);
+    gb_u64(&b, 0); /* n_kv, patched below */
+    gb_kv_str(&b, "general.architecture", "llama");
+    gb_kv_str(&b, "tokenizer.ggml.model", "gpt2");
+    gb_kv_str(&b, "tokenizer.ggml.pre", pre);
+    gb_key(&b, "tokenizer.ggml.tokens", 9);
+    gb_u32(&b, 8);
+    gb_u64(&b, n_toks);
+    for (uint64_t i = 0; i < n_toks; i++)
+        gb_str(&b, toks[i], strlen(toks[i]));
+    gb_key(&b, "tokenizer.ggml.token_type", 9);
+    gb_u32(&b, 5);
+    gb_u64(&b, n_toks);
+    for (uint64_t i = 0; i < n_toks; i++)
+        gb_u32(&b, i == 6 ? 3 : 1); /* <s>: control */
+    gb_key(&b, "tokenizer.ggml.merges", 9);
+    gb_u32(&b, 8);
+    gb_u64(&b, n_merges);
+    for (uint64_t i = 0; i < n_merges; i++)
+        gb_str(&b, merges[i], strlen(merges[i]));
+    gb_kv_u32(&b, "tokenizer.ggml.bos_token_id", 6);
+    if (add_bos >= 0)
+        gb_kv_bool(&b, "tokenizer.ggml.add_bos_token", add_bos > 0);
+    memcpy(b.p + 16, &b.n_kv, 8);
+    return b;
+}
+
+/* The flags each GGUF pre-tokenizer family takes from llama.cpp's llama-vocab.cpp: the Llama 3
+ * family (with falcon3, falcon-h1, pixtral) and tekken ignore merges and add BOS unless the file
+ * says otherwise; dbrx, smaug-bpe, qwen2 and gpt2 do neither. */
+static void test_gguf_pre_flags(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *pre;
+        bool whole; /* "abc" -> [abc] (ignore_merges) rather than [a, bc]; also adds BOS */
+    } cases[] = {
+        {"llama-bpe", true}, {"llama3", true}, {"falcon3", true}, {"falcon-h1", true}, {"pixtral", true},
+        {"tekken", true},    {"dbrx", false},  {"smaug-bpe", false}, {"qwen2", false}, {"gpt2", false},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        struct gbuf b = abc_gguf(cases[k].pre, -1);
+        struct skv_gguf *g = NULL;
+        struct skv_tokenizer *tok = NULL;
+        assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+        if (skv_tokenizer_from_gguf(g, &tok) != SKV_OK)
+            fprintf(stderr, "%s: %s\n", cases[k].pre, skv_error_msg());
+        assert_non_null(tok);
+        int32_t ids[8];
+        int n = 0;
+        assert_int_equal(skv_tokenizer_encode(tok, "abc", 3, true, false, ids, 8, &n), SKV_OK);
+        if (cases[k].whole) {
+            assert_true(skv_tokenizer_add_bos(tok));
+            assert_int_equal(n, 2);
+            assert_int_equal(ids[0], 6);
+            assert_int_equal(ids[1], 5);
+        } else {
+            assert_false(skv_tokenizer_add_bos(tok));
+            assert_int_equal(n, 2);
+            assert_int_equal(ids[0], 0);
+            assert_int_equal(ids[1], 4);
+        }
+        skv_tokenizer_free(&tok);
+        skv_gguf_close(&g);
+        free(b.p);
+    }
+    /* the file's tokenizer.ggml.add_bos_token wins over the family's default */
+    struct gbuf b = abc_gguf("llama-bpe", 0);
+    struct skv_gguf *g = NULL;
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+    assert_int_equal(skv_tokenizer_from_gguf(g, &tok), SKV_OK);
+    assert_false(skv_tokenizer_add_bos(tok));
+    skv_tokenizer_free(&tok);
+    skv_gguf_close(&g);
+    free(b.p);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -907,6 +996,7 @@ int main(void)
         cmocka_unit_test(test_errors),      cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_big_input),   cmocka_unit_test(test_tiny_json),
         cmocka_unit_test(test_tiny_json_variants), cmocka_unit_test(test_tiny_gguf_pre),
+        cmocka_unit_test(test_gguf_pre_flags),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
