@@ -1732,22 +1732,29 @@ int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char 
     return SKV_OK;
 }
 
+static bool known_id(const struct skv_tokenizer *tok, int32_t id)
+{
+    return id >= 0 && id < tok->n_vocab;
+}
+
+/* Ids outside the vocabulary are skipped, as Hugging Face's decode skips ids it does not know:
+ * a model's embedding may have more rows than its tokenizer has tokens (Qwen2.5: 151936 for
+ * 151665), and a sampler may pick one of those rows. */
 int skv_tokenizer_decode(const struct skv_tokenizer *tok, const int32_t *ids, int n, char **out)
 {
     if (tok == NULL || out == NULL || n < 0 || (ids == NULL && n > 0))
         return skv_errorf(SKV_E_INVAL, "tokenizer: bad decode arguments");
     size_t total = 0;
-    for (int i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= tok->n_vocab)
-            return skv_errorf(SKV_E_INVAL, "tokenizer: token id %d at %d outside [0, %d)", ids[i], i,
-                              tok->n_vocab);
-        total += tok->bytes_len[ids[i]];
-    }
+    for (int i = 0; i < n; i++)
+        if (known_id(tok, ids[i]))
+            total += tok->bytes_len[ids[i]];
     char *s = malloc(total + 1);
     if (s == NULL)
         return skv_errorf(SKV_E_NOMEM, "tokenizer: no memory for %zu decoded bytes", total);
     size_t k = 0;
     for (int i = 0; i < n; i++) {
+        if (!known_id(tok, ids[i]))
+            continue;
         memcpy(s + k, tok->bytes.p + tok->bytes_off[ids[i]], tok->bytes_len[ids[i]]);
         k += tok->bytes_len[ids[i]];
     }

@@ -35,7 +35,8 @@ int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size
  * bytes; *len_out is the full length. Bytes may be a partial UTF-8 sequence. */
 int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char *buf, size_t cap,
                               size_t *len_out);
-/* Decode ids to a malloc'd NUL-terminated string. */
+/* Decode ids to a malloc'd NUL-terminated string. Ids outside [0, n_vocab) are skipped (as
+ * Hugging Face's decode skips unknown ids): a model may have more embedding rows than tokens. */
 int skv_tokenizer_decode(const struct skv_tokenizer *tok, const int32_t *ids, int n, char **out);
 
 struct skv_chat_msg {

@@ -497,12 +497,25 @@ static void test_errors(void **state)
     assert_int_equal(skv_tokenizer_encode(tok, s, 3, false, true, ids, -1, &n), SKV_E_INVAL);
     assert_int_equal(skv_tokenizer_encode(tok, s, 3, false, true, ids, 64, NULL), SKV_E_INVAL);
     char *out = NULL;
-    int32_t bad = 49152;
-    assert_int_equal(skv_tokenizer_decode(tok, &bad, 1, &out), SKV_E_INVAL);
-    assert_null(out);
+    /* ids the tokenizer does not know (past its 49152 tokens, negative) are skipped, as HF's
+     * decode skips them: a model's embedding may have more rows than the tokenizer */
+    int32_t mixed[16] = {49152};
+    assert_int_equal(skv_tokenizer_encode(tok, "Hi there", 8, false, false, mixed + 1, 8, &n), SKV_OK);
+    mixed[n + 1] = -1;
+    mixed[n + 2] = INT32_MAX;
+    assert_int_equal(skv_tokenizer_decode(tok, mixed, n + 3, &out), SKV_OK);
+    assert_string_equal(out, "Hi there");
+    free(out);
+    out = NULL;
+    assert_int_equal(skv_tokenizer_decode(tok, mixed, 1, &out), SKV_OK);
+    assert_string_equal(out, "");
+    free(out);
+    out = NULL;
     assert_int_equal(skv_tokenizer_decode(tok, NULL, 0, &out), SKV_OK);
     assert_string_equal(out, "");
     free(out);
+    assert_int_equal(skv_tokenizer_decode(tok, NULL, 1, &out), SKV_E_INVAL);
+    assert_int_equal(skv_tokenizer_decode(tok, mixed, -1, &out), SKV_E_INVAL);
 
     struct skv_tokenizer *t2 = NULL;
     char path[1400];
