@@ -660,6 +660,30 @@ out:
     return rc;
 }
 
+/* Every id the tokenizer can produce must name a row of the embedding. The embedding may have
+ * more rows than the tokenizer has tokens (Qwen2.5: 151936 for 151665); the decoder skips the
+ * ids past the tokenizer. */
+static int check_tokenizer(const struct skv_model *m)
+{
+    const int n_vocab = m->cfg.n_vocab, n_tok = skv_tokenizer_n_vocab(m->tok);
+    if (n_tok > n_vocab)
+        return skv_errorf(SKV_E_FORMAT, "%s: the tokenizer has %d tokens, the model's embedding only %d rows",
+                          m->path, n_tok, n_vocab);
+    const struct {
+        const char *what;
+        int32_t id;
+    } ids[] = {
+        {"BOS", skv_tokenizer_bos(m->tok)},
+        {"EOS", skv_tokenizer_eos(m->tok)},
+        {"end-of-turn", skv_tokenizer_eot(m->tok)},
+    };
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++)
+        if (ids[i].id >= n_vocab)
+            return skv_errorf(SKV_E_FORMAT, "%s: the tokenizer's %s token %d is outside the model's %d rows",
+                              m->path, ids[i].what, ids[i].id, n_vocab);
+    return SKV_OK;
+}
+
 int skv_model_load(const char *path, struct skv_backend *be, const struct skv_model_opts *opts,
                    struct skv_model **out)
 {
@@ -682,6 +706,8 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
     m->reference = opts && opts->reference;
     snprintf(m->path, sizeof m->path, "%s", path);
     int rc = S_ISDIR(sb.st_mode) ? load_hf(m, path) : load_gguf(m, path);
+    if (!rc && m->tok)
+        rc = check_tokenizer(m);
     if (!rc)
         rc = prepare_weights(m);
     if (!rc)

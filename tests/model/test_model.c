@@ -20,6 +20,7 @@
 #include "daemon/engine/gguf.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
+#include "daemon/engine/tokenizer.h"
 #include "kernels/backend.h"
 #include "tests/common/fixture.h"
 
@@ -663,6 +664,48 @@ static void test_gguf_rope_scaling(void **state)
     skv_backend_destroy(&be);
 }
 
+/* A tokenizer must fit the model: more tokens than embedding rows is refused at load (GGUF and
+ * Hugging Face folder); fewer is fine, and decoding skips the rows past the tokenizer. */
+static void test_tokenizer_fits_model(void **state)
+{
+    (void)state;
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(backend_new(1, &be), SKV_OK);
+    struct gguf_extra big = {.n_tokens = 40}, small = {.n_tokens = 20};
+    assert_int_equal(load_written(&big, be, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "40 tokens"));
+    assert_int_equal(load_written(&small, be, &m), SKV_OK);
+    assert_int_equal(m->cfg.n_vocab, 32);
+    assert_int_equal(skv_tokenizer_n_vocab(m->tok), 20);
+    int32_t ids[4] = {5, 25, 31, 19}; /* F, two rows past the tokenizer, T */
+    char *text = NULL;
+    assert_int_equal(skv_tokenizer_decode(m->tok, ids, 4, &text), SKV_OK);
+    assert_string_equal(text, "FT");
+    free(text);
+    skv_model_free(&m);
+
+    /* tiny-llama's 320 rows with the 1201-token tiny tokenizer next to them */
+    char *dir = fixture_stage_dir("tests/fixtures/tiny-llama");
+    assert_non_null(dir);
+    size_t size = 0;
+    char *tj = fixture_read("tests/fixtures/tok_tiny/tokenizer.json", &size);
+    assert_non_null(tj);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(tj, 1, size, fp), size);
+    fclose(fp);
+    free(tj);
+    assert_int_equal(skv_model_load(dir, be, NULL, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "1201 tokens"));
+    fixture_remove_dir(dir);
+    skv_backend_destroy(&be);
+}
+
 /* Append and decode give the same logits as one forward over the whole sequence. */
 static void test_incremental_matches_full(void **state)
 {
@@ -872,6 +915,7 @@ int main(void)
         cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
+        cmocka_unit_test(test_tokenizer_fits_model),
     };
     const struct CMUnitTest cuda[] = {
         cmocka_unit_test(test_tiny_llama_cuda),        cmocka_unit_test(test_tiny_llama_bf16_cuda),
