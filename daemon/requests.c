@@ -82,6 +82,21 @@ static int find_session(struct skv_worker *w, const struct skv_job *job, Protobu
     return SKV_OK;
 }
 
+/* One encoding of a request's text (ids NULL and max 0: a count). chat: one user turn of the
+ * chat template, which owns BOS and is the only source of control tokens, never the client's
+ * text. special: the text carries its own markup (and its own BOS). Otherwise plain text, with
+ * BOS as the model asks. */
+static int encode_request_text(const struct skv_tokenizer *tok, const char *text, bool chat, bool special,
+                               int32_t *ids, int max, int *n)
+{
+    if (chat) {
+        struct skv_chat_msg msg = {"user", text};
+        return skv_tokenizer_chat_encode(tok, &msg, 1, true, ids, max, n);
+    }
+    bool bos = skv_tokenizer_add_bos(tok) && !special;
+    return skv_tokenizer_encode(tok, text, strlen(text), bos, special, ids, max, n);
+}
+
 /* Token ids from a request: explicit ids, or text (rendered as one chat turn when chat;
  * markup parsed as control tokens when special). malloc'd. */
 static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_ids, const char *text, bool chat,
@@ -112,30 +127,14 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
         return skv_errorf(SKV_E_INVAL, "no tokens and no text");
     if (!m->tok)
         return skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer: send token ids");
-    char *rendered = NULL;
-    int rc;
-    if (chat) {
-        struct skv_chat_msg msg = {"user", text};
-        if ((rc = skv_tokenizer_chat_render(m->tok, &msg, 1, true, &rendered)))
-            return rc;
-        text = rendered;
-    }
-    size_t len = strlen(text);
     int n = 0;
-    /* control tokens only come from the chat template, never from a client's text */
-    bool parse = chat || special, bos = skv_tokenizer_add_bos(m->tok) && !special;
-    rc = skv_tokenizer_encode(m->tok, text, len, bos, parse, NULL, 0, &n);
-    if (rc && rc != SKV_E_LIMIT) {
-        free(rendered);
+    int rc = encode_request_text(m->tok, text, chat, special, NULL, 0, &n);
+    if (rc && rc != SKV_E_LIMIT)
         return rc;
-    }
-    if (n > limit) {
-        free(rendered);
+    if (n > limit)
         return skv_errorf(SKV_E_LIMIT, "the text is %d tokens: more than the limit of %d", n, limit);
-    }
     int32_t *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
-    rc = v ? skv_tokenizer_encode(m->tok, text, len, bos, parse, v, n, &n) : SKV_E_NOMEM;
-    free(rendered);
+    rc = v ? encode_request_text(m->tok, text, chat, special, v, n, &n) : SKV_E_NOMEM;
     if (rc || n == 0) {
         free(v);
         return rc ? rc : skv_errorf(SKV_E_INVAL, "the text encodes to no tokens");

@@ -606,7 +606,8 @@ static int passkey_count(const struct qctx *q, const struct passkey_style *st, i
     int rc = passkey_text(q, st, reps, depth, key, &text);
     if (rc)
         return rc;
-    rc = encode(q->m->tok, text, skv_tokenizer_add_bos(q->m->tok), true, ids, n);
+    /* the chat template owns BOS: the encoder adds none (the text is ours, its markup parsed) */
+    rc = encode(q->m->tok, text, false, true, ids, n);
     free(text);
     return rc;
 }

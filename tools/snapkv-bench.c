@@ -176,23 +176,19 @@ static int prompt_ids(const struct args *a, const struct skv_model *m, int32_t *
         return SKV_E_NOMEM;
     if (!m->tok)
         return free(text), skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer; use --tokens");
-    int rc;
-    if (a->chat) {
-        struct skv_chat_msg msg = {"user", text};
-        char *rendered = NULL;
-        rc = skv_tokenizer_chat_render(m->tok, &msg, 1, true, &rendered);
-        free(text);
-        if (rc)
-            return rc;
-        text = rendered;
-        len = strlen(text);
-    }
+    /* --chat: one user turn of the chat template, which owns BOS and the control tokens */
+    struct skv_chat_msg msg = {"user", text};
+    bool bos = skv_tokenizer_add_bos(m->tok);
     int n = 0;
-    rc = skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), a->chat, NULL, 0, &n);
+    int rc = a->chat ? skv_tokenizer_chat_encode(m->tok, &msg, 1, true, NULL, 0, &n)
+                     : skv_tokenizer_encode(m->tok, text, len, bos, false, NULL, 0, &n);
+    if (rc && rc != SKV_E_LIMIT)
+        return free(text), rc;
     int32_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
     if (!ids)
         return free(text), SKV_E_NOMEM;
-    rc = skv_tokenizer_encode(m->tok, text, len, skv_tokenizer_add_bos(m->tok), a->chat, ids, n, &n);
+    rc = a->chat ? skv_tokenizer_chat_encode(m->tok, &msg, 1, true, ids, n, &n)
+                 : skv_tokenizer_encode(m->tok, text, len, bos, false, ids, n, &n);
     free(text);
     if (rc)
         return free(ids), rc;

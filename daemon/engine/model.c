@@ -274,6 +274,13 @@ static int validate_config(const struct skv_model_config *c)
     if (!(c->rope.theta > 0) || !(c->norm_eps > 0))
         return skv_errorf(SKV_E_FORMAT, "rope theta %g / norm eps %g must be positive", c->rope.theta,
                           c->norm_eps);
+    /* the rope op's own rules (finite theta and scale, consistent Llama 3 scaling, frequency
+     * factors), so a bad file fails here rather than at its first forward */
+    if (skv_rope_check(&c->rope, c->head_dim) != SKV_OK) {
+        char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        return skv_errorf(SKV_E_FORMAT, "bad rope parameters: %s", why);
+    }
     return SKV_OK;
 }
 
@@ -305,6 +312,40 @@ static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st
     crypto_hash_sha256_final(st, digest);
     for (int i = 0; i < 32; i++)
         snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
+}
+
+/* <arch>.rope.scaling.type as llama.cpp reads it: "none", or "linear" (also when the key is
+ * absent) with <arch>.rope.scaling.factor (or the older rope.scale_linear; absent or 0: no
+ * scaling) dividing positions. llama.cpp's Llama 3.1 converter writes neither key but
+ * rope_freqs.weight. Other types (yarn, longrope) change the rotation in ways this engine
+ * does not implement: refused rather than run without them. */
+static int gguf_rope_scaling(struct skv_model *m, const char *path)
+{
+    const struct skv_gguf *g = ((struct model_impl *)m->impl)->gguf;
+    struct skv_model_config *c = &m->cfg;
+    char key[128], fkey[128];
+    struct skv_gguf_str type = {.ptr = "linear", .len = 6};
+    snprintf(key, sizeof key, "%s.rope.scaling.type", c->arch);
+    if (skv_gguf_find_key(g, key) >= 0 && !skv_gguf_get_str(g, key, &type))
+        return skv_errorf(SKV_E_FORMAT, "%s: %s is not a string", path, key);
+    bool linear = type.len == 6 && memcmp(type.ptr, "linear", 6) == 0;
+    if (!linear && !(type.len == 4 && memcmp(type.ptr, "none", 4) == 0))
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: %s '%.*s' is not supported (none, linear)", path, key,
+                          (int)(type.len > 64 ? 64 : type.len), type.ptr);
+    if (!linear)
+        return SKV_OK;
+    float factor = 0.0f;
+    snprintf(fkey, sizeof fkey, "%s.rope.scaling.factor", c->arch);
+    if (skv_gguf_find_key(g, fkey) < 0)
+        snprintf(fkey, sizeof fkey, "%s.rope.scale_linear", c->arch);
+    if (skv_gguf_find_key(g, fkey) >= 0 && !skv_gguf_get_f32(g, fkey, &factor))
+        return skv_errorf(SKV_E_FORMAT, "%s: %s is not a float", path, fkey);
+    if (factor == 0.0f)
+        return SKV_OK;
+    if (!(factor > 0.0f) || !isfinite(factor))
+        return skv_errorf(SKV_E_FORMAT, "%s: %s = %g must be a finite value > 0", path, fkey, (double)factor);
+    c->rope.freq_scale = 1.0f / factor;
+    return SKV_OK;
 }
 
 /* rope_freqs.weight (llama.cpp's Llama 3.1 converter: the llama3 scaling as one factor per
@@ -408,14 +449,8 @@ static int load_gguf(struct skv_model *m, const char *path)
     c->rope.rot_dim = c->head_dim;
     gguf_u32(g, arch, "rope.dimension_count", &c->rope.rot_dim);
     c->rope.freq_scale = 1.0f;
-    struct skv_gguf_str stype;
-    char key[128];
-    snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
-    if (skv_gguf_get_str(g, key, &stype) && stype.len == 6 && memcmp(stype.ptr, "linear", 6) == 0) {
-        float factor;
-        if (gguf_f32(g, arch, "rope.scaling.factor", &factor) && factor > 0)
-            c->rope.freq_scale = 1.0f / factor;
-    }
+    if ((rc = gguf_rope_scaling(m, path)))
+        return rc;
     if ((rc = gguf_rope_factors(m, path)))
         return rc;
     const struct skv_tensor *embd = skv_gguf_find_tensor(g, "token_embd.weight");
@@ -571,8 +606,16 @@ static int load_hf(struct skv_model *m, const char *dir)
         if (!type)
             type = json_string_value(json_object_get(rs, "type"));
         float factor = 1.0f;
-        json_float(rs, "factor", &factor);
-        if (type && strcmp(type, "linear") == 0 && factor > 0) {
+        bool scales = type && (strcmp(type, "linear") == 0 || strcmp(type, "llama3") == 0);
+        if ((rc = json_float(rs, "factor", &factor)))
+            goto out;
+        if (scales && (!(factor > 0) || !isfinite(factor))) {
+            /* 0 would turn llama3 scaling off unseen (the rope op reads 0 as "none") */
+            rc = skv_errorf(SKV_E_FORMAT, "%s: rope_scaling %s factor %g must be a finite value > 0", path,
+                            type, (double)factor);
+            goto out;
+        }
+        if (type && strcmp(type, "linear") == 0) {
             c->rope.freq_scale = 1.0f / factor;
         } else if (type && strcmp(type, "llama3") == 0) {
             c->rope.l3_factor = factor;
@@ -617,6 +660,30 @@ out:
     return rc;
 }
 
+/* Every id the tokenizer can produce must name a row of the embedding. The embedding may have
+ * more rows than the tokenizer has tokens (Qwen2.5: 151936 for 151665); the decoder skips the
+ * ids past the tokenizer. */
+static int check_tokenizer(const struct skv_model *m)
+{
+    const int n_vocab = m->cfg.n_vocab, n_tok = skv_tokenizer_n_vocab(m->tok);
+    if (n_tok > n_vocab)
+        return skv_errorf(SKV_E_FORMAT, "%s: the tokenizer has %d tokens, the model's embedding only %d rows",
+                          m->path, n_tok, n_vocab);
+    const struct {
+        const char *what;
+        int32_t id;
+    } ids[] = {
+        {"BOS", skv_tokenizer_bos(m->tok)},
+        {"EOS", skv_tokenizer_eos(m->tok)},
+        {"end-of-turn", skv_tokenizer_eot(m->tok)},
+    };
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++)
+        if (ids[i].id >= n_vocab)
+            return skv_errorf(SKV_E_FORMAT, "%s: the tokenizer's %s token %d is outside the model's %d rows",
+                              m->path, ids[i].what, ids[i].id, n_vocab);
+    return SKV_OK;
+}
+
 int skv_model_load(const char *path, struct skv_backend *be, const struct skv_model_opts *opts,
                    struct skv_model **out)
 {
@@ -639,6 +706,8 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
     m->reference = opts && opts->reference;
     snprintf(m->path, sizeof m->path, "%s", path);
     int rc = S_ISDIR(sb.st_mode) ? load_hf(m, path) : load_gguf(m, path);
+    if (!rc && m->tok)
+        rc = check_tokenizer(m);
     if (!rc)
         rc = prepare_weights(m);
     if (!rc)

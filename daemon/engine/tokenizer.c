@@ -741,21 +741,24 @@ static const char PAT_GPT4O[] =
     "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 static const char PAT_DIGIT[] = "\\p{N}";
 
-/* GGUF tokenizer.ggml.pre -> the splits of that family's tokenizer.json. */
+/* GGUF tokenizer.ggml.pre -> the splits of that family's tokenizer.json, and the flags
+ * llama.cpp's llama-vocab.cpp gives the family: ignore_merges, and add_bos when the file has no
+ * tokenizer.ggml.add_bos_token. */
 static const struct pre_family {
     const char *names; /* '|'-separated */
     const char *pat1, *pat2;
     bool ignore_merges;
+    bool add_bos;
 } PRE_FAMILIES[] = {
-    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false},
+    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false, false},
     /* SmolLM2 / StarCoder: Digits(individual_digits) then ByteLevel(use_regex) */
-    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false},
-    {"llama3|llama-v3|llama-bpe", PAT_LLAMA3, NULL, true},
-    {"falcon3|falcon-h1|pixtral|dbrx|smaug-bpe", PAT_LLAMA3, NULL, false},
-    {"qwen2|deepseek-r1-qwen|megrez", PAT_QWEN2, NULL, false},
-    {"qwen35", PAT_QWEN35, NULL, false},
-    {"tekken", PAT_TEKKEN, NULL, false},
-    {"gpt-4o|llama4", PAT_GPT4O, NULL, false},
+    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false, false},
+    {"llama3|llama-v3|llama-bpe|falcon3|falcon-h1|pixtral", PAT_LLAMA3, NULL, true, true},
+    {"dbrx|smaug-bpe", PAT_LLAMA3, NULL, false, false},
+    {"qwen2|deepseek-r1-qwen|megrez", PAT_QWEN2, NULL, false, false},
+    {"qwen35", PAT_QWEN35, NULL, false, false},
+    {"tekken", PAT_TEKKEN, NULL, true, true},
+    {"gpt-4o|llama4", PAT_GPT4O, NULL, false, false},
 };
 
 static bool name_in_list(const char *list, const char *name, size_t n)
@@ -940,6 +943,7 @@ int skv_tokenizer_from_gguf(const struct skv_gguf *g, struct skv_tokenizer **out
         t->eot = find_first_added(t, EOT_NAMES);
     if (t->eot < 0)
         t->eot = t->eos;
+    t->add_bos = fam->add_bos;
     if (skv_gguf_find_key(g, "tokenizer.ggml.add_bos_token") >= 0 &&
         !skv_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &t->add_bos)) {
         rc = skv_errorf(SKV_E_FORMAT, "tokenizer: tokenizer.ggml.add_bos_token is not a bool");
@@ -1618,16 +1622,23 @@ static int encode_plain(struct enc *e, size_t off, size_t len)
     return rc;
 }
 
-/* Longest added token at text[i] (allowed by parse_special), or -1. */
+/* A byte range [off, end) of the text where control tokens are matched: all of it when the
+ * caller asks for parse_special, a chat template's own markup in chat encoding. */
+struct mark {
+    size_t off, end;
+};
+
+/* Longest added token at text[i], or -1; a control token only when it ends by special_end
+ * (the end of the mark holding i; 0 outside every mark). */
 static int32_t match_added(const struct skv_tokenizer *t, const char *text, size_t i, size_t len,
-                           bool parse_special)
+                           size_t special_end)
 {
     uint8_t b = (uint8_t)text[i];
     for (uint32_t k = t->added_at[b]; k < t->added_at[b + 1]; k++) {
         int32_t id = t->added[k];
-        if ((t->attr[id] & ATTR_CONTROL) && !parse_special)
-            continue;
         size_t n = t->bytes_len[id];
+        if ((t->attr[id] & ATTR_CONTROL) && (special_end < i || special_end - i < n))
+            continue;
         if (n <= len - i && memcmp(text + i, t->bytes.p + t->bytes_off[id], n) == 0)
             return id;
     }
@@ -1661,12 +1672,11 @@ static size_t space_after(const char *text, size_t i, size_t len)
     return i;
 }
 
-int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size_t len,
-                         bool add_bos, bool parse_special, int32_t *ids, int max, int *n_out)
+/* Encodes text with control tokens matched only inside `marks` (sorted, disjoint); arguments
+ * already checked. */
+static int encode_marked(const struct skv_tokenizer *tok, const char *text, size_t len, bool add_bos,
+                         const struct mark *marks, size_t n_marks, int32_t *ids, int max, int *n_out)
 {
-    if (tok == NULL || (text == NULL && len > 0) || n_out == NULL || max < 0 ||
-        (ids == NULL && max > 0))
-        return skv_errorf(SKV_E_INVAL, "tokenizer: bad encode arguments");
     struct enc e = {.t = tok, .text = text, .ids = ids, .max = max};
     int rc = SKV_OK;
     if (tok->n_steps > 0) {
@@ -1677,8 +1687,12 @@ int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size
     if (add_bos && tok->add_bos && tok->bos >= 0)
         emit(&e, tok->bos);
     size_t seg = 0; /* start of the pending plain text */
+    size_t mk = 0;  /* the first mark not ending at or before i */
     for (size_t i = 0; i < len && rc == SKV_OK;) {
-        int32_t id = tok->n_added > 0 ? match_added(tok, text, i, len, parse_special) : -1;
+        while (mk < n_marks && marks[mk].end <= i)
+            mk++;
+        size_t special_end = mk < n_marks && marks[mk].off <= i ? marks[mk].end : 0;
+        int32_t id = tok->n_added > 0 ? match_added(tok, text, i, len, special_end) : -1;
         if (id < 0) {
             i++;
             continue;
@@ -1709,6 +1723,16 @@ int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size
     return SKV_OK;
 }
 
+int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size_t len,
+                         bool add_bos, bool parse_special, int32_t *ids, int max, int *n_out)
+{
+    if (tok == NULL || (text == NULL && len > 0) || n_out == NULL || max < 0 ||
+        (ids == NULL && max > 0))
+        return skv_errorf(SKV_E_INVAL, "tokenizer: bad encode arguments");
+    const struct mark all = {0, len};
+    return encode_marked(tok, text, len, add_bos, &all, parse_special ? 1 : 0, ids, max, n_out);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* decoding */
 
@@ -1728,22 +1752,29 @@ int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char 
     return SKV_OK;
 }
 
+static bool known_id(const struct skv_tokenizer *tok, int32_t id)
+{
+    return id >= 0 && id < tok->n_vocab;
+}
+
+/* Ids outside the vocabulary are skipped, as Hugging Face's decode skips ids it does not know:
+ * a model's embedding may have more rows than its tokenizer has tokens (Qwen2.5: 151936 for
+ * 151665), and a sampler may pick one of those rows. */
 int skv_tokenizer_decode(const struct skv_tokenizer *tok, const int32_t *ids, int n, char **out)
 {
     if (tok == NULL || out == NULL || n < 0 || (ids == NULL && n > 0))
         return skv_errorf(SKV_E_INVAL, "tokenizer: bad decode arguments");
     size_t total = 0;
-    for (int i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= tok->n_vocab)
-            return skv_errorf(SKV_E_INVAL, "tokenizer: token id %d at %d outside [0, %d)", ids[i], i,
-                              tok->n_vocab);
-        total += tok->bytes_len[ids[i]];
-    }
+    for (int i = 0; i < n; i++)
+        if (known_id(tok, ids[i]))
+            total += tok->bytes_len[ids[i]];
     char *s = malloc(total + 1);
     if (s == NULL)
         return skv_errorf(SKV_E_NOMEM, "tokenizer: no memory for %zu decoded bytes", total);
     size_t k = 0;
     for (int i = 0; i < n; i++) {
+        if (!known_id(tok, ids[i]))
+            continue;
         memcpy(s + k, tok->bytes.p + tok->bytes_off[ids[i]], tok->bytes_len[ids[i]]);
         k += tok->bytes_len[ids[i]];
     }
@@ -1819,106 +1850,171 @@ static int add_trimmed(struct strbuf *b, const char *s)
     return sb_add(b, s + start, end - start);
 }
 
+/* A rendered chat: its text, and the ranges of it the template wrote (its markup, where
+ * control tokens are parsed) apart from the messages' roles and contents (plain text, so a
+ * message saying "<|im_end|>" cannot end its turn). */
+struct chat_text {
+    struct strbuf b;
+    struct mark *marks;
+    size_t n_marks, cap_marks;
+};
+
+static int chat_markup(struct chat_text *c, const char *s, size_t n)
+{
+    size_t off = c->b.len;
+    int rc = sb_add(&c->b, s, n);
+    if (rc != SKV_OK || n == 0)
+        return rc;
+    if (c->n_marks > 0 && c->marks[c->n_marks - 1].end == off) {
+        c->marks[c->n_marks - 1].end = c->b.len;
+        return SKV_OK;
+    }
+    if (c->n_marks == c->cap_marks) {
+        size_t cap = c->cap_marks ? 2 * c->cap_marks : 16;
+        struct mark *m = realloc(c->marks, cap * sizeof *m);
+        if (m == NULL)
+            return skv_errorf(SKV_E_NOMEM, "tokenizer: no memory for the chat markup");
+        c->marks = m;
+        c->cap_marks = cap;
+    }
+    c->marks[c->n_marks++] = (struct mark){off, c->b.len};
+    return SKV_OK;
+}
+
+static int chat_markups(struct chat_text *c, const char *s)
+{
+    return chat_markup(c, s, strlen(s));
+}
+
+/* A role or a message's content: plain text. */
+static int chat_plain(struct chat_text *c, const char *s)
+{
+    return sb_adds(&c->b, s);
+}
+
 static int render_chatml(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
-                         bool gen, struct strbuf *b)
+                         bool gen, struct chat_text *c)
 {
     struct strbuf sys = {0};
     bool has_default = false;
     int rc = chatml_default_system(tok->chat_template, &sys, &has_default);
     if (rc == SKV_OK && has_default && strcmp(msgs[0].role, "system") != 0) {
-        rc = sb_adds(b, "<|im_start|>system\n");
+        rc = chat_markups(c, "<|im_start|>system\n");
         if (rc == SKV_OK)
-            rc = sb_add(b, sys.p, sys.len);
+            rc = chat_markup(c, sys.p, sys.len); /* the template's own text */
         if (rc == SKV_OK)
-            rc = sb_adds(b, "<|im_end|>\n");
+            rc = chat_markups(c, "<|im_end|>\n");
     }
     for (int i = 0; i < n && rc == SKV_OK; i++) {
-        rc = sb_adds(b, "<|im_start|>");
+        rc = chat_markups(c, "<|im_start|>");
         if (rc == SKV_OK)
-            rc = sb_adds(b, msgs[i].role);
+            rc = chat_plain(c, msgs[i].role);
         if (rc == SKV_OK)
-            rc = sb_adds(b, "\n");
+            rc = chat_markups(c, "\n");
         if (rc == SKV_OK)
-            rc = sb_adds(b, msgs[i].content);
+            rc = chat_plain(c, msgs[i].content);
         if (rc == SKV_OK)
-            rc = sb_adds(b, "<|im_end|>\n");
+            rc = chat_markups(c, "<|im_end|>\n");
     }
     if (rc == SKV_OK && gen)
-        rc = sb_adds(b, "<|im_start|>assistant\n");
+        rc = chat_markups(c, "<|im_start|>assistant\n");
     free(sys.p);
     return rc;
 }
 
-static int llama3_turn(struct strbuf *b, const char *role, const char *content)
+static int llama3_turn(struct chat_text *c, const char *role, const char *content)
 {
-    int rc = sb_adds(b, "<|start_header_id|>");
+    int rc = chat_markups(c, "<|start_header_id|>");
     if (rc == SKV_OK)
-        rc = sb_adds(b, role);
+        rc = chat_plain(c, role);
     if (rc == SKV_OK)
-        rc = sb_adds(b, "<|end_header_id|>\n\n");
+        rc = chat_markups(c, "<|end_header_id|>\n\n");
     if (rc == SKV_OK)
-        rc = add_trimmed(b, content);
+        rc = add_trimmed(&c->b, content);
     if (rc == SKV_OK)
-        rc = sb_adds(b, "<|eot_id|>");
+        rc = chat_markups(c, "<|eot_id|>");
     return rc;
 }
 
 /* Llama 3: BOS text when the template writes bos_token; 3.1+ templates ("Cutting Knowledge
  * Date") always open with a system turn carrying their default date lines. */
 static int render_llama3(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
-                         bool gen, struct strbuf *b)
+                         bool gen, struct chat_text *c)
 {
     const char *tmpl = tok->chat_template;
     int rc = SKV_OK;
     if (strstr(tmpl, "bos_token") != NULL && tok->bos >= 0)
-        rc = sb_add(b, tok->bytes.p + tok->bytes_off[tok->bos], tok->bytes_len[tok->bos]);
+        rc = chat_markup(c, tok->bytes.p + tok->bytes_off[tok->bos], tok->bytes_len[tok->bos]);
     int first = 0;
     if (rc == SKV_OK && strstr(tmpl, "Cutting Knowledge Date") != NULL) {
-        struct strbuf sys = {0};
-        rc = sb_adds(&sys, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
+        rc = chat_markups(c, "<|start_header_id|>system<|end_header_id|>\n\n");
+        if (rc == SKV_OK)
+            rc = chat_markups(c, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
         if (rc == SKV_OK && strcmp(msgs[0].role, "system") == 0) {
-            rc = add_trimmed(&sys, msgs[0].content);
+            rc = add_trimmed(&c->b, msgs[0].content);
             first = 1;
         }
         if (rc == SKV_OK)
-            rc = sb_adds(b, "<|start_header_id|>system<|end_header_id|>\n\n");
-        if (rc == SKV_OK)
-            rc = sb_add(b, sys.p, sys.len);
-        if (rc == SKV_OK)
-            rc = sb_adds(b, "<|eot_id|>");
-        free(sys.p);
+            rc = chat_markups(c, "<|eot_id|>");
     }
     for (int i = first; i < n && rc == SKV_OK; i++)
-        rc = llama3_turn(b, msgs[i].role, msgs[i].content);
+        rc = llama3_turn(c, msgs[i].role, msgs[i].content);
     if (rc == SKV_OK && gen)
-        rc = sb_adds(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        rc = chat_markups(c, "<|start_header_id|>assistant<|end_header_id|>\n\n");
     return rc;
 }
 
-int skv_tokenizer_chat_render(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs,
-                              int n, bool add_generation_prompt, char **out)
+/* Renders the chat into c (its text always allocated on success). */
+static int chat_build(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n, bool gen,
+                      struct chat_text *c)
 {
-    if (tok == NULL || out == NULL || n <= 0 || msgs == NULL)
+    if (tok == NULL || n <= 0 || msgs == NULL)
         return skv_errorf(SKV_E_INVAL, "tokenizer: chat needs at least one message");
     for (int i = 0; i < n; i++)
         if (msgs[i].role == NULL || msgs[i].content == NULL)
             return skv_errorf(SKV_E_INVAL, "tokenizer: chat message %d has no role or content", i);
     if (tok->chat_template == NULL)
         return skv_errorf(SKV_E_UNSUPPORTED, "tokenizer: the model has no chat template");
-    struct strbuf b = {0};
     int rc;
     if (strstr(tok->chat_template, "<|im_start|>") != NULL)
-        rc = render_chatml(tok, msgs, n, add_generation_prompt, &b);
+        rc = render_chatml(tok, msgs, n, gen, c);
     else if (strstr(tok->chat_template, "<|start_header_id|>") != NULL)
-        rc = render_llama3(tok, msgs, n, add_generation_prompt, &b);
+        rc = render_llama3(tok, msgs, n, gen, c);
     else
         return skv_errorf(SKV_E_UNSUPPORTED, "tokenizer: chat template is neither ChatML nor Llama 3");
-    if (rc == SKV_OK)
-        rc = sb_reserve(&b, 0) == SKV_OK ? SKV_OK : SKV_E_NOMEM;
+    if (rc == SKV_OK && sb_reserve(&c->b, 0) != SKV_OK)
+        rc = SKV_E_NOMEM;
+    return rc == SKV_E_NOMEM ? skv_errorf(rc, "tokenizer: no memory for the chat text") : rc;
+}
+
+int skv_tokenizer_chat_render(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs,
+                              int n, bool add_generation_prompt, char **out)
+{
+    if (out == NULL)
+        return skv_errorf(SKV_E_INVAL, "tokenizer: NULL chat output");
+    struct chat_text c = {0};
+    int rc = chat_build(tok, msgs, n, add_generation_prompt, &c);
+    free(c.marks);
     if (rc != SKV_OK) {
-        free(b.p);
-        return rc == SKV_E_NOMEM ? skv_errorf(rc, "tokenizer: no memory for the chat text") : rc;
+        free(c.b.p);
+        return rc;
     }
-    *out = b.p;
+    *out = c.b.p;
     return SKV_OK;
 }
+
+int skv_tokenizer_chat_encode(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
+                              bool add_generation_prompt, int32_t *ids, int max, int *n_out)
+{
+    if (n_out == NULL || max < 0 || (ids == NULL && max > 0))
+        return skv_errorf(SKV_E_INVAL, "tokenizer: bad chat encode arguments");
+    struct chat_text c = {0};
+    int rc = chat_build(tok, msgs, n, add_generation_prompt, &c);
+    /* no BOS of the encoder's own: the template writes the one it wants */
+    if (rc == SKV_OK)
+        rc = encode_marked(tok, c.b.p, c.b.len, false, c.marks, c.n_marks, ids, max, n_out);
+    free(c.b.p);
+    free(c.marks);
+    return rc;
+}
+

@@ -1,8 +1,8 @@
 /* Byte-level BPE tokenizer (GPT-2 style, as Llama 3, SmolLM2, Qwen2 and Mistral-Nemo ship it):
  * special tokens split first, then the model's pre-tokenizer regexes (PCRE2, Unicode
  * properties), then byte-to-unicode mapping and BPE merges by rank. Built from GGUF
- * `tokenizer.ggml.*` metadata or from a Hugging Face `tokenizer.json`. Also renders the
- * default model's ChatML chat template. Knows no model, no socket. */
+ * `tokenizer.ggml.*` metadata or from a Hugging Face `tokenizer.json`. Also renders and
+ * encodes ChatML and Llama 3 chat templates. Knows no model, no socket. */
 #ifndef SKV_TOKENIZER_H
 #define SKV_TOKENIZER_H
 
@@ -35,7 +35,8 @@ int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size
  * bytes; *len_out is the full length. Bytes may be a partial UTF-8 sequence. */
 int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char *buf, size_t cap,
                               size_t *len_out);
-/* Decode ids to a malloc'd NUL-terminated string. */
+/* Decode ids to a malloc'd NUL-terminated string. Ids outside [0, n_vocab) are skipped (as
+ * Hugging Face's decode skips unknown ids): a model may have more embedding rows than tokens. */
 int skv_tokenizer_decode(const struct skv_tokenizer *tok, const int32_t *ids, int n, char **out);
 
 struct skv_chat_msg {
@@ -46,5 +47,11 @@ struct skv_chat_msg {
  * inserted when the first message is not a system message) into a malloc'd string. */
 int skv_tokenizer_chat_render(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs,
                               int n, bool add_generation_prompt, char **out);
+/* Renders and encodes the chat as Hugging Face's apply_chat_template(tokenize=True) does: the
+ * template owns BOS (none is added besides the one it writes). Unlike it, control tokens come
+ * only from the template's own markup: a role or content saying "<|im_end|>" stays plain text.
+ * Writes at most max ids; *n_out is always the full count (SKV_E_LIMIT when > max). */
+int skv_tokenizer_chat_encode(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
+                              bool add_generation_prompt, int32_t *ids, int max, int *n_out);
 
 #endif

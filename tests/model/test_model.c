@@ -20,6 +20,7 @@
 #include "daemon/engine/gguf.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
+#include "daemon/engine/tokenizer.h"
 #include "kernels/backend.h"
 #include "tests/common/fixture.h"
 
@@ -242,6 +243,45 @@ static void edit_types_short(json_t *c)
     json_object_set_new(c, "layer_types", t);
 }
 
+static void edit_l3_band(json_t *c)
+{
+    json_object_set_new(json_object_get(c, "rope_scaling"), "high_freq_factor", json_real(0.5));
+}
+static void edit_l3_factor0(json_t *c)
+{
+    json_object_set_new(json_object_get(c, "rope_scaling"), "factor", json_real(0.0));
+}
+static void edit_rope_yarn(json_t *c)
+{
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "yarn", "factor", 4.0));
+}
+static void edit_linear_factor0(json_t *c)
+{
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "linear", "factor", 0.0));
+}
+static void edit_linear_2(json_t *c)
+{
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "linear", "factor", 2.0));
+}
+
+/* RoPE parameters config.json gives are checked at load with the rope op's rules: a llama3 band
+ * with high_freq_factor <= low_freq_factor (accepted at load before, refused at the first
+ * forward) and a factor of 0 (llama3 scaling silently off before) fail there with a message. */
+static void test_hf_rope_config(void **state)
+{
+    (void)state;
+    int w[3];
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_none, w), SKV_OK);
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_l3_band, w), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "rope"));
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_l3_factor0, w), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "factor"));
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_linear_factor0, w), SKV_E_FORMAT);
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_rope_yarn, w), SKV_E_UNSUPPORTED);
+    assert_non_null(strstr(skv_error_msg(), "yarn"));
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_linear_2, w), SKV_OK);
+}
+
 /* Which layers slide, from each way config.json can say it (transformers' reading). */
 static void test_swa_config(void **state)
 {
@@ -421,6 +461,249 @@ static void test_gguf_rope_freqs(void **state)
     free(path);
     skv_backend_destroy(&be);
     json_decref(ref);
+}
+
+/* ---- GGUFs written here: rope scaling keys, tokenizer sizes ---- */
+
+struct gguf_buf {
+    uint8_t *p;
+    size_t len, cap;
+    uint64_t n_kv;
+};
+
+static void gb_put(struct gguf_buf *b, const void *s, size_t n)
+{
+    if (b->len + n > b->cap) {
+        b->cap = (b->len + n) * 2;
+        b->p = realloc(b->p, b->cap);
+        assert_non_null(b->p);
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+}
+
+static void gb_u32(struct gguf_buf *b, uint32_t v) { gb_put(b, &v, 4); }
+static void gb_u64(struct gguf_buf *b, uint64_t v) { gb_put(b, &v, 8); }
+
+static void gb_str(struct gguf_buf *b, const char *s)
+{
+    gb_u64(b, strlen(s));
+    gb_put(b, s, strlen(s));
+}
+
+static void gb_key(struct gguf_buf *b, const char *key, uint32_t type)
+{
+    gb_str(b, key);
+    gb_u32(b, type);
+    b->n_kv++;
+}
+
+static void gb_kv_str(struct gguf_buf *b, const char *key, const char *v)
+{
+    gb_key(b, key, 8);
+    gb_str(b, v);
+}
+
+static void gb_kv_u32(struct gguf_buf *b, const char *key, uint32_t v)
+{
+    gb_key(b, key, 4);
+    gb_u32(b, v);
+}
+
+static void gb_kv_f32(struct gguf_buf *b, const char *key, float v)
+{
+    gb_key(b, key, 6);
+    gb_put(b, &v, 4);
+}
+
+/* What a test puts in the GGUF besides the model. */
+struct gguf_extra {
+    const char *scaling_type; /* llama.rope.scaling.type; NULL: absent */
+    float scaling_factor;     /* llama.rope.scaling.factor; 0: absent */
+    float freq_base;          /* llama.rope.freq_base; 0: absent */
+    int n_tokens;             /* a tokenizer of this many tokens ('A' + i); 0: none */
+};
+
+/* Writes a llama GGUF to a temporary file and returns its path (malloc'd): 1 layer, dim 8,
+ * 2 heads of 4, ffn 16, 32 embedding rows, f32 weights of 0.01 and norms of 1, tied output. */
+static char *write_gguf(const struct gguf_extra *x)
+{
+    static const struct {
+        const char *name;
+        uint64_t ne0, ne1; /* ne1 0: a vector */
+    } tensors[] = {
+        {"token_embd.weight", 8, 32},       {"output_norm.weight", 8, 0},
+        {"blk.0.attn_norm.weight", 8, 0},   {"blk.0.attn_q.weight", 8, 8},
+        {"blk.0.attn_k.weight", 8, 8},      {"blk.0.attn_v.weight", 8, 8},
+        {"blk.0.attn_output.weight", 8, 8}, {"blk.0.ffn_norm.weight", 8, 0},
+        {"blk.0.ffn_gate.weight", 8, 16},   {"blk.0.ffn_up.weight", 8, 16},
+        {"blk.0.ffn_down.weight", 16, 8},
+    };
+    const size_t n_tensors = sizeof tensors / sizeof tensors[0], align = 32;
+    struct gguf_buf b = {0};
+    gb_put(&b, "GGUF", 4);
+    gb_u32(&b, 3);
+    gb_u64(&b, n_tensors);
+    gb_u64(&b, 0); /* n_kv, patched below */
+    gb_kv_str(&b, "general.architecture", "llama");
+    gb_kv_u32(&b, "llama.block_count", 1);
+    gb_kv_u32(&b, "llama.embedding_length", 8);
+    gb_kv_u32(&b, "llama.feed_forward_length", 16);
+    gb_kv_u32(&b, "llama.attention.head_count", 2);
+    gb_kv_u32(&b, "llama.context_length", 64);
+    if (x->freq_base != 0.0f)
+        gb_kv_f32(&b, "llama.rope.freq_base", x->freq_base);
+    if (x->scaling_type)
+        gb_kv_str(&b, "llama.rope.scaling.type", x->scaling_type);
+    if (x->scaling_factor != 0.0f)
+        gb_kv_f32(&b, "llama.rope.scaling.factor", x->scaling_factor);
+    if (x->n_tokens > 0) {
+        gb_kv_str(&b, "tokenizer.ggml.model", "gpt2");
+        gb_key(&b, "tokenizer.ggml.tokens", 9);
+        gb_u32(&b, 8);
+        gb_u64(&b, (uint64_t)x->n_tokens);
+        for (int i = 0; i < x->n_tokens; i++) {
+            char t[2] = {(char)('A' + i), '\0'};
+            gb_str(&b, t);
+        }
+    }
+    memcpy(b.p + 16, &b.n_kv, 8);
+    uint64_t off = 0;
+    for (size_t i = 0; i < n_tensors; i++) {
+        uint64_t rows = tensors[i].ne1 ? tensors[i].ne1 : 1;
+        gb_str(&b, tensors[i].name);
+        gb_u32(&b, tensors[i].ne1 ? 2 : 1);
+        gb_u64(&b, tensors[i].ne0);
+        if (tensors[i].ne1)
+            gb_u64(&b, tensors[i].ne1);
+        gb_u32(&b, 0); /* f32 */
+        gb_u64(&b, off);
+        off += (tensors[i].ne0 * rows * 4 + align - 1) / align * align;
+    }
+    while (b.len % align)
+        gb_put(&b, "", 1);
+    for (size_t i = 0; i < n_tensors; i++) {
+        float v = tensors[i].ne1 ? 0.01f : 1.0f;
+        for (uint64_t k = 0; k < tensors[i].ne0 * (tensors[i].ne1 ? tensors[i].ne1 : 1); k++)
+            gb_put(&b, &v, 4);
+        while (b.len % align)
+            gb_put(&b, "", 1);
+    }
+    char path[] = "/tmp/skv-model-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, b.p, b.len), (ssize_t)b.len);
+    close(fd);
+    free(b.p);
+    return strdup(path);
+}
+
+/* Loads the GGUF write_gguf makes of x; the status, the model in *out on SKV_OK. */
+static int load_written(const struct gguf_extra *x, struct skv_backend *be, struct skv_model **out)
+{
+    char *path = write_gguf(x);
+    int rc = skv_model_load(path, be, NULL, out);
+    unlink(path); /* the mapping stays */
+    free(path);
+    return rc;
+}
+
+/* <arch>.rope.scaling.type as llama.cpp reads it: none; linear (also when the key is absent)
+ * dividing positions by rope.scaling.factor (absent or 0: no scaling). yarn, longrope and
+ * other types are refused at load, not run without their scaling; so are a negative factor
+ * and a theta the rope op would refuse at the first forward. */
+static void test_gguf_rope_scaling(void **state)
+{
+    (void)state;
+    static const struct {
+        struct gguf_extra x;
+        int rc;
+        float freq_scale; /* on SKV_OK */
+        const char *in_msg; /* otherwise */
+    } cases[] = {
+        {{NULL, 0.0f, 0.0f, 0}, SKV_OK, 1.0f, NULL},
+        {{"none", 4.0f, 0.0f, 0}, SKV_OK, 1.0f, NULL},
+        {{"linear", 4.0f, 0.0f, 0}, SKV_OK, 0.25f, NULL},
+        {{NULL, 2.0f, 0.0f, 0}, SKV_OK, 0.5f, NULL},
+        {{"linear", 0.0f, 0.0f, 0}, SKV_OK, 1.0f, NULL},
+        {{"yarn", 4.0f, 0.0f, 0}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
+        {{"longrope", 0.0f, 0.0f, 0}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
+        {{"llama3", 8.0f, 0.0f, 0}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
+        {{"linear", -2.0f, 0.0f, 0}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
+        {{NULL, 0.0f, INFINITY, 0}, SKV_E_FORMAT, 0.0f, "rope"},
+    };
+    struct skv_backend *be = NULL;
+    assert_int_equal(backend_new(1, &be), SKV_OK);
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        struct skv_model *m = NULL;
+        int rc = load_written(&cases[k].x, be, &m);
+        if (rc != cases[k].rc)
+            fail_msg("case %zu: status %d, %d expected (%s)", k, rc, cases[k].rc, skv_error_msg());
+        if (rc != SKV_OK) {
+            assert_null(m);
+            assert_non_null(strstr(skv_error_msg(), cases[k].in_msg));
+            continue;
+        }
+        assert_float_equal(m->cfg.rope.freq_scale, cases[k].freq_scale, 1e-7);
+        assert_null(m->tok);
+        if (k == 0) { /* the written model runs */
+            struct skv_engine *e = NULL;
+            struct skv_kv_cache *cache = NULL;
+            float logits[32];
+            int32_t ids[3] = {1, 7, 31};
+            assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+            assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
+            assert_int_equal(skv_engine_forward(e, cache, ids, 3, NULL, logits), SKV_OK);
+            for (int i = 0; i < 32; i++)
+                assert_true(isfinite(logits[i]));
+            skv_kv_cache_free(&cache);
+            skv_engine_free(&e);
+        }
+        skv_model_free(&m);
+    }
+    skv_backend_destroy(&be);
+}
+
+/* A tokenizer must fit the model: more tokens than embedding rows is refused at load (GGUF and
+ * Hugging Face folder); fewer is fine, and decoding skips the rows past the tokenizer. */
+static void test_tokenizer_fits_model(void **state)
+{
+    (void)state;
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(backend_new(1, &be), SKV_OK);
+    struct gguf_extra big = {.n_tokens = 40}, small = {.n_tokens = 20};
+    assert_int_equal(load_written(&big, be, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "40 tokens"));
+    assert_int_equal(load_written(&small, be, &m), SKV_OK);
+    assert_int_equal(m->cfg.n_vocab, 32);
+    assert_int_equal(skv_tokenizer_n_vocab(m->tok), 20);
+    int32_t ids[4] = {5, 25, 31, 19}; /* F, two rows past the tokenizer, T */
+    char *text = NULL;
+    assert_int_equal(skv_tokenizer_decode(m->tok, ids, 4, &text), SKV_OK);
+    assert_string_equal(text, "FT");
+    free(text);
+    skv_model_free(&m);
+
+    /* tiny-llama's 320 rows with the 1201-token tiny tokenizer next to them */
+    char *dir = fixture_stage_dir("tests/fixtures/tiny-llama");
+    assert_non_null(dir);
+    size_t size = 0;
+    char *tj = fixture_read("tests/fixtures/tok_tiny/tokenizer.json", &size);
+    assert_non_null(tj);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(tj, 1, size, fp), size);
+    fclose(fp);
+    free(tj);
+    assert_int_equal(skv_model_load(dir, be, NULL, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "1201 tokens"));
+    fixture_remove_dir(dir);
+    skv_backend_destroy(&be);
 }
 
 /* Append and decode give the same logits as one forward over the whole sequence. */
@@ -631,6 +914,8 @@ int main(void)
         cmocka_unit_test(test_load_errors),       cmocka_unit_test(test_gguf_rope_freqs),
         cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
+        cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
+        cmocka_unit_test(test_tokenizer_fits_model),
     };
     const struct CMUnitTest cuda[] = {
         cmocka_unit_test(test_tiny_llama_cuda),        cmocka_unit_test(test_tiny_llama_bf16_cuda),

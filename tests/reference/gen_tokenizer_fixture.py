@@ -170,7 +170,7 @@ def tiny(strings, fixtures):
     variants = {
         "llama-bpe": ({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level]}, True),
         "qwen2": ({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level]}, False),
-        "tekken": ({"type": "Sequence", "pretokenizers": [split(TEKKEN_SPLIT), byte_level]}, False),
+        "tekken": ({"type": "Sequence", "pretokenizers": [split(TEKKEN_SPLIT), byte_level]}, True),
         "gpt2": (dict(byte_level, use_regex=True), False),
         "smollm": (SMOLLM_PRE, False),
     }
