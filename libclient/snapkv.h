@@ -239,7 +239,9 @@ struct snapkv_decode_result {
     size_t n_tokens;
     char *text;                   /* their text, NUL-terminated, never NULL on success */
     uint32_t n_generated;         /* as the daemon counted */
-    char finish_reason[16];       /* "length" | "stop" | "eos" */
+    /* "length" | "stop" | "eos", or "cancelled": the daemon shut down mid-decode; the call still
+     * succeeds with the tokens made so far (collected without on_tokens, their text is then "") */
+    char finish_reason[16];
 };
 /* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the
  * daemon streams and on_tokens sees each batch as it comes; without, one reply carries all.
