@@ -1307,7 +1307,8 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
                 putchar('\n');
             }
         }
-        if (positions && in.n_positions && !in.layers[0].positions)
+        /* a reply with positions but no layers (malformed) has nothing to match them to */
+        if (positions && in.n_positions && (in.n_layers == 0 || !in.layers[0].positions))
             printf("(%zu positions did not match the kept lengths; see --json)\n", in.n_positions);
     }
     snapkv_inspect_result_free(&in);
