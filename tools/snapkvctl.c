@@ -39,7 +39,7 @@ struct export_header {
     uint32_t n_layers;
     uint32_t n_kv_heads;
     uint32_t head_dim;
-    uint32_t original_length;
+    uint32_t original_length;     /* the session's length (its next position); never 0 */
     uint32_t n_positions;
     uint64_t data_bytes;
     char model_fingerprint[80];   /* NUL-terminated and NUL-padded */
@@ -80,7 +80,8 @@ static void usage(FILE *out)
             "  compress SESSION SPEC [--window-from N]\n"
             "  fork SESSION                           copy-on-write copy; prints the new id\n"
             "  export SESSION [--out FILE] [--size BYTES]\n"
-            "                                         K/V through shared memory into FILE (default SESSION.skvkv)\n"
+            "                                         K/V through shared memory into FILE (default SESSION.skvkv);\n"
+            "                                         also asks the admin endpoint for the session's length\n"
             "  import FILE                            a session from an exported file; prints its id\n"
             "  release SESSION\n"
             "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
@@ -1090,27 +1091,31 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         return 1;
     struct snapkv_server_info si;
     snapkv_server_info(cl, &si);
-    uint32_t original_length = 0;
-    if (!size) {
-        /* size the buffer from what the session keeps (INSPECT is an admin command) */
-        snapkv_client_t *admin = NULL;
-        if (connect_to(c, true, &admin)) {
-            fprintf(stderr, "snapkvctl export: sizing the buffer needs the admin endpoint, or give --size\n");
-            goto out_close;
-        }
-        struct snapkv_inspect_result in;
-        rc = snapkv_admin_inspect(admin, &id, false, &in);
-        snapkv_close(&admin);
-        if (rc) {
-            failed("inspect", rc);
-            goto out_close;
-        }
-        size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
-        original_length = in.info.n_tokens;
-        snapkv_inspect_result_free(&in);
-        if (size == 0)
-            size = 4096; /* an empty session still needs a buffer to name */
+    /* An import needs the session's length (the next position), which EXPORT_KV does not give:
+     * INSPECT, an admin command, does. It also sizes the buffer when --size is not given. */
+    snapkv_client_t *admin = NULL;
+    if (connect_to(c, true, &admin)) {
+        fprintf(stderr, "snapkvctl export: the file must hold the session's length, which only the admin endpoint "
+                        "tells (INSPECT); give it with -a, also with --size\n");
+        goto out_close;
     }
+    struct snapkv_inspect_result in;
+    rc = snapkv_admin_inspect(admin, &id, false, &in);
+    snapkv_close(&admin);
+    if (rc) {
+        failed("inspect", rc);
+        goto out_close;
+    }
+    uint32_t original_length = in.info.n_tokens;
+    if (!size)
+        size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
+    snapkv_inspect_result_free(&in);
+    if (original_length == 0) {
+        fprintf(stderr, "snapkvctl export: the daemon reports no length for session %s\n", argv[optind]);
+        goto out_close;
+    }
+    if (size == 0)
+        size = 4096; /* an empty session still needs a buffer to name */
     rc = snapkv_shm_create("export", (size_t)size, &shm);
     if (rc) {
         failed("shared memory", rc);
@@ -1125,6 +1130,13 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         if (lay.layers[i].n_heads != si.n_kv_heads) {
             fprintf(stderr, "snapkvctl export: layer %u has %u heads, the model %u\n", lay.layers[i].layer,
                     lay.layers[i].n_heads, si.n_kv_heads);
+            goto out_layout;
+        }
+    /* a session that grew between INSPECT and EXPORT_KV holds positions past the length */
+    for (size_t i = 0; i < lay.n_positions; i++)
+        if (lay.positions[i] >= original_length) {
+            fprintf(stderr, "snapkvctl export: session %s grew during the export (position %u, length %u); "
+                    "export it again\n", argv[optind], lay.positions[i], original_length);
             goto out_layout;
         }
     if (strlen(si.model_fingerprint) >= sizeof(((struct export_header *)0)->model_fingerprint)) {
@@ -1211,6 +1223,11 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
         h.version != EXPORT_VERSION || h.n_layers == 0 || h.n_layers > 4096 || h.n_kv_heads > 4096 ||
         h.model_fingerprint[sizeof h.model_fingerprint - 1] != '\0') {
         fprintf(stderr, "snapkvctl import: %s is not a snapkvctl export (version %u)\n", path, EXPORT_VERSION);
+        goto out_close_file;
+    }
+    if (h.original_length == 0) {
+        fprintf(stderr, "snapkvctl import: %s does not say how long the session was (an export made with --size "
+                "by an older snapkvctl); export the session again\n", path);
         goto out_close_file;
     }
     layers = calloc(h.n_layers, sizeof *layers);
