@@ -129,6 +129,51 @@ static int check_handshake(snapkv_client_t *c)
     return rc;
 }
 
+/* Milliseconds zmq_poll may wait until deadline (-1: no deadline, wait forever). */
+static long wait_ms(int64_t deadline)
+{
+    if (deadline < 0)
+        return -1;
+    int64_t left = deadline - now_ms();
+    return left > 0 ? (long)left : 0;
+}
+
+/* Hands one packed request to libzmq by the deadline. The socket (ZMQ_IMMEDIATE) takes
+ * messages only while a daemon is connected, and no more than its high-water mark: for a
+ * daemon that is not running, gone or no longer reading, the call times out here instead of
+ * blocking, and nothing is queued to run when a daemon comes back. */
+static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t deadline, const char *what)
+{
+    for (;;) {
+        if (zmq_send(c->sock, buf, len, ZMQ_DONTWAIT) >= 0)
+            return SNAPKV_OK;
+        int err = zmq_errno();
+        if (err == EINTR)
+            return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while sending the %s request", what);
+        if (err != EAGAIN)
+            return skv_client_fail(SNAPKV_E_IO, "send: %s", zmq_strerror(err));
+        zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLOUT},
+                                   {.socket = c->monitor, .events = ZMQ_POLLIN}};
+        int n = zmq_poll(items, c->monitor ? 2 : 1, wait_ms(deadline));
+        if (n < 0) {
+            err = zmq_errno();
+            if (err == EINTR)
+                return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while sending the %s request", what);
+            return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(err));
+        }
+        if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
+            int rc = check_handshake(c);
+            if (rc)
+                return rc;
+        }
+        if (n == 0)
+            return skv_client_fail(SNAPKV_E_TIMEOUT,
+                                   "could not send the %s request within %d ms: the daemon is not connected "
+                                   "(not running?) or has stopped reading requests",
+                                   what, c->timeout_ms);
+    }
+}
+
 int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
                     skv_partial_fn partial, void *user, Snapkv__Reply **reply_out)
 {
@@ -143,22 +188,18 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
     if (!buf)
         return skv_client_fail(SNAPKV_E_NOMEM, "out of memory packing a %s request", what);
     snapkv__request__pack(req, buf);
-    int rc = zmq_send(c->sock, buf, len, 0);
-    free(buf);
-    if (rc < 0)
-        return skv_client_fail(SNAPKV_E_IO, "send: %s", zmq_strerror(zmq_errno()));
-
-    /* the timeout bounds the wait for each reply of this request; stale replies do not extend it */
+    /* the timeout bounds sending the request and the wait for each of its replies; stale
+     * replies do not extend it */
     int64_t deadline = c->timeout_ms < 0 ? -1 : now_ms() + c->timeout_ms;
+    int rc = send_request(c, buf, len, deadline, what);
+    free(buf);
+    if (rc)
+        return rc;
+
     for (;;) {
-        long wait = -1;
-        if (deadline >= 0) {
-            int64_t left = deadline - now_ms();
-            wait = left > 0 ? (long)left : 0;
-        }
         zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLIN},
                                    {.socket = c->monitor, .events = ZMQ_POLLIN}};
-        rc = zmq_poll(items, c->monitor ? 2 : 1, wait);
+        rc = zmq_poll(items, c->monitor ? 2 : 1, wait_ms(deadline));
         if (rc < 0) {
             if (zmq_errno() == EINTR)
                 return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while waiting for the %s reply", what);
@@ -295,8 +336,10 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
         rc = skv_client_fail(SNAPKV_E_IO, "socket: %s", zmq_strerror(zmq_errno()));
         goto out_close;
     }
-    int linger = 0;
+    /* immediate: requests wait for a connected daemon (see send_request), never in a queue */
+    int linger = 0, immediate = 1;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(c->sock, ZMQ_IMMEDIATE, &immediate, sizeof immediate);
     if ((rc = setup_curve(c, opts)))
         goto out_close;
     monitor_start(c);

@@ -25,9 +25,9 @@ int skv_client_fail(int status, const char *fmt, ...) __attribute__((format(prin
 typedef int (*skv_partial_fn)(void *user, const Snapkv__Reply *rep);
 
 /* Sends req (version, request id and tenant filled in here) and waits for its final reply,
- * skipping replies to earlier requests. The final reply must be ok and carry result_case
- * `want` (what: the command's name for messages). On success *reply_out owns the reply
- * (free with snapkv__reply__free_unpacked). */
+ * skipping replies to earlier requests; the client's timeout bounds the send and each wait.
+ * The final reply must be ok and carry result_case `want` (what: the command's name for
+ * messages). On success *reply_out owns the reply (free with snapkv__reply__free_unpacked). */
 int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
                     skv_partial_fn partial, void *user, Snapkv__Reply **reply_out);
 

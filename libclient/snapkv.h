@@ -73,7 +73,7 @@ typedef struct snapkv_client snapkv_client_t;
 struct snapkv_connect_opts {
     const char *tenant;     /* NULL: "default" */
     const char *name;       /* client name shown to admins; NULL: "libsnapkv" */
-    int timeout_ms;         /* wait for each reply; 0: 30000, -1: wait forever */
+    int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever */
     /* CURVE, which a daemon's tcp:// endpoint requires: Z85 keys (40 characters, e.g. read with
      * snapkv_curve_key_load). All NULL: no CURVE (ipc://, or a daemon run with
      * allow-insecure-tcp). The strings are copied during snapkv_connect. */
@@ -107,9 +107,12 @@ SNAPKV_API int snapkv_curve_keypair(char public_key[SNAPKV_CURVE_KEY_SIZE], char
  * secret: the file must not be readable or writable by others (SNAPKV_E_PERM otherwise). */
 SNAPKV_API int snapkv_curve_key_load(const char *path, bool secret, char key[SNAPKV_CURVE_KEY_SIZE]);
 
-/* Changes how long each later call waits for each reply (0: 30000, -1: forever). The timeout
- * restarts with every streamed reply, so a long prefill either asks for progress or needs a
- * longer timeout. A reply that arrives after its call timed out is discarded by later calls. */
+/* Changes how long each later call may take to send its request and to get each reply (0: 30000,
+ * -1: forever). The timeout restarts with every streamed reply, so a long prefill either asks
+ * for progress or needs a longer timeout. A reply that arrives after its call timed out is
+ * discarded by later calls. Requests are not queued for a daemon that is not connected (not
+ * running yet, gone) or that has stopped reading: such a call fails with SNAPKV_E_TIMEOUT
+ * ("could not send ...") at its timeout, and a daemon that comes back sees only later calls. */
 SNAPKV_API int snapkv_set_timeout(snapkv_client_t *client, int timeout_ms);
 
 /* What HELLO told us about the daemon and its model. Strings live as long as the client. */
@@ -236,7 +239,9 @@ struct snapkv_decode_result {
     size_t n_tokens;
     char *text;                   /* their text, NUL-terminated, never NULL on success */
     uint32_t n_generated;         /* as the daemon counted */
-    char finish_reason[16];       /* "length" | "stop" | "eos" */
+    /* "length" | "stop" | "eos", or "cancelled": the daemon shut down mid-decode; the call still
+     * succeeds with the tokens made so far (collected without on_tokens, their text is then "") */
+    char finish_reason[16];
 };
 /* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the
  * daemon streams and on_tokens sees each batch as it comes; without, one reply carries all.

@@ -6,6 +6,7 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -38,7 +39,7 @@ struct export_header {
     uint32_t n_layers;
     uint32_t n_kv_heads;
     uint32_t head_dim;
-    uint32_t original_length;
+    uint32_t original_length;     /* the session's length (its next position); never 0 */
     uint32_t n_positions;
     uint64_t data_bytes;
     char model_fingerprint[80];   /* NUL-terminated and NUL-padded */
@@ -79,7 +80,8 @@ static void usage(FILE *out)
             "  compress SESSION SPEC [--window-from N]\n"
             "  fork SESSION                           copy-on-write copy; prints the new id\n"
             "  export SESSION [--out FILE] [--size BYTES]\n"
-            "                                         K/V through shared memory into FILE (default SESSION.skvkv)\n"
+            "                                         K/V through shared memory into FILE (default SESSION.skvkv);\n"
+            "                                         also asks the admin endpoint for the session's length\n"
             "  import FILE                            a session from an exported file; prints its id\n"
             "  release SESSION\n"
             "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
@@ -139,13 +141,115 @@ static int connect_to(const struct ctl *c, bool admin, snapkv_client_t **out)
     return rc;
 }
 
-static void print_json(json_t *j)
+/* Prints j (the reference is taken) and returns the exit status. NULL j: building the output
+ * failed (out of memory, or a helper below gave NULL), which is an error, not an empty output. */
+static int print_json(json_t *j)
 {
     char *s = j ? json_dumps(j, JSON_INDENT(2)) : NULL;
-    if (s)
-        puts(s);
-    free(s);
     json_decref(j);
+    if (!s) {
+        fprintf(stderr, "snapkvctl: could not build the JSON output\n");
+        return 1;
+    }
+    int ret = puts(s) < 0 ? 1 : 0;
+    free(s);
+    return ret;
+}
+
+/* Appends v to *arr, taking the reference. When that fails (v NULL: it could not be built) the
+ * whole array goes and *arr becomes NULL, so no row is silently missing from an output. */
+static void json_push(json_t **arr, json_t *v)
+{
+    if (json_array_append_new(*arr, v) != 0) {
+        json_decref(*arr);
+        *arr = NULL;
+    }
+}
+
+/* Sets key in *obj to v, the same way: on failure the object goes and *obj becomes NULL. */
+static void json_put(json_t **obj, const char *key, json_t *v)
+{
+    if (json_object_set_new(*obj, key, v) != 0) {
+        json_decref(*obj);
+        *obj = NULL;
+    }
+}
+
+/* Length of the well-formed UTF-8 sequence at s (1 to 4 bytes), or 0 when none starts there;
+ * then *bad is the length of its longest ill-formed prefix (at least 1; the NUL ends it). */
+static size_t utf8_seq(const unsigned char *s, size_t *bad)
+{
+    size_t n;
+    unsigned char lo = 0x80, hi = 0xbf; /* the second byte's range */
+    if (s[0] < 0x80)
+        return 1;
+    if (s[0] >= 0xc2 && s[0] <= 0xdf) {
+        n = 2;
+    } else if (s[0] >= 0xe0 && s[0] <= 0xef) {
+        n = 3;
+        lo = s[0] == 0xe0 ? 0xa0 : 0x80; /* not overlong */
+        hi = s[0] == 0xed ? 0x9f : 0xbf; /* not a surrogate */
+    } else if (s[0] >= 0xf0 && s[0] <= 0xf4) {
+        n = 4;
+        lo = s[0] == 0xf0 ? 0x90 : 0x80; /* not overlong */
+        hi = s[0] == 0xf4 ? 0x8f : 0xbf; /* not above U+10FFFF */
+    } else {
+        *bad = 1;
+        return 0;
+    }
+    for (size_t i = 1; i < n; i++) {
+        if (s[i] < (i == 1 ? lo : 0x80) || s[i] > (i == 1 ? hi : 0xbf)) {
+            *bad = i;
+            return 0;
+        }
+    }
+    return n;
+}
+
+/* s (NULL: "") as a JSON string. Text from the daemon need not be valid UTF-8 (a decode that
+ * stopped inside a character, a name cut to fit a field), and jansson refuses such strings:
+ * each ill-formed sequence becomes U+FFFD. NULL only when out of memory. */
+static json_t *json_text(const char *s)
+{
+    if (!s)
+        s = "";
+    json_t *j = json_string(s);
+    if (j)
+        return j;
+    char *fixed = malloc(3 * strlen(s) + 1); /* U+FFFD is 3 bytes; it replaces at least 1 */
+    if (!fixed)
+        return NULL;
+    size_t len = 0;
+    for (const unsigned char *p = (const unsigned char *)s; *p;) {
+        size_t bad = 0, n = utf8_seq(p, &bad);
+        if (n) {
+            memcpy(fixed + len, p, n);
+            len += n;
+            p += n;
+        } else {
+            memcpy(fixed + len, "\xef\xbf\xbd", 3);
+            len += 3;
+            p += bad;
+        }
+    }
+    j = json_stringn(fixed, len);
+    free(fixed);
+    return j;
+}
+
+/* v as a JSON number; null when it is not finite (JSON has no NaN or infinity). */
+static json_t *json_number(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+/* n integers as a JSON array; NULL when out of memory. */
+static json_t *u32_json(const uint32_t *v, size_t n)
+{
+    json_t *arr = json_array();
+    for (size_t i = 0; arr && i < n; i++)
+        json_push(&arr, json_integer(v[i]));
+    return arr;
 }
 
 static bool parse_u64(const char *s, uint64_t max, uint64_t *out)
@@ -269,40 +373,32 @@ static void reset_getopt(void)
     optind = 0; /* glibc: full re-initialisation */
 }
 
+/* One row per layer; NULL when out of memory. */
 static json_t *layers_json(const struct snapkv_layer_kept *layers, size_t n, const float *similarity,
                            size_t n_similarity)
 {
     json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; arr && i < n; i++) {
         const struct snapkv_layer_kept *l = &layers[i];
-        json_t *heads = json_array();
-        for (uint32_t h = 0; h < l->n_heads; h++)
-            json_array_append_new(heads, json_integer(l->kept_per_head[h]));
         json_t *row = json_pack("{s:i, s:i, s:o, s:I}", "layer", (int)l->layer, "kept", (int)l->kept,
-                                "kept_per_head", heads, "bytes", (json_int_t)l->bytes);
-        if (l->positions) {
+                                "kept_per_head", u32_json(l->kept_per_head, l->n_heads), "bytes",
+                                (json_int_t)l->bytes);
+        if (row && l->positions) {
             json_t *per_head = json_array();
             const uint32_t *p = l->positions;
-            for (uint32_t h = 0; h < l->n_heads; h++) {
-                json_t *ph = json_array();
-                for (uint32_t k = 0; k < l->kept_per_head[h]; k++)
-                    json_array_append_new(ph, json_integer(*p++));
-                json_array_append_new(per_head, ph);
+            for (uint32_t h = 0; per_head && h < l->n_heads; h++) {
+                json_push(&per_head, u32_json(p, l->kept_per_head[h]));
+                p += l->kept_per_head[h];
             }
-            json_object_set_new(row, "positions", per_head);
+            json_put(&row, "positions", per_head);
         }
-        if (l->blocks_per_head && l->shared_blocks_per_head) {
-            json_t *blocks = json_array(), *shared = json_array();
-            for (uint32_t h = 0; h < l->n_heads; h++) {
-                json_array_append_new(blocks, json_integer(l->blocks_per_head[h]));
-                json_array_append_new(shared, json_integer(l->shared_blocks_per_head[h]));
-            }
-            json_object_set_new(row, "blocks_per_head", blocks);
-            json_object_set_new(row, "shared_blocks_per_head", shared);
+        if (row && l->blocks_per_head && l->shared_blocks_per_head) {
+            json_put(&row, "blocks_per_head", u32_json(l->blocks_per_head, l->n_heads));
+            json_put(&row, "shared_blocks_per_head", u32_json(l->shared_blocks_per_head, l->n_heads));
         }
-        if (similarity && i < n_similarity)
-            json_object_set_new(row, "similarity", json_real(similarity[i]));
-        json_array_append_new(arr, row);
+        if (row && similarity && i < n_similarity)
+            json_put(&row, "similarity", json_number(similarity[i]));
+        json_push(&arr, row);
     }
     return arr;
 }
@@ -427,15 +523,16 @@ static int cmd_info(const struct ctl *c)
         return 1;
     struct snapkv_server_info in;
     snapkv_server_info(cl, &in);
+    int ret = 0;
     if (c->json) {
-        print_json(json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I, s:I}",
-                             "server_version", in.server_version, "model", in.model_name, "fingerprint",
-                             in.model_fingerprint, "backend", in.backend, "layers", in.n_layers, "heads",
-                             in.n_heads, "kv_heads", in.n_kv_heads, "head_dim", in.head_dim, "vocab", in.n_vocab,
-                             "max_prompt_tokens", in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens,
-                             "bos_token", in.bos_token, "eos_token", in.eos_token, "max_message_bytes",
-                             (json_int_t)in.max_message_bytes, "max_bytes_per_tenant",
-                             (json_int_t)in.max_bytes_per_tenant));
+        ret = print_json(json_pack(
+            "{s:o, s:o, s:o, s:o, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I, s:I}", "server_version",
+            json_text(in.server_version), "model", json_text(in.model_name), "fingerprint",
+            json_text(in.model_fingerprint), "backend", json_text(in.backend), "layers", in.n_layers, "heads",
+            in.n_heads, "kv_heads", in.n_kv_heads, "head_dim", in.head_dim, "vocab", in.n_vocab, "max_prompt_tokens",
+            in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens, "bos_token", in.bos_token, "eos_token",
+            in.eos_token, "max_message_bytes", (json_int_t)in.max_message_bytes, "max_bytes_per_tenant",
+            (json_int_t)in.max_bytes_per_tenant));
     } else {
         char b[32];
         printf("server      snapkvd %s (%s backend)\n", in.server_version, in.backend);
@@ -447,7 +544,7 @@ static int cmd_info(const struct ctl *c)
                in.max_new_tokens, in.max_sessions_per_tenant, fmt_bytes(in.max_bytes_per_tenant, b, sizeof b));
     }
     snapkv_close(&cl);
-    return 0;
+    return ret;
 }
 
 static int cmd_status(const struct ctl *c)
@@ -461,14 +558,14 @@ static int cmd_status(const struct ctl *c)
     if (rc)
         return failed("status", rc);
     if (c->json) {
-        print_json(json_pack("{s:s, s:s, s:s, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:i, s:I, s:i, s:i}",
-                             "server_version", s.server_version, "model", s.model_name, "backend", s.backend,
-                             "uptime_seconds", (json_int_t)s.uptime_seconds, "sessions", s.n_sessions, "clients",
-                             s.n_clients, "pool_bytes_total", (json_int_t)s.pool_bytes_total, "pool_bytes_used",
-                             (json_int_t)s.pool_bytes_used, "pool_blocks_used", (json_int_t)s.pool_blocks_used,
-                             "pool_blocks_shared", (json_int_t)s.pool_blocks_shared, "pool_block_rows",
-                             (int)s.pool_block_rows, "pool_block_bytes", (json_int_t)s.pool_block_bytes,
-                             "queue_depth", s.queue_depth, "threads", s.threads));
+        return print_json(json_pack(
+            "{s:o, s:o, s:o, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:i, s:I, s:i, s:i}", "server_version",
+            json_text(s.server_version), "model", json_text(s.model_name), "backend", json_text(s.backend),
+            "uptime_seconds", (json_int_t)s.uptime_seconds, "sessions", s.n_sessions, "clients", s.n_clients,
+            "pool_bytes_total", (json_int_t)s.pool_bytes_total, "pool_bytes_used", (json_int_t)s.pool_bytes_used,
+            "pool_blocks_used", (json_int_t)s.pool_blocks_used, "pool_blocks_shared", (json_int_t)s.pool_blocks_shared,
+            "pool_block_rows", (int)s.pool_block_rows, "pool_block_bytes", (json_int_t)s.pool_block_bytes,
+            "queue_depth", s.queue_depth, "threads", s.threads));
     } else {
         char a[32], b[32];
         printf("snapkvd %s, model %s, backend %s (%u threads)\n", s.server_version, s.model_name, s.backend,
@@ -483,11 +580,17 @@ static int cmd_status(const struct ctl *c)
     return 0;
 }
 
+struct config_rows {
+    bool json;
+    json_t *arr;    /* --json: the rows so far; NULL once one could not be added */
+};
+
 static void config_row(void *user, const char *key, const char *value, const char *help)
 {
-    json_t *arr = user;
-    if (arr)
-        json_array_append_new(arr, json_pack("{s:s, s:s, s:s}", "key", key, "value", value, "help", help));
+    struct config_rows *rows = user;
+    if (rows->json)
+        json_push(&rows->arr, json_pack("{s:o, s:o, s:o}", "key", json_text(key), "value", json_text(value),
+                                        "help", json_text(help)));
     else
         printf("%-26s %-40s # %s\n", key, value, help);
 }
@@ -497,16 +600,14 @@ static int cmd_config(const struct ctl *c, const char *key)
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
-    json_t *arr = c->json ? json_array() : NULL;
-    int rc = snapkv_admin_config_get(cl, key, config_row, arr);
+    struct config_rows rows = {.json = c->json, .arr = c->json ? json_array() : NULL};
+    int rc = snapkv_admin_config_get(cl, key, config_row, &rows);
     snapkv_close(&cl);
     if (rc) {
-        json_decref(arr);
+        json_decref(rows.arr);
         return failed("config", rc);
     }
-    if (arr)
-        print_json(arr);
-    return 0;
+    return c->json ? print_json(rows.arr) : 0;
 }
 
 /* ---- generate, chat ------------------------------------------------------------------------------------------- */
@@ -576,16 +677,15 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
             putchar('\n');
         failed("decode", rc);
     } else {
+        ret = 0;
         if (c->json) {
             char hex[SNAPKV_SESSION_ID_HEX_SIZE];
             id_hex(&pr.id, hex);
-            json_t *toks = json_array();
-            for (size_t i = 0; i < dr.n_tokens; i++)
-                json_array_append_new(toks, json_integer(dr.tokens[i]));
-            print_json(json_pack("{s:s, s:s, s:o, s:s, s:i, s:I, s:I, s:s}", "session", hex, "text", dr.text,
-                                 "tokens", toks, "finish_reason", dr.finish_reason, "prompt_tokens", pr.n_tokens,
-                                 "kv_bytes_before", (json_int_t)pr.bytes_before, "kv_bytes_after",
-                                 (json_int_t)pr.bytes_after, "compress", spec ? spec : ""));
+            ret = print_json(json_pack("{s:s, s:o, s:o, s:o, s:i, s:I, s:I, s:o}", "session", hex, "text",
+                                       json_text(dr.text), "tokens", u32_json(dr.tokens, dr.n_tokens),
+                                       "finish_reason", json_text(dr.finish_reason), "prompt_tokens", pr.n_tokens,
+                                       "kv_bytes_before", (json_int_t)pr.bytes_before, "kv_bytes_after",
+                                       (json_int_t)pr.bytes_after, "compress", json_text(spec)));
         } else {
             putchar('\n');
             if (stats) {
@@ -595,7 +695,6 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
             }
         }
         snapkv_decode_result_free(&dr);
-        ret = 0;
     }
     rc = snapkv_release(cl, &pr.id);
     if (rc) {
@@ -781,8 +880,9 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     }
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&pr.id, hex);
+    ret = 0;
     if (c->json) {
-        print_json(json_pack("{s:s, s:i, s:I, s:I, s:i, s:o}", "session", hex, "n_tokens", pr.n_tokens,
+        ret = print_json(json_pack("{s:s, s:i, s:I, s:I, s:i, s:o}", "session", hex, "n_tokens", pr.n_tokens,
                              "bytes_before", (json_int_t)pr.bytes_before, "bytes_after", (json_int_t)pr.bytes_after,
                              "next_token", pr.next_token, "layers", layers_json(pr.layers, pr.n_layers, NULL, 0)));
     } else {
@@ -791,7 +891,6 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         print_ratio("prefill", pr.bytes_before, pr.bytes_after);
     }
     snapkv_prefill_result_free(&pr);
-    ret = 0;
 out_close:
     snapkv_close(&cl);
 out_free:
@@ -814,13 +913,14 @@ static int cmd_append(const struct ctl *c, int argc, char **argv)
     snapkv_close(&cl);
     if (rc)
         return failed("append", rc);
+    int ret = 0;
     if (c->json)
-        print_json(json_pack("{s:s, s:i, s:i}", "session", argv[1], "n_tokens", ar.n_tokens, "next_token",
-                             ar.next_token));
+        ret = print_json(json_pack("{s:s, s:i, s:i}", "session", argv[1], "n_tokens", ar.n_tokens, "next_token",
+                                   ar.next_token));
     else
         printf("session length %u tokens\n", ar.n_tokens);
     snapkv_append_result_free(&ar);
-    return 0;
+    return ret;
 }
 
 static int cmd_decode(const struct ctl *c, int argc, char **argv)
@@ -852,15 +952,13 @@ static int cmd_decode(const struct ctl *c, int argc, char **argv)
         putchar('\n');
     if (rc)
         return failed("decode", rc);
-    if (c->json) {
-        json_t *toks = json_array();
-        for (size_t i = 0; i < dr.n_tokens; i++)
-            json_array_append_new(toks, json_integer(dr.tokens[i]));
-        print_json(json_pack("{s:s, s:o, s:i, s:s}", "text", dr.text, "tokens", toks, "n_generated", dr.n_generated,
-                             "finish_reason", dr.finish_reason));
-    }
+    int ret = 0;
+    if (c->json)
+        ret = print_json(json_pack("{s:o, s:o, s:i, s:o}", "text", json_text(dr.text), "tokens",
+                                   u32_json(dr.tokens, dr.n_tokens), "n_generated", dr.n_generated,
+                                   "finish_reason", json_text(dr.finish_reason)));
     snapkv_decode_result_free(&dr);
-    return 0;
+    return ret;
 }
 
 static int cmd_compress(const struct ctl *c, int argc, char **argv)
@@ -887,10 +985,11 @@ static int cmd_compress(const struct ctl *c, int argc, char **argv)
     snapkv_close(&cl);
     if (rc)
         return failed("compress", rc);
+    int ret = 0;
     if (c->json) {
-        print_json(json_pack("{s:s, s:I, s:I, s:o}", "session", argv[optind], "bytes_before",
-                             (json_int_t)cr.bytes_before, "bytes_after", (json_int_t)cr.bytes_after, "layers",
-                             layers_json(cr.layers, cr.n_layers, NULL, 0)));
+        ret = print_json(json_pack("{s:s, s:I, s:I, s:o}", "session", argv[optind], "bytes_before",
+                                   (json_int_t)cr.bytes_before, "bytes_after", (json_int_t)cr.bytes_after, "layers",
+                                   layers_json(cr.layers, cr.n_layers, NULL, 0)));
     } else {
         char a[32], b[32];
         printf("kv %s of %s (%.1f%%)\n", fmt_bytes(cr.bytes_after, a, sizeof a),
@@ -898,7 +997,7 @@ static int cmd_compress(const struct ctl *c, int argc, char **argv)
                cr.bytes_before ? 100.0 * (double)cr.bytes_after / (double)cr.bytes_before : 100.0);
     }
     snapkv_compress_result_free(&cr);
-    return 0;
+    return ret;
 }
 
 static int cmd_fork(const struct ctl *c, int argc, char **argv)
@@ -919,7 +1018,7 @@ static int cmd_fork(const struct ctl *c, int argc, char **argv)
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&new_id, hex);
     if (c->json)
-        print_json(json_pack("{s:s, s:I}", "session", hex, "shared_bytes", (json_int_t)shared));
+        return print_json(json_pack("{s:s, s:I}", "session", hex, "shared_bytes", (json_int_t)shared));
     else
         puts(hex);
     return 0;
@@ -940,7 +1039,7 @@ static int cmd_release(const struct ctl *c, int argc, char **argv)
     if (rc)
         return failed("release", rc);
     if (c->json)
-        print_json(json_pack("{s:s, s:b}", "session", argv[1], "released", 1));
+        return print_json(json_pack("{s:s, s:b}", "session", argv[1], "released", 1));
     return 0;
 }
 
@@ -992,27 +1091,31 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         return 1;
     struct snapkv_server_info si;
     snapkv_server_info(cl, &si);
-    uint32_t original_length = 0;
-    if (!size) {
-        /* size the buffer from what the session keeps (INSPECT is an admin command) */
-        snapkv_client_t *admin = NULL;
-        if (connect_to(c, true, &admin)) {
-            fprintf(stderr, "snapkvctl export: sizing the buffer needs the admin endpoint, or give --size\n");
-            goto out_close;
-        }
-        struct snapkv_inspect_result in;
-        rc = snapkv_admin_inspect(admin, &id, false, &in);
-        snapkv_close(&admin);
-        if (rc) {
-            failed("inspect", rc);
-            goto out_close;
-        }
-        size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
-        original_length = in.info.n_tokens;
-        snapkv_inspect_result_free(&in);
-        if (size == 0)
-            size = 4096; /* an empty session still needs a buffer to name */
+    /* An import needs the session's length (the next position), which EXPORT_KV does not give:
+     * INSPECT, an admin command, does. It also sizes the buffer when --size is not given. */
+    snapkv_client_t *admin = NULL;
+    if (connect_to(c, true, &admin)) {
+        fprintf(stderr, "snapkvctl export: the file must hold the session's length, which only the admin endpoint "
+                        "tells (INSPECT); give it with -a, also with --size\n");
+        goto out_close;
     }
+    struct snapkv_inspect_result in;
+    rc = snapkv_admin_inspect(admin, &id, false, &in);
+    snapkv_close(&admin);
+    if (rc) {
+        failed("inspect", rc);
+        goto out_close;
+    }
+    uint32_t original_length = in.info.n_tokens;
+    if (!size)
+        size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
+    snapkv_inspect_result_free(&in);
+    if (original_length == 0) {
+        fprintf(stderr, "snapkvctl export: the daemon reports no length for session %s\n", argv[optind]);
+        goto out_close;
+    }
+    if (size == 0)
+        size = 4096; /* an empty session still needs a buffer to name */
     rc = snapkv_shm_create("export", (size_t)size, &shm);
     if (rc) {
         failed("shared memory", rc);
@@ -1027,6 +1130,13 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         if (lay.layers[i].n_heads != si.n_kv_heads) {
             fprintf(stderr, "snapkvctl export: layer %u has %u heads, the model %u\n", lay.layers[i].layer,
                     lay.layers[i].n_heads, si.n_kv_heads);
+            goto out_layout;
+        }
+    /* a session that grew between INSPECT and EXPORT_KV holds positions past the length */
+    for (size_t i = 0; i < lay.n_positions; i++)
+        if (lay.positions[i] >= original_length) {
+            fprintf(stderr, "snapkvctl export: session %s grew during the export (position %u, length %u); "
+                    "export it again\n", argv[optind], lay.positions[i], original_length);
             goto out_layout;
         }
     if (strlen(si.model_fingerprint) >= sizeof(((struct export_header *)0)->model_fingerprint)) {
@@ -1061,15 +1171,16 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         fprintf(stderr, "snapkvctl export: writing %s failed\n", out_path);
         goto out_layout;
     }
+    ret = 0;
     if (c->json) {
-        print_json(json_pack("{s:s, s:s, s:I, s:i, s:o}", "session", argv[optind], "file", out_path,
-                             "bytes_written", (json_int_t)lay.bytes_written, "n_positions", (int)lay.n_positions,
-                             "layers", layers_json(lay.layers, lay.n_layers, NULL, 0)));
+        ret = print_json(json_pack("{s:s, s:o, s:I, s:i, s:o}", "session", argv[optind], "file",
+                                   json_text(out_path), "bytes_written", (json_int_t)lay.bytes_written,
+                                   "n_positions", (int)lay.n_positions, "layers",
+                                   layers_json(lay.layers, lay.n_layers, NULL, 0)));
     } else {
         char b[32];
         printf("%s: %zu layers, %s of K/V\n", out_path, lay.n_layers, fmt_bytes(lay.bytes_written, b, sizeof b));
     }
-    ret = 0;
 
 out_layout:
     snapkv_kv_layout_free(&lay);
@@ -1112,6 +1223,11 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
         h.version != EXPORT_VERSION || h.n_layers == 0 || h.n_layers > 4096 || h.n_kv_heads > 4096 ||
         h.model_fingerprint[sizeof h.model_fingerprint - 1] != '\0') {
         fprintf(stderr, "snapkvctl import: %s is not a snapkvctl export (version %u)\n", path, EXPORT_VERSION);
+        goto out_close_file;
+    }
+    if (h.original_length == 0) {
+        fprintf(stderr, "snapkvctl import: %s does not say how long the session was (an export made with --size "
+                "by an older snapkvctl); export the session again\n", path);
         goto out_close_file;
     }
     layers = calloc(h.n_layers, sizeof *layers);
@@ -1169,11 +1285,11 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
     }
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&id, hex);
+    ret = 0;
     if (c->json)
-        print_json(json_pack("{s:s, s:s}", "session", hex, "file", path));
+        ret = print_json(json_pack("{s:s, s:o}", "session", hex, "file", json_text(path)));
     else
         puts(hex);
-    ret = 0;
 
 out_shm:
     snapkv_shm_destroy(&shm);
@@ -1194,9 +1310,10 @@ static json_t *info_json(const struct snapkv_session_info *s)
 {
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&s->id, hex);
-    return json_pack("{s:s, s:s, s:s, s:i, s:i, s:I, s:I, s:s, s:I, s:I, s:b, s:i}", "session", hex, "tenant",
-                     s->tenant, "owner", s->owner, "n_tokens", (int)s->n_tokens, "kept_tokens", (int)s->kept_tokens,
-                     "bytes", (json_int_t)s->bytes, "shared_bytes", (json_int_t)s->shared_bytes, "policy", s->policy,
+    return json_pack("{s:s, s:o, s:o, s:i, s:i, s:I, s:I, s:o, s:I, s:I, s:b, s:i}", "session", hex, "tenant",
+                     json_text(s->tenant), "owner", json_text(s->owner), "n_tokens", (int)s->n_tokens,
+                     "kept_tokens", (int)s->kept_tokens, "bytes", (json_int_t)s->bytes, "shared_bytes",
+                     (json_int_t)s->shared_bytes, "policy", json_text(s->policy),
                      "created_unix_ms", (json_int_t)s->created_unix_ms, "last_used_unix_ms",
                      (json_int_t)s->last_used_unix_ms, "pinned", s->pinned, "lease_seconds", (int)s->lease_seconds);
 }
@@ -1222,11 +1339,12 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
     snapkv_close(&cl);
     if (rc)
         return failed("list", rc);
+    int ret = 0;
     if (c->json) {
         json_t *arr = json_array();
-        for (size_t i = 0; i < l.n; i++)
-            json_array_append_new(arr, info_json(&l.sessions[i]));
-        print_json(arr);
+        for (size_t i = 0; arr && i < l.n; i++)
+            json_push(&arr, info_json(&l.sessions[i]));
+        ret = print_json(arr);
     } else {
         printf("%-32s  %-12s %7s %7s %10s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT",
                "BYTES", "SHARED", "POLICY", "PIN", "LEASE", "IDLE");
@@ -1241,7 +1359,7 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
         }
     }
     snapkv_session_list_free(&l);
-    return 0;
+    return ret;
 }
 
 static int cmd_inspect(const struct ctl *c, int argc, char **argv)
@@ -1268,12 +1386,12 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
     snapkv_close(&cl);
     if (rc)
         return failed("inspect", rc);
+    int ret = 0;
     if (c->json) {
         json_t *j = info_json(&in.info);
-        json_object_set_new(j, "spec", json_string(in.spec));
-        json_object_set_new(j, "layers", layers_json(in.layers, in.n_layers, in.layer_similarity,
-                                                     in.n_layer_similarity));
-        print_json(j);
+        json_put(&j, "spec", json_text(in.spec));
+        json_put(&j, "layers", layers_json(in.layers, in.n_layers, in.layer_similarity, in.n_layer_similarity));
+        ret = print_json(j);
     } else {
         const struct snapkv_session_info *s = &in.info;
         char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
@@ -1307,11 +1425,12 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
                 putchar('\n');
             }
         }
-        if (positions && in.n_positions && !in.layers[0].positions)
+        /* a reply with positions but no layers (malformed) has nothing to match them to */
+        if (positions && in.n_positions && (in.n_layers == 0 || !in.layers[0].positions))
             printf("(%zu positions did not match the kept lengths; see --json)\n", in.n_positions);
     }
     snapkv_inspect_result_free(&in);
-    return 0;
+    return ret;
 }
 
 static int cmd_evict(const struct ctl *c, int argc, char **argv)
@@ -1346,7 +1465,7 @@ static int cmd_evict(const struct ctl *c, int argc, char **argv)
     if (rc)
         return failed("evict", rc);
     if (c->json) {
-        print_json(json_pack("{s:i, s:I}", "evicted", (int)evicted, "bytes_freed", (json_int_t)freed));
+        return print_json(json_pack("{s:i, s:I}", "evicted", (int)evicted, "bytes_freed", (json_int_t)freed));
     } else {
         char b[32];
         printf("evicted %u session%s, freed %s\n", evicted, evicted == 1 ? "" : "s", fmt_bytes(freed, b, sizeof b));
@@ -1370,7 +1489,7 @@ static int cmd_pin(const struct ctl *c, int argc, char **argv, bool on)
     if (rc)
         return failed(cmd, rc);
     if (c->json)
-        print_json(json_pack("{s:s, s:b}", "session", argv[1], "pinned", on));
+        return print_json(json_pack("{s:s, s:b}", "session", argv[1], "pinned", on));
     return 0;
 }
 
@@ -1390,7 +1509,8 @@ static int cmd_save(const struct ctl *c, int argc, char **argv)
     if (rc)
         return failed("save", rc);
     if (c->json) {
-        print_json(json_pack("{s:s, s:s, s:I}", "session", argv[1], "name", argv[2], "bytes", (json_int_t)bytes));
+        return print_json(json_pack("{s:s, s:s, s:I}", "session", argv[1], "name", argv[2], "bytes",
+                                    (json_int_t)bytes));
     } else {
         char b[32];
         printf("saved %s as %s (%s)\n", argv[1], argv[2], fmt_bytes(bytes, b, sizeof b));
@@ -1422,7 +1542,7 @@ static int cmd_load(const struct ctl *c, int argc, char **argv)
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&id, hex);
     if (c->json)
-        print_json(json_pack("{s:s, s:s}", "session", hex, "name", argv[optind]));
+        return print_json(json_pack("{s:s, s:s}", "session", hex, "name", argv[optind]));
     else
         puts(hex);
     return 0;
@@ -1449,23 +1569,24 @@ static int cmd_stats(const struct ctl *c, int argc, char **argv)
     snapkv_close(&cl);
     if (rc)
         return failed("stats", rc);
+    int ret = 0;
     if (prometheus && !c->json) {
         fputs(st.prometheus_text, stdout);
     } else if (c->json) {
         json_t *arr = json_array();
-        for (size_t i = 0; i < st.n; i++)
-            json_array_append_new(arr, json_pack("{s:s, s:f, s:s}", "name", st.stats[i].name, "value",
-                                                 st.stats[i].value, "help", st.stats[i].help));
+        for (size_t i = 0; arr && i < st.n; i++)
+            json_push(&arr, json_pack("{s:o, s:o, s:o}", "name", json_text(st.stats[i].name), "value",
+                                      json_number(st.stats[i].value), "help", json_text(st.stats[i].help)));
         json_t *j = json_pack("{s:o}", "stats", arr);
         if (prometheus)
-            json_object_set_new(j, "prometheus", json_string(st.prometheus_text));
-        print_json(j);
+            json_put(&j, "prometheus", json_text(st.prometheus_text));
+        ret = print_json(j);
     } else {
         for (size_t i = 0; i < st.n; i++)
             printf("%-36s %16.6g  # %s\n", st.stats[i].name, st.stats[i].value, st.stats[i].help);
     }
     snapkv_stats_free(&st);
-    return 0;
+    return ret;
 }
 
 /* Writes one key file; O_EXCL: never replaces an existing key. */
@@ -1512,12 +1633,14 @@ static int cmd_keygen(const struct ctl *c, int argc, char **argv)
         return 1;
     }
     memset(sec, 0, sizeof sec);
+    int ret = 0;
     if (c->json)
-        print_json(json_pack("{s:s, s:s, s:s}", "public_key", pub, "public_file", pub_path, "secret_file", key_path));
+        ret = print_json(json_pack("{s:s, s:o, s:o}", "public_key", pub, "public_file", json_text(pub_path),
+                                   "secret_file", json_text(key_path)));
     else
         printf("%s\n", pub);
     fprintf(stderr, "wrote %s (secret, mode 0600) and %s\n", key_path, pub_path);
-    return 0;
+    return ret;
 }
 
 int main(int argc, char **argv)

@@ -3,12 +3,15 @@
  * admin commands while clients run, eviction under pool pressure sparing pinned sessions, a
  * client killed mid-decode, bad requests, tenant isolation, a shared document forked per
  * question, shared-memory export/import round trips, save/load, SIGTERM mid-decode, and SnapKV
- * re-scoring while decoding (decode_budget) through DECODE, and clients going away counted. */
+ * re-scoring while decoding (decode_budget) through DECODE, clients going away counted, and the
+ * built snapkvctl (--json output, export --size and import). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <fcntl.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1108,6 +1111,134 @@ static void test_save_load_goes_on(void **state)
     stop_daemon(&d);
 }
 
+/* Runs the built snapkvctl on d's endpoints with args (NULL-terminated) and returns its exit
+ * status; out and err get what it wrote to stdout and stderr (NUL-terminated, cut to cap). */
+static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap)
+{
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char exe[4096], out_path[128], err_path[128];
+    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
+    snprintf(out_path, sizeof out_path, "%s/ctl.out", d->dir);
+    snprintf(err_path, sizeof err_path, "%s/ctl.err", d->dir);
+    fflush(NULL); /* or the child writes what this process has buffered */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        const char *argv[32] = {exe, "-e", d->endpoint, "-a", d->admin};
+        int n = 5;
+        for (int i = 0; args[i] && n < 31; i++)
+            argv[n++] = args[i];
+        argv[n] = NULL;
+        if (!freopen(out_path, "w", stdout) || !freopen(err_path, "w", stderr))
+            _exit(126);
+        execv(exe, (char *const *)argv);
+        _exit(127);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    char *bufs[2] = {out, err};
+    const char *paths[2] = {out_path, err_path};
+    for (int k = 0; k < 2; k++) {
+        FILE *f = fopen(paths[k], "r");
+        size_t n = f ? fread(bufs[k], 1, cap - 1, f) : 0;
+        bufs[k][n] = '\0';
+        if (f)
+            fclose(f);
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* snapkvctl itself: --json output stays valid JSON when a decode stops inside a UTF-8 character
+ * (the cut character comes out as U+FFFD), a file that export --size wrote imports with the
+ * session's length, and import refuses a file that does not say that length. */
+static void test_snapkvctl(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "256M");
+    snapkv_client_t *c = client(d.endpoint, "default");
+    snapkv_client_t *a = client(d.admin, "default");
+    static char out[1 << 16], err[1 << 16];
+
+    /* an emoji takes several byte-level tokens, so decodes of 1 to 4 tokens end inside one */
+    char text[128] = "";
+    for (int i = 0; i < 12; i++)
+        strcat(text, "\xf0\x9f\x98\x80");
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = text}, &pr), SNAPKV_OK);
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    snapkv_session_id_to_hex(&pr.id, hex, sizeof hex);
+    bool cut = false;
+    for (int n = 1; n <= 4; n++) {
+        struct snapkv_session_id fork_id;
+        assert_int_equal(snapkv_fork(c, &pr.id, &fork_id, NULL), SNAPKV_OK);
+        char fork_hex[SNAPKV_SESSION_ID_HEX_SIZE], max[16];
+        snapkv_session_id_to_hex(&fork_id, fork_hex, sizeof fork_hex);
+        snprintf(max, sizeof max, "%d", n);
+        const char *args[] = {"--json", "decode", fork_hex, "--max-tokens", max, "--no-eos", NULL};
+        int rc = run_ctl(&d, args, out, err, sizeof out);
+        json_error_t je;
+        json_t *j = json_loads(out, 0, &je);
+        if (rc != 0 || !j)
+            fail_msg("decode --max-tokens %d: exit %d, output '%s' (%s), stderr '%s'", n, rc, out, je.text, err);
+        assert_int_equal(json_array_size(json_object_get(j, "tokens")), n);
+        const char *t = json_string_value(json_object_get(j, "text"));
+        assert_non_null(t);
+        printf("# %d tokens: '%s'\n", n, t);
+        cut |= strstr(t, "\xef\xbf\xbd") != NULL;
+        json_decref(j);
+        assert_int_equal(snapkv_release(c, &fork_id), SNAPKV_OK);
+    }
+    assert_true(cut);
+
+    /* export --size (the buffer's size given, so no sizing INSPECT) still records the length */
+    char file[128], arg_size[] = "16777216";
+    snprintf(file, sizeof file, "%s/doc.skvkv", d.dir);
+    const char *exp[] = {"export", hex, "--out", file, "--size", arg_size, NULL};
+    if (run_ctl(&d, exp, out, err, sizeof out) != 0)
+        fail_msg("export --size: %s", err);
+    const char *imp[] = {"import", file, NULL};
+    if (run_ctl(&d, imp, out, err, sizeof out) != 0)
+        fail_msg("import: %s", err);
+    out[strcspn(out, "\n")] = '\0';
+    struct snapkv_session_id imported;
+    assert_int_equal(snapkv_session_id_from_hex(out, &imported), SNAPKV_OK);
+    struct snapkv_inspect_result orig, back;
+    assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &orig), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(a, &imported, false, &back), SNAPKV_OK);
+    assert_int_equal(back.info.n_tokens, orig.info.n_tokens);
+    assert_int_equal(back.info.kept_tokens, orig.info.kept_tokens);
+
+    /* original_length sits after magic[8], version, n_layers, n_kv_heads and head_dim (struct
+     * export_header in tools/snapkvctl.c); a 0 there (what --size wrote before) is refused */
+    int fd = open(file, O_RDWR);
+    assert_true(fd >= 0);
+    uint32_t length = 0, zero = 0;
+    assert_int_equal(pread(fd, &length, sizeof length, 24), (ssize_t)sizeof length);
+    assert_int_equal(length, orig.info.n_tokens);
+    assert_int_equal(pwrite(fd, &zero, sizeof zero, 24), (ssize_t)sizeof zero);
+    close(fd);
+    assert_int_equal(run_ctl(&d, imp, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "does not say how long the session was"));
+    snapkv_inspect_result_free(&orig);
+    snapkv_inspect_result_free(&back);
+
+    /* without the admin endpoint export cannot learn the length: it refuses and writes nothing */
+    char none[160], file2[128];
+    snprintf(none, sizeof none, "ipc://%s/none.sock", d.dir);
+    snprintf(file2, sizeof file2, "%s/none.skvkv", d.dir);
+    const char *no_admin[] = {"-a", none, "--timeout", "300", "export", hex,
+                              "--out", file2, "--size", arg_size, NULL};
+    assert_int_equal(run_ctl(&d, no_admin, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "only the admin endpoint"));
+    assert_int_equal(access(file2, F_OK), -1);
+
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1116,6 +1247,7 @@ int main(void)
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
         cmocka_unit_test_teardown(test_decode_budget, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
+        cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

@@ -1,7 +1,7 @@
 /* libsnapkv without the daemon: argument checks, the thread-local last error, session ids,
  * shared memory, and every command against a fake ROUTER peer (a thread of this test answering
- * canned replies): request encoding, reply decoding, streaming, timeouts, stale replies,
- * version mismatches and malformed replies. */
+ * canned replies): request encoding, reply decoding, streaming, timeouts (a daemon that is gone
+ * or no longer reading included), stale replies, version mismatches and malformed replies. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -35,6 +35,7 @@ struct fake {
     char endpoint[128];
     pthread_t thread;
     atomic_bool stop;
+    atomic_bool deaf;               /* reads nothing more (a daemon that hangs or is stopped) */
     fake_handler handler;
     uint32_t hello_version;         /* version in the HELLO reply */
     uint64_t max_message_bytes;
@@ -123,6 +124,10 @@ static void *fake_main(void *arg)
 {
     struct fake *f = arg;
     while (!atomic_load(&f->stop)) {
+        if (atomic_load(&f->deaf)) {
+            usleep(5 * 1000);
+            continue;
+        }
         zmq_pollitem_t item = {.socket = f->router, .events = ZMQ_POLLIN};
         if (zmq_poll(&item, 1, 20) <= 0)
             continue;
@@ -151,7 +156,9 @@ static void *fake_main(void *arg)
     return NULL;
 }
 
-static struct fake *fake_start(fake_handler handler)
+/* A fake bound to `endpoint` (NULL: a free loopback port); rcvhwm > 0 caps the requests its
+ * socket buffers while the fake does not read them. */
+static struct fake *fake_start_on(fake_handler handler, const char *endpoint, int rcvhwm)
 {
     struct fake *f = calloc(1, sizeof *f);
     assert_non_null(f);
@@ -163,11 +170,18 @@ static struct fake *fake_start(fake_handler handler)
     f->router = zmq_socket(f->ctx, ZMQ_ROUTER);
     int linger = 0;
     zmq_setsockopt(f->router, ZMQ_LINGER, &linger, sizeof linger);
-    assert_int_equal(zmq_bind(f->router, "tcp://127.0.0.1:*"), 0);
+    if (rcvhwm > 0)
+        zmq_setsockopt(f->router, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm);
+    assert_int_equal(zmq_bind(f->router, endpoint ? endpoint : "tcp://127.0.0.1:*"), 0);
     size_t len = sizeof f->endpoint;
     zmq_getsockopt(f->router, ZMQ_LAST_ENDPOINT, f->endpoint, &len);
     assert_int_equal(pthread_create(&f->thread, NULL, fake_main, f), 0);
     return f;
+}
+
+static struct fake *fake_start(fake_handler handler)
+{
+    return fake_start_on(handler, NULL, 0);
 }
 
 static void fake_stop(struct fake **fp)
@@ -839,6 +853,86 @@ static void test_timeout_then_stale_reply(void **state)
     assert_int_equal(snapkv_fork(c, &ID_A, &out, &shared), SNAPKV_OK);
     assert_memory_equal(out.bytes, ID_B.bytes, 16);
     assert_int_equal(shared, 4096);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static bool answer_fork(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_FORK)
+        return false;
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    Snapkv__ForkReply fr = SNAPKV__FORK_REPLY__INIT;
+    fr.session_id = wire_id(&ID_B);
+    rep.final = true;
+    rep.result_case = SNAPKV__REPLY__RESULT_FORK;
+    rep.fork = &fr;
+    fake_send(f, &rep);
+    return true;
+}
+
+/* More calls than the socket's high-water mark (1000 messages) to a daemon that is gone: each
+ * times out at its timeout instead of blocking in the send, and a daemon that comes back at the
+ * same endpoint is sent none of them. */
+static void test_send_timeout_daemon_gone(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    char endpoint[sizeof f->endpoint];
+    memcpy(endpoint, f->endpoint, sizeof endpoint);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    fake_stop(&f);
+    assert_int_equal(snapkv_set_timeout(c, 1), SNAPKV_OK);
+    alarm(60); /* a send that blocks kills the test (SIGALRM) instead of hanging it */
+    struct snapkv_session_id out = ID_A;
+    for (int i = 0; i < 1100; i++) {
+        int64_t t0 = now_ms();
+        assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_TIMEOUT);
+        assert_true(now_ms() - t0 < 1000);
+    }
+    assert_non_null(strstr(snapkv_last_error(), "could not send the FORK request within 1 ms"));
+    assert_memory_equal(out.bytes, ID_A.bytes, 16);
+
+    f = fake_start_on(answer_fork, endpoint, 0);
+    assert_int_equal(snapkv_set_timeout(c, 5000), SNAPKV_OK);
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_OK);
+    assert_memory_equal(out.bytes, ID_B.bytes, 16);
+    assert_int_equal(fake_requests(f), 1);
+    alarm(0);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* A daemon still connected but no longer reading (hung, or stopped with SIGSTOP): requests fill
+ * the socket's queue, then every call times out at the send instead of blocking. */
+static void test_send_timeout_daemon_deaf(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start_on(NULL, NULL, 4);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    atomic_store(&f->deaf, true);
+    assert_int_equal(snapkv_set_timeout(c, 1), SNAPKV_OK);
+    /* 16 KiB requests: the kernel's socket buffers hold few, the high-water mark most of them */
+    static char text[16 * 1024];
+    memset(text, 'a', sizeof text - 1);
+    text[sizeof text - 1] = '\0';
+    struct snapkv_prefill_opts po = {.text = text};
+    struct snapkv_prefill_result pr = {.n_tokens = 777};
+    alarm(60);
+    int calls = 0, unsent = 0;
+    while (calls < 5000 && unsent < 3) {
+        int64_t t0 = now_ms();
+        assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_E_TIMEOUT);
+        assert_true(now_ms() - t0 < 1000);
+        calls++;
+        if (strstr(snapkv_last_error(), "could not send the PREFILL request"))
+            unsent++;
+    }
+    alarm(0);
+    printf("# %d requests queued for the deaf daemon, then sends timed out\n", calls - unsent);
+    assert_int_equal(unsent, 3);
+    assert_true(calls - unsent > 900); /* about the high-water mark went into the queue first */
+    assert_int_equal(pr.n_tokens, 777);
     snapkv_close(&c);
     fake_stop(&f);
 }
@@ -1570,6 +1664,8 @@ int main(void)
         cmocka_unit_test(test_decode_stream),
         cmocka_unit_test(test_decode_cancel_skips_rest),
         cmocka_unit_test(test_timeout_then_stale_reply),
+        cmocka_unit_test(test_send_timeout_daemon_gone),
+        cmocka_unit_test(test_send_timeout_daemon_deaf),
         cmocka_unit_test(test_odd_replies),
         cmocka_unit_test(test_message_size_limit),
         cmocka_unit_test(test_append_compress_release),
