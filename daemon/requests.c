@@ -869,6 +869,7 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
     reply_init(&rep, job);
     er.bytes_written = need;
     er.n_positions = (size_t)n_pos;
+    er.original_length = (uint32_t)c->n_past;
     er.positions = positions;
     if ((rc = fill_kept(c, &arena, false, &er.n_kept, &er.kept))) {
         fail_rc(w, job, rc);

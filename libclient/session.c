@@ -574,7 +574,7 @@ static int export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, con
         return rc;
     const Snapkv__ExportKvReply *r = rep->export_kv;
     struct snapkv_kv_layout res = {.bytes_written = r->bytes_written, .n_layers = r->n_kept,
-                                   .n_positions = r->n_positions};
+                                   .n_positions = r->n_positions, .original_length = r->original_length};
     if (r->bytes_written > buf.size - offset) {
         rc = skv_client_fail(SNAPKV_E_PROTO, "export: the daemon reports %llu bytes written into %llu",
                              (unsigned long long)r->bytes_written, (unsigned long long)(buf.size - offset));

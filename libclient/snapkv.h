@@ -22,6 +22,7 @@
  * snapkv_sampling, the results, ...), or renumbers an enum, sets current + 1, revision 0, age 0:
  * N changes and programs must be rebuilt. 2:0:0 (libsnapkv.so.2) is the first such bump: structs
  * grew fields after 1.0 (snapkv_import_opts.cuda, the CURVE keys of snapkv_connect_opts).
+ * 3:0:0 (libsnapkv.so.3): snapkv_kv_layout grew original_length.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -297,6 +298,7 @@ struct snapkv_kv_layout {
     struct snapkv_layer_kept *layers;
     size_t n_positions;           /* original positions, per layer per head, concatenated */
     uint32_t *positions;
+    uint32_t original_length;     /* the session's length (its next position): what an import gives back */
 };
 SNAPKV_API void snapkv_kv_layout_free(struct snapkv_kv_layout *l);
 

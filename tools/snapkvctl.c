@@ -1091,28 +1091,22 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         return 1;
     struct snapkv_server_info si;
     snapkv_server_info(cl, &si);
-    /* An import needs the session's length (the next position), which EXPORT_KV does not give:
-     * INSPECT, an admin command, does. It also sizes the buffer when --size is not given. */
-    snapkv_client_t *admin = NULL;
-    if (connect_to(c, true, &admin)) {
-        fprintf(stderr, "snapkvctl export: the file must hold the session's length, which only the admin endpoint "
-                        "tells (INSPECT); give it with -a, also with --size\n");
-        goto out_close;
-    }
-    struct snapkv_inspect_result in;
-    rc = snapkv_admin_inspect(admin, &id, false, &in);
-    snapkv_close(&admin);
-    if (rc) {
-        failed("inspect", rc);
-        goto out_close;
-    }
-    uint32_t original_length = in.info.n_tokens;
-    if (!size)
+    if (!size) {
+        /* size the buffer from what the session keeps (INSPECT is an admin command) */
+        snapkv_client_t *admin = NULL;
+        if (connect_to(c, true, &admin)) {
+            fprintf(stderr, "snapkvctl export: sizing the buffer needs the admin endpoint, or give --size\n");
+            goto out_close;
+        }
+        struct snapkv_inspect_result in;
+        rc = snapkv_admin_inspect(admin, &id, false, &in);
+        snapkv_close(&admin);
+        if (rc) {
+            failed("inspect", rc);
+            goto out_close;
+        }
         size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
-    snapkv_inspect_result_free(&in);
-    if (original_length == 0) {
-        fprintf(stderr, "snapkvctl export: the daemon reports no length for session %s\n", argv[optind]);
-        goto out_close;
+        snapkv_inspect_result_free(&in);
     }
     if (size == 0)
         size = 4096; /* an empty session still needs a buffer to name */
@@ -1132,11 +1126,17 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
                     lay.layers[i].n_heads, si.n_kv_heads);
             goto out_layout;
         }
-    /* a session that grew between INSPECT and EXPORT_KV holds positions past the length */
+    /* an import needs the session's length (its next position), which the export reply carries */
+    uint32_t original_length = lay.original_length;
+    if (original_length == 0) {
+        fprintf(stderr, "snapkvctl export: the daemon did not report session %s's length (a daemon older than "
+                        "this snapkvctl?)\n", argv[optind]);
+        goto out_layout;
+    }
     for (size_t i = 0; i < lay.n_positions; i++)
         if (lay.positions[i] >= original_length) {
-            fprintf(stderr, "snapkvctl export: session %s grew during the export (position %u, length %u); "
-                    "export it again\n", argv[optind], lay.positions[i], original_length);
+            fprintf(stderr, "snapkvctl export: position %u is past the session's length %u\n", lay.positions[i],
+                    original_length);
             goto out_layout;
         }
     if (strlen(si.model_fingerprint) >= sizeof(((struct export_header *)0)->model_fingerprint)) {

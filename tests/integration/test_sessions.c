@@ -372,6 +372,7 @@ static void test_errors_and_tenants(void **state)
     assert_int_equal(snapkv_export_kv(a, &pr.id, &shm, 128, &lay), SNAPKV_OK);
     assert_int_equal(lay.n_layers, 30);
     assert_int_equal(lay.layers[0].kept, 18); /* 16 kept + 2 decoded (snapkv evicts only at prefill) */
+    assert_int_equal(lay.original_length, 66);
     struct snapkv_import_opts io = {.shm = &shm, .offset = 128, .layers = lay.layers, .n_layers = lay.n_layers,
                                     .positions = lay.positions, .n_positions = lay.n_positions,
                                     .original_length = 66};
@@ -1223,14 +1224,22 @@ static void test_snapkvctl(void **state)
     snapkv_inspect_result_free(&orig);
     snapkv_inspect_result_free(&back);
 
-    /* without the admin endpoint export cannot learn the length: it refuses and writes nothing */
+    /* the export reply carries the length: with --size no admin endpoint is needed; without
+     * --size (sizing is an INSPECT) it refuses and writes nothing */
     char none[160], file2[128];
     snprintf(none, sizeof none, "ipc://%s/none.sock", d.dir);
     snprintf(file2, sizeof file2, "%s/none.skvkv", d.dir);
     const char *no_admin[] = {"-a", none, "--timeout", "300", "export", hex,
                               "--out", file2, "--size", arg_size, NULL};
-    assert_int_equal(run_ctl(&d, no_admin, out, err, sizeof out), 1);
-    assert_non_null(strstr(err, "only the admin endpoint"));
+    if (run_ctl(&d, no_admin, out, err, sizeof out) != 0)
+        fail_msg("export --size without the admin endpoint: %s", err);
+    const char *imp2[] = {"import", file2, NULL};
+    if (run_ctl(&d, imp2, out, err, sizeof out) != 0)
+        fail_msg("import: %s", err);
+    const char *no_size[] = {"-a", none, "--timeout", "300", "export", hex, "--out", file2, NULL};
+    assert_int_equal(unlink(file2), 0);
+    assert_int_equal(run_ctl(&d, no_size, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "sizing the buffer needs the admin endpoint"));
     assert_int_equal(access(file2, F_OK), -1);
 
     snapkv_prefill_result_free(&pr);
