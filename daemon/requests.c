@@ -396,6 +396,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         (rc = reserve_rows(w, s, n, 0, 0, NULL, NULL)) || (rc = session_forward(w, s, ids, n, false)) ||
         (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
+    s->n_text_pending = 0; /* the client's text follows: a generated character it cut stays cut */
     Snapkv__Reply rep;
     Snapkv__AppendReply ar = SNAPKV__APPEND_REPLY__INIT;
     reply_init(&rep, job);
@@ -1001,11 +1002,15 @@ void skv_requests_decode_free(struct skv_decode *d)
 {
     if (!d)
         return;
-    if (d->session)
+    if (d->session) {
         d->session->busy = 0;
+        memcpy(d->session->text_pending, d->pending, d->n_pending);
+        d->session->n_text_pending = (uint8_t)d->n_pending;
+    }
     skv_sampler_fini(&d->sampler);
     free(d->stop);
     free(d->out);
+    free(d->text);
     if (d->job) {
         snapkv__request__free_unpacked(d->job->req, NULL);
         free(d->job);
@@ -1069,6 +1074,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     d->max_tokens = max;
     d->stop_at_eos = sp && sp->stop_at_eos;
     d->stream = q->stream;
+    memcpy(d->pending, s->text_pending, s->n_text_pending);
+    d->n_pending = s->n_text_pending;
     s->busy = 1;
     return d;
 }
@@ -1153,17 +1160,30 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         fail_rc(w, d->job, rc);
         return true;
     }
+    /* the same text streamed or collected: each token's bytes, control tokens none, a
+     * character cut by the end held for the session's next DECODE */
     char text[512];
+    size_t len = token_text(w, d, t, text, sizeof text);
     if (d->stream) {
-        token_text(w, d, t, text, sizeof text);
         decode_reply(w, d, d->reason != NULL, d->reason, &t, 1, text);
-    } else if (d->reason) {
-        char *all = NULL;
-        if (w->m->tok && skv_tokenizer_decode(w->m->tok, d->out, (int)d->produced, &all))
-            all = NULL;
-        decode_reply(w, d, true, d->reason, d->out, d->produced, all ? all : "");
-        free(all);
+        return d->reason != NULL;
     }
+    if (d->text_len + len + 1 > d->text_cap) {
+        size_t cap = d->text_cap ? d->text_cap : 256;
+        while (cap < d->text_len + len + 1)
+            cap *= 2;
+        char *grown = realloc(d->text, cap);
+        if (!grown) {
+            skv_requests_fail(w, d->job, SKV_E_NOMEM, "no memory for the decoded text");
+            return true;
+        }
+        d->text = grown;
+        d->text_cap = cap;
+    }
+    memcpy(d->text + d->text_len, text, len + 1);
+    d->text_len += len;
+    if (d->reason)
+        decode_reply(w, d, true, d->reason, d->out, d->produced, d->text);
     return d->reason != NULL;
 }
 
@@ -1210,7 +1230,8 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
 
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
 {
-    decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced, "");
+    decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced,
+                 !d->stream && d->text ? d->text : "");
 }
 
 /* ---- admin ------------------------------------------------------------------------------------ */

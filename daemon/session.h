@@ -37,6 +37,8 @@ struct skv_session {
     uint64_t bytes;               /* blocks its tables hold x block bytes (shared ones too) */
     float *logits;                /* [n_vocab] after the last forward (DECODE samples from it) */
     int busy;                     /* a decode in flight: never evicted */
+    char text_pending[8];         /* the start of a character the last DECODE's text stopped inside: */
+    uint8_t n_text_pending;       /* the next DECODE's text begins with it (APPEND drops it) */
     struct skv_session *next;     /* table chain */
 };
 

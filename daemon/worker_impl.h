@@ -25,8 +25,10 @@ struct skv_decode {
     float *logits;            /* [n_vocab] */
     int32_t token;            /* the token of the current round */
     const char *reason;       /* why it is the last one ("stop", "eos", "length") or NULL */
-    char pending[8];          /* bytes of an incomplete UTF-8 character */
+    char pending[8];          /* bytes of an incomplete UTF-8 character (from the session at the start) */
     size_t n_pending;
+    char *text;               /* the text of every token so far (non-streaming reply) */
+    size_t text_len, text_cap;
     struct skv_decode *next;
 };
 

@@ -230,7 +230,10 @@ struct snapkv_sampling {
 SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
 
 /* Called with each batch of new tokens while a decode streams, with their text (complete
- * UTF-8 only; may be ""). Return 0 to go on; anything else stops waiting: snapkv_decode then
+ * UTF-8 only; may be ""). Streamed or collected, a decode's text is the same: each token's
+ * bytes, none for control tokens (<|im_end|> ...), and a character the decode's end cuts is
+ * held back and begins the session's next decode's text (an APPEND in between drops it).
+ * Return 0 to go on; anything else stops waiting: snapkv_decode then
  * returns SNAPKV_E_CANCELLED. The protocol has no cancel, so the daemon still finishes that
  * decode and the session holds all its tokens; later calls discard the remaining replies. */
 typedef int (*snapkv_token_fn)(void *user, const uint32_t *tokens, size_t n_tokens, const char *text);
@@ -241,7 +244,7 @@ struct snapkv_decode_result {
     char *text;                   /* their text, NUL-terminated, never NULL on success */
     uint32_t n_generated;         /* as the daemon counted */
     /* "length" | "stop" | "eos", or "cancelled": the daemon shut down mid-decode; the call still
-     * succeeds with the tokens made so far (collected without on_tokens, their text is then "") */
+     * succeeds with the tokens made so far and their text */
     char finish_reason[16];
 };
 /* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the

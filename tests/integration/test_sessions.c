@@ -1149,9 +1149,50 @@ static int run_ctl(const struct daemon *d, const char *const *args, char *out, c
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-/* snapkvctl itself: --json output stays valid JSON when a decode stops inside a UTF-8 character
- * (the cut character comes out as U+FFFD), a file that export --size wrote imports with the
- * session's length, and import refuses a file that does not say that length. */
+/* Whether s[0..n) is whole UTF-8 (no character cut at either end). */
+static bool utf8_whole(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        size_t k = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+        if (!k || i + k > n)
+            return false;
+        for (size_t j = 1; j < k; j++)
+            if (((unsigned char)s[i + j] & 0xC0) != 0x80)
+                return false;
+        i += k;
+    }
+    return true;
+}
+
+static int append_text(void *user, const uint32_t *t, size_t n, const char *text)
+{
+    (void)t;
+    (void)n;
+    strcat(user, text);
+    return 0;
+}
+
+/* A decode's text, streamed or collected (greedy, no eos stop), into out. */
+static void decode_text(snapkv_client_t *c, const struct snapkv_session_id *id, int n, bool stream, char *out)
+{
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = (uint32_t)n;
+    sp.stop_at_eos = false;
+    struct snapkv_decode_result dr;
+    out[0] = '\0';
+    assert_int_equal(snapkv_decode(c, id, &sp, stream ? append_text : NULL, out, &dr), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, n);
+    if (!stream)
+        strcpy(out, dr.text);
+    snapkv_decode_result_free(&dr);
+}
+
+/* snapkvctl itself and the text of decodes that stop inside a UTF-8 character: streamed and
+ * collected texts are the same whole characters, the cut one begins the next decode's text;
+ * --json output is valid JSON; a file that export --size wrote imports with the session's
+ * length, and import refuses a file that does not say that length. */
 static void test_snapkvctl(void **state)
 {
     NEED_MODEL();
@@ -1169,28 +1210,43 @@ static void test_snapkvctl(void **state)
     assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = text}, &pr), SNAPKV_OK);
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     snapkv_session_id_to_hex(&pr.id, hex, sizeof hex);
-    bool cut = false;
+    char all[1024], streamed[1024], collected[1024], two[1024];
+    struct snapkv_session_id whole;
+    assert_int_equal(snapkv_fork(c, &pr.id, &whole, NULL), SNAPKV_OK);
+    decode_text(c, &whole, 8, false, all); /* the reference: one decode of 8 tokens */
+    assert_true(utf8_whole(all, strlen(all)));
     for (int n = 1; n <= 4; n++) {
-        struct snapkv_session_id fork_id;
-        assert_int_equal(snapkv_fork(c, &pr.id, &fork_id, NULL), SNAPKV_OK);
-        char fork_hex[SNAPKV_SESSION_ID_HEX_SIZE], max[16];
-        snapkv_session_id_to_hex(&fork_id, fork_hex, sizeof fork_hex);
-        snprintf(max, sizeof max, "%d", n);
-        const char *args[] = {"--json", "decode", fork_hex, "--max-tokens", max, "--no-eos", NULL};
-        int rc = run_ctl(&d, args, out, err, sizeof out);
-        json_error_t je;
-        json_t *j = json_loads(out, 0, &je);
-        if (rc != 0 || !j)
-            fail_msg("decode --max-tokens %d: exit %d, output '%s' (%s), stderr '%s'", n, rc, out, je.text, err);
-        assert_int_equal(json_array_size(json_object_get(j, "tokens")), n);
-        const char *t = json_string_value(json_object_get(j, "text"));
-        assert_non_null(t);
-        printf("# %d tokens: '%s'\n", n, t);
-        cut |= strstr(t, "\xef\xbf\xbd") != NULL;
-        json_decref(j);
-        assert_int_equal(snapkv_release(c, &fork_id), SNAPKV_OK);
+        struct snapkv_session_id f1, f2;
+        assert_int_equal(snapkv_fork(c, &pr.id, &f1, NULL), SNAPKV_OK);
+        assert_int_equal(snapkv_fork(c, &pr.id, &f2, NULL), SNAPKV_OK);
+        decode_text(c, &f1, n, false, collected);
+        decode_text(c, &f2, n, true, streamed);
+        printf("# %d tokens: '%s'\n", n, collected);
+        assert_string_equal(collected, streamed);
+        assert_true(utf8_whole(collected, strlen(collected)));
+        /* the rest of the 8 tokens in a second decode: together they are the one decode's text */
+        decode_text(c, &f1, 8 - n, n % 2 == 0, two);
+        assert_true(strlen(collected) + strlen(two) < sizeof collected);
+        strcat(collected, two);
+        assert_string_equal(collected, all);
+        assert_int_equal(snapkv_release(c, &f1), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &f2), SNAPKV_OK);
     }
-    assert_true(cut);
+    /* snapkvctl --json decode of a cut character: valid JSON, the tokens all there */
+    struct snapkv_session_id fork_id;
+    assert_int_equal(snapkv_fork(c, &pr.id, &fork_id, NULL), SNAPKV_OK);
+    char fork_hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    snapkv_session_id_to_hex(&fork_id, fork_hex, sizeof fork_hex);
+    const char *args[] = {"--json", "decode", fork_hex, "--max-tokens", "1", "--no-eos", NULL};
+    int rc = run_ctl(&d, args, out, err, sizeof out);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    if (rc != 0 || !j)
+        fail_msg("decode --max-tokens 1: exit %d, output '%s' (%s), stderr '%s'", rc, out, je.text, err);
+    assert_int_equal(json_array_size(json_object_get(j, "tokens")), 1);
+    assert_non_null(json_string_value(json_object_get(j, "text")));
+    json_decref(j);
+    assert_int_equal(snapkv_release(c, &fork_id), SNAPKV_OK);
 
     /* export --size (the buffer's size given, so no sizing INSPECT) still records the length */
     char file[128], arg_size[] = "16777216";
