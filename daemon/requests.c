@@ -462,6 +462,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         if ((rc = skv_session_reserve(w->sessions, s, held, unique, NULL)))
             goto fail;
     }
+    bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
     skv_compressor_free(&s->comp);
     s->comp = comp;
     comp = NULL;
@@ -475,6 +476,8 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
                 len--;
             rc = skv_kv_cache_truncate(s->cache, i / H, i % H, len);
         }
+        if (!rc && s->comp)
+            skv_compressor_rerun(s->comp, s->cache, was_h2o, cut);
         int32_t *redo = rc ? NULL : malloc((size_t)window * sizeof *redo);
         if (!rc && !redo)
             rc = SKV_E_NOMEM;

@@ -52,6 +52,8 @@ struct skv_compressor {
     float *obs_win;         /* [obs_cap][n_heads * head_dim]: the window in position order */
     int obs_cap;            /* min(window, decode_budget) */
     int32_t obs_start;      /* position of the first decoded token observed */
+    int32_t score_from;     /* H2O: this forward's attention goes to rows from this position on */
+    int32_t rerun_from;     /* ... set for the next forward by skv_compressor_rerun */
     int32_t obs_end;        /* position after the last token observed; -1: none yet */
 };
 
@@ -219,8 +221,11 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
     memcpy(head, p, sizeof head);
     p += sizeof head;
     int L = c->n_layers;
-    /* rows a layer may be allotted: at most the sequence (a layer's budget never exceeds it) */
+    /* rows a layer may be allotted: at most the sequence, or, for a fixed budget, what a layer
+     * grows to while decoding (grow_fixed_budgets: up to 4 B under squeeze) */
     long most = (long)n_past + 1;
+    long most_layer = c->spec.ratio < 0 ? (long)c->spec.budget * SQUEEZE_CAP_FACTOR + c->spec.window : 0;
+    most_layer = most_layer > most ? most_layer : most;
     if (head[0] != L || head[1] < 0 || head[1] > most || head[2] < 0 || head[2] > most ||
         (head[3] != 0 && head[3] != 1))
         return skv_errorf(SKV_E_FORMAT, "compressor state: implausible header");
@@ -229,7 +234,7 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
         int32_t b, d;
         memcpy(&b, lb + (size_t)l * 4, 4);
         memcpy(&d, db + (size_t)l * 4, 4);
-        if (b < 0 || b > most || d < 0 || d > SKV_SPEC_MAX_BUDGET)
+        if (b < 0 || b > most_layer || d < 0 || d > SKV_SPEC_MAX_BUDGET)
             return skv_errorf(SKV_E_FORMAT, "compressor state: layer %d out of range", l);
     }
     c->budget = head[1];
@@ -269,12 +274,27 @@ int skv_compressor_budget(const struct skv_compressor *c)
     return c->budget;
 }
 
+void skv_compressor_rerun(struct skv_compressor *c, struct skv_kv_cache *cache, bool was_h2o, int cut)
+{
+    if (c->spec.policy != SKV_POLICY_H2O)
+        return;
+    if (was_h2o) { /* the kept rows' sums already count the queries that run again */
+        c->rerun_from = cut;
+        return;
+    }
+    for (int i = 0; i < cache->n_layers * cache->n_kv_heads; i++) /* another policy's scores */
+        memset(cache->heads[i].score, 0, (size_t)cache->heads[i].len * sizeof(float));
+    c->rerun_from = 0;
+}
+
 int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, int n)
 {
     if (n <= 0)
         return skv_errorf(SKV_E_INVAL, "compress: empty forward");
     c->decode = false;
     c->scored_layer = -1; /* the cache may have changed since the last scores */
+    c->score_from = c->rerun_from;
+    c->rerun_from = 0;
     c->batch = n;
     c->total_len = cache->n_past + n;
     /* decoded tokens observed from here on: the rows this forward keeps are no window */
@@ -366,6 +386,7 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
         grow_fixed_budgets(c);
     c->decode = true;
     c->scored_layer = -1;
+    c->score_from = 0;
     c->batch = 1;
     c->total_len = cache->n_past + 1;
     /* tokens that went through the model without this compressor left no queries here: the
@@ -727,7 +748,8 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         for (int h = 0; h < c->n_kv; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
             for (int j = 0; j < kh->len; j++)
-                kh->score[j] += c->agg[h * max_rows + j];
+                if (kh->pos[j] >= c->score_from) /* rows scored before already count these queries */
+                    kh->score[j] += c->agg[h * max_rows + j];
         }
     } else if (s->policy == SKV_POLICY_SNAPKV && (over || s->alloc == SKV_ALLOC_SQUEEZE)) {
         /* squeeze: finish() may cut a layer that fits its capped budget now: score it too */
@@ -754,7 +776,8 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
         lim = c->layer_budget[l] < lim ? c->layer_budget[l] : lim;
     skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, lim, final);
     int rc = SKV_OK;
-    int w_obs = c->spec.window < c->batch ? c->spec.window : c->batch;
+    /* the rows the hook kept as its window: H2O's recent window is always `window` rows */
+    int w_obs = c->spec.policy == SKV_POLICY_H2O || c->spec.window < c->batch ? c->spec.window : c->batch;
     for (int l = 0; l < c->n_layers && !rc; l++) {
         c->layer_budget[l] = final[l];
         rc = select_layer(c, cache, l, final[l], w_obs, COMPACT_SLACK);

@@ -27,6 +27,11 @@ const struct skv_compress_spec *skv_compressor_spec(const struct skv_compressor 
  * from the sequence length after the forward. Then run the engine with
  *     opts.hook = skv_compressor_hook, opts.hook_user = c
  * and call skv_compressor_finish() after it (SqueezeAttention trims there). */
+/* Before COMPRESS runs the tokens from position `cut` on again with c: H2O must count each
+ * query once, so when the session's previous spec was H2O too (was_h2o) the rows before `cut`
+ * keep their sums and only the re-run rows gather the re-run queries' attention; after another
+ * policy its scores mean something else and every row starts from 0. Others: nothing. */
+void skv_compressor_rerun(struct skv_compressor *c, struct skv_kv_cache *cache, bool was_h2o, int cut);
 int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, int n);
 int skv_compressor_hook(void *user, const struct skv_layer_view *view);
 int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);

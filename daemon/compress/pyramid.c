@@ -7,6 +7,12 @@ void skv_pyramid_budgets(int n_layers, int budget, int window, int beta, int n, 
     if (window > budget)
         window = budget;
     int avg = budget - window; /* selectable prefix entries per layer on average */
+    if (n < 2 * avg) { /* as the reference: a prompt below the budget kept whole, one below twice
+                        * the selectable share cut to the same budget in every layer */
+        for (int l = 0; l < n_layers; l++)
+            out[l] = budget < n ? budget : n;
+        return;
+    }
     int min_num = avg / beta;
     int max_num = avg * 2 - min_num;
     if (max_num >= n - window) {

@@ -156,11 +156,23 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
     return SKV_OK;
 }
 
+/* v as the shortest decimal that reads back as exactly v (the canonical spec is what SAVE
+ * stores and LOAD parses again), e.g. "0.1", not "0.10000000000000001". */
+static const char *shortest(double v, char *buf, size_t cap)
+{
+    for (int digits = 6; digits <= 17; digits++) {
+        snprintf(buf, cap, "%.*g", digits, v);
+        if (strtod(buf, NULL) == v)
+            break;
+    }
+    return buf;
+}
+
 int skv_compress_spec_format(const struct skv_compress_spec *s, char *buf, size_t cap)
 {
-    char size[48];
+    char size[48], p[32];
     if (s->ratio >= 0)
-        snprintf(size, sizeof size, "ratio=%g", s->ratio);
+        snprintf(size, sizeof size, "ratio=%s", shortest(s->ratio, p, sizeof p));
     else
         snprintf(size, sizeof size, "budget=%d", s->budget);
     int n;
@@ -168,10 +180,11 @@ int skv_compress_spec_format(const struct skv_compress_spec *s, char *buf, size_
         n = snprintf(buf, cap, "policy=full");
     else
         n = snprintf(buf, cap,
-                     "policy=%s,alloc=%s,%s,window=%d,kernel=%d,pool=%s,gqa=%s,granularity=%s,sinks=%d,p=%g,"
+                     "policy=%s,alloc=%s,%s,window=%d,kernel=%d,pool=%s,gqa=%s,granularity=%s,sinks=%d,p=%s,"
                      "beta=%d,interval=%d%s",
                      policy_names[s->policy], alloc_names[s->alloc], size, s->window, s->kernel, pool_names[s->pool],
-                     gqa_names[s->gqa], gran_names[s->granularity], s->sinks, s->p, s->pyramid_beta, s->interval,
+                     gqa_names[s->gqa], gran_names[s->granularity], s->sinks, shortest(s->p, p, sizeof p),
+                     s->pyramid_beta, s->interval,
                      "");
     if (n >= 0 && (size_t)n < cap && s->min_budget > 0 && s->policy != SKV_POLICY_FULL)
         n += snprintf(buf + n, cap - (size_t)n, ",min_budget=%d", s->min_budget);

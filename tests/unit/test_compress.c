@@ -86,6 +86,13 @@ static void test_spec_format_and_budget(void **state)
     assert_memory_equal(&s, &t, sizeof s);
     assert_int_equal(t.decode_budget, 48);
     assert_int_equal(t.interval, 8);
+    /* ratio and p come back exactly (SAVE stores this text), in their shortest form */
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,alloc=squeeze,ratio=0.1234567891,p=0.3", &s), SKV_OK);
+    assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
+    assert_non_null(strstr(buf, "ratio=0.1234567891,"));
+    assert_non_null(strstr(buf, ",p=0.3,"));
+    assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK);
+    assert_true(t.ratio == s.ratio && t.p == s.p);
     /* budgets: ratio rounds up, at least 1, at most n */
     assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
     assert_int_equal(skv_compress_spec_budget(&s, 1000), 100);
@@ -126,10 +133,17 @@ static void test_pyramid(void **state)
     assert_int_equal(b[1], 51);
     assert_int_equal(b[2], 31);
     assert_int_equal(b[3], 11);
-    /* a short prompt clamps the top: max = n - w = 50 - 8 = 42, min = 64 - 42 = 22, steps 6 */
+    /* a shorter prompt clamps the top: max = n - w = 70 - 8 = 62, min = 64 - 62 = 2, steps 20 */
+    skv_pyramid_budgets(4, 40, 8, 20, 70, b);
+    assert_int_equal(b[0], 70);
+    assert_int_equal(b[3], 10);
+    /* below 2 (B - w) = 64 rows every layer keeps B (KVCache-Factory's middle case), below B all */
     skv_pyramid_budgets(4, 40, 8, 20, 50, b);
-    assert_int_equal(b[0], 50);
-    assert_int_equal(b[3], 50 - 18);
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(b[l], 40);
+    skv_pyramid_budgets(4, 40, 8, 20, 30, b);
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(b[l], 30);
 }
 
 static void test_squeeze_budgets(void **state)
@@ -670,6 +684,81 @@ static void decode_steps(struct tiny *t, struct skv_compressor *comp, struct skv
     }
 }
 
+/* A fixed budget grown past the prompt while decoding (layers at 20 rows, 13 positions) is a
+ * state LOAD takes back. */
+static void test_state_grown_budget(void **state)
+{
+    struct tiny *t = *state;
+    const char *spec_text = "policy=h2o,budget=20,window=3";
+    struct skv_kv_cache *a = NULL;
+    struct skv_compressor *ca = NULL, *cb = NULL;
+    run(t, spec_text, &a, t->ids, 12, &ca);
+    decode_steps(t, ca, a, 40, 1);
+    assert_int_equal(skv_compressor_layer_budgets(ca)[0], 20);
+    size_t len = skv_compressor_state_size(ca);
+    unsigned char *buf = malloc(len);
+    assert_non_null(buf);
+    skv_compressor_state_write(ca, buf);
+    struct skv_compress_spec spec;
+    assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
+    assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past), SKV_OK);
+    assert_memory_equal(skv_compressor_layer_budgets(cb), skv_compressor_layer_budgets(ca),
+                        (size_t)a->n_layers * sizeof(int));
+    free(buf);
+    skv_compressor_free(&ca);
+    skv_compressor_free(&cb);
+    skv_kv_cache_free(&a);
+}
+
+/* COMPRESS to H2O runs the last tokens again: each query still counts once. After an H2O
+ * session the scores equal one H2O forward over the whole prompt; after another policy every
+ * row's score comes from the re-run queries alone. */
+static void test_h2o_rerun_counts_once(void **state)
+{
+    struct tiny *t = *state;
+    const int cut = 32;
+    const char *specs[] = {"policy=h2o,budget=64,window=4", "policy=window,budget=64"};
+    struct skv_kv_cache *whole = NULL;
+    run(t, specs[0], &whole, t->ids, t->n, NULL); /* budget above the prompt: every row kept, scored */
+    for (int k = 0; k < 2; k++) {
+        struct skv_kv_cache *c = NULL;
+        run(t, specs[k], &c, t->ids, t->n, NULL);
+        int H = c->n_kv_heads;
+        for (int i = 0; i < c->n_layers * H; i++) {
+            const struct skv_kv_head *kh = &c->heads[i];
+            int len = kh->len;
+            while (len > 0 && kh->pos[len - 1] >= cut)
+                len--;
+            assert_int_equal(skv_kv_cache_truncate(c, i / H, i % H, len), SKV_OK);
+        }
+        c->n_past = cut;
+        struct skv_compress_spec spec;
+        struct skv_compressor *comp = NULL;
+        assert_int_equal(skv_compress_spec_parse(specs[0], &spec), SKV_OK);
+        assert_int_equal(skv_compressor_new(&spec, t->m, &comp), SKV_OK);
+        skv_compressor_rerun(comp, c, k == 0, cut);
+        assert_int_equal(skv_compressor_begin(comp, c, t->n - cut), SKV_OK);
+        struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+        assert_int_equal(skv_engine_forward(t->e, c, t->ids + cut, t->n - cut, &fo, NULL), SKV_OK);
+        assert_int_equal(skv_compressor_finish(comp, c), SKV_OK);
+        for (int i = 0; i < c->n_layers * H; i++) {
+            const struct skv_kv_head *x = &whole->heads[i], *y = &c->heads[i];
+            assert_int_equal(y->len, t->n);
+            for (int j = 0; j < y->len; j++) {
+                float want = x->score[j];
+                if (k == 1 && j < cut) /* the re-run queries' share alone: less than the whole sum */
+                    assert_true(y->score[j] <= want + 1e-4f);
+                else if (fabsf(y->score[j] - want) > 1e-4f * (1 + fabsf(want)))
+                    fail_msg("%s first: head %d row %d score %g, one forward %g", specs[k], i, j, y->score[j], want);
+            }
+        }
+        skv_compressor_free(&comp);
+        skv_kv_cache_free(&c);
+    }
+    skv_kv_cache_free(&whole);
+}
+
 /* A fixed budget above the prompt keeps the prompt whole, and decoding then grows each layer
  * to the budget (allocated as the spec says) instead of holding it at the prompt's length. */
 static void test_fixed_budget_above_prompt(void **state)
@@ -850,8 +939,8 @@ static void test_state_round_trip(void **state)
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
-    /* refused: wrong length, another layer count, a negative budget, a layer budget beyond the
-     * sequence; the compressor keeps its (empty) state */
+    /* refused: wrong length, another layer count, a negative budget, a layer budget beyond what
+     * the spec lets a layer grow to; the compressor keeps its (empty) state */
     assert_int_equal(skv_compressor_state_read(cb, buf, len - 4, a->n_past), SKV_E_FORMAT);
     memcpy(bad, buf, len);
     bad[0] ^= 1;
@@ -860,7 +949,7 @@ static void test_state_round_trip(void **state)
     memcpy(bad + 4, &(int32_t){-1}, 4);
     assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
     memcpy(bad, buf, len);
-    memcpy(bad + 16, &(int32_t){a->n_past + 2}, 4);
+    memcpy(bad + 16, &(int32_t){16 * 4 + 4 + 1}, 4);
     assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
     assert_int_equal(skv_compressor_budget(cb), 0);
     assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past), SKV_OK);
@@ -920,7 +1009,8 @@ int main(void)
         cmocka_unit_test(test_streaming_and_window), cmocka_unit_test(test_snapkv_matches_naive),
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
         cmocka_unit_test(test_decode_eviction),
-        cmocka_unit_test(test_fixed_budget_above_prompt),      cmocka_unit_test(test_query_aware_reuse),
+        cmocka_unit_test(test_fixed_budget_above_prompt), cmocka_unit_test(test_state_grown_budget),
+        cmocka_unit_test(test_h2o_rerun_counts_once),      cmocka_unit_test(test_query_aware_reuse),
         cmocka_unit_test(test_squeeze_conserves),    cmocka_unit_test(test_decode_rescore_hand),
         cmocka_unit_test(test_decode_rescore_matches_naive), cmocka_unit_test(test_decode_rescore_edges),
         cmocka_unit_test(test_decode_budget_spread),
