@@ -156,6 +156,11 @@ struct skv_backend_ops {
      * ne[1] = rows), any supported dtype. Small n uses quantized GEMV, large n a GEMM. */
     int (*matmul)(struct skv_backend *be, float *out, const struct skv_tensor *w,
                   const float *bias, const float *x, int n);
+    /* Optional (NULL: any n): the most rows n for which matmul with w gives each row exactly
+     * what it gives that row alone (the kernel a batch of one takes). Batched decode cuts its
+     * sessions into groups of this size, so a session's tokens do not depend on how many
+     * others decode with it. */
+    int (*matmul_rows_as_one)(struct skv_backend *be, const struct skv_tensor *w);
     /* count matmuls of the same x (q/k/v, gate/up), each exactly as `matmul` computes it;
      * the CPU backend quantizes x once and runs all their rows as one parallel job. The
      * weights must share ne[0]; outputs must not overlap x. */

@@ -24,6 +24,7 @@ struct skv_engine {
     float *gb, *ub;        /* [CHUNK][ffn_dim] */
     float *lb;             /* [n_vocab]: one position's logits (decode), kept between calls */
     uint64_t scratch_bytes;
+    int decode_group;      /* sessions per decode forward (decode_group_size); 0: not known yet */
     /* rows_add / rows_flush: K and V rows bound for the cache, stored by one copy_rows */
     void **row_dst;
     const void **row_src;
@@ -857,7 +858,7 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
     return SKV_OK;
 }
 
-int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)
+static int decode_group_forward(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)
 {
     const struct skv_model_config *c = &e->m->cfg;
     if (!seqs || n < 1 || n > SKV_ENGINE_MAX_BATCH)
@@ -895,7 +896,7 @@ int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *se
                 continue;
             struct skv_layer_view v = {.layer = l, .n = 1, .q = e->q + (size_t)i * qdim,
                                        .x_in = e->x_in + (size_t)i * c->dim, .x_mid = e->x + (size_t)i * c->dim,
-                                       .cache = seqs[i].cache};
+                                       .cache = seqs[i].cache, .window = e->m->layers[l].window};
             CHECK(o->hook(o->hook_user, &v));
         }
         CHECK(layer_mlp(e, l, n));
@@ -914,4 +915,43 @@ int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *se
     if (out != e->lb)
         ops->free(be, out);
     return rc;
+}
+
+/* How many sessions one decode forward takes: as many as every weight's matmul computes row by
+ * row exactly as for one row (the backend's matmul_rows_as_one), so a batch gives each session
+ * what decoding it alone gives. */
+static int decode_group_size(struct skv_engine *e)
+{
+    if (e->decode_group)
+        return e->decode_group;
+    struct skv_backend *be = e->be;
+    int g = SKV_ENGINE_MAX_BATCH;
+    if (be->ops->matmul_rows_as_one) {
+        const struct skv_model *m = e->m;
+        g = be->ops->matmul_rows_as_one(be, &m->output);
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            const struct skv_layer_weights *w = &m->layers[l];
+            const struct skv_tensor *ts[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+            for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) {
+                int r = be->ops->matmul_rows_as_one(be, ts[k]);
+                g = r < g ? r : g;
+            }
+        }
+        g = g < 1 ? 1 : g > SKV_ENGINE_MAX_BATCH ? SKV_ENGINE_MAX_BATCH : g;
+    }
+    return e->decode_group = g;
+}
+
+int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)
+{
+    if (!seqs || n < 1 || n > SKV_ENGINE_MAX_BATCH)
+        return skv_errorf(SKV_E_INVAL, "a batched decode takes 1 to %d sequences, not %d", SKV_ENGINE_MAX_BATCH, n);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (seqs[i].cache && seqs[j].cache == seqs[i].cache)
+                return skv_errorf(SKV_E_INVAL, "sequences %d and %d of the batch share a cache", j, i);
+    int g = decode_group_size(e);
+    for (int i0 = 0; i0 < n; i0 += g)
+        CHECK(decode_group_forward(e, seqs + i0, n - i0 < g ? n - i0 : g));
+    return SKV_OK;
 }

@@ -21,6 +21,7 @@ void *skv_cpu_scratch(struct skv_backend *be, int thread_id, size_t bytes);
 /* Op entry points (signatures as in struct skv_backend_ops). */
 int skv_cpu_get_rows(struct skv_backend *be, float *out, const struct skv_tensor *table,
                      const int32_t *ids, int n);
+int skv_cpu_matmul_rows_as_one(struct skv_backend *be, const struct skv_tensor *w);
 int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
                    const float *bias, const float *x, int n);
 int skv_cpu_matmul_multi(struct skv_backend *be, const struct skv_matmul_part *parts, int count,

@@ -329,6 +329,7 @@ static const struct skv_backend_ops cpu_ops = {
     .sync = cpu_sync,
     .get_rows = skv_cpu_get_rows,
     .matmul = skv_cpu_matmul,
+    .matmul_rows_as_one = skv_cpu_matmul_rows_as_one,
     .matmul_multi = skv_cpu_matmul_multi,
     .rmsnorm = skv_cpu_rmsnorm,
     .rope = skv_cpu_rope,

@@ -221,6 +221,13 @@ static int mm_check_weight(const struct skv_tensor *w, struct mm_job *job)
     return SKV_OK;
 }
 
+int skv_cpu_matmul_rows_as_one(struct skv_backend *be, const struct skv_tensor *w)
+{
+    (void)be;
+    /* the GEMV kernels compute each row on its own; past these sizes a GEMM takes over */
+    return skv_q16_gemv_for(w->type) != NULL ? SKV_MM_GEMV_MAX_N : SKV_MM_FLOAT_GEMV_MAX_N;
+}
+
 int skv_cpu_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
                    const float *bias, const float *x, int n)
 {

@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "common/status.h"
+
+#include <stdatomic.h>
 #include "kernels/cpu/cpu.h"
 
 struct colsum_job {
@@ -17,7 +19,7 @@ struct colsum_job {
     int n, n_heads, group, head_dim, q_first;
     const struct skv_kv_view *kv;
     struct skv_backend *be;
-    int status;
+    atomic_int status;         /* SKV_OK, or the first failure (set by any worker) */
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -60,7 +62,7 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         float *out = job->out + h * job->out_stride;
         float *p = skv_cpu_scratch(job->be, thread_id, (size_t)n_keys * sizeof(float));
         if (!p) {
-            job->status = SKV_E_NOMEM;
+            atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
         }
         memset(out, 0, (size_t)n_keys * sizeof *out);
@@ -104,8 +106,9 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
         .out = out, .out_stride = out_stride, .q = q, .n = n, .n_heads = n_heads,
         .group = n_heads / kv->n_kv_heads, .head_dim = kv->head_dim, .q_first = q_first, .kv = kv, .be = be,
     };
+    atomic_init(&job.status, SKV_OK);
     skv_cpu_parallel_for(be, n_heads, 1, colsum_task, &job);
-    return job.status;
+    return atomic_load(&job.status);
 }
 
 int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b, int n, int dim)
@@ -154,7 +157,7 @@ struct group_job {
     int kernel;
     bool pool_max, gqa_max;
     struct skv_backend *be;
-    int status;
+    atomic_int status;         /* SKV_OK, or the first failure (set by any worker) */
 };
 
 /* One KV head per task item: the group's rows reduced, then the leading rows pooled. */
@@ -170,7 +173,7 @@ static void group_task(void *arg, int64_t begin, int64_t end, int thread_id)
         float *out = job->out + h * job->stride;
         float *agg = skv_cpu_scratch(job->be, thread_id, (size_t)n * sizeof(float));
         if (!agg) {
-            job->status = SKV_E_NOMEM;
+            atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
         }
         for (int j = 0; j < n; j++) {
@@ -210,8 +213,9 @@ int skv_cpu_group_scores(struct skv_backend *be, float *out, const float *colsum
         .out = out, .colsum = colsum, .stride = stride, .group = n_heads / n_kv, .len = len, .pooled = pooled,
         .div = div, .kernel = kernel, .pool_max = pool_max, .gqa_max = gqa_max, .be = be,
     };
+    atomic_init(&job.status, SKV_OK);
     skv_cpu_parallel_for(be, n_kv, 1, group_task, &job);
-    return job.status;
+    return atomic_load(&job.status);
 }
 
 /* Keys as unsigned integers in the same order (NaN lowest, -0 as +0). */

@@ -1905,6 +1905,15 @@ static void cuda_ipc_close(struct skv_backend *be, void *ptr)
     cudaIpcCloseMemHandle(ptr);
 }
 
+/* Up to MM_GEMV_MAX_N rows take the GEMV kernels, which compute each row on its own; more go
+ * to cuBLAS. */
+static int cuda_matmul_rows_as_one(struct skv_backend *be, const struct skv_tensor *w)
+{
+    (void)be;
+    (void)w;
+    return MM_GEMV_MAX_N;
+}
+
 static const struct skv_backend_ops cuda_ops = {
     /* destroy */ cuda_destroy,
     /* alloc */ cuda_alloc,
@@ -1915,6 +1924,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* sync */ cuda_sync,
     /* get_rows */ cuda_get_rows,
     /* matmul */ cuda_matmul,
+    /* matmul_rows_as_one */ cuda_matmul_rows_as_one,
     /* matmul_multi */ cuda_matmul_multi,
     /* rmsnorm */ cuda_rmsnorm,
     /* rope */ cuda_rope,

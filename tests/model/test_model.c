@@ -755,9 +755,10 @@ static void test_incremental_matches_full(void **state)
     json_decref(ref);
 }
 
-/* A batched decode step equals separate forwards: four sessions of different lengths on the
- * default model (quantized weights: the integer GEMV path with several columns), one of them
- * evicting while it decodes (StreamingLLM through the compression hook). */
+/* A batched decode step equals separate forwards: 40 sessions of different lengths on the
+ * default model (quantized weights: the integer GEMV path with several columns; more sessions
+ * than it takes at once, so the batch is cut in groups), one of them evicting while it decodes
+ * (StreamingLLM through the compression hook). */
 static void test_decode_batch_matches_single(void **state)
 {
     (void)state;
@@ -766,8 +767,10 @@ static void test_decode_batch_matches_single(void **state)
         free(path);
         skip();
     }
-    enum { NS = 4, STEPS = 6 };
-    const int lens[NS] = {5, 40, 150, 1};
+    enum { NS = 40, STEPS = 6 };
+    int lens[NS] = {5, 40, 150, 1};
+    for (int s = 4; s < NS; s++)
+        lens[s] = 2 + (s * 37) % 100;
     struct skv_backend *be = NULL;
     struct skv_model *m = NULL;
     struct skv_engine *e = NULL;
