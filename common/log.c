@@ -2,6 +2,7 @@
 #include "common/log.h"
 #include "common/status.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -45,19 +46,21 @@ int skv_log_open(const char *path)
     return skv_log_reopen();
 }
 
+/* The new file is opened before the old one is closed: when it cannot be, logging goes on
+ * to the old one and the caller reports why. */
 int skv_log_reopen(void)
 {
     int rc = SKV_OK;
     pthread_mutex_lock(&log_lock);
-    if (log_stream && log_stream != stderr)
-        fclose(log_stream);
-    log_stream = NULL;
-    if (log_path) {
-        log_stream = fopen(log_path, "a");
-        if (!log_stream)
-            rc = SKV_E_IO;
-        else
-            setvbuf(log_stream, NULL, _IOLBF, 0);
+    FILE *f = NULL;
+    if (log_path && !(f = fopen(log_path, "a")))
+        rc = skv_errorf(SKV_E_IO, "%s: %s", log_path, strerror(errno));
+    else {
+        if (f)
+            setvbuf(f, NULL, _IOLBF, 0);
+        if (log_stream && log_stream != stderr)
+            fclose(log_stream);
+        log_stream = f;
     }
     pthread_mutex_unlock(&log_lock);
     return rc;

@@ -25,8 +25,10 @@ void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
 int skv_log_level_parse(const char *name);
 const char *skv_log_level_name(int level);
 void skv_log_set_level(int level);
-/* Log to `path` (NULL: stderr). Reopened by skv_log_reopen() on SIGHUP. Returns SKV_OK or SKV_E_IO. */
+/* Log to `path` (NULL: stderr). Returns SKV_OK or SKV_E_IO (skv_error_msg() says why). */
 int skv_log_open(const char *path);
+/* Reopens the log file (SIGHUP, after logrotate moved it): SKV_E_IO when the file cannot be
+ * opened, and logging goes on to the file already open. */
 int skv_log_reopen(void);
 
 #endif

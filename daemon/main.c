@@ -142,7 +142,7 @@ int main(int argc, char **argv)
     }
     skv_log_set_level(level);
     if (*cfg.log_file && skv_log_open(cfg.log_file)) {
-        fprintf(stderr, "snapkvd: cannot open log file %s\n", cfg.log_file);
+        fprintf(stderr, "snapkvd: cannot open log file %s\n", skv_error_msg());
         goto out;
     }
 

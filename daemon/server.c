@@ -566,8 +566,11 @@ int skv_server_run(struct skv_server *srv)
         }
         if (*srv->env.reopen) {
             *srv->env.reopen = 0;
-            skv_log_reopen();
-            skv_log(SKV_LOG_INFO, "log reopened");
+            if (skv_log_reopen())
+                skv_log(SKV_LOG_ERROR, "log file not reopened (still writing to the one open before): %s",
+                        skv_error_msg());
+            else
+                skv_log(SKV_LOG_INFO, "log reopened");
             if (skv_auth_reload(srv->auth))
                 skv_log(SKV_LOG_ERROR, "authorized keys not reloaded (the old ones stay in force): %s",
                         skv_error_msg());
