@@ -11,6 +11,7 @@
 #include "daemon/server.h"
 #include "kernels/backend.h"
 
+#include <errno.h>
 #include <getopt.h>
 #include <stdint.h>
 #include <signal.h>
@@ -22,17 +23,64 @@
 #ifdef HAVE_SYSTEMD
 #include <systemd/sd-daemon.h>
 #else
-static int sd_notify(int unset, const char *state)
+/* Built without libsystemd: the two calls snapkvd makes, speaking the notify protocol itself
+ * (the installed unit is Type=notify with a watchdog, so doing nothing would leave start-up
+ * hanging and the watchdog firing). Same returns as libsystemd's: > 0 done, 0 not run by a
+ * service manager that asked for it, negative errno on failure. */
+#include <stddef.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+/* One datagram of "KEY=value" lines to $NOTIFY_SOCKET: a path, or an abstract name written
+ * with a leading '@'. */
+static int sd_notify(int unset_environment, const char *state)
 {
-    (void)unset;
-    (void)state;
-    return 0;
+    const char *path = getenv("NOTIFY_SOCKET");
+    int rc = 0;
+    if (path && *path) {
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        size_t len = strlen(path);
+        int fd = -1;
+        if ((path[0] != '/' && path[0] != '@') || len < 2 || len > sizeof sa.sun_path)
+            rc = -EINVAL;
+        else if ((fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0)) < 0)
+            rc = -errno;
+        else {
+            memcpy(sa.sun_path, path, len);
+            if (path[0] == '@')
+                sa.sun_path[0] = '\0';
+            socklen_t sa_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len);
+            rc = sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&sa, sa_len) < 0 ? -errno : 1;
+            close(fd);
+        }
+    }
+    if (unset_environment)
+        unsetenv("NOTIFY_SOCKET");
+    return rc;
 }
-static int sd_watchdog_enabled(int unset, uint64_t *usec)
+
+/* WatchdogSec= from $WATCHDOG_USEC, when $WATCHDOG_PID (if set) is this process. */
+static int sd_watchdog_enabled(int unset_environment, uint64_t *usec)
 {
-    (void)unset;
-    (void)usec;
-    return 0;
+    const char *s = getenv("WATCHDOG_USEC"), *pid = getenv("WATCHDOG_PID");
+    int rc = 0;
+    if (s && *s) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(s, &end, 10);
+        if (*s < '0' || *s > '9' || *end || errno || v == 0)
+            rc = -EINVAL;
+        else if (!pid || !*pid || strtoll(pid, NULL, 10) == (long long)getpid()) {
+            if (usec)
+                *usec = v;
+            rc = 1;
+        }
+    }
+    if (unset_environment) {
+        unsetenv("WATCHDOG_USEC");
+        unsetenv("WATCHDOG_PID");
+    }
+    return rc;
 }
 #endif
 
