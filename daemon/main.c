@@ -88,19 +88,33 @@ static int sd_watchdog_enabled(int unset_environment, uint64_t *usec)
 
 static uint64_t watchdog_usec; /* WatchdogSec from systemd, 0 when off */
 
-/* Pings the systemd watchdog at half its interval while the socket loop turns. */
-static void watchdog_tick(void)
+/* Pings the systemd watchdog at half its interval, but only while the engine thread shows
+ * progress: the socket loop keeps turning when the engine hangs in a device call or a lock,
+ * and then systemd should restart the daemon. */
+static void watchdog_tick(struct skv_server *srv)
 {
     static struct timespec last;
+    static bool withheld;
     struct timespec now;
     if (!watchdog_usec)
         return;
     clock_gettime(CLOCK_MONOTONIC, &now);
     uint64_t since = (uint64_t)(now.tv_sec - last.tv_sec) * 1000000u + (uint64_t)((now.tv_nsec - last.tv_nsec) / 1000);
-    if (since >= watchdog_usec / 2) {
-        sd_notify(0, "WATCHDOG=1");
-        last = now;
+    if (since < watchdog_usec / 2)
+        return;
+    if (!skv_server_engine_alive(srv, watchdog_usec / 1000)) {
+        if (!withheld)
+            skv_log(SKV_LOG_WARN, "the engine thread has made no progress for %.1f s: watchdog pings withheld "
+                                  "(systemd restarts snapkvd unless it moves again)",
+                    (double)watchdog_usec / 2e6);
+        withheld = true;
+        return;
     }
+    if (withheld)
+        skv_log(SKV_LOG_INFO, "the engine thread moves again: watchdog pings resumed");
+    withheld = false;
+    sd_notify(0, "WATCHDOG=1");
+    last = now;
 }
 
 static volatile sig_atomic_t stop_flag;

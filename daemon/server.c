@@ -199,6 +199,11 @@ void skv_server_destroy(struct skv_server **srv_p)
     *srv_p = NULL;
 }
 
+bool skv_server_engine_alive(struct skv_server *srv, uint64_t interval_ms)
+{
+    return !srv->worker || skv_worker_alive(srv->worker, interval_ms);
+}
+
 static void send_reply(void *sock, zmq_msg_t *identity, Snapkv__Reply *rep)
 {
     size_t len = snapkv__reply__get_packed_size(rep);
@@ -576,7 +581,7 @@ int skv_server_run(struct skv_server *srv)
                         skv_error_msg());
         }
         if (srv->env.tick)
-            srv->env.tick();
+            srv->env.tick(srv);
         for (int i = AUTH; i < n_items; i++)
             if (items[i].revents & ZMQ_POLLIN) {
                 skv_auth_serve(srv->auth);

@@ -5,6 +5,8 @@
 #define SKV_SERVER_H
 
 #include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
 
 #include "daemon/config.h"
 
@@ -19,7 +21,7 @@ struct skv_server_env {
     struct skv_model *model;          /* may be NULL while no model is loaded */
     volatile sig_atomic_t *stop;      /* set by SIGTERM / SIGINT */
     volatile sig_atomic_t *reopen;    /* set by SIGHUP */
-    void (*tick)(void);               /* called from the socket loop at least every 200 ms (watchdog) */
+    void (*tick)(struct skv_server *srv); /* called from the socket loop at least every 200 ms (watchdog) */
 };
 
 /* Binds both endpoints (refusing when another daemon holds them), secured as *auth_p decided,
@@ -30,5 +32,8 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
  * reopens the log and re-reads the authorized keys files. */
 int skv_server_run(struct skv_server *srv);
 void skv_server_destroy(struct skv_server **srv_p);
+/* Whether the engine thread behind the socket loop looks alive to a watchdog of interval_ms
+ * (see skv_worker_alive): what the loop turning says nothing about. */
+bool skv_server_engine_alive(struct skv_server *srv, uint64_t interval_ms);
 
 #endif

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <zmq.h>
 
 void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep)
@@ -60,6 +61,32 @@ static void publish_stats(struct skv_worker *w)
     pthread_mutex_unlock(&w->snap_mu);
 }
 
+static uint64_t monotonic_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+void skv_worker_beat(struct skv_worker *w)
+{
+    atomic_store(&w->heartbeat_ms, monotonic_ms());
+}
+
+bool skv_watchdog_ok(uint64_t now_ms, uint64_t heartbeat_ms, bool idle, uint64_t interval_ms)
+{
+    return idle || now_ms < heartbeat_ms || now_ms - heartbeat_ms < interval_ms / 2;
+}
+
+bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms)
+{
+    /* idle first: the thread writes the heartbeat before it clears idle, so a cleared idle
+     * comes with the heartbeat of that wake-up */
+    bool idle = atomic_load(&w->idle);
+    uint64_t beat = atomic_load(&w->heartbeat_ms);
+    return skv_watchdog_ok(monotonic_ms(), beat, idle, interval_ms);
+}
+
 static void *worker_main(void *arg)
 {
     struct skv_worker *w = arg;
@@ -75,10 +102,13 @@ static void *worker_main(void *arg)
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_sec += 1;
+            atomic_store(&w->idle, true);
             pthread_cond_timedwait(&w->cv, &w->mu, &ts);
             if (!w->head && !w->decodes)
                 break; /* a second passed: expire leases */
         }
+        skv_worker_beat(w);
+        atomic_store(&w->idle, false);
         struct skv_job *job = w->head;
         if (job) {
             w->head = job->next;
@@ -130,6 +160,7 @@ static void *worker_main(void *arg)
             if (job)
                 job_free(job);
         }
+        skv_worker_beat(w);
         /* one token for every running decode, up to SKV_ENGINE_MAX_BATCH per forward */
         struct skv_decode *batch[SKV_ENGINE_MAX_BATCH];
         bool finished[SKV_ENGINE_MAX_BATCH];
@@ -138,6 +169,7 @@ static void *worker_main(void *arg)
             for (; d && n < SKV_ENGINE_MAX_BATCH; d = d->next)
                 batch[n++] = d;
             skv_requests_decode_round(w, batch, n, finished);
+            skv_worker_beat(w);
             for (int i = 0; i < n; i++) {
                 if (!finished[i])
                     continue;
@@ -179,6 +211,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     pthread_mutex_init(&w->snap_mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     w->snap.pool_bytes_total = (uint64_t)cfg->pool_size;
+    skv_worker_beat(w);
     struct skv_session_limits lim = {
         .pool_bytes = (uint64_t)cfg->pool_size,
         .max_sessions_per_tenant = (int)cfg->max_sessions_per_tenant,

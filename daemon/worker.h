@@ -58,6 +58,15 @@ void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out);
  * the worker publishes after every round (any thread). Returns the length written. */
 size_t skv_worker_prometheus(struct skv_worker *w, char *buf, size_t cap);
 
+/* Whether the engine thread looks alive to a watchdog of interval_ms (any thread): it waits for
+ * work, or it showed progress (a turn of its loop, a request done, a decode round) less than
+ * interval_ms / 2 ago. A thread wedged in a forward, a device call or a lock reads as dead;
+ * so does one forward that runs longer than interval_ms / 2. */
+bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms);
+/* The rule skv_worker_alive applies; now_ms and heartbeat_ms on one clock (a heartbeat after
+ * now counts as fresh). */
+bool skv_watchdog_ok(uint64_t now_ms, uint64_t heartbeat_ms, bool idle, uint64_t interval_ms);
+
 /* Packs and sends a reply for job (worker thread only). */
 void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep);
 

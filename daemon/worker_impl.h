@@ -67,11 +67,17 @@ struct skv_worker {
     atomic_uint st_sessions, st_queue;
     atomic_ullong st_pool_used;
     atomic_ullong st_disconnects; /* clients gone (first notices, dropped ones too) */
+    atomic_ullong heartbeat_ms;   /* CLOCK_MONOTONIC ms of the thread's last sign of progress (watchdog) */
+    atomic_bool idle;             /* the thread waits for work: nothing queued, no decode */
     pthread_mutex_t snap_mu;
     struct skv_stats_input snap;  /* published after every round, for HTTP /metrics */
     int start_rc;
     bool started;
 };
+
+/* Records progress for the watchdog (worker thread only): the loop calls it each turn, after
+ * each request and each decode round; a long forward may call it per layer. */
+void skv_worker_beat(struct skv_worker *w);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);

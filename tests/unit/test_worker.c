@@ -8,7 +8,10 @@
  * - Quotas: an APPEND, DECODE or COMPRESS that cannot have room fails before it changes the
  *   session, and evicts nothing unless evicting could make room.
  * - Shared-memory buffers: only /snapkv-* names; a client shrinking its buffer during
- *   transfers gets errors, never a daemon killed by SIGBUS. */
+ *   transfers gets errors, never a daemon killed by SIGBUS.
+ * - Watchdog: a worker waiting for work is alive; one stuck in a device call (a fake ipc_open
+ *   that blocks) stops being alive once half the watchdog interval passed, and is alive again
+ *   when it moves on. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -39,6 +42,11 @@
 static char g_mem[N_FAKE][FAKE_BYTES];
 static int g_opened[N_FAKE], g_closed[N_FAKE];
 static struct skv_backend_ops g_ops;
+/* A wedged device: ipc_open of buffer g_stuck_k waits until g_stuck_k changes. */
+static pthread_mutex_t g_stuck_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_stuck_cv = PTHREAD_COND_INITIALIZER;
+static int g_stuck_k;
+static bool g_stuck;
 
 static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
 {
@@ -46,6 +54,14 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     int k = ((const uint8_t *)handle)[0];
     if (handle_len != 64 || k < 1 || k >= N_FAKE)
         return skv_errorf(SKV_E_INVAL, "fake ipc_open: no buffer %d", k);
+    pthread_mutex_lock(&g_stuck_mu);
+    while (k == g_stuck_k) {
+        g_stuck = true;
+        pthread_cond_broadcast(&g_stuck_cv);
+        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
+    }
+    g_stuck = false;
+    pthread_mutex_unlock(&g_stuck_mu);
     g_opened[k]++;
     *out = g_mem[k];
     return SKV_OK;
@@ -481,6 +497,58 @@ static void test_shm_buffers(void **state)
     shm_unlink(name);
 }
 
+/* ---- watchdog --------------------------------------------------------------------------------- */
+
+static void test_watchdog(void **state)
+{
+    struct fixture *f = *state;
+    /* the rule: idle, or a heartbeat younger than half the interval (60 s here) */
+    assert_true(skv_watchdog_ok(100000, 100000, false, 60000));
+    assert_true(skv_watchdog_ok(129999, 100000, false, 60000));
+    assert_false(skv_watchdog_ok(130000, 100000, false, 60000));
+    assert_true(skv_watchdog_ok(900000, 100000, true, 60000));
+    assert_true(skv_watchdog_ok(99000, 100000, false, 60000)); /* beat after the caller's clock read */
+
+    /* waiting for work: alive however long ago it beat (it beats about once a second then,
+     * so 500 ms of answers within a 200 ms interval come from the idle rule) */
+    for (int i = 0; i < 200 && !skv_worker_alive(f->w, 200); i++)
+        usleep(10000);
+    for (int i = 0; i < 25; i++) {
+        assert_true(skv_worker_alive(f->w, 200));
+        usleep(20000);
+    }
+
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 5;
+    pthread_mutex_unlock(&g_stuck_mu);
+    submit_export(f, 0, ID_X, sid, 5);
+    pthread_mutex_lock(&g_stuck_mu);
+    while (!g_stuck)
+        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
+    pthread_mutex_unlock(&g_stuck_mu);
+    bool fresh = skv_worker_alive(f->w, 60000);
+    usleep(100000);
+    bool stuck = !skv_worker_alive(f->w, 100); /* stuck for 100 ms > 50 ms */
+    bool long_interval = skv_worker_alive(f->w, 60000);
+    pthread_mutex_lock(&g_stuck_mu); /* released before any assert: teardown joins the worker */
+    g_stuck_k = 0;
+    pthread_cond_broadcast(&g_stuck_cv);
+    pthread_mutex_unlock(&g_stuck_mu);
+    assert_true(fresh);
+    assert_true(stuck);
+    assert_true(long_interval);
+    expect_exported(f, 0, ID_X);
+    bool alive = false;
+    for (int i = 0; i < 200 && !alive; i++) { /* the worker beats right after the reply */
+        alive = skv_worker_alive(f->w, 100);
+        if (!alive)
+            usleep(10000);
+    }
+    assert_true(alive);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -488,6 +556,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
