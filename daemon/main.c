@@ -128,6 +128,17 @@ static void on_signal(int sig)
         stop_flag = 1;
 }
 
+/* SIGTERM / SIGINT during start-up: honoured after the stage that was running (a model load
+ * is not interrupted), with a clean exit. */
+static bool stop_requested(const char *stage)
+{
+    if (!stop_flag)
+        return false;
+    sd_notify(0, "STOPPING=1");
+    skv_log(SKV_LOG_INFO, "stopped during start-up, after %s", stage);
+    return true;
+}
+
 static void usage(FILE *out)
 {
     size_t n;
@@ -241,6 +252,10 @@ int main(int argc, char **argv)
         }
     }
     skv_log(SKV_LOG_INFO, "backend %s, %d threads", be->name, be->n_threads);
+    if (stop_requested("the backend start")) {
+        exit_code = 0;
+        goto out_backend;
+    }
 
     sd_notify(0, "STATUS=loading model");
     skv_log(SKV_LOG_INFO, "loading model %s", cfg.model);
@@ -248,6 +263,10 @@ int main(int argc, char **argv)
     if (rc) {
         skv_log(SKV_LOG_ERROR, "model %s: %s", cfg.model, skv_error_msg());
         goto out_backend;
+    }
+    if (stop_requested("loading the model")) {
+        exit_code = 0;
+        goto out_model;
     }
     if ((rc = skv_model_set_kv_block_rows(model, (int)cfg.kv_block_tokens))) {
         skv_log(SKV_LOG_ERROR, "KV pool: %s", skv_error_msg());
@@ -270,6 +289,10 @@ int main(int argc, char **argv)
             goto out_model;
         }
         skv_log(SKV_LOG_INFO, "KV pool: %lld bytes reserved at start", (long long)cfg.pool_size);
+        if (stop_requested("reserving the KV pool")) {
+            exit_code = 0;
+            goto out_model;
+        }
     }
     skv_log(SKV_LOG_INFO, "model %s: %d layers, %d heads (%d kv), dim %d, vocab %d", skv_model_name(model),
             skv_model_config(model)->n_layers, skv_model_config(model)->n_heads,
