@@ -595,7 +595,7 @@ static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
             return skv_errorf(SKV_E_INVAL, "shared-memory name '%s': only letters, digits and . _ -", name);
     int fd = shm_open(name, O_RDWR, 0);
     if (fd < 0)
-        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_PERM, "shm_open %s: %s", name, strerror(errno));
+        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_PERM, "shm_open %s: %s%s", name, strerror(errno), errno != EACCES ? "" : " (snapkvd opens it as its own user: the buffer's group must be snapkvd's, snapkv: join group snapkv, whose members' buffers libsnapkv gives that group, or run the client with it as primary group, `sg snapkv -c CMD`)");
     struct stat sb;
     if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
         close(fd);

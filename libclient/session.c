@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -407,6 +408,55 @@ int snapkv_release(snapkv_client_t *c, const struct snapkv_session_id *id)
 
 /* ---- POSIX shared memory ---------------------------------------------------------------------------- */
 
+/* The group snapkvd runs as (systemd/sysusers.d/snapkvd.conf). */
+#define SHM_DAEMON_GROUP "snapkv"
+
+/* The gid of SHM_DAEMON_GROUP; false when there is no such group (or it cannot be read). */
+static bool daemon_gid(gid_t *out)
+{
+    struct group gr, *found = NULL;
+    char *buf = NULL;
+    int err;
+    size_t cap = 1024;
+    do { /* the entry lists every member: grow until it fits */
+        cap *= 4;
+        char *bigger = realloc(buf, cap);
+        if (!bigger) {
+            err = ENOMEM;
+            break;
+        }
+        buf = bigger;
+        err = getgrnam_r(SHM_DAEMON_GROUP, &gr, buf, cap, &found);
+    } while (err == ERANGE && cap < ((size_t)1 << 22));
+    bool ok = !err && found;
+    if (ok)
+        *out = gr.gr_gid;
+    free(buf);
+    return ok;
+}
+
+/* Hands a new object to the daemon's group when the caller belongs to that group only as a
+ * supplementary one (or is root): a mode-0660 object of the caller's primary group is out of
+ * the daemon's reach. Best effort: otherwise the daemon's refusal says what to do. */
+static void share_with_daemon(int fd)
+{
+    gid_t gid;
+    if (!daemon_gid(&gid) || gid == getegid())
+        return;
+    bool member = geteuid() == 0;
+    int n = getgroups(0, NULL);
+    gid_t *groups = !member && n > 0 ? malloc((size_t)n * sizeof *groups) : NULL;
+    if (groups) {
+        n = getgroups(n, groups);
+        for (int i = 0; i < n && !member; i++)
+            member = groups[i] == gid;
+        free(groups);
+    }
+    if (member && fchown(fd, (uid_t)-1, gid) < 0) {
+        /* left to the caller's group */
+    }
+}
+
 int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out)
 {
     if (!out)
@@ -441,11 +491,12 @@ int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out
     }
     if (shm.fd < 0)
         return skv_client_fail(SNAPKV_E_EXISTS, "shm: no free name for '%s'", hint);
-    /* the daemon runs as another user: group read/write whatever the umask */
+    /* the daemon runs as another user: group read/write whatever the umask, and its group */
     if (fchmod(shm.fd, 0660) < 0) {
         rc = skv_client_fail(SNAPKV_E_IO, "fchmod %s: %s", shm.name, strerror(errno));
         goto out_unlink;
     }
+    share_with_daemon(shm.fd);
     if (ftruncate(shm.fd, (off_t)size) < 0) {
         rc = skv_client_fail(errno == ENOSPC || errno == EFBIG ? SNAPKV_E_LIMIT : SNAPKV_E_IO,
                              "ftruncate %s to %zu bytes: %s", shm.name, size, strerror(errno));

@@ -277,9 +277,12 @@ SNAPKV_API int snapkv_release(snapkv_client_t *client, const struct snapkv_sessi
 /* ---- tensor exchange through POSIX shared memory ---------------------------------------------
  * The daemon opens the object by name (O_RDWR) and writes (export) or reads (import) K/V at an
  * offset; the client reads or writes the same bytes through its mapping. The object is created
- * with mode 0660 (whatever the umask) and belongs to the caller's effective group: when the
- * daemon runs as another user (production: user snapkv), the caller must be in the daemon's
- * group and either run with it as effective group or fchown(shm.fd, -1, gid) after creating it. */
+ * with mode 0660 (whatever the umask) and, when the daemon runs as another user (production:
+ * user snapkv, group snapkv), must belong to a group the daemon is in. snapkv_shm_create gives
+ * it group "snapkv" when that group exists and the caller is root or a member of it (a
+ * supplementary group is enough); otherwise it keeps the caller's effective group, and the
+ * daemon refuses it (SNAPKV_E_PERM) unless that group is the daemon's: join group snapkv, or
+ * run the client with it as primary group (`sg snapkv -c CMD`), or fchown(shm.fd, -1, gid). */
 struct snapkv_shm {
     char name[64];                /* "/snapkv-<hint>-<pid>-<random>" */
     void *addr;                   /* mapping of the whole object, read/write */
