@@ -214,6 +214,7 @@ struct progress {
 static int progress_hook(void *user, const struct skv_layer_view *v)
 {
     struct progress *p = user;
+    skv_worker_beat(p->w); /* a long forward is alive: the watchdog goes on being fed */
     int rc = p->comp ? skv_compressor_hook(p->comp, v) : SKV_OK;
     if (!rc && p->job) {
         Snapkv__Reply rep;
@@ -251,7 +252,8 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     struct skv_forward_opts fo = {0};
     struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
     int rc = session_hook(s, n, compress, &fo);
-    if (progress_job) {
+    /* progress replies, and a heartbeat per layer of a long forward (a short one beats when done) */
+    if (progress_job || n >= 64) {
         fo.hook = progress_hook;
         fo.hook_user = &prog;
     }
