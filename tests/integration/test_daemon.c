@@ -219,16 +219,23 @@ static void test_admin_on_client_socket_refused(void **state)
     snapkv_close(&c);
 }
 
+/* A raw DEALER on the client endpoint (no libsnapkv): option `opt` set to `value`. */
+static void *raw_socket(const struct daemon *d, void *ctx, int opt, int value)
+{
+    void *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, opt, &value, sizeof value);
+    assert_int_equal(zmq_connect(s, d->endpoint), 0);
+    return s;
+}
+
 /* Raw frames that are not requests get a PROTO reply; the daemon keeps serving. */
 static void test_malformed(void **state)
 {
     NEED_DAEMON(d);
     void *ctx = zmq_ctx_new();
-    void *s = zmq_socket(ctx, ZMQ_DEALER);
-    int linger = 0, tmo = 5000;
-    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(s, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
-    assert_int_equal(zmq_connect(s, d->endpoint), 0);
+    void *s = raw_socket(d, ctx, ZMQ_RCVTIMEO, 5000);
     const char junk[] = "\xff\xff\xff\xff this is not protobuf";
     assert_true(zmq_send(s, junk, sizeof junk, 0) >= 0);
     char buf[4096];
@@ -485,11 +492,7 @@ static void test_client_not_reading(void **state)
 {
     NEED_DAEMON(d);
     void *ctx = zmq_ctx_new();
-    void *s = zmq_socket(ctx, ZMQ_DEALER);
-    int linger = 0, hwm = 1;
-    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
-    assert_int_equal(zmq_connect(s, d->endpoint), 0);
+    void *s = raw_socket(d, ctx, ZMQ_RCVHWM, 1);
     static const unsigned char hello[] = {0x08, 0x01, 0x52, 0x00}; /* version 1, hello {} */
     int sent = 0;
     for (int i = 0; i < 30000; i++) {

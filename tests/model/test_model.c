@@ -23,6 +23,7 @@
 #include "daemon/engine/tokenizer.h"
 #include "kernels/backend.h"
 #include "tests/common/fixture.h"
+#include "tests/common/gguf_build.h"
 
 /* The group's backend: the CPU, or in the CUDA group device 0 (tests/gpu/check.sh runs that
  * group on a GPU; without a device its tests skip). Prompts of more than 8 tokens go through
@@ -465,57 +466,6 @@ static void test_gguf_rope_freqs(void **state)
 
 /* ---- GGUFs written here: rope scaling keys, tokenizer sizes ---- */
 
-struct gguf_buf {
-    uint8_t *p;
-    size_t len, cap;
-    uint64_t n_kv;
-};
-
-static void gb_put(struct gguf_buf *b, const void *s, size_t n)
-{
-    if (b->len + n > b->cap) {
-        b->cap = (b->len + n) * 2;
-        b->p = realloc(b->p, b->cap);
-        assert_non_null(b->p);
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-}
-
-static void gb_u32(struct gguf_buf *b, uint32_t v) { gb_put(b, &v, 4); }
-static void gb_u64(struct gguf_buf *b, uint64_t v) { gb_put(b, &v, 8); }
-
-static void gb_str(struct gguf_buf *b, const char *s)
-{
-    gb_u64(b, strlen(s));
-    gb_put(b, s, strlen(s));
-}
-
-static void gb_key(struct gguf_buf *b, const char *key, uint32_t type)
-{
-    gb_str(b, key);
-    gb_u32(b, type);
-    b->n_kv++;
-}
-
-static void gb_kv_str(struct gguf_buf *b, const char *key, const char *v)
-{
-    gb_key(b, key, 8);
-    gb_str(b, v);
-}
-
-static void gb_kv_u32(struct gguf_buf *b, const char *key, uint32_t v)
-{
-    gb_key(b, key, 4);
-    gb_u32(b, v);
-}
-
-static void gb_kv_f32(struct gguf_buf *b, const char *key, float v)
-{
-    gb_key(b, key, 6);
-    gb_put(b, &v, 4);
-}
-
 /* What a test puts in the GGUF besides the model. */
 struct gguf_extra {
     const char *scaling_type; /* llama.rope.scaling.type; NULL: absent */
@@ -541,10 +491,7 @@ static char *write_gguf(const struct gguf_extra *x)
     };
     const size_t n_tensors = sizeof tensors / sizeof tensors[0], align = 32;
     struct gguf_buf b = {0};
-    gb_put(&b, "GGUF", 4);
-    gb_u32(&b, 3);
-    gb_u64(&b, n_tensors);
-    gb_u64(&b, 0); /* n_kv, patched below */
+    gb_begin(&b, n_tensors);
     gb_kv_str(&b, "general.architecture", "llama");
     gb_kv_u32(&b, "llama.block_count", 1);
     gb_kv_u32(&b, "llama.embedding_length", 8);
@@ -567,7 +514,7 @@ static char *write_gguf(const struct gguf_extra *x)
             gb_str(&b, t);
         }
     }
-    memcpy(b.p + 16, &b.n_kv, 8);
+    gb_end(&b);
     uint64_t off = 0;
     for (size_t i = 0; i < n_tensors; i++) {
         uint64_t rows = tensors[i].ne1 ? tensors[i].ne1 : 1;

@@ -18,6 +18,7 @@
 #include "common/status.h"
 #include "daemon/engine/gguf.h"
 #include "daemon/engine/tokenizer.h"
+#include "tests/common/gguf_build.h"
 
 struct fx {
     char srcdir[1024];
@@ -851,66 +852,12 @@ static void test_tiny_json_variants(void **state)
     rmdir(dir);
 }
 
-struct gbuf {
-    uint8_t *p;
-    size_t len, cap;
-    uint64_t n_kv;
-};
-
-static void gb_put(struct gbuf *b, const void *s, size_t n)
-{
-    if (b->len + n > b->cap) {
-        b->cap = (b->len + n) * 2;
-        b->p = realloc(b->p, b->cap);
-        assert_non_null(b->p);
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-}
-
-static void gb_u32(struct gbuf *b, uint32_t v) { gb_put(b, &v, 4); }
-static void gb_u64(struct gbuf *b, uint64_t v) { gb_put(b, &v, 8); }
-
-static void gb_str(struct gbuf *b, const char *s, size_t n)
-{
-    gb_u64(b, n);
-    gb_put(b, s, n);
-}
-
-static void gb_key(struct gbuf *b, const char *key, uint32_t type)
-{
-    gb_str(b, key, strlen(key));
-    gb_u32(b, type);
-    b->n_kv++;
-}
-
-static void gb_kv_str(struct gbuf *b, const char *key, const char *v)
-{
-    gb_key(b, key, 8);
-    gb_str(b, v, strlen(v));
-}
-
-static void gb_kv_u32(struct gbuf *b, const char *key, uint32_t v)
-{
-    gb_key(b, key, 4);
-    gb_u32(b, v);
-}
-
-static void gb_kv_bool(struct gbuf *b, const char *key, bool v)
-{
-    uint8_t x = v;
-    gb_key(b, key, 7);
-    gb_put(b, &x, 1);
-}
 
 /* A GGUF with no tensors holding the tiny tokenizer.json's vocabulary under `model`/`pre`. */
-static struct gbuf tiny_gguf(const json_t *tj, const char *model, const char *pre, const char *tmpl)
+static struct gguf_buf tiny_gguf(const json_t *tj, const char *model, const char *pre, const char *tmpl)
 {
-    struct gbuf b = {0};
-    gb_put(&b, "GGUF", 4);
-    gb_u32(&b, 3);
-    gb_u64(&b, 0);
-    gb_u64(&b, 0); /* n_kv, patched below */
+    struct gguf_buf b = {0};
+    gb_begin(&b, 0);
     gb_kv_str(&b, "general.architecture", "llama");
     gb_kv_str(&b, "tokenizer.ggml.model", model);
     if (pre != NULL)
@@ -939,7 +886,7 @@ static struct gbuf tiny_gguf(const json_t *tj, const char *model, const char *pr
     gb_u64(&b, n);
     for (i = 0; i < n; i++) {
         assert_non_null(names[i]);
-        gb_str(&b, names[i], strlen(names[i]));
+        gb_str(&b, names[i]);
     }
     gb_key(&b, "tokenizer.ggml.token_type", 9);
     gb_u32(&b, 5);
@@ -964,7 +911,7 @@ static struct gbuf tiny_gguf(const json_t *tj, const char *model, const char *pr
     gb_kv_bool(&b, "tokenizer.ggml.add_bos_token", true);
     if (tmpl != NULL)
         gb_kv_str(&b, "tokenizer.chat_template", tmpl);
-    memcpy(b.p + 16, &b.n_kv, 8);
+    gb_end(&b);
     free(names);
     free(types);
     return b;
@@ -978,7 +925,7 @@ static void test_tiny_gguf_pre(void **state)
     static const char *const pres[] = {"llama-bpe", "qwen2", "tekken", "gpt2", "smollm"};
     for (size_t p = 0; p < sizeof pres / sizeof pres[0]; p++) {
         const char *tmpl = json_string_value(json_object_get(f->tiny, "chat_template"));
-        struct gbuf b = tiny_gguf(tj, "gpt2", pres[p], tmpl);
+        struct gguf_buf b = tiny_gguf(tj, "gpt2", pres[p], tmpl);
         struct skv_gguf *g = NULL;
         struct skv_tokenizer *tok = NULL;
         assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
@@ -1005,7 +952,7 @@ static void test_tiny_gguf_pre(void **state)
     /* what the GGUF path refuses */
     static const char *const bad_model[][2] = {{"llama", "default"}, {"gpt2", "no-such-pre"}};
     for (size_t k = 0; k < 2; k++) {
-        struct gbuf b = tiny_gguf(tj, bad_model[k][0], bad_model[k][1], "{{ messages }}");
+        struct gguf_buf b = tiny_gguf(tj, bad_model[k][0], bad_model[k][1], "{{ messages }}");
         struct skv_gguf *g = NULL;
         struct skv_tokenizer *tok = NULL;
         assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
@@ -1015,7 +962,7 @@ static void test_tiny_gguf_pre(void **state)
         free(b.p);
     }
     /* no pre key: GPT-2 default; an unknown chat template is refused at render time */
-    struct gbuf b = tiny_gguf(tj, "gpt2", NULL, "{{ messages }}");
+    struct gguf_buf b = tiny_gguf(tj, "gpt2", NULL, "{{ messages }}");
     struct skv_gguf *g = NULL;
     struct skv_tokenizer *tok = NULL;
     assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
@@ -1036,38 +983,27 @@ static void test_tiny_gguf_pre(void **state)
 /* A GGUF holding only a hand-made tokenizer: a b c ab bc abc <s>, merges "b c" before "a b"
  * before "ab c", so BPE spells "abc" a + bc while the vocabulary has "abc" whole (what
  * ignore_merges picks). add_bos < 0 leaves tokenizer.ggml.add_bos_token out. */
-static struct gbuf abc_gguf(const char *pre, int add_bos)
+static struct gguf_buf abc_gguf(const char *pre, int add_bos)
 {
     static const char *const toks[] = {"a", "b", "c", "ab", "bc", "abc", "<s>"};
     static const char *const merges[] = {"b c", "a b", "ab c"};
     const uint64_t n_toks = sizeof toks / sizeof toks[0], n_merges = sizeof merges / sizeof merges[0];
-    struct gbuf b = {0};
-    gb_put(&b, "GGUF", 4);
-    gb_u32(&b, 3);
-    gb_u64(&b, 0);
-    gb_u64(&b, 0); /* n_kv, patched below */
+    struct gguf_buf b = {0};
+    gb_begin(&b, 0);
     gb_kv_str(&b, "general.architecture", "llama");
     gb_kv_str(&b, "tokenizer.ggml.model", "gpt2");
     gb_kv_str(&b, "tokenizer.ggml.pre", pre);
-    gb_key(&b, "tokenizer.ggml.tokens", 9);
-    gb_u32(&b, 8);
-    gb_u64(&b, n_toks);
-    for (uint64_t i = 0; i < n_toks; i++)
-        gb_str(&b, toks[i], strlen(toks[i]));
+    gb_kv_strs(&b, "tokenizer.ggml.tokens", toks, n_toks);
     gb_key(&b, "tokenizer.ggml.token_type", 9);
     gb_u32(&b, 5);
     gb_u64(&b, n_toks);
     for (uint64_t i = 0; i < n_toks; i++)
         gb_u32(&b, i == 6 ? 3 : 1); /* <s>: control */
-    gb_key(&b, "tokenizer.ggml.merges", 9);
-    gb_u32(&b, 8);
-    gb_u64(&b, n_merges);
-    for (uint64_t i = 0; i < n_merges; i++)
-        gb_str(&b, merges[i], strlen(merges[i]));
+    gb_kv_strs(&b, "tokenizer.ggml.merges", merges, n_merges);
     gb_kv_u32(&b, "tokenizer.ggml.bos_token_id", 6);
     if (add_bos >= 0)
         gb_kv_bool(&b, "tokenizer.ggml.add_bos_token", add_bos > 0);
-    memcpy(b.p + 16, &b.n_kv, 8);
+    gb_end(&b);
     return b;
 }
 
@@ -1085,7 +1021,7 @@ static void test_gguf_pre_flags(void **state)
         {"tekken", true},    {"dbrx", false},  {"smaug-bpe", false}, {"qwen2", false}, {"gpt2", false},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        struct gbuf b = abc_gguf(cases[k].pre, -1);
+        struct gguf_buf b = abc_gguf(cases[k].pre, -1);
         struct skv_gguf *g = NULL;
         struct skv_tokenizer *tok = NULL;
         assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
@@ -1111,7 +1047,7 @@ static void test_gguf_pre_flags(void **state)
         free(b.p);
     }
     /* the file's tokenizer.ggml.add_bos_token wins over the family's default */
-    struct gbuf b = abc_gguf("llama-bpe", 0);
+    struct gguf_buf b = abc_gguf("llama-bpe", 0);
     struct skv_gguf *g = NULL;
     struct skv_tokenizer *tok = NULL;
     assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
