@@ -473,7 +473,9 @@ static json_t *diff_json(const char *spec, const char *mode, const struct cache_
 /* ---- greedy decoding ------------------------------------------------------------------------- */
 
 /* Greedy tokens from `first` (the prefill's logits) on one cache, with decode upkeep.
- * Stops at max tokens, at end-of-turn when stop_eot, or once `key` appears in the text. */
+ * Stops at max tokens, at end-of-turn when stop_eot, or once `key` appears in the text with a
+ * character after it (so that answer_is_key sees whether the number goes on: the tokenizers
+ * give digits one token each, and the key's last digit may be followed by more). */
 static int greedy(struct skv_engine *e, struct skv_model *m, struct skv_kv_cache *cache, struct skv_compressor *comp,
                   const float *first, float *logits, int max, bool stop_eot, const char *key, int32_t *out, int *n_out)
 {
@@ -488,7 +490,8 @@ static int greedy(struct skv_engine *e, struct skv_model *m, struct skv_kv_cache
         if (key) {
             char *text = NULL;
             rc = skv_tokenizer_decode(m->tok, out, n, &text);
-            bool found = !rc && strstr(text, key);
+            const char *at = rc ? NULL : strstr(text, key);
+            bool found = at && at[strlen(key)] != '\0';
             free(text);
             if (rc || found)
                 break;

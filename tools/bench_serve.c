@@ -1315,9 +1315,9 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
     json_object_set_new(j, "daemon_started_by_bench", json_boolean(x.d.pid != 0));
     json_object_set_new(j, "notes",
                         json_string("snapkvd runs every request on one engine worker thread (the backend's thread "
-                                    "pool inside it), so daemon throughput is bounded by the engine; decodes of "
-                                    "concurrent sessions are interleaved one token per session per round, not "
-                                    "batched. The decode part runs on a pool large enough for all sessions of "
+                                    "pool inside it), so daemon throughput is bounded by the engine; every running "
+                                    "decode advances one token per round, the round's sessions in one batched "
+                                    "forward (up to 32 per forward with quantized weights on the CPU). The decode part runs on a pool large enough for all sessions of "
                                     "every spec (a 1 GiB pool holds only the computed number of full-cache "
                                     "sessions)."));
     double t_all = now_s();
