@@ -606,7 +606,18 @@ int skv_server_run(struct skv_server *srv)
     for (int i = 0; i < 2; i++)
         serve_ready(srv, i, -1);
     skv_worker_stop(&srv->worker);
-    while (forward_reply(srv, ZMQ_DONTWAIT))
-        ;
+    /* A non-blocking receive right after the worker thread ends can miss its last replies (the
+     * socket may not have processed their arrival yet: a cancelled decode's final reply was lost
+     * about one run in six), so wait on the pipe until it stays empty for 200 ms. */
+    for (;;) {
+        zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
+        int r = zmq_poll(&it, 1, 200);
+        if (r < 0 && zmq_errno() == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        while (forward_reply(srv, ZMQ_DONTWAIT))
+            ;
+    }
     return SKV_OK;
 }
