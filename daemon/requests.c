@@ -299,14 +299,22 @@ static int set_spec(struct skv_worker *w, struct skv_session *s, const char *tex
     return SKV_OK;
 }
 
+/* Whether a forward without compression (APPEND, a decode step) may compact s's cache: its
+ * policy evicts while decoding (h2o, streaming, window) or SnapKV re-scores (decode_budget). */
+static bool forward_compacts(const struct skv_session *s)
+{
+    const struct skv_compress_spec *sp = s->comp ? skv_compressor_spec(s->comp) : NULL;
+    return sp && (sp->policy != SKV_POLICY_SNAPKV || sp->decode_budget > 0);
+}
+
 /* Room for a forward of n more tokens on s (skv_kv_cache_growth's bound, plus what earlier
  * sessions of the same decode round took: *round_held for s's tenant, *round_unique for the
  * pool), made before the forward so that a request that cannot fit changes nothing. */
-static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, uint64_t round_held,
+static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, bool compacts, uint64_t round_held,
                         uint64_t round_unique, uint64_t *held_out, uint64_t *unique_out)
 {
     uint64_t held, unique;
-    skv_kv_cache_growth(s->cache, n, s->comp != NULL, &held, &unique);
+    skv_kv_cache_growth(s->cache, n, compacts, &held, &unique);
     if (held_out)
         *held_out = held;
     if (unique_out)
@@ -395,7 +403,8 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     }
     if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->cache->n_past, &ids,
                              &n)) ||
-        (rc = reserve_rows(w, s, n, 0, 0, NULL, NULL)) || (rc = session_forward(w, s, ids, n, false)) ||
+        (rc = reserve_rows(w, s, n, forward_compacts(s), 0, 0, NULL, NULL)) ||
+        (rc = session_forward(w, s, ids, n, false)) ||
         (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
     s->n_text_pending = 0; /* the client's text follows: a generated character it cut stays cut */
@@ -458,12 +467,8 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
                         s->n_tokens, n_past);
         goto fail;
     }
-    if (window > 0) {
-        uint64_t held, unique;
-        skv_kv_cache_growth(s->cache, window, true, &held, &unique);
-        if ((rc = skv_session_reserve(w->sessions, s, held, unique, NULL)))
-            goto fail;
-    }
+    if (window > 0 && (rc = reserve_rows(w, s, window, true, 0, 0, NULL, NULL)))
+        goto fail;
     bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
     skv_compressor_free(&s->comp);
     s->comp = comp;
@@ -597,7 +602,12 @@ static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
             return skv_errorf(SKV_E_INVAL, "shared-memory name '%s': only letters, digits and . _ -", name);
     int fd = shm_open(name, O_RDWR, 0);
     if (fd < 0)
-        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_PERM, "shm_open %s: %s%s", name, strerror(errno), errno != EACCES ? "" : " (snapkvd opens it as its own user: the buffer's group must be snapkvd's, snapkv: join group snapkv, whose members' buffers libsnapkv gives that group, or run the client with it as primary group, `sg snapkv -c CMD`)");
+        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_PERM, "shm_open %s: %s%s", name, strerror(errno),
+                          errno != EACCES ? ""
+                                          : " (snapkvd opens it as its own user: the buffer's group must be "
+                                            "snapkvd's, snapkv: join group snapkv, whose members' buffers libsnapkv "
+                                            "gives that group, or run the client with it as primary group, `sg "
+                                            "snapkv -c CMD`)");
     struct stat sb;
     if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
@@ -1216,7 +1226,7 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
                 round_unique += unique[j];
                 round_held += strcmp(ds[j]->session->tenant, s->tenant) == 0 ? held[j] : 0;
             }
-        rcs[i] = reserve_rows(w, s, 1, round_held, round_unique, &held[i], &unique[i]);
+        rcs[i] = reserve_rows(w, s, 1, forward_compacts(s), round_held, round_unique, &held[i], &unique[i]);
         /* this session's memory for the token first: out of memory fails it alone */
         if (!rcs[i])
             rcs[i] = skv_kv_cache_prepare(s->cache, 1);

@@ -228,20 +228,26 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     tenant_usage(t, s->tenant, &count, &tenant_bytes);
     tenant_bytes += more_held;
     uint64_t used = pool_bytes_used(t) + more_unique;
-    /* evict nothing for a request that cannot fit even with every candidate gone */
-    uint64_t t_free = evictable_bytes(t, s, s->tenant), p_free = evictable_bytes(t, s, NULL);
-    if (tenant_bytes > t->lim.max_bytes_per_tenant &&
-        tenant_bytes - (t_free < tenant_bytes ? t_free : tenant_bytes) > t->lim.max_bytes_per_tenant)
-        return skv_errorf(SKV_E_LIMIT,
-                          "tenant '%s' would hold %llu KV bytes (max-bytes-per-tenant %llu), %llu of them in sessions "
-                          "that could be evicted",
-                          s->tenant, (unsigned long long)tenant_bytes,
-                          (unsigned long long)t->lim.max_bytes_per_tenant, (unsigned long long)t_free);
-    if (used > t->lim.pool_bytes && used - (p_free < used ? p_free : used) > t->lim.pool_bytes)
-        return skv_errorf(SKV_E_POOL_FULL,
-                          "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be evicted "
-                          "hold %llu",
-                          (unsigned long long)used, (unsigned long long)t->lim.pool_bytes, (unsigned long long)p_free);
+    /* evict nothing for a request that cannot fit even with every candidate gone (the
+     * candidates are counted only when a limit is passed: this runs for every decoded token) */
+    if (tenant_bytes > t->lim.max_bytes_per_tenant) {
+        uint64_t t_free = evictable_bytes(t, s, s->tenant);
+        if (tenant_bytes - (t_free < tenant_bytes ? t_free : tenant_bytes) > t->lim.max_bytes_per_tenant)
+            return skv_errorf(SKV_E_LIMIT,
+                              "tenant '%s' would hold %llu KV bytes (max-bytes-per-tenant %llu), %llu of them in "
+                              "sessions that could be evicted",
+                              s->tenant, (unsigned long long)tenant_bytes,
+                              (unsigned long long)t->lim.max_bytes_per_tenant, (unsigned long long)t_free);
+    }
+    if (used > t->lim.pool_bytes) {
+        uint64_t p_free = evictable_bytes(t, s, NULL);
+        if (used - (p_free < used ? p_free : used) > t->lim.pool_bytes)
+            return skv_errorf(SKV_E_POOL_FULL,
+                              "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be "
+                              "evicted hold %llu",
+                              (unsigned long long)used, (unsigned long long)t->lim.pool_bytes,
+                              (unsigned long long)p_free);
+    }
     int evicted = 0;
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {
         struct skv_session *v = lru_victim(t, s, s->tenant);
