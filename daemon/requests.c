@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <sodium.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1235,11 +1236,15 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
         if (!rcs[i])
             seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
     }
+    int32_t before[SKV_ENGINE_MAX_BATCH];
+    for (int i = 0; i < n; i++)
+        before[i] = ds[i]->session->cache->n_past;
     int rc = nb ? skv_engine_decode_batch(w->engine, seqs, nb) : SKV_OK;
     w->metrics.decode_seconds += now_s() - t0;
     w->metrics.decode_batches += nb > 0;
+    /* when the batch failed, a session whose token went in (another decode group) goes on */
     for (int i = 0; i < n; i++)
-        finished[i] = decode_done(w, ds[i], rcs[i] ? rcs[i] : rc);
+        finished[i] = decode_done(w, ds[i], rcs[i] ? rcs[i] : ds[i]->session->cache->n_past > before[i] ? SKV_OK : rc);
     return n;
 }
 
@@ -1450,7 +1455,6 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
  * (no compressor state, no scores) still loads; such a session decodes with the full cache. */
 #define SAVE_MAGIC "SKVSESS1"
 #define SAVE_VERSION 2
-#define SAVE_STATE_MAX 65536
 
 struct save_header {
     char magic[8];
@@ -1515,12 +1519,15 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     rc = write_all(f, &h, &hd, sizeof hd);
     if (!rc)
         rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
-    int32_t state_len = s->comp ? (int32_t)skv_compressor_state_size(s->comp) : 0;
-    void *state = state_len ? malloc((size_t)state_len) : NULL;
-    if (!rc && state_len && !state)
+    size_t state_size = s->comp ? skv_compressor_state_size(s->comp) : 0;
+    int32_t state_len = (int32_t)state_size;
+    void *state = NULL;
+    if (!rc && state_size > INT32_MAX)
+        rc = skv_errorf(SKV_E_LIMIT, "the compressor's state (%zu bytes) is too large to save", state_size);
+    if (!rc && state_len && !(state = malloc((size_t)state_len)))
         rc = SKV_E_NOMEM;
     if (!rc && state)
-        skv_compressor_state_write(s->comp, state);
+        rc = skv_compressor_state_write(s->comp, state);
     if (!rc)
         rc = write_all(f, &h, &state_len, sizeof state_len);
     if (!rc && state_len)
@@ -1612,10 +1619,17 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     if (!rc && hd.n_tokens && !(rc = read_exact(f, &h, tok, (size_t)hd.n_tokens * 4)))
         rc = skv_session_push_tokens(s, tok, hd.n_tokens);
     free(tok);
+    /* the session goes on under its spec: the compressor that reads the state it had */
+    if (!rc && hd.version >= 2 && (rc = set_spec(w, s, hd.spec))) {
+        char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        rc = skv_errorf(SKV_E_FORMAT, "%s: saved spec: %s", path, why);
+    }
     int32_t state_len = 0;
     void *state = NULL;
+    size_t state_max = s && s->comp ? skv_compressor_state_max(s->comp, hd.n_past) : 0;
     if (!rc && hd.version >= 2 && !(rc = read_exact(f, &h, &state_len, sizeof state_len))) {
-        if (state_len < 0 || state_len > SAVE_STATE_MAX)
+        if (state_len < 0 || (size_t)state_len > state_max)
             rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state of %d bytes", path, state_len);
         else if (state_len && !(state = malloc((size_t)state_len)))
             rc = SKV_E_NOMEM;
@@ -1670,16 +1684,10 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         s->prompt_len = hd.prompt_len;
         s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
         if (hd.version >= 2) {
-            /* the session goes on under its spec: the compressor with the state it had */
-            if ((rc = set_spec(w, s, hd.spec))) {
-                char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
-                snprintf(why, sizeof why, "%s", skv_error_msg());
-                rc = skv_errorf(SKV_E_FORMAT, "%s: saved spec: %s", path, why);
-            } else if (!s->comp != !state_len) {
+            if (!s->comp != !state_len)
                 rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state does not match the spec", path);
-            } else if (s->comp) {
+            else if (s->comp)
                 rc = skv_compressor_state_read(s->comp, state, (size_t)state_len, hd.n_past);
-            }
         } else {
             snprintf(s->spec, sizeof s->spec, "%s", hd.spec); /* shown; decoding keeps every row */
         }

@@ -189,15 +189,50 @@ int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor
 
 /* State bytes: int32 n_layers, budget, total_len, decode; int32 layer_budget[L],
  * decode_budgets[L]; float sim[L]; host byte order (saved sessions are read on the host that
- * wrote them; the model fingerprint already ties them to one model). */
+ * wrote them; the model fingerprint already ties them to one model). SnapKV re-scoring
+ * (decode_budget) with tokens observed since its last compression adds its observation: int32
+ * obs_start, obs_end, n_obs, then float [L][n_obs][n_heads * head_dim], the queries of
+ * positions obs_end - n_obs .. obs_end - 1 (n_obs = min(ring, obs_end - obs_start)). */
 #define STATE_HEAD 4
+#define STATE_OBS_HEAD 3
 
-size_t skv_compressor_state_size(const struct skv_compressor *c)
+static int obs_copy(struct skv_compressor *c, int layer, float *lin, int32_t first, int32_t end, bool to_ring);
+
+static size_t state_base(const struct skv_compressor *c)
 {
     return (size_t)(STATE_HEAD + 3 * c->n_layers) * 4;
 }
 
-void skv_compressor_state_write(const struct skv_compressor *c, void *buf)
+static size_t state_obs_bytes(const struct skv_compressor *c, int n_obs)
+{
+    return STATE_OBS_HEAD * 4 + (size_t)c->n_layers * n_obs * c->n_heads * c->head_dim * sizeof(float);
+}
+
+/* Queries the saved observation holds: none before the first decoded token, or when the
+ * observation does not end at the cache's end (restored as "start again"). */
+static int state_n_obs(const struct skv_compressor *c)
+{
+    if (!rescores_decode(&c->spec) || !c->obs_q || c->obs_end <= c->obs_start)
+        return 0;
+    int32_t seen = c->obs_end - c->obs_start;
+    return seen < c->obs_cap ? (int)seen : c->obs_cap;
+}
+
+size_t skv_compressor_state_size(const struct skv_compressor *c)
+{
+    int n_obs = state_n_obs(c);
+    return state_base(c) + (n_obs ? state_obs_bytes(c, n_obs) : 0);
+}
+
+size_t skv_compressor_state_max(const struct skv_compressor *c, int n_past)
+{
+    if (!rescores_decode(&c->spec))
+        return state_base(c);
+    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    return state_base(c) + state_obs_bytes(c, cap < n_past ? cap : n_past);
+}
+
+int skv_compressor_state_write(struct skv_compressor *c, void *buf)
 {
     int32_t head[STATE_HEAD] = {c->n_layers, c->budget, c->total_len, c->decode};
     size_t L = (size_t)c->n_layers;
@@ -209,13 +244,66 @@ void skv_compressor_state_write(const struct skv_compressor *c, void *buf)
     for (size_t l = 0; l < L; l++, p += 4)
         memcpy(p, &(int32_t){c->decode_budgets[l]}, 4);
     memcpy(p, c->sim, L * sizeof *c->sim);
+    p += L * sizeof *c->sim;
+    int n_obs = state_n_obs(c);
+    if (!n_obs)
+        return SKV_OK;
+    int32_t obs[STATE_OBS_HEAD] = {c->obs_start, c->obs_end, n_obs};
+    memcpy(p, obs, sizeof obs);
+    p += sizeof obs;
+    size_t bytes = (size_t)n_obs * c->n_heads * c->head_dim * sizeof(float);
+    for (int l = 0; l < c->n_layers; l++, p += bytes) {
+        int rc = obs_copy(c, l, c->obs_win, c->obs_end - n_obs, c->obs_end, false);
+        if (rc || (rc = c->be->ops->download(c->be, p, c->obs_win, bytes)))
+            return rc;
+    }
+    return SKV_OK;
+}
+
+/* The saved observation (state bytes past the base): checked against the spec and n_past,
+ * then copied into the ring. */
+static int state_read_obs(struct skv_compressor *c, const char *p, size_t len, int n_past)
+{
+    int32_t obs[STATE_OBS_HEAD];
+    if (len < sizeof obs || !rescores_decode(&c->spec))
+        return skv_errorf(SKV_E_FORMAT, "compressor state: %zu bytes, expected %zu", len + state_base(c),
+                          state_base(c));
+    memcpy(obs, p, sizeof obs);
+    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    int32_t start = obs[0], end = obs[1], n_obs = obs[2];
+    int64_t seen = (int64_t)end - start;
+    if (end != n_past || start < 0 || seen < 1 || n_obs != (seen < cap ? seen : cap))
+        return skv_errorf(SKV_E_FORMAT, "compressor state: implausible observation window");
+    if (len != state_obs_bytes(c, n_obs))
+        return skv_errorf(SKV_E_FORMAT, "compressor state: observation of %zu bytes, expected %zu", len,
+                          state_obs_bytes(c, n_obs));
+    const float *q = (const float *)(const void *)(p + sizeof obs);
+    size_t per_layer = (size_t)n_obs * c->n_heads * c->head_dim;
+    for (size_t i = 0; i < per_layer * c->n_layers; i++) {
+        float x;
+        memcpy(&x, q + i, sizeof x);
+        if (!isfinite(x))
+            return skv_errorf(SKV_E_FORMAT, "compressor state: a saved query is not finite");
+    }
+    int rc = obs_alloc(c);
+    for (int l = 0; l < c->n_layers && !rc; l++) {
+        rc = c->be->ops->upload(c->be, c->obs_win, p + sizeof obs + (size_t)l * per_layer * sizeof(float),
+                                per_layer * sizeof(float));
+        if (!rc)
+            rc = obs_copy(c, l, c->obs_win, end - n_obs, end, true);
+    }
+    if (rc)
+        return rc;
+    c->obs_start = start;
+    c->obs_end = end;
+    return SKV_OK;
 }
 
 int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t len, int n_past)
 {
-    if (len != skv_compressor_state_size(c))
-        return skv_errorf(SKV_E_FORMAT, "compressor state: %zu bytes, expected %zu", len,
-                          skv_compressor_state_size(c));
+    size_t base = state_base(c);
+    if (len < base || (len > base && !rescores_decode(&c->spec)))
+        return skv_errorf(SKV_E_FORMAT, "compressor state: %zu bytes, expected %zu", len, base);
     int32_t head[STATE_HEAD];
     const char *p = buf;
     memcpy(head, p, sizeof head);
@@ -237,6 +325,17 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
         if (b < 0 || b > most_layer || d < 0 || d > SKV_SPEC_MAX_BUDGET)
             return skv_errorf(SKV_E_FORMAT, "compressor state: layer %d out of range", l);
     }
+    /* nothing observed: SnapKV re-scoring starts its window with the next decoded token */
+    int32_t obs_start = c->obs_start, obs_end = c->obs_end;
+    c->obs_start = c->obs_end = n_past;
+    if (len > base) {
+        int rc = state_read_obs(c, (const char *)buf + base, len - base, n_past);
+        if (rc) {
+            c->obs_start = obs_start;
+            c->obs_end = obs_end;
+            return rc;
+        }
+    }
     c->budget = head[1];
     c->total_len = head[2];
     c->decode = head[3] != 0;
@@ -248,8 +347,6 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
         c->decode_budgets[l] = d;
     }
     memcpy(c->sim, sp, (size_t)L * sizeof *c->sim);
-    /* nothing observed yet: SnapKV re-scoring starts its window with the next decoded token */
-    c->obs_start = c->obs_end = n_past;
     c->scored_layer = -1;
     return SKV_OK;
 }

@@ -59,13 +59,17 @@ int skv_compressor_budget(const struct skv_compressor *c);
 
 /* A compressor's decided state as bytes, for SAVE / LOAD: the budget, the sequence length,
  * whether it is decoding, the layer budgets, the decode budgets and the SqueezeAttention
- * similarities (what decoding under the same spec needs; SnapKV re-scoring's observation
- * window is not part of it and starts again with the next decoded token). The rows' scores
- * (H2O's accumulated attention) live in the cache. */
+ * similarities (what decoding under the same spec needs), and for SnapKV re-scoring
+ * (decode_budget) the queries of its observation window and where its `interval` count
+ * stands, so a loaded session re-scores when and as the saved one would. The rows' scores
+ * (H2O's accumulated attention) live in the cache. state_size: what state_write writes now;
+ * state_max: the most it can be for a cache of n_past tokens. */
 size_t skv_compressor_state_size(const struct skv_compressor *c);
-void skv_compressor_state_write(const struct skv_compressor *c, void *buf);
+size_t skv_compressor_state_max(const struct skv_compressor *c, int n_past);
+int skv_compressor_state_write(struct skv_compressor *c, void *buf);
 /* Restores what state_write wrote for a compressor of the same spec and model, on a cache of
- * n_past tokens; SKV_E_FORMAT (nothing changed) when the bytes do not fit them. */
+ * n_past tokens; SKV_E_FORMAT when the bytes do not fit them. A state without the observation
+ * (written before it was saved) starts the window again with the next decoded token. */
 int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t len, int n_past);
 
 /* ---- policy pieces (also unit-tested on their own) ---------------------------------------- */

@@ -800,6 +800,25 @@ static int check_cache(const struct skv_model_config *c, const struct skv_kv_cac
     return SKV_OK;
 }
 
+/* After a forward that failed: drops the rows it appended (positions from `from` on: a
+ * forward's rows are the tail of every head, whatever its hook evicted) and puts n_past back,
+ * so the cache is as before it, less any rows the hook had already evicted. */
+static void forward_undo(struct skv_kv_cache *cache, int32_t from)
+{
+    for (int l = 0; l < cache->n_layers; l++)
+        for (int h = 0; h < cache->n_kv_heads; h++) {
+            struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+            int len = kh->len;
+            while (len > 0 && kh->pos[len - 1] >= from)
+                len--;
+            skv_kv_cache_truncate(cache, l, h, len); /* releases the blocks past: cannot fail */
+        }
+    cache->n_past = from;
+}
+
+static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
+                       const struct skv_forward_opts *opts, float *logits);
+
 int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
                        const struct skv_forward_opts *opts, float *logits)
 {
@@ -811,6 +830,17 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
         if (tokens[i] < 0 || tokens[i] >= c->n_vocab)
             return skv_errorf(SKV_E_INVAL, "token %d at index %d is outside the vocabulary [0, %d)",
                               tokens[i], i, c->n_vocab);
+    int32_t from = cache->n_past;
+    int rc = forward_run(e, cache, tokens, n, opts, logits);
+    if (rc)
+        forward_undo(cache, from);
+    return rc;
+}
+
+static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
+                       const struct skv_forward_opts *opts, float *logits)
+{
+    const struct skv_model_config *c = &e->m->cfg;
     struct skv_backend *be = e->be;
     const struct skv_backend_ops *ops = be->ops;
     CHECK(ensure_capacity(e, n));
@@ -858,6 +888,11 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
     return SKV_OK;
 }
 
+static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *seqs, const int32_t *tokens, int n,
+                            bool hook);
+
+/* One forward for the n sequences of a decode group; when it fails, none of them keeps a row
+ * of it (forward_undo). */
 static int decode_group_forward(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)
 {
     const struct skv_model_config *c = &e->m->cfg;
@@ -878,6 +913,20 @@ static int decode_group_forward(struct skv_engine *e, const struct skv_batch_seq
         tokens[i] = seqs[i].token;
         hook = hook || (seqs[i].opts && seqs[i].opts->hook);
     }
+    int32_t from[SKV_ENGINE_MAX_BATCH];
+    for (int i = 0; i < n; i++)
+        from[i] = seqs[i].cache->n_past;
+    int rc = decode_group_run(e, seqs, tokens, n, hook);
+    if (rc)
+        for (int i = 0; i < n; i++)
+            forward_undo(seqs[i].cache, from[i]);
+    return rc;
+}
+
+static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *seqs, const int32_t *tokens, int n,
+                            bool hook)
+{
+    const struct skv_model_config *c = &e->m->cfg;
     struct skv_backend *be = e->be;
     const struct skv_backend_ops *ops = be->ops;
     size_t qdim = (size_t)c->n_heads * c->head_dim;
@@ -950,8 +999,10 @@ int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *se
         for (int j = 0; j < i; j++)
             if (seqs[i].cache && seqs[j].cache == seqs[i].cache)
                 return skv_errorf(SKV_E_INVAL, "sequences %d and %d of the batch share a cache", j, i);
-    int g = decode_group_size(e);
-    for (int i0 = 0; i0 < n; i0 += g)
-        CHECK(decode_group_forward(e, seqs + i0, n - i0 < g ? n - i0 : g));
-    return SKV_OK;
+    int g = decode_group_size(e), rc = SKV_OK;
+    for (int i0 = 0; i0 < n; i0 += g) { /* a group that fails leaves the others theirs */
+        int grc = decode_group_forward(e, seqs + i0, n - i0 < g ? n - i0 : g);
+        rc = rc ? rc : grc;
+    }
+    return rc;
 }

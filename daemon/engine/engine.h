@@ -125,7 +125,9 @@ struct skv_model *skv_engine_model(const struct skv_engine *e);
 
 /* Runs n tokens (positions cache->n_past ...) through the model, appending their K/V to the
  * cache, and writes logits ([n][n_vocab] with logits_all, else [n_vocab]) when logits != NULL.
- * tokens are checked against the vocabulary (SKV_E_INVAL). opts may be NULL. */
+ * tokens are checked against the vocabulary (SKV_E_INVAL). opts may be NULL. When it fails,
+ * the cache holds none of the n rows and n_past is as before (rows a hook already evicted, and
+ * scores it already added, stay so). */
 int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const int32_t *tokens, int n,
                        const struct skv_forward_opts *opts, float *logits);
 
@@ -141,7 +143,10 @@ struct skv_batch_seq {
 /* One token for each of n sequences (distinct caches of this model) in one forward: the
  * projections and the MLP run over all n rows at once (weights read once), attention over
  * each sequence's own cache; each sequence's hook sees its own row (view.n = 1). Results
- * equal n separate skv_engine_forward calls. n in [1, SKV_ENGINE_MAX_BATCH]. */
+ * equal n separate skv_engine_forward calls. n in [1, SKV_ENGINE_MAX_BATCH]. The sequences
+ * go in groups (the backend's matmul_rows_as_one); a group that fails leaves its caches as
+ * skv_engine_forward leaves a failed one and the other groups go on, so after an error each
+ * cache either took its token (n_past + 1) or did not; the first error is returned. */
 int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n);
 
 /* Peak bytes of activation scratch the engine holds. */

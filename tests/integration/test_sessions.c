@@ -1089,23 +1089,39 @@ static void test_save_load_goes_on(void **state)
     snapkv_decode_result_free(&d2);
     snapkv_prefill_result_free(&pr);
 
-    /* SnapKV re-scoring while decoding: after LOAD its window starts again, and every 4th token
-     * from there cuts each layer back to decode_budget 40 */
+    /* SnapKV re-scoring while decoding (every 4th decoded token cuts each layer back to
+     * decode_budget 40, scored by the newest decoded tokens' queries): the save carries the
+     * observation window and the interval count, so the loaded session re-scores when and as
+     * the original does: the same tokens, and the same positions kept (before, its window
+     * started again at the load, and it re-scored 2 tokens late from other queries) */
     po.compress = "policy=snapkv,budget=48,window=8,kernel=5,decode_budget=40,interval=4";
     assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
     sp.max_tokens = 6;
     assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &d0), SNAPKV_OK);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "snapkv-1", NULL), SNAPKV_OK);
+    sp.max_tokens = 9;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &d1), SNAPKV_OK);
+    assert_int_equal(d1.n_tokens, 9);
+    pos_orig = kept_positions(a, &pr.id, &n_orig, &kept_orig);
+    assert_int_equal(kept_orig, 40 + 3); /* cut at the 12th of the 15 decoded tokens */
     assert_int_equal(snapkv_admin_load(a, "snapkv-1", "tenant-a", &loaded), SNAPKV_OK);
-    ao.tokens = &d0.tokens[5];
-    assert_int_equal(snapkv_append(c, &loaded, &ao, NULL), SNAPKV_OK);
-    sp.max_tokens = 7;
-    assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d1), SNAPKV_OK);
-    uint32_t *pos = kept_positions(a, &loaded, &n_load, &kept_load);
-    assert_int_equal(kept_load, 40);
-    free(pos);
+    ao.tokens = &d1.tokens[0];
+    assert_int_equal(snapkv_append(c, &loaded, &ao, &ar), SNAPKV_OK);
+    assert_int_equal(ar.next_token, d1.tokens[1]);
+    snapkv_append_result_free(&ar);
+    sp.max_tokens = 8;
+    assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
+    assert_int_equal(d2.n_tokens, 8);
+    assert_memory_equal(d2.tokens, d1.tokens + 1, 8 * sizeof *d2.tokens);
+    pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
+    assert_int_equal(kept_load, kept_orig);
+    assert_int_equal(n_load, n_orig);
+    assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
+    free(pos_load);
+    free(pos_orig);
     snapkv_decode_result_free(&d0);
     snapkv_decode_result_free(&d1);
+    snapkv_decode_result_free(&d2);
     snapkv_prefill_result_free(&pr);
     snapkv_close(&a);
     snapkv_close(&c);

@@ -698,7 +698,7 @@ static void test_state_grown_budget(void **state)
     size_t len = skv_compressor_state_size(ca);
     unsigned char *buf = malloc(len);
     assert_non_null(buf);
-    skv_compressor_state_write(ca, buf);
+    assert_int_equal(skv_compressor_state_write(ca, buf), SKV_OK);
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
@@ -935,7 +935,7 @@ static void test_state_round_trip(void **state)
     unsigned char *buf = malloc(len), *bad = malloc(len);
     assert_non_null(buf);
     assert_non_null(bad);
-    skv_compressor_state_write(ca, buf);
+    assert_int_equal(skv_compressor_state_write(ca, buf), SKV_OK);
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
@@ -964,6 +964,73 @@ static void test_state_round_trip(void **state)
             const struct skv_kv_head *x = skv_kv_cache_head(a, l, h);
             expect_positions(b, l, h, x->pos, x->len);
         }
+    free(buf);
+    free(bad);
+    skv_compressor_free(&ca);
+    skv_compressor_free(&cb);
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+}
+
+/* SnapKV re-scoring's state carries its observation window (the newest min(window,
+ * decode_budget) = 4 decoded queries per layer) and the interval count (5 decoded, re-scored
+ * at the 3rd): a compressor that reads it re-scores the copied cache at the same tokens, from
+ * the same queries, as the original; an observation that does not fit the spec or the cache
+ * is refused. */
+static void test_state_round_trip_snapkv(void **state)
+{
+    struct tiny *t = *state;
+    const char *spec_text = "policy=snapkv,budget=16,window=4,kernel=3,decode_budget=10,interval=3";
+    struct skv_kv_cache *a = NULL, *b = NULL;
+    struct skv_compressor *ca = NULL, *cb = NULL;
+    run(t, spec_text, &a, t->ids, t->n, &ca);
+    decode_steps(t, ca, a, 40, 5);
+    const struct skv_model_config *mc = &t->m->cfg;
+    size_t base = (4 + 3 * (size_t)a->n_layers) * 4;
+    size_t len = skv_compressor_state_size(ca);
+    assert_int_equal(len, base + 12 + (size_t)mc->n_layers * 4 * mc->n_heads * mc->head_dim * 4);
+    assert_true(len <= skv_compressor_state_max(ca, a->n_past));
+    unsigned char *buf = malloc(len), *bad = malloc(len);
+    assert_non_null(buf);
+    assert_non_null(bad);
+    assert_int_equal(skv_compressor_state_write(ca, buf), SKV_OK);
+    int32_t obs[3];
+    memcpy(obs, buf + base, sizeof obs);
+    assert_int_equal(obs[0], 40); /* observed from the first decoded token */
+    assert_int_equal(obs[1], 45);
+    assert_int_equal(obs[2], 4);
+    struct skv_compress_spec spec;
+    assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
+    /* refused: another n_obs, a window that does not end at the cache's end, a query that is
+     * not finite, a cut observation */
+    memcpy(bad, buf, len);
+    memcpy(bad + base + 8, &(int32_t){3}, 4);
+    assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "implausible observation window"));
+    assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past + 1), SKV_E_FORMAT);
+    memcpy(bad, buf, len);
+    memcpy(bad + len - 4, &(float){NAN}, 4);
+    assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "not finite"));
+    assert_int_equal(skv_compressor_state_read(cb, buf, len - 4, a->n_past), SKV_E_FORMAT);
+    assert_int_equal(skv_compressor_budget(cb), 0);
+    assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past), SKV_OK);
+    assert_int_equal(skv_kv_cache_clone(a, &b), SKV_OK);
+    decode_steps(t, ca, a, 45, 10);
+    decode_steps(t, cb, b, 45, 10);
+    for (int l = 0; l < a->n_layers; l++)
+        for (int h = 0; h < a->n_kv_heads; h++) {
+            const struct skv_kv_head *x = skv_kv_cache_head(a, l, h);
+            assert_true(x->len < 10 + 3); /* it was re-scored: decode_budget plus the interval's rows */
+            expect_positions(b, l, h, x->pos, x->len);
+        }
+    /* a state saved before the observation was (the base alone) still reads: the window
+     * starts again */
+    struct skv_compressor *cc = NULL;
+    assert_int_equal(skv_compressor_new(&spec, t->m, &cc), SKV_OK);
+    assert_int_equal(skv_compressor_state_read(cc, buf, base, a->n_past - 10), SKV_OK);
+    skv_compressor_free(&cc);
     free(buf);
     free(bad);
     skv_compressor_free(&ca);
@@ -1016,6 +1083,7 @@ int main(void)
         cmocka_unit_test(test_decode_budget_spread),
         cmocka_unit_test(test_decode_rescore_clone),
         cmocka_unit_test(test_state_round_trip),
+        cmocka_unit_test(test_state_round_trip_snapkv),
         cmocka_unit_test(test_min_budget),
     };
     int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);

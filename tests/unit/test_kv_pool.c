@@ -145,6 +145,92 @@ static void test_pool_reserve(void **state)
     skv_kv_pool_unref(&p);
 }
 
+/* ---- a forward that fails part way ----------------------------------------------------------- */
+
+/* A hook that fails at `layer` of the sequence whose cache is `cache` (NULL: any): by then
+ * that layer and those before it hold the forward's rows. */
+struct fail_at {
+    int layer;
+    const struct skv_kv_cache *cache;
+};
+
+static int fail_hook(void *user, const struct skv_layer_view *v)
+{
+    const struct fail_at *f = user;
+    if (v->layer == f->layer && (!f->cache || f->cache == v->cache))
+        return skv_errorf(SKV_E_DEVICE, "injected failure at layer %d", v->layer);
+    return SKV_OK;
+}
+
+/* A forward that fails part way (here at layer 1 of 2, the rows already in both layers' heads
+ * up to it) leaves the cache as it was: the same rows, positions and n_past, its blocks back
+ * in the pool; the next forward then gives what a cache that never saw the failure gives. A
+ * batched decode that fails in one group leaves that group's caches so and the other groups'
+ * sequences take their token (the tiny model's float weights: groups of 8). */
+static void test_failed_forward_undone(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    const int nv = t->m->cfg.n_vocab, L = t->m->cfg.n_layers;
+    assert_true(L >= 2);
+    struct skv_kv_cache *c = NULL, *ref = NULL;
+    float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &ref), SKV_OK);
+    prefill(t, c, t->ids, 12, NULL);
+    prefill(t, ref, t->ids, 12, NULL);
+    const uint64_t in_use = pool_stats(pool).blocks_in_use;
+    int32_t *pos;
+    size_t floats;
+    float *before = snapshot(c, &pos, &floats);
+    struct fail_at f = {L - 1, NULL};
+    struct skv_forward_opts fo = {.hook = fail_hook, .hook_user = &f};
+    for (int n = 1; n <= 9; n += 8) { /* one token (a decode step), and 9 across a block edge */
+        assert_int_equal(skv_engine_forward(t->e, c, t->ids + 12, n, &fo, a), SKV_E_DEVICE);
+        assert_non_null(strstr(skv_error_msg(), "injected failure"));
+        assert_int_equal(c->n_past, 12);
+        expect_snapshot(c, before, pos, floats);
+        assert_int_equal(pool_stats(pool).blocks_in_use, in_use);
+    }
+    prefill(t, c, t->ids + 12, 5, a);
+    prefill(t, ref, t->ids + 12, 5, b);
+    assert_memory_equal(a, b, (size_t)nv * sizeof *a);
+    free(before);
+    free(pos);
+
+    /* a batch of 10 in groups of 8 and 2; sequence 9's hook fails at the last layer */
+    enum { NB = 10 };
+    struct skv_kv_cache *bc[NB];
+    struct skv_batch_seq seqs[NB];
+    int32_t n0[NB];
+    for (int i = 0; i < NB; i++) {
+        assert_int_equal(skv_kv_cache_new(t->m, &bc[i]), SKV_OK);
+        prefill(t, bc[i], t->ids + i, 3 + i, NULL);
+        n0[i] = bc[i]->n_past;
+    }
+    struct fail_at f9 = {L - 1, bc[9]};
+    struct skv_forward_opts fo9 = {.hook = fail_hook, .hook_user = &f9};
+    float *snap8 = snapshot(bc[8], &pos, &floats);
+    for (int i = 0; i < NB; i++)
+        seqs[i] = (struct skv_batch_seq){bc[i], t->ids[40 + i], &fo9, NULL};
+    assert_int_equal(skv_engine_decode_batch(t->e, seqs, NB), SKV_E_DEVICE);
+    for (int i = 0; i < NB; i++) {
+        assert_int_equal(bc[i]->n_past, n0[i] + (i < 8)); /* the first group took its token */
+        for (int l = 0; l < L; l++)
+            assert_int_equal(skv_kv_cache_head(bc[i], l, 0)->len, n0[i] + (i < 8));
+    }
+    expect_snapshot(bc[8], snap8, pos, floats);
+    for (int i = 0; i < NB; i++)
+        skv_kv_cache_free(&bc[i]);
+    free(snap8);
+    free(pos);
+    skv_kv_cache_free(&c);
+    skv_kv_cache_free(&ref);
+    assert_int_equal(pool_stats(pool).blocks_in_use, 0);
+    free(a);
+    free(b);
+}
+
 /* ---- forks ------------------------------------------------------------------------------------ */
 
 /* FORK shares every block; an append copies only each head's last, partial block; the
@@ -408,6 +494,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pool_counts),
         cmocka_unit_test(test_pool_reserve),
+        cmocka_unit_test(test_failed_forward_undone),
         cmocka_unit_test(test_fork_append),
         cmocka_unit_test(test_fork_compact),
         cmocka_unit_test(test_block_sizes),
