@@ -248,6 +248,7 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
                                     bool compress, const struct skv_job *progress_job)
 {
+    bool had_logits = s->logits != NULL;
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
@@ -264,6 +265,10 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         rc = skv_compressor_finish(s->comp, s->cache);
     if (!rc)
         rc = skv_session_push_tokens(s, ids, n);
+    if (rc && !had_logits) { /* a failed first forward (of a loaded or imported session) wrote none */
+        free(s->logits);
+        s->logits = NULL;
+    }
     s->last_used_ms = skv_now_ms();
     return rc;
 }
@@ -1042,7 +1047,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     if (!rc && s->busy)
         rc = skv_errorf(SKV_E_BUSY, "the session is already decoding");
     if (!rc && !s->logits)
-        rc = skv_errorf(SKV_E_INVAL, "the session has no next-token logits (a loaded or imported session): "
+        rc = skv_errorf(SKV_E_INVAL, "the session has no next-token logits (an imported session, or one "
+                                     "loaded from a save of before version 3): "
                                      "APPEND the next token first");
     const Snapkv__Sampling *sp = q->sampling;
     uint32_t max = sp && sp->max_tokens ? sp->max_tokens : DEFAULT_MAX_TOKENS;
@@ -1450,11 +1456,13 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
 }
 
 /* Saved sessions: "<state-dir>/<name>.skv" = header, tokens, the compressor's state (int32
- * length, then skv_compressor_state_write's bytes; length 0 without a compressor), per head
- * (len, positions, scores, K, V), then a BLAKE2b checksum of everything before it. Version 1
- * (no compressor state, no scores) still loads; such a session decodes with the full cache. */
+ * length, then skv_compressor_state_write's bytes; length 0 without a compressor), the
+ * next-token logits (int32 count, n_vocab or 0, then the floats), per head (len, positions,
+ * scores, K, V), then a BLAKE2b checksum of everything before it. Version 2 (no logits: the
+ * loaded session APPENDs before DECODE) and version 1 (no compressor state, no scores: it
+ * decodes with the full cache) still load. */
 #define SAVE_MAGIC "SKVSESS1"
-#define SAVE_VERSION 2
+#define SAVE_VERSION 3
 
 struct save_header {
     char magic[8];
@@ -1533,6 +1541,11 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc && state_len)
         rc = write_all(f, &h, state, (size_t)state_len);
     free(state);
+    int32_t n_logits = s->logits ? w->m->cfg.n_vocab : 0;
+    if (!rc)
+        rc = write_all(f, &h, &n_logits, sizeof n_logits);
+    if (!rc && n_logits)
+        rc = write_all(f, &h, s->logits, (size_t)n_logits * sizeof *s->logits);
     size_t row = (size_t)s->cache->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows, read out of its blocks */
     int H = s->cache->n_kv_heads;
@@ -1636,6 +1649,19 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         else if (state_len)
             rc = read_exact(f, &h, state, (size_t)state_len);
     }
+    int32_t n_logits = 0;
+    float *logits = NULL;
+    if (!rc && hd.version >= 3 && !(rc = read_exact(f, &h, &n_logits, sizeof n_logits))) {
+        if (n_logits != 0 && n_logits != mc->n_vocab)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: %d logits for a vocabulary of %d", path, n_logits, mc->n_vocab);
+        else if (n_logits && !(logits = malloc((size_t)n_logits * sizeof *logits)))
+            rc = SKV_E_NOMEM;
+        else if (n_logits)
+            rc = read_exact(f, &h, logits, (size_t)n_logits * sizeof *logits);
+        for (int32_t i = 0; !rc && i < n_logits; i++)
+            if (isnan(logits[i]))
+                rc = skv_errorf(SKV_E_FORMAT, "%s: a saved logit is NaN", path);
+    }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows on their way into its blocks */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
@@ -1693,6 +1719,12 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         }
     }
     free(state);
+    if (!rc && logits) { /* DECODE goes on from where the saved session stood */
+        free(s->logits);
+        s->logits = logits;
+        logits = NULL;
+    }
+    free(logits);
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     if (rc) {

@@ -428,8 +428,9 @@ SNAPKV_API int snapkv_admin_unpin(snapkv_client_t *client, const struct snapkv_s
 SNAPKV_API int snapkv_admin_save(snapkv_client_t *client, const struct snapkv_session_id *id, const char *name,
                                  uint64_t *bytes);
 /* Loads a saved session as a new one, for `tenant` (NULL or "": the daemon's choice). It goes on
- * under the spec it was saved with (the compressor's state and the rows' scores come back); it
- * has no logits, so APPEND the next token before DECODE. */
+ * under the spec it was saved with (the compressor's state, the rows' scores and the next-token
+ * logits come back), so DECODE goes on from where the saved session stood. A session saved in
+ * the older format (version 2) has no logits: APPEND the next token before DECODE. */
 SNAPKV_API int snapkv_admin_load(snapkv_client_t *client, const char *name, const char *tenant,
                                  struct snapkv_session_id *out);
 

@@ -948,28 +948,34 @@ static void save_write(const char *dir, const char *name, unsigned char *buf, si
     fclose(f);
 }
 
-/* Rewrites a version-2 save as the version-1 file an earlier snapkvd wrote: the same header
- * and tokens, no compressor state, per head (len, positions, K, V) without scores. */
-static void save_as_v1(const char *dir, const char *from, const char *to, int n_heads, int head_dim)
+/* Rewrites a version-3 save as the file an earlier snapkvd wrote: version 2 (the same without
+ * the logits) or version 1 (no compressor state; per head len, positions, K, V, no scores). */
+static void save_as_old(const char *dir, const char *from, const char *to, uint32_t old, int n_heads, int head_dim)
 {
     size_t size = 0;
-    int32_t n_tokens, state_len, len;
+    int32_t n_tokens, state_len, n_logits, len;
     unsigned char *in = save_read(dir, from, &size, &n_tokens), *out = malloc(size);
     assert_non_null(out);
     uint32_t version;
     memcpy(&version, in + 8, 4);
-    assert_int_equal(version, 2);
+    assert_int_equal(version, 3);
     size_t at = SAVE_HEADER + (size_t)n_tokens * 4, o = at;
     memcpy(out, in, at);
-    version = 1;
-    memcpy(out + 8, &version, 4);
+    memcpy(out + 8, &old, 4);
     memcpy(&state_len, in + at, 4);
+    if (old == 2) {
+        memcpy(out + o, in + at, 4 + (size_t)state_len);
+        o += 4 + (size_t)state_len;
+    }
     at += 4 + (size_t)state_len;
+    memcpy(&n_logits, in + at, 4);
+    at += 4 + (size_t)n_logits * 4;
     for (int i = 0; i < n_heads; i++) {
         memcpy(&len, in + at, 4);
-        memcpy(out + o, in + at, 4 + (size_t)len * 4); /* len, positions */
-        o += 4 + (size_t)len * 4;
-        at += 4 + (size_t)len * 8; /* and the scores */
+        size_t keep = 4 + (size_t)len * (old == 2 ? 8 : 4); /* len, positions (and scores) */
+        memcpy(out + o, in + at, keep);
+        o += keep;
+        at += 4 + (size_t)len * 8;
         memcpy(out + o, in + at, (size_t)len * head_dim * 8); /* K, V */
         o += (size_t)len * head_dim * 8;
         at += (size_t)len * head_dim * 8;
@@ -980,7 +986,7 @@ static void save_as_v1(const char *dir, const char *from, const char *to, int n_
     free(out);
 }
 
-/* Copies a version-2 save with the int32 at byte `at` of its compressor state set to `value`,
+/* Copies a version-3 save with the int32 at byte `at` of its compressor state set to `value`,
  * and a checksum that matches again: only the state's own checks can refuse it. */
 static void save_with_state_int(const char *dir, const char *from, const char *to, size_t at, int32_t value)
 {
@@ -992,10 +998,10 @@ static void save_with_state_int(const char *dir, const char *from, const char *t
     free(buf);
 }
 
-/* A saved H2O session goes on under its policy after LOAD: the compressor's state and the
- * rows' accumulated scores come back, so appending the token the original generates next and
- * decoding on gives the original's tokens, the same 48 rows per head and the same positions
- * (before, a loaded session kept every new row: 56). */
+/* A saved H2O session goes on under its policy after LOAD: the compressor's state, the rows'
+ * accumulated scores and the next-token logits come back, so decoding the loaded session gives
+ * the original's tokens, the same 48 rows per head and the same positions (before, a loaded
+ * session kept every new row: 56). A version-2 save (no logits) asks for an APPEND first. */
 static void test_save_load_goes_on(void **state)
 {
     (void)state;
@@ -1031,7 +1037,21 @@ static void test_save_load_goes_on(void **state)
     assert_non_null(strstr(ir.spec, "policy=h2o"));
     assert_int_equal(ir.layers[0].kept, 48);
     snapkv_inspect_result_free(&ir);
-    /* no logits came back: DECODE says to APPEND first */
+    /* the logits came back: DECODE goes on as the original did */
+    assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
+    assert_int_equal(d2.n_tokens, 8);
+    assert_memory_equal(d2.tokens, d1.tokens, 8 * sizeof *d2.tokens);
+    uint32_t *pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
+    assert_int_equal(kept_load, 48);
+    assert_int_equal(n_load, n_orig);
+    assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
+    free(pos_load);
+    snapkv_decode_result_free(&d2);
+
+    /* a version-2 file has no logits: DECODE says to APPEND first; appending the token the
+     * original generated next goes on as the original */
+    save_as_old(d.dir, "h2o-1", "v2-1", 2, 30 * 3, 64);
+    assert_int_equal(snapkv_admin_load(a, "v2-1", "tenant-a", &loaded), SNAPKV_OK);
     sp.max_tokens = 7;
     assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL);
     assert_non_null(strstr(snapkv_last_error(), "APPEND the next token first"));
@@ -1043,15 +1063,14 @@ static void test_save_load_goes_on(void **state)
     assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
     assert_int_equal(d2.n_tokens, 7);
     assert_memory_equal(d2.tokens, d1.tokens + 1, 7 * sizeof *d2.tokens);
-    uint32_t *pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
-    assert_int_equal(kept_load, 48);
+    pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
     assert_int_equal(n_load, n_orig);
     assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
     free(pos_load);
 
     /* a version-1 file (before compressor state) still loads, rows and spec intact; it decodes
      * with every new row kept, as it did when it was written */
-    save_as_v1(d.dir, "h2o-1", "old-1", 30 * 3, 64);
+    save_as_old(d.dir, "h2o-1", "old-1", 1, 30 * 3, 64);
     struct snapkv_session_id old;
     assert_int_equal(snapkv_admin_load(a, "old-1", "tenant-a", &old), SNAPKV_OK);
     assert_int_equal(snapkv_admin_inspect(a, &old, false, &ir), SNAPKV_OK);
@@ -1079,6 +1098,18 @@ static void test_save_load_goes_on(void **state)
         assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
         assert_non_null(strstr(snapkv_last_error(), bad[k].why));
     }
+    /* logits for another vocabulary */
+    size_t size = 0;
+    int32_t n_tokens, state_len;
+    unsigned char *buf = save_read(d.dir, "h2o-1", &size, &n_tokens);
+    size_t at = SAVE_HEADER + (size_t)n_tokens * 4;
+    memcpy(&state_len, buf + at, 4);
+    memcpy(buf + at + 4 + (size_t)state_len, &(int32_t){5}, 4);
+    save_write(d.dir, "bad-1", buf, size);
+    free(buf);
+    struct snapkv_session_id none;
+    assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
+    assert_non_null(strstr(snapkv_last_error(), "5 logits for a vocabulary of 49152"));
     pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
     assert_int_equal(kept_load, 48);
     assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
@@ -1105,14 +1136,9 @@ static void test_save_load_goes_on(void **state)
     pos_orig = kept_positions(a, &pr.id, &n_orig, &kept_orig);
     assert_int_equal(kept_orig, 40 + 3); /* cut at the 12th of the 15 decoded tokens */
     assert_int_equal(snapkv_admin_load(a, "snapkv-1", "tenant-a", &loaded), SNAPKV_OK);
-    ao.tokens = &d1.tokens[0];
-    assert_int_equal(snapkv_append(c, &loaded, &ao, &ar), SNAPKV_OK);
-    assert_int_equal(ar.next_token, d1.tokens[1]);
-    snapkv_append_result_free(&ar);
-    sp.max_tokens = 8;
     assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
-    assert_int_equal(d2.n_tokens, 8);
-    assert_memory_equal(d2.tokens, d1.tokens + 1, 8 * sizeof *d2.tokens);
+    assert_int_equal(d2.n_tokens, 9);
+    assert_memory_equal(d2.tokens, d1.tokens, 9 * sizeof *d2.tokens);
     pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
     assert_int_equal(kept_load, kept_orig);
     assert_int_equal(n_load, n_orig);
