@@ -1457,7 +1457,8 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
 
 /* Saved sessions: "<state-dir>/<name>.skv" = header, tokens, the compressor's state (int32
  * length, then skv_compressor_state_write's bytes; length 0 without a compressor), the
- * next-token logits (int32 count, n_vocab or 0, then the floats), per head (len, positions,
+ * next-token logits (int32 count, n_vocab or 0, then the floats), the start of a character
+ * the last DECODE's text cut (int32 count < 8, then the bytes), per head (len, positions,
  * scores, K, V), then a BLAKE2b checksum of everything before it. Version 2 (no logits: the
  * loaded session APPENDs before DECODE) and version 1 (no compressor state, no scores: it
  * decodes with the full cache) still load. */
@@ -1546,6 +1547,11 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
         rc = write_all(f, &h, &n_logits, sizeof n_logits);
     if (!rc && n_logits)
         rc = write_all(f, &h, s->logits, (size_t)n_logits * sizeof *s->logits);
+    int32_t n_pending = s->n_text_pending;
+    if (!rc)
+        rc = write_all(f, &h, &n_pending, sizeof n_pending);
+    if (!rc && n_pending)
+        rc = write_all(f, &h, s->text_pending, (size_t)n_pending);
     size_t row = (size_t)s->cache->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows, read out of its blocks */
     int H = s->cache->n_kv_heads;
@@ -1662,6 +1668,14 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
             if (isnan(logits[i]))
                 rc = skv_errorf(SKV_E_FORMAT, "%s: a saved logit is NaN", path);
     }
+    int32_t n_pending = 0;
+    char pending[sizeof s->text_pending];
+    if (!rc && hd.version >= 3 && !(rc = read_exact(f, &h, &n_pending, sizeof n_pending))) {
+        if (n_pending < 0 || n_pending >= (int32_t)sizeof pending)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: %d bytes of a cut character", path, n_pending);
+        else if (n_pending)
+            rc = read_exact(f, &h, pending, (size_t)n_pending);
+    }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows on their way into its blocks */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
@@ -1723,6 +1737,8 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         free(s->logits);
         s->logits = logits;
         logits = NULL;
+        memcpy(s->text_pending, pending, (size_t)n_pending);
+        s->n_text_pending = (uint8_t)n_pending;
     }
     free(logits);
     if (!rc)

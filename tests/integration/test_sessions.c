@@ -970,6 +970,9 @@ static void save_as_old(const char *dir, const char *from, const char *to, uint3
     at += 4 + (size_t)state_len;
     memcpy(&n_logits, in + at, 4);
     at += 4 + (size_t)n_logits * 4;
+    int32_t n_pending;
+    memcpy(&n_pending, in + at, 4);
+    at += 4 + (size_t)n_pending;
     for (int i = 0; i < n_heads; i++) {
         memcpy(&len, in + at, 4);
         size_t keep = 4 + (size_t)len * (old == 2 ? 8 : 4); /* len, positions (and scores) */
@@ -1041,6 +1044,7 @@ static void test_save_load_goes_on(void **state)
     assert_int_equal(snapkv_decode(c, &loaded, &sp, NULL, NULL, &d2), SNAPKV_OK);
     assert_int_equal(d2.n_tokens, 8);
     assert_memory_equal(d2.tokens, d1.tokens, 8 * sizeof *d2.tokens);
+    assert_string_equal(d2.text, d1.text); /* a character d0 cut would begin both */
     uint32_t *pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
     assert_int_equal(kept_load, 48);
     assert_int_equal(n_load, n_orig);
