@@ -37,8 +37,8 @@ struct fake {
     atomic_bool stop;
     atomic_bool deaf;               /* reads nothing more (a daemon that hangs or is stopped) */
     fake_handler handler;
-    uint32_t hello_version;         /* version in the HELLO reply */
-    uint64_t max_message_bytes;
+    atomic_uint hello_version;      /* version in the HELLO reply (set by the test while the fake runs) */
+    atomic_ullong max_message_bytes;
 
     /* the request being answered (fake thread only) */
     uint8_t ident[256];
@@ -109,11 +109,11 @@ static void fake_hello(struct fake *f, const Snapkv__Request *req)
     h.max_new_tokens = 64;
     h.max_sessions_per_tenant = 8;
     h.max_bytes_per_tenant = 1 << 30;
-    h.max_message_bytes = f->max_message_bytes;
+    h.max_message_bytes = atomic_load(&f->max_message_bytes);
     h.kv_block_tokens = 16;
     h.bos_token = 1;
     h.eos_token = 2;
-    rep.version = f->hello_version;
+    rep.version = atomic_load(&f->hello_version);
     rep.final = true;
     rep.result_case = SNAPKV__REPLY__RESULT_HELLO;
     rep.hello = &h;
@@ -452,7 +452,7 @@ static void test_version_mismatch(void **state)
 {
     (void)state;
     struct fake *f = fake_start(NULL);
-    f->hello_version = 2;
+    atomic_store(&f->hello_version, 2);
     snapkv_client_t *c = NULL;
     struct snapkv_connect_opts o = {.timeout_ms = 2000};
     assert_int_equal(snapkv_connect(f->endpoint, &o, &c), SNAPKV_E_VERSION);
@@ -1004,7 +1004,7 @@ static void test_message_size_limit(void **state)
 {
     (void)state;
     struct fake *f = fake_start(NULL);
-    f->max_message_bytes = 256;
+    atomic_store(&f->max_message_bytes, 256);
     snapkv_client_t *c = connect_fake(f, 2000);
     char text[600];
     memset(text, 'a', sizeof text - 1);

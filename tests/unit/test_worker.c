@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -437,13 +438,13 @@ static Snapkv__Reply *export_shm(struct fixture *f, const uint8_t sid[16], const
 struct shrinker {
     int fd;
     off_t size;
-    volatile int stop;
+    atomic_int stop;
 };
 
 static void *shrink_loop(void *arg)
 {
     struct shrinker *k = arg;
-    while (!k->stop) {
+    while (!atomic_load(&k->stop)) {
         if (ftruncate(k->fd, 0) != 0 || ftruncate(k->fd, k->size) != 0)
             break;
     }
@@ -496,7 +497,7 @@ static void test_shm_buffers(void **state)
             fail_msg("EXPORT_KV: unexpected %d %s", rep->status, rep->message);
         snapkv__reply__free_unpacked(rep, NULL);
     }
-    k.stop = 1;
+    atomic_store(&k.stop, 1);
     pthread_join(th, NULL);
     assert_int_equal(ok + refused, 200);
     close(k.fd);
