@@ -295,7 +295,7 @@ static int parse_spec(struct skv_worker *w, const char *text, struct skv_compres
 static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text)
 {
     struct skv_compressor *comp = NULL;
-    char canon[sizeof s->spec];
+    char canon[sizeof s->spec] = {0}; /* all of it goes into the session, and into SAVE files */
     int rc = parse_spec(w, text, &comp, canon, sizeof canon);
     if (rc)
         return rc;
@@ -442,7 +442,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     const Snapkv__CompressRequest *c = job->req->compress;
     struct skv_session *s = NULL;
     struct skv_compressor *comp = NULL;
-    char canon[sizeof s->spec];
+    char canon[sizeof s->spec] = {0}; /* all of it goes into the session, and into SAVE files */
     int rc;
     if ((rc = find_session(w, job, c->session_id, false, &s)))
         goto fail;
@@ -531,6 +531,19 @@ fail:
     fail_rc(w, job, rc);
 }
 
+/* The start of a character s's text stopped inside: its running DECODE's when one runs (the
+ * session gets it back only when the decode ends), else the session's. out: 8 bytes. */
+static size_t text_pending(const struct skv_worker *w, const struct skv_session *s, char *out)
+{
+    for (const struct skv_decode *d = w->decodes; d; d = d->next)
+        if (d->session == s) {
+            memcpy(out, d->pending, d->n_pending);
+            return d->n_pending;
+        }
+    memcpy(out, s->text_pending, s->n_text_pending);
+    return s->n_text_pending;
+}
+
 static void handle_fork(struct skv_worker *w, struct skv_job *job)
 {
     struct skv_session *src = NULL, *s = NULL;
@@ -552,6 +565,7 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
         memcpy(s->logits, src->logits, (size_t)w->m->cfg.n_vocab * sizeof *s->logits);
     }
     memcpy(s->spec, src->spec, sizeof s->spec);
+    s->n_text_pending = (uint8_t)text_pending(w, src, s->text_pending);
     s->prompt_len = src->prompt_len;
     s->lease_seconds = src->lease_seconds;
     src->last_used_ms = skv_now_ms();
@@ -1524,11 +1538,13 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     hd.prompt_len = s->prompt_len;
     hd.n_tokens = s->n_tokens;
     memcpy(hd.fingerprint, w->m->fingerprint, sizeof hd.fingerprint);
-    memcpy(hd.spec, s->spec, sizeof hd.spec);
+    /* a session without a compressor keeps every row, whatever spec it shows (one loaded from a
+     * version-1 file shows the spec it was saved with): it is saved as what it does */
+    snprintf(hd.spec, sizeof hd.spec, "%s", s->comp ? s->spec : "policy=full");
     rc = write_all(f, &h, &hd, sizeof hd);
     if (!rc)
         rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
-    size_t state_size = s->comp ? skv_compressor_state_size(s->comp) : 0;
+    size_t state_size = s->comp ? skv_compressor_state_size(s->comp, s->cache->n_past) : 0;
     int32_t state_len = (int32_t)state_size;
     void *state = NULL;
     if (!rc && state_size > INT32_MAX)
@@ -1536,7 +1552,7 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc && state_len && !(state = malloc((size_t)state_len)))
         rc = SKV_E_NOMEM;
     if (!rc && state)
-        rc = skv_compressor_state_write(s->comp, state);
+        rc = skv_compressor_state_write(s->comp, s->cache->n_past, state);
     if (!rc)
         rc = write_all(f, &h, &state_len, sizeof state_len);
     if (!rc && state_len)
@@ -1547,11 +1563,12 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
         rc = write_all(f, &h, &n_logits, sizeof n_logits);
     if (!rc && n_logits)
         rc = write_all(f, &h, s->logits, (size_t)n_logits * sizeof *s->logits);
-    int32_t n_pending = s->n_text_pending;
+    char pending[sizeof s->text_pending];
+    int32_t n_pending = (int32_t)text_pending(w, s, pending);
     if (!rc)
         rc = write_all(f, &h, &n_pending, sizeof n_pending);
     if (!rc && n_pending)
-        rc = write_all(f, &h, s->text_pending, (size_t)n_pending);
+        rc = write_all(f, &h, pending, (size_t)n_pending);
     size_t row = (size_t)s->cache->head_dim * sizeof(float);
     float *rows = NULL; /* one head's K or V rows, read out of its blocks */
     int H = s->cache->n_kv_heads;
@@ -1577,10 +1594,18 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
     long bytes = ftell(f);
+    /* on disk before it replaces an earlier save of the name, and the rename on disk too */
+    if (!rc && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+        rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
     if (fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_IO, "close: %s", strerror(errno));
     if (!rc && rename(tmp, path) != 0)
         rc = skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
+    int dfd = rc ? -1 : open(w->cfg->state_dir, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd); /* the save is complete either way; this only makes the rename durable */
+        close(dfd);
+    }
     if (rc) {
         unlink(tmp);
         fail_rc(w, job, rc);

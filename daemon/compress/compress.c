@@ -209,18 +209,19 @@ static size_t state_obs_bytes(const struct skv_compressor *c, int n_obs)
 }
 
 /* Queries the saved observation holds: none before the first decoded token, or when the
- * observation does not end at the cache's end (restored as "start again"). */
-static int state_n_obs(const struct skv_compressor *c)
+ * observation does not end at the cache's end n_past (a forward failed after some layers
+ * observed it; restored as "start again"). */
+static int state_n_obs(const struct skv_compressor *c, int n_past)
 {
-    if (!rescores_decode(&c->spec) || !c->obs_q || c->obs_end <= c->obs_start)
+    if (!rescores_decode(&c->spec) || !c->obs_q || c->obs_end <= c->obs_start || c->obs_end != n_past)
         return 0;
     int32_t seen = c->obs_end - c->obs_start;
     return seen < c->obs_cap ? (int)seen : c->obs_cap;
 }
 
-size_t skv_compressor_state_size(const struct skv_compressor *c)
+size_t skv_compressor_state_size(const struct skv_compressor *c, int n_past)
 {
-    int n_obs = state_n_obs(c);
+    int n_obs = state_n_obs(c, n_past);
     return state_base(c) + (n_obs ? state_obs_bytes(c, n_obs) : 0);
 }
 
@@ -232,7 +233,7 @@ size_t skv_compressor_state_max(const struct skv_compressor *c, int n_past)
     return state_base(c) + state_obs_bytes(c, cap < n_past ? cap : n_past);
 }
 
-int skv_compressor_state_write(struct skv_compressor *c, void *buf)
+int skv_compressor_state_write(struct skv_compressor *c, int n_past, void *buf)
 {
     int32_t head[STATE_HEAD] = {c->n_layers, c->budget, c->total_len, c->decode};
     size_t L = (size_t)c->n_layers;
@@ -245,7 +246,7 @@ int skv_compressor_state_write(struct skv_compressor *c, void *buf)
         memcpy(p, &(int32_t){c->decode_budgets[l]}, 4);
     memcpy(p, c->sim, L * sizeof *c->sim);
     p += L * sizeof *c->sim;
-    int n_obs = state_n_obs(c);
+    int n_obs = state_n_obs(c, n_past);
     if (!n_obs)
         return SKV_OK;
     int32_t obs[STATE_OBS_HEAD] = {c->obs_start, c->obs_end, n_obs};
@@ -314,6 +315,10 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
     long most = (long)n_past + 1;
     long most_layer = c->spec.ratio < 0 ? (long)c->spec.budget * SQUEEZE_CAP_FACTOR + c->spec.window : 0;
     most_layer = most_layer > most ? most_layer : most;
+    /* while decoding, a layer's budget is its share of decode_budget (up to L times it),
+     * whatever the sequence's length */
+    long most_decode = (long)c->spec.decode_budget * L;
+    most_layer = most_layer > most_decode ? most_layer : most_decode;
     if (head[0] != L || head[1] < 0 || head[1] > most || head[2] < 0 || head[2] > most ||
         (head[3] != 0 && head[3] != 1))
         return skv_errorf(SKV_E_FORMAT, "compressor state: implausible header");

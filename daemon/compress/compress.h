@@ -62,11 +62,11 @@ int skv_compressor_budget(const struct skv_compressor *c);
  * similarities (what decoding under the same spec needs), and for SnapKV re-scoring
  * (decode_budget) the queries of its observation window and where its `interval` count
  * stands, so a loaded session re-scores when and as the saved one would. The rows' scores
- * (H2O's accumulated attention) live in the cache. state_size: what state_write writes now;
- * state_max: the most it can be for a cache of n_past tokens. */
-size_t skv_compressor_state_size(const struct skv_compressor *c);
+ * (H2O's accumulated attention) live in the cache. state_size: what state_write writes now for
+ * the session's cache of n_past tokens; state_max: the most it can be for n_past tokens. */
+size_t skv_compressor_state_size(const struct skv_compressor *c, int n_past);
 size_t skv_compressor_state_max(const struct skv_compressor *c, int n_past);
-int skv_compressor_state_write(struct skv_compressor *c, void *buf);
+int skv_compressor_state_write(struct skv_compressor *c, int n_past, void *buf);
 /* Restores what state_write wrote for a compressor of the same spec and model, on a cache of
  * n_past tokens; SKV_E_FORMAT when the bytes do not fit them. A state without the observation
  * (written before it was saved) starts the window again with the next decoded token. */

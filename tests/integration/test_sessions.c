@@ -1084,6 +1084,23 @@ static void test_save_load_goes_on(void **state)
     pos_load = kept_positions(a, &old, &n_load, &kept_load);
     assert_int_equal(kept_load, 49);
     free(pos_load);
+    /* saved again, it is what it does, a full cache, and loads (before: "compressor state does
+     * not match the spec") */
+    struct snapkv_session_id again;
+    assert_int_equal(snapkv_admin_save(a, &old, "old-1-again", NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_load(a, "old-1-again", "tenant-a", &again), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(a, &again, false, &ir), SNAPKV_OK);
+    assert_non_null(strstr(ir.spec, "policy=full"));
+    snapkv_inspect_result_free(&ir);
+    /* the header's spec field holds the spec and zeros, nothing of the daemon's memory */
+    size_t hsize = 0;
+    int32_t hn;
+    unsigned char *hbuf = save_read(d.dir, "h2o-1", &hsize, &hn);
+    const char *hspec = (const char *)hbuf + 101;
+    assert_non_null(strstr(hspec, "policy=h2o"));
+    for (size_t i = strlen(hspec); i < 256; i++)
+        assert_int_equal(hspec[i], 0);
+    free(hbuf);
 
     /* a state that does not fit the model or the session is refused by name, nothing loads,
      * and the sessions already there are untouched */
@@ -1270,13 +1287,26 @@ static void test_snapkvctl(void **state)
         printf("# %d tokens: '%s'\n", n, collected);
         assert_string_equal(collected, streamed);
         assert_true(utf8_whole(collected, strlen(collected)));
+        /* a fork and a saved and loaded copy of f1 carry the cut character too */
+        struct snapkv_session_id f3, f4;
+        char name[16], rest3[1024], rest4[1024];
+        snprintf(name, sizeof name, "cut-%d", n);
+        assert_int_equal(snapkv_fork(c, &f1, &f3, NULL), SNAPKV_OK);
+        assert_int_equal(snapkv_admin_save(a, &f1, name, NULL), SNAPKV_OK);
+        assert_int_equal(snapkv_admin_load(a, name, "default", &f4), SNAPKV_OK);
         /* the rest of the 8 tokens in a second decode: together they are the one decode's text */
         decode_text(c, &f1, 8 - n, n % 2 == 0, two);
+        decode_text(c, &f3, 8 - n, false, rest3);
+        decode_text(c, &f4, 8 - n, true, rest4);
+        assert_string_equal(rest3, two);
+        assert_string_equal(rest4, two);
         assert_true(strlen(collected) + strlen(two) < sizeof collected);
         strcat(collected, two);
         assert_string_equal(collected, all);
         assert_int_equal(snapkv_release(c, &f1), SNAPKV_OK);
         assert_int_equal(snapkv_release(c, &f2), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &f3), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &f4), SNAPKV_OK);
     }
     /* snapkvctl --json decode of a cut character: valid JSON, the tokens all there */
     struct snapkv_session_id fork_id;

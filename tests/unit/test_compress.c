@@ -695,10 +695,10 @@ static void test_state_grown_budget(void **state)
     run(t, spec_text, &a, t->ids, 12, &ca);
     decode_steps(t, ca, a, 40, 1);
     assert_int_equal(skv_compressor_layer_budgets(ca)[0], 20);
-    size_t len = skv_compressor_state_size(ca);
+    size_t len = skv_compressor_state_size(ca, a->n_past);
     unsigned char *buf = malloc(len);
     assert_non_null(buf);
-    assert_int_equal(skv_compressor_state_write(ca, buf), SKV_OK);
+    assert_int_equal(skv_compressor_state_write(ca, a->n_past, buf), SKV_OK);
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
@@ -930,12 +930,12 @@ static void test_state_round_trip(void **state)
     struct skv_compressor *ca = NULL, *cb = NULL;
     run(t, spec_text, &a, t->ids, t->n, &ca);
     decode_steps(t, ca, a, 40, 3);
-    size_t len = skv_compressor_state_size(ca);
+    size_t len = skv_compressor_state_size(ca, a->n_past);
     assert_int_equal(len, (4 + 3 * (size_t)a->n_layers) * 4);
     unsigned char *buf = malloc(len), *bad = malloc(len);
     assert_non_null(buf);
     assert_non_null(bad);
-    assert_int_equal(skv_compressor_state_write(ca, buf), SKV_OK);
+    assert_int_equal(skv_compressor_state_write(ca, a->n_past, buf), SKV_OK);
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
@@ -987,18 +987,21 @@ static void test_state_round_trip_snapkv(void **state)
     decode_steps(t, ca, a, 40, 5);
     const struct skv_model_config *mc = &t->m->cfg;
     size_t base = (4 + 3 * (size_t)a->n_layers) * 4;
-    size_t len = skv_compressor_state_size(ca);
+    size_t len = skv_compressor_state_size(ca, a->n_past);
     assert_int_equal(len, base + 12 + (size_t)mc->n_layers * 4 * mc->n_heads * mc->head_dim * 4);
     assert_true(len <= skv_compressor_state_max(ca, a->n_past));
     unsigned char *buf = malloc(len), *bad = malloc(len);
     assert_non_null(buf);
     assert_non_null(bad);
-    assert_int_equal(skv_compressor_state_write(ca, buf), SKV_OK);
+    assert_int_equal(skv_compressor_state_write(ca, a->n_past, buf), SKV_OK);
     int32_t obs[3];
     memcpy(obs, buf + base, sizeof obs);
     assert_int_equal(obs[0], 40); /* observed from the first decoded token */
     assert_int_equal(obs[1], 45);
     assert_int_equal(obs[2], 4);
+    /* an observation that does not end at the cache's end (a forward failed after some layers
+     * saw it) is not saved: the window starts again */
+    assert_int_equal(skv_compressor_state_size(ca, a->n_past - 1), base);
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
@@ -1037,6 +1040,37 @@ static void test_state_round_trip_snapkv(void **state)
     skv_compressor_free(&cb);
     skv_kv_cache_free(&a);
     skv_kv_cache_free(&b);
+}
+
+/* While decoding, a layer's budget is its share of decode_budget, which may pass the
+ * sequence's length (a short prompt, a large decode_budget): such a state reads back (before,
+ * "layer 0 out of range", so SAVE wrote what LOAD refused). */
+static void test_state_decode_budget_past_length(void **state)
+{
+    struct tiny *t = *state;
+    static const char *specs[] = {"policy=h2o,ratio=0.5,window=2,decode_budget=64",
+                                  "policy=snapkv,budget=8,window=4,decode_budget=200,interval=4"};
+    for (size_t k = 0; k < sizeof specs / sizeof specs[0]; k++) {
+        struct skv_kv_cache *a = NULL;
+        struct skv_compressor *ca = NULL, *cb = NULL;
+        run(t, specs[k], &a, t->ids, 12, &ca);
+        decode_steps(t, ca, a, 40, 2);
+        assert_true(skv_compressor_layer_budgets(ca)[0] > a->n_past + 1);
+        size_t len = skv_compressor_state_size(ca, a->n_past);
+        unsigned char *buf = malloc(len);
+        assert_non_null(buf);
+        assert_int_equal(skv_compressor_state_write(ca, a->n_past, buf), SKV_OK);
+        struct skv_compress_spec spec;
+        assert_int_equal(skv_compress_spec_parse(specs[k], &spec), SKV_OK);
+        assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
+        assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past), SKV_OK);
+        assert_memory_equal(skv_compressor_layer_budgets(cb), skv_compressor_layer_budgets(ca),
+                            (size_t)a->n_layers * sizeof(int));
+        free(buf);
+        skv_compressor_free(&ca);
+        skv_compressor_free(&cb);
+        skv_kv_cache_free(&a);
+    }
 }
 
 /* min_budget: at 10% of the 40-token prompt a layer would keep 4 rows (the window alone);
@@ -1084,6 +1118,7 @@ int main(void)
         cmocka_unit_test(test_decode_rescore_clone),
         cmocka_unit_test(test_state_round_trip),
         cmocka_unit_test(test_state_round_trip_snapkv),
+        cmocka_unit_test(test_state_decode_budget_past_length),
         cmocka_unit_test(test_min_budget),
     };
     int failed = cmocka_run_group_tests_name("compress-pieces", pure, NULL, NULL);
