@@ -48,6 +48,8 @@ static const struct skv_config_option options[] = {
      "KV bytes one tenant may hold"},
     {"max-message-bytes", SKV_CFG_SIZE, OPT(max_message_bytes), "16M", 1024, INT64_C(1) << 31,
      "largest request message (ZMQ_MAXMSGSIZE)"},
+    {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,
+     "open connections on the client endpoint; more are closed as they come"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
     {"lease-seconds", SKV_CFG_INT, OPT(lease_seconds), "600", 1, INT64_C(1) << 31,
      "an unpinned session idle this long is released"},

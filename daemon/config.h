@@ -31,6 +31,7 @@ struct skv_config {
     int64_t max_sessions_per_tenant;
     int64_t max_bytes_per_tenant;
     int64_t max_message_bytes;
+    int64_t max_connections;
     int64_t queue_depth;
     int64_t lease_seconds;
     char *default_compress;   /* spec used when a PREFILL names none */

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -38,6 +40,12 @@ struct skv_server {
     void *admin_sock;
     void *connections;            /* PAIR: client_sock's monitor (ACCEPTED, DISCONNECTED, CURVE handshakes) */
     struct skv_clients *clients;  /* client routing id -> connection, for client-gone notices */
+    int open_connections;         /* on the client endpoint: ACCEPTED less DISCONNECTED */
+    int max_connections;          /* max-connections, lowered to what the open-file limit allows */
+    uint64_t refused_connections; /* closed as they came, over max_connections, since last logged */
+    uint64_t refused_logged_ms;
+    uint8_t *closing;             /* [closing_cap] by fd: shut down here, its DISCONNECTED not seen yet */
+    int closing_cap;
     uint64_t clients_expired_ms;
     int lock_fds[2];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[2];           /* unlinked at exit */
@@ -121,6 +129,25 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     return SKV_OK;
 }
 
+/* File descriptors the daemon keeps for itself beyond its client connections: the admin
+ * endpoint's, libzmq's own, the log, metrics, shared-memory transfers, the model. */
+#define FD_RESERVE 256
+
+/* max-connections, or fewer when the open-file limit (main() raises it to the hard limit)
+ * leaves no room for that many besides FD_RESERVE. */
+static int connection_room(int64_t wanted)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
+        rl.rlim_cur >= (rlim_t)wanted + FD_RESERVE)
+        return (int)wanted;
+    int room = rl.rlim_cur > 2 * FD_RESERVE ? (int)(rl.rlim_cur - FD_RESERVE) : (int)(rl.rlim_cur / 2);
+    room = room > 0 ? room : 1;
+    skv_log(SKV_LOG_WARN, "max-connections %lld lowered to %d: the open-file limit is %llu (LimitNOFILE= in the "
+            "unit, ulimit -n)", (long long)wanted, room, (unsigned long long)rl.rlim_cur);
+    return room;
+}
+
 /* HTTP /metrics: the same text as admin STATS --prometheus. */
 static size_t render_metrics(void *worker, char *buf, size_t cap)
 {
@@ -147,6 +174,7 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     }
     if ((rc = skv_auth_start(srv->auth, srv->zctx)) || (rc = skv_clients_new(CLIENTS_MAX, &srv->clients)))
         goto out_destroy;
+    srv->max_connections = connection_room(env->cfg->max_connections);
     if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
         goto out_destroy;
     if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
@@ -183,6 +211,7 @@ void skv_server_destroy(struct skv_server **srv_p)
     if (srv->client_sock)
         zmq_close(srv->client_sock);
     skv_clients_free(&srv->clients);
+    free(srv->closing);
     if (srv->admin_sock)
         zmq_close(srv->admin_sock);
     skv_auth_destroy(&srv->auth);
@@ -361,35 +390,98 @@ static void notify_gone(void *user, const uint8_t *identity, size_t identity_len
 
 /* Feeds every connection event the client socket's monitor holds to the client table (and
  * CURVE handshake failures to auth). Called before each client message is read: a connection
- * that closed and one that took its fd are both known before that fd's next message. */
+ * that closed and one that took its fd are both known before that fd's next message.
+ * A connection accepted past max-connections is shut down at once (libzmq then closes it and
+ * reports DISCONNECTED), so idle connections cannot take every file descriptor: libzmq aborts
+ * the process when an ipc accept fails with EMFILE, and on tcp the clients with keys could no
+ * longer get in. Only a connection still open at the end of the batch read is shut down, so a
+ * fd that closed (and may have been reused) within the batch is left alone. */
+#define CONNECTION_BATCH 256
+
+/* Remembers that fd is being shut down here; false when there is no memory to remember it
+ * (then it is left open rather than counted wrong). */
+static bool mark_closing(struct skv_server *srv, int fd)
+{
+    if (fd < 0)
+        return false;
+    if (fd >= srv->closing_cap) {
+        int cap = srv->closing_cap ? srv->closing_cap : 1024;
+        while (cap <= fd)
+            cap *= 2;
+        uint8_t *grown = realloc(srv->closing, (size_t)cap);
+        if (!grown)
+            return false;
+        memset(grown + srv->closing_cap, 0, (size_t)(cap - srv->closing_cap));
+        srv->closing = grown;
+        srv->closing_cap = cap;
+    }
+    srv->closing[fd] = 1;
+    return true;
+}
+
 static void read_connections(struct skv_server *srv)
 {
-    for (;;) {
-        zmq_msg_t head, addr;
-        zmq_msg_init(&head);
-        zmq_msg_init(&addr);
-        if (zmq_msg_recv(&head, srv->connections, ZMQ_DONTWAIT) < 0) {
+    for (bool more = true; more;) {
+        struct {
+            uint16_t event;
+            int fd;
+        } ev[CONNECTION_BATCH];
+        int n = 0;
+        while (n < CONNECTION_BATCH) {
+            zmq_msg_t head, addr;
+            zmq_msg_init(&head);
+            zmq_msg_init(&addr);
+            if (zmq_msg_recv(&head, srv->connections, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&head);
+                zmq_msg_close(&addr);
+                more = false;
+                break;
+            }
+            if (zmq_msg_more(&head))
+                zmq_msg_recv(&addr, srv->connections, 0);
+            if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
+                uint32_t value;
+                memcpy(&ev[n].event, zmq_msg_data(&head), sizeof ev[n].event);
+                memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
+                ev[n++].fd = (int)value;
+            }
             zmq_msg_close(&head);
             zmq_msg_close(&addr);
-            return;
         }
-        if (zmq_msg_more(&head))
-            zmq_msg_recv(&addr, srv->connections, 0);
-        if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
-            uint16_t event;
-            uint32_t value;
-            memcpy(&event, zmq_msg_data(&head), sizeof event);
-            memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
-            uint64_t now = skv_now_ms();
-            if (event == ZMQ_EVENT_ACCEPTED)
-                skv_clients_accepted(srv->clients, (int)value, now, notify_gone, srv);
-            else if (event == ZMQ_EVENT_DISCONNECTED)
-                skv_clients_disconnected(srv->clients, (int)value, now, notify_gone, srv);
-            else
-                skv_auth_handshake_event(srv->auth, SKV_AUTH_CLIENT, event, value);
+        uint64_t now = skv_now_ms();
+        for (int i = 0; i < n; i++) {
+            if (ev[i].event == ZMQ_EVENT_ACCEPTED) {
+                skv_clients_accepted(srv->clients, ev[i].fd, now, notify_gone, srv);
+                srv->open_connections++;
+            } else if (ev[i].event == ZMQ_EVENT_DISCONNECTED) {
+                skv_clients_disconnected(srv->clients, ev[i].fd, now, notify_gone, srv);
+                if (ev[i].fd >= 0 && ev[i].fd < srv->closing_cap && srv->closing[ev[i].fd])
+                    srv->closing[ev[i].fd] = 0; /* no longer counted since it was shut down */
+                else
+                    srv->open_connections -= srv->open_connections > 0;
+            } else {
+                skv_auth_handshake_event(srv->auth, SKV_AUTH_CLIENT, ev[i].event, (uint32_t)ev[i].fd);
+            }
         }
-        zmq_msg_close(&head);
-        zmq_msg_close(&addr);
+        /* the newest connections past the limit go, when still open after this batch */
+        for (int i = n - 1; i >= 0 && srv->open_connections > srv->max_connections; i--) {
+            if (ev[i].event != ZMQ_EVENT_ACCEPTED)
+                continue;
+            bool closed_since = false;
+            for (int j = i + 1; j < n && !closed_since; j++)
+                closed_since = ev[j].fd == ev[i].fd;
+            if (closed_since || !mark_closing(srv, ev[i].fd) || shutdown(ev[i].fd, SHUT_RDWR) != 0)
+                continue;
+            srv->open_connections--; /* its DISCONNECTED follows and is not counted again */
+            srv->refused_connections++;
+        }
+    }
+    if (srv->refused_connections && skv_now_ms() - srv->refused_logged_ms >= 10000) {
+        skv_log(SKV_LOG_WARN, "%d connections are open on the client endpoint (max-connections %d): %llu more were "
+                "closed as they came", srv->open_connections, srv->max_connections,
+                (unsigned long long)srv->refused_connections);
+        srv->refused_logged_ms = skv_now_ms();
+        srv->refused_connections = 0;
     }
 }
 

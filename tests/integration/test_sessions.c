@@ -16,7 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <sodium.h>
@@ -42,7 +46,16 @@ struct daemon {
 static char *g_model;
 static pid_t g_daemons[4]; /* started by the running test: killed by the teardown if it fails */
 
+/* start_daemon with one more option (NULL: none), and the open-file limit set to nofile (0:
+ * inherited). */
+static void start_daemon_with(struct daemon *d, const char *pool, const char *extra, long nofile);
+
 static void start_daemon(struct daemon *d, const char *pool)
+{
+    start_daemon_with(d, pool, NULL, 0);
+}
+
+static void start_daemon_with(struct daemon *d, const char *pool, const char *extra, long nofile)
 {
     snprintf(d->dir, sizeof d->dir, "/tmp/skv-sess-XXXXXX");
     assert_non_null(mkdtemp(d->dir));
@@ -52,6 +65,7 @@ static void start_daemon(struct daemon *d, const char *pool)
     const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
     snprintf(exe, sizeof exe, "%s/snapkvd", build);
+    fflush(NULL); /* or the child's freopen writes what this process has buffered */
     d->pid = fork();
     if (d->pid == 0) {
         char a[5][4200];
@@ -62,8 +76,11 @@ static void start_daemon(struct daemon *d, const char *pool)
         snprintf(a[4], sizeof a[4], "--pool-size=%s", pool);
         if (!freopen(d->log, "a", stderr) || !freopen("/dev/null", "w", stdout))
             _exit(126);
-        execl(exe, exe, a[0], a[1], a[2], a[3], a[4], "--threads=2", "--backend=cpu", "--log-level=debug",
-              "--max-sessions-per-tenant=16", (char *)NULL);
+        if (nofile > 0 && setrlimit(RLIMIT_NOFILE, &(struct rlimit){(rlim_t)nofile, (rlim_t)nofile}) != 0)
+            _exit(125);
+        const char *argv[] = {exe,  a[0], a[1], a[2], a[3], a[4], "--threads=2", "--backend=cpu", "--log-level=debug",
+                              "--max-sessions-per-tenant=16", extra, NULL};
+        execv(exe, (char *const *)argv);
         _exit(127);
     }
     for (int i = 0; i < 600; i++) { /* asks the admin endpoint (bound after the client one): no client comes and goes */
@@ -1175,6 +1192,123 @@ static void test_save_load_goes_on(void **state)
     stop_daemon(&d);
 }
 
+/* Opens n connections to the ipc endpoint that never speak (raw sockets, as a flood of idle
+ * clients would), pausing every 16 so the daemon sees them arrive; fds[] gets them. */
+static void open_idle(const struct daemon *d, int *fds, int n)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", d->endpoint + strlen("ipc://"));
+    for (int i = 0; i < n; i++) {
+        fds[i] = socket(AF_UNIX, SOCK_STREAM, 0);
+        assert_true(fds[i] >= 0);
+        if (connect(fds[i], (struct sockaddr *)&sa, sizeof sa) != 0) { /* refused: as good as closed */
+            close(fds[i]);
+            fds[i] = -1;
+        }
+        if (i % 16 == 15)
+            usleep(20 * 1000);
+    }
+}
+
+/* How many of fds[0..n) the daemon has closed (EOF after its greeting), waiting up to 5 s for
+ * at least `want`; each fd is closed here afterwards. */
+static int count_closed(int *fds, int n, int want)
+{
+    int closed = 0;
+    bool *done = calloc((size_t)n, sizeof *done);
+    assert_non_null(done);
+    for (int round = 0; round < 50 && closed < want; round++) {
+        for (int i = 0; i < n; i++) {
+            if (done[i])
+                continue;
+            if (fds[i] < 0) {
+                done[i] = true;
+                closed++;
+                continue;
+            }
+            char buf[256];
+            ssize_t r;
+            while ((r = recv(fds[i], buf, sizeof buf, MSG_DONTWAIT)) > 0)
+                ;
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+                done[i] = true;
+                closed++;
+            }
+        }
+        usleep(100 * 1000);
+    }
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    free(done);
+    return closed;
+}
+
+/* Idle connections cannot take the daemon's file descriptors: past max-connections the newest
+ * are closed as they come, the clients already connected keep their sessions and are served,
+ * and new clients get in once the idle ones are gone. With an open-file limit too low for
+ * max-connections the daemon lowers it and says so; before, ~1000 idle connections made libzmq
+ * abort the daemon (EMFILE in the ipc accept), every session lost. */
+static void test_connection_limit(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon_with(&d, "256M", "--max-connections=8", 0);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a");
+    uint32_t ids[32];
+    prompt(ids, 32, 3);
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 32}, &pr), SNAPKV_OK);
+    enum { N = 64 };
+    int fds[N];
+    open_idle(&d, fds, N);
+    int closed = count_closed(fds, N, N - 7);
+    printf("# max-connections 8: %d of %d idle connections closed\n", closed, N);
+    assert_true(closed >= N - 7); /* c holds one of the 8 */
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 4;
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, 4);
+    snapkv_decode_result_free(&dr);
+    snapkv_client_t *late = client(d.endpoint, "tenant-b"); /* the idle ones are gone: room again */
+    struct snapkv_prefill_result pl;
+    assert_int_equal(snapkv_prefill(late, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 8}, &pl),
+                     SNAPKV_OK);
+    snapkv_prefill_result_free(&pl);
+    snapkv_close(&late);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    stop_daemon(&d);
+
+    /* 400 open files: max-connections 1024 becomes 200; 400 idle connections do not kill it */
+    start_daemon_with(&d, "256M", NULL, 400);
+    c = client(d.endpoint, "tenant-a");
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 32}, &pr), SNAPKV_OK);
+    enum { M = 400 };
+    int many[M];
+    open_idle(&d, many, M);
+    closed = count_closed(many, M, M - 199);
+    printf("# open-file limit 400: %d of %d idle connections closed\n", closed, M);
+    assert_true(closed >= M - 199); /* c holds one of the 200 */
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    snapkv_decode_result_free(&dr);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    int st;
+    assert_int_equal(waitpid(d.pid, &st, WNOHANG), 0); /* still running */
+    char logtext[1 << 16];
+    FILE *lf = fopen(d.log, "r");
+    assert_non_null(lf);
+    size_t got = fread(logtext, 1, sizeof logtext - 1, lf);
+    logtext[got] = '\0';
+    fclose(lf);
+    assert_non_null(strstr(logtext, "max-connections 1024 lowered to 200: the open-file limit is 400"));
+    stop_daemon(&d);
+}
+
 /* Runs the built snapkvctl on d's endpoints with args (NULL-terminated) and returns its exit
  * status; out and err get what it wrote to stdout and stderr (NUL-terminated, cut to cap). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap)
@@ -1389,6 +1523,7 @@ int main(void)
         cmocka_unit_test_teardown(test_decode_budget, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
+        cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
