@@ -346,6 +346,11 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
                                                                                 : cfg->default_compress;
     if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)))
         goto fail;
+    /* a full cache's bytes are known before the forward: one that cannot fit is refused (or
+     * room made) before the work, not after it with the pool already past its size; a
+     * compressing prefill holds one layer in full at most and is charged after it */
+    if (!s->comp && (rc = reserve_rows(w, s, n, false, 0, 0, NULL, NULL)))
+        goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     s->busy = 1;
     double t0 = now_s();

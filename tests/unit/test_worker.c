@@ -387,6 +387,40 @@ static void test_append_over_quota(void **state)
     assert_int_equal(after, bytes_b);
 }
 
+/* A full-cache PREFILL that cannot fit is refused before its forward (before, after it, with
+ * the pool past its size meanwhile): no prompt token counted as prefilled, the tenant's other
+ * session kept; one that fits once the idle session goes evicts it. */
+static void test_prefill_over_quota(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_quota(f, 2); /* 32 rows per head */
+    uint8_t a[16];
+    prefill(f, 8, "policy=full", a);
+    uint32_t tokens[40];
+    for (int i = 0; i < 40; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.tokens = tokens;
+    p.n_tokens = 40; /* 3 blocks per head */
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8);
+    int count = 0;
+    assert_int_equal(listed(f, a, NULL, &count), 8);
+    assert_int_equal(count, 1);
+    p.n_tokens = 30; /* 2 blocks per head: a goes */
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, a, NULL, &count), -1);
+    assert_int_equal(count, 1);
+    assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8 + 30);
+}
+
 static void test_decode_over_quota(void **state)
 {
     struct fixture *f = *state;
@@ -561,6 +595,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
