@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/kv_pool.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/tokenizer.h"
 
@@ -972,10 +973,16 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
         (rc = set_spec(w, s, "policy=full")))
         goto fail;
     int max_len = 0;
+    uint64_t bytes = 0; /* the blocks the imported rows take: room made (or refused) before any is written */
     for (int l = 0; l < L; l++)
-        for (int h = 0; h < H; h++)
-            max_len = (int)im->kept[l]->kept_per_head[h] > max_len ? (int)im->kept[l]->kept_per_head[h] : max_len;
-    if ((rc = skv_kv_cache_reserve(s->cache, max_len)))
+        for (int h = 0; h < H; h++) {
+            int len = (int)im->kept[l]->kept_per_head[h];
+            max_len = len > max_len ? len : max_len;
+            bytes += (uint64_t)((len + s->cache->block_rows - 1) / s->cache->block_rows) *
+                     skv_kv_pool_block_bytes(s->cache->pool);
+        }
+    if ((rc = skv_session_reserve(w->sessions, s, bytes, bytes, NULL)) ||
+        (rc = skv_kv_cache_reserve(s->cache, max_len)))
         goto fail;
     size_t row = (size_t)d * sizeof(float), at_pos = 0;
     if (!(scratch = malloc(max_len ? (size_t)max_len * row : 1))) {

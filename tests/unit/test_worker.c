@@ -485,6 +485,59 @@ static void *shrink_loop(void *arg)
     return NULL;
 }
 
+/* An IMPORT_KV that cannot fit the tenant's quota is refused before a row is written (its
+ * blocks are counted first), and the tenant's sessions stay; one that fits once the idle one
+ * goes evicts it. */
+static void test_import_over_quota(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_quota(f, 3); /* 48 rows per head */
+    uint8_t a[16], b[16];
+    prefill(f, 40, "policy=full", a); /* 3 blocks per head */
+    char name[64];
+    snprintf(name, sizeof name, "/snapkv-test-import-%ld", (long)getpid());
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, 1 << 20), 0);
+    Snapkv__Reply *ex = export_shm(f, a, name);
+    if (ex->status)
+        fail_msg("EXPORT_KV: %d %s", ex->status, ex->message);
+    prefill(f, 8, "policy=full", b); /* a and b: 4 blocks per head, a evicted for b */
+    int count = 0;
+    assert_int_equal(listed(f, a, NULL, &count), -1);
+    assert_int_equal(listed(f, b, NULL, &count), 8);
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = name;
+    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
+    im.buffer = &buf;
+    im.n_kept = ex->export_kv->n_kept;
+    im.kept = ex->export_kv->kept;
+    im.n_positions = ex->export_kv->n_positions;
+    im.positions = ex->export_kv->positions;
+    im.original_length = ex->export_kv->original_length;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
+    req.import_kv = &im;
+    /* 3 blocks per head and b's 1 fit 3 only without b: b is idle, so it goes */
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, b, NULL, &count), -1);
+    assert_int_equal(count, 1);
+    /* with 2 blocks per head, the import cannot fit whatever goes: refused, nothing evicted */
+    restart_with_quota(f, 2);
+    prefill(f, 8, "policy=full", b);
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, b, NULL, &count), 8);
+    assert_int_equal(count, 1);
+    snapkv__reply__free_unpacked(ex, NULL);
+    close(fd);
+    shm_unlink(name);
+}
+
 static void test_shm_buffers(void **state)
 {
     struct fixture *f = *state;
@@ -598,6 +651,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
