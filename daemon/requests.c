@@ -1640,6 +1640,15 @@ static int read_exact(FILE *f, crypto_generichash_state *h, void *p, size_t n)
     return SKV_OK;
 }
 
+/* A saved K or V that is not a finite number would poison every attention over its head. */
+static int rows_finite(const float *x, size_t n, const char *path)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return skv_errorf(SKV_E_FORMAT, "%s: a saved key or value is not finite", path);
+    return SKV_OK;
+}
+
 static void handle_load(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__LoadRequest *q = job->req->load;
@@ -1663,8 +1672,8 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
                 hd.n_kv_heads != (uint32_t)mc->n_kv_heads || hd.head_dim != (uint32_t)mc->head_dim))
         rc = skv_errorf(SKV_E_INVAL, "%s was saved with another model", path);
-    if (!rc && (hd.n_tokens < 0 || hd.n_past < 0 || hd.n_tokens > hd.n_past ||
-                hd.n_past > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens))
+    if (!rc && (hd.n_tokens < 0 || hd.n_past < 0 || hd.n_tokens > hd.n_past || hd.prompt_len < 0 ||
+                hd.prompt_len > hd.n_past || hd.n_past > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens))
         rc = skv_errorf(SKV_E_FORMAT, "%s: implausible lengths", path);
     hd.spec[sizeof hd.spec - 1] = '\0';
     if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, "load", &s)))
@@ -1673,6 +1682,10 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     if (!rc && hd.n_tokens && !(tok = malloc((size_t)hd.n_tokens * sizeof *tok)))
         rc = SKV_E_NOMEM;
     if (!rc && hd.n_tokens && !(rc = read_exact(f, &h, tok, (size_t)hd.n_tokens * 4)))
+        for (int32_t i = 0; i < hd.n_tokens && !rc; i++) /* COMPRESS would run them again */
+            if (tok[i] < 0 || tok[i] >= mc->n_vocab)
+                rc = skv_errorf(SKV_E_FORMAT, "%s: token %d is outside the vocabulary", path, tok[i]);
+    if (!rc && hd.n_tokens)
         rc = skv_session_push_tokens(s, tok, hd.n_tokens);
     free(tok);
     /* the session goes on under its spec: the compressor that reads the state it had */
@@ -1739,7 +1752,8 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         else
             memset(kh->score, 0, (size_t)len * sizeof *kh->score);
         for (int kv = 0; kv < 2 && !rc; kv++)
-            if (!(rc = read_exact(f, &h, rows, (size_t)len * row)))
+            if (!(rc = read_exact(f, &h, rows, (size_t)len * row)) &&
+                !(rc = rows_finite(rows, (size_t)len * mc->head_dim, path)))
                 rc = skv_kv_cache_write_rows(s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads, kv, 0, len, rows);
         if (rc)
             break;

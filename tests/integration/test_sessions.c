@@ -12,6 +12,7 @@
 #include <cmocka.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1148,6 +1149,26 @@ static void test_save_load_goes_on(void **state)
     struct snapkv_session_id none;
     assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
     assert_non_null(strstr(snapkv_last_error(), "5 logits for a vocabulary of 49152"));
+    /* a token outside the vocabulary; a key that is not a number */
+    buf = save_read(d.dir, "h2o-1", &size, &n_tokens);
+    memcpy(buf + SAVE_HEADER + 4, &(int32_t){49152}, 4);
+    save_write(d.dir, "bad-1", buf, size);
+    assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
+    assert_non_null(strstr(snapkv_last_error(), "token 49152 is outside the vocabulary"));
+    free(buf);
+    buf = save_read(d.dir, "h2o-1", &size, &n_tokens);
+    at = SAVE_HEADER + (size_t)n_tokens * 4;
+    memcpy(&state_len, buf + at, 4);
+    at += 4 + (size_t)state_len + 4 + 49152 * 4; /* the logits */
+    int32_t n_pend, len0;
+    memcpy(&n_pend, buf + at, 4);
+    at += 4 + (size_t)n_pend;
+    memcpy(&len0, buf + at, 4); /* the first head: len, positions, scores, then its keys */
+    memcpy(buf + at + 4 + (size_t)len0 * 8 + 12, &(float){NAN}, 4);
+    save_write(d.dir, "bad-1", buf, size);
+    free(buf);
+    assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
+    assert_non_null(strstr(snapkv_last_error(), "a saved key or value is not finite"));
     pos_load = kept_positions(a, &loaded, &n_load, &kept_load);
     assert_int_equal(kept_load, 48);
     assert_memory_equal(pos_load, pos_orig, n_orig * sizeof *pos_orig);
