@@ -45,7 +45,7 @@ static const struct skv_config_option options[] = {
     {"max-sessions-per-tenant", SKV_CFG_INT, OPT(max_sessions_per_tenant), "64", 1, 1 << 20,
      "sessions one tenant may hold"},
     {"max-bytes-per-tenant", SKV_CFG_SIZE, OPT(max_bytes_per_tenant), "512M", 1 << 16, INT64_C(1) << 42,
-     "KV bytes one tenant may hold"},
+     "bytes one tenant's sessions may hold (KV blocks and SnapKV re-scoring's query rings)"},
     {"max-message-bytes", SKV_CFG_SIZE, OPT(max_message_bytes), "16M", 1024, INT64_C(1) << 31,
      "largest request message (ZMQ_MAXMSGSIZE)"},
     {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,

@@ -94,7 +94,7 @@ static void tenant_usage(const struct skv_session_table *t, const char *tenant, 
         for (struct skv_session *s = t->bucket[b]; s; s = s->next)
             if (strcmp(s->tenant, tenant) == 0) {
                 (*count)++;
-                *bytes += s->bytes;
+                *bytes += s->bytes + s->compressor_bytes;
             }
 }
 
@@ -213,7 +213,7 @@ static uint64_t evictable_bytes(const struct skv_session_table *t, const struct 
     for (int b = 0; b < BUCKETS; b++)
         for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
             if (s != except && !s->pinned && !s->busy && (!tenant || strcmp(s->tenant, tenant) == 0))
-                sum += s->bytes;
+                sum += s->bytes + (tenant ? s->compressor_bytes : 0); /* the pool holds only KV blocks */
     return sum;
 }
 
@@ -221,6 +221,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
                         int *evicted_out)
 {
     s->bytes = session_bytes(s);
+    s->compressor_bytes = s->comp ? skv_compressor_bytes(s->comp) : 0;
     if (evicted_out)
         *evicted_out = 0;
     int count;
@@ -234,7 +235,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
         uint64_t t_free = evictable_bytes(t, s, s->tenant);
         if (tenant_bytes - (t_free < tenant_bytes ? t_free : tenant_bytes) > t->lim.max_bytes_per_tenant)
             return skv_errorf(SKV_E_LIMIT,
-                              "tenant '%s' would hold %llu KV bytes (max-bytes-per-tenant %llu), %llu of them in "
+                              "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu), %llu of them in "
                               "sessions that could be evicted",
                               s->tenant, (unsigned long long)tenant_bytes,
                               (unsigned long long)t->lim.max_bytes_per_tenant, (unsigned long long)t_free);
@@ -252,10 +253,10 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {
         struct skv_session *v = lru_victim(t, s, s->tenant);
         if (!v)
-            return skv_errorf(SKV_E_LIMIT, "tenant '%s' would hold %llu KV bytes (max-bytes-per-tenant %llu)",
+            return skv_errorf(SKV_E_LIMIT, "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu)",
                               s->tenant, (unsigned long long)tenant_bytes,
                               (unsigned long long)t->lim.max_bytes_per_tenant);
-        tenant_bytes -= v->bytes;
+        tenant_bytes -= v->bytes + v->compressor_bytes;
         skv_session_destroy(t, v);
         t->evictions++;
         evicted++;

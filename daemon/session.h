@@ -35,6 +35,7 @@ struct skv_session {
     bool pinned;
     uint32_t lease_seconds;       /* released when idle this long (unless pinned) */
     uint64_t bytes;               /* blocks its tables hold x block bytes (shared ones too) */
+    uint64_t compressor_bytes;    /* memory its compressor may hold outside the pool (tenant quota) */
     float *logits;                /* [n_vocab] after the last forward (DECODE samples from it) */
     int busy;                     /* a decode in flight: never evicted */
     char text_pending[8];         /* the start of a character the last DECODE's text stopped inside: */

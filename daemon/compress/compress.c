@@ -138,6 +138,14 @@ static bool rescores_decode(const struct skv_compress_spec *s)
     return s->policy == SKV_POLICY_SNAPKV && s->decode_budget > 0;
 }
 
+uint64_t skv_compressor_bytes(const struct skv_compressor *c)
+{
+    if (!rescores_decode(&c->spec))
+        return 0;
+    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    return (uint64_t)(c->n_layers + 1) * cap * c->n_heads * c->head_dim * sizeof(float);
+}
+
 /* The query ring keeps the newest min(window, decode_budget) queries per layer: more could
  * never be used, since the newest decode_budget rows are all a window can keep. */
 static int obs_alloc(struct skv_compressor *c)

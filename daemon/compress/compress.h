@@ -51,6 +51,12 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
  * the allocation holds while decoding (the window then min(window, decode_budget, that)). */
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
 
+/* Backend memory the compressor may hold for its session beyond the cache: SnapKV re-scoring's
+ * observation ring (L x min(window, decode_budget) queries at query-head width, allocated at
+ * the first decoded token), counted whether allocated yet or not, so a tenant's quota holds it
+ * from the PREFILL on. */
+uint64_t skv_compressor_bytes(const struct skv_compressor *c);
+
 /* What the last compression decided: budget per layer (length n_layers) and SqueezeAttention
  * similarities (NULL unless alloc=squeeze). */
 const int *skv_compressor_layer_budgets(const struct skv_compressor *c);

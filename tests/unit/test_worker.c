@@ -421,6 +421,40 @@ static void test_prefill_over_quota(void **state)
     assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8 + 30);
 }
 
+/* SnapKV re-scoring's query ring (L + 1 rows of min(window, decode_budget) queries) counts
+ * against the tenant's quota from the PREFILL on: with room for the cache alone, a spec that
+ * re-scores is refused and the same spec without decode_budget fits. */
+static void test_ring_counts_in_quota(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_quota(f, 1); /* 16 rows per head */
+    uint32_t tokens[8];
+    for (int i = 0; i < 8; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = "policy=snapkv,budget=8,window=4,decode_budget=8";
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.tokens = tokens;
+    p.n_tokens = 8;
+    p.compress = &cs;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    uint64_t kv = (uint64_t)mc->n_layers * mc->n_kv_heads * skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    uint64_t ring = (uint64_t)(mc->n_layers + 1) * 4 * mc->n_heads * mc->head_dim * sizeof(float);
+    char want[128];
+    snprintf(want, sizeof want, "would hold %llu bytes", (unsigned long long)(kv + ring));
+    assert_non_null(strstr(rep->message, want));
+    snapkv__reply__free_unpacked(rep, NULL);
+    cs.spec = "policy=snapkv,budget=8,window=4";
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
 static void test_decode_over_quota(void **state)
 {
     struct fixture *f = *state;
@@ -649,6 +683,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
