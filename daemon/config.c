@@ -55,6 +55,8 @@ static const struct skv_config_option options[] = {
      "an unpinned session idle this long is released"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
      "compression spec used when a request names none"},
+    {"ipc-tenant", SKV_CFG_STRING, OPT(ipc_tenant), "claimed", 0, 0,
+     "on an ipc:// client endpoint, the tenant a client names (claimed) or its user's (uid: \"uid-1000\")"},
 };
 
 const struct skv_config_option *skv_config_options(size_t *n)

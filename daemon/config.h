@@ -35,6 +35,7 @@ struct skv_config {
     int64_t queue_depth;
     int64_t lease_seconds;
     char *default_compress;   /* spec used when a PREFILL names none */
+    char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
 };
 
 enum skv_config_type { SKV_CFG_STRING, SKV_CFG_INT, SKV_CFG_SIZE, SKV_CFG_BOOL };

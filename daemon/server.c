@@ -174,6 +174,10 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     }
     if ((rc = skv_auth_start(srv->auth, srv->zctx)) || (rc = skv_clients_new(CLIENTS_MAX, &srv->clients)))
         goto out_destroy;
+    if (strcmp(env->cfg->ipc_tenant, "claimed") != 0 && strcmp(env->cfg->ipc_tenant, "uid") != 0) {
+        rc = skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", env->cfg->ipc_tenant);
+        goto out_destroy;
+    }
     srv->max_connections = connection_room(env->cfg->max_connections);
     if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
         goto out_destroy;
@@ -345,19 +349,42 @@ static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequ
     return SKV_OK;
 }
 
-/* A CURVE key bound to a tenant (its ZAP User-Id) acts only for that tenant: a request naming
- * no tenant or the default one gets the bound tenant, one naming another tenant is refused. */
-static int bind_tenant(Snapkv__Request *req, zmq_msg_t *body)
+static int message_fd(zmq_msg_t *msg);
+
+/* With ipc-tenant = uid, the tenant of a client on an ipc:// client endpoint: its process's
+ * user, "uid-<N>" (SO_PEERCRED of the connection); NULL otherwise. */
+static const char *peer_tenant(const struct skv_server *srv, zmq_msg_t *body, char *buf, size_t cap)
 {
-    const char *bound = zmq_msg_gets(body, "User-Id");
+    if (strcmp(srv->env.cfg->ipc_tenant, "uid") != 0 || strncmp(srv->env.cfg->endpoint, "ipc://", 6) != 0)
+        return NULL;
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    int fd = message_fd(body);
+    if (fd < 0 || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+        return ""; /* refused below: no tenant can be vouched for */
+    snprintf(buf, cap, "uid-%u", (unsigned)cred.uid);
+    return buf;
+}
+
+/* A CURVE key bound to a tenant (its ZAP User-Id) acts only for that tenant, and so does a
+ * local user with ipc-tenant = uid: a request naming no tenant or the default one gets the
+ * bound tenant, one naming another tenant is refused. */
+static int bind_tenant(const struct skv_server *srv, Snapkv__Request *req, zmq_msg_t *body, bool admin)
+{
+    char uid_tenant[32];
+    const char *bound = admin ? NULL : peer_tenant(srv, body, uid_tenant, sizeof uid_tenant);
+    if (bound && !*bound)
+        return skv_errorf(SKV_E_PERM, "ipc-tenant is uid, and this connection's user could not be read");
+    if (!bound)
+        bound = zmq_msg_gets(body, "User-Id");
     if (!bound || !*bound)
         return SKV_OK;
     const char *claims[2] = {req->tenant,
                              req->command_case == SNAPKV__REQUEST__COMMAND_HELLO && req->hello ? req->hello->tenant : NULL};
     for (int i = 0; i < 2; i++)
         if (claims[i] && *claims[i] && strcmp(claims[i], SKV_TENANT_DEFAULT) != 0 && strcmp(claims[i], bound) != 0)
-            return skv_errorf(SKV_E_PERM, "this client's CURVE key is bound to tenant '%s'; it cannot act for '%.64s'",
-                              bound, claims[i]);
+            return skv_errorf(SKV_E_PERM, "this client is bound to tenant '%s' (%s); it cannot act for '%.64s'",
+                              bound, bound == uid_tenant ? "its user, ipc-tenant = uid" : "its CURVE key", claims[i]);
     char *copy = strdup(bound);
     if (!copy)
         return SKV_E_NOMEM;
@@ -540,7 +567,7 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         rc = skv_errorf(SKV_E_PERM, "admin commands are only accepted on the admin endpoint");
         goto reply;
     }
-    if ((rc = bind_tenant(req, &body)))
+    if ((rc = bind_tenant(srv, req, &body, admin)))
         goto reply;
     switch (req->command_case) {
     case SNAPKV__REQUEST__COMMAND_HELLO:

@@ -1330,6 +1330,36 @@ static void test_connection_limit(void **state)
     stop_daemon(&d);
 }
 
+/* ipc-tenant = uid: a local client's tenant is its user's, "uid-<N>", whatever it names; naming
+ * another is refused, so one user cannot reach (or evict through its quota) another's sessions. */
+static void test_ipc_tenant_uid(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon_with(&d, "256M", "--ipc-tenant=uid", 0);
+    char mine[32];
+    snprintf(mine, sizeof mine, "uid-%u", (unsigned)getuid());
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts o = {.tenant = "tenant-a", .timeout_ms = 60000};
+    assert_int_equal(snapkv_connect(d.endpoint, &o, &c), SNAPKV_E_PERM);
+    assert_non_null(strstr(snapkv_last_error(), mine));
+    c = client(d.endpoint, NULL);
+    uint32_t ids[16];
+    prompt(ids, 16, 4);
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 16}, &pr), SNAPKV_OK);
+    snapkv_client_t *a = client(d.admin, NULL);
+    struct snapkv_session_list l = {0};
+    assert_int_equal(snapkv_admin_list(a, mine, &l), SNAPKV_OK);
+    assert_int_equal(l.n, 1);
+    snapkv_session_list_free(&l);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* Runs the built snapkvctl on d's endpoints with args (NULL-terminated) and returns its exit
  * status; out and err get what it wrote to stdout and stderr (NUL-terminated, cut to cap). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap)
@@ -1545,6 +1575,7 @@ int main(void)
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
+        cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
