@@ -38,6 +38,9 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
 {
     struct skv_session_stats st;
     skv_session_stats(w->sessions, &st);
+    uint64_t n_decodes = 0;
+    for (const struct skv_decode *d = w->decodes; d; d = d->next)
+        n_decodes++;
     *out = (struct skv_stats_input){
         .metrics = w->metrics,
         .n_sessions = (uint64_t)st.n_sessions,
@@ -47,6 +50,7 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .pool_blocks_shared = st.blocks_shared,
         .evictions = st.evictions,
         .client_disconnects = atomic_load(&w->st_disconnects),
+        .n_decodes = n_decodes,
     };
 }
 
