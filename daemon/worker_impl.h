@@ -91,7 +91,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
  * batched forward; finished[i] is set when ds[i] sent its final reply. Returns how many
  * decodes it advanced. */
 int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int n, bool *finished);
-/* Ends a decode early (shutdown): final reply with finish_reason "cancelled". */
+/* Ends a decode between two rounds (shutdown, its client gone): final reply with
+ * finish_reason "cancelled"; the session keeps the tokens so far. */
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
 void skv_requests_decode_free(struct skv_decode *d);
 /* Closes the CUDA buffers of clients idle for longer than a lease; returns how many. */

@@ -11,7 +11,12 @@
  *   transfers gets errors, never a daemon killed by SIGBUS.
  * - Watchdog: a worker waiting for work is alive; one stuck in a device call (a fake ipc_open
  *   that blocks) stops being alive once half the watchdog interval passed, and is alive again
- *   when it moves on. */
+ *   when it moves on.
+ * - Limits: a PREFILL's lease past max-lease-seconds is refused; a DECODE past
+ *   max-decodes-per-tenant or max-decodes running ones is refused at its start (requests queued
+ *   behind a worker held in that fake device call start one per turn, so the order is fixed).
+ * - A client-gone notice cancels that client's running decodes, between two rounds: the session
+ *   keeps the tokens and decodes on exactly as an uninterrupted one; other clients' go on. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -734,6 +739,59 @@ static void test_decode_limits(void **state)
     }
 }
 
+/* A client-gone notice cancels the client's running decodes and no other client's; the
+ * cancelled session keeps what was generated and decodes on as if never interrupted. */
+static void test_decode_client_gone(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16], ref[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    prefill(f, 8, "policy=full", ref);
+    /* the reference: six tokens in one go */
+    uint32_t want[6], got[8];
+    int n_want = 0, n = 0;
+    submit_decode(f, ID_Z, "t", ref, 6, false);
+    Snapkv__Reply *rep = decode_final(f, ID_Z, want, &n_want, 6);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(n_want, 6);
+    snapkv__reply__free_unpacked(rep, NULL);
+
+    /* X's decode starts and takes a token, Y's starts and both take one, then X's notice */
+    freeze(f, a);
+    submit_decode(f, ID_X, "t", a, 1000, true);
+    submit_decode(f, ID_Y, "t", b, 8, false);
+    assert_int_equal(skv_worker_client_gone(f->w, ID_X, sizeof ID_X, true), SKV_OK);
+    thaw(f);
+    rep = decode_final(f, ID_X, got, &n, 8);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    assert_int_equal(rep->decode->n_generated, 2);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(n, 2);
+    assert_int_equal(stat(f, "snapkv_decodes_cancelled_on_disconnect_total"), 1);
+    /* Y's runs to its end */
+    uint32_t other[8];
+    int n_other = 0;
+    rep = decode_final(f, ID_Y, other, &n_other, 8);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_string_equal(rep->decode->finish_reason, "length");
+    assert_int_equal(n_other, 8);
+    snapkv__reply__free_unpacked(rep, NULL);
+
+    /* the session stays, with the two tokens, and goes on with the reference's next four */
+    assert_int_equal(listed(f, a, NULL, NULL), 10);
+    submit_decode(f, ID_Y, "t", a, 4, false);
+    int n_more = 0;
+    rep = decode_final(f, ID_Y, got + 2, &n_more, 4);
+    if (rep->status)
+        fail_msg("DECODE: %d %s", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(n_more, 4);
+    assert_memory_equal(got, want, sizeof want);
+    assert_int_equal(listed(f, a, NULL, NULL), 14);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -744,6 +802,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lease_limit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_limits, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_client_gone, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
