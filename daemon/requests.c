@@ -1072,11 +1072,12 @@ static int decode_room(const struct skv_worker *w, const char *tenant)
         mine += strcmp(d->session->tenant, tenant) == 0;
     }
     if (mine >= w->cfg->max_decodes_per_tenant)
-        return skv_errorf(SKV_E_BUSY, "this tenant already runs %lld decodes, the limit (max-decodes-per-tenant)",
-                          (long long)mine);
+        return skv_errorf(SKV_E_BUSY,
+                          "this tenant already runs %lld decode(s), its limit (max-decodes-per-tenant = %lld)",
+                          (long long)mine, (long long)w->cfg->max_decodes_per_tenant);
     if (all >= w->cfg->max_decodes)
-        return skv_errorf(SKV_E_BUSY, "%lld decodes are running, the limit of the daemon (max-decodes)",
-                          (long long)all);
+        return skv_errorf(SKV_E_BUSY, "%lld decode(s) are running, the daemon's limit (max-decodes = %lld)",
+                          (long long)all, (long long)w->cfg->max_decodes);
     return SKV_OK;
 }
 
