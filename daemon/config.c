@@ -42,6 +42,10 @@ static const struct skv_config_option options[] = {
     {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0, "stay in the foreground (systemd runs it so)"},
     {"max-prompt-tokens", SKV_CFG_INT, OPT(max_prompt_tokens), "8192", 1, 1 << 24, "longest prompt accepted"},
     {"max-new-tokens", SKV_CFG_INT, OPT(max_new_tokens), "2048", 1, 1 << 24, "most tokens one DECODE may generate"},
+    {"max-decodes", SKV_CFG_INT, OPT(max_decodes), "256", 1, 1 << 16,
+     "DECODEs running at once over the daemon (one more is refused: busy)"},
+    {"max-decodes-per-tenant", SKV_CFG_INT, OPT(max_decodes_per_tenant), "32", 1, 1 << 16,
+     "DECODEs one tenant may run at once (one more is refused: busy)"},
     {"max-sessions-per-tenant", SKV_CFG_INT, OPT(max_sessions_per_tenant), "64", 1, 1 << 20,
      "sessions one tenant may hold"},
     {"max-bytes-per-tenant", SKV_CFG_SIZE, OPT(max_bytes_per_tenant), "512M", 1 << 16, INT64_C(1) << 42,
@@ -52,7 +56,9 @@ static const struct skv_config_option options[] = {
      "open connections on the client endpoint; more are closed as they come"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
     {"lease-seconds", SKV_CFG_INT, OPT(lease_seconds), "600", 1, INT64_C(1) << 31,
-     "an unpinned session idle this long is released"},
+     "an unpinned session idle this long is released (when its PREFILL names no lease)"},
+    {"max-lease-seconds", SKV_CFG_INT, OPT(max_lease_seconds), "86400", 1, INT32_MAX,
+     "longest lease a PREFILL may ask for (at least lease-seconds)"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
      "compression spec used when a request names none"},
     {"ipc-tenant", SKV_CFG_STRING, OPT(ipc_tenant), "claimed", 0, 0,
@@ -234,6 +240,18 @@ int skv_config_load_file(struct skv_config *cfg, const char *path)
     }
     fclose(f);
     return rc;
+}
+
+int skv_config_check(const struct skv_config *cfg)
+{
+    /* a default lease no client could ask for would make the limit a lie for every session
+     * that names none */
+    if (cfg->lease_seconds > cfg->max_lease_seconds)
+        return skv_errorf(SKV_E_INVAL,
+                          "lease-seconds is %" PRId64 ", more than max-lease-seconds (%" PRId64
+                          "): raise max-lease-seconds or lower lease-seconds",
+                          cfg->lease_seconds, cfg->max_lease_seconds);
+    return SKV_OK;
 }
 
 int skv_config_get(const struct skv_config *cfg, const char *name, char *buf, size_t cap)

@@ -28,12 +28,15 @@ struct skv_config {
     bool foreground;
     int64_t max_prompt_tokens;
     int64_t max_new_tokens;
+    int64_t max_decodes;      /* DECODEs running at once, all tenants */
+    int64_t max_decodes_per_tenant;
     int64_t max_sessions_per_tenant;
     int64_t max_bytes_per_tenant;
     int64_t max_message_bytes;
     int64_t max_connections;
     int64_t queue_depth;
-    int64_t lease_seconds;
+    int64_t lease_seconds;    /* the lease of a session whose PREFILL names none */
+    int64_t max_lease_seconds; /* the longest lease a PREFILL may name */
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
 };
@@ -59,6 +62,10 @@ void skv_config_free(struct skv_config *cfg);
 int skv_config_set(struct skv_config *cfg, const char *name, const char *value);
 /* Reads `key = value` lines ('#' comments, blank lines); errors name the file and line. */
 int skv_config_load_file(struct skv_config *cfg, const char *path);
+/* The rules that tie options together, checked once every source was read (an option's own
+ * range is checked when it is set): SKV_OK, or SKV_E_INVAL with a message naming the options
+ * and their values. */
+int skv_config_check(const struct skv_config *cfg);
 /* Formats an option's current value into buf. Returns SKV_OK or SKV_E_NOT_FOUND. */
 int skv_config_get(const struct skv_config *cfg, const char *name, char *buf, size_t cap);
 /* "4G", "512M", "1024" -> bytes. */

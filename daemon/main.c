@@ -209,6 +209,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "snapkvd: unexpected argument '%s'\n", argv[optind]);
         goto out;
     }
+    if (skv_config_check(&cfg)) {
+        fprintf(stderr, "snapkvd: %s\n", skv_error_msg());
+        goto out;
+    }
     int level = skv_log_level_parse(cfg.log_level);
     if (level < 0) {
         fprintf(stderr, "snapkvd: log-level: '%s' is not error, warn, info or debug\n", cfg.log_level);

@@ -339,6 +339,13 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     int32_t *ids = NULL;
     int n = 0, rc;
     struct skv_session *s = NULL;
+    /* a lease is how a session of a client that went away is given back: one longer than
+     * max-lease-seconds would hold pool memory for as long as the client liked */
+    if (p->lease_seconds > cfg->max_lease_seconds) {
+        rc = skv_errorf(SKV_E_LIMIT, "a lease of %u seconds is longer than max-lease-seconds (%lld)",
+                        p->lease_seconds, (long long)cfg->max_lease_seconds);
+        goto fail;
+    }
     if ((rc = skv_session_check_tenant(tenant)) ||
         (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, (int)cfg->max_prompt_tokens, &ids,
                                   &n)))
@@ -1065,6 +1072,27 @@ void skv_requests_decode_free(struct skv_decode *d)
     free(d);
 }
 
+/* Room for one more running decode of `tenant`. Every round takes one token of every running
+ * decode, so each one more slows all the others: without a bound one client's many decodes
+ * would make every other client's wait (max-decodes-per-tenant first: it names the limit the
+ * asking tenant can do something about). */
+static int decode_room(const struct skv_worker *w, const char *tenant)
+{
+    int64_t all = 0, mine = 0;
+    for (const struct skv_decode *d = w->decodes; d; d = d->next) {
+        all++;
+        mine += strcmp(d->session->tenant, tenant) == 0;
+    }
+    if (mine >= w->cfg->max_decodes_per_tenant)
+        return skv_errorf(SKV_E_BUSY,
+                          "this tenant already runs %lld decode(s), its limit (max-decodes-per-tenant = %lld)",
+                          (long long)mine, (long long)w->cfg->max_decodes_per_tenant);
+    if (all >= w->cfg->max_decodes)
+        return skv_errorf(SKV_E_BUSY, "%lld decode(s) are running, the daemon's limit (max-decodes = %lld)",
+                          (long long)all, (long long)w->cfg->max_decodes);
+    return SKV_OK;
+}
+
 struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__DecodeRequest *q = job->req->decode;
@@ -1072,6 +1100,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     int rc = find_session(w, job, q->session_id, false, &s);
     if (!rc && s->busy)
         rc = skv_errorf(SKV_E_BUSY, "the session is already decoding");
+    if (!rc)
+        rc = decode_room(w, s->tenant);
     if (!rc && !s->logits)
         rc = skv_errorf(SKV_E_INVAL, "the session has no next-token logits (an imported session, or one "
                                      "loaded from a save of before version 3): "

@@ -34,6 +34,9 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          (double)in->client_disconnects},
         {"snapkv_cuda_buffers_closed_on_disconnect_total",
          "CUDA IPC buffers closed when their client's connection closed", (double)m->ipc_closed_gone},
+        {"snapkv_decodes_cancelled_on_disconnect_total",
+         "running DECODEs cancelled when their client's connection closed", (double)m->decodes_cancelled_gone},
+        {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
     };
     memcpy(rows, r, sizeof r);
 }

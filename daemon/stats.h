@@ -13,6 +13,7 @@ struct skv_metrics {
     double prefill_seconds, decode_seconds;
     uint64_t bytes_before, bytes_after; /* over all compressed prefills */
     uint64_t ipc_closed_gone;     /* CUDA buffers closed because their client's connection closed */
+    uint64_t decodes_cancelled_gone; /* running DECODEs ended because their client's connection closed */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -23,6 +24,7 @@ struct skv_stats_input {
     uint64_t pool_blocks_used, pool_blocks_shared;
     uint64_t evictions;
     uint64_t client_disconnects;  /* clients (that sent a request) whose connection closed */
+    uint64_t n_decodes;           /* DECODEs running */
 };
 
 struct skv_stat {
@@ -31,7 +33,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 16
+#define SKV_N_STATS 18
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -38,6 +38,9 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
 {
     struct skv_session_stats st;
     skv_session_stats(w->sessions, &st);
+    uint64_t n_decodes = 0;
+    for (const struct skv_decode *d = w->decodes; d; d = d->next)
+        n_decodes++;
     *out = (struct skv_stats_input){
         .metrics = w->metrics,
         .n_sessions = (uint64_t)st.n_sessions,
@@ -47,7 +50,40 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .pool_blocks_shared = st.blocks_shared,
         .evictions = st.evictions,
         .client_disconnects = atomic_load(&w->st_disconnects),
+        .n_decodes = n_decodes,
     };
+}
+
+/* True when job came from the client a client-gone notice is about: the same endpoint and
+ * routing id (the identity a reply would be routed to). */
+static bool same_client(const struct skv_job *job, const struct skv_job *notice)
+{
+    return job->sock == notice->sock && job->identity_len == notice->identity_len &&
+           memcmp(job->identity, notice->identity, notice->identity_len) == 0;
+}
+
+/* Ends the running decodes of the client a client-gone notice is about: nobody reads their
+ * tokens any more, and every round they stay in slows the other decodes. They end between two
+ * rounds, so each session holds every token generated so far, its n_past and the logits of its
+ * next token; the final "cancelled" reply goes out (the socket thread drops it) and the session
+ * waits for its lease like any other. The client's queued requests are served as they come.
+ * Returns how many ended. */
+static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
+{
+    int n = 0;
+    for (struct skv_decode **pp = &w->decodes; *pp;) {
+        struct skv_decode *d = *pp;
+        if (!same_client(d->job, notice)) {
+            pp = &d->next;
+            continue;
+        }
+        *pp = d->next;
+        skv_requests_decode_cancel(w, d);
+        skv_requests_decode_free(d);
+        n++;
+    }
+    w->metrics.decodes_cancelled_gone += (uint64_t)n;
+    return n;
 }
 
 static void publish_stats(struct skv_worker *w)
@@ -139,6 +175,9 @@ static void *worker_main(void *arg)
             break;
         }
         if (job && job->kind == SKV_JOB_CLIENT_GONE) {
+            int cancelled = cancel_decodes_of(w, job);
+            if (cancelled)
+                skv_log(SKV_LOG_INFO, "cancelled %d decode(s) of a client whose connection closed", cancelled);
             int closed = skv_requests_client_gone(w, job);
             if (closed)
                 skv_log(SKV_LOG_INFO, "closed %d CUDA buffer(s) of a client whose connection closed", closed);

@@ -37,11 +37,13 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
 /* Queues a job (ownership passes on success). SKV_E_BUSY when queue-depth jobs wait. */
 int skv_worker_submit(struct skv_worker *w, struct skv_job *job);
 /* Notice that the client behind `identity` on the client endpoint closed its connection: after
- * the jobs already queued, the worker closes that client's CUDA buffers. `first` says it is the
+ * the jobs already queued, the worker cancels that client's running DECODEs (their sessions keep
+ * the tokens so far and wait for their lease) and closes its CUDA buffers. `first` says it is the
  * client's first notice (counted in snapkv_client_disconnects_total); a later one follows a request
  * read after the connection had closed. Never refused for queue-depth and never waits; past
- * SKV_WORKER_NOTICES_MAX pending notices one is dropped (SKV_E_LIMIT; the buffers then close when
- * the lease runs out). SKV_E_CANCELLED while stopping (every buffer closes then anyway). */
+ * SKV_WORKER_NOTICES_MAX pending notices one is dropped (SKV_E_LIMIT; the decodes then run to
+ * their end and the buffers close when the lease runs out). SKV_E_CANCELLED while stopping
+ * (every decode and buffer ends then anyway). */
 #define SKV_WORKER_NOTICES_MAX 4096
 int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t identity_len, bool first);
 /* Cancels what is queued and in flight (each gets a final reply), then joins the thread. */

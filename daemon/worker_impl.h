@@ -84,13 +84,15 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 
 /* Runs one queued request (not DECODE) to completion and replies. */
 void skv_requests_execute(struct skv_worker *w, struct skv_job *job);
-/* Starts a DECODE (may reply at once on error); returns the decode to schedule or NULL. */
+/* Starts a DECODE (may reply at once on error: SKV_E_BUSY past max-decodes or
+ * max-decodes-per-tenant running ones); returns the decode to schedule or NULL. */
 struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_job *job);
 /* One token for each of the n decodes ds[] (at most SKV_ENGINE_MAX_BATCH are taken) in one
  * batched forward; finished[i] is set when ds[i] sent its final reply. Returns how many
  * decodes it advanced. */
 int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int n, bool *finished);
-/* Ends a decode early (shutdown): final reply with finish_reason "cancelled". */
+/* Ends a decode between two rounds (shutdown, its client gone): final reply with
+ * finish_reason "cancelled"; the session keeps the tokens so far. */
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
 void skv_requests_decode_free(struct skv_decode *d);
 /* Closes the CUDA buffers of clients idle for longer than a lease; returns how many. */

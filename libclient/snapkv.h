@@ -173,7 +173,8 @@ struct snapkv_prefill_opts {
     bool chat;                    /* render text as one user turn with the model's chat template */
     const char *compress;         /* compression spec; NULL or "": keep everything */
     bool return_logits;           /* the last position's logits in the result */
-    uint32_t lease_seconds;       /* released when idle this long; 0: the daemon's default */
+    uint32_t lease_seconds;       /* released when idle this long; 0: the daemon's default;
+                                   * above the daemon's max-lease-seconds: SNAPKV_E_LIMIT */
     snapkv_progress_fn progress;  /* NULL: no progress replies */
     void *progress_user;
 };
@@ -235,7 +236,10 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * held back and begins the session's next decode's text (an APPEND in between drops it).
  * Return 0 to go on; anything else stops waiting: snapkv_decode then
  * returns SNAPKV_E_CANCELLED. The protocol has no cancel, so the daemon still finishes that
- * decode and the session holds all its tokens; later calls discard the remaining replies. */
+ * decode and the session holds all its tokens; later calls discard the remaining replies.
+ * Closing the client (or its process ending) does cancel it: the session keeps the tokens made
+ * so far. A DECODE past the daemon's max-decodes or max-decodes-per-tenant running ones is
+ * refused at once with SNAPKV_E_BUSY. */
 typedef int (*snapkv_token_fn)(void *user, const uint32_t *tokens, size_t n_tokens, const char *text);
 
 struct snapkv_decode_result {

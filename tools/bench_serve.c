@@ -287,7 +287,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[12][4200];
+    char a[14][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -301,10 +301,14 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(a[9], sizeof a[9], "--max-sessions-per-tenant=100000");
     snprintf(a[10], sizeof a[10], "--max-prompt-tokens=%d", max_prompt);
     snprintf(a[11], sizeof a[11], "--lease-seconds=3600");
-    char *argv[14] = {exe};
-    for (int i = 0; i < 12; i++)
+    /* the concurrent-decode run starts one decode per session of one tenant: the decode limits
+     * must not bind before the pool does either */
+    snprintf(a[12], sizeof a[12], "--max-decodes=65536");
+    snprintf(a[13], sizeof a[13], "--max-decodes-per-tenant=65536");
+    char *argv[16] = {exe};
+    for (int i = 0; i < 14; i++)
         argv[i + 1] = a[i];
-    argv[13] = NULL;
+    argv[15] = NULL;
     fflush(NULL);
     d->pid = fork();
     if (d->pid < 0) {

@@ -3,8 +3,8 @@
  * admin commands while clients run, eviction under pool pressure sparing pinned sessions, a
  * client killed mid-decode, bad requests, tenant isolation, a shared document forked per
  * question, shared-memory export/import round trips, save/load, SIGTERM mid-decode, and SnapKV
- * re-scoring while decoding (decode_budget) through DECODE, clients going away counted, and the
- * built snapkvctl (--json output, export --size and import). */
+ * re-scoring while decoding (decode_budget) through DECODE, clients going away counted, a gone
+ * client's decode cancelled, and the built snapkvctl (--json output, export --size and import). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -354,6 +354,10 @@ static void test_errors_and_tenants(void **state)
     assert_non_null(strstr(snapkv_last_error(), "budget"));
     po.compress = "policy=snapkv,colour=blue,budget=4";
     assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_E_INVAL);
+    po.lease_seconds = UINT32_MAX; /* 136 years: past max-lease-seconds */
+    assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_E_LIMIT);
+    assert_non_null(strstr(snapkv_last_error(), "max-lease-seconds (86400)"));
+    po.lease_seconds = 0;
     po.compress = "policy=snapkv,budget=16";
     assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_OK);
     struct snapkv_session_id unknown = {{1, 2, 3}};
@@ -578,7 +582,7 @@ static void test_killed_client_and_lease(void **state)
     struct snapkv_prefill_result pr;
     assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
     snapkv_prefill_result_free(&pr);
-    /* the orphan finishes its decode, then its 2 s lease runs out */
+    /* the orphan's decode is cancelled when its connection closes, then its 2 s lease runs out */
     bool gone = false;
     for (int i = 0; i < 300 && !gone; i++) {
         assert_int_equal(snapkv_admin_list(a, "k", &l), SNAPKV_OK);
@@ -669,6 +673,65 @@ static void test_client_disconnects(void **state)
     assert_true(stat_value(a, DISCONNECTS) == 2 + N_BRIEF);
     assert_true(stat_value(a, "snapkv_cuda_buffers_closed_on_disconnect_total") == 0);
     snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
+/* The length of tenant's only session (LIST from the admin client a). */
+static uint32_t only_session_tokens(snapkv_client_t *a, const char *tenant)
+{
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, tenant, &l), SNAPKV_OK);
+    assert_int_equal(l.n, 1);
+    uint32_t n = l.sessions[0].n_tokens;
+    snapkv_session_list_free(&l);
+    return n;
+}
+
+static int exit_at_first_token(void *user, const uint32_t *t, size_t n, const char *text)
+{
+    (void)user;
+    (void)t;
+    (void)n;
+    (void)text;
+    _exit(0); /* gone without closing, mid-decode */
+}
+
+/* A client process that exits while its decode streams has the decode cancelled as soon as
+ * the daemon sees the connection close: the session stops growing, stays for its lease with
+ * the tokens generated so far, and nothing keeps decoding for nobody. */
+static void test_gone_client_decode(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *a = client(d.admin, NULL);
+    pid_t kid = fork();
+    if (kid == 0) {
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.tenant = "kid", .timeout_ms = 60000};
+        uint32_t ids[16];
+        prompt(ids, 16, 5);
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+        struct snapkv_prefill_result pr;
+        if (snapkv_connect(d.endpoint, &o, &c) != SNAPKV_OK || snapkv_prefill(c, &po, &pr) != SNAPKV_OK)
+            _exit(1);
+        struct snapkv_sampling sp;
+        snapkv_sampling_defaults(&sp);
+        sp.max_tokens = 2000;
+        sp.stop_at_eos = false;
+        snapkv_decode(c, &pr.id, &sp, exit_at_first_token, NULL, NULL);
+        _exit(2);
+    }
+    int st;
+    assert_int_equal(waitpid(kid, &st, 0), kid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_true(wait_stat(a, "snapkv_decodes_cancelled_on_disconnect_total", 1) == 1);
+    assert_true(stat_value(a, "snapkv_decodes_running") == 0);
+    uint32_t n = only_session_tokens(a, "kid");
+    assert_true(n > 16 && n < 16 + 2000);
+    usleep(500 * 1000);
+    assert_int_equal(only_session_tokens(a, "kid"), n);
     snapkv_close(&a);
     stop_daemon(&d);
 }
@@ -1573,6 +1636,7 @@ int main(void)
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
         cmocka_unit_test_teardown(test_decode_budget, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
+        cmocka_unit_test_teardown(test_gone_client_decode, kill_daemons),
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),

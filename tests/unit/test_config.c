@@ -21,6 +21,10 @@ static void test_defaults(void **state)
     assert_string_equal(cfg.backend, "auto");
     assert_int_equal(cfg.pool_size, INT64_C(1) << 30);
     assert_int_equal(cfg.max_prompt_tokens, 8192);
+    assert_int_equal(cfg.max_lease_seconds, 86400);
+    assert_int_equal(cfg.max_decodes, 256);
+    assert_int_equal(cfg.max_decodes_per_tenant, 32);
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
     assert_true(cfg.foreground);
     /* production-sane network defaults: tcp:// needs CURVE, no HTTP metrics */
     assert_false(cfg.allow_insecure_tcp);
@@ -84,6 +88,34 @@ static void test_set(void **state)
     skv_config_free(&cfg);
 }
 
+/* Every client-controlled resource has a limit with a range; lease-seconds, the lease of a
+ * session whose PREFILL names none, may not exceed max-lease-seconds. */
+static void test_limits(void **state)
+{
+    (void)state;
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "max-lease-seconds", "0"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "max-lease-seconds", "2147483648"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "max-lease-seconds", "2147483647"), SKV_OK);
+    assert_int_equal(cfg.max_lease_seconds, INT32_MAX);
+    assert_int_equal(skv_config_set(&cfg, "max-decodes", "0"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "max-decodes-per-tenant", "0"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "max-decodes", "4"), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "max-decodes-per-tenant", "2"), SKV_OK);
+    assert_int_equal(cfg.max_decodes, 4);
+    assert_int_equal(cfg.max_decodes_per_tenant, 2);
+
+    assert_int_equal(skv_config_set(&cfg, "max-lease-seconds", "3600"), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "lease-seconds", "3600"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "lease-seconds", "3601"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "lease-seconds is 3601"));
+    assert_non_null(strstr(skv_error_msg(), "max-lease-seconds (3600)"));
+    skv_config_free(&cfg);
+}
+
 static char *write_temp(const char *text)
 {
     char tmpl[] = "/tmp/skv-conf-XXXXXX";
@@ -133,6 +165,7 @@ static void test_example_config(void **state)
     assert_false(cfg.allow_insecure_tcp);
     assert_string_equal(cfg.metrics_listen, "");
     assert_string_equal(cfg.endpoint, "ipc:///run/snapkvd/snapkvd.sock");
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
     skv_config_free(&cfg);
 }
 
@@ -154,6 +187,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults), cmocka_unit_test(test_sizes), cmocka_unit_test(test_set),
         cmocka_unit_test(test_file),     cmocka_unit_test(test_example_config), cmocka_unit_test(test_table_unique),
+        cmocka_unit_test(test_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

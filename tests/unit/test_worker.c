@@ -11,7 +11,12 @@
  *   transfers gets errors, never a daemon killed by SIGBUS.
  * - Watchdog: a worker waiting for work is alive; one stuck in a device call (a fake ipc_open
  *   that blocks) stops being alive once half the watchdog interval passed, and is alive again
- *   when it moves on. */
+ *   when it moves on.
+ * - Limits: a PREFILL's lease past max-lease-seconds is refused; a DECODE past
+ *   max-decodes-per-tenant or max-decodes running ones is refused at its start (requests queued
+ *   behind a worker held in that fake device call start one per turn, so the order is fixed).
+ * - A client-gone notice cancels that client's running decodes, between two rounds: the session
+ *   keeps the tokens and decodes on exactly as an uninterrupted one; other clients' go on. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -83,13 +88,16 @@ struct fixture {
     struct skv_worker *w;
 };
 
-static const uint8_t ID_X[5] = {0, 0x6b, 0x8b, 0x45, 0x67}, ID_Y[5] = {0, 0x6b, 0x8b, 0x45, 0x68};
+static const uint8_t ID_X[5] = {0, 0x6b, 0x8b, 0x45, 0x67}, ID_Y[5] = {0, 0x6b, 0x8b, 0x45, 0x68},
+                     ID_Z[5] = {0, 0x6b, 0x8b, 0x45, 0x69}, ID_F[5] = {0, 0x6b, 0x8b, 0x45, 0x6a};
 
-/* A job for (sock, identity) from a packed request: the worker frees what unpack allocated. */
+/* A job for (sock, identity) from a packed request (tenant "t" unless it names one): the worker
+ * frees what unpack allocated. */
 static struct skv_job *job_new(int sock, const uint8_t *id, size_t id_len, Snapkv__Request *req)
 {
     req->version = 1;
-    req->tenant = "t";
+    if (!req->tenant || !*req->tenant)
+        req->tenant = "t";
     size_t len = snapkv__request__get_packed_size(req);
     uint8_t *buf = malloc(len ? len : 1);
     assert_non_null(buf);
@@ -294,7 +302,9 @@ static void restart_with_quota(struct fixture *f, int blocks)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
 }
 
-static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
+/* The reply to a PREFILL of the first n fixed ids by client X for tenant ("t" when NULL), with
+ * the lease it asks for (0: the daemon's). */
+static Snapkv__Reply *prefill_reply(struct fixture *f, const char *tenant, int n, const char *spec, uint32_t lease)
 {
     uint32_t tokens[64];
     for (int i = 0; i < n; i++)
@@ -305,14 +315,27 @@ static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
     p.tokens = tokens;
     p.n_tokens = (size_t)n;
     p.compress = &cs;
+    p.lease_seconds = lease;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
     req.prefill = &p;
-    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    if (tenant)
+        req.tenant = (char *)tenant;
+    return call(f, 0, ID_X, &req);
+}
+
+static void prefill_for(struct fixture *f, const char *tenant, int n, const char *spec, uint8_t sid[16])
+{
+    Snapkv__Reply *rep = prefill_reply(f, tenant, n, spec, 0);
     if (rep->status)
         fail_msg("PREFILL: %d %s", rep->status, rep->message);
     memcpy(sid, rep->prefill->session_id.data, 16);
     snapkv__reply__free_unpacked(rep, NULL);
+}
+
+static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
+{
+    prefill_for(f, NULL, n, spec, sid);
 }
 
 /* APPENDs n tokens; returns the status (and the reply's length when it succeeds). */
@@ -336,8 +359,9 @@ static int append(struct fixture *f, const uint8_t sid[16], int n, int *n_tokens
     return status;
 }
 
-/* The admin view of session sid: its length and bytes, or -1 when it is gone; *n_sessions counts all. */
-static int listed(struct fixture *f, const uint8_t sid[16], uint64_t *bytes, int *n_sessions)
+/* The admin view of session sid: its length, bytes and lease, or -1 when it is gone; *n_sessions
+ * counts all. */
+static int listed_lease(struct fixture *f, const uint8_t sid[16], uint64_t *bytes, int *n_sessions, uint32_t *lease)
 {
     Snapkv__ListRequest lr = SNAPKV__LIST_REQUEST__INIT;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
@@ -350,11 +374,19 @@ static int listed(struct fixture *f, const uint8_t sid[16], uint64_t *bytes, int
             n = (int)rep->list->sessions[i]->n_tokens;
             if (bytes)
                 *bytes = rep->list->sessions[i]->bytes;
+            if (lease)
+                *lease = rep->list->sessions[i]->lease_seconds;
         }
     if (n_sessions)
         *n_sessions = (int)rep->list->n_sessions;
     snapkv__reply__free_unpacked(rep, NULL);
     return n;
+}
+
+/* The admin view of session sid: its length and bytes, or -1 when it is gone; *n_sessions counts all. */
+static int listed(struct fixture *f, const uint8_t sid[16], uint64_t *bytes, int *n_sessions)
+{
+    return listed_lease(f, sid, bytes, n_sessions, NULL);
 }
 
 static void test_append_over_quota(void **state)
@@ -677,6 +709,209 @@ static void test_watchdog(void **state)
     assert_true(alive);
 }
 
+/* ---- leases and decodes ---------------------------------------------------------------------- */
+
+static void test_lease_limit(void **state)
+{
+    struct fixture *f = *state;
+    /* 136 years: refused before anything is made, the message names both numbers */
+    Snapkv__Reply *rep = prefill_reply(f, NULL, 8, "policy=full", UINT32_MAX);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_non_null(strstr(rep->message, "4294967295"));
+    assert_non_null(strstr(rep->message, "86400"));
+    assert_non_null(strstr(rep->message, "max-lease-seconds"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = prefill_reply(f, NULL, 8, "policy=full", 86401);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    snapkv__reply__free_unpacked(rep, NULL);
+    uint8_t none[16] = {0};
+    int count = -1;
+    listed(f, none, NULL, &count);
+    assert_int_equal(count, 0);
+    /* max-lease-seconds itself is allowed; no lease asked for gets lease-seconds */
+    uint8_t a[16], b[16];
+    rep = prefill_reply(f, NULL, 8, "policy=full", 86400);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    memcpy(a, rep->prefill->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+    prefill(f, 8, "policy=full", b);
+    uint32_t lease = 0;
+    assert_int_equal(listed_lease(f, a, NULL, NULL, &lease), 8);
+    assert_int_equal(lease, 86400);
+    assert_int_equal(listed_lease(f, b, NULL, NULL, &lease), 8);
+    assert_int_equal(lease, 600);
+}
+
+/* Holds the worker in a device call (an EXPORT_KV of session sid into fake buffer 5, from
+ * client F) until thaw(): what is submitted meanwhile queues, and then runs one request per
+ * turn of the worker's loop, each turn followed by one decode round. */
+static void freeze(struct fixture *f, const uint8_t sid[16])
+{
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 5;
+    pthread_mutex_unlock(&g_stuck_mu);
+    submit_export(f, 0, ID_F, sid, 5);
+    pthread_mutex_lock(&g_stuck_mu);
+    while (!g_stuck)
+        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
+    pthread_mutex_unlock(&g_stuck_mu);
+}
+
+static void thaw(struct fixture *f)
+{
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 0;
+    pthread_cond_broadcast(&g_stuck_cv);
+    pthread_mutex_unlock(&g_stuck_mu);
+    expect_exported(f, 0, ID_F);
+}
+
+/* Queues a greedy DECODE of max_tokens tokens of session sid by client id for tenant. */
+static void submit_decode(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16],
+                          uint32_t max_tokens, bool stream)
+{
+    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+    sm.max_tokens = max_tokens;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    d.sampling = &sm;
+    d.stream = stream;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+    req.tenant = (char *)tenant;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+/* Reads client id's replies up to the final one, which it returns; the tokens of every reply
+ * (streamed, or the collected ones of the final) go to toks[*n], at most cap. */
+static Snapkv__Reply *decode_final(struct fixture *f, const uint8_t *id, uint32_t *toks, int *n, int cap)
+{
+    *n = 0;
+    for (;;) {
+        Snapkv__Reply *rep = next_reply(f, 0, id, 5);
+        if (rep->status == SKV_OK) {
+            assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_DECODE);
+            for (size_t i = 0; i < rep->decode->n_tokens && *n < cap; i++)
+                toks[(*n)++] = rep->decode->tokens[i];
+        }
+        if (rep->final)
+            return rep;
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+}
+
+/* A DECODE past max-decodes-per-tenant or max-decodes running ones is refused at its start with
+ * SKV_E_BUSY naming the limit; once one ends, the next is accepted. */
+static void test_decode_limits(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    f->cfg.max_decodes = 2;
+    f->cfg.max_decodes_per_tenant = 1;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t t1[16], t2[16], u[16], v[16];
+    prefill_for(f, "t", 8, "policy=full", t1);
+    prefill_for(f, "t", 8, "policy=full", t2);
+    prefill_for(f, "u", 8, "policy=full", u);
+    prefill_for(f, "v", 8, "policy=full", v);
+    /* queued together, they start one per turn: t's first and u's run while t's second and v's
+     * come (16 tokens outlast the four turns) */
+    freeze(f, t1);
+    submit_decode(f, ID_X, "t", t1, 16, false);
+    submit_decode(f, ID_Y, "t", t2, 16, false);
+    submit_decode(f, ID_Z, "u", u, 16, false);
+    submit_decode(f, ID_F, "v", v, 16, false);
+    thaw(f);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_E_BUSY);
+    assert_non_null(strstr(rep->message, "max-decodes-per-tenant = 1"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_F, 5);
+    assert_int_equal(rep->status, SKV_E_BUSY);
+    assert_non_null(strstr(rep->message, "max-decodes = 2"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    uint32_t toks[16];
+    int n = 0;
+    const uint8_t *ids[2] = {ID_X, ID_Z};
+    for (int i = 0; i < 2; i++) {
+        rep = decode_final(f, ids[i], toks, &n, 16);
+        if (rep->status)
+            fail_msg("DECODE: %d %s", rep->status, rep->message);
+        assert_string_equal(rep->decode->finish_reason, "length");
+        assert_int_equal(n, 16);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_int_equal(listed(f, t2, NULL, NULL), 8); /* the refused ones never started */
+    assert_int_equal(listed(f, v, NULL, NULL), 8);
+    assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
+    /* nothing runs now: t's second and v's are accepted */
+    submit_decode(f, ID_Y, "t", t2, 4, false);
+    submit_decode(f, ID_F, "v", v, 4, false);
+    const uint8_t *again[2] = {ID_Y, ID_F};
+    for (int i = 0; i < 2; i++) {
+        rep = decode_final(f, again[i], toks, &n, 16);
+        if (rep->status)
+            fail_msg("DECODE: %d %s", rep->status, rep->message);
+        assert_int_equal(n, 4);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+}
+
+/* A client-gone notice cancels the client's running decodes and no other client's; the
+ * cancelled session keeps what was generated and decodes on as if never interrupted. */
+static void test_decode_client_gone(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16], ref[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    prefill(f, 8, "policy=full", ref);
+    /* the reference: six tokens in one go */
+    uint32_t want[6], got[8];
+    int n_want = 0, n = 0;
+    submit_decode(f, ID_Z, "t", ref, 6, false);
+    Snapkv__Reply *rep = decode_final(f, ID_Z, want, &n_want, 6);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(n_want, 6);
+    snapkv__reply__free_unpacked(rep, NULL);
+
+    /* X's decode starts and takes a token, Y's starts and both take one, then X's notice */
+    freeze(f, a);
+    submit_decode(f, ID_X, "t", a, 1000, true);
+    submit_decode(f, ID_Y, "t", b, 8, false);
+    assert_int_equal(skv_worker_client_gone(f->w, ID_X, sizeof ID_X, true), SKV_OK);
+    thaw(f);
+    rep = decode_final(f, ID_X, got, &n, 8);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    assert_int_equal(rep->decode->n_generated, 2);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(n, 2);
+    assert_int_equal(stat(f, "snapkv_decodes_cancelled_on_disconnect_total"), 1);
+    /* Y's runs to its end */
+    uint32_t other[8];
+    int n_other = 0;
+    rep = decode_final(f, ID_Y, other, &n_other, 8);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_string_equal(rep->decode->finish_reason, "length");
+    assert_int_equal(n_other, 8);
+    snapkv__reply__free_unpacked(rep, NULL);
+
+    /* the session stays, with the two tokens, and goes on with the reference's next four */
+    assert_int_equal(listed(f, a, NULL, NULL), 10);
+    submit_decode(f, ID_Y, "t", a, 4, false);
+    int n_more = 0;
+    rep = decode_final(f, ID_Y, got + 2, &n_more, 4);
+    if (rep->status)
+        fail_msg("DECODE: %d %s", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(n_more, 4);
+    assert_memory_equal(got, want, sizeof want);
+    assert_int_equal(listed(f, a, NULL, NULL), 14);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -688,6 +923,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lease_limit, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_limits, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_client_gone, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
