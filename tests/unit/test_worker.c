@@ -657,6 +657,26 @@ static void test_shm_buffers(void **state)
     shm_unlink(name);
 }
 
+/* Holds the worker in a device call (an EXPORT_KV of session sid into fake buffer 5, from
+ * client id) until the stuck call is released: what is submitted meanwhile queues, and then
+ * runs one request per turn of the worker's loop, each turn followed by one decode round. */
+static void freeze_as(struct fixture *f, const uint8_t *id, const uint8_t sid[16])
+{
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 5;
+    pthread_mutex_unlock(&g_stuck_mu);
+    submit_export(f, 0, id, sid, 5);
+    pthread_mutex_lock(&g_stuck_mu);
+    while (!g_stuck)
+        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
+    pthread_mutex_unlock(&g_stuck_mu);
+}
+
+static void freeze(struct fixture *f, const uint8_t sid[16])
+{
+    freeze_as(f, ID_F, sid);
+}
+
 /* ---- watchdog --------------------------------------------------------------------------------- */
 
 static void test_watchdog(void **state)
@@ -680,14 +700,7 @@ static void test_watchdog(void **state)
 
     uint8_t sid[16];
     prefill(f, 8, "policy=full", sid);
-    pthread_mutex_lock(&g_stuck_mu);
-    g_stuck_k = 5;
-    pthread_mutex_unlock(&g_stuck_mu);
-    submit_export(f, 0, ID_X, sid, 5);
-    pthread_mutex_lock(&g_stuck_mu);
-    while (!g_stuck)
-        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
-    pthread_mutex_unlock(&g_stuck_mu);
+    freeze_as(f, ID_X, sid);
     bool fresh = skv_worker_alive(f->w, 60000);
     usleep(100000);
     bool stuck = !skv_worker_alive(f->w, 100); /* stuck for 100 ms > 50 ms */
@@ -743,20 +756,6 @@ static void test_lease_limit(void **state)
     assert_int_equal(lease, 600);
 }
 
-/* Holds the worker in a device call (an EXPORT_KV of session sid into fake buffer 5, from
- * client F) until thaw(): what is submitted meanwhile queues, and then runs one request per
- * turn of the worker's loop, each turn followed by one decode round. */
-static void freeze(struct fixture *f, const uint8_t sid[16])
-{
-    pthread_mutex_lock(&g_stuck_mu);
-    g_stuck_k = 5;
-    pthread_mutex_unlock(&g_stuck_mu);
-    submit_export(f, 0, ID_F, sid, 5);
-    pthread_mutex_lock(&g_stuck_mu);
-    while (!g_stuck)
-        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
-    pthread_mutex_unlock(&g_stuck_mu);
-}
 
 static void thaw(struct fixture *f)
 {
