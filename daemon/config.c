@@ -49,6 +49,11 @@ static const struct skv_config_option options[] = {
     {"max-message-bytes", SKV_CFG_SIZE, OPT(max_message_bytes), "16M", 1024, INT64_C(1) << 31,
      "largest request message (ZMQ_MAXMSGSIZE)"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
+    {"max-queued-bytes", SKV_CFG_SIZE, OPT(max_queued_bytes), "256M", 1 << 16, INT64_C(1) << 42,
+     "memory the requests waiting for the engine may hold together (their unpacked size)"},
+    {"max-text-bytes", SKV_CFG_SIZE, OPT(max_text_bytes), "0", 0, INT64_C(1) << 31,
+     "longest PREFILL / APPEND text; 0: the token limit times the model's longest token, which no "
+     "text that fits the limit is longer than"},
     {"lease-seconds", SKV_CFG_INT, OPT(lease_seconds), "600", 1, INT64_C(1) << 31,
      "an unpinned session idle this long is released"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
