@@ -88,6 +88,7 @@ struct skv_tokenizer {
     int32_t bos, eos, eot;
     bool add_bos;
     char *chat_template; /* NUL-terminated or NULL */
+    size_t max_token_bytes; /* the longest token's bytes (the socket thread reads it per request) */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -551,6 +552,8 @@ static int finish_build(struct skv_tokenizer *t)
         t->added_at[b] = (uint32_t)k;
     }
     t->added_at[256] = (uint32_t)t->n_added;
+    for (int32_t id = 0; id < t->n_vocab; id++)
+        t->max_token_bytes = t->bytes_len[id] > t->max_token_bytes ? t->bytes_len[id] : t->max_token_bytes;
     return SKV_OK;
 }
 
@@ -1762,10 +1765,7 @@ int skv_tokenizer_encode_capped(const struct skv_tokenizer *tok, const char *tex
 
 size_t skv_tokenizer_max_token_bytes(const struct skv_tokenizer *tok)
 {
-    size_t mx = 0;
-    for (int id = 0; id < tok->n_vocab; id++)
-        mx = tok->bytes_len[id] > mx ? tok->bytes_len[id] : mx;
-    return mx;
+    return tok->max_token_bytes;
 }
 
 /* ---------------------------------------------------------------------------------------- */
