@@ -842,6 +842,7 @@ static void test_max_token_bytes(void **state)
     }
     assert_int_equal(mx, longest);
     assert_true(mx >= 16 && mx < 4096);
+    printf("    longest token: %zu bytes\n", mx);
 }
 
 /* ---- the small vocabulary: tokenizer.json (+ tokenizer_config.json) and in-memory GGUFs ---- */
