@@ -1,6 +1,6 @@
 /* Tokenizer tests: ids identical to Hugging Face for the fixture strings (from the model's GGUF
  * and from its tokenizer.json) and to llama.cpp except its documented disagreements, decode
- * round trips, special tokens, byte tokens, chat rendering,
+ * round trips, special tokens, byte tokens, chat rendering, capped encoding (stops past a limit),
  * error paths, and the pre-tokenizer families on a small vocabulary through in-memory GGUFs. */
 #include <setjmp.h>
 #include <stdarg.h>
