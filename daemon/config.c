@@ -55,6 +55,11 @@ static const struct skv_config_option options[] = {
     {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,
      "open connections on the client endpoint; more are closed as they come"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
+    {"max-queued-bytes", SKV_CFG_SIZE, OPT(max_queued_bytes), "256M", 1 << 16, INT64_C(1) << 42,
+     "memory the requests waiting for the engine may hold together (their unpacked size)"},
+    {"max-text-bytes", SKV_CFG_SIZE, OPT(max_text_bytes), "0", 0, INT64_C(1) << 31,
+     "longest PREFILL / APPEND text; 0: the token limit times the model's longest token, which no "
+     "text that fits the limit is longer than"},
     {"lease-seconds", SKV_CFG_INT, OPT(lease_seconds), "600", 1, INT64_C(1) << 31,
      "an unpinned session idle this long is released (when its PREFILL names no lease)"},
     {"max-lease-seconds", SKV_CFG_INT, OPT(max_lease_seconds), "86400", 1, INT32_MAX,

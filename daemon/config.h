@@ -35,6 +35,8 @@ struct skv_config {
     int64_t max_message_bytes;
     int64_t max_connections;
     int64_t queue_depth;
+    int64_t max_queued_bytes; /* memory the requests waiting for the engine may hold */
+    int64_t max_text_bytes;   /* longest request text; 0: derived from the token limits */
     int64_t lease_seconds;    /* the lease of a session whose PREFILL names none */
     int64_t max_lease_seconds; /* the longest lease a PREFILL may name */
     char *default_compress;   /* spec used when a PREFILL names none */

@@ -6,6 +6,7 @@
 #include "build-config.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/compress/spec.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/kv_pool.h"
 #include "daemon/engine/model.h"
@@ -84,23 +85,24 @@ static int find_session(struct skv_worker *w, const struct skv_job *job, Protobu
     return SKV_OK;
 }
 
-/* One encoding of a request's text (ids NULL and max 0: a count). chat: one user turn of the
- * chat template, which owns BOS and is the only source of control tokens, never the client's
- * text. special: the text carries its own markup (and its own BOS). Otherwise plain text, with
- * BOS as the model asks. */
-static int encode_request_text(const struct skv_tokenizer *tok, const char *text, bool chat, bool special,
+/* One encoding of a request's text (ids NULL and max 0: a count), stopped once it passes cap
+ * tokens (SKV_E_LIMIT, *n = cap + 1). chat: one user turn of the chat template, which owns BOS
+ * and is the only source of control tokens, never the client's text. special: the text carries
+ * its own markup (and its own BOS). Otherwise plain text, with BOS as the model asks. */
+static int encode_request_text(const struct skv_tokenizer *tok, const char *text, bool chat, bool special, int cap,
                                int32_t *ids, int max, int *n)
 {
     if (chat) {
         struct skv_chat_msg msg = {"user", text};
-        return skv_tokenizer_chat_encode(tok, &msg, 1, true, ids, max, n);
+        return skv_tokenizer_chat_encode_capped(tok, &msg, 1, true, cap, ids, max, n);
     }
     bool bos = skv_tokenizer_add_bos(tok) && !special;
-    return skv_tokenizer_encode(tok, text, strlen(text), bos, special, ids, max, n);
+    return skv_tokenizer_encode_capped(tok, text, strlen(text), bos, special, cap, ids, max, n);
 }
 
 /* Token ids from a request: explicit ids, or text (rendered as one chat turn when chat;
- * markup parsed as control tokens when special). malloc'd. */
+ * markup parsed as control tokens when special). malloc'd. Text is tokenized only up to
+ * limit + 1 tokens: a text over the limit costs the engine thread no more than one that fits. */
 static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_ids, const char *text, bool chat,
                           bool special, int limit, int32_t **out, int *n_out)
 {
@@ -129,14 +131,16 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
         return skv_errorf(SKV_E_INVAL, "no tokens and no text");
     if (!m->tok)
         return skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer: send token ids");
+    if (limit < 0)
+        limit = 0;
     int n = 0;
-    int rc = encode_request_text(m->tok, text, chat, special, NULL, 0, &n);
+    int rc = encode_request_text(m->tok, text, chat, special, limit, NULL, 0, &n);
     if (rc && rc != SKV_E_LIMIT)
         return rc;
     if (n > limit)
-        return skv_errorf(SKV_E_LIMIT, "the text is %d tokens: more than the limit of %d", n, limit);
+        return skv_errorf(SKV_E_LIMIT, "the text is more than %d tokens, the limit (tokenizing stopped there)", limit);
     int32_t *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
-    rc = v ? encode_request_text(m->tok, text, chat, special, v, n, &n) : SKV_E_NOMEM;
+    rc = v ? encode_request_text(m->tok, text, chat, special, limit, v, n, &n) : SKV_E_NOMEM;
     if (rc || n == 0) {
         free(v);
         return rc ? rc : skv_errorf(SKV_E_INVAL, "the text encodes to no tokens");
@@ -144,6 +148,88 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
     *out = v;
     *n_out = n;
     return SKV_OK;
+}
+
+static int import_check(const struct skv_config *cfg, const struct skv_model *m, const Snapkv__ImportKvRequest *im,
+                        uint64_t *need_out);
+
+/* The longest text a request may carry when `limit` tokens are allowed: max-text-bytes, or (0)
+ * limit times the model's longest token, the most bytes `limit` tokens can span. */
+static uint64_t text_bytes_limit(const struct skv_config *cfg, const struct skv_model *m, int64_t limit)
+{
+    if (cfg->max_text_bytes > 0)
+        return (uint64_t)cfg->max_text_bytes;
+    return (uint64_t)limit * (uint64_t)skv_tokenizer_max_token_bytes(m->tok);
+}
+
+/* The counts of a PREFILL or APPEND: ids or text, not both; ids within limit; text within its
+ * byte bound (which the tokenizer's cap would refuse anyway, but only after the queue held it). */
+static int admit_tokens(const struct skv_config *cfg, const struct skv_model *m, size_t n_ids, const char *text,
+                        int64_t limit)
+{
+    size_t len = text ? strlen(text) : 0;
+    if (n_ids && len)
+        return skv_errorf(SKV_E_INVAL, "give tokens or text, not both");
+    if (n_ids > (uint64_t)limit)
+        return skv_errorf(SKV_E_LIMIT, "%zu tokens: more than the limit of %d", n_ids, (int)limit);
+    if (!len)
+        return SKV_OK;
+    if (!m->tok)
+        return skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer: send token ids");
+    uint64_t max = text_bytes_limit(cfg, m, limit);
+    if (len > max)
+        return cfg->max_text_bytes > 0
+                   ? skv_errorf(SKV_E_LIMIT, "the text is %zu bytes: more than max-text-bytes (%llu)", len,
+                                (unsigned long long)max)
+                   : skv_errorf(SKV_E_LIMIT,
+                                "the text is %zu bytes: more than the limit of %d tokens can span (%llu bytes at "
+                                "%zu bytes for the model's longest token; max-text-bytes = 0)",
+                                len, (int)limit, (unsigned long long)max, skv_tokenizer_max_token_bytes(m->tok));
+    return SKV_OK;
+}
+
+static int admit_spec(const Snapkv__CompressSpec *cs)
+{
+    if (cs && cs->spec && strlen(cs->spec) > SKV_SPEC_MAX_CHARS)
+        return skv_errorf(SKV_E_INVAL, "compression spec: longer than %d characters", SKV_SPEC_MAX_CHARS);
+    return SKV_OK;
+}
+
+int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, const Snapkv__Request *req)
+{
+    int64_t room = cfg->max_prompt_tokens + cfg->max_new_tokens;
+    int rc = SKV_OK;
+    switch (req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_PREFILL: {
+        const Snapkv__PrefillRequest *p = req->prefill;
+        if (!(rc = admit_tokens(cfg, m, p->n_tokens, p->text, cfg->max_prompt_tokens)))
+            rc = admit_spec(p->compress);
+        break;
+    }
+    case SNAPKV__REQUEST__COMMAND_APPEND: /* the worker's limit is the session's room, at most this */
+        rc = admit_tokens(cfg, m, req->append->n_tokens, req->append->text, room);
+        break;
+    case SNAPKV__REQUEST__COMMAND_DECODE: {
+        const Snapkv__Sampling *sp = req->decode->sampling;
+        if (sp && sp->max_tokens > (uint64_t)cfg->max_new_tokens)
+            rc = skv_errorf(SKV_E_LIMIT, "max_tokens %u is above the limit of %lld", sp->max_tokens,
+                            (long long)cfg->max_new_tokens);
+        else if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX)
+            rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
+        break;
+    }
+    case SNAPKV__REQUEST__COMMAND_COMPRESS:
+        rc = admit_spec(req->compress->compress);
+        break;
+    case SNAPKV__REQUEST__COMMAND_IMPORT_KV: {
+        uint64_t need;
+        rc = import_check(cfg, m, req->import_kv, &need);
+        break;
+    }
+    default:
+        break;
+    }
+    return rc;
 }
 
 /* Per-layer kept counts for a reply: arrays malloc'd into *arena (free with free_kept). */
@@ -934,6 +1020,37 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
     s->last_used_ms = skv_now_ms();
 }
 
+/* IMPORT_KV's shapes against the model and the limits (no buffer, no session): what the socket
+ * thread checks before queueing and the worker again. *need: the buffer bytes the layout takes. */
+static int import_check(const struct skv_config *cfg, const struct skv_model *m, const Snapkv__ImportKvRequest *im,
+                        uint64_t *need_out)
+{
+    const struct skv_model_config *mc = &m->cfg;
+    int L = mc->n_layers, H = mc->n_kv_heads, d = mc->head_dim;
+    if (im->n_kept != (size_t)L)
+        return skv_errorf(SKV_E_INVAL, "kept lists %zu layers; the model has %d", im->n_kept, L);
+    uint64_t need = 0, n_pos = 0;
+    for (int l = 0; l < L; l++) {
+        const Snapkv__LayerKept *k = im->kept[l];
+        if (k->n_kept_per_head != (size_t)H)
+            return skv_errorf(SKV_E_INVAL, "layer %d lists %zu heads; the model has %d", l, k->n_kept_per_head, H);
+        uint32_t mx = 0;
+        for (int h = 0; h < H; h++) {
+            if (k->kept_per_head[h] > im->original_length)
+                return skv_errorf(SKV_E_INVAL, "layer %d head %d keeps more rows than the sequence has", l, h);
+            mx = k->kept_per_head[h] > mx ? k->kept_per_head[h] : mx;
+            n_pos += k->kept_per_head[h];
+        }
+        need += (uint64_t)2 * H * mx * d * sizeof(float);
+    }
+    if (im->n_positions != n_pos || im->original_length == 0 || im->n_tokens > im->original_length ||
+        im->original_length > (uint32_t)(cfg->max_prompt_tokens + cfg->max_new_tokens))
+        return skv_errorf(SKV_E_INVAL, "positions (%zu, expected %llu), tokens or original length do not fit",
+                          im->n_positions, (unsigned long long)n_pos);
+    *need_out = need;
+    return SKV_OK;
+}
+
 static void handle_import(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__ImportKvRequest *im = job->req->import_kv;
@@ -942,34 +1059,9 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
     struct skv_session *s = NULL;
     struct xfer x = {.fd = -1};
     char *scratch = NULL;
-    if (im->n_kept != (size_t)L) {
-        rc = skv_errorf(SKV_E_INVAL, "kept lists %zu layers; the model has %d", im->n_kept, L);
+    uint64_t need = 0;
+    if ((rc = import_check(w->cfg, w->m, im, &need)))
         goto fail;
-    }
-    uint64_t need = 0, n_pos = 0;
-    for (int l = 0; l < L; l++) {
-        const Snapkv__LayerKept *k = im->kept[l];
-        if (k->n_kept_per_head != (size_t)H) {
-            rc = skv_errorf(SKV_E_INVAL, "layer %d lists %zu heads; the model has %d", l, k->n_kept_per_head, H);
-            goto fail;
-        }
-        uint32_t mx = 0;
-        for (int h = 0; h < H; h++) {
-            if (k->kept_per_head[h] > im->original_length) {
-                rc = skv_errorf(SKV_E_INVAL, "layer %d head %d keeps more rows than the sequence has", l, h);
-                goto fail;
-            }
-            mx = k->kept_per_head[h] > mx ? k->kept_per_head[h] : mx;
-            n_pos += k->kept_per_head[h];
-        }
-        need += (uint64_t)2 * H * mx * d * sizeof(float);
-    }
-    if (im->n_positions != n_pos || im->original_length == 0 || im->n_tokens > im->original_length ||
-        im->original_length > (uint32_t)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens)) {
-        rc = skv_errorf(SKV_E_INVAL, "positions (%zu, expected %llu), tokens or original length do not fit",
-                        im->n_positions, (unsigned long long)n_pos);
-        goto fail;
-    }
     for (size_t i = 0; i < im->n_tokens; i++)
         if (im->tokens[i] >= (uint32_t)mc->n_vocab) {
             rc = skv_errorf(SKV_E_INVAL, "token %u outside the vocabulary", im->tokens[i]);
@@ -1126,8 +1218,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
             p.seed = sp->seed;
         }
         rc = skv_sampler_init(&d->sampler, &p, w->m->cfg.n_vocab);
-        if (sp && sp->n_stop_tokens > 64 && !rc)
-            rc = skv_errorf(SKV_E_LIMIT, "at most 64 stop tokens");
+        if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX && !rc)
+            rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
     }
     if (!rc && !(d->out = malloc((size_t)max * sizeof *d->out)))
         rc = SKV_E_NOMEM;

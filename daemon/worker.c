@@ -150,11 +150,14 @@ static void *worker_main(void *arg)
             w->head = job->next;
             if (!w->head)
                 w->tail = NULL;
-            if (job->kind == SKV_JOB_CLIENT_GONE)
+            if (job->kind == SKV_JOB_CLIENT_GONE) {
                 w->notices--;
-            else
+            } else {
                 w->queued--;
+                w->queued_bytes -= job->bytes;
+            }
             atomic_store(&w->st_queue, (unsigned)w->queued);
+            atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
         }
         bool stopping = w->stopping;
         pthread_mutex_unlock(&w->mu);
@@ -284,18 +287,115 @@ static void enqueue_locked(struct skv_worker *w, struct skv_job *job)
     pthread_cond_signal(&w->cv);
 }
 
+/* malloc's bookkeeping per allocation, counted with each piece of an unpacked request */
+#define MALLOC_OVERHEAD 16
+
+/* Bytes of one element of a repeated field's array (or of a singular field in place). */
+static size_t field_elem_bytes(const ProtobufCFieldDescriptor *f)
+{
+    switch (f->type) {
+    case PROTOBUF_C_TYPE_INT64:
+    case PROTOBUF_C_TYPE_SINT64:
+    case PROTOBUF_C_TYPE_SFIXED64:
+    case PROTOBUF_C_TYPE_UINT64:
+    case PROTOBUF_C_TYPE_FIXED64:
+    case PROTOBUF_C_TYPE_DOUBLE:
+        return 8;
+    case PROTOBUF_C_TYPE_BOOL:
+        return sizeof(protobuf_c_boolean);
+    case PROTOBUF_C_TYPE_STRING:
+        return sizeof(char *);
+    case PROTOBUF_C_TYPE_BYTES:
+        return sizeof(ProtobufCBinaryData);
+    case PROTOBUF_C_TYPE_MESSAGE:
+        return sizeof(ProtobufCMessage *);
+    default: /* 32-bit integers, float, enum */
+        return 4;
+    }
+}
+
+static size_t message_bytes(const ProtobufCMessage *msg);
+
+/* What one element at `elem` points to: a string's, a byte string's or a message's own bytes. */
+static size_t pointee_bytes(const ProtobufCFieldDescriptor *f, const char *elem)
+{
+    switch (f->type) {
+    case PROTOBUF_C_TYPE_STRING: {
+        const char *str = *(char *const *)elem;
+        return str && *str ? strlen(str) + 1 + MALLOC_OVERHEAD : 0; /* "" is protobuf-c's static one */
+    }
+    case PROTOBUF_C_TYPE_BYTES: {
+        const ProtobufCBinaryData *b = (const ProtobufCBinaryData *)elem;
+        return b->len ? b->len + MALLOC_OVERHEAD : 0;
+    }
+    case PROTOBUF_C_TYPE_MESSAGE: {
+        const ProtobufCMessage *sub = *(ProtobufCMessage *const *)elem;
+        return sub ? message_bytes(sub) : 0;
+    }
+    default:
+        return 0;
+    }
+}
+
+static size_t message_bytes(const ProtobufCMessage *msg)
+{
+    const ProtobufCMessageDescriptor *d = msg->descriptor;
+    size_t n = d->sizeof_message + MALLOC_OVERHEAD;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        const char *field = (const char *)msg + f->offset;
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t count = *(const size_t *)((const char *)msg + f->quantifier_offset), size = field_elem_bytes(f);
+            const char *array = *(const char *const *)field;
+            if (!count || !array)
+                continue;
+            n += count * size + MALLOC_OVERHEAD;
+            for (size_t k = 0; k < count; k++)
+                n += pointee_bytes(f, array + k * size);
+        } else if (!(f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) ||
+                   *(const uint32_t *)((const char *)msg + f->quantifier_offset) == f->id) {
+            n += pointee_bytes(f, field);
+        }
+    }
+    return n;
+}
+
+size_t skv_request_bytes(const Snapkv__Request *req)
+{
+    return message_bytes(&req->base);
+}
+
 int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
 {
+    /* what the worker would refuse for its counts alone never waits in the queue */
+    int rc = skv_requests_admit(w->cfg, w->m, job->req);
+    if (rc)
+        return rc;
+    job->bytes = sizeof *job + skv_request_bytes(job->req);
+    uint64_t max = (uint64_t)w->cfg->max_queued_bytes;
+    if (job->bytes > max)
+        return skv_errorf(SKV_E_LIMIT, "the request takes %zu bytes unpacked: more than max-queued-bytes (%llu)",
+                          job->bytes, (unsigned long long)max);
     pthread_mutex_lock(&w->mu);
-    if (w->stopping || w->queued >= w->cfg->queue_depth) {
-        bool stopping = w->stopping;
+    if (w->stopping || w->queued >= w->cfg->queue_depth || w->queued_bytes + job->bytes > max) {
+        bool stopping = w->stopping, full = w->queued >= w->cfg->queue_depth;
+        int queued = w->queued;
+        uint64_t held = w->queued_bytes;
         pthread_mutex_unlock(&w->mu);
-        return stopping ? skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down")
-                        : skv_errorf(SKV_E_BUSY, "%d requests already wait (queue-depth)", (int)w->cfg->queue_depth);
+        if (stopping)
+            return skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down");
+        if (full)
+            return skv_errorf(SKV_E_BUSY, "%d requests already wait (queue-depth)", (int)w->cfg->queue_depth);
+        return skv_errorf(SKV_E_BUSY,
+                          "the request queue holds %llu bytes in %d requests; this one's %zu would pass "
+                          "max-queued-bytes (%llu): retry when it drains",
+                          (unsigned long long)held, queued, job->bytes, (unsigned long long)max);
     }
     enqueue_locked(w, job);
     w->queued++;
+    w->queued_bytes += job->bytes;
     atomic_store(&w->st_queue, (unsigned)w->queued);
+    atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
     pthread_mutex_unlock(&w->mu);
     return SKV_OK;
 }
@@ -362,5 +462,6 @@ void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out)
 {
     out->n_sessions = atomic_load(&w->st_sessions);
     out->queue_depth = atomic_load(&w->st_queue);
+    out->queue_bytes = atomic_load(&w->st_queue_bytes);
     out->pool_bytes_used = atomic_load(&w->st_pool_used);
 }

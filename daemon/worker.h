@@ -27,6 +27,7 @@ struct skv_job {
     uint8_t identity[256];    /* ZeroMQ routing id */
     size_t identity_len;
     Snapkv__Request *req;     /* owned by the job; NULL for SKV_JOB_CLIENT_GONE */
+    size_t bytes;             /* memory it holds while queued (set by skv_worker_submit) */
     struct skv_job *next;
 };
 
@@ -34,8 +35,14 @@ struct skv_job {
  * on context zctx) as [sock byte][identity][reply]. */
 int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_config *cfg, struct skv_model *m,
                      struct skv_worker **out);
-/* Queues a job (ownership passes on success). SKV_E_BUSY when queue-depth jobs wait. */
+/* Queues a job (ownership passes on success). Refused first, with the worker's status and
+ * message, when its counts alone break a limit (skv_requests_admit); SKV_E_LIMIT when it holds
+ * more memory than max-queued-bytes by itself; SKV_E_BUSY when queue-depth jobs wait or the
+ * queued jobs' memory and its own would pass max-queued-bytes. Called on the socket thread. */
 int skv_worker_submit(struct skv_worker *w, struct skv_job *job);
+/* The memory an unpacked request holds: every structure, array, string and byte string
+ * protobuf-c allocated for it, each with malloc's overhead. */
+size_t skv_request_bytes(const Snapkv__Request *req);
 /* Notice that the client behind `identity` on the client endpoint closed its connection: after
  * the jobs already queued, the worker cancels that client's running DECODEs (their sessions keep
  * the tokens so far and wait for their lease) and closes its CUDA buffers. `first` says it is the
@@ -53,6 +60,7 @@ void skv_worker_stop(struct skv_worker **w_p);
 struct skv_worker_stats {
     uint32_t n_sessions;
     uint32_t queue_depth;
+    uint64_t queue_bytes;     /* what the queued requests hold (max-queued-bytes applies) */
     uint64_t pool_bytes_used;
 };
 void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out);

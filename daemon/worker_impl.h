@@ -58,6 +58,7 @@ struct skv_worker {
     pthread_cond_t cv;
     struct skv_job *head, *tail;
     int queued;               /* requests waiting (queue-depth applies) */
+    uint64_t queued_bytes;    /* the memory they hold (max-queued-bytes applies) */
     int notices;              /* SKV_JOB_CLIENT_GONE jobs waiting (SKV_WORKER_NOTICES_MAX) */
     bool stopping;
     struct skv_decode *decodes;
@@ -65,6 +66,7 @@ struct skv_worker {
     int n_ipc;
     struct skv_metrics metrics;
     atomic_uint st_sessions, st_queue;
+    atomic_ullong st_queue_bytes;
     atomic_ullong st_pool_used;
     atomic_ullong st_disconnects; /* clients gone (first notices, dropped ones too) */
     atomic_ullong heartbeat_ms;   /* CLOCK_MONOTONIC ms of the thread's last sign of progress (watchdog) */
@@ -81,6 +83,16 @@ void skv_worker_beat(struct skv_worker *w);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
+
+#define SKV_STOP_TOKENS_MAX 64  /* stop tokens one DECODE may name */
+
+/* Refuses a request for what its counts alone break, with the status and message the worker
+ * would answer: PREFILL / APPEND token ids over max-prompt-tokens (APPEND: plus max-new-tokens)
+ * or text over its byte bound, DECODE max_tokens or stop tokens over their limits, a spec
+ * longer than the parser takes, IMPORT_KV shapes the model or the limits refuse. Any thread:
+ * it reads only cfg, the model's shapes and tokenizer, and req, so the socket thread refuses
+ * these before they wait in the queue. */
+int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, const Snapkv__Request *req);
 
 /* Runs one queued request (not DECODE) to completion and replies. */
 void skv_requests_execute(struct skv_worker *w, struct skv_job *job);

@@ -85,9 +85,9 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
     skv_compress_spec_default(&s);
     if (!text)
         return skv_errorf(SKV_E_INVAL, "compression spec: missing");
-    if (strlen(text) > 1024)
-        return skv_errorf(SKV_E_INVAL, "compression spec: longer than 1024 characters");
-    char buf[1025];
+    if (strlen(text) > SKV_SPEC_MAX_CHARS)
+        return skv_errorf(SKV_E_INVAL, "compression spec: longer than %d characters", SKV_SPEC_MAX_CHARS);
+    char buf[SKV_SPEC_MAX_CHARS + 1];
     snprintf(buf, sizeof buf, "%s", text);
     static const char *const keys[] = {"policy", "alloc", "budget", "ratio", "window", "kernel", "pool", "gqa",
                                        "granularity", "sinks", "p", "beta", "decode_budget", "interval", "min_budget"};

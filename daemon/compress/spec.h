@@ -37,6 +37,8 @@ struct skv_compress_spec {
 void skv_compress_spec_default(struct skv_compress_spec *spec);
 /* Parses "policy=snapkv,ratio=0.1,..." over the defaults. Unknown keys, repeated keys and bad
  * values are SKV_E_INVAL with skv_error_msg() naming the key; *spec is written only on success. */
+/* The longest spec text skv_compress_spec_parse takes. */
+#define SKV_SPEC_MAX_CHARS 1024
 int skv_compress_spec_parse(const char *text, struct skv_compress_spec *spec);
 /* Canonical text of a spec (every key); returns SKV_OK or SKV_E_LIMIT when cap is too small. */
 int skv_compress_spec_format(const struct skv_compress_spec *spec, char *buf, size_t cap);

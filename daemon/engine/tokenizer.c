@@ -88,6 +88,7 @@ struct skv_tokenizer {
     int32_t bos, eos, eot;
     bool add_bos;
     char *chat_template; /* NUL-terminated or NULL */
+    size_t max_token_bytes; /* the longest token's bytes (the socket thread reads it per request) */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -551,6 +552,8 @@ static int finish_build(struct skv_tokenizer *t)
         t->added_at[b] = (uint32_t)k;
     }
     t->added_at[256] = (uint32_t)t->n_added;
+    for (int32_t id = 0; id < t->n_vocab; id++)
+        t->max_token_bytes = t->bytes_len[id] > t->max_token_bytes ? t->bytes_len[id] : t->max_token_bytes;
     return SKV_OK;
 }
 
@@ -1345,6 +1348,8 @@ struct enc {
     const char *text;
     int32_t *ids;
     int64_t max, n;
+    int64_t cap; /* stop once more than cap ids came out (INT64_MAX: count them all) */
+    bool over;   /* ... which happened: the text has more than cap tokens */
     pcre2_match_data *md;
     struct bpe_sym *sym;
     size_t sym_cap;
@@ -1358,6 +1363,8 @@ static void emit(struct enc *e, int32_t id)
     if (e->n < e->max)
         e->ids[e->n] = id;
     e->n++;
+    if (e->n > e->cap)
+        e->over = true;
 }
 
 static void heap_push(struct enc *e, struct heap_item it)
@@ -1416,7 +1423,7 @@ static int bpe(struct enc *e, size_t off, size_t len)
         int32_t id = vocab_find(t, e->spell.p, e->spell.len);
         if (id >= 0) {
             emit(e, id);
-            return SKV_OK;
+            return e->over ? SKV_E_LIMIT : SKV_OK;
         }
     }
     if (len > e->sym_cap) {
@@ -1473,9 +1480,10 @@ static int bpe(struct enc *e, size_t off, size_t len)
             push_pair(e, e->sym[left].prev);
         push_pair(e, left);
     }
-    for (int32_t i = 0; i >= 0; i = e->sym[i].next)
+    for (int32_t i = 0; i >= 0 && !e->over; i = e->sym[i].next)
         emit(e, e->sym[i].id);
-    return SKV_OK;
+    /* past the cap: every caller up to encode_marked stops on this */
+    return e->over ? SKV_E_LIMIT : SKV_OK;
 }
 
 static int pretok(struct enc *e, int step, size_t off, size_t len);
@@ -1673,11 +1681,13 @@ static size_t space_after(const char *text, size_t i, size_t len)
 }
 
 /* Encodes text with control tokens matched only inside `marks` (sorted, disjoint); arguments
- * already checked. */
+ * already checked. Stops once more than cap ids came out (cap < 0: never): then SKV_E_LIMIT and
+ * *n_out = cap + 1, so the work is bounded by cap tokens (and the scan for added tokens), not
+ * by the text. Whatever cap, the ids written are those of the whole encoding's start. */
 static int encode_marked(const struct skv_tokenizer *tok, const char *text, size_t len, bool add_bos,
-                         const struct mark *marks, size_t n_marks, int32_t *ids, int max, int *n_out)
+                         const struct mark *marks, size_t n_marks, int32_t *ids, int max, int cap, int *n_out)
 {
-    struct enc e = {.t = tok, .text = text, .ids = ids, .max = max};
+    struct enc e = {.t = tok, .text = text, .ids = ids, .max = max, .cap = cap < 0 ? INT64_MAX : cap};
     int rc = SKV_OK;
     if (tok->n_steps > 0) {
         e.md = pcre2_match_data_create(4, NULL);
@@ -1686,6 +1696,8 @@ static int encode_marked(const struct skv_tokenizer *tok, const char *text, size
     }
     if (add_bos && tok->add_bos && tok->bos >= 0)
         emit(&e, tok->bos);
+    if (e.over)
+        rc = SKV_E_LIMIT;
     size_t seg = 0; /* start of the pending plain text */
     size_t mk = 0;  /* the first mark not ending at or before i */
     for (size_t i = 0; i < len && rc == SKV_OK;) {
@@ -1704,7 +1716,11 @@ static int encode_marked(const struct skv_tokenizer *tok, const char *text, size
             end = space_after(text, end, len);
         if (start > seg)
             rc = encode_plain(&e, seg, start - seg);
+        if (rc != SKV_OK)
+            break;
         emit(&e, id);
+        if (e.over)
+            rc = SKV_E_LIMIT;
         seg = i = end;
     }
     if (rc == SKV_OK && len > seg)
@@ -1713,6 +1729,10 @@ static int encode_marked(const struct skv_tokenizer *tok, const char *text, size
     free(e.sym);
     free(e.heap);
     free(e.spell.p);
+    if (rc == SKV_E_LIMIT && e.over) {
+        *n_out = cap + 1;
+        return skv_errorf(SKV_E_LIMIT, "tokenizer: more than %d tokens (stopped there)", cap);
+    }
     if (rc != SKV_OK)
         return rc;
     if (e.n > INT_MAX)
@@ -1730,7 +1750,22 @@ int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size
         (ids == NULL && max > 0))
         return skv_errorf(SKV_E_INVAL, "tokenizer: bad encode arguments");
     const struct mark all = {0, len};
-    return encode_marked(tok, text, len, add_bos, &all, parse_special ? 1 : 0, ids, max, n_out);
+    return encode_marked(tok, text, len, add_bos, &all, parse_special ? 1 : 0, ids, max, -1, n_out);
+}
+
+int skv_tokenizer_encode_capped(const struct skv_tokenizer *tok, const char *text, size_t len, bool add_bos,
+                                bool parse_special, int cap, int32_t *ids, int max, int *n_out)
+{
+    if (tok == NULL || (text == NULL && len > 0) || n_out == NULL || max < 0 || (ids == NULL && max > 0) ||
+        cap < 0 || cap == INT_MAX)
+        return skv_errorf(SKV_E_INVAL, "tokenizer: bad encode arguments");
+    const struct mark all = {0, len};
+    return encode_marked(tok, text, len, add_bos, &all, parse_special ? 1 : 0, ids, max, cap, n_out);
+}
+
+size_t skv_tokenizer_max_token_bytes(const struct skv_tokenizer *tok)
+{
+    return tok->max_token_bytes;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -2003,8 +2038,9 @@ int skv_tokenizer_chat_render(const struct skv_tokenizer *tok, const struct skv_
     return SKV_OK;
 }
 
-int skv_tokenizer_chat_encode(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
-                              bool add_generation_prompt, int32_t *ids, int max, int *n_out)
+/* skv_tokenizer_chat_encode and its capped form (cap < 0: no cap). */
+static int chat_encode(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
+                       bool add_generation_prompt, int cap, int32_t *ids, int max, int *n_out)
 {
     if (n_out == NULL || max < 0 || (ids == NULL && max > 0))
         return skv_errorf(SKV_E_INVAL, "tokenizer: bad chat encode arguments");
@@ -2012,9 +2048,22 @@ int skv_tokenizer_chat_encode(const struct skv_tokenizer *tok, const struct skv_
     int rc = chat_build(tok, msgs, n, add_generation_prompt, &c);
     /* no BOS of the encoder's own: the template writes the one it wants */
     if (rc == SKV_OK)
-        rc = encode_marked(tok, c.b.p, c.b.len, false, c.marks, c.n_marks, ids, max, n_out);
+        rc = encode_marked(tok, c.b.p, c.b.len, false, c.marks, c.n_marks, ids, max, cap, n_out);
     free(c.b.p);
     free(c.marks);
     return rc;
 }
 
+int skv_tokenizer_chat_encode(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
+                              bool add_generation_prompt, int32_t *ids, int max, int *n_out)
+{
+    return chat_encode(tok, msgs, n, add_generation_prompt, -1, ids, max, n_out);
+}
+
+int skv_tokenizer_chat_encode_capped(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
+                                     bool add_generation_prompt, int cap, int32_t *ids, int max, int *n_out)
+{
+    if (cap < 0 || cap == INT_MAX)
+        return skv_errorf(SKV_E_INVAL, "tokenizer: bad chat encode arguments");
+    return chat_encode(tok, msgs, n, add_generation_prompt, cap, ids, max, n_out);
+}

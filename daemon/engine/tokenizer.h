@@ -31,6 +31,17 @@ bool skv_tokenizer_is_special(const struct skv_tokenizer *tok, int32_t id);
  * asks. Writes at most max ids; *n_out is always the full count (SKV_E_LIMIT when > max). */
 int skv_tokenizer_encode(const struct skv_tokenizer *tok, const char *text, size_t len,
                          bool add_bos, bool parse_special, int32_t *ids, int max, int *n_out);
+/* skv_tokenizer_encode that stops as soon as more than cap ids (0 <= cap < INT_MAX) came out:
+ * then SKV_E_LIMIT with *n_out = cap + 1, the whole count unknown. The work is bounded by cap
+ * tokens (plus one pass over the bytes and the last word's merges), not by the text, so a
+ * client's megabytes of text cost no more than the limit it breaks. Below the cap the ids are
+ * exactly skv_tokenizer_encode's. */
+int skv_tokenizer_encode_capped(const struct skv_tokenizer *tok, const char *text, size_t len, bool add_bos,
+                                bool parse_special, int cap, int32_t *ids, int max, int *n_out);
+/* Bytes of the longest token (added tokens included). A text of more than k times this many
+ * bytes has more than k tokens: it cannot fit a limit of k (added tokens that strip the
+ * whitespace around them aside). */
+size_t skv_tokenizer_max_token_bytes(const struct skv_tokenizer *tok);
 /* Bytes of one token (byte-level decoded); special tokens as their text. Writes at most cap
  * bytes; *len_out is the full length. Bytes may be a partial UTF-8 sequence. */
 int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char *buf, size_t cap,
@@ -53,5 +64,8 @@ int skv_tokenizer_chat_render(const struct skv_tokenizer *tok, const struct skv_
  * Writes at most max ids; *n_out is always the full count (SKV_E_LIMIT when > max). */
 int skv_tokenizer_chat_encode(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
                               bool add_generation_prompt, int32_t *ids, int max, int *n_out);
+/* skv_tokenizer_chat_encode that stops past cap ids, as skv_tokenizer_encode_capped. */
+int skv_tokenizer_chat_encode_capped(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
+                                     bool add_generation_prompt, int cap, int32_t *ids, int max, int *n_out);
 
 #endif

@@ -48,7 +48,8 @@ static char *model_path(void)
     return p;
 }
 
-static pid_t spawn_daemon(const struct daemon *d, const char *model)
+/* extra: one more option for this daemon, or NULL. */
+static pid_t spawn_daemon(const struct daemon *d, const char *model, const char *extra)
 {
     const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
@@ -64,7 +65,7 @@ static pid_t spawn_daemon(const struct daemon *d, const char *model)
         FILE *f = freopen(d->log, "a", stderr);
         (void)f;
         execl(exe, exe, ep, aep, mo, sd, ml, "--threads=1", "--backend=cpu", "--log-level=debug", "--kv-block-tokens=8",
-              (char *)NULL);
+              extra, (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -118,7 +119,7 @@ static int setup(void **state)
     snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
     if ((d->metrics_port = free_port()) < 0)
         return -1;
-    d->pid = spawn_daemon(d, model);
+    d->pid = spawn_daemon(d, model, NULL);
     free(model);
     if (!wait_ready(d)) {
         fprintf(stderr, "daemon did not come up; see %s\n", d->log);
@@ -293,7 +294,7 @@ static void test_many_clients(void **state)
 static void expect_start_refused(const struct daemon *second, const char *what, const char *and)
 {
     char *model = model_path();
-    pid_t pid = spawn_daemon(second, model);
+    pid_t pid = spawn_daemon(second, model, NULL);
     free(model);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
@@ -486,6 +487,107 @@ static void test_metrics_port_taken(void **state)
     expect_start_refused(&second, "metrics-listen", "in use");
 }
 
+static void config_value(void *user, const char *key, const char *value, const char *help)
+{
+    (void)key;
+    (void)help;
+    snprintf(user, 64, "%s", value);
+}
+
+/* A PREFILL of text: its status; the message must hold `msg` (and, when given, not `not`). */
+static int prefill_text(snapkv_client_t *c, const char *text, const char *msg, const char *not)
+{
+    struct snapkv_prefill_opts o = {.text = text};
+    struct snapkv_prefill_result r = {0};
+    int rc = snapkv_prefill(c, &o, &r);
+    if (rc == SNAPKV_OK)
+        snapkv_release(c, &r.id);
+    else if ((msg && !strstr(snapkv_last_error(), msg)) || (not && strstr(snapkv_last_error(), not)))
+        fail_msg("PREFILL: %d '%s', want '%s'", rc, snapkv_last_error(), msg ? msg : "");
+    snapkv_prefill_result_free(&r);
+    return rc;
+}
+
+/* " x" n times: n + 1 tokens of the default model's vocabulary in 2n bytes. */
+static char *xs(size_t n)
+{
+    char *t = malloc(2 * n + 1);
+    for (size_t i = 0; i < n; i++)
+        memcpy(t + 2 * i, " x", 2);
+    t[2 * n] = '\0';
+    return t;
+}
+
+/* Default limits: a text longer than 8192 tokens can span is refused for its bytes; one within
+ * that but over 8192 tokens is refused once tokenizing reaches the limit (the message says so
+ * rather than giving the whole count, which was never computed); the daemon serves on. */
+static void test_text_limits(void **state)
+{
+    NEED_DAEMON(d);
+    snapkv_client_t *c = NULL, *a = NULL;
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
+    assert_int_equal(snapkv_connect(d->admin, NULL, &a), SNAPKV_OK);
+    char v[64];
+    assert_int_equal(snapkv_admin_config_get(a, "max-queued-bytes", config_value, v), SNAPKV_OK);
+    assert_string_equal(v, "268435456");
+    assert_int_equal(snapkv_admin_config_get(a, "max-text-bytes", config_value, v), SNAPKV_OK);
+    assert_string_equal(v, "0");
+
+    char *t = xs(10000);
+    assert_int_equal(prefill_text(c, t, "the text is more than 8192 tokens", "10001"), SNAPKV_E_LIMIT);
+    free(t);
+    /* 8192 tokens span at most 8192 times the longest token: ask for a text far past any vocabulary's */
+    size_t n = 8192 * 256 + 1;
+    t = malloc(n + 1);
+    memset(t, 'a', n);
+    t[n] = '\0';
+    assert_int_equal(prefill_text(c, t, "more than the limit of 8192 tokens can span", NULL), SNAPKV_E_LIMIT);
+    free(t);
+    t = xs(100); /* fits: served */
+    assert_int_equal(prefill_text(c, t, NULL, NULL), SNAPKV_OK);
+    free(t);
+    snapkv_close(&a);
+    snapkv_close(&c);
+}
+
+/* max-text-bytes set: texts past it are refused for their bytes alone, whatever their tokens. */
+static void test_text_bytes_option(void **state)
+{
+    NEED_DAEMON(d);
+    struct daemon e = {0};
+    snprintf(e.dir, sizeof e.dir, "/tmp/skv-it-XXXXXX");
+    assert_non_null(mkdtemp(e.dir));
+    snprintf(e.endpoint, sizeof e.endpoint, "ipc://%s/c.sock", e.dir);
+    snprintf(e.admin, sizeof e.admin, "ipc://%s/a.sock", e.dir);
+    snprintf(e.log, sizeof e.log, "%s/daemon.log", e.dir);
+    e.metrics_port = free_port();
+    char *model = model_path();
+    e.pid = spawn_daemon(&e, model, "--max-text-bytes=1K");
+    free(model);
+    bool up = wait_ready(&e);
+    int rc_long = -1, rc_fits = -1;
+    if (up) {
+        snapkv_client_t *c = NULL;
+        assert_int_equal(snapkv_connect(e.endpoint, NULL, &c), SNAPKV_OK);
+        char *t = xs(513); /* 1026 bytes, far fewer tokens than max-prompt-tokens */
+        rc_long = prefill_text(c, t, "the text is 1026 bytes: more than max-text-bytes (1024)", NULL);
+        t[1024] = '\0';
+        rc_fits = prefill_text(c, t, NULL, NULL);
+        free(t);
+        snapkv_close(&c);
+    }
+    if (e.pid > 0) {
+        kill(e.pid, SIGKILL);
+        waitpid(e.pid, NULL, 0);
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", e.dir);
+    assert_int_equal(system(cmd), 0);
+    assert_true(up);
+    assert_int_equal(rc_long, SNAPKV_E_LIMIT);
+    assert_int_equal(rc_fits, SNAPKV_OK);
+}
+
 /* A client that sends and never reads: its replies pile up and are dropped, and the daemon
  * goes on serving others and still stops on SIGTERM (test_sigterm, next). */
 static void test_client_not_reading(void **state)
@@ -541,6 +643,8 @@ int main(void)
         cmocka_unit_test(test_metrics_http),
         cmocka_unit_test(test_metrics_limits),
         cmocka_unit_test(test_metrics_port_taken),
+        cmocka_unit_test(test_text_limits),
+        cmocka_unit_test(test_text_bytes_option),
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_sigterm),
     };

@@ -116,6 +116,32 @@ static void test_limits(void **state)
     skv_config_free(&cfg);
 }
 
+/* The request-queue limits: sizes like the other size options; max-text-bytes 0 is "derived". */
+static void test_queue_limits(void **state)
+{
+    (void)state;
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    assert_int_equal(cfg.max_queued_bytes, INT64_C(256) << 20);
+    assert_int_equal(cfg.queue_depth, 256);
+    assert_int_equal(cfg.max_text_bytes, 0);
+    char buf[64];
+    assert_int_equal(skv_config_get(&cfg, "max-queued-bytes", buf, sizeof buf), SKV_OK);
+    assert_string_equal(buf, "268435456");
+    assert_int_equal(skv_config_set(&cfg, "max-queued-bytes", "1G"), SKV_OK);
+    assert_int_equal(cfg.max_queued_bytes, INT64_C(1) << 30);
+    assert_int_equal(skv_config_set(&cfg, "max-queued-bytes", "1K"), SKV_E_INVAL); /* below 64 KiB */
+    assert_non_null(strstr(skv_error_msg(), "max-queued-bytes"));
+    assert_int_equal(skv_config_set(&cfg, "max-queued-bytes", "lots"), SKV_E_INVAL);
+    assert_int_equal(cfg.max_queued_bytes, INT64_C(1) << 30);
+    assert_int_equal(skv_config_set(&cfg, "max-text-bytes", "2M"), SKV_OK);
+    assert_int_equal(cfg.max_text_bytes, INT64_C(2) << 20);
+    assert_int_equal(skv_config_set(&cfg, "max-text-bytes", "0"), SKV_OK);
+    assert_int_equal(cfg.max_text_bytes, 0);
+    assert_int_equal(skv_config_set(&cfg, "max-text-bytes", "4G"), SKV_E_INVAL); /* above 2 GiB */
+    skv_config_free(&cfg);
+}
+
 static char *write_temp(const char *text)
 {
     char tmpl[] = "/tmp/skv-conf-XXXXXX";
@@ -188,6 +214,7 @@ int main(void)
         cmocka_unit_test(test_defaults), cmocka_unit_test(test_sizes), cmocka_unit_test(test_set),
         cmocka_unit_test(test_file),     cmocka_unit_test(test_example_config), cmocka_unit_test(test_table_unique),
         cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_queue_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,6 +1,6 @@
 /* Tokenizer tests: ids identical to Hugging Face for the fixture strings (from the model's GGUF
  * and from its tokenizer.json) and to llama.cpp except its documented disagreements, decode
- * round trips, special tokens, byte tokens, chat rendering,
+ * round trips, special tokens, byte tokens, chat rendering, capped encoding (stops past a limit),
  * error paths, and the pre-tokenizer families on a small vocabulary through in-memory GGUFs. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -744,6 +744,107 @@ static void test_big_input(void **state)
     free(big);
 }
 
+/* The capped encoders: below the cap the ids are the plain encoder's; one token over it they
+ * stop and report cap + 1 (not the whole count, which they never reach), with the ids they
+ * wrote being the whole encoding's first ones. */
+static void check_capped(const struct skv_tokenizer *tok, const char *text, size_t len, bool special)
+{
+    int n = -1;
+    int rc = skv_tokenizer_encode(tok, text, len, !special, special, NULL, 0, &n);
+    assert_true(rc == SKV_OK || rc == SKV_E_LIMIT);
+    int32_t *full = malloc((size_t)(n + 1) * sizeof *full), *ids = malloc((size_t)(n + 1) * sizeof *ids);
+    assert_int_equal(skv_tokenizer_encode(tok, text, len, !special, special, full, n, &n), SKV_OK);
+    int got = -1;
+    assert_int_equal(skv_tokenizer_encode_capped(tok, text, len, !special, special, n, ids, n, &got), SKV_OK);
+    assert_int_equal(got, n);
+    assert_memory_equal(ids, full, (size_t)n * sizeof *ids);
+    for (int cap = n - 1; cap >= 0 && cap >= n - 3; cap--) {
+        memset(ids, 0xff, (size_t)(n + 1) * sizeof *ids);
+        got = -1;
+        assert_int_equal(skv_tokenizer_encode_capped(tok, text, len, !special, special, cap, ids, n, &got),
+                         SKV_E_LIMIT);
+        assert_int_equal(got, cap + 1);
+        assert_memory_equal(ids, full, (size_t)(cap + 1) * sizeof *ids);
+    }
+    free(full);
+    free(ids);
+}
+
+static void test_capped(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    const json_t *strings = json_object_get(f->ids, "strings");
+    size_t i;
+    const json_t *e;
+    json_array_foreach(strings, i, e) {
+        const json_t *t = json_object_get(e, "text");
+        check_capped(tok, json_string_value(t), json_string_length(t), true);
+        check_capped(tok, json_string_value(t), json_string_length(t), false);
+    }
+
+    /* 1 MiB of mixed text, capped at 100: 101 reported, not the ~300K tokens it holds */
+    size_t cap = 1u << 20, len = 0;
+    char *big = malloc(cap);
+    for (size_t k = 0; len < cap - 4096; k++) {
+        const json_t *t = json_object_get(json_array_get(strings, k % json_array_size(strings)), "text");
+        size_t n = json_string_length(t);
+        memcpy(big + len, json_string_value(t), n);
+        len += n;
+    }
+    int32_t first[101], ids[101];
+    int n = -1;
+    assert_int_equal(skv_tokenizer_encode(tok, big, len, false, true, first, 101, &n), SKV_E_LIMIT);
+    assert_true(n > 100000); /* what the uncapped encoder counts */
+    int got = -1;
+    assert_int_equal(skv_tokenizer_encode_capped(tok, big, len, false, true, 100, ids, 101, &got), SKV_E_LIMIT);
+    assert_int_equal(got, 101);
+    assert_memory_equal(ids, first, sizeof ids);
+    assert_non_null(strstr(skv_error_msg(), "more than 100 tokens"));
+    /* counting only (no ids), and a cap of 0 */
+    assert_int_equal(skv_tokenizer_encode_capped(tok, big, len, false, true, 100, NULL, 0, &got), SKV_E_LIMIT);
+    assert_int_equal(got, 101);
+    assert_int_equal(skv_tokenizer_encode_capped(tok, big, len, false, true, 0, NULL, 0, &got), SKV_E_LIMIT);
+    assert_int_equal(got, 1);
+    assert_int_equal(skv_tokenizer_encode_capped(tok, "", 0, false, true, 0, NULL, 0, &got), SKV_OK);
+    assert_int_equal(got, 0);
+    assert_int_equal(skv_tokenizer_encode_capped(tok, big, len, false, true, -1, NULL, 0, &got), SKV_E_INVAL);
+
+    /* the chat form: a 1 MiB user turn stops at the cap too; a short one is the uncapped ids */
+    for (size_t k = 0; k < len; k++) /* some fixture strings hold NULs */
+        big[k] = big[k] ? big[k] : ' ';
+    big[len] = '\0';
+    struct skv_chat_msg msg = {"user", big};
+    assert_int_equal(skv_tokenizer_chat_encode_capped(tok, &msg, 1, true, 50, ids, 101, &got), SKV_E_LIMIT);
+    assert_int_equal(got, 51);
+    assert_int_equal(skv_tokenizer_chat_encode(tok, &msg, 1, true, first, 101, &n), SKV_E_LIMIT);
+    assert_true(n > 100000);
+    assert_memory_equal(ids, first, 51 * sizeof *ids);
+    msg.content = "What is the capital of France?";
+    assert_int_equal(skv_tokenizer_chat_encode(tok, &msg, 1, true, first, 101, &n), SKV_OK);
+    assert_int_equal(skv_tokenizer_chat_encode_capped(tok, &msg, 1, true, n, ids, 101, &got), SKV_OK);
+    assert_int_equal(got, n);
+    assert_memory_equal(ids, first, (size_t)n * sizeof *ids);
+    free(big);
+}
+
+/* The longest token's bytes: no token is longer, one is that long. */
+static void test_max_token_bytes(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    size_t mx = skv_tokenizer_max_token_bytes(tok), longest = 0;
+    char buf[4096];
+    for (int id = 0; id < skv_tokenizer_n_vocab(tok); id++) {
+        size_t n = 0;
+        assert_int_equal(skv_tokenizer_token_bytes(tok, id, buf, sizeof buf, &n), SKV_OK);
+        longest = n > longest ? n : longest;
+    }
+    assert_int_equal(mx, longest);
+    assert_true(mx >= 16 && mx < 4096);
+    printf("    longest token: %zu bytes\n", mx);
+}
+
 /* ---- the small vocabulary: tokenizer.json (+ tokenizer_config.json) and in-memory GGUFs ---- */
 
 static void test_tiny_json(void **state)
@@ -1069,6 +1170,7 @@ int main(void)
         cmocka_unit_test(test_big_input),   cmocka_unit_test(test_tiny_json),
         cmocka_unit_test(test_tiny_json_variants), cmocka_unit_test(test_tiny_gguf_pre),
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
+        cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -9,6 +9,10 @@
  *   session, and evicts nothing unless evicting could make room.
  * - Shared-memory buffers: only /snapkv-* names; a client shrinking its buffer during
  *   transfers gets errors, never a daemon killed by SIGBUS.
+ * - Admission: a request whose counts break a limit the worker checks is refused by submit
+ *   (on the socket thread) with the worker's status and message, never queued; the queued
+ *   requests' memory stays within max-queued-bytes (SKV_E_BUSY past it, SKV_E_LIMIT for one
+ *   request larger than it), and goes back as they run.
  * - Watchdog: a worker waiting for work is alive; one stuck in a device call (a fake ipc_open
  *   that blocks) stops being alive once half the watchdog interval passed, and is alive again
  *   when it moves on.
@@ -224,6 +228,10 @@ static int teardown(void **state)
     struct fixture *f = *state;
     if (!f)
         return 0;
+    pthread_mutex_lock(&g_stuck_mu); /* a test that failed while the worker was wedged */
+    g_stuck_k = 0;
+    pthread_cond_broadcast(&g_stuck_cv);
+    pthread_mutex_unlock(&g_stuck_mu);
     skv_worker_stop(&f->w);
     if (f->pull)
         zmq_close(f->pull);
@@ -677,6 +685,207 @@ static void freeze(struct fixture *f, const uint8_t sid[16])
     freeze_as(f, ID_F, sid);
 }
 
+/* ---- admission: limits checked before queueing ------------------------------------------------ */
+
+static void job_drop(struct skv_job *job)
+{
+    snapkv__request__free_unpacked(job->req, NULL);
+    free(job);
+}
+
+/* Wedges the worker in a fake ipc_open (an EXPORT_KV of session sid into buffer 5), so whatever
+ * is submitted next stays queued until unstick(). */
+static void stick(struct fixture *f, const uint8_t sid[16])
+{
+    freeze_as(f, ID_X, sid);
+}
+
+static void unstick(void)
+{
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 0;
+    pthread_cond_broadcast(&g_stuck_cv);
+    pthread_mutex_unlock(&g_stuck_mu);
+}
+
+static Snapkv__Request prefill_req(Snapkv__PrefillRequest *p, uint32_t *tokens, size_t n)
+{
+    snapkv__prefill_request__init(p);
+    p->tokens = tokens;
+    p->n_tokens = n;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = p;
+    return req;
+}
+
+/* Submits req; expects it refused with status `want` and a message containing `msg`. */
+static void expect_refused(struct fixture *f, Snapkv__Request *req, int want, const char *msg)
+{
+    struct skv_job *job = job_new(0, ID_Y, 5, req);
+    int rc = skv_worker_submit(f->w, job);
+    if (rc != want || !strstr(skv_error_msg(), msg))
+        fail_msg("submit: %d '%s', want %d '%s'", rc, skv_error_msg(), want, msg);
+    job_drop(job);
+}
+
+static void expect_reply(struct fixture *f, int want, const char *msg)
+{
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
+    if (rep->status != want || (msg && !strstr(rep->message, msg)))
+        fail_msg("reply: %d '%s', want %d '%s'", rep->status, rep->message, want, msg ? msg : "");
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
+static void test_admit(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    f->cfg.max_prompt_tokens = 32;
+    f->cfg.max_new_tokens = 16;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    stick(f, sid);
+    uint32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+
+    /* refused at submit while the worker is busy: nothing of these waits in the queue */
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 33);
+    expect_refused(f, &req, SKV_E_LIMIT, "33 tokens: more than the limit of 32");
+    p.text = "some text";
+    expect_refused(f, &req, SKV_E_INVAL, "give tokens or text, not both");
+    p.n_tokens = 0;
+    expect_refused(f, &req, SKV_E_UNSUPPORTED, "no tokenizer"); /* the tiny model has none */
+    p.text = "";
+    char spec[1100];
+    memset(spec, 'x', sizeof spec - 1);
+    spec[sizeof spec - 1] = '\0';
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = spec;
+    p.compress = &cs;
+    p.n_tokens = 8;
+    expect_refused(f, &req, SKV_E_INVAL, "longer than 1024 characters");
+
+    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+    a.session_id = (ProtobufCBinaryData){16, sid};
+    a.tokens = tokens;
+    a.n_tokens = 49; /* max-prompt-tokens + max-new-tokens = 48 */
+    Snapkv__Request areq = SNAPKV__REQUEST__INIT;
+    areq.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    areq.append = &a;
+    expect_refused(f, &areq, SKV_E_LIMIT, "49 tokens: more than the limit of 48");
+
+    uint32_t stops[65] = {0};
+    Snapkv__Sampling sp = SNAPKV__SAMPLING__INIT;
+    sp.stop_tokens = stops;
+    sp.n_stop_tokens = 65;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, sid};
+    d.sampling = &sp;
+    Snapkv__Request dreq = SNAPKV__REQUEST__INIT;
+    dreq.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    dreq.decode = &d;
+    expect_refused(f, &dreq, SKV_E_LIMIT, "at most 64 stop tokens");
+    sp.n_stop_tokens = 1;
+    sp.max_tokens = 17;
+    expect_refused(f, &dreq, SKV_E_LIMIT, "max_tokens 17 is above the limit of 16");
+
+    Snapkv__LayerKept k0 = SNAPKV__LAYER_KEPT__INIT, *kept[1] = {&k0};
+    uint32_t *positions = calloc(1 << 20, sizeof *positions);
+    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
+    im.kept = kept;
+    im.n_kept = 1;
+    im.positions = positions;
+    im.n_positions = 1 << 20;
+    im.original_length = 8;
+    Snapkv__Request ireq = SNAPKV__REQUEST__INIT;
+    ireq.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
+    ireq.import_kv = &im;
+    char want[96];
+    snprintf(want, sizeof want, "kept lists 1 layers; the model has %d", f->tiny->m->cfg.n_layers);
+    expect_refused(f, &ireq, SKV_E_INVAL, want);
+    free(positions);
+
+    struct skv_worker_stats st;
+    skv_worker_stats(f->w, &st);
+    assert_int_equal(st.queue_depth, 0);
+    assert_int_equal(st.queue_bytes, 0);
+
+    /* at the limits they are queued; the APPEND then meets the session's own room (48 - 8) */
+    p.compress = NULL;
+    p.n_tokens = 32;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    a.n_tokens = 48;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &areq)), SKV_OK);
+    skv_worker_stats(f->w, &st);
+    assert_int_equal(st.queue_depth, 2);
+    assert_true(st.queue_bytes > 80 * sizeof(uint32_t));
+    unstick();
+    expect_exported(f, 0, ID_X);
+    expect_reply(f, SKV_OK, NULL);
+    expect_reply(f, SKV_E_LIMIT, "48 tokens: more than the limit of 40");
+}
+
+static void test_queued_bytes(void **state)
+{
+    struct fixture *f = *state;
+    uint32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 40);
+    struct skv_job *probe = job_new(0, ID_Y, 5, &req);
+    /* what a queued job holds: at least its ids unpacked, 4 bytes each however small their varints */
+    size_t one = sizeof *probe + skv_request_bytes(probe->req);
+    assert_true(skv_request_bytes(probe->req) >= sizeof(Snapkv__Request) + sizeof p + 40 * sizeof(uint32_t));
+    job_drop(probe);
+    uint32_t *many = calloc(100000, sizeof *many); /* token 0: one byte each packed */
+    Snapkv__PrefillRequest pm;
+    Snapkv__Request big = prefill_req(&pm, many, 100000);
+    probe = job_new(0, ID_Y, 5, &big);
+    assert_true(snapkv__request__get_packed_size(probe->req) < 100100);
+    assert_true(skv_request_bytes(probe->req) >= 400000);
+    job_drop(probe);
+    free(many);
+
+    skv_worker_stop(&f->w);
+    f->cfg.max_queued_bytes = (int64_t)(3 * one + one / 2);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    stick(f, sid);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    struct skv_worker_stats st;
+    skv_worker_stats(f->w, &st);
+    assert_int_equal(st.queue_depth, 3);
+    assert_int_equal(st.queue_bytes, 3 * one);
+    char want[128];
+    snprintf(want, sizeof want, "the request queue holds %zu bytes in 3 requests; this one's %zu", 3 * one, one);
+    expect_refused(f, &req, SKV_E_BUSY, want);
+    /* one request larger than the whole bound can never wait: a limit, not busy */
+    uint32_t more[64 * 40];
+    for (size_t i = 0; i < sizeof more / sizeof *more; i++)
+        more[i] = tokens[i % 64];
+    Snapkv__PrefillRequest pl;
+    Snapkv__Request large = prefill_req(&pl, more, sizeof more / sizeof *more);
+    expect_refused(f, &large, SKV_E_LIMIT, "more than max-queued-bytes");
+    unstick();
+    expect_exported(f, 0, ID_X);
+    for (int i = 0; i < 3; i++)
+        expect_reply(f, SKV_OK, NULL);
+    skv_worker_stats(f->w, &st);
+    assert_int_equal(st.queue_depth, 0);
+    assert_int_equal(st.queue_bytes, 0);
+    /* drained: room again */
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    expect_reply(f, SKV_OK, NULL);
+}
+
+
 /* ---- watchdog --------------------------------------------------------------------------------- */
 
 static void test_watchdog(void **state)
@@ -921,6 +1130,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_admit, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_queued_bytes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lease_limit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_limits, setup, teardown),
