@@ -37,6 +37,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_decodes_cancelled_on_disconnect_total",
          "running DECODEs cancelled when their client's connection closed", (double)m->decodes_cancelled_gone},
         {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
+        {"snapkv_queue_requests", "requests waiting for the engine (queue-depth)", (double)in->queue_requests},
+        {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},
     };
     memcpy(rows, r, sizeof r);
 }

@@ -25,6 +25,8 @@ struct skv_stats_input {
     uint64_t evictions;
     uint64_t client_disconnects;  /* clients (that sent a request) whose connection closed */
     uint64_t n_decodes;           /* DECODEs running */
+    uint64_t queue_requests;      /* requests waiting for the engine (queue-depth) */
+    uint64_t queue_bytes;         /* the memory they hold (max-queued-bytes) */
 };
 
 struct skv_stat {
@@ -33,7 +35,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 18
+#define SKV_N_STATS 20
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -51,6 +51,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .evictions = st.evictions,
         .client_disconnects = atomic_load(&w->st_disconnects),
         .n_decodes = n_decodes,
+        .queue_requests = atomic_load(&w->st_queue),
+        .queue_bytes = atomic_load(&w->st_queue_bytes),
     };
 }
 

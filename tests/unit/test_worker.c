@@ -851,20 +851,33 @@ static void test_queued_bytes(void **state)
     job_drop(probe);
     free(many);
 
+    /* a STATS request too (from the admin endpoint), queued first below */
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    Snapkv__Request sreq = SNAPKV__REQUEST__INIT;
+    sreq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    sreq.stats = &sr;
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    probe = job_new(1, admin, 5, &sreq);
+    size_t s_one = sizeof *probe + skv_request_bytes(probe->req);
+    job_drop(probe);
+
     skv_worker_stop(&f->w);
-    f->cfg.max_queued_bytes = (int64_t)(3 * one + one / 2);
+    f->cfg.max_queued_bytes = (int64_t)(3 * one + s_one + one / 2);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t sid[16];
     prefill(f, 8, "policy=full", sid);
     stick(f, sid);
+    /* the STATS first: when it runs, the three behind it still wait */
+    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sreq)), SKV_OK);
     for (int i = 0; i < 3; i++)
         assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
     struct skv_worker_stats st;
     skv_worker_stats(f->w, &st);
-    assert_int_equal(st.queue_depth, 3);
-    assert_int_equal(st.queue_bytes, 3 * one);
+    assert_int_equal(st.queue_depth, 4);
+    assert_int_equal(st.queue_bytes, 3 * one + s_one);
     char want[128];
-    snprintf(want, sizeof want, "the request queue holds %zu bytes in 3 requests; this one's %zu", 3 * one, one);
+    snprintf(want, sizeof want, "the request queue holds %zu bytes in 4 requests; this one's %zu", 3 * one + s_one,
+             one);
     expect_refused(f, &req, SKV_E_BUSY, want);
     /* one request larger than the whole bound can never wait: a limit, not busy */
     uint32_t more[64 * 40];
@@ -875,6 +888,18 @@ static void test_queued_bytes(void **state)
     expect_refused(f, &large, SKV_E_LIMIT, "more than max-queued-bytes");
     unstick();
     expect_exported(f, 0, ID_X);
+    Snapkv__Reply *rep = next_reply(f, 1, admin, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    double queued = -1, held = -1;
+    for (size_t i = 0; i < rep->stats->n_stats; i++) {
+        if (strcmp(rep->stats->stats[i]->name, "snapkv_queue_requests") == 0)
+            queued = rep->stats->stats[i]->value;
+        if (strcmp(rep->stats->stats[i]->name, "snapkv_queue_bytes") == 0)
+            held = rep->stats->stats[i]->value;
+    }
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(queued, 3);
+    assert_int_equal(held, 3 * one);
     for (int i = 0; i < 3; i++)
         expect_reply(f, SKV_OK, NULL);
     skv_worker_stats(f->w, &st);
