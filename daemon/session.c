@@ -152,6 +152,8 @@ void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
 
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n)
 {
+    if (n <= 0) /* a fork of an imported session: no token history, and no array to copy into */
+        return SKV_OK;
     if (s->n_tokens + n > s->cap_tokens) {
         int cap = s->cap_tokens ? s->cap_tokens : 256;
         while (cap < s->n_tokens + n)

@@ -400,6 +400,10 @@ static void test_errors_and_tenants(void **state)
                                     .original_length = 66};
     struct snapkv_session_id imported;
     assert_int_equal(snapkv_import_kv(a, &io, &imported), SNAPKV_OK);
+    /* a fork of it (no token history to copy: the daemon's UBSan build died here) */
+    struct snapkv_session_id imported_fork;
+    assert_int_equal(snapkv_fork(a, &imported, &imported_fork, NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_release(a, &imported_fork), SNAPKV_OK);
     sp.max_tokens = 3;
     struct snapkv_decode_result d1, d2;
     assert_int_equal(snapkv_decode(a, &pr.id, &sp, NULL, NULL, &d1), SNAPKV_OK);
