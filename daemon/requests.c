@@ -1638,6 +1638,8 @@ static int save_path(struct skv_worker *w, const char *name, char *out, size_t c
 
 static int write_all(FILE *f, crypto_generichash_state *h, const void *p, size_t n)
 {
+    if (n == 0) /* an imported session's token history: nothing, and no array */
+        return SKV_OK;
     crypto_generichash_update(h, p, n);
     return fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
 }

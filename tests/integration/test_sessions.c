@@ -417,6 +417,11 @@ static void test_errors_and_tenants(void **state)
     assert_int_equal(snapkv_compress(a, &imported, "policy=window,budget=8", 0, &cr), SNAPKV_E_INVAL);
     assert_non_null(strstr(snapkv_last_error(), "import"));
     snapkv_client_t *adm = client(d.admin, NULL);
+    /* saved and loaded (no token history to write: the daemon's UBSan build died here) */
+    struct snapkv_session_id reloaded;
+    assert_int_equal(snapkv_admin_save(adm, &imported, "imported", NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_load(adm, "imported", "alice", &reloaded), SNAPKV_OK);
+    assert_int_equal(snapkv_release(a, &reloaded), SNAPKV_OK);
     struct snapkv_inspect_result ir;
     assert_int_equal(snapkv_admin_inspect(adm, &imported, false, &ir), SNAPKV_OK);
     assert_string_equal(ir.spec, "policy=full");
