@@ -810,7 +810,12 @@ static void test_capped(void **state)
     assert_int_equal(got, 0);
     assert_int_equal(skv_tokenizer_encode_capped(tok, big, len, false, true, -1, NULL, 0, &got), SKV_E_INVAL);
 
-    /* the chat form: a 1 MiB user turn stops at the cap too; a short one is the uncapped ids */
+    /* the chat form: a 1 MiB user turn stops at the cap too; a short one is the uncapped ids
+     * (the model's tokenizer carries the chat template; the JSON fixture alone has none) */
+    if (!f->gguf_tok) {
+        free(big);
+        return;
+    }
     for (size_t k = 0; k < len; k++) /* some fixture strings hold NULs */
         big[k] = big[k] ? big[k] : ' ';
     big[len] = '\0';
