@@ -256,6 +256,8 @@ int skv_config_check(const struct skv_config *cfg)
                           "lease-seconds is %" PRId64 ", more than max-lease-seconds (%" PRId64
                           "): raise max-lease-seconds or lower lease-seconds",
                           cfg->lease_seconds, cfg->max_lease_seconds);
+    if (strcmp(cfg->ipc_tenant, "claimed") != 0 && strcmp(cfg->ipc_tenant, "uid") != 0)
+        return skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", cfg->ipc_tenant);
     return SKV_OK;
 }
 

@@ -1367,10 +1367,12 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
     if (n > SKV_ENGINE_MAX_BATCH)
         n = SKV_ENGINE_MAX_BATCH;
     uint64_t held[SKV_ENGINE_MAX_BATCH], unique[SKV_ENGINE_MAX_BATCH];
+    int32_t before[SKV_ENGINE_MAX_BATCH]; /* n_past before: a session whose token went in has more */
     double t0 = now_s();
     int nb = 0;
     for (int i = 0; i < n; i++) {
         struct skv_session *s = ds[i]->session;
+        before[i] = s->cache->n_past;
         decode_pick(w, ds[i]);
         opts[i] = (struct skv_forward_opts){0};
         /* room for the token in the pool and the tenant's quota, counting what the round's
@@ -1390,9 +1392,6 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
         if (!rcs[i])
             seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
     }
-    int32_t before[SKV_ENGINE_MAX_BATCH];
-    for (int i = 0; i < n; i++)
-        before[i] = ds[i]->session->cache->n_past;
     int rc = nb ? skv_engine_decode_batch(w->engine, seqs, nb) : SKV_OK;
     w->metrics.decode_seconds += now_s() - t0;
     w->metrics.decode_batches += nb > 0;

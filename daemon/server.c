@@ -174,10 +174,6 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     }
     if ((rc = skv_auth_start(srv->auth, srv->zctx)) || (rc = skv_clients_new(CLIENTS_MAX, &srv->clients)))
         goto out_destroy;
-    if (strcmp(env->cfg->ipc_tenant, "claimed") != 0 && strcmp(env->cfg->ipc_tenant, "uid") != 0) {
-        rc = skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", env->cfg->ipc_tenant);
-        goto out_destroy;
-    }
     srv->max_connections = connection_room(env->cfg->max_connections);
     if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
         goto out_destroy;
@@ -475,6 +471,8 @@ static void read_connections(struct skv_server *srv)
             zmq_msg_close(&head);
             zmq_msg_close(&addr);
         }
+        if (n == 0) /* the common case: called before every client message */
+            break;
         uint64_t now = skv_now_ms();
         for (int i = 0; i < n; i++) {
             if (ev[i].event == ZMQ_EVENT_ACCEPTED) {

@@ -352,8 +352,10 @@ static size_t message_bytes(const ProtobufCMessage *msg)
             if (!count || !array)
                 continue;
             n += count * size + MALLOC_OVERHEAD;
-            for (size_t k = 0; k < count; k++)
-                n += pointee_bytes(f, array + k * size);
+            if (f->type == PROTOBUF_C_TYPE_STRING || f->type == PROTOBUF_C_TYPE_BYTES ||
+                f->type == PROTOBUF_C_TYPE_MESSAGE) /* scalars point to nothing: no walk over token ids */
+                for (size_t k = 0; k < count; k++)
+                    n += pointee_bytes(f, array + k * size);
         } else if (!(f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) ||
                    *(const uint32_t *)((const char *)msg + f->quantifier_offset) == f->id) {
             n += pointee_bytes(f, field);
