@@ -138,11 +138,18 @@ static bool rescores_decode(const struct skv_compress_spec *s)
     return s->policy == SKV_POLICY_SNAPKV && s->decode_budget > 0;
 }
 
+/* Queries the re-scoring ring keeps per layer: min(window, decode_budget), since the newest
+ * decode_budget rows are all a window can keep. */
+static int ring_rows(const struct skv_compress_spec *s)
+{
+    return s->window < s->decode_budget ? s->window : s->decode_budget;
+}
+
 uint64_t skv_compressor_bytes(const struct skv_compressor *c)
 {
     if (!rescores_decode(&c->spec))
         return 0;
-    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    int cap = ring_rows(&c->spec);
     return (uint64_t)(c->n_layers + 1) * cap * c->n_heads * c->head_dim * sizeof(float);
 }
 
@@ -152,7 +159,7 @@ static int obs_alloc(struct skv_compressor *c)
 {
     if (c->obs_q)
         return SKV_OK;
-    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    int cap = ring_rows(&c->spec);
     size_t row = (size_t)c->n_heads * c->head_dim * sizeof(float);
     int rc = c->be->ops->alloc(c->be, (size_t)c->n_layers * cap * row, (void **)&c->obs_q);
     if (!rc)
@@ -237,7 +244,7 @@ size_t skv_compressor_state_max(const struct skv_compressor *c, int n_past)
 {
     if (!rescores_decode(&c->spec))
         return state_base(c);
-    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    int cap = ring_rows(&c->spec);
     return state_base(c) + state_obs_bytes(c, cap < n_past ? cap : n_past);
 }
 
@@ -278,7 +285,7 @@ static int state_read_obs(struct skv_compressor *c, const char *p, size_t len, i
         return skv_errorf(SKV_E_FORMAT, "compressor state: %zu bytes, expected %zu", len + state_base(c),
                           state_base(c));
     memcpy(obs, p, sizeof obs);
-    int cap = c->spec.window < c->spec.decode_budget ? c->spec.window : c->spec.decode_budget;
+    int cap = ring_rows(&c->spec);
     int32_t start = obs[0], end = obs[1], n_obs = obs[2];
     int64_t seen = (int64_t)end - start;
     if (end != n_past || start < 0 || seen < 1 || n_obs != (seen < cap ? seen : cap))
