@@ -28,6 +28,7 @@ struct skv_config {
     bool foreground;
     int64_t max_prompt_tokens;
     int64_t max_new_tokens;
+    int64_t decode_yield_ms;  /* a long forward gives running DECODEs a token at least this often */
     int64_t max_decodes;      /* DECODEs running at once, all tenants */
     int64_t max_decodes_per_tenant;
     int64_t max_sessions_per_tenant;

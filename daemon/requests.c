@@ -315,6 +315,8 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
         rep.prefill = &pr;
         skv_worker_reply(p->w, p->job, &rep);
     }
+    if (!rc) /* this layer is done (and compressed): running decodes may take a token */
+        skv_worker_yield(p->w);
     return rc;
 }
 
@@ -341,13 +343,17 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     struct skv_forward_opts fo = {0};
     struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
     int rc = session_hook(s, n, compress, &fo);
-    /* progress replies, and a heartbeat per layer of a long forward (a short one beats when done) */
+    /* progress replies, and per layer of a long forward a heartbeat and a turn for the running
+     * decodes (a short one beats when done, and they wait for it) */
     if (progress_job || n >= 64) {
         fo.hook = progress_hook;
         fo.hook_user = &prog;
     }
+    int was_busy = s->busy;
+    s->busy = 1; /* decode rounds may run inside the forward: they must not evict s */
     if (!rc)
         rc = skv_engine_forward(w->engine, s->cache, ids, n, &fo, s->logits);
+    s->busy = was_busy;
     if (!rc && s->comp && compress)
         rc = skv_compressor_finish(s->comp, s->cache);
     if (!rc)
@@ -446,10 +452,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     if (!s->comp && (rc = reserve_rows(w, s, n, false, 0, 0, NULL, NULL)))
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
-    s->busy = 1;
     double t0 = now_s();
     rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
-    s->busy = 0;
     if (rc)
         goto fail;
     w->metrics.prefill_tokens += (uint64_t)n;
@@ -1392,7 +1396,7 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
         if (!rcs[i])
             seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
     }
-    int rc = nb ? skv_engine_decode_batch(w->engine, seqs, nb) : SKV_OK;
+    int rc = nb ? skv_engine_decode_batch(w->decode_engine, seqs, nb) : SKV_OK;
     w->metrics.decode_seconds += now_s() - t0;
     w->metrics.decode_batches += nb > 0;
     /* when the batch failed, a session whose token went in (another decode group) goes on */

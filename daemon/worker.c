@@ -125,6 +125,43 @@ bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms)
     return skv_watchdog_ok(monotonic_ms(), beat, idle, interval_ms);
 }
 
+/* One token for every running decode, up to SKV_ENGINE_MAX_BATCH per forward; the finished
+ * ones leave the list. */
+static void decode_rounds(struct skv_worker *w)
+{
+    struct skv_decode *batch[SKV_ENGINE_MAX_BATCH];
+    bool finished[SKV_ENGINE_MAX_BATCH];
+    for (struct skv_decode *d = w->decodes; d;) {
+        int n = 0;
+        for (; d && n < SKV_ENGINE_MAX_BATCH; d = d->next)
+            batch[n++] = d;
+        skv_requests_decode_round(w, batch, n, finished);
+        skv_worker_beat(w);
+        for (int i = 0; i < n; i++) {
+            if (!finished[i])
+                continue;
+            struct skv_decode **pp = &w->decodes;
+            while (*pp != batch[i])
+                pp = &(*pp)->next;
+            *pp = batch[i]->next;
+            skv_requests_decode_free(batch[i]);
+        }
+    }
+    w->last_round_ms = monotonic_ms();
+}
+
+void skv_worker_yield(struct skv_worker *w)
+{
+    if (!w->decodes || w->yielding)
+        return;
+    if (monotonic_ms() - w->last_round_ms < (uint64_t)w->cfg->decode_yield_ms)
+        return;
+    w->yielding = true;
+    decode_rounds(w);
+    w->yielding = false;
+    w->metrics.decode_rounds_yielded++;
+}
+
 static void *worker_main(void *arg)
 {
     struct skv_worker *w = arg;
@@ -205,25 +242,7 @@ static void *worker_main(void *arg)
                 job_free(job);
         }
         skv_worker_beat(w);
-        /* one token for every running decode, up to SKV_ENGINE_MAX_BATCH per forward */
-        struct skv_decode *batch[SKV_ENGINE_MAX_BATCH];
-        bool finished[SKV_ENGINE_MAX_BATCH];
-        for (struct skv_decode *d = w->decodes; d;) {
-            int n = 0;
-            for (; d && n < SKV_ENGINE_MAX_BATCH; d = d->next)
-                batch[n++] = d;
-            skv_requests_decode_round(w, batch, n, finished);
-            skv_worker_beat(w);
-            for (int i = 0; i < n; i++) {
-                if (!finished[i])
-                    continue;
-                struct skv_decode **pp = &w->decodes;
-                while (*pp != batch[i])
-                    pp = &(*pp)->next;
-                *pp = batch[i]->next;
-                skv_requests_decode_free(batch[i]);
-            }
-        }
+        decode_rounds(w);
         uint64_t now = skv_now_ms();
         if (now - last_expire >= 1000) {
             int closed = skv_requests_ipc_expire(w, now);
@@ -264,10 +283,13 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     int rc = skv_session_table_new(&lim, &w->sessions);
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
+    if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */
+        rc = skv_engine_new(m, &w->decode_engine);
     if (!rc && pthread_create(&w->thread, NULL, worker_main, w) != 0)
         rc = skv_errorf(SKV_E_INTERNAL, "cannot start the engine thread");
     if (rc) {
         skv_engine_free(&w->engine);
+        skv_engine_free(&w->decode_engine);
         skv_session_table_free(&w->sessions);
         free(w);
         return rc;
@@ -443,6 +465,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     if (w->started)
         pthread_join(w->thread, NULL);
     skv_engine_free(&w->engine);
+    skv_engine_free(&w->decode_engine);
     skv_session_table_free(&w->sessions);
     pthread_mutex_destroy(&w->mu);
     pthread_mutex_destroy(&w->snap_mu);

@@ -49,6 +49,7 @@ struct skv_worker {
     const struct skv_config *cfg;
     struct skv_model *m;
     struct skv_engine *engine;
+    struct skv_engine *decode_engine; /* decode rounds' own buffers (they may run inside a forward of engine) */
     struct skv_session_table *sessions;
     void *push;               /* inproc PUSH to the socket thread (worker thread only) */
     void *zctx;
@@ -62,6 +63,8 @@ struct skv_worker {
     int notices;              /* SKV_JOB_CLIENT_GONE jobs waiting (SKV_WORKER_NOTICES_MAX) */
     bool stopping;
     struct skv_decode *decodes;
+    uint64_t last_round_ms;   /* CLOCK_MONOTONIC ms when the last decode round ended */
+    bool yielding;            /* decode rounds run inside a forward (skv_worker_yield) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
     struct skv_metrics metrics;
@@ -80,6 +83,12 @@ struct skv_worker {
 /* Records progress for the watchdog (worker thread only): the loop calls it each turn, after
  * each request and each decode round; a long forward may call it per layer. */
 void skv_worker_beat(struct skv_worker *w);
+
+/* Called between two layers of a long forward (worker thread only): once decode-yield-ms passed
+ * since the last decode round, gives every running DECODE its next token, on the decode engine,
+ * so that a long PREFILL, APPEND or COMPRESS does not stall them. The forward's own session is
+ * busy meanwhile (never evicted, and no decode runs on it). */
+void skv_worker_yield(struct skv_worker *w);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);

@@ -20,7 +20,9 @@
  *   max-decodes-per-tenant or max-decodes running ones is refused at its start (requests queued
  *   behind a worker held in that fake device call start one per turn, so the order is fixed).
  * - A client-gone notice cancels that client's running decodes, between two rounds: the session
- *   keeps the tokens and decodes on exactly as an uninterrupted one; other clients' go on. */
+ *   keeps the tokens and decodes on exactly as an uninterrupted one; other clients' go on.
+ * - A long PREFILL gives running decodes a token between its layers (decode-yield-ms); both
+ *   come out as when each runs alone. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -1145,6 +1147,121 @@ static void test_decode_client_gone(void **state)
     assert_int_equal(listed(f, a, NULL, NULL), 14);
 }
 
+/* The next reply the worker pushed, to whichever client: its routing id goes to id[5]. */
+static Snapkv__Reply *any_reply(struct fixture *f, uint8_t id[5])
+{
+    zmq_msg_t parts[3];
+    for (int i = 0; i < 3; i++) {
+        zmq_msg_init(&parts[i]);
+        assert_true(zmq_msg_recv(&parts[i], f->pull, 0) >= 0);
+    }
+    assert_int_equal(zmq_msg_size(&parts[1]), 5);
+    memcpy(id, zmq_msg_data(&parts[1]), 5);
+    Snapkv__Reply *rep = snapkv__reply__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
+    assert_non_null(rep);
+    for (int i = 0; i < 3; i++)
+        zmq_msg_close(&parts[i]);
+    return rep;
+}
+
+/* A PREFILL of the 64 fixed ids by client X with SnapKV, its logits returned (and progress
+ * replies when asked), queued. */
+static void submit_long_prefill(struct fixture *f, bool progress)
+{
+    uint32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = "policy=snapkv,budget=16,window=8";
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 64);
+    p.compress = &cs;
+    p.return_logits = true;
+    p.progress = progress;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_X, 5, &req)), SKV_OK);
+}
+
+/* A PREFILL of 64 tokens or more stops between its layers to give running decodes their next
+ * token (decode-yield-ms = 0: after every layer): the decode takes one token per layer while
+ * the prefill runs, and both come out exactly as when each runs alone: the same tokens, the
+ * same logits and kept rows. */
+static void test_decode_yield(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    const int L = f->tiny->m->cfg.n_layers, n_vocab = f->tiny->m->cfg.n_vocab;
+    enum { MORE = 6 };
+    uint8_t a[16], ref[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", ref);
+    /* each alone: the decode, then the prefill */
+    uint32_t want[64], got[64];
+    int n_want = 0, n_got = 0;
+    assert_true(L + MORE <= 64);
+    submit_decode(f, ID_Z, "t", ref, (uint32_t)(L + MORE), false);
+    Snapkv__Reply *rep = decode_final(f, ID_Z, want, &n_want, 64);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(n_want, L + MORE);
+    snapkv__reply__free_unpacked(rep, NULL);
+    submit_long_prefill(f, false);
+    Snapkv__Reply *alone = next_reply(f, 0, ID_X, 5);
+    if (alone->status)
+        fail_msg("PREFILL: %d %s", alone->status, alone->message);
+    assert_int_equal(alone->prefill->n_logits, n_vocab);
+    assert_int_equal(stat(f, "snapkv_decode_rounds_in_forwards_total"), 0);
+
+    /* together: Y's decode starts (one round), then X's prefill runs with the decode going on */
+    freeze(f, a);
+    submit_decode(f, ID_Y, "t", a, (uint32_t)(L + MORE), true);
+    submit_long_prefill(f, true);
+    thaw(f);
+    int progress = 0, during = 0;
+    bool prefilled = false, decoded = false;
+    Snapkv__Reply *together = NULL;
+    while (!prefilled || !decoded) {
+        uint8_t id[5];
+        rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply: %d %s", rep->status, rep->message);
+        if (memcmp(id, ID_X, 5) == 0) {
+            assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_PREFILL);
+            if (rep->final) {
+                prefilled = true;
+                together = rep;
+                continue;
+            }
+            progress++;
+        } else {
+            assert_memory_equal(id, ID_Y, 5);
+            assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_DECODE);
+            for (size_t i = 0; i < rep->decode->n_tokens && n_got < 64; i++)
+                got[n_got++] = rep->decode->tokens[i];
+            during += progress > 0 && !prefilled;
+            decoded = rep->final;
+        }
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_int_equal(progress, L);
+    assert_int_equal(during, L); /* after each layer's progress reply, the decode's token */
+    assert_int_equal(stat(f, "snapkv_decode_rounds_in_forwards_total"), L);
+    assert_int_equal(n_got, L + MORE);
+    assert_memory_equal(got, want, sizeof got[0] * (size_t)n_want);
+    assert_int_equal(together->prefill->next_token, alone->prefill->next_token);
+    assert_int_equal(together->prefill->n_logits, n_vocab);
+    assert_memory_equal(together->prefill->logits, alone->prefill->logits, sizeof(float) * (size_t)n_vocab);
+    assert_int_equal(together->prefill->bytes_after, alone->prefill->bytes_after);
+    assert_int_equal(together->prefill->n_kept, alone->prefill->n_kept);
+    for (size_t l = 0; l < alone->prefill->n_kept; l++) {
+        const Snapkv__LayerKept *x = together->prefill->kept[l], *y = alone->prefill->kept[l];
+        assert_int_equal(x->n_kept_per_head, y->n_kept_per_head);
+        assert_memory_equal(x->kept_per_head, y->kept_per_head, sizeof(uint32_t) * y->n_kept_per_head);
+    }
+    snapkv__reply__free_unpacked(together, NULL);
+    snapkv__reply__free_unpacked(alone, NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1161,6 +1278,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_lease_limit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_limits, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_client_gone, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_yield, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
