@@ -1,7 +1,8 @@
 /* snapkv-bench serve: measures snapkvd through libsnapkv — no-op round trips, N client
  * processes against the same work in-process, how many long sessions a 1 GiB pool holds per
  * compression spec (computed, then checked by importing copies until the pool evicts), and
- * aggregate decode throughput of concurrent long sessions (forks of one prefill). Starts its
+ * aggregate decode throughput of concurrent long sessions (forks of one prefill), and how long
+ * a streaming decode stalls while another client prefills a long prompt. Starts its
  * own snapkvd unless given one. */
 #include "build-config.h"
 
@@ -20,7 +21,9 @@
 #include <jansson.h>
 #include <math.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,8 +41,12 @@
 #define TP_DECODE_TOKENS 16
 #define LONG_TIMEOUT_MS 900000     /* a 4096-token prefill on a shared CPU */
 #define MAX_REPORT_TOKENS 64
+#define STALL_SESSION_TOKENS 64    /* stall run: the decoding session's prompt */
+#define STALL_WARM_TOKENS 16       /* tokens it makes alone before the long prefill starts */
+#define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
+#define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 5 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -70,6 +77,7 @@ struct serve_ctx {
     char spec_text[MAX_SPECS][256];  /* "" = full cache */
     char spec_name[MAX_SPECS][256];
     bool default_specs;              /* the built-in three (their goals apply) */
+    int64_t yield_ms;                /* our daemon's --decode-yield-ms (< 0: its default) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -287,7 +295,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[14][4200];
+    char a[15][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -305,10 +313,13 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
      * must not bind before the pool does either */
     snprintf(a[12], sizeof a[12], "--max-decodes=65536");
     snprintf(a[13], sizeof a[13], "--max-decodes-per-tenant=65536");
-    char *argv[16] = {exe};
-    for (int i = 0; i < 14; i++)
+    int n_args = 14;
+    if (x->yield_ms >= 0)
+        snprintf(a[n_args++], sizeof a[0], "--decode-yield-ms=%lld", (long long)x->yield_ms);
+    char *argv[17] = {exe};
+    for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
-    argv[15] = NULL;
+    argv[n_args + 1] = NULL;
     fflush(NULL);
     d->pid = fork();
     if (d->pid < 0) {
@@ -1032,6 +1043,171 @@ static int bench_decodes(struct serve_ctx *x, json_t *out, const uint64_t bytes_
     return rc;
 }
 
+/* ---- 5. decode stall: a streaming decode while another client prefills a long prompt ----------- */
+
+struct stall_decode {
+    const char *endpoint;
+    struct snapkv_session_id id;
+    double *t;                       /* when each token arrived */
+    int cap;
+    atomic_int n;                    /* tokens arrived */
+    atomic_bool stop, done;
+    int rc;
+    char err[256];
+};
+
+static int stall_on_tokens(void *user, const uint32_t *tokens, size_t n_tokens, const char *text)
+{
+    (void)tokens;
+    (void)text;
+    struct stall_decode *s = user;
+    double t = now_s();
+    int n = atomic_load(&s->n);
+    for (size_t i = 0; i < n_tokens && n < s->cap; i++)
+        s->t[n++] = t;
+    atomic_store(&s->n, n);
+    return atomic_load(&s->stop) ? 1 : 0;
+}
+
+/* The decoding client, on its own thread and connection: one greedy streaming DECODE until told
+ * to stop (then it closes its connection, which cancels the decode in the daemon). */
+static void *stall_thread(void *arg)
+{
+    struct stall_decode *s = arg;
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts co = {.name = "snapkv-bench-stall", .timeout_ms = LONG_TIMEOUT_MS};
+    int rc = snapkv_connect(s->endpoint, &co, &c);
+    if (!rc) {
+        struct snapkv_sampling sm;
+        sampling_greedy(&sm, STALL_MAX_TOKENS);
+        struct snapkv_decode_result dr = {0};
+        rc = snapkv_decode(c, &s->id, &sm, stall_on_tokens, s, &dr);
+        snapkv_decode_result_free(&dr);
+        if (rc == SNAPKV_E_CANCELLED && atomic_load(&s->stop))
+            rc = SNAPKV_OK;
+    }
+    if (rc)
+        snprintf(s->err, sizeof s->err, "DECODE: %s (%s)", snapkv_last_error(), snapkv_status_str(rc));
+    s->rc = rc;
+    snapkv_close(&c);
+    atomic_store(&s->done, true);
+    return NULL;
+}
+
+/* One stall run on the daemon in use: a session decodes (streaming) on one connection; once it
+ * made STALL_WARM_TOKENS tokens, a --context-token PREFILL of spec `spec` runs on another. The
+ * gaps between the decode's tokens while the prefill ran say how long it stalled them. */
+static int stall_run(struct serve_ctx *x, int spec, json_t *out)
+{
+    struct stall_decode sd = {.endpoint = x->endpoint, .cap = STALL_MAX_TOKENS};
+    uint32_t prompt[STALL_SESSION_TOKENS];
+    fill_ids(prompt, STALL_SESSION_TOKENS, x->m->cfg.n_vocab, 11);
+    struct snapkv_prefill_opts po = {.tokens = prompt, .n_tokens = STALL_SESSION_TOKENS};
+    struct snapkv_prefill_result pr;
+    int rc = snapkv_prefill(x->cl, &po, &pr);
+    if (rc)
+        return client_fail("PREFILL of the decoding session", rc);
+    sd.id = pr.id;
+    snapkv_prefill_result_free(&pr);
+    if (!(sd.t = calloc(STALL_MAX_TOKENS, sizeof *sd.t)))
+        return SKV_E_NOMEM;
+    pthread_t th;
+    if (pthread_create(&th, NULL, stall_thread, &sd) != 0) {
+        free(sd.t);
+        return skv_errorf(SKV_E_INTERNAL, "cannot start the decoding thread");
+    }
+    while (atomic_load(&sd.n) < STALL_WARM_TOKENS && !atomic_load(&sd.done))
+        usleep(1000);
+    struct snapkv_session_id long_id;
+    uint64_t before = 0, after = 0;
+    double secs = 0, t0 = now_s();
+    rc = atomic_load(&sd.done) ? SKV_OK : prefill_long(x, spec, &long_id, &before, &after, &secs);
+    double t1 = now_s();
+    /* the first token after the prefill ends the last gap */
+    while (!rc && !atomic_load(&sd.done) && (atomic_load(&sd.n) == 0 || sd.t[atomic_load(&sd.n) - 1] < t1) &&
+           now_s() - t1 < 60)
+        usleep(1000);
+    atomic_store(&sd.stop, true);
+    pthread_join(th, NULL);
+    int n = atomic_load(&sd.n);
+    if (!rc && sd.rc)
+        rc = skv_errorf(SKV_E_INTERNAL, "%s", sd.err);
+    if (!rc && n >= STALL_MAX_TOKENS)
+        rc = skv_errorf(SKV_E_INTERNAL, "the decode made all %d tokens before the prefill ended", n);
+    if (rc) {
+        free(sd.t);
+        return rc;
+    }
+    /* gaps while the prefill ran: from its start to the first token after it, split by the
+     * tokens that came in between; and the decode's own gaps before it started */
+    double *gap = calloc((size_t)n + 2, sizeof *gap), *alone = calloc((size_t)n + 2, sizeof *alone);
+    size_t n_gap = 0, n_alone = 0;
+    int during = 0;
+    double last = t0;
+    for (int i = 0; i < n && gap && alone; i++) {
+        if (sd.t[i] <= t0) {
+            if (i > 0)
+                alone[n_alone++] = sd.t[i] - sd.t[i - 1];
+            continue;
+        }
+        gap[n_gap++] = sd.t[i] - last;
+        last = sd.t[i];
+        if (sd.t[i] >= t1)
+            break;
+        during++;
+    }
+    if (!gap || !alone) {
+        free(gap);
+        free(alone);
+        free(sd.t);
+        return SKV_E_NOMEM;
+    }
+    double max_gap = 0;
+    for (size_t i = 0; i < n_gap; i++)
+        max_gap = gap[i] > max_gap ? gap[i] : max_gap;
+    json_object_set_new(out, "prefill_tokens", json_integer(x->context));
+    json_object_set_new(out, "prefill_spec", json_string(*x->spec_text[spec] ? x->spec_text[spec] : "policy=full"));
+    json_object_set_new(out, "prefill_s", json_real(secs));
+    json_object_set_new(out, "tokens_during_prefill", json_integer(during));
+    json_object_set_new(out, "max_gap_ms", json_real(max_gap * 1e3));
+    json_object_set_new(out, "gap_ms", summary_json(gap, n_gap, 1e3));
+    json_object_set_new(out, "alone_gap_ms", summary_json(alone, n_alone, 1e3));
+    fprintf(stderr, "serve:   %d decode tokens during the %.1f s prefill, longest gap %.0f ms\n", during, secs,
+            max_gap * 1e3);
+    free(gap);
+    free(alone);
+    free(sd.t);
+    return evict_all(x);
+}
+
+/* The stall run with the daemon's decode-yield-ms (ours: its default, then never yielding, as
+ * before decode-yield-ms existed; a daemon we did not start: as it is configured). */
+static int bench_stall(struct serve_ctx *x, json_t *out)
+{
+    int spec = x->n_specs > 1 ? 1 : 0;
+    json_t *runs = json_array();
+    json_object_set_new(out, "runs", runs);
+    int64_t modes[2] = {-1, STALL_YIELD_OFF};
+    int n_modes = x->d.pid ? 2 : 1;
+    int rc = SKV_OK;
+    for (int k = 0; k < n_modes && !rc; k++) {
+        if (x->d.pid && x->yield_ms != modes[k]) {
+            x->yield_ms = modes[k];
+            if ((rc = use_own_daemon(x, x->pool_bytes)))
+                break;
+        }
+        json_t *o = json_object();
+        json_object_set_new(o, "decode_yield_ms",
+                            x->d.pid ? (modes[k] < 0 ? json_string("default (100)") : json_integer(modes[k]))
+                                     : json_string("as the daemon is configured"));
+        fprintf(stderr, "serve: decode stall during a %d-token prefill (decode-yield-ms %s) ...\n", x->context,
+                modes[k] < 0 ? "default" : "never");
+        rc = stall_run(x, spec, o);
+        json_array_append_new(runs, o);
+    }
+    return rc;
+}
+
 /* ---- report ---------------------------------------------------------------------------------------- */
 
 static void cpu_model(char *buf, size_t cap)
@@ -1155,6 +1331,27 @@ static void print_table(FILE *f, const json_t *j)
                         jnum(o, "daemon_rss_mib_before"), jnum(o, "daemon_rss_mib_after"));
         }
     }
+    const json_t *st = json_object_get(j, "stall");
+    if (st) {
+        fprintf(f, "\na streaming decode while another client prefills\n"
+                   "| decode-yield-ms | prefill | prefill s | decode tokens meanwhile | longest gap ms | gap p50 ms | "
+                   "gap alone p50 ms |\n|---|---|---|---|---|---|---|\n");
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(st, "runs"), k, o) {
+            const json_t *y = json_object_get(o, "decode_yield_ms");
+            char ys[64];
+            if (json_is_integer(y))
+                snprintf(ys, sizeof ys, "%lld", (long long)json_integer_value(y));
+            else
+                snprintf(ys, sizeof ys, "%s", json_string_value(y) ? json_string_value(y) : "?");
+            fprintf(f, "| %s | %lld tokens, %s | %.1f | %lld | %.0f | %.0f | %.1f |\n", ys,
+                    (long long)json_integer_value(json_object_get(o, "prefill_tokens")),
+                    json_string_value(json_object_get(o, "prefill_spec")), jnum(o, "prefill_s"),
+                    (long long)json_integer_value(json_object_get(o, "tokens_during_prefill")), jnum(o, "max_gap_ms"),
+                    jnum(json_object_get(o, "gap_ms"), "p50"), jnum(json_object_get(o, "alone_gap_ms"), "p50"));
+        }
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -1250,19 +1447,20 @@ static int parse_specs(struct serve_ctx *x, const char *list)
     return SKV_OK;
 }
 
-/* --parts: which of roundtrip, throughput, capacity, decode run (NULL: all). */
-static int parse_parts(const char *list, bool on[4])
+/* --parts: which of roundtrip, throughput, capacity, decode, stall run (NULL: all). */
+static int parse_parts(const char *list, bool on[N_PARTS])
 {
-    static const char *const names[4] = {"roundtrip", "throughput", "capacity", "decode"};
-    for (int i = 0; i < 4; i++)
+    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall"};
+    for (int i = 0; i < N_PARTS; i++)
         on[i] = !list;
     for (const char *p = list; p && *p;) {
         size_t len = strcspn(p, ",");
         int i = 0;
-        while (i < 4 && !(strlen(names[i]) == len && memcmp(names[i], p, len) == 0))
+        while (i < N_PARTS && !(strlen(names[i]) == len && memcmp(names[i], p, len) == 0))
             i++;
-        if (i == 4)
-            return skv_errorf(SKV_E_INVAL, "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode)",
+        if (i == N_PARTS)
+            return skv_errorf(SKV_E_INVAL,
+                              "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -1279,6 +1477,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         .context = o->context > 0 ? o->context : 4096,
         .sessions = o->sessions > 0 ? o->sessions : 16,
         .decode_tokens = o->decode_tokens > 0 ? o->decode_tokens : 32,
+        .yield_ms = -1,
     };
     if (!o->endpoint != !o->admin_endpoint)
         return skv_errorf(SKV_E_INVAL, "give both --endpoint and --admin-endpoint, or neither");
@@ -1287,7 +1486,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
     if (!(o->pool_gib >= 0 && o->pool_gib <= 65536))
         return skv_errorf(SKV_E_INVAL, "--pool-gib: between 0 and 65536");
     x.capacity_pool = o->pool_gib > 0 ? (uint64_t)(o->pool_gib * (double)GIB) : CAPACITY_POOL;
-    bool part[4];
+    bool part[N_PARTS];
     int rc = parse_specs(&x, o->specs);
     if (!rc)
         rc = parse_parts(o->parts, part);
@@ -1326,7 +1525,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
                                     "sessions)."));
     double t_all = now_s();
     json_object_set_new(j, "load_1min_start", json_real(load_1min()));
-    json_t *rt = json_object(), *tp = json_object(), *cp = json_object(), *dc = json_object();
+    json_t *rt = json_object(), *tp = json_object(), *cp = json_object(), *dc = json_object(), *st = json_object();
     uint64_t bytes_after[MAX_SPECS] = {0}, bytes_before = 0;
     int64_t held[MAX_SPECS] = {0};
     if (part[0]) {
@@ -1367,6 +1566,12 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_object_set_new(j, "decode", dc);
     else
         json_decref(dc);
+    if (!rc && part[4])
+        rc = bench_stall(&x, st);
+    if (part[4])
+        json_object_set_new(j, "stall", st);
+    else
+        json_decref(st);
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
     add_goals(j, x.default_specs);

@@ -24,7 +24,7 @@ struct skv_serve_opts {
     double pool_gib;             /* the capacity part's pool; <= 0: 1 GiB */
     const char *specs;           /* "SPEC;SPEC;..." compared (first: baseline); NULL: full,
                                   * snapkv 10%, squeeze+snapkv 10% */
-    const char *parts;           /* comma list of roundtrip,throughput,capacity,decode; NULL: all */
+    const char *parts;           /* comma list of roundtrip,throughput,capacity,decode,stall; NULL: all */
     bool json_stdout;            /* JSON on stdout, the table on stderr */
     int argc;                    /* the command line, recorded in the JSON */
     char **argv;
