@@ -1411,6 +1411,36 @@ void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
                  !d->stream && d->text ? d->text : "");
 }
 
+/* CANCEL: the session's running decode ends here, between two of its rounds (this request runs
+ * between rounds), with its own final reply first; the session keeps its tokens. */
+static void handle_cancel(struct skv_worker *w, struct skv_job *job)
+{
+    struct skv_session *s = NULL;
+    int rc = find_session(w, job, job->req->cancel->session_id, job->sock == 1, &s);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__CancelReply cr = SNAPKV__CANCEL_REPLY__INIT;
+    for (struct skv_decode **pp = &w->decodes; *pp; pp = &(*pp)->next) {
+        struct skv_decode *d = *pp;
+        if (d->session != s)
+            continue;
+        *pp = d->next;
+        cr.cancelled = true;
+        cr.n_generated = d->produced;
+        skv_requests_decode_cancel(w, d);
+        skv_requests_decode_free(d);
+        w->metrics.decodes_cancelled++;
+        break;
+    }
+    reply_init(&rep, job);
+    rep.result_case = SNAPKV__REPLY__RESULT_CANCEL;
+    rep.cancel = &cr;
+    skv_worker_reply(w, job, &rep);
+}
+
 /* ---- admin ------------------------------------------------------------------------------------ */
 
 struct info_arena {
@@ -1974,6 +2004,7 @@ void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
     case SNAPKV__REQUEST__COMMAND_COMPRESS: handle_compress(w, job); break;
     case SNAPKV__REQUEST__COMMAND_FORK: handle_fork(w, job); break;
     case SNAPKV__REQUEST__COMMAND_RELEASE: handle_release(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_CANCEL: handle_cancel(w, job); break;
     case SNAPKV__REQUEST__COMMAND_EXPORT_KV: handle_export(w, job); break;
     case SNAPKV__REQUEST__COMMAND_IMPORT_KV: handle_import(w, job); break;
     case SNAPKV__REQUEST__COMMAND_LIST: handle_list(w, job); break;

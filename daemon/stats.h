@@ -14,6 +14,7 @@ struct skv_metrics {
     uint64_t bytes_before, bytes_after; /* over all compressed prefills */
     uint64_t ipc_closed_gone;     /* CUDA buffers closed because their client's connection closed */
     uint64_t decodes_cancelled_gone; /* running DECODEs ended because their client's connection closed */
+    uint64_t decodes_cancelled;   /* running DECODEs ended by a CANCEL */
     uint64_t decode_rounds_yielded; /* decode rounds run between the layers of a long forward */
 };
 
@@ -36,7 +37,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 21
+#define SKV_N_STATS 22
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

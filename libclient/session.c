@@ -180,6 +180,7 @@ void snapkv_sampling_defaults(struct snapkv_sampling *s)
 struct decode_acc {
     snapkv_token_fn fn;
     void *user;
+    bool stopped;                 /* the callback asked to stop */
     uint32_t *tokens;
     size_t n_tokens, cap_tokens;
     char *text;
@@ -228,8 +229,10 @@ static int decode_partial(void *user, const Snapkv__Reply *rep)
     if (rc)
         return rc;
     if (a->fn && (d->n_tokens || (d->text && *d->text)) &&
-        a->fn(a->user, a->tokens + first, d->n_tokens, d->text ? d->text : "") != 0)
+        a->fn(a->user, a->tokens + first, d->n_tokens, d->text ? d->text : "") != 0) {
+        a->stopped = true;
         return skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller");
+    }
     return SNAPKV_OK;
 }
 
@@ -273,6 +276,16 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     struct decode_acc acc = {.fn = on_tokens, .user = user};
     Snapkv__Reply *rep = NULL;
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DECODE, "DECODE", decode_partial, &acc, &rep);
+    if (rc && acc.stopped) {
+        /* end it in the daemon too, so the session is free when this returns (the decode's
+         * remaining replies come before the CANCEL's and are discarded as stale) */
+        int crc = snapkv_cancel(c, id, NULL, NULL);
+        if (crc)
+            skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller (and CANCEL failed: %s)",
+                            snapkv_last_error());
+        else
+            skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller");
+    }
     if (rc)
         goto out_free_acc;
     /* the final reply may carry the last batch (and, without streaming, all of them); what the
@@ -402,6 +415,28 @@ int snapkv_release(snapkv_client_t *c, const struct snapkv_session_id *id)
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_RELEASE, "RELEASE", NULL, NULL, &rep);
     if (rc)
         return rc;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return SNAPKV_OK;
+}
+
+int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *cancelled, uint32_t *n_generated)
+{
+    int rc = skv_client_check(c, id, "cancel");
+    if (rc)
+        return rc;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__CancelRequest r = SNAPKV__CANCEL_REQUEST__INIT;
+    r.session_id = skv_client_id_wire(id);
+    req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
+    req.cancel = &r;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_CANCEL, "CANCEL", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    if (cancelled)
+        *cancelled = rep->cancel->cancelled;
+    if (n_generated)
+        *n_generated = rep->cancel->n_generated;
     snapkv__reply__free_unpacked(rep, NULL);
     return SNAPKV_OK;
 }

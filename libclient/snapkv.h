@@ -234,12 +234,12 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * UTF-8 only; may be ""). Streamed or collected, a decode's text is the same: each token's
  * bytes, none for control tokens (<|im_end|> ...), and a character the decode's end cuts is
  * held back and begins the session's next decode's text (an APPEND in between drops it).
- * Return 0 to go on; anything else stops waiting: snapkv_decode then
- * returns SNAPKV_E_CANCELLED. The protocol has no cancel, so the daemon still finishes that
- * decode and the session holds all its tokens; later calls discard the remaining replies.
- * Closing the client (or its process ending) does cancel it: the session keeps the tokens made
- * so far. A DECODE past the daemon's max-decodes or max-decodes-per-tenant running ones is
- * refused at once with SNAPKV_E_BUSY. */
+ * Return 0 to go on; anything else ends the decode: the library sends CANCEL for the session
+ * and waits until the daemon ended it, then snapkv_decode returns SNAPKV_E_CANCELLED. The
+ * session keeps every token made so far (those the callback saw, and any the daemon made
+ * before the CANCEL reached it) and takes the next command at once. Closing the client (or its
+ * process ending) cancels it too. A DECODE past the daemon's max-decodes or
+ * max-decodes-per-tenant running ones is refused at once with SNAPKV_E_BUSY. */
 typedef int (*snapkv_token_fn)(void *user, const uint32_t *tokens, size_t n_tokens, const char *text);
 
 struct snapkv_decode_result {
@@ -247,8 +247,9 @@ struct snapkv_decode_result {
     size_t n_tokens;
     char *text;                   /* their text, NUL-terminated, never NULL on success */
     uint32_t n_generated;         /* as the daemon counted */
-    /* "length" | "stop" | "eos", or "cancelled": the daemon shut down mid-decode; the call still
-     * succeeds with the tokens made so far and their text */
+    /* "length" | "stop" | "eos", or "cancelled": a CANCEL from another connection
+     * (snapkv_cancel) or the daemon shutting down ended it; the call still succeeds with the
+     * tokens made so far and their text */
     char finish_reason[16];
 };
 /* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the
@@ -277,6 +278,14 @@ SNAPKV_API int snapkv_fork(snapkv_client_t *client, const struct snapkv_session_
 
 /* Frees a session now. */
 SNAPKV_API int snapkv_release(snapkv_client_t *client, const struct snapkv_session_id *id);
+
+/* Ends the session's running DECODE between two tokens, e.g. from another thread's connection
+ * while the decoding one waits (a connection of the same tenant, or an admin one: any
+ * session). That decode's caller gets its tokens so far with finish_reason "cancelled"; the
+ * session keeps them and takes the next command at once. *cancelled (may be NULL): whether a
+ * decode was running; *n_generated (may be NULL): the tokens it had made. */
+SNAPKV_API int snapkv_cancel(snapkv_client_t *client, const struct snapkv_session_id *id, bool *cancelled,
+                             uint32_t *n_generated);
 
 /* ---- tensor exchange through POSIX shared memory ---------------------------------------------
  * The daemon opens the object by name (O_RDWR) and writes (export) or reads (import) K/V at an

@@ -1,5 +1,5 @@
 /* snapkvctl: the command line of snapkvd for users (generate, chat, prefill, append, decode,
- * compress, fork, export/import, release) and admins (status, list, inspect, evict, pin, save,
+ * compress, fork, export/import, release, cancel) and admins (status, list, inspect, evict, pin, save,
  * load, stats, config). Talks only through libsnapkv; human tables by default, --json for scripts. */
 #include <errno.h>
 #include <fcntl.h>
@@ -84,6 +84,8 @@ static void usage(FILE *out)
             "                                         also asks the admin endpoint for the session's length\n"
             "  import FILE                            a session from an exported file; prints its id\n"
             "  release SESSION\n"
+            "  cancel SESSION [--admin]               end the session's running decode (it keeps its tokens);\n"
+            "                                         --admin: through the admin endpoint, any tenant's session\n"
             "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "admin commands (admin endpoint):\n"
             "  status | list [TENANT] | inspect SESSION [--positions]\n"
@@ -1043,6 +1045,33 @@ static int cmd_release(const struct ctl *c, int argc, char **argv)
     return 0;
 }
 
+static int cmd_cancel(const struct ctl *c, int argc, char **argv)
+{
+    bool admin = argc == 3 && strcmp(argv[2], "--admin") == 0;
+    if (argc != 2 && !admin)
+        return usage_error("cancel", "usage: cancel SESSION [--admin]");
+    struct snapkv_session_id id;
+    if (!parse_session("cancel", argv[1], &id))
+        return 2;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, admin, &cl))
+        return 1;
+    bool cancelled = false;
+    uint32_t n = 0;
+    int rc = snapkv_cancel(cl, &id, &cancelled, &n);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("cancel", rc);
+    if (c->json)
+        return print_json(json_pack("{s:s, s:b, s:I}", "session", argv[1], "cancelled", cancelled, "n_generated",
+                                    (json_int_t)n));
+    if (cancelled)
+        printf("cancelled a decode after %u token(s)\n", n);
+    else
+        printf("no decode was running\n");
+    return 0;
+}
+
 /* ---- export, import ------------------------------------------------------------------------------------------ */
 
 static bool write_all(FILE *f, const void *p, size_t n)
@@ -1705,7 +1734,7 @@ int main(int argc, char **argv)
     } cmds[] = {
         {"generate", cmd_generate}, {"chat", cmd_chat},       {"prefill", cmd_prefill}, {"append", cmd_append},
         {"decode", cmd_decode},     {"compress", cmd_compress}, {"fork", cmd_fork},     {"export", cmd_export},
-        {"import", cmd_import},     {"release", cmd_release}, {"list", cmd_list},       {"inspect", cmd_inspect},
+        {"import", cmd_import},     {"release", cmd_release}, {"cancel", cmd_cancel}, {"list", cmd_list},       {"inspect", cmd_inspect},
         {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},
         {"keygen", cmd_keygen},
     };

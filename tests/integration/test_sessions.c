@@ -1637,6 +1637,117 @@ static void test_snapkvctl(void **state)
     stop_daemon(&d);
 }
 
+/* Stops after `*(int *)user` tokens (the callback's tokens go to g_seen). */
+static uint32_t g_seen[64];
+static size_t g_n_seen;
+static int stop_after(void *user, const uint32_t *t, size_t n, const char *text)
+{
+    (void)text;
+    for (size_t i = 0; i < n && g_n_seen < 64; i++)
+        g_seen[g_n_seen++] = t[i];
+    return g_n_seen >= (size_t)*(int *)user;
+}
+
+/* CANCEL: a streaming decode whose callback asks to stop ends in the daemon before
+ * snapkv_decode returns, so the session takes the next DECODE at once (before CANCEL existed
+ * it was BUSY until all 2000 tokens were made); the tokens so far stay and the next ones
+ * follow them exactly as in one uninterrupted decode. A decode waited on by another process is
+ * ended from a second connection (snapkv_cancel) and returns its tokens as "cancelled";
+ * another tenant cannot cancel, an admin can; snapkvctl cancel says no decode runs. */
+static void test_cancel(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *c = client(d.endpoint, "t"), *u = client(d.endpoint, "u"), *a = client(d.admin, NULL);
+    uint32_t ids[16];
+    prompt(ids, 16, 31);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    struct snapkv_session_id ref;
+    assert_int_equal(snapkv_fork(c, &pr.id, &ref, NULL), SNAPKV_OK);
+
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 2000;
+    sp.stop_at_eos = false;
+    int stop_at = 3;
+    g_n_seen = 0;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, stop_after, &stop_at, NULL), SNAPKV_E_CANCELLED);
+    assert_int_equal(g_n_seen, 3);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, "t", &l), SNAPKV_OK);
+    uint32_t len = 0;
+    for (size_t i = 0; i < l.n; i++)
+        if (memcmp(l.sessions[i].id.bytes, pr.id.bytes, sizeof pr.id.bytes) == 0)
+            len = l.sessions[i].n_tokens;
+    snapkv_session_list_free(&l);
+    uint32_t k = len - 16; /* what the daemon made before the CANCEL reached it */
+    printf("# the callback stopped at 3 tokens; the session holds %u\n", k);
+    assert_true(k >= 3 && k < 2000);
+    assert_true(stat_value(a, "snapkv_decodes_running") == 0);
+    assert_true(stat_value(a, "snapkv_decodes_cancelled_total") == 1);
+    bool cancelled = true;
+    uint32_t n_gen = 99;
+    assert_int_equal(snapkv_cancel(c, &pr.id, &cancelled, &n_gen), SNAPKV_OK); /* nothing runs */
+    assert_false(cancelled);
+    assert_int_equal(n_gen, 0);
+
+    /* at once: four more, after the k; together the reference's k + 4 */
+    struct snapkv_sampling four = sp;
+    four.max_tokens = 4;
+    struct snapkv_decode_result dr, whole;
+    assert_int_equal(snapkv_decode(c, &pr.id, &four, NULL, NULL, &dr), SNAPKV_OK);
+    struct snapkv_sampling all = sp;
+    all.max_tokens = k + 4;
+    assert_int_equal(snapkv_decode(c, &ref, &all, NULL, NULL, &whole), SNAPKV_OK);
+    assert_int_equal(whole.n_tokens, k + 4);
+    assert_memory_equal(whole.tokens, g_seen, 3 * sizeof *g_seen);
+    assert_memory_equal(whole.tokens + k, dr.tokens, 4 * sizeof *dr.tokens);
+    snapkv_decode_result_free(&dr);
+    snapkv_decode_result_free(&whole);
+
+    /* from a second connection while another process waits on the decode */
+    pid_t kid = fork();
+    if (kid == 0) {
+        snapkv_client_t *kc = NULL;
+        struct snapkv_connect_opts o = {.tenant = "t", .timeout_ms = 60000};
+        struct snapkv_decode_result kr;
+        if (snapkv_connect(d.endpoint, &o, &kc) != SNAPKV_OK || snapkv_decode(kc, &pr.id, &sp, NULL, NULL, &kr))
+            _exit(1);
+        _exit(strcmp(kr.finish_reason, "cancelled") == 0 && kr.n_tokens > 0 && kr.n_tokens < 2000 ? 0 : 2);
+    }
+    assert_true(wait_stat(a, "snapkv_decodes_running", 1) == 1);
+    assert_int_equal(snapkv_cancel(u, &pr.id, &cancelled, &n_gen), SNAPKV_E_NOT_FOUND); /* not u's */
+    assert_int_equal(snapkv_cancel(c, &pr.id, &cancelled, &n_gen), SNAPKV_OK);
+    assert_true(cancelled);
+    assert_true(n_gen > 0 && n_gen < 2000);
+    int st;
+    assert_int_equal(waitpid(kid, &st, 0), kid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_true(stat_value(a, "snapkv_decodes_cancelled_total") == 2);
+    assert_int_equal(snapkv_cancel(a, &pr.id, &cancelled, &n_gen), SNAPKV_OK); /* admin: any tenant */
+    assert_false(cancelled);
+
+    static char out[4096], err[4096];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    snapkv_session_id_to_hex(&pr.id, hex, sizeof hex);
+    const char *args[] = {"-t", "t", "cancel", hex, NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl cancel: %s", err);
+    assert_non_null(strstr(out, "no decode was running"));
+    const char *adm[] = {"--json", "cancel", hex, "--admin", NULL};
+    if (run_ctl(&d, adm, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl cancel --admin: %s", err);
+    assert_non_null(strstr(out, "\"cancelled\": false"));
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&u);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1649,6 +1760,7 @@ int main(void)
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
+        cmocka_unit_test_teardown(test_cancel, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

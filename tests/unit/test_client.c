@@ -690,6 +690,17 @@ static bool answer_decode(struct fake *f, const Snapkv__Request *req)
         fake_send(f, &rep);
         return true;
     }
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL) {
+        Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+        Snapkv__CancelReply r = SNAPKV__CANCEL_REPLY__INIT;
+        r.cancelled = true;
+        r.n_generated = 2;
+        rep.final = true;
+        rep.result_case = SNAPKV__REPLY__RESULT_CANCEL;
+        rep.cancel = &r;
+        fake_send(f, &rep);
+        return true;
+    }
     if (req->command_case != SNAPKV__REQUEST__COMMAND_DECODE)
         return false;
     static const uint32_t t[6] = {11, 12, 13, 14, 15, 2};
@@ -803,9 +814,21 @@ static void test_decode_cancel_skips_rest(void **state)
     struct stream_log log = {.stop_after = 1};
     struct snapkv_decode_result r = {.n_tokens = 99};
     assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens, &log, &r), SNAPKV_E_CANCELLED);
+    assert_string_equal(snapkv_last_error(), "decode: stopped by the caller");
     assert_int_equal(log.batches, 1);
     assert_int_equal(r.n_tokens, 99); /* untouched */
-    /* the rest of that stream is still coming: the next call skips it */
+    /* it ended the decode in the daemon with a CANCEL for the session, skipping the rest of
+     * the stream (stale replies) to the CANCEL's reply */
+    Snapkv__Request *cq = fake_last(f);
+    assert_int_equal(cq->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
+    assert_wire_id(cq->cancel->session_id, &ID_B);
+    snapkv__request__free_unpacked(cq, NULL);
+    bool cancelled = false;
+    uint32_t n_generated = 0;
+    assert_int_equal(snapkv_cancel(c, &ID_B, &cancelled, &n_generated), SNAPKV_OK);
+    assert_true(cancelled);
+    assert_int_equal(n_generated, 2);
+    /* and the next call goes through */
     assert_int_equal(snapkv_release(c, &ID_B), SNAPKV_OK);
     Snapkv__Request *req = fake_last(f);
     assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_RELEASE);

@@ -22,7 +22,8 @@
  * - A client-gone notice cancels that client's running decodes, between two rounds: the session
  *   keeps the tokens and decodes on exactly as an uninterrupted one; other clients' go on.
  * - A long PREFILL gives running decodes a token between its layers (decode-yield-ms); both
- *   come out as when each runs alone. */
+ *   come out as when each runs alone.
+ * - CANCEL ends a running decode between two rounds, its final reply before CANCEL's. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -1262,6 +1263,83 @@ static void test_decode_yield(void **state)
     snapkv__reply__free_unpacked(alone, NULL);
 }
 
+/* CANCEL ends the session's running decode between two rounds: its final reply ("cancelled",
+ * with the tokens so far) comes first, then CANCEL's with how many it made; the session takes
+ * the next DECODE at once and goes on as an uninterrupted decode would. Another tenant gets
+ * NOT_FOUND, and a session with no decode running answers cancelled = false. */
+static void submit_cancel(struct fixture *f, int sock, const uint8_t *id, const char *tenant, const uint8_t sid[16])
+{
+    Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
+    c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
+    req.cancel = &c;
+    req.tenant = (char *)tenant;
+    assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
+}
+
+static void test_cancel_decode(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], ref[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", ref);
+    uint32_t want[6], got[8];
+    int n_want = 0, n = 0;
+    submit_decode(f, ID_Z, "t", ref, 6, false);
+    Snapkv__Reply *rep = decode_final(f, ID_Z, want, &n_want, 6);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+
+    /* X's decode starts and takes a token; U's CANCEL is refused; Y's (same tenant) ends it */
+    freeze(f, a);
+    submit_decode(f, ID_X, "t", a, 1000, true);
+    submit_cancel(f, 0, ID_Z, "u", a);
+    submit_cancel(f, 0, ID_Y, "t", a);
+    thaw(f);
+    rep = next_reply(f, 0, ID_X, 5); /* the first round's token */
+    assert_int_equal(rep->status, SKV_OK);
+    assert_false(rep->final);
+    got[n++] = rep->decode->tokens[0];
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Z, 5);
+    assert_int_equal(rep->status, SKV_E_NOT_FOUND);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_X, 5); /* the second round's */
+    assert_false(rep->final);
+    got[n++] = rep->decode->tokens[0];
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_true(rep->final);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    assert_int_equal(rep->decode->n_generated, 2);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
+    assert_true(rep->cancel->cancelled);
+    assert_int_equal(rep->cancel->n_generated, 2);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_decodes_cancelled_total"), 1);
+    assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
+
+    /* nothing runs now: the admin endpoint's CANCEL (any tenant) answers false */
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    submit_cancel(f, 1, admin, "someone", a);
+    rep = next_reply(f, 1, admin, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_false(rep->cancel->cancelled);
+    snapkv__reply__free_unpacked(rep, NULL);
+    submit_decode(f, ID_Y, "t", a, 4, false);
+    int n_more = 0;
+    rep = decode_final(f, ID_Y, got + 2, &n_more, 4);
+    if (rep->status)
+        fail_msg("DECODE: %d %s", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(n_more, 4);
+    assert_memory_equal(got, want, sizeof want);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1279,6 +1357,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_limits, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_yield, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cancel_decode, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
