@@ -746,6 +746,12 @@ static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
     return SKV_OK;
 }
 
+/* True when a was used before b (the table's LRU order). */
+static bool ipc_older(const struct skv_ipc_buf *a, const struct skv_ipc_buf *b)
+{
+    return a->use < b->use;
+}
+
 /* True when e was opened for the client behind job (same endpoint, same routing id). */
 static bool ipc_owned_by(const struct skv_ipc_buf *e, const struct skv_job *job)
 {
@@ -753,30 +759,44 @@ static bool ipc_owned_by(const struct skv_ipc_buf *e, const struct skv_job *job)
            memcmp(e->identity, job->identity, job->identity_len) == 0;
 }
 
+static void ipc_close_at(struct skv_worker *w, int i);
+
 /* The CUDA buffer `handle` of the client behind `job`, opened on first use and kept until the
  * client's connection closes (skv_requests_client_gone), it has been idle for a lease
- * (skv_requests_ipc_expire) or the worker stops. */
+ * (skv_requests_ipc_expire), room is needed or the worker stops. The table is a cache of
+ * mappings, not something a client holds: one more than SKV_IPC_PER_CLIENT for a client, or
+ * than SKV_IPC_MAX in all, closes the least recently used one (the client's own, or anyone's),
+ * which a later transfer through it opens again. So clients with many connections cannot
+ * take every slot from the others. Safe between requests: a transfer uses one buffer, and no
+ * other request runs while it does. */
 static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const ProtobufCBinaryData *handle,
                       void **out)
 {
     if (handle->len != SKV_IPC_HANDLE_BYTES)
         return skv_errorf(SKV_E_INVAL, "a CUDA IPC handle has %d bytes, not %zu", SKV_IPC_HANDLE_BYTES, handle->len);
-    int mine = 0;
+    int mine = 0, mine_lru = -1, lru = -1;
     uint64_t now = skv_now_ms();
     for (int i = 0; i < w->n_ipc; i++) {
         struct skv_ipc_buf *e = &w->ipc[i];
+        if (lru < 0 || ipc_older(e, &w->ipc[lru]))
+            lru = i;
         if (!ipc_owned_by(e, job))
             continue;
         if (!memcmp(e->handle, handle->data, SKV_IPC_HANDLE_BYTES)) {
             e->last_used_ms = now;
+            e->use = ++w->ipc_uses;
             *out = e->ptr;
             return SKV_OK;
         }
+        if (mine_lru < 0 || ipc_older(e, &w->ipc[mine_lru]))
+            mine_lru = i;
         mine++;
     }
-    if (mine >= SKV_IPC_PER_CLIENT || w->n_ipc >= SKV_IPC_MAX)
-        return skv_errorf(SKV_E_LIMIT, "%d CUDA buffers are open for this client (%d in all; at most %d and %d)", mine,
-                          w->n_ipc, SKV_IPC_PER_CLIENT, SKV_IPC_MAX);
+    int victim = mine >= SKV_IPC_PER_CLIENT ? mine_lru : w->n_ipc >= SKV_IPC_MAX ? lru : -1;
+    if (victim >= 0) {
+        ipc_close_at(w, victim);
+        w->metrics.ipc_closed_lru++;
+    }
     void *ptr = NULL;
     int rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr);
     if (rc)
@@ -788,6 +808,7 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
     memcpy(e->handle, handle->data, SKV_IPC_HANDLE_BYTES);
     e->ptr = ptr;
     e->last_used_ms = now;
+    e->use = ++w->ipc_uses;
     *out = ptr;
     return SKV_OK;
 }

@@ -12,6 +12,7 @@ struct skv_metrics {
     uint64_t prefill_tokens, decode_tokens, decode_batches;
     double prefill_seconds, decode_seconds;
     uint64_t bytes_before, bytes_after; /* over all compressed prefills */
+    uint64_t ipc_closed_lru;      /* CUDA buffers closed to make room for another (SKV_IPC_* limits) */
     uint64_t ipc_closed_gone;     /* CUDA buffers closed because their client's connection closed */
     uint64_t decodes_cancelled_gone; /* running DECODEs ended because their client's connection closed */
     uint64_t decodes_cancelled;   /* running DECODEs ended by a CANCEL */
@@ -37,7 +38,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 22
+#define SKV_N_STATS 23
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -34,8 +34,8 @@ struct skv_decode {
 
 /* A client's CUDA buffer the worker opened (ipc_open), kept for the client's next transfers. */
 #define SKV_IPC_HANDLE_BYTES 64
-#define SKV_IPC_PER_CLIENT 8   /* CUDA buffers one client may have open at once */
-#define SKV_IPC_MAX 256        /* and all clients together */
+#define SKV_IPC_PER_CLIENT 8   /* CUDA buffers kept open for one client (more: its LRU one closes) */
+#define SKV_IPC_MAX 256        /* and for all clients together (more: the LRU one closes) */
 struct skv_ipc_buf {
     int sock;                 /* the endpoint the client came through (skv_job.sock) */
     uint8_t identity[256];    /* the client's ZeroMQ routing id */
@@ -43,6 +43,7 @@ struct skv_ipc_buf {
     uint8_t handle[SKV_IPC_HANDLE_BYTES];
     void *ptr;
     uint64_t last_used_ms;
+    uint64_t use;             /* w->ipc_uses at its last use: LRU order */
 };
 
 struct skv_worker {
@@ -67,6 +68,7 @@ struct skv_worker {
     bool yielding;            /* decode rounds run inside a forward (skv_worker_yield) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
+    uint64_t ipc_uses;        /* uses of the table's buffers so far */
     struct skv_metrics metrics;
     atomic_uint st_sessions, st_queue;
     atomic_ullong st_queue_bytes;

@@ -5,6 +5,8 @@
  *   queued just before the notice, and leaves client Y's and the admin endpoint's (same
  *   routing id as X) open until the worker stops; STATS counts the disconnect once and the
  *   buffers it closed.
+ * - The opened CUDA buffers are a cache, 8 per client and 256 in all, least recently used
+ *   closed first: every transfer is served, whoever holds many connections.
  * - Quotas: an APPEND, DECODE or COMPRESS that cannot have room fails before it changes the
  *   session, and evicts nothing unless evicting could make room.
  * - Shared-memory buffers: only /snapkv-* names; a client shrinking its buffer during
@@ -300,6 +302,65 @@ static void test_client_gone(void **state)
     assert_memory_equal(g_closed, want_end, sizeof want_end);
 }
 
+static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16]);
+
+/* EXPORT_KV of layer 0 by client `id` into fake buffer k through handle variant v (the fake
+ * maps every handle with first byte k to buffer k; the daemon tells handles apart whole). */
+static void export_variant(struct fixture *f, const uint8_t id[5], const uint8_t sid[16], int k, int v)
+{
+    uint8_t handle[64] = {(uint8_t)k, (uint8_t)v, (uint8_t)(v >> 8)};
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
+    buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
+    buf.size = FAKE_BYTES;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    e.buffer = &buf;
+    e.layer_count = 1;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+    expect_exported(f, 0, id);
+}
+
+/* The opened CUDA buffers are a cache: a client's ninth closes its least recently used one,
+ * and past 256 in all the least recently used of anyone's closes; every transfer succeeds
+ * (before, the ninth of a client was refused, and 32 connections could take all 256 slots
+ * from every other client). A closed one opens again when used again. */
+static void test_ipc_lru(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    const int o1 = g_opened[1], c1 = g_closed[1], o2 = g_opened[2], c2 = g_closed[2];
+    for (int v = 0; v < 9; v++)
+        export_variant(f, ID_X, sid, 1, v);
+    assert_int_equal(g_opened[1] - o1, 9);
+    assert_int_equal(g_closed[1] - c1, 1); /* variant 0 */
+    assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 1);
+    export_variant(f, ID_X, sid, 1, 1); /* still open */
+    assert_int_equal(g_opened[1] - o1, 9);
+    export_variant(f, ID_X, sid, 1, 0); /* opened again; variant 2 is now the oldest, and goes */
+    assert_int_equal(g_opened[1] - o1, 10);
+    assert_int_equal(g_closed[1] - c1, 2);
+    /* 32 more clients with 8 each: 264 wanted, so the 8 oldest (all X's) close */
+    for (int client = 0; client < 32; client++) {
+        const uint8_t id[5] = {9, 8, 7, 6, (uint8_t)client};
+        for (int v = 0; v < 8; v++)
+            export_variant(f, id, sid, 2, client * 8 + v);
+    }
+    assert_int_equal(g_opened[2] - o2, 256);
+    assert_int_equal(g_closed[2] - c2, 0);
+    assert_int_equal(g_closed[1] - c1, 10);
+    assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 10);
+    export_variant(f, ID_X, sid, 1, 5); /* X is served again, at the oldest other's cost */
+    assert_int_equal(g_opened[1] - o1, 11);
+    assert_int_equal(g_closed[2] - c2, 1);
+    skv_worker_stop(&f->w); /* every one still open closes */
+    assert_int_equal(g_opened[1] - o1, g_closed[1] - c1);
+    assert_int_equal(g_opened[2] - o2, g_closed[2] - c2);
+}
 
 /* ---- quotas ---------------------------------------------------------------------------------- */
 
@@ -1344,6 +1405,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_client_gone, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ipc_lru, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
