@@ -182,6 +182,54 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
     return best;
 }
 
+/* Pool pressure's victim for `except`'s sake: the least recently used session that may go,
+ * taken first from the tenants that hold more than an equal share of the pool (its bytes over
+ * the tenants holding sessions now), so that a tenant within its share loses nothing while
+ * another holds more; only when none of those has a session that may go, from any tenant
+ * (with one tenant that is plain LRU). */
+static struct skv_session *pool_victim(struct skv_session_table *t, const struct skv_session *except)
+{
+    struct usage {
+        const char *tenant;
+        uint64_t bytes;
+    } *u = NULL;
+    size_t n = 0, cap = 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next) {
+            size_t i = 0;
+            while (i < n && strcmp(u[i].tenant, s->tenant) != 0)
+                i++;
+            if (i == n) {
+                if (n == cap) {
+                    size_t grown = cap ? 2 * cap : 16;
+                    struct usage *p = realloc(u, grown * sizeof *p);
+                    if (!p) {
+                        free(u);
+                        return lru_victim(t, except, NULL);
+                    }
+                    u = p;
+                    cap = grown;
+                }
+                u[n++] = (struct usage){s->tenant, 0};
+            }
+            u[i].bytes += s->bytes;
+        }
+    uint64_t share = n ? t->lim.pool_bytes / n : 0;
+    struct skv_session *best = NULL;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct skv_session *s = t->bucket[b]; s; s = s->next) {
+            if (s == except || s->pinned || s->busy || (best && s->last_used_ms >= best->last_used_ms))
+                continue;
+            size_t i = 0;
+            while (strcmp(u[i].tenant, s->tenant) != 0)
+                i++;
+            if (u[i].bytes > share)
+                best = s;
+        }
+    free(u);
+    return best ? best : lru_victim(t, except, NULL);
+}
+
 /* Bytes of the unique blocks in use: what the pool limit counts. */
 static uint64_t pool_bytes_used(const struct skv_session_table *t)
 {
@@ -265,7 +313,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     }
     /* evicting a session frees only the blocks no one else holds: re-count each time */
     while ((used = pool_bytes_used(t) + more_unique) > t->lim.pool_bytes) {
-        struct skv_session *v = lru_victim(t, s, NULL);
+        struct skv_session *v = pool_victim(t, s);
         if (!v)
             return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
                               (unsigned long long)used, (unsigned long long)t->lim.pool_bytes);

@@ -67,7 +67,9 @@ void skv_session_destroy(struct skv_session_table *t, struct skv_session *s);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or
- * the tenant's quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`);
+ * the tenant's quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`):
+ * for the quota the tenant's own; for the pool first those of tenants holding more than an
+ * equal share of it (pool bytes / tenants with sessions), then anyone's;
  * SKV_E_POOL_FULL / SKV_E_LIMIT when that is not enough (the caller then drops `s`, or undoes
  * what it added). Nothing is evicted when evicting every candidate could not make room.
  * *evicted_out (may be NULL) counts the sessions evicted. */

@@ -1748,6 +1748,61 @@ static void test_cancel(void **state)
     stop_daemon(&d);
 }
 
+/* Pool pressure takes sessions of the tenants holding more than an equal share of the pool
+ * first: a small tenant's older session stays while a big one fills the pool (plain LRU took
+ * it first), and the big tenant's own oldest go. When no tenant is above its share, plain LRU
+ * applies (here: the small tenant's, the oldest). */
+static void test_fair_eviction(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "8M");
+    snapkv_client_t *small = client(d.endpoint, "small"), *big = client(d.endpoint, "big"), *a = client(d.admin, NULL);
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 17);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 96, .compress = "policy=snapkv,budget=32"};
+    struct snapkv_prefill_result mine, pr;
+    assert_int_equal(snapkv_prefill(small, &po, &mine), SNAPKV_OK); /* 1.4 MiB, the oldest */
+    struct snapkv_session_id first_big;
+    for (int i = 0; i < 8; i++) { /* 11 MiB more: about two of big's must go */
+        assert_int_equal(snapkv_prefill(big, &po, &pr), SNAPKV_OK);
+        if (i == 0)
+            first_big = pr.id;
+        snapkv_prefill_result_free(&pr);
+    }
+    assert_true(stat_value(a, "snapkv_evictions_total") >= 1);
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, &mine.id, false, &ir), SNAPKV_OK); /* the small one's stays */
+    snapkv_inspect_result_free(&ir);
+    assert_int_equal(snapkv_admin_inspect(a, &first_big, false, &ir), SNAPKV_E_NOT_FOUND); /* big's oldest went */
+    /* big gives its sessions back and makes two (2.8 MiB; the share is 4 MiB, so no tenant is
+     * above it); a full-cache 96-token prefill (4.4 MiB) needs one session gone: plain LRU,
+     * the small tenant's, the oldest */
+    uint32_t n_ev = 0;
+    assert_int_equal(snapkv_admin_evict(a, NULL, "big", false, &n_ev, NULL), SNAPKV_OK);
+    struct snapkv_session_id kept[2];
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(snapkv_prefill(big, &po, &pr), SNAPKV_OK);
+        kept[i] = pr.id;
+        snapkv_prefill_result_free(&pr);
+    }
+    double ev0 = stat_value(a, "snapkv_evictions_total");
+    po.compress = NULL;
+    assert_int_equal(snapkv_prefill(big, &po, &pr), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    assert_true(stat_value(a, "snapkv_evictions_total") == ev0 + 1);
+    assert_int_equal(snapkv_admin_inspect(a, &mine.id, false, &ir), SNAPKV_E_NOT_FOUND);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(snapkv_admin_inspect(a, &kept[i], false, &ir), SNAPKV_OK);
+        snapkv_inspect_result_free(&ir);
+    }
+    snapkv_prefill_result_free(&mine);
+    snapkv_close(&a);
+    snapkv_close(&big);
+    snapkv_close(&small);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1761,6 +1816,7 @@ int main(void)
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
+        cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
