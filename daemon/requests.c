@@ -216,6 +216,11 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
                             (long long)cfg->max_new_tokens);
         else if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX)
             rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
+        else if (sp && sp->n_stop) {
+            struct skv_stop_text st;
+            if (!(rc = skv_stop_text_init(&st, (const char *const *)sp->stop, sp->n_stop)))
+                skv_stop_text_fini(&st);
+        }
         break;
     }
     case SNAPKV__REQUEST__COMMAND_COMPRESS:
@@ -1179,6 +1184,7 @@ void skv_requests_decode_free(struct skv_decode *d)
         d->session->n_text_pending = (uint8_t)d->n_pending;
     }
     skv_sampler_fini(&d->sampler);
+    skv_stop_text_fini(&d->stops);
     free(d->stop);
     free(d->out);
     free(d->text);
@@ -1248,6 +1254,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     }
     if (!rc && !(d->out = malloc((size_t)max * sizeof *d->out)))
         rc = SKV_E_NOMEM;
+    if (!rc && sp && sp->n_stop)
+        rc = skv_stop_text_init(&d->stops, (const char *const *)sp->stop, sp->n_stop);
     if (!rc && sp && sp->n_stop_tokens) {
         if (!(d->stop = malloc(sp->n_stop_tokens * sizeof *d->stop)))
             rc = SKV_E_NOMEM;
@@ -1356,9 +1364,16 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         return true;
     }
     /* the same text streamed or collected: each token's bytes, control tokens none, a
-     * character cut by the end held for the session's next DECODE */
-    char text[512];
-    size_t len = token_text(w, d, t, text, sizeof text);
+     * character cut by the end held for the session's next DECODE; with stop sequences, up to
+     * the first one, and what may begin one held back until it cannot or the decode ends */
+    char tok_text[512], text[sizeof tok_text + SKV_STOP_STRING_BYTES + 1];
+    size_t len = token_text(w, d, t, tok_text, sizeof tok_text);
+    if (skv_stop_text_feed(&d->stops, tok_text, len, text, &len)) {
+        d->reason = "stop";
+        d->n_pending = 0; /* bytes after the sequence: not the session's text */
+    } else if (d->reason) {
+        len += skv_stop_text_flush(&d->stops, text + len);
+    }
     if (d->stream) {
         decode_reply(w, d, d->reason != NULL, d->reason, &t, 1, text);
         return d->reason != NULL;
@@ -1428,8 +1443,17 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
 
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
 {
+    /* text held back for the stop sequences is the decode's too */
+    char held[SKV_STOP_STRING_BYTES + 1];
+    size_t n_held = skv_stop_text_flush(&d->stops, held);
+    char *all = NULL;
+    if (!d->stream && n_held && (all = malloc(d->text_len + n_held + 1))) {
+        memcpy(all, d->text ? d->text : "", d->text_len);
+        memcpy(all + d->text_len, held, n_held + 1);
+    }
     decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced,
-                 !d->stream && d->text ? d->text : "");
+                 d->stream ? held : all ? all : d->text ? d->text : "");
+    free(all);
 }
 
 /* CANCEL: the session's running decode ends here, between two of its rounds (this request runs

@@ -29,6 +29,7 @@ struct skv_decode {
     size_t n_pending;
     char *text;               /* the text of every token so far (non-streaming reply) */
     size_t text_len, text_cap;
+    struct skv_stop_text stops; /* the request's stop sequences and the text they hold back */
     struct skv_decode *next;
 };
 

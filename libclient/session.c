@@ -252,6 +252,11 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     if (s.n_stop_tokens && !s.stop_tokens)
         return skv_client_fail(SNAPKV_E_INVAL, "decode: n_stop_tokens is %zu but stop_tokens is NULL",
                                s.n_stop_tokens);
+    if (s.n_stop && !s.stop)
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: n_stop is %zu but stop is NULL", s.n_stop);
+    for (size_t i = 0; i < s.n_stop; i++)
+        if (!s.stop[i] || !*s.stop[i])
+            return skv_client_fail(SNAPKV_E_INVAL, "decode: stop sequence %zu is NULL or empty", i);
     if (s.temperature < 0.0f || s.top_p < 0.0f || s.top_p > 1.0f || s.temperature != s.temperature ||
         s.top_p != s.top_p)
         return skv_client_fail(SNAPKV_E_INVAL, "decode: temperature must be >= 0 and top_p in [0, 1]");
@@ -267,6 +272,8 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     ws.stop_tokens = (uint32_t *)s.stop_tokens;
     ws.max_tokens = s.max_tokens;
     ws.stop_at_eos = s.stop_at_eos;
+    ws.n_stop = s.n_stop;
+    ws.stop = (char **)s.stop;
     d.session_id = skv_client_id_wire(id);
     d.sampling = &ws;
     d.stream = on_tokens != NULL;

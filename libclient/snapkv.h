@@ -23,6 +23,7 @@
  * N changes and programs must be rebuilt. 2:0:0 (libsnapkv.so.2) is the first such bump: structs
  * grew fields after 1.0 (snapkv_import_opts.cuda, the CURVE keys of snapkv_connect_opts).
  * 3:0:0 (libsnapkv.so.3): snapkv_kv_layout grew original_length.
+ * 4:0:0 (libsnapkv.so.4): snapkv_sampling grew stop and n_stop (stop sequences); snapkv_cancel.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -226,8 +227,14 @@ struct snapkv_sampling {
     size_t n_stop_tokens;
     uint32_t max_tokens;          /* 0: the daemon's default */
     bool stop_at_eos;             /* stop at the model's end-of-turn / eos token */
+    /* stop sequences (text; at most 16, each 1 to 256 bytes): the decode ends when its text
+     * contains one (finish_reason "stop"), its text ending just before it; streamed text that
+     * may begin one is held back until it cannot. The tokens include the one that completed it,
+     * and the session holds them all. */
+    const char *const *stop;
+    size_t n_stop;
 };
-/* Greedy, no stop tokens, max_tokens 0, stop_at_eos true: what a NULL sampling means. */
+/* Greedy, no stop tokens or sequences, max_tokens 0, stop_at_eos true: what a NULL sampling means. */
 SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
 
 /* Called with each batch of new tokens while a decode streams, with their text (complete

@@ -18,6 +18,7 @@
 #include "libclient/snapkv.h"
 
 #define DEFAULT_ENDPOINT "ipc:///run/snapkvd/snapkvd.sock"
+#define SNAPKV_MAX_STOP 16 /* stop sequences a DECODE may name */
 #define DEFAULT_ADMIN_ENDPOINT "ipc:///run/snapkvd/admin.sock"
 #define DEFAULT_MAX_TOKENS 256
 #define MAX_INPUT_BYTES (64u << 20)
@@ -87,6 +88,7 @@ static void usage(FILE *out)
             "  cancel SESSION [--admin]               end the session's running decode (it keeps its tokens);\n"
             "                                         --admin: through the admin endpoint, any tenant's session\n"
             "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
+            "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
             "admin commands (admin endpoint):\n"
             "  status | list [TENANT] | inspect SESSION [--positions]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
@@ -437,13 +439,18 @@ enum {
     OPT_TENANT,
     OPT_ALL,
     OPT_PROMETHEUS,
+    OPT_STOP,
 };
+
+/* --stop TEXT, repeated: the sequences snapkv_sampling.stop points at (optarg stays valid). */
+static const char *g_stop[SNAPKV_MAX_STOP];
 
 #define SAMPLING_OPTIONS                                                                                  \
     {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},                                              \
         {"temperature", required_argument, NULL, OPT_TEMPERATURE},                                        \
         {"top-p", required_argument, NULL, OPT_TOP_P}, {"top-k", required_argument, NULL, OPT_TOP_K},     \
-        {"seed", required_argument, NULL, OPT_SEED}, {"no-eos", no_argument, NULL, OPT_NO_EOS}
+        {"seed", required_argument, NULL, OPT_SEED}, {"no-eos", no_argument, NULL, OPT_NO_EOS},           \
+        {"stop", required_argument, NULL, OPT_STOP}
 
 /* Applies one sampling option; returns 1 when o is one, 0 when not, 2 on a bad value. */
 static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
@@ -473,6 +480,14 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
         return 1;
     case OPT_NO_EOS:
         s->stop_at_eos = false;
+        return 1;
+    case OPT_STOP:
+        if (!*optarg || strlen(optarg) > 256)
+            return usage_error(cmd, "--stop wants 1 to 256 bytes of text");
+        if (s->n_stop == SNAPKV_MAX_STOP)
+            return usage_error(cmd, "at most %d --stop sequences", SNAPKV_MAX_STOP);
+        g_stop[s->n_stop++] = optarg;
+        s->stop = g_stop;
         return 1;
     default:
         return 0;

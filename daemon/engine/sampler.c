@@ -112,3 +112,79 @@ int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
     }
     return s->idx[k - 1];
 }
+
+/* ---- stop sequences ------------------------------------------------------------------------- */
+
+int skv_stop_text_init(struct skv_stop_text *st, const char *const *stop, size_t n)
+{
+    memset(st, 0, sizeof *st);
+    if (n > SKV_STOP_STRINGS_MAX)
+        return skv_errorf(SKV_E_LIMIT, "at most %u stop sequences, not %zu", SKV_STOP_STRINGS_MAX, n);
+    for (size_t i = 0; i < n; i++) {
+        size_t len = stop[i] ? strlen(stop[i]) : 0;
+        if (len == 0 || len > SKV_STOP_STRING_BYTES) {
+            skv_stop_text_fini(st);
+            return len ? skv_errorf(SKV_E_LIMIT, "stop sequence %zu has %zu bytes (at most %u)", i, len,
+                                    SKV_STOP_STRING_BYTES)
+                       : skv_errorf(SKV_E_INVAL, "stop sequence %zu is empty", i);
+        }
+        if (!(st->stop[i] = malloc(len))) {
+            skv_stop_text_fini(st);
+            return SKV_E_NOMEM;
+        }
+        memcpy(st->stop[i], stop[i], len);
+        st->len[i] = len;
+        st->n = i + 1;
+    }
+    return SKV_OK;
+}
+
+void skv_stop_text_fini(struct skv_stop_text *st)
+{
+    for (size_t i = 0; i < st->n; i++)
+        free(st->stop[i]);
+    memset(st, 0, sizeof *st);
+}
+
+bool skv_stop_text_feed(struct skv_stop_text *st, const char *text, size_t len, char *out, size_t *n_out)
+{
+    memcpy(out, st->hold, st->n_hold);
+    memcpy(out + st->n_hold, text, len);
+    size_t total = st->n_hold + len;
+    st->n_hold = 0;
+    /* the earliest complete sequence */
+    size_t at = total;
+    for (size_t i = 0; i < st->n; i++)
+        for (size_t p = 0; p + st->len[i] <= total && p < at; p++)
+            if (memcmp(out + p, st->stop[i], st->len[i]) == 0) {
+                at = p;
+                break;
+            }
+    if (at < total) {
+        out[at] = '\0';
+        *n_out = at;
+        return true;
+    }
+    /* the longest suffix that is a proper prefix of a sequence stays */
+    size_t keep = 0;
+    for (size_t i = 0; i < st->n; i++)
+        for (size_t j = st->len[i] - 1 < total ? st->len[i] - 1 : total; j > keep; j--)
+            if (memcmp(out + total - j, st->stop[i], j) == 0) {
+                keep = j;
+                break;
+            }
+    memcpy(st->hold, out + total - keep, keep);
+    st->n_hold = keep;
+    out[total - keep] = '\0';
+    *n_out = total - keep;
+    return false;
+}
+
+size_t skv_stop_text_flush(struct skv_stop_text *st, char *out)
+{
+    size_t n = st->n_hold;
+    memcpy(out, st->hold, n);
+    out[n] = '\0';
+    st->n_hold = 0;
+    return n;
+}

@@ -4,6 +4,7 @@
 #define SKV_SAMPLER_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct skv_sampler_params {
@@ -28,5 +29,29 @@ void skv_sampler_fini(struct skv_sampler *s);
 int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits);
 /* argmax with ties to the lowest id. */
 int32_t skv_argmax(const float *logits, int n);
+
+/* Stop sequences over a decode's text: the text is fed as it is generated; what can no longer
+ * begin a stop sequence is released, a suffix that still could is held back, and a complete
+ * sequence ends the text just before it (the earliest one where several complete). */
+#define SKV_STOP_STRINGS_MAX 16u   /* stop sequences one DECODE may name */
+#define SKV_STOP_STRING_BYTES 256u /* the longest one */
+struct skv_stop_text {
+    char *stop[SKV_STOP_STRINGS_MAX];
+    size_t len[SKV_STOP_STRINGS_MAX];
+    size_t n;
+    char hold[SKV_STOP_STRING_BYTES]; /* a suffix of the text that begins some sequence */
+    size_t n_hold;
+};
+/* Copies n sequences (SKV_E_LIMIT past SKV_STOP_STRINGS_MAX or SKV_STOP_STRING_BYTES,
+ * SKV_E_INVAL for an empty one). n = 0: nothing ever stops or is held. */
+int skv_stop_text_init(struct skv_stop_text *st, const char *const *stop, size_t n);
+void skv_stop_text_fini(struct skv_stop_text *st);
+/* Feeds len bytes of new text. out (room for n_hold + len + 1 bytes) receives the text
+ * released, *n_out bytes, NUL-terminated. Returns true when a sequence completed: out is the
+ * text before it, and nothing stays held. */
+bool skv_stop_text_feed(struct skv_stop_text *st, const char *text, size_t len, char *out, size_t *n_out);
+/* Appends the held-back text to out (room for SKV_STOP_STRING_BYTES bytes, NUL added) and
+ * empties it: a decode that ends otherwise releases it. Returns its length. */
+size_t skv_stop_text_flush(struct skv_stop_text *st, char *out);
 
 #endif

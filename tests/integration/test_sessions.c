@@ -1803,6 +1803,123 @@ static void test_fair_eviction(void **state)
     stop_daemon(&d);
 }
 
+/* Each streamed piece of text, kept apart (pieces[i]: the text of the i-th callback). */
+struct pieces {
+    char text[64][64];
+    int n;
+};
+static int keep_piece(void *user, const uint32_t *t, size_t n, const char *text)
+{
+    (void)t;
+    (void)n;
+    struct pieces *p = user;
+    if (p->n < 64)
+        snprintf(p->text[p->n++], sizeof p->text[0], "%s", text);
+    return 0;
+}
+
+/* Stop sequences: a sequence that spans two tokens' text ends the decode at the token that
+ * completes it, the text just before its first occurrence, streamed or collected (snapkvctl
+ * --stop too); one that never occurs changes nothing; too many or too long are refused. */
+static void test_stop_sequences(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "256M");
+    snapkv_client_t *c = client(d.endpoint, "default");
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = "The numbers: one, two, three, four,"}, &pr),
+                     SNAPKV_OK);
+    struct snapkv_session_id f[5];
+    for (int i = 0; i < 5; i++)
+        assert_int_equal(snapkv_fork(c, &pr.id, &f[i], NULL), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 24;
+    sp.stop_at_eos = false;
+    static struct pieces ref;
+    assert_int_equal(snapkv_decode(c, &f[0], &sp, keep_piece, &ref, NULL), SNAPKV_OK);
+    char all[1024] = "";
+    for (int i = 0; i < ref.n; i++)
+        strcat(all, ref.text[i]);
+    printf("# reference: '%s'\n", all);
+    /* a sequence from the last 2 bytes of one token's text to the first of the next */
+    int j = 4;
+    while (j + 1 < ref.n && (strlen(ref.text[j]) < 2 || strlen(ref.text[j + 1]) < 1))
+        j++;
+    assert_true(j + 1 < ref.n);
+    size_t before = 0;
+    for (int i = 0; i <= j; i++)
+        before += strlen(ref.text[i]);
+    char seq[8];
+    memcpy(seq, all + before - 2, 3);
+    seq[3] = '\0';
+    size_t at = (size_t)(strstr(all, seq) - all); /* its first occurrence may come earlier */
+    int n_tok = 0;
+    for (size_t got = 0; got < at + 3; got += strlen(ref.text[n_tok++]))
+        ;
+    printf("# stop '%s': text %zu bytes, %d tokens\n", seq, at, n_tok);
+    const char *stop[] = {"never there \x01", seq};
+    sp.stop = stop;
+    sp.n_stop = 2;
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode(c, &f[1], &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_string_equal(dr.finish_reason, "stop");
+    assert_int_equal(strlen(dr.text), at);
+    assert_memory_equal(dr.text, all, at);
+    assert_int_equal(dr.n_tokens, n_tok);
+    snapkv_decode_result_free(&dr);
+    static struct pieces streamed;
+    assert_int_equal(snapkv_decode(c, &f[2], &sp, keep_piece, &streamed, &dr), SNAPKV_OK);
+    char joined[1024] = "";
+    for (int i = 0; i < streamed.n; i++)
+        strcat(joined, streamed.text[i]);
+    assert_int_equal(strlen(joined), at);
+    assert_memory_equal(joined, all, at);
+    assert_string_equal(dr.finish_reason, "stop");
+    assert_string_equal(dr.text, joined);
+    snapkv_decode_result_free(&dr);
+    /* a sequence that never occurs: the reference, to its length */
+    sp.n_stop = 1;
+    assert_int_equal(snapkv_decode(c, &f[3], &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_string_equal(dr.finish_reason, "length");
+    assert_string_equal(dr.text, all);
+    snapkv_decode_result_free(&dr);
+    /* snapkvctl --stop */
+    static char out[1 << 14], err[1 << 14];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    snapkv_session_id_to_hex(&f[4], hex, sizeof hex);
+    const char *args[] = {"--json", "decode", hex, "--max-tokens", "24", "--no-eos", "--stop", seq, NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl decode --stop: %s", err);
+    json_error_t je;
+    json_t *js = json_loads(out, 0, &je);
+    assert_non_null(js);
+    assert_string_equal(json_string_value(json_object_get(js, "finish_reason")), "stop");
+    assert_int_equal(strlen(json_string_value(json_object_get(js, "text"))), at);
+    json_decref(js);
+    /* limits: 17 sequences, one of 257 bytes (the daemon); an empty one (the library) */
+    const char *many[17];
+    for (int i = 0; i < 17; i++)
+        many[i] = "x";
+    sp.stop = many;
+    sp.n_stop = 17;
+    assert_int_equal(snapkv_decode(c, &f[3], &sp, NULL, NULL, &dr), SNAPKV_E_LIMIT);
+    char longest[258];
+    memset(longest, 'y', 257);
+    longest[257] = '\0';
+    const char *one[] = {longest};
+    sp.stop = one;
+    sp.n_stop = 1;
+    assert_int_equal(snapkv_decode(c, &f[3], &sp, NULL, NULL, &dr), SNAPKV_E_LIMIT);
+    const char *empty[] = {""};
+    sp.stop = empty;
+    assert_int_equal(snapkv_decode(c, &f[3], &sp, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1817,6 +1934,7 @@ int main(void)
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
+        cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <stdbool.h>
+#include <string.h>
 
 #include "common/status.h"
 #include "daemon/engine/sampler.h"
@@ -94,12 +96,96 @@ static void test_invalid(void **state)
     assert_int_equal(skv_sampler_init(&s, &p, 0), SKV_E_INVAL);
 }
 
+/* Feeds pieces through a matcher of `stop`; the released text goes to got (with "|" after each
+ * piece's release); returns the index of the piece that completed a sequence, or -1 (then the
+ * flushed hold is appended after a final "|"). */
+static int feed_all(const char *const *stop, size_t n_stop, const char *const *pieces, size_t n, char *got)
+{
+    struct skv_stop_text st;
+    assert_int_equal(skv_stop_text_init(&st, stop, n_stop), SKV_OK);
+    got[0] = '\0';
+    char out[SKV_STOP_STRING_BYTES + 64];
+    int hit = -1;
+    for (size_t i = 0; i < n && hit < 0; i++) {
+        size_t n_out = 99;
+        bool done = skv_stop_text_feed(&st, pieces[i], strlen(pieces[i]), out, &n_out);
+        assert_int_equal(n_out, strlen(out));
+        strcat(got, out);
+        strcat(got, "|");
+        if (done)
+            hit = (int)i;
+    }
+    if (hit < 0) {
+        size_t k = skv_stop_text_flush(&st, out);
+        assert_int_equal(k, strlen(out));
+        strcat(got, out);
+    }
+    skv_stop_text_fini(&st);
+    return hit;
+}
+
+/* Stop sequences: a sequence split over pieces, text held back only while it may still begin
+ * one (and released when it cannot, or flushed at the end), the earliest of several, a
+ * sequence inside one piece with text after it, overlapping prefixes, and the limits. */
+static void test_stop_text(void **state)
+{
+    (void)state;
+    char got[512];
+    const char *end[] = {"END"};
+    const char *p1[] = {"Hello E", "N", "D and more"};
+    assert_int_equal(feed_all(end, 1, p1, 3, got), 2);
+    assert_string_equal(got, "Hello |||"); /* "E", "EN" held; nothing after the sequence */
+    const char *p2[] = {"Hello E", "N", "d"};
+    assert_int_equal(feed_all(end, 1, p2, 3, got), -1);
+    assert_string_equal(got, "Hello ||ENd|"); /* "EN" then "ENd" cannot begin END */
+    const char *p3[] = {"x E"};
+    assert_int_equal(feed_all(end, 1, p3, 1, got), -1);
+    assert_string_equal(got, "x |E"); /* held to the end, then flushed */
+    const char *two[] = {"\n\n", "bc"};
+    const char *p4[] = {"abcd\n", "\nx"};
+    assert_int_equal(feed_all(two, 2, p4, 2, got), 0); /* "bc" inside the first piece */
+    assert_string_equal(got, "a|");
+    const char *p5[] = {"ab", "d\n", "\nx"};
+    assert_int_equal(feed_all(two, 2, p5, 3, got), 2);
+    assert_string_equal(got, "a|bd||"); /* "b" held, then released; "\n" held */
+    const char *ovl[] = {"aab"};
+    const char *p6[] = {"xa", "a", "a", "b!"};
+    assert_int_equal(feed_all(ovl, 1, p6, 4, got), 3);
+    assert_string_equal(got, "x||a||"); /* "aa" held; at "aaa" the first "a" goes, "aa" stays */
+    const char *utf[] = {"\xc3\xa9t\xc3\xa9"}; /* "été" */
+    const char *p7[] = {"un \xc3\xa9", "t\xc3\xa9 chaud"};
+    assert_int_equal(feed_all(utf, 1, p7, 2, got), 1);
+    assert_string_equal(got, "un ||");
+
+    struct skv_stop_text st;
+    assert_int_equal(skv_stop_text_init(&st, NULL, 0), SKV_OK); /* none: all released */
+    char out[64];
+    size_t n_out;
+    assert_false(skv_stop_text_feed(&st, "abc", 3, out, &n_out));
+    assert_string_equal(out, "abc");
+    skv_stop_text_fini(&st);
+    const char *empty[] = {"x", ""};
+    assert_int_equal(skv_stop_text_init(&st, empty, 2), SKV_E_INVAL);
+    char longest[SKV_STOP_STRING_BYTES + 2];
+    memset(longest, 'a', sizeof longest - 1);
+    longest[sizeof longest - 1] = '\0';
+    const char *too_long[] = {longest};
+    assert_int_equal(skv_stop_text_init(&st, too_long, 1), SKV_E_LIMIT);
+    longest[SKV_STOP_STRING_BYTES] = '\0'; /* exactly the limit */
+    assert_int_equal(skv_stop_text_init(&st, too_long, 1), SKV_OK);
+    skv_stop_text_fini(&st);
+    const char *many[SKV_STOP_STRINGS_MAX + 1];
+    for (unsigned i = 0; i <= SKV_STOP_STRINGS_MAX; i++)
+        many[i] = "z";
+    assert_int_equal(skv_stop_text_init(&st, many, SKV_STOP_STRINGS_MAX + 1), SKV_E_LIMIT);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy),     cmocka_unit_test(test_distribution),
         cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_truncation),
-        cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_invalid),     cmocka_unit_test(test_stop_text),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
