@@ -28,6 +28,8 @@ struct skv_config {
     bool foreground;
     int64_t max_prompt_tokens;
     int64_t max_new_tokens;
+    int64_t queue_depth_per_tenant;      /* requests of one tenant waiting for the engine */
+    int64_t max_queued_bytes_per_tenant; /* and the memory they hold */
     int64_t decode_yield_ms;  /* a long forward gives running DECODEs a token at least this often */
     int64_t max_decodes;      /* DECODEs running at once, all tenants */
     int64_t max_decodes_per_tenant;

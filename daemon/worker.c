@@ -391,6 +391,13 @@ size_t skv_request_bytes(const Snapkv__Request *req)
     return message_bytes(&req->base);
 }
 
+/* The tenant a queued request is for ("default" when it names none). */
+static const char *job_tenant(const struct skv_job *job)
+{
+    const char *t = job->req ? job->req->tenant : NULL;
+    return t && *t ? t : SKV_TENANT_DEFAULT;
+}
+
 int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
 {
     /* what the worker would refuse for its counts alone never waits in the queue */
@@ -403,6 +410,28 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
         return skv_errorf(SKV_E_LIMIT, "the request takes %zu bytes unpacked: more than max-queued-bytes (%llu)",
                           job->bytes, (unsigned long long)max);
     pthread_mutex_lock(&w->mu);
+    /* one tenant's share of the queue (the admin endpoint's requests are not a tenant's) */
+    if (job->sock != 1 && !w->stopping) {
+        const char *tenant = job_tenant(job);
+        int mine = 0;
+        uint64_t mine_bytes = 0;
+        for (const struct skv_job *q = w->head; q; q = q->next)
+            if (q->kind == SKV_JOB_REQUEST && q->sock != 1 && strcmp(job_tenant(q), tenant) == 0) {
+                mine++;
+                mine_bytes += q->bytes;
+            }
+        int64_t depth = w->cfg->queue_depth_per_tenant, tmax = w->cfg->max_queued_bytes_per_tenant;
+        if (mine >= depth || mine_bytes + job->bytes > (uint64_t)tmax) {
+            pthread_mutex_unlock(&w->mu);
+            if (mine >= depth)
+                return skv_errorf(SKV_E_BUSY, "tenant '%s' already has %d requests waiting (queue-depth-per-tenant)",
+                                  tenant, mine);
+            return skv_errorf(SKV_E_BUSY,
+                              "tenant '%s' has %llu bytes in %d requests waiting; this one's %zu would pass "
+                              "max-queued-bytes-per-tenant (%lld): retry when they drain",
+                              tenant, (unsigned long long)mine_bytes, mine, job->bytes, (long long)tmax);
+        }
+    }
     if (w->stopping || w->queued >= w->cfg->queue_depth || w->queued_bytes + job->bytes > max) {
         bool stopping = w->stopping, full = w->queued >= w->cfg->queue_depth;
         int queued = w->queued;

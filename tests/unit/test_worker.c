@@ -14,7 +14,8 @@
  * - Admission: a request whose counts break a limit the worker checks is refused by submit
  *   (on the socket thread) with the worker's status and message, never queued; the queued
  *   requests' memory stays within max-queued-bytes (SKV_E_BUSY past it, SKV_E_LIMIT for one
- *   request larger than it), and goes back as they run.
+ *   request larger than it), and goes back as they run; one tenant's requests are capped below
+ *   that (queue-depth-per-tenant, max-queued-bytes-per-tenant), the admin endpoint's not counted.
  * - Watchdog: a worker waiting for work is alive; one stuck in a device call (a fake ipc_open
  *   that blocks) stops being alive once half the watchdog interval passed, and is alive again
  *   when it moves on.
@@ -55,7 +56,8 @@
 
 /* The fake device: buffer k (handle byte 0 == k, 1..N_FAKE-1), opens and closes per buffer. */
 static char g_mem[N_FAKE][FAKE_BYTES];
-static int g_opened[N_FAKE], g_closed[N_FAKE];
+static int g_opened[N_FAKE], g_closed[N_FAKE]; /* under g_counts_mu: the worker thread counts */
+static pthread_mutex_t g_counts_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct skv_backend_ops g_ops;
 /* A wedged device: ipc_open of buffer g_stuck_k waits until g_stuck_k changes. */
 static pthread_mutex_t g_stuck_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -77,7 +79,9 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     }
     g_stuck = false;
     pthread_mutex_unlock(&g_stuck_mu);
+    pthread_mutex_lock(&g_counts_mu);
     g_opened[k]++;
+    pthread_mutex_unlock(&g_counts_mu);
     *out = g_mem[k];
     return SKV_OK;
 }
@@ -86,8 +90,28 @@ static void fake_ipc_close(struct skv_backend *be, void *ptr)
 {
     (void)be;
     for (int k = 1; k < N_FAKE; k++)
-        if (ptr == g_mem[k])
+        if (ptr == g_mem[k]) {
+            pthread_mutex_lock(&g_counts_mu);
             g_closed[k]++;
+            pthread_mutex_unlock(&g_counts_mu);
+        }
+}
+
+/* The fake device's counts of buffer k so far (read under the lock the worker counts with). */
+static int opened(int k)
+{
+    pthread_mutex_lock(&g_counts_mu);
+    int n = g_opened[k];
+    pthread_mutex_unlock(&g_counts_mu);
+    return n;
+}
+
+static int closed(int k)
+{
+    pthread_mutex_lock(&g_counts_mu);
+    int n = g_closed[k];
+    pthread_mutex_unlock(&g_counts_mu);
+    return n;
 }
 
 struct fixture {
@@ -285,8 +309,10 @@ static void test_client_gone(void **state)
     assert_int_equal(stat(f, "snapkv_client_disconnects_total"), 1);
     assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_on_disconnect_total"), 2);
     int want_opened[N_FAKE] = {0, 1, 1, 1, 1}, want_closed[N_FAKE] = {0, 1, 1, 0, 0};
-    assert_memory_equal(g_opened, want_opened, sizeof want_opened);
-    assert_memory_equal(g_closed, want_closed, sizeof want_closed);
+    for (int k = 0; k < N_FAKE; k++) {
+        assert_int_equal(opened(k), want_opened[k]);
+        assert_int_equal(closed(k), want_closed[k]);
+    }
     static const char zero[256];
     assert_true(memcmp(g_mem[2], zero, sizeof zero) != 0); /* the export really wrote buffer 2 */
 
@@ -296,10 +322,11 @@ static void test_client_gone(void **state)
     assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_on_disconnect_total"), 2);
 
     /* Y's and the admin endpoint's stay until the worker stops */
-    assert_int_equal(g_closed[3] + g_closed[4], 0);
+    assert_int_equal(closed(3) + closed(4), 0);
     skv_worker_stop(&f->w);
     int want_end[N_FAKE] = {0, 1, 1, 1, 1};
-    assert_memory_equal(g_closed, want_end, sizeof want_end);
+    for (int k = 0; k < N_FAKE; k++)
+        assert_int_equal(closed(k), want_end[k]);
 }
 
 static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16]);
@@ -333,33 +360,33 @@ static void test_ipc_lru(void **state)
     struct fixture *f = *state;
     uint8_t sid[16];
     prefill(f, 8, "policy=full", sid);
-    const int o1 = g_opened[1], c1 = g_closed[1], o2 = g_opened[2], c2 = g_closed[2];
+    const int o1 = opened(1), c1 = closed(1), o2 = opened(2), c2 = closed(2);
     for (int v = 0; v < 9; v++)
         export_variant(f, ID_X, sid, 1, v);
-    assert_int_equal(g_opened[1] - o1, 9);
-    assert_int_equal(g_closed[1] - c1, 1); /* variant 0 */
+    assert_int_equal(opened(1) - o1, 9);
+    assert_int_equal(closed(1) - c1, 1); /* variant 0 */
     assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 1);
     export_variant(f, ID_X, sid, 1, 1); /* still open */
-    assert_int_equal(g_opened[1] - o1, 9);
+    assert_int_equal(opened(1) - o1, 9);
     export_variant(f, ID_X, sid, 1, 0); /* opened again; variant 2 is now the oldest, and goes */
-    assert_int_equal(g_opened[1] - o1, 10);
-    assert_int_equal(g_closed[1] - c1, 2);
+    assert_int_equal(opened(1) - o1, 10);
+    assert_int_equal(closed(1) - c1, 2);
     /* 32 more clients with 8 each: 264 wanted, so the 8 oldest (all X's) close */
     for (int client = 0; client < 32; client++) {
         const uint8_t id[5] = {9, 8, 7, 6, (uint8_t)client};
         for (int v = 0; v < 8; v++)
             export_variant(f, id, sid, 2, client * 8 + v);
     }
-    assert_int_equal(g_opened[2] - o2, 256);
-    assert_int_equal(g_closed[2] - c2, 0);
-    assert_int_equal(g_closed[1] - c1, 10);
+    assert_int_equal(opened(2) - o2, 256);
+    assert_int_equal(closed(2) - c2, 0);
+    assert_int_equal(closed(1) - c1, 10);
     assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 10);
     export_variant(f, ID_X, sid, 1, 5); /* X is served again, at the oldest other's cost */
-    assert_int_equal(g_opened[1] - o1, 11);
-    assert_int_equal(g_closed[2] - c2, 1);
+    assert_int_equal(opened(1) - o1, 11);
+    assert_int_equal(closed(2) - c2, 1);
     skv_worker_stop(&f->w); /* every one still open closes */
-    assert_int_equal(g_opened[1] - o1, g_closed[1] - c1);
-    assert_int_equal(g_opened[2] - o2, g_closed[2] - c2);
+    assert_int_equal(opened(1) - o1, closed(1) - c1);
+    assert_int_equal(opened(2) - o2, closed(2) - c2);
 }
 
 /* ---- quotas ---------------------------------------------------------------------------------- */
@@ -974,6 +1001,67 @@ static void test_queued_bytes(void **state)
     expect_reply(f, SKV_OK, NULL);
 }
 
+/* One tenant's share of the queue: past queue-depth-per-tenant requests, or
+ * max-queued-bytes-per-tenant bytes, waiting, its next is BUSY while another tenant's and the
+ * admin endpoint's are still queued; once they run, the tenant has room again. */
+static void test_tenant_queue_share(void **state)
+{
+    struct fixture *f = *state;
+    uint32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 8);
+    struct skv_job *probe = job_new(0, ID_Y, 5, &req);
+    size_t one = sizeof *probe + skv_request_bytes(probe->req);
+    job_drop(probe);
+    skv_worker_stop(&f->w);
+    f->cfg.queue_depth_per_tenant = 3;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    stick(f, sid); /* X's EXPORT for tenant "t" runs, so it is not waiting */
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK); /* tenant "t" */
+    expect_refused(f, &req, SKV_E_BUSY, "tenant 't' already has 3 requests waiting (queue-depth-per-tenant)");
+    req.tenant = "u";
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Z, 5, &req)), SKV_OK);
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    Snapkv__Request sreq = SNAPKV__REQUEST__INIT;
+    sreq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    sreq.stats = &sr;
+    sreq.tenant = "t";
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sreq)), SKV_OK); /* not the tenant's */
+    unstick();
+    expect_exported(f, 0, ID_X);
+    for (int i = 0; i < 3; i++)
+        expect_reply(f, SKV_OK, NULL);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Z, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 1, admin, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    req.tenant = "t";
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK); /* room again */
+    expect_reply(f, SKV_OK, NULL);
+
+    /* bytes: two requests' worth per tenant */
+    skv_worker_stop(&f->w);
+    f->cfg.queue_depth_per_tenant = 64;
+    f->cfg.max_queued_bytes_per_tenant = (int64_t)(2 * one + one / 2);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    prefill(f, 8, "policy=full", sid);
+    stick(f, sid);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    expect_refused(f, &req, SKV_E_BUSY, "would pass max-queued-bytes-per-tenant");
+    unstick();
+    expect_exported(f, 0, ID_X);
+    for (int i = 0; i < 2; i++)
+        expect_reply(f, SKV_OK, NULL);
+}
 
 /* ---- watchdog --------------------------------------------------------------------------------- */
 
@@ -1414,6 +1502,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_admit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_queued_bytes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tenant_queue_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_watchdog, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lease_limit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_limits, setup, teardown),
