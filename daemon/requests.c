@@ -325,6 +325,11 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     return rc;
 }
 
+static void forward_tick(void *user)
+{
+    skv_worker_yield(user);
+}
+
 /* Runs tokens through the session's model and cache. compress: a compressing forward with
  * comp (prefill / compress); else decode-time upkeep when the session has a compressor.
  * progress_job: send per-layer progress replies for it (may be NULL). */
@@ -353,6 +358,8 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     if (progress_job || n >= 64) {
         fo.hook = progress_hook;
         fo.hook_user = &prog;
+        fo.tick = forward_tick; /* and between the chunks of a layer's projections and MLP */
+        fo.tick_user = w;
     }
     int was_busy = s->busy;
     s->busy = 1; /* decode rounds may run inside the forward: they must not evict s */

@@ -225,6 +225,12 @@ struct skv_backend_ops {
      * (the CPU: clients use POSIX shared memory). ipc_close unmaps what ipc_open returned. */
     int (*ipc_open)(struct skv_backend *be, const void *handle, size_t handle_len, void **out);
     void (*ipc_close)(struct skv_backend *be, void *ptr);
+
+    /* Optional (NULL or 0: never): a count r of queries such that `attention` over n queries
+     * gives every query bit for bit what it gives when the n are cut into calls of multiples of
+     * r queries, each at least 2 r, the later ones with the earlier ones' rows as their prefix.
+     * A long forward cuts its attention so, to do other work between the calls. */
+    int (*attention_split_rows)(struct skv_backend *be, int n_heads, int n_kv_heads);
 };
 
 struct skv_backend {

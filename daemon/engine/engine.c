@@ -25,6 +25,7 @@ struct skv_engine {
     float *lb;             /* [n_vocab]: one position's logits (decode), kept between calls */
     uint64_t scratch_bytes;
     int decode_group;      /* sessions per decode forward (decode_group_size); 0: not known yet */
+    const struct skv_forward_opts *tick; /* the running forward's opts when they have a tick */
     /* rows_add / rows_flush: K and V rows bound for the cache, stored by one copy_rows */
     void **row_dst;
     const void **row_src;
@@ -694,6 +695,13 @@ static int cache_open_rows(struct skv_kv_cache *cache, int l, int n, int32_t *le
     return SKV_OK;
 }
 
+/* The running forward's tick, between two chunks of a layer (a forward without one: nothing). */
+static void tick(struct skv_engine *e)
+{
+    if (e->tick)
+        e->tick->tick(e->tick->tick_user);
+}
+
 /* Attention of the n queries at e->q + i0 rows over layer l of the cache (whose heads held
  * len0[h] rows before these n were appended), into e->att from row i0. */
 static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *len0, int i0,
@@ -710,6 +718,36 @@ static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int
         view.prefix_len[h] = len0[h];
     }
     return e->be->ops->attention(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, n, c->n_heads, &view);
+}
+
+/* attn_over_cache of all n queries; in a forward with a tick, in calls of about SPLIT_QUERIES
+ * queries with a tick between them, where the backend says such calls give every query what
+ * one call gives (attention_split_rows): the attention of a long prompt is the longest step of
+ * a layer, and what the tick does (a decode round) should not wait for all of it. */
+#define SPLIT_QUERIES 256
+static int attn_over_cache_ticking(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *len0,
+                                   int n)
+{
+    const struct skv_backend_ops *ops = e->be->ops;
+    int r = e->tick && ops->attention_split_rows
+                ? ops->attention_split_rows(e->be, e->m->cfg.n_heads, e->m->cfg.n_kv_heads)
+                : 0;
+    int step = r > 0 ? (SPLIT_QUERIES / r > 2 ? SPLIT_QUERIES / r : 2) * r : n;
+    if (n <= step)
+        return attn_over_cache(e, cache, l, len0, 0, n);
+    int32_t at[SKV_MAX_KV_HEADS];
+    for (int i0 = 0; i0 < n;) {
+        int m = n - i0 < step ? n - i0 : step;
+        if (n - i0 - m < 2 * r) /* a short tail joins this call */
+            m = n - i0;
+        for (int h = 0; h < cache->n_kv_heads; h++)
+            at[h] = len0[h] + i0;
+        CHECK(attn_over_cache(e, cache, l, at, i0, m));
+        i0 += m;
+        if (i0 < n)
+            tick(e);
+    }
+    return SKV_OK;
 }
 
 /* x += attention output . Wo over the n rows. */
@@ -741,8 +779,9 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
             at[h] = len0[h] + i0;
         CHECK(attn_project(e, l, i0, m));
         CHECK(cache_store(e, cache, l, at, 0, m, i0));
+        tick(e);
     }
-    CHECK(attn_over_cache(e, cache, l, len0, 0, n));
+    CHECK(attn_over_cache_ticking(e, cache, l, len0, n));
     return attn_output(e, l, n);
 }
 
@@ -787,6 +826,7 @@ static int layer_mlp(struct skv_engine *e, int l, int n)
         CHECK(ops->swiglu(be, e->gb, e->gb, e->ub, (int64_t)m * c->ffn_dim));
         CHECK(ops->matmul(be, e->ob, &w->w_down, NULL, e->gb, m));
         CHECK(ops->add(be, x, x, e->ob, (int64_t)m * c->dim));
+        tick(e);
     }
     return SKV_OK;
 }
@@ -831,7 +871,9 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
             return skv_errorf(SKV_E_INVAL, "token %d at index %d is outside the vocabulary [0, %d)",
                               tokens[i], i, c->n_vocab);
     int32_t from = cache->n_past;
+    e->tick = opts && opts->tick ? opts : NULL;
     int rc = forward_run(e, cache, tokens, n, opts, logits);
+    e->tick = NULL;
     if (rc)
         forward_undo(cache, from);
     return rc;

@@ -117,6 +117,11 @@ struct skv_forward_opts {
     bool logits_all;               /* logits of every position, else of the last one */
     skv_layer_hook_fn hook;        /* may be NULL */
     void *hook_user;
+    /* called between two chunks of tokens of a layer's projections and MLP (may be NULL): a
+     * point where the caller may do other work on another engine; nothing of this forward's
+     * state may be touched there */
+    void (*tick)(void *user);
+    void *tick_user;
 };
 
 int skv_engine_new(struct skv_model *m, struct skv_engine **out);

@@ -818,6 +818,19 @@ static int att_check(const float *out, const float *q, int n, int n_heads,
     return skv_kv_view_check_rows(kv, "attention");
 }
 
+/* A query block: each (KV head, query block) task sees the keys from the block's first visible
+ * one to its last query's row, in ATT_BK blocks from a multiple of ATT_BK, and the kernel it
+ * takes depends on its rows only; with at least 2 blocks a call never takes split-K. So calls
+ * cut at multiples of a block, each of 2 blocks or more, compute every query as one call. */
+int skv_cpu_attention_split_rows(struct skv_backend *be, int n_heads, int n_kv_heads)
+{
+    (void)be;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
+        return 0;
+    int group = n_heads / n_kv_heads;
+    return ATT_ROWS / group > 0 ? ATT_ROWS / group : 1;
+}
+
 int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                       const struct skv_kv_view *kv)
 {

@@ -343,6 +343,7 @@ static const struct skv_backend_ops cpu_ops = {
     .copy_rows = skv_cpu_copy_rows,
     .ipc_open = cpu_ipc_open,
     .ipc_close = cpu_ipc_close,
+    .attention_split_rows = skv_cpu_attention_split_rows,
 };
 
 int skv_backend_cpu_new(int n_threads, struct skv_backend **out)

@@ -1938,6 +1938,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* copy_rows */ cuda_copy_rows,
     /* ipc_open */ cuda_ipc_open,
     /* ipc_close */ cuda_ipc_close,
+    /* attention_split_rows */ NULL, /* cuBLAS picks kernels by shape: not known to be exact */
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -843,6 +843,80 @@ static int cuda_group_setup(void **state)
             skip();                                                                               \
         fn(state);                                                                                \
     }
+static void count_tick(void *user)
+{
+    (*(int *)user)++;
+}
+
+/* Every K and V row of two caches are the same bits. */
+static void expect_same_cache(const struct skv_kv_cache *a, const struct skv_kv_cache *b)
+{
+    assert_int_equal(a->n_past, b->n_past);
+    for (int l = 0; l < a->n_layers; l++)
+        for (int h = 0; h < a->n_kv_heads; h++) {
+            const struct skv_kv_head *x = &a->heads[l * a->n_kv_heads + h], *y = &b->heads[l * b->n_kv_heads + h];
+            assert_int_equal(x->len, y->len);
+            size_t floats = (size_t)x->len * a->head_dim;
+            float *u = malloc((floats ? floats : 1) * sizeof *u), *v = malloc((floats ? floats : 1) * sizeof *v);
+            for (int kv = 0; kv < 2; kv++) {
+                assert_int_equal(skv_kv_cache_read_rows(a, l, h, kv, 0, x->len, u), SKV_OK);
+                assert_int_equal(skv_kv_cache_read_rows(b, l, h, kv, 0, y->len, v), SKV_OK);
+                assert_memory_equal(u, v, floats * sizeof *u);
+            }
+            free(u);
+            free(v);
+        }
+}
+
+/* A forward with a tick (a long request in the daemon, which runs decode rounds there) cuts
+ * its attention into calls of about 256 queries where the backend says that is exact: on the
+ * default model (g = 3: calls of 252) and a sliding-window one, the logits and the cache are
+ * the bits of a forward without a tick, also for a chunk after a prefix. */
+static void test_tick_matches_plain(void **state)
+{
+    (void)state;
+    char *gguf = fixture_model_path();
+    char *swa = fixture_stage_dir("tests/fixtures/tiny-mistral-swa");
+    assert_non_null(swa);
+    const char *paths[2] = {swa, gguf};
+    for (int k = 0; k < 2 && paths[k]; k++) {
+        struct skv_backend *be = NULL;
+        struct skv_model *m = NULL;
+        struct skv_engine *e = NULL;
+        assert_int_equal(backend_new(2, &be), SKV_OK);
+        assert_int_equal(skv_model_load(paths[k], be, NULL, &m), SKV_OK);
+        assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+        enum { N = 700, P = 100 };
+        const int nv = m->cfg.n_vocab;
+        int32_t ids[N];
+        for (int i = 0; i < N; i++)
+            ids[i] = (i * 131 + 7) % nv;
+        float *a = malloc((size_t)nv * sizeof *a), *b = malloc((size_t)nv * sizeof *b);
+        struct skv_kv_cache *c = NULL, *ref = NULL;
+        assert_int_equal(skv_kv_cache_new(m, &c), SKV_OK);
+        assert_int_equal(skv_kv_cache_new(m, &ref), SKV_OK);
+        int ticks = 0;
+        struct skv_forward_opts ticking = {.tick = count_tick, .tick_user = &ticks};
+        assert_int_equal(skv_engine_forward(e, ref, ids, P, NULL, b), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, c, ids, P, &ticking, a), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, ref, ids + P, N - P, NULL, b), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, c, ids + P, N - P, &ticking, a), SKV_OK);
+        printf("# %s (%s): %d ticks\n", m->name, be->name, ticks);
+        assert_true(ticks > 0);
+        assert_memory_equal(a, b, (size_t)nv * sizeof *a);
+        expect_same_cache(c, ref);
+        skv_kv_cache_free(&c);
+        skv_kv_cache_free(&ref);
+        free(a);
+        free(b);
+        skv_engine_free(&e);
+        skv_model_free(&m);
+        skv_backend_destroy(&be);
+    }
+    free(gguf);
+    fixture_remove_dir(swa);
+}
+
 ON_CUDA(test_tiny_llama)
 ON_CUDA(test_tiny_llama_bf16)
 ON_CUDA(test_tiny_qwen2)
@@ -852,6 +926,7 @@ ON_CUDA(test_tiny_qwen2_swa)
 ON_CUDA(test_incremental_matches_full)
 ON_CUDA(test_decode_batch_matches_single)
 ON_CUDA(test_swa_compacted_cache)
+ON_CUDA(test_tick_matches_plain)
 #undef ON_CUDA
 
 int main(void)
@@ -865,7 +940,7 @@ int main(void)
         cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
-        cmocka_unit_test(test_tokenizer_fits_model),
+        cmocka_unit_test(test_tokenizer_fits_model), cmocka_unit_test(test_tick_matches_plain),
     };
     const struct CMUnitTest cuda[] = {
         cmocka_unit_test(test_tiny_llama_cuda),        cmocka_unit_test(test_tiny_llama_bf16_cuda),
@@ -874,6 +949,7 @@ int main(void)
         cmocka_unit_test(test_incremental_matches_full_cuda),
         cmocka_unit_test(test_decode_batch_matches_single_cuda),
         cmocka_unit_test(test_swa_compacted_cache_cuda),
+        cmocka_unit_test(test_tick_matches_plain_cuda),
     };
     int failed = cmocka_run_group_tests_name("model_cpu", tests, NULL, NULL);
     return failed + cmocka_run_group_tests_name("model_cuda", cuda, cuda_group_setup, NULL);

@@ -489,12 +489,75 @@ static void test_model_block_rows(void **state)
     free(b);
 }
 
+static void count_tick(void *user)
+{
+    (*(int *)user)++;
+}
+
+/* A forward with a tick runs its attention in calls of about 256 queries (the CPU backend's
+ * attention_split_rows: 64 / g per block) with a tick between them, and between the chunks of
+ * its projections and MLP: logits of every position and the whole cache come out bit for bit
+ * as without a tick, also after a prefix (an APPEND) and on a cut past a block edge. */
+static void test_tick_exact(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab, L = t->m->cfg.n_layers;
+    enum { N = 600, P = 37 };
+    int32_t *ids = malloc(N * sizeof *ids);
+    float *a = malloc((size_t)N * nv * sizeof *a), *b = malloc((size_t)N * nv * sizeof *b);
+    assert_non_null(ids);
+    assert_non_null(a);
+    assert_non_null(b);
+    for (int i = 0; i < N; i++)
+        ids[i] = (i * 37 + 11) % nv;
+    const int r = t->be->ops->attention_split_rows(t->be, t->m->cfg.n_heads, t->m->cfg.n_kv_heads);
+    assert_int_equal(r, 64 / (t->m->cfg.n_heads / t->m->cfg.n_kv_heads));
+    for (int prefix = 0; prefix <= P; prefix += P) {
+        struct skv_kv_cache *c = NULL, *ref = NULL;
+        assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+        assert_int_equal(skv_kv_cache_new(t->m, &ref), SKV_OK);
+        if (prefix) {
+            prefill(t, c, ids, prefix, NULL);
+            prefill(t, ref, ids, prefix, NULL);
+        }
+        const int n = N - prefix;
+        int ticks = 0;
+        struct skv_forward_opts plain = {.logits_all = true};
+        struct skv_forward_opts ticking = {.logits_all = true, .tick = count_tick, .tick_user = &ticks};
+        assert_int_equal(skv_engine_forward(t->e, ref, ids + prefix, n, &plain, b), SKV_OK);
+        assert_int_equal(skv_engine_forward(t->e, c, ids + prefix, n, &ticking, a), SKV_OK);
+        /* per layer: after each 256-token chunk of the projections and of the MLP, and between
+         * the attention calls (of 256 queries; a tail under 2 r joins the last one) */
+        int chunks = (n + 255) / 256, calls = 0;
+        for (int i0 = 0; i0 < n; calls++) {
+            int m = n - i0 < 256 ? n - i0 : 256;
+            i0 += n - i0 - m < 2 * r ? n - i0 : m;
+        }
+        printf("# %d tokens after %d: %d ticks (%d attention calls per layer)\n", n, prefix, ticks, calls);
+        assert_true(calls >= 2);
+        assert_int_equal(ticks, L * (2 * chunks + calls - 1));
+        assert_memory_equal(a, b, (size_t)n * nv * sizeof *a);
+        int32_t *pos;
+        size_t floats;
+        float *want = snapshot(ref, &pos, &floats);
+        expect_snapshot(c, want, pos, floats);
+        free(want);
+        free(pos);
+        skv_kv_cache_free(&c);
+        skv_kv_cache_free(&ref);
+    }
+    free(ids);
+    free(a);
+    free(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pool_counts),
         cmocka_unit_test(test_pool_reserve),
         cmocka_unit_test(test_failed_forward_undone),
+        cmocka_unit_test(test_tick_exact),
         cmocka_unit_test(test_fork_append),
         cmocka_unit_test(test_fork_compact),
         cmocka_unit_test(test_block_sizes),

@@ -1331,10 +1331,10 @@ static void submit_long_prefill(struct fixture *f, bool progress)
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_X, 5, &req)), SKV_OK);
 }
 
-/* A PREFILL of 64 tokens or more stops between its layers to give running decodes their next
- * token (decode-yield-ms = 0: after every layer): the decode takes one token per layer while
- * the prefill runs, and both come out exactly as when each runs alone: the same tokens, the
- * same logits and kept rows. */
+/* A PREFILL of 64 tokens or more stops inside its layers to give running decodes their next
+ * token (decode-yield-ms = 0: at every point: after a layer's projections, its attention and
+ * its MLP), and both come out exactly as when each runs alone: the same tokens, the same
+ * logits and kept rows. */
 static void test_decode_yield(void **state)
 {
     struct fixture *f = *state;
@@ -1349,11 +1349,12 @@ static void test_decode_yield(void **state)
     /* each alone: the decode, then the prefill */
     uint32_t want[64], got[64];
     int n_want = 0, n_got = 0;
-    assert_true(L + MORE <= 64);
-    submit_decode(f, ID_Z, "t", ref, (uint32_t)(L + MORE), false);
+    const int N = 3 * L + MORE; /* the decode outlasts the prefill's 3 L rounds */
+    assert_true(N <= 64);
+    submit_decode(f, ID_Z, "t", ref, (uint32_t)N, false);
     Snapkv__Reply *rep = decode_final(f, ID_Z, want, &n_want, 64);
     assert_int_equal(rep->status, SKV_OK);
-    assert_int_equal(n_want, L + MORE);
+    assert_int_equal(n_want, N);
     snapkv__reply__free_unpacked(rep, NULL);
     submit_long_prefill(f, false);
     Snapkv__Reply *alone = next_reply(f, 0, ID_X, 5);
@@ -1364,7 +1365,7 @@ static void test_decode_yield(void **state)
 
     /* together: Y's decode starts (one round), then X's prefill runs with the decode going on */
     freeze(f, a);
-    submit_decode(f, ID_Y, "t", a, (uint32_t)(L + MORE), true);
+    submit_decode(f, ID_Y, "t", a, (uint32_t)N, true);
     submit_long_prefill(f, true);
     thaw(f);
     int progress = 0, during = 0;
@@ -1393,10 +1394,12 @@ static void test_decode_yield(void **state)
         }
         snapkv__reply__free_unpacked(rep, NULL);
     }
+    /* a round after each layer's projections, its attention (and progress reply) and its MLP
+     * (64 tokens: one chunk each); all but the first layer's first come after a progress reply */
     assert_int_equal(progress, L);
-    assert_int_equal(during, L); /* after each layer's progress reply, the decode's token */
-    assert_int_equal(stat(f, "snapkv_decode_rounds_in_forwards_total"), L);
-    assert_int_equal(n_got, L + MORE);
+    assert_int_equal(during, 3 * L - 1);
+    assert_int_equal(stat(f, "snapkv_decode_rounds_in_forwards_total"), 3 * L);
+    assert_int_equal(n_got, N);
     assert_memory_equal(got, want, sizeof got[0] * (size_t)n_want);
     assert_int_equal(together->prefill->next_token, alone->prefill->next_token);
     assert_int_equal(together->prefill->n_logits, n_vocab);
