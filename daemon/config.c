@@ -45,8 +45,8 @@ static const struct skv_config_option options[] = {
     {"max-decodes", SKV_CFG_INT, OPT(max_decodes), "256", 1, 1 << 16,
      "DECODEs running at once over the daemon (one more is refused: busy)"},
     {"decode-yield-ms", SKV_CFG_INT, OPT(decode_yield_ms), "100", 0, 3600000,
-     "a PREFILL, APPEND or COMPRESS of 64 tokens or more stops between two layers to give every "
-     "running DECODE its next token once this many ms passed since their last one (0: after every layer)"},
+     "a PREFILL, APPEND or COMPRESS of 64 tokens or more stops inside its layers to give every "
+     "running DECODE its next token once this many ms passed since their last one (0: at every point it can)"},
     {"max-decodes-per-tenant", SKV_CFG_INT, OPT(max_decodes_per_tenant), "32", 1, 1 << 16,
      "DECODEs one tenant may run at once (one more is refused: busy)"},
     {"max-sessions-per-tenant", SKV_CFG_INT, OPT(max_sessions_per_tenant), "64", 1, 1 << 20,
