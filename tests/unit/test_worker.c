@@ -170,10 +170,13 @@ static Snapkv__Reply *call(struct fixture *f, int sock, const uint8_t *id, Snapk
     return next_reply(f, sock, id, 5);
 }
 
-/* EXPORT_KV of layer 0 into fake buffer k, queued (the reply is read by the caller). */
-static void submit_export(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k)
+/* EXPORT_KV of layer 0 into fake buffer k through handle variant v (the fake maps every handle
+ * with first byte k to buffer k; the daemon tells handles apart whole), queued (the reply is
+ * read by the caller). */
+static void submit_export_variant(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k,
+                                  int v)
 {
-    uint8_t handle[64] = {(uint8_t)k};
+    uint8_t handle[64] = {(uint8_t)k, (uint8_t)v, (uint8_t)(v >> 8)};
     Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
     buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
     buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
@@ -186,6 +189,11 @@ static void submit_export(struct fixture *f, int sock, const uint8_t *id, const 
     req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
     req.export_kv = &e;
     assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
+}
+
+static void submit_export(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k)
+{
+    submit_export_variant(f, sock, id, sid, k, 0);
 }
 
 static void expect_exported(struct fixture *f, int sock, const uint8_t *id)
@@ -331,23 +339,10 @@ static void test_client_gone(void **state)
 
 static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16]);
 
-/* EXPORT_KV of layer 0 by client `id` into fake buffer k through handle variant v (the fake
- * maps every handle with first byte k to buffer k; the daemon tells handles apart whole). */
+/* EXPORT_KV of layer 0 by client `id` through handle variant v of buffer k, and its reply. */
 static void export_variant(struct fixture *f, const uint8_t id[5], const uint8_t sid[16], int k, int v)
 {
-    uint8_t handle[64] = {(uint8_t)k, (uint8_t)v, (uint8_t)(v >> 8)};
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
-    buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
-    buf.size = FAKE_BYTES;
-    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
-    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
-    e.buffer = &buf;
-    e.layer_count = 1;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
-    req.export_kv = &e;
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+    submit_export_variant(f, 0, id, sid, k, v);
     expect_exported(f, 0, id);
 }
 
