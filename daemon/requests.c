@@ -363,9 +363,13 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     }
     int was_busy = s->busy;
     s->busy = 1; /* decode rounds may run inside the forward: they must not evict s */
-    if (!rc)
-        rc = skv_engine_forward(w->engine, s->cache, ids, n, &fo, s->logits);
+    const struct skv_session *outer = w->forward_session;
+    if (!w->yielding)
+        w->forward_session = s; /* and the short requests run there must not touch it */
+    if (!rc) /* inside another forward's yield the main engine is that forward's */
+        rc = skv_engine_forward(w->yielding ? w->decode_engine : w->engine, s->cache, ids, n, &fo, s->logits);
     s->busy = was_busy;
+    w->forward_session = outer;
     if (!rc && s->comp && compress)
         rc = skv_compressor_finish(s->comp, s->cache);
     if (!rc)

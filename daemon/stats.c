@@ -43,6 +43,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_decode_rounds_in_forwards_total",
          "decode rounds run between the layers of a long PREFILL, APPEND or COMPRESS (decode-yield-ms)",
          (double)m->decode_rounds_yielded},
+        {"snapkv_requests_inside_forwards_total",
+         "short requests (DECODE start, CANCEL, reads, small PREFILL / APPEND ...) run inside a long forward, "
+         "ahead of it",
+         (double)m->requests_overtook},
         {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
         {"snapkv_queue_requests", "requests waiting for the engine (queue-depth)", (double)in->queue_requests},
         {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},

@@ -17,6 +17,7 @@ struct skv_metrics {
     uint64_t decodes_cancelled_gone; /* running DECODEs ended because their client's connection closed */
     uint64_t decodes_cancelled;   /* running DECODEs ended by a CANCEL */
     uint64_t decode_rounds_yielded; /* decode rounds run between the layers of a long forward */
+    uint64_t requests_overtook;   /* short requests run inside a long forward, ahead of it */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -38,7 +39,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 23
+#define SKV_N_STATS 24
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -150,16 +150,137 @@ static void decode_rounds(struct skv_worker *w)
     w->last_round_ms = monotonic_ms();
 }
 
+/* The session a queued request names (its command's session_id field), or NULL. */
+static const uint8_t *job_session(const struct skv_job *job)
+{
+    const Snapkv__Request *req = job->req;
+    const ProtobufCFieldDescriptor *fd =
+        protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, (unsigned)req->command_case);
+    if (!fd || fd->type != PROTOBUF_C_TYPE_MESSAGE)
+        return NULL;
+    const ProtobufCMessage *cmd = *(ProtobufCMessage *const *)((const char *)req + fd->offset);
+    const ProtobufCFieldDescriptor *sf = cmd ? protobuf_c_message_descriptor_get_field_by_name(cmd->descriptor,
+                                                                                            "session_id")
+                                             : NULL;
+    if (!sf || sf->type != PROTOBUF_C_TYPE_BYTES)
+        return NULL;
+    const ProtobufCBinaryData *b = (const ProtobufCBinaryData *)((const char *)cmd + sf->offset);
+    return b->len == SKV_SESSION_ID_BYTES ? b->data : NULL;
+}
+
+/* Whether a request is short enough to run inside another's long forward: starting or ending a
+ * decode, the admin reads, PIN, RELEASE, FORK, and a PREFILL or APPEND of at most 32 token ids
+ * or 128 bytes of text (its forward runs on the decode engine, without ticks of its own). */
+#define OVERTAKE_TOKENS 32
+#define OVERTAKE_TEXT 128
+static bool job_short(const struct skv_job *job)
+{
+    const Snapkv__Request *r = job->req;
+    switch (r->command_case) {
+    case SNAPKV__REQUEST__COMMAND_DECODE:
+    case SNAPKV__REQUEST__COMMAND_CANCEL:
+    case SNAPKV__REQUEST__COMMAND_STATS:
+    case SNAPKV__REQUEST__COMMAND_LIST:
+    case SNAPKV__REQUEST__COMMAND_INSPECT:
+    case SNAPKV__REQUEST__COMMAND_PIN:
+    case SNAPKV__REQUEST__COMMAND_RELEASE:
+    case SNAPKV__REQUEST__COMMAND_FORK:
+        return true;
+    case SNAPKV__REQUEST__COMMAND_PREFILL:
+        return r->prefill->n_tokens <= OVERTAKE_TOKENS && strlen(r->prefill->text) <= OVERTAKE_TEXT;
+    case SNAPKV__REQUEST__COMMAND_APPEND:
+        return r->append->n_tokens <= OVERTAKE_TOKENS && strlen(r->append->text) <= OVERTAKE_TEXT;
+    default:
+        return false;
+    }
+}
+
+static bool same_sender(const struct skv_job *a, const struct skv_job *b)
+{
+    return a->sock == b->sock && a->identity_len == b->identity_len &&
+           memcmp(a->identity, b->identity, a->identity_len) == 0;
+}
+
+/* Takes out of the queue the first short request that may run before the ones ahead of it:
+ * none of them is from its sender (the running request's sender counts as ahead) or names its
+ * session, and that session is not busy (the running forward's, or decoding). NULL: none. */
+static struct skv_job *take_short(struct skv_worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    struct skv_job *prev = NULL, *found = NULL;
+    for (struct skv_job *q = w->head; q && !w->stopping; prev = q, q = q->next) {
+        if (q->kind != SKV_JOB_REQUEST || !job_short(q))
+            continue;
+        bool blocked = w->running && same_sender(w->running, q);
+        const uint8_t *sid = job_session(q);
+        for (const struct skv_job *a = w->head; a != q && !blocked; a = a->next) {
+            const uint8_t *asid = a->kind == SKV_JOB_REQUEST ? job_session(a) : NULL;
+            blocked = same_sender(a, q) || (sid && asid && memcmp(sid, asid, SKV_SESSION_ID_BYTES) == 0);
+        }
+        struct skv_session *s = sid && !blocked ? skv_session_find(w->sessions, sid, NULL) : NULL;
+        /* a CANCEL is for a decoding (busy) session; none may touch the running forward's */
+        bool cancel = q->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
+        if (blocked || (s && (s == w->forward_session || (s->busy && !cancel))))
+            continue;
+        found = q;
+        break;
+    }
+    if (found) {
+        if (prev)
+            prev->next = found->next;
+        else
+            w->head = found->next;
+        if (w->tail == found)
+            w->tail = prev;
+        w->queued--;
+        w->queued_bytes -= found->bytes;
+        atomic_store(&w->st_queue, (unsigned)w->queued);
+        atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return found;
+}
+
+/* Runs a request (a DECODE starts: its tokens come with the rounds). */
+static void run_job(struct skv_worker *w, struct skv_job *job)
+{
+    if (job->req->command_case == SNAPKV__REQUEST__COMMAND_DECODE) {
+        struct skv_decode *d = skv_requests_decode_start(w, job);
+        if (d) {
+            /* append at the tail: round-robin order */
+            struct skv_decode **pp = &w->decodes;
+            while (*pp)
+                pp = &(*pp)->next;
+            *pp = d;
+            return; /* the decode owns the job now */
+        }
+    } else {
+        skv_requests_execute(w, job);
+    }
+    job_free(job);
+}
+
+#define OVERTAKE_MAX 8 /* short requests one yield may run */
+
 void skv_worker_yield(struct skv_worker *w)
 {
-    if (!w->decodes || w->yielding)
+    if (w->yielding || (!w->decodes && !w->head))
         return;
     if (monotonic_ms() - w->last_round_ms < (uint64_t)w->cfg->decode_yield_ms)
         return;
     w->yielding = true;
-    decode_rounds(w);
+    struct skv_job *job;
+    for (int i = 0; i < OVERTAKE_MAX && (job = take_short(w)); i++) {
+        w->metrics.requests_overtook++;
+        run_job(w, job);
+        skv_worker_beat(w);
+    }
+    if (w->decodes) {
+        decode_rounds(w);
+        w->metrics.decode_rounds_yielded++;
+    }
+    w->last_round_ms = monotonic_ms();
     w->yielding = false;
-    w->metrics.decode_rounds_yielded++;
 }
 
 static void *worker_main(void *arg)
@@ -225,21 +346,9 @@ static void *worker_main(void *arg)
                 skv_log(SKV_LOG_INFO, "closed %d CUDA buffer(s) of a client whose connection closed", closed);
             job_free(job);
         } else if (job) {
-            if (job->req->command_case == SNAPKV__REQUEST__COMMAND_DECODE) {
-                struct skv_decode *d = skv_requests_decode_start(w, job);
-                if (d) {
-                    /* append at the tail: round-robin order */
-                    struct skv_decode **pp = &w->decodes;
-                    while (*pp)
-                        pp = &(*pp)->next;
-                    *pp = d;
-                    job = NULL; /* owned by the decode now */
-                }
-            } else {
-                skv_requests_execute(w, job);
-            }
-            if (job)
-                job_free(job);
+            w->running = job; /* short requests queued behind it may run inside its forward */
+            run_job(w, job);
+            w->running = NULL;
         }
         skv_worker_beat(w);
         decode_rounds(w);

@@ -65,8 +65,10 @@ struct skv_worker {
     int notices;              /* SKV_JOB_CLIENT_GONE jobs waiting (SKV_WORKER_NOTICES_MAX) */
     bool stopping;
     struct skv_decode *decodes;
-    uint64_t last_round_ms;   /* CLOCK_MONOTONIC ms when the last decode round ended */
-    bool yielding;            /* decode rounds run inside a forward (skv_worker_yield) */
+    uint64_t last_round_ms;   /* CLOCK_MONOTONIC ms when the last decode round or yield ended */
+    bool yielding;            /* inside a forward's yield: short requests and decode rounds run */
+    const struct skv_job *running; /* the request the worker runs (not inside a yield) */
+    const struct skv_session *forward_session; /* the session of the forward that yields */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
     uint64_t ipc_uses;        /* uses of the table's buffers so far */
@@ -87,10 +89,12 @@ struct skv_worker {
  * each request and each decode round; a long forward may call it per layer. */
 void skv_worker_beat(struct skv_worker *w);
 
-/* Called between two layers of a long forward (worker thread only): once decode-yield-ms passed
- * since the last decode round, gives every running DECODE its next token, on the decode engine,
- * so that a long PREFILL, APPEND or COMPRESS does not stall them. The forward's own session is
- * busy meanwhile (never evicted, and no decode runs on it). */
+/* Called at the ticks of a long forward (worker thread only): once decode-yield-ms passed since
+ * the last decode round or yield, runs up to 8 short queued requests that may go before the
+ * ones ahead of them (no request ahead from the same sender or naming the same session, the
+ * session not busy: see take_short), then gives every running DECODE its next token, all on the
+ * decode engine, so that a long PREFILL, APPEND or COMPRESS stalls neither. The forward's own
+ * session is busy meanwhile (never evicted, named by no request that runs). */
 void skv_worker_yield(struct skv_worker *w);
 
 /* The live metrics (worker thread only). */

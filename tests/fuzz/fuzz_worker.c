@@ -228,7 +228,7 @@ static void write_seeds(const char *dir)
         uint8_t id;
     } plain[] = {{"fork", SNAPKV__REQUEST__COMMAND_FORK, 0},          {"release", SNAPKV__REQUEST__COMMAND_RELEASE, 1},
                  {"inspect", SNAPKV__REQUEST__COMMAND_INSPECT, 3},    {"evict", SNAPKV__REQUEST__COMMAND_EVICT, 3},
-                 {"pin", SNAPKV__REQUEST__COMMAND_PIN, 3}};
+                 {"pin", SNAPKV__REQUEST__COMMAND_PIN, 3},            {"cancel", SNAPKV__REQUEST__COMMAND_CANCEL, 2}};
     for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
         write_session_seed(dir, plain[i].name, plain[i].id, plain[i].cc);
 
@@ -263,6 +263,15 @@ static void write_seeds(const char *dir)
     d.session_id = sid;
     d.sampling = &samp;
     write_seed(dir, "decode", 0, SNAPKV__REQUEST__COMMAND_DECODE, &d);
+    static char *stops[2] = {", ", "e"};
+    Snapkv__Sampling samp_stop = samp;
+    samp_stop.max_tokens = 8;
+    samp_stop.n_stop = 2;
+    samp_stop.stop = stops;
+    Snapkv__DecodeRequest ds = d;
+    ds.sampling = &samp_stop;
+    ds.stream = true;
+    write_seed(dir, "decode-stop", 1, SNAPKV__REQUEST__COMMAND_DECODE, &ds);
 
     Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
     c.session_id = sid;

@@ -26,7 +26,9 @@
  *   keeps the tokens and decodes on exactly as an uninterrupted one; other clients' go on.
  * - A long PREFILL gives running decodes a token between its layers (decode-yield-ms); both
  *   come out as when each runs alone.
- * - CANCEL ends a running decode between two rounds, its final reply before CANCEL's. */
+ * - CANCEL ends a running decode between two rounds, its final reply before CANCEL's.
+ * - Short requests queued behind a long forward run inside it when nothing ahead of them is
+ *   from their sender or about their session. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -1487,6 +1489,103 @@ static void test_cancel_decode(void **state)
     assert_memory_equal(got, want, sizeof want);
 }
 
+/* COMPRESS of session sid with `spec`, queued by client id. */
+static void submit_compress(struct fixture *f, const uint8_t *id, const uint8_t sid[16], const char *spec)
+{
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = (char *)spec;
+    Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
+    c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    c.compress = &cs;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
+    req.compress = &c;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+/* APPEND of the n last fixed ids to sid, queued by client id. */
+static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t sid[16], int n)
+{
+    uint32_t tokens[64];
+    for (int i = 0; i < n; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[63 - i];
+    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+    a.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    a.tokens = tokens;
+    a.n_tokens = (size_t)n;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    req.append = &a;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+/* Short requests queued behind a long forward run inside it, at its ticks, unless a request
+ * ahead of them is from the same sender (the running one's included) or names the same
+ * session, or their session is the running forward's: a small APPEND of another session and
+ * an admin STATS answer before the long COMPRESS does; a FORK of the session being compressed
+ * and the compressing client's own next request wait for it. The COMPRESS keeps what it keeps
+ * when it runs alone. */
+static void test_overtake(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    const char *spec = "policy=snapkv,budget=16,window=64";
+    uint8_t a[16], ref[16], b[16];
+    prefill(f, 64, "policy=full", a);
+    prefill(f, 64, "policy=full", ref);
+    prefill(f, 8, "policy=full", b);
+    submit_compress(f, ID_X, ref, spec); /* alone */
+    Snapkv__Reply *alone = next_reply(f, 0, ID_X, 5);
+    if (alone->status)
+        fail_msg("COMPRESS: %d %s", alone->status, alone->message);
+
+    freeze(f, b);
+    submit_compress(f, ID_X, a, spec); /* re-runs 64 tokens: a long forward with ticks */
+    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
+    fk.session_id = (ProtobufCBinaryData){16, a};
+    Snapkv__Request fq = SNAPKV__REQUEST__INIT;
+    fq.command_case = SNAPKV__REQUEST__COMMAND_FORK;
+    fq.fork = &fk;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &fq)), SKV_OK);
+    submit_append(f, ID_Z, b, 3);
+    submit_append(f, ID_X, b, 2);
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    Snapkv__Request sq = SNAPKV__REQUEST__INIT;
+    sq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    sq.stats = &sr;
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sq)), SKV_OK);
+    thaw(f);
+
+    const uint8_t *order[5] = {ID_Z, admin, ID_X, ID_Y, ID_X};
+    Snapkv__Reply *reps[5];
+    for (int i = 0; i < 5; i++) {
+        uint8_t id[5];
+        reps[i] = any_reply(f, id);
+        if (memcmp(id, order[i], 5) != 0)
+            fail_msg("reply %d came from client %02x, not %02x", i, id[4], order[i][4]);
+        if (reps[i]->status)
+            fail_msg("reply %d: %d %s", i, reps[i]->status, reps[i]->message);
+    }
+    assert_int_equal(reps[0]->append->n_tokens, 11);
+    assert_int_equal(reps[1]->result_case, SNAPKV__REPLY__RESULT_STATS);
+    const Snapkv__CompressReply *c = reps[2]->compress, *r = alone->compress;
+    assert_non_null(c);
+    assert_int_equal(c->bytes_after, r->bytes_after);
+    assert_int_equal(c->n_kept, r->n_kept);
+    for (size_t l = 0; l < r->n_kept; l++)
+        assert_memory_equal(c->kept[l]->kept_per_head, r->kept[l]->kept_per_head,
+                            sizeof(uint32_t) * r->kept[l]->n_kept_per_head);
+    assert_int_equal(reps[3]->result_case, SNAPKV__REPLY__RESULT_FORK);
+    assert_int_equal(reps[4]->append->n_tokens, 13);
+    for (int i = 0; i < 5; i++)
+        snapkv__reply__free_unpacked(reps[i], NULL);
+    snapkv__reply__free_unpacked(alone, NULL);
+    assert_int_equal(stat(f, "snapkv_requests_inside_forwards_total"), 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1507,6 +1606,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_yield, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cancel_decode, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_overtake, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
