@@ -1094,6 +1094,46 @@ static void *stall_thread(void *arg)
     return NULL;
 }
 
+/* A short request from a third client while the long prefill runs: APPEND 8 tokens to its own
+ * session, then DECODE 4, started STALL_PROBE_DELAY s into the prefill. */
+#define STALL_PROBE_DELAY 0.3
+struct stall_probe {
+    const char *endpoint;
+    struct snapkv_session_id id;
+    uint32_t ids[8];
+    atomic_bool go;
+    double t_start, t_end;
+    int rc;
+    char err[256];
+};
+
+static void *probe_thread(void *arg)
+{
+    struct stall_probe *p = arg;
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts co = {.name = "snapkv-bench-probe", .timeout_ms = LONG_TIMEOUT_MS};
+    int rc = snapkv_connect(p->endpoint, &co, &c);
+    while (!rc && !atomic_load(&p->go))
+        usleep(1000);
+    usleep((useconds_t)(STALL_PROBE_DELAY * 1e6));
+    p->t_start = now_s();
+    struct snapkv_append_opts ao = {.tokens = p->ids, .n_tokens = 8};
+    struct snapkv_append_result ar = {0};
+    if (!rc && (rc = snapkv_append(c, &p->id, &ao, &ar)))
+        snprintf(p->err, sizeof p->err, "APPEND: %s (%s)", snapkv_last_error(), snapkv_status_str(rc));
+    snapkv_append_result_free(&ar);
+    struct snapkv_sampling sm;
+    sampling_greedy(&sm, 4);
+    struct snapkv_decode_result dr = {0};
+    if (!rc && (rc = snapkv_decode(c, &p->id, &sm, NULL, NULL, &dr)))
+        snprintf(p->err, sizeof p->err, "DECODE: %s (%s)", snapkv_last_error(), snapkv_status_str(rc));
+    snapkv_decode_result_free(&dr);
+    p->t_end = now_s();
+    p->rc = rc;
+    snapkv_close(&c);
+    return NULL;
+}
+
 /* One stall run on the daemon in use: a session decodes (streaming) on one connection; once it
  * made STALL_WARM_TOKENS tokens, a --context-token PREFILL of spec `spec` runs on another. The
  * gaps between the decode's tokens while the prefill ran say how long it stalled them. */
@@ -1118,11 +1158,29 @@ static int stall_run(struct serve_ctx *x, int spec, json_t *out)
     }
     while (atomic_load(&sd.n) < STALL_WARM_TOKENS && !atomic_load(&sd.done))
         usleep(1000);
+    struct stall_probe pb = {.endpoint = x->endpoint};
+    fill_ids(prompt, STALL_SESSION_TOKENS, x->m->cfg.n_vocab, 13);
+    fill_ids(pb.ids, 8, x->m->cfg.n_vocab, 17);
+    pthread_t probe;
+    bool probing = false;
+    if (!(rc = snapkv_prefill(x->cl, &po, &pr))) {
+        pb.id = pr.id;
+        snapkv_prefill_result_free(&pr);
+        probing = pthread_create(&probe, NULL, probe_thread, &pb) == 0;
+    }
     struct snapkv_session_id long_id;
     uint64_t before = 0, after = 0;
     double secs = 0, t0 = now_s();
-    rc = atomic_load(&sd.done) ? SKV_OK : prefill_long(x, spec, &long_id, &before, &after, &secs);
+    atomic_store(&pb.go, true);
+    if (!rc)
+        rc = atomic_load(&sd.done) ? SKV_OK : prefill_long(x, spec, &long_id, &before, &after, &secs);
     double t1 = now_s();
+    if (probing)
+        pthread_join(probe, NULL);
+    if (!rc && !probing)
+        rc = skv_errorf(SKV_E_INTERNAL, "cannot start the probe thread");
+    if (!rc && pb.rc)
+        rc = skv_errorf(SKV_E_INTERNAL, "probe: %s", pb.err);
     /* the first token after the prefill ends the last gap */
     while (!rc && !atomic_load(&sd.done) && (atomic_load(&sd.n) == 0 || sd.t[atomic_load(&sd.n) - 1] < t1) &&
            now_s() - t1 < 60)
@@ -1172,8 +1230,13 @@ static int stall_run(struct serve_ctx *x, int spec, json_t *out)
     json_object_set_new(out, "max_gap_ms", json_real(max_gap * 1e3));
     json_object_set_new(out, "gap_ms", summary_json(gap, n_gap, 1e3));
     json_object_set_new(out, "alone_gap_ms", summary_json(alone, n_alone, 1e3));
-    fprintf(stderr, "serve:   %d decode tokens during the %.1f s prefill, longest gap %.0f ms\n", during, secs,
-            max_gap * 1e3);
+    json_object_set_new(out, "probe_ms", json_real((pb.t_end - pb.t_start) * 1e3));
+    json_object_set_new(out, "probe_done_during_prefill", json_boolean(pb.t_end < t1));
+    json_object_set_new(out, "probe_what", json_string("a third client's APPEND of 8 tokens + DECODE of 4 to its "
+                                                       "own session, sent 0.3 s into the prefill"));
+    fprintf(stderr, "serve:   %d decode tokens during the %.1f s prefill, longest gap %.0f ms; a short "
+                    "APPEND + DECODE took %.0f ms\n",
+            during, secs, max_gap * 1e3, (pb.t_end - pb.t_start) * 1e3);
     free(gap);
     free(alone);
     free(sd.t);
@@ -1335,7 +1398,7 @@ static void print_table(FILE *f, const json_t *j)
     if (st) {
         fprintf(f, "\na streaming decode while another client prefills\n"
                    "| decode-yield-ms | prefill | prefill s | decode tokens meanwhile | longest gap ms | gap p50 ms | "
-                   "gap alone p50 ms |\n|---|---|---|---|---|---|---|\n");
+                   "gap alone p50 ms | short APPEND + DECODE ms |\n|---|---|---|---|---|---|---|---|\n");
         size_t k;
         const json_t *o;
         json_array_foreach(json_object_get(st, "runs"), k, o) {
@@ -1345,11 +1408,12 @@ static void print_table(FILE *f, const json_t *j)
                 snprintf(ys, sizeof ys, "%lld", (long long)json_integer_value(y));
             else
                 snprintf(ys, sizeof ys, "%s", json_string_value(y) ? json_string_value(y) : "?");
-            fprintf(f, "| %s | %lld tokens, %s | %.1f | %lld | %.0f | %.0f | %.1f |\n", ys,
+            fprintf(f, "| %s | %lld tokens, %s | %.1f | %lld | %.0f | %.0f | %.1f | %.0f |\n", ys,
                     (long long)json_integer_value(json_object_get(o, "prefill_tokens")),
                     json_string_value(json_object_get(o, "prefill_spec")), jnum(o, "prefill_s"),
                     (long long)json_integer_value(json_object_get(o, "tokens_during_prefill")), jnum(o, "max_gap_ms"),
-                    jnum(json_object_get(o, "gap_ms"), "p50"), jnum(json_object_get(o, "alone_gap_ms"), "p50"));
+                    jnum(json_object_get(o, "gap_ms"), "p50"), jnum(json_object_get(o, "alone_gap_ms"), "p50"),
+                    jnum(o, "probe_ms"));
         }
     }
     const json_t *g = json_object_get(j, "goals");
