@@ -264,7 +264,8 @@ static void run_job(struct skv_worker *w, struct skv_job *job)
 
 void skv_worker_yield(struct skv_worker *w)
 {
-    if (w->yielding || (!w->decodes && !w->head))
+    /* the queue is the socket thread's too: its count, kept under the lock, is read atomically */
+    if (w->yielding || (!w->decodes && atomic_load(&w->st_queue) == 0))
         return;
     if (monotonic_ms() - w->last_round_ms < (uint64_t)w->cfg->decode_yield_ms)
         return;

@@ -7,6 +7,7 @@
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -74,6 +75,7 @@ static void usage(FILE *out)
             "                                         one-shot: prefill as a chat turn, stream the answer, release\n"
             "  chat [--compress SPEC] [SAMPLING] [--turn-template T]\n"
             "                                         interactive: one line per turn, answers streamed\n"
+            "                                         (Ctrl-C stops an answer, the chat goes on)\n"
             "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S]\n"
             "                                         prints the new session id\n"
             "  append SESSION TEXT                    run more text through a session\n"
@@ -502,6 +504,15 @@ static void sampling_init(struct snapkv_sampling *s)
 }
 
 /* Streams decoded text to stdout. */
+/* Set by SIGINT while chat's answer streams: the answer stops, the chat goes on. */
+static volatile sig_atomic_t g_interrupted;
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    g_interrupted = 1;
+}
+
 static int print_tokens(void *user, const uint32_t *tokens, size_t n, const char *text)
 {
     (void)user;
@@ -509,7 +520,7 @@ static int print_tokens(void *user, const uint32_t *tokens, size_t n, const char
     (void)n;
     fputs(text, stdout);
     fflush(stdout);
-    return 0;
+    return g_interrupted ? 1 : 0; /* libsnapkv then ends the decode in the daemon (CANCEL) */
 }
 
 /* Prefill progress, on a terminal only. */
@@ -779,7 +790,7 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
         return 1;
     bool tty = isatty(STDIN_FILENO);
     if (tty)
-        fprintf(stderr, "chat with snapkvd: one line per turn, end with Ctrl-D\n");
+        fprintf(stderr, "chat with snapkvd: one line per turn, Ctrl-C stops an answer, end with Ctrl-D\n");
     bool have_session = false;
     struct snapkv_session_id id;
     int ret = 0;
@@ -826,10 +837,23 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
                 break;
             }
         }
+        /* Ctrl-C stops this answer (the session keeps what was said), not the chat */
+        struct sigaction sa = {.sa_handler = on_sigint}, old_sa;
+        sigemptyset(&sa.sa_mask);
+        g_interrupted = 0;
+        sigaction(SIGINT, &sa, &old_sa);
         struct snapkv_decode_result dr;
         rc = snapkv_decode(cl, &id, &s, print_tokens, NULL, &dr);
+        sigaction(SIGINT, &old_sa, NULL);
         putchar('\n');
         fflush(stdout);
+        if (rc == SNAPKV_E_CANCELLED && g_interrupted) {
+            /* a signal that came while no token did interrupted the wait: end it here too */
+            if ((rc = snapkv_cancel(cl, &id, NULL, NULL)))
+                failed("cancel", rc);
+            fprintf(stderr, "[stopped]\n");
+            continue;
+        }
         if (rc) {
             ret = failed("decode", rc);
             break;

@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1920,6 +1921,81 @@ static void test_stop_sequences(void **state)
     stop_daemon(&d);
 }
 
+/* Reads what fd has until `want` bytes came in all (at most 30 s); returns the count. */
+static size_t read_until(int fd, char *buf, size_t have, size_t want, size_t cap)
+{
+    for (int i = 0; i < 3000 && have < want; i++) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 10) > 0) {
+            ssize_t r = read(fd, buf + have, cap - 1 - have);
+            if (r <= 0)
+                break;
+            have += (size_t)r;
+        }
+    }
+    buf[have] = '\0';
+    return have;
+}
+
+/* snapkvctl chat: Ctrl-C (SIGINT) while an answer streams stops that answer (CANCEL: the
+ * daemon stops generating) and the chat goes on: the next line is answered on the same
+ * session; end of input then releases it. */
+static void test_chat_interrupt(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "256M");
+    snapkv_client_t *a = client(d.admin, NULL);
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char exe[4096];
+    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
+    int in[2], out[2];
+    assert_int_equal(pipe(in), 0);
+    assert_int_equal(pipe(out), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        dup2(in[0], STDIN_FILENO);
+        dup2(out[1], STDOUT_FILENO);
+        close(in[1]);
+        close(out[0]);
+        execl(exe, exe, "-e", d.endpoint, "-a", d.admin, "-t", "chat", "chat", "--max-tokens", "2000", "--no-eos",
+              (char *)NULL);
+        _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    static char buf[1 << 16];
+    const char *first = "Tell me a very long story about the sea.\n";
+    assert_int_equal(write(in[1], first, strlen(first)), (ssize_t)strlen(first));
+    size_t have = read_until(out[0], buf, 0, 40, sizeof buf); /* the answer streams */
+    assert_true(have >= 40);
+    assert_int_equal(kill(pid, SIGINT), 0);
+    assert_true(wait_stat(a, "snapkv_decodes_cancelled_total", 1) == 1);
+    assert_true(stat_value(a, "snapkv_decodes_running") == 0);
+    uint32_t len = only_session_tokens(a, "chat");
+    assert_true(len < 2000);
+    const char *second = "Thanks.\n";
+    assert_int_equal(write(in[1], second, strlen(second)), (ssize_t)strlen(second));
+    assert_true(wait_stat(a, "snapkv_decodes_running", 1) == 1); /* the second answer runs */
+    assert_true(only_session_tokens(a, "chat") > len);
+    assert_int_equal(kill(pid, SIGINT), 0);
+    assert_true(wait_stat(a, "snapkv_decodes_cancelled_total", 2) == 2);
+    close(in[1]); /* end of input: the chat releases its session and exits */
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    close(out[0]);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, "chat", &l), SNAPKV_OK);
+    assert_int_equal(l.n, 0);
+    snapkv_session_list_free(&l);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1935,6 +2011,7 @@ int main(void)
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),
+        cmocka_unit_test_teardown(test_chat_interrupt, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
