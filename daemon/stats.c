@@ -41,7 +41,7 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "running DECODEs cancelled when their client's connection closed", (double)m->decodes_cancelled_gone},
         {"snapkv_decodes_cancelled_total", "running DECODEs ended by a CANCEL request", (double)m->decodes_cancelled},
         {"snapkv_decode_rounds_in_forwards_total",
-         "decode rounds run between the layers of a long PREFILL, APPEND or COMPRESS (decode-yield-ms)",
+         "decode rounds run inside a long PREFILL, APPEND or COMPRESS (decode-yield-ms)",
          (double)m->decode_rounds_yielded},
         {"snapkv_requests_inside_forwards_total",
          "short requests (DECODE start, CANCEL, reads, small PREFILL / APPEND ...) run inside a long forward, "
