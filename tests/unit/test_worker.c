@@ -434,8 +434,8 @@ static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
     prefill_for(f, NULL, n, spec, sid);
 }
 
-/* APPENDs n tokens; returns the status (and the reply's length when it succeeds). */
-static int append(struct fixture *f, const uint8_t sid[16], int n, int *n_tokens)
+/* APPEND of the n last fixed ids to sid, queued by client id. */
+static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t sid[16], int n)
 {
     uint32_t tokens[64];
     for (int i = 0; i < n; i++)
@@ -447,7 +447,14 @@ static int append(struct fixture *f, const uint8_t sid[16], int n, int *n_tokens
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
     req.append = &a;
-    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+/* APPENDs n tokens; returns the status (and the reply's length when it succeeds). */
+static int append(struct fixture *f, const uint8_t sid[16], int n, int *n_tokens)
+{
+    submit_append(f, ID_X, sid, n);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
     int status = rep->status;
     if (!status && n_tokens)
         *n_tokens = (int)rep->append->n_tokens;
@@ -1328,6 +1335,14 @@ static void submit_long_prefill(struct fixture *f, bool progress)
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_X, 5, &req)), SKV_OK);
 }
 
+/* Restarts the worker with decode-yield-ms = 0: a long forward yields at every tick. */
+static void restart_yielding_always(struct fixture *f)
+{
+    skv_worker_stop(&f->w);
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
 /* A PREFILL of 64 tokens or more stops inside its layers to give running decodes their next
  * token (decode-yield-ms = 0: at every point: after a layer's projections, its attention and
  * its MLP), and both come out exactly as when each runs alone: the same tokens, the same
@@ -1335,9 +1350,7 @@ static void submit_long_prefill(struct fixture *f, bool progress)
 static void test_decode_yield(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    f->cfg.decode_yield_ms = 0;
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    restart_yielding_always(f);
     const int L = f->tiny->m->cfg.n_layers, n_vocab = f->tiny->m->cfg.n_vocab;
     enum { MORE = 6 };
     uint8_t a[16], ref[16];
@@ -1503,22 +1516,6 @@ static void submit_compress(struct fixture *f, const uint8_t *id, const uint8_t 
     assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
 }
 
-/* APPEND of the n last fixed ids to sid, queued by client id. */
-static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t sid[16], int n)
-{
-    uint32_t tokens[64];
-    for (int i = 0; i < n; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[63 - i];
-    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
-    a.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
-    a.tokens = tokens;
-    a.n_tokens = (size_t)n;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
-    req.append = &a;
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
-}
-
 /* Short requests queued behind a long forward run inside it, at its ticks, unless a request
  * ahead of them is from the same sender (the running one's included) or names the same
  * session, or their session is the running forward's: a small APPEND of another session and
@@ -1528,9 +1525,7 @@ static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t si
 static void test_overtake(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    f->cfg.decode_yield_ms = 0;
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    restart_yielding_always(f);
     const char *spec = "policy=snapkv,budget=16,window=64";
     uint8_t a[16], ref[16], b[16];
     prefill(f, 64, "policy=full", a);
