@@ -216,11 +216,8 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
                             (long long)cfg->max_new_tokens);
         else if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX)
             rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
-        else if (sp && sp->n_stop) {
-            struct skv_stop_text st;
-            if (!(rc = skv_stop_text_init(&st, (const char *const *)sp->stop, sp->n_stop)))
-                skv_stop_text_fini(&st);
-        }
+        else if (sp)
+            rc = skv_stop_text_check((const char *const *)sp->stop, sp->n_stop);
         break;
     }
     case SNAPKV__REQUEST__COMMAND_COMPRESS:

@@ -169,6 +169,12 @@ int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n)
     return SKV_OK;
 }
 
+/* Whether s may be evicted for `except`'s sake: idle, unpinned, not `except`. */
+static bool may_evict(const struct skv_session *s, const struct skv_session *except)
+{
+    return s != except && !s->pinned && !s->busy;
+}
+
 /* Least recently used session that may be evicted for `except`'s sake; `tenant` restricts
  * the choice to one tenant (quota pressure). */
 static struct skv_session *lru_victim(struct skv_session_table *t, const struct skv_session *except, const char *tenant)
@@ -176,7 +182,7 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
         for (struct skv_session *s = t->bucket[b]; s; s = s->next)
-            if (s != except && !s->pinned && !s->busy && (!tenant || strcmp(s->tenant, tenant) == 0) &&
+            if (may_evict(s, except) && (!tenant || strcmp(s->tenant, tenant) == 0) &&
                 (!best || s->last_used_ms < best->last_used_ms))
                 best = s;
     return best;
@@ -218,7 +224,7 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
         for (struct skv_session *s = t->bucket[b]; s; s = s->next) {
-            if (s == except || s->pinned || s->busy || (best && s->last_used_ms >= best->last_used_ms))
+            if (!may_evict(s, except) || (best && s->last_used_ms >= best->last_used_ms))
                 continue;
             size_t i = 0;
             while (strcmp(u[i].tenant, s->tenant) != 0)
@@ -262,7 +268,7 @@ static uint64_t evictable_bytes(const struct skv_session_table *t, const struct 
     uint64_t sum = 0;
     for (int b = 0; b < BUCKETS; b++)
         for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
-            if (s != except && !s->pinned && !s->busy && (!tenant || strcmp(s->tenant, tenant) == 0))
+            if (may_evict(s, except) && (!tenant || strcmp(s->tenant, tenant) == 0))
                 sum += s->bytes + (tenant ? s->compressor_bytes : 0); /* the pool holds only KV blocks */
     return sum;
 }

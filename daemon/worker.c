@@ -56,12 +56,12 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
     };
 }
 
-/* True when job came from the client a client-gone notice is about: the same endpoint and
- * routing id (the identity a reply would be routed to). */
-static bool same_client(const struct skv_job *job, const struct skv_job *notice)
+/* True when two jobs came from the same client: the same endpoint and routing id (the identity
+ * a reply is routed to), as a client-gone notice names its client. */
+static bool same_sender(const struct skv_job *a, const struct skv_job *b)
 {
-    return job->sock == notice->sock && job->identity_len == notice->identity_len &&
-           memcmp(job->identity, notice->identity, notice->identity_len) == 0;
+    return a->sock == b->sock && a->identity_len == b->identity_len &&
+           memcmp(a->identity, b->identity, a->identity_len) == 0;
 }
 
 /* Ends the running decodes of the client a client-gone notice is about: nobody reads their
@@ -75,7 +75,7 @@ static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
     int n = 0;
     for (struct skv_decode **pp = &w->decodes; *pp;) {
         struct skv_decode *d = *pp;
-        if (!same_client(d->job, notice)) {
+        if (!same_sender(d->job, notice)) {
             pp = &d->next;
             continue;
         }
@@ -150,22 +150,24 @@ static void decode_rounds(struct skv_worker *w)
     w->last_round_ms = monotonic_ms();
 }
 
-/* The session a queued request names (its command's session_id field), or NULL. */
-static const uint8_t *job_session(const struct skv_job *job)
+/* Takes job (after prev, or the head when prev is NULL) out of the queue and its counts (w->mu
+ * held). */
+static void dequeue_locked(struct skv_worker *w, struct skv_job *prev, struct skv_job *job)
 {
-    const Snapkv__Request *req = job->req;
-    const ProtobufCFieldDescriptor *fd =
-        protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, (unsigned)req->command_case);
-    if (!fd || fd->type != PROTOBUF_C_TYPE_MESSAGE)
-        return NULL;
-    const ProtobufCMessage *cmd = *(ProtobufCMessage *const *)((const char *)req + fd->offset);
-    const ProtobufCFieldDescriptor *sf = cmd ? protobuf_c_message_descriptor_get_field_by_name(cmd->descriptor,
-                                                                                            "session_id")
-                                             : NULL;
-    if (!sf || sf->type != PROTOBUF_C_TYPE_BYTES)
-        return NULL;
-    const ProtobufCBinaryData *b = (const ProtobufCBinaryData *)((const char *)cmd + sf->offset);
-    return b->len == SKV_SESSION_ID_BYTES ? b->data : NULL;
+    if (prev)
+        prev->next = job->next;
+    else
+        w->head = job->next;
+    if (w->tail == job)
+        w->tail = prev;
+    if (job->kind == SKV_JOB_CLIENT_GONE) {
+        w->notices--;
+    } else {
+        w->queued--;
+        w->queued_bytes -= job->bytes;
+    }
+    atomic_store(&w->st_queue, (unsigned)w->queued);
+    atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
 }
 
 /* Whether a request is short enough to run inside another's long forward: starting or ending a
@@ -195,12 +197,6 @@ static bool job_short(const struct skv_job *job)
     }
 }
 
-static bool same_sender(const struct skv_job *a, const struct skv_job *b)
-{
-    return a->sock == b->sock && a->identity_len == b->identity_len &&
-           memcmp(a->identity, b->identity, a->identity_len) == 0;
-}
-
 /* Takes out of the queue the first short request that may run before the ones ahead of it:
  * none of them is from its sender (the running request's sender counts as ahead) or names its
  * session, and that session is not busy (the running forward's, or decoding). NULL: none. */
@@ -212,11 +208,9 @@ static struct skv_job *take_short(struct skv_worker *w)
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
         bool blocked = w->running && same_sender(w->running, q);
-        const uint8_t *sid = job_session(q);
-        for (const struct skv_job *a = w->head; a != q && !blocked; a = a->next) {
-            const uint8_t *asid = a->kind == SKV_JOB_REQUEST ? job_session(a) : NULL;
-            blocked = same_sender(a, q) || (sid && asid && memcmp(sid, asid, SKV_SESSION_ID_BYTES) == 0);
-        }
+        const uint8_t *sid = q->session;
+        for (const struct skv_job *a = w->head; a != q && !blocked; a = a->next)
+            blocked = same_sender(a, q) || (sid && a->session && memcmp(sid, a->session, SKV_SESSION_ID_BYTES) == 0);
         struct skv_session *s = sid && !blocked ? skv_session_find(w->sessions, sid, NULL) : NULL;
         /* a CANCEL is for a decoding (busy) session; none may touch the running forward's */
         bool cancel = q->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
@@ -225,18 +219,8 @@ static struct skv_job *take_short(struct skv_worker *w)
         found = q;
         break;
     }
-    if (found) {
-        if (prev)
-            prev->next = found->next;
-        else
-            w->head = found->next;
-        if (w->tail == found)
-            w->tail = prev;
-        w->queued--;
-        w->queued_bytes -= found->bytes;
-        atomic_store(&w->st_queue, (unsigned)w->queued);
-        atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
-    }
+    if (found)
+        dequeue_locked(w, prev, found);
     pthread_mutex_unlock(&w->mu);
     return found;
 }
@@ -307,19 +291,8 @@ static void *worker_main(void *arg)
         skv_worker_beat(w);
         atomic_store(&w->idle, false);
         struct skv_job *job = w->head;
-        if (job) {
-            w->head = job->next;
-            if (!w->head)
-                w->tail = NULL;
-            if (job->kind == SKV_JOB_CLIENT_GONE) {
-                w->notices--;
-            } else {
-                w->queued--;
-                w->queued_bytes -= job->bytes;
-            }
-            atomic_store(&w->st_queue, (unsigned)w->queued);
-            atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
-        }
+        if (job)
+            dequeue_locked(w, NULL, job);
         bool stopping = w->stopping;
         pthread_mutex_unlock(&w->mu);
 
@@ -501,6 +474,22 @@ size_t skv_request_bytes(const Snapkv__Request *req)
     return message_bytes(&req->base);
 }
 
+/* The session a request names (its command's session_id field, pointing into req), or NULL. */
+static const uint8_t *request_session(const Snapkv__Request *req)
+{
+    const ProtobufCFieldDescriptor *fd =
+        protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, (unsigned)req->command_case);
+    if (!fd || fd->type != PROTOBUF_C_TYPE_MESSAGE)
+        return NULL;
+    const ProtobufCMessage *cmd = *(ProtobufCMessage *const *)((const char *)req + fd->offset);
+    const ProtobufCFieldDescriptor *sf =
+        cmd ? protobuf_c_message_descriptor_get_field_by_name(cmd->descriptor, "session_id") : NULL;
+    if (!sf || sf->type != PROTOBUF_C_TYPE_BYTES)
+        return NULL;
+    const ProtobufCBinaryData *b = (const ProtobufCBinaryData *)((const char *)cmd + sf->offset);
+    return b->len == SKV_SESSION_ID_BYTES ? b->data : NULL;
+}
+
 /* The tenant a queued request is for ("default" when it names none). */
 static const char *job_tenant(const struct skv_job *job)
 {
@@ -515,6 +504,7 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
     if (rc)
         return rc;
     job->bytes = sizeof *job + skv_request_bytes(job->req);
+    job->session = request_session(job->req);
     uint64_t max = (uint64_t)w->cfg->max_queued_bytes;
     if (job->bytes > max)
         return skv_errorf(SKV_E_LIMIT, "the request takes %zu bytes unpacked: more than max-queued-bytes (%llu)",

@@ -28,6 +28,7 @@ struct skv_job {
     size_t identity_len;
     Snapkv__Request *req;     /* owned by the job; NULL for SKV_JOB_CLIENT_GONE */
     size_t bytes;             /* memory it holds while queued (set by skv_worker_submit) */
+    const uint8_t *session;   /* the session id its command names, in req, or NULL (set by submit) */
     struct skv_job *next;
 };
 

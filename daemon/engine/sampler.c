@@ -115,19 +115,27 @@ int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
 
 /* ---- stop sequences ------------------------------------------------------------------------- */
 
-int skv_stop_text_init(struct skv_stop_text *st, const char *const *stop, size_t n)
+int skv_stop_text_check(const char *const *stop, size_t n)
 {
-    memset(st, 0, sizeof *st);
     if (n > SKV_STOP_STRINGS_MAX)
         return skv_errorf(SKV_E_LIMIT, "at most %u stop sequences, not %zu", SKV_STOP_STRINGS_MAX, n);
     for (size_t i = 0; i < n; i++) {
         size_t len = stop[i] ? strlen(stop[i]) : 0;
-        if (len == 0 || len > SKV_STOP_STRING_BYTES) {
-            skv_stop_text_fini(st);
-            return len ? skv_errorf(SKV_E_LIMIT, "stop sequence %zu has %zu bytes (at most %u)", i, len,
-                                    SKV_STOP_STRING_BYTES)
-                       : skv_errorf(SKV_E_INVAL, "stop sequence %zu is empty", i);
-        }
+        if (len == 0)
+            return skv_errorf(SKV_E_INVAL, "stop sequence %zu is empty", i);
+        if (len > SKV_STOP_STRING_BYTES)
+            return skv_errorf(SKV_E_LIMIT, "stop sequence %zu has %zu bytes (at most %u)", i, len,
+                              SKV_STOP_STRING_BYTES);
+    }
+    return SKV_OK;
+}
+
+int skv_stop_text_init(struct skv_stop_text *st, const char *const *stop, size_t n)
+{
+    memset(st, 0, sizeof *st);
+    int rc = skv_stop_text_check(stop, n);
+    for (size_t i = 0; i < n && !rc; i++) {
+        size_t len = strlen(stop[i]);
         if (!(st->stop[i] = malloc(len))) {
             skv_stop_text_fini(st);
             return SKV_E_NOMEM;
@@ -136,7 +144,7 @@ int skv_stop_text_init(struct skv_stop_text *st, const char *const *stop, size_t
         st->len[i] = len;
         st->n = i + 1;
     }
-    return SKV_OK;
+    return rc;
 }
 
 void skv_stop_text_fini(struct skv_stop_text *st)

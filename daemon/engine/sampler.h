@@ -42,8 +42,11 @@ struct skv_stop_text {
     char hold[SKV_STOP_STRING_BYTES]; /* a suffix of the text that begins some sequence */
     size_t n_hold;
 };
-/* Copies n sequences (SKV_E_LIMIT past SKV_STOP_STRINGS_MAX or SKV_STOP_STRING_BYTES,
- * SKV_E_INVAL for an empty one). n = 0: nothing ever stops or is held. */
+/* SKV_E_LIMIT past SKV_STOP_STRINGS_MAX sequences or SKV_STOP_STRING_BYTES bytes in one,
+ * SKV_E_INVAL for an empty one, with a message; else SKV_OK. */
+int skv_stop_text_check(const char *const *stop, size_t n);
+/* Copies n sequences (refused as skv_stop_text_check refuses them). n = 0: nothing ever stops
+ * or is held. */
 int skv_stop_text_init(struct skv_stop_text *st, const char *const *stop, size_t n);
 void skv_stop_text_fini(struct skv_stop_text *st);
 /* Feeds len bytes of new text. out (room for n_hold + len + 1 bytes) receives the text

@@ -924,6 +924,15 @@ static void test_admit(void **state)
     expect_reply(f, SKV_E_LIMIT, "48 tokens: more than the limit of 40");
 }
 
+/* The bytes a queued job of req holds (what max-queued-bytes counts). */
+static size_t queued_size(int sock, Snapkv__Request *req)
+{
+    struct skv_job *probe = job_new(sock, ID_Y, 5, req);
+    size_t n = sizeof *probe + skv_request_bytes(probe->req);
+    job_drop(probe);
+    return n;
+}
+
 static void test_queued_bytes(void **state)
 {
     struct fixture *f = *state;
@@ -932,15 +941,13 @@ static void test_queued_bytes(void **state)
         tokens[i] = (uint32_t)f->tiny->ids[i];
     Snapkv__PrefillRequest p;
     Snapkv__Request req = prefill_req(&p, tokens, 40);
-    struct skv_job *probe = job_new(0, ID_Y, 5, &req);
     /* what a queued job holds: at least its ids unpacked, 4 bytes each however small their varints */
-    size_t one = sizeof *probe + skv_request_bytes(probe->req);
-    assert_true(skv_request_bytes(probe->req) >= sizeof(Snapkv__Request) + sizeof p + 40 * sizeof(uint32_t));
-    job_drop(probe);
+    size_t one = queued_size(0, &req);
+    assert_true(one >= sizeof(struct skv_job) + sizeof(Snapkv__Request) + sizeof p + 40 * sizeof(uint32_t));
     uint32_t *many = calloc(100000, sizeof *many); /* token 0: one byte each packed */
     Snapkv__PrefillRequest pm;
     Snapkv__Request big = prefill_req(&pm, many, 100000);
-    probe = job_new(0, ID_Y, 5, &big);
+    struct skv_job *probe = job_new(0, ID_Y, 5, &big);
     assert_true(snapkv__request__get_packed_size(probe->req) < 100100);
     assert_true(skv_request_bytes(probe->req) >= 400000);
     job_drop(probe);
@@ -952,9 +959,7 @@ static void test_queued_bytes(void **state)
     sreq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
     sreq.stats = &sr;
     static const uint8_t admin[5] = {0, 1, 2, 3, 4};
-    probe = job_new(1, admin, 5, &sreq);
-    size_t s_one = sizeof *probe + skv_request_bytes(probe->req);
-    job_drop(probe);
+    size_t s_one = queued_size(1, &sreq);
 
     skv_worker_stop(&f->w);
     f->cfg.max_queued_bytes = (int64_t)(3 * one + s_one + one / 2);
@@ -1016,9 +1021,7 @@ static void test_tenant_queue_share(void **state)
         tokens[i] = (uint32_t)f->tiny->ids[i];
     Snapkv__PrefillRequest p;
     Snapkv__Request req = prefill_req(&p, tokens, 8);
-    struct skv_job *probe = job_new(0, ID_Y, 5, &req);
-    size_t one = sizeof *probe + skv_request_bytes(probe->req);
-    job_drop(probe);
+    size_t one = queued_size(0, &req);
     skv_worker_stop(&f->w);
     f->cfg.queue_depth_per_tenant = 3;
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
