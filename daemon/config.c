@@ -75,6 +75,9 @@ static const struct skv_config_option options[] = {
      "compression spec used when a request names none"},
     {"ipc-tenant", SKV_CFG_STRING, OPT(ipc_tenant), "claimed", 0, 0,
      "on an ipc:// client endpoint, the tenant a client names (claimed) or its user's (uid: \"uid-1000\")"},
+    {"queue-order", SKV_CFG_STRING, OPT(queue_order), "fair", 0, 0,
+     "which waiting request the engine runs next: fair (the one of the tenant that had the least engine "
+     "time, so one tenant's backlog does not hold up the others) or fifo (the oldest)"},
 };
 
 const struct skv_config_option *skv_config_options(size_t *n)
@@ -265,6 +268,8 @@ int skv_config_check(const struct skv_config *cfg)
                           cfg->lease_seconds, cfg->max_lease_seconds);
     if (strcmp(cfg->ipc_tenant, "claimed") != 0 && strcmp(cfg->ipc_tenant, "uid") != 0)
         return skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", cfg->ipc_tenant);
+    if (strcmp(cfg->queue_order, "fair") != 0 && strcmp(cfg->queue_order, "fifo") != 0)
+        return skv_errorf(SKV_E_INVAL, "queue-order is fair or fifo, not '%s'", cfg->queue_order);
     return SKV_OK;
 }
 

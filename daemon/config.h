@@ -44,6 +44,7 @@ struct skv_config {
     int64_t max_lease_seconds; /* the longest lease a PREFILL may name */
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
+    char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */
 };
 
 enum skv_config_type { SKV_CFG_STRING, SKV_CFG_INT, SKV_CFG_SIZE, SKV_CFG_BOOL };

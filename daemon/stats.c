@@ -47,6 +47,9 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "short requests (DECODE start, CANCEL, reads, small PREFILL / APPEND ...) run inside a long forward, "
          "ahead of it",
          (double)m->requests_overtook},
+        {"snapkv_requests_reordered_total",
+         "requests run before an older waiting one, because their tenant had less engine time (queue-order = fair)",
+         (double)m->requests_reordered},
         {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
         {"snapkv_queue_requests", "requests waiting for the engine (queue-depth)", (double)in->queue_requests},
         {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},

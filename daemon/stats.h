@@ -18,6 +18,7 @@ struct skv_metrics {
     uint64_t decodes_cancelled;   /* running DECODEs ended by a CANCEL */
     uint64_t decode_rounds_yielded; /* decode rounds run between the layers of a long forward */
     uint64_t requests_overtook;   /* short requests run inside a long forward, ahead of it */
+    uint64_t requests_reordered;  /* requests run before an older one (queue-order = fair) */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -39,7 +40,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 24
+#define SKV_N_STATS 25
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 /* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and

@@ -170,6 +170,102 @@ static void dequeue_locked(struct skv_worker *w, struct skv_job *prev, struct sk
     atomic_store(&w->st_queue_bytes, (unsigned long long)w->queued_bytes);
 }
 
+/* ---- fair order between tenants (queue-order = fair) ------------------------------------------
+ * Start-time fair queueing on the engine's time: each tenant has a virtual time, the engine time
+ * its requests took, which starts at the clock when it comes (back) with work; the engine runs
+ * the oldest eligible request of the tenant whose time is least, and the clock moves to that
+ * time. A tenant with a backlog of long prompts then holds up another tenant's request for one
+ * of them at most, not for all; alone, it has the engine to itself. Notices come first. */
+
+static uint64_t monotonic_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+}
+
+/* The tenant's entry in the table of those ahead of the clock, or NULL. */
+static struct skv_tenant_clock *clock_find(struct skv_worker *w, const char *tenant)
+{
+    for (int i = 0; i < w->n_clocks; i++)
+        if (strcmp(w->clocks[i].name, tenant) == 0)
+            return &w->clocks[i];
+    return NULL;
+}
+
+/* Where a tenant stands: its virtual time, or the clock's when it is behind or unknown. */
+static uint64_t clock_of(struct skv_worker *w, const char *tenant)
+{
+    const struct skv_tenant_clock *c = clock_find(w, tenant);
+    return c && c->vt_us > w->vclock_us ? c->vt_us : w->vclock_us;
+}
+
+/* Charges a tenant `us` of engine time from `start` (where it stood when its request was
+ * chosen). The table keeps only tenants ahead of the clock; when it is full, the one nearest
+ * the clock goes (it comes back at the clock, a small head start). */
+static void clock_charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
+{
+    uint64_t vt = (start > w->vclock_us ? start : w->vclock_us) + (us ? us : 1);
+    struct skv_tenant_clock *c = clock_find(w, tenant);
+    if (!c) {
+        int n = 0; /* drop those the clock passed */
+        for (int i = 0; i < w->n_clocks; i++)
+            if (w->clocks[i].vt_us > w->vclock_us)
+                w->clocks[n++] = w->clocks[i];
+        w->n_clocks = n;
+        if (n == SKV_FAIR_TENANTS) {
+            int low = 0;
+            for (int i = 1; i < n; i++)
+                low = w->clocks[i].vt_us < w->clocks[low].vt_us ? i : low;
+            c = &w->clocks[low];
+        } else {
+            c = &w->clocks[w->n_clocks++];
+        }
+        snprintf(c->name, sizeof c->name, "%s", tenant);
+        c->vt_us = 0;
+    }
+    if (vt > c->vt_us)
+        c->vt_us = vt;
+}
+
+/* Whether q may run before every request ahead of it: none of them is from its sender or names
+ * its session, so each client's requests, and each session's, still run in the order sent. */
+static bool may_go_first(const struct skv_worker *w, const struct skv_job *q)
+{
+    for (const struct skv_job *a = w->head; a != q; a = a->next)
+        if (same_sender(a, q) || (q->session && a->session && memcmp(q->session, a->session, SKV_SESSION_ID_BYTES) == 0))
+            return false;
+    return true;
+}
+
+/* Takes out of the queue the request to run next (w->mu held; the queue is not empty): with
+ * fifo the oldest; with fair, among the oldest SKV_FAIR_WINDOW, a notice that may go first, or
+ * the oldest that may go first of the tenant with the least time. *start: where its tenant
+ * stood. */
+static struct skv_job *take_next_locked(struct skv_worker *w, uint64_t *start)
+{
+    struct skv_job *best = w->head, *best_prev = NULL;
+    uint64_t best_vt = w->head->kind == SKV_JOB_CLIENT_GONE ? 0 : clock_of(w, w->head->tenant);
+    struct skv_job *prev = w->head;
+    int k = 1;
+    for (struct skv_job *q = w->head->next; w->fair && best_vt > 0 && q && k < SKV_FAIR_WINDOW;
+         prev = q, q = q->next, k++) {
+        uint64_t vt = q->kind == SKV_JOB_CLIENT_GONE ? 0 : clock_of(w, q->tenant);
+        if (vt >= best_vt || !may_go_first(w, q))
+            continue;
+        best = q;
+        best_prev = prev;
+        best_vt = vt;
+    }
+    if (best != w->head)
+        w->metrics.requests_reordered++;
+    dequeue_locked(w, best_prev, best);
+    if (best_vt > w->vclock_us)
+        w->vclock_us = best_vt;
+    *start = best_vt;
+    return best;
+}
+
 /* Whether a request is short enough to run inside another's long forward: starting or ending a
  * decode, the admin reads, PIN, RELEASE, FORK, and a PREFILL or APPEND of at most 32 token ids
  * or 128 bytes of text (its forward runs on the decode engine, without ticks of its own). */
@@ -255,9 +351,14 @@ void skv_worker_yield(struct skv_worker *w)
         return;
     w->yielding = true;
     struct skv_job *job;
+    uint64_t t0 = monotonic_us();
     for (int i = 0; i < OVERTAKE_MAX && (job = take_short(w)); i++) {
         w->metrics.requests_overtook++;
+        uint64_t start = clock_of(w, job->tenant), t = monotonic_us();
+        char tenant[sizeof job->tenant];
+        memcpy(tenant, job->tenant, sizeof tenant); /* run_job may free the job */
         run_job(w, job);
+        clock_charge(w, tenant, start, monotonic_us() - t);
         skv_worker_beat(w);
     }
     if (w->decodes) {
@@ -265,6 +366,7 @@ void skv_worker_yield(struct skv_worker *w)
         w->metrics.decode_rounds_yielded++;
     }
     w->last_round_ms = monotonic_ms();
+    w->nested_us += monotonic_us() - t0; /* not the forward's tenant's time */
     w->yielding = false;
 }
 
@@ -290,9 +392,8 @@ static void *worker_main(void *arg)
         }
         skv_worker_beat(w);
         atomic_store(&w->idle, false);
-        struct skv_job *job = w->head;
-        if (job)
-            dequeue_locked(w, NULL, job);
+        uint64_t start = 0;
+        struct skv_job *job = w->head ? take_next_locked(w, &start) : NULL;
         bool stopping = w->stopping;
         pthread_mutex_unlock(&w->mu);
 
@@ -320,9 +421,15 @@ static void *worker_main(void *arg)
                 skv_log(SKV_LOG_INFO, "closed %d CUDA buffer(s) of a client whose connection closed", closed);
             job_free(job);
         } else if (job) {
+            char tenant[sizeof job->tenant];
+            memcpy(tenant, job->tenant, sizeof tenant); /* run_job may free the job */
+            uint64_t t = monotonic_us();
+            w->nested_us = 0;
             w->running = job; /* short requests queued behind it may run inside its forward */
             run_job(w, job);
             w->running = NULL;
+            uint64_t took = monotonic_us() - t;
+            clock_charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
         }
         skv_worker_beat(w);
         decode_rounds(w);
@@ -352,6 +459,11 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     w->cfg = cfg;
     w->m = m;
     w->zctx = zctx;
+    w->fair = !cfg->queue_order || strcmp(cfg->queue_order, "fifo") != 0;
+    if (!(w->clocks = calloc(SKV_FAIR_TENANTS, sizeof *w->clocks))) {
+        free(w);
+        return SKV_E_NOMEM;
+    }
     snprintf(w->endpoint, sizeof w->endpoint, "%s", reply_endpoint);
     pthread_mutex_init(&w->mu, NULL);
     pthread_mutex_init(&w->snap_mu, NULL);
@@ -374,6 +486,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         skv_engine_free(&w->engine);
         skv_engine_free(&w->decode_engine);
         skv_session_table_free(&w->sessions);
+        free(w->clocks);
         free(w);
         return rc;
     }
@@ -505,6 +618,7 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
         return rc;
     job->bytes = sizeof *job + skv_request_bytes(job->req);
     job->session = request_session(job->req);
+    snprintf(job->tenant, sizeof job->tenant, "%s", job->sock == 1 ? "(admin)" : job_tenant(job));
     uint64_t max = (uint64_t)w->cfg->max_queued_bytes;
     if (job->bytes > max)
         return skv_errorf(SKV_E_LIMIT, "the request takes %zu bytes unpacked: more than max-queued-bytes (%llu)",
@@ -599,6 +713,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     pthread_mutex_destroy(&w->mu);
     pthread_mutex_destroy(&w->snap_mu);
     pthread_cond_destroy(&w->cv);
+    free(w->clocks);
     free(w);
     *w_p = NULL;
 }

@@ -47,6 +47,15 @@ struct skv_ipc_buf {
     uint64_t use;             /* w->ipc_uses at its last use: LRU order */
 };
 
+/* A tenant's engine time for queue-order = fair: start-time fair queueing, in microseconds of
+ * virtual time. A tenant absent from the table, or behind the clock, stands at the clock. */
+#define SKV_FAIR_TENANTS 1024 /* tenants ahead of the clock remembered (more: the nearest is dropped) */
+#define SKV_FAIR_WINDOW 256   /* the oldest waiting requests fair order chooses among */
+struct skv_tenant_clock {
+    char name[64];
+    uint64_t vt_us;
+};
+
 struct skv_worker {
     const struct skv_config *cfg;
     struct skv_model *m;
@@ -69,6 +78,11 @@ struct skv_worker {
     bool yielding;            /* inside a forward's yield: short requests and decode rounds run */
     const struct skv_job *running; /* the request the worker runs (not inside a yield) */
     const struct skv_session *forward_session; /* the session of the forward that yields */
+    bool fair;                /* queue-order = fair */
+    uint64_t vclock_us;       /* virtual time: the start of the request last chosen */
+    struct skv_tenant_clock *clocks; /* tenants ahead of the clock */
+    int n_clocks;
+    uint64_t nested_us;       /* engine time inside the running request's yields (not its own) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
     uint64_t ipc_uses;        /* uses of the table's buffers so far */

@@ -2,7 +2,8 @@
  * processes against the same work in-process, how many long sessions a 1 GiB pool holds per
  * compression spec (computed, then checked by importing copies until the pool evicts), and
  * aggregate decode throughput of concurrent long sessions (forks of one prefill), and how long
- * a streaming decode stalls while another client prefills a long prompt. Starts its
+ * a streaming decode stalls while another client prefills a long prompt, and how long a tenant's
+ * short request waits behind another tenant's backlog of long prompts. Starts its
  * own snapkvd unless given one. */
 #include "build-config.h"
 
@@ -46,7 +47,7 @@
 #define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
 #define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 5 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 6 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -78,6 +79,7 @@ struct serve_ctx {
     char spec_name[MAX_SPECS][256];
     bool default_specs;              /* the built-in three (their goals apply) */
     int64_t yield_ms;                /* our daemon's --decode-yield-ms (< 0: its default) */
+    const char *queue_order;         /* our daemon's --queue-order (NULL: its default) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -295,7 +297,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[15][4200];
+    char a[16][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -316,7 +318,9 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     int n_args = 14;
     if (x->yield_ms >= 0)
         snprintf(a[n_args++], sizeof a[0], "--decode-yield-ms=%lld", (long long)x->yield_ms);
-    char *argv[17] = {exe};
+    if (x->queue_order)
+        snprintf(a[n_args++], sizeof a[0], "--queue-order=%s", x->queue_order);
+    char *argv[18] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
     argv[n_args + 1] = NULL;
@@ -1271,6 +1275,150 @@ static int bench_stall(struct serve_ctx *x, json_t *out)
     return rc;
 }
 
+/* ---- 6. tenants sharing the engine: one's backlog of long prompts, another's short request ---------- */
+
+#define FAIR_BULK 3                /* tenant "bulk": clients, each with one --context-token PREFILL */
+#define FAIR_SMALL_TOKENS 256      /* tenant "small": a PREFILL this long (too long to run inside */
+#define FAIR_SMALL_DECODE 8        /* another's forward), then a DECODE of this many tokens */
+#define FAIR_SMALL_DELAY 0.3       /* s after the bulk clients sent theirs */
+
+struct fair_client {
+    const char *endpoint, *tenant, *spec;
+    int n_tokens, decode_tokens, n_vocab, seed;
+    double delay;                  /* s after go */
+    atomic_bool *go;
+    double t_go, t_start, t_end;
+    int rc;
+    char err[256];
+};
+
+/* One client on its own connection, for its tenant: PREFILL (then DECODE) once told to go. */
+static void *fair_thread(void *arg)
+{
+    struct fair_client *fc = arg;
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts co = {.tenant = fc->tenant, .name = "snapkv-bench-fair", .timeout_ms = LONG_TIMEOUT_MS};
+    uint32_t *ids = malloc((size_t)fc->n_tokens * sizeof *ids);
+    int rc = ids ? snapkv_connect(fc->endpoint, &co, &c) : SNAPKV_E_NOMEM;
+    if (ids)
+        fill_ids(ids, fc->n_tokens, fc->n_vocab, (uint64_t)fc->seed);
+    while (!rc && !atomic_load(fc->go))
+        usleep(200);
+    fc->t_go = now_s();
+    if (fc->delay > 0)
+        usleep((useconds_t)(fc->delay * 1e6));
+    fc->t_start = now_s();
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = (size_t)fc->n_tokens, .compress = fc->spec};
+    struct snapkv_prefill_result pr = {0};
+    const char *what = "PREFILL";
+    if (!rc && !(rc = snapkv_prefill(c, &po, &pr)) && fc->decode_tokens > 0) {
+        struct snapkv_sampling sm;
+        sampling_greedy(&sm, fc->decode_tokens);
+        struct snapkv_decode_result dr = {0};
+        what = "DECODE";
+        rc = snapkv_decode(c, &pr.id, &sm, NULL, NULL, &dr);
+        snapkv_decode_result_free(&dr);
+    }
+    fc->t_end = now_s();
+    if (rc)
+        snprintf(fc->err, sizeof fc->err, "%s for tenant %s: %s (%s)", what, fc->tenant, snapkv_last_error(),
+                 snapkv_status_str(rc));
+    snapkv_prefill_result_free(&pr);
+    fc->rc = rc;
+    snapkv_close(&c);
+    free(ids);
+    return NULL;
+}
+
+/* One run on the daemon in use: FAIR_BULK clients of tenant "bulk" each send a --context-token
+ * PREFILL at once; FAIR_SMALL_DELAY s later a client of tenant "small" sends a
+ * FAIR_SMALL_TOKENS-token PREFILL and a DECODE. How long the small one took says whether it
+ * waited for the whole backlog or for the prefill running when it came. */
+static int fair_run(struct serve_ctx *x, int spec, json_t *out)
+{
+    struct fair_client fc[FAIR_BULK + 1];
+    pthread_t th[FAIR_BULK + 1];
+    atomic_bool go = false;
+    const char *spec_text = *x->spec_text[spec] ? x->spec_text[spec] : NULL;
+    int started = 0, rc = SKV_OK;
+    for (int i = 0; i <= FAIR_BULK; i++) {
+        bool small = i == FAIR_BULK;
+        fc[i] = (struct fair_client){
+            .endpoint = x->endpoint, .tenant = small ? "small" : "bulk", .spec = spec_text,
+            .n_tokens = small ? FAIR_SMALL_TOKENS : x->context, .decode_tokens = small ? FAIR_SMALL_DECODE : 0,
+            .n_vocab = x->m->cfg.n_vocab, .seed = 31 + i, .delay = small ? FAIR_SMALL_DELAY : 0.01 * i, .go = &go,
+        };
+        if (pthread_create(&th[i], NULL, fair_thread, &fc[i]) != 0) {
+            rc = skv_errorf(SKV_E_INTERNAL, "cannot start a client thread");
+            break;
+        }
+        started++;
+    }
+    usleep(300000); /* every client connected */
+    atomic_store(&go, true);
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < started && !rc; i++)
+        if (fc[i].rc)
+            rc = skv_errorf(SKV_E_INTERNAL, "%s", fc[i].err);
+    if (rc)
+        return rc;
+    const struct fair_client *sm = &fc[FAIR_BULK];
+    json_t *bulk = json_array();
+    double bulk_last = 0;
+    for (int i = 0; i < FAIR_BULK; i++) {
+        double t = fc[i].t_end - fc[i].t_go;
+        json_array_append_new(bulk, json_real(t));
+        bulk_last = t > bulk_last ? t : bulk_last;
+    }
+    double small_ms = (sm->t_end - sm->t_start) * 1e3;
+    int bulk_after = 0; /* bulk prefills that ended after the small request did */
+    for (int i = 0; i < FAIR_BULK; i++)
+        bulk_after += fc[i].t_end > sm->t_end;
+    json_object_set_new(out, "bulk_clients", json_integer(FAIR_BULK));
+    json_object_set_new(out, "bulk_prefill_tokens", json_integer(x->context));
+    json_object_set_new(out, "prefill_spec", json_string(spec_text ? spec_text : "policy=full"));
+    json_object_set_new(out, "bulk_done_s", bulk);
+    json_object_set_new(out, "bulk_last_done_s", json_real(bulk_last));
+    json_object_set_new(out, "small_ms", json_real(small_ms));
+    json_object_set_new(out, "bulk_prefills_done_after_small", json_integer(bulk_after));
+    json_object_set_new(out, "small_what",
+                        json_string("tenant small: a PREFILL of 256 tokens + DECODE 8, sent 0.3 s after tenant "
+                                    "bulk's prefills"));
+    fprintf(stderr, "serve:   the small tenant's request took %.0f ms (%d of %d bulk prefills ended after it); the "
+                    "last bulk prefill ended at %.1f s\n",
+            small_ms, bulk_after, FAIR_BULK, bulk_last);
+    return evict_all(x);
+}
+
+/* The fair run on our daemon with queue-order fifo (the order before it existed) and fair (the
+ * default); on a daemon we did not start, as it is configured. */
+static int bench_fair(struct serve_ctx *x, json_t *out)
+{
+    int spec = x->n_specs > 1 ? 1 : 0;
+    json_t *runs = json_array();
+    json_object_set_new(out, "runs", runs);
+    static const char *const modes[2] = {"fifo", "fair"};
+    int n_modes = x->d.pid ? 2 : 1;
+    int rc = SKV_OK;
+    x->yield_ms = -1; /* the default, whatever the stall run left */
+    for (int k = 0; k < n_modes && !rc; k++) {
+        if (x->d.pid) {
+            x->queue_order = modes[k];
+            if ((rc = use_own_daemon(x, x->pool_bytes)))
+                break;
+        }
+        json_t *o = json_object();
+        json_object_set_new(o, "queue_order", json_string(x->d.pid ? modes[k] : "as the daemon is configured"));
+        fprintf(stderr, "serve: %d prefills of %d tokens by one tenant, a short request by another (queue-order %s) ...\n",
+                FAIR_BULK, x->context, x->d.pid ? modes[k] : "as configured");
+        rc = fair_run(x, spec, o);
+        json_array_append_new(runs, o);
+    }
+    x->queue_order = NULL;
+    return rc;
+}
+
 /* ---- report ---------------------------------------------------------------------------------------- */
 
 static void cpu_model(char *buf, size_t cap)
@@ -1416,6 +1564,22 @@ static void print_table(FILE *f, const json_t *j)
                     jnum(o, "probe_ms"));
         }
     }
+    const json_t *fr = json_object_get(j, "fair");
+    if (fr) {
+        fprintf(f, "\none tenant's backlog of prefills and another tenant's short request\n"
+                   "| queue-order | bulk prefills | small tenant's PREFILL 256 + DECODE 8, ms | bulk prefills ended "
+                   "after it | last bulk prefill ended, s |\n|---|---|---|---|---|\n");
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(fr, "runs"), k, o)
+            fprintf(f, "| %s | %lld x %lld tokens, %s | %.0f | %lld | %.1f |\n",
+                    json_string_value(json_object_get(o, "queue_order")),
+                    (long long)json_integer_value(json_object_get(o, "bulk_clients")),
+                    (long long)json_integer_value(json_object_get(o, "bulk_prefill_tokens")),
+                    json_string_value(json_object_get(o, "prefill_spec")), jnum(o, "small_ms"),
+                    (long long)json_integer_value(json_object_get(o, "bulk_prefills_done_after_small")),
+                    jnum(o, "bulk_last_done_s"));
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -1514,7 +1678,7 @@ static int parse_specs(struct serve_ctx *x, const char *list)
 /* --parts: which of roundtrip, throughput, capacity, decode, stall run (NULL: all). */
 static int parse_parts(const char *list, bool on[N_PARTS])
 {
-    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall"};
+    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall", "fair"};
     for (int i = 0; i < N_PARTS; i++)
         on[i] = !list;
     for (const char *p = list; p && *p;) {
@@ -1524,7 +1688,7 @@ static int parse_parts(const char *list, bool on[N_PARTS])
             i++;
         if (i == N_PARTS)
             return skv_errorf(SKV_E_INVAL,
-                              "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall)",
+                              "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -1589,7 +1753,8 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
                                     "sessions)."));
     double t_all = now_s();
     json_object_set_new(j, "load_1min_start", json_real(load_1min()));
-    json_t *rt = json_object(), *tp = json_object(), *cp = json_object(), *dc = json_object(), *st = json_object();
+    json_t *rt = json_object(), *tp = json_object(), *cp = json_object(), *dc = json_object(), *st = json_object(),
+           *fr = json_object();
     uint64_t bytes_after[MAX_SPECS] = {0}, bytes_before = 0;
     int64_t held[MAX_SPECS] = {0};
     if (part[0]) {
@@ -1636,6 +1801,12 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_object_set_new(j, "stall", st);
     else
         json_decref(st);
+    if (!rc && part[5])
+        rc = bench_fair(&x, fr);
+    if (part[5])
+        json_object_set_new(j, "fair", fr);
+    else
+        json_decref(fr);
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
     add_goals(j, x.default_specs);

@@ -113,6 +113,15 @@ static void test_limits(void **state)
     assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
     assert_non_null(strstr(skv_error_msg(), "lease-seconds is 3601"));
     assert_non_null(strstr(skv_error_msg(), "max-lease-seconds (3600)"));
+    assert_int_equal(skv_config_set(&cfg, "lease-seconds", "600"), SKV_OK);
+
+    /* queue-order: fair by default, or fifo; anything else fails the check, naming it */
+    assert_string_equal(cfg.queue_order, "fair");
+    assert_int_equal(skv_config_set(&cfg, "queue-order", "fifo"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "queue-order", "lifo"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "queue-order is fair or fifo, not 'lifo'"));
     skv_config_free(&cfg);
 }
 

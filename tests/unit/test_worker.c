@@ -340,6 +340,7 @@ static void test_client_gone(void **state)
 }
 
 static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16]);
+static void restart_fifo(struct fixture *f);
 
 /* EXPORT_KV of layer 0 by client `id` through handle variant v of buffer k, and its reply. */
 static void export_variant(struct fixture *f, const uint8_t id[5], const uint8_t sid[16], int k, int v)
@@ -434,8 +435,8 @@ static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
     prefill_for(f, NULL, n, spec, sid);
 }
 
-/* APPEND of the n last fixed ids to sid, queued by client id. */
-static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t sid[16], int n)
+/* APPEND of the n last fixed ids to sid, queued by client id for tenant (NULL: "t"). */
+static void submit_append_for(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16], int n)
 {
     uint32_t tokens[64];
     for (int i = 0; i < n; i++)
@@ -447,7 +448,13 @@ static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t si
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
     req.append = &a;
+    req.tenant = (char *)tenant;
     assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+static void submit_append(struct fixture *f, const uint8_t *id, const uint8_t sid[16], int n)
+{
+    submit_append_for(f, id, NULL, sid, n);
 }
 
 /* APPENDs n tokens; returns the status (and the reply's length when it succeeds). */
@@ -1024,6 +1031,7 @@ static void test_tenant_queue_share(void **state)
     size_t one = queued_size(0, &req);
     skv_worker_stop(&f->w);
     f->cfg.queue_depth_per_tenant = 3;
+    assert_int_equal(skv_config_set(&f->cfg, "queue-order", "fifo"), SKV_OK); /* replies in queue order */
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t sid[16];
     prefill(f, 8, "policy=full", sid);
@@ -1202,6 +1210,7 @@ static void test_decode_limits(void **state)
     skv_worker_stop(&f->w);
     f->cfg.max_decodes = 2;
     f->cfg.max_decodes_per_tenant = 1;
+    assert_int_equal(skv_config_set(&f->cfg, "queue-order", "fifo"), SKV_OK); /* turns in queue order */
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t t1[16], t2[16], u[16], v[16];
     prefill_for(f, "t", 8, "policy=full", t1);
@@ -1256,6 +1265,7 @@ static void test_decode_limits(void **state)
 static void test_decode_client_gone(void **state)
 {
     struct fixture *f = *state;
+    restart_fifo(f); /* the notice in its place in the queue (fair order: test_fair_order) */
     uint8_t a[16], b[16], ref[16];
     prefill(f, 8, "policy=full", a);
     prefill(f, 8, "policy=full", b);
@@ -1339,6 +1349,15 @@ static void submit_long_prefill(struct fixture *f, bool progress)
 }
 
 /* Restarts the worker with decode-yield-ms = 0: a long forward yields at every tick. */
+/* Restarts the worker with queue-order = fifo: tests of other things whose requests of several
+ * tenants wait together and whose turns the comments count in queue order. */
+static void restart_fifo(struct fixture *f)
+{
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "queue-order", "fifo"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
 static void restart_yielding_always(struct fixture *f)
 {
     skv_worker_stop(&f->w);
@@ -1528,6 +1547,7 @@ static void submit_compress(struct fixture *f, const uint8_t *id, const uint8_t 
 static void test_overtake(void **state)
 {
     struct fixture *f = *state;
+    assert_int_equal(skv_config_set(&f->cfg, "queue-order", "fifo"), SKV_OK); /* STATS behind the COMPRESS */
     restart_yielding_always(f);
     const char *spec = "policy=snapkv,budget=16,window=64";
     uint8_t a[16], ref[16], b[16];
@@ -1584,6 +1604,72 @@ static void test_overtake(void **state)
     assert_int_equal(stat(f, "snapkv_requests_inside_forwards_total"), 2);
 }
 
+/* The fair-order scenario: while the worker is held in a request of tenant t, client X queues
+ * two APPENDs to session b for t, Y a DECODE of 1000 tokens for t, Z an APPEND to c for tenant
+ * u, X one to c for u (behind its own two, and behind Z's on the same session), then Y's
+ * connection closes. Writes the clients the five replies went to, in order, and the sessions'
+ * lengths the APPEND replies name; returns snapkv_requests_reordered_total, and the tokens Y's
+ * decode made before the notice ended it in *y_tokens. */
+static int fair_scenario(struct fixture *f, char order[6], int lens[5], int *y_tokens)
+{
+    uint8_t a[16], b[16], c[16];
+    prefill_for(f, "t", 8, "policy=full", a);
+    prefill_for(f, "t", 8, "policy=full", b);
+    prefill_for(f, "u", 8, "policy=full", c);
+    freeze(f, a);
+    usleep(20000); /* t's time: 20 ms and more, against well under 1 ms for u's prefill */
+    submit_append_for(f, ID_X, "t", b, 2);
+    submit_append_for(f, ID_X, "t", b, 2);
+    submit_decode(f, ID_Y, "t", a, 1000, false);
+    submit_append_for(f, ID_Z, "u", c, 2);
+    submit_append_for(f, ID_X, "u", c, 1);
+    assert_int_equal(skv_worker_client_gone(f->w, ID_Y, sizeof ID_Y, true), SKV_OK);
+    thaw(f);
+    for (int i = 0; i < 5; i++) {
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
+        order[i] = id[4] == ID_X[4] ? 'X' : id[4] == ID_Y[4] ? 'Y' : id[4] == ID_Z[4] ? 'Z' : '?';
+        bool decode = rep->result_case == SNAPKV__REPLY__RESULT_DECODE;
+        lens[i] = decode ? 0 : (int)rep->append->n_tokens;
+        if (decode) {
+            assert_string_equal(rep->decode->finish_reason, "cancelled");
+            *y_tokens = (int)rep->decode->n_generated;
+        }
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    order[5] = '\0';
+    return (int)stat(f, "snapkv_requests_reordered_total");
+}
+
+/* queue-order = fair (the default): the tenant with the least engine time goes first, so u's
+ * APPEND runs before t's backlog, while each client's requests and each session's still run in
+ * the order sent, and a client-gone notice runs as soon as its client's queued requests did.
+ * queue-order = fifo: the order they came in. */
+static void test_fair_order(void **state)
+{
+    struct fixture *f = *state;
+    char order[6];
+    int lens[5], y_tokens = -1;
+    int reordered = fair_scenario(f, order, lens, &y_tokens);
+    /* Z's (u) first; X's for u waits for X's two for t, then goes before Y's (t); the notice
+     * right after Y's DECODE started: one round */
+    assert_string_equal(order, "ZXXXY");
+    int want[5] = {10, 10, 12, 11, 0};
+    assert_memory_equal(lens, want, sizeof want);
+    assert_int_equal(reordered, 2);
+    assert_int_equal(y_tokens, 1);
+
+    restart_fifo(f);
+    reordered = fair_scenario(f, order, lens, &y_tokens);
+    assert_string_equal(order, "XXZXY"); /* Y's decode: a token with each of the three turns after it */
+    int want_fifo[5] = {10, 12, 10, 11, 0};
+    assert_memory_equal(lens, want_fifo, sizeof want_fifo);
+    assert_int_equal(reordered, 0);
+    assert_int_equal(y_tokens, 3);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1605,6 +1691,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_yield, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cancel_decode, setup, teardown),
         cmocka_unit_test_setup_teardown(test_overtake, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fair_order, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
