@@ -3,6 +3,7 @@
 #include "daemon/metrics_http.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/stats.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -18,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BODY_CAP (64 * 1024)
+#define BODY_CAP SKV_PROMETHEUS_MAX
 #define LINGER_MS 500                   /* drain what the client still sends, at most this long */
 #define LINGER_MAX_BYTES (64 * 1024)
 

@@ -53,6 +53,7 @@ void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int stat
     rep.status = status;
     rep.message = (char *)(msg && *msg ? msg : skv_status_str(status));
     w->metrics.errors++;
+    skv_worker_tenant(w, job->tenant)->errors++;
     skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id, skv_status_name(status),
             rep.message);
     skv_worker_reply(w, job, &rep);
@@ -470,6 +471,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     if (rc)
         goto fail;
     w->metrics.prefill_tokens += (uint64_t)n;
+    skv_worker_tenant(w, job->tenant)->prefill_tokens += (uint64_t)n;
     w->metrics.prefill_seconds += now_s() - t0;
     s->prompt_len = n;
     int evicted = 0;
@@ -1367,6 +1369,7 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     w->metrics.decode_tokens++;
+    skv_worker_tenant(w, d->job->tenant)->decode_tokens++;
     if (rc) {
         fail_rc(w, d->job, rc);
         return true;
@@ -2023,33 +2026,49 @@ static void handle_stats(struct skv_worker *w, struct skv_job *job)
 {
     struct skv_stats_input in;
     skv_worker_stats_input(w, &in);
-    struct skv_stat rows[SKV_N_STATS];
+    enum { MAX_ROWS = SKV_N_STATS + SKV_N_TENANT_STATS * SKV_TENANT_ROWS };
+    struct skv_tenant_table *t = malloc(sizeof *t);
+    struct skv_stat *rows = malloc(MAX_ROWS * sizeof *rows);
+    char (*names)[SKV_STAT_NAME_MAX] = malloc(SKV_N_TENANT_STATS * SKV_TENANT_ROWS * sizeof *names);
+    Snapkv__Stat *stats = malloc(MAX_ROWS * sizeof *stats);
+    Snapkv__Stat **ptrs = malloc(MAX_ROWS * sizeof *ptrs);
+    char *prom = job->req->stats->prometheus ? malloc(SKV_PROMETHEUS_MAX) : NULL;
+    if (!t || !rows || !names || !stats || !ptrs || (job->req->stats->prometheus && !prom)) {
+        skv_requests_fail(w, job, SKV_E_NOMEM, "out of memory for the STATS reply");
+        goto out;
+    }
     skv_stats_rows(&in, rows);
-    Snapkv__Stat stats[SKV_N_STATS], *ptrs[SKV_N_STATS];
-    for (int i = 0; i < SKV_N_STATS; i++) {
+    skv_worker_tenant_table(w, t);
+    size_t n = SKV_N_STATS + skv_stats_tenant_rows(t, rows + SKV_N_STATS, names);
+    for (size_t i = 0; i < n; i++) {
         snapkv__stat__init(&stats[i]);
         stats[i].name = (char *)rows[i].name;
         stats[i].help = (char *)rows[i].help;
         stats[i].value = rows[i].value;
         ptrs[i] = &stats[i];
     }
-    char prom[8192] = "";
-    if (job->req->stats->prometheus)
-        skv_stats_prometheus(rows, SKV_N_STATS, prom, sizeof prom);
+    if (prom)
+        skv_stats_prometheus(rows, n, prom, SKV_PROMETHEUS_MAX);
     Snapkv__Reply rep;
     Snapkv__StatsReply sr = SNAPKV__STATS_REPLY__INIT;
     reply_init(&rep, job);
-    sr.n_stats = SKV_N_STATS;
+    sr.n_stats = n;
     sr.stats = ptrs;
-    sr.prometheus_text = prom;
+    sr.prometheus_text = prom ? prom : "";
     rep.result_case = SNAPKV__REPLY__RESULT_STATS;
     rep.stats = &sr;
     skv_worker_reply(w, job, &rep);
+out:
+    free(t);
+    free(rows);
+    free(names);
+    free(stats);
+    free(ptrs);
+    free(prom);
 }
 
 void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
 {
-    w->metrics.requests++;
     skv_error_clear();
     switch (job->req->command_case) {
     case SNAPKV__REQUEST__COMMAND_PREFILL: handle_prefill(w, job); break;

@@ -57,6 +57,38 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
     memcpy(rows, r, sizeof r);
 }
 
+size_t skv_stats_tenant_rows(const struct skv_tenant_table *t, struct skv_stat *rows,
+                             char (*names)[SKV_STAT_NAME_MAX])
+{
+    static const struct {
+        const char *name, *help;
+    } m[SKV_N_TENANT_STATS] = {
+        {"snapkv_tenant_sessions", "sessions the tenant holds (max-sessions-per-tenant)"},
+        {"snapkv_tenant_bytes", "bytes the tenant's sessions hold (max-bytes-per-tenant)"},
+        {"snapkv_tenant_queue_requests", "the tenant's requests waiting for the engine (queue-depth-per-tenant)"},
+        {"snapkv_tenant_decodes_running", "the tenant's DECODEs running (max-decodes-per-tenant)"},
+        {"snapkv_tenant_requests_total", "the tenant's requests the engine ran"},
+        {"snapkv_tenant_errors_total", "the tenant's requests that failed in the engine"},
+        {"snapkv_tenant_prefill_tokens_total", "prompt tokens the tenant's PREFILLs ran"},
+        {"snapkv_tenant_decode_tokens_total", "tokens the tenant's DECODEs generated"},
+        {"snapkv_tenant_engine_seconds_total",
+         "the engine's time on the tenant's requests and its share of decode rounds (queue-order = fair evens it)"},
+    };
+    size_t n = 0;
+    for (int k = 0; k < SKV_N_TENANT_STATS; k++)
+        for (int i = 0; i < t->n; i++, n++) {
+            const struct skv_tenant_stats *x = &t->t[i];
+            double v[SKV_N_TENANT_STATS] = {
+                (double)x->sessions, (double)x->bytes, (double)x->queued, (double)x->decodes,
+                (double)x->requests, (double)x->errors, (double)x->prefill_tokens, (double)x->decode_tokens,
+                x->engine_seconds,
+            };
+            snprintf(names[n], SKV_STAT_NAME_MAX, "%s{tenant=\"%s\"}", m[k].name, x->name);
+            rows[n] = (struct skv_stat){names[n], m[k].help, v[k]};
+        }
+    return n;
+}
+
 size_t skv_stats_prometheus(const struct skv_stat *rows, size_t n, char *buf, size_t cap)
 {
     size_t at = 0;
@@ -64,9 +96,20 @@ size_t skv_stats_prometheus(const struct skv_stat *rows, size_t n, char *buf, si
         return 0;
     buf[0] = '\0';
     for (size_t i = 0; i < n && at < cap - 1; i++) {
-        bool counter = strstr(rows[i].name, "_total") != NULL;
-        int k = snprintf(buf + at, cap - at, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", rows[i].name, rows[i].help,
-                         rows[i].name, counter ? "counter" : "gauge", rows[i].name, rows[i].value);
+        const char *name = rows[i].name;
+        size_t base = strcspn(name, "{");
+        bool first = i == 0 || strncmp(rows[i - 1].name, name, base) != 0 ||
+                     (rows[i - 1].name[base] != '\0' && rows[i - 1].name[base] != '{');
+        int k = 0;
+        if (first) {
+            bool counter = base > 6 && strncmp(name + base - 6, "_total", 6) == 0;
+            k = snprintf(buf + at, cap - at, "# HELP %.*s %s\n# TYPE %.*s %s\n", (int)base, name, rows[i].help,
+                         (int)base, name, counter ? "counter" : "gauge");
+            if (k < 0 || (size_t)k >= cap - at)
+                break;
+            at += (size_t)k;
+        }
+        k = snprintf(buf + at, cap - at, "%s %.17g\n", name, rows[i].value);
         if (k < 0)
             break;
         at += (size_t)k;

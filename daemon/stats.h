@@ -43,8 +43,41 @@ struct skv_stat {
 #define SKV_N_STATS 25
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
-/* Prometheus text format 0.0.4 (HELP, TYPE and value of each row) into buf, NUL-terminated and
- * truncated to cap - 1; returns the length written. */
+
+/* One tenant's figures. Tenants are counted by name, the first SKV_TENANT_STATS valid names
+ * seen since the start; the requests of any later one (and of names a tenant cannot have)
+ * count together as "(other)", the admin endpoint's as "(admin)", so a client inventing
+ * tenant names cannot grow the table or the exposition. */
+#define SKV_TENANT_STATS 128
+#define SKV_TENANT_ROWS (SKV_TENANT_STATS + 2)
+#define SKV_TENANT_ADMIN "(admin)"
+#define SKV_TENANT_OTHER "(other)"
+struct skv_tenant_stats {
+    char name[64];
+    uint64_t requests, errors;    /* counters: requests run, failed */
+    uint64_t prefill_tokens, decode_tokens;
+    double engine_seconds;        /* the engine's time on its requests and decode rounds */
+    uint64_t sessions, bytes;     /* gauges: sessions held, their bytes (max-bytes-per-tenant counts) */
+    uint64_t queued, decodes;     /* requests waiting, DECODEs running */
+};
+struct skv_tenant_table {         /* a plain copy */
+    int n;
+    struct skv_tenant_stats t[SKV_TENANT_ROWS];
+};
+
+#define SKV_N_TENANT_STATS 9      /* metrics per tenant */
+#define SKV_STAT_NAME_MAX 112     /* a row's name with its label: snapkv_tenant_x{tenant="..."} */
+/* The per-tenant rows, metric by metric and tenant by tenant (SKV_N_TENANT_STATS x t->n rows),
+ * each named with its label (snapkv_tenant_sessions{tenant="a"}), the names written to
+ * names[]. Returns how many. */
+size_t skv_stats_tenant_rows(const struct skv_tenant_table *t, struct skv_stat *rows,
+                             char (*names)[SKV_STAT_NAME_MAX]);
+
+/* Room for the whole exposition: the daemon's rows and every tenant's. */
+#define SKV_PROMETHEUS_MAX (256 * 1024)
+/* Prometheus text format 0.0.4 into buf: HELP and TYPE once per metric (a row's name up to its
+ * '{'), then each row's sample; NUL-terminated and truncated to cap - 1; returns the length
+ * written. */
 size_t skv_stats_prometheus(const struct skv_stat *rows, size_t n, char *buf, size_t cap);
 
 #endif

@@ -56,6 +56,55 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
     };
 }
 
+struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant)
+{
+    struct skv_tenant_table *t = &w->tenants;
+    const char *name = tenant && *tenant ? tenant : SKV_TENANT_DEFAULT;
+    if (strcmp(name, SKV_TENANT_ADMIN) != 0 && skv_session_check_tenant(name) != SKV_OK) {
+        skv_error_clear();
+        name = SKV_TENANT_OTHER;
+    }
+    for (int i = 0; i < t->n; i++)
+        if (strcmp(t->t[i].name, name) == 0)
+            return &t->t[i];
+    int named = 0; /* rows of real tenants so far */
+    for (int i = 0; i < t->n; i++)
+        named += strcmp(t->t[i].name, SKV_TENANT_ADMIN) != 0 && strcmp(t->t[i].name, SKV_TENANT_OTHER) != 0;
+    bool special = strcmp(name, SKV_TENANT_ADMIN) == 0 || strcmp(name, SKV_TENANT_OTHER) == 0;
+    if (!special && named >= SKV_TENANT_STATS)
+        return skv_worker_tenant(w, SKV_TENANT_OTHER);
+    struct skv_tenant_stats *x = &t->t[t->n++]; /* room: SKV_TENANT_STATS named + the two */
+    memset(x, 0, sizeof *x);
+    snprintf(x->name, sizeof x->name, "%s", name);
+    return x;
+}
+
+static bool count_session(void *user, struct skv_session *s)
+{
+    struct skv_worker *w = user;
+    struct skv_tenant_stats *x = skv_worker_tenant(w, s->tenant);
+    x->sessions++;
+    x->bytes += s->bytes + s->compressor_bytes;
+    return false;
+}
+
+void skv_worker_tenant_table(struct skv_worker *w, struct skv_tenant_table *out)
+{
+    for (int i = 0; i < w->tenants.n; i++) {
+        struct skv_tenant_stats *x = &w->tenants.t[i];
+        x->sessions = x->bytes = x->queued = x->decodes = 0;
+    }
+    skv_session_foreach(w->sessions, count_session, w);
+    for (const struct skv_decode *d = w->decodes; d; d = d->next)
+        skv_worker_tenant(w, d->job->tenant)->decodes++;
+    pthread_mutex_lock(&w->mu);
+    for (const struct skv_job *q = w->head; q; q = q->next)
+        if (q->kind == SKV_JOB_REQUEST)
+            skv_worker_tenant(w, q->tenant)->queued++;
+    pthread_mutex_unlock(&w->mu);
+    *out = w->tenants;
+}
+
 /* True when two jobs came from the same client: the same endpoint and routing id (the identity
  * a reply is routed to), as a client-gone notice names its client. */
 static bool same_sender(const struct skv_job *a, const struct skv_job *b)
@@ -99,11 +148,28 @@ static void publish_stats(struct skv_worker *w)
     pthread_mutex_unlock(&w->snap_mu);
 }
 
+/* The tenants' table for HTTP /metrics (the socket and HTTP threads read it under snap_mu). */
+static void publish_tenants(struct skv_worker *w)
+{
+    struct skv_tenant_table t;
+    skv_worker_tenant_table(w, &t);
+    pthread_mutex_lock(&w->snap_mu);
+    w->tenant_snap = t;
+    pthread_mutex_unlock(&w->snap_mu);
+}
+
 static uint64_t monotonic_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static uint64_t monotonic_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
 }
 
 void skv_worker_beat(struct skv_worker *w)
@@ -135,7 +201,11 @@ static void decode_rounds(struct skv_worker *w)
         int n = 0;
         for (; d && n < SKV_ENGINE_MAX_BATCH; d = d->next)
             batch[n++] = d;
+        uint64_t t0 = monotonic_us();
         skv_requests_decode_round(w, batch, n, finished);
+        double share = (double)(monotonic_us() - t0) * 1e-6 / n;
+        for (int i = 0; i < n; i++)
+            skv_worker_tenant(w, batch[i]->job->tenant)->engine_seconds += share;
         skv_worker_beat(w);
         for (int i = 0; i < n; i++) {
             if (!finished[i])
@@ -176,13 +246,6 @@ static void dequeue_locked(struct skv_worker *w, struct skv_job *prev, struct sk
  * the oldest eligible request of the tenant whose time is least, and the clock moves to that
  * time. A tenant with a backlog of long prompts then holds up another tenant's request for one
  * of them at most, not for all; alone, it has the engine to itself. Notices come first. */
-
-static uint64_t monotonic_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
-}
 
 /* The tenant's entry in the table of those ahead of the clock, or NULL. */
 static struct skv_tenant_clock *clock_find(struct skv_worker *w, const char *tenant)
@@ -324,6 +387,8 @@ static struct skv_job *take_short(struct skv_worker *w)
 /* Runs a request (a DECODE starts: its tokens come with the rounds). */
 static void run_job(struct skv_worker *w, struct skv_job *job)
 {
+    w->metrics.requests++;
+    skv_worker_tenant(w, job->tenant)->requests++;
     if (job->req->command_case == SNAPKV__REQUEST__COMMAND_DECODE) {
         struct skv_decode *d = skv_requests_decode_start(w, job);
         if (d) {
@@ -358,7 +423,9 @@ void skv_worker_yield(struct skv_worker *w)
         char tenant[sizeof job->tenant];
         memcpy(tenant, job->tenant, sizeof tenant); /* run_job may free the job */
         run_job(w, job);
-        clock_charge(w, tenant, start, monotonic_us() - t);
+        uint64_t took = monotonic_us() - t;
+        clock_charge(w, tenant, start, took);
+        skv_worker_tenant(w, tenant)->engine_seconds += (double)took * 1e-6;
         skv_worker_beat(w);
     }
     if (w->decodes) {
@@ -429,7 +496,9 @@ static void *worker_main(void *arg)
             run_job(w, job);
             w->running = NULL;
             uint64_t took = monotonic_us() - t;
-            clock_charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
+            took = took > w->nested_us ? took - w->nested_us : 0;
+            clock_charge(w, tenant, start, took);
+            skv_worker_tenant(w, tenant)->engine_seconds += (double)took * 1e-6;
         }
         skv_worker_beat(w);
         decode_rounds(w);
@@ -442,6 +511,7 @@ static void *worker_main(void *arg)
             if (n)
                 skv_log(SKV_LOG_INFO, "released %d session(s) past their lease", n);
             last_expire = now;
+            publish_tenants(w);
         }
         publish_stats(w);
     }
@@ -721,12 +791,25 @@ void skv_worker_stop(struct skv_worker **w_p)
 size_t skv_worker_prometheus(struct skv_worker *w, char *buf, size_t cap)
 {
     struct skv_stats_input in;
-    pthread_mutex_lock(&w->snap_mu);
-    in = w->snap;
-    pthread_mutex_unlock(&w->snap_mu);
-    struct skv_stat rows[SKV_N_STATS];
-    skv_stats_rows(&in, rows);
-    return skv_stats_prometheus(rows, SKV_N_STATS, buf, cap);
+    struct skv_tenant_table *t = malloc(sizeof *t);
+    struct skv_stat *rows = malloc((SKV_N_STATS + SKV_N_TENANT_STATS * SKV_TENANT_ROWS) * sizeof *rows);
+    char (*names)[SKV_STAT_NAME_MAX] = malloc(SKV_N_TENANT_STATS * SKV_TENANT_ROWS * sizeof *names);
+    size_t len = 0;
+    if (t && rows && names) {
+        pthread_mutex_lock(&w->snap_mu);
+        in = w->snap;
+        *t = w->tenant_snap;
+        pthread_mutex_unlock(&w->snap_mu);
+        skv_stats_rows(&in, rows);
+        size_t n = SKV_N_STATS + skv_stats_tenant_rows(t, rows + SKV_N_STATS, names);
+        len = skv_stats_prometheus(rows, n, buf, cap);
+    } else if (cap) {
+        buf[0] = '\0';
+    }
+    free(t);
+    free(rows);
+    free(names);
+    return len;
 }
 
 void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out)

@@ -83,6 +83,8 @@ struct skv_worker {
     struct skv_tenant_clock *clocks; /* tenants ahead of the clock */
     int n_clocks;
     uint64_t nested_us;       /* engine time inside the running request's yields (not its own) */
+    struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
+    struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
     uint64_t ipc_uses;        /* uses of the table's buffers so far */
@@ -113,6 +115,12 @@ void skv_worker_yield(struct skv_worker *w);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
+/* A tenant's counters (worker thread only): its own row, SKV_TENANT_ADMIN's, or, past
+ * SKV_TENANT_STATS names and for names no tenant can have, SKV_TENANT_OTHER's. */
+struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant);
+/* Every tenant's counters with its gauges as they are now: sessions and bytes, waiting
+ * requests, running DECODEs (worker thread only). */
+void skv_worker_tenant_table(struct skv_worker *w, struct skv_tenant_table *out);
 
 #define SKV_STOP_TOKENS_MAX 64  /* stop tokens one DECODE may name */
 

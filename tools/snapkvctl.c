@@ -95,6 +95,8 @@ static void usage(FILE *out)
             "  status | list [TENANT] | inspect SESSION [--positions]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
+            "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
+            "                                         decodes, requests, errors, tokens and engine time\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n",
@@ -1657,6 +1659,96 @@ static int cmd_stats(const struct ctl *c, int argc, char **argv)
     return ret;
 }
 
+/* One tenant's row of `tenants`, gathered from the STATS rows labelled with it. */
+#define TENANT_FIELDS 9
+static const char *const tenant_fields[TENANT_FIELDS] = {
+    "sessions", "bytes", "queue_requests", "decodes_running", "requests_total",
+    "errors_total", "prefill_tokens_total", "decode_tokens_total", "engine_seconds_total",
+};
+struct tenant_row {
+    char name[72];
+    double v[TENANT_FIELDS];
+};
+
+/* Files a snapkv_tenant_<field>{tenant="<name>"} row into rows[] (new names appended, up to
+ * cap); other rows are skipped. */
+static void file_tenant_stat(const struct snapkv_stat *st, struct tenant_row *rows, size_t *n, size_t cap)
+{
+    static const char prefix[] = "snapkv_tenant_";
+    const char *label = strstr(st->name, "{tenant=\"");
+    if (strncmp(st->name, prefix, sizeof prefix - 1) != 0 || !label)
+        return;
+    const char *field = st->name + sizeof prefix - 1, *name = label + 9;
+    size_t name_len = strcspn(name, "\"");
+    int k = 0;
+    while (k < TENANT_FIELDS && !((size_t)(label - field) == strlen(tenant_fields[k]) &&
+                                  strncmp(field, tenant_fields[k], (size_t)(label - field)) == 0))
+        k++;
+    if (k == TENANT_FIELDS || name_len >= sizeof rows->name)
+        return;
+    size_t i = 0;
+    while (i < *n && !(strlen(rows[i].name) == name_len && strncmp(rows[i].name, name, name_len) == 0))
+        i++;
+    if (i == *n) {
+        if (*n == cap)
+            return;
+        memset(&rows[i], 0, sizeof rows[i]);
+        memcpy(rows[i].name, name, name_len);
+        (*n)++;
+    }
+    rows[i].v[k] = st->value;
+}
+
+/* Each tenant's sessions, bytes, waiting requests, running decodes, requests, errors, tokens
+ * and engine time (the per-tenant STATS rows, as a table). */
+static int cmd_tenants(const struct ctl *c, int argc, char **argv)
+{
+    (void)argv;
+    if (argc != 1)
+        return usage_error("tenants", "usage: tenants");
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    struct snapkv_stats st;
+    int rc = snapkv_admin_stats(cl, false, &st);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("tenants", rc);
+    struct tenant_row *rows = calloc(st.n ? st.n : 1, sizeof *rows);
+    if (!rows) {
+        snapkv_stats_free(&st);
+        fprintf(stderr, "snapkvctl tenants: out of memory\n");
+        return 1;
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < st.n; i++)
+        file_tenant_stat(&st.stats[i], rows, &n, st.n);
+    snapkv_stats_free(&st);
+    int ret = 0;
+    if (c->json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; arr && i < n; i++) {
+            json_t *o = json_pack("{s:o}", "tenant", json_text(rows[i].name));
+            for (int k = 0; k < TENANT_FIELDS; k++) /* counts as integers; the seconds as they are */
+                json_put(&o, tenant_fields[k],
+                         k < TENANT_FIELDS - 1 ? json_integer((json_int_t)rows[i].v[k]) : json_number(rows[i].v[k]));
+            json_push(&arr, o);
+        }
+        ret = print_json(json_pack("{s:o}", "tenants", arr));
+    } else {
+        printf("%-20s %8s %10s %6s %7s %9s %7s %12s %12s %9s\n", "TENANT", "SESSIONS", "BYTES", "QUEUED", "DECODES",
+               "REQUESTS", "ERRORS", "PREFILL_TOK", "DECODE_TOK", "ENGINE_S");
+        for (size_t i = 0; i < n; i++) {
+            char b[32];
+            const double *v = rows[i].v;
+            printf("%-20.20s %8.0f %10s %6.0f %7.0f %9.0f %7.0f %12.0f %12.0f %9.2f\n", rows[i].name, v[0],
+                   fmt_bytes((uint64_t)v[1], b, sizeof b), v[2], v[3], v[4], v[5], v[6], v[7], v[8]);
+        }
+    }
+    free(rows);
+    return ret;
+}
+
 /* Writes one key file; O_EXCL: never replaces an existing key. */
 static int write_key_file(const char *path, const char *what, const char *key, mode_t mode)
 {
@@ -1774,7 +1866,7 @@ int main(int argc, char **argv)
         {"generate", cmd_generate}, {"chat", cmd_chat},       {"prefill", cmd_prefill}, {"append", cmd_append},
         {"decode", cmd_decode},     {"compress", cmd_compress}, {"fork", cmd_fork},     {"export", cmd_export},
         {"import", cmd_import},     {"release", cmd_release}, {"cancel", cmd_cancel}, {"list", cmd_list},       {"inspect", cmd_inspect},
-        {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},
+        {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},       {"tenants", cmd_tenants},
         {"keygen", cmd_keygen},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)

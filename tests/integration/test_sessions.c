@@ -1749,6 +1749,66 @@ static void test_cancel(void **state)
     stop_daemon(&d);
 }
 
+/* snapkvctl tenants: each tenant's sessions, bytes, requests, errors, tokens and engine time,
+ * from the STATS rows labelled with the tenant (the admin endpoint's own requests as
+ * "(admin)"); the same figures in --json. */
+static void test_tenants_ctl(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *c = client(d.endpoint, "alice"), *u = client(d.endpoint, "bob");
+    uint32_t ids[24];
+    prompt(ids, 24, 7);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 24};
+    struct snapkv_prefill_result pr, pr1, pr2;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    po.n_tokens = 16;
+    assert_int_equal(snapkv_prefill(c, &po, &pr1), SNAPKV_OK);
+    assert_int_equal(snapkv_release(u, &pr.id), SNAPKV_E_NOT_FOUND); /* alice's: not bob's to release */
+    assert_int_equal(snapkv_prefill(u, &po, &pr2), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 5;
+    sp.stop_at_eos = false;
+    struct snapkv_decode_result dr = {0};
+    assert_int_equal(snapkv_decode(u, &pr2.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    snapkv_decode_result_free(&dr);
+
+    static char out[8192], err[4096];
+    const char *args[] = {"tenants", NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl tenants: %s", err);
+    printf("%s", out);
+    /* name, sessions, bytes (two words), queued, decodes, requests, errors, prefill and decode tokens */
+    const char *alice = strstr(out, "\nalice "), *bob = strstr(out, "\nbob ");
+    assert_non_null(alice);
+    assert_non_null(bob);
+    char name[32], unit[8];
+    double sessions, bytes, queued, decodes, requests, errors, prefilled, decoded, secs;
+    assert_int_equal(sscanf(alice + 1, "%31s %lf %lf %7s %lf %lf %lf %lf %lf %lf %lf", name, &sessions, &bytes, unit,
+                            &queued, &decodes, &requests, &errors, &prefilled, &decoded, &secs), 11);
+    assert_true(sessions == 2 && queued == 0 && decodes == 0 && requests == 2 && errors == 0);
+    assert_true(prefilled == 40 && decoded == 0 && secs > 0);
+    assert_int_equal(sscanf(bob + 1, "%31s %lf %lf %7s %lf %lf %lf %lf %lf %lf %lf", name, &sessions, &bytes, unit,
+                            &queued, &decodes, &requests, &errors, &prefilled, &decoded, &secs), 11);
+    assert_true(sessions == 1 && requests == 3 && errors == 1 && prefilled == 16 && decoded == 5);
+    assert_non_null(strstr(out, "\n(admin) "));
+
+    const char *json[] = {"--json", "tenants", NULL};
+    if (run_ctl(&d, json, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json tenants: %s", err);
+    assert_non_null(strstr(out, "\"tenant\": \"bob\""));
+    assert_non_null(strstr(out, "\"decode_tokens_total\": 5"));
+    assert_non_null(strstr(out, "\"errors_total\": 1"));
+    snapkv_prefill_result_free(&pr);
+    snapkv_prefill_result_free(&pr1);
+    snapkv_prefill_result_free(&pr2);
+    snapkv_close(&c);
+    snapkv_close(&u);
+    stop_daemon(&d);
+}
+
 /* Pool pressure takes sessions of the tenants holding more than an equal share of the pool
  * first: a small tenant's older session stays while a big one fills the pool (plain LRU took
  * it first), and the big tenant's own oldest go. When no tenant is above its share, plain LRU
@@ -2008,6 +2068,7 @@ int main(void)
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
+        cmocka_unit_test_teardown(test_tenants_ctl, kill_daemons),
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),

@@ -1670,6 +1670,131 @@ static void test_fair_order(void **state)
     assert_int_equal(y_tokens, 3);
 }
 
+/* STATS --prometheus from the admin endpoint (the caller frees it). */
+static char *prometheus_text(struct fixture *f)
+{
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    sr.prometheus = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    req.stats = &sr;
+    Snapkv__Reply *rep = admin_call(f, &req);
+    char *text = strdup(rep->stats->prometheus_text);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_non_null(text);
+    return text;
+}
+
+/* A RELEASE of a session nobody has, for tenant: a request that fails (not found). */
+static void release_unknown(struct fixture *f, const char *tenant)
+{
+    static const uint8_t nobody[16] = {0xee};
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = (ProtobufCBinaryData){16, (uint8_t *)nobody};
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    req.release = &rr;
+    req.tenant = (char *)tenant;
+    Snapkv__Reply *rep = call(f, 0, ID_Y, &req);
+    assert_int_not_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
+/* Per-tenant figures in STATS: each tenant's sessions and bytes, waiting requests, running
+ * decodes, requests, errors, tokens and engine time, as rows labelled with the tenant; the
+ * admin endpoint's requests as "(admin)"; past 128 tenant names, and for names no tenant can
+ * have, "(other)". The exposition names each metric once. */
+static void test_tenant_stats(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16], c[16];
+    prefill_for(f, "t", 8, "policy=full", a);
+    prefill_for(f, "t", 16, "policy=full", b);
+    prefill_for(f, "u", 8, "policy=full", c);
+    release_unknown(f, "u");
+    uint64_t bytes_a = 0, bytes_b = 0;
+    listed(f, a, &bytes_a, NULL);
+    listed(f, b, &bytes_b, NULL);
+    assert_true(stat(f, "snapkv_tenant_sessions{tenant=\"t\"}") == 2);
+    assert_true(stat(f, "snapkv_tenant_sessions{tenant=\"u\"}") == 1);
+    assert_true(stat(f, "snapkv_tenant_bytes{tenant=\"t\"}") == (double)(bytes_a + bytes_b));
+    assert_true(stat(f, "snapkv_tenant_prefill_tokens_total{tenant=\"t\"}") == 24);
+    assert_true(stat(f, "snapkv_tenant_prefill_tokens_total{tenant=\"u\"}") == 8);
+    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"t\"}") == 2);
+    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"u\"}") == 2);
+    assert_true(stat(f, "snapkv_tenant_errors_total{tenant=\"u\"}") == 1);
+    assert_true(stat(f, "snapkv_tenant_errors_total{tenant=\"t\"}") == 0);
+    assert_true(stat(f, "snapkv_tenant_engine_seconds_total{tenant=\"t\"}") > 0);
+    /* the admin reads so far: two LISTs and ten STATS, this one counted before it answers */
+    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"(admin)\"}") == 13);
+
+    /* a running decode (not streamed: no reply before its end), then a waiting request */
+    submit_decode(f, ID_Z, "u", c, 1000, false);
+    for (int i = 0; i < 1000 && stat(f, "snapkv_tenant_decodes_running{tenant=\"u\"}") == 0; i++)
+        usleep(1000);
+    assert_true(stat(f, "snapkv_tenant_decodes_running{tenant=\"u\"}") == 1);
+    submit_cancel(f, 0, ID_X, "u", c);
+    uint32_t toks[4];
+    int n_toks = 0;
+    Snapkv__Reply *rep = decode_final(f, ID_Z, toks, &n_toks, 4);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_true(stat(f, "snapkv_tenant_decodes_running{tenant=\"u\"}") == 0);
+    assert_true(stat(f, "snapkv_tenant_decode_tokens_total{tenant=\"u\"}") >= 1);
+    /* while t's two COMPRESSes wait, the admin's STATS runs first (the admin endpoint had less
+     * engine time than t, held 20 ms) and counts them */
+    freeze(f, a);
+    usleep(20000);
+    submit_compress(f, ID_X, a, "policy=snapkv,budget=4,window=4");
+    submit_compress(f, ID_Y, b, "policy=snapkv,budget=4,window=4");
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    Snapkv__Request sq = SNAPKV__REQUEST__INIT;
+    sq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    sq.stats = &sr;
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sq)), SKV_OK);
+    thaw(f);
+    double queued = -1;
+    for (int i = 0; i < 3; i++) {
+        uint8_t id[5];
+        rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
+        if (i == 0)
+            assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_STATS);
+        for (size_t k = 0; rep->result_case == SNAPKV__REPLY__RESULT_STATS && k < rep->stats->n_stats; k++)
+            if (strcmp(rep->stats->stats[k]->name, "snapkv_tenant_queue_requests{tenant=\"t\"}") == 0)
+                queued = rep->stats->stats[k]->value;
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_true(queued == 2);
+
+    /* 128 names: t, u and 126 more (the admin's row is not one); then "(other)", also for a
+     * name no tenant can have */
+    char name[32];
+    for (int i = 0; i < 127; i++) {
+        snprintf(name, sizeof name, "tenant-%03d", i);
+        release_unknown(f, name);
+    }
+    release_unknown(f, "no spaces allowed");
+    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"tenant-125\"}") == 1);
+    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"(other)\"}") == 2); /* tenant-126 and the bad one */
+    assert_true(stat(f, "snapkv_tenant_errors_total{tenant=\"(other)\"}") == 2);
+
+    char *text = prometheus_text(f);
+    const char *want = "# TYPE snapkv_tenant_sessions gauge\nsnapkv_tenant_sessions{tenant=\"t\"} 2\n";
+    assert_non_null(strstr(text, want));
+    assert_non_null(strstr(text, "# TYPE snapkv_tenant_engine_seconds_total counter\n"));
+    int types = 0;
+    for (const char *p = text; (p = strstr(p, "# TYPE snapkv_tenant_")); p++)
+        types++;
+    assert_int_equal(types, 9);
+    free(text);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1692,6 +1817,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_cancel_decode, setup, teardown),
         cmocka_unit_test_setup_teardown(test_overtake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_order, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tenant_stats, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
