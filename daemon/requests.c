@@ -320,6 +320,10 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     }
     if (!rc) /* this layer is done (and compressed): running decodes may take a token */
         skv_worker_yield(p->w);
+    if (!rc && p->w->stoppable && !p->w->yielding && skv_worker_running_gone(p->w)) {
+        p->w->metrics.requests_dropped_gone++;
+        rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
+    }
     return rc;
 }
 
@@ -467,7 +471,12 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
+    bool outer = !w->yielding; /* a short PREFILL inside another's forward is not the running one */
+    if (outer)
+        w->stoppable = true;
     rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
+    if (outer)
+        w->stoppable = false;
     if (rc)
         goto fail;
     w->metrics.prefill_tokens += (uint64_t)n;

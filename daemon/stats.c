@@ -50,6 +50,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_requests_reordered_total",
          "requests run before an older waiting one, because their tenant had less engine time (queue-order = fair)",
          (double)m->requests_reordered},
+        {"snapkv_requests_dropped_on_disconnect_total",
+         "requests of clients whose connection closed that were dropped while queued (PREFILL, FORK, IMPORT_KV) "
+         "or stopped inside a PREFILL's forward",
+         (double)m->requests_dropped_gone},
         {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
         {"snapkv_queue_requests", "requests waiting for the engine (queue-depth)", (double)in->queue_requests},
         {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},

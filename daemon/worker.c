@@ -54,6 +54,7 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .queue_requests = atomic_load(&w->st_queue),
         .queue_bytes = atomic_load(&w->st_queue_bytes),
     };
+    out->metrics.requests_dropped_gone += atomic_load(&w->dropped_gone);
 }
 
 struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant)
@@ -739,6 +740,34 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
     return SKV_OK;
 }
 
+/* Whether a queued request only produces something for its client: a new session, whose id is
+ * in the reply alone, so once the client is gone nobody could use it. Others still run: an
+ * APPEND's or COMPRESS's session may be another client's too, an EXPORT_KV's buffer may be
+ * another process's to read, and a DECODE starts and ends with the notice after it (one round). */
+static bool only_for_client(const struct skv_job *job)
+{
+    switch (job->req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_PREFILL:
+    case SNAPKV__REQUEST__COMMAND_FORK:
+    case SNAPKV__REQUEST__COMMAND_IMPORT_KV:
+        return true;
+    default:
+        return false;
+    }
+}
+
+bool skv_worker_running_gone(struct skv_worker *w)
+{
+    if (!w->running)
+        return false;
+    pthread_mutex_lock(&w->mu);
+    bool gone = false;
+    for (const struct skv_job *q = w->head; q && !gone; q = q->next)
+        gone = q->kind == SKV_JOB_CLIENT_GONE && same_sender(q, w->running);
+    pthread_mutex_unlock(&w->mu);
+    return gone;
+}
+
 int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t identity_len, bool first)
 {
     if (identity_len > sizeof ((struct skv_job *)NULL)->identity)
@@ -760,9 +789,26 @@ int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t
         return stopping ? skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down")
                         : skv_errorf(SKV_E_LIMIT, "%d client-gone notices already wait", SKV_WORKER_NOTICES_MAX);
     }
+    struct skv_job *dropped = NULL;
+    for (struct skv_job *q = w->head, *prev = NULL, *next; q; q = next) {
+        next = q->next;
+        if (q->kind != SKV_JOB_REQUEST || !same_sender(q, job) || !only_for_client(q)) {
+            prev = q;
+            continue;
+        }
+        dequeue_locked(w, prev, q);
+        q->next = dropped;
+        dropped = q;
+    }
     enqueue_locked(w, job);
     w->notices++;
     pthread_mutex_unlock(&w->mu);
+    while (dropped) {
+        struct skv_job *q = dropped;
+        dropped = q->next;
+        job_free(q);
+        atomic_fetch_add(&w->dropped_gone, 1);
+    }
     return SKV_OK;
 }
 

@@ -46,9 +46,14 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job);
 /* The memory an unpacked request holds: every structure, array, string and byte string
  * protobuf-c allocated for it, each with malloc's overhead. */
 size_t skv_request_bytes(const Snapkv__Request *req);
-/* Notice that the client behind `identity` on the client endpoint closed its connection: after
- * the jobs already queued, the worker cancels that client's running DECODEs (their sessions keep
- * the tokens so far and wait for their lease) and closes its CUDA buffers. `first` says it is the
+/* Notice that the client behind `identity` on the client endpoint closed its connection. Its
+ * queued requests whose only outcome was for the client go at once, unanswered: PREFILL, FORK
+ * and IMPORT_KV (a session whose id nobody would learn); its APPEND, COMPRESS, RELEASE, CANCEL,
+ * DECODE and EXPORT_KV still run (other clients may count on what they do to a session, or
+ * read the buffer).
+ * A PREFILL of the client's that is running stops at its next layer, and its session goes.
+ * After the client's requests still queued, the worker cancels its running DECODEs (their
+ * sessions keep the tokens so far and wait for their lease) and closes its CUDA buffers. `first` says it is the
  * client's first notice (counted in snapkv_client_disconnects_total); a later one follows a request
  * read after the connection had closed. Never refused for queue-depth and never waits; past
  * SKV_WORKER_NOTICES_MAX pending notices one is dropped (SKV_E_LIMIT; the decodes then run to

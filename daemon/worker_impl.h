@@ -84,6 +84,8 @@ struct skv_worker {
     int n_clocks;
     uint64_t nested_us;       /* engine time inside the running request's yields (not its own) */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
+    atomic_ullong dropped_gone;   /* queued requests of gone clients dropped by the socket thread */
+    bool stoppable;           /* the running request is a PREFILL that stops when its client goes */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
@@ -115,6 +117,9 @@ void skv_worker_yield(struct skv_worker *w);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
+/* Whether the running request's client closed its connection (its notice waits in the queue);
+ * worker thread. */
+bool skv_worker_running_gone(struct skv_worker *w);
 /* A tenant's counters (worker thread only): its own row, SKV_TENANT_ADMIN's, or, past
  * SKV_TENANT_STATS names and for names no tenant can have, SKV_TENANT_OTHER's. */
 struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant);

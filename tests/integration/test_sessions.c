@@ -746,6 +746,73 @@ static void test_gone_client_decode(void **state)
     stop_daemon(&d);
 }
 
+/* A STATS row's value, 0 while STATS has no such row (a tenant's, before its first request). */
+static double stat_or_zero(snapkv_client_t *a, const char *name)
+{
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, false, &st), SNAPKV_OK);
+    double v = 0;
+    for (size_t i = 0; i < st.n; i++)
+        if (strcmp(st.stats[i].name, name) == 0)
+            v = st.stats[i].value;
+    snapkv_stats_free(&st);
+    return v;
+}
+
+/* A client process killed while its long PREFILL runs: the forward stops at its next layer
+ * (the notice of the closed connection waits in the queue, and the forward looks for it after
+ * each layer), no session is left, and the engine is free for the next client. */
+static void test_gone_client_prefill(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *a = client(d.admin, NULL);
+    enum { N = 4096 };
+    pid_t kid = fork();
+    if (kid == 0) {
+        static uint32_t ids[N];
+        prompt(ids, N, 9);
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.tenant = "kid", .timeout_ms = -1};
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N, .compress = "policy=snapkv,ratio=0.1"};
+        struct snapkv_prefill_result pr;
+        if (snapkv_connect(d.endpoint, &o, &c) != SNAPKV_OK)
+            _exit(1);
+        snapkv_prefill(c, &po, &pr);
+        _exit(2);
+    }
+    /* its PREFILL runs once the tenant has a request (STATS answers inside the forward) */
+    const char *running = "snapkv_tenant_requests_total{tenant=\"kid\"}";
+    for (int i = 0; i < 6000 && stat_or_zero(a, running) < 1; i++)
+        usleep(10 * 1000);
+    assert_true(stat_or_zero(a, running) == 1);
+    assert_int_equal(kill(kid, SIGKILL), 0);
+    int st;
+    assert_int_equal(waitpid(kid, &st, 0), kid);
+    const char *stopped = "snapkv_requests_dropped_on_disconnect_total";
+    for (int i = 0; i < 600 && stat_value(a, stopped) < 1; i++)
+        usleep(100 * 1000);
+    assert_true(stat_value(a, stopped) == 1);
+    assert_true(stat_or_zero(a, "snapkv_tenant_errors_total{tenant=\"kid\"}") == 1);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, "kid", &l), SNAPKV_OK);
+    assert_int_equal(l.n, 0);
+    snapkv_session_list_free(&l);
+    assert_true(stat_value(a, "snapkv_sessions") == 0);
+    /* the engine serves the next client */
+    snapkv_client_t *c = client(d.endpoint, "next");
+    uint32_t ids[16];
+    prompt(ids, 16, 3);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
 /* One process prefills a document whole and pins it; others fork it, append their question,
  * re-compress with the question as the window, and decode. Until they write, the forks share
  * every block of the document (INSPECT and STATUS show it, the pool holds it once); after,
@@ -2069,6 +2136,7 @@ int main(void)
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
         cmocka_unit_test_teardown(test_tenants_ctl, kill_daemons),
+        cmocka_unit_test_teardown(test_gone_client_prefill, kill_daemons),
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),

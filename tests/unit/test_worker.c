@@ -1795,6 +1795,76 @@ static void test_tenant_stats(void **state)
     free(text);
 }
 
+/* A client-gone notice drops the client's queued requests whose only outcome was for it
+ * (PREFILL, FORK: no reply, no new session), while its EXPORT_KV, APPEND, DECODE and RELEASE
+ * still run (the DECODE ends at once, cancelled by the notice after it), and another client's
+ * PREFILL too. */
+static void test_gone_drops_queued(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16], c[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    prefill(f, 8, "policy=full", c);
+    int n_sessions = 0;
+    listed(f, a, NULL, &n_sessions);
+    assert_int_equal(n_sessions, 3);
+    int opened0 = opened(2), closed0 = closed(2); /* the fake's counts run over every test */
+    freeze(f, a);
+    uint32_t tokens[8];
+    for (int i = 0; i < 8; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 8);
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
+    fk.session_id = (ProtobufCBinaryData){16, b};
+    Snapkv__Request fq = SNAPKV__REQUEST__INIT;
+    fq.command_case = SNAPKV__REQUEST__COMMAND_FORK;
+    fq.fork = &fk;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &fq)), SKV_OK);
+    submit_export(f, 0, ID_Y, b, 2);
+    submit_append(f, ID_Y, b, 2);      /* runs: another client may count on b's new tokens */
+    submit_decode(f, ID_Y, "t", b, 1000, false);
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = (ProtobufCBinaryData){16, c};
+    Snapkv__Request rq = SNAPKV__REQUEST__INIT;
+    rq.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    rq.release = &rr;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &rq)), SKV_OK); /* runs */
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Z, 5, &req)), SKV_OK); /* another client's */
+    assert_int_equal(skv_worker_client_gone(f->w, ID_Y, sizeof ID_Y, true), SKV_OK);
+    thaw(f);
+    /* Y's EXPORT, APPEND and RELEASE answer (the socket thread would drop these), then Z's PREFILL */
+    expect_exported(f, 0, ID_Y);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_APPEND);
+    assert_int_equal(rep->append->n_tokens, 10);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_RELEASE);
+    snapkv__reply__free_unpacked(rep, NULL);
+    /* the decode: a round after its own turn and the RELEASE's; then the notice goes before
+     * Z's PREFILL (a notice goes first once its client's requests ran) */
+    rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_DECODE);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    assert_int_equal(rep->decode->n_generated, 2);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Z, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_PREFILL);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, b, NULL, &n_sessions), 12);
+    assert_int_equal(n_sessions, 3); /* a, b and Z's: no fork, no Y prefill; c released */
+    assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 2);
+    assert_int_equal(opened(2) - opened0, 1); /* the EXPORT wrote Y's buffer, and the notice closed it */
+    assert_int_equal(closed(2) - closed0, 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1818,6 +1888,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_overtake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_stats, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_gone_drops_queued, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
