@@ -320,9 +320,18 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     }
     if (!rc) /* this layer is done (and compressed): running decodes may take a token */
         skv_worker_yield(p->w);
-    if (!rc && p->w->stoppable && !p->w->yielding && skv_worker_running_gone(p->w)) {
-        p->w->metrics.requests_dropped_gone++;
-        rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
+    if (!rc && p->w->stoppable && !p->w->yielding) {
+        /* its client gone, or (when it gets no progress replies, which would keep it waiting)
+         * past the time it waits: nobody takes the session, so the rest of the work goes */
+        if (skv_worker_running_gone(p->w)) {
+            p->w->metrics.requests_dropped_gone++;
+            rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
+        } else if (!p->job && skv_worker_running_late(p->w)) {
+            p->w->metrics.requests_past_deadline++;
+            rc = skv_errorf(SKV_E_TIMEOUT, "the PREFILL passed its deadline of %u ms (the client's timeout) at layer "
+                            "%d of %d: stopped",
+                            p->w->running->req->deadline_ms, v->layer + 1, p->n_layers);
+        }
     }
     return rc;
 }

@@ -54,6 +54,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "requests of clients whose connection closed that were dropped while queued (PREFILL, FORK, IMPORT_KV) "
          "or stopped inside a PREFILL's forward",
          (double)m->requests_dropped_gone},
+        {"snapkv_requests_past_deadline_total",
+         "requests answered TIMEOUT without running because they waited past their client's deadline (its "
+         "timeout), or PREFILLs stopped inside their forward once it passed",
+         (double)m->requests_past_deadline},
         {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
         {"snapkv_queue_requests", "requests waiting for the engine (queue-depth)", (double)in->queue_requests},
         {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},

@@ -20,6 +20,7 @@ struct skv_metrics {
     uint64_t requests_overtook;   /* short requests run inside a long forward, ahead of it */
     uint64_t requests_reordered;  /* requests run before an older one (queue-order = fair) */
     uint64_t requests_dropped_gone; /* of clients whose connection closed: dropped queued, or PREFILLs stopped */
+    uint64_t requests_past_deadline; /* answered TIMEOUT unrun, or PREFILLs stopped, past the client's deadline */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -41,7 +42,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 26
+#define SKV_N_STATS 27
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

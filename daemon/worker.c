@@ -385,11 +385,23 @@ static struct skv_job *take_short(struct skv_worker *w)
     return found;
 }
 
-/* Runs a request (a DECODE starts: its tokens come with the rounds). */
+/* Runs a request (a DECODE starts: its tokens come with the rounds); one whose client stopped
+ * waiting for it (its deadline passed in the queue) is answered TIMEOUT instead. */
 static void run_job(struct skv_worker *w, struct skv_job *job)
 {
     w->metrics.requests++;
     skv_worker_tenant(w, job->tenant)->requests++;
+    uint64_t now = monotonic_ms();
+    if (job->deadline_ms && now > job->deadline_ms) {
+        w->metrics.requests_past_deadline++;
+        char msg[160];
+        snprintf(msg, sizeof msg, "the request waited %llu ms for the engine, past its deadline of %u ms (the "
+                 "client's timeout): not run",
+                 (unsigned long long)(now - job->deadline_ms + job->req->deadline_ms), job->req->deadline_ms);
+        skv_requests_fail(w, job, SKV_E_TIMEOUT, msg);
+        job_free(job);
+        return;
+    }
     if (job->req->command_case == SNAPKV__REQUEST__COMMAND_DECODE) {
         struct skv_decode *d = skv_requests_decode_start(w, job);
         if (d) {
@@ -689,6 +701,7 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
         return rc;
     job->bytes = sizeof *job + skv_request_bytes(job->req);
     job->session = request_session(job->req);
+    job->deadline_ms = job->req->deadline_ms ? monotonic_ms() + job->req->deadline_ms : 0;
     snprintf(job->tenant, sizeof job->tenant, "%s", job->sock == 1 ? "(admin)" : job_tenant(job));
     uint64_t max = (uint64_t)w->cfg->max_queued_bytes;
     if (job->bytes > max)
@@ -754,6 +767,11 @@ static bool only_for_client(const struct skv_job *job)
     default:
         return false;
     }
+}
+
+bool skv_worker_running_late(const struct skv_worker *w)
+{
+    return w->running && w->running->deadline_ms && monotonic_ms() > w->running->deadline_ms;
 }
 
 bool skv_worker_running_gone(struct skv_worker *w)

@@ -29,6 +29,8 @@ struct skv_job {
     Snapkv__Request *req;     /* owned by the job; NULL for SKV_JOB_CLIENT_GONE */
     size_t bytes;             /* memory it holds while queued (set by skv_worker_submit) */
     const uint8_t *session;   /* the session id its command names, in req, or NULL (set by submit) */
+    uint64_t deadline_ms;     /* CLOCK_MONOTONIC ms past which its client no longer waits, or 0
+                               * (the request's deadline_ms from when submit read it) */
     char tenant[64];          /* whose engine time it spends (queue-order = fair; set by submit):
                                * its tenant, "(admin)" on the admin endpoint */
     struct skv_job *next;

@@ -120,6 +120,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 /* Whether the running request's client closed its connection (its notice waits in the queue);
  * worker thread. */
 bool skv_worker_running_gone(struct skv_worker *w);
+/* Whether the running request's deadline passed (its client has stopped waiting). */
+bool skv_worker_running_late(const struct skv_worker *w);
 /* A tenant's counters (worker thread only): its own row, SKV_TENANT_ADMIN's, or, past
  * SKV_TENANT_STATS names and for names no tenant can have, SKV_TENANT_OTHER's. */
 struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant);

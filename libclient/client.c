@@ -180,6 +180,8 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
     req->version = SNAPKV_PROTOCOL_VERSION;
     req->request_id = ++c->next_request_id;
     req->tenant = c->tenant;
+    /* what the daemon needs not start, or finish, once this call has given up on it */
+    req->deadline_ms = c->timeout_ms > 0 ? (uint32_t)c->timeout_ms : 0;
     size_t len = snapkv__request__get_packed_size(req);
     if (c->hello && c->hello->max_message_bytes && len > c->hello->max_message_bytes)
         return skv_client_fail(SNAPKV_E_LIMIT, "%s request is %zu bytes, the daemon takes at most %llu", what,

@@ -75,7 +75,10 @@ typedef struct snapkv_client snapkv_client_t;
 struct snapkv_connect_opts {
     const char *tenant;     /* NULL: "default" */
     const char *name;       /* client name shown to admins; NULL: "libsnapkv" */
-    int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever */
+    int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever.
+                             * Each request tells the daemon this as its deadline: one still
+                             * queued when it passes is answered TIMEOUT unrun, and a PREFILL
+                             * without progress replies stops at its next layer */
     /* CURVE, which a daemon's tcp:// endpoint requires: Z85 keys (40 characters, e.g. read with
      * snapkv_curve_key_load). All NULL: no CURVE (ipc://, or a daemon run with
      * allow-insecure-tcp). The strings are copied during snapkv_connect. */

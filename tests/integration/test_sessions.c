@@ -813,6 +813,43 @@ static void test_gone_client_prefill(void **state)
     stop_daemon(&d);
 }
 
+/* A client whose timeout passes while its long PREFILL runs gets SNAPKV_E_TIMEOUT, and the
+ * daemon, told the timeout as the request's deadline, stops the forward at its next layer: no
+ * session is left, and the engine is free for the next request (which is answered, not left
+ * behind the rest of a prefill nobody waits for). */
+static void test_deadline_prefill(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *a = client(d.admin, NULL), *c = NULL;
+    struct snapkv_connect_opts o = {.tenant = "hasty", .timeout_ms = 300};
+    assert_int_equal(snapkv_connect(d.endpoint, &o, &c), SNAPKV_OK);
+    enum { N = 4096 };
+    static uint32_t ids[N];
+    prompt(ids, N, 13);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N, .compress = "policy=snapkv,ratio=0.1"};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_E_TIMEOUT);
+    const char *stopped = "snapkv_requests_past_deadline_total";
+    for (int i = 0; i < 600 && stat_value(a, stopped) < 1; i++)
+        usleep(100 * 1000);
+    assert_true(stat_value(a, stopped) == 1);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, "hasty", &l), SNAPKV_OK);
+    assert_int_equal(l.n, 0);
+    snapkv_session_list_free(&l);
+    /* the next request, within the same timeout */
+    po.n_tokens = 16;
+    assert_int_equal(snapkv_set_timeout(c, 30000), SNAPKV_OK);
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    assert_true(stat_or_zero(a, "snapkv_tenant_errors_total{tenant=\"hasty\"}") == 1);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
 /* One process prefills a document whole and pins it; others fork it, append their question,
  * re-compress with the question as the window, and decode. Until they write, the forks share
  * every block of the document (INSPECT and STATUS show it, the pool holds it once); after,
@@ -2137,6 +2174,7 @@ int main(void)
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
         cmocka_unit_test_teardown(test_tenants_ctl, kill_daemons),
         cmocka_unit_test_teardown(test_gone_client_prefill, kill_daemons),
+        cmocka_unit_test_teardown(test_deadline_prefill, kill_daemons),
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),

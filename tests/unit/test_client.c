@@ -562,6 +562,7 @@ static void test_prefill_text(void **state)
     assert_true(req->prefill->return_logits);
     assert_int_equal(req->prefill->lease_seconds, 90);
     assert_false(req->prefill->progress);
+    assert_int_equal(req->deadline_ms, 2000); /* the client's timeout: the daemon need not go on past it */
     snapkv__request__free_unpacked(req, NULL);
 
     assert_memory_equal(r.id.bytes, ID_A.bytes, 16);

@@ -218,6 +218,37 @@ static Snapkv__Reply *admin_call(struct fixture *f, Snapkv__Request *req)
     return rep;
 }
 
+/* Queues a STATS from the admin endpoint (routing id 0 1 2 3 4) naming tenant (NULL: "t"; an
+ * admin request is no tenant's whatever it names); the caller reads the reply. */
+static void submit_admin_stats(struct fixture *f, const char *tenant)
+{
+    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
+    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_STATS;
+    req.stats = &sr;
+    req.tenant = (char *)tenant;
+    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &req)), SKV_OK);
+}
+
+/* Queues a FORK of session sid by client id. */
+static void submit_fork(struct fixture *f, const uint8_t *id, const uint8_t sid[16])
+{
+    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
+    fk.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_FORK;
+    req.fork = &fk;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+/* The tiny fixture's first n prompt ids. */
+static void fixed_ids(const struct fixture *f, uint32_t *tokens, int n)
+{
+    for (int i = 0; i < n; i++)
+        tokens[i] = (uint32_t)f->tiny->ids[i];
+}
+
 /* STATS from the admin endpoint: the value of metric `name`. */
 static double stat(struct fixture *f, const char *name)
 {
@@ -287,8 +318,7 @@ static void test_client_gone(void **state)
 {
     struct fixture *f = *state;
     uint32_t tokens[8];
-    for (int i = 0; i < 8; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 8);
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
     p.tokens = tokens;
     p.n_tokens = 8;
@@ -404,8 +434,7 @@ static void restart_with_quota(struct fixture *f, int blocks)
 static Snapkv__Reply *prefill_reply(struct fixture *f, const char *tenant, int n, const char *spec, uint32_t lease)
 {
     uint32_t tokens[64];
-    for (int i = 0; i < n; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, n);
     Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
     cs.spec = (char *)spec;
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
@@ -539,8 +568,7 @@ static void test_prefill_over_quota(void **state)
     uint8_t a[16];
     prefill(f, 8, "policy=full", a);
     uint32_t tokens[40];
-    for (int i = 0; i < 40; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 40);
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
     p.tokens = tokens;
     p.n_tokens = 40; /* 3 blocks per head */
@@ -571,8 +599,7 @@ static void test_ring_counts_in_quota(void **state)
     struct fixture *f = *state;
     restart_with_quota(f, 1); /* 16 rows per head */
     uint32_t tokens[8];
-    for (int i = 0; i < 8; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 8);
     Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
     cs.spec = "policy=snapkv,budget=8,window=4,decode_budget=8";
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
@@ -850,8 +877,7 @@ static void test_admit(void **state)
     prefill(f, 8, "policy=full", sid);
     stick(f, sid);
     uint32_t tokens[64];
-    for (int i = 0; i < 64; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 64);
 
     /* refused at submit while the worker is busy: nothing of these waits in the queue */
     Snapkv__PrefillRequest p;
@@ -944,8 +970,7 @@ static void test_queued_bytes(void **state)
 {
     struct fixture *f = *state;
     uint32_t tokens[64];
-    for (int i = 0; i < 64; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 64);
     Snapkv__PrefillRequest p;
     Snapkv__Request req = prefill_req(&p, tokens, 40);
     /* what a queued job holds: at least its ids unpacked, 4 bytes each however small their varints */
@@ -1024,8 +1049,7 @@ static void test_tenant_queue_share(void **state)
 {
     struct fixture *f = *state;
     uint32_t tokens[64];
-    for (int i = 0; i < 64; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 64);
     Snapkv__PrefillRequest p;
     Snapkv__Request req = prefill_req(&p, tokens, 8);
     size_t one = queued_size(0, &req);
@@ -1041,13 +1065,8 @@ static void test_tenant_queue_share(void **state)
     expect_refused(f, &req, SKV_E_BUSY, "tenant 't' already has 3 requests waiting (queue-depth-per-tenant)");
     req.tenant = "u";
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Z, 5, &req)), SKV_OK);
-    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
-    Snapkv__Request sreq = SNAPKV__REQUEST__INIT;
-    sreq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
-    sreq.stats = &sr;
-    sreq.tenant = "t";
     static const uint8_t admin[5] = {0, 1, 2, 3, 4};
-    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sreq)), SKV_OK); /* not the tenant's */
+    submit_admin_stats(f, "t"); /* not the tenant's */
     unstick();
     expect_exported(f, 0, ID_X);
     for (int i = 0; i < 3; i++)
@@ -1336,8 +1355,7 @@ static Snapkv__Reply *any_reply(struct fixture *f, uint8_t id[5])
 static void submit_long_prefill(struct fixture *f, bool progress)
 {
     uint32_t tokens[64];
-    for (int i = 0; i < 64; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 64);
     Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
     cs.spec = "policy=snapkv,budget=16,window=8";
     Snapkv__PrefillRequest p;
@@ -1561,20 +1579,11 @@ static void test_overtake(void **state)
 
     freeze(f, b);
     submit_compress(f, ID_X, a, spec); /* re-runs 64 tokens: a long forward with ticks */
-    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
-    fk.session_id = (ProtobufCBinaryData){16, a};
-    Snapkv__Request fq = SNAPKV__REQUEST__INIT;
-    fq.command_case = SNAPKV__REQUEST__COMMAND_FORK;
-    fq.fork = &fk;
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &fq)), SKV_OK);
+    submit_fork(f, ID_Y, a);
     submit_append(f, ID_Z, b, 3);
     submit_append(f, ID_X, b, 2);
-    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
-    Snapkv__Request sq = SNAPKV__REQUEST__INIT;
-    sq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
-    sq.stats = &sr;
     static const uint8_t admin[5] = {0, 1, 2, 3, 4};
-    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sq)), SKV_OK);
+    submit_admin_stats(f, NULL);
     thaw(f);
 
     const uint8_t *order[5] = {ID_Z, admin, ID_X, ID_Y, ID_X};
@@ -1750,12 +1759,7 @@ static void test_tenant_stats(void **state)
     usleep(20000);
     submit_compress(f, ID_X, a, "policy=snapkv,budget=4,window=4");
     submit_compress(f, ID_Y, b, "policy=snapkv,budget=4,window=4");
-    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
-    Snapkv__Request sq = SNAPKV__REQUEST__INIT;
-    sq.command_case = SNAPKV__REQUEST__COMMAND_STATS;
-    sq.stats = &sr;
-    static const uint8_t admin[5] = {0, 1, 2, 3, 4};
-    assert_int_equal(skv_worker_submit(f->w, job_new(1, admin, 5, &sq)), SKV_OK);
+    submit_admin_stats(f, NULL);
     thaw(f);
     double queued = -1;
     for (int i = 0; i < 3; i++) {
@@ -1812,17 +1816,11 @@ static void test_gone_drops_queued(void **state)
     int opened0 = opened(2), closed0 = closed(2); /* the fake's counts run over every test */
     freeze(f, a);
     uint32_t tokens[8];
-    for (int i = 0; i < 8; i++)
-        tokens[i] = (uint32_t)f->tiny->ids[i];
+    fixed_ids(f, tokens, 8);
     Snapkv__PrefillRequest p;
     Snapkv__Request req = prefill_req(&p, tokens, 8);
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
-    Snapkv__ForkRequest fk = SNAPKV__FORK_REQUEST__INIT;
-    fk.session_id = (ProtobufCBinaryData){16, b};
-    Snapkv__Request fq = SNAPKV__REQUEST__INIT;
-    fq.command_case = SNAPKV__REQUEST__COMMAND_FORK;
-    fq.fork = &fk;
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &fq)), SKV_OK);
+    submit_fork(f, ID_Y, b);
     submit_export(f, 0, ID_Y, b, 2);
     submit_append(f, ID_Y, b, 2);      /* runs: another client may count on b's new tokens */
     submit_decode(f, ID_Y, "t", b, 1000, false);
@@ -1865,6 +1863,54 @@ static void test_gone_drops_queued(void **state)
     assert_int_equal(closed(2) - closed0, 1);
 }
 
+/* A request still waiting when its deadline (the client's timeout) passes is answered TIMEOUT
+ * without running: no session for a PREFILL, no tokens for an APPEND; one with no deadline, or
+ * a later one, runs. */
+static void test_deadline(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    freeze(f, a);
+    uint32_t tokens[8];
+    fixed_ids(f, tokens, 8);
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 8);
+    req.deadline_ms = 5;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    uint32_t more[2] = {tokens[0], tokens[1]};
+    Snapkv__AppendRequest ap = SNAPKV__APPEND_REQUEST__INIT;
+    ap.session_id = (ProtobufCBinaryData){16, b};
+    ap.tokens = more;
+    ap.n_tokens = 2;
+    Snapkv__Request aq = SNAPKV__REQUEST__INIT;
+    aq.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    aq.append = &ap;
+    aq.deadline_ms = 5;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &aq)), SKV_OK);
+    aq.deadline_ms = 0; /* the same APPEND, waiting as long as it takes */
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &aq)), SKV_OK);
+    aq.deadline_ms = 600000; /* and one whose client waits ten minutes */
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &aq)), SKV_OK);
+    usleep(30000);
+    thaw(f);
+    expect_reply(f, SKV_E_TIMEOUT, "past its deadline of 5 ms (the client's timeout): not run");
+    expect_reply(f, SKV_E_TIMEOUT, "past its deadline of 5 ms");
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->append->n_tokens, 10);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->append->n_tokens, 12);
+    snapkv__reply__free_unpacked(rep, NULL);
+    int n_sessions = 0;
+    listed(f, a, NULL, &n_sessions);
+    assert_int_equal(n_sessions, 2);
+    assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1889,6 +1935,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_fair_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_stats, setup, teardown),
         cmocka_unit_test_setup_teardown(test_gone_drops_queued, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
