@@ -61,10 +61,8 @@ struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *ten
 {
     struct skv_tenant_table *t = &w->tenants;
     const char *name = tenant && *tenant ? tenant : SKV_TENANT_DEFAULT;
-    if (strcmp(name, SKV_TENANT_ADMIN) != 0 && skv_session_check_tenant(name) != SKV_OK) {
-        skv_error_clear();
+    if (strcmp(name, SKV_TENANT_ADMIN) != 0 && !skv_session_tenant_ok(name)) /* keeps a failure's message */
         name = SKV_TENANT_OTHER;
-    }
     for (int i = 0; i < t->n; i++)
         if (strcmp(t->t[i].name, name) == 0)
             return &t->t[i];
