@@ -78,6 +78,9 @@ static const struct skv_config_option options[] = {
     {"queue-order", SKV_CFG_STRING, OPT(queue_order), "fair", 0, 0,
      "which waiting request the engine runs next: fair (the one of the tenant that had the least engine "
      "time, so one tenant's backlog does not hold up the others) or fifo (the oldest)"},
+    {"tenant-weights", SKV_CFG_STRING, OPT(tenant_weights), "", 0, 0,
+     "with queue-order = fair, tenants' shares of the engine's time: NAME:W,... (W 1..100; others 1); "
+     "a tenant of weight 4 gets four times the time of one of weight 1 while both wait"},
 };
 
 const struct skv_config_option *skv_config_options(size_t *n)
@@ -270,6 +273,48 @@ int skv_config_check(const struct skv_config *cfg)
         return skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", cfg->ipc_tenant);
     if (strcmp(cfg->queue_order, "fair") != 0 && strcmp(cfg->queue_order, "fifo") != 0)
         return skv_errorf(SKV_E_INVAL, "queue-order is fair or fifo, not '%s'", cfg->queue_order);
+    struct skv_tenant_weight tw[SKV_TENANT_WEIGHTS_MAX];
+    int n_tw;
+    return skv_tenant_weights_parse(cfg->tenant_weights, tw, &n_tw);
+}
+
+int skv_tenant_weights_parse(const char *text, struct skv_tenant_weight *out, int *n)
+{
+    *n = 0;
+    for (const char *p = text ? text : ""; *p;) {
+        size_t len = strcspn(p, ",");
+        const char *colon = memchr(p, ':', len);
+        size_t name_len = colon ? (size_t)(colon - p) : len;
+        if (*n == SKV_TENANT_WEIGHTS_MAX)
+            return skv_errorf(SKV_E_INVAL, "tenant-weights: more than %d tenants", SKV_TENANT_WEIGHTS_MAX);
+        struct skv_tenant_weight *w = &out[*n];
+        if (!colon || name_len == 0 || name_len >= sizeof w->name)
+            return skv_errorf(SKV_E_INVAL, "tenant-weights: '%.*s' is not NAME:WEIGHT", (int)len, p);
+        memcpy(w->name, p, name_len);
+        w->name[name_len] = '\0';
+        for (size_t i = 0; i < name_len; i++)
+            if (!isalnum((unsigned char)w->name[i]) && !strchr("._-@", w->name[i]))
+                return skv_errorf(SKV_E_INVAL, "tenant-weights: '%s' is not a tenant name (letters, digits, . _ - @)",
+                                  w->name);
+        char num[16] = "";
+        size_t num_len = len - name_len - 1;
+        char *end = NULL;
+        long v = 0;
+        if (num_len > 0 && num_len < sizeof num) {
+            memcpy(num, colon + 1, num_len);
+            num[num_len] = '\0';
+            v = strtol(num, &end, 10);
+        }
+        if (!end || *end || v < 1 || v > SKV_TENANT_WEIGHT_MAX)
+            return skv_errorf(SKV_E_INVAL, "tenant-weights: the weight of '%s' is an integer from 1 to %d, not '%.*s'",
+                              w->name, SKV_TENANT_WEIGHT_MAX, (int)num_len, colon + 1);
+        for (int i = 0; i < *n; i++)
+            if (strcmp(out[i].name, w->name) == 0)
+                return skv_errorf(SKV_E_INVAL, "tenant-weights: '%s' is named twice", w->name);
+        w->weight = (int)v;
+        (*n)++;
+        p += len + (p[len] == ',');
+    }
     return SKV_OK;
 }
 

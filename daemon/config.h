@@ -45,6 +45,7 @@ struct skv_config {
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
     char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */
+    char *tenant_weights;     /* "NAME:W,..." shares of the engine's time under fair order; "" all 1 */
 };
 
 enum skv_config_type { SKV_CFG_STRING, SKV_CFG_INT, SKV_CFG_SIZE, SKV_CFG_BOOL };
@@ -74,6 +75,17 @@ int skv_config_load_file(struct skv_config *cfg, const char *path);
 int skv_config_check(const struct skv_config *cfg);
 /* Formats an option's current value into buf. Returns SKV_OK or SKV_E_NOT_FOUND. */
 int skv_config_get(const struct skv_config *cfg, const char *name, char *buf, size_t cap);
+/* One tenant's share of the engine's time under queue-order = fair (tenant-weights). */
+#define SKV_TENANT_WEIGHTS_MAX 64
+#define SKV_TENANT_WEIGHT_MAX 100
+struct skv_tenant_weight {
+    char name[64];
+    int weight;               /* 1..SKV_TENANT_WEIGHT_MAX */
+};
+/* Parses tenant-weights text ("alice:4,bob:2"; "" none) into out[] (at most
+ * SKV_TENANT_WEIGHTS_MAX); SKV_E_INVAL with a message naming the bad entry. */
+int skv_tenant_weights_parse(const char *text, struct skv_tenant_weight *out, int *n);
+
 /* "4G", "512M", "1024" -> bytes. */
 int skv_parse_size(const char *text, int64_t *out);
 

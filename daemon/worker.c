@@ -267,6 +267,11 @@ static uint64_t clock_of(struct skv_worker *w, const char *tenant)
  * the clock goes (it comes back at the clock, a small head start). */
 static void clock_charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
 {
+    for (int i = 0; i < w->n_weights; i++) /* tenant-weights: a weight of k makes time cost 1/k */
+        if (strcmp(w->weights[i].name, tenant) == 0) {
+            us /= (uint64_t)w->weights[i].weight;
+            break;
+        }
     uint64_t vt = (start > w->vclock_us ? start : w->vclock_us) + (us ? us : 1);
     struct skv_tenant_clock *c = clock_find(w, tenant);
     if (!c) {
@@ -541,6 +546,10 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     w->m = m;
     w->zctx = zctx;
     w->fair = !cfg->queue_order || strcmp(cfg->queue_order, "fifo") != 0;
+    if (cfg->tenant_weights && skv_tenant_weights_parse(cfg->tenant_weights, w->weights, &w->n_weights)) {
+        free(w);
+        return SKV_E_INVAL; /* the message says which entry */
+    }
     if (!(w->clocks = calloc(SKV_FAIR_TENANTS, sizeof *w->clocks))) {
         free(w);
         return SKV_E_NOMEM;

@@ -79,6 +79,8 @@ struct skv_worker {
     const struct skv_job *running; /* the request the worker runs (not inside a yield) */
     const struct skv_session *forward_session; /* the session of the forward that yields */
     bool fair;                /* queue-order = fair */
+    struct skv_tenant_weight weights[SKV_TENANT_WEIGHTS_MAX]; /* tenant-weights */
+    int n_weights;
     uint64_t vclock_us;       /* virtual time: the start of the request last chosen */
     struct skv_tenant_clock *clocks; /* tenants ahead of the clock */
     int n_clocks;

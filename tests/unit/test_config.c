@@ -122,6 +122,43 @@ static void test_limits(void **state)
     assert_int_equal(skv_config_set(&cfg, "queue-order", "lifo"), SKV_OK);
     assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
     assert_non_null(strstr(skv_error_msg(), "queue-order is fair or fifo, not 'lifo'"));
+    assert_int_equal(skv_config_set(&cfg, "queue-order", "fair"), SKV_OK);
+
+    /* tenant-weights: NAME:W (1..100), each name once, at most 64 */
+    struct skv_tenant_weight tw[SKV_TENANT_WEIGHTS_MAX];
+    int n = -1;
+    assert_int_equal(skv_tenant_weights_parse("", tw, &n), SKV_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(skv_tenant_weights_parse("alice:4,bob@x.y:100,c_d-1:1", tw, &n), SKV_OK);
+    assert_int_equal(n, 3);
+    assert_string_equal(tw[1].name, "bob@x.y");
+    assert_int_equal(tw[0].weight, 4);
+    assert_int_equal(tw[1].weight, 100);
+    static const struct {
+        const char *text, *msg;
+    } bad[] = {
+        {"alice", "'alice' is not NAME:WEIGHT"},
+        {":3", "':3' is not NAME:WEIGHT"},
+        {"alice:0", "the weight of 'alice' is an integer from 1 to 100, not '0'"},
+        {"alice:101", "not '101'"},
+        {"alice:4x", "not '4x'"},
+        {"alice:", "not ''"},
+        {"al ice:2", "'al ice' is not a tenant name"},
+        {"alice:2,alice:3", "'alice' is named twice"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(skv_tenant_weights_parse(bad[i].text, tw, &n), SKV_E_INVAL);
+        if (!strstr(skv_error_msg(), bad[i].msg))
+            fail_msg("'%s': '%s', want '%s'", bad[i].text, skv_error_msg(), bad[i].msg);
+    }
+    char many[1024] = "";
+    for (int i = 0; i < 65; i++)
+        snprintf(many + strlen(many), sizeof many - strlen(many), "%st%d:1", i ? "," : "", i);
+    assert_int_equal(skv_tenant_weights_parse(many, tw, &n), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "more than 64 tenants"));
+    assert_int_equal(skv_config_set(&cfg, "tenant-weights", "alice:0"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL); /* the check names the entry too */
+    assert_non_null(strstr(skv_error_msg(), "the weight of 'alice'"));
     skv_config_free(&cfg);
 }
 

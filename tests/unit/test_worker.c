@@ -193,6 +193,25 @@ static void submit_export_variant(struct fixture *f, int sock, const uint8_t *id
     assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
 }
 
+/* EXPORT_KV as above for tenant (NULL: "t"), through handle variant 0. */
+static void submit_export_for(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16], int k)
+{
+    uint8_t handle[64] = {(uint8_t)k};
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
+    buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
+    buf.size = FAKE_BYTES;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    e.buffer = &buf;
+    e.layer_count = 1;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    req.tenant = (char *)tenant;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
 static void submit_export(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k)
 {
     submit_export_variant(f, sock, id, sid, k, 0);
@@ -1915,6 +1934,74 @@ static void test_deadline(void **state)
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
 }
 
+/* Holds the worker in an EXPORT_KV of tenant's session sid by client id (its first use of fake
+ * buffer 5, so the open blocks) for `ms`, queueing `then` (APPENDs of 1 token to b by client X
+ * for tenant "t", and to c by Z for "u") meanwhile; returns after the export's reply. */
+static void hold_for(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16], int ms,
+                     const uint8_t b[16], const uint8_t c[16])
+{
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 5;
+    pthread_mutex_unlock(&g_stuck_mu);
+    submit_export_for(f, id, tenant, sid, 5);
+    pthread_mutex_lock(&g_stuck_mu);
+    while (!g_stuck)
+        pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
+    pthread_mutex_unlock(&g_stuck_mu);
+    usleep((useconds_t)ms * 1000);
+    if (b) {
+        submit_append_for(f, ID_X, "t", b, 1);
+        submit_append_for(f, ID_Z, "u", c, 1);
+    }
+    pthread_mutex_lock(&g_stuck_mu);
+    g_stuck_k = 0;
+    pthread_cond_broadcast(&g_stuck_cv);
+    pthread_mutex_unlock(&g_stuck_mu);
+    expect_exported(f, 0, id);
+}
+
+/* The tenant whose APPEND runs first after u held the engine 60 ms and t 120 ms (each request's
+ * time, divided by its tenant's weight, is its tenant's virtual time). */
+static char first_after_holds(struct fixture *f)
+{
+    uint8_t a[16], b[16], c[16], d[16];
+    prefill_for(f, "u", 8, "policy=full", a);
+    prefill_for(f, "t", 8, "policy=full", b);
+    prefill_for(f, "u", 8, "policy=full", c);
+    prefill_for(f, "t", 8, "policy=full", d);
+    hold_for(f, ID_Y, "u", a, 60, NULL, NULL);
+    hold_for(f, ID_F, "t", d, 120, b, c);
+    uint8_t first[5], second[5];
+    Snapkv__Reply *rep = any_reply(f, first);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = any_reply(f, second);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_true(first[4] != second[4]);
+    return first[4] == ID_X[4] ? 't' : first[4] == ID_Z[4] ? 'u' : '?';
+}
+
+/* tenant-weights: a tenant's engine time counts divided by its weight. With equal weights u,
+ * which held the engine 60 ms, goes before t, which held it 120 ms; with t's weight 4, t's
+ * 120 ms count as 30 and t goes first. */
+static void test_tenant_weights(void **state)
+{
+    struct fixture *f = *state;
+    assert_int_equal(first_after_holds(f), 'u');
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", "t:4"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(first_after_holds(f), 't');
+    /* a bad entry: the worker does not start, and says why */
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", "t:x"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "the weight of 't'"));
+    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", ""), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1940,6 +2027,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_tenant_stats, setup, teardown),
         cmocka_unit_test_setup_teardown(test_gone_drops_queued, setup, teardown),
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
