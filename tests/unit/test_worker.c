@@ -175,8 +175,8 @@ static Snapkv__Reply *call(struct fixture *f, int sock, const uint8_t *id, Snapk
 /* EXPORT_KV of layer 0 into fake buffer k through handle variant v (the fake maps every handle
  * with first byte k to buffer k; the daemon tells handles apart whole), queued (the reply is
  * read by the caller). */
-static void submit_export_variant(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k,
-                                  int v)
+static void submit_export_tenant(struct fixture *f, int sock, const uint8_t *id, const char *tenant,
+                                 const uint8_t sid[16], int k, int v)
 {
     uint8_t handle[64] = {(uint8_t)k, (uint8_t)v, (uint8_t)(v >> 8)};
     Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
@@ -190,26 +190,14 @@ static void submit_export_variant(struct fixture *f, int sock, const uint8_t *id
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
     req.export_kv = &e;
+    req.tenant = (char *)tenant; /* NULL: "t" */
     assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
 }
 
-/* EXPORT_KV as above for tenant (NULL: "t"), through handle variant 0. */
-static void submit_export_for(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16], int k)
+static void submit_export_variant(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k,
+                                  int v)
 {
-    uint8_t handle[64] = {(uint8_t)k};
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
-    buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
-    buf.size = FAKE_BYTES;
-    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
-    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
-    e.buffer = &buf;
-    e.layer_count = 1;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
-    req.export_kv = &e;
-    req.tenant = (char *)tenant;
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+    submit_export_tenant(f, sock, id, NULL, sid, k, v);
 }
 
 static void submit_export(struct fixture *f, int sock, const uint8_t *id, const uint8_t sid[16], int k)
@@ -1943,7 +1931,7 @@ static void hold_for(struct fixture *f, const uint8_t *id, const char *tenant, c
     pthread_mutex_lock(&g_stuck_mu);
     g_stuck_k = 5;
     pthread_mutex_unlock(&g_stuck_mu);
-    submit_export_for(f, id, tenant, sid, 5);
+    submit_export_tenant(f, 0, id, tenant, sid, 5, 0);
     pthread_mutex_lock(&g_stuck_mu);
     while (!g_stuck)
         pthread_cond_wait(&g_stuck_cv, &g_stuck_mu);
