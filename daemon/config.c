@@ -278,6 +278,17 @@ int skv_config_check(const struct skv_config *cfg)
     return skv_tenant_weights_parse(cfg->tenant_weights, tw, &n_tw);
 }
 
+bool skv_tenant_name_ok(const char *name)
+{
+    size_t n = strlen(name);
+    if (n == 0 || n >= sizeof ((struct skv_tenant_weight *)NULL)->name)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)name[i]) && !strchr("._-@", name[i]))
+            return false;
+    return true;
+}
+
 int skv_tenant_weights_parse(const char *text, struct skv_tenant_weight *out, int *n)
 {
     *n = 0;
@@ -292,10 +303,9 @@ int skv_tenant_weights_parse(const char *text, struct skv_tenant_weight *out, in
             return skv_errorf(SKV_E_INVAL, "tenant-weights: '%.*s' is not NAME:WEIGHT", (int)len, p);
         memcpy(w->name, p, name_len);
         w->name[name_len] = '\0';
-        for (size_t i = 0; i < name_len; i++)
-            if (!isalnum((unsigned char)w->name[i]) && !strchr("._-@", w->name[i]))
-                return skv_errorf(SKV_E_INVAL, "tenant-weights: '%s' is not a tenant name (letters, digits, . _ - @)",
-                                  w->name);
+        if (!skv_tenant_name_ok(w->name))
+            return skv_errorf(SKV_E_INVAL, "tenant-weights: '%s' is not a tenant name (letters, digits, . _ - @)",
+                              w->name);
         char num[16] = "";
         size_t num_len = len - name_len - 1;
         char *end = NULL;

@@ -75,6 +75,10 @@ int skv_config_load_file(struct skv_config *cfg, const char *path);
 int skv_config_check(const struct skv_config *cfg);
 /* Formats an option's current value into buf. Returns SKV_OK or SKV_E_NOT_FOUND. */
 int skv_config_get(const struct skv_config *cfg, const char *name, char *buf, size_t cap);
+/* Whether a tenant name is 1..63 letters, digits and . _ - @ (no error message is set: a caller
+ * may run while a failure's message waits to be sent; skv_session_check_tenant says why). */
+bool skv_tenant_name_ok(const char *name);
+
 /* One tenant's share of the engine's time under queue-order = fair (tenant-weights). */
 #define SKV_TENANT_WEIGHTS_MAX 64
 #define SKV_TENANT_WEIGHT_MAX 100

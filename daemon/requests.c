@@ -320,11 +320,11 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     }
     if (!rc) /* this layer is done (and compressed): running decodes may take a token */
         skv_worker_yield(p->w);
-    if (!rc && p->w->stoppable && !p->w->yielding) {
+    if (!rc && skv_worker_running_prefill(p->w)) {
         /* its client gone, or (when it gets no progress replies, which would keep it waiting)
          * past the time it waits: nobody takes the session, so the rest of the work goes */
         if (skv_worker_running_gone(p->w)) {
-            p->w->metrics.requests_dropped_gone++;
+            atomic_fetch_add(&p->w->dropped_gone, 1);
             rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
         } else if (!p->job && skv_worker_running_late(p->w)) {
             p->w->metrics.requests_past_deadline++;
@@ -480,12 +480,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
-    bool outer = !w->yielding; /* a short PREFILL inside another's forward is not the running one */
-    if (outer)
-        w->stoppable = true;
     rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
-    if (outer)
-        w->stoppable = false;
     if (rc)
         goto fail;
     w->metrics.prefill_tokens += (uint64_t)n;

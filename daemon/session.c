@@ -1,6 +1,7 @@
 /* The session table: a hash of sessions by id, per-tenant counts, pool accounting and
  * LRU eviction (see session.h for the rules). */
 #include "daemon/session.h"
+#include "daemon/config.h"
 #include "common/status.h"
 
 #include <ctype.h>
@@ -33,27 +34,12 @@ void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1
         snprintf(out + 2 * i, 3, "%02x", id[i]);
 }
 
-/* Whether t's characters are all ones a tenant name may have. */
-static bool tenant_chars_ok(const char *t, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!isalnum((unsigned char)t[i]) && !strchr("._-@", t[i]))
-            return false;
-    return true;
-}
-
-bool skv_session_tenant_ok(const char *t)
-{
-    size_t n = strlen(t);
-    return n > 0 && n < SKV_TENANT_MAX && tenant_chars_ok(t, n);
-}
-
 int skv_session_check_tenant(const char *t)
 {
     size_t n = strlen(t);
     if (n == 0 || n >= SKV_TENANT_MAX)
         return skv_errorf(SKV_E_INVAL, "tenant names are 1..%d characters", SKV_TENANT_MAX - 1);
-    if (!tenant_chars_ok(t, n))
+    if (!skv_tenant_name_ok(t))
         return skv_errorf(SKV_E_INVAL, "tenant '%s': only letters, digits and . _ - @", t);
     return SKV_OK;
 }

@@ -53,9 +53,6 @@ struct skv_session_table;
 
 /* A tenant name is 1..SKV_TENANT_MAX-1 letters, digits and . _ - @ (SKV_E_INVAL otherwise). */
 int skv_session_check_tenant(const char *tenant);
-/* The same rule, answered without touching the thread's error message (for callers that may
- * run while a failure's message waits to be sent). */
-bool skv_session_tenant_ok(const char *tenant);
 
 int skv_session_table_new(const struct skv_session_limits *lim, struct skv_session_table **out);
 void skv_session_table_free(struct skv_session_table **t_p);

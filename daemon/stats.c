@@ -80,7 +80,8 @@ size_t skv_stats_tenant_rows(const struct skv_tenant_table *t, struct skv_stat *
         {"snapkv_tenant_prefill_tokens_total", "prompt tokens the tenant's PREFILLs ran"},
         {"snapkv_tenant_decode_tokens_total", "tokens the tenant's DECODEs generated"},
         {"snapkv_tenant_engine_seconds_total",
-         "the engine's time on the tenant's requests and its share of decode rounds (queue-order = fair evens it)"},
+         "the engine's time on the tenant's requests (what queue-order = fair evens out) and an even share of "
+         "each decode round its DECODEs were in"},
     };
     size_t n = 0;
     for (int k = 0; k < SKV_N_TENANT_STATS; k++)

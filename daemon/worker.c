@@ -54,14 +54,14 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .queue_requests = atomic_load(&w->st_queue),
         .queue_bytes = atomic_load(&w->st_queue_bytes),
     };
-    out->metrics.requests_dropped_gone += atomic_load(&w->dropped_gone);
+    out->metrics.requests_dropped_gone = atomic_load(&w->dropped_gone);
 }
 
 struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant)
 {
     struct skv_tenant_table *t = &w->tenants;
     const char *name = tenant && *tenant ? tenant : SKV_TENANT_DEFAULT;
-    if (strcmp(name, SKV_TENANT_ADMIN) != 0 && !skv_session_tenant_ok(name)) /* keeps a failure's message */
+    if (strcmp(name, SKV_TENANT_ADMIN) != 0 && !skv_tenant_name_ok(name)) /* keeps a failure's message */
         name = SKV_TENANT_OTHER;
     for (int i = 0; i < t->n; i++)
         if (strcmp(t->t[i].name, name) == 0)
@@ -262,11 +262,13 @@ static uint64_t clock_of(struct skv_worker *w, const char *tenant)
     return c && c->vt_us > w->vclock_us ? c->vt_us : w->vclock_us;
 }
 
-/* Charges a tenant `us` of engine time from `start` (where it stood when its request was
- * chosen). The table keeps only tenants ahead of the clock; when it is full, the one nearest
- * the clock goes (it comes back at the clock, a small head start). */
-static void clock_charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
+/* Charges a tenant `us` of engine time on a request it ran: to its engine seconds, and, divided
+ * by its weight, to its virtual time from `start` (where it stood when the request was chosen).
+ * The table keeps only tenants ahead of the clock; when it is full, the one nearest the clock
+ * goes (it comes back at the clock, a small head start). */
+static void charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
 {
+    skv_worker_tenant(w, tenant)->engine_seconds += (double)us * 1e-6;
     for (int i = 0; i < w->n_weights; i++) /* tenant-weights: a weight of k makes time cost 1/k */
         if (strcmp(w->weights[i].name, tenant) == 0) {
             us /= (uint64_t)w->weights[i].weight;
@@ -370,10 +372,8 @@ static struct skv_job *take_short(struct skv_worker *w)
     for (struct skv_job *q = w->head; q && !w->stopping; prev = q, q = q->next) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
-        bool blocked = w->running && same_sender(w->running, q);
+        bool blocked = (w->running && same_sender(w->running, q)) || !may_go_first(w, q);
         const uint8_t *sid = q->session;
-        for (const struct skv_job *a = w->head; a != q && !blocked; a = a->next)
-            blocked = same_sender(a, q) || (sid && a->session && memcmp(sid, a->session, SKV_SESSION_ID_BYTES) == 0);
         struct skv_session *s = sid && !blocked ? skv_session_find(w->sessions, sid, NULL) : NULL;
         /* a CANCEL is for a decoding (busy) session; none may touch the running forward's */
         bool cancel = q->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
@@ -439,9 +439,7 @@ void skv_worker_yield(struct skv_worker *w)
         char tenant[sizeof job->tenant];
         memcpy(tenant, job->tenant, sizeof tenant); /* run_job may free the job */
         run_job(w, job);
-        uint64_t took = monotonic_us() - t;
-        clock_charge(w, tenant, start, took);
-        skv_worker_tenant(w, tenant)->engine_seconds += (double)took * 1e-6;
+        charge(w, tenant, start, monotonic_us() - t);
         skv_worker_beat(w);
     }
     if (w->decodes) {
@@ -512,9 +510,7 @@ static void *worker_main(void *arg)
             run_job(w, job);
             w->running = NULL;
             uint64_t took = monotonic_us() - t;
-            took = took > w->nested_us ? took - w->nested_us : 0;
-            clock_charge(w, tenant, start, took);
-            skv_worker_tenant(w, tenant)->engine_seconds += (double)took * 1e-6;
+            charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
         }
         skv_worker_beat(w);
         decode_rounds(w);
@@ -774,6 +770,11 @@ static bool only_for_client(const struct skv_job *job)
     default:
         return false;
     }
+}
+
+bool skv_worker_running_prefill(const struct skv_worker *w)
+{
+    return w->running && !w->yielding && w->running->req->command_case == SNAPKV__REQUEST__COMMAND_PREFILL;
 }
 
 bool skv_worker_running_late(const struct skv_worker *w)

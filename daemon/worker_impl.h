@@ -86,8 +86,7 @@ struct skv_worker {
     int n_clocks;
     uint64_t nested_us;       /* engine time inside the running request's yields (not its own) */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
-    atomic_ullong dropped_gone;   /* queued requests of gone clients dropped by the socket thread */
-    bool stoppable;           /* the running request is a PREFILL that stops when its client goes */
+    atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;
@@ -122,6 +121,9 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 /* Whether the running request's client closed its connection (its notice waits in the queue);
  * worker thread. */
 bool skv_worker_running_gone(struct skv_worker *w);
+/* Whether the forward in progress is the running request's, and that request a PREFILL (its
+ * session is its own, so the forward may stop). */
+bool skv_worker_running_prefill(const struct skv_worker *w);
 /* Whether the running request's deadline passed (its client has stopped waiting). */
 bool skv_worker_running_late(const struct skv_worker *w);
 /* A tenant's counters (worker thread only): its own row, SKV_TENANT_ADMIN's, or, past

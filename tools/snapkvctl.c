@@ -1618,6 +1618,17 @@ static int cmd_load(const struct ctl *c, int argc, char **argv)
     return 0;
 }
 
+/* STATS through the admin endpoint for command `cmd`; 0, or 1 once the failure is printed. */
+static int fetch_stats(const struct ctl *c, const char *cmd, bool prometheus, struct snapkv_stats *st)
+{
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    int rc = snapkv_admin_stats(cl, prometheus, st);
+    snapkv_close(&cl);
+    return rc ? failed(cmd, rc) : 0;
+}
+
 static int cmd_stats(const struct ctl *c, int argc, char **argv)
 {
     static const struct option opts[] = {{"prometheus", no_argument, NULL, OPT_PROMETHEUS}, {NULL, 0, NULL, 0}};
@@ -1631,14 +1642,9 @@ static int cmd_stats(const struct ctl *c, int argc, char **argv)
     }
     if (optind != argc)
         return usage_error("stats", "usage: stats [--prometheus]");
-    snapkv_client_t *cl = NULL;
-    if (connect_to(c, true, &cl))
-        return 1;
     struct snapkv_stats st;
-    int rc = snapkv_admin_stats(cl, prometheus, &st);
-    snapkv_close(&cl);
-    if (rc)
-        return failed("stats", rc);
+    if (fetch_stats(c, "stats", prometheus, &st))
+        return 1;
     int ret = 0;
     if (prometheus && !c->json) {
         fputs(st.prometheus_text, stdout);
@@ -1706,14 +1712,9 @@ static int cmd_tenants(const struct ctl *c, int argc, char **argv)
     (void)argv;
     if (argc != 1)
         return usage_error("tenants", "usage: tenants");
-    snapkv_client_t *cl = NULL;
-    if (connect_to(c, true, &cl))
-        return 1;
     struct snapkv_stats st;
-    int rc = snapkv_admin_stats(cl, false, &st);
-    snapkv_close(&cl);
-    if (rc)
-        return failed("tenants", rc);
+    if (fetch_stats(c, "tenants", false, &st))
+        return 1;
     struct tenant_row *rows = calloc(st.n ? st.n : 1, sizeof *rows);
     if (!rows) {
         snapkv_stats_free(&st);
