@@ -81,6 +81,10 @@ static const struct skv_config_option options[] = {
     {"tenant-weights", SKV_CFG_STRING, OPT(tenant_weights), "", 0, 0,
      "with queue-order = fair, tenants' shares of the engine's time: NAME:W,... (W 1..100; others 1); "
      "a tenant of weight 4 gets four times the time of one of weight 1 while both wait"},
+    {"fair-slice-ms", SKV_CFG_INT, OPT(fair_slice_ms), "200", 0, 3600000,
+     "with queue-order = fair, a PREFILL, APPEND or COMPRESS of 64 tokens or more that has had this much "
+     "engine time (divided by its tenant's weight) more than another tenant lets that tenant's waiting "
+     "request run inside it, at its next tick, on an engine of its own (0: never; the request waits for it)"},
 };
 
 const struct skv_config_option *skv_config_options(size_t *n)

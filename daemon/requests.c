@@ -377,8 +377,11 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     const struct skv_session *outer = w->forward_session;
     if (!w->yielding)
         w->forward_session = s; /* and the short requests run there must not touch it */
-    if (!rc) /* inside another forward's yield the main engine is that forward's */
-        rc = skv_engine_forward(w->yielding ? w->decode_engine : w->engine, s->cache, ids, n, &fo, s->logits);
+    /* inside another forward's yield the main engine is that forward's: a short request runs on
+     * the decode engine, a request run nested (fair-slice-ms) on its own */
+    struct skv_engine *e = w->yielding ? w->decode_engine : w->nesting ? w->nested_engine : w->engine;
+    if (!rc)
+        rc = skv_engine_forward(e, s->cache, ids, n, &fo, s->logits);
     s->busy = was_busy;
     w->forward_session = outer;
     if (!rc && s->comp && compress)

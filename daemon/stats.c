@@ -50,6 +50,9 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_requests_reordered_total",
          "requests run before an older waiting one, because their tenant had less engine time (queue-order = fair)",
          (double)m->requests_reordered},
+        {"snapkv_requests_nested_total",
+         "requests of a tenant with less engine time run inside another tenant's long forward (fair-slice-ms)",
+         (double)m->requests_nested},
         {"snapkv_requests_dropped_on_disconnect_total",
          "requests of clients whose connection closed that were dropped while queued (PREFILL, FORK, IMPORT_KV) "
          "or stopped inside a PREFILL's forward",

@@ -19,6 +19,7 @@ struct skv_metrics {
     uint64_t decode_rounds_yielded; /* decode rounds run between the layers of a long forward */
     uint64_t requests_overtook;   /* short requests run inside a long forward, ahead of it */
     uint64_t requests_reordered;  /* requests run before an older one (queue-order = fair) */
+    uint64_t requests_nested;     /* another tenant's requests run inside a long forward (fair-slice-ms) */
     uint64_t requests_dropped_gone; /* of clients whose connection closed: dropped queued, or PREFILLs stopped */
     uint64_t requests_past_deadline; /* answered TIMEOUT unrun, or PREFILLs stopped, past the client's deadline */
 };
@@ -42,7 +43,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 27
+#define SKV_N_STATS 28
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

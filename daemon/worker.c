@@ -266,14 +266,19 @@ static uint64_t clock_of(struct skv_worker *w, const char *tenant)
  * by its weight, to its virtual time from `start` (where it stood when the request was chosen).
  * The table keeps only tenants ahead of the clock; when it is full, the one nearest the clock
  * goes (it comes back at the clock, a small head start). */
+/* `us` of a tenant's engine time in virtual time: tenant-weights' weight of k makes it cost 1/k. */
+static uint64_t weighted(const struct skv_worker *w, const char *tenant, uint64_t us)
+{
+    for (int i = 0; i < w->n_weights; i++)
+        if (strcmp(w->weights[i].name, tenant) == 0)
+            return us / (uint64_t)w->weights[i].weight;
+    return us;
+}
+
 static void charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
 {
     skv_worker_tenant(w, tenant)->engine_seconds += (double)us * 1e-6;
-    for (int i = 0; i < w->n_weights; i++) /* tenant-weights: a weight of k makes time cost 1/k */
-        if (strcmp(w->weights[i].name, tenant) == 0) {
-            us /= (uint64_t)w->weights[i].weight;
-            break;
-        }
+    us = weighted(w, tenant, us);
     uint64_t vt = (start > w->vclock_us ? start : w->vclock_us) + (us ? us : 1);
     struct skv_tenant_clock *c = clock_find(w, tenant);
     if (!c) {
@@ -372,7 +377,8 @@ static struct skv_job *take_short(struct skv_worker *w)
     for (struct skv_job *q = w->head; q && !w->stopping; prev = q, q = q->next) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
-        bool blocked = (w->running && same_sender(w->running, q)) || !may_go_first(w, q);
+        bool blocked = (w->running && same_sender(w->running, q)) || (w->outer && same_sender(w->outer, q)) ||
+                       !may_go_first(w, q);
         const uint8_t *sid = q->session;
         struct skv_session *s = sid && !blocked ? skv_session_find(w->sessions, sid, NULL) : NULL;
         /* a CANCEL is for a decoding (busy) session; none may touch the running forward's */
@@ -421,6 +427,104 @@ static void run_job(struct skv_worker *w, struct skv_job *job)
     job_free(job);
 }
 
+/* ---- another tenant's request inside a long forward (queue-order = fair, fair-slice-ms) --------
+ * Fair order chooses between requests, so a tenant whose request comes while another's long
+ * prefill runs would wait for all of it. Once the running request has had fair-slice-ms more
+ * engine time than a waiting request's tenant (virtual time: its own time so far, divided by its
+ * weight), that request runs at the forward's next tick, on an engine of its own (nested_engine),
+ * as a request run from the loop would; the forward then goes on where it stopped, its results
+ * the same bits. One level deep: inside the nested request's forward only short requests and
+ * decode rounds run. */
+
+/* Whether a request may run inside another tenant's forward: the commands that are not short
+ * and need nothing the running request holds (its session stays busy, so none may name it). */
+static bool job_nestable(const struct skv_job *job)
+{
+    switch (job->req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_PREFILL:
+    case SNAPKV__REQUEST__COMMAND_APPEND:
+    case SNAPKV__REQUEST__COMMAND_COMPRESS:
+    case SNAPKV__REQUEST__COMMAND_EXPORT_KV:
+    case SNAPKV__REQUEST__COMMAND_IMPORT_KV:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Takes out of the queue the request fair order would run now instead of the running one, or
+ * NULL: among the oldest SKV_FAIR_WINDOW waiting, the oldest of the tenant with the least time,
+ * of another tenant than the running request's, whose time is at least fair-slice-ms behind the
+ * running tenant's now; it may go first (below), is not from the running request's sender, and
+ * names no busy session. *start: where its tenant stood. */
+static struct skv_job *take_nested(struct skv_worker *w, uint64_t *start)
+{
+    const struct skv_job *r = w->running;
+    uint64_t slice = (uint64_t)w->cfg->fair_slice_ms * 1000;
+    if (!w->fair || !slice || w->nesting || !r || r->kind != SKV_JOB_REQUEST)
+        return NULL;
+    uint64_t took = monotonic_us() - w->run_t0_us;
+    uint64_t now_vt = w->run_vt_us + weighted(w, r->tenant, took > w->nested_us ? took - w->nested_us : 0);
+    if (now_vt < slice)
+        return NULL;
+    pthread_mutex_lock(&w->mu);
+    struct skv_job *best = NULL, *best_prev = NULL, *prev = NULL;
+    uint64_t best_vt = now_vt - slice + 1; /* a tenant must be at least a slice behind */
+    int k = 0;
+    for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
+        if (q->kind != SKV_JOB_REQUEST || !job_nestable(q) || strcmp(q->tenant, r->tenant) == 0 ||
+            same_sender(r, q))
+            continue;
+        uint64_t vt = clock_of(w, q->tenant);
+        if (vt >= best_vt || !may_go_first(w, q))
+            continue;
+        const struct skv_session *s = q->session ? skv_session_find(w->sessions, q->session, NULL) : NULL;
+        if (s && (s->busy || s == w->forward_session))
+            continue;
+        best = q;
+        best_prev = prev;
+        best_vt = vt;
+    }
+    if (best) {
+        dequeue_locked(w, best_prev, best);
+        if (best_vt > w->vclock_us)
+            w->vclock_us = best_vt;
+        *start = best_vt;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return best;
+}
+
+static void run_job(struct skv_worker *w, struct skv_job *job);
+
+/* Runs a request taken by take_nested inside the running request's forward: it is the running
+ * one meanwhile (its client's notice or deadline stops its PREFILL, its sender's requests wait),
+ * its forwards run on nested_engine, and its time, less what ran inside its own yields, is its
+ * tenant's; all of it is outside the running request's own time. */
+static void run_nested(struct skv_worker *w, struct skv_job *job, uint64_t start)
+{
+    const struct skv_job *outer = w->running;
+    uint64_t outer_nested = w->nested_us, outer_vt = w->run_vt_us, outer_t0 = w->run_t0_us;
+    char tenant[sizeof job->tenant];
+    memcpy(tenant, job->tenant, sizeof tenant); /* run_job may free the job */
+    w->metrics.requests_nested++;
+    w->outer = outer;
+    w->running = job;
+    w->nesting = true;
+    w->nested_us = 0;
+    w->run_vt_us = start;
+    w->run_t0_us = monotonic_us();
+    run_job(w, job);
+    uint64_t took = monotonic_us() - w->run_t0_us;
+    charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
+    w->nesting = false;
+    w->running = outer;
+    w->outer = NULL;
+    w->nested_us = outer_nested;
+    w->run_vt_us = outer_vt;
+    w->run_t0_us = outer_t0;
+}
+
 #define OVERTAKE_MAX 8 /* short requests one yield may run */
 
 void skv_worker_yield(struct skv_worker *w)
@@ -430,9 +534,11 @@ void skv_worker_yield(struct skv_worker *w)
         return;
     if (monotonic_ms() - w->last_round_ms < (uint64_t)w->cfg->decode_yield_ms)
         return;
+    uint64_t t0 = monotonic_us(), nested_start;
+    struct skv_job *job = take_nested(w, &nested_start);
+    if (job)
+        run_nested(w, job, nested_start);
     w->yielding = true;
-    struct skv_job *job;
-    uint64_t t0 = monotonic_us();
     for (int i = 0; i < OVERTAKE_MAX && (job = take_short(w)); i++) {
         w->metrics.requests_overtook++;
         uint64_t start = clock_of(w, job->tenant), t = monotonic_us();
@@ -506,6 +612,8 @@ static void *worker_main(void *arg)
             memcpy(tenant, job->tenant, sizeof tenant); /* run_job may free the job */
             uint64_t t = monotonic_us();
             w->nested_us = 0;
+            w->run_vt_us = start;
+            w->run_t0_us = t;
             w->running = job; /* short requests queued behind it may run inside its forward */
             run_job(w, job);
             w->running = NULL;
@@ -566,11 +674,14 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         rc = skv_engine_new(m, &w->engine);
     if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */
         rc = skv_engine_new(m, &w->decode_engine);
+    if (!rc) /* and a request of another tenant run inside one of them (fair-slice-ms) */
+        rc = skv_engine_new(m, &w->nested_engine);
     if (!rc && pthread_create(&w->thread, NULL, worker_main, w) != 0)
         rc = skv_errorf(SKV_E_INTERNAL, "cannot start the engine thread");
     if (rc) {
         skv_engine_free(&w->engine);
         skv_engine_free(&w->decode_engine);
+        skv_engine_free(&w->nested_engine);
         skv_session_table_free(&w->sessions);
         free(w->clocks);
         free(w);
@@ -851,6 +962,7 @@ void skv_worker_stop(struct skv_worker **w_p)
         pthread_join(w->thread, NULL);
     skv_engine_free(&w->engine);
     skv_engine_free(&w->decode_engine);
+    skv_engine_free(&w->nested_engine);
     skv_session_table_free(&w->sessions);
     pthread_mutex_destroy(&w->mu);
     pthread_mutex_destroy(&w->snap_mu);

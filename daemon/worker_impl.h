@@ -61,6 +61,7 @@ struct skv_worker {
     struct skv_model *m;
     struct skv_engine *engine;
     struct skv_engine *decode_engine; /* decode rounds' own buffers (they may run inside a forward of engine) */
+    struct skv_engine *nested_engine; /* a request run inside a long forward of engine (fair-slice-ms) */
     struct skv_session_table *sessions;
     void *push;               /* inproc PUSH to the socket thread (worker thread only) */
     void *zctx;
@@ -77,6 +78,10 @@ struct skv_worker {
     uint64_t last_round_ms;   /* CLOCK_MONOTONIC ms when the last decode round or yield ended */
     bool yielding;            /* inside a forward's yield: short requests and decode rounds run */
     const struct skv_job *running; /* the request the worker runs (not inside a yield) */
+    const struct skv_job *outer;  /* while a request runs nested: the one whose forward it runs inside */
+    bool nesting;             /* running is nested: its forwards use nested_engine, its yields nest nothing */
+    uint64_t run_vt_us;       /* where running's tenant stood when running was chosen (virtual time) */
+    uint64_t run_t0_us;       /* when running started (CLOCK_MONOTONIC) */
     const struct skv_session *forward_session; /* the session of the forward that yields */
     bool fair;                /* queue-order = fair */
     struct skv_tenant_weight weights[SKV_TENANT_WEIGHTS_MAX]; /* tenant-weights */
@@ -109,7 +114,9 @@ struct skv_worker {
 void skv_worker_beat(struct skv_worker *w);
 
 /* Called at the ticks of a long forward (worker thread only): once decode-yield-ms passed since
- * the last decode round or yield, runs up to 8 short queued requests that may go before the
+ * the last decode round or yield, runs the request of another tenant that fair order puts ahead
+ * of the running one by fair-slice-ms (on nested_engine; not inside a nested one), then up to 8
+ * short queued requests that may go before the
  * ones ahead of them (no request ahead from the same sender or naming the same session, the
  * session not busy: see take_short), then gives every running DECODE its next token, all on the
  * decode engine, so that a long PREFILL, APPEND or COMPRESS stalls neither. The forward's own

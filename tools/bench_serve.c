@@ -80,6 +80,7 @@ struct serve_ctx {
     bool default_specs;              /* the built-in three (their goals apply) */
     int64_t yield_ms;                /* our daemon's --decode-yield-ms (< 0: its default) */
     const char *queue_order;         /* our daemon's --queue-order (NULL: its default) */
+    int64_t slice_ms;                /* our daemon's --fair-slice-ms (< 0: its default) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -297,7 +298,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[16][4200];
+    char a[18][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -320,7 +321,9 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--decode-yield-ms=%lld", (long long)x->yield_ms);
     if (x->queue_order)
         snprintf(a[n_args++], sizeof a[0], "--queue-order=%s", x->queue_order);
-    char *argv[18] = {exe};
+    if (x->slice_ms >= 0)
+        snprintf(a[n_args++], sizeof a[0], "--fair-slice-ms=%lld", (long long)x->slice_ms);
+    char *argv[20] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
     argv[n_args + 1] = NULL;
@@ -1391,31 +1394,36 @@ static int fair_run(struct serve_ctx *x, int spec, json_t *out)
     return evict_all(x);
 }
 
-/* The fair run on our daemon with queue-order fifo (the order before it existed) and fair (the
- * default); on a daemon we did not start, as it is configured. */
+/* The fair run on our daemon with queue-order fifo (the order before it existed), fair without
+ * slices (fair-slice-ms = 0: the running prefill ends first, as before slices existed) and fair
+ * with its defaults; on a daemon we did not start, as it is configured. */
 static int bench_fair(struct serve_ctx *x, json_t *out)
 {
     int spec = x->n_specs > 1 ? 1 : 0;
     json_t *runs = json_array();
     json_object_set_new(out, "runs", runs);
-    static const char *const modes[2] = {"fifo", "fair"};
-    int n_modes = x->d.pid ? 2 : 1;
+    static const char *const modes[3] = {"fifo", "fair", "fair"};
+    static const char *const names[3] = {"fifo", "fair, fair-slice-ms 0", "fair (default fair-slice-ms)"};
+    static const int64_t slices[3] = {-1, 0, -1};
+    int n_modes = x->d.pid ? 3 : 1;
     int rc = SKV_OK;
     x->yield_ms = -1; /* the default, whatever the stall run left */
     for (int k = 0; k < n_modes && !rc; k++) {
         if (x->d.pid) {
             x->queue_order = modes[k];
+            x->slice_ms = slices[k];
             if ((rc = use_own_daemon(x, x->pool_bytes)))
                 break;
         }
         json_t *o = json_object();
-        json_object_set_new(o, "queue_order", json_string(x->d.pid ? modes[k] : "as the daemon is configured"));
+        json_object_set_new(o, "queue_order", json_string(x->d.pid ? names[k] : "as the daemon is configured"));
         fprintf(stderr, "serve: %d prefills of %d tokens by one tenant, a short request by another (queue-order %s) ...\n",
-                FAIR_BULK, x->context, x->d.pid ? modes[k] : "as configured");
+                FAIR_BULK, x->context, x->d.pid ? names[k] : "as configured");
         rc = fair_run(x, spec, o);
         json_array_append_new(runs, o);
     }
     x->queue_order = NULL;
+    x->slice_ms = -1;
     return rc;
 }
 
@@ -1706,6 +1714,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         .sessions = o->sessions > 0 ? o->sessions : 16,
         .decode_tokens = o->decode_tokens > 0 ? o->decode_tokens : 32,
         .yield_ms = -1,
+        .slice_ms = -1,
     };
     if (!o->endpoint != !o->admin_endpoint)
         return skv_errorf(SKV_E_INVAL, "give both --endpoint and --admin-endpoint, or neither");

@@ -66,6 +66,48 @@ static pthread_mutex_t g_stuck_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_stuck_cv = PTHREAD_COND_INITIALIZER;
 static int g_stuck_k;
 static bool g_stuck;
+/* A slow device: once armed, the first rmsnorm of 64 rows or more waits until the gate opens. */
+static pthread_mutex_t g_gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_gate_cv = PTHREAD_COND_INITIALIZER;
+static int g_gate; /* 0 open, 1 armed, 2 a call waits */
+static int (*g_real_rmsnorm)(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim,
+                             float eps);
+
+static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim, float eps)
+{
+    if (n >= 64) {
+        pthread_mutex_lock(&g_gate_mu);
+        if (g_gate == 1) {
+            g_gate = 2;
+            pthread_cond_broadcast(&g_gate_cv);
+            while (g_gate == 2)
+                pthread_cond_wait(&g_gate_cv, &g_gate_mu);
+        }
+        pthread_mutex_unlock(&g_gate_mu);
+    }
+    return g_real_rmsnorm(be, out, x, w, n, dim, eps);
+}
+
+/* Arms the gate; returns once a forward of 64+ tokens waits at it. */
+static void gate_hold(void (*submit)(void *), void *arg)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    g_gate = 1;
+    pthread_mutex_unlock(&g_gate_mu);
+    submit(arg);
+    pthread_mutex_lock(&g_gate_mu);
+    while (g_gate != 2)
+        pthread_cond_wait(&g_gate_cv, &g_gate_mu);
+    pthread_mutex_unlock(&g_gate_mu);
+}
+
+static void gate_open(void)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    g_gate = 0;
+    pthread_cond_broadcast(&g_gate_cv);
+    pthread_mutex_unlock(&g_gate_mu);
+}
 
 static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
 {
@@ -290,6 +332,8 @@ static int setup(void **state)
     g_ops = *be->ops;
     g_ops.ipc_open = fake_ipc_open;
     g_ops.ipc_close = fake_ipc_close;
+    g_real_rmsnorm = g_ops.rmsnorm;
+    g_ops.rmsnorm = gated_rmsnorm;
     be->ops = &g_ops;
     if (skv_config_init(&f->cfg))
         return -1;
@@ -309,6 +353,7 @@ static int teardown(void **state)
     g_stuck_k = 0;
     pthread_cond_broadcast(&g_stuck_cv);
     pthread_mutex_unlock(&g_stuck_mu);
+    gate_open();
     skv_worker_stop(&f->w);
     if (f->pull)
         zmq_close(f->pull);
@@ -1990,6 +2035,103 @@ static void test_tenant_weights(void **state)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
 }
 
+/* A PREFILL of the first n fixed ids (full cache, logits returned) by client id for tenant,
+ * queued. */
+static void submit_prefill_as(struct fixture *f, const uint8_t *id, const char *tenant, int n)
+{
+    uint32_t tokens[64];
+    fixed_ids(f, tokens, n);
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, (size_t)n);
+    p.return_logits = true;
+    req.tenant = (char *)tenant;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+static void submit_long_prefill_cb(void *f)
+{
+    submit_long_prefill(f, false);
+}
+
+/* The nested scenario: X's 64-token PREFILL for tenant t waits at the gate in its first layer;
+ * meanwhile Z queues a 48-token PREFILL for u, X one for u, Y one for t; 3 ms later the gate
+ * opens. Writes the four final replies' clients in order (A: X's for t, E: X's for u), and
+ * returns them in reps[] as A, B (Z's), E, D (Y's); returns snapkv_requests_nested_total. */
+static int nested_scenario(struct fixture *f, char order[5], Snapkv__Reply *reps[4])
+{
+    gate_hold(submit_long_prefill_cb, f);
+    submit_prefill_as(f, ID_Z, "u", 48);
+    submit_prefill_as(f, ID_X, "u", 48);
+    submit_prefill_as(f, ID_Y, "t", 48);
+    usleep(3000); /* t's request has had 3 ms, more than a slice of 1 */
+    gate_open();
+    for (int i = 0; i < 4; i++) {
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
+        assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_PREFILL);
+        bool x = id[4] == ID_X[4], a = x && rep->prefill->n_tokens == 64;
+        order[i] = a ? 'A' : x ? 'E' : id[4] == ID_Z[4] ? 'B' : id[4] == ID_Y[4] ? 'D' : '?';
+        reps[a ? 0 : x ? 2 : id[4] == ID_Z[4] ? 1 : 3] = rep;
+    }
+    order[4] = '\0';
+    return (int)stat(f, "snapkv_requests_nested_total");
+}
+
+/* fair-slice-ms: once t's long PREFILL has had a slice of engine time, u's waiting PREFILL runs
+ * inside it, at its next tick, on the nested engine, and both come out as when each runs alone
+ * (the same logits and kept rows, bit for bit). A request of the running one's sender (X's for
+ * u) or of its tenant (Y's for t) does not: each client's order is kept, and a tenant does not
+ * overtake itself. With fair-slice-ms = 0 u's PREFILL waits for t's. */
+static void test_nested(void **state)
+{
+    struct fixture *f = *state;
+    const int n_vocab = f->tiny->m->cfg.n_vocab;
+    skv_worker_stop(&f->w);
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    /* each alone */
+    submit_long_prefill(f, false);
+    Snapkv__Reply *alone_a = next_reply(f, 0, ID_X, 5);
+    submit_prefill_as(f, ID_Z, "u", 48);
+    Snapkv__Reply *alone_b = next_reply(f, 0, ID_Z, 5);
+    assert_int_equal(alone_a->status, SKV_OK);
+    assert_int_equal(alone_b->status, SKV_OK);
+    assert_int_equal(stat(f, "snapkv_requests_nested_total"), 0);
+
+    char order[5];
+    Snapkv__Reply *reps[4];
+    assert_int_equal(nested_scenario(f, order, reps), 1);
+    /* B inside A; then E (u: less time than t) and D */
+    assert_string_equal(order, "BAED");
+    const Snapkv__PrefillReply *a = reps[0]->prefill, *b = reps[1]->prefill;
+    assert_int_equal(a->n_logits, n_vocab);
+    assert_memory_equal(a->logits, alone_a->prefill->logits, sizeof(float) * (size_t)n_vocab);
+    assert_int_equal(a->bytes_after, alone_a->prefill->bytes_after);
+    assert_int_equal(a->n_kept, alone_a->prefill->n_kept);
+    for (size_t l = 0; l < a->n_kept; l++)
+        assert_memory_equal(a->kept[l]->kept_per_head, alone_a->prefill->kept[l]->kept_per_head,
+                            sizeof(uint32_t) * a->kept[l]->n_kept_per_head);
+    assert_int_equal(b->n_logits, n_vocab);
+    assert_memory_equal(b->logits, alone_b->prefill->logits, sizeof(float) * (size_t)n_vocab);
+    assert_int_equal(b->bytes_after, alone_b->prefill->bytes_after);
+    for (int i = 0; i < 4; i++)
+        snapkv__reply__free_unpacked(reps[i], NULL);
+
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "0"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(nested_scenario(f, order, reps), 0);
+    assert_string_equal(order, "ABED");
+    assert_memory_equal(reps[1]->prefill->logits, alone_b->prefill->logits, sizeof(float) * (size_t)n_vocab);
+    for (int i = 0; i < 4; i++)
+        snapkv__reply__free_unpacked(reps[i], NULL);
+    snapkv__reply__free_unpacked(alone_a, NULL);
+    snapkv__reply__free_unpacked(alone_b, NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -2016,6 +2158,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_gone_drops_queued, setup, teardown),
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
