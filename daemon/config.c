@@ -55,6 +55,11 @@ static const struct skv_config_option options[] = {
      "bytes one tenant's sessions may hold (KV blocks and SnapKV re-scoring's query rings)"},
     {"max-message-bytes", SKV_CFG_SIZE, OPT(max_message_bytes), "16M", 1024, INT64_C(1) << 31,
      "largest request message (ZMQ_MAXMSGSIZE)"},
+    {"max-reply-bytes-per-client", SKV_CFG_SIZE, OPT(max_reply_bytes_per_client), "64M", 1 << 20, INT64_C(1) << 42,
+     "bytes of replies a client has not read yet that the daemon holds; past it its replies are dropped "
+     "(libzmq's own bound is 1000 messages, whatever their size)"},
+    {"max-reply-bytes", SKV_CFG_SIZE, OPT(max_reply_bytes), "1G", 1 << 20, INT64_C(1) << 42,
+     "bytes of replies not read yet the daemon holds for all clients together; past it replies are dropped"},
     {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,
      "open connections on the client endpoint; more are closed as they come"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},

@@ -46,6 +46,8 @@ struct skv_config {
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
     char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */
     char *tenant_weights;     /* "NAME:W,..." shares of the engine's time under fair order; "" all 1 */
+    int64_t max_reply_bytes_per_client; /* replies a client has not taken yet (more are dropped) */
+    int64_t max_reply_bytes;  /* and all clients' together */
     int64_t fair_slice_ms;    /* fair order: a long forward's own time before another tenant's request
                                * may run inside it; 0: never */
 };

@@ -8,6 +8,7 @@
 #include "daemon/auth.h"
 #include "daemon/clients.h"
 #include "daemon/metrics_http.h"
+#include "daemon/replies.h"
 #include "daemon/session.h"
 #include "daemon/worker.h"
 #include "common/log.h"
@@ -50,6 +51,9 @@ struct skv_server {
     int lock_fds[2];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[2];           /* unlinked at exit */
     void *replies;                /* inproc PULL: replies from the engine worker */
+    struct skv_replies *unread;   /* replies sent and not taken yet, bounded in bytes */
+    uint64_t unread_dropped_logged; /* replies dropped for those bounds, when last logged */
+    uint64_t unread_logged_ms;
     struct skv_worker *worker;
     struct skv_metrics_http *metrics;  /* NULL unless metrics-listen is set */
     time_t started;
@@ -184,8 +188,11 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
         rc = skv_errorf(SKV_E_IO, "inproc reply socket: %s", zmq_strerror(zmq_errno()));
         goto out_destroy;
     }
-    if ((rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
+    if ((rc = skv_replies_new((uint64_t)env->cfg->max_reply_bytes_per_client, (uint64_t)env->cfg->max_reply_bytes,
+                              &srv->unread)) ||
+        (rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
         goto out_destroy;
+    skv_worker_set_replies(srv->worker, srv->unread); /* STATS reports them */
     if (*env->cfg->metrics_listen &&
         (rc = skv_metrics_http_start(env->cfg->metrics_listen, render_metrics, srv->worker, &srv->metrics)))
         goto out_destroy;
@@ -217,6 +224,7 @@ void skv_server_destroy(struct skv_server **srv_p)
     skv_auth_destroy(&srv->auth);
     if (srv->zctx)
         zmq_ctx_term(srv->zctx);
+    skv_replies_free(&srv->unread); /* libzmq freed every reply it held by now */
     for (int i = 0; i < 2; i++) {
         if (srv->ipc_paths[i])
             unlink(srv->ipc_paths[i]);
@@ -233,7 +241,30 @@ bool skv_server_engine_alive(struct skv_server *srv, uint64_t interval_ms)
     return !srv->worker || skv_worker_alive(srv->worker, interval_ms);
 }
 
-static void send_reply(void *sock, zmq_msg_t *identity, Snapkv__Reply *rep)
+/* Hands a reply to the client's connection without blocking: a client that stops reading
+ * fills its queue (libzmq's 1000 messages, or max-reply-bytes-per-client / max-reply-bytes of
+ * replies it has not taken) and loses replies, and the socket thread goes on serving everyone
+ * else (and SIGTERM). Drops for the byte bounds are logged at most every 10 s. */
+static void reply_out(struct skv_server *srv, int idx, const void *identity, size_t identity_len, const void *body,
+                      size_t len)
+{
+    void *sock = idx ? srv->admin_sock : srv->client_sock;
+    int rc = skv_replies_send(srv->unread, sock, idx, identity, identity_len, body, len);
+    if (rc == SKV_E_BUSY) {
+        uint64_t now = skv_now_ms(), dropped = skv_replies_dropped(srv->unread);
+        if (now - srv->unread_logged_ms >= 10000) {
+            skv_log(SKV_LOG_WARN, "dropped %llu repl%s to clients that do not read them: %s",
+                    (unsigned long long)(dropped - srv->unread_dropped_logged),
+                    dropped - srv->unread_dropped_logged == 1 ? "y" : "ies", skv_error_msg());
+            srv->unread_dropped_logged = dropped;
+            srv->unread_logged_ms = now;
+        }
+    } else if (rc) {
+        skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone or not reading)", skv_error_msg());
+    }
+}
+
+static void send_reply(struct skv_server *srv, int idx, zmq_msg_t *identity, Snapkv__Reply *rep)
 {
     size_t len = snapkv__reply__get_packed_size(rep);
     uint8_t *buf = malloc(len ? len : 1);
@@ -242,14 +273,7 @@ static void send_reply(void *sock, zmq_msg_t *identity, Snapkv__Reply *rep)
         return;
     }
     snapkv__reply__pack(rep, buf);
-    zmq_msg_t id_copy;
-    zmq_msg_init(&id_copy);
-    zmq_msg_copy(&id_copy, identity);
-    /* never blocks: a client that stops reading fills its queue and loses replies, and the
-     * socket thread goes on serving everyone else (and SIGTERM) */
-    if (zmq_msg_send(&id_copy, sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 || zmq_send(sock, buf, len, ZMQ_DONTWAIT) < 0)
-        skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone or not reading)", zmq_strerror(zmq_errno()));
-    zmq_msg_close(&id_copy);
+    reply_out(srv, idx, zmq_msg_data(identity), zmq_msg_size(identity), buf, len);
     free(buf);
 }
 
@@ -615,7 +639,7 @@ reply:
         skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id,
                 skv_status_name(rc), rep.message);
     }
-    send_reply(sock, &identity, &rep);
+    send_reply(srv, admin, &identity, &rep);
     free(arena.entries);
     free(arena.ptrs);
     free(arena.values);
@@ -638,12 +662,9 @@ static bool forward_reply(struct skv_server *srv, int flags)
         zmq_msg_init(&parts[i]);
     bool ok = zmq_msg_recv(&parts[0], srv->replies, flags) >= 0 && zmq_msg_recv(&parts[1], srv->replies, 0) >= 0 &&
               zmq_msg_recv(&parts[2], srv->replies, 0) >= 0;
-    if (ok) {
-        void *sock = *(const uint8_t *)zmq_msg_data(&parts[0]) ? srv->admin_sock : srv->client_sock;
-        if (zmq_msg_send(&parts[1], sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-            zmq_msg_send(&parts[2], sock, ZMQ_DONTWAIT) < 0) /* never blocks: see send_reply */
-            skv_log(SKV_LOG_DEBUG, "reply dropped: %s (client gone or not reading)", zmq_strerror(zmq_errno()));
-    }
+    if (ok)
+        reply_out(srv, *(const uint8_t *)zmq_msg_data(&parts[0]) ? 1 : 0, zmq_msg_data(&parts[1]),
+                  zmq_msg_size(&parts[1]), zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
     for (int i = 0; i < 3; i++)
         zmq_msg_close(&parts[i]);
     return ok;

@@ -35,6 +35,8 @@ struct skv_stats_input {
     uint64_t n_decodes;           /* DECODEs running */
     uint64_t queue_requests;      /* requests waiting for the engine (queue-depth) */
     uint64_t queue_bytes;         /* the memory they hold (max-queued-bytes) */
+    uint64_t reply_bytes_unread;  /* replies sent and not taken by their clients yet */
+    uint64_t replies_dropped;     /* replies dropped for max-reply-bytes(-per-client) */
 };
 
 struct skv_stat {
@@ -43,7 +45,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 28
+#define SKV_N_STATS 30
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

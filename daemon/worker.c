@@ -1,6 +1,7 @@
 /* The engine worker thread (see worker.h): a bounded FIFO of requests, plus the set of
  * running DECODEs advanced one token each per round between queued requests. */
 #include "daemon/worker_impl.h"
+#include "daemon/replies.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/engine/model.h"
@@ -55,6 +56,14 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .queue_bytes = atomic_load(&w->st_queue_bytes),
     };
     out->metrics.requests_dropped_gone = atomic_load(&w->dropped_gone);
+    const struct skv_replies *r = atomic_load(&w->replies);
+    out->reply_bytes_unread = skv_replies_unread_bytes(r);
+    out->replies_dropped = skv_replies_dropped(r);
+}
+
+void skv_worker_set_replies(struct skv_worker *w, const struct skv_replies *r)
+{
+    atomic_store(&w->replies, r);
 }
 
 struct skv_tenant_stats *skv_worker_tenant(struct skv_worker *w, const char *tenant)

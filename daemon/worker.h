@@ -77,6 +77,9 @@ void skv_worker_stats(struct skv_worker *w, struct skv_worker_stats *out);
 /* The STATS metrics as Prometheus text (what admin STATS --prometheus sends), from the snapshot
  * the worker publishes after every round (any thread). Returns the length written. */
 size_t skv_worker_prometheus(struct skv_worker *w, char *buf, size_t cap);
+/* The socket thread's count of replies its clients have not read (replies.h), for STATS. */
+struct skv_replies;
+void skv_worker_set_replies(struct skv_worker *w, const struct skv_replies *r);
 
 /* Whether the engine thread looks alive to a watchdog of interval_ms (any thread): it waits for
  * work, or it showed progress (a turn of its loop, a request done, a decode round) less than

@@ -97,6 +97,7 @@ struct skv_worker {
     int n_ipc;
     uint64_t ipc_uses;        /* uses of the table's buffers so far */
     struct skv_metrics metrics;
+    _Atomic(const struct skv_replies *) replies; /* the socket thread's unread replies (STATS), or NULL */
     atomic_uint st_sessions, st_queue;
     atomic_ullong st_queue_bytes;
     atomic_ullong st_pool_used;

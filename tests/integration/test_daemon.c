@@ -588,6 +588,95 @@ static void test_text_bytes_option(void **state)
     assert_int_equal(rc_fits, SNAPKV_OK);
 }
 
+/* A STATS value from the admin endpoint (-1 when it is not there). */
+static double admin_stat(const char *admin, const char *name)
+{
+    snapkv_client_t *a = NULL;
+    struct snapkv_stats st = {0};
+    double v = -1;
+    if (snapkv_connect(admin, NULL, &a) == SNAPKV_OK && snapkv_admin_stats(a, false, &st) == SNAPKV_OK)
+        for (size_t i = 0; i < st.n; i++)
+            if (strcmp(st.stats[i].name, name) == 0)
+                v = st.stats[i].value;
+    snapkv_stats_free(&st);
+    snapkv_close(&a);
+    return v;
+}
+
+/* A client that sends PREFILLs asking for logits (196 KiB a reply) and does not read: the replies
+ * it has not taken stay within max-reply-bytes-per-client (1M here) and the rest are dropped,
+ * counted; another client is served meanwhile; once it reads, what it held comes back to 0.
+ * Before, only libzmq's 1000 messages bounded them (196 MiB for this client). */
+static void test_unread_replies_bounded(void **state)
+{
+    NEED_DAEMON(d);
+    struct daemon e = {0};
+    snprintf(e.dir, sizeof e.dir, "/tmp/skv-it-XXXXXX");
+    assert_non_null(mkdtemp(e.dir));
+    snprintf(e.endpoint, sizeof e.endpoint, "ipc://%s/c.sock", e.dir);
+    snprintf(e.admin, sizeof e.admin, "ipc://%s/a.sock", e.dir);
+    snprintf(e.log, sizeof e.log, "%s/daemon.log", e.dir);
+    e.metrics_port = free_port();
+    char *model = model_path();
+    e.pid = spawn_daemon(&e, model, "--max-reply-bytes-per-client=1M");
+    free(model);
+    bool up = wait_ready(&e);
+    enum { N = 30 };
+    double answered = -1, dropped = -1, unread = -1, unread_after = -1;
+    int got = 0, served = -1;
+    if (up) {
+        void *ctx = zmq_ctx_new();
+        void *s = raw_socket(&e, ctx, ZMQ_RCVHWM, 1);
+        int rcvbuf = 4096;
+        zmq_setsockopt(s, ZMQ_RCVBUF, &rcvbuf, sizeof rcvbuf);
+        for (int i = 0; i < N; i++) {
+            /* version 1, request_id i, prefill {tokens [1..8] packed, return_logits} */
+            uint8_t req[] = {0x08, 0x01, 0x10, (uint8_t)(i + 1), 0x5a, 0x0c, 0x0a, 0x08, 1, 2, 3, 4, 5, 6, 7, 8, 0x28, 0x01};
+            assert_int_equal(zmq_send(s, req, sizeof req, 0), (int)sizeof req);
+        }
+        for (int i = 0; i < 600 && answered < 8 * N; i++) {
+            answered = admin_stat(e.admin, "snapkv_prefill_tokens_total");
+            usleep(100 * 1000);
+        }
+        dropped = admin_stat(e.admin, "snapkv_replies_dropped_unread_total");
+        unread = admin_stat(e.admin, "snapkv_reply_bytes_unread");
+        snapkv_client_t *c = NULL;
+        struct snapkv_server_info in;
+        served = snapkv_connect(e.endpoint, NULL, &c);
+        if (!served)
+            served = snapkv_server_info(c, &in);
+        snapkv_close(&c);
+        int timeout = 2000;
+        zmq_setsockopt(s, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+        static char buf[1 << 20];
+        while (zmq_recv(s, buf, sizeof buf, 0) >= 0)
+            got++;
+        for (int i = 0; i < 50 && unread_after != 0; i++) {
+            unread_after = admin_stat(e.admin, "snapkv_reply_bytes_unread");
+            usleep(100 * 1000);
+        }
+        dropped = admin_stat(e.admin, "snapkv_replies_dropped_unread_total"); /* the last reply's too */
+        zmq_close(s);
+        zmq_ctx_term(ctx);
+    }
+    if (e.pid > 0) {
+        kill(e.pid, SIGKILL);
+        waitpid(e.pid, NULL, 0);
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", e.dir);
+    assert_int_equal(system(cmd), 0);
+    assert_true(up);
+    fprintf(stderr, "unread replies: %d sent, %.0f dropped, %.0f bytes held, %d read afterwards\n", N, dropped,
+            unread, got);
+    assert_true(answered >= 8 * N);
+    assert_int_equal(served, SNAPKV_OK);
+    assert_true(unread > 0 && unread <= 1024 * 1024);
+    assert_true(dropped >= 10); /* at most 5 held here, a few in the kernel's and the client's buffers */
+    assert_int_equal(got + (int)dropped, N);
+    assert_true(unread_after == 0);
+}
+
 /* A client that sends and never reads: its replies pile up and are dropped, and the daemon
  * goes on serving others and still stops on SIGTERM (test_sigterm, next). */
 static void test_client_not_reading(void **state)
@@ -646,6 +735,7 @@ int main(void)
         cmocka_unit_test(test_text_limits),
         cmocka_unit_test(test_text_bytes_option),
         cmocka_unit_test(test_client_not_reading),
+        cmocka_unit_test(test_unread_replies_bounded),
         cmocka_unit_test(test_sigterm),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

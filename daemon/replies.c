@@ -1,0 +1,199 @@
+/* Replies handed to libzmq, counted in bytes per client until the connection takes them (see
+ * replies.h). The counts are changed by the socket thread (send) and by libzmq's threads (the
+ * free callback), under one mutex. */
+#include "daemon/replies.h"
+#include "common/status.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#define BUCKETS 1024
+#define ID_MAX 256                /* a ZeroMQ routing id is at most 255 bytes */
+
+/* A client with replies not taken yet (absent when it has none). */
+struct peer {
+    int sock;
+    size_t id_len;
+    uint8_t id[ID_MAX];
+    uint64_t bytes;
+    uint32_t msgs;
+    struct peer *next;
+};
+
+struct skv_replies {
+    pthread_mutex_t mu;
+    struct peer *bucket[BUCKETS];
+    uint64_t max_per_client, max_total;
+    atomic_ullong total;          /* bytes of every client's replies not taken yet */
+    atomic_ullong dropped;        /* replies dropped for a bound */
+};
+
+/* One reply's buffer: what the free callback needs, then the reply's bytes. */
+struct tracked {
+    struct skv_replies *r;
+    int sock;
+    size_t id_len;
+    uint8_t id[ID_MAX];
+    size_t len;
+    uint8_t data[];
+};
+
+static unsigned peer_hash(int sock, const uint8_t *id, size_t len)
+{
+    uint32_t h = 2166136261u ^ (uint32_t)sock; /* FNV-1a */
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ id[i]) * 16777619u;
+    return h % BUCKETS;
+}
+
+/* The client's entry (r->mu held); create: add one when it has none (NULL: no memory). */
+static struct peer *peer_find_locked(struct skv_replies *r, int sock, const uint8_t *id, size_t len, bool create)
+{
+    unsigned b = peer_hash(sock, id, len);
+    for (struct peer *p = r->bucket[b]; p; p = p->next)
+        if (p->sock == sock && p->id_len == len && memcmp(p->id, id, len) == 0)
+            return p;
+    struct peer *p = create ? calloc(1, sizeof *p) : NULL;
+    if (p) {
+        p->sock = sock;
+        p->id_len = len;
+        memcpy(p->id, id, len);
+        p->next = r->bucket[b];
+        r->bucket[b] = p;
+    }
+    return p;
+}
+
+static void peer_remove_locked(struct skv_replies *r, struct peer *gone)
+{
+    for (struct peer **pp = &r->bucket[peer_hash(gone->sock, gone->id, gone->id_len)]; *pp; pp = &(*pp)->next)
+        if (*pp == gone) {
+            *pp = gone->next;
+            free(gone);
+            return;
+        }
+}
+
+/* libzmq's free callback: the connection took the reply (or it was dropped). */
+static void tracked_free(void *data, void *hint)
+{
+    (void)data;
+    struct tracked *t = hint;
+    struct skv_replies *r = t->r;
+    pthread_mutex_lock(&r->mu);
+    struct peer *p = peer_find_locked(r, t->sock, t->id, t->id_len, false);
+    if (p) {
+        p->bytes -= t->len;
+        if (--p->msgs == 0)
+            peer_remove_locked(r, p);
+    }
+    atomic_fetch_sub(&r->total, t->len);
+    pthread_mutex_unlock(&r->mu);
+    free(t);
+}
+
+int skv_replies_new(uint64_t max_per_client, uint64_t max_total, struct skv_replies **out)
+{
+    struct skv_replies *r = calloc(1, sizeof *r);
+    if (!r)
+        return SKV_E_NOMEM;
+    pthread_mutex_init(&r->mu, NULL);
+    r->max_per_client = max_per_client;
+    r->max_total = max_total;
+    *out = r;
+    return SKV_OK;
+}
+
+void skv_replies_free(struct skv_replies **r_p)
+{
+    if (!r_p || !*r_p)
+        return;
+    struct skv_replies *r = *r_p;
+    for (int b = 0; b < BUCKETS; b++)
+        for (struct peer *p = r->bucket[b], *next; p; p = next) {
+            next = p->next;
+            free(p);
+        }
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+    *r_p = NULL;
+}
+
+int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void *identity, size_t identity_len,
+                     const void *body, size_t len)
+{
+    if (identity_len > ID_MAX)
+        return skv_errorf(SKV_E_INVAL, "a routing id of %zu bytes", identity_len);
+    struct tracked *t = malloc(sizeof *t + (len ? len : 1));
+    if (!t)
+        return SKV_E_NOMEM;
+    *t = (struct tracked){.r = r, .sock = sock_idx, .id_len = identity_len, .len = len};
+    memcpy(t->id, identity, identity_len);
+    memcpy(t->data, body, len);
+    /* count the bytes before libzmq has them: its threads may free the reply at once */
+    pthread_mutex_lock(&r->mu);
+    uint64_t total = atomic_load(&r->total);
+    struct peer *p = peer_find_locked(r, sock_idx, identity, identity_len, true);
+    /* one reply always goes when nothing is held: a bound smaller than a reply delays, never
+     * starves, it */
+    if (!p || (p->bytes && p->bytes + len > r->max_per_client) || (total && total + len > r->max_total)) {
+        uint64_t held = p ? p->bytes : 0;
+        if (p && p->msgs == 0)
+            peer_remove_locked(r, p);
+        pthread_mutex_unlock(&r->mu);
+        free(t);
+        if (!p)
+            return SKV_E_NOMEM;
+        atomic_fetch_add(&r->dropped, 1);
+        return skv_errorf(SKV_E_BUSY, "the client holds %llu bytes of replies it has not read, all clients %llu; "
+                          "this one's %zu would pass max-reply-bytes-per-client (%llu) or max-reply-bytes (%llu)",
+                          (unsigned long long)held, (unsigned long long)total, len,
+                          (unsigned long long)r->max_per_client, (unsigned long long)r->max_total);
+    }
+    p->bytes += len;
+    p->msgs++;
+    atomic_fetch_add(&r->total, len);
+    pthread_mutex_unlock(&r->mu);
+
+    zmq_msg_t id, msg;
+    if (zmq_msg_init_size(&id, identity_len) != 0) {
+        tracked_free(NULL, t); /* gives the bytes back */
+        return SKV_E_NOMEM;
+    }
+    memcpy(zmq_msg_data(&id), identity, identity_len);
+    if (zmq_msg_init_data(&msg, t->data, len, tracked_free, t) != 0) {
+        zmq_msg_close(&id);
+        tracked_free(NULL, t);
+        return SKV_E_NOMEM;
+    } /* t is libzmq's now: the callback frees it */
+    int rc = SKV_OK;
+    if (zmq_msg_send(&id, sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 || zmq_msg_send(&msg, sock, ZMQ_DONTWAIT) < 0)
+        rc = skv_errorf(SKV_E_IO, "%s", zmq_strerror(zmq_errno()));
+    zmq_msg_close(&id);
+    zmq_msg_close(&msg); /* nothing after a send; after a refusal it frees the reply */
+    return rc;
+}
+
+uint64_t skv_replies_unread_bytes(const struct skv_replies *r)
+{
+    return r ? atomic_load(&r->total) : 0;
+}
+
+uint64_t skv_replies_unread_bytes_of(struct skv_replies *r, int sock_idx, const void *identity, size_t identity_len)
+{
+    if (!r || identity_len > ID_MAX)
+        return 0;
+    pthread_mutex_lock(&r->mu);
+    struct peer *p = peer_find_locked(r, sock_idx, identity, identity_len, false);
+    uint64_t b = p ? p->bytes : 0;
+    pthread_mutex_unlock(&r->mu);
+    return b;
+}
+
+uint64_t skv_replies_dropped(const struct skv_replies *r)
+{
+    return r ? atomic_load(&r->dropped) : 0;
+}

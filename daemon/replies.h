@@ -1,0 +1,37 @@
+/* Replies snapkvd has handed to libzmq that their client has not taken yet. libzmq bounds a
+ * peer's queue by messages (1000), not bytes, so a client that sends requests and never reads
+ * (with logits a reply is up to n_vocab floats) could make the daemon hold gigabytes. Each
+ * reply is sent from a buffer libzmq frees through a callback once the connection took it (or
+ * dropped it), which gives the bytes still held per client exactly; a reply that would pass a
+ * client's bound or the bound over all clients is dropped, as libzmq drops one past its queue. */
+#ifndef SKV_REPLIES_H
+#define SKV_REPLIES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct skv_replies;
+
+/* Bounds in bytes: one client's replies not taken yet, and all clients' together. */
+int skv_replies_new(uint64_t max_per_client, uint64_t max_total, struct skv_replies **out);
+/* Call after zmq_ctx_term(): libzmq may free a queued reply until then. Accepts NULL. */
+void skv_replies_free(struct skv_replies **r_p);
+
+/* Sends [identity][body] on a ROUTER without blocking (socket thread). A client is the socket
+ * index `sock_idx` (0 client endpoint, 1 admin) and its routing id. Returns SKV_OK when libzmq
+ * took the reply, SKV_E_BUSY when it was dropped because the client's bytes not taken yet, or
+ * all clients', plus len would pass their bound (counted; a reply finding nothing held always
+ * goes, however large), SKV_E_IO when libzmq
+ * refused it (the client gone, its queue full: errno-style reason in the message). */
+int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void *identity, size_t identity_len,
+                     const void *body, size_t len);
+
+/* Bytes handed to libzmq and not taken yet, all clients (any thread). */
+uint64_t skv_replies_unread_bytes(const struct skv_replies *r);
+/* One client's (socket thread; for tests). */
+uint64_t skv_replies_unread_bytes_of(struct skv_replies *r, int sock_idx, const void *identity, size_t identity_len);
+/* Replies dropped for the bounds since the start (any thread). */
+uint64_t skv_replies_dropped(const struct skv_replies *r);
+
+#endif

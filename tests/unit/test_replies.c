@@ -1,0 +1,179 @@
+/* Replies counted in bytes until their client takes them (daemon/replies.c), over a real ROUTER
+ * and DEALERs on inproc (a message stays in the pipe until the DEALER reads it):
+ * - a client's replies go until its bytes not taken yet would pass its bound, then are dropped
+ *   (counted), and go again once it reads;
+ * - the bound over all clients;
+ * - a reply larger than the bound goes when the client holds nothing;
+ * - a reply to a routing id nobody has is refused and holds nothing;
+ * - a client that closes with replies unread: their bytes come back. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/status.h"
+#include "daemon/replies.h"
+
+#define ENDPOINT "inproc://test-replies"
+
+struct fixture {
+    void *ctx, *router, *a, *b;
+    struct skv_replies *r;
+};
+
+/* A DEALER with routing id `id`, known to the router once its first message was read. */
+static void *dealer(struct fixture *f, const char *id)
+{
+    void *s = zmq_socket(f->ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, ZMQ_ROUTING_ID, id, strlen(id));
+    assert_int_equal(zmq_connect(s, ENDPOINT), 0);
+    assert_int_equal(zmq_send(s, "hi", 2, 0), 2);
+    char buf[16];
+    assert_true(zmq_recv(f->router, buf, sizeof buf, 0) >= 0); /* identity */
+    assert_int_equal(zmq_recv(f->router, buf, sizeof buf, 0), 2);
+    return s;
+}
+
+/* Bounds: 1000 bytes per client, 1500 in all. */
+static int setup(void **state)
+{
+    struct fixture *f = calloc(1, sizeof *f);
+    *state = f;
+    f->ctx = zmq_ctx_new();
+    f->router = zmq_socket(f->ctx, ZMQ_ROUTER);
+    int mandatory = 1, linger = 0;
+    zmq_setsockopt(f->router, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
+    zmq_setsockopt(f->router, ZMQ_LINGER, &linger, sizeof linger);
+    if (zmq_bind(f->router, ENDPOINT) != 0)
+        return -1;
+    f->a = dealer(f, "A");
+    f->b = dealer(f, "B");
+    return skv_replies_new(1000, 1500, &f->r);
+}
+
+static int teardown(void **state)
+{
+    struct fixture *f = *state;
+    if (f->a)
+        zmq_close(f->a);
+    if (f->b)
+        zmq_close(f->b);
+    zmq_close(f->router);
+    zmq_ctx_term(f->ctx);
+    skv_replies_free(&f->r);
+    skv_replies_free(&f->r); /* NULL-safe */
+    free(f);
+    return 0;
+}
+
+static int send_to(struct fixture *f, const char *id, size_t len)
+{
+    static uint8_t body[8192];
+    assert_true(len <= sizeof body);
+    memset(body, 'x', len);
+    return skv_replies_send(f->r, f->router, 0, id, strlen(id), body, len);
+}
+
+static uint64_t held(struct fixture *f, const char *id)
+{
+    return skv_replies_unread_bytes_of(f->r, 0, id, strlen(id));
+}
+
+/* Reads one reply on s; returns its size. */
+static int take(void *s)
+{
+    char buf[8192];
+    return zmq_recv(s, buf, sizeof buf, ZMQ_DONTWAIT);
+}
+
+static void test_per_client(void **state)
+{
+    struct fixture *f = *state;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(send_to(f, "A", 300), SKV_OK);
+    assert_int_equal(held(f, "A"), 900);
+    assert_int_equal(send_to(f, "A", 300), SKV_E_BUSY); /* 1200 > 1000 */
+    assert_non_null(strstr(skv_error_msg(), "max-reply-bytes-per-client (1000)"));
+    assert_int_equal(skv_replies_dropped(f->r), 1);
+    assert_int_equal(held(f, "A"), 900);
+    assert_int_equal(send_to(f, "A", 100), SKV_OK); /* exactly 1000 */
+    assert_int_equal(take(f->a), 300);
+    assert_int_equal(held(f, "A"), 700);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 700);
+    assert_int_equal(send_to(f, "A", 300), SKV_OK);
+    while (take(f->a) >= 0)
+        ;
+    assert_int_equal(held(f, "A"), 0);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 0);
+    assert_int_equal(take(f->b), -1); /* B got nothing */
+}
+
+static void test_total(void **state)
+{
+    struct fixture *f = *state;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(send_to(f, "A", 300), SKV_OK);
+    assert_int_equal(send_to(f, "B", 300), SKV_OK);
+    assert_int_equal(send_to(f, "B", 300), SKV_OK); /* 1500: the total bound exactly */
+    assert_int_equal(send_to(f, "B", 1), SKV_E_BUSY);
+    assert_non_null(strstr(skv_error_msg(), "max-reply-bytes (1500)"));
+    assert_int_equal(held(f, "B"), 600);
+    assert_int_equal(take(f->a), 300);
+    assert_int_equal(send_to(f, "B", 300), SKV_OK); /* A's read made room */
+    assert_int_equal(skv_replies_unread_bytes(f->r), 1500);
+    assert_int_equal(skv_replies_dropped(f->r), 1);
+}
+
+static void test_large_reply(void **state)
+{
+    struct fixture *f = *state;
+    assert_int_equal(send_to(f, "A", 5000), SKV_OK); /* over the bound, but A holds nothing */
+    assert_int_equal(held(f, "A"), 5000);
+    assert_int_equal(send_to(f, "A", 1), SKV_E_BUSY);
+    assert_int_equal(send_to(f, "B", 1), SKV_E_BUSY); /* the total too */
+    assert_int_equal(take(f->a), 5000);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 0);
+    assert_int_equal(send_to(f, "B", 1), SKV_OK);
+}
+
+static void test_unknown_and_gone(void **state)
+{
+    struct fixture *f = *state;
+    assert_int_equal(send_to(f, "nobody", 300), SKV_E_IO);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 0);
+    assert_int_equal(skv_replies_dropped(f->r), 0);
+    assert_int_equal(send_to(f, "A", 300), SKV_OK);
+    assert_int_equal(send_to(f, "A", 300), SKV_OK);
+    assert_int_equal(held(f, "A"), 600);
+    zmq_close(f->a);
+    f->a = NULL;
+    /* libzmq drops what was in the closed connection's pipe as it tears it down */
+    for (int i = 0; i < 500 && skv_replies_unread_bytes(f->r); i++) {
+        int events;
+        size_t sz = sizeof events;
+        zmq_getsockopt(f->router, ZMQ_EVENTS, &events, &sz); /* lets the router process the close */
+        usleep(10000);
+    }
+    assert_int_equal(held(f, "A"), 0);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 0);
+    assert_int_equal(send_to(f, "A", 300), SKV_E_IO);
+    assert_int_equal(send_to(f, "B", 300), SKV_OK);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_per_client, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_total, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_large_reply, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unknown_and_gone, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
