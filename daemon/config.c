@@ -37,6 +37,12 @@ static const struct skv_config_option options[] = {
     {"metrics-listen", SKV_CFG_STRING, OPT(metrics_listen), "", 0, 0,
      "HOST:PORT for plain-HTTP GET /metrics (Prometheus text); empty: off"},
     {"state-dir", SKV_CFG_STRING, OPT(state_dir), "/var/lib/snapkvd", 0, 0, "where saved sessions live"},
+    {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
+     "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
+     "and leases, at start, so a restart loses no cache"},
+    {"persist-max-seconds", SKV_CFG_INT, OPT(persist_max_seconds), "30", 1, 3600,
+     "the longest the save at stop may take (most recently used sessions first; the rest are lost; keep it "
+     "under the unit's TimeoutStopSec)"},
     {"log-level", SKV_CFG_STRING, OPT(log_level), "info", 0, 0, "error, warn, info or debug"},
     {"log-file", SKV_CFG_STRING, OPT(log_file), "", 0, 0, "log file (empty: stderr / journald)"},
     {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0, "stay in the foreground (systemd runs it so)"},

@@ -13,8 +13,10 @@
 #include "daemon/engine/tokenizer.h"
 
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <jansson.h>
 #include <math.h>
 #include <sodium.h>
 #include <stdint.h>
@@ -1750,25 +1752,17 @@ static int write_all(FILE *f, crypto_generichash_state *h, const void *p, size_t
     return fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
 }
 
-static void handle_save(struct skv_worker *w, struct skv_job *job)
+/* Writes session s to `path` (through path.tmp, fsynced, renamed, and the rename made durable
+ * in `dir`); *bytes: the file's size. */
+static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path, long *bytes)
 {
-    const Snapkv__SaveRequest *q = job->req->save;
-    struct skv_session *s = NULL;
-    char path[1200], tmp[1300];
-    int rc = find_session(w, job, q->session_id, true, &s);
-    if (!rc)
-        rc = save_path(w, q->name, path, sizeof path);
-    if (rc) {
-        fail_rc(w, job, rc);
-        return;
-    }
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    char tmp[1300];
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
+        return skv_errorf(SKV_E_INVAL, "state directory path too long");
     FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
-        fail_rc(w, job, rc);
-        return;
-    }
+    if (!f)
+        return skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
+    int rc = SKV_OK;
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
     struct save_header hd = {.version = SAVE_VERSION};
@@ -1835,7 +1829,7 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     crypto_generichash_final(&h, sum, sizeof sum);
     if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
-    long bytes = ftell(f);
+    *bytes = ftell(f);
     /* on disk before it replaces an earlier save of the name, and the rename on disk too */
     if (!rc && (fflush(f) != 0 || fsync(fileno(f)) != 0))
         rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
@@ -1843,13 +1837,28 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
         rc = skv_errorf(SKV_E_IO, "close: %s", strerror(errno));
     if (!rc && rename(tmp, path) != 0)
         rc = skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
-    int dfd = rc ? -1 : open(w->cfg->state_dir, O_RDONLY | O_DIRECTORY);
+    int dfd = rc ? -1 : open(dir, O_RDONLY | O_DIRECTORY);
     if (dfd >= 0) {
         fsync(dfd); /* the save is complete either way; this only makes the rename durable */
         close(dfd);
     }
-    if (rc) {
+    if (rc)
         unlink(tmp);
+    return rc;
+}
+
+static void handle_save(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__SaveRequest *q = job->req->save;
+    struct skv_session *s = NULL;
+    char path[1200];
+    long bytes = 0;
+    int rc = find_session(w, job, q->session_id, true, &s);
+    if (!rc)
+        rc = save_path(w, q->name, path, sizeof path);
+    if (!rc)
+        rc = session_save(w, s, w->cfg->state_dir, path, &bytes);
+    if (rc) {
         fail_rc(w, job, rc);
         return;
     }
@@ -1879,16 +1888,14 @@ static int rows_finite(const float *x, size_t n, const char *path)
     return SKV_OK;
 }
 
-static void handle_load(struct skv_worker *w, struct skv_job *job)
+/* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
+ * to the pool and the tenant; *out on success (nothing is left behind on failure). */
+static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
+                        struct skv_session **out)
 {
-    const Snapkv__LoadRequest *q = job->req->load;
-    char path[1200];
-    const char *tenant = q->tenant && *q->tenant ? q->tenant : DEFAULT_TENANT;
     struct skv_session *s = NULL;
     FILE *f = NULL;
-    int rc = save_path(w, q->name, path, sizeof path);
-    if (!rc)
-        rc = skv_session_check_tenant(tenant);
+    int rc = skv_session_check_tenant(tenant);
     if (!rc && !(f = fopen(path, "rb")))
         rc = skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
     crypto_generichash_state h;
@@ -1906,7 +1913,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
                 hd.prompt_len > hd.n_past || hd.n_past > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens))
         rc = skv_errorf(SKV_E_FORMAT, "%s: implausible lengths", path);
     hd.spec[sizeof hd.spec - 1] = '\0';
-    if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, "load", &s)))
+    if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, owner, &s)))
         rc = set_spec(w, s, "policy=full");
     int32_t *tok = NULL;
     if (!rc && hd.n_tokens && !(tok = malloc((size_t)hd.n_tokens * sizeof *tok)))
@@ -2025,9 +2032,25 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     if (rc) {
-        fail_rc(w, job, rc);
         if (s)
             skv_session_destroy(w->sessions, s);
+        return rc;
+    }
+    *out = s;
+    return SKV_OK;
+}
+
+static void handle_load(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__LoadRequest *q = job->req->load;
+    char path[1200];
+    const char *tenant = q->tenant && *q->tenant ? q->tenant : DEFAULT_TENANT;
+    struct skv_session *s = NULL;
+    int rc = save_path(w, q->name, path, sizeof path);
+    if (!rc)
+        rc = session_load(w, path, tenant, "load", &s);
+    if (rc) {
+        fail_rc(w, job, rc);
         return;
     }
     Snapkv__Reply rep;
@@ -2037,6 +2060,215 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     rep.result_case = SNAPKV__REPLY__RESULT_LOAD;
     rep.load = &lr;
     skv_worker_reply(w, job, &rep);
+}
+
+/* ---- sessions kept across a restart (persist = yes) ---------------------------------------------
+ * At stop every session is saved to <state-dir>/persist/<id>.skv (the SAVE format), most recently
+ * used first and within persist-max-seconds, and sessions.json names them with what the file
+ * does not hold: id, tenant, owner, pin, lease and how long each had been idle. At start they
+ * are loaded under their ids, least recently used first (so when the pool is smaller than
+ * before, eviction takes the least recently used), and the directory is emptied. Forks lose
+ * their shared blocks: each comes back as a copy of its own. */
+#define PERSIST_MANIFEST "sessions.json"
+
+static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
+{
+    if ((size_t)snprintf(out, cap, "%s/persist", w->cfg->state_dir) >= cap)
+        return skv_errorf(SKV_E_INVAL, "state directory path too long");
+    return SKV_OK;
+}
+
+/* Removes what a save left in dir: sessions, their temporary files, the manifest. */
+static void persist_wipe(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    for (struct dirent *e; (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        bool ours = (n > 4 && strcmp(e->d_name + n - 4, ".skv") == 0) ||
+                    (n > 8 && strcmp(e->d_name + n - 8, ".skv.tmp") == 0) ||
+                    strncmp(e->d_name, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
+        if (ours)
+            unlinkat(dirfd(d), e->d_name, 0);
+    }
+    closedir(d);
+}
+
+struct persist_list {
+    struct skv_session **s;
+    int n, cap;
+};
+
+static bool persist_collect(void *user, struct skv_session *s)
+{
+    struct persist_list *l = user;
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 64;
+        struct skv_session **more = realloc(l->s, (size_t)cap * sizeof *more);
+        if (!more)
+            return false;
+        l->s = more;
+        l->cap = cap;
+    }
+    l->s[l->n++] = s;
+    return false;
+}
+
+static int by_last_used_desc(const void *a, const void *b)
+{
+    uint64_t x = (*(struct skv_session *const *)a)->last_used_ms, y = (*(struct skv_session *const *)b)->last_used_ms;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int skv_requests_persist_save(struct skv_worker *w)
+{
+    char dir[1100], path[1200], tmp[1300];
+    int rc = persist_dir(w, dir, sizeof dir);
+    if (rc)
+        return rc;
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return skv_errorf(SKV_E_IO, "%s: %s", dir, strerror(errno));
+    persist_wipe(dir);
+    struct persist_list l = {0};
+    skv_session_foreach(w->sessions, persist_collect, &l);
+    qsort(l.s, (size_t)l.n, sizeof *l.s, by_last_used_desc);
+    json_t *list = json_array();
+    uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
+    int saved = 0, failed = 0, late = 0;
+    for (int i = 0; i < l.n; i++) {
+        struct skv_session *s = l.s[i];
+        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
+            late++;
+            continue;
+        }
+        char hex[2 * SKV_SESSION_ID_BYTES + 1];
+        skv_session_id_hex(s->id, hex);
+        snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
+        long size = 0;
+        if ((rc = session_save(w, s, dir, path, &size))) {
+            skv_log(SKV_LOG_WARN, "persist: session %s not saved: %s", hex, skv_error_msg());
+            failed++;
+            continue;
+        }
+        skv_worker_beat(w);
+        bytes += (uint64_t)size;
+        saved++;
+        json_array_append_new(list, json_pack("{s:s, s:s, s:s, s:b, s:I, s:I}", "id", hex, "tenant", s->tenant,
+                                              "owner", s->owner, "pinned", s->pinned, "lease_seconds",
+                                              (json_int_t)s->lease_seconds, "idle_ms",
+                                              (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0)));
+    }
+    free(l.s);
+    json_t *doc = json_pack("{s:i, s:o}", "version", 1, "sessions", list);
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
+                                                            : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
+    json_decref(doc);
+    int fd = rc ? -1 : open(tmp, O_RDONLY);
+    if (!rc && (fd < 0 || fsync(fd) != 0))
+        rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
+    if (fd >= 0)
+        close(fd);
+    if (!rc && rename(tmp, path) != 0)
+        rc = skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
+    int dfd = rc ? -1 : open(dir, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    if (rc) {
+        persist_wipe(dir); /* sessions without their manifest would never be loaded */
+        return rc;
+    }
+    skv_log(SKV_LOG_INFO, "persist: saved %d of %d session(s), %llu bytes, in %.1f s to %s%s", saved, l.n,
+            (unsigned long long)bytes, (double)(skv_now_ms() - t0) / 1000.0, dir,
+            late ? " (persist-max-seconds passed: the least recently used were not saved)" : "");
+    if (failed || late)
+        skv_log(SKV_LOG_WARN, "persist: %d session(s) lost at this stop (%d failed, %d past persist-max-seconds)",
+                failed + late, failed, late);
+    return SKV_OK;
+}
+
+/* One manifest entry: its id (32 hex digits), tenant, owner, pin, lease, idle time. */
+static int persist_entry(const json_t *e, uint8_t id[SKV_SESSION_ID_BYTES], const char **tenant, const char **owner,
+                         bool *pinned, uint32_t *lease, uint64_t *idle_ms)
+{
+    const char *hex = json_string_value(json_object_get(e, "id"));
+    *tenant = json_string_value(json_object_get(e, "tenant"));
+    *owner = json_string_value(json_object_get(e, "owner"));
+    const json_t *l = json_object_get(e, "lease_seconds"), *i = json_object_get(e, "idle_ms");
+    if (!hex || strlen(hex) != 2 * SKV_SESSION_ID_BYTES || !*tenant || !*owner || !json_is_integer(l) ||
+        !json_is_integer(i) || json_integer_value(l) < 0 || json_integer_value(l) > UINT32_MAX ||
+        json_integer_value(i) < 0)
+        return skv_errorf(SKV_E_FORMAT, "an entry of the manifest is malformed");
+    for (int k = 0; k < SKV_SESSION_ID_BYTES; k++) {
+        unsigned v;
+        if (!isxdigit((unsigned char)hex[2 * k]) || !isxdigit((unsigned char)hex[2 * k + 1]) ||
+            sscanf(hex + 2 * k, "%2x", &v) != 1)
+            return skv_errorf(SKV_E_FORMAT, "session id '%s' is not hex", hex);
+        id[k] = (uint8_t)v;
+    }
+    *pinned = json_is_true(json_object_get(e, "pinned"));
+    *lease = (uint32_t)json_integer_value(l);
+    *idle_ms = (uint64_t)json_integer_value(i);
+    return SKV_OK;
+}
+
+int skv_requests_persist_restore(struct skv_worker *w)
+{
+    char dir[1100], path[1200];
+    int rc = persist_dir(w, dir, sizeof dir);
+    if (rc)
+        return rc;
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
+    json_error_t jerr;
+    json_t *doc = json_load_file(path, 0, &jerr);
+    if (!doc) {
+        if (access(path, F_OK) == 0)
+            skv_log(SKV_LOG_WARN, "persist: %s: %s; no session restored", path, jerr.text);
+        persist_wipe(dir);
+        return SKV_OK;
+    }
+    const json_t *list = json_object_get(doc, "sessions");
+    size_t n = json_array_size(list);
+    int restored = 0;
+    uint64_t t0 = skv_now_ms();
+    for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
+        uint8_t id[SKV_SESSION_ID_BYTES];
+        const char *tenant, *owner;
+        bool pinned = false;
+        uint32_t lease = 0;
+        uint64_t idle = 0;
+        struct skv_session *s = NULL;
+        char hex[2 * SKV_SESSION_ID_BYTES + 1] = "?";
+        rc = persist_entry(json_array_get(list, k), id, &tenant, &owner, &pinned, &lease, &idle);
+        if (!rc) {
+            skv_session_id_hex(id, hex);
+            snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
+            rc = session_load(w, path, tenant, owner, &s);
+        }
+        if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
+            skv_session_destroy(w->sessions, s);
+        if (rc) {
+            skv_log(SKV_LOG_WARN, "persist: session %s not restored: %s", hex, skv_error_msg());
+            continue;
+        }
+        s->pinned = pinned;
+        s->lease_seconds = lease && lease <= (uint64_t)w->cfg->max_lease_seconds ? lease
+                                                                                : (uint32_t)w->cfg->lease_seconds;
+        uint64_t now = skv_now_ms();
+        s->created_ms = now;
+        s->last_used_ms = now > idle ? now - idle : 0; /* idle as long as at the stop; the downtime not counted */
+        skv_worker_beat(w);
+        restored++;
+    }
+    json_decref(doc);
+    persist_wipe(dir);
+    skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s", restored, n, dir,
+            (double)(skv_now_ms() - t0) / 1000.0);
+    return SKV_OK;
 }
 
 static void handle_stats(struct skv_worker *w, struct skv_job *job)

@@ -131,6 +131,22 @@ int skv_session_create(struct skv_session_table *t, const struct skv_model *m, c
     return SKV_OK;
 }
 
+int skv_session_set_id(struct skv_session_table *t, struct skv_session *s, const uint8_t *id)
+{
+    if (skv_session_find(t, id, NULL))
+        return skv_errorf(SKV_E_EXISTS, "a session with that id exists");
+    struct skv_session **pp = &t->bucket[bucket_of(s->id)];
+    while (*pp && *pp != s)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = s->next;
+    memcpy(s->id, id, SKV_SESSION_ID_BYTES);
+    unsigned b = bucket_of(s->id);
+    s->next = t->bucket[b];
+    t->bucket[b] = s;
+    return SKV_OK;
+}
+
 struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t *id, const char *tenant)
 {
     for (struct skv_session *s = t->bucket[bucket_of(id)]; s; s = s->next)

@@ -61,6 +61,9 @@ void skv_session_table_free(struct skv_session_table **t_p);
  * tenant holds max_sessions_per_tenant already. */
 int skv_session_create(struct skv_session_table *t, const struct skv_model *m, const char *tenant, const char *owner,
                        struct skv_session **out);
+/* Gives s the id `id` (a session persisted across a restart keeps its id); SKV_E_EXISTS when
+ * another session has it. */
+int skv_session_set_id(struct skv_session_table *t, struct skv_session *s, const uint8_t *id);
 /* NULL when unknown or of another tenant (tenant NULL: any; used by admins). */
 struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t *id, const char *tenant);
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s);

@@ -574,6 +574,9 @@ static void *worker_main(void *arg)
     zmq_setsockopt(w->push, ZMQ_LINGER, &linger, sizeof linger);
     if (zmq_connect(w->push, w->endpoint) < 0)
         skv_log(SKV_LOG_ERROR, "worker: connect %s: %s", w->endpoint, zmq_strerror(zmq_errno()));
+    if (w->cfg->persist && skv_requests_persist_restore(w))
+        skv_log(SKV_LOG_WARN, "persist: %s", skv_error_msg());
+    publish_stats(w);
     uint64_t last_expire = skv_now_ms();
     for (;;) {
         pthread_mutex_lock(&w->mu);
@@ -606,6 +609,8 @@ static void *worker_main(void *arg)
                 skv_requests_decode_cancel(w, d);
                 skv_requests_decode_free(d);
             }
+            if (w->cfg->persist && skv_requests_persist_save(w)) /* every session as it stands now */
+                skv_log(SKV_LOG_ERROR, "persist: no session saved: %s", skv_error_msg());
             break;
         }
         if (job && job->kind == SKV_JOB_CLIENT_GONE) {

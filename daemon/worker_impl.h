@@ -171,6 +171,11 @@ int skv_requests_ipc_expire(struct skv_worker *w, uint64_t now_ms);
 int skv_requests_client_gone(struct skv_worker *w, const struct skv_job *job);
 /* Closes every CUDA buffer (shutdown). */
 void skv_requests_ipc_close_all(struct skv_worker *w);
+/* persist = yes: saves every session to <state-dir>/persist at stop (most recently used first,
+ * within persist-max-seconds), with a manifest of ids, tenants, pins and leases. */
+int skv_requests_persist_save(struct skv_worker *w);
+/* Restores what the last stop saved, under the same ids, and empties the directory. */
+int skv_requests_persist_restore(struct skv_worker *w);
 /* Sends a status-only final reply. */
 void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg);
 

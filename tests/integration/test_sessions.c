@@ -57,10 +57,18 @@ static void start_daemon(struct daemon *d, const char *pool)
     start_daemon_with(d, pool, NULL, 0);
 }
 
+/* Starts a daemon in d->dir as it is (a restart keeps the state directory). */
+static void start_daemon_in(struct daemon *d, const char *pool, const char *extra, long nofile);
+
 static void start_daemon_with(struct daemon *d, const char *pool, const char *extra, long nofile)
 {
     snprintf(d->dir, sizeof d->dir, "/tmp/skv-sess-XXXXXX");
     assert_non_null(mkdtemp(d->dir));
+    start_daemon_in(d, pool, extra, nofile);
+}
+
+static void start_daemon_in(struct daemon *d, const char *pool, const char *extra, long nofile)
+{
     snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
     snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
     snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
@@ -1046,6 +1054,105 @@ static void test_sigterm_mid_decode(void **state)
     assert_int_equal(WEXITSTATUS(st), 0);
     snapkv_prefill_result_free(&pr);
     snapkv_close(&c);
+    stop_daemon(&d);
+}
+
+/* SIGTERM; the daemon's exit status (-1: killed by a signal). */
+static int term_daemon(struct daemon *d)
+{
+    kill(d->pid, SIGTERM);
+    int st;
+    assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
+    forget_daemon(d->pid);
+    d->pid = 0;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static const struct snapkv_session_info *listed_session(const struct snapkv_session_list *l,
+                                                        const struct snapkv_session_id *id)
+{
+    for (size_t i = 0; i < l->n; i++)
+        if (memcmp(l->sessions[i].id.bytes, id->bytes, sizeof id->bytes) == 0)
+            return &l->sessions[i];
+    return NULL;
+}
+
+/* persist = yes: a restart keeps every session under its id, tenant, pin and lease, and it
+ * decodes on exactly as before the stop (a fork taken before the stop decoded the reference);
+ * the state directory's persist/ is empty once they are back; without persist a restart starts
+ * empty. */
+static void test_persist_restart(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon_with(&d, "1G", "--persist=yes", 0);
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 21);
+    snapkv_client_t *c = client(d.endpoint, "p"), *q = client(d.endpoint, "q"), *a = client(d.admin, NULL);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = SPEC};
+    struct snapkv_prefill_result pa, pb;
+    assert_int_equal(snapkv_prefill(c, &po, &pa), SNAPKV_OK);
+    struct snapkv_prefill_opts pob = {.tokens = ids, .n_tokens = 40, .lease_seconds = 100};
+    assert_int_equal(snapkv_prefill(q, &pob, &pb), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(a, &pa.id), SNAPKV_OK);
+    struct snapkv_session_id fork;
+    assert_int_equal(snapkv_fork(c, &pa.id, &fork, NULL), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.stop_at_eos = false;
+    sp.max_tokens = N_GEN;
+    struct snapkv_decode_result ref, got;
+    assert_int_equal(snapkv_decode(c, &fork, &sp, NULL, NULL, &ref), SNAPKV_OK);
+    assert_int_equal(ref.n_tokens, N_GEN);
+    snapkv_close(&c);
+    snapkv_close(&q);
+    snapkv_close(&a);
+    assert_int_equal(term_daemon(&d), 0);
+    char path[256];
+    snprintf(path, sizeof path, "%s/persist/sessions.json", d.dir);
+    assert_int_equal(access(path, F_OK), 0);
+
+    start_daemon_in(&d, "1G", "--persist=yes", 0);
+    c = client(d.endpoint, "p");
+    q = client(d.endpoint, "q");
+    a = client(d.admin, NULL);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, NULL, &l), SNAPKV_OK);
+    assert_int_equal(l.n, 3);
+    const struct snapkv_session_info *ia = listed_session(&l, &pa.id), *ib = listed_session(&l, &pb.id),
+                                     *ifork = listed_session(&l, &fork);
+    assert_non_null(ia);
+    assert_non_null(ib);
+    assert_non_null(ifork);
+    assert_string_equal(ia->tenant, "p");
+    assert_true(ia->pinned);
+    assert_string_equal(ib->tenant, "q");
+    assert_int_equal(ib->lease_seconds, 100);
+    assert_false(ib->pinned);
+    assert_int_equal(ifork->n_tokens, N_PROMPT + N_GEN);
+    snapkv_session_list_free(&l);
+    /* the original decodes what its fork did before the stop */
+    assert_int_equal(snapkv_decode(c, &pa.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    assert_int_equal(got.n_tokens, N_GEN);
+    assert_memory_equal(got.tokens, ref.tokens, N_GEN * sizeof *got.tokens);
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_decode(q, &pa.id, &sp, NULL, NULL, &got), SNAPKV_E_NOT_FOUND); /* still p's */
+    assert_int_equal(access(path, F_OK), -1);
+    snapkv_close(&c);
+    snapkv_close(&q);
+    snapkv_close(&a);
+    assert_int_equal(term_daemon(&d), 0);
+
+    start_daemon_in(&d, "1G", NULL, 0); /* persist = no: what the last stop saved stays unread */
+    a = client(d.admin, NULL);
+    assert_int_equal(snapkv_admin_list(a, NULL, &l), SNAPKV_OK);
+    assert_int_equal(l.n, 0);
+    snapkv_session_list_free(&l);
+    snapkv_close(&a);
+    snapkv_decode_result_free(&ref);
+    snapkv_prefill_result_free(&pa);
+    snapkv_prefill_result_free(&pb);
     stop_daemon(&d);
 }
 
@@ -2179,6 +2286,7 @@ int main(void)
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),
         cmocka_unit_test_teardown(test_chat_interrupt, kill_daemons),
+        cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

@@ -2132,6 +2132,80 @@ static void test_nested(void **state)
     snapkv__reply__free_unpacked(alone_b, NULL);
 }
 
+/* Restarts the worker (a stop saves when persist is on; a start restores). */
+static void restart(struct fixture *f)
+{
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
+/* Flips a byte in the middle of a file. */
+static void corrupt(const char *path)
+{
+    FILE *fp = fopen(path, "r+b");
+    assert_non_null(fp);
+    fseek(fp, 0, SEEK_END);
+    long mid = ftell(fp) / 2;
+    fseek(fp, mid, SEEK_SET);
+    int ch = fgetc(fp);
+    fseek(fp, mid, SEEK_SET);
+    fputc(ch ^ 0x5a, fp);
+    fclose(fp);
+}
+
+/* persist = yes through the real worker: a stop saves every session and a start brings them
+ * back under their ids; a file that fails its checksum costs that session only, a manifest
+ * that is not JSON restores nothing, and either way the directory is emptied. */
+static void test_persist(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
+    restart(f);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
+    prefill_for(f, "u", 8, "policy=full", b);
+    restart(f);
+    int n = 0;
+    assert_int_equal(listed(f, a, NULL, &n), 40);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    assert_int_equal(n, 2);
+    assert_int_equal(append(f, a, 2, NULL), SKV_OK); /* it goes on */
+
+    /* a's file corrupted between the stop and the start: b alone comes back */
+    skv_worker_stop(&f->w);
+    char hex[33];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", a[i]);
+    snprintf(path, sizeof path, "%s/persist/%s.skv", dir, hex);
+    corrupt(path);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, &n), -1);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    assert_int_equal(n, 1);
+    assert_int_equal(access(path, F_OK), -1);
+
+    /* a manifest that is not JSON: nothing restored, nothing left */
+    skv_worker_stop(&f->w);
+    snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fputs("{not json", fp);
+    fclose(fp);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, b, NULL, &n), -1);
+    assert_int_equal(n, 0);
+    assert_int_equal(access(path, F_OK), -1);
+
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
+    restart(f);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -2159,6 +2233,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
