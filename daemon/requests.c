@@ -2132,7 +2132,8 @@ int skv_requests_persist_save(struct skv_worker *w)
     persist_wipe(dir);
     struct persist_list l = {0};
     skv_session_foreach(w->sessions, persist_collect, &l);
-    qsort(l.s, (size_t)l.n, sizeof *l.s, by_last_used_desc);
+    if (l.n)
+        qsort(l.s, (size_t)l.n, sizeof *l.s, by_last_used_desc);
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
     int saved = 0, failed = 0, late = 0;
