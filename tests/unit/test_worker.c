@@ -2161,9 +2161,10 @@ static void test_persist(void **state)
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-persist-XXXXXX", path[256];
     assert_non_null(mkdtemp(dir));
+    skv_worker_stop(&f->w); /* the worker reads its config */
     assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
     assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
-    restart(f);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
     prefill_for(f, "u", 8, "policy=full", b);
@@ -2199,8 +2200,9 @@ static void test_persist(void **state)
     assert_int_equal(n, 0);
     assert_int_equal(access(path, F_OK), -1);
 
+    skv_worker_stop(&f->w);
     assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
-    restart(f);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     assert_int_equal(system(cmd), 0);
