@@ -53,6 +53,10 @@ static const struct skv_config_option options[] = {
     {"decode-yield-ms", SKV_CFG_INT, OPT(decode_yield_ms), "100", 0, 3600000,
      "a PREFILL, APPEND or COMPRESS of 64 tokens or more stops inside its layers to give every "
      "running DECODE its next token once this many ms passed since their last one (0: at every point it can)"},
+    {"decode-share", SKV_CFG_INT, OPT(decode_share), "25", 0, 100,
+     "while such a forward runs, running DECODEs get up to this percent of the engine's time: their next "
+     "round comes once the time since the last one is (100 - share) / share of that round's own, if that is "
+     "sooner than decode-yield-ms (0: every decode-yield-ms only)"},
     {"max-decodes-per-tenant", SKV_CFG_INT, OPT(max_decodes_per_tenant), "32", 1, 1 << 16,
      "DECODEs one tenant may run at once (one more is refused: busy)"},
     {"max-sessions-per-tenant", SKV_CFG_INT, OPT(max_sessions_per_tenant), "64", 1, 1 << 20,

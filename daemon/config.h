@@ -31,6 +31,7 @@ struct skv_config {
     int64_t queue_depth_per_tenant;      /* requests of one tenant waiting for the engine */
     int64_t max_queued_bytes_per_tenant; /* and the memory they hold */
     int64_t decode_yield_ms;  /* a long forward gives running DECODEs a token at least this often */
+    int64_t decode_share;     /* and their rounds up to this percent of the engine's time */
     int64_t max_decodes;      /* DECODEs running at once, all tenants */
     int64_t max_decodes_per_tenant;
     int64_t max_sessions_per_tenant;

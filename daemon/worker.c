@@ -205,6 +205,7 @@ static void decode_rounds(struct skv_worker *w)
 {
     struct skv_decode *batch[SKV_ENGINE_MAX_BATCH];
     bool finished[SKV_ENGINE_MAX_BATCH];
+    uint64_t start = monotonic_us();
     for (struct skv_decode *d = w->decodes; d;) {
         int n = 0;
         for (; d && n < SKV_ENGINE_MAX_BATCH; d = d->next)
@@ -225,7 +226,8 @@ static void decode_rounds(struct skv_worker *w)
             skv_requests_decode_free(batch[i]);
         }
     }
-    w->last_round_ms = monotonic_ms();
+    w->last_round_us = monotonic_us();
+    w->round_cost_us = w->last_round_us - start;
 }
 
 /* Takes job (after prev, or the head when prev is NULL) out of the queue and its counts (w->mu
@@ -541,7 +543,13 @@ void skv_worker_yield(struct skv_worker *w)
     /* the queue is the socket thread's too: its count, kept under the lock, is read atomically */
     if (w->yielding || (!w->decodes && atomic_load(&w->st_queue) == 0))
         return;
-    if (monotonic_ms() - w->last_round_ms < (uint64_t)w->cfg->decode_yield_ms)
+    /* running decodes wait at most decode-yield-ms, and less when their rounds are cheap:
+     * decode-share of the engine's time is theirs while a long forward runs */
+    uint64_t wait_us = (uint64_t)w->cfg->decode_yield_ms * 1000;
+    int share = (int)w->cfg->decode_share;
+    if (w->decodes && share > 0 && w->round_cost_us * (uint64_t)(100 - share) / (uint64_t)share < wait_us)
+        wait_us = w->round_cost_us * (uint64_t)(100 - share) / (uint64_t)share;
+    if (monotonic_us() - w->last_round_us < wait_us)
         return;
     uint64_t t0 = monotonic_us(), nested_start;
     struct skv_job *job = take_nested(w, &nested_start);
@@ -561,7 +569,7 @@ void skv_worker_yield(struct skv_worker *w)
         decode_rounds(w);
         w->metrics.decode_rounds_yielded++;
     }
-    w->last_round_ms = monotonic_ms();
+    w->last_round_us = monotonic_us();
     w->nested_us += monotonic_us() - t0; /* not the forward's tenant's time */
     w->yielding = false;
 }

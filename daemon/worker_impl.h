@@ -75,7 +75,8 @@ struct skv_worker {
     int notices;              /* SKV_JOB_CLIENT_GONE jobs waiting (SKV_WORKER_NOTICES_MAX) */
     bool stopping;
     struct skv_decode *decodes;
-    uint64_t last_round_ms;   /* CLOCK_MONOTONIC ms when the last decode round or yield ended */
+    uint64_t last_round_us;   /* CLOCK_MONOTONIC us when the last decode round or yield ended */
+    uint64_t round_cost_us;   /* how long the last decode round (all its forwards) took */
     bool yielding;            /* inside a forward's yield: short requests and decode rounds run */
     const struct skv_job *running; /* the request the worker runs (not inside a yield) */
     const struct skv_job *outer;  /* while a request runs nested: the one whose forward it runs inside */

@@ -81,6 +81,7 @@ struct serve_ctx {
     int64_t yield_ms;                /* our daemon's --decode-yield-ms (< 0: its default) */
     const char *queue_order;         /* our daemon's --queue-order (NULL: its default) */
     int64_t slice_ms;                /* our daemon's --fair-slice-ms (< 0: its default) */
+    int64_t share;                   /* our daemon's --decode-share (< 0: its default) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -323,6 +324,8 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--queue-order=%s", x->queue_order);
     if (x->slice_ms >= 0)
         snprintf(a[n_args++], sizeof a[0], "--fair-slice-ms=%lld", (long long)x->slice_ms);
+    if (x->share >= 0)
+        snprintf(a[n_args++], sizeof a[0], "--decode-share=%lld", (long long)x->share);
     char *argv[20] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
@@ -1257,24 +1260,33 @@ static int bench_stall(struct serve_ctx *x, json_t *out)
     int spec = x->n_specs > 1 ? 1 : 0;
     json_t *runs = json_array();
     json_object_set_new(out, "runs", runs);
-    int64_t modes[2] = {-1, STALL_YIELD_OFF};
-    int n_modes = x->d.pid ? 2 : 1;
+    /* the defaults; decode-share 0 (a round every decode-yield-ms only, as before decode-share);
+     * never yielding (as before decode-yield-ms) */
+    static const int64_t yields[3] = {-1, -1, STALL_YIELD_OFF}, shares[3] = {-1, 0, 0};
+    static const char *const names[3] = {"defaults", "decode-share 0", "never"};
+    int n_modes = x->d.pid ? 3 : 1;
     int rc = SKV_OK;
     for (int k = 0; k < n_modes && !rc; k++) {
-        if (x->d.pid && x->yield_ms != modes[k]) {
-            x->yield_ms = modes[k];
+        if (x->d.pid && (x->yield_ms != yields[k] || x->share != shares[k])) {
+            x->yield_ms = yields[k];
+            x->share = shares[k];
             if ((rc = use_own_daemon(x, x->pool_bytes)))
                 break;
         }
         json_t *o = json_object();
         json_object_set_new(o, "decode_yield_ms",
-                            x->d.pid ? (modes[k] < 0 ? json_string("default (100)") : json_integer(modes[k]))
+                            x->d.pid ? (yields[k] < 0 ? json_string("default (100)") : json_integer(yields[k]))
                                      : json_string("as the daemon is configured"));
-        fprintf(stderr, "serve: decode stall during a %d-token prefill (decode-yield-ms %s) ...\n", x->context,
-                modes[k] < 0 ? "default" : "never");
+        json_object_set_new(o, "decode_share",
+                            x->d.pid ? (shares[k] < 0 ? json_string("default (50)") : json_integer(shares[k]))
+                                     : json_string("as the daemon is configured"));
+        json_object_set_new(o, "mode", json_string(x->d.pid ? names[k] : "as the daemon is configured"));
+        fprintf(stderr, "serve: decode stall during a %d-token prefill (%s) ...\n", x->context,
+                x->d.pid ? names[k] : "as configured");
         rc = stall_run(x, spec, o);
         json_array_append_new(runs, o);
     }
+    x->share = -1;
     return rc;
 }
 
@@ -1553,24 +1565,18 @@ static void print_table(FILE *f, const json_t *j)
     const json_t *st = json_object_get(j, "stall");
     if (st) {
         fprintf(f, "\na streaming decode while another client prefills\n"
-                   "| decode-yield-ms | prefill | prefill s | decode tokens meanwhile | longest gap ms | gap p50 ms | "
+                   "| daemon | prefill | prefill s | decode tokens meanwhile | longest gap ms | gap p50 ms | "
                    "gap alone p50 ms | short APPEND + DECODE ms |\n|---|---|---|---|---|---|---|---|\n");
         size_t k;
         const json_t *o;
-        json_array_foreach(json_object_get(st, "runs"), k, o) {
-            const json_t *y = json_object_get(o, "decode_yield_ms");
-            char ys[64];
-            if (json_is_integer(y))
-                snprintf(ys, sizeof ys, "%lld", (long long)json_integer_value(y));
-            else
-                snprintf(ys, sizeof ys, "%s", json_string_value(y) ? json_string_value(y) : "?");
-            fprintf(f, "| %s | %lld tokens, %s | %.1f | %lld | %.0f | %.0f | %.1f | %.0f |\n", ys,
+        json_array_foreach(json_object_get(st, "runs"), k, o)
+            fprintf(f, "| %s | %lld tokens, %s | %.1f | %lld | %.0f | %.0f | %.1f | %.0f |\n",
+                    json_string_value(json_object_get(o, "mode")),
                     (long long)json_integer_value(json_object_get(o, "prefill_tokens")),
                     json_string_value(json_object_get(o, "prefill_spec")), jnum(o, "prefill_s"),
                     (long long)json_integer_value(json_object_get(o, "tokens_during_prefill")), jnum(o, "max_gap_ms"),
                     jnum(json_object_get(o, "gap_ms"), "p50"), jnum(json_object_get(o, "alone_gap_ms"), "p50"),
                     jnum(o, "probe_ms"));
-        }
     }
     const json_t *fr = json_object_get(j, "fair");
     if (fr) {
@@ -1715,6 +1721,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         .decode_tokens = o->decode_tokens > 0 ? o->decode_tokens : 32,
         .yield_ms = -1,
         .slice_ms = -1,
+        .share = -1,
     };
     if (!o->endpoint != !o->admin_endpoint)
         return skv_errorf(SKV_E_INVAL, "give both --endpoint and --admin-endpoint, or neither");

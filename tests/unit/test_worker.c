@@ -2208,6 +2208,38 @@ static void test_persist(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
+ * a round at every tick of a long prefill (after each layer's projections, attention and MLP: 3
+ * per layer, as decode-yield-ms = 0 does), and a share of 0 none (the decode waits for the
+ * prefill). */
+static void test_decode_share(void **state)
+{
+    struct fixture *f = *state;
+    const int L = f->tiny->m->cfg.n_layers;
+    const char *shares[2] = {"100", "0"};
+    const int want[2] = {3 * L, 0};
+    for (int k = 0; k < 2; k++) {
+        skv_worker_stop(&f->w);
+        f->cfg.decode_yield_ms = 3600000;
+        assert_int_equal(skv_config_set(&f->cfg, "decode-share", shares[k]), SKV_OK);
+        assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+        uint8_t a[16];
+        prefill(f, 8, "policy=full", a);
+        freeze(f, a);
+        submit_decode(f, ID_Y, "t", a, (uint32_t)(3 * L + 6), false);
+        submit_long_prefill(f, false);
+        thaw(f);
+        Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+        assert_int_equal(rep->status, SKV_OK);
+        snapkv__reply__free_unpacked(rep, NULL);
+        rep = next_reply(f, 0, ID_Y, 5);
+        assert_int_equal(rep->status, SKV_OK);
+        assert_int_equal(rep->decode->n_tokens, 3 * L + 6);
+        snapkv__reply__free_unpacked(rep, NULL);
+        assert_int_equal(stat(f, "snapkv_decode_rounds_in_forwards_total"), want[k]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -2236,6 +2268,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
