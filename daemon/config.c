@@ -37,6 +37,9 @@ static const struct skv_config_option options[] = {
     {"metrics-listen", SKV_CFG_STRING, OPT(metrics_listen), "", 0, 0,
      "HOST:PORT for plain-HTTP GET /metrics (Prometheus text); empty: off"},
     {"state-dir", SKV_CFG_STRING, OPT(state_dir), "/var/lib/snapkvd", 0, 0, "where saved sessions live"},
+    {"events-endpoint", SKV_CFG_STRING, OPT(events_endpoint), "", 0, 0,
+     "ipc:// endpoint of a ZeroMQ PUB socket announcing each session stored and removed, with its prompt's "
+     "block hashes, for a KV-aware router (docs/SCALING.md); empty: off"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},
@@ -290,6 +293,9 @@ int skv_config_check(const struct skv_config *cfg)
                           cfg->lease_seconds, cfg->max_lease_seconds);
     if (strcmp(cfg->ipc_tenant, "claimed") != 0 && strcmp(cfg->ipc_tenant, "uid") != 0)
         return skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", cfg->ipc_tenant);
+    if (*cfg->events_endpoint && strncmp(cfg->events_endpoint, "ipc://", 6) != 0)
+        return skv_errorf(SKV_E_INVAL, "events-endpoint is ipc:// only (the events name every tenant's sessions, "
+                          "and a tcp:// one would need CURVE): '%s'", cfg->events_endpoint);
     if (strcmp(cfg->queue_order, "fair") != 0 && strcmp(cfg->queue_order, "fifo") != 0)
         return skv_errorf(SKV_E_INVAL, "queue-order is fair or fifo, not '%s'", cfg->queue_order);
     struct skv_tenant_weight tw[SKV_TENANT_WEIGHTS_MAX];

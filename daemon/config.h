@@ -49,6 +49,7 @@ struct skv_config {
     char *tenant_weights;     /* "NAME:W,..." shares of the engine's time under fair order; "" all 1 */
     int64_t max_reply_bytes_per_client; /* replies a client has not taken yet (more are dropped) */
     int64_t max_reply_bytes;  /* and all clients' together */
+    char *events_endpoint;    /* KV events PUB socket (ipc:// only); "" off */
     bool persist;             /* sessions saved at stop and restored, with their ids, at start */
     int64_t persist_max_seconds; /* the time the save at stop may take */
     int64_t fair_slice_ms;    /* fair order: a long forward's own time before another tenant's request

@@ -498,6 +498,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     if (evicted)
         skv_log(SKV_LOG_INFO, "evicted %d idle session(s) to make room", evicted);
+    skv_worker_event_stored(w, s);
 
     Snapkv__Reply rep;
     Snapkv__PrefillReply pr = SNAPKV__PREFILL_REPLY__INIT;
@@ -708,6 +709,7 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
     src->last_used_ms = skv_now_ms();
     if ((rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
+    skv_worker_event_stored(w, s);
     Snapkv__Reply rep;
     Snapkv__ForkReply fr = SNAPKV__FORK_REPLY__INIT;
     reply_init(&rep, job);
@@ -1185,6 +1187,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
     }
     if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
+    skv_worker_event_stored(w, s);
     Snapkv__Reply rep;
     Snapkv__ImportKvReply ir = SNAPKV__IMPORT_KV_REPLY__INIT;
     reply_init(&rep, job);
@@ -2053,6 +2056,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
         fail_rc(w, job, rc);
         return;
     }
+    skv_worker_event_stored(w, s);
     Snapkv__Reply rep;
     Snapkv__LoadReply lr = SNAPKV__LOAD_REPLY__INIT;
     reply_init(&rep, job);
@@ -2262,6 +2266,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
         uint64_t now = skv_now_ms();
         s->created_ms = now;
         s->last_used_ms = now > idle ? now - idle : 0; /* idle as long as at the stop; the downtime not counted */
+        skv_worker_event_stored(w, s);
         skv_worker_beat(w);
         restored++;
     }

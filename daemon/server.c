@@ -48,8 +48,11 @@ struct skv_server {
     uint8_t *closing;             /* [closing_cap] by fd: shut down here, its DISCONNECTED not seen yet */
     int closing_cap;
     uint64_t clients_expired_ms;
-    int lock_fds[2];              /* flock()ed next to ipc sockets: one daemon per endpoint */
-    char *ipc_paths[2];           /* unlinked at exit */
+    int lock_fds[3];              /* flock()ed next to ipc sockets: one daemon per endpoint */
+    char *ipc_paths[3];           /* unlinked at exit (client, admin, events) */
+    void *events;                 /* PUB: KV events (events-endpoint), or NULL */
+    uint64_t events_seq;          /* the last event's sequence number */
+    char events_topic[32];        /* "snapkv.kv." + the model fingerprint's first 16 hex digits */
     void *replies;                /* inproc PULL: replies from the engine worker */
     struct skv_replies *unread;   /* replies sent and not taken yet, bounded in bytes */
     uint64_t unread_dropped_logged; /* replies dropped for those bounds, when last logged */
@@ -133,6 +136,39 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     return SKV_OK;
 }
 
+/* The KV events' PUB socket (ipc:// only, 0600 like the admin socket: the events name every
+ * tenant's sessions). PUB never blocks: a subscriber that does not read loses events and sees a
+ * gap in the sequence numbers. */
+static int bind_events(struct skv_server *srv, const char *endpoint)
+{
+    int rc = lock_endpoint(srv, 2, endpoint);
+    if (rc)
+        return rc;
+    int linger = 0;
+    if (!(srv->events = zmq_socket(srv->zctx, ZMQ_PUB)) ||
+        zmq_setsockopt(srv->events, ZMQ_LINGER, &linger, sizeof linger) < 0 || zmq_bind(srv->events, endpoint) < 0)
+        return skv_errorf(SKV_E_IO, "events endpoint %s: %s", endpoint, zmq_strerror(zmq_errno()));
+    if (srv->ipc_paths[2])
+        chmod(srv->ipc_paths[2], 0600);
+    snprintf(srv->events_topic, sizeof srv->events_topic, "snapkv.kv.%.16s",
+             srv->env.model ? srv->env.model->fingerprint : "");
+    return SKV_OK;
+}
+
+/* Publishes one KV event batch from the worker: [topic][sequence, big-endian][batch]. */
+static void publish_event(struct skv_server *srv, const void *body, size_t len)
+{
+    if (!srv->events)
+        return;
+    uint64_t seq = ++srv->events_seq;
+    uint8_t be[8];
+    for (int k = 0; k < 8; k++)
+        be[k] = (uint8_t)(seq >> (56 - 8 * k));
+    zmq_send(srv->events, srv->events_topic, strlen(srv->events_topic), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(srv->events, be, sizeof be, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(srv->events, body, len, ZMQ_DONTWAIT);
+}
+
 /* File descriptors the daemon keeps for itself beyond its client connections: the admin
  * endpoint's, libzmq's own, the log, metrics, shared-memory transfers, the model. */
 #define FD_RESERVE 256
@@ -168,7 +204,7 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     srv->auth = *auth_p;
     *auth_p = NULL;
     srv->env = *env;
-    srv->lock_fds[0] = srv->lock_fds[1] = -1;
+    srv->lock_fds[0] = srv->lock_fds[1] = srv->lock_fds[2] = -1;
     srv->started = time(NULL);
     int rc;
     srv->zctx = zmq_ctx_new();
@@ -182,6 +218,8 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
         goto out_destroy;
     if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
+        goto out_destroy;
+    if (*env->cfg->events_endpoint && (rc = bind_events(srv, env->cfg->events_endpoint)))
         goto out_destroy;
     srv->replies = zmq_socket(srv->zctx, ZMQ_PULL);
     if (!srv->replies || zmq_bind(srv->replies, REPLY_ENDPOINT) < 0) {
@@ -221,11 +259,13 @@ void skv_server_destroy(struct skv_server **srv_p)
     free(srv->closing);
     if (srv->admin_sock)
         zmq_close(srv->admin_sock);
+    if (srv->events)
+        zmq_close(srv->events);
     skv_auth_destroy(&srv->auth);
     if (srv->zctx)
         zmq_ctx_term(srv->zctx);
     skv_replies_free(&srv->unread); /* libzmq freed every reply it held by now */
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         if (srv->ipc_paths[i])
             unlink(srv->ipc_paths[i]);
         free(srv->ipc_paths[i]);
@@ -662,9 +702,12 @@ static bool forward_reply(struct skv_server *srv, int flags)
         zmq_msg_init(&parts[i]);
     bool ok = zmq_msg_recv(&parts[0], srv->replies, flags) >= 0 && zmq_msg_recv(&parts[1], srv->replies, 0) >= 0 &&
               zmq_msg_recv(&parts[2], srv->replies, 0) >= 0;
-    if (ok)
-        reply_out(srv, *(const uint8_t *)zmq_msg_data(&parts[0]) ? 1 : 0, zmq_msg_data(&parts[1]),
-                  zmq_msg_size(&parts[1]), zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
+    int idx = ok ? *(const uint8_t *)zmq_msg_data(&parts[0]) : 0;
+    if (ok && idx == SKV_WORKER_EVENTS_SOCK)
+        publish_event(srv, zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
+    else if (ok)
+        reply_out(srv, idx ? 1 : 0, zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]), zmq_msg_data(&parts[2]),
+                  zmq_msg_size(&parts[2]));
     for (int i = 0; i < 3; i++)
         zmq_msg_close(&parts[i]);
     return ok;

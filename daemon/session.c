@@ -18,6 +18,8 @@ struct skv_session_table {
     struct skv_session *bucket[BUCKETS];
     int n_sessions;
     struct skv_kv_pool *pool;     /* the model's block pool (from the first session) */
+    void (*on_destroy)(void *user, struct skv_session *s);
+    void *on_destroy_user;
     uint64_t evictions;
 };
 
@@ -155,8 +157,17 @@ struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t 
     return NULL;
 }
 
+void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
+                                  void *user)
+{
+    t->on_destroy = fn;
+    t->on_destroy_user = user;
+}
+
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
 {
+    if (t->on_destroy)
+        t->on_destroy(t->on_destroy_user, s);
     struct skv_session **pp = &t->bucket[bucket_of(s->id)];
     while (*pp && *pp != s)
         pp = &(*pp)->next;

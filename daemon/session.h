@@ -38,6 +38,7 @@ struct skv_session {
     uint64_t compressor_bytes;    /* memory its compressor may hold outside the pool (tenant quota) */
     float *logits;                /* [n_vocab] after the last forward (DECODE samples from it) */
     int busy;                     /* a decode in flight: never evicted */
+    bool announced;               /* a KV event said it is stored (its removal is announced too) */
     char text_pending[8];         /* the start of a character the last DECODE's text stopped inside: */
     uint8_t n_text_pending;       /* the next DECODE's text begins with it (APPEND drops it) */
     struct skv_session *next;     /* table chain */
@@ -67,6 +68,10 @@ int skv_session_set_id(struct skv_session_table *t, struct skv_session *s, const
 /* NULL when unknown or of another tenant (tenant NULL: any; used by admins). */
 struct skv_session *skv_session_find(struct skv_session_table *t, const uint8_t *id, const char *tenant);
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s);
+/* Calls fn(user, s) for each session skv_session_destroy() destroys (not at the table's free),
+ * before it goes: how its removal is announced (KV events). */
+void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
+                                  void *user);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or

@@ -6,6 +6,7 @@
 #include "common/status.h"
 #include "daemon/engine/model.h"
 
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,101 @@ void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__R
     zmq_send(w->push, job->identity, job->identity_len, ZMQ_SNDMORE);
     zmq_send(w->push, buf, len, 0);
     free(buf);
+}
+
+/* ---- KV events (events-endpoint; docs/SCALING.md §2) --------------------------------------------
+ * One message per event through the reply pipe, under socket index SKV_WORKER_EVENTS_SOCK; the socket
+ * thread publishes it with its topic and sequence number. */
+
+/* The chained block hashes of s's token history (whole SKV_EVENT_BLOCK_TOKENS blocks); the
+ * caller frees *out. Returns how many (0 on no memory: the event goes without them). */
+static size_t event_hashes(const struct skv_session *s, uint64_t **out)
+{
+    size_t n = (size_t)s->n_tokens / SKV_EVENT_BLOCK_TOKENS;
+    *out = n ? malloc(n * sizeof **out) : NULL;
+    if (!*out)
+        return 0;
+    uint8_t in[8 + 4 * SKV_EVENT_BLOCK_TOKENS], h[8] = {0};
+    for (size_t b = 0; b < n; b++) {
+        memcpy(in, h, 8);
+        for (int i = 0; i < SKV_EVENT_BLOCK_TOKENS; i++) {
+            uint32_t t = (uint32_t)s->tokens[b * SKV_EVENT_BLOCK_TOKENS + (size_t)i];
+            for (int k = 0; k < 4; k++)
+                in[8 + 4 * i + k] = (uint8_t)(t >> (8 * k));
+        }
+        crypto_generichash(h, sizeof h, in, sizeof in, NULL, 0);
+        uint64_t v = 0;
+        for (int k = 0; k < 8; k++)
+            v |= (uint64_t)h[k] << (8 * k);
+        (*out)[b] = v;
+    }
+    return n;
+}
+
+static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
+{
+    if (!w->events || !w->push)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
+    b.version = 1;
+    b.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    b.n_events = 1;
+    b.events = &ev;
+    size_t len = snapkv__kv_event_batch__get_packed_size(&b);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) {
+        skv_log(SKV_LOG_ERROR, "out of memory packing a KV event");
+        return;
+    }
+    snapkv__kv_event_batch__pack(&b, buf);
+    uint8_t sock = SKV_WORKER_EVENTS_SOCK;
+    zmq_send(w->push, &sock, 1, ZMQ_SNDMORE);
+    zmq_send(w->push, "", 0, ZMQ_SNDMORE);
+    zmq_send(w->push, buf, len, 0);
+    free(buf);
+}
+
+void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
+{
+    if (!w->events)
+        return;
+    s->announced = true;
+    uint64_t *hashes;
+    Snapkv__SessionStored st = SNAPKV__SESSION_STORED__INIT;
+    st.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    st.tenant = s->tenant;
+    st.block_size = SKV_EVENT_BLOCK_TOKENS;
+    st.n_block_hashes = event_hashes(s, &hashes);
+    st.block_hashes = hashes;
+    st.n_tokens = (uint32_t)s->cache->n_past;
+    st.bytes = s->bytes;
+    st.compressed = s->comp != NULL;
+    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
+    ev.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
+    ev.stored = &st;
+    event_send(w, &ev);
+    free(hashes);
+}
+
+/* The session table's destroy hook: an announced session's removal. */
+static void event_removed(void *user, struct skv_session *s)
+{
+    struct skv_worker *w = user;
+    if (!w->events || !s->announced)
+        return;
+    uint64_t *hashes;
+    Snapkv__SessionRemoved rm = SNAPKV__SESSION_REMOVED__INIT;
+    rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
+    rm.tenant = s->tenant;
+    rm.n_block_hashes = event_hashes(s, &hashes);
+    rm.block_hashes = hashes;
+    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
+    ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;
+    ev.removed = &rm;
+    event_send(w, &ev);
+    free(hashes);
 }
 
 static void job_free(struct skv_job *job)
@@ -582,6 +678,13 @@ static void *worker_main(void *arg)
     zmq_setsockopt(w->push, ZMQ_LINGER, &linger, sizeof linger);
     if (zmq_connect(w->push, w->endpoint) < 0)
         skv_log(SKV_LOG_ERROR, "worker: connect %s: %s", w->endpoint, zmq_strerror(zmq_errno()));
+    if (w->events) { /* whatever a subscriber knew of this host before is gone */
+        Snapkv__AllCleared ac = SNAPKV__ALL_CLEARED__INIT;
+        Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
+        ev.kind_case = SNAPKV__KV_EVENT__KIND_CLEARED;
+        ev.cleared = &ac;
+        event_send(w, &ev);
+    }
     if (w->cfg->persist && skv_requests_persist_restore(w))
         skv_log(SKV_LOG_WARN, "persist: %s", skv_error_msg());
     publish_stats(w);
@@ -659,6 +762,7 @@ static void *worker_main(void *arg)
     }
     skv_requests_ipc_close_all(w);
     zmq_close(w->push);
+    w->push = NULL; /* no event after this */
     return NULL;
 }
 
@@ -672,6 +776,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     w->m = m;
     w->zctx = zctx;
     w->fair = !cfg->queue_order || strcmp(cfg->queue_order, "fifo") != 0;
+    w->events = cfg->events_endpoint && *cfg->events_endpoint;
     if (cfg->tenant_weights && skv_tenant_weights_parse(cfg->tenant_weights, w->weights, &w->n_weights)) {
         free(w);
         return SKV_E_INVAL; /* the message says which entry */
@@ -692,6 +797,8 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         .max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant,
     };
     int rc = skv_session_table_new(&lim, &w->sessions);
+    if (!rc)
+        skv_session_table_on_destroy(w->sessions, event_removed, w);
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
     if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */

@@ -92,5 +92,9 @@ bool skv_watchdog_ok(uint64_t now_ms, uint64_t heartbeat_ms, bool idle, uint64_t
 
 /* Packs and sends a reply for job (worker thread only). */
 void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep);
+/* The reply pipe's messages are [socket index][routing id][body]; index 0 is the client
+ * endpoint, 1 the admin one, and this one a KV event (empty routing id, body a KvEventBatch)
+ * for the events endpoint. */
+#define SKV_WORKER_EVENTS_SOCK 2
 
 #endif

@@ -85,6 +85,7 @@ struct skv_worker {
     uint64_t run_t0_us;       /* when running started (CLOCK_MONOTONIC) */
     const struct skv_session *forward_session; /* the session of the forward that yields */
     bool fair;                /* queue-order = fair */
+    bool events;              /* events-endpoint set: KV events go to the socket thread */
     struct skv_tenant_weight weights[SKV_TENANT_WEIGHTS_MAX]; /* tenant-weights */
     int n_weights;
     uint64_t vclock_us;       /* virtual time: the start of the request last chosen */
@@ -124,6 +125,11 @@ void skv_worker_beat(struct skv_worker *w);
  * decode engine, so that a long PREFILL, APPEND or COMPRESS stalls neither. The forward's own
  * session is busy meanwhile (never evicted, named by no request that runs). */
 void skv_worker_yield(struct skv_worker *w);
+
+/* KV events (events-endpoint; worker thread): s is stored, with its prompt's block hashes;
+ * from now on its destruction is announced too. Nothing when events are off. */
+#define SKV_EVENT_BLOCK_TOKENS 16  /* tokens per hashed block */
+void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);

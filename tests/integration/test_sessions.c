@@ -34,6 +34,7 @@
 #include "daemon/engine/sampler.h"
 #include "kernels/backend.h"
 #include "libclient/snapkv.h"
+#include "proto/snapkv.pb-c.h"
 #include "tests/common/fixture.h"
 
 #define SPEC "policy=snapkv,budget=48,window=8,kernel=5"
@@ -1154,6 +1155,166 @@ static void test_persist_restart(void **state)
     snapkv_prefill_result_free(&pa);
     snapkv_prefill_result_free(&pb);
     stop_daemon(&d);
+}
+
+/* The next KV event on sub (fails after 10 s); *seq: its sequence number. */
+static Snapkv__KvEvent *next_event(void *sub, uint64_t *seq, Snapkv__KvEventBatch **batch)
+{
+    char topic[64];
+    uint8_t be[8];
+    static uint8_t body[1 << 16];
+    int timeout = 10000;
+    zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    int n = zmq_recv(sub, topic, sizeof topic - 1, 0);
+    assert_true(n > 0);
+    topic[n] = '\0';
+    assert_int_equal(strncmp(topic, "snapkv.kv.", 10), 0);
+    assert_int_equal(strlen(topic), 26); /* and 16 hex digits of the model's fingerprint */
+    assert_int_equal(zmq_recv(sub, be, sizeof be, 0), 8);
+    int len = zmq_recv(sub, body, sizeof body, 0);
+    assert_true(len >= 0 && len <= (int)sizeof body);
+    *seq = 0;
+    for (int k = 0; k < 8; k++)
+        *seq = *seq << 8 | be[k];
+    *batch = snapkv__kv_event_batch__unpack(NULL, (size_t)len, body);
+    assert_non_null(*batch);
+    assert_int_equal((*batch)->version, 1);
+    assert_true((*batch)->ts > 1.7e9);
+    assert_int_equal((*batch)->n_events, 1);
+    return (*batch)->events[0];
+}
+
+/* The chained block hashes of ids[0..n) (docs/SCALING.md, proto/snapkv.proto SessionStored). */
+static size_t ref_hashes(const uint32_t *ids, int n, uint64_t *out)
+{
+    uint8_t h[8] = {0}, in[8 + 64];
+    size_t k = 0;
+    for (int b = 0; (b + 1) * 16 <= n; b++, k++) {
+        memcpy(in, h, 8);
+        for (int i = 0; i < 16; i++)
+            for (int j = 0; j < 4; j++)
+                in[8 + 4 * i + j] = (uint8_t)(ids[b * 16 + i] >> (8 * j));
+        crypto_generichash(h, 8, in, sizeof in, NULL, 0);
+        out[k] = 0;
+        for (int j = 0; j < 8; j++)
+            out[k] |= (uint64_t)h[j] << (8 * j);
+    }
+    return k;
+}
+
+/* events-endpoint: a SUB socket sees each session stored (PREFILL, FORK) and removed (RELEASE,
+ * EVICT), in order with consecutive sequence numbers, each with the chained hashes of its
+ * prompt's whole 16-token blocks as computed here from the ids, and SnapKV sessions flagged
+ * compressed (a function of the ids alone, so every host publishes the same ones for a prompt);
+ * a PREFILL that fails announces nothing. A tcp:// events endpoint is refused at start. */
+static void test_kv_events(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    char opt[200];
+    snprintf(opt, sizeof opt, "--events-endpoint=ipc:///tmp/skv-events-%d.sock", (int)getpid());
+    start_daemon_with(&d, "1G", opt, 0);
+    void *ctx = zmq_ctx_new(), *sub = zmq_socket(ctx, ZMQ_SUB);
+    int linger = 0;
+    zmq_setsockopt(sub, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "snapkv.kv.", 10);
+    assert_int_equal(zmq_connect(sub, opt + strlen("--events-endpoint=")), 0);
+    snapkv_client_t *c = client(d.endpoint, "ev"), *a = client(d.admin, NULL);
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 31);
+    /* a subscription takes a moment to reach the publisher: short sessions until one is seen */
+    uint64_t seq = 0;
+    Snapkv__KvEventBatch *b = NULL;
+    for (int i = 0; i < 100; i++) {
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 1};
+        struct snapkv_prefill_result pr;
+        assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+        zmq_pollitem_t it = {sub, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 100) == 1)
+            break;
+    }
+    for (;;) { /* drain what the warm-up announced */
+        zmq_pollitem_t it = {sub, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 300) != 1)
+            break;
+        next_event(sub, &seq, &b);
+        snapkv__kv_event_batch__free_unpacked(b, NULL);
+    }
+    assert_true(seq > 0);
+    uint64_t want[N_PROMPT / 16];
+    size_t n_want = ref_hashes(ids, N_PROMPT, want);
+    assert_int_equal(n_want, N_PROMPT / 16);
+
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result full, comp;
+    assert_int_equal(snapkv_prefill(c, &po, &full), SNAPKV_OK);
+    uint64_t s1;
+    Snapkv__KvEvent *ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 1);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
+    assert_memory_equal(ev->stored->session_id.data, full.id.bytes, 16);
+    assert_string_equal(ev->stored->tenant, "ev");
+    assert_int_equal(ev->stored->block_size, 16);
+    assert_int_equal(ev->stored->n_tokens, N_PROMPT);
+    assert_false(ev->stored->compressed);
+    assert_true(ev->stored->bytes > 0);
+    assert_int_equal(ev->stored->n_block_hashes, n_want);
+    assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    struct snapkv_session_id fork;
+    assert_int_equal(snapkv_fork(c, &full.id, &fork, NULL), SNAPKV_OK);
+    ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 2);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
+    assert_memory_equal(ev->stored->session_id.data, fork.bytes, 16);
+    assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    assert_int_equal(snapkv_release(c, &fork), SNAPKV_OK);
+    ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 3);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_REMOVED);
+    assert_memory_equal(ev->removed->session_id.data, fork.bytes, 16);
+    assert_int_equal(ev->removed->n_block_hashes, n_want);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    struct snapkv_prefill_opts bad = {.tokens = ids, .n_tokens = N_PROMPT, .compress = "policy=nonsense"};
+    assert_int_equal(snapkv_prefill(c, &bad, &comp), SNAPKV_E_INVAL);
+    po.compress = SPEC;
+    assert_int_equal(snapkv_prefill(c, &po, &comp), SNAPKV_OK);
+    ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 4); /* nothing for the failed one */
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
+    assert_memory_equal(ev->stored->session_id.data, comp.id.bytes, 16);
+    assert_true(ev->stored->compressed);
+    assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    assert_int_equal(snapkv_admin_evict(a, &comp.id, NULL, false, NULL, NULL), SNAPKV_OK);
+    ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 5);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_REMOVED);
+    assert_memory_equal(ev->removed->session_id.data, comp.id.bytes, 16);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    snapkv_prefill_result_free(&full);
+    snapkv_prefill_result_free(&comp);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    zmq_close(sub);
+    zmq_ctx_term(ctx);
+    stop_daemon(&d);
+
+    /* tcp:// is refused with a message, and the daemon does not start */
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char cmd[5000];
+    snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-endpoint=tcp://127.0.0.1:1 --endpoint=ipc:///tmp/skv-ev-x "
+             "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'events-endpoint is ipc:// only'", build, g_model);
+    assert_int_equal(system(cmd), 0);
 }
 
 /* SnapKV re-scoring while decoding through the daemon: the spec string travels, DECODE gives
@@ -2287,6 +2448,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),
         cmocka_unit_test_teardown(test_chat_interrupt, kill_daemons),
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
+        cmocka_unit_test_teardown(test_kv_events, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
