@@ -550,21 +550,39 @@ static void test_text_limits(void **state)
     snapkv_close(&c);
 }
 
+/* A second daemon with one more option, in a directory of its own; true once it answers. */
+static bool second_daemon(struct daemon *e, const char *extra)
+{
+    *e = (struct daemon){0};
+    snprintf(e->dir, sizeof e->dir, "/tmp/skv-it-XXXXXX");
+    assert_non_null(mkdtemp(e->dir));
+    snprintf(e->endpoint, sizeof e->endpoint, "ipc://%s/c.sock", e->dir);
+    snprintf(e->admin, sizeof e->admin, "ipc://%s/a.sock", e->dir);
+    snprintf(e->log, sizeof e->log, "%s/daemon.log", e->dir);
+    e->metrics_port = free_port();
+    char *model = model_path();
+    e->pid = spawn_daemon(e, model, extra);
+    free(model);
+    return wait_ready(e);
+}
+
+static void stop_second(struct daemon *e)
+{
+    if (e->pid > 0) {
+        kill(e->pid, SIGKILL);
+        waitpid(e->pid, NULL, 0);
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", e->dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* max-text-bytes set: texts past it are refused for their bytes alone, whatever their tokens. */
 static void test_text_bytes_option(void **state)
 {
     NEED_DAEMON(d);
-    struct daemon e = {0};
-    snprintf(e.dir, sizeof e.dir, "/tmp/skv-it-XXXXXX");
-    assert_non_null(mkdtemp(e.dir));
-    snprintf(e.endpoint, sizeof e.endpoint, "ipc://%s/c.sock", e.dir);
-    snprintf(e.admin, sizeof e.admin, "ipc://%s/a.sock", e.dir);
-    snprintf(e.log, sizeof e.log, "%s/daemon.log", e.dir);
-    e.metrics_port = free_port();
-    char *model = model_path();
-    e.pid = spawn_daemon(&e, model, "--max-text-bytes=1K");
-    free(model);
-    bool up = wait_ready(&e);
+    struct daemon e;
+    bool up = second_daemon(&e, "--max-text-bytes=1K");
     int rc_long = -1, rc_fits = -1;
     if (up) {
         snapkv_client_t *c = NULL;
@@ -576,13 +594,7 @@ static void test_text_bytes_option(void **state)
         free(t);
         snapkv_close(&c);
     }
-    if (e.pid > 0) {
-        kill(e.pid, SIGKILL);
-        waitpid(e.pid, NULL, 0);
-    }
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", e.dir);
-    assert_int_equal(system(cmd), 0);
+    stop_second(&e);
     assert_true(up);
     assert_int_equal(rc_long, SNAPKV_E_LIMIT);
     assert_int_equal(rc_fits, SNAPKV_OK);
@@ -610,17 +622,8 @@ static double admin_stat(const char *admin, const char *name)
 static void test_unread_replies_bounded(void **state)
 {
     NEED_DAEMON(d);
-    struct daemon e = {0};
-    snprintf(e.dir, sizeof e.dir, "/tmp/skv-it-XXXXXX");
-    assert_non_null(mkdtemp(e.dir));
-    snprintf(e.endpoint, sizeof e.endpoint, "ipc://%s/c.sock", e.dir);
-    snprintf(e.admin, sizeof e.admin, "ipc://%s/a.sock", e.dir);
-    snprintf(e.log, sizeof e.log, "%s/daemon.log", e.dir);
-    e.metrics_port = free_port();
-    char *model = model_path();
-    e.pid = spawn_daemon(&e, model, "--max-reply-bytes-per-client=1M");
-    free(model);
-    bool up = wait_ready(&e);
+    struct daemon e;
+    bool up = second_daemon(&e, "--max-reply-bytes-per-client=1M");
     enum { N = 30 };
     double answered = -1, dropped = -1, unread = -1, unread_after = -1;
     int got = 0, served = -1;
@@ -659,13 +662,7 @@ static void test_unread_replies_bounded(void **state)
         zmq_close(s);
         zmq_ctx_term(ctx);
     }
-    if (e.pid > 0) {
-        kill(e.pid, SIGKILL);
-        waitpid(e.pid, NULL, 0);
-    }
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", e.dir);
-    assert_int_equal(system(cmd), 0);
+    stop_second(&e);
     assert_true(up);
     fprintf(stderr, "unread replies: %d sent, %.0f dropped, %.0f bytes held, %d read afterwards\n", N, dropped,
             unread, got);
