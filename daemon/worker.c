@@ -369,10 +369,6 @@ static uint64_t clock_of(struct skv_worker *w, const char *tenant)
     return c && c->vt_us > w->vclock_us ? c->vt_us : w->vclock_us;
 }
 
-/* Charges a tenant `us` of engine time on a request it ran: to its engine seconds, and, divided
- * by its weight, to its virtual time from `start` (where it stood when the request was chosen).
- * The table keeps only tenants ahead of the clock; when it is full, the one nearest the clock
- * goes (it comes back at the clock, a small head start). */
 /* `us` of a tenant's engine time in virtual time: tenant-weights' weight of k makes it cost 1/k. */
 static uint64_t weighted(const struct skv_worker *w, const char *tenant, uint64_t us)
 {
@@ -382,6 +378,10 @@ static uint64_t weighted(const struct skv_worker *w, const char *tenant, uint64_
     return us;
 }
 
+/* Charges a tenant `us` of engine time on a request it ran: to its engine seconds, and, divided
+ * by its weight, to its virtual time from `start` (where it stood when the request was chosen).
+ * The table keeps only tenants ahead of the clock; when it is full, the one nearest the clock
+ * goes (it comes back at the clock, a small head start). */
 static void charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
 {
     skv_worker_tenant(w, tenant)->engine_seconds += (double)us * 1e-6;
