@@ -24,6 +24,7 @@
  * grew fields after 1.0 (snapkv_import_opts.cuda, the CURVE keys of snapkv_connect_opts).
  * 3:0:0 (libsnapkv.so.3): snapkv_kv_layout grew original_length.
  * 4:0:0 (libsnapkv.so.4): snapkv_sampling grew stop and n_stop (stop sequences); snapkv_cancel.
+ * 5:0:1 (still libsnapkv.so.4): the KV events subscriber (snapkv_events_*), added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -471,6 +472,36 @@ struct snapkv_stats {
  * exposition. Free with snapkv_stats_free(). */
 SNAPKV_API int snapkv_admin_stats(snapkv_client_t *client, bool prometheus, struct snapkv_stats *out);
 SNAPKV_API void snapkv_stats_free(struct snapkv_stats *s);
+
+/* KV events: a subscriber to a daemon's events-endpoint (an ipc:// PUB socket, docs/SCALING.md),
+ * which announces each session stored (PREFILL, FORK, IMPORT_KV, LOAD, a restore at start) and
+ * removed (RELEASE, EVICT, eviction, lease expiry), and AllCleared when the daemon starts. A
+ * subscriber that reads too slowly loses events: the sequence numbers then jump. Not thread-safe,
+ * like a client. */
+typedef struct snapkv_events snapkv_events_t;
+enum snapkv_event_kind { SNAPKV_EVENT_STORED = 1, SNAPKV_EVENT_REMOVED = 2, SNAPKV_EVENT_CLEARED = 3 };
+struct snapkv_event {
+    enum snapkv_event_kind kind;
+    uint64_t sequence;            /* +1 per event since the daemon started */
+    double ts;                    /* seconds since the epoch */
+    struct snapkv_session_id id;  /* stored, removed */
+    char tenant[128];
+    uint32_t n_tokens;            /* stored: the session's length */
+    uint64_t bytes;               /* stored: KV bytes it holds */
+    bool compressed;              /* stored: rows kept by a compression policy */
+    uint32_t block_size;          /* stored: tokens per hashed block */
+    size_t n_block_hashes;        /* chained hashes of the token history's whole blocks */
+    uint64_t *block_hashes;       /* owned by the event: snapkv_event_free() */
+};
+/* Subscribes to endpoint (a subscription reaches the daemon a moment after this returns: events
+ * published meanwhile are not seen). */
+SNAPKV_API int snapkv_events_open(const char *endpoint, snapkv_events_t **out);
+/* The next event, waiting up to timeout_ms (-1: for ever); SNAPKV_E_TIMEOUT when none came,
+ * SNAPKV_E_PROTO for a message that is not one. Free *out with snapkv_event_free(). */
+SNAPKV_API int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out);
+SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
+/* Accepts NULL and *ev == NULL; sets *ev to NULL. */
+SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);
 
 #ifdef __cplusplus
 }

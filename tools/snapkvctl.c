@@ -97,6 +97,8 @@ static void usage(FILE *out)
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
             "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
             "                                         decodes, requests, errors, tokens and engine time\n"
+            "  events ENDPOINT [--count N]            the KV events of a daemon's events-endpoint, one per line,\n"
+            "                                         until N came (default: for ever)\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n",
@@ -1750,6 +1752,79 @@ static int cmd_tenants(const struct ctl *c, int argc, char **argv)
     return ret;
 }
 
+static const char *const event_kinds[] = {"?", "stored", "removed", "cleared"};
+
+/* The KV events of a daemon's events-endpoint, one line (or one JSON object) per event. */
+static int cmd_events(const struct ctl *c, int argc, char **argv)
+{
+    long count = -1;
+    if (argc == 4 && strcmp(argv[2], "--count") == 0) {
+        char *end;
+        count = strtol(argv[3], &end, 10);
+        if (*end || count < 1)
+            return usage_error("events", "--count wants a positive number, not '%s'", argv[3]);
+    } else if (argc != 2) {
+        return usage_error("events", "usage: events ENDPOINT [--count N]");
+    }
+    snapkv_events_t *ev = NULL;
+    if (snapkv_events_open(argv[1], &ev)) {
+        fprintf(stderr, "snapkvctl events: %s\n", snapkv_last_error());
+        return 1;
+    }
+    int ret = 0;
+    for (long n = 0; count < 0 || n < count; n++) {
+        struct snapkv_event e;
+        if (snapkv_events_next(ev, -1, &e)) {
+            fprintf(stderr, "snapkvctl events: %s\n", snapkv_last_error());
+            ret = 1;
+            break;
+        }
+        char hex[SNAPKV_SESSION_ID_HEX_SIZE] = "";
+        if (e.kind != SNAPKV_EVENT_CLEARED)
+            id_hex(&e.id, hex);
+        const char *kind = event_kinds[e.kind <= SNAPKV_EVENT_CLEARED ? e.kind : 0];
+        if (c->json) {
+            json_t *hashes = json_array();
+            for (size_t i = 0; hashes && i < e.n_block_hashes; i++) { /* hex: a uint64 is past JSON's exact integers */
+                char h[17];
+                snprintf(h, sizeof h, "%016llx", (unsigned long long)e.block_hashes[i]);
+                json_push(&hashes, json_string(h));
+            }
+            json_t *o = json_pack("{s:I, s:f, s:s}", "sequence", (json_int_t)e.sequence, "ts", e.ts, "kind", kind);
+            if (e.kind != SNAPKV_EVENT_CLEARED) {
+                json_put(&o, "session", json_string(hex));
+                json_put(&o, "tenant", json_text(e.tenant));
+                json_put(&o, "block_hashes", hashes);
+                hashes = NULL;
+            }
+            if (e.kind == SNAPKV_EVENT_STORED) {
+                json_put(&o, "n_tokens", json_integer(e.n_tokens));
+                json_put(&o, "bytes", json_integer((json_int_t)e.bytes));
+                json_put(&o, "compressed", json_boolean(e.compressed));
+                json_put(&o, "block_size", json_integer(e.block_size));
+            }
+            json_decref(hashes);
+            char *line = o ? json_dumps(o, JSON_COMPACT) : NULL;
+            json_decref(o);
+            if (line)
+                printf("%s\n", line);
+            free(line);
+        } else if (e.kind == SNAPKV_EVENT_CLEARED) {
+            printf("%llu cleared\n", (unsigned long long)e.sequence);
+        } else {
+            printf("%llu %s %s %s blocks=%zu", (unsigned long long)e.sequence, kind, hex, e.tenant, e.n_block_hashes);
+            if (e.kind == SNAPKV_EVENT_STORED)
+                printf(" tokens=%u bytes=%llu%s", e.n_tokens, (unsigned long long)e.bytes,
+                       e.compressed ? " compressed" : "");
+            printf("\n");
+        }
+        fflush(stdout);
+        snapkv_event_free(&e);
+    }
+    snapkv_events_close(&ev);
+    return ret;
+}
+
 /* Writes one key file; O_EXCL: never replaces an existing key. */
 static int write_key_file(const char *path, const char *what, const char *key, mode_t mode)
 {
@@ -1868,7 +1943,7 @@ int main(int argc, char **argv)
         {"decode", cmd_decode},     {"compress", cmd_compress}, {"fork", cmd_fork},     {"export", cmd_export},
         {"import", cmd_import},     {"release", cmd_release}, {"cancel", cmd_cancel}, {"list", cmd_list},       {"inspect", cmd_inspect},
         {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},       {"tenants", cmd_tenants},
-        {"keygen", cmd_keygen},
+        {"keygen", cmd_keygen},     {"events", cmd_events},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (strcmp(cmd, cmds[i].name) == 0)

@@ -1202,8 +1202,9 @@ static size_t ref_hashes(const uint32_t *ids, int n, uint64_t *out)
     return k;
 }
 
-/* events-endpoint: a SUB socket sees each session stored (PREFILL, FORK) and removed (RELEASE,
- * EVICT), in order with consecutive sequence numbers, each with the chained hashes of its
+/* events-endpoint: a SUB socket (and libsnapkv's subscriber, and snapkvctl events) sees each
+ * session stored (PREFILL, FORK) and removed (RELEASE, EVICT), in order with consecutive sequence
+ * numbers, each with the chained hashes of its
  * prompt's whole 16-token blocks as computed here from the ids, and SnapKV sessions flagged
  * compressed (a function of the ids alone, so every host publishes the same ones for a prompt);
  * a PREFILL that fails announces nothing. A tcp:// events endpoint is refused at start. */
@@ -1244,6 +1245,30 @@ static void test_kv_events(void **state)
         snapkv__kv_event_batch__free_unpacked(b, NULL);
     }
     assert_true(seq > 0);
+    /* libsnapkv's subscriber, joined now: it sees the events from here on too */
+    snapkv_events_t *lev = NULL;
+    assert_int_equal(snapkv_events_open(opt + strlen("--events-endpoint="), &lev), SNAPKV_OK);
+    struct snapkv_event le;
+    for (int i = 0; i < 100; i++) { /* until its subscription is in */
+        struct snapkv_prefill_opts po1 = {.tokens = ids, .n_tokens = 1};
+        struct snapkv_prefill_result pr;
+        assert_int_equal(snapkv_prefill(c, &po1, &pr), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+        if (snapkv_events_next(lev, 100, &le) == SNAPKV_OK) {
+            snapkv_event_free(&le);
+            break;
+        }
+    }
+    while (snapkv_events_next(lev, 300, &le) == SNAPKV_OK)
+        snapkv_event_free(&le);
+    for (;;) { /* and the raw socket's copies of those */
+        zmq_pollitem_t it = {sub, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 300) != 1)
+            break;
+        next_event(sub, &seq, &b);
+        snapkv__kv_event_batch__free_unpacked(b, NULL);
+    }
     uint64_t want[N_PROMPT / 16];
     size_t n_want = ref_hashes(ids, N_PROMPT, want);
     assert_int_equal(n_want, N_PROMPT / 16);
@@ -1264,21 +1289,34 @@ static void test_kv_events(void **state)
     assert_int_equal(ev->stored->n_block_hashes, n_want);
     assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want);
     snapkv__kv_event_batch__free_unpacked(b, NULL);
+    assert_int_equal(snapkv_events_next(lev, 10000, &le), SNAPKV_OK); /* the same, through libsnapkv */
+    assert_int_equal(le.kind, SNAPKV_EVENT_STORED);
+    assert_int_equal(le.sequence, seq + 1);
+    assert_memory_equal(le.id.bytes, full.id.bytes, 16);
+    assert_string_equal(le.tenant, "ev");
+    assert_int_equal(le.n_tokens, N_PROMPT);
+    assert_int_equal(le.block_size, 16);
+    assert_false(le.compressed);
+    assert_int_equal(le.n_block_hashes, n_want);
+    assert_memory_equal(le.block_hashes, want, n_want * sizeof *want);
+    snapkv_event_free(&le);
+    snapkv_events_close(&lev);
+    snapkv_events_close(&lev); /* NULL-safe */
 
-    struct snapkv_session_id fork;
-    assert_int_equal(snapkv_fork(c, &full.id, &fork, NULL), SNAPKV_OK);
+    struct snapkv_session_id forked;
+    assert_int_equal(snapkv_fork(c, &full.id, &forked, NULL), SNAPKV_OK);
     ev = next_event(sub, &s1, &b);
     assert_int_equal(s1, seq + 2);
     assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
-    assert_memory_equal(ev->stored->session_id.data, fork.bytes, 16);
+    assert_memory_equal(ev->stored->session_id.data, forked.bytes, 16);
     assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want);
     snapkv__kv_event_batch__free_unpacked(b, NULL);
 
-    assert_int_equal(snapkv_release(c, &fork), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &forked), SNAPKV_OK);
     ev = next_event(sub, &s1, &b);
     assert_int_equal(s1, seq + 3);
     assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_REMOVED);
-    assert_memory_equal(ev->removed->session_id.data, fork.bytes, 16);
+    assert_memory_equal(ev->removed->session_id.data, forked.bytes, 16);
     assert_int_equal(ev->removed->n_block_hashes, n_want);
     snapkv__kv_event_batch__free_unpacked(b, NULL);
 
@@ -1301,6 +1339,44 @@ static void test_kv_events(void **state)
     assert_memory_equal(ev->removed->session_id.data, comp.id.bytes, 16);
     snapkv__kv_event_batch__free_unpacked(b, NULL);
 
+    /* snapkvctl events: one JSON object per event */
+    char out_path[128];
+    snprintf(out_path, sizeof out_path, "%s/events.out", d.dir);
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char ctl[4096];
+    snprintf(ctl, sizeof ctl, "%s/snapkvctl", build);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen(out_path, "w", stdout))
+            _exit(126);
+        execl(ctl, ctl, "--json", "events", opt + strlen("--events-endpoint="), "--count", "2", (char *)NULL);
+        _exit(127);
+    }
+    int st = -1;
+    for (int i = 0; i < 100 && waitpid(pid, &st, WNOHANG) != pid; i++) { /* until it has read two */
+        struct snapkv_prefill_opts po1 = {.tokens = ids, .n_tokens = 1};
+        struct snapkv_prefill_result pr;
+        assert_int_equal(snapkv_prefill(c, &po1, &pr), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+        usleep(50 * 1000);
+    }
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    FILE *f = fopen(out_path, "r");
+    assert_non_null(f);
+    char line[2048];
+    int lines = 0;
+    while (fgets(line, sizeof line, f)) {
+        lines++;
+        assert_true(strstr(line, "\"kind\":\"stored\"") || strstr(line, "\"kind\":\"removed\""));
+        assert_non_null(strstr(line, "\"tenant\":\"ev\""));
+        assert_non_null(strstr(line, "\"session\":\""));
+    }
+    fclose(f);
+    assert_int_equal(lines, 2);
+
     snapkv_prefill_result_free(&full);
     snapkv_prefill_result_free(&comp);
     snapkv_close(&c);
@@ -1310,7 +1386,6 @@ static void test_kv_events(void **state)
     stop_daemon(&d);
 
     /* tcp:// is refused with a message, and the daemon does not start */
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char cmd[5000];
     snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-endpoint=tcp://127.0.0.1:1 --endpoint=ipc:///tmp/skv-ev-x "
              "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'events-endpoint is ipc:// only'", build, g_model);
