@@ -1638,9 +1638,14 @@ static void handle_inspect(struct skv_worker *w, struct skv_job *job)
         ir.n_layer_similarity = (size_t)s->cache->n_layers;
         ir.layer_similarity = (float *)sim;
     }
+    uint64_t *hashes = NULL;
+    ir.block_size = SKV_EVENT_BLOCK_TOKENS;
+    ir.n_block_hashes = skv_worker_block_hashes(s, &hashes);
+    ir.block_hashes = hashes;
     rep.result_case = SNAPKV__REPLY__RESULT_INSPECT;
     rep.inspect = &ir;
     skv_worker_reply(w, job, &rep);
+    free(hashes);
 out:
     free_kept(&arena);
     free(positions);

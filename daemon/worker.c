@@ -33,9 +33,9 @@ void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__R
  * One message per event through the reply pipe, under socket index SKV_WORKER_EVENTS_SOCK; the socket
  * thread publishes it with its topic and sequence number. */
 
-/* The chained block hashes of s's token history (whole SKV_EVENT_BLOCK_TOKENS blocks); the
- * caller frees *out. Returns how many (0 on no memory: the event goes without them). */
-static size_t event_hashes(const struct skv_session *s, uint64_t **out)
+/* The chained block hashes of s's token history (whole SKV_EVENT_BLOCK_TOKENS blocks); on no
+ * memory an event goes without them. */
+size_t skv_worker_block_hashes(const struct skv_session *s, uint64_t **out)
 {
     size_t n = (size_t)s->n_tokens / SKV_EVENT_BLOCK_TOKENS;
     *out = n ? malloc(n * sizeof **out) : NULL;
@@ -93,7 +93,7 @@ void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
     st.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
     st.tenant = s->tenant;
     st.block_size = SKV_EVENT_BLOCK_TOKENS;
-    st.n_block_hashes = event_hashes(s, &hashes);
+    st.n_block_hashes = skv_worker_block_hashes(s, &hashes);
     st.block_hashes = hashes;
     st.n_tokens = (uint32_t)s->cache->n_past;
     st.bytes = s->bytes;
@@ -115,7 +115,7 @@ static void event_removed(void *user, struct skv_session *s)
     Snapkv__SessionRemoved rm = SNAPKV__SESSION_REMOVED__INIT;
     rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
     rm.tenant = s->tenant;
-    rm.n_block_hashes = event_hashes(s, &hashes);
+    rm.n_block_hashes = skv_worker_block_hashes(s, &hashes);
     rm.block_hashes = hashes;
     Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
     ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;

@@ -130,6 +130,9 @@ void skv_worker_yield(struct skv_worker *w);
  * from now on its destruction is announced too. Nothing when events are off. */
 #define SKV_EVENT_BLOCK_TOKENS 16  /* tokens per hashed block */
 void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s);
+/* The chained block hashes of s's token history, as the events carry them; the caller frees
+ * *out. Returns how many (0, *out NULL: none, or no memory). */
+size_t skv_worker_block_hashes(const struct skv_session *s, uint64_t **out);
 
 /* The live metrics (worker thread only). */
 void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);

@@ -128,6 +128,38 @@ void snapkv_session_list_free(struct snapkv_session_list *l)
     memset(l, 0, sizeof *l);
 }
 
+int snapkv_admin_session_hashes(snapkv_client_t *c, const struct snapkv_session_id *id, uint32_t *block_size,
+                                uint64_t **hashes, size_t *n)
+{
+    int rc = skv_client_check(c, id, "session hashes");
+    if (rc)
+        return rc;
+    if (!block_size || !hashes || !n)
+        return skv_client_fail(SNAPKV_E_INVAL, "session hashes: block_size, hashes and n are required");
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__InspectRequest in = SNAPKV__INSPECT_REQUEST__INIT;
+    in.session_id = skv_client_id_wire(id);
+    req.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
+    req.inspect = &in;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_INSPECT, "INSPECT", NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    const Snapkv__InspectReply *r = rep->inspect;
+    uint64_t *h = NULL;
+    if (r->n_block_hashes && !(h = malloc(r->n_block_hashes * sizeof *h))) {
+        snapkv__reply__free_unpacked(rep, NULL);
+        return skv_client_fail(SNAPKV_E_NOMEM, "session hashes: out of memory");
+    }
+    if (h)
+        memcpy(h, r->block_hashes, r->n_block_hashes * sizeof *h);
+    *block_size = r->block_size;
+    *hashes = h;
+    *n = r->n_block_hashes;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return SNAPKV_OK;
+}
+
 int snapkv_admin_inspect(snapkv_client_t *c, const struct snapkv_session_id *id, bool with_positions,
                          struct snapkv_inspect_result *out)
 {

@@ -24,7 +24,8 @@
  * grew fields after 1.0 (snapkv_import_opts.cuda, the CURVE keys of snapkv_connect_opts).
  * 3:0:0 (libsnapkv.so.3): snapkv_kv_layout grew original_length.
  * 4:0:0 (libsnapkv.so.4): snapkv_sampling grew stop and n_stop (stop sequences); snapkv_cancel.
- * 5:0:1 (still libsnapkv.so.4): the KV events subscriber (snapkv_events_*), added.
+ * 5:0:1 (still libsnapkv.so.4): the KV events subscriber (snapkv_events_*) and
+ * snapkv_admin_session_hashes, added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -502,6 +503,11 @@ SNAPKV_API int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct sn
 SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
 /* Accepts NULL and *ev == NULL; sets *ev to NULL. */
 SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);
+/* A session's block hashes as its stored event carried them (through INSPECT on the admin
+ * endpoint): how a subscriber that missed events rebuilds its view. *hashes: n values, free()
+ * them (NULL when n is 0). */
+SNAPKV_API int snapkv_admin_session_hashes(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                           uint32_t *block_size, uint64_t **hashes, size_t *n);
 
 #ifdef __cplusplus
 }

@@ -1302,6 +1302,14 @@ static void test_kv_events(void **state)
     snapkv_event_free(&le);
     snapkv_events_close(&lev);
     snapkv_events_close(&lev); /* NULL-safe */
+    uint32_t block_size = 0; /* and the snapshot a subscriber that missed events reads */
+    uint64_t *snap = NULL;
+    size_t n_snap = 0;
+    assert_int_equal(snapkv_admin_session_hashes(a, &full.id, &block_size, &snap, &n_snap), SNAPKV_OK);
+    assert_int_equal(block_size, 16);
+    assert_int_equal(n_snap, n_want);
+    assert_memory_equal(snap, want, n_want * sizeof *want);
+    free(snap);
 
     struct snapkv_session_id forked;
     assert_int_equal(snapkv_fork(c, &full.id, &forked, NULL), SNAPKV_OK);
