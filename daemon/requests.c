@@ -1760,6 +1760,20 @@ static int write_all(FILE *f, crypto_generichash_state *h, const void *p, size_t
     return fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
 }
 
+/* Renames a written and fsynced tmp over path, then fsyncs dir so the rename survives a crash
+ * (the file is complete either way; a failing directory fsync is not an error). */
+static int rename_durable(const char *tmp, const char *path, const char *dir)
+{
+    if (rename(tmp, path) != 0)
+        return skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    return SKV_OK;
+}
+
 /* Writes session s to `path` (through path.tmp, fsynced, renamed, and the rename made durable
  * in `dir`); *bytes: the file's size. */
 static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path, long *bytes)
@@ -1843,13 +1857,8 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
         rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
     if (fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_IO, "close: %s", strerror(errno));
-    if (!rc && rename(tmp, path) != 0)
-        rc = skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
-    int dfd = rc ? -1 : open(dir, O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) {
-        fsync(dfd); /* the save is complete either way; this only makes the rename durable */
-        close(dfd);
-    }
+    if (!rc)
+        rc = rename_durable(tmp, path, dir);
     if (rc)
         unlink(tmp);
     return rc;
@@ -2181,13 +2190,8 @@ int skv_requests_persist_save(struct skv_worker *w)
         rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
     if (fd >= 0)
         close(fd);
-    if (!rc && rename(tmp, path) != 0)
-        rc = skv_errorf(SKV_E_IO, "rename %s: %s", path, strerror(errno));
-    int dfd = rc ? -1 : open(dir, O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) {
-        fsync(dfd);
-        close(dfd);
-    }
+    if (!rc)
+        rc = rename_durable(tmp, path, dir);
     if (rc) {
         persist_wipe(dir); /* sessions without their manifest would never be loaded */
         return rc;

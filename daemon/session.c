@@ -133,15 +133,21 @@ int skv_session_create(struct skv_session_table *t, const struct skv_model *m, c
     return SKV_OK;
 }
 
-int skv_session_set_id(struct skv_session_table *t, struct skv_session *s, const uint8_t *id)
+/* Takes s out of its id's chain. */
+static void bucket_unlink(struct skv_session_table *t, struct skv_session *s)
 {
-    if (skv_session_find(t, id, NULL))
-        return skv_errorf(SKV_E_EXISTS, "a session with that id exists");
     struct skv_session **pp = &t->bucket[bucket_of(s->id)];
     while (*pp && *pp != s)
         pp = &(*pp)->next;
     if (*pp)
         *pp = s->next;
+}
+
+int skv_session_set_id(struct skv_session_table *t, struct skv_session *s, const uint8_t *id)
+{
+    if (skv_session_find(t, id, NULL))
+        return skv_errorf(SKV_E_EXISTS, "a session with that id exists");
+    bucket_unlink(t, s);
     memcpy(s->id, id, SKV_SESSION_ID_BYTES);
     unsigned b = bucket_of(s->id);
     s->next = t->bucket[b];
@@ -168,11 +174,7 @@ void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
 {
     if (t->on_destroy)
         t->on_destroy(t->on_destroy_user, s);
-    struct skv_session **pp = &t->bucket[bucket_of(s->id)];
-    while (*pp && *pp != s)
-        pp = &(*pp)->next;
-    if (*pp)
-        *pp = s->next;
+    bucket_unlink(t, s);
     t->n_sessions--;
     session_free(s);
 }

@@ -13,20 +13,27 @@
 #include <time.h>
 #include <zmq.h>
 
-void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep)
+/* Packs a message (reply or event batch) and hands [sock][identity][body] to the socket thread. */
+static void push_out(struct skv_worker *w, int sock, const void *identity, size_t identity_len,
+                     const ProtobufCMessage *msg)
 {
-    size_t len = snapkv__reply__get_packed_size(rep);
+    size_t len = protobuf_c_message_get_packed_size(msg);
     uint8_t *buf = malloc(len ? len : 1);
     if (!buf) {
-        skv_log(SKV_LOG_ERROR, "out of memory packing a reply");
+        skv_log(SKV_LOG_ERROR, "out of memory packing a message for the socket thread");
         return;
     }
-    snapkv__reply__pack(rep, buf);
-    uint8_t sock = (uint8_t)job->sock;
-    zmq_send(w->push, &sock, 1, ZMQ_SNDMORE);
-    zmq_send(w->push, job->identity, job->identity_len, ZMQ_SNDMORE);
+    protobuf_c_message_pack(msg, buf);
+    uint8_t s = (uint8_t)sock;
+    zmq_send(w->push, &s, 1, ZMQ_SNDMORE);
+    zmq_send(w->push, identity, identity_len, ZMQ_SNDMORE);
     zmq_send(w->push, buf, len, 0);
     free(buf);
+}
+
+void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep)
+{
+    push_out(w, job->sock, job->identity, job->identity_len, &rep->base);
 }
 
 /* ---- KV events (events-endpoint; docs/SCALING.md §2) --------------------------------------------
@@ -69,18 +76,7 @@ static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
     b.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
     b.n_events = 1;
     b.events = &ev;
-    size_t len = snapkv__kv_event_batch__get_packed_size(&b);
-    uint8_t *buf = malloc(len ? len : 1);
-    if (!buf) {
-        skv_log(SKV_LOG_ERROR, "out of memory packing a KV event");
-        return;
-    }
-    snapkv__kv_event_batch__pack(&b, buf);
-    uint8_t sock = SKV_WORKER_EVENTS_SOCK;
-    zmq_send(w->push, &sock, 1, ZMQ_SNDMORE);
-    zmq_send(w->push, "", 0, ZMQ_SNDMORE);
-    zmq_send(w->push, buf, len, 0);
-    free(buf);
+    push_out(w, SKV_WORKER_EVENTS_SOCK, "", 0, &b.base);
 }
 
 void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
@@ -568,7 +564,7 @@ static struct skv_job *take_nested(struct skv_worker *w, uint64_t *start)
 {
     const struct skv_job *r = w->running;
     uint64_t slice = (uint64_t)w->cfg->fair_slice_ms * 1000;
-    if (!w->fair || !slice || w->nesting || !r || r->kind != SKV_JOB_REQUEST)
+    if (!w->fair || !slice || w->nesting || !r || r->kind != SKV_JOB_REQUEST || atomic_load(&w->st_queue) == 0)
         return NULL;
     uint64_t took = monotonic_us() - w->run_t0_us;
     uint64_t now_vt = w->run_vt_us + weighted(w, r->tenant, took > w->nested_us ? took - w->nested_us : 0);

@@ -128,6 +128,19 @@ void snapkv_session_list_free(struct snapkv_session_list *l)
     memset(l, 0, sizeof *l);
 }
 
+/* Sends INSPECT for id; *rep owns the reply (checked to carry an InspectReply). */
+static int inspect_call(snapkv_client_t *c, const struct snapkv_session_id *id, bool with_positions,
+                        Snapkv__Reply **rep)
+{
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__InspectRequest in = SNAPKV__INSPECT_REQUEST__INIT;
+    in.session_id = skv_client_id_wire(id);
+    in.with_positions = with_positions;
+    req.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
+    req.inspect = &in;
+    return skv_client_call(c, &req, SNAPKV__REPLY__RESULT_INSPECT, "INSPECT", NULL, NULL, rep);
+}
+
 int snapkv_admin_session_hashes(snapkv_client_t *c, const struct snapkv_session_id *id, uint32_t *block_size,
                                 uint64_t **hashes, size_t *n)
 {
@@ -136,14 +149,8 @@ int snapkv_admin_session_hashes(snapkv_client_t *c, const struct snapkv_session_
         return rc;
     if (!block_size || !hashes || !n)
         return skv_client_fail(SNAPKV_E_INVAL, "session hashes: block_size, hashes and n are required");
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__InspectRequest in = SNAPKV__INSPECT_REQUEST__INIT;
-    in.session_id = skv_client_id_wire(id);
-    req.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
-    req.inspect = &in;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_INSPECT, "INSPECT", NULL, NULL, &rep);
-    if (rc)
+    if ((rc = inspect_call(c, id, false, &rep)))
         return rc;
     const Snapkv__InspectReply *r = rep->inspect;
     uint64_t *h = NULL;
@@ -168,15 +175,8 @@ int snapkv_admin_inspect(snapkv_client_t *c, const struct snapkv_session_id *id,
         return rc;
     if (!out)
         return skv_client_fail(SNAPKV_E_INVAL, "inspect: out is required");
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__InspectRequest in = SNAPKV__INSPECT_REQUEST__INIT;
-    in.session_id = skv_client_id_wire(id);
-    in.with_positions = with_positions;
-    req.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
-    req.inspect = &in;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_INSPECT, "INSPECT", NULL, NULL, &rep);
-    if (rc)
+    if ((rc = inspect_call(c, id, with_positions, &rep)))
         return rc;
     const Snapkv__InspectReply *r = rep->inspect;
     struct snapkv_inspect_result res = {.n_layers = r->n_kept, .n_positions = r->n_positions,
