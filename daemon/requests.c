@@ -302,6 +302,7 @@ struct progress {
     const struct skv_job *job;   /* NULL: no progress replies */
     struct skv_compressor *comp;
     int n, n_layers;
+    bool undoable; /* stopping part way leaves the session as it was (or it is the request's own) */
 };
 
 static int progress_hook(void *user, const struct skv_layer_view *v)
@@ -322,17 +323,20 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     }
     if (!rc) /* this layer is done (and compressed): running decodes may take a token */
         skv_worker_yield(p->w);
-    if (!rc && skv_worker_running_prefill(p->w)) {
+    if (!rc && skv_worker_running_stoppable(p->w, p->undoable)) {
         /* its client gone, or (when it gets no progress replies, which would keep it waiting)
-         * past the time it waits: nobody takes the session, so the rest of the work goes */
+         * past the time it waits: nobody takes the PREFILL's session, and an APPEND's is left
+         * as it was (the engine undoes the forward), so the rest of the work goes */
+        bool prefill = p->w->running->req->command_case == SNAPKV__REQUEST__COMMAND_PREFILL;
         if (skv_worker_running_gone(p->w)) {
             atomic_fetch_add(&p->w->dropped_gone, 1);
             rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
         } else if (!p->job && skv_worker_running_late(p->w)) {
             p->w->metrics.requests_past_deadline++;
-            rc = skv_errorf(SKV_E_TIMEOUT, "the PREFILL passed its deadline of %u ms (the client's timeout) at layer "
-                            "%d of %d: stopped",
-                            p->w->running->req->deadline_ms, v->layer + 1, p->n_layers);
+            rc = skv_errorf(SKV_E_TIMEOUT, "the %s passed its deadline of %u ms (the client's timeout) at layer "
+                            "%d of %d: stopped%s",
+                            prefill ? "PREFILL" : "APPEND", p->w->running->req->deadline_ms, v->layer + 1,
+                            p->n_layers, prefill ? "" : ", the session as it was before it");
         }
     }
     return rc;
@@ -364,7 +368,8 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
-    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
+    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers,
+                            compress || !s->comp || skv_compressor_decode_keeps_rows(s->comp)};
     int rc = session_hook(s, n, compress, &fo);
     /* progress replies, and per layer of a long forward a heartbeat and a turn for the running
      * decodes (a short one beats when done, and they wait for it) */
@@ -551,6 +556,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         (rc = session_forward(w, s, ids, n, false)) ||
         (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
+    skv_worker_event_stored(w, s); /* announced again: its blocks as they are now */
     s->n_text_pending = 0; /* the client's text follows: a generated character it cut stays cut */
     Snapkv__Reply rep;
     Snapkv__AppendReply ar = SNAPKV__APPEND_REPLY__INIT;
@@ -649,6 +655,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     }
     if ((rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
+    skv_worker_event_stored(w, s); /* announced again: compressed, its bytes fewer */
     Snapkv__Reply rep;
     Snapkv__CompressReply cr = SNAPKV__COMPRESS_REPLY__INIT;
     struct kept_arena arena = {0};
@@ -1206,6 +1213,13 @@ fail:
 
 /* ---- DECODE ------------------------------------------------------------------------------------ */
 
+void skv_requests_decode_end(struct skv_worker *w, struct skv_decode *d)
+{
+    if (d->session && d->produced > 0)
+        skv_worker_event_stored(w, d->session); /* announced again: the tokens it decoded */
+    skv_requests_decode_free(d);
+}
+
 void skv_requests_decode_free(struct skv_decode *d)
 {
     if (!d)
@@ -1509,7 +1523,7 @@ static void handle_cancel(struct skv_worker *w, struct skv_job *job)
         cr.cancelled = true;
         cr.n_generated = d->produced;
         skv_requests_decode_cancel(w, d);
-        skv_requests_decode_free(d);
+        skv_requests_decode_end(w, d);
         w->metrics.decodes_cancelled++;
         break;
     }

@@ -230,7 +230,7 @@ static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
         }
         *pp = d->next;
         skv_requests_decode_cancel(w, d);
-        skv_requests_decode_free(d);
+        skv_requests_decode_end(w, d);
         n++;
     }
     w->metrics.decodes_cancelled_gone += (uint64_t)n;
@@ -315,7 +315,7 @@ static void decode_rounds(struct skv_worker *w)
             while (*pp != batch[i])
                 pp = &(*pp)->next;
             *pp = batch[i]->next;
-            skv_requests_decode_free(batch[i]);
+            skv_requests_decode_end(w, batch[i]);
         }
     }
     w->last_round_us = monotonic_us();
@@ -1008,9 +1008,18 @@ static bool only_for_client(const struct skv_job *job)
     }
 }
 
-bool skv_worker_running_prefill(const struct skv_worker *w)
+bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable)
 {
-    return w->running && !w->yielding && w->running->req->command_case == SNAPKV__REQUEST__COMMAND_PREFILL;
+    if (!w->running || w->yielding)
+        return false;
+    switch (w->running->req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_PREFILL:
+        return true;
+    case SNAPKV__REQUEST__COMMAND_APPEND:
+        return undoable;
+    default:
+        return false;
+    }
 }
 
 bool skv_worker_running_late(const struct skv_worker *w)

@@ -139,9 +139,10 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 /* Whether the running request's client closed its connection (its notice waits in the queue);
  * worker thread. */
 bool skv_worker_running_gone(struct skv_worker *w);
-/* Whether the forward in progress is the running request's, and that request a PREFILL (its
- * session is its own, so the forward may stop). */
-bool skv_worker_running_prefill(const struct skv_worker *w);
+/* Whether the forward in progress is the running request's and may stop part way: a PREFILL
+ * (its session is its own), or an APPEND whose forward can be undone (undoable: it changes no
+ * row it does not add, so the session is left as it was). */
+bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable);
 /* Whether the running request's deadline passed (its client has stopped waiting). */
 bool skv_worker_running_late(const struct skv_worker *w);
 /* A tenant's counters (worker thread only): its own row, SKV_TENANT_ADMIN's, or, past
@@ -174,6 +175,9 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
  * finish_reason "cancelled"; the session keeps the tokens so far. */
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d);
 void skv_requests_decode_free(struct skv_decode *d);
+/* A decode that ran ends: its session announced again (KV events) when it made a token, then
+ * d freed. */
+void skv_requests_decode_end(struct skv_worker *w, struct skv_decode *d);
 /* Closes the CUDA buffers of clients idle for longer than a lease; returns how many. */
 int skv_requests_ipc_expire(struct skv_worker *w, uint64_t now_ms);
 /* A SKV_JOB_CLIENT_GONE notice: closes the CUDA buffers of the job's client (its endpoint and

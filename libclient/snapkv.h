@@ -475,8 +475,10 @@ SNAPKV_API int snapkv_admin_stats(snapkv_client_t *client, bool prometheus, stru
 SNAPKV_API void snapkv_stats_free(struct snapkv_stats *s);
 
 /* KV events: a subscriber to a daemon's events-endpoint (an ipc:// PUB socket, docs/SCALING.md),
- * which announces each session stored (PREFILL, FORK, IMPORT_KV, LOAD, a restore at start) and
- * removed (RELEASE, EVICT, eviction, lease expiry), and AllCleared when the daemon starts. A
+ * which announces each session stored (PREFILL, FORK, IMPORT_KV, LOAD, a restore at start),
+ * stored again when it changes (APPEND, COMPRESS, a DECODE's end: the same id, whose new event
+ * replaces the last), removed (RELEASE, EVICT, eviction, lease expiry), and AllCleared when the
+ * daemon starts. A
  * subscriber that reads too slowly loses events: the sequence numbers then jump. Not thread-safe,
  * like a client. */
 typedef struct snapkv_events snapkv_events_t;

@@ -495,6 +495,11 @@ static void grow_fixed_budgets(struct skv_compressor *c)
     }
 }
 
+bool skv_compressor_decode_keeps_rows(const struct skv_compressor *c)
+{
+    return c->spec.policy == SKV_POLICY_FULL || (c->spec.policy == SKV_POLICY_SNAPKV && c->spec.decode_budget <= 0);
+}
+
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache)
 {
     if (!c->decode && c->spec.decode_budget > 0)

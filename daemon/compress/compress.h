@@ -50,6 +50,11 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
  * decode_budget * b_l / mean(b) rows (b: the prefill's layer budgets; total conserved), so
  * the allocation holds while decoding (the window then min(window, decode_budget, that)). */
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
+/* Whether a forward outside compression (APPEND, DECODE) leaves every row the cache holds as it
+ * was: true for snapkv without a decode_budget (it keeps all until a COMPRESS), false when the
+ * decode upkeep evicts rows or adds to their scores (h2o, streaming, window, decode_budget).
+ * Such a forward can be undone (stopped part way) without changing the session. */
+bool skv_compressor_decode_keeps_rows(const struct skv_compressor *c);
 
 /* Backend memory the compressor may hold for its session beyond the cache: SnapKV re-scoring's
  * observation ring (L x min(window, decode_budget) queries at query-head width, allocated at

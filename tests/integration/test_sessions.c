@@ -1203,8 +1203,9 @@ static size_t ref_hashes(const uint32_t *ids, int n, uint64_t *out)
 }
 
 /* events-endpoint: a SUB socket (and libsnapkv's subscriber, and snapkvctl events) sees each
- * session stored (PREFILL, FORK) and removed (RELEASE, EVICT), in order with consecutive sequence
- * numbers, each with the chained hashes of its
+ * session stored (PREFILL, FORK), stored again as it changes (APPEND, a DECODE's end, COMPRESS)
+ * and removed (RELEASE, EVICT), in order with consecutive sequence numbers, each with the
+ * chained hashes of its
  * prompt's whole 16-token blocks as computed here from the ids, and SnapKV sessions flagged
  * compressed (a function of the ids alone, so every host publishes the same ones for a prompt);
  * a PREFILL that fails announces nothing. A tcp:// events endpoint is refused at start. */
@@ -1340,9 +1341,58 @@ static void test_kv_events(void **state)
     assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want);
     snapkv__kv_event_batch__free_unpacked(b, NULL);
 
-    assert_int_equal(snapkv_admin_evict(a, &comp.id, NULL, false, NULL, NULL), SNAPKV_OK);
+    /* a session that changes is announced again under its id: an APPEND (one more whole
+     * block), the end of a DECODE (its tokens in the chain), a COMPRESS (flagged compressed) */
+    uint32_t hist[N_PROMPT + 16 + N_GEN];
+    memcpy(hist, ids, sizeof ids);
+    prompt(hist + N_PROMPT, 16, 32);
+    struct snapkv_append_opts ao = {.tokens = hist + N_PROMPT, .n_tokens = 16};
+    assert_int_equal(snapkv_append(c, &full.id, &ao, NULL), SNAPKV_OK);
+    uint64_t want2[(N_PROMPT + 16 + N_GEN) / 16];
+    size_t n_want2 = ref_hashes(hist, N_PROMPT + 16, want2);
     ev = next_event(sub, &s1, &b);
     assert_int_equal(s1, seq + 5);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
+    assert_memory_equal(ev->stored->session_id.data, full.id.bytes, 16);
+    assert_int_equal(ev->stored->n_tokens, N_PROMPT + 16);
+    assert_int_equal(ev->stored->n_block_hashes, n_want + 1);
+    assert_memory_equal(ev->stored->block_hashes, want2, n_want2 * sizeof *want2);
+    assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want); /* the prompt's, unchanged */
+    assert_false(ev->stored->compressed);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = N_GEN;
+    sp.stop_at_eos = false;
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode(c, &full.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, N_GEN);
+    memcpy(hist + N_PROMPT + 16, dr.tokens, N_GEN * sizeof *hist);
+    snapkv_decode_result_free(&dr);
+    n_want2 = ref_hashes(hist, N_PROMPT + 16 + N_GEN, want2);
+    ev = next_event(sub, &s1, &b); /* one event for the whole decode */
+    assert_int_equal(s1, seq + 6);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
+    assert_memory_equal(ev->stored->session_id.data, full.id.bytes, 16);
+    assert_int_equal(ev->stored->n_tokens, N_PROMPT + 16 + N_GEN);
+    assert_int_equal(ev->stored->n_block_hashes, n_want2);
+    assert_memory_equal(ev->stored->block_hashes, want2, n_want2 * sizeof *want2);
+    uint64_t bytes_full = ev->stored->bytes;
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+    assert_int_equal(snapkv_compress(c, &full.id, SPEC, 0, NULL), SNAPKV_OK);
+    ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 7);
+    assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_STORED);
+    assert_memory_equal(ev->stored->session_id.data, full.id.bytes, 16);
+    assert_true(ev->stored->compressed);
+    assert_true(ev->stored->bytes < bytes_full);
+    assert_int_equal(ev->stored->n_block_hashes, n_want2);
+    assert_memory_equal(ev->stored->block_hashes, want2, n_want2 * sizeof *want2);
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    assert_int_equal(snapkv_admin_evict(a, &comp.id, NULL, false, NULL, NULL), SNAPKV_OK);
+    ev = next_event(sub, &s1, &b);
+    assert_int_equal(s1, seq + 8);
     assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_REMOVED);
     assert_memory_equal(ev->removed->session_id.data, comp.id.bytes, 16);
     snapkv__kv_event_batch__free_unpacked(b, NULL);

@@ -2136,6 +2136,73 @@ static void test_nested(void **state)
     snapkv__reply__free_unpacked(alone_b, NULL);
 }
 
+/* A 64-token APPEND to session sid by client Y, with a deadline (0: none). */
+struct long_append {
+    struct fixture *f;
+    const uint8_t *sid;
+    uint32_t deadline_ms;
+};
+
+static void submit_long_append(void *arg)
+{
+    const struct long_append *la = arg;
+    uint32_t tokens[64];
+    fixed_ids(la->f, tokens, 64);
+    Snapkv__AppendRequest ap = SNAPKV__APPEND_REQUEST__INIT;
+    ap.session_id = (ProtobufCBinaryData){16, (uint8_t *)la->sid};
+    ap.tokens = tokens;
+    ap.n_tokens = 64;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    req.append = &ap;
+    req.deadline_ms = la->deadline_ms;
+    assert_int_equal(skv_worker_submit(la->f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+}
+
+/* A running APPEND stops at its next layer once its deadline passes or its client's connection
+ * closes, and its session is as it was (the engine undoes the rows it added), when that is
+ * possible: its session keeps every row while decoding (no compressor, or snapkv without a
+ * decode_budget). A session whose upkeep evicts rows (streaming) finishes the APPEND instead,
+ * since stopping part way would leave it with rows missing. */
+static void test_append_stops(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16], c[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=snapkv,budget=16,window=4", b);
+    prefill(f, 8, "policy=streaming,budget=16,sinks=2", c);
+    const uint8_t *undoable[2] = {a, b};
+    for (int k = 0; k < 2; k++) {
+        struct long_append la = {f, undoable[k], 20};
+        gate_hold(submit_long_append, &la);
+        usleep(60000); /* past its 20 ms while it waits inside its first layer */
+        gate_open();
+        expect_reply(f, SKV_E_TIMEOUT, "the APPEND passed its deadline of 20 ms (the client's timeout) at layer 1");
+        assert_int_equal(listed(f, undoable[k], NULL, NULL), 8);
+        assert_int_equal(append(f, undoable[k], 2, NULL), SKV_OK); /* it goes on from there */
+        assert_int_equal(listed(f, undoable[k], NULL, NULL), 10);
+    }
+    assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
+    /* streaming: it runs to its end, past the deadline */
+    struct long_append la = {f, c, 20};
+    gate_hold(submit_long_append, &la);
+    usleep(60000);
+    gate_open();
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->append->n_tokens, 72);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
+    /* its client gone (the last use of Y here): stopped too */
+    la = (struct long_append){f, a, 0};
+    gate_hold(submit_long_append, &la);
+    assert_int_equal(skv_worker_client_gone(f->w, ID_Y, sizeof ID_Y, true), SKV_OK);
+    gate_open();
+    expect_reply(f, SKV_E_CANCELLED, "the client's connection closed");
+    assert_int_equal(listed(f, a, NULL, NULL), 10);
+    assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 1);
+}
+
 /* Restarts the worker (a stop saves when persist is on; a start restores). */
 static void restart(struct fixture *f)
 {
@@ -2273,6 +2340,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
