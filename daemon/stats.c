@@ -61,15 +61,19 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          (double)m->requests_nested},
         {"snapkv_requests_dropped_on_disconnect_total",
          "requests of clients whose connection closed that were dropped while queued (PREFILL, FORK, IMPORT_KV) "
-         "or stopped inside a PREFILL's forward",
+         "or stopped inside a PREFILL's or APPEND's forward",
          (double)m->requests_dropped_gone},
         {"snapkv_requests_past_deadline_total",
          "requests answered TIMEOUT without running because they waited past their client's deadline (its "
-         "timeout), or PREFILLs stopped inside their forward once it passed",
+         "timeout), or PREFILLs and APPENDs stopped inside their forward once it passed",
          (double)m->requests_past_deadline},
         {"snapkv_decodes_running", "DECODEs running (max-decodes)", (double)in->n_decodes},
         {"snapkv_queue_requests", "requests waiting for the engine (queue-depth)", (double)in->queue_requests},
         {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},
+        {"snapkv_engine_scratch_bytes",
+         "activation buffers of the engines (the main one, the one decodes and short requests run on, the "
+         "nested one, which gives its buffers back after each request), beside the KV pool",
+         (double)in->engine_scratch_bytes},
     };
     memcpy(rows, r, sizeof r);
 }

@@ -37,6 +37,7 @@ struct skv_stats_input {
     uint64_t queue_bytes;         /* the memory they hold (max-queued-bytes) */
     uint64_t reply_bytes_unread;  /* replies sent and not taken by their clients yet */
     uint64_t replies_dropped;     /* replies dropped for max-reply-bytes(-per-client) */
+    uint64_t engine_scratch_bytes; /* activation buffers the worker's engines hold */
 };
 
 struct skv_stat {
@@ -45,7 +46,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 30
+#define SKV_N_STATS 31
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

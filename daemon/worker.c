@@ -151,6 +151,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
     const struct skv_replies *r = atomic_load(&w->replies);
     out->reply_bytes_unread = skv_replies_unread_bytes(r);
     out->replies_dropped = skv_replies_dropped(r);
+    out->engine_scratch_bytes = skv_engine_scratch_bytes(w->engine) + skv_engine_scratch_bytes(w->decode_engine) +
+                                skv_engine_scratch_bytes(w->nested_engine);
 }
 
 void skv_worker_set_replies(struct skv_worker *w, const struct skv_replies *r)
@@ -618,6 +620,9 @@ static void run_nested(struct skv_worker *w, struct skv_job *job, uint64_t start
     w->run_vt_us = start;
     w->run_t0_us = monotonic_us();
     run_job(w, job);
+    /* nesting is the exception: its engine does not keep buffers as large as the longest
+     * prompt it ran (a 32K-token one's are gigabytes on a large model) */
+    skv_engine_release_scratch(w->nested_engine);
     uint64_t took = monotonic_us() - w->run_t0_us;
     charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
     w->nesting = false;

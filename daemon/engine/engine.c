@@ -503,6 +503,12 @@ static void free_buffers(struct skv_engine *e)
     e->scratch_bytes = 0;
 }
 
+void skv_engine_release_scratch(struct skv_engine *e)
+{
+    if (e)
+        free_buffers(e);
+}
+
 /* Makes the full-batch buffers hold n tokens. */
 static int ensure_capacity(struct skv_engine *e, int n)
 {
@@ -570,7 +576,7 @@ struct skv_model *skv_engine_model(const struct skv_engine *e)
 
 uint64_t skv_engine_scratch_bytes(const struct skv_engine *e)
 {
-    return e->scratch_bytes;
+    return e ? e->scratch_bytes : 0;
 }
 
 #define CHECK(expr)                                                                                \

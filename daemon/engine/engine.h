@@ -156,5 +156,7 @@ int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *se
 
 /* Peak bytes of activation scratch the engine holds. */
 uint64_t skv_engine_scratch_bytes(const struct skv_engine *e);
+/* Gives the activation scratch back (the next forward allocates what it needs again). */
+void skv_engine_release_scratch(struct skv_engine *e);
 
 #endif

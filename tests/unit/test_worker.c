@@ -2087,7 +2087,8 @@ static int nested_scenario(struct fixture *f, char order[5], Snapkv__Reply *reps
  * inside it, at its next tick, on the nested engine, and both come out as when each runs alone
  * (the same logits and kept rows, bit for bit). A request of the running one's sender (X's for
  * u) or of its tenant (Y's for t) does not: each client's order is kept, and a tenant does not
- * overtake itself. With fair-slice-ms = 0 u's PREFILL waits for t's. */
+ * overtake itself. The nested engine gives its buffers back after the request (the engines'
+ * scratch is what it was before). With fair-slice-ms = 0 u's PREFILL waits for t's. */
 static void test_nested(void **state)
 {
     struct fixture *f = *state;
@@ -2107,9 +2108,13 @@ static void test_nested(void **state)
 
     char order[5];
     Snapkv__Reply *reps[4];
+    double scratch = stat(f, "snapkv_engine_scratch_bytes"); /* the main engine's, for 64 tokens */
+    assert_true(scratch > 0);
     assert_int_equal(nested_scenario(f, order, reps), 1);
     /* B inside A; then E (u: less time than t) and D */
     assert_string_equal(order, "BAED");
+    /* the nested engine gave back the buffers B's 48 tokens took */
+    assert_true(stat(f, "snapkv_engine_scratch_bytes") == scratch);
     const Snapkv__PrefillReply *a = reps[0]->prefill, *b = reps[1]->prefill;
     assert_int_equal(a->n_logits, n_vocab);
     assert_memory_equal(a->logits, alone_a->prefill->logits, sizeof(float) * (size_t)n_vocab);
