@@ -825,7 +825,8 @@ static void test_gone_client_prefill(void **state)
 /* A client whose timeout passes while its long PREFILL runs gets SNAPKV_E_TIMEOUT, and the
  * daemon, told the timeout as the request's deadline, stops the forward at its next layer: no
  * session is left, and the engine is free for the next request (which is answered, not left
- * behind the rest of a prefill nobody waits for). */
+ * behind the rest of a prefill nobody waits for). A long APPEND past its deadline stops the same
+ * way, and its session is as it was before it. */
 static void test_deadline_prefill(void **state)
 {
     NEED_MODEL();
@@ -852,8 +853,21 @@ static void test_deadline_prefill(void **state)
     po.n_tokens = 16;
     assert_int_equal(snapkv_set_timeout(c, 30000), SNAPKV_OK);
     assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
-    snapkv_prefill_result_free(&pr);
     assert_true(stat_or_zero(a, "snapkv_tenant_errors_total{tenant=\"hasty\"}") == 1);
+    /* an APPEND of the 4096 tokens to it, past the 300 ms: stopped too, the session as it was */
+    assert_int_equal(snapkv_set_timeout(c, 300), SNAPKV_OK);
+    struct snapkv_append_opts ao = {.tokens = ids, .n_tokens = N};
+    assert_int_equal(snapkv_append(c, &pr.id, &ao, NULL), SNAPKV_E_TIMEOUT);
+    for (int i = 0; i < 600 && stat_value(a, stopped) < 2; i++)
+        usleep(100 * 1000);
+    assert_true(stat_value(a, stopped) == 2);
+    assert_int_equal(snapkv_set_timeout(c, 30000), SNAPKV_OK);
+    struct snapkv_append_result ar;
+    ao.n_tokens = 8;
+    assert_int_equal(snapkv_append(c, &pr.id, &ao, &ar), SNAPKV_OK);
+    assert_int_equal(ar.n_tokens, 16 + 8);
+    snapkv_append_result_free(&ar);
+    snapkv_prefill_result_free(&pr);
     snapkv_close(&c);
     snapkv_close(&a);
     stop_daemon(&d);
