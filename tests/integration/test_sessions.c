@@ -146,6 +146,23 @@ static void prompt(uint32_t *ids, int n, int salt)
         ids[i] = (uint32_t)(300 + (i * 131 + salt * 977) % 20000);
 }
 
+/* Greedy sampling of N_GEN tokens, the end-of-turn token not stopping it. */
+static void sampling_gen(struct snapkv_sampling *sp)
+{
+    snapkv_sampling_defaults(sp);
+    sp->max_tokens = N_GEN;
+    sp->stop_at_eos = false;
+}
+
+/* A DECODE of N_GEN greedy tokens from session id, which must succeed with all of them. */
+static void decode_gen(snapkv_client_t *c, const struct snapkv_session_id *id, struct snapkv_decode_result *dr)
+{
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    assert_int_equal(snapkv_decode(c, id, &sp, NULL, NULL, dr), SNAPKV_OK);
+    assert_int_equal(dr->n_tokens, N_GEN);
+}
+
 /* Blocks a session's INSPECT shows: the sum over layers and heads, and whether every head
  * holds exactly the blocks its kept rows need. */
 static uint64_t inspect_blocks(const struct snapkv_inspect_result *ir, uint32_t block_rows, uint64_t *shared,
@@ -275,9 +292,7 @@ static void test_eight_clients(void **state)
             if (pr.n_tokens != N_PROMPT || pr.layers[0].kept != 48 || pr.bytes_after * 3 > pr.bytes_before)
                 _exit(11);
             struct snapkv_sampling sp;
-            snapkv_sampling_defaults(&sp);
-            sp.max_tokens = N_GEN;
-            sp.stop_at_eos = false;
+            sampling_gen(&sp);
             struct snapkv_decode_result dr;
             if (snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr))
                 _exit(12);
@@ -1114,9 +1129,7 @@ static void test_persist_restart(void **state)
     struct snapkv_session_id fork;
     assert_int_equal(snapkv_fork(c, &pa.id, &fork, NULL), SNAPKV_OK);
     struct snapkv_sampling sp;
-    snapkv_sampling_defaults(&sp);
-    sp.stop_at_eos = false;
-    sp.max_tokens = N_GEN;
+    sampling_gen(&sp);
     struct snapkv_decode_result ref, got;
     assert_int_equal(snapkv_decode(c, &fork, &sp, NULL, NULL, &ref), SNAPKV_OK);
     assert_int_equal(ref.n_tokens, N_GEN);
@@ -1374,13 +1387,8 @@ static void test_kv_events(void **state)
     assert_memory_equal(ev->stored->block_hashes, want, n_want * sizeof *want); /* the prompt's, unchanged */
     assert_false(ev->stored->compressed);
     snapkv__kv_event_batch__free_unpacked(b, NULL);
-    struct snapkv_sampling sp;
-    snapkv_sampling_defaults(&sp);
-    sp.max_tokens = N_GEN;
-    sp.stop_at_eos = false;
     struct snapkv_decode_result dr;
-    assert_int_equal(snapkv_decode(c, &full.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
-    assert_int_equal(dr.n_tokens, N_GEN);
+    decode_gen(c, &full.id, &dr);
     memcpy(hist + N_PROMPT + 16, dr.tokens, N_GEN * sizeof *hist);
     snapkv_decode_result_free(&dr);
     n_want2 = ref_hashes(hist, N_PROMPT + 16 + N_GEN, want2);
@@ -1482,13 +1490,8 @@ static void test_decode_budget(void **state)
     struct snapkv_prefill_result pr;
     assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
     assert_int_equal(pr.layers[0].kept, 48);
-    struct snapkv_sampling sp;
-    snapkv_sampling_defaults(&sp);
-    sp.max_tokens = N_GEN;
-    sp.stop_at_eos = false;
     struct snapkv_decode_result dr;
-    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
-    assert_int_equal(dr.n_tokens, N_GEN);
+    decode_gen(c, &pr.id, &dr);
     assert_memory_equal(dr.tokens, want, sizeof want);
     snapkv_client_t *a = client(d.admin, NULL);
     struct snapkv_inspect_result ir;
