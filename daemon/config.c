@@ -38,8 +38,9 @@ static const struct skv_config_option options[] = {
      "HOST:PORT for plain-HTTP GET /metrics (Prometheus text); empty: off"},
     {"state-dir", SKV_CFG_STRING, OPT(state_dir), "/var/lib/snapkvd", 0, 0, "where saved sessions live"},
     {"events-endpoint", SKV_CFG_STRING, OPT(events_endpoint), "", 0, 0,
-     "ipc:// endpoint of a ZeroMQ PUB socket announcing each session stored and removed, with its prompt's "
-     "block hashes, for a KV-aware router (docs/SCALING.md); empty: off"},
+     "ipc:// endpoint of a ZeroMQ PUB socket announcing each session stored, changed (APPEND, COMPRESS, a "
+     "DECODE's end) and removed, with its token history's block hashes, for a KV-aware router "
+     "(docs/SCALING.md); empty: off"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},

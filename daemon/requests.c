@@ -1922,7 +1922,7 @@ static int rows_finite(const float *x, size_t n, const char *path)
 /* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
  * to the pool and the tenant; *out on success (nothing is left behind on failure). */
 static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
-                        struct skv_session **out)
+                        struct skv_kv_dedupe *dedupe, uint64_t *n_shared, struct skv_session **out)
 {
     struct skv_session *s = NULL;
     FILE *f = NULL;
@@ -2060,6 +2060,10 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
         s->n_text_pending = (uint8_t)n_pending;
     }
     free(logits);
+    /* blocks equal to those of a session of its tenant loaded before share them, as a fork
+     * shared its document's before the stop: the pool holds them once, before it is charged */
+    if (!rc && dedupe)
+        rc = skv_kv_cache_dedupe(s->cache, dedupe, skv_kv_hash_bytes(tenant, strlen(tenant), 0), n_shared);
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     if (rc) {
@@ -2079,7 +2083,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     struct skv_session *s = NULL;
     int rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_load(w, path, tenant, "load", &s);
+        rc = session_load(w, path, tenant, "load", NULL, NULL, &s);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -2262,7 +2266,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
     const json_t *list = json_object_get(doc, "sessions");
     size_t n = json_array_size(list);
     int restored = 0;
-    uint64_t t0 = skv_now_ms();
+    uint64_t t0 = skv_now_ms(), n_shared = 0;
+    struct skv_kv_dedupe *dedupe = NULL; /* without it (no memory) each session has its own blocks */
+    if (skv_kv_dedupe_new(w->m->kv_pool, &dedupe))
+        dedupe = NULL;
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         uint8_t id[SKV_SESSION_ID_BYTES];
         const char *tenant, *owner;
@@ -2275,7 +2282,9 @@ int skv_requests_persist_restore(struct skv_worker *w)
         if (!rc) {
             skv_session_id_hex(id, hex);
             snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
-            rc = session_load(w, path, tenant, owner, &s);
+            uint64_t k_shared = 0;
+            rc = session_load(w, path, tenant, owner, dedupe, &k_shared, &s);
+            n_shared += rc ? 0 : k_shared;
         }
         if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
             skv_session_destroy(w->sessions, s);
@@ -2294,9 +2303,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
         restored++;
     }
     json_decref(doc);
+    skv_kv_dedupe_free(&dedupe);
     persist_wipe(dir);
-    skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s", restored, n, dir,
-            (double)(skv_now_ms() - t0) / 1000.0);
+    skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s; %llu KV block(s) shared again",
+            restored, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)n_shared);
     return SKV_OK;
 }
 

@@ -391,6 +391,23 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
     return SKV_OK;
 }
 
+int skv_kv_cache_dedupe(struct skv_kv_cache *c, struct skv_kv_dedupe *d, uint64_t group, uint64_t *n_shared)
+{
+    *n_shared = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        struct skv_kv_head *kh = &c->heads[i];
+        for (int b = 0; b < kh->len / c->block_rows; b++) {
+            bool shared;
+            int rc = skv_kv_dedupe_block(d, group, &kh->blk[b], &shared);
+            if (rc)
+                return rc;
+            kh->mem[b] = kh->blk[b]->mem;
+            *n_shared += shared;
+        }
+    }
+    return SKV_OK;
+}
+
 int skv_kv_cache_truncate(struct skv_kv_cache *c, int layer, int h, int len)
 {
     struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);

@@ -66,6 +66,9 @@ int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache 
  * are kept (and stay shared); the others are gathered into fresh blocks and the old ones
  * released, so a fork's compaction never touches the rows of the cache it shares with. */
 int skv_kv_cache_compact(struct skv_kv_cache *cache, int layer, int h, const int32_t *idx, int cnt);
+/* Shares the cache's full blocks (every row in use) with equal blocks d indexes under group,
+ * and indexes the others (kv_pool.h); *n_shared: how many became shared. */
+int skv_kv_cache_dedupe(struct skv_kv_cache *cache, struct skv_kv_dedupe *d, uint64_t group, uint64_t *n_shared);
 /* Cuts head h of `layer` to its first len rows (len <= its rows), releasing blocks past. */
 int skv_kv_cache_truncate(struct skv_kv_cache *cache, int layer, int h, int len);
 /* Host copies of rows [row0, row0 + n) of head h of `layer`: K (which == 0) or V, [n][head_dim]. */

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define SLAB_BLOCKS 64 /* blocks per backend allocation (512 KiB at 16 rows x 64 dims) */
 
@@ -263,5 +264,122 @@ int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes)
     if (rc)
         return skv_errorf(rc, "KV pool: %llu of %llu bytes reserved, the backend has no more",
                           (unsigned long long)(pool->n_slabs * slab_bytes), (unsigned long long)bytes);
+    return SKV_OK;
+}
+
+/* ---- sharing equal blocks (skv_kv_dedupe) ------------------------------------------------- */
+
+uint64_t skv_kv_hash_bytes(const void *p, size_t n, uint64_t seed)
+{
+    const unsigned char *c = p;
+    uint64_t h = seed ^ 0x9e3779b97f4a7c15ull ^ (uint64_t)n;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, c + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    for (; i < n; i++)
+        h = (h ^ c[i]) * 0x100000001b3ull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    return h ^ (h >> 33);
+}
+
+struct dedupe_entry {
+    uint64_t key;                 /* content hash mixed with the group; 0: an empty slot */
+    uint64_t group;
+    struct skv_kv_block *b;       /* held by the index */
+};
+
+struct skv_kv_dedupe {
+    struct skv_kv_pool *pool;
+    struct dedupe_entry *tab;     /* open addressing, cap a power of two, at most half full */
+    size_t cap, n;
+    unsigned char *mine, *theirs; /* host copies of the two blocks compared */
+};
+
+int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out)
+{
+    struct skv_kv_dedupe *d = calloc(1, sizeof *d);
+    if (!d || !(d->mine = malloc(pool->block_bytes)) || !(d->theirs = malloc(pool->block_bytes))) {
+        if (d) {
+            free(d->mine);
+            free(d);
+        }
+        return SKV_E_NOMEM;
+    }
+    d->pool = pool;
+    *out = d;
+    return SKV_OK;
+}
+
+void skv_kv_dedupe_free(struct skv_kv_dedupe **d_p)
+{
+    struct skv_kv_dedupe *d = d_p ? *d_p : NULL;
+    if (!d)
+        return;
+    for (size_t i = 0; i < d->cap; i++)
+        if (d->tab[i].key)
+            skv_kv_pool_put(d->pool, d->tab[i].b);
+    free(d->tab);
+    free(d->mine);
+    free(d->theirs);
+    free(d);
+    *d_p = NULL;
+}
+
+static void dedupe_place(struct dedupe_entry *tab, size_t cap, struct dedupe_entry e)
+{
+    size_t i = (size_t)e.key & (cap - 1);
+    while (tab[i].key)
+        i = (i + 1) & (cap - 1);
+    tab[i] = e;
+}
+
+static int dedupe_grow(struct skv_kv_dedupe *d)
+{
+    size_t cap = d->cap ? 2 * d->cap : 1024;
+    struct dedupe_entry *tab = calloc(cap, sizeof *tab);
+    if (!tab)
+        return SKV_E_NOMEM;
+    for (size_t i = 0; i < d->cap; i++)
+        if (d->tab[i].key)
+            dedupe_place(tab, cap, d->tab[i]);
+    free(d->tab);
+    d->tab = tab;
+    d->cap = cap;
+    return SKV_OK;
+}
+
+int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_block **b_p, bool *shared)
+{
+    struct skv_kv_pool *p = d->pool;
+    const struct skv_backend_ops *ops = p->be->ops;
+    *shared = false;
+    int rc = ops->download(p->be, d->mine, (*b_p)->mem, p->block_bytes);
+    if (rc)
+        return rc;
+    uint64_t key = skv_kv_hash_bytes(d->mine, p->block_bytes, group) | 1;
+    for (size_t i = d->cap ? (size_t)key & (d->cap - 1) : 0; d->cap && d->tab[i].key; i = (i + 1) & (d->cap - 1)) {
+        const struct dedupe_entry *e = &d->tab[i];
+        if (e->key != key || e->group != group || e->b == *b_p)
+            continue;
+        if ((rc = ops->download(p->be, d->theirs, e->b->mem, p->block_bytes)))
+            return rc;
+        if (memcmp(d->mine, d->theirs, p->block_bytes) != 0)
+            continue;
+        skv_kv_pool_hold(p, e->b);
+        skv_kv_pool_put(p, *b_p);
+        *b_p = e->b;
+        *shared = true;
+        return SKV_OK;
+    }
+    if (2 * (d->n + 1) > d->cap && (rc = dedupe_grow(d)))
+        return rc;
+    skv_kv_pool_hold(p, *b_p);
+    dedupe_place(d->tab, d->cap, (struct dedupe_entry){key, group, *b_p});
+    d->n++;
     return SKV_OK;
 }

@@ -67,4 +67,19 @@ void skv_kv_pool_stats(struct skv_kv_pool *pool, struct skv_kv_pool_stats *out);
  * stays reserved). */
 int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes);
 
+/* An index of blocks by their contents, to share equal blocks of caches written separately
+ * (sessions restored at start: forks that shared their document's blocks before the stop get
+ * them back shared). It holds a reference to each block it indexes until it is freed. */
+struct skv_kv_dedupe;
+int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out);
+/* *b_p, a block whose every row is written: when the index holds a block of the same group
+ * with the same bytes, *b_p becomes that block (one more holder of it, one fewer of the old)
+ * and *shared is set; otherwise *b_p is indexed under group. Blocks of different groups (a
+ * tenant's caches, which must not learn what another tenant holds) are never shared. */
+int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_block **b_p, bool *shared);
+/* Drops the index and its references. Accepts NULL and *d_p == NULL. */
+void skv_kv_dedupe_free(struct skv_kv_dedupe **d_p);
+/* A 64-bit hash of n bytes (not cryptographic: an index key, equal bytes checked after). */
+uint64_t skv_kv_hash_bytes(const void *p, size_t n, uint64_t seed);
+
 #endif

@@ -1109,8 +1109,9 @@ static const struct snapkv_session_info *listed_session(const struct snapkv_sess
 
 /* persist = yes: a restart keeps every session under its id, tenant, pin and lease, and it
  * decodes on exactly as before the stop (a fork taken before the stop decoded the reference);
- * the state directory's persist/ is empty once they are back; without persist a restart starts
- * empty. */
+ * the fork shares its document's blocks again (the pool holds as many blocks as before the
+ * stop), while a session of another tenant with the same bytes shares none; the state
+ * directory's persist/ is empty once they are back; without persist a restart starts empty. */
 static void test_persist_restart(void **state)
 {
     (void)state;
@@ -1133,6 +1134,13 @@ static void test_persist_restart(void **state)
     struct snapkv_decode_result ref, got;
     assert_int_equal(snapkv_decode(c, &fork, &sp, NULL, NULL, &ref), SNAPKV_OK);
     assert_int_equal(ref.n_tokens, N_GEN);
+    snapkv_client_t *r = client(d.endpoint, "r"); /* pa's prompt and spec: the same bytes, another tenant */
+    struct snapkv_prefill_result pc;
+    assert_int_equal(snapkv_prefill(r, &po, &pc), SNAPKV_OK);
+    struct snapkv_status_info st0, st1;
+    assert_int_equal(snapkv_admin_status(a, &st0), SNAPKV_OK);
+    assert_true(st0.pool_blocks_shared > 0); /* pa's blocks that its fork did not write */
+    snapkv_close(&r);
     snapkv_close(&c);
     snapkv_close(&q);
     snapkv_close(&a);
@@ -1145,9 +1153,12 @@ static void test_persist_restart(void **state)
     c = client(d.endpoint, "p");
     q = client(d.endpoint, "q");
     a = client(d.admin, NULL);
+    assert_int_equal(snapkv_admin_status(a, &st1), SNAPKV_OK);
+    assert_int_equal(st1.pool_blocks_shared, st0.pool_blocks_shared);
+    assert_int_equal(st1.pool_blocks_used, st0.pool_blocks_used);
     struct snapkv_session_list l;
     assert_int_equal(snapkv_admin_list(a, NULL, &l), SNAPKV_OK);
-    assert_int_equal(l.n, 3);
+    assert_int_equal(l.n, 4);
     const struct snapkv_session_info *ia = listed_session(&l, &pa.id), *ib = listed_session(&l, &pb.id),
                                      *ifork = listed_session(&l, &fork);
     assert_non_null(ia);
@@ -1181,6 +1192,7 @@ static void test_persist_restart(void **state)
     snapkv_decode_result_free(&ref);
     snapkv_prefill_result_free(&pa);
     snapkv_prefill_result_free(&pb);
+    snapkv_prefill_result_free(&pc);
     stop_daemon(&d);
 }
 

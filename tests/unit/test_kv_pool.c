@@ -463,6 +463,81 @@ static void test_rows_io(void **state)
     free(v);
 }
 
+/* Equal blocks of caches written separately (two prefills of the same ids, and a third of other
+ * ids) are shared through a dedupe index: every full block of the second cache becomes the
+ * first's, its partial last blocks stay its own, the third cache shares nothing; a group apart
+ * shares nothing either; the caches read as before, a write to a shared block copies it, and
+ * the references are back at zero once all is freed. */
+static void test_dedupe(void **state)
+{
+    struct tiny *t = *state;
+    enum { N = 37 }; /* full blocks and a partial one per head, whatever the block size */
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    const uint64_t base = pool_stats(pool).blocks_in_use;
+    int32_t ids[N], other[N];
+    for (int i = 0; i < N; i++) {
+        ids[i] = (int32_t)((i * 7 + 3) % t->m->cfg.n_vocab);
+        other[i] = (int32_t)((i * 11 + 5) % t->m->cfg.n_vocab);
+    }
+    struct skv_kv_cache *a = NULL, *b = NULL, *c = NULL, *x = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &b), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &x), SKV_OK);
+    prefill(t, a, ids, N, NULL);
+    prefill(t, b, ids, N, NULL);
+    prefill(t, c, other, N, NULL);
+    prefill(t, x, ids, N, NULL);
+    const int heads = a->n_layers * a->n_kv_heads, full = N / a->block_rows, blocks = full + 1;
+    assert_true(full >= 1 && N % a->block_rows != 0);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base + 4 * (uint64_t)heads * blocks);
+    int32_t *pos_b;
+    size_t floats;
+    float *snap_b = snapshot(b, &pos_b, &floats);
+
+    struct skv_kv_dedupe *d = NULL;
+    assert_int_equal(skv_kv_dedupe_new(pool, &d), SKV_OK);
+    uint64_t shared = 99;
+    assert_int_equal(skv_kv_cache_dedupe(a, d, 1, &shared), SKV_OK);
+    assert_int_equal(shared, 0); /* the first: indexed */
+    assert_int_equal(skv_kv_cache_dedupe(b, d, 1, &shared), SKV_OK);
+    assert_int_equal(shared, (uint64_t)heads * full);
+    assert_int_equal(skv_kv_cache_dedupe(c, d, 1, &shared), SKV_OK);
+    assert_int_equal(shared, 0);
+    assert_int_equal(skv_kv_cache_dedupe(x, d, 2, &shared), SKV_OK); /* another group */
+    assert_int_equal(shared, 0);
+    skv_kv_dedupe_free(&d);
+    assert_null(d);
+    skv_kv_dedupe_free(&d);
+    for (int i = 0; i < heads; i++) {
+        for (int k = 0; k < full; k++) {
+            assert_ptr_equal(b->heads[i].blk[k], a->heads[i].blk[k]);
+            assert_ptr_equal(b->heads[i].mem[k], a->heads[i].blk[k]->mem);
+            assert_ptr_not_equal(x->heads[i].blk[k], a->heads[i].blk[k]);
+        }
+        assert_ptr_not_equal(b->heads[i].blk[full], a->heads[i].blk[full]);
+    }
+    struct skv_kv_pool_stats s = pool_stats(pool);
+    assert_int_equal(s.blocks_in_use, base + 4 * (uint64_t)heads * blocks - (uint64_t)heads * full);
+    assert_int_equal(s.blocks_shared, (uint64_t)heads * full);
+    expect_snapshot(b, snap_b, pos_b, floats);
+    /* b's next token: a's blocks stay as they were */
+    int32_t *pos_a;
+    float *snap_a = snapshot(a, &pos_a, &floats);
+    int32_t more = 5;
+    prefill(t, b, &more, 1, NULL);
+    expect_snapshot(a, snap_a, pos_a, floats);
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+    skv_kv_cache_free(&c);
+    skv_kv_cache_free(&x);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base);
+    free(snap_a);
+    free(pos_a);
+    free(snap_b);
+    free(pos_b);
+}
+
 /* A model's pool can be replaced (snapkvd's kv-block-tokens): caches made before keep theirs. */
 static void test_model_block_rows(void **state)
 {
@@ -563,6 +638,7 @@ int main(void)
         cmocka_unit_test(test_block_sizes),
         cmocka_unit_test(test_rows_io),
         cmocka_unit_test(test_model_block_rows),
+        cmocka_unit_test(test_dedupe),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
 }
