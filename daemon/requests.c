@@ -1922,7 +1922,7 @@ static int rows_finite(const float *x, size_t n, const char *path)
 /* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
  * to the pool and the tenant; *out on success (nothing is left behind on failure). */
 static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
-                        struct skv_kv_dedupe *dedupe, uint64_t *n_shared, struct skv_session **out)
+                        struct skv_kv_dedupe *dedupe, uint64_t *n_shared, int *evicted, struct skv_session **out)
 {
     struct skv_session *s = NULL;
     FILE *f = NULL;
@@ -2065,7 +2065,7 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     if (!rc && dedupe)
         rc = skv_kv_cache_dedupe(s->cache, dedupe, skv_kv_hash_bytes(tenant, strlen(tenant), 0), n_shared);
     if (!rc)
-        rc = skv_session_charge(w->sessions, s, NULL);
+        rc = skv_session_charge(w->sessions, s, evicted);
     if (rc) {
         if (s)
             skv_session_destroy(w->sessions, s);
@@ -2083,7 +2083,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     struct skv_session *s = NULL;
     int rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_load(w, path, tenant, "load", NULL, NULL, &s);
+        rc = session_load(w, path, tenant, "load", NULL, NULL, NULL, &s);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -2267,6 +2267,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
     size_t n = json_array_size(list);
     int restored = 0;
     uint64_t t0 = skv_now_ms(), n_shared = 0;
+    int evicted = 0;
     struct skv_kv_dedupe *dedupe = NULL; /* without it (no memory) each session has its own blocks */
     if (skv_kv_dedupe_new(w->m->kv_pool, &dedupe))
         dedupe = NULL;
@@ -2283,8 +2284,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
             skv_session_id_hex(id, hex);
             snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
             uint64_t k_shared = 0;
-            rc = session_load(w, path, tenant, owner, dedupe, &k_shared, &s);
+            int k_evicted = 0;
+            rc = session_load(w, path, tenant, owner, dedupe, &k_shared, &k_evicted, &s);
             n_shared += rc ? 0 : k_shared;
+            evicted += k_evicted; /* sessions restored before it, evicted for its room */
         }
         if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
             skv_session_destroy(w->sessions, s);
@@ -2306,7 +2309,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
     skv_kv_dedupe_free(&dedupe);
     persist_wipe(dir);
     skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s; %llu KV block(s) shared again",
-            restored, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)n_shared);
+            restored - evicted, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)n_shared);
+    if (evicted)
+        skv_log(SKV_LOG_WARN, "persist: %d restored session(s) evicted again to make room: the pool holds less "
+                "than what was saved", evicted);
     return SKV_OK;
 }
 
