@@ -1660,8 +1660,13 @@ static int cmd_stats(const struct ctl *c, int argc, char **argv)
             json_put(&j, "prometheus", json_text(st.prometheus_text));
         ret = print_json(j);
     } else {
-        for (size_t i = 0; i < st.n; i++)
-            printf("%-36s %16.6g  # %s\n", st.stats[i].name, st.stats[i].value, st.stats[i].help);
+        for (size_t i = 0; i < st.n; i++) { /* counts and bytes whole, rates and ratios to 6 digits */
+            double v = st.stats[i].value;
+            if (v == floor(v) && fabs(v) < 1e15)
+                printf("%-36s %16.0f  # %s\n", st.stats[i].name, v, st.stats[i].help);
+            else
+                printf("%-36s %16.6g  # %s\n", st.stats[i].name, v, st.stats[i].help);
+        }
     }
     snapkv_stats_free(&st);
     return ret;
