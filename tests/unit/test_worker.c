@@ -2141,11 +2141,13 @@ static void test_nested(void **state)
     snapkv__reply__free_unpacked(alone_b, NULL);
 }
 
-/* A 64-token APPEND to session sid by client Y, with a deadline (0: none). */
+/* A 64-token APPEND to session sid by client Y, with a deadline (0: none), asking for the
+ * logits when `logits`. */
 struct long_append {
     struct fixture *f;
     const uint8_t *sid;
     uint32_t deadline_ms;
+    bool logits;
 };
 
 static void submit_long_append(void *arg)
@@ -2157,6 +2159,7 @@ static void submit_long_append(void *arg)
     ap.session_id = (ProtobufCBinaryData){16, (uint8_t *)la->sid};
     ap.tokens = tokens;
     ap.n_tokens = 64;
+    ap.return_logits = la->logits;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
     req.append = &ap;
@@ -2167,29 +2170,47 @@ static void submit_long_append(void *arg)
 /* A running APPEND stops at its next layer once its deadline passes or its client's connection
  * closes, and its session is as it was (the engine undoes the rows it added), when that is
  * possible: its session keeps every row while decoding (no compressor, or snapkv without a
- * decode_budget). A session whose upkeep evicts rows (streaming) finishes the APPEND instead,
- * since stopping part way would leave it with rows missing. */
+ * decode_budget): it then goes on exactly as a twin session that never had the APPEND (the
+ * same logits, bit for bit, after the same next requests). A session whose upkeep evicts rows
+ * (streaming) finishes the APPEND instead, since stopping part way would leave it with rows
+ * missing. */
 static void test_append_stops(void **state)
 {
     struct fixture *f = *state;
-    uint8_t a[16], b[16], c[16];
+    const int n_vocab = f->tiny->m->cfg.n_vocab;
+    uint8_t a[16], b[16], c[16], twin[2][16];
     prefill(f, 8, "policy=full", a);
     prefill(f, 8, "policy=snapkv,budget=16,window=4", b);
     prefill(f, 8, "policy=streaming,budget=16,sinks=2", c);
+    prefill(f, 8, "policy=full", twin[0]);
+    prefill(f, 8, "policy=snapkv,budget=16,window=4", twin[1]);
     const uint8_t *undoable[2] = {a, b};
     for (int k = 0; k < 2; k++) {
-        struct long_append la = {f, undoable[k], 20};
+        struct long_append la = {f, undoable[k], 20, false};
         gate_hold(submit_long_append, &la);
         usleep(60000); /* past its 20 ms while it waits inside its first layer */
         gate_open();
         expect_reply(f, SKV_E_TIMEOUT, "the APPEND passed its deadline of 20 ms (the client's timeout) at layer 1");
         assert_int_equal(listed(f, undoable[k], NULL, NULL), 8);
-        assert_int_equal(append(f, undoable[k], 2, NULL), SKV_OK); /* it goes on from there */
-        assert_int_equal(listed(f, undoable[k], NULL, NULL), 10);
+        /* it goes on from there, as its twin does */
+        Snapkv__Reply *got[2];
+        const uint8_t *pair[2] = {undoable[k], twin[k]};
+        for (int j = 0; j < 2; j++) {
+            assert_int_equal(append(f, pair[j], 2, NULL), SKV_OK);
+            struct long_append full = {f, pair[j], 0, true};
+            submit_long_append(&full);
+            got[j] = next_reply(f, 0, ID_Y, 5);
+            assert_int_equal(got[j]->status, SKV_OK);
+            assert_int_equal(got[j]->append->n_tokens, 8 + 2 + 64);
+            assert_int_equal(got[j]->append->n_logits, n_vocab);
+        }
+        assert_memory_equal(got[0]->append->logits, got[1]->append->logits, sizeof(float) * (size_t)n_vocab);
+        snapkv__reply__free_unpacked(got[0], NULL);
+        snapkv__reply__free_unpacked(got[1], NULL);
     }
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
     /* streaming: it runs to its end, past the deadline */
-    struct long_append la = {f, c, 20};
+    struct long_append la = {f, c, 20, false};
     gate_hold(submit_long_append, &la);
     usleep(60000);
     gate_open();
@@ -2199,12 +2220,12 @@ static void test_append_stops(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
     /* its client gone (the last use of Y here): stopped too */
-    la = (struct long_append){f, a, 0};
+    la = (struct long_append){f, a, 0, false};
     gate_hold(submit_long_append, &la);
     assert_int_equal(skv_worker_client_gone(f->w, ID_Y, sizeof ID_Y, true), SKV_OK);
     gate_open();
     expect_reply(f, SKV_E_CANCELLED, "the client's connection closed");
-    assert_int_equal(listed(f, a, NULL, NULL), 10);
+    assert_int_equal(listed(f, a, NULL, NULL), 74);
     assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 1);
 }
 
