@@ -45,8 +45,8 @@ static const struct skv_config_option options[] = {
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},
     {"persist-max-seconds", SKV_CFG_INT, OPT(persist_max_seconds), "30", 1, 3600,
-     "the longest the save at stop may take (most recently used sessions first; the rest are lost; keep it "
-     "under the unit's TimeoutStopSec)"},
+     "the longest the save at stop may take (pinned sessions first, then the most recently used; the rest "
+     "are lost; keep it under the unit's TimeoutStopSec)"},
     {"log-level", SKV_CFG_STRING, OPT(log_level), "info", 0, 0, "error, warn, info or debug"},
     {"log-file", SKV_CFG_STRING, OPT(log_file), "", 0, 0, "log file (empty: stderr / journald)"},
     {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0, "stay in the foreground (systemd runs it so)"},

@@ -2151,10 +2151,14 @@ static bool persist_collect(void *user, struct skv_session *s)
     return false;
 }
 
-static int by_last_used_desc(const void *a, const void *b)
+/* The order of a save: pinned sessions first (an admin asked to keep them; a pinned document
+ * is often the least recently used, its forks doing the work), then the most recently used. */
+static int by_save_order(const void *a, const void *b)
 {
-    uint64_t x = (*(struct skv_session *const *)a)->last_used_ms, y = (*(struct skv_session *const *)b)->last_used_ms;
-    return x < y ? 1 : x > y ? -1 : 0;
+    const struct skv_session *s = *(struct skv_session *const *)a, *t = *(struct skv_session *const *)b;
+    if (s->pinned != t->pinned)
+        return s->pinned ? -1 : 1;
+    return s->last_used_ms < t->last_used_ms ? 1 : s->last_used_ms > t->last_used_ms ? -1 : 0;
 }
 
 int skv_requests_persist_save(struct skv_worker *w)
@@ -2169,7 +2173,7 @@ int skv_requests_persist_save(struct skv_worker *w)
     struct persist_list l = {0};
     skv_session_foreach(w->sessions, persist_collect, &l);
     if (l.n)
-        qsort(l.s, (size_t)l.n, sizeof *l.s, by_last_used_desc);
+        qsort(l.s, (size_t)l.n, sizeof *l.s, by_save_order);
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
     int saved = 0, failed = 0, late = 0;
@@ -2216,7 +2220,7 @@ int skv_requests_persist_save(struct skv_worker *w)
     }
     skv_log(SKV_LOG_INFO, "persist: saved %d of %d session(s), %llu bytes, in %.1f s to %s%s", saved, l.n,
             (unsigned long long)bytes, (double)(skv_now_ms() - t0) / 1000.0, dir,
-            late ? " (persist-max-seconds passed: the least recently used were not saved)" : "");
+            late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
         skv_log(SKV_LOG_WARN, "persist: %d session(s) lost at this stop (%d failed, %d past persist-max-seconds)",
                 failed + late, failed, late);

@@ -2236,6 +2236,23 @@ static void restart(struct fixture *f)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
 }
 
+/* Whether the persist manifest in dir names session sid first (the first session saved). */
+static bool saved_first(const char *dir, const uint8_t sid[16])
+{
+    char path[256], text[4096] = {0};
+    snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
+    FILE *fp = fopen(path, "r");
+    assert_non_null(fp);
+    assert_true(fread(text, 1, sizeof text - 1, fp) > 0);
+    fclose(fp);
+    const char *id = strstr(text, "\"id\":\"");
+    assert_non_null(id);
+    char hex[33];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", sid[i]);
+    return strncmp(id + 6, hex, 32) == 0;
+}
+
 /* Flips a byte in the middle of a file. */
 static void corrupt(const char *path)
 {
@@ -2264,7 +2281,24 @@ static void test_persist(void **state)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
+    usleep(5000); /* b used after a, in another millisecond */
     prefill_for(f, "u", 8, "policy=full", b);
+    /* the manifest lists the save's order: the most recently used first, b */
+    skv_worker_stop(&f->w);
+    assert_true(saved_first(dir, b));
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    /* and a pinned session before any other: a, although b was used more recently (a restart
+     * keeps how long each had been idle) */
+    Snapkv__PinRequest pq = SNAPKV__PIN_REQUEST__INIT;
+    pq.session_id = (ProtobufCBinaryData){16, a};
+    pq.pin = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PIN;
+    req.pin = &pq;
+    snapkv__reply__free_unpacked(admin_call(f, &req), NULL);
+    skv_worker_stop(&f->w);
+    assert_true(saved_first(dir, a));
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     restart(f);
     int n = 0;
     assert_int_equal(listed(f, a, NULL, &n), 40);
