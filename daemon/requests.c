@@ -2063,7 +2063,7 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     /* blocks equal to those of a session of its tenant loaded before share them, as a fork
      * shared its document's before the stop: the pool holds them once, before it is charged */
     if (!rc && dedupe)
-        rc = skv_kv_cache_dedupe(s->cache, dedupe, skv_kv_hash_bytes(tenant, strlen(tenant), 0), n_shared);
+        rc = skv_kv_cache_dedupe(s->cache, dedupe, skv_kv_hash64(tenant, strlen(tenant)), n_shared);
     if (!rc)
         rc = skv_session_charge(w->sessions, s, evicted);
     if (rc) {

@@ -5,6 +5,7 @@
 #include "common/status.h"
 
 #include <pthread.h>
+#include <sodium.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -269,26 +270,19 @@ int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes)
 
 /* ---- sharing equal blocks (skv_kv_dedupe) ------------------------------------------------- */
 
-uint64_t skv_kv_hash_bytes(const void *p, size_t n, uint64_t seed)
+uint64_t skv_kv_hash64(const void *p, size_t n)
 {
-    const unsigned char *c = p;
-    uint64_t h = seed ^ 0x9e3779b97f4a7c15ull ^ (uint64_t)n;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, c + i, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-    }
-    for (; i < n; i++)
-        h = (h ^ c[i]) * 0x100000001b3ull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    return h ^ (h >> 33);
+    static const unsigned char key[crypto_shorthash_KEYBYTES]; /* no secret: equal bytes are checked after */
+    unsigned char h[crypto_shorthash_BYTES];
+    crypto_shorthash(h, p, n, key);
+    uint64_t v = 0;
+    for (int k = 0; k < 8; k++)
+        v |= (uint64_t)h[k] << (8 * k);
+    return v;
 }
 
 struct dedupe_entry {
-    uint64_t key;                 /* content hash mixed with the group; 0: an empty slot */
+    uint64_t key;                 /* the block's content hash, never 0; 0: an empty slot */
     uint64_t group;
     struct skv_kv_block *b;       /* held by the index */
 };
@@ -300,17 +294,22 @@ struct skv_kv_dedupe {
     unsigned char *mine, *theirs; /* host copies of the two blocks compared */
 };
 
+enum { DEDUPE_CAP0 = 1024 };
+
 int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out)
 {
     struct skv_kv_dedupe *d = calloc(1, sizeof *d);
-    if (!d || !(d->mine = malloc(pool->block_bytes)) || !(d->theirs = malloc(pool->block_bytes))) {
+    if (!d || !(d->mine = malloc(pool->block_bytes)) || !(d->theirs = malloc(pool->block_bytes)) ||
+        !(d->tab = calloc(DEDUPE_CAP0, sizeof *d->tab))) {
         if (d) {
             free(d->mine);
+            free(d->theirs);
             free(d);
         }
         return SKV_E_NOMEM;
     }
     d->pool = pool;
+    d->cap = DEDUPE_CAP0;
     *out = d;
     return SKV_OK;
 }
@@ -340,7 +339,7 @@ static void dedupe_place(struct dedupe_entry *tab, size_t cap, struct dedupe_ent
 
 static int dedupe_grow(struct skv_kv_dedupe *d)
 {
-    size_t cap = d->cap ? 2 * d->cap : 1024;
+    size_t cap = 2 * d->cap;
     struct dedupe_entry *tab = calloc(cap, sizeof *tab);
     if (!tab)
         return SKV_E_NOMEM;
@@ -361,8 +360,8 @@ int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_b
     int rc = ops->download(p->be, d->mine, (*b_p)->mem, p->block_bytes);
     if (rc)
         return rc;
-    uint64_t key = skv_kv_hash_bytes(d->mine, p->block_bytes, group) | 1;
-    for (size_t i = d->cap ? (size_t)key & (d->cap - 1) : 0; d->cap && d->tab[i].key; i = (i + 1) & (d->cap - 1)) {
+    uint64_t key = skv_kv_hash64(d->mine, p->block_bytes) | 1;
+    for (size_t i = (size_t)key & (d->cap - 1); d->tab[i].key; i = (i + 1) & (d->cap - 1)) {
         const struct dedupe_entry *e = &d->tab[i];
         if (e->key != key || e->group != group || e->b == *b_p)
             continue;

@@ -79,7 +79,8 @@ int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out);
 int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_block **b_p, bool *shared);
 /* Drops the index and its references. Accepts NULL and *d_p == NULL. */
 void skv_kv_dedupe_free(struct skv_kv_dedupe **d_p);
-/* A 64-bit hash of n bytes (not cryptographic: an index key, equal bytes checked after). */
-uint64_t skv_kv_hash_bytes(const void *p, size_t n, uint64_t seed);
+/* SipHash-2-4 (libsodium crypto_shorthash, a fixed key: equal bytes are checked after) of n bytes,
+ * read as a little-endian uint64: the dedupe index's keys and groups. */
+uint64_t skv_kv_hash64(const void *p, size_t n);
 
 #endif
