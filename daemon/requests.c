@@ -9,6 +9,7 @@
 #include "daemon/compress/spec.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/kv_pool.h"
+#include "daemon/engine/kv_store.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/tokenizer.h"
 
@@ -1739,9 +1740,12 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
  * the last DECODE's text cut (int32 count < 8, then the bytes), per head (len, positions,
  * scores, K, V), then a BLAKE2b checksum of everything before it. Version 2 (no logits: the
  * loaded session APPENDs before DECODE) and version 1 (no compressor state, no scores: it
- * decodes with the full cache) still load. */
+ * decodes with the full cache) still load. A persist save writes version 4: per head the
+ * block store indices of its full blocks (uint32 each) stand for their K and V rows, and only
+ * the rows past them follow; it loads only with that store (kv_store.h). */
 #define SAVE_MAGIC "SKVSESS1"
 #define SAVE_VERSION 3
+#define SAVE_VERSION_STORE 4
 
 struct save_header {
     char magic[8];
@@ -1789,8 +1793,10 @@ static int rename_durable(const char *tmp, const char *path, const char *dir)
 }
 
 /* Writes session s to `path` (through path.tmp, fsynced, renamed, and the rename made durable
- * in `dir`); *bytes: the file's size. */
-static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path, long *bytes)
+ * in `dir`); *bytes: the file's size. With a block store, full blocks go to the store (once
+ * however many sessions hold them) and the file names them (version 4). */
+static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path,
+                        struct skv_kv_store *store, long *bytes)
 {
     char tmp[1300];
     if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
@@ -1801,7 +1807,7 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
     int rc = SKV_OK;
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
-    struct save_header hd = {.version = SAVE_VERSION};
+    struct save_header hd = {.version = store ? SAVE_VERSION_STORE : SAVE_VERSION};
     memcpy(hd.magic, SAVE_MAGIC, 8);
     hd.n_layers = (uint32_t)s->cache->n_layers;
     hd.n_kv_heads = (uint32_t)s->cache->n_kv_heads;
@@ -1841,26 +1847,39 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
         rc = write_all(f, &h, &n_pending, sizeof n_pending);
     if (!rc && n_pending)
         rc = write_all(f, &h, pending, (size_t)n_pending);
-    size_t row = (size_t)s->cache->head_dim * sizeof(float);
-    float *rows = NULL; /* one head's K or V rows, read out of its blocks */
-    int H = s->cache->n_kv_heads;
+    size_t dim = (size_t)s->cache->head_dim;
+    float *rows = NULL;   /* one head's K rows, then its V rows, read out of its blocks */
+    uint32_t *refs = NULL; /* the store indices of its full blocks */
+    int H = s->cache->n_kv_heads, br = s->cache->block_rows;
     for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
-        float *more = realloc(rows, (size_t)(len ? len : 1) * row);
-        if (!more) {
+        int n_full = store ? len / br : 0, row0 = n_full * br;
+        float *more = realloc(rows, 2 * (size_t)(len ? len : 1) * dim * sizeof *rows);
+        uint32_t *more_refs = more ? realloc(refs, (size_t)(n_full ? n_full : 1) * sizeof *refs) : NULL;
+        rows = more ? more : rows;
+        refs = more_refs ? more_refs : refs;
+        if (!more || !more_refs) {
             rc = SKV_E_NOMEM;
             break;
         }
-        rows = more;
+        float *k = rows, *v = rows + (size_t)len * dim;
         if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)) ||
-            (rc = write_all(f, &h, kh->score, (size_t)len * sizeof *kh->score)))
+            (rc = write_all(f, &h, kh->score, (size_t)len * sizeof *kh->score)) ||
+            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, 0, len, k)) ||
+            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, 0, len, v)))
             break;
-        for (int kv = 0; kv < 2 && !rc; kv++)
-            if (!(rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, kv, 0, len, rows)))
-                rc = write_all(f, &h, rows, (size_t)len * row);
+        for (int b = 0; b < n_full && !rc; b++)
+            rc = skv_kv_store_put(store, kh->blk[b], k + (size_t)b * br * dim, v + (size_t)b * br * dim, &refs[b]);
+        if (!rc)
+            rc = write_all(f, &h, refs, (size_t)n_full * sizeof *refs);
+        if (!rc)
+            rc = write_all(f, &h, k + (size_t)row0 * dim, (size_t)(len - row0) * dim * sizeof *rows);
+        if (!rc)
+            rc = write_all(f, &h, v + (size_t)row0 * dim, (size_t)(len - row0) * dim * sizeof *rows);
     }
     free(rows);
+    free(refs);
     unsigned char sum[32];
     crypto_generichash_final(&h, sum, sizeof sum);
     if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
@@ -1888,7 +1907,7 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_save(w, s, w->cfg->state_dir, path, &bytes);
+        rc = session_save(w, s, w->cfg->state_dir, path, NULL, &bytes);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -1919,10 +1938,18 @@ static int rows_finite(const float *x, size_t n, const char *path)
     return SKV_OK;
 }
 
+/* What a persist restore shares among the sessions it loads (LOAD has none). */
+struct restore {
+    struct skv_kv_store *store;   /* the blocks version-4 files name (NULL: none could be opened) */
+    struct skv_kv_dedupe *dedupe; /* older files' full blocks, by content (NULL: not shared) */
+    uint64_t n_shared;            /* blocks shared again */
+    int evicted;                  /* sessions restored before, evicted for a later one's room */
+};
+
 /* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
  * to the pool and the tenant; *out on success (nothing is left behind on failure). */
 static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
-                        struct skv_kv_dedupe *dedupe, uint64_t *n_shared, int *evicted, struct skv_session **out)
+                        struct restore *r, struct skv_session **out)
 {
     struct skv_session *s = NULL;
     FILE *f = NULL;
@@ -1935,8 +1962,10 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     if (!rc)
         rc = read_exact(f, &h, &hd, sizeof hd);
     const struct skv_model_config *mc = &w->m->cfg;
-    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION))
-        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION);
+    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION_STORE))
+        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION_STORE);
+    if (!rc && hd.version >= SAVE_VERSION_STORE && !(r && r->store))
+        rc = skv_errorf(SKV_E_FORMAT, "%s names blocks of a persist block store, and there is none", path);
     if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
                 hd.n_kv_heads != (uint32_t)mc->n_kv_heads || hd.head_dim != (uint32_t)mc->head_dim))
         rc = skv_errorf(SKV_E_INVAL, "%s was saved with another model", path);
@@ -1995,7 +2024,10 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
             rc = read_exact(f, &h, pending, (size_t)n_pending);
     }
     size_t row = (size_t)mc->head_dim * sizeof(float);
-    float *rows = NULL; /* one head's K or V rows on their way into its blocks */
+    float *rows = NULL;    /* one head's K or V rows on their way into its blocks */
+    uint32_t *refs = NULL; /* the store indices of its full blocks (version 4) */
+    uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
+    int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -2013,16 +2045,32 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
             break;
         }
         rows = more;
+        int n_full = hd.version >= SAVE_VERSION_STORE ? len / br : 0, row0 = n_full * br;
+        uint32_t *more_refs = realloc(refs, (size_t)(n_full ? n_full : 1) * sizeof *refs);
+        if (!more_refs) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        refs = more_refs;
         if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)))
             break;
         if (hd.version >= 2)
             rc = read_exact(f, &h, kh->score, (size_t)len * sizeof *kh->score);
         else
             memset(kh->score, 0, (size_t)len * sizeof *kh->score);
+        if (!rc)
+            rc = read_exact(f, &h, refs, (size_t)n_full * sizeof *refs);
+        for (int b = 0; b < n_full && !rc; b++) { /* the store checks its blocks' sums and values */
+            bool shared;
+            rc = skv_kv_store_get(r->store, refs[b], group, s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads,
+                                  &shared);
+            n_shared += shared;
+        }
         for (int kv = 0; kv < 2 && !rc; kv++)
-            if (!(rc = read_exact(f, &h, rows, (size_t)len * row)) &&
-                !(rc = rows_finite(rows, (size_t)len * mc->head_dim, path)))
-                rc = skv_kv_cache_write_rows(s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads, kv, 0, len, rows);
+            if (!(rc = read_exact(f, &h, rows, (size_t)(len - row0) * row)) &&
+                !(rc = rows_finite(rows, (size_t)(len - row0) * mc->head_dim, path)))
+                rc = skv_kv_cache_write_rows(s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads, kv, row0, len - row0,
+                                             rows);
         if (rc)
             break;
         for (int j = 0; j < len; j++)
@@ -2030,6 +2078,7 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
                 rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
     }
     free(rows);
+    free(refs);
     unsigned char want[32], got[32];
     if (!rc) {
         crypto_generichash_final(&h, want, sizeof want);
@@ -2060,12 +2109,19 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
         s->n_text_pending = (uint8_t)n_pending;
     }
     free(logits);
-    /* blocks equal to those of a session of its tenant loaded before share them, as a fork
-     * shared its document's before the stop: the pool holds them once, before it is charged */
-    if (!rc && dedupe)
-        rc = skv_kv_cache_dedupe(s->cache, dedupe, skv_kv_hash64(tenant, strlen(tenant)), n_shared);
+    /* a file older than the store, or blocks of another size (kv-block-tokens changed): its
+     * blocks equal to those of a session of its tenant loaded before share them, as a fork
+     * shared its document's before the stop (version-4 files otherwise name their blocks,
+     * shared by the store above): the pool holds them once before it is charged */
+    if (!rc && r && r->dedupe && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows))
+        rc = skv_kv_cache_dedupe(s->cache, r->dedupe, group, &n_shared);
+    int evicted = 0;
     if (!rc)
-        rc = skv_session_charge(w->sessions, s, evicted);
+        rc = skv_session_charge(w->sessions, s, &evicted);
+    if (r) {
+        r->evicted += evicted;
+        r->n_shared += rc ? 0 : n_shared;
+    }
     if (rc) {
         if (s)
             skv_session_destroy(w->sessions, s);
@@ -2083,7 +2139,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     struct skv_session *s = NULL;
     int rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_load(w, path, tenant, "load", NULL, NULL, NULL, &s);
+        rc = session_load(w, path, tenant, "load", NULL, &s);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -2106,6 +2162,7 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
  * before, eviction takes the least recently used), and the directory is emptied. Forks lose
  * their shared blocks: each comes back as a copy of its own. */
 #define PERSIST_MANIFEST "sessions.json"
+#define PERSIST_BLOCKS "blocks.skvb" /* the block store the sessions' files name */
 
 static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
 {
@@ -2124,7 +2181,8 @@ static void persist_wipe(const char *dir)
         size_t n = strlen(e->d_name);
         bool ours = (n > 4 && strcmp(e->d_name + n - 4, ".skv") == 0) ||
                     (n > 8 && strcmp(e->d_name + n - 8, ".skv.tmp") == 0) ||
-                    strncmp(e->d_name, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
+                    strncmp(e->d_name, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0 ||
+                    strcmp(e->d_name, PERSIST_BLOCKS) == 0;
         if (ours)
             unlinkat(dirfd(d), e->d_name, 0);
     }
@@ -2177,6 +2235,13 @@ int skv_requests_persist_save(struct skv_worker *w)
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
     int saved = 0, failed = 0, late = 0;
+    struct skv_kv_store *store = NULL; /* without it each file holds its rows whole */
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_BLOCKS);
+    if (skv_kv_store_create(path, w->m->fingerprint, w->m->kv_pool, &store)) {
+        skv_log(SKV_LOG_WARN, "persist: no block store (%s): each session's file holds its rows whole",
+                skv_error_msg());
+        store = NULL;
+    }
     for (int i = 0; i < l.n; i++) {
         struct skv_session *s = l.s[i];
         if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
@@ -2187,7 +2252,7 @@ int skv_requests_persist_save(struct skv_worker *w)
         skv_session_id_hex(s->id, hex);
         snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
         long size = 0;
-        if ((rc = session_save(w, s, dir, path, &size))) {
+        if ((rc = session_save(w, s, dir, path, store, &size))) {
             skv_log(SKV_LOG_WARN, "persist: session %s not saved: %s", hex, skv_error_msg());
             failed++;
             continue;
@@ -2201,11 +2266,16 @@ int skv_requests_persist_save(struct skv_worker *w)
                                               (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0)));
     }
     free(l.s);
+    uint32_t n_blocks = store ? skv_kv_store_blocks(store) : 0;
+    bytes += store ? skv_kv_store_bytes(store) : 0;
+    rc = store ? skv_kv_store_finish(store) : SKV_OK; /* on disk before the manifest names files that need it */
+    skv_kv_store_close(&store);
     json_t *doc = json_pack("{s:i, s:o}", "version", 1, "sessions", list);
     snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
-                                                            : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
+    if (!rc)
+        rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
+                                                                : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
     json_decref(doc);
     int fd = rc ? -1 : open(tmp, O_RDONLY);
     if (!rc && (fd < 0 || fsync(fd) != 0))
@@ -2218,8 +2288,8 @@ int skv_requests_persist_save(struct skv_worker *w)
         persist_wipe(dir); /* sessions without their manifest would never be loaded */
         return rc;
     }
-    skv_log(SKV_LOG_INFO, "persist: saved %d of %d session(s), %llu bytes, in %.1f s to %s%s", saved, l.n,
-            (unsigned long long)bytes, (double)(skv_now_ms() - t0) / 1000.0, dir,
+    skv_log(SKV_LOG_INFO, "persist: saved %d of %d session(s), %llu bytes (%u KV blocks written once each), in %.1f s "
+            "to %s%s", saved, l.n, (unsigned long long)bytes, n_blocks, (double)(skv_now_ms() - t0) / 1000.0, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
         skv_log(SKV_LOG_WARN, "persist: %d session(s) lost at this stop (%d failed, %d past persist-max-seconds)",
@@ -2270,11 +2340,15 @@ int skv_requests_persist_restore(struct skv_worker *w)
     const json_t *list = json_object_get(doc, "sessions");
     size_t n = json_array_size(list);
     int restored = 0;
-    uint64_t t0 = skv_now_ms(), n_shared = 0;
-    int evicted = 0;
-    struct skv_kv_dedupe *dedupe = NULL; /* without it (no memory) each session has its own blocks */
-    if (skv_kv_dedupe_new(w->m->kv_pool, &dedupe))
-        dedupe = NULL;
+    uint64_t t0 = skv_now_ms();
+    struct restore r = {0};
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_BLOCKS);
+    rc = skv_kv_store_open(path, w->m->fingerprint, skv_kv_pool_block_rows(w->m->kv_pool), w->m->cfg.head_dim,
+                           &r.store);
+    if (rc && rc != SKV_E_NOT_FOUND) /* the files that name its blocks fail; older ones load */
+        skv_log(SKV_LOG_WARN, "persist: block store: %s", skv_error_msg());
+    if (skv_kv_dedupe_new(w->m->kv_pool, &r.dedupe)) /* without it each older file keeps its own blocks */
+        r.dedupe = NULL;
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         uint8_t id[SKV_SESSION_ID_BYTES];
         const char *tenant, *owner;
@@ -2287,11 +2361,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
         if (!rc) {
             skv_session_id_hex(id, hex);
             snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
-            uint64_t k_shared = 0;
-            int k_evicted = 0;
-            rc = session_load(w, path, tenant, owner, dedupe, &k_shared, &k_evicted, &s);
-            n_shared += rc ? 0 : k_shared;
-            evicted += k_evicted; /* sessions restored before it, evicted for its room */
+            rc = session_load(w, path, tenant, owner, &r, &s);
         }
         if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
             skv_session_destroy(w->sessions, s);
@@ -2310,13 +2380,14 @@ int skv_requests_persist_restore(struct skv_worker *w)
         restored++;
     }
     json_decref(doc);
-    skv_kv_dedupe_free(&dedupe);
+    skv_kv_dedupe_free(&r.dedupe);
+    skv_kv_store_close(&r.store); /* its blocks now held by the sessions alone */
     persist_wipe(dir);
     skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s; %llu KV block(s) shared again",
-            restored - evicted, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)n_shared);
-    if (evicted)
+            restored - r.evicted, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)r.n_shared);
+    if (r.evicted)
         skv_log(SKV_LOG_WARN, "persist: %d restored session(s) evicted again to make room: the pool holds less "
-                "than what was saved", evicted);
+                "than what was saved", r.evicted);
     return SKV_OK;
 }
 

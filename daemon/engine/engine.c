@@ -408,6 +408,24 @@ int skv_kv_cache_dedupe(struct skv_kv_cache *c, struct skv_kv_dedupe *d, uint64_
     return SKV_OK;
 }
 
+int skv_kv_cache_append_block(struct skv_kv_cache *c, int layer, int h, struct skv_kv_block *b)
+{
+    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+    if (hd->len % c->block_rows != 0 || hd->n_blocks != hd->len / c->block_rows)
+        return skv_errorf(SKV_E_INVAL, "appending a block after %d rows in %d blocks", hd->len, hd->n_blocks);
+    int rc = head_grow(c, hd, hd->len + c->block_rows);
+    if (!rc)
+        rc = table_reserve(hd, hd->n_blocks + 1);
+    if (rc)
+        return rc;
+    skv_kv_pool_hold(c->pool, b);
+    hd->blk[hd->n_blocks] = b;
+    hd->mem[hd->n_blocks] = b->mem;
+    hd->n_blocks++;
+    hd->len += c->block_rows;
+    return SKV_OK;
+}
+
 int skv_kv_cache_truncate(struct skv_kv_cache *c, int layer, int h, int len)
 {
     struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);

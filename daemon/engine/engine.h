@@ -69,6 +69,10 @@ int skv_kv_cache_compact(struct skv_kv_cache *cache, int layer, int h, const int
 /* Shares the cache's full blocks (every row in use) with equal blocks d indexes under group,
  * and indexes the others (kv_pool.h); *n_shared: how many became shared. */
 int skv_kv_cache_dedupe(struct skv_kv_cache *cache, struct skv_kv_dedupe *d, uint64_t group, uint64_t *n_shared);
+/* Appends block b (a full block of this cache's pool that another holder wrote) to head h of
+ * `layer` as its next block_rows rows, one more holder of b and no copy. The head's rows must
+ * fill its blocks; positions and scores of the new rows are the caller's. */
+int skv_kv_cache_append_block(struct skv_kv_cache *cache, int layer, int h, struct skv_kv_block *b);
 /* Cuts head h of `layer` to its first len rows (len <= its rows), releasing blocks past. */
 int skv_kv_cache_truncate(struct skv_kv_cache *cache, int layer, int h, int len);
 /* Host copies of rows [row0, row0 + n) of head h of `layer`: K (which == 0) or V, [n][head_dim]. */

@@ -130,6 +130,11 @@ size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool)
     return pool->block_bytes;
 }
 
+int skv_kv_pool_read_block(struct skv_kv_pool *pool, const struct skv_kv_block *b, void *dst)
+{
+    return pool->be->ops->download(pool->be, dst, b->mem, pool->block_bytes);
+}
+
 /* A new slab's blocks onto the free list (lock held). */
 static int slab_add(struct skv_kv_pool *p)
 {

@@ -56,6 +56,8 @@ void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b);
 int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p);
 /* True when b has more than one holder. */
 bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b);
+/* b's bytes (K rows, then V rows: block_bytes) into host memory. */
+int skv_kv_pool_read_block(struct skv_kv_pool *pool, const struct skv_kv_block *b, void *dst);
 /* How many of the n blocks have more than one holder (one lock for all). */
 uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n);
 

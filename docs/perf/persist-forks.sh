@@ -1,17 +1,19 @@
 #!/bin/sh
 # A document shared by forks, across a restart with persist = yes: the pool's bytes before the
 # stop and after the start (forks get their document's blocks back shared), and the daemon's
-# own save / restore lines. Run from the repository root after a build.
+# own save / restore lines. Run from the repository root after a build (BUILD=dir: another
+# build directory, e.g. of an older commit in a git worktree).
 set -e
+B=${BUILD:-build}
 D=$(mktemp -d)
 start() {
-    build/snapkvd --model models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 --pool-size 2G \
+    $B/snapkvd --model models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 --pool-size 2G \
         --max-bytes-per-tenant 2G --persist=yes --endpoint ipc://$D/c --admin-endpoint ipc://$D/a \
         --state-dir $D 2>>$D/log &
     pid=$!
-    for _ in $(seq 100); do build/snapkvctl -e ipc://$D/c --timeout 200 info >/dev/null 2>&1 && break; sleep 0.2; done
+    for _ in $(seq 100); do $B/snapkvctl -e ipc://$D/c --timeout 200 info >/dev/null 2>&1 && break; sleep 0.2; done
 }
-ctl() { build/snapkvctl -e ipc://$D/c -a ipc://$D/a --timeout 600000 "$@"; }
+ctl() { $B/snapkvctl -e ipc://$D/c -a ipc://$D/a --timeout 600000 "$@"; }
 start
 head -c 16000 /usr/share/common-licenses/GPL-3 > $D/doc.txt
 doc=$(ctl prefill --file $D/doc.txt 2>/dev/null)

@@ -8,13 +8,16 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/status.h"
 #include "daemon/compress/compress.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/kv_pool.h"
+#include "daemon/engine/kv_store.h"
 #include "kernels/backend.h"
 #include "tests/common/fixture.h"
 #include "tests/common/tiny.h"
@@ -538,6 +541,200 @@ static void test_dedupe(void **state)
     free(pos_b);
 }
 
+/* Puts c's full blocks into the store and writes their indices to refs[head][block]. */
+static void store_put_cache(struct skv_kv_store *st, const struct skv_kv_cache *c, uint32_t *refs, int full)
+{
+    const int br = c->block_rows, dim = c->head_dim;
+    float *k = malloc((size_t)br * dim * sizeof *k), *v = malloc((size_t)br * dim * sizeof *v);
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        for (int b = 0; b < full; b++) {
+            int l = i / c->n_kv_heads, h = i % c->n_kv_heads;
+            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 0, b * br, br, k), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 1, b * br, br, v), SKV_OK);
+            assert_int_equal(skv_kv_store_put(st, c->heads[i].blk[b], k, v, &refs[i * full + b]), SKV_OK);
+        }
+    free(k);
+    free(v);
+}
+
+/* A cache rebuilt as a persist restore does: its full blocks from the store (under group),
+ * then the rest of src's rows; *shared: how many blocks came shared. */
+static int store_get_cache(struct tiny *t, struct skv_kv_store *st, const struct skv_kv_cache *src,
+                           const uint32_t *refs, int full, uint64_t group, struct skv_kv_cache **out, int *shared)
+{
+    struct skv_kv_cache *c = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    const int br = skv_kv_store_block_rows(st), dim = c->head_dim;
+    *shared = 0;
+    float *rows = malloc((size_t)(src->heads[0].len + 1) * dim * sizeof *rows);
+    int rc = SKV_OK;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads && !rc; i++) {
+        int l = i / c->n_kv_heads, h = i % c->n_kv_heads, len = src->heads[i].len, row0 = full * br;
+        assert_int_equal(skv_kv_cache_reserve(c, len), SKV_OK);
+        memcpy(c->heads[i].pos, src->heads[i].pos, (size_t)len * sizeof *rows);
+        memcpy(c->heads[i].score, src->heads[i].score, (size_t)len * sizeof *rows);
+        for (int b = 0; b < full && !rc; b++) {
+            bool sh = false;
+            rc = skv_kv_store_get(st, refs[i * full + b], group, c, l, h, &sh);
+            *shared += sh;
+        }
+        for (int kv = 0; kv < 2 && !rc; kv++) {
+            assert_int_equal(skv_kv_cache_read_rows(src, l, h, kv, row0, len - row0, rows), SKV_OK);
+            assert_int_equal(skv_kv_cache_write_rows(c, l, h, kv, row0, len - row0, rows), SKV_OK);
+        }
+    }
+    free(rows);
+    c->n_past = src->n_past;
+    if (rc)
+        skv_kv_cache_free(&c);
+    *out = c;
+    return rc;
+}
+
+/* The persist block store: a cache and its fork put the same blocks once, and so does a cache
+ * prefilled separately with the same tokens (equal bytes); read back, caches of
+ * one group share each block again, with the rows bit for bit, and another group's caches get
+ * copies; a block that fails its checksum fails the cache that names it and no other; a store
+ * of another model, or cut short, does not open; the references go back to zero. */
+static void test_store(void **state)
+{
+    struct tiny *t = *state;
+    enum { N = 37 };
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    const uint64_t base = pool_stats(pool).blocks_in_use;
+    int32_t ids[N], other[N];
+    for (int i = 0; i < N; i++) {
+        ids[i] = (int32_t)((i * 7 + 3) % t->m->cfg.n_vocab);
+        other[i] = (int32_t)((i * 11 + 5) % t->m->cfg.n_vocab);
+    }
+    struct skv_kv_cache *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &d), SKV_OK);
+    prefill(t, a, ids, N, NULL);
+    prefill(t, c, other, N, NULL);
+    prefill(t, d, ids, N, NULL);
+    assert_int_equal(skv_kv_cache_clone(a, &b), SKV_OK);
+    const int heads = a->n_layers * a->n_kv_heads, full = N / a->block_rows;
+    assert_true(full >= 1 && N % a->block_rows != 0);
+    char fp[64], other_fp[64], path[] = "/tmp/skv-store-XXXXXX";
+    memset(fp, 'a', sizeof fp);
+    memset(other_fp, 'b', sizeof other_fp);
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+
+    struct skv_kv_store *st = NULL;
+    assert_int_equal(skv_kv_store_create(path, fp, pool, &st), SKV_OK);
+    uint32_t *ra = calloc((size_t)heads * full, 4), *rb = calloc((size_t)heads * full, 4),
+             *rc_ = calloc((size_t)heads * full, 4), *rd = calloc((size_t)heads * full, 4);
+    store_put_cache(st, a, ra, full);
+    store_put_cache(st, b, rb, full); /* the fork's blocks are a's: nothing written */
+    store_put_cache(st, c, rc_, full);
+    store_put_cache(st, d, rd, full); /* other blocks, a's bytes: nothing written */
+    assert_ptr_not_equal(d->heads[0].blk[0], a->heads[0].blk[0]);
+    assert_memory_equal(ra, rb, (size_t)heads * full * 4);
+    assert_memory_equal(ra, rd, (size_t)heads * full * 4);
+    assert_int_equal(skv_kv_store_blocks(st), 2 * heads * full);
+    assert_int_equal(skv_kv_store_bytes(st),
+                     96 + 2 * (uint64_t)heads * full * (skv_kv_pool_block_bytes(pool) + 16));
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_close(&st);
+    assert_null(st);
+
+    int32_t *pos_a, *pos_c;
+    size_t fa, fc;
+    float *snap_a = snapshot(a, &pos_a, &fa), *snap_c = snapshot(c, &pos_c, &fc);
+    assert_int_equal(skv_kv_store_open(path, other_fp, a->block_rows, a->head_dim, &st), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim + 1, &st), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, &st), SKV_OK);
+    struct skv_kv_cache *a2, *b2, *c2, *x2;
+    int shared;
+    assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
+    assert_int_equal(shared, 0); /* the first to name them: read */
+    assert_int_equal(store_get_cache(t, st, b, rb, full, 1, &b2, &shared), SKV_OK);
+    assert_int_equal(shared, heads * full);
+    assert_int_equal(store_get_cache(t, st, c, rc_, full, 1, &c2, &shared), SKV_OK);
+    assert_int_equal(shared, 0);
+    assert_int_equal(store_get_cache(t, st, a, ra, full, 2, &x2, &shared), SKV_OK); /* another tenant */
+    assert_int_equal(shared, 0);
+    for (int i = 0; i < heads; i++)
+        for (int k = 0; k < full; k++) {
+            assert_ptr_equal(b2->heads[i].blk[k], a2->heads[i].blk[k]);
+            assert_ptr_not_equal(x2->heads[i].blk[k], a2->heads[i].blk[k]);
+        }
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    expect_snapshot(b2, snap_a, pos_a, fa);
+    expect_snapshot(x2, snap_a, pos_a, fa);
+    expect_snapshot(c2, snap_c, pos_c, fc);
+    skv_kv_store_close(&st);
+    /* a2 and b2 share their full blocks as a and b share them (a and b also their last one);
+     * b2's next token leaves a2 as it was */
+    assert_int_equal(pool_stats(pool).blocks_shared, (uint64_t)heads * (full + 1) + (uint64_t)heads * full);
+    int32_t more = 5;
+    prefill(t, b2, &more, 1, NULL);
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    skv_kv_cache_free(&a2);
+    skv_kv_cache_free(&b2);
+    skv_kv_cache_free(&c2);
+    skv_kv_cache_free(&x2);
+
+    /* c's first block damaged on disk: c fails there, a still reads */
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    long at = 96 + (long)rc_[0] * (long)(skv_kv_pool_block_bytes(pool) + 16) + 40;
+    fseek(f, at, SEEK_SET);
+    int ch = fgetc(f);
+    fseek(f, at, SEEK_SET);
+    fputc(ch ^ 0x21, f);
+    fclose(f);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, &st), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, c, rc_, full, 1, &c2, &shared), SKV_E_FORMAT);
+    assert_null(c2);
+    assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    uint32_t past = skv_kv_store_blocks(st);
+    bool sh;
+    assert_int_equal(skv_kv_store_get(st, past, 1, a2, 0, 0, &sh), SKV_E_FORMAT);
+    skv_kv_cache_free(&a2);
+
+    /* caches of another block size (kv-block-tokens changed across the restart): the blocks
+     * are read as rows, bit for bit, and not shared */
+    skv_kv_pool_ref(pool); /* the model's next pools replace it */
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, 4), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, b, rb, full, 1, &b2, &shared), SKV_OK);
+    assert_int_equal(shared, 0);
+    assert_int_equal(a2->block_rows, 4);
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    expect_snapshot(b2, snap_a, pos_a, fa);
+    skv_kv_cache_free(&a2);
+    skv_kv_cache_free(&b2);
+    assert_int_equal(skv_model_set_kv_block_rows(t->m, SKV_KV_BLOCK_ROWS), SKV_OK);
+    skv_kv_store_close(&st);
+
+    /* cut short: does not open */
+    assert_int_equal(truncate(path, 96 + 100), 0);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, &st), SKV_E_FORMAT);
+    assert_null(st);
+    unlink(path);
+
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+    skv_kv_cache_free(&c);
+    skv_kv_cache_free(&d);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base);
+    skv_kv_pool_unref(&pool);
+    free(rd);
+    free(ra);
+    free(rb);
+    free(rc_);
+    free(snap_a);
+    free(pos_a);
+    free(snap_c);
+    free(pos_c);
+}
+
 /* A model's pool can be replaced (snapkvd's kv-block-tokens): caches made before keep theirs. */
 static void test_model_block_rows(void **state)
 {
@@ -639,6 +836,7 @@ int main(void)
         cmocka_unit_test(test_rows_io),
         cmocka_unit_test(test_model_block_rows),
         cmocka_unit_test(test_dedupe),
+        cmocka_unit_test(test_store),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
 }

@@ -2306,6 +2306,25 @@ static void test_persist(void **state)
     assert_int_equal(n, 2);
     assert_int_equal(append(f, a, 2, NULL), SKV_OK); /* it goes on */
 
+    /* a's full blocks (16 rows a head) are in the block store, b's 8 rows in its file: a block
+     * damaged in the store costs a alone */
+    skv_worker_stop(&f->w);
+    snprintf(path, sizeof path, "%s/persist/blocks.skvb", dir);
+    FILE *fp = fopen(path, "rb");
+    assert_non_null(fp);
+    fseek(fp, 0, SEEK_END);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const long block = 2L * 16 * mc->head_dim * 4 + 16;
+    assert_int_equal(ftell(fp), 96 + (long)mc->n_layers * mc->n_kv_heads * block);
+    fclose(fp);
+    corrupt(path);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, &n), -1);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    assert_int_equal(n, 1);
+    assert_int_equal(access(path, F_OK), -1);
+    prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
+
     /* a's file corrupted between the stop and the start: b alone comes back */
     skv_worker_stop(&f->w);
     char hex[33];
@@ -2322,7 +2341,7 @@ static void test_persist(void **state)
     /* a manifest that is not JSON: nothing restored, nothing left */
     skv_worker_stop(&f->w);
     snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
-    FILE *fp = fopen(path, "w");
+    fp = fopen(path, "w");
     assert_non_null(fp);
     fputs("{not json", fp);
     fclose(fp);
@@ -2335,6 +2354,67 @@ static void test_persist(void **state)
     assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
+/* A persist directory written before the block store (version-3 files, each session's rows
+ * whole, as an upgrade finds it): both sessions come back, and the full blocks they hold the
+ * same are shared again by their contents. */
+static void test_persist_older_files(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[300], cmd[700];
+    assert_non_null(mkdtemp(dir));
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 40, "policy=full", a); /* 2 full blocks of 16 rows a head, and 8 rows */
+    Snapkv__SaveRequest sq = SNAPKV__SAVE_REQUEST__INIT;
+    sq.session_id = (ProtobufCBinaryData){16, a};
+    sq.name = "old";
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
+    req.save = &sq;
+    req.tenant = "t";
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    skv_worker_stop(&f->w);
+
+    memcpy(b, a, 16);
+    b[0] ^= 0xff;
+    char ha[33], hb[33];
+    for (int i = 0; i < 16; i++) {
+        snprintf(ha + 2 * i, 3, "%02x", a[i]);
+        snprintf(hb + 2 * i, 3, "%02x", b[i]);
+    }
+    snprintf(cmd, sizeof cmd, "rm -f %s/persist/* && cp %s/old.skv %s/persist/%s.skv && cp %s/old.skv %s/persist/%s.skv",
+             dir, dir, dir, ha, dir, dir, hb);
+    assert_int_equal(system(cmd), 0);
+    snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fprintf(fp, "{\"version\": 1, \"sessions\": [");
+    for (int k = 0; k < 2; k++)
+        fprintf(fp, "%s{\"id\": \"%s\", \"tenant\": \"t\", \"owner\": \"x\", \"pinned\": false, "
+                    "\"lease_seconds\": 60, \"idle_ms\": 0}", k ? ", " : "", k ? hb : ha);
+    fprintf(fp, "]}");
+    fclose(fp);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    int n = 0;
+    assert_int_equal(listed(f, a, NULL, &n), 40);
+    assert_int_equal(listed(f, b, NULL, NULL), 40);
+    assert_int_equal(n, 2);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * mc->n_layers * mc->n_kv_heads);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 4 * mc->n_layers * mc->n_kv_heads);
+
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     assert_int_equal(system(cmd), 0);
 }
@@ -2399,6 +2479,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
