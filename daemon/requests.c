@@ -326,9 +326,11 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
         skv_worker_yield(p->w);
     if (!rc && skv_worker_running_stoppable(p->w, p->undoable)) {
         /* its client gone, or (when it gets no progress replies, which would keep it waiting)
-         * past the time it waits: nobody takes the PREFILL's session, and an APPEND's is left
-         * as it was (the engine undoes the forward), so the rest of the work goes */
-        bool prefill = p->w->running->req->command_case == SNAPKV__REQUEST__COMMAND_PREFILL;
+         * past the time it waits: nobody takes the PREFILL's session, an APPEND's is left as
+         * it was (the engine undoes the forward), and a COMPRESS ran on a copy of the cache,
+         * so the rest of the work goes */
+        int cmd = p->w->running->req->command_case;
+        bool prefill = cmd == SNAPKV__REQUEST__COMMAND_PREFILL, append = cmd == SNAPKV__REQUEST__COMMAND_APPEND;
         if (skv_worker_running_gone(p->w)) {
             atomic_fetch_add(&p->w->dropped_gone, 1);
             rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
@@ -336,8 +338,8 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
             p->w->metrics.requests_past_deadline++;
             rc = skv_errorf(SKV_E_TIMEOUT, "the %s passed its deadline of %u ms (the client's timeout) at layer "
                             "%d of %d: stopped%s",
-                            prefill ? "PREFILL" : "APPEND", p->w->running->req->deadline_ms, v->layer + 1,
-                            p->n_layers, prefill ? "" : ", the session as it was before it");
+                            prefill ? "PREFILL" : append ? "APPEND" : "COMPRESS", p->w->running->req->deadline_ms,
+                            v->layer + 1, p->n_layers, append ? ", the session as it was before it" : "");
         }
     }
     return rc;
@@ -582,6 +584,67 @@ fail:
  * are taken off the cache and run again with the new spec, so they serve as the observation
  * window exactly as at prefill. Refused, changing nothing, for a session whose tokens are not
  * all known (an IMPORT without them) or that cannot have the room the re-run may take. */
+/* COMPRESS's re-run of s's tokens from `cut` on under *comp (spec canon), on a copy of its
+ * cache that shares every block: the rows from `cut` on are cut from the copy and run again,
+ * so the new compressor scores the prompt with them as its window. On success the copy, the
+ * compressor (*comp taken) and the spec become s's; on failure (the pool, a deadline, a
+ * client gone) s is exactly as it was and *comp is still the caller's. */
+static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct skv_compressor **comp,
+                          const char *canon, int cut, bool was_h2o)
+{
+    struct skv_kv_cache *orig = s->cache, *work = NULL;
+    struct skv_compressor *old_comp = s->comp;
+    char old_spec[sizeof s->spec];
+    int32_t old_n_tokens = s->n_tokens, window = orig->n_past - cut, n_vocab = w->m->cfg.n_vocab;
+    float *old_logits = s->logits ? malloc((size_t)n_vocab * sizeof *old_logits) : NULL;
+    int32_t *redo = malloc((size_t)window * sizeof *redo);
+    int rc = (s->logits && !old_logits) || !redo ? SKV_E_NOMEM : skv_kv_cache_clone(orig, &work);
+    if (rc) {
+        free(old_logits);
+        free(redo);
+        return rc;
+    }
+    if (old_logits)
+        memcpy(old_logits, s->logits, (size_t)n_vocab * sizeof *old_logits);
+    memcpy(old_spec, s->spec, sizeof old_spec);
+    memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
+    s->cache = work;
+    s->comp = *comp;
+    memcpy(s->spec, canon, sizeof s->spec);
+    int H = work->n_kv_heads;
+    for (int i = 0; i < work->n_layers * H && !rc; i++) {
+        const struct skv_kv_head *kh = &work->heads[i];
+        int len = kh->len;
+        while (len > 0 && kh->pos[len - 1] >= cut)
+            len--;
+        rc = skv_kv_cache_truncate(work, i / H, i % H, len);
+    }
+    if (!rc && s->comp)
+        skv_compressor_rerun(s->comp, work, was_h2o, cut);
+    if (!rc) {
+        work->n_past = cut;
+        s->n_tokens = cut;
+        rc = session_forward(w, s, redo, window, true);
+    }
+    free(redo);
+    if (rc) {
+        skv_kv_cache_free(&s->cache);
+        s->cache = orig;
+        s->comp = old_comp;
+        memcpy(s->spec, old_spec, sizeof s->spec);
+        s->n_tokens = old_n_tokens; /* the tokens past it are as they were: the same ones */
+        if (old_logits)
+            memcpy(s->logits, old_logits, (size_t)n_vocab * sizeof *old_logits);
+        free(old_logits);
+        return rc;
+    }
+    free(old_logits);
+    skv_kv_cache_free(&orig);
+    skv_compressor_free(&old_comp);
+    *comp = NULL;
+    return SKV_OK;
+}
+
 static void handle_compress(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__CompressRequest *c = job->req->compress;
@@ -621,38 +684,18 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     if (window > 0 && (rc = reserve_rows(w, s, window, true, 0, 0, NULL, NULL)))
         goto fail;
     bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
-    skv_compressor_free(&s->comp);
-    s->comp = comp;
-    comp = NULL;
-    memcpy(s->spec, canon, sizeof s->spec);
-    if (window > 0) {
-        int H = s->cache->n_kv_heads;
-        for (int i = 0; i < s->cache->n_layers * H && !rc; i++) {
-            const struct skv_kv_head *kh = &s->cache->heads[i];
-            int len = kh->len;
-            while (len > 0 && kh->pos[len - 1] >= cut)
-                len--;
-            rc = skv_kv_cache_truncate(s->cache, i / H, i % H, len);
-        }
-        if (!rc && s->comp)
-            skv_compressor_rerun(s->comp, s->cache, was_h2o, cut);
-        int32_t *redo = rc ? NULL : malloc((size_t)window * sizeof *redo);
-        if (!rc && !redo)
-            rc = SKV_E_NOMEM;
-        if (!rc) {
-            s->cache->n_past = cut;
-            s->n_tokens = cut;
-            memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
-            rc = session_forward(w, s, redo, window, true);
-        }
-        free(redo);
-        if (rc) { /* cut part way: no longer the session the client had */
-            char msg[256];
-            snprintf(msg, sizeof msg, "%s; the session was released, since its cache was cut", skv_error_msg());
-            skv_session_destroy(w->sessions, s);
-            skv_requests_fail(w, job, rc, msg);
-            return;
-        }
+    if (window > 0 && (rc = compress_rerun(w, s, &comp, canon, cut, was_h2o))) {
+        char msg[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+        snprintf(msg, sizeof msg, "%s; the session is as it was", skv_error_msg());
+        skv_compressor_free(&comp);
+        skv_requests_fail(w, job, rc, msg);
+        return;
+    }
+    if (window <= 0) {
+        skv_compressor_free(&s->comp);
+        s->comp = comp;
+        comp = NULL;
+        memcpy(s->spec, canon, sizeof s->spec);
     }
     if ((rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;

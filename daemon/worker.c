@@ -1022,6 +1022,8 @@ bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable)
         return true;
     case SNAPKV__REQUEST__COMMAND_APPEND:
         return undoable;
+    case SNAPKV__REQUEST__COMMAND_COMPRESS: /* it runs on a copy of the session's cache */
+        return true;
     default:
         return false;
     }

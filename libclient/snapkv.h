@@ -279,7 +279,8 @@ struct snapkv_compress_result {
 };
 /* Re-compresses a session with `spec`. window_from: where the observation window (the spec's
  * `window` tokens) starts; 0: the daemon's default (the session's last tokens). out may be
- * NULL; free it with snapkv_compress_result_free(). */
+ * NULL; free it with snapkv_compress_result_free(). When it fails (the pool is full, the
+ * client's timeout passed while it ran) the session is as it was, under its old spec. */
 SNAPKV_API int snapkv_compress(snapkv_client_t *client, const struct snapkv_session_id *id, const char *spec,
                                uint32_t window_from, struct snapkv_compress_result *out);
 SNAPKV_API void snapkv_compress_result_free(struct snapkv_compress_result *r);

@@ -2229,6 +2229,92 @@ static void test_append_stops(void **state)
     assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 1);
 }
 
+/* A COMPRESS by client Y of session sid that runs its tokens from the second on again (71 of
+ * 72: a forward long enough to stop), with a deadline (0: none). */
+struct long_compress {
+    struct fixture *f;
+    const uint8_t *sid;
+    uint32_t deadline_ms;
+};
+
+static void submit_long_compress(void *arg)
+{
+    const struct long_compress *lc = arg;
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = "policy=snapkv,budget=16,window=8";
+    Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
+    c.session_id = (ProtobufCBinaryData){16, (uint8_t *)lc->sid};
+    c.compress = &cs;
+    c.window_from = 1;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
+    req.compress = &c;
+    req.deadline_ms = lc->deadline_ms;
+    assert_int_equal(skv_worker_submit(lc->f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+}
+
+/* A COMPRESS runs on a copy of its session's cache that shares every block, so one stopped
+ * part way (its deadline passed, or its client gone) leaves the session exactly as it was: its
+ * rows, bytes and spec, and the next requests give the logits of a twin that never had the
+ * COMPRESS, bit for bit. One that runs to its end replaces the cache. */
+static void test_compress_stops(void **state)
+{
+    struct fixture *f = *state;
+    const int n_vocab = f->tiny->m->cfg.n_vocab;
+    uint8_t a[16], twin[16];
+    const uint8_t *pair[2] = {a, twin};
+    for (int j = 0; j < 2; j++) {
+        prefill(f, 8, "policy=full", (uint8_t *)pair[j]);
+        struct long_append la = {f, pair[j], 0, false};
+        submit_long_append(&la);
+        expect_reply(f, SKV_OK, NULL);
+    }
+    uint64_t bytes_before = 0, bytes = 0;
+    assert_int_equal(listed(f, a, &bytes_before, NULL), 72);
+
+    struct long_compress lc = {f, a, 20};
+    gate_hold(submit_long_compress, &lc);
+    usleep(60000); /* past its 20 ms while it waits inside its first layer */
+    gate_open();
+    expect_reply(f, SKV_E_TIMEOUT, "the COMPRESS passed its deadline of 20 ms (the client's timeout) at layer 1");
+    assert_int_equal(listed(f, a, &bytes, NULL), 72);
+    assert_int_equal(bytes, bytes_before);
+    assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 1);
+    Snapkv__Reply *got[2];
+    for (int j = 0; j < 2; j++) {
+        assert_int_equal(append(f, pair[j], 2, NULL), SKV_OK);
+        struct long_append full = {f, pair[j], 0, true};
+        submit_long_append(&full);
+        got[j] = next_reply(f, 0, ID_Y, 5);
+        assert_int_equal(got[j]->status, SKV_OK);
+        assert_int_equal(got[j]->append->n_tokens, 72 + 2 + 64);
+    }
+    /* under policy=full still: every row kept, so equal logits mean equal rows */
+    assert_memory_equal(got[0]->append->logits, got[1]->append->logits, sizeof(float) * (size_t)n_vocab);
+    snapkv__reply__free_unpacked(got[0], NULL);
+    snapkv__reply__free_unpacked(got[1], NULL);
+    assert_int_equal(listed(f, a, &bytes, NULL), 138);
+    assert_int_equal(listed(f, twin, &bytes_before, NULL), 138);
+    assert_int_equal(bytes, bytes_before);
+
+    /* run to its end: the session holds its compressed cache */
+    lc = (struct long_compress){f, twin, 0};
+    submit_long_compress(&lc);
+    expect_reply(f, SKV_OK, NULL);
+    assert_int_equal(listed(f, twin, &bytes, NULL), 138);
+    assert_true(bytes < bytes_before);
+
+    /* its client gone (the last use of Y here): stopped, the session as it was */
+    lc = (struct long_compress){f, a, 0};
+    gate_hold(submit_long_compress, &lc);
+    assert_int_equal(skv_worker_client_gone(f->w, ID_Y, sizeof ID_Y, true), SKV_OK);
+    gate_open();
+    expect_reply(f, SKV_E_CANCELLED, "the session is as it was");
+    assert_int_equal(listed(f, a, &bytes, NULL), 138);
+    assert_int_equal(bytes, bytes_before);
+    assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 1);
+}
+
 /* Restarts the worker (a stop saves when persist is on; a start restores). */
 static void restart(struct fixture *f)
 {
@@ -2478,6 +2564,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
