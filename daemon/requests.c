@@ -350,9 +350,6 @@ static void forward_tick(void *user)
     skv_worker_yield(user);
 }
 
-/* Runs tokens through the session's model and cache. compress: a compressing forward with
- * comp (prefill / compress); else decode-time upkeep when the session has a compressor.
- * progress_job: send per-layer progress replies for it (may be NULL). */
 /* Readies s's compressor for a forward of n tokens (compress: a compressing one; else decode
  * upkeep) and points fo at its hook; nothing to do without a compressor. */
 static int session_hook(struct skv_session *s, int n, bool compress, struct skv_forward_opts *fo)
@@ -364,15 +361,20 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
     return compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
 }
 
+/* Runs tokens through the session's model and cache. compress: a compressing forward with
+ * comp (prefill / compress); else decode-time upkeep when the session has a compressor.
+ * stoppable: the forward may stop part way (a deadline, a client gone; a long one of the
+ * running request only) because what it leaves is nobody's (a PREFILL's session), the
+ * engine's undo restores it, or it runs on a copy (session_undo). progress_job: send
+ * per-layer progress replies for it (may be NULL). */
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
-                                    bool compress, const struct skv_job *progress_job)
+                                    bool compress, bool stoppable, const struct skv_job *progress_job)
 {
     bool had_logits = s->logits != NULL;
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
-    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers,
-                            compress || !s->comp || skv_compressor_decode_keeps_rows(s->comp)};
+    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers, stoppable};
     int rc = session_hook(s, n, compress, &fo);
     /* progress replies, and per layer of a long forward a heartbeat and a turn for the running
      * decodes (a short one beats when done, and they wait for it) */
@@ -406,9 +408,67 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     return rc;
 }
 
-static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
+static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress,
+                           bool stoppable)
 {
-    return session_forward_progress(w, s, ids, n, compress, NULL);
+    return session_forward_progress(w, s, ids, n, compress, stoppable, NULL);
+}
+
+/* What a request that runs on a copy of a session (its cache sharing every block, and its
+ * compressor) keeps to put the session back as it was when it fails part way. */
+struct session_undo {
+    struct skv_kv_cache *cache;
+    struct skv_compressor *comp;
+    char spec[sizeof ((struct skv_session *)0)->spec];
+    int32_t n_tokens;
+    float *logits; /* a copy of the next-token logits (NULL: it had none) */
+};
+
+/* Puts s on copies of its cache and compressor, keeping its own in u. */
+static int undo_begin(struct skv_worker *w, struct skv_session *s, struct session_undo *u)
+{
+    size_t nl = (size_t)w->m->cfg.n_vocab * sizeof *u->logits;
+    struct skv_kv_cache *cache = NULL;
+    struct skv_compressor *comp = NULL;
+    *u = (struct session_undo){0};
+    int rc = s->logits && !(u->logits = malloc(nl)) ? SKV_E_NOMEM : skv_kv_cache_clone(s->cache, &cache);
+    if (!rc && s->comp)
+        rc = skv_compressor_clone(s->comp, &comp);
+    if (rc) {
+        skv_kv_cache_free(&cache);
+        free(u->logits);
+        return rc;
+    }
+    if (u->logits)
+        memcpy(u->logits, s->logits, nl);
+    u->cache = s->cache;
+    u->comp = s->comp;
+    memcpy(u->spec, s->spec, sizeof u->spec);
+    u->n_tokens = s->n_tokens;
+    s->cache = cache;
+    s->comp = comp;
+    return SKV_OK;
+}
+
+/* failed: s exactly as at undo_begin (the copies, and a compressor put in their place, go);
+ * else s keeps what it has now and its old cache and compressor go. */
+static void undo_end(struct skv_worker *w, struct skv_session *s, struct session_undo *u, bool failed)
+{
+    if (failed) {
+        skv_kv_cache_free(&s->cache);
+        skv_compressor_free(&s->comp);
+        s->cache = u->cache;
+        s->comp = u->comp;
+        memcpy(s->spec, u->spec, sizeof s->spec);
+        s->n_tokens = u->n_tokens; /* the tokens up to it are as they were */
+        if (u->logits && s->logits)
+            memcpy(s->logits, u->logits, (size_t)w->m->cfg.n_vocab * sizeof *s->logits);
+    } else {
+        skv_kv_cache_free(&u->cache);
+        skv_compressor_free(&u->comp);
+    }
+    free(u->logits);
+    u->logits = NULL;
 }
 
 /* A compressor for spec text (NULL for policy=full), and the spec's canonical form. */
@@ -494,7 +554,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
     uint64_t inside0 = w->nested_us; /* what runs inside the forward is not its time */
-    rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
+    rc = session_forward_progress(w, s, ids, n, true, true, p->progress ? job : NULL);
     if (rc)
         goto fail;
     w->metrics.prefill_tokens += (uint64_t)n;
@@ -555,9 +615,18 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     }
     if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->cache->n_past, &ids,
                              &n)) ||
-        (rc = reserve_rows(w, s, n, forward_compacts(s), 0, 0, NULL, NULL)) ||
-        (rc = session_forward(w, s, ids, n, false)) ||
-        (rc = skv_session_charge(w->sessions, s, NULL)))
+        (rc = reserve_rows(w, s, n, forward_compacts(s), 0, 0, NULL, NULL)))
+        goto fail;
+    /* a long one may stop part way: the engine's undo drops the rows it added, and where the
+     * session's upkeep evicts or re-scores rows too, it runs on a copy */
+    struct session_undo u;
+    bool copy = n >= 64 && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
+    if (copy && (rc = undo_begin(w, s, &u)))
+        goto fail;
+    rc = session_forward(w, s, ids, n, false, true);
+    if (copy)
+        undo_end(w, s, &u, rc != SKV_OK);
+    if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
     skv_worker_event_stored(w, s); /* announced again: its blocks as they are now */
     s->n_text_pending = 0; /* the client's text follows: a generated character it cut stays cut */
@@ -580,37 +649,28 @@ fail:
     free(ids);
 }
 
-/* Re-compression: the tokens from window_from on (default: the spec's last `window` tokens)
- * are taken off the cache and run again with the new spec, so they serve as the observation
- * window exactly as at prefill. Refused, changing nothing, for a session whose tokens are not
- * all known (an IMPORT without them) or that cannot have the room the re-run may take. */
-/* COMPRESS's re-run of s's tokens from `cut` on under *comp (spec canon), on a copy of its
- * cache that shares every block: the rows from `cut` on are cut from the copy and run again,
- * so the new compressor scores the prompt with them as its window. On success the copy, the
- * compressor (*comp taken) and the spec become s's; on failure (the pool, a deadline, a
- * client gone) s is exactly as it was and *comp is still the caller's. */
-static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct skv_compressor **comp,
+/* COMPRESS's re-run of s's tokens from `cut` on under comp (taken; spec canon), on a copy of
+ * its cache that shares every block: the rows from `cut` on are cut from the copy and run
+ * again, so the new compressor scores the prompt with them as its window. On success the
+ * copy, the compressor and the spec become s's; on failure (the pool, a deadline, a client
+ * gone) s is exactly as it was. */
+static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct skv_compressor *comp,
                           const char *canon, int cut, bool was_h2o)
 {
-    struct skv_kv_cache *orig = s->cache, *work = NULL;
-    struct skv_compressor *old_comp = s->comp;
-    char old_spec[sizeof s->spec];
-    int32_t old_n_tokens = s->n_tokens, window = orig->n_past - cut, n_vocab = w->m->cfg.n_vocab;
-    float *old_logits = s->logits ? malloc((size_t)n_vocab * sizeof *old_logits) : NULL;
+    int window = s->cache->n_past - cut;
     int32_t *redo = malloc((size_t)window * sizeof *redo);
-    int rc = (s->logits && !old_logits) || !redo ? SKV_E_NOMEM : skv_kv_cache_clone(orig, &work);
+    struct session_undo u;
+    int rc = redo ? undo_begin(w, s, &u) : SKV_E_NOMEM;
     if (rc) {
-        free(old_logits);
+        skv_compressor_free(&comp);
         free(redo);
         return rc;
     }
-    if (old_logits)
-        memcpy(old_logits, s->logits, (size_t)n_vocab * sizeof *old_logits);
-    memcpy(old_spec, s->spec, sizeof old_spec);
     memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
-    s->cache = work;
-    s->comp = *comp;
+    skv_compressor_free(&s->comp); /* the copy of the old one: the new one takes its place */
+    s->comp = comp;
     memcpy(s->spec, canon, sizeof s->spec);
+    struct skv_kv_cache *work = s->cache;
     int H = work->n_kv_heads;
     for (int i = 0; i < work->n_layers * H && !rc; i++) {
         const struct skv_kv_head *kh = &work->heads[i];
@@ -624,27 +684,18 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
     if (!rc) {
         work->n_past = cut;
         s->n_tokens = cut;
-        rc = session_forward(w, s, redo, window, true);
+        rc = session_forward(w, s, redo, window, true, true);
     }
     free(redo);
-    if (rc) {
-        skv_kv_cache_free(&s->cache);
-        s->cache = orig;
-        s->comp = old_comp;
-        memcpy(s->spec, old_spec, sizeof s->spec);
-        s->n_tokens = old_n_tokens; /* the tokens past it are as they were: the same ones */
-        if (old_logits)
-            memcpy(s->logits, old_logits, (size_t)n_vocab * sizeof *old_logits);
-        free(old_logits);
-        return rc;
-    }
-    free(old_logits);
-    skv_kv_cache_free(&orig);
-    skv_compressor_free(&old_comp);
-    *comp = NULL;
-    return SKV_OK;
+    undo_end(w, s, &u, rc != SKV_OK);
+    return rc;
 }
 
+/* Re-compression: the tokens from window_from on (default: the spec's last `window` tokens)
+ * are taken off the cache and run again with the new spec, so they serve as the observation
+ * window exactly as at prefill. Refused, changing nothing, for a session whose tokens are not
+ * all known (an IMPORT without them) or that cannot have the room the re-run may take; one
+ * that fails part way leaves the session as it was (compress_rerun). */
 static void handle_compress(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__CompressRequest *c = job->req->compress;
@@ -684,10 +735,12 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     if (window > 0 && (rc = reserve_rows(w, s, window, true, 0, 0, NULL, NULL)))
         goto fail;
     bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
-    if (window > 0 && (rc = compress_rerun(w, s, &comp, canon, cut, was_h2o))) {
+    rc = window > 0 ? compress_rerun(w, s, comp, canon, cut, was_h2o) : SKV_OK;
+    if (window > 0)
+        comp = NULL; /* taken */
+    if (rc) {
         char msg[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
         snprintf(msg, sizeof msg, "%s; the session is as it was", skv_error_msg());
-        skv_compressor_free(&comp);
         skv_requests_fail(w, job, rc, msg);
         return;
     }

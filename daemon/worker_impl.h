@@ -141,8 +141,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 bool skv_worker_running_gone(struct skv_worker *w);
 /* Whether the forward in progress is the running request's and may stop part way: a PREFILL
  * (its session is its own), a COMPRESS (it runs on a copy of the session's cache), or an
- * APPEND whose forward can be undone (undoable: it changes no row it does not add, so the
- * session is left as it was). */
+ * APPEND whose forward can be undone (undoable: the engine's undo restores the session, or it
+ * runs on a copy). */
 bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable);
 /* Whether the running request's deadline passed (its client has stopped waiting). */
 bool skv_worker_running_late(const struct skv_worker *w);
