@@ -414,8 +414,9 @@ static int session_forward(struct skv_worker *w, struct skv_session *s, const in
     return session_forward_progress(w, s, ids, n, compress, stoppable, NULL);
 }
 
-/* What a request that runs on a copy of a session (its cache sharing every block, and its
- * compressor) keeps to put the session back as it was when it fails part way. */
+/* What a request that runs on a copy of a session's cache (sharing every block) keeps to put
+ * the session back as it was when it fails part way: its own cache, and a copy of its
+ * compressor as it was (the session's own runs on: its buffers are warm). */
 struct session_undo {
     struct skv_kv_cache *cache;
     struct skv_compressor *comp;
@@ -424,7 +425,7 @@ struct session_undo {
     float *logits; /* a copy of the next-token logits (NULL: it had none) */
 };
 
-/* Puts s on copies of its cache and compressor, keeping its own in u. */
+/* Puts s on a copy of its cache, keeping its own and a copy of its compressor in u. */
 static int undo_begin(struct skv_worker *w, struct skv_session *s, struct session_undo *u)
 {
     size_t nl = (size_t)w->m->cfg.n_vocab * sizeof *u->logits;
@@ -442,16 +443,15 @@ static int undo_begin(struct skv_worker *w, struct skv_session *s, struct sessio
     if (u->logits)
         memcpy(u->logits, s->logits, nl);
     u->cache = s->cache;
-    u->comp = s->comp;
+    u->comp = comp;
     memcpy(u->spec, s->spec, sizeof u->spec);
     u->n_tokens = s->n_tokens;
     s->cache = cache;
-    s->comp = comp;
     return SKV_OK;
 }
 
-/* failed: s exactly as at undo_begin (the copies, and a compressor put in their place, go);
- * else s keeps what it has now and its old cache and compressor go. */
+/* failed: s exactly as at undo_begin (the copy of its cache, and its compressor as the request
+ * left it, go); else s keeps what it has now, and its old cache and compressor go. */
 static void undo_end(struct skv_worker *w, struct skv_session *s, struct session_undo *u, bool failed)
 {
     if (failed) {
@@ -667,7 +667,7 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
         return rc;
     }
     memcpy(redo, s->tokens + cut, (size_t)window * sizeof *redo);
-    skv_compressor_free(&s->comp); /* the copy of the old one: the new one takes its place */
+    skv_compressor_free(&s->comp); /* the old one (u keeps a copy): the new one takes its place */
     s->comp = comp;
     memcpy(s->spec, canon, sizeof s->spec);
     struct skv_kv_cache *work = s->cache;
