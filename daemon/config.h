@@ -52,6 +52,7 @@ struct skv_config {
     char *events_endpoint;    /* KV events PUB socket (ipc:// only); "" off */
     bool persist;             /* sessions saved at stop and restored, with their ids, at start */
     int64_t persist_max_seconds; /* the time the save at stop may take */
+    int64_t persist_interval_seconds; /* also saved (a checkpoint) this often when idle; 0: at stop only */
     int64_t fair_slice_ms;    /* fair order: a long forward's own time before another tenant's request
                                * may run inside it; 0: never */
 };

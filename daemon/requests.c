@@ -2258,7 +2258,18 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
  * before, eviction takes the least recently used), and the directory is emptied. Forks lose
  * their shared blocks: each comes back as a copy of its own. */
 #define PERSIST_MANIFEST "sessions.json"
-#define PERSIST_BLOCKS "blocks.skvb" /* the block store the sessions' files name */
+#define PERSIST_BLOCKS "blocks" /* the block store the sessions' files name: blocks-<gen>.skvb */
+
+/* A file of generation gen: "<name>-<gen><ext>" ("<name><ext>" for 0: a save before
+ * generations were numbered). Each save or checkpoint writes a new generation beside the last
+ * and names it in the manifest, so a crash in the middle of one leaves the last intact. */
+static void persist_file(char *out, size_t cap, const char *dir, const char *name, uint64_t gen, const char *ext)
+{
+    if (gen)
+        snprintf(out, cap, "%s/%s-%llu%s", dir, name, (unsigned long long)gen, ext);
+    else
+        snprintf(out, cap, "%s/%s%s", dir, name, ext);
+}
 
 static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
 {
@@ -2267,22 +2278,36 @@ static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
     return SKV_OK;
 }
 
-/* Removes what a save left in dir: sessions, their temporary files, the manifest. */
-static void persist_wipe(const char *dir)
+static bool ends_with(const char *s, const char *end)
+{
+    size_t n = strlen(s), m = strlen(end);
+    return n >= m && strcmp(s + n - m, end) == 0;
+}
+
+/* Removes what saves left in dir (sessions, block stores, their temporary files, the
+ * manifest), except, when keep > 0, the files of generation keep and the manifest. */
+static void persist_sweep(const char *dir, uint64_t keep)
 {
     DIR *d = opendir(dir);
     if (!d)
         return;
+    char gen_skv[32], gen_store[32];
+    snprintf(gen_skv, sizeof gen_skv, "-%llu.skv", (unsigned long long)keep);
+    snprintf(gen_store, sizeof gen_store, "-%llu.skvb", (unsigned long long)keep);
     for (struct dirent *e; (e = readdir(d));) {
-        size_t n = strlen(e->d_name);
-        bool ours = (n > 4 && strcmp(e->d_name + n - 4, ".skv") == 0) ||
-                    (n > 8 && strcmp(e->d_name + n - 8, ".skv.tmp") == 0) ||
-                    strncmp(e->d_name, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0 ||
-                    strcmp(e->d_name, PERSIST_BLOCKS) == 0;
-        if (ours)
-            unlinkat(dirfd(d), e->d_name, 0);
+        const char *f = e->d_name;
+        bool ours = ends_with(f, ".skv") || ends_with(f, ".skv.tmp") || ends_with(f, ".skvb") ||
+                    strncmp(f, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
+        bool kept = keep && (ends_with(f, gen_skv) || ends_with(f, gen_store) || strcmp(f, PERSIST_MANIFEST) == 0);
+        if (ours && !kept)
+            unlinkat(dirfd(d), f, 0);
     }
     closedir(d);
+}
+
+static void persist_wipe(const char *dir)
+{
+    persist_sweep(dir, 0);
 }
 
 struct persist_list {
@@ -2315,7 +2340,10 @@ static int by_save_order(const void *a, const void *b)
     return s->last_used_ms < t->last_used_ms ? 1 : s->last_used_ms > t->last_used_ms ? -1 : 0;
 }
 
-int skv_requests_persist_save(struct skv_worker *w)
+/* Writes every session as generation persist_gen + 1 and, when all went to disk, a manifest
+ * naming it, then removes the generation before. A checkpoint gives way to the first request
+ * that arrives (SKV_E_CANCELLED, the last generation left as it was). */
+static int persist_write(struct skv_worker *w, bool checkpoint)
 {
     char dir[1100], path[1200], tmp[1300];
     int rc = persist_dir(w, dir, sizeof dir);
@@ -2323,7 +2351,8 @@ int skv_requests_persist_save(struct skv_worker *w)
         return rc;
     if (mkdir(dir, 0700) != 0 && errno != EEXIST)
         return skv_errorf(SKV_E_IO, "%s: %s", dir, strerror(errno));
-    persist_wipe(dir);
+    uint64_t gen = w->persist_gen + 1;
+    persist_sweep(dir, w->persist_gen); /* what an interrupted save left */
     struct persist_list l = {0};
     skv_session_foreach(w->sessions, persist_collect, &l);
     if (l.n)
@@ -2331,22 +2360,27 @@ int skv_requests_persist_save(struct skv_worker *w)
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
     int saved = 0, failed = 0, late = 0;
+    bool stopped = false;
     struct skv_kv_store *store = NULL; /* without it each file holds its rows whole */
-    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_BLOCKS);
+    persist_file(path, sizeof path, dir, PERSIST_BLOCKS, gen, ".skvb");
     if (skv_kv_store_create(path, w->m->fingerprint, w->m->kv_pool, &store)) {
         skv_log(SKV_LOG_WARN, "persist: no block store (%s): each session's file holds its rows whole",
                 skv_error_msg());
         store = NULL;
     }
-    for (int i = 0; i < l.n; i++) {
+    for (int i = 0; i < l.n && !stopped; i++) {
         struct skv_session *s = l.s[i];
+        if (checkpoint && skv_worker_has_queued(w)) {
+            stopped = true; /* a client waits: its request before the checkpoint */
+            break;
+        }
         if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
             late++;
             continue;
         }
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(s->id, hex);
-        snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
+        persist_file(path, sizeof path, dir, hex, gen, ".skv");
         long size = 0;
         if ((rc = session_save(w, s, dir, path, store, &size))) {
             skv_log(SKV_LOG_WARN, "persist: session %s not saved: %s", hex, skv_error_msg());
@@ -2366,9 +2400,11 @@ int skv_requests_persist_save(struct skv_worker *w)
     bytes += store ? skv_kv_store_bytes(store) : 0;
     rc = store ? skv_kv_store_finish(store) : SKV_OK; /* on disk before the manifest names files that need it */
     skv_kv_store_close(&store);
-    json_t *doc = json_pack("{s:i, s:o}", "version", 1, "sessions", list);
+    json_t *doc = json_pack("{s:i, s:I, s:o}", "version", 1, "generation", (json_int_t)gen, "sessions", list);
     snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    if (!rc && stopped)
+        rc = skv_errorf(SKV_E_CANCELLED, "a request arrived");
     if (!rc)
         rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
                                                                 : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
@@ -2381,16 +2417,31 @@ int skv_requests_persist_save(struct skv_worker *w)
     if (!rc)
         rc = rename_durable(tmp, path, dir);
     if (rc) {
-        persist_wipe(dir); /* sessions without their manifest would never be loaded */
+        persist_sweep(dir, w->persist_gen); /* this generation's files; the last one stays */
         return rc;
     }
-    skv_log(SKV_LOG_INFO, "persist: saved %d of %d session(s), %llu bytes (%u KV blocks written once each), in %.1f s "
-            "to %s%s", saved, l.n, (unsigned long long)bytes, n_blocks, (double)(skv_now_ms() - t0) / 1000.0, dir,
+    w->persist_gen = gen;
+    w->persist_ms = skv_now_ms();
+    persist_sweep(dir, gen);
+    skv_log(checkpoint ? SKV_LOG_DEBUG : SKV_LOG_INFO,
+            "persist: %s %d of %d session(s), %llu bytes (%u KV blocks written once each), in %.1f s to %s%s",
+            checkpoint ? "checkpoint:" : "saved", saved, l.n, (unsigned long long)bytes, n_blocks,
+            (double)(skv_now_ms() - t0) / 1000.0, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
-        skv_log(SKV_LOG_WARN, "persist: %d session(s) lost at this stop (%d failed, %d past persist-max-seconds)",
-                failed + late, failed, late);
+        skv_log(SKV_LOG_WARN, "persist: %d session(s) %s (%d failed, %d past persist-max-seconds)", failed + late,
+                checkpoint ? "left out of a checkpoint" : "lost at this stop", failed, late);
     return SKV_OK;
+}
+
+int skv_requests_persist_save(struct skv_worker *w)
+{
+    return persist_write(w, false);
+}
+
+int skv_requests_persist_checkpoint(struct skv_worker *w)
+{
+    return persist_write(w, true);
 }
 
 /* One manifest entry: its id (32 hex digits), tenant, owner, pin, lease, idle time. */
@@ -2433,12 +2484,14 @@ int skv_requests_persist_restore(struct skv_worker *w)
         persist_wipe(dir);
         return SKV_OK;
     }
-    const json_t *list = json_object_get(doc, "sessions");
+    const json_t *list = json_object_get(doc, "sessions"), *g = json_object_get(doc, "generation");
     size_t n = json_array_size(list);
     int restored = 0;
     uint64_t t0 = skv_now_ms();
+    /* no generation: files written before generations were numbered */
+    uint64_t gen = json_is_integer(g) && json_integer_value(g) > 0 ? (uint64_t)json_integer_value(g) : 0;
     struct restore r = {0};
-    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_BLOCKS);
+    persist_file(path, sizeof path, dir, PERSIST_BLOCKS, gen, ".skvb");
     rc = skv_kv_store_open(path, w->m->fingerprint, skv_kv_pool_block_rows(w->m->kv_pool), w->m->cfg.head_dim,
                            &r.store);
     if (rc && rc != SKV_E_NOT_FOUND) /* the files that name its blocks fail; older ones load */
@@ -2456,7 +2509,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
         rc = persist_entry(json_array_get(list, k), id, &tenant, &owner, &pinned, &lease, &idle);
         if (!rc) {
             skv_session_id_hex(id, hex);
-            snprintf(path, sizeof path, "%s/%s.skv", dir, hex);
+            persist_file(path, sizeof path, dir, hex, gen, ".skv");
             rc = session_load(w, path, tenant, owner, &r, &s);
         }
         if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
@@ -2478,7 +2531,11 @@ int skv_requests_persist_restore(struct skv_worker *w)
     json_decref(doc);
     skv_kv_dedupe_free(&r.dedupe);
     skv_kv_store_close(&r.store); /* its blocks now held by the sessions alone */
-    persist_wipe(dir);
+    w->persist_gen = gen;
+    if (w->cfg->persist_interval_seconds > 0)
+        persist_sweep(dir, gen); /* the last checkpoint until the next: a crash before it restores it again */
+    else
+        persist_wipe(dir);
     skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s; %llu KV block(s) shared again",
             restored - r.evicted, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)r.n_shared);
     if (r.evicted)

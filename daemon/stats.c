@@ -74,6 +74,13 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "activation buffers of the engines (the main one, the one decodes and short requests run on, the "
          "nested one, which gives its buffers back after each request), beside the KV pool",
          (double)in->engine_scratch_bytes},
+        {"snapkv_persist_checkpoints_total",
+         "checkpoints of every session written while serving (persist-interval-seconds)",
+         (double)m->persist_checkpoints},
+        {"snapkv_persist_age_seconds",
+         "seconds since the sessions were last saved (a checkpoint; the start when none was yet): what a crash "
+         "would lose; 0 without persist",
+         in->persist_age_seconds},
     };
     memcpy(rows, r, sizeof r);
 }

@@ -22,6 +22,7 @@ struct skv_metrics {
     uint64_t requests_nested;     /* another tenant's requests run inside a long forward (fair-slice-ms) */
     uint64_t requests_dropped_gone; /* of clients whose connection closed: dropped queued, or PREFILLs stopped */
     uint64_t requests_past_deadline; /* answered TIMEOUT unrun, or PREFILLs stopped, past the client's deadline */
+    uint64_t persist_checkpoints; /* checkpoints written (persist-interval-seconds) */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -38,6 +39,7 @@ struct skv_stats_input {
     uint64_t reply_bytes_unread;  /* replies sent and not taken by their clients yet */
     uint64_t replies_dropped;     /* replies dropped for max-reply-bytes(-per-client) */
     uint64_t engine_scratch_bytes; /* activation buffers the worker's engines hold */
+    double persist_age_seconds;   /* since the sessions were last saved (the start, when none was); 0: persist off */
 };
 
 struct skv_stat {
@@ -46,7 +48,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 31
+#define SKV_N_STATS 33
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -151,6 +151,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
     const struct skv_replies *r = atomic_load(&w->replies);
     out->reply_bytes_unread = skv_replies_unread_bytes(r);
     out->replies_dropped = skv_replies_dropped(r);
+    uint64_t now = skv_now_ms();
+    out->persist_age_seconds = w->cfg->persist && now > w->persist_ms ? (double)(now - w->persist_ms) / 1000.0 : 0;
     out->engine_scratch_bytes = skv_engine_scratch_bytes(w->engine) + skv_engine_scratch_bytes(w->decode_engine) +
                                 skv_engine_scratch_bytes(w->nested_engine);
 }
@@ -671,6 +673,46 @@ void skv_worker_yield(struct skv_worker *w)
     w->yielding = false;
 }
 
+/* Whether a job may change what a checkpoint saves: not the reads (a monitor polling STATS would
+ * otherwise bring a checkpoint every interval). */
+static bool job_changes_sessions(const struct skv_job *job)
+{
+    if (job->kind != SKV_JOB_REQUEST)
+        return true; /* a client gone: its decodes cancelled */
+    switch (job->req->command_case) {
+    case SNAPKV__REQUEST__COMMAND_STATUS:
+    case SNAPKV__REQUEST__COMMAND_LIST:
+    case SNAPKV__REQUEST__COMMAND_INSPECT:
+    case SNAPKV__REQUEST__COMMAND_SAVE:
+    case SNAPKV__REQUEST__COMMAND_STATS:
+    case SNAPKV__REQUEST__COMMAND_CONFIG_GET:
+    case SNAPKV__REQUEST__COMMAND_EXPORT_KV:
+    case SNAPKV__REQUEST__COMMAND_REGISTER_BUFFER:
+        return false;
+    default:
+        return true;
+    }
+}
+
+/* persist-interval-seconds: a checkpoint once the engine is idle (nothing queued, no decode
+ * running), sessions may have changed, and the interval has passed since the last save. */
+static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
+{
+    int64_t every = w->cfg->persist_interval_seconds;
+    if (!w->cfg->persist || every <= 0 || !w->persist_dirty || w->decodes || now - w->persist_ms < (uint64_t)every * 1000 ||
+        skv_worker_has_queued(w))
+        return;
+    w->persist_dirty = false; /* a request run during it sets it again */
+    int rc = skv_requests_persist_checkpoint(w);
+    if (rc == SKV_OK) {
+        w->metrics.persist_checkpoints++;
+    } else {
+        w->persist_dirty = true; /* tried again at the next idle second */
+        if (rc != SKV_E_CANCELLED)
+            skv_log(SKV_LOG_WARN, "persist: checkpoint: %s", skv_error_msg());
+    }
+}
+
 static void *worker_main(void *arg)
 {
     struct skv_worker *w = arg;
@@ -686,6 +728,7 @@ static void *worker_main(void *arg)
         ev.cleared = &ac;
         event_send(w, &ev);
     }
+    w->persist_ms = skv_now_ms();
     if (w->cfg->persist && skv_requests_persist_restore(w))
         skv_log(SKV_LOG_WARN, "persist: %s", skv_error_msg());
     publish_stats(w);
@@ -741,12 +784,15 @@ static void *worker_main(void *arg)
             w->run_vt_us = start;
             w->run_t0_us = t;
             w->running = job; /* short requests queued behind it may run inside its forward */
+            w->persist_dirty |= job_changes_sessions(job); /* before run_job, which frees it */
             run_job(w, job);
             w->running = NULL;
             uint64_t took = monotonic_us() - t;
             charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
         }
         skv_worker_beat(w);
+        if (w->decodes)
+            w->persist_dirty = true;
         decode_rounds(w);
         uint64_t now = skv_now_ms();
         if (now - last_expire >= 1000) {
@@ -756,8 +802,10 @@ static void *worker_main(void *arg)
             int n = skv_session_expire(w->sessions, now);
             if (n)
                 skv_log(SKV_LOG_INFO, "released %d session(s) past their lease", n);
+            w->persist_dirty |= n > 0;
             last_expire = now;
             publish_tenants(w);
+            maybe_checkpoint(w, now);
         }
         publish_stats(w);
     }
@@ -1027,6 +1075,14 @@ bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable)
     default:
         return false;
     }
+}
+
+bool skv_worker_has_queued(struct skv_worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    bool queued = w->head != NULL;
+    pthread_mutex_unlock(&w->mu);
+    return queued;
 }
 
 bool skv_worker_running_late(const struct skv_worker *w)

@@ -92,6 +92,9 @@ struct skv_worker {
     struct skv_tenant_clock *clocks; /* tenants ahead of the clock */
     int n_clocks;
     uint64_t nested_us;       /* engine time inside the running request's yields (not its own) */
+    uint64_t persist_gen;     /* the generation of the persist files on disk (0: none, or unnumbered) */
+    uint64_t persist_ms;      /* when the last save or checkpoint was written (or the start) */
+    bool persist_dirty;       /* sessions may have changed since */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
     atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
@@ -139,6 +142,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out);
 /* Whether the running request's client closed its connection (its notice waits in the queue);
  * worker thread. */
 bool skv_worker_running_gone(struct skv_worker *w);
+/* Whether a request or notice waits in the queue; worker thread. */
+bool skv_worker_has_queued(struct skv_worker *w);
 /* Whether the forward in progress is the running request's and may stop part way: a PREFILL
  * (its session is its own), a COMPRESS (it runs on a copy of the session's cache), or an
  * APPEND whose forward can be undone (undoable: the engine's undo restores the session, or it
@@ -189,6 +194,9 @@ void skv_requests_ipc_close_all(struct skv_worker *w);
 /* persist = yes: saves every session to <state-dir>/persist at stop (most recently used first,
  * within persist-max-seconds), with a manifest of ids, tenants, pins and leases. */
 int skv_requests_persist_save(struct skv_worker *w);
+/* The same while serving (persist-interval-seconds): SKV_E_CANCELLED when a request arrived
+ * meanwhile, the last save left as it was. */
+int skv_requests_persist_checkpoint(struct skv_worker *w);
 /* Restores what the last stop saved, under the same ids, and empties the directory. */
 int skv_requests_persist_restore(struct skv_worker *w);
 /* Sends a status-only final reply. */

@@ -1107,6 +1107,76 @@ static const struct snapkv_session_info *listed_session(const struct snapkv_sess
     return NULL;
 }
 
+/* persist-interval-seconds: the daemon checkpoints its sessions while idle, so one killed
+ * (SIGKILL: no save at stop) comes back with the sessions of its last checkpoint, decoding on
+ * as before; a session made after that checkpoint is not there. */
+static void test_persist_crash(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    snprintf(d.dir, sizeof d.dir, "/tmp/skv-sess-XXXXXX");
+    assert_non_null(mkdtemp(d.dir));
+    char conf[128], opt[160];
+    snprintf(conf, sizeof conf, "%s/snapkvd.conf", d.dir);
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fputs("persist = yes\npersist-interval-seconds = 1\n", f);
+    fclose(f);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    start_daemon_in(&d, "1G", opt, 0);
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 23);
+    snapkv_client_t *c = client(d.endpoint, "p"), *a = client(d.admin, NULL);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = SPEC};
+    struct snapkv_prefill_result pa, pb;
+    assert_int_equal(snapkv_prefill(c, &po, &pa), SNAPKV_OK);
+    struct snapkv_session_id fork;
+    assert_int_equal(snapkv_fork(c, &pa.id, &fork, NULL), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    struct snapkv_decode_result ref, got;
+    assert_int_equal(snapkv_decode(c, &fork, &sp, NULL, NULL, &ref), SNAPKV_OK);
+    for (int i = 0; i < 100 && stat_value(a, "snapkv_persist_checkpoints_total") < 1; i++)
+        usleep(100000);
+    assert_true(stat_value(a, "snapkv_persist_checkpoints_total") >= 1);
+    assert_true(stat_value(a, "snapkv_persist_age_seconds") < 5);
+    po.n_tokens = 40; /* after the checkpoint, gone with the crash unless another one came */
+    assert_int_equal(snapkv_prefill(c, &po, &pb), SNAPKV_OK);
+    double checkpoints = stat_value(a, "snapkv_persist_checkpoints_total");
+    snapkv_close(&c);
+    snapkv_close(&a);
+    kill(d.pid, SIGKILL);
+    int st;
+    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    forget_daemon(d.pid);
+    assert_true(WIFSIGNALED(st));
+
+    start_daemon_in(&d, "1G", opt, 0);
+    c = client(d.endpoint, "p");
+    a = client(d.admin, NULL);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(a, NULL, &l), SNAPKV_OK);
+    const struct snapkv_session_info *ia = listed_session(&l, &pa.id), *ifork = listed_session(&l, &fork);
+    assert_non_null(ia);
+    assert_non_null(ifork);
+    assert_int_equal(ifork->n_tokens, N_PROMPT + N_GEN);
+    if (checkpoints < 2) /* no checkpoint after pb's PREFILL */
+        assert_null(listed_session(&l, &pb.id));
+    snapkv_session_list_free(&l);
+    /* the original decodes what its fork did before the crash */
+    assert_int_equal(snapkv_decode(c, &pa.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    assert_memory_equal(got.tokens, ref.tokens, N_GEN * sizeof *got.tokens);
+    snapkv_decode_result_free(&got);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    assert_int_equal(term_daemon(&d), 0);
+    snapkv_decode_result_free(&ref);
+    snapkv_prefill_result_free(&pa);
+    snapkv_prefill_result_free(&pb);
+    stop_daemon(&d);
+}
+
 /* persist = yes: a restart keeps every session under its id, tenant, pin and lease, and it
  * decodes on exactly as before the stop (a fork taken before the stop decoded the reference);
  * the fork shares its document's blocks again (the pool holds as many blocks as before the
@@ -2610,6 +2680,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),
         cmocka_unit_test_teardown(test_chat_interrupt, kill_daemons),
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
+        cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */

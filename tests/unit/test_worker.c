@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <fcntl.h>
+#include <glob.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdatomic.h>
@@ -2333,6 +2334,18 @@ static bool saved_first(const char *dir, const uint8_t sid[16])
     return strncmp(id + 6, hex, 32) == 0;
 }
 
+/* The one file of dir matching pattern (a glob) into path. */
+static void only_match(const char *dir, const char *pattern, char *path, size_t cap)
+{
+    char pat[512];
+    snprintf(pat, sizeof pat, "%s/%s", dir, pattern);
+    glob_t g;
+    assert_int_equal(glob(pat, 0, NULL, &g), 0);
+    assert_int_equal(g.gl_pathc, 1);
+    snprintf(path, cap, "%s", g.gl_pathv[0]);
+    globfree(&g);
+}
+
 /* Flips a byte in the middle of a file. */
 static void corrupt(const char *path)
 {
@@ -2353,7 +2366,7 @@ static void corrupt(const char *path)
 static void test_persist(void **state)
 {
     struct fixture *f = *state;
-    char dir[] = "/tmp/skv-persist-XXXXXX", path[256];
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256], cmd[300];
     assert_non_null(mkdtemp(dir));
     skv_worker_stop(&f->w); /* the worker reads its config */
     assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
@@ -2389,7 +2402,8 @@ static void test_persist(void **state)
     /* a's full blocks (16 rows a head) are in the block store, b's 8 rows in its file: a block
      * damaged in the store costs a alone */
     skv_worker_stop(&f->w);
-    snprintf(path, sizeof path, "%s/persist/blocks.skvb", dir);
+    snprintf(cmd, sizeof cmd, "%s/persist", dir);
+    only_match(cmd, "blocks-*.skvb", path, sizeof path);
     FILE *fp = fopen(path, "rb");
     assert_non_null(fp);
     fseek(fp, 0, SEEK_END);
@@ -2410,7 +2424,10 @@ static void test_persist(void **state)
     char hex[33];
     for (int i = 0; i < 16; i++)
         snprintf(hex + 2 * i, 3, "%02x", a[i]);
-    snprintf(path, sizeof path, "%s/persist/%s.skv", dir, hex);
+    char pattern[64];
+    snprintf(cmd, sizeof cmd, "%s/persist", dir);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    only_match(cmd, pattern, path, sizeof path);
     corrupt(path);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(listed(f, a, NULL, &n), -1);
@@ -2433,7 +2450,60 @@ static void test_persist(void **state)
     skv_worker_stop(&f->w);
     assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
+/* persist-interval-seconds: once sessions changed and the interval passed, the idle worker
+ * writes a checkpoint (one generation of files on disk, the manifest naming it); reads alone
+ * (STATS, LIST) bring none; the next change brings the next, which replaces the files. */
+static void test_persist_checkpoint(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[128], path[256], cmd[300];
+    assert_non_null(mkdtemp(dir));
+    snprintf(pdir, sizeof pdir, "%s/persist", dir);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist-interval-seconds", "1"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
+    assert_true(stat(f, "snapkv_persist_age_seconds") < 1.5);
+    only_match(pdir, "blocks-*.skvb", path, sizeof path);
+    char hex[33], pattern[64];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", a[i]);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    only_match(pdir, pattern, path, sizeof path);
+    /* reads only, for 2.5 s: no checkpoint */
+    for (int i = 0; i < 10; i++) {
+        assert_int_equal(listed(f, a, NULL, NULL), 40);
+        usleep(250000);
+    }
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
+    assert_true(stat(f, "snapkv_persist_age_seconds") >= 2);
+    /* a change: the next checkpoint, whose files replace the first's */
+    prefill_for(f, "u", 8, "policy=full", b);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 2; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 2);
+    only_match(pdir, "blocks-*.skvb", path, sizeof path);
+    only_match(pdir, pattern, path, sizeof path);
+    glob_t g;
+    snprintf(cmd, sizeof cmd, "%s/*.skv", pdir);
+    assert_int_equal(glob(cmd, 0, NULL, &g), 0);
+    assert_int_equal(g.gl_pathc, 2);
+    globfree(&g);
+
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist-interval-seconds", "0"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     assert_int_equal(system(cmd), 0);
 }
@@ -2561,6 +2631,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
