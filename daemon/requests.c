@@ -2341,9 +2341,9 @@ static int by_save_order(const void *a, const void *b)
 }
 
 /* Writes every session as generation persist_gen + 1 and, when all went to disk, a manifest
- * naming it, then removes the generation before. A checkpoint gives way to the first request
- * that arrives (SKV_E_CANCELLED, the last generation left as it was). */
-static int persist_write(struct skv_worker *w, bool checkpoint)
+ * naming it, then removes the generation before. give_way: stop at the first request that
+ * arrives (SKV_E_CANCELLED, the last generation left as it was). */
+static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
 {
     char dir[1100], path[1200], tmp[1300];
     int rc = persist_dir(w, dir, sizeof dir);
@@ -2370,7 +2370,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint)
     }
     for (int i = 0; i < l.n && !stopped; i++) {
         struct skv_session *s = l.s[i];
-        if (checkpoint && skv_worker_has_queued(w)) {
+        if (give_way && skv_worker_has_queued(w)) {
             stopped = true; /* a client waits: its request before the checkpoint */
             break;
         }
@@ -2436,12 +2436,12 @@ static int persist_write(struct skv_worker *w, bool checkpoint)
 
 int skv_requests_persist_save(struct skv_worker *w)
 {
-    return persist_write(w, false);
+    return persist_write(w, false, false);
 }
 
-int skv_requests_persist_checkpoint(struct skv_worker *w)
+int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way)
 {
-    return persist_write(w, true);
+    return persist_write(w, true, give_way);
 }
 
 /* One manifest entry: its id (32 hex digits), tenant, owner, pin, lease, idle time. */

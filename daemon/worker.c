@@ -695,7 +695,11 @@ static bool job_changes_sessions(const struct skv_job *job)
 }
 
 /* persist-interval-seconds: a checkpoint once the engine is idle (nothing queued, no decode
- * running), sessions may have changed, and the interval has passed since the last save. */
+ * running), sessions may have changed, and the interval has passed since the last save. It
+ * gives way to a request that arrives meanwhile, but not after CHECKPOINT_GIVE_WAY such times
+ * in a row: a daemon that is never idle for a whole checkpoint still gets one, its requests
+ * then waiting for it. */
+#define CHECKPOINT_GIVE_WAY 3
 static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
 {
     int64_t every = w->cfg->persist_interval_seconds;
@@ -703,7 +707,8 @@ static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
         skv_worker_has_queued(w))
         return;
     w->persist_dirty = false; /* a request run during it sets it again */
-    int rc = skv_requests_persist_checkpoint(w);
+    int rc = skv_requests_persist_checkpoint(w, w->persist_gave_way < CHECKPOINT_GIVE_WAY);
+    w->persist_gave_way = rc == SKV_E_CANCELLED ? w->persist_gave_way + 1 : 0;
     if (rc == SKV_OK) {
         w->metrics.persist_checkpoints++;
     } else {

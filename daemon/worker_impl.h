@@ -95,6 +95,7 @@ struct skv_worker {
     uint64_t persist_gen;     /* the generation of the persist files on disk (0: none, or unnumbered) */
     uint64_t persist_ms;      /* when the last save or checkpoint was written (or the start) */
     bool persist_dirty;       /* sessions may have changed since */
+    int persist_gave_way;     /* checkpoints in a row stopped by a request */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
     atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
@@ -194,9 +195,9 @@ void skv_requests_ipc_close_all(struct skv_worker *w);
 /* persist = yes: saves every session to <state-dir>/persist at stop (most recently used first,
  * within persist-max-seconds), with a manifest of ids, tenants, pins and leases. */
 int skv_requests_persist_save(struct skv_worker *w);
-/* The same while serving (persist-interval-seconds): SKV_E_CANCELLED when a request arrived
- * meanwhile, the last save left as it was. */
-int skv_requests_persist_checkpoint(struct skv_worker *w);
+/* The same while serving (persist-interval-seconds). give_way: SKV_E_CANCELLED when a request
+ * arrives meanwhile, the last save left as it was. */
+int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way);
 /* Restores what the last stop saved, under the same ids, and empties the directory. */
 int skv_requests_persist_restore(struct skv_worker *w);
 /* Sends a status-only final reply. */
