@@ -73,6 +73,15 @@ static void prefill(struct tiny *t, struct skv_kv_cache *c, const int32_t *ids, 
     assert_int_equal(skv_engine_forward(t->e, c, ids, n, NULL, logits), SKV_OK);
 }
 
+/* Two prompts of n ids that share none. */
+static void two_prompts(const struct tiny *t, int32_t *ids, int32_t *other, int n)
+{
+    for (int i = 0; i < n; i++) {
+        ids[i] = (int32_t)((i * 7 + 3) % t->m->cfg.n_vocab);
+        other[i] = (int32_t)((i * 11 + 5) % t->m->cfg.n_vocab);
+    }
+}
+
 /* ---- the pool alone ------------------------------------------------------------------------- */
 
 static void test_pool_counts(void **state)
@@ -478,10 +487,7 @@ static void test_dedupe(void **state)
     struct skv_kv_pool *pool = t->m->kv_pool;
     const uint64_t base = pool_stats(pool).blocks_in_use;
     int32_t ids[N], other[N];
-    for (int i = 0; i < N; i++) {
-        ids[i] = (int32_t)((i * 7 + 3) % t->m->cfg.n_vocab);
-        other[i] = (int32_t)((i * 11 + 5) % t->m->cfg.n_vocab);
-    }
+    two_prompts(t, ids, other, N);
     struct skv_kv_cache *a = NULL, *b = NULL, *c = NULL, *x = NULL;
     assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
     assert_int_equal(skv_kv_cache_new(t->m, &b), SKV_OK);
@@ -603,10 +609,7 @@ static void test_store(void **state)
     struct skv_kv_pool *pool = t->m->kv_pool;
     const uint64_t base = pool_stats(pool).blocks_in_use;
     int32_t ids[N], other[N];
-    for (int i = 0; i < N; i++) {
-        ids[i] = (int32_t)((i * 7 + 3) % t->m->cfg.n_vocab);
-        other[i] = (int32_t)((i * 11 + 5) % t->m->cfg.n_vocab);
-    }
+    two_prompts(t, ids, other, N);
     struct skv_kv_cache *a = NULL, *b = NULL, *c = NULL, *d = NULL;
     assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
     assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);

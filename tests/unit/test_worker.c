@@ -2168,16 +2168,38 @@ static void submit_long_append(void *arg)
     assert_int_equal(skv_worker_submit(la->f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
 }
 
+/* sid, left as it was by a stopped request, and twin, which never had that request, take the
+ * same 2-token APPEND and 64-token APPEND (from n tokens): the logits must be the same, bit
+ * for bit. */
+static void expect_as_twin(struct fixture *f, const uint8_t *sid, const uint8_t *twin, int n, const char *what)
+{
+    const int n_vocab = f->tiny->m->cfg.n_vocab;
+    Snapkv__Reply *got[2];
+    const uint8_t *pair[2] = {sid, twin};
+    for (int j = 0; j < 2; j++) {
+        assert_int_equal(append(f, pair[j], 2, NULL), SKV_OK);
+        struct long_append full = {f, pair[j], 0, true};
+        submit_long_append(&full);
+        got[j] = next_reply(f, 0, ID_Y, 5);
+        assert_int_equal(got[j]->status, SKV_OK);
+        assert_int_equal(got[j]->append->n_tokens, n + 2 + 64);
+        assert_int_equal(got[j]->append->n_logits, n_vocab);
+    }
+    if (memcmp(got[0]->append->logits, got[1]->append->logits, sizeof(float) * (size_t)n_vocab) != 0)
+        fail_msg("%s: the logits differ from the twin's", what);
+    snapkv__reply__free_unpacked(got[0], NULL);
+    snapkv__reply__free_unpacked(got[1], NULL);
+}
+
 /* A running APPEND stops at its next layer once its deadline passes or its client's connection
  * closes, and its session is as it was: the engine undoes the rows it added when the session
  * keeps every row while decoding (no compressor, or snapkv without a decode_budget), and a
  * session whose upkeep evicts or re-scores rows (streaming, h2o, snapkv with a decode_budget)
- * ran it on a copy of its cache and compressor. Each then goes on exactly as a twin session
+ * ran it on a copy of its cache (its compressor backed up). Each then goes on exactly as a twin session
  * that never had the APPEND (the same logits, bit for bit, after the same next requests). */
 static void test_append_stops(void **state)
 {
     struct fixture *f = *state;
-    const int n_vocab = f->tiny->m->cfg.n_vocab;
     const char *specs[] = {"policy=full", "policy=snapkv,budget=16,window=4", "policy=streaming,budget=16,sinks=2",
                            "policy=h2o,budget=16", "policy=snapkv,budget=16,window=4,decode_budget=24,interval=4"};
     enum { N_SPECS = sizeof specs / sizeof *specs };
@@ -2196,22 +2218,7 @@ static void test_append_stops(void **state)
         expect_reply(f, SKV_E_TIMEOUT, "the APPEND passed its deadline of 20 ms (the client's timeout) at layer 1");
         assert_int_equal(listed(f, sid[k], &bytes, NULL), 8);
         assert_int_equal(bytes, bytes_before);
-        /* it goes on from there, as its twin does */
-        Snapkv__Reply *got[2];
-        const uint8_t *pair[2] = {sid[k], twin[k]};
-        for (int j = 0; j < 2; j++) {
-            assert_int_equal(append(f, pair[j], 2, NULL), SKV_OK);
-            struct long_append full = {f, pair[j], 0, true};
-            submit_long_append(&full);
-            got[j] = next_reply(f, 0, ID_Y, 5);
-            assert_int_equal(got[j]->status, SKV_OK);
-            assert_int_equal(got[j]->append->n_tokens, 8 + 2 + 64);
-            assert_int_equal(got[j]->append->n_logits, n_vocab);
-        }
-        if (memcmp(got[0]->append->logits, got[1]->append->logits, sizeof(float) * (size_t)n_vocab) != 0)
-            fail_msg("%s: the logits differ from the twin's", specs[k]);
-        snapkv__reply__free_unpacked(got[0], NULL);
-        snapkv__reply__free_unpacked(got[1], NULL);
+        expect_as_twin(f, sid[k], twin[k], 8, specs[k]); /* it goes on from there, as its twin does */
     }
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), N_SPECS);
     /* its client gone (the last use of Y here): stopped too */
@@ -2255,7 +2262,6 @@ static void submit_long_compress(void *arg)
 static void test_compress_stops(void **state)
 {
     struct fixture *f = *state;
-    const int n_vocab = f->tiny->m->cfg.n_vocab;
     uint8_t a[16], twin[16];
     const uint8_t *pair[2] = {a, twin};
     for (int j = 0; j < 2; j++) {
@@ -2275,19 +2281,8 @@ static void test_compress_stops(void **state)
     assert_int_equal(listed(f, a, &bytes, NULL), 72);
     assert_int_equal(bytes, bytes_before);
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 1);
-    Snapkv__Reply *got[2];
-    for (int j = 0; j < 2; j++) {
-        assert_int_equal(append(f, pair[j], 2, NULL), SKV_OK);
-        struct long_append full = {f, pair[j], 0, true};
-        submit_long_append(&full);
-        got[j] = next_reply(f, 0, ID_Y, 5);
-        assert_int_equal(got[j]->status, SKV_OK);
-        assert_int_equal(got[j]->append->n_tokens, 72 + 2 + 64);
-    }
     /* under policy=full still: every row kept, so equal logits mean equal rows */
-    assert_memory_equal(got[0]->append->logits, got[1]->append->logits, sizeof(float) * (size_t)n_vocab);
-    snapkv__reply__free_unpacked(got[0], NULL);
-    snapkv__reply__free_unpacked(got[1], NULL);
+    expect_as_twin(f, a, twin, 72, "COMPRESS");
     assert_int_equal(listed(f, a, &bytes, NULL), 138);
     assert_int_equal(listed(f, twin, &bytes_before, NULL), 138);
     assert_int_equal(bytes, bytes_before);
