@@ -2355,6 +2355,30 @@ static void corrupt(const char *path)
     fclose(fp);
 }
 
+/* Restarts the worker with persist on, its state in dir (made here), checkpoints every
+ * `interval` seconds (0: none). */
+static void persist_on(struct fixture *f, char *dir, const char *interval)
+{
+    assert_non_null(mkdtemp(dir));
+    skv_worker_stop(&f->w); /* the worker reads its config */
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist-interval-seconds", interval), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
+/* Restarts the worker with persist off and removes dir. */
+static void persist_off(struct fixture *f, const char *dir)
+{
+    char cmd[300];
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "persist-interval-seconds", "0"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* persist = yes through the real worker: a stop saves every session and a start brings them
  * back under their ids; a file that fails its checksum costs that session only, a manifest
  * that is not JSON restores nothing, and either way the directory is emptied. */
@@ -2362,11 +2386,7 @@ static void test_persist(void **state)
 {
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-persist-XXXXXX", path[256], cmd[300];
-    assert_non_null(mkdtemp(dir));
-    skv_worker_stop(&f->w); /* the worker reads its config */
-    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
-    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    persist_on(f, dir, "0");
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
     usleep(5000); /* b used after a, in another millisecond */
@@ -2441,12 +2461,7 @@ static void test_persist(void **state)
     assert_int_equal(listed(f, b, NULL, &n), -1);
     assert_int_equal(n, 0);
     assert_int_equal(access(path, F_OK), -1);
-
-    skv_worker_stop(&f->w);
-    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    assert_int_equal(system(cmd), 0);
+    persist_off(f, dir);
 }
 
 /* persist-interval-seconds: once sessions changed and the interval passed, the idle worker
@@ -2456,13 +2471,8 @@ static void test_persist_checkpoint(void **state)
 {
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-persist-XXXXXX", pdir[128], path[256], cmd[300];
-    assert_non_null(mkdtemp(dir));
+    persist_on(f, dir, "1");
     snprintf(pdir, sizeof pdir, "%s/persist", dir);
-    skv_worker_stop(&f->w);
-    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
-    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
-    assert_int_equal(skv_config_set(&f->cfg, "persist-interval-seconds", "1"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
     for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
@@ -2494,13 +2504,7 @@ static void test_persist_checkpoint(void **state)
     assert_int_equal(glob(cmd, 0, NULL, &g), 0);
     assert_int_equal(g.gl_pathc, 2);
     globfree(&g);
-
-    skv_worker_stop(&f->w);
-    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
-    assert_int_equal(skv_config_set(&f->cfg, "persist-interval-seconds", "0"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    assert_int_equal(system(cmd), 0);
+    persist_off(f, dir);
 }
 
 /* A persist directory written before the block store (version-3 files, each session's rows
@@ -2510,11 +2514,7 @@ static void test_persist_older_files(void **state)
 {
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-persist-XXXXXX", path[300], cmd[700];
-    assert_non_null(mkdtemp(dir));
-    skv_worker_stop(&f->w);
-    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
-    assert_int_equal(skv_config_set(&f->cfg, "persist", "yes"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    persist_on(f, dir, "0");
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=full", a); /* 2 full blocks of 16 rows a head, and 8 rows */
     Snapkv__SaveRequest sq = SNAPKV__SAVE_REQUEST__INIT;
@@ -2557,11 +2557,7 @@ static void test_persist_older_files(void **state)
     assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * mc->n_layers * mc->n_kv_heads);
     assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 4 * mc->n_layers * mc->n_kv_heads);
 
-    skv_worker_stop(&f->w);
-    assert_int_equal(skv_config_set(&f->cfg, "persist", "no"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    assert_int_equal(system(cmd), 0);
+    persist_off(f, dir);
 }
 
 /* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
