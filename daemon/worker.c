@@ -697,17 +697,20 @@ static bool job_changes_sessions(const struct skv_job *job)
 /* persist-interval-seconds: a checkpoint once the engine is idle (nothing queued, no decode
  * running), sessions may have changed, and the interval has passed since the last save. It
  * gives way to a request that arrives meanwhile, but not after CHECKPOINT_GIVE_WAY such times
- * in a row: a daemon that is never idle for a whole checkpoint still gets one, its requests
- * then waiting for it. */
+ * in a row; and once twice the interval has passed it runs whatever waits (between two decode
+ * rounds: a session being decoded is saved with the tokens it has). So a daemon that is never
+ * idle for a whole checkpoint still gets one, its requests and decodes then waiting for it. */
 #define CHECKPOINT_GIVE_WAY 3
 static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
 {
     int64_t every = w->cfg->persist_interval_seconds;
-    if (!w->cfg->persist || every <= 0 || !w->persist_dirty || w->decodes || now - w->persist_ms < (uint64_t)every * 1000 ||
-        skv_worker_has_queued(w))
+    if (!w->cfg->persist || every <= 0 || !w->persist_dirty || now - w->persist_ms < (uint64_t)every * 1000)
+        return;
+    bool overdue = now - w->persist_ms >= 2 * (uint64_t)every * 1000;
+    if (!overdue && (w->decodes || skv_worker_has_queued(w)))
         return;
     w->persist_dirty = false; /* a request run during it sets it again */
-    int rc = skv_requests_persist_checkpoint(w, w->persist_gave_way < CHECKPOINT_GIVE_WAY);
+    int rc = skv_requests_persist_checkpoint(w, !overdue && w->persist_gave_way < CHECKPOINT_GIVE_WAY);
     w->persist_gave_way = rc == SKV_E_CANCELLED ? w->persist_gave_way + 1 : 0;
     if (rc == SKV_OK) {
         w->metrics.persist_checkpoints++;
