@@ -303,7 +303,6 @@ struct progress {
     const struct skv_job *job;   /* NULL: no progress replies */
     struct skv_compressor *comp;
     int n, n_layers;
-    bool undoable; /* stopping part way leaves the session as it was (or it is the request's own) */
 };
 
 static int progress_hook(void *user, const struct skv_layer_view *v)
@@ -324,7 +323,7 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     }
     if (!rc) /* this layer is done (and compressed): running decodes may take a token */
         skv_worker_yield(p->w);
-    if (!rc && skv_worker_running_stoppable(p->w, p->undoable)) {
+    if (!rc && skv_worker_running_stoppable(p->w)) {
         /* its client gone, or (when it gets no progress replies, which would keep it waiting)
          * past the time it waits: nobody takes the PREFILL's session, an APPEND's is left as
          * it was (the engine undoes the forward), and a COMPRESS ran on a copy of the cache,
@@ -362,19 +361,18 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
 }
 
 /* Runs tokens through the session's model and cache. compress: a compressing forward with
- * comp (prefill / compress); else decode-time upkeep when the session has a compressor.
- * stoppable: the forward may stop part way (a deadline, a client gone; a long one of the
- * running request only) because what it leaves is nobody's (a PREFILL's session), the
- * engine's undo restores it, or it runs on a copy (session_undo). progress_job: send
- * per-layer progress replies for it (may be NULL). */
+ * comp (prefill / compress); else decode-time upkeep when the session has a compressor. A long
+ * one of the running request may stop part way (a deadline, a client gone): what it leaves is
+ * nobody's (a PREFILL's session), the engine's undo restores it, or it runs on a copy
+ * (session_undo). progress_job: send per-layer progress replies for it (may be NULL). */
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
-                                    bool compress, bool stoppable, const struct skv_job *progress_job)
+                                    bool compress, const struct skv_job *progress_job)
 {
     bool had_logits = s->logits != NULL;
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
-    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers, stoppable};
+    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
     int rc = session_hook(s, n, compress, &fo);
     /* progress replies, and per layer of a long forward a heartbeat and a turn for the running
      * decodes (a short one beats when done, and they wait for it) */
@@ -408,10 +406,9 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     return rc;
 }
 
-static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress,
-                           bool stoppable)
+static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
 {
-    return session_forward_progress(w, s, ids, n, compress, stoppable, NULL);
+    return session_forward_progress(w, s, ids, n, compress, NULL);
 }
 
 /* What a request that runs on a copy of a session's cache (sharing every block) keeps to put
@@ -554,7 +551,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
     uint64_t inside0 = w->nested_us; /* what runs inside the forward is not its time */
-    rc = session_forward_progress(w, s, ids, n, true, true, p->progress ? job : NULL);
+    rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
     if (rc)
         goto fail;
     w->metrics.prefill_tokens += (uint64_t)n;
@@ -623,7 +620,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     bool copy = n >= 64 && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
     if (copy && (rc = undo_begin(w, s, &u)))
         goto fail;
-    rc = session_forward(w, s, ids, n, false, true);
+    rc = session_forward(w, s, ids, n, false);
     if (copy)
         undo_end(w, s, &u, rc != SKV_OK);
     if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
@@ -684,7 +681,7 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
     if (!rc) {
         work->n_past = cut;
         s->n_tokens = cut;
-        rc = session_forward(w, s, redo, window, true, true);
+        rc = session_forward(w, s, redo, window, true);
     }
     free(redo);
     undo_end(w, s, &u, rc != SKV_OK);

@@ -1069,16 +1069,14 @@ static bool only_for_client(const struct skv_job *job)
     }
 }
 
-bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable)
+bool skv_worker_running_stoppable(const struct skv_worker *w)
 {
     if (!w->running || w->yielding)
         return false;
     switch (w->running->req->command_case) {
     case SNAPKV__REQUEST__COMMAND_PREFILL:
-        return true;
     case SNAPKV__REQUEST__COMMAND_APPEND:
-        return undoable;
-    case SNAPKV__REQUEST__COMMAND_COMPRESS: /* it runs on a copy of the session's cache */
+    case SNAPKV__REQUEST__COMMAND_COMPRESS:
         return true;
     default:
         return false;

@@ -146,10 +146,9 @@ bool skv_worker_running_gone(struct skv_worker *w);
 /* Whether a request or notice waits in the queue; worker thread. */
 bool skv_worker_has_queued(struct skv_worker *w);
 /* Whether the forward in progress is the running request's and may stop part way: a PREFILL
- * (its session is its own), a COMPRESS (it runs on a copy of the session's cache), or an
- * APPEND whose forward can be undone (undoable: the engine's undo restores the session, or it
- * runs on a copy). */
-bool skv_worker_running_stoppable(const struct skv_worker *w, bool undoable);
+ * (its session is its own), an APPEND (the engine's undo restores the session, or it runs on
+ * a copy) or a COMPRESS (it runs on a copy of the session's cache). */
+bool skv_worker_running_stoppable(const struct skv_worker *w);
 /* Whether the running request's deadline passed (its client has stopped waiting). */
 bool skv_worker_running_late(const struct skv_worker *w);
 /* A tenant's counters (worker thread only): its own row, SKV_TENANT_ADMIN's, or, past

@@ -125,6 +125,11 @@ int skv_kv_pool_block_rows(const struct skv_kv_pool *pool)
     return pool->block_rows;
 }
 
+int skv_kv_pool_head_dim(const struct skv_kv_pool *pool)
+{
+    return pool->head_dim;
+}
+
 size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool)
 {
     return pool->block_bytes;

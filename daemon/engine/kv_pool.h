@@ -41,6 +41,7 @@ struct skv_kv_pool *skv_kv_pool_ref(struct skv_kv_pool *pool);
 void skv_kv_pool_unref(struct skv_kv_pool **pool_p);
 
 int skv_kv_pool_block_rows(const struct skv_kv_pool *pool);
+int skv_kv_pool_head_dim(const struct skv_kv_pool *pool);
 size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool);
 
 /* A block of undefined contents with one reference (SKV_E_NOMEM / SKV_E_DEVICE when the

@@ -115,9 +115,7 @@ int skv_kv_store_create(const char *path, const char *fingerprint, struct skv_kv
                         struct skv_kv_store **out)
 {
     struct skv_kv_store *st;
-    int rc = store_new(fingerprint, skv_kv_pool_block_rows(pool),
-                       (int)(skv_kv_pool_block_bytes(pool) / 2 / sizeof(float) / (size_t)skv_kv_pool_block_rows(pool)),
-                       &st);
+    int rc = store_new(fingerprint, skv_kv_pool_block_rows(pool), skv_kv_pool_head_dim(pool), &st);
     if (rc)
         return rc;
     st->writing = true;
