@@ -213,7 +213,7 @@ int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, cons
         rc = write_out(st->f, sum, sizeof sum);
     if (!rc && !tsearch(w, &st->by_address, by_address))
         rc = SKV_E_NOMEM;
-    if (!rc && !tfind(w, &st->by_content, by_key) && !tsearch(w, &st->by_content, by_key)) {
+    if (!rc && !tsearch(w, &st->by_content, by_key)) { /* a key already there keeps its first block */
         tdelete(w, &st->by_address, by_address);
         rc = SKV_E_NOMEM;
     }
