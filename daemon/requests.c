@@ -1885,18 +1885,13 @@ static int rename_durable(const char *tmp, const char *path, const char *dir)
     return SKV_OK;
 }
 
-/* Writes session s to `path` (through path.tmp, fsynced, renamed, and the rename made durable
- * in `dir`); *bytes: the file's size. With a block store, full blocks go to the store (once
- * however many sessions hold them) and the file names them (version 4). */
-static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path,
-                        struct skv_kv_store *store, long *bytes)
+/* Writes session s to f, and the checksum of what it wrote after it (also into sum). With a
+ * block store, full blocks go to the store (once however many sessions hold them, and once
+ * across saves: blocks the store holds already are not read out of the cache) and f names
+ * them (version 4). */
+static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, struct skv_kv_store *store,
+                         unsigned char sum[32])
 {
-    char tmp[1300];
-    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
-        return skv_errorf(SKV_E_INVAL, "state directory path too long");
-    FILE *f = fopen(tmp, "wb");
-    if (!f)
-        return skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
     int rc = SKV_OK;
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
@@ -1941,42 +1936,66 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
     if (!rc && n_pending)
         rc = write_all(f, &h, pending, (size_t)n_pending);
     size_t dim = (size_t)s->cache->head_dim;
-    float *rows = NULL;   /* one head's K rows, then its V rows, read out of its blocks */
+    float *rows = NULL;   /* one head's K rows, then its V rows, from row r0 on, read out of its blocks */
     uint32_t *refs = NULL; /* the store indices of its full blocks */
     int H = s->cache->n_kv_heads, br = s->cache->block_rows;
     for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
-        int n_full = store ? len / br : 0, row0 = n_full * br;
-        float *more = realloc(rows, 2 * (size_t)(len ? len : 1) * dim * sizeof *rows);
-        uint32_t *more_refs = more ? realloc(refs, (size_t)(n_full ? n_full : 1) * sizeof *refs) : NULL;
-        rows = more ? more : rows;
-        refs = more_refs ? more_refs : refs;
-        if (!more || !more_refs) {
+        int n_full = store ? len / br : 0, row0 = n_full * br, known = 0;
+        uint32_t *more_refs = realloc(refs, (size_t)(n_full ? n_full : 1) * sizeof *refs);
+        if (!more_refs) {
             rc = SKV_E_NOMEM;
             break;
         }
-        float *k = rows, *v = rows + (size_t)len * dim;
+        refs = more_refs;
+        while (known < n_full && skv_kv_store_find(store, kh->blk[known], &refs[known]))
+            known++; /* written by an earlier save, unchanged since */
+        int r0 = known * br, n = len - r0;
+        float *more = realloc(rows, 2 * (size_t)(n ? n : 1) * dim * sizeof *rows);
+        if (!more) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        rows = more;
+        float *k = rows, *v = rows + (size_t)n * dim;
         if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)) ||
             (rc = write_all(f, &h, kh->score, (size_t)len * sizeof *kh->score)) ||
-            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, 0, len, k)) ||
-            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, 0, len, v)))
+            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k)) ||
+            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v)))
             break;
-        for (int b = 0; b < n_full && !rc; b++)
-            rc = skv_kv_store_put(store, kh->blk[b], k + (size_t)b * br * dim, v + (size_t)b * br * dim, &refs[b]);
+        for (int b = known; b < n_full && !rc; b++)
+            rc = skv_kv_store_put(store, kh->blk[b], k + (size_t)(b - known) * br * dim,
+                                  v + (size_t)(b - known) * br * dim, &refs[b]);
         if (!rc)
             rc = write_all(f, &h, refs, (size_t)n_full * sizeof *refs);
         if (!rc)
-            rc = write_all(f, &h, k + (size_t)row0 * dim, (size_t)(len - row0) * dim * sizeof *rows);
+            rc = write_all(f, &h, k + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
         if (!rc)
-            rc = write_all(f, &h, v + (size_t)row0 * dim, (size_t)(len - row0) * dim * sizeof *rows);
+            rc = write_all(f, &h, v + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
     }
     free(rows);
     free(refs);
-    unsigned char sum[32];
-    crypto_generichash_final(&h, sum, sizeof sum);
-    if (!rc && fwrite(sum, 1, sizeof sum, f) != sizeof sum)
+    crypto_generichash_final(&h, sum, 32);
+    if (!rc && fwrite(sum, 1, 32, f) != 32)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    return rc;
+}
+
+/* Writes `n` bytes, or session s when p is NULL, to `path` through path.tmp, fsynced, renamed,
+ * and the rename made durable in `dir`; *bytes: the file's size. */
+static int file_write(struct skv_worker *w, struct skv_session *s, const void *p, size_t n, const char *dir,
+                      const char *path, long *bytes)
+{
+    char tmp[1300];
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
+        return skv_errorf(SKV_E_INVAL, "state directory path too long");
+    FILE *f = fopen(tmp, "wb");
+    if (!f)
+        return skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
+    unsigned char sum[32];
+    int rc = p ? (fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno)))
+               : session_write(w, s, f, NULL, sum);
     *bytes = ftell(f);
     /* on disk before it replaces an earlier save of the name, and the rename on disk too */
     if (!rc && (fflush(f) != 0 || fsync(fileno(f)) != 0))
@@ -1990,6 +2009,12 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
     return rc;
 }
 
+/* Writes session s to `path` whole (SAVE, and a persist save without a block store). */
+static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path, long *bytes)
+{
+    return file_write(w, s, NULL, 0, dir, path, bytes);
+}
+
 static void handle_save(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__SaveRequest *q = job->req->save;
@@ -2000,7 +2025,7 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_save(w, s, w->cfg->state_dir, path, NULL, &bytes);
+        rc = session_save(w, s, w->cfg->state_dir, path, &bytes);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -2037,6 +2062,7 @@ struct restore {
     struct skv_kv_dedupe *dedupe; /* older files' full blocks, by content (NULL: not shared) */
     uint64_t n_shared;            /* blocks shared again */
     int evicted;                  /* sessions restored before, evicted for a later one's room */
+    unsigned char sum[32];        /* the checksum of the file session_load read last */
 };
 
 /* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
@@ -2177,6 +2203,8 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
         crypto_generichash_final(&h, want, sizeof want);
         if (fread(got, 1, sizeof got, f) != sizeof got || memcmp(want, got, sizeof got) != 0)
             rc = skv_errorf(SKV_E_FORMAT, "%s: checksum mismatch", path);
+        else if (r)
+            memcpy(r->sum, got, sizeof got);
     }
     if (f)
         fclose(f);
@@ -2248,24 +2276,32 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
 }
 
 /* ---- sessions kept across a restart (persist = yes) ---------------------------------------------
- * At stop every session is saved to <state-dir>/persist/<id>.skv (the SAVE format), most recently
- * used first and within persist-max-seconds, and sessions.json names them with what the file
- * does not hold: id, tenant, owner, pin, lease and how long each had been idle. At start they
- * are loaded under their ids, least recently used first (so when the pool is smaller than
- * before, eviction takes the least recently used), and the directory is emptied. Forks lose
- * their shared blocks: each comes back as a copy of its own. */
+ * A save writes, under <state-dir>/persist, every session (the SAVE format, version 4: its full
+ * KV blocks named by their index in one block store) most recently used first and within
+ * persist-max-seconds, and sessions.json, the manifest: the generation, the block store and
+ * how many blocks of it count, and per session its file's generation, id, tenant, owner, pin,
+ * lease and how long it had been idle. Saves are numbered (generations) and each one leaves the
+ * last one's files until its manifest replaces the last one's, so a crash in the middle of one
+ * leaves the last intact. A save appends to the block store of the last one only the blocks
+ * that store does not hold (a new store when most of it is blocks no session holds), and
+ * writes only the sessions whose file would differ from the one the last manifest names:
+ * a checkpoint after one session changed writes that session. At start the sessions are
+ * loaded under their ids, least recently used first (so when the pool is smaller than before,
+ * eviction takes the least recently used). */
 #define PERSIST_MANIFEST "sessions.json"
 #define PERSIST_BLOCKS "blocks" /* the block store the sessions' files name: blocks-<gen>.skvb */
+/* a new block store when more of the last one's blocks are no session's than are, and at least
+ * this many (8 MiB of blocks of 64 rows of 128 at f32 and 16 rows) */
+#define PERSIST_STORE_GARBAGE 256
 
-/* A file of generation gen: "<name>-<gen><ext>" ("<name><ext>" for 0: a save before
- * generations were numbered). Each save or checkpoint writes a new generation beside the last
- * and names it in the manifest, so a crash in the middle of one leaves the last intact. */
-static void persist_file(char *out, size_t cap, const char *dir, const char *name, uint64_t gen, const char *ext)
+/* The name of a file of generation gen: "<name>-<gen><ext>" ("<name><ext>" for 0: a save before
+ * generations were numbered). */
+static void persist_name(char *out, size_t cap, const char *name, uint64_t gen, const char *ext)
 {
     if (gen)
-        snprintf(out, cap, "%s/%s-%llu%s", dir, name, (unsigned long long)gen, ext);
+        snprintf(out, cap, "%s-%llu%s", name, (unsigned long long)gen, ext);
     else
-        snprintf(out, cap, "%s/%s%s", dir, name, ext);
+        snprintf(out, cap, "%s%s", name, ext);
 }
 
 static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
@@ -2281,30 +2317,105 @@ static bool ends_with(const char *s, const char *end)
     return n >= m && strcmp(s + n - m, end) == 0;
 }
 
-/* Removes what saves left in dir (sessions, block stores, their temporary files, the
- * manifest), except, when keep > 0, the files of generation keep and the manifest. */
-static void persist_sweep(const char *dir, uint64_t keep)
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The manifest's generation (0: written before generations were numbered). */
+static uint64_t manifest_gen(const json_t *doc)
+{
+    const json_t *g = json_object_get(doc, "generation");
+    return json_is_integer(g) && json_integer_value(g) > 0 ? (uint64_t)json_integer_value(g) : 0;
+}
+
+/* The file name of the manifest's block store ("" when it names one that is not a store's name). */
+static void manifest_store(const json_t *doc, char *out, size_t cap)
+{
+    const char *name = json_string_value(json_object_get(doc, "store"));
+    if (!name) { /* before stores lived across saves: the generation's */
+        persist_name(out, cap, PERSIST_BLOCKS, manifest_gen(doc), ".skvb");
+        return;
+    }
+    size_t n = strlen(name), pre = strlen(PERSIST_BLOCKS "-");
+    bool ok = n > pre + 5 && n < cap && strncmp(name, PERSIST_BLOCKS "-", pre) == 0 && ends_with(name, ".skvb") &&
+              strspn(name + pre, "0123456789") == n - pre - 5;
+    snprintf(out, cap, "%s", ok ? name : "");
+}
+
+/* The generation of the file of manifest entry e (its own, or the manifest's). */
+static uint64_t entry_gen(const json_t *doc, const json_t *e)
+{
+    const json_t *g = json_object_get(e, "file_generation");
+    return json_is_integer(g) && json_integer_value(g) > 0 ? (uint64_t)json_integer_value(g) : manifest_gen(doc);
+}
+
+/* Replaces the worker's list of the files a manifest names (doc NULL: none). */
+static void persist_keep(struct skv_worker *w, const json_t *doc)
+{
+    for (int i = 0; i < w->n_persist_files; i++)
+        free(w->persist_files[i]);
+    free(w->persist_files);
+    w->persist_files = NULL;
+    w->n_persist_files = 0;
+    size_t n = json_array_size(json_object_get(doc, "sessions"));
+    char **files = doc ? calloc(n + 2, sizeof *files) : NULL;
+    if (!files)
+        return; /* without a list the next sweep removes every file: a save then writes them all */
+    char name[128];
+    int k = 0;
+    files[k++] = strdup(PERSIST_MANIFEST);
+    manifest_store(doc, name, sizeof name);
+    files[k++] = strdup(name);
+    for (size_t i = 0; i < n; i++) {
+        const json_t *e = json_array_get(json_object_get(doc, "sessions"), i);
+        const char *hex = json_string_value(json_object_get(e, "id"));
+        if (!hex || strlen(hex) != 2 * SKV_SESSION_ID_BYTES)
+            continue;
+        persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
+        files[k++] = strdup(name);
+    }
+    for (int i = 0; i < k; i++)
+        if (!files[i]) { /* no memory: no list */
+            for (int j = 0; j < k; j++)
+                free(files[j]);
+            free(files);
+            return;
+        }
+    qsort(files, (size_t)k, sizeof *files, by_name);
+    w->persist_files = files;
+    w->n_persist_files = k;
+}
+
+/* Removes what saves left in dir (sessions, block stores, their temporary files, manifests)
+ * except the files the manifest on disk names (persist_keep). */
+static void persist_sweep(struct skv_worker *w, const char *dir)
 {
     DIR *d = opendir(dir);
     if (!d)
         return;
-    char gen_skv[32], gen_store[32];
-    snprintf(gen_skv, sizeof gen_skv, "-%llu.skv", (unsigned long long)keep);
-    snprintf(gen_store, sizeof gen_store, "-%llu.skvb", (unsigned long long)keep);
     for (struct dirent *e; (e = readdir(d));) {
         const char *f = e->d_name;
         bool ours = ends_with(f, ".skv") || ends_with(f, ".skv.tmp") || ends_with(f, ".skvb") ||
                     strncmp(f, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
-        bool kept = keep && (ends_with(f, gen_skv) || ends_with(f, gen_store) || strcmp(f, PERSIST_MANIFEST) == 0);
+        bool kept = w->n_persist_files &&
+                    bsearch(&f, w->persist_files, (size_t)w->n_persist_files, sizeof *w->persist_files, by_name);
         if (ours && !kept)
             unlinkat(dirfd(d), f, 0);
     }
     closedir(d);
 }
 
-static void persist_wipe(const char *dir)
+static void persist_wipe(struct skv_worker *w, const char *dir)
 {
-    persist_sweep(dir, 0);
+    persist_keep(w, NULL);
+    persist_sweep(w, dir);
+}
+
+void skv_requests_persist_close(struct skv_worker *w)
+{
+    skv_kv_store_close(&w->persist_store);
+    persist_keep(w, NULL);
 }
 
 struct persist_list {
@@ -2337,35 +2448,104 @@ static int by_save_order(const void *a, const void *b)
     return s->last_used_ms < t->last_used_ms ? 1 : s->last_used_ms > t->last_used_ms ? -1 : 0;
 }
 
-/* Writes every session as generation persist_gen + 1 and, when all went to disk, a manifest
- * naming it, then removes the generation before. give_way: stop at the first request that
- * arrives (SKV_E_CANCELLED, the last generation left as it was). */
+/* The block store a save of generation gen appends to: the last save's, unless a write to it
+ * failed or most of it is blocks no session held at that save; then a new one (*fresh), which
+ * the worker takes when the save ends well. NULL when none can be made (each file then holds
+ * its rows whole). */
+static struct skv_kv_store *persist_store(struct skv_worker *w, const char *dir, uint64_t gen, char *name,
+                                          size_t cap, bool *fresh)
+{
+    struct skv_kv_store *st = w->persist_store;
+    *fresh = false;
+    if (st && skv_kv_store_usable(st)) {
+        uint32_t n = skv_kv_store_blocks(st), live = skv_kv_store_live(st);
+        if (n - live <= live || n - live < PERSIST_STORE_GARBAGE) {
+            snprintf(name, cap, "%s", w->persist_store_name);
+            return st;
+        }
+        skv_log(SKV_LOG_INFO, "persist: a new block store: %u of the last one's %u blocks are no session's",
+                n - live, n);
+    }
+    char path[1300];
+    persist_name(name, cap, PERSIST_BLOCKS, gen, ".skvb");
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (skv_kv_store_create(path, w->m->fingerprint, w->m->kv_pool, &st)) {
+        skv_log(SKV_LOG_WARN, "persist: no block store (%s): each session's file holds its rows whole",
+                skv_error_msg());
+        name[0] = '\0';
+        return NULL;
+    }
+    *fresh = true;
+    return st;
+}
+
+/* Session s's file of a save of generation gen, as hex's: with a block store, written only
+ * when its bytes differ from those of the file the last manifest names for it (kept then:
+ * *file_gen is its generation, *bytes 0); sum: its checksum. */
+static int persist_session(struct skv_worker *w, struct skv_session *s, const char *dir, const char *hex,
+                           uint64_t gen, struct skv_kv_store *store, bool fresh, uint64_t *file_gen,
+                           unsigned char sum[32], long *bytes)
+{
+    char path[1300], name[128];
+    persist_name(name, sizeof name, hex, gen, ".skv");
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    *file_gen = gen;
+    if (!store) {
+        memset(sum, 0, 32); /* never matched: such a file is written at every save */
+        return session_save(w, s, dir, path, bytes);
+    }
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f)
+        return skv_errorf(SKV_E_NOMEM, "persist: a session's file in memory");
+    int rc = session_write(w, s, f, store, sum);
+    if (fclose(f) != 0 && !rc)
+        rc = skv_errorf(SKV_E_NOMEM, "persist: a session's file in memory");
+    if (!rc && !fresh && s->persist_gen && memcmp(sum, s->persist_sum, 32) == 0) {
+        *file_gen = s->persist_gen; /* unchanged since */
+        *bytes = 0;
+    } else if (!rc) {
+        rc = file_write(w, s, buf, len, dir, path, bytes);
+    }
+    free(buf);
+    return rc;
+}
+
+struct persist_saved { /* a session a save wrote or kept, recorded in it when the manifest is on disk */
+    struct skv_session *s;
+    uint64_t gen;
+    unsigned char sum[32];
+};
+
+/* Writes every session as generation persist_gen + 1 (see above) and, when all went to disk, a
+ * manifest naming it, then removes the files no manifest names. give_way: stop at the first
+ * request that arrives (SKV_E_CANCELLED, the last generation left as it was). */
 static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
 {
-    char dir[1100], path[1200], tmp[1300];
+    char dir[1100], path[1200], tmp[1300], store_name[48];
     int rc = persist_dir(w, dir, sizeof dir);
     if (rc)
         return rc;
     if (mkdir(dir, 0700) != 0 && errno != EEXIST)
         return skv_errorf(SKV_E_IO, "%s: %s", dir, strerror(errno));
     uint64_t gen = w->persist_gen + 1;
-    persist_sweep(dir, w->persist_gen); /* what an interrupted save left */
+    persist_sweep(w, dir); /* what an interrupted save left */
     struct persist_list l = {0};
     skv_session_foreach(w->sessions, persist_collect, &l);
     if (l.n)
         qsort(l.s, (size_t)l.n, sizeof *l.s, by_save_order);
+    struct persist_saved *saved_list = calloc((size_t)(l.n ? l.n : 1), sizeof *saved_list);
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
-    int saved = 0, failed = 0, late = 0;
-    bool stopped = false;
-    struct skv_kv_store *store = NULL; /* without it each file holds its rows whole */
-    persist_file(path, sizeof path, dir, PERSIST_BLOCKS, gen, ".skvb");
-    if (skv_kv_store_create(path, w->m->fingerprint, w->m->kv_pool, &store)) {
-        skv_log(SKV_LOG_WARN, "persist: no block store (%s): each session's file holds its rows whole",
-                skv_error_msg());
-        store = NULL;
-    }
-    for (int i = 0; i < l.n && !stopped; i++) {
+    int saved = 0, written = 0, failed = 0, late = 0;
+    bool stopped = false, fresh = false;
+    struct skv_kv_store *store = persist_store(w, dir, gen, store_name, sizeof store_name, &fresh);
+    if (store)
+        skv_kv_store_begin(store);
+    if (!saved_list || !list)
+        rc = SKV_E_NOMEM;
+    for (int i = 0; i < l.n && !stopped && !rc; i++) {
         struct skv_session *s = l.s[i];
         if (give_way && skv_worker_has_queued(w)) {
             stopped = true; /* a client waits: its request before the checkpoint */
@@ -2377,27 +2557,34 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         }
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(s->id, hex);
-        persist_file(path, sizeof path, dir, hex, gen, ".skv");
+        struct persist_saved *p = &saved_list[saved];
         long size = 0;
-        if ((rc = session_save(w, s, dir, path, store, &size))) {
+        if (persist_session(w, s, dir, hex, gen, store, fresh, &p->gen, p->sum, &size)) {
             skv_log(SKV_LOG_WARN, "persist: session %s not saved: %s", hex, skv_error_msg());
             failed++;
+            if (store && !skv_kv_store_usable(store))
+                break; /* the store's end is unknown: the sessions after would fail too */
             continue;
         }
         skv_worker_beat(w);
+        p->s = s;
         bytes += (uint64_t)size;
+        written += p->gen == gen;
         saved++;
-        json_array_append_new(list, json_pack("{s:s, s:s, s:s, s:b, s:I, s:I}", "id", hex, "tenant", s->tenant,
-                                              "owner", s->owner, "pinned", s->pinned, "lease_seconds",
-                                              (json_int_t)s->lease_seconds, "idle_ms",
+        json_array_append_new(list, json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I}", "id", hex, "file_generation",
+                                              (json_int_t)p->gen, "tenant", s->tenant, "owner", s->owner, "pinned",
+                                              s->pinned, "lease_seconds", (json_int_t)s->lease_seconds, "idle_ms",
                                               (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0)));
     }
-    free(l.s);
-    uint32_t n_blocks = store ? skv_kv_store_blocks(store) : 0;
-    bytes += store ? skv_kv_store_bytes(store) : 0;
-    rc = store ? skv_kv_store_finish(store) : SKV_OK; /* on disk before the manifest names files that need it */
-    skv_kv_store_close(&store);
+    uint32_t appended = store ? skv_kv_store_appended(store) : 0;
+    bytes += store ? skv_kv_store_appended_bytes(store) : 0;
+    if (!rc && store) /* on disk before the manifest names files that need it */
+        rc = skv_kv_store_finish(store);
     json_t *doc = json_pack("{s:i, s:I, s:o}", "version", 1, "generation", (json_int_t)gen, "sessions", list);
+    if (doc && store) {
+        json_object_set_new(doc, "store", json_string(store_name));
+        json_object_set_new(doc, "store_blocks", json_integer(skv_kv_store_blocks(store)));
+    }
     snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     if (!rc && stopped)
@@ -2405,7 +2592,6 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     if (!rc)
         rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
                                                                 : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
-    json_decref(doc);
     int fd = rc ? -1 : open(tmp, O_RDONLY);
     if (!rc && (fd < 0 || fsync(fd) != 0))
         rc = skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
@@ -2413,17 +2599,40 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         close(fd);
     if (!rc)
         rc = rename_durable(tmp, path, dir);
+    if (store) /* a new store goes on only when its manifest is on disk */
+        skv_kv_store_end(store, rc == SKV_OK);
     if (rc) {
-        persist_sweep(dir, w->persist_gen); /* this generation's files; the last one stays */
+        if (store != w->persist_store)
+            skv_kv_store_close(&store);
+        json_decref(doc);
+        free(l.s);
+        free(saved_list);
+        persist_sweep(w, dir); /* this generation's files; the last one's stay */
         return rc;
     }
+    if (store != w->persist_store) {
+        skv_kv_store_close(&w->persist_store);
+        w->persist_store = store;
+        snprintf(w->persist_store_name, sizeof w->persist_store_name, "%s", store_name);
+    }
+    for (int i = 0; i < l.n; i++) /* sessions left out have no file the manifest names */
+        l.s[i]->persist_gen = 0;
+    for (int i = 0; i < saved; i++) {
+        saved_list[i].s->persist_gen = store ? saved_list[i].gen : 0;
+        memcpy(saved_list[i].s->persist_sum, saved_list[i].sum, 32);
+    }
+    free(l.s);
+    free(saved_list);
     w->persist_gen = gen;
     w->persist_ms = skv_now_ms();
-    persist_sweep(dir, gen);
+    persist_keep(w, doc);
+    json_decref(doc);
+    persist_sweep(w, dir);
     skv_log(checkpoint ? SKV_LOG_DEBUG : SKV_LOG_INFO,
-            "persist: %s %d of %d session(s), %llu bytes (%u KV blocks written once each), in %.1f s to %s%s",
-            checkpoint ? "checkpoint:" : "saved", saved, l.n, (unsigned long long)bytes, n_blocks,
-            (double)(skv_now_ms() - t0) / 1000.0, dir,
+            "persist: %s %d of %d session(s) (%d file(s) written, the others unchanged), %llu bytes written "
+            "(%u new KV blocks; the store holds %u), in %.1f s to %s%s",
+            checkpoint ? "checkpoint:" : "saved", saved, l.n, written, (unsigned long long)bytes, appended,
+            store ? skv_kv_store_blocks(store) : 0, (double)(skv_now_ms() - t0) / 1000.0, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
         skv_log(SKV_LOG_WARN, "persist: %d session(s) %s (%d failed, %d past persist-max-seconds)", failed + late,
@@ -2468,7 +2677,7 @@ static int persist_entry(const json_t *e, uint8_t id[SKV_SESSION_ID_BYTES], cons
 
 int skv_requests_persist_restore(struct skv_worker *w)
 {
-    char dir[1100], path[1200];
+    char dir[1100], path[1300], name[128];
     int rc = persist_dir(w, dir, sizeof dir);
     if (rc)
         return rc;
@@ -2478,36 +2687,42 @@ int skv_requests_persist_restore(struct skv_worker *w)
     if (!doc) {
         if (access(path, F_OK) == 0)
             skv_log(SKV_LOG_WARN, "persist: %s: %s; no session restored", path, jerr.text);
-        persist_wipe(dir);
+        persist_wipe(w, dir);
         return SKV_OK;
     }
-    const json_t *list = json_object_get(doc, "sessions"), *g = json_object_get(doc, "generation");
+    const json_t *list = json_object_get(doc, "sessions"), *count = json_object_get(doc, "store_blocks");
     size_t n = json_array_size(list);
     int restored = 0;
     uint64_t t0 = skv_now_ms();
-    /* no generation: files written before generations were numbered */
-    uint64_t gen = json_is_integer(g) && json_integer_value(g) > 0 ? (uint64_t)json_integer_value(g) : 0;
     struct restore r = {0};
-    persist_file(path, sizeof path, dir, PERSIST_BLOCKS, gen, ".skvb");
-    rc = skv_kv_store_open(path, w->m->fingerprint, skv_kv_pool_block_rows(w->m->kv_pool), w->m->cfg.head_dim,
-                           &r.store);
+    manifest_store(doc, name, sizeof name);
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    /* the count of blocks the manifest names (a save cut short may have appended more); a
+     * manifest of before stores lived across saves has none: the store's own */
+    int64_t n_named = json_is_integer(count) && json_integer_value(count) >= 0 ? (int64_t)json_integer_value(count)
+                                                                               : -1;
+    rc = name[0] ? skv_kv_store_open(path, w->m->fingerprint, skv_kv_pool_block_rows(w->m->kv_pool),
+                                     w->m->cfg.head_dim, n_named, &r.store)
+                 : skv_errorf(SKV_E_FORMAT, "the manifest names no block store");
     if (rc && rc != SKV_E_NOT_FOUND) /* the files that name its blocks fail; older ones load */
         skv_log(SKV_LOG_WARN, "persist: block store: %s", skv_error_msg());
     if (skv_kv_dedupe_new(w->m->kv_pool, &r.dedupe)) /* without it each older file keeps its own blocks */
         r.dedupe = NULL;
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
+        const json_t *e = json_array_get(list, k);
         uint8_t id[SKV_SESSION_ID_BYTES];
         const char *tenant, *owner;
         bool pinned = false;
         uint32_t lease = 0;
         uint64_t idle = 0;
         struct skv_session *s = NULL;
-        char hex[2 * SKV_SESSION_ID_BYTES + 1] = "?";
-        rc = persist_entry(json_array_get(list, k), id, &tenant, &owner, &pinned, &lease, &idle);
+        char hex[2 * SKV_SESSION_ID_BYTES + 1] = "?", file[1300];
+        rc = persist_entry(e, id, &tenant, &owner, &pinned, &lease, &idle);
         if (!rc) {
             skv_session_id_hex(id, hex);
-            persist_file(path, sizeof path, dir, hex, gen, ".skv");
-            rc = session_load(w, path, tenant, owner, &r, &s);
+            persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
+            snprintf(file, sizeof file, "%s/%s", dir, name);
+            rc = session_load(w, file, tenant, owner, &r, &s);
         }
         if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
             skv_session_destroy(w->sessions, s);
@@ -2521,18 +2736,32 @@ int skv_requests_persist_restore(struct skv_worker *w)
         uint64_t now = skv_now_ms();
         s->created_ms = now;
         s->last_used_ms = now > idle ? now - idle : 0; /* idle as long as at the stop; the downtime not counted */
+        s->persist_gen = entry_gen(doc, e); /* its file holds it as it is */
+        memcpy(s->persist_sum, r.sum, sizeof r.sum);
         skv_worker_event_stored(w, s);
         skv_worker_beat(w);
         restored++;
     }
-    json_decref(doc);
     skv_kv_dedupe_free(&r.dedupe);
+    w->persist_gen = manifest_gen(doc);
+    bool keep = w->cfg->persist_interval_seconds > 0;
+    /* checkpoints go on appending to the store the sessions came from: the blocks they
+     * restored are written already */
+    if (keep && r.store && !skv_kv_store_continue(r.store, path, w->m->kv_pool)) {
+        w->persist_store = r.store;
+        manifest_store(doc, w->persist_store_name, sizeof w->persist_store_name);
+        r.store = NULL;
+    } else if (keep && r.store) {
+        skv_log(SKV_LOG_INFO, "persist: the next checkpoint writes a new block store (%s)", skv_error_msg());
+    }
     skv_kv_store_close(&r.store); /* its blocks now held by the sessions alone */
-    w->persist_gen = gen;
-    if (w->cfg->persist_interval_seconds > 0)
-        persist_sweep(dir, gen); /* the last checkpoint until the next: a crash before it restores it again */
-    else
-        persist_wipe(dir);
+    if (keep) { /* the last checkpoint until the next: a crash before it restores it again */
+        persist_keep(w, doc);
+        persist_sweep(w, dir);
+    } else {
+        persist_wipe(w, dir);
+    }
+    json_decref(doc);
     skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s; %llu KV block(s) shared again",
             restored - r.evicted, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)r.n_shared);
     if (r.evicted)

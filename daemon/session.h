@@ -41,6 +41,9 @@ struct skv_session {
     bool announced;               /* a KV event said it is stored (its removal is announced too) */
     char text_pending[8];         /* the start of a character the last DECODE's text stopped inside: */
     uint8_t n_text_pending;       /* the next DECODE's text begins with it (APPEND drops it) */
+    uint64_t persist_gen;         /* the persist generation whose file the manifest on disk names for it
+                                     (0: none) ... */
+    unsigned char persist_sum[32]; /* ... and that file's checksum: a save whose bytes match keeps it */
     struct skv_session *next;     /* table chain */
 };
 

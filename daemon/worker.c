@@ -818,6 +818,7 @@ static void *worker_main(void *arg)
         publish_stats(w);
     }
     skv_requests_ipc_close_all(w);
+    skv_requests_persist_close(w);
     zmq_close(w->push);
     w->push = NULL; /* no event after this */
     return NULL;

@@ -12,6 +12,8 @@
 #include "daemon/stats.h"
 #include "daemon/worker.h"
 
+struct skv_kv_store;
+
 /* A DECODE in progress: one token per scheduling round. */
 struct skv_decode {
     struct skv_job *job;
@@ -96,6 +98,10 @@ struct skv_worker {
     uint64_t persist_ms;      /* when the last save or checkpoint was written (or the start) */
     bool persist_dirty;       /* sessions may have changed since */
     int persist_gave_way;     /* checkpoints in a row stopped by a request */
+    struct skv_kv_store *persist_store; /* the block store saves append to (NULL: the next save starts one) */
+    char persist_store_name[48];        /* its file in <state-dir>/persist */
+    char **persist_files;     /* the files the manifest on disk names, sorted: what sweeps keep */
+    int n_persist_files;
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
     atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
@@ -199,6 +205,8 @@ int skv_requests_persist_save(struct skv_worker *w);
 int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way);
 /* Restores what the last stop saved, under the same ids, and empties the directory. */
 int skv_requests_persist_restore(struct skv_worker *w);
+/* Closes the block store and forgets the files (the worker's end). */
+void skv_requests_persist_close(struct skv_worker *w);
 /* Sends a status-only final reply. */
 void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg);
 

@@ -30,6 +30,7 @@ struct skv_kv_pool {
     int empty_slabs;                        /* slabs with every block free (at most 1 kept) */
     uint64_t keep_slabs;                    /* reserved: never fewer slabs than this */
     uint64_t n_slabs, in_use, shared, n_free;
+    uint64_t stamps;                        /* the last stamp given to a block */
 };
 
 int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct skv_kv_pool **out)
@@ -177,11 +178,19 @@ int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out)
         if (b->slab->n_free-- == SLAB_BLOCKS)
             pool->empty_slabs--;
         b->refs = 1;
+        b->stamp = ++pool->stamps;
         pool->in_use++;
         *out = b;
     }
     pthread_mutex_unlock(&pool->lock);
     return rc;
+}
+
+void skv_kv_pool_touch(struct skv_kv_pool *pool, struct skv_kv_block *b)
+{
+    pthread_mutex_lock(&pool->lock);
+    b->stamp = ++pool->stamps;
+    pthread_mutex_unlock(&pool->lock);
 }
 
 void skv_kv_pool_hold(struct skv_kv_pool *pool, struct skv_kv_block *b)

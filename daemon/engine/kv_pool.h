@@ -19,6 +19,8 @@ struct skv_kv_slab;
 struct skv_kv_block {
     void *mem;                          /* backend: K [block_rows][head_dim], V [block_rows][head_dim] */
     int refs;                           /* block tables holding it; 0: free (pool lock) */
+    uint64_t stamp;                     /* new whenever the block may be written (taken from the pool,
+                                           opened for rows): two looks at one stamp saw the same bytes */
     struct skv_kv_slab *slab;
     struct skv_kv_block *prev, *next; /* free list */
 };
@@ -47,6 +49,8 @@ size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool);
 /* A block of undefined contents with one reference (SKV_E_NOMEM / SKV_E_DEVICE when the
  * backend cannot give memory). */
 int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out);
+/* Gives b (about to be written by its only holder) a new stamp. */
+void skv_kv_pool_touch(struct skv_kv_pool *pool, struct skv_kv_block *b);
 /* One more holder of b (a fork's table). */
 void skv_kv_pool_hold(struct skv_kv_pool *pool, struct skv_kv_block *b);
 /* Drops one holder; the last one returns the block to the pool (and a slab whose blocks

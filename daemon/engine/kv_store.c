@@ -1,14 +1,13 @@
 /* The block store (see kv_store.h): a header, then one record per block (K rows, V rows and
- * a BLAKE2b-128 of them), written in the order blocks are first put; blocks already written
- * are found by their address, and blocks of equal bytes by their BLAKE2b, in two trees
- * (tsearch). */
+ * a BLAKE2b-128 of them), appended in the order blocks are first put, across saves. Blocks
+ * already written are found by their stamp (in this save's map or the last one's), and blocks
+ * of equal bytes by their BLAKE2b (read back and compared). */
 #include "daemon/engine/kv_store.h"
 #include "common/status.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <search.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,10 +29,11 @@ struct store_header {
     char fingerprint[64];
 };
 
-struct written {             /* a tree node of the writer: a block, its bytes' hash, its index */
-    const struct skv_kv_block *b;
-    uint64_t key;
-    uint32_t idx;
+/* uint64 keys (never 0) to block indices, open addressing */
+struct map {
+    uint64_t *keys;
+    uint32_t *vals;
+    size_t cap, n;
 };
 
 struct loaded {              /* the reader's block of an index, held, and whose it is */
@@ -42,24 +42,32 @@ struct loaded {              /* the reader's block of an index, held, and whose 
 };
 
 struct skv_kv_store {
-    int fd;                  /* reader */
-    FILE *f;                 /* writer: records appended in order, the header last */
+    int fd;
     bool writing;
-    bool broken;             /* writer: a write failed, the records after it would be misplaced */
+    bool broken;             /* writer: a write failed, where the file ends is unknown */
     struct store_header hd;
     size_t rows_bytes;       /* block_rows * head_dim * 4: K or V of one block */
-    void *by_address;        /* writer: struct written of every block put (owns them) */
-    void *by_content;        /* writer: those whose bytes were written, by key */
     struct skv_kv_pool *pool; /* writer: where the blocks are; reader: where the held ones go back */
-    unsigned char *theirs;   /* writer: an earlier block's bytes, compared with a new one's */
-    char *wbuf;              /* writer: f's buffer */
+    struct map now, last;    /* stamps named by this save, and by the last one that ended well */
+    struct map by_content;   /* the first block of each key of bytes in the file */
+    uint8_t *live;           /* [n_blocks] bits: named by this save */
+    size_t live_cap;         /* bytes of live */
+    uint32_t n_live, n_live_last, n_appended;
+    char *wbuf;              /* writer: records not yet written, from index flushed on */
+    size_t wlen;
+    uint64_t flushed;        /* records in the file */
     struct loaded *loaded;   /* reader: [n_blocks] */
-    float *buf;              /* reader: one record (K, V, sum) */
+    float *buf;              /* one record (K, V, sum) */
 };
 
 static size_t record_bytes(const struct skv_kv_store *st)
 {
     return 2 * st->rows_bytes + STORE_SUM;
+}
+
+static off_t record_at(const struct skv_kv_store *st, uint64_t idx)
+{
+    return (off_t)(sizeof st->hd + idx * record_bytes(st));
 }
 
 static void record_sum(const void *k, const void *v, size_t n, unsigned char out[STORE_SUM])
@@ -71,9 +79,79 @@ static void record_sum(const void *k, const void *v, size_t n, unsigned char out
     crypto_generichash_final(&h, out, STORE_SUM);
 }
 
-static int write_out(FILE *f, const void *p, size_t n)
+static uint64_t sum_key(const unsigned char sum[STORE_SUM])
 {
-    return fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "block store: write: %s", strerror(errno));
+    uint64_t key;
+    memcpy(&key, sum, sizeof key);
+    return key ? key : 1;
+}
+
+static uint64_t map_slot(const struct map *m, uint64_t key)
+{
+    return (key * 0x9E3779B97F4A7C15ull >> 17) & (m->cap - 1);
+}
+
+static bool map_get(const struct map *m, uint64_t key, uint32_t *val)
+{
+    if (!m->cap)
+        return false;
+    for (uint64_t i = map_slot(m, key);; i = (i + 1) & (m->cap - 1)) {
+        if (m->keys[i] == key) {
+            *val = m->vals[i];
+            return true;
+        }
+        if (!m->keys[i])
+            return false;
+    }
+}
+
+static int map_grow(struct map *m);
+
+/* Sets key to val; replace: also when the key is there (otherwise its value stays). */
+static int map_set(struct map *m, uint64_t key, uint32_t val, bool replace)
+{
+    if (2 * (m->n + 1) > m->cap) {
+        int rc = map_grow(m);
+        if (rc)
+            return rc;
+    }
+    uint64_t i = map_slot(m, key);
+    while (m->keys[i] && m->keys[i] != key)
+        i = (i + 1) & (m->cap - 1);
+    if (!m->keys[i]) {
+        m->keys[i] = key;
+        m->vals[i] = val;
+        m->n++;
+    } else if (replace) {
+        m->vals[i] = val;
+    }
+    return SKV_OK;
+}
+
+static int map_grow(struct map *m)
+{
+    struct map bigger = {.cap = m->cap ? 2 * m->cap : 1024};
+    bigger.keys = calloc(bigger.cap, sizeof *bigger.keys);
+    bigger.vals = malloc(bigger.cap * sizeof *bigger.vals);
+    if (!bigger.keys || !bigger.vals) {
+        free(bigger.keys);
+        free(bigger.vals);
+        return skv_errorf(SKV_E_NOMEM, "block store: an index of %zu blocks", bigger.cap);
+    }
+    for (size_t i = 0; i < m->cap; i++)
+        if (m->keys[i])
+            map_set(&bigger, m->keys[i], m->vals[i], true);
+    free(m->keys);
+    free(m->vals);
+    *m = bigger;
+    return SKV_OK;
+}
+
+static void map_free(struct map *m)
+{
+    free(m->keys);
+    free(m->vals);
+    *m = (struct map){0};
 }
 
 static int read_at(int fd, void *p, size_t n, off_t at)
@@ -86,6 +164,21 @@ static int read_at(int fd, void *p, size_t n, off_t at)
             return skv_errorf(SKV_E_IO, "block store: read: %s", strerror(errno));
         if (r == 0)
             return skv_errorf(SKV_E_FORMAT, "block store is truncated");
+        c += r;
+        n -= (size_t)r;
+        at += r;
+    }
+    return SKV_OK;
+}
+
+static int write_at(int fd, const void *p, size_t n, off_t at)
+{
+    for (const char *c = p; n;) {
+        ssize_t r = pwrite(fd, c, n, at);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return skv_errorf(SKV_E_IO, "block store: write: %s", r < 0 ? strerror(errno) : "nothing written");
         c += r;
         n -= (size_t)r;
         at += r;
@@ -111,6 +204,20 @@ static int store_new(const char *fingerprint, int block_rows, int head_dim, stru
     return SKV_OK;
 }
 
+/* The writer's buffers (st->fd open to write). */
+static int writer_start(struct skv_kv_store *st, struct skv_kv_pool *pool)
+{
+    st->writing = true;
+    st->pool = pool;
+    st->wlen = 0;
+    st->flushed = st->hd.n_blocks;
+    if (!st->wbuf && !(st->wbuf = malloc(STORE_WBUF > record_bytes(st) ? STORE_WBUF : record_bytes(st))))
+        return SKV_E_NOMEM;
+    if (!st->buf && !(st->buf = malloc(record_bytes(st))))
+        return SKV_E_NOMEM;
+    return SKV_OK;
+}
+
 int skv_kv_store_create(const char *path, const char *fingerprint, struct skv_kv_pool *pool,
                         struct skv_kv_store **out)
 {
@@ -118,22 +225,13 @@ int skv_kv_store_create(const char *path, const char *fingerprint, struct skv_kv
     int rc = store_new(fingerprint, skv_kv_pool_block_rows(pool), skv_kv_pool_head_dim(pool), &st);
     if (rc)
         return rc;
-    st->writing = true;
-    st->pool = pool;
-    if (!(st->theirs = malloc(2 * st->rows_bytes))) {
-        skv_kv_store_close(&st);
-        return SKV_E_NOMEM;
-    }
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0 || !(st->f = fdopen(fd, "wb")))
+    if ((st->fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)) < 0)
         rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    if (!rc && (!(st->wbuf = malloc(STORE_WBUF)) || setvbuf(st->f, st->wbuf, _IOFBF, STORE_WBUF) != 0))
-        rc = SKV_E_NOMEM; /* records in few large writes (glibc sizes a buffer it makes itself to a page) */
-    if (!rc) /* the header's place; written again when the count is known */
-        rc = write_out(st->f, &st->hd, sizeof st->hd);
+    if (!rc)
+        rc = writer_start(st, pool);
+    if (!rc) /* the header's place; written again with the count at each finish */
+        rc = write_at(st->fd, &st->hd, sizeof st->hd, 0);
     if (rc) {
-        if (fd >= 0 && !st->f)
-            close(fd);
         skv_kv_store_close(&st);
         return rc;
     }
@@ -141,95 +239,136 @@ int skv_kv_store_create(const char *path, const char *fingerprint, struct skv_kv
     return SKV_OK;
 }
 
-static int by_address(const void *a, const void *b)
+static int writer_check(const struct skv_kv_store *st)
 {
-    const struct skv_kv_block *x = ((const struct written *)a)->b, *y = ((const struct written *)b)->b;
-    return x < y ? -1 : x > y ? 1 : 0;
+    if (!st->writing || st->broken)
+        return skv_errorf(st->broken ? SKV_E_IO : SKV_E_INVAL, "block store: %s",
+                          st->broken ? "an earlier write failed" : "opened to read");
+    return SKV_OK;
 }
 
-static int by_key(const void *a, const void *b)
+void skv_kv_store_begin(struct skv_kv_store *st)
 {
-    uint64_t x = ((const struct written *)a)->key, y = ((const struct written *)b)->key;
-    return x < y ? -1 : x > y ? 1 : 0;
+    st->now.n = 0;
+    if (st->now.cap)
+        memset(st->now.keys, 0, st->now.cap * sizeof *st->now.keys);
+    if (st->live)
+        memset(st->live, 0, st->live_cap);
+    st->n_live = 0;
+    st->n_appended = 0;
 }
 
-/* An earlier block of the same key whose bytes are k and v: its index in *idx. */
-static int same_bytes(struct skv_kv_store *st, uint64_t key, const float *k, const float *v, uint32_t *idx,
-                      bool *found)
+/* Block idx is named by this save. */
+static int mark_live(struct skv_kv_store *st, uint32_t idx)
 {
-    struct written probe = {.key = key};
-    struct written **e = tfind(&probe, &st->by_content, by_key);
-    *found = false;
-    if (!e)
+    if ((size_t)idx / 8 >= st->live_cap) {
+        size_t cap = st->live_cap ? st->live_cap : 4096;
+        while (cap <= (size_t)idx / 8)
+            cap *= 2;
+        uint8_t *more = realloc(st->live, cap);
+        if (!more)
+            return SKV_E_NOMEM;
+        memset(more + st->live_cap, 0, cap - st->live_cap);
+        st->live = more;
+        st->live_cap = cap;
+    }
+    if (!(st->live[idx / 8] & (1u << (idx % 8)))) {
+        st->live[idx / 8] |= (uint8_t)(1u << (idx % 8));
+        st->n_live++;
+    }
+    return SKV_OK;
+}
+
+/* Names b as block idx in this save. */
+static int named(struct skv_kv_store *st, const struct skv_kv_block *b, uint32_t idx)
+{
+    int rc = map_set(&st->now, b->stamp, idx, true);
+    return rc ? rc : mark_live(st, idx);
+}
+
+bool skv_kv_store_find(struct skv_kv_store *st, const struct skv_kv_block *b, uint32_t *idx)
+{
+    if (writer_check(st))
+        return false;
+    if (map_get(&st->now, b->stamp, idx))
+        return true;
+    return map_get(&st->last, b->stamp, idx) && named(st, b, *idx) == SKV_OK;
+}
+
+/* The bytes of block idx (K, V) into st->buf: from the write buffer or the file. */
+static int record_read(struct skv_kv_store *st, uint32_t idx)
+{
+    if (idx >= st->flushed) {
+        memcpy(st->buf, st->wbuf + (idx - st->flushed) * record_bytes(st), 2 * st->rows_bytes);
         return SKV_OK;
-    int rc = skv_kv_pool_read_block(st->pool, (*e)->b, st->theirs);
-    if (rc)
+    }
+    return read_at(st->fd, st->buf, 2 * st->rows_bytes, record_at(st, idx));
+}
+
+static int flush_records(struct skv_kv_store *st)
+{
+    int rc = st->wlen ? write_at(st->fd, st->wbuf, st->wlen, record_at(st, st->flushed)) : SKV_OK;
+    if (rc) {
+        st->broken = true;
         return rc;
-    *found = memcmp(st->theirs, k, st->rows_bytes) == 0 && memcmp(st->theirs + st->rows_bytes, v, st->rows_bytes) == 0;
-    *idx = (*e)->idx;
+    }
+    st->flushed += st->wlen / record_bytes(st);
+    st->wlen = 0;
     return SKV_OK;
 }
 
 int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, const float *k, const float *v,
                      uint32_t *idx)
 {
-    if (!st->writing || st->broken)
-        return skv_errorf(st->broken ? SKV_E_IO : SKV_E_INVAL, "block store: %s",
-                          st->broken ? "an earlier write failed" : "opened to read");
-    struct written probe = {.b = b};
-    struct written **found = tfind(&probe, &st->by_address, by_address);
-    if (found) {
-        *idx = (*found)->idx;
+    int rc = writer_check(st);
+    if (rc)
+        return rc;
+    if (skv_kv_store_find(st, b, idx))
         return SKV_OK;
-    }
     /* blocks of equal bytes: forks that each wrote the same rows, documents prefilled twice */
     unsigned char sum[STORE_SUM];
     record_sum(k, v, st->rows_bytes, sum);
-    uint64_t key;
-    memcpy(&key, sum, sizeof key);
-    bool same;
-    uint32_t same_idx;
-    int rc = same_bytes(st, key, k, v, &same_idx, &same);
-    if (rc)
-        return rc;
-    if (!same && st->hd.n_blocks >= UINT32_MAX)
-        return skv_errorf(SKV_E_LIMIT, "block store: more than %u blocks", UINT32_MAX - 1);
-    struct written *w = malloc(sizeof *w);
-    if (!w)
-        return SKV_E_NOMEM;
-    *w = (struct written){.b = b, .key = key, .idx = same ? same_idx : (uint32_t)st->hd.n_blocks};
-    if (same) {
-        if (!tsearch(w, &st->by_address, by_address)) {
-            free(w);
-            return SKV_E_NOMEM;
+    uint64_t key = sum_key(sum);
+    uint32_t same;
+    if (map_get(&st->by_content, key, &same)) {
+        if ((rc = record_read(st, same)))
+            return rc;
+        if (memcmp(st->buf, k, st->rows_bytes) == 0 && memcmp((char *)st->buf + st->rows_bytes, v, st->rows_bytes) == 0) {
+            *idx = same;
+            return named(st, b, same);
         }
-        *idx = w->idx;
-        return SKV_OK;
     }
-    rc = write_out(st->f, k, st->rows_bytes);
-    if (!rc)
-        rc = write_out(st->f, v, st->rows_bytes);
-    if (!rc)
-        rc = write_out(st->f, sum, sizeof sum);
-    if (!rc && !tsearch(w, &st->by_address, by_address))
-        rc = SKV_E_NOMEM;
-    if (!rc && !tsearch(w, &st->by_content, by_key)) { /* a key already there keeps its first block */
-        tdelete(w, &st->by_address, by_address);
-        rc = SKV_E_NOMEM;
-    }
-    if (rc) {
-        st->broken = true;
-        free(w);
+    if (st->hd.n_blocks >= UINT32_MAX - 1)
+        return skv_errorf(SKV_E_LIMIT, "block store: more than %u blocks", UINT32_MAX - 2);
+    size_t rec = record_bytes(st);
+    if (st->wlen + rec > (STORE_WBUF > rec ? STORE_WBUF : rec) && (rc = flush_records(st)))
         return rc;
-    }
+    memcpy(st->wbuf + st->wlen, k, st->rows_bytes);
+    memcpy(st->wbuf + st->wlen + st->rows_bytes, v, st->rows_bytes);
+    memcpy(st->wbuf + st->wlen + 2 * st->rows_bytes, sum, STORE_SUM);
+    uint32_t at = (uint32_t)st->hd.n_blocks;
+    if ((rc = map_set(&st->by_content, key, at, false)) || (rc = named(st, b, at)))
+        return rc; /* not appended: nothing names it */
+    st->wlen += rec;
     st->hd.n_blocks++;
-    *idx = w->idx;
+    st->n_appended++;
+    *idx = at;
     return SKV_OK;
 }
 
 uint32_t skv_kv_store_blocks(const struct skv_kv_store *st)
 {
     return (uint32_t)st->hd.n_blocks;
+}
+
+uint32_t skv_kv_store_appended(const struct skv_kv_store *st)
+{
+    return st->n_appended;
+}
+
+uint32_t skv_kv_store_live(const struct skv_kv_store *st)
+{
+    return st->n_live_last;
 }
 
 int skv_kv_store_block_rows(const struct skv_kv_store *st)
@@ -242,19 +381,48 @@ uint64_t skv_kv_store_bytes(const struct skv_kv_store *st)
     return sizeof st->hd + st->hd.n_blocks * (uint64_t)record_bytes(st);
 }
 
+uint64_t skv_kv_store_appended_bytes(const struct skv_kv_store *st)
+{
+    return st->n_appended * (uint64_t)record_bytes(st);
+}
+
+bool skv_kv_store_usable(const struct skv_kv_store *st)
+{
+    return st->writing && !st->broken;
+}
+
 int skv_kv_store_finish(struct skv_kv_store *st)
 {
-    if (!st->writing || st->broken)
-        return skv_errorf(st->broken ? SKV_E_IO : SKV_E_INVAL, "block store: %s",
-                          st->broken ? "an earlier write failed" : "opened to read");
-    int rc = fseek(st->f, 0, SEEK_SET) == 0 ? write_out(st->f, &st->hd, sizeof st->hd)
-                                            : skv_errorf(SKV_E_IO, "block store: seek: %s", strerror(errno));
-    if (!rc && (fflush(st->f) != 0 || fsync(fileno(st->f)) != 0))
+    int rc = writer_check(st);
+    if (!rc)
+        rc = flush_records(st);
+    if (!rc && fsync(st->fd) != 0) /* the records before the header that counts them */
         rc = skv_errorf(SKV_E_IO, "block store: write: %s", strerror(errno));
+    if (!rc)
+        rc = write_at(st->fd, &st->hd, sizeof st->hd, 0);
+    if (!rc && fsync(st->fd) != 0)
+        rc = skv_errorf(SKV_E_IO, "block store: write: %s", strerror(errno));
+    if (rc)
+        st->broken = true;
     return rc;
 }
 
-int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows, int head_dim,
+void skv_kv_store_end(struct skv_kv_store *st, bool ok)
+{
+    if (ok) { /* this save's names are the ones to find; the last one's blocks no session holds now */
+        struct map t = st->last;
+        st->last = st->now;
+        st->now = t;
+        st->n_live_last = st->n_live;
+    } else {  /* a save that did not end: both sets may be on disk next time */
+        for (size_t i = 0; i < st->now.cap; i++)
+            if (st->now.keys[i] && map_set(&st->last, st->now.keys[i], st->now.vals[i], true))
+                break; /* no memory: those blocks are written again */
+    }
+    skv_kv_store_begin(st);
+}
+
+int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows, int head_dim, int64_t n_named,
                       struct skv_kv_store **out)
 {
     struct skv_kv_store *st;
@@ -280,13 +448,16 @@ int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows,
     }
     if (!rc && fstat(st->fd, &sb) != 0)
         rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    if (!rc && (hd.n_blocks >= UINT32_MAX ||
-                (uint64_t)sb.st_size != sizeof hd + hd.n_blocks * (uint64_t)record_bytes(st)))
-        rc = skv_errorf(SKV_E_FORMAT, "%s: %llu blocks do not fill its %lld bytes", path,
-                        (unsigned long long)hd.n_blocks, (long long)sb.st_size);
+    uint64_t n = n_named < 0 ? hd.n_blocks : (uint64_t)n_named, need = sizeof hd + n * (uint64_t)record_bytes(st);
+    /* a manifest's count: the header counts at least those, and the file holds them (a save cut
+     * short may have appended more); the header's own: exactly the file */
+    if (!rc && (n >= UINT32_MAX - 1 || hd.n_blocks < n || (uint64_t)sb.st_size < need ||
+                (n_named < 0 && (uint64_t)sb.st_size != need)))
+        rc = skv_errorf(SKV_E_FORMAT, "%s: %llu blocks do not fill its %lld bytes", path, (unsigned long long)n,
+                        (long long)sb.st_size);
     if (!rc) {
-        st->hd.n_blocks = hd.n_blocks;
-        st->loaded = calloc(hd.n_blocks ? hd.n_blocks : 1, sizeof *st->loaded);
+        st->hd.n_blocks = n;
+        st->loaded = calloc(n ? n : 1, sizeof *st->loaded);
         st->buf = malloc(record_bytes(st));
         if (!st->loaded || !st->buf)
             rc = SKV_E_NOMEM;
@@ -299,11 +470,11 @@ int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows,
     return SKV_OK;
 }
 
-/* Reads block idx into st->buf (K then V), its checksum and values checked. */
-static int store_read(struct skv_kv_store *st, uint32_t idx)
+/* Reads block idx into st->buf (K then V), its checksum and values checked; *key: of its bytes. */
+static int store_read(struct skv_kv_store *st, uint32_t idx, uint64_t *key)
 {
     unsigned char want[STORE_SUM];
-    int rc = read_at(st->fd, st->buf, record_bytes(st), (off_t)(sizeof st->hd + (size_t)idx * record_bytes(st)));
+    int rc = read_at(st->fd, st->buf, record_bytes(st), record_at(st, idx));
     if (rc)
         return rc;
     record_sum(st->buf, (char *)st->buf + st->rows_bytes, st->rows_bytes, want);
@@ -312,6 +483,7 @@ static int store_read(struct skv_kv_store *st, uint32_t idx)
     for (size_t i = 0; i < 2 * st->rows_bytes / sizeof(float); i++)
         if (!isfinite(st->buf[i]))
             return skv_errorf(SKV_E_FORMAT, "block store: block %u holds a value that is not finite", idx);
+    *key = sum_key(want);
     return SKV_OK;
 }
 
@@ -336,23 +508,64 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, stru
         *shared = !rc;
         return rc;
     }
-    int rc = store_read(st, idx);
+    uint64_t key = 0;
+    int rc = store_read(st, idx, &key);
     if (!rc)
         rc = skv_kv_cache_write_rows(c, layer, h, 0, row0, br, st->buf);
     if (!rc)
         rc = skv_kv_cache_write_rows(c, layer, h, 1, row0, br, (const float *)((char *)st->buf + st->rows_bytes));
-    if (rc || !whole || l->b)
-        return rc; /* another group's block, or rows: this cache's own */
+    if (rc || !whole)
+        return rc; /* rows: this cache's own */
+    /* the block now holds record idx: a save that goes on from this store need not write it */
+    struct skv_kv_block *b = hd->blk[row0 / br];
+    if (map_set(&st->last, b->stamp, idx, true) || map_set(&st->by_content, key, idx, false))
+        return SKV_E_NOMEM;
+    if (l->b)
+        return SKV_OK; /* another group's block: this cache's own */
     st->pool = c->pool;
-    l->b = hd->blk[row0 / br];
+    l->b = b;
     l->group = group;
     skv_kv_pool_hold(c->pool, l->b);
     return SKV_OK;
 }
 
-static void nothing(void *p)
+static void drop_loaded(struct skv_kv_store *st)
 {
-    (void)p;
+    for (uint64_t i = 0; st->loaded && i < st->hd.n_blocks; i++)
+        if (st->loaded[i].b)
+            skv_kv_pool_put(st->pool, st->loaded[i].b);
+    free(st->loaded);
+    st->loaded = NULL;
+}
+
+int skv_kv_store_continue(struct skv_kv_store *st, const char *path, struct skv_kv_pool *pool)
+{
+    if (st->writing)
+        return skv_errorf(SKV_E_INVAL, "block store: already writing");
+    if (st->hd.block_rows != (uint32_t)skv_kv_pool_block_rows(pool) || (st->pool && st->pool != pool))
+        return skv_errorf(SKV_E_INVAL, "block store: blocks of %u rows, the pool's are of %d", st->hd.block_rows,
+                          skv_kv_pool_block_rows(pool));
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    close(st->fd);
+    st->fd = fd;
+    drop_loaded(st);
+    /* what a save cut short appended after the blocks the manifest names goes */
+    int rc = ftruncate(fd, record_at(st, st->hd.n_blocks)) == 0
+                 ? SKV_OK
+                 : skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    if (!rc)
+        rc = writer_start(st, pool);
+    skv_kv_store_begin(st);
+    for (size_t i = 0; !rc && i < st->last.cap; i++) /* the restored blocks are the live ones */
+        if (st->last.keys[i])
+            rc = mark_live(st, st->last.vals[i]);
+    st->n_live_last = st->n_live;
+    skv_kv_store_begin(st);
+    if (rc)
+        st->broken = true;
+    return rc;
 }
 
 void skv_kv_store_close(struct skv_kv_store **st_p)
@@ -362,16 +575,12 @@ void skv_kv_store_close(struct skv_kv_store **st_p)
         return;
     if (st->fd >= 0)
         close(st->fd);
-    if (st->f)
-        fclose(st->f);
+    drop_loaded(st);
+    map_free(&st->now);
+    map_free(&st->last);
+    map_free(&st->by_content);
+    free(st->live);
     free(st->wbuf);
-    tdestroy(st->by_content, nothing); /* its nodes are by_address's */
-    tdestroy(st->by_address, free);
-    free(st->theirs);
-    for (uint64_t i = 0; st->loaded && i < st->hd.n_blocks; i++)
-        if (st->loaded[i].b)
-            skv_kv_pool_put(st->pool, st->loaded[i].b);
-    free(st->loaded);
     free(st->buf);
     free(st);
     *st_p = NULL;

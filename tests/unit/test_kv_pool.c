@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/status.h"
@@ -648,9 +649,9 @@ static void test_store(void **state)
     int32_t *pos_a, *pos_c;
     size_t fa, fc;
     float *snap_a = snapshot(a, &pos_a, &fa), *snap_c = snapshot(c, &pos_c, &fc);
-    assert_int_equal(skv_kv_store_open(path, other_fp, a->block_rows, a->head_dim, &st), SKV_E_INVAL);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim + 1, &st), SKV_E_INVAL);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, other_fp, a->block_rows, a->head_dim, -1, &st), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim + 1, -1, &st), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, -1, &st), SKV_OK);
     struct skv_kv_cache *a2, *b2, *c2, *x2;
     int shared;
     assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
@@ -691,7 +692,7 @@ static void test_store(void **state)
     fseek(f, at, SEEK_SET);
     fputc(ch ^ 0x21, f);
     fclose(f);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, -1, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, c, rc_, full, 1, &c2, &shared), SKV_E_FORMAT);
     assert_null(c2);
     assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
@@ -718,7 +719,7 @@ static void test_store(void **state)
 
     /* cut short: does not open */
     assert_int_equal(truncate(path, 96 + 100), 0);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, &st), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, -1, &st), SKV_E_FORMAT);
     assert_null(st);
     unlink(path);
 
@@ -826,6 +827,175 @@ static void test_tick_exact(void **state)
     free(b);
 }
 
+/* Puts c's full blocks as a save does: those the store finds (written before, unchanged since)
+ * are not read; returns how many it found. */
+static int store_save_cache(struct skv_kv_store *st, const struct skv_kv_cache *c, uint32_t *refs)
+{
+    const int br = c->block_rows, dim = c->head_dim, full = c->heads[0].len / br;
+    float *k = malloc((size_t)br * dim * sizeof *k), *v = malloc((size_t)br * dim * sizeof *v);
+    int found = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        for (int b = 0; b < full; b++) {
+            int l = i / c->n_kv_heads, h = i % c->n_kv_heads;
+            if (skv_kv_store_find(st, c->heads[i].blk[b], &refs[i * full + b])) {
+                found++;
+                continue;
+            }
+            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 0, b * br, br, k), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 1, b * br, br, v), SKV_OK);
+            assert_int_equal(skv_kv_store_put(st, c->heads[i].blk[b], k, v, &refs[i * full + b]), SKV_OK);
+        }
+    free(k);
+    free(v);
+    return found;
+}
+
+/* One store across saves (checkpoints): a save appends only the blocks written since the last
+ * one (new ones, and old ones written again: their stamps changed); blocks named by a save that
+ * did not end are found by the next; a store read back by a restore goes on, finding the
+ * blocks it gave caches, and what a save cut short appended after the manifest's count is
+ * ignored and then overwritten; every version reads back bit for bit. */
+static void test_store_saves(void **state)
+{
+    struct tiny *t = *state;
+    enum { N = 37 };
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    const uint64_t base = pool_stats(pool).blocks_in_use;
+    int32_t ids[N + 16], other[N + 16];
+    two_prompts(t, ids, other, N + 16);
+    struct skv_kv_cache *a = NULL, *c = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    prefill(t, a, ids, N, NULL);
+    prefill(t, c, other, N, NULL);
+    const int heads = a->n_layers * a->n_kv_heads, br = a->block_rows, full = N / br;
+    const uint64_t rec = skv_kv_pool_block_bytes(pool) + 16;
+    char fp[64], path[] = "/tmp/skv-store-XXXXXX";
+    memset(fp, 'a', sizeof fp);
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    uint32_t *ra = calloc((size_t)heads * (full + 2), 4), *rc_ = calloc((size_t)heads * (full + 2), 4);
+
+    /* save 1: a */
+    struct skv_kv_store *st = NULL;
+    assert_int_equal(skv_kv_store_create(path, fp, pool, &st), SKV_OK);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a, ra), 0);
+    assert_int_equal(skv_kv_store_appended(st), heads * full);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    assert_int_equal(skv_kv_store_live(st), heads * full);
+    /* save 2: nothing changed, nothing read or written */
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a, ra), heads * full);
+    assert_int_equal(skv_kv_store_appended(st), 0);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    /* save 3: a grew by a block; c is new, but its save does not end (a request came) */
+    prefill(t, a, ids + N, 2 * br - N % br, NULL);
+    assert_int_equal(a->heads[0].len, (full + 2) * br);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a, ra), heads * full);
+    assert_int_equal(store_save_cache(st, c, rc_), 0);
+    assert_int_equal(skv_kv_store_appended(st), 2 * heads + heads * full);
+    skv_kv_store_end(st, false);
+    /* save 4: finds both */
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a, ra), heads * (full + 2));
+    assert_int_equal(store_save_cache(st, c, rc_), heads * full);
+    assert_int_equal(skv_kv_store_appended(st), 0);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    /* save 5: a's last three blocks were cut and written again with other tokens: written
+     * again, the blocks before them found */
+    for (int i = 0; i < heads; i++)
+        assert_int_equal(skv_kv_cache_truncate(a, i / a->n_kv_heads, i % a->n_kv_heads, full * br - 3), SKV_OK);
+    a->n_past = full * br - 3;
+    prefill(t, a, other, 3 + 2 * br, NULL);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a, ra), heads * (full - 1));
+    assert_int_equal(store_save_cache(st, c, rc_), heads * full);
+    assert_int_equal(skv_kv_store_appended(st), 3 * heads);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    const uint32_t n_blocks = skv_kv_store_blocks(st);
+    assert_int_equal(n_blocks, heads * full + 2 * heads + heads * full + 3 * heads);
+    assert_int_equal(skv_kv_store_live(st), heads * (full + 2) + heads * full);
+    assert_int_equal(skv_kv_store_bytes(st), 96 + (uint64_t)n_blocks * rec);
+    skv_kv_store_close(&st);
+
+    /* a restore of save 5, its store going on: a's and c's blocks found, none written; a save
+     * cut short appended garbage after the manifest's count, which the restore ignores */
+    FILE *f = fopen(path, "ab");
+    assert_non_null(f);
+    for (uint64_t i = 0; i < rec + 7; i++)
+        fputc(0x5a, f);
+    fclose(f);
+    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, n_blocks + 1, &st), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, n_blocks, &st), SKV_OK);
+    int32_t *pos_a, *pos_c;
+    size_t fa, fc;
+    float *snap_a = snapshot(a, &pos_a, &fa), *snap_c = snapshot(c, &pos_c, &fc);
+    struct skv_kv_cache *a2, *c2;
+    int shared;
+    assert_int_equal(store_get_cache(t, st, a, ra, full + 2, 1, &a2, &shared), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, c, rc_, full, 1, &c2, &shared), SKV_OK);
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    expect_snapshot(c2, snap_c, pos_c, fc);
+    assert_int_equal(skv_kv_store_continue(st, path, pool), SKV_OK);
+    assert_int_equal(skv_kv_store_live(st), heads * (full + 2) + heads * full);
+    skv_kv_store_begin(st);
+    uint32_t *r2 = calloc((size_t)heads * (full + 2), 4);
+    assert_int_equal(store_save_cache(st, a2, r2), heads * (full + 2));
+    assert_memory_equal(r2, ra, (size_t)heads * (full + 2) * 4);
+    assert_int_equal(store_save_cache(st, c2, r2), heads * full);
+    assert_memory_equal(r2, rc_, (size_t)heads * full * 4);
+    assert_int_equal(skv_kv_store_appended(st), 0);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    /* c2 goes on by a block (over the garbage's place); a2 is gone: most of the store is not
+     * live now */
+    skv_kv_cache_free(&a2);
+    prefill(t, c2, ids, br - N % br, NULL);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, c2, rc_), heads * full);
+    assert_int_equal(skv_kv_store_appended(st), heads);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    assert_int_equal(skv_kv_store_live(st), heads * (full + 1));
+    assert_int_equal(skv_kv_store_blocks(st), n_blocks + heads);
+    skv_kv_store_close(&st);
+    struct stat sb;
+    assert_int_equal(stat(path, &sb), 0);
+    assert_int_equal(sb.st_size, 96 + (uint64_t)(n_blocks + heads) * rec);
+    float *snap_c2 = snapshot(c2, &pos_c, &fc);
+    free(pos_c);
+    struct skv_kv_cache *c3;
+    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, c2, rc_, full + 1, 2, &c3, &shared), SKV_OK);
+    snap_c = snapshot(c3, &pos_c, &fc);
+    assert_memory_equal(snap_c, snap_c2, fc * sizeof *snap_c);
+    skv_kv_store_close(&st);
+    unlink(path);
+
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&c);
+    skv_kv_cache_free(&a2);
+    skv_kv_cache_free(&c2);
+    skv_kv_cache_free(&c3);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base);
+    free(snap_a);
+    free(snap_c);
+    free(snap_c2);
+    free(pos_a);
+    free(pos_c);
+    free(ra);
+    free(rc_);
+    free(r2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -840,6 +1010,7 @@ int main(void)
         cmocka_unit_test(test_model_block_rows),
         cmocka_unit_test(test_dedupe),
         cmocka_unit_test(test_store),
+        cmocka_unit_test(test_store_saves),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
 }

@@ -2341,6 +2341,16 @@ static void only_match(const char *dir, const char *pattern, char *path, size_t 
     globfree(&g);
 }
 
+static long file_size(const char *path)
+{
+    FILE *fp = fopen(path, "rb");
+    assert_non_null(fp);
+    fseek(fp, 0, SEEK_END);
+    long n = ftell(fp);
+    fclose(fp);
+    return n;
+}
+
 /* Flips a byte in the middle of a file. */
 static void corrupt(const char *path)
 {
@@ -2465,8 +2475,10 @@ static void test_persist(void **state)
 }
 
 /* persist-interval-seconds: once sessions changed and the interval passed, the idle worker
- * writes a checkpoint (one generation of files on disk, the manifest naming it); reads alone
- * (STATS, LIST) bring none; the next change brings the next, which replaces the files. */
+ * writes a checkpoint (the manifest naming the files); reads alone (STATS, LIST) bring none;
+ * the next change brings the next, which writes only what changed: the files of sessions that
+ * changed, and blocks the store does not hold, appended to it. After a restart the store goes
+ * on the same way. */
 static void test_persist_checkpoint(void **state)
 {
     struct fixture *f = *state;
@@ -2492,18 +2504,68 @@ static void test_persist_checkpoint(void **state)
     }
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
     assert_true(stat(f, "snapkv_persist_age_seconds") >= 2);
-    /* a change: the next checkpoint, whose files replace the first's */
+    char store1[256], a1[256], store[256], a2[256], bfile[256];
+    only_match(pdir, "blocks-*.skvb", store1, sizeof store1);
+    only_match(pdir, pattern, a1, sizeof a1);
+    const long size1 = file_size(store1);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const long rec = 2L * 16 * mc->head_dim * 4 + 16, heads = mc->n_layers * mc->n_kv_heads;
+    assert_int_equal(size1, 96 + heads * rec); /* a: 16 rows a head, one block */
+    /* a change: the next checkpoint writes b (8 rows a head: no block) and keeps a's file and
+     * the store as they were */
     prefill_for(f, "u", 8, "policy=full", b);
     for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 2; i++)
         usleep(100000);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 2);
-    only_match(pdir, "blocks-*.skvb", path, sizeof path);
-    only_match(pdir, pattern, path, sizeof path);
+    only_match(pdir, "blocks-*.skvb", store, sizeof store);
+    only_match(pdir, pattern, a2, sizeof a2);
+    assert_string_equal(store, store1);
+    assert_string_equal(a2, a1);
+    assert_int_equal(file_size(store), size1);
     glob_t g;
     snprintf(cmd, sizeof cmd, "%s/*.skv", pdir);
     assert_int_equal(glob(cmd, 0, NULL, &g), 0);
     assert_int_equal(g.gl_pathc, 2);
     globfree(&g);
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    snprintf(cmd, sizeof cmd, "%s-*.skv", hex);
+    only_match(pdir, cmd, bfile, sizeof bfile);
+    /* a grows by a block: the third checkpoint appends that block alone and writes a's file
+     * again, b's kept */
+    submit_append_for(f, ID_X, "t", a, 16);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 3; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 3);
+    only_match(pdir, "blocks-*.skvb", store, sizeof store);
+    assert_string_equal(store, store1);
+    assert_int_equal(file_size(store), size1 + heads * rec);
+    only_match(pdir, pattern, a2, sizeof a2);
+    assert_string_not_equal(a2, a1);
+    only_match(pdir, cmd, path, sizeof path);
+    assert_string_equal(path, bfile);
+    /* a restart restores both from those files, and the stop saves nothing new */
+    skv_worker_stop(&f->w);
+    assert_int_equal(file_size(store), size1 + heads * rec);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 56);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    /* after the start the store goes on: a's next block appends one more */
+    submit_append_for(f, ID_X, "t", a, 16);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
+    only_match(pdir, "blocks-*.skvb", store, sizeof store);
+    assert_string_equal(store, store1);
+    assert_int_equal(file_size(store), size1 + 2 * heads * rec);
+    only_match(pdir, cmd, path, sizeof path);
+    assert_string_equal(path, bfile);
     persist_off(f, dir);
 }
 
