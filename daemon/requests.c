@@ -2360,8 +2360,8 @@ static void persist_keep(struct skv_worker *w, const json_t *doc)
     w->n_persist_files = 0;
     size_t n = json_array_size(json_object_get(doc, "sessions"));
     char **files = doc ? calloc(n + 2, sizeof *files) : NULL;
-    if (!files)
-        return; /* without a list the next sweep removes every file: a save then writes them all */
+    if (!files) /* without a list the next sweep removes every file: the next save writes them all */
+        goto none;
     char name[128];
     int k = 0;
     files[k++] = strdup(PERSIST_MANIFEST);
@@ -2380,11 +2380,14 @@ static void persist_keep(struct skv_worker *w, const json_t *doc)
             for (int j = 0; j < k; j++)
                 free(files[j]);
             free(files);
-            return;
+            goto none;
         }
     qsort(files, (size_t)k, sizeof *files, by_name);
     w->persist_files = files;
     w->n_persist_files = k;
+    return;
+none: /* the store's file goes too: the next save starts a new one */
+    skv_kv_store_close(&w->persist_store);
 }
 
 /* Removes what saves left in dir (sessions, block stores, their temporary files, manifests)

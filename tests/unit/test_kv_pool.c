@@ -861,8 +861,8 @@ static void test_store_saves(void **state)
     enum { N = 37 };
     struct skv_kv_pool *pool = t->m->kv_pool;
     const uint64_t base = pool_stats(pool).blocks_in_use;
-    int32_t ids[N + 16], other[N + 16];
-    two_prompts(t, ids, other, N + 16);
+    int32_t ids[96], other[96];
+    two_prompts(t, ids, other, 96);
     struct skv_kv_cache *a = NULL, *c = NULL;
     assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
     assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
@@ -970,11 +970,13 @@ static void test_store_saves(void **state)
     struct stat sb;
     assert_int_equal(stat(path, &sb), 0);
     assert_int_equal(sb.st_size, 96 + (uint64_t)(n_blocks + heads) * rec);
+    free(pos_c);
     float *snap_c2 = snapshot(c2, &pos_c, &fc);
     free(pos_c);
     struct skv_kv_cache *c3;
     assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, c2, rc_, full + 1, 2, &c3, &shared), SKV_OK);
+    free(snap_c);
     snap_c = snapshot(c3, &pos_c, &fc);
     assert_memory_equal(snap_c, snap_c2, fc * sizeof *snap_c);
     skv_kv_store_close(&st);
