@@ -48,10 +48,10 @@ static const struct skv_config_option options[] = {
      "the longest the save at stop may take (pinned sessions first, then the most recently used; the rest "
      "are lost; keep it under the unit's TimeoutStopSec)"},
     {"persist-interval-seconds", SKV_CFG_INT, OPT(persist_interval_seconds), "0", 0, 86400,
-     "with persist, also save every session (a checkpoint) when the engine is idle and this long has passed "
-     "since the last, so a crash loses only what changed since; a request that arrives meanwhile stops the "
-     "checkpoint (the last one stays), three times in a row at most; past twice the interval one runs even "
-     "while busy; 0: at stop only"},
+     "with persist, also save the sessions (a checkpoint, which writes only the sessions and KV blocks that "
+     "changed since the last) when the engine is idle and this long has passed since the last, so a crash "
+     "loses only what changed since; a request that arrives meanwhile stops the checkpoint (the last one "
+     "stays), three times in a row at most; past twice the interval one runs even while busy; 0: at stop only"},
     {"log-level", SKV_CFG_STRING, OPT(log_level), "info", 0, 0, "error, warn, info or debug"},
     {"log-file", SKV_CFG_STRING, OPT(log_file), "", 0, 0, "log file (empty: stderr / journald)"},
     {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0, "stay in the foreground (systemd runs it so)"},

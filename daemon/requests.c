@@ -2633,7 +2633,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     persist_sweep(w, dir);
     skv_log(checkpoint ? SKV_LOG_DEBUG : SKV_LOG_INFO,
             "persist: %s %d of %d session(s) (%d file(s) written, the others unchanged), %llu bytes written "
-            "(%u new KV blocks; the store holds %u), in %.1f s to %s%s",
+            "(%u new KV blocks; the store holds %u), in %.3f s to %s%s",
             checkpoint ? "checkpoint:" : "saved", saved, l.n, written, (unsigned long long)bytes, appended,
             store ? skv_kv_store_blocks(store) : 0, (double)(skv_now_ms() - t0) / 1000.0, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");

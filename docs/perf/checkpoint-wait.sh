@@ -4,12 +4,13 @@
 # (INTERVAL=0: no checkpoint, the baseline). 30 times: an APPEND of a few tokens to one session
 # (a change, so a checkpoint follows once the engine is idle), then after a random 0-1.5 s a
 # LIST, timed as snapkvctl sees it. Prints the LIST times' median and maximum and the
-# checkpoints written. Run from the repository root after a build (BUILD=dir: another build).
+# checkpoints written, and (from the debug log) how long the checkpoints took and what they
+# wrote. Run from the repository root after a build (BUILD=dir: another build).
 set -e
 B=${BUILD:-build}
 D=$(mktemp -d)
 $B/snapkvd --model models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 --pool-size 2G \
-    --max-bytes-per-tenant 2G --persist=yes --persist-interval-seconds=${INTERVAL:-1} \
+    --max-bytes-per-tenant 2G --persist=yes --persist-interval-seconds=${INTERVAL:-1} --log-level debug \
     --endpoint ipc://$D/c --admin-endpoint ipc://$D/a --state-dir $D 2>>$D/log &
 pid=$!
 for _ in $(seq 100); do $B/snapkvctl -e ipc://$D/c --timeout 200 info >/dev/null 2>&1 && break; sleep 0.2; done
@@ -31,5 +32,7 @@ done > $D/ms
 echo "persist-interval-seconds=${INTERVAL:-1}: LIST ms: median $(sort -n $D/ms | sed -n 15p), max $(sort -n $D/ms | tail -1)"
 echo "checkpoints: $(ctl stats | awk '/snapkv_persist_checkpoints_total/ {print $2}')"
 kill -TERM $pid; wait $pid || true
-grep -E "persist:" $D/log | tail -2
+echo "each checkpoint: bytes written/seconds:" $(grep -E "persist: checkpoint:" $D/log |
+    sed -E 's/.* ([0-9]+) bytes written .* in ([0-9.]+) s .*/\1\/\2/')
+grep -E "persist: saved" $D/log | tail -1
 rm -rf $D
