@@ -2474,6 +2474,18 @@ static void test_persist(void **state)
     persist_off(f, dir);
 }
 
+/* APPENDs 16 tokens to tenant t's session sid, then waits for the worker's n-th checkpoint. */
+static void append_then_checkpoint(struct fixture *f, const uint8_t sid[16], int n)
+{
+    submit_append_for(f, ID_X, "t", sid, 16);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < n; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), n);
+}
+
 /* persist-interval-seconds: once sessions changed and the interval passed, the idle worker
  * writes a checkpoint (the manifest naming the files); reads alone (STATS, LIST) bring none;
  * the next change brings the next, which writes only what changed: the files of sessions that
@@ -2533,13 +2545,7 @@ static void test_persist_checkpoint(void **state)
     only_match(pdir, cmd, bfile, sizeof bfile);
     /* a grows by a block: the third checkpoint appends that block alone and writes a's file
      * again, b's kept */
-    submit_append_for(f, ID_X, "t", a, 16);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    snapkv__reply__free_unpacked(rep, NULL);
-    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 3; i++)
-        usleep(100000);
-    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 3);
+    append_then_checkpoint(f, a, 3);
     only_match(pdir, "blocks-*.skvb", store, sizeof store);
     assert_string_equal(store, store1);
     assert_int_equal(file_size(store), size1 + heads * rec);
@@ -2554,13 +2560,7 @@ static void test_persist_checkpoint(void **state)
     assert_int_equal(listed(f, a, NULL, NULL), 56);
     assert_int_equal(listed(f, b, NULL, NULL), 8);
     /* after the start the store goes on: a's next block appends one more */
-    submit_append_for(f, ID_X, "t", a, 16);
-    rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    snapkv__reply__free_unpacked(rep, NULL);
-    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
-        usleep(100000);
-    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
+    append_then_checkpoint(f, a, 1);
     only_match(pdir, "blocks-*.skvb", store, sizeof store);
     assert_string_equal(store, store1);
     assert_int_equal(file_size(store), size1 + 2 * heads * rec);
