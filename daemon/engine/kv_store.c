@@ -388,7 +388,8 @@ uint64_t skv_kv_store_appended_bytes(const struct skv_kv_store *st)
 
 bool skv_kv_store_usable(const struct skv_kv_store *st)
 {
-    return st->writing && !st->broken;
+    struct stat sb; /* a file someone removed (the state directory cleared) takes no more saves */
+    return st->writing && !st->broken && fstat(st->fd, &sb) == 0 && sb.st_nlink > 0;
 }
 
 int skv_kv_store_finish(struct skv_kv_store *st)

@@ -45,7 +45,8 @@ uint64_t skv_kv_store_bytes(const struct skv_kv_store *st);
 uint64_t skv_kv_store_appended_bytes(const struct skv_kv_store *st);
 /* Rows per block of the store (a reader: as it was written). */
 int skv_kv_store_block_rows(const struct skv_kv_store *st);
-/* False after a write failed: the file's end is unknown, the store must not be used again. */
+/* False after a write failed (the file's end is unknown) or once the file was removed: the
+ * store must not be used again. */
 bool skv_kv_store_usable(const struct skv_kv_store *st);
 
 /* Opens the store at `path` to read; SKV_E_FORMAT / SKV_E_INVAL when it is not one, is cut

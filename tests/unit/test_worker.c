@@ -2490,7 +2490,7 @@ static void append_then_checkpoint(struct fixture *f, const uint8_t sid[16], int
  * writes a checkpoint (the manifest naming the files); reads alone (STATS, LIST) bring none;
  * the next change brings the next, which writes only what changed: the files of sessions that
  * changed, and blocks the store does not hold, appended to it. After a restart the store goes
- * on the same way. */
+ * on the same way; a store whose file was removed is replaced by a new one. */
 static void test_persist_checkpoint(void **state)
 {
     struct fixture *f = *state;
@@ -2566,6 +2566,20 @@ static void test_persist_checkpoint(void **state)
     assert_int_equal(file_size(store), size1 + 2 * heads * rec);
     only_match(pdir, cmd, path, sizeof path);
     assert_string_equal(path, bfile);
+    /* an admin clears the directory: the next checkpoint writes everything again, in a new
+     * store, and a restart restores from it */
+    snprintf(path, sizeof path, "rm -rf %s", pdir);
+    assert_int_equal(system(path), 0);
+    append_then_checkpoint(f, a, 2);
+    only_match(pdir, "blocks-*.skvb", store, sizeof store);
+    assert_string_not_equal(store, store1);
+    assert_int_equal(file_size(store), 96 + 4 * heads * rec); /* a's 4 blocks a head; b has none */
+    only_match(pdir, cmd, path, sizeof path);
+    assert_string_not_equal(path, bfile);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 88);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
     persist_off(f, dir);
 }
 
