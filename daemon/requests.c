@@ -2628,6 +2628,8 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     free(saved_list);
     w->persist_gen = gen;
     w->persist_ms = skv_now_ms();
+    w->metrics.persist_bytes += bytes;
+    w->metrics.persist_last_seconds = (double)(w->persist_ms - t0) / 1000.0;
     persist_keep(w, doc);
     json_decref(doc);
     persist_sweep(w, dir);
@@ -2635,7 +2637,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
             "persist: %s %d of %d session(s) (%d file(s) written, the others unchanged), %llu bytes written "
             "(%u new KV blocks; the store holds %u), in %.3f s to %s%s",
             checkpoint ? "checkpoint:" : "saved", saved, l.n, written, (unsigned long long)bytes, appended,
-            store ? skv_kv_store_blocks(store) : 0, (double)(skv_now_ms() - t0) / 1000.0, dir,
+            store ? skv_kv_store_blocks(store) : 0, w->metrics.persist_last_seconds, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
         skv_log(SKV_LOG_WARN, "persist: %d session(s) %s (%d failed, %d past persist-max-seconds)", failed + late,

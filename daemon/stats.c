@@ -77,6 +77,13 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_persist_checkpoints_total",
          "checkpoints of every session written while serving (persist-interval-seconds)",
          (double)m->persist_checkpoints},
+        {"snapkv_persist_written_bytes_total",
+         "bytes saves and checkpoints wrote: the files of sessions that changed and the KV blocks the block store "
+         "did not hold",
+         (double)m->persist_bytes},
+        {"snapkv_persist_last_seconds",
+         "how long the last save or checkpoint held the engine (requests and decodes wait meanwhile)",
+         m->persist_last_seconds},
         {"snapkv_persist_age_seconds",
          "seconds since the sessions were last saved (a checkpoint; the start when none was yet): what a crash "
          "would lose; 0 without persist",

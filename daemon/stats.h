@@ -23,6 +23,8 @@ struct skv_metrics {
     uint64_t requests_dropped_gone; /* of clients whose connection closed: dropped queued, or PREFILLs stopped */
     uint64_t requests_past_deadline; /* answered TIMEOUT unrun, or PREFILLs stopped, past the client's deadline */
     uint64_t persist_checkpoints; /* checkpoints written (persist-interval-seconds) */
+    uint64_t persist_bytes;       /* bytes saves and checkpoints wrote (session files and new KV blocks) */
+    double persist_last_seconds;  /* how long the last save or checkpoint that ended held the engine */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -48,7 +50,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 33
+#define SKV_N_STATS 35
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

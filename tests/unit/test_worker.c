@@ -2523,6 +2523,9 @@ static void test_persist_checkpoint(void **state)
     const struct skv_model_config *mc = &f->tiny->m->cfg;
     const long rec = 2L * 16 * mc->head_dim * 4 + 16, heads = mc->n_layers * mc->n_kv_heads;
     assert_int_equal(size1, 96 + heads * rec); /* a: 16 rows a head, one block */
+    const double written1 = stat(f, "snapkv_persist_written_bytes_total");
+    assert_true(written1 == (double)(heads * rec + file_size(a1)));
+    assert_true(stat(f, "snapkv_persist_last_seconds") >= 0 && stat(f, "snapkv_persist_last_seconds") < 10);
     /* a change: the next checkpoint writes b (8 rows a head: no block) and keeps a's file and
      * the store as they were */
     prefill_for(f, "u", 8, "policy=full", b);
@@ -2543,6 +2546,7 @@ static void test_persist_checkpoint(void **state)
         snprintf(hex + 2 * i, 3, "%02x", b[i]);
     snprintf(cmd, sizeof cmd, "%s-*.skv", hex);
     only_match(pdir, cmd, bfile, sizeof bfile);
+    assert_true(stat(f, "snapkv_persist_written_bytes_total") == written1 + (double)file_size(bfile));
     /* a grows by a block: the third checkpoint appends that block alone and writes a's file
      * again, b's kept */
     append_then_checkpoint(f, a, 3);
@@ -2553,6 +2557,8 @@ static void test_persist_checkpoint(void **state)
     assert_string_not_equal(a2, a1);
     only_match(pdir, cmd, path, sizeof path);
     assert_string_equal(path, bfile);
+    assert_true(stat(f, "snapkv_persist_written_bytes_total") ==
+                written1 + (double)(file_size(bfile) + heads * rec + file_size(a2)));
     /* a restart restores both from those files, and the stop saves nothing new */
     skv_worker_stop(&f->w);
     assert_int_equal(file_size(store), size1 + heads * rec);
