@@ -81,6 +81,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "bytes saves and checkpoints wrote: the files of sessions that changed and the KV blocks the block store "
          "did not hold",
          (double)m->persist_bytes},
+        {"snapkv_persist_failures_total",
+         "checkpoints that failed (a full disk, a directory that cannot be written; the last checkpoint stays); "
+         "the next try comes an interval later, and at least 30 s",
+         (double)m->persist_failures},
         {"snapkv_persist_last_seconds",
          "how long the last save or checkpoint held the engine (requests and decodes wait meanwhile)",
          m->persist_last_seconds},

@@ -24,6 +24,7 @@ struct skv_metrics {
     uint64_t requests_past_deadline; /* answered TIMEOUT unrun, or PREFILLs stopped, past the client's deadline */
     uint64_t persist_checkpoints; /* checkpoints written (persist-interval-seconds) */
     uint64_t persist_bytes;       /* bytes saves and checkpoints wrote (session files and new KV blocks) */
+    uint64_t persist_failures;    /* checkpoints that failed (not those that gave way to a request) */
     double persist_last_seconds;  /* how long the last save or checkpoint that ended held the engine */
 };
 
@@ -50,7 +51,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 35
+#define SKV_N_STATS 36
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -701,12 +701,22 @@ static bool job_changes_sessions(const struct skv_job *job)
  * rounds: a session being decoded is saved with the tokens it has). So a daemon that is never
  * idle for a whole checkpoint still gets one, its requests and decodes then waiting for it. */
 #define CHECKPOINT_GIVE_WAY 3
+/* A checkpoint that failed (a full disk, a directory that cannot be written) is tried again
+ * after the interval, and never sooner than this: each try writes what it can and holds the
+ * engine meanwhile, so a try every second would turn a full disk into a daemon that serves
+ * little and writes much. */
+#define CHECKPOINT_RETRY_MS 30000
 static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
 {
     int64_t every = w->cfg->persist_interval_seconds;
     if (!w->cfg->persist || every <= 0 || !w->persist_dirty || now - w->persist_ms < (uint64_t)every * 1000)
         return;
-    bool overdue = now - w->persist_ms >= 2 * (uint64_t)every * 1000;
+    uint64_t retry = (uint64_t)every * 1000 > CHECKPOINT_RETRY_MS ? (uint64_t)every * 1000 : CHECKPOINT_RETRY_MS;
+    if (w->persist_failed_ms && now - w->persist_failed_ms < retry)
+        return;
+    /* overdue: twice the interval since the last save, or since the last failure */
+    uint64_t since = w->persist_failed_ms > w->persist_ms ? w->persist_failed_ms : w->persist_ms;
+    bool overdue = now - since >= 2 * (uint64_t)every * 1000;
     if (!overdue && (w->decodes || skv_worker_has_queued(w)))
         return;
     w->persist_dirty = false; /* a request run during it sets it again */
@@ -714,10 +724,15 @@ static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
     w->persist_gave_way = rc == SKV_E_CANCELLED ? w->persist_gave_way + 1 : 0;
     if (rc == SKV_OK) {
         w->metrics.persist_checkpoints++;
+        w->persist_failed_ms = 0;
     } else {
-        w->persist_dirty = true; /* tried again at the next idle second */
-        if (rc != SKV_E_CANCELLED)
-            skv_log(SKV_LOG_WARN, "persist: checkpoint: %s", skv_error_msg());
+        w->persist_dirty = true; /* tried again at the next idle second, or after a failure the retry time */
+        if (rc != SKV_E_CANCELLED) {
+            w->metrics.persist_failures++;
+            w->persist_failed_ms = skv_now_ms();
+            skv_log(SKV_LOG_WARN, "persist: checkpoint: %s; the next try in %llu s", skv_error_msg(),
+                    (unsigned long long)(retry / 1000));
+        }
     }
 }
 

@@ -98,6 +98,7 @@ struct skv_worker {
     uint64_t persist_ms;      /* when the last save or checkpoint was written (or the start) */
     bool persist_dirty;       /* sessions may have changed since */
     int persist_gave_way;     /* checkpoints in a row stopped by a request */
+    uint64_t persist_failed_ms; /* when the last checkpoint failed (0: the last one ended well) */
     struct skv_kv_store *persist_store; /* the block store saves append to (NULL: the next save starts one) */
     char persist_store_name[48];        /* its file in <state-dir>/persist */
     char **persist_files;     /* the files the manifest on disk names, sorted: what sweeps keep */

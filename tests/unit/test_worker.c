@@ -2589,6 +2589,33 @@ static void test_persist_checkpoint(void **state)
     persist_off(f, dir);
 }
 
+/* A checkpoint that fails (here the persist directory's place holds a file) is counted, the
+ * last checkpoint stays, and the next try waits at least 30 s rather than writing (and holding
+ * the engine) every second; the save at stop still runs, and the start restores from it. */
+static void test_persist_checkpoint_fails(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256];
+    persist_on(f, dir, "1");
+    snprintf(path, sizeof path, "%s/persist", dir);
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fclose(fp);
+    uint8_t a[16];
+    prefill_for(f, "t", 40, "policy=full", a);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_failures_total") < 1; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_failures_total"), 1);
+    unlink(path); /* fixed; the next try is still 30 s away */
+    usleep(2500000);
+    assert_int_equal(stat(f, "snapkv_persist_failures_total"), 1);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 0);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 40);
+    persist_off(f, dir);
+}
+
 /* A persist directory written before the block store (version-3 files, each session's rows
  * whole, as an upgrade finds it): both sessions come back, and the full blocks they hold the
  * same are shared again by their contents. */
@@ -2705,6 +2732,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
