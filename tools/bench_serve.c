@@ -47,7 +47,7 @@
 #define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
 #define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 6 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 7 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -82,6 +82,7 @@ struct serve_ctx {
     const char *queue_order;         /* our daemon's --queue-order (NULL: its default) */
     int64_t slice_ms;                /* our daemon's --fair-slice-ms (< 0: its default) */
     int64_t share;                   /* our daemon's --decode-share (< 0: its default) */
+    int persist_interval;            /* our daemon's --persist-interval-seconds (0: persist off) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -234,7 +235,8 @@ static void remove_dir(const char *path)
         while ((de = readdir(dir)))
             if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) {
                 snprintf(p, sizeof p, "%s/%s", path, de->d_name);
-                unlink(p);
+                if (unlink(p) != 0 && errno == EISDIR)
+                    remove_dir(p); /* the persist directory of the checkpoint part */
             }
         closedir(dir);
     }
@@ -299,7 +301,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[18][4200];
+    char a[20][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -326,7 +328,11 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--fair-slice-ms=%lld", (long long)x->slice_ms);
     if (x->share >= 0)
         snprintf(a[n_args++], sizeof a[0], "--decode-share=%lld", (long long)x->share);
-    char *argv[20] = {exe};
+    if (x->persist_interval > 0) {
+        snprintf(a[n_args++], sizeof a[0], "--persist=yes");
+        snprintf(a[n_args++], sizeof a[0], "--persist-interval-seconds=%d", x->persist_interval);
+    }
+    char *argv[22] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
     argv[n_args + 1] = NULL;
@@ -1439,6 +1445,106 @@ static int bench_fair(struct serve_ctx *x, json_t *out)
     return rc;
 }
 
+/* ---- 7. checkpoints while serving (persist-interval-seconds) ------------------------------------- */
+
+#define CKPT_SESSIONS 4           /* full-cache sessions of --context tokens each */
+#define CKPT_ROUNDS 10            /* then this many times: an APPEND to one, and the next checkpoint */
+#define CKPT_APPEND_TOKENS 8
+
+/* Waits until the daemon's checkpoint count passes `before` (STATS), then reads the bytes all
+ * saves wrote so far and how long the last one took. */
+static int ckpt_wait(struct serve_ctx *x, double before, double *written, double *seconds)
+{
+    double count = before;
+    int rc = SKV_OK;
+    for (double t0 = now_s(); !rc && count <= before;) {
+        if (now_s() - t0 > 120)
+            return skv_errorf(SKV_E_TIMEOUT, "no checkpoint within 120 s");
+        usleep(20000);
+        rc = stat_get(x->admin, "snapkv_persist_checkpoints_total", &count);
+    }
+    if (!rc)
+        rc = stat_get(x->admin, "snapkv_persist_written_bytes_total", written);
+    if (!rc)
+        rc = stat_get(x->admin, "snapkv_persist_last_seconds", seconds);
+    if (!rc && count > before + 1)
+        fprintf(stderr, "serve:   (%.0f checkpoints where one was expected)\n", count - before);
+    return rc;
+}
+
+/* CKPT_SESSIONS full-cache sessions of --context tokens on a daemon with persist-interval-seconds
+ * 1: the checkpoint that writes them, then CKPT_ROUNDS times an APPEND of a few tokens to one of
+ * them and the checkpoint after it (which writes what changed: that session's file, and a KV
+ * block when the APPEND filled one). Own daemon only. */
+static int bench_checkpoint(struct serve_ctx *x, json_t *out)
+{
+    if (!x->d.pid) {
+        json_object_set_new(out, "skipped", json_string("needs the daemon the bench starts (persist on)"));
+        return SKV_OK;
+    }
+    x->persist_interval = 1;
+    int rc = use_own_daemon(x, x->pool_bytes);
+    x->persist_interval = 0;
+    struct snapkv_session_id ids[CKPT_SESSIONS];
+    uint32_t *tok = malloc((size_t)x->context * sizeof *tok);
+    double bytes = 0, b_round[CKPT_ROUNDS], s_round[CKPT_ROUNDS];
+    if (!rc && !tok)
+        rc = SKV_E_NOMEM;
+    for (int i = 0; i < CKPT_SESSIONS && !rc; i++) {
+        fill_ids(tok, x->context, x->m->cfg.n_vocab, 100 + (uint64_t)i);
+        struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = (size_t)x->context};
+        struct snapkv_prefill_result pr;
+        fprintf(stderr, "serve: checkpoints: prefill %d of %d (%d tokens) ...\n", i + 1, CKPT_SESSIONS, x->context);
+        if ((rc = snapkv_prefill(x->cl, &po, &pr))) {
+            rc = client_fail("PREFILL", rc);
+            break;
+        }
+        ids[i] = pr.id;
+        snapkv_prefill_result_free(&pr);
+    }
+    /* the checkpoints of the prefills: checkpoints come at the worker's one-second ticks while it
+     * is idle, between the PREFILLs too; once the count stays for 3 s every session is saved */
+    double count = -1, seen = 0, all_bytes = 0, all_s = 0;
+    for (double t = now_s(); !rc && now_s() - t < 3; usleep(100000)) {
+        if (!(rc = stat_get(x->admin, "snapkv_persist_checkpoints_total", &seen)) && seen != count) {
+            count = seen;
+            t = now_s();
+        }
+    }
+    if (!rc)
+        rc = stat_get(x->admin, "snapkv_persist_written_bytes_total", &all_bytes);
+    if (!rc)
+        rc = stat_get(x->admin, "snapkv_persist_last_seconds", &all_s);
+    double n_first = count;
+    for (int k = 0; k < CKPT_ROUNDS && !rc; k++) {
+        fill_ids(tok, CKPT_APPEND_TOKENS, x->m->cfg.n_vocab, 200 + (uint64_t)k);
+        struct snapkv_append_opts ao = {.tokens = tok, .n_tokens = CKPT_APPEND_TOKENS};
+        double before = 0, written = 0;
+        if ((rc = stat_get(x->admin, "snapkv_persist_checkpoints_total", &before)) ||
+            (rc = stat_get(x->admin, "snapkv_persist_written_bytes_total", &bytes)))
+            break;
+        if ((rc = snapkv_append(x->cl, &ids[k % CKPT_SESSIONS], &ao, NULL))) {
+            rc = client_fail("APPEND", rc);
+            break;
+        }
+        rc = ckpt_wait(x, before, &written, &s_round[k]);
+        b_round[k] = written - bytes;
+    }
+    free(tok);
+    if (rc)
+        return rc;
+    json_object_set_new(out, "sessions", json_integer(CKPT_SESSIONS));
+    json_object_set_new(out, "tokens_each", json_integer(x->context));
+    json_object_set_new(out, "spec", json_string("full"));
+    json_object_set_new(out, "checkpoints_until_all_saved", json_real(n_first));
+    json_object_set_new(out, "written_until_all_saved_bytes", json_real(all_bytes));
+    json_object_set_new(out, "last_of_those_s", json_real(all_s));
+    json_object_set_new(out, "append_tokens", json_integer(CKPT_APPEND_TOKENS));
+    json_object_set_new(out, "after_append_bytes", summary_json(b_round, CKPT_ROUNDS, 1));
+    json_object_set_new(out, "after_append_s", summary_json(s_round, CKPT_ROUNDS, 1));
+    return SKV_OK;
+}
+
 /* ---- report ---------------------------------------------------------------------------------------- */
 
 static void cpu_model(char *buf, size_t cap)
@@ -1594,6 +1700,23 @@ static void print_table(FILE *f, const json_t *j)
                     (long long)json_integer_value(json_object_get(o, "bulk_prefills_done_after_small")),
                     jnum(o, "bulk_last_done_s"));
     }
+    const json_t *ck = json_object_get(j, "checkpoint");
+    if (ck && json_object_get(ck, "skipped")) {
+        fprintf(f, "\ncheckpoints: skipped (%s)\n", json_string_value(json_object_get(ck, "skipped")));
+    } else if (ck) {
+        const json_t *b = json_object_get(ck, "after_append_bytes"), *t = json_object_get(ck, "after_append_s");
+        fprintf(f, "\ncheckpoints (persist-interval-seconds 1), %lld full-cache sessions of %lld tokens\n"
+                   "| checkpoint | bytes written | seconds |\n|---|---|---|\n"
+                   "| until every session was saved (%.0f checkpoints) | %.0f | %.3f (the last) |\n"
+                   "| after an APPEND of %lld tokens to one (%lld times): p50 / max | %.0f / %.0f | %.3f / %.3f |\n",
+                (long long)json_integer_value(json_object_get(ck, "sessions")),
+                (long long)json_integer_value(json_object_get(ck, "tokens_each")),
+                jnum(ck, "checkpoints_until_all_saved"), jnum(ck, "written_until_all_saved_bytes"),
+                jnum(ck, "last_of_those_s"),
+                (long long)json_integer_value(json_object_get(ck, "append_tokens")),
+                (long long)json_integer_value(json_object_get(b, "n")), jnum(b, "p50"), jnum(b, "max"),
+                jnum(t, "p50"), jnum(t, "max"));
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -1692,9 +1815,10 @@ static int parse_specs(struct serve_ctx *x, const char *list)
 /* --parts: which of roundtrip, throughput, capacity, decode, stall run (NULL: all). */
 static int parse_parts(const char *list, bool on[N_PARTS])
 {
-    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall", "fair"};
+    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode",
+                                               "stall",     "fair",       "checkpoint"};
     for (int i = 0; i < N_PARTS; i++)
-        on[i] = !list;
+        on[i] = !list && i != 6; /* checkpoint: only when asked for */
     for (const char *p = list; p && *p;) {
         size_t len = strcspn(p, ",");
         int i = 0;
@@ -1702,7 +1826,8 @@ static int parse_parts(const char *list, bool on[N_PARTS])
             i++;
         if (i == N_PARTS)
             return skv_errorf(SKV_E_INVAL,
-                              "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair)",
+                              "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair, "
+                              "checkpoint)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -1823,6 +1948,11 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_object_set_new(j, "fair", fr);
     else
         json_decref(fr);
+    if (!rc && part[6]) {
+        json_t *ck = json_object();
+        rc = bench_checkpoint(&x, ck);
+        json_object_set_new(j, "checkpoint", ck);
+    }
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
     add_goals(j, x.default_specs);
