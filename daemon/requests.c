@@ -1835,10 +1835,15 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
  * loaded session APPENDs before DECODE) and version 1 (no compressor state, no scores: it
  * decodes with the full cache) still load. A persist save writes version 4: per head the
  * block store indices of its full blocks (uint32 each) stand for their K and V rows, and only
- * the rows past them follow; it loads only with that store (kv_store.h). */
+ * the rows past them follow; it loads only with that store (kv_store.h). Version 5 (what a
+ * persist save writes now) is version 4 with each head's positions as runs of consecutive ones
+ * when that is shorter (int32 count of runs, then start and length per run; -1: the list) and
+ * its scores behind a flag (int32 0: all zero; 1: the list): a session that changed is written
+ * again at each checkpoint, and a full-cache head's positions are one run and its scores zero. */
 #define SAVE_MAGIC "SKVSESS1"
 #define SAVE_VERSION 3
 #define SAVE_VERSION_STORE 4
+#define SAVE_VERSION_RUNS 5
 
 struct save_header {
     char magic[8];
@@ -1885,6 +1890,40 @@ static int rename_durable(const char *tmp, const char *path, const char *dir)
     return SKV_OK;
 }
 
+/* A head's positions and scores: the lists, or from version 5 the positions as runs when
+ * that is shorter and the scores behind a flag (see SAVE_VERSION_RUNS). */
+static int write_rows_meta(FILE *f, crypto_generichash_state *h, const struct skv_kv_head *kh, uint32_t version)
+{
+    int32_t len = kh->len, runs = 0, none = -1, zero = 0, some = 1;
+    if (version < SAVE_VERSION_RUNS) {
+        int rc = write_all(f, h, kh->pos, (size_t)len * 4);
+        return rc ? rc : write_all(f, h, kh->score, (size_t)len * sizeof *kh->score);
+    }
+    for (int j = 0; j < len; j++)
+        runs += j == 0 || kh->pos[j] != kh->pos[j - 1] + 1;
+    int rc = SKV_OK;
+    if (2 * runs >= len) {
+        if (!(rc = write_all(f, h, &none, sizeof none)))
+            rc = write_all(f, h, kh->pos, (size_t)len * 4);
+    } else if (!(rc = write_all(f, h, &runs, sizeof runs))) {
+        for (int j = 0; j < len && !rc;) {
+            int32_t run[2] = {kh->pos[j], 1};
+            while (j + run[1] < len && kh->pos[j + run[1]] == run[0] + run[1])
+                run[1]++;
+            rc = write_all(f, h, run, sizeof run);
+            j += run[1];
+        }
+    }
+    bool zeros = true;
+    for (int j = 0; j < len && zeros; j++)
+        zeros = kh->score[j] == 0.0f && !signbit(kh->score[j]);
+    if (!rc)
+        rc = write_all(f, h, zeros ? &zero : &some, sizeof zero);
+    if (!rc && !zeros)
+        rc = write_all(f, h, kh->score, (size_t)len * sizeof *kh->score);
+    return rc;
+}
+
 /* Writes session s to f, and the checksum of what it wrote after it (also into sum). With a
  * block store, full blocks go to the store (once however many sessions hold them, and once
  * across saves: blocks the store holds already are not read out of the cache) and f names
@@ -1895,7 +1934,7 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     int rc = SKV_OK;
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
-    struct save_header hd = {.version = store ? SAVE_VERSION_STORE : SAVE_VERSION};
+    struct save_header hd = {.version = store ? SAVE_VERSION_RUNS : SAVE_VERSION};
     memcpy(hd.magic, SAVE_MAGIC, 8);
     hd.n_layers = (uint32_t)s->cache->n_layers;
     hd.n_kv_heads = (uint32_t)s->cache->n_kv_heads;
@@ -1959,8 +1998,7 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
         }
         rows = more;
         float *k = rows, *v = rows + (size_t)n * dim;
-        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_all(f, &h, kh->pos, (size_t)len * 4)) ||
-            (rc = write_all(f, &h, kh->score, (size_t)len * sizeof *kh->score)) ||
+        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_rows_meta(f, &h, kh, hd.version)) ||
             (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k)) ||
             (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v)))
             break;
@@ -2056,6 +2094,42 @@ static int rows_finite(const float *x, size_t n, const char *path)
     return SKV_OK;
 }
 
+/* A head's len positions and scores, as write_rows_meta wrote them for `version` (version 1: no
+ * scores). The positions' order and range are checked by the caller. */
+static int read_rows_meta(FILE *f, crypto_generichash_state *h, struct skv_kv_head *kh, int32_t len, uint32_t version,
+                          const char *path)
+{
+    int32_t runs = -1, flag = 1;
+    int rc = version >= SAVE_VERSION_RUNS ? read_exact(f, h, &runs, sizeof runs) : SKV_OK;
+    if (!rc && runs == -1) {
+        rc = read_exact(f, h, kh->pos, (size_t)len * 4);
+    } else if (!rc && (runs < 0 || runs > len)) {
+        rc = skv_errorf(SKV_E_FORMAT, "%s: %d runs of positions for %d rows", path, runs, len);
+    } else {
+        int32_t j = 0;
+        for (int32_t r = 0; r < runs && !rc; r++) {
+            int32_t run[2];
+            if ((rc = read_exact(f, h, run, sizeof run)))
+                break;
+            if (run[1] <= 0 || run[1] > len - j || run[0] < 0 || run[0] > INT32_MAX - run[1])
+                rc = skv_errorf(SKV_E_FORMAT, "%s: a run of positions is out of range", path);
+            for (int32_t c = 0; !rc && c < run[1]; c++)
+                kh->pos[j++] = run[0] + c;
+        }
+        if (!rc && j != len)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: runs of %d positions for %d rows", path, j, len);
+    }
+    if (!rc && version >= SAVE_VERSION_RUNS)
+        rc = read_exact(f, h, &flag, sizeof flag);
+    if (!rc && (flag != 0 && flag != 1))
+        rc = skv_errorf(SKV_E_FORMAT, "%s: scores flag %d", path, flag);
+    if (!rc && version >= 2 && flag)
+        rc = read_exact(f, h, kh->score, (size_t)len * sizeof *kh->score);
+    else if (!rc)
+        memset(kh->score, 0, (size_t)len * sizeof *kh->score);
+    return rc;
+}
+
 /* What a persist restore shares among the sessions it loads (LOAD has none). */
 struct restore {
     struct skv_kv_store *store;   /* the blocks version-4 files name (NULL: none could be opened) */
@@ -2081,8 +2155,8 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     if (!rc)
         rc = read_exact(f, &h, &hd, sizeof hd);
     const struct skv_model_config *mc = &w->m->cfg;
-    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION_STORE))
-        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION_STORE);
+    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION_RUNS))
+        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION_RUNS);
     if (!rc && hd.version >= SAVE_VERSION_STORE && !(r && r->store))
         rc = skv_errorf(SKV_E_FORMAT, "%s names blocks of a persist block store, and there is none", path);
     if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
@@ -2171,12 +2245,8 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
             break;
         }
         refs = more_refs;
-        if ((rc = read_exact(f, &h, kh->pos, (size_t)len * 4)))
+        if ((rc = read_rows_meta(f, &h, kh, len, hd.version, path)))
             break;
-        if (hd.version >= 2)
-            rc = read_exact(f, &h, kh->score, (size_t)len * sizeof *kh->score);
-        else
-            memset(kh->score, 0, (size_t)len * sizeof *kh->score);
         if (!rc)
             rc = read_exact(f, &h, refs, (size_t)n_full * sizeof *refs);
         for (int b = 0; b < n_full && !rc; b++) { /* the store checks its blocks' sums and values */

@@ -2589,6 +2589,46 @@ static void test_persist_checkpoint(void **state)
     persist_off(f, dir);
 }
 
+/* Persist files (version 5: a head's positions as runs when that is shorter, its scores behind
+ * a flag) bring back every spec's positions and scores: after a restart, sessions under full
+ * (one run, zero scores), snapkv (kept rows scattered) and h2o (scores that decide its
+ * evictions) go on exactly as twins prefilled after the start, which never went through a
+ * file: the same logits, bit for bit, after an APPEND that makes h2o evict. */
+static void test_persist_rows_meta(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256], pattern[64];
+    persist_on(f, dir, "0");
+    const char *specs[] = {"policy=full", "policy=snapkv,budget=16,window=4", "policy=h2o,budget=16,window=4"};
+    enum { N_SPECS = sizeof specs / sizeof *specs };
+    uint8_t sid[N_SPECS][16], twin[N_SPECS][16];
+    for (int k = 0; k < N_SPECS; k++) { /* an APPEND: h2o's rows now hold scores */
+        prefill(f, 40, specs[k], sid[k]);
+        assert_int_equal(append(f, sid[k], 6, NULL), SKV_OK);
+    }
+    skv_worker_stop(&f->w);
+    char hex[33];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", sid[0][i]);
+    snprintf(path, sizeof path, "%s/persist", dir);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    only_match(path, pattern, path, sizeof path);
+    FILE *fp = fopen(path, "rb");
+    assert_non_null(fp);
+    uint32_t head[3];
+    assert_int_equal(fread(head, 4, 3, fp), 3);
+    fclose(fp);
+    assert_int_equal(head[2], 5); /* the version, after the 8-byte magic */
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    for (int k = 0; k < N_SPECS; k++) {
+        assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
+        prefill(f, 40, specs[k], twin[k]);
+        assert_int_equal(append(f, twin[k], 6, NULL), SKV_OK);
+        expect_as_twin(f, sid[k], twin[k], 46, specs[k]);
+    }
+    persist_off(f, dir);
+}
+
 /* A checkpoint that fails (here the persist directory's place holds a file) is counted, the
  * last checkpoint stays, and the next try waits at least 30 s rather than writing (and holding
  * the engine) every second; the save at stop still runs, and the start restores from it. */
@@ -2733,6 +2773,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
