@@ -2531,13 +2531,13 @@ static struct skv_kv_store *persist_store(struct skv_worker *w, const char *dir,
     struct skv_kv_store *st = w->persist_store;
     *fresh = false;
     if (st && skv_kv_store_usable(st)) {
-        uint32_t n = skv_kv_store_blocks(st), live = skv_kv_store_live(st);
-        if (n - live <= live || n - live < PERSIST_STORE_GARBAGE) {
+        if (!skv_kv_store_mostly_garbage(st, PERSIST_STORE_GARBAGE)) {
             snprintf(name, cap, "%s", w->persist_store_name);
             return st;
         }
+        uint32_t n = skv_kv_store_blocks(st);
         skv_log(SKV_LOG_INFO, "persist: a new block store: %u of the last one's %u blocks are no session's",
-                n - live, n);
+                n - skv_kv_store_live(st), n);
     }
     char path[1300];
     persist_name(name, cap, PERSIST_BLOCKS, gen, ".skvb");

@@ -386,6 +386,12 @@ uint64_t skv_kv_store_appended_bytes(const struct skv_kv_store *st)
     return st->n_appended * (uint64_t)record_bytes(st);
 }
 
+bool skv_kv_store_mostly_garbage(const struct skv_kv_store *st, uint32_t min_garbage)
+{
+    uint64_t garbage = st->hd.n_blocks - st->n_live_last;
+    return garbage > st->n_live_last && garbage >= min_garbage;
+}
+
 bool skv_kv_store_usable(const struct skv_kv_store *st)
 {
     struct stat sb; /* a file someone removed (the state directory cleared) takes no more saves */

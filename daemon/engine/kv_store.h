@@ -45,6 +45,9 @@ uint64_t skv_kv_store_bytes(const struct skv_kv_store *st);
 uint64_t skv_kv_store_appended_bytes(const struct skv_kv_store *st);
 /* Rows per block of the store (a reader: as it was written). */
 int skv_kv_store_block_rows(const struct skv_kv_store *st);
+/* True when more of the store's blocks are no session's (not named by the last save that ended
+ * well) than are, and at least min_garbage of them: a new store would be smaller. */
+bool skv_kv_store_mostly_garbage(const struct skv_kv_store *st, uint32_t min_garbage);
 /* False after a write failed (the file's end is unknown) or once the file was removed: the
  * store must not be used again. */
 bool skv_kv_store_usable(const struct skv_kv_store *st);

@@ -923,6 +923,7 @@ static void test_store_saves(void **state)
     assert_int_equal(n_blocks, heads * full + 2 * heads + heads * full + 3 * heads);
     assert_int_equal(skv_kv_store_live(st), heads * (full + 2) + heads * full);
     assert_int_equal(skv_kv_store_bytes(st), 96 + (uint64_t)n_blocks * rec);
+    assert_false(skv_kv_store_mostly_garbage(st, 0)); /* 3 blocks a head are no cache's, 2 * full + 2 are */
     skv_kv_store_close(&st);
 
     /* a restore of save 5, its store going on: a's and c's blocks found, none written; a save
@@ -966,6 +967,11 @@ static void test_store_saves(void **state)
     skv_kv_store_end(st, true);
     assert_int_equal(skv_kv_store_live(st), heads * (full + 1));
     assert_int_equal(skv_kv_store_blocks(st), n_blocks + heads);
+    /* more of it is no cache's than is: a save would start a new store, once that is worth it */
+    const uint32_t garbage = n_blocks + heads - heads * (full + 1);
+    assert_true(garbage > (uint32_t)heads * (full + 1));
+    assert_true(skv_kv_store_mostly_garbage(st, garbage));
+    assert_false(skv_kv_store_mostly_garbage(st, garbage + 1));
     skv_kv_store_close(&st);
     struct stat sb;
     assert_int_equal(stat(path, &sb), 0);
