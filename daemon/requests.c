@@ -1927,7 +1927,7 @@ static int write_rows_meta(FILE *f, crypto_generichash_state *h, const struct sk
 /* Writes session s to f, and the checksum of what it wrote after it (also into sum). With a
  * block store, full blocks go to the store (once however many sessions hold them, and once
  * across saves: blocks the store holds already are not read out of the cache) and f names
- * them (version 4). */
+ * them (version 5). */
 static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, struct skv_kv_store *store,
                          unsigned char sum[32])
 {

@@ -155,9 +155,7 @@ static int head_open(struct skv_kv_cache *c, struct skv_kv_head *hd, int row0, i
         b0 = hd->n_blocks;
     for (int b = b0; b < b1 && !rc; b++) {
         if (b < hd->n_blocks) {
-            rc = skv_kv_pool_unshare(c->pool, &hd->blk[b]);
-            if (!rc) /* its bytes change: a persist save that wrote them writes it again */
-                skv_kv_pool_touch(c->pool, hd->blk[b]);
+            rc = skv_kv_pool_unshare(c->pool, &hd->blk[b]); /* and a new stamp: its bytes change */
         } else if (!(rc = skv_kv_pool_get(c->pool, &hd->blk[b]))) {
             hd->n_blocks++;
         }

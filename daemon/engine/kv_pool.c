@@ -136,11 +136,6 @@ size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool)
     return pool->block_bytes;
 }
 
-int skv_kv_pool_read_block(struct skv_kv_pool *pool, const struct skv_kv_block *b, void *dst)
-{
-    return pool->be->ops->download(pool->be, dst, b->mem, pool->block_bytes);
-}
-
 /* A new slab's blocks onto the free list (lock held). */
 static int slab_add(struct skv_kv_pool *p)
 {
@@ -184,13 +179,6 @@ int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out)
     }
     pthread_mutex_unlock(&pool->lock);
     return rc;
-}
-
-void skv_kv_pool_touch(struct skv_kv_pool *pool, struct skv_kv_block *b)
-{
-    pthread_mutex_lock(&pool->lock);
-    b->stamp = ++pool->stamps;
-    pthread_mutex_unlock(&pool->lock);
 }
 
 void skv_kv_pool_hold(struct skv_kv_pool *pool, struct skv_kv_block *b)
@@ -243,9 +231,14 @@ uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block 
 int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p)
 {
     struct skv_kv_block *old = *b_p, *copy = NULL;
-    if (!skv_kv_pool_is_shared(pool, old))
+    pthread_mutex_lock(&pool->lock);
+    bool shared = old->refs > 1;
+    if (!shared) /* written in place: its bytes are no longer the ones its stamp saw */
+        old->stamp = ++pool->stamps;
+    pthread_mutex_unlock(&pool->lock);
+    if (!shared)
         return SKV_OK;
-    int rc = skv_kv_pool_get(pool, &copy);
+    int rc = skv_kv_pool_get(pool, &copy); /* a new stamp */
     if (rc)
         return rc;
     rc = pool->be->ops->copy_2d(pool->be, copy->mem, pool->block_bytes, old->mem, pool->block_bytes,

@@ -20,7 +20,7 @@ struct skv_kv_block {
     void *mem;                          /* backend: K [block_rows][head_dim], V [block_rows][head_dim] */
     int refs;                           /* block tables holding it; 0: free (pool lock) */
     uint64_t stamp;                     /* new whenever the block may be written (taken from the pool,
-                                           opened for rows): two looks at one stamp saw the same bytes */
+                                           unshared to be written): two looks at one stamp saw the same bytes */
     struct skv_kv_slab *slab;
     struct skv_kv_block *prev, *next; /* free list */
 };
@@ -49,20 +49,16 @@ size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool);
 /* A block of undefined contents with one reference (SKV_E_NOMEM / SKV_E_DEVICE when the
  * backend cannot give memory). */
 int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out);
-/* Gives b (about to be written by its only holder) a new stamp. */
-void skv_kv_pool_touch(struct skv_kv_pool *pool, struct skv_kv_block *b);
 /* One more holder of b (a fork's table). */
 void skv_kv_pool_hold(struct skv_kv_pool *pool, struct skv_kv_block *b);
 /* Drops one holder; the last one returns the block to the pool (and a slab whose blocks
  * are all free to the backend, keeping one such slab for reuse). Accepts NULL. */
 void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b);
-/* Copy-on-write: when *b_p has other holders, replaces it (for this holder) by a private
- * copy of its contents. */
+/* Copy-on-write, before a write: when *b_p has other holders, replaces it (for this holder) by
+ * a private copy of its contents; either way the block written has a new stamp. */
 int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p);
 /* True when b has more than one holder. */
 bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b);
-/* b's bytes (K rows, then V rows: block_bytes) into host memory. */
-int skv_kv_pool_read_block(struct skv_kv_pool *pool, const struct skv_kv_block *b, void *dst);
 /* How many of the n blocks have more than one holder (one lock for all). */
 uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n);
 
