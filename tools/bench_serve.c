@@ -15,6 +15,7 @@
 #include "daemon/engine/model.h"
 #include "daemon/engine/sampler.h"
 #include "libclient/snapkv.h"
+#include "proto/snapkv.pb-c.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -32,6 +33,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #define GIB (UINT64_C(1) << 30)
 #define CAPACITY_POOL GIB          /* the pool the capacity question is about (--pool-gib) */
@@ -654,25 +656,151 @@ static int child_decode(snapkv_client_t *c, const struct child_job *j, int idx, 
 
 /* ---- 1. round trips ------------------------------------------------------------------------------- */
 
+/* The transport's own round trip, for scale: a child process echoes on a plain ROUTER over an
+ * ipc:// socket, with none of the daemon's work (no protobuf, no poll over several sockets), and
+ * a DEALER here sends it a STATUS-sized message. What the STATUS round trip takes beyond this is
+ * the daemon's and libsnapkv's share. */
+struct zmq_echo {
+    char dir[64];
+    char endpoint[96];
+    pid_t pid;
+    void *ctx, *sock;
+};
+
+static void zmq_echo_serve(const char *endpoint)
+{
+    void *ctx = zmq_ctx_new();
+    void *sock = ctx ? zmq_socket(ctx, ZMQ_ROUTER) : NULL;
+    if (!sock || zmq_bind(sock, endpoint) < 0)
+        _exit(1);
+    int timeout_ms = 10000; /* a parent that died without saying so */
+    zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms);
+    for (;;) {
+        zmq_msg_t id, body;
+        zmq_msg_init(&id);
+        zmq_msg_init(&body);
+        if (zmq_msg_recv(&id, sock, 0) < 0 || zmq_msg_recv(&body, sock, 0) < 0 || zmq_msg_size(&body) == 0)
+            break;
+        if (zmq_msg_send(&id, sock, ZMQ_SNDMORE) < 0 || zmq_msg_send(&body, sock, 0) < 0)
+            break;
+    }
+    _exit(0);
+}
+
+static void zmq_echo_stop(struct zmq_echo *e)
+{
+    if (e->sock) {
+        zmq_send(e->sock, "", 0, ZMQ_DONTWAIT); /* an empty message ends the echo */
+        zmq_close(e->sock);
+    }
+    if (e->ctx)
+        zmq_ctx_term(e->ctx);
+    if (e->pid > 0) {
+        double t0 = now_s();
+        while (waitpid(e->pid, NULL, WNOHANG) == 0) {
+            if (now_s() - t0 > 5) {
+                kill(e->pid, SIGKILL);
+                waitpid(e->pid, NULL, 0);
+                break;
+            }
+            usleep(10000);
+        }
+    }
+    if (*e->dir)
+        remove_dir(e->dir);
+    memset(e, 0, sizeof *e);
+}
+
+static int zmq_echo_start(struct zmq_echo *e)
+{
+    memset(e, 0, sizeof *e);
+    snprintf(e->dir, sizeof e->dir, "/tmp/snapkv-bench-XXXXXX");
+    if (!mkdtemp(e->dir))
+        return skv_errorf(SKV_E_IO, "mkdtemp: %s", strerror(errno));
+    snprintf(e->endpoint, sizeof e->endpoint, "ipc://%s/echo.sock", e->dir);
+    if ((e->pid = fork()) < 0) {
+        int err = errno;
+        zmq_echo_stop(e);
+        return skv_errorf(SKV_E_IO, "fork: %s", strerror(err));
+    }
+    if (e->pid == 0)
+        zmq_echo_serve(e->endpoint);
+    int timeout_ms = 5000;
+    if (!(e->ctx = zmq_ctx_new()) || !(e->sock = zmq_socket(e->ctx, ZMQ_DEALER)) ||
+        zmq_setsockopt(e->sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) < 0 ||
+        zmq_connect(e->sock, e->endpoint) < 0) {
+        int rc = skv_errorf(SKV_E_IO, "echo socket: %s", zmq_strerror(zmq_errno()));
+        zmq_echo_stop(e);
+        return rc;
+    }
+    return SKV_OK;
+}
+
+/* One echo of `len` bytes; the child binds asynchronously, so the first ones may wait for it. */
+static int zmq_echo_call(struct zmq_echo *e, const uint8_t *msg, size_t len)
+{
+    uint8_t back[256];
+    if (zmq_send(e->sock, msg, len, 0) < 0 || zmq_recv(e->sock, back, sizeof back, 0) != (int)len)
+        return skv_errorf(SKV_E_IO, "echo round trip: %s", zmq_strerror(zmq_errno()));
+    return SKV_OK;
+}
+
+/* STATUS and the bare transport alternate in blocks, so that this host's drift between minutes
+ * (tens of µs) falls on both alike. */
+#define ROUNDTRIP_BLOCK 200
+
 static int bench_roundtrip(struct serve_ctx *x, json_t *out)
 {
-    double *lat = malloc(ROUNDTRIP_CALLS * sizeof *lat);
-    if (!lat)
-        return SKV_E_NOMEM;
-    int rc = SKV_OK;
+    double *lat = malloc(ROUNDTRIP_CALLS * sizeof *lat), *floor_lat = malloc(ROUNDTRIP_CALLS * sizeof *floor_lat);
+    struct zmq_echo echo;
+    int rc = lat && floor_lat ? zmq_echo_start(&echo) : SKV_E_NOMEM;
+    if (rc) {
+        free(lat);
+        free(floor_lat);
+        return rc;
+    }
+    /* a STATUS request as libsnapkv packs it, for the echo's message size */
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__StatusRequest sreq = SNAPKV__STATUS_REQUEST__INIT;
+    req.version = SNAPKV_PROTOCOL_VERSION;
+    req.request_id = 123456;
+    req.deadline_ms = 30000;
+    req.command_case = SNAPKV__REQUEST__COMMAND_STATUS;
+    req.status = &sreq;
+    uint8_t msg[256];
+    size_t msg_len = snapkv__request__pack(&req, msg);
     struct snapkv_status_info st;
-    for (int i = 0; i < ROUNDTRIP_WARMUP + ROUNDTRIP_CALLS && !rc; i++) {
-        double t0 = now_s();
+    for (int i = 0; i < ROUNDTRIP_WARMUP && !rc; i++)
         if ((rc = snapkv_admin_status(x->admin, &st)))
             rc = client_fail("STATUS", rc);
-        else if (i >= ROUNDTRIP_WARMUP)
-            lat[i - ROUNDTRIP_WARMUP] = now_s() - t0;
+        else
+            rc = zmq_echo_call(&echo, msg, msg_len);
+    for (int b = 0; b < ROUNDTRIP_CALLS && !rc; b += ROUNDTRIP_BLOCK) {
+        for (int i = b; i < b + ROUNDTRIP_BLOCK && i < ROUNDTRIP_CALLS && !rc; i++) {
+            double t0 = now_s();
+            if ((rc = snapkv_admin_status(x->admin, &st)))
+                rc = client_fail("STATUS", rc);
+            lat[i] = now_s() - t0;
+        }
+        for (int i = b; i < b + ROUNDTRIP_BLOCK && i < ROUNDTRIP_CALLS && !rc; i++) {
+            double t0 = now_s();
+            rc = zmq_echo_call(&echo, msg, msg_len);
+            floor_lat[i] = now_s() - t0;
+        }
     }
+    zmq_echo_stop(&echo);
     if (!rc) {
         json_t *j = summary_json(lat, ROUNDTRIP_CALLS, 1e6);
         json_object_set_new(j, "what", json_string("admin STATUS, answered by the socket thread"));
         json_object_set_new(out, "admin_status_us", j);
+        j = summary_json(floor_lat, ROUNDTRIP_CALLS, 1e6);
+        json_object_set_new(j, "what", json_string("the transport alone: a STATUS-sized message echoed by a plain "
+                                                   "ZeroMQ ROUTER in another process over ipc://, in blocks "
+                                                   "alternating with the STATUS calls"));
+        json_object_set_new(j, "message_bytes", json_integer((json_int_t)msg_len));
+        json_object_set_new(out, "zmq_echo_us", j);
     }
+    free(floor_lat);
     /* an unknown id: the request crosses to the engine worker and back as NOT_FOUND */
     struct snapkv_session_id unknown;
     memset(unknown.bytes, 0xa5, sizeof unknown.bytes);
@@ -1612,6 +1740,10 @@ static void print_table(FILE *f, const json_t *j)
                 jnum(a, "mean"));
         fprintf(f, "| RELEASE unknown id (engine worker)    | %6.1f | %6.1f | %7.1f |\n", jnum(r, "p50"), jnum(r, "p99"),
                 jnum(r, "mean"));
+        const json_t *z = json_object_get(rt, "zmq_echo_us");
+        if (z)
+            fprintf(f, "| transport alone (plain ZeroMQ echo)   | %6.1f | %6.1f | %7.1f |\n", jnum(z, "p50"),
+                    jnum(z, "p99"), jnum(z, "mean"));
     }
     if (tp) {
         const json_t *d = json_object_get(tp, "daemon"), *i = json_object_get(tp, "in_process");
