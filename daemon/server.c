@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -713,43 +714,103 @@ static bool forward_reply(struct skv_server *srv, int flags)
     return ok;
 }
 
-/* Serves up to `max` waiting requests of socket idx (0 client, 1 admin; max < 0: all). */
-static void serve_ready(struct skv_server *srv, int idx, int max)
+static bool sock_readable(void *sock)
+{
+    int events = 0;
+    size_t sz = sizeof events;
+    return zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz) == 0 && (events & ZMQ_POLLIN);
+}
+
+/* Serves up to `max` waiting requests of socket idx (0 client, 1 admin; max < 0: all), the
+ * first without asking when `known_ready`. True when it stopped at `max` with more waiting
+ * (the socket's readiness is not known then), false when the socket had no more. */
+static bool serve_ready(struct skv_server *srv, int idx, int max, bool known_ready)
 {
     void *sock = idx ? srv->admin_sock : srv->client_sock;
     for (int k = 0; max < 0 || k < max; k++) {
-        int events = 0;
-        size_t sz = sizeof events;
-        zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz);
-        if (!(events & ZMQ_POLLIN))
-            break;
+        if (!(k == 0 && known_ready) && !sock_readable(sock))
+            return false;
         if (idx == 0)
             read_connections(srv);
         serve_one(srv, sock, idx == 1);
     }
+    return true;
+}
+
+/* The socket thread's wait. zmq_poll() asks every socket for its events before and after each
+ * poll(2), about 14 system calls a request with these sockets, which is most of what a STATUS
+ * round trip takes here beyond the transport's own (snapkv-bench serve --parts roundtrip). So
+ * the loop polls the sockets' ZMQ_FDs itself and asks a socket for its events only when its fd
+ * woke, when it was used since it was last asked (a send or receive may take the notice its fd
+ * would have given), or after a wait that timed out. The fd signals only new notices, so a
+ * socket is asked until it says it has no input before the loop sleeps on its fd again. */
+enum { WAIT_CLIENT, WAIT_ADMIN, WAIT_REPLIES, WAIT_CONNECTIONS, WAIT_AUTH, WAIT_MAX = WAIT_AUTH + 3 };
+
+struct waitset {
+    int n;
+    void *sock[WAIT_MAX];
+    struct pollfd fds[WAIT_MAX];
+    bool ask[WAIT_MAX];   /* readiness unknown: ask the socket */
+    bool ready[WAIT_MAX]; /* has input */
+};
+
+static int waitset_init(struct skv_server *srv, struct waitset *ws)
+{
+    memset(ws, 0, sizeof *ws);
+    ws->sock[WAIT_CLIENT] = srv->client_sock;
+    ws->sock[WAIT_ADMIN] = srv->admin_sock;
+    ws->sock[WAIT_REPLIES] = srv->replies;
+    ws->sock[WAIT_CONNECTIONS] = srv->connections;
+    ws->n = WAIT_AUTH + (int)skv_auth_sockets(srv->auth, &ws->sock[WAIT_AUTH]);
+    for (int i = 0; i < ws->n; i++) {
+        size_t sz = sizeof ws->fds[i].fd;
+        if (zmq_getsockopt(ws->sock[i], ZMQ_FD, &ws->fds[i].fd, &sz) < 0)
+            return skv_errorf(SKV_E_IO, "ZMQ_FD: %s", zmq_strerror(zmq_errno()));
+        ws->fds[i].events = POLLIN;
+        ws->ask[i] = true;
+    }
+    return SKV_OK;
+}
+
+/* Fills ws->ready, sleeping up to timeout_ms when no socket has input. */
+static int waitset_wait(struct waitset *ws, int timeout_ms)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        bool any = false;
+        for (int i = 0; i < ws->n; i++) {
+            if (ws->ask[i]) {
+                ws->ready[i] = sock_readable(ws->sock[i]);
+                ws->ask[i] = false;
+            }
+            any |= ws->ready[i];
+        }
+        if (any || pass == 1)
+            return SKV_OK;
+        int n = poll(ws->fds, (nfds_t)ws->n, timeout_ms);
+        if (n < 0 && errno != EINTR)
+            return skv_errorf(SKV_E_IO, "poll: %s", strerror(errno));
+        for (int i = 0; i < ws->n; i++)
+            ws->ask[i] = n <= 0 || (ws->fds[i].revents & (POLLIN | POLLERR | POLLHUP));
+    }
+    return SKV_OK;
+}
+
+/* Socket i was served: its readiness must be asked again. */
+static void waitset_served(struct waitset *ws, int i)
+{
+    ws->ready[i] = false;
+    ws->ask[i] = true;
 }
 
 int skv_server_run(struct skv_server *srv)
 {
-    enum { CLIENT, ADMIN, REPLIES, CONNECTIONS, AUTH, MAX_ITEMS = AUTH + 3 };
-    zmq_pollitem_t items[MAX_ITEMS] = {
-        [CLIENT] = {.socket = srv->client_sock, .events = ZMQ_POLLIN},
-        [ADMIN] = {.socket = srv->admin_sock, .events = ZMQ_POLLIN},
-        [REPLIES] = {.socket = srv->replies, .events = ZMQ_POLLIN},
-        [CONNECTIONS] = {.socket = srv->connections, .events = ZMQ_POLLIN},
-    };
-    void *auth_socks[MAX_ITEMS - AUTH];
-    size_t n_auth = skv_auth_sockets(srv->auth, auth_socks);
-    for (size_t i = 0; i < n_auth; i++)
-        items[AUTH + i] = (zmq_pollitem_t){.socket = auth_socks[i], .events = ZMQ_POLLIN};
-    int n_items = AUTH + (int)n_auth;
+    struct waitset ws;
+    int rc = waitset_init(srv, &ws);
+    if (rc)
+        return rc;
     while (!*srv->env.stop) {
-        int n = zmq_poll(items, n_items, 200);
-        if (n < 0) {
-            if (zmq_errno() == EINTR)
-                continue;
-            return skv_errorf(SKV_E_IO, "zmq_poll: %s", zmq_strerror(zmq_errno()));
-        }
+        if ((rc = waitset_wait(&ws, 200)))
+            return rc;
         if (*srv->env.reopen) {
             *srv->env.reopen = 0;
             if (skv_log_reopen())
@@ -763,29 +824,45 @@ int skv_server_run(struct skv_server *srv)
         }
         if (srv->env.tick)
             srv->env.tick(srv);
-        for (int i = AUTH; i < n_items; i++)
-            if (items[i].revents & ZMQ_POLLIN) {
-                skv_auth_serve(srv->auth);
-                break;
-            }
-        if (items[REPLIES].revents & ZMQ_POLLIN)
+        bool auth = false;
+        for (int i = WAIT_AUTH; i < ws.n; i++)
+            auth |= ws.ready[i];
+        if (auth) {
+            skv_auth_serve(srv->auth);
+            for (int i = WAIT_AUTH; i < ws.n; i++)
+                waitset_served(&ws, i);
+        }
+        if (ws.ready[WAIT_REPLIES]) {
             while (forward_reply(srv, ZMQ_DONTWAIT))
                 ;
-        if (items[CONNECTIONS].revents & ZMQ_POLLIN)
+            waitset_served(&ws, WAIT_REPLIES);
+            ws.ask[WAIT_CLIENT] = ws.ask[WAIT_ADMIN] = true; /* replies went out on these */
+        }
+        if (ws.ready[WAIT_CONNECTIONS]) {
             read_connections(srv);
+            waitset_served(&ws, WAIT_CONNECTIONS);
+        }
         uint64_t now = skv_now_ms();
         if (now - srv->clients_expired_ms >= 1000) {
             skv_clients_expire(srv->clients, now);
             srv->clients_expired_ms = now;
         }
-        for (int i = CLIENT; i <= ADMIN; i++)
-            if (items[i].revents & ZMQ_POLLIN)
-                serve_ready(srv, i, 64); /* fairness: bounded batch per socket */
+        for (int i = WAIT_CLIENT; i <= WAIT_ADMIN; i++) {
+            if (!ws.ready[i])
+                continue;
+            /* fairness: a bounded batch per socket; a socket left with input is asked again,
+             * one drained was asked last (nothing used it since) */
+            bool more = serve_ready(srv, i, 64, true);
+            ws.ready[i] = false;
+            ws.ask[i] = more;
+            if (i == WAIT_CLIENT)
+                ws.ask[WAIT_CONNECTIONS] = true; /* read before each client request */
+        }
     }
     /* Stop accepting: answer what already arrived (the worker refuses new work with
      * SKV_E_CANCELLED), let the worker cancel its queue and decodes, forward every reply. */
     for (int i = 0; i < 2; i++)
-        serve_ready(srv, i, -1);
+        serve_ready(srv, i, -1, false);
     skv_worker_stop(&srv->worker);
     /* A non-blocking receive right after the worker thread ends can miss its last replies (the
      * socket may not have processed their arrival yet: a cancelled decode's final reply was lost
