@@ -31,6 +31,7 @@ struct skv_kv_pool {
     uint64_t keep_slabs;                    /* reserved: never fewer slabs than this */
     uint64_t n_slabs, in_use, shared, n_free;
     uint64_t stamps;                        /* the last stamp given to a block */
+    int pins;                               /* weak references may exist: no slab leaves */
 };
 
 int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct skv_kv_pool **out)
@@ -201,13 +202,44 @@ void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b)
         pool->in_use--;
         free_list_push(pool, b);
         if (++s->n_free == SLAB_BLOCKS) {
-            if (pool->empty_slabs >= 1 && pool->n_slabs > pool->keep_slabs)
+            if (pool->empty_slabs >= 1 && pool->n_slabs > pool->keep_slabs && !pool->pins)
                 slab_release(pool, s);
             else
                 pool->empty_slabs++;
         }
     }
     pthread_mutex_unlock(&pool->lock);
+}
+
+void skv_kv_pool_pin_slabs(struct skv_kv_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->pins++;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void skv_kv_pool_unpin_slabs(struct skv_kv_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    if (--pool->pins == 0) /* what put() kept while pinned: one empty slab stays */
+        for (struct skv_kv_slab *s = pool->slabs, *next; s; s = next) {
+            next = s->next;
+            if (s->n_free == SLAB_BLOCKS && pool->empty_slabs > 1 && pool->n_slabs > pool->keep_slabs) {
+                slab_release(pool, s);
+                pool->empty_slabs--;
+            }
+        }
+    pthread_mutex_unlock(&pool->lock);
+}
+
+bool skv_kv_pool_hold_if(struct skv_kv_pool *pool, struct skv_kv_block *b, uint64_t stamp)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool live = b->refs > 0 && b->stamp == stamp;
+    if (live && b->refs++ == 1)
+        pool->shared++;
+    pthread_mutex_unlock(&pool->lock);
+    return live;
 }
 
 bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b)
@@ -296,7 +328,8 @@ uint64_t skv_kv_hash64(const void *p, size_t n)
 struct dedupe_entry {
     uint64_t key;                 /* the block's content hash, never 0; 0: an empty slot */
     uint64_t group;
-    struct skv_kv_block *b;       /* held by the index */
+    struct skv_kv_block *b;       /* not held: checked by its stamp before each use */
+    uint64_t stamp;
 };
 
 struct skv_kv_dedupe {
@@ -322,6 +355,7 @@ int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out)
     }
     d->pool = pool;
     d->cap = DEDUPE_CAP0;
+    skv_kv_pool_pin_slabs(pool);
     *out = d;
     return SKV_OK;
 }
@@ -331,9 +365,7 @@ void skv_kv_dedupe_free(struct skv_kv_dedupe **d_p)
     struct skv_kv_dedupe *d = d_p ? *d_p : NULL;
     if (!d)
         return;
-    for (size_t i = 0; i < d->cap; i++)
-        if (d->tab[i].key)
-            skv_kv_pool_put(d->pool, d->tab[i].b);
+    skv_kv_pool_unpin_slabs(d->pool);
     free(d->tab);
     free(d->mine);
     free(d->theirs);
@@ -374,14 +406,16 @@ int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_b
         return rc;
     uint64_t key = skv_kv_hash64(d->mine, p->block_bytes) | 1;
     for (size_t i = (size_t)key & (d->cap - 1); d->tab[i].key; i = (i + 1) & (d->cap - 1)) {
-        const struct dedupe_entry *e = &d->tab[i];
-        if (e->key != key || e->group != group || e->b == *b_p)
+        struct dedupe_entry *e = &d->tab[i];
+        if (e->key != key || e->group != group || e->b == *b_p || !skv_kv_pool_hold_if(p, e->b, e->stamp))
             continue;
-        if ((rc = ops->download(p->be, d->theirs, e->b->mem, p->block_bytes)))
-            return rc;
-        if (memcmp(d->mine, d->theirs, p->block_bytes) != 0)
+        if ((rc = ops->download(p->be, d->theirs, e->b->mem, p->block_bytes)) ||
+            memcmp(d->mine, d->theirs, p->block_bytes) != 0) {
+            skv_kv_pool_put(p, e->b);
+            if (rc)
+                return rc;
             continue;
-        skv_kv_pool_hold(p, e->b);
+        }
         skv_kv_pool_put(p, *b_p);
         *b_p = e->b;
         *shared = true;
@@ -389,8 +423,10 @@ int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_b
     }
     if (2 * (d->n + 1) > d->cap && (rc = dedupe_grow(d)))
         return rc;
-    skv_kv_pool_hold(p, *b_p);
-    dedupe_place(d->tab, d->cap, (struct dedupe_entry){key, group, *b_p});
+    pthread_mutex_lock(&p->lock);
+    uint64_t stamp = (*b_p)->stamp;
+    pthread_mutex_unlock(&p->lock);
+    dedupe_place(d->tab, d->cap, (struct dedupe_entry){key, group, *b_p, stamp});
     d->n++;
     return SKV_OK;
 }

@@ -57,6 +57,14 @@ void skv_kv_pool_put(struct skv_kv_pool *pool, struct skv_kv_block *b);
 /* Copy-on-write, before a write: when *b_p has other holders, replaces it (for this holder) by
  * a private copy of its contents; either way the block written has a new stamp. */
 int skv_kv_pool_unshare(struct skv_kv_pool *pool, struct skv_kv_block **b_p);
+/* Weak references: a block seen once, named by its pointer and the stamp it had then, held
+ * again only if it is still in use with that stamp (so with the same bytes). Its memory stays
+ * while the pool's slabs are pinned: pin before taking such a reference, unpin once none is
+ * left (the last unpin gives back the slabs whose blocks are all free, as a put would have). */
+void skv_kv_pool_pin_slabs(struct skv_kv_pool *pool);
+void skv_kv_pool_unpin_slabs(struct skv_kv_pool *pool);
+/* One more holder of b when it is in use with this stamp; false (nothing held) otherwise. */
+bool skv_kv_pool_hold_if(struct skv_kv_pool *pool, struct skv_kv_block *b, uint64_t stamp);
 /* True when b has more than one holder. */
 bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b);
 /* How many of the n blocks have more than one holder (one lock for all). */
@@ -72,7 +80,8 @@ int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes);
 
 /* An index of blocks by their contents, to share equal blocks of caches written separately
  * (sessions restored at start: forks that shared their document's blocks before the stop get
- * them back shared). It holds a reference to each block it indexes until it is freed. */
+ * them back shared). It holds no reference: an indexed block whose holders all dropped it, or
+ * that was written since, is no longer found (the pool's slabs stay pinned while it lives). */
 struct skv_kv_dedupe;
 int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out);
 /* *b_p, a block whose every row is written: when the index holds a block of the same group
@@ -80,7 +89,7 @@ int skv_kv_dedupe_new(struct skv_kv_pool *pool, struct skv_kv_dedupe **out);
  * and *shared is set; otherwise *b_p is indexed under group. Blocks of different groups (a
  * tenant's caches, which must not learn what another tenant holds) are never shared. */
 int skv_kv_dedupe_block(struct skv_kv_dedupe *d, uint64_t group, struct skv_kv_block **b_p, bool *shared);
-/* Drops the index and its references. Accepts NULL and *d_p == NULL. */
+/* Drops the index. Accepts NULL and *d_p == NULL. */
 void skv_kv_dedupe_free(struct skv_kv_dedupe **d_p);
 /* SipHash-2-4 (libsodium crypto_shorthash, a fixed key: equal bytes are checked after) of n bytes,
  * read as a little-endian uint64: the dedupe index's keys and groups. */

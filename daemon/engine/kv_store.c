@@ -36,8 +36,9 @@ struct map {
     size_t cap, n;
 };
 
-struct loaded {              /* the reader's block of an index, held, and whose it is */
+struct loaded {              /* the reader's block of an index (not held: checked by its stamp), and whose */
     struct skv_kv_block *b;
+    uint64_t stamp;
     uint64_t group;
 };
 
@@ -47,7 +48,7 @@ struct skv_kv_store {
     bool broken;             /* writer: a write failed, where the file ends is unknown */
     struct store_header hd;
     size_t rows_bytes;       /* block_rows * head_dim * 4: K or V of one block */
-    struct skv_kv_pool *pool; /* writer: where the blocks are; reader: where the held ones go back */
+    struct skv_kv_pool *pool; /* writer: where the blocks are; reader: where the loaded ones are (pinned) */
     struct map now, last;    /* stamps named by this save, and by the last one that ended well */
     struct map by_content;   /* the first block of each key of bytes in the file */
     uint8_t *live;           /* [n_blocks] bits: named by this save */
@@ -57,6 +58,7 @@ struct skv_kv_store {
     size_t wlen;
     uint64_t flushed;        /* records in the file */
     struct loaded *loaded;   /* reader: [n_blocks] */
+    bool pinned;             /* reader: the pool's slabs, while loaded[] names blocks */
     float *buf;              /* one record (K, V, sum) */
 };
 
@@ -107,14 +109,18 @@ static bool map_get(const struct map *m, uint64_t key, uint32_t *val)
 
 static int map_grow(struct map *m);
 
+/* Room for one more key: the next map_set cannot fail. */
+static int map_room(struct map *m)
+{
+    return 2 * (m->n + 1) > m->cap ? map_grow(m) : SKV_OK;
+}
+
 /* Sets key to val; replace: also when the key is there (otherwise its value stays). */
 static int map_set(struct map *m, uint64_t key, uint32_t val, bool replace)
 {
-    if (2 * (m->n + 1) > m->cap) {
-        int rc = map_grow(m);
-        if (rc)
-            return rc;
-    }
+    int rc = map_room(m);
+    if (rc)
+        return rc;
     uint64_t i = map_slot(m, key);
     while (m->keys[i] && m->keys[i] != key)
         i = (i + 1) & (m->cap - 1);
@@ -258,8 +264,8 @@ void skv_kv_store_begin(struct skv_kv_store *st)
     st->n_appended = 0;
 }
 
-/* Block idx is named by this save. */
-static int mark_live(struct skv_kv_store *st, uint32_t idx)
+/* Room in the live bitmap for block idx: marking it cannot fail. */
+static int live_room(struct skv_kv_store *st, uint32_t idx)
 {
     if ((size_t)idx / 8 >= st->live_cap) {
         size_t cap = st->live_cap ? st->live_cap : 4096;
@@ -272,6 +278,15 @@ static int mark_live(struct skv_kv_store *st, uint32_t idx)
         st->live = more;
         st->live_cap = cap;
     }
+    return SKV_OK;
+}
+
+/* Block idx is named by this save. */
+static int mark_live(struct skv_kv_store *st, uint32_t idx)
+{
+    int rc = live_room(st, idx);
+    if (rc)
+        return rc;
     if (!(st->live[idx / 8] & (1u << (idx % 8)))) {
         st->live[idx / 8] |= (uint8_t)(1u << (idx % 8));
         st->n_live++;
@@ -279,10 +294,12 @@ static int mark_live(struct skv_kv_store *st, uint32_t idx)
     return SKV_OK;
 }
 
-/* Names b as block idx in this save. */
+/* Names b as block idx in this save: all of it or, out of memory, nothing. */
 static int named(struct skv_kv_store *st, const struct skv_kv_block *b, uint32_t idx)
 {
-    int rc = map_set(&st->now, b->stamp, idx, true);
+    int rc = live_room(st, idx);
+    if (!rc)
+        rc = map_set(&st->now, b->stamp, idx, true);
     return rc ? rc : mark_live(st, idx);
 }
 
@@ -347,8 +364,11 @@ int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, cons
     memcpy(st->wbuf + st->wlen + st->rows_bytes, v, st->rows_bytes);
     memcpy(st->wbuf + st->wlen + 2 * st->rows_bytes, sum, STORE_SUM);
     uint32_t at = (uint32_t)st->hd.n_blocks;
+    /* no index may name a record that was not appended: the room first, then the entries */
+    if ((rc = map_room(&st->by_content)) || (rc = map_room(&st->now)) || (rc = live_room(st, at)))
+        return rc;
     if ((rc = map_set(&st->by_content, key, at, false)) || (rc = named(st, b, at)))
-        return rc; /* not appended: nothing names it */
+        return rc; /* cannot happen: the room is there */
     st->wlen += rec;
     st->hd.n_blocks++;
     st->n_appended++;
@@ -510,8 +530,10 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, stru
     /* a block of the cache's own size, at a block boundary of its head, from its pool */
     bool whole = c->block_rows == br && row0 % br == 0 && (!st->pool || st->pool == c->pool);
     struct loaded *l = &st->loaded[idx];
-    if (whole && l->b && l->group == group) {
+    if (whole && l->b && l->group == group && skv_kv_pool_hold_if(st->pool, l->b, l->stamp)) {
+        /* still held by a cache, unchanged: the session that read it was not evicted since */
         int rc = skv_kv_cache_append_block(c, layer, h, l->b);
+        skv_kv_pool_put(st->pool, l->b);
         *shared = !rc;
         return rc;
     }
@@ -527,20 +549,26 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, stru
     struct skv_kv_block *b = hd->blk[row0 / br];
     if (map_set(&st->last, b->stamp, idx, true) || map_set(&st->by_content, key, idx, false))
         return SKV_E_NOMEM;
-    if (l->b)
-        return SKV_OK; /* another group's block: this cache's own */
-    st->pool = c->pool;
+    if (l->b && skv_kv_pool_hold_if(st->pool, l->b, l->stamp)) {
+        skv_kv_pool_put(st->pool, l->b);
+        return SKV_OK; /* another group's block, still there: this one is this cache's own */
+    }
+    if (!st->pinned) { /* until drop_loaded: the blocks loaded[] names stay readable */
+        st->pool = c->pool;
+        skv_kv_pool_pin_slabs(st->pool);
+        st->pinned = true;
+    }
     l->b = b;
+    l->stamp = b->stamp; /* this cache's block, written above: no other thread writes it */
     l->group = group;
-    skv_kv_pool_hold(c->pool, l->b);
     return SKV_OK;
 }
 
 static void drop_loaded(struct skv_kv_store *st)
 {
-    for (uint64_t i = 0; st->loaded && i < st->hd.n_blocks; i++)
-        if (st->loaded[i].b)
-            skv_kv_pool_put(st->pool, st->loaded[i].b);
+    if (st->pinned)
+        skv_kv_pool_unpin_slabs(st->pool);
+    st->pinned = false;
     free(st->loaded);
     st->loaded = NULL;
 }

@@ -131,6 +131,57 @@ static void test_pool_counts(void **state)
     skv_kv_pool_unref(&p);
 }
 
+/* Weak references: a block is held again by pointer and stamp only while it is in use with
+ * that stamp; a block given back, taken again or written in place is not. While pinned, the
+ * pool keeps the slabs whose blocks are all free (the pointers stay readable); the last unpin
+ * gives them back as the puts would have, one kept. */
+static void test_pool_weak(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *p = NULL;
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, &p), SKV_OK);
+    enum { N = 200 };
+    struct skv_kv_block *b[N];
+    uint64_t stamp[N];
+    skv_kv_pool_pin_slabs(p);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(skv_kv_pool_get(p, &b[i]), SKV_OK);
+        stamp[i] = b[i]->stamp;
+    }
+    const uint64_t reserved = pool_stats(p).bytes_reserved;
+    assert_true(skv_kv_pool_hold_if(p, b[3], stamp[3])); /* in use, unchanged */
+    assert_int_equal(pool_stats(p).blocks_shared, 1);
+    skv_kv_pool_put(p, b[3]);
+    assert_false(skv_kv_pool_hold_if(p, b[3], stamp[3] + 1)); /* another stamp */
+    struct skv_kv_block *w = b[4];
+    assert_int_equal(skv_kv_pool_unshare(p, &w), SKV_OK); /* written in place: a new stamp */
+    assert_ptr_equal(w, b[4]);
+    assert_false(skv_kv_pool_hold_if(p, b[4], stamp[4]));
+    skv_kv_pool_put(p, b[5]);
+    assert_false(skv_kv_pool_hold_if(p, b[5], stamp[5])); /* free */
+    struct skv_kv_block *again = NULL;
+    assert_int_equal(skv_kv_pool_get(p, &again), SKV_OK); /* the block just freed, taken again */
+    assert_ptr_equal(again, b[5]);
+    assert_false(skv_kv_pool_hold_if(p, b[5], stamp[5]));
+    skv_kv_pool_put(p, again);
+    for (int i = 0; i < N; i++)
+        if (i != 5)
+            skv_kv_pool_put(p, b[i]);
+    struct skv_kv_pool_stats s = pool_stats(p);
+    assert_int_equal(s.blocks_in_use, 0);
+    assert_int_equal(s.blocks_shared, 0);
+    assert_int_equal(s.bytes_reserved, reserved); /* pinned: every slab stays */
+    assert_false(skv_kv_pool_hold_if(p, b[N - 1], stamp[N - 1]));
+    skv_kv_pool_pin_slabs(p); /* nested pins: only the last unpin gives back */
+    skv_kv_pool_unpin_slabs(p);
+    assert_int_equal(pool_stats(p).bytes_reserved, reserved);
+    skv_kv_pool_unpin_slabs(p);
+    s = pool_stats(p);
+    assert_true(s.bytes_reserved > 0 && s.bytes_reserved <= 64 * s.block_bytes); /* one slab kept */
+    assert_int_equal(s.blocks_free * s.block_bytes, s.bytes_reserved);
+    skv_kv_pool_unref(&p);
+}
+
 /* A reserved pool holds its slabs from the start and never gives them back. */
 static void test_pool_reserve(void **state)
 {
@@ -1009,6 +1060,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pool_counts),
         cmocka_unit_test(test_pool_reserve),
+        cmocka_unit_test(test_pool_weak),
         cmocka_unit_test(test_failed_forward_undone),
         cmocka_unit_test(test_tick_exact),
         cmocka_unit_test(test_fork_append),

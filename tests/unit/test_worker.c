@@ -2474,6 +2474,42 @@ static void test_persist(void **state)
     persist_off(f, dir);
 }
 
+/* A restart with a pool that holds less than was saved: the least recently used sessions go,
+ * and only as many as the room needs. The blocks a restore reads stay in its block store only
+ * as long as a session holds them: an evicted session's blocks leave the pool with it, so
+ * that one eviction is enough for the next session (before, the store kept every block it
+ * had given a session, each eviction freed nothing, and the restore evicted every session it
+ * had restored and then failed the rest). */
+static void test_persist_smaller_pool(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX";
+    const int64_t pool_size = f->cfg.pool_size;
+    for (int interval = 0; interval <= 1; interval++) {
+        persist_on(f, dir, interval ? "3600" : "0");
+        uint8_t sid[4][16];
+        uint64_t bytes = 0;
+        for (int i = 0; i < 4; i++) {
+            char tenant[8];
+            snprintf(tenant, sizeof tenant, "t%d", i); /* tenants of their own: no block shared */
+            prefill_for(f, tenant, 48, "policy=full", sid[i]);
+            usleep(5000); /* used one after the other, in different milliseconds */
+        }
+        assert_int_equal(listed(f, sid[0], &bytes, NULL), 48);
+        assert_true(bytes > 0);
+        skv_worker_stop(&f->w);
+        f->cfg.pool_size = (int64_t)(bytes * 5 / 2); /* room for two and a half */
+        assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+        int n = 0;
+        assert_int_equal(listed(f, sid[3], NULL, &n), 48);
+        assert_int_equal(listed(f, sid[2], NULL, NULL), 48);
+        assert_int_equal(n, 2);
+        f->cfg.pool_size = pool_size;
+        persist_off(f, dir);
+        memcpy(dir + strlen(dir) - 6, "XXXXXX", 6);
+    }
+}
+
 /* APPENDs 16 tokens to tenant t's session sid, then waits for the worker's n-th checkpoint. */
 static void append_then_checkpoint(struct fixture *f, const uint8_t sid[16], int n)
 {
@@ -2773,9 +2809,12 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_smaller_pool, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
+    if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
+        cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
