@@ -2428,9 +2428,11 @@ static void persist_keep(struct skv_worker *w, const json_t *doc)
     free(w->persist_files);
     w->persist_files = NULL;
     w->n_persist_files = 0;
+    if (!doc) /* keep nothing: the next sweep empties the directory */
+        return;
     size_t n = json_array_size(json_object_get(doc, "sessions"));
-    char **files = doc ? calloc(n + 2, sizeof *files) : NULL;
-    if (!files) /* without a list the next sweep removes every file: the next save writes them all */
+    char **files = calloc(n + 2, sizeof *files);
+    if (!files)
         goto none;
     char name[128];
     int k = 0;
@@ -2456,22 +2458,22 @@ static void persist_keep(struct skv_worker *w, const json_t *doc)
     w->persist_files = files;
     w->n_persist_files = k;
     return;
-none: /* the store's file goes too: the next save starts a new one */
-    skv_kv_store_close(&w->persist_store);
+none: /* what the manifest on disk names is not known: sweeps remove nothing until a save knows again */
+    w->n_persist_files = -1;
 }
 
 /* Removes what saves left in dir (sessions, block stores, their temporary files, manifests)
  * except the files the manifest on disk names (persist_keep). */
 static void persist_sweep(struct skv_worker *w, const char *dir)
 {
-    DIR *d = opendir(dir);
+    DIR *d = w->n_persist_files >= 0 ? opendir(dir) : NULL;
     if (!d)
         return;
     for (struct dirent *e; (e = readdir(d));) {
         const char *f = e->d_name;
         bool ours = ends_with(f, ".skv") || ends_with(f, ".skv.tmp") || ends_with(f, ".skvb") ||
                     strncmp(f, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
-        bool kept = w->n_persist_files &&
+        bool kept = w->n_persist_files > 0 &&
                     bsearch(&f, w->persist_files, (size_t)w->n_persist_files, sizeof *w->persist_files, by_name);
         if (ours && !kept)
             unlinkat(dirfd(d), f, 0);
@@ -2547,6 +2549,13 @@ static struct skv_kv_store *persist_store(struct skv_worker *w, const char *dir,
                 skv_error_msg());
         name[0] = '\0';
         return NULL;
+    }
+    /* its name on disk before a manifest names it (the manifest's rename syncs the directory
+     * too, but POSIX does not promise that one sync covers an entry made before) */
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
     }
     *fresh = true;
     return st;
@@ -2640,14 +2649,19 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
             continue;
         }
         skv_worker_beat(w);
+        json_t *entry = json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I}", "id", hex, "file_generation",
+                                  (json_int_t)p->gen, "tenant", s->tenant, "owner", s->owner, "pinned", s->pinned,
+                                  "lease_seconds", (json_int_t)s->lease_seconds, "idle_ms",
+                                  (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0));
+        if (!entry || json_array_append_new(list, entry)) { /* a file the manifest does not name is no save */
+            skv_log(SKV_LOG_WARN, "persist: session %s not saved: no memory for its manifest entry", hex);
+            failed++;
+            continue;
+        }
         p->s = s;
         bytes += (uint64_t)size;
         written += p->gen == gen;
         saved++;
-        json_array_append_new(list, json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I}", "id", hex, "file_generation",
-                                              (json_int_t)p->gen, "tenant", s->tenant, "owner", s->owner, "pinned",
-                                              s->pinned, "lease_seconds", (json_int_t)s->lease_seconds, "idle_ms",
-                                              (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0)));
     }
     uint32_t appended = store ? skv_kv_store_appended(store) : 0;
     bytes += store ? skv_kv_store_appended_bytes(store) : 0;

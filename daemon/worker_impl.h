@@ -102,7 +102,7 @@ struct skv_worker {
     struct skv_kv_store *persist_store; /* the block store saves append to (NULL: the next save starts one) */
     char persist_store_name[48];        /* its file in <state-dir>/persist */
     char **persist_files;     /* the files the manifest on disk names, sorted: what sweeps keep */
-    int n_persist_files;
+    int n_persist_files;      /* -1: not known (no memory for the list): sweeps remove nothing */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
     atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
