@@ -2504,7 +2504,9 @@ static void test_persist_smaller_pool(void **state)
         assert_int_equal(listed(f, sid[3], NULL, &n), 48);
         assert_int_equal(listed(f, sid[2], NULL, NULL), 48);
         assert_int_equal(n, 2);
+        skv_worker_stop(&f->w); /* the worker reads its config */
         f->cfg.pool_size = pool_size;
+        assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
         persist_off(f, dir);
         memcpy(dir + strlen(dir) - 6, "XXXXXX", 6);
     }
