@@ -2603,6 +2603,34 @@ struct persist_saved { /* a session a save wrote or kept, recorded in it when th
 /* Writes every session as generation persist_gen + 1 (see above) and, when all went to disk, a
  * manifest naming it, then removes the files no manifest names. give_way: stop at the first
  * request that arrives (SKV_E_CANCELLED, the last generation left as it was). */
+/* Session s's entry in a manifest: its file of generation gen. */
+static json_t *manifest_entry(const char *hex, uint64_t gen, const struct skv_session *s, uint64_t now)
+{
+    return json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I}", "id", hex, "file_generation", (json_int_t)gen, "tenant",
+                     s->tenant, "owner", s->owner, "pinned", s->pinned, "lease_seconds", (json_int_t)s->lease_seconds,
+                     "idle_ms", (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0));
+}
+
+/* A checkpoint that does not write session s (past persist-max-seconds, or its write failed)
+ * names the file the last manifest named for it, when it has one in this same store (which has
+ * only grown since): a crash then restores s as that earlier checkpoint saw it, where before
+ * this checkpoint removed the file and s was lost. At a stop such a session is left out: a
+ * client would find it restored older than it left it. Its blocks are not marked live in the
+ * store, so the store may be replaced sooner; a new store carries nothing over. */
+static bool persist_carry(struct skv_session *s, const char *hex, const struct skv_kv_store *store, bool fresh,
+                          json_t *list, struct persist_saved *p, uint64_t now)
+{
+    if (!store || fresh || !s->persist_gen)
+        return false;
+    json_t *entry = manifest_entry(hex, s->persist_gen, s, now);
+    if (!entry || json_array_append_new(list, entry))
+        return false;
+    p->s = s;
+    p->gen = s->persist_gen;
+    memcpy(p->sum, s->persist_sum, sizeof p->sum);
+    return true;
+}
+
 static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
 {
     char dir[1100], path[1200], tmp[1300], store_name[48];
@@ -2620,7 +2648,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     struct persist_saved *saved_list = calloc((size_t)(l.n ? l.n : 1), sizeof *saved_list);
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
-    int saved = 0, written = 0, failed = 0, late = 0;
+    int saved = 0, written = 0, failed = 0, late = 0, carried = 0;
     bool stopped = false, fresh = false;
     struct skv_kv_store *store = persist_store(w, dir, gen, store_name, sizeof store_name, &fresh);
     if (store)
@@ -2633,26 +2661,31 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
             stopped = true; /* a client waits: its request before the checkpoint */
             break;
         }
-        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
-            late++;
-            continue;
-        }
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(s->id, hex);
         struct persist_saved *p = &saved_list[saved];
+        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
+            if (checkpoint && persist_carry(s, hex, store, fresh, list, p, now))
+                saved++, carried++;
+            else
+                late++;
+            continue;
+        }
         long size = 0;
         if (persist_session(w, s, dir, hex, gen, store, fresh, &p->gen, p->sum, &size)) {
             skv_log(SKV_LOG_WARN, "persist: session %s not saved: %s", hex, skv_error_msg());
-            failed++;
-            if (store && !skv_kv_store_usable(store))
+            if (store && !skv_kv_store_usable(store)) {
+                failed++;
                 break; /* the store's end is unknown: the sessions after would fail too */
+            }
+            if (checkpoint && persist_carry(s, hex, store, fresh, list, p, now))
+                saved++, carried++;
+            else
+                failed++;
             continue;
         }
         skv_worker_beat(w);
-        json_t *entry = json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I}", "id", hex, "file_generation",
-                                  (json_int_t)p->gen, "tenant", s->tenant, "owner", s->owner, "pinned", s->pinned,
-                                  "lease_seconds", (json_int_t)s->lease_seconds, "idle_ms",
-                                  (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0));
+        json_t *entry = manifest_entry(hex, p->gen, s, now);
         if (!entry || json_array_append_new(list, entry)) { /* a file the manifest does not name is no save */
             skv_log(SKV_LOG_WARN, "persist: session %s not saved: no memory for its manifest entry", hex);
             failed++;
@@ -2726,6 +2759,9 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     if (failed || late)
         skv_log(SKV_LOG_WARN, "persist: %d session(s) %s (%d failed, %d past persist-max-seconds)", failed + late,
                 checkpoint ? "left out of a checkpoint" : "lost at this stop", failed, late);
+    if (carried)
+        skv_log(SKV_LOG_WARN, "persist: checkpoint: %d session(s) not written (failed or past persist-max-seconds) "
+                "keep the file of an earlier checkpoint", carried);
     return SKV_OK;
 }
 

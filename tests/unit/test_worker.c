@@ -110,6 +110,19 @@ static void gate_open(void)
     pthread_mutex_unlock(&g_gate_mu);
 }
 
+/* The first download of g_slow_download_bytes (rows of a head's K or V, a size only a save
+ * reads) waits g_slow_download_ms: a checkpoint that runs out of time. */
+static atomic_int g_slow_download_ms;
+static size_t g_slow_download_bytes;
+static int (*g_real_download)(struct skv_backend *be, void *dst, const void *src, size_t bytes);
+static int slow_download(struct skv_backend *be, void *dst, const void *src, size_t bytes)
+{
+    int ms = bytes == g_slow_download_bytes ? atomic_exchange(&g_slow_download_ms, 0) : 0;
+    if (ms)
+        usleep((useconds_t)ms * 1000);
+    return g_real_download(be, dst, src, bytes);
+}
+
 static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
 {
     (void)be;
@@ -335,6 +348,8 @@ static int setup(void **state)
     g_ops.ipc_close = fake_ipc_close;
     g_real_rmsnorm = g_ops.rmsnorm;
     g_ops.rmsnorm = gated_rmsnorm;
+    g_real_download = g_ops.download;
+    g_ops.download = slow_download;
     be->ops = &g_ops;
     if (skv_config_init(&f->cfg))
         return -1;
@@ -2512,6 +2527,20 @@ static void test_persist_smaller_pool(void **state)
     }
 }
 
+/* Whether the manifest on disk in dir names session sid. */
+static bool manifest_names(const char *dir, const uint8_t sid[16])
+{
+    char path[256], text[8192] = {0}, hex[33];
+    snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
+    FILE *fp = fopen(path, "r");
+    assert_non_null(fp);
+    assert_true(fread(text, 1, sizeof text - 1, fp) > 0);
+    fclose(fp);
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", sid[i]);
+    return strstr(text, hex) != NULL;
+}
+
 /* APPENDs 16 tokens to tenant t's session sid, then waits for the worker's n-th checkpoint. */
 static void append_then_checkpoint(struct fixture *f, const uint8_t sid[16], int n)
 {
@@ -2624,6 +2653,54 @@ static void test_persist_checkpoint(void **state)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(listed(f, a, NULL, NULL), 88);
     assert_int_equal(listed(f, b, NULL, NULL), 8);
+    persist_off(f, dir);
+}
+
+/* A checkpoint that runs past persist-max-seconds before it reaches a session keeps that
+ * session's file of the checkpoint before (it was removed, and the session lost to a crash):
+ * a's APPEND makes it the first to save, a slow read of its rows takes the second, and b,
+ * unchanged, is past the limit. The manifest still names b, its file is there, and a restart
+ * restores both. The stop, which writes what it reaches, is not carried over. */
+static void test_persist_checkpoint_late(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[128], bfile[256], pattern[64], hex[33];
+    assert_int_equal(skv_config_set(&f->cfg, "persist-max-seconds", "1"), SKV_OK);
+    persist_on(f, dir, "1");
+    snprintf(pdir, sizeof pdir, "%s/persist", dir);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 40, "policy=full", a);
+    usleep(5000);
+    prefill_for(f, "u", 8, "policy=full", b);
+    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
+    assert_true(manifest_names(dir, b));
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    only_match(pdir, pattern, bfile, sizeof bfile);
+    /* a's rows 32..55 after the APPEND: its new block and the 8 rows past it, read at once */
+    g_slow_download_bytes = (size_t)24 * f->tiny->m->cfg.head_dim * sizeof(float);
+    atomic_store(&g_slow_download_ms, 1200);
+    submit_append_for(f, ID_X, "t", a, 16);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    usleep(3000000); /* no request meanwhile: the checkpoint would give way to it */
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 2);
+    assert_int_equal(atomic_load(&g_slow_download_ms), 0); /* the checkpoint read a's rows */
+    assert_true(manifest_names(dir, b));
+    char path[256];
+    only_match(pdir, pattern, path, sizeof path);
+    assert_string_equal(path, bfile);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 56);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "persist-max-seconds", "30"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     persist_off(f, dir);
 }
 
@@ -2812,6 +2889,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_smaller_pool, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
