@@ -219,6 +219,8 @@ static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *
     struct skv_backend *be = c->be;
     const int t = c->block_rows;
     const size_t row = (size_t)c->head_dim * sizeof(float);
+    if (n <= 0) /* (at a block boundary the test below would take the staged path, a device buffer) */
+        return SKV_OK;
     if (dir != ROWS_FROM_BACKEND && stride == row && row0 / t != (row0 + n - 1) / t)
         return head_rows_staged(c, hd, which, row0, n, other, dir);
     for (int j = row0; j < row0 + n;) {
