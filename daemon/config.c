@@ -41,6 +41,11 @@ static const struct skv_config_option options[] = {
      "ipc:// endpoint of a ZeroMQ PUB socket announcing each session stored, changed (APPEND, COMPRESS, a "
      "DECODE's end) and removed, with its token history's block hashes, for a KV-aware router "
      "(docs/SCALING.md); empty: off"},
+    {"events-replay-endpoint", SKV_CFG_STRING, OPT(events_replay_endpoint), "", 0, 0,
+     "ipc:// endpoint of a ZeroMQ ROUTER that answers a KvReplayRequest with every session the "
+     "events-endpoint has announced and not removed, and the sequence number they stand at, so a "
+     "subscriber that starts late or missed events catches up without the admin endpoint; needs "
+     "events-endpoint; empty: off"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},
@@ -302,6 +307,12 @@ int skv_config_check(const struct skv_config *cfg)
     if (*cfg->events_endpoint && strncmp(cfg->events_endpoint, "ipc://", 6) != 0)
         return skv_errorf(SKV_E_INVAL, "events-endpoint is ipc:// only (the events name every tenant's sessions, "
                           "and a tcp:// one would need CURVE): '%s'", cfg->events_endpoint);
+    if (*cfg->events_replay_endpoint && strncmp(cfg->events_replay_endpoint, "ipc://", 6) != 0)
+        return skv_errorf(SKV_E_INVAL, "events-replay-endpoint is ipc:// only, as events-endpoint: '%s'",
+                          cfg->events_replay_endpoint);
+    if (*cfg->events_replay_endpoint && !*cfg->events_endpoint)
+        return skv_errorf(SKV_E_INVAL, "events-replay-endpoint replays what events-endpoint publishes: set "
+                          "events-endpoint too");
     if (strcmp(cfg->queue_order, "fair") != 0 && strcmp(cfg->queue_order, "fifo") != 0)
         return skv_errorf(SKV_E_INVAL, "queue-order is fair or fifo, not '%s'", cfg->queue_order);
     struct skv_tenant_weight tw[SKV_TENANT_WEIGHTS_MAX];

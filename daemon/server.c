@@ -7,6 +7,7 @@
 #include "daemon/server.h"
 #include "daemon/auth.h"
 #include "daemon/clients.h"
+#include "daemon/events_replay.h"
 #include "daemon/metrics_http.h"
 #include "daemon/replies.h"
 #include "daemon/session.h"
@@ -49,9 +50,11 @@ struct skv_server {
     uint8_t *closing;             /* [closing_cap] by fd: shut down here, its DISCONNECTED not seen yet */
     int closing_cap;
     uint64_t clients_expired_ms;
-    int lock_fds[3];              /* flock()ed next to ipc sockets: one daemon per endpoint */
-    char *ipc_paths[3];           /* unlinked at exit (client, admin, events) */
+    int lock_fds[4];              /* flock()ed next to ipc sockets: one daemon per endpoint */
+    char *ipc_paths[4];           /* unlinked at exit (client, admin, events, events replay) */
     void *events;                 /* PUB: KV events (events-endpoint), or NULL */
+    void *replay;                 /* ROUTER: KV events replay (events-replay-endpoint), or NULL */
+    struct skv_events_mirror *mirror; /* what the events announced and did not remove, with replay */
     uint64_t events_seq;          /* the last event's sequence number */
     char events_topic[32];        /* "snapkv.kv." + the model fingerprint's first 16 hex digits */
     void *replies;                /* inproc PULL: replies from the engine worker */
@@ -168,6 +171,28 @@ static void publish_event(struct skv_server *srv, const void *body, size_t len)
     zmq_send(srv->events, srv->events_topic, strlen(srv->events_topic), ZMQ_SNDMORE | ZMQ_DONTWAIT);
     zmq_send(srv->events, be, sizeof be, ZMQ_SNDMORE | ZMQ_DONTWAIT);
     zmq_send(srv->events, body, len, ZMQ_DONTWAIT);
+    if (srv->mirror)
+        skv_events_mirror_apply(srv->mirror, body, len);
+}
+
+/* The events replay's ROUTER (ipc:// only, 0600 as the events): requests are a few bytes; a
+ * part sent to a requester that is gone fails (ROUTER_MANDATORY) and ends that reply. */
+static int bind_replay(struct skv_server *srv, const char *endpoint)
+{
+    int rc = lock_endpoint(srv, 3, endpoint);
+    if (rc || (rc = skv_events_mirror_new(&srv->mirror)))
+        return rc;
+    int linger = 0, mandatory = 1;
+    int64_t maxmsg = 4096;
+    if (!(srv->replay = zmq_socket(srv->zctx, ZMQ_ROUTER)) ||
+        zmq_setsockopt(srv->replay, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
+        zmq_setsockopt(srv->replay, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) < 0 ||
+        zmq_setsockopt(srv->replay, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory) < 0 ||
+        zmq_bind(srv->replay, endpoint) < 0)
+        return skv_errorf(SKV_E_IO, "events replay endpoint %s: %s", endpoint, zmq_strerror(zmq_errno()));
+    if (srv->ipc_paths[3])
+        chmod(srv->ipc_paths[3], 0600);
+    return SKV_OK;
 }
 
 /* File descriptors the daemon keeps for itself beyond its client connections: the admin
@@ -205,7 +230,7 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     srv->auth = *auth_p;
     *auth_p = NULL;
     srv->env = *env;
-    srv->lock_fds[0] = srv->lock_fds[1] = srv->lock_fds[2] = -1;
+    srv->lock_fds[0] = srv->lock_fds[1] = srv->lock_fds[2] = srv->lock_fds[3] = -1;
     srv->started = time(NULL);
     int rc;
     srv->zctx = zmq_ctx_new();
@@ -221,6 +246,8 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
         goto out_destroy;
     if (*env->cfg->events_endpoint && (rc = bind_events(srv, env->cfg->events_endpoint)))
+        goto out_destroy;
+    if (*env->cfg->events_replay_endpoint && (rc = bind_replay(srv, env->cfg->events_replay_endpoint)))
         goto out_destroy;
     srv->replies = zmq_socket(srv->zctx, ZMQ_PULL);
     if (!srv->replies || zmq_bind(srv->replies, REPLY_ENDPOINT) < 0) {
@@ -262,11 +289,14 @@ void skv_server_destroy(struct skv_server **srv_p)
         zmq_close(srv->admin_sock);
     if (srv->events)
         zmq_close(srv->events);
+    if (srv->replay)
+        zmq_close(srv->replay);
+    skv_events_mirror_free(&srv->mirror);
     skv_auth_destroy(&srv->auth);
     if (srv->zctx)
         zmq_ctx_term(srv->zctx);
     skv_replies_free(&srv->unread); /* libzmq freed every reply it held by now */
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (srv->ipc_paths[i])
             unlink(srv->ipc_paths[i]);
         free(srv->ipc_paths[i]);
@@ -744,7 +774,7 @@ static bool serve_ready(struct skv_server *srv, int idx, int max, bool known_rea
  * woke, when it was used since it was last asked (a send or receive may take the notice its fd
  * would have given), or after a wait that timed out. The fd signals only new notices, so a
  * socket is asked until it says it has no input before the loop sleeps on its fd again. */
-enum { WAIT_CLIENT, WAIT_ADMIN, WAIT_REPLIES, WAIT_CONNECTIONS, WAIT_AUTH, WAIT_MAX = WAIT_AUTH + 3 };
+enum { WAIT_CLIENT, WAIT_ADMIN, WAIT_REPLIES, WAIT_CONNECTIONS, WAIT_REPLAY, WAIT_AUTH, WAIT_MAX = WAIT_AUTH + 3 };
 
 struct waitset {
     int n;
@@ -761,9 +791,13 @@ static int waitset_init(struct skv_server *srv, struct waitset *ws)
     ws->sock[WAIT_ADMIN] = srv->admin_sock;
     ws->sock[WAIT_REPLIES] = srv->replies;
     ws->sock[WAIT_CONNECTIONS] = srv->connections;
+    ws->sock[WAIT_REPLAY] = srv->replay; /* NULL without events-replay-endpoint: never polled */
     ws->n = WAIT_AUTH + (int)skv_auth_sockets(srv->auth, &ws->sock[WAIT_AUTH]);
     for (int i = 0; i < ws->n; i++) {
         size_t sz = sizeof ws->fds[i].fd;
+        ws->fds[i].fd = -1; /* poll(2) skips it */
+        if (!ws->sock[i])
+            continue;
         if (zmq_getsockopt(ws->sock[i], ZMQ_FD, &ws->fds[i].fd, &sz) < 0)
             return skv_errorf(SKV_E_IO, "ZMQ_FD: %s", zmq_strerror(zmq_errno()));
         ws->fds[i].events = POLLIN;
@@ -778,7 +812,7 @@ static int waitset_wait(struct waitset *ws, int timeout_ms)
     for (int pass = 0; pass < 2; pass++) {
         bool any = false;
         for (int i = 0; i < ws->n; i++) {
-            if (ws->ask[i]) {
+            if (ws->ask[i] && ws->sock[i]) {
                 ws->ready[i] = sock_readable(ws->sock[i]);
                 ws->ask[i] = false;
             }
@@ -841,6 +875,11 @@ int skv_server_run(struct skv_server *srv)
         if (ws.ready[WAIT_CONNECTIONS]) {
             read_connections(srv);
             waitset_served(&ws, WAIT_CONNECTIONS);
+        }
+        if (ws.ready[WAIT_REPLAY]) { /* a few per wake: each may send every session */
+            for (int k = 0; k < 4 && skv_events_mirror_serve(srv->mirror, srv->replay, srv->events_seq); k++)
+                ;
+            waitset_served(&ws, WAIT_REPLAY);
         }
         uint64_t now = skv_now_ms();
         if (now - srv->clients_expired_ms >= 1000) {

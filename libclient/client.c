@@ -45,7 +45,7 @@ const char *snapkv_status_str(int status)
     return skv_status_str(status);
 }
 
-static int64_t now_ms(void)
+int64_t skv_client_now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -134,7 +134,7 @@ static long wait_ms(int64_t deadline)
 {
     if (deadline < 0)
         return -1;
-    int64_t left = deadline - now_ms();
+    int64_t left = deadline - skv_client_now_ms();
     return left > 0 ? (long)left : 0;
 }
 
@@ -192,7 +192,7 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
     snapkv__request__pack(req, buf);
     /* the timeout bounds sending the request and the wait for each of its replies; stale
      * replies do not extend it */
-    int64_t deadline = c->timeout_ms < 0 ? -1 : now_ms() + c->timeout_ms;
+    int64_t deadline = c->timeout_ms < 0 ? -1 : skv_client_now_ms() + c->timeout_ms;
     int rc = send_request(c, buf, len, deadline, what);
     free(buf);
     if (rc)
@@ -250,7 +250,7 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
             if (rc)
                 return rc;
             if (deadline >= 0)
-                deadline = now_ms() + c->timeout_ms;
+                deadline = skv_client_now_ms() + c->timeout_ms;
             continue;
         }
         *reply_out = rep;

@@ -19,6 +19,8 @@ struct snapkv_client {
 
 /* Sets this thread's last error and returns status. */
 int skv_client_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* CLOCK_MONOTONIC in milliseconds. */
+int64_t skv_client_now_ms(void);
 
 /* Called for each streamed (final = false, status ok) reply of the current request: return 0
  * to go on, a negative status to stop waiting (the call returns it; set the message first). */

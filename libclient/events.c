@@ -15,6 +15,10 @@ struct snapkv_events {
     Snapkv__KvEventBatch *batch;  /* the message being read, and the next event in it */
     size_t next;
     uint64_t sequence;
+    Snapkv__KvReplayReply **parts; /* a replay's snapshot, returned before the stream */
+    size_t n_parts, part, part_next;
+    uint64_t replayed;            /* the snapshot's sequence: stream events up to it are dropped */
+    bool skip;
 };
 
 int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
@@ -72,28 +76,63 @@ static int read_batch(struct snapkv_events *ev, int timeout_ms)
             seq = seq << 8 | be[k];
         if (ev->batch)
             snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
-        ev->batch = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
+        ev->batch = NULL;
         ev->next = 0;
         ev->sequence = seq;
-        if (!ev->batch)
-            rc = skv_client_fail(SNAPKV_E_PROTO, "events: a batch that does not decode");
+        if (!(ev->skip && seq <= ev->replayed)) { /* one the snapshot holds already: dropped */
+            ev->batch = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
+            if (!ev->batch)
+                rc = skv_client_fail(SNAPKV_E_PROTO, "events: a batch that does not decode");
+        }
     }
     for (int i = 0; i < got && i < 3; i++)
         zmq_msg_close(&parts[i]);
     return rc;
 }
 
+static void parts_free(struct snapkv_events *ev)
+{
+    for (size_t i = 0; i < ev->n_parts; i++)
+        snapkv__kv_replay_reply__free_unpacked(ev->parts[i], NULL);
+    free(ev->parts);
+    ev->parts = NULL;
+    ev->n_parts = ev->part = ev->part_next = 0;
+}
+
+/* The next event of a replay's snapshot, or NULL once it is all returned (then freed). */
+static const Snapkv__KvEvent *next_replayed(struct snapkv_events *ev, double *ts)
+{
+    while (ev->part < ev->n_parts) {
+        const Snapkv__KvEventBatch *b = ev->parts[ev->part]->batch;
+        if (b && ev->part_next < b->n_events) {
+            *ts = b->ts;
+            return b->events[ev->part_next++];
+        }
+        ev->part++;
+        ev->part_next = 0;
+    }
+    parts_free(ev);
+    return NULL;
+}
+
 int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out)
 {
     if (!ev || !out)
         return skv_client_fail(SNAPKV_E_INVAL, "snapkv_events_next: NULL argument");
-    while (!ev->batch || ev->next >= ev->batch->n_events) {
-        int rc = read_batch(ev, timeout_ms);
-        if (rc)
-            return rc;
+    double ts = 0;
+    uint64_t sequence = ev->replayed;
+    const Snapkv__KvEvent *e = ev->n_parts ? next_replayed(ev, &ts) : NULL;
+    if (!e) {
+        while (!ev->batch || ev->next >= ev->batch->n_events) {
+            int rc = read_batch(ev, timeout_ms);
+            if (rc)
+                return rc;
+        }
+        e = ev->batch->events[ev->next++];
+        ts = ev->batch->ts;
+        sequence = ev->sequence;
     }
-    const Snapkv__KvEvent *e = ev->batch->events[ev->next++];
-    struct snapkv_event r = {.sequence = ev->sequence, .ts = ev->batch->ts};
+    struct snapkv_event r = {.sequence = sequence, .ts = ts};
     const ProtobufCBinaryData *id = NULL;
     const char *tenant = NULL;
     const uint64_t *hashes = NULL;
@@ -146,11 +185,120 @@ void snapkv_event_free(struct snapkv_event *e)
     e->n_block_hashes = 0;
 }
 
+/* Reads one replay part ([sequence][KvReplayReply]) from sock into *out. */
+static int read_part(void *sock, int64_t deadline, uint64_t *seq, Snapkv__KvReplayReply **out)
+{
+    long wait = deadline < 0 ? -1 : (long)(deadline - skv_client_now_ms());
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    int n = zmq_poll(&it, 1, deadline < 0 ? -1 : wait > 0 ? wait : 0);
+    if (n < 0)
+        return skv_client_fail(SNAPKV_E_IO, "events replay: %s", zmq_strerror(zmq_errno()));
+    if (n == 0)
+        return skv_client_fail(SNAPKV_E_TIMEOUT, "events replay: the snapshot did not come in time (is "
+                               "events-replay-endpoint set on the daemon?)");
+    zmq_msg_t f[2];
+    int got = 0;
+    for (int more = 1; more; got++) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, sock, 0) < 0) {
+            zmq_msg_close(&m);
+            for (int i = 0; i < got && i < 2; i++)
+                zmq_msg_close(&f[i]);
+            return skv_client_fail(SNAPKV_E_IO, "events replay: %s", zmq_strerror(zmq_errno()));
+        }
+        more = zmq_msg_more(&m);
+        if (got < 2)
+            f[got] = m;
+        else
+            zmq_msg_close(&m);
+    }
+    int rc = SNAPKV_OK;
+    *out = NULL;
+    if (got != 2 || zmq_msg_size(&f[0]) != 8) {
+        rc = skv_client_fail(SNAPKV_E_PROTO, "events replay: a message of %d frames is not a reply", got);
+    } else {
+        const uint8_t *be = zmq_msg_data(&f[0]);
+        *seq = 0;
+        for (int k = 0; k < 8; k++)
+            *seq = *seq << 8 | be[k];
+        *out = snapkv__kv_replay_reply__unpack(NULL, zmq_msg_size(&f[1]), zmq_msg_data(&f[1]));
+        if (!*out)
+            rc = skv_client_fail(SNAPKV_E_PROTO, "events replay: a reply that does not decode");
+    }
+    for (int i = 0; i < got && i < 2; i++)
+        zmq_msg_close(&f[i]);
+    return rc;
+}
+
+int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int timeout_ms)
+{
+    if (!ev || !replay_endpoint)
+        return skv_client_fail(SNAPKV_E_INVAL, "snapkv_events_replay: NULL argument");
+    int64_t deadline = timeout_ms < 0 ? -1 : skv_client_now_ms() + timeout_ms;
+    void *sock = zmq_socket(ev->zctx, ZMQ_DEALER);
+    int linger = 0, rc = SNAPKV_OK;
+    Snapkv__KvReplayRequest req = SNAPKV__KV_REPLAY_REQUEST__INIT;
+    req.version = 1;
+    uint8_t buf[16];
+    size_t len = snapkv__kv_replay_request__pack(&req, buf);
+    if (!sock || zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_connect(sock, replay_endpoint) != 0 || zmq_send(sock, buf, len, ZMQ_DONTWAIT) < 0) {
+        rc = skv_client_fail(SNAPKV_E_IO, "events replay %s: %s", replay_endpoint, zmq_strerror(zmq_errno()));
+        if (sock)
+            zmq_close(sock);
+        return rc;
+    }
+    Snapkv__KvReplayReply **parts = NULL;
+    size_t n = 0;
+    uint64_t seq = 0;
+    for (bool final = false; !final && !rc;) {
+        Snapkv__KvReplayReply *p = NULL;
+        uint64_t s = 0;
+        if ((rc = read_part(sock, deadline, &s, &p)))
+            break;
+        Snapkv__KvReplayReply **more = realloc(parts, (n + 1) * sizeof *parts);
+        if (!more) {
+            snapkv__kv_replay_reply__free_unpacked(p, NULL);
+            rc = skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
+            break;
+        }
+        parts = more;
+        parts[n++] = p;
+        final = p->final;
+        if (p->status != SNAPKV_OK)
+            rc = skv_client_fail(p->status < 0 ? p->status : SNAPKV_E_PROTO, "events replay: %s",
+                                 p->message && *p->message ? p->message : snapkv_status_str(p->status));
+        else if (p->part != n - 1 || (n > 1 && s != seq))
+            rc = skv_client_fail(SNAPKV_E_PROTO, "events replay: part %u of sequence %llu where part %zu of %llu "
+                                 "was due", p->part, (unsigned long long)s, n - 1, (unsigned long long)seq);
+        seq = s;
+    }
+    zmq_close(sock);
+    if (rc) {
+        for (size_t i = 0; i < n; i++)
+            snapkv__kv_replay_reply__free_unpacked(parts[i], NULL);
+        free(parts);
+        return rc;
+    }
+    parts_free(ev); /* an earlier snapshot not yet returned is superseded */
+    ev->parts = parts;
+    ev->n_parts = n;
+    ev->replayed = seq;
+    ev->skip = true;
+    if (ev->batch && ev->sequence <= seq) { /* the rest of a stream message the snapshot holds */
+        snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
+        ev->batch = NULL;
+    }
+    return SNAPKV_OK;
+}
+
 void snapkv_events_close(snapkv_events_t **ev_p)
 {
     if (!ev_p || !*ev_p)
         return;
     struct snapkv_events *ev = *ev_p;
+    parts_free(ev);
     if (ev->batch)
         snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
     if (ev->sub)

@@ -26,6 +26,7 @@
  * 4:0:0 (libsnapkv.so.4): snapkv_sampling grew stop and n_stop (stop sequences); snapkv_cancel.
  * 5:0:1 (still libsnapkv.so.4): the KV events subscriber (snapkv_events_*) and
  * snapkv_admin_session_hashes, added.
+ * 6:0:2 (still libsnapkv.so.4): snapkv_events_replay added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -504,6 +505,16 @@ SNAPKV_API int snapkv_events_open(const char *endpoint, snapkv_events_t **out);
  * SNAPKV_E_PROTO for a message that is not one. Free *out with snapkv_event_free(). */
 SNAPKV_API int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out);
 SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
+/* Catches up from the daemon's events-replay-endpoint (ipc://): asks it for every session its
+ * events announced and did not remove, and the sequence number S of the last event published
+ * before; the next events snapkv_events_next() returns are then an AllCleared and one stored
+ * event per session, all with sequence S, and after them the stream's events above S only. So
+ * a subscriber that started late, or saw a gap in the sequence numbers, ends up holding what one
+ * that missed nothing holds. Call it after snapkv_events_open(): the first stream event after a
+ * replay should be S + 1, and one above it is a gap again (the subscription reached the daemon
+ * after the snapshot): replay once more. Waits up to timeout_ms (-1: for ever) for the whole
+ * snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused request. */
+SNAPKV_API int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int timeout_ms);
 /* Accepts NULL and *ev == NULL; sets *ev to NULL. */
 SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);
 /* A session's block hashes as its stored event carried them (through INSPECT on the admin

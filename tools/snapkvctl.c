@@ -97,8 +97,9 @@ static void usage(FILE *out)
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
             "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
             "                                         decodes, requests, errors, tokens and engine time\n"
-            "  events ENDPOINT [--count N]            the KV events of a daemon's events-endpoint, one per line,\n"
-            "                                         until N came (default: for ever)\n"
+            "  events ENDPOINT [--count N] [--replay R] the KV events of a daemon's events-endpoint, one per line,\n"
+            "                                         until N came (default: for ever); --replay: first the\n"
+            "                                         sessions it holds now, from its events-replay-endpoint R\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n",
@@ -1763,17 +1764,25 @@ static const char *const event_kinds[] = {"?", "stored", "removed", "cleared"};
 static int cmd_events(const struct ctl *c, int argc, char **argv)
 {
     long count = -1;
-    if (argc == 4 && strcmp(argv[2], "--count") == 0) {
-        char *end;
-        count = strtol(argv[3], &end, 10);
-        if (*end || count < 1)
-            return usage_error("events", "--count wants a positive number, not '%s'", argv[3]);
-    } else if (argc != 2) {
-        return usage_error("events", "usage: events ENDPOINT [--count N]");
+    const char *replay = NULL;
+    if (argc < 2 || argc % 2 != 0)
+        return usage_error("events", "usage: events ENDPOINT [--count N] [--replay REPLAY_ENDPOINT]");
+    for (int i = 2; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--count") == 0) {
+            char *end;
+            count = strtol(argv[i + 1], &end, 10);
+            if (*end || count < 1)
+                return usage_error("events", "--count wants a positive number, not '%s'", argv[i + 1]);
+        } else if (strcmp(argv[i], "--replay") == 0) {
+            replay = argv[i + 1];
+        } else {
+            return usage_error("events", "usage: events ENDPOINT [--count N] [--replay REPLAY_ENDPOINT]");
+        }
     }
     snapkv_events_t *ev = NULL;
-    if (snapkv_events_open(argv[1], &ev)) {
+    if (snapkv_events_open(argv[1], &ev) || (replay && snapkv_events_replay(ev, replay, c->timeout_ms))) {
         fprintf(stderr, "snapkvctl events: %s\n", snapkv_last_error());
+        snapkv_events_close(&ev);
         return 1;
     }
     int ret = 0;

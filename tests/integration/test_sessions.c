@@ -1315,6 +1315,196 @@ static size_t ref_hashes(const uint32_t *ids, int n, uint64_t *out)
     return k;
 }
 
+/* Prefills and releases 1-token sessions of client c until subscriber ev has seen an event (its
+ * subscription has reached the daemon), then reads what those announced. */
+static void events_joined(snapkv_client_t *c, snapkv_events_t *ev)
+{
+    uint32_t one = 1;
+    struct snapkv_event e;
+    bool seen = false;
+    for (int i = 0; i < 100 && !seen; i++) {
+        struct snapkv_prefill_opts po = {.tokens = &one, .n_tokens = 1};
+        struct snapkv_prefill_result pr;
+        assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+        if (snapkv_events_next(ev, 100, &e) == SNAPKV_OK) {
+            snapkv_event_free(&e);
+            seen = true;
+        }
+    }
+    assert_true(seen);
+    while (snapkv_events_next(ev, 300, &e) == SNAPKV_OK)
+        snapkv_event_free(&e);
+}
+
+/* events-replay-endpoint: a subscriber that joins late asks for a snapshot and gets an
+ * AllCleared and a stored event per session the stream announced and did not remove (not the
+ * released fork), as the stream last announced it (after an APPEND: the longer history), all at
+ * the sequence number of the last event published; stream events at or below it, read after the
+ * snapshot, are dropped, and the next is that number + 1. A request that is not one gets a
+ * status and the daemon goes on. snapkvctl events --replay prints the snapshot first. */
+static void test_kv_events_replay(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    char conf[128], opt[160], ev_ep[96], rp_ep[96];
+    snprintf(ev_ep, sizeof ev_ep, "ipc:///tmp/skv-ev-%d.sock", (int)getpid());
+    snprintf(rp_ep, sizeof rp_ep, "ipc:///tmp/skv-evr-%d.sock", (int)getpid());
+    snprintf(conf, sizeof conf, "/tmp/skv-replay-%d.conf", (int)getpid());
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fprintf(f, "events-endpoint = %s\nevents-replay-endpoint = %s\n", ev_ep, rp_ep);
+    fclose(f);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    start_daemon_with(&d, "1G", opt, 0);
+    unlink(conf);
+    snapkv_client_t *c = client(d.endpoint, "ev");
+    uint32_t ids[N_PROMPT + 16];
+    prompt(ids, N_PROMPT + 16, 41);
+    uint64_t want[(N_PROMPT + 16) / 16];
+    const size_t n_want = ref_hashes(ids, N_PROMPT + 16, want);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result full, comp;
+    assert_int_equal(snapkv_prefill(c, &po, &full), SNAPKV_OK);
+    struct snapkv_session_id forked;
+    assert_int_equal(snapkv_fork(c, &full.id, &forked, NULL), SNAPKV_OK);
+    po.compress = SPEC;
+    assert_int_equal(snapkv_prefill(c, &po, &comp), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &forked), SNAPKV_OK);
+    struct snapkv_append_opts ao = {.tokens = ids + N_PROMPT, .n_tokens = 16};
+    assert_int_equal(snapkv_append(c, &full.id, &ao, NULL), SNAPKV_OK);
+    /* published so far: AllCleared at start, full, the fork, comp, the fork removed, full again */
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open(ev_ep, &ev), SNAPKV_OK);
+    assert_int_equal(snapkv_events_replay(ev, rp_ep, 10000), SNAPKV_OK);
+    struct snapkv_event e;
+    assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_OK);
+    assert_int_equal(e.kind, SNAPKV_EVENT_CLEARED);
+    assert_int_equal(e.sequence, 6);
+    snapkv_event_free(&e);
+    bool seen_full = false, seen_comp = false;
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_OK);
+        assert_int_equal(e.kind, SNAPKV_EVENT_STORED);
+        assert_int_equal(e.sequence, 6);
+        assert_string_equal(e.tenant, "ev");
+        if (memcmp(e.id.bytes, full.id.bytes, 16) == 0) {
+            seen_full = true;
+            assert_int_equal(e.n_tokens, N_PROMPT + 16);
+            assert_false(e.compressed);
+            assert_int_equal(e.n_block_hashes, n_want);
+            assert_memory_equal(e.block_hashes, want, n_want * sizeof *want);
+        } else {
+            assert_memory_equal(e.id.bytes, comp.id.bytes, 16);
+            seen_comp = true;
+            assert_int_equal(e.n_tokens, N_PROMPT);
+            assert_true(e.compressed);
+            assert_int_equal(e.n_block_hashes, N_PROMPT / 16);
+            assert_memory_equal(e.block_hashes, want, (N_PROMPT / 16) * sizeof *want);
+        }
+        snapkv_event_free(&e);
+    }
+    assert_true(seen_full && seen_comp);
+
+    /* a subscriber whose subscription is in: an event it has not read, then a replay: that event
+     * comes in the snapshot, not again after it */
+    events_joined(c, ev);
+    uint32_t more[16];
+    prompt(more, 16, 42);
+    ao.tokens = more;
+    assert_int_equal(snapkv_append(c, &comp.id, &ao, NULL), SNAPKV_OK); /* queued at the subscriber */
+    usleep(200 * 1000);
+    assert_int_equal(snapkv_events_replay(ev, rp_ep, 10000), SNAPKV_OK);
+    uint64_t seq = 0;
+    int n = 0;
+    while (snapkv_events_next(ev, 500, &e) == SNAPKV_OK) {
+        if (n++ == 0) {
+            assert_int_equal(e.kind, SNAPKV_EVENT_CLEARED);
+            seq = e.sequence;
+        } else {
+            assert_int_equal(e.kind, SNAPKV_EVENT_STORED);
+            assert_int_equal(e.sequence, seq); /* nothing from the stream at or below it */
+            if (memcmp(e.id.bytes, comp.id.bytes, 16) == 0)
+                assert_int_equal(e.n_tokens, N_PROMPT + 16);
+        }
+        snapkv_event_free(&e);
+    }
+    assert_int_equal(n, 3);
+    assert_int_equal(snapkv_release(c, &comp.id), SNAPKV_OK);
+    assert_int_equal(snapkv_events_next(ev, 10000, &e), SNAPKV_OK);
+    assert_int_equal(e.kind, SNAPKV_EVENT_REMOVED);
+    assert_int_equal(e.sequence, seq + 1);
+    assert_memory_equal(e.id.bytes, comp.id.bytes, 16);
+    snapkv_event_free(&e);
+
+    /* not a request: a status, and the daemon goes on */
+    void *ctx = zmq_ctx_new(), *dealer = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0, timeout = 10000;
+    zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(dealer, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    assert_int_equal(zmq_connect(dealer, rp_ep), 0);
+    assert_int_equal(zmq_send(dealer, "\xff\xff\xff", 3, 0), 3);
+    uint8_t be[8], body[512];
+    assert_int_equal(zmq_recv(dealer, be, sizeof be, 0), 8);
+    int len = zmq_recv(dealer, body, sizeof body, 0);
+    assert_true(len > 0);
+    Snapkv__KvReplayReply *rep = snapkv__kv_replay_reply__unpack(NULL, (size_t)len, body);
+    assert_non_null(rep);
+    assert_int_equal(rep->status, SNAPKV_E_PROTO);
+    assert_true(rep->final);
+    assert_non_null(strstr(rep->message, "KvReplayRequest"));
+    snapkv__kv_replay_reply__free_unpacked(rep, NULL);
+    zmq_close(dealer);
+    zmq_ctx_term(ctx);
+    assert_int_equal(snapkv_events_replay(ev, rp_ep, 10000), SNAPKV_OK);
+    assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_OK);
+    assert_int_equal(e.kind, SNAPKV_EVENT_CLEARED);
+    assert_int_equal(e.sequence, seq + 1);
+    snapkv_event_free(&e);
+    assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_OK); /* full alone now */
+    assert_memory_equal(e.id.bytes, full.id.bytes, 16);
+    snapkv_event_free(&e);
+    assert_int_equal(snapkv_events_next(ev, 300, &e), SNAPKV_E_TIMEOUT);
+    snapkv_events_close(&ev);
+
+    /* snapkvctl events --replay: the snapshot first, one JSON object per event */
+    char out_path[128], cmd[9000];
+    snprintf(out_path, sizeof out_path, "%s/replay.out", d.dir);
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    snprintf(cmd, sizeof cmd, "%s/snapkvctl --json events %s --replay %s --count 2 > %s", build, ev_ep, rp_ep,
+             out_path);
+    assert_int_equal(system(cmd), 0);
+    f = fopen(out_path, "r");
+    assert_non_null(f);
+    char line[4096];
+    assert_non_null(fgets(line, sizeof line, f));
+    assert_non_null(strstr(line, "\"kind\":\"cleared\""));
+    assert_non_null(fgets(line, sizeof line, f));
+    assert_non_null(strstr(line, "\"kind\":\"stored\""));
+    char hex[33];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", full.id.bytes[i]);
+    assert_non_null(strstr(line, hex));
+    assert_null(fgets(line, sizeof line, f));
+    fclose(f);
+
+    snapkv_prefill_result_free(&full);
+    snapkv_prefill_result_free(&comp);
+    snapkv_close(&c);
+    stop_daemon(&d);
+
+    /* replay without events, or over tcp://: refused at start with a message */
+    snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-replay-endpoint=%s --endpoint=ipc:///tmp/skv-ev-x "
+             "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'set events-endpoint too'", build, g_model, rp_ep);
+    assert_int_equal(system(cmd), 0);
+    snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-endpoint=%s --events-replay-endpoint=tcp://127.0.0.1:1 "
+             "--endpoint=ipc:///tmp/skv-ev-x --admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | "
+             "grep -q 'events-replay-endpoint is ipc:// only'", build, g_model, ev_ep);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* events-endpoint: a SUB socket (and libsnapkv's subscriber, and snapkvctl events) sees each
  * session stored (PREFILL, FORK), stored again as it changes (APPEND, a DECODE's end, COMPRESS)
  * and removed (RELEASE, EVICT), in order with consecutive sequence numbers, each with the
@@ -2686,6 +2876,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
+        cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
