@@ -806,26 +806,32 @@ static int waitset_init(struct skv_server *srv, struct waitset *ws)
     return SKV_OK;
 }
 
-/* Fills ws->ready, sleeping up to timeout_ms when no socket has input. */
+/* Asks the sockets whose readiness is not known; true when any has input. */
+static bool waitset_ask(struct waitset *ws)
+{
+    bool any = false;
+    for (int i = 0; i < ws->n; i++) {
+        if (ws->ask[i] && ws->sock[i]) {
+            ws->ready[i] = sock_readable(ws->sock[i]);
+            ws->ask[i] = false;
+        }
+        any |= ws->ready[i];
+    }
+    return any;
+}
+
+/* Fills ws->ready, sleeping up to timeout_ms when no socket has input. The fds are polled
+ * even then (without waiting): a socket that always has input must not hide the others, whose
+ * fds alone say they have some. */
 static int waitset_wait(struct waitset *ws, int timeout_ms)
 {
-    for (int pass = 0; pass < 2; pass++) {
-        bool any = false;
-        for (int i = 0; i < ws->n; i++) {
-            if (ws->ask[i] && ws->sock[i]) {
-                ws->ready[i] = sock_readable(ws->sock[i]);
-                ws->ask[i] = false;
-            }
-            any |= ws->ready[i];
-        }
-        if (any || pass == 1)
-            return SKV_OK;
-        int n = poll(ws->fds, (nfds_t)ws->n, timeout_ms);
-        if (n < 0 && errno != EINTR)
-            return skv_errorf(SKV_E_IO, "poll: %s", strerror(errno));
-        for (int i = 0; i < ws->n; i++)
-            ws->ask[i] = n <= 0 || (ws->fds[i].revents & (POLLIN | POLLERR | POLLHUP));
-    }
+    bool any = waitset_ask(ws);
+    int n = poll(ws->fds, (nfds_t)ws->n, any ? 0 : timeout_ms);
+    if (n < 0 && errno != EINTR)
+        return skv_errorf(SKV_E_IO, "poll: %s", strerror(errno));
+    for (int i = 0; i < ws->n; i++) /* a wait that timed out or was interrupted: ask them all */
+        ws->ask[i] |= n < 0 || (n == 0 && !any) || (ws->fds[i].revents & (POLLIN | POLLERR | POLLHUP | POLLNVAL));
+    waitset_ask(ws);
     return SKV_OK;
 }
 
