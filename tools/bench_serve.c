@@ -673,7 +673,7 @@ static void zmq_echo_serve(const char *endpoint)
     void *sock = ctx ? zmq_socket(ctx, ZMQ_ROUTER) : NULL;
     if (!sock || zmq_bind(sock, endpoint) < 0)
         _exit(1);
-    int timeout_ms = 10000; /* a parent that died without saying so */
+    int timeout_ms = 120000; /* a parent that died without saying so */
     zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms);
     for (;;) {
         zmq_msg_t id, body;
@@ -725,9 +725,10 @@ static int zmq_echo_start(struct zmq_echo *e)
     }
     if (e->pid == 0)
         zmq_echo_serve(e->endpoint);
-    int timeout_ms = 5000;
+    int timeout_ms = 5000, linger_ms = 1000; /* the stop message may find the child gone */
     if (!(e->ctx = zmq_ctx_new()) || !(e->sock = zmq_socket(e->ctx, ZMQ_DEALER)) ||
         zmq_setsockopt(e->sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) < 0 ||
+        zmq_setsockopt(e->sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms) < 0 ||
         zmq_connect(e->sock, e->endpoint) < 0) {
         int rc = skv_errorf(SKV_E_IO, "echo socket: %s", zmq_strerror(zmq_errno()));
         zmq_echo_stop(e);
