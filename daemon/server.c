@@ -892,11 +892,12 @@ int skv_server_run(struct skv_server *srv)
             skv_clients_expire(srv->clients, now);
             srv->clients_expired_ms = now;
         }
-        for (int i = WAIT_CLIENT; i <= WAIT_ADMIN; i++) {
+        for (int i = WAIT_ADMIN; i >= WAIT_CLIENT; i--) {
             if (!ws.ready[i])
                 continue;
-            /* fairness: a bounded batch per socket; a socket left with input is asked again,
-             * one drained was asked last (nothing used it since) */
+            /* the admin endpoint first: an operator's STATUS or EVICT during a flood of client
+             * requests waits for no batch of them. Fairness: a bounded batch per socket; a socket
+             * left with input is asked again, one drained was asked last (nothing used it since) */
             bool more = serve_ready(srv, i, 64, true);
             ws.ready[i] = false;
             ws.ask[i] = more;
