@@ -212,12 +212,14 @@ static void send_snapshot(struct skv_events_mirror *m, void *sock, const zmq_msg
     cleared.cleared = &cleared_msg;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    size_t n = 0, i = 0, sent = 0;
+    size_t n = 0, i = 0, sent = 0, placed = 0; /* placed: sessions put in a part so far */
     events[n++] = &cleared;
     for (uint32_t part = 0;; part++) {
-        while (n < SKV_REPLAY_PART_EVENTS && i < m->cap) {
-            if (m->tab[i].ev)
+        while (n < SKV_REPLAY_PART_EVENTS && placed < m->n) {
+            if (m->tab[i].ev) {
                 events[n++] = m->tab[i].ev;
+                placed++;
+            }
             i++;
         }
         Snapkv__KvEventBatch batch = SNAPKV__KV_EVENT_BATCH__INIT;
@@ -228,7 +230,7 @@ static void send_snapshot(struct skv_events_mirror *m, void *sock, const zmq_msg
         Snapkv__KvReplayReply rep = SNAPKV__KV_REPLAY_REPLY__INIT;
         rep.version = REPLAY_VERSION;
         rep.part = part;
-        rep.final = i >= m->cap;
+        rep.final = placed == m->n; /* (no empty part after the last session) */
         rep.batch = &batch;
         if (!send_part(sock, identity, sequence, &rep)) {
             skv_log(SKV_LOG_DEBUG, "events replay: cut after %zu of %zu sessions (the requester is gone or does not "

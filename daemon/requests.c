@@ -1457,11 +1457,10 @@ static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final,
     Snapkv__DecodeReply dr = SNAPKV__DECODE_REPLY__INIT;
     reply_init(&rep, d->job);
     rep.final = final;
-    uint32_t ids[n ? n : 1];
-    for (size_t i = 0; i < n; i++)
-        ids[i] = (uint32_t)tokens[i];
     dr.n_tokens = n;
-    dr.tokens = ids;
+    /* token ids are never negative, and a signed and an unsigned type of one size may alias:
+     * no copy (a copy on the stack was max-new-tokens ids long: 64 MiB at its limit) */
+    dr.tokens = (uint32_t *)tokens;
     dr.text = (char *)text;
     dr.n_generated = d->produced;
     dr.finish_reason = (char *)(reason ? reason : "");

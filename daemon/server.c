@@ -62,6 +62,7 @@ struct skv_server {
     uint64_t unread_dropped_logged; /* replies dropped for those bounds, when last logged */
     uint64_t unread_logged_ms;
     struct skv_worker *worker;
+    bool worker_done;             /* its last message (SKV_WORKER_DONE_SOCK) was read: at a stop */
     struct skv_metrics_http *metrics;  /* NULL unless metrics-listen is set */
     time_t started;
     uint64_t n_requests;
@@ -734,7 +735,9 @@ static bool forward_reply(struct skv_server *srv, int flags)
     bool ok = zmq_msg_recv(&parts[0], srv->replies, flags) >= 0 && zmq_msg_recv(&parts[1], srv->replies, 0) >= 0 &&
               zmq_msg_recv(&parts[2], srv->replies, 0) >= 0;
     int idx = ok ? *(const uint8_t *)zmq_msg_data(&parts[0]) : 0;
-    if (ok && idx == SKV_WORKER_EVENTS_SOCK)
+    if (ok && idx == SKV_WORKER_DONE_SOCK)
+        srv->worker_done = true;
+    else if (ok && idx == SKV_WORKER_EVENTS_SOCK)
         publish_event(srv, zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
     else if (ok)
         reply_out(srv, idx ? 1 : 0, zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]), zmq_msg_data(&parts[2]),
@@ -743,6 +746,9 @@ static bool forward_reply(struct skv_server *srv, int flags)
         zmq_msg_close(&parts[i]);
     return ok;
 }
+
+/* Requests read at a stop (answered SKV_E_CANCELLED), per socket. */
+#define STOP_DRAIN_MAX 4096
 
 static bool sock_readable(void *sock)
 {
@@ -905,23 +911,22 @@ int skv_server_run(struct skv_server *srv)
                 ws.ask[WAIT_CONNECTIONS] = true; /* read before each client request */
         }
     }
-    /* Stop accepting: answer what already arrived (the worker refuses new work with
-     * SKV_E_CANCELLED), let the worker cancel its queue and decodes, forward every reply. */
+    /* Stop accepting: the worker refuses new work from now on, so what already arrived is
+     * answered SKV_E_CANCELLED here (a bounded number: clients that keep sending do not hold
+     * the stop up); it answers its queue, cancels its decodes and saves, and every reply is
+     * forwarded until its last message. The pipe is read all along: a worker that filled it
+     * (decodes streaming while a long forward ends, a long queue answered) would otherwise
+     * block, and the stop with it, until systemd killed the daemon unsaved. */
+    skv_worker_request_stop(srv->worker);
     for (int i = 0; i < 2; i++)
-        serve_ready(srv, i, -1, false);
-    skv_worker_stop(&srv->worker);
-    /* A non-blocking receive right after the worker thread ends can miss its last replies (the
-     * socket may not have processed their arrival yet: a cancelled decode's final reply was lost
-     * about one run in six), so wait on the pipe until it stays empty for 200 ms. */
-    for (;;) {
+        serve_ready(srv, i, STOP_DRAIN_MAX, false);
+    while (!srv->worker_done) {
         zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
-        int r = zmq_poll(&it, 1, 200);
-        if (r < 0 && zmq_errno() == EINTR)
-            continue;
-        if (r <= 0)
+        if (zmq_poll(&it, 1, 200) < 0 && zmq_errno() != EINTR)
             break;
-        while (forward_reply(srv, ZMQ_DONTWAIT))
+        while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
             ;
     }
+    skv_worker_stop(&srv->worker);
     return SKV_OK;
 }

@@ -379,15 +379,18 @@ static uint64_t weighted(const struct skv_worker *w, const char *tenant, uint64_
 }
 
 /* Charges a tenant `us` of engine time on a request it ran: to its engine seconds, and, divided
- * by its weight, to its virtual time from `start` (where it stood when the request was chosen).
+ * by its weight, to its virtual time from `start` (where it stood when the request was chosen),
+ * or from where it stands now when that is later: its own short requests that ran inside this
+ * one were charged meanwhile, and add up with it. The clock is not a floor here: a nested
+ * request of a tenant ahead moved it while this one ran, and this one was chosen behind it.
  * The table keeps only tenants ahead of the clock; when it is full, the one nearest the clock
  * goes (it comes back at the clock, a small head start). */
 static void charge(struct skv_worker *w, const char *tenant, uint64_t start, uint64_t us)
 {
     skv_worker_tenant(w, tenant)->engine_seconds += (double)us * 1e-6;
     us = weighted(w, tenant, us);
-    uint64_t vt = (start > w->vclock_us ? start : w->vclock_us) + (us ? us : 1);
     struct skv_tenant_clock *c = clock_find(w, tenant);
+    uint64_t vt = (c && c->vt_us > start ? c->vt_us : start) + (us ? us : 1);
     if (!c) {
         int n = 0; /* drop those the clock passed */
         for (int i = 0; i < w->n_clocks; i++)
@@ -481,7 +484,8 @@ static struct skv_job *take_short(struct skv_worker *w)
 {
     pthread_mutex_lock(&w->mu);
     struct skv_job *prev = NULL, *found = NULL;
-    for (struct skv_job *q = w->head; q && !w->stopping; prev = q, q = q->next) {
+    int k = 0; /* the oldest SKV_FAIR_WINDOW only, as fair order: the socket thread waits for this lock */
+    for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
         bool blocked = (w->running && same_sender(w->running, q)) || (w->outer && same_sender(w->outer, q)) ||
@@ -664,7 +668,10 @@ void skv_worker_yield(struct skv_worker *w)
         charge(w, tenant, start, monotonic_us() - t);
         skv_worker_beat(w);
     }
-    if (w->decodes) {
+    pthread_mutex_lock(&w->mu);
+    bool stopping = w->stopping;
+    pthread_mutex_unlock(&w->mu);
+    if (w->decodes && !stopping) { /* at a stop they are cancelled when the forward ends */
         decode_rounds(w);
         w->metrics.decode_rounds_yielded++;
     }
@@ -834,6 +841,12 @@ static void *worker_main(void *arg)
     }
     skv_requests_ipc_close_all(w);
     skv_requests_persist_close(w);
+    if (w->done_marker) { /* read under the lock with `stopping`, which request_stop set with it */
+        uint8_t s = SKV_WORKER_DONE_SOCK;
+        zmq_send(w->push, &s, 1, ZMQ_SNDMORE);
+        zmq_send(w->push, "", 0, ZMQ_SNDMORE);
+        zmq_send(w->push, "", 0, 0);
+    }
     zmq_close(w->push);
     w->push = NULL; /* no event after this */
     return NULL;
@@ -1166,6 +1179,15 @@ int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t
         atomic_fetch_add(&w->dropped_gone, 1);
     }
     return SKV_OK;
+}
+
+void skv_worker_request_stop(struct skv_worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    w->stopping = true;
+    w->done_marker = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
 }
 
 void skv_worker_stop(struct skv_worker **w_p)

@@ -65,6 +65,11 @@ size_t skv_request_bytes(const Snapkv__Request *req);
 int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t identity_len, bool first);
 /* Cancels what is queued and in flight (each gets a final reply), then joins the thread. */
 void skv_worker_stop(struct skv_worker **w_p);
+/* Tells the worker to stop and returns at once: it refuses new work, answers what is queued,
+ * cancels its decodes, saves (persist) and then sends one SKV_WORKER_DONE_SOCK message, its last.
+ * The reply pipe must be read until that message (the worker blocks on a full pipe), then
+ * skv_worker_stop joins the thread. */
+void skv_worker_request_stop(struct skv_worker *w);
 
 /* Snapshot for STATUS (any thread). */
 struct skv_worker_stats {
@@ -96,5 +101,8 @@ void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__R
  * endpoint, 1 the admin one, and this one a KV event (empty routing id, body a KvEventBatch)
  * for the events endpoint. */
 #define SKV_WORKER_EVENTS_SOCK 2
+/* The worker's last message after skv_worker_request_stop (empty routing id and body): every
+ * reply it sent is before it in the pipe. */
+#define SKV_WORKER_DONE_SOCK 3
 
 #endif

@@ -1087,6 +1087,99 @@ static void test_sigterm_mid_decode(void **state)
     stop_daemon(&d);
 }
 
+/* SIGTERM with more queued requests than the reply pipe holds (libzmq: about 2000 messages):
+ * one DEALER sends a PREFILL of 2048 tokens and 3000 RELEASEs of an unknown id behind it (one
+ * sender's requests keep their order, so they wait for the PREFILL), then SIGTERM. The worker
+ * answers all 3000 at the stop; the socket thread reads the pipe meanwhile, so every request is
+ * answered and the daemon exits 0 (before, the socket thread waited for the worker without
+ * reading, the worker blocked on the full pipe, and the daemon never exited). */
+static void test_sigterm_full_queue(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    enum { N_RELEASES = 3000, N_PREFILL = 2048 };
+    struct daemon d;
+    char conf[128], opt[160];
+    snprintf(conf, sizeof conf, "/tmp/skv-stopq-%d.conf", (int)getpid());
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fprintf(f, "queue-depth = 4000\nqueue-depth-per-tenant = 4000\n");
+    fclose(f);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    start_daemon_with(&d, "1G", opt, 0);
+    unlink(conf);
+    snapkv_client_t *c = client(d.endpoint, "t"); /* the daemon is up */
+    void *ctx = zmq_ctx_new(), *dealer = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0, hwm = 0, timeout = 120000;
+    zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(dealer, ZMQ_SNDHWM, &hwm, sizeof hwm);
+    zmq_setsockopt(dealer, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    assert_int_equal(zmq_connect(dealer, d.endpoint), 0);
+    static uint32_t ids[N_PREFILL];
+    prompt(ids, N_PREFILL, 13);
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.tokens = ids;
+    p.n_tokens = N_PREFILL;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.version = SNAPKV_PROTOCOL_VERSION;
+    req.tenant = "t";
+    req.request_id = 1;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    static uint8_t buf[16384];
+    size_t len = snapkv__request__pack(&req, buf);
+    assert_int_equal(zmq_send(dealer, buf, len, 0), (int)len);
+    uint8_t unknown[16];
+    memset(unknown, 0x5a, sizeof unknown);
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = (ProtobufCBinaryData){16, unknown};
+    req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    req.release = &rr;
+    for (int i = 0; i < N_RELEASES; i++) {
+        req.request_id = 2 + (uint64_t)i;
+        len = snapkv__request__pack(&req, buf);
+        assert_int_equal(zmq_send(dealer, buf, len, 0), (int)len);
+    }
+    /* until the daemon has queued them all: its queue gauge (STATUS) */
+    snapkv_client_t *a = client(d.admin, NULL);
+    struct snapkv_status_info si;
+    for (int i = 0; i < 200; i++) {
+        assert_int_equal(snapkv_admin_status(a, &si), SNAPKV_OK);
+        if (si.queue_depth >= N_RELEASES)
+            break;
+        usleep(10 * 1000);
+    }
+    assert_true(si.queue_depth >= N_RELEASES); /* the PREFILL still runs: everything waits */
+    snapkv_close(&a);
+    kill(d.pid, SIGTERM);
+    int answered = 0, cancelled = 0, prefilled = 0;
+    for (int i = 0; i < N_RELEASES + 1; i++) {
+        uint8_t rbuf[4096];
+        int n = zmq_recv(dealer, rbuf, sizeof rbuf, 0);
+        if (n < 0)
+            break;
+        Snapkv__Reply *rep = snapkv__reply__unpack(NULL, (size_t)n, rbuf);
+        assert_non_null(rep);
+        answered++;
+        cancelled += rep->status == SNAPKV_E_CANCELLED;
+        prefilled += rep->request_id == 1 && rep->status == SNAPKV_OK;
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_int_equal(answered, N_RELEASES + 1);
+    assert_int_equal(prefilled, 1);
+    assert_int_equal(cancelled, N_RELEASES);
+    int st;
+    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    forget_daemon(d.pid);
+    d.pid = 0;
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    zmq_close(dealer);
+    zmq_ctx_term(ctx);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* SIGTERM; the daemon's exit status (-1: killed by a signal). */
 static int term_daemon(struct daemon *d)
 {
@@ -2877,6 +2970,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),
+        cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

@@ -5,7 +5,8 @@
  *   sessions the list holds, each as its last stored event said;
  * - the snapshot: parts of at most 64 events, numbered, the last one final, part 0 led by
  *   AllCleared, every part under the sequence it was asked at;
- * - an empty mirror's snapshot is one part, AllCleared alone;
+ * - an empty mirror's snapshot is one part, AllCleared alone, and one that fills its last part
+ *   exactly ends there;
  * - a request that is not one, or of another version, gets a status and a message. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -221,6 +222,26 @@ static void test_mirror(void **state)
     expect_mirror(f, seq);
 }
 
+/* Snapshots that fill their last part exactly (63 sessions and AllCleared: one part; 127: two)
+ * end there, with no empty part after; 64 take two parts. */
+static void test_part_edges(void **state)
+{
+    struct fixture *f = *state;
+    const int counts[] = {63, 127, 64, 1};
+    uint64_t seq = 0;
+    for (size_t c = 0; c < sizeof counts / sizeof *counts; c++) {
+        publish(f, SNAPKV__KV_EVENT__KIND_CLEARED, 0, 0);
+        for (int i = 0; i < N_IDS; i++)
+            f->tokens[i] = -1;
+        for (int i = 0; i < counts[c]; i++) {
+            int at = (int)((size_t)i * 7 % N_IDS); /* spread over the table */
+            publish(f, SNAPKV__KV_EVENT__KIND_STORED, at, (uint32_t)(i + 1));
+            f->tokens[at] = i + 1;
+        }
+        expect_mirror(f, ++seq);
+    }
+}
+
 static void test_refused(void **state)
 {
     struct fixture *f = *state;
@@ -244,6 +265,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_mirror, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_part_edges, setup, teardown),
         cmocka_unit_test_setup_teardown(test_refused, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
