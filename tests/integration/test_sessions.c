@@ -1047,6 +1047,17 @@ static int count_tokens(void *user, const uint32_t *t, size_t n, const char *tex
     return 0;
 }
 
+/* Waits for the daemon, which was sent SIGTERM, to exit; it must exit 0. */
+static void expect_exit_0(struct daemon *d)
+{
+    int st;
+    assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
+    forget_daemon(d->pid);
+    d->pid = 0;
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+}
+
 static void test_sigterm_mid_decode(void **state)
 {
     NEED_MODEL();
@@ -1076,12 +1087,7 @@ static void test_sigterm_mid_decode(void **state)
     assert_true(got > 0 && got < 2000);
     snapkv_decode_result_free(&dr);
     waitpid(killer, NULL, 0);
-    int st;
-    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
-    forget_daemon(d.pid);
-    d.pid = 0;
-    assert_true(WIFEXITED(st));
-    assert_int_equal(WEXITSTATUS(st), 0);
+    expect_exit_0(&d);
     snapkv_prefill_result_free(&pr);
     snapkv_close(&c);
     stop_daemon(&d);
@@ -1168,12 +1174,7 @@ static void test_sigterm_full_queue(void **state)
     assert_int_equal(answered, N_RELEASES + 1);
     assert_int_equal(prefilled, 1);
     assert_int_equal(cancelled, N_RELEASES);
-    int st;
-    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
-    forget_daemon(d.pid);
-    d.pid = 0;
-    assert_true(WIFEXITED(st));
-    assert_int_equal(WEXITSTATUS(st), 0);
+    expect_exit_0(&d);
     zmq_close(dealer);
     zmq_ctx_term(ctx);
     snapkv_close(&c);
