@@ -203,7 +203,8 @@ static void refuse(void *sock, const zmq_msg_t *identity, uint64_t sequence, int
 }
 
 /* The snapshot in parts of SKV_REPLAY_PART_EVENTS events, part 0 led by AllCleared. */
-static void send_snapshot(struct skv_events_mirror *m, void *sock, const zmq_msg_t *identity, uint64_t sequence)
+static void send_snapshot(struct skv_events_mirror *m, void *sock, const zmq_msg_t *identity, uint64_t sequence,
+                          uint64_t boot_id)
 {
     Snapkv__KvEvent *events[SKV_REPLAY_PART_EVENTS];
     Snapkv__AllCleared cleared_msg = SNAPKV__ALL_CLEARED__INIT;
@@ -225,6 +226,7 @@ static void send_snapshot(struct skv_events_mirror *m, void *sock, const zmq_msg
         Snapkv__KvEventBatch batch = SNAPKV__KV_EVENT_BATCH__INIT;
         batch.version = REPLAY_VERSION;
         batch.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+        batch.boot_id = boot_id;
         batch.n_events = n;
         batch.events = events;
         Snapkv__KvReplayReply rep = SNAPKV__KV_REPLAY_REPLY__INIT;
@@ -245,7 +247,7 @@ static void send_snapshot(struct skv_events_mirror *m, void *sock, const zmq_msg
     skv_log(SKV_LOG_DEBUG, "events replay: %zu session(s) at sequence %llu", sent, (unsigned long long)sequence);
 }
 
-bool skv_events_mirror_serve(struct skv_events_mirror *m, void *sock, uint64_t sequence)
+bool skv_events_mirror_serve(struct skv_events_mirror *m, void *sock, uint64_t sequence, uint64_t boot_id)
 {
     zmq_msg_t identity, body;
     zmq_msg_init(&identity);
@@ -275,7 +277,7 @@ bool skv_events_mirror_serve(struct skv_events_mirror *m, void *sock, uint64_t s
     else if (req->version != REPLAY_VERSION)
         refuse(sock, &identity, sequence, SKV_E_VERSION, "replay protocol version not supported (this daemon speaks 1)");
     else
-        send_snapshot(m, sock, &identity, sequence);
+        send_snapshot(m, sock, &identity, sequence, boot_id);
     if (req)
         snapkv__kv_replay_request__free_unpacked(req, NULL);
     zmq_msg_close(&identity);

@@ -27,9 +27,10 @@ size_t skv_events_mirror_count(const struct skv_events_mirror *m);
 #define SKV_REPLAY_PART_EVENTS 64
 
 /* Reads one request from `sock` (a ROUTER: [identity][KvReplayRequest]) and sends the snapshot to
- * it as parts [sequence, big-endian][KvReplayReply], or one reply with a status for a request
+ * it as parts [sequence, big-endian][KvReplayReply] (their batches carry boot_id, the events'),
+ * or one reply with a status for a request
  * that is not one. Nothing waits: a part the socket cannot take now (the subscriber is gone or
  * does not read) ends the reply there. False when no request was waiting. */
-bool skv_events_mirror_serve(struct skv_events_mirror *m, void *sock, uint64_t sequence);
+bool skv_events_mirror_serve(struct skv_events_mirror *m, void *sock, uint64_t sequence, uint64_t boot_id);
 
 #endif

@@ -852,11 +852,9 @@ int skv_server_run(struct skv_server *srv)
 {
     struct waitset ws;
     int rc = waitset_init(srv, &ws);
-    if (rc)
-        return rc;
-    while (!*srv->env.stop) {
+    while (!rc && !*srv->env.stop) {
         if ((rc = waitset_wait(&ws, 200)))
-            return rc;
+            break; /* the stop below still runs: the worker must not be joined unread */
         if (*srv->env.reopen) {
             *srv->env.reopen = 0;
             if (skv_log_reopen())
@@ -889,7 +887,9 @@ int skv_server_run(struct skv_server *srv)
             waitset_served(&ws, WAIT_CONNECTIONS);
         }
         if (ws.ready[WAIT_REPLAY]) { /* a few per wake: each may send every session */
-            for (int k = 0; k < 4 && skv_events_mirror_serve(srv->mirror, srv->replay, srv->events_seq); k++)
+            for (int k = 0; k < 4 && skv_events_mirror_serve(srv->mirror, srv->replay, srv->events_seq,
+                                                            skv_worker_boot_id(srv->worker));
+                 k++)
                 ;
             waitset_served(&ws, WAIT_REPLAY);
         }
@@ -928,5 +928,5 @@ int skv_server_run(struct skv_server *srv)
             ;
     }
     skv_worker_stop(&srv->worker);
-    return SKV_OK;
+    return rc;
 }

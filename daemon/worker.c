@@ -74,6 +74,7 @@ static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
     Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
     b.version = 1;
     b.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    b.boot_id = w->boot_id;
     b.n_events = 1;
     b.events = &ev;
     push_out(w, SKV_WORKER_EVENTS_SOCK, "", 0, &b.base);
@@ -821,6 +822,11 @@ static void *worker_main(void *arg)
             charge(w, tenant, start, took > w->nested_us ? took - w->nested_us : 0);
         }
         skv_worker_beat(w);
+        pthread_mutex_lock(&w->mu);
+        bool stop_asked = w->stopping;
+        pthread_mutex_unlock(&w->mu);
+        if (stop_asked) /* no round nor checkpoint more: the top of the loop cancels and saves */
+            continue;
         if (w->decodes)
             w->persist_dirty = true;
         decode_rounds(w);
@@ -863,6 +869,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     w->zctx = zctx;
     w->fair = !cfg->queue_order || strcmp(cfg->queue_order, "fifo") != 0;
     w->events = cfg->events_endpoint && *cfg->events_endpoint;
+    randombytes_buf(&w->boot_id, sizeof w->boot_id); /* the events' boot id (libsodium is initialised) */
     if (cfg->tenant_weights && skv_tenant_weights_parse(cfg->tenant_weights, w->weights, &w->n_weights)) {
         free(w);
         return SKV_E_INVAL; /* the message says which entry */
@@ -1179,6 +1186,11 @@ int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t
         atomic_fetch_add(&w->dropped_gone, 1);
     }
     return SKV_OK;
+}
+
+uint64_t skv_worker_boot_id(const struct skv_worker *w)
+{
+    return w->boot_id;
 }
 
 void skv_worker_request_stop(struct skv_worker *w)

@@ -70,6 +70,8 @@ void skv_worker_stop(struct skv_worker **w_p);
  * The reply pipe must be read until that message (the worker blocks on a full pipe), then
  * skv_worker_stop joins the thread. */
 void skv_worker_request_stop(struct skv_worker *w);
+/* The KV events' boot id (KvEventBatch.boot_id): random, set at start; read-only after. */
+uint64_t skv_worker_boot_id(const struct skv_worker *w);
 
 /* Snapshot for STATUS (any thread). */
 struct skv_worker_stats {

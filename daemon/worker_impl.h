@@ -76,6 +76,7 @@ struct skv_worker {
     uint64_t queued_bytes;    /* the memory they hold (max-queued-bytes applies) */
     int notices;              /* SKV_JOB_CLIENT_GONE jobs waiting (SKV_WORKER_NOTICES_MAX) */
     bool stopping;
+    uint64_t boot_id;         /* random at start: KV events' sequence numbers count within one */
     bool done_marker;         /* skv_worker_request_stop: the last message is SKV_WORKER_DONE_SOCK's */
     struct skv_decode *decodes;
     uint64_t last_round_us;   /* CLOCK_MONOTONIC us when the last decode round or yield ended */

@@ -18,7 +18,9 @@ struct snapkv_events {
     Snapkv__KvReplayReply **parts; /* a replay's snapshot, returned before the stream */
     size_t n_parts, part, part_next;
     uint64_t replayed;            /* the snapshot's sequence: stream events up to it are dropped */
-    bool skip;
+    bool skip;                    /* until one above it, or a restart of the daemon, comes */
+    bool seen;                    /* a stream message was read since the last replay (sequence is its) */
+    uint64_t boot_id;             /* the replayed daemon's (KvEventBatch.boot_id) */
 };
 
 int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
@@ -76,13 +78,26 @@ static int read_batch(struct snapkv_events *ev, int timeout_ms)
             seq = seq << 8 | be[k];
         if (ev->batch)
             snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
-        ev->batch = NULL;
         ev->next = 0;
+        /* after a replay, a batch at or below its number is one the snapshot holds: dropped;
+         * unless the daemon restarted since (numbers start again at 1 with an AllCleared): another
+         * boot id, a number below the last one seen, or an AllCleared ends the dropping */
+        bool restarted = ev->skip && ev->seen && seq < ev->sequence;
         ev->sequence = seq;
-        if (!(ev->skip && seq <= ev->replayed)) { /* one the snapshot holds already: dropped */
-            ev->batch = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
-            if (!ev->batch)
-                rc = skv_client_fail(SNAPKV_E_PROTO, "events: a batch that does not decode");
+        ev->seen = true;
+        ev->batch = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
+        if (!ev->batch) {
+            rc = skv_client_fail(SNAPKV_E_PROTO, "events: a batch that does not decode");
+        } else if (ev->skip) {
+            restarted |= ev->batch->boot_id != ev->boot_id; /* (a daemon of before boot ids sends 0) */
+            for (size_t k = 0; k < ev->batch->n_events && !restarted; k++)
+                restarted = ev->batch->events[k]->kind_case == SNAPKV__KV_EVENT__KIND_CLEARED;
+            if (restarted || seq > ev->replayed) {
+                ev->skip = false;
+            } else {
+                snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
+                ev->batch = NULL;
+            }
         }
     }
     for (int i = 0; i < got && i < 3; i++)
@@ -195,7 +210,7 @@ static int read_part(void *sock, int64_t deadline, uint64_t *seq, Snapkv__KvRepl
         return skv_client_fail(SNAPKV_E_IO, "events replay: %s", zmq_strerror(zmq_errno()));
     if (n == 0)
         return skv_client_fail(SNAPKV_E_TIMEOUT, "events replay: the snapshot did not come in time (is "
-                               "events-replay-endpoint set on the daemon?)");
+                               "events-replay-endpoint set on the daemon? A reply cut short: replay again)");
     zmq_msg_t f[2];
     int got = 0;
     for (int more = 1; more; got++) {
@@ -286,6 +301,8 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->n_parts = n;
     ev->replayed = seq;
     ev->skip = true;
+    ev->seen = false;
+    ev->boot_id = parts[0]->batch ? parts[0]->batch->boot_id : 0;
     if (ev->batch && ev->sequence <= seq) { /* the rest of a stream message the snapshot holds */
         snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
         ev->batch = NULL;

@@ -512,8 +512,10 @@ SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
  * a subscriber that started late, or saw a gap in the sequence numbers, ends up holding what one
  * that missed nothing holds. Call it after snapkv_events_open(): the first stream event after a
  * replay should be S + 1, and one above it is a gap again (the subscription reached the daemon
- * after the snapshot): replay once more. Waits up to timeout_ms (-1: for ever) for the whole
- * snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused request. */
+ * after the snapshot): replay once more. A restart of the daemon (its numbers start again at 1
+ * with an AllCleared) ends the dropping. Waits up to timeout_ms (-1: for ever) for the whole
+ * snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused request. A snapshot of more
+ * than about 64,000 sessions (1000 parts, libzmq's send queue) is cut and times out. */
 SNAPKV_API int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int timeout_ms);
 /* Accepts NULL and *ev == NULL; sets *ev to NULL. */
 SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);

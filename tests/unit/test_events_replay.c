@@ -108,12 +108,12 @@ static Snapkv__KvReplayReply **ask(struct fixture *f, const void *req, size_t le
     assert_int_equal(zmq_send(f->dealer, req, len, 0), (int)len);
     bool served = false;
     for (int i = 0; i < 100 && !served; i++) { /* inproc: the request is in the pipe at once, or nearly */
-        served = skv_events_mirror_serve(f->m, f->router, seq);
+        served = skv_events_mirror_serve(f->m, f->router, seq, 77);
         if (!served)
             zmq_poll(&(zmq_pollitem_t){f->router, 0, ZMQ_POLLIN, 0}, 1, 10);
     }
     assert_true(served);
-    assert_false(skv_events_mirror_serve(f->m, f->router, seq)); /* nothing more waits */
+    assert_false(skv_events_mirror_serve(f->m, f->router, seq, 77)); /* nothing more waits */
     Snapkv__KvReplayReply **parts = NULL;
     *n = 0;
     for (bool final = false; !final;) {
@@ -168,6 +168,7 @@ static void expect_mirror(struct fixture *f, uint64_t seq)
         assert_int_equal(r->final, p + 1 == n_parts);
         assert_non_null(r->batch);
         assert_true(r->batch->n_events >= 1 && r->batch->n_events <= SKV_REPLAY_PART_EVENTS);
+        assert_int_equal(r->batch->boot_id, 77);
         for (size_t k = 0; k < r->batch->n_events; k++) {
             const Snapkv__KvEvent *e = r->batch->events[k];
             if (p == 0 && k == 0) {
