@@ -42,6 +42,38 @@ int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
     return SNAPKV_OK;
 }
 
+/* Reads every frame of one waiting message, however many there are, keeping the first max in
+ * f (*got: how many it had; the caller closes min(*got, max) of them). */
+static int recv_frames(void *sock, zmq_msg_t *f, int max, int *got, const char *what)
+{
+    *got = 0;
+    for (int more = 1; more; (*got)++) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, sock, 0) < 0) {
+            zmq_msg_close(&m);
+            for (int i = 0; i < *got && i < max; i++)
+                zmq_msg_close(&f[i]);
+            return skv_client_fail(SNAPKV_E_IO, "%s: %s", what, zmq_strerror(zmq_errno()));
+        }
+        more = zmq_msg_more(&m);
+        if (*got < max)
+            f[*got] = m;
+        else
+            zmq_msg_close(&m);
+    }
+    return SNAPKV_OK;
+}
+
+/* A big-endian uint64 (the sequence frame). */
+static uint64_t be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int k = 0; k < 8; k++)
+        v = v << 8 | p[k];
+    return v;
+}
+
 /* Reads the next message into ev->batch (the earlier one freed). */
 static int read_batch(struct snapkv_events *ev, int timeout_ms)
 {
@@ -52,30 +84,14 @@ static int read_batch(struct snapkv_events *ev, int timeout_ms)
     if (n == 0)
         return skv_client_fail(SNAPKV_E_TIMEOUT, "no event within %d ms", timeout_ms);
     zmq_msg_t parts[3];
-    int got = 0, more = 1;
-    for (; more; got++) { /* every frame of the message, however many there are */
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, ev->sub, 0) < 0) {
-            zmq_msg_close(&m);
-            for (int i = 0; i < got && i < 3; i++)
-                zmq_msg_close(&parts[i]);
-            return skv_client_fail(SNAPKV_E_IO, "events: %s", zmq_strerror(zmq_errno()));
-        }
-        more = zmq_msg_more(&m);
-        if (got < 3)
-            parts[got] = m;
-        else
-            zmq_msg_close(&m);
-    }
-    int rc = SNAPKV_OK;
+    int got;
+    int rc = recv_frames(ev->sub, parts, 3, &got, "events");
+    if (rc)
+        return rc;
     if (got != 3 || zmq_msg_size(&parts[1]) != 8) {
         rc = skv_client_fail(SNAPKV_E_PROTO, "events: a message of %d frames is not an event", got);
     } else {
-        const uint8_t *be = zmq_msg_data(&parts[1]);
-        uint64_t seq = 0;
-        for (int k = 0; k < 8; k++)
-            seq = seq << 8 | be[k];
+        uint64_t seq = be64(zmq_msg_data(&parts[1]));
         if (ev->batch)
             snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
         ev->next = 0;
@@ -212,31 +228,15 @@ static int read_part(void *sock, int64_t deadline, uint64_t *seq, Snapkv__KvRepl
         return skv_client_fail(SNAPKV_E_TIMEOUT, "events replay: the snapshot did not come in time (is "
                                "events-replay-endpoint set on the daemon? A reply cut short: replay again)");
     zmq_msg_t f[2];
-    int got = 0;
-    for (int more = 1; more; got++) {
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, sock, 0) < 0) {
-            zmq_msg_close(&m);
-            for (int i = 0; i < got && i < 2; i++)
-                zmq_msg_close(&f[i]);
-            return skv_client_fail(SNAPKV_E_IO, "events replay: %s", zmq_strerror(zmq_errno()));
-        }
-        more = zmq_msg_more(&m);
-        if (got < 2)
-            f[got] = m;
-        else
-            zmq_msg_close(&m);
-    }
-    int rc = SNAPKV_OK;
+    int got;
     *out = NULL;
+    int rc = recv_frames(sock, f, 2, &got, "events replay");
+    if (rc)
+        return rc;
     if (got != 2 || zmq_msg_size(&f[0]) != 8) {
         rc = skv_client_fail(SNAPKV_E_PROTO, "events replay: a message of %d frames is not a reply", got);
     } else {
-        const uint8_t *be = zmq_msg_data(&f[0]);
-        *seq = 0;
-        for (int k = 0; k < 8; k++)
-            *seq = *seq << 8 | be[k];
+        *seq = be64(zmq_msg_data(&f[0]));
         *out = snapkv__kv_replay_reply__unpack(NULL, zmq_msg_size(&f[1]), zmq_msg_data(&f[1]));
         if (!*out)
             rc = skv_client_fail(SNAPKV_E_PROTO, "events replay: a reply that does not decode");
