@@ -4,6 +4,7 @@
 #include "common/keyfile.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/replies.h"
 #include "daemon/session.h"
 
 #include <errno.h>
@@ -289,13 +290,6 @@ size_t skv_auth_sockets(const struct skv_auth *a, void **socks)
     return n;
 }
 
-static bool has_input(void *sock)
-{
-    int events = 0;
-    size_t sz = sizeof events;
-    return sock && zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz) == 0 && (events & ZMQ_POLLIN);
-}
-
 static bool frame_is(zmq_msg_t *m, const char *text)
 {
     size_t n = strlen(text);
@@ -431,10 +425,10 @@ out:
 void skv_auth_serve(struct skv_auth *a)
 {
     /* bounded batches: the socket loop has other work */
-    for (int k = 0; k < 64 && has_input(a->zap); k++)
+    for (int k = 0; k < 64 && skv_zmq_has_input(a->zap); k++)
         zap_answer_one(a);
     for (int i = 0; i < 2; i++)
-        for (int k = 0; k < 64 && has_input(a->monitor[i]); k++)
+        for (int k = 0; k < 64 && skv_zmq_has_input(a->monitor[i]); k++)
             monitor_read_one(a, i);
 }
 

@@ -4,6 +4,7 @@
 #include "daemon/replies.h"
 #include "common/status.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -170,8 +171,15 @@ int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void
         return SKV_E_NOMEM;
     } /* t is libzmq's now: the callback frees it */
     int rc = SKV_OK;
-    if (zmq_msg_send(&id, sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 || zmq_msg_send(&msg, sock, ZMQ_DONTWAIT) < 0)
-        rc = skv_errorf(SKV_E_IO, "%s", zmq_strerror(zmq_errno()));
+    if (zmq_msg_send(&id, sock, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 || zmq_msg_send(&msg, sock, ZMQ_DONTWAIT) < 0) {
+        int err = zmq_errno();
+        if (err == EAGAIN) { /* ROUTER_MANDATORY: the client's queue is full (its SNDHWM) */
+            atomic_fetch_add(&r->dropped, 1);
+            rc = skv_errorf(SKV_E_BUSY, "the client's queue in libzmq is full of replies it has not read");
+        } else {
+            rc = skv_errorf(SKV_E_IO, "%s", zmq_strerror(err));
+        }
+    }
     zmq_msg_close(&id);
     zmq_msg_close(&msg); /* nothing after a send; after a refusal it frees the reply */
     return rc;
@@ -196,4 +204,11 @@ uint64_t skv_replies_unread_bytes_of(struct skv_replies *r, int sock_idx, const 
 uint64_t skv_replies_dropped(const struct skv_replies *r)
 {
     return r ? atomic_load(&r->dropped) : 0;
+}
+
+bool skv_zmq_has_input(void *sock)
+{
+    int events = 0;
+    size_t sz = sizeof events;
+    return sock && zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz) == 0 && (events & ZMQ_POLLIN);
 }

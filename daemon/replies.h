@@ -22,8 +22,9 @@ void skv_replies_free(struct skv_replies **r_p);
  * index `sock_idx` (0 client endpoint, 1 admin) and its routing id. Returns SKV_OK when libzmq
  * took the reply, SKV_E_BUSY when it was dropped because the client's bytes not taken yet, or
  * all clients', plus len would pass their bound (counted; a reply finding nothing held always
- * goes, however large), SKV_E_IO when libzmq
- * refused it (the client gone, its queue full: errno-style reason in the message). */
+ * goes, however large) or because the client's queue in libzmq is full (EAGAIN, with
+ * ZMQ_ROUTER_MANDATORY), SKV_E_IO when libzmq refused it otherwise (the client gone:
+ * errno-style reason in the message). */
 int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void *identity, size_t identity_len,
                      const void *body, size_t len);
 
@@ -31,7 +32,10 @@ int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void
 uint64_t skv_replies_unread_bytes(const struct skv_replies *r);
 /* One client's (socket thread; for tests). */
 uint64_t skv_replies_unread_bytes_of(struct skv_replies *r, int sock_idx, const void *identity, size_t identity_len);
-/* Replies dropped for the bounds since the start (any thread). */
+/* Replies dropped for the bounds or a full queue since the start (any thread). */
 uint64_t skv_replies_dropped(const struct skv_replies *r);
+
+/* True when a ZeroMQ socket (NULL: none) has a message to read now (its ZMQ_EVENTS). */
+bool skv_zmq_has_input(void *sock);
 
 #endif

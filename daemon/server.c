@@ -109,6 +109,9 @@ static int monitor_connections(struct skv_server *srv, void *sock, int auth_even
     return SKV_OK;
 }
 
+/* Requests read at a stop (answered SKV_E_CANCELLED), per socket. */
+#define STOP_DRAIN_MAX 4096
+
 static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, void **sock_out)
 {
     int rc = lock_endpoint(srv, idx, endpoint);
@@ -119,6 +122,11 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
         return skv_errorf(SKV_E_IO, "zmq_socket: %s", zmq_strerror(zmq_errno()));
     int64_t maxmsg = srv->env.cfg->max_message_bytes;
     int linger = 1000, mandatory = 1;
+    /* A client's replies in libzmq's queue, by count (their bytes: max-reply-bytes-per-client).
+     * libzmq's 1000 is less than a stop answers at once with a deep queue (every queued request
+     * and STOP_DRAIN_MAX more, CANCELLED): the rest were dropped (test_sigterm_full_queue). */
+    int hwm = (int)(srv->env.cfg->queue_depth + STOP_DRAIN_MAX + 1000);
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
@@ -747,16 +755,6 @@ static bool forward_reply(struct skv_server *srv, int flags)
     return ok;
 }
 
-/* Requests read at a stop (answered SKV_E_CANCELLED), per socket. */
-#define STOP_DRAIN_MAX 4096
-
-static bool sock_readable(void *sock)
-{
-    int events = 0;
-    size_t sz = sizeof events;
-    return zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz) == 0 && (events & ZMQ_POLLIN);
-}
-
 /* Serves up to `max` waiting requests of socket idx (0 client, 1 admin; max < 0: all), the
  * first without asking when `known_ready`. True when it stopped at `max` with more waiting
  * (the socket's readiness is not known then), false when the socket had no more. */
@@ -764,7 +762,7 @@ static bool serve_ready(struct skv_server *srv, int idx, int max, bool known_rea
 {
     void *sock = idx ? srv->admin_sock : srv->client_sock;
     for (int k = 0; max < 0 || k < max; k++) {
-        if (!(k == 0 && known_ready) && !sock_readable(sock))
+        if (!(k == 0 && known_ready) && !skv_zmq_has_input(sock))
             return false;
         if (idx == 0)
             read_connections(srv);
@@ -818,7 +816,7 @@ static bool waitset_ask(struct waitset *ws)
     bool any = false;
     for (int i = 0; i < ws->n; i++) {
         if (ws->ask[i] && ws->sock[i]) {
-            ws->ready[i] = sock_readable(ws->sock[i]);
+            ws->ready[i] = skv_zmq_has_input(ws->sock[i]);
             ws->ask[i] = false;
         }
         any |= ws->ready[i];

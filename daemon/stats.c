@@ -54,7 +54,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "bytes of replies handed to clients' connections and not taken yet (max-reply-bytes)",
          (double)in->reply_bytes_unread},
         {"snapkv_replies_dropped_unread_total",
-         "replies dropped because their client, or all clients, held too many bytes of replies not read yet",
+         "replies dropped because their client, or all clients, held too many bytes of replies not read yet, "
+         "or the client's queue in libzmq was full",
          (double)in->replies_dropped},
         {"snapkv_requests_nested_total",
          "requests of a tenant with less engine time run inside another tenant's long forward (fair-slice-ms)",
