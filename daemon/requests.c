@@ -861,13 +861,16 @@ static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
         if (!isalnum((unsigned char)name[i]) && !strchr("._-", name[i]))
             return skv_errorf(SKV_E_INVAL, "shared-memory name '%s': only letters, digits and . _ -", name);
     int fd = shm_open(name, O_RDWR, 0);
-    if (fd < 0)
-        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_PERM, "shm_open %s: %s%s", name, strerror(errno),
-                          errno != EACCES ? ""
+    if (fd < 0) {
+        int err = errno;
+        int st = err == ENOENT ? SKV_E_NOT_FOUND : err == EACCES || err == EPERM ? SKV_E_PERM : SKV_E_IO;
+        return skv_errorf(st, "shm_open %s: %s%s", name, strerror(err),
+                          err != EACCES ? ""
                                           : " (snapkvd opens it as its own user: the buffer's group must be "
                                             "snapkvd's, snapkv: join group snapkv, whose members' buffers libsnapkv "
                                             "gives that group, or run the client with it as primary group, `sg "
                                             "snapkv -c CMD`)");
+    }
     struct stat sb;
     if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
@@ -910,7 +913,7 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
                       void **out)
 {
     if (handle->len != SKV_IPC_HANDLE_BYTES)
-        return skv_errorf(SKV_E_INVAL, "a CUDA IPC handle has %d bytes, not %zu", SKV_IPC_HANDLE_BYTES, handle->len);
+        return skv_errorf(SKV_E_INVAL, "a CUDA IPC handle of %zu bytes: it has %d", handle->len, SKV_IPC_HANDLE_BYTES);
     int mine = 0, mine_lru = -1, lru = -1;
     uint64_t now = skv_now_ms();
     for (int i = 0; i < w->n_ipc; i++) {
@@ -1196,6 +1199,8 @@ static int import_check(const struct skv_config *cfg, const struct skv_model *m,
         const Snapkv__LayerKept *k = im->kept[l];
         if (k->n_kept_per_head != (size_t)H)
             return skv_errorf(SKV_E_INVAL, "layer %d lists %zu heads; the model has %d", l, k->n_kept_per_head, H);
+        if (k->layer != (uint32_t)l)
+            return skv_errorf(SKV_E_INVAL, "kept entry %d names layer %u: the layers must come in order", l, k->layer);
         uint32_t mx = 0;
         for (int h = 0; h < H; h++) {
             if (k->kept_per_head[h] > im->original_length)
@@ -1203,12 +1208,37 @@ static int import_check(const struct skv_config *cfg, const struct skv_model *m,
             mx = k->kept_per_head[h] > mx ? k->kept_per_head[h] : mx;
             n_pos += k->kept_per_head[h];
         }
+        /* the layout's offsets follow the longest head (as snapkv_kv_offset's `kept`) */
+        if (k->kept != 0 && k->kept != mx)
+            return skv_errorf(SKV_E_INVAL, "layer %d: kept is %u, but its longest head keeps %u (0: not given)", l,
+                              k->kept, mx);
         need += (uint64_t)2 * H * mx * d * sizeof(float);
     }
     if (im->n_positions != n_pos || im->original_length == 0 || im->n_tokens > im->original_length ||
         im->original_length > (uint32_t)(cfg->max_prompt_tokens + cfg->max_new_tokens))
         return skv_errorf(SKV_E_INVAL, "positions (%zu, expected %llu), tokens or original length do not fit",
                           im->n_positions, (unsigned long long)n_pos);
+    /* each head's positions increase below the length: checked before any session is evicted
+     * to make room (a request's own data, so on the socket thread too) */
+    size_t at = 0;
+    for (int l = 0; l < L; l++)
+        for (int h = 0; h < H; h++) {
+            uint32_t n = im->kept[l]->kept_per_head[h];
+            for (uint32_t j = 0; j < n; j++, at++)
+                if (im->positions[at] >= im->original_length || (j > 0 && im->positions[at] <= im->positions[at - 1]))
+                    return skv_errorf(SKV_E_INVAL,
+                                      "layer %d head %d: position %u at %u; positions must increase below the "
+                                      "length (%u)",
+                                      l, h, im->positions[at], j, im->original_length);
+        }
+    /* the rows' bytes alone past the tenant's quota or the pool: refused before the layout is
+     * read (a CUDA buffer's is staged whole in host memory, at most n_kv_heads times this) */
+    uint64_t row_bytes = (uint64_t)2 * d * sizeof(float), have = (uint64_t)n_pos * row_bytes;
+    if ((cfg->max_bytes_per_tenant > 0 && have > (uint64_t)cfg->max_bytes_per_tenant) ||
+        have > (uint64_t)cfg->pool_size)
+        return skv_errorf(SKV_E_LIMIT, "the import's %llu rows take %llu bytes: more than max-bytes-per-tenant "
+                          "(%lld) or pool-size (%lld)", (unsigned long long)n_pos, (unsigned long long)have,
+                          (long long)cfg->max_bytes_per_tenant, (long long)cfg->pool_size);
     *need_out = need;
     return SKV_OK;
 }
@@ -1265,13 +1295,8 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             }
         for (int h = 0; h < H; h++) {
             struct skv_kv_head *kh = skv_kv_cache_head(s->cache, l, h);
-            for (int j = 0; j < kh->len; j++) {
-                uint32_t p = im->positions[at_pos++];
-                if (p >= im->original_length || (j > 0 && (int32_t)p <= kh->pos[j - 1])) {
-                    rc = skv_errorf(SKV_E_INVAL, "layer %d head %d: positions must increase below the length", l, h);
-                    goto fail;
-                }
-                kh->pos[j] = (int32_t)p;
+            for (int j = 0; j < kh->len; j++) { /* import_check: they increase below the length */
+                kh->pos[j] = (int32_t)im->positions[at_pos++];
                 kh->score[j] = 0;
             }
         }

@@ -80,6 +80,17 @@ static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
     push_out(w, SKV_WORKER_EVENTS_SOCK, "", 0, &b.base);
 }
 
+/* True when the session holds fewer rows than its tokens in some head: compressed, also when
+ * it has no compressor now (an import of a compressed export, or one made full again). */
+static bool rows_dropped(const struct skv_session *s)
+{
+    const struct skv_kv_cache *c = s->cache;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        if (c->heads[i].len < c->n_past)
+            return true;
+    return false;
+}
+
 void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
 {
     if (!w->events)
@@ -94,7 +105,7 @@ void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
     st.block_hashes = hashes;
     st.n_tokens = (uint32_t)s->cache->n_past;
     st.bytes = s->bytes;
-    st.compressed = s->comp != NULL;
+    st.compressed = s->comp != NULL || rows_dropped(s);
     Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
     ev.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
     ev.stored = &st;

@@ -284,11 +284,15 @@ static void write_seeds(const char *dir)
     write_seed(dir, "export", 0, SNAPKV__REQUEST__COMMAND_EXPORT_KV, &e);
 
     uint32_t kept_h[1] = {2};
-    Snapkv__LayerKept lk = SNAPKV__LAYER_KEPT__INIT;
-    lk.kept = 2;
-    lk.n_kept_per_head = 1;
-    lk.kept_per_head = kept_h;
-    Snapkv__LayerKept *lks[2] = {&lk, &lk};
+    Snapkv__LayerKept lk[2];
+    for (int l = 0; l < 2; l++) {
+        snapkv__layer_kept__init(&lk[l]);
+        lk[l].layer = (uint32_t)l;
+        lk[l].kept = 2;
+        lk[l].n_kept_per_head = 1;
+        lk[l].kept_per_head = kept_h;
+    }
+    Snapkv__LayerKept *lks[2] = {&lk[0], &lk[1]};
     uint32_t pos[4] = {0, 1, 0, 1};
     Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
     im.buffer = &buf;

@@ -224,7 +224,9 @@ static Snapkv__Reply *next_reply(struct fixture *f, int sock, const uint8_t *id,
 
 static Snapkv__Reply *call(struct fixture *f, int sock, const uint8_t *id, Snapkv__Request *req)
 {
-    assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, req)), SKV_OK);
+    int rc = skv_worker_submit(f->w, job_new(sock, id, 5, req));
+    if (rc)
+        fail_msg("submit: %d %s", rc, skv_error_msg());
     return next_reply(f, sock, id, 5);
 }
 
@@ -756,6 +758,8 @@ static void *shrink_loop(void *arg)
     return NULL;
 }
 
+static void expect_refused(struct fixture *f, Snapkv__Request *req, int want, const char *msg);
+
 /* An IMPORT_KV that cannot fit the tenant's quota is refused before a row is written (its
  * blocks are counted first), and the tenant's sessions stay; one that fits once the idle one
  * goes evicts it. */
@@ -790,18 +794,38 @@ static void test_import_over_quota(void **state)
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
     req.import_kv = &im;
+    /* positions out of order in the last head, a kept entry naming another layer or a kept
+     * count not its longest head's: refused before room is made (at submit), so b stays (the
+     * positions were checked after the eviction before) */
+    size_t np = im.n_positions;
+    uint32_t *bad = malloc(np * sizeof *bad);
+    assert_non_null(bad);
+    memcpy(bad, im.positions, np * sizeof *bad);
+    uint32_t t = bad[np - 1];
+    bad[np - 1] = bad[np - 2];
+    bad[np - 2] = t;
+    im.positions = bad;
+    expect_refused(f, &req, SKV_E_INVAL, "positions must increase");
+    im.positions = ex->export_kv->positions;
+    free(bad);
+    im.kept[1]->layer = 0;
+    expect_refused(f, &req, SKV_E_INVAL, "in order");
+    im.kept[1]->layer = 1;
+    im.kept[0]->kept += 1;
+    expect_refused(f, &req, SKV_E_INVAL, "longest head");
+    im.kept[0]->kept -= 1;
+    assert_int_equal(listed(f, b, NULL, &count), 8);
     /* 3 blocks per head and b's 1 fit 3 only without b: b is idle, so it goes */
     Snapkv__Reply *rep = call(f, 0, ID_X, &req);
     assert_int_equal(rep->status, SKV_OK);
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(listed(f, b, NULL, &count), -1);
     assert_int_equal(count, 1);
-    /* with 2 blocks per head, the import cannot fit whatever goes: refused, nothing evicted */
+    /* with 2 blocks per head, the import cannot fit whatever goes: refused, nothing evicted
+     * (its rows alone pass the quota: at submit, before the layout is read) */
     restart_with_quota(f, 2);
     prefill(f, 8, "policy=full", b);
-    rep = call(f, 0, ID_X, &req);
-    assert_int_equal(rep->status, SKV_E_LIMIT);
-    snapkv__reply__free_unpacked(rep, NULL);
+    expect_refused(f, &req, SKV_E_LIMIT, "max-bytes-per-tenant");
     assert_int_equal(listed(f, b, NULL, &count), 8);
     assert_int_equal(count, 1);
     snapkv__reply__free_unpacked(ex, NULL);
