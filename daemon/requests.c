@@ -910,7 +910,7 @@ static void ipc_close_at(struct skv_worker *w, int i);
  * take every slot from the others. Safe between requests: a transfer uses one buffer, and no
  * other request runs while it does. */
 static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const ProtobufCBinaryData *handle,
-                      void **out)
+                      void **out, uint64_t *bytes_out)
 {
     if (handle->len != SKV_IPC_HANDLE_BYTES)
         return skv_errorf(SKV_E_INVAL, "a CUDA IPC handle of %zu bytes: it has %d", handle->len, SKV_IPC_HANDLE_BYTES);
@@ -926,6 +926,7 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
             e->last_used_ms = now;
             e->use = ++w->ipc_uses;
             *out = e->ptr;
+            *bytes_out = e->bytes;
             return SKV_OK;
         }
         if (mine_lru < 0 || ipc_older(e, &w->ipc[mine_lru]))
@@ -938,7 +939,8 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
         w->metrics.ipc_closed_lru++;
     }
     void *ptr = NULL;
-    int rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr);
+    uint64_t bytes = 0;
+    int rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr, &bytes);
     if (rc)
         return rc;
     struct skv_ipc_buf *e = &w->ipc[w->n_ipc++];
@@ -947,9 +949,11 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
     e->identity_len = job->identity_len;
     memcpy(e->handle, handle->data, SKV_IPC_HANDLE_BYTES);
     e->ptr = ptr;
+    e->bytes = bytes;
     e->last_used_ms = now;
     e->use = ++w->ipc_uses;
     *out = ptr;
+    *bytes_out = bytes;
     return SKV_OK;
 }
 
@@ -1013,16 +1017,23 @@ static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snap
     }
     if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
         return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");
-    /* the client states the size; the copy engine refuses ranges outside the allocation */
+    /* the client states the size; the range must also lie in the allocation as the device
+     * knows it (below), or the copy would reach any of the daemon's device memory */
     if (b->offset > b->size || need > b->size - b->offset)
         return skv_errorf(SKV_E_LIMIT, "the CUDA buffer holds %llu bytes; %llu are needed from offset %llu",
                           (unsigned long long)b->size, (unsigned long long)need, (unsigned long long)b->offset);
     if (need > (uint64_t)SIZE_MAX)
         return skv_errorf(SKV_E_LIMIT, "%llu bytes do not fit in memory", (unsigned long long)need);
     void *base = NULL;
-    int rc = ipc_buffer(w, job, &b->cuda_ipc_handle, &base);
+    uint64_t real = 0;
+    int rc = ipc_buffer(w, job, &b->cuda_ipc_handle, &base, &real);
     if (rc)
         return rc;
+    if (b->offset > real || need > real - b->offset)
+        return skv_errorf(SKV_E_LIMIT, "the CUDA buffer's allocation holds %llu bytes, not the %llu stated; %llu are "
+                          "needed from offset %llu",
+                          (unsigned long long)real, (unsigned long long)b->size, (unsigned long long)need,
+                          (unsigned long long)b->offset);
     x->dev = (char *)base + b->offset;
     if (!(x->host = malloc(need ? (size_t)need : 1)))
         return skv_errorf(SKV_E_NOMEM, "no host memory to stage %llu bytes", (unsigned long long)need);

@@ -45,6 +45,7 @@ struct skv_ipc_buf {
     size_t identity_len;
     uint8_t handle[SKV_IPC_HANDLE_BYTES];
     void *ptr;
+    uint64_t bytes;           /* from ptr to the allocation's end, as the device knows it */
     uint64_t last_used_ms;
     uint64_t use;             /* w->ipc_uses at its last use: LRU order */
 };

@@ -221,9 +221,12 @@ struct skv_backend_ops {
 
     /* Tensor exchange with other processes. ipc_open maps another process's device buffer,
      * given the bytes of its IPC handle (CUDA: a 64-byte cudaIpcMemHandle_t), into memory the
-     * other ops (upload, download, copy_2d) accept; SKV_E_UNSUPPORTED on a backend without it
-     * (the CPU: clients use POSIX shared memory). ipc_close unmaps what ipc_open returned. */
-    int (*ipc_open)(struct skv_backend *be, const void *handle, size_t handle_len, void **out);
+     * other ops (upload, download, copy_2d) accept, and gives the bytes from *out to the end of
+     * the allocation as the device knows it (the client's own figure is not to be trusted: the
+     * copy engine would read or write any of the daemon's memory past it); SKV_E_UNSUPPORTED on
+     * a backend without it (the CPU: clients use POSIX shared memory). ipc_close unmaps what
+     * ipc_open returned. */
+    int (*ipc_open)(struct skv_backend *be, const void *handle, size_t handle_len, void **out, uint64_t *bytes_out);
     void (*ipc_close)(struct skv_backend *be, void *ptr);
 
     /* Optional (NULL or 0: never): a count r of queries such that `attention` over n queries

@@ -302,12 +302,14 @@ static int cpu_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, con
     return SKV_OK;
 }
 
-static int cpu_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
+static int cpu_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out,
+                        uint64_t *bytes_out)
 {
     (void)be;
     (void)handle;
     (void)handle_len;
     (void)out;
+    (void)bytes_out;
     return skv_errorf(SKV_E_UNSUPPORTED,
                       "CUDA IPC buffers need a daemon on the CUDA backend; this one runs on the CPU: "
                       "register a POSIX shared-memory buffer");

@@ -13,9 +13,11 @@ extern "C" {
 #define SKV_CUDA_CHECK(expr)                                                                       \
     do {                                                                                           \
         cudaError_t err_ = (expr);                                                                 \
-        if (err_ != cudaSuccess)                                                                   \
+        if (err_ != cudaSuccess) {                                                                 \
+            (void)cudaGetLastError(); /* not left for the next launch's check (another request) */ \
             return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err_), \
                               cudaGetErrorString(err_));                                           \
+        }                                                                                          \
     } while (0)
 
 #define SKV_CUBLAS_CHECK(expr)                                                                     \

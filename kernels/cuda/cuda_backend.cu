@@ -3,6 +3,7 @@
  * the compression scores and row copies). kernels/cpu is the reference these ops mirror. */
 #include "kernels/cuda/common.cuh"
 
+#include <cuda.h> /* driver types only: cuMemGetAddressRange comes through the runtime */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -1881,17 +1882,52 @@ static void cuda_destroy(struct skv_backend *be)
 
 /* ---- IPC ---------------------------------------------------------------------------- */
 
-static int cuda_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
+/* The driver's cuMemGetAddressRange (the runtime has no counterpart), looked up through the
+ * runtime so the daemon does not link libcuda itself. */
+typedef CUresult (*mem_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+
+static int allocation_end(const void *p, uint64_t *bytes_out)
 {
-    if (be == NULL || handle == NULL || out == NULL)
+    static mem_range_fn range;
+    if (!range) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess || !fn) {
+            (void)cudaGetLastError();
+            return skv_errorf(SKV_E_UNSUPPORTED, "ipc_open: the driver has no cuMemGetAddressRange, so a CUDA "
+                                                 "buffer's size cannot be checked: refused");
+        }
+        range = (mem_range_fn)fn;
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CUresult r = range(&base, &size, (CUdeviceptr)(uintptr_t)p);
+    if (r != CUDA_SUCCESS || (uintptr_t)p < base || (uintptr_t)p - base > size)
+        return skv_errorf(SKV_E_DEVICE, "ipc_open: the opened buffer's extent is unknown (CUresult %d)", (int)r);
+    *bytes_out = (uint64_t)(size - ((uintptr_t)p - base));
+    return SKV_OK;
+}
+
+static int cuda_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out,
+                         uint64_t *bytes_out)
+{
+    if (be == NULL || handle == NULL || out == NULL || bytes_out == NULL)
         return skv_errorf(SKV_E_INVAL, "ipc_open: bad arguments");
     if (handle_len != sizeof(cudaIpcMemHandle_t))
-        return skv_errorf(SKV_E_INVAL, "ipc_open: a CUDA IPC handle has %zu bytes, not %zu",
-                          sizeof(cudaIpcMemHandle_t), handle_len);
+        return skv_errorf(SKV_E_INVAL, "ipc_open: a CUDA IPC handle of %zu bytes: it has %zu", handle_len,
+                          sizeof(cudaIpcMemHandle_t));
     cudaIpcMemHandle_t h;
     memcpy(&h, handle, sizeof h);
     void *p = NULL;
     SKV_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    int rc = allocation_end(p, bytes_out);
+    if (rc) {
+        cudaIpcCloseMemHandle(p);
+        (void)cudaGetLastError();
+        return rc;
+    }
     *out = p;
     return SKV_OK;
 }

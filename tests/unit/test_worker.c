@@ -123,7 +123,8 @@ static int slow_download(struct skv_backend *be, void *dst, const void *src, siz
     return g_real_download(be, dst, src, bytes);
 }
 
-static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out)
+static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t handle_len, void **out,
+                         uint64_t *bytes_out)
 {
     (void)be;
     int k = ((const uint8_t *)handle)[0];
@@ -141,6 +142,7 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     g_opened[k]++;
     pthread_mutex_unlock(&g_counts_mu);
     *out = g_mem[k];
+    *bytes_out = FAKE_BYTES;
     return SKV_OK;
 }
 
@@ -485,6 +487,40 @@ static void test_ipc_lru(void **state)
     skv_worker_stop(&f->w); /* every one still open closes */
     assert_int_equal(opened(1) - o1, closed(1) - c1);
     assert_int_equal(opened(2) - o2, closed(2) - c2);
+}
+
+/* A CUDA buffer's stated size is not trusted: a range past the allocation as the device knows
+ * it (the fake's FAKE_BYTES) is refused before anything is copied, whatever size the client
+ * states (the daemon read and wrote wherever `offset` pointed before). */
+static void test_ipc_stated_size(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    uint8_t handle[64] = {3};
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
+    buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
+    buf.size = UINT64_C(1) << 40;
+    buf.offset = FAKE_BYTES - 64;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = (ProtobufCBinaryData){16, sid};
+    e.buffer = &buf;
+    e.layer_count = 1;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    static char before[FAKE_BYTES];
+    memcpy(before, g_mem[3], FAKE_BYTES);
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_non_null(strstr(rep->message, "allocation holds 1048576 bytes"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_memory_equal(before, g_mem[3], FAKE_BYTES); /* nothing written */
+    buf.offset = 0; /* the same stated size, a range inside: served */
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
 }
 
 /* ---- quotas ---------------------------------------------------------------------------------- */
@@ -2885,6 +2921,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ipc_lru, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ipc_stated_size, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
