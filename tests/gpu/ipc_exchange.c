@@ -112,6 +112,19 @@ static int child(const char *endpoint, int rfd, int wfd)
         fprintf(stderr, "ipc_exchange child: the imported session decodes differently\n");
         return 1;
     }
+    /* a stated size past the allocation: the daemon checks the device's own extent and refuses
+     * a range beyond it, copying nothing (before, it read wherever the offset pointed) */
+    struct snapkv_cuda_ipc_buffer liar = cb;
+    liar.size = (uint64_t)BUF_BYTES << 8;
+    struct snapkv_import_opts il = io;
+    il.cuda = &liar;
+    il.offset = (uint64_t)BUF_BYTES * 4;
+    struct snapkv_session_id never;
+    if (snapkv_import_kv(c, &il, &never) != SNAPKV_E_LIMIT || !strstr(snapkv_last_error(), "allocation holds")) {
+        fprintf(stderr, "ipc_exchange child: a stated size past the allocation was not refused: %s\n",
+                snapkv_last_error());
+        return 1;
+    }
     snapkv_kv_layout_free(&lay);
     snapkv_shm_destroy(&shm);
     snapkv_release(c, &imported);
