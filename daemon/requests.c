@@ -224,9 +224,15 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
             rc = skv_stop_text_check((const char *const *)sp->stop, sp->n_stop);
         break;
     }
-    case SNAPKV__REQUEST__COMMAND_COMPRESS:
-        rc = admit_spec(req->compress->compress);
+    case SNAPKV__REQUEST__COMMAND_COMPRESS: {
+        const Snapkv__CompressSpec *cs = req->compress->compress;
+        /* no spec would read as policy=full: the session silently stops evicting */
+        if (!cs || !cs->spec || !*cs->spec)
+            rc = skv_errorf(SKV_E_INVAL, "COMPRESS needs a spec (policy=full keeps every row from now on)");
+        else
+            rc = admit_spec(cs);
         break;
+    }
     case SNAPKV__REQUEST__COMMAND_IMPORT_KV: {
         uint64_t need;
         rc = import_check(cfg, m, req->import_kv, &need);

@@ -342,7 +342,11 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
         int32_t b, d;
         memcpy(&b, lb + (size_t)l * 4, 4);
         memcpy(&d, db + (size_t)l * 4, 4);
-        if (b < 0 || b > most_layer || d < 0 || d > SKV_SPEC_MAX_BUDGET)
+        float sim; /* SqueezeAttention's cosine similarity */
+        memcpy(&sim, sp + (size_t)l * sizeof sim, sizeof sim);
+        /* a layer's decode budget: its share of decode_budget, up to L times it */
+        if (b < 0 || b > most_layer || d < 0 || d > (most_decode > SKV_SPEC_MAX_BUDGET ? most_decode : SKV_SPEC_MAX_BUDGET) ||
+            !isfinite(sim))
             return skv_errorf(SKV_E_FORMAT, "compressor state: layer %d out of range", l);
     }
     /* nothing observed: SnapKV re-scoring starts its window with the next decoded token */
@@ -447,7 +451,8 @@ static void spread_decode_budget(struct skv_compressor *c)
     for (int l = 0; l < L; l++)
         sum += c->layer_budget[l];
     double *frac = malloc((size_t)L * sizeof *frac);
-    if (!frac || sum <= 0) { /* no shape to keep (or no memory to compute it): D everywhere */
+    /* no shape to keep, no memory to compute it, or a layer's share could pass an int: D everywhere */
+    if (!frac || sum <= 0 || (long)D * L > INT32_MAX / 2) {
         for (int l = 0; l < L; l++)
             c->decode_budgets[l] = D;
         free(frac);
@@ -613,14 +618,18 @@ static int by_head_idx(const void *a, const void *b)
 
 /* Writes the rows of head h of the layer into out[]: policy keys, must flags. w_obs: the
  * observation / recent window in rows. */
-static void classify(const struct skv_compressor *c, const struct skv_kv_head *kh, int h, int w_obs, struct row *out)
+static void classify(const struct skv_compressor *c, const struct skv_kv_head *kh, int h, int w_obs, int budget,
+                     struct row *out)
 {
     int n = kh->len;
+    /* StreamingLLM's sinks leave the newest row a place: with budget <= sinks they would fill
+     * it, and each decoded token would go right after its own step */
+    int sinks = c->spec.sinks < budget ? c->spec.sinks : budget - 1;
     for (int j = 0; j < n; j++) {
         struct row *r = &out[j];
         r->idx = j;
         r->head = (int16_t)h;
-        r->key = kh->score[j];
+        r->key = isnan(kh->score[j]) ? -INFINITY : kh->score[j]; /* NaN: last, as the device's top-k */
         r->must = 0;
         r->prio = 0;
         switch (c->spec.policy) {
@@ -632,7 +641,7 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
             }
             break;
         case SKV_POLICY_STREAMING:
-            if (kh->pos[j] < c->spec.sinks) {
+            if (kh->pos[j] < sinks) {
                 r->must = 1;
                 r->prio = -kh->pos[j]; /* earliest sinks first when the budget is tiny */
             }
@@ -712,7 +721,9 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         over |= len > budget;
     }
     bool head_gran = c->spec.granularity == SKV_GRAN_HEAD;
-    if (head_gran ? total <= budget * c->n_kv : !over)
+    /* in 64 bits: a decode budget grown under squeeze times many KV heads passes INT_MAX; past
+     * here budget * n_kv < total fits */
+    if (head_gran ? total <= (int64_t)budget * c->n_kv : !over)
         return SKV_OK;
     if (c->spec.policy == SKV_POLICY_SNAPKV && c->scored_layer == layer && w_obs < budget)
         return select_scored(c, cache, layer, budget, w_obs, slack);
@@ -727,7 +738,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         for (int h = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
             struct row *seg = c->rows + base;
-            classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, seg);
+            classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, seg);
             qsort(seg, (size_t)kh->len, sizeof *seg, by_keep_order);
             int k = kh->len < budget ? kh->len : budget;
             memmove(c->rows + n_keep, seg, (size_t)k * sizeof *seg);
@@ -740,7 +751,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         int base = 0, quota = budget * c->n_kv;
         for (int h = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
-            classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, c->rows + base);
+            classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, c->rows + base);
             base += kh->len;
         }
         /* cap must-keep rows per head at the per-head budget */

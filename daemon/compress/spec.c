@@ -143,9 +143,9 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
         return skv_errorf(SKV_E_INVAL, "compression spec: give budget or ratio, not both");
     if (seen[2])
         s.ratio = -1;
-    if (s.policy == SKV_POLICY_FULL && (seen[1] || seen[2] || seen[3] || seen[14]))
-        return skv_errorf(SKV_E_INVAL, "compression spec: policy=full keeps everything; budget, ratio, min_budget "
-                                       "and alloc do not apply");
+    if (s.policy == SKV_POLICY_FULL && (seen[1] || seen[2] || seen[3] || seen[12] || seen[14]))
+        return skv_errorf(SKV_E_INVAL, "compression spec: policy=full keeps everything; budget, ratio, min_budget, "
+                                       "decode_budget and alloc do not apply");
     if (seen[14] && !seen[3])
         return skv_errorf(SKV_E_INVAL, "compression spec: min_budget is a floor under ratio=R; with budget=N "
                                        "give the tokens directly");

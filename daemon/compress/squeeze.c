@@ -37,8 +37,9 @@ static int kmeans3(const float *x, int n, int *label)
         free(pre2);
         return SKV_E_NOMEM;
     }
-    for (int i = 0; i < n; i++)
-        s[i] = (struct valued){x[i], i};
+    for (int i = 0; i < n; i++) /* NaN (no valid order for qsort): a layer whose change is unknown
+                                  * counts as changing the hidden state most (kept fullest) */
+        s[i] = (struct valued){isnan(x[i]) ? -INFINITY : x[i], i};
     qsort(s, (size_t)n, sizeof *s, by_value);
     pre[0] = pre2[0] = 0;
     for (int i = 0; i < n; i++) {

@@ -59,6 +59,7 @@ static void test_spec_parse(void **state)
         "policy=snapkv,budget=10,granularity=token", "policy=snapkv,budget=10,p=2",
         "policy=snapkv,budget=10,min_budget=64", /* a floor only under ratio */
         "policy=full,min_budget=64",          "policy=snapkv,ratio=0.1,min_budget=0",
+        "policy=full,decode_budget=64", /* accepted, and did nothing, before */
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         struct skv_compress_spec before;
@@ -233,10 +234,15 @@ static void test_streaming_and_window(void **state)
     const int32_t w[] = {35, 36, 37, 38, 39};
     expect_positions(c, 1, 1, w, 5);
     skv_kv_cache_free(&c);
-    /* sinks > budget: the earliest sinks fill it */
+    /* sinks >= budget: the earliest budget - 1 sinks and the newest row (the sinks filled it
+     * before, and each decoded token went right after its own step) */
     run(t, "policy=streaming,budget=3,sinks=6", &c, t->ids, t->n, NULL);
-    const int32_t s3[] = {0, 1, 2};
+    const int32_t s3[] = {0, 1, 39};
     expect_positions(c, 0, 0, s3, 3);
+    skv_kv_cache_free(&c);
+    run(t, "policy=streaming,budget=1,sinks=4", &c, t->ids, t->n, NULL);
+    const int32_t s1[] = {39};
+    expect_positions(c, 1, 1, s1, 1);
     skv_kv_cache_free(&c);
 }
 

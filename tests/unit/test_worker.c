@@ -1024,6 +1024,17 @@ static void test_admit(void **state)
     p.compress = &cs;
     p.n_tokens = 8;
     expect_refused(f, &req, SKV_E_INVAL, "longer than 1024 characters");
+    /* a COMPRESS without a spec (it read as policy=full, and the session stopped evicting) */
+    Snapkv__CompressRequest cr = SNAPKV__COMPRESS_REQUEST__INIT;
+    cr.session_id = (ProtobufCBinaryData){16, sid};
+    Snapkv__Request creq = SNAPKV__REQUEST__INIT;
+    creq.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
+    creq.compress = &cr;
+    expect_refused(f, &creq, SKV_E_INVAL, "needs a spec");
+    Snapkv__CompressSpec empty = SNAPKV__COMPRESS_SPEC__INIT;
+    empty.spec = "";
+    cr.compress = &empty;
+    expect_refused(f, &creq, SKV_E_INVAL, "needs a spec");
 
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
     a.session_id = (ProtobufCBinaryData){16, sid};
