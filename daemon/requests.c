@@ -524,6 +524,18 @@ static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, bool
     return skv_session_reserve(w->sessions, s, held + round_held, unique + round_unique, NULL);
 }
 
+/* The same for the forward of a request that may run others inside it (PREFILL, APPEND,
+ * COMPRESS, not nested themselves): the room stays the forward's until the request ends
+ * (skv_session_hold_room; the dispatcher clears it). */
+static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, bool compacts)
+{
+    uint64_t held, unique;
+    int rc = reserve_rows(w, s, n, compacts, 0, 0, &held, &unique);
+    if (!rc && !w->nesting)
+        skv_session_hold_room(w->sessions, s, held, unique);
+    return rc;
+}
+
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
 
 static void handle_prefill(struct skv_worker *w, struct skv_job *job)
@@ -552,7 +564,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     /* a full cache's bytes are known before the forward: one that cannot fit is refused (or
      * room made) before the work, not after it with the pool already past its size; a
      * compressing prefill holds one layer in full at most and is charged after it */
-    if (!s->comp && (rc = reserve_rows(w, s, n, false, 0, 0, NULL, NULL)))
+    if (!s->comp && (rc = reserve_forward(w, s, n, false)))
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
@@ -618,7 +630,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     }
     if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->cache->n_past, &ids,
                              &n)) ||
-        (rc = reserve_rows(w, s, n, forward_compacts(s), 0, 0, NULL, NULL)))
+        (rc = reserve_forward(w, s, n, forward_compacts(s))))
         goto fail;
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
      * session's upkeep evicts or re-scores rows too, it runs on a copy */
@@ -735,7 +747,7 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
                         s->n_tokens, n_past);
         goto fail;
     }
-    if (window > 0 && (rc = reserve_rows(w, s, window, true, 0, 0, NULL, NULL)))
+    if (window > 0 && (rc = reserve_forward(w, s, window, true)))
         goto fail;
     bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
     rc = window > 0 ? compress_rerun(w, s, comp, canon, cut, was_h2o) : SKV_OK;
@@ -3004,4 +3016,6 @@ void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
         skv_requests_fail(w, job, SKV_E_UNSUPPORTED, "this command is not served by the engine worker");
         break;
     }
+    if (!w->nesting) /* the request's forward is over: its room is no longer held for it */
+        skv_session_hold_room(w->sessions, NULL, 0, 0);
 }

@@ -21,6 +21,12 @@ struct skv_session_table {
     void (*on_destroy)(void *user, struct skv_session *s);
     void *on_destroy_user;
     uint64_t evictions;
+    /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
+     * counts as used for requests nested in it */
+    struct {
+        struct skv_session *s;
+        uint64_t held, unique, base; /* base: s's bytes when reserved */
+    } hold;
 };
 
 uint64_t skv_now_ms(void)
@@ -172,6 +178,8 @@ void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *
 
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
 {
+    if (t->hold.s == s)
+        t->hold.s = NULL;
     if (t->on_destroy)
         t->on_destroy(t->on_destroy_user, s);
     bucket_unlink(t, s);
@@ -302,6 +310,24 @@ static uint64_t evictable_bytes(const struct skv_session_table *t, const struct 
     return sum;
 }
 
+void skv_session_hold_room(struct skv_session_table *t, struct skv_session *s, uint64_t held, uint64_t unique)
+{
+    t->hold.s = s;
+    t->hold.held = held;
+    t->hold.unique = unique;
+    t->hold.base = s ? session_bytes(s) : 0;
+}
+
+/* What the held room's forward may still take: its reservation less what its session grew by
+ * since (an estimate: a compaction meanwhile gives the whole reservation back to it). */
+static uint64_t held_left(const struct skv_session_table *t, const struct skv_session *s, uint64_t reserved)
+{
+    if (!t->hold.s || t->hold.s == s)
+        return 0;
+    uint64_t now = session_bytes(t->hold.s), grown = now > t->hold.base ? now - t->hold.base : 0;
+    return grown < reserved ? reserved - grown : 0;
+}
+
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out)
 {
@@ -313,6 +339,10 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     uint64_t tenant_bytes;
     tenant_usage(t, s->tenant, &count, &tenant_bytes);
     tenant_bytes += more_held;
+    /* a request nested in a forward that reserved room: that room is the forward's */
+    more_unique += held_left(t, s, t->hold.unique);
+    if (t->hold.s && strcmp(t->hold.s->tenant, s->tenant) == 0)
+        tenant_bytes += held_left(t, s, t->hold.held);
     uint64_t used = pool_bytes_used(t) + more_unique;
     /* evict nothing for a request that cannot fit even with every candidate gone (the
      * candidates are counted only when a limit is passed: this runs for every decoded token) */

@@ -88,6 +88,11 @@ int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *
 /* The same before a request adds to s: room for `more_held` more bytes of blocks held by s's
  * tenant and `more_unique` more unique bytes in the pool (skv_kv_cache_growth's bound), so that
  * a request that will not fit fails before it changes anything. */
+/* The room a forward of s reserved (skv_session_reserve's more_held / more_unique) and that it
+ * will take while it runs: a request nested in that forward (fair-slice-ms) counts what s has
+ * not taken yet as in use, so it cannot take the room and leave the forward short. NULL clears
+ * it; destroying s does too. */
+void skv_session_hold_room(struct skv_session_table *t, struct skv_session *s, uint64_t held, uint64_t unique);
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out);
 

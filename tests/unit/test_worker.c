@@ -74,8 +74,17 @@ static int g_gate; /* 0 open, 1 armed, 2 a call waits */
 static int (*g_real_rmsnorm)(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim,
                              float eps);
 
+/* When set: the most blocks the pool had in use at any rmsnorm (each layer's start) since. */
+static struct skv_kv_pool *g_track_pool;
+static uint64_t g_pool_peak;
+
 static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim, float eps)
 {
+    if (g_track_pool) { /* the worker thread only */
+        struct skv_kv_pool_stats ps;
+        skv_kv_pool_stats(g_track_pool, &ps);
+        g_pool_peak = ps.blocks_in_use > g_pool_peak ? ps.blocks_in_use : g_pool_peak;
+    }
     if (n >= 64) {
         pthread_mutex_lock(&g_gate_mu);
         if (g_gate == 1) {
@@ -2228,6 +2237,47 @@ static void test_nested(void **state)
     snapkv__reply__free_unpacked(alone_b, NULL);
 }
 
+static void submit_full_64_cb(void *f)
+{
+    submit_prefill_as(f, ID_X, "t", 64);
+}
+
+/* A request nested in a forward cannot take the room that forward reserved: with the pool at
+ * 7 blocks per layer and head, t's 64-token full PREFILL (4) reserves its room with an idle
+ * session of 1 in the pool; u's 48-token one (3) runs inside it and has to evict the idle one
+ * to fit, so the pool never holds more than its size (before, u's took the room as free, the
+ * pool reached 8, and t's forward ran past the pool: on a GPU, device memory the pool-size
+ * never allowed). */
+static void test_nested_room(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads; /* one block per layer and head */
+    f->cfg.pool_size = (int64_t)(7 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t idle[16];
+    prefill_for(f, "v", 16, "policy=full", idle);
+    g_pool_peak = 0;
+    g_track_pool = f->tiny->m->kv_pool;
+    gate_hold(submit_full_64_cb, f);
+    submit_prefill_as(f, ID_Z, "u", 48);
+    usleep(100000); /* past t's slice */
+    gate_open();
+    Snapkv__Reply *b = next_reply(f, 0, ID_Z, 5), *a = next_reply(f, 0, ID_X, 5);
+    g_track_pool = NULL;
+    if (a->status || b->status)
+        fail_msg("PREFILLs: %d %s / %d %s", a->status, a->message, b->status, b->message);
+    snapkv__reply__free_unpacked(a, NULL);
+    snapkv__reply__free_unpacked(b, NULL);
+    assert_int_equal(stat(f, "snapkv_requests_nested_total"), 1);
+    int count = 0;
+    assert_int_equal(listed(f, idle, NULL, &count), -1); /* evicted, for u's */
+    assert_true(g_pool_peak <= 7 * unit);
+}
+
 /* A 64-token APPEND to session sid by client Y, with a deadline (0: none), asking for the
  * logits when `logits`. */
 struct long_append {
@@ -2955,6 +3005,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nested_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
