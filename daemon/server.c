@@ -14,6 +14,7 @@
 #include "daemon/worker.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/engine/kv_pool.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/tokenizer.h"
 #include "kernels/backend.h"
@@ -193,7 +194,17 @@ static int bind_replay(struct skv_server *srv, const char *endpoint)
         return rc;
     int linger = 0, mandatory = 1;
     int64_t maxmsg = 4096;
+    /* the parts of the largest snapshot the pool allows (every session holds at least a block
+     * per layer and KV head): libzmq's 1000 cut one past about 64,000 sessions */
+    int hwm = 1000;
+    const struct skv_model *m = srv->env.model;
+    if (m && m->kv_pool) {
+        uint64_t least = (uint64_t)m->cfg.n_layers * m->cfg.n_kv_heads * skv_kv_pool_block_bytes(m->kv_pool);
+        uint64_t parts = (uint64_t)srv->env.cfg->pool_size / (least ? least : 1) / SKV_REPLAY_PART_EVENTS + 16;
+        hwm = parts > (uint64_t)hwm ? (parts < INT32_MAX ? (int)parts : INT32_MAX) : hwm;
+    }
     if (!(srv->replay = zmq_socket(srv->zctx, ZMQ_ROUTER)) ||
+        zmq_setsockopt(srv->replay, ZMQ_SNDHWM, &hwm, sizeof hwm) < 0 ||
         zmq_setsockopt(srv->replay, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
         zmq_setsockopt(srv->replay, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) < 0 ||
         zmq_setsockopt(srv->replay, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory) < 0 ||
