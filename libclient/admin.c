@@ -15,7 +15,7 @@ int snapkv_admin_status(snapkv_client_t *c, struct snapkv_status_info *out)
     req.command_case = SNAPKV__REQUEST__COMMAND_STATUS;
     req.status = &sreq;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_STATUS_REPLY, "STATUS", NULL, NULL, &rep);
+    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_STATUS_REPLY, "STATUS", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     const Snapkv__StatusReply *s = rep->status_reply;
@@ -50,7 +50,7 @@ int snapkv_admin_config_get(snapkv_client_t *c, const char *key, snapkv_config_f
     req.command_case = SNAPKV__REQUEST__COMMAND_CONFIG_GET;
     req.config_get = &creq;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_CONFIG_GET, "CONFIG GET", NULL, NULL, &rep);
+    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_CONFIG_GET, "CONFIG GET", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     for (size_t i = 0; i < rep->config_get->n_entries; i++) {
@@ -95,7 +95,7 @@ int snapkv_admin_list(snapkv_client_t *c, const char *tenant, struct snapkv_sess
     req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
     req.list = &l;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LIST, "LIST", NULL, NULL, &rep);
+    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LIST, "LIST", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     struct snapkv_session_list res = {.n = rep->list->n_sessions};
@@ -138,7 +138,7 @@ static int inspect_call(snapkv_client_t *c, const struct snapkv_session_id *id, 
     in.with_positions = with_positions;
     req.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
     req.inspect = &in;
-    return skv_client_call(c, &req, SNAPKV__REPLY__RESULT_INSPECT, "INSPECT", NULL, NULL, rep);
+    return skv_client_call(c, &req, SNAPKV__REPLY__RESULT_INSPECT, "INSPECT", NULL, NULL, NULL, rep);
 }
 
 int snapkv_admin_session_hashes(snapkv_client_t *c, const struct snapkv_session_id *id, uint32_t *block_size,
@@ -238,7 +238,7 @@ int snapkv_admin_evict(snapkv_client_t *c, const struct snapkv_session_id *id, c
     req.command_case = SNAPKV__REQUEST__COMMAND_EVICT;
     req.evict = &e;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_EVICT, "EVICT", NULL, NULL, &rep);
+    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_EVICT, "EVICT", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     if (evicted)
@@ -261,7 +261,7 @@ static int pin(snapkv_client_t *c, const struct snapkv_session_id *id, bool on)
     req.command_case = SNAPKV__REQUEST__COMMAND_PIN;
     req.pin = &p;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_PIN, on ? "PIN" : "UNPIN", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_PIN, on ? "PIN" : "UNPIN", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     snapkv__reply__free_unpacked(rep, NULL);
@@ -311,7 +311,7 @@ int snapkv_admin_save(snapkv_client_t *c, const struct snapkv_session_id *id, co
     req.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
     req.save = &s;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_SAVE, "SAVE", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_SAVE, "SAVE", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     if (bytes)
@@ -334,7 +334,7 @@ int snapkv_admin_load(snapkv_client_t *c, const char *name, const char *tenant, 
     req.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
     req.load = &l;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LOAD, "LOAD", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LOAD, "LOAD", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     struct snapkv_session_id id;
@@ -357,7 +357,7 @@ int snapkv_admin_stats(snapkv_client_t *c, bool prometheus, struct snapkv_stats 
     req.command_case = SNAPKV__REQUEST__COMMAND_STATS;
     req.stats = &s;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_STATS, "STATS", NULL, NULL, &rep);
+    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_STATS, "STATS", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     const Snapkv__StatsReply *r = rep->stats;

@@ -52,8 +52,8 @@ int64_t skv_client_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Receives one message; a multi-part message (a REQ-style empty delimiter) counts by its last
- * part. On success *out owns the unpacked reply. */
+/* Receives one message (the caller saw it waiting); a multi-part message (a REQ-style empty
+ * delimiter) counts by its last part. On success *out owns the unpacked reply. */
 static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
 {
     zmq_msg_t msg;
@@ -61,9 +61,9 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
     for (;;) {
         if (zmq_msg_recv(&msg, c->sock, 0) < 0) {
             int err = zmq_errno();
+            if (err == EINTR) /* a signal: the message is still there */
+                continue;
             zmq_msg_close(&msg);
-            if (err == EINTR)
-                return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while waiting for the daemon");
             return skv_client_fail(SNAPKV_E_IO, "recv: %s", zmq_strerror(err));
         }
         if (!zmq_msg_more(&msg))
@@ -129,8 +129,7 @@ static int check_handshake(snapkv_client_t *c)
     return rc;
 }
 
-/* Milliseconds zmq_poll may wait until deadline (-1: no deadline, wait forever). */
-static long wait_ms(int64_t deadline)
+long skv_client_wait_ms(int64_t deadline)
 {
     if (deadline < 0)
         return -1;
@@ -149,18 +148,16 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
             return SNAPKV_OK;
         int err = zmq_errno();
         if (err == EINTR)
-            return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while sending the %s request", what);
+            continue;
         if (err != EAGAIN)
             return skv_client_fail(SNAPKV_E_IO, "send: %s", zmq_strerror(err));
         zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLOUT},
                                    {.socket = c->monitor, .events = ZMQ_POLLIN}};
-        int n = zmq_poll(items, c->monitor ? 2 : 1, wait_ms(deadline));
-        if (n < 0) {
-            err = zmq_errno();
-            if (err == EINTR)
-                return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while sending the %s request", what);
-            return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(err));
-        }
+        int n = zmq_poll(items, c->monitor ? 2 : 1, skv_client_wait_ms(deadline));
+        if (n < 0 && zmq_errno() == EINTR)
+            continue; /* a signal: wait on for what is left of the timeout */
+        if (n < 0)
+            return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
             int rc = check_handshake(c);
             if (rc)
@@ -174,8 +171,9 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
     }
 }
 
-int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
-                    skv_partial_fn partial, void *user, Snapkv__Reply **reply_out)
+/* skv_client_call, less the check that no other call of c is waiting. */
+static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
+                skv_partial_fn partial, void *user, bool *in_flight, Snapkv__Reply **reply_out)
 {
     req->version = SNAPKV_PROTOCOL_VERSION;
     req->request_id = ++c->next_request_id;
@@ -197,23 +195,23 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
     free(buf);
     if (rc)
         return rc;
+    *in_flight = true;
 
     for (;;) {
         zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLIN},
                                    {.socket = c->monitor, .events = ZMQ_POLLIN}};
-        rc = zmq_poll(items, c->monitor ? 2 : 1, wait_ms(deadline));
-        if (rc < 0) {
-            if (zmq_errno() == EINTR)
-                return skv_client_fail(SNAPKV_E_CANCELLED, "interrupted while waiting for the %s reply", what);
+        int n = zmq_poll(items, c->monitor ? 2 : 1, skv_client_wait_ms(deadline));
+        if (n < 0 && zmq_errno() == EINTR)
+            continue; /* a signal: wait on for what is left of the timeout */
+        if (n < 0)
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
-        }
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
             if ((rc = check_handshake(c)))
                 return rc;
             if (!(items[0].revents & ZMQ_POLLIN))
                 continue;
         }
-        if (rc == 0)
+        if (n == 0)
             return skv_client_fail(SNAPKV_E_TIMEOUT, "no %s reply from the daemon within %d ms", what,
                                    c->timeout_ms);
         Snapkv__Reply *rep = NULL;
@@ -225,6 +223,8 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
             snapkv__reply__free_unpacked(rep, NULL);
             continue;
         }
+        if (rep->final || rep->status != SNAPKV_OK)
+            *in_flight = false; /* the daemon is done with it */
         if (rep->version != SNAPKV_PROTOCOL_VERSION) {
             rc = skv_client_fail(SNAPKV_E_VERSION, "daemon speaks protocol %u, this library %d", rep->version,
                                  SNAPKV_PROTOCOL_VERSION);
@@ -260,6 +260,26 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
         snapkv__reply__free_unpacked(rep, NULL);
         return rc;
     }
+}
+
+int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
+                    skv_partial_fn partial, void *user, bool *in_flight, Snapkv__Reply **reply_out)
+{
+    bool running = false;
+    if (in_flight)
+        *in_flight = false;
+    /* a callback that used its own client would read (and drop) the replies its caller waits for */
+    if (c->in_call)
+        return skv_client_fail(SNAPKV_E_BUSY,
+                               "%s: this client is inside another of its calls (a callback must not use its own "
+                               "client: open another)",
+                               what);
+    c->in_call = true;
+    int rc = call(c, req, want, what, partial, user, &running, reply_out);
+    c->in_call = false;
+    if (in_flight)
+        *in_flight = running;
+    return rc;
 }
 
 /* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
@@ -358,7 +378,7 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     req.command_case = SNAPKV__REQUEST__COMMAND_HELLO;
     req.hello = &hello;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, NULL, &rep);
     monitor_stop(c);
     if (rc)
         goto out_close;

@@ -14,6 +14,7 @@ struct snapkv_client {
     char *tenant;
     int timeout_ms;
     uint64_t next_request_id;
+    bool in_call;                /* a call is waiting for its replies (a callback runs inside it) */
     Snapkv__HelloReply *hello;   /* kept for snapkv_server_info */
 };
 
@@ -21,6 +22,9 @@ struct snapkv_client {
 int skv_client_fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* CLOCK_MONOTONIC in milliseconds. */
 int64_t skv_client_now_ms(void);
+/* Milliseconds zmq_poll may wait until deadline (a skv_client_now_ms time; -1: none, wait
+ * forever). */
+long skv_client_wait_ms(int64_t deadline);
 
 /* Called for each streamed (final = false, status ok) reply of the current request: return 0
  * to go on, a negative status to stop waiting (the call returns it; set the message first). */
@@ -29,9 +33,13 @@ typedef int (*skv_partial_fn)(void *user, const Snapkv__Reply *rep);
 /* Sends req (version, request id and tenant filled in here) and waits for its final reply,
  * skipping replies to earlier requests; the client's timeout bounds the send and each wait.
  * The final reply must be ok and carry result_case `want` (what: the command's name for
- * messages). On success *reply_out owns the reply (free with snapkv__reply__free_unpacked). */
+ * messages). On success *reply_out owns the reply (free with snapkv__reply__free_unpacked).
+ * *in_flight (in_flight may be NULL) says whether the call failed after its request went out
+ * and before the daemon ended it (a final reply, or an error): the command may still run there.
+ * A call made while another of the same client waits (from one of its callbacks) fails with
+ * SNAPKV_E_BUSY and sends nothing. */
 int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
-                    skv_partial_fn partial, void *user, Snapkv__Reply **reply_out);
+                    skv_partial_fn partial, void *user, bool *in_flight, Snapkv__Reply **reply_out);
 
 /* Session ids on the wire: exactly 16 bytes. */
 ProtobufCBinaryData skv_client_id_wire(const struct snapkv_session_id *id);

@@ -2,6 +2,7 @@
  * [topic][sequence, big-endian u64][KvEventBatch] read into a struct snapkv_event. */
 #include "libclient/client_internal.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +21,7 @@ struct snapkv_events {
     uint64_t replayed;            /* the snapshot's sequence: stream events up to it are dropped */
     bool skip;                    /* until one above it, or a restart of the daemon, comes */
     bool seen;                    /* a stream message was read since the last replay (sequence is its) */
-    uint64_t boot_id;             /* the replayed daemon's (KvEventBatch.boot_id) */
+    uint64_t boot_id;             /* the replayed daemon's (KvEventBatch.boot_id; 0: a daemon of before them) */
 };
 
 int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
@@ -47,20 +48,24 @@ int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
 static int recv_frames(void *sock, zmq_msg_t *f, int max, int *got, const char *what)
 {
     *got = 0;
-    for (int more = 1; more; (*got)++) {
+    for (int more = 1; more;) {
         zmq_msg_t m;
         zmq_msg_init(&m);
         if (zmq_msg_recv(&m, sock, 0) < 0) {
+            int err = zmq_errno();
             zmq_msg_close(&m);
+            if (err == EINTR)
+                continue; /* a signal: the frame is still there */
             for (int i = 0; i < *got && i < max; i++)
                 zmq_msg_close(&f[i]);
-            return skv_client_fail(SNAPKV_E_IO, "%s: %s", what, zmq_strerror(zmq_errno()));
+            return skv_client_fail(SNAPKV_E_IO, "%s: %s", what, zmq_strerror(err));
         }
         more = zmq_msg_more(&m);
         if (*got < max)
             f[*got] = m;
         else
             zmq_msg_close(&m);
+        (*got)++;
     }
     return SNAPKV_OK;
 }
@@ -74,51 +79,120 @@ static uint64_t be64(const uint8_t *p)
     return v;
 }
 
-/* Reads the next message into ev->batch (the earlier one freed). */
-static int read_batch(struct snapkv_events *ev, int timeout_ms)
+/* Waits until deadline (-1: none) for sock to have a message: 1, 0 when none came, or a status. */
+static int wait_input(void *sock, int64_t deadline, const char *what)
 {
-    zmq_pollitem_t it = {ev->sub, 0, ZMQ_POLLIN, 0};
-    int n = zmq_poll(&it, 1, timeout_ms);
-    if (n < 0)
-        return skv_client_fail(SNAPKV_E_IO, "events: %s", zmq_strerror(zmq_errno()));
-    if (n == 0)
-        return skv_client_fail(SNAPKV_E_TIMEOUT, "no event within %d ms", timeout_ms);
+    for (;;) {
+        zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+        int n = zmq_poll(&it, 1, skv_client_wait_ms(deadline));
+        if (n >= 0)
+            return n > 0;
+        if (zmq_errno() == EINTR)
+            continue; /* a signal: wait on for what is left */
+        return skv_client_fail(SNAPKV_E_IO, "%s: %s", what, zmq_strerror(zmq_errno()));
+    }
+}
+
+/* Reads the next stream message that came by deadline: *seq its number, *out its batch.
+ * SNAPKV_E_TIMEOUT (no message set) when none came. */
+static int recv_batch(struct snapkv_events *ev, int64_t deadline, uint64_t *seq, Snapkv__KvEventBatch **out)
+{
+    int rc = wait_input(ev->sub, deadline, "events");
+    if (rc <= 0)
+        return rc ? rc : SNAPKV_E_TIMEOUT;
     zmq_msg_t parts[3];
     int got;
-    int rc = recv_frames(ev->sub, parts, 3, &got, "events");
+    rc = recv_frames(ev->sub, parts, 3, &got, "events");
     if (rc)
         return rc;
     if (got != 3 || zmq_msg_size(&parts[1]) != 8) {
         rc = skv_client_fail(SNAPKV_E_PROTO, "events: a message of %d frames is not an event", got);
     } else {
-        uint64_t seq = be64(zmq_msg_data(&parts[1]));
-        if (ev->batch)
-            snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
-        ev->next = 0;
-        /* after a replay, a batch at or below its number is one the snapshot holds: dropped;
-         * unless the daemon restarted since (numbers start again at 1 with an AllCleared): another
-         * boot id, a number below the last one seen, or an AllCleared ends the dropping */
-        bool restarted = ev->skip && ev->seen && seq < ev->sequence;
-        ev->sequence = seq;
-        ev->seen = true;
-        ev->batch = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
-        if (!ev->batch) {
+        *seq = be64(zmq_msg_data(&parts[1]));
+        *out = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
+        if (!*out)
             rc = skv_client_fail(SNAPKV_E_PROTO, "events: a batch that does not decode");
-        } else if (ev->skip) {
-            restarted |= ev->batch->boot_id != ev->boot_id; /* (a daemon of before boot ids sends 0) */
-            for (size_t k = 0; k < ev->batch->n_events && !restarted; k++)
-                restarted = ev->batch->events[k]->kind_case == SNAPKV__KV_EVENT__KIND_CLEARED;
-            if (restarted || seq > ev->replayed) {
-                ev->skip = false;
-            } else {
-                snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
-                ev->batch = NULL;
-            }
-        }
     }
     for (int i = 0; i < got && i < 3; i++)
         zmq_msg_close(&parts[i]);
     return rc;
+}
+
+static bool has_cleared(const Snapkv__KvEventBatch *b)
+{
+    for (size_t k = 0; k < b->n_events; k++)
+        if (b->events[k]->kind_case == SNAPKV__KV_EVENT__KIND_CLEARED)
+            return true;
+    return false;
+}
+
+/* After a replay, whether a stream batch that came after the snapshot (the replay dropped those
+ * queued before it: drop_queued) is one to return: one of the snapshot's daemon numbered above
+ * the snapshot, or any of a daemon started since (another boot id: it numbers from 1 again,
+ * and its first event, AllCleared, went out before this subscriber had reconnected). */
+static bool after_snapshot(const struct snapkv_events *ev, uint64_t seq, const Snapkv__KvEventBatch *b)
+{
+    if (b->boot_id != ev->boot_id || seq > ev->replayed)
+        return true;
+    /* a daemon of before boot ids: a restart shows only as a number below the last one seen,
+     * or an AllCleared */
+    return !ev->boot_id && ((ev->seen && seq < ev->sequence) || has_cleared(b));
+}
+
+/* Makes b (numbered seq; NULL: one dropped) the message being read. */
+static void set_batch(struct snapkv_events *ev, uint64_t seq, Snapkv__KvEventBatch *b)
+{
+    if (ev->batch)
+        snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
+    ev->batch = b;
+    ev->next = 0;
+    ev->sequence = seq;
+    ev->seen = true;
+}
+
+/* Reads the next message into ev->batch (the earlier one freed); after a replay, one the
+ * snapshot holds is dropped (ev->batch NULL). */
+static int read_batch(struct snapkv_events *ev, int64_t deadline, int timeout_ms)
+{
+    uint64_t seq = 0;
+    Snapkv__KvEventBatch *b = NULL;
+    int rc = recv_batch(ev, deadline, &seq, &b);
+    if (rc == SNAPKV_E_TIMEOUT)
+        return skv_client_fail(SNAPKV_E_TIMEOUT, "no event within %d ms", timeout_ms);
+    if (rc)
+        return rc;
+    bool keep = !ev->skip || after_snapshot(ev, seq, b);
+    if (!keep) {
+        snapkv__kv_event_batch__free_unpacked(b, NULL);
+        b = NULL;
+    }
+    set_batch(ev, seq, b);
+    ev->skip = !keep;
+    return SNAPKV_OK;
+}
+
+/* Drops the stream messages already queued when a replay's snapshot came: those of its daemon
+ * numbered up to it (the snapshot holds what they said), and those of another daemon, one that
+ * ran before it (the daemon restarted while they waited). The first one numbered above the
+ * snapshot becomes ev->batch and ends the dropping. Messages that are not events go too; it
+ * stops at any other error (snapkv_events_next meets it again). */
+static void drop_queued(struct snapkv_events *ev)
+{
+    for (;;) {
+        uint64_t seq = 0;
+        Snapkv__KvEventBatch *b = NULL;
+        int rc = recv_batch(ev, 0, &seq, &b); /* (deadline 0: passed, no wait) */
+        if (rc == SNAPKV_E_PROTO)
+            continue;
+        if (rc)
+            return;
+        if (b->boot_id == ev->boot_id && seq > ev->replayed) {
+            set_batch(ev, seq, b);
+            ev->skip = false;
+            return;
+        }
+        snapkv__kv_event_batch__free_unpacked(b, NULL);
+    }
 }
 
 static void parts_free(struct snapkv_events *ev)
@@ -130,14 +204,15 @@ static void parts_free(struct snapkv_events *ev)
     ev->n_parts = ev->part = ev->part_next = 0;
 }
 
-/* The next event of a replay's snapshot, or NULL once it is all returned (then freed). */
+/* The next event of a replay's snapshot, not yet taken (ev->part_next++ takes it), or NULL once
+ * it is all returned (then freed). */
 static const Snapkv__KvEvent *next_replayed(struct snapkv_events *ev, double *ts)
 {
     while (ev->part < ev->n_parts) {
         const Snapkv__KvEventBatch *b = ev->parts[ev->part]->batch;
         if (b && ev->part_next < b->n_events) {
             *ts = b->ts;
-            return b->events[ev->part_next++];
+            return b->events[ev->part_next];
         }
         ev->part++;
         ev->part_next = 0;
@@ -146,63 +221,79 @@ static const Snapkv__KvEvent *next_replayed(struct snapkv_events *ev, double *ts
     return NULL;
 }
 
-int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out)
+/* Fills *out from e; SNAPKV_E_NOMEM leaves e to be read again. */
+static int event_read(const Snapkv__KvEvent *e, struct snapkv_event *out)
 {
-    if (!ev || !out)
-        return skv_client_fail(SNAPKV_E_INVAL, "snapkv_events_next: NULL argument");
-    double ts = 0;
-    uint64_t sequence = ev->replayed;
-    const Snapkv__KvEvent *e = ev->n_parts ? next_replayed(ev, &ts) : NULL;
-    if (!e) {
-        while (!ev->batch || ev->next >= ev->batch->n_events) {
-            int rc = read_batch(ev, timeout_ms);
-            if (rc)
-                return rc;
-        }
-        e = ev->batch->events[ev->next++];
-        ts = ev->batch->ts;
-        sequence = ev->sequence;
-    }
-    struct snapkv_event r = {.sequence = sequence, .ts = ts};
     const ProtobufCBinaryData *id = NULL;
     const char *tenant = NULL;
     const uint64_t *hashes = NULL;
     switch (e->kind_case) {
     case SNAPKV__KV_EVENT__KIND_STORED:
-        r.kind = SNAPKV_EVENT_STORED;
+        out->kind = SNAPKV_EVENT_STORED;
         id = &e->stored->session_id;
         tenant = e->stored->tenant;
-        r.n_tokens = e->stored->n_tokens;
-        r.bytes = e->stored->bytes;
-        r.compressed = e->stored->compressed;
-        r.block_size = e->stored->block_size;
-        r.n_block_hashes = e->stored->n_block_hashes;
+        out->n_tokens = e->stored->n_tokens;
+        out->bytes = e->stored->bytes;
+        out->compressed = e->stored->compressed;
+        out->block_size = e->stored->block_size;
+        out->n_block_hashes = e->stored->n_block_hashes;
         hashes = e->stored->block_hashes;
         break;
     case SNAPKV__KV_EVENT__KIND_REMOVED:
-        r.kind = SNAPKV_EVENT_REMOVED;
+        out->kind = SNAPKV_EVENT_REMOVED;
         id = &e->removed->session_id;
         tenant = e->removed->tenant;
-        r.n_block_hashes = e->removed->n_block_hashes;
+        out->n_block_hashes = e->removed->n_block_hashes;
         hashes = e->removed->block_hashes;
         break;
     case SNAPKV__KV_EVENT__KIND_CLEARED:
-        r.kind = SNAPKV_EVENT_CLEARED;
+        out->kind = SNAPKV_EVENT_CLEARED;
         break;
     default:
         return skv_client_fail(SNAPKV_E_PROTO, "events: an event of an unknown kind");
     }
     if (id) {
-        int rc = skv_client_id_parse(id, "event", &r.id);
+        int rc = skv_client_id_parse(id, "event", &out->id);
         if (rc)
             return rc;
     }
-    snprintf(r.tenant, sizeof r.tenant, "%s", tenant ? tenant : "");
-    if (r.n_block_hashes) {
-        if (!(r.block_hashes = malloc(r.n_block_hashes * sizeof *r.block_hashes)))
-            return skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
-        memcpy(r.block_hashes, hashes, r.n_block_hashes * sizeof *r.block_hashes);
+    snprintf(out->tenant, sizeof out->tenant, "%s", tenant ? tenant : "");
+    if (out->n_block_hashes) {
+        if (!(out->block_hashes = malloc(out->n_block_hashes * sizeof *out->block_hashes)))
+            return skv_client_fail(SNAPKV_E_NOMEM, "events: out of memory for %zu block hashes",
+                                   out->n_block_hashes);
+        memcpy(out->block_hashes, hashes, out->n_block_hashes * sizeof *out->block_hashes);
     }
+    return SNAPKV_OK;
+}
+
+int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out)
+{
+    if (!ev || !out)
+        return skv_client_fail(SNAPKV_E_INVAL, "snapkv_events_next: NULL argument");
+    /* one deadline however many messages are read (and dropped) meanwhile */
+    int64_t deadline = timeout_ms < 0 ? -1 : skv_client_now_ms() + timeout_ms;
+    double ts = 0;
+    uint64_t sequence = ev->replayed;
+    const Snapkv__KvEvent *e = ev->n_parts ? next_replayed(ev, &ts) : NULL;
+    size_t *taken = &ev->part_next;
+    if (!e) {
+        while (!ev->batch || ev->next >= ev->batch->n_events) {
+            int rc = read_batch(ev, deadline, timeout_ms);
+            if (rc)
+                return rc;
+        }
+        e = ev->batch->events[ev->next];
+        ts = ev->batch->ts;
+        sequence = ev->sequence;
+        taken = &ev->next;
+    }
+    struct snapkv_event r = {.sequence = sequence, .ts = ts};
+    int rc = event_read(e, &r);
+    if (rc != SNAPKV_E_NOMEM)
+        ++*taken; /* an event that is not one is not read again */
+    if (rc)
+        return rc;
     *out = r;
     return SNAPKV_OK;
 }
@@ -219,11 +310,9 @@ void snapkv_event_free(struct snapkv_event *e)
 /* Reads one replay part ([sequence][KvReplayReply]) from sock into *out. */
 static int read_part(void *sock, int64_t deadline, uint64_t *seq, Snapkv__KvReplayReply **out)
 {
-    long wait = deadline < 0 ? -1 : (long)(deadline - skv_client_now_ms());
-    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
-    int n = zmq_poll(&it, 1, deadline < 0 ? -1 : wait > 0 ? wait : 0);
+    int n = wait_input(sock, deadline, "events replay");
     if (n < 0)
-        return skv_client_fail(SNAPKV_E_IO, "events replay: %s", zmq_strerror(zmq_errno()));
+        return n;
     if (n == 0)
         return skv_client_fail(SNAPKV_E_TIMEOUT, "events replay: the snapshot did not come in time (is "
                                "events-replay-endpoint set on the daemon? A reply cut short: replay again)");
@@ -303,10 +392,15 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->skip = true;
     ev->seen = false;
     ev->boot_id = parts[0]->batch ? parts[0]->batch->boot_id : 0;
-    if (ev->batch && ev->sequence <= seq) { /* the rest of a stream message the snapshot holds */
+    if (ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq) {
+        ev->skip = false; /* the rest of a stream message above the snapshot: the stream goes on */
+        return SNAPKV_OK;
+    }
+    if (ev->batch) { /* the rest of one the snapshot holds, or of an earlier daemon's */
         snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
         ev->batch = NULL;
     }
+    drop_queued(ev);
     return SNAPKV_OK;
 }
 

@@ -75,7 +75,8 @@ int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, s
     req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
     req.prefill = &p;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_PREFILL, "PREFILL", prefill_progress, (void *)opts, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_PREFILL, "PREFILL", prefill_progress, (void *)opts, NULL,
+                         &rep);
     if (rc)
         return rc;
 
@@ -143,7 +144,7 @@ int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
     req.append = &a;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_APPEND, "APPEND", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_APPEND, "APPEND", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     if (out) {
@@ -187,6 +188,23 @@ struct decode_acc {
     size_t len_text, cap_text;
 };
 
+/* Every DECODE reply counts the tokens generated so far (n_generated): with d's tokens the
+ * accumulated ones must come to it, or the daemon dropped replies (it drops what a client that
+ * reads too slowly leaves queued beyond its bounds). */
+static int check_count(const struct decode_acc *a, const Snapkv__DecodeReply *d)
+{
+    size_t have = a->n_tokens + d->n_tokens;
+    if (have < d->n_generated)
+        return skv_client_fail(SNAPKV_E_IO,
+                               "decode: lost %zu streamed tokens (the daemon generated %u, %zu came): it dropped "
+                               "replies this client did not read in time",
+                               (size_t)d->n_generated - have, d->n_generated, have);
+    if (have > d->n_generated)
+        return skv_client_fail(SNAPKV_E_PROTO, "decode: %zu tokens came for the %u the daemon generated", have,
+                               d->n_generated);
+    return SNAPKV_OK;
+}
+
 static int acc_add(struct decode_acc *a, const Snapkv__DecodeReply *d)
 {
     if (a->n_tokens + d->n_tokens > a->cap_tokens) {
@@ -225,7 +243,9 @@ static int decode_partial(void *user, const Snapkv__Reply *rep)
     struct decode_acc *a = user;
     const Snapkv__DecodeReply *d = rep->decode;
     size_t first = a->n_tokens;
-    int rc = acc_add(a, d);
+    int rc = check_count(a, d);
+    if (!rc)
+        rc = acc_add(a, d);
     if (rc)
         return rc;
     if (a->fn && (d->n_tokens || (d->text && *d->text)) &&
@@ -234,6 +254,30 @@ static int decode_partial(void *user, const Snapkv__Reply *rep)
         return skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller");
     }
     return SNAPKV_OK;
+}
+
+/* The most a CANCEL after a failed DECODE (not one the callback stopped) waits for its reply. */
+#define CANCEL_WAIT_MS 1000
+
+/* After a DECODE call ended while the decode still ran in the daemon (the callback stopped it,
+ * or a timeout, no memory, lost replies): ends it there too, so that the session, and the
+ * daemon's decode slot, are free when snapkv_decode returns (the decode's remaining replies come
+ * before the CANCEL's and are dropped as stale). Best effort, waiting wait_ms at most (-1: the
+ * client's timeout): returns rc, the call's own status, whose message says when the CANCEL
+ * failed as well. */
+static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id, int rc, int wait_ms)
+{
+    char why[512], cancel_why[256]; /* copies: the last error is rewritten below */
+    snprintf(why, sizeof why, "%s", snapkv_last_error());
+    int timeout_ms = c->timeout_ms;
+    if (wait_ms >= 0 && (timeout_ms < 0 || timeout_ms > wait_ms))
+        c->timeout_ms = wait_ms;
+    int crc = snapkv_cancel(c, id, NULL, NULL);
+    c->timeout_ms = timeout_ms;
+    if (!crc)
+        return skv_client_fail(rc, "%s", why);
+    snprintf(cancel_why, sizeof cancel_why, "%s", snapkv_last_error());
+    return skv_client_fail(rc, "%s (and CANCEL failed: %s)", why, cancel_why);
 }
 
 int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_sampling *sampling,
@@ -282,24 +326,19 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
 
     struct decode_acc acc = {.fn = on_tokens, .user = user};
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DECODE, "DECODE", decode_partial, &acc, &rep);
-    if (rc && acc.stopped) {
-        /* end it in the daemon too, so the session is free when this returns (the decode's
-         * remaining replies come before the CANCEL's and are discarded as stale) */
-        int crc = snapkv_cancel(c, id, NULL, NULL);
-        if (crc)
-            skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller (and CANCEL failed: %s)",
-                            snapkv_last_error());
-        else
-            skv_client_fail(SNAPKV_E_CANCELLED, "decode: stopped by the caller");
-    }
+    bool in_flight = false;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DECODE, "DECODE", decode_partial, &acc, &in_flight, &rep);
+    if (rc && in_flight)
+        rc = cancel_decode(c, id, rc, acc.stopped ? -1 : CANCEL_WAIT_MS);
     if (rc)
         goto out_free_acc;
     /* the final reply may carry the last batch (and, without streaming, all of them); what the
      * callback answers to it no longer matters: the decode is complete */
     const Snapkv__DecodeReply *r = rep->decode;
     size_t first = acc.n_tokens;
-    rc = acc_add(&acc, r);
+    rc = check_count(&acc, r);
+    if (!rc)
+        rc = acc_add(&acc, r);
     if (rc)
         goto out_free_reply;
     if (on_tokens && (r->n_tokens || (r->text && *r->text)))
@@ -354,7 +393,7 @@ int snapkv_compress(snapkv_client_t *c, const struct snapkv_session_id *id, cons
     req.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
     req.compress = &cr;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_COMPRESS, "COMPRESS", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_COMPRESS, "COMPRESS", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     if (out) {
@@ -394,7 +433,7 @@ int snapkv_fork(snapkv_client_t *c, const struct snapkv_session_id *id, struct s
     req.command_case = SNAPKV__REQUEST__COMMAND_FORK;
     req.fork = &f;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_FORK, "FORK", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_FORK, "FORK", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     struct snapkv_session_id new_id;
@@ -419,7 +458,7 @@ int snapkv_release(snapkv_client_t *c, const struct snapkv_session_id *id)
     req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
     req.release = &r;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_RELEASE, "RELEASE", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_RELEASE, "RELEASE", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     snapkv__reply__free_unpacked(rep, NULL);
@@ -437,7 +476,7 @@ int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *
     req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
     req.cancel = &r;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_CANCEL, "CANCEL", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_CANCEL, "CANCEL", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     if (cancelled)
@@ -662,7 +701,7 @@ static int export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, con
     req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
     req.export_kv = &e;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_EXPORT_KV, "EXPORT_KV", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_EXPORT_KV, "EXPORT_KV", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
     const Snapkv__ExportKvReply *r = rep->export_kv;
@@ -763,7 +802,7 @@ int snapkv_import_kv(snapkv_client_t *c, const struct snapkv_import_opts *opts, 
     req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
     req.import_kv = &im;
     Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_IMPORT_KV, "IMPORT_KV", NULL, NULL, &rep);
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_IMPORT_KV, "IMPORT_KV", NULL, NULL, NULL, &rep);
     if (rc)
         goto out_free_kept;
     struct snapkv_session_id new_id;

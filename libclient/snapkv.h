@@ -2,6 +2,10 @@
  *
  * Thread safety: a snapkv_client_t is NOT safe to use from several threads at once; use one
  * client per thread (they are cheap: one ZeroMQ DEALER socket each) or serialize calls.
+ * Callbacks (snapkv_token_fn, snapkv_progress_fn) run inside a call of their client and must
+ * not use it: a call made from one fails with SNAPKV_E_BUSY (use another client), and closing
+ * the client there is undefined. A signal does not end a call: it waits on for what is left of
+ * its timeout (a streaming callback can stop a decode).
  * Different clients may be used concurrently, and several threads may connect at once (each
  * client has its own ZeroMQ context and CURVE keys). Result structs (snapkv_*_result, lists, stats)
  * belong to the caller, do not refer to the client and may outlive it.
@@ -250,9 +254,14 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * Return 0 to go on; anything else ends the decode: the library sends CANCEL for the session
  * and waits until the daemon ended it, then snapkv_decode returns SNAPKV_E_CANCELLED. The
  * session keeps every token made so far (those the callback saw, and any the daemon made
- * before the CANCEL reached it) and takes the next command at once. Closing the client (or its
- * process ending) cancels it too. A DECODE past the daemon's max-decodes or
- * max-decodes-per-tenant running ones is refused at once with SNAPKV_E_BUSY. */
+ * before the CANCEL reached it) and takes the next command at once. A decode that fails in
+ * any other way while it runs (SNAPKV_E_TIMEOUT, SNAPKV_E_NOMEM, lost replies) is cancelled
+ * the same way, waiting a second at most; the message says if that CANCEL failed too. Closing
+ * the client (or its process ending) cancels it too. Each reply counts the tokens made so far:
+ * a streaming client that reads so slowly that the daemon dropped some of its replies gets
+ * SNAPKV_E_IO ("lost N streamed tokens"). A DECODE past the daemon's max-decodes or
+ * max-decodes-per-tenant running ones is refused at once with SNAPKV_E_BUSY. The callback must
+ * not use its own client (see the top of this file). */
 typedef int (*snapkv_token_fn)(void *user, const uint32_t *tokens, size_t n_tokens, const char *text);
 
 struct snapkv_decode_result {
@@ -278,8 +287,10 @@ struct snapkv_compress_result {
     size_t n_layers;
     struct snapkv_layer_kept *layers;
 };
-/* Re-compresses a session with `spec`. window_from: where the observation window (the spec's
- * `window` tokens) starts; 0: the daemon's default (the session's last tokens). out may be
+/* Re-compresses a session with `spec`: its last `window` tokens (the spec's), or with
+ * window_from every token from there on, come off the cache and run again under the new spec;
+ * the last `window` of them are the observation window (a question longer than `window` needs
+ * a window as long to observe whole); 0: the last `window` tokens. out may be
  * NULL; free it with snapkv_compress_result_free(). When it fails (the pool is full, the
  * client's timeout passed while it ran) the session is as it was, under its old spec. */
 SNAPKV_API int snapkv_compress(snapkv_client_t *client, const struct snapkv_session_id *id, const char *spec,
@@ -512,10 +523,12 @@ SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
  * a subscriber that started late, or saw a gap in the sequence numbers, ends up holding what one
  * that missed nothing holds. Call it after snapkv_events_open(): the first stream event after a
  * replay should be S + 1, and one above it is a gap again (the subscription reached the daemon
- * after the snapshot): replay once more. A restart of the daemon (its numbers start again at 1
- * with an AllCleared) ends the dropping. Waits up to timeout_ms (-1: for ever) for the whole
- * snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused request. A snapshot of more
- * than about 64,000 sessions (1000 parts, libzmq's send queue) is cut and times out. */
+ * after the snapshot): replay once more. Stream events queued when the snapshot came are
+ * dropped (they are the snapshot's, or an earlier daemon's); an event of a daemon started since
+ * (another boot id: its numbers start again at 1) ends the dropping. Waits up to timeout_ms (-1:
+ * for ever) for the whole snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused
+ * request. The daemon queues the parts of the largest snapshot its pool allows; one is cut only
+ * when its requester is gone. */
 SNAPKV_API int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int timeout_ms);
 /* Accepts NULL and *ev == NULL; sets *ev to NULL. */
 SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);

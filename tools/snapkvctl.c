@@ -853,9 +853,9 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
         putchar('\n');
         fflush(stdout);
         if (rc == SNAPKV_E_CANCELLED && g_interrupted) {
-            /* a signal that came while no token did interrupted the wait: end it here too */
-            if ((rc = snapkv_cancel(cl, &id, NULL, NULL)))
-                failed("cancel", rc);
+            /* print_tokens stopped the answer at the token after Ctrl-C, and libsnapkv ended it in
+             * the daemon (a signal no longer ends libsnapkv's waits: before the first token, Ctrl-C
+             * takes effect when it comes) */
             fprintf(stderr, "[stopped]\n");
             continue;
         }

@@ -2687,6 +2687,48 @@ static void test_cancel(void **state)
     stop_daemon(&d);
 }
 
+/* A collected DECODE that outlasts the client's timeout: libsnapkv cancels it in the daemon
+ * before it returns, so the session takes the next command at once (not BUSY) and no decode
+ * keeps a max-decodes slot. */
+static void test_decode_timeout_frees_session(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *c = client(d.endpoint, "t"), *a = client(d.admin, NULL);
+    uint32_t ids[16];
+    prompt(ids, 16, 37);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 2000; /* seconds of work */
+    sp.stop_at_eos = false;
+    assert_int_equal(snapkv_set_timeout(c, 300), SNAPKV_OK);
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_E_TIMEOUT);
+    assert_null(strstr(snapkv_last_error(), "CANCEL failed"));
+    assert_true(stat_value(a, "snapkv_decodes_running") == 0);
+    assert_true(stat_value(a, "snapkv_decodes_cancelled_total") == 1);
+    uint32_t more[4];
+    prompt(more, 4, 38);
+    struct snapkv_append_opts ao = {.tokens = more, .n_tokens = 4};
+    int rc = snapkv_append(c, &pr.id, &ao, NULL);
+    if (rc)
+        fail_msg("append after the timed-out decode: %s", snapkv_last_error());
+    sp.max_tokens = 4;
+    rc = snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr);
+    if (rc)
+        fail_msg("decode after the timed-out decode: %s", snapkv_last_error());
+    assert_int_equal(dr.n_tokens, 4);
+    snapkv_decode_result_free(&dr);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* snapkvctl tenants: each tenant's sessions, bytes, requests, errors, tokens and engine time,
  * from the STATS rows labelled with the tenant (the admin endpoint's own requests as
  * "(admin)"); the same figures in --json. */
@@ -3010,6 +3052,7 @@ int main(void)
         cmocka_unit_test_teardown(test_gone_client_prefill, kill_daemons),
         cmocka_unit_test_teardown(test_deadline_prefill, kill_daemons),
         cmocka_unit_test_teardown(test_cancel, kill_daemons),
+        cmocka_unit_test_teardown(test_decode_timeout_frees_session, kill_daemons),
         cmocka_unit_test_teardown(test_fair_eviction, kill_daemons),
         cmocka_unit_test_teardown(test_stop_sequences, kill_daemons),
         cmocka_unit_test_teardown(test_chat_interrupt, kill_daemons),

@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -839,6 +840,153 @@ static void test_decode_cancel_skips_rest(void **state)
     fake_stop(&f);
 }
 
+/* A DECODE the fake does not answer (a long one, or a daemon that is slow): the client's
+ * timeout ends the call, and the library ends the decode in the daemon with a CANCEL. The
+ * first CANCEL is answered, later ones not. */
+static bool answer_decode_slow(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_DECODE)
+        return true;
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_CANCEL)
+        return false;
+    if (f->step++ > 0)
+        return true;
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    Snapkv__CancelReply r = SNAPKV__CANCEL_REPLY__INIT;
+    r.cancelled = true;
+    rep.final = true;
+    rep.result_case = SNAPKV__REPLY__RESULT_CANCEL;
+    rep.cancel = &r;
+    fake_send(f, &rep);
+    return true;
+}
+
+static void test_decode_timeout_cancels(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode_slow);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    assert_int_equal(snapkv_set_timeout(c, 150), SNAPKV_OK);
+    struct snapkv_decode_result r = {.n_tokens = 99};
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_E_TIMEOUT);
+    assert_string_equal(snapkv_last_error(), "no DECODE reply from the daemon within 150 ms");
+    assert_int_equal(r.n_tokens, 99);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
+    assert_wire_id(req->cancel->session_id, &ID_B);
+    snapkv__request__free_unpacked(req, NULL);
+    int n = fake_requests(f);
+
+    /* the CANCEL unanswered too: the timeout's status, and the message says both */
+    int64_t t0 = now_ms();
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_E_TIMEOUT);
+    int64_t dt = now_ms() - t0;
+    assert_true(dt >= 280 && dt < 1500);
+    assert_string_equal(snapkv_last_error(), "no DECODE reply from the daemon within 150 ms (and CANCEL failed: no "
+                                             "CANCEL reply from the daemon within 150 ms)");
+    assert_int_equal(fake_requests(f), n + 2);
+
+    /* a DECODE the daemon refused (it is not running): no CANCEL */
+    snapkv_close(&c);
+    fake_stop(&f);
+    f = fake_start(answer_error);
+    c = connect_fake(f, 2000);
+    n = fake_requests(f);
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_E_PROTO);
+    usleep(100 * 1000);
+    assert_int_equal(fake_requests(f), n + 1);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* A stream whose replies the daemon partly dropped (n_generated jumps by 3 where 1 came). */
+static bool answer_decode_gap(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL)
+        return answer_decode(f, req);
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_DECODE)
+        return false;
+    static const uint32_t t[6] = {11, 12, 13, 14, 15, 2};
+    if (!req->decode->stream) { /* the final reply's count disagrees */
+        send_decode(f, true, t, 6, "Hello, world!", 8, "eos");
+        return true;
+    }
+    send_decode(f, false, t, 2, "Hel", 2, "");
+    send_decode(f, false, t + 2, 1, "lo", 5, ""); /* tokens 3 and 4 lost */
+    send_decode(f, true, t + 5, 1, "!", 6, "eos");
+    return true;
+}
+
+static void test_decode_lost_tokens(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode_gap);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct stream_log log = {0};
+    struct snapkv_decode_result r = {.n_tokens = 99};
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens, &log, &r), SNAPKV_E_IO);
+    assert_non_null(strstr(snapkv_last_error(), "lost 2 streamed tokens"));
+    assert_int_equal(log.batches, 1); /* the callback saw nothing after the gap */
+    assert_int_equal(r.n_tokens, 99);
+    Snapkv__Request *req = fake_last(f); /* and the decode was ended in the daemon */
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
+    assert_wire_id(req->cancel->session_id, &ID_B);
+    snapkv__request__free_unpacked(req, NULL);
+
+    /* collected: the one reply is final (the decode is over: no CANCEL) */
+    int n = fake_requests(f);
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_E_IO);
+    assert_non_null(strstr(snapkv_last_error(), "lost 2 streamed tokens"));
+    assert_int_equal(r.n_tokens, 99);
+    usleep(100 * 1000);
+    assert_int_equal(fake_requests(f), n + 1);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* A callback that uses its own client: refused, and the call it runs in goes on. */
+struct reentry {
+    snapkv_client_t *c;
+    int batches;
+    int rc;
+    char error[256];
+};
+
+static int on_tokens_reenter(void *user, const uint32_t *toks, size_t n, const char *text)
+{
+    (void)toks;
+    (void)n;
+    (void)text;
+    struct reentry *r = user;
+    if (r->batches++ == 0) {
+        r->rc = snapkv_release(r->c, &ID_A);
+        snprintf(r->error, sizeof r->error, "%s", snapkv_last_error());
+    }
+    return 0;
+}
+
+static void test_callback_reentry(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode);
+    snapkv_client_t *c = connect_fake(f, 1000);
+    struct reentry re = {.c = c};
+    struct snapkv_decode_result r;
+    int n = fake_requests(f);
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens_reenter, &re, &r), SNAPKV_OK);
+    assert_int_equal(re.rc, SNAPKV_E_BUSY);
+    assert_non_null(strstr(re.error, "a callback must not use its own client"));
+    assert_int_equal(re.batches, 4);
+    assert_int_equal(r.n_tokens, 6);
+    assert_string_equal(r.text, "Hello, world!");
+    snapkv_decode_result_free(&r);
+    assert_int_equal(fake_requests(f), n + 1); /* the RELEASE was not sent */
+    /* after the call, the client takes calls again */
+    assert_int_equal(snapkv_release(c, &ID_A), SNAPKV_OK);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
 /* ---- timeouts, stale and malformed replies --------------------------------------------------------------- */
 
 static bool answer_fork_late(struct fake *f, const Snapkv__Request *req)
@@ -877,6 +1025,61 @@ static void test_timeout_then_stale_reply(void **state)
     assert_int_equal(snapkv_fork(c, &ID_A, &out, &shared), SNAPKV_OK);
     assert_memory_equal(out.bytes, ID_B.bytes, 16);
     assert_int_equal(shared, 4096);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+/* Signals for one thread: SIGUSR1 every 10 ms while `on`, for 1.5 s at most (the handler does
+ * nothing, and is installed without SA_RESTART: each one interrupts a wait in that thread). */
+struct pester {
+    pthread_t target, thread;
+    atomic_bool on;
+};
+
+static void on_usr1(int sig)
+{
+    (void)sig;
+}
+
+static void *pester_main(void *arg)
+{
+    struct pester *p = arg;
+    for (int i = 0; i < 150 && atomic_load(&p->on); i++) { /* 1.5 s at most */
+        pthread_kill(p->target, SIGUSR1);
+        usleep(10 * 1000);
+    }
+    return NULL;
+}
+
+static void test_signals_do_not_end_calls(void **state)
+{
+    (void)state;
+    struct sigaction sa = {.sa_handler = on_usr1}, old;
+    sigemptyset(&sa.sa_mask);
+    assert_int_equal(sigaction(SIGUSR1, &sa, &old), 0);
+    struct fake *f = fake_start(answer_fork_late); /* its first FORK reply comes after 400 ms */
+    snapkv_client_t *c = connect_fake(f, 3000);
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open("tcp://127.0.0.1:1", &ev), SNAPKV_OK); /* nothing there */
+    static struct pester p; /* outlives a failed assert */
+    p.target = pthread_self();
+    atomic_store(&p.on, true);
+    assert_int_equal(pthread_create(&p.thread, NULL, pester_main, &p), 0);
+
+    struct snapkv_session_id out;
+    int64_t t0 = now_ms();
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_OK);
+    assert_true(now_ms() - t0 >= 390);
+    assert_memory_equal(out.bytes, ID_A.bytes, 16);
+    struct snapkv_event e;
+    t0 = now_ms();
+    assert_int_equal(snapkv_events_next(ev, 300, &e), SNAPKV_E_TIMEOUT);
+    assert_true(now_ms() - t0 >= 290);
+
+    atomic_store(&p.on, false);
+    pthread_join(p.thread, NULL);
+    sigaction(SIGUSR1, &old, NULL);
+    snapkv_events_close(&ev);
     snapkv_close(&c);
     fake_stop(&f);
 }
@@ -1647,6 +1850,241 @@ static void test_admin_actions(void **state)
     fake_stop(&f);
 }
 
+/* ---- KV events: a fake publisher and replay endpoint ------------------------------------------------ */
+
+struct fake_events {
+    void *ctx, *pub, *replay;       /* XPUB (it sees the subscription), ROUTER */
+    char pub_ep[128], replay_ep[128];
+    /* the snapshot the replay answers: AllCleared and a stored event per id, under boot_id */
+    uint64_t boot_id, sequence;
+    const struct snapkv_session_id *ids[4];
+    size_t n_ids;
+    /* a publisher thread: stale events (boot_id, sequence) every 50 ms while `on` */
+    pthread_t thread;
+    atomic_bool on;
+};
+
+static struct fake_events *fake_events_start(void)
+{
+    struct fake_events *fe = calloc(1, sizeof *fe);
+    assert_non_null(fe);
+    fe->ctx = zmq_ctx_new();
+    fe->pub = zmq_socket(fe->ctx, ZMQ_XPUB);
+    fe->replay = zmq_socket(fe->ctx, ZMQ_ROUTER);
+    int linger = 0, timeout = 5000;
+    zmq_setsockopt(fe->pub, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(fe->pub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    zmq_setsockopt(fe->replay, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(fe->replay, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    assert_int_equal(zmq_bind(fe->pub, "tcp://127.0.0.1:*"), 0);
+    assert_int_equal(zmq_bind(fe->replay, "tcp://127.0.0.1:*"), 0);
+    size_t len = sizeof fe->pub_ep;
+    zmq_getsockopt(fe->pub, ZMQ_LAST_ENDPOINT, fe->pub_ep, &len);
+    len = sizeof fe->replay_ep;
+    zmq_getsockopt(fe->replay, ZMQ_LAST_ENDPOINT, fe->replay_ep, &len);
+    return fe;
+}
+
+static void fake_events_stop(struct fake_events **fep)
+{
+    struct fake_events *fe = *fep;
+    zmq_close(fe->pub);
+    zmq_close(fe->replay);
+    zmq_ctx_term(fe->ctx);
+    free(fe);
+    *fep = NULL;
+}
+
+/* Publishes one event as the daemon does: [topic][sequence, big-endian][a batch of one]. */
+static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_event_kind kind,
+                         const struct snapkv_session_id *id)
+{
+    Snapkv__SessionStored st = SNAPKV__SESSION_STORED__INIT;
+    Snapkv__AllCleared cl = SNAPKV__ALL_CLEARED__INIT;
+    Snapkv__KvEvent e = SNAPKV__KV_EVENT__INIT, *ep = &e;
+    if (kind == SNAPKV_EVENT_STORED) {
+        st.session_id = wire_id(id);
+        st.tenant = "t";
+        e.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
+        e.stored = &st;
+    } else {
+        e.kind_case = SNAPKV__KV_EVENT__KIND_CLEARED;
+        e.cleared = &cl;
+    }
+    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
+    b.version = 1;
+    b.boot_id = boot_id;
+    b.n_events = 1;
+    b.events = &ep;
+    uint8_t buf[256], be[8];
+    size_t len = snapkv__kv_event_batch__pack(&b, buf);
+    for (int k = 0; k < 8; k++)
+        be[k] = (uint8_t)(seq >> (56 - 8 * k));
+    zmq_send(pub, "snapkv.kv.fake", 14, ZMQ_SNDMORE);
+    zmq_send(pub, be, sizeof be, ZMQ_SNDMORE);
+    zmq_send(pub, buf, len, 0);
+}
+
+/* Answers one KvReplayRequest with fe's snapshot, in one part. */
+static void *fake_replay_main(void *arg)
+{
+    struct fake_events *fe = arg;
+    zmq_msg_t ident, body;
+    zmq_msg_init(&ident);
+    zmq_msg_init(&body);
+    if (zmq_msg_recv(&ident, fe->replay, 0) < 0 || zmq_msg_recv(&body, fe->replay, 0) < 0)
+        return NULL; /* the test sees the replay time out */
+    Snapkv__AllCleared cl = SNAPKV__ALL_CLEARED__INIT;
+    Snapkv__SessionStored st[4];
+    Snapkv__KvEvent e[5], *ep[5];
+    snapkv__kv_event__init(&e[0]);
+    e[0].kind_case = SNAPKV__KV_EVENT__KIND_CLEARED;
+    e[0].cleared = &cl;
+    ep[0] = &e[0];
+    for (size_t i = 0; i < fe->n_ids; i++) {
+        snapkv__session_stored__init(&st[i]);
+        st[i].session_id = wire_id(fe->ids[i]);
+        st[i].tenant = "t";
+        snapkv__kv_event__init(&e[i + 1]);
+        e[i + 1].kind_case = SNAPKV__KV_EVENT__KIND_STORED;
+        e[i + 1].stored = &st[i];
+        ep[i + 1] = &e[i + 1];
+    }
+    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
+    b.version = 1;
+    b.boot_id = fe->boot_id;
+    b.n_events = fe->n_ids + 1;
+    b.events = ep;
+    Snapkv__KvReplayReply rep = SNAPKV__KV_REPLAY_REPLY__INIT;
+    rep.version = 1;
+    rep.final = true;
+    rep.batch = &b;
+    uint8_t buf[1024], be[8];
+    size_t len = snapkv__kv_replay_reply__pack(&rep, buf);
+    for (int k = 0; k < 8; k++)
+        be[k] = (uint8_t)(fe->sequence >> (56 - 8 * k));
+    zmq_send(fe->replay, zmq_msg_data(&ident), zmq_msg_size(&ident), ZMQ_SNDMORE);
+    zmq_send(fe->replay, be, sizeof be, ZMQ_SNDMORE);
+    zmq_send(fe->replay, buf, len, 0);
+    zmq_msg_close(&ident);
+    zmq_msg_close(&body);
+    return NULL;
+}
+
+/* A replay of a snapshot of `ids` at (boot_id, sequence). */
+static void fake_replay(struct fake_events *fe, snapkv_events_t *ev, uint64_t boot_id, uint64_t sequence,
+                        const struct snapkv_session_id *id)
+{
+    fe->boot_id = boot_id;
+    fe->sequence = sequence;
+    fe->n_ids = id != NULL;
+    fe->ids[0] = id;
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, fake_replay_main, fe), 0);
+    int rc = snapkv_events_replay(ev, fe->replay_ep, 5000);
+    pthread_join(t, NULL);
+    if (rc)
+        fail_msg("replay: %s", snapkv_last_error());
+}
+
+static void expect_event(snapkv_events_t *ev, enum snapkv_event_kind kind, uint64_t seq,
+                         const struct snapkv_session_id *id)
+{
+    struct snapkv_event e;
+    int rc = snapkv_events_next(ev, 3000, &e);
+    if (rc)
+        fail_msg("events_next: %s", snapkv_last_error());
+    assert_int_equal(e.kind, kind);
+    assert_int_equal(e.sequence, seq);
+    if (id)
+        assert_memory_equal(e.id.bytes, id->bytes, 16);
+    snapkv_event_free(&e);
+}
+
+static const struct snapkv_session_id ID_C = {{3}}, ID_D = {{4}}, ID_E = {{5}}, ID_F = {{6}}, ID_G = {{7}};
+
+/* After a replay, what the stream had queued before the snapshot came is dropped: its own
+ * daemon's events up to its number (AllCleared too), and any of a daemon that ran before it;
+ * a daemon started after it gets through, its AllCleared missed or not. */
+static void test_events_replay_filter(void **state)
+{
+    (void)state;
+    struct fake_events *fe = fake_events_start();
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
+    char sub[32];
+    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0); /* the subscription is in */
+    assert_int_equal(sub[0], 1);
+
+    /* daemon 222 starts (the subscriber gets its AllCleared), then a replay of it at 2 */
+    fake_publish(fe->pub, 222, 1, SNAPKV_EVENT_CLEARED, NULL);
+    fake_publish(fe->pub, 222, 2, SNAPKV_EVENT_STORED, &ID_A);
+    usleep(150 * 1000);
+    fake_replay(fe, ev, 222, 2, &ID_A);
+    fake_publish(fe->pub, 222, 3, SNAPKV_EVENT_STORED, &ID_C);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 2, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_A);
+    expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_C); /* not 222's AllCleared at 1 */
+
+    /* 222's events wait unread while it is replaced by 444; a replay of 444 at 5 */
+    fake_publish(fe->pub, 222, 4, SNAPKV_EVENT_STORED, &ID_D);
+    fake_publish(fe->pub, 222, 5, SNAPKV_EVENT_CLEARED, NULL);
+    fake_publish(fe->pub, 222, 6, SNAPKV_EVENT_STORED, &ID_D);
+    usleep(150 * 1000);
+    fake_replay(fe, ev, 444, 5, &ID_E);
+    fake_publish(fe->pub, 444, 5, SNAPKV_EVENT_STORED, &ID_E); /* still on its way: in the snapshot */
+    /* 444 is replaced by 555 before it published more: 555's AllCleared went before this
+     * subscriber reconnected, its next events come */
+    fake_publish(fe->pub, 555, 2, SNAPKV_EVENT_STORED, &ID_F);
+    fake_publish(fe->pub, 555, 3, SNAPKV_EVENT_STORED, &ID_G);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 5, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 5, &ID_E);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_F);
+    expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_G);
+    struct snapkv_event e;
+    assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
+
+    snapkv_events_close(&ev);
+    fake_events_stop(&fe);
+}
+
+static void *stale_publisher(void *arg)
+{
+    struct fake_events *fe = arg;
+    for (uint64_t seq = 1; seq <= 24 && atomic_load(&fe->on); seq++) { /* 1.2 s at most */
+        fake_publish(fe->pub, fe->boot_id, seq, SNAPKV_EVENT_STORED, &ID_A);
+        usleep(50 * 1000);
+    }
+    return NULL;
+}
+
+/* Events dropped while snapkv_events_next waits do not extend its timeout. */
+static void test_events_next_deadline(void **state)
+{
+    (void)state;
+    struct fake_events *fe = fake_events_start();
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
+    char sub[32];
+    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0);
+    fake_replay(fe, ev, 777, 1000, NULL);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 1000, NULL);
+    atomic_store(&fe->on, true);
+    assert_int_equal(pthread_create(&fe->thread, NULL, stale_publisher, fe), 0); /* 1, 2, ...: all dropped */
+    struct snapkv_event e;
+    int64_t t0 = now_ms();
+    int rc = snapkv_events_next(ev, 300, &e);
+    int64_t dt = now_ms() - t0;
+    if (rc != SNAPKV_E_TIMEOUT)
+        fail_msg("events_next: %d %s", rc, snapkv_last_error());
+    atomic_store(&fe->on, false);
+    pthread_join(fe->thread, NULL);
+    assert_true(dt >= 290 && dt < 1000);
+    assert_string_equal(snapkv_last_error(), "no event within 300 ms");
+    snapkv_events_close(&ev);
+    fake_events_stop(&fe);
+}
+
 static void test_kv_arithmetic(void **state)
 {
     (void)state;
@@ -1687,7 +2125,11 @@ int main(void)
         cmocka_unit_test(test_decode_collect),
         cmocka_unit_test(test_decode_stream),
         cmocka_unit_test(test_decode_cancel_skips_rest),
+        cmocka_unit_test(test_decode_timeout_cancels),
+        cmocka_unit_test(test_decode_lost_tokens),
+        cmocka_unit_test(test_callback_reentry),
         cmocka_unit_test(test_timeout_then_stale_reply),
+        cmocka_unit_test(test_signals_do_not_end_calls),
         cmocka_unit_test(test_send_timeout_daemon_gone),
         cmocka_unit_test(test_send_timeout_daemon_deaf),
         cmocka_unit_test(test_odd_replies),
@@ -1697,6 +2139,8 @@ int main(void)
         cmocka_unit_test(test_export_import),
         cmocka_unit_test(test_admin_list_inspect),
         cmocka_unit_test(test_admin_actions),
+        cmocka_unit_test(test_events_replay_filter),
+        cmocka_unit_test(test_events_next_deadline),
         cmocka_unit_test(test_kv_arithmetic),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
