@@ -31,6 +31,8 @@
  * 5:0:1 (still libsnapkv.so.4): the KV events subscriber (snapkv_events_*) and
  * snapkv_admin_session_hashes, added.
  * 6:0:2 (still libsnapkv.so.4): snapkv_events_replay added.
+ * 6:1:2: a failed running DECODE is cancelled, lost streamed replies fail it, a callback's call
+ * of its own client fails BUSY, signals do not end calls; the same interface.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
