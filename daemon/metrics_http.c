@@ -3,6 +3,7 @@
 #include "daemon/metrics_http.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/thread.h"
 #include "daemon/stats.h"
 
 #include <errno.h>
@@ -279,7 +280,7 @@ int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, vo
         rc = bind_listen(address, &h->listen_fd);
     if (!rc && pipe2(h->wake, O_CLOEXEC | O_NONBLOCK) < 0)
         rc = skv_errorf(SKV_E_IO, "metrics: pipe: %s", strerror(errno));
-    if (!rc && pthread_create(&h->thread, NULL, http_main, h) != 0)
+    if (!rc && skv_thread_create(&h->thread, http_main, h) != 0)
         rc = skv_errorf(SKV_E_INTERNAL, "metrics: cannot start the HTTP thread");
     h->started = rc == SKV_OK;
     if (rc) {

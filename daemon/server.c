@@ -81,6 +81,9 @@ static int lock_endpoint(struct skv_server *srv, int idx, const char *endpoint)
     if (strncmp(endpoint, "ipc://", 6) != 0)
         return SKV_OK;
     const char *path = endpoint + 6;
+    if (*path == '@') /* Linux's abstract names: any local user may connect */
+        return skv_errorf(SKV_E_INVAL, "endpoint %s: an abstract ipc://@ name has no file mode to keep other users "
+                          "out: give a path", endpoint);
     char lock_path[4096];
     if (snprintf(lock_path, sizeof lock_path, "%s.lock", path) >= (int)sizeof lock_path)
         return skv_errorf(SKV_E_INVAL, "endpoint path too long: %s", path);
@@ -95,6 +98,28 @@ static int lock_endpoint(struct skv_server *srv, int idx, const char *endpoint)
     srv->ipc_paths[idx] = strdup(path);
     unlink(path); /* a stale socket file from a crashed daemon */
     return SKV_OK;
+}
+
+/* Binds sock to endpoint; an ipc:// socket file is made 0600 from the start (a umask around
+ * the bind) and then given `mode`. Made with the service's umask and loosened after, the admin
+ * socket was open to the clients' group between the two, and a connection made then stays. */
+static int bind_ipc_mode(struct skv_server *srv, int idx, void *sock, const char *endpoint, mode_t mode)
+{
+    mode_t old = umask(0177);
+    int rc = zmq_bind(sock, endpoint);
+    int err = zmq_errno();
+    umask(old);
+    if (rc < 0) {
+        errno = err;
+        return -1;
+    }
+    if (srv->ipc_paths[idx] && mode != 0600 && chmod(srv->ipc_paths[idx], mode) < 0) {
+        err = errno;
+        zmq_unbind(sock, endpoint);
+        errno = err;
+        return -1;
+    }
+    return 0;
 }
 
 /* Monitors the client ROUTER's connections (before it binds, so no connection is missed):
@@ -138,14 +163,11 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
         zmq_close(s);
         return rc;
     }
-    if (zmq_bind(s, endpoint) < 0) {
-        int err = zmq_errno();
+    if (bind_ipc_mode(srv, idx, s, endpoint, idx == 0 ? 0660 : 0600) < 0) {
+        int err = errno;
         zmq_close(s);
-        return skv_errorf(err == EADDRINUSE ? SKV_E_EXISTS : SKV_E_IO, "bind %s: %s", endpoint,
-                          zmq_strerror(err));
+        return skv_errorf(err == EADDRINUSE ? SKV_E_EXISTS : SKV_E_IO, "bind %s: %s", endpoint, zmq_strerror(err));
     }
-    if (srv->ipc_paths[idx])
-        chmod(srv->ipc_paths[idx], idx == 0 ? 0660 : 0600);
     *sock_out = s;
     return SKV_OK;
 }
@@ -160,10 +182,9 @@ static int bind_events(struct skv_server *srv, const char *endpoint)
         return rc;
     int linger = 0;
     if (!(srv->events = zmq_socket(srv->zctx, ZMQ_PUB)) ||
-        zmq_setsockopt(srv->events, ZMQ_LINGER, &linger, sizeof linger) < 0 || zmq_bind(srv->events, endpoint) < 0)
-        return skv_errorf(SKV_E_IO, "events endpoint %s: %s", endpoint, zmq_strerror(zmq_errno()));
-    if (srv->ipc_paths[2])
-        chmod(srv->ipc_paths[2], 0600);
+        zmq_setsockopt(srv->events, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
+        bind_ipc_mode(srv, 2, srv->events, endpoint, 0600) < 0)
+        return skv_errorf(SKV_E_IO, "events endpoint %s: %s", endpoint, zmq_strerror(errno));
     snprintf(srv->events_topic, sizeof srv->events_topic, "snapkv.kv.%.16s",
              srv->env.model ? srv->env.model->fingerprint : "");
     return SKV_OK;
@@ -208,10 +229,8 @@ static int bind_replay(struct skv_server *srv, const char *endpoint)
         zmq_setsockopt(srv->replay, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
         zmq_setsockopt(srv->replay, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) < 0 ||
         zmq_setsockopt(srv->replay, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory) < 0 ||
-        zmq_bind(srv->replay, endpoint) < 0)
-        return skv_errorf(SKV_E_IO, "events replay endpoint %s: %s", endpoint, zmq_strerror(zmq_errno()));
-    if (srv->ipc_paths[3])
-        chmod(srv->ipc_paths[3], 0600);
+        bind_ipc_mode(srv, 3, srv->replay, endpoint, 0600) < 0)
+        return skv_errorf(SKV_E_IO, "events replay endpoint %s: %s", endpoint, zmq_strerror(errno));
     return SKV_OK;
 }
 

@@ -4,14 +4,26 @@
 #include "daemon/replies.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/thread.h"
+#include "daemon/compress/spec.h"
 #include "daemon/engine/model.h"
 
+#include <errno.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <zmq.h>
+
+/* One frame to the socket thread; a blocking send that a signal interrupted goes again (the
+ * thread blocks signals, skv_thread_create; this is the second guard), so a message's frames
+ * never go out in part. */
+static void send_frame(void *push, const void *data, size_t len, int flags)
+{
+    while (zmq_send(push, data, len, flags) < 0 && zmq_errno() == EINTR)
+        ;
+}
 
 /* Packs a message (reply or event batch) and hands [sock][identity][body] to the socket thread. */
 static void push_out(struct skv_worker *w, int sock, const void *identity, size_t identity_len,
@@ -25,9 +37,9 @@ static void push_out(struct skv_worker *w, int sock, const void *identity, size_
     }
     protobuf_c_message_pack(msg, buf);
     uint8_t s = (uint8_t)sock;
-    zmq_send(w->push, &s, 1, ZMQ_SNDMORE);
-    zmq_send(w->push, identity, identity_len, ZMQ_SNDMORE);
-    zmq_send(w->push, buf, len, 0);
+    send_frame(w->push, &s, 1, ZMQ_SNDMORE);
+    send_frame(w->push, identity, identity_len, ZMQ_SNDMORE);
+    send_frame(w->push, buf, len, 0);
     free(buf);
 }
 
@@ -860,9 +872,9 @@ static void *worker_main(void *arg)
     skv_requests_persist_close(w);
     if (w->done_marker) { /* read under the lock with `stopping`, which request_stop set with it */
         uint8_t s = SKV_WORKER_DONE_SOCK;
-        zmq_send(w->push, &s, 1, ZMQ_SNDMORE);
-        zmq_send(w->push, "", 0, ZMQ_SNDMORE);
-        zmq_send(w->push, "", 0, 0);
+        send_frame(w->push, &s, 1, ZMQ_SNDMORE);
+        send_frame(w->push, "", 0, ZMQ_SNDMORE);
+        send_frame(w->push, "", 0, 0);
     }
     zmq_close(w->push);
     w->push = NULL; /* no event after this */
@@ -884,6 +896,14 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     if (cfg->tenant_weights && skv_tenant_weights_parse(cfg->tenant_weights, w->weights, &w->n_weights)) {
         free(w);
         return SKV_E_INVAL; /* the message says which entry */
+    }
+    /* the spec of every PREFILL that names none: a bad one refuses the start, not each PREFILL */
+    struct skv_compress_spec dflt;
+    if (cfg->default_compress && *cfg->default_compress && skv_compress_spec_parse(cfg->default_compress, &dflt)) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        free(w);
+        return skv_errorf(SKV_E_INVAL, "default-compress: %s", why);
     }
     if (!(w->clocks = calloc(SKV_FAIR_TENANTS, sizeof *w->clocks))) {
         free(w);
@@ -909,7 +929,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         rc = skv_engine_new(m, &w->decode_engine);
     if (!rc) /* and a request of another tenant run inside one of them (fair-slice-ms) */
         rc = skv_engine_new(m, &w->nested_engine);
-    if (!rc && pthread_create(&w->thread, NULL, worker_main, w) != 0)
+    if (!rc && skv_thread_create(&w->thread, worker_main, w) != 0)
         rc = skv_errorf(SKV_E_INTERNAL, "cannot start the engine thread");
     if (rc) {
         skv_engine_free(&w->engine);

@@ -291,10 +291,13 @@ static void test_many_clients(void **state)
 
 /* Starts `second` and expects it to exit with a failure status and a log line holding both
  * `what` and `and` (NULL: only what). */
-static void expect_start_refused(const struct daemon *second, const char *what, const char *and)
+/* A daemon started as `second` (with one more option `extra`, or NULL) exits non-zero and logs
+ * a line with `what` (and `and`). */
+static void expect_start_refused_with(const struct daemon *second, const char *extra, const char *what,
+                                      const char *and)
 {
     char *model = model_path();
-    pid_t pid = spawn_daemon(second, model, NULL);
+    pid_t pid = spawn_daemon(second, model, extra);
     free(model);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
@@ -310,16 +313,36 @@ static void expect_start_refused(const struct daemon *second, const char *what, 
     assert_true(said);
 }
 
+static void expect_start_refused(const struct daemon *second, const char *what, const char *and)
+{
+    expect_start_refused_with(second, NULL, what, and);
+}
+
 static void test_second_daemon_refused(void **state)
 {
     NEED_DAEMON(d);
     struct daemon second = *d;
     snprintf(second.log, sizeof second.log, "%s/second.log", d->dir);
     expect_start_refused(&second, "another snapkvd", NULL);
-    /* the first one still answers */
+    /* an abstract name (no file mode: any local user could connect) is refused */
+    snprintf(second.admin, sizeof second.admin, "ipc://@skv-test-%d", (int)getpid());
+    snprintf(second.endpoint, sizeof second.endpoint, "ipc://%s/c2.sock", d->dir);
+    snprintf(second.log, sizeof second.log, "%s/third.log", d->dir);
+    expect_start_refused(&second, "abstract", NULL);
+    /* a default-compress that does not parse refuses the start (it failed each PREFILL before) */
+    snprintf(second.admin, sizeof second.admin, "ipc://%s/a2.sock", d->dir);
+    snprintf(second.log, sizeof second.log, "%s/fourth.log", d->dir);
+    expect_start_refused_with(&second, "--default-compress=policy=snapk", "default-compress", "policy");
+    /* the first one still answers; its sockets were made 0600 (the admin one stays so, the
+     * client one is then 0660), never with the service's umask */
     snapkv_client_t *c = NULL;
     assert_int_equal(snapkv_connect(d->endpoint, NULL, &c), SNAPKV_OK);
     snapkv_close(&c);
+    struct stat sb;
+    assert_int_equal(stat(d->admin + 6, &sb), 0);
+    assert_int_equal(sb.st_mode & 0777, 0600);
+    assert_int_equal(stat(d->endpoint + 6, &sb), 0);
+    assert_int_equal(sb.st_mode & 0777, 0660);
 }
 
 static int64_t now_ms(void)
