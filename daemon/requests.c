@@ -425,6 +425,7 @@ struct session_undo {
     struct skv_compressor *comp;
     char spec[sizeof ((struct skv_session *)0)->spec];
     int32_t n_tokens;
+    uint64_t bytes, compressor_bytes; /* the session's counts (a reserve on the copy sets them) */
     float *logits; /* a copy of the next-token logits (NULL: it had none) */
 };
 
@@ -449,6 +450,8 @@ static int undo_begin(struct skv_worker *w, struct skv_session *s, struct sessio
     u->comp = comp;
     memcpy(u->spec, s->spec, sizeof u->spec);
     u->n_tokens = s->n_tokens;
+    u->bytes = s->bytes;
+    u->compressor_bytes = s->compressor_bytes;
     s->cache = cache;
     return SKV_OK;
 }
@@ -464,6 +467,8 @@ static void undo_end(struct skv_worker *w, struct skv_session *s, struct session
         s->comp = u->comp;
         memcpy(s->spec, u->spec, sizeof s->spec);
         s->n_tokens = u->n_tokens; /* the tokens up to it are as they were */
+        s->bytes = u->bytes;
+        s->compressor_bytes = u->compressor_bytes;
         if (u->logits && s->logits)
             memcpy(s->logits, u->logits, (size_t)w->m->cfg.n_vocab * sizeof *s->logits);
     } else {
@@ -507,6 +512,14 @@ static bool forward_compacts(const struct skv_session *s)
 {
     const struct skv_compress_spec *sp = s->comp ? skv_compressor_spec(s->comp) : NULL;
     return sp && (sp->policy != SKV_POLICY_SNAPKV || sp->decode_budget > 0);
+}
+
+/* Bytes of the pool's blocks in use now (every session's, a shared block once). */
+static uint64_t pool_in_use_bytes(const struct skv_worker *w)
+{
+    struct skv_kv_pool_stats ps;
+    skv_kv_pool_stats(w->m->kv_pool, &ps);
+    return ps.blocks_in_use * ps.block_bytes;
 }
 
 /* Room for a forward of n more tokens on s (skv_kv_cache_growth's bound, plus what earlier
@@ -629,8 +642,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->cache->n_past, &ids,
-                             &n)) ||
-        (rc = reserve_forward(w, s, n, forward_compacts(s))))
+                             &n)))
         goto fail;
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
      * session's upkeep evicts or re-scores rows too, it runs on a copy */
@@ -638,6 +650,13 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     bool copy = n >= 64 && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
     if (copy && (rc = undo_begin(w, s, &u)))
         goto fail;
+    /* the room, counted on the cache the forward writes: on a copy every block is shared with
+     * the old cache until undo_end, so a compaction's fresh blocks count in full */
+    if ((rc = reserve_forward(w, s, n, forward_compacts(s)))) {
+        if (copy)
+            undo_end(w, s, &u, true);
+        goto fail;
+    }
     rc = session_forward(w, s, ids, n, false);
     if (copy)
         undo_end(w, s, &u, rc != SKV_OK);
@@ -694,6 +713,10 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
             len--;
         rc = skv_kv_cache_truncate(work, i / H, i % H, len);
     }
+    /* room for the re-run, counted on the copy: every block it keeps is shared with the old
+     * cache, which holds them until undo_end, so the compaction's fresh blocks count in full */
+    if (!rc)
+        rc = reserve_forward(w, s, window, true);
     if (!rc && s->comp)
         skv_compressor_rerun(s->comp, work, was_h2o, cut);
     if (!rc) {
@@ -747,8 +770,6 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
                         s->n_tokens, n_past);
         goto fail;
     }
-    if (window > 0 && (rc = reserve_forward(w, s, window, true)))
-        goto fail;
     bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
     rc = window > 0 ? compress_rerun(w, s, comp, canon, cut, was_h2o) : SKV_OK;
     if (window > 0)
@@ -1601,6 +1622,7 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
     if (n > SKV_ENGINE_MAX_BATCH)
         n = SKV_ENGINE_MAX_BATCH;
     uint64_t held[SKV_ENGINE_MAX_BATCH], unique[SKV_ENGINE_MAX_BATCH];
+    uint64_t taken[SKV_ENGINE_MAX_BATCH]; /* of unique, what its prepare took (in the pool's count now) */
     int32_t before[SKV_ENGINE_MAX_BATCH]; /* n_past before: a session whose token went in has more */
     double t0 = now_s();
     int nb = 0;
@@ -1613,16 +1635,24 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
          * earlier sessions took: a session that cannot have it ends here, its cache unchanged */
         uint64_t round_held = 0, round_unique = 0;
         for (int j = 0; j < i; j++)
-            if (!rcs[j]) {
-                round_unique += unique[j];
+            if (!rcs[j]) { /* what j's prepare took is in the pool's count already */
+                round_unique += unique[j] > taken[j] ? unique[j] - taken[j] : 0;
                 round_held += strcmp(ds[j]->session->tenant, s->tenant) == 0 ? held[j] : 0;
             }
+        taken[i] = 0;
         rcs[i] = reserve_rows(w, s, 1, forward_compacts(s), round_held, round_unique, &held[i], &unique[i]);
         /* this session's memory for the token first: out of memory fails it alone */
+        uint64_t in_use0 = pool_in_use_bytes(w);
         if (!rcs[i])
             rcs[i] = skv_kv_cache_prepare(s->cache, 1);
+        uint64_t in_use1 = pool_in_use_bytes(w);
+        taken[i] = in_use1 > in_use0 ? in_use1 - in_use0 : 0;
         if (!rcs[i])
             rcs[i] = session_hook(s, 1, false, &opts[i]);
+        if (rcs[i]) /* blocks a prepare took for the token that will not come go back */
+            for (int k = 0; k < s->cache->n_layers * s->cache->n_kv_heads; k++)
+                skv_kv_cache_truncate(s->cache, k / s->cache->n_kv_heads, k % s->cache->n_kv_heads,
+                                      s->cache->heads[k].len);
         if (!rcs[i])
             seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
     }

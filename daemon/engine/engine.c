@@ -125,9 +125,13 @@ static int head_realloc(struct skv_kv_cache *c, struct skv_kv_head *hd, int cap)
     if (!pos)
         return SKV_E_NOMEM;
     hd->pos = pos;
+    /* cap counts rows both arrays hold: a shrunk pos with score's realloc failing is smaller */
+    int both = cap < hd->cap ? cap : hd->cap;
     float *score = realloc(hd->score, (size_t)cap * sizeof *score);
-    if (!score)
+    if (!score) {
+        hd->cap = both;
         return SKV_E_NOMEM;
+    }
     hd->score = score;
     hd->cap = cap;
     return table_reserve(hd, blocks_for(c, cap));

@@ -2391,6 +2391,42 @@ static void submit_long_compress(void *arg)
     assert_int_equal(skv_worker_submit(lc->f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
 }
 
+/* A COMPRESS's room is counted on the copy it runs on: with 72 rows per head (5 blocks) under
+ * policy=full and a re-compression to 64 rows that runs the last 8 tokens again, the copy keeps
+ * 4 shared blocks, the 8 tokens take a new one and the compaction gathers the 64 kept rows into
+ * 4 fresh blocks while the old cache still holds its 5: the pool needs 5 more for a moment.
+ * Counted on the session's own cache the forward "grew" into its last block: no room asked,
+ * the idle session stayed and the pool passed its size (11 of 10 blocks per layer and head);
+ * now the idle one is evicted first and the pool never holds more than 10. */
+static void test_compress_room(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    f->cfg.pool_size = (int64_t)(10 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t idle[16], a[16];
+    prefill_for(f, "v", 16, "policy=full", idle);
+    prefill(f, 8, "policy=full", a);
+    struct long_append la = {f, a, 0, false};
+    submit_long_append(&la);
+    expect_reply(f, SKV_OK, NULL);
+    assert_int_equal(listed(f, a, NULL, NULL), 72);
+    g_pool_peak = 0;
+    g_track_pool = f->tiny->m->kv_pool;
+    submit_compress(f, ID_Y, a, "policy=snapkv,budget=64,window=8");
+    expect_reply(f, SKV_OK, NULL);
+    g_track_pool = NULL;
+    uint64_t bytes = 0;
+    assert_int_equal(listed(f, a, &bytes, NULL), 72); /* its tokens; its rows are 64 a head: */
+    assert_int_equal(bytes, 4 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+    assert_int_equal(listed(f, idle, NULL, NULL), -1); /* evicted, for the copy's room */
+    if (g_pool_peak > 10 * unit)
+        fail_msg("the pool held %llu blocks, %llu per layer and head: more than its 10",
+                 (unsigned long long)g_pool_peak, (unsigned long long)(g_pool_peak / unit));
+}
+
 /* A COMPRESS runs on a copy of its session's cache that shares every block, so one stopped
  * part way (its deadline passed, or its client gone) leaves the session exactly as it was: its
  * rows, bytes and spec, and the next requests give the logits of a twin that never had the
@@ -3007,6 +3043,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
