@@ -25,9 +25,10 @@ bool skv_key_z85_decode(const char *text, unsigned char key[SKV_KEY_BYTES])
     return true;
 }
 
-int skv_keyfile_open(const char *path, bool private_file, FILE **out)
+int skv_keyfile_open(const char *path, enum skv_keyfile_kind kind, FILE **out)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    /* O_NONBLOCK: a FIFO at the path would block the open (the socket thread's, at SIGHUP) */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0)
         return skv_errorf(errno == EACCES ? SKV_E_PERM : SKV_E_IO, "key file %s: %s", path, strerror(errno));
     struct stat sb;
@@ -38,9 +39,20 @@ int skv_keyfile_open(const char *path, bool private_file, FILE **out)
         rc = skv_errorf(SKV_E_INVAL, "key file %s is not a regular file", path);
     else if (sb.st_size > SKV_KEYFILE_MAX_BYTES)
         rc = skv_errorf(SKV_E_LIMIT, "key file %s is larger than %d bytes", path, SKV_KEYFILE_MAX_BYTES);
-    else if (private_file && (sb.st_mode & (S_IROTH | S_IWOTH)))
+    else if (kind != SKV_KEYFILE_PUBLIC && (sb.st_mode & (S_IROTH | S_IWOTH)))
         rc = skv_errorf(SKV_E_PERM, "key file %s is %s by others (mode %04o): refusing it; run 'chmod o-rw %s'",
                         path, sb.st_mode & S_IROTH ? "readable" : "writable", (unsigned)(sb.st_mode & 07777), path);
+    else if (kind == SKV_KEYFILE_DAEMON_SECRET && (sb.st_mode & (S_IRGRP | S_IWGRP)))
+        rc = skv_errorf(SKV_E_PERM,
+                        "key file %s is %s by its group (mode %04o): the daemon's secret key must be its user's "
+                        "alone, the clients share its group; refusing it: run 'chown snapkv %s; chmod 0600 %s'",
+                        path, sb.st_mode & S_IRGRP ? "readable" : "writable", (unsigned)(sb.st_mode & 07777), path,
+                        path);
+    else if (kind == SKV_KEYFILE_LIST && (sb.st_mode & S_IWGRP))
+        rc = skv_errorf(SKV_E_PERM,
+                        "key file %s is writable by its group (mode %04o): a client of the group could add its "
+                        "own key; refusing it: run 'chmod g-w %s'",
+                        path, (unsigned)(sb.st_mode & 07777), path);
     FILE *f = rc ? NULL : fdopen(fd, "r");
     if (!rc && !f)
         rc = skv_errorf(SKV_E_NOMEM, "key file %s: %s", path, strerror(errno));
@@ -90,10 +102,10 @@ int skv_keyfile_next(FILE *f, const char *path, char *line, size_t cap, int *lin
     return 0;
 }
 
-int skv_keyfile_read(const char *path, bool private_file, char z85[SKV_KEY_Z85_LEN + 1])
+int skv_keyfile_read(const char *path, enum skv_keyfile_kind kind, char z85[SKV_KEY_Z85_LEN + 1])
 {
     FILE *f;
-    int rc = skv_keyfile_open(path, private_file, &f);
+    int rc = skv_keyfile_open(path, kind, &f);
     if (rc)
         return rc;
     char line[512], found[SKV_KEY_Z85_LEN + 1] = "", *word, *rest;

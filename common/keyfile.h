@@ -11,17 +11,27 @@
 #define SKV_KEY_BYTES 32
 #define SKV_KEYFILE_MAX_BYTES (1 << 20)
 
+/* Who may not read or write a key file, beyond its owner. */
+enum skv_keyfile_kind {
+    SKV_KEYFILE_PUBLIC,        /* anyone may read it (a public key) */
+    SKV_KEYFILE_PRIVATE,       /* others (not owner, not group) may neither read nor write it */
+    SKV_KEYFILE_LIST,          /* as PRIVATE, and the group may not write it (authorized keys:
+                                * the clients share the daemon's group) */
+    SKV_KEYFILE_DAEMON_SECRET, /* the owner's alone: the daemon's secret key (its group holds
+                                * every client) */
+};
+
 /* Opens a key file for reading and checks it is a regular file no bigger than
- * SKV_KEYFILE_MAX_BYTES; private: others (not owner, not group) may neither read nor write
- * it. Errors name the path and say how to fix the mode. On success *out is the open stream. */
-int skv_keyfile_open(const char *path, bool private_file, FILE **out);
+ * SKV_KEYFILE_MAX_BYTES, with a mode `kind` allows. Errors name the path and say how to fix
+ * the mode. On success *out is the open stream. */
+int skv_keyfile_open(const char *path, enum skv_keyfile_kind kind, FILE **out);
 
 /* True when text is exactly one Z85-encoded 32-byte key; key (may be NULL) gets the bytes. */
 bool skv_key_z85_decode(const char *text, unsigned char key[SKV_KEY_BYTES]);
 
 /* Reads a file holding exactly one key and copies its 40 characters and a NUL into z85
- * (private_file: as for skv_keyfile_open). */
-int skv_keyfile_read(const char *path, bool private_file, char z85[SKV_KEY_Z85_LEN + 1]);
+ * (kind: as for skv_keyfile_open). */
+int skv_keyfile_read(const char *path, enum skv_keyfile_kind kind, char z85[SKV_KEY_Z85_LEN + 1]);
 
 /* Splits a key-file line in place: skips a comment line, strips surrounding blanks, returns the
  * first word (NULL for a blank line) and points *rest at what follows it ("" when nothing). */

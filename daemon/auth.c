@@ -85,7 +85,7 @@ static void key_list_free(struct key_list *l)
 static int key_list_load(const char *path, bool tenants_allowed, struct key_list *out)
 {
     FILE *f;
-    int rc = skv_keyfile_open(path, true, &f);
+    int rc = skv_keyfile_open(path, SKV_KEYFILE_LIST, &f);
     if (rc)
         return rc;
     struct key_list l = {.path = strdup(path)};
@@ -196,7 +196,7 @@ int skv_auth_new(const struct skv_config *cfg, struct skv_auth **out)
     if (!rc && curve && !zmq_has("curve"))
         rc = skv_errorf(SKV_E_UNSUPPORTED, "this libzmq was built without CURVE (zmq_has(\"curve\") is false): "
                                            "tcp:// endpoints cannot be secured; use ipc:// or a libzmq with libsodium");
-    if (!rc && curve && !(rc = skv_keyfile_read(cfg->curve_secret_key, true, a->secret_z85)) &&
+    if (!rc && curve && !(rc = skv_keyfile_read(cfg->curve_secret_key, SKV_KEYFILE_DAEMON_SECRET, a->secret_z85)) &&
         zmq_curve_public(a->public_z85, a->secret_z85) != 0)
         rc = skv_errorf(SKV_E_INVAL, "%s: cannot derive the public key: %s", cfg->curve_secret_key,
                         zmq_strerror(zmq_errno()));

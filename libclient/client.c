@@ -413,7 +413,7 @@ int snapkv_curve_key_load(const char *path, bool secret, char key[SNAPKV_CURVE_K
     if (!path || !key)
         return skv_client_fail(SNAPKV_E_INVAL, "path and key are required");
     char z85[SNAPKV_CURVE_KEY_SIZE];
-    int rc = skv_keyfile_read(path, secret, z85);
+    int rc = skv_keyfile_read(path, secret ? SKV_KEYFILE_PRIVATE : SKV_KEYFILE_PUBLIC, z85);
     if (rc)
         return skv_client_fail(rc, "%s", skv_error_msg());
     memcpy(key, z85, sizeof z85);

@@ -431,6 +431,14 @@ static void test_bad_setups_refused(void **state)
     assert_int_equal(chmod(e->clients_file, 0600), 0);
     assert_int_equal(chmod(e->server_key_file, 0602), 0);
     assert_refuses_to_start(e, NULL, "writable by others");
+    /* the clients share the daemon's group: its secret key is its user's alone, and the group
+     * may not write the list (it could add its own key) */
+    assert_int_equal(chmod(e->server_key_file, 0640), 0);
+    assert_refuses_to_start(e, NULL, "readable by its group");
+    assert_int_equal(chmod(e->server_key_file, 0600), 0);
+    assert_int_equal(chmod(e->clients_file, 0660), 0);
+    assert_refuses_to_start(e, NULL, "writable by its group");
+    assert_int_equal(chmod(e->clients_file, 0640), 0); /* group read is fine */
     assert_int_equal(chmod(e->server_key_file, 0600), 0);
 
     char bad_list[160];
