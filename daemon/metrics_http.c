@@ -156,6 +156,10 @@ static void serve_connection(struct skv_metrics_http *h, int fd)
         return;
     }
     size_t len = h->render(h->user, h->body, BODY_CAP);
+    if (len == 0) { /* the exposition could not be made (no memory): not an empty 200 */
+        respond_text(h, fd, 503, "Service Unavailable", NULL);
+        return;
+    }
     respond(h, fd, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", h->body, len, head, NULL);
 }
 

@@ -1402,8 +1402,8 @@ static long long idle_seconds(uint64_t last_used_ms)
 
 static int cmd_list(const struct ctl *c, int argc, char **argv)
 {
-    if (argc > 2)
-        return usage_error("list", "usage: list [TENANT]");
+    if (argc > 2 || (argc == 2 && argv[1][0] == '-'))
+        return usage_error("list", "usage: list [TENANT] (options go before the command)");
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
@@ -1940,6 +1940,15 @@ int main(int argc, char **argv)
     const char *cmd = argv[optind];
     int sub_argc = argc - optind;
     char **sub_argv = argv + optind;
+    /* the global options come before the command (getopt stops there): `list --json` listed a
+     * tenant named "--json" */
+    for (int i = 1; i < sub_argc; i++)
+        if (strcmp(sub_argv[i], "--json") == 0 || strcmp(sub_argv[i], "-j") == 0) {
+            fprintf(stderr, "snapkvctl: %s goes before the command: snapkvctl --json %s ...\n", sub_argv[i], cmd);
+            return 2;
+        }
+    if ((strcmp(cmd, "info") == 0 || strcmp(cmd, "status") == 0) && sub_argc > 1)
+        return usage_error(cmd, "usage: %s (options go before the command)", cmd);
     if (strcmp(cmd, "info") == 0)
         return cmd_info(&c);
     if (strcmp(cmd, "status") == 0)

@@ -2518,6 +2518,12 @@ static void test_snapkvctl(void **state)
     assert_int_equal(json_array_size(json_object_get(j, "tokens")), 1);
     assert_non_null(json_string_value(json_object_get(j, "text")));
     json_decref(j);
+    /* a global option after the command is refused (`list --json` listed tenant "--json") */
+    const char *late[] = {"list", "--json", NULL};
+    assert_int_equal(run_ctl(&d, late, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "before the command"));
+    const char *extra[] = {"info", "x", NULL};
+    assert_int_equal(run_ctl(&d, extra, out, err, sizeof out), 2);
     assert_int_equal(snapkv_release(c, &fork_id), SNAPKV_OK);
 
     /* export --size (the buffer's size given, so no sizing INSPECT) still records the length */
