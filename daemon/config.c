@@ -264,9 +264,12 @@ int skv_config_load_file(struct skv_config *cfg, const char *path)
             rc = skv_errorf(SKV_E_INVAL, "%s:%d: line too long", path, lineno);
             break;
         }
-        char *hash = strchr(line, '#');
-        if (hash)
-            *hash = '\0';
+        /* a comment starts a line or follows a blank: a '#' inside a value (a path) stays */
+        for (char *hash = line; (hash = strchr(hash, '#')); hash++)
+            if (hash == line || *(hash - 1) == ' ' || *(hash - 1) == '\t') {
+                *hash = '\0';
+                break;
+            }
         char *s = trim(line);
         if (!*s)
             continue;

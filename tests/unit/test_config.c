@@ -203,8 +203,10 @@ static void test_file(void **state)
     (void)state;
     struct skv_config cfg;
     assert_int_equal(skv_config_init(&cfg), SKV_OK);
-    char *ok = write_temp("# comment\n\nthreads = 3   # trailing\npool-size=2G\n  backend = cpu\n");
+    char *ok = write_temp("# comment\n\nthreads = 3   # trailing\npool-size=2G\n  backend = cpu\n"
+                          "log-file = /tmp/skv#1.log #  a '#' in a value stays\n");
     assert_int_equal(skv_config_load_file(&cfg, ok), SKV_OK);
+    assert_string_equal(cfg.log_file, "/tmp/skv#1.log");
     assert_int_equal(cfg.threads, 3);
     assert_int_equal(cfg.pool_size, INT64_C(2) << 30);
     assert_string_equal(cfg.backend, "cpu");
