@@ -36,11 +36,17 @@ struct key_list {
     size_t n;
 };
 
-/* Rate limit for a repeated log line: the same `what` at most once per LOG_INTERVAL_MS. */
+/* Rate limit for a log line: the same `what` at most once per LOG_INTERVAL_MS, and at most
+ * LOG_BURST lines of any `what` per LOG_INTERVAL_MS (alternating two refused keys logged every
+ * attempt before, and journald's rate limit then dropped the service's other lines). */
 struct log_limit {
     uint64_t last_ms, last_what;
+    uint64_t window_ms; /* the current window's start */
+    unsigned in_window;
     unsigned suppressed;
 };
+
+#define LOG_BURST 5
 
 struct skv_auth {
     enum endpoint_mode mode[2];
@@ -65,10 +71,15 @@ static uint64_t mono_ms(void)
 static bool log_allowed(struct log_limit *l, uint64_t what)
 {
     uint64_t now = mono_ms();
-    if (l->last_ms && what == l->last_what && now - l->last_ms < LOG_INTERVAL_MS) {
+    if (!l->window_ms || now - l->window_ms >= LOG_INTERVAL_MS) {
+        l->window_ms = now;
+        l->in_window = 0;
+    }
+    if ((l->last_ms && what == l->last_what && now - l->last_ms < LOG_INTERVAL_MS) || l->in_window >= LOG_BURST) {
         l->suppressed++;
         return false;
     }
+    l->in_window++;
     l->last_ms = now;
     l->last_what = what;
     return true;

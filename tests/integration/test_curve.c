@@ -302,6 +302,39 @@ static void test_unlisted_key_refused(void **state)
     assert_still_serving(e);
 }
 
+/* Lines of path from byte `from` on that hold needle. */
+static int log_count_from(const char *path, long from, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    int n = 0;
+    char line[2048];
+    if (fseek(f, from, SEEK_SET) == 0)
+        while (fgets(line, sizeof line, f))
+            n += strstr(line, needle) != NULL;
+    fclose(f);
+    return n;
+}
+
+/* Two unlisted keys taking turns are logged at most LOG_BURST (5) times in 10 s, not once per
+ * attempt (the same key was limited, a change of key was not: anyone who can reach the
+ * endpoint could fill the journal, and its rate limit then dropped the service's own lines). */
+static void test_refusals_rate_limited(void **state)
+{
+    NEED_DAEMON(e);
+    struct keypair other;
+    assert_int_equal(snapkv_curve_keypair(other.pub, other.sec), SNAPKV_OK);
+    long from = log_size(e->log);
+    for (int i = 0; i < 12; i++)
+        assert_refused(e, i % 2 ? &other : &e->mallory, NULL, "refused this client's CURVE key");
+    usleep(200 * 1000);
+    int logged = log_count_from(e->log, from, "refused CURVE key");
+    if (logged < 1 || logged > 5)
+        fail_msg("%d refusals logged for 12 attempts", logged);
+    assert_still_serving(e);
+}
+
 static void test_client_without_curve_refused(void **state)
 {
     NEED_DAEMON(e);
@@ -562,6 +595,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_authorized_prefill_decode),
         cmocka_unit_test(test_unlisted_key_refused),
+        cmocka_unit_test(test_refusals_rate_limited),
         cmocka_unit_test(test_client_without_curve_refused),
         cmocka_unit_test(test_wrong_server_key_refused),
         cmocka_unit_test(test_tenant_bound_to_key),
