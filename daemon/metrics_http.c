@@ -24,6 +24,19 @@
 #define LINGER_MS 500                   /* drain what the client still sends, at most this long */
 #define LINGER_MAX_BYTES (64 * 1024)
 
+/* A connection: its request head arriving, or, answered, what it still sends drained until it
+ * closes (closing with unread bytes would send a reset that can destroy the answer in the
+ * client's buffers). Slots are served together, so a silent client delays no other. */
+enum slot_state { SLOT_FREE, SLOT_READING, SLOT_DRAINING };
+
+struct slot {
+    enum slot_state st;
+    int fd;
+    int64_t deadline;             /* READING: the head's; DRAINING: the drain's */
+    size_t len;                   /* READING: head bytes so far; DRAINING: bytes drained */
+    char buf[SKV_METRICS_MAX_REQUEST];
+};
+
 struct skv_metrics_http {
     int listen_fd;
     int wake[2];                  /* a byte on wake[1] stops the thread */
@@ -33,6 +46,7 @@ struct skv_metrics_http {
     void *user;
     char addr[128];
     char *body;                   /* [BODY_CAP] */
+    struct slot *slots;           /* [SKV_METRICS_CONNECTIONS] */
 };
 
 static int64_t mono_ms(void)
@@ -86,6 +100,10 @@ static void respond(const struct skv_metrics_http *h, int fd, int code, const ch
     int n = snprintf(hdr, sizeof hdr,
                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n",
                      code, reason, type, body_len, extra_header ? extra_header : "");
+    /* the whole answer into the kernel's buffer at once where its limit allows: a client that
+     * reads slowly then holds no other connection up while this thread waits to send */
+    int want = (int)(body_len + (size_t)n + 4096);
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof want);
     int64_t deadline = mono_ms() + SKV_METRICS_TIMEOUT_MS;
     if (send_all(h, fd, hdr, (size_t)n, deadline) && !head_only)
         send_all(h, fd, body, body_len, deadline);
@@ -99,44 +117,9 @@ static void respond_text(const struct skv_metrics_http *h, int fd, int code, con
     respond(h, fd, code, reason, "text/plain; charset=utf-8", body, (size_t)n, false, extra_header);
 }
 
-/* Reads the request head (up to the blank line) into buf. Returns its length, 0 when the peer
- * went away or a stop was asked, -408 on timeout, -431 when it does not fit. */
-static long read_head(const struct skv_metrics_http *h, int fd, char *buf, size_t cap)
+/* Answers the request whose head is req (NUL-terminated). */
+static void serve_request(struct skv_metrics_http *h, int fd, char *req)
 {
-    size_t len = 0;
-    int64_t deadline = mono_ms() + SKV_METRICS_TIMEOUT_MS;
-    for (;;) {
-        buf[len] = '\0';
-        if (strstr(buf, "\r\n\r\n") || strstr(buf, "\n\n"))
-            return (long)len;
-        if (len == cap - 1)
-            return -431;
-        int w = wait_fd(h, fd, POLLIN, deadline);
-        if (w <= 0)
-            return w == 0 ? -408 : 0;
-        ssize_t k = recv(fd, buf + len, cap - 1 - len, MSG_DONTWAIT);
-        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
-            continue;
-        if (k <= 0)
-            return 0;
-        len += (size_t)k;
-    }
-}
-
-static void serve_connection(struct skv_metrics_http *h, int fd)
-{
-    char req[SKV_METRICS_MAX_REQUEST];
-    long n = read_head(h, fd, req, sizeof req);
-    if (n == -408) {
-        respond_text(h, fd, 408, "Request Timeout", NULL);
-        return;
-    }
-    if (n == -431) {
-        respond_text(h, fd, 431, "Request Header Fields Too Large", NULL);
-        return;
-    }
-    if (n <= 0)
-        return;
     /* request line: METHOD SP TARGET SP HTTP/1.x */
     char method[16], target[1024], version[16];
     if (sscanf(req, "%15s %1023s %15s", method, target, version) != 3 || strncmp(version, "HTTP/1.", 7) != 0) {
@@ -163,31 +146,100 @@ static void serve_connection(struct skv_metrics_http *h, int fd)
     respond(h, fd, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", h->body, len, head, NULL);
 }
 
-/* Closes after the answer: unread request bytes would make close() send a reset that can
- * destroy the answer in the client's buffers, so drain them briefly (bounded) first. */
-static void linger_close(const struct skv_metrics_http *h, int fd)
+static void slot_close(struct slot *sl)
 {
-    char scratch[4096];
-    size_t drained = 0;
-    int64_t deadline = mono_ms() + LINGER_MS;
-    shutdown(fd, SHUT_WR);
-    while (drained < LINGER_MAX_BYTES && wait_fd(h, fd, POLLIN, deadline) > 0) {
-        ssize_t k = recv(fd, scratch, sizeof scratch, MSG_DONTWAIT);
+    close(sl->fd);
+    sl->st = SLOT_FREE;
+}
+
+/* Answered: the write side closes, and what the client still sends is read for a while. */
+static void slot_drain(struct slot *sl)
+{
+    shutdown(sl->fd, SHUT_WR);
+    sl->st = SLOT_DRAINING;
+    sl->deadline = mono_ms() + LINGER_MS;
+    sl->len = 0;
+}
+
+/* The slot's fd is readable (or hung up). */
+static void slot_input(struct skv_metrics_http *h, struct slot *sl)
+{
+    if (sl->st == SLOT_DRAINING) {
+        ssize_t k = recv(sl->fd, sl->buf, sizeof sl->buf, MSG_DONTWAIT);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
-            continue;
-        if (k <= 0)
-            break;
-        drained += (size_t)k;
+            return;
+        if (k <= 0 || (sl->len += (size_t)k) >= LINGER_MAX_BYTES)
+            slot_close(sl);
+        return;
     }
-    close(fd);
+    ssize_t k = recv(sl->fd, sl->buf + sl->len, sizeof sl->buf - 1 - sl->len, MSG_DONTWAIT);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+        return;
+    if (k <= 0) { /* gone before a whole head */
+        slot_close(sl);
+        return;
+    }
+    sl->len += (size_t)k;
+    sl->buf[sl->len] = '\0';
+    if (strstr(sl->buf, "\r\n\r\n") || strstr(sl->buf, "\n\n")) {
+        serve_request(h, sl->fd, sl->buf);
+        slot_drain(sl);
+    } else if (sl->len == sizeof sl->buf - 1) {
+        respond_text(h, sl->fd, 431, "Request Header Fields Too Large", NULL);
+        slot_drain(sl);
+    }
+}
+
+/* Past its deadline: a head not complete gets 408, a drain ends. */
+static void slot_expire(struct skv_metrics_http *h, struct slot *sl, int64_t now)
+{
+    if (sl->st == SLOT_FREE || now < sl->deadline)
+        return;
+    if (sl->st == SLOT_READING) {
+        respond_text(h, sl->fd, 408, "Request Timeout", NULL);
+        slot_drain(sl);
+    } else {
+        slot_close(sl);
+    }
+}
+
+/* A new connection's slot: a free one, or, all taken, the one reading longest (its client
+ * silent the most) or failing that draining longest, closed without an answer. */
+static struct slot *slot_take(struct skv_metrics_http *h)
+{
+    struct slot *oldest = NULL;
+    for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++) {
+        struct slot *sl = &h->slots[i];
+        if (sl->st == SLOT_FREE)
+            return sl;
+        if (!oldest || (sl->st == SLOT_READING && oldest->st != SLOT_READING) ||
+            (sl->st == oldest->st && sl->deadline < oldest->deadline))
+            oldest = sl;
+    }
+    slot_close(oldest);
+    return oldest;
 }
 
 static void *http_main(void *arg)
 {
     struct skv_metrics_http *h = arg;
+    struct pollfd p[2 + SKV_METRICS_CONNECTIONS];
+    int of[2 + SKV_METRICS_CONNECTIONS]; /* p[i]'s slot */
     for (;;) {
-        struct pollfd p[2] = {{.fd = h->listen_fd, .events = POLLIN}, {.fd = h->wake[0], .events = POLLIN}};
-        if (poll(p, 2, -1) < 0) {
+        int n = 0;
+        int64_t now = mono_ms(), next = -1;
+        p[n++] = (struct pollfd){.fd = h->listen_fd, .events = POLLIN};
+        p[n++] = (struct pollfd){.fd = h->wake[0], .events = POLLIN};
+        for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++) {
+            const struct slot *sl = &h->slots[i];
+            if (sl->st == SLOT_FREE)
+                continue;
+            of[n] = i;
+            p[n++] = (struct pollfd){.fd = sl->fd, .events = POLLIN};
+            next = next < 0 || sl->deadline < next ? sl->deadline : next;
+        }
+        int wait = next < 0 ? -1 : next > now ? (int)(next - now) : 0;
+        if (poll(p, (nfds_t)n, wait) < 0) {
             if (errno == EINTR)
                 continue;
             skv_log(SKV_LOG_ERROR, "metrics %s: poll: %s", h->addr, strerror(errno));
@@ -195,6 +247,12 @@ static void *http_main(void *arg)
         }
         if (p[1].revents & POLLIN)
             break;
+        for (int k = 2; k < n; k++)
+            if (p[k].revents)
+                slot_input(h, &h->slots[of[k]]);
+        now = mono_ms();
+        for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++)
+            slot_expire(h, &h->slots[i], now);
         if (!(p[0].revents & POLLIN))
             continue;
         int fd = accept4(h->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
@@ -205,9 +263,12 @@ static void *http_main(void *arg)
             }
             continue;
         }
-        serve_connection(h, fd);
-        linger_close(h, fd);
+        struct slot *sl = slot_take(h);
+        *sl = (struct slot){.st = SLOT_READING, .fd = fd, .deadline = mono_ms() + SKV_METRICS_TIMEOUT_MS};
     }
+    for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++)
+        if (h->slots[i].st != SLOT_FREE)
+            slot_close(&h->slots[i]);
     return NULL;
 }
 
@@ -279,7 +340,9 @@ int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, vo
     h->render = render;
     h->user = user;
     snprintf(h->addr, sizeof h->addr, "%s", address);
-    int rc = (h->body = malloc(BODY_CAP)) ? SKV_OK : SKV_E_NOMEM;
+    int rc = (h->body = malloc(BODY_CAP)) && (h->slots = calloc(SKV_METRICS_CONNECTIONS, sizeof *h->slots))
+                 ? SKV_OK
+                 : SKV_E_NOMEM;
     if (!rc)
         rc = bind_listen(address, &h->listen_fd);
     if (!rc && pipe2(h->wake, O_CLOEXEC | O_NONBLOCK) < 0)
@@ -314,6 +377,7 @@ void skv_metrics_http_stop(struct skv_metrics_http **http_p)
     if (h->listen_fd >= 0)
         close(h->listen_fd);
     free(h->body);
+    free(h->slots);
     free(h);
     *http_p = NULL;
 }

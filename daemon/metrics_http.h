@@ -1,13 +1,16 @@
 /* The optional plain-HTTP metrics endpoint (metrics-listen = HOST:PORT): one thread of its own
- * answering GET /metrics with the Prometheus text, 404 for other paths, one connection at a
- * time with bounded request size and time. It never touches the ZeroMQ sockets, so a slow or
- * hostile HTTP client cannot stall the daemon's request loop. */
+ * answering GET /metrics with the Prometheus text, 404 for other paths, up to
+ * SKV_METRICS_CONNECTIONS connections at once (one more closes the one silent the longest),
+ * each with bounded request size and time. It never touches the ZeroMQ sockets, so a slow or
+ * hostile HTTP client cannot stall the daemon's request loop, and idle connections do not make
+ * a scrape wait behind them. */
 #ifndef SKV_METRICS_HTTP_H
 #define SKV_METRICS_HTTP_H
 
 #include <stddef.h>
 
 #define SKV_METRICS_MAX_REQUEST 8192    /* request line and headers */
+#define SKV_METRICS_CONNECTIONS 32      /* served at once */
 #define SKV_METRICS_TIMEOUT_MS 2000     /* to receive the request, and again to send the answer;
                                            closing drains the client for at most 0.5 s more */
 
