@@ -92,6 +92,11 @@ static void key_list_free(struct key_list *l)
     *l = (struct key_list){0};
 }
 
+static int by_key(const void *x, const void *y)
+{
+    return memcmp(((const struct authorized_key *)x)->key, ((const struct authorized_key *)y)->key, SKV_KEY_BYTES);
+}
+
 /* Reads "KEY [TENANT]" lines; admin lists take no tenants. */
 static int key_list_load(const char *path, bool tenants_allowed, struct key_list *out)
 {
@@ -128,9 +133,6 @@ static int key_list_load(const char *path, bool tenants_allowed, struct key_list
         } else if (l.n == MAX_AUTHORIZED_KEYS) {
             rc = skv_errorf(SKV_E_LIMIT, "%s: more than %d keys", path, MAX_AUTHORIZED_KEYS);
         }
-        for (size_t i = 0; !rc && i < l.n; i++)
-            if (memcmp(l.keys[i].key, k.key, sizeof k.key) == 0)
-                rc = skv_errorf(SKV_E_FORMAT, "%s:%d: key listed twice", path, lineno);
         if (rc)
             break;
         snprintf(k.tenant, sizeof k.tenant, "%s", rest);
@@ -149,11 +151,38 @@ static int key_list_load(const char *path, bool tenants_allowed, struct key_list
     fclose(f);
     if (!rc && l.n == 0)
         rc = skv_errorf(SKV_E_FORMAT, "%s: no keys (one Z85 public key per line)", path);
+    if (!rc) /* sorted: looked up at every handshake and request (bsearch) */
+        qsort(l.keys, l.n, sizeof *l.keys, by_key);
+    for (size_t i = 1; !rc && i < l.n; i++)
+        if (memcmp(l.keys[i - 1].key, l.keys[i].key, SKV_KEY_BYTES) == 0) {
+            char z85[SKV_KEY_Z85_LEN + 1];
+            zmq_z85_encode(z85, l.keys[i].key, SKV_KEY_BYTES);
+            rc = skv_errorf(SKV_E_FORMAT, "%s: key %s listed twice", path, z85);
+        }
     if (rc) {
         key_list_free(&l);
         return rc;
     }
     *out = l;
+    return SKV_OK;
+}
+
+static const struct authorized_key *key_find(const struct key_list *l, const unsigned char *key)
+{
+    struct authorized_key probe;
+    memcpy(probe.key, key, SKV_KEY_BYTES);
+    return l->n ? bsearch(&probe, l->keys, l->n, sizeof *l->keys, by_key) : NULL;
+}
+
+int skv_auth_key_check(const struct skv_auth *a, enum skv_auth_endpoint which, const char *z85, const char **tenant)
+{
+    unsigned char key[SKV_KEY_BYTES];
+    const struct authorized_key *k =
+        a->mode[which] == MODE_CURVE && skv_key_z85_decode(z85, key) ? key_find(&a->lists[which], key) : NULL;
+    if (!k)
+        return skv_errorf(SKV_E_PERM, "this client's CURVE key is no longer in %s (removed at a reload)",
+                          a->lists[which].path ? a->lists[which].path : "the authorized keys");
+    *tenant = k->tenant;
     return SKV_OK;
 }
 
@@ -333,13 +362,13 @@ static const char *zap_decide(struct skv_auth *a, zmq_msg_t *f, int n, const cha
     const unsigned char *key = zmq_msg_data(&f[CREDENTIALS]);
     zmq_z85_encode(key_z85, key, SKV_KEY_BYTES);
     const struct key_list *l = &a->lists[which];
-    for (size_t i = 0; i < l->n; i++)
-        if (memcmp(l->keys[i].key, key, SKV_KEY_BYTES) == 0) {
-            *user_id = l->keys[i].tenant;
-            skv_log(SKV_LOG_DEBUG, "%s endpoint: CURVE key %s from %s accepted%s%s", domain, key_z85, address,
-                    **user_id ? " for tenant " : "", *user_id);
-            return NULL;
-        }
+    const struct authorized_key *k = key_find(l, key);
+    if (k) {
+        *user_id = k->tenant;
+        skv_log(SKV_LOG_DEBUG, "%s endpoint: CURVE key %s from %s accepted%s%s", domain, key_z85, address,
+                **user_id ? " for tenant " : "", *user_id);
+        return NULL;
+    }
     uint64_t key_prefix;
     memcpy(&key_prefix, key, sizeof key_prefix);
     if (log_allowed(&a->refused, key_prefix)) {
@@ -375,12 +404,26 @@ static void zap_answer_one(struct skv_auth *a)
     const char *user_id;
     const char *refusal = zap_decide(a, f, total, &user_id);
     const char *text = refusal ? refusal : "OK";
+    /* the connection's key as ZAP metadata ("X-Key", Z85): each request's key is looked up in
+     * the list in force then (skv_auth_key_check), so a key removed at a reload stops acting */
+    uint8_t meta[1 + 5 + 4 + SKV_KEY_Z85_LEN];
+    size_t meta_len = 0;
+    if (!refusal && total == 7 && zmq_msg_size(&f[6]) == SKV_KEY_BYTES) {
+        meta[0] = 5;
+        memcpy(meta + 1, "X-Key", 5);
+        meta[6] = meta[7] = meta[8] = 0;
+        meta[9] = SKV_KEY_Z85_LEN;
+        char z85[SKV_KEY_Z85_LEN + 1];
+        zmq_z85_encode(z85, zmq_msg_data(&f[6]), SKV_KEY_BYTES);
+        memcpy(meta + 10, z85, SKV_KEY_Z85_LEN);
+        meta_len = sizeof meta;
+    }
     zmq_send(a->zap, "1.0", 3, ZMQ_SNDMORE);
     zmq_send(a->zap, n > 1 ? zmq_msg_data(&f[1]) : "", n > 1 ? zmq_msg_size(&f[1]) : 0, ZMQ_SNDMORE);
     zmq_send(a->zap, refusal ? "400" : "200", 3, ZMQ_SNDMORE);
     zmq_send(a->zap, text, strlen(text), ZMQ_SNDMORE);
     zmq_send(a->zap, user_id, strlen(user_id), ZMQ_SNDMORE);
-    zmq_send(a->zap, "", 0, 0);
+    zmq_send(a->zap, meta, meta_len, 0);
     for (int i = 0; i < n; i++)
         zmq_msg_close(&f[i]);
 }

@@ -41,6 +41,12 @@ size_t skv_auth_sockets(const struct skv_auth *auth, void **socks);
 /* Answers every waiting ZAP request and logs handshake failures; never blocks. */
 void skv_auth_serve(struct skv_auth *auth);
 
+/* Whether the CURVE key z85 (a request's "X-Key" metadata, which the ZAP handler set for its
+ * connection) is in endpoint which's list in force now, and the tenant it is bound to there
+ * (*tenant: "" for any): SKV_E_PERM when a reload removed it. */
+int skv_auth_key_check(const struct skv_auth *auth, enum skv_auth_endpoint which, const char *z85,
+                       const char **tenant);
+
 /* Re-reads the authorized keys files (SIGHUP). On an error the old lists stay in force. */
 int skv_auth_reload(struct skv_auth *auth);
 

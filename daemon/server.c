@@ -501,12 +501,23 @@ static const char *peer_tenant(const struct skv_server *srv, zmq_msg_t *body, ch
  * bound tenant, one naming another tenant is refused. */
 static int bind_tenant(const struct skv_server *srv, Snapkv__Request *req, zmq_msg_t *body, bool admin)
 {
+    /* over CURVE, the connection's key must still be listed: a reload that removed it stops
+     * its open connections too, not only new handshakes; its binding is the list's now */
+    const char *key_tenant = NULL;
+    enum skv_auth_endpoint which = admin ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT;
+    if (skv_auth_uses_curve(srv->auth, which)) {
+        const char *key = zmq_msg_gets(body, "X-Key");
+        int rc = key ? skv_auth_key_check(srv->auth, which, key, &key_tenant)
+                     : skv_errorf(SKV_E_PERM, "this connection has no CURVE key");
+        if (rc)
+            return rc;
+    }
     char uid_tenant[32];
     const char *bound = admin ? NULL : peer_tenant(srv, body, uid_tenant, sizeof uid_tenant);
     if (bound && !*bound)
         return skv_errorf(SKV_E_PERM, "ipc-tenant is uid, and this connection's user could not be read");
     if (!bound)
-        bound = zmq_msg_gets(body, "User-Id");
+        bound = key_tenant ? key_tenant : zmq_msg_gets(body, "User-Id");
     if (!bound || !*bound)
         return SKV_OK;
     const char *claims[2] = {req->tenant,
