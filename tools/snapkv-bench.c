@@ -13,6 +13,7 @@
 #include "tools/bench_quality.h"
 #include "tools/bench_serve.h"
 
+#include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
 #include <jansson.h>
@@ -956,6 +957,35 @@ static int cmd_serve(struct args *a, struct skv_engine *e, struct skv_model *m, 
     return rc ? fail("serve", rc) : 0;
 }
 
+/* A whole number option in [lo, hi]: false (with a message) for anything else (atoi read
+ * "abc" as 0 and --clients 65536 --requests 65536 overflowed a count). */
+static bool int_opt(const char *name, const char *text, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (end == text || *end || errno || v < lo || v > hi) {
+        fprintf(stderr, "snapkv-bench: --%s wants a whole number from %ld to %ld, not '%s'\n", name, lo, hi, text);
+        return false;
+    }
+    *out = (int)v;
+    return true;
+}
+
+/* A number option in [lo, hi] (the same for reals). */
+static bool real_opt(const char *name, const char *text, double lo, double hi, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (end == text || *end || errno || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "snapkv-bench: --%s wants a number from %g to %g, not '%s'\n", name, lo, hi, text);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
 int main(int argc, char **argv)
 {
     struct args a = {.backend = "auto", .threads = 0, .quality = {.passkey_style = -1}};
@@ -989,10 +1019,12 @@ int main(int argc, char **argv)
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c;
-    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    bool ok = true;
+    double real = 0;
+    while (ok && (c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
         case O_MODEL: a.model = optarg; break;
-        case O_THREADS: a.threads = atoi(optarg); break;
+        case O_THREADS: ok = int_opt("threads", optarg, 0, 1024, &a.threads); break;
         case O_BACKEND: a.backend = optarg; break;
         case O_JSON: a.json = true; break;
         case O_REF: a.reference = true; break;
@@ -1002,45 +1034,47 @@ int main(int argc, char **argv)
         case O_CHAT: a.chat = true; break;
         case O_SPECIAL: a.special = true; break;
         case O_BOS: a.bos = true; break;
-        case O_TOP: a.top = atoi(optarg); break;
+        case O_TOP: ok = int_opt("top", optarg, 0, 1 << 24, &a.top); break;
         case O_ALL: a.all_logits = true; break;
-        case O_MAXT: a.max_tokens = atoi(optarg); break;
-        case O_TEMP: a.temperature = strtof(optarg, NULL); break;
-        case O_TOPK: a.top_k = atoi(optarg); break;
-        case O_TOPP: a.top_p = strtof(optarg, NULL); break;
+        case O_MAXT: ok = int_opt("max-tokens", optarg, 0, 1 << 24, &a.max_tokens); break;
+        case O_TEMP: ok = real_opt("temperature", optarg, 0, 100, &real); a.temperature = (float)real; break;
+        case O_TOPK: ok = int_opt("top-k", optarg, 0, 1 << 24, &a.top_k); break;
+        case O_TOPP: ok = real_opt("top-p", optarg, 0, 1, &real); a.top_p = (float)real; break;
         case O_SEED: a.seed = strtoull(optarg, NULL, 10); break;
         case O_PREFILL: a.prefill_sizes = optarg; break;
         case O_DEPTH: a.decode_depths = optarg; break;
-        case O_DTOK: a.decode_tokens = atoi(optarg); break;
-        case O_REPEAT: a.repeat = atoi(optarg); break;
+        case O_DTOK: ok = int_opt("decode-tokens", optarg, 1, 1 << 20, &a.decode_tokens); break;
+        case O_REPEAT: ok = int_opt("repeat", optarg, 1, 1000000, &a.repeat); break;
         case O_COMPRESS: a.compress = optarg; break;
         case O_TASK: a.quality.task = optarg; break;
         case O_LENGTHS: a.quality.lengths = optarg; break;
         case O_DEPTHS: a.quality.depths = optarg; break;
         case O_SPECS: a.quality.specs = optarg; break;
-        case O_TRIALS: a.quality.trials = atoi(optarg); break;
+        case O_TRIALS: ok = int_opt("trials", optarg, 1, 1000000, &a.quality.trials); break;
         case O_OUTDIR: a.quality.out_dir = optarg; break;
-        case O_PKSTYLE: a.quality.passkey_style = atoi(optarg); break;
+        case O_PKSTYLE: ok = int_opt("passkey-style", optarg, -1, 1000, &a.quality.passkey_style); break;
         case O_TEXTS: a.quality.texts = optarg; break;
-        case O_FIDN: a.quality.fid_prefill = atoi(optarg); break;
-        case O_FIDM: a.quality.fid_tokens = atoi(optarg); break;
+        case O_FIDN: ok = int_opt("fid-prefill", optarg, 1, 1 << 24, &a.quality.fid_prefill); break;
+        case O_FIDM: ok = int_opt("fid-tokens", optarg, 1, 1 << 20, &a.quality.fid_tokens); break;
         case O_ENDPOINT: a.serve.endpoint = optarg; break;
         case O_ADMIN_EP: a.serve.admin_endpoint = optarg; break;
-        case O_CLIENTS: a.serve.clients = atoi(optarg); break;
-        case O_REQUESTS: a.serve.requests = atoi(optarg); break;
+        case O_CLIENTS: ok = int_opt("clients", optarg, 1, 4096, &a.serve.clients); break;
+        case O_REQUESTS: ok = int_opt("requests", optarg, 1, 100000, &a.serve.requests); break;
         case O_SESSIONS:
             if (strcmp(optarg, "fit") == 0)
                 a.serve.sessions_fit = true;
             else
-                a.serve.sessions = atoi(optarg);
+                ok = int_opt("sessions", optarg, 1, 1000000, &a.serve.sessions);
             break;
-        case O_POOL_GIB: a.serve.pool_gib = strtod(optarg, NULL); break;
+        case O_POOL_GIB: ok = real_opt("pool-gib", optarg, 0, 1 << 20, &a.serve.pool_gib); break;
         case O_PARTS: a.serve.parts = optarg; break;
-        case O_CONTEXT: a.serve.context = atoi(optarg); break;
+        case O_CONTEXT: ok = int_opt("context", optarg, 1, 1 << 24, &a.serve.context); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
+    if (!ok)
+        return 2;
     if (optind >= argc || !a.model) {
         usage(stderr);
         return 2;
