@@ -744,17 +744,25 @@ out_free:
     return ret;
 }
 
-/* The template with its first %s replaced by line (no printf: the template is user text). */
-static char *render_turn(const char *tmpl, const char *line)
+/* Appends a later chat turn: the template's markup around its first %s (parsed: <|im_start|>
+ * ... are special tokens) and the typed line in its place as plain text, so a line that holds
+ * markup cannot end the turn or open a system one (sent whole with markup parsing, it could). */
+static int append_turn(snapkv_client_t *cl, const struct snapkv_session_id *id, const char *tmpl, const char *line)
 {
     const char *at = strstr(tmpl, "%s");
     size_t head = at ? (size_t)(at - tmpl) : strlen(tmpl);
-    const char *tail = at ? at + 2 : "";
-    size_t len = head + strlen(line) + strlen(tail) + 1;
-    char *out = malloc(len);
-    if (out)
-        snprintf(out, len, "%.*s%s%s", (int)head, tmpl, line, tail);
-    return out;
+    char *markup = strndup(tmpl, head);
+    if (!markup) {
+        fprintf(stderr, "snapkvctl: out of memory\n");
+        return SNAPKV_E_NOMEM;
+    }
+    const char *parts[3] = {markup, line, at ? at + 2 : ""};
+    int rc = SNAPKV_OK;
+    for (int i = 0; i < 3 && !rc; i++)
+        if (*parts[i])
+            rc = snapkv_append(cl, id, &(struct snapkv_append_opts){.text = parts[i], .chat = i != 1}, NULL);
+    free(markup);
+    return rc;
 }
 
 static int cmd_chat(const struct ctl *c, int argc, char **argv)
@@ -829,14 +837,7 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
                 print_ratio("prefill", pr.bytes_before, pr.bytes_after);
             snapkv_prefill_result_free(&pr);
         } else {
-            char *turn = render_turn(tmpl, line);
-            if (!turn) {
-                fprintf(stderr, "snapkvctl: out of memory\n");
-                ret = 1;
-                break;
-            }
-            rc = snapkv_append(cl, &id, &(struct snapkv_append_opts){.text = turn, .chat = true}, NULL);
-            free(turn);
+            rc = append_turn(cl, &id, tmpl, line);
             if (rc) {
                 ret = failed("append", rc);
                 break;
