@@ -1217,9 +1217,13 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         fprintf(stderr, "snapkvctl export: the daemon's model fingerprint is longer than an export holds\n");
         goto out_layout;
     }
-    f = fopen(out_path, "wb");
-    if (!f) {
+    /* a session's K/V is the tenant's data: the file is its owner's alone (not the umask's
+     * 0644), and one that fails part way does not stay behind */
+    int ofd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (ofd < 0 || !(f = fdopen(ofd, "wb"))) {
         fprintf(stderr, "snapkvctl export: %s: %s\n", out_path, strerror(errno));
+        if (ofd >= 0)
+            close(ofd);
         goto out_layout;
     }
     struct export_header h = {
@@ -1243,6 +1247,7 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
          write_all(f, shm.addr, (size_t)lay.bytes_written);
     if (fclose(f) != 0 || !ok) {
         fprintf(stderr, "snapkvctl export: writing %s failed\n", out_path);
+        unlink(out_path);
         goto out_layout;
     }
     ret = 0;
