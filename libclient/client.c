@@ -77,9 +77,9 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
     return SNAPKV_OK;
 }
 
-/* Reads the handshake events libzmq reported while connecting; a failed handshake fails the
- * call at once (the daemon sends nothing to a refused client). */
-static int check_handshake(snapkv_client_t *c)
+/* Reads the connection events libzmq reported: a failed handshake fails the call at once (the
+ * daemon sends nothing to a refused client); a closed connection sets *lost (NULL: ignored). */
+static int check_events(snapkv_client_t *c, bool *lost)
 {
     int rc = SNAPKV_OK;
     while (!rc) {
@@ -101,7 +101,9 @@ static int check_handshake(snapkv_client_t *c)
         }
         zmq_msg_close(&head);
         zmq_msg_close(&addr);
-        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+        if (event == ZMQ_EVENT_DISCONNECTED && lost)
+            *lost = true;
+        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
             rc = skv_client_fail(SNAPKV_E_PERM,
                                  "the daemon refused this client's CURVE key (ZAP status %u): its public key must be "
                                  "listed in the daemon's authorized keys file",
@@ -128,6 +130,9 @@ static int check_handshake(snapkv_client_t *c)
     }
     return rc;
 }
+
+/* How long replies already on their way may take to come after the connection closed. */
+#define LOST_GRACE_MS 200
 
 long skv_client_wait_ms(int64_t deadline)
 {
@@ -159,7 +164,7 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
         if (n < 0)
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
-            int rc = check_handshake(c);
+            int rc = check_events(c, NULL);
             if (rc)
                 return rc;
         }
@@ -191,29 +196,48 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
     /* the timeout bounds sending the request and the wait for each of its replies; stale
      * replies do not extend it */
     int64_t deadline = c->timeout_ms < 0 ? -1 : skv_client_now_ms() + c->timeout_ms;
-    int rc = send_request(c, buf, len, deadline, what);
+    /* connections closed before this request (a daemon restart between two calls) are past:
+     * the request goes out on the connection there is now */
+    int rc = c->monitor ? check_events(c, NULL) : SNAPKV_OK;
+    if (!rc)
+        rc = send_request(c, buf, len, deadline, what);
     free(buf);
     if (rc)
         return rc;
     *in_flight = true;
 
+    /* the connection closing while the reply is awaited (the daemon stopped or restarted) loses
+     * the request: the call fails then, after a moment for replies already on their way,
+     * instead of waiting out its timeout (for ever at -1) */
+    bool lost = false;
+    int64_t lost_deadline = -1;
     for (;;) {
         zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLIN},
                                    {.socket = c->monitor, .events = ZMQ_POLLIN}};
-        int n = zmq_poll(items, c->monitor ? 2 : 1, skv_client_wait_ms(deadline));
+        int64_t until = lost && (deadline < 0 || lost_deadline < deadline) ? lost_deadline : deadline;
+        int n = zmq_poll(items, c->monitor ? 2 : 1, skv_client_wait_ms(until));
         if (n < 0 && zmq_errno() == EINTR)
             continue; /* a signal: wait on for what is left of the timeout */
         if (n < 0)
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
-            if ((rc = check_handshake(c)))
+            bool was_lost = lost;
+            if ((rc = check_events(c, &lost)))
                 return rc;
-            if (!(items[0].revents & ZMQ_POLLIN))
-                continue;
+            if (lost && !was_lost)
+                lost_deadline = skv_client_now_ms() + LOST_GRACE_MS;
         }
-        if (n == 0)
+        if (!(items[0].revents & ZMQ_POLLIN)) {
+            if (lost && skv_client_now_ms() >= lost_deadline)
+                return skv_client_fail(SNAPKV_E_IO,
+                                       "the connection to the daemon closed while the %s reply was awaited (the "
+                                       "daemon stopped or restarted): whether it ran is not known",
+                                       what);
+            if (n > 0 || lost)
+                continue;
             return skv_client_fail(SNAPKV_E_TIMEOUT, "no %s reply from the daemon within %d ms", what,
                                    c->timeout_ms);
+        }
         Snapkv__Reply *rep = NULL;
         rc = recv_reply(c, &rep);
         if (rc)
@@ -310,11 +334,12 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
     return SNAPKV_OK;
 }
 
-/* Watches the handshake so a refused client fails at once instead of at its timeout. */
+/* Watches the connection for the client's life: a refused handshake fails a call at once
+ * instead of at its timeout, and so does a connection that closes while a reply is awaited. */
 static void monitor_start(snapkv_client_t *c)
 {
     int events = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_DISCONNECTED;
     if (zmq_socket_monitor(c->sock, MONITOR_ENDPOINT, events) < 0)
         return; /* without it a refusal still ends at the timeout */
     c->monitor = zmq_socket(c->zctx, ZMQ_PAIR);
@@ -379,7 +404,6 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     req.hello = &hello;
     Snapkv__Reply *rep = NULL;
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, NULL, &rep);
-    monitor_stop(c);
     if (rc)
         goto out_close;
     c->hello = rep->hello;

@@ -5,7 +5,9 @@
  * Callbacks (snapkv_token_fn, snapkv_progress_fn) run inside a call of their client and must
  * not use it: a call made from one fails with SNAPKV_E_BUSY (use another client), and closing
  * the client there is undefined. A signal does not end a call: it waits on for what is left of
- * its timeout (a streaming callback can stop a decode).
+ * its timeout (a streaming callback can stop a decode). A call whose connection closes while it
+ * waits (the daemon stopped or restarted) fails at once with SNAPKV_E_IO: whether it ran is not
+ * known; the next call goes out on the connection there is then.
  * Different clients may be used concurrently, and several threads may connect at once (each
  * client has its own ZeroMQ context and CURVE keys). Result structs (snapkv_*_result, lists, stats)
  * belong to the caller, do not refer to the client and may outlive it.

@@ -1094,6 +1094,48 @@ static void test_sigterm_mid_decode(void **state)
     stop_daemon(&d);
 }
 
+/* The daemon killed while a call waits for its reply: the call fails at once with IO ("the
+ * connection ... closed"), not at its timeout (30 s here; for ever with -1 before). */
+static void test_daemon_killed_mid_call(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *c = client(d.endpoint, "t");
+    assert_int_equal(snapkv_set_timeout(c, 30000), SNAPKV_OK);
+    uint32_t ids[32];
+    prompt(ids, 32, 7);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 32};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    pid_t killer = fork();
+    if (killer == 0) {
+        usleep(700 * 1000);
+        kill(d.pid, SIGKILL);
+        _exit(0);
+    }
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 2000;
+    sp.stop_at_eos = false;
+    struct snapkv_decode_result dr;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int rc = snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    waitpid(killer, NULL, 0);
+    assert_int_equal(rc, SNAPKV_E_IO);
+    assert_non_null(strstr(snapkv_last_error(), "closed"));
+    assert_true(t1.tv_sec - t0.tv_sec < 20); /* not the 30 s timeout */
+    snapkv_prefill_result_free(&pr);
+    waitpid(d.pid, NULL, 0);
+    forget_daemon(d.pid);
+    d.pid = 0;
+    stop_daemon(&d);
+    snapkv_close(&c);
+}
+
 /* SIGTERM with more queued requests than the reply pipe holds (libzmq: about 2000 messages):
  * one DEALER sends a PREFILL of 2048 tokens and 3000 RELEASEs of an unknown id behind it (one
  * sender's requests keep their order, so they wait for the PREFILL), then SIGTERM. The worker
@@ -3067,6 +3109,7 @@ int main(void)
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
+        cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
