@@ -514,6 +514,14 @@ static bool forward_compacts(const struct skv_session *s)
     return sp && (sp->policy != SKV_POLICY_SNAPKV || sp->decode_budget > 0);
 }
 
+/* Gives back the blocks a skv_kv_cache_prepare took past each head's rows, for a token that
+ * will not come. */
+static void release_prepared(struct skv_kv_cache *c)
+{
+    for (int k = 0; k < c->n_layers * c->n_kv_heads; k++)
+        skv_kv_cache_truncate(c, k / c->n_kv_heads, k % c->n_kv_heads, c->heads[k].len);
+}
+
 /* Bytes of the pool's blocks in use now (every session's, a shared block once). */
 static uint64_t pool_in_use_bytes(const struct skv_worker *w)
 {
@@ -544,7 +552,7 @@ static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, b
 {
     uint64_t held, unique;
     int rc = reserve_rows(w, s, n, compacts, 0, 0, &held, &unique);
-    if (!rc && !w->nesting)
+    if (!rc && !w->nesting && !w->yielding) /* a short request in a yield holds nothing */
         skv_session_hold_room(w->sessions, s, held, unique);
     return rc;
 }
@@ -1649,14 +1657,15 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
         taken[i] = in_use1 > in_use0 ? in_use1 - in_use0 : 0;
         if (!rcs[i])
             rcs[i] = session_hook(s, 1, false, &opts[i]);
-        if (rcs[i]) /* blocks a prepare took for the token that will not come go back */
-            for (int k = 0; k < s->cache->n_layers * s->cache->n_kv_heads; k++)
-                skv_kv_cache_truncate(s->cache, k / s->cache->n_kv_heads, k % s->cache->n_kv_heads,
-                                      s->cache->heads[k].len);
+        if (rcs[i])
+            release_prepared(s->cache);
         if (!rcs[i])
             seqs[nb++] = (struct skv_batch_seq){s->cache, ds[i]->token, &opts[i], s->logits};
     }
     int rc = nb ? skv_engine_decode_batch(w->decode_engine, seqs, nb) : SKV_OK;
+    for (int i = 0; i < n && rc; i++) /* a failed batch: the sessions whose token did not go in */
+        if (!rcs[i] && ds[i]->session->cache->n_past == before[i])
+            release_prepared(ds[i]->session->cache);
     w->metrics.decode_seconds += now_s() - t0;
     w->metrics.decode_batches += nb > 0;
     /* when the batch failed, a session whose token went in (another decode group) goes on */
@@ -3046,6 +3055,8 @@ void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
         skv_requests_fail(w, job, SKV_E_UNSUPPORTED, "this command is not served by the engine worker");
         break;
     }
-    if (!w->nesting) /* the request's forward is over: its room is no longer held for it */
+    /* the request's forward is over: its room is no longer held for it (a request run nested or
+     * in a yield leaves the running forward's hold alone) */
+    if (!w->nesting && !w->yielding)
         skv_session_hold_room(w->sessions, NULL, 0, 0);
 }

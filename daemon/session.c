@@ -341,8 +341,10 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     tenant_bytes += more_held;
     /* a request nested in a forward that reserved room: that room is the forward's */
     more_unique += held_left(t, s, t->hold.unique);
-    if (t->hold.s && strcmp(t->hold.s->tenant, s->tenant) == 0)
-        tenant_bytes += held_left(t, s, t->hold.held);
+    /* the tenant's count has the outer session at its bytes when it reserved (s->bytes is set
+     * there and not again until its charge), so all of its reservation is still to come */
+    if (t->hold.s && t->hold.s != s && strcmp(t->hold.s->tenant, s->tenant) == 0)
+        tenant_bytes += t->hold.held;
     uint64_t used = pool_bytes_used(t) + more_unique;
     /* evict nothing for a request that cannot fit even with every candidate gone (the
      * candidates are counted only when a limit is passed: this runs for every decoded token) */

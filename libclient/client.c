@@ -78,8 +78,9 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
 }
 
 /* Reads the connection events libzmq reported: a failed handshake fails the call at once (the
- * daemon sends nothing to a refused client); a closed connection sets *lost (NULL: ignored). */
-static int check_events(snapkv_client_t *c, bool *lost)
+ * daemon sends nothing to a refused client) unless `past` (events from before the call, a later
+ * handshake may have worked: only drained); a closed connection sets *lost (NULL: ignored). */
+static int check_events(snapkv_client_t *c, bool *lost, bool past)
 {
     int rc = SNAPKV_OK;
     while (!rc) {
@@ -103,6 +104,8 @@ static int check_events(snapkv_client_t *c, bool *lost)
         zmq_msg_close(&addr);
         if (event == ZMQ_EVENT_DISCONNECTED && lost)
             *lost = true;
+        else if (past)
+            continue;
         else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
             rc = skv_client_fail(SNAPKV_E_PERM,
                                  "the daemon refused this client's CURVE key (ZAP status %u): its public key must be "
@@ -164,7 +167,7 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
         if (n < 0)
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
-            int rc = check_events(c, NULL);
+            int rc = check_events(c, NULL, false);
             if (rc)
                 return rc;
         }
@@ -198,7 +201,7 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
     int64_t deadline = c->timeout_ms < 0 ? -1 : skv_client_now_ms() + c->timeout_ms;
     /* connections closed before this request (a daemon restart between two calls) are past:
      * the request goes out on the connection there is now */
-    int rc = c->monitor ? check_events(c, NULL) : SNAPKV_OK;
+    int rc = c->monitor ? check_events(c, NULL, true) : SNAPKV_OK;
     if (!rc)
         rc = send_request(c, buf, len, deadline, what);
     free(buf);
@@ -222,17 +225,19 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
             bool was_lost = lost;
-            if ((rc = check_events(c, &lost)))
+            if ((rc = check_events(c, &lost, false)))
                 return rc;
             if (lost && !was_lost)
                 lost_deadline = skv_client_now_ms() + LOST_GRACE_MS;
         }
         if (!(items[0].revents & ZMQ_POLLIN)) {
-            if (lost && skv_client_now_ms() >= lost_deadline)
+            if (lost && skv_client_now_ms() >= lost_deadline) {
+                *in_flight = false; /* the daemon drops, or cancels, what a gone client asked */
                 return skv_client_fail(SNAPKV_E_IO,
                                        "the connection to the daemon closed while the %s reply was awaited (the "
                                        "daemon stopped or restarted): whether it ran is not known",
                                        what);
+            }
             if (n > 0 || lost)
                 continue;
             return skv_client_fail(SNAPKV_E_TIMEOUT, "no %s reply from the daemon within %d ms", what,
@@ -343,7 +348,13 @@ static void monitor_start(snapkv_client_t *c)
     if (zmq_socket_monitor(c->sock, MONITOR_ENDPOINT, events) < 0)
         return; /* without it a refusal still ends at the timeout */
     c->monitor = zmq_socket(c->zctx, ZMQ_PAIR);
-    if (c->monitor && zmq_connect(c->monitor, MONITOR_ENDPOINT) == 0)
+    /* events are read only during calls: an idle client's must never fill the pipe, where
+     * libzmq's I/O thread would block holding the lock zmq_socket_monitor() (at close) waits for
+     * (a zero receive HWM lifts the inproc pipe's bound); reconnects back off to 2 s, so an
+     * idle client whose connections keep closing queues few */
+    int unbounded = 0;
+    if (c->monitor && zmq_setsockopt(c->monitor, ZMQ_RCVHWM, &unbounded, sizeof unbounded) == 0 &&
+        zmq_connect(c->monitor, MONITOR_ENDPOINT) == 0)
         return;
     if (c->monitor)
         zmq_close(c->monitor);
@@ -387,6 +398,8 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     int linger = 0, immediate = 1;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(c->sock, ZMQ_IMMEDIATE, &immediate, sizeof immediate);
+    int backoff_ms = 2000; /* reconnects start at 100 ms and double up to this */
+    zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL_MAX, &backoff_ms, sizeof backoff_ms);
     if ((rc = setup_curve(c, opts)))
         goto out_close;
     monitor_start(c);

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1220,7 +1221,7 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
     /* a session's K/V is the tenant's data: the file is its owner's alone (not the umask's
      * 0644), and one that fails part way does not stay behind */
     int ofd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (ofd < 0 || !(f = fdopen(ofd, "wb"))) {
+    if (ofd < 0 || fchmod(ofd, 0600) < 0 || !(f = fdopen(ofd, "wb"))) { /* (a file that was there) */
         fprintf(stderr, "snapkvctl export: %s: %s\n", out_path, strerror(errno));
         if (ofd >= 0)
             close(ofd);

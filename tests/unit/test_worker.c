@@ -111,6 +111,18 @@ static void gate_hold(void (*submit)(void *), void *arg)
     pthread_mutex_unlock(&g_gate_mu);
 }
 
+/* Lets the forward waiting at the gate go on to its next rmsnorm of 64+ rows and waits there
+ * again (a tick, with the yield's short requests, runs between). */
+static void gate_step(void)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    g_gate = 1;
+    pthread_cond_broadcast(&g_gate_cv);
+    while (g_gate != 2)
+        pthread_cond_wait(&g_gate_cv, &g_gate_mu);
+    pthread_mutex_unlock(&g_gate_mu);
+}
+
 static void gate_open(void)
 {
     pthread_mutex_lock(&g_gate_mu);
@@ -2263,15 +2275,25 @@ static void test_nested_room(void **state)
     g_pool_peak = 0;
     g_track_pool = f->tiny->m->kv_pool;
     gate_hold(submit_full_64_cb, f);
+    /* a short request runs in a yield first: it must leave the forward's hold alone (it
+     * cleared it, and the nested PREFILL then took the room again) */
+    submit_admin_stats(f, NULL);
+    gate_step();
+    uint8_t admin_id[5];
+    Snapkv__Reply *st = any_reply(f, admin_id);
+    assert_int_equal(st->result_case, SNAPKV__REPLY__RESULT_STATS);
+    snapkv__reply__free_unpacked(st, NULL);
     submit_prefill_as(f, ID_Z, "u", 48);
     usleep(100000); /* past t's slice */
     gate_open();
-    Snapkv__Reply *b = next_reply(f, 0, ID_Z, 5), *a = next_reply(f, 0, ID_X, 5);
+    for (int i = 0; i < 2; i++) {
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
     g_track_pool = NULL;
-    if (a->status || b->status)
-        fail_msg("PREFILLs: %d %s / %d %s", a->status, a->message, b->status, b->message);
-    snapkv__reply__free_unpacked(a, NULL);
-    snapkv__reply__free_unpacked(b, NULL);
     assert_int_equal(stat(f, "snapkv_requests_nested_total"), 1);
     int count = 0;
     assert_int_equal(listed(f, idle, NULL, &count), -1); /* evicted, for u's */
