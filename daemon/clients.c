@@ -84,14 +84,18 @@ static void remove_at(struct skv_clients *t, int i)
     t->clients[i] = t->clients[t->n];
 }
 
-/* A free row: when the table is full, the least recently active client is forgotten. */
+/* A free row: when the table is full, a gone client is forgotten first (the longest gone),
+ * else the least recently active live one (a gone one's time is when it went, so by time alone
+ * churn forgot idle live clients, a long DECODE's among them, before the gone). */
 static int take_row(struct skv_clients *t)
 {
     if (t->n == t->cap) {
         int oldest = 0;
-        for (int i = 1; i < t->n; i++)
-            if (t->clients[i].last_ms < t->clients[oldest].last_ms)
+        for (int i = 1; i < t->n; i++) {
+            const struct client *a = &t->clients[i], *o = &t->clients[oldest];
+            if (a->live != o->live ? !a->live : a->last_ms < o->last_ms)
                 oldest = i;
+        }
         remove_at(t, oldest);
     }
     return t->n++;

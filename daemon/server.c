@@ -153,6 +153,12 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
      * and STOP_DRAIN_MAX more, CANCELLED): the rest were dropped (test_sigterm_full_queue). */
     int hwm = (int)(srv->env.cfg->queue_depth + STOP_DRAIN_MAX + 1000);
     zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
+    /* requests read from one connection and not yet taken by this thread: libzmq counts
+     * messages, 1000 by default, which at max-message-bytes (16M) is 16 GB a connection; past
+     * this many it stops reading that connection (the client waits, nothing is dropped) */
+    int64_t per = srv->env.cfg->max_queued_bytes / (maxmsg > 0 ? maxmsg : 1);
+    int rcvhwm = per < 64 ? 64 : per > 1000 ? 1000 : (int)per;
+    zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm);
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
@@ -481,18 +487,73 @@ static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequ
 
 static int message_fd(zmq_msg_t *msg);
 
+/* protobuf-c's allocations while one request is unpacked, counted (with malloc's own header)
+ * against a budget: a 16 MB message of empty submessages or unknown fields unpacked to about a
+ * gigabyte on the socket thread before any limit looked at it, and queued as if it held a few
+ * bytes (the worker's walk sees known fields only). Freed with free(), as protobuf-c's default
+ * allocator does, so free_unpacked(req, NULL) stays right. */
+struct unpack_budget {
+    ProtobufCAllocator a;
+    size_t used, max;
+    bool refused;
+};
+
+static void *budget_alloc(void *data, size_t size)
+{
+    struct unpack_budget *b = data;
+    size_t cost = size + 16;
+    if (size > b->max || b->used + cost > b->max) {
+        b->refused = true;
+        return NULL;
+    }
+    void *p = malloc(size ? size : 1);
+    if (p)
+        b->used += cost;
+    return p;
+}
+
+static void budget_free(void *data, void *p)
+{
+    (void)data;
+    free(p);
+}
+
+/* What a request of len bytes may unpack to: packed token ids grow 4 times, a small
+ * submessage (a layer's kept counts) some 10 times, and a model has few layers. */
+static size_t unpack_limit(size_t len)
+{
+    return 8 * len + ((size_t)1 << 20);
+}
+
+/* The uid in an ipc:// message's Peer-Address: libzmq ends it with ":UID:GID:PID", read with
+ * SO_PEERCRED when the connection was made. -1 when it has none. */
+static long peer_uid(zmq_msg_t *body)
+{
+    const char *addr = zmq_msg_gets(body, "Peer-Address");
+    const char *colon[3] = {NULL};
+    for (const char *p = addr ? addr + strlen(addr) : NULL; p && p > addr && !colon[2];)
+        if (*--p == ':')
+            colon[colon[0] ? colon[1] ? 2 : 1 : 0] = p;
+    if (!colon[2])
+        return -1;
+    char *end;
+    errno = 0;
+    long uid = strtol(colon[2] + 1, &end, 10);
+    return end != colon[2] + 1 && end == colon[1] && !errno && uid >= 0 ? uid : -1;
+}
+
 /* With ipc-tenant = uid, the tenant of a client on an ipc:// client endpoint: its process's
- * user, "uid-<N>" (SO_PEERCRED of the connection); NULL otherwise. */
+ * user, "uid-<N>"; NULL otherwise. The uid is the connection's, fixed when it was made (its
+ * Peer-Address), not SO_PEERCRED of the fd a message came over: a message read after its
+ * connection closed carries a number the kernel may have given another user's new connection. */
 static const char *peer_tenant(const struct skv_server *srv, zmq_msg_t *body, char *buf, size_t cap)
 {
     if (strcmp(srv->env.cfg->ipc_tenant, "uid") != 0 || strncmp(srv->env.cfg->endpoint, "ipc://", 6) != 0)
         return NULL;
-    struct ucred cred;
-    socklen_t len = sizeof cred;
-    int fd = message_fd(body);
-    if (fd < 0 || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    long uid = peer_uid(body);
+    if (uid < 0)
         return ""; /* refused below: no tenant can be vouched for */
-    snprintf(buf, cap, "uid-%u", (unsigned)cred.uid);
+    snprintf(buf, cap, "uid-%ld", uid);
     return buf;
 }
 
@@ -638,8 +699,8 @@ static void read_connections(struct skv_server *srv)
             if (ev[i].event != ZMQ_EVENT_ACCEPTED)
                 continue;
             bool closed_since = false;
-            for (int j = i + 1; j < n && !closed_since; j++)
-                closed_since = ev[j].fd == ev[i].fd;
+            for (int j = i + 1; j < n && !closed_since; j++) /* (a handshake event's value is an errno) */
+                closed_since = ev[j].event == ZMQ_EVENT_DISCONNECTED && ev[j].fd == ev[i].fd;
             if (closed_since || !mark_closing(srv, ev[i].fd) || shutdown(ev[i].fd, SHUT_RDWR) != 0)
                 continue;
             srv->open_connections--; /* its DISCONNECTED follows and is not counted again */
@@ -694,10 +755,16 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
     int rc;
     skv_error_clear();
 
-    req = snapkv__request__unpack(NULL, zmq_msg_size(&body), zmq_msg_data(&body));
+    struct unpack_budget budget = {
+        .a = {budget_alloc, budget_free, &budget}, .max = unpack_limit(zmq_msg_size(&body))};
+    req = snapkv__request__unpack(&budget.a, zmq_msg_size(&body), zmq_msg_data(&body));
     if (!req) {
-        rc = skv_errorf(SKV_E_PROTO, "malformed request (%zu bytes): not a snapkv.Request",
-                        zmq_msg_size(&body));
+        rc = budget.refused ? skv_errorf(SKV_E_LIMIT,
+                                         "the request (%zu bytes) unpacks to more than %zu bytes of structures: "
+                                         "empty or unknown fields by the million are refused",
+                                         zmq_msg_size(&body), budget.max)
+                            : skv_errorf(SKV_E_PROTO, "malformed request (%zu bytes): not a snapkv.Request",
+                                         zmq_msg_size(&body));
         goto reply;
     }
     rep.request_id = req->request_id;
@@ -741,6 +808,7 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         memcpy(job->identity, zmq_msg_data(&identity), id_len);
         job->identity_len = id_len;
         job->req = req;
+        job->unpacked_bytes = budget.used;
         rc = skv_worker_submit(srv->worker, job);
         if (rc == SKV_OK) {
             req = NULL; /* owned by the job */

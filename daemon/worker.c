@@ -1066,7 +1066,10 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
     int rc = skv_requests_admit(w->cfg, w->m, job->req);
     if (rc)
         return rc;
-    job->bytes = sizeof *job + skv_request_bytes(job->req);
+    /* the walk of the known fields, or what the unpack really allocated (unknown fields, the
+     * allocator's headers) when the socket thread counted it: the larger */
+    size_t walked = skv_request_bytes(job->req);
+    job->bytes = sizeof *job + (job->unpacked_bytes > walked ? job->unpacked_bytes : walked);
     job->session = request_session(job->req);
     job->deadline_ms = job->req->deadline_ms ? monotonic_ms() + job->req->deadline_ms : 0;
     snprintf(job->tenant, sizeof job->tenant, "%s", job->sock == 1 ? "(admin)" : job_tenant(job));
@@ -1091,6 +1094,10 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
             if (mine >= depth)
                 return skv_errorf(SKV_E_BUSY, "tenant '%s' already has %d requests waiting (queue-depth-per-tenant)",
                                   tenant, mine);
+            if (job->bytes > (uint64_t)tmax) /* alone past it: retrying never helps */
+                return skv_errorf(SKV_E_LIMIT,
+                                  "the request takes %zu bytes unpacked: more than max-queued-bytes-per-tenant (%lld)",
+                                  job->bytes, (long long)tmax);
             return skv_errorf(SKV_E_BUSY,
                               "tenant '%s' has %llu bytes in %d requests waiting; this one's %zu would pass "
                               "max-queued-bytes-per-tenant (%lld): retry when they drain",

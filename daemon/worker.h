@@ -28,6 +28,7 @@ struct skv_job {
     size_t identity_len;
     Snapkv__Request *req;     /* owned by the job; NULL for SKV_JOB_CLIENT_GONE */
     size_t bytes;             /* memory it holds while queued (set by skv_worker_submit) */
+    size_t unpacked_bytes;    /* what unpacking req allocated, when the caller counted it (0: not) */
     const uint8_t *session;   /* the session id its command names, in req, or NULL (set by submit) */
     uint64_t deadline_ms;     /* CLOCK_MONOTONIC ms past which its client no longer waits, or 0
                                * (the request's deadline_ms from when submit read it) */

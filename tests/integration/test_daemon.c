@@ -247,6 +247,34 @@ static void test_malformed(void **state)
     for (int i = 0; i + 1 < n; i++)
         found |= buf[i] == 0x18 && buf[i + 1] == 0x09;
     assert_true(found);
+    /* an IMPORT_KV of a million empty layer entries (2 MB on the wire, some 100 MB unpacked):
+     * refused while unpacking, SKV_E_LIMIT (zigzag 21: bytes 0x18 0x15), before it is queued */
+    enum { N_EMPTY = 1000000 };
+    size_t inner = 2 * (size_t)N_EMPTY, len = 0;
+    uint8_t *msg = malloc(inner + 16);
+    assert_non_null(msg);
+    msg[len++] = 0x08; /* version */
+    msg[len++] = (uint8_t)SNAPKV_PROTOCOL_VERSION;
+    msg[len++] = 0x8a; /* field 17 (import_kv), length-delimited */
+    msg[len++] = 0x01;
+    for (size_t v = inner; ; v >>= 7) { /* its length, a varint */
+        msg[len++] = (uint8_t)(v & 0x7f) | (v >> 7 ? 0x80 : 0);
+        if (!(v >> 7))
+            break;
+    }
+    for (int i = 0; i < N_EMPTY; i++) { /* kept (field 2): empty LayerKept */
+        msg[len++] = 0x12;
+        msg[len++] = 0x00;
+    }
+    assert_true(zmq_send(s, msg, len, 0) >= 0);
+    free(msg);
+    n = zmq_recv(s, buf, sizeof buf, 0);
+    assert_true(n > 0);
+    found = false;
+    for (int i = 0; i + 1 < n; i++)
+        found |= buf[i] == 0x18 && buf[i + 1] == 0x15;
+    assert_true(found);
+    assert_non_null(memmem(buf, (size_t)n, "unpacks to more than", 20));
     zmq_close(s);
     zmq_ctx_term(ctx);
     /* still serving */

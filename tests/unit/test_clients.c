@@ -113,6 +113,24 @@ static void test_clients_apart(void **state)
 
 /* The table keeps its size: the least recently active client is forgotten; gone clients and
  * closed fds are forgotten after SKV_CLIENTS_GONE_KEEP_MS. */
+/* A full table forgets a gone client before an idle live one (whose time is older): the live
+ * one's disconnect is still noticed (it was forgotten first before, and its decodes ran on). */
+static void test_full_forgets_gone_first(void **state)
+{
+    (void)state;
+    struct skv_clients *t = NULL;
+    assert_int_equal(skv_clients_new(2, &t), SKV_OK);
+    struct gone_log g = {0};
+    assert_int_equal(skv_clients_seen(t, X, 5, 40, 1), SKV_CLIENT_LIVE); /* idle from here */
+    assert_int_equal(skv_clients_seen(t, Y, 5, 41, 2), SKV_CLIENT_LIVE);
+    assert_int_equal(skv_clients_disconnected(t, 41, 5, on_gone, &g), 1); /* Y gone at 5 */
+    assert_int_equal(skv_clients_seen(t, Z, 5, 42, 6), SKV_CLIENT_LIVE);    /* full: Y goes */
+    assert_int_equal(skv_clients_disconnected(t, 40, 7, on_gone, &g), 1);
+    assert_int_equal(g.n, 2);
+    assert_int_equal(g.ids[1], 'x');
+    skv_clients_free(&t);
+}
+
 static void test_bounds(void **state)
 {
     (void)state;
@@ -157,6 +175,7 @@ int main(void)
         cmocka_unit_test(test_reused_fd),
         cmocka_unit_test(test_clients_apart),
         cmocka_unit_test(test_bounds),
+        cmocka_unit_test(test_full_forgets_gone_first),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
