@@ -89,26 +89,32 @@ static int find_session(struct skv_worker *w, const struct skv_job *job, Protobu
     return SKV_OK;
 }
 
+/* The most bytes of one token's text a decode emits (a longer one is cut there). */
+#define TOKEN_TEXT_MAX 1024
+
 /* One encoding of a request's text (ids NULL and max 0: a count), stopped once it passes cap
  * tokens (SKV_E_LIMIT, *n = cap + 1). chat: one user turn of the chat template, which owns BOS
  * and is the only source of control tokens, never the client's text. special: the text carries
- * its own markup (and its own BOS). Otherwise plain text, with BOS as the model asks. */
-static int encode_request_text(const struct skv_tokenizer *tok, const char *text, bool chat, bool special, int cap,
-                               int32_t *ids, int max, int *n)
+ * its own markup (and its own BOS). Otherwise plain text, with BOS as the model asks when it
+ * is the first text of a session (first: a PREFILL's, not an APPEND's). */
+static int encode_request_text(const struct skv_tokenizer *tok, const char *text, bool chat, bool special, bool first,
+                               int cap, int32_t *ids, int max, int *n)
 {
     if (chat) {
         struct skv_chat_msg msg = {"user", text};
         return skv_tokenizer_chat_encode_capped(tok, &msg, 1, true, cap, ids, max, n);
     }
-    bool bos = skv_tokenizer_add_bos(tok) && !special;
+    /* BOS starts a session's text only (an APPEND's plain text is tokenized as is, as HF's
+     * add_special_tokens=False: a BOS mid-sequence changes what the model makes) */
+    bool bos = first && skv_tokenizer_add_bos(tok) && !special;
     return skv_tokenizer_encode_capped(tok, text, strlen(text), bos, special, cap, ids, max, n);
 }
 
 /* Token ids from a request: explicit ids, or text (rendered as one chat turn when chat;
- * markup parsed as control tokens when special). malloc'd. Text is tokenized only up to
+ * markup parsed as control tokens when special; first as above). malloc'd. Text is tokenized only up to
  * limit + 1 tokens: a text over the limit costs the engine thread no more than one that fits. */
 static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_ids, const char *text, bool chat,
-                          bool special, int limit, int32_t **out, int *n_out)
+                          bool special, bool first, int limit, int32_t **out, int *n_out)
 {
     const struct skv_model *m = w->m;
     if (n_ids && text && *text)
@@ -138,13 +144,13 @@ static int request_tokens(struct skv_worker *w, const uint32_t *ids, size_t n_id
     if (limit < 0)
         limit = 0;
     int n = 0;
-    int rc = encode_request_text(m->tok, text, chat, special, limit, NULL, 0, &n);
+    int rc = encode_request_text(m->tok, text, chat, special, first, limit, NULL, 0, &n);
     if (rc && rc != SKV_E_LIMIT)
         return rc;
     if (n > limit)
         return skv_errorf(SKV_E_LIMIT, "the text is more than %d tokens, the limit (tokenizing stopped there)", limit);
     int32_t *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
-    rc = v ? encode_request_text(m->tok, text, chat, special, limit, v, n, &n) : SKV_E_NOMEM;
+    rc = v ? encode_request_text(m->tok, text, chat, special, first, limit, v, n, &n) : SKV_E_NOMEM;
     if (rc || n == 0) {
         free(v);
         return rc ? rc : skv_errorf(SKV_E_INVAL, "the text encodes to no tokens");
@@ -575,7 +581,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     if ((rc = skv_session_check_tenant(tenant)) ||
-        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, (int)cfg->max_prompt_tokens, &ids,
+        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, true, (int)cfg->max_prompt_tokens, &ids,
                                   &n)))
         goto fail;
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
@@ -649,7 +655,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
         goto fail;
     }
-    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, room - s->cache->n_past, &ids,
+    if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, false, room - s->cache->n_past, &ids,
                              &n)))
         goto fail;
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
@@ -1506,31 +1512,73 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     return d;
 }
 
-/* Text of the new token, holding back an incomplete UTF-8 character for the next one. */
+/* The length of the UTF-8 character at p (avail bytes there), 0 when it is not one (a stray
+ * continuation byte, an overlong or surrogate form, a byte no character starts with); *partial
+ * when the bytes there are a valid start of a character that runs past them. */
+static size_t utf8_char(const unsigned char *p, size_t avail, bool *partial)
+{
+    *partial = false;
+    unsigned char c = p[0], lo = 0x80, hi = 0xBF;
+    size_t need;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xC2 && c <= 0xDF)
+        need = 2;
+    else if (c >= 0xE0 && c <= 0xEF)
+        need = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+    else if (c >= 0xF0 && c <= 0xF4)
+        need = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+    else
+        return 0;
+    for (size_t k = 1; k < need; k++) {
+        if (k >= avail) {
+            *partial = true;
+            return 0;
+        }
+        if (k == 1 ? p[k] < lo || p[k] > hi : (p[k] & 0xC0) != 0x80)
+            return 0;
+    }
+    return need;
+}
+
+/* Text of the new token, as valid UTF-8 in buf (cap bytes, NUL-terminated): the bytes held
+ * from the last token, then this token's; a character it starts and does not finish is held
+ * for the next one; bytes that are not UTF-8 (byte tokens out of order, a stray continuation)
+ * become U+FFFD, as Hugging Face's decode makes them, and so does a NUL, which would cut the
+ * reply's C string. Before, only the last character was looked at: a held byte the next token
+ * did not continue went out as it was, and the reply was not UTF-8. */
 static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, char *buf, size_t cap)
 {
-    size_t len = 0;
-    memcpy(buf, d->pending, d->n_pending);
-    size_t have = d->n_pending;
+    unsigned char raw[TOKEN_TEXT_MAX + sizeof d->pending];
+    size_t len = 0, have = d->n_pending;
+    memcpy(raw, d->pending, d->n_pending);
     /* control tokens (<|im_end|> ...) carry no text for the reader; their ids still stream */
-    if (w->m->tok && !skv_tokenizer_is_special(w->m->tok, t) &&
-        skv_tokenizer_token_bytes(w->m->tok, t, buf + have, cap - have - 1, &len) == SKV_OK)
-        have += len < cap - have - 1 ? len : cap - have - 1;
-    /* find the end of the last complete character */
-    size_t end = have;
-    for (size_t back = 1; back <= 4 && back <= have; back++) {
-        unsigned char c = (unsigned char)buf[have - back];
-        if ((c & 0xC0) == 0x80)
-            continue;
-        size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-        if (need > back)
-            end = have - back;
-        break;
+    size_t room = sizeof raw - have;
+    int trc = w->m->tok && !skv_tokenizer_is_special(w->m->tok, t)
+                  ? skv_tokenizer_token_bytes(w->m->tok, t, (char *)raw + have, room, &len)
+                  : SKV_E_NOT_FOUND;
+    if (trc == SKV_OK || trc == SKV_E_LIMIT) /* a longer token: its first TOKEN_TEXT_MAX bytes */
+        have += len < room ? len : room;
+    static const char replacement[] = "\xEF\xBF\xBD";
+    size_t out = 0, i = 0;
+    bool partial = false;
+    while (i < have) {
+        size_t n = utf8_char(raw + i, have - i, &partial);
+        if (partial)
+            break;
+        bool bad = n == 0 || raw[i] == 0;
+        const void *from = bad ? (const void *)replacement : (const void *)(raw + i);
+        size_t put = bad ? 3 : n;
+        if (out + put > cap - 1)
+            break; /* (cap holds 3 bytes per raw byte: not reached) */
+        memcpy(buf + out, from, put);
+        out += put;
+        i += bad ? 1 : n;
     }
-    d->n_pending = have - end < sizeof d->pending ? have - end : 0;
-    memcpy(d->pending, buf + end, d->n_pending);
-    buf[end] = '\0';
-    return end;
+    d->n_pending = partial ? have - i : 0;
+    memcpy(d->pending, raw + i, d->n_pending);
+    buf[out] = '\0';
+    return out;
 }
 
 static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final, const char *reason, int32_t *tokens,
@@ -1589,7 +1637,7 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     /* the same text streamed or collected: each token's bytes, control tokens none, a
      * character cut by the end held for the session's next DECODE; with stop sequences, up to
      * the first one, and what may begin one held back until it cannot or the decode ends */
-    char tok_text[512], text[sizeof tok_text + SKV_STOP_STRING_BYTES + 1];
+    char tok_text[3 * (TOKEN_TEXT_MAX + 8) + 1], text[sizeof tok_text + SKV_STOP_STRING_BYTES + 1];
     size_t len = token_text(w, d, t, tok_text, sizeof tok_text);
     if (skv_stop_text_feed(&d->stops, tok_text, len, text, &len)) {
         d->reason = "stop";

@@ -9,11 +9,11 @@
 
 int32_t skv_argmax(const float *logits, int n)
 {
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (logits[i] > logits[best])
+    int32_t best = -1; /* a NaN is never the best (it compares false to all: one at 0 stayed) */
+    for (int i = 0; i < n; i++)
+        if (!isnan(logits[i]) && (best < 0 || logits[i] > logits[best]))
             best = i;
-    return best;
+    return best < 0 ? 0 : best;
 }
 
 int skv_sampler_init(struct skv_sampler *s, const struct skv_sampler_params *p, int n_vocab)
@@ -57,6 +57,13 @@ static uint64_t splitmix64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+#define SWAP_I32(a, b)                                                                             \
+    do {                                                                                           \
+        int32_t t_ = (a);                                                                          \
+        (a) = (b);                                                                                 \
+        (b) = t_;                                                                                  \
+    } while (0)
+
 /* Sorts idx[0..n) by prob descending (ties: lower id first). */
 static int by_prob_desc(const void *a, const void *b, void *arg)
 {
@@ -68,28 +75,88 @@ static int by_prob_desc(const void *a, const void *b, void *arg)
     return ia < ib ? -1 : ia > ib;
 }
 
+/* Moves the k candidates by_prob_desc puts first to idx[0..k), in no order (quickselect;
+ * the order is strict, ties going to the lower id, so they are exactly the first k of a full
+ * sort). */
+static void select_first(int32_t *idx, int n, int k, const float *prob)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        /* median of three as the pivot */
+        if (by_prob_desc(&idx[mid], &idx[lo], (void *)prob) < 0)
+            SWAP_I32(idx[mid], idx[lo]);
+        if (by_prob_desc(&idx[hi], &idx[lo], (void *)prob) < 0)
+            SWAP_I32(idx[hi], idx[lo]);
+        if (by_prob_desc(&idx[hi], &idx[mid], (void *)prob) < 0)
+            SWAP_I32(idx[hi], idx[mid]);
+        int32_t pivot = idx[mid];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (by_prob_desc(&idx[i], &pivot, (void *)prob) < 0)
+                i++;
+            while (by_prob_desc(&idx[j], &pivot, (void *)prob) > 0)
+                j--;
+            if (i <= j) {
+                SWAP_I32(idx[i], idx[j]);
+                i++;
+                j--;
+            }
+        }
+        if (k - 1 <= j)
+            hi = j;
+        else if (k - 1 >= i)
+            lo = i;
+        else
+            break;
+    }
+}
+
 int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
 {
     int n = s->n_vocab;
-    if (s->p.temperature <= 0)
-        return skv_argmax(logits, n);
-    float maxl = logits[skv_argmax(logits, n)];
+    int32_t top = skv_argmax(logits, n);
+    float maxl = logits[top];
+    /* +inf holds all the mass; NaN or -inf everywhere is no distribution: the lowest id */
+    if (s->p.temperature <= 0 || !isfinite(maxl))
+        return top;
     double sum = 0;
     for (int i = 0; i < n; i++) {
-        s->prob[i] = expf((logits[i] - maxl) / s->p.temperature);
+        s->prob[i] = isnan(logits[i]) ? 0.0f : expf((logits[i] - maxl) / s->p.temperature);
         sum += s->prob[i];
     }
-    for (int i = 0; i < n; i++)
-        s->idx[i] = i;
-    /* Candidates: top-k first (partial order is enough but a full sort keeps ties stable). */
+    /* Candidates in by_prob_desc's order, as far as they are needed: the top k (selected, then
+     * only those sorted: a full sort of a 152K vocabulary took some 10 ms a token); with top_p
+     * alone, only tokens of at least (1 - top_p) * sum / n can be in the nucleus (the tokens
+     * from one below that on hold less than 1 - top_p of the mass together), so the rest are
+     * left out of the sort (not under top_k: the nucleus is then of the top k's mass, and the
+     * bound does not hold). The same tokens, in the same order, as sorting all of them. */
     int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
-    bool need_sort = k < n || (s->p.top_p > 0 && s->p.top_p < 1);
+    bool nucleus = s->p.top_p > 0 && s->p.top_p < 1;
+    bool need_sort = k < n || nucleus;
+    int m = 0;
+    bool pruned = nucleus && k == n; /* then the nucleus is of all the mass, sum */
+    if (pruned) {
+        float least = (float)((1.0 - s->p.top_p) * sum / n);
+        for (int i = 0; i < n; i++)
+            if (s->prob[i] >= least)
+                s->idx[m++] = i;
+    } else {
+        for (int i = 0; i < n; i++)
+            s->idx[m++] = i;
+    }
+    if (k > m)
+        k = m;
     if (need_sort) {
-        qsort_r(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc, s->prob);
+        if (k < m)
+            select_first(s->idx, m, k, s->prob);
+        qsort_r(s->idx, (size_t)k, sizeof *s->idx, by_prob_desc, s->prob);
     }
     double kept = 0;
-    for (int i = 0; i < k; i++)
+    for (int i = 0; i < k && !pruned; i++)
         kept += s->prob[s->idx[i]];
+    if (pruned)
+        kept = sum;
     if (s->p.top_p > 0 && s->p.top_p < 1) {
         double acc = 0;
         for (int i = 0; i < k; i++) {

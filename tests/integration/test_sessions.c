@@ -2516,6 +2516,24 @@ static void test_snapkvctl(void **state)
     assert_int_equal(snapkv_fork(c, &pr.id, &whole, NULL), SNAPKV_OK);
     decode_text(c, &whole, 8, false, all); /* the reference: one decode of 8 tokens */
     assert_true(utf8_whole(all, strlen(all)));
+    /* random tokens (temperature 100, a seed): byte-level tokens out of any order come out as
+     * U+FFFD, never as bytes that are not UTF-8 (before, only the text's last character was
+     * looked at, and such a reply fails in Python's and Go's protobuf) */
+    struct snapkv_session_id hot;
+    assert_int_equal(snapkv_fork(c, &pr.id, &hot, NULL), SNAPKV_OK);
+    struct snapkv_sampling hs;
+    snapkv_sampling_defaults(&hs);
+    hs.temperature = 100;
+    hs.seed = 7;
+    hs.max_tokens = 300;
+    hs.stop_at_eos = false;
+    struct snapkv_decode_result hr;
+    assert_int_equal(snapkv_decode(c, &hot, &hs, NULL, NULL, &hr), SNAPKV_OK);
+    assert_true(utf8_whole(hr.text, strlen(hr.text)));
+    printf("# 300 random tokens: %zu bytes of text, %s U+FFFD\n", strlen(hr.text),
+           strstr(hr.text, "\xEF\xBF\xBD") ? "with" : "without");
+    snapkv_decode_result_free(&hr);
+    assert_int_equal(snapkv_release(c, &hot), SNAPKV_OK);
     for (int n = 1; n <= 4; n++) {
         struct snapkv_session_id f1, f2;
         assert_int_equal(snapkv_fork(c, &pr.id, &f1, NULL), SNAPKV_OK);

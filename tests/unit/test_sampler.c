@@ -80,6 +80,75 @@ static void test_truncation(void **state)
     skv_sampler_fini(&s);
 }
 
+/* Non-finite logits: NaN is never picked (greedy or sampled), a +inf logit holds all the mass,
+ * and NaN or -inf everywhere gives the lowest id, without a NaN in qsort's comparisons. */
+static void test_non_finite(void **state)
+{
+    (void)state;
+    float nan_first[] = {NAN, 1.0f, 3.0f, 2.0f};
+    assert_int_equal(skv_argmax(nan_first, 4), 2); /* a NaN at 0 stayed the best before */
+    struct skv_sampler s;
+    struct skv_sampler_params p = {.temperature = 1.0f, .top_p = 0.9f, .top_k = 3, .seed = 5};
+    assert_int_equal(skv_sampler_init(&s, &p, 4), SKV_OK);
+    for (int i = 0; i < 500; i++)
+        assert_int_not_equal(skv_sampler_sample(&s, nan_first), 0);
+    float inf[] = {0.0f, INFINITY, 1.0f, NAN};
+    assert_int_equal(skv_sampler_sample(&s, inf), 1);
+    float none[] = {NAN, -INFINITY, NAN, -INFINITY};
+    assert_int_equal(skv_sampler_sample(&s, none), 1); /* the lowest id that is not NaN */
+    skv_sampler_fini(&s);
+}
+
+/* The candidates are found by selection, not a full sort: over many random distributions, a
+ * sampled token is always among the top_k largest, and with top_p alone among the nucleus a
+ * full sort gives (the bound that leaves small tokens out of the sort must not cut it). */
+static void test_selection_matches_sort(void **state)
+{
+    (void)state;
+    enum { N = 300 };
+    float logits[N];
+    uint64_t r = 42;
+    for (int trial = 0; trial < 40; trial++) {
+        for (int i = 0; i < N; i++) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            logits[i] = (float)((r >> 40) % 1000) / 100.0f - (i % 7 == 0 ? 5.0f : 0.0f);
+        }
+        /* the full order (probabilities fall with logits; ties to the lower id) */
+        int order[N];
+        for (int i = 0; i < N; i++)
+            order[i] = i;
+        for (int i = 0; i < N; i++)
+            for (int j = i + 1; j < N; j++)
+                if (logits[order[j]] > logits[order[i]] ||
+                    (logits[order[j]] == logits[order[i]] && order[j] < order[i])) {
+                    int t = order[i];
+                    order[i] = order[j];
+                    order[j] = t;
+                }
+        int rank[N];
+        for (int i = 0; i < N; i++)
+            rank[order[i]] = i;
+        struct skv_sampler s;
+        struct skv_sampler_params pk = {.temperature = 1.0f, .top_k = 7, .seed = (uint64_t)trial};
+        assert_int_equal(skv_sampler_init(&s, &pk, N), SKV_OK);
+        for (int i = 0; i < 50; i++)
+            assert_true(rank[skv_sampler_sample(&s, logits)] < 7);
+        skv_sampler_fini(&s);
+        /* the nucleus of top_p 0.5 by the full order */
+        double sum = 0, acc = 0, mx = logits[order[0]];
+        for (int i = 0; i < N; i++)
+            sum += exp(logits[i] - mx);
+        int nucleus = 0;
+        while (nucleus < N && acc < 0.5 * sum)
+            acc += exp(logits[order[nucleus++]] - mx);
+        struct skv_sampler_params pp = {.temperature = 1.0f, .top_p = 0.5f, .seed = (uint64_t)trial};
+        assert_int_equal(skv_sampler_init(&s, &pp, N), SKV_OK);
+        for (int i = 0; i < 50; i++)
+            assert_true(rank[skv_sampler_sample(&s, logits)] < nucleus + 1);
+        skv_sampler_fini(&s);
+    }
+}
+
 static void test_invalid(void **state)
 {
     (void)state;
@@ -185,7 +254,9 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy),     cmocka_unit_test(test_distribution),
         cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_truncation),
-        cmocka_unit_test(test_invalid),     cmocka_unit_test(test_stop_text),
+        cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_non_finite),
+        cmocka_unit_test(test_selection_matches_sort),     cmocka_unit_test(test_stop_text),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
