@@ -75,15 +75,17 @@ static int (*g_real_rmsnorm)(struct skv_backend *be, float *out, const float *x,
                              float eps);
 
 /* When set: the most blocks the pool had in use at any rmsnorm (each layer's start) since. */
-static struct skv_kv_pool *g_track_pool;
-static uint64_t g_pool_peak;
+static struct skv_kv_pool *_Atomic g_track_pool; /* set by the test, read by the worker */
+static _Atomic uint64_t g_pool_peak;
 
 static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim, float eps)
 {
-    if (g_track_pool) { /* the worker thread only */
+    struct skv_kv_pool *track = atomic_load(&g_track_pool);
+    if (track) { /* the worker thread writes the peak, the test reads it after */
         struct skv_kv_pool_stats ps;
-        skv_kv_pool_stats(g_track_pool, &ps);
-        g_pool_peak = ps.blocks_in_use > g_pool_peak ? ps.blocks_in_use : g_pool_peak;
+        skv_kv_pool_stats(track, &ps);
+        if (ps.blocks_in_use > atomic_load(&g_pool_peak))
+            atomic_store(&g_pool_peak, ps.blocks_in_use);
     }
     if (n >= 64) {
         pthread_mutex_lock(&g_gate_mu);
@@ -2272,8 +2274,8 @@ static void test_nested_room(void **state)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     uint8_t idle[16];
     prefill_for(f, "v", 16, "policy=full", idle);
-    g_pool_peak = 0;
-    g_track_pool = f->tiny->m->kv_pool;
+    atomic_store(&g_pool_peak, 0);
+    atomic_store(&g_track_pool, f->tiny->m->kv_pool);
     gate_hold(submit_full_64_cb, f);
     /* a short request runs in a yield first: it must leave the forward's hold alone (it
      * cleared it, and the nested PREFILL then took the room again) */
@@ -2293,11 +2295,11 @@ static void test_nested_room(void **state)
             fail_msg("reply %d: %d %s", i, rep->status, rep->message);
         snapkv__reply__free_unpacked(rep, NULL);
     }
-    g_track_pool = NULL;
+    atomic_store(&g_track_pool, NULL);
     assert_int_equal(stat(f, "snapkv_requests_nested_total"), 1);
     int count = 0;
     assert_int_equal(listed(f, idle, NULL, &count), -1); /* evicted, for u's */
-    assert_true(g_pool_peak <= 7 * unit);
+    assert_true(atomic_load(&g_pool_peak) <= 7 * unit);
 }
 
 /* A 64-token APPEND to session sid by client Y, with a deadline (0: none), asking for the
@@ -2435,18 +2437,19 @@ static void test_compress_room(void **state)
     submit_long_append(&la);
     expect_reply(f, SKV_OK, NULL);
     assert_int_equal(listed(f, a, NULL, NULL), 72);
-    g_pool_peak = 0;
-    g_track_pool = f->tiny->m->kv_pool;
+    atomic_store(&g_pool_peak, 0);
+    atomic_store(&g_track_pool, f->tiny->m->kv_pool);
     submit_compress(f, ID_Y, a, "policy=snapkv,budget=64,window=8");
     expect_reply(f, SKV_OK, NULL);
-    g_track_pool = NULL;
+    atomic_store(&g_track_pool, NULL);
     uint64_t bytes = 0;
     assert_int_equal(listed(f, a, &bytes, NULL), 72); /* its tokens; its rows are 64 a head: */
     assert_int_equal(bytes, 4 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
     assert_int_equal(listed(f, idle, NULL, NULL), -1); /* evicted, for the copy's room */
-    if (g_pool_peak > 10 * unit)
-        fail_msg("the pool held %llu blocks, %llu per layer and head: more than its 10",
-                 (unsigned long long)g_pool_peak, (unsigned long long)(g_pool_peak / unit));
+    uint64_t peak = atomic_load(&g_pool_peak);
+    if (peak > 10 * unit)
+        fail_msg("the pool held %llu blocks, %llu per layer and head: more than its 10", (unsigned long long)peak,
+                 (unsigned long long)(peak / unit));
 }
 
 /* A COMPRESS runs on a copy of its session's cache that shares every block, so one stopped
