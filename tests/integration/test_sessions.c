@@ -2774,9 +2774,15 @@ static void test_decode_timeout_frees_session(void **state)
     assert_int_equal(snapkv_set_timeout(c, 300), SNAPKV_OK);
     struct snapkv_decode_result dr;
     assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_E_TIMEOUT);
-    assert_null(strstr(snapkv_last_error(), "CANCEL failed"));
+    /* the CANCEL went out (its reply may take longer than the 300 ms on a loaded host): the
+     * decode ends in the daemon, well before its 2000 tokens */
+    assert_true(wait_stat(a, "snapkv_decodes_cancelled_total", 1) == 1);
+    for (int i = 0; i < 100 && stat_value(a, "snapkv_decodes_running") != 0; i++)
+        usleep(50 * 1000);
     assert_true(stat_value(a, "snapkv_decodes_running") == 0);
-    assert_true(stat_value(a, "snapkv_decodes_cancelled_total") == 1);
+    /* the session takes the next commands (with room for a slow host: TSan's APPEND took more
+     * than 300 ms; nothing runs for the session any more, as the counts say) */
+    assert_int_equal(snapkv_set_timeout(c, 30000), SNAPKV_OK);
     uint32_t more[4];
     prompt(more, 4, 38);
     struct snapkv_append_opts ao = {.tokens = more, .n_tokens = 4};
