@@ -1059,27 +1059,42 @@ static void expect_exit_0(struct daemon *d)
     assert_int_equal(WEXITSTATUS(st), 0);
 }
 
+/* A 32-token session of client c, and a process that sends the daemon `sig` 700 ms later
+ * (while the 2000-token decode long_decode() asks for runs). */
+static pid_t session_then_signal(struct daemon *d, snapkv_client_t *c, int sig, struct snapkv_prefill_result *pr)
+{
+    uint32_t ids[32];
+    prompt(ids, 32, 7);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 32};
+    assert_int_equal(snapkv_prefill(c, &po, pr), SNAPKV_OK);
+    pid_t killer = fork();
+    if (killer == 0) {
+        usleep(700 * 1000);
+        kill(d->pid, sig);
+        _exit(0);
+    }
+    return killer;
+}
+
+/* 2000 tokens, no stop at eos: seconds of work. */
+static struct snapkv_sampling long_decode(void)
+{
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 2000;
+    sp.stop_at_eos = false;
+    return sp;
+}
+
 static void test_sigterm_mid_decode(void **state)
 {
     NEED_MODEL();
     struct daemon d;
     start_daemon(&d, "1G");
     snapkv_client_t *c = client(d.endpoint, "t");
-    uint32_t ids[32];
-    prompt(ids, 32, 7);
-    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 32};
     struct snapkv_prefill_result pr;
-    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
-    pid_t killer = fork();
-    if (killer == 0) {
-        usleep(700 * 1000);
-        kill(d.pid, SIGTERM);
-        _exit(0);
-    }
-    struct snapkv_sampling sp;
-    snapkv_sampling_defaults(&sp);
-    sp.max_tokens = 2000;
-    sp.stop_at_eos = false;
+    pid_t killer = session_then_signal(&d, c, SIGTERM, &pr);
+    struct snapkv_sampling sp = long_decode();
     size_t got = 0;
     struct snapkv_decode_result dr;
     int rc = snapkv_decode(c, &pr.id, &sp, count_tokens, &got, &dr);
@@ -1104,21 +1119,9 @@ static void test_daemon_killed_mid_call(void **state)
     start_daemon(&d, "1G");
     snapkv_client_t *c = client(d.endpoint, "t");
     assert_int_equal(snapkv_set_timeout(c, 30000), SNAPKV_OK);
-    uint32_t ids[32];
-    prompt(ids, 32, 7);
-    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 32};
     struct snapkv_prefill_result pr;
-    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
-    pid_t killer = fork();
-    if (killer == 0) {
-        usleep(700 * 1000);
-        kill(d.pid, SIGKILL);
-        _exit(0);
-    }
-    struct snapkv_sampling sp;
-    snapkv_sampling_defaults(&sp);
-    sp.max_tokens = 2000;
-    sp.stop_at_eos = false;
+    pid_t killer = session_then_signal(&d, c, SIGKILL, &pr);
+    struct snapkv_sampling sp = long_decode();
     struct snapkv_decode_result dr;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
