@@ -137,6 +137,8 @@ static int monitor_connections(struct skv_server *srv, void *sock, int auth_even
 
 /* Requests read at a stop (answered SKV_E_CANCELLED), per socket. */
 #define STOP_DRAIN_MAX 4096
+/* How long the connections stay open after a stop's last reply (see skv_server_run). */
+#define STOP_READ_GRACE_MS 300
 
 static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, void **sock_out)
 {
@@ -1035,5 +1037,11 @@ int skv_server_run(struct skv_server *srv)
             ;
     }
     skv_worker_stop(&srv->worker);
+    /* the connections stay open a moment after the last replies went out: a client's libzmq
+     * with ZMQ_IMMEDIATE (libsnapkv's) drops what its program has not read yet when the
+     * connection closes, so a final "cancelled" reply could be lost to a slow reader (the ASan
+     * run of test_sigterm_mid_decode at d244617) */
+    if (rc == SKV_OK)
+        usleep(STOP_READ_GRACE_MS * 1000);
     return rc;
 }
