@@ -231,7 +231,8 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
                 lost_deadline = skv_client_now_ms() + LOST_GRACE_MS;
         }
         if (!(items[0].revents & ZMQ_POLLIN)) {
-            if (lost && skv_client_now_ms() >= lost_deadline) {
+            int64_t now = skv_client_now_ms();
+            if (lost && (now >= lost_deadline || (deadline >= 0 && now >= deadline))) { /* (the grace within the timeout) */
                 *in_flight = false; /* the daemon drops, or cancels, what a gone client asked */
                 return skv_client_fail(SNAPKV_E_IO,
                                        "the connection to the daemon closed while the %s reply was awaited (the "

@@ -1114,7 +1114,11 @@ static void test_send_timeout_daemon_gone(void **state)
     struct snapkv_session_id out = ID_A;
     for (int i = 0; i < 1100; i++) {
         int64_t t0 = now_ms();
-        assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_TIMEOUT);
+        /* TIMEOUT at the send; or, when a request went out before the client's libzmq had seen
+         * the connection close (a slow host: TSan), IO "closed" at once */
+        int rc = snapkv_fork(c, &ID_A, &out, NULL);
+        if (rc != SNAPKV_E_TIMEOUT && !(rc == SNAPKV_E_IO && strstr(snapkv_last_error(), "closed")))
+            fail_msg("FORK to a gone daemon: %d %s", rc, snapkv_last_error());
         assert_true(now_ms() - t0 < 1000);
     }
     assert_non_null(strstr(snapkv_last_error(), "could not send the FORK request within 1 ms"));
