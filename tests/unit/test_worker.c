@@ -48,9 +48,11 @@
 #include "common/status.h"
 #include "daemon/config.h"
 #include "daemon/engine/kv_pool.h"
+#include "daemon/engine/tokenizer.h"
 #include "daemon/worker.h"
 #include "kernels/backend.h"
 #include "proto/snapkv.pb-c.h"
+#include "tests/common/fixture.h"
 #include "tests/common/tiny.h"
 
 #define REPLIES "inproc://test-worker-replies"
@@ -3006,6 +3008,60 @@ static void test_persist_older_files(void **state)
     persist_off(f, dir);
 }
 
+/* Text is tokenized with the model's BOS only where a session begins: with the tiny tokenizer
+ * (add_bos_token true; single characters are ids below the tiny model's 320 rows) a PREFILL of
+ * text gets BOS and its characters, an APPEND of text its characters alone. */
+static void test_append_text_no_bos(void **state)
+{
+    struct fixture *f = *state;
+    char *path = fixture_path("tests/fixtures/tok_tiny/tokenizer.json");
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_tokenizer_from_json(path, &tok), SKV_OK);
+    free(path);
+    assert_true(skv_tokenizer_add_bos(tok));
+    int32_t ids[16];
+    int n_first = 0, n_next = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, "Qx", 2, true, false, ids, 16, &n_first), SKV_OK);
+    assert_int_equal(n_first, 3);
+    assert_int_equal(ids[0], skv_tokenizer_bos(tok));
+    assert_int_equal(skv_tokenizer_encode(tok, "Zq!", 3, false, false, ids, 16, &n_next), SKV_OK);
+    assert_int_equal(n_next, 3);
+    for (int i = 0; i < n_next; i++)
+        assert_true(ids[i] < f->tiny->m->cfg.n_vocab);
+    struct skv_tokenizer *own = f->tiny->m->tok; /* the worker reads it only while it runs a job */
+    f->tiny->m->tok = tok;
+
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.text = "Qx";
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    assert_int_equal(rep->prefill->n_tokens, n_first);
+    uint8_t sid[16];
+    memcpy(sid, rep->prefill->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+
+    for (int chat = 0; chat < 2; chat++) {
+        Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+        a.session_id = (ProtobufCBinaryData){16, sid};
+        a.text = "Zq!";
+        a.chat = chat;
+        Snapkv__Request areq = SNAPKV__REQUEST__INIT;
+        areq.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+        areq.append = &a;
+        rep = call(f, 0, ID_X, &areq);
+        if (rep->status)
+            fail_msg("APPEND: %d %s", rep->status, rep->message);
+        assert_int_equal(rep->append->n_tokens, n_first + (chat + 1) * n_next);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    f->tiny->m->tok = own;
+    skv_tokenizer_free(&tok);
+}
+
 /* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
  * a round at every tick of a long prefill (after each layer's projections, attention and MLP: 3
  * per layer, as decode-yield-ms = 0 does), and a share of 0 none (the decode waits for the
@@ -3045,6 +3101,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_ipc_lru, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ipc_stated_size, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_append_text_no_bos, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
