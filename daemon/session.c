@@ -21,6 +21,7 @@ struct skv_session_table {
     void (*on_destroy)(void *user, struct skv_session *s);
     void *on_destroy_user;
     uint64_t evictions;
+    uint64_t mark; /* the last mark_kept's (blocks carry it: skv_kv_block.mark) */
     /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
      * counts as used for requests nested in it */
     struct {
@@ -212,15 +213,24 @@ static bool may_evict(const struct skv_session *s, const struct skv_session *exc
     return s != except && !s->pinned && !s->busy;
 }
 
+/* Whether evicting s could free a block of the pool: it holds one that no session that stays
+ * holds (keep: the mark_kept that marked those; 0: not asked, as for a tenant's quota, which
+ * counts every block a session holds). */
+static bool frees_blocks(const struct skv_session *s, uint64_t keep)
+{
+    return !keep || skv_kv_cache_holds_unmarked(s->cache, keep);
+}
+
 /* Least recently used session that may be evicted for `except`'s sake; `tenant` restricts
- * the choice to one tenant (quota pressure). */
-static struct skv_session *lru_victim(struct skv_session_table *t, const struct skv_session *except, const char *tenant)
+ * the choice to one tenant (quota pressure); keep as for frees_blocks. */
+static struct skv_session *lru_victim(struct skv_session_table *t, const struct skv_session *except, const char *tenant,
+                                      uint64_t keep)
 {
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
         for (struct skv_session *s = t->bucket[b]; s; s = s->next)
             if (may_evict(s, except) && (!tenant || strcmp(s->tenant, tenant) == 0) &&
-                (!best || s->last_used_ms < best->last_used_ms))
+                (!best || s->last_used_ms < best->last_used_ms) && frees_blocks(s, keep))
                 best = s;
     return best;
 }
@@ -230,7 +240,7 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
  * the tenants holding sessions now), so that a tenant within its share loses nothing while
  * another holds more; only when none of those has a session that may go, from any tenant
  * (with one tenant that is plain LRU). */
-static struct skv_session *pool_victim(struct skv_session_table *t, const struct skv_session *except)
+static struct skv_session *pool_victim(struct skv_session_table *t, const struct skv_session *except, uint64_t keep)
 {
     struct usage {
         const char *tenant;
@@ -248,7 +258,7 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
                     struct usage *p = realloc(u, grown * sizeof *p);
                     if (!p) {
                         free(u);
-                        return lru_victim(t, except, NULL);
+                        return lru_victim(t, except, NULL, keep);
                     }
                     u = p;
                     cap = grown;
@@ -261,7 +271,7 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
         for (struct skv_session *s = t->bucket[b]; s; s = s->next) {
-            if (!may_evict(s, except) || (best && s->last_used_ms >= best->last_used_ms))
+            if (!may_evict(s, except) || (best && s->last_used_ms >= best->last_used_ms) || !frees_blocks(s, keep))
                 continue;
             size_t i = 0;
             while (strcmp(u[i].tenant, s->tenant) != 0)
@@ -270,7 +280,7 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
                 best = s;
         }
     free(u);
-    return best ? best : lru_victim(t, except, NULL);
+    return best ? best : lru_victim(t, except, NULL, keep);
 }
 
 /* Bytes of the unique blocks in use: what the pool limit counts. */
@@ -308,6 +318,31 @@ static uint64_t evictable_bytes(const struct skv_session_table *t, const struct 
             if (may_evict(s, except) && (!tenant || strcmp(s->tenant, tenant) == 0))
                 sum += s->bytes + (tenant ? s->compressor_bytes : 0); /* the pool holds only KV blocks */
     return sum;
+}
+
+/* Marks the blocks that evicting sessions for `except` cannot free: those `except` and every
+ * session that may not be evicted hold. Returns the mark (never 0). */
+static uint64_t mark_kept(struct skv_session_table *t, const struct skv_session *except)
+{
+    t->mark += 2;
+    skv_kv_cache_mark(except->cache, t->mark); /* a session being restored is in no bucket yet */
+    for (int b = 0; b < BUCKETS; b++)
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (!may_evict(s, except))
+                skv_kv_cache_mark(s->cache, t->mark);
+    return t->mark;
+}
+
+/* What evicting every session that may go for `except` frees of the pool: the blocks they
+ * hold that mark_kept left unmarked, each counted once. */
+static uint64_t freeable_bytes(struct skv_session_table *t, const struct skv_session *except, uint64_t keep)
+{
+    uint64_t n = 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (may_evict(s, except))
+                n += skv_kv_cache_mark_new(s->cache, keep, keep + 1);
+    return n * skv_kv_pool_block_bytes(except->cache->pool);
 }
 
 void skv_session_hold_room(struct skv_session_table *t, struct skv_session *s, uint64_t held, uint64_t unique)
@@ -357,8 +392,15 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
                               s->tenant, (unsigned long long)tenant_bytes,
                               (unsigned long long)t->lim.max_bytes_per_tenant, (unsigned long long)t_free);
     }
+    uint64_t keep = 0;
     if (used > t->lim.pool_bytes) {
+        /* a session's bytes bound what evicting it frees; only when that could be enough are
+         * the blocks counted (those shared with `s` or a session that stays are not freed) */
         uint64_t p_free = evictable_bytes(t, s, NULL);
+        if (used - (p_free < used ? p_free : used) <= t->lim.pool_bytes) {
+            keep = mark_kept(t, s);
+            p_free = freeable_bytes(t, s, keep);
+        }
         if (used - (p_free < used ? p_free : used) > t->lim.pool_bytes)
             return skv_errorf(SKV_E_POOL_FULL,
                               "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be "
@@ -368,7 +410,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     }
     int evicted = 0;
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {
-        struct skv_session *v = lru_victim(t, s, s->tenant);
+        struct skv_session *v = lru_victim(t, s, s->tenant, 0);
         if (!v)
             return skv_errorf(SKV_E_LIMIT, "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu)",
                               s->tenant, (unsigned long long)tenant_bytes,
@@ -380,7 +422,9 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     }
     /* evicting a session frees only the blocks no one else holds: re-count each time */
     while ((used = pool_bytes_used(t) + more_unique) > t->lim.pool_bytes) {
-        struct skv_session *v = pool_victim(t, s);
+        if (!keep) /* the tenant's evictions brought it here */
+            keep = mark_kept(t, s);
+        struct skv_session *v = pool_victim(t, s, keep); /* one that frees a block: not a fork's document */
         if (!v)
             return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
                               (unsigned long long)used, (unsigned long long)t->lim.pool_bytes);

@@ -506,6 +506,36 @@ void skv_kv_cache_blocks(const struct skv_kv_cache *c, struct skv_kv_blocks *out
     }
 }
 
+void skv_kv_cache_mark(const struct skv_kv_cache *c, uint64_t mark)
+{
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        for (int b = 0; b < c->heads[i].n_blocks; b++)
+            c->heads[i].blk[b]->mark = mark;
+}
+
+uint64_t skv_kv_cache_mark_new(const struct skv_kv_cache *c, uint64_t keep, uint64_t mark)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        for (int b = 0; b < c->heads[i].n_blocks; b++) {
+            struct skv_kv_block *blk = c->heads[i].blk[b];
+            if (blk->mark != keep && blk->mark != mark) {
+                blk->mark = mark;
+                n++;
+            }
+        }
+    return n;
+}
+
+bool skv_kv_cache_holds_unmarked(const struct skv_kv_cache *c, uint64_t keep)
+{
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        for (int b = 0; b < c->heads[i].n_blocks; b++)
+            if (c->heads[i].blk[b]->mark != keep)
+                return true;
+    return false;
+}
+
 void skv_kv_cache_growth(const struct skv_kv_cache *c, int n, bool compacts, uint64_t *more_held,
                          uint64_t *more_unique)
 {

@@ -23,6 +23,8 @@ struct skv_kv_block {
                                            unshared to be written): two looks at one stamp saw the same bytes */
     struct skv_kv_slab *slab;
     struct skv_kv_block *prev, *next; /* free list */
+    uint64_t mark;                      /* the session table's scratch (worker thread): which
+                                           blocks an eviction would leave held */
 };
 
 struct skv_kv_pool_stats {

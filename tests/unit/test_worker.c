@@ -3062,6 +3062,38 @@ static void test_append_text_no_bos(void **state)
     skv_tokenizer_free(&tok);
 }
 
+/* Pool pressure evicts a session only when that frees a block: a fork's document whose every
+ * block the fork shares frees nothing while the fork lives, so the next least recently used
+ * goes instead (before, the document went first, for nothing, and then that one too). */
+static void test_evict_frees(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    assert_int_equal(skv_kv_pool_block_rows(f->tiny->m->kv_pool), 16);
+    f->cfg.pool_size = (int64_t)(4 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t doc[16], fork[16], other[16];
+    prefill(f, 32, "policy=full", doc); /* two full blocks a layer and head */
+    submit_fork(f, ID_X, doc);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    if (rep->status)
+        fail_msg("FORK: %d %s", rep->status, rep->message);
+    memcpy(fork, rep->fork->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+    usleep(5000); /* the document is the least recently used by some milliseconds */
+    prefill(f, 16, "policy=full", other); /* one block: three of four in use */
+    usleep(5000);
+    int n = 0;
+    assert_int_equal(append(f, fork, 17, &n), SKV_OK); /* two more blocks: one must go */
+    assert_int_equal(n, 49);
+    assert_int_equal(listed(f, doc, NULL, NULL), 32);
+    assert_int_equal(listed(f, other, NULL, NULL), -1);
+    assert_int_equal(listed(f, fork, NULL, NULL), 49);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
+}
+
 /* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
  * a round at every tick of a long prefill (after each layer's projections, attention and MLP: 3
  * per layer, as decode-yield-ms = 0 does), and a share of 0 none (the decode waits for the
@@ -3126,6 +3158,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nested_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_evict_frees, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
