@@ -2279,6 +2279,21 @@ struct restore {
     unsigned char sum[32];        /* the checksum of the file session_load read last */
 };
 
+/* Opens a file of the state directory to read: a regular file, not a link (the daemon's own
+ * files are never links) and not a FIFO a restore would wait on for ever. */
+static int open_state_file(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
+        return skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return skv_errorf(SKV_E_FORMAT, "%s is not a regular file", path);
+    }
+    return fd;
+}
+
 /* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
  * to the pool and the tenant; *out on success (nothing is left behind on failure). */
 static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
@@ -2287,8 +2302,13 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     struct skv_session *s = NULL;
     FILE *f = NULL;
     int rc = skv_session_check_tenant(tenant);
-    if (!rc && !(f = fopen(path, "rb")))
-        rc = skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
+    int fd = rc ? -1 : open_state_file(path);
+    if (!rc && fd < 0)
+        rc = fd;
+    if (!rc && !(f = fdopen(fd, "rb"))) {
+        rc = skv_errorf(SKV_E_NOMEM, "%s: %s", path, strerror(errno));
+        close(fd);
+    }
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
     struct save_header hd;
@@ -2548,7 +2568,7 @@ static void manifest_store(const json_t *doc, char *out, size_t cap)
         return;
     }
     size_t n = strlen(name), pre = strlen(PERSIST_BLOCKS "-");
-    bool ok = n > pre + 5 && n < cap && strncmp(name, PERSIST_BLOCKS "-", pre) == 0 && ends_with(name, ".skvb") &&
+    bool ok = n > pre + 5 && n < cap && n < PERSIST_STORE_NAME_MAX && strncmp(name, PERSIST_BLOCKS "-", pre) == 0 && ends_with(name, ".skvb") &&
               strspn(name + pre, "0123456789") == n - pre - 5;
     snprintf(out, cap, "%s", ok ? name : "");
 }
@@ -2604,6 +2624,12 @@ none: /* what the manifest on disk names is not known: sweeps remove nothing unt
 
 /* Removes what saves left in dir (sessions, block stores, their temporary files, manifests)
  * except the files the manifest on disk names (persist_keep). */
+static bool persist_ours(const char *f)
+{
+    return ends_with(f, ".skv") || ends_with(f, ".skv.tmp") || ends_with(f, ".skvb") ||
+           strncmp(f, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
+}
+
 static void persist_sweep(struct skv_worker *w, const char *dir)
 {
     DIR *d = w->n_persist_files >= 0 ? opendir(dir) : NULL;
@@ -2611,8 +2637,7 @@ static void persist_sweep(struct skv_worker *w, const char *dir)
         return;
     for (struct dirent *e; (e = readdir(d));) {
         const char *f = e->d_name;
-        bool ours = ends_with(f, ".skv") || ends_with(f, ".skv.tmp") || ends_with(f, ".skvb") ||
-                    strncmp(f, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
+        bool ours = persist_ours(f);
         bool kept = w->n_persist_files > 0 &&
                     bsearch(&f, w->persist_files, (size_t)w->n_persist_files, sizeof *w->persist_files, by_name);
         if (ours && !kept)
@@ -2625,6 +2650,56 @@ static void persist_wipe(struct skv_worker *w, const char *dir)
 {
     persist_keep(w, NULL);
     persist_sweep(w, dir);
+}
+
+/* What a start could not restore is not lost: before the restore removes those files from dir,
+ * every file of the saved state (manifest, session files, block store; no temporary file) is
+ * linked into dir.unrestored, replacing what an earlier start left there. Nothing is copied, and
+ * the daemon writes none of those files again (a save writes new session files, and a store is
+ * not continued after this), so the set stays as the stop left it: stop the daemon and move it
+ * back to restore it (after a start with another model, or with lower limits). One set at most:
+ * the disk it holds is that of one save. Returns the files linked (-1 when it could not). */
+static int persist_set_aside(const char *dir, const char *why)
+{
+    char aside[1200];
+    if ((size_t)snprintf(aside, sizeof aside, "%s.unrestored", dir) >= sizeof aside)
+        return -1;
+    if (mkdir(aside, 0700) < 0 && errno != EEXIST) {
+        skv_log(SKV_LOG_WARN, "persist: %s: %s; the sessions not restored are lost", aside, strerror(errno));
+        return -1;
+    }
+    int afd = open(aside, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    DIR *old = afd >= 0 ? fdopendir(dup(afd)) : NULL;
+    DIR *d = old ? opendir(dir) : NULL;
+    if (!d) {
+        skv_log(SKV_LOG_WARN, "persist: %s: %s; the sessions not restored are lost", old ? dir : aside,
+                strerror(errno));
+        if (old)
+            closedir(old);
+        if (afd >= 0)
+            close(afd);
+        return -1;
+    }
+    for (struct dirent *e; (e = readdir(old));)
+        if (persist_ours(e->d_name))
+            unlinkat(dirfd(old), e->d_name, 0);
+    closedir(old);
+    int n = 0, failed = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!persist_ours(e->d_name) || ends_with(e->d_name, ".tmp"))
+            continue;
+        if (linkat(dirfd(d), e->d_name, afd, e->d_name, 0) == 0)
+            n++;
+        else
+            failed = errno;
+    }
+    closedir(d);
+    close(afd);
+    if (failed)
+        skv_log(SKV_LOG_WARN, "persist: linking the saved state into %s: %s", aside, strerror(failed));
+    skv_log(SKV_LOG_WARN, "persist: %s; the %d file(s) of the saved state are kept in %s (stop the daemon and "
+            "move them back to persist/ to restore them)", why, n, aside);
+    return n;
 }
 
 void skv_requests_persist_close(struct skv_worker *w)
@@ -2947,11 +3022,18 @@ int skv_requests_persist_restore(struct skv_worker *w)
     if (rc)
         return rc;
     snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
-    json_error_t jerr;
-    json_t *doc = json_load_file(path, 0, &jerr);
+    json_error_t jerr = {.text = ""};
+    int mfd = open_state_file(path);
+    json_t *doc = mfd >= 0 ? json_loadfd(mfd, 0, &jerr) : NULL;
+    if (mfd >= 0)
+        close(mfd);
+    else if (mfd != SKV_E_NOT_FOUND)
+        snprintf(jerr.text, sizeof jerr.text, "%s", skv_error_msg());
     if (!doc) {
-        if (access(path, F_OK) == 0)
+        if (access(path, F_OK) == 0) {
             skv_log(SKV_LOG_WARN, "persist: %s: %s; no session restored", path, jerr.text);
+            persist_set_aside(dir, "the manifest does not parse");
+        }
         persist_wipe(w, dir);
         return SKV_OK;
     }
@@ -2983,8 +3065,11 @@ int skv_requests_persist_restore(struct skv_worker *w)
         struct skv_session *s = NULL;
         char hex[2 * SKV_SESSION_ID_BYTES + 1] = "?", file[1300];
         rc = persist_entry(e, id, &tenant, &owner, &pinned, &lease, &idle);
-        if (!rc) {
+        if (!rc)
             skv_session_id_hex(id, hex);
+        if (!rc && skv_session_find(w->sessions, id, NULL)) /* before its charge could evict another */
+            rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
+        if (!rc) {
             persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
             snprintf(file, sizeof file, "%s/%s", dir, name);
             rc = session_load(w, file, tenant, owner, &r, &s);
@@ -3009,14 +3094,19 @@ int skv_requests_persist_restore(struct skv_worker *w)
     }
     skv_kv_dedupe_free(&r.dedupe);
     w->persist_gen = manifest_gen(doc);
-    bool keep = w->cfg->persist_interval_seconds > 0;
+    bool keep = w->cfg->persist_interval_seconds > 0, aside = false;
+    if (restored - r.evicted < (int)n) {
+        char why[96];
+        snprintf(why, sizeof why, "%d of %zu session(s) not restored", (int)n - (restored - r.evicted), n);
+        aside = persist_set_aside(dir, why) >= 0;
+    }
     /* checkpoints go on appending to the store the sessions came from: the blocks they
      * restored are written already */
-    if (keep && r.store && !skv_kv_store_continue(r.store, path, w->m->kv_pool)) {
+    if (keep && r.store && !aside && !skv_kv_store_continue(r.store, path, w->m->kv_pool)) {
         w->persist_store = r.store;
         manifest_store(doc, w->persist_store_name, sizeof w->persist_store_name);
         r.store = NULL;
-    } else if (keep && r.store) {
+    } else if (keep && r.store && !aside) {
         skv_log(SKV_LOG_INFO, "persist: the next checkpoint writes a new block store (%s)", skv_error_msg());
     }
     skv_kv_store_close(&r.store); /* its blocks now held by the sessions alone */

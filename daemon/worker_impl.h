@@ -37,6 +37,7 @@ struct skv_decode {
 
 /* A client's CUDA buffer the worker opened (ipc_open), kept for the client's next transfers. */
 #define SKV_IPC_HANDLE_BYTES 64
+#define PERSIST_STORE_NAME_MAX 48 /* a block store's file name, its NUL included (blocks-<generation>.skvb) */
 #define SKV_IPC_PER_CLIENT 8   /* CUDA buffers kept open for one client (more: its LRU one closes) */
 #define SKV_IPC_MAX 256        /* and for all clients together (more: the LRU one closes) */
 struct skv_ipc_buf {
@@ -103,7 +104,7 @@ struct skv_worker {
     int persist_gave_way;     /* checkpoints in a row stopped by a request */
     uint64_t persist_failed_ms; /* when the last checkpoint failed (0: the last one ended well) */
     struct skv_kv_store *persist_store; /* the block store saves append to (NULL: the next save starts one) */
-    char persist_store_name[48];        /* its file in <state-dir>/persist */
+    char persist_store_name[PERSIST_STORE_NAME_MAX]; /* its file in <state-dir>/persist */
     char **persist_files;     /* the files the manifest on disk names, sorted: what sweeps keep */
     int n_persist_files;      /* -1: not known (no memory for the list): sweeps remove nothing */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */

@@ -458,8 +458,11 @@ int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows,
         return rc;
     struct store_header hd;
     struct stat sb;
-    if ((st->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+    /* not a link (the store is reopened to write later) and no FIFO to wait on */
+    if ((st->fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0)
         rc = skv_errorf(errno == ENOENT ? SKV_E_NOT_FOUND : SKV_E_IO, "%s: %s", path, strerror(errno));
+    if (!rc && (fstat(st->fd, &sb) < 0 || !S_ISREG(sb.st_mode)))
+        rc = skv_errorf(SKV_E_FORMAT, "%s is not a regular file", path);
     if (!rc)
         rc = read_at(st->fd, &hd, sizeof hd, 0);
     if (!rc && (memcmp(hd.magic, STORE_MAGIC, 8) != 0 || hd.version != STORE_VERSION))
@@ -580,9 +583,14 @@ int skv_kv_store_continue(struct skv_kv_store *st, const char *path, struct skv_
     if (st->hd.block_rows != (uint32_t)skv_kv_pool_block_rows(pool) || (st->pool && st->pool != pool))
         return skv_errorf(SKV_E_INVAL, "block store: blocks of %u rows, the pool's are of %d", st->hd.block_rows,
                           skv_kv_pool_block_rows(pool));
-    int fd = open(path, O_RDWR | O_CLOEXEC);
+    int fd = open(path, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0)
         return skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    struct stat was, now; /* the file the restore read, not one put under its name since */
+    if (fstat(st->fd, &was) < 0 || fstat(fd, &now) < 0 || was.st_dev != now.st_dev || was.st_ino != now.st_ino) {
+        close(fd);
+        return skv_errorf(SKV_E_IO, "%s is no longer the file the restore read", path);
+    }
     close(st->fd);
     st->fd = fd;
     drop_loaded(st);

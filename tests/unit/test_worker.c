@@ -2658,8 +2658,13 @@ static void test_persist(void **state)
     assert_int_equal(listed(f, b, NULL, NULL), 8);
     assert_int_equal(n, 1);
     assert_int_equal(access(path, F_OK), -1);
+    /* the saved state is kept aside, a's file with it */
+    snprintf(cmd, sizeof cmd, "%s/persist.unrestored", dir);
+    only_match(cmd, pattern, path, sizeof path);
+    snprintf(path, sizeof path, "%s/persist.unrestored/sessions.json", dir);
+    assert_int_equal(access(path, F_OK), 0);
 
-    /* a manifest that is not JSON: nothing restored, nothing left */
+    /* a manifest that is not JSON: nothing restored, nothing left but the copy aside */
     skv_worker_stop(&f->w);
     snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
     fp = fopen(path, "w");
@@ -2670,6 +2675,61 @@ static void test_persist(void **state)
     assert_int_equal(listed(f, b, NULL, &n), -1);
     assert_int_equal(n, 0);
     assert_int_equal(access(path, F_OK), -1);
+    snprintf(path, sizeof path, "%s/persist.unrestored/sessions.json", dir);
+    fp = fopen(path, "r");
+    assert_non_null(fp);
+    char text[16] = {0};
+    assert_true(fread(text, 1, sizeof text - 1, fp) > 0);
+    fclose(fp);
+    assert_string_equal(text, "{not json"); /* this start's set replaced the last */
+    persist_off(f, dir);
+}
+
+/* A start that cannot restore every session (here: max-sessions-per-tenant lowered below what
+ * was saved) keeps the saved state in persist.unrestored, and moved back it restores all of it
+ * once the limit is back (before, the files of the sessions not restored were removed). */
+static void test_persist_set_aside(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", cmd[700];
+    persist_on(f, dir, "60");
+    uint8_t a[16], b[16];
+    prefill(f, 40, "policy=full", a);
+    usleep(5000);
+    prefill(f, 8, "policy=full", b);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "max-sessions-per-tenant", "1"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    int n = 0;
+    assert_int_equal(listed(f, a, NULL, &n), 40); /* the least recently used is restored first */
+    assert_int_equal(n, 1);
+    assert_int_equal(listed(f, b, NULL, NULL), -1);
+    skv_worker_stop(&f->w); /* saves a alone */
+    assert_int_equal(skv_config_set(&f->cfg, "max-sessions-per-tenant", "64"), SKV_OK);
+    snprintf(cmd, sizeof cmd, "rm -r %s/persist && mv %s/persist.unrestored %s/persist", dir, dir, dir);
+    assert_int_equal(system(cmd), 0);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, &n), 40);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    assert_int_equal(n, 2);
+    snprintf(cmd, sizeof cmd, "%s/persist.unrestored", dir);
+    assert_int_equal(access(cmd, F_OK), -1); /* all came back: nothing set aside */
+
+    /* a FIFO in place of b's file (and a link in place of the manifest's copy aside) costs b
+     * alone: the start does not wait on it */
+    skv_worker_stop(&f->w);
+    char hex[33], pattern[64], path[256];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    snprintf(cmd, sizeof cmd, "%s/persist", dir);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    only_match(cmd, pattern, path, sizeof path);
+    snprintf(cmd, sizeof cmd, "rm %s && mkfifo -m 600 %s", path, path);
+    assert_int_equal(system(cmd), 0);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, &n), 40);
+    assert_int_equal(listed(f, b, NULL, NULL), -1);
+    assert_int_equal(n, 1);
     persist_off(f, dir);
 }
 
@@ -3164,6 +3224,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_smaller_pool, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_set_aside, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
