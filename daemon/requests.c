@@ -3015,6 +3015,47 @@ static int persist_entry(const json_t *e, uint8_t id[SKV_SESSION_ID_BYTES], cons
     return SKV_OK;
 }
 
+struct tenant_entry {
+    const char *tenant;
+    size_t k;
+};
+
+static int by_tenant_then_entry(const void *a, const void *b)
+{
+    const struct tenant_entry *x = a, *y = b;
+    int c = strcmp(x->tenant, y->tenant);
+    return c ? c : x->k < y->k ? -1 : x->k > y->k;
+}
+
+/* Which manifest entries a tenant's max-sessions-per-tenant leaves out (skip[k]): when a tenant
+ * saved more sessions than it may now hold, its least recently used unpinned ones, so that what
+ * comes back is what the limit keeps in service (pinned first, then the most recently used: the
+ * manifest's order). Entries that do not parse are left to the restore to refuse. */
+static bool *persist_over_limit(const json_t *list, size_t n, int64_t max_sessions)
+{
+    bool *skip = calloc(n ? n : 1, sizeof *skip);
+    struct tenant_entry *e = malloc((n ? n : 1) * sizeof *e);
+    if (!skip || !e) {
+        free(e);
+        free(skip);
+        return NULL;
+    }
+    size_t m = 0;
+    for (size_t k = 0; k < n; k++) {
+        const char *tenant = json_string_value(json_object_get(json_array_get(list, k), "tenant"));
+        if (tenant)
+            e[m++] = (struct tenant_entry){tenant, k};
+    }
+    /* each tenant's entries in the manifest's order: pinned first, then the most recent first */
+    qsort(e, m, sizeof *e, by_tenant_then_entry);
+    for (size_t i = 0, run = 0; i < m; i++) {
+        run = i && strcmp(e[i].tenant, e[i - 1].tenant) == 0 ? run + 1 : 0;
+        skip[e[i].k] = (int64_t)run >= max_sessions;
+    }
+    free(e);
+    return skip;
+}
+
 int skv_requests_persist_restore(struct skv_worker *w)
 {
     char dir[1100], path[1300], name[128];
@@ -3055,6 +3096,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
         skv_log(SKV_LOG_WARN, "persist: block store: %s", skv_error_msg());
     if (skv_kv_dedupe_new(w->m->kv_pool, &r.dedupe)) /* without it each older file keeps its own blocks */
         r.dedupe = NULL;
+    bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         const json_t *e = json_array_get(list, k);
         uint8_t id[SKV_SESSION_ID_BYTES];
@@ -3067,6 +3109,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
         rc = persist_entry(e, id, &tenant, &owner, &pinned, &lease, &idle);
         if (!rc)
             skv_session_id_hex(id, hex);
+        if (!rc && skip && skip[k])
+            rc = skv_errorf(SKV_E_LIMIT, "tenant '%s' saved more sessions than max-sessions-per-tenant (%lld) now "
+                            "allows; its least recently used are left out", tenant,
+                            (long long)w->cfg->max_sessions_per_tenant);
         if (!rc && skv_session_find(w->sessions, id, NULL)) /* before its charge could evict another */
             rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
         if (!rc) {
@@ -3092,6 +3138,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
         skv_worker_beat(w);
         restored++;
     }
+    free(skip);
     skv_kv_dedupe_free(&r.dedupe);
     w->persist_gen = manifest_gen(doc);
     bool keep = w->cfg->persist_interval_seconds > 0, aside = false;
