@@ -3,6 +3,7 @@
  * depend on the thread count. Large calls are split over the backend's pool. */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/status.h"
 #include "kernels/cpu/cpu.h"
@@ -60,20 +61,28 @@ static void add_vec(float *o, const float *a, const float *b, int64_t begin, int
         o[i] = a[i] + b[i];
 }
 
-/* o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i]; o may alias g. */
+static __m256 swiglu8(__m256 gv, __m256 uv)
+{
+    /* e^-g = 2^(-g log2 e); below 2^-126 the term is 0 and silu(g) = g */
+    const __m256 e = skv_exp2_ps(_mm256_mul_ps(gv, _mm256_set1_ps(-1.44269504088896341f)));
+    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), uv);
+}
+
+/* o[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i]; o may alias g. The tail goes through
+ * the same lanes (padded), so an element's value does not depend on where a row or a thread's
+ * share begins: a session decoded alone or in a batch gets the same bits. */
 static void swiglu_vec(float *o, const float *g, const float *u, int64_t begin, int64_t end)
 {
     int64_t i = begin;
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i + 8 <= end; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        /* e^-g = 2^(-g log2 e); below 2^-126 the term is 0 and silu(g) = g */
-        const __m256 e = skv_exp2_ps(_mm256_mul_ps(gv, _mm256_set1_ps(-1.44269504088896341f)));
-        const __m256 den = _mm256_add_ps(one, e);
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    for (; i + 8 <= end; i += 8)
+        _mm256_storeu_ps(o + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < end) {
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        memcpy(gt, g + i, (size_t)(end - i) * sizeof *gt);
+        memcpy(ut, u + i, (size_t)(end - i) * sizeof *ut);
+        _mm256_storeu_ps(ot, swiglu8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        memcpy(o + i, ot, (size_t)(end - i) * sizeof *ot);
     }
-    for (; i < end; i++)
-        o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 #else
 static double sum_squares(const float *x, int n)

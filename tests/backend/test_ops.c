@@ -495,6 +495,23 @@ static void test_swiglu(void **state)
     const int64_t counts[] = {1, 7, 1536, 100003, 300 * 1536};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         run_binary(be, &r, counts[i], true, i % 2 == 1);
+
+    /* a row's values do not depend on the rows before it: two rows of 100 (a decode batch) give
+     * the second row the bits it gets alone (before, its last 4 went through another exp) */
+    float *g = host_normal(&r, 200, 6.0), *u = host_normal(&r, 200, 1.0);
+    float batch[200] = {0}, alone[100];
+    size_t bytes = sizeof batch;
+    float *dg = dev_from(be, g, bytes), *du = dev_from(be, u, bytes), *dout = dev_from(be, batch, bytes);
+    assert_int_equal(be->ops->swiglu(be, dout, dg, du, 200), SKV_OK);
+    dev_to(be, batch, dout, bytes);
+    assert_int_equal(be->ops->swiglu(be, dout, dg + 100, du + 100, 100), SKV_OK);
+    dev_to(be, alone, dout, sizeof alone);
+    assert_memory_equal(alone, batch + 100, sizeof alone);
+    be->ops->free(be, dout);
+    be->ops->free(be, du);
+    be->ops->free(be, dg);
+    free(u);
+    free(g);
 }
 
 static void test_add(void **state)
