@@ -234,6 +234,11 @@ struct skv_backend_ops {
      * r queries, each at least 2 r, the later ones with the earlier ones' rows as their prefix.
      * A long forward cuts its attention so, to do other work between the calls. */
     int (*attention_split_rows)(struct skv_backend *be, int n_heads, int n_kv_heads);
+
+    /* Optional (NULL: every type skv_dtype_supported names): whether get_rows and matmul take
+     * weights of this type. The model converts weights of other types to f16 as it copies them
+     * into backend memory. */
+    bool (*weight_type_ok)(int type);
 };
 
 struct skv_backend {

@@ -85,12 +85,55 @@ static int to_f32(struct skv_model *m, struct skv_tensor *t)
     return SKV_OK;
 }
 
+/* Copies a matrix of a type the backend does not multiply with into backend memory as f16,
+ * some rows at a time (the dequantized values of a quantized type fit f16's range). */
+static int to_device_f16(struct skv_model *m, struct skv_tensor *t)
+{
+    const int64_t cols = t->ne[0], rows = t->ndim > 1 ? t->ne[1] : 1;
+    const size_t row_bytes = skv_dtype_row_bytes(t->type, cols);
+    if (!row_bytes || row_bytes * (size_t)rows != t->nbytes)
+        return skv_errorf(SKV_E_FORMAT, "tensor %s: %zu bytes for %lld rows of %lld %s", t->name ? t->name : "?",
+                          t->nbytes, (long long)rows, (long long)cols, skv_dtype_name(t->type));
+    const int64_t chunk = cols > 0 && cols < (1 << 18) ? (1 << 18) / cols + 1 : 1; /* rows a step */
+    float *f = malloc((size_t)cols * sizeof *f);
+    uint16_t *h = malloc((size_t)(chunk * cols) * sizeof *h);
+    void *dev = NULL;
+    int rc = f && h ? m->be->ops->alloc(m->be, (size_t)(rows * cols) * sizeof *h, &dev)
+                    : skv_errorf(SKV_E_NOMEM, "tensor %s: no memory to convert it to f16", t->name ? t->name : "?");
+    for (int64_t r0 = 0; !rc && r0 < rows; r0 += chunk) {
+        int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
+        for (int64_t r = 0; !rc && r < n; r++) {
+            rc = skv_dequantize_row(t->type, (const uint8_t *)t->data + (size_t)(r0 + r) * row_bytes, f, cols);
+            for (int64_t i = 0; !rc && i < cols; i++)
+                h[r * cols + i] = skv_f32_to_fp16(f[i]);
+        }
+        if (!rc)
+            rc = m->be->ops->upload(m->be, (uint16_t *)dev + r0 * cols, h, (size_t)(n * cols) * sizeof *h);
+    }
+    free(h);
+    free(f);
+    if (!rc)
+        rc = own(m, dev);
+    if (rc) {
+        if (dev)
+            m->be->ops->free(m->be, dev);
+        return rc;
+    }
+    t->type = SKV_DTYPE_F16;
+    t->data = dev;
+    t->nbytes = (size_t)(rows * cols) * sizeof(uint16_t);
+    return SKV_OK;
+}
+
 /* Copies t's bytes (any dtype) into backend memory: weights live on the device for every
- * backend but the CPU, which reads the mapped file directly. */
+ * backend but the CPU, which reads the mapped file directly. A type the backend does not take
+ * is converted to f16 on the way. */
 static int to_device(struct skv_model *m, struct skv_tensor *t)
 {
     if (!t->data || strcmp(m->be->name, "cpu") == 0)
         return SKV_OK;
+    if (m->be->ops->weight_type_ok && !m->be->ops->weight_type_ok(t->type))
+        return to_device_f16(m, t);
     void *dev = NULL;
     int rc = m->be->ops->alloc(m->be, t->nbytes, &dev);
     if (!rc)

@@ -1975,6 +1975,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* ipc_open */ cuda_ipc_open,
     /* ipc_close */ cuda_ipc_close,
     /* attention_split_rows */ NULL, /* cuBLAS picks kernels by shape: not known to be exact */
+    /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -917,6 +917,70 @@ static void test_tick_matches_plain(void **state)
     fixture_remove_dir(swa);
 }
 
+/* A backend that multiplies with f32 and f16 weights only: the model converts the rest to f16
+ * as it copies them into backend memory (the CUDA backend and K-quants), and the logits stay
+ * those of the CPU backend reading the file's types, within f16's rounding of the weights. */
+static bool f16_f32_only(int type)
+{
+    return type == SKV_DTYPE_F32 || type == SKV_DTYPE_F16;
+}
+
+static void test_weights_converted(void **state)
+{
+    (void)state;
+    char *path = fixture_model_path();
+    if (!path)
+        skip();
+    struct skv_backend *cpu = NULL;
+    assert_int_equal(skv_backend_cpu_new(2, &cpu), SKV_OK);
+    struct skv_backend_ops ops = *cpu->ops;
+    ops.weight_type_ok = f16_f32_only;
+    struct skv_backend dev = *cpu; /* host memory, copied as a device's (not destroyed: cpu is) */
+    dev.name = "f16-device";
+    dev.ops = &ops;
+    struct skv_model *m[2] = {NULL, NULL};
+    assert_int_equal(skv_model_load(path, cpu, NULL, &m[0]), SKV_OK);
+    assert_int_equal(skv_model_load(path, &dev, NULL, &m[1]), SKV_OK);
+    assert_false(f16_f32_only(m[0]->layers[0].wq.type)); /* a quantized file */
+    assert_int_equal(m[1]->layers[0].wq.type, SKV_DTYPE_F16);
+    assert_int_equal(m[1]->tok_embd.type, SKV_DTYPE_F16);
+    const int nv = m[0]->cfg.n_vocab;
+    int32_t ids[12];
+    for (int i = 0; i < 12; i++)
+        ids[i] = (int32_t)(100 + 997 * i) % nv;
+    float *lg[2];
+    for (int k = 0; k < 2; k++) {
+        struct skv_engine *e = NULL;
+        struct skv_kv_cache *c = NULL;
+        lg[k] = malloc((size_t)nv * sizeof *lg[k]);
+        assert_non_null(lg[k]);
+        assert_int_equal(skv_engine_new(m[k], &e), SKV_OK);
+        assert_int_equal(skv_kv_cache_new(m[k], &c), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, c, ids, 12, NULL, lg[k]), SKV_OK);
+        skv_kv_cache_free(&c);
+        skv_engine_free(&e);
+    }
+    double max_ref = 0, max_diff = 0;
+    int best[2] = {0, 0};
+    for (int i = 0; i < nv; i++) {
+        max_ref = fmax(max_ref, fabs(lg[0][i]));
+        max_diff = fmax(max_diff, fabs(lg[0][i] - lg[1][i]));
+        for (int k = 0; k < 2; k++)
+            if (lg[k][i] > lg[k][best[k]])
+                best[k] = i;
+    }
+    printf("converted to f16: max |logit| %.3f, max diff %.5f\n", max_ref, max_diff);
+    assert_true(max_diff > 0); /* it did run on the converted weights */
+    assert_true(max_diff < 0.01 * max_ref);
+    assert_int_equal(best[0], best[1]);
+    for (int k = 0; k < 2; k++) {
+        free(lg[k]);
+        skv_model_free(&m[k]);
+    }
+    skv_backend_destroy(&cpu);
+    free(path);
+}
+
 ON_CUDA(test_tiny_llama)
 ON_CUDA(test_tiny_llama_bf16)
 ON_CUDA(test_tiny_qwen2)
@@ -941,6 +1005,7 @@ int main(void)
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
         cmocka_unit_test(test_tokenizer_fits_model), cmocka_unit_test(test_tick_matches_plain),
+        cmocka_unit_test(test_weights_converted),
     };
     const struct CMUnitTest cuda[] = {
         cmocka_unit_test(test_tiny_llama_cuda),        cmocka_unit_test(test_tiny_llama_bf16_cuda),
