@@ -6,6 +6,7 @@
 #include "build-config.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/utf8.h"
 #include "daemon/compress/spec.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/kv_pool.h"
@@ -1512,39 +1513,11 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     return d;
 }
 
-/* The length of the UTF-8 character at p (avail bytes there), 0 when it is not one (a stray
- * continuation byte, an overlong or surrogate form, a byte no character starts with); *partial
- * when the bytes there are a valid start of a character that runs past them. */
-static size_t utf8_char(const unsigned char *p, size_t avail, bool *partial)
-{
-    *partial = false;
-    unsigned char c = p[0], lo = 0x80, hi = 0xBF;
-    size_t need;
-    if (c < 0x80)
-        return 1;
-    if (c >= 0xC2 && c <= 0xDF)
-        need = 2;
-    else if (c >= 0xE0 && c <= 0xEF)
-        need = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
-    else if (c >= 0xF0 && c <= 0xF4)
-        need = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
-    else
-        return 0;
-    for (size_t k = 1; k < need; k++) {
-        if (k >= avail) {
-            *partial = true;
-            return 0;
-        }
-        if (k == 1 ? p[k] < lo || p[k] > hi : (p[k] & 0xC0) != 0x80)
-            return 0;
-    }
-    return need;
-}
-
 /* Text of the new token, as valid UTF-8 in buf (cap bytes, NUL-terminated): the bytes held
  * from the last token, then this token's; a character it starts and does not finish is held
  * for the next one; bytes that are not UTF-8 (byte tokens out of order, a stray continuation)
- * become U+FFFD, as Hugging Face's decode makes them, and so does a NUL, which would cut the
+ * become U+FFFD, one for each maximal ill-formed part as Hugging Face's decode makes them
+ * (skv_utf8_char), and so does a NUL, which would cut the
  * reply's C string. Before, only the last character was looked at: a held byte the next token
  * did not continue went out as it was, and the reply was not UTF-8. */
 static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, char *buf, size_t cap)
@@ -1563,7 +1536,7 @@ static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, 
     size_t out = 0, i = 0;
     bool partial = false;
     while (i < have) {
-        size_t n = utf8_char(raw + i, have - i, &partial);
+        size_t skip, n = skv_utf8_char(raw + i, have - i, &partial, &skip);
         if (partial)
             break;
         bool bad = n == 0 || raw[i] == 0;
@@ -1573,7 +1546,7 @@ static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, 
             break; /* (cap holds 3 bytes per raw byte: not reached) */
         memcpy(buf + out, from, put);
         out += put;
-        i += bad ? 1 : n;
+        i += bad ? skip : n;
     }
     d->n_pending = partial ? have - i : 0;
     memcpy(d->pending, raw + i, d->n_pending);

@@ -4,6 +4,7 @@
 #include "tools/bench_quality.h"
 
 #include "common/status.h"
+#include "common/utf8.h"
 #include "daemon/compress/compress.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/model.h"
@@ -50,6 +51,14 @@ static const struct passkey_style STYLES[] = {
 };
 #define N_STYLES ((int)(sizeof STYLES / sizeof STYLES[0]))
 #define DEFAULT_STYLE 5
+
+json_t *skv_bench_json_text(const char *s, size_t n)
+{
+    char *fixed = skv_utf8_fix(s ? s : "", s ? n : 0, &n);
+    json_t *j = fixed ? json_stringn(fixed, n) : NULL;
+    free(fixed);
+    return j;
+}
 
 int skv_bench_quality_n_styles(void)
 {
@@ -1175,6 +1184,10 @@ static int task_passkey(struct qctx *q, json_t *root)
                 struct fan_run r;
                 double t0 = now_s();
                 rc = fan_prefill(q->e, q->m, q->specs, q->n_specs, ids, n, first, &r);
+                if (rc) { /* r was freed: no caches to answer with */
+                    free(ids);
+                    break;
+                }
                 double t1 = now_s();
                 pr.t_prefill += t1 - t0;
                 char keytxt[16];
@@ -1206,7 +1219,7 @@ static int task_passkey(struct qctx *q, json_t *root)
                     json_object_set_new(jr, "depth", json_integer(depths[d]));
                     json_object_set_new(jr, "trial", json_integer(t));
                     json_object_set_new(jr, "key", json_string(keytxt));
-                    json_object_set_new(jr, "output", json_string(text));
+                    json_object_set_new(jr, "output", skv_bench_json_text(text, strlen(text)));
                     json_object_set_new(jr, "correct", json_boolean(ok));
                     json_object_set_new(jr, "kv_bytes_after_prefill", json_integer((json_int_t)kv));
                     json_object_set_new(jr, "key_token_positions", json_integer(nk));
@@ -1394,7 +1407,7 @@ static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, str
         json_object_set_new(o, "top1_agreement", json_real(i ? (double)top1[i] / M : 1.0));
         json_object_set_new(o, "greedy_prefix_fraction", json_real((double)prefix / M));
         json_object_set_new(o, "greedy_overall_fraction", json_real((double)same / M));
-        json_object_set_new(o, "greedy_text", gtext ? json_string(gtext) : json_null());
+        json_object_set_new(o, "greedy_text", gtext ? skv_bench_json_text(gtext, strlen(gtext)) : json_null());
         json_array_append_new(js, o);
         free(gtext);
         if (i)

@@ -5,6 +5,7 @@
 #define SKV_BENCH_QUALITY_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct skv_engine;
@@ -32,6 +33,11 @@ struct skv_quality_opts {
 /* Runs the benchmark; progress goes to stderr. Returns SKV_OK or a status with
  * skv_error_msg() set. */
 int skv_bench_quality(struct skv_engine *e, struct skv_model *m, const struct skv_quality_opts *o);
+
+/* n bytes of text (a model's, so not always UTF-8) as a JSON string: ill-formed parts become
+ * U+FFFD (jansson refuses them, and a refused string dropped its key or the whole output). */
+struct json_t;
+struct json_t *skv_bench_json_text(const char *s, size_t n);
 
 /* The passkey prompt phrasings (for --help and the report): count and a one-line summary. */
 int skv_bench_quality_n_styles(void);

@@ -273,10 +273,12 @@ static json_t *ids_json(const int32_t *ids, int n)
 static void emit(json_t *j)
 {
     char *s = json_dumps(j, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
-    if (s) {
-        puts(s);
-        free(s);
+    if (!s) { /* no output that looks like a result with nothing in it */
+        fprintf(stderr, "snapkv-bench: the JSON output could not be written (out of memory)\n");
+        exit(1);
     }
+    puts(s);
+    free(s);
 }
 
 static int cmd_tokenize(const struct args *a, struct skv_model *m)
@@ -328,7 +330,7 @@ static json_t *token_text_json(const struct skv_model *m, int32_t id)
     size_t len = 0;
     if (skv_tokenizer_token_bytes(m->tok, id, buf, sizeof buf, &len))
         return json_null();
-    return json_stringn_nocheck(buf, len < sizeof buf ? len : sizeof buf);
+    return skv_bench_json_text(buf, len < sizeof buf ? len : sizeof buf);
 }
 
 static int cmd_logits(const struct args *a, struct skv_engine *e, struct skv_model *m)
@@ -453,7 +455,7 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
         json_t *j = json_object();
         json_object_set_new(j, "prompt_tokens", json_integer(n));
         json_object_set_new(j, "tokens", ids_json(out, produced));
-        json_object_set_new(j, "text", text ? json_string(text) : json_null());
+        json_object_set_new(j, "text", text ? skv_bench_json_text(text, strlen(text)) : json_null());
         json_object_set_new(j, "finish_reason", json_string(finish));
         json_object_set_new(j, "prefill_seconds", json_real(t_prefill));
         json_object_set_new(j, "decode_seconds", json_real(t_decode));

@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/utf8.h"
 #include "libclient/snapkv.h"
 
 #define DEFAULT_ENDPOINT "ipc:///run/snapkvd/snapkvd.sock"
@@ -187,37 +188,6 @@ static void json_put(json_t **obj, const char *key, json_t *v)
     }
 }
 
-/* Length of the well-formed UTF-8 sequence at s (1 to 4 bytes), or 0 when none starts there;
- * then *bad is the length of its longest ill-formed prefix (at least 1; the NUL ends it). */
-static size_t utf8_seq(const unsigned char *s, size_t *bad)
-{
-    size_t n;
-    unsigned char lo = 0x80, hi = 0xbf; /* the second byte's range */
-    if (s[0] < 0x80)
-        return 1;
-    if (s[0] >= 0xc2 && s[0] <= 0xdf) {
-        n = 2;
-    } else if (s[0] >= 0xe0 && s[0] <= 0xef) {
-        n = 3;
-        lo = s[0] == 0xe0 ? 0xa0 : 0x80; /* not overlong */
-        hi = s[0] == 0xed ? 0x9f : 0xbf; /* not a surrogate */
-    } else if (s[0] >= 0xf0 && s[0] <= 0xf4) {
-        n = 4;
-        lo = s[0] == 0xf0 ? 0x90 : 0x80; /* not overlong */
-        hi = s[0] == 0xf4 ? 0x8f : 0xbf; /* not above U+10FFFF */
-    } else {
-        *bad = 1;
-        return 0;
-    }
-    for (size_t i = 1; i < n; i++) {
-        if (s[i] < (i == 1 ? lo : 0x80) || s[i] > (i == 1 ? hi : 0xbf)) {
-            *bad = i;
-            return 0;
-        }
-    }
-    return n;
-}
-
 /* s (NULL: "") as a JSON string. Text from the daemon need not be valid UTF-8 (a decode that
  * stopped inside a character, a name cut to fit a field), and jansson refuses such strings:
  * each ill-formed sequence becomes U+FFFD. NULL only when out of memory. */
@@ -228,23 +198,9 @@ static json_t *json_text(const char *s)
     json_t *j = json_string(s);
     if (j)
         return j;
-    char *fixed = malloc(3 * strlen(s) + 1); /* U+FFFD is 3 bytes; it replaces at least 1 */
-    if (!fixed)
-        return NULL;
     size_t len = 0;
-    for (const unsigned char *p = (const unsigned char *)s; *p;) {
-        size_t bad = 0, n = utf8_seq(p, &bad);
-        if (n) {
-            memcpy(fixed + len, p, n);
-            len += n;
-            p += n;
-        } else {
-            memcpy(fixed + len, "\xef\xbf\xbd", 3);
-            len += 3;
-            p += bad;
-        }
-    }
-    j = json_stringn(fixed, len);
+    char *fixed = skv_utf8_fix(s, strlen(s), &len);
+    j = fixed ? json_stringn(fixed, len) : NULL;
     free(fixed);
     return j;
 }

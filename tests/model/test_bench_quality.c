@@ -346,6 +346,32 @@ static void test_select_json(void **state)
     cleanup(&r);
 }
 
+/* Token text that is not UTF-8 on its own (byte-level pieces of a character) goes into the JSON
+ * as U+FFFD: before, jansson refused the string and `logits --json` printed nothing, exit 0. */
+static void test_logits_json_text(void **state)
+{
+    (void)state;
+    static const char *const args[] = {"--prompt", "\xE6\x9D\xB1\xE4\xBA\xAC\xE3\x81\xAF\xE6\x97\xA5\xE6\x9C\xAC"
+                                                   "\xE3\x81\xAE\xE9\xA6\x96\xE9\x83\xBD\xE3\x81\xA7",
+                                       "--top", "20", "--json", NULL};
+    struct run r;
+    bench_cmd(&r, "logits", args);
+    assert_int_equal(r.status, 0);
+    json_t *j = load_json(&r, "stdout");
+    json_t *top = json_object_get(j, "top");
+    assert_int_equal(json_array_size(top), 20);
+    size_t i, replaced = 0;
+    json_t *e;
+    json_array_foreach(top, i, e) {
+        const char *t = json_string_value(json_object_get(e, "text"));
+        assert_non_null(t);
+        replaced += strstr(t, "\xEF\xBF\xBD") != NULL;
+    }
+    assert_true(replaced > 0); /* this prompt's likely next tokens include pieces of characters */
+    json_decref(j);
+    cleanup(&r);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -353,6 +379,7 @@ int main(void)
         cmocka_unit_test(test_fidelity_run),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_select_json),
+        cmocka_unit_test(test_logits_json_text),
     };
     return cmocka_run_group_tests_name("bench-quality", tests, NULL, NULL);
 }
