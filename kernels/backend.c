@@ -16,9 +16,12 @@ int skv_backend_open(const char *name, int n_threads, struct skv_backend **out)
         return skv_backend_cpu_new(n_threads, out);
     if (strcmp(name, "cuda") == 0)
         return skv_backend_cuda_new(0, out);
-    if (strcmp(name, "auto") == 0) {
-        if (skv_backend_cuda_compiled() && skv_backend_cuda_new(0, out) == SKV_OK)
-            return SKV_OK;
+    if (strcmp(name, "auto") == 0) { /* as the daemon takes it: a device that passes the self-test */
+        if (skv_backend_cuda_compiled() && skv_backend_cuda_new(0, out) == SKV_OK) {
+            if (skv_backend_selftest(*out) == SKV_OK)
+                return SKV_OK;
+            skv_backend_destroy(out);
+        }
         skv_error_clear();
         return skv_backend_cpu_new(n_threads, out);
     }

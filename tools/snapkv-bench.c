@@ -548,16 +548,25 @@ static int cmd_select(const struct args *a, struct skv_engine *e, struct skv_mod
     return 0;
 }
 
-static int parse_list(const char *s, int *vals, int max)
+/* A comma-separated list of at most max counts in [lo, hi]; -1 (with a message) when an entry
+ * is not one or there are more. */
+static int parse_list(const char *what, const char *s, int *vals, int max, int lo, int hi)
 {
     int n = 0;
-    while (s && *s && n < max) {
+    while (*s) {
         char *end;
+        errno = 0;
         long v = strtol(s, &end, 10);
-        if (end == s)
-            break;
+        if (end == s || errno || v < lo || v > hi || (*end && *end != ',') || (*end == ',' && !end[1])) {
+            fprintf(stderr, "snapkv-bench: --%s: '%s' is not a list of counts from %d to %d\n", what, s, lo, hi);
+            return -1;
+        }
+        if (n == max) {
+            fprintf(stderr, "snapkv-bench: --%s: more than %d values\n", what, max);
+            return -1;
+        }
         vals[n++] = (int)v;
-        s = *end == ',' ? end + 1 : end;
+        s = *end ? end + 1 : end;
     }
     return n;
 }
@@ -601,8 +610,12 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     int prefill[16], depth[16];
     /* --prefill none: only the prefills that build the decode depths (timed there too) */
     bool no_prefill = a->prefill_sizes && strcmp(a->prefill_sizes, "none") == 0;
-    int np = no_prefill ? 0 : parse_list(a->prefill_sizes ? a->prefill_sizes : "512,2048,8192", prefill, 16);
-    int nd = parse_list(a->decode_depths ? a->decode_depths : "0,512,4096,8192", depth, 16);
+    const char *sizes = a->prefill_sizes ? a->prefill_sizes : "512,2048,8192";
+    const char *depths = a->decode_depths ? a->decode_depths : "0,512,4096,8192";
+    int np = no_prefill ? 0 : parse_list("prefill", sizes, prefill, 16, 1, 1 << 24);
+    int nd = parse_list("decode-depth", depths, depth, 16, 0, 1 << 24);
+    if (np < 0 || nd < 0)
+        return 2;
     int dtok = a->decode_tokens > 0 ? a->decode_tokens : 32;
     int rep = a->repeat > 0 ? a->repeat : 1;
     const char *spec = a->compress && *a->compress ? a->compress : NULL;
@@ -617,14 +630,12 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         if (rc)
             return fail("--compress", rc);
     }
-    int nv = m->cfg.n_vocab, nh = m->cfg.n_layers * m->cfg.n_kv_heads;
+    int nv = m->cfg.n_vocab;
     int32_t *ids = malloc((size_t)maxn * sizeof *ids);
     float *logits = malloc((size_t)nv * sizeof *logits);
-    int *lens = malloc((size_t)nh * sizeof *lens);
-    if (!ids || !logits || !lens) {
+    if (!ids || !logits) {
         free(ids);
         free(logits);
-        free(lens);
         return fail("speed", SKV_E_NOMEM);
     }
     fill_ids(ids, maxn, nv, 42);
@@ -637,7 +648,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         rc = skv_engine_forward(e, warm, ids, maxn < 64 ? maxn : 64, NULL, logits);
     skv_kv_cache_free(&warm);
     for (int i = 0; i < np && !rc; i++) {
-        double best = 1e30, best_comp = 0, sum = 0;
+        double best = 1e30, best_comp = 0, rate_sum = 0;
         int runs = 0;
         uint64_t kv_after = 0;
         for (int r = 0; r < rep && !rc; r++) {
@@ -650,7 +661,12 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
             if (!rc)
                 rc = m->be->ops->sync(m->be);
             double dt = now_s() - t0;
-            sum += dt;
+            if (rc) { /* a failed repeat is no figure */
+                skv_compressor_free(&run.comp);
+                skv_kv_cache_free(&cache);
+                break;
+            }
+            rate_sum += prefill[i] / dt;
             runs++;
             if (dt < best) {
                 best = dt;
@@ -664,8 +680,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         json_object_set_new(o, "tokens", json_integer(prefill[i]));
         json_object_set_new(o, "seconds", json_real(best));
         json_object_set_new(o, "tokens_per_second", json_real(prefill[i] / best));
-        /* the table quotes the best repeat; the mean is what llama-bench reports */
-        json_object_set_new(o, "mean_tokens_per_second", json_real(runs ? prefill[i] / (sum / runs) : 0));
+        /* the table quotes the best repeat; the mean of the repeats' rates is llama-bench's avg_ts */
+        json_object_set_new(o, "mean_tokens_per_second", json_real(runs ? rate_sum / runs : 0));
         json_object_set_new(o, "repeats", json_integer(runs));
         json_object_set_new(o, "kv_bytes_after", json_integer((json_int_t)kv_after));
         if (spec) {
@@ -687,31 +703,38 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         if (!rc)
             rc = m->be->ops->sync(m->be);
         t_pre = now_s() - t_pre;
-        for (int k = 0; k < nh && !rc; k++)
-            lens[k] = cache->heads[k].len;
         uint64_t kv_bytes = rc ? 0 : kv_read_bytes(cache);
-        if (!rc)
-            rc = skv_kv_cache_reserve(cache, dtok + 1);
-        struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = run.comp};
-        int32_t t = 0;
-        double best = 1e30, dsum = 0;
+        double best = 1e30, rate_sum = 0;
         int druns = 0;
         for (int r = 0; r < rep && !rc; r++) {
-            /* every repeat decodes from the same cache: drop the previous repeat's tokens */
-            for (int k = 0; k < nh && !rc; k++)
-                rc = skv_kv_cache_truncate(cache, k / cache->n_kv_heads, k % cache->n_kv_heads, lens[k]);
-            cache->n_past = depth[i];
+            /* every repeat decodes the same tokens from a copy of the prefilled cache and of its
+             * compressor: a policy that evicts or re-scores while decoding changes both */
+            struct skv_kv_cache *work = NULL;
+            struct skv_compressor *wc = NULL;
+            rc = skv_kv_cache_clone(cache, &work);
+            if (!rc && run.comp)
+                rc = skv_compressor_clone(run.comp, &wc);
+            if (!rc)
+                rc = skv_kv_cache_reserve(work, dtok + 1);
+            struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = wc};
+            int32_t t = 0;
             double t0 = now_s();
             for (int k = 0; k < dtok && !rc; k++) {
                 t = (int32_t)((t * 7919 + 13) % nv);
-                if (run.comp)
-                    rc = skv_compressor_begin_decode(run.comp, cache);
+                if (wc)
+                    rc = skv_compressor_begin_decode(wc, work);
                 if (!rc)
-                    rc = skv_engine_forward(e, cache, &t, 1, run.comp ? &dec : NULL, logits);
+                    rc = skv_engine_forward(e, work, &t, 1, wc ? &dec : NULL, logits);
             }
+            if (!rc)
+                rc = m->be->ops->sync(m->be);
             double dt = now_s() - t0;
+            skv_compressor_free(&wc);
+            skv_kv_cache_free(&work);
+            if (rc)
+                break;
             best = dt < best ? dt : best;
-            dsum += dt;
+            rate_sum += dtok / dt;
             druns++;
         }
         double run_comp_s = run.compress_seconds;
@@ -722,7 +745,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         json_object_set_new(o, "tokens", json_integer(dtok));
         json_object_set_new(o, "seconds", json_real(best));
         json_object_set_new(o, "tokens_per_second", json_real(dtok / best));
-        json_object_set_new(o, "mean_tokens_per_second", json_real(druns ? dtok / (dsum / druns) : 0));
+        json_object_set_new(o, "mean_tokens_per_second", json_real(druns ? rate_sum / druns : 0));
         json_object_set_new(o, "kv_read_bytes", json_integer((json_int_t)kv_bytes));
         json_object_set_new(o, "prefill_seconds", json_real(depth[i] > 0 ? t_pre : 0));
         if (spec && depth[i] > 0) {
@@ -735,7 +758,6 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     }
     free(ids);
     free(logits);
-    free(lens);
     if (rc) {
         json_decref(j);
         json_decref(jp);
@@ -988,6 +1010,48 @@ static bool real_opt(const char *name, const char *text, double lo, double hi, d
     return true;
 }
 
+/* The options each command reads besides --model, --threads, --backend, --json and --reference:
+ * any other is refused, not ignored (speed --specs ran uncompressed). */
+static const struct {
+    const char *cmd, *opts;
+} cmd_opts[] = {
+    {"tokenize", "special bos"},
+    {"logits", "prompt prompt-file tokens chat top all"},
+    {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress"},
+    {"select", "prompt prompt-file tokens chat compress"},
+    {"speed", "prefill decode-depth decode-tokens repeat compress"},
+    {"gemv", "repeat"},
+    {"quality", "task lengths depths specs trials out-dir passkey-style texts fid-prefill fid-tokens max-tokens seed"},
+    {"serve", "endpoint admin-endpoint clients requests sessions context pool-gib parts decode-tokens specs"},
+};
+
+/* Whether command cmd reads option opt (SKV_OK), a message and 2 when not. */
+static int check_option(const char *cmd, const char *opt)
+{
+    static const char common[] = " model threads backend json reference help ";
+    char word[64];
+    snprintf(word, sizeof word, " %s ", opt);
+    if (strstr(common, word))
+        return 0;
+    for (size_t i = 0; i < sizeof cmd_opts / sizeof cmd_opts[0]; i++) {
+        if (strcmp(cmd, cmd_opts[i].cmd) != 0)
+            continue;
+        char list[256];
+        snprintf(list, sizeof list, " %s ", cmd_opts[i].opts);
+        if (strstr(list, word))
+            return 0;
+        fprintf(stderr, "snapkv-bench: %s does not take --%s (its own options:", cmd, opt);
+        for (const char *p = cmd_opts[i].opts; *p;) {
+            size_t n = strcspn(p, " ");
+            fprintf(stderr, " --%.*s", (int)n, p);
+            p += n + (p[n] == ' ');
+        }
+        fprintf(stderr, ")\n");
+        return 2;
+    }
+    return 0; /* an unknown command: usage() says so */
+}
+
 int main(int argc, char **argv)
 {
     struct args a = {.backend = "auto", .threads = 0, .quality = {.passkey_style = -1}};
@@ -1020,10 +1084,14 @@ int main(int argc, char **argv)
         {"pool-gib", required_argument, NULL, O_POOL_GIB}, {"parts", required_argument, NULL, O_PARTS},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
-    int c;
+    int c, li = -1, n_given = 0;
+    const char *given[128];
     bool ok = true;
     double real = 0;
-    while (ok && (c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    while (ok && (c = getopt_long(argc, argv, "h", opts, &li)) != -1) {
+        if (c != 'h' && c != '?' && li >= 0 && n_given < (int)(sizeof given / sizeof given[0]))
+            given[n_given++] = opts[li].name;
+        li = -1;
         switch (c) {
         case O_MODEL: a.model = optarg; break;
         case O_THREADS: ok = int_opt("threads", optarg, 0, 1024, &a.threads); break;
@@ -1042,7 +1110,16 @@ int main(int argc, char **argv)
         case O_TEMP: ok = real_opt("temperature", optarg, 0, 100, &real); a.temperature = (float)real; break;
         case O_TOPK: ok = int_opt("top-k", optarg, 0, 1 << 24, &a.top_k); break;
         case O_TOPP: ok = real_opt("top-p", optarg, 0, 1, &real); a.top_p = (float)real; break;
-        case O_SEED: a.seed = strtoull(optarg, NULL, 10); break;
+        case O_SEED: {
+            char *end;
+            errno = 0;
+            a.seed = strtoull(optarg, &end, 10);
+            if (errno || end == optarg || *end || *optarg == '-') {
+                fprintf(stderr, "snapkv-bench: --seed: '%s' is not a number from 0 to 2^64-1\n", optarg);
+                ok = false;
+            }
+            break;
+        }
         case O_PREFILL: a.prefill_sizes = optarg; break;
         case O_DEPTH: a.decode_depths = optarg; break;
         case O_DTOK: ok = int_opt("decode-tokens", optarg, 1, 1 << 20, &a.decode_tokens); break;
@@ -1082,10 +1159,13 @@ int main(int argc, char **argv)
         return 2;
     }
     a.cmd = argv[optind];
+    for (int i = 0; i < n_given; i++)
+        if (check_option(a.cmd, given[i]))
+            return 2;
     struct skv_backend *be = NULL;
     struct skv_model *m = NULL;
     struct skv_engine *e = NULL;
-    int rc = skv_backend_open(strcmp(a.backend, "auto") == 0 ? "cpu" : a.backend, a.threads, &be);
+    int rc = skv_backend_open(a.backend, a.threads, &be); /* auto: CUDA when a device passes its self-test */
     if (rc)
         return fail("backend", rc);
     struct skv_model_opts mo = {.reference = a.reference};

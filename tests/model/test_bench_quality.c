@@ -301,6 +301,24 @@ static void test_bad_arguments(void **state)
         assert_null(json);
         cleanup(&r);
     }
+    /* options a command does not read, and lists or seeds that do not parse: refused, exit 2
+     * (before, speed --specs ran uncompressed, --prefill abc ran no prefill, --seed abc was 0) */
+    static const struct {
+        const char *cmd, *args[4], *message;
+    } usage[] = {
+        {"speed", {"--specs", "policy=snapkv,ratio=0.1", NULL}, "speed does not take --specs (its own options:"},
+        {"speed", {"--prefill", "abc", NULL}, "--prefill: 'abc' is not a list of counts"},
+        {"speed", {"--decode-depth", "64,", NULL}, "--decode-depth: '64,' is not a list of counts"},
+        {"quality", {"--compress", "policy=snapkv,ratio=0.1", NULL}, "quality does not take --compress"},
+        {"generate", {"--seed", "abc", NULL}, "--seed: 'abc' is not a number"},
+    };
+    for (size_t i = 0; i < sizeof usage / sizeof usage[0]; i++) {
+        struct run r;
+        bench_cmd(&r, usage[i].cmd, usage[i].args);
+        assert_int_equal(r.status, 2);
+        assert_file_has(&r, "stderr", usage[i].message);
+        cleanup(&r);
+    }
 }
 
 /* select --json on a 54-token prompt with budget=40: every (layer, KV head) keeps exactly
