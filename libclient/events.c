@@ -22,6 +22,9 @@ struct snapkv_events {
     bool skip;                    /* until one above it, or a restart of the daemon, comes */
     bool seen;                    /* a stream message was read since the last replay (sequence is its) */
     uint64_t boot_id;             /* the replayed daemon's (KvEventBatch.boot_id; 0: a daemon of before them) */
+    double replayed_ts;           /* when the snapshot was taken (the daemon's clock) */
+    uint64_t stream_boot;         /* the boot id of the daemon whose events were returned last (0: none yet) */
+    bool restarted;               /* return a CLEARED of sequence 0 before the message being read */
 };
 
 int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
@@ -132,16 +135,26 @@ static bool has_cleared(const Snapkv__KvEventBatch *b)
  * and its first event, AllCleared, went out before this subscriber had reconnected). */
 static bool after_snapshot(const struct snapkv_events *ev, uint64_t seq, const Snapkv__KvEventBatch *b)
 {
-    if (b->boot_id != ev->boot_id || seq > ev->replayed)
+    if (b->boot_id != ev->boot_id) /* a daemon started after the snapshot, not one that ran before it */
+        return b->ts >= ev->replayed_ts;
+    if (seq > ev->replayed)
         return true;
     /* a daemon of before boot ids: a restart shows only as a number below the last one seen,
      * or an AllCleared */
     return !ev->boot_id && ((ev->seen && seq < ev->sequence) || has_cleared(b));
 }
 
-/* Makes b (numbered seq; NULL: one dropped) the message being read. */
+/* Makes b (numbered seq; NULL: one dropped) the message being read. One of another daemon than
+ * the last one returned (the daemon restarted) is preceded by a CLEARED of sequence 0, unless
+ * it begins with the new daemon's own (its sequence 1): the subscriber missed the events the
+ * new daemon published before the subscription reached it (its AllCleared, a restore's). */
 static void set_batch(struct snapkv_events *ev, uint64_t seq, Snapkv__KvEventBatch *b)
 {
+    if (b && b->boot_id) {
+        if (ev->stream_boot && b->boot_id != ev->stream_boot && !(seq == 1 && has_cleared(b)))
+            ev->restarted = true;
+        ev->stream_boot = b->boot_id;
+    }
     if (ev->batch)
         snapkv__kv_event_batch__free_unpacked(ev->batch, NULL);
     ev->batch = b;
@@ -186,8 +199,8 @@ static void drop_queued(struct snapkv_events *ev)
             continue;
         if (rc)
             return;
-        if (b->boot_id == ev->boot_id && seq > ev->replayed) {
-            set_batch(ev, seq, b);
+        if (b->boot_id == ev->boot_id ? seq > ev->replayed : b->ts >= ev->replayed_ts) {
+            set_batch(ev, seq, b); /* above the snapshot, or of a daemon started since */
             ev->skip = false;
             return;
         }
@@ -282,6 +295,11 @@ int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event 
             int rc = read_batch(ev, deadline, timeout_ms);
             if (rc)
                 return rc;
+        }
+        if (ev->restarted) { /* the daemon restarted: what came before is gone */
+            ev->restarted = false;
+            *out = (struct snapkv_event){.kind = SNAPKV_EVENT_CLEARED, .sequence = 0, .ts = ev->batch->ts};
+            return SNAPKV_OK;
         }
         e = ev->batch->events[ev->next];
         ts = ev->batch->ts;
@@ -392,6 +410,9 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->skip = true;
     ev->seen = false;
     ev->boot_id = parts[0]->batch ? parts[0]->batch->boot_id : 0;
+    ev->replayed_ts = parts[0]->batch ? parts[0]->batch->ts : 0;
+    ev->stream_boot = ev->boot_id; /* the snapshot begins with its daemon's AllCleared */
+    ev->restarted = false;
     if (ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq) {
         ev->skip = false; /* the rest of a stream message above the snapshot: the stream goes on */
         return SNAPKV_OK;

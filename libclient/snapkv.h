@@ -35,6 +35,8 @@
  * 6:0:2 (still libsnapkv.so.4): snapkv_events_replay added.
  * 6:1:2: a failed running DECODE is cancelled, lost streamed replies fail it, a callback's call
  * of its own client fails BUSY, signals do not end calls; the same interface.
+ * 6:2:2: a daemon restart shows in the events stream as a CLEARED of sequence 0; after a replay,
+ * an earlier daemon's queued events are told from a later one's by their time.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -517,7 +519,11 @@ struct snapkv_event {
  * published meanwhile are not seen). */
 SNAPKV_API int snapkv_events_open(const char *endpoint, snapkv_events_t **out);
 /* The next event, waiting up to timeout_ms (-1: for ever); SNAPKV_E_TIMEOUT when none came,
- * SNAPKV_E_PROTO for a message that is not one. Free *out with snapkv_event_free(). */
+ * SNAPKV_E_PROTO for a message that is not one. Free *out with snapkv_event_free().
+ * A CLEARED of sequence 0 is the library's own: the daemon restarted (its events carry another
+ * boot id) and this subscriber missed what the new daemon published before the subscription
+ * reached it (its AllCleared, a restore's sessions): what was held is gone, and a replay
+ * catches up. The new daemon's numbers start again at 1. */
 SNAPKV_API int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out);
 SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
 /* Catches up from the daemon's events-replay-endpoint (ipc://): asks it for every session its
@@ -528,8 +534,9 @@ SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
  * that missed nothing holds. Call it after snapkv_events_open(): the first stream event after a
  * replay should be S + 1, and one above it is a gap again (the subscription reached the daemon
  * after the snapshot): replay once more. Stream events queued when the snapshot came are
- * dropped (they are the snapshot's, or an earlier daemon's); an event of a daemon started since
- * (another boot id: its numbers start again at 1) ends the dropping. Waits up to timeout_ms (-1:
+ * dropped (they are the snapshot's, or an earlier daemon's: one of another boot id published
+ * before the snapshot was taken); an event of a daemon started since (another boot id, published
+ * after the snapshot: its numbers start again at 1) ends the dropping. Waits up to timeout_ms (-1:
  * for ever) for the whole snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused
  * request. The daemon queues the parts of the largest snapshot its pool allows; one is cut only
  * when its requester is gone. */

@@ -1749,12 +1749,39 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
         return 1;
     }
     int ret = 0;
+    uint64_t last = 0; /* the last event's sequence, once there is one (have) */
+    bool have = false;
     for (long n = 0; count < 0 || n < count; n++) {
         struct snapkv_event e;
         if (snapkv_events_next(ev, -1, &e)) {
             fprintf(stderr, "snapkvctl events: %s\n", snapkv_last_error());
             ret = 1;
             break;
+        }
+        /* events missed: numbers that skip (the publisher's queue was full, or the subscription
+         * reached the daemon late) or a daemon restarted (the library's CLEARED of sequence 0):
+         * said on stderr, and with --replay caught up from a new snapshot */
+        bool restart = e.kind == SNAPKV_EVENT_CLEARED && e.sequence == 0;
+        bool reboot = e.kind == SNAPKV_EVENT_CLEARED && e.sequence == 1; /* a new daemon's own first */
+        bool gap = have && !restart && !reboot && e.sequence != last && e.sequence != last + 1;
+        if (restart)
+            fprintf(stderr, "snapkvctl events: the daemon restarted; what it published before this subscriber "
+                    "reconnected was missed%s\n", replay ? ": replaying" : " (--replay catches up)");
+        else if (gap)
+            fprintf(stderr, "snapkvctl events: events %llu..%llu missed%s\n", (unsigned long long)last + 1,
+                    (unsigned long long)e.sequence - 1, replay ? ": replaying" : " (--replay catches up)");
+        last = e.sequence;
+        have = !restart;
+        if ((restart || gap) && replay) {
+            snapkv_event_free(&e);
+            if (snapkv_events_replay(ev, replay, c->timeout_ms)) {
+                fprintf(stderr, "snapkvctl events: %s\n", snapkv_last_error());
+                ret = 1;
+                break;
+            }
+            have = false;
+            n--; /* not one of --count */
+            continue;
         }
         char hex[SNAPKV_SESSION_ID_HEX_SIZE] = "";
         if (e.kind != SNAPKV_EVENT_CLEARED)

@@ -1899,6 +1899,14 @@ static void fake_events_stop(struct fake_events **fep)
     *fep = NULL;
 }
 
+/* Now, as the daemon stamps its batches (CLOCK_REALTIME seconds). */
+static double wall_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 /* Publishes one event as the daemon does: [topic][sequence, big-endian][a batch of one]. */
 static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_event_kind kind,
                          const struct snapkv_session_id *id)
@@ -1917,6 +1925,7 @@ static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_
     }
     Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
     b.version = 1;
+    b.ts = wall_now();
     b.boot_id = boot_id;
     b.n_events = 1;
     b.events = &ep;
@@ -1956,6 +1965,7 @@ static void *fake_replay_main(void *arg)
     }
     Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
     b.version = 1;
+    b.ts = wall_now();
     b.boot_id = fe->boot_id;
     b.n_events = fe->n_ids + 1;
     b.events = ep;
@@ -2038,16 +2048,57 @@ static void test_events_replay_filter(void **state)
     fake_replay(fe, ev, 444, 5, &ID_E);
     fake_publish(fe->pub, 444, 5, SNAPKV_EVENT_STORED, &ID_E); /* still on its way: in the snapshot */
     /* 444 is replaced by 555 before it published more: 555's AllCleared went before this
-     * subscriber reconnected, its next events come */
+     * subscriber reconnected, its next events come after a CLEARED of sequence 0 (a restart) */
     fake_publish(fe->pub, 555, 2, SNAPKV_EVENT_STORED, &ID_F);
     fake_publish(fe->pub, 555, 3, SNAPKV_EVENT_STORED, &ID_G);
     expect_event(ev, SNAPKV_EVENT_CLEARED, 5, NULL);
     expect_event(ev, SNAPKV_EVENT_STORED, 5, &ID_E);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 0, NULL);
     expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_F);
     expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_G);
     struct snapkv_event e;
     assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
 
+    snapkv_events_close(&ev);
+    fake_events_stop(&fe);
+}
+
+/* Without a replay, a restart shows as a CLEARED of sequence 0 before the new daemon's first
+ * event, when that is not its own AllCleared (sequence 1): before, a subscriber kept every
+ * session of the old daemon, and a new daemon's numbers could even look continuous. After a
+ * replay, events of a daemon that ran before the snapshot are dropped whatever they are
+ * numbered, those of one started since are kept (the batches' times tell them apart). */
+static void test_events_restart(void **state)
+{
+    (void)state;
+    struct fake_events *fe = fake_events_start();
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
+    char sub[32];
+    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0);
+    fake_publish(fe->pub, 222, 1, SNAPKV_EVENT_CLEARED, NULL);
+    fake_publish(fe->pub, 222, 2, SNAPKV_EVENT_STORED, &ID_A);
+    fake_publish(fe->pub, 333, 3, SNAPKV_EVENT_STORED, &ID_C); /* 333's 1 and 2 missed: 3 looks next */
+    fake_publish(fe->pub, 444, 1, SNAPKV_EVENT_CLEARED, NULL); /* 444's own first: no extra */
+    fake_publish(fe->pub, 444, 2, SNAPKV_EVENT_STORED, &ID_D);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 1, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_A);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 0, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_C);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 1, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_D);
+
+    /* 444's late events wait unread while 666 replaces it; a replay of 666 at 7; 444's stay
+     * dropped however high their numbers, and 666's own above 7 come with no extra CLEARED */
+    fake_publish(fe->pub, 444, 50, SNAPKV_EVENT_STORED, &ID_E);
+    usleep(150 * 1000);
+    fake_replay(fe, ev, 666, 7, &ID_F);
+    fake_publish(fe->pub, 666, 8, SNAPKV_EVENT_STORED, &ID_G);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 7, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 7, &ID_F);
+    expect_event(ev, SNAPKV_EVENT_STORED, 8, &ID_G);
+    struct snapkv_event e;
+    assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
     snapkv_events_close(&ev);
     fake_events_stop(&fe);
 }
@@ -2144,6 +2195,7 @@ int main(void)
         cmocka_unit_test(test_admin_list_inspect),
         cmocka_unit_test(test_admin_actions),
         cmocka_unit_test(test_events_replay_filter),
+        cmocka_unit_test(test_events_restart),
         cmocka_unit_test(test_events_next_deadline),
         cmocka_unit_test(test_kv_arithmetic),
     };
