@@ -61,6 +61,7 @@ void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int stat
     skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id, skv_status_name(status),
             rep.message);
     skv_worker_reply(w, job, &rep);
+    skv_worker_note_failure(w, status);
 }
 
 static void fail_rc(struct skv_worker *w, const struct skv_job *job, int rc)

@@ -962,6 +962,10 @@ int skv_server_run(struct skv_server *srv)
     struct waitset ws;
     int rc = waitset_init(srv, &ws);
     while (!rc && !*srv->env.stop) {
+        if (skv_worker_device_lost(srv->worker)) { /* the stop below saves what it can; exit 1 */
+            rc = skv_errorf(SKV_E_DEVICE, "the device was lost");
+            break;
+        }
         if ((rc = waitset_wait(&ws, 200)))
             break; /* the stop below still runs: the worker must not be joined unread */
         if (*srv->env.reopen) {

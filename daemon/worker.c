@@ -319,6 +319,21 @@ bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms)
     return skv_watchdog_ok(monotonic_ms(), beat, idle, interval_ms);
 }
 
+bool skv_worker_device_lost(struct skv_worker *w)
+{
+    return atomic_load(&w->device_lost);
+}
+
+void skv_worker_note_failure(struct skv_worker *w, int status)
+{
+    struct skv_backend *be = w->m->be;
+    if (status != SKV_E_DEVICE || atomic_load(&w->device_lost) || !be->ops->device_lost || !be->ops->device_lost(be))
+        return;
+    atomic_store(&w->device_lost, true);
+    skv_log(SKV_LOG_ERROR, "the %s device can run nothing more (%s): snapkvd stops with an error so that its "
+            "service manager starts a fresh one", be->name, skv_error_msg());
+}
+
 /* One token for every running decode, up to SKV_ENGINE_MAX_BATCH per forward; the finished
  * ones leave the list. */
 static void decode_rounds(struct skv_worker *w)

@@ -94,6 +94,11 @@ void skv_worker_set_replies(struct skv_worker *w, const struct skv_replies *r);
  * interval_ms / 2 ago. A thread wedged in a forward, a device call or a lock reads as dead;
  * so does one forward that runs longer than interval_ms / 2. */
 bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms);
+/* Whether a request failed with SKV_E_DEVICE and the backend then said the device can run
+ * nothing more (its device_lost op): the daemon should stop with an error (any thread). */
+bool skv_worker_device_lost(struct skv_worker *w);
+/* After a request failed with `status` (the worker thread): SKV_E_DEVICE asks the backend. */
+void skv_worker_note_failure(struct skv_worker *w, int status);
 /* The rule skv_worker_alive applies; now_ms and heartbeat_ms on one clock (a heartbeat after
  * now counts as fresh). */
 bool skv_watchdog_ok(uint64_t now_ms, uint64_t heartbeat_ms, bool idle, uint64_t interval_ms);

@@ -109,6 +109,7 @@ struct skv_worker {
     int n_persist_files;      /* -1: not known (no memory for the list): sweeps remove nothing */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
     atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
+    atomic_bool device_lost;      /* the backend can run nothing more (skv_worker_device_lost) */
     struct skv_tenant_table tenant_snap; /* published about once a second, for HTTP /metrics (snap_mu) */
     struct skv_ipc_buf ipc[SKV_IPC_MAX];
     int n_ipc;

@@ -3,6 +3,8 @@
  * name is in be->name; callers that want the reason CUDA was not taken call
  * skv_backend_cuda_new() themselves. */
 #include <math.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/status.h"
@@ -14,8 +16,12 @@ int skv_backend_open(const char *name, int n_threads, struct skv_backend **out)
         return skv_errorf(SKV_E_INVAL, "backend: NULL name or out");
     if (strcmp(name, "cpu") == 0)
         return skv_backend_cpu_new(n_threads, out);
-    if (strcmp(name, "cuda") == 0)
-        return skv_backend_cuda_new(0, out);
+    if (strcmp(name, "cuda") == 0) { /* asked for by name: a device that fails the self-test is refused */
+        int rc = skv_backend_cuda_new(0, out);
+        if (rc == SKV_OK && (rc = skv_backend_selftest(*out)) != SKV_OK)
+            skv_backend_destroy(out);
+        return rc;
+    }
     if (strcmp(name, "auto") == 0) { /* as the daemon takes it: a device that passes the self-test */
         if (skv_backend_cuda_compiled() && skv_backend_cuda_new(0, out) == SKV_OK) {
             if (skv_backend_selftest(*out) == SKV_OK)
@@ -127,7 +133,107 @@ static double nmse(const float *a, const float *b, int n)
     return num / den;
 }
 
-/* Runs RMSNorm and a small GQA attention on `be` and on a 1-thread CPU backend and compares. */
+/* One self-test comparison: `what` on be gave dev, the CPU want; NMSE above tol fails it. */
+static int selftest_close(const struct skv_backend *be, const char *what, const float *dev, const float *want, int n,
+                          double tol)
+{
+    double e = nmse(dev, want, n);
+    if (e > tol || e != e)
+        return skv_errorf(SKV_E_DEVICE, "%s backend self-test: %s differs from the CPU reference (NMSE %.3g)",
+                          be->name, what, e);
+    return SKV_OK;
+}
+
+/* A weight matrix of `type` (f16 or q8_0), 32 rows of 64, as file bytes (q8_0: a block is an f16
+ * scale and 32 int8). */
+enum { ST_ROWS = 32, ST_COLS = 64 };
+static size_t selftest_weight(int type, uint32_t seed, uint8_t *out)
+{
+    float w[ST_ROWS * ST_COLS];
+    for (int i = 0; i < ST_ROWS * ST_COLS; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        w[i] = (float)((seed >> 8) & 0xffff) / 65536.0f - 0.5f;
+    }
+    if (type == SKV_DTYPE_F16) {
+        for (int i = 0; i < ST_ROWS * ST_COLS; i++) {
+            uint16_t h = skv_f32_to_fp16(w[i]);
+            memcpy(out + 2 * i, &h, 2);
+        }
+        return (size_t)ST_ROWS * ST_COLS * 2;
+    }
+    size_t at = 0;
+    for (int b = 0; b < ST_ROWS * ST_COLS / 32; b++) {
+        float amax = 0;
+        for (int i = 0; i < 32; i++)
+            amax = fmaxf(amax, fabsf(w[32 * b + i]));
+        float d = amax / 127.0f;
+        uint16_t h = skv_f32_to_fp16(d);
+        memcpy(out + at, &h, 2);
+        for (int i = 0; i < 32; i++)
+            out[at + 2 + i] = (uint8_t)(int8_t)lrintf(d > 0 ? w[32 * b + i] / d : 0.0f);
+        at += 34;
+    }
+    return at;
+}
+
+/* The weight ops a forward needs on `be`: matmul with f16 and q8_0 weights at n = 1 (the GEMV
+ * kernels) and n = 16 (the GEMM path: cuBLAS on a device), get_rows of an f16 table, and RoPE
+ * at far positions; each against the CPU backend. */
+static int selftest_weights(struct skv_backend *be, struct skv_backend *cpu)
+{
+    static const int types[2] = {SKV_DTYPE_F16, SKV_DTYPE_Q8_0}, ns[2] = {1, 16};
+    uint8_t bytes[ST_ROWS * ST_COLS * 2];
+    float x[16 * ST_COLS], got[16 * ST_ROWS], want[16 * ST_ROWS];
+    uint32_t s = 777;
+    for (int i = 0; i < 16 * ST_COLS; i++) {
+        s = s * 1664525u + 1013904223u;
+        x[i] = (float)((s >> 8) & 0xffff) / 32768.0f - 1.0f;
+    }
+    void *dw = NULL, *dx = NULL, *dout = NULL;
+    int rc = be->ops->alloc(be, sizeof bytes, &dw);
+    rc = rc ? rc : be->ops->alloc(be, sizeof x, &dx);
+    rc = rc ? rc : be->ops->alloc(be, sizeof got, &dout);
+    rc = rc ? rc : be->ops->upload(be, dx, x, sizeof x);
+    for (int t = 0; t < 2 && !rc; t++) {
+        size_t nb = selftest_weight(types[t], 99u + (uint32_t)t, bytes);
+        struct skv_tensor host = {.type = types[t], .ndim = 2, .ne = {ST_COLS, ST_ROWS, 1, 1}, .data = bytes,
+                                  .nbytes = nb, .name = "self-test"};
+        struct skv_tensor dev = host;
+        dev.data = dw;
+        rc = be->ops->upload(be, dw, bytes, nb);
+        for (int k = 0; k < 2 && !rc; k++) {
+            char what[48];
+            snprintf(what, sizeof what, "matmul %s n=%d", t ? "q8_0" : "f16", ns[k]);
+            rc = be->ops->matmul(be, dout, &dev, NULL, dx, ns[k]);
+            rc = rc ? rc : be->ops->download(be, got, dout, (size_t)ns[k] * ST_ROWS * sizeof(float));
+            rc = rc ? rc : cpu->ops->matmul(cpu, want, &host, NULL, x, ns[k]);
+            rc = rc ? rc : selftest_close(be, what, got, want, ns[k] * ST_ROWS, 1e-3); /* the CPU's 8-bit x */
+        }
+        if (!rc && types[t] == SKV_DTYPE_F16) {
+            static const int32_t ids[3] = {3, 0, 31};
+            rc = be->ops->get_rows(be, dout, &dev, ids, 3);
+            rc = rc ? rc : be->ops->download(be, got, dout, 3 * ST_COLS * sizeof(float));
+            rc = rc ? rc : cpu->ops->get_rows(cpu, want, &host, ids, 3);
+            rc = rc ? rc : selftest_close(be, "get_rows f16", got, want, 3 * ST_COLS, 1e-12);
+        }
+    }
+    /* RoPE: 3 tokens of 2 heads of 32 (x's first 192 values), positions up to 30000 */
+    static const int32_t pos[3] = {0, 7, 30000};
+    struct skv_rope rope = {.mode = SKV_ROPE_NEOX, .rot_dim = 32, .theta = 500000.0f, .freq_scale = 1.0f};
+    memcpy(want, x, 3 * 2 * 32 * sizeof(float));
+    rc = rc ? rc : be->ops->rope(be, dx, 3, 2, 32, pos, &rope);
+    rc = rc ? rc : be->ops->download(be, got, dx, 3 * 2 * 32 * sizeof(float));
+    rc = rc ? rc : cpu->ops->rope(cpu, want, 3, 2, 32, pos, &rope);
+    rc = rc ? rc : selftest_close(be, "rope", got, want, 3 * 2 * 32, 1e-10);
+    void *bufs[] = {dw, dx, dout};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i])
+            be->ops->free(be, bufs[i]);
+    return rc;
+}
+
+/* Runs RMSNorm, a small GQA attention and the weight ops (selftest_weights) on `be` and on a
+ * 1-thread CPU backend and compares. */
 int skv_backend_selftest(struct skv_backend *be)
 {
     enum { N = 7, DIM = 64, H = 4, HKV = 2, D = 16, ROWS = N };
@@ -177,8 +283,9 @@ int skv_backend_selftest(struct skv_backend *be)
     rc = rc ? rc : be->ops->attention(be, dout, dq, 4, H, &view);
     rc = rc ? rc : be->ops->download(be, got, dout, (size_t)4 * H * D * sizeof(float));
     rc = rc ? rc : cpu->ops->attention(cpu, want, q, 4, H, &host);
-    if (!rc && (nmse(norm_dev, norm_cpu, N * DIM) > 1e-8 || nmse(got, want, 4 * H * D) > 1e-8))
-        rc = skv_errorf(SKV_E_DEVICE, "%s backend self-test: results differ from the CPU reference", be->name);
+    rc = rc ? rc : selftest_close(be, "rmsnorm", norm_dev, norm_cpu, N * DIM, 1e-8);
+    rc = rc ? rc : selftest_close(be, "attention", got, want, 4 * H * D, 1e-8);
+    rc = rc ? rc : selftest_weights(be, cpu);
     void *bufs[] = {dx, dw, dq, dout, dk[0], dk[1], dv[0], dv[1]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i])

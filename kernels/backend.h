@@ -239,6 +239,12 @@ struct skv_backend_ops {
      * weights of this type. The model converts weights of other types to f16 as it copies them
      * into backend memory. */
     bool (*weight_type_ok)(int type);
+
+    /* Optional (NULL: never): after an op failed with SKV_E_DEVICE, whether the device can run
+     * nothing more (CUDA: a sticky error, an illegal address or a lost device, that every later
+     * call returns). The daemon then stops with an error, so that its service manager starts a
+     * fresh one, instead of failing every request while its watchdog sees progress. */
+    bool (*device_lost)(struct skv_backend *be);
 };
 
 struct skv_backend {

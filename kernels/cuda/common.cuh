@@ -23,9 +23,11 @@ extern "C" {
 #define SKV_CUBLAS_CHECK(expr)                                                                     \
     do {                                                                                           \
         cublasStatus_t st_ = (expr);                                                               \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                                          \
+        if (st_ != CUBLAS_STATUS_SUCCESS) {                                                        \
+            (void)cudaGetLastError(); /* a failed launch inside cuBLAS: not the next request's */  \
             return skv_errorf(SKV_E_DEVICE, "%s:%d: cuBLAS: %s", __FILE__, __LINE__,               \
                               cublasGetStatusName(st_));                                           \
+        }                                                                                          \
     } while (0)
 
 #endif

@@ -78,9 +78,14 @@ static int cuda_alloc(struct skv_backend *be, size_t bytes, void **out)
 
 static void cuda_free(struct skv_backend *be, void *ptr)
 {
-    (void)be;
-    if (ptr)
-        cudaFree(ptr);
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    if (!ptr)
+        return;
+    /* queued work on the stream may still read it: wait for it here rather than count on
+     * cudaFree synchronizing the device (a stream-ordered allocator would not) */
+    (void)cudaStreamSynchronize(impl->stream);
+    cudaFree(ptr);
+    (void)cudaGetLastError(); /* a failure here is not the next request's */
 }
 
 static int cuda_upload(struct skv_backend *be, void *dst, const void *src, size_t bytes)
@@ -106,6 +111,12 @@ static int cuda_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, co
         return skv_errorf(SKV_E_INVAL, "copy_2d: %lld rows", (long long)n_rows);
     if (n_rows == 0 || row_bytes == 0)
         return SKV_OK;
+    if (n_rows == 1 || (dst_stride == row_bytes && src_stride == row_bytes)) {
+        /* contiguous: one plain copy (a 2-D copy refuses pitches past the device's memPitch,
+         * 2^31 - 1: a whole 128K-token residual stream passed as one row) */
+        SKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes * (size_t)n_rows, cudaMemcpyDeviceToDevice, impl->stream));
+        return SKV_OK;
+    }
     SKV_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, (size_t)n_rows,
                                      cudaMemcpyDeviceToDevice, impl->stream));
     return SKV_OK;
@@ -1950,6 +1961,17 @@ static int cuda_matmul_rows_as_one(struct skv_backend *be, const struct skv_tens
     return MM_GEMV_MAX_N;
 }
 
+static bool cuda_device_lost(struct skv_backend *be)
+{
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    (void)cudaGetLastError(); /* a launch error of its own is cleared; a sticky one stays */
+    cudaError_t err = cudaStreamSynchronize(impl->stream);
+    if (err == cudaSuccess)
+        return false;
+    (void)cudaGetLastError();
+    return cudaStreamSynchronize(impl->stream) != cudaSuccess;
+}
+
 static const struct skv_backend_ops cuda_ops = {
     /* destroy */ cuda_destroy,
     /* alloc */ cuda_alloc,
@@ -1976,6 +1998,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* ipc_close */ cuda_ipc_close,
     /* attention_split_rows */ NULL, /* cuBLAS picks kernels by shape: not known to be exact */
     /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
+    /* device_lost */ cuda_device_lost,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -1581,13 +1581,33 @@ static void test_determinism(void **state)
     }
 }
 
-/* The start-up self-test the daemon runs before trusting a device backend passes on the CPU. */
+/* A device whose GEMM path is broken: matmul of more than 8 rows leaves zeros. */
+static const struct skv_backend_ops *g_selftest_real;
+static int broken_gemm(struct skv_backend *be, float *out, const struct skv_tensor *w, const float *bias,
+                       const float *x, int n)
+{
+    int rc = g_selftest_real->matmul(be, out, w, bias, x, n);
+    if (!rc && n > 8)
+        memset(out, 0, (size_t)n * (size_t)w->ne[1] * sizeof(float));
+    return rc;
+}
+
+/* The start-up self-test the daemon runs before trusting a device backend passes on the CPU,
+ * and fails a backend whose GEMM path is broken (before, it ran only rmsnorm and one small
+ * attention, and such a device passed). */
 static void test_selftest(void **state)
 {
     (void)state;
     struct skv_backend *be = NULL;
     assert_int_equal(skv_backend_cpu_new(2, &be), SKV_OK);
     assert_int_equal(skv_backend_selftest(be), SKV_OK);
+    g_selftest_real = be->ops;
+    struct skv_backend_ops broken = *be->ops;
+    broken.matmul = broken_gemm;
+    be->ops = &broken;
+    assert_int_equal(skv_backend_selftest(be), SKV_E_DEVICE);
+    assert_non_null(strstr(skv_error_msg(), "matmul f16 n=16 differs from the CPU reference"));
+    be->ops = g_selftest_real;
     skv_backend_destroy(&be);
 }
 

@@ -155,6 +155,8 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     int k = ((const uint8_t *)handle)[0];
     if (handle_len != 64 || k < 1 || k >= N_FAKE)
         return skv_errorf(SKV_E_INVAL, "fake ipc_open: no buffer %d", k);
+    if (((const uint8_t *)handle)[1] == 0xDE)
+        return skv_errorf(SKV_E_DEVICE, "fake ipc_open: the device failed");
     pthread_mutex_lock(&g_stuck_mu);
     while (k == g_stuck_k) {
         g_stuck = true;
@@ -169,6 +171,14 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     *out = g_mem[k];
     *bytes_out = FAKE_BYTES;
     return SKV_OK;
+}
+
+/* The fake device's answer to device_lost: whether it can run nothing more. */
+static atomic_bool g_device_gone;
+static bool fake_device_lost(struct skv_backend *be)
+{
+    (void)be;
+    return atomic_load(&g_device_gone);
 }
 
 static void fake_ipc_close(struct skv_backend *be, void *ptr)
@@ -375,6 +385,8 @@ static int setup(void **state)
     g_ops = *be->ops;
     g_ops.ipc_open = fake_ipc_open;
     g_ops.ipc_close = fake_ipc_close;
+    g_ops.device_lost = fake_device_lost;
+    atomic_store(&g_device_gone, false);
     g_real_rmsnorm = g_ops.rmsnorm;
     g_ops.rmsnorm = gated_rmsnorm;
     g_real_download = g_ops.download;
@@ -3154,6 +3166,25 @@ static void test_evict_frees(void **state)
     assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
 }
 
+/* A request that fails with SKV_E_DEVICE asks the backend whether the device is lost: a failure
+ * the device recovers from changes nothing; once it is lost, skv_worker_device_lost says so
+ * (the socket loop then stops the daemon with an error, for systemd to restart it). */
+static void test_device_lost(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16];
+    prefill(f, 8, "policy=full", a);
+    for (int lost = 0; lost < 2; lost++) {
+        atomic_store(&g_device_gone, lost == 1);
+        submit_export_variant(f, 0, ID_X, a, 1, 0xDE);
+        Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+        assert_int_equal(rep->status, SKV_E_DEVICE);
+        snapkv__reply__free_unpacked(rep, NULL);
+        assert_int_equal(skv_worker_device_lost(f->w), lost == 1);
+    }
+    atomic_store(&g_device_gone, false);
+}
+
 /* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
  * a round at every tick of a long prefill (after each layer's projections, attention and MLP: 3
  * per layer, as decode-yield-ms = 0 does), and a share of 0 none (the decode waits for the
@@ -3192,6 +3223,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ipc_lru, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ipc_stated_size, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_device_lost, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_text_no_bos, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
