@@ -3100,8 +3100,10 @@ static void test_append_text_no_bos(void **state)
     assert_int_equal(n_next, 3);
     for (int i = 0; i < n_next; i++)
         assert_true(ids[i] < f->tiny->m->cfg.n_vocab);
-    struct skv_tokenizer *own = f->tiny->m->tok; /* the worker reads it only while it runs a job */
+    struct skv_tokenizer *own = f->tiny->m->tok;
+    skv_worker_stop(&f->w); /* swapped while no worker thread runs (joined: no race for TSan) */
     f->tiny->m->tok = tok;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
 
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
     p.text = "Qx";
@@ -3130,8 +3132,10 @@ static void test_append_text_no_bos(void **state)
         assert_int_equal(rep->append->n_tokens, n_first + (chat + 1) * n_next);
         snapkv__reply__free_unpacked(rep, NULL);
     }
+    skv_worker_stop(&f->w);
     f->tiny->m->tok = own;
     skv_tokenizer_free(&tok);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
 }
 
 /* Pool pressure evicts a session only when that frees a block: a fork's document whose every
