@@ -155,7 +155,7 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     int k = ((const uint8_t *)handle)[0];
     if (handle_len != 64 || k < 1 || k >= N_FAKE)
         return skv_errorf(SKV_E_INVAL, "fake ipc_open: no buffer %d", k);
-    if (((const uint8_t *)handle)[1] == 0xDE)
+    if (((const uint8_t *)handle)[1] == 0xDE && ((const uint8_t *)handle)[2] == 0xAD) /* variant 0xADDE */
         return skv_errorf(SKV_E_DEVICE, "fake ipc_open: the device failed");
     pthread_mutex_lock(&g_stuck_mu);
     while (k == g_stuck_k) {
@@ -3180,7 +3180,7 @@ static void test_device_lost(void **state)
     prefill(f, 8, "policy=full", a);
     for (int lost = 0; lost < 2; lost++) {
         atomic_store(&g_device_gone, lost == 1);
-        submit_export_variant(f, 0, ID_X, a, 1, 0xDE);
+        submit_export_variant(f, 0, ID_X, a, 1, 0xADDE);
         Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
         assert_int_equal(rep->status, SKV_E_DEVICE);
         snapkv__reply__free_unpacked(rep, NULL);
