@@ -81,7 +81,7 @@ static const struct skv_config_option options[] = {
      "largest request message (ZMQ_MAXMSGSIZE)"},
     {"max-reply-bytes-per-client", SKV_CFG_SIZE, OPT(max_reply_bytes_per_client), "64M", 1 << 20, INT64_C(1) << 42,
      "bytes of replies a client has not read yet that the daemon holds; past it its replies are dropped "
-     "(libzmq's own bound is 1000 messages, whatever their size)"},
+     "(libzmq's own bound is queue-depth + 5096 messages a client, whatever their size)"},
     {"max-reply-bytes", SKV_CFG_SIZE, OPT(max_reply_bytes), "1G", 1 << 20, INT64_C(1) << 42,
      "bytes of replies not read yet the daemon holds for all clients together; past it replies are dropped"},
     {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,

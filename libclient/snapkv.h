@@ -6,7 +6,8 @@
  * not use it: a call made from one fails with SNAPKV_E_BUSY (use another client), and closing
  * the client there is undefined. A signal does not end a call: it waits on for what is left of
  * its timeout (a streaming callback can stop a decode). A call whose connection closes while it
- * waits (the daemon stopped or restarted) fails at once with SNAPKV_E_IO: whether it ran is not
+ * waits (the daemon stopped or restarted) fails with SNAPKV_E_IO within 200 ms (replies already
+ * on their way are taken meanwhile; never later than its own timeout): whether it ran is not
  * known; the next call goes out on the connection there is then.
  * Different clients may be used concurrently, and several threads may connect at once (each
  * client has its own ZeroMQ context and CURVE keys). Result structs (snapkv_*_result, lists, stats)
@@ -17,7 +18,8 @@
  *
  * Compression specs are plain strings of comma-separated key=value pairs, the same the daemon's
  * config file and snapkvctl take, e.g. "policy=snapkv,ratio=0.1" or
- * "policy=snapkv,alloc=squeeze,budget=512,window=32". NULL or "" means no compression. The
+ * "policy=snapkv,alloc=squeeze,budget=512,window=32". For a PREFILL NULL or "" means no
+ * compression (the daemon's default-compress); snapkv_compress needs one. The
  * daemon parses and validates them (unknown keys and bad values are errors).
  *
  * ABI: the shared library is libsnapkv.so.N, N = current - age of its libtool version
@@ -372,9 +374,12 @@ SNAPKV_API int snapkv_export_kv_layers(snapkv_client_t *client, const struct sna
 
 /* A CUDA buffer for EXPORT_KV / IMPORT_KV on a daemon that runs on a GPU: the bytes
  * cudaIpcGetMemHandle() gave for a cudaMalloc'd buffer of `size` bytes (libsnapkv does not link
- * CUDA; copy the cudaIpcMemHandle_t into `handle`). The daemon opens a handle once per client
- * and closes it when the client has been idle for a lease (or the daemon stops); keep the
- * buffer allocated until then. A daemon on the CPU answers SNAPKV_E_UNSUPPORTED. */
+ * CUDA; copy the cudaIpcMemHandle_t into `handle`). The daemon keeps a handle it opened open
+ * for the client's next transfers, and closes it when the client's connection closes, when the
+ * client has been idle for a lease, when the daemon stops, or when more handles are open (8 a
+ * client, 256 in all: the least recently used closes, to be opened again on its next use);
+ * keep the buffer allocated while the client is connected. A daemon on the CPU answers
+ * SNAPKV_E_UNSUPPORTED. */
 #define SNAPKV_CUDA_IPC_HANDLE_BYTES 64
 struct snapkv_cuda_ipc_buffer {
     unsigned char handle[SNAPKV_CUDA_IPC_HANDLE_BYTES];
@@ -474,7 +479,8 @@ SNAPKV_API int snapkv_admin_save(snapkv_client_t *client, const struct snapkv_se
 /* Loads a saved session as a new one, for `tenant` (NULL or "": the daemon's choice). It goes on
  * under the spec it was saved with (the compressor's state, the rows' scores and the next-token
  * logits come back), so DECODE goes on from where the saved session stood. A session saved in
- * the older format (version 2) has no logits: APPEND the next token before DECODE. */
+ * an older format has no logits (versions 1 and 2: APPEND the next token before DECODE), and
+ * one of version 1 no compressor state either (it goes on uncompressed). */
 SNAPKV_API int snapkv_admin_load(snapkv_client_t *client, const char *name, const char *tenant,
                                  struct snapkv_session_id *out);
 

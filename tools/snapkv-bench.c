@@ -80,7 +80,7 @@ static void usage(FILE *out)
             "                                        last-position logits (--all: every value)\n"
             "  generate (--prompt T | --prompt-file F | --tokens ...) [--chat] [--max-tokens N]\n"
             "           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compress SPEC]\n"
-            "  select (--prompt T | --prompt-file F | --tokens ...) --compress SPEC\n"
+            "  select (--prompt T | --prompt-file F | --tokens ...) [--chat] [--compress SPEC (policy=full)]\n"
             "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192|none] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
             "        [--repeat R] [--compress SPEC]  prefill / decode tokens/s and peak memory; with\n"
