@@ -284,6 +284,9 @@ int main(int argc, char **argv)
         skv_log(SKV_LOG_ERROR, "model %s: %s", cfg.model, skv_error_msg());
         goto out_backend;
     }
+    if (model->tok_note[0])
+        skv_log(SKV_LOG_WARN, "model %s: no tokenizer (%s): requests must carry token ids", cfg.model,
+                model->tok_note);
     if (stop_requested("loading the model")) {
         exit_code = 0;
         goto out_model;

@@ -497,9 +497,14 @@ static int parse(struct skv_gguf *g)
     uint64_t n_tensors, n_kv;
     int rc;
 
-    if (g->size < 4 || memcmp(g->base, GGUF_MAGIC, 4) != 0)
+    if (g->size < 4 || memcmp(g->base, GGUF_MAGIC, 4) != 0) {
+        /* a .safetensors file starts with its header's length, then '{' */
+        if (g->size > 9 && ((const char *)g->base)[8] == '{')
+            return skv_errorf(SKV_E_FORMAT, "gguf: not a GGUF file but a safetensors one: give the folder that holds "
+                              "it and its config.json");
         return skv_errorf(SKV_E_FORMAT, "gguf: bad magic at offset 0 (not a GGUF file, %zu bytes)",
                           g->size);
+    }
     r.pos = 4;
     if (!rd_u32(&r, &g->version))
         return skv_errorf(SKV_E_FORMAT, "gguf: truncated at offset 4 reading the version");

@@ -24,6 +24,8 @@ struct model_impl {
     void **owned;        /* backend buffers this model allocated (f32 copies) */
     int n_owned, cap_owned;
     float *rope_factors; /* [rot_dim / 2] host copy of GGUF rope_freqs.weight, or NULL */
+    const struct skv_tensor **taken; /* the file's tensors the weights use (map_weights) */
+    int n_taken, cap_taken;
 };
 
 static int own(struct skv_model *m, void *ptr)
@@ -211,8 +213,68 @@ static int take(struct skv_model *m, find_fn find, const char *pattern, int laye
     memset(dst, 0, sizeof *dst);
     if (!t)
         return optional ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "tensor %s is missing", name);
+    struct model_impl *impl = m->impl;
+    if (impl->n_taken == impl->cap_taken) {
+        int cap = impl->cap_taken ? 2 * impl->cap_taken : 64;
+        const struct skv_tensor **more = realloc(impl->taken, (size_t)cap * sizeof *more);
+        if (!more)
+            return skv_errorf(SKV_E_NOMEM, "out of memory for the tensor list");
+        impl->taken = more;
+        impl->cap_taken = cap;
+    }
+    impl->taken[impl->n_taken++] = t;
     *dst = *t;
     return check_shape(dst, ne0, ne1);
+}
+
+static int by_address(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)*(const struct skv_tensor *const *)a, y = (uintptr_t)*(const struct skv_tensor *const *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Refuses a file with a tensor the engine would not use (an o_proj or MLP bias, experts, a
+ * norm this architecture does not have...): the weights it holds change what the model
+ * computes, and leaving them out would give other logits without a word. `ignore`: name
+ * endings that carry nothing the forward needs (or that the loader read itself). */
+static int check_all_used(struct skv_model *m, int64_t n, const struct skv_tensor *(*tensor)(const void *, int64_t),
+                          const void *file, const char *const *ignore, const char *what)
+{
+    struct model_impl *impl = m->impl;
+    qsort(impl->taken, (size_t)impl->n_taken, sizeof *impl->taken, by_address);
+    int64_t unused = 0;
+    const char *first = NULL;
+    for (int64_t i = 0; i < n; i++) {
+        const struct skv_tensor *t = tensor(file, i);
+        if (bsearch(&t, impl->taken, (size_t)impl->n_taken, sizeof *impl->taken, by_address))
+            continue;
+        bool skip = false;
+        const char *name = t->name ? t->name : "";
+        for (const char *const *ig = ignore; *ig && !skip; ig++) {
+            size_t a = strlen(name), b = strlen(*ig);
+            skip = a >= b && strcmp(name + a - b, *ig) == 0;
+        }
+        if (!skip && !unused++)
+            first = name;
+    }
+    free(impl->taken);
+    impl->taken = NULL;
+    impl->n_taken = impl->cap_taken = 0;
+    if (unused)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: tensor %s%s is not one this engine computes with (e.g. an "
+                          "output-projection or MLP bias, or experts): refused rather than run without it", what,
+                          first ? first : "?", unused > 1 ? " and others" : "");
+    return SKV_OK;
+}
+
+static const struct skv_tensor *gguf_tensor_at(const void *g, int64_t i)
+{
+    return skv_gguf_tensor(g, i);
+}
+
+static const struct skv_tensor *st_tensor_at(const void *st, int64_t i)
+{
+    return skv_safetensors_tensor(st, i);
 }
 
 static int map_weights(struct skv_model *m, find_fn find, const struct name_map *nm)
@@ -347,6 +409,18 @@ static bool gguf_f32(const struct skv_gguf *g, const char *arch, const char *key
     return skv_gguf_get_f32(g, full, out);
 }
 
+/* An optional key that was read (ok) or is absent: SKV_OK; one that is present but not what
+ * it should be (a string where a number belongs, an array of per-layer values) is refused
+ * rather than replaced by the default without a word. */
+static int gguf_optional(const struct skv_gguf *g, const char *arch, const char *key, bool ok, const char *path)
+{
+    char full[128];
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    if (ok || skv_gguf_find_key(g, full) < 0)
+        return SKV_OK;
+    return skv_errorf(SKV_E_UNSUPPORTED, "%s: %s is present but not a single number this engine reads", path, full);
+}
+
 /* Ends a fingerprint hash with a trailing count (file size, tensor count) and writes its hex. */
 static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st, uint64_t trailer)
 {
@@ -452,6 +526,18 @@ static int gguf_sliding_window(struct skv_model *m, const char *path)
     return SKV_OK;
 }
 
+/* A tokenizer of a kind this one does not implement (SentencePiece-style byte fallback: Llama 2,
+ * Mistral v0.x) leaves the weights usable with token ids: noted in m->tok_note, not an error.
+ * Other failures (a damaged file) stay errors. */
+static int tokenizer_unsupported(struct skv_model *m, int rc)
+{
+    if (rc != SKV_E_UNSUPPORTED)
+        return rc;
+    snprintf(m->tok_note, sizeof m->tok_note, "%s", skv_error_msg());
+    skv_error_clear();
+    return SKV_OK;
+}
+
 static int load_gguf(struct skv_model *m, const char *path)
 {
     struct model_impl *impl = m->impl;
@@ -478,19 +564,34 @@ static int load_gguf(struct skv_model *m, const char *path)
         !gguf_u32(g, arch, "attention.head_count", &c->n_heads))
         return skv_errorf(SKV_E_FORMAT, "%s: missing %s.block_count / embedding_length / "
                                         "feed_forward_length / attention.head_count", path, arch);
-    if (!gguf_u32(g, arch, "attention.head_count_kv", &c->n_kv_heads))
-        c->n_kv_heads = c->n_heads;
+    int experts = 0;
+    if (gguf_u32(g, arch, "expert_count", &experts) && experts > 0)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: a mixture of experts (%d experts) is not supported", path, experts);
+    c->n_kv_heads = c->n_heads;
     c->head_dim = c->n_heads ? c->dim / c->n_heads : 0;
-    gguf_u32(g, arch, "attention.key_length", &c->head_dim);
-    if (!gguf_u32(g, arch, "context_length", &c->max_ctx))
-        c->max_ctx = 4096;
-    if (!gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps))
-        c->norm_eps = 1e-5f;
-    c->rope.mode = is_qwen2 ? SKV_ROPE_NEOX : SKV_ROPE_NORM;
+    c->max_ctx = 4096;
+    c->norm_eps = 1e-5f;
     c->rope.theta = 10000.0f;
-    gguf_f32(g, arch, "rope.freq_base", &c->rope.theta);
+    int v_dim = -1;
+    if ((rc = gguf_optional(g, arch, "attention.head_count_kv", gguf_u32(g, arch, "attention.head_count_kv",
+                                                                          &c->n_kv_heads), path)) ||
+        (rc = gguf_optional(g, arch, "attention.key_length", gguf_u32(g, arch, "attention.key_length", &c->head_dim),
+                            path)) ||
+        (rc = gguf_optional(g, arch, "attention.value_length",
+                            gguf_u32(g, arch, "attention.value_length", &v_dim), path)) ||
+        (rc = gguf_optional(g, arch, "context_length", gguf_u32(g, arch, "context_length", &c->max_ctx), path)) ||
+        (rc = gguf_optional(g, arch, "attention.layer_norm_rms_epsilon",
+                            gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps), path)) ||
+        (rc = gguf_optional(g, arch, "rope.freq_base", gguf_f32(g, arch, "rope.freq_base", &c->rope.theta), path)))
+        return rc;
+    if (v_dim >= 0 && v_dim != c->head_dim)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: value heads of %d and key heads of %d (one size is supported)", path,
+                          v_dim, c->head_dim);
+    c->rope.mode = is_qwen2 ? SKV_ROPE_NEOX : SKV_ROPE_NORM;
     c->rope.rot_dim = c->head_dim;
-    gguf_u32(g, arch, "rope.dimension_count", &c->rope.rot_dim);
+    if ((rc = gguf_optional(g, arch, "rope.dimension_count",
+                            gguf_u32(g, arch, "rope.dimension_count", &c->rope.rot_dim), path)))
+        return rc;
     c->rope.freq_scale = 1.0f;
     if ((rc = gguf_rope_scaling(m, path)))
         return rc;
@@ -502,11 +603,14 @@ static int load_gguf(struct skv_model *m, const char *path)
     c->n_vocab = (int)embd->ne[1];
     if ((rc = validate_config(c)))
         return rc;
-    if ((rc = map_weights(m, find_gguf, &gguf_names)) || (rc = gguf_sliding_window(m, path)))
+    static const char *const gguf_ignore[] = {"rope_freqs.weight", NULL};
+    if ((rc = map_weights(m, find_gguf, &gguf_names)) || (rc = gguf_sliding_window(m, path)) ||
+        (rc = check_all_used(m, skv_gguf_n_tensors(g), gguf_tensor_at, g, gguf_ignore, path)))
         return rc;
     /* a GGUF without tokenizer.ggml.model (a test checkpoint) loads with no tokenizer, as an
      * HF folder without tokenizer.json does */
-    if (skv_gguf_find_key(g, "tokenizer.ggml.model") >= 0 && (rc = skv_tokenizer_from_gguf(g, &m->tok)))
+    if (skv_gguf_find_key(g, "tokenizer.ggml.model") >= 0 && (rc = skv_tokenizer_from_gguf(g, &m->tok)) &&
+        (rc = tokenizer_unsupported(m, rc)))
         return rc;
 
     const char *lo = NULL;
@@ -607,6 +711,10 @@ static int load_hf(struct skv_model *m, const char *dir)
     struct model_impl *impl = m->impl;
     char path[1200];
     snprintf(path, sizeof path, "%s/config.json", dir);
+    struct stat cs;
+    if (stat(path, &cs) != 0)
+        return skv_errorf(SKV_E_NOT_FOUND, "%s: a folder without config.json (a model is a GGUF file or a Hugging "
+                          "Face folder holding config.json and its *.safetensors)", dir);
     json_error_t jerr;
     json_t *root = json_load_file(path, 0, &jerr);
     if (!root)
@@ -643,7 +751,42 @@ static int load_hf(struct skv_model *m, const char *dir)
     c->rope.mode = SKV_ROPE_NEOX;
     c->rope.rot_dim = c->head_dim;
     c->rope.freq_scale = 1.0f;
+    const char *act = json_string_value(json_object_get(root, "hidden_act"));
+    if (act && strcmp(act, "silu") != 0) {
+        rc = skv_errorf(SKV_E_UNSUPPORTED, "%s: hidden_act '%s' is not supported (silu)", path, act);
+        goto out;
+    }
     json_t *rs = json_object_get(root, "rope_scaling");
+    /* transformers 5 writes rope_theta and the scaling together, as rope_parameters (read as
+     * rope_scaling is; one per layer type is not supported) */
+    json_t *rp = json_object_get(root, "rope_parameters");
+    if (rp && json_is_object(rp)) {
+        const char *key;
+        json_t *v;
+        json_object_foreach(rp, key, v) {
+            if (json_is_object(v)) {
+                rc = skv_errorf(SKV_E_UNSUPPORTED, "%s: rope_parameters per layer type ('%s') are not supported",
+                                path, key);
+                goto out;
+            }
+        }
+        float theta = c->rope.theta;
+        if ((rc = json_float(rp, "rope_theta", &theta)))
+            goto out;
+        if (json_object_get(root, "rope_theta") && theta != c->rope.theta) {
+            rc = skv_errorf(SKV_E_FORMAT, "%s: rope_theta %g and rope_parameters.rope_theta %g disagree", path,
+                            (double)c->rope.theta, (double)theta);
+            goto out;
+        }
+        c->rope.theta = theta;
+        if (rs && json_is_object(rs) && !json_equal(rs, rp) && json_object_get(rp, "rope_type") &&
+            !json_equal(json_object_get(rp, "rope_type"), json_object_get(rs, "rope_type"))) {
+            rc = skv_errorf(SKV_E_FORMAT, "%s: rope_scaling and rope_parameters name different rope types", path);
+            goto out;
+        }
+        if (!rs || !json_is_object(rs))
+            rs = rp;
+    }
     if (rs && json_is_object(rs)) {
         const char *type = json_string_value(json_object_get(rs, "rope_type"));
         if (!type)
@@ -678,7 +821,9 @@ static int load_hf(struct skv_model *m, const char *dir)
         goto out;
     if ((rc = skv_safetensors_open_dir(dir, &impl->st)))
         goto out;
-    if ((rc = map_weights(m, find_st, &hf_names)) || (rc = hf_sliding_window(m, root, mt, path)))
+    static const char *const hf_ignore[] = {"rotary_emb.inv_freq", NULL};
+    if ((rc = map_weights(m, find_st, &hf_names)) || (rc = hf_sliding_window(m, root, mt, path)) ||
+        (rc = check_all_used(m, skv_safetensors_n_tensors(impl->st), st_tensor_at, impl->st, hf_ignore, dir)))
         goto out;
     json_t *tie = json_object_get(root, "tie_word_embeddings");
     if (json_is_false(tie) && m->cfg.tied_output) {
@@ -687,14 +832,23 @@ static int load_hf(struct skv_model *m, const char *dir)
     }
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     struct stat sb;
-    if (stat(path, &sb) == 0 && (rc = skv_tokenizer_from_json(path, &m->tok)))
+    if (stat(path, &sb) == 0 && (rc = skv_tokenizer_from_json(path, &m->tok)) && (rc = tokenizer_unsupported(m, rc)))
         goto out;
-    /* Fingerprint: config.json's text plus the tensor table. */
+    /* Fingerprint: config.json's text plus every tensor's name, shape, type and first bytes
+     * (before, only the config and the tensor count: two fine-tunes sharing a config.json got
+     * one fingerprint, and a restore would take one's KV for the other's) */
     char *text = json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT);
     if (text) {
         crypto_hash_sha256_state st;
         crypto_hash_sha256_init(&st);
         crypto_hash_sha256_update(&st, (const unsigned char *)text, strlen(text));
+        for (int64_t i = 0; i < skv_safetensors_n_tensors(impl->st); i++) {
+            const struct skv_tensor *t = skv_safetensors_tensor(impl->st, i);
+            crypto_hash_sha256_update(&st, (const unsigned char *)t->name, strlen(t->name));
+            crypto_hash_sha256_update(&st, (const unsigned char *)t->ne, sizeof t->ne);
+            crypto_hash_sha256_update(&st, (const unsigned char *)&t->type, sizeof t->type);
+            crypto_hash_sha256_update(&st, t->data, t->nbytes < 64 ? t->nbytes : 64);
+        }
         fingerprint_finish(m, &st, (uint64_t)skv_safetensors_n_tensors(impl->st));
         free(text);
     }
@@ -789,6 +943,7 @@ void skv_model_free(struct skv_model **model_p)
         skv_gguf_close(&impl->gguf);
         skv_safetensors_close(&impl->st);
         free(impl->rope_factors);
+        free(impl->taken); /* a load that failed before its check */
         free(impl);
     }
     skv_tokenizer_free(&m->tok);

@@ -51,7 +51,9 @@ struct skv_model {
     struct skv_tensor output_norm; /* (dim) f32 */
     struct skv_tensor output;      /* (dim -> n_vocab); == tok_embd when tied */
     struct skv_layer_weights *layers; /* [n_layers] */
-    struct skv_tokenizer *tok;     /* NULL when the file has no tokenizer */
+    struct skv_tokenizer *tok;     /* NULL when the file has no tokenizer, or one of a kind not
+                                      supported (tok_note then says which: requests carry ids) */
+    char tok_note[256];
     char name[128];
     char fingerprint[65];          /* sha256 hex of the file's header + tensor table */
     char path[1024];

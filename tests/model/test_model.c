@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -246,22 +247,27 @@ static void edit_types_short(json_t *c)
 
 static void edit_l3_band(json_t *c)
 {
+    json_object_del(c, "rope_parameters"); /* rope_scaling alone, as transformers 4 wrote it */
     json_object_set_new(json_object_get(c, "rope_scaling"), "high_freq_factor", json_real(0.5));
 }
 static void edit_l3_factor0(json_t *c)
 {
+    json_object_del(c, "rope_parameters"); /* rope_scaling alone, as transformers 4 wrote it */
     json_object_set_new(json_object_get(c, "rope_scaling"), "factor", json_real(0.0));
 }
 static void edit_rope_yarn(json_t *c)
 {
+    json_object_del(c, "rope_parameters"); /* rope_scaling alone, as transformers 4 wrote it */
     json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "yarn", "factor", 4.0));
 }
 static void edit_linear_factor0(json_t *c)
 {
+    json_object_del(c, "rope_parameters"); /* rope_scaling alone, as transformers 4 wrote it */
     json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "linear", "factor", 0.0));
 }
 static void edit_linear_2(json_t *c)
 {
+    json_object_del(c, "rope_parameters"); /* rope_scaling alone, as transformers 4 wrote it */
     json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "linear", "factor", 2.0));
 }
 
@@ -472,6 +478,9 @@ struct gguf_extra {
     float scaling_factor;     /* llama.rope.scaling.factor; 0: absent */
     float freq_base;          /* llama.rope.freq_base; 0: absent */
     int n_tokens;             /* a tokenizer of this many tokens ('A' + i); 0: none */
+    const char *tok_model;    /* its tokenizer.ggml.model (NULL: gpt2) */
+    const char *freq_base_str; /* llama.rope.freq_base as a string (a hand-edited file); NULL: none */
+    int experts;              /* llama.expert_count; 0: absent */
 };
 
 /* Writes a llama GGUF to a temporary file and returns its path (malloc'd): 1 layer, dim 8,
@@ -500,12 +509,16 @@ static char *write_gguf(const struct gguf_extra *x)
     gb_kv_u32(&b, "llama.context_length", 64);
     if (x->freq_base != 0.0f)
         gb_kv_f32(&b, "llama.rope.freq_base", x->freq_base);
+    if (x->freq_base_str)
+        gb_kv_str(&b, "llama.rope.freq_base", x->freq_base_str);
+    if (x->experts)
+        gb_kv_u32(&b, "llama.expert_count", (uint32_t)x->experts);
     if (x->scaling_type)
         gb_kv_str(&b, "llama.rope.scaling.type", x->scaling_type);
     if (x->scaling_factor != 0.0f)
         gb_kv_f32(&b, "llama.rope.scaling.factor", x->scaling_factor);
     if (x->n_tokens > 0) {
-        gb_kv_str(&b, "tokenizer.ggml.model", "gpt2");
+        gb_kv_str(&b, "tokenizer.ggml.model", x->tok_model ? x->tok_model : "gpt2");
         gb_key(&b, "tokenizer.ggml.tokens", 9);
         gb_u32(&b, 8);
         gb_u64(&b, (uint64_t)x->n_tokens);
@@ -568,16 +581,19 @@ static void test_gguf_rope_scaling(void **state)
         float freq_scale; /* on SKV_OK */
         const char *in_msg; /* otherwise */
     } cases[] = {
-        {{NULL, 0.0f, 0.0f, 0}, SKV_OK, 1.0f, NULL},
-        {{"none", 4.0f, 0.0f, 0}, SKV_OK, 1.0f, NULL},
-        {{"linear", 4.0f, 0.0f, 0}, SKV_OK, 0.25f, NULL},
-        {{NULL, 2.0f, 0.0f, 0}, SKV_OK, 0.5f, NULL},
-        {{"linear", 0.0f, 0.0f, 0}, SKV_OK, 1.0f, NULL},
-        {{"yarn", 4.0f, 0.0f, 0}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
-        {{"longrope", 0.0f, 0.0f, 0}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
-        {{"llama3", 8.0f, 0.0f, 0}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
-        {{"linear", -2.0f, 0.0f, 0}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
-        {{NULL, 0.0f, INFINITY, 0}, SKV_E_FORMAT, 0.0f, "rope"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 1.0f, NULL},
+        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 1.0f, NULL},
+        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 0.25f, NULL},
+        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 0.5f, NULL},
+        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 1.0f, NULL},
+        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
+        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
+        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
+        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
+        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0}, SKV_E_FORMAT, 0.0f, "rope"},
+        /* present but unreadable: refused (before, 10000 was used without a word) */
+        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
     };
     struct skv_backend *be = NULL;
     assert_int_equal(backend_new(1, &be), SKV_OK);
@@ -623,8 +639,16 @@ static void test_tokenizer_fits_model(void **state)
     assert_int_equal(load_written(&big, be, &m), SKV_E_FORMAT);
     assert_null(m);
     assert_non_null(strstr(skv_error_msg(), "40 tokens"));
+    /* a SentencePiece-style tokenizer (Llama 2, Mistral v0.x) is not one this tokenizer reads:
+     * the weights load for token ids, the note says why (before, the model did not load) */
+    struct gguf_extra spm = {.n_tokens = 20, .tok_model = "llama"};
+    assert_int_equal(load_written(&spm, be, &m), SKV_OK);
+    assert_null(m->tok);
+    assert_non_null(strstr(m->tok_note, "tokenizer.ggml.model 'llama'"));
+    skv_model_free(&m);
     assert_int_equal(load_written(&small, be, &m), SKV_OK);
     assert_int_equal(m->cfg.n_vocab, 32);
+    assert_string_equal(m->tok_note, "");
     assert_int_equal(skv_tokenizer_n_vocab(m->tok), 20);
     int32_t ids[4] = {5, 25, 31, 19}; /* F, two rows past the tokenizer, T */
     char *text = NULL;
@@ -981,6 +1005,127 @@ static void test_weights_converted(void **state)
     free(path);
 }
 
+/* A fixture folder staged with its config.json edited by `edit`, loaded on be: the status
+ * (*out: the model when it loaded; *dir_out: the folder, for fixture_remove_dir). */
+static int load_config_edited(const char *fixture, void (*edit)(json_t *root), struct skv_backend *be,
+                              struct skv_model **out, char **dir_out)
+{
+    char *dir = fixture_stage_dir(fixture);
+    assert_non_null(dir);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_t *root = json_load_file(path, 0, NULL);
+    assert_non_null(root);
+    edit(root);
+    assert_int_equal(json_dump_file(root, path, JSON_INDENT(1)), 0);
+    json_decref(root);
+    *out = NULL;
+    *dir_out = dir;
+    return skv_model_load(dir, be, NULL, out);
+}
+
+static void v5_theta(json_t *root)
+{
+    json_object_del(root, "rope_theta");
+    json_object_set_new(root, "rope_parameters", json_pack("{s:f, s:s}", "rope_theta", 500000.0, "rope_type", "default"));
+}
+
+static void v5_yarn(json_t *root)
+{
+    json_object_set_new(root, "rope_parameters",
+                        json_pack("{s:f, s:s, s:f}", "rope_theta", 10000.0, "rope_type", "yarn", "factor", 4.0));
+}
+
+static void v5_per_layer(json_t *root)
+{
+    json_object_set_new(root, "rope_parameters",
+                        json_pack("{s:{s:f, s:s}}", "full_attention", "rope_theta", 10000.0, "rope_type", "default"));
+}
+
+static void gelu(json_t *root)
+{
+    json_object_set_new(root, "hidden_act", json_string("gelu"));
+}
+
+/* What a Hugging Face folder's config and tensors say that the engine cannot compute is
+ * refused, where it loaded and computed other logits without a word: transformers 5's
+ * rope_parameters (its theta was ignored: 10000 was used), a rope type there that is not
+ * supported, hidden_act other than silu, and a tensor no weight uses (an o_proj bias). Two
+ * folders with one config and other weights get other fingerprints (a restore tells them apart). */
+static void test_hf_config_checks(void **state)
+{
+    (void)state;
+    struct skv_model *m = NULL;
+    struct skv_backend *be = NULL;
+    char *dir = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    assert_int_equal(load_config_edited("tests/fixtures/tiny-llama", v5_theta, be, &m, &dir), SKV_OK);
+    assert_true(m->cfg.rope.theta == 500000.0f);
+    skv_model_free(&m);
+    fixture_remove_dir(dir);
+    void (*bad[3])(json_t *) = {v5_yarn, v5_per_layer, gelu};
+    const char *why[3] = {"rope_scaling type 'yarn' is not supported", "rope_parameters per layer type",
+                          "hidden_act 'gelu' is not supported"};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(load_config_edited("tests/fixtures/tiny-llama", bad[k], be, &m, &dir), SKV_E_UNSUPPORTED);
+        assert_null(m);
+        if (!strstr(skv_error_msg(), why[k]))
+            fail_msg("%s", skv_error_msg());
+        fixture_remove_dir(dir);
+    }
+
+    /* an extra shard holding model.layers.0.self_attn.o_proj.bias, named in the index */
+    dir = fixture_stage_dir("tests/fixtures/tiny-llama-sharded");
+    assert_non_null(dir);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/extra.safetensors", dir);
+    const char *hdr = "{\"model.layers.0.self_attn.o_proj.bias\":{\"dtype\":\"F32\",\"shape\":[64],"
+                      "\"data_offsets\":[0,256]}}";
+    uint64_t hlen = strlen(hdr);
+    float bias[64] = {0};
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(&hlen, 8, 1, fp), 1);
+    assert_int_equal(fwrite(hdr, 1, hlen, fp), hlen);
+    assert_int_equal(fwrite(bias, sizeof bias, 1, fp), 1);
+    fclose(fp);
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    json_t *idx = json_load_file(path, 0, NULL);
+    assert_non_null(idx);
+    json_object_set_new(json_object_get(idx, "weight_map"), "model.layers.0.self_attn.o_proj.bias",
+                        json_string("extra.safetensors"));
+    assert_int_equal(json_dump_file(idx, path, JSON_INDENT(1)), 0);
+    json_decref(idx);
+    assert_int_equal(skv_model_load(dir, be, NULL, &m), SKV_E_UNSUPPORTED);
+    if (!strstr(skv_error_msg(), "tensor model.layers.0.self_attn.o_proj.bias is not one this engine computes with"))
+        fail_msg("%s", skv_error_msg());
+    fixture_remove_dir(dir);
+
+    /* one config, one weight changed: two fingerprints */
+    char fp0[65], fp1[65];
+    for (int k = 0; k < 2; k++) {
+        dir = fixture_stage_dir("tests/fixtures/tiny-llama");
+        assert_non_null(dir);
+        if (k) { /* the first tensor's first byte (after the 8-byte length and the header) */
+            snprintf(path, sizeof path, "%s/model.safetensors", dir);
+            fp = fopen(path, "r+b");
+            assert_non_null(fp);
+            assert_int_equal(fread(&hlen, 8, 1, fp), 1);
+            assert_int_equal(fseek(fp, (long)(8 + hlen), SEEK_SET), 0);
+            int c = fgetc(fp);
+            assert_int_equal(fseek(fp, (long)(8 + hlen), SEEK_SET), 0);
+            fputc(c ^ 0x40, fp);
+            fclose(fp);
+        }
+        assert_int_equal(skv_model_load(dir, be, NULL, &m), SKV_OK);
+        snprintf(k ? fp1 : fp0, 65, "%s", m->fingerprint);
+        skv_model_free(&m);
+        fixture_remove_dir(dir);
+    }
+    assert_string_not_equal(fp0, fp1);
+    skv_backend_destroy(&be);
+}
+
 ON_CUDA(test_tiny_llama)
 ON_CUDA(test_tiny_llama_bf16)
 ON_CUDA(test_tiny_qwen2)
@@ -1005,7 +1150,7 @@ int main(void)
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
         cmocka_unit_test(test_tokenizer_fits_model), cmocka_unit_test(test_tick_matches_plain),
-        cmocka_unit_test(test_weights_converted),
+        cmocka_unit_test(test_weights_converted),  cmocka_unit_test(test_hf_config_checks),
     };
     const struct CMUnitTest cuda[] = {
         cmocka_unit_test(test_tiny_llama_cuda),        cmocka_unit_test(test_tiny_llama_bf16_cuda),
