@@ -43,6 +43,17 @@ static int own(struct skv_model *m, void *ptr)
     return SKV_OK;
 }
 
+/* Backend memory the model made for a weight: kept (own) when rc is SKV_OK, else freed;
+ * returns the status. */
+static int keep_or_free(struct skv_model *m, void *dev, int rc)
+{
+    if (!rc)
+        rc = own(m, dev);
+    if (rc && dev)
+        m->be->ops->free(m->be, dev);
+    return rc;
+}
+
 static int64_t tensor_elems(const struct skv_tensor *t)
 {
     int64_t n = 1;
@@ -74,13 +85,8 @@ static int to_f32(struct skv_model *m, struct skv_tensor *t)
     if (rc == SKV_OK)
         rc = m->be->ops->upload(m->be, dev, host, (size_t)n * sizeof(float));
     free(host);
-    if (rc == SKV_OK)
-        rc = own(m, dev);
-    if (rc) {
-        if (dev)
-            m->be->ops->free(m->be, dev);
+    if ((rc = keep_or_free(m, dev, rc)))
         return rc;
-    }
     t->type = SKV_DTYPE_F32;
     t->data = dev;
     t->nbytes = (size_t)n * sizeof(float);
@@ -114,13 +120,8 @@ static int to_device_f16(struct skv_model *m, struct skv_tensor *t)
     }
     free(h);
     free(f);
-    if (!rc)
-        rc = own(m, dev);
-    if (rc) {
-        if (dev)
-            m->be->ops->free(m->be, dev);
+    if ((rc = keep_or_free(m, dev, rc)))
         return rc;
-    }
     t->type = SKV_DTYPE_F16;
     t->data = dev;
     t->nbytes = (size_t)(rows * cols) * sizeof(uint16_t);
@@ -140,13 +141,8 @@ static int to_device(struct skv_model *m, struct skv_tensor *t)
     int rc = m->be->ops->alloc(m->be, t->nbytes, &dev);
     if (!rc)
         rc = m->be->ops->upload(m->be, dev, t->data, t->nbytes);
-    if (!rc)
-        rc = own(m, dev);
-    if (rc) {
-        if (dev)
-            m->be->ops->free(m->be, dev);
+    if ((rc = keep_or_free(m, dev, rc)))
         return rc;
-    }
     t->data = dev;
     return SKV_OK;
 }

@@ -188,25 +188,36 @@ static void test_tiny_qwen2_swa(void **state)
     free(path);
 }
 
+/* A fixture folder staged with its config.json edited by `edit`, loaded on be: the status
+ * (*out: the model when it loaded; *dir_out: the folder, for fixture_remove_dir). */
+static int load_config_edited(const char *fixture, void (*edit)(json_t *root), struct skv_backend *be,
+                              struct skv_model **out, char **dir_out)
+{
+    char *dir = fixture_stage_dir(fixture);
+    assert_non_null(dir);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_t *root = json_load_file(path, 0, NULL);
+    assert_non_null(root);
+    edit(root);
+    assert_int_equal(json_dump_file(root, path, JSON_INDENT(1)), 0);
+    json_decref(root);
+    *out = NULL;
+    *dir_out = dir;
+    return skv_model_load(dir, be, NULL, out);
+}
+
 /* Loads a staged copy of fixture folder `name` with config.json edited by `edit`; returns the
  * load status, the windows of layers 0 and 1 in w[] and cfg.sliding_window in w[2]. */
 static int load_edited(const char *name, void (*edit)(json_t *cfg), int w[3])
 {
     char rel[256];
     snprintf(rel, sizeof rel, "tests/fixtures/%s", name);
-    char *dir = fixture_stage_dir(rel);
-    assert_non_null(dir);
-    char path[1024];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_t *cfg = json_load_file(path, 0, NULL);
-    assert_non_null(cfg);
-    edit(cfg);
-    assert_int_equal(json_dump_file(cfg, path, JSON_INDENT(1)), 0);
-    json_decref(cfg);
     struct skv_backend *be = NULL;
     struct skv_model *m = NULL;
+    char *dir = NULL;
     assert_int_equal(backend_new(1, &be), SKV_OK);
-    int rc = skv_model_load(dir, be, NULL, &m);
+    int rc = load_config_edited(rel, edit, be, &m, &dir);
     if (rc == SKV_OK) {
         w[0] = m->layers[0].window;
         w[1] = m->layers[1].window;
@@ -1003,25 +1014,6 @@ static void test_weights_converted(void **state)
     }
     skv_backend_destroy(&cpu);
     free(path);
-}
-
-/* A fixture folder staged with its config.json edited by `edit`, loaded on be: the status
- * (*out: the model when it loaded; *dir_out: the folder, for fixture_remove_dir). */
-static int load_config_edited(const char *fixture, void (*edit)(json_t *root), struct skv_backend *be,
-                              struct skv_model **out, char **dir_out)
-{
-    char *dir = fixture_stage_dir(fixture);
-    assert_non_null(dir);
-    char path[1024];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_t *root = json_load_file(path, 0, NULL);
-    assert_non_null(root);
-    edit(root);
-    assert_int_equal(json_dump_file(root, path, JSON_INDENT(1)), 0);
-    json_decref(root);
-    *out = NULL;
-    *dir_out = dir;
-    return skv_model_load(dir, be, NULL, out);
 }
 
 static void v5_theta(json_t *root)

@@ -2001,6 +2001,17 @@ static void fake_replay(struct fake_events *fe, snapkv_events_t *ev, uint64_t bo
         fail_msg("replay: %s", snapkv_last_error());
 }
 
+/* A subscriber of fe's publisher, once its subscription reached it. */
+static snapkv_events_t *subscribed(struct fake_events *fe)
+{
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
+    char sub[32];
+    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0);
+    assert_int_equal(sub[0], 1); /* a subscription */
+    return ev;
+}
+
 static void expect_event(snapkv_events_t *ev, enum snapkv_event_kind kind, uint64_t seq,
                          const struct snapkv_session_id *id)
 {
@@ -2024,11 +2035,7 @@ static void test_events_replay_filter(void **state)
 {
     (void)state;
     struct fake_events *fe = fake_events_start();
-    snapkv_events_t *ev = NULL;
-    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
-    char sub[32];
-    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0); /* the subscription is in */
-    assert_int_equal(sub[0], 1);
+    snapkv_events_t *ev = subscribed(fe);
 
     /* daemon 222 starts (the subscriber gets its AllCleared), then a replay of it at 2 */
     fake_publish(fe->pub, 222, 1, SNAPKV_EVENT_CLEARED, NULL);
@@ -2072,10 +2079,7 @@ static void test_events_restart(void **state)
 {
     (void)state;
     struct fake_events *fe = fake_events_start();
-    snapkv_events_t *ev = NULL;
-    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
-    char sub[32];
-    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0);
+    snapkv_events_t *ev = subscribed(fe);
     fake_publish(fe->pub, 222, 1, SNAPKV_EVENT_CLEARED, NULL);
     fake_publish(fe->pub, 222, 2, SNAPKV_EVENT_STORED, &ID_A);
     fake_publish(fe->pub, 333, 3, SNAPKV_EVENT_STORED, &ID_C); /* 333's 1 and 2 missed: 3 looks next */
@@ -2118,10 +2122,7 @@ static void test_events_next_deadline(void **state)
 {
     (void)state;
     struct fake_events *fe = fake_events_start();
-    snapkv_events_t *ev = NULL;
-    assert_int_equal(snapkv_events_open(fe->pub_ep, &ev), SNAPKV_OK);
-    char sub[32];
-    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0);
+    snapkv_events_t *ev = subscribed(fe);
     fake_replay(fe, ev, 777, 1000, NULL);
     expect_event(ev, SNAPKV_EVENT_CLEARED, 1000, NULL);
     atomic_store(&fe->on, true);
