@@ -60,8 +60,8 @@ void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int stat
     skv_worker_tenant(w, job->tenant)->errors++;
     skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id, skv_status_name(status),
             rep.message);
+    skv_worker_note_failure(w, status); /* before the reply: the stop is decided when the client learns */
     skv_worker_reply(w, job, &rep);
-    skv_worker_note_failure(w, status);
 }
 
 static void fail_rc(struct skv_worker *w, const struct skv_job *job, int rc)
@@ -2626,38 +2626,57 @@ static void persist_wipe(struct skv_worker *w, const char *dir)
     persist_sweep(w, dir);
 }
 
+#define PERSIST_ASIDE_SETS 4 /* persist.unrestored, .2, .3, .4 */
+
+/* Removes the state files from directory fd dfd (what a set aside holds); returns how many
+ * there were when count_only. */
+static int aside_files(int dfd, bool count_only)
+{
+    int n = 0;
+    DIR *d = fdopendir(dup(dfd));
+    if (!d)
+        return 0;
+    for (struct dirent *e; (e = readdir(d));)
+        if (persist_ours(e->d_name) && ++n && !count_only)
+            unlinkat(dfd, e->d_name, 0);
+    closedir(d);
+    return n;
+}
+
 /* What a start could not restore is not lost: before the restore removes those files from dir,
  * every file of the saved state (manifest, session files, block store; no temporary file) is
- * linked into dir.unrestored, replacing what an earlier start left there. Nothing is copied, and
+ * linked into dir.unrestored, or dir.unrestored.2 ... .4 when the earlier ones hold a set (an
+ * earlier start's: it is never replaced, since the later set may be the lesser, e.g. a session
+ * made under a wrong model while the right one's sessions wait aside). Nothing is copied, and
  * the daemon writes none of those files again (a save writes new session files, and a store is
- * not continued after this), so the set stays as the stop left it: stop the daemon and move it
- * back to restore it (after a start with another model, or with lower limits). One set at most:
- * the disk it holds is that of one save. Returns the files linked (-1 when it could not). */
+ * not continued after this), so a set stays as its stop left it: stop the daemon and move it
+ * back to restore it. At most four sets (the disk of four saves); with four there, or when a
+ * link fails, this start's is not kept. Returns the files linked (-1 when none could be). */
 static int persist_set_aside(const char *dir, const char *why)
 {
     char aside[1200];
-    if ((size_t)snprintf(aside, sizeof aside, "%s.unrestored", dir) >= sizeof aside)
-        return -1;
-    if (mkdir(aside, 0700) < 0 && errno != EEXIST) {
-        skv_log(SKV_LOG_WARN, "persist: %s: %s; the sessions not restored are lost", aside, strerror(errno));
-        return -1;
+    int afd = -1;
+    for (int k = 1; k <= PERSIST_ASIDE_SETS && afd < 0; k++) {
+        if ((size_t)snprintf(aside, sizeof aside, k == 1 ? "%s.unrestored" : "%s.unrestored.%d", dir, k) >=
+            sizeof aside)
+            return -1;
+        if (mkdir(aside, 0700) < 0 && errno != EEXIST)
+            break;
+        afd = open(aside, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (afd >= 0 && aside_files(afd, true) > 0) { /* an earlier start's set: kept */
+            close(afd);
+            afd = -1;
+        }
     }
-    int afd = open(aside, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    DIR *old = afd >= 0 ? fdopendir(dup(afd)) : NULL;
-    DIR *d = old ? opendir(dir) : NULL;
+    DIR *d = afd >= 0 ? opendir(dir) : NULL;
     if (!d) {
-        skv_log(SKV_LOG_WARN, "persist: %s: %s; the sessions not restored are lost", old ? dir : aside,
-                strerror(errno));
-        if (old)
-            closedir(old);
+        skv_log(SKV_LOG_WARN, "persist: %s; the saved state could not be kept aside (%s: %s, or %d sets are kept "
+                "already): the sessions not restored are lost", why, afd >= 0 ? dir : aside, strerror(errno),
+                PERSIST_ASIDE_SETS);
         if (afd >= 0)
             close(afd);
         return -1;
     }
-    for (struct dirent *e; (e = readdir(old));)
-        if (persist_ours(e->d_name))
-            unlinkat(dirfd(old), e->d_name, 0);
-    closedir(old);
     int n = 0, failed = 0;
     for (struct dirent *e; (e = readdir(d));) {
         if (!persist_ours(e->d_name) || ends_with(e->d_name, ".tmp"))
@@ -2668,9 +2687,14 @@ static int persist_set_aside(const char *dir, const char *why)
             failed = errno;
     }
     closedir(d);
+    if (failed) { /* a set without all its files (the store, say) restores nothing: none */
+        aside_files(afd, false);
+        close(afd);
+        skv_log(SKV_LOG_WARN, "persist: %s; linking the saved state into %s failed (%s): the sessions not restored "
+                "are lost", why, aside, strerror(failed));
+        return -1;
+    }
     close(afd);
-    if (failed)
-        skv_log(SKV_LOG_WARN, "persist: linking the saved state into %s: %s", aside, strerror(failed));
     skv_log(SKV_LOG_WARN, "persist: %s; the %d file(s) of the saved state are kept in %s (stop the daemon and "
             "move them back to persist/ to restore them)", why, n, aside);
     return n;

@@ -213,24 +213,32 @@ static bool may_evict(const struct skv_session *s, const struct skv_session *exc
     return s != except && !s->pinned && !s->busy;
 }
 
-/* Whether evicting s could free a block of the pool: it holds one that no session that stays
- * holds (keep: the mark_kept that marked those; 0: not asked, as for a tenant's quota, which
- * counts every block a session holds). */
-static bool frees_blocks(const struct skv_session *s, uint64_t keep)
+/* Whether evicting s frees blocks of the pool (keep: the mark_kept that marked the blocks of
+ * the sessions that stay; 0: not asked, as for a tenant's quota, which counts every block a
+ * session holds). alone: s holds a block no other session holds, so evicting it alone frees
+ * that; else: a block no session that stays holds, so evicting it with other candidates
+ * (a document with its idle forks) does. */
+static bool frees_blocks(const struct skv_session *s, uint64_t keep, bool alone)
 {
-    return !keep || skv_kv_cache_holds_unmarked(s->cache, keep);
+    if (!keep)
+        return true;
+    if (!alone)
+        return skv_kv_cache_holds_unmarked(s->cache, keep);
+    struct skv_kv_blocks b;
+    skv_kv_cache_blocks(s->cache, &b);
+    return b.held > b.shared;
 }
 
 /* Least recently used session that may be evicted for `except`'s sake; `tenant` restricts
- * the choice to one tenant (quota pressure); keep as for frees_blocks. */
+ * the choice to one tenant (quota pressure); keep and alone as for frees_blocks. */
 static struct skv_session *lru_victim(struct skv_session_table *t, const struct skv_session *except, const char *tenant,
-                                      uint64_t keep)
+                                      uint64_t keep, bool alone)
 {
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
         for (struct skv_session *s = t->bucket[b]; s; s = s->next)
             if (may_evict(s, except) && (!tenant || strcmp(s->tenant, tenant) == 0) &&
-                (!best || s->last_used_ms < best->last_used_ms) && frees_blocks(s, keep))
+                (!best || s->last_used_ms < best->last_used_ms) && frees_blocks(s, keep, alone))
                 best = s;
     return best;
 }
@@ -240,7 +248,8 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
  * the tenants holding sessions now), so that a tenant within its share loses nothing while
  * another holds more; only when none of those has a session that may go, from any tenant
  * (with one tenant that is plain LRU). */
-static struct skv_session *pool_victim(struct skv_session_table *t, const struct skv_session *except, uint64_t keep)
+static struct skv_session *pool_victim_of(struct skv_session_table *t, const struct skv_session *except, uint64_t keep,
+                                          bool alone)
 {
     struct usage {
         const char *tenant;
@@ -258,7 +267,7 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
                     struct usage *p = realloc(u, grown * sizeof *p);
                     if (!p) {
                         free(u);
-                        return lru_victim(t, except, NULL, keep);
+                        return lru_victim(t, except, NULL, keep, alone);
                     }
                     u = p;
                     cap = grown;
@@ -271,7 +280,8 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
         for (struct skv_session *s = t->bucket[b]; s; s = s->next) {
-            if (!may_evict(s, except) || (best && s->last_used_ms >= best->last_used_ms) || !frees_blocks(s, keep))
+            if (!may_evict(s, except) || (best && s->last_used_ms >= best->last_used_ms) ||
+                !frees_blocks(s, keep, alone))
                 continue;
             size_t i = 0;
             while (strcmp(u[i].tenant, s->tenant) != 0)
@@ -280,7 +290,16 @@ static struct skv_session *pool_victim(struct skv_session_table *t, const struct
                 best = s;
         }
     free(u);
-    return best ? best : lru_victim(t, except, NULL, keep);
+    return best ? best : lru_victim(t, except, NULL, keep, alone);
+}
+
+/* Pool pressure's victim: one whose eviction alone frees a block first, so a document whose
+ * every block its forks share stays while the forks live; only when none does, one that frees
+ * blocks together with other candidates (the document, then its forks). */
+static struct skv_session *pool_victim(struct skv_session_table *t, const struct skv_session *except, uint64_t keep)
+{
+    struct skv_session *v = pool_victim_of(t, except, keep, true);
+    return v ? v : pool_victim_of(t, except, keep, false);
 }
 
 /* Bytes of the unique blocks in use: what the pool limit counts. */
@@ -410,7 +429,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     }
     int evicted = 0;
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {
-        struct skv_session *v = lru_victim(t, s, s->tenant, 0);
+        struct skv_session *v = lru_victim(t, s, s->tenant, 0, false);
         if (!v)
             return skv_errorf(SKV_E_LIMIT, "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu)",
                               s->tenant, (unsigned long long)tenant_bytes,

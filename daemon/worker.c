@@ -765,6 +765,8 @@ static void maybe_checkpoint(struct skv_worker *w, uint64_t now)
     bool overdue = now - since >= 2 * (uint64_t)every * 1000;
     if (!overdue && (w->decodes || skv_worker_has_queued(w)))
         return;
+    if (atomic_load(&w->device_lost))
+        return; /* the daemon is stopping; the last checkpoint stays as it is */
     w->persist_dirty = false; /* a request run during it sets it again */
     int rc = skv_requests_persist_checkpoint(w, !overdue && w->persist_gave_way < CHECKPOINT_GIVE_WAY);
     w->persist_gave_way = rc == SKV_E_CANCELLED ? w->persist_gave_way + 1 : 0;
@@ -833,7 +835,10 @@ static void *worker_main(void *arg)
                 skv_requests_decode_cancel(w, d);
                 skv_requests_decode_free(d);
             }
-            if (w->cfg->persist && skv_requests_persist_save(w)) /* every session as it stands now */
+            if (w->cfg->persist && atomic_load(&w->device_lost)) /* its reads would fail, and the save */
+                skv_log(SKV_LOG_WARN, "persist: the device is lost: no save at this stop (the last checkpoint "
+                        "stays)"); /* would then sweep the files of every session it could not read */
+            else if (w->cfg->persist && skv_requests_persist_save(w)) /* every session as it stands now */
                 skv_log(SKV_LOG_ERROR, "persist: no session saved: %s", skv_error_msg());
             break;
         }

@@ -2670,8 +2670,9 @@ static void test_persist(void **state)
     assert_int_equal(listed(f, b, NULL, NULL), 8);
     assert_int_equal(n, 1);
     assert_int_equal(access(path, F_OK), -1);
-    /* the saved state is kept aside, a's file with it */
-    snprintf(cmd, sizeof cmd, "%s/persist.unrestored", dir);
+    /* the saved state is kept aside, a's file with it, in a second set: the first start's
+     * (the damaged block) is kept too */
+    snprintf(cmd, sizeof cmd, "%s/persist.unrestored.2", dir);
     only_match(cmd, pattern, path, sizeof path);
     snprintf(path, sizeof path, "%s/persist.unrestored/sessions.json", dir);
     assert_int_equal(access(path, F_OK), 0);
@@ -2687,13 +2688,15 @@ static void test_persist(void **state)
     assert_int_equal(listed(f, b, NULL, &n), -1);
     assert_int_equal(n, 0);
     assert_int_equal(access(path, F_OK), -1);
-    snprintf(path, sizeof path, "%s/persist.unrestored/sessions.json", dir);
+    snprintf(path, sizeof path, "%s/persist.unrestored.3/sessions.json", dir);
     fp = fopen(path, "r");
     assert_non_null(fp);
     char text[16] = {0};
     assert_true(fread(text, 1, sizeof text - 1, fp) > 0);
     fclose(fp);
-    assert_string_equal(text, "{not json"); /* this start's set replaced the last */
+    assert_string_equal(text, "{not json"); /* a third set; the earlier two are kept */
+    snprintf(path, sizeof path, "%s/persist.unrestored.2/sessions.json", dir);
+    assert_int_equal(access(path, F_OK), 0);
     persist_off(f, dir);
 }
 
@@ -3189,6 +3192,38 @@ static void test_device_lost(void **state)
     atomic_store(&g_device_gone, false);
 }
 
+/* The same with the fork idle: a document and its fork that share every block free nothing one
+ * at a time, so under pool pressure from another session the one that frees a block alone goes
+ * (before, the least recently used, the document, went for nothing). */
+static void test_evict_idle_fork(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    f->cfg.pool_size = (int64_t)(4 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t doc[16], fork[16], other[16], busy[16];
+    prefill(f, 32, "policy=full", doc);
+    submit_fork(f, ID_X, doc);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    if (rep->status)
+        fail_msg("FORK: %d %s", rep->status, rep->message);
+    memcpy(fork, rep->fork->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+    usleep(5000);
+    prefill(f, 16, "policy=full", other);
+    usleep(5000);
+    prefill(f, 8, "policy=full", busy); /* four of four blocks in use */
+    int n = 0;
+    assert_int_equal(append(f, busy, 17, &n), SKV_OK); /* one more block: one session must go */
+    assert_int_equal(n, 25);
+    assert_int_equal(listed(f, doc, NULL, NULL), 32);
+    assert_int_equal(listed(f, fork, NULL, NULL), 32);
+    assert_int_equal(listed(f, other, NULL, NULL), -1);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
+}
+
 /* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
  * a round at every tick of a long prefill (after each layer's projections, attention and MLP: 3
  * per layer, as decode-yield-ms = 0 does), and a share of 0 none (the decode waits for the
@@ -3255,6 +3290,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_frees, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_evict_idle_fork, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
