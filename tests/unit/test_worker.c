@@ -607,6 +607,29 @@ static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
     prefill_for(f, NULL, n, spec, sid);
 }
 
+/* Restarts the worker with a pool of `blocks` KV blocks per layer and KV head; returns the
+ * blocks of one such unit (layers x KV heads). */
+static uint64_t restart_with_pool(struct fixture *f, int blocks)
+{
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    f->cfg.pool_size = (int64_t)((uint64_t)blocks * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    return unit;
+}
+
+/* FORK of sid by client X; its new session's id in out. */
+static void fork_session(struct fixture *f, const uint8_t sid[16], uint8_t out[16])
+{
+    submit_fork(f, ID_X, sid);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    if (rep->status)
+        fail_msg("FORK: %d %s", rep->status, rep->message);
+    memcpy(out, rep->fork->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
 /* APPEND of the n last fixed ids to sid, queued by client id for tenant (NULL: "t"). */
 static void submit_append_for(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16], int n)
 {
@@ -2439,11 +2462,7 @@ static void submit_long_compress(void *arg)
 static void test_compress_room(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
-    f->cfg.pool_size = (int64_t)(10 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    const uint64_t unit = restart_with_pool(f, 10);
     uint8_t idle[16], a[16];
     prefill_for(f, "v", 16, "policy=full", idle);
     prefill(f, 8, "policy=full", a);
@@ -3147,20 +3166,11 @@ static void test_append_text_no_bos(void **state)
 static void test_evict_frees(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
     assert_int_equal(skv_kv_pool_block_rows(f->tiny->m->kv_pool), 16);
-    f->cfg.pool_size = (int64_t)(4 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    restart_with_pool(f, 4);
     uint8_t doc[16], fork[16], other[16];
     prefill(f, 32, "policy=full", doc); /* two full blocks a layer and head */
-    submit_fork(f, ID_X, doc);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    if (rep->status)
-        fail_msg("FORK: %d %s", rep->status, rep->message);
-    memcpy(fork, rep->fork->session_id.data, 16);
-    snapkv__reply__free_unpacked(rep, NULL);
+    fork_session(f, doc, fork);
     usleep(5000); /* the document is the least recently used by some milliseconds */
     prefill(f, 16, "policy=full", other); /* one block: three of four in use */
     usleep(5000);
@@ -3198,19 +3208,10 @@ static void test_device_lost(void **state)
 static void test_evict_idle_fork(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
-    f->cfg.pool_size = (int64_t)(4 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    restart_with_pool(f, 4);
     uint8_t doc[16], fork[16], other[16], busy[16];
     prefill(f, 32, "policy=full", doc);
-    submit_fork(f, ID_X, doc);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    if (rep->status)
-        fail_msg("FORK: %d %s", rep->status, rep->message);
-    memcpy(fork, rep->fork->session_id.data, 16);
-    snapkv__reply__free_unpacked(rep, NULL);
+    fork_session(f, doc, fork);
     usleep(5000);
     prefill(f, 16, "policy=full", other);
     usleep(5000);
