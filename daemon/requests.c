@@ -583,8 +583,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     if ((rc = skv_session_check_tenant(tenant)) ||
-        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, true, (int)cfg->max_prompt_tokens, &ids,
-                                  &n)))
+        (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, true, (int)cfg->max_prompt_tokens,
+                             &ids, &n)))
         goto fail;
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
@@ -1518,9 +1518,9 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
  * from the last token, then this token's; a character it starts and does not finish is held
  * for the next one; bytes that are not UTF-8 (byte tokens out of order, a stray continuation)
  * become U+FFFD, one for each maximal ill-formed part as Hugging Face's decode makes them
- * (skv_utf8_char), and so does a NUL, which would cut the
- * reply's C string. Before, only the last character was looked at: a held byte the next token
- * did not continue went out as it was, and the reply was not UTF-8. */
+ * (skv_utf8_char), and so does a NUL, which would cut the reply's C string. Before, only the
+ * last character was looked at: a held byte the next token did not continue went out as it
+ * was, and the reply was not UTF-8. */
 static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, char *buf, size_t cap)
 {
     unsigned char raw[TOKEN_TEXT_MAX + sizeof d->pending];
@@ -2542,8 +2542,8 @@ static void manifest_store(const json_t *doc, char *out, size_t cap)
         return;
     }
     size_t n = strlen(name), pre = strlen(PERSIST_BLOCKS "-");
-    bool ok = n > pre + 5 && n < cap && n < PERSIST_STORE_NAME_MAX && strncmp(name, PERSIST_BLOCKS "-", pre) == 0 && ends_with(name, ".skvb") &&
-              strspn(name + pre, "0123456789") == n - pre - 5;
+    bool ok = n > pre + 5 && n < cap && n < PERSIST_STORE_NAME_MAX && strncmp(name, PERSIST_BLOCKS "-", pre) == 0 &&
+              ends_with(name, ".skvb") && strspn(name + pre, "0123456789") == n - pre - 5;
     snprintf(out, cap, "%s", ok ? name : "");
 }
 
@@ -2596,14 +2596,14 @@ none: /* what the manifest on disk names is not known: sweeps remove nothing unt
     w->n_persist_files = -1;
 }
 
-/* Removes what saves left in dir (sessions, block stores, their temporary files, manifests)
- * except the files the manifest on disk names (persist_keep). */
+/* Whether f is a file saves leave (sessions, block stores, their temporary files, manifests). */
 static bool persist_ours(const char *f)
 {
     return ends_with(f, ".skv") || ends_with(f, ".skv.tmp") || ends_with(f, ".skvb") ||
            strncmp(f, PERSIST_MANIFEST, strlen(PERSIST_MANIFEST)) == 0;
 }
 
+/* Removes what saves left in dir except the files the manifest on disk names (persist_keep). */
 static void persist_sweep(struct skv_worker *w, const char *dir)
 {
     DIR *d = w->n_persist_files >= 0 ? opendir(dir) : NULL;
@@ -2628,17 +2628,21 @@ static void persist_wipe(struct skv_worker *w, const char *dir)
 
 #define PERSIST_ASIDE_SETS 4 /* persist.unrestored, .2, .3, .4 */
 
-/* Removes the state files from directory fd dfd (what a set aside holds); returns how many
- * there were when count_only. */
+/* The state files in directory fd dfd (what a set aside holds): how many, removed unless
+ * count_only. */
 static int aside_files(int dfd, bool count_only)
 {
     int n = 0;
     DIR *d = fdopendir(dup(dfd));
     if (!d)
         return 0;
-    for (struct dirent *e; (e = readdir(d));)
-        if (persist_ours(e->d_name) && ++n && !count_only)
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!persist_ours(e->d_name))
+            continue;
+        n++;
+        if (!count_only)
             unlinkat(dfd, e->d_name, 0);
+    }
     closedir(d);
     return n;
 }

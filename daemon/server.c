@@ -487,8 +487,6 @@ static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequ
     return SKV_OK;
 }
 
-static int message_fd(zmq_msg_t *msg);
-
 /* protobuf-c's allocations while one request is unpacked, counted (with malloc's own header)
  * against a budget: a 16 MB message of empty submessages or unknown fields unpacked to about a
  * gigabyte on the socket thread before any limit looked at it, and queued as if it held a few
@@ -962,7 +960,7 @@ int skv_server_run(struct skv_server *srv)
     struct waitset ws;
     int rc = waitset_init(srv, &ws);
     while (!rc && !*srv->env.stop) {
-        if (skv_worker_device_lost(srv->worker)) { /* the stop below saves what it can; exit 1 */
+        if (skv_worker_device_lost(srv->worker)) { /* the stop below, without a save; exit 1 */
             rc = skv_errorf(SKV_E_DEVICE, "the device was lost");
             break;
         }

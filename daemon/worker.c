@@ -835,9 +835,11 @@ static void *worker_main(void *arg)
                 skv_requests_decode_cancel(w, d);
                 skv_requests_decode_free(d);
             }
-            if (w->cfg->persist && atomic_load(&w->device_lost)) /* its reads would fail, and the save */
+            /* a lost device: the save's reads would fail, and it would then sweep the files of
+             * every session it could not read */
+            if (w->cfg->persist && atomic_load(&w->device_lost))
                 skv_log(SKV_LOG_WARN, "persist: the device is lost: no save at this stop (the last checkpoint "
-                        "stays)"); /* would then sweep the files of every session it could not read */
+                        "stays)");
             else if (w->cfg->persist && skv_requests_persist_save(w)) /* every session as it stands now */
                 skv_log(SKV_LOG_ERROR, "persist: no session saved: %s", skv_error_msg());
             break;

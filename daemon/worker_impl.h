@@ -37,7 +37,6 @@ struct skv_decode {
 
 /* A client's CUDA buffer the worker opened (ipc_open), kept for the client's next transfers. */
 #define SKV_IPC_HANDLE_BYTES 64
-#define PERSIST_STORE_NAME_MAX 48 /* a block store's file name, its NUL included (blocks-<generation>.skvb) */
 #define SKV_IPC_PER_CLIENT 8   /* CUDA buffers kept open for one client (more: its LRU one closes) */
 #define SKV_IPC_MAX 256        /* and for all clients together (more: the LRU one closes) */
 struct skv_ipc_buf {
@@ -59,6 +58,8 @@ struct skv_tenant_clock {
     char name[64];
     uint64_t vt_us;
 };
+
+#define PERSIST_STORE_NAME_MAX 48 /* a block store's file name, blocks-<generation>.skvb, its NUL included */
 
 struct skv_worker {
     const struct skv_config *cfg;

@@ -232,7 +232,8 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
         }
         if (!(items[0].revents & ZMQ_POLLIN)) {
             int64_t now = skv_client_now_ms();
-            if (lost && (now >= lost_deadline || (deadline >= 0 && now >= deadline))) { /* (the grace within the timeout) */
+            /* (the grace within the call's own timeout) */
+            if (lost && (now >= lost_deadline || (deadline >= 0 && now >= deadline))) {
                 *in_flight = false; /* the daemon drops, or cancels, what a gone client asked */
                 return skv_client_fail(SNAPKV_E_IO,
                                        "the connection to the daemon closed while the %s reply was awaited (the "

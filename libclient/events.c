@@ -129,16 +129,24 @@ static bool has_cleared(const Snapkv__KvEventBatch *b)
     return false;
 }
 
+/* Whether stream batch b (numbered seq) is newer than the replay's snapshot: its daemon's above
+ * the snapshot's number, or another daemon's published after the snapshot was taken (one that
+ * started since, not one that ran before it). */
+static bool newer_than_snapshot(const struct snapkv_events *ev, uint64_t seq, const Snapkv__KvEventBatch *b)
+{
+    return b->boot_id == ev->boot_id ? seq > ev->replayed : b->ts >= ev->replayed_ts;
+}
+
 /* After a replay, whether a stream batch that came after the snapshot (the replay dropped those
  * queued before it: drop_queued) is one to return: one of the snapshot's daemon numbered above
  * the snapshot, or any of a daemon started since (another boot id: it numbers from 1 again,
  * and its first event, AllCleared, went out before this subscriber had reconnected). */
 static bool after_snapshot(const struct snapkv_events *ev, uint64_t seq, const Snapkv__KvEventBatch *b)
 {
-    if (b->boot_id != ev->boot_id) /* a daemon started after the snapshot, not one that ran before it */
-        return b->ts >= ev->replayed_ts;
-    if (seq > ev->replayed)
+    if (newer_than_snapshot(ev, seq, b))
         return true;
+    if (b->boot_id != ev->boot_id)
+        return false;
     /* a daemon of before boot ids: a restart shows only as a number below the last one seen,
      * or an AllCleared */
     return !ev->boot_id && ((ev->seen && seq < ev->sequence) || has_cleared(b));
@@ -199,8 +207,8 @@ static void drop_queued(struct snapkv_events *ev)
             continue;
         if (rc)
             return;
-        if (b->boot_id == ev->boot_id ? seq > ev->replayed : b->ts >= ev->replayed_ts) {
-            set_batch(ev, seq, b); /* above the snapshot, or of a daemon started since */
+        if (newer_than_snapshot(ev, seq, b)) {
+            set_batch(ev, seq, b);
             ev->skip = false;
             return;
         }

@@ -94,13 +94,13 @@ struct skv_kv_blocks {
 };
 void skv_kv_cache_blocks(const struct skv_kv_cache *cache, struct skv_kv_blocks *out);
 /* The same for one head. */
+void skv_kv_head_blocks(const struct skv_kv_cache *cache, const struct skv_kv_head *hd, struct skv_kv_blocks *out);
 /* Eviction's bookkeeping (the worker thread's): skv_kv_cache_mark sets every block the cache
  * holds to `mark`; skv_kv_cache_mark_new sets those marked neither `keep` nor `mark` to `mark`
  * and returns how many it set; skv_kv_cache_holds_unmarked says whether any is not `keep`. */
 void skv_kv_cache_mark(const struct skv_kv_cache *cache, uint64_t mark);
 uint64_t skv_kv_cache_mark_new(const struct skv_kv_cache *cache, uint64_t keep, uint64_t mark);
 bool skv_kv_cache_holds_unmarked(const struct skv_kv_cache *cache, uint64_t keep);
-void skv_kv_head_blocks(const struct skv_kv_cache *cache, const struct skv_kv_head *hd, struct skv_kv_blocks *out);
 /* An upper bound on what a forward of n more tokens adds, in bytes: to the blocks the cache
  * holds (*more_held) and to the pool's unique blocks (*more_unique: also the shared blocks a
  * write copies, i.e. the one the next row goes to, or every shared one when the forward may

@@ -417,6 +417,18 @@ static int gguf_optional(const struct skv_gguf *g, const char *arch, const char 
     return skv_errorf(SKV_E_UNSUPPORTED, "%s: %s is present but not a single number this engine reads", path, full);
 }
 
+/* One tensor in a fingerprint: its name, shape, type, offset in its file (off NULL: not hashed)
+ * and first bytes. */
+static void fingerprint_tensor(crypto_hash_sha256_state *st, const struct skv_tensor *t, const int64_t *off)
+{
+    crypto_hash_sha256_update(st, (const unsigned char *)t->name, strlen(t->name));
+    crypto_hash_sha256_update(st, (const unsigned char *)t->ne, sizeof t->ne);
+    crypto_hash_sha256_update(st, (const unsigned char *)&t->type, sizeof t->type);
+    if (off)
+        crypto_hash_sha256_update(st, (const unsigned char *)off, sizeof *off);
+    crypto_hash_sha256_update(st, t->data, t->nbytes < 64 ? t->nbytes : 64);
+}
+
 /* Ends a fingerprint hash with a trailing count (file size, tensor count) and writes its hex. */
 static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st, uint64_t trailer)
 {
@@ -625,11 +637,7 @@ static int load_gguf(struct skv_model *m, const char *path)
     for (int64_t i = 0; i < skv_gguf_n_tensors(g); i++) {
         const struct skv_tensor *t = skv_gguf_tensor(g, i);
         int64_t off = (const char *)t->data - lo;
-        crypto_hash_sha256_update(&st, (const unsigned char *)t->name, strlen(t->name));
-        crypto_hash_sha256_update(&st, (const unsigned char *)t->ne, sizeof t->ne);
-        crypto_hash_sha256_update(&st, (const unsigned char *)&t->type, sizeof t->type);
-        crypto_hash_sha256_update(&st, (const unsigned char *)&off, sizeof off);
-        crypto_hash_sha256_update(&st, t->data, t->nbytes < 64 ? t->nbytes : 64);
+        fingerprint_tensor(&st, t, &off);
     }
     fingerprint_finish(m, &st, (uint64_t)sb.st_size);
     return SKV_OK;
@@ -775,7 +783,7 @@ static int load_hf(struct skv_model *m, const char *dir)
             goto out;
         }
         c->rope.theta = theta;
-        if (rs && json_is_object(rs) && !json_equal(rs, rp) && json_object_get(rp, "rope_type") &&
+        if (rs && json_is_object(rs) && json_object_get(rp, "rope_type") &&
             !json_equal(json_object_get(rp, "rope_type"), json_object_get(rs, "rope_type"))) {
             rc = skv_errorf(SKV_E_FORMAT, "%s: rope_scaling and rope_parameters name different rope types", path);
             goto out;
@@ -838,13 +846,8 @@ static int load_hf(struct skv_model *m, const char *dir)
         crypto_hash_sha256_state st;
         crypto_hash_sha256_init(&st);
         crypto_hash_sha256_update(&st, (const unsigned char *)text, strlen(text));
-        for (int64_t i = 0; i < skv_safetensors_n_tensors(impl->st); i++) {
-            const struct skv_tensor *t = skv_safetensors_tensor(impl->st, i);
-            crypto_hash_sha256_update(&st, (const unsigned char *)t->name, strlen(t->name));
-            crypto_hash_sha256_update(&st, (const unsigned char *)t->ne, sizeof t->ne);
-            crypto_hash_sha256_update(&st, (const unsigned char *)&t->type, sizeof t->type);
-            crypto_hash_sha256_update(&st, t->data, t->nbytes < 64 ? t->nbytes : 64);
-        }
+        for (int64_t i = 0; i < skv_safetensors_n_tensors(impl->st); i++)
+            fingerprint_tensor(&st, skv_safetensors_tensor(impl->st, i), NULL);
         fingerprint_finish(m, &st, (uint64_t)skv_safetensors_n_tensors(impl->st));
         free(text);
     }

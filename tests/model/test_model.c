@@ -1019,7 +1019,8 @@ static void test_weights_converted(void **state)
 static void v5_theta(json_t *root)
 {
     json_object_del(root, "rope_theta");
-    json_object_set_new(root, "rope_parameters", json_pack("{s:f, s:s}", "rope_theta", 500000.0, "rope_type", "default"));
+    json_object_set_new(root, "rope_parameters",
+                        json_pack("{s:f, s:s}", "rope_theta", 500000.0, "rope_type", "default"));
 }
 
 static void v5_yarn(json_t *root)
