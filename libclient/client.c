@@ -79,7 +79,8 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
 
 /* Reads the connection events libzmq reported: a failed handshake fails the call at once (the
  * daemon sends nothing to a refused client) unless `past` (events from before the call, a later
- * handshake may have worked: only drained); a closed connection sets *lost (NULL: ignored). */
+ * handshake may have worked: only drained); a closed connection is counted and sets *lost (NULL:
+ * ignored). */
 static int check_events(snapkv_client_t *c, bool *lost, bool past)
 {
     int rc = SNAPKV_OK;
@@ -102,6 +103,8 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
         }
         zmq_msg_close(&head);
         zmq_msg_close(&addr);
+        if (event == ZMQ_EVENT_DISCONNECTED)
+            c->disconnects++;
         if (event == ZMQ_EVENT_DISCONNECTED && lost)
             *lost = true;
         else if (past)
@@ -179,10 +182,32 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
     }
 }
 
+static int say_hello(snapkv_client_t *c);
+
+/* Connections closed before this call (a daemon restart between two calls) are past: the next
+ * request goes out on the connection there is now. That may be another daemon, with another
+ * model and other limits, so HELLO is asked again first (not for a HELLO: `hello`). */
+static int refresh(snapkv_client_t *c, bool hello, const char *what)
+{
+    int rc = c->monitor ? check_events(c, NULL, true) : SNAPKV_OK;
+    if (rc || hello || !c->hello || c->disconnects == c->hello_disconnects)
+        return rc;
+    if ((rc = say_hello(c))) {
+        char why[sizeof last_error];
+        memcpy(why, last_error, sizeof why);
+        skv_client_fail(rc, "%s: the connection to the daemon closed since the last call, and HELLO on the new one "
+                        "failed: %s", what, why);
+    }
+    return rc;
+}
+
 /* skv_client_call, less the check that no other call of c is waiting. */
 static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
                 skv_partial_fn partial, void *user, bool *in_flight, Snapkv__Reply **reply_out)
 {
+    int rc = refresh(c, req->command_case == SNAPKV__REQUEST__COMMAND_HELLO, what);
+    if (rc)
+        return rc;
     req->version = SNAPKV_PROTOCOL_VERSION;
     req->request_id = ++c->next_request_id;
     req->tenant = c->tenant;
@@ -199,11 +224,7 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
     /* the timeout bounds sending the request and the wait for each of its replies; stale
      * replies do not extend it */
     int64_t deadline = c->timeout_ms < 0 ? -1 : skv_client_now_ms() + c->timeout_ms;
-    /* connections closed before this request (a daemon restart between two calls) are past:
-     * the request goes out on the connection there is now */
-    int rc = c->monitor ? check_events(c, NULL, true) : SNAPKV_OK;
-    if (!rc)
-        rc = send_request(c, buf, len, deadline, what);
+    rc = send_request(c, buf, len, deadline, what);
     free(buf);
     if (rc)
         return rc;
@@ -313,6 +334,65 @@ int skv_client_call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__Res
     return rc;
 }
 
+struct skv_client_string {
+    struct skv_client_string *next;
+    char text[];
+};
+
+/* s ("" for NULL) kept until the client closes: the copy kept already, or a new one (NULL: out
+ * of memory). A daemon's facts take a few distinct strings, however often it restarts. */
+static const char *keep_string(snapkv_client_t *c, const char *s)
+{
+    if (!s)
+        s = "";
+    for (struct skv_client_string *k = c->strings; k; k = k->next)
+        if (!strcmp(k->text, s))
+            return k->text;
+    size_t n = strlen(s) + 1;
+    struct skv_client_string *k = malloc(sizeof *k + n);
+    if (!k)
+        return NULL;
+    memcpy(k->text, s, n);
+    k->next = c->strings;
+    c->strings = k;
+    return k->text;
+}
+
+/* HELLO: checks the protocol version and keeps the daemon's facts for snapkv_server_info and
+ * the library's own checks. */
+static int say_hello(snapkv_client_t *c)
+{
+    uint64_t disconnects = c->disconnects;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__HelloRequest hello = SNAPKV__HELLO_REQUEST__INIT;
+    hello.client_name = c->name;
+    hello.tenant = c->tenant;
+    hello.pid = (uint32_t)getpid();
+    req.command_case = SNAPKV__REQUEST__COMMAND_HELLO;
+    req.hello = &hello;
+    Snapkv__Reply *rep = NULL;
+    bool in_flight = false;
+    int rc = call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, &in_flight, &rep);
+    if (rc)
+        return rc;
+    Snapkv__HelloReply *h = rep->hello;
+    rep->hello = NULL;
+    rep->result_case = SNAPKV__REPLY__RESULT__NOT_SET;
+    snapkv__reply__free_unpacked(rep, NULL);
+    const char *info[4] = {keep_string(c, h->server_version), keep_string(c, h->model_name),
+                           keep_string(c, h->model_fingerprint), keep_string(c, h->backend)};
+    if (!info[0] || !info[1] || !info[2] || !info[3]) {
+        snapkv__hello_reply__free_unpacked(h, NULL);
+        return skv_client_fail(SNAPKV_E_NOMEM, "out of memory keeping the daemon's HELLO");
+    }
+    if (c->hello)
+        snapkv__hello_reply__free_unpacked(c->hello, NULL);
+    c->hello = h;
+    memcpy(c->info, info, sizeof info);
+    c->hello_disconnects = disconnects;
+    return SNAPKV_OK;
+}
+
 /* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
 static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opts)
 {
@@ -342,7 +422,8 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
 }
 
 /* Watches the connection for the client's life: a refused handshake fails a call at once
- * instead of at its timeout, and so does a connection that closes while a reply is awaited. */
+ * instead of at its timeout, and so does a connection that closes while a reply is awaited; a
+ * connection that closed makes the next call ask HELLO again. */
 static void monitor_start(snapkv_client_t *c)
 {
     int events = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
@@ -386,8 +467,9 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     const char *tenant = opts && opts->tenant && *opts->tenant ? opts->tenant : "default";
     c->timeout_ms = opts && opts->timeout_ms ? opts->timeout_ms : DEFAULT_TIMEOUT_MS;
     c->tenant = strdup(tenant);
+    c->name = strdup(opts && opts->name ? opts->name : "libsnapkv");
     c->zctx = zmq_ctx_new();
-    if (!c->tenant || !c->zctx) {
+    if (!c->tenant || !c->name || !c->zctx) {
         rc = skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
         goto out_close;
     }
@@ -409,22 +491,8 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
         rc = skv_client_fail(SNAPKV_E_INVAL, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
         goto out_close;
     }
-
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__HelloRequest hello = SNAPKV__HELLO_REQUEST__INIT;
-    hello.client_name = (char *)(opts && opts->name ? opts->name : "libsnapkv");
-    hello.tenant = c->tenant;
-    hello.pid = (uint32_t)getpid();
-    req.command_case = SNAPKV__REQUEST__COMMAND_HELLO;
-    req.hello = &hello;
-    Snapkv__Reply *rep = NULL;
-    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_HELLO, "HELLO", NULL, NULL, NULL, &rep);
-    if (rc)
+    if ((rc = say_hello(c)))
         goto out_close;
-    c->hello = rep->hello;
-    rep->hello = NULL;
-    rep->result_case = SNAPKV__REPLY__RESULT__NOT_SET;
-    snapkv__reply__free_unpacked(rep, NULL);
     *out = c;
     return SNAPKV_OK;
 
@@ -471,7 +539,13 @@ void snapkv_close(snapkv_client_t **client_p)
         zmq_close(c->sock);
     if (c->zctx)
         zmq_ctx_term(c->zctx);
+    while (c->strings) {
+        struct skv_client_string *next = c->strings->next;
+        free(c->strings);
+        c->strings = next;
+    }
     free(c->tenant);
+    free(c->name);
     free(c);
     *client_p = NULL;
 }
@@ -492,10 +566,10 @@ int snapkv_server_info(snapkv_client_t *c, struct snapkv_server_info *out)
         return skv_client_fail(SNAPKV_E_INVAL, "not connected");
     const Snapkv__HelloReply *h = c->hello;
     *out = (struct snapkv_server_info){
-        .server_version = h->server_version,
-        .model_name = h->model_name,
-        .model_fingerprint = h->model_fingerprint,
-        .backend = h->backend,
+        .server_version = c->info[0],
+        .model_name = c->info[1],
+        .model_fingerprint = c->info[2],
+        .backend = c->info[3],
         .n_layers = h->n_layers,
         .n_heads = h->n_heads,
         .n_kv_heads = h->n_kv_heads,
@@ -571,13 +645,15 @@ int skv_client_id_parse(const ProtobufCBinaryData *b, const char *what, struct s
     return SNAPKV_OK;
 }
 
-int skv_client_check(const snapkv_client_t *c, const void *id, const char *what)
+int skv_client_check(snapkv_client_t *c, const void *id, const char *what)
 {
     if (!c || !c->hello)
         return skv_client_fail(SNAPKV_E_INVAL, "%s: not connected", what);
     if (!id)
         return skv_client_fail(SNAPKV_E_INVAL, "%s: session id is required", what);
-    return SNAPKV_OK;
+    /* the command's own checks use the facts of the daemon it goes to (inside another call the
+     * command fails BUSY anyway) */
+    return c->in_call ? SNAPKV_OK : refresh(c, false, what);
 }
 
 /* ---- shared conversions ------------------------------------------------------------------------ */

@@ -9,13 +9,20 @@
 struct snapkv_client {
     void *zctx;
     void *sock;
-    void *monitor;               /* handshake events, only while snapkv_connect runs */
+    void *monitor;               /* connection events (handshakes, closes), read during calls */
     bool curve;                  /* CURVE keys were given */
     char *tenant;
+    char *name;                  /* the client name HELLO gives */
     int timeout_ms;
     uint64_t next_request_id;
     bool in_call;                /* a call is waiting for its replies (a callback runs inside it) */
-    Snapkv__HelloReply *hello;   /* kept for snapkv_server_info */
+    Snapkv__HelloReply *hello;   /* the latest HELLO's facts (snapkv_server_info reads them) */
+    uint64_t disconnects;        /* connections closed so far */
+    uint64_t hello_disconnects;  /* that count when `hello` was asked for: a later close is a new
+                                  * connection, maybe to another daemon, so HELLO is asked again */
+    struct skv_client_string *strings; /* every server_info string returned so far, kept until
+                                        * close (they must outlive a new HELLO) */
+    const char *info[4];         /* server version, model name, fingerprint, backend: in strings */
 };
 
 /* Sets this thread's last error and returns status. */
@@ -54,7 +61,9 @@ int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, 
 bool skv_client_dup_u32(const uint32_t *src, size_t n, uint32_t **out);
 bool skv_client_dup_f32(const float *src, size_t n, float **out);
 
-/* Checks that id is non-NULL (the "bad argument" message names `what`). */
-int skv_client_check(const snapkv_client_t *c, const void *id, const char *what);
+/* Checks that c is connected and id is non-NULL (the "bad argument" message names `what`),
+ * then asks HELLO again when the connection closed since the last (see snapkv_server_info), so
+ * the command's own checks see the facts of the daemon it goes to. */
+int skv_client_check(snapkv_client_t *c, const void *id, const char *what);
 
 #endif

@@ -39,6 +39,8 @@
  * of its own client fails BUSY, signals do not end calls; the same interface.
  * 6:2:2: a daemon restart shows in the events stream as a CLEARED of sequence 0; after a replay,
  * an earlier daemon's queued events are told from a later one's by their time.
+ * 6:3:2: after the connection closed, the next call asks HELLO again (snapkv_server_info and the
+ * library's checks follow a restarted daemon's model and limits).
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -135,7 +137,10 @@ SNAPKV_API int snapkv_curve_key_load(const char *path, bool secret, char key[SNA
  * ("could not send ...") at its timeout, and a daemon that comes back sees only later calls. */
 SNAPKV_API int snapkv_set_timeout(snapkv_client_t *client, int timeout_ms);
 
-/* What HELLO told us about the daemon and its model. Strings live as long as the client. */
+/* What HELLO told us about the daemon and its model. After the connection closed (the daemon
+ * restarted, maybe with another model or other limits), the next call asks HELLO again before
+ * its request, so these are the facts of the daemon that answered the last call. Strings live
+ * as long as the client. */
 struct snapkv_server_info {
     const char *server_version;
     const char *model_name;

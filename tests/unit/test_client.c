@@ -40,6 +40,7 @@ struct fake {
     fake_handler handler;
     atomic_uint hello_version;      /* version in the HELLO reply (set by the test while the fake runs) */
     atomic_ullong max_message_bytes;
+    atomic_uint n_vocab;            /* in the HELLO reply; another value also names another model */
 
     /* the request being answered (fake thread only) */
     uint8_t ident[256];
@@ -98,14 +99,14 @@ static void fake_hello(struct fake *f, const Snapkv__Request *req)
     Snapkv__Reply rep = SNAPKV__REPLY__INIT;
     Snapkv__HelloReply h = SNAPKV__HELLO_REPLY__INIT;
     h.server_version = "0.1.0-fake";
-    h.model_name = "tiny";
-    h.model_fingerprint = "abc123";
+    h.n_vocab = atomic_load(&f->n_vocab);
+    h.model_name = h.n_vocab == 100 ? "tiny" : "other";
+    h.model_fingerprint = h.n_vocab == 100 ? "abc123" : "def456";
     h.backend = "cpu";
     h.n_layers = 2;
     h.n_heads = 6;
     h.n_kv_heads = 3;
     h.head_dim = 4;
-    h.n_vocab = 100;
     h.max_prompt_tokens = 50;
     h.max_new_tokens = 64;
     h.max_sessions_per_tenant = 8;
@@ -166,6 +167,7 @@ static struct fake *fake_start_on(fake_handler handler, const char *endpoint, in
     f->handler = handler;
     f->hello_version = 1;
     f->max_message_bytes = 1 << 20;
+    f->n_vocab = 100;
     pthread_mutex_init(&f->lock, NULL);
     f->ctx = zmq_ctx_new();
     f->router = zmq_socket(f->ctx, ZMQ_ROUTER);
@@ -1121,14 +1123,81 @@ static void test_send_timeout_daemon_gone(void **state)
             fail_msg("FORK to a gone daemon: %d %s", rc, snapkv_last_error());
         assert_true(now_ms() - t0 < 1000);
     }
-    assert_non_null(strstr(snapkv_last_error(), "could not send the FORK request within 1 ms"));
+    /* the connection closed, so each call first asks HELLO again */
+    assert_non_null(strstr(snapkv_last_error(), "fork: the connection to the daemon closed since the last call"));
+    assert_non_null(strstr(snapkv_last_error(), "could not send the HELLO request within 1 ms"));
     assert_memory_equal(out.bytes, ID_A.bytes, 16);
 
     f = fake_start_on(answer_fork, endpoint, 0);
     assert_int_equal(snapkv_set_timeout(c, 5000), SNAPKV_OK);
     assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_OK);
     assert_memory_equal(out.bytes, ID_B.bytes, 16);
-    assert_int_equal(fake_requests(f), 1);
+    assert_int_equal(fake_requests(f), 2); /* HELLO again (a new connection), then the FORK */
+    alarm(0);
+    snapkv_close(&c);
+    fake_stop(&f);
+}
+
+static bool answer_fork_prefill(struct fake *f, const Snapkv__Request *req)
+{
+    return answer_fork(f, req) || answer_prefill(f, req);
+}
+
+/* A daemon restarted with another model: the first call after the connection closed asks HELLO
+ * again before its request, so snapkv_server_info and the library's own checks (token ids
+ * against the vocabulary) follow the new daemon; strings returned before stay valid. */
+static void test_hello_after_restart(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    char endpoint[sizeof f->endpoint];
+    memcpy(endpoint, f->endpoint, sizeof endpoint);
+    snapkv_client_t *c = connect_fake(f, 5000);
+    struct snapkv_server_info before, after;
+    assert_int_equal(snapkv_server_info(c, &before), SNAPKV_OK);
+    assert_int_equal(before.n_vocab, 100);
+    struct snapkv_session_id out = ID_A;
+    assert_int_equal(snapkv_set_timeout(c, 300), SNAPKV_OK);
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_TIMEOUT); /* this fake answers no FORK */
+    assert_int_equal(fake_requests(f), 2); /* no HELLO again while the connection stays */
+    assert_int_equal(snapkv_set_timeout(c, 5000), SNAPKV_OK);
+    fake_stop(&f);
+
+    f = fake_start_on(answer_fork_prefill, endpoint, 0);
+    atomic_store(&f->n_vocab, 200);
+    /* token 150 is outside the old vocabulary, inside the new one */
+    const uint32_t tokens[] = {5, 150};
+    struct snapkv_prefill_opts po = {.tokens = tokens, .n_tokens = 2};
+    struct snapkv_prefill_result pr;
+    alarm(60);
+    int rc = snapkv_prefill(c, &po, &pr);
+    if (rc)
+        fail_msg("prefill after the restart: %d %s", rc, snapkv_last_error());
+    snapkv_prefill_result_free(&pr);
+    assert_int_equal(fake_requests(f), 2);
+    assert_int_equal(snapkv_server_info(c, &after), SNAPKV_OK);
+    assert_int_equal(after.n_vocab, 200);
+    assert_string_equal(after.model_name, "other");
+    assert_string_equal(after.model_fingerprint, "def456");
+    assert_string_equal(before.model_name, "tiny"); /* still readable */
+    assert_string_equal(before.model_fingerprint, "abc123");
+    assert_ptr_equal(before.backend, after.backend); /* an equal string is kept once */
+
+    /* the next call, on the same connection, sends its request alone */
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_OK);
+    assert_int_equal(fake_requests(f), 3);
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_FORK);
+    snapkv__request__free_unpacked(req, NULL);
+
+    /* another restart, back to the first model: a token the new facts refuse is refused here */
+    fake_stop(&f);
+    f = fake_start_on(answer_fork_prefill, endpoint, 0);
+    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_server_info(c, &after), SNAPKV_OK);
+    assert_ptr_equal(after.model_name, before.model_name);
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "outside the vocabulary (100)"));
     alarm(0);
     snapkv_close(&c);
     fake_stop(&f);
@@ -2188,6 +2257,7 @@ int main(void)
         cmocka_unit_test(test_signals_do_not_end_calls),
         cmocka_unit_test(test_send_timeout_daemon_gone),
         cmocka_unit_test(test_send_timeout_daemon_deaf),
+        cmocka_unit_test(test_hello_after_restart),
         cmocka_unit_test(test_odd_replies),
         cmocka_unit_test(test_message_size_limit),
         cmocka_unit_test(test_append_compress_release),
