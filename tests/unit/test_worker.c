@@ -3225,6 +3225,39 @@ static void test_evict_idle_fork(void **state)
     assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
 }
 
+/* Two decodes in one round that each cross a block boundary take exactly the blocks the pool
+ * has left: the second's room counts the block the first's prepare took once (it was counted
+ * twice, in the pool and as the round's, and an idle session was evicted for room that was
+ * there). */
+static void test_decode_round_room(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_pool(f, 5);
+    uint8_t a[16], b[16], idle[16];
+    prefill(f, 16, "policy=full", idle);
+    usleep(5000);
+    /* three of five blocks a layer and head; a runs one round alone before b's first (the
+     * worker starts one request between two rounds), so a reaches its 17th row in b's first */
+    prefill(f, 15, "policy=full", a);
+    prefill(f, 16, "policy=full", b);
+    freeze(f, idle);
+    submit_decode(f, ID_Y, "t", a, 3, false);
+    submit_decode(f, ID_Z, "t", b, 3, false);
+    thaw(f);
+    const uint8_t *clients[2] = {ID_Y, ID_Z};
+    for (int i = 0; i < 2; i++) {
+        uint32_t toks[4];
+        int n = 0;
+        Snapkv__Reply *rep = decode_final(f, clients[i], toks, &n, 4);
+        assert_int_equal(rep->status, SKV_OK);
+        assert_int_equal(n, 3);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_int_equal(listed(f, idle, NULL, NULL), 16);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
+    assert_true(listed(f, a, NULL, NULL) > 16 && listed(f, b, NULL, NULL) > 16);
+}
+
 /* decode-share: with a decode-yield-ms that never comes, a share of 100 gives the running decode
  * a round at every tick of a long prefill (after each layer's projections, attention and MLP: 3
  * per layer, as decode-yield-ms = 0 does), and a share of 0 none (the decode waits for the
@@ -3292,6 +3325,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_frees, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_idle_fork, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_round_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
