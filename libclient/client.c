@@ -80,7 +80,7 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
 /* Reads the connection events libzmq reported: a failed handshake fails the call at once (the
  * daemon sends nothing to a refused client) unless `past` (events from before the call, a later
  * handshake may have worked: only drained); a closed connection is counted and sets *lost (NULL:
- * ignored). */
+ * ignored); c->down follows closes and handshakes. */
 static int check_events(snapkv_client_t *c, bool *lost, bool past)
 {
     int rc = SNAPKV_OK;
@@ -103,8 +103,12 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
         }
         zmq_msg_close(&head);
         zmq_msg_close(&addr);
-        if (event == ZMQ_EVENT_DISCONNECTED)
+        if (event == ZMQ_EVENT_DISCONNECTED) {
             c->disconnects++;
+            c->down = true;
+        } else if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            c->down = false;
+        }
         if (event == ZMQ_EVENT_DISCONNECTED && lost)
             *lost = true;
         else if (past)
@@ -154,6 +158,25 @@ long skv_client_wait_ms(int64_t deadline)
  * blocking, and nothing is queued to run when a daemon comes back. */
 static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t deadline, const char *what)
 {
+    /* after a close, until the next handshake: libzmq may not have dropped the closed
+     * connection's pipe yet, and a message sent now could go into it and be lost unnoticed (the
+     * close was seen already), so the call would wait out its timeout */
+    while (c->monitor && c->down) {
+        zmq_pollitem_t item = {.socket = c->monitor, .events = ZMQ_POLLIN};
+        int n = zmq_poll(&item, 1, skv_client_wait_ms(deadline));
+        if (n < 0 && zmq_errno() == EINTR)
+            continue;
+        if (n < 0)
+            return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
+        if (n == 0)
+            return skv_client_fail(SNAPKV_E_TIMEOUT,
+                                   "could not send the %s request within %d ms: the daemon is not connected "
+                                   "(not running?)",
+                                   what, c->timeout_ms);
+        int rc = check_events(c, NULL, false);
+        if (rc)
+            return rc;
+    }
     for (;;) {
         if (zmq_send(c->sock, buf, len, ZMQ_DONTWAIT) >= 0)
             return SNAPKV_OK;
@@ -427,7 +450,7 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
 static void monitor_start(snapkv_client_t *c)
 {
     int events = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_DISCONNECTED;
+                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
     if (zmq_socket_monitor(c->sock, MONITOR_ENDPOINT, events) < 0)
         return; /* without it a refusal still ends at the timeout */
     c->monitor = zmq_socket(c->zctx, ZMQ_PAIR);

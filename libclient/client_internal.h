@@ -18,6 +18,7 @@ struct snapkv_client {
     bool in_call;                /* a call is waiting for its replies (a callback runs inside it) */
     Snapkv__HelloReply *hello;   /* the latest HELLO's facts (snapkv_server_info reads them) */
     uint64_t disconnects;        /* connections closed so far */
+    bool down;                   /* a connection closed and no handshake has worked since */
     uint64_t hello_disconnects;  /* that count when `hello` was asked for: a later close is a new
                                   * connection, maybe to another daemon, so HELLO is asked again */
     struct skv_client_string *strings; /* every server_info string returned so far, kept until
