@@ -9,6 +9,7 @@
 #include <cmocka.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -513,12 +514,14 @@ static void test_metrics_limits(void **state)
     struct snapkv_status_info s;
     assert_int_equal(snapkv_admin_status(a, &s), SNAPKV_OK);
     snapkv_close(&a);
-    assert_true(now_ms() - t0 < 1000);
+    /* served while the silent connection is still held (not yet answered 408) */
+    struct pollfd pf = {.fd = silent, .events = POLLIN};
+    assert_int_equal(poll(&pf, 1, 0), 0);
     read_all(silent, buf, sizeof buf);
     int64_t held = now_ms() - t0;
     close(silent);
     assert_true(strncmp(buf, "HTTP/1.1 408 ", 13) == 0);
-    assert_true(held >= 1500 && held < 5000);
+    assert_true(held >= 1500 && held < 10000);
     printf("# silent HTTP connection closed after %lld ms\n", (long long)held);
 
     const char get[] = "GET /metrics HTTP/1.1\r\n\r\n";
@@ -752,7 +755,8 @@ static void test_client_not_reading(void **state)
     void *s = raw_socket(d, ctx, ZMQ_RCVHWM, 1);
     static const unsigned char hello[] = {0x08, 0x01, 0x52, 0x00}; /* version 1, hello {} */
     int sent = 0;
-    for (int i = 0; i < 30000; i++) {
+    int64_t until = now_ms() + 120000; /* the count, not the tries (a slow daemon: TSan) */
+    while (sent <= 20000 && now_ms() < until) {
         if (zmq_send(s, hello, sizeof hello, ZMQ_DONTWAIT) < 0) {
             if (zmq_errno() != EAGAIN)
                 break;

