@@ -1,6 +1,7 @@
 /* snapkvctl: the command line of snapkvd for users (generate, chat, prefill, append, decode,
  * compress, fork, export/import, release, cancel) and admins (status, list, inspect, evict, pin, save,
  * load, stats, config). Talks only through libsnapkv; human tables by default, --json for scripts. */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -77,7 +78,7 @@ static void usage(FILE *out)
             "                                         one-shot: prefill as a chat turn, stream the answer, release\n"
             "  chat [--compress SPEC] [SAMPLING] [--turn-template T] [--stats]\n"
             "                                         interactive: one line per turn, answers streamed\n"
-            "                                         (Ctrl-C stops an answer, the chat goes on)\n"
+            "                                         (Ctrl-C stops an answer; at the prompt, ends the chat)\n"
             "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S]\n"
             "                                         prints the new session id\n"
             "  append SESSION TEXT                    run more text through a session\n"
@@ -222,7 +223,7 @@ static json_t *u32_json(const uint32_t *v, size_t n)
 
 static bool parse_u64(const char *s, uint64_t max, uint64_t *out)
 {
-    if (!s || !*s || *s == '-')
+    if (!s || !isdigit((unsigned char)*s)) /* strtoull would take " -1" as 2^64 - 1 */
         return false;
     errno = 0;
     char *end;
@@ -249,7 +250,7 @@ static bool parse_float(const char *s, float *out)
     errno = 0;
     char *end;
     float v = strtof(s, &end);
-    if (errno || *end || v != v)
+    if (errno || *end || !isfinite(v))
         return false;
     *out = v;
     return true;
@@ -285,7 +286,8 @@ static void id_hex(const struct snapkv_session_id *id, char hex[SNAPKV_SESSION_I
     snapkv_session_id_to_hex(id, hex, SNAPKV_SESSION_ID_HEX_SIZE);
 }
 
-/* Reads a whole file ("-": stdin) as a NUL-terminated string. */
+/* Reads a whole file ("-": stdin) of at most MAX_INPUT_BYTES as a NUL-terminated string; text
+ * with a NUL in it (UTF-16, a binary file) is refused, since the NUL would end it there. */
 static char *read_text(const char *path)
 {
     FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
@@ -297,20 +299,21 @@ static char *read_text(const char *path)
     char *buf = malloc(cap);
     while (buf) {
         if (len + 1 == cap) {
-            if (cap >= MAX_INPUT_BYTES) {
+            if (len > MAX_INPUT_BYTES) { /* the buffer holds one byte more than the limit */
                 fprintf(stderr, "snapkvctl: %s: larger than %u bytes\n", path, MAX_INPUT_BYTES);
                 free(buf);
                 buf = NULL;
                 break;
             }
-            char *grown = realloc(buf, cap * 2);
+            size_t more = cap * 2 > (size_t)MAX_INPUT_BYTES + 2 ? (size_t)MAX_INPUT_BYTES + 2 : cap * 2;
+            char *grown = realloc(buf, more);
             if (!grown) {
                 free(buf);
                 buf = NULL;
                 break;
             }
             buf = grown;
-            cap *= 2;
+            cap = more;
         }
         size_t n = fread(buf + len, 1, cap - 1 - len, f);
         len += n;
@@ -322,6 +325,16 @@ static char *read_text(const char *path)
             }
             break;
         }
+    }
+    if (buf && len > MAX_INPUT_BYTES) {
+        fprintf(stderr, "snapkvctl: %s: larger than %u bytes\n", path, MAX_INPUT_BYTES);
+        free(buf);
+        buf = NULL;
+    } else if (buf && memchr(buf, '\0', len)) {
+        fprintf(stderr, "snapkvctl: %s: a NUL byte at %zu: the text must be UTF-8 (UTF-16? binary?)\n", path,
+                (size_t)((char *)memchr(buf, '\0', len) - buf));
+        free(buf);
+        buf = NULL;
     }
     if (buf)
         buf[len] = '\0';
@@ -465,8 +478,10 @@ static void sampling_init(struct snapkv_sampling *s)
     s->seed = (uint64_t)time(NULL);
 }
 
-/* Streams decoded text to stdout. */
-/* Set by SIGINT while chat's answer streams: the answer stops, the chat goes on. */
+/* Set by SIGINT (Ctrl-C) while generate or chat runs: a running answer stops (libsnapkv
+ * cancels it in the daemon) and the session is released before the command ends, instead of
+ * staying for its lease and counting against the tenant's limits. libsnapkv's calls are not
+ * ended by signals, so a prefill finishes first. */
 static volatile sig_atomic_t g_interrupted;
 
 static void on_sigint(int sig)
@@ -475,6 +490,16 @@ static void on_sigint(int sig)
     g_interrupted = 1;
 }
 
+/* SIGINT sets g_interrupted from now on (no SA_RESTART: a read of the terminal returns). */
+static void catch_sigint(void)
+{
+    struct sigaction sa = {.sa_handler = on_sigint};
+    sigemptyset(&sa.sa_mask);
+    g_interrupted = 0;
+    sigaction(SIGINT, &sa, NULL);
+}
+
+/* Streams decoded text to stdout. */
 static int print_tokens(void *user, const uint32_t *tokens, size_t n, const char *text)
 {
     (void)user;
@@ -483,6 +508,16 @@ static int print_tokens(void *user, const uint32_t *tokens, size_t n, const char
     fputs(text, stdout);
     fflush(stdout);
     return g_interrupted ? 1 : 0; /* libsnapkv then ends the decode in the daemon (CANCEL) */
+}
+
+/* The same without printing (--json collects the text). */
+static int until_interrupted(void *user, const uint32_t *tokens, size_t n, const char *text)
+{
+    (void)user;
+    (void)tokens;
+    (void)n;
+    (void)text;
+    return g_interrupted ? 1 : 0;
 }
 
 /* Prefill progress, on a terminal only. */
@@ -516,13 +551,14 @@ static int cmd_info(const struct ctl *c)
     int ret = 0;
     if (c->json) {
         ret = print_json(json_pack(
-            "{s:o, s:o, s:o, s:o, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I, s:I}", "server_version",
+            "{s:o, s:o, s:o, s:o, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I, s:I, s:i, s:i}", "server_version",
             json_text(in.server_version), "model", json_text(in.model_name), "fingerprint",
             json_text(in.model_fingerprint), "backend", json_text(in.backend), "layers", in.n_layers, "heads",
             in.n_heads, "kv_heads", in.n_kv_heads, "head_dim", in.head_dim, "vocab", in.n_vocab, "max_prompt_tokens",
             in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens, "bos_token", in.bos_token, "eos_token",
             in.eos_token, "max_message_bytes", (json_int_t)in.max_message_bytes, "max_bytes_per_tenant",
-            (json_int_t)in.max_bytes_per_tenant));
+            (json_int_t)in.max_bytes_per_tenant, "max_sessions_per_tenant", in.max_sessions_per_tenant,
+            "kv_block_tokens", in.kv_block_tokens));
     } else {
         char b[32];
         printf("server      snapkvd %s (%s backend)\n", in.server_version, in.backend);
@@ -652,6 +688,7 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
     if (connect_to(c, false, &cl))
         goto out_free;
 
+    catch_sigint();
     struct snapkv_prefill_opts po = {.text = text, .chat = true, .compress = spec, .progress = show_progress};
     struct snapkv_prefill_result pr;
     int rc = snapkv_prefill(cl, &po, &pr);
@@ -661,8 +698,14 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
         goto out_close;
     }
     struct snapkv_decode_result dr;
-    rc = snapkv_decode(cl, &pr.id, &s, c->json ? NULL : print_tokens, NULL, &dr);
-    if (rc) {
+    rc = g_interrupted ? SNAPKV_E_CANCELLED
+                       : snapkv_decode(cl, &pr.id, &s, c->json ? until_interrupted : print_tokens, NULL, &dr);
+    if (rc && g_interrupted) {
+        if (!c->json)
+            putchar('\n');
+        fprintf(stderr, "snapkvctl generate: interrupted\n");
+        ret = 130; /* as a shell reports a command SIGINT ended */
+    } else if (rc) {
         if (!c->json)
             putchar('\n');
         failed("decode", rc);
@@ -689,7 +732,7 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
     rc = snapkv_release(cl, &pr.id);
     if (rc) {
         failed("release", rc);
-        ret = 1;
+        ret = ret ? ret : 1;
     }
     snapkv_prefill_result_free(&pr);
 
@@ -760,18 +803,29 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
         return 1;
     bool tty = isatty(STDIN_FILENO);
     if (tty)
-        fprintf(stderr, "chat with snapkvd: one line per turn, Ctrl-C stops an answer, end with Ctrl-D\n");
+        fprintf(stderr, "chat with snapkvd: one line per turn, Ctrl-C stops an answer (at the prompt: the chat), "
+                        "end with Ctrl-D\n");
     bool have_session = false;
     struct snapkv_session_id id;
     int ret = 0;
     char *line = NULL;
     size_t cap = 0;
+    /* Ctrl-C: during a turn, stops its answer (the session keeps what was said); at the prompt,
+     * ends the chat, its session released */
+    catch_sigint();
     for (;;) {
         if (tty)
             fputs("> ", stderr);
+        g_interrupted = 0;
         ssize_t n = getline(&line, &cap, stdin);
-        if (n < 0)
+        if (n < 0) {
+            if (g_interrupted) {
+                fputc('\n', stderr);
+                ret = 130;
+            }
             break;
+        }
+        g_interrupted = 0;
         while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
             line[--n] = '\0';
         if (n == 0)
@@ -800,14 +854,12 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
                 break;
             }
         }
-        /* Ctrl-C stops this answer (the session keeps what was said), not the chat */
-        struct sigaction sa = {.sa_handler = on_sigint}, old_sa;
-        sigemptyset(&sa.sa_mask);
-        g_interrupted = 0;
-        sigaction(SIGINT, &sa, &old_sa);
+        if (g_interrupted) { /* during the prefill or append: no answer */
+            fprintf(stderr, "[stopped]\n");
+            continue;
+        }
         struct snapkv_decode_result dr;
         rc = snapkv_decode(cl, &id, &s, print_tokens, NULL, &dr);
-        sigaction(SIGINT, &old_sa, NULL);
         putchar('\n');
         fflush(stdout);
         if (rc == SNAPKV_E_CANCELLED && g_interrupted) {
@@ -1049,11 +1101,13 @@ static int cmd_release(const struct ctl *c, int argc, char **argv)
 
 static int cmd_cancel(const struct ctl *c, int argc, char **argv)
 {
-    bool admin = argc == 3 && strcmp(argv[2], "--admin") == 0;
+    /* --admin before or after the session, as other commands take their options */
+    int at = argc == 3 && strcmp(argv[1], "--admin") == 0 ? 2 : 1;
+    bool admin = argc == 3 && strcmp(argv[at == 1 ? 2 : 1], "--admin") == 0;
     if (argc != 2 && !admin)
         return usage_error("cancel", "usage: cancel SESSION [--admin]");
     struct snapkv_session_id id;
-    if (!parse_session("cancel", argv[1], &id))
+    if (!parse_session("cancel", argv[at], &id))
         return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, admin, &cl))
@@ -1065,7 +1119,7 @@ static int cmd_cancel(const struct ctl *c, int argc, char **argv)
     if (rc)
         return failed("cancel", rc);
     if (c->json)
-        return print_json(json_pack("{s:s, s:b, s:I}", "session", argv[1], "cancelled", cancelled, "n_generated",
+        return print_json(json_pack("{s:s, s:b, s:I}", "session", argv[at], "cancelled", cancelled, "n_generated",
                                     (json_int_t)n));
     if (cancelled)
         printf("cancelled a decode after %u token(s)\n", n);
@@ -1174,13 +1228,29 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         fprintf(stderr, "snapkvctl export: the daemon's model fingerprint is longer than an export holds\n");
         goto out_layout;
     }
-    /* a session's K/V is the tenant's data: the file is its owner's alone (not the umask's
-     * 0644), and one that fails part way does not stay behind */
-    int ofd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (ofd < 0 || fchmod(ofd, 0600) < 0 || !(f = fdopen(ofd, "wb"))) { /* (a file that was there) */
-        fprintf(stderr, "snapkvctl export: %s: %s\n", out_path, strerror(errno));
-        if (ofd >= 0)
+    /* a session's K/V is the tenant's data: the file is its owner's alone (mkstemp's 0600, not
+     * the umask's 0644). It is written beside its name and renamed there once whole, so one that
+     * fails part way leaves no file and a file that was there as it was; a name that is not a
+     * regular file (/dev/null, a FIFO) is refused, not replaced. */
+    struct stat sb;
+    if (lstat(out_path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+        fprintf(stderr, "snapkvctl export: %s is there and is not a regular file\n", out_path);
+        goto out_layout;
+    }
+    size_t tmp_len = strlen(out_path) + sizeof ".XXXXXX";
+    char *tmp = malloc(tmp_len);
+    int ofd = -1;
+    if (tmp) {
+        snprintf(tmp, tmp_len, "%s.XXXXXX", out_path);
+        ofd = mkstemp(tmp);
+    }
+    if (ofd < 0 || !(f = fdopen(ofd, "wb"))) {
+        fprintf(stderr, "snapkvctl export: %s: %s\n", tmp ? tmp : out_path, tmp ? strerror(errno) : "out of memory");
+        if (ofd >= 0) {
             close(ofd);
+            unlink(tmp);
+        }
+        free(tmp);
         goto out_layout;
     }
     struct export_header h = {
@@ -1202,11 +1272,14 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
     }
     ok = ok && write_all(f, lay.positions, lay.n_positions * sizeof(uint32_t)) &&
          write_all(f, shm.addr, (size_t)lay.bytes_written);
-    if (fclose(f) != 0 || !ok) {
-        fprintf(stderr, "snapkvctl export: writing %s failed\n", out_path);
-        unlink(out_path);
+    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    if (fclose(f) != 0 || !ok || rename(tmp, out_path) != 0) {
+        fprintf(stderr, "snapkvctl export: writing %s failed: %s\n", out_path, strerror(errno));
+        unlink(tmp);
+        free(tmp);
         goto out_layout;
     }
+    free(tmp);
     ret = 0;
     if (c->json) {
         ret = print_json(json_pack("{s:s, s:o, s:I, s:i, s:o}", "session", argv[optind], "file",
@@ -1266,6 +1339,16 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
                 "by an older snapkvctl); export the session again\n", path);
         goto out_close_file;
     }
+    /* the header's counts must add up to the file's size before anything is sized by them */
+    struct stat sb = {0};
+    uint64_t want = (uint64_t)sizeof h + (uint64_t)h.n_layers * (8 + 4 * (uint64_t)h.n_kv_heads) +
+                    4 * (uint64_t)h.n_positions + h.data_bytes;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode) || h.data_bytes > ((uint64_t)1 << 50) ||
+        want != (uint64_t)sb.st_size) {
+        fprintf(stderr, "snapkvctl import: %s is truncated or inconsistent (%lld bytes; its header says %llu)\n",
+                path, (long long)sb.st_size, (unsigned long long)want);
+        goto out_close_file;
+    }
     layers = calloc(h.n_layers, sizeof *layers);
     heads = calloc((size_t)h.n_layers * h.n_kv_heads + 1, sizeof *heads);
     positions = calloc((size_t)h.n_positions + 1, sizeof *positions);
@@ -1282,6 +1365,8 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
             .layer = two[0], .kept = two[1], .n_heads = h.n_kv_heads, .kept_per_head = kh};
     }
     ok = ok && read_all(f, positions, h.n_positions * sizeof *positions);
+    for (uint32_t i = 0; ok && i < h.n_positions; i++)
+        ok = positions[i] < h.original_length;
     uint64_t expect = snapkv_kv_bytes(layers, h.n_layers, h.n_kv_heads, h.head_dim);
     if (!ok || h.data_bytes != expect) {
         fprintf(stderr, "snapkvctl import: %s is truncated or inconsistent\n", path);
@@ -1732,10 +1817,10 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
         return usage_error("events", "usage: events ENDPOINT [--count N] [--replay REPLAY_ENDPOINT]");
     for (int i = 2; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--count") == 0) {
-            char *end;
-            count = strtol(argv[i + 1], &end, 10);
-            if (*end || count < 1)
+            uint64_t v;
+            if (!parse_u64(argv[i + 1], LONG_MAX, &v) || v < 1)
                 return usage_error("events", "--count wants a positive number, not '%s'", argv[i + 1]);
+            count = (long)v;
         } else if (strcmp(argv[i], "--replay") == 0) {
             replay = argv[i + 1];
         } else {
@@ -1937,6 +2022,10 @@ int main(int argc, char **argv)
             fprintf(stderr, "snapkvctl: %s goes before the command: snapkvctl --json %s ...\n", sub_argv[i], cmd);
             return 2;
         }
+    if (sub_argc == 2 && (strcmp(sub_argv[1], "--help") == 0 || strcmp(sub_argv[1], "-h") == 0)) {
+        usage(stdout); /* `snapkvctl generate --help` */
+        return 0;
+    }
     if ((strcmp(cmd, "info") == 0 || strcmp(cmd, "status") == 0) && sub_argc > 1)
         return usage_error(cmd, "usage: %s (options go before the command)", cmd);
     if (strcmp(cmd, "info") == 0)
