@@ -2,6 +2,7 @@
  * start-up, sd_notify, then the server loop until SIGTERM. */
 #include "build-config.h"
 
+#include "common/cpu.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/auth.h"
@@ -154,14 +155,11 @@ static void usage(FILE *out)
 
 int main(int argc, char **argv)
 {
-#ifdef SKV_NEEDS_AVX2
-    /* (this file is built without the kernels' flags, so the check itself runs anywhere) */
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
-        fprintf(stderr, "snapkvd: this CPU lacks AVX2, FMA or F16C, which this build's CPU kernels use\n");
+    const char *missing; /* (libskvcpu.a checked already, before main: this links it in) */
+    if (!skv_cpu_ok(&missing)) {
+        fprintf(stderr, "snapkvd: this CPU lacks %s, which this build's CPU kernels use\n", missing);
         return 1;
     }
-#endif
     struct skv_config cfg;
     if (skv_config_init(&cfg)) {
         fprintf(stderr, "snapkvd: out of memory\n");

@@ -3,6 +3,7 @@
  * Tests and users drive the engine through the same subcommands. */
 #include "build-config.h"
 
+#include "common/cpu.h"
 #include "common/status.h"
 #include "daemon/compress/compress.h"
 #include "daemon/engine/engine.h"
@@ -1054,6 +1055,9 @@ static int check_option(const char *cmd, const char *opt)
 
 int main(int argc, char **argv)
 {
+    const char *missing; /* links libskvcpu.a, whose check ran before main (this file uses AVX2) */
+    if (!skv_cpu_ok(&missing))
+        return 1;
     struct args a = {.backend = "auto", .threads = 0, .quality = {.passkey_style = -1}};
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
