@@ -77,10 +77,41 @@ static int recv_reply(snapkv_client_t *c, Snapkv__Reply **out)
     return SNAPKV_OK;
 }
 
+/* The failure a handshake event reports, as a status with its message (SNAPKV_OK: the event is
+ * not a failed handshake). */
+static int handshake_failure(const snapkv_client_t *c, uint16_t event, uint32_t value)
+{
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+        return skv_client_fail(SNAPKV_E_PERM,
+                               "the daemon refused this client's CURVE key (ZAP status %u): its public key must be "
+                               "listed in the daemon's authorized keys file",
+                               value);
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+        return c->curve ? skv_client_fail(SNAPKV_E_PERM, "handshake refused: this endpoint does not use CURVE")
+                        : skv_client_fail(SNAPKV_E_PERM,
+                                          "handshake refused: the daemon requires CURVE on this endpoint; give "
+                                          "its public key and a client key pair");
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC)
+        return skv_client_fail(SNAPKV_E_PERM, "CURVE handshake failed: the messages do not decrypt (wrong keys?)");
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        return skv_client_fail(SNAPKV_E_PROTO, "handshake failed: ZMTP protocol error 0x%08x", value);
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && c->curve)
+        return skv_client_fail(SNAPKV_E_PERM,
+                               "CURVE handshake failed (%s): is the server public key the daemon's, and does the "
+                               "endpoint use CURVE?",
+                               zmq_strerror((int)value));
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        return skv_client_fail(SNAPKV_E_PERM,
+                               "handshake failed (%s): the daemon closed the connection; a tcp:// endpoint "
+                               "requires CURVE (give its public key and a client key pair)",
+                               zmq_strerror((int)value));
+    return SNAPKV_OK;
+}
+
 /* Reads the connection events libzmq reported: a failed handshake fails the call at once (the
  * daemon sends nothing to a refused client) unless `past` (events from before the call, a later
- * handshake may have worked: only drained); a closed connection is counted and sets *lost (NULL:
- * ignored); c->down follows closes and handshakes. */
+ * handshake may have worked: only kept in c->refused until one does); a closed connection is
+ * counted and sets *lost (NULL: ignored); c->down follows closes and handshakes. */
 static int check_events(snapkv_client_t *c, bool *lost, bool past)
 {
     int rc = SNAPKV_OK;
@@ -108,35 +139,19 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
             c->down = true;
         } else if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
             c->down = false;
+            c->refused_event = 0;
         }
-        if (event == ZMQ_EVENT_DISCONNECTED && lost)
+        if (event == ZMQ_EVENT_DISCONNECTED && lost) {
             *lost = true;
-        else if (past)
-            continue;
-        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
-            rc = skv_client_fail(SNAPKV_E_PERM,
-                                 "the daemon refused this client's CURVE key (ZAP status %u): its public key must be "
-                                 "listed in the daemon's authorized keys file",
-                                 value);
-        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
-            rc = c->curve ? skv_client_fail(SNAPKV_E_PERM, "handshake refused: this endpoint does not use CURVE")
-                          : skv_client_fail(SNAPKV_E_PERM,
-                                            "handshake refused: the daemon requires CURVE on this endpoint; give "
-                                            "its public key and a client key pair");
-        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC)
-            rc = skv_client_fail(SNAPKV_E_PERM, "CURVE handshake failed: the messages do not decrypt (wrong keys?)");
-        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            rc = skv_client_fail(SNAPKV_E_PROTO, "handshake failed: ZMTP protocol error 0x%08x", value);
-        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && c->curve)
-            rc = skv_client_fail(SNAPKV_E_PERM,
-                                 "CURVE handshake failed (%s): is the server public key the daemon's, and does the "
-                                 "endpoint use CURVE?",
-                                 zmq_strerror((int)value));
-        else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-            rc = skv_client_fail(SNAPKV_E_PERM,
-                                 "handshake failed (%s): the daemon closed the connection; a tcp:// endpoint "
-                                 "requires CURVE (give its public key and a client key pair)",
-                                 zmq_strerror((int)value));
+        } else if (past) {
+            if (event & (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                         ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)) {
+                c->refused_event = event;
+                c->refused_value = value;
+            }
+        } else {
+            rc = handshake_failure(c, event, value);
+        }
     }
     return rc;
 }
@@ -162,6 +177,10 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
      * connection's pipe yet, and a message sent now could go into it and be lost unnoticed (the
      * close was seen already), so the call would wait out its timeout */
     while (c->monitor && c->down) {
+        /* the daemon there now refused the handshake (a restart that requires CURVE, or no
+         * longer lists this client's key): say so, not "not running" at the timeout */
+        if (c->refused_event)
+            return handshake_failure(c, c->refused_event, c->refused_value);
         zmq_pollitem_t item = {.socket = c->monitor, .events = ZMQ_POLLIN};
         int n = zmq_poll(&item, 1, skv_client_wait_ms(deadline));
         if (n < 0 && zmq_errno() == EINTR)
@@ -251,6 +270,8 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
     free(buf);
     if (rc)
         return rc;
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_HELLO)
+        c->hello_sent_disconnects = c->disconnects; /* closes up to here are before its connection */
     *in_flight = true;
 
     /* the connection closing while the reply is awaited (the daemon stopped or restarted) loses
@@ -385,7 +406,6 @@ static const char *keep_string(snapkv_client_t *c, const char *s)
  * the library's own checks. */
 static int say_hello(snapkv_client_t *c)
 {
-    uint64_t disconnects = c->disconnects;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__HelloRequest hello = SNAPKV__HELLO_REQUEST__INIT;
     hello.client_name = c->name;
@@ -412,7 +432,7 @@ static int say_hello(snapkv_client_t *c)
         snapkv__hello_reply__free_unpacked(c->hello, NULL);
     c->hello = h;
     memcpy(c->info, info, sizeof info);
-    c->hello_disconnects = disconnects;
+    c->hello_disconnects = c->hello_sent_disconnects;
     return SNAPKV_OK;
 }
 

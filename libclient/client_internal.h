@@ -19,6 +19,9 @@ struct snapkv_client {
     Snapkv__HelloReply *hello;   /* the latest HELLO's facts (snapkv_server_info reads them) */
     uint64_t disconnects;        /* connections closed so far */
     bool down;                   /* a connection closed and no handshake has worked since */
+    uint16_t refused_event;      /* a failed handshake seen between two calls, none since worked */
+    uint32_t refused_value;
+    uint64_t hello_sent_disconnects; /* c->disconnects when the last HELLO went out */
     uint64_t hello_disconnects;  /* that count when `hello` was asked for: a later close is a new
                                   * connection, maybe to another daemon, so HELLO is asked again */
     struct skv_client_string *strings; /* every server_info string returned so far, kept until

@@ -134,7 +134,9 @@ SNAPKV_API int snapkv_curve_key_load(const char *path, bool secret, char key[SNA
  * for progress or needs a longer timeout. A reply that arrives after its call timed out is
  * discarded by later calls. Requests are not queued for a daemon that is not connected (not
  * running yet, gone) or that has stopped reading: such a call fails with SNAPKV_E_TIMEOUT
- * ("could not send ...") at its timeout, and a daemon that comes back sees only later calls. */
+ * ("could not send ...") at its timeout, and a daemon that comes back sees only later calls.
+ * The first call after the connection closed asks HELLO again (see snapkv_server_info), which
+ * has its own timeout, so that call may take up to twice it. */
 SNAPKV_API int snapkv_set_timeout(snapkv_client_t *client, int timeout_ms);
 
 /* What HELLO told us about the daemon and its model. After the connection closed (the daemon

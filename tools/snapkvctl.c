@@ -481,12 +481,16 @@ static void sampling_init(struct snapkv_sampling *s)
 /* Set by SIGINT (Ctrl-C) while generate or chat runs: a running answer stops (libsnapkv
  * cancels it in the daemon) and the session is released before the command ends, instead of
  * staying for its lease and counting against the tenant's limits. libsnapkv's calls are not
- * ended by signals, so a prefill finishes first. */
+ * ended by signals, so a prefill finishes first; a second Ctrl-C before that ends the program
+ * at once. */
 static volatile sig_atomic_t g_interrupted;
 
 static void on_sigint(int sig)
 {
-    (void)sig;
+    if (g_interrupted) { /* a second Ctrl-C before the first took effect (a hung daemon): now */
+        signal(sig, SIG_DFL);
+        raise(sig);
+    }
     g_interrupted = 1;
 }
 
@@ -1234,7 +1238,8 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
      * regular file (/dev/null, a FIFO) is refused, not replaced. */
     struct stat sb;
     if (lstat(out_path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
-        fprintf(stderr, "snapkvctl export: %s is there and is not a regular file\n", out_path);
+        fprintf(stderr, "snapkvctl export: %s is there and is not a regular file (a link, a device, a FIFO): "
+                        "give another --out\n", out_path);
         goto out_layout;
     }
     size_t tmp_len = strlen(out_path) + sizeof ".XXXXXX";
@@ -1245,7 +1250,8 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         ofd = mkstemp(tmp);
     }
     if (ofd < 0 || !(f = fdopen(ofd, "wb"))) {
-        fprintf(stderr, "snapkvctl export: %s: %s\n", tmp ? tmp : out_path, tmp ? strerror(errno) : "out of memory");
+        fprintf(stderr, "snapkvctl export: cannot make a file beside %s: %s\n", out_path,
+                tmp ? strerror(errno) : "out of memory");
         if (ofd >= 0) {
             close(ofd);
             unlink(tmp);

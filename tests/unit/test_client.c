@@ -1224,6 +1224,41 @@ static void test_hello_after_restart(void **state)
     fake_stop(&f);
 }
 
+/* A daemon restarted so that it refuses this client (it now requires CURVE): the next call says
+ * so (SNAPKV_E_PERM and why), not "not running" at its timeout, though the failed handshake
+ * happened between two calls. */
+static void test_refused_after_restart(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_fork);
+    char endpoint[sizeof f->endpoint];
+    memcpy(endpoint, f->endpoint, sizeof endpoint);
+    snapkv_client_t *c = connect_fake(f, 3000);
+    fake_stop(&f);
+    void *ctx = zmq_ctx_new(), *r = zmq_socket(ctx, ZMQ_ROUTER);
+    char pub[41], sec[41];
+    assert_int_equal(zmq_curve_keypair(pub, sec), 0);
+    int one = 1, linger = 0;
+    zmq_setsockopt(r, ZMQ_LINGER, &linger, sizeof linger);
+    assert_int_equal(zmq_setsockopt(r, ZMQ_CURVE_SERVER, &one, sizeof one), 0);
+    assert_int_equal(zmq_setsockopt(r, ZMQ_CURVE_SECRETKEY, sec, 40), 0);
+    assert_int_equal(zmq_bind(r, endpoint), 0);
+    usleep(300 * 1000); /* (the client's libzmq reconnects and fails its handshake meanwhile, mostly) */
+    struct snapkv_session_id out;
+    int rc = SNAPKV_OK;
+    for (int i = 0; i < 3; i++) { /* a request sent before the close was seen: IO "closed" */
+        rc = snapkv_fork(c, &ID_A, &out, NULL);
+        if (!(rc == SNAPKV_E_IO && strstr(snapkv_last_error(), "closed")))
+            break;
+    }
+    if (rc != SNAPKV_E_PERM)
+        fail_msg("a call to a daemon that now refuses this client: %d %s", rc, snapkv_last_error());
+    assert_non_null(strstr(snapkv_last_error(), "requires CURVE"));
+    snapkv_close(&c);
+    zmq_close(r);
+    zmq_ctx_term(ctx);
+}
+
 /* A daemon still connected but no longer reading (hung, or stopped with SIGSTOP): requests fill
  * the socket's queue, then every call times out at the send instead of blocking. */
 static void test_send_timeout_daemon_deaf(void **state)
@@ -2279,6 +2314,7 @@ int main(void)
         cmocka_unit_test(test_send_timeout_daemon_gone),
         cmocka_unit_test(test_send_timeout_daemon_deaf),
         cmocka_unit_test(test_hello_after_restart),
+        cmocka_unit_test(test_refused_after_restart),
         cmocka_unit_test(test_odd_replies),
         cmocka_unit_test(test_message_size_limit),
         cmocka_unit_test(test_append_compress_release),
