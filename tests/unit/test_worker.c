@@ -1326,10 +1326,12 @@ static void test_watchdog(void **state)
      * so 500 ms of answers within a 200 ms interval come from the idle rule) */
     for (int i = 0; i < 200 && !skv_worker_alive(f->w, 200); i++)
         usleep(10000);
+    int n_alive = 0; /* (a sample may meet the worker descheduled in its once-a-second beat) */
     for (int i = 0; i < 25; i++) {
-        assert_true(skv_worker_alive(f->w, 200));
+        n_alive += skv_worker_alive(f->w, 200);
         usleep(20000);
     }
+    assert_true(n_alive >= 20); /* without the idle rule, about 2 of 25 */
 
     uint8_t sid[16];
     prefill(f, 8, "policy=full", sid);
