@@ -1124,7 +1124,7 @@ static void test_send_timeout_daemon_gone(void **state)
         int rc = snapkv_fork(c, &ID_A, &out, NULL);
         if (rc != SNAPKV_E_TIMEOUT && !(rc == SNAPKV_E_IO && strstr(snapkv_last_error(), "closed")))
             fail_msg("FORK to a gone daemon: %d %s", rc, snapkv_last_error());
-        assert_true(now_ms() - t0 < 1000);
+        assert_true(now_ms() - t0 < 5000);
     }
     /* the connection closed, so each call first asks HELLO again */
     assert_non_null(strstr(snapkv_last_error(), "fork: the connection to the daemon closed since the last call"));
@@ -1279,7 +1279,7 @@ static void test_send_timeout_daemon_deaf(void **state)
     while (calls < 5000 && unsent < 3) {
         int64_t t0 = now_ms();
         assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_E_TIMEOUT);
-        assert_true(now_ms() - t0 < 1000);
+        assert_true(now_ms() - t0 < 5000);
         calls++;
         if (strstr(snapkv_last_error(), "could not send the PREFILL request"))
             unsent++;
@@ -2260,7 +2260,7 @@ static void test_events_next_deadline(void **state)
         fail_msg("events_next: %d %s", rc, snapkv_last_error());
     atomic_store(&fe->on, false);
     pthread_join(fe->thread, NULL);
-    assert_true(dt >= 290 && dt < 1000);
+    assert_true(dt >= 290 && dt < 3000);
     assert_string_equal(snapkv_last_error(), "no event within 300 ms");
     snapkv_events_close(&ev);
     fake_events_stop(&fe);
