@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/status.h"
@@ -1971,6 +1972,22 @@ static int llama3_turn(struct chat_text *c, const char *role, const char *conten
     return rc;
 }
 
+/* The "Today Date" a Llama 3.1+ template writes: 3.1's fixed default, or, when the template asks
+ * for strftime_now (3.2), today's date as transformers renders it (datetime.now(), local time;
+ * "%d %b %Y" in the C locale's English month names). */
+static void llama3_date(const char *tmpl, char out[32])
+{
+    snprintf(out, 32, "26 Jul 2024");
+    if (strstr(tmpl, "strftime_now") == NULL)
+        return;
+    static const char *const months[12] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                           "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+    time_t now = time(NULL);
+    struct tm tm;
+    if (localtime_r(&now, &tm) != NULL && tm.tm_mon >= 0 && tm.tm_mon < 12)
+        snprintf(out, 32, "%02d %s %04d", tm.tm_mday, months[tm.tm_mon], tm.tm_year + 1900);
+}
+
 /* Llama 3: BOS text when the template writes bos_token; 3.1+ templates ("Cutting Knowledge
  * Date") always open with a system turn carrying their default date lines. */
 static int render_llama3(const struct skv_tokenizer *tok, const struct skv_chat_msg *msgs, int n,
@@ -1982,9 +1999,12 @@ static int render_llama3(const struct skv_tokenizer *tok, const struct skv_chat_
         rc = chat_markup(c, tok->bytes.p + tok->bytes_off[tok->bos], tok->bytes_len[tok->bos]);
     int first = 0;
     if (rc == SKV_OK && strstr(tmpl, "Cutting Knowledge Date") != NULL) {
+        char date[32], lines[96];
+        llama3_date(tmpl, date);
+        snprintf(lines, sizeof lines, "Cutting Knowledge Date: December 2023\nToday Date: %s\n\n", date);
         rc = chat_markups(c, "<|start_header_id|>system<|end_header_id|>\n\n");
         if (rc == SKV_OK)
-            rc = chat_markups(c, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
+            rc = chat_markups(c, lines);
         if (rc == SKV_OK && strcmp(msgs[0].role, "system") == 0) {
             rc = add_trimmed(&c->b, msgs[0].content);
             first = 1;

@@ -1023,6 +1023,48 @@ static struct gguf_buf tiny_gguf(const json_t *tj, const char *model, const char
     return b;
 }
 
+/* Llama 3.1+ templates open with a system turn of date lines: 3.1's "Today Date" is its fixed
+ * default; a template that asks for strftime_now (3.2) gets today's, as transformers renders it
+ * (datetime.now().strftime("%d %b %Y")). */
+static void test_llama3_date(void **state)
+{
+    struct fx *f = *state;
+    json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
+    assert_non_null(tj);
+    static const char *const tmpls[2] = {
+        /* the parts render_llama3 looks at, as in Llama 3.1's and 3.2's templates */
+        "{{- bos_token }}{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+        "{{- \"Cutting Knowledge Date: December 2023\\n\" }}<|start_header_id|><|end_header_id|><|eot_id|>",
+        "{{- bos_token }}{%- if strftime_now is defined %}{%- set date_string = strftime_now(\"%d %b %Y\") %}"
+        "{%- endif %}{{- \"Cutting Knowledge Date: December 2023\\n\" }}<|start_header_id|><|end_header_id|>"
+        "<|eot_id|>"};
+    char today[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    assert_non_null(localtime_r(&now, &tm));
+    strftime(today, sizeof today, "%d %b %Y", &tm); /* (the C locale: English month names) */
+    for (int k = 0; k < 2; k++) {
+        struct gguf_buf b = tiny_gguf(tj, "gpt2", "llama-bpe", tmpls[k]);
+        struct skv_gguf *g = NULL;
+        struct skv_tokenizer *tok = NULL;
+        assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+        assert_int_equal(skv_tokenizer_from_gguf(g, &tok), SKV_OK);
+        struct skv_chat_msg m = {"user", "hi"};
+        char *out = NULL;
+        assert_int_equal(skv_tokenizer_chat_render(tok, &m, 1, true, &out), SKV_OK);
+        char want[256];
+        snprintf(want, sizeof want, "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                 "December 2023\nToday Date: %s\n\n<|eot_id|>", k == 0 ? "26 Jul 2024" : today);
+        if (strstr(out, want) == NULL)
+            fail_msg("template %d rendered '%s', without '%s'", k, out, want);
+        free(out);
+        skv_tokenizer_free(&tok);
+        skv_gguf_close(&g);
+        free(b.p);
+    }
+    json_decref(tj);
+}
+
 static void test_tiny_gguf_pre(void **state)
 {
     struct fx *f = *state;
@@ -1174,6 +1216,7 @@ int main(void)
         cmocka_unit_test(test_errors),      cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_big_input),   cmocka_unit_test(test_tiny_json),
         cmocka_unit_test(test_tiny_json_variants), cmocka_unit_test(test_tiny_gguf_pre),
+        cmocka_unit_test(test_llama3_date),
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
         cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
     };
