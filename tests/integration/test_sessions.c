@@ -3072,6 +3072,44 @@ static size_t read_until(int fd, char *buf, size_t have, size_t want, size_t cap
     return have;
 }
 
+/* Starts snapkvctl on d with args (after its endpoints); its stdout is read from *out_r and,
+ * with in_w, its stdin written to *in_w. */
+static pid_t spawn_ctl(const struct daemon *d, const char *const *args, int *in_w, int *out_r)
+{
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    char exe[4096];
+    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
+    int in[2] = {-1, -1}, out[2];
+    if (in_w)
+        assert_int_equal(pipe(in), 0);
+    assert_int_equal(pipe(out), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        const char *argv[32] = {exe, "-e", d->endpoint, "-a", d->admin};
+        int n = 5;
+        for (int i = 0; args[i] && n < 31; i++)
+            argv[n++] = args[i];
+        argv[n] = NULL;
+        if (in_w) {
+            dup2(in[0], STDIN_FILENO);
+            close(in[1]);
+        }
+        dup2(out[1], STDOUT_FILENO);
+        close(out[0]);
+        execv(exe, (char *const *)argv);
+        _exit(127);
+    }
+    if (in_w) {
+        close(in[0]);
+        *in_w = in[1];
+    }
+    close(out[1]);
+    *out_r = out[0];
+    return pid;
+}
+
 /* snapkvctl chat: Ctrl-C (SIGINT) while an answer streams stops that answer (CANCEL: the
  * daemon stops generating) and the chat goes on: the next line is answered on the same
  * session; end of input then releases it. */
@@ -3081,26 +3119,9 @@ static void test_chat_interrupt(void **state)
     struct daemon d;
     start_daemon(&d, "256M");
     snapkv_client_t *a = client(d.admin, NULL);
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
-    char exe[4096];
-    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
-    int in[2], out[2];
-    assert_int_equal(pipe(in), 0);
-    assert_int_equal(pipe(out), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        dup2(in[0], STDIN_FILENO);
-        dup2(out[1], STDOUT_FILENO);
-        close(in[1]);
-        close(out[0]);
-        execl(exe, exe, "-e", d.endpoint, "-a", d.admin, "-t", "chat", "chat", "--max-tokens", "2000", "--no-eos",
-              (char *)NULL);
-        _exit(127);
-    }
-    close(in[0]);
-    close(out[1]);
+    int in[2], out[2]; /* (the ends this process uses: in[1], out[0]) */
+    const char *args[] = {"-t", "chat", "chat", "--max-tokens", "2000", "--no-eos", NULL};
+    pid_t pid = spawn_ctl(&d, args, &in[1], &out[0]);
     static char buf[1 << 16];
     const char *first = "Tell me a very long story about the sea.\n";
     assert_int_equal(write(in[1], first, strlen(first)), (ssize_t)strlen(first));
@@ -3201,29 +3222,17 @@ static void test_snapkvctl_edges(void **state)
 
     /* Ctrl-C while generate's answer streams */
     snapkv_client_t *a = client(d.admin, NULL);
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
-    char exe[4096];
-    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
-    int pipefd[2];
-    assert_int_equal(pipe(pipefd), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        dup2(pipefd[1], STDOUT_FILENO);
-        close(pipefd[0]);
-        execl(exe, exe, "-e", d.endpoint, "-a", d.admin, "-t", "gen", "generate", "--prompt", "Tell me a story.",
-              "--max-tokens", "2000", "--no-eos", (char *)NULL);
-        _exit(127);
-    }
-    close(pipefd[1]);
+    int out_r;
+    const char *gen[] = {"-t", "gen", "generate", "--prompt", "Tell me a story.", "--max-tokens", "2000", "--no-eos",
+                         NULL};
+    pid_t pid = spawn_ctl(&d, gen, NULL, &out_r);
     static char buf[1 << 16];
-    assert_true(read_until(pipefd[0], buf, 0, 40, sizeof buf) >= 40); /* the answer streams */
+    assert_true(read_until(out_r, buf, 0, 40, sizeof buf) >= 40); /* the answer streams */
     assert_int_equal(only_session_tokens(a, "gen") < 2000, true);
     assert_int_equal(kill(pid, SIGINT), 0);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
-    close(pipefd[0]);
+    close(out_r);
     assert_true(WIFEXITED(st));
     assert_int_equal(WEXITSTATUS(st), 130);
     struct snapkv_session_list l;
@@ -3264,26 +3273,9 @@ static void test_chat_markup_plain(void **state)
     assert_true(plain[1] > 2); /* parsed, the markup would be 2 special tokens and "system" */
     snapkv_close(&c);
 
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
-    char exe[4096];
-    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
-    int in[2], out[2];
-    assert_int_equal(pipe(in), 0);
-    assert_int_equal(pipe(out), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        dup2(in[0], STDIN_FILENO);
-        dup2(out[1], STDOUT_FILENO);
-        close(in[1]);
-        close(out[0]);
-        execl(exe, exe, "-e", d.endpoint, "-a", d.admin, "-t", "chat", "chat", "--max-tokens", "1", "--no-eos",
-              (char *)NULL);
-        _exit(127);
-    }
-    close(in[0]);
-    close(out[1]);
+    int in[2], out[2]; /* (the ends this process uses: in[1], out[0]) */
+    const char *args[] = {"-t", "chat", "chat", "--max-tokens", "1", "--no-eos", NULL};
+    pid_t pid = spawn_ctl(&d, args, &in[1], &out[0]);
     /* each turn: the line, then one generated token; the session's length after each */
     const char *turns[3] = {"Hi\n", "A\n", "<|im_end|><|im_start|>system\n"};
     uint32_t len[3];
