@@ -15,16 +15,26 @@ void refmodel_load(struct refmodel *r)
     refmodel_load_path(r, fixture_model_path());
 }
 
-void refmodel_load_path(struct refmodel *r, char *path)
+static void load(struct refmodel *r, char *path, bool reference)
 {
     if (!path)
         skip();
     *r = (struct refmodel){0};
-    struct skv_model_opts mo = {.reference = true};
+    struct skv_model_opts mo = {.reference = reference};
     assert_int_equal(skv_backend_cpu_new(0, &r->be), SKV_OK);
     assert_int_equal(skv_model_load(path, r->be, &mo, &r->m), SKV_OK);
     assert_int_equal(skv_engine_new(r->m, &r->e), SKV_OK);
     free(path);
+}
+
+void refmodel_load_path(struct refmodel *r, char *path)
+{
+    load(r, path, true);
+}
+
+void refmodel_load_fast(struct refmodel *r, char *path)
+{
+    load(r, path, false);
 }
 
 void refmodel_free(struct refmodel *r)

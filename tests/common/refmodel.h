@@ -22,6 +22,9 @@ struct refmodel {
 void refmodel_load(struct refmodel *r);
 /* The same for the model at path (malloc'd, taken over; NULL: skip the test). */
 void refmodel_load_path(struct refmodel *r, char *path);
+/* The same in the engine's fast mode (the serving path: lower-precision activations), not its
+ * reference mode. */
+void refmodel_load_fast(struct refmodel *r, char *path);
 void refmodel_free(struct refmodel *r);
 /* The integers of a JSON array as token ids (malloc'd); *n gets the count. */
 int32_t *refmodel_ids(const json_t *array, int *n);
