@@ -3,7 +3,8 @@
  * settings (window 32, avg pooling kernel 5, mean over the KV group, and kvpress's own count
  * n_kept = int(n (1 - r)) as the budget) must keep exactly kvpress's positions, head by head, in
  * every layer whose cut kvpress's scores do not leave a near-tie (the fixture's boundary_tie: no
- * fixture has one), and >= 99% of them in one that does. The same for head granularity against kvpress's
+ * fixture has one), and >= 99% of them in one that does (and in the fast-mode cases on Qwen).
+ * The same for head granularity against kvpress's
  * AdaKVPress(SnapKVPress, alpha_safeguard 0) (gen_kvpress_adakv_fixture.py): one top-k over
  * the layer's KV heads, so heads keep different counts, and the layer keeps exactly
  * n_kv * n_kept rows. On the default model and on the second model of the quality runs
@@ -23,7 +24,7 @@
 #include "tests/common/fixture.h"
 #include "tests/common/refmodel.h"
 
-static void check_fixture(const char *rel, bool head_granularity, bool qwen, bool fast)
+static void check_fixture(const char *rel, bool head_granularity, bool qwen, bool fast, bool exact)
 {
     struct refmodel r;
     char *path = qwen ? fixture_qwen_model_path() : fixture_model_path();
@@ -80,7 +81,7 @@ static void check_fixture(const char *rel, bool head_granularity, bool qwen, boo
             worst = overlap < worst ? overlap : worst;
             missed_total += total - hit;
             len_differ += layer_len_differ;
-            if (!tie && (hit != total || layer_len_differ))
+            if (exact && !tie && (hit != total || layer_len_differ))
                 fail_msg("%s r=%.1f layer %zu: %d positions and %d head lengths differ from kvpress's, whose "
                          "scores leave no tie at the cut",
                          rel, json_real_value(json_object_get(cs, "compression_ratio")), l, total - hit,
@@ -110,17 +111,18 @@ struct kvpress_case {
     bool head_granularity; /* AdaKVPress */
     bool qwen;             /* the second model (fixture_qwen_model_path) */
     bool fast;             /* the engine's fast mode, which serves, not its reference mode */
+    bool exact;            /* every position where kvpress's cut has no tie; else >= 99% a layer */
 };
 
 static void run_case(void **state)
 {
     const struct kvpress_case *c = *state;
-    check_fixture(c->fixture, c->head_granularity, c->qwen, c->fast);
+    check_fixture(c->fixture, c->head_granularity, c->qwen, c->fast, c->exact);
 }
 
-#define CASE_MODE(test_name, file, head, qwen, fast)                                               \
-    {.name = test_name, .test_func = run_case, .initial_state = &(struct kvpress_case){file, head, qwen, fast}}
-#define CASE(test_name, file, head, qwen) CASE_MODE(test_name, file, head, qwen, false)
+#define CASE_MODE(test_name, file, head, qwen, fast, exact)                                        \
+    {.name = test_name, .test_func = run_case, .initial_state = &(struct kvpress_case){file, head, qwen, fast, exact}}
+#define CASE(test_name, file, head, qwen) CASE_MODE(test_name, file, head, qwen, false, true)
 
 int main(void)
 {
@@ -132,8 +134,8 @@ int main(void)
         CASE("adakv_fidelity", "tests/fixtures/kvpress/adakv_fidelity.json", true, false),
         CASE("adakv_long", "tests/fixtures/kvpress/adakv_long.json", true, false),
         /* the serving path too (fast mode): the same positions, on the default model */
-        CASE_MODE("snapkv_long_fast", "tests/fixtures/kvpress/snapkv_long.json", false, false, true),
-        CASE_MODE("adakv_long_fast", "tests/fixtures/kvpress/adakv_long.json", true, false, true),
+        CASE_MODE("snapkv_long_fast", "tests/fixtures/kvpress/snapkv_long.json", false, false, true, true),
+        CASE_MODE("adakv_long_fast", "tests/fixtures/kvpress/adakv_long.json", true, false, true, true),
         /* Qwen2.5-Coder-0.5B: 14 query heads on 2 KV heads, so the mean runs over groups of 7 */
         CASE("qwen_snapkv_small", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/snapkv_small.json", false, true),
         CASE("qwen_snapkv_fidelity", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/snapkv_fidelity.json", false, true),
@@ -141,6 +143,12 @@ int main(void)
         CASE("qwen_adakv_small", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_small.json", true, true),
         CASE("qwen_adakv_fidelity", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_fidelity.json", true, true),
         CASE("qwen_adakv_long", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_long.json", true, true),
+        /* and on Qwen in fast mode, where its lower-precision activations move a score at the cut
+         * once (one position of one head in layer 3 of the fidelity prompt at r = 0.5): >= 99% */
+        CASE_MODE("qwen_snapkv_fidelity_fast", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/snapkv_fidelity.json", false,
+                  true, true, false),
+        CASE_MODE("qwen_adakv_long_fast", "tests/fixtures/kvpress-qwen2.5-coder-0.5b/adakv_long.json", true, true,
+                  true, false),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
