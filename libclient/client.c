@@ -23,6 +23,8 @@ _Static_assert(SNAPKV_CURVE_KEY_SIZE == SKV_KEY_Z85_LEN + 1, "CURVE key sizes di
 
 #define DEFAULT_TIMEOUT_MS 30000
 #define MONITOR_ENDPOINT "inproc://snapkv-handshake" /* one context per client: no clash */
+#define HANDSHAKE_FAILURES \
+    (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
 static _Thread_local char last_error[512];
 
@@ -144,8 +146,7 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
         if (event == ZMQ_EVENT_DISCONNECTED && lost) {
             *lost = true;
         } else if (past) {
-            if (event & (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                         ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)) {
+            if (event & HANDSHAKE_FAILURES) {
                 c->refused_event = event;
                 c->refused_value = value;
             }
@@ -173,38 +174,26 @@ long skv_client_wait_ms(int64_t deadline)
  * blocking, and nothing is queued to run when a daemon comes back. */
 static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t deadline, const char *what)
 {
-    /* after a close, until the next handshake: libzmq may not have dropped the closed
-     * connection's pipe yet, and a message sent now could go into it and be lost unnoticed (the
-     * close was seen already), so the call would wait out its timeout */
-    while (c->monitor && c->down) {
+    for (;;) {
+        /* after a close, until the next handshake, only the connection's events are awaited:
+         * libzmq may not have dropped the closed connection's pipe yet, and a message sent now
+         * could go into it and be lost unnoticed (the close was seen already), so the call would
+         * wait out its timeout */
+        bool down = c->monitor && c->down;
         /* the daemon there now refused the handshake (a restart that requires CURVE, or no
          * longer lists this client's key): say so, not "not running" at the timeout */
-        if (c->refused_event)
+        if (down && c->refused_event)
             return handshake_failure(c, c->refused_event, c->refused_value);
-        zmq_pollitem_t item = {.socket = c->monitor, .events = ZMQ_POLLIN};
-        int n = zmq_poll(&item, 1, skv_client_wait_ms(deadline));
-        if (n < 0 && zmq_errno() == EINTR)
-            continue;
-        if (n < 0)
-            return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
-        if (n == 0)
-            return skv_client_fail(SNAPKV_E_TIMEOUT,
-                                   "could not send the %s request within %d ms: the daemon is not connected "
-                                   "(not running?)",
-                                   what, c->timeout_ms);
-        int rc = check_events(c, NULL, false);
-        if (rc)
-            return rc;
-    }
-    for (;;) {
-        if (zmq_send(c->sock, buf, len, ZMQ_DONTWAIT) >= 0)
-            return SNAPKV_OK;
-        int err = zmq_errno();
-        if (err == EINTR)
-            continue;
-        if (err != EAGAIN)
-            return skv_client_fail(SNAPKV_E_IO, "send: %s", zmq_strerror(err));
-        zmq_pollitem_t items[2] = {{.socket = c->sock, .events = ZMQ_POLLOUT},
+        if (!down) {
+            if (zmq_send(c->sock, buf, len, ZMQ_DONTWAIT) >= 0)
+                return SNAPKV_OK;
+            int err = zmq_errno();
+            if (err == EINTR)
+                continue;
+            if (err != EAGAIN)
+                return skv_client_fail(SNAPKV_E_IO, "send: %s", zmq_strerror(err));
+        }
+        zmq_pollitem_t items[2] = {{.socket = c->sock, .events = down ? 0 : ZMQ_POLLOUT},
                                    {.socket = c->monitor, .events = ZMQ_POLLIN}};
         int n = zmq_poll(items, c->monitor ? 2 : 1, skv_client_wait_ms(deadline));
         if (n < 0 && zmq_errno() == EINTR)
@@ -219,8 +208,8 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
         if (n == 0)
             return skv_client_fail(SNAPKV_E_TIMEOUT,
                                    "could not send the %s request within %d ms: the daemon is not connected "
-                                   "(not running?) or has stopped reading requests",
-                                   what, c->timeout_ms);
+                                   "(not running?)%s",
+                                   what, c->timeout_ms, down ? "" : " or has stopped reading requests");
     }
 }
 
@@ -469,8 +458,7 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
  * connection that closed makes the next call ask HELLO again. */
 static void monitor_start(snapkv_client_t *c)
 {
-    int events = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
+    int events = HANDSHAKE_FAILURES | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
     if (zmq_socket_monitor(c->sock, MONITOR_ENDPOINT, events) < 0)
         return; /* without it a refusal still ends at the timeout */
     c->monitor = zmq_socket(c->zctx, ZMQ_PAIR);

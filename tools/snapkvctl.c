@@ -829,7 +829,6 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
             }
             break;
         }
-        g_interrupted = 0;
         while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
             line[--n] = '\0';
         if (n == 0)
@@ -1106,8 +1105,14 @@ static int cmd_release(const struct ctl *c, int argc, char **argv)
 static int cmd_cancel(const struct ctl *c, int argc, char **argv)
 {
     /* --admin before or after the session, as other commands take their options */
-    int at = argc == 3 && strcmp(argv[1], "--admin") == 0 ? 2 : 1;
-    bool admin = argc == 3 && strcmp(argv[at == 1 ? 2 : 1], "--admin") == 0;
+    int at = 1; /* the session's argument */
+    bool admin = false;
+    if (argc == 3 && strcmp(argv[1], "--admin") == 0) {
+        admin = true;
+        at = 2;
+    } else if (argc == 3 && strcmp(argv[2], "--admin") == 0) {
+        admin = true;
+    }
     if (argc != 2 && !admin)
         return usage_error("cancel", "usage: cancel SESSION [--admin]");
     struct snapkv_session_id id;

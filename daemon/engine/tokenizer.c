@@ -1973,19 +1973,15 @@ static int llama3_turn(struct chat_text *c, const char *role, const char *conten
 }
 
 /* The "Today Date" a Llama 3.1+ template writes: 3.1's fixed default, or, when the template asks
- * for strftime_now (3.2), today's date as transformers renders it (datetime.now(), local time;
- * "%d %b %Y" in the C locale's English month names). */
+ * for strftime_now (3.2), today's date as transformers renders it (datetime.now(), local time,
+ * "%d %b %Y"; English month names: snapkvd stays in the C locale). */
 static void llama3_date(const char *tmpl, char out[32])
 {
-    snprintf(out, 32, "26 Jul 2024");
-    if (strstr(tmpl, "strftime_now") == NULL)
-        return;
-    static const char *const months[12] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
-                                           "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
     time_t now = time(NULL);
     struct tm tm;
-    if (localtime_r(&now, &tm) != NULL && tm.tm_mon >= 0 && tm.tm_mon < 12)
-        snprintf(out, 32, "%02d %s %04d", tm.tm_mday, months[tm.tm_mon], tm.tm_year + 1900);
+    if (strstr(tmpl, "strftime_now") == NULL || localtime_r(&now, &tm) == NULL ||
+        strftime(out, 32, "%d %b %Y", &tm) == 0)
+        snprintf(out, 32, "26 Jul 2024");
 }
 
 /* Llama 3: BOS text when the template writes bos_token; 3.1+ templates ("Cutting Knowledge

@@ -108,17 +108,13 @@ static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, con
     return g_real_rmsnorm(be, out, x, w, n, dim, eps);
 }
 
-/* Arms the gate; returns once a forward of 64+ tokens waits at it. */
-static void gate_hold(void (*submit)(void *), void *arg)
+/* Waits (g_gate_mu held; released here) until a forward waits at the gate; a request that
+ * never reaches it fails the test after 120 s instead of hanging it. */
+static void gate_wait_locked(void)
 {
-    pthread_mutex_lock(&g_gate_mu);
-    g_gate = 1;
-    pthread_mutex_unlock(&g_gate_mu);
-    submit(arg);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += 120; /* a request that never reaches the gate fails the test, never hangs it */
-    pthread_mutex_lock(&g_gate_mu);
+    until.tv_sec += 120;
     int rc = 0;
     while (g_gate != 2 && rc == 0)
         rc = pthread_cond_timedwait(&g_gate_cv, &g_gate_mu, &until);
@@ -128,6 +124,17 @@ static void gate_hold(void (*submit)(void *), void *arg)
         fail_msg("the request did not reach the gate within 120 s");
 }
 
+/* Arms the gate; returns once a forward of 64+ tokens waits at it. */
+static void gate_hold(void (*submit)(void *), void *arg)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    g_gate = 1;
+    pthread_mutex_unlock(&g_gate_mu);
+    submit(arg);
+    pthread_mutex_lock(&g_gate_mu);
+    gate_wait_locked();
+}
+
 /* Lets the forward waiting at the gate go on to its next rmsnorm of 64+ rows and waits there
  * again (a tick, with the yield's short requests, runs between). */
 static void gate_step(void)
@@ -135,9 +142,7 @@ static void gate_step(void)
     pthread_mutex_lock(&g_gate_mu);
     g_gate = 1;
     pthread_cond_broadcast(&g_gate_cv);
-    while (g_gate != 2)
-        pthread_cond_wait(&g_gate_cv, &g_gate_mu);
-    pthread_mutex_unlock(&g_gate_mu);
+    gate_wait_locked();
 }
 
 static void gate_open(void)
