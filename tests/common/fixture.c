@@ -1,11 +1,17 @@
 /* Fixture lookup for the tests (see fixture.h). */
 #include "tests/common/fixture.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 char *fixture_path(const char *rel)
@@ -147,4 +153,47 @@ void fixture_remove_dir(char *path)
     }
     rmdir(path);
     free(path);
+}
+
+/* The kernel's ephemeral ports start at the range's first number (32768 by default). */
+static int ephemeral_low(void)
+{
+    int lo = 32768, hi = 0;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2)
+            lo = 32768;
+        fclose(f);
+    }
+    return lo;
+}
+
+static bool port_free(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0)
+        return false;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    bool ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    close(fd);
+    return ok;
+}
+
+int fixture_free_port(void)
+{
+    int hi = ephemeral_low();
+    int lo = hi > 20000 ? 10000 : 1024;
+    if (hi - lo < 1000)
+        return -1;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    /* tests started together draw from different places */
+    unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)ts.tv_nsec;
+    for (int i = 0; i < 500; i++) {
+        int port = lo + (int)(rand_r(&seed) % (unsigned)(hi - lo));
+        if (port_free(port))
+            return port;
+    }
+    return -1;
 }

@@ -26,5 +26,10 @@ json_t *fixture_json(const char *rel);
  * Returns the temporary path (malloc'd) or NULL. */
 char *fixture_stage_dir(const char *rel);
 void fixture_remove_dir(char *path);
+/* A loopback TCP port nobody listens on now, for a daemon the test is about to start. It is
+ * drawn below the kernel's ephemeral range (ip_local_port_range), where no outgoing connection
+ * of a test running beside this one can take it between this check and the daemon's bind;
+ * -1 when none of a few hundred tries was free. */
+int fixture_free_port(void);
 
 #endif

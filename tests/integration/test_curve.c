@@ -44,18 +44,6 @@ static int64_t now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* A TCP port nobody listens on right now. */
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || getsockname(fd, (struct sockaddr *)&a, &len) < 0)
-        return -1;
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 static void write_file(const char *path, mode_t mode, const char *text)
 {
     unlink(path);
@@ -164,7 +152,7 @@ static int setup(void **state)
     snprintf(e->dir, sizeof e->dir, "/tmp/skv-curve-XXXXXX");
     if (!mkdtemp(e->dir))
         return -1;
-    int port = free_port();
+    int port = fixture_free_port();
     if (port < 0)
         return -1;
     snprintf(e->endpoint, sizeof e->endpoint, "tcp://127.0.0.1:%d", port);
@@ -442,7 +430,7 @@ static void assert_refuses_to_start(struct curve_env *e, const char *const *extr
     snprintf(log, sizeof log, "%s/refused.log", e->dir);
     unlink(log);
     struct curve_env bad = *e;
-    int port = free_port();
+    int port = fixture_free_port();
     snprintf(bad.endpoint, sizeof bad.endpoint, "tcp://127.0.0.1:%d", port);
     snprintf(bad.admin, sizeof bad.admin, "ipc://%s/a2.sock", e->dir);
     pid_t pid = spawn(&bad, log, extra);
@@ -503,7 +491,7 @@ static void test_admin_endpoint_over_curve(void **state)
     snprintf(admins, sizeof admins, "%s/admins", e->dir);
     snprintf(text, sizeof text, "%s\n", e->bob.pub);
     write_file(admins, 0600, text);
-    snprintf(admin_ep, sizeof admin_ep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(admin_ep, sizeof admin_ep, "tcp://127.0.0.1:%d", fixture_free_port());
     snprintf(opt_list, sizeof opt_list, "--admin-authorized-keys=%s", admins);
     snprintf(opt_ep, sizeof opt_ep, "--endpoint=ipc://%s/c3.sock", e->dir);
     snprintf(opt_admin, sizeof opt_admin, "--admin-endpoint=%s", admin_ep);
@@ -543,7 +531,7 @@ static void test_insecure_tcp_opt_in(void **state)
 {
     NEED_DAEMON(e);
     char opt_ep[96], ep[64], opt_admin[160], log[160];
-    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", fixture_free_port());
     snprintf(opt_ep, sizeof opt_ep, "--endpoint=%s", ep);
     snprintf(opt_admin, sizeof opt_admin, "--admin-endpoint=ipc://%s/a4.sock", e->dir);
     snprintf(log, sizeof log, "%s/insecure.log", e->dir);
