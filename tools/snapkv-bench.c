@@ -18,6 +18,7 @@
 #include <getopt.h>
 #include <pthread.h>
 #include <jansson.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,7 @@ struct args {
     bool chat;
     bool special;
     bool bos;
+    int cap; /* tokenize --cap: -1 unset */
     int top;
     bool all_logits;
     int max_tokens;
@@ -76,7 +78,8 @@ static void usage(FILE *out)
             "usage: snapkv-bench COMMAND --model PATH [--threads N] [--backend auto|cpu|cuda] [--json]\n"
             "                    [--reference]\n"
             "commands:\n"
-            "  tokenize [--special] [--bos]          stdin text -> token ids\n"
+            "  tokenize [--special] [--bos] [--cap N] stdin text -> token ids; --cap: the count a\n"
+            "                                        request's limit of N tokens stops at, and its time\n"
             "  logits (--prompt T | --prompt-file F | --tokens 1,2,3) [--chat] [--top N] [--all]\n"
             "                                        last-position logits (--all: every value)\n"
             "  generate (--prompt T | --prompt-file F | --tokens ...) [--chat] [--max-tokens N]\n"
@@ -288,6 +291,27 @@ static int cmd_tokenize(const struct args *a, struct skv_model *m)
     char *text = read_all(stdin, &len);
     if (!text)
         return 1;
+    if (a->cap >= 0) { /* the daemon's first pass over a request's text: a count that stops past the limit */
+        int n = 0;
+        double t0 = now_s();
+        int rc = skv_tokenizer_encode_capped(m->tok, text, len, a->bos, a->special, a->cap, NULL, 0, &n);
+        double dt = now_s() - t0;
+        free(text);
+        if (rc && rc != SKV_E_LIMIT)
+            return fail("tokenize", rc);
+        bool over = n > a->cap;
+        if (a->json) {
+            json_t *j = json_pack("{s:I, s:i, s:i, s:b, s:f, s:f}", "bytes", (json_int_t)len, "cap", a->cap,
+                                  "tokens", over ? a->cap + 1 : n, "over_cap", over, "seconds", dt,
+                                  "peak_rss_mib", peak_rss_mib());
+            emit(j);
+            json_decref(j);
+        } else {
+            printf("%zu bytes: %s%d tokens (cap %d) in %.3f s, peak RSS %.0f MiB\n", len, over ? "over the cap, > " : "",
+                   over ? a->cap : n, a->cap, dt, peak_rss_mib());
+        }
+        return 0;
+    }
     int n = 0, rc = skv_tokenizer_encode(m->tok, text, len, a->bos, a->special, NULL, 0, &n);
     int32_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
     rc = ids ? skv_tokenizer_encode(m->tok, text, len, a->bos, a->special, ids, n, &n) : SKV_E_NOMEM;
@@ -1016,7 +1040,7 @@ static bool real_opt(const char *name, const char *text, double lo, double hi, d
 static const struct {
     const char *cmd, *opts;
 } cmd_opts[] = {
-    {"tokenize", "special bos"},
+    {"tokenize", "special bos cap"},
     {"logits", "prompt prompt-file tokens chat top all"},
     {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress"},
     {"select", "prompt prompt-file tokens chat compress"},
@@ -1058,11 +1082,11 @@ int main(int argc, char **argv)
     const char *missing; /* links libskvcpu.a, whose check ran before main (this file uses AVX2) */
     if (!skv_cpu_ok(&missing))
         return 1;
-    struct args a = {.backend = "auto", .threads = 0, .quality = {.passkey_style = -1}};
+    struct args a = {.backend = "auto", .threads = 0, .cap = -1, .quality = {.passkey_style = -1}};
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM };
+           O_FIDM, O_CAP };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
@@ -1071,6 +1095,7 @@ int main(int argc, char **argv)
         {"prompt-file", required_argument, NULL, O_PFILE}, {"tokens", required_argument, NULL, O_TOKENS},
         {"chat", no_argument, NULL, O_CHAT},               {"special", no_argument, NULL, O_SPECIAL},
         {"bos", no_argument, NULL, O_BOS},                 {"top", required_argument, NULL, O_TOP},
+        {"cap", required_argument, NULL, O_CAP},
         {"all", no_argument, NULL, O_ALL},                 {"max-tokens", required_argument, NULL, O_MAXT},
         {"temperature", required_argument, NULL, O_TEMP},  {"top-k", required_argument, NULL, O_TOPK},
         {"top-p", required_argument, NULL, O_TOPP},        {"seed", required_argument, NULL, O_SEED},
@@ -1108,6 +1133,7 @@ int main(int argc, char **argv)
         case O_CHAT: a.chat = true; break;
         case O_SPECIAL: a.special = true; break;
         case O_BOS: a.bos = true; break;
+        case O_CAP: ok = int_opt("cap", optarg, 0, INT_MAX - 1, &a.cap); break;
         case O_TOP: ok = int_opt("top", optarg, 0, 1 << 24, &a.top); break;
         case O_ALL: a.all_logits = true; break;
         case O_MAXT: ok = int_opt("max-tokens", optarg, 0, 1 << 24, &a.max_tokens); break;

@@ -79,6 +79,10 @@ struct skv_tokenizer {
     int32_t *added;         /* added token ids sorted by (first byte, length desc) */
     int n_added;
     uint32_t added_at[257]; /* bucket of first byte b: added[added_at[b] .. added_at[b+1]) */
+    /* the same for the user (non-control) ones alone: the only ones text outside a mark can
+     * hold, so plain text is not scanned against Llama 3's 256 control tokens at every '<' */
+    int32_t *user_added;
+    uint32_t user_at[257];
 
     struct pre_step steps[TOK_MAX_STEPS];
     int n_steps;
@@ -90,6 +94,8 @@ struct skv_tokenizer {
     bool add_bos;
     char *chat_template; /* NUL-terminated or NULL */
     size_t max_token_bytes; /* the longest token's bytes (the socket thread reads it per request) */
+    /* the most characters of one BPE key: no token of a word merges more symbols (0: no bound) */
+    size_t max_key_chars;
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -414,6 +420,7 @@ void skv_tokenizer_free(struct skv_tokenizer **tok_p)
     free(t->vocab_slots);
     free(t->merge_slots);
     free(t->added);
+    free(t->user_added);
     free(t->chat_template);
     free(t);
     *tok_p = NULL;
@@ -532,7 +539,8 @@ static int finish_build(struct skv_tokenizer *t)
             n_added++;
     struct added_key *keys = malloc((size_t)(n_added ? n_added : 1) * sizeof *keys);
     t->added = malloc((size_t)(n_added ? n_added : 1) * sizeof *t->added);
-    if (keys == NULL || t->added == NULL) {
+    t->user_added = malloc((size_t)(n_added ? n_added : 1) * sizeof *t->user_added);
+    if (keys == NULL || t->added == NULL || t->user_added == NULL) {
         free(keys);
         return skv_errorf(SKV_E_NOMEM, "tokenizer: no memory for %d added tokens", n_added);
     }
@@ -553,8 +561,23 @@ static int finish_build(struct skv_tokenizer *t)
         t->added_at[b] = (uint32_t)k;
     }
     t->added_at[256] = (uint32_t)t->n_added;
-    for (int32_t id = 0; id < t->n_vocab; id++)
+    int n_user = 0;
+    for (int b = 0; b < 256; b++) {
+        t->user_at[b] = (uint32_t)n_user;
+        for (uint32_t i = t->added_at[b]; i < t->added_at[b + 1]; i++)
+            if (!(t->attr[t->added[i]] & ATTR_CONTROL))
+                t->user_added[n_user++] = t->added[i];
+    }
+    t->user_at[256] = (uint32_t)n_user;
+    for (int32_t id = 0; id < t->n_vocab; id++) {
         t->max_token_bytes = t->bytes_len[id] > t->max_token_bytes ? t->bytes_len[id] : t->max_token_bytes;
+        if (t->in_vocab[id]) {
+            size_t chars = 0;
+            for (uint32_t c = 0; c < t->key_len[id]; c++)
+                chars += ((uint8_t)t->keys.p[t->key_off[id] + c] & 0xc0) != 0x80;
+            t->max_key_chars = chars > t->max_key_chars ? chars : t->max_key_chars;
+        }
+    }
     return SKV_OK;
 }
 
@@ -1427,6 +1450,30 @@ static int bpe(struct enc *e, size_t off, size_t len)
             return e->over ? SKV_E_LIMIT : SKV_OK;
         }
     }
+    /* The symbols a word starts as: its bytes' tokens, unk for a byte without one (once for a
+     * run when fuse_unk), none when there is no unk. */
+    size_t n_syms = 0;
+    bool last_unk = false;
+    for (size_t i = 0; i < len; i++) {
+        bool unk = t->byte_tok[p[i]] < 0;
+        if (!unk || (t->unk >= 0 && !(t->fuse_unk && last_unk)))
+            n_syms++;
+        last_unk = unk;
+    }
+    if (n_syms == 0)
+        return SKV_OK;
+    /* A merge's key is its two sides' keys joined and a byte's key is one character (an unk
+     * outside the vocabulary never merges), so no token of the word holds more than
+     * max_key_chars symbols. When the fewest tokens the word can make pass the cap and no id
+     * would be written any more (a count), it is over the cap without its merges: megabytes of
+     * one letter cost one pass, not a heap of every pair (when the text limit lets them in). */
+    bool unk_has_key = t->unk < 0 || !t->in_vocab[t->unk] || t->key_len[t->unk] > 0;
+    if (e->n >= e->max && t->max_key_chars > 0 && unk_has_key &&
+        (int64_t)((n_syms + t->max_key_chars - 1) / t->max_key_chars) > e->cap - e->n) {
+        e->n = e->cap + 1;
+        e->over = true;
+        return SKV_E_LIMIT;
+    }
     if (len > e->sym_cap) {
         size_t cap = len < 64 ? 64 : len;
         struct bpe_sym *s = realloc(e->sym, cap * sizeof *s);
@@ -1442,7 +1489,7 @@ static int bpe(struct enc *e, size_t off, size_t len)
         e->heap_cap = 3 * cap;
     }
     int32_t n = 0;
-    bool last_unk = false;
+    last_unk = false;
     for (size_t i = 0; i < len; i++) {
         int32_t id = t->byte_tok[p[i]];
         if (id < 0) {
@@ -1643,6 +1690,15 @@ static int32_t match_added(const struct skv_tokenizer *t, const char *text, size
                            size_t special_end)
 {
     uint8_t b = (uint8_t)text[i];
+    if (special_end <= i) { /* outside every mark: no control token can match */
+        for (uint32_t k = t->user_at[b]; k < t->user_at[b + 1]; k++) {
+            int32_t id = t->user_added[k];
+            size_t n = t->bytes_len[id];
+            if (n <= len - i && memcmp(text + i, t->bytes.p + t->bytes_off[id], n) == 0)
+                return id;
+        }
+        return -1;
+    }
     for (uint32_t k = t->added_at[b]; k < t->added_at[b + 1]; k++) {
         int32_t id = t->added[k];
         size_t n = t->bytes_len[id];

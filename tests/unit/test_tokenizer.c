@@ -833,6 +833,42 @@ static void test_capped(void **state)
     free(big);
 }
 
+/* One long word (no pre-tokenizer split in it): counting with a cap stops at the cap without
+ * merging the word when it cannot fit, and still counts exactly when it can. */
+static void test_capped_word(void **state)
+{
+    struct fx *f = *state;
+    struct skv_tokenizer *tok = any_tok(f);
+    const char *kinds[] = {"a", "<", "qz", "\xc3\xa9"}; /* a letter, punctuation, a pair, a 2-byte letter */
+    enum { WORD = 120000 };
+    char *text = malloc(WORD + 16);
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        size_t step = strlen(kinds[k]), len = 0;
+        memcpy(text, "Hi ", 3); /* a word before it, so the long one starts past the first id */
+        for (len = 3; len + step <= WORD; len += step)
+            memcpy(text + len, kinds[k], step);
+        int full = -1, got = -1;
+        assert_int_equal(skv_tokenizer_encode(tok, text, len, false, false, NULL, 0, &full), SKV_E_LIMIT); /* > 0 ids */
+        assert_true(full > 1);
+        int caps[] = {0, 1, 10, full / 2, full - 1, full, full + 1};
+        for (size_t c = 0; c < sizeof caps / sizeof caps[0]; c++) {
+            /* LIMIT either way: more ids than the 0 it may write */
+            assert_int_equal(skv_tokenizer_encode_capped(tok, text, len, false, false, caps[c], NULL, 0, &got),
+                             SKV_E_LIMIT);
+            assert_int_equal(got, caps[c] < full ? caps[c] + 1 : full);
+        }
+        /* with ids to write, the first of them are the whole encoding's first */
+        int32_t *all = malloc((size_t)full * sizeof *all), ids[11];
+        assert_int_equal(skv_tokenizer_encode(tok, text, len, false, false, all, full, &got), SKV_OK);
+        assert_int_equal(skv_tokenizer_encode_capped(tok, text, len, false, false, 10, ids, 11, &got), SKV_E_LIMIT);
+        assert_int_equal(got, 11);
+        assert_memory_equal(ids, all, sizeof ids);
+        printf("    %zu bytes of '%s' after \"Hi \": %d tokens\n", len - 3, kinds[k], full);
+        free(all);
+    }
+    free(text);
+}
+
 /* The longest token's bytes: no token is longer, one is that long. */
 static void test_max_token_bytes(void **state)
 {
@@ -1219,6 +1255,7 @@ int main(void)
         cmocka_unit_test(test_llama3_date),
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
         cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
+        cmocka_unit_test(test_capped_word),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
