@@ -57,6 +57,7 @@ struct skv_server {
     void *replay;                 /* ROUTER: KV events replay (events-replay-endpoint), or NULL */
     struct skv_events_mirror *mirror; /* what the events announced and did not remove, with replay */
     uint64_t events_seq;          /* the last event's sequence number */
+    uint64_t events_sent_ms;      /* when the last event or heartbeat went out */
     char events_topic[32];        /* "snapkv.kv." + the model fingerprint's first 16 hex digits */
     void *replies;                /* inproc PULL: replies from the engine worker */
     struct skv_replies *unread;   /* replies sent and not taken yet, bounded in bytes */
@@ -72,6 +73,10 @@ struct skv_server {
 #define REPLY_ENDPOINT "inproc://snapkvd-replies"
 #define CONNECTIONS_ENDPOINT "inproc://snapkvd-client-connections"
 #define CLIENTS_MAX 4096          /* client routing ids remembered for disconnect notices */
+/* An events stream idle this long gets a heartbeat: a batch of no events under the last
+ * sequence number, so that a subscriber learns of a restarted daemon (its new boot id) though
+ * the new daemon's AllCleared went out before the subscription reached it. */
+#define EVENTS_HEARTBEAT_MS 2000
 
 /* For ipc:// endpoints: hold an exclusive lock on "<path>.lock"; a second daemon fails here
  * instead of silently stealing the socket file. */
@@ -195,23 +200,47 @@ static int bind_events(struct skv_server *srv, const char *endpoint)
         return skv_errorf(SKV_E_IO, "events endpoint %s: %s", endpoint, zmq_strerror(errno));
     snprintf(srv->events_topic, sizeof srv->events_topic, "snapkv.kv.%.16s",
              srv->env.model ? srv->env.model->fingerprint : "");
+    srv->events_sent_ms = skv_now_ms(); /* the first heartbeat after the worker's AllCleared */
     return SKV_OK;
 }
 
-/* Publishes one KV event batch from the worker: [topic][sequence, big-endian][batch]. */
-static void publish_event(struct skv_server *srv, const void *body, size_t len)
+/* [topic][sequence, big-endian][body] on the events socket. */
+static void events_send(struct skv_server *srv, uint64_t seq, const void *body, size_t len)
 {
-    if (!srv->events)
-        return;
-    uint64_t seq = ++srv->events_seq;
     uint8_t be[8];
     for (int k = 0; k < 8; k++)
         be[k] = (uint8_t)(seq >> (56 - 8 * k));
     zmq_send(srv->events, srv->events_topic, strlen(srv->events_topic), ZMQ_SNDMORE | ZMQ_DONTWAIT);
     zmq_send(srv->events, be, sizeof be, ZMQ_SNDMORE | ZMQ_DONTWAIT);
     zmq_send(srv->events, body, len, ZMQ_DONTWAIT);
+    srv->events_sent_ms = skv_now_ms();
+}
+
+/* Publishes one KV event batch from the worker under the next sequence number. */
+static void publish_event(struct skv_server *srv, const void *body, size_t len)
+{
+    if (!srv->events)
+        return;
+    events_send(srv, ++srv->events_seq, body, len);
     if (srv->mirror)
         skv_events_mirror_apply(srv->mirror, body, len);
+}
+
+/* A heartbeat when the stream was idle for EVENTS_HEARTBEAT_MS: a KvEventBatch of no events,
+ * this daemon's boot id and the time, under the last event's number (it is no event: a
+ * replay's sequence and the numbers after it do not move). */
+static void events_heartbeat(struct skv_server *srv, uint64_t now)
+{
+    if (!srv->events || now - srv->events_sent_ms < EVENTS_HEARTBEAT_MS)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
+    b.version = 1;
+    b.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    b.boot_id = skv_worker_boot_id(srv->worker);
+    uint8_t buf[64];
+    events_send(srv, srv->events_seq, buf, snapkv__kv_event_batch__pack(&b, buf));
 }
 
 /* The events replay's ROUTER (ipc:// only, 0600 as the events): requests are a few bytes; a
@@ -1005,6 +1034,7 @@ int skv_server_run(struct skv_server *srv)
             waitset_served(&ws, WAIT_REPLAY);
         }
         uint64_t now = skv_now_ms();
+        events_heartbeat(srv, now);
         if (now - srv->clients_expired_ms >= 1000) {
             skv_clients_expire(srv->clients, now);
             srv->clients_expired_ms = now;

@@ -299,7 +299,8 @@ int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event 
     const Snapkv__KvEvent *e = ev->n_parts ? next_replayed(ev, &ts) : NULL;
     size_t *taken = &ev->part_next;
     if (!e) {
-        while (!ev->batch || ev->next >= ev->batch->n_events) {
+        /* a batch of no events is the daemon's heartbeat: read for its boot id alone */
+        while (!ev->restarted && (!ev->batch || ev->next >= ev->batch->n_events)) {
             int rc = read_batch(ev, deadline, timeout_ms);
             if (rc)
                 return rc;

@@ -41,6 +41,8 @@
  * an earlier daemon's queued events are told from a later one's by their time.
  * 6:3:2: after the connection closed, the next call asks HELLO again (snapkv_server_info and the
  * library's checks follow a restarted daemon's model and limits).
+ * 6:4:2: the events stream's heartbeats are read (a restart's CLEARED of sequence 0 comes with
+ * the new daemon's first heartbeat).
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -510,9 +512,10 @@ SNAPKV_API void snapkv_stats_free(struct snapkv_stats *s);
  * which announces each session stored (PREFILL, FORK, IMPORT_KV, LOAD, a restore at start),
  * stored again when it changes (APPEND, COMPRESS, a DECODE's end: the same id, whose new event
  * replaces the last), removed (RELEASE, EVICT, eviction, lease expiry), and AllCleared when the
- * daemon starts. A
- * subscriber that reads too slowly loses events: the sequence numbers then jump. Not thread-safe,
- * like a client. */
+ * daemon starts. A subscriber that reads too slowly loses events: the sequence numbers then
+ * jump. An idle daemon sends a heartbeat every 2 s, which the library reads and does not return
+ * (it carries the daemon's boot id: see CLEARED of sequence 0 below). Not thread-safe, like a
+ * client. */
 typedef struct snapkv_events snapkv_events_t;
 enum snapkv_event_kind { SNAPKV_EVENT_STORED = 1, SNAPKV_EVENT_REMOVED = 2, SNAPKV_EVENT_CLEARED = 3 };
 struct snapkv_event {
@@ -536,7 +539,8 @@ SNAPKV_API int snapkv_events_open(const char *endpoint, snapkv_events_t **out);
  * A CLEARED of sequence 0 is the library's own: the daemon restarted (its events carry another
  * boot id) and this subscriber missed what the new daemon published before the subscription
  * reached it (its AllCleared, a restore's sessions): what was held is gone, and a replay
- * catches up. The new daemon's numbers start again at 1. */
+ * catches up. The new daemon's numbers start again at 1. It comes within about 2 s of the new
+ * daemon's start (its first heartbeat), also while no session changes (6:4:2). */
 SNAPKV_API int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out);
 SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
 /* Catches up from the daemon's events-replay-endpoint (ipc://): asks it for every session its

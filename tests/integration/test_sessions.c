@@ -1452,6 +1452,7 @@ static Snapkv__KvEvent *next_event(void *sub, uint64_t *seq, Snapkv__KvEventBatc
     static uint8_t body[1 << 16];
     int timeout = 10000;
     zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+again:;
     int n = zmq_recv(sub, topic, sizeof topic - 1, 0);
     assert_true(n > 0);
     topic[n] = '\0';
@@ -1467,6 +1468,11 @@ static Snapkv__KvEvent *next_event(void *sub, uint64_t *seq, Snapkv__KvEventBatc
     assert_non_null(*batch);
     assert_int_equal((*batch)->version, 1);
     assert_true((*batch)->ts > 1.7e9);
+    assert_int_not_equal((*batch)->boot_id, 0);
+    if ((*batch)->n_events == 0) { /* a heartbeat of the idle stream (test_kv_events checks one) */
+        snapkv__kv_event_batch__free_unpacked(*batch, NULL);
+        goto again;
+    }
     assert_int_equal((*batch)->n_events, 1);
     return (*batch)->events[0];
 }
@@ -1833,7 +1839,30 @@ static void test_kv_events(void **state)
     assert_int_equal(ev->kind_case, SNAPKV__KV_EVENT__KIND_REMOVED);
     assert_memory_equal(ev->removed->session_id.data, forked.bytes, 16);
     assert_int_equal(ev->removed->n_block_hashes, n_want);
+    uint64_t boot = b->boot_id;
     snapkv__kv_event_batch__free_unpacked(b, NULL);
+
+    /* the stream idle: a heartbeat within about 2 s, a batch of no events under the last
+     * event's number with the daemon's boot id (a subscriber learns of a restart by it) */
+    {
+        char topic[64];
+        uint8_t be[8], body[256];
+        int timeout = 10000;
+        zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+        assert_true(zmq_recv(sub, topic, sizeof topic, 0) > 0);
+        assert_int_equal(zmq_recv(sub, be, sizeof be, 0), 8);
+        int len = zmq_recv(sub, body, sizeof body, 0);
+        assert_true(len >= 0 && len < (int)sizeof body);
+        uint64_t hs = 0;
+        for (int k = 0; k < 8; k++)
+            hs = hs << 8 | be[k];
+        Snapkv__KvEventBatch *hb = snapkv__kv_event_batch__unpack(NULL, (size_t)len, body);
+        assert_non_null(hb);
+        assert_int_equal(hb->n_events, 0);
+        assert_int_equal(hs, seq + 3);
+        assert_int_equal(hb->boot_id, boot);
+        snapkv__kv_event_batch__free_unpacked(hb, NULL);
+    }
 
     struct snapkv_prefill_opts bad = {.tokens = ids, .n_tokens = N_PROMPT, .compress = "policy=nonsense"};
     assert_int_equal(snapkv_prefill(c, &bad, &comp), SNAPKV_E_INVAL);

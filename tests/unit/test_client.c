@@ -2064,6 +2064,22 @@ static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_
     zmq_send(pub, buf, len, 0);
 }
 
+/* The daemon's heartbeat of an idle stream: a batch of no events. */
+static void fake_heartbeat(void *pub, uint64_t boot_id, uint64_t seq)
+{
+    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
+    b.version = 1;
+    b.ts = wall_now();
+    b.boot_id = boot_id;
+    uint8_t buf[64], be[8];
+    size_t len = snapkv__kv_event_batch__pack(&b, buf);
+    for (int k = 0; k < 8; k++)
+        be[k] = (uint8_t)(seq >> (56 - 8 * k));
+    zmq_send(pub, "snapkv.kv.fake", 14, ZMQ_SNDMORE);
+    zmq_send(pub, be, sizeof be, ZMQ_SNDMORE);
+    zmq_send(pub, buf, len, 0);
+}
+
 /* Answers one KvReplayRequest with fe's snapshot, in one part. */
 static void *fake_replay_main(void *arg)
 {
@@ -2228,6 +2244,17 @@ static void test_events_restart(void **state)
     expect_event(ev, SNAPKV_EVENT_STORED, 7, &ID_F);
     expect_event(ev, SNAPKV_EVENT_STORED, 8, &ID_G);
     struct snapkv_event e;
+    assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
+
+    /* heartbeats: one of the same daemon is no event; one of a new daemon whose AllCleared was
+     * missed is a CLEARED of sequence 0 at once, not only with that daemon's first event */
+    fake_heartbeat(fe->pub, 666, 8);
+    assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
+    fake_heartbeat(fe->pub, 777, 2);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 0, NULL);
+    fake_heartbeat(fe->pub, 777, 2);
+    fake_publish(fe->pub, 777, 3, SNAPKV_EVENT_STORED, &ID_A);
+    expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_A);
     assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
     snapkv_events_close(&ev);
     fake_events_stop(&fe);
