@@ -3,12 +3,14 @@
 #include "common/status.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 int skv_log_level_current = SKV_LOG_INFO;
 
@@ -53,7 +55,12 @@ int skv_log_reopen(void)
     int rc = SKV_OK;
     pthread_mutex_lock(&log_lock);
     FILE *f = NULL;
-    if (log_path && !(f = fopen(log_path, "a")))
+    /* a new file is the daemon user's alone (the service's umask lets its group, every client,
+     * read): the log names tenants and sessions; a file that is there keeps its mode */
+    int fd = log_path ? open(log_path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600) : -1;
+    if (fd >= 0 && !(f = fdopen(fd, "a")))
+        close(fd);
+    if (log_path && !f)
         rc = skv_errorf(SKV_E_IO, "%s: %s", log_path, strerror(errno));
     else {
         if (f)

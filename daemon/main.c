@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #ifdef HAVE_SYSTEMD
@@ -153,6 +154,27 @@ static void usage(FILE *out)
     fprintf(out, "  --%-26s %s\n  --%-26s %s\n", "help", "this text", "version", "print the version");
 }
 
+/* With persist = yes every session is written to <state-dir>/persist at a stop: a directory
+ * that cannot be made or written refuses the start, rather than a stop that loses them all
+ * while it exits 0. */
+static int persist_dir_check(const char *state_dir)
+{
+    char dir[1100], probe[1200];
+    if ((size_t)snprintf(dir, sizeof dir, "%s/persist", state_dir) >= sizeof dir)
+        return skv_errorf(SKV_E_INVAL, "state-dir: path too long");
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return skv_errorf(SKV_E_IO, "persist = yes, but %s cannot be made: %s (set state-dir to a writable "
+                          "directory, or persist = no)", dir, strerror(errno));
+    snprintf(probe, sizeof probe, "%s/.probe-XXXXXX", dir);
+    int fd = mkstemp(probe);
+    if (fd < 0)
+        return skv_errorf(SKV_E_IO, "persist = yes, but %s is not writable: %s (set state-dir to a writable "
+                          "directory, or persist = no)", dir, strerror(errno));
+    close(fd);
+    unlink(probe);
+    return SKV_OK;
+}
+
 int main(int argc, char **argv)
 {
     const char *missing; /* (libskvcpu.a checked already, before main: this links it in) */
@@ -252,6 +274,10 @@ int main(int argc, char **argv)
     if ((rc = skv_auth_new(&cfg, &auth))) {
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out;
+    }
+    if (cfg.persist && (rc = persist_dir_check(cfg.state_dir))) {
+        skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
+        goto out_auth;
     }
     if (strcmp(cfg.backend, "auto") == 0 && skv_backend_cuda_compiled()) {
         rc = skv_backend_cuda_new(0, &be);

@@ -2142,9 +2142,16 @@ static int file_write(struct skv_worker *w, struct skv_session *s, const void *p
     char tmp[1300];
     if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
         return skv_errorf(SKV_E_INVAL, "state directory path too long");
-    FILE *f = fopen(tmp, "wb");
-    if (!f)
-        return skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(errno));
+    /* the daemon user's alone: the state directory is the service group's (every client's), and
+     * a saved session holds a tenant's KV and token history */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+    FILE *f = fd < 0 || fchmod(fd, 0600) != 0 ? NULL : fdopen(fd, "wb");
+    if (!f) {
+        int err = errno;
+        if (fd >= 0)
+            close(fd);
+        return skv_errorf(SKV_E_IO, "%s: %s", tmp, strerror(err));
+    }
     unsigned char sum[32];
     int rc = p ? (fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno)))
                : session_write(w, s, f, NULL, sum);

@@ -351,6 +351,37 @@ static void test_second_daemon_refused(void **state)
     snprintf(second.admin, sizeof second.admin, "ipc://%s/a2.sock", d->dir);
     snprintf(second.log, sizeof second.log, "%s/fourth.log", d->dir);
     expect_start_refused_with(&second, "--default-compress=policy=snapk", "default-compress", "policy");
+    /* a log file it makes is its user's alone, whatever the umask (the log names tenants) */
+    char own_log[160], opt[200];
+    snprintf(own_log, sizeof own_log, "%s/own.log", d->dir);
+    snprintf(opt, sizeof opt, "--log-file=%s", own_log);
+    snprintf(second.log, sizeof second.log, "%s/own-stderr.log", d->dir);
+    snprintf(second.admin, sizeof second.admin, "ipc://%s/a.sock", d->dir); /* refused: in use */
+    mode_t old_mask = umask(0);
+    char *model = model_path();
+    pid_t pid = spawn_daemon(&second, model, opt);
+    free(model);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    umask(old_mask);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) != 0);
+    struct stat lst;
+    assert_int_equal(stat(own_log, &lst), 0);
+    assert_int_equal(lst.st_mode & 0777, 0600);
+    FILE *lf = fopen(own_log, "r");
+    char line[1024];
+    bool said = false;
+    while (lf && fgets(line, sizeof line, lf))
+        said |= strstr(line, "another snapkvd") != NULL;
+    if (lf)
+        fclose(lf);
+    assert_true(said);
+    /* persist = yes with a state directory it cannot write: refused at start, not at the stop
+     * that would lose every session */
+    snprintf(second.admin, sizeof second.admin, "ipc://%s/a2.sock", d->dir);
+    snprintf(second.log, sizeof second.log, "%s/fifth.log", d->dir);
+    snprintf(second.dir, sizeof second.dir, "/nonexistent/state"); /* its --state-dir */
+    expect_start_refused_with(&second, "--persist=yes", "persist = yes", "cannot be made");
     /* the first one still answers; its sockets were made 0600 (the admin one stays so, the
      * client one is then 0660), never with the service's umask */
     snapkv_client_t *c = NULL;

@@ -548,6 +548,11 @@ static void test_pool_pressure(void **state)
     void *kv0 = export_copy(c, &pr.id, &shm, &kv_bytes, &pos0, &n_pos);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "doc-1", &bytes), SNAPKV_OK);
     assert_true(bytes > 7000000);
+    char saved[160]; /* the daemon user's alone, whatever its umask (the state directory is the group's) */
+    struct stat sst;
+    snprintf(saved, sizeof saved, "%s/doc-1.skv", d.dir);
+    assert_int_equal(stat(saved, &sst), 0);
+    assert_int_equal(sst.st_mode & 0777, 0600);
     assert_int_equal(snapkv_admin_save(a, &pr.id, "../escape", &bytes), SNAPKV_E_INVAL);
     assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
     struct snapkv_session_id loaded;
