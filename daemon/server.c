@@ -465,6 +465,9 @@ static int handle_status(struct skv_server *srv, Snapkv__Reply *rep, Snapkv__Sta
     struct skv_worker_stats ws;
     skv_worker_stats(srv->worker, &ws);
     s->n_sessions = ws.n_sessions;
+    struct skv_clients_count cc; /* the client endpoint's clients whose connection is open */
+    skv_clients_count(srv->clients, &cc);
+    s->n_clients = (uint32_t)cc.live;
     s->queue_depth = ws.queue_depth;
     s->pool_bytes_used = ws.pool_bytes_used;
     struct skv_kv_pool_stats ps; /* the pool is thread-safe: read it here, not via the worker */
@@ -501,6 +504,8 @@ static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequ
             continue;
         snapkv__config_entry__init(&a->entries[k]);
         skv_config_get(srv->env.cfg, o[i].name, a->values[k], sizeof a->values[k]);
+        if (strcmp(o[i].name, "max-connections") == 0) /* in force: lowered to the open-file limit */
+            snprintf(a->values[k], sizeof a->values[k], "%d", srv->max_connections);
         a->entries[k].key = (char *)o[i].name;
         a->entries[k].value = a->values[k];
         a->entries[k].help = (char *)o[i].help;

@@ -171,6 +171,14 @@ static void test_admin(void **state)
     assert_string_equal(s.backend, "cpu");
     assert_int_equal(s.threads, 1);
     assert_int_equal(s.pool_bytes_total, UINT64_C(1) << 30);
+    /* clients: those of the client endpoint whose connection is open (it was always 0) */
+    snapkv_client_t *c1 = NULL, *c2 = NULL;
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c1), SNAPKV_OK);
+    assert_int_equal(snapkv_connect(d->endpoint, NULL, &c2), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_status(a, &s), SNAPKV_OK);
+    assert_true(s.n_clients >= 2);
+    snapkv_close(&c1);
+    snapkv_close(&c2);
     snapkv_close(&a);
 }
 

@@ -2373,11 +2373,20 @@ static int count_closed(int *fds, int n, int want)
     return closed;
 }
 
+/* snapkv_config_fn: the one value asked for, into user (char[32]). */
+static void config_value(void *user, const char *key, const char *value, const char *help)
+{
+    (void)key;
+    (void)help;
+    snprintf(user, 32, "%s", value);
+}
+
 /* Idle connections cannot take the daemon's file descriptors: past max-connections the newest
  * are closed as they come, the clients already connected keep their sessions and are served,
  * and new clients get in once the idle ones are gone. With an open-file limit too low for
  * max-connections the daemon lowers it and says so; before, ~1000 idle connections made libzmq
- * abort the daemon (EMFILE in the ipc accept), every session lost. */
+ * abort the daemon (EMFILE in the ipc accept), every session lost. CONFIG_GET shows the limit in
+ * force. */
 static void test_connection_limit(void **state)
 {
     (void)state;
@@ -2435,6 +2444,11 @@ static void test_connection_limit(void **state)
     logtext[got] = '\0';
     fclose(lf);
     assert_non_null(strstr(logtext, "max-connections 1024 lowered to 200: the open-file limit is 400"));
+    snapkv_client_t *a = client(d.admin, NULL); /* and CONFIG_GET shows the value in force */
+    char in_force[32] = "";
+    assert_int_equal(snapkv_admin_config_get(a, "max-connections", config_value, in_force), SNAPKV_OK);
+    assert_string_equal(in_force, "200");
+    snapkv_close(&a);
     stop_daemon(&d);
 }
 
