@@ -80,6 +80,11 @@ void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    /* one line per message: a control character in what a message quotes (a client's name, a
+     * path) cannot start a line that looks like another message */
+    for (char *p = msg; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            *p = '?';
 
     pthread_mutex_lock(&log_lock);
     FILE *out = log_stream ? log_stream : stderr;

@@ -427,9 +427,12 @@ static void send_reply(struct skv_server *srv, int idx, zmq_msg_t *identity, Sna
 static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snapkv__Reply *rep,
                         Snapkv__HelloReply *h)
 {
-    (void)req;
     const struct skv_model *m = srv->env.model;
     const struct skv_config *cfg = srv->env.cfg;
+    if (req->hello) /* names are the client's own words: logged as data, bounded */
+        skv_log(SKV_LOG_DEBUG, "hello from client \"%.64s\" (tenant \"%.63s\", protocol %u)",
+                req->hello->client_name ? req->hello->client_name : "", req->tenant ? req->tenant : "",
+                req->version);
     h->server_version = PACKAGE_VERSION;
     h->model_name = (char *)m->name;
     h->model_fingerprint = (char *)m->fingerprint;

@@ -17,7 +17,8 @@ static const char *document =
     "'Margaret' after the engineer who calibrated it, and the probe's passkey for the deep-space "
     "relay was 48213. Three weeks later the probe crossed the orbit of Mars.";
 
-/* Prints the answer as it is generated. Returning nonzero would stop waiting. */
+/* Prints the answer as it is generated. Returning nonzero would cancel the decode: snapkv_decode
+ * then fails with SNAPKV_E_CANCELLED, and the session keeps the tokens made so far. */
 static int on_tokens(void *user, const uint32_t *tokens, size_t n_tokens, const char *text)
 {
     (void)user;

@@ -334,8 +334,8 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
             snapkv__reply__free_unpacked(rep, NULL);
             if (rc)
                 return rc;
-            if (deadline >= 0)
-                deadline = skv_client_now_ms() + c->timeout_ms;
+            /* each reply restarts the wait, with the timeout set now (a callback may set it) */
+            deadline = c->timeout_ms < 0 ? -1 : skv_client_now_ms() + c->timeout_ms;
             continue;
         }
         *reply_out = rep;
@@ -485,12 +485,30 @@ static void monitor_stop(snapkv_client_t *c)
     c->monitor = NULL;
 }
 
+/* The daemon's rule for tenant names (daemon/session.c skv_session_check_tenant), in ASCII
+ * whatever the program's locale. */
+static bool tenant_name_ok(const char *t)
+{
+    size_t n = strlen(t);
+    if (n == 0 || n > 63)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char ch = t[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || strchr("._-@", ch)))
+            return false;
+    }
+    return true;
+}
+
 int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts, snapkv_client_t **out)
 {
     if (!endpoint || !*endpoint || !out)
         return skv_client_fail(SNAPKV_E_INVAL, "endpoint and out are required");
     if (opts && opts->timeout_ms < -1)
         return skv_client_fail(SNAPKV_E_INVAL, "timeout_ms must be -1, 0 or positive");
+    if (opts && opts->tenant && *opts->tenant && !tenant_name_ok(opts->tenant))
+        return skv_client_fail(SNAPKV_E_INVAL, "tenant '%.63s%s': 1..63 letters, digits and . _ - @", opts->tenant,
+                               strlen(opts->tenant) > 63 ? "..." : "");
     snapkv_client_t *c = calloc(1, sizeof *c);
     if (!c)
         return skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
@@ -593,7 +611,9 @@ int snapkv_set_timeout(snapkv_client_t *c, int timeout_ms)
 
 int snapkv_server_info(snapkv_client_t *c, struct snapkv_server_info *out)
 {
-    if (!c || !out || !c->hello)
+    if (!c || !out)
+        return skv_client_fail(SNAPKV_E_INVAL, "snapkv_server_info: NULL argument");
+    if (!c->hello)
         return skv_client_fail(SNAPKV_E_INVAL, "not connected");
     const Snapkv__HelloReply *h = c->hello;
     *out = (struct snapkv_server_info){
@@ -676,12 +696,14 @@ int skv_client_id_parse(const ProtobufCBinaryData *b, const char *what, struct s
     return SNAPKV_OK;
 }
 
-int skv_client_check(snapkv_client_t *c, const void *id, const char *what)
+int skv_client_check(snapkv_client_t *c, const void *arg, const char *what)
 {
     if (!c || !c->hello)
         return skv_client_fail(SNAPKV_E_INVAL, "%s: not connected", what);
-    if (!id)
-        return skv_client_fail(SNAPKV_E_INVAL, "%s: session id is required", what);
+    if (!arg) /* prefill and import take their options there, every other command a session id */
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: %s required", what,
+                               strcmp(what, "prefill") == 0 || strcmp(what, "import") == 0 ? "options are"
+                                                                                           : "a session id is");
     /* the command's own checks use the facts of the daemon it goes to (inside another call the
      * command fails BUSY anyway) */
     return c->in_call ? SNAPKV_OK : refresh(c, false, what);

@@ -65,9 +65,10 @@ int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, 
 bool skv_client_dup_u32(const uint32_t *src, size_t n, uint32_t **out);
 bool skv_client_dup_f32(const float *src, size_t n, float **out);
 
-/* Checks that c is connected and id is non-NULL (the "bad argument" message names `what`),
- * then asks HELLO again when the connection closed since the last (see snapkv_server_info), so
- * the command's own checks see the facts of the daemon it goes to. */
-int skv_client_check(snapkv_client_t *c, const void *id, const char *what);
+/* Checks that c is connected and arg (the session id; prefill's and import's options) is
+ * non-NULL (the "bad argument" message names `what`), then asks HELLO again when the connection
+ * closed since the last (see snapkv_server_info), so the command's own checks see the facts of
+ * the daemon it goes to. */
+int skv_client_check(snapkv_client_t *c, const void *arg, const char *what);
 
 #endif

@@ -53,6 +53,9 @@ int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, s
     rc = check_input(c, opts->tokens, opts->n_tokens, opts->text, "prefill");
     if (rc)
         return rc;
+    if (opts->chat && opts->n_tokens)
+        return skv_client_fail(SNAPKV_E_INVAL, "prefill: chat renders text with the chat template; token ids "
+                               "go in as they are (clear chat, or send text)");
     uint32_t max_prompt = c->hello->max_prompt_tokens;
     if (max_prompt && opts->n_tokens > max_prompt)
         return skv_client_fail(SNAPKV_E_LIMIT, "prefill: %zu tokens, the daemon takes at most %u", opts->n_tokens,
@@ -132,6 +135,9 @@ int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     rc = check_input(c, opts->tokens, opts->n_tokens, opts->text, "append");
     if (rc)
         return rc;
+    if (opts->chat && opts->n_tokens)
+        return skv_client_fail(SNAPKV_E_INVAL, "append: chat parses markup in text; token ids go in as they are "
+                               "(clear chat, or send text)");
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
@@ -296,6 +302,10 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     if (s.n_stop_tokens && !s.stop_tokens)
         return skv_client_fail(SNAPKV_E_INVAL, "decode: n_stop_tokens is %zu but stop_tokens is NULL",
                                s.n_stop_tokens);
+    for (size_t i = 0; i < s.n_stop_tokens; i++)
+        if (c->hello->n_vocab && s.stop_tokens[i] >= c->hello->n_vocab)
+            return skv_client_fail(SNAPKV_E_INVAL, "decode: stop token %u at index %zu is outside the vocabulary "
+                                   "[0, %u)", s.stop_tokens[i], i, c->hello->n_vocab);
     if (s.n_stop && !s.stop)
         return skv_client_fail(SNAPKV_E_INVAL, "decode: n_stop is %zu but stop is NULL", s.n_stop);
     for (size_t i = 0; i < s.n_stop; i++)

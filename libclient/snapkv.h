@@ -2,13 +2,16 @@
  *
  * Thread safety: a snapkv_client_t is NOT safe to use from several threads at once; use one
  * client per thread (they are cheap: one ZeroMQ DEALER socket each) or serialize calls.
- * Callbacks (snapkv_token_fn, snapkv_progress_fn) run inside a call of their client and must
- * not use it: a call made from one fails with SNAPKV_E_BUSY (use another client), and closing
- * the client there is undefined. A signal does not end a call: it waits on for what is left of
- * its timeout (a streaming callback can stop a decode). A call whose connection closes while it
- * waits (the daemon stopped or restarted) fails with SNAPKV_E_IO within 200 ms (replies already
- * on their way are taken meanwhile; never later than its own timeout): whether it ran is not
- * known; the next call goes out on the connection there is then.
+ * Callbacks (snapkv_token_fn, snapkv_progress_fn) run inside a call of their client. There a
+ * call that sends a request to the daemon (every command, admin ones too) fails with
+ * SNAPKV_E_BUSY (use another client), and closing the client is undefined. Local calls work:
+ * snapkv_server_info, and snapkv_set_timeout, which sets how long the running call waits for
+ * its next reply (-1: for ever) as well as later calls' timeouts. A signal does not end a call:
+ * it waits on for what is left of its timeout (a streaming callback can stop a decode). A call
+ * whose connection closes while it waits (the daemon stopped or restarted) fails with
+ * SNAPKV_E_IO within 200 ms (replies already on their way are taken meanwhile; never later than
+ * its own timeout): whether it ran is not known; the next call goes out on the connection
+ * there is then.
  * Different clients may be used concurrently, and several threads may connect at once (each
  * client has its own ZeroMQ context and CURVE keys). Result structs (snapkv_*_result, lists, stats)
  * belong to the caller, do not refer to the client and may outlive it.
@@ -42,7 +45,9 @@
  * 6:3:2: after the connection closed, the next call asks HELLO again (snapkv_server_info and the
  * library's checks follow a restarted daemon's model and limits).
  * 6:4:2: the events stream's heartbeats are read (a restart's CLEARED of sequence 0 comes with
- * the new daemon's first heartbeat).
+ * the new daemon's first heartbeat); snapkv_connect refuses a tenant name the daemon would
+ * refuse; chat with token ids, and stop tokens outside the vocabulary, are refused (INVAL);
+ * snapkv_set_timeout(-1) in a callback makes the running call wait for ever (it timed out).
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -93,7 +98,7 @@ typedef struct snapkv_client snapkv_client_t;
 
 struct snapkv_connect_opts {
     const char *tenant;     /* NULL: "default" */
-    const char *name;       /* client name shown to admins; NULL: "libsnapkv" */
+    const char *name;       /* client name, in the daemon's log at log-level = debug; NULL: "libsnapkv" */
     int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever.
                              * Each request tells the daemon this as its deadline: one still
                              * queued when it passes is answered TIMEOUT unrun, and a PREFILL
@@ -269,16 +274,23 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * bytes, none for control tokens (<|im_end|> ...), and a character the decode's end cuts is
  * held back and begins the session's next decode's text (an APPEND in between drops it).
  * Return 0 to go on; anything else ends the decode: the library sends CANCEL for the session
- * and waits until the daemon ended it, then snapkv_decode returns SNAPKV_E_CANCELLED. The
- * session keeps every token made so far (those the callback saw, and any the daemon made
- * before the CANCEL reached it) and takes the next command at once. A decode that fails in
- * any other way while it runs (SNAPKV_E_TIMEOUT, SNAPKV_E_NOMEM, lost replies) is cancelled
- * the same way, waiting a second at most; the message says if that CANCEL failed too. Closing
- * the client (or its process ending) cancels it too. Each reply counts the tokens made so far:
- * a streaming client that reads so slowly that the daemon dropped some of its replies gets
- * SNAPKV_E_IO ("lost N streamed tokens"). A DECODE past the daemon's max-decodes or
- * max-decodes-per-tenant running ones is refused at once with SNAPKV_E_BUSY. The callback must
- * not use its own client (see the top of this file). */
+ * and waits until the daemon ended it, then snapkv_decode returns SNAPKV_E_CANCELLED and does
+ * not write *out. The session keeps every token made so far and takes the next command at
+ * once: those the callback saw, and any the daemon made before the CANCEL reached it, whose
+ * replies the library drops. The caller cannot learn those extra tokens (no other call returns
+ * a session's token ids), and there may be many more of them than the callback saw. The
+ * session's length is the n_tokens of snapkv_admin_inspect() or snapkv_admin_list() (admin
+ * calls: a client connected to the admin endpoint), or of the stored event the decode's end
+ * publishes on an events-endpoint. A program that needs every token stops the decode with
+ * snapkv_cancel() from another thread's client instead: snapkv_decode then returns SNAPKV_OK
+ * with finish_reason "cancelled" and all its tokens and text. A decode that fails in any other
+ * way while it runs (SNAPKV_E_TIMEOUT, SNAPKV_E_NOMEM, lost replies) is cancelled the same way,
+ * waiting a second at most; the message says if that CANCEL failed too. Closing the client (or
+ * its process ending) cancels it too. Each reply counts the tokens made so far: a streaming
+ * client that reads so slowly that the daemon dropped some of its replies gets SNAPKV_E_IO
+ * ("lost N streamed tokens"). A DECODE past the daemon's max-decodes or max-decodes-per-tenant
+ * running ones is refused at once with SNAPKV_E_BUSY. The callback must not send requests on
+ * its own client (see the top of this file). */
 typedef int (*snapkv_token_fn)(void *user, const uint32_t *tokens, size_t n_tokens, const char *text);
 
 struct snapkv_decode_result {
@@ -368,7 +380,11 @@ SNAPKV_API void snapkv_kv_layout_free(struct snapkv_kv_layout *l);
 SNAPKV_API uint64_t snapkv_kv_bytes(const struct snapkv_layer_kept *layers, size_t n, uint32_t n_kv_heads,
                                     uint32_t head_dim);
 /* Byte offset, from the start of the exported data, of layer index `i` (index into the layout,
- * not the model layer number) head `head`'s K (v = false) or V (v = true) rows. */
+ * not the model layer number) head `head`'s K (v = false) or V (v = true) rows. The indices
+ * must be in range, and the result does not say when they are not: for i at or past
+ * l->n_layers (or a NULL l) it is 0, the offset of the first layer's head 0 K rows; head is not
+ * checked, and one at or past n_kv_heads gives another head's (or layer's) offset. n_kv_heads
+ * and head_dim must be the model's (snapkv_server_info). */
 SNAPKV_API uint64_t snapkv_kv_offset(const struct snapkv_kv_layout *l, size_t i, uint32_t head, bool v,
                                      uint32_t n_kv_heads, uint32_t head_dim);
 
@@ -411,7 +427,18 @@ struct snapkv_import_opts {
     uint32_t original_length;     /* next position; 0: n_tokens */
     const struct snapkv_cuda_ipc_buffer *cuda; /* instead of shm, on a GPU daemon */
 };
-/* Creates a session from K/V in a buffer. */
+/* Creates a session from K/V in a buffer, for this client's tenant, with the daemon's default
+ * lease. An import carries only the rows, their positions, the length and the tokens given:
+ * - No next-token logits: a DECODE right after it fails with SNAPKV_E_INVAL ("the session has no
+ *   next-token logits ... APPEND the next token first"); APPEND the next token first.
+ * - No compression policy: the session's spec is "policy=full" whatever the exported session's
+ *   was (INSPECT shows it). The imported rows stay as they are, later ones are all kept, and a
+ *   COMPRESS sets a policy.
+ * - Without tokens (fewer than original_length) the session does not know its token history,
+ *   and a later COMPRESS fails with SNAPKV_E_INVAL ("the session knows N of its M tokens").
+ *   No call returns a session's token ids (a text PREFILL or APPEND is tokenized by the daemon,
+ *   and an export has none): to import a session with its tokens, prefill and append token ids
+ *   the program keeps, and add the tokens its decodes returned. */
 SNAPKV_API int snapkv_import_kv(snapkv_client_t *client, const struct snapkv_import_opts *opts,
                                 struct snapkv_session_id *out);
 
@@ -471,25 +498,28 @@ SNAPKV_API int snapkv_admin_inspect(snapkv_client_t *client, const struct snapkv
                                     bool with_positions, struct snapkv_inspect_result *out);
 SNAPKV_API void snapkv_inspect_result_free(struct snapkv_inspect_result *r);
 
-/* Evicts exactly one of: the session `id`, every unpinned session of `tenant`, or (all_unpinned)
- * every unpinned session. evicted and bytes_freed may be NULL. */
+/* Evicts exactly one of: the session `id` (pinned or not; SNAPKV_E_BUSY while it decodes), every
+ * unpinned session of `tenant`, or (all_unpinned) every unpinned session (these two skip sessions
+ * that are decoding). evicted and bytes_freed may be NULL. */
 SNAPKV_API int snapkv_admin_evict(snapkv_client_t *client, const struct snapkv_session_id *id,
                                   const char *tenant, bool all_unpinned, uint32_t *evicted,
                                   uint64_t *bytes_freed);
 
-/* A pinned session is never evicted and outlives its lease. */
+/* A pinned session outlives its lease and is not evicted for room, nor by an EVICT of its tenant
+ * or of all unpinned sessions; an EVICT that names it by id evicts it all the same. */
 SNAPKV_API int snapkv_admin_pin(snapkv_client_t *client, const struct snapkv_session_id *id);
 SNAPKV_API int snapkv_admin_unpin(snapkv_client_t *client, const struct snapkv_session_id *id);
 
-/* Saves a session under the daemon's state directory. name: [A-Za-z0-9._-]{1,64}, not "." or
- * "..". bytes (file size) may be NULL. */
+/* Saves a session under the daemon's state directory (<state-dir>/NAME.skv). name:
+ * [A-Za-z0-9._-]{1,64}, not starting with '.'. bytes (file size) may be NULL. */
 SNAPKV_API int snapkv_admin_save(snapkv_client_t *client, const struct snapkv_session_id *id, const char *name,
                                  uint64_t *bytes);
-/* Loads a saved session as a new one, for `tenant` (NULL or "": the daemon's choice). It goes on
- * under the spec it was saved with (the compressor's state, the rows' scores and the next-token
- * logits come back), so DECODE goes on from where the saved session stood. A session saved in
- * an older format has no logits (versions 1 and 2: APPEND the next token before DECODE), and
- * one of version 1 no compressor state either (it goes on uncompressed). */
+/* Loads a saved session as a new one: a new id, for `tenant` (NULL or "": "default"), with the
+ * daemon's default lease and unpinned (a save keeps none of these). It goes on under the spec
+ * it was saved with (the compressor's state, the rows' scores and the next-token logits come
+ * back), so DECODE goes on from where the saved session stood. A session saved in an older
+ * format has no logits (versions 1 and 2: APPEND the next token before DECODE), and one of
+ * version 1 no compressor state either (it goes on uncompressed). */
 SNAPKV_API int snapkv_admin_load(snapkv_client_t *client, const char *name, const char *tenant,
                                  struct snapkv_session_id *out);
 
@@ -532,7 +562,11 @@ struct snapkv_event {
     uint64_t *block_hashes;       /* owned by the event: snapkv_event_free() */
 };
 /* Subscribes to endpoint (a subscription reaches the daemon a moment after this returns: events
- * published meanwhile are not seen). */
+ * published meanwhile are not seen). ZeroMQ connects in the background, so this returns SNAPKV_OK
+ * for an endpoint where nothing listens (a wrong path, a daemon without events-endpoint): that
+ * shows only as SNAPKV_E_TIMEOUT from snapkv_events_next(), the same as for a daemon with nothing
+ * to announce. Only an endpoint ZeroMQ refuses (malformed, unknown transport) fails here, with
+ * SNAPKV_E_IO. */
 SNAPKV_API int snapkv_events_open(const char *endpoint, snapkv_events_t **out);
 /* The next event, waiting up to timeout_ms (-1: for ever); SNAPKV_E_TIMEOUT when none came,
  * SNAPKV_E_PROTO for a message that is not one. Free *out with snapkv_event_free().

@@ -293,6 +293,17 @@ static void test_last_error(void **state)
     assert_string_equal(snapkv_last_error(), "endpoint and out are required");
     assert_string_equal(snapkv_status_str(SNAPKV_E_POOL_FULL), "kv pool full");
     assert_string_equal(snapkv_status_str(SNAPKV_E_TIMEOUT), "timed out");
+    /* a tenant the daemon would refuse on every call is refused at connect, before any I/O */
+    char longname[70];
+    memset(longname, 'a', 64);
+    longname[64] = '\0';
+    const char *bad[] = {"a b", "x/y", "\xc3\xbcn", "t\n", longname};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        struct snapkv_connect_opts o = {.tenant = bad[i]};
+        assert_int_equal(snapkv_connect("ipc:///nonexistent/skv.sock", &o, &c), SNAPKV_E_INVAL);
+        assert_non_null(strstr(snapkv_last_error(), "letters, digits and . _ - @"));
+    }
+    assert_ptr_equal(c, (snapkv_client_t *)0x1);
 }
 
 static void test_null_client(void **state)
@@ -347,12 +358,23 @@ static void test_argument_checks(void **state)
     struct snapkv_prefill_opts too_long = {.tokens = many, .n_tokens = 51};
     assert_int_equal(snapkv_prefill(c, &too_long, &pr), SNAPKV_E_LIMIT);
     assert_int_equal(snapkv_prefill(c, NULL, &pr), SNAPKV_E_INVAL);
+    assert_string_equal(snapkv_last_error(), "prefill: options are required");
     assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = "x"}, NULL), SNAPKV_E_INVAL);
+    struct snapkv_prefill_opts chat_tokens = {.tokens = toks, .n_tokens = 3, .chat = true};
+    assert_int_equal(snapkv_prefill(c, &chat_tokens, &pr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "chat renders text"));
     assert_int_equal(pr.n_tokens, 777);
+    assert_int_equal(snapkv_import_kv(c, NULL, NULL), SNAPKV_E_INVAL);
+    assert_string_equal(snapkv_last_error(), "import: options are required");
+    assert_int_equal(snapkv_server_info(c, NULL), SNAPKV_E_INVAL);
+    assert_string_equal(snapkv_last_error(), "snapkv_server_info: NULL argument");
 
     struct snapkv_append_opts ao = {0};
     assert_int_equal(snapkv_append(c, &ID_A, &ao, NULL), SNAPKV_E_INVAL);
     assert_int_equal(snapkv_append(c, NULL, &(struct snapkv_append_opts){.text = "x"}, NULL), SNAPKV_E_INVAL);
+    assert_string_equal(snapkv_last_error(), "append: a session id is required");
+    assert_int_equal(snapkv_append(c, &ID_A, &(struct snapkv_append_opts){.tokens = toks, .n_tokens = 3, .chat = true},
+                                   NULL), SNAPKV_E_INVAL);
 
     assert_int_equal(snapkv_decode(c, &ID_A, NULL, NULL, NULL, NULL), SNAPKV_E_INVAL);
     struct snapkv_decode_result dr;
@@ -366,6 +388,10 @@ static void test_argument_checks(void **state)
     snapkv_sampling_defaults(&s);
     s.n_stop_tokens = 2;
     assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    uint32_t stop_bad[2] = {2, 100}; /* the fake's vocabulary is 100 */
+    s.stop_tokens = stop_bad;
+    assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "stop token 100 at index 1 is outside the vocabulary"));
 
     assert_int_equal(snapkv_compress(c, &ID_A, "", 0, NULL), SNAPKV_E_INVAL);
     assert_int_equal(snapkv_compress(c, &ID_A, NULL, 0, NULL), SNAPKV_E_INVAL);
@@ -717,6 +743,57 @@ static bool answer_decode(struct fake *f, const Snapkv__Request *req)
     send_decode(f, false, t + 3, 2, "lo, world", 5, "");
     send_decode(f, true, t + 5, 1, "!", 6, "eos");
     return true;
+}
+
+struct timeout_cb {
+    snapkv_client_t *c;
+    int set;
+};
+
+/* A streamed decode whose last reply comes 400 ms after its first. */
+static bool answer_decode_pause(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case != SNAPKV__REQUEST__COMMAND_DECODE)
+        return false;
+    static const uint32_t t[2] = {11, 2};
+    send_decode(f, false, t, 1, "Hi", 1, "");
+    usleep(400 * 1000);
+    send_decode(f, true, t + 1, 1, "", 2, "eos");
+    return true;
+}
+
+static int set_timeout_in_callback(void *user, const uint32_t *tokens, size_t n_tokens, const char *text)
+{
+    (void)tokens;
+    (void)n_tokens;
+    (void)text;
+    struct timeout_cb *t = user;
+    assert_int_equal(snapkv_set_timeout(t->c, t->set), SNAPKV_OK);
+    return 0;
+}
+
+/* snapkv_set_timeout in a callback sets how long the running call waits for its next reply:
+ * -1 waits for ever (it timed out at once before), a longer one waits longer, and a call whose
+ * callback sets nothing times out as before. */
+static void test_timeout_set_in_callback(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(answer_decode_pause);
+    snapkv_client_t *c = connect_fake(f, 2000);
+    struct snapkv_decode_result r;
+    int sets[] = {-1, 5000};
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(snapkv_set_timeout(c, 200), SNAPKV_OK);
+        struct timeout_cb t = {c, sets[i]};
+        assert_int_equal(snapkv_decode(c, &ID_B, NULL, set_timeout_in_callback, &t, &r), SNAPKV_OK);
+        assert_int_equal(r.n_tokens, 2);
+        snapkv_decode_result_free(&r);
+    }
+    assert_int_equal(snapkv_set_timeout(c, 200), SNAPKV_OK);
+    struct timeout_cb t = {c, 200};
+    assert_int_equal(snapkv_decode(c, &ID_B, NULL, set_timeout_in_callback, &t, &r), SNAPKV_E_TIMEOUT);
+    snapkv_close(&c);
+    fake_stop(&f);
 }
 
 static void test_decode_collect(void **state)
@@ -2352,6 +2429,7 @@ int main(void)
         cmocka_unit_test(test_admin_actions),
         cmocka_unit_test(test_events_replay_filter),
         cmocka_unit_test(test_events_restart),
+        cmocka_unit_test(test_timeout_set_in_callback),
         cmocka_unit_test(test_events_next_deadline),
         cmocka_unit_test(test_kv_arithmetic),
     };
