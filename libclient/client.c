@@ -139,8 +139,10 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
         if (event == ZMQ_EVENT_DISCONNECTED) {
             c->disconnects++;
             c->down = true;
+            c->up = false;
         } else if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
             c->down = false;
+            c->up = true;
             c->refused_event = 0;
         }
         if (event == ZMQ_EVENT_DISCONNECTED && lost) {
@@ -166,6 +168,21 @@ long skv_client_wait_ms(int64_t deadline)
         return -1;
     int64_t left = deadline - skv_client_now_ms();
     return left > 0 ? (long)left : 0;
+}
+
+/* Why an ipc:// daemon may not answer, for a message: its socket file missing, not ours to
+ * open, or there with nobody answering; "not running?" for other transports. */
+static void ipc_diagnosis(const snapkv_client_t *c, char *out, size_t cap)
+{
+    if (!c->ipc_path)
+        snprintf(out, cap, "not running?");
+    else if (access(c->ipc_path, F_OK) != 0 && errno == ENOENT)
+        snprintf(out, cap, "no socket file %s: is snapkvd running, with this endpoint?", c->ipc_path);
+    else if (access(c->ipc_path, W_OK) != 0 && errno == EACCES)
+        snprintf(out, cap, "%s: permission denied", c->ipc_path);
+    else
+        snprintf(out, cap, "%s is there and nothing answered: a daemon still loading its model, or one that "
+                 "is gone", c->ipc_path);
 }
 
 /* Hands one packed request to libzmq by the deadline. The socket (ZMQ_IMMEDIATE) takes
@@ -205,11 +222,18 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
             if (rc)
                 return rc;
         }
-        if (n == 0)
+        if (n == 0 && c->monitor && c->up)
+            return skv_client_fail(SNAPKV_E_TIMEOUT, "could not send the %s request within %d ms: the daemon is "
+                                   "connected and has stopped reading requests", what, c->timeout_ms);
+        if (n == 0) {
+            char why[1200];
+            ipc_diagnosis(c, why, sizeof why);
             return skv_client_fail(SNAPKV_E_TIMEOUT,
                                    "could not send the %s request within %d ms: the daemon is not connected "
-                                   "(not running?)%s",
-                                   what, c->timeout_ms, down ? "" : " or has stopped reading requests");
+                                   "(%s)%s",
+                                   what, c->timeout_ms, why,
+                                   down || c->monitor ? "" : " or has stopped reading requests");
+        }
     }
 }
 
@@ -535,6 +559,20 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL_MAX, &backoff_ms, sizeof backoff_ms);
     if ((rc = setup_curve(c, opts)))
         goto out_close;
+    /* an ipc:// socket file this user may not open fails now, saying so, not at the timeout as
+     * a daemon that does not answer (an abstract name, ipc://@, has no file) */
+    if (strncmp(endpoint, "ipc://", 6) == 0 && endpoint[6] && endpoint[6] != '@') {
+        if (!(c->ipc_path = strdup(endpoint + 6))) {
+            rc = skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
+            goto out_close;
+        }
+        if (access(c->ipc_path, W_OK) != 0 && errno == EACCES) {
+            rc = skv_client_fail(SNAPKV_E_PERM, "%s: permission denied (a daemon's client socket is open to its "
+                                 "group, snapkv as installed: join it; its admin socket to its user alone: sudo)",
+                                 c->ipc_path);
+            goto out_close;
+        }
+    }
     monitor_start(c);
     if (zmq_connect(c->sock, endpoint) < 0) {
         rc = skv_client_fail(SNAPKV_E_INVAL, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
@@ -595,6 +633,7 @@ void snapkv_close(snapkv_client_t **client_p)
     }
     free(c->tenant);
     free(c->name);
+    free(c->ipc_path);
     free(c);
     *client_p = NULL;
 }

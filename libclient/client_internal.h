@@ -13,12 +13,14 @@ struct snapkv_client {
     bool curve;                  /* CURVE keys were given */
     char *tenant;
     char *name;                  /* the client name HELLO gives */
+    char *ipc_path;              /* an ipc:// endpoint's socket file (NULL: another transport) */
     int timeout_ms;
     uint64_t next_request_id;
     bool in_call;                /* a call is waiting for its replies (a callback runs inside it) */
     Snapkv__HelloReply *hello;   /* the latest HELLO's facts (snapkv_server_info reads them) */
     uint64_t disconnects;        /* connections closed so far */
     bool down;                   /* a connection closed and no handshake has worked since */
+    bool up;                     /* a handshake worked and its connection has not closed */
     uint16_t refused_event;      /* a failed handshake seen between two calls, none since worked */
     uint32_t refused_value;
     uint64_t hello_sent_disconnects; /* c->disconnects when the last HELLO went out */

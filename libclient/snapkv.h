@@ -47,7 +47,9 @@
  * 6:4:2: the events stream's heartbeats are read (a restart's CLEARED of sequence 0 comes with
  * the new daemon's first heartbeat); snapkv_connect refuses a tenant name the daemon would
  * refuse; chat with token ids, and stop tokens outside the vocabulary, are refused (INVAL);
- * snapkv_set_timeout(-1) in a callback makes the running call wait for ever (it timed out).
+ * snapkv_set_timeout(-1) in a callback makes the running call wait for ever (it timed out); an
+ * ipc:// socket this user may not open fails connect at once (PERM), and a timeout's message
+ * says whether the socket file is there.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -117,7 +119,10 @@ struct snapkv_connect_opts {
  * A refused connection fails as soon as libzmq reports the failed handshake, not at the
  * timeout: SNAPKV_E_PERM when the daemon does not authorize this client's CURVE key, when it
  * requires CURVE and none was given (or the reverse), or when the server key is wrong; a
- * client key bound to a tenant by the daemon gets SNAPKV_E_PERM for any other tenant. */
+ * client key bound to a tenant by the daemon gets SNAPKV_E_PERM for any other tenant. An
+ * ipc:// socket file this user may not open fails at once with SNAPKV_E_PERM (the client
+ * socket is for the daemon's group, the admin socket for its user); one that is not there, or
+ * where nothing answers, fails at the timeout with a message that says which. */
 SNAPKV_API int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
                               snapkv_client_t **out);
 /* Accepts NULL and *client_p == NULL; sets *client_p to NULL. */

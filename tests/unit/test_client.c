@@ -16,7 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -509,6 +511,44 @@ static void test_connect_timeout(void **state)
     assert_null(c);
     assert_non_null(strstr(snapkv_last_error(), "150 ms"));
     fake_stop(&f);
+
+    /* an ipc:// endpoint: the message says whether its socket file is there */
+    assert_int_equal(snapkv_connect("ipc:///nonexistent-skv/c.sock", &o, &c), SNAPKV_E_TIMEOUT);
+    assert_non_null(strstr(snapkv_last_error(), "no socket file /nonexistent-skv/c.sock"));
+    char dir[] = "/tmp/skv-perm-XXXXXX", path[64], ep[80];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/c.sock", dir);
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0); /* a file, nobody listening */
+    assert_int_equal(snapkv_connect(ep, &o, &c), SNAPKV_E_TIMEOUT);
+    assert_non_null(strstr(snapkv_last_error(), "is there and nothing answered"));
+    close(fd);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* An ipc:// socket this user may not open: PERM at once, saying why (run as another user than
+ * root, which may open any file; skipped as root). */
+static void test_connect_no_permission(void **state)
+{
+    (void)state;
+    if (geteuid() == 0)
+        skip();
+    char dir[] = "/tmp/skv-perm-XXXXXX", ep[80];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(chmod(dir, 0), 0); /* no search permission: the socket cannot be reached */
+    snprintf(ep, sizeof ep, "ipc://%s/c.sock", dir);
+    snapkv_client_t *c = NULL;
+    struct snapkv_connect_opts o = {.timeout_ms = 5000};
+    int64_t t0 = now_ms();
+    assert_int_equal(snapkv_connect(ep, &o, &c), SNAPKV_E_PERM);
+    assert_true(now_ms() - t0 < 4000);
+    assert_non_null(strstr(snapkv_last_error(), "permission denied"));
+    chmod(dir, 0700);
+    rmdir(dir);
 }
 
 /* ---- PREFILL --------------------------------------------------------------------------------------------- */
@@ -2429,6 +2469,7 @@ int main(void)
         cmocka_unit_test(test_admin_actions),
         cmocka_unit_test(test_events_replay_filter),
         cmocka_unit_test(test_events_restart),
+        cmocka_unit_test(test_connect_no_permission),
         cmocka_unit_test(test_timeout_set_in_callback),
         cmocka_unit_test(test_events_next_deadline),
         cmocka_unit_test(test_kv_arithmetic),
