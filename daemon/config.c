@@ -1,6 +1,8 @@
 /* The option table and the three ways into it: command line, config file, CONFIG GET. */
 #include "daemon/config.h"
+#include "common/log.h"
 #include "common/status.h"
+#include "daemon/compress/spec.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -59,7 +61,8 @@ static const struct skv_config_option options[] = {
      "stays), three times in a row at most; past twice the interval one runs even while busy; 0: at stop only"},
     {"log-level", SKV_CFG_STRING, OPT(log_level), "info", 0, 0, "error, warn, info or debug"},
     {"log-file", SKV_CFG_STRING, OPT(log_file), "", 0, 0, "log file (empty: stderr / journald)"},
-    {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0, "stay in the foreground (systemd runs it so)"},
+    {"foreground", SKV_CFG_BOOL, OPT(foreground), "yes", 0, 0,
+     "stays in the foreground, always (yes only: it does not detach itself; systemd runs it so)"},
     {"max-prompt-tokens", SKV_CFG_INT, OPT(max_prompt_tokens), "8192", 1, 1 << 24, "longest prompt accepted"},
     {"max-new-tokens", SKV_CFG_INT, OPT(max_new_tokens), "2048", 1, 1 << 24, "most tokens one DECODE may generate"},
     {"max-decodes", SKV_CFG_INT, OPT(max_decodes), "256", 1, 1 << 16,
@@ -169,11 +172,57 @@ static int parse_bool(const char *text, bool *out)
     return skv_errorf(SKV_E_INVAL, "'%s' is not a boolean (yes/no)", text);
 }
 
+/* HOST:PORT, [V6]:PORT: the form metrics-listen binds (the address itself is resolved then). */
+static bool listen_form_ok(const char *v)
+{
+    const char *colon = strrchr(v, ':');
+    if (!colon || colon == v || (*v == '[' && colon[-1] != ']'))
+        return false;
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    return colon[1] && !*end && port >= 1 && port <= 65535;
+}
+
+/* Options whose value has a form of its own, checked where it is set, so that a config file's
+ * mistake names its line and stops the start before the model loads. */
+static int check_value(const char *name, const char *v)
+{
+    if (strcmp(name, "log-level") == 0 && skv_log_level_parse(v) < 0)
+        return skv_errorf(SKV_E_INVAL, "'%s' is not error, warn, info or debug", v);
+    if (strcmp(name, "ipc-tenant") == 0 && strcmp(v, "claimed") != 0 && strcmp(v, "uid") != 0)
+        return skv_errorf(SKV_E_INVAL, "'%s' is not claimed or uid", v);
+    if (strcmp(name, "queue-order") == 0 && strcmp(v, "fair") != 0 && strcmp(v, "fifo") != 0)
+        return skv_errorf(SKV_E_INVAL, "'%s' is not fair or fifo", v);
+    if (strcmp(name, "metrics-listen") == 0 && *v && !listen_form_ok(v))
+        return skv_errorf(SKV_E_INVAL, "'%s' is not HOST:PORT (e.g. 127.0.0.1:9464), port 1..65535", v);
+    if (strcmp(name, "tenant-weights") == 0) {
+        struct skv_tenant_weight tw[SKV_TENANT_WEIGHTS_MAX];
+        int n;
+        return skv_tenant_weights_parse(v, tw, &n);
+    }
+    if (strcmp(name, "default-compress") == 0 && *v) {
+        struct skv_compress_spec spec;
+        return skv_compress_spec_parse(v, &spec);
+    }
+    bool yes;
+    if (strcmp(name, "foreground") == 0 && parse_bool(v, &yes) == SKV_OK && !yes)
+        return skv_errorf(SKV_E_INVAL, "snapkvd does not detach itself: run it under systemd (Type=notify), or "
+                          "with & from a shell");
+    return SKV_OK;
+}
+
 static int set_option(struct skv_config *cfg, const struct skv_config_option *o, const char *value)
 {
     char *base = (char *)cfg + o->offset;
     int64_t v;
-    int rc;
+    int rc = check_value(o->name, value);
+    if (rc) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        size_t n = strlen(o->name); /* a message that names the option already is kept as it is */
+        bool named = strncmp(why, o->name, n) == 0 && why[n] == ':';
+        return skv_errorf(rc, "%s%s%s", named ? "" : o->name, named ? "" : ": ", why);
+    }
     switch (o->type) {
     case SKV_CFG_STRING: {
         char *copy = strdup(value);

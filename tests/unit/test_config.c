@@ -79,8 +79,11 @@ static void test_set(void **state)
     assert_non_null(strstr(skv_error_msg(), "threads"));
     assert_int_equal(skv_config_set(&cfg, "threads", "4x"), SKV_E_INVAL);
     assert_int_equal(skv_config_set(&cfg, "pool-size", "10"), SKV_E_INVAL); /* below 1 MiB */
-    assert_int_equal(skv_config_set(&cfg, "foreground", "no"), SKV_OK);
-    assert_false(cfg.foreground);
+    /* it never detaches itself: foreground = no was accepted and did nothing */
+    assert_int_equal(skv_config_set(&cfg, "foreground", "no"), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "does not detach itself"));
+    assert_true(cfg.foreground);
+    assert_int_equal(skv_config_set(&cfg, "foreground", "yes"), SKV_OK);
     assert_int_equal(skv_config_set(&cfg, "foreground", "maybe"), SKV_E_INVAL);
     assert_int_equal(skv_config_set(&cfg, "model", "/x/y.gguf"), SKV_OK);
     assert_string_equal(cfg.model, "/x/y.gguf");
@@ -115,13 +118,13 @@ static void test_limits(void **state)
     assert_non_null(strstr(skv_error_msg(), "max-lease-seconds (3600)"));
     assert_int_equal(skv_config_set(&cfg, "lease-seconds", "600"), SKV_OK);
 
-    /* queue-order: fair by default, or fifo; anything else fails the check, naming it */
+    /* queue-order: fair by default, or fifo; anything else is refused where it is set, naming it */
     assert_string_equal(cfg.queue_order, "fair");
     assert_int_equal(skv_config_set(&cfg, "queue-order", "fifo"), SKV_OK);
     assert_int_equal(skv_config_check(&cfg), SKV_OK);
-    assert_int_equal(skv_config_set(&cfg, "queue-order", "lifo"), SKV_OK);
-    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
-    assert_non_null(strstr(skv_error_msg(), "queue-order is fair or fifo, not 'lifo'"));
+    assert_int_equal(skv_config_set(&cfg, "queue-order", "lifo"), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "queue-order: 'lifo' is not fair or fifo"));
+    assert_string_equal(cfg.queue_order, "fifo"); /* unchanged */
     assert_int_equal(skv_config_set(&cfg, "queue-order", "fair"), SKV_OK);
 
     /* tenant-weights: NAME:W (1..100), each name once, at most 64 */
@@ -156,10 +159,59 @@ static void test_limits(void **state)
         snprintf(many + strlen(many), sizeof many - strlen(many), "%st%d:1", i ? "," : "", i);
     assert_int_equal(skv_tenant_weights_parse(many, tw, &n), SKV_E_INVAL);
     assert_non_null(strstr(skv_error_msg(), "more than 64 tenants"));
-    assert_int_equal(skv_config_set(&cfg, "tenant-weights", "alice:0"), SKV_OK);
-    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL); /* the check names the entry too */
-    assert_non_null(strstr(skv_error_msg(), "the weight of 'alice'"));
+    assert_int_equal(skv_config_set(&cfg, "tenant-weights", "alice:0"), SKV_E_INVAL); /* names the entry */
+    assert_non_null(strstr(skv_error_msg(), "tenant-weights: the weight of 'alice'"));
     skv_config_free(&cfg);
+}
+
+/* Values with a form of their own are refused where they are set, so a config file's mistake
+ * names its line and stops the start before the model loads (they were found after it, some
+ * without the line). */
+static void test_forms_at_their_line(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *line, *msg;
+    } bad[] = {
+        {"log-level = verbose", "x.conf:2: log-level: 'verbose' is not error, warn, info or debug"},
+        {"ipc-tenant = user", "x.conf:2: ipc-tenant: 'user' is not claimed or uid"},
+        {"queue-order = lifo", "x.conf:2: queue-order: 'lifo' is not fair or fifo"},
+        {"metrics-listen = 127.0.0.1", "x.conf:2: metrics-listen: '127.0.0.1' is not HOST:PORT"},
+        {"metrics-listen = :9464", "is not HOST:PORT"},
+        {"metrics-listen = 127.0.0.1:70000", "is not HOST:PORT"},
+        {"tenant-weights = a:0", "x.conf:2: tenant-weights: the weight of 'a'"},
+        {"default-compress = policy=snapkv,ratio=2", "x.conf:2: default-compress: "},
+        {"foreground = no", "x.conf:2: foreground: snapkvd does not detach itself"},
+    };
+    char dir[] = "/tmp/skv-conf-XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/x.conf", dir);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        FILE *f = fopen(path, "w");
+        fprintf(f, "threads = 2\n%s\n", bad[i].line);
+        fclose(f);
+        struct skv_config cfg;
+        assert_int_equal(skv_config_init(&cfg), SKV_OK);
+        assert_int_equal(skv_config_load_file(&cfg, path), SKV_E_INVAL);
+        if (!strstr(skv_error_msg(), bad[i].msg))
+            fail_msg("'%s': '%s', want '%s'", bad[i].line, skv_error_msg(), bad[i].msg);
+        skv_config_free(&cfg);
+    }
+    static const char *const good[] = {"metrics-listen = [::1]:9464", "metrics-listen = localhost:9464",
+                                       "metrics-listen = ", "default-compress = policy=snapkv,ratio=0.2",
+                                       "log-level = debug", "ipc-tenant = uid", "foreground = yes"};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        FILE *f = fopen(path, "w");
+        fprintf(f, "%s\n", good[i]);
+        fclose(f);
+        struct skv_config cfg;
+        assert_int_equal(skv_config_init(&cfg), SKV_OK);
+        if (skv_config_load_file(&cfg, path) != SKV_OK)
+            fail_msg("'%s': %s", good[i], skv_error_msg());
+        skv_config_free(&cfg);
+    }
+    unlink(path);
+    rmdir(dir);
 }
 
 /* The request-queue limits: sizes like the other size options; max-text-bytes 0 is "derived". */
@@ -261,7 +313,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults), cmocka_unit_test(test_sizes), cmocka_unit_test(test_set),
         cmocka_unit_test(test_file),     cmocka_unit_test(test_example_config), cmocka_unit_test(test_table_unique),
-        cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_limits), cmocka_unit_test(test_forms_at_their_line),
         cmocka_unit_test(test_queue_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
