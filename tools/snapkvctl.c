@@ -105,7 +105,9 @@ static void usage(FILE *out)
             "                                         sessions it holds now, from its events-replay-endpoint R\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
-            "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n",
+            "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
+            "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode cancelled (by CANCEL\n"
+            "or the daemon's stop; the session keeps its tokens), 130 interrupted (Ctrl-C)\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
 
@@ -642,6 +644,17 @@ static int cmd_config(const struct ctl *c, const char *key)
 
 /* ---- generate, chat ------------------------------------------------------------------------------------------- */
 
+/* A decode that another client's CANCEL or the daemon's stop ended: said on stderr, exit status 3,
+ * so that a script tells a cut answer from a finished one (the JSON's finish_reason says it too). */
+static int decode_cancelled(const char *cmd, const struct snapkv_decode_result *dr)
+{
+    if (strcmp(dr->finish_reason, "cancelled") != 0)
+        return 0;
+    fprintf(stderr, "snapkvctl %s: the decode was cancelled after %zu token(s) (a CANCEL, or the daemon "
+            "stopping); the session keeps them\n", cmd, dr->n_tokens);
+    return 3;
+}
+
 static int cmd_generate(const struct ctl *c, int argc, char **argv)
 {
     static const struct option opts[] = {
@@ -731,6 +744,7 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
                 print_ratio("compression", pr.bytes_before, pr.bytes_after);
             }
         }
+        ret = ret ? ret : decode_cancelled("generate", &dr);
         snapkv_decode_result_free(&dr);
     }
     rc = snapkv_release(cl, &pr.id);
@@ -1016,6 +1030,7 @@ static int cmd_decode(const struct ctl *c, int argc, char **argv)
         ret = print_json(json_pack("{s:o, s:o, s:i, s:o}", "text", json_text(dr.text), "tokens",
                                    u32_json(dr.tokens, dr.n_tokens), "n_generated", dr.n_generated,
                                    "finish_reason", json_text(dr.finish_reason)));
+    ret = ret ? ret : decode_cancelled("decode", &dr);
     snapkv_decode_result_free(&dr);
     return ret;
 }

@@ -3288,6 +3288,25 @@ static void test_snapkvctl_edges(void **state)
     assert_int_equal(l.n, 0);
     snapkv_session_list_free(&l);
     assert_true(stat_value(a, "snapkv_decodes_cancelled_total") >= 1);
+
+    /* decode ended by another client's CANCEL: exit status 3 (it was 0, like a finished one) */
+    snapkv_client_t *dc = client(d.endpoint, "dec");
+    struct snapkv_prefill_result dp;
+    assert_int_equal(snapkv_prefill(dc, &(struct snapkv_prefill_opts){.text = "Tell me a story."}, &dp), SNAPKV_OK);
+    char dec_id[SNAPKV_SESSION_ID_HEX_SIZE];
+    assert_int_equal(snapkv_session_id_to_hex(&dp.id, dec_id, sizeof dec_id), SNAPKV_OK);
+    const char *dec[] = {"-t", "dec", "decode", dec_id, "--max-tokens", "2000", "--no-eos", NULL};
+    pid = spawn_ctl(&d, dec, NULL, &out_r);
+    assert_true(read_until(out_r, buf, 0, 40, sizeof buf) >= 40);
+    bool was_running = false;
+    assert_int_equal(snapkv_cancel(dc, &dp.id, &was_running, NULL), SNAPKV_OK);
+    assert_true(was_running);
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    close(out_r);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 3);
+    snapkv_prefill_result_free(&dp);
+    snapkv_close(&dc);
     snapkv_close(&a);
     stop_daemon(&d);
 }
