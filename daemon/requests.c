@@ -1743,13 +1743,19 @@ static void handle_cancel(struct skv_worker *w, struct skv_job *job)
 
 /* ---- admin ------------------------------------------------------------------------------------ */
 
+/* A listing's spec: the keys that differ from the defaults (libsnapkv's summary holds 64 bytes,
+ * and the canonical form of every key is longer); INSPECT's spec is the whole canonical one. */
+#define INFO_POLICY_BYTES 64
+
 struct info_arena {
     Snapkv__SessionInfo *infos;
     Snapkv__SessionInfo **ptrs;
+    char (*policies)[INFO_POLICY_BYTES];
     int n, cap;
 };
 
-static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s)
+/* policy: INFO_POLICY_BYTES for the short spec (the canonical one when it does not fit). */
+static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s, char *policy)
 {
     snapkv__session_info__init(in);
     in->session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
@@ -1766,7 +1772,10 @@ static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s)
     in->kept_tokens = kept;
     in->bytes = s->bytes;
     in->shared_bytes = skv_session_shared_bytes(s);
-    in->policy = s->spec;
+    struct skv_compress_spec spec;
+    bool short_ok = skv_compress_spec_parse(s->spec, &spec) == SKV_OK &&
+                    skv_compress_spec_format_short(&spec, policy, INFO_POLICY_BYTES) == SKV_OK;
+    in->policy = short_ok ? policy : s->spec;
     in->created_unix_ms = s->created_ms;
     in->last_used_unix_ms = s->last_used_ms;
     in->pinned = s->pinned;
@@ -1784,8 +1793,10 @@ static bool list_visit(void *user, struct skv_session *s)
     struct info_arena *a = ctx->a;
     if (ctx->tenant && *ctx->tenant && strcmp(ctx->tenant, s->tenant) != 0)
         return false;
-    if (a->n < a->cap)
-        fill_info(&a->infos[a->n++], s);
+    if (a->n < a->cap) {
+        fill_info(&a->infos[a->n], s, a->policies[a->n]);
+        a->n++;
+    }
     return false;
 }
 
@@ -1796,7 +1807,8 @@ static void handle_list(struct skv_worker *w, struct skv_job *job)
     struct info_arena a = {.cap = st.n_sessions};
     a.infos = calloc((size_t)(a.cap ? a.cap : 1), sizeof *a.infos);
     a.ptrs = calloc((size_t)(a.cap ? a.cap : 1), sizeof *a.ptrs);
-    if (!a.infos || !a.ptrs) {
+    a.policies = calloc((size_t)(a.cap ? a.cap : 1), sizeof *a.policies);
+    if (!a.infos || !a.ptrs || !a.policies) {
         skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
         goto out;
     }
@@ -1815,6 +1827,7 @@ static void handle_list(struct skv_worker *w, struct skv_job *job)
 out:
     free(a.infos);
     free(a.ptrs);
+    free(a.policies);
 }
 
 static void handle_inspect(struct skv_worker *w, struct skv_job *job)
@@ -1831,7 +1844,8 @@ static void handle_inspect(struct skv_worker *w, struct skv_job *job)
     Snapkv__SessionInfo info;
     struct kept_arena arena = {0};
     uint32_t *positions = NULL;
-    fill_info(&info, s);
+    char policy[INFO_POLICY_BYTES];
+    fill_info(&info, s, policy);
     reply_init(&rep, job);
     ir.info = &info;
     ir.spec = s->spec;

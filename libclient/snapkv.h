@@ -472,7 +472,8 @@ struct snapkv_session_info {
     struct snapkv_session_id id;
     char tenant[128];
     char owner[128];
-    char policy[64];
+    char policy[64];              /* its spec, the keys that differ from the defaults ("policy=snapkv,
+                                   * ratio=0.1"); the whole canonical one is snapkv_inspect_result's spec */
     uint32_t n_tokens;            /* original length */
     uint32_t kept_tokens;         /* sum over layers of max kept */
     uint64_t bytes;               /* KV blocks held x block bytes, shared ones included */

@@ -1493,16 +1493,18 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
             json_push(&arr, info_json(&l.sessions[i]));
         ret = print_json(arr);
     } else {
-        printf("%-32s  %-12s %7s %7s %10s %10s %-10s %3s %6s %6s\n", "SESSION", "TENANT", "TOKENS", "KEPT",
-               "BYTES", "SHARED", "POLICY", "PIN", "LEASE", "IDLE");
+        /* the spec last, whole (the keys that differ from the defaults, without "policy=") */
+        printf("%-32s  %-12s %7s %7s %10s %10s %3s %6s %6s  %s\n", "SESSION", "TENANT", "TOKENS", "KEPT", "BYTES",
+               "SHARED", "PIN", "LEASE", "IDLE", "SPEC");
         for (size_t i = 0; i < l.n; i++) {
             const struct snapkv_session_info *s = &l.sessions[i];
             char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
             id_hex(&s->id, hex);
-            printf("%-32s  %-12.12s %7u %7u %10s %10s %-10.10s %3s %6u %6lld\n", hex, s->tenant, s->n_tokens,
+            const char *spec = strncmp(s->policy, "policy=", 7) == 0 ? s->policy + 7 : s->policy;
+            printf("%-32s  %-12.12s %7u %7u %10s %10s %3s %6u %6lld  %s\n", hex, s->tenant, s->n_tokens,
                    s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb),
-                   s->policy[0] ? s->policy : "full", s->pinned ? "yes" : "", s->lease_seconds,
-                   idle_seconds(s->last_used_unix_ms));
+                   s->pinned ? "yes" : "", s->lease_seconds, idle_seconds(s->last_used_unix_ms),
+                   *spec ? spec : "full");
         }
     }
     snapkv_session_list_free(&l);

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -190,6 +191,59 @@ int skv_compress_spec_format(const struct skv_compress_spec *s, char *buf, size_
         n += snprintf(buf + n, cap - (size_t)n, ",min_budget=%d", s->min_budget);
     if (n >= 0 && (size_t)n < cap && s->decode_budget > 0)
         n += snprintf(buf + n, cap - (size_t)n, ",decode_budget=%d", s->decode_budget);
+    return n < 0 || (size_t)n >= cap ? SKV_E_LIMIT : SKV_OK;
+}
+
+/* buf[*n ...] += the formatted text, while it fits (*n < 0 or >= cap: it did not). */
+static void append(char *buf, size_t cap, int *n, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void append(char *buf, size_t cap, int *n, const char *fmt, ...)
+{
+    if (*n < 0 || (size_t)*n >= cap)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf + *n, cap - (size_t)*n, fmt, ap);
+    va_end(ap);
+    *n = k < 0 ? k : *n + k;
+}
+
+int skv_compress_spec_format_short(const struct skv_compress_spec *s, char *buf, size_t cap)
+{
+    struct skv_compress_spec d;
+    skv_compress_spec_default(&d);
+    char p[32];
+    int n = 0;
+    append(buf, cap, &n, "policy=%s", policy_names[s->policy]);
+    if (s->policy != SKV_POLICY_FULL) {
+        if (s->alloc != d.alloc)
+            append(buf, cap, &n, ",alloc=%s", alloc_names[s->alloc]);
+        if (s->ratio >= 0)
+            append(buf, cap, &n, ",ratio=%s", shortest(s->ratio, p, sizeof p));
+        else
+            append(buf, cap, &n, ",budget=%d", s->budget);
+        if (s->min_budget > 0)
+            append(buf, cap, &n, ",min_budget=%d", s->min_budget);
+        if (s->window != d.window)
+            append(buf, cap, &n, ",window=%d", s->window);
+        if (s->kernel != d.kernel)
+            append(buf, cap, &n, ",kernel=%d", s->kernel);
+        if (s->pool != d.pool)
+            append(buf, cap, &n, ",pool=%s", pool_names[s->pool]);
+        if (s->gqa != d.gqa)
+            append(buf, cap, &n, ",gqa=%s", gqa_names[s->gqa]);
+        if (s->granularity != d.granularity)
+            append(buf, cap, &n, ",granularity=%s", gran_names[s->granularity]);
+        if (s->sinks != d.sinks)
+            append(buf, cap, &n, ",sinks=%d", s->sinks);
+        if (s->p != d.p)
+            append(buf, cap, &n, ",p=%s", shortest(s->p, p, sizeof p));
+        if (s->pyramid_beta != d.pyramid_beta)
+            append(buf, cap, &n, ",beta=%d", s->pyramid_beta);
+        if (s->interval != d.interval)
+            append(buf, cap, &n, ",interval=%d", s->interval);
+    }
+    if (s->decode_budget > 0)
+        append(buf, cap, &n, ",decode_budget=%d", s->decode_budget);
     return n < 0 || (size_t)n >= cap ? SKV_E_LIMIT : SKV_OK;
 }
 

@@ -42,6 +42,9 @@ void skv_compress_spec_default(struct skv_compress_spec *spec);
 int skv_compress_spec_parse(const char *text, struct skv_compress_spec *spec);
 /* Canonical text of a spec (every key); returns SKV_OK or SKV_E_LIMIT when cap is too small. */
 int skv_compress_spec_format(const struct skv_compress_spec *spec, char *buf, size_t cap);
+/* The same spec with only the keys that differ from the defaults (policy and size always), a
+ * spec that parses back to it: short enough for a listing's column. SKV_E_LIMIT as above. */
+int skv_compress_spec_format_short(const struct skv_compress_spec *spec, char *buf, size_t cap);
 /* The per-layer-and-head budget for a prompt of n tokens: budget, or ceil(ratio * n) raised
  * to min_budget, at least 1, at most n. */
 int skv_compress_spec_budget(const struct skv_compress_spec *spec, int n);

@@ -2021,6 +2021,9 @@ static void test_decode_budget(void **state)
     assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
     assert_int_equal(snapkv_admin_inspect(a, &pr.id, false, &ir), SNAPKV_OK);
     assert_non_null(strstr(ir.spec, ",min_budget=50"));
+    /* the summary's spec holds the keys that differ from the defaults (the canonical one of every
+     * key was cut at 63 bytes there) */
+    assert_string_equal(ir.info.policy, "policy=snapkv,ratio=0.1,min_budget=50,window=8");
     for (size_t l = 0; l < ir.n_layers; l++)
         assert_int_equal(ir.layers[l].kept, 50);
     snapkv_inspect_result_free(&ir);

@@ -120,6 +120,31 @@ static void test_spec_format_and_budget(void **state)
     assert_int_equal(skv_compress_spec_parse("policy=snapkv,ratio=0.1", &s), SKV_OK);
     assert_int_equal(skv_compress_spec_format(&s, buf, sizeof buf), SKV_OK);
     assert_null(strstr(buf, "min_budget")); /* absent when unset */
+
+    /* the short form: only what differs from the defaults, and it parses back to the same spec */
+    static const struct {
+        const char *in, *want;
+    } shorts[] = {
+        {"policy=full", "policy=full"},
+        {"policy=snapkv,budget=4", "policy=snapkv,budget=4"},
+        {"policy=snapkv,ratio=0.1,kernel=7,window=32", "policy=snapkv,ratio=0.1"},
+        {"policy=h2o,alloc=pyramid,budget=64,window=8,gqa=max", "policy=h2o,alloc=pyramid,budget=64,window=8,gqa=max"},
+        {"policy=snapkv,alloc=squeeze,ratio=0.2,min_budget=128,kernel=11,p=0.5,decode_budget=48,interval=8",
+         "policy=snapkv,alloc=squeeze,ratio=0.2,min_budget=128,kernel=11,p=0.5,interval=8,decode_budget=48"},
+        {"policy=streaming,ratio=0.1,sinks=8,granularity=head,pool=avg,beta=10",
+         "policy=streaming,ratio=0.1,pool=avg,granularity=head,sinks=8,beta=10"},
+    };
+    for (size_t i = 0; i < sizeof shorts / sizeof shorts[0]; i++) {
+        assert_int_equal(skv_compress_spec_parse(shorts[i].in, &s), SKV_OK);
+        assert_int_equal(skv_compress_spec_format_short(&s, buf, sizeof buf), SKV_OK);
+        assert_string_equal(buf, shorts[i].want);
+        assert_int_equal(skv_compress_spec_parse(buf, &t), SKV_OK); /* the same spec: the same canonical text */
+        char cs[512], ct[512];
+        assert_int_equal(skv_compress_spec_format(&s, cs, sizeof cs), SKV_OK);
+        assert_int_equal(skv_compress_spec_format(&t, ct, sizeof ct), SKV_OK);
+        assert_string_equal(cs, ct);
+    }
+    assert_int_equal(skv_compress_spec_format_short(&s, buf, 10), SKV_E_LIMIT);
 }
 
 /* ---- policy pieces ----------------------------------------------------------------------- */
