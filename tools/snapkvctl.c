@@ -111,6 +111,66 @@ static void usage(FILE *out)
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
 
+/* Whether usage line `text` (len bytes) names command cmd: "  cmd ..." or "... | cmd ..." (the
+ * admin lines). */
+static bool names_command(const char *text, size_t len, const char *cmd)
+{
+    char line[256];
+    snprintf(line, sizeof line, "%.*s", (int)len, text);
+    size_t n = strlen(cmd);
+    if (strncmp(line, "  ", 2) != 0 || line[2] == ' ')
+        return false;
+    for (const char *p = line + 2; (p = strstr(p, cmd)); p += n) {
+        bool starts = p == line + 2 || (p >= line + 2 && p[-1] == ' ' && p[-2] == '|');
+        if (starts && (p[n] == ' ' || p[n] == '\n' || p[n] == '\0'))
+            return true;
+    }
+    return false;
+}
+
+/* `snapkvctl CMD --help`: the usage lines of CMD (with their continuation lines, and SAMPLING or
+ * SPEC when they name them); the whole text for a command it does not know. */
+static int command_usage(const char *cmd)
+{
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f)
+        return usage(stdout), 0;
+    usage(f);
+    fclose(f);
+    bool found = false, in = false, sampling = false, spec = false;
+    for (char *line = text; line && *line;) {
+        char *end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line + 1) : strlen(line);
+        bool cont = strncmp(line, "          ", 10) == 0; /* a line that goes on the one above */
+        in = cont ? in : names_command(line, n, cmd);
+        if (in) {
+            fwrite(line, 1, n, stdout);
+            found = true;
+            sampling |= memmem(line, n, "SAMPLING", 8) != NULL;
+            spec |= memmem(line, n, "SPEC", 4) != NULL;
+        }
+        line += n;
+    }
+    for (char *line = text; found && line && *line;) {
+        char *end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line + 1) : strlen(line);
+        bool cont = strncmp(line, "          ", 10) == 0;
+        in = cont ? in
+                  : (sampling && strncmp(line, "  SAMPLING:", 11) == 0) || (spec && strncmp(line, "SPEC:", 5) == 0);
+        if (in)
+            fwrite(line, 1, n, stdout);
+        line += n;
+    }
+    if (found)
+        printf("(snapkvctl --help: every command, the global options and the exit statuses)\n");
+    else
+        fputs(text, stdout);
+    free(text);
+    return 0;
+}
+
 /* ---- small helpers ---------------------------------------------------------------------------- */
 
 static int usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -1548,11 +1608,11 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
         printf("session  %s\n", hex);
         printf("tenant   %s (owner %s)%s\n", s->tenant, s->owner, s->pinned ? ", pinned" : "");
         printf("tokens   %u, kept %u over all layers\n", s->n_tokens, s->kept_tokens);
-        printf("bytes    %s (%s shared)\n", fmt_bytes(s->bytes, b, sizeof b),
-               fmt_bytes(s->shared_bytes, sb, sizeof sb));
+        printf("bytes    %s in whole pool blocks (%s shared); a layer's ROW BYTES below count its rows\n",
+               fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb));
         printf("policy   %s\n", in.spec[0] ? in.spec : (s->policy[0] ? s->policy : "full"));
         printf("lease    %u s, idle %lld s\n", s->lease_seconds, idle_seconds(s->last_used_unix_ms));
-        printf("%5s %6s %10s %6s  %s\n", "LAYER", "KEPT", "BYTES", "SIM",
+        printf("%5s %6s %10s %6s  %s\n", "LAYER", "KEPT", "ROW BYTES", "SIM",
                "KEPT PER HEAD [blocks/shared]");
         for (size_t i = 0; i < in.n_layers; i++) {
             const struct snapkv_layer_kept *l = &in.layers[i];
@@ -2050,10 +2110,8 @@ int main(int argc, char **argv)
             fprintf(stderr, "snapkvctl: %s goes before the command: snapkvctl --json %s ...\n", sub_argv[i], cmd);
             return 2;
         }
-    if (sub_argc == 2 && (strcmp(sub_argv[1], "--help") == 0 || strcmp(sub_argv[1], "-h") == 0)) {
-        usage(stdout); /* `snapkvctl generate --help` */
-        return 0;
-    }
+    if (sub_argc == 2 && (strcmp(sub_argv[1], "--help") == 0 || strcmp(sub_argv[1], "-h") == 0))
+        return command_usage(cmd); /* `snapkvctl generate --help` */
     if ((strcmp(cmd, "info") == 0 || strcmp(cmd, "status") == 0) && sub_argc > 1)
         return usage_error(cmd, "usage: %s (options go before the command)", cmd);
     if (strcmp(cmd, "info") == 0)

@@ -3218,9 +3218,15 @@ static void test_snapkvctl_edges(void **state)
     assert_int_equal(run_ctl(&d, neg, out, err, sizeof out), 2);
     const char *inf[] = {"generate", "--prompt", "hi", "--temperature", "inf", NULL};
     assert_int_equal(run_ctl(&d, inf, out, err, sizeof out), 2);
-    const char *help[] = {"generate", "--help", NULL};
+    const char *help[] = {"generate", "--help", NULL}; /* its own lines, and SAMPLING's, not every command */
     assert_int_equal(run_ctl(&d, help, out, err, sizeof out), 0);
-    assert_non_null(strstr(out, "usage: snapkvctl"));
+    assert_non_null(strstr(out, "  generate (--prompt TEXT"));
+    assert_non_null(strstr(out, "  SAMPLING: "));
+    assert_null(strstr(out, "keygen"));
+    const char *help_list[] = {"list", "--help", NULL};
+    assert_int_equal(run_ctl(&d, help_list, out, err, sizeof out), 0);
+    assert_non_null(strstr(out, "list [TENANT]"));
+    assert_null(strstr(out, "generate"));
     char path[256];
     snprintf(path, sizeof path, "%s/nul.txt", d.dir);
     FILE *fp = fopen(path, "wb");
