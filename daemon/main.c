@@ -307,9 +307,10 @@ int main(int argc, char **argv)
     if (rc && access(cfg.model, F_OK) < 0 && errno == ENOENT) {
         const char *slash = strrchr(cfg.model, '/');
         int dir_len = !slash ? 1 : slash == cfg.model ? 1 : (int)(slash - cfg.model);
-        skv_log(SKV_LOG_ERROR, "model %s: %s; scripts/fetch-model (in the source tree) fetches the default model: "
-                               "sudo env SKV_MODELS_DIR=%.*s scripts/fetch-model (README.md: Install as a system service)",
-                cfg.model, skv_error_msg(), dir_len, slash ? cfg.model : ".");
+        skv_log(SKV_LOG_ERROR, "model %s: no such file; scripts/fetch-model (in the source tree) fetches the default "
+                               "model: sudo env SKV_MODELS_DIR=%.*s scripts/fetch-model (README.md: Install as a "
+                               "system service)",
+                cfg.model, dir_len, slash ? cfg.model : ".");
         goto out_backend;
     }
     if (rc) {

@@ -93,8 +93,11 @@ static int lock_endpoint(struct skv_server *srv, int idx, const char *endpoint)
     if (snprintf(lock_path, sizeof lock_path, "%s.lock", path) >= (int)sizeof lock_path)
         return skv_errorf(SKV_E_INVAL, "endpoint path too long: %s", path);
     int fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == ENOENT)
+        return skv_errorf(SKV_E_IO, "endpoint %s: its directory is not there (%s: %s; under systemd the unit's "
+                          "RuntimeDirectory= makes /run/snapkvd)", endpoint, lock_path, strerror(errno));
     if (fd < 0)
-        return skv_errorf(SKV_E_IO, "%s: %s", lock_path, strerror(errno));
+        return skv_errorf(SKV_E_IO, "endpoint %s: %s: %s", endpoint, lock_path, strerror(errno));
     if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
         close(fd);
         return skv_errorf(SKV_E_EXISTS, "another snapkvd already serves %s", endpoint);
@@ -1005,11 +1008,16 @@ int skv_server_run(struct skv_server *srv)
             break; /* the stop below still runs: the worker must not be joined unread */
         if (*srv->env.reopen) {
             *srv->env.reopen = 0;
-            if (skv_log_reopen())
+            /* SIGHUP (systemctl reload): the log file and the key lists; the config is read at start only */
+            if (!*srv->env.cfg->log_file)
+                skv_log(SKV_LOG_INFO, "SIGHUP: no log-file to reopen; re-reading the authorized keys (a changed "
+                        "snapkvd.conf takes a restart)");
+            else if (skv_log_reopen())
                 skv_log(SKV_LOG_ERROR, "log file not reopened (still writing to the one open before): %s",
                         skv_error_msg());
             else
-                skv_log(SKV_LOG_INFO, "log reopened");
+                skv_log(SKV_LOG_INFO, "SIGHUP: log reopened; re-reading the authorized keys (a changed snapkvd.conf "
+                        "takes a restart)");
             if (skv_auth_reload(srv->auth))
                 skv_log(SKV_LOG_ERROR, "authorized keys not reloaded (the old ones stay in force): %s",
                         skv_error_msg());
