@@ -58,10 +58,13 @@ int skv_log_reopen(void)
     /* a new file is the daemon user's alone (the service's umask lets its group, every client,
      * read): the log names tenants and sessions; a file that is there keeps its mode */
     int fd = log_path ? open(log_path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600) : -1;
-    if (fd >= 0 && !(f = fdopen(fd, "a")))
+    int err = errno;
+    if (fd >= 0 && !(f = fdopen(fd, "a"))) {
+        err = errno;
         close(fd);
+    }
     if (log_path && !f)
-        rc = skv_errorf(SKV_E_IO, "%s: %s", log_path, strerror(errno));
+        rc = skv_errorf(SKV_E_IO, "%s: %s", log_path, strerror(err));
     else {
         if (f)
             setvbuf(f, NULL, _IOLBF, 0);

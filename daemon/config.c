@@ -48,6 +48,10 @@ static const struct skv_config_option options[] = {
      "events-endpoint has announced and not removed, and the sequence number they stand at, so a "
      "subscriber that starts late or missed events catches up without the admin endpoint; needs "
      "events-endpoint; empty: off"},
+    {"events-heartbeat-seconds", SKV_CFG_INT, OPT(events_heartbeat_seconds), "2", 0, 3600,
+     "an events stream idle this long gets a heartbeat, a batch of no events under the last event's number, "
+     "so a subscriber learns of a restarted daemon (its boot id) without waiting for an event; 0: none (a "
+     "reader that takes every message for one event)"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},
@@ -176,11 +180,11 @@ static int parse_bool(const char *text, bool *out)
 static bool listen_form_ok(const char *v)
 {
     const char *colon = strrchr(v, ':');
-    if (!colon || colon == v || (*v == '[' && colon[-1] != ']'))
+    if (!colon || colon == v || (*v == '[' && (colon[-1] != ']' || colon == v + 2)))
         return false;
-    char *end;
-    long port = strtol(colon + 1, &end, 10);
-    return colon[1] && !*end && port >= 1 && port <= 65535;
+    size_t digits = strspn(colon + 1, "0123456789");
+    long port = digits && digits <= 5 && !colon[1 + digits] ? strtol(colon + 1, NULL, 10) : 0;
+    return port >= 1 && port <= 65535;
 }
 
 /* Options whose value has a form of its own, checked where it is set, so that a config file's

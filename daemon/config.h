@@ -51,6 +51,7 @@ struct skv_config {
     int64_t max_reply_bytes;  /* and all clients' together */
     char *events_endpoint;    /* KV events PUB socket (ipc:// only); "" off */
     char *events_replay_endpoint; /* ROUTER answering KvReplayRequest (ipc:// only); "" off */
+    int64_t events_heartbeat_seconds; /* an idle events stream's heartbeat; 0 none */
     bool persist;             /* sessions saved at stop and restored, with their ids, at start */
     int64_t persist_max_seconds; /* the time the save at stop may take */
     int64_t persist_interval_seconds; /* also saved (a checkpoint) this often when idle; 0: at stop only */

@@ -73,10 +73,6 @@ struct skv_server {
 #define REPLY_ENDPOINT "inproc://snapkvd-replies"
 #define CONNECTIONS_ENDPOINT "inproc://snapkvd-client-connections"
 #define CLIENTS_MAX 4096          /* client routing ids remembered for disconnect notices */
-/* An events stream idle this long gets a heartbeat: a batch of no events under the last
- * sequence number, so that a subscriber learns of a restarted daemon (its new boot id) though
- * the new daemon's AllCleared went out before the subscription reached it. */
-#define EVENTS_HEARTBEAT_MS 2000
 
 /* For ipc:// endpoints: hold an exclusive lock on "<path>.lock"; a second daemon fails here
  * instead of silently stealing the socket file. */
@@ -229,12 +225,14 @@ static void publish_event(struct skv_server *srv, const void *body, size_t len)
         skv_events_mirror_apply(srv->mirror, body, len);
 }
 
-/* A heartbeat when the stream was idle for EVENTS_HEARTBEAT_MS: a KvEventBatch of no events,
- * this daemon's boot id and the time, under the last event's number (it is no event: a
- * replay's sequence and the numbers after it do not move). */
+/* A heartbeat when the stream was idle for events-heartbeat-seconds: a KvEventBatch of no
+ * events, this daemon's boot id and the time, under the last event's number (it is no event: a
+ * replay's sequence and the numbers after it do not move), so that a subscriber learns of a
+ * restarted daemon though the new daemon's AllCleared went out before its subscription came. */
 static void events_heartbeat(struct skv_server *srv, uint64_t now)
 {
-    if (!srv->events || now - srv->events_sent_ms < EVENTS_HEARTBEAT_MS)
+    uint64_t every = (uint64_t)srv->env.cfg->events_heartbeat_seconds * 1000;
+    if (!srv->events || !every || now - srv->events_sent_ms < every)
         return;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -432,10 +430,14 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
 {
     const struct skv_model *m = srv->env.model;
     const struct skv_config *cfg = srv->env.cfg;
-    if (req->hello) /* names are the client's own words: logged as data, bounded */
-        skv_log(SKV_LOG_DEBUG, "hello from client \"%.64s\" (tenant \"%.63s\", protocol %u)",
-                req->hello->client_name ? req->hello->client_name : "", req->tenant ? req->tenant : "",
-                req->version);
+    if (req->hello) { /* a name is the client's own words: bounded, its quotes made plain */
+        char name[65];
+        snprintf(name, sizeof name, "%s", req->hello->client_name ? req->hello->client_name : "");
+        for (char *q = name; (q = strchr(q, '"'));)
+            *q = '\'';
+        skv_log(SKV_LOG_DEBUG, "hello from client \"%s\" (tenant \"%.63s\", protocol %u)", name,
+                req->tenant ? req->tenant : "", req->version);
+    }
     h->server_version = PACKAGE_VERSION;
     h->model_name = (char *)m->name;
     h->model_fingerprint = (char *)m->fingerprint;

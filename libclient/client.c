@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -176,9 +177,9 @@ static void ipc_diagnosis(const snapkv_client_t *c, char *out, size_t cap)
 {
     if (!c->ipc_path)
         snprintf(out, cap, "not running?");
-    else if (access(c->ipc_path, F_OK) != 0 && errno == ENOENT)
+    else if (faccessat(AT_FDCWD, c->ipc_path, F_OK, AT_EACCESS) != 0 && errno == ENOENT)
         snprintf(out, cap, "no socket file %s: is snapkvd running, with this endpoint?", c->ipc_path);
-    else if (access(c->ipc_path, W_OK) != 0 && errno == EACCES)
+    else if (faccessat(AT_FDCWD, c->ipc_path, W_OK, AT_EACCESS) != 0 && errno == EACCES)
         snprintf(out, cap, "%s: permission denied", c->ipc_path);
     else
         snprintf(out, cap, "%s is there and nothing answered: a daemon still loading its model, or one that "
@@ -560,13 +561,14 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     if ((rc = setup_curve(c, opts)))
         goto out_close;
     /* an ipc:// socket file this user may not open fails now, saying so, not at the timeout as
-     * a daemon that does not answer (an abstract name, ipc://@, has no file) */
+     * a daemon that does not answer (an abstract name, ipc://@, has no file); the effective ids
+     * decide, as they do connect(2)'s (a setgid helper) */
     if (strncmp(endpoint, "ipc://", 6) == 0 && endpoint[6] && endpoint[6] != '@') {
         if (!(c->ipc_path = strdup(endpoint + 6))) {
             rc = skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
             goto out_close;
         }
-        if (access(c->ipc_path, W_OK) != 0 && errno == EACCES) {
+        if (faccessat(AT_FDCWD, c->ipc_path, W_OK, AT_EACCESS) != 0 && errno == EACCES) {
             rc = skv_client_fail(SNAPKV_E_PERM, "%s: permission denied (a daemon's client socket is open to its "
                                  "group, snapkv as installed: join it; its admin socket to its user alone: sudo)",
                                  c->ipc_path);

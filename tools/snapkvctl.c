@@ -106,8 +106,8 @@ static void usage(FILE *out)
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
-            "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode cancelled (by CANCEL\n"
-            "or the daemon's stop; the session keeps its tokens), 130 interrupted (Ctrl-C)\n",
+            "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cancelled\n"
+            "(by CANCEL or the daemon's stop), 130 interrupted (Ctrl-C)\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
 
@@ -711,7 +711,8 @@ static int decode_cancelled(const char *cmd, const struct snapkv_decode_result *
     if (strcmp(dr->finish_reason, "cancelled") != 0)
         return 0;
     fprintf(stderr, "snapkvctl %s: the decode was cancelled after %zu token(s) (a CANCEL, or the daemon "
-            "stopping); the session keeps them\n", cmd, dr->n_tokens);
+            "stopping)%s\n", cmd, dr->n_tokens,
+            strcmp(cmd, "decode") == 0 ? "; the session keeps them" : "");
     return 3;
 }
 

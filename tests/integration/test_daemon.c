@@ -159,6 +159,20 @@ static void test_hello(void **state)
     snapkv_close(&c);
     assert_null(c);
     snapkv_close(&c); /* NULL is fine */
+
+    /* the client's name is in the log (at debug) as one line: a newline in it cannot start a
+     * line that looks like the daemon's own, nor a quote end the name's */
+    struct snapkv_connect_opts o = {.name = "probe\nerror: \"fake\""};
+    assert_int_equal(snapkv_connect(d->endpoint, &o, &c), SNAPKV_OK);
+    snapkv_close(&c);
+    static char text[1 << 20];
+    FILE *f = fopen(d->log, "r");
+    assert_non_null(f);
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    assert_non_null(strstr(text, "hello from client \"probe?error: 'fake'\" (tenant \"default\""));
+    assert_null(strstr(text, "\nerror: \"fake"));
 }
 
 static void test_admin(void **state)

@@ -790,14 +790,14 @@ struct timeout_cb {
     int set;
 };
 
-/* A streamed decode whose last reply comes 400 ms after its first. */
+/* A streamed decode whose last reply comes 1.5 s after its first. */
 static bool answer_decode_pause(struct fake *f, const Snapkv__Request *req)
 {
     if (req->command_case != SNAPKV__REQUEST__COMMAND_DECODE)
         return false;
     static const uint32_t t[2] = {11, 2};
     send_decode(f, false, t, 1, "Hi", 1, "");
-    usleep(400 * 1000);
+    usleep(1500 * 1000);
     send_decode(f, true, t + 1, 1, "", 2, "eos");
     return true;
 }
@@ -813,8 +813,8 @@ static int set_timeout_in_callback(void *user, const uint32_t *tokens, size_t n_
 }
 
 /* snapkv_set_timeout in a callback sets how long the running call waits for its next reply:
- * -1 waits for ever (it timed out at once before), a longer one waits longer, and a call whose
- * callback sets nothing times out as before. */
+ * -1 waits for ever (it timed out at once before), a longer one waits longer, and one that
+ * keeps the 1 s times out before the fake's 1.5 s pause ends. */
 static void test_timeout_set_in_callback(void **state)
 {
     (void)state;
@@ -822,15 +822,15 @@ static void test_timeout_set_in_callback(void **state)
     snapkv_client_t *c = connect_fake(f, 2000);
     struct snapkv_decode_result r;
     int sets[] = {-1, 5000};
-    for (int i = 0; i < 2; i++) {
-        assert_int_equal(snapkv_set_timeout(c, 200), SNAPKV_OK);
+    for (int i = 0; i < 2; i++) { /* 1 s for the first reply, set in the callback for the last */
+        assert_int_equal(snapkv_set_timeout(c, 1000), SNAPKV_OK);
         struct timeout_cb t = {c, sets[i]};
         assert_int_equal(snapkv_decode(c, &ID_B, NULL, set_timeout_in_callback, &t, &r), SNAPKV_OK);
         assert_int_equal(r.n_tokens, 2);
         snapkv_decode_result_free(&r);
     }
-    assert_int_equal(snapkv_set_timeout(c, 200), SNAPKV_OK);
-    struct timeout_cb t = {c, 200};
+    assert_int_equal(snapkv_set_timeout(c, 1000), SNAPKV_OK);
+    struct timeout_cb t = {c, 1000};
     assert_int_equal(snapkv_decode(c, &ID_B, NULL, set_timeout_in_callback, &t, &r), SNAPKV_E_TIMEOUT);
     snapkv_close(&c);
     fake_stop(&f);

@@ -179,6 +179,8 @@ static void test_forms_at_their_line(void **state)
         {"metrics-listen = 127.0.0.1", "x.conf:2: metrics-listen: '127.0.0.1' is not HOST:PORT"},
         {"metrics-listen = :9464", "is not HOST:PORT"},
         {"metrics-listen = 127.0.0.1:70000", "is not HOST:PORT"},
+        {"metrics-listen = host:+80", "is not HOST:PORT"},
+        {"metrics-listen = []:80", "is not HOST:PORT"},
         {"tenant-weights = a:0", "x.conf:2: tenant-weights: the weight of 'a'"},
         {"default-compress = policy=snapkv,ratio=2", "x.conf:2: default-compress: "},
         {"foreground = no", "x.conf:2: foreground: snapkvd does not detach itself"},
