@@ -549,9 +549,9 @@ SNAPKV_API void snapkv_stats_free(struct snapkv_stats *s);
  * stored again when it changes (APPEND, COMPRESS, a DECODE's end: the same id, whose new event
  * replaces the last), removed (RELEASE, EVICT, eviction, lease expiry), and AllCleared when the
  * daemon starts. A subscriber that reads too slowly loses events: the sequence numbers then
- * jump. An idle daemon sends a heartbeat every 2 s, which the library reads and does not return
- * (it carries the daemon's boot id: see CLEARED of sequence 0 below). Not thread-safe, like a
- * client. */
+ * jump. An idle daemon sends a heartbeat every 2 s (its events-heartbeat-seconds), which the
+ * library reads and does not return (it carries the daemon's boot id: see CLEARED of sequence 0
+ * below). Not thread-safe, like a client. */
 typedef struct snapkv_events snapkv_events_t;
 enum snapkv_event_kind { SNAPKV_EVENT_STORED = 1, SNAPKV_EVENT_REMOVED = 2, SNAPKV_EVENT_CLEARED = 3 };
 struct snapkv_event {
@@ -580,7 +580,8 @@ SNAPKV_API int snapkv_events_open(const char *endpoint, snapkv_events_t **out);
  * boot id) and this subscriber missed what the new daemon published before the subscription
  * reached it (its AllCleared, a restore's sessions): what was held is gone, and a replay
  * catches up. The new daemon's numbers start again at 1. It comes within about 2 s of the new
- * daemon's start (its first heartbeat), also while no session changes (6:4:2). */
+ * daemon's start (its first heartbeat), also while no session changes (6:4:2); with
+ * events-heartbeat-seconds = 0, with its first event. */
 SNAPKV_API int snapkv_events_next(snapkv_events_t *ev, int timeout_ms, struct snapkv_event *out);
 SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
 /* Catches up from the daemon's events-replay-endpoint (ipc://): asks it for every session its
