@@ -2151,6 +2151,18 @@ static double wall_now(void)
 }
 
 /* Publishes one event as the daemon does: [topic][sequence, big-endian][a batch of one]. */
+/* [topic][seq, big-endian][b] on the fake publisher. */
+static void fake_send_batch(void *pub, const Snapkv__KvEventBatch *b, uint64_t seq)
+{
+    uint8_t buf[256], be[8];
+    size_t len = snapkv__kv_event_batch__pack(b, buf);
+    for (int k = 0; k < 8; k++)
+        be[k] = (uint8_t)(seq >> (56 - 8 * k));
+    zmq_send(pub, "snapkv.kv.fake", 14, ZMQ_SNDMORE);
+    zmq_send(pub, be, sizeof be, ZMQ_SNDMORE);
+    zmq_send(pub, buf, len, 0);
+}
+
 static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_event_kind kind,
                          const struct snapkv_session_id *id)
 {
@@ -2172,13 +2184,7 @@ static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_
     b.boot_id = boot_id;
     b.n_events = 1;
     b.events = &ep;
-    uint8_t buf[256], be[8];
-    size_t len = snapkv__kv_event_batch__pack(&b, buf);
-    for (int k = 0; k < 8; k++)
-        be[k] = (uint8_t)(seq >> (56 - 8 * k));
-    zmq_send(pub, "snapkv.kv.fake", 14, ZMQ_SNDMORE);
-    zmq_send(pub, be, sizeof be, ZMQ_SNDMORE);
-    zmq_send(pub, buf, len, 0);
+    fake_send_batch(pub, &b, seq);
 }
 
 /* The daemon's heartbeat of an idle stream: a batch of no events. */
@@ -2188,13 +2194,7 @@ static void fake_heartbeat(void *pub, uint64_t boot_id, uint64_t seq)
     b.version = 1;
     b.ts = wall_now();
     b.boot_id = boot_id;
-    uint8_t buf[64], be[8];
-    size_t len = snapkv__kv_event_batch__pack(&b, buf);
-    for (int k = 0; k < 8; k++)
-        be[k] = (uint8_t)(seq >> (56 - 8 * k));
-    zmq_send(pub, "snapkv.kv.fake", 14, ZMQ_SNDMORE);
-    zmq_send(pub, be, sizeof be, ZMQ_SNDMORE);
-    zmq_send(pub, buf, len, 0);
+    fake_send_batch(pub, &b, seq);
 }
 
 /* Answers one KvReplayRequest with fe's snapshot, in one part. */
