@@ -2199,9 +2199,13 @@ static void test_tenant_weights(void **state)
     assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", "t:4"), SKV_OK);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(first_after_holds(f), 't');
-    /* a bad entry: the worker does not start, and says why */
+    /* a bad entry: refused where it is set; and a worker given one anyway does not start, and
+     * says why */
     skv_worker_stop(&f->w);
-    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", "t:x"), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", "t:x"), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "the weight of 't'"));
+    free(f->cfg.tenant_weights);
+    f->cfg.tenant_weights = strdup("t:x");
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_E_INVAL);
     assert_non_null(strstr(skv_error_msg(), "the weight of 't'"));
     assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", ""), SKV_OK);
