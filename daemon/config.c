@@ -358,8 +358,6 @@ int skv_config_check(const struct skv_config *cfg)
                           "lease-seconds is %" PRId64 ", more than max-lease-seconds (%" PRId64
                           "): raise max-lease-seconds or lower lease-seconds",
                           cfg->lease_seconds, cfg->max_lease_seconds);
-    if (strcmp(cfg->ipc_tenant, "claimed") != 0 && strcmp(cfg->ipc_tenant, "uid") != 0)
-        return skv_errorf(SKV_E_INVAL, "ipc-tenant is claimed or uid, not '%s'", cfg->ipc_tenant);
     if (*cfg->events_endpoint && strncmp(cfg->events_endpoint, "ipc://", 6) != 0)
         return skv_errorf(SKV_E_INVAL, "events-endpoint is ipc:// only (the events name every tenant's sessions, "
                           "and a tcp:// one would need CURVE): '%s'", cfg->events_endpoint);
@@ -369,11 +367,7 @@ int skv_config_check(const struct skv_config *cfg)
     if (*cfg->events_replay_endpoint && !*cfg->events_endpoint)
         return skv_errorf(SKV_E_INVAL, "events-replay-endpoint replays what events-endpoint publishes: set "
                           "events-endpoint too");
-    if (strcmp(cfg->queue_order, "fair") != 0 && strcmp(cfg->queue_order, "fifo") != 0)
-        return skv_errorf(SKV_E_INVAL, "queue-order is fair or fifo, not '%s'", cfg->queue_order);
-    struct skv_tenant_weight tw[SKV_TENANT_WEIGHTS_MAX];
-    int n_tw;
-    return skv_tenant_weights_parse(cfg->tenant_weights, tw, &n_tw);
+    return SKV_OK; /* single values (ipc-tenant, queue-order, tenant-weights ...): check_value */
 }
 
 bool skv_tenant_name_ok(const char *name)

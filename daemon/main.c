@@ -241,12 +241,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "snapkvd: %s\n", skv_error_msg());
         goto out;
     }
-    int level = skv_log_level_parse(cfg.log_level);
-    if (level < 0) {
-        fprintf(stderr, "snapkvd: log-level: '%s' is not error, warn, info or debug\n", cfg.log_level);
-        goto out;
-    }
-    skv_log_set_level(level);
+    skv_log_set_level(skv_log_level_parse(cfg.log_level)); /* a name the config checked where it was set */
     if (*cfg.log_file && skv_log_open(cfg.log_file)) {
         fprintf(stderr, "snapkvd: cannot open log file %s\n", skv_error_msg());
         goto out;

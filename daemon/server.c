@@ -234,12 +234,8 @@ static void events_heartbeat(struct skv_server *srv, uint64_t now)
     uint64_t every = (uint64_t)srv->env.cfg->events_heartbeat_seconds * 1000;
     if (!srv->events || !every || now - srv->events_sent_ms < every)
         return;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
-    b.version = 1;
-    b.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-    b.boot_id = skv_worker_boot_id(srv->worker);
+    Snapkv__KvEventBatch b;
+    skv_worker_event_batch(srv->worker, &b);
     uint8_t buf[64];
     events_send(srv, srv->events_seq, buf, snapkv__kv_event_batch__pack(&b, buf));
 }

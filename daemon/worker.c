@@ -81,12 +81,8 @@ static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
 {
     if (!w->events || !w->push)
         return;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
-    b.version = 1;
-    b.ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-    b.boot_id = w->boot_id;
+    Snapkv__KvEventBatch b;
+    skv_worker_event_batch(w, &b);
     b.n_events = 1;
     b.events = &ev;
     push_out(w, SKV_WORKER_EVENTS_SOCK, "", 0, &b.base);
@@ -1251,6 +1247,16 @@ int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t
 uint64_t skv_worker_boot_id(const struct skv_worker *w)
 {
     return w->boot_id;
+}
+
+void skv_worker_event_batch(const struct skv_worker *w, Snapkv__KvEventBatch *b)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    snapkv__kv_event_batch__init(b);
+    b->version = 1;
+    b->ts = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    b->boot_id = w->boot_id;
 }
 
 void skv_worker_request_stop(struct skv_worker *w)

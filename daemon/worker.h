@@ -73,6 +73,9 @@ void skv_worker_stop(struct skv_worker **w_p);
 void skv_worker_request_stop(struct skv_worker *w);
 /* The KV events' boot id (KvEventBatch.boot_id): random, set at start; read-only after. */
 uint64_t skv_worker_boot_id(const struct skv_worker *w);
+/* A KV event batch of this daemon, stamped now (version, time, boot id), with no events yet:
+ * an event's, or the socket thread's heartbeat. */
+void skv_worker_event_batch(const struct skv_worker *w, Snapkv__KvEventBatch *b);
 
 /* Snapshot for STATUS (any thread). */
 struct skv_worker_stats {

@@ -1434,6 +1434,21 @@ static void push_pair(struct enc *e, int32_t left)
         heap_push(e, (struct heap_item){((uint64_t)(uint32_t)m->rank << 32) | (uint32_t)left, m->result});
 }
 
+/* The symbol a word's byte starts as: its byte token, else unk (once for a run of them with
+ * fuse_unk), else none (-1: HF drops a character the vocabulary lacks when there is no unk). */
+static int32_t start_symbol(const struct skv_tokenizer *t, uint8_t byte, bool *last_unk)
+{
+    int32_t id = t->byte_tok[byte];
+    if (id >= 0) {
+        *last_unk = false;
+        return id;
+    }
+    if (t->unk < 0 || (t->fuse_unk && *last_unk))
+        return -1;
+    *last_unk = true;
+    return t->unk;
+}
+
 /* BPE of one pre-token (raw bytes). */
 static int bpe(struct enc *e, size_t off, size_t len)
 {
@@ -1450,16 +1465,10 @@ static int bpe(struct enc *e, size_t off, size_t len)
             return e->over ? SKV_E_LIMIT : SKV_OK;
         }
     }
-    /* The symbols a word starts as: its bytes' tokens, unk for a byte without one (once for a
-     * run when fuse_unk), none when there is no unk. */
     size_t n_syms = 0;
     bool last_unk = false;
-    for (size_t i = 0; i < len; i++) {
-        bool unk = t->byte_tok[p[i]] < 0;
-        if (!unk || (t->unk >= 0 && !(t->fuse_unk && last_unk)))
-            n_syms++;
-        last_unk = unk;
-    }
+    for (size_t i = 0; i < len; i++)
+        n_syms += start_symbol(t, p[i], &last_unk) >= 0;
     if (n_syms == 0)
         return SKV_OK;
     /* A merge's key is its two sides' keys joined and a byte's key is one character (an unk
@@ -1491,15 +1500,9 @@ static int bpe(struct enc *e, size_t off, size_t len)
     int32_t n = 0;
     last_unk = false;
     for (size_t i = 0; i < len; i++) {
-        int32_t id = t->byte_tok[p[i]];
-        if (id < 0) {
-            if (t->unk < 0 || (t->fuse_unk && last_unk))
-                continue; /* HF drops a character the vocabulary lacks when there is no unk */
-            id = t->unk;
-            last_unk = true;
-        } else {
-            last_unk = false;
-        }
+        int32_t id = start_symbol(t, p[i], &last_unk);
+        if (id < 0)
+            continue;
         e->sym[n] = (struct bpe_sym){id, n - 1, -1};
         if (n > 0)
             e->sym[n - 1].next = n;

@@ -1449,36 +1449,15 @@ static void test_persist_restart(void **state)
     stop_daemon(&d);
 }
 
-/* The next KV event on sub (fails after 10 s); *seq: its sequence number. */
-/* Reads the one message poll said is waiting, event or heartbeat (next_event would wait on past
- * a heartbeat for an event); *seq: an event's number, unchanged for a heartbeat. */
-static void read_any_event(void *sub, uint64_t *seq)
-{
-    char topic[64];
-    uint8_t be[8];
-    static uint8_t body[1 << 16];
-    assert_true(zmq_recv(sub, topic, sizeof topic, 0) > 0);
-    assert_int_equal(zmq_recv(sub, be, sizeof be, 0), 8);
-    int len = zmq_recv(sub, body, sizeof body, 0);
-    assert_true(len >= 0 && len <= (int)sizeof body);
-    Snapkv__KvEventBatch *b = snapkv__kv_event_batch__unpack(NULL, (size_t)len, body);
-    assert_non_null(b);
-    if (b->n_events > 0) {
-        *seq = 0;
-        for (int k = 0; k < 8; k++)
-            *seq = *seq << 8 | be[k];
-    }
-    snapkv__kv_event_batch__free_unpacked(b, NULL);
-}
-
-static Snapkv__KvEvent *next_event(void *sub, uint64_t *seq, Snapkv__KvEventBatch **batch)
+/* One message on sub (fails after 10 s): its batch, an event's or a heartbeat's; *seq its
+ * number. */
+static Snapkv__KvEventBatch *recv_batch(void *sub, uint64_t *seq)
 {
     char topic[64];
     uint8_t be[8];
     static uint8_t body[1 << 16];
     int timeout = 10000;
     zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
-again:;
     int n = zmq_recv(sub, topic, sizeof topic - 1, 0);
     assert_true(n > 0);
     topic[n] = '\0';
@@ -1490,15 +1469,31 @@ again:;
     *seq = 0;
     for (int k = 0; k < 8; k++)
         *seq = *seq << 8 | be[k];
-    *batch = snapkv__kv_event_batch__unpack(NULL, (size_t)len, body);
-    assert_non_null(*batch);
-    assert_int_equal((*batch)->version, 1);
-    assert_true((*batch)->ts > 1.7e9);
-    assert_int_not_equal((*batch)->boot_id, 0);
-    if ((*batch)->n_events == 0) { /* a heartbeat of the idle stream (test_kv_events checks one) */
+    Snapkv__KvEventBatch *b = snapkv__kv_event_batch__unpack(NULL, (size_t)len, body);
+    assert_non_null(b);
+    assert_int_equal(b->version, 1);
+    assert_true(b->ts > 1.7e9);
+    assert_int_not_equal(b->boot_id, 0);
+    return b;
+}
+
+/* Reads the one message poll said is waiting, event or heartbeat (next_event would wait on past
+ * a heartbeat for an event); *seq: an event's number, unchanged for a heartbeat. */
+static void read_any_event(void *sub, uint64_t *seq)
+{
+    uint64_t s;
+    Snapkv__KvEventBatch *b = recv_batch(sub, &s);
+    if (b->n_events > 0)
+        *seq = s;
+    snapkv__kv_event_batch__free_unpacked(b, NULL);
+}
+
+/* The next KV event on sub, past heartbeats of the idle stream (test_kv_events checks one);
+ * fails after 10 s without a message. *seq: its sequence number. */
+static Snapkv__KvEvent *next_event(void *sub, uint64_t *seq, Snapkv__KvEventBatch **batch)
+{
+    while ((*batch = recv_batch(sub, seq))->n_events == 0)
         snapkv__kv_event_batch__free_unpacked(*batch, NULL);
-        goto again;
-    }
     assert_int_equal((*batch)->n_events, 1);
     return (*batch)->events[0];
 }
@@ -1868,25 +1863,12 @@ static void test_kv_events(void **state)
 
     /* the stream idle: a heartbeat within about 2 s, a batch of no events under the last
      * event's number with the daemon's boot id (a subscriber learns of a restart by it) */
-    {
-        char topic[64];
-        uint8_t be[8], body[256];
-        int timeout = 10000;
-        zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
-        assert_true(zmq_recv(sub, topic, sizeof topic, 0) > 0);
-        assert_int_equal(zmq_recv(sub, be, sizeof be, 0), 8);
-        int len = zmq_recv(sub, body, sizeof body, 0);
-        assert_true(len >= 0 && len < (int)sizeof body);
-        uint64_t hs = 0;
-        for (int k = 0; k < 8; k++)
-            hs = hs << 8 | be[k];
-        Snapkv__KvEventBatch *hb = snapkv__kv_event_batch__unpack(NULL, (size_t)len, body);
-        assert_non_null(hb);
-        assert_int_equal(hb->n_events, 0);
-        assert_int_equal(hs, seq + 3);
-        assert_int_equal(hb->boot_id, boot);
-        snapkv__kv_event_batch__free_unpacked(hb, NULL);
-    }
+    uint64_t hs = 0;
+    Snapkv__KvEventBatch *hb = recv_batch(sub, &hs);
+    assert_int_equal(hb->n_events, 0);
+    assert_int_equal(hs, seq + 3);
+    assert_int_equal(hb->boot_id, boot);
+    snapkv__kv_event_batch__free_unpacked(hb, NULL);
 
     struct snapkv_prefill_opts bad = {.tokens = ids, .n_tokens = N_PROMPT, .compress = "policy=nonsense"};
     assert_int_equal(snapkv_prefill(c, &bad, &comp), SNAPKV_E_INVAL);
