@@ -1967,11 +1967,15 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
  * persist save writes now) is version 4 with each head's positions as runs of consecutive ones
  * when that is shorter (int32 count of runs, then start and length per run; -1: the list) and
  * its scores behind a flag (int32 0: all zero; 1: the list): a session that changed is written
- * again at each checkpoint, and a full-cache head's positions are one run and its scores zero. */
+ * again at each checkpoint, and a full-cache head's positions are one run and its scores zero.
+ * Version 6 (what a persist save writes now) is version 5 with an int32 count of store indices
+ * before each head's: its full blocks, and its partly filled last block too when other sessions
+ * hold that block (forks that have not written it), so that a restore shares it again. */
 #define SAVE_MAGIC "SKVSESS1"
 #define SAVE_VERSION 3
 #define SAVE_VERSION_STORE 4
 #define SAVE_VERSION_RUNS 5
+#define SAVE_VERSION_PARTIAL 6
 
 struct save_header {
     char magic[8];
@@ -2062,7 +2066,7 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     int rc = SKV_OK;
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
-    struct save_header hd = {.version = store ? SAVE_VERSION_RUNS : SAVE_VERSION};
+    struct save_header hd = {.version = store ? SAVE_VERSION_PARTIAL : SAVE_VERSION};
     memcpy(hd.magic, SAVE_MAGIC, 8);
     hd.n_layers = (uint32_t)s->cache->n_layers;
     hd.n_kv_heads = (uint32_t)s->cache->n_kv_heads;
@@ -2104,21 +2108,25 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
         rc = write_all(f, &h, pending, (size_t)n_pending);
     size_t dim = (size_t)s->cache->head_dim;
     float *rows = NULL;   /* one head's K rows, then its V rows, from row r0 on, read out of its blocks */
-    uint32_t *refs = NULL; /* the store indices of its full blocks */
+    uint32_t *refs = NULL; /* the store indices of its blocks there */
     int H = s->cache->n_kv_heads, br = s->cache->block_rows;
     for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
-        int n_full = store ? len / br : 0, row0 = n_full * br, known = 0;
-        uint32_t *more_refs = realloc(refs, (size_t)(n_full ? n_full : 1) * sizeof *refs);
+        int n_full = store ? len / br : 0, tail = len - n_full * br, known = 0;
+        /* a partly filled last block goes to the store when other sessions hold it too (one of
+         * this session's own is written again at each save it changed by: the file holds it) */
+        int32_t n_refs = n_full + (store && tail && skv_kv_pool_is_shared(s->cache->pool, kh->blk[n_full]));
+        int row0 = n_refs * br < len ? n_refs * br : len;
+        uint32_t *more_refs = realloc(refs, (size_t)(n_refs ? n_refs : 1) * sizeof *refs);
         if (!more_refs) {
             rc = SKV_E_NOMEM;
             break;
         }
         refs = more_refs;
-        while (known < n_full && skv_kv_store_find(store, kh->blk[known], &refs[known]))
+        while (known < n_refs && skv_kv_store_find(store, kh->blk[known], known < n_full ? br : tail, &refs[known]))
             known++; /* written by an earlier save, unchanged since */
-        int r0 = known * br, n = len - r0;
+        int r0 = known * br < len ? known * br : len, n = len - r0;
         float *more = realloc(rows, 2 * (size_t)(n ? n : 1) * dim * sizeof *rows);
         if (!more) {
             rc = SKV_E_NOMEM;
@@ -2130,11 +2138,13 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
             (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k)) ||
             (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v)))
             break;
-        for (int b = known; b < n_full && !rc; b++)
-            rc = skv_kv_store_put(store, kh->blk[b], k + (size_t)(b - known) * br * dim,
+        for (int b = known; b < n_refs && !rc; b++)
+            rc = skv_kv_store_put(store, kh->blk[b], b < n_full ? br : tail, k + (size_t)(b - known) * br * dim,
                                   v + (size_t)(b - known) * br * dim, &refs[b]);
+        if (!rc && store)
+            rc = write_all(f, &h, &n_refs, sizeof n_refs);
         if (!rc)
-            rc = write_all(f, &h, refs, (size_t)n_full * sizeof *refs);
+            rc = write_all(f, &h, refs, (size_t)n_refs * sizeof *refs);
         if (!rc)
             rc = write_all(f, &h, k + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
         if (!rc)
@@ -2310,8 +2320,8 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     if (!rc)
         rc = read_exact(f, &h, &hd, sizeof hd);
     const struct skv_model_config *mc = &w->m->cfg;
-    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION_RUNS))
-        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION_RUNS);
+    if (!rc && (memcmp(hd.magic, SAVE_MAGIC, 8) != 0 || hd.version < 1 || hd.version > SAVE_VERSION_PARTIAL))
+        rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION_PARTIAL);
     if (!rc && hd.version >= SAVE_VERSION_STORE && !(r && r->store))
         rc = skv_errorf(SKV_E_FORMAT, "%s names blocks of a persist block store, and there is none", path);
     if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
@@ -2373,7 +2383,7 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL;    /* one head's K or V rows on their way into its blocks */
-    uint32_t *refs = NULL; /* the store indices of its full blocks (version 4) */
+    uint32_t *refs = NULL; /* the store indices of its blocks there (version 4) */
     uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
     int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
@@ -2393,21 +2403,27 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
             break;
         }
         rows = more;
-        int n_full = hd.version >= SAVE_VERSION_STORE ? len / br : 0, row0 = n_full * br;
-        uint32_t *more_refs = realloc(refs, (size_t)(n_full ? n_full : 1) * sizeof *refs);
+        int32_t n_full = hd.version >= SAVE_VERSION_STORE ? len / br : 0, n_refs = n_full;
+        if ((rc = read_rows_meta(f, &h, kh, len, hd.version, path)))
+            break;
+        if (hd.version >= SAVE_VERSION_PARTIAL && (rc = read_exact(f, &h, &n_refs, sizeof n_refs)))
+            break;
+        if (n_refs != n_full && !(n_refs == n_full + 1 && len % br)) { /* the full ones, or also the last */
+            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d of %d rows names %d blocks of %d", path, i, len, n_refs, br);
+            break;
+        }
+        int row0 = n_refs * br < len ? n_refs * br : len;
+        uint32_t *more_refs = realloc(refs, (size_t)(n_refs ? n_refs : 1) * sizeof *refs);
         if (!more_refs) {
             rc = SKV_E_NOMEM;
             break;
         }
         refs = more_refs;
-        if ((rc = read_rows_meta(f, &h, kh, len, hd.version, path)))
-            break;
-        if (!rc)
-            rc = read_exact(f, &h, refs, (size_t)n_full * sizeof *refs);
-        for (int b = 0; b < n_full && !rc; b++) { /* the store checks its blocks' sums and values */
+        rc = read_exact(f, &h, refs, (size_t)n_refs * sizeof *refs);
+        for (int b = 0; b < n_refs && !rc; b++) { /* the store checks its blocks' sums and values */
             bool shared;
-            rc = skv_kv_store_get(r->store, refs[b], group, s->cache, i / mc->n_kv_heads, i % mc->n_kv_heads,
-                                  &shared);
+            rc = skv_kv_store_get(r->store, refs[b], b < n_full ? br : len - n_full * br, group, s->cache,
+                                  i / mc->n_kv_heads, i % mc->n_kv_heads, &shared);
             n_shared += shared;
         }
         for (int kv = 0; kv < 2 && !rc; kv++)

@@ -60,7 +60,23 @@ struct skv_kv_store {
     struct loaded *loaded;   /* reader: [n_blocks] */
     bool pinned;             /* reader: the pool's slabs, while loaded[] names blocks */
     float *buf;              /* one record (K, V, sum) */
+    float *pad;              /* writer: a partly filled block's K and V rows, then zero rows */
 };
+
+/* A block's key in the stamp maps: its stamp when all block_rows rows are in use. Forks that
+ * share a partly filled block may use different numbers of its rows, so such a block's first
+ * `rows` rows have a key of their own: the stamp below PART_STAMP_BITS bits, the count above
+ * them and the top bit set (a full block's stamp never reaches it). 0: no key (a stamp too
+ * large to mix with a count; the block is then found by its bytes only). */
+#define PART_STAMP_BITS 47
+static uint64_t block_key(const struct skv_kv_store *st, const struct skv_kv_block *b, int rows)
+{
+    if ((uint32_t)rows == st->hd.block_rows)
+        return b->stamp;
+    if (b->stamp >> PART_STAMP_BITS)
+        return 0;
+    return 1ull << 63 | (uint64_t)rows << PART_STAMP_BITS | b->stamp;
+}
 
 static size_t record_bytes(const struct skv_kv_store *st)
 {
@@ -221,6 +237,8 @@ static int writer_start(struct skv_kv_store *st, struct skv_kv_pool *pool)
         return SKV_E_NOMEM;
     if (!st->buf && !(st->buf = malloc(record_bytes(st))))
         return SKV_E_NOMEM;
+    if (!st->pad && !(st->pad = malloc(2 * st->rows_bytes)))
+        return SKV_E_NOMEM;
     return SKV_OK;
 }
 
@@ -294,22 +312,29 @@ static int mark_live(struct skv_kv_store *st, uint32_t idx)
     return SKV_OK;
 }
 
-/* Names b as block idx in this save: all of it or, out of memory, nothing. */
-static int named(struct skv_kv_store *st, const struct skv_kv_block *b, uint32_t idx)
+/* Names the block of key (block_key; 0: none) as block idx in this save: all of it or, out of
+ * memory, nothing. */
+static int named(struct skv_kv_store *st, uint64_t key, uint32_t idx)
 {
     int rc = live_room(st, idx);
-    if (!rc)
-        rc = map_set(&st->now, b->stamp, idx, true);
+    if (!rc && key)
+        rc = map_set(&st->now, key, idx, true);
     return rc ? rc : mark_live(st, idx);
 }
 
-bool skv_kv_store_find(struct skv_kv_store *st, const struct skv_kv_block *b, uint32_t *idx)
+static bool rows_valid(const struct skv_kv_store *st, int rows)
 {
-    if (writer_check(st))
+    return rows > 0 && (uint32_t)rows <= st->hd.block_rows;
+}
+
+bool skv_kv_store_find(struct skv_kv_store *st, const struct skv_kv_block *b, int rows, uint32_t *idx)
+{
+    uint64_t key = rows_valid(st, rows) ? block_key(st, b, rows) : 0;
+    if (writer_check(st) || !key)
         return false;
-    if (map_get(&st->now, b->stamp, idx))
+    if (map_get(&st->now, key, idx))
         return true;
-    return map_get(&st->last, b->stamp, idx) && named(st, b, *idx) == SKV_OK;
+    return map_get(&st->last, key, idx) && named(st, key, *idx) == SKV_OK;
 }
 
 /* The bytes of block idx (K, V) into st->buf: from the write buffer or the file. */
@@ -334,14 +359,26 @@ static int flush_records(struct skv_kv_store *st)
     return SKV_OK;
 }
 
-int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, const float *k, const float *v,
+int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, int rows, const float *k, const float *v,
                      uint32_t *idx)
 {
     int rc = writer_check(st);
     if (rc)
         return rc;
-    if (skv_kv_store_find(st, b, idx))
+    if (!rows_valid(st, rows))
+        return skv_errorf(SKV_E_INVAL, "block store: a block of %d rows of %u", rows, st->hd.block_rows);
+    if (skv_kv_store_find(st, b, rows, idx))
         return SKV_OK;
+    if ((uint32_t)rows < st->hd.block_rows) { /* the record: its rows, then zero rows */
+        size_t n = (size_t)rows * st->hd.head_dim * sizeof(float);
+        memcpy(st->pad, k, n);
+        memset((char *)st->pad + n, 0, st->rows_bytes - n);
+        memcpy((char *)st->pad + st->rows_bytes, v, n);
+        memset((char *)st->pad + st->rows_bytes + n, 0, st->rows_bytes - n);
+        k = st->pad;
+        v = (const float *)((const char *)st->pad + st->rows_bytes);
+    }
+    uint64_t bkey = block_key(st, b, rows);
     /* blocks of equal bytes: forks that each wrote the same rows, documents prefilled twice */
     unsigned char sum[STORE_SUM];
     record_sum(k, v, st->rows_bytes, sum);
@@ -352,7 +389,7 @@ int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, cons
             return rc;
         if (memcmp(st->buf, k, st->rows_bytes) == 0 && memcmp((char *)st->buf + st->rows_bytes, v, st->rows_bytes) == 0) {
             *idx = same;
-            return named(st, b, same);
+            return named(st, bkey, same);
         }
     }
     if (st->hd.n_blocks >= UINT32_MAX - 1)
@@ -367,7 +404,7 @@ int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, cons
     /* no index may name a record that was not appended: the room first, then the entries */
     if ((rc = map_room(&st->by_content)) || (rc = map_room(&st->now)) || (rc = live_room(st, at)))
         return rc;
-    if ((rc = map_set(&st->by_content, key, at, false)) || (rc = named(st, b, at)))
+    if ((rc = map_set(&st->by_content, key, at, false)) || (rc = named(st, bkey, at)))
         return rc; /* cannot happen: the room is there */
     st->wlen += rec;
     st->hd.n_blocks++;
@@ -517,12 +554,14 @@ static int store_read(struct skv_kv_store *st, uint32_t idx, uint64_t *key)
     return SKV_OK;
 }
 
-int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, struct skv_kv_cache *c, int layer, int h,
-                     bool *shared)
+int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, int rows, uint64_t group, struct skv_kv_cache *c,
+                     int layer, int h, bool *shared)
 {
     *shared = false;
     if (st->writing)
         return skv_errorf(SKV_E_INVAL, "block store: opened to write");
+    if (!rows_valid(st, rows))
+        return skv_errorf(SKV_E_FORMAT, "block store: %d rows of a block of %u", rows, st->hd.block_rows);
     if (idx >= st->hd.n_blocks)
         return skv_errorf(SKV_E_FORMAT, "block store: no block %u (it holds %llu)", idx,
                           (unsigned long long)st->hd.n_blocks);
@@ -538,7 +577,9 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, stru
         int rc = skv_kv_cache_append_block(c, layer, h, l->b);
         skv_kv_pool_put(st->pool, l->b);
         *shared = !rc;
-        return rc;
+        /* a partly filled block: the head's rows are its first `rows` (the cut keeps the block
+         * and its stamp) */
+        return rc ? rc : skv_kv_cache_truncate(c, layer, h, row0 + rows);
     }
     uint64_t key = 0;
     int rc = store_read(st, idx, &key);
@@ -546,11 +587,14 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, stru
         rc = skv_kv_cache_write_rows(c, layer, h, 0, row0, br, st->buf);
     if (!rc)
         rc = skv_kv_cache_write_rows(c, layer, h, 1, row0, br, (const float *)((char *)st->buf + st->rows_bytes));
+    if (!rc)
+        rc = skv_kv_cache_truncate(c, layer, h, row0 + rows);
     if (rc || !whole)
         return rc; /* rows: this cache's own */
     /* the block now holds record idx: a save that goes on from this store need not write it */
     struct skv_kv_block *b = hd->blk[row0 / br];
-    if (map_set(&st->last, b->stamp, idx, true) || map_set(&st->by_content, key, idx, false))
+    uint64_t bkey = block_key(st, b, rows);
+    if ((bkey && map_set(&st->last, bkey, idx, true)) || map_set(&st->by_content, key, idx, false))
         return SKV_E_NOMEM;
     if (l->b && skv_kv_pool_hold_if(st->pool, l->b, l->stamp)) {
         skv_kv_pool_put(st->pool, l->b);
@@ -625,6 +669,7 @@ void skv_kv_store_close(struct skv_kv_store **st_p)
     free(st->live);
     free(st->wbuf);
     free(st->buf);
+    free(st->pad);
     free(st);
     *st_p = NULL;
 }

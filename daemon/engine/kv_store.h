@@ -22,13 +22,15 @@ int skv_kv_store_create(const char *path, const char *fingerprint, struct skv_kv
                         struct skv_kv_store **out);
 /* Starts a save: the blocks it names (skv_kv_store_find, skv_kv_store_put) are its live ones. */
 void skv_kv_store_begin(struct skv_kv_store *st);
-/* True, with its index, when the store holds b's bytes already: b was named in this save, or
- * in the last one that ended well, and has not been written since (its stamp, kv_pool.h). */
-bool skv_kv_store_find(struct skv_kv_store *st, const struct skv_kv_block *b, uint32_t *idx);
-/* The index of block b (of the store's pool) in the store: as skv_kv_store_find, or that of a
- * block with the same bytes (checked byte for byte); otherwise k and v (b's block_rows rows of
- * K and of V, host memory) are appended as a new block. */
-int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, const float *k, const float *v,
+/* True, with its index, when the store holds b's first `rows` rows (1..block_rows: a head's
+ * last block may be partly filled) already: b was named with that count in this save, or in
+ * the last one that ended well, and has not been written since (its stamp, kv_pool.h). */
+bool skv_kv_store_find(struct skv_kv_store *st, const struct skv_kv_block *b, int rows, uint32_t *idx);
+/* The index of b's first `rows` rows (b of the store's pool) in the store: as
+ * skv_kv_store_find, or that of a record with the same bytes (checked byte for byte);
+ * otherwise k and v (those rows of K and of V, host memory) are appended as a new record,
+ * zero rows after them up to block_rows. */
+int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, int rows, const float *k, const float *v,
                      uint32_t *idx);
 /* Writes what is buffered and the header, and fsyncs: every block named so far is on disk. */
 int skv_kv_store_finish(struct skv_kv_store *st);
@@ -59,13 +61,14 @@ bool skv_kv_store_usable(const struct skv_kv_store *st);
  * changed across the restart) are read as rows, never shared. */
 int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows, int head_dim, int64_t n_named,
                       struct skv_kv_store **out);
-/* Appends block idx to head h of `layer` as its next rows (the store's block_rows of them).
- * The first cache of `group` to name idx gets it read from the file (its checksum and finite
- * values checked) into a block of its own, which the store then holds; later caches of that
- * group share that block (*shared set). Caches of other groups (tenants, which must not share)
- * get their own copies, and so do caches whose blocks have another size. */
-int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, uint64_t group, struct skv_kv_cache *c, int layer, int h,
-                     bool *shared);
+/* Appends the first `rows` rows of block idx (1..the store's block_rows: a head's last block
+ * may be partly filled) to head h of `layer` as its next rows. The first cache of `group` to
+ * name idx gets it read from the file (its checksum and finite values checked) into a block of
+ * its own, which the store then holds; later caches of that group share that block (*shared
+ * set), partly filled too, as forks did before the save. Caches of other groups (tenants,
+ * which must not share) get their own copies, and so do caches whose blocks have another size. */
+int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, int rows, uint64_t group, struct skv_kv_cache *c,
+                     int layer, int h, bool *shared);
 /* A store read by a restore goes on as a writer (at `path`, for `pool`): the blocks the restore
  * gave caches count as written, so the next save appends only what changed after the start.
  * Drops the blocks it held. SKV_E_INVAL when its blocks have another size than the pool's. */

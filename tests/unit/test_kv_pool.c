@@ -599,26 +599,34 @@ static void test_dedupe(void **state)
     free(pos_b);
 }
 
-/* Puts c's full blocks into the store and writes their indices to refs[head][block]. */
-static void store_put_cache(struct skv_kv_store *st, const struct skv_kv_cache *c, uint32_t *refs, int full)
+/* The rows of block b of a head of len rows in blocks of br (its last may be partly filled). */
+static int block_fill(int b, int br, int len)
+{
+    return len - b * br < br ? len - b * br : br;
+}
+
+/* Puts the first n blocks of each head of c into the store (a head's last block may be partly
+ * filled) and writes their indices to refs[head][block]. */
+static void store_put_cache(struct skv_kv_store *st, const struct skv_kv_cache *c, uint32_t *refs, int n)
 {
     const int br = c->block_rows, dim = c->head_dim;
     float *k = malloc((size_t)br * dim * sizeof *k), *v = malloc((size_t)br * dim * sizeof *v);
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
-        for (int b = 0; b < full; b++) {
-            int l = i / c->n_kv_heads, h = i % c->n_kv_heads;
-            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 0, b * br, br, k), SKV_OK);
-            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 1, b * br, br, v), SKV_OK);
-            assert_int_equal(skv_kv_store_put(st, c->heads[i].blk[b], k, v, &refs[i * full + b]), SKV_OK);
+        for (int b = 0; b < n; b++) {
+            int l = i / c->n_kv_heads, h = i % c->n_kv_heads, rows = block_fill(b, br, c->heads[i].len);
+            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 0, b * br, rows, k), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(c, l, h, 1, b * br, rows, v), SKV_OK);
+            assert_int_equal(skv_kv_store_put(st, c->heads[i].blk[b], rows, k, v, &refs[i * n + b]), SKV_OK);
         }
     free(k);
     free(v);
 }
 
-/* A cache rebuilt as a persist restore does: its full blocks from the store (under group),
- * then the rest of src's rows; *shared: how many blocks came shared. */
+/* A cache rebuilt as a persist restore does: the first n blocks of each head from the store
+ * (under group; a head's last may be partly filled), then the rest of src's rows; *shared: how
+ * many blocks came shared. */
 static int store_get_cache(struct tiny *t, struct skv_kv_store *st, const struct skv_kv_cache *src,
-                           const uint32_t *refs, int full, uint64_t group, struct skv_kv_cache **out, int *shared)
+                           const uint32_t *refs, int n, uint64_t group, struct skv_kv_cache **out, int *shared)
 {
     struct skv_kv_cache *c = NULL;
     assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
@@ -627,13 +635,14 @@ static int store_get_cache(struct tiny *t, struct skv_kv_store *st, const struct
     float *rows = malloc((size_t)(src->heads[0].len + 1) * dim * sizeof *rows);
     int rc = SKV_OK;
     for (int i = 0; i < c->n_layers * c->n_kv_heads && !rc; i++) {
-        int l = i / c->n_kv_heads, h = i % c->n_kv_heads, len = src->heads[i].len, row0 = full * br;
+        int l = i / c->n_kv_heads, h = i % c->n_kv_heads, len = src->heads[i].len;
+        int row0 = n * br < len ? n * br : len;
         assert_int_equal(skv_kv_cache_reserve(c, len), SKV_OK);
         memcpy(c->heads[i].pos, src->heads[i].pos, (size_t)len * sizeof *rows);
         memcpy(c->heads[i].score, src->heads[i].score, (size_t)len * sizeof *rows);
-        for (int b = 0; b < full && !rc; b++) {
+        for (int b = 0; b < n && !rc; b++) {
             bool sh = false;
-            rc = skv_kv_store_get(st, refs[i * full + b], group, c, l, h, &sh);
+            rc = skv_kv_store_get(st, refs[i * n + b], block_fill(b, br, len), group, c, l, h, &sh);
             *shared += sh;
         }
         for (int kv = 0; kv < 2 && !rc; kv++) {
@@ -750,7 +759,9 @@ static void test_store(void **state)
     expect_snapshot(a2, snap_a, pos_a, fa);
     uint32_t past = skv_kv_store_blocks(st);
     bool sh;
-    assert_int_equal(skv_kv_store_get(st, past, 1, a2, 0, 0, &sh), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_get(st, past, a->block_rows, 1, a2, 0, 0, &sh), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_get(st, 0, a->block_rows + 1, 1, a2, 0, 0, &sh), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_get(st, 0, 0, 1, a2, 0, 0, &sh), SKV_E_FORMAT);
     skv_kv_cache_free(&a2);
 
     /* caches of another block size (kv-block-tokens changed across the restart): the blocks
@@ -878,6 +889,116 @@ static void test_tick_exact(void **state)
     free(b);
 }
 
+/* A partly filled last block that forks share (none has written it) goes to the store once
+ * per count of its rows in use, zero rows after them, found again by its stamp and that count;
+ * read back, the caches of one group share it again, their rows bit for bit, and a write to one
+ * leaves the others as they were; a store that goes on from the restore finds it. (A persist
+ * restore gave each fork a block of its own: a document and four forks, 1890 blocks before the
+ * stop and 1980 after.) */
+static void test_store_partial(void **state)
+{
+    struct tiny *t = *state;
+    enum { N = 37 };
+    struct skv_kv_pool *pool = t->m->kv_pool;
+    const uint64_t base = pool_stats(pool).blocks_in_use;
+    int32_t ids[N], other[N];
+    two_prompts(t, ids, other, N);
+    struct skv_kv_cache *a = NULL, *b = NULL, *e = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
+    prefill(t, a, ids, N, NULL);
+    assert_int_equal(skv_kv_cache_clone(a, &b), SKV_OK);
+    assert_int_equal(skv_kv_cache_clone(a, &e), SKV_OK);
+    const int heads = a->n_layers * a->n_kv_heads, br = a->block_rows, full = N / br, n = full + 1;
+    const int tail = N - full * br;
+    assert_true(tail > 2);
+    for (int i = 0; i < heads; i++) /* e: the same last block, two rows fewer of it in use */
+        assert_int_equal(skv_kv_cache_truncate(e, i / e->n_kv_heads, i % e->n_kv_heads, N - 2), SKV_OK);
+    char fp[64], path[] = "/tmp/skv-store-XXXXXX";
+    memset(fp, 'a', sizeof fp);
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+
+    struct skv_kv_store *st = NULL;
+    assert_int_equal(skv_kv_store_create(path, fp, pool, &st), SKV_OK);
+    uint32_t *ra = calloc((size_t)heads * n, 4), *rb = calloc((size_t)heads * n, 4), *re = calloc((size_t)heads * n, 4);
+    store_put_cache(st, a, ra, n);
+    store_put_cache(st, b, rb, n); /* a's blocks, found by their stamps: nothing written */
+    assert_int_equal(skv_kv_store_blocks(st), heads * n);
+    assert_memory_equal(ra, rb, (size_t)heads * n * 4);
+    store_put_cache(st, e, re, n); /* its last block's first tail - 2 rows: a record of their own */
+    assert_int_equal(skv_kv_store_blocks(st), heads * (n + 1));
+    for (int i = 0; i < heads; i++) {
+        assert_memory_equal(&re[i * n], &ra[i * n], (size_t)full * 4);
+        assert_int_not_equal(re[i * n + full], ra[i * n + full]);
+    }
+    uint32_t idx;
+    assert_true(skv_kv_store_find(st, a->heads[0].blk[full], tail, &idx));
+    assert_int_equal(idx, ra[full]);
+    assert_true(skv_kv_store_find(st, a->heads[0].blk[full], tail - 2, &idx));
+    assert_int_equal(idx, re[full]);
+    assert_false(skv_kv_store_find(st, a->heads[0].blk[full], tail - 1, &idx));
+    assert_false(skv_kv_store_find(st, a->heads[0].blk[full], 0, &idx));
+    assert_int_equal(skv_kv_store_put(st, a->heads[0].blk[full], br + 1, NULL, NULL, &idx), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    skv_kv_store_close(&st);
+
+    int32_t *pos_a, *pos_e;
+    size_t fa, fe;
+    float *snap_a = snapshot(a, &pos_a, &fa), *snap_e = snapshot(e, &pos_e, &fe);
+    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_OK);
+    struct skv_kv_cache *a2, *b2, *e2;
+    int shared;
+    assert_int_equal(store_get_cache(t, st, a, ra, n, 1, &a2, &shared), SKV_OK);
+    assert_int_equal(shared, 0); /* the first to name them: read */
+    assert_int_equal(store_get_cache(t, st, b, rb, n, 1, &b2, &shared), SKV_OK);
+    assert_int_equal(shared, heads * n); /* the last blocks too */
+    assert_int_equal(store_get_cache(t, st, e, re, n, 1, &e2, &shared), SKV_OK);
+    assert_int_equal(shared, heads * full);
+    for (int i = 0; i < heads; i++) {
+        assert_int_equal(a2->heads[i].len, N);
+        assert_int_equal(e2->heads[i].len, N - 2);
+        assert_ptr_equal(b2->heads[i].blk[full], a2->heads[i].blk[full]);
+        assert_ptr_not_equal(e2->heads[i].blk[full], a2->heads[i].blk[full]);
+    }
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    expect_snapshot(b2, snap_a, pos_a, fa);
+    expect_snapshot(e2, snap_e, pos_e, fe);
+    /* a, b, e hold n blocks a head; a2, b2, e2 as many and e2's last ones */
+    assert_int_equal(pool_stats(pool).blocks_in_use, base + (uint64_t)heads * (2 * n + 1));
+
+    /* b2's next token goes into a copy of the last block: a2 stays as it was */
+    int32_t more = 5;
+    prefill(t, b2, &more, 1, NULL);
+    assert_ptr_not_equal(b2->heads[0].blk[full], a2->heads[0].blk[full]);
+    expect_snapshot(a2, snap_a, pos_a, fa);
+    /* the store goes on: a save of a2 finds every block of it, its last one too */
+    assert_int_equal(skv_kv_store_continue(st, path, pool), SKV_OK);
+    uint32_t *r2 = calloc((size_t)heads * n, 4);
+    store_put_cache(st, a2, r2, n);
+    assert_int_equal(skv_kv_store_appended(st), 0);
+    assert_memory_equal(r2, ra, (size_t)heads * n * 4);
+    skv_kv_store_close(&st);
+    unlink(path);
+
+    skv_kv_cache_free(&a2);
+    skv_kv_cache_free(&b2);
+    skv_kv_cache_free(&e2);
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&b);
+    skv_kv_cache_free(&e);
+    assert_int_equal(pool_stats(pool).blocks_in_use, base);
+    free(ra);
+    free(rb);
+    free(re);
+    free(r2);
+    free(snap_a);
+    free(pos_a);
+    free(snap_e);
+    free(pos_e);
+}
+
 /* Puts c's full blocks as a save does: those the store finds (written before, unchanged since)
  * are not read; returns how many it found. */
 static int store_save_cache(struct skv_kv_store *st, const struct skv_kv_cache *c, uint32_t *refs)
@@ -888,13 +1009,13 @@ static int store_save_cache(struct skv_kv_store *st, const struct skv_kv_cache *
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
         for (int b = 0; b < full; b++) {
             int l = i / c->n_kv_heads, h = i % c->n_kv_heads;
-            if (skv_kv_store_find(st, c->heads[i].blk[b], &refs[i * full + b])) {
+            if (skv_kv_store_find(st, c->heads[i].blk[b], br, &refs[i * full + b])) {
                 found++;
                 continue;
             }
             assert_int_equal(skv_kv_cache_read_rows(c, l, h, 0, b * br, br, k), SKV_OK);
             assert_int_equal(skv_kv_cache_read_rows(c, l, h, 1, b * br, br, v), SKV_OK);
-            assert_int_equal(skv_kv_store_put(st, c->heads[i].blk[b], k, v, &refs[i * full + b]), SKV_OK);
+            assert_int_equal(skv_kv_store_put(st, c->heads[i].blk[b], br, k, v, &refs[i * full + b]), SKV_OK);
         }
     free(k);
     free(v);
@@ -1070,6 +1191,7 @@ int main(void)
         cmocka_unit_test(test_model_block_rows),
         cmocka_unit_test(test_dedupe),
         cmocka_unit_test(test_store),
+        cmocka_unit_test(test_store_partial),
         cmocka_unit_test(test_store_saves),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);

@@ -3027,7 +3027,7 @@ static void test_persist_checkpoint_late(void **state)
 }
 
 /* Persist files (version 5: a head's positions as runs when that is shorter, its scores behind
- * a flag) bring back every spec's positions and scores: after a restart, sessions under full
+ * a flag; version 6: a count of the head's blocks in the store before their indices) bring back every spec's positions and scores: after a restart, sessions under full
  * (one run, zero scores), snapkv (kept rows scattered) and h2o (scores that decide its
  * evictions) go on exactly as twins prefilled after the start, which never went through a
  * file: the same logits, bit for bit, after an APPEND that makes h2o evict. */
@@ -3055,7 +3055,7 @@ static void test_persist_rows_meta(void **state)
     uint32_t head[3];
     assert_int_equal(fread(head, 4, 3, fp), 3);
     fclose(fp);
-    assert_int_equal(head[2], 5); /* the version, after the 8-byte magic */
+    assert_int_equal(head[2], 6); /* the version, after the 8-byte magic */
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     for (int k = 0; k < N_SPECS; k++) {
         assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
