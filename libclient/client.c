@@ -465,11 +465,13 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
     if (!zmq_has("curve"))
         return skv_client_fail(SNAPKV_E_UNSUPPORTED, "this libzmq was built without CURVE (zmq_has(\"curve\") is false)");
     char derived[SNAPKV_CURVE_KEY_SIZE];
-    if (!keys[2]) {
-        if (zmq_curve_public(derived, keys[1]) != 0)
-            return skv_client_fail(SNAPKV_E_INVAL, "cannot derive the CURVE public key: %s", zmq_strerror(zmq_errno()));
-        keys[2] = derived;
-    }
+    if (zmq_curve_public(derived, keys[1]) != 0)
+        return skv_client_fail(SNAPKV_E_INVAL, "cannot derive the CURVE public key: %s", zmq_strerror(zmq_errno()));
+    /* a public key of another pair fails the handshake as if the server key were wrong */
+    if (keys[2] && strcmp(keys[2], derived) != 0)
+        return skv_client_fail(SNAPKV_E_INVAL, "the CURVE client public key is not the one of the client secret key "
+                                               "(leave it out: it is derived from the secret key)");
+    keys[2] = derived;
     if (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, keys[0], SKV_KEY_Z85_LEN + 1) < 0 ||
         zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, keys[1], SKV_KEY_Z85_LEN + 1) < 0 ||
         zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, keys[2], SKV_KEY_Z85_LEN + 1) < 0)

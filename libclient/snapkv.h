@@ -110,7 +110,8 @@ struct snapkv_connect_opts {
      * allow-insecure-tcp). The strings are copied during snapkv_connect. */
     const char *curve_server_key;  /* the daemon's public key */
     const char *curve_secret_key;  /* this client's secret key */
-    const char *curve_public_key;  /* this client's public key; NULL: derived from the secret */
+    const char *curve_public_key;  /* this client's public key; NULL: derived from the secret (one
+                                      that is not the secret's: SNAPKV_E_INVAL) */
 };
 
 /* Connects to `endpoint` ("ipc:///run/snapkvd/snapkvd.sock", "tcp://host:port") and does the

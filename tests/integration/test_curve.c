@@ -582,6 +582,17 @@ static void test_key_files(void **state)
     o = (struct snapkv_connect_opts){.curve_secret_key = e->alice.sec};
     assert_int_equal(snapkv_connect(e->endpoint, &o, &c), SNAPKV_E_INVAL);
     assert_null(c);
+    /* a public key of another pair: refused before any handshake (the daemon's refusal would
+     * blame the server key), and its own pair's is taken */
+    o = (struct snapkv_connect_opts){
+        .curve_server_key = e->server.pub, .curve_secret_key = e->alice.sec, .curve_public_key = e->bob.pub};
+    assert_int_equal(snapkv_connect(e->endpoint, &o, &c), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "not the one of the client secret key"));
+    assert_null(c);
+    o.curve_public_key = e->alice.pub;
+    o.timeout_ms = 60000;
+    assert_int_equal(snapkv_connect(e->endpoint, &o, &c), SNAPKV_OK);
+    snapkv_close(&c);
 }
 
 int main(void)
