@@ -95,7 +95,7 @@ static void usage(FILE *out)
             "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
             "admin commands (admin endpoint):\n"
-            "  status | list [TENANT] | inspect SESSION [--positions]\n"
+            "  status | list [TENANT] | inspect SESSION [--positions] [--hashes]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
             "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
@@ -475,6 +475,7 @@ enum {
     OPT_OUT,
     OPT_SIZE,
     OPT_POSITIONS,
+    OPT_HASHES,
     OPT_TENANT,
     OPT_ALL,
     OPT_PROMETHEUS,
@@ -1572,19 +1573,31 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
     return ret;
 }
 
+/* A block hash as text: 16 hex digits (a uint64 is past JSON's exact integers). */
+static void hash_hex(uint64_t h, char out[17])
+{
+    snprintf(out, 17, "%016llx", (unsigned long long)h);
+}
+
 static int cmd_inspect(const struct ctl *c, int argc, char **argv)
 {
-    static const struct option opts[] = {{"positions", no_argument, NULL, OPT_POSITIONS}, {NULL, 0, NULL, 0}};
-    bool positions = false;
+    static const struct option opts[] = {{"positions", no_argument, NULL, OPT_POSITIONS},
+                                         {"hashes", no_argument, NULL, OPT_HASHES},
+                                         {NULL, 0, NULL, 0}};
+    static const char *const use = "usage: inspect SESSION [--positions] [--hashes]";
+    bool positions = false, with_hashes = false;
     int o;
     reset_getopt();
     while ((o = next_opt(argc, argv, opts)) != -1) {
-        if (o != OPT_POSITIONS)
-            return usage_error("inspect", "usage: inspect SESSION [--positions]");
-        positions = true;
+        if (o == OPT_POSITIONS)
+            positions = true;
+        else if (o == OPT_HASHES)
+            with_hashes = true;
+        else
+            return usage_error("inspect", use);
     }
     if (optind + 1 != argc)
-        return usage_error("inspect", "usage: inspect SESSION [--positions]");
+        return usage_error("inspect", use);
     struct snapkv_session_id id;
     if (!parse_session("inspect", argv[optind], &id))
         return 2;
@@ -1593,6 +1606,12 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
         return 1;
     struct snapkv_inspect_result in;
     int rc = snapkv_admin_inspect(cl, &id, positions, &in);
+    /* the block hashes the session's KV events carry (a second INSPECT) */
+    uint64_t *hashes = NULL;
+    size_t n_hashes = 0;
+    uint32_t block_size = 0;
+    if (!rc && with_hashes && (rc = snapkv_admin_session_hashes(cl, &id, &block_size, &hashes, &n_hashes)))
+        snapkv_inspect_result_free(&in);
     snapkv_close(&cl);
     if (rc)
         return failed("inspect", rc);
@@ -1601,6 +1620,16 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
         json_t *j = info_json(&in.info);
         json_put(&j, "spec", json_text(in.spec));
         json_put(&j, "layers", layers_json(in.layers, in.n_layers, in.layer_similarity, in.n_layer_similarity));
+        if (with_hashes) {
+            json_t *a = json_array();
+            for (size_t i = 0; a && i < n_hashes; i++) {
+                char h[17];
+                hash_hex(hashes[i], h);
+                json_push(&a, json_string(h));
+            }
+            json_put(&j, "block_size", json_integer(block_size));
+            json_put(&j, "block_hashes", a);
+        }
         ret = print_json(j);
     } else {
         const struct snapkv_session_info *s = &in.info;
@@ -1638,7 +1667,18 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
         /* a reply with positions but no layers (malformed) has nothing to match them to */
         if (positions && in.n_positions && (in.n_layers == 0 || !in.layers[0].positions))
             printf("(%zu positions did not match the kept lengths; see --json)\n", in.n_positions);
+        if (with_hashes) {
+            printf("hashes   %zu, of blocks of %u tokens (as the KV events carry them)\n", n_hashes, block_size);
+            for (size_t i = 0; i < n_hashes; i++) {
+                char h[17];
+                hash_hex(hashes[i], h);
+                printf("%s%s", i % 4 ? " " : "  ", h);
+                if (i % 4 == 3 || i + 1 == n_hashes)
+                    putchar('\n');
+            }
+        }
     }
+    free(hashes);
     snapkv_inspect_result_free(&in);
     return ret;
 }
@@ -1963,9 +2003,9 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
         const char *kind = event_kinds[e.kind <= SNAPKV_EVENT_CLEARED ? e.kind : 0];
         if (c->json) {
             json_t *hashes = json_array();
-            for (size_t i = 0; hashes && i < e.n_block_hashes; i++) { /* hex: a uint64 is past JSON's exact integers */
+            for (size_t i = 0; hashes && i < e.n_block_hashes; i++) {
                 char h[17];
-                snprintf(h, sizeof h, "%016llx", (unsigned long long)e.block_hashes[i]);
+                hash_hex(e.block_hashes[i], h);
                 json_push(&hashes, json_string(h));
             }
             json_t *o = json_pack("{s:I, s:f, s:s}", "sequence", (json_int_t)e.sequence, "ts", e.ts, "kind", kind);

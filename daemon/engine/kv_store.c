@@ -387,7 +387,8 @@ int skv_kv_store_put(struct skv_kv_store *st, const struct skv_kv_block *b, int 
     if (map_get(&st->by_content, key, &same)) {
         if ((rc = record_read(st, same)))
             return rc;
-        if (memcmp(st->buf, k, st->rows_bytes) == 0 && memcmp((char *)st->buf + st->rows_bytes, v, st->rows_bytes) == 0) {
+        if (memcmp(st->buf, k, st->rows_bytes) == 0 &&
+            memcmp((char *)st->buf + st->rows_bytes, v, st->rows_bytes) == 0) {
             *idx = same;
             return named(st, bkey, same);
         }

@@ -1456,6 +1456,9 @@ static void test_persist_restart(void **state)
     stop_daemon(&d);
 }
 
+/* Runs snapkvctl on d's endpoints (below). */
+static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap);
+
 /* One message on sub (fails after 10 s): its batch, an event's or a heartbeat's; *seq its
  * number. */
 static Snapkv__KvEventBatch *recv_batch(void *sub, uint64_t *seq)
@@ -1849,6 +1852,33 @@ static void test_kv_events(void **state)
     assert_int_equal(n_snap, n_want);
     assert_memory_equal(snap, want, n_want * sizeof *want);
     free(snap);
+    /* and what snapkvctl inspect --hashes prints, in JSON (hex strings) and as text */
+    static char out[16384], err[4096];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE], h[17];
+    snapkv_session_id_to_hex(&full.id, hex, sizeof hex);
+    const char *json_args[] = {"--json", "inspect", hex, "--hashes", NULL};
+    const char *text_args[] = {"inspect", hex, "--hashes", NULL};
+    if (run_ctl(&d, json_args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json inspect --hashes: %s", err);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je), *jh = json_object_get(j, "block_hashes");
+    assert_non_null(j);
+    assert_int_equal(json_integer_value(json_object_get(j, "block_size")), 16);
+    assert_int_equal(json_array_size(jh), n_want);
+    for (size_t k = 0; k < n_want; k++) {
+        snprintf(h, sizeof h, "%016llx", (unsigned long long)want[k]);
+        assert_string_equal(json_string_value(json_array_get(jh, k)), h);
+    }
+    json_decref(j);
+    if (run_ctl(&d, text_args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl inspect --hashes: %s", err);
+    char head[80];
+    snprintf(head, sizeof head, "hashes   %zu, of blocks of 16 tokens", n_want);
+    assert_non_null(strstr(out, head));
+    for (size_t k = 0; k < n_want; k++) {
+        snprintf(h, sizeof h, "%016llx", (unsigned long long)want[k]);
+        assert_non_null(strstr(out, h));
+    }
 
     struct snapkv_session_id forked;
     assert_int_equal(snapkv_fork(c, &full.id, &forked, NULL), SNAPKV_OK);

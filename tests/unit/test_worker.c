@@ -3027,9 +3027,10 @@ static void test_persist_checkpoint_late(void **state)
 }
 
 /* Persist files (version 5: a head's positions as runs when that is shorter, its scores behind
- * a flag; version 6: a count of the head's blocks in the store before their indices) bring back every spec's positions and scores: after a restart, sessions under full
- * (one run, zero scores), snapkv (kept rows scattered) and h2o (scores that decide its
- * evictions) go on exactly as twins prefilled after the start, which never went through a
+ * a flag; version 6: a count of the head's blocks in the store before their indices) bring back
+ * every spec's positions and scores: after a restart, sessions under full (one run, zero
+ * scores), snapkv (kept rows scattered) and h2o (scores that decide its evictions) go on
+ * exactly as twins prefilled after the start, which never went through a
  * file: the same logits, bit for bit, after an APPEND that makes h2o evict. */
 static void test_persist_rows_meta(void **state)
 {
