@@ -2057,9 +2057,9 @@ static int write_rows_meta(FILE *f, crypto_generichash_state *h, const struct sk
 }
 
 /* Writes session s to f, and the checksum of what it wrote after it (also into sum). With a
- * block store, full blocks go to the store (once however many sessions hold them, and once
- * across saves: blocks the store holds already are not read out of the cache) and f names
- * them (version 5). */
+ * block store, full blocks and a shared partly filled last block go to the store (once however
+ * many sessions hold them, and once across saves: blocks the store holds already are not read
+ * out of the cache) and f names them (version 6). */
 static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, struct skv_kv_store *store,
                          unsigned char sum[32])
 {
@@ -2383,7 +2383,7 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
     }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL;    /* one head's K or V rows on their way into its blocks */
-    uint32_t *refs = NULL; /* the store indices of its blocks there (version 4) */
+    uint32_t *refs = NULL; /* the store indices of its blocks there (version 4 on) */
     uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
     int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
@@ -2517,8 +2517,9 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
 }
 
 /* ---- sessions kept across a restart (persist = yes) ---------------------------------------------
- * A save writes, under <state-dir>/persist, every session (the SAVE format, version 4: its full
- * KV blocks named by their index in one block store) most recently used first and within
+ * A save writes, under <state-dir>/persist, every session (the SAVE format, version 6: its full
+ * KV blocks, and a partly filled last one other sessions hold too, named by their index in one
+ * block store) most recently used first and within
  * persist-max-seconds, and sessions.json, the manifest: the generation, the block store and
  * how many blocks of it count, and per session its file's generation, id, tenant, owner, pin,
  * lease and how long it had been idle. Saves are numbered (generations) and each one leaves the

@@ -1,7 +1,8 @@
-/* The block store (see kv_store.h): a header, then one record per block (K rows, V rows and
- * a BLAKE2b-128 of them), appended in the order blocks are first put, across saves. Blocks
- * already written are found by their stamp (in this save's map or the last one's), and blocks
- * of equal bytes by their BLAKE2b (read back and compared). */
+/* The block store (see kv_store.h): a header, then one record per block and count of its rows
+ * in use (K rows, V rows, zero rows past those in use, and a BLAKE2b-128 of them), appended in
+ * the order blocks are first put, across saves. Blocks already written are found by their
+ * stamp and count (block_key, in this save's map or the last one's), and blocks of equal bytes
+ * by their BLAKE2b (read back and compared). */
 #include "daemon/engine/kv_store.h"
 #include "common/status.h"
 

@@ -1,10 +1,11 @@
 /* The block store of a persist save: one file holding every full KV block the saved caches
- * hold, each written once however many caches share it (and once for blocks of equal bytes),
+ * hold, and the partly filled last blocks the caller gives it (a record per count of rows in
+ * use), each written once however many caches share it (and once for blocks of equal bytes),
  * so a document and its forks are saved (and read back) at the document's size. Saved caches
- * name their full blocks by their index in the store; a restore gives caches of one group that
- * named the same block one block again, shared as before the stop. Checkpoints append to the
+ * name those blocks by their index in the store; a restore gives caches of one group that
+ * named the same record one block again, shared as before the stop. Checkpoints append to the
  * store they wrote before and write only blocks they have not written (found by the blocks'
- * stamps). Knows caches and the pool, no session. */
+ * stamps and rows in use). Knows caches and the pool, no session. */
 #ifndef SKV_KV_STORE_H
 #define SKV_KV_STORE_H
 

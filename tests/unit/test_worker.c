@@ -37,6 +37,7 @@
 #include <fcntl.h>
 #include <glob.h>
 #include <pthread.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -3067,6 +3068,101 @@ static void test_persist_rows_meta(void **state)
     persist_off(f, dir);
 }
 
+/* Rewrites the version-6 persist file at path as the version 5 that daemons wrote before it:
+ * each head's count of store blocks goes (it must be its full blocks: no partly filled one
+ * shared), the version field says 5 and the BLAKE2b after it is computed again. The layout
+ * is requests.c's SAVE format: a 360-byte header, the tokens, the compressor state, the
+ * logits, a cut character, then per head its length, positions, scores, count, store indices
+ * and rows. */
+static void persist_file_to_v5(const char *path, int br)
+{
+    FILE *fp = fopen(path, "rb");
+    assert_non_null(fp);
+    static uint8_t in[1 << 20], out[1 << 20];
+    size_t n = fread(in, 1, sizeof in, fp), i = 0, o = 0;
+    fclose(fp);
+    assert_true(n > 360 + 32 && n < sizeof in);
+    uint32_t u[4];
+    memcpy(u, in + 8, sizeof u); /* version, layers, KV heads, head_dim */
+    assert_int_equal(u[0], 6);
+    int32_t n_tokens, v;
+    memcpy(&n_tokens, in + 32, 4);
+#define TAKE(k)                                                                                                        \
+    do {                                                                                                               \
+        size_t k_ = (size_t)(k);                                                                                       \
+        assert_true(i + k_ <= n - 32);                                                                                 \
+        memcpy(out + o, in + i, k_);                                                                                   \
+        o += k_;                                                                                                       \
+        i += k_;                                                                                                       \
+    } while (0)
+#define PEEK(x) (assert_true(i + 4 <= n - 32), memcpy(&(x), in + i, 4))
+    TAKE(360);
+    out[8] = 5;
+    TAKE((size_t)n_tokens * 4);
+    for (int k = 0; k < 3; k++) { /* compressor state bytes, logits (floats), a cut character's bytes */
+        PEEK(v);
+        TAKE(4 + (size_t)v * (k == 1 ? 4 : 1));
+    }
+    for (uint32_t h = 0; h < u[1] * u[2]; h++) {
+        int32_t len, runs, flag, refs;
+        PEEK(len);
+        TAKE(4);
+        PEEK(runs);
+        TAKE(4 + (runs < 0 ? (size_t)len * 4 : (size_t)runs * 8));
+        PEEK(flag);
+        TAKE(4 + (flag ? (size_t)len * 4 : 0));
+        PEEK(refs);
+        assert_int_equal(refs, len / br);
+        i += 4; /* the count goes */
+        TAKE((size_t)refs * 4);
+        TAKE((size_t)(len - refs * br) * u[3] * 4 * 2);
+    }
+#undef TAKE
+#undef PEEK
+    assert_int_equal(i, n - 32);
+    crypto_generichash(out + o, 32, out, o, NULL, 0);
+    fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(out, 1, o + 32, fp), o + 32);
+    fclose(fp);
+}
+
+/* A persist directory of version-5 files (what the daemon wrote before version 6), as an
+ * upgrade finds it: every session comes back and goes on exactly as its twin prefilled after
+ * the start. */
+static void test_persist_version5(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256], pattern[64];
+    persist_on(f, dir, "0");
+    const char *specs[] = {"policy=full", "policy=snapkv,budget=20,window=4"};
+    enum { N_SPECS = sizeof specs / sizeof *specs };
+    uint8_t sid[N_SPECS][16], twin[N_SPECS][16];
+    for (int k = 0; k < N_SPECS; k++) { /* rows past the full blocks: in the file, as version 5 had them */
+        prefill(f, 40, specs[k], sid[k]);
+        assert_int_equal(append(f, sid[k], 6, NULL), SKV_OK);
+    }
+    skv_worker_stop(&f->w);
+    char pdir[256];
+    snprintf(pdir, sizeof pdir, "%s/persist", dir);
+    for (int k = 0; k < N_SPECS; k++) {
+        char hex[33];
+        for (int i = 0; i < 16; i++)
+            snprintf(hex + 2 * i, 3, "%02x", sid[k][i]);
+        snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+        only_match(pdir, pattern, path, sizeof path);
+        persist_file_to_v5(path, skv_kv_pool_block_rows(f->tiny->m->kv_pool));
+    }
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    for (int k = 0; k < N_SPECS; k++) {
+        assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
+        prefill(f, 40, specs[k], twin[k]);
+        assert_int_equal(append(f, twin[k], 6, NULL), SKV_OK);
+        expect_as_twin(f, sid[k], twin[k], 46, specs[k]);
+    }
+    persist_off(f, dir);
+}
+
 /* A checkpoint that fails (here the persist directory's place holds a file) is counted, the
  * last checkpoint stays, and the next try waits at least 30 s rather than writing (and holding
  * the engine) every second; the save at stop still runs, and the start restores from it. */
@@ -3379,6 +3475,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_set_aside, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
     };
