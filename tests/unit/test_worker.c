@@ -1763,6 +1763,46 @@ static void test_cancel_decode(void **state)
     assert_memory_equal(got, want, sizeof want);
 }
 
+/* A CANCEL runs when its turn comes whatever its deadline (other requests past theirs are
+ * answered TIMEOUT unrun): it ends work its client gave up on. Dropped, the DECODE it named
+ * ran on to its max_tokens (CI under TSan: a client's 300 ms timeout passed for its DECODE and
+ * then for the CANCEL libsnapkv sent, and the decode went on for 2000 tokens). */
+static void test_cancel_past_deadline(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16];
+    prefill(f, 8, "policy=full", a);
+    freeze(f, a);
+    submit_decode(f, ID_X, "t", a, 1000, true);
+    Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
+    c.session_id = (ProtobufCBinaryData){16, a};
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
+    req.cancel = &c;
+    req.tenant = "t";
+    req.deadline_ms = 5;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    usleep(30000); /* past the CANCEL's deadline, in the queue */
+    thaw(f);
+    Snapkv__Reply *rep;
+    while (!(rep = next_reply(f, 0, ID_X, 5))->final) { /* the decode's tokens, then its end */
+        assert_int_equal(rep->status, SKV_OK);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_int_equal(rep->status, SKV_OK);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    assert_true(rep->decode->n_generated < 1000);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
+    assert_true(rep->cancel->cancelled);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 0);
+    assert_int_equal(stat(f, "snapkv_decodes_cancelled_total"), 1);
+    assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
+}
+
 /* COMPRESS of session sid with `spec`, queued by client id. */
 static void submit_compress(struct fixture *f, const uint8_t *id, const uint8_t sid[16], const char *spec)
 {
@@ -3454,6 +3494,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_client_gone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_yield, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cancel_decode, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cancel_past_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_overtake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_stats, setup, teardown),
