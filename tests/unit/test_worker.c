@@ -1690,7 +1690,8 @@ static void test_decode_yield(void **state)
  * with the tokens so far) comes first, then CANCEL's with how many it made; the session takes
  * the next DECODE at once and goes on as an uninterrupted decode would. Another tenant gets
  * NOT_FOUND, and a session with no decode running answers cancelled = false. */
-static void submit_cancel(struct fixture *f, int sock, const uint8_t *id, const char *tenant, const uint8_t sid[16])
+static void submit_cancel_within(struct fixture *f, int sock, const uint8_t *id, const char *tenant,
+                                 const uint8_t sid[16], uint32_t deadline_ms)
 {
     Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
     c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
@@ -1698,7 +1699,13 @@ static void submit_cancel(struct fixture *f, int sock, const uint8_t *id, const 
     req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
     req.cancel = &c;
     req.tenant = (char *)tenant;
+    req.deadline_ms = deadline_ms;
     assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
+}
+
+static void submit_cancel(struct fixture *f, int sock, const uint8_t *id, const char *tenant, const uint8_t sid[16])
+{
+    submit_cancel_within(f, sock, id, tenant, sid, 0);
 }
 
 static void test_cancel_decode(void **state)
@@ -1774,14 +1781,7 @@ static void test_cancel_past_deadline(void **state)
     prefill(f, 8, "policy=full", a);
     freeze(f, a);
     submit_decode(f, ID_X, "t", a, 1000, true);
-    Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
-    c.session_id = (ProtobufCBinaryData){16, a};
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
-    req.cancel = &c;
-    req.tenant = "t";
-    req.deadline_ms = 5;
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    submit_cancel_within(f, 0, ID_Y, "t", a, 5);
     usleep(30000); /* past the CANCEL's deadline, in the queue */
     thaw(f);
     Snapkv__Reply *rep;
@@ -3067,6 +3067,19 @@ static void test_persist_checkpoint_late(void **state)
     persist_off(f, dir);
 }
 
+/* After a restart: each saved session sid[k] (40 tokens under specs[k], then an APPEND of 6)
+ * is listed and goes on exactly as a twin prefilled now. */
+static void expect_restored_as_twins(struct fixture *f, const char *const *specs, int n, uint8_t (*sid)[16])
+{
+    for (int k = 0; k < n; k++) {
+        uint8_t twin[16];
+        assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
+        prefill(f, 40, specs[k], twin);
+        assert_int_equal(append(f, twin, 6, NULL), SKV_OK);
+        expect_as_twin(f, sid[k], twin, 46, specs[k]);
+    }
+}
+
 /* Persist files (version 5: a head's positions as runs when that is shorter, its scores behind
  * a flag; version 6: a count of the head's blocks in the store before their indices) bring back
  * every spec's positions and scores: after a restart, sessions under full (one run, zero
@@ -3080,7 +3093,7 @@ static void test_persist_rows_meta(void **state)
     persist_on(f, dir, "0");
     const char *specs[] = {"policy=full", "policy=snapkv,budget=16,window=4", "policy=h2o,budget=16,window=4"};
     enum { N_SPECS = sizeof specs / sizeof *specs };
-    uint8_t sid[N_SPECS][16], twin[N_SPECS][16];
+    uint8_t sid[N_SPECS][16];
     for (int k = 0; k < N_SPECS; k++) { /* an APPEND: h2o's rows now hold scores */
         prefill(f, 40, specs[k], sid[k]);
         assert_int_equal(append(f, sid[k], 6, NULL), SKV_OK);
@@ -3099,12 +3112,7 @@ static void test_persist_rows_meta(void **state)
     fclose(fp);
     assert_int_equal(head[2], 6); /* the version, after the 8-byte magic */
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-    for (int k = 0; k < N_SPECS; k++) {
-        assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
-        prefill(f, 40, specs[k], twin[k]);
-        assert_int_equal(append(f, twin[k], 6, NULL), SKV_OK);
-        expect_as_twin(f, sid[k], twin[k], 46, specs[k]);
-    }
+    expect_restored_as_twins(f, specs, N_SPECS, sid);
     persist_off(f, dir);
 }
 
@@ -3177,7 +3185,7 @@ static void test_persist_version5(void **state)
     persist_on(f, dir, "0");
     const char *specs[] = {"policy=full", "policy=snapkv,budget=20,window=4"};
     enum { N_SPECS = sizeof specs / sizeof *specs };
-    uint8_t sid[N_SPECS][16], twin[N_SPECS][16];
+    uint8_t sid[N_SPECS][16];
     for (int k = 0; k < N_SPECS; k++) { /* rows past the full blocks: in the file, as version 5 had them */
         prefill(f, 40, specs[k], sid[k]);
         assert_int_equal(append(f, sid[k], 6, NULL), SKV_OK);
@@ -3194,12 +3202,7 @@ static void test_persist_version5(void **state)
         persist_file_to_v5(path, skv_kv_pool_block_rows(f->tiny->m->kv_pool));
     }
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-    for (int k = 0; k < N_SPECS; k++) {
-        assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
-        prefill(f, 40, specs[k], twin[k]);
-        assert_int_equal(append(f, twin[k], 6, NULL), SKV_OK);
-        expect_as_twin(f, sid[k], twin[k], 46, specs[k]);
-    }
+    expect_restored_as_twins(f, specs, N_SPECS, sid);
     persist_off(f, dir);
 }
 
