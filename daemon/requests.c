@@ -1712,7 +1712,10 @@ void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
 }
 
 /* CANCEL: the session's running decode ends here, between two of its rounds (this request runs
- * between rounds), with its own final reply first; the session keeps its tokens. */
+ * between rounds), with its own final reply first; the session keeps its tokens. A CANCEL run
+ * past its deadline (it waited behind other work) ends only a decode its own connection
+ * started: that is the one its client gave up on, and another connection's DECODE of the
+ * session may have started since. */
 static void handle_cancel(struct skv_worker *w, struct skv_job *job)
 {
     struct skv_session *s = NULL;
@@ -1725,7 +1728,7 @@ static void handle_cancel(struct skv_worker *w, struct skv_job *job)
     Snapkv__CancelReply cr = SNAPKV__CANCEL_REPLY__INIT;
     for (struct skv_decode **pp = &w->decodes; *pp; pp = &(*pp)->next) {
         struct skv_decode *d = *pp;
-        if (d->session != s)
+        if (d->session != s || (job->late && !skv_job_same_sender(d->job, job)))
             continue;
         *pp = d->next;
         cr.cancelled = true;

@@ -229,14 +229,6 @@ void skv_worker_tenant_table(struct skv_worker *w, struct skv_tenant_table *out)
     *out = w->tenants;
 }
 
-/* True when two jobs came from the same client: the same endpoint and routing id (the identity
- * a reply is routed to), as a client-gone notice names its client. */
-static bool same_sender(const struct skv_job *a, const struct skv_job *b)
-{
-    return a->sock == b->sock && a->identity_len == b->identity_len &&
-           memcmp(a->identity, b->identity, a->identity_len) == 0;
-}
-
 /* Ends the running decodes of the client a client-gone notice is about: nobody reads their
  * tokens any more, and every round they stay in slows the other decodes. They end between two
  * rounds, so each session holds every token generated so far, its n_past and the logits of its
@@ -248,7 +240,7 @@ static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
     int n = 0;
     for (struct skv_decode **pp = &w->decodes; *pp;) {
         struct skv_decode *d = *pp;
-        if (!same_sender(d->job, notice)) {
+        if (!skv_job_same_sender(d->job, notice)) {
             pp = &d->next;
             continue;
         }
@@ -452,7 +444,7 @@ static void charge(struct skv_worker *w, const char *tenant, uint64_t start, uin
 static bool may_go_first(const struct skv_worker *w, const struct skv_job *q)
 {
     for (const struct skv_job *a = w->head; a != q; a = a->next)
-        if (same_sender(a, q) || (q->session && a->session && memcmp(q->session, a->session, SKV_SESSION_ID_BYTES) == 0))
+        if (skv_job_same_sender(a, q) || (q->session && a->session && memcmp(q->session, a->session, SKV_SESSION_ID_BYTES) == 0))
             return false;
     return true;
 }
@@ -523,7 +515,7 @@ static struct skv_job *take_short(struct skv_worker *w)
     for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
-        bool blocked = (w->running && same_sender(w->running, q)) || (w->outer && same_sender(w->outer, q)) ||
+        bool blocked = (w->running && skv_job_same_sender(w->running, q)) || (w->outer && skv_job_same_sender(w->outer, q)) ||
                        !may_go_first(w, q);
         const uint8_t *sid = q->session;
         struct skv_session *s = sid && !blocked ? skv_session_find(w->sessions, sid, NULL) : NULL;
@@ -550,7 +542,8 @@ static void run_job(struct skv_worker *w, struct skv_job *job)
     skv_worker_tenant(w, job->tenant)->requests++;
     uint64_t now = monotonic_ms();
     bool cancel = job->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
-    if (job->deadline_ms && now > job->deadline_ms && !cancel) {
+    job->late = job->deadline_ms && now > job->deadline_ms;
+    if (job->late && !cancel) {
         w->metrics.requests_past_deadline++;
         char msg[160];
         snprintf(msg, sizeof msg, "the request waited %llu ms for the engine, past its deadline of %u ms (the "
@@ -622,7 +615,7 @@ static struct skv_job *take_nested(struct skv_worker *w, uint64_t *start)
     int k = 0;
     for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
         if (q->kind != SKV_JOB_REQUEST || !job_nestable(q) || strcmp(q->tenant, r->tenant) == 0 ||
-            same_sender(r, q))
+            skv_job_same_sender(r, q))
             continue;
         uint64_t vt = clock_of(w, q->tenant);
         if (vt >= best_vt || !may_go_first(w, q))
@@ -1198,7 +1191,7 @@ bool skv_worker_running_gone(struct skv_worker *w)
     pthread_mutex_lock(&w->mu);
     bool gone = false;
     for (const struct skv_job *q = w->head; q && !gone; q = q->next)
-        gone = q->kind == SKV_JOB_CLIENT_GONE && same_sender(q, w->running);
+        gone = q->kind == SKV_JOB_CLIENT_GONE && skv_job_same_sender(q, w->running);
     pthread_mutex_unlock(&w->mu);
     return gone;
 }
@@ -1227,7 +1220,7 @@ int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t
     struct skv_job *dropped = NULL;
     for (struct skv_job *q = w->head, *prev = NULL, *next; q; q = next) {
         next = q->next;
-        if (q->kind != SKV_JOB_REQUEST || !same_sender(q, job) || !only_for_client(q)) {
+        if (q->kind != SKV_JOB_REQUEST || !skv_job_same_sender(q, job) || !only_for_client(q)) {
             prev = q;
             continue;
         }

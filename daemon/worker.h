@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "daemon/config.h"
 #include "proto/snapkv.pb-c.h"
@@ -34,8 +35,17 @@ struct skv_job {
                                * (the request's deadline_ms from when submit read it) */
     char tenant[64];          /* whose engine time it spends (queue-order = fair; set by submit):
                                * its tenant, "(admin)" on the admin endpoint */
+    bool late;                /* run past its deadline (a CANCEL: the others are not run) */
     struct skv_job *next;
 };
+
+/* Whether two jobs came from one client connection: the same endpoint and routing id (the
+ * identity a reply is routed to), as a client-gone notice names its client. */
+static inline bool skv_job_same_sender(const struct skv_job *a, const struct skv_job *b)
+{
+    return a->sock == b->sock && a->identity_len == b->identity_len &&
+           memcmp(a->identity, b->identity, a->identity_len) == 0;
+}
 
 /* Starts the thread; replies are pushed to `reply_endpoint` (an inproc:// PULL the caller bound
  * on context zctx) as [sock byte][identity][reply]. */

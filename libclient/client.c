@@ -467,8 +467,11 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
     char derived[SNAPKV_CURVE_KEY_SIZE];
     if (zmq_curve_public(derived, keys[1]) != 0)
         return skv_client_fail(SNAPKV_E_INVAL, "cannot derive the CURVE public key: %s", zmq_strerror(zmq_errno()));
-    /* a public key of another pair fails the handshake as if the server key were wrong */
-    if (keys[2] && strcmp(keys[2], derived) != 0)
+    /* a public key of another pair fails the handshake as if the server key were wrong (the
+     * keys' bytes compared: one key has more than one Z85 text where libzmq is lax) */
+    unsigned char given[SKV_KEY_BYTES], own[SKV_KEY_BYTES];
+    if (keys[2] && (!skv_key_z85_decode(keys[2], given) || !skv_key_z85_decode(derived, own) ||
+                    memcmp(given, own, sizeof own) != 0))
         return skv_client_fail(SNAPKV_E_INVAL, "the CURVE client public key is not the one of the client secret key "
                                                "(leave it out: it is derived from the secret key)");
     keys[2] = derived;

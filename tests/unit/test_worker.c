@@ -1773,27 +1773,35 @@ static void test_cancel_decode(void **state)
 /* A CANCEL runs when its turn comes whatever its deadline (other requests past theirs are
  * answered TIMEOUT unrun): it ends work its client gave up on. Dropped, the DECODE it named
  * ran on to its max_tokens (CI under TSan: a client's 300 ms timeout passed for its DECODE and
- * then for the CANCEL libsnapkv sent, and the decode went on for 2000 tokens). */
+ * then for the CANCEL libsnapkv sent, and the decode went on for 2000 tokens). Run late, it
+ * ends only a decode of its own connection: another connection's DECODE of the session may
+ * have started since (a review of the change). */
 static void test_cancel_past_deadline(void **state)
 {
     struct fixture *f = *state;
-    uint8_t a[16];
+    uint8_t a[16], b[16];
     prefill(f, 8, "policy=full", a);
-    freeze(f, a);
-    submit_decode(f, ID_X, "t", a, 1000, true);
+    prefill(f, 8, "policy=full", b);
+    /* behind a frozen worker: X's DECODE, then late CANCELs from Y (whose connection did not
+     * start that decode: it stays) and from X (it ends) */
+    freeze(f, b);
+    submit_decode(f, ID_X, "t", a, 1000, false);
     submit_cancel_within(f, 0, ID_Y, "t", a, 5);
-    usleep(30000); /* past the CANCEL's deadline, in the queue */
+    submit_cancel_within(f, 0, ID_X, "t", a, 5);
+    usleep(30000); /* past the CANCELs' deadlines, in the queue */
     thaw(f);
-    Snapkv__Reply *rep;
-    while (!(rep = next_reply(f, 0, ID_X, 5))->final) { /* the decode's tokens, then its end */
-        assert_int_equal(rep->status, SKV_OK);
-        snapkv__reply__free_unpacked(rep, NULL);
-    }
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
     assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
+    assert_false(rep->cancel->cancelled);
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_X, 5); /* the decode's, well before its 1000 tokens */
+    assert_int_equal(rep->status, SKV_OK);
+    assert_true(rep->final);
     assert_string_equal(rep->decode->finish_reason, "cancelled");
     assert_true(rep->decode->n_generated < 1000);
     snapkv__reply__free_unpacked(rep, NULL);
-    rep = next_reply(f, 0, ID_Y, 5);
+    rep = next_reply(f, 0, ID_X, 5);
     assert_int_equal(rep->status, SKV_OK);
     assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
     assert_true(rep->cancel->cancelled);
