@@ -49,7 +49,8 @@
  * refuse; chat with token ids, and stop tokens outside the vocabulary, are refused (INVAL);
  * snapkv_set_timeout(-1) in a callback makes the running call wait for ever (it timed out); an
  * ipc:// socket this user may not open fails connect at once (PERM), and a timeout's message
- * says whether the socket file is there.
+ * says whether the socket file is there; a CURVE client public key that is not the secret
+ * key's is refused at connect (INVAL).
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
