@@ -444,7 +444,8 @@ static void charge(struct skv_worker *w, const char *tenant, uint64_t start, uin
 static bool may_go_first(const struct skv_worker *w, const struct skv_job *q)
 {
     for (const struct skv_job *a = w->head; a != q; a = a->next)
-        if (skv_job_same_sender(a, q) || (q->session && a->session && memcmp(q->session, a->session, SKV_SESSION_ID_BYTES) == 0))
+        if (skv_job_same_sender(a, q) ||
+            (q->session && a->session && memcmp(q->session, a->session, SKV_SESSION_ID_BYTES) == 0))
             return false;
     return true;
 }
@@ -515,8 +516,8 @@ static struct skv_job *take_short(struct skv_worker *w)
     for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
-        bool blocked = (w->running && skv_job_same_sender(w->running, q)) || (w->outer && skv_job_same_sender(w->outer, q)) ||
-                       !may_go_first(w, q);
+        bool blocked = (w->running && skv_job_same_sender(w->running, q)) ||
+                       (w->outer && skv_job_same_sender(w->outer, q)) || !may_go_first(w, q);
         const uint8_t *sid = q->session;
         struct skv_session *s = sid && !blocked ? skv_session_find(w->sessions, sid, NULL) : NULL;
         /* a CANCEL is for a decoding (busy) session; none may touch the running forward's */

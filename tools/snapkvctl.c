@@ -1579,6 +1579,18 @@ static void hash_hex(uint64_t h, char out[17])
     snprintf(out, 17, "%016llx", (unsigned long long)h);
 }
 
+/* Block hashes as a JSON array of hash_hex strings (NULL out of memory). */
+static json_t *hashes_json(const uint64_t *hashes, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++) {
+        char h[17];
+        hash_hex(hashes[i], h);
+        json_push(&a, json_string(h));
+    }
+    return a;
+}
+
 static int cmd_inspect(const struct ctl *c, int argc, char **argv)
 {
     static const struct option opts[] = {{"positions", no_argument, NULL, OPT_POSITIONS},
@@ -1621,14 +1633,8 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
         json_put(&j, "spec", json_text(in.spec));
         json_put(&j, "layers", layers_json(in.layers, in.n_layers, in.layer_similarity, in.n_layer_similarity));
         if (with_hashes) {
-            json_t *a = json_array();
-            for (size_t i = 0; a && i < n_hashes; i++) {
-                char h[17];
-                hash_hex(hashes[i], h);
-                json_push(&a, json_string(h));
-            }
             json_put(&j, "block_size", json_integer(block_size));
-            json_put(&j, "block_hashes", a);
+            json_put(&j, "block_hashes", hashes_json(hashes, n_hashes));
         }
         ret = print_json(j);
     } else {
@@ -2002,12 +2008,7 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
             id_hex(&e.id, hex);
         const char *kind = event_kinds[e.kind <= SNAPKV_EVENT_CLEARED ? e.kind : 0];
         if (c->json) {
-            json_t *hashes = json_array();
-            for (size_t i = 0; hashes && i < e.n_block_hashes; i++) {
-                char h[17];
-                hash_hex(e.block_hashes[i], h);
-                json_push(&hashes, json_string(h));
-            }
+            json_t *hashes = hashes_json(e.block_hashes, e.n_block_hashes);
             json_t *o = json_pack("{s:I, s:f, s:s}", "sequence", (json_int_t)e.sequence, "ts", e.ts, "kind", kind);
             if (e.kind != SNAPKV_EVENT_CLEARED) {
                 json_put(&o, "session", json_string(hex));
