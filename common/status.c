@@ -1,7 +1,11 @@
 /* Status names and the thread-local error detail behind skv_errorf(). */
 #include "common/status.h"
 
+#include <stdbool.h>
 #include <stdio.h>
+#include <string.h>
+
+#include "common/utf8.h"
 
 static const struct {
     int code;
@@ -46,9 +50,31 @@ const char *skv_status_name(int status)
     return "SKV_E_UNKNOWN";
 }
 
+/* The message goes out in replies' `string` fields, which must be UTF-8: a name a client or a
+ * file gave (a GGUF's metadata, a path) may not be, and %.64s or the buffer's end may cut a
+ * character. Each byte of an ill-formed part becomes '?', a character cut at the end is dropped. */
+static void make_text(char *s)
+{
+    size_t n = strlen(s);
+    for (size_t i = 0; i < n;) {
+        bool partial;
+        size_t bad, len = skv_utf8_char((const unsigned char *)s + i, n - i, &partial, &bad);
+        if (len) {
+            i += len;
+        } else if (partial) {
+            s[i] = '\0';
+            return;
+        } else {
+            memset(s + i, '?', bad);
+            i += bad;
+        }
+    }
+}
+
 int skv_verrorf(int status, const char *fmt, va_list ap)
 {
     vsnprintf(error_msg, sizeof error_msg, fmt, ap);
+    make_text(error_msg);
     return status;
 }
 

@@ -9,6 +9,7 @@
 #include "daemon/clients.h"
 #include "daemon/events_replay.h"
 #include "daemon/metrics_http.h"
+#include "daemon/proto_text.h"
 #include "daemon/replies.h"
 #include "daemon/session.h"
 #include "daemon/worker.h"
@@ -811,6 +812,8 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
                         req->version, PROTOCOL_VERSION);
         goto reply;
     }
+    if ((rc = skv_proto_text_check(&snapkv__request__descriptor, zmq_msg_data(&body), zmq_msg_size(&body))))
+        goto reply; /* a NUL or ill-formed UTF-8 in a string: protobuf-c would have cut or kept it silently */
     if (is_admin_command(req->command_case) && !admin) {
         rc = skv_errorf(SKV_E_PERM, "admin commands are only accepted on the admin endpoint");
         goto reply;

@@ -209,7 +209,7 @@ typedef void (*snapkv_progress_fn)(void *user, uint32_t tokens_done, uint32_t n_
 struct snapkv_prefill_opts {
     const uint32_t *tokens;       /* either token ids ... */
     size_t n_tokens;
-    const char *text;             /* ... or UTF-8 text, tokenized by the daemon */
+    const char *text;             /* ... or UTF-8 text, tokenized by the daemon (ill-formed: SNAPKV_E_INVAL) */
     bool chat;                    /* render text as one user turn with the model's chat template */
     const char *compress;         /* compression spec; NULL or "": keep everything */
     bool return_logits;           /* the last position's logits in the result */

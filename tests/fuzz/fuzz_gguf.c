@@ -2,7 +2,7 @@
  * it loads, reads back every key, array element and tensor byte range it exposes, so any
  * pointer the validator let through is touched. Build:
  *   clang -fsanitize=fuzzer,address,undefined -I. tests/fuzz/fuzz_gguf.c \
- *         daemon/engine/gguf.c kernels/dtype.c common/status.c -o fuzz_gguf
+ *         daemon/engine/gguf.c kernels/dtype.c common/status.c common/utf8.c -o fuzz_gguf
  * Seed with tests/fixtures/types.gguf. */
 #include <stdbool.h>
 #include <stddef.h>

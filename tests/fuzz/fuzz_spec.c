@@ -4,7 +4,7 @@
  * SqueezeAttention's layer budgets for it (similarities taken from the input) are in [1, n]
  * and SqueezeAttention keeps the total L * B whenever the prompt can hold it. Build:
  *   clang -fsanitize=fuzzer,address,undefined -I. tests/fuzz/fuzz_spec.c daemon/compress/spec.c \
- *         daemon/compress/pyramid.c daemon/compress/squeeze.c common/status.c -lm -o fuzz_spec */
+ *         daemon/compress/pyramid.c daemon/compress/squeeze.c common/status.c common/utf8.c -lm -o fuzz_spec */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

@@ -243,7 +243,8 @@ static void *raw_socket(const struct daemon *d, void *ctx, int opt, int value)
     return s;
 }
 
-/* Raw frames that are not requests get a PROTO reply; the daemon keeps serving. */
+/* Raw frames that are not requests get a PROTO reply, strings that are not text an INVAL one;
+ * the daemon keeps serving. */
 static void test_malformed(void **state)
 {
     NEED_DAEMON(d);
@@ -259,6 +260,30 @@ static void test_malformed(void **state)
     for (int i = 0; i + 1 < n; i++)
         found |= buf[i] == 0x18 && buf[i + 1] == 0x09;
     assert_true(found);
+    /* a PREFILL whose text holds a NUL (protobuf-c would cut it there) or a byte that is not
+     * UTF-8: SKV_E_INVAL (zigzag 3: bytes 0x18 0x03), naming the field */
+    static const struct {
+        uint8_t bytes[24];
+        size_t len;
+        const char *says;
+    } texts[] = {
+        /* version 1, prefill (field 11) { text (field 2) "hello\0world" } */
+        {{0x08, 1, 0x5a, 13, 0x12, 11, 'h', 'e', 'l', 'l', 'o', 0, 'w', 'o', 'r', 'l', 'd'}, 17,
+         "prefill.text is not text: a NUL at byte 5"},
+        /* version 1, tenant (field 3) "t\xff", prefill { text "hi" } */
+        {{0x08, 1, 0x1a, 2, 't', 0xff, 0x5a, 4, 0x12, 2, 'h', 'i'}, 12,
+         "tenant is not text: ill-formed UTF-8 at byte 1"},
+    };
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        assert_true(zmq_send(s, texts[i].bytes, texts[i].len, 0) >= 0);
+        n = zmq_recv(s, buf, sizeof buf, 0);
+        assert_true(n > 0);
+        found = false;
+        for (int k = 0; k + 1 < n; k++)
+            found |= buf[k] == 0x18 && buf[k + 1] == 0x03;
+        assert_true(found);
+        assert_non_null(memmem(buf, (size_t)n, texts[i].says, strlen(texts[i].says)));
+    }
     /* an IMPORT_KV of a million empty layer entries (2 MB on the wire, some 100 MB unpacked):
      * refused while unpacking, SKV_E_LIMIT (zigzag 21: bytes 0x18 0x15), before it is queued */
     enum { N_EMPTY = 1000000 };

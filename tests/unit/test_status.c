@@ -38,6 +38,30 @@ static void test_error_message(void **state)
     assert_true(strlen(skv_error_msg()) < sizeof big);
 }
 
+/* The message goes out in replies' UTF-8 `string` fields: a name that is not UTF-8 shows '?' per
+ * ill-formed byte; a character cut by %.Ns or by the buffer's end is dropped. */
+static void test_error_message_is_text(void **state)
+{
+    (void)state;
+    skv_errorf(SKV_E_INVAL, "tenant '%s'", "a\xff\xfe" "b\xed\xa0\x80" "c");
+    assert_string_equal(skv_error_msg(), "tenant 'a??b???c'");
+    skv_errorf(SKV_E_INVAL, "name '%.3s'", "ab\xc3\xa9"); /* é cut after its first byte */
+    assert_string_equal(skv_error_msg(), "name 'ab?'");
+    skv_errorf(SKV_E_INVAL, "%.3s", "ab\xc3\xa9"); /* ... at the end: dropped */
+    assert_string_equal(skv_error_msg(), "ab");
+    skv_errorf(SKV_E_INVAL, "caf\xc3\xa9 \xe2\x82\xac"); /* well-formed: kept */
+    assert_string_equal(skv_error_msg(), "caf\xc3\xa9 \xe2\x82\xac");
+    char big[2000] = "";
+    for (size_t n = 0; n + 3 < sizeof big; n += 3)
+        strcat(big, "\xe2\x82\xac"); /* the buffer's end falls inside a character or not */
+    for (int pad = 0; pad < 3; pad++) {
+        skv_errorf(SKV_E_IO, "%.*s%s", pad, "xx", big);
+        size_t n = strlen(skv_error_msg());
+        assert_int_equal((n - (size_t)pad) % 3, 0);
+        assert_true(n + 3 >= 511);
+    }
+}
+
 static void test_client_codes_match(void **state)
 {
     (void)state;
@@ -66,6 +90,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names),
         cmocka_unit_test(test_error_message),
+        cmocka_unit_test(test_error_message_is_text),
         cmocka_unit_test(test_client_codes_match),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
