@@ -3,6 +3,7 @@
  * engine runs, checks every shape, and in reference mode dequantizes weights to f32. */
 #include "daemon/engine/model.h"
 #include "common/status.h"
+#include "common/utf8.h"
 #include "daemon/engine/gguf.h"
 #include "daemon/engine/kv_pool.h"
 #include "daemon/engine/safetensors.h"
@@ -160,6 +161,24 @@ static int check_shape(const struct skv_tensor *t, int64_t ne0, int64_t ne1)
         return skv_errorf(SKV_E_UNSUPPORTED, "tensor %s: type %s is not supported", t->name,
                           skv_dtype_name(t->type) ? skv_dtype_name(t->type) : "?");
     return SKV_OK;
+}
+
+/* The model's name goes out in HELLO and STATUS replies, UTF-8 `string` fields, but comes from
+ * a GGUF's metadata or a path: ill-formed parts and NUL become U+FFFD, and it is cut at a
+ * character's end within the field. */
+static void set_name(struct skv_model *m, const char *s, size_t n)
+{
+    size_t len;
+    char *fixed = skv_utf8_fix(s, n, &len);
+    if (!fixed) {
+        snprintf(m->name, sizeof m->name, "model");
+        return;
+    }
+    while (len >= sizeof m->name || (len && ((unsigned char)fixed[len] & 0xC0) == 0x80))
+        len--; /* back to a character's first byte within the field */
+    memcpy(m->name, fixed, len);
+    m->name[len] = '\0';
+    free(fixed);
 }
 
 typedef const struct skv_tensor *(*find_fn)(const struct skv_model *m, const char *name);
@@ -564,7 +583,7 @@ static int load_gguf(struct skv_model *m, const char *path)
         return skv_errorf(SKV_E_UNSUPPORTED, "%s: architecture '%s' is not supported (llama, qwen2)", path,
                           arch);
     if (skv_gguf_get_str(g, "general.name", &s) && s.len)
-        snprintf(m->name, sizeof m->name, "%.*s", (int)(s.len < 127 ? s.len : 127), s.ptr);
+        set_name(m, s.ptr, s.len);
 
     struct skv_model_config *c = &m->cfg;
     if (!gguf_u32(g, arch, "block_count", &c->n_layers) || !gguf_u32(g, arch, "embedding_length", &c->dim) ||
@@ -733,7 +752,8 @@ static int load_hf(struct skv_model *m, const char *dir)
     }
     snprintf(c->arch, sizeof c->arch, "%s", strcmp(mt, "qwen2") == 0 ? "qwen2" : "llama");
     const char *slash = strrchr(dir, '/');
-    snprintf(m->name, sizeof m->name, "%s", slash && slash[1] ? slash + 1 : dir);
+    const char *base = slash && slash[1] ? slash + 1 : dir;
+    set_name(m, base, strlen(base));
     c->norm_eps = 1e-6f;
     c->rope.theta = 10000.0f;
     c->max_ctx = 4096;
@@ -913,7 +933,7 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
         return rc;
     }
     if (!m->name[0])
-        snprintf(m->name, sizeof m->name, "%s", path);
+        set_name(m, path, strlen(path));
     *out = m;
     return SKV_OK;
 }

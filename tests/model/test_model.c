@@ -871,6 +871,40 @@ static int cuda_group_setup(void **state)
     return 0;
 }
 
+/* The model's name goes out in HELLO and STATUS (UTF-8 `string` fields): a folder named with a
+ * byte that is not UTF-8 and 100 two-byte characters gives a name with U+FFFD for the byte, cut
+ * at a character's end within 127 bytes. */
+static void test_name_is_text(void **state)
+{
+    (void)state;
+    char *dir = fixture_stage_dir("tests/fixtures/tiny-llama");
+    assert_non_null(dir);
+    char odd[512];
+    int n = snprintf(odd, sizeof odd, "%s-ab\xff", dir);
+    for (int i = 0; i < 100; i++)
+        n += snprintf(odd + n, sizeof odd - (size_t)n, "\xc3\xa9"); /* é */
+    assert_int_equal(rename(dir, odd), 0);
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    int rc = skv_model_load(odd, be, NULL, &m);
+    assert_int_equal(rename(odd, dir), 0);
+    char base[64];
+    snprintf(base, sizeof base, "%s", strrchr(dir, '/') + 1);
+    fixture_remove_dir(dir); /* frees dir */
+    assert_int_equal(rc, SKV_OK);
+    const char *name = skv_model_name(m);
+    size_t len = strlen(name), head = strlen(base);
+    assert_memory_equal(name, base, head);
+    assert_memory_equal(name + head, "-ab\xef\xbf\xbd", 6);
+    assert_true(len <= 127 && len > 120);
+    assert_int_equal((len - head - 6) % 2, 0); /* whole é's */
+    for (size_t i = head + 6; i < len; i += 2)
+        assert_memory_equal(name + i, "\xc3\xa9", 2);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+}
+
 #define ON_CUDA(fn)                                                                               \
     static void fn##_cuda(void **state)                                                           \
     {                                                                                             \
@@ -1144,6 +1178,7 @@ int main(void)
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
         cmocka_unit_test(test_tokenizer_fits_model), cmocka_unit_test(test_tick_matches_plain),
         cmocka_unit_test(test_weights_converted),  cmocka_unit_test(test_hf_config_checks),
+        cmocka_unit_test(test_name_is_text),
     };
     const struct CMUnitTest cuda[] = {
         cmocka_unit_test(test_tiny_llama_cuda),        cmocka_unit_test(test_tiny_llama_bf16_cuda),
