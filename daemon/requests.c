@@ -791,9 +791,10 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     if (window > 0)
         comp = NULL; /* taken */
     if (rc) {
-        char msg[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
-        snprintf(msg, sizeof msg, "%s; the session is as it was", skv_error_msg());
-        skv_requests_fail(w, job, rc, msg);
+        char why[512]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        skv_errorf(rc, "%s; the session is as it was", why); /* cut at a character's end */
+        skv_requests_fail(w, job, rc, skv_error_msg());
         return;
     }
     if (window <= 0) {

@@ -25,6 +25,10 @@
  * compression (the daemon's default-compress); snapkv_compress needs one. The
  * daemon parses and validates them (unknown keys and bad values are errors).
  *
+ * Every string a call sends (text, specs, stop sequences, names, the tenant and the client's
+ * name at connect) must be well-formed UTF-8: the daemon answers one that is not SNAPKV_E_INVAL,
+ * naming the field ("request field prefill.text is not text: ill-formed UTF-8 at byte 3").
+ *
  * ABI: the shared library is libsnapkv.so.N, N = current - age of its libtool version
  * (LIBSNAPKV_LT_VERSION in configure.ac, current:revision:age). A release that only changes code
  * bumps revision. One that adds functions bumps current and age (programs built against the

@@ -168,13 +168,17 @@ static int check_shape(const struct skv_tensor *t, int64_t ne0, int64_t ne1)
  * character's end within the field. */
 static void set_name(struct skv_model *m, const char *s, size_t n)
 {
+    if (n > sizeof m->name + 3)
+        n = sizeof m->name + 3; /* a part gives at least its bytes, and a character is at most 4 */
     size_t len;
     char *fixed = skv_utf8_fix(s, n, &len);
     if (!fixed) {
         snprintf(m->name, sizeof m->name, "model");
         return;
     }
-    while (len >= sizeof m->name || (len && ((unsigned char)fixed[len] & 0xC0) == 0x80))
+    if (len >= sizeof m->name)
+        len = sizeof m->name - 1;
+    while (len && ((unsigned char)fixed[len] & 0xC0) == 0x80)
         len--; /* back to a character's first byte within the field */
     memcpy(m->name, fixed, len);
     m->name[len] = '\0';
