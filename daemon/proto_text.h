@@ -1,9 +1,9 @@
 /* The text in a request. protobuf-c hands a `string` field over as a C string, so a NUL inside
  * one cut it there without a word, and it never checks UTF-8, which proto3 asks of every
  * `string` (Python's and Go's protobuf refuse to read a reply that echoes ill-formed text, such
- * as an error message quoting a tenant's name). The packed bytes are walked once, by the message's descriptor,
- * before the request is served: every `string` field, nested messages and repeated ones
- * included, must be well-formed UTF-8 with no NUL. `bytes` fields and unknown fields are
+ * as an error message quoting a tenant's name). The packed bytes are walked once, by the
+ * message's descriptor, before the request is served: every `string` field, nested messages and
+ * repeated ones included, must be well-formed UTF-8 with no NUL. `bytes` fields and unknown fields are
  * skipped by their length. Every occurrence is checked, so a request carrying two members of a
  * oneof (protobuf-c keeps the last) has the first one's strings checked too. */
 #ifndef SKV_PROTO_TEXT_H
