@@ -535,16 +535,18 @@ static struct skv_job *take_short(struct skv_worker *w)
 
 /* Runs a request (a DECODE starts: its tokens come with the rounds); one whose client stopped
  * waiting for it (its deadline passed in the queue) is answered TIMEOUT instead, but for a
- * CANCEL: it ends work its client gave up on, which dropped, would run on (a DECODE to its
- * max_tokens). */
+ * CANCEL and a RELEASE: a CANCEL ends work its client gave up on, which dropped, would run on
+ * (a DECODE to its max_tokens); a RELEASE frees a cache its client is done with, which dropped,
+ * would hold its blocks until its lease ends (a retry gets NOT_FOUND). */
 static void run_job(struct skv_worker *w, struct skv_job *job)
 {
     w->metrics.requests++;
     skv_worker_tenant(w, job->tenant)->requests++;
     uint64_t now = monotonic_ms();
-    bool cancel = job->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
+    bool always = job->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL ||
+                  job->req->command_case == SNAPKV__REQUEST__COMMAND_RELEASE;
     job->late = job->deadline_ms && now > job->deadline_ms;
-    if (job->late && !cancel) {
+    if (job->late && !always) {
         w->metrics.requests_past_deadline++;
         char msg[160];
         snprintf(msg, sizeof msg, "the request waited %llu ms for the engine, past its deadline of %u ms (the "

@@ -108,8 +108,9 @@ struct snapkv_connect_opts {
     const char *name;       /* client name, in the daemon's log at log-level = debug; NULL: "libsnapkv" */
     int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever.
                              * Each request tells the daemon this as its deadline: one still
-                             * queued when it passes is answered TIMEOUT unrun, and a PREFILL
-                             * without progress replies stops at its next layer */
+                             * queued when it passes is answered TIMEOUT unrun (but a CANCEL
+                             * or RELEASE, which run late), and a PREFILL without progress
+                             * replies stops at its next layer */
     /* CURVE, which a daemon's tcp:// endpoint requires: Z85 keys (40 characters, e.g. read with
      * snapkv_curve_key_load). All NULL: no CURVE (ipc://, or a daemon run with
      * allow-insecure-tcp). The strings are copied during snapkv_connect. */
@@ -341,7 +342,8 @@ SNAPKV_API void snapkv_compress_result_free(struct snapkv_compress_result *r);
 SNAPKV_API int snapkv_fork(snapkv_client_t *client, const struct snapkv_session_id *id,
                            struct snapkv_session_id *out, uint64_t *shared_bytes);
 
-/* Frees a session now. */
+/* Frees a session now. One that returns SNAPKV_E_TIMEOUT still frees it when its turn comes in
+ * the daemon's queue. */
 SNAPKV_API int snapkv_release(snapkv_client_t *client, const struct snapkv_session_id *id);
 
 /* Ends the session's running DECODE between two tokens, e.g. from another thread's connection

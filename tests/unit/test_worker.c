@@ -2142,13 +2142,14 @@ static void test_gone_drops_queued(void **state)
 
 /* A request still waiting when its deadline (the client's timeout) passes is answered TIMEOUT
  * without running: no session for a PREFILL, no tokens for an APPEND; one with no deadline, or
- * a later one, runs. */
+ * a later one, runs, and so does a late RELEASE (its cache freed now, not at its lease's end). */
 static void test_deadline(void **state)
 {
     struct fixture *f = *state;
-    uint8_t a[16], b[16];
+    uint8_t a[16], b[16], c[16];
     prefill(f, 8, "policy=full", a);
     prefill(f, 8, "policy=full", b);
+    prefill(f, 8, "policy=full", c);
     freeze(f, a);
     uint32_t tokens[8];
     fixed_ids(f, tokens, 8);
@@ -2170,6 +2171,13 @@ static void test_deadline(void **state)
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &aq)), SKV_OK);
     aq.deadline_ms = 600000; /* and one whose client waits ten minutes */
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &aq)), SKV_OK);
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = (ProtobufCBinaryData){16, c};
+    Snapkv__Request rq = SNAPKV__REQUEST__INIT;
+    rq.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    rq.release = &rr;
+    rq.deadline_ms = 5;
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &rq)), SKV_OK);
     usleep(30000);
     thaw(f);
     expect_reply(f, SKV_E_TIMEOUT, "past its deadline of 5 ms (the client's timeout): not run");
@@ -2182,9 +2190,13 @@ static void test_deadline(void **state)
     assert_int_equal(rep->status, SKV_OK);
     assert_int_equal(rep->append->n_tokens, 12);
     snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_RELEASE);
+    snapkv__reply__free_unpacked(rep, NULL);
     int n_sessions = 0;
     listed(f, a, NULL, &n_sessions);
-    assert_int_equal(n_sessions, 2);
+    assert_int_equal(n_sessions, 2); /* a and b: no PREFILL's, c released */
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 2);
 }
 
