@@ -905,9 +905,16 @@ static void handle_release(struct skv_worker *w, struct skv_job *job)
 
 /* Opens the client's shared-memory object. It is never mapped: the client owns it and may
  * shrink it at any time, and a mapping would then fault (SIGBUS) in the daemon. Transfers go
- * through pread / pwrite, which report a short count instead. */
-static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
+ * through pread / pwrite, which report a short count instead. The object must belong to the
+ * client's own user (an ipc:// connection's): the daemon can open every client's objects, and
+ * without the check a client could have it write into another's buffer (EXPORT_KV) or read
+ * another's exported cache into a session of its own (IMPORT_KV), names being listed in
+ * /dev/shm for all to see. A tcp:// client's user is not known: it may not name one. */
+static int open_buffer(const struct skv_job *job, const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
 {
+    if (job->uid < 0)
+        return skv_errorf(SKV_E_PERM, "a shared-memory buffer may be named only over an ipc:// endpoint, whose "
+                          "connection tells snapkvd the client's user (to check the object is the client's own)");
     const char *name = b->shm_name;
     size_t len = strlen(name);
     if (len <= strlen(SKV_SHM_PREFIX) || len > 200 || strncmp(name, SKV_SHM_PREFIX, strlen(SKV_SHM_PREFIX)) != 0)
@@ -931,6 +938,11 @@ static int open_buffer(const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
     if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
         return skv_errorf(SKV_E_IO, "%s is not a shared-memory object", name);
+    }
+    if ((long)sb.st_uid != job->uid) {
+        close(fd);
+        return skv_errorf(SKV_E_PERM, "shared-memory object %s belongs to uid %lu, not to this client's user "
+                          "(uid %ld): a client may name only its own buffers", name, (unsigned long)sb.st_uid, job->uid);
     }
     uint64_t size = (uint64_t)sb.st_size;
     if (b->offset > size || need > size - b->offset || b->offset + need > (uint64_t)INT64_MAX) {
@@ -1069,7 +1081,7 @@ static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snap
         return skv_errorf(SKV_E_INVAL, "a buffer is required");
     if (b->kind_case == SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
         x->base = b->offset;
-        return open_buffer(b, need, &x->fd);
+        return open_buffer(job, b, need, &x->fd);
     }
     if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
         return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");

@@ -1210,6 +1210,7 @@ int skv_worker_client_gone(struct skv_worker *w, const uint8_t *identity, size_t
         return SKV_E_NOMEM;
     job->kind = SKV_JOB_CLIENT_GONE;
     job->sock = 0;
+    job->uid = -1;
     memcpy(job->identity, identity, identity_len);
     job->identity_len = identity_len;
     pthread_mutex_lock(&w->mu);

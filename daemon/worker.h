@@ -36,6 +36,9 @@ struct skv_job {
     char tenant[64];          /* whose engine time it spends (queue-order = fair; set by submit):
                                * its tenant, "(admin)" on the admin endpoint */
     bool late;                /* run past its deadline (a CANCEL: the others are not run) */
+    long uid;                 /* the client process's user, as its ipc:// connection's Peer-Address
+                               * gives it (SO_PEERCRED when it connected); -1 on tcp:// and for
+                               * notices: who may name a shared-memory object (open_buffer) */
     struct skv_job *next;
 };
 

@@ -362,7 +362,9 @@ SNAPKV_API int snapkv_cancel(snapkv_client_t *client, const struct snapkv_sessio
  * it group "snapkv" when that group exists and the caller is root or a member of it (a
  * supplementary group is enough); otherwise it keeps the caller's effective group, and the
  * daemon refuses it (SNAPKV_E_PERM) unless that group is the daemon's: join group snapkv, or
- * run the client with it as primary group (`sg snapkv -c CMD`), or fchown(shm.fd, -1, gid). */
+ * run the client with it as primary group (`sg snapkv -c CMD`), or fchown(shm.fd, -1, gid).
+ * The daemon opens only objects owned by the connection's own user (an ipc:// endpoint tells it
+ * that user; over tcp:// no object can be named): another user's is SNAPKV_E_PERM. */
 struct snapkv_shm {
     char name[64];                /* "/snapkv-<hint>-<pid>-<random>" */
     void *addr;                   /* mapping of the whole object, read/write */

@@ -154,6 +154,7 @@ static bool submit(int sock, uint8_t id, Snapkv__Request *req)
     if (!job)
         __builtin_trap();
     job->sock = sock;
+    job->uid = (long)geteuid();
     job->identity[0] = id;
     job->identity_len = 1;
     job->req = req;

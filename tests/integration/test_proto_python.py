@@ -15,7 +15,8 @@ What it checks, with values from references no one here wrote:
 - INSPECT's block hashes against Python's hashlib BLAKE2b-64 chain over the token history, and
   the KV events (a SUB socket) carrying the same;
 - EXPORT_KV into a POSIX shared-memory object this process made, IMPORT_KV of it as a new
-  session, and both sessions decoding the same tokens;
+  session, and both sessions decoding the same tokens; as root, an object of another user's
+  refused;
 - COMPRESS, FORK, RELEASE, CANCEL; STATUS, LIST, STATS, CONFIG_GET on the admin socket;
 - errors: a bad spec (INVAL), an unknown session (NOT_FOUND), a wrong protocol version
   (VERSION), each with its message, the daemon serving on; a SIGTERM ends it with status 0.
@@ -33,7 +34,7 @@ import tempfile
 import time
 
 SKIP = 77
-OK, E_INVAL, E_NOT_FOUND, E_VERSION = 0, -2, -8, -13
+OK, E_INVAL, E_NOT_FOUND, E_PERM, E_VERSION = 0, -2, -8, -12, -13
 
 
 def skip(why):
@@ -240,6 +241,18 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     finally:
         os.close(fd)
         os.unlink(f"/dev/shm{name}")
+    if os.geteuid() == 0:  # another user's object, named by this client: refused, untouched
+        other = f"/snapkv-py-other-{os.getpid()}"
+        fd = os.open(f"/dev/shm{other}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
+        try:
+            os.ftruncate(fd, size)
+            os.fchown(fd, 65534, 65534)
+            rep = c.call("export_kv", pb.ExportKvRequest(session_id=sid, buffer=pb.BufferRef(shm_name=other, size=size)))
+            check(rep.status == E_PERM and "only its own buffers" in rep.message and os.pread(fd, 4096, 0) == bytes(4096),
+                  f"EXPORT_KV into another user's object: PERM, {rep.message[:60]!r}…")
+        finally:
+            os.close(fd)
+            os.unlink(f"/dev/shm{other}")
     # an imported session has no next-token logits: the next token goes in by APPEND, to both
     nxt = short["greedy"]["ids"][16]
     a = c.call("append", pb.AppendRequest(session_id=sid, tokens=[nxt], return_logits=True))

@@ -255,6 +255,7 @@ static struct skv_job *job_new(int sock, const uint8_t *id, size_t id_len, Snapk
     assert_non_null(job->req);
     free(buf);
     job->sock = sock;
+    job->uid = (long)geteuid(); /* an ipc:// client of this process's user */
     memcpy(job->identity, id, id_len);
     job->identity_len = id_len;
     return job;
@@ -844,6 +845,25 @@ static void test_decode_over_quota(void **state)
 
 /* ---- shared-memory buffers ------------------------------------------------------------------- */
 
+/* EXPORT_KV of sid into the shared-memory object `name`, from a client of user uid (-1: a
+ * tcp:// client, whose user the daemon does not know). */
+static Snapkv__Reply *export_shm_as(struct fixture *f, const uint8_t sid[16], const char *name, long uid)
+{
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = (char *)name;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    e.buffer = &buf;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    struct skv_job *job = job_new(0, ID_X, 5, &req);
+    job->uid = uid;
+    assert_int_equal(skv_worker_submit(f->w, job), SKV_OK);
+    return next_reply(f, 0, ID_X, 5);
+}
+
 static Snapkv__Reply *export_shm(struct fixture *f, const uint8_t sid[16], const char *name)
 {
     Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
@@ -970,6 +990,33 @@ static void test_shm_buffers(void **state)
     assert_memory_equal(probe, zero, sizeof zero); /* untouched */
     close(ofd);
     shm_unlink(other);
+
+    /* another user's object (every object's name is listed in /dev/shm) is refused, and so is
+     * any from a tcp:// client, whose user is not known: the daemon, which can open them all,
+     * would write one client's cache into another's buffer (or read it into a session by
+     * IMPORT_KV) */
+    char mine[64];
+    snprintf(mine, sizeof mine, "/snapkv-test-owner-%ld", (long)getpid());
+    ofd = shm_open(mine, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(ofd >= 0);
+    assert_int_equal(ftruncate(ofd, 1 << 20), 0);
+    rep = export_shm_as(f, sid, mine, (long)geteuid() + 1);
+    assert_int_equal(rep->status, SKV_E_PERM);
+    assert_non_null(strstr(rep->message, "a client may name only its own buffers"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = export_shm_as(f, sid, mine, -1);
+    assert_int_equal(rep->status, SKV_E_PERM);
+    assert_non_null(strstr(rep->message, "only over an ipc:// endpoint"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(pread(ofd, probe, sizeof probe, 0), (ssize_t)sizeof probe);
+    assert_memory_equal(probe, zero, sizeof zero); /* untouched */
+    rep = export_shm_as(f, sid, mine, (long)geteuid()); /* its owner's: written */
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(pread(ofd, probe, sizeof probe, 0), (ssize_t)sizeof probe);
+    assert_memory_not_equal(probe, zero, sizeof zero);
+    close(ofd);
+    shm_unlink(mine);
 
     /* a buffer the client keeps shrinking and growing: each export answers, ok or an error */
     char name[64];
