@@ -929,10 +929,10 @@ static int open_buffer(const struct skv_job *job, const Snapkv__BufferRef *b, ui
         int st = err == ENOENT ? SKV_E_NOT_FOUND : err == EACCES || err == EPERM ? SKV_E_PERM : SKV_E_IO;
         return skv_errorf(st, "shm_open %s: %s%s", name, strerror(err),
                           err != EACCES ? ""
-                                          : " (snapkvd opens it as its own user: the buffer's group must be "
-                                            "snapkvd's, snapkv: join group snapkv, whose members' buffers libsnapkv "
-                                            "gives that group, or run the client with it as primary group, `sg "
-                                            "snapkv -c CMD`)");
+                                          : " (snapkvd opens it as its own user, snapkv: libsnapkv gives that "
+                                            "user an ACL entry on the buffer; without ACLs the buffer's group must "
+                                            "be snapkvd's: join group snapkv, or run the client with it as primary "
+                                            "group, `sg snapkv -c CMD`)");
     }
     struct stat sb;
     if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {

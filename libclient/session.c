@@ -6,10 +6,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/acl.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -499,8 +501,39 @@ int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *
 
 /* ---- POSIX shared memory ---------------------------------------------------------------------------- */
 
-/* The group snapkvd runs as (systemd/sysusers.d/snapkvd.conf). */
+/* The user and group snapkvd runs as (systemd/sysusers.d/snapkvd.conf); the environment's
+ * SNAPKV_DAEMON_USER names another user. */
+#define SHM_DAEMON_USER "snapkv"
 #define SHM_DAEMON_GROUP "snapkv"
+
+/* The uid of the daemon's user; false when there is no such user (or it cannot be read). */
+static bool daemon_uid(uid_t *out)
+{
+    const char *name = getenv("SNAPKV_DAEMON_USER");
+    if (!name || !*name)
+        name = SHM_DAEMON_USER;
+    struct passwd pw, *found = NULL;
+    char buf[4096];
+    if (getpwnam_r(name, &pw, buf, sizeof buf, &found) != 0 || !found)
+        return false;
+    *out = pw.pw_uid;
+    return true;
+}
+
+/* Gives the daemon's user, another user than the caller, read and write on a new object by a
+ * POSIX ACL entry, and its group and everyone else nothing (tmpfs keeps ACLs): other clients,
+ * of the daemon's group too, cannot open it. False when the file system takes no ACL. */
+static bool grant_daemon_user(int fd, uid_t uid)
+{
+    char text[96];
+    snprintf(text, sizeof text, "u::rw-,u:%lu:rw-,g::---,m::rw-,o::---", (unsigned long)uid);
+    acl_t acl = acl_from_text(text);
+    if (!acl)
+        return false;
+    bool ok = acl_set_fd(fd, acl) == 0;
+    acl_free(acl);
+    return ok;
+}
 
 /* The gid of SHM_DAEMON_GROUP; false when there is no such group (or it cannot be read). */
 static bool daemon_gid(gid_t *out)
@@ -575,19 +608,25 @@ int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out
             rnd = (uint32_t)ts.tv_nsec ^ (uint32_t)attempt * 0x9e3779b9u;
         }
         snprintf(shm.name, sizeof shm.name, "/snapkv-%s-%ld-%08x", hint, (long)getpid(), rnd);
-        shm.fd = shm_open(shm.name, O_RDWR | O_CREAT | O_EXCL, 0660);
+        shm.fd = shm_open(shm.name, O_RDWR | O_CREAT | O_EXCL, 0600);
         if (shm.fd < 0 && errno != EEXIST)
             return skv_client_fail(errno == EACCES ? SNAPKV_E_PERM : SNAPKV_E_IO, "shm_open %s: %s", shm.name,
                                    strerror(errno));
     }
     if (shm.fd < 0)
         return skv_client_fail(SNAPKV_E_EXISTS, "shm: no free name for '%s'", hint);
-    /* the daemon runs as another user: group read/write whatever the umask, and its group */
-    if (fchmod(shm.fd, 0660) < 0) {
+    /* The daemon's user alone may open it besides the caller: an ACL entry when it is another
+     * user. Without that user (a daemon run by hand) or ACLs, group read/write whatever the
+     * umask, the group the daemon's when the caller may give it */
+    uid_t duid;
+    bool have_user = daemon_uid(&duid);
+    bool own = have_user && fchmod(shm.fd, 0600) == 0 && (duid == geteuid() || grant_daemon_user(shm.fd, duid));
+    if (!own && fchmod(shm.fd, 0660) < 0) {
         rc = skv_client_fail(SNAPKV_E_IO, "fchmod %s: %s", shm.name, strerror(errno));
         goto out_unlink;
     }
-    share_with_daemon(shm.fd);
+    if (!own)
+        share_with_daemon(shm.fd);
     if (ftruncate(shm.fd, (off_t)size) < 0) {
         rc = skv_client_fail(errno == ENOSPC || errno == EFBIG ? SNAPKV_E_LIMIT : SNAPKV_E_IO,
                              "ftruncate %s to %zu bytes: %s", shm.name, size, strerror(errno));

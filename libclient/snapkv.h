@@ -356,11 +356,14 @@ SNAPKV_API int snapkv_cancel(snapkv_client_t *client, const struct snapkv_sessio
 
 /* ---- tensor exchange through POSIX shared memory ---------------------------------------------
  * The daemon opens the object by name (O_RDWR) and writes (export) or reads (import) K/V at an
- * offset; the client reads or writes the same bytes through its mapping. The object is created
- * with mode 0660 (whatever the umask) and, when the daemon runs as another user (production:
- * user snapkv, group snapkv), must belong to a group the daemon is in. snapkv_shm_create gives
- * it group "snapkv" when that group exists and the caller is root or a member of it (a
- * supplementary group is enough); otherwise it keeps the caller's effective group, and the
+ * offset; the client reads or writes the same bytes through its mapping. snapkv_shm_create
+ * lets the daemon's user, and no other, open the object: when user "snapkv" exists (production:
+ * the service's User; the environment's SNAPKV_DAEMON_USER names another), mode 0600 and, when
+ * that user is not the caller, a POSIX ACL entry giving it read and write (so other clients, of
+ * the daemon's group too, cannot open it). Without that user, or on a file system without
+ * ACLs, the object is mode 0660 (whatever the umask) and must belong to a group the daemon is
+ * in: it gets group "snapkv" when that group exists and the caller is root or a member of it
+ * (a supplementary group is enough); otherwise it keeps the caller's effective group, and the
  * daemon refuses it (SNAPKV_E_PERM) unless that group is the daemon's: join group snapkv, or
  * run the client with it as primary group (`sg snapkv -c CMD`), or fchown(shm.fd, -1, gid).
  * The daemon opens only objects owned by the connection's own user (an ipc:// endpoint tells it

@@ -20,11 +20,15 @@
 #include <string.h>
 #include <time.h>
 #include <errno.h>
+#include <grp.h>
+#include <pwd.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 #include <sodium.h>
 #include <zmq.h>
@@ -49,6 +53,8 @@ struct daemon {
 
 static char *g_model;
 static pid_t g_daemons[4]; /* started by the running test: killed by the teardown if it fails */
+static long g_daemon_uid = -1; /* >= 0: start_daemon_in runs the daemon as this user ... */
+static gid_t g_daemon_gid;     /* ... and group */
 
 /* start_daemon with one more option (NULL: none), and the open-file limit set to nofile (0:
  * inherited). */
@@ -90,6 +96,8 @@ static void start_daemon_in(struct daemon *d, const char *pool, const char *extr
             _exit(126);
         if (nofile > 0 && setrlimit(RLIMIT_NOFILE, &(struct rlimit){(rlim_t)nofile, (rlim_t)nofile}) != 0)
             _exit(125);
+        if (g_daemon_uid >= 0 && (setgroups(0, NULL) != 0 || setgid(g_daemon_gid) != 0 || setuid((uid_t)g_daemon_uid) != 0))
+            _exit(124);
         const char *argv[] = {exe,  a[0], a[1], a[2], a[3], a[4], "--threads=2", "--backend=cpu", "--log-level=debug",
                               "--max-sessions-per-tenant=16", extra, NULL};
         execv(exe, (char *const *)argv);
@@ -264,6 +272,110 @@ static int group_setup(void **state)
 #define NEED_MODEL()                                                                               \
     if (!*state)                                                                                   \
         skip();
+
+/* A client process of user uid (group gid) that tries another user's buffer `other`: its own
+ * shm_open of it must be refused (EACCES), and so must an EXPORT_KV of a session of its own
+ * into it (the daemon, which can open it, checks whose it is). Exits 0 when both are. */
+static int try_others_buffer(const struct daemon *d, const struct snapkv_shm *other, uid_t uid, gid_t gid)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0)
+            _exit(10);
+        errno = 0;
+        int fd = shm_open(other->name, O_RDWR, 0);
+        if (fd >= 0 || errno != EACCES)
+            _exit(11);
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.tenant = "mallory", .timeout_ms = 60000};
+        if (snapkv_connect(d->endpoint, &o, &c) != SNAPKV_OK)
+            _exit(12);
+        uint32_t ids[16];
+        prompt(ids, 16, 7);
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+        struct snapkv_prefill_result pr;
+        if (snapkv_prefill(c, &po, &pr) != SNAPKV_OK)
+            _exit(13);
+        struct snapkv_kv_layout lay;
+        int rc = snapkv_export_kv(c, &pr.id, other, 0, &lay);
+        bool said = strstr(snapkv_last_error(), "a client may name only its own buffers") != NULL;
+        if (rc == SNAPKV_OK)
+            snapkv_kv_layout_free(&lay);
+        snapkv_close(&c);
+        _exit(rc == SNAPKV_E_PERM && said ? 0 : 14);
+    }
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 100 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+}
+
+/* The production layout: snapkvd as a user of its own (nobody here, named to libsnapkv by
+ * SNAPKV_DAEMON_USER as user snapkv is by default), its clients as other users. A buffer from
+ * snapkv_shm_create is open to the daemon's user by an ACL entry, so EXPORT_KV fills it and
+ * IMPORT_KV reads it; a client of another user, in the daemon's group, can neither open it
+ * itself nor have the daemon write into it. As root (it acts as the other users). */
+static void test_shm_users(void **state)
+{
+    NEED_MODEL();
+    struct passwd *nobody = getpwnam("nobody");
+    if (geteuid() != 0 || !nobody)
+        skip();
+    uid_t nuid = nobody->pw_uid;
+    gid_t ngid = nobody->pw_gid;
+    struct daemon d;
+    snprintf(d.dir, sizeof d.dir, "/tmp/skv-sess-XXXXXX");
+    assert_non_null(mkdtemp(d.dir));
+    assert_int_equal(chown(d.dir, nuid, ngid), 0);
+    assert_int_equal(chmod(d.dir, 0710), 0); /* its group reaches the sockets */
+    g_daemon_uid = nuid;
+    g_daemon_gid = ngid;
+    start_daemon_in(&d, "256M", NULL, 0);
+    g_daemon_uid = -1;
+
+    setenv("SNAPKV_DAEMON_USER", "nobody", 1);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("users", 4 << 20, &shm), SNAPKV_OK);
+    unsetenv("SNAPKV_DAEMON_USER");
+    if (fgetxattr(shm.fd, "system.posix_acl_access", NULL, 0) <= 0) {
+        printf("# /dev/shm keeps no ACL here: the buffer is group read/write instead\n");
+        snapkv_shm_destroy(&shm);
+        stop_daemon(&d);
+        skip();
+    }
+    /* a user of the daemon's group: refused both ways, the buffer untouched */
+    assert_int_equal(try_others_buffer(&d, &shm, 54321, ngid), 0);
+    for (size_t i = 0; i < shm.size; i++)
+        if (((const uint8_t *)shm.addr)[i])
+            fail_msg("byte %zu of the buffer was written", i);
+
+    /* its owner's requests: the daemon, as nobody, writes and reads it */
+    snapkv_client_t *a = client(d.endpoint, "alice");
+    uint32_t ids[40];
+    prompt(ids, 40, 3);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 40};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(a, &po, &pr), SNAPKV_OK);
+    struct snapkv_kv_layout lay;
+    if (snapkv_export_kv(a, &pr.id, &shm, 0, &lay) != SNAPKV_OK)
+        fail_msg("EXPORT_KV: %s", snapkv_last_error());
+    assert_int_equal(lay.n_layers, 30);
+    assert_int_equal(lay.original_length, 40);
+    bool written = false;
+    for (size_t i = 0; i < lay.bytes_written && !written; i++)
+        written = ((const uint8_t *)shm.addr)[i] != 0;
+    assert_true(written);
+    struct snapkv_import_opts io = {.shm = &shm, .layers = lay.layers, .n_layers = lay.n_layers,
+                                    .positions = lay.positions, .n_positions = lay.n_positions,
+                                    .original_length = lay.original_length};
+    struct snapkv_session_id imported;
+    if (snapkv_import_kv(a, &io, &imported) != SNAPKV_OK)
+        fail_msg("IMPORT_KV: %s", snapkv_last_error());
+    snapkv_kv_layout_free(&lay);
+    snapkv_close(&a);
+    snapkv_shm_destroy(&shm);
+    stop_daemon(&d);
+}
 
 /* 8 processes at once: prefill (compressed), compress again, decode; tokens equal the engine's. */
 static void test_eight_clients(void **state)
@@ -3435,6 +3547,7 @@ int main(void)
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
         cmocka_unit_test_teardown(test_gone_client_decode, kill_daemons),
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),
+        cmocka_unit_test_teardown(test_shm_users, kill_daemons),
         cmocka_unit_test_teardown(test_connection_limit, kill_daemons),
         cmocka_unit_test_teardown(test_ipc_tenant_uid, kill_daemons),
         cmocka_unit_test_teardown(test_tenants_ctl, kill_daemons),

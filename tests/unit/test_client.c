@@ -19,6 +19,10 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
+#include <sys/xattr.h>
+#include <grp.h>
+#include <pwd.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -1589,9 +1593,11 @@ static void test_append_compress_release(void **state)
 
 /* ---- shared memory, EXPORT_KV, IMPORT_KV ------------------------------------------------------------------- */
 
+/* Without the daemon's user (a daemon run by hand): group read/write. */
 static void test_shm(void **state)
 {
     (void)state;
+    setenv("SNAPKV_DAEMON_USER", "snapkv-test-no-such-user", 1);
     mode_t old = umask(077); /* mode must still come out 0660 */
     struct snapkv_shm shm;
     assert_int_equal(snapkv_shm_create("my buf/../x", 10000, &shm), SNAPKV_OK);
@@ -1635,6 +1641,59 @@ static void test_shm(void **state)
     assert_int_equal(snapkv_shm_create(NULL, 8, &untouched), SNAPKV_OK);
     assert_true(strncmp(untouched.name, "/snapkv-buf-", 12) == 0);
     snapkv_shm_destroy(&untouched);
+    unsetenv("SNAPKV_DAEMON_USER");
+}
+
+/* Whether a process of user uid, group gid (and no other) can open `name` read/write: 0 yes,
+ * 1 refused (EACCES), 2 another error. */
+static int open_as(const char *name, uid_t uid, gid_t gid)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0)
+            _exit(3);
+        int fd = shm_open(name, O_RDWR, 0);
+        _exit(fd >= 0 ? 0 : errno == EACCES ? 1 : 2);
+    }
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st));
+    return WEXITSTATUS(st);
+}
+
+/* With the daemon's user known (user snapkv in production; SNAPKV_DAEMON_USER here), an object
+ * is that user's and the caller's alone: mode 0600, and for another user than the caller an ACL
+ * entry. A process of the daemon's user opens it; one of the caller's group, which mode 0660
+ * let in, does not. As root (it acts as other users). */
+static void test_shm_daemon_user(void **state)
+{
+    (void)state;
+    struct passwd *nobody = getpwnam("nobody");
+    if (geteuid() != 0 || !nobody)
+        skip();
+    uid_t nuid = nobody->pw_uid;
+    gid_t ngid = nobody->pw_gid;
+    setenv("SNAPKV_DAEMON_USER", "root", 1); /* the caller's own user: 0600 is enough */
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("own", 64, &shm), SNAPKV_OK);
+    struct stat sb;
+    assert_int_equal(fstat(shm.fd, &sb), 0);
+    assert_int_equal(sb.st_mode & 0777, 0600);
+    assert_int_equal(open_as(shm.name, 54321, getegid()), 1);
+    snapkv_shm_destroy(&shm);
+
+    setenv("SNAPKV_DAEMON_USER", "nobody", 1);
+    assert_int_equal(snapkv_shm_create("acl", 4096, &shm), SNAPKV_OK);
+    unsetenv("SNAPKV_DAEMON_USER");
+    if (fgetxattr(shm.fd, "system.posix_acl_access", NULL, 0) <= 0) {
+        printf("# /dev/shm keeps no ACL here: the object is group read/write instead\n");
+        snapkv_shm_destroy(&shm);
+        skip();
+    }
+    assert_int_equal(open_as(shm.name, nuid, ngid), 0);          /* the daemon's user */
+    assert_int_equal(open_as(shm.name, 54321, getegid()), 1);    /* another of the caller's group */
+    assert_int_equal(open_as(shm.name, 54321, ngid), 1);         /* another of the daemon's group */
+    snapkv_shm_destroy(&shm);
 }
 
 /* two layers (model layers 0 and 1), 3 KV heads, head_dim 4; layer 0 keeps {2, 1, 2} (max 2),
@@ -2464,6 +2523,7 @@ int main(void)
         cmocka_unit_test(test_message_size_limit),
         cmocka_unit_test(test_append_compress_release),
         cmocka_unit_test(test_shm),
+        cmocka_unit_test(test_shm_daemon_user),
         cmocka_unit_test(test_export_import),
         cmocka_unit_test(test_admin_list_inspect),
         cmocka_unit_test(test_admin_actions),
