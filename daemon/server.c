@@ -846,7 +846,8 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
             break;
         }
         job->sock = admin ? 1 : 0;
-        job->uid = !admin && strncmp(srv->env.cfg->endpoint, "ipc://", 6) == 0 ? peer_uid(&body) : -1;
+        const char *ep = admin ? srv->env.cfg->admin_endpoint : srv->env.cfg->endpoint;
+        job->uid = strncmp(ep, "ipc://", 6) == 0 ? peer_uid(&body) : -1;
         memcpy(job->identity, zmq_msg_data(&identity), id_len);
         job->identity_len = id_len;
         job->req = req;

@@ -35,10 +35,10 @@ struct skv_job {
                                * (the request's deadline_ms from when submit read it) */
     char tenant[64];          /* whose engine time it spends (queue-order = fair; set by submit):
                                * its tenant, "(admin)" on the admin endpoint */
-    bool late;                /* run past its deadline (a CANCEL: the others are not run) */
+    bool late;                /* run past its deadline (a CANCEL or RELEASE: the others are not run) */
     long uid;                 /* the client process's user, as its ipc:// connection's Peer-Address
                                * gives it (SO_PEERCRED when it connected); -1 on tcp:// and for
-                               * notices: who may name a shared-memory object (open_buffer) */
+                               * notices: whose shared-memory objects it may name (open_buffer) */
     struct skv_job *next;
 };
 

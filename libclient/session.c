@@ -506,18 +506,39 @@ int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *
 #define SHM_DAEMON_USER "snapkv"
 #define SHM_DAEMON_GROUP "snapkv"
 
-/* The uid of the daemon's user; false when there is no such user (or it cannot be read). */
-static bool daemon_uid(uid_t *out)
+/* The uid of the daemon's user: SNAPKV_OK; SNAPKV_E_NOT_FOUND when user snapkv does not exist
+ * (a daemon run by hand); SNAPKV_E_INVAL when SNAPKV_DAEMON_USER names no user (a typo would
+ * otherwise fall back to the group's access without a word). secure_getenv: a setuid client's
+ * caller cannot name a user of its own choosing. */
+static int daemon_uid(uid_t *out)
 {
-    const char *name = getenv("SNAPKV_DAEMON_USER");
-    if (!name || !*name)
+    const char *name = secure_getenv("SNAPKV_DAEMON_USER");
+    bool named = name && *name;
+    if (!named)
         name = SHM_DAEMON_USER;
     struct passwd pw, *found = NULL;
-    char buf[4096];
-    if (getpwnam_r(name, &pw, buf, sizeof buf, &found) != 0 || !found)
-        return false;
-    *out = pw.pw_uid;
-    return true;
+    char *buf = NULL;
+    int err;
+    size_t cap = 1024;
+    do { /* grow until the entry fits */
+        cap *= 4;
+        char *bigger = realloc(buf, cap);
+        if (!bigger) {
+            err = ENOMEM;
+            break;
+        }
+        buf = bigger;
+        err = getpwnam_r(name, &pw, buf, cap, &found);
+    } while (err == ERANGE && cap < ((size_t)1 << 22));
+    if (!err && found)
+        *out = pw.pw_uid;
+    free(buf);
+    if (!err && found)
+        return SNAPKV_OK;
+    if (named)
+        return skv_client_fail(SNAPKV_E_INVAL, "shm: SNAPKV_DAEMON_USER names '%.64s', %s", name,
+                               err ? strerror(err) : "no such user");
+    return SNAPKV_E_NOT_FOUND;
 }
 
 /* Gives the daemon's user, another user than the caller, read and write on a new object by a
@@ -618,8 +639,11 @@ int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out
     /* The daemon's user alone may open it besides the caller: an ACL entry when it is another
      * user. Without that user (a daemon run by hand) or ACLs, group read/write whatever the
      * umask, the group the daemon's when the caller may give it */
-    uid_t duid;
-    bool have_user = daemon_uid(&duid);
+    uid_t duid = 0;
+    rc = daemon_uid(&duid);
+    if (rc == SNAPKV_E_INVAL)
+        goto out_unlink;
+    bool have_user = rc == SNAPKV_OK;
     bool own = have_user && fchmod(shm.fd, 0600) == 0 && (duid == geteuid() || grant_daemon_user(shm.fd, duid));
     if (!own && fchmod(shm.fd, 0660) < 0) {
         rc = skv_client_fail(SNAPKV_E_IO, "fchmod %s: %s", shm.name, strerror(errno));

@@ -357,10 +357,12 @@ SNAPKV_API int snapkv_cancel(snapkv_client_t *client, const struct snapkv_sessio
 /* ---- tensor exchange through POSIX shared memory ---------------------------------------------
  * The daemon opens the object by name (O_RDWR) and writes (export) or reads (import) K/V at an
  * offset; the client reads or writes the same bytes through its mapping. snapkv_shm_create
- * lets the daemon's user, and no other, open the object: when user "snapkv" exists (production:
- * the service's User; the environment's SNAPKV_DAEMON_USER names another), mode 0600 and, when
- * that user is not the caller, a POSIX ACL entry giving it read and write (so other clients, of
- * the daemon's group too, cannot open it). Without that user, or on a file system without
+ * lets only the caller and the daemon's user open the object: when user "snapkv" exists
+ * (production: the service's User; the environment's SNAPKV_DAEMON_USER names another, and
+ * SNAPKV_E_INVAL when it names no user), mode 0600 and, when that user is not the caller, a
+ * POSIX ACL entry giving it read and write (`ls -l` shows rw-rw----+: the group bits are the
+ * ACL's mask; the group itself has none), so other clients, of the daemon's group too, cannot
+ * open it. Without that user, or on a file system without
  * ACLs, the object is mode 0660 (whatever the umask) and must belong to a group the daemon is
  * in: it gets group "snapkv" when that group exists and the caller is root or a member of it
  * (a supplementary group is enough); otherwise it keeps the caller's effective group, and the

@@ -316,9 +316,11 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     seqs, stored, removed = [], {}, set()
     while events.poll(1000):
         frames = events.recv_multipart()
+        if not check(len(frames) == 3, f"an event message of {len(frames)} frames"):
+            break
         batch = pb.KvEventBatch()
         batch.ParseFromString(frames[2])
-        check(frames[0] == topic and len(frames) == 3 and batch.version == pb.PROTOCOL_VERSION_CURRENT,
+        check(frames[0] == topic and batch.version == pb.PROTOCOL_VERSION_CURRENT,
               f"an event message: topic {frames[0][:26]!r}, {len(batch.events)} events") if not seqs else None
         if batch.events:
             seqs.append(struct.unpack(">Q", frames[1])[0])
