@@ -506,6 +506,46 @@ int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *
 #define SHM_DAEMON_USER "snapkv"
 #define SHM_DAEMON_GROUP "snapkv"
 
+/* getpwnam_r / getgrnam_r of name into *out (a uid_t / gid_t): 0, ENOENT when there is no such
+ * entry, or the lookup's error. */
+static int pw_uid(const char *name, char *buf, size_t cap, void *out)
+{
+    struct passwd pw, *found = NULL;
+    int err = getpwnam_r(name, &pw, buf, cap, &found);
+    if (!err && found)
+        *(uid_t *)out = pw.pw_uid;
+    return err ? err : found ? 0 : ENOENT;
+}
+
+static int gr_gid(const char *name, char *buf, size_t cap, void *out)
+{
+    struct group gr, *found = NULL;
+    int err = getgrnam_r(name, &gr, buf, cap, &found);
+    if (!err && found)
+        *(gid_t *)out = gr.gr_gid;
+    return err ? err : found ? 0 : ENOENT;
+}
+
+/* Runs a lookup with a buffer grown until the entry fits (a group's lists every member). */
+static int nss_lookup(int (*lookup)(const char *, char *, size_t, void *), const char *name, void *out)
+{
+    char *buf = NULL;
+    int err;
+    size_t cap = 1024;
+    do {
+        cap *= 4;
+        char *bigger = realloc(buf, cap);
+        if (!bigger) {
+            err = ENOMEM;
+            break;
+        }
+        buf = bigger;
+        err = lookup(name, buf, cap, out);
+    } while (err == ERANGE && cap < ((size_t)1 << 22));
+    free(buf);
+    return err;
+}
+
 /* The uid of the daemon's user: SNAPKV_OK; SNAPKV_E_NOT_FOUND when user snapkv does not exist
  * (a daemon run by hand); SNAPKV_E_INVAL when SNAPKV_DAEMON_USER names no user (a typo would
  * otherwise fall back to the group's access without a word). secure_getenv: a setuid client's
@@ -514,30 +554,12 @@ static int daemon_uid(uid_t *out)
 {
     const char *name = secure_getenv("SNAPKV_DAEMON_USER");
     bool named = name && *name;
-    if (!named)
-        name = SHM_DAEMON_USER;
-    struct passwd pw, *found = NULL;
-    char *buf = NULL;
-    int err;
-    size_t cap = 1024;
-    do { /* grow until the entry fits */
-        cap *= 4;
-        char *bigger = realloc(buf, cap);
-        if (!bigger) {
-            err = ENOMEM;
-            break;
-        }
-        buf = bigger;
-        err = getpwnam_r(name, &pw, buf, cap, &found);
-    } while (err == ERANGE && cap < ((size_t)1 << 22));
-    if (!err && found)
-        *out = pw.pw_uid;
-    free(buf);
-    if (!err && found)
+    int err = nss_lookup(pw_uid, named ? name : SHM_DAEMON_USER, out);
+    if (!err)
         return SNAPKV_OK;
     if (named)
         return skv_client_fail(SNAPKV_E_INVAL, "shm: SNAPKV_DAEMON_USER names '%.64s', %s", name,
-                               err ? strerror(err) : "no such user");
+                               err == ENOENT ? "no such user" : strerror(err));
     return SNAPKV_E_NOT_FOUND;
 }
 
@@ -559,25 +581,7 @@ static bool grant_daemon_user(int fd, uid_t uid)
 /* The gid of SHM_DAEMON_GROUP; false when there is no such group (or it cannot be read). */
 static bool daemon_gid(gid_t *out)
 {
-    struct group gr, *found = NULL;
-    char *buf = NULL;
-    int err;
-    size_t cap = 1024;
-    do { /* the entry lists every member: grow until it fits */
-        cap *= 4;
-        char *bigger = realloc(buf, cap);
-        if (!bigger) {
-            err = ENOMEM;
-            break;
-        }
-        buf = bigger;
-        err = getgrnam_r(SHM_DAEMON_GROUP, &gr, buf, cap, &found);
-    } while (err == ERANGE && cap < ((size_t)1 << 22));
-    bool ok = !err && found;
-    if (ok)
-        *out = gr.gr_gid;
-    free(buf);
-    return ok;
+    return nss_lookup(gr_gid, SHM_DAEMON_GROUP, out) == 0;
 }
 
 /* Hands a new object to the daemon's group when the caller belongs to that group only as a

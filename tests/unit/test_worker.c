@@ -866,16 +866,7 @@ static Snapkv__Reply *export_shm_as(struct fixture *f, const uint8_t sid[16], co
 
 static Snapkv__Reply *export_shm(struct fixture *f, const uint8_t sid[16], const char *name)
 {
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
-    buf.shm_name = (char *)name;
-    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
-    e.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
-    e.buffer = &buf;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
-    req.export_kv = &e;
-    return call(f, 0, ID_X, &req);
+    return export_shm_as(f, sid, name, (long)geteuid());
 }
 
 struct shrinker {
