@@ -301,6 +301,7 @@ static int try_others_buffer(const struct daemon *d, const struct snapkv_shm *ot
             _exit(13);
         struct snapkv_kv_layout lay;
         int rc = snapkv_export_kv(c, &pr.id, other, 0, &lay);
+        snapkv_prefill_result_free(&pr);
         bool said = strstr(snapkv_last_error(), "a client may name only its own buffers") != NULL;
         if (rc == SNAPKV_OK)
             snapkv_kv_layout_free(&lay);
@@ -392,6 +393,7 @@ static void test_shm_users(void **state)
     if (snapkv_import_kv(a, &io, &imported) != SNAPKV_OK)
         fail_msg("IMPORT_KV: %s", snapkv_last_error());
     snapkv_kv_layout_free(&lay);
+    snapkv_prefill_result_free(&pr);
     snapkv_close(&a);
     snapkv_shm_destroy(&shm);
     stop_daemon(&d);
