@@ -647,8 +647,7 @@ int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out
     rc = daemon_uid(&duid);
     if (rc == SNAPKV_E_INVAL)
         goto out_unlink;
-    bool have_user = rc == SNAPKV_OK;
-    bool own = have_user && fchmod(shm.fd, 0600) == 0 && (duid == geteuid() || grant_daemon_user(shm.fd, duid));
+    bool own = rc == SNAPKV_OK && fchmod(shm.fd, 0600) == 0 && (duid == geteuid() || grant_daemon_user(shm.fd, duid));
     if (!own && fchmod(shm.fd, 0660) < 0) {
         rc = skv_client_fail(SNAPKV_E_IO, "fchmod %s: %s", shm.name, strerror(errno));
         goto out_unlink;

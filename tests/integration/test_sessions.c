@@ -56,6 +56,13 @@ static pid_t g_daemons[4]; /* started by the running test: killed by the teardow
 static long g_daemon_uid = -1; /* >= 0: start_daemon_in runs the daemon as this user ... */
 static gid_t g_daemon_gid;     /* ... and group */
 
+/* The path of program prog of the build under test ($SKV_BUILDDIR, or the current directory). */
+static void built(char *out, size_t cap, const char *prog)
+{
+    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
+    snprintf(out, cap, "%s/%s", build, prog);
+}
+
 /* start_daemon with one more option (NULL: none), and the open-file limit set to nofile (0:
  * inherited). */
 static void start_daemon_with(struct daemon *d, const char *pool, const char *extra, long nofile);
@@ -80,9 +87,8 @@ static void start_daemon_in(struct daemon *d, const char *pool, const char *extr
     snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
     snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
     snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
-    snprintf(exe, sizeof exe, "%s/snapkvd", build);
+    built(exe, sizeof exe, "snapkvd");
     fflush(NULL); /* or the child's freopen writes what this process has buffered */
     d->pid = fork();
     if (d->pid == 0) {
@@ -328,9 +334,8 @@ static void test_shm_users(void **state)
     gid_t ngid = nobody->pw_gid;
     /* root that can become other users (not so in every container), and a daemon and a model
      * nobody can reach (not so under a 0700 home) */
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
-    snprintf(exe, sizeof exe, "%s/snapkvd", build);
+    built(exe, sizeof exe, "snapkvd");
     fflush(NULL);
     pid_t probe = fork();
     if (probe == 0) {
@@ -1816,9 +1821,9 @@ static void test_kv_events_replay(void **state)
     /* snapkvctl events --replay: the snapshot first, one JSON object per event */
     char out_path[128], cmd[9000];
     snprintf(out_path, sizeof out_path, "%s/replay.out", d.dir);
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
-    snprintf(cmd, sizeof cmd, "%s/snapkvctl --json events %s --replay %s --count 2 > %s", build, ev_ep, rp_ep,
-             out_path);
+    char ctl[4096];
+    built(ctl, sizeof ctl, "snapkvctl");
+    snprintf(cmd, sizeof cmd, "%s --json events %s --replay %s --count 2 > %s", ctl, ev_ep, rp_ep, out_path);
     assert_int_equal(system(cmd), 0);
     f = fopen(out_path, "r");
     assert_non_null(f);
@@ -1870,12 +1875,14 @@ static void test_kv_events_replay(void **state)
     stop_daemon(&d);
 
     /* replay without events, or over tcp://: refused at start with a message */
-    snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-replay-endpoint=%s --endpoint=ipc:///tmp/skv-ev-x "
-             "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'set events-endpoint too'", build, g_model, rp_ep);
+    char exe[4096];
+    built(exe, sizeof exe, "snapkvd");
+    snprintf(cmd, sizeof cmd, "%s --model=%s --events-replay-endpoint=%s --endpoint=ipc:///tmp/skv-ev-x "
+             "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'set events-endpoint too'", exe, g_model, rp_ep);
     assert_int_equal(system(cmd), 0);
-    snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-endpoint=%s --events-replay-endpoint=tcp://127.0.0.1:1 "
+    snprintf(cmd, sizeof cmd, "%s --model=%s --events-endpoint=%s --events-replay-endpoint=tcp://127.0.0.1:1 "
              "--endpoint=ipc:///tmp/skv-ev-x --admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | "
-             "grep -q 'events-replay-endpoint is ipc:// only'", build, g_model, ev_ep);
+             "grep -q 'events-replay-endpoint is ipc:// only'", exe, g_model, ev_ep);
     assert_int_equal(system(cmd), 0);
 }
 
@@ -2107,9 +2114,8 @@ static void test_kv_events(void **state)
     /* snapkvctl events: one JSON object per event */
     char out_path[128];
     snprintf(out_path, sizeof out_path, "%s/events.out", d.dir);
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char ctl[4096];
-    snprintf(ctl, sizeof ctl, "%s/snapkvctl", build);
+    built(ctl, sizeof ctl, "snapkvctl");
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
@@ -2151,9 +2157,10 @@ static void test_kv_events(void **state)
     stop_daemon(&d);
 
     /* tcp:// is refused with a message, and the daemon does not start */
-    char cmd[5000];
-    snprintf(cmd, sizeof cmd, "%s/snapkvd --model=%s --events-endpoint=tcp://127.0.0.1:1 --endpoint=ipc:///tmp/skv-ev-x "
-             "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'events-endpoint is ipc:// only'", build, g_model);
+    char cmd[5000], exe[4096];
+    built(exe, sizeof exe, "snapkvd");
+    snprintf(cmd, sizeof cmd, "%s --model=%s --events-endpoint=tcp://127.0.0.1:1 --endpoint=ipc:///tmp/skv-ev-x "
+             "--admin-endpoint=ipc:///tmp/skv-ev-y 2>&1 | grep -q 'events-endpoint is ipc:// only'", exe, g_model);
     assert_int_equal(system(cmd), 0);
 }
 
@@ -2661,9 +2668,8 @@ static void test_ipc_tenant_uid(void **state)
  * status; out and err get what it wrote to stdout and stderr (NUL-terminated, cut to cap). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap)
 {
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096], out_path[128], err_path[128];
-    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
+    built(exe, sizeof exe, "snapkvctl");
     snprintf(out_path, sizeof out_path, "%s/ctl.out", d->dir);
     snprintf(err_path, sizeof err_path, "%s/ctl.err", d->dir);
     fflush(NULL); /* or the child writes what this process has buffered */
@@ -3312,9 +3318,8 @@ static size_t read_until(int fd, char *buf, size_t have, size_t want, size_t cap
  * with in_w, its stdin written to *in_w. */
 static pid_t spawn_ctl(const struct daemon *d, const char *const *args, int *in_w, int *out_r)
 {
-    const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
-    snprintf(exe, sizeof exe, "%s/snapkvctl", build);
+    built(exe, sizeof exe, "snapkvctl");
     int in[2] = {-1, -1}, out[2];
     if (in_w)
         assert_int_equal(pipe(in), 0);
