@@ -23,6 +23,7 @@ struct snapkv_events {
     bool seen;                    /* a stream message was read since the last replay (sequence is its) */
     uint64_t boot_id;             /* the replayed daemon's (KvEventBatch.boot_id; 0: a daemon of before them) */
     double replayed_ts;           /* when the snapshot was taken (the daemon's clock) */
+    bool replayed_streamed;       /* a stream message of the replayed daemon came since the replay */
     uint64_t stream_boot;         /* the boot id of the daemon whose events were returned last (0: none yet) */
     bool restarted;               /* return a CLEARED of sequence 0 before the message being read */
 };
@@ -134,7 +135,19 @@ static bool has_cleared(const Snapkv__KvEventBatch *b)
  * started since, not one that ran before it). */
 static bool newer_than_snapshot(const struct snapkv_events *ev, uint64_t seq, const Snapkv__KvEventBatch *b)
 {
-    return b->boot_id == ev->boot_id ? seq > ev->replayed : b->ts >= ev->replayed_ts;
+    if (b->boot_id == ev->boot_id)
+        return seq > ev->replayed;
+    /* the stream brings one endpoint's daemons in the order they ran: after one of the replayed
+     * daemon's own messages, another daemon's is of one started since, even when its clock was
+     * stepped back between the two; before, only the time tells it from an earlier daemon's */
+    return ev->replayed_streamed || b->ts >= ev->replayed_ts;
+}
+
+/* Notes that stream batch b was read (kept or dropped) after a replay. */
+static void note_streamed(struct snapkv_events *ev, const Snapkv__KvEventBatch *b)
+{
+    if (ev->boot_id && b->boot_id == ev->boot_id)
+        ev->replayed_streamed = true;
 }
 
 /* After a replay, whether a stream batch that came after the snapshot (the replay dropped those
@@ -183,6 +196,7 @@ static int read_batch(struct snapkv_events *ev, int64_t deadline, int timeout_ms
     if (rc)
         return rc;
     bool keep = !ev->skip || after_snapshot(ev, seq, b);
+    note_streamed(ev, b);
     if (!keep) {
         snapkv__kv_event_batch__free_unpacked(b, NULL);
         b = NULL;
@@ -212,6 +226,7 @@ static void drop_queued(struct snapkv_events *ev)
             ev->skip = false;
             return;
         }
+        note_streamed(ev, b);
         snapkv__kv_event_batch__free_unpacked(b, NULL);
     }
 }
@@ -420,6 +435,8 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->seen = false;
     ev->boot_id = parts[0]->batch ? parts[0]->batch->boot_id : 0;
     ev->replayed_ts = parts[0]->batch ? parts[0]->batch->ts : 0;
+    /* a message of that daemon read before the replay counts: the stream's order is the same */
+    ev->replayed_streamed = ev->boot_id && ev->stream_boot == ev->boot_id;
     ev->stream_boot = ev->boot_id; /* the snapshot begins with its daemon's AllCleared */
     ev->restarted = false;
     if (ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq) {

@@ -55,6 +55,9 @@
  * ipc:// socket this user may not open fails connect at once (PERM), and a timeout's message
  * says whether the socket file is there; a CURVE client public key that is not the secret
  * key's is refused at connect (INVAL).
+ * 6:5:2: after a replay, a daemon started since is told from an earlier one by the stream's order
+ * once the replayed daemon's own messages came (a clock stepped back between them dropped its
+ * events); snapkv_shm_create makes 0600 objects with an ACL entry for the daemon's user.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -607,8 +610,9 @@ SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
  * that missed nothing holds. Call it after snapkv_events_open(): the first stream event after a
  * replay should be S + 1, and one above it is a gap again (the subscription reached the daemon
  * after the snapshot): replay once more. Stream events queued when the snapshot came are
- * dropped (they are the snapshot's, or an earlier daemon's: one of another boot id published
- * before the snapshot was taken); an event of a daemon started since (another boot id, published
+ * dropped (they are the snapshot's, or an earlier daemon's: one of another boot id that came
+ * before any of the snapshot's daemon and was published before the snapshot was taken); an event
+ * of a daemon started since (another boot id after one of the snapshot's daemon, or published
  * after the snapshot: its numbers start again at 1) ends the dropping. Waits up to timeout_ms (-1:
  * for ever) for the whole snapshot; SNAPKV_E_TIMEOUT, or the daemon's status for a refused
  * request. The daemon queues the parts of the largest snapshot its pool allows; one is cut only

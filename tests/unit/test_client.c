@@ -2212,15 +2212,17 @@ static void fake_events_stop(struct fake_events **fep)
     *fep = NULL;
 }
 
+/* Seconds the fake daemon's clock is off by (a clock stepped between two daemons). */
+static double g_clock_step;
+
 /* Now, as the daemon stamps its batches (CLOCK_REALTIME seconds). */
 static double wall_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 + g_clock_step;
 }
 
-/* Publishes one event as the daemon does: [topic][sequence, big-endian][a batch of one]. */
 /* [topic][seq, big-endian][b] on the fake publisher. */
 static void fake_send_batch(void *pub, const Snapkv__KvEventBatch *b, uint64_t seq)
 {
@@ -2233,6 +2235,7 @@ static void fake_send_batch(void *pub, const Snapkv__KvEventBatch *b, uint64_t s
     zmq_send(pub, buf, len, 0);
 }
 
+/* Publishes one event as the daemon does: [topic][sequence, big-endian][a batch of one]. */
 static void fake_publish(void *pub, uint64_t boot_id, uint64_t seq, enum snapkv_event_kind kind,
                          const struct snapkv_session_id *id)
 {
@@ -2447,6 +2450,35 @@ static void test_events_restart(void **state)
     fake_events_stop(&fe);
 }
 
+/* After a replay, a daemon started since whose clock was stepped back is still told from one
+ * that ran before the snapshot, once the stream showed the replayed daemon's own messages:
+ * before, its events were dropped until its clock passed the snapshot's time. */
+static void test_events_clock_stepped_back(void **state)
+{
+    (void)state;
+    struct fake_events *fe = fake_events_start();
+    snapkv_events_t *ev = subscribed(fe);
+    fake_publish(fe->pub, 111, 9, SNAPKV_EVENT_STORED, &ID_D); /* a daemon before 222: dropped */
+    fake_publish(fe->pub, 222, 1, SNAPKV_EVENT_CLEARED, NULL);
+    fake_publish(fe->pub, 222, 2, SNAPKV_EVENT_STORED, &ID_A);
+    usleep(150 * 1000);
+    fake_replay(fe, ev, 222, 2, &ID_A);
+    g_clock_step = -3600; /* 333 starts an hour "earlier"; its AllCleared was missed */
+    fake_publish(fe->pub, 333, 2, SNAPKV_EVENT_STORED, &ID_F);
+    fake_heartbeat(fe->pub, 333, 2);
+    fake_publish(fe->pub, 333, 3, SNAPKV_EVENT_STORED, &ID_G);
+    g_clock_step = 0;
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 2, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_A);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 0, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_F);
+    expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_G);
+    struct snapkv_event e;
+    assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
+    snapkv_events_close(&ev);
+    fake_events_stop(&fe);
+}
+
 static void *stale_publisher(void *arg)
 {
     struct fake_events *fe = arg;
@@ -2540,6 +2572,7 @@ int main(void)
         cmocka_unit_test(test_admin_actions),
         cmocka_unit_test(test_events_replay_filter),
         cmocka_unit_test(test_events_restart),
+        cmocka_unit_test(test_events_clock_stepped_back),
         cmocka_unit_test(test_connect_no_permission),
         cmocka_unit_test(test_timeout_set_in_callback),
         cmocka_unit_test(test_events_next_deadline),
