@@ -572,10 +572,8 @@ static void test_errors_and_tenants(void **state)
     sp.max_tokens = 3;
     struct snapkv_decode_result d1, d2;
     assert_int_equal(snapkv_decode(a, &pr.id, &sp, NULL, NULL, &d1), SNAPKV_OK);
-    /* the import has no logits yet: append the token the original consumed last */
-    struct snapkv_append_opts ao = {.tokens = &d1.tokens[0], .n_tokens = 1};
-    (void)ao;
     snapkv_decode_result_free(&d1);
+    /* the import has no logits yet (test_export_import_values appends to one) */
     assert_int_equal(snapkv_decode(a, &imported, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL); /* nothing to continue */
     /* an import without its tokens cannot run its window again: COMPRESS refuses and changes nothing */
     struct snapkv_compress_result cr;
@@ -2214,6 +2212,215 @@ static void test_decode_budget(void **state)
 }
 
 /* Rows per (layer, head) and their positions, as INSPECT shows them. */
+static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_id *id, size_t *n, uint32_t *kept0);
+
+/* COMPRESS gives what a PREFILL under the new spec gives: the same positions in every layer
+ * and head (but for near ties), and the greedy continuation of the in-process engine under that spec; from a full
+ * cache, and from an H2O one (its re-run must count each query's attention once, or the scores
+ * the decode keeps evicting by differ). A COMPRESS that ran its window from the wrong tokens,
+ * or counted the window twice, fails it. */
+static void test_compress_matches_prefill(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    uint32_t ids[N_PROMPT], want[N_GEN];
+    prompt(ids, N_PROMPT, 7);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a"), *a = client(d.admin, NULL);
+    static const char *const from[] = {"policy=full", "policy=h2o,budget=1000,window=8"};
+    static const char *const to[] = {"policy=snapkv,budget=24,window=8,kernel=5", "policy=h2o,budget=24,window=8"};
+    for (int k = 0; k < 2; k++) {
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = from[k]};
+        struct snapkv_prefill_result pa, pc;
+        assert_int_equal(snapkv_prefill(c, &po, &pa), SNAPKV_OK);
+        assert_int_equal(pa.layers[0].kept, N_PROMPT);
+        struct snapkv_compress_result cr;
+        assert_int_equal(snapkv_compress(c, &pa.id, to[k], 0, &cr), SNAPKV_OK);
+        assert_int_equal(cr.layers[0].kept, 24);
+        snapkv_compress_result_free(&cr);
+        po.compress = to[k];
+        assert_int_equal(snapkv_prefill(c, &po, &pc), SNAPKV_OK);
+        size_t na = 0, nc = 0;
+        uint32_t ka = 0, kc = 0;
+        uint32_t *posa = kept_positions(a, &pa.id, &na, &ka), *posc = kept_positions(a, &pc.id, &nc, &kc);
+        assert_int_equal(ka, 24);
+        assert_int_equal(kc, 24);
+        assert_int_equal(na, nc);
+        size_t moved = 0;
+        for (size_t i = 0; i < na; i++)
+            moved += posa[i] != posc[i];
+        printf("%s -> %s: %zu of %zu positions differ\n", from[k], to[k], moved, na);
+        /* the window's queries ran in a batch of 8 here and of 160 there: a near tie may fall
+         * the other way (SnapKV: 6 of 2160, one row of one head, on this host) */
+        assert_true(moved <= na / 100);
+        size_t older = 0; /* rows chosen from before the window: not a recency cut */
+        for (size_t i = 0; i < na; i++)
+            older += posa[i] < N_PROMPT - 8;
+        assert_int_equal(older, na / 24 * 16);
+        free(posa);
+        free(posc);
+        expected_tokens(ids, N_PROMPT, to[k], want, N_GEN);
+        struct snapkv_decode_result da, dc;
+        decode_gen(c, &pa.id, &da);
+        decode_gen(c, &pc.id, &dc);
+        assert_memory_equal(dc.tokens, want, sizeof want);
+        assert_memory_equal(da.tokens, want, sizeof want);
+        snapkv_decode_result_free(&da);
+        snapkv_decode_result_free(&dc);
+        assert_int_equal(snapkv_release(c, &pa.id), SNAPKV_OK);
+        assert_int_equal(snapkv_release(c, &pc.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&pa);
+        snapkv_prefill_result_free(&pc);
+    }
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
+/* EXPORT_KV's bytes and positions against the in-process engine's cache under the same spec:
+ * layer after layer, each head's K then V rows at snapkv_kv_offset (its own count of rows, zero
+ * rows after them up to the layer's longest head), its original positions; with head
+ * granularity, so that heads keep different counts. An IMPORT_KV of them holds the same
+ * positions, exports the same bytes, and gives the same logits for the next token, bit for bit. */
+static void test_export_import_values(void **state)
+{
+    NEED_MODEL();
+    const char *spec = "policy=snapkv,budget=24,window=8,granularity=head";
+    struct daemon d;
+    start_daemon(&d, "1G");
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 9);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a"), *a = client(d.admin, NULL);
+    struct snapkv_server_info si;
+    assert_int_equal(snapkv_server_info(c, &si), SNAPKV_OK);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = spec};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(a, &pr.id, true, &ir), SNAPKV_OK);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("values", 16 << 20, &shm), SNAPKV_OK);
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(c, &pr.id, &shm, 0, &lay), SNAPKV_OK);
+    assert_int_equal(lay.original_length, N_PROMPT);
+    assert_int_equal(lay.n_layers, ir.n_layers);
+    assert_int_equal(lay.n_positions, ir.n_positions);
+    assert_memory_equal(lay.positions, ir.positions, ir.n_positions * sizeof *ir.positions);
+    assert_int_equal(lay.bytes_written, snapkv_kv_bytes(lay.layers, lay.n_layers, si.n_kv_heads, si.head_dim));
+
+    /* the in-process engine's cache under the same spec */
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL;
+    struct skv_compressor *comp = NULL;
+    struct skv_compress_spec cs;
+    assert_int_equal(skv_backend_cpu_new(1, &be), SKV_OK);
+    assert_int_equal(skv_model_load(g_model, be, NULL, &m), SKV_OK);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
+    assert_int_equal(skv_compress_spec_parse(spec, &cs), SKV_OK);
+    assert_int_equal(skv_compressor_new(&cs, m, &comp), SKV_OK);
+    int32_t t[N_PROMPT];
+    for (int i = 0; i < N_PROMPT; i++)
+        t[i] = (int32_t)ids[i];
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+    assert_int_equal(skv_compressor_begin(comp, cache, N_PROMPT), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, cache, t, N_PROMPT, &fo, NULL), SKV_OK);
+    assert_int_equal(skv_compressor_finish(comp, cache), SKV_OK);
+    uint32_t dim = si.head_dim;
+    float *rows = malloc((size_t)N_PROMPT * dim * sizeof *rows);
+    assert_non_null(rows);
+    size_t at = 0;
+    int unequal = 0;
+    double worst = 0;
+    for (size_t i = 0; i < lay.n_layers; i++) {
+        const struct snapkv_layer_kept *lk = &lay.layers[i];
+        assert_int_equal(lk->layer, i);
+        assert_int_equal(lk->n_heads, si.n_kv_heads);
+        for (uint32_t h = 0; h < si.n_kv_heads; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(cache, (int)i, (int)h);
+            uint32_t len = lk->kept_per_head[h];
+            assert_int_equal(len, (uint32_t)kh->len);
+            assert_true(len <= lk->kept);
+            unequal += len != lk->kept;
+            for (uint32_t j = 0; j < len; j++)
+                assert_int_equal(lay.positions[at + j], (uint32_t)kh->pos[j]);
+            at += len;
+            for (int which = 0; which < 2; which++) {
+                const float *got = (const float *)((const char *)shm.addr +
+                                                   snapkv_kv_offset(&lay, i, h, which, si.n_kv_heads, dim));
+                assert_int_equal(skv_kv_cache_read_rows(cache, (int)i, (int)h, which, 0, (int)len, rows), SKV_OK);
+                for (size_t x = 0; x < (size_t)len * dim; x++) {
+                    double diff = fabs((double)got[x] - rows[x]);
+                    worst = diff > worst ? diff : worst;
+                    if (diff > 1e-3 * (1 + fabs(rows[x])))
+                        fail_msg("layer %zu head %u %c row %zu: %g, the engine %g", i, h, which ? 'V' : 'K',
+                                 x / dim, got[x], rows[x]);
+                }
+                for (size_t x = (size_t)len * dim; x < (size_t)lk->kept * dim; x++)
+                    assert_true(got[x] == 0.0f); /* the padding */
+            }
+        }
+    }
+    assert_int_equal(at, lay.n_positions);
+    assert_true(unequal > 0); /* heads kept different counts somewhere */
+    printf("export against the engine: max |diff| %.3g over %zu layers\n", worst, lay.n_layers);
+    free(rows);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+
+    /* imported: the same positions, the same bytes out again, the same next logits */
+    void *first = malloc(lay.bytes_written);
+    assert_non_null(first);
+    memcpy(first, shm.addr, lay.bytes_written);
+    struct snapkv_import_opts io = {.shm = &shm, .layers = lay.layers, .n_layers = lay.n_layers,
+                                    .positions = lay.positions, .n_positions = lay.n_positions,
+                                    .original_length = lay.original_length};
+    struct snapkv_session_id imp;
+    assert_int_equal(snapkv_import_kv(c, &io, &imp), SNAPKV_OK);
+    struct snapkv_inspect_result ii;
+    assert_int_equal(snapkv_admin_inspect(a, &imp, true, &ii), SNAPKV_OK);
+    assert_int_equal(ii.n_positions, ir.n_positions);
+    assert_memory_equal(ii.positions, ir.positions, ir.n_positions * sizeof *ir.positions);
+    for (size_t l = 0; l < ii.n_layers; l++)
+        assert_memory_equal(ii.layers[l].kept_per_head, ir.layers[l].kept_per_head,
+                            ir.layers[l].n_heads * sizeof *ir.layers[l].kept_per_head);
+    snapkv_inspect_result_free(&ii);
+    memset(shm.addr, 0x7f, lay.bytes_written);
+    struct snapkv_kv_layout lay2;
+    assert_int_equal(snapkv_export_kv(c, &imp, &shm, 0, &lay2), SNAPKV_OK);
+    assert_int_equal(lay2.bytes_written, lay.bytes_written);
+    assert_memory_equal(shm.addr, first, lay.bytes_written);
+    snapkv_kv_layout_free(&lay2);
+    uint32_t next = pr.next_token;
+    struct snapkv_append_opts ao = {.tokens = &next, .n_tokens = 1, .return_logits = true};
+    struct snapkv_append_result r1, r2;
+    assert_int_equal(snapkv_append(c, &pr.id, &ao, &r1), SNAPKV_OK);
+    assert_int_equal(snapkv_append(c, &imp, &ao, &r2), SNAPKV_OK);
+    assert_int_equal(r1.n_tokens, N_PROMPT + 1);
+    assert_int_equal(r2.n_tokens, N_PROMPT + 1);
+    assert_int_equal(r1.n_logits, si.n_vocab);
+    assert_int_equal(r2.n_logits, si.n_vocab);
+    assert_memory_equal(r1.logits, r2.logits, r1.n_logits * sizeof *r1.logits);
+    snapkv_append_result_free(&r1);
+    snapkv_append_result_free(&r2);
+    free(first);
+    snapkv_kv_layout_free(&lay);
+    snapkv_inspect_result_free(&ir);
+    snapkv_shm_destroy(&shm);
+    assert_int_equal(snapkv_release(c, &imp), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &pr.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
+/* Rows per (layer, head) and their positions, as INSPECT shows them. */
 static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_id *id, size_t *n, uint32_t *kept0)
 {
     struct snapkv_inspect_result ir;
@@ -3570,7 +3777,9 @@ int main(void)
         cmocka_unit_test_teardown(test_eight_clients, kill_daemons),     cmocka_unit_test_teardown(test_errors_and_tenants, kill_daemons),
         cmocka_unit_test_teardown(test_pool_pressure, kill_daemons),     cmocka_unit_test_teardown(test_killed_client_and_lease, kill_daemons),
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
-        cmocka_unit_test_teardown(test_decode_budget, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
+        cmocka_unit_test_teardown(test_decode_budget, kill_daemons),
+        cmocka_unit_test_teardown(test_compress_matches_prefill, kill_daemons),
+        cmocka_unit_test_teardown(test_export_import_values, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
         cmocka_unit_test_teardown(test_gone_client_decode, kill_daemons),
         cmocka_unit_test_teardown(test_snapkvctl, kill_daemons),

@@ -1850,17 +1850,66 @@ static void test_cancel_past_deadline(void **state)
 }
 
 /* COMPRESS of session sid with `spec`, queued by client id. */
-static void submit_compress(struct fixture *f, const uint8_t *id, const uint8_t sid[16], const char *spec)
+static void submit_compress_from(struct fixture *f, const uint8_t *id, const uint8_t sid[16], const char *spec,
+                                 uint32_t window_from)
 {
     Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
     cs.spec = (char *)spec;
     Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
     c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
     c.compress = &cs;
+    c.window_from = window_from;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_COMPRESS;
     req.compress = &c;
     assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
+static void submit_compress(struct fixture *f, const uint8_t *id, const uint8_t sid[16], const char *spec)
+{
+    submit_compress_from(f, id, sid, spec, 0);
+}
+
+/* Session sid's kept positions (INSPECT), malloc'd; *n: how many. */
+static uint32_t *inspect_positions(struct fixture *f, const uint8_t sid[16], size_t *n)
+{
+    Snapkv__InspectRequest ir = SNAPKV__INSPECT_REQUEST__INIT;
+    ir.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    ir.with_positions = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_INSPECT;
+    req.inspect = &ir;
+    Snapkv__Reply *rep = admin_call(f, &req);
+    *n = rep->inspect->n_positions;
+    uint32_t *pos = malloc(*n * sizeof *pos + 1);
+    assert_non_null(pos);
+    memcpy(pos, rep->inspect->positions, *n * sizeof *pos);
+    snapkv__reply__free_unpacked(rep, NULL);
+    return pos;
+}
+
+/* The logits an APPEND of the fixed token ids[5] to session sid gives (malloc'd, n_vocab). */
+static float *next_logits(struct fixture *f, const uint8_t sid[16])
+{
+    uint32_t tok = (uint32_t)f->tiny->ids[5];
+    Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
+    a.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    a.tokens = &tok;
+    a.n_tokens = 1;
+    a.return_logits = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
+    req.append = &a;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("APPEND: %d %s", rep->status, rep->message);
+    size_t n = rep->append->n_logits;
+    assert_int_equal(n, f->tiny->m->cfg.n_vocab);
+    float *out = malloc(n * sizeof *out);
+    assert_non_null(out);
+    memcpy(out, rep->append->logits, n * sizeof *out);
+    snapkv__reply__free_unpacked(rep, NULL);
+    return out;
 }
 
 /* Short requests queued behind a long forward run inside it, at its ticks, unless a request
@@ -1874,18 +1923,21 @@ static void test_overtake(void **state)
     struct fixture *f = *state;
     assert_int_equal(skv_config_set(&f->cfg, "queue-order", "fifo"), SKV_OK); /* STATS behind the COMPRESS */
     restart_yielding_always(f);
-    const char *spec = "policy=snapkv,budget=16,window=64";
+    /* a window below the budget, so that the scores choose rows */
+    const char *spec = "policy=snapkv,budget=16,window=8";
     uint8_t a[16], ref[16], b[16];
     prefill(f, 64, "policy=full", a);
     prefill(f, 64, "policy=full", ref);
     prefill(f, 8, "policy=full", b);
-    submit_compress(f, ID_X, ref, spec); /* alone */
+    assert_int_equal(append(f, a, 8, NULL), SKV_OK); /* 72 tokens: the last 64 run again */
+    assert_int_equal(append(f, ref, 8, NULL), SKV_OK);
+    submit_compress_from(f, ID_X, ref, spec, 8); /* alone */
     Snapkv__Reply *alone = next_reply(f, 0, ID_X, 5);
     if (alone->status)
         fail_msg("COMPRESS: %d %s", alone->status, alone->message);
 
     freeze(f, b);
-    submit_compress(f, ID_X, a, spec); /* re-runs 64 tokens: a long forward with ticks */
+    submit_compress_from(f, ID_X, a, spec, 8); /* re-runs 64 tokens: a long forward with ticks */
     submit_fork(f, ID_Y, a);
     submit_append(f, ID_Z, b, 3);
     submit_append(f, ID_X, b, 2);
@@ -1918,6 +1970,22 @@ static void test_overtake(void **state)
         snapkv__reply__free_unpacked(reps[i], NULL);
     snapkv__reply__free_unpacked(alone, NULL);
     assert_int_equal(stat(f, "snapkv_requests_inside_forwards_total"), 2);
+    /* the COMPRESS that let others in keeps the rows the one alone kept (not only the newest),
+     * and gives the same next logits, bit for bit */
+    size_t na = 0, nr = 0, older = 0;
+    uint32_t *pa = inspect_positions(f, a, &na), *pr = inspect_positions(f, ref, &nr);
+    assert_int_equal(na, nr);
+    assert_int_equal(na, (size_t)f->tiny->m->cfg.n_layers * f->tiny->m->cfg.n_kv_heads * 16);
+    assert_memory_equal(pa, pr, na * sizeof *pa);
+    for (size_t i = 0; i < na; i++)
+        older += pa[i] < 72 - 8;
+    assert_true(older > 0);
+    float *la = next_logits(f, a), *lr = next_logits(f, ref);
+    assert_memory_equal(la, lr, (size_t)f->tiny->m->cfg.n_vocab * sizeof *la);
+    free(pa);
+    free(pr);
+    free(la);
+    free(lr);
 }
 
 /* The fair-order scenario: while the worker is held in a request of tenant t, client X queues
