@@ -27,7 +27,8 @@ static const struct skv_config_option options[] = {
     {"endpoint", SKV_CFG_STRING, OPT(endpoint), "ipc:///run/snapkvd/snapkvd.sock", 0, 0,
      "client endpoint (ipc:// or tcp://)"},
     {"admin-endpoint", SKV_CFG_STRING, OPT(admin_endpoint), "ipc:///run/snapkvd/admin.sock", 0, 0,
-     "admin endpoint (ipc://, or tcp:// with admin-authorized-keys)"},
+     "admin endpoint (ipc://, or tcp:// with admin-authorized-keys; with allow-insecure-tcp and no "
+     "curve-secret-key, plain tcp:// that anyone reaching it may use)"},
     {"curve-secret-key", SKV_CFG_STRING, OPT(curve_secret_key), "", 0, 0,
      "file holding the daemon's CURVE secret key ('snapkvctl keygen'); needed by tcp:// endpoints"},
     {"curve-authorized-keys", SKV_CFG_STRING, OPT(curve_authorized_keys), "", 0, 0,

@@ -21,8 +21,9 @@
  *
  * Compression specs are plain strings of comma-separated key=value pairs, the same the daemon's
  * config file and snapkvctl take, e.g. "policy=snapkv,ratio=0.1" or
- * "policy=snapkv,alloc=squeeze,budget=512,window=32". For a PREFILL NULL or "" means no
- * compression (the daemon's default-compress); snapkv_compress needs one. The
+ * "policy=snapkv,alloc=squeeze,budget=512,window=32". For a PREFILL NULL or "" means the
+ * daemon's default-compress (policy=full, no compression, unless its operator set another);
+ * snapkv_compress needs one. The
  * daemon parses and validates them (unknown keys and bad values are errors).
  *
  * Every string a call sends (text, specs, stop sequences, names, the tenant and the client's
@@ -107,7 +108,8 @@ SNAPKV_API const char *snapkv_status_str(int status);
 typedef struct snapkv_client snapkv_client_t;
 
 struct snapkv_connect_opts {
-    const char *tenant;     /* NULL: "default" */
+    const char *tenant;     /* NULL: "default"; 1 to 63 of letters, digits and . _ - @ (else
+                             * SNAPKV_E_INVAL at connect) */
     const char *name;       /* client name, in the daemon's log at log-level = debug; NULL: "libsnapkv" */
     int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever.
                              * Each request tells the daemon this as its deadline: one still
@@ -219,7 +221,7 @@ struct snapkv_prefill_opts {
     size_t n_tokens;
     const char *text;             /* ... or UTF-8 text, tokenized by the daemon (ill-formed: SNAPKV_E_INVAL) */
     bool chat;                    /* render text as one user turn with the model's chat template */
-    const char *compress;         /* compression spec; NULL or "": keep everything */
+    const char *compress;         /* compression spec; NULL or "": the daemon's default-compress */
     bool return_logits;           /* the last position's logits in the result */
     uint32_t lease_seconds;       /* released when idle this long; 0: the daemon's default;
                                    * above the daemon's max-lease-seconds: SNAPKV_E_LIMIT */
@@ -239,8 +241,8 @@ struct snapkv_prefill_result {
     float *logits;
 };
 
-/* Runs the prompt and creates a session (compressed right after prefill when opts->compress is
- * given). Call snapkv_prefill_result_free() on *out afterwards. */
+/* Runs the prompt and creates a session (compressed during the prefill, layer by layer, under
+ * opts->compress or the daemon's default-compress). Call snapkv_prefill_result_free() on *out afterwards. */
 SNAPKV_API int snapkv_prefill(snapkv_client_t *client, const struct snapkv_prefill_opts *opts,
                               struct snapkv_prefill_result *out);
 /* Frees the arrays and zeroes *r; accepts NULL and a zeroed struct. */
@@ -272,7 +274,7 @@ struct snapkv_sampling {
     uint64_t seed;
     const uint32_t *stop_tokens;
     size_t n_stop_tokens;
-    uint32_t max_tokens;          /* 0: the daemon's default */
+    uint32_t max_tokens;          /* 0: 64 (at most the daemon's max-new-tokens: LIMIT above it) */
     bool stop_at_eos;             /* stop at the model's end-of-turn / eos token */
     /* stop sequences (text; at most 16, each 1 to 256 bytes): the decode ends when its text
      * contains one (finish_reason "stop"), its text ending just before it; streamed text that
@@ -352,8 +354,10 @@ SNAPKV_API int snapkv_release(snapkv_client_t *client, const struct snapkv_sessi
 /* Ends the session's running DECODE between two tokens, e.g. from another thread's connection
  * while the decoding one waits (a connection of the same tenant, or an admin one: any
  * session). That decode's caller gets its tokens so far with finish_reason "cancelled"; the
- * session keeps them and takes the next command at once. *cancelled (may be NULL): whether a
- * decode was running; *n_generated (may be NULL): the tokens it had made. */
+ * session keeps them and takes the next command at once. A CANCEL still queued when its
+ * deadline (this connection's timeout) passed runs all the same, but then ends only a decode
+ * this same connection started. *cancelled (may be NULL): whether a decode was running (and
+ * was ended); *n_generated (may be NULL): the tokens it had made. */
 SNAPKV_API int snapkv_cancel(snapkv_client_t *client, const struct snapkv_session_id *id, bool *cancelled,
                              uint32_t *n_generated);
 

@@ -92,7 +92,7 @@ static void usage(FILE *out)
             "  release SESSION\n"
             "  cancel SESSION [--admin]               end the session's running decode (it keeps its tokens);\n"
             "                                         --admin: through the admin endpoint, any tenant's session\n"
-            "  SAMPLING: [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
+            "  SAMPLING: [--max-tokens N (256)] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
             "admin commands (admin endpoint):\n"
             "  status | list [TENANT] | inspect SESSION [--positions] [--hashes]\n"
