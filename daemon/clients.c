@@ -77,6 +77,14 @@ static int find(const struct skv_clients *t, const uint8_t *id, size_t len, uint
     return -1;
 }
 
+int skv_clients_fd(const struct skv_clients *t, const uint8_t *identity, size_t identity_len)
+{
+    if (identity_len == 0 || identity_len > IDENTITY_MAX)
+        return -1;
+    int i = find(t, identity, identity_len, identity_key(identity, identity_len));
+    return i >= 0 && t->clients[i].live ? t->clients[i].fd : -1;
+}
+
 static void remove_at(struct skv_clients *t, int i)
 {
     t->n--;

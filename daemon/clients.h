@@ -42,6 +42,8 @@ int skv_clients_disconnected(struct skv_clients *t, int fd, uint64_t now_ms, skv
 /* ACCEPTED(fd): a new connection on fd. A client still live on fd missed its DISCONNECTED and is
  * gone (gone() for each). Returns how many clients went. */
 int skv_clients_accepted(struct skv_clients *t, int fd, uint64_t now_ms, skv_client_gone_fn *gone, void *user);
+/* The connection fd of live client `identity`, or -1 (unknown, gone). */
+int skv_clients_fd(const struct skv_clients *t, const uint8_t *identity, size_t identity_len);
 /* Forgets gone clients and closed fds older than SKV_CLIENTS_GONE_KEEP_MS. */
 void skv_clients_expire(struct skv_clients *t, uint64_t now_ms);
 

@@ -90,10 +90,18 @@ static const struct skv_config_option options[] = {
     {"max-reply-bytes-per-client", SKV_CFG_SIZE, OPT(max_reply_bytes_per_client), "64M", 1 << 20, INT64_C(1) << 42,
      "bytes of replies a client has not read yet that the daemon holds; past it its replies are dropped "
      "(libzmq's own bound is queue-depth + 5096 messages a client, whatever their size)"},
+    {"max-reply-bytes-per-peer", SKV_CFG_SIZE, OPT(max_reply_bytes_per_peer), "256M", 1 << 20, INT64_C(1) << 42,
+     "bytes of replies not read yet the daemon holds for all the clients of one user (ipc://) or address "
+     "(tcp://); past it their replies are dropped, so one user's clients cannot fill max-reply-bytes"},
     {"max-reply-bytes", SKV_CFG_SIZE, OPT(max_reply_bytes), "1G", 1 << 20, INT64_C(1) << 42,
-     "bytes of replies not read yet the daemon holds for all clients together; past it replies are dropped"},
+     "bytes of replies not read yet the daemon holds for all clients together; past it replies are dropped "
+     "(the admin endpoint's are not held to it)"},
     {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,
      "open connections on the client endpoint; more are closed as they come"},
+    {"max-connections-per-peer", SKV_CFG_INT, OPT(max_connections_per_peer), "64", 1, 1 << 20,
+     "open connections one peer may hold on the client endpoint: a user on ipc:// (its uid), an address on "
+     "tcp://; more are closed as they come. With max-message-bytes it bounds the requests libzmq may buffer "
+     "for one peer: 5 x max-message-bytes a connection"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
     {"max-queued-bytes", SKV_CFG_SIZE, OPT(max_queued_bytes), "256M", 1 << 16, INT64_C(1) << 42,
      "memory the requests waiting for the engine may hold together (their unpacked size)"},

@@ -38,6 +38,8 @@ struct skv_config {
     int64_t max_bytes_per_tenant;
     int64_t max_message_bytes;
     int64_t max_connections;
+    int64_t max_connections_per_peer;
+    int64_t max_reply_bytes_per_peer;
     int64_t queue_depth;
     int64_t max_queued_bytes; /* memory the requests waiting for the engine may hold */
     int64_t max_text_bytes;   /* longest request text; 0: derived from the token limits */

@@ -24,10 +24,19 @@ struct peer {
     struct peer *next;
 };
 
+/* An owner (a user or an address) with replies not taken yet. */
+struct owner {
+    uint64_t key;
+    uint64_t bytes;
+    uint32_t msgs;
+    struct owner *next;
+};
+
 struct skv_replies {
     pthread_mutex_t mu;
     struct peer *bucket[BUCKETS];
-    uint64_t max_per_client, max_total;
+    struct owner *owners[BUCKETS];
+    uint64_t max_per_client, max_per_owner, max_total;
     atomic_ullong total;          /* bytes of every client's replies not taken yet */
     atomic_ullong dropped;        /* replies dropped for a bound */
 };
@@ -36,6 +45,7 @@ struct skv_replies {
 struct tracked {
     struct skv_replies *r;
     int sock;
+    uint64_t owner;
     size_t id_len;
     uint8_t id[ID_MAX];
     size_t len;
@@ -78,6 +88,32 @@ static void peer_remove_locked(struct skv_replies *r, struct peer *gone)
         }
 }
 
+/* The owner's entry (r->mu held); create: add one when it has none (NULL: no memory). */
+static struct owner *owner_find_locked(struct skv_replies *r, uint64_t key, bool create)
+{
+    struct owner **head = &r->owners[key % BUCKETS];
+    for (struct owner *o = *head; o; o = o->next)
+        if (o->key == key)
+            return o;
+    struct owner *o = create ? calloc(1, sizeof *o) : NULL;
+    if (o) {
+        o->key = key;
+        o->next = *head;
+        *head = o;
+    }
+    return o;
+}
+
+static void owner_remove_locked(struct skv_replies *r, struct owner *gone)
+{
+    for (struct owner **pp = &r->owners[gone->key % BUCKETS]; *pp; pp = &(*pp)->next)
+        if (*pp == gone) {
+            *pp = gone->next;
+            free(gone);
+            return;
+        }
+}
+
 /* libzmq's free callback: the connection took the reply (or it was dropped). */
 static void tracked_free(void *data, void *hint)
 {
@@ -91,18 +127,25 @@ static void tracked_free(void *data, void *hint)
         if (--p->msgs == 0)
             peer_remove_locked(r, p);
     }
+    struct owner *o = t->owner ? owner_find_locked(r, t->owner, false) : NULL;
+    if (o) {
+        o->bytes -= t->len;
+        if (--o->msgs == 0)
+            owner_remove_locked(r, o);
+    }
     atomic_fetch_sub(&r->total, t->len);
     pthread_mutex_unlock(&r->mu);
     free(t);
 }
 
-int skv_replies_new(uint64_t max_per_client, uint64_t max_total, struct skv_replies **out)
+int skv_replies_new(uint64_t max_per_client, uint64_t max_per_owner, uint64_t max_total, struct skv_replies **out)
 {
     struct skv_replies *r = calloc(1, sizeof *r);
     if (!r)
         return SKV_E_NOMEM;
     pthread_mutex_init(&r->mu, NULL);
     r->max_per_client = max_per_client;
+    r->max_per_owner = max_per_owner;
     r->max_total = max_total;
     *out = r;
     return SKV_OK;
@@ -113,49 +156,65 @@ void skv_replies_free(struct skv_replies **r_p)
     if (!r_p || !*r_p)
         return;
     struct skv_replies *r = *r_p;
-    for (int b = 0; b < BUCKETS; b++)
+    for (int b = 0; b < BUCKETS; b++) {
         for (struct peer *p = r->bucket[b], *next; p; p = next) {
             next = p->next;
             free(p);
         }
+        for (struct owner *o = r->owners[b], *next; o; o = next) {
+            next = o->next;
+            free(o);
+        }
+    }
     pthread_mutex_destroy(&r->mu);
     free(r);
     *r_p = NULL;
 }
 
-int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void *identity, size_t identity_len,
-                     const void *body, size_t len)
+int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, uint64_t owner, const void *identity,
+                     size_t identity_len, const void *body, size_t len)
 {
     if (identity_len > ID_MAX)
         return skv_errorf(SKV_E_INVAL, "a routing id of %zu bytes", identity_len);
     struct tracked *t = malloc(sizeof *t + (len ? len : 1));
     if (!t)
         return SKV_E_NOMEM;
-    *t = (struct tracked){.r = r, .sock = sock_idx, .id_len = identity_len, .len = len};
+    *t = (struct tracked){.r = r, .sock = sock_idx, .owner = owner, .id_len = identity_len, .len = len};
     memcpy(t->id, identity, identity_len);
     memcpy(t->data, body, len);
     /* count the bytes before libzmq has them: its threads may free the reply at once */
     pthread_mutex_lock(&r->mu);
     uint64_t total = atomic_load(&r->total);
     struct peer *p = peer_find_locked(r, sock_idx, identity, identity_len, true);
+    struct owner *o = p && owner ? owner_find_locked(r, owner, true) : NULL;
     /* one reply always goes when nothing is held: a bound smaller than a reply delays, never
      * starves, it */
-    if (!p || (p->bytes && p->bytes + len > r->max_per_client) || (total && total + len > r->max_total)) {
-        uint64_t held = p ? p->bytes : 0;
+    if (!p || (owner && !o) || (p->bytes && p->bytes + len > r->max_per_client) ||
+        (o && o->bytes && o->bytes + len > r->max_per_owner) ||
+        (sock_idx == 0 && total && total + len > r->max_total)) {
+        uint64_t held = p ? p->bytes : 0, owned = o ? o->bytes : 0;
         if (p && p->msgs == 0)
             peer_remove_locked(r, p);
+        if (o && o->msgs == 0)
+            owner_remove_locked(r, o);
         pthread_mutex_unlock(&r->mu);
         free(t);
-        if (!p)
+        if (!p || (owner && !o))
             return SKV_E_NOMEM;
         atomic_fetch_add(&r->dropped, 1);
-        return skv_errorf(SKV_E_BUSY, "the client holds %llu bytes of replies it has not read, all clients %llu; "
-                          "this one's %zu would pass max-reply-bytes-per-client (%llu) or max-reply-bytes (%llu)",
-                          (unsigned long long)held, (unsigned long long)total, len,
-                          (unsigned long long)r->max_per_client, (unsigned long long)r->max_total);
+        return skv_errorf(SKV_E_BUSY, "the client holds %llu bytes of replies it has not read, its user or address "
+                          "%llu, all clients %llu; this one's %zu would pass max-reply-bytes-per-client (%llu), "
+                          "max-reply-bytes-per-peer (%llu) or max-reply-bytes (%llu)",
+                          (unsigned long long)held, (unsigned long long)owned, (unsigned long long)total, len,
+                          (unsigned long long)r->max_per_client, (unsigned long long)r->max_per_owner,
+                          (unsigned long long)r->max_total);
     }
     p->bytes += len;
     p->msgs++;
+    if (o) {
+        o->bytes += len;
+        o->msgs++;
+    }
     atomic_fetch_add(&r->total, len);
     pthread_mutex_unlock(&r->mu);
 
@@ -197,6 +256,17 @@ uint64_t skv_replies_unread_bytes_of(struct skv_replies *r, int sock_idx, const 
     pthread_mutex_lock(&r->mu);
     struct peer *p = peer_find_locked(r, sock_idx, identity, identity_len, false);
     uint64_t b = p ? p->bytes : 0;
+    pthread_mutex_unlock(&r->mu);
+    return b;
+}
+
+uint64_t skv_replies_unread_bytes_of_owner(struct skv_replies *r, uint64_t owner)
+{
+    if (!r || !owner)
+        return 0;
+    pthread_mutex_lock(&r->mu);
+    struct owner *o = owner_find_locked(r, owner, false);
+    uint64_t b = o ? o->bytes : 0;
     pthread_mutex_unlock(&r->mu);
     return b;
 }

@@ -13,20 +13,25 @@
 
 struct skv_replies;
 
-/* Bounds in bytes: one client's replies not taken yet, and all clients' together. */
-int skv_replies_new(uint64_t max_per_client, uint64_t max_total, struct skv_replies **out);
+/* Bounds in bytes: one client's replies not taken yet, one owner's (a peer: all the clients of
+ * one user or address), and all clients' together. */
+int skv_replies_new(uint64_t max_per_client, uint64_t max_per_owner, uint64_t max_total, struct skv_replies **out);
 /* Call after zmq_ctx_term(): libzmq may free a queued reply until then. Accepts NULL. */
 void skv_replies_free(struct skv_replies **r_p);
 
 /* Sends [identity][body] on a ROUTER without blocking (socket thread). A client is the socket
- * index `sock_idx` (0 client endpoint, 1 admin) and its routing id. Returns SKV_OK when libzmq
- * took the reply, SKV_E_BUSY when it was dropped because the client's bytes not taken yet, or
- * all clients', plus len would pass their bound (counted; a reply finding nothing held always
- * goes, however large) or because the client's queue in libzmq is full (EAGAIN, with
- * ZMQ_ROUTER_MANDATORY), SKV_E_IO when libzmq refused it otherwise (the client gone:
- * errno-style reason in the message). */
-int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, const void *identity, size_t identity_len,
-                     const void *body, size_t len);
+ * index `sock_idx` (0 client endpoint, 1 admin) and its routing id; `owner` (0: none known) the
+ * peer it belongs to. Returns SKV_OK when libzmq took the reply, SKV_E_BUSY when it was dropped
+ * because the client's bytes not taken yet, its owner's, or all clients', plus len would pass
+ * their bound (counted; a reply finding nothing held by its client or owner always goes,
+ * however large; the admin endpoint's are not held to the bound over all clients, so clients
+ * that do not read cannot make the operator's replies go) or because the client's queue in
+ * libzmq is full (EAGAIN, with ZMQ_ROUTER_MANDATORY), SKV_E_IO when libzmq refused it
+ * otherwise (the client gone: errno-style reason in the message). */
+int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, uint64_t owner, const void *identity,
+                     size_t identity_len, const void *body, size_t len);
+/* One owner's bytes not taken yet (socket thread; for tests). */
+uint64_t skv_replies_unread_bytes_of_owner(struct skv_replies *r, uint64_t owner);
 
 /* Bytes handed to libzmq and not taken yet, all clients (any thread). */
 uint64_t skv_replies_unread_bytes(const struct skv_replies *r);

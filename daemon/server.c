@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -36,6 +37,20 @@
 #include <zmq.h>
 
 #define PROTOCOL_VERSION 1
+#define RCVHWM 4                  /* requests libzmq reads ahead on one connection */
+#define HANDSHAKE_MS 10000        /* ZMQ_HANDSHAKE_IVL of the client and admin endpoints */
+
+/* What the socket thread knows of a client connection, by its fd. */
+struct conn_fd {
+    uint64_t peer;                /* its peer's key (peer_key), 0: none known or no longer counted */
+    uint8_t closing;              /* shut down here, its DISCONNECTED not seen yet */
+};
+
+/* A peer (a user on ipc://, an address on tcp://) and its open client connections. */
+struct peer_conns {
+    uint64_t key;
+    int n;
+};
 
 struct skv_server {
     struct skv_server_env env;
@@ -48,9 +63,13 @@ struct skv_server {
     int open_connections;         /* on the client endpoint: ACCEPTED less DISCONNECTED */
     int max_connections;          /* max-connections, lowered to what the open-file limit allows */
     uint64_t refused_connections; /* closed as they came, over max_connections, since last logged */
+    uint64_t refused_peer;        /* closed as they came, over max_per_peer, since last logged */
     uint64_t refused_logged_ms;
-    uint8_t *closing;             /* [closing_cap] by fd: shut down here, its DISCONNECTED not seen yet */
-    int closing_cap;
+    struct conn_fd *fds;          /* [fds_cap] by connection fd */
+    int fds_cap;
+    struct peer_conns *peers;     /* [n_peers] peers with connections open, and how many */
+    int n_peers, peers_cap;
+    int max_per_peer;             /* max-connections-per-peer */
     uint64_t clients_expired_ms;
     int lock_fds[4];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[4];           /* unlinked at exit (client, admin, events, events replay) */
@@ -162,10 +181,16 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
     /* requests read from one connection and not yet taken by this thread: libzmq counts
      * messages, 1000 by default, which at max-message-bytes (16M) is 16 GB a connection; past
-     * this many it stops reading that connection (the client waits, nothing is dropped) */
-    int64_t per = srv->env.cfg->max_queued_bytes / (maxmsg > 0 ? maxmsg : 1);
-    int rcvhwm = per < 64 ? 64 : per > 1000 ? 1000 : (int)per;
+     * this many it stops reading that connection (the client waits, nothing is dropped). This
+     * thread takes them as fast as they come, so a few are enough; with the one being read,
+     * a peer can make libzmq hold (RCVHWM + 1) x max-message-bytes for each of its
+     * max-connections-per-peer connections */
+    int rcvhwm = RCVHWM;
     zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm);
+    /* a connection that has not finished its ZMTP (and CURVE) handshake by then is closed: an
+     * idle one holds a connection slot only this long (libzmq's default is 30 s) */
+    int handshake_ms = HANDSHAKE_MS;
+    zmq_setsockopt(s, ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof handshake_ms);
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
@@ -315,6 +340,7 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
     if ((rc = skv_auth_start(srv->auth, srv->zctx)) || (rc = skv_clients_new(CLIENTS_MAX, &srv->clients)))
         goto out_destroy;
     srv->max_connections = connection_room(env->cfg->max_connections);
+    srv->max_per_peer = (int)env->cfg->max_connections_per_peer;
     if ((rc = bind_socket(srv, 0, env->cfg->endpoint, &srv->client_sock)))
         goto out_destroy;
     if ((rc = bind_socket(srv, 1, env->cfg->admin_endpoint, &srv->admin_sock)))
@@ -328,7 +354,8 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
         rc = skv_errorf(SKV_E_IO, "inproc reply socket: %s", zmq_strerror(zmq_errno()));
         goto out_destroy;
     }
-    if ((rc = skv_replies_new((uint64_t)env->cfg->max_reply_bytes_per_client, (uint64_t)env->cfg->max_reply_bytes,
+    if ((rc = skv_replies_new((uint64_t)env->cfg->max_reply_bytes_per_client,
+                              (uint64_t)env->cfg->max_reply_bytes_per_peer, (uint64_t)env->cfg->max_reply_bytes,
                               &srv->unread)) ||
         (rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
         goto out_destroy;
@@ -358,7 +385,8 @@ void skv_server_destroy(struct skv_server **srv_p)
     if (srv->client_sock)
         zmq_close(srv->client_sock);
     skv_clients_free(&srv->clients);
-    free(srv->closing);
+    free(srv->fds);
+    free(srv->peers);
     if (srv->admin_sock)
         zmq_close(srv->admin_sock);
     if (srv->events)
@@ -394,7 +422,9 @@ static void reply_out(struct skv_server *srv, int idx, const void *identity, siz
                       size_t len)
 {
     void *sock = idx ? srv->admin_sock : srv->client_sock;
-    int rc = skv_replies_send(srv->unread, sock, idx, identity, identity_len, body, len);
+    int fd = idx ? -1 : skv_clients_fd(srv->clients, identity, identity_len);
+    uint64_t owner = fd >= 0 && fd < srv->fds_cap ? srv->fds[fd].peer : 0;
+    int rc = skv_replies_send(srv->unread, sock, idx, owner, identity, identity_len, body, len);
     if (rc == SKV_E_BUSY) {
         uint64_t now = skv_now_ms(), dropped = skv_replies_dropped(srv->unread);
         if (now - srv->unread_logged_ms >= 10000) {
@@ -662,29 +692,120 @@ static void notify_gone(void *user, const uint8_t *identity, size_t identity_len
  * A connection accepted past max-connections is shut down at once (libzmq then closes it and
  * reports DISCONNECTED), so idle connections cannot take every file descriptor: libzmq aborts
  * the process when an ipc accept fails with EMFILE, and on tcp the clients with keys could no
- * longer get in. Only a connection still open at the end of the batch read is shut down, so a
- * fd that closed (and may have been reused) within the batch is left alone. */
+ * longer get in. So is one that takes its peer (its user on ipc://, its address on tcp://) past
+ * max-connections-per-peer: one user cannot hold every connection, nor make libzmq buffer
+ * requests for more than that many. Only a connection still open at the end of the batch read
+ * is shut down, so a fd that closed (and may have been reused) within the batch is left alone. */
 #define CONNECTION_BATCH 256
 
-/* Remembers that fd is being shut down here; false when there is no memory to remember it
- * (then it is left open rather than counted wrong). */
-static bool mark_closing(struct skv_server *srv, int fd)
+/* fd's entry, the table grown to hold it (NULL: a bad fd, or no memory: then the connection is
+ * left open rather than counted wrong). */
+static struct conn_fd *conn_slot(struct skv_server *srv, int fd)
 {
     if (fd < 0)
-        return false;
-    if (fd >= srv->closing_cap) {
-        int cap = srv->closing_cap ? srv->closing_cap : 1024;
+        return NULL;
+    if (fd >= srv->fds_cap) {
+        int cap = srv->fds_cap ? srv->fds_cap : 1024;
         while (cap <= fd)
             cap *= 2;
-        uint8_t *grown = realloc(srv->closing, (size_t)cap);
+        struct conn_fd *grown = realloc(srv->fds, (size_t)cap * sizeof *grown);
         if (!grown)
-            return false;
-        memset(grown + srv->closing_cap, 0, (size_t)(cap - srv->closing_cap));
-        srv->closing = grown;
-        srv->closing_cap = cap;
+            return NULL;
+        memset(grown + srv->fds_cap, 0, (size_t)(cap - srv->fds_cap) * sizeof *grown);
+        srv->fds = grown;
+        srv->fds_cap = cap;
     }
-    srv->closing[fd] = 1;
-    return true;
+    return &srv->fds[fd];
+}
+
+/* Who is at the other end of accepted connection fd: on a Unix socket its user (SO_PEERCRED),
+ * on TCP its address; 0 when that cannot be read (the connection already gone). */
+static uint64_t peer_key(int fd)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0)
+        return 0;
+    if (ss.ss_family == AF_UNIX) {
+        struct ucred cr;
+        socklen_t cl = sizeof cr;
+        return getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) == 0 ? (UINT64_C(1) << 62) | (uint32_t)cr.uid : 0;
+    }
+    len = sizeof ss;
+    if (getpeername(fd, (struct sockaddr *)&ss, &len) != 0)
+        return 0;
+    const uint8_t *a = NULL;
+    size_t n = 0;
+    if (ss.ss_family == AF_INET) {
+        a = (const uint8_t *)&((struct sockaddr_in *)&ss)->sin_addr;
+        n = 4;
+    } else if (ss.ss_family == AF_INET6) {
+        a = (const uint8_t *)&((struct sockaddr_in6 *)&ss)->sin6_addr;
+        n = 16;
+    }
+    uint64_t h = UINT64_C(14695981039346656037); /* FNV-1a of the address, tagged apart from users */
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ a[i]) * UINT64_C(1099511628211);
+    return n ? (h | (UINT64_C(1) << 63)) & ~(UINT64_C(1) << 62) : 0;
+}
+
+/* key's entry in the peers table, added (with no connections) when absent; NULL: no memory. */
+static struct peer_conns *peer_find(struct skv_server *srv, uint64_t key)
+{
+    for (int i = 0; i < srv->n_peers; i++)
+        if (srv->peers[i].key == key)
+            return &srv->peers[i];
+    if (srv->n_peers == srv->peers_cap) {
+        int cap = srv->peers_cap ? 2 * srv->peers_cap : 16;
+        struct peer_conns *grown = realloc(srv->peers, (size_t)cap * sizeof *grown);
+        if (!grown)
+            return NULL;
+        srv->peers = grown;
+        srv->peers_cap = cap;
+    }
+    srv->peers[srv->n_peers] = (struct peer_conns){key, 0};
+    return &srv->peers[srv->n_peers++];
+}
+
+/* Takes connection fd off its peer's count (it closed, or is being shut down here). */
+static void peer_gone(struct skv_server *srv, int fd)
+{
+    if (fd < 0 || fd >= srv->fds_cap || !srv->fds[fd].peer)
+        return;
+    uint64_t key = srv->fds[fd].peer;
+    srv->fds[fd].peer = 0;
+    for (int i = 0; i < srv->n_peers; i++)
+        if (srv->peers[i].key == key) {
+            if (--srv->peers[i].n <= 0)
+                srv->peers[i] = srv->peers[--srv->n_peers];
+            return;
+        }
+}
+
+/* Counts connection fd (just accepted) under its peer; *over: its peer now holds more than
+ * max-connections-per-peer. */
+static void peer_accepted(struct skv_server *srv, int fd, bool *over)
+{
+    *over = false;
+    peer_gone(srv, fd); /* (a DISCONNECTED of the fd's last connection that never came) */
+    struct conn_fd *c = conn_slot(srv, fd);
+    uint64_t key = c ? peer_key(fd) : 0;
+    struct peer_conns *p = key ? peer_find(srv, key) : NULL;
+    if (!p)
+        return; /* not counted under a peer: the total bound still holds */
+    c->peer = key;
+    *over = ++p->n > srv->max_per_peer;
+}
+
+/* The open connections of fd's peer (0: none counted). */
+static int peer_open(const struct skv_server *srv, int fd)
+{
+    if (fd < 0 || fd >= srv->fds_cap || !srv->fds[fd].peer)
+        return 0;
+    for (int i = 0; i < srv->n_peers; i++)
+        if (srv->peers[i].key == srv->fds[fd].peer)
+            return srv->peers[i].n;
+    return 0;
 }
 
 static void read_connections(struct skv_server *srv)
@@ -719,39 +840,58 @@ static void read_connections(struct skv_server *srv)
         if (n == 0) /* the common case: called before every client message */
             break;
         uint64_t now = skv_now_ms();
+        bool any_over = false;
         for (int i = 0; i < n; i++) {
             if (ev[i].event == ZMQ_EVENT_ACCEPTED) {
                 skv_clients_accepted(srv->clients, ev[i].fd, now, notify_gone, srv);
                 srv->open_connections++;
+                bool over = false;
+                peer_accepted(srv, ev[i].fd, &over);
+                any_over |= over;
             } else if (ev[i].event == ZMQ_EVENT_DISCONNECTED) {
                 skv_clients_disconnected(srv->clients, ev[i].fd, now, notify_gone, srv);
-                if (ev[i].fd >= 0 && ev[i].fd < srv->closing_cap && srv->closing[ev[i].fd])
-                    srv->closing[ev[i].fd] = 0; /* no longer counted since it was shut down */
+                peer_gone(srv, ev[i].fd);
+                if (ev[i].fd >= 0 && ev[i].fd < srv->fds_cap && srv->fds[ev[i].fd].closing)
+                    srv->fds[ev[i].fd].closing = 0; /* no longer counted since it was shut down */
                 else
                     srv->open_connections -= srv->open_connections > 0;
             } else {
                 skv_auth_handshake_event(srv->auth, SKV_AUTH_CLIENT, ev[i].event, (uint32_t)ev[i].fd);
             }
         }
-        /* the newest connections past the limit go, when still open after this batch */
-        for (int i = n - 1; i >= 0 && srv->open_connections > srv->max_connections; i--) {
+        /* the newest connections past a limit go, when still open after this batch */
+        for (int i = n - 1; i >= 0 && (any_over || srv->open_connections > srv->max_connections); i--) {
             if (ev[i].event != ZMQ_EVENT_ACCEPTED)
                 continue;
             bool closed_since = false;
             for (int j = i + 1; j < n && !closed_since; j++) /* (a handshake event's value is an errno) */
                 closed_since = ev[j].event == ZMQ_EVENT_DISCONNECTED && ev[j].fd == ev[i].fd;
-            if (closed_since || !mark_closing(srv, ev[i].fd) || shutdown(ev[i].fd, SHUT_RDWR) != 0)
+            bool peer_over = peer_open(srv, ev[i].fd) > srv->max_per_peer;
+            if (closed_since || (!peer_over && srv->open_connections <= srv->max_connections))
                 continue;
+            struct conn_fd *c = conn_slot(srv, ev[i].fd);
+            if (!c || shutdown(ev[i].fd, SHUT_RDWR) != 0)
+                continue;
+            c->closing = 1;
+            peer_gone(srv, ev[i].fd);
             srv->open_connections--; /* its DISCONNECTED follows and is not counted again */
-            srv->refused_connections++;
+            if (peer_over)
+                srv->refused_peer++;
+            else
+                srv->refused_connections++;
         }
     }
-    if (srv->refused_connections && skv_now_ms() - srv->refused_logged_ms >= 10000) {
-        skv_log(SKV_LOG_WARN, "%d connections are open on the client endpoint (max-connections %d): %llu more were "
-                "closed as they came", srv->open_connections, srv->max_connections,
-                (unsigned long long)srv->refused_connections);
+    if ((srv->refused_connections || srv->refused_peer) && skv_now_ms() - srv->refused_logged_ms >= 10000) {
+        if (srv->refused_connections)
+            skv_log(SKV_LOG_WARN, "%d connections are open on the client endpoint (max-connections %d): %llu more "
+                    "were closed as they came", srv->open_connections, srv->max_connections,
+                    (unsigned long long)srv->refused_connections);
+        if (srv->refused_peer)
+            skv_log(SKV_LOG_WARN, "%llu connections were closed as they came: their user (ipc://) or address "
+                    "(tcp://) held max-connections-per-peer (%d) already", (unsigned long long)srv->refused_peer,
+                    srv->max_per_peer);
         srv->refused_logged_ms = skv_now_ms();
-        srv->refused_connections = 0;
+        srv->refused_connections = srv->refused_peer = 0;
     }
 }
 

@@ -105,8 +105,9 @@ static int handshake_failure(const snapkv_client_t *c, uint16_t event, uint32_t 
                                zmq_strerror((int)value));
     if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         return skv_client_fail(SNAPKV_E_PERM,
-                               "handshake failed (%s): the daemon closed the connection; a tcp:// endpoint "
-                               "requires CURVE (give its public key and a client key pair)",
+                               "handshake failed (%s): the daemon closed the connection: it holds its "
+                               "max-connections, or this user's (or address's) max-connections-per-peer, already; "
+                               "or a tcp:// endpoint requires CURVE (give its public key and a client key pair)",
                                zmq_strerror((int)value));
     return SNAPKV_OK;
 }

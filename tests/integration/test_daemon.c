@@ -2,6 +2,8 @@
  * client processes through libsnapkv: handshake, admin commands, errors, a second daemon
  * on the same endpoint, malformed frames, the HTTP /metrics endpoint, and SIGTERM. */
 #include <errno.h>
+#include <grp.h>
+#include <pwd.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -821,6 +823,75 @@ static void test_unread_replies_bounded(void **state)
     assert_true(unread_after == 0);
 }
 
+/* One user's clients together hold at most max-reply-bytes-per-peer of replies they have not
+ * read: two connections of this user that send PREFILLs asking for logits (192 KiB replies) and
+ * read nothing hold at most 1M between them, and the rest of their replies are dropped; a client
+ * of another user is answered meanwhile (as root: it runs as nobody). Before, such clients
+ * could fill max-reply-bytes (1G), past which every client's replies were dropped. */
+static void test_unread_replies_per_peer(void **state)
+{
+    NEED_DAEMON(d);
+    struct daemon e;
+    bool up = second_daemon(&e, "--max-reply-bytes-per-peer=1M");
+    enum { N = 12 };
+    double answered = -1, dropped = -1, unread = -1;
+    int other = -1;
+    if (up) {
+        void *ctx = zmq_ctx_new();
+        void *s[2];
+        for (int k = 0; k < 2; k++) {
+            s[k] = raw_socket(&e, ctx, ZMQ_RCVHWM, 1);
+            int rcvbuf = 4096;
+            zmq_setsockopt(s[k], ZMQ_RCVBUF, &rcvbuf, sizeof rcvbuf);
+            for (int i = 0; i < N; i++) {
+                /* version 1, request_id i, prefill {tokens [1..8] packed, return_logits} */
+                uint8_t req[] = {0x08, 0x01, 0x10, (uint8_t)(i + 1), 0x5a, 0x0c, 0x0a, 0x08, 1, 2, 3, 4, 5, 6, 7, 8,
+                                 0x28, 0x01};
+                assert_int_equal(zmq_send(s[k], req, sizeof req, 0), (int)sizeof req);
+            }
+        }
+        for (int i = 0; i < 600 && answered < 2 * 8 * N; i++) {
+            answered = admin_stat(e.admin, "snapkv_prefill_tokens_total");
+            usleep(100 * 1000);
+        }
+        dropped = admin_stat(e.admin, "snapkv_replies_dropped_unread_total");
+        unread = admin_stat(e.admin, "snapkv_reply_bytes_unread");
+        struct passwd *nobody = getpwnam("nobody");
+        if (geteuid() == 0 && nobody && nobody->pw_uid != 0) {
+            assert_int_equal(chmod(e.dir, 0711), 0); /* (this test's own directory) */
+            assert_int_equal(chmod(e.endpoint + strlen("ipc://"), 0666), 0);
+            fflush(NULL);
+            pid_t pid = fork();
+            if (pid == 0) {
+                if (setgroups(0, NULL) != 0 || setgid(nobody->pw_gid) != 0 || setuid(nobody->pw_uid) != 0)
+                    _exit(10);
+                snapkv_client_t *c = NULL;
+                struct snapkv_connect_opts o = {.timeout_ms = 60000};
+                struct snapkv_server_info in;
+                if (snapkv_connect(e.endpoint, &o, &c) != SNAPKV_OK || snapkv_server_info(c, &in) != SNAPKV_OK)
+                    _exit(11);
+                snapkv_close(&c);
+                _exit(0);
+            }
+            int st = 0;
+            assert_int_equal(waitpid(pid, &st, 0), pid);
+            other = WIFEXITED(st) ? WEXITSTATUS(st) : 100;
+        }
+        for (int k = 0; k < 2; k++)
+            zmq_close(s[k]);
+        zmq_ctx_term(ctx);
+    }
+    stop_second(&e);
+    assert_true(up);
+    fprintf(stderr, "unread replies of one user: %d sent, %.0f dropped, %.0f bytes held; another user's client: %d\n",
+            2 * N, dropped, unread, other);
+    assert_true(answered >= 2 * 8 * N);
+    assert_true(unread > 0 && unread <= 1024 * 1024);
+    assert_true(dropped >= 2 * N - 5 - 6); /* at most 5 held here, a few in the kernel's and the clients' buffers */
+    if (geteuid() == 0)
+        assert_int_equal(other, 0);
+}
+
 /* A client that sends and never reads: its replies pile up and are dropped, and the daemon
  * goes on serving others and still stops on SIGTERM (test_sigterm, next). */
 static void test_client_not_reading(void **state)
@@ -881,6 +952,7 @@ int main(void)
         cmocka_unit_test(test_text_bytes_option),
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_unread_replies_bounded),
+        cmocka_unit_test(test_unread_replies_per_peer),
         cmocka_unit_test(test_sigterm),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -2839,6 +2839,80 @@ static void test_connection_limit(void **state)
     assert_string_equal(in_force, "200");
     snapkv_close(&a);
     stop_daemon(&d);
+
+    /* max-connections-per-peer 4: this user's connections past 4 are closed as they come (its
+     * client keeps its session and is served); a new connection of this user cannot get in,
+     * one of another user can; once the idle ones are gone this user gets in again */
+    start_daemon_with(&d, "256M", "--max-connections-per-peer=4", 0);
+    c = client(d.endpoint, "tenant-a");
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 32}, &pr), SNAPKV_OK);
+    enum { P = 10 };
+    int mine[P];
+    open_idle(&d, mine, P);
+    closed = 0; /* 7 closed: c holds one of the 4 */
+    for (int round = 0; round < 300 && closed < P - 3; round++) {
+        closed = 0;
+        for (int i = 0; i < P; i++) {
+            char buf[256];
+            ssize_t r = mine[i] < 0 ? 0 : recv(mine[i], buf, sizeof buf, MSG_DONTWAIT);
+            closed += r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+        }
+        usleep(100 * 1000);
+    }
+    printf("# max-connections-per-peer 4: %d of %d idle connections of one user closed\n", closed, P);
+    assert_int_equal(closed, P - 3);
+    assert_int_equal(snapkv_decode(c, &pr.id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, 4);
+    snapkv_decode_result_free(&dr);
+    snapkv_client_t *more = NULL;
+    struct snapkv_connect_opts quick = {.tenant = "tenant-a", .timeout_ms = 1000};
+    assert_int_equal(snapkv_connect(d.endpoint, &quick, &more), SNAPKV_E_PERM);
+    assert_non_null(strstr(snapkv_last_error(), "max-connections-per-peer"));
+    struct passwd *nobody = getpwnam("nobody");
+    if (geteuid() == 0 && nobody && nobody->pw_uid != 0) {
+        const char *sock_path = d.endpoint + strlen("ipc://");
+        assert_int_equal(chmod(d.dir, 0711), 0); /* (this test's own directory) */
+        assert_int_equal(chmod(sock_path, 0666), 0);
+        fflush(NULL);
+        pid_t pid = fork();
+        if (pid == 0) {
+            if (setgroups(0, NULL) != 0 || setgid(nobody->pw_gid) != 0 || setuid(nobody->pw_uid) != 0)
+                _exit(10);
+            snapkv_client_t *o = NULL;
+            struct snapkv_connect_opts oo = {.tenant = "tenant-b", .timeout_ms = 60000};
+            struct snapkv_prefill_result po;
+            if (snapkv_connect(d.endpoint, &oo, &o) != SNAPKV_OK)
+                _exit(11);
+            if (snapkv_prefill(o, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 8}, &po) != SNAPKV_OK)
+                _exit(12);
+            snapkv_prefill_result_free(&po);
+            snapkv_close(&o);
+            _exit(0);
+        }
+        int cst = 0;
+        assert_int_equal(waitpid(pid, &cst, 0), pid);
+        assert_true(WIFEXITED(cst));
+        assert_int_equal(WEXITSTATUS(cst), 0);
+    }
+    for (int i = 0; i < P; i++)
+        if (mine[i] >= 0)
+            close(mine[i]);
+    usleep(200 * 1000);
+    more = client(d.endpoint, "tenant-a");
+    assert_int_equal(snapkv_prefill(more, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 8}, &pl),
+                     SNAPKV_OK);
+    snapkv_prefill_result_free(&pl);
+    snapkv_close(&more);
+    logtext[0] = '\0';
+    lf = fopen(d.log, "r");
+    assert_non_null(lf);
+    got = fread(logtext, 1, sizeof logtext - 1, lf);
+    logtext[got] = '\0';
+    fclose(lf);
+    assert_non_null(strstr(logtext, "held max-connections-per-peer (4) already"));
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    stop_daemon(&d);
 }
 
 /* ipc-tenant = uid: a local client's tenant is its user's, "uid-<N>", whatever it names; naming

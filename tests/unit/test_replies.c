@@ -2,7 +2,8 @@
  * and DEALERs on inproc (a message stays in the pipe until the DEALER reads it):
  * - a client's replies go until its bytes not taken yet would pass its bound, then are dropped
  *   (counted), and go again once it reads;
- * - the bound over all clients;
+ * - the bound over all clients, which the admin endpoint's replies are not held to;
+ * - the bound over one owner's clients (a user's or an address's);
  * - a reply larger than the bound goes when the client holds nothing;
  * - a reply to a routing id nobody has is refused and holds nothing;
  * - a client that closes with replies unread: their bytes come back. */
@@ -41,7 +42,7 @@ static void *dealer(struct fixture *f, const char *id)
     return s;
 }
 
-/* Bounds: 1000 bytes per client, 1500 in all. */
+/* Bounds: 1000 bytes per client, 1200 per owner, 1500 in all. */
 static int setup(void **state)
 {
     struct fixture *f = calloc(1, sizeof *f);
@@ -55,7 +56,7 @@ static int setup(void **state)
         return -1;
     f->a = dealer(f, "A");
     f->b = dealer(f, "B");
-    return skv_replies_new(1000, 1500, &f->r);
+    return skv_replies_new(1000, 1200, 1500, &f->r);
 }
 
 static int teardown(void **state)
@@ -73,12 +74,18 @@ static int teardown(void **state)
     return 0;
 }
 
-static int send_to(struct fixture *f, const char *id, size_t len)
+/* A reply of len bytes to client id of endpoint sock_idx, owned by owner (0: none). */
+static int send_as(struct fixture *f, int sock_idx, uint64_t owner, const char *id, size_t len)
 {
     static uint8_t body[8192];
     assert_true(len <= sizeof body);
     memset(body, 'x', len);
-    return skv_replies_send(f->r, f->router, 0, id, strlen(id), body, len);
+    return skv_replies_send(f->r, f->router, sock_idx, owner, id, strlen(id), body, len);
+}
+
+static int send_to(struct fixture *f, const char *id, size_t len)
+{
+    return send_as(f, 0, 0, id, len);
 }
 
 static uint64_t held(struct fixture *f, const char *id)
@@ -129,6 +136,34 @@ static void test_total(void **state)
     assert_int_equal(send_to(f, "B", 300), SKV_OK); /* A's read made room */
     assert_int_equal(skv_replies_unread_bytes(f->r), 1500);
     assert_int_equal(skv_replies_dropped(f->r), 1);
+    /* the admin endpoint's replies go past the total (its client's own bound still holds) */
+    assert_int_equal(send_as(f, 1, 0, "A", 300), SKV_OK);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 1800);
+    assert_int_equal(skv_replies_unread_bytes_of(f->r, 1, "A", 1), 300);
+    assert_int_equal(send_to(f, "A", 1), SKV_E_BUSY);
+}
+
+/* One owner's clients together: A and B of owner 7 hold 1200 at most; a client of another owner
+ * still gets its replies; each reply's bytes come back to its owner when taken. */
+static void test_per_owner(void **state)
+{
+    struct fixture *f = *state;
+    assert_int_equal(send_as(f, 0, 7, "A", 600), SKV_OK);
+    assert_int_equal(send_as(f, 0, 7, "B", 600), SKV_OK); /* 1200: the owner's bound exactly */
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), 1200);
+    assert_int_equal(send_as(f, 0, 7, "B", 1), SKV_E_BUSY);
+    assert_non_null(strstr(skv_error_msg(), "max-reply-bytes-per-peer (1200)"));
+    assert_int_equal(send_as(f, 0, 9, "B", 200), SKV_OK); /* another owner's client */
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 9), 200);
+    assert_int_equal(take(f->a), 600);
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), 600);
+    assert_int_equal(send_as(f, 0, 7, "A", 500), SKV_OK);
+    while (take(f->a) >= 0 || take(f->b) >= 0)
+        ;
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), 0);
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 9), 0);
+    assert_int_equal(skv_replies_unread_bytes(f->r), 0);
+    assert_int_equal(skv_replies_dropped(f->r), 1);
 }
 
 static void test_large_reply(void **state)
@@ -172,6 +207,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_per_client, setup, teardown),
         cmocka_unit_test_setup_teardown(test_total, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_per_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_large_reply, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unknown_and_gone, setup, teardown),
     };
