@@ -590,10 +590,13 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
                                                                                 : cfg->default_compress;
     if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)))
         goto fail;
-    /* a full cache's bytes are known before the forward: one that cannot fit is refused (or
-     * room made) before the work, not after it with the pool already past its size; a
-     * compressing prefill holds one layer in full at most and is charged after it */
-    if (!s->comp && (rc = reserve_forward(w, s, n, false)))
+    /* the bytes are known before the forward: a cache that cannot fit is refused (or room
+     * made) before the work, not after it with the pool already past its size. A compressing
+     * prefill keeps at most its largest layer budget in every layer (a budget at or above the
+     * prompt, ratio=1 or SqueezeAttention's cap of 4 B keep layers whole): room for that; it
+     * also holds one layer in full while that layer runs, which is not counted */
+    int rows = s->comp ? skv_compressor_prefill_rows(s->comp, s->cache, n) : n;
+    if ((rc = reserve_forward(w, s, rows, false)))
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();

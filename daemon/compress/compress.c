@@ -408,6 +408,30 @@ void skv_compressor_rerun(struct skv_compressor *c, struct skv_kv_cache *cache, 
     c->rerun_from = 0;
 }
 
+/* Each layer's budget for a cache of total_len tokens (SqueezeAttention: the capped upper one it
+ * keeps until the allocation is known) into out[n_layers]; returns the spec's budget. */
+static int plan_budgets(const struct skv_compressor *c, int total_len, int *out)
+{
+    int budget = skv_compress_spec_budget(&c->spec, total_len), L = c->n_layers;
+    switch (c->spec.alloc) {
+    case SKV_ALLOC_UNIFORM:
+        for (int l = 0; l < L; l++)
+            out[l] = budget;
+        break;
+    case SKV_ALLOC_PYRAMID:
+        skv_pyramid_budgets(L, budget, c->spec.window, c->spec.pyramid_beta, total_len, out);
+        break;
+    case SKV_ALLOC_SQUEEZE: {
+        /* final budgets are known after the last layer; meanwhile keep a capped upper bound */
+        long cap = (long)budget * SQUEEZE_CAP_FACTOR;
+        for (int l = 0; l < L; l++)
+            out[l] = (int)(cap < total_len ? cap : total_len);
+        break;
+    }
+    }
+    return budget;
+}
+
 int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, int n)
 {
     if (n <= 0)
@@ -420,25 +444,21 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     c->total_len = cache->n_past + n;
     /* decoded tokens observed from here on: the rows this forward keeps are no window */
     c->obs_start = c->obs_end = c->total_len;
-    c->budget = skv_compress_spec_budget(&c->spec, c->total_len);
-    int L = c->n_layers;
-    switch (c->spec.alloc) {
-    case SKV_ALLOC_UNIFORM:
-        for (int l = 0; l < L; l++)
-            c->layer_budget[l] = c->budget;
-        break;
-    case SKV_ALLOC_PYRAMID:
-        skv_pyramid_budgets(L, c->budget, c->spec.window, c->spec.pyramid_beta, c->total_len, c->layer_budget);
-        break;
-    case SKV_ALLOC_SQUEEZE: {
-        /* final budgets are known after the last layer; meanwhile keep a capped upper bound */
-        long cap = (long)c->budget * SQUEEZE_CAP_FACTOR;
-        for (int l = 0; l < L; l++)
-            c->layer_budget[l] = (int)(cap < c->total_len ? cap : c->total_len);
-        break;
-    }
-    }
+    c->budget = plan_budgets(c, c->total_len, c->layer_budget);
     return SKV_OK;
+}
+
+int skv_compressor_prefill_rows(const struct skv_compressor *c, const struct skv_kv_cache *cache, int n)
+{
+    int total = cache->n_past + n, most = 0;
+    int *b = malloc((size_t)c->n_layers * sizeof *b);
+    if (!b)
+        return total; /* as a full cache: the most it could be */
+    plan_budgets(c, total, b);
+    for (int l = 0; l < c->n_layers; l++)
+        most = b[l] > most ? b[l] : most;
+    free(b);
+    return most < total ? most : total;
 }
 
 /* decode_budget D is the mean over the layers; the prefill allocation's shape (PyramidKV,

@@ -776,6 +776,27 @@ static void test_prefill_over_quota(void **state)
     assert_int_equal(listed(f, a, NULL, &count), -1);
     assert_int_equal(count, 1);
     assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8 + 30);
+    /* so is a compressing one that keeps its layers whole (ratio=1; SqueezeAttention's cap of
+     * 4 B above the prompt): before, it ran, held 3 blocks a head past the quota, and was
+     * refused when charged; one keeping 16 rows fits */
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    p.compress = &cs;
+    p.n_tokens = 40;
+    static const char *const whole[] = {"policy=snapkv,ratio=1", "policy=snapkv,alloc=squeeze,budget=16,window=4"};
+    for (int k = 0; k < 2; k++) {
+        cs.spec = (char *)whole[k];
+        rep = call(f, 0, ID_X, &req);
+        assert_int_equal(rep->status, SKV_E_LIMIT);
+        assert_non_null(strstr(rep->message, "max-bytes-per-tenant"));
+        snapkv__reply__free_unpacked(rep, NULL);
+        assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8 + 30);
+    }
+    cs.spec = "policy=snapkv,budget=16,window=4";
+    rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8 + 30 + 40);
 }
 
 /* SnapKV re-scoring's query ring (L + 1 rows of min(window, decode_budget) queries) counts
