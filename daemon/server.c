@@ -39,6 +39,7 @@
 #define PROTOCOL_VERSION 1
 #define RCVHWM 4                  /* requests libzmq reads ahead on one connection */
 #define HANDSHAKE_MS 10000        /* ZMQ_HANDSHAKE_IVL of the client and admin endpoints */
+#define SMALL_REQUEST_MAX 65536   /* bytes of a request other than PREFILL, APPEND and IMPORT_KV */
 
 /* What the socket thread knows of a client connection, by its fd. */
 struct conn_fd {
@@ -956,6 +957,17 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         goto reply; /* a NUL or ill-formed UTF-8 in a string: protobuf-c would have cut or kept it silently */
     if (is_admin_command(req->command_case) && !admin) {
         rc = skv_errorf(SKV_E_PERM, "admin commands are only accepted on the admin endpoint");
+        goto reply;
+    }
+    /* only PREFILL, APPEND (tokens, text) and IMPORT_KV (positions) carry more than a few KiB;
+     * a larger request of another command is padding (unknown fields), which a running DECODE
+     * would hold for as long as it runs, outside the queue's bytes */
+    if (zmq_msg_size(&body) > SMALL_REQUEST_MAX && req->command_case != SNAPKV__REQUEST__COMMAND_PREFILL &&
+        req->command_case != SNAPKV__REQUEST__COMMAND_APPEND && req->command_case != SNAPKV__REQUEST__COMMAND_IMPORT_KV) {
+        const ProtobufCFieldDescriptor *fd =
+            protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, (unsigned)req->command_case);
+        rc = skv_errorf(SKV_E_LIMIT, "a %s request of %zu bytes: at most %d (only prefill, append and import_kv carry "
+                        "more)", fd ? fd->name : "command", zmq_msg_size(&body), SMALL_REQUEST_MAX);
         goto reply;
     }
     if ((rc = bind_tenant(srv, req, &body, admin)))

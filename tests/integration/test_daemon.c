@@ -314,6 +314,36 @@ static void test_malformed(void **state)
     assert_true(n > 0);
     assert_true(has_status(buf, n, 0x15));
     assert_non_null(memmem(buf, (size_t)n, "unpacks to more than", 20));
+    /* a DECODE padded with an unknown field of 70000 bytes: SKV_E_LIMIT, before it is queued
+     * (a running DECODE holds its request for as long as it runs) */
+    enum { PAD = 70000 };
+    msg = malloc(PAD + 32);
+    assert_non_null(msg);
+    len = 0;
+    msg[len++] = 0x08;
+    msg[len++] = (uint8_t)SNAPKV_PROTOCOL_VERSION;
+    msg[len++] = 0x6a; /* field 13 (decode), length-delimited */
+    size_t body = 2 + 3 + PAD; /* field 99 (unknown): tag 0x9a 0x06, a 3-byte length, the bytes */
+    for (size_t v = body;; v >>= 7) {
+        msg[len++] = (uint8_t)(v & 0x7f) | (v >> 7 ? 0x80 : 0);
+        if (!(v >> 7))
+            break;
+    }
+    msg[len++] = 0x9a;
+    msg[len++] = 0x06;
+    for (size_t v = PAD;; v >>= 7) {
+        msg[len++] = (uint8_t)(v & 0x7f) | (v >> 7 ? 0x80 : 0);
+        if (!(v >> 7))
+            break;
+    }
+    memset(msg + len, 'p', PAD);
+    len += PAD;
+    assert_true(zmq_send(s, msg, len, 0) >= 0);
+    free(msg);
+    n = zmq_recv(s, buf, sizeof buf, 0);
+    assert_true(n > 0);
+    assert_true(has_status(buf, n, 0x15));
+    assert_non_null(memmem(buf, (size_t)n, "a decode request of", 19));
     zmq_close(s);
     zmq_ctx_term(ctx);
     /* still serving */
