@@ -303,7 +303,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[20][4200];
+    char a[22][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -321,7 +321,9 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
      * must not bind before the pool does either */
     snprintf(a[12], sizeof a[12], "--max-decodes=65536");
     snprintf(a[13], sizeof a[13], "--max-decodes-per-tenant=65536");
-    int n_args = 14;
+    /* and its client processes, all of this user, take a connection each: nor the per-user cap */
+    snprintf(a[14], sizeof a[14], "--max-connections-per-peer=%d", 1 << 20);
+    int n_args = 15;
     if (x->yield_ms >= 0)
         snprintf(a[n_args++], sizeof a[0], "--decode-yield-ms=%lld", (long long)x->yield_ms);
     if (x->queue_order)
@@ -334,7 +336,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--persist=yes");
         snprintf(a[n_args++], sizeof a[0], "--persist-interval-seconds=%d", x->persist_interval);
     }
-    char *argv[22] = {exe};
+    char *argv[24] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
     argv[n_args + 1] = NULL;
