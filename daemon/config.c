@@ -98,9 +98,10 @@ static const struct skv_config_option options[] = {
      "(the admin endpoint's are not held to it)"},
     {"max-connections", SKV_CFG_INT, OPT(max_connections), "1024", 1, 1 << 20,
      "open connections on the client endpoint; more are closed as they come"},
-    {"max-connections-per-peer", SKV_CFG_INT, OPT(max_connections_per_peer), "64", 1, 1 << 20,
+    {"max-connections-per-peer", SKV_CFG_INT, OPT(max_connections_per_peer), "256", 1, 1 << 20,
      "open connections one peer may hold on the client endpoint: a user on ipc:// (its uid), an address on "
-     "tcp://; more are closed as they come. With max-message-bytes it bounds the requests libzmq may buffer "
+     "tcp:// (IPv6: its /64); more are closed as they come (a service running more clients as one user raises "
+     "it). With max-message-bytes it bounds the requests libzmq may buffer "
      "for one peer: 5 x max-message-bytes a connection"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
     {"max-queued-bytes", SKV_CFG_SIZE, OPT(max_queued_bytes), "256M", 1 << 16, INT64_C(1) << 42,

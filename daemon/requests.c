@@ -565,6 +565,18 @@ static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, b
     return rc;
 }
 
+/* Room for a compressing PREFILL of n tokens into s's empty cache: the blocks its layers hold
+ * once each is cut (skv_compressor_prefill_blocks), held like reserve_forward's. */
+static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int n)
+{
+    uint64_t bytes =
+        (uint64_t)skv_compressor_prefill_blocks(s->comp, s->cache, n) * skv_kv_pool_block_bytes(s->cache->pool);
+    int rc = skv_session_reserve(w->sessions, s, bytes, bytes, NULL);
+    if (!rc && !w->nesting && !w->yielding)
+        skv_session_hold_room(w->sessions, s, bytes, bytes);
+    return rc;
+}
+
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
 
 static void handle_prefill(struct skv_worker *w, struct skv_job *job)
@@ -592,11 +604,10 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     /* the bytes are known before the forward: a cache that cannot fit is refused (or room
      * made) before the work, not after it with the pool already past its size. A compressing
-     * prefill keeps at most its largest layer budget in every layer (a budget at or above the
-     * prompt, ratio=1 or SqueezeAttention's cap of 4 B keep layers whole): room for that; it
-     * also holds one layer in full while that layer runs, which is not counted */
-    int rows = s->comp ? skv_compressor_prefill_rows(s->comp, s->cache, n) : n;
-    if ((rc = reserve_forward(w, s, rows, false)))
+     * prefill keeps each layer's budget (a budget at or above the prompt, ratio=1 or
+     * SqueezeAttention's cap of 4 B keep layers whole): room for that; it also holds one layer
+     * in full while that layer runs, which is not counted */
+    if ((rc = s->comp ? reserve_compressing(w, s, n) : reserve_forward(w, s, n, false)))
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();

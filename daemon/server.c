@@ -27,11 +27,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -44,7 +46,8 @@
 /* What the socket thread knows of a client connection, by its fd. */
 struct conn_fd {
     uint64_t peer;                /* its peer's key (peer_key), 0: none known or no longer counted */
-    uint8_t closing;              /* shut down here, its DISCONNECTED not seen yet */
+    uint8_t open;                 /* ACCEPTED seen, DISCONNECTED not yet */
+    uint8_t closing;              /* shut down here (no longer counted), its DISCONNECTED not seen yet */
 };
 
 /* A peer (a user on ipc://, an address on tcp://) and its open client connections. */
@@ -71,6 +74,7 @@ struct skv_server {
     struct peer_conns *peers;     /* [n_peers] peers with connections open, and how many */
     int n_peers, peers_cap;
     int max_per_peer;             /* max-connections-per-peer */
+    uint16_t client_port;         /* a tcp:// client endpoint's port (0: ipc://) */
     uint64_t clients_expired_ms;
     int lock_fds[4];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[4];           /* unlinked at exit (client, admin, events, events replay) */
@@ -206,6 +210,12 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
         int err = errno;
         zmq_close(s);
         return skv_errorf(err == EADDRINUSE ? SKV_E_EXISTS : SKV_E_IO, "bind %s: %s", endpoint, zmq_strerror(err));
+    }
+    char bound[256] = "";
+    size_t blen = sizeof bound;
+    if (idx == 0 && strncmp(endpoint, "tcp://", 6) == 0 && zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, bound, &blen) == 0) {
+        const char *colon = strrchr(bound, ':'); /* tcp://ADDRESS:PORT, the port it bound ("*": one) */
+        srv->client_port = colon ? (uint16_t)strtoul(colon + 1, NULL, 10) : 0;
     }
     *sock_out = s;
     return SKV_OK;
@@ -742,7 +752,9 @@ static uint64_t peer_key(int fd)
         n = 4;
     } else if (ss.ss_family == AF_INET6) {
         a = (const uint8_t *)&((struct sockaddr_in6 *)&ss)->sin6_addr;
-        n = 16;
+        /* one host may hold a whole /64: its prefix is the peer (an IPv4-mapped address: all) */
+        static const uint8_t v4mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        n = memcmp(a, v4mapped, sizeof v4mapped) == 0 ? 16 : 8;
     }
     uint64_t h = UINT64_C(14695981039346656037); /* FNV-1a of the address, tagged apart from users */
     for (size_t i = 0; i < n; i++)
@@ -809,6 +821,38 @@ static int peer_open(const struct skv_server *srv, int fd)
     return 0;
 }
 
+/* Connection fd closed (its DISCONNECTED), or an ACCEPTED came for fd while it was still open
+ * (the DISCONNECTED was missed): it is no longer counted. */
+static void conn_closed(struct skv_server *srv, int fd)
+{
+    if (fd < 0 || fd >= srv->fds_cap || !srv->fds[fd].open)
+        return;
+    peer_gone(srv, fd);
+    if (srv->fds[fd].closing)
+        srv->fds[fd].closing = 0; /* no longer counted since it was shut down */
+    else
+        srv->open_connections -= srv->open_connections > 0;
+    srv->fds[fd].open = 0;
+}
+
+/* Whether fd is a connection accepted on the client endpoint (its local address is that
+ * endpoint's): a fd read from the monitor may since have closed and been reused. */
+static bool is_client_conn(const struct skv_server *srv, int fd)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0)
+        return false;
+    if (ss.ss_family == AF_UNIX)
+        return srv->ipc_paths[0] && strncmp(((struct sockaddr_un *)&ss)->sun_path, srv->ipc_paths[0],
+                                            sizeof ((struct sockaddr_un *)&ss)->sun_path) == 0;
+    if (ss.ss_family != AF_INET && ss.ss_family != AF_INET6)
+        return false;
+    uint16_t port = ss.ss_family == AF_INET ? ((struct sockaddr_in *)&ss)->sin_port
+                                            : ((struct sockaddr_in6 *)&ss)->sin6_port;
+    return srv->client_port && ntohs(port) == srv->client_port;
+}
+
 static void read_connections(struct skv_server *srv)
 {
     for (bool more = true; more;) {
@@ -845,17 +889,17 @@ static void read_connections(struct skv_server *srv)
         for (int i = 0; i < n; i++) {
             if (ev[i].event == ZMQ_EVENT_ACCEPTED) {
                 skv_clients_accepted(srv->clients, ev[i].fd, now, notify_gone, srv);
+                conn_closed(srv, ev[i].fd); /* (a DISCONNECTED of the fd's last connection that never came) */
+                struct conn_fd *c = conn_slot(srv, ev[i].fd);
+                if (c)
+                    c->open = 1;
                 srv->open_connections++;
                 bool over = false;
                 peer_accepted(srv, ev[i].fd, &over);
                 any_over |= over;
             } else if (ev[i].event == ZMQ_EVENT_DISCONNECTED) {
                 skv_clients_disconnected(srv->clients, ev[i].fd, now, notify_gone, srv);
-                peer_gone(srv, ev[i].fd);
-                if (ev[i].fd >= 0 && ev[i].fd < srv->fds_cap && srv->fds[ev[i].fd].closing)
-                    srv->fds[ev[i].fd].closing = 0; /* no longer counted since it was shut down */
-                else
-                    srv->open_connections -= srv->open_connections > 0;
+                conn_closed(srv, ev[i].fd);
             } else {
                 skv_auth_handshake_event(srv->auth, SKV_AUTH_CLIENT, ev[i].event, (uint32_t)ev[i].fd);
             }
@@ -871,7 +915,10 @@ static void read_connections(struct skv_server *srv)
             if (closed_since || (!peer_over && srv->open_connections <= srv->max_connections))
                 continue;
             struct conn_fd *c = conn_slot(srv, ev[i].fd);
-            if (!c || shutdown(ev[i].fd, SHUT_RDWR) != 0)
+            /* the fd must still be this connection: a client endpoint's, of the same peer (one
+             * that closed after the batch was read may have been reused by any other) */
+            if (!c || !c->open || !is_client_conn(srv, ev[i].fd) || (c->peer && peer_key(ev[i].fd) != c->peer) ||
+                shutdown(ev[i].fd, SHUT_RDWR) != 0)
                 continue;
             c->closing = 1;
             peer_gone(srv, ev[i].fd);

@@ -24,6 +24,7 @@ struct snapkv_events {
     uint64_t boot_id;             /* the replayed daemon's (KvEventBatch.boot_id; 0: a daemon of before them) */
     double replayed_ts;           /* when the snapshot was taken (the daemon's clock) */
     bool replayed_streamed;       /* a stream message of the replayed daemon came since the replay */
+    uint64_t last_streamed;       /* the boot id of the last stream message read, kept or dropped */
     uint64_t stream_boot;         /* the boot id of the daemon whose events were returned last (0: none yet) */
     bool restarted;               /* return a CLEARED of sequence 0 before the message being read */
 };
@@ -143,11 +144,12 @@ static bool newer_than_snapshot(const struct snapkv_events *ev, uint64_t seq, co
     return ev->replayed_streamed || b->ts >= ev->replayed_ts;
 }
 
-/* Notes that stream batch b was read (kept or dropped) after a replay. */
+/* Notes that stream batch b was read (kept or dropped). */
 static void note_streamed(struct snapkv_events *ev, const Snapkv__KvEventBatch *b)
 {
     if (ev->boot_id && b->boot_id == ev->boot_id)
         ev->replayed_streamed = true;
+    ev->last_streamed = b->boot_id;
 }
 
 /* After a replay, whether a stream batch that came after the snapshot (the replay dropped those
@@ -221,12 +223,13 @@ static void drop_queued(struct snapkv_events *ev)
             continue;
         if (rc)
             return;
-        if (newer_than_snapshot(ev, seq, b)) {
+        bool newer = newer_than_snapshot(ev, seq, b);
+        note_streamed(ev, b);
+        if (newer) {
             set_batch(ev, seq, b);
             ev->skip = false;
             return;
         }
-        note_streamed(ev, b);
         snapkv__kv_event_batch__free_unpacked(b, NULL);
     }
 }
@@ -435,8 +438,9 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->seen = false;
     ev->boot_id = parts[0]->batch ? parts[0]->batch->boot_id : 0;
     ev->replayed_ts = parts[0]->batch ? parts[0]->batch->ts : 0;
-    /* a message of that daemon read before the replay counts: the stream's order is the same */
-    ev->replayed_streamed = ev->boot_id && ev->stream_boot == ev->boot_id;
+    /* a stream message of that daemon read last before the replay counts: the stream's order is
+     * the same (not one a replay only named: another's may still be on its way) */
+    ev->replayed_streamed = ev->boot_id && ev->last_streamed == ev->boot_id;
     ev->stream_boot = ev->boot_id; /* the snapshot begins with its daemon's AllCleared */
     ev->restarted = false;
     if (ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq) {

@@ -448,17 +448,27 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     return SKV_OK;
 }
 
-int skv_compressor_prefill_rows(const struct skv_compressor *c, const struct skv_kv_cache *cache, int n)
+int64_t skv_compressor_prefill_blocks(const struct skv_compressor *c, const struct skv_kv_cache *cache, int n)
 {
-    int total = cache->n_past + n, most = 0;
+    int64_t total = cache->n_past + n, R = cache->block_rows, H = cache->n_kv_heads;
+    int64_t whole = H * ((total + R - 1) / R); /* a layer kept whole */
     int *b = malloc((size_t)c->n_layers * sizeof *b);
     if (!b)
-        return total; /* as a full cache: the most it could be */
-    plan_budgets(c, total, b);
-    for (int l = 0; l < c->n_layers; l++)
-        most = b[l] > most ? b[l] : most;
+        return c->n_layers * whole; /* the most it could be */
+    plan_budgets(c, (int)total, b);
+    int64_t blocks = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        int64_t rows = b[l] < total ? b[l] : total, layer;
+        if (c->spec.policy == SKV_POLICY_FULL)
+            layer = whole;
+        else if (c->spec.granularity == SKV_GRAN_HEAD) /* rows * H over heads of any lengths */
+            layer = (rows * H + R - 1) / R + H - 1;
+        else
+            layer = H * ((rows + R - 1) / R);
+        blocks += layer < whole ? layer : whole;
+    }
     free(b);
-    return most < total ? most : total;
+    return blocks;
 }
 
 /* decode_budget D is the mean over the layers; the prefill allocation's shape (PyramidKV,

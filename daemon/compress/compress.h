@@ -33,10 +33,11 @@ const struct skv_compress_spec *skv_compressor_spec(const struct skv_compressor 
  * policy its scores mean something else and every row starts from 0. Others: nothing. */
 void skv_compressor_rerun(struct skv_compressor *c, struct skv_kv_cache *cache, bool was_h2o, int cut);
 int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, int n);
-/* The most rows any layer of cache holds once a compressing forward of n more tokens has cut it
- * (its budget, or SqueezeAttention's capped upper one; at most the tokens): what to make room for
- * before such a forward. */
-int skv_compressor_prefill_rows(const struct skv_compressor *c, const struct skv_kv_cache *cache, int n);
+/* The KV blocks an empty cache holds once a compressing forward of n tokens has cut each layer
+ * to its budget (SqueezeAttention: the capped upper one it keeps until the allocation is known;
+ * head granularity: the layer's rows over heads of any lengths; at most the tokens): what to
+ * make room for before such a forward. */
+int64_t skv_compressor_prefill_blocks(const struct skv_compressor *c, const struct skv_kv_cache *cache, int n);
 int skv_compressor_hook(void *user, const struct skv_layer_view *view);
 int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
 

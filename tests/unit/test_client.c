@@ -2477,6 +2477,20 @@ static void test_events_clock_stepped_back(void **state)
     assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
     snapkv_events_close(&ev);
     fake_events_stop(&fe);
+
+    /* a replay names its daemon, but only the stream's own messages tell the order: replayed
+     * twice with none of 333's read between, a late message of an earlier daemon is dropped */
+    fe = fake_events_start();
+    ev = subscribed(fe);
+    fake_replay(fe, ev, 333, 3, NULL);
+    fake_replay(fe, ev, 333, 3, NULL);
+    g_clock_step = -60; /* published before the snapshots, by a daemon before 333 */
+    fake_publish(fe->pub, 111, 40, SNAPKV_EVENT_STORED, &ID_D);
+    g_clock_step = 0;
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 3, NULL);
+    assert_int_equal(snapkv_events_next(ev, 200, &e), SNAPKV_E_TIMEOUT);
+    snapkv_events_close(&ev);
+    fake_events_stop(&fe);
 }
 
 static void *stale_publisher(void *arg)

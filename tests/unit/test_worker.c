@@ -797,6 +797,19 @@ static void test_prefill_over_quota(void **state)
         fail_msg("PREFILL: %d %s", rep->status, rep->message);
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 8 + 30 + 40);
+    /* PyramidKV over 48 tokens keeps 36 and 4 rows (3 + 1 blocks a head: the quota, once the
+     * idle sessions go); room counted as its largest layer in every layer (6) refused it */
+    uint32_t more[48];
+    fixed_ids(f, more, 48);
+    p.tokens = more;
+    p.n_tokens = 48;
+    cs.spec = "policy=snapkv,alloc=pyramid,budget=20,window=4";
+    rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    assert_int_equal(rep->prefill->kept[0]->kept, 36);
+    assert_int_equal(rep->prefill->kept[1]->kept, 4);
+    snapkv__reply__free_unpacked(rep, NULL);
 }
 
 /* SnapKV re-scoring's query ring (L + 1 rows of min(window, decode_budget) queries) counts
