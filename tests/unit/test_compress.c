@@ -607,6 +607,23 @@ struct naive_dec {
     int32_t want[2][2][64];
 };
 
+/* p[0..last]: the softmax of q over key rows 0..last (keys [rows][d]), in double precision. */
+static void softmax_over(const float *q, const float *keys, int d, int last, double *p)
+{
+    double mx = -1e300, z = 0;
+    for (int j = 0; j <= last; j++) {
+        double dot = 0;
+        for (int k = 0; k < d; k++)
+            dot += (double)q[k] * keys[(size_t)j * d + k];
+        p[j] = dot / sqrt((double)d);
+        mx = p[j] > mx ? p[j] : mx;
+    }
+    for (int j = 0; j <= last; j++)
+        z += p[j] = exp(p[j] - mx);
+    for (int j = 0; j <= last; j++)
+        p[j] /= z;
+}
+
 static int naive_dec_hook(void *user, const struct skv_layer_view *v)
 {
     struct naive_dec *nd = user;
@@ -627,20 +644,11 @@ static int naive_dec_hook(void *user, const struct skv_layer_view *v)
         assert_int_equal(skv_kv_cache_read_rows(v->cache, l, h, 0, 0, n, keys), SKV_OK);
         for (int qh = h * g; qh < (h + 1) * g; qh++)
             for (int i = 0; i < w_q; i++) {
-                const float *q = nd->q[l][seen - w_q + i] + qh * d;
                 int last = n - w_q + i; /* its own row */
-                double p[64], mx = -1e300, z = 0;
-                for (int j = 0; j <= last; j++) {
-                    double dot = 0;
-                    for (int k = 0; k < d; k++)
-                        dot += (double)q[k] * keys[(size_t)j * d + k];
-                    p[j] = dot / sqrt((double)d);
-                    mx = p[j] > mx ? p[j] : mx;
-                }
+                double p[64];
+                softmax_over(nd->q[l][seen - w_q + i] + qh * d, keys, d, last, p);
                 for (int j = 0; j <= last; j++)
-                    z += p[j] = exp(p[j] - mx);
-                for (int j = 0; j <= last; j++)
-                    score[j] += p[j] / z / w_q / g;
+                    score[j] += p[j] / w_q / g;
             }
         int cand = n - w_keep, keep = nd->budget - w_keep;
         double pooled[64];
@@ -732,20 +740,11 @@ static int naive_h2o_hook(void *user, const struct skv_layer_view *v)
         assert_int_equal(skv_kv_cache_read_rows(v->cache, l, h, 0, 0, n, keys), SKV_OK);
         for (int qh = h * g; qh < (h + 1) * g; qh++)
             for (int i = 0; i < v->n; i++) {
-                const float *q = v->q + ((size_t)i * H + qh) * d;
                 int last = n - v->n + i; /* the query's own row */
-                double p[64], mx = -1e300, z = 0;
-                for (int j = 0; j <= last; j++) {
-                    double dot = 0;
-                    for (int k = 0; k < d; k++)
-                        dot += (double)q[k] * keys[(size_t)j * d + k];
-                    p[j] = dot / sqrt((double)d);
-                    mx = p[j] > mx ? p[j] : mx;
-                }
+                double p[64];
+                softmax_over(v->q + ((size_t)i * H + qh) * d, keys, d, last, p);
                 for (int j = 0; j <= last; j++)
-                    z += p[j] = exp(p[j] - mx);
-                for (int j = 0; j <= last; j++)
-                    nh->score[l][h][kh->pos[j]] += p[j] / z / g;
+                    nh->score[l][h][kh->pos[j]] += p[j] / g;
             }
         int32_t *out = nh->want[l][h], k = 0;
         int keep = n < nh->budget ? n : nh->budget, w = nh->window < keep ? nh->window : keep;
