@@ -3,6 +3,8 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <grp.h>
+#include <pwd.h>
 #include <netinet/in.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -11,6 +13,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -196,4 +199,44 @@ int fixture_free_port(void)
             return port;
     }
     return -1;
+}
+
+int fixture_other_user_fork(const char *dir, const char *endpoint, int *go)
+{
+    struct passwd *nobody = getpwnam("nobody");
+    int fds[2];
+    if (geteuid() != 0 || !nobody || nobody->pw_uid == 0 || strncmp(endpoint, "ipc://", 6) != 0 ||
+        chmod(dir, 0711) != 0 || chmod(endpoint + 6, 0666) != 0 || pipe(fds) != 0)
+        return -1;
+    uid_t uid = nobody->pw_uid;
+    gid_t gid = nobody->pw_gid;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char byte;
+        close(fds[1]);
+        if (read(fds[0], &byte, 1) != 1)
+            _exit(9);
+        close(fds[0]);
+        if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0)
+            _exit(10);
+        return 0;
+    }
+    close(fds[0]);
+    if (pid < 0) {
+        close(fds[1]);
+        return -1;
+    }
+    *go = fds[1];
+    return (int)pid;
+}
+
+int fixture_other_user_go(int pid, int go)
+{
+    int st = 0;
+    ssize_t w = write(go, "g", 1);
+    close(go);
+    if (w != 1 || waitpid(pid, &st, 0) != pid)
+        return 200;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 100 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
 }

@@ -32,4 +32,15 @@ void fixture_remove_dir(char *path);
  * -1 when none of a few hundred tries was free. */
 int fixture_free_port(void);
 
+/* A child process that will act as user nobody on the ipc:// endpoint of a daemon whose files
+ * are in dir (the test's own directory: it and the socket are opened to others). It is forked
+ * now, before the caller starts libzmq's threads (under ThreadSanitizer a child forked past a
+ * parent's threads cannot start its own), and waits until fixture_other_user_go(). Returns 0 in
+ * the child, once let go and running as nobody (it does its work and _exit()s); the child's pid
+ * in the caller, with *go the pipe to let it go; -1 when this process is not root or there is no
+ * user nobody (the caller skips that part). */
+int fixture_other_user_fork(const char *dir, const char *endpoint, int *go);
+/* Lets the child go, waits for it and returns its exit status (100 + signal if killed). */
+int fixture_other_user_go(int pid, int go);
+
 #endif

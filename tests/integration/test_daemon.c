@@ -2,8 +2,6 @@
  * client processes through libsnapkv: handshake, admin commands, errors, a second daemon
  * on the same endpoint, malformed frames, the HTTP /metrics endpoint, and SIGTERM. */
 #include <errno.h>
-#include <grp.h>
-#include <pwd.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -862,35 +860,16 @@ static void test_unread_replies_per_peer(void **state)
     bool up = second_daemon(&e, "--max-reply-bytes-per-peer=1M");
     enum { N = 12 };
     double answered = -1, dropped = -1, unread = -1;
-    int other = -1;
-    /* the client of another user is forked before this process starts libzmq's threads (under
-     * ThreadSanitizer a child cannot start threads of its own past a parent's) and waits for a
-     * byte on go[0] */
-    struct passwd *nobody = getpwnam("nobody");
-    pid_t pid = -1;
-    int go[2] = {-1, -1};
-    if (up && geteuid() == 0 && nobody && nobody->pw_uid != 0) {
-        assert_int_equal(chmod(e.dir, 0711), 0); /* (this test's own directory) */
-        assert_int_equal(chmod(e.endpoint + strlen("ipc://"), 0666), 0);
-        assert_int_equal(pipe(go), 0);
-        fflush(NULL);
-        pid = fork();
-        if (pid == 0) {
-            char byte;
-            close(go[1]);
-            if (read(go[0], &byte, 1) != 1)
-                _exit(9);
-            if (setgroups(0, NULL) != 0 || setgid(nobody->pw_gid) != 0 || setuid(nobody->pw_uid) != 0)
-                _exit(10);
-            snapkv_client_t *c = NULL;
-            struct snapkv_connect_opts o = {.timeout_ms = 60000};
-            struct snapkv_server_info in;
-            if (snapkv_connect(e.endpoint, &o, &c) != SNAPKV_OK || snapkv_server_info(c, &in) != SNAPKV_OK)
-                _exit(11);
-            snapkv_close(&c);
-            _exit(0);
-        }
-        close(go[0]);
+    int other = -1, go = -1;
+    int pid = up ? fixture_other_user_fork(e.dir, e.endpoint, &go) : -1; /* a client of nobody */
+    if (pid == 0) {
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.timeout_ms = 60000};
+        struct snapkv_server_info in;
+        if (snapkv_connect(e.endpoint, &o, &c) != SNAPKV_OK || snapkv_server_info(c, &in) != SNAPKV_OK)
+            _exit(11);
+        snapkv_close(&c);
+        _exit(0);
     }
     if (up) {
         void *ctx = zmq_ctx_new();
@@ -912,13 +891,8 @@ static void test_unread_replies_per_peer(void **state)
         }
         dropped = admin_stat(e.admin, "snapkv_replies_dropped_unread_total");
         unread = admin_stat(e.admin, "snapkv_reply_bytes_unread");
-        if (pid > 0) {
-            int st = 0;
-            assert_int_equal(write(go[1], "g", 1), 1);
-            assert_int_equal(waitpid(pid, &st, 0), pid);
-            other = WIFEXITED(st) ? WEXITSTATUS(st) : 100;
-            close(go[1]);
-        }
+        if (pid > 0)
+            other = fixture_other_user_go(pid, go);
         for (int k = 0; k < 2; k++)
             zmq_close(s[k]);
         zmq_ctx_term(ctx);
@@ -930,7 +904,7 @@ static void test_unread_replies_per_peer(void **state)
     assert_true(answered >= 2 * 8 * N);
     assert_true(unread > 0 && unread <= 1024 * 1024);
     assert_true(dropped >= 2 * N - 5 - 6); /* at most 5 held here, a few in the kernel's and the clients' buffers */
-    if (geteuid() == 0)
+    if (pid > 0)
         assert_int_equal(other, 0);
 }
 

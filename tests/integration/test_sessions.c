@@ -2862,37 +2862,18 @@ static void test_connection_limit(void **state)
      * client keeps its session and is served); a new connection of this user cannot get in,
      * one of another user can; once the idle ones are gone this user gets in again */
     start_daemon_with(&d, "256M", "--max-connections-per-peer=4", 0);
-    /* the client of another user is forked before this process starts libzmq's threads again
-     * (under ThreadSanitizer a child cannot start threads of its own past a parent's) and
-     * waits for a byte on go[0] */
-    struct passwd *nobody = getpwnam("nobody");
-    pid_t other = -1;
-    int go[2] = {-1, -1};
-    if (geteuid() == 0 && nobody && nobody->pw_uid != 0) {
-        assert_int_equal(chmod(d.dir, 0711), 0); /* (this test's own directory) */
-        assert_int_equal(chmod(d.endpoint + strlen("ipc://"), 0666), 0);
-        assert_int_equal(pipe(go), 0);
-        fflush(NULL);
-        other = fork();
-        if (other == 0) {
-            char byte;
-            close(go[1]);
-            if (read(go[0], &byte, 1) != 1)
-                _exit(9);
-            if (setgroups(0, NULL) != 0 || setgid(nobody->pw_gid) != 0 || setuid(nobody->pw_uid) != 0)
-                _exit(10);
-            snapkv_client_t *o = NULL;
-            struct snapkv_connect_opts oo = {.tenant = "tenant-b", .timeout_ms = 60000};
-            struct snapkv_prefill_result po;
-            if (snapkv_connect(d.endpoint, &oo, &o) != SNAPKV_OK)
-                _exit(11);
-            if (snapkv_prefill(o, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 8}, &po) != SNAPKV_OK)
-                _exit(12);
-            snapkv_prefill_result_free(&po);
-            snapkv_close(&o);
-            _exit(0);
-        }
-        close(go[0]);
+    int go = -1, other = fixture_other_user_fork(d.dir, d.endpoint, &go); /* a client of nobody */
+    if (other == 0) {
+        snapkv_client_t *o = NULL;
+        struct snapkv_connect_opts oo = {.tenant = "tenant-b", .timeout_ms = 60000};
+        struct snapkv_prefill_result po;
+        if (snapkv_connect(d.endpoint, &oo, &o) != SNAPKV_OK)
+            _exit(11);
+        if (snapkv_prefill(o, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 8}, &po) != SNAPKV_OK)
+            _exit(12);
+        snapkv_prefill_result_free(&po);
+        snapkv_close(&o);
+        _exit(0);
     }
     c = client(d.endpoint, "tenant-a");
     assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 32}, &pr), SNAPKV_OK);
@@ -2918,14 +2899,8 @@ static void test_connection_limit(void **state)
     struct snapkv_connect_opts quick = {.tenant = "tenant-a", .timeout_ms = 1000};
     assert_int_equal(snapkv_connect(d.endpoint, &quick, &more), SNAPKV_E_PERM);
     assert_non_null(strstr(snapkv_last_error(), "max-connections-per-peer"));
-    if (other > 0) { /* this user at its cap, one of another user gets in */
-        int cst = 0;
-        assert_int_equal(write(go[1], "g", 1), 1);
-        close(go[1]);
-        assert_int_equal(waitpid(other, &cst, 0), other);
-        assert_true(WIFEXITED(cst));
-        assert_int_equal(WEXITSTATUS(cst), 0);
-    }
+    if (other > 0) /* this user at its cap, one of another user gets in */
+        assert_int_equal(fixture_other_user_go(other, go), 0);
     for (int i = 0; i < P; i++)
         if (mine[i] >= 0)
             close(mine[i]);
