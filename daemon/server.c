@@ -795,19 +795,16 @@ static void peer_gone(struct skv_server *srv, int fd)
         }
 }
 
-/* Counts connection fd (just accepted) under its peer; *over: its peer now holds more than
- * max-connections-per-peer. */
-static void peer_accepted(struct skv_server *srv, int fd, bool *over)
+/* Counts connection fd (just accepted; c its entry) under its peer; true when its peer now
+ * holds more than max-connections-per-peer. */
+static bool peer_accepted(struct skv_server *srv, struct conn_fd *c, int fd)
 {
-    *over = false;
-    peer_gone(srv, fd); /* (a DISCONNECTED of the fd's last connection that never came) */
-    struct conn_fd *c = conn_slot(srv, fd);
-    uint64_t key = c ? peer_key(fd) : 0;
+    uint64_t key = peer_key(fd);
     struct peer_conns *p = key ? peer_find(srv, key) : NULL;
     if (!p)
-        return; /* not counted under a peer: the total bound still holds */
+        return false; /* not counted under a peer: the total bound still holds */
     c->peer = key;
-    *over = ++p->n > srv->max_per_peer;
+    return ++p->n > srv->max_per_peer;
 }
 
 /* The open connections of fd's peer (0: none counted). */
@@ -890,13 +887,12 @@ static void read_connections(struct skv_server *srv)
             if (ev[i].event == ZMQ_EVENT_ACCEPTED) {
                 skv_clients_accepted(srv->clients, ev[i].fd, now, notify_gone, srv);
                 conn_closed(srv, ev[i].fd); /* (a DISCONNECTED of the fd's last connection that never came) */
-                struct conn_fd *c = conn_slot(srv, ev[i].fd);
-                if (c)
-                    c->open = 1;
                 srv->open_connections++;
-                bool over = false;
-                peer_accepted(srv, ev[i].fd, &over);
-                any_over |= over;
+                struct conn_fd *c = conn_slot(srv, ev[i].fd);
+                if (c) {
+                    c->open = 1;
+                    any_over |= peer_accepted(srv, c, ev[i].fd);
+                }
             } else if (ev[i].event == ZMQ_EVENT_DISCONNECTED) {
                 skv_clients_disconnected(srv->clients, ev[i].fd, now, notify_gone, srv);
                 conn_closed(srv, ev[i].fd);

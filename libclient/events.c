@@ -98,6 +98,14 @@ static int wait_input(void *sock, int64_t deadline, const char *what)
     }
 }
 
+/* Notes that stream batch b was read (kept or dropped). */
+static void note_streamed(struct snapkv_events *ev, const Snapkv__KvEventBatch *b)
+{
+    if (ev->boot_id && b->boot_id == ev->boot_id)
+        ev->replayed_streamed = true;
+    ev->last_streamed = b->boot_id;
+}
+
 /* Reads the next stream message that came by deadline: *seq its number, *out its batch.
  * SNAPKV_E_TIMEOUT (no message set) when none came. */
 static int recv_batch(struct snapkv_events *ev, int64_t deadline, uint64_t *seq, Snapkv__KvEventBatch **out)
@@ -117,6 +125,8 @@ static int recv_batch(struct snapkv_events *ev, int64_t deadline, uint64_t *seq,
         *out = snapkv__kv_event_batch__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
         if (!*out)
             rc = skv_client_fail(SNAPKV_E_PROTO, "events: a batch that does not decode");
+        else
+            note_streamed(ev, *out); /* (before whether to keep it is decided: the same either way) */
     }
     for (int i = 0; i < got && i < 3; i++)
         zmq_msg_close(&parts[i]);
@@ -142,14 +152,6 @@ static bool newer_than_snapshot(const struct snapkv_events *ev, uint64_t seq, co
      * daemon's own messages, another daemon's is of one started since, even when its clock was
      * stepped back between the two; before, only the time tells it from an earlier daemon's */
     return ev->replayed_streamed || b->ts >= ev->replayed_ts;
-}
-
-/* Notes that stream batch b was read (kept or dropped). */
-static void note_streamed(struct snapkv_events *ev, const Snapkv__KvEventBatch *b)
-{
-    if (ev->boot_id && b->boot_id == ev->boot_id)
-        ev->replayed_streamed = true;
-    ev->last_streamed = b->boot_id;
 }
 
 /* After a replay, whether a stream batch that came after the snapshot (the replay dropped those
@@ -198,7 +200,6 @@ static int read_batch(struct snapkv_events *ev, int64_t deadline, int timeout_ms
     if (rc)
         return rc;
     bool keep = !ev->skip || after_snapshot(ev, seq, b);
-    note_streamed(ev, b);
     if (!keep) {
         snapkv__kv_event_batch__free_unpacked(b, NULL);
         b = NULL;
@@ -223,9 +224,7 @@ static void drop_queued(struct snapkv_events *ev)
             continue;
         if (rc)
             return;
-        bool newer = newer_than_snapshot(ev, seq, b);
-        note_streamed(ev, b);
-        if (newer) {
+        if (newer_than_snapshot(ev, seq, b)) {
             set_batch(ev, seq, b);
             ev->skip = false;
             return;
