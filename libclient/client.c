@@ -262,6 +262,7 @@ static int refresh(snapkv_client_t *c, bool hello, const char *what)
 static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultCase want, const char *what,
                 skv_partial_fn partial, void *user, bool *in_flight, Snapkv__Reply **reply_out)
 {
+    c->lost = false;
     int rc = refresh(c, req->command_case == SNAPKV__REQUEST__COMMAND_HELLO, what);
     if (rc)
         return rc;
@@ -315,6 +316,7 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
             /* (the grace within the call's own timeout) */
             if (lost && (now >= lost_deadline || (deadline >= 0 && now >= deadline))) {
                 *in_flight = false; /* the daemon drops, or cancels, what a gone client asked */
+                c->lost = true;
                 return skv_client_fail(SNAPKV_E_IO,
                                        "the connection to the daemon closed while the %s reply was awaited (the "
                                        "daemon stopped or restarted): whether it ran is not known",
@@ -449,6 +451,40 @@ static int say_hello(snapkv_client_t *c)
     memcpy(c->info, info, sizeof info);
     c->hello_disconnects = c->hello_sent_disconnects;
     return SNAPKV_OK;
+}
+
+/* HELLO at connect. A daemon closes a connection past its max-connections, or past the user's
+ * (or address's) max-connections-per-peer, as it comes; when the handshake finished first, the
+ * HELLO sent on it is lost with it. HELLO changes nothing in the daemon, so it is asked again on
+ * the next connection while the connect's timeout lasts: a refused handshake then fails with
+ * SNAPKV_E_PERM, saying why, and a daemon that restarted answers. */
+static int first_hello(snapkv_client_t *c)
+{
+    int timeout_ms = c->timeout_ms;
+    int64_t deadline = timeout_ms < 0 ? -1 : skv_client_now_ms() + timeout_ms;
+    int rc, tries = 0;
+    for (;;) {
+        rc = say_hello(c);
+        tries++;
+        long left = skv_client_wait_ms(deadline);
+        if (rc != SNAPKV_E_IO || !c->lost || left == 0)
+            break;
+        if (deadline >= 0) /* (each try waits no longer than what is left of the connect's timeout) */
+            c->timeout_ms = (int)left;
+    }
+    c->timeout_ms = timeout_ms;
+    if (rc == SNAPKV_E_IO && c->lost)
+        skv_client_fail(SNAPKV_E_IO,
+                        "the daemon closed the connection before answering HELLO (%d tries within %d ms): it holds "
+                        "its max-connections, or this user's (or address's) max-connections-per-peer, already, or "
+                        "it is stopping",
+                        tries, timeout_ms);
+    else if (rc == SNAPKV_E_TIMEOUT && tries > 1)
+        skv_client_fail(SNAPKV_E_TIMEOUT,
+                        "the daemon closed the connection before answering HELLO, and no other answered it within "
+                        "the connect's %d ms (%d tries)",
+                        timeout_ms, tries);
+    return rc;
 }
 
 /* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
@@ -586,7 +622,7 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
         rc = skv_client_fail(SNAPKV_E_INVAL, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
         goto out_close;
     }
-    if ((rc = say_hello(c)))
+    if ((rc = first_hello(c)))
         goto out_close;
     *out = c;
     return SNAPKV_OK;

@@ -59,6 +59,8 @@
  * 6:5:2: after a replay, a daemon started since is told from an earlier one by the stream's order
  * once the replayed daemon's own messages came (a clock stepped back between them dropped its
  * events); snapkv_shm_create makes 0600 objects with an ACL entry for the daemon's user.
+ * 6:6:2: snapkv_connect asks HELLO again when the connection closed before its answer (a daemon
+ * past a connection limit closes a connection whose handshake finished first).
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -134,7 +136,11 @@ struct snapkv_connect_opts {
  * client key bound to a tenant by the daemon gets SNAPKV_E_PERM for any other tenant. An
  * ipc:// socket file this user may not open fails at once with SNAPKV_E_PERM (the client
  * socket is for the daemon's group, the admin socket for its user); one that is not there, or
- * where nothing answers, fails at the timeout with a message that says which. */
+ * where nothing answers, fails at the timeout with a message that says which. A daemon past
+ * its max-connections, or this user's (or address's) max-connections-per-peer, closes the
+ * connection as it comes: SNAPKV_E_PERM, naming them. When that close came after the handshake
+ * and lost the HELLO, HELLO is asked again on the next connection within the timeout; a daemon
+ * that closes every one fails the connect with SNAPKV_E_IO, naming the limits. */
 SNAPKV_API int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
                               snapkv_client_t **out);
 /* Accepts NULL and *client_p == NULL; sets *client_p to NULL. */

@@ -47,6 +47,8 @@ struct fake {
     atomic_uint hello_version;      /* version in the HELLO reply (set by the test while the fake runs) */
     atomic_ullong max_message_bytes;
     atomic_uint n_vocab;            /* in the HELLO reply; another value also names another model */
+    atomic_int close_hellos;        /* HELLOs whose connection is shut down unanswered (a daemon
+                                     * past a connection limit whose handshake finished first) */
 
     /* the request being answered (fake thread only) */
     uint8_t ident[256];
@@ -152,6 +154,12 @@ static void *fake_main(void *arg)
         f->last_len = zmq_msg_size(&msg) < sizeof f->last ? zmq_msg_size(&msg) : 0;
         memcpy(f->last, zmq_msg_data(&msg), f->last_len);
         pthread_mutex_unlock(&f->lock);
+        if (req && req->command_case == SNAPKV__REQUEST__COMMAND_HELLO && atomic_load(&f->close_hellos) > 0) {
+            atomic_fetch_sub(&f->close_hellos, 1);
+            shutdown(zmq_msg_get(&msg, ZMQ_SRCFD), SHUT_RDWR);
+            snapkv__request__free_unpacked(req, NULL);
+            req = NULL;
+        }
         zmq_msg_close(&msg);
         if (!req)
             continue;
@@ -532,6 +540,37 @@ static void test_connect_timeout(void **state)
     close(fd);
     unlink(path);
     rmdir(dir);
+}
+
+/* A daemon past a connection limit closes the connection as it comes; when the handshake
+ * finished first, the HELLO sent on it is lost with it. snapkv_connect asks again on the next
+ * connection (before, it failed with "closed while the HELLO reply was awaited"); a daemon that
+ * closes every one fails it, naming the limits, within its timeout. */
+static void test_connect_hello_lost(void **state)
+{
+    (void)state;
+    struct fake *f = fake_start(NULL);
+    atomic_store(&f->close_hellos, 2);
+    snapkv_client_t *c = connect_fake(f, 5000);
+    assert_int_equal(fake_requests(f), 3); /* two HELLOs lost, the third answered */
+    struct snapkv_server_info info;
+    assert_int_equal(snapkv_server_info(c, &info), SNAPKV_OK);
+    assert_int_equal(info.n_vocab, 100);
+    snapkv_close(&c);
+
+    atomic_store(&f->close_hellos, 1000);
+    struct snapkv_connect_opts o = {.timeout_ms = 1500};
+    int64_t t0 = now_ms();
+    int rc = snapkv_connect(f->endpoint, &o, &c);
+    int64_t dt = now_ms() - t0;
+    assert_null(c);
+    if (rc != SNAPKV_E_IO && rc != SNAPKV_E_TIMEOUT) /* (lost last, or no reconnect before the end) */
+        fail_msg("every HELLO lost: %d %s", rc, snapkv_last_error());
+    assert_true(dt >= 1400 && dt < 4000);
+    assert_non_null(strstr(snapkv_last_error(), rc == SNAPKV_E_IO ? "max-connections-per-peer" : "1500 ms"));
+    printf("# every HELLO lost: %d tries in %lld ms: %s\n", fake_requests(f) - 3, (long long)dt, snapkv_last_error());
+    assert_true(fake_requests(f) >= 3 + 2);
+    fake_stop(&f);
 }
 
 /* An ipc:// socket this user may not open: PERM at once, saying why (run as another user than
@@ -2565,6 +2604,7 @@ int main(void)
         cmocka_unit_test(test_connect_hello),
         cmocka_unit_test(test_version_mismatch),
         cmocka_unit_test(test_connect_timeout),
+        cmocka_unit_test(test_connect_hello_lost),
         cmocka_unit_test(test_prefill_text),
         cmocka_unit_test(test_prefill_tokens_progress),
         cmocka_unit_test(test_error_status),
