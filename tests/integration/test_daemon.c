@@ -608,9 +608,11 @@ static void test_metrics_limits(void **state)
     struct snapkv_status_info s;
     assert_int_equal(snapkv_admin_status(a, &s), SNAPKV_OK);
     snapkv_close(&a);
-    /* served while the silent connection is still held (not yet answered 408) */
+    /* served while the silent connection is still held (not yet answered 408; unless this took
+     * most of the 2 s, as a loaded machine may) */
     struct pollfd pf = {.fd = silent, .events = POLLIN};
-    assert_int_equal(poll(&pf, 1, 0), 0);
+    if (now_ms() - t0 < 1500)
+        assert_int_equal(poll(&pf, 1, 0), 0);
     read_all(silent, buf, sizeof buf);
     int64_t held = now_ms() - t0;
     close(silent);
@@ -628,12 +630,13 @@ static void test_metrics_limits(void **state)
      * waited longest makes room */
     enum { N_IDLE = 40 };
     int idle[N_IDLE];
+    int64_t opened = now_ms();
     for (int i = 0; i < N_IDLE; i++)
         idle[i] = metrics_connect(d);
     usleep(100 * 1000);
     t0 = now_ms();
     r = http(d, get, sizeof get - 1);
-    int64_t took = now_ms() - t0;
+    int64_t took = now_ms() - t0, since_opened = now_ms() - opened;
     assert_true(strncmp(r, "HTTP/1.1 200 OK\r\n", 17) == 0);
     free(r);
     /* answered while silent connections are still held unanswered: served one at a time, each
@@ -645,7 +648,8 @@ static void test_metrics_limits(void **state)
     }
     printf("# a scrape behind %d silent connections: %lld ms, %d of them still unanswered\n", N_IDLE,
            (long long)took, unanswered);
-    assert_true(unanswered > 0);
+    if (since_opened < 1500) /* (else the earliest may have had their 408 by now, rightly) */
+        assert_true(unanswered > 0);
     for (int i = 0; i < N_IDLE; i++)
         close(idle[i]);
 }

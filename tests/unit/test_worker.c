@@ -1409,7 +1409,7 @@ static void test_watchdog(void **state)
         n_alive += skv_worker_alive(f->w, 200);
         usleep(20000);
     }
-    assert_true(n_alive >= 20); /* without the idle rule, about 2 of 25 */
+    assert_true(n_alive >= 15); /* without the idle rule, about 2 of 25 (one stall may miss 6) */
 
     uint8_t sid[16];
     prefill(f, 8, "policy=full", sid);
@@ -2035,8 +2035,8 @@ static int fair_scenario(struct fixture *f, char order[6], int lens[5], int *y_t
     prefill_for(f, "t", 8, "policy=full", b);
     prefill_for(f, "u", 8, "policy=full", c);
     freeze(f, a);
-    usleep(60000); /* t's time: 60 ms and more, against well under 1 ms for u's prefill (and a few
-                    * ms on a loaded host under a sanitizer) */
+    usleep(200000); /* t's time: 200 ms and more, against well under 1 ms for u's prefill (and a
+                     * few ms on a loaded host under a sanitizer) */
     submit_append_for(f, ID_X, "t", b, 2);
     submit_append_for(f, ID_X, "t", b, 2);
     submit_decode(f, ID_Y, "t", a, 1000, false);
@@ -2171,9 +2171,9 @@ static void test_tenant_stats(void **state)
     assert_true(stat(f, "snapkv_tenant_decodes_running{tenant=\"u\"}") == 0);
     assert_true(stat(f, "snapkv_tenant_decode_tokens_total{tenant=\"u\"}") >= 1);
     /* while t's two COMPRESSes wait, the admin's STATS runs first (the admin endpoint had less
-     * engine time than t, held 60 ms) and counts them */
+     * engine time than t, held 200 ms) and counts them */
     freeze(f, a);
-    usleep(60000);
+    usleep(200000);
     submit_compress(f, ID_X, a, "policy=snapkv,budget=4,window=4");
     submit_compress(f, ID_Y, b, "policy=snapkv,budget=4,window=4");
     submit_admin_stats(f, NULL);
@@ -2366,7 +2366,7 @@ static void hold_for(struct fixture *f, const uint8_t *id, const char *tenant, c
     expect_exported(f, 0, id);
 }
 
-/* The tenant whose APPEND runs first after u held the engine 100 ms and t 200 ms (each request's
+/* The tenant whose APPEND runs first after u held the engine 200 ms and t 400 ms (each request's
  * time, divided by its tenant's weight, is its tenant's virtual time). */
 static char first_after_holds(struct fixture *f)
 {
@@ -2375,8 +2375,8 @@ static char first_after_holds(struct fixture *f)
     prefill_for(f, "t", 8, "policy=full", b);
     prefill_for(f, "u", 8, "policy=full", c);
     prefill_for(f, "t", 8, "policy=full", d);
-    hold_for(f, ID_Y, "u", a, 100, NULL, NULL);
-    hold_for(f, ID_F, "t", d, 200, b, c);
+    hold_for(f, ID_Y, "u", a, 200, NULL, NULL);
+    hold_for(f, ID_F, "t", d, 400, b, c);
     uint8_t first[5], second[5];
     Snapkv__Reply *rep = any_reply(f, first);
     assert_int_equal(rep->status, SKV_OK);
@@ -2389,8 +2389,8 @@ static char first_after_holds(struct fixture *f)
 }
 
 /* tenant-weights: a tenant's engine time counts divided by its weight. With equal weights u,
- * which held the engine 100 ms, goes before t, which held it 200 ms; with t's weight 4, t's
- * 200 ms count as 50 and t goes first. The gaps (50 ms and more) are wider than the delays a
+ * which held the engine 200 ms, goes before t, which held it 400 ms; with t's weight 4, t's
+ * 400 ms count as 100 and t goes first. The gaps (100 ms and more) are wider than the delays a
  * loaded host puts on the 8-token prefills either tenant also ran. */
 static void test_tenant_weights(void **state)
 {
@@ -2432,7 +2432,7 @@ static void submit_long_prefill_cb(void *f)
 }
 
 /* The nested scenario: X's 64-token PREFILL for tenant t waits at the gate in its first layer;
- * meanwhile Z queues a 48-token PREFILL for u, X one for u, Y one for t; 100 ms later the gate
+ * meanwhile Z queues a 48-token PREFILL for u, X one for u, Y one for t; 250 ms later the gate
  * opens. Writes the four final replies' clients in order (A: X's for t, E: X's for u), and
  * returns them in reps[] as A, B (Z's), E, D (Y's); returns snapkv_requests_nested_total. */
 static int nested_scenario(struct fixture *f, char order[5], Snapkv__Reply *reps[4])
@@ -2441,9 +2441,9 @@ static int nested_scenario(struct fixture *f, char order[5], Snapkv__Reply *reps
     submit_prefill_as(f, ID_Z, "u", 48);
     submit_prefill_as(f, ID_X, "u", 48);
     submit_prefill_as(f, ID_Y, "t", 48);
-    /* t's request has had 100 ms: more than a slice of 1, and, on a loaded host too, more than
+    /* t's request has had 250 ms: more than a slice of 1, and, on a loaded host too, more than
      * the 16-token difference of u's and t's prefills, so that after A u's E goes before t's D */
-    usleep(100000);
+    usleep(250000);
     gate_open();
     for (int i = 0; i < 4; i++) {
         uint8_t id[5];
