@@ -1289,7 +1289,7 @@ static void test_daemon_killed_mid_call(void **state)
                      SNAPKV_OK);
     struct snapkv_sampling sp = long_decode();
     struct snapkv_decode_result dr;
-    struct term_at_first tf = {0, d.pid, SIGKILL}; /* killed once the decode runs (a timer may come first) */
+    struct term_at_first tf = {0, d.pid, SIGKILL}; /* killed once the decode runs (a timer could fire before) */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     int rc = snapkv_decode(c, &pr.id, &sp, term_at_first_token, &tf, &dr);
