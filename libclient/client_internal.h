@@ -24,10 +24,10 @@ struct snapkv_client {
     uint16_t refused_event;      /* a failed handshake seen between two calls, none since worked */
     uint32_t refused_value;
     uint64_t hello_sent_disconnects; /* c->disconnects when the last HELLO went out */
-    bool lost;                   /* the last call failed because its connection closed before the
-                                  * reply came */
     uint64_t hello_disconnects;  /* that count when `hello` was asked for: a later close is a new
                                   * connection, maybe to another daemon, so HELLO is asked again */
+    bool lost;                   /* the last call failed because its connection closed before the
+                                  * reply came */
     struct skv_client_string *strings; /* every server_info string returned so far, kept until
                                         * close (they must outlive a new HELLO) */
     const char *info[4];         /* server version, model name, fingerprint, backend: in strings */

@@ -1231,19 +1231,19 @@ static struct snapkv_sampling long_decode(void)
     return sp;
 }
 
-struct term_at_first {
+struct signal_at_first {
     size_t got;
     pid_t daemon;
-    int sig;       /* 0: SIGTERM */
+    int sig;
 };
 
-/* Counts the tokens and sends the daemon SIGTERM (or tf->sig) when the first comes (the decode
- * runs then, however slow the machine). */
-static int term_at_first_token(void *user, const uint32_t *t, size_t n, const char *text)
+/* Counts the tokens and sends the daemon tf->sig when the first comes (the decode runs then,
+ * however slow the machine). */
+static int signal_at_first_token(void *user, const uint32_t *t, size_t n, const char *text)
 {
-    struct term_at_first *tf = user;
+    struct signal_at_first *tf = user;
     if (tf->got == 0 && n > 0)
-        kill(tf->daemon, tf->sig ? tf->sig : SIGTERM);
+        kill(tf->daemon, tf->sig);
     return count_tokens(&tf->got, t, n, text);
 }
 
@@ -1259,9 +1259,9 @@ static void test_sigterm_mid_decode(void **state)
     assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 32}, &pr),
                      SNAPKV_OK);
     struct snapkv_sampling sp = long_decode();
-    struct term_at_first tf = {0, d.pid, SIGTERM};
+    struct signal_at_first tf = {0, d.pid, SIGTERM};
     struct snapkv_decode_result dr;
-    int rc = snapkv_decode(c, &pr.id, &sp, term_at_first_token, &tf, &dr);
+    int rc = snapkv_decode(c, &pr.id, &sp, signal_at_first_token, &tf, &dr);
     assert_int_equal(rc, SNAPKV_OK);
     assert_string_equal(dr.finish_reason, "cancelled");
     assert_true(tf.got > 0 && tf.got < 2000);
@@ -1289,10 +1289,10 @@ static void test_daemon_killed_mid_call(void **state)
                      SNAPKV_OK);
     struct snapkv_sampling sp = long_decode();
     struct snapkv_decode_result dr;
-    struct term_at_first tf = {0, d.pid, SIGKILL}; /* killed once the decode runs (a timer could fire before) */
+    struct signal_at_first tf = {0, d.pid, SIGKILL}; /* killed once the decode runs (a timer could fire before) */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    int rc = snapkv_decode(c, &pr.id, &sp, term_at_first_token, &tf, &dr);
+    int rc = snapkv_decode(c, &pr.id, &sp, signal_at_first_token, &tf, &dr);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     assert_int_equal(rc, SNAPKV_E_IO);
     assert_non_null(strstr(snapkv_last_error(), "closed"));
@@ -1630,15 +1630,20 @@ static Snapkv__KvEventBatch *recv_batch(void *sub, uint64_t *seq)
     return b;
 }
 
-/* Reads the one message poll said is waiting, event or heartbeat (next_event would wait on past
- * a heartbeat for an event); *seq: an event's number, unchanged for a heartbeat. */
-static void read_any_event(void *sub, uint64_t *seq)
+/* Reads every message sub holds, events and heartbeats, until 1 s passes without one (a loaded
+ * machine may deliver late); *seq: the last event's number, unchanged when none came. */
+static void drain_events(void *sub, uint64_t *seq)
 {
-    uint64_t s;
-    Snapkv__KvEventBatch *b = recv_batch(sub, &s);
-    if (b->n_events > 0)
-        *seq = s;
-    snapkv__kv_event_batch__free_unpacked(b, NULL);
+    for (;;) {
+        zmq_pollitem_t it = {sub, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 1000) != 1)
+            return;
+        uint64_t s;
+        Snapkv__KvEventBatch *b = recv_batch(sub, &s);
+        if (b->n_events > 0)
+            *seq = s;
+        snapkv__kv_event_batch__free_unpacked(b, NULL);
+    }
 }
 
 /* The next KV event on sub, past heartbeats of the idle stream (test_kv_events checks one);
@@ -1926,12 +1931,7 @@ static void test_kv_events(void **state)
         if (zmq_poll(&it, 1, 100) == 1)
             break;
     }
-    for (;;) { /* drain what the warm-up announced */
-        zmq_pollitem_t it = {sub, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, 1000) != 1) /* (1 s quiet: a loaded machine) */
-            break;
-        read_any_event(sub, &seq);
-    }
+    drain_events(sub, &seq); /* what the warm-up announced */
     assert_true(seq > 0);
     /* libsnapkv's subscriber, joined now: it sees the events from here on too */
     snapkv_events_t *lev = NULL;
@@ -1950,12 +1950,7 @@ static void test_kv_events(void **state)
     }
     while (snapkv_events_next(lev, 1000, &le) == SNAPKV_OK)
         snapkv_event_free(&le);
-    for (;;) { /* and the raw socket's copies of those */
-        zmq_pollitem_t it = {sub, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, 1000) != 1) /* (1 s quiet: a loaded machine) */
-            break;
-        read_any_event(sub, &seq);
-    }
+    drain_events(sub, &seq); /* and the raw socket's copies of those */
     uint64_t want[N_PROMPT / 16];
     size_t n_want = ref_hashes(ids, N_PROMPT, want);
     assert_int_equal(n_want, N_PROMPT / 16);

@@ -221,6 +221,14 @@ static int fake_requests(struct fake *f)
     return n;
 }
 
+/* Waits (up to 5 s) until the fake has read n requests, HELLO included: it reads them in its
+ * own time. */
+static void fake_await(struct fake *f, int n)
+{
+    for (int i = 0; i < 500 && fake_requests(f) < n; i++)
+        usleep(10 * 1000);
+}
+
 /* The last request the fake received (free with snapkv__request__free_unpacked). */
 static Snapkv__Request *fake_last(struct fake *f)
 {
@@ -1035,8 +1043,7 @@ static void test_decode_timeout_cancels(void **state)
     /* (a fake slower than the CANCEL's wait, on a loaded machine, adds that it failed) */
     assert_memory_equal(snapkv_last_error(), timed_out, strlen(timed_out));
     assert_int_equal(r.n_tokens, 99);
-    for (int i = 0; i < 500 && fake_requests(f) < 3; i++) /* HELLO, DECODE, CANCEL */
-        usleep(10 * 1000);
+    fake_await(f, 3); /* HELLO, DECODE, CANCEL */
     Snapkv__Request *req = fake_last(f);
     assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
     assert_wire_id(req->cancel->session_id, &ID_B);
@@ -1051,8 +1058,7 @@ static void test_decode_timeout_cancels(void **state)
     assert_true(dt >= 280 && dt < 5000);
     assert_string_equal(snapkv_last_error(), "no DECODE reply from the daemon within 150 ms (and CANCEL failed: no "
                                              "CANCEL reply from the daemon within 150 ms)");
-    for (int i = 0; i < 500 && fake_requests(f) < n + 2; i++) /* the fake reads them in its own time */
-        usleep(10 * 1000);
+    fake_await(f, n + 2);
     assert_int_equal(fake_requests(f), n + 2);
 
     /* a DECODE the daemon refused (it is not running): no CANCEL */
@@ -1097,8 +1103,7 @@ static void test_decode_lost_tokens(void **state)
     assert_non_null(strstr(snapkv_last_error(), "lost 2 streamed tokens"));
     assert_int_equal(log.batches, 1); /* the callback saw nothing after the gap */
     assert_int_equal(r.n_tokens, 99);
-    for (int i = 0; i < 500 && fake_requests(f) < 3; i++) /* HELLO, DECODE, CANCEL */
-        usleep(10 * 1000);
+    fake_await(f, 3); /* HELLO, DECODE, CANCEL */
     Snapkv__Request *req = fake_last(f); /* and the decode was ended in the daemon */
     assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
     assert_wire_id(req->cancel->session_id, &ID_B);
@@ -1350,8 +1355,7 @@ static void test_hello_after_restart(void **state)
     struct snapkv_session_id out = ID_A;
     assert_int_equal(snapkv_set_timeout(c, 300), SNAPKV_OK);
     assert_int_equal(snapkv_fork(c, &ID_A, &out, NULL), SNAPKV_E_TIMEOUT); /* this fake answers no FORK */
-    for (int i = 0; i < 500 && fake_requests(f) < 2; i++) /* (the fake reads it in its own time) */
-        usleep(10 * 1000);
+    fake_await(f, 2);
     usleep(50 * 1000);
     assert_int_equal(fake_requests(f), 2); /* no HELLO again while the connection stays */
     assert_int_equal(snapkv_set_timeout(c, 5000), SNAPKV_OK);
