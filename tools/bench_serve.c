@@ -49,7 +49,7 @@
 #define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
 #define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 7 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 8 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -85,6 +85,7 @@ struct serve_ctx {
     int64_t slice_ms;                /* our daemon's --fair-slice-ms (< 0: its default) */
     int64_t share;                   /* our daemon's --decode-share (< 0: its default) */
     int persist_interval;            /* our daemon's --persist-interval-seconds (0: persist off) */
+    bool events;                     /* our daemon's --events-endpoint (ipc://<its dir>/e.sock) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -336,6 +337,8 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--persist=yes");
         snprintf(a[n_args++], sizeof a[0], "--persist-interval-seconds=%d", x->persist_interval);
     }
+    if (x->events)
+        snprintf(a[n_args++], sizeof a[0], "--events-endpoint=ipc://%s/e.sock", d->dir);
     char *argv[24] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
@@ -1434,7 +1437,7 @@ static int bench_stall(struct serve_ctx *x, json_t *out)
                             x->d.pid ? (yields[k] < 0 ? json_string("default (100)") : json_integer(yields[k]))
                                      : json_string("as the daemon is configured"));
         json_object_set_new(o, "decode_share",
-                            x->d.pid ? (shares[k] < 0 ? json_string("default (50)") : json_integer(shares[k]))
+                            x->d.pid ? (shares[k] < 0 ? json_string("default (25)") : json_integer(shares[k]))
                                      : json_string("as the daemon is configured"));
         json_object_set_new(o, "mode", json_string(x->d.pid ? names[k] : "as the daemon is configured"));
         fprintf(stderr, "serve: decode stall during a %d-token prefill (%s) ...\n", x->context,
@@ -1695,6 +1698,197 @@ static int bench_checkpoint(struct serve_ctx *x, json_t *out)
     return SKV_OK;
 }
 
+/* ---- 8. KV events: a subscriber that does not read does not slow the serving path ------------------- */
+
+#define EVENTS_DOC_TOKENS 2048     /* the document each FORK copies: 128 block hashes in each stored event */
+#define EVENTS_PAIRS 3000          /* FORK + RELEASE pairs a run: 6000 events, past what a stuck subscriber's
+                                    * queues hold (libzmq's 1000 messages each side, and the socket's buffer) */
+#define EVENTS_ROUNDS 2            /* each kind of subscriber this many times, interleaved */
+
+enum events_mode { EVENTS_NONE, EVENTS_STUCK, EVENTS_READING, N_EVENTS_MODES };
+
+/* A subscriber's count of the events it took: those of the run (sequence above `after`) and
+ * the numbers it saw missing between them. */
+struct events_count {
+    uint64_t after, first, last;
+    long got, missing;
+};
+
+static void events_count_one(struct events_count *c, const struct snapkv_event *e)
+{
+    if (e->sequence <= c->after) /* before the run (the priming pair), or the library's CLEARED of 0 */
+        return;
+    if (c->got == 0)
+        c->first = e->sequence;
+    else if (e->sequence > c->last + 1)
+        c->missing += (long)(e->sequence - c->last - 1);
+    c->last = e->sequence > c->last ? e->sequence : c->last;
+    c->got++;
+}
+
+struct events_reader {
+    snapkv_events_t *ev;
+    struct events_count count;
+    atomic_bool stop;
+};
+
+/* The reading subscriber's thread: takes every event as it comes until told to stop. */
+static void *events_reader_thread(void *arg)
+{
+    struct events_reader *r = arg;
+    while (!atomic_load(&r->stop)) {
+        struct snapkv_event e;
+        int rc = snapkv_events_next(r->ev, 50, &e);
+        if (rc == SNAPKV_E_TIMEOUT)
+            continue;
+        if (rc)
+            break;
+        events_count_one(&r->count, &e);
+        snapkv_event_free(&e);
+    }
+    return NULL;
+}
+
+/* Opens a subscriber and makes sure its subscription reached the daemon: FORK + RELEASE pairs
+ * until it took an event. *last: the highest sequence number it took. */
+static int events_subscribe(struct serve_ctx *x, const char *endpoint, const struct snapkv_session_id *doc,
+                            snapkv_events_t **out, uint64_t *last)
+{
+    int rc = snapkv_events_open(endpoint, out);
+    if (rc)
+        return client_fail("events subscribe", rc);
+    *last = 0;
+    for (int k = 0; k < 100 && !rc; k++) {
+        struct snapkv_session_id id;
+        if ((rc = snapkv_fork(x->cl, doc, &id, NULL)) || (rc = snapkv_release(x->cl, &id)))
+            return client_fail("FORK + RELEASE", rc);
+        struct snapkv_event e;
+        while (snapkv_events_next(*out, 50, &e) == SNAPKV_OK) {
+            *last = e.sequence > *last ? e.sequence : *last;
+            snapkv_event_free(&e);
+        }
+        if (*last)
+            return SKV_OK;
+    }
+    return skv_errorf(SKV_E_TIMEOUT, "the events subscriber took no event in 100 FORK + RELEASE pairs");
+}
+
+/* One run: EVENTS_PAIRS FORK + RELEASE pairs of the document, each call timed, with the
+ * subscriber of `mode` on the events endpoint. */
+static int events_run(struct serve_ctx *x, const char *endpoint, const struct snapkv_session_id *doc,
+                      enum events_mode mode, json_t *out)
+{
+    static const char *const names[N_EVENTS_MODES] = {"no subscriber", "a subscriber that never reads",
+                                                      "a subscriber that reads every event"};
+    struct events_reader r = {0};
+    pthread_t th;
+    bool reading = false;
+    int rc = SKV_OK;
+    if (mode != EVENTS_NONE && !(rc = events_subscribe(x, endpoint, doc, &r.ev, &r.count.after)) &&
+        mode == EVENTS_READING) {
+        if (pthread_create(&th, NULL, events_reader_thread, &r) != 0)
+            rc = skv_errorf(SKV_E_INTERNAL, "cannot start the events reader");
+        reading = rc == SKV_OK;
+    }
+    double *fork_s = calloc(EVENTS_PAIRS, sizeof *fork_s), *release_s = calloc(EVENTS_PAIRS, sizeof *release_s);
+    if (!rc && (!fork_s || !release_s))
+        rc = SKV_E_NOMEM;
+    double t0 = now_s();
+    for (int i = 0; i < EVENTS_PAIRS && !rc; i++) {
+        struct snapkv_session_id id;
+        double a = now_s();
+        if ((rc = snapkv_fork(x->cl, doc, &id, NULL))) {
+            rc = client_fail("FORK", rc);
+            break;
+        }
+        double b = now_s();
+        if ((rc = snapkv_release(x->cl, &id))) {
+            rc = client_fail("RELEASE", rc);
+            break;
+        }
+        fork_s[i] = b - a;
+        release_s[i] = now_s() - b;
+    }
+    double wall = now_s() - t0;
+    /* what the subscriber holds: the reader takes the rest as it comes; the stuck one now reads
+     * what its queues kept */
+    for (double t = now_s(); !rc && reading && r.count.got < 2 * EVENTS_PAIRS && now_s() - t < 2;)
+        usleep(10000);
+    if (reading) {
+        atomic_store(&r.stop, true);
+        pthread_join(th, NULL);
+    }
+    if (!rc && mode == EVENTS_STUCK) {
+        struct snapkv_event e;
+        while (snapkv_events_next(r.ev, 300, &e) == SNAPKV_OK) {
+            events_count_one(&r.count, &e);
+            snapkv_event_free(&e);
+        }
+    }
+    snapkv_events_close(&r.ev);
+    if (!rc) {
+        json_object_set_new(out, "subscriber", json_string(names[mode]));
+        json_object_set_new(out, "pairs", json_integer(EVENTS_PAIRS));
+        json_object_set_new(out, "pairs_per_s", json_real(EVENTS_PAIRS / wall));
+        json_object_set_new(out, "fork_us", summary_json(fork_s, EVENTS_PAIRS, 1e6));
+        json_object_set_new(out, "release_us", summary_json(release_s, EVENTS_PAIRS, 1e6));
+        json_object_set_new(out, "events_published", json_integer(2 * EVENTS_PAIRS));
+        if (mode != EVENTS_NONE) {
+            json_object_set_new(out, "events_taken", json_integer(r.count.got));
+            /* the run's events the subscriber never took; those it saw missing are among them */
+            json_object_set_new(out, "events_lost", json_integer(2 * EVENTS_PAIRS - r.count.got));
+            json_object_set_new(out, "sequence_gaps_seen", json_integer(r.count.missing));
+        }
+        fprintf(stderr, "serve:   %s: %.0f FORK + RELEASE pairs/s%s\n", names[mode], EVENTS_PAIRS / wall,
+                mode == EVENTS_NONE ? "" : mode == EVENTS_STUCK ? " (the subscriber read nothing meanwhile)" : "");
+    }
+    free(fork_s);
+    free(release_s);
+    return rc;
+}
+
+/* KV events with no subscriber, one that never reads, and one that reads (docs/SCALING.md: a
+ * subscriber that does not read does not slow the serving path). On the bench's own daemon,
+ * restarted with an events-endpoint. */
+static int bench_events(struct serve_ctx *x, json_t *out)
+{
+    if (!x->d.pid) {
+        json_object_set_new(out, "skipped", json_string("needs the daemon the bench starts (events-endpoint on)"));
+        return SKV_OK;
+    }
+    x->events = true;
+    int rc = use_own_daemon(x, x->pool_bytes);
+    x->events = false;
+    char endpoint[160];
+    snprintf(endpoint, sizeof endpoint, "ipc://%s/e.sock", x->d.dir);
+    uint32_t *tok = malloc(EVENTS_DOC_TOKENS * sizeof *tok);
+    if (!rc && !tok)
+        rc = SKV_E_NOMEM;
+    struct snapkv_session_id doc;
+    if (!rc) {
+        fill_ids(tok, EVENTS_DOC_TOKENS, x->m->cfg.n_vocab, 300);
+        struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = EVENTS_DOC_TOKENS};
+        struct snapkv_prefill_result pr;
+        fprintf(stderr, "serve: KV events: prefill of the %d-token document ...\n", EVENTS_DOC_TOKENS);
+        if ((rc = snapkv_prefill(x->cl, &po, &pr)))
+            rc = client_fail("PREFILL", rc);
+        else
+            doc = pr.id;
+        snapkv_prefill_result_free(&pr);
+    }
+    free(tok);
+    json_t *runs = json_array();
+    json_object_set_new(out, "document_tokens", json_integer(EVENTS_DOC_TOKENS));
+    json_object_set_new(out, "block_hashes_per_stored_event", json_integer(EVENTS_DOC_TOKENS / x->block_rows));
+    json_object_set_new(out, "runs", runs);
+    for (int k = 0; k < EVENTS_ROUNDS * N_EVENTS_MODES && !rc; k++) {
+        json_t *o = json_object();
+        rc = events_run(x, endpoint, &doc, (enum events_mode)(k % N_EVENTS_MODES), o);
+        json_array_append_new(runs, o);
+    }
+    return rc ? rc : evict_all(x);
+}
+
 /* ---- report ---------------------------------------------------------------------------------------- */
 
 static void cpu_model(char *buf, size_t cap)
@@ -1871,6 +2065,29 @@ static void print_table(FILE *f, const json_t *j)
                 (long long)json_integer_value(json_object_get(b, "n")), jnum(b, "p50"), jnum(b, "max"),
                 jnum(t, "p50"), jnum(t, "max"));
     }
+    const json_t *ev = json_object_get(j, "events");
+    if (ev && json_object_get(ev, "skipped")) {
+        fprintf(f, "\nKV events: skipped (%s)\n", json_string_value(json_object_get(ev, "skipped")));
+    } else if (ev) {
+        fprintf(f, "\nKV events: FORK + RELEASE of a %lld-token document (%lld block hashes a stored event)\n"
+                   "| subscriber | pairs/s | FORK p50 / p99 us | RELEASE p50 / p99 us | events taken / lost |\n"
+                   "|---|---|---|---|---|\n",
+                (long long)json_integer_value(json_object_get(ev, "document_tokens")),
+                (long long)json_integer_value(json_object_get(ev, "block_hashes_per_stored_event")));
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(ev, "runs"), k, o) {
+            const json_t *fk = json_object_get(o, "fork_us"), *rl = json_object_get(o, "release_us");
+            char taken[64] = "-";
+            if (json_object_get(o, "events_taken"))
+                snprintf(taken, sizeof taken, "%lld / %lld",
+                         (long long)json_integer_value(json_object_get(o, "events_taken")),
+                         (long long)json_integer_value(json_object_get(o, "events_lost")));
+            fprintf(f, "| %s | %.0f | %.0f / %.0f | %.0f / %.0f | %s |\n",
+                    json_string_value(json_object_get(o, "subscriber")), jnum(o, "pairs_per_s"), jnum(fk, "p50"),
+                    jnum(fk, "p99"), jnum(rl, "p50"), jnum(rl, "p99"), taken);
+        }
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -1966,13 +2183,14 @@ static int parse_specs(struct serve_ctx *x, const char *list)
     return SKV_OK;
 }
 
-/* --parts: which of roundtrip, throughput, capacity, decode, stall run (NULL: all). */
+/* --parts: which of roundtrip, throughput, capacity, decode, stall, fair, checkpoint, events run
+ * (NULL: all but checkpoint and events). */
 static int parse_parts(const char *list, bool on[N_PARTS])
 {
     static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode",
-                                               "stall",     "fair",       "checkpoint"};
+                                               "stall",     "fair",       "checkpoint", "events"};
     for (int i = 0; i < N_PARTS; i++)
-        on[i] = !list && i != 6; /* checkpoint: only when asked for */
+        on[i] = !list && i < 6; /* checkpoint, events: only when asked for */
     for (const char *p = list; p && *p;) {
         size_t len = strcspn(p, ",");
         int i = 0;
@@ -1981,7 +2199,7 @@ static int parse_parts(const char *list, bool on[N_PARTS])
         if (i == N_PARTS)
             return skv_errorf(SKV_E_INVAL,
                               "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair, "
-                              "checkpoint)",
+                              "checkpoint, events)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -2106,6 +2324,11 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_t *ck = json_object();
         rc = bench_checkpoint(&x, ck);
         json_object_set_new(j, "checkpoint", ck);
+    }
+    if (!rc && part[7]) {
+        json_t *ev = json_object();
+        rc = bench_events(&x, ev);
+        json_object_set_new(j, "events", ev);
     }
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
