@@ -61,6 +61,7 @@
  * events); snapkv_shm_create makes 0600 objects with an ACL entry for the daemon's user.
  * 6:6:2: snapkv_connect asks HELLO again when the connection closed before its answer (a daemon
  * past a connection limit closes a connection whose handshake finished first).
+ * 7:0:3 (still libsnapkv.so.4): snapkv_events_published added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -628,6 +629,16 @@ SNAPKV_API void snapkv_event_free(struct snapkv_event *e);
  * request. The daemon queues the parts of the largest snapshot its pool allows; one is cut only
  * when its requester is gone. */
 SNAPKV_API int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int timeout_ms);
+/* The number of the newest event the daemon had published, as the stream messages this
+ * subscriber read last said (an event's own number, or a heartbeat's: the daemon's last event),
+ * or a replay's snapshot; 0 before any. Events are lost without a later one to show it when the
+ * stream goes quiet after the loss; the daemon's heartbeat (every events-heartbeat-seconds, 2 s by
+ * default, while no event goes out) still says how far it got. So after snapkv_events_next()
+ * returned SNAPKV_E_TIMEOUT (which read every message that had come), a value above the
+ * sequence of the last event taken means events were missed: replay (snapkv_events_replay).
+ * It also is above 0 when the subscription came after events were published and no event was
+ * taken yet. After a CLEARED of sequence 0 (another daemon) it is that daemon's number. */
+SNAPKV_API uint64_t snapkv_events_published(const snapkv_events_t *ev);
 /* Accepts NULL and *ev == NULL; sets *ev to NULL. */
 SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);
 /* A session's block hashes as its stored event carried them (through INSPECT on the admin

@@ -103,6 +103,7 @@ static void usage(FILE *out)
             "  events ENDPOINT [--count N] [--replay R] the KV events of a daemon's events-endpoint, one per line,\n"
             "                                         until N came (default: for ever); --replay: first the\n"
             "                                         sessions it holds now, from its events-replay-endpoint R\n"
+            "                                         (and again when it finds events were missed)\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
@@ -1973,7 +1974,20 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
     bool have = false;
     for (long n = 0; count < 0 || n < count; n++) {
         struct snapkv_event e;
-        if (snapkv_events_next(ev, -1, &e)) {
+        int rc;
+        while ((rc = snapkv_events_next(ev, 1000, &e)) == SNAPKV_E_TIMEOUT) {
+            /* a quiet stream: the daemon's heartbeat says whether events were missed at its end */
+            uint64_t published = snapkv_events_published(ev);
+            if (!have || published <= last)
+                continue;
+            fprintf(stderr, "snapkvctl events: events %llu..%llu missed%s\n", (unsigned long long)last + 1,
+                    (unsigned long long)published, replay ? ": replaying" : " (--replay catches up)");
+            last = published;
+            if (replay && (rc = snapkv_events_replay(ev, replay, c->timeout_ms)))
+                break;
+            have = !replay;
+        }
+        if (rc) {
             fprintf(stderr, "snapkvctl events: %s\n", snapkv_last_error());
             ret = 1;
             break;

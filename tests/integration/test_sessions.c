@@ -2163,6 +2163,103 @@ static void test_kv_events(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* One KvEventBatch as the daemon publishes it on pub: [topic][sequence][batch] of daemon boot_id,
+ * holding a SessionStored of id or, with id NULL, nothing (a heartbeat). */
+static void publish_batch(void *pub, uint64_t boot_id, uint64_t seq, const uint8_t *id)
+{
+    Snapkv__SessionStored st = SNAPKV__SESSION_STORED__INIT;
+    Snapkv__KvEvent e = SNAPKV__KV_EVENT__INIT, *ep = &e;
+    st.session_id = (ProtobufCBinaryData){16, (uint8_t *)id};
+    st.tenant = "t";
+    e.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
+    e.stored = &st;
+    Snapkv__KvEventBatch b = SNAPKV__KV_EVENT_BATCH__INIT;
+    b.version = 1;
+    b.ts = (double)time(NULL);
+    b.boot_id = boot_id;
+    b.n_events = id ? 1 : 0;
+    b.events = id ? &ep : NULL;
+    uint8_t buf[256], be[8];
+    size_t len = snapkv__kv_event_batch__pack(&b, buf);
+    for (int k = 0; k < 8; k++)
+        be[k] = (uint8_t)(seq >> (56 - 8 * k));
+    zmq_send(pub, "snapkv.kv.0123456789abcdef", 26, ZMQ_SNDMORE);
+    zmq_send(pub, be, sizeof be, ZMQ_SNDMORE);
+    zmq_send(pub, buf, len, 0);
+}
+
+/* snapkvctl events on a stream that lost its last events and went quiet: no later event's
+ * number shows the loss, the heartbeat's does, and snapkvctl says so on stderr before any
+ * other event comes (then goes on from there). The publisher is the test's own, framed as the
+ * daemon's, so the loss is exact. */
+static void test_events_missed_then_quiet(void **state)
+{
+    (void)state;
+    char ep[128], out_path[128], err_path[128], ctl[4096];
+    snprintf(ep, sizeof ep, "ipc:///tmp/skv-fake-events-%d.sock", (int)getpid());
+    snprintf(out_path, sizeof out_path, "/tmp/skv-fake-events-%d.out", (int)getpid());
+    snprintf(err_path, sizeof err_path, "/tmp/skv-fake-events-%d.err", (int)getpid());
+    built(ctl, sizeof ctl, "snapkvctl");
+    void *ctx = zmq_ctx_new(), *pub = zmq_socket(ctx, ZMQ_XPUB);
+    int linger = 0, timeout = 30000;
+    zmq_setsockopt(pub, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(pub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    assert_int_equal(zmq_bind(pub, ep), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen(out_path, "w", stdout) || !freopen(err_path, "w", stderr))
+            _exit(126);
+        execl(ctl, ctl, "events", ep, "--count", "2", (char *)NULL);
+        _exit(127);
+    }
+    char sub[32];
+    assert_true(zmq_recv(pub, sub, sizeof sub, 0) > 0); /* its subscription */
+    assert_int_equal(sub[0], 1);
+    static const uint8_t id1[16] = {1}, id4[16] = {4};
+    publish_batch(pub, 9, 1, id1);
+    publish_batch(pub, 9, 3, NULL); /* the heartbeat: events 2 and 3 went out, and were lost */
+    static char err[4096];
+    bool said = false;
+    for (int i = 0; i < 300 && !said; i++) { /* within snapkvctl's 1 s wait, and more */
+        usleep(100 * 1000);
+        FILE *f = fopen(err_path, "r");
+        size_t got = f ? fread(err, 1, sizeof err - 1, f) : 0;
+        err[got] = '\0';
+        if (f)
+            fclose(f);
+        said = strstr(err, "events 2..3 missed (--replay catches up)") != NULL;
+    }
+    if (!said)
+        fail_msg("snapkvctl said nothing of the events lost before the quiet: '%s'", err);
+    publish_batch(pub, 9, 4, id4); /* the next: no second message */
+    int st = -1;
+    for (int i = 0; i < 300 && waitpid(pid, &st, WNOHANG) != pid; i++)
+        usleep(100 * 1000);
+    if (!WIFEXITED(st)) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+        fail_msg("snapkvctl events did not end after its second event");
+    }
+    assert_int_equal(WEXITSTATUS(st), 0);
+    static char out[4096];
+    FILE *f = fopen(out_path, "r");
+    assert_non_null(f);
+    out[fread(out, 1, sizeof out - 1, f)] = '\0';
+    fclose(f);
+    assert_true(strncmp(out, "1 stored 01000000000000000000000000000000 t", 43) == 0);
+    assert_non_null(strstr(out, "\n4 stored 04000000000000000000000000000000 t"));
+    f = fopen(err_path, "r");
+    assert_non_null(f);
+    err[fread(err, 1, sizeof err - 1, f)] = '\0';
+    fclose(f);
+    assert_null(strstr(strstr(err, "missed") + 1, "missed"));
+    unlink(out_path);
+    unlink(err_path);
+    zmq_close(pub);
+    zmq_ctx_term(ctx);
+}
+
 /* SnapKV re-scoring while decoding through the daemon: the spec string travels, DECODE gives
  * the in-process engine's tokens, and INSPECT shows every layer back at the decode budget
  * (48 kept at prefill, 12 tokens decoded, cut to 40 at 4, 8 and 12). A ratio's floor travels
@@ -3872,6 +3969,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),
+        cmocka_unit_test(test_events_missed_then_quiet),
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
         cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
     };

@@ -2505,6 +2505,46 @@ static void test_events_restart(void **state)
     fake_events_stop(&fe);
 }
 
+/* snapkv_events_published: events lost at the end of a stream that then went quiet show only in
+ * the heartbeat's number (no later event's number jumps); a replay's snapshot and another
+ * daemon's numbers set it too. */
+static void test_events_published(void **state)
+{
+    (void)state;
+    struct fake_events *fe = fake_events_start();
+    snapkv_events_t *ev = subscribed(fe);
+    assert_int_equal(snapkv_events_published(ev), 0);
+    assert_int_equal(snapkv_events_published(NULL), 0);
+    fake_publish(fe->pub, 222, 1, SNAPKV_EVENT_CLEARED, NULL);
+    fake_publish(fe->pub, 222, 2, SNAPKV_EVENT_STORED, &ID_A);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 1, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_A);
+    assert_int_equal(snapkv_events_published(ev), 2);
+    fake_heartbeat(fe->pub, 222, 2); /* nothing missed */
+    expect_quiet(ev);
+    assert_int_equal(snapkv_events_published(ev), 2);
+    /* 3 and 4 went out and were lost (as a full queue drops them); then only the heartbeat */
+    fake_heartbeat(fe->pub, 222, 4);
+    expect_quiet(ev);
+    assert_int_equal(snapkv_events_published(ev), 4);
+    /* a replay at 4 catches up, and the stream goes on above it */
+    fake_replay(fe, ev, 222, 4, &ID_C);
+    assert_int_equal(snapkv_events_published(ev), 4);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 4, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 4, &ID_C);
+    fake_heartbeat(fe->pub, 222, 3); /* queued before the snapshot: dropped, it says nothing */
+    fake_publish(fe->pub, 222, 5, SNAPKV_EVENT_STORED, &ID_D);
+    expect_event(ev, SNAPKV_EVENT_STORED, 5, &ID_D);
+    assert_int_equal(snapkv_events_published(ev), 5);
+    /* another daemon's heartbeat: a CLEARED of sequence 0, and its numbers from then on */
+    fake_heartbeat(fe->pub, 333, 2);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 0, NULL);
+    assert_int_equal(snapkv_events_published(ev), 2);
+    expect_quiet(ev);
+    snapkv_events_close(&ev);
+    fake_events_stop(&fe);
+}
+
 /* After a replay, a daemon started since whose clock was stepped back is still told from one
  * that ran before the snapshot, once the stream showed the replayed daemon's own messages:
  * before, its events were dropped until its clock passed the snapshot's time. */
@@ -2642,6 +2682,7 @@ int main(void)
         cmocka_unit_test(test_events_replay_filter),
         cmocka_unit_test(test_events_restart),
         cmocka_unit_test(test_events_clock_stepped_back),
+        cmocka_unit_test(test_events_published),
         cmocka_unit_test(test_connect_no_permission),
         cmocka_unit_test(test_timeout_set_in_callback),
         cmocka_unit_test(test_events_next_deadline),
