@@ -48,6 +48,8 @@ struct conn_fd {
     uint64_t peer;                /* its peer's key (peer_key), 0: none known or no longer counted */
     uint8_t open;                 /* ACCEPTED seen, DISCONNECTED not yet */
     uint8_t closing;              /* shut down here (no longer counted), its DISCONNECTED not seen yet */
+    uint8_t refused;              /* shut down here for a limit: what it sent is dropped, also after its
+                                   * DISCONNECTED, until a connection is accepted on the fd again */
 };
 
 /* A peer (a user on ipc://, an address on tcp://) and its open client connections. */
@@ -68,6 +70,7 @@ struct skv_server {
     int max_connections;          /* max-connections, lowered to what the open-file limit allows */
     uint64_t refused_connections; /* closed as they came, over max_connections, since last logged */
     uint64_t refused_peer;        /* closed as they came, over max_per_peer, since last logged */
+    uint64_t refused_requests;    /* requests of such connections libzmq had read, dropped, since last logged */
     uint64_t refused_logged_ms;
     struct conn_fd *fds;          /* [fds_cap] by connection fd */
     int fds_cap;
@@ -891,6 +894,7 @@ static void read_connections(struct skv_server *srv)
                 struct conn_fd *c = conn_slot(srv, ev[i].fd);
                 if (c) {
                     c->open = 1;
+                    c->refused = 0;
                     any_over |= peer_accepted(srv, c, ev[i].fd);
                 }
             } else if (ev[i].event == ZMQ_EVENT_DISCONNECTED) {
@@ -917,6 +921,7 @@ static void read_connections(struct skv_server *srv)
                 shutdown(ev[i].fd, SHUT_RDWR) != 0)
                 continue;
             c->closing = 1;
+            c->refused = 1;
             peer_gone(srv, ev[i].fd);
             srv->open_connections--; /* its DISCONNECTED follows and is not counted again */
             if (peer_over)
@@ -925,7 +930,8 @@ static void read_connections(struct skv_server *srv)
                 srv->refused_connections++;
         }
     }
-    if ((srv->refused_connections || srv->refused_peer) && skv_now_ms() - srv->refused_logged_ms >= 10000) {
+    if ((srv->refused_connections || srv->refused_peer || srv->refused_requests) &&
+        skv_now_ms() - srv->refused_logged_ms >= 10000) {
         if (srv->refused_connections)
             skv_log(SKV_LOG_WARN, "%d connections are open on the client endpoint (max-connections %d): %llu more "
                     "were closed as they came", srv->open_connections, srv->max_connections,
@@ -934,8 +940,11 @@ static void read_connections(struct skv_server *srv)
             skv_log(SKV_LOG_WARN, "%llu connections were closed as they came: their user (ipc://) or address "
                     "(tcp://) held max-connections-per-peer (%d) already", (unsigned long long)srv->refused_peer,
                     srv->max_per_peer);
+        if (srv->refused_requests)
+            skv_log(SKV_LOG_WARN, "%llu requests that connections closed for those limits had sent were dropped",
+                    (unsigned long long)srv->refused_requests);
         srv->refused_logged_ms = skv_now_ms();
-        srv->refused_connections = srv->refused_peer = 0;
+        srv->refused_connections = srv->refused_peer = srv->refused_requests = 0;
     }
 }
 
@@ -962,9 +971,17 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         if (!more)
             break;
     }
+    /* from a connection closed for a limit (libzmq read it before this thread heard of the
+     * connection): dropped unanswered, as if the connection had never been let in */
+    int conn = admin ? -1 : message_fd(&body);
+    if (conn >= 0 && conn < srv->fds_cap && srv->fds[conn].refused) {
+        srv->refused_requests++;
+        skv_log(SKV_LOG_DEBUG, "a request from a connection closed for a connection limit: dropped");
+        goto out;
+    }
     srv->n_requests++;
     if (!admin &&
-        (seen = skv_clients_seen(srv->clients, zmq_msg_data(&identity), zmq_msg_size(&identity), message_fd(&body),
+        (seen = skv_clients_seen(srv->clients, zmq_msg_data(&identity), zmq_msg_size(&identity), conn,
                                  skv_now_ms())) != SKV_CLIENT_LIVE)
         skv_log(SKV_LOG_DEBUG, "a request read after its client's connection closed: served, then a gone notice");
 
