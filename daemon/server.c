@@ -972,8 +972,13 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
             break;
     }
     /* from a connection closed for a limit (libzmq read it before this thread heard of the
-     * connection): dropped unanswered, as if the connection had never been let in */
+     * connection): dropped unanswered, as if the connection had never been let in. The fd may
+     * have been reused since the events were read: a new connection's ACCEPTED comes before its
+     * first message, so the events are read again before the fd's mark is believed. (A request
+     * of the closed connection still unread when a connection let in took its fd is served.) */
     int conn = admin ? -1 : message_fd(&body);
+    if (conn >= 0 && conn < srv->fds_cap && srv->fds[conn].refused)
+        read_connections(srv);
     if (conn >= 0 && conn < srv->fds_cap && srv->fds[conn].refused) {
         srv->refused_requests++;
         skv_log(SKV_LOG_DEBUG, "a request from a connection closed for a connection limit: dropped");

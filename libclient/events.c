@@ -27,10 +27,8 @@ struct snapkv_events {
     uint64_t last_streamed;       /* the boot id of the last stream message read, kept or dropped */
     uint64_t stream_boot;         /* the boot id of the daemon whose events were returned last (0: none yet) */
     bool restarted;               /* return a CLEARED of sequence 0 before the message being read */
-    uint64_t published;           /* the newest event number the stream's daemon announced (an event, or a
-                                   * heartbeat's last event) in the messages kept, or a replay's snapshot */
-    uint64_t published_boot;      /* that daemon's boot id */
-    bool published_any;           /* a message was kept or a snapshot taken since the subscription */
+    uint64_t published;           /* the newest event number the stream's daemon announced: the last kept
+                                   * message's (an event's, or a heartbeat's last event), or a replay's */
 };
 
 int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
@@ -176,21 +174,14 @@ static bool after_snapshot(const struct snapkv_events *ev, uint64_t seq, const S
 /* Makes b (numbered seq; NULL: one dropped) the message being read. One of another daemon than
  * the last one returned (the daemon restarted) is preceded by a CLEARED of sequence 0, unless
  * it begins with the new daemon's own (its sequence 1): the subscriber missed the events the
- * new daemon published before the subscription reached it (its AllCleared, a restore's). */
-/* Notes the newest event number a kept stream message (seq, of daemon boot_id) or a replay's
- * snapshot says the daemon published (snapkv_events_published). */
-static void note_published(struct snapkv_events *ev, uint64_t seq, uint64_t boot_id)
-{
-    if (!ev->published_any || boot_id != ev->published_boot || seq > ev->published)
-        ev->published = seq; /* (another daemon numbers from 1 again) */
-    ev->published_boot = boot_id;
-    ev->published_any = true;
-}
-
+ * new daemon published before the subscription reached it (its AllCleared, a restore's).
+ * A kept message's number is the newest the daemon published (snapkv_events_published): one
+ * daemon's messages come in order, and another's, or a restarted daemon of before boot ids,
+ * number from 1 again. */
 static void set_batch(struct snapkv_events *ev, uint64_t seq, Snapkv__KvEventBatch *b)
 {
     if (b)
-        note_published(ev, seq, b->boot_id);
+        ev->published = seq;
     if (b && b->boot_id) {
         if (ev->stream_boot && b->boot_id != ev->stream_boot && !(seq == 1 && has_cleared(b)))
             ev->restarted = true;
@@ -458,8 +449,10 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->replayed_streamed = ev->boot_id && ev->last_streamed == ev->boot_id;
     ev->stream_boot = ev->boot_id; /* the snapshot begins with its daemon's AllCleared */
     ev->restarted = false;
-    note_published(ev, seq, ev->boot_id);
-    if (ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq) {
+    /* the snapshot's number, or that of a stream message above it already read */
+    bool above = ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq;
+    ev->published = above ? ev->sequence : seq;
+    if (above) {
         ev->skip = false; /* the rest of a stream message above the snapshot: the stream goes on */
         return SNAPKV_OK;
     }

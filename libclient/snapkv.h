@@ -61,7 +61,7 @@
  * events); snapkv_shm_create makes 0600 objects with an ACL entry for the daemon's user.
  * 6:6:2: snapkv_connect asks HELLO again when the connection closed before its answer (a daemon
  * past a connection limit closes a connection whose handshake finished first).
- * 7:0:3 (still libsnapkv.so.4): snapkv_events_published added.
+ * 7:0:3 (still libsnapkv.so.4): snapkv_events_published and snapkv_place added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -196,6 +196,20 @@ struct snapkv_session_id {
     uint8_t bytes[16];
 };
 #define SNAPKV_SESSION_ID_HEX_SIZE 33 /* 32 lower-case hex digits and the NUL */
+
+/* Which of several daemons a key belongs to, for a client that spreads its sessions over them
+ * (docs/SCALING.md): rendezvous (highest random weight) hashing. *index is the i in
+ * endpoints[0..n) whose weight for the key is the highest (equal weights: the lower name by
+ * strcmp). Every process given the same endpoint names, in any order, places a key on the same
+ * name, and when one name leaves the list only the keys that were on it move. The key is any
+ * bytes the client chooses: a document id, or, for a prompt, its first 64 token ids as
+ * little-endian uint32 (fewer when shorter), so prompts sharing a system prompt or a document
+ * meet on one daemon, where FORK shares their blocks. The weight, for other languages: the first
+ * 8 bytes, as a little-endian uint64, of the 16-byte BLAKE2b (no key) of the endpoint name, one
+ * NUL byte and the key; in Python int.from_bytes(hashlib.blake2b(name + b"\0" + key,
+ * digest_size=16).digest()[:8], "little"). SNAPKV_E_INVAL: no endpoints or more than 4096, an empty
+ * or NULL name, a name listed twice. It connects to nothing. */
+SNAPKV_API int snapkv_place(const char *const *endpoints, size_t n, const void *key, size_t key_len, size_t *index);
 
 /* Writes 32 lower-case hex digits and a NUL into buf (cap >= SNAPKV_SESSION_ID_HEX_SIZE). */
 SNAPKV_API int snapkv_session_id_to_hex(const struct snapkv_session_id *id, char *buf, size_t cap);

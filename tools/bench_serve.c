@@ -1728,7 +1728,8 @@ static void events_count_one(struct events_count *c, const struct snapkv_event *
 
 struct events_reader {
     snapkv_events_t *ev;
-    struct events_count count;
+    struct events_count count;     /* the reader thread's own until it is joined */
+    atomic_long taken;             /* count.got, for the main thread meanwhile */
     atomic_bool stop;
 };
 
@@ -1744,6 +1745,7 @@ static void *events_reader_thread(void *arg)
         if (rc)
             break;
         events_count_one(&r->count, &e);
+        atomic_store(&r->taken, r->count.got);
         snapkv_event_free(&e);
     }
     return NULL;
@@ -1812,7 +1814,7 @@ static int events_run(struct serve_ctx *x, const char *endpoint, const struct sn
     double wall = now_s() - t0;
     /* what the subscriber holds: the reader takes the rest as it comes; the stuck one now reads
      * what its queues kept */
-    for (double t = now_s(); !rc && reading && r.count.got < 2 * EVENTS_PAIRS && now_s() - t < 2;)
+    for (double t = now_s(); !rc && reading && atomic_load(&r.taken) < 2 * EVENTS_PAIRS && now_s() - t < 2;)
         usleep(10000);
     if (reading) {
         atomic_store(&r.stop, true);
@@ -1875,7 +1877,7 @@ static int bench_events(struct serve_ctx *x, json_t *out)
     if (!rc) {
         fill_ids(tok, EVENTS_DOC_TOKENS, x->m->cfg.n_vocab, 300);
         struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = EVENTS_DOC_TOKENS};
-        struct snapkv_prefill_result pr;
+        struct snapkv_prefill_result pr = {0};
         fprintf(stderr, "serve: KV events: prefill of the %d-token document ...\n", EVENTS_DOC_TOKENS);
         if ((rc = snapkv_prefill(x->cl, &po, &pr)))
             rc = client_fail("PREFILL", rc);

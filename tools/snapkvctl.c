@@ -106,6 +106,8 @@ static void usage(FILE *out)
             "                                         (and again when it finds events were missed)\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
+            "  place KEY ENDPOINT...                  which of the endpoints KEY belongs to (rendezvous hashing,\n"
+            "                                         snapkv_place): printed, to give as -e; connects to none\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
             "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cancelled\n"
             "(by CANCEL or the daemon's stop), 130 interrupted (Ctrl-C)\n",
@@ -2082,6 +2084,23 @@ static int write_key_file(const char *path, const char *what, const char *key, m
     return 0;
 }
 
+/* Which of several daemons' endpoints a key belongs to (snapkv_place), for a client or script
+ * that spreads its sessions over them. */
+static int cmd_place(const struct ctl *c, int argc, char **argv)
+{
+    if (argc < 3)
+        return usage_error("place", "usage: place KEY ENDPOINT... (at least one endpoint)");
+    size_t at = 0;
+    int rc = snapkv_place((const char *const *)argv + 2, (size_t)argc - 2, argv[1], strlen(argv[1]), &at);
+    if (rc)
+        return failed("place", rc);
+    if (c->json)
+        return print_json(json_pack("{s:o, s:o, s:I}", "key", json_text(argv[1]), "endpoint",
+                                    json_text(argv[2 + at]), "index", (json_int_t)at));
+    printf("%s\n", argv[2 + at]);
+    return 0;
+}
+
 static int cmd_keygen(const struct ctl *c, int argc, char **argv)
 {
     if (argc != 2 || !*argv[1])
@@ -2187,7 +2206,7 @@ int main(int argc, char **argv)
         {"decode", cmd_decode},     {"compress", cmd_compress}, {"fork", cmd_fork},     {"export", cmd_export},
         {"import", cmd_import},     {"release", cmd_release}, {"cancel", cmd_cancel}, {"list", cmd_list},       {"inspect", cmd_inspect},
         {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},       {"tenants", cmd_tenants},
-        {"keygen", cmd_keygen},     {"events", cmd_events},
+        {"keygen", cmd_keygen},     {"events", cmd_events},   {"place", cmd_place},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (strcmp(cmd, cmds[i].name) == 0)

@@ -2505,6 +2505,80 @@ static void test_events_restart(void **state)
     fake_events_stop(&fe);
 }
 
+/* tests/reference/gen_place_vectors.py (Python's hashlib.blake2b): the index rendezvous hashing
+ * picks for "key-0" .. "key-63" over PLACE_NAMES, and over its first three */
+static const char PLACE_ALL5[] = "3033232120343442242433231010332313341330321113202234022032031213";
+static const char PLACE_FIRST3[] = "2020212120101002212111211010222011001210221111202220022002021211";
+static const size_t PLACE_EMPTY_KEY = 1; /* all five, a key of 0 bytes */
+static const char *const PLACE_NAMES[5] = {"ipc:///run/snapkvd/a.sock", "ipc:///run/snapkvd/b.sock",
+                                           "tcp://10.0.0.3:5555", "tcp://10.0.0.4:5555", "tcp://[fd00::5]:5555"};
+
+static size_t placed(const char *const *names, size_t n, const char *key)
+{
+    size_t at = 99;
+    assert_int_equal(snapkv_place(names, n, key, strlen(key), &at), SNAPKV_OK);
+    assert_true(at < n);
+    return at;
+}
+
+/* snapkv_place: the reference's choices; the same name whatever the list's order; one name
+ * leaving moves only its keys; keys spread evenly; bad lists refused. */
+static void test_place(void **state)
+{
+    (void)state;
+    char key[32];
+    for (int i = 0; i < 64; i++) {
+        snprintf(key, sizeof key, "key-%d", i);
+        assert_int_equal(placed(PLACE_NAMES, 5, key), (size_t)(PLACE_ALL5[i] - '0'));
+        assert_int_equal(placed(PLACE_NAMES, 3, key), (size_t)(PLACE_FIRST3[i] - '0'));
+    }
+    size_t at = 99;
+    assert_int_equal(snapkv_place(PLACE_NAMES, 5, NULL, 0, &at), SNAPKV_OK);
+    assert_int_equal(at, PLACE_EMPTY_KEY);
+    assert_int_equal(placed(PLACE_NAMES, 1, "anything"), 0);
+    const char *reversed[5], *without2[4];
+    for (int i = 0; i < 5; i++)
+        reversed[i] = PLACE_NAMES[4 - i];
+    for (int i = 0, k = 0; i < 5; i++)
+        if (i != 2)
+            without2[k++] = PLACE_NAMES[i];
+    int count[5] = {0}, moved = 0;
+    enum { KEYS = 1000 };
+    for (int i = 0; i < KEYS; i++) {
+        snprintf(key, sizeof key, "doc-%d", i);
+        size_t a = placed(PLACE_NAMES, 5, key);
+        count[a]++;
+        assert_string_equal(reversed[placed(reversed, 5, key)], PLACE_NAMES[a]);
+        const char *now = without2[placed(without2, 4, key)];
+        if (a == 2)
+            moved++;
+        else
+            assert_string_equal(now, PLACE_NAMES[a]); /* only the leaving name's keys move */
+    }
+    for (int i = 0; i < 5; i++) /* 200 expected each; a binomial's standard deviation is 12.6 */
+        assert_true(count[i] > 120 && count[i] < 280);
+    assert_int_equal(moved, count[2]);
+    const char *twice[3] = {"ipc:///x", "ipc:///y", "ipc:///x"}, *empty[2] = {"ipc:///x", ""},
+               *null[2] = {"ipc:///x", NULL};
+    assert_int_equal(snapkv_place(PLACE_NAMES, 0, "k", 1, &at), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_place(NULL, 1, "k", 1, &at), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_place(PLACE_NAMES, 5, NULL, 1, &at), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_place(PLACE_NAMES, 5, "k", 1, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_place(twice, 3, "k", 1, &at), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "'ipc:///x' is listed twice"));
+    assert_int_equal(snapkv_place(empty, 2, "k", 1, &at), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_place(null, 2, "k", 1, &at), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_place(PLACE_NAMES, 4097, "k", 1, &at), SNAPKV_E_INVAL);
+}
+
+/* No event comes, and within 3 s snapkv_events_published says `want` (a heartbeat read). */
+static void expect_quiet_published(snapkv_events_t *ev, uint64_t want)
+{
+    for (int i = 0; i < 15 && snapkv_events_published(ev) != want; i++)
+        expect_quiet(ev);
+    assert_int_equal(snapkv_events_published(ev), want);
+}
+
 /* snapkv_events_published: events lost at the end of a stream that then went quiet show only in
  * the heartbeat's number (no later event's number jumps); a replay's snapshot and another
  * daemon's numbers set it too. */
@@ -2521,12 +2595,10 @@ static void test_events_published(void **state)
     expect_event(ev, SNAPKV_EVENT_STORED, 2, &ID_A);
     assert_int_equal(snapkv_events_published(ev), 2);
     fake_heartbeat(fe->pub, 222, 2); /* nothing missed */
-    expect_quiet(ev);
-    assert_int_equal(snapkv_events_published(ev), 2);
+    expect_quiet_published(ev, 2);
     /* 3 and 4 went out and were lost (as a full queue drops them); then only the heartbeat */
     fake_heartbeat(fe->pub, 222, 4);
-    expect_quiet(ev);
-    assert_int_equal(snapkv_events_published(ev), 4);
+    expect_quiet_published(ev, 4);
     /* a replay at 4 catches up, and the stream goes on above it */
     fake_replay(fe, ev, 222, 4, &ID_C);
     assert_int_equal(snapkv_events_published(ev), 4);
@@ -2541,6 +2613,15 @@ static void test_events_published(void **state)
     expect_event(ev, SNAPKV_EVENT_CLEARED, 0, NULL);
     assert_int_equal(snapkv_events_published(ev), 2);
     expect_quiet(ev);
+    /* a daemon of before boot ids (0) that restarts numbers from 1 again: not the old number */
+    fake_publish(fe->pub, 0, 7, SNAPKV_EVENT_STORED, &ID_E);
+    expect_event(ev, SNAPKV_EVENT_STORED, 7, &ID_E);
+    fake_publish(fe->pub, 0, 1, SNAPKV_EVENT_CLEARED, NULL);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 1, NULL);
+    assert_int_equal(snapkv_events_published(ev), 1);
+    fake_heartbeat(fe->pub, 0, 1);
+    expect_quiet(ev);
+    assert_int_equal(snapkv_events_published(ev), 1);
     snapkv_events_close(&ev);
     fake_events_stop(&fe);
 }
@@ -2683,6 +2764,7 @@ int main(void)
         cmocka_unit_test(test_events_restart),
         cmocka_unit_test(test_events_clock_stepped_back),
         cmocka_unit_test(test_events_published),
+        cmocka_unit_test(test_place),
         cmocka_unit_test(test_connect_no_permission),
         cmocka_unit_test(test_timeout_set_in_callback),
         cmocka_unit_test(test_events_next_deadline),

@@ -1,0 +1,56 @@
+/* Rendezvous (highest random weight) placement of keys over several daemons (docs/SCALING.md
+ * section 1): every process given the same endpoint names, in any order, sends a key to the
+ * same daemon, and when one endpoint leaves the list only that endpoint's keys move. */
+#include "libclient/client_internal.h"
+
+#include <sodium.h>
+#include <string.h>
+
+#define PLACE_MAX_ENDPOINTS 4096
+
+/* Endpoint e's weight for key: the first 8 bytes, little-endian, of the 16-byte BLAKE2b of e,
+ * a NUL byte and the key (snapkv.h gives the same in Python). */
+static uint64_t place_weight(const char *e, const void *key, size_t key_len)
+{
+    crypto_generichash_state st;
+    unsigned char out[16];
+    crypto_generichash_init(&st, NULL, 0, sizeof out);
+    crypto_generichash_update(&st, (const unsigned char *)e, strlen(e) + 1);
+    if (key_len)
+        crypto_generichash_update(&st, key, key_len);
+    crypto_generichash_final(&st, out, sizeof out);
+    uint64_t w = 0;
+    for (int i = 7; i >= 0; i--)
+        w = w << 8 | out[i];
+    return w;
+}
+
+int snapkv_place(const char *const *endpoints, size_t n, const void *key, size_t key_len, size_t *index)
+{
+    if (!endpoints || !index || (!key && key_len))
+        return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: NULL argument");
+    if (n == 0 || n > PLACE_MAX_ENDPOINTS)
+        return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: %zu endpoints (from 1 to %d)", n,
+                               PLACE_MAX_ENDPOINTS);
+    for (size_t i = 0; i < n; i++) {
+        if (!endpoints[i] || !*endpoints[i])
+            return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: endpoint %zu is empty", i);
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(endpoints[i], endpoints[j]) == 0)
+                return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: endpoint '%s' is listed twice", endpoints[i]);
+    }
+    if (sodium_init() < 0)
+        return skv_client_fail(SNAPKV_E_INTERNAL, "snapkv_place: libsodium did not start");
+    size_t best = 0;
+    uint64_t best_w = place_weight(endpoints[0], key, key_len);
+    for (size_t i = 1; i < n; i++) {
+        uint64_t w = place_weight(endpoints[i], key, key_len);
+        /* (equal weights: the lower name, so that the order of the list does not matter) */
+        if (w > best_w || (w == best_w && strcmp(endpoints[i], endpoints[best]) < 0)) {
+            best = i;
+            best_w = w;
+        }
+    }
+    *index = best;
+    return SNAPKV_OK;
+}
