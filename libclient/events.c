@@ -449,8 +449,9 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
     ev->replayed_streamed = ev->boot_id && ev->last_streamed == ev->boot_id;
     ev->stream_boot = ev->boot_id; /* the snapshot begins with its daemon's AllCleared */
     ev->restarted = false;
-    /* the snapshot's number, or that of a stream message above it already read */
-    bool above = ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq;
+    /* the snapshot's number, or that of a stream message above it already read (of a daemon with
+     * boot ids: one of before them that restarted since also numbers below) */
+    bool above = ev->boot_id && ev->batch && ev->batch->boot_id == ev->boot_id && ev->sequence > seq;
     ev->published = above ? ev->sequence : seq;
     if (above) {
         ev->skip = false; /* the rest of a stream message above the snapshot: the stream goes on */

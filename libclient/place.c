@@ -4,6 +4,7 @@
 #include "libclient/client_internal.h"
 
 #include <sodium.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PLACE_MAX_ENDPOINTS 4096
@@ -25,6 +26,11 @@ static uint64_t place_weight(const char *e, const void *key, size_t key_len)
     return w;
 }
 
+static int name_cmp(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
 int snapkv_place(const char *const *endpoints, size_t n, const void *key, size_t key_len, size_t *index)
 {
     if (!endpoints || !index || (!key && key_len))
@@ -32,13 +38,22 @@ int snapkv_place(const char *const *endpoints, size_t n, const void *key, size_t
     if (n == 0 || n > PLACE_MAX_ENDPOINTS)
         return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: %zu endpoints (from 1 to %d)", n,
                                PLACE_MAX_ENDPOINTS);
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++)
         if (!endpoints[i] || !*endpoints[i])
             return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: endpoint %zu is empty", i);
-        for (size_t j = 0; j < i; j++)
-            if (strcmp(endpoints[i], endpoints[j]) == 0)
-                return skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: endpoint '%s' is listed twice", endpoints[i]);
-    }
+    /* a name twice: found among the names sorted (a copy) */
+    const char **sorted = malloc(n * sizeof *sorted);
+    if (!sorted)
+        return skv_client_fail(SNAPKV_E_NOMEM, "snapkv_place: out of memory");
+    memcpy(sorted, endpoints, n * sizeof *sorted);
+    qsort(sorted, n, sizeof *sorted, name_cmp);
+    for (size_t i = 1; i < n; i++)
+        if (strcmp(sorted[i], sorted[i - 1]) == 0) {
+            int rc = skv_client_fail(SNAPKV_E_INVAL, "snapkv_place: endpoint '%s' is listed twice", sorted[i]);
+            free(sorted);
+            return rc;
+        }
+    free(sorted);
     if (sodium_init() < 0)
         return skv_client_fail(SNAPKV_E_INTERNAL, "snapkv_place: libsodium did not start");
     size_t best = 0;

@@ -2862,20 +2862,23 @@ static int count_closed(int *fds, int n, int want)
     return closed;
 }
 
-/* Whether process pid's main thread (stopped) is in poll(2) or ppoll(2), per /proc. */
-static bool main_thread_polls(pid_t pid)
+/* Whether process pid's main thread (stopped) is in poll(2) or ppoll(2), per /proc: 1, 0, or -1
+ * when /proc does not say. */
+static int main_thread_polls(pid_t pid)
 {
     char path[64], line[128] = "";
     snprintf(path, sizeof path, "/proc/%d/task/%d/syscall", (int)pid, (int)pid);
     FILE *f = fopen(path, "r");
     if (!f)
-        return false;
+        return -1;
     bool ok = fgets(line, sizeof line, f) != NULL;
     fclose(f);
-    long nr = ok ? strtol(line, NULL, 10) : -1;
+    if (!ok)
+        return -1;
+    long nr = strtol(line, NULL, 10);
 #ifdef SYS_poll
     if (nr == SYS_poll)
-        return true;
+        return 1;
 #endif
     return nr == SYS_ppoll;
 }
@@ -2927,19 +2930,31 @@ static void test_refused_requests_dropped(void **state)
     }
     /* stopped in its wait for the sockets (poll), not where it might hold a lock the I/O thread
      * needs (an allocator's, a sanitizer's): else let go on a moment and stopped again */
-    bool in_poll = false;
-    for (int k = 0; k < 200 && !in_poll; k++) {
+    int in_poll = 0;
+    for (int k = 0; k < 200 && in_poll == 0; k++) {
         int st = 0;
         assert_int_equal(ptrace(PTRACE_INTERRUPT, d.pid, NULL, NULL), 0);
         assert_int_equal(waitpid(d.pid, &st, __WALL), d.pid);
         assert_true(WIFSTOPPED(st));
+        while (st >> 16 != PTRACE_EVENT_STOP) { /* a signal's delivery stop came first: passed on */
+            assert_int_equal(ptrace(PTRACE_CONT, d.pid, NULL, (void *)(intptr_t)WSTOPSIG(st)), 0);
+            assert_int_equal(waitpid(d.pid, &st, __WALL), d.pid);
+            assert_true(WIFSTOPPED(st));
+        }
         in_poll = main_thread_polls(d.pid);
-        if (!in_poll) {
+        if (in_poll == 0) {
             assert_int_equal(ptrace(PTRACE_CONT, d.pid, NULL, NULL), 0);
             usleep(5000);
         }
     }
-    assert_true(in_poll);
+    if (in_poll < 0) { /* no /proc/PID/task/PID/syscall here */
+        ptrace(PTRACE_DETACH, d.pid, NULL, NULL);
+        snapkv_close(&c);
+        snapkv_close(&a);
+        stop_daemon(&d);
+        skip();
+    }
+    assert_int_equal(in_poll, 1);
     static const uint8_t ready[] = {0x04, 28, 5, 'R', 'E', 'A', 'D', 'Y', 11, 'S', 'o', 'c', 'k', 'e', 't', '-', 'T',
                                     'y', 'p', 'e', 0, 0, 0, 6, 'D', 'E', 'A', 'L', 'E', 'R'};
     uint8_t greeting[64] = {0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 3, 0, 'N', 'U', 'L', 'L'};

@@ -16,7 +16,8 @@ def weight(name, key):
 
 
 def place(names, key):
-    return max(range(len(names)), key=lambda i: (weight(names[i], key), [-ord(c) for c in names[i]]))
+    # the highest weight; equal weights: the lower name, bytewise (C's strcmp)
+    return min(range(len(names)), key=lambda i: (-weight(names[i], key), names[i].encode()))
 
 
 keys = [b"key-%d" % i for i in range(64)]

@@ -2622,6 +2622,14 @@ static void test_events_published(void **state)
     fake_heartbeat(fe->pub, 0, 1);
     expect_quiet(ev);
     assert_int_equal(snapkv_events_published(ev), 1);
+    /* ... and a replay of it after it restarted again: the snapshot's number, not the one read */
+    fake_publish(fe->pub, 0, 500, SNAPKV_EVENT_STORED, &ID_F);
+    expect_event(ev, SNAPKV_EVENT_STORED, 500, &ID_F);
+    fake_replay(fe, ev, 0, 3, &ID_G);
+    assert_int_equal(snapkv_events_published(ev), 3);
+    expect_event(ev, SNAPKV_EVENT_CLEARED, 3, NULL);
+    expect_event(ev, SNAPKV_EVENT_STORED, 3, &ID_G);
+    expect_quiet(ev);
     snapkv_events_close(&ev);
     fake_events_stop(&fe);
 }
