@@ -30,6 +30,7 @@ static const struct {
     {SKV_E_TIMEOUT, "SKV_E_TIMEOUT", "timed out"},
     {SKV_E_EXISTS, "SKV_E_EXISTS", "already exists"},
     {SKV_E_INTERNAL, "SKV_E_INTERNAL", "internal error"},
+    {SKV_E_UNAVAILABLE, "SKV_E_UNAVAILABLE", "unavailable"},
 };
 
 static _Thread_local char error_msg[512];

@@ -24,9 +24,10 @@ enum skv_status {
     SKV_E_TIMEOUT = -15,    /* no answer in time */
     SKV_E_EXISTS = -16,     /* already exists / already running */
     SKV_E_INTERNAL = -17,   /* a bug: should never happen */
+    SKV_E_UNAVAILABLE = -18, /* libsnapkv: every daemon it could use is down (never on the wire) */
 };
 
-#define SKV_STATUS_MIN SKV_E_INTERNAL
+#define SKV_STATUS_MIN SKV_E_UNAVAILABLE
 
 /* Short stable name of a status ("ok", "invalid argument", ...); never NULL. */
 const char *skv_status_str(int status);

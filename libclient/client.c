@@ -17,6 +17,7 @@
 #include <zmq.h>
 
 _Static_assert((int)SNAPKV_E_INTERNAL == (int)SKV_E_INTERNAL, "client and daemon status codes differ");
+_Static_assert((int)SNAPKV_E_UNAVAILABLE == (int)SKV_E_UNAVAILABLE, "client and daemon status codes differ");
 _Static_assert((int)SNAPKV_E_POOL_FULL == (int)SKV_E_POOL_FULL, "client and daemon status codes differ");
 _Static_assert((int)SNAPKV_E_CANCELLED == (int)SKV_E_CANCELLED, "client and daemon status codes differ");
 
@@ -161,6 +162,12 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
     return rc;
 }
 
+void skv_client_look(snapkv_client_t *c)
+{
+    if (c->monitor)
+        check_events(c, NULL, true);
+}
+
 /* How long replies already on their way may take to come after the connection closed. */
 #define LOST_GRACE_MS 200
 
@@ -201,8 +208,10 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
         bool down = c->monitor && c->down;
         /* the daemon there now refused the handshake (a restart that requires CURVE, or no
          * longer lists this client's key): say so, not "not running" at the timeout */
-        if (down && c->refused_event)
+        if (down && c->refused_event) {
+            c->unanswered++;
             return handshake_failure(c, c->refused_event, c->refused_value);
+        }
         if (!down) {
             if (zmq_send(c->sock, buf, len, ZMQ_DONTWAIT) >= 0)
                 return SNAPKV_OK;
@@ -221,9 +230,13 @@ static int send_request(snapkv_client_t *c, const void *buf, size_t len, int64_t
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
             int rc = check_events(c, NULL, false);
-            if (rc)
+            if (rc) {
+                c->unanswered++;
                 return rc;
+            }
         }
+        if (n == 0)
+            c->unanswered++;
         if (n == 0 && c->monitor && c->up)
             return skv_client_fail(SNAPKV_E_TIMEOUT, "could not send the %s request within %d ms: the daemon is "
                                    "connected and has stopped reading requests", what, c->timeout_ms);
@@ -306,8 +319,10 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
             return skv_client_fail(SNAPKV_E_IO, "poll: %s", zmq_strerror(zmq_errno()));
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
             bool was_lost = lost;
-            if ((rc = check_events(c, &lost, false)))
+            if ((rc = check_events(c, &lost, false))) {
+                c->unanswered++;
                 return rc;
+            }
             if (lost && !was_lost)
                 lost_deadline = skv_client_now_ms() + LOST_GRACE_MS;
         }
@@ -317,6 +332,7 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
             if (lost && (now >= lost_deadline || (deadline >= 0 && now >= deadline))) {
                 *in_flight = false; /* the daemon drops, or cancels, what a gone client asked */
                 c->lost = true;
+                c->unanswered++;
                 return skv_client_fail(SNAPKV_E_IO,
                                        "the connection to the daemon closed while the %s reply was awaited (the "
                                        "daemon stopped or restarted): whether it ran is not known",
@@ -324,6 +340,7 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
             }
             if (n > 0 || lost)
                 continue;
+            c->unanswered++;
             return skv_client_fail(SNAPKV_E_TIMEOUT, "no %s reply from the daemon within %d ms", what,
                                    c->timeout_ms);
         }

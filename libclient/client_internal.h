@@ -28,6 +28,9 @@ struct snapkv_client {
                                   * connection, maybe to another daemon, so HELLO is asked again */
     bool lost;                   /* the last call failed because its connection closed before the
                                   * reply came */
+    uint64_t unanswered;         /* calls that failed with no answer from the daemon: a send or a
+                                  * reply that timed out, a handshake refused, a connection that
+                                  * closed while the reply was awaited (snapkv_many_t reads it) */
     struct skv_client_string *strings; /* every server_info string returned so far, kept until
                                         * close (they must outlive a new HELLO) */
     const char *info[4];         /* server version, model name, fingerprint, backend: in strings */
@@ -74,5 +77,15 @@ bool skv_client_dup_f32(const float *src, size_t n, float **out);
  * closed since the last (see snapkv_server_info), so the command's own checks see the facts of
  * the daemon it goes to. */
 int skv_client_check(snapkv_client_t *c, const void *arg, const char *what);
+
+/* Reads the connection events libzmq reported since the last call, without waiting: c->down
+ * then says whether the connection is closed now (and no handshake has worked since). */
+void skv_client_look(snapkv_client_t *c);
+
+/* Endpoint lists (snapkv_place, snapkv_connect_many): from 1 to max names, none NULL or empty,
+ * none listed twice; SNAPKV_E_INVAL otherwise, with a message starting with what. */
+int skv_client_check_names(const char *const *names, size_t n, size_t max, const char *what);
+/* Endpoint e's rendezvous weight for key (snapkv_place). libsodium must have been started. */
+uint64_t skv_client_place_weight(const char *e, const void *key, size_t key_len);
 
 #endif

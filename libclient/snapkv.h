@@ -62,6 +62,8 @@
  * 6:6:2: snapkv_connect asks HELLO again when the connection closed before its answer (a daemon
  * past a connection limit closes a connection whose handshake finished first).
  * 7:0:3 (still libsnapkv.so.4): snapkv_events_published and snapkv_place added.
+ * 8:0:4 (still libsnapkv.so.4): several daemons behind one handle (snapkv_connect_many,
+ * snapkv_many_*), session references (snapkv_session_ref*), SNAPKV_E_UNAVAILABLE added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -98,6 +100,8 @@ enum snapkv_status {
     SNAPKV_E_TIMEOUT = -15,
     SNAPKV_E_EXISTS = -16,
     SNAPKV_E_INTERNAL = -17,
+    SNAPKV_E_UNAVAILABLE = -18, /* every daemon a snapkv_many_t could use is down (never sent by a
+                                 * daemon) */
 };
 
 /* Detail message of this thread's last failed call ("" when none; a later successful call
@@ -210,6 +214,61 @@ struct snapkv_session_id {
  * digest_size=16).digest()[:8], "little"). SNAPKV_E_INVAL: no endpoints or more than 4096, an empty
  * or NULL name, a name listed twice. It connects to nothing. */
 SNAPKV_API int snapkv_place(const char *const *endpoints, size_t n, const void *key, size_t key_len, size_t *index);
+
+/* A session reference: the endpoint of the daemon that holds it, '#', and its id in hex
+ * ("ipc:///run/snapkvd/snapkvd.sock#0123...ef"), for handing a session to another process
+ * when sessions are spread over several daemons. snapkv_session_ref writes one into buf
+ * (SNAPKV_E_LIMIT when cap is too small: it needs strlen(endpoint) + 34). snapkv_session_ref_parse
+ * splits one at its last '#': the endpoint (copied into endpoint, cap bytes; SNAPKV_E_LIMIT when
+ * it does not fit) must not be empty and the id must be exactly 32 hex digits (SNAPKV_E_INVAL).
+ * A bare id, with no '#', is SNAPKV_E_INVAL too. */
+SNAPKV_API int snapkv_session_ref(const char *endpoint, const struct snapkv_session_id *id, char *buf, size_t cap);
+SNAPKV_API int snapkv_session_ref_parse(const char *ref, char *endpoint, size_t cap, struct snapkv_session_id *id);
+
+/* ---- several daemons ------------------------------------------------------------------------
+ * One handle over the connections to several daemons (docs/SCALING.md section 1). A new
+ * session goes to the daemon snapkv_place gives for its key, or, when that one is down, to the
+ * next in the key's order of weights, so that every process with the same endpoints sends a
+ * key to the same daemon while they are all up, and a daemon's keys, only its keys, move while
+ * it is down. A session stays on the daemon that made it: its reference (snapkv_session_ref)
+ * names that endpoint, and snapkv_many_client gives the connection to it.
+ * The handle connects to an endpoint when it is first needed, with the options given here
+ * (every endpoint shares the tenant, the name, the timeout and the CURVE keys). An endpoint is
+ * marked down for down_ms when connecting to it fails, when its connection has closed (the
+ * daemon stopped; libzmq keeps trying to reconnect), or when a call on its client went
+ * unanswered since the last look (a send or a reply that timed out, a connection that closed
+ * during a call); the caller may also mark it (snapkv_many_mark_down). Once down_ms have
+ * passed, the next use looks again. Like a client, a handle is not safe to use from several
+ * threads at once, and the clients it returns belong to it (do not close them).
+ * SNAPKV_E_UNAVAILABLE: the endpoint asked for, or every endpoint of a placement, is down; the
+ * message says why for each. */
+typedef struct snapkv_many snapkv_many_t;
+#define SNAPKV_MANY_MAX 64            /* endpoints of one handle */
+#define SNAPKV_MANY_DOWN_MS 5000      /* down_ms when 0 is given */
+
+/* Checks the endpoints (1 to SNAPKV_MANY_MAX, none empty, longer than 1023 bytes or listed
+ * twice: SNAPKV_E_INVAL) and copies them and opts (NULL: the defaults). down_ms: 0 for
+ * SNAPKV_MANY_DOWN_MS, at most 3600000. Connects to none yet. */
+SNAPKV_API int snapkv_connect_many(const char *const *endpoints, size_t n, const struct snapkv_connect_opts *opts,
+                                   int down_ms, snapkv_many_t **out);
+/* Closes every connection; accepts NULL and *many_p == NULL; sets *many_p to NULL. */
+SNAPKV_API void snapkv_close_many(snapkv_many_t **many_p);
+/* The client for a new session with this key (see snapkv_place): the highest-weight endpoint
+ * that is up, connected now if it was not. *index (may be NULL) is its place in the list. */
+SNAPKV_API int snapkv_many_place(snapkv_many_t *many, const void *key, size_t key_len, snapkv_client_t **client,
+                                 size_t *index);
+/* The client of endpoint `index` (connected now if it was not); SNAPKV_E_UNAVAILABLE while it
+ * is down, SNAPKV_E_INVAL for an index past the list. */
+SNAPKV_API int snapkv_many_client(snapkv_many_t *many, size_t index, snapkv_client_t **client);
+/* The client of the daemon a reference names, and the session's id: SNAPKV_E_NOT_FOUND when the
+ * endpoint is not one of the handle's, else as snapkv_many_client. */
+SNAPKV_API int snapkv_many_session(snapkv_many_t *many, const char *ref, snapkv_client_t **client,
+                                   struct snapkv_session_id *id);
+/* Marks endpoint `index` down for the handle's down_ms from now: placements skip it and
+ * snapkv_many_client refuses it until then. */
+SNAPKV_API int snapkv_many_mark_down(snapkv_many_t *many, size_t index);
+/* Endpoint `index`'s name as given (NULL past the list); the handle owns it. */
+SNAPKV_API const char *snapkv_many_endpoint(const snapkv_many_t *many, size_t index);
 
 /* Writes 32 lower-case hex digits and a NUL into buf (cap >= SNAPKV_SESSION_ID_HEX_SIZE). */
 SNAPKV_API int snapkv_session_id_to_hex(const struct snapkv_session_id *id, char *buf, size_t cap);

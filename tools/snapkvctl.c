@@ -79,8 +79,8 @@ static void usage(FILE *out)
             "  chat [--compress SPEC] [SAMPLING] [--turn-template T] [--stats]\n"
             "                                         interactive: one line per turn, answers streamed\n"
             "                                         (Ctrl-C stops an answer; at the prompt, ends the chat)\n"
-            "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S]\n"
-            "                                         prints the new session id\n"
+            "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S] [--ref]\n"
+            "                                         prints the new session id (--ref: as ENDPOINT#ID)\n"
             "  append SESSION TEXT                    run more text through a session\n"
             "  decode SESSION [SAMPLING]              generate, streamed to stdout\n"
             "  compress SESSION SPEC [--window-from N]\n"
@@ -92,6 +92,8 @@ static void usage(FILE *out)
             "  release SESSION\n"
             "  cancel SESSION [--admin]               end the session's running decode (it keeps its tokens);\n"
             "                                         --admin: through the admin endpoint, any tenant's session\n"
+            "  SESSION: an id (32 hex digits); the client commands also take a reference ENDPOINT#ID and go\n"
+            "           to its endpoint, not -e's (fork then prints a reference too)\n"
             "  SAMPLING: [--max-tokens N (256)] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
             "admin commands (admin endpoint):\n"
@@ -131,8 +133,8 @@ static bool names_command(const char *text, size_t len, const char *cmd)
     return false;
 }
 
-/* `snapkvctl CMD --help`: the usage lines of CMD (with their continuation lines, and SAMPLING or
- * SPEC when they name them); the whole text for a command it does not know. */
+/* `snapkvctl CMD --help`: the usage lines of CMD (with their continuation lines, and SESSION,
+ * SAMPLING or SPEC when they name them); the whole text for a command it does not know. */
 static int command_usage(const char *cmd)
 {
     char *text = NULL;
@@ -142,7 +144,7 @@ static int command_usage(const char *cmd)
         return usage(stdout), 0;
     usage(f);
     fclose(f);
-    bool found = false, in = false, sampling = false, spec = false;
+    bool found = false, in = false, sampling = false, spec = false, session = false;
     for (char *line = text; line && *line;) {
         char *end = strchr(line, '\n');
         size_t n = end ? (size_t)(end - line + 1) : strlen(line);
@@ -153,6 +155,7 @@ static int command_usage(const char *cmd)
             found = true;
             sampling |= memmem(line, n, "SAMPLING", 8) != NULL;
             spec |= memmem(line, n, "SPEC", 4) != NULL;
+            session |= memmem(line, n, "SESSION", 7) != NULL;
         }
         line += n;
     }
@@ -161,7 +164,8 @@ static int command_usage(const char *cmd)
         size_t n = end ? (size_t)(end - line + 1) : strlen(line);
         bool cont = strncmp(line, "          ", 10) == 0;
         in = cont ? in
-                  : (sampling && strncmp(line, "  SAMPLING:", 11) == 0) || (spec && strncmp(line, "SPEC:", 5) == 0);
+                  : (sampling && strncmp(line, "  SAMPLING:", 11) == 0) || (spec && strncmp(line, "SPEC:", 5) == 0) ||
+                        (session && strncmp(line, "  SESSION:", 10) == 0);
         if (in)
             fwrite(line, 1, n, stdout);
         line += n;
@@ -195,10 +199,19 @@ static int failed(const char *what, int rc)
     return 1;
 }
 
+/* The endpoint a session reference (ENDPOINT#ID) named, when the command's session was given
+ * as one: the client commands connect there instead of to -e. */
+static char g_ref_endpoint[1024];
+
 static int connect_to(const struct ctl *c, bool admin, snapkv_client_t **out)
 {
     struct snapkv_connect_opts o = {.tenant = c->tenant, .name = "snapkvctl", .timeout_ms = c->timeout_ms};
-    const char *ep = admin ? c->admin_endpoint : c->endpoint;
+    const char *ep = admin ? c->admin_endpoint : *g_ref_endpoint ? g_ref_endpoint : c->endpoint;
+    if (admin && *g_ref_endpoint) {
+        fprintf(stderr, "snapkvctl: the session reference names %s, a client endpoint: an admin command takes the "
+                "bare id, and the daemon's admin endpoint with -a\n", g_ref_endpoint);
+        return SNAPKV_E_INVAL;
+    }
     char server_key[SNAPKV_CURVE_KEY_SIZE], client_key[SNAPKV_CURVE_KEY_SIZE];
     int rc = SNAPKV_OK;
     if (!c->server_key != !c->client_key) {
@@ -338,17 +351,36 @@ static const char *fmt_bytes(uint64_t n, char *buf, size_t cap)
     return buf;
 }
 
+/* A session id (32 hex digits), or a reference ENDPOINT#ID: its endpoint is then the one the
+ * command connects to (g_ref_endpoint). */
 static bool parse_session(const char *cmd, const char *arg, struct snapkv_session_id *out)
 {
     if (snapkv_session_id_from_hex(arg, out) == SNAPKV_OK)
         return true;
-    fprintf(stderr, "snapkvctl %s: '%s' is not a session id (32 hex digits)\n", cmd, arg ? arg : "");
+    if (arg && strchr(arg, '#')) {
+        int rc = snapkv_session_ref_parse(arg, g_ref_endpoint, sizeof g_ref_endpoint, out);
+        if (rc == SNAPKV_OK)
+            return true;
+        *g_ref_endpoint = '\0';
+        fprintf(stderr, "snapkvctl %s: %s\n", cmd, snapkv_last_error());
+        return false;
+    }
+    fprintf(stderr, "snapkvctl %s: '%s' is not a session id (32 hex digits) or reference (ENDPOINT#ID)\n", cmd,
+            arg ? arg : "");
     return false;
 }
 
 static void id_hex(const struct snapkv_session_id *id, char hex[SNAPKV_SESSION_ID_HEX_SIZE])
 {
     snapkv_session_id_to_hex(id, hex, SNAPKV_SESSION_ID_HEX_SIZE);
+}
+
+/* A reference to session id on the daemon at endpoint ep (ENDPOINT#ID), in ref (cap bytes; an
+ * endpoint too long for it leaves just the id). */
+static void id_ref(const char *ep, const struct snapkv_session_id *id, char *ref, size_t cap)
+{
+    if (snapkv_session_ref(ep, id, ref, cap) != SNAPKV_OK)
+        id_hex(id, ref);
 }
 
 /* Reads a whole file ("-": stdin) of at most MAX_INPUT_BYTES as a NUL-terminated string; text
@@ -473,6 +505,7 @@ enum {
     OPT_STATS,
     OPT_CHAT,
     OPT_LEASE,
+    OPT_REF,
     OPT_TURN_TEMPLATE,
     OPT_WINDOW_FROM,
     OPT_OUT,
@@ -976,10 +1009,10 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     static const struct option opts[] = {
         {"prompt", required_argument, NULL, OPT_PROMPT}, {"file", required_argument, NULL, OPT_FILE},
         {"compress", required_argument, NULL, OPT_COMPRESS}, {"chat", no_argument, NULL, OPT_CHAT},
-        {"lease", required_argument, NULL, OPT_LEASE}, {NULL, 0, NULL, 0},
+        {"lease", required_argument, NULL, OPT_LEASE}, {"ref", no_argument, NULL, OPT_REF}, {NULL, 0, NULL, 0},
     };
     const char *prompt = NULL, *file = NULL, *spec = NULL;
-    bool chat = false;
+    bool chat = false, as_ref = false;
     uint32_t lease = 0;
     int o;
     reset_getopt();
@@ -989,6 +1022,7 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         case OPT_FILE: file = optarg; break;
         case OPT_COMPRESS: spec = optarg; break;
         case OPT_CHAT: chat = true; break;
+        case OPT_REF: as_ref = true; break;
         case OPT_LEASE:
             if (!parse_u32(optarg, &lease))
                 return usage_error("prefill", "--lease wants seconds, not '%s'", optarg);
@@ -1016,15 +1050,17 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         failed("prefill", rc);
         goto out_close;
     }
-    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE], ref[sizeof g_ref_endpoint + SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&pr.id, hex);
+    id_ref(c->endpoint, &pr.id, ref, sizeof ref);
     ret = 0;
     if (c->json) {
-        ret = print_json(json_pack("{s:s, s:i, s:I, s:I, s:i, s:o}", "session", hex, "n_tokens", pr.n_tokens,
-                             "bytes_before", (json_int_t)pr.bytes_before, "bytes_after", (json_int_t)pr.bytes_after,
-                             "next_token", pr.next_token, "layers", layers_json(pr.layers, pr.n_layers, NULL, 0)));
+        ret = print_json(json_pack("{s:s, s:s, s:i, s:I, s:I, s:i, s:o}", "session", hex, "ref", ref, "n_tokens",
+                                   pr.n_tokens, "bytes_before", (json_int_t)pr.bytes_before, "bytes_after",
+                                   (json_int_t)pr.bytes_after, "next_token", pr.next_token, "layers",
+                                   layers_json(pr.layers, pr.n_layers, NULL, 0)));
     } else {
-        puts(hex);
+        puts(as_ref ? ref : hex);
         fprintf(stderr, "%u prompt tokens\n", pr.n_tokens);
         print_ratio("prefill", pr.bytes_before, pr.bytes_after);
     }
@@ -1154,12 +1190,13 @@ static int cmd_fork(const struct ctl *c, int argc, char **argv)
     snapkv_close(&cl);
     if (rc)
         return failed("fork", rc);
-    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE], ref[sizeof g_ref_endpoint + SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&new_id, hex);
+    id_ref(*g_ref_endpoint ? g_ref_endpoint : c->endpoint, &new_id, ref, sizeof ref);
     if (c->json)
-        return print_json(json_pack("{s:s, s:I}", "session", hex, "shared_bytes", (json_int_t)shared));
+        return print_json(json_pack("{s:s, s:s, s:I}", "session", hex, "ref", ref, "shared_bytes", (json_int_t)shared));
     else
-        puts(hex);
+        puts(*g_ref_endpoint ? ref : hex); /* given a reference, one back */
     return 0;
 }
 

@@ -4097,6 +4097,165 @@ static void test_chat_markup_plain(void **state)
     stop_daemon(&d);
 }
 
+/* Which of names[0..n) snapkv_place gives key. */
+static size_t place_of(const char *const *names, size_t n, const char *key)
+{
+    size_t at = 99;
+    assert_int_equal(snapkv_place(names, n, key, strlen(key), &at), SNAPKV_OK);
+    return at;
+}
+
+/* Three daemons behind snapkv_connect_many (docs/SCALING.md section 1): 300 keys placed where
+ * snapkv_place says; sessions prefilled where their keys went, and listed on that daemon only;
+ * snapkvctl reaches a session by its reference whatever -e says, and refuses one for an admin
+ * command; one daemon killed: only its keys move, its sessions are UNAVAILABLE, the others'
+ * still decode. */
+static void test_many_daemons(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d[3];
+    for (int i = 0; i < 3; i++)
+        start_daemon(&d[i], "64M");
+    const char *names[3] = {d[0].endpoint, d[1].endpoint, d[2].endpoint};
+    snapkv_many_t *m = NULL;
+    struct snapkv_connect_opts o = {.timeout_ms = 60000};
+    assert_int_equal(snapkv_connect_many(names, 3, &o, 60000, &m), SNAPKV_OK);
+    enum { KEYS = 300, SESSIONS = 30 };
+    char key[32];
+    int count[3] = {0};
+    snapkv_client_t *cl = NULL;
+    size_t at = 99;
+    for (int i = 0; i < KEYS; i++) {
+        snprintf(key, sizeof key, "doc-%d", i);
+        assert_int_equal(snapkv_many_place(m, key, strlen(key), &cl, &at), SNAPKV_OK);
+        assert_int_equal(at, place_of(names, 3, key));
+        count[at]++;
+    }
+    for (int i = 0; i < 3; i++) /* 100 expected each */
+        assert_true(count[i] > 60 && count[i] < 140);
+
+    /* sessions where their keys went */
+    char refs[SESSIONS][200];
+    size_t where[SESSIONS];
+    int held[3] = {0};
+    for (int i = 0; i < SESSIONS; i++) {
+        snprintf(key, sizeof key, "doc-%d", i);
+        assert_int_equal(snapkv_many_place(m, key, strlen(key), &cl, &where[i]), SNAPKV_OK);
+        uint32_t ids[16];
+        prompt(ids, 16, i);
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 16};
+        struct snapkv_prefill_result pr;
+        assert_int_equal(snapkv_prefill(cl, &po, &pr), SNAPKV_OK);
+        assert_int_equal(snapkv_session_ref(snapkv_many_endpoint(m, where[i]), &pr.id, refs[i], sizeof refs[i]),
+                         SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+        held[where[i]]++;
+    }
+    for (int k = 0; k < 3; k++) {
+        snapkv_client_t *admin = client(d[k].admin, NULL);
+        struct snapkv_session_list l;
+        assert_int_equal(snapkv_admin_list(admin, NULL, &l), SNAPKV_OK);
+        assert_int_equal(l.n, (size_t)held[k]);
+        for (int i = 0; i < SESSIONS; i++) {
+            if (where[i] != (size_t)k)
+                continue;
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+            bool found = false;
+            for (size_t j = 0; j < l.n; j++) {
+                snapkv_session_id_to_hex(&l.sessions[j].id, hex, sizeof hex);
+                found |= strcmp(strrchr(refs[i], '#') + 1, hex) == 0;
+            }
+            assert_true(found);
+        }
+        snapkv_session_list_free(&l);
+        snapkv_close(&admin);
+    }
+
+    /* snapkvctl with references: -e names no daemon, the reference does */
+    int on1 = -1, on0 = -1;
+    for (int i = 0; i < SESSIONS; i++) {
+        if (where[i] == 1 && on1 < 0)
+            on1 = i;
+        if (where[i] != 1 && on0 < 0)
+            on0 = i;
+    }
+    assert_true(on1 >= 0 && on0 >= 0);
+    struct daemon nowhere = d[0];
+    snprintf(nowhere.endpoint, sizeof nowhere.endpoint, "ipc://%s/none.sock", d[0].dir);
+    static char out[1 << 14], err[1 << 14];
+    const char *fork_ref[] = {"--timeout", "60000", "fork", refs[on1], NULL};
+    assert_int_equal(run_ctl(&nowhere, fork_ref, out, err, sizeof out), 0);
+    char prefix[200];
+    snprintf(prefix, sizeof prefix, "%s#", d[1].endpoint);
+    assert_int_equal(strncmp(out, prefix, strlen(prefix)), 0); /* a reference back */
+    assert_int_equal(strlen(out), strlen(prefix) + 32 + 1);
+    char forked[200];
+    snprintf(forked, sizeof forked, "%.*s", (int)strlen(out) - 1, out);
+    const char *release_ref[] = {"release", forked, NULL};
+    assert_int_equal(run_ctl(&nowhere, release_ref, out, err, sizeof out), 0);
+    const char *inspect_ref[] = {"inspect", refs[on1], NULL};
+    assert_int_equal(run_ctl(&nowhere, inspect_ref, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "admin command takes the bare id"));
+    const char *bad_ref[] = {"release", "ipc:///x#123", NULL};
+    assert_int_equal(run_ctl(&nowhere, bad_ref, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "not 32 hex digits"));
+    const char *prefill_ref[] = {"prefill", "--ref", "--prompt", "hello", NULL};
+    assert_int_equal(run_ctl(&d[2], prefill_ref, out, err, sizeof out), 0);
+    snprintf(prefix, sizeof prefix, "%s#", d[2].endpoint);
+    assert_int_equal(strncmp(out, prefix, strlen(prefix)), 0);
+
+    /* daemon 1 killed: once its client has seen the connection close, it is down */
+    forget_daemon(d[1].pid);
+    kill(d[1].pid, SIGKILL);
+    waitpid(d[1].pid, NULL, 0);
+    d[1].pid = 0;
+    int rc = SNAPKV_OK;
+    for (int i = 0; i < 250 && rc == SNAPKV_OK; i++) {
+        rc = snapkv_many_client(m, 1, &cl);
+        if (rc == SNAPKV_OK)
+            usleep(20 * 1000);
+    }
+    assert_int_equal(rc, SNAPKV_E_UNAVAILABLE);
+    assert_non_null(strstr(snapkv_last_error(), "connection closed"));
+    const char *left[2] = {names[0], names[2]};
+    int moved = 0;
+    for (int i = 0; i < KEYS; i++) {
+        snprintf(key, sizeof key, "doc-%d", i);
+        size_t before = place_of(names, 3, key);
+        assert_int_equal(snapkv_many_place(m, key, strlen(key), &cl, &at), SNAPKV_OK);
+        if (before == 1) {
+            assert_int_equal(at, place_of(left, 2, key) == 0 ? 0u : 2u);
+            moved++;
+        } else {
+            assert_int_equal(at, before); /* only daemon 1's keys moved */
+        }
+    }
+    assert_int_equal(moved, count[1]);
+    struct snapkv_session_id id;
+    int decoded = 0;
+    for (int i = 0; i < SESSIONS; i++) {
+        rc = snapkv_many_session(m, refs[i], &cl, &id);
+        if (where[i] == 1) {
+            assert_int_equal(rc, SNAPKV_E_UNAVAILABLE);
+        } else if (decoded < 3) {
+            assert_int_equal(rc, SNAPKV_OK);
+            struct snapkv_sampling sp;
+            snapkv_sampling_defaults(&sp);
+            sp.max_tokens = 4;
+            sp.stop_at_eos = false;
+            struct snapkv_decode_result dr;
+            assert_int_equal(snapkv_decode(cl, &id, &sp, NULL, NULL, &dr), SNAPKV_OK);
+            assert_int_equal(dr.n_tokens, 4);
+            snapkv_decode_result_free(&dr);
+            decoded++;
+        }
+    }
+    snapkv_close_many(&m);
+    for (int i = 0; i < 3; i++)
+        stop_daemon(&d[i]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -4130,6 +4289,7 @@ int main(void)
         cmocka_unit_test_teardown(test_refused_requests_dropped, kill_daemons),
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
         cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
+        cmocka_unit_test_teardown(test_many_daemons, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));

@@ -2571,6 +2571,195 @@ static void test_place(void **state)
     assert_int_equal(snapkv_place(PLACE_NAMES, 4097, "k", 1, &at), SNAPKV_E_INVAL);
 }
 
+/* Session references: written and read back, split at the last '#', bad ones refused. */
+static void test_session_refs(void **state)
+{
+    (void)state;
+    struct snapkv_session_id id, back;
+    for (int i = 0; i < 16; i++)
+        id.bytes[i] = (uint8_t)(0xf0 + i);
+    char ref[128], ep[64];
+    assert_int_equal(snapkv_session_ref("ipc:///run/a#b.sock", &id, ref, sizeof ref), SNAPKV_OK);
+    assert_string_equal(ref, "ipc:///run/a#b.sock#f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff");
+    assert_int_equal(snapkv_session_ref_parse(ref, ep, sizeof ep, &back), SNAPKV_OK);
+    assert_string_equal(ep, "ipc:///run/a#b.sock");
+    assert_memory_equal(back.bytes, id.bytes, 16);
+    /* 19 + 1 + 32 + NUL = 53 bytes */
+    assert_int_equal(snapkv_session_ref("ipc:///run/a#b.sock", &id, ref, 52), SNAPKV_E_LIMIT);
+    assert_int_equal(snapkv_session_ref("ipc:///run/a#b.sock", &id, ref, 53), SNAPKV_OK);
+    assert_int_equal(snapkv_session_ref("", &id, ref, sizeof ref), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_ref_parse(ref, ep, 19, &back), SNAPKV_E_LIMIT);
+    assert_int_equal(snapkv_session_ref_parse(ref, ep, 20, &back), SNAPKV_OK);
+    assert_int_equal(snapkv_session_ref_parse("f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff", ep, sizeof ep, &back),
+                     SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_ref_parse("#f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff", ep, sizeof ep, &back),
+                     SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_session_ref_parse("ipc:///x#f0f1f2f3", ep, sizeof ep, &back), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "not 32 hex digits"));
+    assert_int_equal(snapkv_session_ref_parse("ipc:///x#f0f1f2f3f4f5f6f7f8f9fafbfcfdfeffg", ep, sizeof ep, &back),
+                     SNAPKV_E_INVAL);
+}
+
+/* A key whose highest weight over names[0..n) is at index want ("k<i>" for the first such i). */
+static void key_for(const char *const *names, size_t n, size_t want, char *key, size_t cap)
+{
+    for (int i = 0;; i++) {
+        snprintf(key, cap, "k%d", i);
+        if (placed(names, n, key) == want)
+            return;
+    }
+}
+
+/* snapkv_connect_many over three fakes: placements follow snapkv_place; an endpoint whose call
+ * went unanswered, whose daemon stopped, or that the caller marked, is skipped for down_ms and
+ * its keys, only its keys, go to their next endpoint; once down_ms passed it is looked at again;
+ * references find their endpoint; every endpoint down is UNAVAILABLE; bad arguments refused. */
+static void test_connect_many(void **state)
+{
+    (void)state;
+    struct fake *f[3];
+    const char *names[3];
+    for (int i = 0; i < 3; i++) {
+        f[i] = fake_start(NULL); /* HELLO only: any other request goes unanswered */
+        names[i] = f[i]->endpoint;
+    }
+    snapkv_many_t *m = NULL;
+    struct snapkv_connect_opts o = {.timeout_ms = 300, .tenant = "acme"};
+    assert_int_equal(snapkv_connect_many(names, 3, &o, 1500, &m), SNAPKV_OK);
+    assert_int_equal(fake_requests(f[0]) + fake_requests(f[1]) + fake_requests(f[2]), 0); /* none connected yet */
+    assert_string_equal(snapkv_many_endpoint(m, 2), names[2]);
+    assert_null(snapkv_many_endpoint(m, 3));
+    char key[32];
+    snapkv_client_t *cl = NULL, *first[3] = {NULL, NULL, NULL};
+    size_t at = 99;
+    for (int i = 0; i < 60; i++) {
+        snprintf(key, sizeof key, "doc-%d", i);
+        assert_int_equal(snapkv_many_place(m, key, strlen(key), &cl, &at), SNAPKV_OK);
+        assert_int_equal(at, placed(names, 3, key));
+        if (!first[at])
+            first[at] = cl;
+        assert_ptr_equal(cl, first[at]); /* one connection per endpoint */
+    }
+    for (int i = 0; i < 3; i++) {
+        assert_non_null(first[i]);
+        assert_int_equal(fake_requests(f[i]), 1); /* its HELLO */
+    }
+    Snapkv__Request *req = fake_last(f[1]);
+    assert_string_equal(req->tenant, "acme");
+    snapkv__request__free_unpacked(req, NULL);
+
+    /* a call to endpoint 1 goes unanswered: its keys go to their second choice for 1.5 s */
+    const char *without1[2] = {names[0], names[2]};
+    char key1[32];
+    key_for(names, 3, 1, key1, sizeof key1);
+    size_t second = placed(without1, 2, key1) == 0 ? 0 : 2;
+    struct snapkv_session_id id = {{1}};
+    assert_int_equal(snapkv_many_client(m, 1, &cl), SNAPKV_OK);
+    assert_int_equal(snapkv_release(cl, &id), SNAPKV_E_TIMEOUT);
+    assert_int_equal(snapkv_many_place(m, key1, strlen(key1), &cl, &at), SNAPKV_OK);
+    assert_int_equal(at, second);
+    for (int i = 0; i < 60; i++) { /* only endpoint 1's keys moved */
+        snprintf(key, sizeof key, "doc-%d", i);
+        size_t want = placed(names, 3, key);
+        assert_int_equal(snapkv_many_place(m, key, strlen(key), &cl, &at), SNAPKV_OK);
+        assert_int_equal(at, want == 1 ? (placed(without1, 2, key) == 0 ? 0 : 2) : want);
+    }
+    assert_int_equal(snapkv_many_client(m, 1, &cl), SNAPKV_E_UNAVAILABLE);
+    assert_non_null(strstr(snapkv_last_error(), "went unanswered"));
+    assert_non_null(strstr(snapkv_last_error(), names[1]));
+    char ref[200];
+    assert_int_equal(snapkv_session_ref(names[1], &id, ref, sizeof ref), SNAPKV_OK);
+    struct snapkv_session_id got;
+    assert_int_equal(snapkv_many_session(m, ref, &cl, &got), SNAPKV_E_UNAVAILABLE);
+    usleep(1600 * 1000); /* down_ms passed: endpoint 1 is looked at again, and it is up */
+    assert_int_equal(snapkv_many_place(m, key1, strlen(key1), &cl, &at), SNAPKV_OK);
+    assert_int_equal(at, 1);
+    assert_ptr_equal(cl, first[1]);
+    assert_int_equal(snapkv_many_session(m, ref, &cl, &got), SNAPKV_OK);
+    assert_ptr_equal(cl, first[1]);
+    assert_memory_equal(got.bytes, id.bytes, 16);
+    assert_int_equal(snapkv_session_ref("ipc:///elsewhere", &id, ref, sizeof ref), SNAPKV_OK);
+    assert_int_equal(snapkv_many_session(m, ref, &cl, &got), SNAPKV_E_NOT_FOUND);
+    assert_int_equal(snapkv_many_session(m, "not-a-ref", &cl, &got), SNAPKV_E_INVAL);
+
+    /* the caller marks endpoint 1 down */
+    assert_int_equal(snapkv_many_mark_down(m, 1), SNAPKV_OK);
+    assert_int_equal(snapkv_many_place(m, key1, strlen(key1), &cl, &at), SNAPKV_OK);
+    assert_int_equal(at, second);
+    assert_int_equal(snapkv_many_mark_down(m, 3), SNAPKV_E_INVAL);
+
+    /* endpoint 0's daemon stops: once its client sees the connection close, its keys move */
+    char key0[32];
+    key_for(names, 3, 0, key0, sizeof key0);
+    fake_stop(&f[0]);
+    bool moved = false;
+    for (int i = 0; i < 100 && !moved; i++) {
+        assert_int_equal(snapkv_many_place(m, key0, strlen(key0), &cl, &at), SNAPKV_OK);
+        moved = at != 0;
+        if (!moved)
+            usleep(20 * 1000);
+    }
+    assert_true(moved);
+    assert_int_equal(snapkv_many_client(m, 0, &cl), SNAPKV_E_UNAVAILABLE);
+    assert_non_null(strstr(snapkv_last_error(), "connection closed"));
+
+    /* every endpoint down */
+    fake_stop(&f[2]);
+    usleep(1600 * 1000); /* endpoint 1 (marked) is up again: mark it once more */
+    assert_int_equal(snapkv_many_mark_down(m, 1), SNAPKV_OK);
+    bool all = false;
+    for (int i = 0; i < 100 && !all; i++) {
+        int rc = snapkv_many_place(m, key0, strlen(key0), &cl, &at);
+        all = rc == SNAPKV_E_UNAVAILABLE;
+        if (!all) {
+            assert_int_equal(rc, SNAPKV_OK);
+            assert_int_equal(at, 2); /* (endpoint 2's close not seen yet) */
+            usleep(20 * 1000);
+        }
+    }
+    assert_true(all);
+    assert_non_null(strstr(snapkv_last_error(), "every endpoint is down (3)"));
+    assert_non_null(strstr(snapkv_last_error(), "marked down by the caller"));
+    snapkv_close_many(&m);
+    assert_null(m);
+    snapkv_close_many(&m);
+    snapkv_close_many(NULL);
+    fake_stop(&f[1]);
+
+    /* an endpoint nothing listens on: its connect fails and it is marked down */
+    const char *none[2] = {"ipc:///nonexistent/skv-many-test.sock", "ipc:///nonexistent/skv-many-other.sock"};
+    assert_int_equal(snapkv_connect_many(none, 2, &(struct snapkv_connect_opts){.timeout_ms = 100}, 0, &m),
+                     SNAPKV_OK);
+    assert_int_equal(snapkv_many_place(m, "k", 1, &cl, &at), SNAPKV_E_UNAVAILABLE);
+    assert_non_null(strstr(snapkv_last_error(), "connect: "));
+    assert_int_equal(snapkv_many_client(m, 0, &cl), SNAPKV_E_UNAVAILABLE); /* within down_ms: no new connect */
+    snapkv_close_many(&m);
+
+    /* bad arguments */
+    const char *twice[2] = {"ipc:///x", "ipc:///x"};
+    char longname[1100];
+    memset(longname, 'a', sizeof longname - 1);
+    longname[sizeof longname - 1] = '\0';
+    const char *toolong[1] = {longname};
+    const char *many[SNAPKV_MANY_MAX + 1];
+    char many_names[SNAPKV_MANY_MAX + 1][32];
+    for (int i = 0; i <= SNAPKV_MANY_MAX; i++) {
+        snprintf(many_names[i], sizeof many_names[i], "ipc:///x%d", i);
+        many[i] = many_names[i];
+    }
+    assert_int_equal(snapkv_connect_many(twice, 2, NULL, 0, &m), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_connect_many(toolong, 1, NULL, 0, &m), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_connect_many(many, SNAPKV_MANY_MAX + 1, NULL, 0, &m), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_connect_many(many, 0, NULL, 0, &m), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_connect_many(many, 2, NULL, -1, &m), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_connect_many(many, 2, NULL, 3600001, &m), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_connect_many(many, SNAPKV_MANY_MAX, NULL, 3600000, &m), SNAPKV_OK);
+    assert_int_equal(snapkv_many_client(m, SNAPKV_MANY_MAX, &cl), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_many_place(m, NULL, 1, &cl, &at), SNAPKV_E_INVAL);
+    snapkv_close_many(&m);
+    assert_int_equal(snapkv_status_str(SNAPKV_E_UNAVAILABLE)[0], 'u');
+}
+
 /* No event comes, and within 3 s snapkv_events_published says `want` (a heartbeat read). */
 static void expect_quiet_published(snapkv_events_t *ev, uint64_t want)
 {
@@ -2773,6 +2962,8 @@ int main(void)
         cmocka_unit_test(test_events_clock_stepped_back),
         cmocka_unit_test(test_events_published),
         cmocka_unit_test(test_place),
+        cmocka_unit_test(test_session_refs),
+        cmocka_unit_test(test_connect_many),
         cmocka_unit_test(test_connect_no_permission),
         cmocka_unit_test(test_timeout_set_in_callback),
         cmocka_unit_test(test_events_next_deadline),

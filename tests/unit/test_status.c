@@ -83,6 +83,7 @@ static void test_client_codes_match(void **state)
     assert_int_equal(SNAPKV_E_TIMEOUT, SKV_E_TIMEOUT);
     assert_int_equal(SNAPKV_E_EXISTS, SKV_E_EXISTS);
     assert_int_equal(SNAPKV_E_INTERNAL, SKV_E_INTERNAL);
+    assert_int_equal(SNAPKV_E_UNAVAILABLE, SKV_E_UNAVAILABLE);
 }
 
 int main(void)
