@@ -144,8 +144,9 @@ static void mark_down(snapkv_many_t *m, struct many_endpoint *e, const char *why
 }
 
 /* SNAPKV_OK when endpoint e can take a call now: not marked down, connected (now, if it was
- * not), its connection not closed and no call on it unanswered since the last look. Anything
- * else marks it down and is SNAPKV_E_UNAVAILABLE, with e->why saying why. */
+ * not), its connection not closed and no call on it unanswered since the last look. A connect
+ * that failed for its options returns that status (message set); anything else marks the
+ * endpoint down and is SNAPKV_E_UNAVAILABLE, with e->why saying why. */
 static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
 {
     int64_t now = skv_client_now_ms();
@@ -154,6 +155,10 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
     e->down_until = 0;
     if (!e->client) {
         int rc = snapkv_connect(e->name, &m->opts, &e->client);
+        /* options no daemon would take (a bad tenant or key, a libzmq without CURVE) are the
+         * caller's to fix, not an outage */
+        if (rc == SNAPKV_E_INVAL || rc == SNAPKV_E_UNSUPPORTED || rc == SNAPKV_E_NOMEM)
+            return rc;
         if (rc) {
             char why[sizeof e->why];
             snprintf(why, sizeof why, "connect: %s (%s)", snapkv_last_error(), snapkv_status_str(rc));
@@ -163,6 +168,9 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
         e->unanswered_seen = e->client->unanswered;
         return SNAPKV_OK;
     }
+    /* a callback of this client's running call (which reads its connection events itself) */
+    if (e->client->in_call)
+        return SNAPKV_OK;
     skv_client_look(e->client);
     uint64_t unanswered = e->client->unanswered;
     if (unanswered != e->unanswered_seen) {
@@ -177,14 +185,15 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
     return SNAPKV_OK;
 }
 
-/* The message of a failed placement: every endpoint, in the key's order, and why it is down. */
+/* The message of a failed placement: the endpoints in the key's order, each with why it is
+ * down, as many as the message holds (names cut to 80 bytes, reasons to 120). */
 static int all_down(const snapkv_many_t *m, const size_t *order)
 {
-    char msg[1024];
+    char msg[480];
     size_t at = (size_t)snprintf(msg, sizeof msg, "every endpoint is down (%zu):", m->n);
     for (size_t k = 0; k < m->n && at < sizeof msg; k++) {
         const struct many_endpoint *e = &m->ep[order[k]];
-        at += (size_t)snprintf(msg + at, sizeof msg - at, "%s %s: %s", k ? ";" : "", e->name, e->why);
+        at += (size_t)snprintf(msg + at, sizeof msg - at, "%s %.80s: %.120s", k ? ";" : "", e->name, e->why);
     }
     return skv_client_fail(SNAPKV_E_UNAVAILABLE, "%s", msg);
 }
@@ -210,13 +219,17 @@ int snapkv_many_place(snapkv_many_t *m, const void *key, size_t key_len, snapkv_
         }
         order[j] = x;
     }
-    for (size_t k = 0; k < m->n; k++)
-        if (endpoint_up(m, &m->ep[order[k]]) == SNAPKV_OK) {
+    for (size_t k = 0; k < m->n; k++) {
+        int rc = endpoint_up(m, &m->ep[order[k]]);
+        if (rc == SNAPKV_OK) {
             *client = m->ep[order[k]].client;
             if (index)
                 *index = order[k];
             return SNAPKV_OK;
         }
+        if (rc != SNAPKV_E_UNAVAILABLE)
+            return rc;
+    }
     return all_down(m, order);
 }
 
@@ -227,9 +240,12 @@ int snapkv_many_client(snapkv_many_t *m, size_t index, snapkv_client_t **client)
     if (index >= m->n)
         return skv_client_fail(SNAPKV_E_INVAL, "snapkv_many_client: endpoint %zu of %zu", index, m->n);
     struct many_endpoint *e = &m->ep[index];
-    if (endpoint_up(m, e) != SNAPKV_OK)
-        return skv_client_fail(SNAPKV_E_UNAVAILABLE, "%s is down for %lld ms more: %s", e->name,
+    int rc = endpoint_up(m, e);
+    if (rc == SNAPKV_E_UNAVAILABLE)
+        return skv_client_fail(SNAPKV_E_UNAVAILABLE, "%.200s is down for %lld ms more: %s", e->name,
                                (long long)(e->down_until - skv_client_now_ms()), e->why);
+    if (rc)
+        return rc;
     *client = e->client;
     return SNAPKV_OK;
 }

@@ -233,15 +233,21 @@ SNAPKV_API int snapkv_session_ref_parse(const char *ref, char *endpoint, size_t 
  * it is down. A session stays on the daemon that made it: its reference (snapkv_session_ref)
  * names that endpoint, and snapkv_many_client gives the connection to it.
  * The handle connects to an endpoint when it is first needed, with the options given here
- * (every endpoint shares the tenant, the name, the timeout and the CURVE keys). An endpoint is
- * marked down for down_ms when connecting to it fails, when its connection has closed (the
- * daemon stopped; libzmq keeps trying to reconnect), or when a call on its client went
- * unanswered since the last look (a send or a reply that timed out, a connection that closed
- * during a call); the caller may also mark it (snapkv_many_mark_down). Once down_ms have
- * passed, the next use looks again. Like a client, a handle is not safe to use from several
- * threads at once, and the clients it returns belong to it (do not close them).
+ * (every endpoint shares the tenant, the name, the timeout and the CURVE keys, so daemons
+ * reached with CURVE must share a server key). Connecting to a daemon that does not answer takes
+ * the timeout, so a placement may wait that long for each endpoint it tries that was never
+ * connected or whose down_ms has passed. A connect that fails for its options (a bad tenant
+ * or key: SNAPKV_E_INVAL; no CURVE in libzmq: SNAPKV_E_UNSUPPORTED) returns that status and marks
+ * nothing. An endpoint is marked down for down_ms when connecting to it fails otherwise, when
+ * its connection has closed (the daemon stopped; libzmq keeps trying to reconnect), or when a
+ * call on its client went unanswered since the last look (a send or a reply that timed out, a
+ * refused handshake, a connection that closed during a call; an error the daemon answered does
+ * not count); the caller may also mark it (snapkv_many_mark_down). Once down_ms have passed,
+ * the next use looks again. Like a client, a handle is not safe to use from several threads at
+ * once, and the clients it returns belong to it (do not close them). A callback of a call may
+ * use the handle, but the client running that call is taken as up and must not be called.
  * SNAPKV_E_UNAVAILABLE: the endpoint asked for, or every endpoint of a placement, is down; the
- * message says why for each. */
+ * message says why (for a placement, for as many endpoints as it holds). */
 typedef struct snapkv_many snapkv_many_t;
 #define SNAPKV_MANY_MAX 64            /* endpoints of one handle */
 #define SNAPKV_MANY_DOWN_MS 5000      /* down_ms when 0 is given */
@@ -260,8 +266,9 @@ SNAPKV_API int snapkv_many_place(snapkv_many_t *many, const void *key, size_t ke
 /* The client of endpoint `index` (connected now if it was not); SNAPKV_E_UNAVAILABLE while it
  * is down, SNAPKV_E_INVAL for an index past the list. */
 SNAPKV_API int snapkv_many_client(snapkv_many_t *many, size_t index, snapkv_client_t **client);
-/* The client of the daemon a reference names, and the session's id: SNAPKV_E_NOT_FOUND when the
- * endpoint is not one of the handle's, else as snapkv_many_client. */
+/* The client of the daemon a reference names, and the session's id: SNAPKV_E_INVAL for a
+ * malformed reference, SNAPKV_E_NOT_FOUND when its endpoint is not one of the handle's, else as
+ * snapkv_many_client. */
 SNAPKV_API int snapkv_many_session(snapkv_many_t *many, const char *ref, snapkv_client_t **client,
                                    struct snapkv_session_id *id);
 /* Marks endpoint `index` down for the handle's down_ms from now: placements skip it and

@@ -49,7 +49,7 @@
 #define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
 #define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 8 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 9 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -1898,6 +1898,172 @@ static int bench_events(struct serve_ctx *x, json_t *out)
     return rc ? rc : evict_all(x);
 }
 
+/* ---- 9. Several daemons: sessions placed by document, or round robin ----------------------------- */
+
+#define SPREAD_DAEMONS 3
+#define SPREAD_KEYS 3000           /* keys placed for the balance figure (no daemon asked) */
+#define SPREAD_DOCS 8              /* documents, each asked SPREAD_QUESTIONS questions */
+#define SPREAD_QUESTIONS 6
+#define SPREAD_DOC_TOKENS 1024
+#define SPREAD_QUESTION_TOKENS 16
+#define SPREAD_DECODE_TOKENS 4
+#define SPREAD_POOL (UINT64_C(512) << 20) /* each daemon's: all documents fit on one (47 MB each) */
+
+enum spread_mode { SPREAD_ROUND_ROBIN, SPREAD_BY_DOCUMENT, N_SPREAD_MODES };
+
+/* One question: the document's session on the daemon chosen (prefilled there first when that
+ * daemon does not hold it yet), a FORK of it, the question APPENDed, a few greedy tokens, the
+ * fork RELEASEd. *prefilled says whether the document had to be prefilled. */
+static int spread_request(snapkv_client_t *cl, struct snapkv_session_id *doc, bool *held, int d, int q,
+                          int n_vocab, bool *prefilled)
+{
+    int rc;
+    *prefilled = !*held;
+    if (!*held) {
+        uint32_t *tok = malloc(SPREAD_DOC_TOKENS * sizeof *tok);
+        if (!tok)
+            return SKV_E_NOMEM;
+        fill_ids(tok, SPREAD_DOC_TOKENS, n_vocab, 1000 + (uint64_t)d);
+        struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = SPREAD_DOC_TOKENS};
+        struct snapkv_prefill_result pr = {0};
+        rc = snapkv_prefill(cl, &po, &pr);
+        free(tok);
+        if (rc)
+            return client_fail("PREFILL", rc);
+        *doc = pr.id;
+        *held = true;
+        snapkv_prefill_result_free(&pr);
+    }
+    struct snapkv_session_id fork;
+    if ((rc = snapkv_fork(cl, doc, &fork, NULL)))
+        return client_fail("FORK", rc);
+    uint32_t question[SPREAD_QUESTION_TOKENS];
+    fill_ids(question, SPREAD_QUESTION_TOKENS, n_vocab, 5000 + (uint64_t)(d * SPREAD_QUESTIONS + q));
+    struct snapkv_append_opts ao = {.tokens = question, .n_tokens = SPREAD_QUESTION_TOKENS};
+    struct snapkv_append_result ar = {0};
+    if ((rc = snapkv_append(cl, &fork, &ao, &ar)))
+        rc = client_fail("APPEND", rc);
+    snapkv_append_result_free(&ar);
+    if (!rc) {
+        struct snapkv_sampling sp;
+        sampling_greedy(&sp, SPREAD_DECODE_TOKENS);
+        struct snapkv_decode_result dr = {0};
+        if ((rc = snapkv_decode(cl, &fork, &sp, NULL, NULL, &dr)))
+            rc = client_fail("DECODE", rc);
+        snapkv_decode_result_free(&dr);
+    }
+    int rel = snapkv_release(cl, &fork);
+    return rc ? rc : rel ? client_fail("RELEASE", rel) : SKV_OK;
+}
+
+/* One mode's run on SPREAD_DAEMONS fresh daemons. */
+static int spread_run(struct serve_ctx *x, enum spread_mode mode, json_t *out)
+{
+    static const char *const names[N_SPREAD_MODES] = {"round robin", "by document (snapkv_many_place)"};
+    struct daemon_child dd[SPREAD_DAEMONS] = {0};
+    const char *eps[SPREAD_DAEMONS];
+    int rc = SKV_OK;
+    for (int i = 0; i < SPREAD_DAEMONS && !rc; i++) {
+        rc = daemon_start(x, SPREAD_POOL, &dd[i]);
+        eps[i] = dd[i].endpoint;
+    }
+    snapkv_many_t *many = NULL;
+    struct snapkv_connect_opts co = {.name = "snapkv-bench-spread", .timeout_ms = LONG_TIMEOUT_MS};
+    if (!rc && (rc = snapkv_connect_many(eps, SPREAD_DAEMONS, &co, 0, &many)))
+        rc = client_fail("snapkv_connect_many", rc);
+    struct snapkv_session_id doc[SPREAD_DAEMONS][SPREAD_DOCS];
+    bool held[SPREAD_DAEMONS][SPREAD_DOCS] = {{false}};
+    int per_daemon[SPREAD_DAEMONS] = {0}, prefills = 0, n = 0;
+    double lat[SPREAD_DOCS * SPREAD_QUESTIONS];
+    double t0 = now_s();
+    /* the questions arrive interleaved: each document's first, then each one's second, ... */
+    for (int q = 0; q < SPREAD_QUESTIONS && !rc; q++)
+        for (int d = 0; d < SPREAD_DOCS && !rc; d++) {
+            char key[32];
+            snprintf(key, sizeof key, "doc-%d", d);
+            snapkv_client_t *cl = NULL;
+            size_t at = (size_t)(n % SPREAD_DAEMONS);
+            if (mode == SPREAD_BY_DOCUMENT)
+                rc = snapkv_many_place(many, key, strlen(key), &cl, &at);
+            else
+                rc = snapkv_many_client(many, at, &cl);
+            if (rc) {
+                rc = client_fail("placement", rc);
+                break;
+            }
+            double t = now_s();
+            bool prefilled = false;
+            rc = spread_request(cl, &doc[at][d], &held[at][d], d, q, (int)x->m->cfg.n_vocab, &prefilled);
+            lat[n++] = now_s() - t;
+            prefills += prefilled;
+            per_daemon[at]++;
+        }
+    double wall = now_s() - t0;
+    snapkv_close_many(&many);
+    for (int i = 0; i < SPREAD_DAEMONS; i++)
+        if (dd[i].pid || *dd[i].dir)
+            daemon_stop(&dd[i], rc != 0);
+    if (rc)
+        return rc;
+    json_t *pd = json_array();
+    for (int i = 0; i < SPREAD_DAEMONS; i++)
+        json_array_append_new(pd, json_integer(per_daemon[i]));
+    json_object_set_new(out, "placement", json_string(names[mode]));
+    json_object_set_new(out, "requests", json_integer(n));
+    json_object_set_new(out, "requests_per_daemon", pd);
+    json_object_set_new(out, "document_prefills", json_integer(prefills));
+    json_object_set_new(out, "prefill_tokens", json_integer((json_int_t)prefills * SPREAD_DOC_TOKENS));
+    json_object_set_new(out, "document_hit_rate", json_real((double)(n - prefills) / (double)n));
+    json_object_set_new(out, "wall_s", json_real(wall));
+    json_object_set_new(out, "request_s", summary_json(lat, (size_t)n, 1.0));
+    fprintf(stderr, "serve: spread, %s: %d requests, %d document prefills, %.1f s\n", names[mode], n, prefills,
+            wall);
+    return SKV_OK;
+}
+
+static int bench_spread(struct serve_ctx *x, json_t *out)
+{
+    if (!x->d.pid) {
+        json_object_set_new(out, "skipped", json_string("needs the daemons the bench starts"));
+        return SKV_OK;
+    }
+    /* balance: where SPREAD_KEYS document keys go over three endpoint names (placement asks no
+     * daemon) */
+    const char *names[SPREAD_DAEMONS] = {"ipc:///run/snapkvd/a.sock", "ipc:///run/snapkvd/b.sock",
+                                         "ipc:///run/snapkvd/c.sock"};
+    int count[SPREAD_DAEMONS] = {0};
+    for (int i = 0; i < SPREAD_KEYS; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "doc-%d", i);
+        size_t at = 0;
+        int rc = snapkv_place(names, SPREAD_DAEMONS, key, strlen(key), &at);
+        if (rc)
+            return client_fail("snapkv_place", rc);
+        count[at]++;
+    }
+    json_t *bal = json_array();
+    for (int i = 0; i < SPREAD_DAEMONS; i++)
+        json_array_append_new(bal, json_integer(count[i]));
+    json_object_set_new(out, "daemons", json_integer(SPREAD_DAEMONS));
+    json_object_set_new(out, "balance_keys", json_integer(SPREAD_KEYS));
+    json_object_set_new(out, "balance_names", json_pack("[sss]", names[0], names[1], names[2]));
+    json_object_set_new(out, "balance_per_daemon", bal);
+    json_object_set_new(out, "documents", json_integer(SPREAD_DOCS));
+    json_object_set_new(out, "questions_per_document", json_integer(SPREAD_QUESTIONS));
+    json_object_set_new(out, "document_tokens", json_integer(SPREAD_DOC_TOKENS));
+    json_object_set_new(out, "question_tokens", json_integer(SPREAD_QUESTION_TOKENS));
+    json_object_set_new(out, "decode_tokens", json_integer(SPREAD_DECODE_TOKENS));
+    json_t *runs = json_array();
+    json_object_set_new(out, "runs", runs);
+    int rc = SKV_OK;
+    for (int k = 0; k < N_SPREAD_MODES && !rc; k++) {
+        json_t *o = json_object();
+        rc = spread_run(x, (enum spread_mode)k, o);
+        json_array_append_new(runs, o);
+    }
+    return rc;
+}
+
 /* ---- report ---------------------------------------------------------------------------------------- */
 
 static void cpu_model(char *buf, size_t cap)
@@ -2097,6 +2263,38 @@ static void print_table(FILE *f, const json_t *j)
                     jnum(fk, "p99"), jnum(rl, "p50"), jnum(rl, "p99"), taken);
         }
     }
+    const json_t *sp = json_object_get(j, "spread");
+    if (sp && json_object_get(sp, "skipped")) {
+        fprintf(f, "\nSeveral daemons: skipped (%s)\n", json_string_value(json_object_get(sp, "skipped")));
+    } else if (sp) {
+        const json_t *bal = json_object_get(sp, "balance_per_daemon");
+        fprintf(f, "\nSeveral daemons: %lld documents of %lld tokens, %lld questions each (%lld tokens APPENDed to a "
+                   "FORK, %lld decoded), over %lld daemons; %lld keys placed %lld / %lld / %lld\n"
+                   "| placement | requests per daemon | document prefills | hit rate | wall s | request p50 / p99 s |\n"
+                   "|---|---|---|---|---|---|\n",
+                (long long)json_integer_value(json_object_get(sp, "documents")),
+                (long long)json_integer_value(json_object_get(sp, "document_tokens")),
+                (long long)json_integer_value(json_object_get(sp, "questions_per_document")),
+                (long long)json_integer_value(json_object_get(sp, "question_tokens")),
+                (long long)json_integer_value(json_object_get(sp, "decode_tokens")),
+                (long long)json_integer_value(json_object_get(sp, "daemons")),
+                (long long)json_integer_value(json_object_get(sp, "balance_keys")),
+                (long long)json_integer_value(json_array_get(bal, 0)),
+                (long long)json_integer_value(json_array_get(bal, 1)),
+                (long long)json_integer_value(json_array_get(bal, 2)));
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(sp, "runs"), k, o) {
+            const json_t *pd = json_object_get(o, "requests_per_daemon"), *rq = json_object_get(o, "request_s");
+            fprintf(f, "| %s | %lld / %lld / %lld | %lld | %.2f | %.1f | %.2f / %.2f |\n",
+                    json_string_value(json_object_get(o, "placement")),
+                    (long long)json_integer_value(json_array_get(pd, 0)),
+                    (long long)json_integer_value(json_array_get(pd, 1)),
+                    (long long)json_integer_value(json_array_get(pd, 2)),
+                    (long long)json_integer_value(json_object_get(o, "document_prefills")),
+                    jnum(o, "document_hit_rate"), jnum(o, "wall_s"), jnum(rq, "p50"), jnum(rq, "p99"));
+        }
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -2192,14 +2390,14 @@ static int parse_specs(struct serve_ctx *x, const char *list)
     return SKV_OK;
 }
 
-/* --parts: which of roundtrip, throughput, capacity, decode, stall, fair, checkpoint, events run
- * (NULL: all but checkpoint and events). */
+/* --parts: which of roundtrip, throughput, capacity, decode, stall, fair, checkpoint, events,
+ * spread run (NULL: all but checkpoint, events and spread). */
 static int parse_parts(const char *list, bool on[N_PARTS])
 {
-    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode",
-                                               "stall",     "fair",       "checkpoint", "events"};
+    static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall",
+                                               "fair",      "checkpoint", "events",   "spread"};
     for (int i = 0; i < N_PARTS; i++)
-        on[i] = !list && i < 6; /* checkpoint, events: only when asked for */
+        on[i] = !list && i < 6; /* checkpoint, events, spread: only when asked for */
     for (const char *p = list; p && *p;) {
         size_t len = strcspn(p, ",");
         int i = 0;
@@ -2208,7 +2406,7 @@ static int parse_parts(const char *list, bool on[N_PARTS])
         if (i == N_PARTS)
             return skv_errorf(SKV_E_INVAL,
                               "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair, "
-                              "checkpoint, events)",
+                              "checkpoint, events, spread)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -2338,6 +2536,11 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_t *ev = json_object();
         rc = bench_events(&x, ev);
         json_object_set_new(j, "events", ev);
+    }
+    if (!rc && part[8]) {
+        json_t *sp = json_object();
+        rc = bench_spread(&x, sp);
+        json_object_set_new(j, "spread", sp);
     }
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));

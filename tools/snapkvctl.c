@@ -207,11 +207,6 @@ static int connect_to(const struct ctl *c, bool admin, snapkv_client_t **out)
 {
     struct snapkv_connect_opts o = {.tenant = c->tenant, .name = "snapkvctl", .timeout_ms = c->timeout_ms};
     const char *ep = admin ? c->admin_endpoint : *g_ref_endpoint ? g_ref_endpoint : c->endpoint;
-    if (admin && *g_ref_endpoint) {
-        fprintf(stderr, "snapkvctl: the session reference names %s, a client endpoint: an admin command takes the "
-                "bare id, and the daemon's admin endpoint with -a\n", g_ref_endpoint);
-        return SNAPKV_E_INVAL;
-    }
     char server_key[SNAPKV_CURVE_KEY_SIZE], client_key[SNAPKV_CURVE_KEY_SIZE];
     int rc = SNAPKV_OK;
     if (!c->server_key != !c->client_key) {
@@ -351,12 +346,17 @@ static const char *fmt_bytes(uint64_t n, char *buf, size_t cap)
     return buf;
 }
 
-/* A session id (32 hex digits), or a reference ENDPOINT#ID: its endpoint is then the one the
- * command connects to (g_ref_endpoint). */
-static bool parse_session(const char *cmd, const char *arg, struct snapkv_session_id *out)
+/* A session id (32 hex digits), or, for a client command (not `admin`), a reference
+ * ENDPOINT#ID: its endpoint is then the one the command connects to (g_ref_endpoint). */
+static bool parse_session_for(const char *cmd, const char *arg, bool admin, struct snapkv_session_id *out)
 {
     if (snapkv_session_id_from_hex(arg, out) == SNAPKV_OK)
         return true;
+    if (arg && strchr(arg, '#') && admin) {
+        fprintf(stderr, "snapkvctl %s: '%s' is a session reference, which names a client endpoint: an admin command "
+                "takes the bare id, and the daemon's admin endpoint with -a\n", cmd, arg);
+        return false;
+    }
     if (arg && strchr(arg, '#')) {
         int rc = snapkv_session_ref_parse(arg, g_ref_endpoint, sizeof g_ref_endpoint, out);
         if (rc == SNAPKV_OK)
@@ -370,6 +370,16 @@ static bool parse_session(const char *cmd, const char *arg, struct snapkv_sessio
     return false;
 }
 
+static bool parse_session(const char *cmd, const char *arg, struct snapkv_session_id *out)
+{
+    return parse_session_for(cmd, arg, false, out);
+}
+
+static bool parse_admin_session(const char *cmd, const char *arg, struct snapkv_session_id *out)
+{
+    return parse_session_for(cmd, arg, true, out);
+}
+
 static void id_hex(const struct snapkv_session_id *id, char hex[SNAPKV_SESSION_ID_HEX_SIZE])
 {
     snapkv_session_id_to_hex(id, hex, SNAPKV_SESSION_ID_HEX_SIZE);
@@ -379,8 +389,10 @@ static void id_hex(const struct snapkv_session_id *id, char hex[SNAPKV_SESSION_I
  * endpoint too long for it leaves just the id). */
 static void id_ref(const char *ep, const struct snapkv_session_id *id, char *ref, size_t cap)
 {
-    if (snapkv_session_ref(ep, id, ref, cap) != SNAPKV_OK)
+    if (snapkv_session_ref(ep, id, ref, cap) != SNAPKV_OK) {
+        fprintf(stderr, "snapkvctl: the endpoint is too long for a session reference: the bare id instead\n");
         id_hex(id, ref);
+    }
 }
 
 /* Reads a whole file ("-": stdin) of at most MAX_INPUT_BYTES as a NUL-terminated string; text
@@ -1233,7 +1245,7 @@ static int cmd_cancel(const struct ctl *c, int argc, char **argv)
     if (argc != 2 && !admin)
         return usage_error("cancel", "usage: cancel SESSION [--admin]");
     struct snapkv_session_id id;
-    if (!parse_session("cancel", argv[at], &id))
+    if (!parse_session_for("cancel", argv[at], admin, &id))
         return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, admin, &cl))
@@ -1285,6 +1297,9 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
     struct snapkv_session_id id;
     if (!parse_session("export", argv[optind], &id))
         return 2;
+    if (*g_ref_endpoint && !size)
+        return usage_error("export", "with a session reference give --size: the admin endpoint of the daemon it "
+                           "names, which sizes the buffer, is not known");
     char default_path[SNAPKV_SESSION_ID_HEX_SIZE + 8];
     if (!out_path) {
         char hex[SNAPKV_SESSION_ID_HEX_SIZE];
@@ -1651,7 +1666,7 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
     if (optind + 1 != argc)
         return usage_error("inspect", use);
     struct snapkv_session_id id;
-    if (!parse_session("inspect", argv[optind], &id))
+    if (!parse_admin_session("inspect", argv[optind], &id))
         return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
@@ -1749,7 +1764,7 @@ static int cmd_evict(const struct ctl *c, int argc, char **argv)
     if (optind + (session != NULL) != argc || (session != NULL) + (tenant != NULL) + all != 1)
         return usage_error("evict", "usage: evict (SESSION | --tenant T | --all)");
     struct snapkv_session_id id;
-    if (session && !parse_session("evict", session, &id))
+    if (session && !parse_admin_session("evict", session, &id))
         return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
@@ -1775,7 +1790,7 @@ static int cmd_pin(const struct ctl *c, int argc, char **argv, bool on)
     if (argc != 2)
         return usage_error(cmd, "usage: %s SESSION", cmd);
     struct snapkv_session_id id;
-    if (!parse_session(cmd, argv[1], &id))
+    if (!parse_admin_session(cmd, argv[1], &id))
         return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
@@ -1794,7 +1809,7 @@ static int cmd_save(const struct ctl *c, int argc, char **argv)
     if (argc != 3)
         return usage_error("save", "usage: save SESSION NAME");
     struct snapkv_session_id id;
-    if (!parse_session("save", argv[1], &id))
+    if (!parse_admin_session("save", argv[1], &id))
         return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))

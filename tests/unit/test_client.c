@@ -2614,17 +2614,26 @@ static void key_for(const char *const *names, size_t n, size_t want, char *key, 
  * went unanswered, whose daemon stopped, or that the caller marked, is skipped for down_ms and
  * its keys, only its keys, go to their next endpoint; once down_ms passed it is looked at again;
  * references find their endpoint; every endpoint down is UNAVAILABLE; bad arguments refused. */
+static bool answer_not_found(struct fake *f, const Snapkv__Request *req)
+{
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_HELLO)
+        return false;
+    fake_error(f, SNAPKV_E_NOT_FOUND, "no such session");
+    return true;
+}
+
 static void test_connect_many(void **state)
 {
     (void)state;
     struct fake *f[3];
     const char *names[3];
     for (int i = 0; i < 3; i++) {
-        f[i] = fake_start(NULL); /* HELLO only: any other request goes unanswered */
+        /* 0 and 1 answer HELLO only (any other request goes unanswered), 2 answers NOT_FOUND */
+        f[i] = fake_start(i == 2 ? answer_not_found : NULL);
         names[i] = f[i]->endpoint;
     }
     snapkv_many_t *m = NULL;
-    struct snapkv_connect_opts o = {.timeout_ms = 300, .tenant = "acme"};
+    struct snapkv_connect_opts o = {.timeout_ms = 5000, .tenant = "acme"};
     assert_int_equal(snapkv_connect_many(names, 3, &o, 1500, &m), SNAPKV_OK);
     assert_int_equal(fake_requests(f[0]) + fake_requests(f[1]) + fake_requests(f[2]), 0); /* none connected yet */
     assert_string_equal(snapkv_many_endpoint(m, 2), names[2]);
@@ -2654,7 +2663,12 @@ static void test_connect_many(void **state)
     key_for(names, 3, 1, key1, sizeof key1);
     size_t second = placed(without1, 2, key1) == 0 ? 0 : 2;
     struct snapkv_session_id id = {{1}};
+    /* an error the daemon answered leaves its endpoint up */
+    assert_int_equal(snapkv_many_client(m, 2, &cl), SNAPKV_OK);
+    assert_int_equal(snapkv_release(cl, &id), SNAPKV_E_NOT_FOUND);
+    assert_int_equal(snapkv_many_client(m, 2, &cl), SNAPKV_OK);
     assert_int_equal(snapkv_many_client(m, 1, &cl), SNAPKV_OK);
+    assert_int_equal(snapkv_set_timeout(cl, 300), SNAPKV_OK);
     assert_int_equal(snapkv_release(cl, &id), SNAPKV_E_TIMEOUT);
     assert_int_equal(snapkv_many_place(m, key1, strlen(key1), &cl, &at), SNAPKV_OK);
     assert_int_equal(at, second);
@@ -2732,7 +2746,17 @@ static void test_connect_many(void **state)
                      SNAPKV_OK);
     assert_int_equal(snapkv_many_place(m, "k", 1, &cl, &at), SNAPKV_E_UNAVAILABLE);
     assert_non_null(strstr(snapkv_last_error(), "connect: "));
+    int64_t t0 = now_ms();
     assert_int_equal(snapkv_many_client(m, 0, &cl), SNAPKV_E_UNAVAILABLE); /* within down_ms: no new connect */
+    assert_true(now_ms() - t0 < 90);
+    assert_non_null(strstr(snapkv_last_error(), "is down for"));
+    snapkv_close_many(&m);
+
+    /* options no daemon takes: the connect's status, not UNAVAILABLE */
+    assert_int_equal(snapkv_connect_many(names + 1, 1, &(struct snapkv_connect_opts){.tenant = "bad tenant"}, 0, &m),
+                     SNAPKV_OK);
+    assert_int_equal(snapkv_many_place(m, "k", 1, &cl, &at), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_many_client(m, 0, &cl), SNAPKV_E_INVAL);
     snapkv_close_many(&m);
 
     /* bad arguments */
@@ -2757,7 +2781,7 @@ static void test_connect_many(void **state)
     assert_int_equal(snapkv_many_client(m, SNAPKV_MANY_MAX, &cl), SNAPKV_E_INVAL);
     assert_int_equal(snapkv_many_place(m, NULL, 1, &cl, &at), SNAPKV_E_INVAL);
     snapkv_close_many(&m);
-    assert_int_equal(snapkv_status_str(SNAPKV_E_UNAVAILABLE)[0], 'u');
+    assert_string_equal(snapkv_status_str(SNAPKV_E_UNAVAILABLE), "unavailable");
 }
 
 /* No event comes, and within 3 s snapkv_events_published says `want` (a heartbeat read). */
