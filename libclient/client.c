@@ -505,8 +505,26 @@ static int first_hello(snapkv_client_t *c)
 }
 
 /* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
-static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opts)
+/* The daemon's rule for tenant names (daemon/session.c skv_session_check_tenant), in ASCII
+ * whatever the program's locale. */
+static bool tenant_name_ok(const char *t)
 {
+    size_t n = strlen(t);
+    if (n == 0 || n > 63)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char ch = t[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || strchr("._-@", ch)))
+            return false;
+    }
+    return true;
+}
+
+/* The CURVE keys of opts checked (none given: *curve false), with the client public key derived
+ * from the secret one into `derived`. */
+static int curve_keys(const struct snapkv_connect_opts *opts, char derived[SNAPKV_CURVE_KEY_SIZE], bool *curve)
+{
+    *curve = false;
     if (!opts || (!opts->curve_server_key && !opts->curve_secret_key && !opts->curve_public_key))
         return SNAPKV_OK;
     if (!opts->curve_server_key || !opts->curve_secret_key)
@@ -518,7 +536,6 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
             return skv_client_fail(SNAPKV_E_INVAL, "the CURVE %s is not a Z85 key (40 characters)", names[i]);
     if (!zmq_has("curve"))
         return skv_client_fail(SNAPKV_E_UNSUPPORTED, "this libzmq was built without CURVE (zmq_has(\"curve\") is false)");
-    char derived[SNAPKV_CURVE_KEY_SIZE];
     if (zmq_curve_public(derived, keys[1]) != 0)
         return skv_client_fail(SNAPKV_E_INVAL, "cannot derive the CURVE public key: %s", zmq_strerror(zmq_errno()));
     /* a public key of another pair fails the handshake as if the server key were wrong (the
@@ -528,10 +545,32 @@ static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opt
                     memcmp(given, own, sizeof own) != 0))
         return skv_client_fail(SNAPKV_E_INVAL, "the CURVE client public key is not the one of the client secret key "
                                                "(leave it out: it is derived from the secret key)");
-    keys[2] = derived;
-    if (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, keys[0], SKV_KEY_Z85_LEN + 1) < 0 ||
-        zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, keys[1], SKV_KEY_Z85_LEN + 1) < 0 ||
-        zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, keys[2], SKV_KEY_Z85_LEN + 1) < 0)
+    *curve = true;
+    return SNAPKV_OK;
+}
+
+int skv_client_check_opts(const struct snapkv_connect_opts *opts)
+{
+    if (opts && opts->timeout_ms < -1)
+        return skv_client_fail(SNAPKV_E_INVAL, "timeout_ms must be -1, 0 or positive");
+    if (opts && opts->tenant && *opts->tenant && !tenant_name_ok(opts->tenant))
+        return skv_client_fail(SNAPKV_E_INVAL, "tenant '%.63s%s': 1..63 letters, digits and . _ - @", opts->tenant,
+                               strlen(opts->tenant) > 63 ? "..." : "");
+    char derived[SNAPKV_CURVE_KEY_SIZE];
+    bool curve;
+    return curve_keys(opts, derived, &curve);
+}
+
+static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opts)
+{
+    char derived[SNAPKV_CURVE_KEY_SIZE];
+    bool curve;
+    int rc = curve_keys(opts, derived, &curve);
+    if (rc || !curve)
+        return rc;
+    if (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, opts->curve_server_key, SKV_KEY_Z85_LEN + 1) < 0 ||
+        zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, opts->curve_secret_key, SKV_KEY_Z85_LEN + 1) < 0 ||
+        zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, derived, SKV_KEY_Z85_LEN + 1) < 0)
         return skv_client_fail(SNAPKV_E_INVAL, "CURVE options: %s", zmq_strerror(zmq_errno()));
     c->curve = true;
     return SNAPKV_OK;
@@ -569,34 +608,16 @@ static void monitor_stop(snapkv_client_t *c)
     c->monitor = NULL;
 }
 
-/* The daemon's rule for tenant names (daemon/session.c skv_session_check_tenant), in ASCII
- * whatever the program's locale. */
-static bool tenant_name_ok(const char *t)
-{
-    size_t n = strlen(t);
-    if (n == 0 || n > 63)
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        char ch = t[i];
-        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || strchr("._-@", ch)))
-            return false;
-    }
-    return true;
-}
-
 int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts, snapkv_client_t **out)
 {
     if (!endpoint || !*endpoint || !out)
         return skv_client_fail(SNAPKV_E_INVAL, "endpoint and out are required");
-    if (opts && opts->timeout_ms < -1)
-        return skv_client_fail(SNAPKV_E_INVAL, "timeout_ms must be -1, 0 or positive");
-    if (opts && opts->tenant && *opts->tenant && !tenant_name_ok(opts->tenant))
-        return skv_client_fail(SNAPKV_E_INVAL, "tenant '%.63s%s': 1..63 letters, digits and . _ - @", opts->tenant,
-                               strlen(opts->tenant) > 63 ? "..." : "");
+    int rc = skv_client_check_opts(opts);
+    if (rc)
+        return rc;
     snapkv_client_t *c = calloc(1, sizeof *c);
     if (!c)
         return skv_client_fail(SNAPKV_E_NOMEM, "out of memory");
-    int rc;
     const char *tenant = opts && opts->tenant && *opts->tenant ? opts->tenant : "default";
     c->timeout_ms = opts && opts->timeout_ms ? opts->timeout_ms : DEFAULT_TIMEOUT_MS;
     c->tenant = strdup(tenant);

@@ -78,6 +78,10 @@ bool skv_client_dup_f32(const float *src, size_t n, float **out);
  * the daemon it goes to. */
 int skv_client_check(snapkv_client_t *c, const void *arg, const char *what);
 
+/* The checks snapkv_connect makes of its options before connecting (timeout, tenant, CURVE
+ * keys, CURVE in libzmq). */
+int skv_client_check_opts(const struct snapkv_connect_opts *opts);
+
 /* Reads the connection events libzmq reported since the last call, without waiting: c->down
  * then says whether the connection is closed now (and no handshake has worked since). */
 void skv_client_look(snapkv_client_t *c);

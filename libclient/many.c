@@ -107,6 +107,10 @@ int snapkv_connect_many(const char *const *endpoints, size_t n, const struct sna
     if (down_ms < 0 || down_ms > MANY_DOWN_MS_MAX)
         return skv_client_fail(SNAPKV_E_INVAL, "snapkv_connect_many: down_ms %d (from 0 to %d)", down_ms,
                                MANY_DOWN_MS_MAX);
+    /* options no daemon would take are refused now, so that a later failed connect is the
+     * endpoint's, never the options' */
+    if ((rc = skv_client_check_opts(opts)))
+        return rc;
     if (sodium_init() < 0)
         return skv_client_fail(SNAPKV_E_INTERNAL, "snapkv_connect_many: libsodium did not start");
     snapkv_many_t *m = calloc(1, sizeof *m);
@@ -144,9 +148,10 @@ static void mark_down(snapkv_many_t *m, struct many_endpoint *e, const char *why
 }
 
 /* SNAPKV_OK when endpoint e can take a call now: not marked down, connected (now, if it was
- * not), its connection not closed and no call on it unanswered since the last look. A connect
- * that failed for its options returns that status (message set); anything else marks the
- * endpoint down and is SNAPKV_E_UNAVAILABLE, with e->why saying why. */
+ * not), its connection not closed and no call on it unanswered since the last look.
+ * SNAPKV_E_BUSY (e->why says so, nothing marked): its client is running a call, from one of
+ * whose callbacks this comes. SNAPKV_E_NOMEM (message set): out of memory. Anything else marks
+ * the endpoint down and is SNAPKV_E_UNAVAILABLE, with e->why saying why. */
 static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
 {
     int64_t now = skv_client_now_ms();
@@ -154,10 +159,10 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
         return SNAPKV_E_UNAVAILABLE;
     e->down_until = 0;
     if (!e->client) {
+        /* (the options were checked by snapkv_connect_many: a failure here is the endpoint's,
+         * one libzmq does not take included) */
         int rc = snapkv_connect(e->name, &m->opts, &e->client);
-        /* options no daemon would take (a bad tenant or key, a libzmq without CURVE) are the
-         * caller's to fix, not an outage */
-        if (rc == SNAPKV_E_INVAL || rc == SNAPKV_E_UNSUPPORTED || rc == SNAPKV_E_NOMEM)
+        if (rc == SNAPKV_E_NOMEM)
             return rc;
         if (rc) {
             char why[sizeof e->why];
@@ -168,9 +173,12 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
         e->unanswered_seen = e->client->unanswered;
         return SNAPKV_OK;
     }
-    /* a callback of this client's running call (which reads its connection events itself) */
-    if (e->client->in_call)
-        return SNAPKV_OK;
+    /* a callback of this client's running call: the call reads its connection events itself,
+     * and the client takes no other call until it returns */
+    if (e->client->in_call) {
+        snprintf(e->why, sizeof e->why, "its client is running a call (this comes from one of its callbacks)");
+        return SNAPKV_E_BUSY;
+    }
     skv_client_look(e->client);
     uint64_t unanswered = e->client->unanswered;
     if (unanswered != e->unanswered_seen) {
@@ -186,7 +194,7 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
 }
 
 /* The message of a failed placement: the endpoints in the key's order, each with why it is
- * down, as many as the message holds (names cut to 80 bytes, reasons to 120). */
+ * down (or busy), as many as the message holds (names cut to 80 bytes, reasons to 120). */
 static int all_down(const snapkv_many_t *m, const size_t *order)
 {
     char msg[480];
@@ -227,7 +235,7 @@ int snapkv_many_place(snapkv_many_t *m, const void *key, size_t key_len, snapkv_
                 *index = order[k];
             return SNAPKV_OK;
         }
-        if (rc != SNAPKV_E_UNAVAILABLE)
+        if (rc == SNAPKV_E_NOMEM)
             return rc;
     }
     return all_down(m, order);
@@ -244,6 +252,8 @@ int snapkv_many_client(snapkv_many_t *m, size_t index, snapkv_client_t **client)
     if (rc == SNAPKV_E_UNAVAILABLE)
         return skv_client_fail(SNAPKV_E_UNAVAILABLE, "%.200s is down for %lld ms more: %s", e->name,
                                (long long)(e->down_until - skv_client_now_ms()), e->why);
+    if (rc == SNAPKV_E_BUSY)
+        return skv_client_fail(SNAPKV_E_BUSY, "%.200s: %s", e->name, e->why);
     if (rc)
         return rc;
     *client = e->client;

@@ -234,26 +234,29 @@ SNAPKV_API int snapkv_session_ref_parse(const char *ref, char *endpoint, size_t 
  * names that endpoint, and snapkv_many_client gives the connection to it.
  * The handle connects to an endpoint when it is first needed, with the options given here
  * (every endpoint shares the tenant, the name, the timeout and the CURVE keys, so daemons
- * reached with CURVE must share a server key). Connecting to a daemon that does not answer takes
- * the timeout, so a placement may wait that long for each endpoint it tries that was never
- * connected or whose down_ms has passed. A connect that fails for its options (a bad tenant
- * or key: SNAPKV_E_INVAL; no CURVE in libzmq: SNAPKV_E_UNSUPPORTED) returns that status and marks
- * nothing. An endpoint is marked down for down_ms when connecting to it fails otherwise, when
- * its connection has closed (the daemon stopped; libzmq keeps trying to reconnect), or when a
- * call on its client went unanswered since the last look (a send or a reply that timed out, a
- * refused handshake, a connection that closed during a call; an error the daemon answered does
- * not count); the caller may also mark it (snapkv_many_mark_down). Once down_ms have passed,
- * the next use looks again. Like a client, a handle is not safe to use from several threads at
- * once, and the clients it returns belong to it (do not close them). A callback of a call may
- * use the handle, but the client running that call is taken as up and must not be called.
- * SNAPKV_E_UNAVAILABLE: the endpoint asked for, or every endpoint of a placement, is down; the
- * message says why (for a placement, for as many endpoints as it holds). */
+ * reached with CURVE must share a server key); snapkv_connect_many checks those options as
+ * snapkv_connect does. Connecting to a daemon that does not answer takes the timeout, so a
+ * placement may wait that long for each endpoint it tries that was never connected or whose
+ * down_ms has passed. An endpoint is marked down for down_ms when connecting to it fails (no
+ * daemon, an endpoint libzmq does not take, a refused or failed HELLO), when its connection
+ * has closed (the daemon stopped; libzmq keeps trying to reconnect), or when a call on its
+ * client went unanswered since the last look (a send or a reply that timed out, a refused
+ * handshake, a connection that closed during a call; an error the daemon answered to a call
+ * does not count); the caller may also mark it (snapkv_many_mark_down). Once down_ms have
+ * passed, the next use looks again. Like a client, a handle is not safe to use from several
+ * threads at once, and the clients it returns belong to it (do not close them). A callback of
+ * a call may place keys and get clients, but never the client running that call (a placement
+ * skips it, snapkv_many_client and snapkv_many_session fail with SNAPKV_E_BUSY), and must not
+ * close the handle. SNAPKV_E_UNAVAILABLE: the endpoint asked for, or every endpoint of a
+ * placement, is down; the message says why (for a placement, for as many endpoints as it
+ * holds). SNAPKV_E_NOMEM: out of memory. */
 typedef struct snapkv_many snapkv_many_t;
 #define SNAPKV_MANY_MAX 64            /* endpoints of one handle */
 #define SNAPKV_MANY_DOWN_MS 5000      /* down_ms when 0 is given */
 
 /* Checks the endpoints (1 to SNAPKV_MANY_MAX, none empty, longer than 1023 bytes or listed
- * twice: SNAPKV_E_INVAL) and copies them and opts (NULL: the defaults). down_ms: 0 for
+ * twice: SNAPKV_E_INVAL) and opts (NULL: the defaults; what snapkv_connect refuses before it
+ * connects, SNAPKV_E_INVAL or SNAPKV_E_UNSUPPORTED), and copies both. down_ms: 0 for
  * SNAPKV_MANY_DOWN_MS, at most 3600000. Connects to none yet. */
 SNAPKV_API int snapkv_connect_many(const char *const *endpoints, size_t n, const struct snapkv_connect_opts *opts,
                                    int down_ms, snapkv_many_t **out);

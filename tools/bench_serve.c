@@ -1960,6 +1960,7 @@ static int spread_request(snapkv_client_t *cl, struct snapkv_session_id *doc, bo
 static int spread_run(struct serve_ctx *x, enum spread_mode mode, json_t *out)
 {
     static const char *const names[N_SPREAD_MODES] = {"round robin", "by document (snapkv_many_place)"};
+    json_object_set_new(out, "placement", json_string(names[mode]));
     struct daemon_child dd[SPREAD_DAEMONS] = {0};
     const char *eps[SPREAD_DAEMONS];
     int rc = SKV_OK;
@@ -2001,14 +2002,16 @@ static int spread_run(struct serve_ctx *x, enum spread_mode mode, json_t *out)
     double wall = now_s() - t0;
     snapkv_close_many(&many);
     for (int i = 0; i < SPREAD_DAEMONS; i++)
-        if (dd[i].pid || *dd[i].dir)
-            daemon_stop(&dd[i], rc != 0);
+        if (dd[i].pid || *dd[i].dir) {
+            int code = daemon_stop(&dd[i], rc != 0);
+            if (code != 0)
+                fprintf(stderr, "serve: warning: a spread snapkvd exited with status %d on SIGTERM\n", code);
+        }
     if (rc)
         return rc;
     json_t *pd = json_array();
     for (int i = 0; i < SPREAD_DAEMONS; i++)
         json_array_append_new(pd, json_integer(per_daemon[i]));
-    json_object_set_new(out, "placement", json_string(names[mode]));
     json_object_set_new(out, "requests", json_integer(n));
     json_object_set_new(out, "requests_per_daemon", pd);
     json_object_set_new(out, "document_prefills", json_integer(prefills));
@@ -2286,6 +2289,8 @@ static void print_table(FILE *f, const json_t *j)
         const json_t *o;
         json_array_foreach(json_object_get(sp, "runs"), k, o) {
             const json_t *pd = json_object_get(o, "requests_per_daemon"), *rq = json_object_get(o, "request_s");
+            if (!pd) /* a run that failed */
+                continue;
             fprintf(f, "| %s | %lld / %lld / %lld | %lld | %.2f | %.1f | %.2f / %.2f |\n",
                     json_string_value(json_object_get(o, "placement")),
                     (long long)json_integer_value(json_array_get(pd, 0)),

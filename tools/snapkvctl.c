@@ -93,7 +93,8 @@ static void usage(FILE *out)
             "  cancel SESSION [--admin]               end the session's running decode (it keeps its tokens);\n"
             "                                         --admin: through the admin endpoint, any tenant's session\n"
             "  SESSION: an id (32 hex digits); the client commands also take a reference ENDPOINT#ID and go\n"
-            "           to its endpoint, not -e's (fork then prints a reference too)\n"
+            "           to its endpoint, not -e's (fork then prints a reference too; export then needs\n"
+            "           --size; cancel --admin, like the admin commands, takes only an id)\n"
             "  SAMPLING: [--max-tokens N (256)] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
             "admin commands (admin endpoint):\n"
@@ -365,8 +366,8 @@ static bool parse_session_for(const char *cmd, const char *arg, bool admin, stru
         fprintf(stderr, "snapkvctl %s: %s\n", cmd, snapkv_last_error());
         return false;
     }
-    fprintf(stderr, "snapkvctl %s: '%s' is not a session id (32 hex digits) or reference (ENDPOINT#ID)\n", cmd,
-            arg ? arg : "");
+    fprintf(stderr, "snapkvctl %s: '%s' is not a session id (32 hex digits)%s\n", cmd, arg ? arg : "",
+            admin ? "" : " or reference (ENDPOINT#ID)");
     return false;
 }
 
