@@ -4097,6 +4097,42 @@ static void test_chat_markup_plain(void **state)
     stop_daemon(&d);
 }
 
+/* docs/example_client.c, the README's example, built as a user would build it and run against
+ * the daemon: it prefills, exports through shared memory, forks, answers twice, releases both. */
+static void test_example_client(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "256M");
+    char exe[4096], cmd[8400], out_path[128];
+    built(exe, sizeof exe, "docs/example_client");
+    snprintf(out_path, sizeof out_path, "%s/example.out", d.dir);
+    snprintf(cmd, sizeof cmd, "'%s' '%s' > '%s' 2>&1", exe, d.endpoint, out_path);
+    int st = system(cmd);
+    static char out[1 << 14];
+    FILE *f = fopen(out_path, "r");
+    assert_non_null(f);
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = '\0';
+    fclose(f);
+    if (st != 0)
+        fail_msg("example_client exited with %d:\n%s", st, out);
+    assert_non_null(strstr(out, " layers, "));
+    assert_non_null(strstr(out, " prompt tokens, KV "));
+    assert_non_null(strstr(out, "layer 0 keeps ")); /* the export read back */
+    assert_non_null(strstr(out, "answer: "));
+    assert_non_null(strstr(out, " tokens, ")); /* (48 tokens, length), or fewer and stop */
+    assert_non_null(strstr(out, "fork, sampled: "));
+    snapkv_client_t *admin = client(d.admin, NULL);
+    struct snapkv_session_list l;
+    assert_int_equal(snapkv_admin_list(admin, NULL, &l), SNAPKV_OK);
+    assert_int_equal(l.n, 0); /* both released */
+    snapkv_session_list_free(&l);
+    snapkv_close(&admin);
+    stop_daemon(&d);
+}
+
 /* Which of names[0..n) snapkv_place gives key. */
 static size_t place_of(const char *const *names, size_t n, const char *key)
 {
@@ -4303,6 +4339,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
         cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
         cmocka_unit_test_teardown(test_many_daemons, kill_daemons),
+        cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
