@@ -4,6 +4,7 @@
 #include "libclient/client_internal.h"
 #include "common/keyfile.h"
 #include "common/status.h"
+#include "common/utf8.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -24,6 +25,7 @@ _Static_assert((int)SNAPKV_E_CANCELLED == (int)SKV_E_CANCELLED, "client and daem
 _Static_assert(SNAPKV_CURVE_KEY_SIZE == SKV_KEY_Z85_LEN + 1, "CURVE key sizes differ");
 
 #define DEFAULT_TIMEOUT_MS 30000
+#define CLIENT_NAME_MAX 4096 /* bytes of snapkv_connect_opts.name */
 #define MONITOR_ENDPOINT "inproc://snapkv-handshake" /* one context per client: no clash */
 #define HANDSHAKE_FAILURES \
     (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
@@ -504,7 +506,6 @@ static int first_hello(snapkv_client_t *c)
     return rc;
 }
 
-/* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
 /* The daemon's rule for tenant names (daemon/session.c skv_session_check_tenant), in ASCII
  * whatever the program's locale. */
 static bool tenant_name_ok(const char *t)
@@ -556,11 +557,24 @@ int skv_client_check_opts(const struct snapkv_connect_opts *opts)
     if (opts && opts->tenant && *opts->tenant && !tenant_name_ok(opts->tenant))
         return skv_client_fail(SNAPKV_E_INVAL, "tenant '%.63s%s': 1..63 letters, digits and . _ - @", opts->tenant,
                                strlen(opts->tenant) > 63 ? "..." : "");
+    if (opts && opts->name) { /* (the daemon refuses a HELLO whose name is not text) */
+        size_t n = strlen(opts->name);
+        if (n > CLIENT_NAME_MAX)
+            return skv_client_fail(SNAPKV_E_INVAL, "client name of %zu bytes: at most %d", n, CLIENT_NAME_MAX);
+        for (size_t i = 0; i < n;) {
+            bool partial;
+            size_t bad, len = skv_utf8_char((const unsigned char *)opts->name + i, n - i, &partial, &bad);
+            if (!len)
+                return skv_client_fail(SNAPKV_E_INVAL, "client name: ill-formed UTF-8 at byte %zu", i);
+            i += len;
+        }
+    }
     char derived[SNAPKV_CURVE_KEY_SIZE];
     bool curve;
     return curve_keys(opts, derived, &curve);
 }
 
+/* Sets the CURVE client options on c->sock from opts (nothing when no key is given). */
 static int setup_curve(snapkv_client_t *c, const struct snapkv_connect_opts *opts)
 {
     char derived[SNAPKV_CURVE_KEY_SIZE];

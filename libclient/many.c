@@ -150,8 +150,9 @@ static void mark_down(snapkv_many_t *m, struct many_endpoint *e, const char *why
 /* SNAPKV_OK when endpoint e can take a call now: not marked down, connected (now, if it was
  * not), its connection not closed and no call on it unanswered since the last look.
  * SNAPKV_E_BUSY (e->why says so, nothing marked): its client is running a call, from one of
- * whose callbacks this comes. SNAPKV_E_NOMEM (message set): out of memory. Anything else marks
- * the endpoint down and is SNAPKV_E_UNAVAILABLE, with e->why saying why. */
+ * whose callbacks this comes. Anything else marks the endpoint down and is
+ * SNAPKV_E_UNAVAILABLE, with e->why saying why (a connect that failed for want of memory too:
+ * it is tried again after down_ms like any other). */
 static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
 {
     int64_t now = skv_client_now_ms();
@@ -162,8 +163,6 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
         /* (the options were checked by snapkv_connect_many: a failure here is the endpoint's,
          * one libzmq does not take included) */
         int rc = snapkv_connect(e->name, &m->opts, &e->client);
-        if (rc == SNAPKV_E_NOMEM)
-            return rc;
         if (rc) {
             char why[sizeof e->why];
             snprintf(why, sizeof why, "connect: %s (%s)", snapkv_last_error(), snapkv_status_str(rc));
@@ -193,17 +192,21 @@ static int endpoint_up(snapkv_many_t *m, struct many_endpoint *e)
     return SNAPKV_OK;
 }
 
-/* The message of a failed placement: the endpoints in the key's order, each with why it is
- * down (or busy), as many as the message holds (names cut to 80 bytes, reasons to 120). */
-static int all_down(const snapkv_many_t *m, const size_t *order)
+/* A failed placement: SNAPKV_E_BUSY when `busy` of the endpoints are running the call a
+ * callback comes from (the others down), else SNAPKV_E_UNAVAILABLE; the message lists the
+ * endpoints in the key's order, each with why it is down (or busy), as many as it holds (names
+ * cut to 80 bytes, reasons to 120). */
+static int all_down(const snapkv_many_t *m, const size_t *order, size_t busy)
 {
     char msg[480];
-    size_t at = (size_t)snprintf(msg, sizeof msg, "every endpoint is down (%zu):", m->n);
+    size_t at = busy ? (size_t)snprintf(msg, sizeof msg, "no endpoint can take a call (%zu, %zu of them running the "
+                                        "call this callback comes from):", m->n, busy)
+                     : (size_t)snprintf(msg, sizeof msg, "every endpoint is down (%zu):", m->n);
     for (size_t k = 0; k < m->n && at < sizeof msg; k++) {
         const struct many_endpoint *e = &m->ep[order[k]];
         at += (size_t)snprintf(msg + at, sizeof msg - at, "%s %.80s: %.120s", k ? ";" : "", e->name, e->why);
     }
-    return skv_client_fail(SNAPKV_E_UNAVAILABLE, "%s", msg);
+    return skv_client_fail(busy ? SNAPKV_E_BUSY : SNAPKV_E_UNAVAILABLE, "%s", msg);
 }
 
 int snapkv_many_place(snapkv_many_t *m, const void *key, size_t key_len, snapkv_client_t **client, size_t *index)
@@ -227,6 +230,7 @@ int snapkv_many_place(snapkv_many_t *m, const void *key, size_t key_len, snapkv_
         }
         order[j] = x;
     }
+    size_t busy = 0;
     for (size_t k = 0; k < m->n; k++) {
         int rc = endpoint_up(m, &m->ep[order[k]]);
         if (rc == SNAPKV_OK) {
@@ -235,10 +239,9 @@ int snapkv_many_place(snapkv_many_t *m, const void *key, size_t key_len, snapkv_
                 *index = order[k];
             return SNAPKV_OK;
         }
-        if (rc == SNAPKV_E_NOMEM)
-            return rc;
+        busy += rc == SNAPKV_E_BUSY;
     }
-    return all_down(m, order);
+    return all_down(m, order, busy);
 }
 
 int snapkv_many_client(snapkv_many_t *m, size_t index, snapkv_client_t **client)

@@ -100,8 +100,8 @@ enum snapkv_status {
     SNAPKV_E_TIMEOUT = -15,
     SNAPKV_E_EXISTS = -16,
     SNAPKV_E_INTERNAL = -17,
-    SNAPKV_E_UNAVAILABLE = -18, /* every daemon a snapkv_many_t could use is down (never sent by a
-                                 * daemon) */
+    SNAPKV_E_UNAVAILABLE = -18, /* the daemon a snapkv_many_t was asked for, or every one a placement
+                                 * could use, is down (never sent by a daemon) */
 };
 
 /* Detail message of this thread's last failed call ("" when none; a later successful call
@@ -117,7 +117,8 @@ typedef struct snapkv_client snapkv_client_t;
 struct snapkv_connect_opts {
     const char *tenant;     /* NULL: "default"; 1 to 63 of letters, digits and . _ - @ (else
                              * SNAPKV_E_INVAL at connect) */
-    const char *name;       /* client name, in the daemon's log at log-level = debug; NULL: "libsnapkv" */
+    const char *name;       /* client name, in the daemon's log at log-level = debug; NULL: "libsnapkv";
+                             * at most 4096 bytes of well-formed UTF-8 (else SNAPKV_E_INVAL at connect) */
     int timeout_ms;         /* send each request and wait for each reply; 0: 30000, -1: forever.
                              * Each request tells the daemon this as its deadline: one still
                              * queued when it passes is answered TIMEOUT unrun (but a CANCEL
@@ -249,7 +250,7 @@ SNAPKV_API int snapkv_session_ref_parse(const char *ref, char *endpoint, size_t 
  * skips it, snapkv_many_client and snapkv_many_session fail with SNAPKV_E_BUSY), and must not
  * close the handle. SNAPKV_E_UNAVAILABLE: the endpoint asked for, or every endpoint of a
  * placement, is down; the message says why (for a placement, for as many endpoints as it
- * holds). SNAPKV_E_NOMEM: out of memory. */
+ * holds). */
 typedef struct snapkv_many snapkv_many_t;
 #define SNAPKV_MANY_MAX 64            /* endpoints of one handle */
 #define SNAPKV_MANY_DOWN_MS 5000      /* down_ms when 0 is given */
@@ -263,11 +264,14 @@ SNAPKV_API int snapkv_connect_many(const char *const *endpoints, size_t n, const
 /* Closes every connection; accepts NULL and *many_p == NULL; sets *many_p to NULL. */
 SNAPKV_API void snapkv_close_many(snapkv_many_t **many_p);
 /* The client for a new session with this key (see snapkv_place): the highest-weight endpoint
- * that is up, connected now if it was not. *index (may be NULL) is its place in the list. */
+ * that is up, connected now if it was not. *index (may be NULL) is its place in the list.
+ * SNAPKV_E_UNAVAILABLE: every endpoint is down; SNAPKV_E_BUSY: none is up but the client(s)
+ * running the call this callback comes from. */
 SNAPKV_API int snapkv_many_place(snapkv_many_t *many, const void *key, size_t key_len, snapkv_client_t **client,
                                  size_t *index);
 /* The client of endpoint `index` (connected now if it was not); SNAPKV_E_UNAVAILABLE while it
- * is down, SNAPKV_E_INVAL for an index past the list. */
+ * is down, SNAPKV_E_BUSY while it runs the call this callback comes from, SNAPKV_E_INVAL for an
+ * index past the list. */
 SNAPKV_API int snapkv_many_client(snapkv_many_t *many, size_t index, snapkv_client_t **client);
 /* The client of the daemon a reference names, and the session's id: SNAPKV_E_INVAL for a
  * malformed reference, SNAPKV_E_NOT_FOUND when its endpoint is not one of the handle's, else as

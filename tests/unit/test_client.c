@@ -2626,8 +2626,10 @@ static bool answer_not_found(struct fake *f, const Snapkv__Request *req)
 struct many_in_call {
     snapkv_many_t *m;
     const char *key0; /* a key of endpoint 0 */
-    int calls, client0, client2, place_rc;
+    const char *ref0; /* a reference to a session at endpoint 0 */
+    int calls, client0, client2, session0, place_rc;
     size_t placed_at;
+    char place_error[512];
 };
 
 static void many_progress(void *user, uint32_t done, uint32_t total)
@@ -2636,10 +2638,15 @@ static void many_progress(void *user, uint32_t done, uint32_t total)
     (void)total;
     struct many_in_call *u = user;
     snapkv_client_t *cl = NULL;
-    u->calls++;
+    struct snapkv_session_id id;
+    if (u->calls++) /* the first progress reply's view */
+        return;
     u->client0 = snapkv_many_client(u->m, 0, &cl);
-    u->client2 = snapkv_many_client(u->m, 2, &cl);
+    u->client2 = u->ref0 ? snapkv_many_client(u->m, 2, &cl) : SNAPKV_OK;
+    u->session0 = u->ref0 ? snapkv_many_session(u->m, u->ref0, &cl, &id) : SNAPKV_OK;
     u->place_rc = snapkv_many_place(u->m, u->key0, strlen(u->key0), &cl, &u->placed_at);
+    if (u->place_rc)
+        snprintf(u->place_error, sizeof u->place_error, "%s", snapkv_last_error());
 }
 
 static void test_connect_many(void **state)
@@ -2679,9 +2686,11 @@ static void test_connect_many(void **state)
     snapkv__request__free_unpacked(req, NULL);
 
     /* a callback of endpoint 0's running call: that client is busy (not down), placement skips it */
-    char key0[32];
+    char key0[32], ref0[200];
     key_for(names, 3, 0, key0, sizeof key0);
-    struct many_in_call u = {.m = m, .key0 = key0};
+    const char *without0[2] = {names[1], names[2]};
+    assert_int_equal(snapkv_session_ref(names[0], &ID_A, ref0, sizeof ref0), SNAPKV_OK);
+    struct many_in_call u = {.m = m, .key0 = key0, .ref0 = ref0};
     uint32_t toks[3] = {5, 6, 7};
     struct snapkv_prefill_opts po = {.tokens = toks, .n_tokens = 3, .progress = many_progress, .progress_user = &u};
     struct snapkv_prefill_result pr;
@@ -2690,8 +2699,9 @@ static void test_connect_many(void **state)
     assert_int_equal(u.calls, 3);
     assert_int_equal(u.client0, SNAPKV_E_BUSY);
     assert_int_equal(u.client2, SNAPKV_OK);
+    assert_int_equal(u.session0, SNAPKV_E_BUSY);
     assert_int_equal(u.place_rc, SNAPKV_OK);
-    assert_int_not_equal(u.placed_at, 0);
+    assert_int_equal(u.placed_at, placed(without0, 2, key0) + 1); /* key0's second choice */
     assert_int_equal(snapkv_many_place(m, key0, strlen(key0), &cl, &at), SNAPKV_OK); /* and after it, 0 again */
     assert_int_equal(at, 0);
 
@@ -2790,13 +2800,48 @@ static void test_connect_many(void **state)
     assert_non_null(strstr(snapkv_last_error(), "is down for"));
     snapkv_close_many(&m);
 
+    /* a handle of one endpoint, placing from a callback of that endpoint's call: BUSY, not down */
+    struct fake *solo = fake_start(answer_prefill);
+    const char *solo_name[1] = {solo->endpoint};
+    assert_int_equal(snapkv_connect_many(solo_name, 1, &(struct snapkv_connect_opts){.timeout_ms = 5000}, 0, &m),
+                     SNAPKV_OK);
+    assert_int_equal(snapkv_many_client(m, 0, &cl), SNAPKV_OK);
+    u = (struct many_in_call){.m = m, .key0 = "k"}; /* (the callback asks endpoint 0 and places) */
+    po.progress_user = &u;
+    assert_int_equal(snapkv_prefill(cl, &po, &pr), SNAPKV_OK);
+    snapkv_prefill_result_free(&pr);
+    assert_int_equal(u.client0, SNAPKV_E_BUSY);
+    assert_int_equal(u.place_rc, SNAPKV_E_BUSY);
+    assert_non_null(strstr(u.place_error, "no endpoint can take a call (1, 1 of them running"));
+    assert_int_equal(snapkv_many_place(m, "k", 1, &cl, &at), SNAPKV_OK); /* and after it, up */
+    snapkv_close_many(&m);
+    fake_stop(&solo);
+
     /* options no daemon takes: refused at once */
     const char *one[1] = {"ipc:///nonexistent/skv-many-test.sock"};
     assert_int_equal(snapkv_connect_many(one, 1, &(struct snapkv_connect_opts){.tenant = "bad tenant"}, 0, &m),
                      SNAPKV_E_INVAL);
     assert_non_null(strstr(snapkv_last_error(), "tenant 'bad tenant'"));
-    assert_int_equal(snapkv_connect_many(one, 1, &(struct snapkv_connect_opts){.curve_server_key = "short"}, 0, &m),
+    char pub[SNAPKV_CURVE_KEY_SIZE], sec[SNAPKV_CURVE_KEY_SIZE];
+    assert_int_equal(snapkv_curve_keypair(pub, sec), SNAPKV_OK);
+    assert_int_equal(
+        snapkv_connect_many(one, 1, &(struct snapkv_connect_opts){.curve_server_key = "short", .curve_secret_key = sec},
+                            0, &m),
+        SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "not a Z85 key"));
+    assert_int_equal(
+        snapkv_connect_many(one, 1, &(struct snapkv_connect_opts){.curve_server_key = pub, .curve_secret_key = sec},
+                            0, &m),
+        SNAPKV_OK); /* good keys: taken */
+    snapkv_close_many(&m);
+    assert_int_equal(snapkv_connect_many(one, 1, &(struct snapkv_connect_opts){.name = "bad \xff name"}, 0, &m),
                      SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "ill-formed UTF-8 at byte 4"));
+    char long_name[4098];
+    memset(long_name, 'n', sizeof long_name - 1);
+    long_name[sizeof long_name - 1] = '\0';
+    assert_int_equal(snapkv_connect(one[0], &(struct snapkv_connect_opts){.name = long_name}, &cl), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "client name of 4097 bytes"));
     assert_int_equal(snapkv_connect_many(one, 1, &(struct snapkv_connect_opts){.timeout_ms = -2}, 0, &m),
                      SNAPKV_E_INVAL);
 
