@@ -168,6 +168,23 @@ static double jnum(const json_t *o, const char *key)
     return json_number_value(json_object_get(o, key));
 }
 
+static long long jint(const json_t *o, const char *key)
+{
+    return (long long)json_integer_value(json_object_get(o, key));
+}
+
+/* Whether a part's table is done with: the part was not asked for (o NULL), or it was skipped
+ * (said here, under its title). false: the caller prints the table. */
+static bool part_skipped(FILE *f, const json_t *o, const char *title)
+{
+    if (!o)
+        return true;
+    if (!json_object_get(o, "skipped"))
+        return false;
+    fprintf(f, "\n%s: skipped (%s)\n", title, json_string_value(json_object_get(o, "skipped")));
+    return true;
+}
+
 static int stat_get(snapkv_client_t *admin, const char *name, double *out)
 {
     struct snapkv_stats st;
@@ -2227,9 +2244,7 @@ static void print_table(FILE *f, const json_t *j)
                     jnum(o, "bulk_last_done_s"));
     }
     const json_t *ck = json_object_get(j, "checkpoint");
-    if (ck && json_object_get(ck, "skipped")) {
-        fprintf(f, "\ncheckpoints: skipped (%s)\n", json_string_value(json_object_get(ck, "skipped")));
-    } else if (ck) {
+    if (!part_skipped(f, ck, "checkpoints")) {
         const json_t *b = json_object_get(ck, "after_append_bytes"), *t = json_object_get(ck, "after_append_s");
         fprintf(f, "\ncheckpoints (persist-interval-seconds 1), %lld full-cache sessions of %lld tokens\n"
                    "| checkpoint | bytes written | seconds |\n|---|---|---|\n"
@@ -2244,9 +2259,7 @@ static void print_table(FILE *f, const json_t *j)
                 jnum(t, "p50"), jnum(t, "max"));
     }
     const json_t *ev = json_object_get(j, "events");
-    if (ev && json_object_get(ev, "skipped")) {
-        fprintf(f, "\nKV events: skipped (%s)\n", json_string_value(json_object_get(ev, "skipped")));
-    } else if (ev) {
+    if (!part_skipped(f, ev, "KV events")) {
         fprintf(f, "\nKV events: FORK + RELEASE of a %lld-token document (%lld block hashes a stored event)\n"
                    "| subscriber | pairs/s | FORK p50 / p99 us | RELEASE p50 / p99 us | events taken / lost |\n"
                    "|---|---|---|---|---|\n",
@@ -2267,21 +2280,14 @@ static void print_table(FILE *f, const json_t *j)
         }
     }
     const json_t *sp = json_object_get(j, "spread");
-    if (sp && json_object_get(sp, "skipped")) {
-        fprintf(f, "\nSeveral daemons: skipped (%s)\n", json_string_value(json_object_get(sp, "skipped")));
-    } else if (sp) {
+    if (!part_skipped(f, sp, "Several daemons")) {
         const json_t *bal = json_object_get(sp, "balance_per_daemon");
         fprintf(f, "\nSeveral daemons: %lld documents of %lld tokens, %lld questions each (%lld tokens APPENDed to a "
                    "FORK, %lld decoded), over %lld daemons; %lld keys placed %lld / %lld / %lld\n"
                    "| placement | requests per daemon | document prefills | hit rate | wall s | request p50 / p99 s |\n"
                    "|---|---|---|---|---|---|\n",
-                (long long)json_integer_value(json_object_get(sp, "documents")),
-                (long long)json_integer_value(json_object_get(sp, "document_tokens")),
-                (long long)json_integer_value(json_object_get(sp, "questions_per_document")),
-                (long long)json_integer_value(json_object_get(sp, "question_tokens")),
-                (long long)json_integer_value(json_object_get(sp, "decode_tokens")),
-                (long long)json_integer_value(json_object_get(sp, "daemons")),
-                (long long)json_integer_value(json_object_get(sp, "balance_keys")),
+                jint(sp, "documents"), jint(sp, "document_tokens"), jint(sp, "questions_per_document"),
+                jint(sp, "question_tokens"), jint(sp, "decode_tokens"), jint(sp, "daemons"), jint(sp, "balance_keys"),
                 (long long)json_integer_value(json_array_get(bal, 0)),
                 (long long)json_integer_value(json_array_get(bal, 1)),
                 (long long)json_integer_value(json_array_get(bal, 2)));
@@ -2295,8 +2301,7 @@ static void print_table(FILE *f, const json_t *j)
                     json_string_value(json_object_get(o, "placement")),
                     (long long)json_integer_value(json_array_get(pd, 0)),
                     (long long)json_integer_value(json_array_get(pd, 1)),
-                    (long long)json_integer_value(json_array_get(pd, 2)),
-                    (long long)json_integer_value(json_object_get(o, "document_prefills")),
+                    (long long)json_integer_value(json_array_get(pd, 2)), jint(o, "document_prefills"),
                     jnum(o, "document_hit_rate"), jnum(o, "wall_s"), jnum(rq, "p50"), jnum(rq, "p99"));
         }
     }
