@@ -91,5 +91,8 @@ void skv_client_look(snapkv_client_t *c);
 int skv_client_check_names(const char *const *names, size_t n, size_t max, const char *what);
 /* Endpoint e's rendezvous weight for key (snapkv_place). libsodium must have been started. */
 uint64_t skv_client_place_weight(const char *e, const void *key, size_t key_len);
+/* Whether endpoint a (weight wa) comes before b (weight wb) in a key's order: the higher
+ * weight, equal weights by the lower name. */
+bool skv_client_place_before(uint64_t wa, const char *a, uint64_t wb, const char *b);
 
 #endif

@@ -224,7 +224,7 @@ int snapkv_many_place(snapkv_many_t *m, const void *key, size_t key_len, snapkv_
         size_t x = order[i], j = i;
         for (; j > 0; j--) {
             size_t y = order[j - 1];
-            if (w[y] > w[x] || (w[y] == w[x] && strcmp(m->ep[y].name, m->ep[x].name) < 0))
+            if (skv_client_place_before(w[y], m->ep[y].name, w[x], m->ep[x].name))
                 break;
             order[j] = y;
         }
@@ -257,8 +257,6 @@ int snapkv_many_client(snapkv_many_t *m, size_t index, snapkv_client_t **client)
                                (long long)(e->down_until - skv_client_now_ms()), e->why);
     if (rc == SNAPKV_E_BUSY)
         return skv_client_fail(SNAPKV_E_BUSY, "%.200s: %s", e->name, e->why);
-    if (rc)
-        return rc;
     *client = e->client;
     return SNAPKV_OK;
 }

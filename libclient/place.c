@@ -26,6 +26,12 @@ uint64_t skv_client_place_weight(const char *e, const void *key, size_t key_len)
     return w;
 }
 
+bool skv_client_place_before(uint64_t wa, const char *a, uint64_t wb, const char *b)
+{
+    /* (equal weights: the lower name, so that the order of the list does not matter) */
+    return wa > wb || (wa == wb && strcmp(a, b) < 0);
+}
+
 static int name_cmp(const void *a, const void *b)
 {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
@@ -67,8 +73,7 @@ int snapkv_place(const char *const *endpoints, size_t n, const void *key, size_t
     uint64_t best_w = skv_client_place_weight(endpoints[0], key, key_len);
     for (size_t i = 1; i < n; i++) {
         uint64_t w = skv_client_place_weight(endpoints[i], key, key_len);
-        /* (equal weights: the lower name, so that the order of the list does not matter) */
-        if (w > best_w || (w == best_w && strcmp(endpoints[i], endpoints[best]) < 0)) {
+        if (skv_client_place_before(w, endpoints[i], best_w, endpoints[best])) {
             best = i;
             best_w = w;
         }

@@ -353,17 +353,14 @@ static bool parse_session_for(const char *cmd, const char *arg, bool admin, stru
 {
     if (snapkv_session_id_from_hex(arg, out) == SNAPKV_OK)
         return true;
-    if (arg && strchr(arg, '#') && admin) {
-        fprintf(stderr, "snapkvctl %s: '%s' is a session reference, which names a client endpoint: an admin command "
-                "takes the bare id, and the daemon's admin endpoint with -a\n", cmd, arg);
-        return false;
-    }
     if (arg && strchr(arg, '#')) {
-        int rc = snapkv_session_ref_parse(arg, g_ref_endpoint, sizeof g_ref_endpoint, out);
-        if (rc == SNAPKV_OK)
-            return true;
-        *g_ref_endpoint = '\0';
-        fprintf(stderr, "snapkvctl %s: %s\n", cmd, snapkv_last_error());
+        if (admin)
+            fprintf(stderr, "snapkvctl %s: '%s' is a session reference, which names a client endpoint: an admin "
+                    "command takes the bare id, and the daemon's admin endpoint with -a\n", cmd, arg);
+        else if (snapkv_session_ref_parse(arg, g_ref_endpoint, sizeof g_ref_endpoint, out) == SNAPKV_OK)
+            return true; /* (g_ref_endpoint is written only then) */
+        else
+            fprintf(stderr, "snapkvctl %s: %s\n", cmd, snapkv_last_error());
         return false;
     }
     fprintf(stderr, "snapkvctl %s: '%s' is not a session id (32 hex digits)%s\n", cmd, arg ? arg : "",
