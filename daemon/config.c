@@ -117,6 +117,15 @@ static const struct skv_config_option options[] = {
      "an unpinned session idle this long is released (when its PREFILL names no lease)"},
     {"max-lease-seconds", SKV_CFG_INT, OPT(max_lease_seconds), "86400", 1, INT32_MAX,
      "longest lease a PREFILL may ask for (at least lease-seconds)"},
+    {"store", SKV_CFG_STRING, OPT(store), "", 0, 0,
+     "a shared store for cold sessions, redis://HOST[:PORT][/DB] or unix://PATH (Redis or Valkey): a session "
+     "evicted or past its lease is written there instead of dropped, and a request naming a session this "
+     "daemon does not hold takes it from there, on this host or another with the same model; \"\" off"},
+    {"store-keep-seconds", SKV_CFG_INT, OPT(store_keep_seconds), "3600", 1, INT32_MAX,
+     "how long the store keeps a spilled session nobody takes back"},
+    {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
+     "the longest the engine waits for the store (connect, spill or load); after a failure none is tried "
+     "for a second, and sessions evicted meanwhile are dropped"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
      "compression spec used when a request names none"},
     {"ipc-tenant", SKV_CFG_STRING, OPT(ipc_tenant), "claimed", 0, 0,

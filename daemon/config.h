@@ -45,6 +45,9 @@ struct skv_config {
     int64_t max_text_bytes;   /* longest request text; 0: derived from the token limits */
     int64_t lease_seconds;    /* the lease of a session whose PREFILL names none */
     int64_t max_lease_seconds; /* the longest lease a PREFILL may name */
+    char *store;              /* redis://HOST[:PORT][/DB] or unix://PATH: spilled sessions; "" off */
+    int64_t store_keep_seconds; /* a spilled session's time to live there */
+    int64_t store_timeout_ms; /* connect, spill and load */
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
     char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */

@@ -13,6 +13,7 @@
 #include "daemon/engine/kv_store.h"
 #include "daemon/engine/model.h"
 #include "daemon/engine/tokenizer.h"
+#include "daemon/store.h"
 
 #include <ctype.h>
 #include <dirent.h>
@@ -75,9 +76,13 @@ static const char *tenant_of(const struct skv_job *job)
     return t && *t ? t : DEFAULT_TENANT;
 }
 
-/* The session named by `id` for this tenant (admins: any tenant). */
-static int find_session(struct skv_worker *w, const struct skv_job *job, ProtobufCBinaryData id, bool admin,
-                        struct skv_session **out)
+static int store_load(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out);
+
+/* The session named by `id` for this tenant (admins: any tenant). One this daemon does not
+ * hold comes from the store (store = ...) when it is there, unless `here_only` (admins, CANCEL:
+ * the store holds sessions of a tenant, and nothing runs on them). */
+static int find_session_in(struct skv_worker *w, const struct skv_job *job, ProtobufCBinaryData id, bool admin,
+                           bool here_only, struct skv_session **out)
 {
     if (id.len != SKV_SESSION_ID_BYTES)
         return skv_errorf(SKV_E_INVAL, "a session id is %d bytes, got %zu", SKV_SESSION_ID_BYTES, id.len);
@@ -85,10 +90,23 @@ static int find_session(struct skv_worker *w, const struct skv_job *job, Protobu
     if (!s) {
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(id.data, hex);
-        return skv_errorf(SKV_E_NOT_FOUND, "no session %s%s", hex, admin ? "" : " for this tenant");
+        int rc = admin || here_only || !w->store ? SKV_E_NOT_FOUND : store_load(w, tenant_of(job), id.data, &s);
+        if (rc == SKV_E_NOT_FOUND)
+            return skv_errorf(SKV_E_NOT_FOUND, "no session %s%s", hex, admin ? "" : " for this tenant");
+        if (rc) {
+            char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
+            snprintf(why, sizeof why, "%s", skv_error_msg());
+            return skv_errorf(rc, "session %s is not here, and taking it from the store failed: %s", hex, why);
+        }
     }
     *out = s;
     return SKV_OK;
+}
+
+static int find_session(struct skv_worker *w, const struct skv_job *job, ProtobufCBinaryData id, bool admin,
+                        struct skv_session **out)
+{
+    return find_session_in(w, job, id, admin, admin, out);
 }
 
 /* The most bytes of one token's text a decode emits (a longer one is cut there). */
@@ -1746,7 +1764,7 @@ void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
 static void handle_cancel(struct skv_worker *w, struct skv_job *job)
 {
     struct skv_session *s = NULL;
-    int rc = find_session(w, job, job->req->cancel->session_id, job->sock == 1, &s);
+    int rc = find_session_in(w, job, job->req->cancel->session_id, job->sock == 1, true, &s);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -2329,21 +2347,14 @@ static int open_state_file(const char *path)
     return fd;
 }
 
-/* Reads a saved session from `path` into a new session of tenant (owner: who made it), charged
- * to the pool and the tenant; *out on success (nothing is left behind on failure). */
-static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
+/* Reads a saved session from f (named `path` in messages; f stays open) into a new session of
+ * tenant (owner: who made it), charged to the pool and the tenant; *out on success (nothing is
+ * left behind on failure). */
+static int session_read(struct skv_worker *w, FILE *f, const char *path, const char *tenant, const char *owner,
                         struct restore *r, struct skv_session **out)
 {
     struct skv_session *s = NULL;
-    FILE *f = NULL;
     int rc = skv_session_check_tenant(tenant);
-    int fd = rc ? -1 : open_state_file(path);
-    if (!rc && fd < 0)
-        rc = fd;
-    if (!rc && !(f = fdopen(fd, "rb"))) {
-        rc = skv_errorf(SKV_E_NOMEM, "%s: %s", path, strerror(errno));
-        close(fd);
-    }
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, 32);
     struct save_header hd;
@@ -2477,8 +2488,6 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
         else if (r)
             memcpy(r->sum, got, sizeof got);
     }
-    if (f)
-        fclose(f);
     if (!rc) {
         s->cache->n_past = hd.n_past;
         s->prompt_len = hd.prompt_len;
@@ -2519,6 +2528,104 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
             skv_session_destroy(w->sessions, s);
         return rc;
     }
+    *out = s;
+    return SKV_OK;
+}
+
+/* Reads a saved session from the file `path` (session_read). */
+static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
+                        struct restore *r, struct skv_session **out)
+{
+    int rc = skv_session_check_tenant(tenant); /* before the file: a bad name says so */
+    if (rc)
+        return rc;
+    int fd = open_state_file(path);
+    if (fd < 0)
+        return fd;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        rc = skv_errorf(SKV_E_NOMEM, "%s: %s", path, strerror(errno));
+        close(fd);
+        return rc;
+    }
+    rc = session_read(w, f, path, tenant, owner, r, out);
+    fclose(f);
+    return rc;
+}
+
+/* ---- the shared store (store = ...) ------------------------------------------------------------
+ * A session evicted or past its lease is written there in the SAVE format under
+ * snapkv:<model fingerprint>:<tenant>:<id>, so that only this model and this tenant can read it,
+ * and a request naming a session this daemon does not hold takes it back (GETDEL: one host at a
+ * time holds it). */
+
+static void store_key(const struct skv_worker *w, const char *tenant, const uint8_t *id, char *out, size_t cap)
+{
+    char hex[2 * SKV_SESSION_ID_BYTES + 1];
+    skv_session_id_hex(id, hex);
+    snprintf(out, cap, "snapkv:%s:%s:%s", w->m->fingerprint, tenant, hex);
+}
+
+#define STORE_KEY_MAX (7 + 65 + SKV_TENANT_MAX + 2 * SKV_SESSION_ID_BYTES + 8)
+
+void skv_requests_spill(void *user, struct skv_session *s)
+{
+    struct skv_worker *w = user;
+    if (!w->store)
+        return;
+    char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1];
+    store_key(w, s->tenant, s->id, key, sizeof key);
+    skv_session_id_hex(s->id, hex);
+    char *buf = NULL;
+    size_t n = 0;
+    unsigned char sum[32];
+    FILE *f = open_memstream(&buf, &n);
+    int rc = f ? session_write(w, s, f, NULL, sum) : skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
+    if (f && fclose(f) != 0 && !rc)
+        rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
+    if (!rc)
+        rc = skv_store_put(w->store, key, buf, n, w->cfg->store_keep_seconds);
+    if (rc)
+        skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s", hex, s->tenant, skv_error_msg());
+    else
+        skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%zu bytes)", hex, s->tenant, n);
+    free(buf);
+}
+
+/* Takes session `id` of `tenant` from the store into this daemon, under its id. NOT_FOUND when
+ * the store has none. A value that does not load as a session of this model is dropped (it was
+ * taken); one that loads but does not fit (the pool, the tenant's limits, memory) goes back. */
+static int store_load(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out)
+{
+    char key[STORE_KEY_MAX];
+    store_key(w, tenant, id, key, sizeof key);
+    void *data = NULL;
+    size_t n = 0;
+    int rc = skv_store_take(w->store, key, &data, &n);
+    if (rc)
+        return rc;
+    struct skv_session *s = NULL;
+    FILE *f = fmemopen(data, n ? n : 1, "rb");
+    rc = f ? session_read(w, f, "the stored session", tenant, "store", NULL, &s)
+           : skv_errorf(SKV_E_NOMEM, "no memory to read a stored session");
+    if (f)
+        fclose(f);
+    if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
+        skv_session_destroy(w->sessions, s);
+    if (rc == SKV_E_POOL_FULL || rc == SKV_E_LIMIT || rc == SKV_E_NOMEM || rc == SKV_E_EXISTS) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        if (skv_store_put(w->store, key, data, n, w->cfg->store_keep_seconds))
+            skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' that did not fit here is lost: %s", tenant,
+                    skv_error_msg());
+        rc = skv_errorf(rc, "%s (it stays in the store)", why);
+    } else if (rc) {
+        skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
+    }
+    free(data);
+    if (rc)
+        return rc;
+    skv_worker_event_stored(w, s);
     *out = s;
     return SKV_OK;
 }
@@ -3048,6 +3155,29 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         skv_log(SKV_LOG_WARN, "persist: checkpoint: %d session(s) not written (failed or past persist-max-seconds) "
                 "keep the file of an earlier checkpoint", carried);
     return SKV_OK;
+}
+
+int skv_requests_store_drain(struct skv_worker *w)
+{
+    if (!w->store)
+        return 0;
+    struct persist_list l = {0};
+    skv_session_foreach(w->sessions, persist_collect, &l);
+    if (l.n)
+        qsort(l.s, (size_t)l.n, sizeof *l.s, by_save_order);
+    uint64_t t0 = skv_now_ms();
+    struct skv_store_stats before, after;
+    skv_store_stats(w->store, &before);
+    int i = 0;
+    for (; i < l.n && skv_now_ms() - t0 < (uint64_t)w->cfg->persist_max_seconds * 1000; i++)
+        skv_requests_spill(w, l.s[i]);
+    skv_store_stats(w->store, &after);
+    int spilled = (int)(after.spills - before.spills);
+    skv_log(l.n > spilled ? SKV_LOG_WARN : SKV_LOG_INFO,
+            "store: %d of %d session(s) spilled at the stop in %.1f s%s", spilled, l.n,
+            (double)(skv_now_ms() - t0) / 1000.0, i < l.n ? " (persist-max-seconds ran out)" : "");
+    free(l.s);
+    return spilled;
 }
 
 int skv_requests_persist_save(struct skv_worker *w)

@@ -20,6 +20,8 @@ struct skv_session_table {
     struct skv_kv_pool *pool;     /* the model's block pool (from the first session) */
     void (*on_destroy)(void *user, struct skv_session *s);
     void *on_destroy_user;
+    void (*on_evict)(void *user, struct skv_session *s);
+    void *on_evict_user;
     uint64_t evictions;
     uint64_t mark; /* the last mark_kept's (blocks carry it: skv_kv_block.mark) */
     /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
@@ -175,6 +177,21 @@ void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *
 {
     t->on_destroy = fn;
     t->on_destroy_user = user;
+}
+
+void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
+                                void *user)
+{
+    t->on_evict = fn;
+    t->on_evict_user = user;
+}
+
+/* A session the table drops on its own (eviction, a lease that ran out): on_evict first. */
+static void evict(struct skv_session_table *t, struct skv_session *s)
+{
+    if (t->on_evict)
+        t->on_evict(t->on_evict_user, s);
+    skv_session_destroy(t, s);
 }
 
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
@@ -435,7 +452,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
                               s->tenant, (unsigned long long)tenant_bytes,
                               (unsigned long long)t->lim.max_bytes_per_tenant);
         tenant_bytes -= v->bytes + v->compressor_bytes;
-        skv_session_destroy(t, v);
+        evict(t, v);
         t->evictions++;
         evicted++;
     }
@@ -447,7 +464,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
         if (!v)
             return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
                               (unsigned long long)used, (unsigned long long)t->lim.pool_bytes);
-        skv_session_destroy(t, v);
+        evict(t, v);
         t->evictions++;
         evicted++;
     }
@@ -469,7 +486,7 @@ int skv_session_expire(struct skv_session_table *t, uint64_t now_ms)
             next = s->next;
             if (!s->pinned && !s->busy && s->lease_seconds &&
                 now_ms > s->last_used_ms + (uint64_t)s->lease_seconds * 1000) {
-                skv_session_destroy(t, s);
+                evict(t, s);
                 n++;
             }
         }

@@ -75,6 +75,11 @@ void skv_session_destroy(struct skv_session_table *t, struct skv_session *s);
  * before it goes: how its removal is announced (KV events). */
 void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
                                   void *user);
+/* Calls fn(user, s) before the table itself drops s: an eviction (skv_session_charge,
+ * skv_session_reserve) or a lease that ran out (skv_session_expire), not a destroy the caller
+ * asks for. How an evicted session is kept elsewhere (store = ...). */
+void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
+                                void *user);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or

@@ -93,6 +93,20 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "seconds since the sessions were last saved (a checkpoint; the start when none was yet): what a crash "
          "would lose; 0 without persist",
          in->persist_age_seconds},
+        {"snapkv_store_spills_total", "sessions evicted or past their lease written to the store (store)",
+         (double)in->store_spills},
+        {"snapkv_store_spilled_bytes_total", "bytes of the sessions written to the store",
+         (double)in->store_spill_bytes},
+        {"snapkv_store_spill_failures_total",
+         "sessions evicted or past their lease that could not be written to the store, and were dropped",
+         (double)in->store_spill_failures},
+        {"snapkv_store_loads_total", "sessions a request named that were not here, taken from the store (one that does not load is dropped)",
+         (double)in->store_loads},
+        {"snapkv_store_misses_total", "sessions a request named that were neither here nor in the store",
+         (double)in->store_misses},
+        {"snapkv_store_load_failures_total",
+         "sessions a request named that were not here, when the store could not be asked",
+         (double)in->store_load_failures},
     };
     memcpy(rows, r, sizeof r);
 }

@@ -43,6 +43,8 @@ struct skv_stats_input {
     uint64_t replies_dropped;     /* replies dropped for max-reply-bytes(-per-client) */
     uint64_t engine_scratch_bytes; /* activation buffers the worker's engines hold */
     double persist_age_seconds;   /* since the sessions were last saved (the start, when none was); 0: persist off */
+    uint64_t store_spills, store_spill_bytes, store_spill_failures; /* store = ...: sessions written there */
+    uint64_t store_loads, store_misses, store_load_failures;        /* and asked for */
 };
 
 struct skv_stat {
@@ -51,7 +53,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 36
+#define SKV_N_STATS 42
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -7,6 +7,7 @@
 #include "common/thread.h"
 #include "daemon/compress/spec.h"
 #include "daemon/engine/model.h"
+#include "daemon/store.h"
 
 #include <errno.h>
 #include <sodium.h>
@@ -173,6 +174,16 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
     out->replies_dropped = skv_replies_dropped(r);
     uint64_t now = skv_now_ms();
     out->persist_age_seconds = w->cfg->persist && now > w->persist_ms ? (double)(now - w->persist_ms) / 1000.0 : 0;
+    if (w->store) {
+        struct skv_store_stats ss;
+        skv_store_stats(w->store, &ss);
+        out->store_spills = ss.spills;
+        out->store_spill_bytes = ss.spill_bytes;
+        out->store_spill_failures = ss.spill_failures;
+        out->store_loads = ss.loads;
+        out->store_misses = ss.misses;
+        out->store_load_failures = ss.load_failures;
+    }
     out->engine_scratch_bytes = skv_engine_scratch_bytes(w->engine) + skv_engine_scratch_bytes(w->decode_engine) +
                                 skv_engine_scratch_bytes(w->nested_engine);
 }
@@ -837,6 +848,8 @@ static void *worker_main(void *arg)
                         "stays)");
             else if (w->cfg->persist && skv_requests_persist_save(w)) /* every session as it stands now */
                 skv_log(SKV_LOG_ERROR, "persist: no session saved: %s", skv_error_msg());
+            else if (!w->cfg->persist && !atomic_load(&w->device_lost)) /* store = ...: to the hosts that share it */
+                skv_requests_store_drain(w);
             break;
         }
         if (job && job->kind == SKV_JOB_CLIENT_GONE) {
@@ -940,6 +953,8 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     int rc = skv_session_table_new(&lim, &w->sessions);
     if (!rc)
         skv_session_table_on_destroy(w->sessions, event_removed, w);
+    if (!rc && cfg->store && *cfg->store && !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, &w->store)))
+        skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
     if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */
@@ -953,6 +968,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         skv_engine_free(&w->decode_engine);
         skv_engine_free(&w->nested_engine);
         skv_session_table_free(&w->sessions);
+        skv_store_free(&w->store);
         free(w->clocks);
         free(w);
         return rc;
@@ -1283,6 +1299,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     skv_engine_free(&w->decode_engine);
     skv_engine_free(&w->nested_engine);
     skv_session_table_free(&w->sessions);
+    skv_store_free(&w->store);
     pthread_mutex_destroy(&w->mu);
     pthread_mutex_destroy(&w->snap_mu);
     pthread_cond_destroy(&w->cv);

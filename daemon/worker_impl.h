@@ -13,6 +13,7 @@
 #include "daemon/worker.h"
 
 struct skv_kv_store;
+struct skv_store;
 
 /* A DECODE in progress: one token per scheduling round. */
 struct skv_decode {
@@ -68,6 +69,7 @@ struct skv_worker {
     struct skv_engine *decode_engine; /* decode rounds' own buffers (they may run inside a forward of engine) */
     struct skv_engine *nested_engine; /* a request run inside a long forward of engine (fair-slice-ms) */
     struct skv_session_table *sessions;
+    struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
     void *push;               /* inproc PUSH to the socket thread (worker thread only) */
     void *zctx;
     char endpoint[64];
@@ -214,6 +216,13 @@ int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way);
 int skv_requests_persist_restore(struct skv_worker *w);
 /* Closes the block store and forgets the files (the worker's end). */
 void skv_requests_persist_close(struct skv_worker *w);
+/* The session table's on_evict (store = ...): writes s to the store before the table drops it
+ * (a warning when that fails: s is then lost, as without a store). */
+void skv_requests_spill(void *user, struct skv_session *s);
+/* At a stop without persist (store = ...): spills every session, pinned ones and then the most
+ * recently used first, within persist-max-seconds, so that other daemons sharing the store can
+ * take them; returns how many went. */
+int skv_requests_store_drain(struct skv_worker *w);
 /* Sends a status-only final reply. */
 void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg);
 

@@ -278,9 +278,16 @@ static void expected_tokens(const uint32_t *ids, int n, const char *spec_text, u
     local_free(&r);
 }
 
+static pid_t g_redis; /* a redis-server the running test started (test_store) */
+
 static int kill_daemons(void **state)
 {
     (void)state;
+    if (g_redis > 0) {
+        kill(g_redis, SIGKILL);
+        waitpid(g_redis, NULL, 0);
+        g_redis = 0;
+    }
     g_daemon_uid = -1; /* a failed test_shm_users may leave it set */
     unsetenv("SNAPKV_DAEMON_USER");
     for (int k = 0; k < 4; k++)
@@ -4146,6 +4153,211 @@ static size_t place_of(const char *const *names, size_t n, const char *key)
  * snapkvctl reaches a session by its reference whatever -e says, and refuses one for an admin
  * command; one daemon killed: only its keys move, its sessions are UNAVAILABLE, the others'
  * still decode. */
+/* redis-server on a socket in dir (its own: no port, nothing saved), when Debian's package is
+ * installed; false otherwise. */
+static bool start_redis(const char *dir, char *sock, size_t cap)
+{
+    if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
+        return false;
+    snprintf(sock, cap, "%s/redis.sock", dir);
+    fflush(NULL);
+    g_redis = fork();
+    if (g_redis == 0) {
+        char log[200];
+        snprintf(log, sizeof log, "%s/redis.log", dir);
+        if (!freopen("/dev/null", "w", stdout) || !freopen(log, "a", stderr))
+            _exit(126);
+        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly",
+               "no", "--dir", dir, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 300; i++) { /* until it answers */
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "redis-cli -s %s PING 2>/dev/null | grep -q PONG", sock);
+        if (system(cmd) == 0)
+            return true;
+        usleep(100 * 1000);
+    }
+    fail_msg("redis-server did not start; see %s/redis.log", dir);
+    return false;
+}
+
+/* What redis-cli prints for ARGS on the store at sock (one line, newline cut). */
+static void redis_cli(const char *sock, const char *args, char *out, size_t cap)
+{
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "redis-cli -s %s %s", sock, args);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    out[0] = '\0';
+    if (!fgets(out, (int)cap, p))
+        out[0] = '\0';
+    out[strcspn(out, "\n")] = '\0';
+    pclose(p);
+}
+
+/* The store's key for a session of tenant p (the model's fingerprint is the daemon's). */
+static void store_key_of(const char *sock, const struct snapkv_session_id *id, char *out, size_t cap)
+{
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE], args[200];
+    snapkv_session_id_to_hex(id, hex, sizeof hex);
+    snprintf(args, sizeof args, "--scan --pattern 'snapkv:*:p:%s'", hex);
+    redis_cli(sock, args, out, cap);
+}
+
+/* store = ...: a session evicted by pool pressure on one daemon, or past its lease, goes to
+ * Redis and comes back on another daemon under its id, decoding as it would have; only its
+ * tenant can take it; a truncated entry is refused and dropped; with the store gone, evictions
+ * drop sessions and both daemons serve on. */
+static void test_store(void **state)
+{
+    NEED_MODEL();
+    char dir[64] = "/tmp/skv-store-XXXXXX", sock[128], opt[200];
+    assert_non_null(mkdtemp(dir));
+    if (!start_redis(dir, sock, sizeof sock)) {
+        rmdir(dir);
+        print_message("redis-server or redis-cli is not installed: test_store skipped\n");
+        skip();
+    }
+    snprintf(opt, sizeof opt, "--store=unix://%s", sock);
+    struct daemon da, db;
+    start_daemon_with(&da, "8M", opt, 0); /* a 96-token session cut to 32 rows holds 1.4 MiB */
+    start_daemon_with(&db, "8M", opt, 0);
+    snapkv_client_t *ca = client(da.endpoint, "p"), *cb = client(db.endpoint, "p"), *aa = client(da.admin, NULL);
+    snapkv_client_t *qb = client(db.endpoint, "q");
+    uint32_t ids[96];
+    prompt(ids, 96, 41);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 96, .compress = "policy=snapkv,budget=32"};
+    struct snapkv_prefill_result x, pr;
+    struct snapkv_session_id f;
+    struct snapkv_decode_result want, got;
+    assert_int_equal(snapkv_prefill(ca, &po, &x), SNAPKV_OK);
+    assert_int_equal(snapkv_fork(ca, &x.id, &f, NULL), SNAPKV_OK); /* what x decodes to on A */
+    decode_gen(ca, &f, &want);
+    assert_int_equal(snapkv_release(ca, &f), SNAPKV_OK);
+    for (int i = 0; i < 6; i++) { /* x is the least recently used: evicted first */
+        prompt(ids, 96, 50 + i);
+        assert_int_equal(snapkv_prefill(ca, &po, &pr), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr);
+    }
+    struct snapkv_inspect_result ir;
+    assert_int_equal(snapkv_admin_inspect(aa, &x.id, false, &ir), SNAPKV_E_NOT_FOUND); /* not on A */
+    char key[300], out[300], args[400];
+    store_key_of(sock, &x.id, key, sizeof key);
+    assert_true(strlen(key) > 70); /* snapkv:<64 hex>:p:<32 hex> */
+
+    /* another tenant cannot take it, and asking leaves it there */
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    assert_int_equal(snapkv_decode(qb, &x.id, &sp, NULL, NULL, &got), SNAPKV_E_NOT_FOUND);
+    snprintf(args, sizeof args, "EXISTS %s", key);
+    redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+
+    /* B takes it and decodes what A would have; the store no longer holds it, A does not either */
+    decode_gen(cb, &x.id, &got);
+    assert_memory_equal(got.tokens, want.tokens, N_GEN * sizeof *got.tokens);
+    snapkv_decode_result_free(&got);
+    redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "0");
+    assert_int_equal(snapkv_decode(ca, &x.id, &sp, NULL, NULL, &got), SNAPKV_E_NOT_FOUND);
+    snapkv_client_t *ab = client(db.admin, NULL);
+    assert_true(stat_value(aa, "snapkv_store_spills_total") >= 1);
+    assert_true(stat_value(aa, "snapkv_store_spilled_bytes_total") > 1000000); /* 32 rows of K and V: 1.4 MiB */
+    assert_true(stat_value(aa, "snapkv_store_misses_total") >= 1);          /* its last DECODE */
+    assert_int_equal(stat_value(ab, "snapkv_store_loads_total"), 1);
+    assert_int_equal(stat_value(ab, "snapkv_store_misses_total"), 1);       /* tenant q's */
+
+    /* a session past its lease is spilled too (the leases are checked each second) */
+    prompt(ids, 64, 60);
+    struct snapkv_prefill_opts lo = {.tokens = ids, .n_tokens = 64, .lease_seconds = 1};
+    struct snapkv_prefill_result l;
+    assert_int_equal(snapkv_prefill(ca, &lo, &l), SNAPKV_OK);
+    key[0] = '\0';
+    for (int i = 0; i < 300 && !key[0]; i++) {
+        usleep(100 * 1000);
+        store_key_of(sock, &l.id, key, sizeof key);
+    }
+    assert_true(key[0]);
+    sp.max_tokens = 1;
+    assert_int_equal(snapkv_decode(cb, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    assert_int_equal(got.n_tokens, 1);
+    snapkv_decode_result_free(&got);
+
+    /* a truncated entry: FORMAT, and it is gone from the store */
+    prompt(ids, 96, 70);
+    assert_int_equal(snapkv_prefill(ca, &po, &pr), SNAPKV_OK);
+    for (int i = 0; i < 6; i++) {
+        struct snapkv_prefill_result more;
+        prompt(ids, 96, 80 + i);
+        assert_int_equal(snapkv_prefill(ca, &po, &more), SNAPKV_OK);
+        snapkv_prefill_result_free(&more);
+    }
+    store_key_of(sock, &pr.id, key, sizeof key);
+    assert_true(key[0]);
+    snprintf(args, sizeof args,
+             "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, 5000)) return 1\" 1 %s", key);
+    redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+    assert_int_equal(snapkv_decode(cb, &pr.id, &sp, NULL, NULL, &got), SNAPKV_E_FORMAT);
+    assert_non_null(strstr(snapkv_last_error(), "truncated"));
+    snprintf(args, sizeof args, "EXISTS %s", key);
+    redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "0");
+    snapkv_prefill_result_free(&pr);
+
+    /* B stopped (no persist): what it holds goes to the store, and A goes on with x from where B
+     * left it (12 tokens decoded there) */
+    struct snapkv_decode_result want2;
+    assert_int_equal(snapkv_fork(cb, &x.id, &f, NULL), SNAPKV_OK);
+    sp.max_tokens = N_GEN;
+    decode_gen(cb, &f, &want2);
+    assert_int_equal(snapkv_release(cb, &f), SNAPKV_OK);
+    snapkv_close(&ab);
+    assert_int_equal(term_daemon(&db), 0);
+    store_key_of(sock, &x.id, key, sizeof key);
+    assert_true(key[0]);
+    decode_gen(ca, &x.id, &got);
+    assert_memory_equal(got.tokens, want2.tokens, N_GEN * sizeof *got.tokens);
+    snapkv_decode_result_free(&got);
+    snapkv_decode_result_free(&want2);
+
+    /* the store gone: sessions evicted are dropped, unknown ones are an I/O error, A serves on */
+    kill(g_redis, SIGKILL);
+    waitpid(g_redis, NULL, 0);
+    g_redis = 0;
+    struct snapkv_session_id gone = {{0}};
+    gone.bytes[0] = 7;
+    assert_int_equal(snapkv_decode(ca, &gone, &sp, NULL, NULL, &got), SNAPKV_E_IO);
+    assert_non_null(strstr(snapkv_last_error(), "store"));
+    for (int i = 0; i < 7; i++) { /* x goes too */
+        prompt(ids, 96, 100 + i);
+        assert_int_equal(snapkv_prefill(ca, &po, &pr), SNAPKV_OK);
+        if (i < 6)
+            snapkv_prefill_result_free(&pr);
+    }
+    decode_gen(ca, &pr.id, &got);
+    snapkv_decode_result_free(&got);
+    snapkv_prefill_result_free(&pr);
+    char log[200];
+    snprintf(log, sizeof log, "grep -q 'dropped, not spilled' %s", da.log);
+    assert_int_equal(system(log), 0);
+    assert_true(stat_value(aa, "snapkv_store_spill_failures_total") >= 1);
+    assert_int_equal(stat_value(aa, "snapkv_store_load_failures_total"), 1);
+
+    snapkv_decode_result_free(&want);
+    snapkv_prefill_result_free(&x);
+    snapkv_prefill_result_free(&l);
+    snapkv_close(&ca);
+    snapkv_close(&cb);
+    snapkv_close(&qb);
+    snapkv_close(&aa);
+    stop_daemon(&da);
+    stop_daemon(&db);
+    snprintf(args, sizeof args, "rm -rf %s", dir);
+    assert_int_equal(system(args), 0);
+}
+
 static void test_many_daemons(void **state)
 {
     (void)state;
@@ -4339,6 +4551,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
         cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
         cmocka_unit_test_teardown(test_many_daemons, kill_daemons),
+        cmocka_unit_test_teardown(test_store, kill_daemons),
         cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */

@@ -50,6 +50,7 @@
 #include "daemon/config.h"
 #include "daemon/engine/kv_pool.h"
 #include "daemon/engine/tokenizer.h"
+#include "daemon/store.h"
 #include "daemon/worker.h"
 #include "kernels/backend.h"
 #include "proto/snapkv.pb-c.h"
@@ -3634,6 +3635,45 @@ static void test_decode_share(void **state)
     }
 }
 
+/* store = ...: the urls taken and refused, and a store nobody answers at: an I/O error naming it,
+ * and no new connection tried within a second of the failure. */
+static void test_store_urls(void **state)
+{
+    (void)state;
+    const char *good[] = {"redis://localhost", "redis://10.0.0.7:6380", "redis://cache.example:6379/3",
+                          "redis://[::1]:7000/1", "redis://h/", "unix:///run/redis/redis.sock"};
+    const char *bad[] = {"", "localhost:6379", "redis://", "redis://:6379", "redis://h:0", "redis://h:65536",
+                         "redis://h:x", "redis://h/db", "redis://h:6379/1/2", "unix://relative.sock",
+                         "redis://[::1", "http://h"};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        struct skv_store *st = NULL;
+        assert_int_equal(skv_store_new(good[i], 100, &st), SKV_OK);
+        assert_string_equal(skv_store_url(st), good[i]);
+        skv_store_free(&st);
+        assert_null(st);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        struct skv_store *st = NULL;
+        assert_int_equal(skv_store_new(bad[i], 100, &st), SKV_E_INVAL);
+        assert_null(st);
+        assert_non_null(strstr(skv_error_msg(), "store"));
+    }
+    struct skv_store *st = NULL;
+    assert_int_equal(skv_store_new("unix:///nonexistent/redis.sock", 100, &st), SKV_OK);
+    void *data = NULL;
+    size_t n = 0;
+    assert_int_equal(skv_store_take(st, "k", &data, &n), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "unix:///nonexistent/redis.sock"));
+    assert_int_equal(skv_store_put(st, "k", "v", 1, 60), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "tried again a second after"));
+    struct skv_store_stats ss;
+    skv_store_stats(st, &ss);
+    assert_int_equal(ss.spill_failures, 1);
+    assert_int_equal(ss.load_failures, 1);
+    assert_int_equal(ss.spills + ss.loads + ss.misses, 0);
+    skv_store_free(&st);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -3682,6 +3722,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
+        cmocka_unit_test(test_store_urls),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
