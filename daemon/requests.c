@@ -2573,6 +2573,7 @@ void skv_requests_spill(void *user, struct skv_session *s)
     struct skv_worker *w = user;
     if (!w->store)
         return;
+    double t0 = now_s();
     char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1];
     store_key(w, s->tenant, s->id, key, sizeof key);
     skv_session_id_hex(s->id, hex);
@@ -2590,12 +2591,24 @@ void skv_requests_spill(void *user, struct skv_session *s)
     else
         skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%zu bytes)", hex, s->tenant, n);
     free(buf);
+    w->metrics.store_spill_seconds += now_s() - t0;
 }
 
 /* Takes session `id` of `tenant` from the store into this daemon, under its id. NOT_FOUND when
  * the store has none. A value that does not load as a session of this model is dropped (it was
  * taken); one that loads but does not fit (the pool, the tenant's limits, memory) goes back. */
+static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out);
+
+/* store_take_session, its time counted (snapkv_store_load_seconds_total). */
 static int store_load(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out)
+{
+    double t0 = now_s();
+    int rc = store_take_session(w, tenant, id, out);
+    w->metrics.store_load_seconds += now_s() - t0;
+    return rc;
+}
+
+static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out)
 {
     char key[STORE_KEY_MAX];
     store_key(w, tenant, id, key, sizeof key);

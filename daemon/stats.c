@@ -107,6 +107,12 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_store_load_failures_total",
          "sessions a request named that were not here, when the store could not be asked",
          (double)in->store_load_failures},
+        {"snapkv_store_spill_seconds_total",
+         "the engine's time writing sessions to the store, their encoding included (requests wait meanwhile)",
+         m->store_spill_seconds},
+        {"snapkv_store_load_seconds_total",
+         "the engine's time taking sessions from the store and loading them, misses included",
+         m->store_load_seconds},
     };
     memcpy(rows, r, sizeof r);
 }

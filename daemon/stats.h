@@ -26,6 +26,8 @@ struct skv_metrics {
     uint64_t persist_bytes;       /* bytes saves and checkpoints wrote (session files and new KV blocks) */
     uint64_t persist_failures;    /* checkpoints that failed (not those that gave way to a request) */
     double persist_last_seconds;  /* how long the last save or checkpoint that ended held the engine */
+    double store_spill_seconds;   /* the engine's time writing sessions to the store (store = ...) */
+    double store_load_seconds;    /* and taking them back (a miss included) */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -53,7 +55,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 42
+#define SKV_N_STATS 44
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

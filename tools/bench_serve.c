@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,7 +51,7 @@
 #define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
 #define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 9 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 10 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -86,6 +88,7 @@ struct serve_ctx {
     int64_t share;                   /* our daemon's --decode-share (< 0: its default) */
     int persist_interval;            /* our daemon's --persist-interval-seconds (0: persist off) */
     bool events;                     /* our daemon's --events-endpoint (ipc://<its dir>/e.sock) */
+    const char *store;               /* our daemons' --store (NULL: none) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -321,7 +324,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[22][4200];
+    char a[24][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -356,7 +359,9 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     }
     if (x->events)
         snprintf(a[n_args++], sizeof a[0], "--events-endpoint=ipc://%s/e.sock", d->dir);
-    char *argv[24] = {exe};
+    if (x->store)
+        snprintf(a[n_args++], sizeof a[0], "--store=%s", x->store);
+    char *argv[26] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
     argv[n_args + 1] = NULL;
@@ -2084,6 +2089,217 @@ static int bench_spread(struct serve_ctx *x, json_t *out)
     return rc;
 }
 
+/* ---- sessions through a shared store (store = ...) -------------------------------------------------- */
+
+#define STORE_POOL GIB /* each daemon's: a full-cache session of --context tokens fits */
+
+/* Whether redis-server answers PING on the socket. */
+static bool redis_pong(const char *sock)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    size_t len = strlen(sock);
+    if (len >= sizeof a.sun_path)
+        return false;
+    memcpy(a.sun_path, sock, len + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return false;
+    char buf[16] = "";
+    bool ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0 && write(fd, "PING\r\n", 6) == 6 &&
+              read(fd, buf, sizeof buf - 1) >= 5 && strncmp(buf, "+PONG", 5) == 0;
+    close(fd);
+    return ok;
+}
+
+/* A redis-server of the benchmark's own on a socket in a new directory (no port, nothing saved);
+ * *pid 0 and SKV_OK when none is installed. */
+static int redis_start(char *dir, size_t dir_cap, char *sock, size_t sock_cap, pid_t *pid)
+{
+    *pid = 0;
+    if (system("command -v redis-server >/dev/null 2>&1") != 0)
+        return SKV_OK;
+    snprintf(dir, dir_cap, "/tmp/snapkv-bench-redis-XXXXXX");
+    if (!mkdtemp(dir))
+        return skv_errorf(SKV_E_IO, "mkdtemp: %s", strerror(errno));
+    snprintf(sock, sock_cap, "%s/redis.sock", dir);
+    fflush(NULL);
+    *pid = fork();
+    if (*pid < 0) {
+        *pid = 0;
+        remove_dir(dir);
+        return skv_errorf(SKV_E_IO, "fork: %s", strerror(errno));
+    }
+    if (*pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        char log[128];
+        snprintf(log, sizeof log, "%s/redis.log", dir);
+        if (!freopen(log, "a", stderr) || !freopen("/dev/null", "w", stdout))
+            _exit(126);
+        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly",
+               "no", "--dir", dir, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 200; i++) {
+        if (redis_pong(sock))
+            return SKV_OK;
+        usleep(50000);
+    }
+    kill(*pid, SIGKILL);
+    waitpid(*pid, NULL, 0);
+    *pid = 0;
+    remove_dir(dir);
+    return skv_errorf(SKV_E_TIMEOUT, "redis-server did not answer on %s within 10 s", sock);
+}
+
+/* The stat's change since *last (which it moves on). */
+static int stat_delta(snapkv_client_t *admin, const char *name, double *last, double *delta)
+{
+    double v = 0;
+    int rc = stat_get(admin, name, &v);
+    if (!rc) {
+        *delta = v - *last;
+        *last = v;
+    }
+    return rc;
+}
+
+/* One spec: a --context-token session prefilled on daemon A with a 1 s lease, spilled when the
+ * lease runs out, then a 1-token DECODE of it on daemon B (which takes it from the store) and a
+ * second one (B holds it). */
+static int store_run(struct serve_ctx *x, snapkv_client_t *ca, snapkv_client_t *aa, snapkv_client_t *cb,
+                     snapkv_client_t *ab, int spec, json_t *o)
+{
+    int n = x->context;
+    uint32_t *ids = malloc((size_t)n * sizeof *ids);
+    if (!ids)
+        return SKV_E_NOMEM;
+    fill_ids(ids, n, x->m->cfg.n_vocab, 7000 + (uint64_t)spec);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = (size_t)n, .lease_seconds = 1,
+                                     .compress = *x->spec_text[spec] ? x->spec_text[spec] : NULL};
+    double spills = 0, spill_s = 0, spill_b = 0, load_s = 0;
+    int rc = SKV_OK;
+    if ((rc = stat_get(aa, "snapkv_store_spills_total", &spills)) ||
+        (rc = stat_get(aa, "snapkv_store_spill_seconds_total", &spill_s)) ||
+        (rc = stat_get(aa, "snapkv_store_spilled_bytes_total", &spill_b)) ||
+        (rc = stat_get(ab, "snapkv_store_load_seconds_total", &load_s))) {
+        free(ids);
+        return rc;
+    }
+    fprintf(stderr, "serve: store, %s: prefill %d tokens on A ...\n", x->spec_name[spec], n);
+    struct snapkv_prefill_result pr;
+    double t0 = now_s();
+    rc = snapkv_prefill(ca, &po, &pr);
+    double prefill_s = now_s() - t0;
+    free(ids);
+    if (rc)
+        return client_fail("PREFILL", rc);
+    struct snapkv_session_id id = pr.id;
+    uint64_t kv_bytes = pr.bytes_after;
+    snapkv_prefill_result_free(&pr);
+    double t_spill = now_s(), spilled = 0;
+    while (!rc && spilled < 1) { /* the lease runs out within 2 s; the check runs each second */
+        if (now_s() - t_spill > 120)
+            return skv_errorf(SKV_E_TIMEOUT, "daemon A spilled nothing within 120 s of a 1 s lease");
+        usleep(20000);
+        double now_spills = spills;
+        rc = stat_delta(aa, "snapkv_store_spills_total", &now_spills, &spilled);
+    }
+    double spill_secs = 0, bytes = 0, load_secs = 0;
+    if (!rc)
+        rc = stat_delta(aa, "snapkv_store_spill_seconds_total", &spill_s, &spill_secs);
+    if (!rc)
+        rc = stat_delta(aa, "snapkv_store_spilled_bytes_total", &spill_b, &bytes);
+    struct snapkv_sampling sp;
+    sampling_greedy(&sp, 1);
+    struct snapkv_decode_result dr = {0};
+    double first_s = 0, next_s = 0;
+    if (!rc) {
+        t0 = now_s();
+        rc = snapkv_decode(cb, &id, &sp, NULL, NULL, &dr);
+        first_s = now_s() - t0;
+        snapkv_decode_result_free(&dr);
+        if (rc)
+            return client_fail("DECODE on B (from the store)", rc);
+        rc = stat_delta(ab, "snapkv_store_load_seconds_total", &load_s, &load_secs);
+    }
+    if (!rc) {
+        t0 = now_s();
+        rc = snapkv_decode(cb, &id, &sp, NULL, NULL, &dr);
+        next_s = now_s() - t0;
+        snapkv_decode_result_free(&dr);
+        if (rc)
+            return client_fail("DECODE on B", rc);
+        if ((rc = snapkv_release(cb, &id)))
+            return client_fail("RELEASE", rc);
+    }
+    if (rc)
+        return rc;
+    json_object_set_new(o, "spec", json_string(x->spec_name[spec]));
+    json_object_set_new(o, "tokens", json_integer(n));
+    json_object_set_new(o, "kv_bytes", json_integer((json_int_t)kv_bytes));
+    json_object_set_new(o, "stored_bytes", json_integer((json_int_t)bytes));
+    json_object_set_new(o, "prefill_s", json_real(prefill_s));
+    json_object_set_new(o, "spill_s", json_real(spill_secs));
+    json_object_set_new(o, "load_s", json_real(load_secs));
+    json_object_set_new(o, "first_decode_s", json_real(first_s));
+    json_object_set_new(o, "next_decode_s", json_real(next_s));
+    fprintf(stderr, "serve:   %.1f MB stored; prefill %.2f s, spill %.3f s, load %.3f s, decode %.3f s then %.3f s\n",
+            bytes / 1e6, prefill_s, spill_secs, load_secs, first_s, next_s);
+    return SKV_OK;
+}
+
+static int bench_store(struct serve_ctx *x, json_t *out)
+{
+    if (!x->d.pid) {
+        json_object_set_new(out, "skipped", json_string("needs the daemons the bench starts"));
+        return SKV_OK;
+    }
+    char dir[64], sock[128], url[160];
+    pid_t redis = 0;
+    int rc = redis_start(dir, sizeof dir, sock, sizeof sock, &redis);
+    if (!rc && !redis) {
+        json_object_set_new(out, "skipped", json_string("redis-server is not installed (apt install redis-server)"));
+        return SKV_OK;
+    }
+    if (rc)
+        return rc;
+    snprintf(url, sizeof url, "unix://%s", sock);
+    x->store = url;
+    struct daemon_child da = {0}, db = {0};
+    rc = daemon_start(x, STORE_POOL, &da);
+    if (!rc)
+        rc = daemon_start(x, STORE_POOL, &db);
+    x->store = NULL;
+    snapkv_client_t *ca = NULL, *aa = NULL, *cb = NULL, *ab = NULL;
+    struct snapkv_connect_opts co = {.name = "snapkv-bench-store", .timeout_ms = LONG_TIMEOUT_MS};
+    if (!rc && ((rc = snapkv_connect(da.endpoint, &co, &ca)) || (rc = snapkv_connect(da.admin, &co, &aa)) ||
+                (rc = snapkv_connect(db.endpoint, &co, &cb)) || (rc = snapkv_connect(db.admin, &co, &ab))))
+        rc = client_fail("connect", rc);
+    json_object_set_new(out, "store", json_string("redis-server on a local unix socket"));
+    json_object_set_new(out, "decode_tokens", json_integer(1));
+    json_t *runs = json_array();
+    json_object_set_new(out, "runs", runs);
+    for (int s = 0; s < x->n_specs && !rc; s++) {
+        json_t *o = json_object();
+        rc = store_run(x, ca, aa, cb, ab, s, o);
+        json_array_append_new(runs, o);
+    }
+    snapkv_close(&ca);
+    snapkv_close(&aa);
+    snapkv_close(&cb);
+    snapkv_close(&ab);
+    for (struct daemon_child *d = &da; d; d = d == &da ? &db : NULL)
+        if (d->pid || *d->dir) {
+            int code = daemon_stop(d, rc != 0);
+            if (code != 0)
+                fprintf(stderr, "serve: warning: a store snapkvd exited with status %d on SIGTERM\n", code);
+        }
+    kill(redis, SIGTERM);
+    waitpid(redis, NULL, 0);
+    remove_dir(dir);
+    return rc;
+}
+
 /* ---- report ---------------------------------------------------------------------------------------- */
 
 static void cpu_model(char *buf, size_t cap)
@@ -2305,6 +2521,24 @@ static void print_table(FILE *f, const json_t *j)
                     jnum(o, "document_hit_rate"), jnum(o, "wall_s"), jnum(rq, "p50"), jnum(rq, "p99"));
         }
     }
+    const json_t *so = json_object_get(j, "store");
+    if (!part_skipped(f, so, "Sessions through a shared store")) {
+        fprintf(f, "\nSessions through a shared store (%s): prefilled on daemon A with a 1 s lease, spilled when it "
+                   "ran out, then DECODEd (1 token) on daemon B, which takes them from the store, and once more\n"
+                   "| spec | tokens | KV MB | stored MB | prefill s | spill s (A) | load s (B) | first decode s (B) | "
+                   "next decode s (B) |\n|---|---|---|---|---|---|---|---|---|\n",
+                json_string_value(json_object_get(so, "store")));
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(so, "runs"), k, o) {
+            if (!json_object_get(o, "prefill_s")) /* a run that failed */
+                continue;
+            fprintf(f, "| %s | %lld | %.1f | %.1f | %.2f | %.3f | %.3f | %.3f | %.3f |\n",
+                    json_string_value(json_object_get(o, "spec")), jint(o, "tokens"), jnum(o, "kv_bytes") / 1e6,
+                    jnum(o, "stored_bytes") / 1e6, jnum(o, "prefill_s"), jnum(o, "spill_s"), jnum(o, "load_s"),
+                    jnum(o, "first_decode_s"), jnum(o, "next_decode_s"));
+        }
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -2401,13 +2635,13 @@ static int parse_specs(struct serve_ctx *x, const char *list)
 }
 
 /* --parts: which of roundtrip, throughput, capacity, decode, stall, fair, checkpoint, events,
- * spread run (NULL: all but checkpoint, events and spread). */
+ * spread, store run (NULL: all but checkpoint, events, spread and store). */
 static int parse_parts(const char *list, bool on[N_PARTS])
 {
     static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall",
-                                               "fair",      "checkpoint", "events",   "spread"};
+                                               "fair",      "checkpoint", "events",   "spread",     "store"};
     for (int i = 0; i < N_PARTS; i++)
-        on[i] = !list && i < 6; /* checkpoint, events, spread: only when asked for */
+        on[i] = !list && i < 6; /* checkpoint, events, spread, store: only when asked for */
     for (const char *p = list; p && *p;) {
         size_t len = strcspn(p, ",");
         int i = 0;
@@ -2416,7 +2650,7 @@ static int parse_parts(const char *list, bool on[N_PARTS])
         if (i == N_PARTS)
             return skv_errorf(SKV_E_INVAL,
                               "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair, "
-                              "checkpoint, events, spread)",
+                              "checkpoint, events, spread, store)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -2551,6 +2785,11 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_t *sp = json_object();
         rc = bench_spread(&x, sp);
         json_object_set_new(j, "spread", sp);
+    }
+    if (!rc && part[9]) {
+        json_t *so = json_object();
+        rc = bench_store(&x, so);
+        json_object_set_new(j, "store", so);
     }
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
