@@ -123,6 +123,9 @@ static const struct skv_config_option options[] = {
      "daemon does not hold takes it from there, on this host or another with the same model; \"\" off"},
     {"store-keep-seconds", SKV_CFG_INT, OPT(store_keep_seconds), "3600", 1, INT32_MAX,
      "how long the store keeps a spilled session nobody takes back"},
+    {"store-max-bytes", SKV_CFG_SIZE, OPT(store_max_bytes), "512M", 1 << 20, INT64_C(1) << 40,
+     "the largest session spilled to the store (a larger one is dropped, as without a store); Redis refuses "
+     "values over its proto-max-bulk-len, 512M by default"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
      "the longest the engine waits for the store (connect, spill or load); after a failure none is tried "
      "for a second, and sessions evicted meanwhile are dropped"},

@@ -914,17 +914,23 @@ fail:
         skv_session_destroy(w->sessions, s);
 }
 
+static int store_release(struct skv_worker *w, const char *tenant, const uint8_t *id);
+
 static void handle_release(struct skv_worker *w, struct skv_job *job)
 {
     struct skv_session *s = NULL;
-    int rc = find_session(w, job, job->req->release->session_id, false, &s);
-    if (!rc && s->busy)
+    ProtobufCBinaryData sid = job->req->release->session_id;
+    int rc = find_session_in(w, job, sid, false, true, &s);
+    if (rc == SKV_E_NOT_FOUND && w->store) /* one in the store is deleted there, not loaded first */
+        rc = store_release(w, tenant_of(job), sid.data);
+    if (!rc && s && s->busy)
         rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
     if (rc) {
         fail_rc(w, job, rc);
         return;
     }
-    skv_session_destroy(w->sessions, s);
+    if (s)
+        skv_session_destroy(w->sessions, s);
     Snapkv__Reply rep;
     Snapkv__ReleaseReply rr = SNAPKV__RELEASE_REPLY__INIT;
     reply_init(&rep, job);
@@ -2568,6 +2574,16 @@ static void store_key(const struct skv_worker *w, const char *tenant, const uint
 
 #define STORE_KEY_MAX (7 + 65 + SKV_TENANT_MAX + 2 * SKV_SESSION_ID_BYTES + 8)
 
+/* An upper bound on the bytes session s takes in the SAVE format: its blocks (K and V rows,
+ * padded), a position and a score per row, its tokens, its logits, its compressor's state. */
+static uint64_t spill_bound(const struct skv_worker *w, const struct skv_session *s)
+{
+    uint64_t rows = s->bytes / (2 * (uint64_t)s->cache->head_dim * sizeof(float));
+    return s->bytes + 8 * rows + 4 * (uint64_t)s->n_tokens + 4 * (uint64_t)w->m->cfg.n_vocab +
+           (s->comp ? skv_compressor_state_size(s->comp, s->cache->n_past) : 0) +
+           16 * (uint64_t)(s->cache->n_layers * s->cache->n_kv_heads) + 4096;
+}
+
 void skv_requests_spill(void *user, struct skv_session *s)
 {
     struct skv_worker *w = user;
@@ -2580,11 +2596,18 @@ void skv_requests_spill(void *user, struct skv_session *s)
     char *buf = NULL;
     size_t n = 0;
     unsigned char sum[32];
-    FILE *f = open_memstream(&buf, &n);
-    int rc = f ? session_write(w, s, f, NULL, sum) : skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
+    FILE *f = NULL;
+    uint64_t bound = spill_bound(w, s);
+    int rc = bound > (uint64_t)w->cfg->store_max_bytes
+                 ? skv_errorf(SKV_E_LIMIT, "it may take %llu bytes, more than store-max-bytes (%lld)",
+                              (unsigned long long)bound, (long long)w->cfg->store_max_bytes)
+             : !(f = open_memstream(&buf, &n)) ? skv_errorf(SKV_E_NOMEM, "no memory to spill a session")
+                                                : session_write(w, s, f, NULL, sum);
     if (f && fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
-    if (!rc)
+    if (rc)
+        skv_store_count_spill_failure(w->store); /* (the store counts those it refuses) */
+    else
         rc = skv_store_put(w->store, key, buf, n, w->cfg->store_keep_seconds);
     if (rc)
         skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s", hex, s->tenant, skv_error_msg());
@@ -2595,8 +2618,9 @@ void skv_requests_spill(void *user, struct skv_session *s)
 }
 
 /* Takes session `id` of `tenant` from the store into this daemon, under its id. NOT_FOUND when
- * the store has none. A value that does not load as a session of this model is dropped (it was
- * taken); one that loads but does not fit (the pool, the tenant's limits, memory) goes back. */
+ * the store has none. A value that is not a session of this model (FORMAT: cut, damaged;
+ * INVAL: another model's) is dropped (it was taken); one that does not load here for any other
+ * reason (the pool, the tenant's limits, memory, a newer format) goes back. */
 static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out);
 
 /* store_take_session, its time counted (snapkv_store_load_seconds_total). */
@@ -2612,34 +2636,53 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
 {
     char key[STORE_KEY_MAX];
     store_key(w, tenant, id, key, sizeof key);
-    void *data = NULL;
+    const void *data = NULL;
+    void *value = NULL;
     size_t n = 0;
-    int rc = skv_store_take(w->store, key, &data, &n);
+    int rc = skv_store_take(w->store, key, &data, &n, &value);
     if (rc)
         return rc;
     struct skv_session *s = NULL;
-    FILE *f = fmemopen(data, n ? n : 1, "rb");
+    FILE *f = n ? fmemopen((void *)data, n, "rb") : NULL; /* read only */
     rc = f ? session_read(w, f, "the stored session", tenant, "store", NULL, &s)
-           : skv_errorf(SKV_E_NOMEM, "no memory to read a stored session");
+       : n ? skv_errorf(SKV_E_NOMEM, "no memory to read a stored session")
+           : skv_errorf(SKV_E_FORMAT, "the stored session is empty");
     if (f)
         fclose(f);
     if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
         skv_session_destroy(w->sessions, s);
-    if (rc == SKV_E_POOL_FULL || rc == SKV_E_LIMIT || rc == SKV_E_NOMEM || rc == SKV_E_EXISTS) {
+    if (rc && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());
         if (skv_store_put(w->store, key, data, n, w->cfg->store_keep_seconds))
-            skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' that did not fit here is lost: %s", tenant,
+            skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' that did not load here is lost: %s", tenant,
                     skv_error_msg());
         rc = skv_errorf(rc, "%s (it stays in the store)", why);
     } else if (rc) {
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
     }
-    free(data);
+    skv_store_value_free(value);
     if (rc)
         return rc;
     skv_worker_event_stored(w, s);
     *out = s;
+    return SKV_OK;
+}
+
+/* RELEASE of a session this daemon does not hold: deleted from the store. SKV_OK when it was
+ * there; otherwise a status with the message to answer. */
+static int store_release(struct skv_worker *w, const char *tenant, const uint8_t *id)
+{
+    char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1], why[256];
+    store_key(w, tenant, id, key, sizeof key);
+    skv_session_id_hex(id, hex);
+    int rc = skv_store_delete(w->store, key);
+    if (rc == SKV_E_NOT_FOUND)
+        return skv_errorf(SKV_E_NOT_FOUND, "no session %s for this tenant", hex);
+    if (rc) {
+        snprintf(why, sizeof why, "%s", skv_error_msg());
+        return skv_errorf(rc, "session %s is not here, and deleting it from the store failed: %s", hex, why);
+    }
     return SKV_OK;
 }
 

@@ -1,23 +1,16 @@
-/* The shared store's connection and its two calls (see store.h): hiredis does the protocol. */
+/* The shared store's connection and its calls (see store.h): hiredis does the protocol. */
 #include "daemon/store.h"
 #include "common/status.h"
 
 #include <hiredis/hiredis.h>
-#include <sodium.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#define STORE_RETRY_MS 1000 /* no new connection within this of a failed one */
-#define STORE_MISS_MS 1000  /* a key that missed is not asked for again within this */
-#define STORE_MISSES 256    /* the misses remembered */
-
-struct store_miss {
-    uint64_t hash; /* of the key (keyed: no one can choose keys that evict another's) */
-    uint64_t at_ms;
-};
+#define STORE_RETRY_MS 1000      /* no new connection within this of a failed one ... */
+#define STORE_RETRY_MAX_MS 30000 /* ... doubled at each failure in a row, up to this */
 
 struct skv_store {
     char url[512];
@@ -27,10 +20,8 @@ struct skv_store {
     struct timeval timeout;
     redisContext *c;          /* NULL: not connected */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
+    uint64_t retry_ms;        /* the wait after the next failure */
     char why[256];            /* and why */
-    unsigned char miss_key[crypto_shorthash_KEYBYTES];
-    struct store_miss miss[STORE_MISSES];
-    int miss_next;
     struct skv_store_stats stats;
 };
 
@@ -65,7 +56,7 @@ int skv_store_new(const char *url, int timeout_ms, struct skv_store **out)
     }
     snprintf(st->url, sizeof st->url, "%s", url);
     st->timeout = (struct timeval){.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    crypto_shorthash_keygen(st->miss_key);
+    st->retry_ms = STORE_RETRY_MS;
     const char *p;
     long v;
     if (strncmp(url, "unix://", 7) == 0) {
@@ -136,13 +127,26 @@ const char *skv_store_url(const struct skv_store *st)
     return st->url;
 }
 
+void skv_store_target(const struct skv_store *st, const char **host, int *port, int *db)
+{
+    *host = st->host;
+    *port = st->port;
+    *db = st->db;
+}
+
 void skv_store_stats(const struct skv_store *st, struct skv_store_stats *out)
 {
     *out = st->stats;
 }
 
-/* Drops the connection after a failure: the next call connects again, a second later at the
- * earliest (a store that is down costs each spill nothing but this check meanwhile). */
+void skv_store_count_spill_failure(struct skv_store *st)
+{
+    st->stats.spill_failures++;
+}
+
+/* Drops the connection after a failure: the next call connects again, after a wait that doubles
+ * with each failure in a row (a store that is down costs each spill nothing but this check
+ * meanwhile, and one that hangs costs a connect timeout at most every 30 s). */
 static int store_failed(struct skv_store *st, const char *what)
 {
     snprintf(st->why, sizeof st->why, "%s", what);
@@ -150,7 +154,8 @@ static int store_failed(struct skv_store *st, const char *what)
         redisFree(st->c);
         st->c = NULL;
     }
-    st->down_until_ms = now_ms() + STORE_RETRY_MS;
+    st->down_until_ms = now_ms() + st->retry_ms;
+    st->retry_ms = st->retry_ms * 2 < STORE_RETRY_MAX_MS ? st->retry_ms * 2 : STORE_RETRY_MAX_MS;
     return skv_errorf(SKV_E_IO, "store %s: %s", st->url, st->why);
 }
 
@@ -159,7 +164,8 @@ static int store_connect(struct skv_store *st)
     if (st->c)
         return SKV_OK;
     if (now_ms() < st->down_until_ms)
-        return skv_errorf(SKV_E_IO, "store %s: %s (tried again a second after)", st->url, st->why);
+        return skv_errorf(SKV_E_IO, "store %s: %s (tried again in %.1f s)", st->url, st->why,
+                          (double)(st->down_until_ms - now_ms()) / 1000.0);
     st->c = st->port ? redisConnectWithTimeout(st->host, st->port, st->timeout)
                      : redisConnectUnixWithTimeout(st->host, st->timeout);
     if (!st->c)
@@ -168,6 +174,8 @@ static int store_connect(struct skv_store *st)
         return store_failed(st, st->c->errstr);
     if (redisSetTimeout(st->c, st->timeout) != REDIS_OK)
         return store_failed(st, "cannot set the timeout");
+    if (st->port && redisEnableKeepAlive(st->c) != REDIS_OK) /* a peer gone quiet is found */
+        return store_failed(st, "cannot enable TCP keep-alive");
     if (st->db) {
         redisReply *r = redisCommand(st->c, "SELECT %d", st->db);
         bool ok = r && r->type == REDIS_REPLY_STATUS;
@@ -182,39 +190,37 @@ static int store_connect(struct skv_store *st)
     return SKV_OK;
 }
 
-/* One command's reply, or NULL after store_failed (a connection that failed is dropped). */
+/* One command's reply, or NULL after store_failed (a connection that failed is dropped). A
+ * connection that worked before and fails now (closed while idle) is made again and the command
+ * sent once more at once: only a new connection's failure counts as the store being down. */
 static redisReply *store_command(struct skv_store *st, int argc, const char **argv, const size_t *lens)
 {
-    if (store_connect(st))
-        return NULL;
-    redisReply *r = redisCommandArgv(st->c, argc, argv, lens);
-    if (!r) {
-        store_failed(st, st->c->errstr[0] ? st->c->errstr : "the connection failed");
-        return NULL;
+    for (int attempt = 0;; attempt++) {
+        bool reused = st->c != NULL;
+        if (store_connect(st))
+            return NULL;
+        redisReply *r = redisCommandArgv(st->c, argc, argv, lens);
+        if (!r && reused && attempt == 0 && (st->c->err == REDIS_ERR_EOF || st->c->err == REDIS_ERR_IO)) {
+            redisFree(st->c);
+            st->c = NULL;
+            continue;
+        }
+        if (!r) {
+            store_failed(st, st->c->errstr[0] ? st->c->errstr : "the connection failed");
+            return NULL;
+        }
+        st->retry_ms = STORE_RETRY_MS; /* it answered */
+        if (r->type == REDIS_REPLY_ERROR) { /* the store answered: the connection is fine */
+            skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, argv[0], r->str);
+            freeReplyObject(r);
+            return NULL;
+        }
+        return r;
     }
-    if (r->type == REDIS_REPLY_ERROR) { /* the store answered: the connection is fine */
-        skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, argv[0], r->str);
-        freeReplyObject(r);
-        return NULL;
-    }
-    return r;
-}
-
-static uint64_t key_hash(const struct skv_store *st, const char *key)
-{
-    uint8_t h8[crypto_shorthash_BYTES];
-    crypto_shorthash(h8, (const unsigned char *)key, strlen(key), st->miss_key);
-    uint64_t hash;
-    memcpy(&hash, h8, sizeof hash);
-    return hash;
 }
 
 int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
 {
-    uint64_t hash = key_hash(st, key);
-    for (int i = 0; i < STORE_MISSES; i++) /* it is there now */
-        if (st->miss[i].hash == hash)
-            st->miss[i].at_ms = 0;
     char ttl[24];
     snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_s);
     const char *argv[] = {"SET", key, data, "EX", ttl};
@@ -230,14 +236,8 @@ int skv_store_put(struct skv_store *st, const char *key, const void *data, size_
     return SKV_OK;
 }
 
-int skv_store_take(struct skv_store *st, const char *key, void **data, size_t *n)
+int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value)
 {
-    uint64_t hash = key_hash(st, key), now = now_ms();
-    for (int i = 0; i < STORE_MISSES; i++)
-        if (st->miss[i].hash == hash && st->miss[i].at_ms && now - st->miss[i].at_ms < STORE_MISS_MS) {
-            st->stats.misses++;
-            return skv_errorf(SKV_E_NOT_FOUND, "not in the store (asked within the last second)");
-        }
     const char *argv[] = {"GETDEL", key};
     const size_t lens[] = {6, strlen(key)};
     redisReply *r = store_command(st, 2, argv, lens);
@@ -247,8 +247,6 @@ int skv_store_take(struct skv_store *st, const char *key, void **data, size_t *n
     }
     if (r->type == REDIS_REPLY_NIL) {
         freeReplyObject(r);
-        st->miss[st->miss_next] = (struct store_miss){hash, now ? now : 1};
-        st->miss_next = (st->miss_next + 1) % STORE_MISSES;
         st->stats.misses++;
         return skv_errorf(SKV_E_NOT_FOUND, "not in the store");
     }
@@ -257,16 +255,27 @@ int skv_store_take(struct skv_store *st, const char *key, void **data, size_t *n
         st->stats.load_failures++;
         return skv_errorf(SKV_E_IO, "store %s: GETDEL: an answer that is not a string", st->url);
     }
-    void *p = malloc(r->len ? r->len : 1);
-    if (!p) {
-        freeReplyObject(r);
-        st->stats.load_failures++;
-        return skv_errorf(SKV_E_NOMEM, "no memory for a stored session of %zu bytes", (size_t)r->len);
-    }
-    memcpy(p, r->str, r->len);
+    *data = r->str;
     *n = r->len;
-    *data = p;
-    freeReplyObject(r);
+    *value = r;
     st->stats.loads++;
     return SKV_OK;
+}
+
+void skv_store_value_free(void *value)
+{
+    if (value)
+        freeReplyObject(value);
+}
+
+int skv_store_delete(struct skv_store *st, const char *key)
+{
+    const char *argv[] = {"DEL", key};
+    const size_t lens[] = {3, strlen(key)};
+    redisReply *r = store_command(st, 2, argv, lens);
+    if (!r)
+        return SKV_E_IO;
+    bool there = r->type == REDIS_REPLY_INTEGER && r->integer > 0;
+    freeReplyObject(r);
+    return there ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
 }

@@ -1,7 +1,9 @@
 /* The shared store for cold sessions (store = redis://HOST[:PORT][/DB] or unix://PATH): one
- * connection to Redis or Valkey through hiredis, made when first needed and again after a
- * failure (not within a second of one), with a timeout on every call. Knows keys and bytes,
- * not sessions (requests.c spills and loads them). Not thread-safe: the worker thread owns it. */
+ * connection to Redis or Valkey through hiredis, made when first needed, made again at once when
+ * a reused one turns out closed (an idle connection the server or a proxy dropped), and after a
+ * failure to connect not again for a second, then two, four, ... up to 30; a timeout on every
+ * network step. Knows keys and bytes, not sessions (requests.c spills and loads them). Not
+ * thread-safe: the worker thread owns it. */
 #ifndef SKV_STORE_H
 #define SKV_STORE_H
 
@@ -16,17 +18,24 @@ void skv_store_free(struct skv_store **st_p);
 
 /* SET key value EX ttl_s. SKV_E_IO when the store cannot be reached or refuses it. */
 int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
-/* GETDEL key: the value (malloc'd, the caller frees it) is removed from the store as it is read,
- * so two hosts never take one. SKV_E_NOT_FOUND when there is none, also without asking the
- * store when the same key missed within the last second; SKV_E_IO as above. */
-int skv_store_take(struct skv_store *st, const char *key, void **data, size_t *n);
+/* GETDEL key: the value is removed from the store as it is read, so two hosts never take one.
+ * *data and *n: the value, valid until skv_store_value_free(*value). SKV_E_NOT_FOUND when there
+ * is none; SKV_E_IO as above. */
+int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value);
+void skv_store_value_free(void *value);
+/* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above. */
+int skv_store_delete(struct skv_store *st, const char *key);
+/* A spill that failed before it reached the store (counted with those the store refused). */
+void skv_store_count_spill_failure(struct skv_store *st);
 
 struct skv_store_stats {
-    uint64_t spills, spill_bytes, spill_failures; /* puts that took, their bytes, puts that failed */
+    uint64_t spills, spill_bytes, spill_failures; /* puts that took, their bytes, spills that failed */
     uint64_t loads, misses, load_failures;        /* takes that found a value, none, or failed */
 };
 void skv_store_stats(const struct skv_store *st, struct skv_store_stats *out);
-/* The url without what follows it (for messages). */
+/* The url as given (for messages), and what it names: a host and port, or a socket path and
+ * port 0; the database. */
 const char *skv_store_url(const struct skv_store *st);
+void skv_store_target(const struct skv_store *st, const char **host, int *port, int *db);
 
 #endif

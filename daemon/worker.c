@@ -535,6 +535,10 @@ static struct skv_job *take_short(struct skv_worker *w)
         bool cancel = q->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
         if (blocked || (s && (s == w->forward_session || (s->busy && !cancel))))
             continue;
+        /* one that is not here may come from the store (store = ...): a load, and the evictions
+         * it may make, are not short */
+        if (sid && !s && w->store && !cancel && q->req->command_case != SNAPKV__REQUEST__COMMAND_RELEASE)
+            continue;
         found = q;
         break;
     }

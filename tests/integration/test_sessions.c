@@ -4268,6 +4268,11 @@ static void test_store(void **state)
     assert_int_equal(stat_value(ab, "snapkv_store_loads_total"), 1);
     assert_int_equal(stat_value(ab, "snapkv_store_misses_total"), 1);       /* tenant q's */
 
+    /* the store closes every connection (as its `timeout` closes idle ones): the next spill and
+     * load connect again at once */
+    redis_cli(sock, "CLIENT KILL TYPE normal", out, sizeof out);
+    assert_true(atoi(out) >= 2);
+
     /* a session past its lease is spilled too (the leases are checked each second) */
     prompt(ids, 64, 60);
     struct snapkv_prefill_opts lo = {.tokens = ids, .n_tokens = 64, .lease_seconds = 1};
@@ -4283,6 +4288,35 @@ static void test_store(void **state)
     assert_int_equal(snapkv_decode(cb, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     assert_int_equal(got.n_tokens, 1);
     snapkv_decode_result_free(&got);
+
+    /* one that does not fit where it is asked for stays in the store; a RELEASE of one that is
+     * not here deletes it there without loading it */
+    struct daemon dc;
+    start_daemon_with(&dc, "1M", opt, 0); /* a 64-token full cache holds 2.9 MiB */
+    snapkv_client_t *cc = client(dc.endpoint, "p");
+    prompt(ids, 64, 61);
+    struct snapkv_prefill_result y;
+    assert_int_equal(snapkv_prefill(ca, &lo, &y), SNAPKV_OK);
+    key[0] = '\0';
+    for (int i = 0; i < 300 && !key[0]; i++) {
+        usleep(100 * 1000);
+        store_key_of(sock, &y.id, key, sizeof key);
+    }
+    assert_true(key[0]);
+    assert_int_equal(snapkv_decode(cc, &y.id, &sp, NULL, NULL, &got), SNAPKV_E_POOL_FULL);
+    assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
+    snprintf(args, sizeof args, "EXISTS %s", key);
+    redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+    double loads = stat_value(ab, "snapkv_store_loads_total");
+    assert_int_equal(snapkv_release(cb, &y.id), SNAPKV_OK);
+    redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "0");
+    assert_int_equal(stat_value(ab, "snapkv_store_loads_total"), loads); /* not loaded to be released */
+    assert_int_equal(snapkv_release(cb, &y.id), SNAPKV_E_NOT_FOUND);
+    snapkv_prefill_result_free(&y);
+    snapkv_close(&cc);
+    stop_daemon(&dc);
 
     /* a truncated entry: FORMAT, and it is gone from the store */
     prompt(ids, 96, 70);

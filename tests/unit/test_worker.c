@@ -3645,10 +3645,21 @@ static void test_store_urls(void **state)
     const char *bad[] = {"", "localhost:6379", "redis://", "redis://:6379", "redis://h:0", "redis://h:65536",
                          "redis://h:x", "redis://h/db", "redis://h:6379/1/2", "unix://relative.sock",
                          "redis://[::1", "http://h"};
+    const struct {
+        const char *host;
+        int port, db;
+    } want[] = {{"localhost", 6379, 0}, {"10.0.0.7", 6380, 0}, {"cache.example", 6379, 3},
+                {"::1", 7000, 1},       {"h", 6379, 0},        {"/run/redis/redis.sock", 0, 0}};
     for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
         struct skv_store *st = NULL;
         assert_int_equal(skv_store_new(good[i], 100, &st), SKV_OK);
         assert_string_equal(skv_store_url(st), good[i]);
+        const char *host;
+        int port, db;
+        skv_store_target(st, &host, &port, &db);
+        assert_string_equal(host, want[i].host);
+        assert_int_equal(port, want[i].port);
+        assert_int_equal(db, want[i].db);
         skv_store_free(&st);
         assert_null(st);
     }
@@ -3660,17 +3671,20 @@ static void test_store_urls(void **state)
     }
     struct skv_store *st = NULL;
     assert_int_equal(skv_store_new("unix:///nonexistent/redis.sock", 100, &st), SKV_OK);
-    void *data = NULL;
+    const void *data = NULL;
+    void *value = NULL;
     size_t n = 0;
-    assert_int_equal(skv_store_take(st, "k", &data, &n), SKV_E_IO);
+    assert_int_equal(skv_store_take(st, "k", &data, &n, &value), SKV_E_IO);
+    assert_null(value);
     assert_non_null(strstr(skv_error_msg(), "unix:///nonexistent/redis.sock"));
     assert_int_equal(skv_store_put(st, "k", "v", 1, 60), SKV_E_IO);
-    assert_non_null(strstr(skv_error_msg(), "tried again a second after"));
+    assert_non_null(strstr(skv_error_msg(), "tried again in"));
     struct skv_store_stats ss;
     skv_store_stats(st, &ss);
     assert_int_equal(ss.spill_failures, 1);
     assert_int_equal(ss.load_failures, 1);
     assert_int_equal(ss.spills + ss.loads + ss.misses, 0);
+    assert_int_equal(skv_store_delete(st, "k"), SKV_E_IO);
     skv_store_free(&st);
 }
 
