@@ -4205,6 +4205,17 @@ static void store_key_of(const char *sock, const struct snapkv_session_id *id, c
     redis_cli(sock, args, out, cap);
 }
 
+/* Waits (30 s at most) for the store to hold session id, past its 1 s lease; its key. */
+static void wait_spilled(const char *sock, const struct snapkv_session_id *id, char *key, size_t cap)
+{
+    key[0] = '\0';
+    for (int i = 0; i < 300 && !key[0]; i++) {
+        usleep(100 * 1000);
+        store_key_of(sock, id, key, cap);
+    }
+    assert_true(key[0]);
+}
+
 /* store = ...: a session evicted by pool pressure on one daemon, or past its lease, goes to
  * Redis and comes back on another daemon under its id, decoding as it would have; only its
  * tenant can take it; a truncated entry is refused and dropped; with the store gone, evictions
@@ -4278,12 +4289,7 @@ static void test_store(void **state)
     struct snapkv_prefill_opts lo = {.tokens = ids, .n_tokens = 64, .lease_seconds = 1};
     struct snapkv_prefill_result l;
     assert_int_equal(snapkv_prefill(ca, &lo, &l), SNAPKV_OK);
-    key[0] = '\0';
-    for (int i = 0; i < 300 && !key[0]; i++) {
-        usleep(100 * 1000);
-        store_key_of(sock, &l.id, key, sizeof key);
-    }
-    assert_true(key[0]);
+    wait_spilled(sock, &l.id, key, sizeof key);
     sp.max_tokens = 1;
     assert_int_equal(snapkv_decode(cb, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     assert_int_equal(got.n_tokens, 1);
@@ -4297,12 +4303,7 @@ static void test_store(void **state)
     prompt(ids, 64, 61);
     struct snapkv_prefill_result y;
     assert_int_equal(snapkv_prefill(ca, &lo, &y), SNAPKV_OK);
-    key[0] = '\0';
-    for (int i = 0; i < 300 && !key[0]; i++) {
-        usleep(100 * 1000);
-        store_key_of(sock, &y.id, key, sizeof key);
-    }
-    assert_true(key[0]);
+    wait_spilled(sock, &y.id, key, sizeof key);
     assert_int_equal(snapkv_decode(cc, &y.id, &sp, NULL, NULL, &got), SNAPKV_E_POOL_FULL);
     assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
     snprintf(args, sizeof args, "EXISTS %s", key);
