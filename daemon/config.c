@@ -127,8 +127,9 @@ static const struct skv_config_option options[] = {
      "the largest session spilled to the store (a larger one is dropped, as without a store); Redis refuses "
      "values over its proto-max-bulk-len, 512M by default"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
-     "the longest the engine waits for the store (connect, spill or load); after a failure none is tried "
-     "for a second, and sessions evicted meanwhile are dropped"},
+     "the longest the engine waits for the store at each step (connect, send, receive); after a failed "
+     "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "
+     "dropped"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
      "compression spec used when a request names none"},
     {"ipc-tenant", SKV_CFG_STRING, OPT(ipc_tenant), "claimed", 0, 0,

@@ -2394,7 +2394,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
     if (!rc && hd.version >= 2 && (rc = set_spec(w, s, hd.spec))) {
         char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
         snprintf(why, sizeof why, "%s", skv_error_msg());
-        rc = skv_errorf(SKV_E_FORMAT, "%s: saved spec: %s", path, why);
+        rc = skv_errorf(SKV_E_VERSION, "%s: saved spec: %s", path, why); /* a newer daemon's policy */
     }
     int32_t state_len = 0;
     void *state = NULL;
@@ -2654,10 +2654,13 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     if (rc && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());
-        if (skv_store_put(w->store, key, data, n, w->cfg->store_keep_seconds))
+        if (skv_store_put_back(w->store, key, data, n, w->cfg->store_keep_seconds)) {
             skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' that did not load here is lost: %s", tenant,
                     skv_error_msg());
-        rc = skv_errorf(rc, "%s (it stays in the store)", why);
+            rc = skv_errorf(rc, "%s (and putting it back in the store failed: it is lost)", why);
+        } else {
+            rc = skv_errorf(rc, "%s (it stays in the store)", why);
+        }
     } else if (rc) {
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
     }

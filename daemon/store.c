@@ -2,6 +2,7 @@
 #include "daemon/store.h"
 #include "common/status.h"
 
+#include <errno.h>
 #include <hiredis/hiredis.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -163,9 +164,10 @@ static int store_connect(struct skv_store *st)
 {
     if (st->c)
         return SKV_OK;
-    if (now_ms() < st->down_until_ms)
+    uint64_t now = now_ms();
+    if (now < st->down_until_ms)
         return skv_errorf(SKV_E_IO, "store %s: %s (tried again in %.1f s)", st->url, st->why,
-                          (double)(st->down_until_ms - now_ms()) / 1000.0);
+                          (double)(st->down_until_ms - now) / 1000.0);
     st->c = st->port ? redisConnectWithTimeout(st->host, st->port, st->timeout)
                      : redisConnectUnixWithTimeout(st->host, st->timeout);
     if (!st->c)
@@ -191,8 +193,10 @@ static int store_connect(struct skv_store *st)
 }
 
 /* One command's reply, or NULL after store_failed (a connection that failed is dropped). A
- * connection that worked before and fails now (closed while idle) is made again and the command
- * sent once more at once: only a new connection's failure counts as the store being down. */
+ * connection that worked before and turns out closed (EOF, EPIPE, ECONNRESET: closed while idle)
+ * is made again and the command sent once more at once; only a new connection's failure counts
+ * as the store being down. A timeout is not retried: the store may still run the command (a
+ * GETDEL would then take the value twice over). */
 static redisReply *store_command(struct skv_store *st, int argc, const char **argv, const size_t *lens)
 {
     for (int attempt = 0;; attempt++) {
@@ -200,7 +204,10 @@ static redisReply *store_command(struct skv_store *st, int argc, const char **ar
         if (store_connect(st))
             return NULL;
         redisReply *r = redisCommandArgv(st->c, argc, argv, lens);
-        if (!r && reused && attempt == 0 && (st->c->err == REDIS_ERR_EOF || st->c->err == REDIS_ERR_IO)) {
+        int err = errno;
+        bool closed = st->c->err == REDIS_ERR_EOF ||
+                      (st->c->err == REDIS_ERR_IO && (err == EPIPE || err == ECONNRESET));
+        if (!r && reused && attempt == 0 && closed) {
             redisFree(st->c);
             st->c = NULL;
             continue;
@@ -219,7 +226,7 @@ static redisReply *store_command(struct skv_store *st, int argc, const char **ar
     }
 }
 
-int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
+static int store_set(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s, bool spill)
 {
     char ttl[24];
     snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_s);
@@ -227,13 +234,23 @@ int skv_store_put(struct skv_store *st, const char *key, const void *data, size_
     const size_t lens[] = {3, strlen(key), n, 2, strlen(ttl)};
     redisReply *r = store_command(st, 5, argv, lens);
     if (!r) {
-        st->stats.spill_failures++;
+        st->stats.spill_failures += spill;
         return SKV_E_IO;
     }
     freeReplyObject(r);
-    st->stats.spills++;
-    st->stats.spill_bytes += n;
+    st->stats.spills += spill;
+    st->stats.spill_bytes += spill ? n : 0;
     return SKV_OK;
+}
+
+int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
+{
+    return store_set(st, key, data, n, ttl_s, true);
+}
+
+int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
+{
+    return store_set(st, key, data, n, ttl_s, false);
 }
 
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value)
@@ -273,8 +290,10 @@ int skv_store_delete(struct skv_store *st, const char *key)
     const char *argv[] = {"DEL", key};
     const size_t lens[] = {3, strlen(key)};
     redisReply *r = store_command(st, 2, argv, lens);
-    if (!r)
+    if (!r) {
+        st->stats.load_failures++; /* a RELEASE of a session not here */
         return SKV_E_IO;
+    }
     bool there = r->type == REDIS_REPLY_INTEGER && r->integer > 0;
     freeReplyObject(r);
     return there ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");

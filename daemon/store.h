@@ -1,6 +1,7 @@
 /* The shared store for cold sessions (store = redis://HOST[:PORT][/DB] or unix://PATH): one
  * connection to Redis or Valkey through hiredis, made when first needed, made again at once when
- * a reused one turns out closed (an idle connection the server or a proxy dropped), and after a
+ * a reused one turns out closed (an idle connection the server or a proxy dropped; not after a
+ * timeout), and after a
  * failure to connect not again for a second, then two, four, ... up to 30; a timeout on every
  * network step. Knows keys and bytes, not sessions (requests.c spills and loads them). Not
  * thread-safe: the worker thread owns it. */
@@ -18,12 +19,15 @@ void skv_store_free(struct skv_store **st_p);
 
 /* SET key value EX ttl_s. SKV_E_IO when the store cannot be reached or refuses it. */
 int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
+/* SET as skv_store_put, of a value skv_store_take took that did not load (not a spill). */
+int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
 /* GETDEL key: the value is removed from the store as it is read, so two hosts never take one.
  * *data and *n: the value, valid until skv_store_value_free(*value). SKV_E_NOT_FOUND when there
  * is none; SKV_E_IO as above. */
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value);
 void skv_store_value_free(void *value);
-/* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above. */
+/* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above (counted as a
+ * load failure). */
 int skv_store_delete(struct skv_store *st, const char *key);
 /* A spill that failed before it reached the store (counted with those the store refused). */
 void skv_store_count_spill_failure(struct skv_store *st);

@@ -535,9 +535,11 @@ static struct skv_job *take_short(struct skv_worker *w)
         bool cancel = q->req->command_case == SNAPKV__REQUEST__COMMAND_CANCEL;
         if (blocked || (s && (s == w->forward_session || (s->busy && !cancel))))
             continue;
-        /* one that is not here may come from the store (store = ...): a load, and the evictions
-         * it may make, are not short */
-        if (sid && !s && w->store && !cancel && q->req->command_case != SNAPKV__REQUEST__COMMAND_RELEASE)
+        /* one a client names that is not here for its tenant may come from the store (store =
+         * ...): a load, and the evictions it may make, are not short */
+        Snapkv__Request__CommandCase cmd = q->req->command_case;
+        bool loads = w->store && sid && q->sock == 0 && !cancel && cmd != SNAPKV__REQUEST__COMMAND_RELEASE;
+        if (loads && !skv_session_find(w->sessions, sid, q->tenant))
             continue;
         found = q;
         break;

@@ -2736,6 +2736,16 @@ static void test_save_load_goes_on(void **state)
     struct snapkv_session_id none;
     assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_FORMAT);
     assert_non_null(strstr(snapkv_last_error(), "5 logits for a vocabulary of 49152"));
+    /* a spec this daemon does not know (a newer daemon's policy): VERSION, not FORMAT (the
+     * shared store puts such a session back) */
+    buf = save_read(d.dir, "h2o-1", &size, &n_tokens);
+    unsigned char *pol = memmem(buf, SAVE_HEADER, "policy=", 7);
+    assert_non_null(pol);
+    memcpy(pol + 7, "zz", 2);
+    save_write(d.dir, "bad-1", buf, size);
+    free(buf);
+    assert_int_equal(snapkv_admin_load(a, "bad-1", "tenant-a", &none), SNAPKV_E_VERSION);
+    assert_non_null(strstr(snapkv_last_error(), "saved spec"));
     /* a token outside the vocabulary; a key that is not a number */
     buf = save_read(d.dir, "h2o-1", &size, &n_tokens);
     memcpy(buf + SAVE_HEADER + 4, &(int32_t){49152}, 4);
