@@ -106,7 +106,7 @@ static int find_session_in(struct skv_worker *w, const struct skv_job *job, Prot
 static int find_session(struct skv_worker *w, const struct skv_job *job, ProtobufCBinaryData id, bool admin,
                         struct skv_session **out)
 {
-    return find_session_in(w, job, id, admin, admin, out);
+    return find_session_in(w, job, id, admin, false, out); /* (admins never load) */
 }
 
 /* The most bytes of one token's text a decode emits (a longer one is cut there). */
@@ -2586,9 +2586,7 @@ static uint64_t spill_bound(const struct skv_worker *w, const struct skv_session
 
 void skv_requests_spill(void *user, struct skv_session *s)
 {
-    struct skv_worker *w = user;
-    if (!w->store)
-        return;
+    struct skv_worker *w = user; /* (registered, and called by the drain, only with a store) */
     double t0 = now_s();
     char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1];
     store_key(w, s->tenant, s->id, key, sizeof key);
@@ -2598,11 +2596,14 @@ void skv_requests_spill(void *user, struct skv_session *s)
     unsigned char sum[32];
     FILE *f = NULL;
     uint64_t bound = spill_bound(w, s);
-    int rc = bound > (uint64_t)w->cfg->store_max_bytes
-                 ? skv_errorf(SKV_E_LIMIT, "it may take %llu bytes, more than store-max-bytes (%lld)",
-                              (unsigned long long)bound, (long long)w->cfg->store_max_bytes)
-             : !(f = open_memstream(&buf, &n)) ? skv_errorf(SKV_E_NOMEM, "no memory to spill a session")
-                                                : session_write(w, s, f, NULL, sum);
+    int rc;
+    if (bound > (uint64_t)w->cfg->store_max_bytes)
+        rc = skv_errorf(SKV_E_LIMIT, "it may take %llu bytes, more than store-max-bytes (%lld)",
+                        (unsigned long long)bound, (long long)w->cfg->store_max_bytes);
+    else if (!(f = open_memstream(&buf, &n)))
+        rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
+    else
+        rc = session_write(w, s, f, NULL, sum);
     if (f && fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
     if (rc)

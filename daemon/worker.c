@@ -537,8 +537,8 @@ static struct skv_job *take_short(struct skv_worker *w)
             continue;
         /* one a client names that is not here for its tenant may come from the store (store =
          * ...): a load, and the evictions it may make, are not short */
-        Snapkv__Request__CommandCase cmd = q->req->command_case;
-        bool loads = w->store && sid && q->sock == 0 && !cancel && cmd != SNAPKV__REQUEST__COMMAND_RELEASE;
+        bool loads = w->store && sid && q->sock == 0 && !cancel &&
+                     q->req->command_case != SNAPKV__REQUEST__COMMAND_RELEASE;
         if (loads && !skv_session_find(w->sessions, sid, q->tenant))
             continue;
         found = q;

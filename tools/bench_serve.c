@@ -2163,6 +2163,19 @@ static int stat_delta(snapkv_client_t *admin, const char *name, double *last, do
     return rc;
 }
 
+/* A 1-token greedy DECODE of id; *secs: how long it took. */
+static int decode_one(snapkv_client_t *c, const struct snapkv_session_id *id, double *secs)
+{
+    struct snapkv_sampling sp;
+    sampling_greedy(&sp, 1);
+    struct snapkv_decode_result dr = {0};
+    double t0 = now_s();
+    int rc = snapkv_decode(c, id, &sp, NULL, NULL, &dr);
+    *secs = now_s() - t0;
+    snapkv_decode_result_free(&dr);
+    return rc;
+}
+
 /* One spec: a --context-token session prefilled on daemon A with a 1 s lease, spilled when the
  * lease runs out, then a 1-token DECODE of it on daemon B (which takes it from the store) and a
  * second one (B holds it). */
@@ -2209,29 +2222,15 @@ static int store_run(struct serve_ctx *x, snapkv_client_t *ca, snapkv_client_t *
         rc = stat_delta(aa, "snapkv_store_spill_seconds_total", &spill_s, &spill_secs);
     if (!rc)
         rc = stat_delta(aa, "snapkv_store_spilled_bytes_total", &spill_b, &bytes);
-    struct snapkv_sampling sp;
-    sampling_greedy(&sp, 1);
-    struct snapkv_decode_result dr = {0};
     double first_s = 0, next_s = 0;
-    if (!rc) {
-        t0 = now_s();
-        rc = snapkv_decode(cb, &id, &sp, NULL, NULL, &dr);
-        first_s = now_s() - t0;
-        snapkv_decode_result_free(&dr);
-        if (rc)
-            return client_fail("DECODE on B (from the store)", rc);
+    if (!rc && (rc = decode_one(cb, &id, &first_s)))
+        return client_fail("DECODE on B (from the store)", rc);
+    if (!rc)
         rc = stat_delta(ab, "snapkv_store_load_seconds_total", &load_s, &load_secs);
-    }
-    if (!rc) {
-        t0 = now_s();
-        rc = snapkv_decode(cb, &id, &sp, NULL, NULL, &dr);
-        next_s = now_s() - t0;
-        snapkv_decode_result_free(&dr);
-        if (rc)
-            return client_fail("DECODE on B", rc);
-        if ((rc = snapkv_release(cb, &id)))
-            return client_fail("RELEASE", rc);
-    }
+    if (!rc && (rc = decode_one(cb, &id, &next_s)))
+        return client_fail("DECODE on B", rc);
+    if (!rc && (rc = snapkv_release(cb, &id)))
+        return client_fail("RELEASE", rc);
     if (rc)
         return rc;
     json_object_set_new(o, "spec", json_string(x->spec_name[spec]));
