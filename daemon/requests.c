@@ -2058,7 +2058,8 @@ static int write_all(FILE *f, crypto_generichash_state *h, const void *p, size_t
 {
     if (n == 0) /* an imported session's token history: nothing, and no array */
         return SKV_OK;
-    crypto_generichash_update(h, p, n);
+    if (h) /* (NULL: session_write counts) */
+        crypto_generichash_update(h, p, n);
     return fwrite(p, 1, n, f) == n ? SKV_OK : skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
 }
 
@@ -2110,7 +2111,8 @@ static int write_rows_meta(FILE *f, crypto_generichash_state *h, const struct sk
     return rc;
 }
 
-/* Writes session s to f, and the checksum of what it wrote after it (also into sum). With a
+/* Writes session s to f, and the checksum of what it wrote after it (also into sum; with sum
+ * NULL, none is computed and zeros stand in its place: the same count of bytes). With a
  * block store, full blocks and a shared partly filled last block go to the store (once however
  * many sessions hold them, and once across saves: blocks the store holds already are not read
  * out of the cache) and f names them (version 6). */
@@ -2118,8 +2120,9 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
                          unsigned char sum[32])
 {
     int rc = SKV_OK;
-    crypto_generichash_state h;
-    crypto_generichash_init(&h, NULL, 0, 32);
+    crypto_generichash_state h, *hp = sum ? &h : NULL; /* no sum: a count of the bytes */
+    if (hp)
+        crypto_generichash_init(&h, NULL, 0, 32);
     struct save_header hd = {.version = store ? SAVE_VERSION_PARTIAL : SAVE_VERSION};
     memcpy(hd.magic, SAVE_MAGIC, 8);
     hd.n_layers = (uint32_t)s->cache->n_layers;
@@ -2132,9 +2135,9 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     /* a session without a compressor keeps every row, whatever spec it shows (one loaded from a
      * version-1 file shows the spec it was saved with): it is saved as what it does */
     snprintf(hd.spec, sizeof hd.spec, "%s", s->comp ? s->spec : "policy=full");
-    rc = write_all(f, &h, &hd, sizeof hd);
+    rc = write_all(f, hp, &hd, sizeof hd);
     if (!rc)
-        rc = write_all(f, &h, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
+        rc = write_all(f, hp, s->tokens, (size_t)s->n_tokens * sizeof *s->tokens);
     size_t state_size = s->comp ? skv_compressor_state_size(s->comp, s->cache->n_past) : 0;
     int32_t state_len = (int32_t)state_size;
     void *state = NULL;
@@ -2145,21 +2148,21 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     if (!rc && state)
         rc = skv_compressor_state_write(s->comp, s->cache->n_past, state);
     if (!rc)
-        rc = write_all(f, &h, &state_len, sizeof state_len);
+        rc = write_all(f, hp, &state_len, sizeof state_len);
     if (!rc && state_len)
-        rc = write_all(f, &h, state, (size_t)state_len);
+        rc = write_all(f, hp, state, (size_t)state_len);
     free(state);
     int32_t n_logits = s->logits ? w->m->cfg.n_vocab : 0;
     if (!rc)
-        rc = write_all(f, &h, &n_logits, sizeof n_logits);
+        rc = write_all(f, hp, &n_logits, sizeof n_logits);
     if (!rc && n_logits)
-        rc = write_all(f, &h, s->logits, (size_t)n_logits * sizeof *s->logits);
+        rc = write_all(f, hp, s->logits, (size_t)n_logits * sizeof *s->logits);
     char pending[sizeof s->text_pending];
     int32_t n_pending = (int32_t)text_pending(w, s, pending);
     if (!rc)
-        rc = write_all(f, &h, &n_pending, sizeof n_pending);
+        rc = write_all(f, hp, &n_pending, sizeof n_pending);
     if (!rc && n_pending)
-        rc = write_all(f, &h, pending, (size_t)n_pending);
+        rc = write_all(f, hp, pending, (size_t)n_pending);
     size_t dim = (size_t)s->cache->head_dim;
     float *rows = NULL;   /* one head's K rows, then its V rows, from row r0 on, read out of its blocks */
     uint32_t *refs = NULL; /* the store indices of its blocks there */
@@ -2188,7 +2191,7 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
         }
         rows = more;
         float *k = rows, *v = rows + (size_t)n * dim;
-        if ((rc = write_all(f, &h, &len, sizeof len)) || (rc = write_rows_meta(f, &h, kh, hd.version)) ||
+        if ((rc = write_all(f, hp, &len, sizeof len)) || (rc = write_rows_meta(f, hp, kh, hd.version)) ||
             (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k)) ||
             (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v)))
             break;
@@ -2196,18 +2199,20 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
             rc = skv_kv_store_put(store, kh->blk[b], b < n_full ? br : tail, k + (size_t)(b - known) * br * dim,
                                   v + (size_t)(b - known) * br * dim, &refs[b]);
         if (!rc && store)
-            rc = write_all(f, &h, &n_refs, sizeof n_refs);
+            rc = write_all(f, hp, &n_refs, sizeof n_refs);
         if (!rc)
-            rc = write_all(f, &h, refs, (size_t)n_refs * sizeof *refs);
+            rc = write_all(f, hp, refs, (size_t)n_refs * sizeof *refs);
         if (!rc)
-            rc = write_all(f, &h, k + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
+            rc = write_all(f, hp, k + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
         if (!rc)
-            rc = write_all(f, &h, v + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
+            rc = write_all(f, hp, v + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
     }
     free(rows);
     free(refs);
-    crypto_generichash_final(&h, sum, 32);
-    if (!rc && fwrite(sum, 1, 32, f) != 32)
+    unsigned char zero[32] = {0};
+    if (hp)
+        crypto_generichash_final(&h, sum, 32);
+    if (!rc && fwrite(hp ? sum : zero, 1, 32, f) != 32)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
     return rc;
 }
@@ -2574,16 +2579,29 @@ static void store_key(const struct skv_worker *w, const char *tenant, const uint
 
 #define STORE_KEY_MAX (7 + 65 + SKV_TENANT_MAX + 2 * SKV_SESSION_ID_BYTES + 8)
 
-/* An upper bound on the bytes session s takes in the SAVE format: its blocks (K and V rows,
- * padded), a position and a score per row, its tokens, its logits, its compressor's state. */
-static uint64_t spill_bound(const struct skv_worker *w, const struct skv_session *s)
+/* fopencookie's write for a count of bytes */
+static ssize_t count_write(void *cookie, const char *buf, size_t n)
 {
-    uint64_t rows = s->bytes / (2 * (uint64_t)s->cache->head_dim * sizeof(float));
-    return s->bytes + 8 * rows + 4 * (uint64_t)s->n_tokens + 4 * (uint64_t)w->m->cfg.n_vocab +
-           (s->comp ? skv_compressor_state_size(s->comp, s->cache->n_past) : 0) +
-           16 * (uint64_t)(s->cache->n_layers * s->cache->n_kv_heads) + 4096;
+    *(uint64_t *)cookie += n;
+    return (ssize_t)n;
 }
 
+struct spill {
+    struct skv_worker *w;
+    struct skv_session *s;
+};
+
+/* skv_store_writer: session s in the SAVE format */
+static int spill_write(void *user, FILE *f)
+{
+    struct spill *sp = user;
+    unsigned char sum[32];
+    return session_write(sp->w, sp->s, f, NULL, sum);
+}
+
+/* Writes session s to the store, streamed: its size is counted first (the protocol announces
+ * it), then it is written straight onto the connection, so a spill costs no memory however large
+ * the session. */
 void skv_requests_spill(void *user, struct skv_session *s)
 {
     struct skv_worker *w = user; /* (registered, and called by the drain, only with a store) */
@@ -2591,30 +2609,24 @@ void skv_requests_spill(void *user, struct skv_session *s)
     char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1];
     store_key(w, s->tenant, s->id, key, sizeof key);
     skv_session_id_hex(s->id, hex);
-    char *buf = NULL;
-    size_t n = 0;
-    unsigned char sum[32];
-    FILE *f = NULL;
-    uint64_t bound = spill_bound(w, s);
-    int rc;
-    if (bound > (uint64_t)w->cfg->store_max_bytes)
-        rc = skv_errorf(SKV_E_LIMIT, "it may take %llu bytes, more than store-max-bytes (%lld)",
-                        (unsigned long long)bound, (long long)w->cfg->store_max_bytes);
-    else if (!(f = open_memstream(&buf, &n)))
-        rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
-    else
-        rc = session_write(w, s, f, NULL, sum);
+    uint64_t n = 0;
+    FILE *f = fopencookie(&n, "w", (cookie_io_functions_t){.write = count_write});
+    int rc = f ? session_write(w, s, f, NULL, NULL) : skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
     if (f && fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
+    if (!rc && n > (uint64_t)w->cfg->store_max_bytes)
+        rc = skv_errorf(SKV_E_LIMIT, "it takes %llu bytes, more than store-max-bytes (%lld)", (unsigned long long)n,
+                        (long long)w->cfg->store_max_bytes);
+    struct spill sp = {w, s};
     if (rc)
         skv_store_count_spill_failure(w->store); /* (the store counts those it refuses) */
     else
-        rc = skv_store_put(w->store, key, buf, n, w->cfg->store_keep_seconds);
+        rc = skv_store_put_stream(w->store, key, n, w->cfg->store_keep_seconds, spill_write, &sp);
     if (rc)
         skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s", hex, s->tenant, skv_error_msg());
     else
-        skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%zu bytes)", hex, s->tenant, n);
-    free(buf);
+        skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%llu bytes)", hex, s->tenant,
+                (unsigned long long)n);
     w->metrics.store_spill_seconds += now_s() - t0;
 }
 

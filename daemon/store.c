@@ -8,10 +8,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #define STORE_RETRY_MS 1000      /* no new connection within this of a failed one ... */
 #define STORE_RETRY_MAX_MS 30000 /* ... doubled at each failure in a row, up to this */
+#define STORE_SEND_BUF (256 << 10) /* a streamed value goes out in pieces of this */
 
 struct skv_store {
     char url[512];
@@ -192,109 +194,327 @@ static int store_connect(struct skv_store *st)
     return SKV_OK;
 }
 
-/* One command's reply, or NULL after store_failed (a connection that failed is dropped). A
- * connection that worked before and turns out closed (EOF, EPIPE, ECONNRESET: closed while idle)
- * is made again and the command sent once more at once; only a new connection's failure counts
- * as the store being down. A timeout is not retried: the store may still run the command (a
- * GETDEL would then take the value twice over). */
-static redisReply *store_command(struct skv_store *st, int argc, const char **argv, const size_t *lens)
+/* A value streamed onto the connection (skv_store_put_stream): n bytes that fn writes. */
+struct store_value {
+    uint64_t n;
+    skv_store_writer fn;
+    void *user;
+    int rc;     /* what fn returned */
+    int err;    /* the socket's errno when a send failed */
+    uint64_t sent;
+};
+
+struct value_sink {
+    int fd;
+    struct store_value *v;
+};
+
+/* fopencookie's write: every byte onto the socket, or -1 with v->err set. The socket's send
+ * timeout (redisSetTimeout) bounds each wait. */
+static ssize_t sink_write(void *cookie, const char *buf, size_t n)
+{
+    struct value_sink *k = cookie;
+    size_t off = 0;
+    while (off < n && !k->v->err) {
+        ssize_t m = send(k->fd, buf + off, n - off, MSG_NOSIGNAL);
+        if (m < 0 && errno == EINTR)
+            continue;
+        if (m <= 0)
+            k->v->err = m < 0 ? errno : EPIPE;
+        else
+            off += (size_t)m;
+    }
+    k->v->sent += off;
+    return k->v->err ? -1 : (ssize_t)n;
+}
+
+/* Sends argv as one command in the protocol's framing (an array of bulk strings; hiredis has no
+ * way to send a value it does not hold whole), argument `vi` being the n bytes v->fn writes
+ * straight onto the socket: no copy of the value is made, whatever its size. 0 when all of it
+ * went out; otherwise v->err (the socket failed) or v->rc (fn did) says why. */
+static int stream_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, int vi,
+                          struct store_value *v)
+{
+    struct value_sink k = {.fd = st->c->fd, .v = v};
+    char *buf = malloc(STORE_SEND_BUF);
+    FILE *f = buf ? fopencookie(&k, "w", (cookie_io_functions_t){.write = sink_write}) : NULL;
+    if (!f || setvbuf(f, buf, _IOFBF, STORE_SEND_BUF) != 0) {
+        if (f)
+            fclose(f);
+        free(buf);
+        return v->rc = skv_errorf(SKV_E_NOMEM, "no memory to stream a value");
+    }
+    v->sent = 0;
+    v->err = 0;
+    v->rc = SKV_OK;
+    uint64_t want = (uint64_t)snprintf(NULL, 0, "*%d\r\n", argc); /* the bytes that should go out */
+    fprintf(f, "*%d\r\n", argc);
+    for (int i = 0; i < argc; i++) {
+        uint64_t len = i == vi ? v->n : lens[i];
+        want += (uint64_t)snprintf(NULL, 0, "$%llu\r\n", (unsigned long long)len) + len + 2;
+        fprintf(f, "$%llu\r\n", (unsigned long long)len);
+        if (i == vi)
+            v->rc = v->fn(v->user, f);
+        else
+            fwrite(argv[i], 1, lens[i], f);
+        fwrite("\r\n", 1, 2, f);
+        if (v->rc || v->err)
+            break;
+    }
+    if (fclose(f) != 0 && !v->err && !v->rc)
+        v->rc = skv_errorf(SKV_E_NOMEM, "a value could not be streamed");
+    free(buf);
+    if (!v->err && !v->rc && v->sent != want)
+        v->rc = skv_errorf(SKV_E_INTERNAL, "a value of %llu bytes was announced and %llu written",
+                           (unsigned long long)v->n,
+                           (unsigned long long)(v->n + v->sent - want));
+    return v->err || v->rc ? -1 : 0;
+}
+
+/* A reply that is a bulk string or nil (GETDEL's), read from the socket straight into one
+ * allocation of its size: hiredis would grow a buffer to hold it, then copy it once more. */
+struct store_bulk {
+    void *data; /* malloc'ed */
+    size_t n;
+    bool nil;
+    bool started;  /* a byte of the reply came */
+    int rc;        /* not such a reply: the status and message to return */
+    bool in_sync;  /* ... and the connection can go on (the store answered an error) */
+};
+
+/* Reads exactly n bytes: 0, or an errno (ECONNRESET for an end of stream; EAGAIN: the receive
+ * timeout, redisSetTimeout's, passed with nothing coming). */
+static int recv_all(int fd, void *p, size_t n, bool *started)
+{
+    for (size_t off = 0; off < n;) {
+        ssize_t m = recv(fd, (char *)p + off, n - off, 0);
+        if (m < 0 && errno == EINTR)
+            continue;
+        if (m <= 0)
+            return m < 0 ? errno : ECONNRESET;
+        *started = true;
+        off += (size_t)m;
+    }
+    return 0;
+}
+
+/* The reply after a command sent, as struct store_bulk: 0, an errno (the socket failed), or -1
+ * with b->rc (its message without the store's name). */
+static int read_bulk(struct skv_store *st, const char *command, struct store_bulk *b)
+{
+    redisReader *rd = st->c->reader;
+    if (rd->len > rd->pos) { /* (no command is ever pipelined: nothing can wait there) */
+        b->rc = skv_errorf(SKV_E_IO, "%s: data before the reply", command);
+        return -1;
+    }
+    char line[160];
+    size_t k = 0;
+    for (;;) {
+        int err = recv_all(st->c->fd, &line[k], 1, &b->started);
+        if (err)
+            return err;
+        if (line[k] == '\n')
+            break;
+        if (++k == sizeof line - 1) {
+            b->rc = skv_errorf(SKV_E_IO, "%s: a reply line too long", command);
+            return -1;
+        }
+    }
+    line[k && line[k - 1] == '\r' ? k - 1 : k] = '\0';
+    long long n = -2;
+    char *end = NULL;
+    if (line[0] == '$')
+        n = strtoll(line + 1, &end, 10);
+    if (line[0] == '-') {
+        b->in_sync = true;
+        b->rc = skv_errorf(SKV_E_IO, "%s: %s", command, line + 1);
+        return -1;
+    }
+    if (n < -1 || !end || *end || end == line + 1) {
+        b->rc = skv_errorf(SKV_E_IO, "%s: an answer that is not a string", command);
+        return -1;
+    }
+    if (n == -1) {
+        b->nil = true;
+        return 0;
+    }
+    if (!(b->data = malloc((size_t)n ? (size_t)n : 1))) {
+        b->rc = skv_errorf(SKV_E_NOMEM, "no memory for a stored value of %lld bytes", n);
+        return -1;
+    }
+    b->n = (size_t)n;
+    char crlf[2];
+    int err = recv_all(st->c->fd, b->data, b->n, &b->started);
+    if (!err)
+        err = recv_all(st->c->fd, crlf, 2, &b->started);
+    if (!err && memcmp(crlf, "\r\n", 2) != 0) {
+        b->rc = skv_errorf(SKV_E_IO, "%s: a string not ended as it should be", command);
+        err = -1;
+    }
+    if (err) {
+        free(b->data);
+        b->data = NULL;
+    }
+    return err;
+}
+
+/* A command: argc arguments; with v, argument vi is the n bytes v->fn writes, streamed
+ * (stream_command); with bulk, its reply is read into it (read_bulk); otherwise *reply is set. */
+struct store_call {
+    int argc;
+    const char **argv;
+    const size_t *lens;
+    int vi;
+    struct store_value *v;
+    struct store_bulk *bulk;
+    redisReply *reply;
+};
+
+/* Runs a command: SKV_OK, or SKV_E_IO after store_failed (a connection that failed is dropped).
+ * A connection that worked before and turns out closed (EOF, EPIPE, ECONNRESET before any byte
+ * of the reply: closed while idle) is made again and the command sent once more at once; only a
+ * new connection's failure counts as the store being down. A timeout is not retried: the store
+ * may still run the command (a GETDEL would then take the value twice over). When v->fn fails,
+ * or a value does not fit in memory, the connection is dropped (the store is not down) and that
+ * status returned. */
+static int store_command(struct skv_store *st, struct store_call *k)
 {
     for (int attempt = 0;; attempt++) {
         bool reused = st->c != NULL;
         if (store_connect(st))
-            return NULL;
-        redisReply *r = redisCommandArgv(st->c, argc, argv, lens);
-        int err = errno;
-        bool closed = st->c->err == REDIS_ERR_EOF ||
-                      (st->c->err == REDIS_ERR_IO && (err == EPIPE || err == ECONNRESET));
-        if (!r && reused && attempt == 0 && closed) {
+            return SKV_E_IO;
+        redisReply *r = NULL;
+        struct store_value none = {0}, *v = k->v ? k->v : &none;
+        int err = 0;
+        bool ok, started = false;
+        if (k->v || k->bulk) {
+            ok = stream_command(st, k->argc, k->argv, k->lens, k->v ? k->vi : -1, v) == 0;
+            err = v->err;
+            if (ok && k->bulk) {
+                *k->bulk = (struct store_bulk){.rc = SKV_OK};
+                err = read_bulk(st, k->argv[0], k->bulk);
+                ok = err == 0;
+                started = k->bulk->started;
+            } else if (ok) {
+                ok = redisGetReply(st->c, (void **)&r) == REDIS_OK;
+                err = errno;
+            }
+            int rc = !ok && err < 0 ? k->bulk->rc : !ok && !err ? v->rc : SKV_OK;
+            if (rc && err < 0 && k->bulk->in_sync) {
+                st->retry_ms = STORE_RETRY_MS; /* it answered */
+                char m[300];
+                snprintf(m, sizeof m, "%s", skv_error_msg());
+                return skv_errorf(rc, "store %s: %s", st->url, m);
+            }
+            if (rc && rc != SKV_E_IO) { /* fn failed, memory, or a bug: nothing wrong with the store */
+                redisFree(st->c);
+                st->c = NULL;
+                return rc;
+            }
+            if (rc)
+                err = EPROTO;
+        } else {
+            r = redisCommandArgv(st->c, k->argc, k->argv, k->lens);
+            ok = r != NULL;
+            err = errno;
+        }
+        bool closed = !started && (st->c->err == REDIS_ERR_EOF ||
+                                   ((st->c->err == REDIS_ERR_IO || v->err || k->bulk) &&
+                                    (err == EPIPE || err == ECONNRESET)));
+        if (!ok && reused && attempt == 0 && closed) {
             redisFree(st->c);
             st->c = NULL;
             continue;
         }
-        if (!r) {
-            store_failed(st, st->c->errstr[0] ? st->c->errstr : "the connection failed");
-            return NULL;
+        if (!ok) {
+            char why[200];
+            snprintf(why, sizeof why, "%s",
+                     err == EPROTO ? skv_error_msg()
+                     : st->c->errstr[0] ? st->c->errstr
+                     : err == EAGAIN || err == EWOULDBLOCK ? "timed out"
+                     : err ? strerror(err) : "the connection failed");
+            store_failed(st, why);
+            return SKV_E_IO;
         }
         st->retry_ms = STORE_RETRY_MS; /* it answered */
-        if (r->type == REDIS_REPLY_ERROR) { /* the store answered: the connection is fine */
-            skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, argv[0], r->str);
+        if (r && r->type == REDIS_REPLY_ERROR) { /* the store answered: the connection is fine */
+            skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], r->str);
             freeReplyObject(r);
-            return NULL;
+            return SKV_E_IO;
         }
-        return r;
+        k->reply = r;
+        return SKV_OK;
     }
 }
 
-static int store_set(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s, bool spill)
+static int store_set(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s,
+                     struct store_value *v)
 {
     char ttl[24];
     snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_s);
     const char *argv[] = {"SET", key, data, "EX", ttl};
     const size_t lens[] = {3, strlen(key), n, 2, strlen(ttl)};
-    redisReply *r = store_command(st, 5, argv, lens);
-    if (!r) {
-        st->stats.spill_failures += spill;
-        return SKV_E_IO;
+    struct store_call k = {.argc = 5, .argv = argv, .lens = lens, .vi = 2, .v = v};
+    int rc = store_command(st, &k);
+    if (rc) {
+        st->stats.spill_failures += v != NULL;
+        return rc;
     }
-    freeReplyObject(r);
-    st->stats.spills += spill;
-    st->stats.spill_bytes += spill ? n : 0;
+    freeReplyObject(k.reply);
+    st->stats.spills += v != NULL;
+    st->stats.spill_bytes += v ? v->n : 0;
     return SKV_OK;
 }
 
-int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
+int skv_store_put_stream(struct skv_store *st, const char *key, uint64_t n, int64_t ttl_s, skv_store_writer fn,
+                         void *user)
 {
-    return store_set(st, key, data, n, ttl_s, true);
+    struct store_value v = {.n = n, .fn = fn, .user = user};
+    return store_set(st, key, NULL, 0, ttl_s, &v);
 }
 
 int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
 {
-    return store_set(st, key, data, n, ttl_s, false);
+    return store_set(st, key, data, n, ttl_s, NULL);
 }
 
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value)
 {
     const char *argv[] = {"GETDEL", key};
     const size_t lens[] = {6, strlen(key)};
-    redisReply *r = store_command(st, 2, argv, lens);
-    if (!r) {
+    struct store_bulk b = {0};
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .bulk = &b};
+    int rc = store_command(st, &k);
+    if (rc) {
         st->stats.load_failures++;
-        return SKV_E_IO;
+        return rc;
     }
-    if (r->type == REDIS_REPLY_NIL) {
-        freeReplyObject(r);
+    if (b.nil) {
         st->stats.misses++;
         return skv_errorf(SKV_E_NOT_FOUND, "not in the store");
     }
-    if (r->type != REDIS_REPLY_STRING) {
-        freeReplyObject(r);
-        st->stats.load_failures++;
-        return skv_errorf(SKV_E_IO, "store %s: GETDEL: an answer that is not a string", st->url);
-    }
-    *data = r->str;
-    *n = r->len;
-    *value = r;
+    *data = b.data;
+    *n = b.n;
+    *value = b.data;
     st->stats.loads++;
     return SKV_OK;
 }
 
 void skv_store_value_free(void *value)
 {
-    if (value)
-        freeReplyObject(value);
+    free(value);
 }
 
 int skv_store_delete(struct skv_store *st, const char *key)
 {
     const char *argv[] = {"DEL", key};
     const size_t lens[] = {3, strlen(key)};
-    redisReply *r = store_command(st, 2, argv, lens);
-    if (!r) {
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens};
+    if (store_command(st, &k)) {
         st->stats.load_failures++; /* a RELEASE of a session not here */
         return SKV_E_IO;
     }
-    bool there = r->type == REDIS_REPLY_INTEGER && r->integer > 0;
-    freeReplyObject(r);
+    bool there = k.reply->type == REDIS_REPLY_INTEGER && k.reply->integer > 0;
+    freeReplyObject(k.reply);
     return there ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
 }

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 struct skv_store;
 
@@ -17,9 +18,15 @@ struct skv_store;
 int skv_store_new(const char *url, int timeout_ms, struct skv_store **out);
 void skv_store_free(struct skv_store **st_p);
 
-/* SET key value EX ttl_s. SKV_E_IO when the store cannot be reached or refuses it. */
-int skv_store_put(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
-/* SET as skv_store_put, of a value skv_store_take took that did not load (not a spill). */
+/* Writes exactly the n bytes of a value to f and returns SKV_OK, or an error status. */
+typedef int (*skv_store_writer)(void *user, FILE *f);
+/* SET key value EX ttl_s, a spill: the value is the n bytes fn writes, streamed onto the
+ * connection as they come (no copy of it is made; fn may be called a second time, when a reused
+ * connection turns out closed). SKV_E_IO when the store cannot be reached or refuses it; fn's
+ * status when it fails; SKV_E_INTERNAL when it writes other than n bytes. */
+int skv_store_put_stream(struct skv_store *st, const char *key, uint64_t n, int64_t ttl_s, skv_store_writer fn,
+                         void *user);
+/* SET key value EX ttl_s of a value skv_store_take took that did not load (not a spill). */
 int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
 /* GETDEL key: the value is removed from the store as it is read, so two hosts never take one.
  * *data and *n: the value, valid until skv_store_value_free(*value). SKV_E_NOT_FOUND when there

@@ -42,7 +42,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -3635,6 +3637,176 @@ static void test_decode_share(void **state)
     }
 }
 
+/* What a test writer (skv_store_writer) writes: `n` bytes of a pattern in pieces of uneven
+ * sizes, or it fails with SKV_E_NOMEM after `fail_at` of them; `calls` counts its runs. */
+struct pattern_writer {
+    size_t n, fail_at;
+    int calls;
+};
+
+static unsigned char pattern_byte(size_t i)
+{
+    return (unsigned char)(i * 2654435761u >> 13);
+}
+
+static int pattern_write(void *user, FILE *f)
+{
+    struct pattern_writer *pw = user;
+    pw->calls++;
+    static const size_t pieces[] = {1, 7, 4096, 300001, 3, 1 << 20};
+    static unsigned char buf[1 << 20];
+    for (size_t at = 0, k = 0; at < pw->n; k++) {
+        size_t m = pieces[k % 6] < pw->n - at ? pieces[k % 6] : pw->n - at;
+        if (at + m > pw->fail_at)
+            return skv_errorf(SKV_E_NOMEM, "the test writer fails at %zu", pw->fail_at);
+        for (size_t i = 0; i < m; i++)
+            buf[i] = pattern_byte(at + i);
+        if (fwrite(buf, 1, m, f) != m)
+            return skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+        at += m;
+    }
+    return SKV_OK;
+}
+
+/* What `redis-cli -s sock ARGS` prints (first line). */
+static void redis_cli_line(const char *sock, const char *args, char *out, size_t cap)
+{
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "redis-cli -s %s %s 2>/dev/null", sock, args);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    if (!fgets(out, (int)cap, p))
+        out[0] = '\0';
+    out[strcspn(out, "\n")] = '\0';
+    pclose(p);
+}
+
+/* A spill's value is streamed onto the connection (skv_store_put_stream), against a real
+ * redis-server (skipped when it is not installed): a 3 MB value written in uneven pieces comes
+ * back whole; a writer that writes fewer or more bytes than announced, or fails, leaves nothing
+ * stored and the store usable at once; a connection the server closed while idle is made again
+ * and the value written once more; a store that stops reading is a timeout, and the half-sent
+ * value is not stored. Takes read the value straight from the socket (an empty one, none, the
+ * store's error for a key that is not a string, and again over a connection closed while
+ * idle). */
+static void test_store_stream(void **state)
+{
+    (void)state;
+    if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
+        skip();
+    char dir[] = "/tmp/skv-test-stream-XXXXXX", sock[200], url[220], out[200] = "";
+    assert_non_null(mkdtemp(dir));
+    snprintf(sock, sizeof sock, "%s/redis.sock", dir);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    fflush(NULL);
+    pid_t redis = fork();
+    assert_true(redis >= 0);
+    if (redis == 0) {
+        if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr))
+            _exit(126);
+        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly",
+               "no", "--dir", dir, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 300 && strcmp(out, "PONG") != 0; i++) {
+        usleep(50 * 1000);
+        redis_cli_line(sock, "PING", out, sizeof out);
+    }
+    assert_string_equal(out, "PONG");
+    struct skv_store *st = NULL;
+    assert_int_equal(skv_store_new(url, 300, &st), SKV_OK);
+    const size_t n = 3000017;
+    struct pattern_writer pw = {.n = n, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "a", n, 60, pattern_write, &pw), SKV_OK);
+    assert_int_equal(pw.calls, 1);
+    const void *data = NULL;
+    void *value = NULL;
+    size_t got = 0;
+    assert_int_equal(skv_store_take(st, "a", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, n);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += ((const unsigned char *)data)[i] != pattern_byte(i);
+    assert_int_equal(bad, 0);
+    skv_store_value_free(value);
+    redis_cli_line(sock, "TTL a", out, sizeof out);
+    assert_string_equal(out, "-2"); /* taken */
+
+    /* fewer bytes, more bytes, a failing writer: nothing stored, and the next call works */
+    const struct {
+        size_t written, fail_at;
+        int rc;
+    } wrong[] = {{n - 5, SIZE_MAX, SKV_E_INTERNAL}, {n + 5, SIZE_MAX, SKV_E_INTERNAL}, {n, n / 2, SKV_E_NOMEM}};
+    for (size_t k = 0; k < sizeof wrong / sizeof *wrong; k++) {
+        pw = (struct pattern_writer){.n = wrong[k].written, .fail_at = wrong[k].fail_at};
+        assert_int_equal(skv_store_put_stream(st, "b", n, 60, pattern_write, &pw), wrong[k].rc);
+        assert_int_equal(pw.calls, 1);
+        pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+        assert_int_equal(skv_store_put_stream(st, "c", 10, 60, pattern_write, &pw), SKV_OK);
+        redis_cli_line(sock, "EXISTS b", out, sizeof out);
+        assert_string_equal(out, "0");
+        redis_cli_line(sock, "STRLEN c", out, sizeof out);
+        assert_string_equal(out, "10");
+    }
+    redis_cli_line(sock, "TTL c", out, sizeof out);
+    assert_true(atoi(out) > 50 && atoi(out) <= 60);
+
+    /* closed by the server while idle: made again, the value written once more */
+    redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
+    assert_true(atoi(out) >= 1);
+    pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "d", n, 60, pattern_write, &pw), SKV_OK);
+    assert_int_equal(pw.calls, 2);
+    redis_cli_line(sock, "STRLEN d", out, sizeof out);
+    assert_int_equal(atol(out), (long)n);
+
+    /* takes: none, an empty value, a value that is not a string (the store's error, the
+     * connection kept), and after the server closed the connection while idle */
+    assert_int_equal(skv_store_take(st, "none", &data, &got, &value), SKV_E_NOT_FOUND);
+    redis_cli_line(sock, "SET z ''", out, sizeof out);
+    assert_int_equal(skv_store_take(st, "z", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 0);
+    skv_store_value_free(value);
+    redis_cli_line(sock, "RPUSH l x", out, sizeof out);
+    assert_int_equal(skv_store_take(st, "l", &data, &got, &value), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "WRONGTYPE"));
+    assert_non_null(strstr(skv_error_msg(), url));
+    assert_int_equal(skv_store_take(st, "c", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 10);
+    assert_memory_equal(data, "\x00", 1); /* pattern_byte(0) */
+    skv_store_value_free(value);
+    redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
+    assert_true(atoi(out) >= 1);
+    assert_int_equal(skv_store_take(st, "d", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, n);
+    assert_int_equal(((const unsigned char *)data)[n - 1], pattern_byte(n - 1));
+    skv_store_value_free(value);
+
+    /* a store that stops reading: the send times out (300 ms), the connection is dropped */
+    assert_int_equal(kill(redis, SIGSTOP), 0);
+    pw = (struct pattern_writer){.n = 8 * n, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "e", 8 * n, 60, pattern_write, &pw), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "timed out"));
+    assert_int_equal(kill(redis, SIGCONT), 0);
+    redis_cli_line(sock, "EXISTS e", out, sizeof out);
+    assert_string_equal(out, "0");
+    struct skv_store_stats ss;
+    skv_store_stats(st, &ss);
+    assert_int_equal(ss.spills, 1 + 3 + 1);
+    assert_int_equal(ss.spill_bytes, 2 * n + 3 * 10);
+    assert_int_equal(ss.spill_failures, 3 + 1);
+    assert_int_equal(ss.loads, 1 + 3);
+    assert_int_equal(ss.misses, 1);
+    assert_int_equal(ss.load_failures, 1);
+    skv_store_free(&st);
+
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* store = ...: the urls taken and refused, and a store nobody answers at: an I/O error naming it,
  * and no new connection tried within a second of the failure. */
 static void test_store_urls(void **state)
@@ -3677,7 +3849,9 @@ static void test_store_urls(void **state)
     assert_int_equal(skv_store_take(st, "k", &data, &n, &value), SKV_E_IO);
     assert_null(value);
     assert_non_null(strstr(skv_error_msg(), "unix:///nonexistent/redis.sock"));
-    assert_int_equal(skv_store_put(st, "k", "v", 1, 60), SKV_E_IO);
+    struct pattern_writer pw = {.n = 1, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 1, 60, pattern_write, &pw), SKV_E_IO);
+    assert_int_equal(pw.calls, 0);
     assert_non_null(strstr(skv_error_msg(), "tried again in"));
     struct skv_store_stats ss;
     skv_store_stats(st, &ss);
@@ -3737,6 +3911,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
+        cmocka_unit_test(test_store_stream),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
