@@ -2111,8 +2111,9 @@ static int write_rows_meta(FILE *f, crypto_generichash_state *h, const struct sk
     return rc;
 }
 
-/* Writes session s to f, and the checksum of what it wrote after it (also into sum; with sum
- * NULL, none is computed and zeros stand in its place: the same count of bytes). With a
+/* Writes session s to f, and the checksum of what it wrote after it (also into sum). With sum
+ * NULL it counts: no checksum is computed and no row read, f is seeked over the rows and over
+ * the checksum (a stream that counts, as the spill's). With a
  * block store, full blocks and a shared partly filled last block go to the store (once however
  * many sessions hold them, and once across saves: blocks the store holds already are not read
  * out of the cache) and f names them (version 6). */
@@ -2192,8 +2193,8 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
         rows = more;
         float *k = rows, *v = rows + (size_t)n * dim;
         if ((rc = write_all(f, hp, &len, sizeof len)) || (rc = write_rows_meta(f, hp, kh, hd.version)) ||
-            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k)) ||
-            (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v)))
+            (hp && (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k))) ||
+            (hp && (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v))))
             break;
         for (int b = known; b < n_refs && !rc; b++)
             rc = skv_kv_store_put(store, kh->blk[b], b < n_full ? br : tail, k + (size_t)(b - known) * br * dim,
@@ -2202,17 +2203,20 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
             rc = write_all(f, hp, &n_refs, sizeof n_refs);
         if (!rc)
             rc = write_all(f, hp, refs, (size_t)n_refs * sizeof *refs);
-        if (!rc)
-            rc = write_all(f, hp, k + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
-        if (!rc)
-            rc = write_all(f, hp, v + (size_t)(row0 - r0) * dim, (size_t)(len - row0) * dim * sizeof *rows);
+        size_t bytes = (size_t)(len - row0) * dim * sizeof *rows;
+        if (!rc && !hp) /* a count */
+            rc = fseeko(f, (off_t)(2 * bytes), SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;
+        if (!rc && hp)
+            rc = write_all(f, hp, k + (size_t)(row0 - r0) * dim, bytes);
+        if (!rc && hp)
+            rc = write_all(f, hp, v + (size_t)(row0 - r0) * dim, bytes);
     }
     free(rows);
     free(refs);
-    unsigned char zero[32] = {0};
-    if (hp)
-        crypto_generichash_final(&h, sum, 32);
-    if (!rc && fwrite(hp ? sum : zero, 1, 32, f) != 32)
+    if (!rc && !hp)
+        return fseeko(f, 32, SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;
+    crypto_generichash_final(&h, sum, 32);
+    if (!rc && fwrite(sum, 1, 32, f) != 32)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
     return rc;
 }
@@ -2579,11 +2583,24 @@ static void store_key(const struct skv_worker *w, const char *tenant, const uint
 
 #define STORE_KEY_MAX (7 + 65 + SKV_TENANT_MAX + 2 * SKV_SESSION_ID_BYTES + 8)
 
-/* fopencookie's write for a count of bytes */
+/* fopencookie's write and seek for a count of bytes: where the stream stands */
 static ssize_t count_write(void *cookie, const char *buf, size_t n)
 {
     *(uint64_t *)cookie += n;
     return (ssize_t)n;
+}
+
+static int count_seek(void *cookie, off64_t *off, int whence)
+{
+    uint64_t *at = cookie;
+    if (whence == SEEK_SET && *off >= 0)
+        *at = (uint64_t)*off;
+    else if (whence == SEEK_CUR && *off >= -(off64_t)*at)
+        *at += (uint64_t)*off;
+    else
+        return -1;
+    *off = (off64_t)*at;
+    return 0;
 }
 
 struct spill {
@@ -2610,7 +2627,7 @@ void skv_requests_spill(void *user, struct skv_session *s)
     store_key(w, s->tenant, s->id, key, sizeof key);
     skv_session_id_hex(s->id, hex);
     uint64_t n = 0;
-    FILE *f = fopencookie(&n, "w", (cookie_io_functions_t){.write = count_write});
+    FILE *f = fopencookie(&n, "w", (cookie_io_functions_t){.write = count_write, .seek = count_seek});
     int rc = f ? session_write(w, s, f, NULL, NULL) : skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
     if (f && fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");

@@ -14,6 +14,7 @@
 #define STORE_RETRY_MS 1000      /* no new connection within this of a failed one ... */
 #define STORE_RETRY_MAX_MS 30000 /* ... doubled at each failure in a row, up to this */
 #define STORE_SEND_BUF (256 << 10) /* a streamed value goes out in pieces of this */
+#define STORE_LINE_MAX (64 << 10)  /* a reply's header line, an error message's included */
 
 struct skv_store {
     char url[512];
@@ -207,6 +208,8 @@ struct store_value {
 struct value_sink {
     int fd;
     struct store_value *v;
+    uint64_t cap; /* no byte past this count goes out: the value's end while fn writes it */
+    bool over;    /* fn wrote past it */
 };
 
 /* fopencookie's write: every byte onto the socket, or -1 with v->err set. The socket's send
@@ -214,6 +217,10 @@ struct value_sink {
 static ssize_t sink_write(void *cookie, const char *buf, size_t n)
 {
     struct value_sink *k = cookie;
+    if (k->v->sent + n > k->cap) {
+        k->over = true;
+        return -1;
+    }
     size_t off = 0;
     while (off < n && !k->v->err) {
         ssize_t m = send(k->fd, buf + off, n - off, MSG_NOSIGNAL);
@@ -229,45 +236,52 @@ static ssize_t sink_write(void *cookie, const char *buf, size_t n)
 }
 
 /* Sends argv as one command in the protocol's framing (an array of bulk strings; hiredis has no
- * way to send a value it does not hold whole), argument `vi` being the n bytes v->fn writes
- * straight onto the socket: no copy of the value is made, whatever its size. 0 when all of it
- * went out; otherwise v->err (the socket failed) or v->rc (fn did) says why. */
+ * way to send a value it does not hold whole), argument `vi` (-1: none) being the n bytes v->fn
+ * writes straight onto the socket: no copy of the value is made, whatever its size. What comes
+ * before the value is sent first, so that the value is exactly the next n bytes: fn can send no
+ * more, and when it wrote fewer or failed, nothing more goes out (the caller drops the
+ * connection, so the store never runs the half-sent command). 0 when all of it went out;
+ * otherwise v->err (the socket failed) or v->rc (fn did, or wrote other than n bytes:
+ * SKV_E_INTERNAL) says why. */
 static int stream_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, int vi,
                           struct store_value *v)
 {
-    struct value_sink k = {.fd = st->c->fd, .v = v};
-    char *buf = malloc(STORE_SEND_BUF);
-    FILE *f = buf ? fopencookie(&k, "w", (cookie_io_functions_t){.write = sink_write}) : NULL;
-    if (!f || setvbuf(f, buf, _IOFBF, STORE_SEND_BUF) != 0) {
-        if (f)
-            fclose(f);
-        free(buf);
-        return v->rc = skv_errorf(SKV_E_NOMEM, "no memory to stream a value");
-    }
     v->sent = 0;
     v->err = 0;
     v->rc = SKV_OK;
-    uint64_t want = (uint64_t)snprintf(NULL, 0, "*%d\r\n", argc); /* the bytes that should go out */
+    struct value_sink k = {.fd = st->c->fd, .v = v, .cap = UINT64_MAX};
+    char small[512]; /* a command without a value: a key */
+    size_t size = vi >= 0 ? STORE_SEND_BUF : sizeof small;
+    char *buf = vi >= 0 ? malloc(size) : small;
+    FILE *f = buf ? fopencookie(&k, "w", (cookie_io_functions_t){.write = sink_write}) : NULL;
+    if (!f || setvbuf(f, buf, _IOFBF, size) != 0) {
+        if (f)
+            fclose(f);
+        if (buf != small)
+            free(buf);
+        return v->rc = skv_errorf(SKV_E_NOMEM, "no memory to stream a value");
+    }
     fprintf(f, "*%d\r\n", argc);
-    for (int i = 0; i < argc; i++) {
-        uint64_t len = i == vi ? v->n : lens[i];
-        want += (uint64_t)snprintf(NULL, 0, "$%llu\r\n", (unsigned long long)len) + len + 2;
-        fprintf(f, "$%llu\r\n", (unsigned long long)len);
-        if (i == vi)
-            v->rc = v->fn(v->user, f);
-        else
+    for (int i = 0; i < argc && !v->rc && !v->err; i++) {
+        fprintf(f, "$%llu\r\n", (unsigned long long)(i == vi ? v->n : lens[i]));
+        if (i != vi) {
             fwrite(argv[i], 1, lens[i], f);
+        } else if (fflush(f) == 0) {
+            k.cap = v->sent + v->n;
+            v->rc = v->fn(v->user, f);
+            if (!v->rc && fflush(f) != 0 && !v->err && !k.over)
+                v->rc = skv_errorf(SKV_E_NOMEM, "a value could not be streamed");
+            if (!v->err && (k.over || (!v->rc && v->sent != k.cap)))
+                v->rc = skv_errorf(SKV_E_INTERNAL, "a value of %llu bytes was announced and %s written",
+                                   (unsigned long long)v->n, k.over ? "more" : "fewer");
+            k.cap = v->rc || v->err ? v->sent : UINT64_MAX;
+        }
         fwrite("\r\n", 1, 2, f);
-        if (v->rc || v->err)
-            break;
     }
     if (fclose(f) != 0 && !v->err && !v->rc)
-        v->rc = skv_errorf(SKV_E_NOMEM, "a value could not be streamed");
-    free(buf);
-    if (!v->err && !v->rc && v->sent != want)
-        v->rc = skv_errorf(SKV_E_INTERNAL, "a value of %llu bytes was announced and %llu written",
-                           (unsigned long long)v->n,
-                           (unsigned long long)(v->n + v->sent - want));
+        v->rc = skv_errorf(SKV_E_NOMEM, "a command could not be sent");
+    if (buf != small)
+        free(buf);
     return v->err || v->rc ? -1 : 0;
 }
 
@@ -302,32 +316,31 @@ static int recv_all(int fd, void *p, size_t n, bool *started)
  * with b->rc (its message without the store's name). */
 static int read_bulk(struct skv_store *st, const char *command, struct store_bulk *b)
 {
-    redisReader *rd = st->c->reader;
-    if (rd->len > rd->pos) { /* (no command is ever pipelined: nothing can wait there) */
-        b->rc = skv_errorf(SKV_E_IO, "%s: data before the reply", command);
-        return -1;
-    }
-    char line[160];
-    size_t k = 0;
-    for (;;) {
-        int err = recv_all(st->c->fd, &line[k], 1, &b->started);
+    char line[512]; /* the line, cut there (an error message's rest is skipped) */
+    size_t k = 0, total = 0;
+    for (;; total++) {
+        char c;
+        int err = recv_all(st->c->fd, &c, 1, &b->started);
         if (err)
             return err;
-        if (line[k] == '\n')
+        if (c == '\n')
             break;
-        if (++k == sizeof line - 1) {
-            b->rc = skv_errorf(SKV_E_IO, "%s: a reply line too long", command);
+        if (total == STORE_LINE_MAX) {
+            b->rc = skv_errorf(SKV_E_IO, "%s: a reply line longer than %d bytes", command, STORE_LINE_MAX);
             return -1;
         }
+        if (k < sizeof line - 1)
+            line[k++] = c;
     }
     line[k && line[k - 1] == '\r' ? k - 1 : k] = '\0';
     long long n = -2;
     char *end = NULL;
     if (line[0] == '$')
         n = strtoll(line + 1, &end, 10);
-    if (line[0] == '-') {
+    if (line[0] == '-' || line[0] == '+' || line[0] == ':') { /* one line: the connection is in sync */
         b->in_sync = true;
-        b->rc = skv_errorf(SKV_E_IO, "%s: %s", command, line + 1);
+        b->rc = line[0] == '-' ? skv_errorf(SKV_E_IO, "%s: %s", command, line + 1)
+                               : skv_errorf(SKV_E_IO, "%s: an answer that is not a string", command);
         return -1;
     }
     if (n < -1 || !end || *end || end == line + 1) {
@@ -370,57 +383,75 @@ struct store_call {
     redisReply *reply;
 };
 
+/* Whether a reused connection can take a command: the server has not closed it (its `timeout`,
+ * a proxy: over TCP a send would still go out and only the reply would find the connection
+ * closed, too late to know whether the command ran) and nothing waits to be read on it. */
+static bool store_usable(struct skv_store *st)
+{
+    const redisReader *rd = st->c->reader;
+    char c;
+    ssize_t m = recv(st->c->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return rd->len == rd->pos && m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
 /* Runs a command: SKV_OK, or SKV_E_IO after store_failed (a connection that failed is dropped).
- * A connection that worked before and turns out closed (EOF, EPIPE, ECONNRESET before any byte
- * of the reply: closed while idle) is made again and the command sent once more at once; only a
- * new connection's failure counts as the store being down. A timeout is not retried: the store
- * may still run the command (a GETDEL would then take the value twice over). When v->fn fails,
- * or a value does not fit in memory, the connection is dropped (the store is not down) and that
- * status returned. */
+ * A reused connection the server closed while idle is made again before the command is sent
+ * (store_usable); one found closed while the command was sent (EPIPE, ECONNRESET; EOF) is made
+ * again and the command sent once more, except after any of a GETDEL's reply was awaited: it may
+ * have run, and running it again would lose the value. Only a new connection's failure counts as
+ * the store being down. A timeout is not retried either. When v->fn fails, or a value does not
+ * fit in memory, the connection is dropped (the store is not down) and that status returned. */
 static int store_command(struct skv_store *st, struct store_call *k)
 {
     for (int attempt = 0;; attempt++) {
+        if (st->c && !store_usable(st)) {
+            redisFree(st->c);
+            st->c = NULL;
+        }
         bool reused = st->c != NULL;
         if (store_connect(st))
             return SKV_E_IO;
         redisReply *r = NULL;
         struct store_value none = {0}, *v = k->v ? k->v : &none;
         int err = 0;
-        bool ok, started = false;
+        bool ok, replying = false;
         if (k->v || k->bulk) {
             ok = stream_command(st, k->argc, k->argv, k->lens, k->v ? k->vi : -1, v) == 0;
             err = v->err;
+            if (!ok && !err) { /* fn failed, or wrote other than it should, or memory */
+                redisFree(st->c);
+                st->c = NULL;
+                return v->rc;
+            }
             if (ok && k->bulk) {
                 *k->bulk = (struct store_bulk){.rc = SKV_OK};
-                err = read_bulk(st, k->argv[0], k->bulk);
-                ok = err == 0;
-                started = k->bulk->started;
+                int e = read_bulk(st, k->argv[0], k->bulk);
+                if (e < 0 && k->bulk->in_sync) {
+                    st->retry_ms = STORE_RETRY_MS; /* it answered */
+                    char m[300];
+                    snprintf(m, sizeof m, "%s", skv_error_msg());
+                    return skv_errorf(k->bulk->rc, "store %s: %s", st->url, m);
+                }
+                if (e < 0 && k->bulk->rc != SKV_E_IO) { /* no memory for the value */
+                    redisFree(st->c);
+                    st->c = NULL;
+                    return k->bulk->rc;
+                }
+                err = e < 0 ? EPROTO : e;
+                ok = e == 0;
+                replying = true;
             } else if (ok) {
                 ok = redisGetReply(st->c, (void **)&r) == REDIS_OK;
                 err = errno;
             }
-            int rc = !ok && err < 0 ? k->bulk->rc : !ok && !err ? v->rc : SKV_OK;
-            if (rc && err < 0 && k->bulk->in_sync) {
-                st->retry_ms = STORE_RETRY_MS; /* it answered */
-                char m[300];
-                snprintf(m, sizeof m, "%s", skv_error_msg());
-                return skv_errorf(rc, "store %s: %s", st->url, m);
-            }
-            if (rc && rc != SKV_E_IO) { /* fn failed, memory, or a bug: nothing wrong with the store */
-                redisFree(st->c);
-                st->c = NULL;
-                return rc;
-            }
-            if (rc)
-                err = EPROTO;
         } else {
             r = redisCommandArgv(st->c, k->argc, k->argv, k->lens);
             ok = r != NULL;
             err = errno;
         }
-        bool closed = !started && (st->c->err == REDIS_ERR_EOF ||
-                                   ((st->c->err == REDIS_ERR_IO || v->err || k->bulk) &&
-                                    (err == EPIPE || err == ECONNRESET)));
+        bool eof = st->c->err == REDIS_ERR_EOF;
+        bool closed = !replying &&
+                      (eof || ((st->c->err == REDIS_ERR_IO || v->err) && (err == EPIPE || err == ECONNRESET)));
         if (!ok && reused && attempt == 0 && closed) {
             redisFree(st->c);
             st->c = NULL;
@@ -430,8 +461,9 @@ static int store_command(struct skv_store *st, struct store_call *k)
             char why[200];
             snprintf(why, sizeof why, "%s",
                      err == EPROTO ? skv_error_msg()
+                     : !eof && (err == EAGAIN || err == EWOULDBLOCK) ? "timed out"
                      : st->c->errstr[0] ? st->c->errstr
-                     : err == EAGAIN || err == EWOULDBLOCK ? "timed out"
+                     : err == ECONNRESET && replying ? "the connection closed before the reply"
                      : err ? strerror(err) : "the connection failed");
             store_failed(st, why);
             return SKV_E_IO;

@@ -42,7 +42,10 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -3681,31 +3684,70 @@ static void redis_cli_line(const char *sock, const char *args, char *out, size_t
     pclose(p);
 }
 
+/* The redis-server test_store_stream runs (killed by its teardown whatever happened) */
+static pid_t g_stream_redis;
+static char g_stream_dir[64];
+
+static int stream_teardown(void **state)
+{
+    (void)state;
+    if (g_stream_redis > 0) {
+        kill(g_stream_redis, SIGKILL);
+        waitpid(g_stream_redis, NULL, 0);
+        g_stream_redis = 0;
+    }
+    if (g_stream_dir[0]) {
+        char cmd[200];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", g_stream_dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "could not remove %s\n", g_stream_dir);
+        g_stream_dir[0] = '\0';
+    }
+    return 0;
+}
+
+/* A TCP port nothing listens on now (127.0.0.1) */
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
 /* A spill's value is streamed onto the connection (skv_store_put_stream), against a real
- * redis-server (skipped when it is not installed): a 3 MB value written in uneven pieces comes
- * back whole; a writer that writes fewer or more bytes than announced, or fails, leaves nothing
- * stored and the store usable at once; a connection the server closed while idle is made again
- * and the value written once more; a store that stops reading is a timeout, and the half-sent
- * value is not stored. Takes read the value straight from the socket (an empty one, none, the
- * store's error for a key that is not a string, and again over a connection closed while
- * idle). */
+ * redis-server on a unix socket and on TCP (skipped when it is not installed): a 3 MB value
+ * written in uneven pieces comes back whole; a writer that writes fewer or more bytes than
+ * announced, or fails, leaves nothing stored and the store usable at once; a connection the
+ * server closed while idle is made again before the command is sent (over TCP too, where a send
+ * would still go out: a GETDEL on it would find the connection closed only when the reply was
+ * due); a store that stops reading is a timeout, and the half-sent value is not stored. Takes
+ * read the value straight from the socket (an empty one, none, the store's error for a key
+ * that is not a string). */
 static void test_store_stream(void **state)
 {
     (void)state;
     if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
         skip();
-    char dir[] = "/tmp/skv-test-stream-XXXXXX", sock[200], url[220], out[200] = "";
-    assert_non_null(mkdtemp(dir));
-    snprintf(sock, sizeof sock, "%s/redis.sock", dir);
+    char sock[200], url[220], tcp[64], port[16], out[200] = "";
+    snprintf(g_stream_dir, sizeof g_stream_dir, "/tmp/skv-test-stream-XXXXXX");
+    assert_non_null(mkdtemp(g_stream_dir));
+    snprintf(sock, sizeof sock, "%s/redis.sock", g_stream_dir);
     snprintf(url, sizeof url, "unix://%s", sock);
+    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(tcp, sizeof tcp, "redis://127.0.0.1:%s", port);
     fflush(NULL);
-    pid_t redis = fork();
-    assert_true(redis >= 0);
-    if (redis == 0) {
+    g_stream_redis = fork();
+    assert_true(g_stream_redis >= 0);
+    if (g_stream_redis == 0) {
         if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr))
             _exit(126);
-        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly",
-               "no", "--dir", dir, (char *)NULL);
+        execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--unixsocket", sock, "--save",
+               "", "--appendonly", "no", "--dir", g_stream_dir, (char *)NULL);
         _exit(127);
     }
     for (int i = 0; i < 300 && strcmp(out, "PONG") != 0; i++) {
@@ -3713,8 +3755,9 @@ static void test_store_stream(void **state)
         redis_cli_line(sock, "PING", out, sizeof out);
     }
     assert_string_equal(out, "PONG");
-    struct skv_store *st = NULL;
-    assert_int_equal(skv_store_new(url, 300, &st), SKV_OK);
+    struct skv_store *st = NULL, *st_tcp = NULL;
+    assert_int_equal(skv_store_new(url, 5000, &st), SKV_OK);
+    assert_int_equal(skv_store_new(tcp, 5000, &st_tcp), SKV_OK);
     const size_t n = 3000017;
     struct pattern_writer pw = {.n = n, .fail_at = SIZE_MAX};
     assert_int_equal(skv_store_put_stream(st, "a", n, 60, pattern_write, &pw), SKV_OK);
@@ -3750,18 +3793,33 @@ static void test_store_stream(void **state)
     }
     redis_cli_line(sock, "TTL c", out, sizeof out);
     assert_true(atoi(out) > 50 && atoi(out) <= 60);
+    redis_cli_line(sock, "INFO stats | grep -c total_error_replies:0", out, sizeof out);
+    assert_string_equal(out, "1"); /* no byte past the value went out: the store saw no bad command */
 
-    /* closed by the server while idle: made again, the value written once more */
-    redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
-    assert_true(atoi(out) >= 1);
-    pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
-    assert_int_equal(skv_store_put_stream(st, "d", n, 60, pattern_write, &pw), SKV_OK);
-    assert_int_equal(pw.calls, 2);
-    redis_cli_line(sock, "STRLEN d", out, sizeof out);
-    assert_int_equal(atol(out), (long)n);
+    /* closed by the server while idle, on the socket and over TCP: made again before the
+     * command, the value written once */
+    for (int t = 0; t < 2; t++) {
+        struct skv_store *s = t ? st_tcp : st;
+        pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
+        assert_int_equal(skv_store_put_stream(s, "d", n, 60, pattern_write, &pw), SKV_OK);
+        redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
+        assert_true(atoi(out) >= 1);
+        usleep(100 * 1000); /* the close reaches the client's side */
+        assert_int_equal(skv_store_take(s, "d", &data, &got, &value), SKV_OK);
+        assert_int_equal(got, n);
+        assert_int_equal(((const unsigned char *)data)[n - 1], pattern_byte(n - 1));
+        skv_store_value_free(value);
+        redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
+        usleep(100 * 1000);
+        pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
+        assert_int_equal(skv_store_put_stream(s, "d", n, 60, pattern_write, &pw), SKV_OK);
+        assert_int_equal(pw.calls, 1);
+        redis_cli_line(sock, "STRLEN d", out, sizeof out);
+        assert_int_equal(atol(out), (long)n);
+    }
 
     /* takes: none, an empty value, a value that is not a string (the store's error, the
-     * connection kept), and after the server closed the connection while idle */
+     * connection kept) */
     assert_int_equal(skv_store_take(st, "none", &data, &got, &value), SKV_E_NOT_FOUND);
     redis_cli_line(sock, "SET z ''", out, sizeof out);
     assert_int_equal(skv_store_take(st, "z", &data, &got, &value), SKV_OK);
@@ -3775,36 +3833,30 @@ static void test_store_stream(void **state)
     assert_int_equal(got, 10);
     assert_memory_equal(data, "\x00", 1); /* pattern_byte(0) */
     skv_store_value_free(value);
-    redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
-    assert_true(atoi(out) >= 1);
-    assert_int_equal(skv_store_take(st, "d", &data, &got, &value), SKV_OK);
-    assert_int_equal(got, n);
-    assert_int_equal(((const unsigned char *)data)[n - 1], pattern_byte(n - 1));
-    skv_store_value_free(value);
-
-    /* a store that stops reading: the send times out (300 ms), the connection is dropped */
-    assert_int_equal(kill(redis, SIGSTOP), 0);
-    pw = (struct pattern_writer){.n = 8 * n, .fail_at = SIZE_MAX};
-    assert_int_equal(skv_store_put_stream(st, "e", 8 * n, 60, pattern_write, &pw), SKV_E_IO);
-    assert_non_null(strstr(skv_error_msg(), "timed out"));
-    assert_int_equal(kill(redis, SIGCONT), 0);
-    redis_cli_line(sock, "EXISTS e", out, sizeof out);
-    assert_string_equal(out, "0");
     struct skv_store_stats ss;
     skv_store_stats(st, &ss);
-    assert_int_equal(ss.spills, 1 + 3 + 1);
-    assert_int_equal(ss.spill_bytes, 2 * n + 3 * 10);
-    assert_int_equal(ss.spill_failures, 3 + 1);
-    assert_int_equal(ss.loads, 1 + 3);
+    assert_int_equal(ss.spills, 1 + 3 + 2);
+    assert_int_equal(ss.spill_bytes, 3 * n + 3 * 10);
+    assert_int_equal(ss.spill_failures, 3);
+    assert_int_equal(ss.loads, 1 + 1 + 2);
     assert_int_equal(ss.misses, 1);
     assert_int_equal(ss.load_failures, 1);
-    skv_store_free(&st);
 
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    assert_int_equal(system(cmd), 0);
+    /* a store that stops reading: the send times out (300 ms), the connection is dropped */
+    struct skv_store *st_short = NULL;
+    assert_int_equal(skv_store_new(url, 300, &st_short), SKV_OK);
+    assert_int_equal(kill(g_stream_redis, SIGSTOP), 0);
+    pw = (struct pattern_writer){.n = 8 * n, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st_short, "e", 8 * n, 60, pattern_write, &pw), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "timed out"));
+    assert_int_equal(kill(g_stream_redis, SIGCONT), 0);
+    redis_cli_line(sock, "EXISTS e", out, sizeof out);
+    assert_string_equal(out, "0");
+    skv_store_stats(st_short, &ss);
+    assert_int_equal(ss.spill_failures, 1);
+    skv_store_free(&st_short);
+    skv_store_free(&st_tcp);
+    skv_store_free(&st);
 }
 
 /* store = ...: the urls taken and refused, and a store nobody answers at: an I/O error naming it,
@@ -3911,7 +3963,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
-        cmocka_unit_test(test_store_stream),
+        cmocka_unit_test_teardown(test_store_stream, stream_teardown),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
