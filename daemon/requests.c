@@ -2185,13 +2185,14 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
         while (known < n_refs && skv_kv_store_find(store, kh->blk[known], known < n_full ? br : tail, &refs[known]))
             known++; /* written by an earlier save, unchanged since */
         int r0 = known * br < len ? known * br : len, n = len - r0;
-        float *more = realloc(rows, 2 * (size_t)(n ? n : 1) * dim * sizeof *rows);
-        if (!more) {
+        /* (a count reads no row) */
+        float *more = hp ? realloc(rows, 2 * (size_t)(n ? n : 1) * dim * sizeof *rows) : NULL;
+        if (hp && !more) {
             rc = SKV_E_NOMEM;
             break;
         }
         rows = more;
-        float *k = rows, *v = rows + (size_t)n * dim;
+        float *k = rows, *v = rows ? rows + (size_t)n * dim : NULL;
         if ((rc = write_all(f, hp, &len, sizeof len)) || (rc = write_rows_meta(f, hp, kh, hd.version)) ||
             (hp && (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k))) ||
             (hp && (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v))))
@@ -2213,8 +2214,8 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     }
     free(rows);
     free(refs);
-    if (!rc && !hp)
-        return fseeko(f, 32, SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;
+    if (!hp)
+        return rc ? rc : fseeko(f, 32, SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;
     crypto_generichash_final(&h, sum, 32);
     if (!rc && fwrite(sum, 1, 32, f) != 32)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
@@ -2670,6 +2671,8 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     void *value = NULL;
     size_t n = 0;
     int rc = skv_store_take(w->store, key, &data, &n, &value);
+    if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) /* taken, and too large to hold */
+        skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
     if (rc)
         return rc;
     struct skv_session *s = NULL;

@@ -22,6 +22,7 @@ struct skv_store {
     int port;                 /* 0: unix socket */
     int db;
     struct timeval timeout;
+    uint64_t max_value;       /* a take refuses a value larger than this */
     redisContext *c;          /* NULL: not connected */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
@@ -49,7 +50,7 @@ static int parse_uint(const char *p, const char *end, long max, long *out)
     return 0;
 }
 
-int skv_store_new(const char *url, int timeout_ms, struct skv_store **out)
+int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct skv_store **out)
 {
     struct skv_store *st = calloc(1, sizeof *st);
     if (!st)
@@ -61,6 +62,7 @@ int skv_store_new(const char *url, int timeout_ms, struct skv_store **out)
     snprintf(st->url, sizeof st->url, "%s", url);
     st->timeout = (struct timeval){.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
     st->retry_ms = STORE_RETRY_MS;
+    st->max_value = max_value;
     const char *p;
     long v;
     if (strncmp(url, "unix://", 7) == 0) {
@@ -212,14 +214,15 @@ struct value_sink {
     bool over;    /* fn wrote past it */
 };
 
-/* fopencookie's write: every byte onto the socket, or -1 with v->err set. The socket's send
- * timeout (redisSetTimeout) bounds each wait. */
+/* fopencookie's write: every byte onto the socket, or 0 (an error) with v->err set, or with
+ * `over` set for bytes past the cap. The socket's send timeout (redisSetTimeout) bounds each
+ * wait. */
 static ssize_t sink_write(void *cookie, const char *buf, size_t n)
 {
     struct value_sink *k = cookie;
     if (k->v->sent + n > k->cap) {
         k->over = true;
-        return -1;
+        return 0; /* (an error, to stdio: never negative, fopencookie(3)) */
     }
     size_t off = 0;
     while (off < n && !k->v->err) {
@@ -232,7 +235,7 @@ static ssize_t sink_write(void *cookie, const char *buf, size_t n)
             off += (size_t)m;
     }
     k->v->sent += off;
-    return k->v->err ? -1 : (ssize_t)n;
+    return k->v->err ? 0 : (ssize_t)n;
 }
 
 /* Sends argv as one command in the protocol's framing (an array of bulk strings; hiredis has no
@@ -335,6 +338,7 @@ static int read_bulk(struct skv_store *st, const char *command, struct store_bul
     line[k && line[k - 1] == '\r' ? k - 1 : k] = '\0';
     long long n = -2;
     char *end = NULL;
+    errno = 0;
     if (line[0] == '$')
         n = strtoll(line + 1, &end, 10);
     if (line[0] == '-' || line[0] == '+' || line[0] == ':') { /* one line: the connection is in sync */
@@ -343,7 +347,7 @@ static int read_bulk(struct skv_store *st, const char *command, struct store_bul
                                : skv_errorf(SKV_E_IO, "%s: an answer that is not a string", command);
         return -1;
     }
-    if (n < -1 || !end || *end || end == line + 1) {
+    if (n < -1 || !end || *end || end == line + 1 || errno == ERANGE) {
         b->rc = skv_errorf(SKV_E_IO, "%s: an answer that is not a string", command);
         return -1;
     }
@@ -351,8 +355,14 @@ static int read_bulk(struct skv_store *st, const char *command, struct store_bul
         b->nil = true;
         return 0;
     }
+    if ((uint64_t)n > st->max_value) { /* (the caller drops the connection: the rest is not read) */
+        b->rc = skv_errorf(SKV_E_LIMIT, "%s: a value of %lld bytes, more than store-max-bytes (%llu): it was taken "
+                           "from the store and is lost", command, n, (unsigned long long)st->max_value);
+        return -1;
+    }
     if (!(b->data = malloc((size_t)n ? (size_t)n : 1))) {
-        b->rc = skv_errorf(SKV_E_NOMEM, "no memory for a stored value of %lld bytes", n);
+        b->rc = skv_errorf(SKV_E_NOMEM, "%s: no memory for a value of %lld bytes: it was taken from the store and is "
+                           "lost", command, n);
         return -1;
     }
     b->n = (size_t)n;
@@ -432,7 +442,7 @@ static int store_command(struct skv_store *st, struct store_call *k)
                     snprintf(m, sizeof m, "%s", skv_error_msg());
                     return skv_errorf(k->bulk->rc, "store %s: %s", st->url, m);
                 }
-                if (e < 0 && k->bulk->rc != SKV_E_IO) { /* no memory for the value */
+                if (e < 0 && k->bulk->rc != SKV_E_IO) { /* a value too large, or no memory for it */
                     redisFree(st->c);
                     st->c = NULL;
                     return k->bulk->rc;
@@ -450,8 +460,8 @@ static int store_command(struct skv_store *st, struct store_call *k)
             err = errno;
         }
         bool eof = st->c->err == REDIS_ERR_EOF;
-        bool closed = !replying &&
-                      (eof || ((st->c->err == REDIS_ERR_IO || v->err) && (err == EPIPE || err == ECONNRESET)));
+        bool closed = !replying && !eof && /* (hiredis finds an EOF only when it reads the reply) */
+                      (st->c->err == REDIS_ERR_IO || v->err) && (err == EPIPE || err == ECONNRESET);
         if (!ok && reused && attempt == 0 && closed) {
             redisFree(st->c);
             st->c = NULL;

@@ -14,8 +14,9 @@
 
 struct skv_store;
 
-/* Parses url (SKV_E_INVAL with a message naming what is wrong); connects nothing yet. */
-int skv_store_new(const char *url, int timeout_ms, struct skv_store **out);
+/* Parses url (SKV_E_INVAL with a message naming what is wrong); connects nothing yet. A take
+ * refuses a value over max_value bytes (store-max-bytes). */
+int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct skv_store **out);
 void skv_store_free(struct skv_store **st_p);
 
 /* Writes exactly the n bytes of a value to f and returns SKV_OK, or an error status. */
@@ -30,7 +31,8 @@ int skv_store_put_stream(struct skv_store *st, const char *key, uint64_t n, int6
 int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
 /* GETDEL key: the value is removed from the store as it is read, so two hosts never take one.
  * *data and *n: the value, valid until skv_store_value_free(*value). SKV_E_NOT_FOUND when there
- * is none; SKV_E_IO as above. */
+ * is none; SKV_E_IO as above; SKV_E_LIMIT (over max_value) or SKV_E_NOMEM for a value taken
+ * that cannot be held: it is lost. */
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value);
 void skv_store_value_free(void *value);
 /* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above (counted as a

@@ -3756,8 +3756,8 @@ static void test_store_stream(void **state)
     }
     assert_string_equal(out, "PONG");
     struct skv_store *st = NULL, *st_tcp = NULL;
-    assert_int_equal(skv_store_new(url, 5000, &st), SKV_OK);
-    assert_int_equal(skv_store_new(tcp, 5000, &st_tcp), SKV_OK);
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_new(tcp, 5000, 1 << 30, &st_tcp), SKV_OK);
     const size_t n = 3000017;
     struct pattern_writer pw = {.n = n, .fail_at = SIZE_MAX};
     assert_int_equal(skv_store_put_stream(st, "a", n, 60, pattern_write, &pw), SKV_OK);
@@ -3842,9 +3842,26 @@ static void test_store_stream(void **state)
     assert_int_equal(ss.misses, 1);
     assert_int_equal(ss.load_failures, 1);
 
+    /* a value larger than the store's max_value: refused (it was taken: lost), the next take
+     * works */
+    struct skv_store *st_small = NULL;
+    assert_int_equal(skv_store_new(url, 5000, 1 << 20, &st_small), SKV_OK);
+    pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st_small, "big", n, 60, pattern_write, &pw), SKV_OK);
+    assert_int_equal(skv_store_take(st_small, "big", &data, &got, &value), SKV_E_LIMIT);
+    assert_non_null(strstr(skv_error_msg(), "is lost"));
+    redis_cli_line(sock, "EXISTS big", out, sizeof out);
+    assert_string_equal(out, "0");
+    redis_cli_line(sock, "SET small 12345", out, sizeof out);
+    assert_int_equal(skv_store_take(st_small, "small", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 5);
+    assert_memory_equal(data, "12345", 5);
+    skv_store_value_free(value);
+    skv_store_free(&st_small);
+
     /* a store that stops reading: the send times out (300 ms), the connection is dropped */
     struct skv_store *st_short = NULL;
-    assert_int_equal(skv_store_new(url, 300, &st_short), SKV_OK);
+    assert_int_equal(skv_store_new(url, 300, 1 << 30, &st_short), SKV_OK);
     assert_int_equal(kill(g_stream_redis, SIGSTOP), 0);
     pw = (struct pattern_writer){.n = 8 * n, .fail_at = SIZE_MAX};
     assert_int_equal(skv_store_put_stream(st_short, "e", 8 * n, 60, pattern_write, &pw), SKV_E_IO);
@@ -3876,7 +3893,7 @@ static void test_store_urls(void **state)
                 {"::1", 7000, 1},       {"h", 6379, 0},        {"/run/redis/redis.sock", 0, 0}};
     for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
         struct skv_store *st = NULL;
-        assert_int_equal(skv_store_new(good[i], 100, &st), SKV_OK);
+        assert_int_equal(skv_store_new(good[i], 100, 1 << 30, &st), SKV_OK);
         assert_string_equal(skv_store_url(st), good[i]);
         const char *host;
         int port, db;
@@ -3889,12 +3906,12 @@ static void test_store_urls(void **state)
     }
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         struct skv_store *st = NULL;
-        assert_int_equal(skv_store_new(bad[i], 100, &st), SKV_E_INVAL);
+        assert_int_equal(skv_store_new(bad[i], 100, 1 << 30, &st), SKV_E_INVAL);
         assert_null(st);
         assert_non_null(strstr(skv_error_msg(), "store"));
     }
     struct skv_store *st = NULL;
-    assert_int_equal(skv_store_new("unix:///nonexistent/redis.sock", 100, &st), SKV_OK);
+    assert_int_equal(skv_store_new("unix:///nonexistent/redis.sock", 100, 1 << 30, &st), SKV_OK);
     const void *data = NULL;
     void *value = NULL;
     size_t n = 0;
