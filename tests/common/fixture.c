@@ -201,6 +201,20 @@ int fixture_free_port(void)
     return -1;
 }
 
+void fixture_redis_cli(const char *sock, const char *args, char *out, size_t cap)
+{
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "redis-cli -s %s %s 2>/dev/null", sock, args);
+    out[0] = '\0';
+    FILE *p = popen(cmd, "r");
+    if (!p)
+        return;
+    if (!fgets(out, (int)cap, p))
+        out[0] = '\0';
+    out[strcspn(out, "\n")] = '\0';
+    pclose(p);
+}
+
 int fixture_other_user_fork(const char *dir, const char *endpoint, int *go)
 {
     struct passwd *nobody = getpwnam("nobody");

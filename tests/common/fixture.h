@@ -32,6 +32,10 @@ void fixture_remove_dir(char *path);
  * -1 when none of a few hundred tries was free. */
 int fixture_free_port(void);
 
+/* What `redis-cli -s SOCK ARGS` prints (its first line, the newline cut; "" when it printed
+ * nothing or could not run). ARGS is shell text: a pipe may follow. */
+void fixture_redis_cli(const char *sock, const char *args, char *out, size_t cap);
+
 /* A child process that will act as user nobody on the ipc:// endpoint of a daemon whose files
  * are in dir (the test's own directory: it and the socket are opened to others). It is forked
  * now, before the caller starts libzmq's threads (under ThreadSanitizer a child forked past a

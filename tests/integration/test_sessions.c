@@ -4192,27 +4192,13 @@ static bool start_redis(const char *dir, char *sock, size_t cap)
     return false;
 }
 
-/* What redis-cli prints for ARGS on the store at sock (one line, newline cut). */
-static void redis_cli(const char *sock, const char *args, char *out, size_t cap)
-{
-    char cmd[1200];
-    snprintf(cmd, sizeof cmd, "redis-cli -s %s %s", sock, args);
-    FILE *p = popen(cmd, "r");
-    assert_non_null(p);
-    out[0] = '\0';
-    if (!fgets(out, (int)cap, p))
-        out[0] = '\0';
-    out[strcspn(out, "\n")] = '\0';
-    pclose(p);
-}
-
 /* The store's key for a session of tenant p (the model's fingerprint is the daemon's). */
 static void store_key_of(const char *sock, const struct snapkv_session_id *id, char *out, size_t cap)
 {
     char hex[SNAPKV_SESSION_ID_HEX_SIZE], args[200];
     snapkv_session_id_to_hex(id, hex, sizeof hex);
     snprintf(args, sizeof args, "--scan --pattern 'snapkv:*:p:%s'", hex);
-    redis_cli(sock, args, out, cap);
+    fixture_redis_cli(sock, args, out, cap);
 }
 
 /* Waits (30 s at most) for the store to hold session id, past its 1 s lease; its key. */
@@ -4272,14 +4258,14 @@ static void test_store(void **state)
     sampling_gen(&sp);
     assert_int_equal(snapkv_decode(qb, &x.id, &sp, NULL, NULL, &got), SNAPKV_E_NOT_FOUND);
     snprintf(args, sizeof args, "EXISTS %s", key);
-    redis_cli(sock, args, out, sizeof out);
+    fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "1");
 
     /* B takes it and decodes what A would have; the store no longer holds it, A does not either */
     decode_gen(cb, &x.id, &got);
     assert_memory_equal(got.tokens, want.tokens, N_GEN * sizeof *got.tokens);
     snapkv_decode_result_free(&got);
-    redis_cli(sock, args, out, sizeof out);
+    fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "0");
     assert_int_equal(snapkv_decode(ca, &x.id, &sp, NULL, NULL, &got), SNAPKV_E_NOT_FOUND);
     snapkv_client_t *ab = client(db.admin, NULL);
@@ -4291,7 +4277,7 @@ static void test_store(void **state)
 
     /* the store closes every connection (as its `timeout` closes idle ones): the next spill and
      * load connect again at once */
-    redis_cli(sock, "CLIENT KILL TYPE normal", out, sizeof out);
+    fixture_redis_cli(sock, "CLIENT KILL TYPE normal", out, sizeof out);
     assert_true(atoi(out) >= 2);
 
     /* a session past its lease is spilled too (the leases are checked each second) */
@@ -4317,11 +4303,11 @@ static void test_store(void **state)
     assert_int_equal(snapkv_decode(cc, &y.id, &sp, NULL, NULL, &got), SNAPKV_E_POOL_FULL);
     assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
     snprintf(args, sizeof args, "EXISTS %s", key);
-    redis_cli(sock, args, out, sizeof out);
+    fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "1");
     double loads = stat_value(ab, "snapkv_store_loads_total");
     assert_int_equal(snapkv_release(cb, &y.id), SNAPKV_OK);
-    redis_cli(sock, args, out, sizeof out);
+    fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "0");
     assert_int_equal(stat_value(ab, "snapkv_store_loads_total"), loads); /* not loaded to be released */
     assert_int_equal(snapkv_release(cb, &y.id), SNAPKV_E_NOT_FOUND);
@@ -4342,12 +4328,12 @@ static void test_store(void **state)
     assert_true(key[0]);
     snprintf(args, sizeof args,
              "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, 5000)) return 1\" 1 %s", key);
-    redis_cli(sock, args, out, sizeof out);
+    fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "1");
     assert_int_equal(snapkv_decode(cb, &pr.id, &sp, NULL, NULL, &got), SNAPKV_E_FORMAT);
     assert_non_null(strstr(snapkv_last_error(), "truncated"));
     snprintf(args, sizeof args, "EXISTS %s", key);
-    redis_cli(sock, args, out, sizeof out);
+    fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "0");
     snapkv_prefill_result_free(&pr);
 

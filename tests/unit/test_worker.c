@@ -42,10 +42,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -3671,19 +3668,6 @@ static int pattern_write(void *user, FILE *f)
     return SKV_OK;
 }
 
-/* What `redis-cli -s sock ARGS` prints (first line). */
-static void redis_cli_line(const char *sock, const char *args, char *out, size_t cap)
-{
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "redis-cli -s %s %s 2>/dev/null", sock, args);
-    FILE *p = popen(cmd, "r");
-    assert_non_null(p);
-    if (!fgets(out, (int)cap, p))
-        out[0] = '\0';
-    out[strcspn(out, "\n")] = '\0';
-    pclose(p);
-}
-
 /* The redis-server test_store_stream runs (killed by its teardown whatever happened) */
 static pid_t g_stream_redis;
 static char g_stream_dir[64];
@@ -3706,19 +3690,6 @@ static int stream_teardown(void **state)
     return 0;
 }
 
-/* A TCP port nothing listens on now (127.0.0.1) */
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* A spill's value is streamed onto the connection (skv_store_put_stream), against a real
  * redis-server on a unix socket and on TCP (skipped when it is not installed): a 3 MB value
  * written in uneven pieces comes back whole; a writer that writes fewer or more bytes than
@@ -3738,7 +3709,9 @@ static void test_store_stream(void **state)
     assert_non_null(mkdtemp(g_stream_dir));
     snprintf(sock, sizeof sock, "%s/redis.sock", g_stream_dir);
     snprintf(url, sizeof url, "unix://%s", sock);
-    snprintf(port, sizeof port, "%d", free_port());
+    int port_n = fixture_free_port();
+    assert_true(port_n > 0);
+    snprintf(port, sizeof port, "%d", port_n);
     snprintf(tcp, sizeof tcp, "redis://127.0.0.1:%s", port);
     fflush(NULL);
     g_stream_redis = fork();
@@ -3752,7 +3725,7 @@ static void test_store_stream(void **state)
     }
     for (int i = 0; i < 300 && strcmp(out, "PONG") != 0; i++) {
         usleep(50 * 1000);
-        redis_cli_line(sock, "PING", out, sizeof out);
+        fixture_redis_cli(sock, "PING", out, sizeof out);
     }
     assert_string_equal(out, "PONG");
     struct skv_store *st = NULL, *st_tcp = NULL;
@@ -3772,7 +3745,7 @@ static void test_store_stream(void **state)
         bad += ((const unsigned char *)data)[i] != pattern_byte(i);
     assert_int_equal(bad, 0);
     skv_store_value_free(value);
-    redis_cli_line(sock, "TTL a", out, sizeof out);
+    fixture_redis_cli(sock, "TTL a", out, sizeof out);
     assert_string_equal(out, "-2"); /* taken */
 
     /* fewer bytes, more bytes, a failing writer: nothing stored, and the next call works */
@@ -3786,14 +3759,14 @@ static void test_store_stream(void **state)
         assert_int_equal(pw.calls, 1);
         pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
         assert_int_equal(skv_store_put_stream(st, "c", 10, 60, pattern_write, &pw), SKV_OK);
-        redis_cli_line(sock, "EXISTS b", out, sizeof out);
+        fixture_redis_cli(sock, "EXISTS b", out, sizeof out);
         assert_string_equal(out, "0");
-        redis_cli_line(sock, "STRLEN c", out, sizeof out);
+        fixture_redis_cli(sock, "STRLEN c", out, sizeof out);
         assert_string_equal(out, "10");
     }
-    redis_cli_line(sock, "TTL c", out, sizeof out);
+    fixture_redis_cli(sock, "TTL c", out, sizeof out);
     assert_true(atoi(out) > 50 && atoi(out) <= 60);
-    redis_cli_line(sock, "INFO stats | grep -c total_error_replies:0", out, sizeof out);
+    fixture_redis_cli(sock, "INFO stats | grep -c total_error_replies:0", out, sizeof out);
     assert_string_equal(out, "1"); /* no byte past the value went out: the store saw no bad command */
 
     /* closed by the server while idle, on the socket and over TCP: made again before the
@@ -3802,30 +3775,30 @@ static void test_store_stream(void **state)
         struct skv_store *s = t ? st_tcp : st;
         pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
         assert_int_equal(skv_store_put_stream(s, "d", n, 60, pattern_write, &pw), SKV_OK);
-        redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
+        fixture_redis_cli(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
         assert_true(atoi(out) >= 1);
         usleep(100 * 1000); /* the close reaches the client's side */
         assert_int_equal(skv_store_take(s, "d", &data, &got, &value), SKV_OK);
         assert_int_equal(got, n);
         assert_int_equal(((const unsigned char *)data)[n - 1], pattern_byte(n - 1));
         skv_store_value_free(value);
-        redis_cli_line(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
+        fixture_redis_cli(sock, "CLIENT KILL TYPE normal SKIPME yes", out, sizeof out);
         usleep(100 * 1000);
         pw = (struct pattern_writer){.n = n, .fail_at = SIZE_MAX};
         assert_int_equal(skv_store_put_stream(s, "d", n, 60, pattern_write, &pw), SKV_OK);
         assert_int_equal(pw.calls, 1);
-        redis_cli_line(sock, "STRLEN d", out, sizeof out);
+        fixture_redis_cli(sock, "STRLEN d", out, sizeof out);
         assert_int_equal(atol(out), (long)n);
     }
 
     /* takes: none, an empty value, a value that is not a string (the store's error, the
      * connection kept) */
     assert_int_equal(skv_store_take(st, "none", &data, &got, &value), SKV_E_NOT_FOUND);
-    redis_cli_line(sock, "SET z ''", out, sizeof out);
+    fixture_redis_cli(sock, "SET z ''", out, sizeof out);
     assert_int_equal(skv_store_take(st, "z", &data, &got, &value), SKV_OK);
     assert_int_equal(got, 0);
     skv_store_value_free(value);
-    redis_cli_line(sock, "RPUSH l x", out, sizeof out);
+    fixture_redis_cli(sock, "RPUSH l x", out, sizeof out);
     assert_int_equal(skv_store_take(st, "l", &data, &got, &value), SKV_E_IO);
     assert_non_null(strstr(skv_error_msg(), "WRONGTYPE"));
     assert_non_null(strstr(skv_error_msg(), url));
@@ -3850,9 +3823,9 @@ static void test_store_stream(void **state)
     assert_int_equal(skv_store_put_stream(st_small, "big", n, 60, pattern_write, &pw), SKV_OK);
     assert_int_equal(skv_store_take(st_small, "big", &data, &got, &value), SKV_E_LIMIT);
     assert_non_null(strstr(skv_error_msg(), "is lost"));
-    redis_cli_line(sock, "EXISTS big", out, sizeof out);
+    fixture_redis_cli(sock, "EXISTS big", out, sizeof out);
     assert_string_equal(out, "0");
-    redis_cli_line(sock, "SET small 12345", out, sizeof out);
+    fixture_redis_cli(sock, "SET small 12345", out, sizeof out);
     assert_int_equal(skv_store_take(st_small, "small", &data, &got, &value), SKV_OK);
     assert_int_equal(got, 5);
     assert_memory_equal(data, "12345", 5);
@@ -3867,7 +3840,7 @@ static void test_store_stream(void **state)
     assert_int_equal(skv_store_put_stream(st_short, "e", 8 * n, 60, pattern_write, &pw), SKV_E_IO);
     assert_non_null(strstr(skv_error_msg(), "timed out"));
     assert_int_equal(kill(g_stream_redis, SIGCONT), 0);
-    redis_cli_line(sock, "EXISTS e", out, sizeof out);
+    fixture_redis_cli(sock, "EXISTS e", out, sizeof out);
     assert_string_equal(out, "0");
     skv_store_stats(st_short, &ss);
     assert_int_equal(ss.spill_failures, 1);
