@@ -294,14 +294,13 @@ struct store_bulk {
     void *data; /* malloc'ed */
     size_t n;
     bool nil;
-    bool started;  /* a byte of the reply came */
     int rc;        /* not such a reply: the status and message to return */
     bool in_sync;  /* ... and the connection can go on (the store answered an error) */
 };
 
 /* Reads exactly n bytes: 0, or an errno (ECONNRESET for an end of stream; EAGAIN: the receive
  * timeout, redisSetTimeout's, passed with nothing coming). */
-static int recv_all(int fd, void *p, size_t n, bool *started)
+static int recv_all(int fd, void *p, size_t n)
 {
     for (size_t off = 0; off < n;) {
         ssize_t m = recv(fd, (char *)p + off, n - off, 0);
@@ -309,7 +308,6 @@ static int recv_all(int fd, void *p, size_t n, bool *started)
             continue;
         if (m <= 0)
             return m < 0 ? errno : ECONNRESET;
-        *started = true;
         off += (size_t)m;
     }
     return 0;
@@ -323,7 +321,7 @@ static int read_bulk(struct skv_store *st, const char *command, struct store_bul
     size_t k = 0, total = 0;
     for (;; total++) {
         char c;
-        int err = recv_all(st->c->fd, &c, 1, &b->started);
+        int err = recv_all(st->c->fd, &c, 1);
         if (err)
             return err;
         if (c == '\n')
@@ -367,9 +365,9 @@ static int read_bulk(struct skv_store *st, const char *command, struct store_bul
     }
     b->n = (size_t)n;
     char crlf[2];
-    int err = recv_all(st->c->fd, b->data, b->n, &b->started);
+    int err = recv_all(st->c->fd, b->data, b->n);
     if (!err)
-        err = recv_all(st->c->fd, crlf, 2, &b->started);
+        err = recv_all(st->c->fd, crlf, 2);
     if (!err && memcmp(crlf, "\r\n", 2) != 0) {
         b->rc = skv_errorf(SKV_E_IO, "%s: a string not ended as it should be", command);
         err = -1;
@@ -406,9 +404,9 @@ static bool store_usable(struct skv_store *st)
 
 /* Runs a command: SKV_OK, or SKV_E_IO after store_failed (a connection that failed is dropped).
  * A reused connection the server closed while idle is made again before the command is sent
- * (store_usable); one found closed while the command was sent (EPIPE, ECONNRESET; EOF) is made
- * again and the command sent once more, except after any of a GETDEL's reply was awaited: it may
- * have run, and running it again would lose the value. Only a new connection's failure counts as
+ * (store_usable); one found closed while the command was sent (EPIPE, ECONNRESET) is made again
+ * and the command sent once more, but not after an EOF or once a GETDEL's reply was awaited: it
+ * may have run, and running a GETDEL again would lose the value. Only a new connection's failure counts as
  * the store being down. A timeout is not retried either. When v->fn fails, or a value does not
  * fit in memory, the connection is dropped (the store is not down) and that status returned. */
 static int store_command(struct skv_store *st, struct store_call *k)

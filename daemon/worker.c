@@ -959,7 +959,8 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     int rc = skv_session_table_new(&lim, &w->sessions);
     if (!rc)
         skv_session_table_on_destroy(w->sessions, event_removed, w);
-    if (!rc && cfg->store && *cfg->store && !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)))
+    if (!rc && cfg->store && *cfg->store &&
+        !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)))
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
