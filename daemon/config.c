@@ -126,6 +126,14 @@ static const struct skv_config_option options[] = {
     {"store-max-bytes", SKV_CFG_SIZE, OPT(store_max_bytes), "512M", 1 << 20, INT64_C(1) << 40,
      "the largest session spilled to the store (a larger one is dropped, as without a store); Redis refuses "
      "values over its proto-max-bulk-len, 512M by default"},
+    {"store-user", SKV_CFG_STRING, OPT(store_user), "", 0, 0,
+     "the user the daemon logs in to the store as (Redis 6 ACL); \"\": the default user. Needs "
+     "store-password-file"},
+    {"store-password-file", SKV_CFG_STRING, OPT(store_password_file), "", 0, 0,
+     "a file holding the store's password (one line), sent with AUTH on each new connection and read "
+     "then, so a rotated password is used from the next connection; neither other users nor its group (the "
+     "clients share the daemon's) may read it, root's group excepted (chmod 0600; systemd's LoadCredential= "
+     "gives such a file). \"\": no AUTH"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
      "the longest the engine waits for the store at each step (connect, send, receive); after a failed "
      "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "
@@ -390,6 +398,9 @@ int skv_config_check(const struct skv_config *cfg)
     if (*cfg->events_replay_endpoint && !*cfg->events_endpoint)
         return skv_errorf(SKV_E_INVAL, "events-replay-endpoint replays what events-endpoint publishes: set "
                           "events-endpoint too");
+    if ((*cfg->store_user || *cfg->store_password_file) && !*cfg->store)
+        return skv_errorf(SKV_E_INVAL, "%s is the shared store's, and store is off: set store too",
+                          *cfg->store_user ? "store-user" : "store-password-file");
     return SKV_OK; /* single values (ipc-tenant, queue-order, tenant-weights ...): check_value */
 }
 

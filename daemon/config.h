@@ -49,6 +49,8 @@ struct skv_config {
     int64_t store_keep_seconds; /* a spilled session's time to live there */
     int64_t store_timeout_ms; /* connect, spill and load */
     int64_t store_max_bytes;  /* the largest session spilled */
+    char *store_user;         /* AUTH as this user ("": Redis's default one) ... */
+    char *store_password_file; /* ... with the password in this file ("": no AUTH) */
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
     char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */

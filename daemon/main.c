@@ -10,6 +10,7 @@
 #include "daemon/engine/kv_pool.h"
 #include "daemon/engine/model.h"
 #include "daemon/server.h"
+#include "daemon/store.h"
 #include "kernels/backend.h"
 
 #include <errno.h>
@@ -273,6 +274,17 @@ int main(int argc, char **argv)
     if (cfg.persist && (rc = persist_dir_check(cfg.state_dir))) {
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_auth;
+    }
+    if (*cfg.store) { /* the store's url and password file, checked again when the engine starts */
+        struct skv_store *st = NULL;
+        rc = skv_store_new(cfg.store, (int)cfg.store_timeout_ms, (uint64_t)cfg.store_max_bytes, &st);
+        if (!rc)
+            rc = skv_store_auth(st, cfg.store_user, cfg.store_password_file);
+        skv_store_free(&st);
+        if (rc) {
+            skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
+            goto out_auth;
+        }
     }
     if (strcmp(cfg.backend, "auto") == 0 && skv_backend_cuda_compiled()) {
         rc = skv_backend_cuda_new(0, &be);

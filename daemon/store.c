@@ -1,20 +1,25 @@
 /* The shared store's connection and its calls (see store.h): hiredis does the protocol. */
 #include "daemon/store.h"
+#include "common/log.h"
 #include "common/status.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define STORE_RETRY_MS 1000      /* no new connection within this of a failed one ... */
 #define STORE_RETRY_MAX_MS 30000 /* ... doubled at each failure in a row, up to this */
 #define STORE_SEND_BUF (256 << 10) /* a streamed value goes out in pieces of this */
 #define STORE_LINE_MAX (64 << 10)  /* a reply's header line, an error message's included */
+#define STORE_PASSWORD_MAX 4096    /* store-password-file's password, in bytes, and one */
 
 struct skv_store {
     char url[512];
@@ -22,11 +27,13 @@ struct skv_store {
     int port;                 /* 0: unix socket */
     int db;
     struct timeval timeout;
+    char user[256];           /* store-user: "" Redis's default one */
+    char password_file[4096]; /* store-password-file: "" no AUTH */
     uint64_t max_value;       /* a take refuses a value larger than this */
     redisContext *c;          /* NULL: not connected */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
-    char why[256];            /* and why */
+    char why[512];            /* and why */
     struct skv_store_stats stats;
 };
 
@@ -55,6 +62,11 @@ int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct sk
     struct skv_store *st = calloc(1, sizeof *st);
     if (!st)
         return SKV_E_NOMEM;
+    if (strpbrk(url, "@?")) { /* (not echoed: it may hold a password; the url is in every store message) */
+        free(st);
+        return skv_errorf(SKV_E_INVAL, "store: a url with a user, a password or options (USER:PASSWORD@, ?...) "
+                          "is refused: give them in store-user and store-password-file");
+    }
     if (strlen(url) >= sizeof st->url) {
         free(st);
         return skv_errorf(SKV_E_INVAL, "store: a url of at most %zu characters", sizeof st->url - 1);
@@ -118,6 +130,81 @@ int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct sk
     return SKV_OK;
 }
 
+int skv_store_read_password(const char *path, char *out, size_t cap)
+{
+    /* O_NONBLOCK: a FIFO at the path would block the open (the engine thread's, at a connect) */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0)
+        return skv_errorf(errno == EACCES ? SKV_E_PERM : SKV_E_IO, "store-password-file %s: %s", path,
+                          strerror(errno));
+    struct stat sb;
+    int rc = SKV_OK;
+    size_t n = 0;
+    if (fstat(fd, &sb) != 0)
+        rc = skv_errorf(SKV_E_IO, "store-password-file %s: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: not a regular file", path);
+    else if (sb.st_mode & S_IRWXO)
+        rc = skv_errorf(SKV_E_PERM, "store-password-file %s: other users may read it (mode %04o): chmod o-rwx it",
+                        path, (unsigned)(sb.st_mode & 07777));
+    else if ((sb.st_mode & (S_IRGRP | S_IWGRP)) && sb.st_gid != 0) /* (root's group: systemd's credentials) */
+        rc = skv_errorf(SKV_E_PERM, "store-password-file %s: its group may read it (mode %04o), and the clients "
+                        "share the daemon's group: chmod g-rwx it", path, (unsigned)(sb.st_mode & 07777));
+    while (!rc) { /* (read to its end: its size may have changed since the fstat) */
+        char more;
+        ssize_t m = n < cap - 1 ? read(fd, out + n, cap - 1 - n) : read(fd, &more, 1);
+        if (m < 0 && errno == EINTR)
+            continue;
+        if (m < 0)
+            rc = skv_errorf(SKV_E_IO, "store-password-file %s: %s", path, strerror(errno));
+        else if (m == 0)
+            break;
+        else if (n == cap - 1)
+            rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: more than %zu bytes", path, cap - 1);
+        else
+            n += (size_t)m;
+    }
+    close(fd);
+    if (!rc) {
+        if (n > 0 && out[n - 1] == '\n')
+            n--;
+        if (n > 0 && out[n - 1] == '\r')
+            n--;
+        out[n] = '\0';
+        if (n == 0)
+            rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: empty", path);
+        else if (strlen(out) != n || strpbrk(out, "\r\n"))
+            rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: the password is one line of text", path);
+    }
+    if (rc)
+        explicit_bzero(out, cap);
+    return rc;
+}
+
+int skv_store_auth(struct skv_store *st, const char *user, const char *password_file)
+{
+    user = user ? user : "";
+    password_file = password_file ? password_file : "";
+    if (*user && !*password_file)
+        return skv_errorf(SKV_E_INVAL, "store-user %s needs store-password-file", user);
+    if (strlen(user) >= sizeof st->user || strpbrk(user, " \t\r\n"))
+        return skv_errorf(SKV_E_INVAL, "store-user: a name of at most %zu characters, without spaces",
+                          sizeof st->user - 1);
+    if (strlen(password_file) >= sizeof st->password_file)
+        return skv_errorf(SKV_E_INVAL, "store-password-file: a path of at most %zu characters",
+                          sizeof st->password_file - 1);
+    char pw[STORE_PASSWORD_MAX];
+    if (*password_file) {
+        int rc = skv_store_read_password(password_file, pw, sizeof pw);
+        explicit_bzero(pw, sizeof pw);
+        if (rc)
+            return rc;
+    }
+    snprintf(st->user, sizeof st->user, "%s", user);
+    snprintf(st->password_file, sizeof st->password_file, "%s", password_file);
+    return SKV_OK;
+}
+
 void skv_store_free(struct skv_store **st_p)
 {
     if (!st_p || !*st_p)
@@ -165,6 +252,64 @@ static int store_failed(struct skv_store *st, const char *what)
     return skv_errorf(SKV_E_IO, "store %s: %s", st->url, st->why);
 }
 
+/* A value streamed onto the connection (skv_store_put_stream): n bytes that fn writes. */
+struct store_value {
+    uint64_t n;
+    skv_store_writer fn;
+    void *user;
+    int rc;     /* what fn returned */
+    int err;    /* the socket's errno when a send failed */
+    uint64_t sent;
+};
+
+static int stream_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, int vi,
+                          struct store_value *v);
+
+/* AUTH [user] password on a new connection, the password read from its file now: SKV_OK, or
+ * SKV_E_IO after store_failed (a refused password counts as a failed connection). The command is
+ * written by stream_command, which clears its buffer, and not by hiredis, whose buffers would
+ * keep the password in freed memory. st->why, which clients may see in an error, has the
+ * store's first word only (a store that does not know AUTH may quote its arguments); the log has
+ * the user and the file. */
+static int store_auth(struct skv_store *st)
+{
+    char pw[STORE_PASSWORD_MAX], why[sizeof st->why];
+    if (skv_store_read_password(st->password_file, pw, sizeof pw)) {
+        skv_log(SKV_LOG_WARN, "store %s: %s", st->url, skv_error_msg());
+        return store_failed(st, "AUTH: store-password-file cannot be read (the log says why)");
+    }
+    const char *argv[3] = {"AUTH"};
+    size_t lens[3] = {4};
+    int argc = 1;
+    if (st->user[0]) {
+        argv[argc] = st->user;
+        lens[argc++] = strlen(st->user);
+    }
+    argv[argc] = pw;
+    lens[argc++] = strlen(pw);
+    struct store_value none = {0};
+    redisReply *r = NULL;
+    bool ok = false;
+    if (stream_command(st, argc, argv, lens, -1, &none) != 0)
+        snprintf(why, sizeof why, "AUTH: %s", none.err == EAGAIN || none.err == EWOULDBLOCK ? "timed out"
+                                              : none.err ? strerror(none.err) : "no memory to send it");
+    else if (redisGetReply(st->c, (void **)&r) != REDIS_OK)
+        snprintf(why, sizeof why, "AUTH: %s", st->c->errstr[0] ? st->c->errstr : "no reply");
+    else if (!(ok = r->type == REDIS_REPLY_STATUS) && r->type == REDIS_REPLY_ERROR)
+        snprintf(why, sizeof why, "AUTH refused (%.*s): check store-user and store-password-file",
+                 (int)strcspn(r->str, " "), r->str);
+    else if (!ok)
+        snprintf(why, sizeof why, "AUTH: an unexpected reply");
+    if (r && r->type == REDIS_REPLY_ERROR)
+        skv_log(SKV_LOG_WARN, "store %s: AUTH%s%s with the password in %s refused: %.200s", st->url,
+                st->user[0] ? " as " : "", st->user, st->password_file,
+                strstr(r->str, pw) ? "(the store's answer quotes the password)" : r->str);
+    explicit_bzero(pw, sizeof pw);
+    if (r)
+        freeReplyObject(r);
+    return ok ? SKV_OK : store_failed(st, why);
+}
+
 static int store_connect(struct skv_store *st)
 {
     if (st->c)
@@ -183,6 +328,8 @@ static int store_connect(struct skv_store *st)
         return store_failed(st, "cannot set the timeout");
     if (st->port && redisEnableKeepAlive(st->c) != REDIS_OK) /* a peer gone quiet is found */
         return store_failed(st, "cannot enable TCP keep-alive");
+    if (st->password_file[0] && store_auth(st))
+        return SKV_E_IO;
     if (st->db) {
         redisReply *r = redisCommand(st->c, "SELECT %d", st->db);
         bool ok = r && r->type == REDIS_REPLY_STATUS;
@@ -197,15 +344,6 @@ static int store_connect(struct skv_store *st)
     return SKV_OK;
 }
 
-/* A value streamed onto the connection (skv_store_put_stream): n bytes that fn writes. */
-struct store_value {
-    uint64_t n;
-    skv_store_writer fn;
-    void *user;
-    int rc;     /* what fn returned */
-    int err;    /* the socket's errno when a send failed */
-    uint64_t sent;
-};
 
 struct value_sink {
     int fd;
@@ -285,6 +423,8 @@ static int stream_command(struct skv_store *st, int argc, const char **argv, con
         v->rc = skv_errorf(SKV_E_NOMEM, "a command could not be sent");
     if (buf != small)
         free(buf);
+    else
+        explicit_bzero(small, sizeof small); /* (an AUTH's password) */
     return v->err || v->rc ? -1 : 0;
 }
 

@@ -18,6 +18,16 @@ struct skv_store;
  * refuses a value over max_value bytes (store-max-bytes). */
 int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct skv_store **out);
 void skv_store_free(struct skv_store **st_p);
+/* store-user and store-password-file: each new connection sends AUTH [user] password, the
+ * password read from the file then (so a rotated one is used from the next connection). The file
+ * is read now too: SKV_E_INVAL, SKV_E_PERM or SKV_E_IO naming it when it cannot serve (see
+ * skv_store_read_password). user NULL or "": Redis's default user; password_file NULL or "":
+ * no AUTH (then user must be empty too). */
+int skv_store_auth(struct skv_store *st, const char *user, const char *password_file);
+/* The password in path: one line (a final newline dropped), not empty, the file at most cap - 1
+ * bytes; a regular file that neither other users nor its group (but root's) can read: the
+ * clients share the daemon's group. */
+int skv_store_read_password(const char *path, char *out, size_t cap);
 
 /* Writes exactly the n bytes of a value to f and returns SKV_OK, or an error status. */
 typedef int (*skv_store_writer)(void *user, FILE *f);

@@ -960,7 +960,8 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     if (!rc)
         skv_session_table_on_destroy(w->sessions, event_removed, w);
     if (!rc && cfg->store && *cfg->store &&
-        !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)))
+        !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)) &&
+        !(rc = skv_store_auth(w->store, cfg->store_user, cfg->store_password_file)))
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
     if (!rc)
         rc = skv_engine_new(m, &w->engine);

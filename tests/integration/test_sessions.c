@@ -288,6 +288,7 @@ static int kill_daemons(void **state)
         waitpid(g_redis, NULL, 0);
         g_redis = 0;
     }
+    unsetenv("REDISCLI_AUTH");
     g_daemon_uid = -1; /* a failed test_shm_users may leave it set */
     unsetenv("SNAPKV_DAEMON_USER");
     for (int k = 0; k < 4; k++)
@@ -4163,13 +4164,15 @@ static size_t place_of(const char *const *names, size_t n, const char *key)
  * snapkvctl reaches a session by its reference whatever -e says, and refuses one for an admin
  * command; one daemon killed: only its keys move, its sessions are UNAVAILABLE, the others'
  * still decode. */
-/* redis-server on a socket in dir (its own: no port, nothing saved), when Debian's package is
- * installed; false otherwise. */
+/* redis-server on a socket in dir (its own: no port, nothing saved, this password; redis-cli is
+ * given it by REDISCLI_AUTH), when Debian's package is installed; false otherwise. */
+#define STORE_PASSWORD "pa55-w0rd"
 static bool start_redis(const char *dir, char *sock, size_t cap)
 {
     if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
         return false;
     snprintf(sock, cap, "%s/redis.sock", dir);
+    setenv("REDISCLI_AUTH", STORE_PASSWORD, 1);
     fflush(NULL);
     g_redis = fork();
     if (g_redis == 0) {
@@ -4178,7 +4181,7 @@ static bool start_redis(const char *dir, char *sock, size_t cap)
         if (!freopen("/dev/null", "w", stdout) || !freopen(log, "a", stderr))
             _exit(126);
         execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly",
-               "no", "--dir", dir, (char *)NULL);
+               "no", "--dir", dir, "--requirepass", STORE_PASSWORD, (char *)NULL);
         _exit(127);
     }
     for (int i = 0; i < 300; i++) { /* until it answers */
@@ -4215,18 +4218,36 @@ static void wait_spilled(const char *sock, const struct snapkv_session_id *id, c
 /* store = ...: a session evicted by pool pressure on one daemon, or past its lease, goes to
  * Redis and comes back on another daemon under its id, decoding as it would have; only its
  * tenant can take it; a truncated entry is refused and dropped; with the store gone, evictions
- * drop sessions and both daemons serve on. */
+ * drop sessions and both daemons serve on. The store asks for a password: the daemons give it
+ * from store-password-file, and one whose file other users can read does not start. */
 static void test_store(void **state)
 {
     NEED_MODEL();
-    char dir[64] = "/tmp/skv-store-XXXXXX", sock[128], opt[200];
+    char dir[64] = "/tmp/skv-store-XXXXXX", sock[128], opt[220], conf[200], pass[200];
     assert_non_null(mkdtemp(dir));
     if (!start_redis(dir, sock, sizeof sock)) {
         rmdir(dir);
         print_message("redis-server or redis-cli is not installed: test_store skipped\n");
         skip();
     }
-    snprintf(opt, sizeof opt, "--store=unix://%s", sock);
+    snprintf(pass, sizeof pass, "%s/store.pass", dir);
+    snprintf(conf, sizeof conf, "%s/store.conf", dir);
+    FILE *cf = fopen(pass, "w");
+    assert_non_null(cf);
+    fputs(STORE_PASSWORD "\n", cf);
+    assert_int_equal(fclose(cf), 0);
+    assert_int_equal(chmod(pass, 0644), 0);
+    assert_non_null(cf = fopen(conf, "w"));
+    fprintf(cf, "store = unix://%s\nstore-password-file = %s\n", sock, pass);
+    assert_int_equal(fclose(cf), 0);
+    char cmd[5000], exe[4096];
+    built(exe, sizeof exe, "snapkvd");
+    snprintf(cmd, sizeof cmd, "timeout 60 %s --model=%s --config=%s --state-dir=%s --endpoint=ipc://%s/x.sock "
+             "--admin-endpoint=ipc://%s/y.sock 2>&1 | grep -q 'other users may read it'",
+             exe, g_model, conf, dir, dir, dir);
+    assert_int_equal(system(cmd), 0); /* mode 0644: refused */
+    assert_int_equal(chmod(pass, 0600), 0);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
     struct daemon da, db;
     start_daemon_with(&da, "8M", opt, 0); /* a 96-token session cut to 32 rows holds 1.4 MiB */
     start_daemon_with(&db, "8M", opt, 0);

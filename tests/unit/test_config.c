@@ -118,6 +118,20 @@ static void test_limits(void **state)
     assert_non_null(strstr(skv_error_msg(), "max-lease-seconds (3600)"));
     assert_int_equal(skv_config_set(&cfg, "lease-seconds", "600"), SKV_OK);
 
+    /* store-user and store-password-file are the store's: refused while store is off */
+    assert_int_equal(skv_config_set(&cfg, "store-password-file", "/etc/snapkvd/store.pass"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "store-password-file is the shared store's"));
+    assert_int_equal(skv_config_set(&cfg, "store", "redis://cache"), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store-user", "snapkv"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store", ""), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "store-user is the shared store's"));
+    assert_int_equal(skv_config_set(&cfg, "store-user", ""), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store-password-file", ""), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
+
     /* queue-order: fair by default, or fifo; anything else is refused where it is set, naming it */
     assert_string_equal(cfg.queue_order, "fair");
     assert_int_equal(skv_config_set(&cfg, "queue-order", "fifo"), SKV_OK);

@@ -3671,10 +3671,19 @@ static int pattern_write(void *user, FILE *f)
 /* The redis-server test_store_stream runs (killed by its teardown whatever happened) */
 static pid_t g_stream_redis;
 static char g_stream_dir[64];
+static char g_auth_dir[64]; /* test_store_auth's password files */
 
 static int stream_teardown(void **state)
 {
     (void)state;
+    unsetenv("REDISCLI_AUTH");
+    if (g_auth_dir[0]) {
+        char cmd[200];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", g_auth_dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "could not remove %s\n", g_auth_dir);
+        g_auth_dir[0] = '\0';
+    }
     if (g_stream_redis > 0) {
         kill(g_stream_redis, SIGKILL);
         waitpid(g_stream_redis, NULL, 0);
@@ -3690,6 +3699,39 @@ static int stream_teardown(void **state)
     return 0;
 }
 
+/* Starts the test's redis-server in a new g_stream_dir, on a unix socket (*sock) and on TCP port
+ * port ("0": none), with redis-server options extra (NULL-terminated, or NULL); redis-cli finds
+ * it answering before this returns (REDISCLI_AUTH set when it needs a password). */
+static void stream_redis_start(const char *port, const char *const *extra, char *sock, size_t cap)
+{
+    if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
+        skip();
+    snprintf(g_stream_dir, sizeof g_stream_dir, "/tmp/skv-test-stream-XXXXXX");
+    assert_non_null(mkdtemp(g_stream_dir));
+    snprintf(sock, cap, "%s/redis.sock", g_stream_dir);
+    const char *argv[32] = {"redis-server", "--port", port, "--bind", "127.0.0.1", "--unixsocket", sock,
+                            "--save", "", "--appendonly", "no", "--dir", g_stream_dir};
+    int argc = 13;
+    for (; extra && *extra && argc < 31; extra++)
+        argv[argc++] = *extra;
+    argv[argc] = NULL;
+    fflush(NULL);
+    g_stream_redis = fork();
+    assert_true(g_stream_redis >= 0);
+    if (g_stream_redis == 0) {
+        if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr))
+            _exit(126);
+        execvp("redis-server", (char *const *)argv);
+        _exit(127);
+    }
+    char out[200] = "";
+    for (int i = 0; i < 300 && strcmp(out, "PONG") != 0; i++) {
+        usleep(50 * 1000);
+        fixture_redis_cli(sock, "PING", out, sizeof out);
+    }
+    assert_string_equal(out, "PONG");
+}
+
 /* A spill's value is streamed onto the connection (skv_store_put_stream), against a real
  * redis-server on a unix socket and on TCP (skipped when it is not installed): a 3 MB value
  * written in uneven pieces comes back whole; a writer that writes fewer or more bytes than
@@ -3702,32 +3744,13 @@ static int stream_teardown(void **state)
 static void test_store_stream(void **state)
 {
     (void)state;
-    if (system("command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1") != 0)
-        skip();
     char sock[200], url[220], tcp[64], port[16], out[200] = "";
-    snprintf(g_stream_dir, sizeof g_stream_dir, "/tmp/skv-test-stream-XXXXXX");
-    assert_non_null(mkdtemp(g_stream_dir));
-    snprintf(sock, sizeof sock, "%s/redis.sock", g_stream_dir);
-    snprintf(url, sizeof url, "unix://%s", sock);
     int port_n = fixture_free_port();
     assert_true(port_n > 0);
     snprintf(port, sizeof port, "%d", port_n);
+    stream_redis_start(port, NULL, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
     snprintf(tcp, sizeof tcp, "redis://127.0.0.1:%s", port);
-    fflush(NULL);
-    g_stream_redis = fork();
-    assert_true(g_stream_redis >= 0);
-    if (g_stream_redis == 0) {
-        if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr))
-            _exit(126);
-        execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--unixsocket", sock, "--save",
-               "", "--appendonly", "no", "--dir", g_stream_dir, (char *)NULL);
-        _exit(127);
-    }
-    for (int i = 0; i < 300 && strcmp(out, "PONG") != 0; i++) {
-        usleep(50 * 1000);
-        fixture_redis_cli(sock, "PING", out, sizeof out);
-    }
-    assert_string_equal(out, "PONG");
     struct skv_store *st = NULL, *st_tcp = NULL;
     assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
     assert_int_equal(skv_store_new(tcp, 5000, 1 << 30, &st_tcp), SKV_OK);
@@ -3904,6 +3927,193 @@ static void test_store_urls(void **state)
     skv_store_free(&st);
 }
 
+/* Writes text to path with mode (the test's password files). */
+static void write_file_mode(const char *path, const char *text, mode_t mode)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    assert_int_equal(fclose(f), 0);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "chmod %o %s", (unsigned)mode, path); /* (this file's stat() is STATS') */
+    assert_int_equal(system(cmd), 0);
+}
+
+/* store-user and store-password-file: the file's checks (one line, not empty, a regular file
+ * that other users, and a group but root's, cannot read); a url that could hold a password is
+ * refused without echoing it; against a redis-server that asks for a password (skipped when it
+ * is not installed): no AUTH is the store's NOAUTH, a wrong password its WRONGPASS (the message
+ * says so, never the password), the right one for the default user and for an ACL user works,
+ * and a password changed in the store and in the file is used from the next connection. */
+static void test_store_auth(void **state)
+{
+    (void)state;
+    char pass[128], cmd[300];
+    snprintf(g_auth_dir, sizeof g_auth_dir, "/tmp/skv-test-auth-XXXXXX");
+    assert_non_null(mkdtemp(g_auth_dir));
+    snprintf(pass, sizeof pass, "%s/pass", g_auth_dir);
+    char pw[64];
+    const char *longest = "01234567890123456789012345678901234567890123456789012345678901\n"; /* 63 bytes */
+    const struct {
+        const char *text;
+        mode_t mode;
+        bool other_group; /* the file's group is not root's */
+        int rc;
+        const char *said; /* in the message, or the password read */
+    } files[] = {
+        {"s3cret\n", 0600, true, SKV_OK, "s3cret"},
+        {"s3cret\r\n", 0600, false, SKV_OK, "s3cret"},
+        {"s3cret", 0400, false, SKV_OK, "s3cret"},
+        {longest, 0600, false, SKV_OK, "01234567890123456789012345678901234567890123456789012345678901"},
+        {"s3cret\n", 0644, false, SKV_E_PERM, "chmod o-rwx"},
+        {"s3cret\n", 0604, false, SKV_E_PERM, "chmod o-rwx"},
+        {"s3cret\n", 0640, true, SKV_E_PERM, "its group may read it"},
+        {"", 0600, false, SKV_E_INVAL, "empty"},
+        {"\n", 0600, false, SKV_E_INVAL, "empty"},
+        {"one\ntwo\n", 0600, false, SKV_E_INVAL, "one line"},
+        {"0123456789012345678901234567890123456789012345678901234567890123", 0600, false, SKV_E_INVAL,
+         "more than 63"},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
+        write_file_mode(pass, files[i].text, files[i].mode);
+        if (files[i].other_group && geteuid() == 0) { /* (not root: the file's group is the user's) */
+            snprintf(cmd, sizeof cmd, "chgrp 65534 %s", pass);
+            assert_int_equal(system(cmd), 0);
+        }
+        memset(pw, 'x', sizeof pw);
+        assert_int_equal(skv_store_read_password(pass, pw, sizeof pw), files[i].rc);
+        if (files[i].rc == SKV_OK) {
+            assert_string_equal(pw, files[i].said);
+        } else {
+            assert_non_null(strstr(skv_error_msg(), files[i].said));
+            assert_non_null(strstr(skv_error_msg(), pass));
+            assert_int_equal(pw[0], 0); /* nothing of it left behind */
+        }
+        assert_int_equal(unlink(pass), 0);
+    }
+    if (geteuid() == 0) { /* root's group may read it: systemd's credentials */
+        write_file_mode(pass, "s3cret\n", 0440);
+        assert_int_equal(skv_store_read_password(pass, pw, sizeof pw), SKV_OK);
+        assert_int_equal(unlink(pass), 0);
+    }
+    assert_int_equal(skv_store_read_password(pass, pw, sizeof pw), SKV_E_IO); /* none */
+    assert_non_null(strstr(skv_error_msg(), "No such file"));
+    assert_int_equal(skv_store_read_password(g_auth_dir, pw, sizeof pw), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "not a regular file"));
+    snprintf(cmd, sizeof cmd, "mkfifo -m 0600 %s", pass); /* not opened to wait for a writer */
+    assert_int_equal(system(cmd), 0);
+    assert_int_equal(skv_store_read_password(pass, pw, sizeof pw), SKV_E_INVAL);
+    assert_int_equal(unlink(pass), 0);
+
+    /* a url that could hold a password: refused, and the password is not in the message */
+    struct skv_store *st = NULL;
+    const char *secret_urls[] = {"redis://alice:hunter2@cache:6379", "redis://:hunter2@cache",
+                                 "rediss://alice:hunter2@cache", "unix://:hunter2@/run/redis.sock",
+                                 "redis://cache/0?password=hunter2", "unix:///run/redis.sock?password=hunter2"};
+    for (size_t i = 0; i < sizeof secret_urls / sizeof *secret_urls; i++) {
+        assert_int_equal(skv_store_new(secret_urls[i], 100, 1 << 30, &st), SKV_E_INVAL);
+        assert_null(st);
+        assert_null(strstr(skv_error_msg(), "hunter2"));
+        assert_non_null(strstr(skv_error_msg(), "store-password-file"));
+    }
+    assert_int_equal(skv_store_new("unix:///run/redis/redis.sock", 100, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, "alice", NULL), SKV_E_INVAL); /* a user needs a password */
+    assert_non_null(strstr(skv_error_msg(), "store-password-file"));
+    assert_int_equal(skv_store_auth(st, "al ice", pass), SKV_E_INVAL);
+    assert_int_equal(skv_store_auth(st, NULL, pass), SKV_E_IO); /* no such file */
+    write_file_mode(pass, "s3cret\n", 0604);
+    assert_int_equal(skv_store_auth(st, NULL, pass), SKV_E_PERM);
+    assert_int_equal(skv_store_auth(st, NULL, NULL), SKV_OK);
+    skv_store_free(&st);
+
+    /* a redis-server with a password for its default user and an ACL user */
+    char sock[200], url[220], out[200] = "";
+    const char *extra[] = {"--requirepass", "s3cret", "--user", "alice", "on", ">wonder", "~*", "+@all", NULL};
+    setenv("REDISCLI_AUTH", "s3cret", 1);
+    stream_redis_start("0", extra, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    struct pattern_writer pwr = {.n = 10, .fail_at = SIZE_MAX};
+    const void *data = NULL;
+    void *value = NULL;
+    size_t got = 0;
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK); /* no AUTH */
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pwr), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "NOAUTH"));
+    skv_store_free(&st);
+
+    write_file_mode(pass, "not-it\n", 0600); /* wrong: the store's answer; the store is down */
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, NULL, pass), SKV_OK);
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "AUTH refused (WRONGPASS)"));
+    assert_null(strstr(skv_error_msg(), "not-it"));
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "tried again in"));
+    skv_store_free(&st);
+
+    write_file_mode(pass, "s3cret\n", 0600); /* the default user's */
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, "", pass), SKV_OK);
+    pwr = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pwr), SKV_OK);
+    fixture_redis_cli(sock, "STRLEN k", out, sizeof out);
+    assert_string_equal(out, "10");
+    skv_store_free(&st);
+
+    write_file_mode(pass, "s3cret\n", 0600); /* alice with the default user's password */
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, "alice", pass), SKV_OK);
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "AUTH refused (WRONGPASS)"));
+    skv_store_free(&st);
+
+    write_file_mode(pass, "wonder\n", 0600); /* alice's own */
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, "alice", pass), SKV_OK);
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 10);
+    skv_store_value_free(value);
+    fixture_redis_cli(sock, "CLIENT LIST | grep -c user=alice", out, sizeof out);
+    assert_string_equal(out, "1");
+
+    /* the password rotated: in the store, then in the file; the connection made with the old one
+     * goes on, and the next connection (this one closed by the server) logs in with the new */
+    fixture_redis_cli(sock, "ACL SETUSER alice resetpass '>rabbit'", out, sizeof out);
+    assert_string_equal(out, "OK");
+    write_file_mode(pass, "rabbit\n", 0600);
+    pwr = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k2", 10, 60, pattern_write, &pwr), SKV_OK);
+    fixture_redis_cli(sock, "CLIENT KILL USER alice", out, sizeof out);
+    assert_string_equal(out, "1");
+    usleep(100 * 1000); /* the close reaches the client's side */
+    assert_int_equal(skv_store_take(st, "k2", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 10);
+    skv_store_value_free(value);
+    struct skv_store_stats ss;
+    skv_store_stats(st, &ss);
+    assert_int_equal(ss.loads, 2);
+    assert_int_equal(ss.load_failures, 0);
+    skv_store_free(&st);
+
+    /* a store that does not know AUTH quotes its arguments in its answer: not in the message */
+    kill(g_stream_redis, SIGKILL);
+    waitpid(g_stream_redis, NULL, 0);
+    g_stream_redis = 0;
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_stream_dir);
+    assert_int_equal(system(cmd), 0);
+    unsetenv("REDISCLI_AUTH");
+    const char *no_auth[] = {"--rename-command", "AUTH", "", NULL};
+    stream_redis_start("0", no_auth, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    write_file_mode(pass, "quoted-secret\n", 0600);
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, NULL, pass), SKV_OK);
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "AUTH refused (ERR)"));
+    assert_null(strstr(skv_error_msg(), "quoted-secret"));
+    skv_store_free(&st);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -3954,6 +4164,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
         cmocka_unit_test_teardown(test_store_stream, stream_teardown),
+        cmocka_unit_test_teardown(test_store_auth, stream_teardown),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
