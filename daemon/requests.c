@@ -2573,7 +2573,18 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
  * A session evicted or past its lease is written there in the SAVE format under
  * snapkv:<model fingerprint>:<tenant>:<id>, so that only this model and this tenant can read it,
  * and a request naming a session this daemon does not hold takes it back (GETDEL: one host at a
- * time holds it). */
+ * time holds it). After the SAVE bytes comes a store_meta: what a SAVE does not keep, the pin and
+ * the lease. session_read stops at the checksum, so a daemon that knows no store_meta (an older
+ * one, in a rolling upgrade) loads such a value as it did, and a value without one (an older
+ * daemon's) loads with the default lease, unpinned. */
+#define STORE_META_MAGIC "SKVSTMD1"
+
+struct store_meta {
+    char magic[8];
+    uint32_t pinned; /* 0 or 1 */
+    uint32_t lease_seconds;
+    uint64_t zero;   /* (room for more: 0 now) */
+};
 
 static void store_key(const struct skv_worker *w, const char *tenant, const uint8_t *id, char *out, size_t cap)
 {
@@ -2609,12 +2620,33 @@ struct spill {
     struct skv_session *s;
 };
 
-/* skv_store_writer: session s in the SAVE format */
+static struct store_meta store_meta_of(const struct skv_session *s)
+{
+    struct store_meta m = {.pinned = s->pinned, .lease_seconds = s->lease_seconds};
+    memcpy(m.magic, STORE_META_MAGIC, sizeof m.magic);
+    return m;
+}
+
+/* skv_store_writer: session s in the SAVE format, then its store_meta */
 static int spill_write(void *user, FILE *f)
 {
     struct spill *sp = user;
     unsigned char sum[32];
-    return session_write(sp->w, sp->s, f, NULL, sum);
+    int rc = session_write(sp->w, sp->s, f, NULL, sum);
+    struct store_meta m = store_meta_of(sp->s);
+    if (!rc && fwrite(&m, sizeof m, 1, f) != 1)
+        rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    return rc;
+}
+
+/* The store_meta at the end of a stored value: true when there is one that makes sense. */
+static bool store_meta_read(const void *data, size_t n, struct store_meta *m)
+{
+    if (n < sizeof *m)
+        return false;
+    memcpy(m, (const char *)data + n - sizeof *m, sizeof *m);
+    return memcmp(m->magic, STORE_META_MAGIC, sizeof m->magic) == 0 && m->pinned <= 1 && m->zero == 0 &&
+           m->lease_seconds > 0;
 }
 
 /* Writes session s to the store, streamed: its size is counted first (the protocol announces
@@ -2632,6 +2664,7 @@ void skv_requests_spill(void *user, struct skv_session *s)
     int rc = f ? session_write(w, s, f, NULL, NULL) : skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
     if (f && fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
+    n += sizeof(struct store_meta);
     if (!rc && n > (uint64_t)w->cfg->store_max_bytes)
         rc = skv_errorf(SKV_E_LIMIT, "it takes %llu bytes, more than store-max-bytes (%lld)", (unsigned long long)n,
                         (long long)w->cfg->store_max_bytes);
@@ -2684,6 +2717,12 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
         fclose(f);
     if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
         skv_session_destroy(w->sessions, s);
+    struct store_meta m;
+    if (!rc && store_meta_read(data, n, &m)) { /* its pin and lease, as persist restores them */
+        s->pinned = m.pinned;
+        s->lease_seconds = m.lease_seconds <= (uint64_t)w->cfg->max_lease_seconds ? m.lease_seconds
+                                                                                 : (uint32_t)w->cfg->lease_seconds;
+    }
     if (rc && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());

@@ -2178,7 +2178,7 @@ static int decode_one(snapkv_client_t *c, const struct snapkv_session_id *id, do
 
 /* One spec: a --context-token session prefilled on daemon A with a 1 s lease, spilled when the
  * lease runs out, then a 1-token DECODE of it on daemon B (which takes it from the store) and a
- * second one (B holds it). */
+ * second one (B holds it, pinned: it kept the 1 s lease). */
 static int store_run(struct serve_ctx *x, snapkv_client_t *ca, snapkv_client_t *aa, snapkv_client_t *cb,
                      snapkv_client_t *ab, int spec, json_t *o)
 {
@@ -2227,6 +2227,8 @@ static int store_run(struct serve_ctx *x, snapkv_client_t *ca, snapkv_client_t *
         return client_fail("DECODE on B (from the store)", rc);
     if (!rc)
         rc = stat_delta(ab, "snapkv_store_load_seconds_total", &load_s, &load_secs);
+    if (!rc && (rc = snapkv_admin_pin(ab, &id))) /* B kept its 1 s lease: not spilled again meanwhile */
+        return client_fail("PIN on B", rc);
     if (!rc && (rc = decode_one(cb, &id, &next_s)))
         return client_fail("DECODE on B", rc);
     if (!rc && (rc = snapkv_release(cb, &id)))

@@ -4311,6 +4311,20 @@ static void test_store(void **state)
     assert_int_equal(snapkv_decode(cb, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     assert_int_equal(got.n_tokens, 1);
     snapkv_decode_result_free(&got);
+    wait_spilled(sock, &l.id, key, sizeof key); /* B kept its 1 s lease (the default is 600 s) */
+    /* as an older daemon spilled it (the SAVE bytes without the pin and lease after them): it
+     * loads, with the default lease */
+    snprintf(args, sizeof args,
+             "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, -25)) return 1\" 1 %s", key);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+    assert_int_equal(snapkv_decode(ca, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_admin_inspect(aa, &l.id, false, &ir), SNAPKV_OK);
+    assert_int_equal(ir.info.lease_seconds, 600);
+    assert_false(ir.info.pinned);
+    snapkv_inspect_result_free(&ir);
+    assert_int_equal(snapkv_release(ca, &l.id), SNAPKV_OK);
 
     /* one that does not fit where it is asked for stays in the store; a RELEASE of one that is
      * not here deletes it there without loading it */
@@ -4365,6 +4379,7 @@ static void test_store(void **state)
     sp.max_tokens = N_GEN;
     decode_gen(cb, &f, &want2);
     assert_int_equal(snapkv_release(cb, &f), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(ab, &x.id), SNAPKV_OK); /* its pin goes with it */
     snapkv_close(&ab);
     assert_int_equal(term_daemon(&db), 0);
     store_key_of(sock, &x.id, key, sizeof key);
@@ -4373,6 +4388,11 @@ static void test_store(void **state)
     assert_memory_equal(got.tokens, want2.tokens, N_GEN * sizeof *got.tokens);
     snapkv_decode_result_free(&got);
     snapkv_decode_result_free(&want2);
+    assert_int_equal(snapkv_admin_inspect(aa, &x.id, false, &ir), SNAPKV_OK);
+    assert_true(ir.info.pinned);
+    assert_int_equal(ir.info.lease_seconds, 600);
+    snapkv_inspect_result_free(&ir);
+    assert_int_equal(snapkv_admin_unpin(aa, &x.id), SNAPKV_OK);
 
     /* the store gone: sessions evicted are dropped, unknown ones are an I/O error, A serves on */
     kill(g_redis, SIGKILL);
