@@ -134,6 +134,11 @@ static const struct skv_config_option options[] = {
      "then, so a rotated password is used from the next connection; neither other users nor its group (the "
      "clients share the daemon's) may read it, root's group excepted (chmod 0600; systemd's LoadCredential= "
      "gives such a file). \"\": no AUTH"},
+    {"store-secret-file", SKV_CFG_STRING, OPT(store_secret_file), "", 0, 0,
+     "a file holding a secret (one line, at least 16 bytes; the same on every daemon sharing the store) "
+     "with which spilled sessions are signed, bound to their tenant and id: a value not signed with it "
+     "(written by someone else, or moved to another tenant's key) does not load and stays in the store. "
+     "Checked as store-password-file. \"\": values are not signed, and signatures are not checked"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
      "the longest the engine waits for the store at each step (connect, send, receive); after a failed "
      "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "
@@ -398,9 +403,10 @@ int skv_config_check(const struct skv_config *cfg)
     if (*cfg->events_replay_endpoint && !*cfg->events_endpoint)
         return skv_errorf(SKV_E_INVAL, "events-replay-endpoint replays what events-endpoint publishes: set "
                           "events-endpoint too");
-    if ((*cfg->store_user || *cfg->store_password_file) && !*cfg->store)
+    if ((*cfg->store_user || *cfg->store_password_file || *cfg->store_secret_file) && !*cfg->store)
         return skv_errorf(SKV_E_INVAL, "%s is the shared store's, and store is off: set store too",
-                          *cfg->store_user ? "store-user" : "store-password-file");
+                          *cfg->store_user ? "store-user"
+                          : *cfg->store_password_file ? "store-password-file" : "store-secret-file");
     return SKV_OK; /* single values (ipc-tenant, queue-order, tenant-weights ...): check_value */
 }
 

@@ -51,6 +51,7 @@ struct skv_config {
     int64_t store_max_bytes;  /* the largest session spilled */
     char *store_user;         /* AUTH as this user ("": Redis's default one) ... */
     char *store_password_file; /* ... with the password in this file ("": no AUTH) */
+    char *store_secret_file;  /* values signed with the secret in this file ("": not signed) */
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
     char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */

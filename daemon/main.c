@@ -280,6 +280,10 @@ int main(int argc, char **argv)
         rc = skv_store_new(cfg.store, (int)cfg.store_timeout_ms, (uint64_t)cfg.store_max_bytes, &st);
         if (!rc)
             rc = skv_store_auth(st, cfg.store_user, cfg.store_password_file);
+        unsigned char key[SKV_STORE_KEY_BYTES];
+        if (!rc && *cfg.store_secret_file)
+            rc = skv_store_read_key(cfg.store_secret_file, key);
+        explicit_bzero(key, sizeof key);
         skv_store_free(&st);
         if (rc) {
             skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());

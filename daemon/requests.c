@@ -2576,14 +2576,21 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
  * time holds it). After the SAVE bytes comes a store_meta: what a SAVE does not keep, the pin and
  * the lease. session_read stops at the checksum, so a daemon that knows no store_meta (an older
  * one, in a rolling upgrade) loads such a value as it did, and a value without one (an older
- * daemon's) loads with the default lease, unpinned. */
+ * daemon's) loads with the default lease, unpinned. With store-secret-file the value is signed:
+ * SAVE bytes, a MAC, the store_meta (flag STORE_SIGNED), the MAC a keyed BLAKE2b-256 of the key
+ * (model, tenant, id), the SAVE bytes and the store_meta, so that neither the session, nor its
+ * pin and lease, nor the tenant and id it is for can be changed by someone who can write to the
+ * store but does not hold the secret. */
 #define STORE_META_MAGIC "SKVSTMD1"
+#define STORE_SIGNED 1u /* store_meta.flags: a MAC comes before it */
+#define STORE_MAC_BYTES 32
 
 struct store_meta {
     char magic[8];
     uint32_t pinned; /* 0 or 1 */
     uint32_t lease_seconds;
-    uint64_t zero;   /* (room for more: 0 now) */
+    uint32_t flags;  /* STORE_SIGNED */
+    uint32_t zero;   /* (room for more: 0 now) */
 };
 
 static void store_key(const struct skv_worker *w, const char *tenant, const uint8_t *id, char *out, size_t cap)
@@ -2618,23 +2625,63 @@ static int count_seek(void *cookie, off64_t *off, int whence)
 struct spill {
     struct skv_worker *w;
     struct skv_session *s;
+    const char *key; /* the store's key: a signed value is bound to it */
 };
 
-static struct store_meta store_meta_of(const struct skv_session *s)
+static struct store_meta store_meta_of(const struct skv_worker *w, const struct skv_session *s)
 {
-    struct store_meta m = {.pinned = s->pinned, .lease_seconds = s->lease_seconds};
+    struct store_meta m = {.pinned = s->pinned, .lease_seconds = s->lease_seconds,
+                           .flags = w->store_signed ? STORE_SIGNED : 0};
     memcpy(m.magic, STORE_META_MAGIC, sizeof m.magic);
     return m;
 }
 
-/* skv_store_writer: session s in the SAVE format, then its store_meta */
+/* The MAC's state after the key it is bound to (its length first: no two keys hash alike). */
+static void store_mac_init(const struct skv_worker *w, const char *key, crypto_generichash_state *h)
+{
+    uint32_t n = (uint32_t)strlen(key);
+    crypto_generichash_init(h, w->store_mac_key, sizeof w->store_mac_key, STORE_MAC_BYTES);
+    crypto_generichash_update(h, (const unsigned char *)&n, sizeof n);
+    crypto_generichash_update(h, (const unsigned char *)key, n);
+}
+
+/* A stream that hashes what goes through it into `h` on its way to `to` (the signed spill's). */
+struct mac_tee {
+    crypto_generichash_state *h;
+    FILE *to;
+};
+
+static ssize_t mac_tee_write(void *cookie, const char *buf, size_t n)
+{
+    struct mac_tee *t = cookie;
+    crypto_generichash_update(t->h, (const unsigned char *)buf, n);
+    return fwrite(buf, 1, n, t->to) == n ? (ssize_t)n : 0; /* (0: an error, to stdio) */
+}
+
+/* skv_store_writer: session s in the SAVE format, its MAC when signed, then its store_meta */
 static int spill_write(void *user, FILE *f)
 {
     struct spill *sp = user;
-    unsigned char sum[32];
-    int rc = session_write(sp->w, sp->s, f, NULL, sum);
-    struct store_meta m = store_meta_of(sp->s);
-    if (!rc && fwrite(&m, sizeof m, 1, f) != 1)
+    unsigned char sum[32], mac[STORE_MAC_BYTES];
+    struct store_meta m = store_meta_of(sp->w, sp->s);
+    if (!sp->w->store_signed) {
+        int rc = session_write(sp->w, sp->s, f, NULL, sum);
+        if (!rc && fwrite(&m, sizeof m, 1, f) != 1)
+            rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+        return rc;
+    }
+    crypto_generichash_state h;
+    store_mac_init(sp->w, sp->key, &h);
+    struct mac_tee t = {&h, f};
+    FILE *g = fopencookie(&t, "w", (cookie_io_functions_t){.write = mac_tee_write});
+    if (!g)
+        return skv_errorf(SKV_E_NOMEM, "no memory to sign a session");
+    int rc = session_write(sp->w, sp->s, g, NULL, sum);
+    if (fclose(g) != 0 && !rc)
+        rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    crypto_generichash_update(&h, (const unsigned char *)&m, sizeof m);
+    crypto_generichash_final(&h, mac, sizeof mac);
+    if (!rc && (fwrite(mac, sizeof mac, 1, f) != 1 || fwrite(&m, sizeof m, 1, f) != 1))
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
     return rc;
 }
@@ -2646,7 +2693,29 @@ static bool store_meta_read(const void *data, size_t n, struct store_meta *m)
         return false;
     memcpy(m, (const char *)data + n - sizeof *m, sizeof *m);
     return memcmp(m->magic, STORE_META_MAGIC, sizeof m->magic) == 0 && m->pinned <= 1 && m->zero == 0 &&
-           m->lease_seconds > 0;
+           (m->flags & ~STORE_SIGNED) == 0 && m->lease_seconds > 0 &&
+           (!(m->flags & STORE_SIGNED) || n >= sizeof *m + STORE_MAC_BYTES);
+}
+
+/* With store-secret-file: SKV_OK when the value (with store_meta m, or none) is signed with its
+ * secret for this key; otherwise SKV_E_PERM, and the value is not read. */
+static int store_mac_check(const struct skv_worker *w, const char *key, const unsigned char *data, size_t n,
+                           bool has_meta, const struct store_meta *m)
+{
+    if (!has_meta || !(m->flags & STORE_SIGNED))
+        return skv_errorf(SKV_E_PERM, "the stored session is not signed, and this daemon takes only sessions "
+                          "signed with its store-secret-file");
+    crypto_generichash_state h;
+    unsigned char mac[STORE_MAC_BYTES];
+    size_t body = n - sizeof *m - STORE_MAC_BYTES;
+    store_mac_init(w, key, &h);
+    crypto_generichash_update(&h, data, body);
+    crypto_generichash_update(&h, (const unsigned char *)m, sizeof *m);
+    crypto_generichash_final(&h, mac, sizeof mac);
+    if (sodium_memcmp(mac, data + body, sizeof mac) != 0)
+        return skv_errorf(SKV_E_PERM, "the stored session's signature does not match: it was signed with another "
+                          "store-secret-file, changed, or written for another tenant or id");
+    return SKV_OK;
 }
 
 /* Writes session s to the store, streamed: its size is counted first (the protocol announces
@@ -2664,11 +2733,11 @@ void skv_requests_spill(void *user, struct skv_session *s)
     int rc = f ? session_write(w, s, f, NULL, NULL) : skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
     if (f && fclose(f) != 0 && !rc)
         rc = skv_errorf(SKV_E_NOMEM, "no memory to spill a session");
-    n += sizeof(struct store_meta);
+    n += sizeof(struct store_meta) + (w->store_signed ? STORE_MAC_BYTES : 0);
     if (!rc && n > (uint64_t)w->cfg->store_max_bytes)
         rc = skv_errorf(SKV_E_LIMIT, "it takes %llu bytes, more than store-max-bytes (%lld)", (unsigned long long)n,
                         (long long)w->cfg->store_max_bytes);
-    struct spill sp = {w, s};
+    struct spill sp = {w, s, key};
     if (rc)
         skv_store_count_spill_failure(w->store); /* (the store counts those it refuses) */
     else
@@ -2709,16 +2778,23 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     if (rc)
         return rc;
     struct skv_session *s = NULL;
-    FILE *f = n ? fmemopen((void *)data, n, "rb") : NULL; /* read only */
-    rc = f ? session_read(w, f, "the stored session", tenant, "store", NULL, &s)
-       : n ? skv_errorf(SKV_E_NOMEM, "no memory to read a stored session")
-           : skv_errorf(SKV_E_FORMAT, "the stored session is empty");
+    struct store_meta m;
+    bool has_meta = store_meta_read(data, n, &m);
+    FILE *f = NULL;
+    /* one not signed as it should be is not read: it goes back (PERM), for a daemon that does
+     * not check signatures, or until its TTL */
+    rc = w->store_signed ? store_mac_check(w, key, data, n, has_meta, &m) : SKV_OK;
+    if (!rc && !n)
+        rc = skv_errorf(SKV_E_FORMAT, "the stored session is empty");
+    else if (!rc && !(f = fmemopen((void *)data, n, "rb"))) /* read only */
+        rc = skv_errorf(SKV_E_NOMEM, "no memory to read a stored session");
+    else if (!rc)
+        rc = session_read(w, f, "the stored session", tenant, "store", NULL, &s);
     if (f)
         fclose(f);
     if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
         skv_session_destroy(w->sessions, s);
-    struct store_meta m;
-    if (!rc && store_meta_read(data, n, &m)) { /* its pin and lease, as persist restores them */
+    if (!rc && has_meta) { /* its pin and lease, as persist restores them */
         s->pinned = m.pinned;
         s->lease_seconds = m.lease_seconds <= (uint64_t)w->cfg->max_lease_seconds ? m.lease_seconds
                                                                                  : (uint32_t)w->cfg->lease_seconds;

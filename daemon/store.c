@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <sodium.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -130,37 +131,38 @@ int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct sk
     return SKV_OK;
 }
 
-int skv_store_read_password(const char *path, char *out, size_t cap)
+/* skv_store_read_password's checks and reading, for option's file (named in messages). */
+static int read_secret(const char *option, const char *path, char *out, size_t cap)
 {
     /* O_NONBLOCK: a FIFO at the path would block the open (the engine thread's, at a connect) */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0)
-        return skv_errorf(errno == EACCES ? SKV_E_PERM : SKV_E_IO, "store-password-file %s: %s", path,
+        return skv_errorf(errno == EACCES ? SKV_E_PERM : SKV_E_IO, "%s %s: %s", option, path,
                           strerror(errno));
     struct stat sb;
     int rc = SKV_OK;
     size_t n = 0;
     if (fstat(fd, &sb) != 0)
-        rc = skv_errorf(SKV_E_IO, "store-password-file %s: %s", path, strerror(errno));
+        rc = skv_errorf(SKV_E_IO, "%s %s: %s", option, path, strerror(errno));
     else if (!S_ISREG(sb.st_mode))
-        rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: not a regular file", path);
+        rc = skv_errorf(SKV_E_INVAL, "%s %s: not a regular file", option, path);
     else if (sb.st_mode & S_IRWXO)
-        rc = skv_errorf(SKV_E_PERM, "store-password-file %s: other users may read it (mode %04o): chmod o-rwx it",
-                        path, (unsigned)(sb.st_mode & 07777));
+        rc = skv_errorf(SKV_E_PERM, "%s %s: other users may read it (mode %04o): chmod o-rwx it",
+                        option, path, (unsigned)(sb.st_mode & 07777));
     else if ((sb.st_mode & (S_IRGRP | S_IWGRP)) && sb.st_gid != 0) /* (root's group: systemd's credentials) */
-        rc = skv_errorf(SKV_E_PERM, "store-password-file %s: its group may read it (mode %04o), and the clients "
-                        "share the daemon's group: chmod g-rwx it", path, (unsigned)(sb.st_mode & 07777));
+        rc = skv_errorf(SKV_E_PERM, "%s %s: its group may read it (mode %04o), and the clients "
+                        "share the daemon's group: chmod g-rwx it", option, path, (unsigned)(sb.st_mode & 07777));
     while (!rc) { /* (read to its end: its size may have changed since the fstat) */
         char more;
         ssize_t m = n < cap - 1 ? read(fd, out + n, cap - 1 - n) : read(fd, &more, 1);
         if (m < 0 && errno == EINTR)
             continue;
         if (m < 0)
-            rc = skv_errorf(SKV_E_IO, "store-password-file %s: %s", path, strerror(errno));
+            rc = skv_errorf(SKV_E_IO, "%s %s: %s", option, path, strerror(errno));
         else if (m == 0)
             break;
         else if (n == cap - 1)
-            rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: more than %zu bytes", path, cap - 1);
+            rc = skv_errorf(SKV_E_INVAL, "%s %s: more than %zu bytes", option, path, cap - 1);
         else
             n += (size_t)m;
     }
@@ -172,12 +174,31 @@ int skv_store_read_password(const char *path, char *out, size_t cap)
             n--;
         out[n] = '\0';
         if (n == 0)
-            rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: empty", path);
+            rc = skv_errorf(SKV_E_INVAL, "%s %s: empty", option, path);
         else if (strlen(out) != n || strpbrk(out, "\r\n"))
-            rc = skv_errorf(SKV_E_INVAL, "store-password-file %s: the password is one line of text", path);
+            rc = skv_errorf(SKV_E_INVAL, "%s %s: one line of text", option, path);
     }
     if (rc)
         explicit_bzero(out, cap);
+    return rc;
+}
+
+int skv_store_read_password(const char *path, char *out, size_t cap)
+{
+    return read_secret("store-password-file", path, out, cap);
+}
+
+int skv_store_read_key(const char *path, unsigned char key[SKV_STORE_KEY_BYTES])
+{
+    char secret[STORE_PASSWORD_MAX];
+    int rc = read_secret("store-secret-file", path, secret, sizeof secret);
+    size_t n = rc ? 0 : strlen(secret);
+    if (!rc && n < 16)
+        rc = skv_errorf(SKV_E_INVAL, "store-secret-file %s: %zu bytes, at least 16 (head -c 32 /dev/urandom | "
+                        "base64 > it)", path, n);
+    if (!rc)
+        crypto_generichash(key, SKV_STORE_KEY_BYTES, (const unsigned char *)secret, n, NULL, 0);
+    explicit_bzero(secret, sizeof secret);
     return rc;
 }
 

@@ -961,8 +961,11 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         skv_session_table_on_destroy(w->sessions, event_removed, w);
     if (!rc && cfg->store && *cfg->store &&
         !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)) &&
-        !(rc = skv_store_auth(w->store, cfg->store_user, cfg->store_password_file)))
+        !(rc = skv_store_auth(w->store, cfg->store_user, cfg->store_password_file)) &&
+        !(rc = *cfg->store_secret_file ? skv_store_read_key(cfg->store_secret_file, w->store_mac_key) : SKV_OK)) {
+        w->store_signed = *cfg->store_secret_file != '\0';
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
+    }
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
     if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */
@@ -1308,6 +1311,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     skv_engine_free(&w->nested_engine);
     skv_session_table_free(&w->sessions);
     skv_store_free(&w->store);
+    explicit_bzero(w->store_mac_key, sizeof w->store_mac_key);
     pthread_mutex_destroy(&w->mu);
     pthread_mutex_destroy(&w->snap_mu);
     pthread_cond_destroy(&w->cv);

@@ -70,6 +70,8 @@ struct skv_worker {
     struct skv_engine *nested_engine; /* a request run inside a long forward of engine (fair-slice-ms) */
     struct skv_session_table *sessions;
     struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
+    bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
+    unsigned char store_mac_key[32]; /* (SKV_STORE_KEY_BYTES) */
     void *push;               /* inproc PUSH to the socket thread (worker thread only) */
     void *zctx;
     char endpoint[64];

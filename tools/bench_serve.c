@@ -25,6 +25,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sodium.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -89,6 +90,8 @@ struct serve_ctx {
     int persist_interval;            /* our daemon's --persist-interval-seconds (0: persist off) */
     bool events;                     /* our daemon's --events-endpoint (ipc://<its dir>/e.sock) */
     const char *store;               /* our daemons' --store (NULL: none) */
+    bool store_signed;               /* --store-signed */
+    const char *store_secret;        /* our daemons' --store-secret-file (NULL: none) */
 };
 
 /* What one client process sends back (followed by n_lat doubles). */
@@ -361,6 +364,8 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--events-endpoint=ipc://%s/e.sock", d->dir);
     if (x->store)
         snprintf(a[n_args++], sizeof a[0], "--store=%s", x->store);
+    if (x->store_secret)
+        snprintf(a[n_args++], sizeof a[0], "--store-secret-file=%s", x->store_secret);
     char *argv[26] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
@@ -2266,17 +2271,40 @@ static int bench_store(struct serve_ctx *x, json_t *out)
         return rc;
     snprintf(url, sizeof url, "unix://%s", sock);
     x->store = url;
+    char secret[200];
+    snprintf(secret, sizeof secret, "%s/store.key", dir);
+    if (x->store_signed) { /* a secret both daemons sign with */
+        unsigned char raw[32];
+        char b64[sodium_base64_ENCODED_LEN(sizeof raw, sodium_base64_VARIANT_ORIGINAL)];
+        int fd = -1;
+        if (sodium_init() < 0) {
+            rc = skv_errorf(SKV_E_INTERNAL, "libsodium does not start");
+        } else {
+            randombytes_buf(raw, sizeof raw);
+            sodium_bin2base64(b64, sizeof b64, raw, sizeof raw, sodium_base64_VARIANT_ORIGINAL);
+            fd = open(secret, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        }
+        if (!rc && (fd < 0 || write(fd, b64, strlen(b64)) != (ssize_t)strlen(b64)))
+            rc = skv_errorf(SKV_E_IO, "%s: %s", secret, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        x->store_secret = secret;
+    }
     struct daemon_child da = {0}, db = {0};
-    rc = daemon_start(x, STORE_POOL, &da);
+    if (!rc)
+        rc = daemon_start(x, STORE_POOL, &da);
     if (!rc)
         rc = daemon_start(x, STORE_POOL, &db);
     x->store = NULL;
+    x->store_secret = NULL;
     snapkv_client_t *ca = NULL, *aa = NULL, *cb = NULL, *ab = NULL;
     struct snapkv_connect_opts co = {.name = "snapkv-bench-store", .timeout_ms = LONG_TIMEOUT_MS};
     if (!rc && ((rc = snapkv_connect(da.endpoint, &co, &ca)) || (rc = snapkv_connect(da.admin, &co, &aa)) ||
                 (rc = snapkv_connect(db.endpoint, &co, &cb)) || (rc = snapkv_connect(db.admin, &co, &ab))))
         rc = client_fail("connect", rc);
-    json_object_set_new(out, "store", json_string("redis-server on a local unix socket"));
+    json_object_set_new(out, "store", json_string(x->store_signed ? "redis-server on a local unix socket, values "
+                                                                    "signed (store-secret-file)"
+                                                                  : "redis-server on a local unix socket"));
     json_object_set_new(out, "decode_tokens", json_integer(1));
     json_t *runs = json_array();
     json_object_set_new(out, "runs", runs);
@@ -2668,6 +2696,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         .context = o->context > 0 ? o->context : 4096,
         .sessions = o->sessions > 0 ? o->sessions : 16,
         .decode_tokens = o->decode_tokens > 0 ? o->decode_tokens : 32,
+        .store_signed = o->store_signed,
         .yield_ms = -1,
         .slice_ms = -1,
         .share = -1,

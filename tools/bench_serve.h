@@ -25,6 +25,7 @@ struct skv_serve_opts {
     const char *specs;           /* "SPEC;SPEC;..." compared (first: baseline); NULL: full,
                                   * snapkv 10%, squeeze+snapkv 10% */
     const char *parts;           /* comma list of roundtrip,throughput,capacity,decode,stall; NULL: all */
+    bool store_signed;           /* the store part's daemons sign their values (store-secret-file) */
     bool json_stdout;            /* JSON on stdout, the table on stderr */
     int argc;                    /* the command line, recorded in the JSON */
     char **argv;

@@ -102,6 +102,7 @@ static void usage(FILE *out)
             "  serve [--endpoint URL --admin-endpoint URL] [--clients N] [--requests R] [--sessions S|fit]\n"
             "        [--context T] [--decode-tokens D] [--pool-gib G] [--specs \"SPEC;SPEC\"]\n"
             "        [--parts roundtrip,throughput,capacity,decode,stall,fair,checkpoint,events,spread,store]\n"
+            "        [--store-signed]                (the store part's daemons sign values: store-secret-file)\n"
             "                                        snapkvd: round trips, N client processes vs in-process,\n"
             "                                        sessions per G GiB pool (default 1), S concurrent\n"
             "                                        T-token decodes (fit: as many as the pool held), a\n"
@@ -1054,7 +1055,8 @@ static const struct {
     {"speed", "prefill decode-depth decode-tokens repeat compress"},
     {"gemv", "repeat"},
     {"quality", "task lengths depths specs trials out-dir passkey-style texts fid-prefill fid-tokens max-tokens seed"},
-    {"serve", "endpoint admin-endpoint clients requests sessions context pool-gib parts decode-tokens specs"},
+    {"serve", "endpoint admin-endpoint clients requests sessions context pool-gib parts decode-tokens specs "
+              "store-signed"},
 };
 
 /* Whether command cmd reads option opt (SKV_OK), a message and 2 when not. */
@@ -1094,7 +1096,8 @@ int main(int argc, char **argv)
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
            O_FIDM, O_CAP };
-    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS };
+    enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
+           O_STORE_SIGNED };
     static const struct option opts[] = {
         {"model", required_argument, NULL, O_MODEL},       {"threads", required_argument, NULL, O_THREADS},
         {"backend", required_argument, NULL, O_BACKEND},   {"json", no_argument, NULL, O_JSON},
@@ -1118,6 +1121,7 @@ int main(int argc, char **argv)
         {"clients", required_argument, NULL, O_CLIENTS},   {"requests", required_argument, NULL, O_REQUESTS},
         {"sessions", required_argument, NULL, O_SESSIONS}, {"context", required_argument, NULL, O_CONTEXT},
         {"pool-gib", required_argument, NULL, O_POOL_GIB}, {"parts", required_argument, NULL, O_PARTS},
+        {"store-signed", no_argument, NULL, O_STORE_SIGNED},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c, li = -1, n_given = 0;
@@ -1184,6 +1188,7 @@ int main(int argc, char **argv)
             break;
         case O_POOL_GIB: ok = real_opt("pool-gib", optarg, 0, 1 << 20, &a.serve.pool_gib); break;
         case O_PARTS: a.serve.parts = optarg; break;
+        case O_STORE_SIGNED: a.serve.store_signed = true; break;
         case O_CONTEXT: ok = int_opt("context", optarg, 1, 1 << 24, &a.serve.context); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;

@@ -4394,6 +4394,64 @@ static void test_store(void **state)
     snapkv_inspect_result_free(&ir);
     assert_int_equal(snapkv_admin_unpin(aa, &x.id), SNAPKV_OK);
 
+    /* a daemon with store-secret-file (E) signs what it spills, bound to the tenant and id: the
+     * value moved to tenant q's key does not load (and stays), the right tenant's does, on A
+     * too (A checks no signature); A's value, not signed, does not load on E and stays */
+    char secret[200], conf2[200], opt2[220];
+    snprintf(secret, sizeof secret, "%s/store.key", dir);
+    snprintf(conf2, sizeof conf2, "%s/store-signed.conf", dir);
+    assert_non_null(cf = fopen(secret, "w"));
+    fputs("a secret of the daemons sharing this store\n", cf);
+    assert_int_equal(fclose(cf), 0);
+    assert_int_equal(chmod(secret, 0600), 0);
+    assert_non_null(cf = fopen(conf2, "w"));
+    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-secret-file = %s\n", sock, pass, secret);
+    assert_int_equal(fclose(cf), 0);
+    snprintf(opt2, sizeof opt2, "--config=%s", conf2);
+    struct daemon de;
+    start_daemon_with(&de, "8M", opt2, 0);
+    snapkv_client_t *ce = client(de.endpoint, "p"), *qe = client(de.endpoint, "q");
+    struct snapkv_prefill_result e1, e2;
+    prompt(ids, 64, 90);
+    assert_int_equal(snapkv_prefill(ce, &lo, &e1), SNAPKV_OK);
+    wait_spilled(sock, &e1.id, key, sizeof key);
+    char key_q[300], *tp = strstr(key, ":p:");
+    assert_non_null(tp);
+    snprintf(key_q, sizeof key_q, "%.*s:q:%s", (int)(tp - key), key, tp + 3);
+    snprintf(args, sizeof args, "COPY %s %s", key, key_q);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+    sp.max_tokens = 1;
+    assert_int_equal(snapkv_decode(qe, &e1.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
+    assert_non_null(strstr(snapkv_last_error(), "signature does not match"));
+    assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
+    snprintf(args, sizeof args, "DEL %s", key_q);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1"); /* it stayed */
+    assert_int_equal(snapkv_decode(ca, &e1.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_release(ca, &e1.id), SNAPKV_OK);
+    prompt(ids, 64, 91);
+    assert_int_equal(snapkv_prefill(ca, &lo, &e2), SNAPKV_OK); /* A's: not signed */
+    wait_spilled(sock, &e2.id, key, sizeof key);
+    assert_int_equal(snapkv_decode(ce, &e2.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
+    assert_non_null(strstr(snapkv_last_error(), "not signed"));
+    assert_int_equal(snapkv_decode(ca, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK); /* it stayed */
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_release(ca, &e2.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&e2);
+    prompt(ids, 64, 92);
+    assert_int_equal(snapkv_prefill(ce, &lo, &e2), SNAPKV_OK); /* E's own, back on E */
+    wait_spilled(sock, &e2.id, key, sizeof key);
+    assert_int_equal(snapkv_decode(ce, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_release(ce, &e2.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&e1);
+    snapkv_prefill_result_free(&e2);
+    snapkv_close(&ce);
+    snapkv_close(&qe);
+    stop_daemon(&de);
+
     /* the store gone: sessions evicted are dropped, unknown ones are an I/O error, A serves on */
     kill(g_redis, SIGKILL);
     waitpid(g_redis, NULL, 0);

@@ -131,6 +131,10 @@ static void test_limits(void **state)
     assert_int_equal(skv_config_set(&cfg, "store-user", ""), SKV_OK);
     assert_int_equal(skv_config_set(&cfg, "store-password-file", ""), SKV_OK);
     assert_int_equal(skv_config_check(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store-secret-file", "/etc/snapkvd/store.key"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "store-secret-file is the shared store's"));
+    assert_int_equal(skv_config_set(&cfg, "store-secret-file", ""), SKV_OK);
 
     /* queue-order: fair by default, or fifo; anything else is refused where it is set, naming it */
     assert_string_equal(cfg.queue_order, "fair");
