@@ -137,8 +137,9 @@ static const struct skv_config_option options[] = {
     {"store-secret-file", SKV_CFG_STRING, OPT(store_secret_file), "", 0, 0,
      "a file holding a secret (one line, at least 16 bytes; the same on every daemon sharing the store) "
      "with which spilled sessions are signed, bound to their tenant and id: a value not signed with it "
-     "(written by someone else, or moved to another tenant's key) does not load and stays in the store. "
-     "Checked as store-password-file. \"\": values are not signed, and signatures are not checked"},
+     "(written by someone else, or moved to another tenant's key) does not load. Checked as "
+     "store-password-file, and not the password; read at start (a new secret needs a restart). \"\": values "
+     "are not signed, and signatures are not checked"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
      "the longest the engine waits for the store at each step (connect, send, receive); after a failed "
      "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "

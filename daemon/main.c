@@ -282,7 +282,7 @@ int main(int argc, char **argv)
             rc = skv_store_auth(st, cfg.store_user, cfg.store_password_file);
         unsigned char key[SKV_STORE_KEY_BYTES];
         if (!rc && *cfg.store_secret_file)
-            rc = skv_store_read_key(cfg.store_secret_file, key);
+            rc = skv_store_read_key(cfg.store_secret_file, cfg.store_password_file, key);
         explicit_bzero(key, sizeof key);
         skv_store_free(&st);
         if (rc) {

@@ -2579,8 +2579,9 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
  * daemon's) loads with the default lease, unpinned. With store-secret-file the value is signed:
  * SAVE bytes, a MAC, the store_meta (flag STORE_SIGNED), the MAC a keyed BLAKE2b-256 of the key
  * (model, tenant, id), the SAVE bytes and the store_meta, so that neither the session, nor its
- * pin and lease, nor the tenant and id it is for can be changed by someone who can write to the
- * store but does not hold the secret. */
+ * pin, lease and time, nor the tenant and id it is for can be changed by someone who can write
+ * to the store but does not hold the secret. An old value of the session put back is not found
+ * before its time (expires_unix) passes: a replay within store-keep-seconds is not prevented. */
 #define STORE_META_MAGIC "SKVSTMD1"
 #define STORE_SIGNED 1u /* store_meta.flags: a MAC comes before it */
 #define STORE_MAC_BYTES 32
@@ -2591,7 +2592,9 @@ struct store_meta {
     uint32_t lease_seconds;
     uint32_t flags;  /* STORE_SIGNED */
     uint32_t zero;   /* (room for more: 0 now) */
+    uint64_t expires_unix; /* when it was spilled plus store-keep-seconds: a signed one is not taken after */
 };
+#define STORE_CLOCK_SKEW_S 300 /* the hosts' clocks may differ by this much */
 
 static void store_key(const struct skv_worker *w, const char *tenant, const uint8_t *id, char *out, size_t cap)
 {
@@ -2631,7 +2634,8 @@ struct spill {
 static struct store_meta store_meta_of(const struct skv_worker *w, const struct skv_session *s)
 {
     struct store_meta m = {.pinned = s->pinned, .lease_seconds = s->lease_seconds,
-                           .flags = w->store_signed ? STORE_SIGNED : 0};
+                           .flags = w->store_signed ? STORE_SIGNED : 0,
+                           .expires_unix = (uint64_t)time(NULL) + (uint64_t)w->cfg->store_keep_seconds};
     memcpy(m.magic, STORE_META_MAGIC, sizeof m.magic);
     return m;
 }
@@ -2698,10 +2702,13 @@ static bool store_meta_read(const void *data, size_t n, struct store_meta *m)
 }
 
 /* With store-secret-file: SKV_OK when the value (with store_meta m, or none) is signed with its
- * secret for this key; otherwise SKV_E_PERM, and the value is not read. */
+ * secret for this key and its time has not passed; otherwise SKV_E_PERM, the value not read, and
+ * *drop set when no daemon should take it (a MAC that does not match, a time past): one not
+ * signed may be another daemon's, without a secret, during a rollout. */
 static int store_mac_check(const struct skv_worker *w, const char *key, const unsigned char *data, size_t n,
-                           bool has_meta, const struct store_meta *m)
+                           bool has_meta, const struct store_meta *m, bool *drop)
 {
+    *drop = false;
     if (!has_meta || !(m->flags & STORE_SIGNED))
         return skv_errorf(SKV_E_PERM, "the stored session is not signed, and this daemon takes only sessions "
                           "signed with its store-secret-file");
@@ -2712,9 +2719,15 @@ static int store_mac_check(const struct skv_worker *w, const char *key, const un
     crypto_generichash_update(&h, data, body);
     crypto_generichash_update(&h, (const unsigned char *)m, sizeof *m);
     crypto_generichash_final(&h, mac, sizeof mac);
+    *drop = true;
     if (sodium_memcmp(mac, data + body, sizeof mac) != 0)
         return skv_errorf(SKV_E_PERM, "the stored session's signature does not match: it was signed with another "
                           "store-secret-file, changed, or written for another tenant or id");
+    int64_t late = (int64_t)time(NULL) - (int64_t)m->expires_unix;
+    if (late > STORE_CLOCK_SKEW_S)
+        return skv_errorf(SKV_E_PERM, "the stored session's time passed %lld s ago (an old value put back?)",
+                          (long long)late);
+    *drop = false;
     return SKV_OK;
 }
 
@@ -2783,7 +2796,11 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     FILE *f = NULL;
     /* one not signed as it should be is not read: it goes back (PERM), for a daemon that does
      * not check signatures, or until its TTL */
-    rc = w->store_signed ? store_mac_check(w, key, data, n, has_meta, &m) : SKV_OK;
+    bool drop = false;
+    rc = w->store_signed ? store_mac_check(w, key, data, n, has_meta, &m, &drop) : SKV_OK;
+    w->metrics.store_refused += rc != SKV_OK;
+    if (rc && !drop) /* (one dropped is logged below) */
+        skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' (%s) refused: %s", tenant, key, skv_error_msg());
     if (!rc && !n)
         rc = skv_errorf(SKV_E_FORMAT, "the stored session is empty");
     else if (!rc && !(f = fmemopen((void *)data, n, "rb"))) /* read only */
@@ -2799,7 +2816,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
         s->lease_seconds = m.lease_seconds <= (uint64_t)w->cfg->max_lease_seconds ? m.lease_seconds
                                                                                  : (uint32_t)w->cfg->lease_seconds;
     }
-    if (rc && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
+    if (rc && !drop && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());
         if (skv_store_put_back(w->store, key, data, n, w->cfg->store_keep_seconds)) {

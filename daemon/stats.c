@@ -114,6 +114,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_store_load_seconds_total",
          "the engine's time taking sessions from the store and loading them, misses included",
          m->store_load_seconds},
+        {"snapkv_store_refused_total",
+         "values taken from the store that store-secret-file's signature refused (not signed: put back; a "
+         "signature that does not match, or past its time: dropped)",
+         (double)m->store_refused},
     };
     memcpy(rows, r, sizeof r);
 }

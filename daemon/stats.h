@@ -28,6 +28,7 @@ struct skv_metrics {
     double persist_last_seconds;  /* how long the last save or checkpoint that ended held the engine */
     double store_spill_seconds;   /* the engine's time writing sessions to the store (store = ...) */
     double store_load_seconds;    /* and taking them back (a miss included) */
+    uint64_t store_refused;       /* values taken that store-secret-file's signature refused */
 };
 
 /* Everything the rows are computed from (a plain copy: any thread may format one). */
@@ -55,7 +56,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 44
+#define SKV_N_STATS 45
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -188,16 +188,25 @@ int skv_store_read_password(const char *path, char *out, size_t cap)
     return read_secret("store-password-file", path, out, cap);
 }
 
-int skv_store_read_key(const char *path, unsigned char key[SKV_STORE_KEY_BYTES])
+int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES])
 {
-    char secret[STORE_PASSWORD_MAX];
+    static const unsigned char personal[16] = "snapkv-store-mac"; /* (16 bytes, no NUL) */
+    char secret[STORE_PASSWORD_MAX], pw[STORE_PASSWORD_MAX];
     int rc = read_secret("store-secret-file", path, secret, sizeof secret);
     size_t n = rc ? 0 : strlen(secret);
     if (!rc && n < 16)
-        rc = skv_errorf(SKV_E_INVAL, "store-secret-file %s: %zu bytes, at least 16 (head -c 32 /dev/urandom | "
-                        "base64 > it)", path, n);
+        rc = skv_errorf(SKV_E_INVAL, "store-secret-file %s: %zu bytes, at least 16 ((umask 077; head -c 32 "
+                        "/dev/urandom | base64 > it))", path, n);
+    /* the password goes over the wire at each AUTH, and a client of the store may read it */
+    if (!rc && password_file && *password_file && !read_secret("store-password-file", password_file, pw, sizeof pw)) {
+        if (strcmp(pw, secret) == 0)
+            rc = skv_errorf(SKV_E_INVAL, "store-secret-file %s holds the store's password: the secret must be "
+                            "another (the password goes to the store; a secret never leaves the daemons)", path);
+        explicit_bzero(pw, sizeof pw);
+    }
     if (!rc)
-        crypto_generichash(key, SKV_STORE_KEY_BYTES, (const unsigned char *)secret, n, NULL, 0);
+        crypto_generichash_blake2b_salt_personal(key, SKV_STORE_KEY_BYTES, (const unsigned char *)secret, n, NULL, 0,
+                                                 NULL, personal);
     explicit_bzero(secret, sizeof secret);
     return rc;
 }

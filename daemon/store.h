@@ -29,9 +29,10 @@ int skv_store_auth(struct skv_store *st, const char *user, const char *password_
  * clients share the daemon's group. */
 int skv_store_read_password(const char *path, char *out, size_t cap);
 /* store-secret-file: the secret the daemons sharing a store sign their values with, in a file
- * checked as the password's (at least 16 bytes); *key its BLAKE2b-256, the MAC's key. */
+ * checked as the password's (at least 16 bytes, not the password in password_file, which may be
+ * NULL); *key its BLAKE2b-256 (personal "snapkv-store-mac"), the MAC's key. */
 #define SKV_STORE_KEY_BYTES 32
-int skv_store_read_key(const char *path, unsigned char key[SKV_STORE_KEY_BYTES]);
+int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES]);
 
 /* Writes exactly the n bytes of a value to f and returns SKV_OK, or an error status. */
 typedef int (*skv_store_writer)(void *user, FILE *f);

@@ -962,7 +962,9 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     if (!rc && cfg->store && *cfg->store &&
         !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)) &&
         !(rc = skv_store_auth(w->store, cfg->store_user, cfg->store_password_file)) &&
-        !(rc = *cfg->store_secret_file ? skv_store_read_key(cfg->store_secret_file, w->store_mac_key) : SKV_OK)) {
+        !(rc = *cfg->store_secret_file
+                   ? skv_store_read_key(cfg->store_secret_file, cfg->store_password_file, w->store_mac_key)
+                   : SKV_OK)) {
         w->store_signed = *cfg->store_secret_file != '\0';
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
     }
@@ -980,6 +982,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         skv_engine_free(&w->nested_engine);
         skv_session_table_free(&w->sessions);
         skv_store_free(&w->store);
+        explicit_bzero(w->store_mac_key, sizeof w->store_mac_key);
         free(w->clocks);
         free(w);
         return rc;

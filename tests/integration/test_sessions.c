@@ -4315,7 +4315,7 @@ static void test_store(void **state)
     /* as an older daemon spilled it (the SAVE bytes without the pin and lease after them): it
      * loads, with the default lease */
     snprintf(args, sizeof args,
-             "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, -25)) return 1\" 1 %s", key);
+             "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, -33)) return 1\" 1 %s", key);
     fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "1");
     assert_int_equal(snapkv_decode(ca, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
@@ -4424,10 +4424,9 @@ static void test_store(void **state)
     sp.max_tokens = 1;
     assert_int_equal(snapkv_decode(qe, &e1.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
     assert_non_null(strstr(snapkv_last_error(), "signature does not match"));
-    assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
-    snprintf(args, sizeof args, "DEL %s", key_q);
+    snprintf(args, sizeof args, "EXISTS %s", key_q);
     fixture_redis_cli(sock, args, out, sizeof out);
-    assert_string_equal(out, "1"); /* it stayed */
+    assert_string_equal(out, "0"); /* dropped: no daemon should take it */
     assert_int_equal(snapkv_decode(ca, &e1.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     snapkv_decode_result_free(&got);
     assert_int_equal(snapkv_release(ca, &e1.id), SNAPKV_OK);
@@ -4436,6 +4435,7 @@ static void test_store(void **state)
     wait_spilled(sock, &e2.id, key, sizeof key);
     assert_int_equal(snapkv_decode(ce, &e2.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
     assert_non_null(strstr(snapkv_last_error(), "not signed"));
+    assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
     assert_int_equal(snapkv_decode(ca, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK); /* it stayed */
     snapkv_decode_result_free(&got);
     assert_int_equal(snapkv_release(ca, &e2.id), SNAPKV_OK);
@@ -4446,8 +4446,32 @@ static void test_store(void **state)
     assert_int_equal(snapkv_decode(ce, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     snapkv_decode_result_free(&got);
     assert_int_equal(snapkv_release(ce, &e2.id), SNAPKV_OK);
-    snapkv_prefill_result_free(&e1);
     snapkv_prefill_result_free(&e2);
+    /* one byte of a signed value changed (in its SAVE header, its store_meta's pin or its
+     * time): refused, and dropped */
+    const char *change[] = {"string.sub(v, 1, 99) .. string.char((string.byte(v, 100) + 1) % 256) .. "
+                            "string.sub(v, 101)",
+                            "string.sub(v, 1, -25) .. string.char(1) .. string.sub(v, -23)",
+                            "string.sub(v, 1, -9) .. string.char(0, 0, 0, 0, 0, 0, 0, 0)"};
+    for (int k = 0; k < 3; k++) {
+        prompt(ids, 64, 93 + k);
+        assert_int_equal(snapkv_prefill(ce, &lo, &e2), SNAPKV_OK);
+        wait_spilled(sock, &e2.id, key, sizeof key);
+        snprintf(args, sizeof args, "EVAL \"local v = redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], %s) "
+                 "return 1\" 1 %s", change[k], key);
+        fixture_redis_cli(sock, args, out, sizeof out);
+        assert_string_equal(out, "1");
+        assert_int_equal(snapkv_decode(ce, &e2.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
+        assert_non_null(strstr(snapkv_last_error(), "signature does not match"));
+        snprintf(args, sizeof args, "EXISTS %s", key);
+        fixture_redis_cli(sock, args, out, sizeof out);
+        assert_string_equal(out, "0");
+        snapkv_prefill_result_free(&e2);
+    }
+    snapkv_client_t *ae = client(de.admin, NULL);
+    assert_int_equal(stat_value(ae, "snapkv_store_refused_total"), 5);
+    snapkv_close(&ae);
+    snapkv_prefill_result_free(&e1);
     snapkv_close(&ce);
     snapkv_close(&qe);
     stop_daemon(&de);

@@ -3994,20 +3994,28 @@ static void test_store_auth(void **state)
     /* store-secret-file: read as a password file, at least 16 bytes, its BLAKE2b-256 the key */
     unsigned char key[SKV_STORE_KEY_BYTES], key2[SKV_STORE_KEY_BYTES];
     write_file_mode(pass, "fifteen bytes!!\n", 0600);
-    assert_int_equal(skv_store_read_key(pass, key), SKV_E_INVAL);
+    assert_int_equal(skv_store_read_key(pass, NULL, key), SKV_E_INVAL);
     assert_non_null(strstr(skv_error_msg(), "store-secret-file"));
     assert_non_null(strstr(skv_error_msg(), "at least 16"));
     write_file_mode(pass, "sixteen bytes!!!\n", 0644);
-    assert_int_equal(skv_store_read_key(pass, key), SKV_E_PERM);
+    assert_int_equal(skv_store_read_key(pass, NULL, key), SKV_E_PERM);
     assert_non_null(strstr(skv_error_msg(), "store-secret-file"));
     write_file_mode(pass, "sixteen bytes!!!\n", 0600);
-    assert_int_equal(skv_store_read_key(pass, key), SKV_OK);
+    assert_int_equal(skv_store_read_key(pass, NULL, key), SKV_OK);
     write_file_mode(pass, "sixteen bytes!!!", 0600); /* the newline is not the secret's */
-    assert_int_equal(skv_store_read_key(pass, key2), SKV_OK);
+    assert_int_equal(skv_store_read_key(pass, NULL, key2), SKV_OK);
     assert_memory_equal(key, key2, sizeof key);
     write_file_mode(pass, "sixteen bytes!!?", 0600);
-    assert_int_equal(skv_store_read_key(pass, key2), SKV_OK);
+    assert_int_equal(skv_store_read_key(pass, NULL, key2), SKV_OK);
     assert_memory_not_equal(key, key2, sizeof key);
+    char pass2[160];
+    snprintf(pass2, sizeof pass2, "%s/pass2", g_auth_dir); /* the store's password: refused */
+    write_file_mode(pass2, "sixteen bytes!!?\n", 0600);
+    assert_int_equal(skv_store_read_key(pass, pass2, key2), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "holds the store's password"));
+    write_file_mode(pass2, "another password\n", 0600);
+    assert_int_equal(skv_store_read_key(pass, pass2, key2), SKV_OK);
+    assert_int_equal(unlink(pass2), 0);
     assert_int_equal(unlink(pass), 0);
     if (geteuid() == 0) { /* root's group may read it: systemd's credentials */
         write_file_mode(pass, "s3cret\n", 0440);
