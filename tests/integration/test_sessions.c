@@ -4204,6 +4204,25 @@ static void store_key_of(const char *sock, const struct snapkv_session_id *id, c
     fixture_redis_cli(sock, args, out, cap);
 }
 
+/* Sets the store's value at key to the Lua expression expr of its value v. */
+static void store_edit(const char *sock, const char *key, const char *expr)
+{
+    char args[600], out[64];
+    snprintf(args, sizeof args, "EVAL \"local v = redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], %s) "
+             "return 1\" 1 %s", expr, key);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+}
+
+/* Whether the store holds key. */
+static bool store_has(const char *sock, const char *key)
+{
+    char args[400], out[64];
+    snprintf(args, sizeof args, "EXISTS %s", key);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    return strcmp(out, "1") == 0;
+}
+
 /* Waits (30 s at most) for the store to hold session id, past its 1 s lease; its key. */
 static void wait_spilled(const char *sock, const struct snapkv_session_id *id, char *key, size_t cap)
 {
@@ -4314,10 +4333,7 @@ static void test_store(void **state)
     wait_spilled(sock, &l.id, key, sizeof key); /* B kept its 1 s lease (the default is 600 s) */
     /* as an older daemon spilled it (the SAVE bytes without the pin and lease after them): it
      * loads, with the default lease */
-    snprintf(args, sizeof args,
-             "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, -33)) return 1\" 1 %s", key);
-    fixture_redis_cli(sock, args, out, sizeof out);
-    assert_string_equal(out, "1");
+    store_edit(sock, key, "string.sub(v, 1, -33)");
     assert_int_equal(snapkv_decode(ca, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     snapkv_decode_result_free(&got);
     assert_int_equal(snapkv_admin_inspect(aa, &l.id, false, &ir), SNAPKV_OK);
@@ -4361,15 +4377,10 @@ static void test_store(void **state)
     }
     store_key_of(sock, &pr.id, key, sizeof key);
     assert_true(key[0]);
-    snprintf(args, sizeof args,
-             "EVAL \"redis.call('SET', KEYS[1], string.sub(redis.call('GET', KEYS[1]), 1, 5000)) return 1\" 1 %s", key);
-    fixture_redis_cli(sock, args, out, sizeof out);
-    assert_string_equal(out, "1");
+    store_edit(sock, key, "string.sub(v, 1, 5000)");
     assert_int_equal(snapkv_decode(cb, &pr.id, &sp, NULL, NULL, &got), SNAPKV_E_FORMAT);
     assert_non_null(strstr(snapkv_last_error(), "truncated"));
-    snprintf(args, sizeof args, "EXISTS %s", key);
-    fixture_redis_cli(sock, args, out, sizeof out);
-    assert_string_equal(out, "0");
+    assert_false(store_has(sock, key));
     snapkv_prefill_result_free(&pr);
 
     /* B stopped (no persist): what it holds goes to the store, and A goes on with x from where B
@@ -4424,9 +4435,7 @@ static void test_store(void **state)
     sp.max_tokens = 1;
     assert_int_equal(snapkv_decode(qe, &e1.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
     assert_non_null(strstr(snapkv_last_error(), "signature does not match"));
-    snprintf(args, sizeof args, "EXISTS %s", key_q);
-    fixture_redis_cli(sock, args, out, sizeof out);
-    assert_string_equal(out, "0"); /* dropped: no daemon should take it */
+    assert_false(store_has(sock, key_q)); /* dropped: no daemon should take it */
     assert_int_equal(snapkv_decode(ca, &e1.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     snapkv_decode_result_free(&got);
     assert_int_equal(snapkv_release(ca, &e1.id), SNAPKV_OK);
@@ -4457,15 +4466,10 @@ static void test_store(void **state)
         prompt(ids, 64, 93 + k);
         assert_int_equal(snapkv_prefill(ce, &lo, &e2), SNAPKV_OK);
         wait_spilled(sock, &e2.id, key, sizeof key);
-        snprintf(args, sizeof args, "EVAL \"local v = redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], %s) "
-                 "return 1\" 1 %s", change[k], key);
-        fixture_redis_cli(sock, args, out, sizeof out);
-        assert_string_equal(out, "1");
+        store_edit(sock, key, change[k]);
         assert_int_equal(snapkv_decode(ce, &e2.id, &sp, NULL, NULL, &got), SNAPKV_E_PERM);
         assert_non_null(strstr(snapkv_last_error(), "signature does not match"));
-        snprintf(args, sizeof args, "EXISTS %s", key);
-        fixture_redis_cli(sock, args, out, sizeof out);
-        assert_string_equal(out, "0");
+        assert_false(store_has(sock, key));
         snapkv_prefill_result_free(&e2);
     }
     snapkv_client_t *ae = client(de.admin, NULL);

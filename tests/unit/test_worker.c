@@ -3673,29 +3673,29 @@ static pid_t g_stream_redis;
 static char g_stream_dir[64];
 static char g_auth_dir[64]; /* test_store_auth's password files */
 
+/* Removes the test's directory dir names, if any, and forgets it. */
+static void remove_test_dir(char *dir)
+{
+    if (!dir[0])
+        return;
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+    dir[0] = '\0';
+}
+
 static int stream_teardown(void **state)
 {
     (void)state;
     unsetenv("REDISCLI_AUTH");
-    if (g_auth_dir[0]) {
-        char cmd[200];
-        snprintf(cmd, sizeof cmd, "rm -rf %s", g_auth_dir);
-        if (system(cmd) != 0)
-            fprintf(stderr, "could not remove %s\n", g_auth_dir);
-        g_auth_dir[0] = '\0';
-    }
+    remove_test_dir(g_auth_dir);
     if (g_stream_redis > 0) {
         kill(g_stream_redis, SIGKILL);
         waitpid(g_stream_redis, NULL, 0);
         g_stream_redis = 0;
     }
-    if (g_stream_dir[0]) {
-        char cmd[200];
-        snprintf(cmd, sizeof cmd, "rm -rf %s", g_stream_dir);
-        if (system(cmd) != 0)
-            fprintf(stderr, "could not remove %s\n", g_stream_dir);
-        g_stream_dir[0] = '\0';
-    }
+    remove_test_dir(g_stream_dir);
     return 0;
 }
 
@@ -4125,8 +4125,7 @@ static void test_store_auth(void **state)
     kill(g_stream_redis, SIGKILL);
     waitpid(g_stream_redis, NULL, 0);
     g_stream_redis = 0;
-    snprintf(cmd, sizeof cmd, "rm -rf %s", g_stream_dir);
-    assert_int_equal(system(cmd), 0);
+    remove_test_dir(g_stream_dir);
     unsetenv("REDISCLI_AUTH");
     const char *no_auth[] = {"--rename-command", "AUTH", "", NULL};
     stream_redis_start("0", no_auth, sock, sizeof sock);
