@@ -2765,8 +2765,10 @@ void skv_requests_spill(void *user, struct skv_session *s)
 
 /* Takes session `id` of `tenant` from the store into this daemon, under its id. NOT_FOUND when
  * the store has none. A value that is not a session of this model (FORMAT: cut, damaged;
- * INVAL: another model's) is dropped (it was taken); one that does not load here for any other
- * reason (the pool, the tenant's limits, memory, a newer format) goes back. */
+ * INVAL: another model's), or with store-secret-file one whose signature does not match or whose
+ * time passed (PERM), is dropped (it was taken); one that does not load here for any other
+ * reason (not signed, the pool, the tenant's limits, memory, a newer format) goes back: a signed
+ * one for what is left of its time, so that it does not outlive it. */
 static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out);
 
 /* store_take_session, its time counted (snapkv_store_load_seconds_total). */
@@ -2819,7 +2821,12 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     if (rc && !drop && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());
-        if (skv_store_put_back(w->store, key, data, n, w->cfg->store_keep_seconds)) {
+        int64_t ttl = w->cfg->store_keep_seconds;
+        if (w->store_signed && has_meta && (m.flags & STORE_SIGNED) && rc != SKV_E_PERM) { /* (verified) */
+            int64_t left = (int64_t)m.expires_unix + STORE_CLOCK_SKEW_S - (int64_t)time(NULL);
+            ttl = left < 1 ? 1 : left < ttl ? left : ttl;
+        }
+        if (skv_store_put_back(w->store, key, data, n, ttl)) {
             skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' that did not load here is lost: %s", tenant,
                     skv_error_msg());
             rc = skv_errorf(rc, "%s (and putting it back in the store failed: it is lost)", why);
@@ -2827,7 +2834,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
             rc = skv_errorf(rc, "%s (it stays in the store)", why);
         }
     } else if (rc) {
-        skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
+        skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' (%s) was dropped: %s", tenant, key, skv_error_msg());
     }
     skv_store_value_free(value);
     if (rc)

@@ -101,7 +101,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "sessions evicted or past their lease that could not be written to the store, and were dropped",
          (double)in->store_spill_failures},
         {"snapkv_store_loads_total",
-         "sessions a request named that were not here, taken from the store (one that does not load is dropped)",
+         "sessions a request named that were not here, taken from the store (one that does not load is dropped "
+         "or put back)",
          (double)in->store_loads},
         {"snapkv_store_misses_total", "sessions a request named that were neither here nor in the store",
          (double)in->store_misses},

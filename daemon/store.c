@@ -190,7 +190,8 @@ int skv_store_read_password(const char *path, char *out, size_t cap)
 
 int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES])
 {
-    static const unsigned char personal[16] = "snapkv-store-mac"; /* (16 bytes, no NUL) */
+    static const unsigned char personal[16] = {'s', 'n', 'a', 'p', 'k', 'v', '-', 's',
+                                               't', 'o', 'r', 'e', '-', 'm', 'a', 'c'};
     char secret[STORE_PASSWORD_MAX], pw[STORE_PASSWORD_MAX];
     int rc = read_secret("store-secret-file", path, secret, sizeof secret);
     size_t n = rc ? 0 : strlen(secret);

@@ -4406,7 +4406,7 @@ static void test_store(void **state)
     assert_int_equal(snapkv_admin_unpin(aa, &x.id), SNAPKV_OK);
 
     /* a daemon with store-secret-file (E) signs what it spills, bound to the tenant and id: the
-     * value moved to tenant q's key does not load (and stays), the right tenant's does, on A
+     * value moved to tenant q's key does not load (and is dropped), the right tenant's does, on A
      * too (A checks no signature); A's value, not signed, does not load on E and stays */
     char secret[200], conf2[200], opt2[220];
     snprintf(secret, sizeof secret, "%s/store.key", dir);
