@@ -275,14 +275,11 @@ int main(int argc, char **argv)
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_auth;
     }
-    if (*cfg.store) { /* the store's url and password file, checked again when the engine starts */
+    if (*cfg.store) { /* the store's url and files, checked again when the engine starts */
         struct skv_store *st = NULL;
-        rc = skv_store_new(cfg.store, (int)cfg.store_timeout_ms, (uint64_t)cfg.store_max_bytes, &st);
-        if (!rc)
-            rc = skv_store_auth(st, cfg.store_user, cfg.store_password_file);
         unsigned char key[SKV_STORE_KEY_BYTES];
-        if (!rc && *cfg.store_secret_file)
-            rc = skv_store_read_key(cfg.store_secret_file, cfg.store_password_file, key);
+        bool is_signed;
+        rc = skv_store_open(&cfg, &st, key, &is_signed);
         explicit_bzero(key, sizeof key);
         skv_store_free(&st);
         if (rc) {

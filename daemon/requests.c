@@ -2668,24 +2668,24 @@ static int spill_write(void *user, FILE *f)
     struct spill *sp = user;
     unsigned char sum[32], mac[STORE_MAC_BYTES];
     struct store_meta m = store_meta_of(sp->w, sp->s);
-    if (!sp->w->store_signed) {
-        int rc = session_write(sp->w, sp->s, f, NULL, sum);
-        if (!rc && fwrite(&m, sizeof m, 1, f) != 1)
-            rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
-        return rc;
-    }
     crypto_generichash_state h;
-    store_mac_init(sp->w, sp->key, &h);
     struct mac_tee t = {&h, f};
-    FILE *g = fopencookie(&t, "w", (cookie_io_functions_t){.write = mac_tee_write});
-    if (!g)
-        return skv_errorf(SKV_E_NOMEM, "no memory to sign a session");
+    FILE *g = f; /* signed: the SAVE bytes go through the MAC on their way to f */
+    if (sp->w->store_signed) {
+        store_mac_init(sp->w, sp->key, &h);
+        if (!(g = fopencookie(&t, "w", (cookie_io_functions_t){.write = mac_tee_write})))
+            return skv_errorf(SKV_E_NOMEM, "no memory to sign a session");
+    }
     int rc = session_write(sp->w, sp->s, g, NULL, sum);
-    if (fclose(g) != 0 && !rc)
+    if (g != f && fclose(g) != 0 && !rc)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
-    crypto_generichash_update(&h, (const unsigned char *)&m, sizeof m);
-    crypto_generichash_final(&h, mac, sizeof mac);
-    if (!rc && (fwrite(mac, sizeof mac, 1, f) != 1 || fwrite(&m, sizeof m, 1, f) != 1))
+    if (g != f) {
+        crypto_generichash_update(&h, (const unsigned char *)&m, sizeof m);
+        crypto_generichash_final(&h, mac, sizeof mac);
+        if (!rc && fwrite(mac, sizeof mac, 1, f) != 1)
+            rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    }
+    if (!rc && fwrite(&m, sizeof m, 1, f) != 1)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
     return rc;
 }
@@ -2800,6 +2800,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
      * not check signatures, or until its TTL */
     bool drop = false;
     rc = w->store_signed ? store_mac_check(w, key, data, n, has_meta, &m, &drop) : SKV_OK;
+    bool verified = w->store_signed && !rc;
     w->metrics.store_refused += rc != SKV_OK;
     if (rc && !drop) /* (one dropped is logged below) */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' (%s) refused: %s", tenant, key, skv_error_msg());
@@ -2822,7 +2823,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());
         int64_t ttl = w->cfg->store_keep_seconds;
-        if (w->store_signed && has_meta && (m.flags & STORE_SIGNED) && rc != SKV_E_PERM) { /* (verified) */
+        if (verified) {
             int64_t left = (int64_t)m.expires_unix + STORE_CLOCK_SKEW_S - (int64_t)time(NULL);
             ttl = left < 1 ? 1 : left < ttl ? left : ttl;
         }

@@ -2,6 +2,7 @@
 #include "daemon/store.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/config.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -236,6 +237,22 @@ int skv_store_auth(struct skv_store *st, const char *user, const char *password_
     return SKV_OK;
 }
 
+int skv_store_open(const struct skv_config *cfg, struct skv_store **out, unsigned char key[SKV_STORE_KEY_BYTES],
+                   bool *is_signed)
+{
+    *is_signed = *cfg->store_secret_file != '\0';
+    int rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, out);
+    if (!rc)
+        rc = skv_store_auth(*out, cfg->store_user, cfg->store_password_file);
+    if (!rc && *is_signed)
+        rc = skv_store_read_key(cfg->store_secret_file, cfg->store_password_file, key);
+    if (rc) {
+        skv_store_free(out);
+        explicit_bzero(key, SKV_STORE_KEY_BYTES);
+    }
+    return rc;
+}
+
 void skv_store_free(struct skv_store **st_p)
 {
     if (!st_p || !*st_p)
@@ -374,7 +391,6 @@ static int store_connect(struct skv_store *st)
     }
     return SKV_OK;
 }
-
 
 struct value_sink {
     int fd;

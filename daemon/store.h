@@ -8,6 +8,7 @@
 #ifndef SKV_STORE_H
 #define SKV_STORE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +34,12 @@ int skv_store_read_password(const char *path, char *out, size_t cap);
  * NULL); *key its BLAKE2b-256 (personal "snapkv-store-mac"), the MAC's key. */
 #define SKV_STORE_KEY_BYTES 32
 int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES]);
+/* The store cfg names (store, its timeout, store-max-bytes, store-user, store-password-file),
+ * and with store-secret-file its key (*is_signed set); every file read and checked. On an error,
+ * *out is NULL and the key cleared. */
+struct skv_config;
+int skv_store_open(const struct skv_config *cfg, struct skv_store **out, unsigned char key[SKV_STORE_KEY_BYTES],
+                   bool *is_signed);
 
 /* Writes exactly the n bytes of a value to f and returns SKV_OK, or an error status. */
 typedef int (*skv_store_writer)(void *user, FILE *f);

@@ -960,14 +960,8 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     if (!rc)
         skv_session_table_on_destroy(w->sessions, event_removed, w);
     if (!rc && cfg->store && *cfg->store &&
-        !(rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, &w->store)) &&
-        !(rc = skv_store_auth(w->store, cfg->store_user, cfg->store_password_file)) &&
-        !(rc = *cfg->store_secret_file
-                   ? skv_store_read_key(cfg->store_secret_file, cfg->store_password_file, w->store_mac_key)
-                   : SKV_OK)) {
-        w->store_signed = *cfg->store_secret_file != '\0';
+        !(rc = skv_store_open(cfg, &w->store, w->store_mac_key, &w->store_signed)))
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
-    }
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
     if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */
