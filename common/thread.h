@@ -7,10 +7,10 @@
 #include <pthread.h>
 #include <signal.h>
 
-/* pthread_create with the daemon's signals blocked in the new thread (from its first
+/* pthread_create, named `name`, with the daemon's signals blocked in the new thread (from its first
  * instruction: the mask is set around the creation, not by the thread itself). Faults (SIGSEGV,
  * SIGBUS: the sanitizers report through them) stay unblocked. */
-static inline int skv_thread_create(pthread_t *t, void *(*fn)(void *), void *arg)
+static inline int skv_thread_create(pthread_t *t, void *(*fn)(void *), void *arg, const char *name)
 {
     sigset_t all, old;
     sigemptyset(&all);
@@ -22,6 +22,8 @@ static inline int skv_thread_create(pthread_t *t, void *(*fn)(void *), void *arg
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int rc = pthread_create(t, NULL, fn, arg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc == 0)
+        pthread_setname_np(*t, name); /* top -H, /proc/PID/task/TID/comm; at most 15 characters */
     return rc;
 }
 

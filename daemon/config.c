@@ -38,7 +38,9 @@ static const struct skv_config_option options[] = {
     {"allow-insecure-tcp", SKV_CFG_BOOL, OPT(allow_insecure_tcp), "no", 0, 0,
      "serve tcp:// endpoints without CURVE (no authentication, no encryption)"},
     {"metrics-listen", SKV_CFG_STRING, OPT(metrics_listen), "", 0, 0,
-     "HOST:PORT for plain-HTTP GET /metrics (Prometheus text); empty: off"},
+     "HOST:PORT for plain-HTTP GET /metrics (Prometheus text) and the probes /healthz and /readyz; empty: off"},
+    {"health-stall-seconds", SKV_CFG_INT, OPT(health_stall_seconds), "60", 1, 86400,
+     "/healthz and /readyz answer 503 once the engine thread, with work to do, shows no progress this long"},
     {"state-dir", SKV_CFG_STRING, OPT(state_dir), "/var/lib/snapkvd", 0, 0, "where saved sessions live"},
     {"events-endpoint", SKV_CFG_STRING, OPT(events_endpoint), "", 0, 0,
      "ipc:// endpoint of a ZeroMQ PUB socket announcing each session stored, changed (APPEND, COMPRESS, a "

@@ -22,6 +22,7 @@ struct skv_config {
     char *admin_authorized_keys;  /* file: admin public keys allowed on a tcp:// admin endpoint */
     bool allow_insecure_tcp;  /* serve tcp:// without CURVE (trusted networks only) */
     char *metrics_listen;     /* HOST:PORT of the HTTP /metrics endpoint; "" = off */
+    int64_t health_stall_seconds; /* /healthz: the engine with work and no progress this long is stalled */
     char *state_dir;          /* saved sessions */
     char *log_level;
     char *log_file;           /* empty: stderr (journald) */

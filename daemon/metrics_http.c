@@ -1,4 +1,4 @@
-/* HTTP GET /metrics (see metrics_http.h): listening socket, its thread, and a deliberately
+/* HTTP GET /metrics, /healthz and /readyz (see metrics_http.h): listening socket, its thread, and a deliberately
  * small HTTP/1.x subset (request line and headers read, body never; Connection: close). */
 #include "daemon/metrics_http.h"
 #include "common/log.h"
@@ -43,6 +43,7 @@ struct skv_metrics_http {
     pthread_t thread;
     bool started;
     skv_metrics_render_fn render;
+    skv_metrics_health_fn health;
     void *user;
     char addr[128];
     char *body;                   /* [BODY_CAP] */
@@ -134,6 +135,14 @@ static void serve_request(struct skv_metrics_http *h, int fd, char *req)
     char *query = strchr(target, '?');
     if (query)
         *query = '\0';
+    bool ready = strcmp(target, "/readyz") == 0;
+    if (ready || strcmp(target, "/healthz") == 0) {
+        char text[256];
+        int code = h->health(h->user, ready, text, sizeof text);
+        respond(h, fd, code, code == 200 ? "OK" : "Service Unavailable", "text/plain; charset=utf-8", text,
+                strlen(text), head, "Cache-Control: no-store\r\n");
+        return;
+    }
     if (strcmp(target, "/metrics") != 0) {
         respond_text(h, fd, 404, "Not Found", NULL);
         return;
@@ -330,14 +339,15 @@ static int bind_listen(const char *address, int *fd_out)
     return SKV_OK;
 }
 
-int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, void *user,
-                           struct skv_metrics_http **out)
+int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, skv_metrics_health_fn health,
+                           void *user, struct skv_metrics_http **out)
 {
     struct skv_metrics_http *h = calloc(1, sizeof *h);
     if (!h)
         return SKV_E_NOMEM;
     h->listen_fd = h->wake[0] = h->wake[1] = -1;
     h->render = render;
+    h->health = health;
     h->user = user;
     snprintf(h->addr, sizeof h->addr, "%s", address);
     int rc = (h->body = malloc(BODY_CAP)) && (h->slots = calloc(SKV_METRICS_CONNECTIONS, sizeof *h->slots))
@@ -347,14 +357,14 @@ int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, vo
         rc = bind_listen(address, &h->listen_fd);
     if (!rc && pipe2(h->wake, O_CLOEXEC | O_NONBLOCK) < 0)
         rc = skv_errorf(SKV_E_IO, "metrics: pipe: %s", strerror(errno));
-    if (!rc && skv_thread_create(&h->thread, http_main, h) != 0)
+    if (!rc && skv_thread_create(&h->thread, http_main, h, "skv-metrics") != 0)
         rc = skv_errorf(SKV_E_INTERNAL, "metrics: cannot start the HTTP thread");
     h->started = rc == SKV_OK;
     if (rc) {
         skv_metrics_http_stop(&h);
         return rc;
     }
-    skv_log(SKV_LOG_INFO, "metrics on http://%s/metrics", address);
+    skv_log(SKV_LOG_INFO, "metrics on http://%s/metrics (probes /healthz, /readyz)", address);
     *out = h;
     return SKV_OK;
 }

@@ -1,5 +1,6 @@
 /* The optional plain-HTTP metrics endpoint (metrics-listen = HOST:PORT): one thread of its own
- * answering GET /metrics with the Prometheus text, 404 for other paths, up to
+ * answering GET /metrics with the Prometheus text, /healthz and /readyz with a probe's answer
+ * (200 or 503 and one line saying why), 404 for other paths, up to
  * SKV_METRICS_CONNECTIONS connections at once (one more closes the one silent the longest),
  * each with bounded request size and time. It never touches the ZeroMQ sockets, so a slow or
  * hostile HTTP client cannot stall the daemon's request loop, and idle connections do not make
@@ -7,6 +8,7 @@
 #ifndef SKV_METRICS_HTTP_H
 #define SKV_METRICS_HTTP_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #define SKV_METRICS_MAX_REQUEST 8192    /* request line and headers */
@@ -20,10 +22,15 @@ struct skv_metrics_http;
  * Called on the HTTP thread. */
 typedef size_t (*skv_metrics_render_fn)(void *user, char *buf, size_t cap);
 
+/* Writes a probe's one-line answer into buf (NUL-terminated) and returns its HTTP status, 200
+ * or 503: liveness for ready false (/healthz), readiness for ready true (/readyz). Called on the
+ * HTTP thread. */
+typedef int (*skv_metrics_health_fn)(void *user, bool ready, char *buf, size_t cap);
+
 /* Binds `address` ("127.0.0.1:9464", "[::1]:9464", "localhost:9464") and starts the thread.
  * SKV_E_INVAL for a malformed address, SKV_E_IO when it cannot be bound. */
-int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, void *user,
-                           struct skv_metrics_http **out);
+int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, skv_metrics_health_fn health,
+                           void *user, struct skv_metrics_http **out);
 /* Stops the thread (an answer in progress is abandoned) and closes the socket. Accepts NULL. */
 void skv_metrics_http_stop(struct skv_metrics_http **http_p);
 

@@ -328,9 +328,17 @@ static int connection_room(int64_t wanted)
 }
 
 /* HTTP /metrics: the same text as admin STATS --prometheus. */
-static size_t render_metrics(void *worker, char *buf, size_t cap)
+static size_t render_metrics(void *server, char *buf, size_t cap)
 {
-    return skv_worker_prometheus(worker, buf, cap);
+    const struct skv_server *srv = server;
+    return skv_worker_prometheus(srv->worker, buf, cap);
+}
+
+/* HTTP /healthz and /readyz. */
+static int health_probe(void *server, bool ready, char *buf, size_t cap)
+{
+    const struct skv_server *srv = server;
+    return skv_worker_health(srv->worker, ready, (uint64_t)srv->env.cfg->health_stall_seconds * 1000, buf, cap);
 }
 
 int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, struct skv_server **out)
@@ -375,7 +383,7 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
         goto out_destroy;
     skv_worker_set_replies(srv->worker, srv->unread); /* STATS reports them */
     if (*env->cfg->metrics_listen &&
-        (rc = skv_metrics_http_start(env->cfg->metrics_listen, render_metrics, srv->worker, &srv->metrics)))
+        (rc = skv_metrics_http_start(env->cfg->metrics_listen, render_metrics, health_probe, srv, &srv->metrics)))
         goto out_destroy;
     *out = srv;
     return SKV_OK;

@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <sodium.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -316,6 +317,49 @@ bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms)
     bool idle = atomic_load(&w->idle);
     uint64_t beat = atomic_load(&w->heartbeat_ms);
     return skv_watchdog_ok(monotonic_ms(), beat, idle, interval_ms);
+}
+
+/* Appends one reason to a probe's text, after "; " when it holds one already. */
+static void __attribute__((format(printf, 3, 4))) reason_add(char *buf, size_t cap, const char *fmt, ...)
+{
+    size_t len = strlen(buf);
+    if (len && len + 2 < cap) {
+        memcpy(buf + len, "; ", 3);
+        len += 2;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, cap - len, fmt, ap);
+    va_end(ap);
+}
+
+int skv_worker_health(struct skv_worker *w, bool ready, uint64_t stall_ms, char *buf, size_t cap)
+{
+    /* atomics only: a probe must answer while the engine thread is wedged holding w->mu */
+    buf[0] = '\0';
+    if (skv_worker_device_lost(w))
+        reason_add(buf, cap, "device lost: the backend can run nothing more");
+    bool idle = atomic_load(&w->idle); /* first, as skv_worker_alive reads them */
+    uint64_t beat = atomic_load(&w->heartbeat_ms), now = monotonic_ms();
+    if (!skv_watchdog_ok(now, beat, idle, 2 * stall_ms))
+        reason_add(buf, cap, "engine stalled: no progress for %.1f s (health-stall-seconds %llu)",
+                   (double)(now - beat) / 1000, (unsigned long long)(stall_ms / 1000));
+    if (ready) {
+        unsigned queued = atomic_load(&w->st_queue);
+        if (atomic_load(&w->stop_asked))
+            reason_add(buf, cap, "stopping: new requests are refused");
+        if (!atomic_load(&w->serving))
+            reason_add(buf, cap, "starting: restoring persisted sessions");
+        if (queued >= (unsigned)w->cfg->queue_depth)
+            reason_add(buf, cap, "queue full: %u requests wait (queue-depth)", queued);
+    }
+    int code = buf[0] ? 503 : 200;
+    if (!buf[0])
+        reason_add(buf, cap, ready ? "ready" : "ok");
+    size_t len = strlen(buf);
+    if (len + 1 < cap)
+        memcpy(buf + len, "\n", 2);
+    return code;
 }
 
 bool skv_worker_device_lost(struct skv_worker *w)
@@ -815,6 +859,7 @@ static void *worker_main(void *arg)
     if (w->cfg->persist && skv_requests_persist_restore(w))
         skv_log(SKV_LOG_WARN, "persist: %s", skv_error_msg());
     publish_stats(w);
+    atomic_store(&w->serving, true);
     uint64_t last_expire = skv_now_ms();
     for (;;) {
         pthread_mutex_lock(&w->mu);
@@ -968,7 +1013,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         rc = skv_engine_new(m, &w->decode_engine);
     if (!rc) /* and a request of another tenant run inside one of them (fair-slice-ms) */
         rc = skv_engine_new(m, &w->nested_engine);
-    if (!rc && skv_thread_create(&w->thread, worker_main, w) != 0)
+    if (!rc && skv_thread_create(&w->thread, worker_main, w, "skv-engine") != 0)
         rc = skv_errorf(SKV_E_INTERNAL, "cannot start the engine thread");
     if (rc) {
         skv_engine_free(&w->engine);
@@ -1285,6 +1330,7 @@ void skv_worker_event_batch(const struct skv_worker *w, Snapkv__KvEventBatch *b)
 
 void skv_worker_request_stop(struct skv_worker *w)
 {
+    atomic_store(&w->stop_asked, true); /* the probes say so even while mu is held long */
     pthread_mutex_lock(&w->mu);
     w->stopping = true;
     w->done_marker = true;
@@ -1299,6 +1345,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     struct skv_worker *w = *w_p;
     pthread_mutex_lock(&w->mu);
     w->stopping = true;
+    atomic_store(&w->stop_asked, true);
     pthread_cond_signal(&w->cv);
     pthread_mutex_unlock(&w->mu);
     if (w->started)

@@ -110,6 +110,12 @@ void skv_worker_set_replies(struct skv_worker *w, const struct skv_replies *r);
  * interval_ms / 2 ago. A thread wedged in a forward, a device call or a lock reads as dead;
  * so does one forward that runs longer than interval_ms / 2. */
 bool skv_worker_alive(struct skv_worker *w, uint64_t interval_ms);
+/* HTTP health probes (any thread): writes a one-line text into buf and returns 200 or 503.
+ * Liveness (ready false): 503 when the device is lost or the engine thread shows no progress
+ * for stall_ms while it has work (skv_worker_alive's rule at twice stall_ms). Readiness (ready
+ * true) adds: 503 while the daemon stops, while start-up restores persisted sessions, and while
+ * queue-depth requests wait (a new one would get SKV_E_BUSY). */
+int skv_worker_health(struct skv_worker *w, bool ready, uint64_t stall_ms, char *buf, size_t cap);
 /* Whether a request failed with SKV_E_DEVICE and the backend then said the device can run
  * nothing more (its device_lost op): the daemon should stop with an error (any thread). */
 bool skv_worker_device_lost(struct skv_worker *w);

@@ -127,6 +127,8 @@ struct skv_worker {
     atomic_ullong st_disconnects; /* clients gone (first notices, dropped ones too) */
     atomic_ullong heartbeat_ms;   /* CLOCK_MONOTONIC ms of the thread's last sign of progress (watchdog) */
     atomic_bool idle;             /* the thread waits for work: nothing queued, no decode */
+    atomic_bool serving;          /* past start-up (persist restore): its loop takes requests */
+    atomic_bool stop_asked;       /* stopping, for readers that must not take mu (the probes) */
     pthread_mutex_t snap_mu;
     struct skv_stats_input snap;  /* published after every round, for HTTP /metrics */
     int start_rc;

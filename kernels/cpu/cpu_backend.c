@@ -405,6 +405,7 @@ int skv_backend_cpu_new(int n_threads, struct skv_backend **out)
                             n_threads);
             goto out_stop_threads;
         }
+        pthread_setname_np(wk->thread, "skv-cpu");
         cpu->n_started++;
     }
     *out = &cpu->be;

@@ -8,12 +8,14 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -50,8 +52,8 @@ static char *model_path(void)
     return p;
 }
 
-/* extra: one more option for this daemon, or NULL. */
-static pid_t spawn_daemon(const struct daemon *d, const char *model, const char *extra)
+/* extra, extra2: more options for this daemon, or NULL. */
+static pid_t spawn_daemon(const struct daemon *d, const char *model, const char *extra, const char *extra2)
 {
     const char *build = getenv("SKV_BUILDDIR") ? getenv("SKV_BUILDDIR") : ".";
     char exe[4096];
@@ -67,7 +69,7 @@ static pid_t spawn_daemon(const struct daemon *d, const char *model, const char 
         FILE *f = freopen(d->log, "a", stderr);
         (void)f;
         execl(exe, exe, ep, aep, mo, sd, ml, "--threads=1", "--backend=cpu", "--log-level=debug", "--kv-block-tokens=8",
-              extra, (char *)NULL);
+              extra, extra2, (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -109,7 +111,7 @@ static int setup(void **state)
     snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
     if ((d->metrics_port = fixture_free_port()) < 0)
         return -1;
-    d->pid = spawn_daemon(d, model, NULL);
+    d->pid = spawn_daemon(d, model, NULL, NULL);
     free(model);
     if (!wait_ready(d)) {
         fprintf(stderr, "daemon did not come up; see %s\n", d->log);
@@ -389,7 +391,7 @@ static void expect_start_refused_with(const struct daemon *second, const char *e
                                       const char *and)
 {
     char *model = model_path();
-    pid_t pid = spawn_daemon(second, model, extra);
+    pid_t pid = spawn_daemon(second, model, extra, NULL);
     free(model);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
@@ -433,7 +435,7 @@ static void test_second_daemon_refused(void **state)
     snprintf(second.admin, sizeof second.admin, "ipc://%s/a.sock", d->dir); /* refused: in use */
     mode_t old_mask = umask(0);
     char *model = model_path();
-    pid_t pid = spawn_daemon(&second, model, opt);
+    pid_t pid = spawn_daemon(&second, model, opt, NULL);
     free(model);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
@@ -509,6 +511,35 @@ static char *http(const struct daemon *d, const char *request, size_t len)
     return buf;
 }
 
+/* GET path: the HTTP status, and the body into body. */
+static int probe(const struct daemon *d, const char *path, char *body, size_t cap)
+{
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n", path);
+    char *r = http(d, req, (size_t)n);
+    int code = 0;
+    assert_int_equal(sscanf(r, "HTTP/1.1 %d", &code), 1);
+    const char *b = strstr(r, "\r\n\r\n");
+    snprintf(body, cap, "%s", b ? b + 4 : "");
+    free(r);
+    return code;
+}
+
+/* Asks path until its body holds `want` (and, when given, `also`), for at most 20 s; its status. */
+static int probe_until(const struct daemon *d, const char *path, const char *want, const char *also, char *body,
+                       size_t cap)
+{
+    int code = 0;
+    for (int i = 0; i < 400; i++) {
+        code = probe(d, path, body, cap);
+        if (strstr(body, want) && (!also || strstr(body, also)))
+            return code;
+        usleep(50 * 1000);
+    }
+    fail_msg("%s never said '%s'%s%s: last %d '%s'", path, want, also ? " and " : "", also ? also : "", code, body);
+    return code;
+}
+
 /* The "# TYPE" lines of a Prometheus text, in order. */
 static void type_lines(const char *text, char *out, size_t cap)
 {
@@ -578,6 +609,17 @@ static void test_metrics_http(void **state)
     r = http(d, post, sizeof post - 1);
     assert_true(strncmp(r, "HTTP/1.1 405 ", 13) == 0);
     assert_non_null(strstr(r, "Allow: GET, HEAD\r\n"));
+    free(r);
+    char text[512];
+    assert_int_equal(probe(d, "/healthz", text, sizeof text), 200);
+    assert_string_equal(text, "ok\n");
+    assert_int_equal(probe(d, "/readyz?verbose=1", text, sizeof text), 200);
+    assert_string_equal(text, "ready\n");
+    const char head_ready[] = "HEAD /readyz HTTP/1.1\r\n\r\n";
+    r = http(d, head_ready, sizeof head_ready - 1);
+    assert_true(strncmp(r, "HTTP/1.1 200 OK\r\n", 17) == 0);
+    assert_non_null(strstr(r, "Cache-Control: no-store\r\n"));
+    assert_string_equal(strstr(r, "\r\n\r\n"), "\r\n\r\n");
     free(r);
     const char junk[] = "\x16\x03\x01 not http\r\n\r\n";
     r = http(d, junk, sizeof junk - 1);
@@ -728,8 +770,9 @@ static void test_text_limits(void **state)
     snapkv_close(&c);
 }
 
-/* A second daemon with one more option, in a directory of its own; true once it answers. */
-static bool second_daemon(struct daemon *e, const char *extra)
+/* A second daemon with one or two more options (extra2 may be NULL), in a directory of its own;
+ * true once it answers. */
+static bool second_daemon(struct daemon *e, const char *extra, const char *extra2)
 {
     *e = (struct daemon){0};
     snprintf(e->dir, sizeof e->dir, "/tmp/skv-it-XXXXXX");
@@ -739,7 +782,7 @@ static bool second_daemon(struct daemon *e, const char *extra)
     snprintf(e->log, sizeof e->log, "%s/daemon.log", e->dir);
     e->metrics_port = fixture_free_port();
     char *model = model_path();
-    e->pid = spawn_daemon(e, model, extra);
+    e->pid = spawn_daemon(e, model, extra, extra2);
     free(model);
     return wait_ready(e);
 }
@@ -755,12 +798,177 @@ static void stop_second(struct daemon *e)
     assert_int_equal(system(cmd), 0);
 }
 
+/* The thread of process pid named `name` (its comm), or 0. */
+static pid_t thread_named(pid_t pid, const char *name)
+{
+    char path[96];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *dir = opendir(path);
+    pid_t found = 0;
+    struct dirent *de;
+    while (dir && !found && (de = readdir(dir))) {
+        char comm_path[400], comm[32] = "";
+        snprintf(comm_path, sizeof comm_path, "%s/%s/comm", path, de->d_name);
+        FILE *f = fopen(comm_path, "r");
+        if (f && fgets(comm, sizeof comm, f))
+            comm[strcspn(comm, "\n")] = '\0';
+        if (f)
+            fclose(f);
+        if (strcmp(comm, name) == 0)
+            found = (pid_t)atoi(de->d_name);
+    }
+    if (dir)
+        closedir(dir);
+    return found;
+}
+
+/* A thread's CPU time in clock ticks (utime + stime), -1 when it cannot be read. */
+static long thread_ticks(pid_t pid, pid_t tid)
+{
+    char path[96], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/task/%d/stat", (int)pid, (int)tid);
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* then: state, and utime, stime are fields 14, 15 */
+    unsigned long ut, st;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+        return -1;
+    return (long)(ut + st);
+}
+
+/* Stops the seized thread tid where it computes (not in a system call such as a futex wait: it
+ * might hold a lock the socket thread needs): tried again after a moment, up to 200 times. */
+static void thread_stop_computing(pid_t pid, pid_t tid)
+{
+    for (int k = 0; k < 200; k++) {
+        int st = 0;
+        assert_int_equal(ptrace(PTRACE_INTERRUPT, tid, NULL, NULL), 0);
+        assert_int_equal(waitpid(tid, &st, __WALL), tid);
+        while (st >> 16 != PTRACE_EVENT_STOP) { /* a signal's delivery stop came first: passed on */
+            assert_int_equal(ptrace(PTRACE_CONT, tid, NULL, (void *)(intptr_t)WSTOPSIG(st)), 0);
+            assert_int_equal(waitpid(tid, &st, __WALL), tid);
+        }
+        char path[96], sys[64] = "";
+        snprintf(path, sizeof path, "/proc/%d/task/%d/syscall", (int)pid, (int)tid);
+        FILE *f = fopen(path, "r");
+        if (f && !fgets(sys, sizeof sys, f))
+            sys[0] = '\0';
+        if (f)
+            fclose(f);
+        if (!f || strncmp(sys, "-1 ", 3) == 0) /* stopped outside a system call */
+            return;
+        assert_int_equal(ptrace(PTRACE_CONT, tid, NULL, NULL), 0);
+        usleep(2000);
+    }
+    fail_msg("the engine thread was never stopped while computing");
+}
+
+/* A client process sending a PREFILL of n + 1 tokens; it ends when answered. */
+static pid_t prefill_process(const struct daemon *e, size_t n)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        snapkv_client_t *c = NULL;
+        struct snapkv_connect_opts o = {.timeout_ms = 120000};
+        if (snapkv_connect(e->endpoint, &o, &c) == SNAPKV_OK) {
+            char *t = xs(n);
+            struct snapkv_prefill_result r = {0};
+            snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = t}, &r);
+            snapkv_close(&c);
+        }
+        _exit(0);
+    }
+    return pid;
+}
+
+/* /healthz and /readyz of a daemon with health-stall-seconds 1 and queue-depth 2. Its engine
+ * thread ("skv-engine") is held in a ptrace stop during a long PREFILL: both probes then say
+ * "engine stalled" (503) after the second, and /readyz also "queue full" once two requests
+ * wait; /healthz does not, it is about liveness. Let go, the engine shows progress again and
+ * /healthz is 200. Held again and sent SIGTERM, /readyz says "stopping" at once, while the
+ * engine cannot have answered (the probes read no lock the engine might hold); let go, the
+ * daemon exits 0. Skipped where ptrace is not allowed. */
+static void test_health_probes(void **state)
+{
+    NEED_DAEMON(d);
+    (void)d;
+    struct daemon e;
+    bool up = second_daemon(&e, "--health-stall-seconds=1", "--queue-depth=2");
+    if (!up) {
+        stop_second(&e);
+        fail_msg("the daemon did not start");
+    }
+    char body[512];
+    assert_int_equal(probe(&e, "/healthz", body, sizeof body), 200);
+    assert_string_equal(body, "ok\n");
+    assert_int_equal(probe(&e, "/readyz", body, sizeof body), 200);
+    assert_string_equal(body, "ready\n");
+    pid_t engine = thread_named(e.pid, "skv-engine");
+    assert_true(engine > 0);
+    assert_true(thread_named(e.pid, "skv-metrics") > 0);
+    if (ptrace(PTRACE_SEIZE, engine, NULL, NULL) != 0) {
+        printf("# ptrace: %s\n", strerror(errno));
+        stop_second(&e);
+        skip();
+    }
+    pid_t kids[3];
+    long t0 = thread_ticks(e.pid, engine);
+    kids[0] = prefill_process(&e, 1500);
+    for (int i = 0; i < 3000 && thread_ticks(e.pid, engine) - t0 < 20; i++) /* 0.2 s of its CPU: in the forward */
+        usleep(10 * 1000);
+    assert_true(thread_ticks(e.pid, engine) - t0 >= 20);
+    thread_stop_computing(e.pid, engine);
+    kids[1] = prefill_process(&e, 4);
+    kids[2] = prefill_process(&e, 4);
+    assert_int_equal(probe_until(&e, "/readyz", "engine stalled: no progress for", "queue full: 2 requests wait",
+                                 body, sizeof body), 503);
+    printf("# /readyz: %s", body);
+    assert_int_equal(probe(&e, "/healthz", body, sizeof body), 503);
+    assert_non_null(strstr(body, "engine stalled: no progress for"));
+    assert_non_null(strstr(body, "(health-stall-seconds 1)"));
+    assert_null(strstr(body, "queue"));
+
+    assert_int_equal(ptrace(PTRACE_CONT, engine, NULL, NULL), 0);
+    assert_int_equal(probe_until(&e, "/healthz", "ok\n", NULL, body, sizeof body), 200);
+    int code = probe(&e, "/readyz", body, sizeof body); /* the long PREFILL may have ended */
+    assert_true(code == 200 ? strcmp(body, "ready\n") == 0 : strstr(body, "queue full") && !strstr(body, "stalled"));
+
+    thread_stop_computing(e.pid, engine);
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    assert_int_equal(probe_until(&e, "/readyz", "stopping: new requests are refused", NULL, body, sizeof body), 503);
+    printf("# /readyz after SIGTERM, the engine held: %s", body);
+    probe(&e, "/healthz", body, sizeof body); /* liveness is not about stopping */
+    assert_null(strstr(body, "stopping"));
+    assert_int_equal(ptrace(PTRACE_DETACH, engine, NULL, NULL), 0);
+    int st = 0;
+    pid_t got = 0;
+    for (int i = 0; i < 1200 && got == 0; i++) { /* the running PREFILL may end first */
+        got = waitpid(e.pid, &st, WNOHANG);
+        if (got == 0)
+            usleep(100 * 1000);
+    }
+    for (int i = 0; i < 3; i++) {
+        kill(kids[i], SIGKILL);
+        waitpid(kids[i], NULL, 0);
+    }
+    bool exited = got == e.pid;
+    if (exited)
+        e.pid = 0;
+    stop_second(&e);
+    assert_true(exited);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+}
+
 /* max-text-bytes set: texts past it are refused for their bytes alone, whatever their tokens. */
 static void test_text_bytes_option(void **state)
 {
     NEED_DAEMON(d);
     struct daemon e;
-    bool up = second_daemon(&e, "--max-text-bytes=1K");
+    bool up = second_daemon(&e, "--max-text-bytes=1K", NULL);
     int rc_long = -1, rc_fits = -1;
     if (up) {
         snapkv_client_t *c = NULL;
@@ -801,7 +1009,7 @@ static void test_unread_replies_bounded(void **state)
 {
     NEED_DAEMON(d);
     struct daemon e;
-    bool up = second_daemon(&e, "--max-reply-bytes-per-client=1M");
+    bool up = second_daemon(&e, "--max-reply-bytes-per-client=1M", NULL);
     enum { N = 30 };
     double answered = -1, dropped = -1, unread = -1, unread_after = -1;
     int got = 0, served = -1;
@@ -861,7 +1069,7 @@ static void test_unread_replies_per_peer(void **state)
 {
     NEED_DAEMON(d);
     struct daemon e;
-    bool up = second_daemon(&e, "--max-reply-bytes-per-peer=1M");
+    bool up = second_daemon(&e, "--max-reply-bytes-per-peer=1M", NULL);
     enum { N = 12 };
     double answered = -1, dropped = -1, unread = -1;
     int other = -1, go = -1;
@@ -970,10 +1178,13 @@ int main(void)
         cmocka_unit_test(test_metrics_port_taken),
         cmocka_unit_test(test_text_limits),
         cmocka_unit_test(test_text_bytes_option),
+        cmocka_unit_test(test_health_probes),
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_unread_replies_bounded),
         cmocka_unit_test(test_unread_replies_per_peer),
         cmocka_unit_test(test_sigterm),
     };
+    if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_health_probes: one test */
+        cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -30,6 +30,7 @@ static void test_defaults(void **state)
     assert_false(cfg.allow_insecure_tcp);
     assert_string_equal(cfg.curve_secret_key, "");
     assert_string_equal(cfg.metrics_listen, "");
+    assert_int_equal(cfg.health_stall_seconds, 60);
     assert_int_equal(strncmp(cfg.endpoint, "ipc://", 6), 0);
     assert_int_equal(strncmp(cfg.admin_endpoint, "ipc://", 6), 0);
     char buf[256];
