@@ -2767,8 +2767,8 @@ void skv_requests_spill(void *user, struct skv_session *s)
  * the store has none. A value that is not a session of this model (FORMAT: cut, damaged;
  * INVAL: another model's), or with store-secret-file one whose signature does not match or whose
  * time passed (PERM), is dropped (it was taken); one that does not load here for any other
- * reason (not signed, the pool, the tenant's limits, memory, a newer format) goes back: a signed
- * one for what is left of its time, so that it does not outlive it. */
+ * reason (not signed, the pool, the tenant's limits, memory, a newer format) goes back for what
+ * is left of its time, so that it does not outlive it. */
 static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out);
 
 /* store_take_session, its time counted (snapkv_store_load_seconds_total). */
@@ -2800,7 +2800,6 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
      * not check signatures, or until its TTL */
     bool drop = false;
     rc = w->store_signed ? store_mac_check(w, key, data, n, has_meta, &m, &drop) : SKV_OK;
-    bool verified = w->store_signed && !rc;
     w->metrics.store_refused += rc != SKV_OK;
     if (rc && !drop) /* (one dropped is logged below) */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' (%s) refused: %s", tenant, key, skv_error_msg());
@@ -2822,8 +2821,10 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     if (rc && !drop && rc != SKV_E_FORMAT && rc != SKV_E_INVAL) {
         char why[256];
         snprintf(why, sizeof why, "%s", skv_error_msg());
+        /* for what is left of its time (plus the clocks' skew), not a new TTL: however often it
+         * is put back, a value lives no longer than its spill's store-keep-seconds and 300 s */
         int64_t ttl = w->cfg->store_keep_seconds;
-        if (verified) {
+        if (has_meta) {
             int64_t left = (int64_t)m.expires_unix + STORE_CLOCK_SKEW_S - (int64_t)time(NULL);
             ttl = left < 1 ? 1 : left < ttl ? left : ttl;
         }

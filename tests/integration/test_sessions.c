@@ -4351,8 +4351,15 @@ static void test_store(void **state)
     struct snapkv_prefill_result y;
     assert_int_equal(snapkv_prefill(ca, &lo, &y), SNAPKV_OK);
     wait_spilled(sock, &y.id, key, sizeof key);
+    /* its time (the store_meta's last 8 bytes) as if spilled 250 s past its store-keep-seconds:
+     * put back, it keeps 300 - 250 = 50 s (the clocks' skew), not a new hour */
+    store_edit(sock, key, "string.sub(v, 1, -9) .. struct.pack('<I8', tonumber(redis.call('TIME')[1]) - 250)");
     assert_int_equal(snapkv_decode(cc, &y.id, &sp, NULL, NULL, &got), SNAPKV_E_POOL_FULL);
     assert_non_null(strstr(snapkv_last_error(), "stays in the store"));
+    snprintf(args, sizeof args, "TTL %s", key);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    printf("# a value put back 250 s past its time: TTL %s s\n", out);
+    assert_true(atoi(out) > 40 && atoi(out) <= 50);
     snprintf(args, sizeof args, "EXISTS %s", key);
     fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "1");
