@@ -1312,6 +1312,8 @@ int skv_server_run(struct skv_server *srv)
         while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
             ;
     }
+    /* the probes answered "stopping" through the drain; the worker they read goes now */
+    skv_metrics_http_stop(&srv->metrics);
     skv_worker_stop(&srv->worker);
     /* the connections stay open a moment after the last replies went out: a client's libzmq
      * with ZMQ_IMMEDIATE (libsnapkv's) drops what its program has not read yet when the

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -68,6 +69,7 @@ static pid_t spawn_daemon(const struct daemon *d, const char *model, const char 
         snprintf(sd, sizeof sd, "--state-dir=%s", d->dir);
         FILE *f = freopen(d->log, "a", stderr);
         (void)f;
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* a test that dies leaves no daemon behind */
         execl(exe, exe, ep, aep, mo, sd, ml, "--threads=1", "--backend=cpu", "--log-level=debug", "--kv-block-tokens=8",
               extra, extra2, (char *)NULL);
         _exit(127);
@@ -884,81 +886,115 @@ static pid_t prefill_process(const struct daemon *e, size_t n)
     return pid;
 }
 
+/* test_health_probes' daemon, engine thread and client processes, for its teardown */
+static struct daemon g_probed;
+static pid_t g_probed_engine, g_probe_kids[3];
+
+/* After test_health_probes, failed or not: no daemon, client or traced thread left behind. */
+static int health_teardown(void **state)
+{
+    (void)state;
+    if (g_probed.pid > 0 && g_probed_engine > 0) { /* still traced: killed, its exit reaped here */
+        kill(g_probed.pid, SIGKILL);
+        waitpid(g_probed_engine, NULL, __WALL);
+    }
+    for (int i = 0; i < 3; i++)
+        if (g_probe_kids[i] > 0) {
+            kill(g_probe_kids[i], SIGKILL);
+            waitpid(g_probe_kids[i], NULL, 0);
+        }
+    if (g_probed.dir[0])
+        stop_second(&g_probed);
+    memset(&g_probed, 0, sizeof g_probed);
+    g_probed_engine = 0;
+    memset(g_probe_kids, 0, sizeof g_probe_kids);
+    return 0;
+}
+
 /* /healthz and /readyz of a daemon with health-stall-seconds 1 and queue-depth 2. Its engine
  * thread ("skv-engine") is held in a ptrace stop during a long PREFILL: both probes then say
  * "engine stalled" (503) after the second, and /readyz also "queue full" once two requests
  * wait; /healthz does not, it is about liveness. Let go, the engine shows progress again and
  * /healthz is 200. Held again and sent SIGTERM, /readyz says "stopping" at once, while the
- * engine cannot have answered (the probes read no lock the engine might hold); let go, the
- * daemon exits 0. Skipped where ptrace is not allowed. */
+ * engine cannot have answered (the probes read no lock the engine might hold); let go, and
+ * asked every 2 ms while it stops, every answer is "stopping" until the listener closes, and
+ * the daemon exits 0 (it crashed when the worker was freed before the HTTP thread stopped,
+ * which answered /metrics from the freed worker too). Skipped where ptrace is not allowed. */
 static void test_health_probes(void **state)
 {
     NEED_DAEMON(d);
     (void)d;
-    struct daemon e;
-    bool up = second_daemon(&e, "--health-stall-seconds=1", "--queue-depth=2");
-    if (!up) {
-        stop_second(&e);
-        fail_msg("the daemon did not start");
-    }
+    struct daemon *e = &g_probed;
+    assert_true(second_daemon(e, "--health-stall-seconds=1", "--queue-depth=2"));
     char body[512];
-    assert_int_equal(probe(&e, "/healthz", body, sizeof body), 200);
-    assert_string_equal(body, "ok\n");
-    assert_int_equal(probe(&e, "/readyz", body, sizeof body), 200);
+    assert_int_equal(probe_until(e, "/readyz", "ready\n", NULL, body, sizeof body), 200); /* past start-up */
     assert_string_equal(body, "ready\n");
-    pid_t engine = thread_named(e.pid, "skv-engine");
+    assert_int_equal(probe(e, "/healthz", body, sizeof body), 200);
+    assert_string_equal(body, "ok\n");
+    pid_t engine = thread_named(e->pid, "skv-engine");
     assert_true(engine > 0);
-    assert_true(thread_named(e.pid, "skv-metrics") > 0);
+    assert_true(thread_named(e->pid, "skv-metrics") > 0);
     if (ptrace(PTRACE_SEIZE, engine, NULL, NULL) != 0) {
         printf("# ptrace: %s\n", strerror(errno));
-        stop_second(&e);
         skip();
     }
-    pid_t kids[3];
-    long t0 = thread_ticks(e.pid, engine);
-    kids[0] = prefill_process(&e, 1500);
-    for (int i = 0; i < 3000 && thread_ticks(e.pid, engine) - t0 < 20; i++) /* 0.2 s of its CPU: in the forward */
+    g_probed_engine = engine;
+    long t0 = thread_ticks(e->pid, engine);
+    g_probe_kids[0] = prefill_process(e, 1500);
+    for (int i = 0; i < 3000 && thread_ticks(e->pid, engine) - t0 < 20; i++) /* 0.2 s of its CPU: in the forward */
         usleep(10 * 1000);
-    assert_true(thread_ticks(e.pid, engine) - t0 >= 20);
-    thread_stop_computing(e.pid, engine);
-    kids[1] = prefill_process(&e, 4);
-    kids[2] = prefill_process(&e, 4);
-    assert_int_equal(probe_until(&e, "/readyz", "engine stalled: no progress for", "queue full: 2 requests wait",
+    assert_true(thread_ticks(e->pid, engine) - t0 >= 20);
+    thread_stop_computing(e->pid, engine);
+    g_probe_kids[1] = prefill_process(e, 4);
+    g_probe_kids[2] = prefill_process(e, 4);
+    assert_int_equal(probe_until(e, "/readyz", "engine stalled: no progress for", "queue full: 2 requests wait",
                                  body, sizeof body), 503);
     printf("# /readyz: %s", body);
-    assert_int_equal(probe(&e, "/healthz", body, sizeof body), 503);
-    assert_non_null(strstr(body, "engine stalled: no progress for"));
+    assert_int_equal(probe(e, "/healthz", body, sizeof body), 503);
+    const char *stalled = strstr(body, "engine stalled: no progress for ");
+    assert_non_null(stalled);
+    assert_true(strtod(stalled + strlen("engine stalled: no progress for "), NULL) >= 1.0); /* not before */
     assert_non_null(strstr(body, "(health-stall-seconds 1)"));
     assert_null(strstr(body, "queue"));
 
     assert_int_equal(ptrace(PTRACE_CONT, engine, NULL, NULL), 0);
-    assert_int_equal(probe_until(&e, "/healthz", "ok\n", NULL, body, sizeof body), 200);
-    int code = probe(&e, "/readyz", body, sizeof body); /* the long PREFILL may have ended */
+    assert_int_equal(probe_until(e, "/healthz", "ok\n", NULL, body, sizeof body), 200);
+    int code = probe(e, "/readyz", body, sizeof body); /* the long PREFILL may have ended */
     assert_true(code == 200 ? strcmp(body, "ready\n") == 0 : strstr(body, "queue full") && !strstr(body, "stalled"));
 
-    thread_stop_computing(e.pid, engine);
-    assert_int_equal(kill(e.pid, SIGTERM), 0);
-    assert_int_equal(probe_until(&e, "/readyz", "stopping: new requests are refused", NULL, body, sizeof body), 503);
+    thread_stop_computing(e->pid, engine);
+    assert_int_equal(kill(e->pid, SIGTERM), 0);
+    assert_int_equal(probe_until(e, "/readyz", "stopping: new requests are refused", NULL, body, sizeof body), 503);
     printf("# /readyz after SIGTERM, the engine held: %s", body);
-    probe(&e, "/healthz", body, sizeof body); /* liveness is not about stopping */
+    probe(e, "/healthz", body, sizeof body); /* liveness is not about stopping */
     assert_null(strstr(body, "stopping"));
     assert_int_equal(ptrace(PTRACE_DETACH, engine, NULL, NULL), 0);
-    int st = 0;
+    g_probed_engine = 0;
+    /* asked on and on while it stops (the running PREFILL may end first), every answer is
+     * "stopping", until the listener closes: it never reads a worker already freed (a crash) */
+    int st = 0, asked = 0;
     pid_t got = 0;
-    for (int i = 0; i < 1200 && got == 0; i++) { /* the running PREFILL may end first */
-        got = waitpid(e.pid, &st, WNOHANG);
-        if (got == 0)
-            usleep(100 * 1000);
+    for (int64_t end = now_ms() + 120000; got == 0 && now_ms() < end;) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)e->metrics_port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        struct timeval tv = {.tv_sec = 10};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+            const char req[] = "GET /readyz HTTP/1.1\r\n\r\n";
+            char ans[1024];
+            if (send(fd, req, sizeof req - 1, MSG_NOSIGNAL) == (ssize_t)(sizeof req - 1) && read_all(fd, ans, sizeof ans)) {
+                assert_non_null(strstr(ans, "stopping"));
+                asked++;
+            }
+        }
+        close(fd);
+        usleep(2000);
+        got = waitpid(e->pid, &st, WNOHANG);
     }
-    for (int i = 0; i < 3; i++) {
-        kill(kids[i], SIGKILL);
-        waitpid(kids[i], NULL, 0);
-    }
-    bool exited = got == e.pid;
-    if (exited)
-        e.pid = 0;
-    stop_second(&e);
-    assert_true(exited);
+    printf("# /readyz asked %d times while the daemon stopped\n", asked);
+    assert_int_equal(got, e->pid);
+    e->pid = 0;
     assert_true(WIFEXITED(st));
     assert_int_equal(WEXITSTATUS(st), 0);
 }
@@ -1178,7 +1214,7 @@ int main(void)
         cmocka_unit_test(test_metrics_port_taken),
         cmocka_unit_test(test_text_limits),
         cmocka_unit_test(test_text_bytes_option),
-        cmocka_unit_test(test_health_probes),
+        cmocka_unit_test_teardown(test_health_probes, health_teardown),
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_unread_replies_bounded),
         cmocka_unit_test(test_unread_replies_per_peer),
