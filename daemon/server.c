@@ -393,12 +393,27 @@ out_destroy:
     return rc;
 }
 
+static bool forward_reply(struct skv_server *srv, int flags);
+
 void skv_server_destroy(struct skv_server **srv_p)
 {
     if (!srv_p || !*srv_p)
         return;
     struct skv_server *srv = *srv_p;
     skv_metrics_http_stop(&srv->metrics);
+    if (srv->worker && !srv->worker_done) {
+        /* a start that failed after the engine thread started (metrics-listen): it may be
+         * blocked on a full reply pipe (a restore's events), so its messages are read until its
+         * last, as skv_server_run's stop does; else the join below would wait for ever */
+        skv_worker_request_stop(srv->worker);
+        while (!srv->worker_done) {
+            zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
+            if (zmq_poll(&it, 1, 200) < 0 && zmq_errno() != EINTR)
+                break;
+            while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
+                ;
+        }
+    }
     skv_worker_stop(&srv->worker);
     if (srv->replies)
         zmq_close(srv->replies);
@@ -417,9 +432,12 @@ void skv_server_destroy(struct skv_server **srv_p)
         zmq_close(srv->replay);
     skv_events_mirror_free(&srv->mirror);
     skv_auth_destroy(&srv->auth);
-    if (srv->zctx)
-        zmq_ctx_term(srv->zctx);
-    skv_replies_free(&srv->unread); /* libzmq freed every reply it held by now */
+    int term = 0;
+    if (srv->zctx) /* restarted when a signal cuts its wait for the lingering replies */
+        while ((term = zmq_ctx_term(srv->zctx)) != 0 && zmq_errno() == EINTR)
+            ;
+    if (term == 0) /* libzmq freed every reply it held by now (else left: the process ends) */
+        skv_replies_free(&srv->unread);
     for (int i = 0; i < 4; i++) {
         if (srv->ipc_paths[i])
             unlink(srv->ipc_paths[i]);
