@@ -4,11 +4,9 @@
 #include "common/status.h"
 #include "daemon/config.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
-#include <netdb.h>
 #include <sodium.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -34,10 +32,6 @@ struct skv_store {
     char user[256];           /* store-user: "" Redis's default one */
     char password_file[4096]; /* store-password-file: "" no AUTH */
     uint64_t max_value;       /* a take refuses a value larger than this */
-    char port_text[8];        /* the port for the host name's lookup */
-    struct addrinfo hints;
-    struct gaicb lookup;      /* the host name's lookup (getaddrinfo_a): it may outlive a connect */
-    bool lookup_running;      /* started, its answer not taken yet */
     redisContext *c;          /* NULL: not connected */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
@@ -263,23 +257,10 @@ void skv_store_free(struct skv_store **st_p)
 {
     if (!st_p || !*st_p)
         return;
-    struct skv_store *st = *st_p;
+    if ((*st_p)->c)
+        redisFree((*st_p)->c);
+    free(*st_p);
     *st_p = NULL;
-    if (st->c)
-        redisFree(st->c);
-    if (st->lookup_running && gai_cancel(&st->lookup) == EAI_NOTCANCELED) {
-        /* glibc's thread still writes into it: waited for as long as a connect may take, and
-         * left allocated (a few KiB, at a stop) if the resolver still has not answered */
-        const struct gaicb *wait[1] = {&st->lookup};
-        struct timespec ts = {.tv_sec = st->timeout.tv_sec, .tv_nsec = st->timeout.tv_usec * 1000L};
-        if (gai_suspend(wait, 1, &ts) != 0 && gai_error(&st->lookup) == EAI_INPROGRESS) {
-            skv_log(SKV_LOG_WARN, "store %s: looking up %s still runs at the stop", st->url, st->host);
-            return;
-        }
-    }
-    if (st->lookup_running && st->lookup.ar_result)
-        freeaddrinfo(st->lookup.ar_result);
-    free(st);
 }
 
 const char *skv_store_url(const struct skv_store *st)
@@ -377,83 +358,6 @@ static int store_auth(struct skv_store *st)
     return ok ? SKV_OK : store_failed(st, why);
 }
 
-/* The host name's addresses, looked up in at most store-timeout-ms. hiredis's own lookup
- * (getaddrinfo) has no time limit, and the engine thread waits on it: a resolver that does not
- * answer held it 10 s or more at each try. A lookup that takes longer goes on in glibc's thread
- * and the connect fails (the usual 1, 2, 4 ... 30 s waits); the next connect takes its answer, or
- * waits for it once more. *out is the caller's to free. */
-static int store_lookup(struct skv_store *st, struct addrinfo **out)
-{
-    char why[400];
-    if (!st->lookup_running) {
-        snprintf(st->port_text, sizeof st->port_text, "%d", st->port);
-        st->hints = (struct addrinfo){.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
-        st->lookup = (struct gaicb){.ar_name = st->host, .ar_service = st->port_text, .ar_request = &st->hints};
-        struct gaicb *list[1] = {&st->lookup};
-        int rc = getaddrinfo_a(GAI_NOWAIT, list, 1, NULL);
-        if (rc) {
-            snprintf(why, sizeof why, "looking up %s: %s", st->host, gai_strerror(rc));
-            return store_failed(st, why);
-        }
-        st->lookup_running = true;
-    }
-    uint64_t end = now_ms() + (uint64_t)st->timeout.tv_sec * 1000 + (uint64_t)st->timeout.tv_usec / 1000;
-    int err;
-    while ((err = gai_error(&st->lookup)) == EAI_INPROGRESS) {
-        uint64_t now = now_ms();
-        if (now >= end)
-            break;
-        const struct gaicb *wait[1] = {&st->lookup};
-        struct timespec ts = {.tv_sec = (time_t)((end - now) / 1000), .tv_nsec = (long)((end - now) % 1000) * 1000000};
-        gai_suspend(wait, 1, &ts); /* done, the time passed, or a signal: gai_error says which */
-    }
-    if (err == EAI_INPROGRESS) {
-        snprintf(why, sizeof why, "looking up %s takes longer than store-timeout-ms (it goes on; its answer is "
-                 "taken at the next try)", st->host);
-        return store_failed(st, why);
-    }
-    st->lookup_running = false;
-    if (err) {
-        snprintf(why, sizeof why, "looking up %s: %s", st->host, err == EAI_SYSTEM ? strerror(errno) : gai_strerror(err));
-        return store_failed(st, why);
-    }
-    *out = st->lookup.ar_result;
-    st->lookup.ar_result = NULL;
-    return SKV_OK;
-}
-
-/* A TCP connection to the first of the host's addresses that takes one: by address, so that
- * hiredis looks nothing up; a name is looked up under the timeout first (store_lookup). */
-static int store_connect_tcp(struct skv_store *st)
-{
-    unsigned char bin[16];
-    if (inet_pton(AF_INET, st->host, bin) == 1 || inet_pton(AF_INET6, st->host, bin) == 1) {
-        st->c = redisConnectWithTimeout(st->host, st->port, st->timeout);
-        return SKV_OK;
-    }
-    struct addrinfo *res = NULL;
-    int rc = store_lookup(st, &res);
-    if (rc)
-        return rc;
-    char why[512] = "no address";
-    for (const struct addrinfo *ai = res; ai && !st->c; ai = ai->ai_next) {
-        char addr[INET6_ADDRSTRLEN];
-        if (getnameinfo(ai->ai_addr, ai->ai_addrlen, addr, sizeof addr, NULL, 0, NI_NUMERICHOST) != 0)
-            continue;
-        redisContext *c = redisConnectWithTimeout(addr, st->port, st->timeout);
-        if (c && !c->err) {
-            st->c = c;
-        } else {
-            snprintf(why, sizeof why, "%s (%s, the last of the host's addresses tried)", c ? c->errstr : "no memory",
-                     addr);
-            if (c)
-                redisFree(c);
-        }
-    }
-    freeaddrinfo(res);
-    return st->c ? SKV_OK : store_failed(st, why);
-}
-
 static int store_connect(struct skv_store *st)
 {
     if (st->c)
@@ -462,13 +366,8 @@ static int store_connect(struct skv_store *st)
     if (now < st->down_until_ms)
         return skv_errorf(SKV_E_IO, "store %s: %s (tried again in %.1f s)", st->url, st->why,
                           (double)(st->down_until_ms - now) / 1000.0);
-    if (st->port) {
-        int rc = store_connect_tcp(st);
-        if (rc)
-            return rc;
-    } else {
-        st->c = redisConnectUnixWithTimeout(st->host, st->timeout);
-    }
+    st->c = st->port ? redisConnectWithTimeout(st->host, st->port, st->timeout)
+                     : redisConnectUnixWithTimeout(st->host, st->timeout);
     if (!st->c)
         return store_failed(st, "no memory for a connection");
     if (st->c->err)

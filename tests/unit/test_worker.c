@@ -3771,19 +3771,6 @@ static void test_store_stream(void **state)
     fixture_redis_cli(sock, "TTL a", out, sizeof out);
     assert_string_equal(out, "-2"); /* taken */
 
-    /* a host name: looked up under the timeout (store_lookup), then each address in turn */
-    char named[64];
-    snprintf(named, sizeof named, "redis://localhost:%s", port);
-    struct skv_store *st_named = NULL;
-    assert_int_equal(skv_store_new(named, 5000, 1 << 30, &st_named), SKV_OK);
-    pw = (struct pattern_writer){.n = 1000, .fail_at = SIZE_MAX};
-    assert_int_equal(skv_store_put_stream(st_named, "named", 1000, 60, pattern_write, &pw), SKV_OK);
-    assert_int_equal(skv_store_take(st_named, "named", &data, &got, &value), SKV_OK);
-    assert_int_equal(got, 1000);
-    assert_int_equal(((const unsigned char *)data)[999], pattern_byte(999));
-    skv_store_value_free(value);
-    skv_store_free(&st_named);
-
     /* fewer bytes, more bytes, a failing writer: nothing stored, and the next call works */
     const struct {
         size_t written, fail_at;
