@@ -393,7 +393,7 @@ out_destroy:
     return rc;
 }
 
-static bool forward_reply(struct skv_server *srv, int flags);
+static void drain_worker(struct skv_server *srv);
 
 void skv_server_destroy(struct skv_server **srv_p)
 {
@@ -401,18 +401,11 @@ void skv_server_destroy(struct skv_server **srv_p)
         return;
     struct skv_server *srv = *srv_p;
     skv_metrics_http_stop(&srv->metrics);
+    /* a start that failed after the engine thread started (metrics-listen): it may be blocked
+     * on a full reply pipe (a restore's events); else the join below would wait for ever */
     if (srv->worker && !srv->worker_done) {
-        /* a start that failed after the engine thread started (metrics-listen): it may be
-         * blocked on a full reply pipe (a restore's events), so its messages are read until its
-         * last, as skv_server_run's stop does; else the join below would wait for ever */
         skv_worker_request_stop(srv->worker);
-        while (!srv->worker_done) {
-            zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
-            if (zmq_poll(&it, 1, 200) < 0 && zmq_errno() != EINTR)
-                break;
-            while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
-                ;
-        }
+        drain_worker(srv);
     }
     skv_worker_stop(&srv->worker);
     if (srv->replies)
@@ -1150,6 +1143,19 @@ static bool forward_reply(struct skv_server *srv, int flags)
     return ok;
 }
 
+/* After skv_worker_request_stop: forwards the worker's replies until its last message, so a
+ * worker with more to send than the pipe holds is never left blocked on it before the join. */
+static void drain_worker(struct skv_server *srv)
+{
+    while (!srv->worker_done) {
+        zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 200) < 0 && zmq_errno() != EINTR)
+            break;
+        while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
+            ;
+    }
+}
+
 /* Serves up to `max` waiting requests of socket idx (0 client, 1 admin; max < 0: all), the
  * first without asking when `known_ready`. True when it stopped at `max` with more waiting
  * (the socket's readiness is not known then), false when the socket had no more. */
@@ -1323,13 +1329,7 @@ int skv_server_run(struct skv_server *srv)
     skv_worker_request_stop(srv->worker);
     for (int i = 0; i < 2; i++)
         serve_ready(srv, i, STOP_DRAIN_MAX, false);
-    while (!srv->worker_done) {
-        zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, 200) < 0 && zmq_errno() != EINTR)
-            break;
-        while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
-            ;
-    }
+    drain_worker(srv);
     /* the probes answered "stopping" through the drain; the worker they read goes now */
     skv_metrics_http_stop(&srv->metrics);
     skv_worker_stop(&srv->worker);
