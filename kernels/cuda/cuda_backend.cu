@@ -14,8 +14,10 @@ extern "C" {
 #include <climits>
 #include <cmath>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Up to this many activation rows the matmul runs a dequantizing GEMV kernel. */
 #define MM_GEMV_MAX_N 8
@@ -43,6 +45,12 @@ extern "C" {
 #define EW_THREADS 256
 #define SCRATCH_ROUND ((size_t)1 << 20)
 
+/* the ops SKV_CUDA_PROFILE times, in prof_names' order */
+enum {
+    P_ALLOC, P_FREE, P_UPLOAD, P_DOWNLOAD, P_COPY_2D, P_SYNC, P_GET_ROWS, P_MATMUL, P_MATMUL_MULTI, P_RMSNORM,
+    P_ROPE, P_SWIGLU, P_ADD, P_ATTENTION, P_COLSUM, P_GROUP_SCORES, P_TOPK, P_COSINE, P_COPY_ROWS, P_OPS
+};
+
 struct cuda_impl {
     int device;
     cudaStream_t stream;
@@ -61,12 +69,62 @@ struct cuda_impl {
     int rope_pos_n, rope_pos_cap;
     int sm_count;           /* streaming multiprocessors: sizes the split-K grid */
     bool att_smem_set;      /* att_decode_kernel may use > 48 KB of shared memory */
+    int prof_mode;          /* SKV_CUDA_PROFILE: 0 off, 1 host time per op, 2 each op synchronized */
+    int prof_depth;         /* op calls in progress (an op calling another counts once) */
+    struct prof_acc { uint64_t calls, ns; } prof[P_OPS];
+};
+
+/* ---- the op profile (SKV_CUDA_PROFILE) ---------------------------------------------- */
+
+static const char *const prof_names[P_OPS] = {
+    "alloc", "free", "upload", "download", "copy_2d", "sync", "get_rows", "matmul", "matmul_multi", "rmsnorm",
+    "rope", "swiglu", "add", "attention", "attention_colsum", "group_scores", "topk_rows", "cosine_mean",
+    "copy_rows",
+};
+
+static uint64_t prof_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Times one op call on the host, from entry to return (mode 2: to the end of the work it
+ * queued), into impl->prof; an op that another op calls counts in the caller's time. */
+struct prof_scope {
+    struct cuda_impl *impl; /* NULL: profile off */
+    int op;
+    bool outer;
+    uint64_t t0;
+    prof_scope(struct skv_backend *be, int op_) : impl(NULL), op(op_), outer(false), t0(0)
+    {
+        struct cuda_impl *i = be ? (struct cuda_impl *)be->impl : NULL;
+        if (!i || !i->prof_mode)
+            return;
+        impl = i;
+        outer = i->prof_depth++ == 0;
+        if (outer)
+            t0 = prof_now();
+    }
+    ~prof_scope()
+    {
+        if (!impl)
+            return;
+        impl->prof_depth--;
+        if (!outer)
+            return;
+        if (impl->prof_mode == 2)
+            (void)cudaStreamSynchronize(impl->stream);
+        impl->prof[op].calls++;
+        impl->prof[op].ns += prof_now() - t0;
+    }
 };
 
 /* ---- memory, copies ----------------------------------------------------------------- */
 
 static int cuda_alloc(struct skv_backend *be, size_t bytes, void **out)
 {
+    prof_scope prof_(be, P_ALLOC);
     (void)be;
     if (!out)
         return skv_errorf(SKV_E_INVAL, "alloc: NULL output");
@@ -78,6 +136,7 @@ static int cuda_alloc(struct skv_backend *be, size_t bytes, void **out)
 
 static void cuda_free(struct skv_backend *be, void *ptr)
 {
+    prof_scope prof_(be, P_FREE);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     if (!ptr)
         return;
@@ -90,6 +149,7 @@ static void cuda_free(struct skv_backend *be, void *ptr)
 
 static int cuda_upload(struct skv_backend *be, void *dst, const void *src, size_t bytes)
 {
+    prof_scope prof_(be, P_UPLOAD);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     SKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, impl->stream));
     return SKV_OK;
@@ -97,6 +157,7 @@ static int cuda_upload(struct skv_backend *be, void *dst, const void *src, size_
 
 static int cuda_download(struct skv_backend *be, void *dst, const void *src, size_t bytes)
 {
+    prof_scope prof_(be, P_DOWNLOAD);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     SKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, impl->stream));
     SKV_CUDA_CHECK(cudaStreamSynchronize(impl->stream));
@@ -106,6 +167,7 @@ static int cuda_download(struct skv_backend *be, void *dst, const void *src, siz
 static int cuda_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, const void *src,
                         size_t src_stride, size_t row_bytes, int64_t n_rows)
 {
+    prof_scope prof_(be, P_COPY_2D);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     if (n_rows < 0)
         return skv_errorf(SKV_E_INVAL, "copy_2d: %lld rows", (long long)n_rows);
@@ -124,6 +186,7 @@ static int cuda_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, co
 
 static int cuda_sync(struct skv_backend *be)
 {
+    prof_scope prof_(be, P_SYNC);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     SKV_CUDA_CHECK(cudaStreamSynchronize(impl->stream));
     return SKV_OK;
@@ -334,6 +397,7 @@ static int table_check(const char *op, const struct skv_tensor *t, int64_t limit
 static int cuda_get_rows(struct skv_backend *be, float *out, const struct skv_tensor *table,
                          const int32_t *ids, int n)
 {
+    prof_scope prof_(be, P_GET_ROWS);
     if (be == NULL || table == NULL || n < 0 || (n > 0 && (out == NULL || ids == NULL)))
         return skv_errorf(SKV_E_INVAL, "get_rows: bad arguments");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -515,6 +579,7 @@ __global__ void add_bias_kernel(float *out, const float *bias, int rows, int64_t
 static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
                        const float *bias, const float *x, int n)
 {
+    prof_scope prof_(be, P_MATMUL);
     if (be == NULL || out == NULL || w == NULL || x == NULL || n < 0)
         return skv_errorf(SKV_E_INVAL, "matmul: bad arguments");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -618,6 +683,7 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
 static int cuda_matmul_multi(struct skv_backend *be, const struct skv_matmul_part *parts,
                              int count, const float *x, int n)
 {
+    prof_scope prof_(be, P_MATMUL_MULTI);
     if (be == NULL || parts == NULL || count < 1 || x == NULL || n < 0)
         return skv_errorf(SKV_E_INVAL, "matmul_multi: bad arguments");
     for (int i = 0; i < count; i++) {
@@ -649,6 +715,7 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const float *w, int d
 static int cuda_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n,
                         int dim, float eps)
 {
+    prof_scope prof_(be, P_RMSNORM);
     if (n < 0 || dim <= 0 || !(eps >= 0.0f))
         return skv_errorf(SKV_E_INVAL, "rmsnorm: bad shape n=%d dim=%d eps=%g", n, dim,
                           (double)eps);
@@ -736,6 +803,7 @@ static int rope_tables(struct cuda_impl *impl, const double *inv_freq, int half,
 static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
                      const int32_t *pos, const struct skv_rope *rope)
 {
+    prof_scope prof_(be, P_ROPE);
     if (n < 0 || n_heads <= 0 || head_dim <= 0 || !rope)
         return skv_errorf(SKV_E_INVAL, "rope: bad shape n=%d heads=%d head_dim=%d", n, n_heads,
                           head_dim);
@@ -781,6 +849,7 @@ __global__ void add_kernel(float *out, const float *a, const float *b, int64_t c
 static int cuda_swiglu(struct skv_backend *be, float *out, const float *gate, const float *up,
                        int64_t count)
 {
+    prof_scope prof_(be, P_SWIGLU);
     if (count < 0)
         return skv_errorf(SKV_E_INVAL, "swiglu: count %lld", (long long)count);
     if (count == 0)
@@ -797,6 +866,7 @@ static int cuda_swiglu(struct skv_backend *be, float *out, const float *gate, co
 static int cuda_add(struct skv_backend *be, float *out, const float *a, const float *b,
                     int64_t count)
 {
+    prof_scope prof_(be, P_ADD);
     if (count < 0)
         return skv_errorf(SKV_E_INVAL, "add: count %lld", (long long)count);
     if (count == 0)
@@ -1338,6 +1408,7 @@ static int att_gemm(struct cuda_impl *impl, float *out, const float *q, int n, i
 static int cuda_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                           const struct skv_kv_view *kv)
 {
+    prof_scope prof_(be, P_ATTENTION);
     int rc = att_check("attention", out, q, n, n_heads, kv);
     if (rc == SKV_OK)
         rc = skv_kv_view_check_window(kv, "attention");
@@ -1488,6 +1559,7 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
                                  const float *q, int n, int n_heads,
                                  const struct skv_kv_view *kv, int q_first)
 {
+    prof_scope prof_(be, P_COLSUM);
     if (!be || !out || !q || !kv || n <= 0 || n_heads <= 0 || kv->n_kv_heads <= 0 ||
         kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads || q_first < 0 ||
         q_first >= n || kv->head_dim <= 0)
@@ -1558,6 +1630,7 @@ __global__ void cosine_rows_kernel(double *cos_out, const float *a, const float 
 static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b,
                             int n, int dim)
 {
+    prof_scope prof_(be, P_COSINE);
     if (!be || !out || !a || !b || n <= 0 || dim <= 0)
         return skv_errorf(SKV_E_INVAL, "cosine_mean: bad shape");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -1639,6 +1712,7 @@ static int cuda_group_scores(struct skv_backend *be, float *out, const float *co
                              int n_kv, const int *len, const int *pooled, float div, int kernel, bool pool_max,
                              bool gqa_max)
 {
+    prof_scope prof_(be, P_GROUP_SCORES);
     int rc = skv_group_scores_check(out, colsum, stride, n_heads, n_kv, len, pooled, div, kernel);
     if (rc < 0)
         return rc;
@@ -1780,6 +1854,7 @@ __global__ void __launch_bounds__(TOPK_THREADS)
 static int cuda_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const float *keys, int64_t stride,
                           const int *n, int n_seg, int k, bool joint)
 {
+    prof_scope prof_(be, P_TOPK);
     int rc = skv_topk_check(idx, cnt, keys, stride, n, n_seg, k);
     if (rc < 0)
         return rc;
@@ -1833,6 +1908,7 @@ __global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src,
 static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
                           int n)
 {
+    prof_scope prof_(be, P_COPY_ROWS);
     if (n < 0 || (n > 0 && (!dst || !src)))
         return skv_errorf(SKV_E_INVAL, "copy_rows: bad arguments");
     int words = row_bytes % 4 == 0;
@@ -1868,12 +1944,35 @@ static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *
 
 /* ---- construction ------------------------------------------------------------------- */
 
+/* SKV_CUDA_PROFILE's table, to stderr when the backend goes: per op its calls, the host time
+ * inside them (mode 2: up to the end of their device work) and the mean per call. */
+static void prof_report(const struct cuda_impl *impl)
+{
+    uint64_t total = 0;
+    for (int i = 0; i < P_OPS; i++)
+        total += impl->prof[i].ns;
+    fprintf(stderr, "cuda op profile (SKV_CUDA_PROFILE=%d: %s)\n", impl->prof_mode,
+            impl->prof_mode == 2 ? "each op synchronized, so device time included"
+                                 : "host time inside each op, device work not waited for");
+    fprintf(stderr, "%-18s %10s %12s %10s %7s\n", "op", "calls", "total ms", "us/call", "share");
+    for (int i = 0; i < P_OPS; i++) {
+        const struct cuda_impl::prof_acc *a = &impl->prof[i];
+        if (a->calls)
+            fprintf(stderr, "%-18s %10llu %12.3f %10.2f %6.1f%%\n", prof_names[i], (unsigned long long)a->calls,
+                    (double)a->ns / 1e6, (double)a->ns / 1e3 / (double)a->calls,
+                    total ? 100.0 * (double)a->ns / (double)total : 0.0);
+    }
+    fprintf(stderr, "%-18s %10s %12.3f\n", "all ops", "", (double)total / 1e6);
+}
+
 static void cuda_destroy(struct skv_backend *be)
 {
     if (!be)
         return;
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     if (impl) {
+        if (impl->prof_mode)
+            prof_report(impl);
         if (impl->stream)
             cudaStreamSynchronize(impl->stream);
         if (impl->scratch)
@@ -2021,6 +2120,8 @@ static int cuda_probe(int device, struct skv_backend **out)
     be->impl = impl;
     be->n_threads = 1;
     impl->device = device;
+    const char *prof = getenv("SKV_CUDA_PROFILE");
+    impl->prof_mode = prof && (prof[0] == '1' || prof[0] == '2') && !prof[1] ? prof[0] - '0' : 0;
     cudaError_t err = cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking);
     cublasStatus_t bst = err == cudaSuccess ? cublasCreate(&impl->blas) : CUBLAS_STATUS_NOT_INITIALIZED;
     if (bst == CUBLAS_STATUS_SUCCESS)

@@ -361,6 +361,33 @@ else
     bad "random model" "random_gguf failed: $(tail -2 "$BUILD/random_gguf.log" | tr '\n' ' ')"
 fi
 
+# 7b. where a decoded token's time goes: SKV_CUDA_PROFILE=1 (host time inside each backend op)
+# and =2 (each op synchronized: its device time too), 128 tokens at depth 1024 on each model;
+# the tables land in prof{1,2}_*.log (SKV_GPU_CHECK_PROFILE=0: not run)
+if [ "$DRY" != 1 ] && [ "${SKV_GPU_CHECK_PROFILE:-1}" != 0 ]; then
+    for pm in "default:$MODEL" "8b:$BIG"; do
+        [ -f "${pm#*:}" ] || continue
+        for mode in 1 2; do
+            name=prof${mode}_${pm%%:*}
+            if run "$name" 60 env SKV_CUDA_PROFILE=$mode "$BENCH" speed --model "${pm#*:}" --backend cuda \
+                   --prefill none --decode-depth "$C1" --decode-tokens 128 --json; then
+                row "$name" "ok" "$(python3 - "$BUILD/$name.json" "$BUILD/$name.log" <<'EOF2'
+import json, re, sys
+d = json.load(open(sys.argv[1]))
+dec = d["decode"][0]
+rows = [l.split() for l in open(sys.argv[2]) if re.match(r"^[a-z_0-9]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%", l)]
+top = sorted(rows, key=lambda r: -float(r[2]))[:4]
+print(f"{1000 * dec['seconds'] / dec['tokens']:.2f} ms/token; largest: "
+      + ", ".join(f"{r[0]} {r[4]} ({r[3]} us/call)" for r in top))
+EOF2
+)"
+            else
+                bad "$name" "snapkv-bench speed with SKV_CUDA_PROFILE=$mode failed (see $BUILD/$name.log)"
+            fi
+        done
+    done
+fi
+
 # 8. sessions that fit a fixed pool at 16K, full vs SnapKV, and their aggregate decode
 if [ -f "$BIG" ]; then
     run serve_8b 200 "$BENCH" serve --model "$BIG" --backend "$BACKEND" $THREADS --parts capacity,decode \
