@@ -327,7 +327,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(d->log, sizeof d->log, "%s/snapkvd.log", d->dir);
     d->pool_bytes = pool_bytes;
     int max_prompt = x->context > 8192 ? x->context : 8192;
-    char a[24][4200];
+    char a[28][4200];
     snprintf(a[0], sizeof a[0], "--model=%s", x->o->model_path);
     snprintf(a[1], sizeof a[1], "--backend=%s", x->m->be->name);
     snprintf(a[2], sizeof a[2], "--threads=%d", x->o->threads);
@@ -347,7 +347,11 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(a[13], sizeof a[13], "--max-decodes-per-tenant=65536");
     /* and its client processes, all of this user, take a connection each: nor the per-user cap */
     snprintf(a[14], sizeof a[14], "--max-connections-per-peer=%d", 1 << 20);
-    int n_args = 15;
+    /* and their requests all wait for the engine at once (the H200 run at 04aee5c: 225
+     * SnapKV sessions' DECODEs against the default 64 waiting a tenant) */
+    snprintf(a[15], sizeof a[15], "--queue-depth=%d", 1 << 16);
+    snprintf(a[16], sizeof a[16], "--queue-depth-per-tenant=%d", 1 << 16);
+    int n_args = 17;
     if (x->yield_ms >= 0)
         snprintf(a[n_args++], sizeof a[0], "--decode-yield-ms=%lld", (long long)x->yield_ms);
     if (x->queue_order)
@@ -366,7 +370,7 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
         snprintf(a[n_args++], sizeof a[0], "--store=%s", x->store);
     if (x->store_secret)
         snprintf(a[n_args++], sizeof a[0], "--store-secret-file=%s", x->store_secret);
-    char *argv[26] = {exe};
+    char *argv[30] = {exe};
     for (int i = 0; i < n_args; i++)
         argv[i + 1] = a[i];
     argv[n_args + 1] = NULL;
