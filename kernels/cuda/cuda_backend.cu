@@ -35,7 +35,7 @@ extern "C" {
 #define ATT_CHUNK_MIN 64      /* split-K: fewest keys per chunk (a multiple of ATT_TK) */
 #define ATT_DEC_WARPS 4       /* split-K decode kernel: warps per block */
 #define ATT_DEC_RPW 4         /* its (query, head) rows per warp */
-#define ATT_DEC_LOADS 8       /* its K and V elements loaded per thread before they are stored */
+#define ATT_DEC_LROWS 4       /* its tile rows a warp loads before it stores them */
 #define ATT_DEC_BLOCKS_PER_SM 8 /* split-K: chunks sized for about this many blocks per SM */
 #define ATT_MAX_CHUNKS 1024   /* split-K: most chunks per KV head */
 #ifndef ATT_GEMM_S_BYTES /* the host emulation sets a small one: queries then go in batches */
@@ -43,6 +43,8 @@ extern "C" {
 #endif
 #define ATT_GEMM_MAX_BYTES ((size_t)4 << 30) /* its scratch above this: attention_kernel */
 #define EW_THREADS 256
+#define RMS_THREADS 1024   /* rmsnorm: threads per row */
+#define RMS_PER_THREAD 8   /* rmsnorm: elements each thread holds in registers */
 #define SCRATCH_ROUND ((size_t)1 << 20)
 
 /* the ops SKV_CUDA_PROFILE times, in prof_names' order */
@@ -698,17 +700,38 @@ static int cuda_matmul_multi(struct skv_backend *be, const struct skv_matmul_par
 
 /* ---- rmsnorm, rope, swiglu, add ----------------------------------------------------- */
 
-__global__ void rmsnorm_kernel(float *out, const float *x, const float *w, int dim, float eps)
+/* One row per block of RMS_THREADS threads. Each thread loads its RMS_PER_THREAD elements at
+ * once and keeps them for the output pass (dims up to RMS_THREADS * RMS_PER_THREAD; the rest
+ * are read again): a 256-thread loop that loaded one element after another took 16 us for
+ * one 4096-wide row on the H200 (ncu, 725344a), a memory latency per element. */
+__global__ void __launch_bounds__(RMS_THREADS) rmsnorm_kernel(float *out, const float *x, const float *w, int dim,
+                                                               float eps)
 {
     __shared__ double red[33];
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *o = out + (size_t)blockIdx.x * dim;
+    const int held = RMS_PER_THREAD * blockDim.x;
+    float v[RMS_PER_THREAD];
+#pragma unroll
+    for (int u = 0; u < RMS_PER_THREAD; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        v[u] = i < dim ? xr[i] : 0.0f;
+    }
     double ss = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+#pragma unroll
+    for (int u = 0; u < RMS_PER_THREAD; u++)
+        ss += (double)v[u] * v[u];
+    for (int i = threadIdx.x + held; i < dim; i += blockDim.x)
         ss += (double)xr[i] * xr[i];
     ss = block_sum_d(ss, red);
     const float s = (float)(1.0 / sqrt(ss / dim + (double)eps));
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+#pragma unroll
+    for (int u = 0; u < RMS_PER_THREAD; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < dim)
+            o[i] = v[u] * s * w[i];
+    }
+    for (int i = threadIdx.x + held; i < dim; i += blockDim.x)
         o[i] = xr[i] * s * w[i];
 }
 
@@ -724,32 +747,34 @@ static int cuda_rmsnorm(struct skv_backend *be, float *out, const float *x, cons
     if (!out || !x || !w)
         return skv_errorf(SKV_E_INVAL, "rmsnorm: NULL buffer");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
-    rmsnorm_kernel<<<(unsigned)n, EW_THREADS, 0, impl->stream>>>(out, x, w, dim, eps);
+    rmsnorm_kernel<<<(unsigned)n, RMS_THREADS, 0, impl->stream>>>(out, x, w, dim, eps);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
 }
 
 /* One thread per (token, rotated pair): the angle and its cos / sin in double, the rotation
  * in float for every head, as the CPU does. */
+/* One thread per (token, head, pair): each computes its pair's angle (the heads of a token
+ * share it, recomputed rather than looped over: a thread that rotated every head in turn
+ * waited a load and a store per head, 11 us for one token's 32 heads on the H200 (ncu,
+ * 725344a)). */
 __global__ void rope_kernel(float *x, const int32_t *pos, const double *inv_freq, int n,
                             int n_heads, int head_dim, int half, int neox, double freq_scale)
 {
-    const int64_t total = (int64_t)n * half;
+    const int64_t total = (int64_t)n * n_heads * half;
     for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
          k += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t t = k / half;
+        const int64_t th = k / half; /* token * n_heads + head */
         const int j = (int)(k % half);
-        const double ang = (double)pos[t] * freq_scale * inv_freq[j];
+        const double ang = (double)pos[th / n_heads] * freq_scale * inv_freq[j];
         double sd, cd;
         sincos(ang, &sd, &cd);
         const float c = (float)cd, s = (float)sd;
         const int i0 = neox ? j : 2 * j, i1 = neox ? j + half : 2 * j + 1;
-        for (int h = 0; h < n_heads; h++) {
-            float *xh = x + (t * n_heads + h) * (int64_t)head_dim;
-            const float v0 = xh[i0], v1 = xh[i1];
-            xh[i0] = v0 * c - v1 * s;
-            xh[i1] = v0 * s + v1 * c;
-        }
+        float *xh = x + th * (int64_t)head_dim;
+        const float v0 = xh[i0], v1 = xh[i1];
+        xh[i0] = v0 * c - v1 * s;
+        xh[i1] = v0 * s + v1 * c;
     }
 }
 
@@ -823,7 +848,7 @@ static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int h
     if ((rc = rope_tables(impl, inv_freq, half, pos_dev ? NULL : pos, n)) < 0)
         return rc;
     const int32_t *dpos = pos_dev ? pos : impl->rope_pos;
-    rope_kernel<<<grid_for((int64_t)n * half, EW_THREADS), EW_THREADS, 0, impl->stream>>>(
+    rope_kernel<<<grid_for((int64_t)n * n_heads * half, EW_THREADS), EW_THREADS, 0, impl->stream>>>(
         x, dpos, impl->rope_freq, n, n_heads, head_dim, half, rope->mode == SKV_ROPE_NEOX,
         (double)rope->freq_scale);
     SKV_CUDA_CHECK(cudaGetLastError());
@@ -1116,7 +1141,8 @@ static size_t decode_smem(int rb, int d)
 __global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
 att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int slices, int chunk, int nchunks)
 {
-    extern __shared__ float dsm[];
+    extern __shared__ float4 dsm4[]; /* 16-byte aligned: the V tile takes float4 stores */
+    float *dsm = (float *)dsm4;
     const int d = p.d, dp = d + 1, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     float *qs = dsm;                     /* [rb][d] */
     float *kt = qs + (size_t)rb * d;     /* [ATT_TK][d + 1] */
@@ -1149,25 +1175,59 @@ att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int 
     for (int j0 = ks; j0 < ke; j0 += ATT_TK) {
         const int tn = ke - j0 < ATT_TK ? ke - j0 : ATT_TK;
         __syncthreads(); /* the last tile is consumed (and, the first time, qs written) */
-        /* ATT_DEC_LOADS elements of K and of V per thread in flight before any is stored: a
-         * load-then-store loop waits one memory latency per element (the H200 run at cd7c9d2
-         * measured 16.5 ms per token of the 8B shape at 1K context against 13.3 before) */
-        for (int k0 = tid; k0 < tn * d; k0 += ATT_DEC_LOADS * ATT_DEC_WARPS * 32) {
-            float kr[ATT_DEC_LOADS], vr[ATT_DEC_LOADS];
+        /* warp w loads rows w, w + ATT_DEC_WARPS, ... of the tile, ATT_DEC_LROWS at a time: a
+         * row's two addresses once, its elements by the lanes, 16 bytes a load where the row
+         * allows, every load of the batch in flight before any is stored. (Element by element,
+         * each with its row's block looked up again, the H200 took 58 us per layer of the 8B
+         * shape at 1K context: ncu, 725344a.) */
+        for (int b0 = 0; b0 < ATT_TK / ATT_DEC_WARPS; b0 += ATT_DEC_LROWS) {
+            float4 kr[ATT_DEC_LROWS][ATT_MAX_D / 128], vr[ATT_DEC_LROWS][ATT_MAX_D / 128];
+            const float *kp[ATT_DEC_LROWS], *vp[ATT_DEC_LROWS];
+            bool vec[ATT_DEC_LROWS];
 #pragma unroll
-            for (int u = 0; u < ATT_DEC_LOADS; u++) {
-                const int k = k0 + u * ATT_DEC_WARPS * 32;
-                if (k < tn * d) {
-                    kr[u] = kv_row(p, g, 0, j0 + k / d)[k % d];
-                    vr[u] = kv_row(p, g, 1, j0 + k / d)[k % d];
+            for (int u = 0; u < ATT_DEC_LROWS; u++) {
+                const int r = warp + (b0 + u) * ATT_DEC_WARPS;
+                kp[u] = vp[u] = NULL;
+                vec[u] = false;
+                if (r >= tn)
+                    continue;
+                kp[u] = kv_row(p, g, 0, j0 + r);
+                vp[u] = kv_row(p, g, 1, j0 + r);
+                vec[u] = (d & 3) == 0 && ((uintptr_t)kp[u] & 15) == 0 && ((uintptr_t)vp[u] & 15) == 0;
+                if (!vec[u])
+                    continue;
+#pragma unroll
+                for (int c = 0; c < ATT_MAX_D / 128; c++) {
+                    const int e = 4 * lane + 128 * c;
+                    if (e < d) {
+                        kr[u][c] = *(const float4 *)(kp[u] + e);
+                        vr[u][c] = *(const float4 *)(vp[u] + e);
+                    }
                 }
             }
 #pragma unroll
-            for (int u = 0; u < ATT_DEC_LOADS; u++) {
-                const int k = k0 + u * ATT_DEC_WARPS * 32;
-                if (k < tn * d) {
-                    kt[(k / d) * dp + k % d] = kr[u];
-                    vt[k] = vr[u];
+            for (int u = 0; u < ATT_DEC_LROWS; u++) {
+                const int r = warp + (b0 + u) * ATT_DEC_WARPS;
+                if (r >= tn)
+                    continue;
+                float *kd = kt + (size_t)r * dp, *vd = vt + (size_t)r * d;
+                if (!vec[u]) {
+                    for (int e = lane; e < d; e += 32) {
+                        kd[e] = kp[u][e];
+                        vd[e] = vp[u][e];
+                    }
+                    continue;
+                }
+#pragma unroll
+                for (int c = 0; c < ATT_MAX_D / 128; c++) {
+                    const int e = 4 * lane + 128 * c;
+                    if (e < d) {
+                        kd[e] = kr[u][c].x;
+                        kd[e + 1] = kr[u][c].y;
+                        kd[e + 2] = kr[u][c].z;
+                        kd[e + 3] = kr[u][c].w;
+                        *(float4 *)(vd + e) = vr[u][c];
+                    }
                 }
             }
         }

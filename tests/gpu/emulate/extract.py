@@ -16,7 +16,7 @@ def between(a, b):
 
 parts = [
     between("/* Up to this many activation rows", "#define EW_THREADS"),
-    between("struct cuda_impl {", "/* ---- memory, copies"),
+    between("/* the ops SKV_CUDA_PROFILE times", "/* ---- memory, copies"),
     between("/* A device scratch buffer of at least", "/* True when p is device"),
     between("static unsigned grid_for(int64_t count", "/* ---- device helpers"),
     between("/* Sum (MAX: max) over the warp by butterfly", "__device__ __forceinline__ float half_bits"),
