@@ -42,9 +42,9 @@ extern "C" {
 #define ATT_GEMM_S_BYTES ((size_t)256 << 20) /* prefill through cuBLAS: scores of one batch */
 #endif
 #define ATT_GEMM_MAX_BYTES ((size_t)4 << 30) /* its scratch above this: attention_kernel */
-#define EW_THREADS 256
-#define RMS_THREADS 1024   /* rmsnorm: threads per row */
+#define RMS_THREADS 1024   /* rmsnorm: most threads per row */
 #define RMS_PER_THREAD 8   /* rmsnorm: elements each thread holds in registers */
+#define EW_THREADS 256
 #define SCRATCH_ROUND ((size_t)1 << 20)
 
 /* the ops SKV_CUDA_PROFILE times, in prof_names' order */
@@ -700,10 +700,10 @@ static int cuda_matmul_multi(struct skv_backend *be, const struct skv_matmul_par
 
 /* ---- rmsnorm, rope, swiglu, add ----------------------------------------------------- */
 
-/* One row per block of RMS_THREADS threads. Each thread loads its RMS_PER_THREAD elements at
- * once and keeps them for the output pass (dims up to RMS_THREADS * RMS_PER_THREAD; the rest
- * are read again): a 256-thread loop that loaded one element after another took 16 us for
- * one 4096-wide row on the H200 (ncu, 725344a), a memory latency per element. */
+/* One row per block (rms_threads). Each thread loads its RMS_PER_THREAD elements at once and
+ * keeps them for the output pass (dims up to RMS_THREADS * RMS_PER_THREAD; the rest are read
+ * again): a 256-thread loop that loaded one element after another took 16 us for one
+ * 4096-wide row on the H200 (ncu, 725344a), a memory latency per element. */
 __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_kernel(float *out, const float *x, const float *w, int dim,
                                                                float eps)
 {
@@ -735,6 +735,16 @@ __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_kernel(float *out, const 
         o[i] = xr[i] * s * w[i];
 }
 
+/* rmsnorm_kernel's threads for rows of dim: enough warps that each thread holds at most
+ * RMS_PER_THREAD elements (a prefill's many rows then keep more blocks per SM), up to
+ * RMS_THREADS. */
+static int rms_threads(int dim)
+{
+    int64_t t = ((int64_t)dim + RMS_PER_THREAD - 1) / RMS_PER_THREAD;
+    t = (t + 31) / 32 * 32;
+    return (int)(t < 32 ? 32 : t > RMS_THREADS ? RMS_THREADS : t);
+}
+
 static int cuda_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n,
                         int dim, float eps)
 {
@@ -747,17 +757,15 @@ static int cuda_rmsnorm(struct skv_backend *be, float *out, const float *x, cons
     if (!out || !x || !w)
         return skv_errorf(SKV_E_INVAL, "rmsnorm: NULL buffer");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
-    rmsnorm_kernel<<<(unsigned)n, RMS_THREADS, 0, impl->stream>>>(out, x, w, dim, eps);
+    rmsnorm_kernel<<<(unsigned)n, rms_threads(dim), 0, impl->stream>>>(out, x, w, dim, eps);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
 }
 
-/* One thread per (token, rotated pair): the angle and its cos / sin in double, the rotation
- * in float for every head, as the CPU does. */
-/* One thread per (token, head, pair): each computes its pair's angle (the heads of a token
- * share it, recomputed rather than looped over: a thread that rotated every head in turn
- * waited a load and a store per head, 11 us for one token's 32 heads on the H200 (ncu,
- * 725344a)). */
+/* One thread per (token, head, rotated pair): the angle and its cos / sin in double, the
+ * rotation in float, as the CPU does. The heads of a token recompute their shared angle: a
+ * thread per (token, pair) that rotated every head in turn waited a load and a store per
+ * head, 11 us for one token's 32 heads on the H200 (ncu, 725344a). */
 __global__ void rope_kernel(float *x, const int32_t *pos, const double *inv_freq, int n,
                             int n_heads, int head_dim, int half, int neox, double freq_scale)
 {

@@ -143,6 +143,8 @@ void emu_launch(void (*k)(KA...), dim3 grid, int threads, size_t smem, std::type
         for (auto &x : th) x.join();
     }
 }
+/* no device memory here: every pointer is a host one */
+static bool is_device_ptr(const void *) { return false; }
 #define SCRATCH_ROUND ((size_t)1 << 20)
 #define ATT_GEMM_S_BYTES ((size_t)64 << 10) /* prefill attention in several query batches */
 #define EW_THREADS 256
@@ -216,7 +218,14 @@ struct emu_backend {
         memset(&be, 0, sizeof be);
         be.impl = &impl;
     }
-    ~emu_backend() { free(impl.scratch); free(impl.stage); }
+    ~emu_backend()
+    {
+        free(impl.scratch);
+        free(impl.stage);
+        free(impl.rope_freq);
+        free(impl.rope_pos);
+        free(impl.rope_pos_host);
+    }
 };
 
 static int run(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int sms)
@@ -373,8 +382,79 @@ static int run_gemv(int type, int rows, int cols, int n)
     return !ok;
 }
 
+/* rmsnorm on n rows of dim (in place when in_place), against the CPU op: the sum of squares
+ * in double either way, so only its order differs. */
+static int run_rmsnorm(int n, int dim, bool in_place)
+{
+    std::vector<float> x((size_t)n * dim), w(dim), want(x.size(), NAN), got(x.size(), NAN);
+    for (auto &v : x) v = rnd() * 3;
+    for (auto &v : w) v = rnd();
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    int rc_cpu = cpu->ops->rmsnorm(cpu, want.data(), x.data(), w.data(), n, dim, 1e-5f);
+    skv_backend_destroy(&cpu);
+    emu_backend e;
+    int rc;
+    if (in_place) {
+        got = x;
+        rc = cuda_rmsnorm(&e.be, got.data(), got.data(), w.data(), n, dim, 1e-5f);
+    } else {
+        rc = cuda_rmsnorm(&e.be, got.data(), x.data(), w.data(), n, dim, 1e-5f);
+    }
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        double err = (double)got[i] - want[i];
+        num += std::isfinite(got[i]) ? err * err : INFINITY;
+        den += (double)want[i] * want[i];
+    }
+    bool ok = rc == 0 && rc_cpu == 0 && num / den < 1e-13;
+    printf("%s rmsnorm n=%d dim=%d threads=%d%s nmse=%.3g\n", ok ? "ok  " : "FAIL", n, dim, rms_threads(dim),
+           in_place ? " in place" : "", num / den);
+    return !ok;
+}
+
+/* rope over n tokens of n_heads x head_dim (rot_dim rotated), positions from p0 on (twice:
+ * the second call reuses the uploaded positions), against the CPU op: bitwise, as both take
+ * the same double angle and cos / sin and rotate in float. */
+static int run_rope(int n, int n_heads, int head_dim, int rot_dim, int mode, int p0, float l3_factor)
+{
+    struct skv_rope r;
+    memset(&r, 0, sizeof r);
+    r.mode = mode;
+    r.rot_dim = rot_dim;
+    r.theta = 500000.0f;
+    r.freq_scale = 1.0f;
+    if (l3_factor > 0) {
+        r.l3_factor = l3_factor;
+        r.l3_low_freq_factor = 1.0f;
+        r.l3_high_freq_factor = 4.0f;
+        r.l3_original_ctx = 8192;
+    }
+    std::vector<int32_t> pos(n);
+    for (int i = 0; i < n; i++) pos[i] = p0 + 3 * i;
+    std::vector<float> x((size_t)n * n_heads * head_dim);
+    for (auto &v : x) v = rnd();
+    std::vector<float> want = x, got = x;
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    int rc_cpu = cpu->ops->rope(cpu, want.data(), n, n_heads, head_dim, pos.data(), &r);
+    rc_cpu |= cpu->ops->rope(cpu, want.data(), n, n_heads, head_dim, pos.data(), &r);
+    skv_backend_destroy(&cpu);
+    emu_backend e;
+    int rc = cuda_rope(&e.be, got.data(), n, n_heads, head_dim, pos.data(), &r);
+    rc |= cuda_rope(&e.be, got.data(), n, n_heads, head_dim, pos.data(), &r);
+    size_t bad = 0;
+    for (size_t i = 0; i < got.size(); i++)
+        bad += memcmp(&got[i], &want[i], sizeof(float)) != 0;
+    bool ok = rc == 0 && rc_cpu == 0 && bad == 0;
+    printf("%s rope n=%d heads=%d head_dim=%d rot_dim=%d %s from %d%s: %zu of %zu differ (bitwise)\n",
+           ok ? "ok  " : "FAIL", n, n_heads, head_dim, rot_dim, mode == SKV_ROPE_NEOX ? "neox" : "norm", p0,
+           l3_factor > 0 ? " llama3" : "", bad, got.size());
+    return !ok;
+}
+
 /* Suites: attention (the cuBLAS prefill, split-K decode and fallback paths), colsum (+ cosine), gemv, topk (+
- * group scores); all of them without an argument. */
+ * group scores), norm (rmsnorm and rope); all of them without an argument. */
 int main(int argc, char **argv)
 {
     bool all = argc < 2;
@@ -439,6 +519,16 @@ int main(int argc, char **argv)
         for (auto &x : keys) x = 0.5f;
         fails += run_topk(keys, 3000, ns, 8, 2048, true);
         fails += run_topk(keys, 3000, ns, 8, 100, false);
+    }
+    if (want("norm")) {
+        fails += run_rmsnorm(1, 4096, false);  /* 512 threads, 8 elements each */
+        fails += run_rmsnorm(3, 576, true);    /* 96 threads, the last warp part-used */
+        fails += run_rmsnorm(2, 8192 + 77, false); /* past what the registers hold */
+        fails += run_rmsnorm(1, 5, false);
+        fails += run_rope(1, 32, 128, 128, SKV_ROPE_NORM, 32767, 0);
+        fails += run_rope(5, 9, 64, 64, SKV_ROPE_NEOX, 0, 0);
+        fails += run_rope(3, 4, 80, 64, SKV_ROPE_NEOX, 1000, 8.0f); /* part of each head rotated */
+        fails += run_rope(2, 3, 18, 18, SKV_ROPE_NORM, 5, 0);
     }
     printf("%d failed\n", fails);
     return fails != 0;

@@ -23,6 +23,7 @@ parts = [
     between("__device__ __forceinline__ float half_bits", "static bool cuda_type_supported"),
     between("/* A GEMV warp's row r", "/* Rows of a quantized weight dequantized"),
     between("/* ---- attention ----", "/* Row i of n: dst[i] <- src[i]"),
+    between("/* One row per block (rms_threads)", "__global__ void swiglu_kernel"),
 ]
 code = "\n".join(parts)
 code = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"\1 *\2 = (\1 *)g_dyn;", code)
