@@ -52,6 +52,7 @@ struct args {
     const char *prefill_sizes;
     const char *decode_depths;
     int decode_tokens;
+    int batch; /* speed: sequences decoded together (skv_engine_decode_batch); 0: 1 */
     int repeat;
     const char *compress;
     struct skv_quality_opts quality;
@@ -87,6 +88,8 @@ static void usage(FILE *out)
             "  select (--prompt T | --prompt-file F | --tokens ...) [--chat] [--compress SPEC (policy=full)]\n"
             "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192|none] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
+            "        [--batch B]                    (B sequences at each depth decoded together, one\n"
+            "                                        forward a step: tokens/s over all of them)\n"
             "        [--repeat R] [--compress SPEC]  prefill / decode tokens/s and peak memory; with\n"
             "                                        SPEC every prefill compresses (its scoring +\n"
             "                                        compaction timed) and decode runs on the kept KV\n"
@@ -650,6 +653,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     if (np < 0 || nd < 0)
         return 2;
     int dtok = a->decode_tokens > 0 ? a->decode_tokens : 32;
+    int batch = a->batch > 0 ? a->batch : 1;
     int rep = a->repeat > 0 ? a->repeat : 1;
     const char *spec = a->compress && *a->compress ? a->compress : NULL;
     int maxn = 1;
@@ -665,7 +669,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     }
     int nv = m->cfg.n_vocab;
     int32_t *ids = malloc((size_t)maxn * sizeof *ids);
-    float *logits = malloc((size_t)nv * sizeof *logits);
+    float *logits = malloc((size_t)batch * nv * sizeof *logits); /* each sequence's, as a server samples */
     if (!ids || !logits) {
         free(ids);
         free(logits);
@@ -740,34 +744,48 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         double best = 1e30, rate_sum = 0;
         int druns = 0;
         for (int r = 0; r < rep && !rc; r++) {
-            /* every repeat decodes the same tokens from a copy of the prefilled cache and of its
-             * compressor: a policy that evicts or re-scores while decoding changes both */
-            struct skv_kv_cache *work = NULL;
-            struct skv_compressor *wc = NULL;
-            rc = skv_kv_cache_clone(cache, &work);
-            if (!rc && run.comp)
-                rc = skv_compressor_clone(run.comp, &wc);
-            if (!rc)
-                rc = skv_kv_cache_reserve(work, dtok + 1);
-            struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = wc};
+            /* every repeat decodes the same tokens from copies of the prefilled cache and of its
+             * compressor (one per sequence of the batch): a policy that evicts or re-scores
+             * while decoding changes both */
+            struct skv_kv_cache *work[SKV_ENGINE_MAX_BATCH] = {0};
+            struct skv_compressor *wc[SKV_ENGINE_MAX_BATCH] = {0};
+            struct skv_forward_opts dec[SKV_ENGINE_MAX_BATCH];
+            struct skv_batch_seq seqs[SKV_ENGINE_MAX_BATCH];
+            for (int b = 0; b < batch && !rc; b++) {
+                rc = skv_kv_cache_clone(cache, &work[b]);
+                if (!rc && run.comp)
+                    rc = skv_compressor_clone(run.comp, &wc[b]);
+                if (!rc)
+                    rc = skv_kv_cache_reserve(work[b], dtok + 1);
+                dec[b] = (struct skv_forward_opts){.hook = skv_compressor_hook, .hook_user = wc[b]};
+            }
             int32_t t = 0;
             double t0 = now_s();
             for (int k = 0; k < dtok && !rc; k++) {
                 t = (int32_t)((t * 7919 + 13) % nv);
-                if (wc)
-                    rc = skv_compressor_begin_decode(wc, work);
-                if (!rc)
-                    rc = skv_engine_forward(e, work, &t, 1, wc ? &dec : NULL, logits);
+                for (int b = 0; b < batch && !rc; b++) {
+                    if (wc[b])
+                        rc = skv_compressor_begin_decode(wc[b], work[b]);
+                    seqs[b] = (struct skv_batch_seq){.cache = work[b], .token = t, .opts = wc[b] ? &dec[b] : NULL,
+                                                     .logits = logits + (size_t)b * nv};
+                }
+                if (rc)
+                    break;
+                /* one sequence: the plain forward, as every figure before --batch */
+                rc = batch == 1 ? skv_engine_forward(e, work[0], &t, 1, wc[0] ? &dec[0] : NULL, logits)
+                                : skv_engine_decode_batch(e, seqs, batch);
             }
             if (!rc)
                 rc = m->be->ops->sync(m->be);
             double dt = now_s() - t0;
-            skv_compressor_free(&wc);
-            skv_kv_cache_free(&work);
+            for (int b = 0; b < batch; b++) {
+                skv_compressor_free(&wc[b]);
+                skv_kv_cache_free(&work[b]);
+            }
             if (rc)
                 break;
             best = dt < best ? dt : best;
-            rate_sum += dtok / dt;
+            rate_sum += (double)batch * dtok / dt;
             druns++;
         }
         double run_comp_s = run.compress_seconds;
@@ -775,11 +793,13 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         skv_kv_cache_free(&cache);
         json_t *o = json_object();
         json_object_set_new(o, "depth", json_integer(depth[i]));
+        json_object_set_new(o, "batch", json_integer(batch));
+        /* tokens: each sequence's; seconds: for all of them (a step each); tokens/s: over all */
         json_object_set_new(o, "tokens", json_integer(dtok));
         json_object_set_new(o, "seconds", json_real(best));
-        json_object_set_new(o, "tokens_per_second", json_real(dtok / best));
+        json_object_set_new(o, "tokens_per_second", json_real((double)batch * dtok / best));
         json_object_set_new(o, "mean_tokens_per_second", json_real(druns ? rate_sum / druns : 0));
-        json_object_set_new(o, "kv_read_bytes", json_integer((json_int_t)kv_bytes));
+        json_object_set_new(o, "kv_read_bytes", json_integer((json_int_t)kv_bytes)); /* one sequence's */
         json_object_set_new(o, "prefill_seconds", json_real(depth[i] > 0 ? t_pre : 0));
         if (spec && depth[i] > 0) {
             json_object_set_new(o, "compress_seconds", json_real(run_comp_s));
@@ -787,7 +807,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         }
         json_array_append_new(jd, o);
         if (!a->json)
-            fprintf(stderr, "decode @%5d: %8.1f t/s%s\n", depth[i], dtok / best, spec ? " (compressed)" : "");
+            fprintf(stderr, "decode @%5d: %8.1f t/s%s\n", depth[i], (double)batch * dtok / best,
+                    spec ? " (compressed)" : "");
     }
     free(ids);
     free(logits);
@@ -818,8 +839,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         json_array_foreach(jd, k, o)
             printf("| decode @ | %8lld | %12.1f |\n", (long long)json_integer_value(json_object_get(o, "depth")),
                    json_real_value(json_object_get(o, "tokens_per_second")));
-        printf("threads %d, backend %s, mode %s, peak RSS %.0f MiB\n", m->be->n_threads, m->be->name,
-               m->reference ? "reference" : "fast", peak_rss_mib());
+        printf("threads %d, backend %s, mode %s, batch %d, peak RSS %.0f MiB\n", m->be->n_threads, m->be->name,
+               m->reference ? "reference" : "fast", batch, peak_rss_mib());
     }
     json_decref(j);
     return 0;
@@ -1052,7 +1073,7 @@ static const struct {
     {"logits", "prompt prompt-file tokens chat top all"},
     {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress"},
     {"select", "prompt prompt-file tokens chat compress"},
-    {"speed", "prefill decode-depth decode-tokens repeat compress"},
+    {"speed", "prefill decode-depth decode-tokens batch repeat compress"},
     {"gemv", "repeat"},
     {"quality", "task lengths depths specs trials out-dir passkey-style texts fid-prefill fid-tokens max-tokens seed"},
     {"serve", "endpoint admin-endpoint clients requests sessions context pool-gib parts decode-tokens specs "
@@ -1095,7 +1116,7 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM, O_CAP };
+           O_FIDM, O_CAP, O_BATCH };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
            O_STORE_SIGNED };
     static const struct option opts[] = {
@@ -1111,7 +1132,7 @@ int main(int argc, char **argv)
         {"top-p", required_argument, NULL, O_TOPP},        {"seed", required_argument, NULL, O_SEED},
         {"prefill", required_argument, NULL, O_PREFILL},   {"decode-depth", required_argument, NULL, O_DEPTH},
         {"decode-tokens", required_argument, NULL, O_DTOK}, {"repeat", required_argument, NULL, O_REPEAT},
-        {"compress", required_argument, NULL, O_COMPRESS},
+        {"compress", required_argument, NULL, O_COMPRESS}, {"batch", required_argument, NULL, O_BATCH},
         {"task", required_argument, NULL, O_TASK},         {"lengths", required_argument, NULL, O_LENGTHS},
         {"depths", required_argument, NULL, O_DEPTHS},     {"specs", required_argument, NULL, O_SPECS},
         {"trials", required_argument, NULL, O_TRIALS},     {"out-dir", required_argument, NULL, O_OUTDIR},
@@ -1164,6 +1185,7 @@ int main(int argc, char **argv)
         case O_PREFILL: a.prefill_sizes = optarg; break;
         case O_DEPTH: a.decode_depths = optarg; break;
         case O_DTOK: ok = int_opt("decode-tokens", optarg, 1, 1 << 20, &a.decode_tokens); break;
+        case O_BATCH: ok = int_opt("batch", optarg, 1, SKV_ENGINE_MAX_BATCH, &a.batch); break;
         case O_REPEAT: ok = int_opt("repeat", optarg, 1, 1000000, &a.repeat); break;
         case O_COMPRESS: a.compress = optarg; break;
         case O_TASK: a.quality.task = optarg; break;

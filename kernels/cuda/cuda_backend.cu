@@ -36,6 +36,8 @@ extern "C" {
 #define ATT_DEC_WARPS 4       /* split-K decode kernel: warps per block */
 #define ATT_DEC_RPW 4         /* its (query, head) rows per warp */
 #define ATT_DEC_LROWS 4       /* its tile rows a warp loads before it stores them */
+static_assert(ATT_MAX_D % 128 == 0, "a tile row is loaded in float4 slices of 128 floats");
+static_assert(ATT_TK % ATT_DEC_WARPS == 0, "every warp loads the same number of tile rows");
 #define ATT_DEC_BLOCKS_PER_SM 8 /* split-K: chunks sized for about this many blocks per SM */
 #define ATT_MAX_CHUNKS 1024   /* split-K: most chunks per KV head */
 #ifndef ATT_GEMM_S_BYTES /* the host emulation sets a small one: queries then go in batches */
@@ -73,7 +75,8 @@ struct cuda_impl {
     bool att_smem_set;      /* att_decode_kernel may use > 48 KB of shared memory */
     int prof_mode;          /* SKV_CUDA_PROFILE: 0 off, 1 host time per op, 2 each op synchronized */
     int prof_depth;         /* op calls in progress (an op calling another counts once) */
-    struct prof_acc { uint64_t calls, ns; } prof[P_OPS];
+    int prof_phase;         /* 1 since the last op with at most PROF_DECODE_ROWS rows, else 0 */
+    struct prof_acc { uint64_t calls, ns; } prof[2][P_OPS]; /* [prof_phase][op] */
 };
 
 /* ---- the op profile (SKV_CUDA_PROFILE) ---------------------------------------------- */
@@ -92,19 +95,25 @@ static uint64_t prof_now(void)
 }
 
 /* Times one op call on the host, from entry to return (mode 2: to the end of the work it
- * queued), into impl->prof; an op that another op calls counts in the caller's time. */
+ * queued), into impl->prof; an op that another op calls counts in the caller's time. An op
+ * with a row count (rows >= 0) sets the phase its time and the next row-less ops' go to:
+ * decode-sized (at most PROF_DECODE_ROWS rows: a decode step's get_rows starts it) or the rest
+ * (prefill, and the weight copies before any op with rows). */
+#define PROF_DECODE_ROWS 8
 struct prof_scope {
     struct cuda_impl *impl; /* NULL: profile off */
     int op;
     bool outer;
     uint64_t t0;
-    prof_scope(struct skv_backend *be, int op_) : impl(NULL), op(op_), outer(false), t0(0)
+    prof_scope(struct skv_backend *be, int op_, int rows) : impl(NULL), op(op_), outer(false), t0(0)
     {
         struct cuda_impl *i = be ? (struct cuda_impl *)be->impl : NULL;
         if (!i || !i->prof_mode)
             return;
         impl = i;
         outer = i->prof_depth++ == 0;
+        if (outer && rows >= 0)
+            i->prof_phase = rows <= PROF_DECODE_ROWS;
         if (outer)
             t0 = prof_now();
     }
@@ -115,10 +124,11 @@ struct prof_scope {
         impl->prof_depth--;
         if (!outer)
             return;
-        if (impl->prof_mode == 2)
-            (void)cudaStreamSynchronize(impl->stream);
-        impl->prof[op].calls++;
-        impl->prof[op].ns += prof_now() - t0;
+        if (impl->prof_mode == 2 && cudaStreamSynchronize(impl->stream) != cudaSuccess)
+            (void)cudaGetLastError(); /* the next op's check is not this one's */
+        struct cuda_impl::prof_acc *a = &impl->prof[impl->prof_phase][op];
+        a->calls++;
+        a->ns += prof_now() - t0;
     }
 };
 
@@ -126,7 +136,7 @@ struct prof_scope {
 
 static int cuda_alloc(struct skv_backend *be, size_t bytes, void **out)
 {
-    prof_scope prof_(be, P_ALLOC);
+    prof_scope prof_(be, P_ALLOC, -1);
     (void)be;
     if (!out)
         return skv_errorf(SKV_E_INVAL, "alloc: NULL output");
@@ -138,7 +148,7 @@ static int cuda_alloc(struct skv_backend *be, size_t bytes, void **out)
 
 static void cuda_free(struct skv_backend *be, void *ptr)
 {
-    prof_scope prof_(be, P_FREE);
+    prof_scope prof_(be, P_FREE, -1);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     if (!ptr)
         return;
@@ -151,7 +161,7 @@ static void cuda_free(struct skv_backend *be, void *ptr)
 
 static int cuda_upload(struct skv_backend *be, void *dst, const void *src, size_t bytes)
 {
-    prof_scope prof_(be, P_UPLOAD);
+    prof_scope prof_(be, P_UPLOAD, -1);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     SKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, impl->stream));
     return SKV_OK;
@@ -159,7 +169,7 @@ static int cuda_upload(struct skv_backend *be, void *dst, const void *src, size_
 
 static int cuda_download(struct skv_backend *be, void *dst, const void *src, size_t bytes)
 {
-    prof_scope prof_(be, P_DOWNLOAD);
+    prof_scope prof_(be, P_DOWNLOAD, -1);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     SKV_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, impl->stream));
     SKV_CUDA_CHECK(cudaStreamSynchronize(impl->stream));
@@ -169,7 +179,7 @@ static int cuda_download(struct skv_backend *be, void *dst, const void *src, siz
 static int cuda_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, const void *src,
                         size_t src_stride, size_t row_bytes, int64_t n_rows)
 {
-    prof_scope prof_(be, P_COPY_2D);
+    prof_scope prof_(be, P_COPY_2D, -1);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     if (n_rows < 0)
         return skv_errorf(SKV_E_INVAL, "copy_2d: %lld rows", (long long)n_rows);
@@ -188,7 +198,7 @@ static int cuda_copy_2d(struct skv_backend *be, void *dst, size_t dst_stride, co
 
 static int cuda_sync(struct skv_backend *be)
 {
-    prof_scope prof_(be, P_SYNC);
+    prof_scope prof_(be, P_SYNC, -1);
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     SKV_CUDA_CHECK(cudaStreamSynchronize(impl->stream));
     return SKV_OK;
@@ -399,7 +409,7 @@ static int table_check(const char *op, const struct skv_tensor *t, int64_t limit
 static int cuda_get_rows(struct skv_backend *be, float *out, const struct skv_tensor *table,
                          const int32_t *ids, int n)
 {
-    prof_scope prof_(be, P_GET_ROWS);
+    prof_scope prof_(be, P_GET_ROWS, n);
     if (be == NULL || table == NULL || n < 0 || (n > 0 && (out == NULL || ids == NULL)))
         return skv_errorf(SKV_E_INVAL, "get_rows: bad arguments");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -581,7 +591,7 @@ __global__ void add_bias_kernel(float *out, const float *bias, int rows, int64_t
 static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
                        const float *bias, const float *x, int n)
 {
-    prof_scope prof_(be, P_MATMUL);
+    prof_scope prof_(be, P_MATMUL, n);
     if (be == NULL || out == NULL || w == NULL || x == NULL || n < 0)
         return skv_errorf(SKV_E_INVAL, "matmul: bad arguments");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -685,7 +695,7 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
 static int cuda_matmul_multi(struct skv_backend *be, const struct skv_matmul_part *parts,
                              int count, const float *x, int n)
 {
-    prof_scope prof_(be, P_MATMUL_MULTI);
+    prof_scope prof_(be, P_MATMUL_MULTI, n);
     if (be == NULL || parts == NULL || count < 1 || x == NULL || n < 0)
         return skv_errorf(SKV_E_INVAL, "matmul_multi: bad arguments");
     for (int i = 0; i < count; i++) {
@@ -748,7 +758,7 @@ static int rms_threads(int dim)
 static int cuda_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n,
                         int dim, float eps)
 {
-    prof_scope prof_(be, P_RMSNORM);
+    prof_scope prof_(be, P_RMSNORM, n);
     if (n < 0 || dim <= 0 || !(eps >= 0.0f))
         return skv_errorf(SKV_E_INVAL, "rmsnorm: bad shape n=%d dim=%d eps=%g", n, dim,
                           (double)eps);
@@ -836,7 +846,7 @@ static int rope_tables(struct cuda_impl *impl, const double *inv_freq, int half,
 static int cuda_rope(struct skv_backend *be, float *x, int n, int n_heads, int head_dim,
                      const int32_t *pos, const struct skv_rope *rope)
 {
-    prof_scope prof_(be, P_ROPE);
+    prof_scope prof_(be, P_ROPE, n);
     if (n < 0 || n_heads <= 0 || head_dim <= 0 || !rope)
         return skv_errorf(SKV_E_INVAL, "rope: bad shape n=%d heads=%d head_dim=%d", n, n_heads,
                           head_dim);
@@ -882,7 +892,7 @@ __global__ void add_kernel(float *out, const float *a, const float *b, int64_t c
 static int cuda_swiglu(struct skv_backend *be, float *out, const float *gate, const float *up,
                        int64_t count)
 {
-    prof_scope prof_(be, P_SWIGLU);
+    prof_scope prof_(be, P_SWIGLU, -1);
     if (count < 0)
         return skv_errorf(SKV_E_INVAL, "swiglu: count %lld", (long long)count);
     if (count == 0)
@@ -899,7 +909,7 @@ static int cuda_swiglu(struct skv_backend *be, float *out, const float *gate, co
 static int cuda_add(struct skv_backend *be, float *out, const float *a, const float *b,
                     int64_t count)
 {
-    prof_scope prof_(be, P_ADD);
+    prof_scope prof_(be, P_ADD, -1);
     if (count < 0)
         return skv_errorf(SKV_E_INVAL, "add: count %lld", (long long)count);
     if (count == 0)
@@ -1205,11 +1215,11 @@ att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int 
                 if (!vec[u])
                     continue;
 #pragma unroll
-                for (int c = 0; c < ATT_MAX_D / 128; c++) {
-                    const int e = 4 * lane + 128 * c;
+                for (int s4 = 0; s4 < ATT_MAX_D / 128; s4++) {
+                    const int e = 4 * lane + 128 * s4;
                     if (e < d) {
-                        kr[u][c] = *(const float4 *)(kp[u] + e);
-                        vr[u][c] = *(const float4 *)(vp[u] + e);
+                        kr[u][s4] = *(const float4 *)(kp[u] + e);
+                        vr[u][s4] = *(const float4 *)(vp[u] + e);
                     }
                 }
             }
@@ -1227,14 +1237,14 @@ att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int 
                     continue;
                 }
 #pragma unroll
-                for (int c = 0; c < ATT_MAX_D / 128; c++) {
-                    const int e = 4 * lane + 128 * c;
+                for (int s4 = 0; s4 < ATT_MAX_D / 128; s4++) {
+                    const int e = 4 * lane + 128 * s4;
                     if (e < d) {
-                        kd[e] = kr[u][c].x;
-                        kd[e + 1] = kr[u][c].y;
-                        kd[e + 2] = kr[u][c].z;
-                        kd[e + 3] = kr[u][c].w;
-                        *(float4 *)(vd + e) = vr[u][c];
+                        kd[e] = kr[u][s4].x;
+                        kd[e + 1] = kr[u][s4].y;
+                        kd[e + 2] = kr[u][s4].z;
+                        kd[e + 3] = kr[u][s4].w;
+                        *(float4 *)(vd + e) = vr[u][s4];
                     }
                 }
             }
@@ -1476,7 +1486,7 @@ static int att_gemm(struct cuda_impl *impl, float *out, const float *q, int n, i
 static int cuda_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                           const struct skv_kv_view *kv)
 {
-    prof_scope prof_(be, P_ATTENTION);
+    prof_scope prof_(be, P_ATTENTION, n);
     int rc = att_check("attention", out, q, n, n_heads, kv);
     if (rc == SKV_OK)
         rc = skv_kv_view_check_window(kv, "attention");
@@ -1627,7 +1637,7 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
                                  const float *q, int n, int n_heads,
                                  const struct skv_kv_view *kv, int q_first)
 {
-    prof_scope prof_(be, P_COLSUM);
+    prof_scope prof_(be, P_COLSUM, n);
     if (!be || !out || !q || !kv || n <= 0 || n_heads <= 0 || kv->n_kv_heads <= 0 ||
         kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads || q_first < 0 ||
         q_first >= n || kv->head_dim <= 0)
@@ -1698,7 +1708,7 @@ __global__ void cosine_rows_kernel(double *cos_out, const float *a, const float 
 static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b,
                             int n, int dim)
 {
-    prof_scope prof_(be, P_COSINE);
+    prof_scope prof_(be, P_COSINE, -1);
     if (!be || !out || !a || !b || n <= 0 || dim <= 0)
         return skv_errorf(SKV_E_INVAL, "cosine_mean: bad shape");
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -1780,7 +1790,7 @@ static int cuda_group_scores(struct skv_backend *be, float *out, const float *co
                              int n_kv, const int *len, const int *pooled, float div, int kernel, bool pool_max,
                              bool gqa_max)
 {
-    prof_scope prof_(be, P_GROUP_SCORES);
+    prof_scope prof_(be, P_GROUP_SCORES, -1);
     int rc = skv_group_scores_check(out, colsum, stride, n_heads, n_kv, len, pooled, div, kernel);
     if (rc < 0)
         return rc;
@@ -1922,7 +1932,7 @@ __global__ void __launch_bounds__(TOPK_THREADS)
 static int cuda_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const float *keys, int64_t stride,
                           const int *n, int n_seg, int k, bool joint)
 {
-    prof_scope prof_(be, P_TOPK);
+    prof_scope prof_(be, P_TOPK, -1);
     int rc = skv_topk_check(idx, cnt, keys, stride, n, n_seg, k);
     if (rc < 0)
         return rc;
@@ -1976,7 +1986,7 @@ __global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src,
 static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes,
                           int n)
 {
-    prof_scope prof_(be, P_COPY_ROWS);
+    prof_scope prof_(be, P_COPY_ROWS, -1);
     if (n < 0 || (n > 0 && (!dst || !src)))
         return skv_errorf(SKV_E_INVAL, "copy_rows: bad arguments");
     int words = row_bytes % 4 == 0;
@@ -2012,25 +2022,30 @@ static int cuda_copy_rows(struct skv_backend *be, void *const *dst, const void *
 
 /* ---- construction ------------------------------------------------------------------- */
 
-/* SKV_CUDA_PROFILE's table, to stderr when the backend goes: per op its calls, the host time
- * inside them (mode 2: up to the end of their device work) and the mean per call. */
+/* SKV_CUDA_PROFILE's tables, to stderr when the backend goes: per op its calls, the host time
+ * inside them (mode 2: up to the end of their device work) and the mean per call; decode-sized
+ * calls first, then the rest. */
 static void prof_report(const struct cuda_impl *impl)
 {
-    uint64_t total = 0;
-    for (int i = 0; i < P_OPS; i++)
-        total += impl->prof[i].ns;
     fprintf(stderr, "cuda op profile (SKV_CUDA_PROFILE=%d: %s)\n", impl->prof_mode,
             impl->prof_mode == 2 ? "each op synchronized, so device time included"
                                  : "host time inside each op, device work not waited for");
-    fprintf(stderr, "%-18s %10s %12s %10s %7s\n", "op", "calls", "total ms", "us/call", "share");
-    for (int i = 0; i < P_OPS; i++) {
-        const struct cuda_impl::prof_acc *a = &impl->prof[i];
-        if (a->calls)
-            fprintf(stderr, "%-18s %10llu %12.3f %10.2f %6.1f%%\n", prof_names[i], (unsigned long long)a->calls,
-                    (double)a->ns / 1e6, (double)a->ns / 1e3 / (double)a->calls,
-                    total ? 100.0 * (double)a->ns / (double)total : 0.0);
+    for (int ph = 1; ph >= 0; ph--) {
+        uint64_t total = 0;
+        for (int i = 0; i < P_OPS; i++)
+            total += impl->prof[ph][i].ns;
+        fprintf(stderr, "%s\n", ph ? "decode-sized calls (at most 8 rows, and the row-less ops after them):"
+                                   : "the rest (prefill, weight copies):");
+        fprintf(stderr, "%-18s %10s %12s %10s %7s\n", "op", "calls", "total ms", "us/call", "share");
+        for (int i = 0; i < P_OPS; i++) {
+            const struct cuda_impl::prof_acc *a = &impl->prof[ph][i];
+            if (a->calls)
+                fprintf(stderr, "%-18s %10llu %12.3f %10.2f %6.1f%%\n", prof_names[i],
+                        (unsigned long long)a->calls, (double)a->ns / 1e6, (double)a->ns / 1e3 / (double)a->calls,
+                        total ? 100.0 * (double)a->ns / (double)total : 0.0);
+        }
+        fprintf(stderr, "%-18s %10s %12.3f\n", "all ops", "", (double)total / 1e6);
     }
-    fprintf(stderr, "%-18s %10s %12.3f\n", "all ops", "", (double)total / 1e6);
 }
 
 static void cuda_destroy(struct skv_backend *be)

@@ -361,7 +361,13 @@ else
     bad "random model" "random_gguf failed: $(tail -2 "$BUILD/random_gguf.log" | tr '\n' ' ')"
 fi
 
-# 7b. where a decoded token's time goes: SKV_CUDA_PROFILE=1 (host time inside each backend op)
+# 8. sessions that fit a fixed pool at 16K, full vs SnapKV, and their aggregate decode
+if [ -f "$BIG" ]; then
+    run serve_8b 200 "$BENCH" serve --model "$BIG" --backend "$BACKEND" $THREADS --parts capacity,decode \
+        --context "$C16" --pool-gib "$POOL_GIB" --specs "policy=full;$SNAP" --sessions fit \
+        --decode-tokens "$SERVE_DTOK" --json || [ $? = 2 ] || bad "serve_8b" "snapkv-bench serve failed (see $BUILD/serve_8b.log)"
+fi
+# 8b. where a decoded token's time goes: SKV_CUDA_PROFILE=1 (host time inside each backend op)
 # and =2 (each op synchronized: its device time too), 128 tokens at depth 1024 on each model;
 # the tables land in prof{1,2}_*.log (SKV_GPU_CHECK_PROFILE=0: not run)
 if [ "$DRY" != 1 ] && [ "${SKV_GPU_CHECK_PROFILE:-1}" != 0 ]; then
@@ -371,29 +377,54 @@ if [ "$DRY" != 1 ] && [ "${SKV_GPU_CHECK_PROFILE:-1}" != 0 ]; then
             name=prof${mode}_${pm%%:*}
             if run "$name" 60 env SKV_CUDA_PROFILE=$mode "$BENCH" speed --model "${pm#*:}" --backend cuda \
                    --prefill none --decode-depth "$C1" --decode-tokens 128 --json; then
-                row "$name" "ok" "$(python3 - "$BUILD/$name.json" "$BUILD/$name.log" <<'EOF2'
+                # the decode-sized section of the table: its largest ops
+                if sum=$(python3 - "$BUILD/$name.json" "$BUILD/$name.log" <<'EOF2'
 import json, re, sys
-d = json.load(open(sys.argv[1]))
-dec = d["decode"][0]
-rows = [l.split() for l in open(sys.argv[2]) if re.match(r"^[a-z_0-9]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%", l)]
+dec = json.load(open(sys.argv[1]))["decode"][0]
+rows, on = [], False
+for l in open(sys.argv[2]):
+    if l.startswith("decode-sized calls") or l.startswith("the rest"):
+        on = l.startswith("decode-sized")
+    elif on and re.match(r"^[a-z_0-9]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%", l):
+        rows.append(l.split())
 top = sorted(rows, key=lambda r: -float(r[2]))[:4]
+if not top:
+    sys.exit("no decode-sized section in " + sys.argv[2])
 print(f"{1000 * dec['seconds'] / dec['tokens']:.2f} ms/token; largest: "
       + ", ".join(f"{r[0]} {r[4]} ({r[3]} us/call)" for r in top))
 EOF2
-)"
-            else
+                ); then
+                    row "$name" "ok" "$sum"
+                else
+                    bad "$name" "no profile table in $BUILD/$name.log"
+                fi
+            elif [ $? != 2 ]; then
                 bad "$name" "snapkv-bench speed with SKV_CUDA_PROFILE=$mode failed (see $BUILD/$name.log)"
             fi
         done
     done
 fi
 
-# 8. sessions that fit a fixed pool at 16K, full vs SnapKV, and their aggregate decode
+# 8c. a decode group: 8 copies of one sequence decoded together (one forward a step, as the
+# daemon batches concurrent sessions), full cache and SnapKV, on the 8B-shaped model
 if [ -f "$BIG" ]; then
-    run serve_8b 200 "$BENCH" serve --model "$BIG" --backend "$BACKEND" $THREADS --parts capacity,decode \
-        --context "$C16" --pool-gib "$POOL_GIB" --specs "policy=full;$SNAP" --sessions fit \
-        --decode-tokens "$SERVE_DTOK" --json || [ $? = 2 ] || bad "serve_8b" "snapkv-bench serve failed (see $BUILD/serve_8b.log)"
+    for sp in "full:" "snapkv:--compress $SNAP"; do
+        name=speed_8b_batch8_${sp%%:*}
+        # shellcheck disable=SC2086
+        if run "$name" 120 "$BENCH" speed --model "$BIG" --backend "$BACKEND" $THREADS --prefill none \
+               --decode-depth "$C1,$C16" --decode-tokens 32 --batch 8 ${sp#*:} --json; then
+            row "$name" "ok" "$(python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))["decode"]
+print("; ".join("@%d: %.1f t/s over 8, %.2f ms a step" % (x["depth"], x["tokens_per_second"],
+                1000 * x["seconds"] / x["tokens"]) for x in d))
+' "$BUILD/$name.json")"
+        elif [ $? != 2 ]; then
+            bad "$name" "snapkv-bench speed --batch 8 failed (see $BUILD/$name.log)"
+        fi
+    done
 fi
+
 # 9. transformers + kvpress SnapKVPress on the same shapes and budget (when torch imports)
 if compgen -G "$SRC/.whl/*.whl" >/dev/null; then
     say "+ $PY -m pip install --no-index --no-deps --target $BUILD/pysite $SRC/.whl/*.whl"

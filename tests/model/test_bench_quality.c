@@ -2,6 +2,7 @@
  * run end to end (the process, its JSON, markdown, gnuplot scripts and PNGs), with the values
  * they must report, and argument errors. Also `snapkv-bench select --json` (kept positions,
  * the prompt's ids, bytes). Skips without the model. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -309,6 +310,8 @@ static void test_bad_arguments(void **state)
         {"speed", {"--specs", "policy=snapkv,ratio=0.1", NULL}, "speed does not take --specs (its own options:"},
         {"speed", {"--prefill", "abc", NULL}, "--prefill: 'abc' is not a list of counts"},
         {"speed", {"--decode-depth", "64,", NULL}, "--decode-depth: '64,' is not a list of counts"},
+        {"speed", {"--batch", "65", NULL}, "--batch wants a whole number from 1 to 64, not '65'"},
+        {"gemv", {"--batch", "2", NULL}, "gemv does not take --batch"},
         {"quality", {"--compress", "policy=snapkv,ratio=0.1", NULL}, "quality does not take --compress"},
         {"generate", {"--seed", "abc", NULL}, "--seed: 'abc' is not a number"},
     };
@@ -364,6 +367,40 @@ static void test_select_json(void **state)
     cleanup(&r);
 }
 
+/* speed --batch 3: three copies of the depth-64 cache decode 4 steps in one forward each; the
+ * JSON names the batch, each sequence's tokens, and tokens/s over all three; with --compress
+ * every copy keeps its own compressor (SnapKV re-scores while decoding). */
+static void test_speed_batch(void **state)
+{
+    (void)state;
+    static const char *const plain[] = {"--prefill", "none", "--decode-depth", "64", "--decode-tokens", "4",
+                                        "--batch", "3", "--threads", "2", "--json", NULL};
+    static const char *const comp[] = {"--prefill", "none", "--decode-depth", "64", "--decode-tokens", "4",
+                                       "--batch", "3", "--threads", "2", "--compress", "policy=snapkv,budget=40",
+                                       "--json", NULL};
+    const char *const *runs[] = {plain, comp};
+    for (int k = 0; k < 2; k++) {
+        struct run r;
+        bench_cmd(&r, "speed", runs[k]);
+        assert_int_equal(r.status, 0);
+        json_t *j = load_json(&r, "stdout");
+        json_t *d = json_array_get(json_object_get(j, "decode"), 0);
+        assert_non_null(d);
+        assert_int_equal(json_array_size(json_object_get(j, "decode")), 1);
+        assert_int_equal(json_integer_value(json_object_get(d, "depth")), 64);
+        assert_int_equal(json_integer_value(json_object_get(d, "batch")), 3);
+        assert_int_equal(json_integer_value(json_object_get(d, "tokens")), 4);
+        double secs = json_real_value(json_object_get(d, "seconds"));
+        double tps = json_real_value(json_object_get(d, "tokens_per_second"));
+        assert_true(secs > 0);
+        assert_true(fabs(tps * secs - 12.0) < 1e-6);
+        /* what a step reads: the cache of 64 rows (SnapKV: its 40), f32 K and V */
+        assert_int_equal(json_integer_value(json_object_get(d, "kv_read_bytes")), (k ? 40 : 64) * ROW_BYTES);
+        json_decref(j);
+        cleanup(&r);
+    }
+}
+
 /* Token text that is not UTF-8 on its own (byte-level pieces of a character) goes into the JSON
  * as U+FFFD: before, jansson refused the string and `logits --json` printed nothing, exit 0. */
 static void test_logits_json_text(void **state)
@@ -397,6 +434,7 @@ int main(void)
         cmocka_unit_test(test_fidelity_run),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_select_json),
+        cmocka_unit_test(test_speed_batch),
         cmocka_unit_test(test_logits_json_text),
     };
     return cmocka_run_group_tests_name("bench-quality", tests, NULL, NULL);

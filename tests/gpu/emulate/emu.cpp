@@ -522,7 +522,7 @@ int main(int argc, char **argv)
     }
     if (want("norm")) {
         fails += run_rmsnorm(1, 4096, false);  /* 512 threads, 8 elements each */
-        fails += run_rmsnorm(3, 576, true);    /* 96 threads, the last warp part-used */
+        fails += run_rmsnorm(3, 576, true);    /* 96 threads, 6 of each thread's 8 slots used */
         fails += run_rmsnorm(2, 8192 + 77, false); /* past what the registers hold */
         fails += run_rmsnorm(1, 5, false);
         fails += run_rope(1, 32, 128, 128, SKV_ROPE_NORM, 32767, 0);
