@@ -2,11 +2,14 @@
 #include "daemon/store.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/thread.h"
 #include "daemon/config.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <netdb.h>
 #include <sodium.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -23,6 +26,9 @@
 #define STORE_LINE_MAX (64 << 10)  /* a reply's header line, an error message's included */
 #define STORE_PASSWORD_MAX 4096    /* store-password-file's password, in bytes, and one */
 
+struct host_lookup;
+static void lookup_unref(struct host_lookup *lk);
+
 struct skv_store {
     char url[512];
     char host[256];           /* a host name or address, or a socket path (unix) */
@@ -32,6 +38,7 @@ struct skv_store {
     char user[256];           /* store-user: "" Redis's default one */
     char password_file[4096]; /* store-password-file: "" no AUTH */
     uint64_t max_value;       /* a take refuses a value larger than this */
+    struct host_lookup *lookup; /* a lookup of host that outlived a connect's wait, or NULL */
     redisContext *c;          /* NULL: not connected */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
@@ -259,6 +266,8 @@ void skv_store_free(struct skv_store **st_p)
         return;
     if ((*st_p)->c)
         redisFree((*st_p)->c);
+    if ((*st_p)->lookup)
+        lookup_unref((*st_p)->lookup); /* its thread frees it when the resolver answers */
     free(*st_p);
     *st_p = NULL;
 }
@@ -358,6 +367,162 @@ static int store_auth(struct skv_store *st)
     return ok ? SKV_OK : store_failed(st, why);
 }
 
+/* ---- the host's lookup ------------------------------------------------------------- */
+
+/* getaddrinfo of the store's host on a thread of its own: glibc's resolver has no time limit,
+ * and a connect waits for it at most until its deadline. The thread and the store hold a
+ * reference each; whichever lets go last frees it, so a lookup that outlives the wait (and the
+ * store) finishes on its own, and the next connect takes its answer. */
+struct host_lookup {
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* on CLOCK_MONOTONIC */
+    int refs;
+    bool done;
+    int gai, err; /* getaddrinfo's result, and errno after it (EAI_SYSTEM) */
+    struct addrinfo *res;
+    char host[256], port[8];
+};
+
+static void lookup_unref(struct host_lookup *lk)
+{
+    pthread_mutex_lock(&lk->mu);
+    bool last = --lk->refs == 0;
+    pthread_mutex_unlock(&lk->mu);
+    if (!last)
+        return;
+    if (lk->res)
+        freeaddrinfo(lk->res);
+    pthread_cond_destroy(&lk->cv);
+    pthread_mutex_destroy(&lk->mu);
+    free(lk);
+}
+
+static void *lookup_main(void *arg)
+{
+    struct host_lookup *lk = arg;
+    const struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    int gai = getaddrinfo(lk->host, lk->port, &hints, &res);
+    int err = errno;
+    pthread_mutex_lock(&lk->mu);
+    lk->gai = gai;
+    lk->err = err;
+    lk->res = gai ? NULL : res;
+    lk->done = true;
+    pthread_cond_signal(&lk->cv);
+    pthread_mutex_unlock(&lk->mu);
+    lookup_unref(lk);
+    return NULL;
+}
+
+/* Starts the lookup of st->host (a thread of its own, detached) into st->lookup. */
+static int lookup_start(struct skv_store *st)
+{
+    struct host_lookup *lk = calloc(1, sizeof *lk);
+    if (!lk)
+        return store_failed(st, "no memory to look the host up");
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&lk->mu, NULL);
+    pthread_cond_init(&lk->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    lk->refs = 2;
+    snprintf(lk->host, sizeof lk->host, "%s", st->host);
+    snprintf(lk->port, sizeof lk->port, "%d", st->port);
+    pthread_t t;
+    int rc = skv_thread_create(&t, lookup_main, lk, "skv-lookup");
+    if (rc) {
+        lk->refs = 1;
+        lookup_unref(lk);
+        char why[300];
+        snprintf(why, sizeof why, "cannot start the lookup of %s: %s", st->host, strerror(rc));
+        return store_failed(st, why);
+    }
+    pthread_detach(t);
+    st->lookup = lk;
+    return SKV_OK;
+}
+
+/* The host's addresses, waited for until deadline_ms (CLOCK_MONOTONIC, now_ms's clock): a
+ * lookup that is still running then stays in st->lookup for the next connect. *out is the
+ * caller's to free. */
+static int store_lookup(struct skv_store *st, uint64_t deadline_ms, struct addrinfo **out)
+{
+    int rc;
+    if (!st->lookup && (rc = lookup_start(st)) != SKV_OK)
+        return rc;
+    struct host_lookup *lk = st->lookup;
+    struct timespec until = {.tv_sec = (time_t)(deadline_ms / 1000), .tv_nsec = (long)(deadline_ms % 1000) * 1000000};
+    pthread_mutex_lock(&lk->mu);
+    while (!lk->done && pthread_cond_timedwait(&lk->cv, &lk->mu, &until) != ETIMEDOUT) {
+    }
+    bool done = lk->done;
+    int gai = lk->gai, err = lk->err;
+    struct addrinfo *res = lk->res;
+    lk->res = NULL;
+    pthread_mutex_unlock(&lk->mu);
+    char why[400];
+    if (!done) {
+        snprintf(why, sizeof why, "looking up %s takes longer than store-timeout-ms (it goes on, and the next "
+                 "try takes its answer)", st->host);
+        return store_failed(st, why);
+    }
+    st->lookup = NULL;
+    lookup_unref(lk);
+    if (gai) {
+        snprintf(why, sizeof why, "looking up %s: %s", st->host, gai == EAI_SYSTEM ? strerror(err) : gai_strerror(gai));
+        return store_failed(st, why);
+    }
+    *out = res;
+    return SKV_OK;
+}
+
+/* A TCP connection to the host: an address as it is; a name's addresses, IPv4 ones first, each
+ * tried in turn by its numeric form (so that hiredis looks nothing up), the lookup and the
+ * connects together within one store-timeout-ms. */
+static int store_connect_tcp(struct skv_store *st)
+{
+    unsigned char bin[16];
+    if (inet_pton(AF_INET, st->host, bin) == 1 || inet_pton(AF_INET6, st->host, bin) == 1) {
+        st->c = redisConnectWithTimeout(st->host, st->port, st->timeout);
+        return SKV_OK;
+    }
+    const uint64_t deadline = now_ms() + (uint64_t)st->timeout.tv_sec * 1000 + (uint64_t)st->timeout.tv_usec / 1000;
+    struct addrinfo *res = NULL;
+    int rc = store_lookup(st, deadline, &res);
+    if (rc)
+        return rc;
+    char why[512];
+    snprintf(why, sizeof why, "%s has no address", st->host);
+    for (int pass = 0; pass < 2 && !st->c; pass++) /* IPv4, then IPv6 */
+        for (const struct addrinfo *ai = res; ai && !st->c; ai = ai->ai_next) {
+            char addr[64]; /* a numeric form: IPv6 with a scope at most 62 */
+            if ((ai->ai_family == AF_INET) != (pass == 0) ||
+                getnameinfo(ai->ai_addr, ai->ai_addrlen, addr, sizeof addr, NULL, 0, NI_NUMERICHOST) != 0)
+                continue;
+            uint64_t now = now_ms();
+            if (now + 1 >= deadline) {
+                snprintf(why, sizeof why, "connecting to %s (%s): store-timeout-ms ran out", st->host, addr);
+                pass = 2;
+                break;
+            }
+            struct timeval left = {.tv_sec = (time_t)((deadline - now) / 1000),
+                                   .tv_usec = (suseconds_t)((deadline - now) % 1000) * 1000};
+            redisContext *c = redisConnectWithTimeout(addr, st->port, left);
+            if (c && !c->err) {
+                st->c = c;
+            } else {
+                snprintf(why, sizeof why, "%s (%s, %s)", c ? c->errstr : "no memory for a connection", st->host,
+                         addr);
+                if (c)
+                    redisFree(c);
+            }
+        }
+    freeaddrinfo(res);
+    return st->c ? SKV_OK : store_failed(st, why);
+}
+
 static int store_connect(struct skv_store *st)
 {
     if (st->c)
@@ -366,8 +531,13 @@ static int store_connect(struct skv_store *st)
     if (now < st->down_until_ms)
         return skv_errorf(SKV_E_IO, "store %s: %s (tried again in %.1f s)", st->url, st->why,
                           (double)(st->down_until_ms - now) / 1000.0);
-    st->c = st->port ? redisConnectWithTimeout(st->host, st->port, st->timeout)
-                     : redisConnectUnixWithTimeout(st->host, st->timeout);
+    if (st->port) {
+        int rc = store_connect_tcp(st);
+        if (rc)
+            return rc;
+    } else {
+        st->c = redisConnectUnixWithTimeout(st->host, st->timeout);
+    }
     if (!st->c)
         return store_failed(st, "no memory for a connection");
     if (st->c->err)

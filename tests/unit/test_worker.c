@@ -3771,6 +3771,28 @@ static void test_store_stream(void **state)
     fixture_redis_cli(sock, "TTL a", out, sizeof out);
     assert_string_equal(out, "-2"); /* taken */
 
+    /* a host name: looked up on a thread of its own within store-timeout-ms, its IPv4 addresses
+     * tried first (the server listens on 127.0.0.1 only) */
+    char named[80];
+    snprintf(named, sizeof named, "redis://localhost:%s", port);
+    struct skv_store *st_named = NULL;
+    assert_int_equal(skv_store_new(named, 5000, 1 << 30, &st_named), SKV_OK);
+    pw = (struct pattern_writer){.n = 1000, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st_named, "named", 1000, 60, pattern_write, &pw), SKV_OK);
+    assert_int_equal(skv_store_take(st_named, "named", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 1000);
+    assert_int_equal(((const unsigned char *)data)[999], pattern_byte(999));
+    skv_store_value_free(value);
+    skv_store_free(&st_named);
+    /* a name no resolver knows (.invalid, RFC 6761): a clear error, whether the resolver says so
+     * or the 300 ms run out first; the store then goes while its lookup may still run */
+    snprintf(named, sizeof named, "redis://no-such-host.invalid:%s", port);
+    assert_int_equal(skv_store_new(named, 300, 1 << 30, &st_named), SKV_OK);
+    pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st_named, "x", 10, 60, pattern_write, &pw), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "looking up no-such-host.invalid"));
+    skv_store_free(&st_named);
+
     /* fewer bytes, more bytes, a failing writer: nothing stored, and the next call works */
     const struct {
         size_t written, fail_at;
