@@ -142,6 +142,12 @@ static const struct skv_config_option options[] = {
      "(written by someone else, or moved to another tenant's key) does not load. Checked as "
      "store-password-file, and not the password; read at start (a new secret needs a restart). \"\": values "
      "are not signed, and signatures are not checked"},
+    {"store-accept-secret-file", SKV_CFG_STRING, OPT(store_accept_secret_file), "", 0, 0,
+     "a second secret, checked as store-secret-file, whose signatures a take accepts too (values are signed "
+     "with store-secret-file only), for a rotation without dropping what is stored: give every daemon the new "
+     "secret here and restart them one by one, then swap the two files and restart them again, then empty this "
+     "one once no value signed with the old secret is left (store-keep-seconds). Needs store-secret-file. \"\": "
+     "only store-secret-file's signatures load"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
      "the longest the engine waits for the store at each step (connect, send, receive); after a failed "
      "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "
@@ -406,10 +412,16 @@ int skv_config_check(const struct skv_config *cfg)
     if (*cfg->events_replay_endpoint && !*cfg->events_endpoint)
         return skv_errorf(SKV_E_INVAL, "events-replay-endpoint replays what events-endpoint publishes: set "
                           "events-endpoint too");
-    if ((*cfg->store_user || *cfg->store_password_file || *cfg->store_secret_file) && !*cfg->store)
+    if ((*cfg->store_user || *cfg->store_password_file || *cfg->store_secret_file ||
+         *cfg->store_accept_secret_file) && !*cfg->store)
         return skv_errorf(SKV_E_INVAL, "%s is the shared store's, and store is off: set store too",
-                          *cfg->store_user ? "store-user"
-                          : *cfg->store_password_file ? "store-password-file" : "store-secret-file");
+                          *cfg->store_user            ? "store-user"
+                          : *cfg->store_password_file ? "store-password-file"
+                          : *cfg->store_secret_file   ? "store-secret-file"
+                                                      : "store-accept-secret-file");
+    if (*cfg->store_accept_secret_file && !*cfg->store_secret_file)
+        return skv_errorf(SKV_E_INVAL, "store-accept-secret-file is a second secret next to store-secret-file, "
+                          "which is not set: set store-secret-file too");
     return SKV_OK; /* single values (ipc-tenant, queue-order, tenant-weights ...): check_value */
 }
 

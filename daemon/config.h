@@ -53,6 +53,7 @@ struct skv_config {
     char *store_user;         /* AUTH as this user ("": Redis's default one) ... */
     char *store_password_file; /* ... with the password in this file ("": no AUTH) */
     char *store_secret_file;  /* values signed with the secret in this file ("": not signed) */
+    char *store_accept_secret_file; /* values signed with this one load too (a rotation; "": none) */
     char *default_compress;   /* spec used when a PREFILL names none */
     char *ipc_tenant;         /* "claimed" or "uid": where an ipc client's tenant comes from */
     char *queue_order;        /* "fair" (tenants share the engine's time) or "fifo" */

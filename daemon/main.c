@@ -277,10 +277,11 @@ int main(int argc, char **argv)
     }
     if (*cfg.store) { /* the store's url and files, checked again when the engine starts */
         struct skv_store *st = NULL;
-        unsigned char key[SKV_STORE_KEY_BYTES];
-        bool is_signed;
-        rc = skv_store_open(&cfg, &st, key, &is_signed);
+        unsigned char key[SKV_STORE_KEY_BYTES], accept[SKV_STORE_KEY_BYTES];
+        bool is_signed, has_accept;
+        rc = skv_store_open(&cfg, &st, key, &is_signed, accept, &has_accept);
         explicit_bzero(key, sizeof key);
+        explicit_bzero(accept, sizeof accept);
         skv_store_free(&st);
         if (rc) {
             skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());

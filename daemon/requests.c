@@ -2640,11 +2640,12 @@ static struct store_meta store_meta_of(const struct skv_worker *w, const struct 
     return m;
 }
 
-/* The MAC's state after the key it is bound to (its length first: no two keys hash alike). */
-static void store_mac_init(const struct skv_worker *w, const char *key, crypto_generichash_state *h)
+/* The MAC's state under secret key mac_key (32 bytes) after the store key it is bound to (its
+ * length first: no two keys hash alike). */
+static void store_mac_init(const unsigned char *mac_key, const char *key, crypto_generichash_state *h)
 {
     uint32_t n = (uint32_t)strlen(key);
-    crypto_generichash_init(h, w->store_mac_key, sizeof w->store_mac_key, STORE_MAC_BYTES);
+    crypto_generichash_init(h, mac_key, 32, STORE_MAC_BYTES);
     crypto_generichash_update(h, (const unsigned char *)&n, sizeof n);
     crypto_generichash_update(h, (const unsigned char *)key, n);
 }
@@ -2672,7 +2673,7 @@ static int spill_write(void *user, FILE *f)
     struct mac_tee t = {&h, f};
     FILE *g = f; /* signed: the SAVE bytes go through the MAC on their way to f */
     if (sp->w->store_signed) {
-        store_mac_init(sp->w, sp->key, &h);
+        store_mac_init(sp->w->store_mac_key, sp->key, &h);
         if (!(g = fopencookie(&t, "w", (cookie_io_functions_t){.write = mac_tee_write})))
             return skv_errorf(SKV_E_NOMEM, "no memory to sign a session");
     }
@@ -2712,17 +2713,23 @@ static int store_mac_check(const struct skv_worker *w, const char *key, const un
     if (!has_meta || !(m->flags & STORE_SIGNED))
         return skv_errorf(SKV_E_PERM, "the stored session is not signed, and this daemon takes only sessions "
                           "signed with its store-secret-file");
-    crypto_generichash_state h;
-    unsigned char mac[STORE_MAC_BYTES];
     size_t body = n - sizeof *m - STORE_MAC_BYTES;
-    store_mac_init(w, key, &h);
-    crypto_generichash_update(&h, data, body);
-    crypto_generichash_update(&h, (const unsigned char *)m, sizeof *m);
-    crypto_generichash_final(&h, mac, sizeof mac);
+    bool match = false;
+    /* store-secret-file's key, then store-accept-secret-file's (a rotation's other secret) */
+    for (int k = 0; k < (w->store_accept ? 2 : 1) && !match; k++) {
+        crypto_generichash_state h;
+        unsigned char mac[STORE_MAC_BYTES];
+        store_mac_init(k ? w->store_accept_key : w->store_mac_key, key, &h);
+        crypto_generichash_update(&h, data, body);
+        crypto_generichash_update(&h, (const unsigned char *)m, sizeof *m);
+        crypto_generichash_final(&h, mac, sizeof mac);
+        match = sodium_memcmp(mac, data + body, sizeof mac) == 0;
+    }
     *drop = true;
-    if (sodium_memcmp(mac, data + body, sizeof mac) != 0)
+    if (!match)
         return skv_errorf(SKV_E_PERM, "the stored session's signature does not match: it was signed with another "
-                          "store-secret-file, changed, or written for another tenant or id");
+                          "secret than store-secret-file%s, changed, or written for another tenant or id",
+                          w->store_accept ? " and store-accept-secret-file" : "");
     int64_t late = (int64_t)time(NULL) - (int64_t)m->expires_unix;
     if (late > STORE_CLOCK_SKEW_S)
         return skv_errorf(SKV_E_PERM, "the stored session's time passed %lld s ago (an old value put back?)",

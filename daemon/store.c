@@ -196,21 +196,24 @@ int skv_store_read_password(const char *path, char *out, size_t cap)
     return read_secret("store-password-file", path, out, cap);
 }
 
-int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES])
+/* skv_store_read_key for the file of option (store-secret-file or store-accept-secret-file) */
+static int read_key(const char *option, const char *path, const char *password_file,
+                    unsigned char key[SKV_STORE_KEY_BYTES])
 {
     static const unsigned char personal[16] = {'s', 'n', 'a', 'p', 'k', 'v', '-', 's',
                                                't', 'o', 'r', 'e', '-', 'm', 'a', 'c'};
     char secret[STORE_PASSWORD_MAX], pw[STORE_PASSWORD_MAX];
-    int rc = read_secret("store-secret-file", path, secret, sizeof secret);
+    int rc = read_secret(option, path, secret, sizeof secret);
     size_t n = rc ? 0 : strlen(secret);
     if (!rc && n < 16)
-        rc = skv_errorf(SKV_E_INVAL, "store-secret-file %s: %zu bytes, at least 16 ((umask 077; head -c 32 "
-                        "/dev/urandom | base64 > it))", path, n);
+        rc = skv_errorf(SKV_E_INVAL, "%s %s: %zu bytes, at least 16 ((umask 077; head -c 32 "
+                        "/dev/urandom | base64 > it))", option, path, n);
     /* the password goes over the wire at each AUTH, and a client of the store may read it */
     if (!rc && password_file && *password_file && !read_secret("store-password-file", password_file, pw, sizeof pw)) {
         if (strcmp(pw, secret) == 0)
-            rc = skv_errorf(SKV_E_INVAL, "store-secret-file %s holds the store's password: the secret must be "
-                            "another (the password goes to the store; a secret never leaves the daemons)", path);
+            rc = skv_errorf(SKV_E_INVAL, "%s %s holds the store's password: the secret must be "
+                            "another (the password goes to the store; a secret never leaves the daemons)", option,
+                            path);
         explicit_bzero(pw, sizeof pw);
     }
     if (!rc)
@@ -218,6 +221,11 @@ int skv_store_read_key(const char *path, const char *password_file, unsigned cha
                                                  NULL, personal);
     explicit_bzero(secret, sizeof secret);
     return rc;
+}
+
+int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES])
+{
+    return read_key("store-secret-file", path, password_file, key);
 }
 
 int skv_store_auth(struct skv_store *st, const char *user, const char *password_file)
@@ -245,17 +253,25 @@ int skv_store_auth(struct skv_store *st, const char *user, const char *password_
 }
 
 int skv_store_open(const struct skv_config *cfg, struct skv_store **out, unsigned char key[SKV_STORE_KEY_BYTES],
-                   bool *is_signed)
+                   bool *is_signed, unsigned char accept[SKV_STORE_KEY_BYTES], bool *has_accept)
 {
     *is_signed = *cfg->store_secret_file != '\0';
+    *has_accept = *is_signed && cfg->store_accept_secret_file && *cfg->store_accept_secret_file;
     int rc = skv_store_new(cfg->store, (int)cfg->store_timeout_ms, (uint64_t)cfg->store_max_bytes, out);
     if (!rc)
         rc = skv_store_auth(*out, cfg->store_user, cfg->store_password_file);
     if (!rc && *is_signed)
         rc = skv_store_read_key(cfg->store_secret_file, cfg->store_password_file, key);
+    if (!rc && *has_accept)
+        rc = read_key("store-accept-secret-file", cfg->store_accept_secret_file, cfg->store_password_file, accept);
+    if (!rc && *has_accept && sodium_memcmp(key, accept, SKV_STORE_KEY_BYTES) == 0)
+        rc = skv_errorf(SKV_E_INVAL, "store-accept-secret-file %s holds the secret store-secret-file %s holds: "
+                        "a rotation's second secret is another", cfg->store_accept_secret_file,
+                        cfg->store_secret_file);
     if (rc) {
         skv_store_free(out);
         explicit_bzero(key, SKV_STORE_KEY_BYTES);
+        explicit_bzero(accept, SKV_STORE_KEY_BYTES);
     }
     return rc;
 }
@@ -378,6 +394,7 @@ struct host_lookup {
     pthread_cond_t cv; /* on CLOCK_MONOTONIC */
     int refs;
     bool done;
+    uint64_t done_ms; /* when it was answered (now_ms) */
     int gai, err; /* getaddrinfo's result, and errno after it (EAI_SYSTEM) */
     struct addrinfo *res;
     char host[256], port[8];
@@ -409,6 +426,7 @@ static void *lookup_main(void *arg)
     lk->err = err;
     lk->res = gai ? NULL : res;
     lk->done = true;
+    lk->done_ms = now_ms();
     pthread_cond_signal(&lk->cv);
     pthread_mutex_unlock(&lk->mu);
     lookup_unref(lk);
@@ -422,16 +440,20 @@ static int lookup_start(struct skv_store *st)
     if (!lk)
         return store_failed(st, "no memory to look the host up");
     pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_mutex_init(&lk->mu, NULL);
-    pthread_cond_init(&lk->cv, &ca);
+    int rc = pthread_condattr_init(&ca);
+    if (!rc && (rc = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)) == 0 &&
+        (rc = pthread_mutex_init(&lk->mu, NULL)) == 0 && (rc = pthread_cond_init(&lk->cv, &ca)) != 0)
+        pthread_mutex_destroy(&lk->mu);
     pthread_condattr_destroy(&ca);
+    if (rc) {
+        free(lk);
+        return store_failed(st, "cannot set up the host's lookup");
+    }
     lk->refs = 2;
     snprintf(lk->host, sizeof lk->host, "%s", st->host);
     snprintf(lk->port, sizeof lk->port, "%d", st->port);
     pthread_t t;
-    int rc = skv_thread_create(&t, lookup_main, lk, "skv-lookup");
+    rc = skv_thread_create(&t, lookup_main, lk, "skv-lookup");
     if (rc) {
         lk->refs = 1;
         lookup_unref(lk);
@@ -444,18 +466,32 @@ static int lookup_start(struct skv_store *st)
     return SKV_OK;
 }
 
+/* A lookup kept from an earlier connect is used if it was answered this recently; an older
+ * answer, or a failed one, is looked up again. */
+#define STORE_LOOKUP_FRESH_MS 5000
+
 /* The host's addresses, waited for until deadline_ms (CLOCK_MONOTONIC, now_ms's clock): a
  * lookup that is still running then stays in st->lookup for the next connect. *out is the
  * caller's to free. */
 static int store_lookup(struct skv_store *st, uint64_t deadline_ms, struct addrinfo **out)
 {
     int rc;
+    if (st->lookup) { /* from a connect that stopped waiting for it */
+        struct host_lookup *old = st->lookup;
+        pthread_mutex_lock(&old->mu);
+        bool stale = old->done && (old->gai || now_ms() - old->done_ms > STORE_LOOKUP_FRESH_MS);
+        pthread_mutex_unlock(&old->mu);
+        if (stale) {
+            st->lookup = NULL;
+            lookup_unref(old);
+        }
+    }
     if (!st->lookup && (rc = lookup_start(st)) != SKV_OK)
         return rc;
     struct host_lookup *lk = st->lookup;
     struct timespec until = {.tv_sec = (time_t)(deadline_ms / 1000), .tv_nsec = (long)(deadline_ms % 1000) * 1000000};
     pthread_mutex_lock(&lk->mu);
-    while (!lk->done && pthread_cond_timedwait(&lk->cv, &lk->mu, &until) != ETIMEDOUT) {
+    while (!lk->done && pthread_cond_timedwait(&lk->cv, &lk->mu, &until) == 0) {
     }
     bool done = lk->done;
     int gai = lk->gai, err = lk->err;
@@ -471,7 +507,8 @@ static int store_lookup(struct skv_store *st, uint64_t deadline_ms, struct addri
     st->lookup = NULL;
     lookup_unref(lk);
     if (gai) {
-        snprintf(why, sizeof why, "looking up %s: %s", st->host, gai == EAI_SYSTEM ? strerror(err) : gai_strerror(gai));
+        snprintf(why, sizeof why, "looking up %s: %s", st->host,
+                 gai == EAI_SYSTEM && err ? strerror(err) : gai_strerror(gai));
         return store_failed(st, why);
     }
     *out = res;
@@ -480,7 +517,8 @@ static int store_lookup(struct skv_store *st, uint64_t deadline_ms, struct addri
 
 /* A TCP connection to the host: an address as it is; a name's addresses, IPv4 ones first, each
  * tried in turn by its numeric form (so that hiredis looks nothing up), the lookup and the
- * connects together within one store-timeout-ms. */
+ * connects together within one store-timeout-ms, each address given an equal share of what is
+ * left (one that drops packets does not take the others' time). */
 static int store_connect_tcp(struct skv_store *st)
 {
     unsigned char bin[16];
@@ -495,21 +533,28 @@ static int store_connect_tcp(struct skv_store *st)
         return rc;
     char why[512];
     snprintf(why, sizeof why, "%s has no address", st->host);
+    int left_n = 0; /* addresses not tried yet: each takes a share of the time left */
+    for (const struct addrinfo *ai = res; ai; ai = ai->ai_next)
+        left_n += ai->ai_family == AF_INET || ai->ai_family == AF_INET6;
     for (int pass = 0; pass < 2 && !st->c; pass++) /* IPv4, then IPv6 */
         for (const struct addrinfo *ai = res; ai && !st->c; ai = ai->ai_next) {
             char addr[64]; /* a numeric form: IPv6 with a scope at most 62 */
-            if ((ai->ai_family == AF_INET) != (pass == 0) ||
-                getnameinfo(ai->ai_addr, ai->ai_addrlen, addr, sizeof addr, NULL, 0, NI_NUMERICHOST) != 0)
+            if (ai->ai_family != (pass == 0 ? AF_INET : AF_INET6))
+                continue;
+            int this_n = left_n--;
+            if (getnameinfo(ai->ai_addr, ai->ai_addrlen, addr, sizeof addr, NULL, 0, NI_NUMERICHOST) != 0)
                 continue;
             uint64_t now = now_ms();
             if (now + 1 >= deadline) {
-                snprintf(why, sizeof why, "connecting to %s (%s): store-timeout-ms ran out", st->host, addr);
+                size_t len = strlen(why);
+                snprintf(why + len, sizeof why - len, "; no time left for %s", addr);
                 pass = 2;
                 break;
             }
-            struct timeval left = {.tv_sec = (time_t)((deadline - now) / 1000),
-                                   .tv_usec = (suseconds_t)((deadline - now) % 1000) * 1000};
-            redisContext *c = redisConnectWithTimeout(addr, st->port, left);
+            uint64_t share = (deadline - now) / (uint64_t)this_n;
+            share = share < 1 ? 1 : share;
+            struct timeval tv = {.tv_sec = (time_t)(share / 1000), .tv_usec = (suseconds_t)(share % 1000) * 1000};
+            redisContext *c = redisConnectWithTimeout(addr, st->port, tv);
             if (c && !c->err) {
                 st->c = c;
             } else {

@@ -35,11 +35,12 @@ int skv_store_read_password(const char *path, char *out, size_t cap);
 #define SKV_STORE_KEY_BYTES 32
 int skv_store_read_key(const char *path, const char *password_file, unsigned char key[SKV_STORE_KEY_BYTES]);
 /* The store cfg names (store, its timeout, store-max-bytes, store-user, store-password-file),
- * and with store-secret-file its key (*is_signed set); every file read and checked. On an error,
- * *out is NULL and the key cleared. */
+ * with store-secret-file its key (*is_signed set), and with store-accept-secret-file (a
+ * rotation's second secret, another than the first) that one's key in accept (*has_accept
+ * set); every file read and checked. On an error, *out is NULL and the keys cleared. */
 struct skv_config;
 int skv_store_open(const struct skv_config *cfg, struct skv_store **out, unsigned char key[SKV_STORE_KEY_BYTES],
-                   bool *is_signed);
+                   bool *is_signed, unsigned char accept[SKV_STORE_KEY_BYTES], bool *has_accept);
 
 /* Writes exactly the n bytes of a value to f and returns SKV_OK, or an error status. */
 typedef int (*skv_store_writer)(void *user, FILE *f);

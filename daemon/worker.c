@@ -1005,7 +1005,8 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     if (!rc)
         skv_session_table_on_destroy(w->sessions, event_removed, w);
     if (!rc && cfg->store && *cfg->store &&
-        !(rc = skv_store_open(cfg, &w->store, w->store_mac_key, &w->store_signed)))
+        !(rc = skv_store_open(cfg, &w->store, w->store_mac_key, &w->store_signed, w->store_accept_key,
+                              &w->store_accept)))
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
@@ -1022,6 +1023,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         skv_session_table_free(&w->sessions);
         skv_store_free(&w->store);
         explicit_bzero(w->store_mac_key, sizeof w->store_mac_key);
+        explicit_bzero(w->store_accept_key, sizeof w->store_accept_key);
         free(w->clocks);
         free(w);
         return rc;
@@ -1356,6 +1358,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     skv_session_table_free(&w->sessions);
     skv_store_free(&w->store);
     explicit_bzero(w->store_mac_key, sizeof w->store_mac_key);
+    explicit_bzero(w->store_accept_key, sizeof w->store_accept_key);
     pthread_mutex_destroy(&w->mu);
     pthread_mutex_destroy(&w->snap_mu);
     pthread_cond_destroy(&w->cv);

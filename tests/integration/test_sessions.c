@@ -4482,6 +4482,44 @@ static void test_store(void **state)
     snapkv_client_t *ae = client(de.admin, NULL);
     assert_int_equal(stat_value(ae, "snapkv_store_refused_total"), 5);
     snapkv_close(&ae);
+
+    /* a rotation: F signs with a new secret and accepts the old one too
+     * (store-accept-secret-file): it takes what E signed with the old one, and its own */
+    char secret2[200], conf3[200], opt3[220];
+    snprintf(secret2, sizeof secret2, "%s/store-new.key", dir);
+    snprintf(conf3, sizeof conf3, "%s/store-rotated.conf", dir);
+    assert_non_null(cf = fopen(secret2, "w"));
+    fputs("the secret the daemons move to\n", cf);
+    assert_int_equal(fclose(cf), 0);
+    assert_int_equal(chmod(secret2, 0600), 0);
+    assert_non_null(cf = fopen(conf3, "w"));
+    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-secret-file = %s\nstore-accept-secret-file = %s\n",
+            sock, pass, secret2, secret);
+    assert_int_equal(fclose(cf), 0);
+    snprintf(opt3, sizeof opt3, "--config=%s", conf3);
+    struct daemon df;
+    start_daemon_with(&df, "8M", opt3, 0);
+    snapkv_client_t *cf_p = client(df.endpoint, "p");
+    prompt(ids, 64, 97);
+    assert_int_equal(snapkv_prefill(ce, &lo, &e2), SNAPKV_OK); /* E's: the old secret */
+    wait_spilled(sock, &e2.id, key, sizeof key);
+    assert_int_equal(snapkv_decode(cf_p, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_release(cf_p, &e2.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&e2);
+    prompt(ids, 64, 98);
+    assert_int_equal(snapkv_prefill(cf_p, &lo, &e2), SNAPKV_OK); /* F's: the new one */
+    wait_spilled(sock, &e2.id, key, sizeof key);
+    assert_int_equal(snapkv_decode(cf_p, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_release(cf_p, &e2.id), SNAPKV_OK);
+    snapkv_prefill_result_free(&e2);
+    ae = client(df.admin, NULL);
+    assert_int_equal(stat_value(ae, "snapkv_store_refused_total"), 0);
+    snapkv_close(&ae);
+    snapkv_close(&cf_p);
+    stop_daemon(&df);
+
     snapkv_prefill_result_free(&e1);
     snapkv_close(&ce);
     snapkv_close(&qe);

@@ -136,6 +136,18 @@ static void test_limits(void **state)
     assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
     assert_non_null(strstr(skv_error_msg(), "store-secret-file is the shared store's"));
     assert_int_equal(skv_config_set(&cfg, "store-secret-file", ""), SKV_OK);
+    /* store-accept-secret-file: the store's too, and only next to store-secret-file */
+    assert_int_equal(skv_config_set(&cfg, "store-accept-secret-file", "/etc/snapkvd/store-old.key"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "store-accept-secret-file is the shared store's"));
+    assert_int_equal(skv_config_set(&cfg, "store", "redis://cache"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "store-accept-secret-file is a second secret next to store-secret-file"));
+    assert_int_equal(skv_config_set(&cfg, "store-secret-file", "/etc/snapkvd/store.key"), SKV_OK);
+    assert_int_equal(skv_config_check(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store-accept-secret-file", ""), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store-secret-file", ""), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store", ""), SKV_OK);
 
     /* queue-order: fair by default, or fifo; anything else is refused where it is set, naming it */
     assert_string_equal(cfg.queue_order, "fair");

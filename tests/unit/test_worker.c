@@ -3784,13 +3784,14 @@ static void test_store_stream(void **state)
     assert_int_equal(((const unsigned char *)data)[999], pattern_byte(999));
     skv_store_value_free(value);
     skv_store_free(&st_named);
-    /* a name no resolver knows (.invalid, RFC 6761): a clear error, whether the resolver says so
-     * or the 300 ms run out first; the store then goes while its lookup may still run */
+    /* a name no resolver knows (.invalid, RFC 6761): a clear error naming it, whether the
+     * resolver says so, or the 300 ms run out first, or a resolver that makes up an address for
+     * unknown names sends the connect nowhere; the store then goes while its lookup may run */
     snprintf(named, sizeof named, "redis://no-such-host.invalid:%s", port);
     assert_int_equal(skv_store_new(named, 300, 1 << 30, &st_named), SKV_OK);
     pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
     assert_int_equal(skv_store_put_stream(st_named, "x", 10, 60, pattern_write, &pw), SKV_E_IO);
-    assert_non_null(strstr(skv_error_msg(), "looking up no-such-host.invalid"));
+    assert_non_null(strstr(skv_error_msg(), "no-such-host.invalid"));
     skv_store_free(&st_named);
 
     /* fewer bytes, more bytes, a failing writer: nothing stored, and the next call works */
@@ -4037,6 +4038,34 @@ static void test_store_auth(void **state)
     assert_non_null(strstr(skv_error_msg(), "holds the store's password"));
     write_file_mode(pass2, "another password\n", 0600);
     assert_int_equal(skv_store_read_key(pass, pass2, key2), SKV_OK);
+    /* store-accept-secret-file (a rotation's second secret): checked as the first, another one */
+    struct skv_config cfg;
+    assert_int_equal(skv_config_init(&cfg), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store", "redis://127.0.0.1:1"), SKV_OK); /* (not connected) */
+    assert_int_equal(skv_config_set(&cfg, "store-secret-file", pass), SKV_OK);
+    assert_int_equal(skv_config_set(&cfg, "store-accept-secret-file", pass2), SKV_OK);
+    struct skv_store *sto = NULL;
+    unsigned char acc[SKV_STORE_KEY_BYTES];
+    bool is_signed = false, has_accept = false;
+    write_file_mode(pass2, "sixteen bytes!!?\n", 0600); /* the same secret */
+    assert_int_equal(skv_store_open(&cfg, &sto, key, &is_signed, acc, &has_accept), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "holds the secret store-secret-file"));
+    assert_null(sto);
+    write_file_mode(pass2, "short\n", 0600);
+    assert_int_equal(skv_store_open(&cfg, &sto, key, &is_signed, acc, &has_accept), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "store-accept-secret-file"));
+    assert_non_null(strstr(skv_error_msg(), "at least 16"));
+    write_file_mode(pass2, "the secret before this one\n", 0600);
+    assert_int_equal(skv_store_open(&cfg, &sto, key, &is_signed, acc, &has_accept), SKV_OK);
+    assert_true(is_signed && has_accept);
+    assert_memory_equal(key, key2, sizeof key); /* pass's */
+    assert_memory_not_equal(key, acc, sizeof key);
+    skv_store_free(&sto);
+    assert_int_equal(skv_config_set(&cfg, "store-accept-secret-file", ""), SKV_OK);
+    assert_int_equal(skv_store_open(&cfg, &sto, key, &is_signed, acc, &has_accept), SKV_OK);
+    assert_true(is_signed && !has_accept);
+    skv_store_free(&sto);
+    skv_config_free(&cfg);
     assert_int_equal(unlink(pass2), 0);
     assert_int_equal(unlink(pass), 0);
     if (geteuid() == 0) { /* root's group may read it: systemd's credentials */
