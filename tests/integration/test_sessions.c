@@ -4239,6 +4239,27 @@ static void wait_spilled(const char *sock, const struct snapkv_session_id *id, c
  * tenant can take it; a truncated entry is refused and dropped; with the store gone, evictions
  * drop sessions and both daemons serve on. The store asks for a password: the daemons give it
  * from store-password-file, and one whose file other users can read does not start. */
+/* Writes `text` as the secret file `secret` (mode 0600) and DIR/NAME, a config for the store on
+ * socket sock with the password file pass, signing with `secret` and, when accept is not NULL,
+ * accepting accept's signatures too; opt gets the --config option that names it. */
+static void signed_store_conf(const char *dir, const char *name, const char *sock, const char *pass,
+                              const char *secret, const char *text, const char *accept, char *opt, size_t cap)
+{
+    char conf[300];
+    FILE *cf;
+    assert_non_null(cf = fopen(secret, "w"));
+    fprintf(cf, "%s\n", text);
+    assert_int_equal(fclose(cf), 0);
+    assert_int_equal(chmod(secret, 0600), 0);
+    snprintf(conf, sizeof conf, "%s/%s", dir, name);
+    assert_non_null(cf = fopen(conf, "w"));
+    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-secret-file = %s\n", sock, pass, secret);
+    if (accept)
+        fprintf(cf, "store-accept-secret-file = %s\n", accept);
+    assert_int_equal(fclose(cf), 0);
+    snprintf(opt, cap, "--config=%s", conf);
+}
+
 static void test_store(void **state)
 {
     NEED_MODEL();
@@ -4415,17 +4436,10 @@ static void test_store(void **state)
     /* a daemon with store-secret-file (E) signs what it spills, bound to the tenant and id: the
      * value moved to tenant q's key does not load (and is dropped), the right tenant's does, on A
      * too (A checks no signature); A's value, not signed, does not load on E and stays */
-    char secret[200], conf2[200], opt2[220];
+    char secret[200], opt2[320];
     snprintf(secret, sizeof secret, "%s/store.key", dir);
-    snprintf(conf2, sizeof conf2, "%s/store-signed.conf", dir);
-    assert_non_null(cf = fopen(secret, "w"));
-    fputs("a secret of the daemons sharing this store\n", cf);
-    assert_int_equal(fclose(cf), 0);
-    assert_int_equal(chmod(secret, 0600), 0);
-    assert_non_null(cf = fopen(conf2, "w"));
-    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-secret-file = %s\n", sock, pass, secret);
-    assert_int_equal(fclose(cf), 0);
-    snprintf(opt2, sizeof opt2, "--config=%s", conf2);
+    signed_store_conf(dir, "store-signed.conf", sock, pass, secret, "a secret of the daemons sharing this store",
+                      NULL, opt2, sizeof opt2);
     struct daemon de;
     start_daemon_with(&de, "8M", opt2, 0);
     snapkv_client_t *ce = client(de.endpoint, "p"), *qe = client(de.endpoint, "q");
@@ -4485,35 +4499,23 @@ static void test_store(void **state)
 
     /* a rotation: F signs with a new secret and accepts the old one too
      * (store-accept-secret-file): it takes what E signed with the old one, and its own */
-    char secret2[200], conf3[200], opt3[220];
+    char secret2[200], opt3[320];
     snprintf(secret2, sizeof secret2, "%s/store-new.key", dir);
-    snprintf(conf3, sizeof conf3, "%s/store-rotated.conf", dir);
-    assert_non_null(cf = fopen(secret2, "w"));
-    fputs("the secret the daemons move to\n", cf);
-    assert_int_equal(fclose(cf), 0);
-    assert_int_equal(chmod(secret2, 0600), 0);
-    assert_non_null(cf = fopen(conf3, "w"));
-    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-secret-file = %s\nstore-accept-secret-file = %s\n",
-            sock, pass, secret2, secret);
-    assert_int_equal(fclose(cf), 0);
-    snprintf(opt3, sizeof opt3, "--config=%s", conf3);
+    signed_store_conf(dir, "store-rotated.conf", sock, pass, secret2, "the secret the daemons move to", secret, opt3,
+                      sizeof opt3);
     struct daemon df;
     start_daemon_with(&df, "8M", opt3, 0);
     snapkv_client_t *cf_p = client(df.endpoint, "p");
-    prompt(ids, 64, 97);
-    assert_int_equal(snapkv_prefill(ce, &lo, &e2), SNAPKV_OK); /* E's: the old secret */
-    wait_spilled(sock, &e2.id, key, sizeof key);
-    assert_int_equal(snapkv_decode(cf_p, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
-    snapkv_decode_result_free(&got);
-    assert_int_equal(snapkv_release(cf_p, &e2.id), SNAPKV_OK);
-    snapkv_prefill_result_free(&e2);
-    prompt(ids, 64, 98);
-    assert_int_equal(snapkv_prefill(cf_p, &lo, &e2), SNAPKV_OK); /* F's: the new one */
-    wait_spilled(sock, &e2.id, key, sizeof key);
-    assert_int_equal(snapkv_decode(cf_p, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
-    snapkv_decode_result_free(&got);
-    assert_int_equal(snapkv_release(cf_p, &e2.id), SNAPKV_OK);
-    snapkv_prefill_result_free(&e2);
+    snapkv_client_t *spiller[2] = {ce, cf_p}; /* E's, signed with the old secret; F's, the new */
+    for (int k = 0; k < 2; k++) {
+        prompt(ids, 64, 97 + k);
+        assert_int_equal(snapkv_prefill(spiller[k], &lo, &e2), SNAPKV_OK);
+        wait_spilled(sock, &e2.id, key, sizeof key);
+        assert_int_equal(snapkv_decode(cf_p, &e2.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+        snapkv_decode_result_free(&got);
+        assert_int_equal(snapkv_release(cf_p, &e2.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&e2);
+    }
     ae = client(df.admin, NULL);
     assert_int_equal(stat_value(ae, "snapkv_store_refused_total"), 0);
     snapkv_close(&ae);
