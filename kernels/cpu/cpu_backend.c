@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "common/status.h"
+#include "common/thread.h"
 
 
 #define CPU_MAX_THREADS 256
@@ -400,12 +401,12 @@ int skv_backend_cpu_new(int n_threads, struct skv_backend **out)
         struct cpu_worker *wk = &cpu->workers[i];
         wk->cpu = cpu;
         wk->tid = i + 1;
-        if (pthread_create(&wk->thread, NULL, worker_main, wk) != 0) {
+        /* named, and taking none of the daemon's signals (they go to its socket thread) */
+        if (skv_thread_create(&wk->thread, worker_main, wk, "skv-cpu") != 0) {
             rc = skv_errorf(SKV_E_NOMEM, "cpu backend: cannot start thread %d of %d", i + 1,
                             n_threads);
             goto out_stop_threads;
         }
-        pthread_setname_np(wk->thread, "skv-cpu");
         cpu->n_started++;
     }
     *out = &cpu->be;

@@ -15,6 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <dirent.h>
+#include <signal.h>
+
 #include "common/status.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu.h"
@@ -1436,6 +1439,54 @@ static void cover_fn(void *arg, int64_t begin, int64_t end, int tid)
         atomic_fetch_add_explicit(&c->hits[i], 1, memory_order_relaxed);
 }
 
+/* Threads of this process named skv-cpu; every one must block the daemon's signals (SIGTERM,
+ * SIGINT, SIGHUP go to its socket thread). */
+static int pool_threads_blocking(void)
+{
+    DIR *dir = opendir("/proc/self/task");
+    assert_non_null(dir);
+    int named = 0;
+    struct dirent *de;
+    while ((de = readdir(dir))) {
+        char path[300], line[256], comm[32] = "";
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (f && fgets(comm, sizeof comm, f))
+            comm[strcspn(comm, "\n")] = '\0';
+        if (f)
+            fclose(f);
+        if (strcmp(comm, "skv-cpu") != 0)
+            continue;
+        named++;
+        snprintf(path, sizeof path, "/proc/self/task/%s/status", de->d_name);
+        assert_non_null(f = fopen(path, "r"));
+        unsigned long long blocked = 0;
+        bool seen = false;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "SigBlk: %llx", &blocked) == 1)
+                seen = true;
+        fclose(f);
+        assert_true(seen);
+        const int sigs[] = {SIGHUP, SIGINT, SIGTERM};
+        for (int k = 0; k < 3; k++)
+            assert_true(blocked & (1ull << (sigs[k] - 1)));
+    }
+    closedir(dir);
+    return named;
+}
+
+/* The CPU pool's threads, one per thread past the first, are named skv-cpu and block the
+ * daemon's signals whatever the creating thread's mask. */
+static void test_pool_threads(void **state)
+{
+    (void)state;
+    int before = pool_threads_blocking();
+    struct skv_backend *be = NULL;
+    assert_int_equal(skv_backend_cpu_new(3, &be), SKV_OK);
+    assert_int_equal(pool_threads_blocking(), before + 2);
+    skv_backend_destroy(&be);
+}
+
 static void test_parallel_for(void **state)
 {
     (void)state;
@@ -1671,6 +1722,7 @@ int main(void)
         OP_TESTS,
         cmocka_unit_test(test_rope_llama3_freqs),
         cmocka_unit_test(test_parallel_for),
+        cmocka_unit_test(test_pool_threads),
         cmocka_unit_test(test_parallel_for_chunks),
         cmocka_unit_test(test_scratch_alloc),
         cmocka_unit_test(test_determinism),
