@@ -2640,12 +2640,12 @@ static struct store_meta store_meta_of(const struct skv_worker *w, const struct 
     return m;
 }
 
-/* The MAC's state under secret key mac_key (32 bytes) after the store key it is bound to (its
- * length first: no two keys hash alike). */
+/* The MAC's state under secret key mac_key (SKV_STORE_KEY_BYTES) after the store key it is
+ * bound to (its length first: no two keys hash alike). */
 static void store_mac_init(const unsigned char *mac_key, const char *key, crypto_generichash_state *h)
 {
     uint32_t n = (uint32_t)strlen(key);
-    crypto_generichash_init(h, mac_key, 32, STORE_MAC_BYTES);
+    crypto_generichash_init(h, mac_key, SKV_STORE_KEY_BYTES, STORE_MAC_BYTES);
     crypto_generichash_update(h, (const unsigned char *)&n, sizeof n);
     crypto_generichash_update(h, (const unsigned char *)key, n);
 }

@@ -73,7 +73,7 @@ struct skv_worker {
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
     unsigned char store_mac_key[32]; /* (SKV_STORE_KEY_BYTES) */
     bool store_accept;        /* store-accept-secret-file: its signatures load too */
-    unsigned char store_accept_key[32];
+    unsigned char store_accept_key[32]; /* (SKV_STORE_KEY_BYTES) */
     void *push;               /* inproc PUSH to the socket thread (worker thread only) */
     void *zctx;
     char endpoint[64];

@@ -137,7 +137,6 @@ struct prof_scope {
 static int cuda_alloc(struct skv_backend *be, size_t bytes, void **out)
 {
     prof_scope prof_(be, P_ALLOC, -1);
-    (void)be;
     if (!out)
         return skv_errorf(SKV_E_INVAL, "alloc: NULL output");
     void *p = NULL;
