@@ -245,6 +245,17 @@ struct skv_backend_ops {
      * call returns). The daemon then stops with an error, so that its service manager starts a
      * fresh one, instead of failing every request while its watchdog sees progress. */
     bool (*device_lost)(struct skv_backend *be);
+
+    /* Optional (NULL: `attention` once per sequence): the decode attention of n_seq
+     * sequences, one new query each, in one call. Sequence s's query is q + s * n_heads *
+     * head_dim, over kv[s] (prefix_len[h] rows before its one new row, as `attention` with
+     * n = 1 reads a view), and its output goes to out + s * n_heads * head_dim. Every
+     * sequence gets bit for bit what `attention` with n = 1 gives it, whatever else is in the
+     * call. The views share n_kv_heads and head_dim. A decode group's attention as one call:
+     * the CPU runs every sequence's tasks as one parallel job, the GPU uploads every block
+     * table in one copy and launches one kernel for all. */
+    int (*attention_batch)(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                           const struct skv_kv_view *kv);
 };
 
 struct skv_backend {

@@ -30,6 +30,7 @@ struct skv_engine {
     void **row_dst;
     const void **row_src;
     size_t n_rows, rows_cap;
+    struct skv_kv_view *views; /* [SKV_ENGINE_MAX_BATCH]: a decode group's (attention_batch); NULL until one */
 };
 
 /* ---- KV cache ----------------------------------------------------------------------------- */
@@ -636,6 +637,7 @@ void skv_engine_free(struct skv_engine **e_p)
     free_buffers(*e_p);
     free((*e_p)->row_dst);
     free((*e_p)->row_src);
+    free((*e_p)->views);
     free(*e_p);
     *e_p = NULL;
 }
@@ -779,6 +781,21 @@ static void tick(struct skv_engine *e)
         e->tick->tick(e->tick->tick_user);
 }
 
+/* The attention view of layer l of the cache for n new rows after the len0[h] its heads held
+ * (the heads' lengths set to include them). Sliding-window layers mask by the rows' original
+ * positions (compression may have dropped rows), so the cache keeps every row; the op skips
+ * the ones out of reach. */
+static void attn_view(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *len0, int n,
+                      struct skv_kv_view *view)
+{
+    *view = (struct skv_kv_view){.window = e->m->layers[l].window};
+    skv_kv_cache_view(cache, l, view);
+    for (int h = 0; h < cache->n_kv_heads; h++) {
+        skv_kv_cache_head(cache, l, h)->len = len0[h] + n;
+        view->prefix_len[h] = len0[h];
+    }
+}
+
 /* Attention of the n queries at e->q + i0 rows over layer l of the cache (whose heads held
  * len0[h] rows before these n were appended), into e->att from row i0. */
 static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *len0, int i0,
@@ -786,15 +803,30 @@ static int attn_over_cache(struct skv_engine *e, struct skv_kv_cache *cache, int
 {
     const struct skv_model_config *c = &e->m->cfg;
     size_t qdim = (size_t)c->n_heads * c->head_dim;
-    /* sliding-window layers mask by the rows' original positions (compression may have
-     * dropped rows), so the cache keeps every row; the op skips the ones out of reach */
-    struct skv_kv_view view = {.window = e->m->layers[l].window};
-    skv_kv_cache_view(cache, l, &view);
-    for (int h = 0; h < c->n_kv_heads; h++) {
-        skv_kv_cache_head(cache, l, h)->len = len0[h] + n;
-        view.prefix_len[h] = len0[h];
-    }
+    struct skv_kv_view view;
+    attn_view(e, cache, l, len0, n, &view);
     return e->be->ops->attention(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, n, c->n_heads, &view);
+}
+
+/* Attention of the m sequences' new queries (rows i0 .. i0 + m - 1 of e->q; sequence i's
+ * heads held len0[i - i0][h] rows before its new one), into e->att: one attention_batch call
+ * where the backend has it, else one attention call per sequence (the same bits either way). */
+static int attn_over_caches(struct skv_engine *e, const struct skv_batch_seq *seqs, int l,
+                            int32_t (*len0)[SKV_MAX_KV_HEADS], int i0, int m)
+{
+    const struct skv_backend_ops *ops = e->be->ops;
+    if (!ops->attention_batch || m == 1) {
+        for (int i = i0; i < i0 + m; i++)
+            CHECK(attn_over_cache(e, seqs[i].cache, l, len0[i - i0], i, 1));
+        return SKV_OK;
+    }
+    if (!e->views && !(e->views = calloc(SKV_ENGINE_MAX_BATCH, sizeof *e->views)))
+        return skv_errorf(SKV_E_NOMEM, "engine: the views of a decode group");
+    size_t qdim = (size_t)e->m->cfg.n_heads * e->m->cfg.head_dim;
+    for (int i = i0; i < i0 + m; i++)
+        attn_view(e, seqs[i].cache, l, len0[i - i0], 1, &e->views[i - i0]);
+    return ops->attention_batch(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, m, e->m->cfg.n_heads,
+                                e->views);
 }
 
 /* attn_over_cache of all n queries; in a forward with a tick, in calls of about SPLIT_QUERIES
@@ -881,8 +913,7 @@ static int layer_attention_batch(struct skv_engine *e, const struct skv_batch_se
             rows_meta(e, seqs[i].cache, l, len0[i - i0], 1, i);
         }
         CHECK(rows_flush(e));
-        for (int i = i0; i < i0 + m; i++)
-            CHECK(attn_over_cache(e, seqs[i].cache, l, len0[i - i0], i, 1));
+        CHECK(attn_over_caches(e, seqs, l, len0, i0, m));
     }
     return attn_output(e, l, n);
 }

@@ -831,6 +831,83 @@ int skv_cpu_attention_split_rows(struct skv_backend *be, int n_heads, int n_kv_h
     return ATT_ROWS / group > 0 ? ATT_ROWS / group : 1;
 }
 
+/* Plans one call of n queries over kv: every field of c but its scratch (part, first,
+ * thread_mem, which att_bind sets). Returns the floats of scratch the call needs besides the
+ * per-thread buffers: its split-K partials, then its window bounds. */
+static size_t att_plan(struct att_ctx *c, float *out, const float *q, int n, int n_heads,
+                       const struct skv_kv_view *kv)
+{
+    *c = (struct att_ctx){
+        .out = out,
+        .q = q,
+        .kv = kv,
+        .n = n,
+        .n_heads = n_heads,
+        .n_kv = kv->n_kv_heads,
+        .group = n_heads / kv->n_kv_heads,
+        .d = kv->head_dim,
+        .qscale = (float)(ATT_LOG2E / sqrt((double)kv->head_dim)),
+    };
+    c->bq = ATT_ROWS / c->group > 0 ? ATT_ROWS / c->group : 1;
+    c->nqb = (n + c->bq - 1) / c->bq;
+
+    int64_t max_len = 0;
+    for (int g = 0; g < c->n_kv; g++)
+        if (kv->prefix_len[g] + (int64_t)n > max_len)
+            max_len = kv->prefix_len[g] + (int64_t)n;
+    if (c->nqb == 1 && max_len >= 2 * ATT_CHUNK_MIN) {
+        const int64_t max_chunks = ATT_MAX_TASKS / c->n_kv > 1 ? ATT_MAX_TASKS / c->n_kv : 2;
+        int64_t per = (max_len + max_chunks - 1) / max_chunks;
+        per = (per + ATT_BK - 1) / ATT_BK * ATT_BK;
+        c->chunk = per > ATT_CHUNK_MIN ? per : ATT_CHUNK_MIN;
+        c->nchunks = (int)((max_len + c->chunk - 1) / c->chunk);
+    }
+    c->rows_max = (size_t)(c->nqb == 1 ? n : c->bq) * c->group;
+    c->thread_floats = thread_floats_for(c->rows_max, c->d);
+    return round16((size_t)c->n_kv * c->nchunks * c->rows_max * (c->d + 2)) +
+           (kv->window > 0 ? round16((size_t)c->n_kv * n) : 0);
+}
+
+/* Points a planned call at its scratch (mem: the floats att_plan counted) and at the
+ * per-thread buffers (thread_floats each, at least its own), and fills its window bounds. */
+static void att_bind(struct att_ctx *c, float *mem, float *thread_mem, size_t thread_floats)
+{
+    c->part = mem;
+    c->thread_mem = thread_mem;
+    c->thread_floats = thread_floats;
+    if (c->kv->window > 0) {
+        int32_t *first = (int32_t *)(mem + round16((size_t)c->n_kv * c->nchunks * c->rows_max * (c->d + 2)));
+        for (int g = 0; g < c->n_kv; g++)
+            for (int i = 0; i < c->n; i++)
+                first[(int64_t)g * c->n + i] = skv_kv_view_first(c->kv, g, i);
+        c->first = first;
+    }
+}
+
+/* A planned call's tasks: (KV head, key chunk) with split-K, else (query block, KV head). */
+static int64_t att_tasks(const struct att_ctx *c)
+{
+    return (int64_t)c->n_kv * (c->nchunks > 0 ? c->nchunks : c->nqb);
+}
+
+static void att_run_tasks(const struct att_ctx *c, int64_t begin, int64_t end, int tid)
+{
+    if (c->nchunks > 0)
+        att_task_chunks((void *)c, begin, end, tid);
+    else
+        att_task_blocks((void *)c, begin, end, tid);
+}
+
+/* Multiply-adds of a planned call (queries x heads x longest head x head_dim). */
+static int64_t att_macs(const struct att_ctx *c)
+{
+    int64_t max_len = 0;
+    for (int g = 0; g < c->n_kv; g++)
+        if (c->kv->prefix_len[g] + (int64_t)c->n > max_len)
+            max_len = c->kv->prefix_len[g] + (int64_t)c->n;
+    return (int64_t)c->n * c->n_heads * max_len * c->d;
+}
+
 int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                       const struct skv_kv_view *kv)
 {
@@ -842,57 +919,96 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
     if (n == 0)
         return SKV_OK;
 
-    struct att_ctx c = {
-        .out = out,
-        .q = q,
-        .kv = kv,
-        .n = n,
-        .n_heads = n_heads,
-        .n_kv = kv->n_kv_heads,
-        .group = n_heads / kv->n_kv_heads,
-        .d = kv->head_dim,
-        .qscale = (float)(ATT_LOG2E / sqrt((double)kv->head_dim)),
-    };
-    c.bq = ATT_ROWS / c.group > 0 ? ATT_ROWS / c.group : 1;
-    c.nqb = (n + c.bq - 1) / c.bq;
-
-    int64_t max_len = 0;
-    for (int g = 0; g < c.n_kv; g++)
-        if (kv->prefix_len[g] + (int64_t)n > max_len)
-            max_len = kv->prefix_len[g] + (int64_t)n;
-    if (c.nqb == 1 && max_len >= 2 * ATT_CHUNK_MIN) {
-        const int64_t max_chunks = ATT_MAX_TASKS / c.n_kv > 1 ? ATT_MAX_TASKS / c.n_kv : 2;
-        int64_t per = (max_len + max_chunks - 1) / max_chunks;
-        per = (per + ATT_BK - 1) / ATT_BK * ATT_BK;
-        c.chunk = per > ATT_CHUNK_MIN ? per : ATT_CHUNK_MIN;
-        c.nchunks = (int)((max_len + c.chunk - 1) / c.chunk);
-    }
-
-    c.rows_max = (size_t)(c.nqb == 1 ? n : c.bq) * c.group;
-    c.thread_floats = thread_floats_for(c.rows_max, c.d);
-    size_t part_floats = round16((size_t)c.n_kv * c.nchunks * c.rows_max * (c.d + 2));
-    size_t first_words = kv->window > 0 ? round16((size_t)c.n_kv * n) : 0;
-    size_t total = part_floats + first_words + (size_t)be->n_threads * c.thread_floats;
+    struct att_ctx c;
+    size_t own = att_plan(&c, out, q, n, n_heads, kv);
+    size_t total = own + (size_t)be->n_threads * c.thread_floats;
     float *mem = skv_cpu_scratch(be, 0, total * sizeof(float));
     if (!mem)
         return skv_errorf(SKV_E_NOMEM, "attention: %zu bytes of scratch", total * sizeof(float));
-    c.part = mem;
-    c.thread_mem = mem + part_floats + first_words;
-    if (first_words) {
-        int32_t *first = (int32_t *)(mem + part_floats);
-        for (int g = 0; g < c.n_kv; g++)
-            for (int i = 0; i < n; i++)
-                first[(int64_t)g * n + i] = skv_kv_view_first(kv, g, i);
-        c.first = first;
-    }
+    att_bind(&c, mem, mem + own, c.thread_floats);
 
     if (c.nchunks > 0) {
-        skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nchunks, 1, att_task_chunks, &c);
+        skv_cpu_parallel_for(be, att_tasks(&c), 1, att_task_chunks, &c);
         att_combine(&c);
-    } else if ((int64_t)n * n_heads * max_len * c.d < ATT_INLINE_MACS) {
-        att_task_blocks(&c, 0, (int64_t)c.n_kv * c.nqb, 0);
+    } else if (att_macs(&c) < ATT_INLINE_MACS) {
+        att_task_blocks(&c, 0, att_tasks(&c), 0);
     } else {
-        skv_cpu_parallel_for(be, (int64_t)c.n_kv * c.nqb, 1, att_task_blocks, &c);
+        skv_cpu_parallel_for(be, att_tasks(&c), 1, att_task_blocks, &c);
+    }
+    return SKV_OK;
+}
+
+/* Sequences a batched call plans at once (the ones past it go in further rounds). */
+#define ATT_BATCH_MAX 64
+
+/* The planned calls of a batch and where each one's tasks start in the joint task list. */
+struct att_batch {
+    const struct att_ctx *c;
+    const int64_t *task0; /* [n_seq + 1] */
+};
+
+static void att_task_batch(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct att_batch *b = p;
+    int s = 0;
+    while (b->task0[s + 1] <= begin)
+        s++;
+    for (int64_t t = begin; t < end; s++) {
+        const int64_t e = end < b->task0[s + 1] ? end : b->task0[s + 1];
+        att_run_tasks(&b->c[s], t - b->task0[s], e - b->task0[s], tid);
+        t = e;
+    }
+}
+
+/* Each sequence's call is planned as `attention` plans it and runs the same tasks, so it gets
+ * the same bits; only the tasks of all of them share one parallel job (a decode group's
+ * attention wakes the pool once per layer, not once per sequence). */
+int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                            const struct skv_kv_view *kv)
+{
+    if (!out || !q || !kv || n_seq < 0)
+        return skv_errorf(SKV_E_INVAL, "attention_batch: NULL buffer or %d sequences", n_seq);
+    for (int s = 0; s < n_seq; s++) {
+        int rc = att_check(out, q, 1, n_heads, &kv[s]);
+        if (rc == SKV_OK)
+            rc = skv_kv_view_check_window(&kv[s], "attention");
+        if (rc < 0)
+            return rc;
+        if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
+            return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
+                              s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);
+    }
+    const size_t qdim = n_seq > 0 ? (size_t)n_heads * kv[0].head_dim : 0;
+    for (int s0 = 0; s0 < n_seq; s0 += ATT_BATCH_MAX) {
+        const int m = n_seq - s0 < ATT_BATCH_MAX ? n_seq - s0 : ATT_BATCH_MAX;
+        struct att_ctx c[ATT_BATCH_MAX];
+        size_t own[ATT_BATCH_MAX], own_total = 0, thread_floats = 0;
+        int64_t task0[ATT_BATCH_MAX + 1], macs = 0;
+        task0[0] = 0;
+        for (int s = 0; s < m; s++) {
+            own[s] = att_plan(&c[s], out + (s0 + s) * qdim, q + (s0 + s) * qdim, 1, n_heads, &kv[s0 + s]);
+            own_total += own[s];
+            thread_floats = c[s].thread_floats > thread_floats ? c[s].thread_floats : thread_floats;
+            task0[s + 1] = task0[s] + att_tasks(&c[s]);
+            macs += att_macs(&c[s]);
+        }
+        size_t total = own_total + (size_t)be->n_threads * thread_floats;
+        float *mem = skv_cpu_scratch(be, 0, total * sizeof(float));
+        if (!mem)
+            return skv_errorf(SKV_E_NOMEM, "attention: %zu bytes of scratch", total * sizeof(float));
+        float *at = mem;
+        for (int s = 0; s < m; s++) {
+            att_bind(&c[s], at, mem + own_total, thread_floats);
+            at += own[s];
+        }
+        struct att_batch b = {.c = c, .task0 = task0};
+        if (macs < ATT_INLINE_MACS)
+            att_task_batch(&b, 0, task0[m], 0);
+        else
+            skv_cpu_parallel_for(be, task0[m], 1, att_task_batch, &b);
+        for (int s = 0; s < m; s++)
+            if (c[s].nchunks > 0)
+                att_combine(&c[s]);
     }
     return SKV_OK;
 }

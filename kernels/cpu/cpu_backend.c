@@ -347,6 +347,7 @@ static const struct skv_backend_ops cpu_ops = {
     .ipc_open = cpu_ipc_open,
     .ipc_close = cpu_ipc_close,
     .attention_split_rows = skv_cpu_attention_split_rows,
+    .attention_batch = skv_cpu_attention_batch,
 };
 
 int skv_backend_cpu_new(int n_threads, struct skv_backend **out)

@@ -23,6 +23,8 @@ extern "C" {
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
 #define MM_VEC_UNROLL 4        /* 16-byte weight loads in flight per lane (gemv_vec_kernel) */
+#define MM_VEC_ROWS 4          /* gemv_vec_rows_kernel (n >= 2): weight rows per warp */
+#define MM_ROWS_WARPS 4        /* and its warps per block */
 /* Bytes of bf16 weight tile a quantized GEMM dequantizes at a time. */
 #define MM_TILE_BYTES ((size_t)64 << 20)
 /* attention_kernel (the fallback) and the colsum kernels */
@@ -52,7 +54,8 @@ static_assert(ATT_TK % ATT_DEC_WARPS == 0, "every warp loads the same number of 
 /* the ops SKV_CUDA_PROFILE times, in prof_names' order */
 enum {
     P_ALLOC, P_FREE, P_UPLOAD, P_DOWNLOAD, P_COPY_2D, P_SYNC, P_GET_ROWS, P_MATMUL, P_MATMUL_MULTI, P_RMSNORM,
-    P_ROPE, P_SWIGLU, P_ADD, P_ATTENTION, P_COLSUM, P_GROUP_SCORES, P_TOPK, P_COSINE, P_COPY_ROWS, P_OPS
+    P_ROPE, P_SWIGLU, P_ADD, P_ATTENTION, P_COLSUM, P_GROUP_SCORES, P_TOPK, P_COSINE, P_COPY_ROWS, P_ATT_BATCH,
+    P_OPS
 };
 
 struct cuda_impl {
@@ -73,6 +76,7 @@ struct cuda_impl {
     int rope_pos_n, rope_pos_cap;
     int sm_count;           /* streaming multiprocessors: sizes the split-K grid */
     bool att_smem_set;      /* att_decode_kernel may use > 48 KB of shared memory */
+    bool att_batch_smem_set; /* and att_decode_batch_kernel */
     int prof_mode;          /* SKV_CUDA_PROFILE: 0 off, 1 host time per op, 2 each op synchronized */
     int prof_depth;         /* op calls in progress (an op calling another counts once) */
     int prof_phase;         /* 1 since the last op with at most PROF_DECODE_ROWS rows, else 0 */
@@ -84,7 +88,7 @@ struct cuda_impl {
 static const char *const prof_names[P_OPS] = {
     "alloc", "free", "upload", "download", "copy_2d", "sync", "get_rows", "matmul", "matmul_multi", "rmsnorm",
     "rope", "swiglu", "add", "attention", "attention_colsum", "group_scores", "topk_rows", "cosine_mean",
-    "copy_rows",
+    "copy_rows", "attention_batch",
 };
 
 static uint64_t prof_now(void)
@@ -555,6 +559,76 @@ __global__ void gemv_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, 
     gemv_store(out, acc, bias, r, rows, n, lane);
 }
 
+/* gemv_vec_kernel for 2 .. MM_GEMV_MAX_N activation rows (a decode group, a short append): a
+ * warp takes MM_VEC_ROWS weight rows, so that each activation load serves all of them. With
+ * one weight row a warp, n activation rows read n x 32 bytes of activations per 16 bytes of
+ * weights, for every weight row: at n = 8 that traffic from L1 and L2, not the weights from
+ * DRAM, bounds the kernel. Each lane visits its columns in gemv_vec_kernel's order and keeps
+ * one sum per (weight row, activation row), and the warp sums them as gemv_store does: every
+ * output is bit for bit gemv_vec_kernel's, so a session's decode does not depend on its
+ * group. */
+template <int TYPE>
+__global__ void __launch_bounds__(MM_ROWS_WARPS * 32)
+gemv_vec_rows_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias, const float *x, int rows,
+                     int cols, int n)
+{
+    constexpr int EPL = TYPE == SKV_DTYPE_F32 ? 4 : 8;
+    const int lane = threadIdx.x % 32;
+    const int r0 = (blockIdx.x * MM_ROWS_WARPS + threadIdx.x / 32) * MM_VEC_ROWS;
+    if (r0 >= rows)
+        return;
+    const uint4 *wr[MM_VEC_ROWS];
+#pragma unroll
+    for (int k = 0; k < MM_VEC_ROWS; k++) /* a row past the last reads the last and is not stored */
+        wr[k] = reinterpret_cast<const uint4 *>(w + (size_t)(r0 + k < rows ? r0 + k : rows - 1) * row_bytes);
+    const int chunks = cols / EPL;
+    float acc[MM_VEC_ROWS][MM_GEMV_MAX_N];
+#pragma unroll
+    for (int k = 0; k < MM_VEC_ROWS; k++)
+#pragma unroll
+        for (int j = 0; j < MM_GEMV_MAX_N; j++)
+            acc[k][j] = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * MM_VEC_UNROLL) {
+        uint4 v[MM_VEC_UNROLL][MM_VEC_ROWS];
+#pragma unroll
+        for (int u = 0; u < MM_VEC_UNROLL; u++)
+#pragma unroll
+            for (int k = 0; k < MM_VEC_ROWS; k++)
+                v[u][k] = c0 + 32 * u < chunks ? __ldg(wr[k] + c0 + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int u = 0; u < MM_VEC_UNROLL; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks)
+                break;
+            float wf[MM_VEC_ROWS][EPL];
+#pragma unroll
+            for (int k = 0; k < MM_VEC_ROWS; k++)
+                unpack16<TYPE>(v[u][k], wf[k]);
+#pragma unroll
+            for (int j = 0; j < MM_GEMV_MAX_N; j++) {
+                if (j >= n)
+                    break;
+                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)j * cols + (size_t)c * EPL);
+#pragma unroll
+                for (int q = 0; q < EPL / 4; q++) {
+                    const float4 xv = __ldg(xp + q);
+#pragma unroll
+                    for (int k = 0; k < MM_VEC_ROWS; k++) {
+                        acc[k][j] = fmaf(wf[k][4 * q], xv.x, acc[k][j]);
+                        acc[k][j] = fmaf(wf[k][4 * q + 1], xv.y, acc[k][j]);
+                        acc[k][j] = fmaf(wf[k][4 * q + 2], xv.z, acc[k][j]);
+                        acc[k][j] = fmaf(wf[k][4 * q + 3], xv.w, acc[k][j]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < MM_VEC_ROWS; k++)
+        if (r0 + k < rows)
+            gemv_store(out, acc[k], bias, r0 + k, rows, n, lane);
+}
+
 /* Rows of a quantized weight dequantized to bf16: the quantized GEMM's tensor-core input. */
 template <int TYPE>
 __global__ void dequant_tile_bf16_kernel(__nv_bfloat16 *dst, const uint8_t *w, size_t row_bytes, int64_t rows,
@@ -610,9 +684,17 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
         const bool wide = w->type == SKV_DTYPE_F32 || w->type == SKV_DTYPE_F16 || w->type == SKV_DTYPE_BF16;
         const int epl = w->type == SKV_DTYPE_F32 ? 4 : 8;
         if (wide && cols % epl == 0 && row_bytes % 16 == 0 && (uintptr_t)wd % 16 == 0 && (uintptr_t)x % 16 == 0) {
-#define MV_VEC_LAUNCH(T)                                                                          \
-    gemv_vec_kernel<T><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, \
-                                                                      rows, cols, n)
+            const int per_block = MM_ROWS_WARPS * MM_VEC_ROWS;
+            const unsigned rgrid = (unsigned)((rows + per_block - 1) / per_block);
+#define MV_VEC_LAUNCH(T)                                                                                          \
+    do {                                                                                                          \
+        if (n == 1)                                                                                               \
+            gemv_vec_kernel<T><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, rows,  \
+                                                                              cols, n);                           \
+        else                                                                                                      \
+            gemv_vec_rows_kernel<T><<<rgrid, MM_ROWS_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, \
+                                                                                    rows, cols, n);               \
+    } while (0)
             if (w->type == SKV_DTYPE_F32)
                 MV_VEC_LAUNCH(SKV_DTYPE_F32);
             else if (w->type == SKV_DTYPE_F16)
@@ -1018,21 +1100,13 @@ static size_t stage_bytes(const struct skv_kv_view *kv, int n)
     return first_bytes(kv, n) + tables_bytes(kv, n);
 }
 
-/* Uploads what the kernels need besides the view's pointers, in one copy to dst (device,
- * stage_bytes() long), through the reused host staging buffer (no allocation per call):
- * with a sliding window the first row each (KV head, query) sees (skv_kv_view_first, from
- * the host positions), p->first then pointing there; for a paged view every head's block
- * table, p->blk[] then pointing there. */
-static int att_stage(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
-                     struct att_params *p)
+/* Writes to host what the kernels need besides the view's pointers (stage_bytes() of it), to
+ * be uploaded to dst (device) in one copy: with a sliding window the first row each (KV head,
+ * query) sees (skv_kv_view_first, from the host positions), p->first then pointing there; for
+ * a paged view every head's block table, p->blk[] then pointing there. */
+static void att_stage_fill(const struct skv_kv_view *kv, int n, void *host, void *dst, struct att_params *p)
 {
-    const size_t fb = first_bytes(kv, n), total = stage_bytes(kv, n);
-    if (total == 0)
-        return SKV_OK;
-    void *host = NULL;
-    int rc = stage_get(impl, total, &host);
-    if (rc < 0)
-        return rc;
+    const size_t fb = first_bytes(kv, n);
     if (fb > 0) {
         int32_t *first = (int32_t *)host;
         for (int g = 0; g < kv->n_kv_heads; g++)
@@ -1051,6 +1125,21 @@ static int att_stage(struct cuda_impl *impl, const struct skv_kv_view *kv, int n
             dt += nb;
         }
     }
+}
+
+/* att_stage_fill through the reused host staging buffer (no allocation per call), uploaded
+ * to dst (device, stage_bytes() long) in stream order. */
+static int att_stage(struct cuda_impl *impl, const struct skv_kv_view *kv, int n, void *dst,
+                     struct att_params *p)
+{
+    const size_t total = stage_bytes(kv, n);
+    if (total == 0)
+        return SKV_OK;
+    void *host = NULL;
+    int rc = stage_get(impl, total, &host);
+    if (rc < 0)
+        return rc;
+    att_stage_fill(kv, n, host, dst, p);
     return upload_table(impl, dst, host, total);
 }
 
@@ -1155,16 +1244,14 @@ static size_t decode_smem(int rb, int d)
  * whole dot product per lane, no shuffles), the row's online softmax takes one warp max and
  * one warp sum per tile, and each lane accumulates its d / 32 output elements from the V tile.
  * Writes part[row][chunk] = (max, sum, acc[d]) for att_combine_kernel. */
-__global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
-att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int slices, int chunk, int nchunks)
+__device__ __forceinline__ void att_decode_block(float *dsm, float *part, const float *q, const struct att_params &p,
+                                                 int rb, int slices, int chunk, int nchunks, int bid)
 {
-    extern __shared__ float4 dsm4[]; /* 16-byte aligned: the V tile takes float4 stores */
-    float *dsm = (float *)dsm4;
     const int d = p.d, dp = d + 1, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     float *qs = dsm;                     /* [rb][d] */
     float *kt = qs + (size_t)rb * d;     /* [ATT_TK][d + 1] */
     float *vt = kt + (size_t)ATT_TK * dp; /* [ATT_TK][d] */
-    const int gs = blockIdx.x / nchunks, c = blockIdx.x % nchunks;
+    const int gs = bid / nchunks, c = bid % nchunks;
     const int g = gs / slices, r0 = (gs % slices) * rb, rows = p.n * p.group;
     for (int k = tid; k < rb * d; k += blockDim.x) {
         const int rg = r0 + k / d;
@@ -1308,13 +1395,56 @@ att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int 
     }
 }
 
-/* Merges the split-K partials of query row blockIdx.x (query i, head h at i * n_heads + h)
- * in chunk order: weights exp(m_c - max), chunks that saw no key (m_c = -inf) skipped. */
-__global__ void att_combine_kernel(float *out, const float *part, int nchunks, int d)
+__global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
+att_decode_kernel(float *part, const float *q, struct att_params p, int rb, int slices, int chunk, int nchunks)
 {
-    extern __shared__ float w[]; /* [nchunks] */
+    extern __shared__ float4 dsm4[]; /* 16-byte aligned: the V tile takes float4 stores */
+    att_decode_block((float *)dsm4, part, q, p, rb, slices, chunk, nchunks, blockIdx.x);
+}
+
+/* One sequence of a batched decode call (cuda_attention_batch) as the device reads it: its
+ * view's parameters, its first block in the joint grid, its key chunks, and where its
+ * partials start (floats from the call's partials). */
+struct att_seq {
+    struct att_params p;
+    int block0, chunk, nchunks;
+    size_t part0;
+};
+
+/* The sequence whose blocks hold block b: the last with block0 <= b (block0 ascending). */
+__device__ __forceinline__ int att_seq_of(const struct att_seq *seqs, int n_seq, int b)
+{
+    int lo = 0, hi = n_seq - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (seqs[mid].block0 <= b)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* att_decode_kernel for n_seq sequences of one query each in one grid: each block runs as
+ * block (b - block0) of its own sequence's att_decode_kernel, so every sequence gets what its
+ * own call gives. Sequence s's query is at q + s * qstride floats. */
+__global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
+att_decode_batch_kernel(float *part, const float *q, const struct att_seq *seqs, int n_seq, int rb, int slices,
+                        int qstride)
+{
+    extern __shared__ float4 dsm4[];
+    const int s = att_seq_of(seqs, n_seq, (int)blockIdx.x);
+    const struct att_seq &sq = seqs[s];
+    att_decode_block((float *)dsm4, part + sq.part0, q + (size_t)s * qstride, sq.p, rb, slices, sq.chunk, sq.nchunks,
+                     (int)blockIdx.x - sq.block0);
+}
+
+/* Merges the nchunks split-K partials at base (each (max, sum, acc[d])) into out[d], in chunk
+ * order: weights exp(m_c - max), chunks that saw no key (m_c = -inf) skipped. w: shared
+ * [nchunks]. */
+__device__ __forceinline__ void att_combine_row(float *out, const float *base, int nchunks, int d, float *w)
+{
     __shared__ float s_l;
-    const float *base = part + (size_t)blockIdx.x * nchunks * (d + 2);
     if (threadIdx.x == 0) {
         float mx = -INFINITY;
         for (int c = 0; c < nchunks; c++)
@@ -1334,8 +1464,26 @@ __global__ void att_combine_kernel(float *out, const float *part, int nchunks, i
         for (int c = 0; c < nchunks; c++)
             if (w[c] != 0.0f)
                 o = fmaf(base[(size_t)c * (d + 2) + 2 + t], w[c], o);
-        out[(size_t)blockIdx.x * d + t] = o * inv;
+        out[t] = o * inv;
     }
+}
+
+/* Query row blockIdx.x (query i, head h at i * n_heads + h) from its split-K partials. */
+__global__ void att_combine_kernel(float *out, const float *part, int nchunks, int d)
+{
+    extern __shared__ float w[]; /* [nchunks] */
+    att_combine_row(out + (size_t)blockIdx.x * d, part + (size_t)blockIdx.x * nchunks * (d + 2), nchunks, d, w);
+}
+
+/* att_combine_kernel for a batched call: block s * n_heads + h merges head h of sequence s. */
+__global__ void att_combine_batch_kernel(float *out, const float *part, const struct att_seq *seqs, int n_heads,
+                                         int d)
+{
+    extern __shared__ float w[]; /* [the largest nchunks] */
+    const int s = (int)blockIdx.x / n_heads, h = (int)blockIdx.x % n_heads;
+    const struct att_seq &sq = seqs[s];
+    att_combine_row(out + (size_t)blockIdx.x * d, part + sq.part0 + (size_t)h * sq.nchunks * (d + 2), sq.nchunks, d,
+                    w);
 }
 
 
@@ -1471,6 +1619,25 @@ static int att_gemm(struct cuda_impl *impl, float *out, const float *q, int n, i
     return att_gemm_rows(impl, out, 0, q, n, n_heads, kv, p, sb, 0);
 }
 
+/* Split-K's key chunks for n queries over kv, per_chunk blocks a chunk: sized from the
+ * longest head so that about ATT_DEC_BLOCKS_PER_SM blocks per SM run. A call's chunks depend
+ * on its own view only, so a sequence of a batched call (cuda_attention_batch) is cut as its
+ * own call would be. */
+static void att_split_plan(const struct cuda_impl *impl, const struct skv_kv_view *kv, int n, int64_t per_chunk,
+                           int *chunk_out, int *nchunks_out)
+{
+    int max_keys = 0;
+    for (int g = 0; g < kv->n_kv_heads; g++)
+        max_keys = kv->prefix_len[g] + n > max_keys ? kv->prefix_len[g] + n : max_keys;
+    int64_t want = (ATT_DEC_BLOCKS_PER_SM * (int64_t)impl->sm_count + per_chunk - 1) / per_chunk;
+    want = want < 1 ? 1 : (want > ATT_MAX_CHUNKS ? ATT_MAX_CHUNKS : want);
+    int64_t chunk = (max_keys + want - 1) / want;
+    chunk = (chunk + ATT_TK - 1) / ATT_TK * ATT_TK;
+    chunk = chunk < ATT_CHUNK_MIN ? ATT_CHUNK_MIN : chunk;
+    *chunk_out = (int)chunk;
+    *nchunks_out = (int)((max_keys + chunk - 1) / chunk);
+}
+
 /* Which kernel runs:
  *  - n > ATT_SPLIT_MAX_N (prefill, long appends): att_gemm, cuBLAS GEMMs around a masked
  *    softmax;
@@ -1523,26 +1690,108 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     /* split-K: slices of the group's rows, then chunks of the longest head's keys */
     const int rows = n * p.group, dcap = ATT_DEC_WARPS * ATT_DEC_RPW;
     const int slices = (rows + dcap - 1) / dcap, rb = (rows + slices - 1) / slices;
-    int max_keys = 0;
-    for (int g = 0; g < kv->n_kv_heads; g++)
-        max_keys = kv->prefix_len[g] + n > max_keys ? kv->prefix_len[g] + n : max_keys;
     const int64_t per_chunk = (int64_t)kv->n_kv_heads * slices;
-    int64_t want = (ATT_DEC_BLOCKS_PER_SM * (int64_t)impl->sm_count + per_chunk - 1) / per_chunk;
-    want = want < 1 ? 1 : (want > ATT_MAX_CHUNKS ? ATT_MAX_CHUNKS : want);
-    int64_t chunk = (max_keys + want - 1) / want;
-    chunk = (chunk + ATT_TK - 1) / ATT_TK * ATT_TK;
-    chunk = chunk < ATT_CHUNK_MIN ? ATT_CHUNK_MIN : chunk;
-    const int nchunks = (int)((max_keys + chunk - 1) / chunk);
+    int chunk = 0, nchunks = 0;
+    att_split_plan(impl, kv, n, per_chunk, &chunk, &nchunks);
     const size_t part_bytes = (size_t)n * n_heads * nchunks * (d + 2) * sizeof(float);
     if ((rc = scratch_get(impl, align_up(sb) + part_bytes, &s)) < 0 ||
         (rc = att_stage(impl, kv, n, s, &p)) < 0)
         return rc;
     float *part = (float *)((char *)s + align_up(sb));
     att_decode_kernel<<<(unsigned)(per_chunk * nchunks), ATT_DEC_WARPS * 32, decode_smem(rb, d), impl->stream>>>(
-        part, q, p, rb, slices, (int)chunk, nchunks);
+        part, q, p, rb, slices, chunk, nchunks);
     SKV_CUDA_CHECK(cudaGetLastError());
     att_combine_kernel<<<(unsigned)(n * n_heads), ATT_THREADS, (size_t)nchunks * sizeof(float),
                          impl->stream>>>(out, part, nchunks, d);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    return SKV_OK;
+}
+
+/* Decode attention of n_seq sequences, one query each (the op's attention_batch): every
+ * sequence is planned as cuda_attention plans n = 1 (the same slices and key chunks), its
+ * parameters, window bounds and block tables go up in one copy for all, then one
+ * att_decode_batch_kernel grid and one att_combine_batch_kernel grid run every sequence's
+ * blocks. Against one call per sequence: one upload and two launches per layer of a decode
+ * group instead of n_seq of each. A head_dim past ATT_MAX_D, or one sequence, takes
+ * cuda_attention once per sequence. */
+static int cuda_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                                const struct skv_kv_view *kv)
+{
+    prof_scope prof_(be, P_ATT_BATCH, 1);
+    if (!out || !q || !kv || n_seq < 0)
+        return skv_errorf(SKV_E_INVAL, "attention_batch: NULL buffer or %d sequences", n_seq);
+    for (int s = 0; s < n_seq; s++) {
+        int rc = att_check("attention", out, q, 1, n_heads, &kv[s]);
+        if (rc == SKV_OK)
+            rc = skv_kv_view_check_window(&kv[s], "attention");
+        if (rc < 0)
+            return rc;
+        if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
+            return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
+                              s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);
+    }
+    if (n_seq == 0)
+        return SKV_OK;
+    const int d = kv[0].head_dim, qstride = n_heads * d;
+    if (n_seq == 1 || d > ATT_MAX_D) {
+        for (int s = 0; s < n_seq; s++) {
+            int rc = cuda_attention(be, out + (size_t)s * qstride, q + (size_t)s * qstride, 1, n_heads, &kv[s]);
+            if (rc < 0)
+                return rc;
+        }
+        return SKV_OK;
+    }
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    if (!impl->att_batch_smem_set) {
+        SKV_CUDA_CHECK(cudaFuncSetAttribute(att_decode_batch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)decode_smem(ATT_DEC_WARPS * ATT_DEC_RPW, ATT_MAX_D)));
+        impl->att_batch_smem_set = true;
+    }
+    const int group = n_heads / kv[0].n_kv_heads, dcap = ATT_DEC_WARPS * ATT_DEC_RPW;
+    const int slices = (group + dcap - 1) / dcap, rb = (group + slices - 1) / slices;
+    const int64_t per_chunk = (int64_t)kv[0].n_kv_heads * slices;
+    /* scratch: every sequence's staged tables, then the sequences, then the partials */
+    size_t tables = 0, parts = 0;
+    int64_t blocks = 0;
+    int max_chunks = 0;
+    for (int s = 0; s < n_seq; s++) {
+        int chunk = 0, nchunks = 0;
+        att_split_plan(impl, &kv[s], 1, per_chunk, &chunk, &nchunks);
+        tables += stage_bytes(&kv[s], 1);
+        parts += (size_t)n_heads * nchunks * (d + 2);
+        blocks += per_chunk * nchunks;
+        max_chunks = nchunks > max_chunks ? nchunks : max_chunks;
+    }
+    if (blocks > INT_MAX)
+        return skv_errorf(SKV_E_INVAL, "attention_batch: %lld blocks", (long long)blocks);
+    const size_t seq_bytes = align_up((size_t)n_seq * sizeof(struct att_seq)), up = tables + seq_bytes;
+    void *dev = NULL, *host = NULL;
+    int rc = scratch_get(impl, up + parts * sizeof(float), &dev);
+    if (rc < 0 || (rc = stage_get(impl, up, &host)) < 0)
+        return rc;
+    struct att_seq *seqs = (struct att_seq *)((char *)host + tables);
+    size_t at = 0, part0 = 0;
+    int block0 = 0;
+    for (int s = 0; s < n_seq; s++) {
+        struct att_seq *sq = &seqs[s];
+        att_params_fill(&sq->p, &kv[s], 1, n_heads);
+        att_stage_fill(&kv[s], 1, (char *)host + at, (char *)dev + at, &sq->p);
+        at += stage_bytes(&kv[s], 1);
+        att_split_plan(impl, &kv[s], 1, per_chunk, &sq->chunk, &sq->nchunks);
+        sq->block0 = block0;
+        sq->part0 = part0;
+        block0 += (int)(per_chunk * sq->nchunks);
+        part0 += (size_t)n_heads * sq->nchunks * (d + 2);
+    }
+    if ((rc = upload_table(impl, dev, host, up)) < 0)
+        return rc;
+    const struct att_seq *dseqs = (const struct att_seq *)((char *)dev + tables);
+    float *part = (float *)((char *)dev + up);
+    att_decode_batch_kernel<<<(unsigned)blocks, ATT_DEC_WARPS * 32, decode_smem(rb, d), impl->stream>>>(
+        part, q, dseqs, n_seq, rb, slices, qstride);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    att_combine_batch_kernel<<<(unsigned)(n_seq * n_heads), ATT_THREADS, (size_t)max_chunks * sizeof(float),
+                               impl->stream>>>(out, part, dseqs, n_heads, d);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
 }
@@ -2180,6 +2429,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* attention_split_rows */ NULL, /* cuBLAS picks kernels by shape: not known to be exact */
     /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
     /* device_lost */ cuda_device_lost,
+    /* attention_batch */ cuda_attention_batch,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -997,6 +997,97 @@ static void test_colsum_window(void **state)
     free(q);
 }
 
+/* attention_batch: a decode group of sequences (one new query each) in one call gives every
+ * sequence bit for bit what `attention` with n = 1 gives it alone. The sequences differ in
+ * length (short ones that run inline, long ones that take split-K), in per-head lengths and in
+ * block tables; one set has a sliding window; 70 sequences pass one round of the CPU's plan.
+ * Views that disagree on their shapes, or one without its rows, are refused. */
+static void test_attention_batch(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    if (!be->ops->attention_batch)
+        skip();
+    struct rng r = {0xba7c4ULL};
+    struct batch_set {
+        int n_seq, n_heads, n_kv, d, window, block_rows, max_prefix;
+    } sets[] = {
+        {9, 9, 3, 64, 0, 16, 3000},
+        {5, 8, 2, 128, 700, 16, 2500},
+        {70, 9, 3, 64, 0, 16, 90},
+        {3, 4, 4, 18, 0, 5, 600},
+    };
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        const struct batch_set *b = &sets[si];
+        const int S = b->n_seq, d = b->d;
+        const size_t qdim = (size_t)b->n_heads * d, qcount = (size_t)S * qdim;
+        struct skv_kv_view *views = calloc((size_t)S, sizeof *views);
+        void ***tbls = calloc((size_t)S * b->n_kv, sizeof *tbls);
+        int32_t **pos = calloc((size_t)S * b->n_kv, sizeof *pos);
+        int *rows = calloc((size_t)S * b->n_kv, sizeof *rows);
+        assert_true(views && tbls && pos && rows);
+        for (int s = 0; s < S; s++) {
+            struct skv_kv_view *kv = &views[s];
+            *kv = (struct skv_kv_view){.n_kv_heads = b->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32,
+                                       .window = b->window, .block_rows = b->block_rows};
+            for (int g = 0; g < b->n_kv; g++) {
+                /* lengths from 0 to max_prefix, the heads of one sequence apart (head-wise kept) */
+                const int pre = (int)((uint64_t)(s * 7919 + g * 104729) % (uint64_t)(b->max_prefix + 1));
+                const int n_rows = pre + 1;
+                float *k = host_normal(&r, (size_t)n_rows * d, 1.0), *v = host_normal(&r, (size_t)n_rows * d, 1.0);
+                kv->blocks[g] = tbls[s * b->n_kv + g] = paged_from(be, k, v, n_rows, d, b->block_rows);
+                kv->prefix_len[g] = pre;
+                rows[s * b->n_kv + g] = n_rows;
+                if (b->window > 0) {
+                    int32_t *p = malloc((size_t)n_rows * sizeof *p);
+                    assert_non_null(p);
+                    for (int j = 0; j < n_rows; j++)
+                        p[j] = 2 * j; /* holes, as compression leaves */
+                    kv->pos[g] = pos[s * b->n_kv + g] = p;
+                }
+                free(k);
+                free(v);
+            }
+        }
+        float *q = host_normal(&r, qcount, 2.0), *want = host_nan(qcount), *got = host_nan(qcount);
+        float *dq = dev_from(be, q, qcount * sizeof(float)), *dout = dev_from(be, want, qcount * sizeof(float));
+        for (int s = 0; s < S; s++)
+            assert_int_equal(be->ops->attention(be, dout + s * qdim, dq + s * qdim, 1, b->n_heads, &views[s]), SKV_OK);
+        dev_to(be, want, dout, qcount * sizeof(float));
+        float *poison = host_nan(qcount);
+        be->ops->upload(be, dout, poison, qcount * sizeof(float));
+        free(poison);
+        assert_int_equal(be->ops->attention_batch(be, dout, dq, S, b->n_heads, views), SKV_OK);
+        dev_to(be, got, dout, qcount * sizeof(float));
+        for (size_t x = 0; x < qcount; x++)
+            if (memcmp(&got[x], &want[x], sizeof(float)) != 0)
+                fail_msg("set %zu: sequence %zu, value %zu: %.9g in the batch, %.9g alone", si, x / qdim, x % qdim,
+                         got[x], want[x]);
+        assert_int_equal(be->ops->attention_batch(be, dout, dq, 0, b->n_heads, views), SKV_OK);
+        if (S > 1) {
+            struct skv_kv_view keep = views[1];
+            views[1].head_dim = d + 1; /* a sequence of another shape */
+            assert_int_equal(be->ops->attention_batch(be, dout, dq, S, b->n_heads, views), SKV_E_INVAL);
+            views[1] = keep;
+            views[1].blocks[0] = NULL; /* a sequence without its rows */
+            assert_int_equal(be->ops->attention_batch(be, dout, dq, S, b->n_heads, views), SKV_E_INVAL);
+            views[1] = keep;
+        }
+        be->ops->free(be, dout);
+        be->ops->free(be, dq);
+        for (int x = 0; x < S * b->n_kv; x++) {
+            paged_free(be, tbls[x], rows[x], b->block_rows);
+            free(pos[x]);
+        }
+        free(q);
+        free(want);
+        free(got);
+        free(views);
+        free(tbls);
+        free(pos);
+        free(rows);
+    }
+}
+
 /* Attention and column sums over a paged view equal the contiguous view bit for bit, for
  * block sizes that do and do not divide the kernels' tiles and lengths that are not a
  * multiple of the block: every kernel path (wide prefill tiles, row tiles, split-K decode,
@@ -1712,7 +1803,7 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention_peaky), cmocka_unit_test(test_attention_decode_long), \
         cmocka_unit_test(test_attention_odd_dim), cmocka_unit_test(test_attention_window),  \
         cmocka_unit_test(test_attention_paths), cmocka_unit_test(test_colsum_window),       \
-        cmocka_unit_test(test_attention_paged),                                             \
+        cmocka_unit_test(test_attention_paged), cmocka_unit_test(test_attention_batch),     \
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
         cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid)
 

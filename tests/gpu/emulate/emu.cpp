@@ -252,6 +252,51 @@ static int run(int n, int n_kv, int group, int d, int p0, int p1, int window, in
     return !(nm < 1e-10 && rc == 0);
 }
 
+/* cuda_attention_batch over n_seq sequences (one query each, their own prefixes and block
+ * tables) against cuda_attention once per sequence: bit for bit, and against the CPU op. */
+static int run_batch(int n_seq, int n_kv, int group, int d, int max_prefix, int window, int block_rows, int sms)
+{
+    const int n_heads = n_kv * group;
+    const size_t qdim = (size_t)n_heads * d;
+    std::vector<std::unique_ptr<kv_case>> cases;
+    std::vector<struct skv_kv_view> views;
+    for (int s = 0; s < n_seq; s++) {
+        int p0 = (int)((s * 7919u) % (unsigned)(max_prefix + 1));
+        int p1 = (int)((s * 104729u + 13) % (unsigned)(max_prefix + 1));
+        cases.emplace_back(new kv_case(1, n_kv, d, p0, p1, window, block_rows));
+        views.push_back(cases.back()->paged);
+    }
+    std::vector<float> q(n_seq * qdim), want(q.size(), NAN), got(q.size(), NAN), cpu(q.size(), NAN);
+    for (auto &x : q) x = rnd();
+    struct skv_backend *cb = NULL;
+    skv_backend_cpu_new(1, &cb);
+    for (int s = 0; s < n_seq; s++)
+        if (cb->ops->attention(cb, cpu.data() + s * qdim, q.data() + s * qdim, 1, n_heads, &cases[s]->kv) != 0) {
+            printf("cpu fail\n");
+            return 1;
+        }
+    skv_backend_destroy(&cb);
+    emu_backend e(sms);
+    int rc = 0;
+    for (int s = 0; s < n_seq; s++)
+        rc |= cuda_attention(&e.be, want.data() + s * qdim, q.data() + s * qdim, 1, n_heads, &views[s]);
+    rc |= cuda_attention_batch(&e.be, got.data(), q.data(), n_seq, n_heads, views.data());
+    size_t differ = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < q.size(); i++) {
+        differ += memcmp(&got[i], &want[i], sizeof(float)) != 0;
+        double err = (double)got[i] - cpu[i];
+        num += std::isfinite(got[i]) ? err * err : INFINITY;
+        den += (double)cpu[i] * cpu[i];
+    }
+    bool ok = rc == 0 && differ == 0 && num / den < 1e-10;
+    printf("%s batch seqs=%d kv=%d group=%d d=%d prefix<=%d window=%d block_rows=%d sms=%d rc=%d: %zu of %zu differ "
+           "from one call each (bitwise), nmse vs cpu %.3g\n",
+           ok ? "ok  " : "FAIL", n_seq, n_kv, group, d, max_prefix, window, block_rows, sms, rc, differ, q.size(),
+           num / den);
+    return !ok;
+}
+
 static int run_colsum(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int q_first)
 {
     const int n_heads = n_kv * group;
@@ -334,7 +379,8 @@ static int run_topk(const std::vector<float> &keys, int64_t stride, const int *n
 }
 
 /* The decode GEMV: the 16-byte-load kernel and the element kernel on the same rows, both
- * against a double product of the stored (rounded) weights. */
+ * against a double product of the stored (rounded) weights; with n >= 2 also the multi-row
+ * kernel, which must give bit for bit the 16-byte-load kernel's output. */
 static int run_gemv(int type, int rows, int cols, int n)
 {
     const size_t esz = type == SKV_DTYPE_F32 ? 4 : 2, rb = (size_t)cols * esz;
@@ -365,6 +411,23 @@ static int run_gemv(int type, int rows, int cols, int n)
         emu_launch(gemv_vec_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
         emu_launch(gemv_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
     }
+    size_t rows_differ = 0;
+    if (n >= 2) {
+        std::vector<float> mr((size_t)n * rows, NAN);
+        unsigned rgrid = (unsigned)((rows + MM_ROWS_WARPS * MM_VEC_ROWS - 1) / (MM_ROWS_WARPS * MM_VEC_ROWS));
+        auto launch = [&](auto kernel) {
+            emu_launch(kernel, rgrid, MM_ROWS_WARPS * 32, 0, mr.data(), (const uint8_t *)w.data(), rb,
+                       (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+        };
+        if (type == SKV_DTYPE_F32)
+            launch(gemv_vec_rows_kernel<SKV_DTYPE_F32>);
+        else if (type == SKV_DTYPE_F16)
+            launch(gemv_vec_rows_kernel<SKV_DTYPE_F16>);
+        else
+            launch(gemv_vec_rows_kernel<SKV_DTYPE_BF16>);
+        for (size_t i = 0; i < mr.size(); i++)
+            rows_differ += memcmp(&mr[i], &vec[i], sizeof(float)) != 0;
+    }
     double num_v = 0, num_e = 0, den = 0;
     for (int j = 0; j < n; j++)
         for (int r = 0; r < rows; r++) {
@@ -376,9 +439,9 @@ static int run_gemv(int type, int rows, int cols, int n)
             num_e += std::isfinite(ge) ? (ge - ref) * (ge - ref) : INFINITY;
             den += ref * ref;
         }
-    bool ok = num_v / den < 1e-11 && num_e / den < 1e-11;
-    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g\n", ok ? "ok  " : "FAIL", type, rows,
-           cols, n, num_v / den, num_e / den);
+    bool ok = num_v / den < 1e-11 && num_e / den < 1e-11 && rows_differ == 0;
+    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g; multi-row kernel: %zu differ (bitwise)\n",
+           ok ? "ok  " : "FAIL", type, rows, cols, n, num_v / den, num_e / den, rows_differ);
     return !ok;
 }
 
@@ -453,8 +516,9 @@ static int run_rope(int n, int n_heads, int head_dim, int rot_dim, int mode, int
     return !ok;
 }
 
-/* Suites: attention (the cuBLAS prefill, split-K decode and fallback paths), colsum (+ cosine), gemv, topk (+
- * group scores), norm (rmsnorm and rope); all of them without an argument. */
+/* Suites: attention (the cuBLAS prefill, split-K decode and fallback paths, the batched decode), batch (the
+ * batched decode alone), colsum (+ cosine), gemv, topk (+ group scores), norm (rmsnorm and rope); all of them
+ * without an argument. */
 int main(int argc, char **argv)
 {
     bool all = argc < 2;
@@ -478,6 +542,14 @@ int main(int argc, char **argv)
         fails += run(4, 1, 8, 96, 300, 0, 100, 16, 4);   /* 32 rows in two slices, a window */
         fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* prefill of a head_dim above ATT_MAX_D */
     }
+    if (want("attention") || want("batch")) {
+        /* seqs kv group d max_prefix window block_rows sms */
+        fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
+        fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);  /* a sliding window */
+        fails += run_batch(4, 2, 20, 64, 90, 0, 7, 4);     /* 20 rows: two slices */
+        fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);    /* head_dim above ATT_MAX_D: one call each */
+        fails += run_batch(1, 2, 3, 64, 200, 0, 16, 4);
+    }
     if (want("colsum")) {
         /* n kv group d p0 p1 window block_rows q_first */
         fails += run_colsum(32, 3, 3, 64, 458, 458, 0, 0, 0);
@@ -496,6 +568,8 @@ int main(int argc, char **argv)
             fails += run_gemv(t, 9, 4096, 3);
             fails += run_gemv(t, 17, 136, 8);
             fails += run_gemv(t, 8, 2056, 2); /* chunks not a multiple of 32 x unroll */
+            fails += run_gemv(t, 35, 1024, 8); /* rows not a multiple of a block's (16) or a warp's (4) */
+            fails += run_gemv(t, 6, 4096, 5);
         }
     }
     if (want("topk")) {
