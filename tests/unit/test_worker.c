@@ -34,6 +34,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <glob.h>
 #include <pthread.h>
@@ -45,6 +46,8 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <netdb.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -3741,6 +3744,73 @@ static void stream_redis_start(const char *port, const char *const *extra, char 
  * due); a store that stops reading is a timeout, and the half-sent value is not stored. Takes
  * read the value straight from the socket (an empty one, none, the store's error for a key
  * that is not a string). */
+/* getaddrinfo as this program sees it (store.c is linked into it, so the store's lookup
+ * thread calls this one): a name under ".slow.test" is answered as "localhost" after
+ * SLOW_LOOKUP_MS, a resolver that takes longer than store-timeout-ms; every other name goes to
+ * the next getaddrinfo (libc's, or a sanitizer's in front of it). */
+#define SLOW_LOOKUP_MS 1500
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+int getaddrinfo(const char *node, const char *service, const struct addrinfo *hints, struct addrinfo **res)
+{
+    typedef int (*gai_fn)(const char *, const char *, const struct addrinfo *, struct addrinfo **);
+    gai_fn next = (gai_fn)dlsym(RTLD_NEXT, "getaddrinfo");
+    if (!next)
+        return EAI_FAIL;
+    size_t len = node ? strlen(node) : 0, tail = strlen(".slow.test");
+    if (len > tail && strcmp(node + len - tail, ".slow.test") == 0) {
+        usleep(SLOW_LOOKUP_MS * 1000);
+        node = "localhost";
+    }
+    return next(node, service, hints, res);
+}
+
+/* A lookup that outlasts store-timeout-ms: the connect gives up at its deadline with an error
+ * naming the host, and the lookup goes on; the next connect, once it has answered, takes its
+ * answer instead of looking up again (within 300 ms, which a new lookup could not meet). A
+ * store freed while its lookup runs leaves the lookup to finish and free itself (ASan and TSan
+ * runs check that). */
+static void test_store_slow_lookup(void **state)
+{
+    (void)state;
+    char sock[200], port[16], url[96];
+    int port_n = fixture_free_port();
+    assert_true(port_n > 0);
+    snprintf(port, sizeof port, "%d", port_n);
+    stream_redis_start(port, NULL, sock, sizeof sock);
+    snprintf(url, sizeof url, "redis://cache.slow.test:%s", port);
+    struct skv_store *st = NULL;
+    assert_int_equal(skv_store_new(url, 300, 1 << 30, &st), SKV_OK);
+    struct pattern_writer pw = {.n = 10, .fail_at = SIZE_MAX};
+    uint64_t t0 = mono_ms();
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pw), SKV_E_IO);
+    uint64_t waited = mono_ms() - t0;
+    assert_non_null(strstr(skv_error_msg(), "looking up cache.slow.test takes longer than store-timeout-ms"));
+    assert_true(waited >= 250 && waited < SLOW_LOOKUP_MS); /* its deadline, not the resolver's time */
+    usleep((SLOW_LOOKUP_MS + 300) * 1000); /* the lookup answers; the retry wait (1 s) passes */
+    pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pw), SKV_OK);
+    const void *data = NULL;
+    void *value = NULL;
+    size_t got = 0;
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_OK);
+    assert_int_equal(got, 10);
+    skv_store_value_free(value);
+    skv_store_free(&st);
+
+    /* freed while its lookup runs */
+    assert_int_equal(skv_store_new(url, 300, 1 << 30, &st), SKV_OK);
+    pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pw), SKV_E_IO);
+    skv_store_free(&st);
+    usleep((SLOW_LOOKUP_MS + 300) * 1000); /* it ends before the program does */
+}
+
 static void test_store_stream(void **state)
 {
     (void)state;
@@ -4240,6 +4310,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
         cmocka_unit_test_teardown(test_store_stream, stream_teardown),
+        cmocka_unit_test_teardown(test_store_slow_lookup, stream_teardown),
         cmocka_unit_test_teardown(test_store_auth, stream_teardown),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
