@@ -367,18 +367,10 @@ if [ -f "$BIG" ]; then
         --context "$C16" --pool-gib "$POOL_GIB" --specs "policy=full;$SNAP" --sessions fit \
         --decode-tokens "$SERVE_DTOK" --json || [ $? = 2 ] || bad "serve_8b" "snapkv-bench serve failed (see $BUILD/serve_8b.log)"
 fi
-# 8b. where a decoded token's time goes: SKV_CUDA_PROFILE=1 (host time inside each backend op)
-# and =2 (each op synchronized: its device time too), 128 tokens at depth 1024 on each model;
-# the tables land in prof{1,2}_*.log (SKV_GPU_CHECK_PROFILE=0: not run)
-if [ "$DRY" != 1 ] && [ "${SKV_GPU_CHECK_PROFILE:-1}" != 0 ]; then
-    for pm in "default:$MODEL" "8b:$BIG"; do
-        [ -f "${pm#*:}" ] || continue
-        for mode in 1 2; do
-            name=prof${mode}_${pm%%:*}
-            if run "$name" 60 env SKV_CUDA_PROFILE=$mode "$BENCH" speed --model "${pm#*:}" --backend cuda \
-                   --prefill none --decode-depth "$C1" --decode-tokens 128 --json; then
-                # the decode-sized section of the table: its largest ops
-                if sum=$(python3 - "$BUILD/$name.json" "$BUILD/$name.log" <<'EOF2'
+# The decode-sized section of a SKV_CUDA_PROFILE table ($BUILD/$1.log, beside its JSON): the
+# time per step and the largest ops, for the row
+prof_summary() {
+    python3 - "$BUILD/$1.json" "$BUILD/$1.log" <<'EOF2'
 import json, re, sys
 dec = json.load(open(sys.argv[1]))["decode"][0]
 rows, on = [], False
@@ -390,10 +382,23 @@ for l in open(sys.argv[2]):
 top = sorted(rows, key=lambda r: -float(r[2]))[:4]
 if not top:
     sys.exit("no decode-sized section in " + sys.argv[2])
-print(f"{1000 * dec['seconds'] / dec['tokens']:.2f} ms/token; largest: "
+print(f"{1000 * dec['seconds'] / dec['tokens']:.2f} ms/step; largest: "
       + ", ".join(f"{r[0]} {r[4]} ({r[3]} us/call)" for r in top))
 EOF2
-                ); then
+}
+
+# 8b. where a decoded token's time goes: SKV_CUDA_PROFILE=1 (host time inside each backend op)
+# and =2 (each op synchronized: its device time too), 128 tokens at depth 1024 on each model;
+# the tables land in prof{1,2}_*.log (SKV_GPU_CHECK_PROFILE=0: not run)
+PROFILE=${SKV_GPU_CHECK_PROFILE:-1}
+if [ "$DRY" != 1 ] && [ "$PROFILE" != 0 ]; then
+    for pm in "default:$MODEL" "8b:$BIG"; do
+        [ -f "${pm#*:}" ] || continue
+        for mode in 1 2; do
+            name=prof${mode}_${pm%%:*}
+            if run "$name" 60 env SKV_CUDA_PROFILE=$mode "$BENCH" speed --model "${pm#*:}" --backend cuda \
+                   --prefill none --decode-depth "$C1" --decode-tokens 128 --json; then
+                if sum=$(prof_summary "$name"); then
                     row "$name" "ok" "$sum"
                 else
                     bad "$name" "no profile table in $BUILD/$name.log"
@@ -406,7 +411,8 @@ EOF2
 fi
 
 # 8c. a decode group: 8 copies of one sequence decoded together (one forward a step, as the
-# daemon batches concurrent sessions), full cache and SnapKV, on the 8B-shaped model
+# daemon batches concurrent sessions), full cache and SnapKV, on the 8B-shaped model; then the
+# SnapKV group's ops with SKV_CUDA_PROFILE=2 (prof2_8b_batch8: each op synchronized)
 if [ -f "$BIG" ]; then
     for sp in "full:" "snapkv:--compress $SNAP"; do
         name=speed_8b_batch8_${sp%%:*}
@@ -423,6 +429,19 @@ print("; ".join("@%d: %.1f t/s over 8, %.2f ms a step" % (x["depth"], x["tokens_
             bad "$name" "snapkv-bench speed --batch 8 failed (see $BUILD/$name.log)"
         fi
     done
+    if [ "$DRY" != 1 ] && [ "$PROFILE" != 0 ]; then
+        name=prof2_8b_batch8
+        if run "$name" 60 env SKV_CUDA_PROFILE=2 "$BENCH" speed --model "$BIG" --backend cuda --prefill none \
+               --decode-depth "$C1" --decode-tokens 32 --batch 8 --compress "$SNAP" --json; then
+            if sum=$(prof_summary "$name"); then
+                row "$name" "ok" "$sum"
+            else
+                bad "$name" "no profile table in $BUILD/$name.log"
+            fi
+        elif [ $? != 2 ]; then
+            bad "$name" "snapkv-bench speed --batch 8 with SKV_CUDA_PROFILE=2 failed (see $BUILD/$name.log)"
+        fi
+    fi
 fi
 
 # 9. transformers + kvpress SnapKVPress on the same shapes and budget (when torch imports)
