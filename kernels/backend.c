@@ -232,8 +232,9 @@ static int selftest_weights(struct skv_backend *be, struct skv_backend *cpu)
     return rc;
 }
 
-/* Runs RMSNorm, a small GQA attention and the weight ops (selftest_weights) on `be` and on a
- * 1-thread CPU backend and compares. */
+/* Runs RMSNorm, a small GQA attention, a decode group's attention (attention_batch, where the
+ * backend has it) and the weight ops (selftest_weights) on `be` and on a 1-thread CPU backend
+ * and compares. */
 int skv_backend_selftest(struct skv_backend *be)
 {
     enum { N = 7, DIM = 64, H = 4, HKV = 2, D = 16, ROWS = N };
@@ -285,6 +286,18 @@ int skv_backend_selftest(struct skv_backend *be)
     rc = rc ? rc : cpu->ops->attention(cpu, want, q, 4, H, &host);
     rc = rc ? rc : selftest_close(be, "rmsnorm", norm_dev, norm_cpu, N * DIM, 1e-8);
     rc = rc ? rc : selftest_close(be, "attention", got, want, 4 * H * D, 1e-8);
+    if (!rc && be->ops->attention_batch) { /* a decode group of two: 6 and 3 rows */
+        struct skv_kv_view views[2] = {view, view}, hosts[2] = {host, host};
+        for (int h = 0; h < HKV; h++) {
+            views[0].prefix_len[h] = hosts[0].prefix_len[h] = ROWS - 2;
+            views[1].prefix_len[h] = hosts[1].prefix_len[h] = 2;
+        }
+        rc = be->ops->attention_batch(be, dout, dq, 2, H, views);
+        rc = rc ? rc : be->ops->download(be, got, dout, (size_t)2 * H * D * sizeof(float));
+        for (int i = 0; i < 2 && !rc; i++)
+            rc = cpu->ops->attention(cpu, want + i * H * D, q + i * H * D, 1, H, &hosts[i]);
+        rc = rc ? rc : selftest_close(be, "attention_batch", got, want, 2 * H * D, 1e-8);
+    }
     rc = rc ? rc : selftest_weights(be, cpu);
     void *bufs[] = {dx, dw, dq, dout, dk[0], dk[1], dv[0], dv[1]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)

@@ -253,7 +253,7 @@ struct skv_backend_ops {
      * sequence gets bit for bit what `attention` with n = 1 gives it, whatever else is in the
      * call. The views share n_kv_heads and head_dim. A decode group's attention as one call:
      * the CPU runs every sequence's tasks as one parallel job, the GPU uploads every block
-     * table in one copy and launches one kernel for all. */
+     * table in one copy and launches one decode and one combine kernel for all. */
     int (*attention_batch)(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                            const struct skv_kv_view *kv);
 };

@@ -8,6 +8,8 @@
 #include <string.h>
 
 #define CHUNK 256 /* tokens per projection / MLP chunk */
+/* a decode group fits one chunk: layer_attention_batch's len0 and the views are per group */
+_Static_assert(SKV_ENGINE_MAX_BATCH <= CHUNK, "a decode group is one chunk");
 
 struct skv_engine {
     struct skv_model *m;

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/status.h"
@@ -960,6 +961,14 @@ static void att_task_batch(void *p, int64_t begin, int64_t end, int tid)
     }
 }
 
+/* rc (a failed check of sequence s's view) again, its message naming the op and the sequence. */
+static int batch_error(int rc, int s)
+{
+    char why[256];
+    snprintf(why, sizeof why, "%s", skv_error_msg());
+    return skv_errorf(rc, "attention_batch: sequence %d: %s", s, why);
+}
+
 /* Each sequence's call is planned as `attention` plans it and runs the same tasks, so it gets
  * the same bits; only the tasks of all of them share one parallel job (a decode group's
  * attention wakes the pool once per layer, not once per sequence). */
@@ -973,7 +982,7 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
         if (rc == SKV_OK)
             rc = skv_kv_view_check_window(&kv[s], "attention");
         if (rc < 0)
-            return rc;
+            return batch_error(rc, s);
         if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
             return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
                               s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);

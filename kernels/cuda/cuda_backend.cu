@@ -23,7 +23,7 @@ extern "C" {
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
 #define MM_VEC_UNROLL 4        /* 16-byte weight loads in flight per lane (gemv_vec_kernel) */
-#define MM_VEC_ROWS 4          /* gemv_vec_rows_kernel (n >= 2): weight rows per warp */
+#define MM_VEC_ROWS 4          /* gemv_vec_rows_kernel (n >= 2): most weight rows per warp */
 #define MM_ROWS_WARPS 4        /* and its warps per block */
 /* Bytes of bf16 weight tile a quantized GEMM dequantizes at a time. */
 #define MM_TILE_BYTES ((size_t)64 << 20)
@@ -560,49 +560,50 @@ __global__ void gemv_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, 
 }
 
 /* gemv_vec_kernel for 2 .. MM_GEMV_MAX_N activation rows (a decode group, a short append): a
- * warp takes MM_VEC_ROWS weight rows, so that each activation load serves all of them. With
+ * warp takes R weight rows (gemv_rows_per_warp), so that each activation load serves all of
+ * them. With
  * one weight row a warp, n activation rows read n x 32 bytes of activations per 16 bytes of
  * weights, for every weight row: at n = 8 that traffic from L1 and L2, not the weights from
  * DRAM, bounds the kernel. Each lane visits its columns in gemv_vec_kernel's order and keeps
  * one sum per (weight row, activation row), and the warp sums them as gemv_store does: every
  * output is bit for bit gemv_vec_kernel's, so a session's decode does not depend on its
  * group. */
-template <int TYPE>
+template <int TYPE, int R>
 __global__ void __launch_bounds__(MM_ROWS_WARPS * 32)
 gemv_vec_rows_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias, const float *x, int rows,
                      int cols, int n)
 {
     constexpr int EPL = TYPE == SKV_DTYPE_F32 ? 4 : 8;
     const int lane = threadIdx.x % 32;
-    const int r0 = (blockIdx.x * MM_ROWS_WARPS + threadIdx.x / 32) * MM_VEC_ROWS;
+    const int r0 = (blockIdx.x * MM_ROWS_WARPS + threadIdx.x / 32) * R;
     if (r0 >= rows)
         return;
-    const uint4 *wr[MM_VEC_ROWS];
+    const uint4 *wr[R];
 #pragma unroll
-    for (int k = 0; k < MM_VEC_ROWS; k++) /* a row past the last reads the last and is not stored */
+    for (int k = 0; k < R; k++) /* a row past the last reads the last and is not stored */
         wr[k] = reinterpret_cast<const uint4 *>(w + (size_t)(r0 + k < rows ? r0 + k : rows - 1) * row_bytes);
     const int chunks = cols / EPL;
-    float acc[MM_VEC_ROWS][MM_GEMV_MAX_N];
+    float acc[R][MM_GEMV_MAX_N];
 #pragma unroll
-    for (int k = 0; k < MM_VEC_ROWS; k++)
+    for (int k = 0; k < R; k++)
 #pragma unroll
         for (int j = 0; j < MM_GEMV_MAX_N; j++)
             acc[k][j] = 0.0f;
     for (int c0 = lane; c0 < chunks; c0 += 32 * MM_VEC_UNROLL) {
-        uint4 v[MM_VEC_UNROLL][MM_VEC_ROWS];
+        uint4 v[MM_VEC_UNROLL][R];
 #pragma unroll
         for (int u = 0; u < MM_VEC_UNROLL; u++)
 #pragma unroll
-            for (int k = 0; k < MM_VEC_ROWS; k++)
+            for (int k = 0; k < R; k++)
                 v[u][k] = c0 + 32 * u < chunks ? __ldg(wr[k] + c0 + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int u = 0; u < MM_VEC_UNROLL; u++) {
             const int c = c0 + 32 * u;
             if (c >= chunks)
                 break;
-            float wf[MM_VEC_ROWS][EPL];
+            float wf[R][EPL];
 #pragma unroll
-            for (int k = 0; k < MM_VEC_ROWS; k++)
+            for (int k = 0; k < R; k++)
                 unpack16<TYPE>(v[u][k], wf[k]);
 #pragma unroll
             for (int j = 0; j < MM_GEMV_MAX_N; j++) {
@@ -613,7 +614,7 @@ gemv_vec_rows_kernel(float *out, const uint8_t *w, size_t row_bytes, const float
                 for (int q = 0; q < EPL / 4; q++) {
                     const float4 xv = __ldg(xp + q);
 #pragma unroll
-                    for (int k = 0; k < MM_VEC_ROWS; k++) {
+                    for (int k = 0; k < R; k++) {
                         acc[k][j] = fmaf(wf[k][4 * q], xv.x, acc[k][j]);
                         acc[k][j] = fmaf(wf[k][4 * q + 1], xv.y, acc[k][j]);
                         acc[k][j] = fmaf(wf[k][4 * q + 2], xv.z, acc[k][j]);
@@ -624,7 +625,7 @@ gemv_vec_rows_kernel(float *out, const uint8_t *w, size_t row_bytes, const float
         }
     }
 #pragma unroll
-    for (int k = 0; k < MM_VEC_ROWS; k++)
+    for (int k = 0; k < R; k++)
         if (r0 + k < rows)
             gemv_store(out, acc[k], bias, r0 + k, rows, n, lane);
 }
@@ -661,6 +662,17 @@ __global__ void add_bias_kernel(float *out, const float *bias, int rows, int64_t
         out[k] += bias[k % rows];
 }
 
+/* Weight rows per warp of gemv_vec_rows_kernel: MM_VEC_ROWS while that still gives every SM a
+ * block, else 2, else 1, so that a small matrix (a k / v projection) does not leave SMs idle.
+ * Every choice gives the same bits. */
+static int gemv_rows_per_warp(const struct cuda_impl *impl, int rows)
+{
+    for (int r = MM_VEC_ROWS; r > 1; r /= 2)
+        if ((rows + MM_ROWS_WARPS * r - 1) / (MM_ROWS_WARPS * r) >= impl->sm_count)
+            return r;
+    return 1;
+}
+
 static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tensor *w,
                        const float *bias, const float *x, int n)
 {
@@ -684,16 +696,22 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
         const bool wide = w->type == SKV_DTYPE_F32 || w->type == SKV_DTYPE_F16 || w->type == SKV_DTYPE_BF16;
         const int epl = w->type == SKV_DTYPE_F32 ? 4 : 8;
         if (wide && cols % epl == 0 && row_bytes % 16 == 0 && (uintptr_t)wd % 16 == 0 && (uintptr_t)x % 16 == 0) {
-            const int per_block = MM_ROWS_WARPS * MM_VEC_ROWS;
+            const int rpw = gemv_rows_per_warp(impl, rows), per_block = MM_ROWS_WARPS * rpw;
             const unsigned rgrid = (unsigned)((rows + per_block - 1) / per_block);
+#define MV_ROWS_LAUNCH(T, R)                                                                                     \
+    gemv_vec_rows_kernel<T, R><<<rgrid, MM_ROWS_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, rows, \
+                                                                               cols, n)
 #define MV_VEC_LAUNCH(T)                                                                                          \
     do {                                                                                                          \
         if (n == 1)                                                                                               \
             gemv_vec_kernel<T><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, rows,  \
                                                                               cols, n);                           \
+        else if (rpw == MM_VEC_ROWS)                                                                              \
+            MV_ROWS_LAUNCH(T, MM_VEC_ROWS);                                                                       \
+        else if (rpw == 2)                                                                                        \
+            MV_ROWS_LAUNCH(T, 2);                                                                                 \
         else                                                                                                      \
-            gemv_vec_rows_kernel<T><<<rgrid, MM_ROWS_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, \
-                                                                                    rows, cols, n);               \
+            MV_ROWS_LAUNCH(T, 1);                                                                                 \
     } while (0)
             if (w->type == SKV_DTYPE_F32)
                 MV_VEC_LAUNCH(SKV_DTYPE_F32);
@@ -702,6 +720,7 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
             else
                 MV_VEC_LAUNCH(SKV_DTYPE_BF16);
 #undef MV_VEC_LAUNCH
+#undef MV_ROWS_LAUNCH
             SKV_CUDA_CHECK(cudaGetLastError());
             return SKV_OK;
         }
@@ -1724,14 +1743,20 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
         int rc = att_check("attention", out, q, 1, n_heads, &kv[s]);
         if (rc == SKV_OK)
             rc = skv_kv_view_check_window(&kv[s], "attention");
-        if (rc < 0)
-            return rc;
+        if (rc < 0) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", skv_error_msg());
+            return skv_errorf(rc, "attention_batch: sequence %d: %s", s, why);
+        }
         if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
             return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
                               s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);
     }
     if (n_seq == 0)
         return SKV_OK;
+    if ((int64_t)n_seq * n_heads * kv[0].head_dim > INT_MAX)
+        return skv_errorf(SKV_E_INVAL, "attention_batch: %d sequences x %d heads x %d", n_seq, n_heads,
+                          kv[0].head_dim);
     const int d = kv[0].head_dim, qstride = n_heads * d;
     if (n_seq == 1 || d > ATT_MAX_D) {
         for (int s = 0; s < n_seq; s++) {

@@ -412,21 +412,28 @@ static int run_gemv(int type, int rows, int cols, int n)
         emu_launch(gemv_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
     }
     size_t rows_differ = 0;
-    if (n >= 2) {
-        std::vector<float> mr((size_t)n * rows, NAN);
-        unsigned rgrid = (unsigned)((rows + MM_ROWS_WARPS * MM_VEC_ROWS - 1) / (MM_ROWS_WARPS * MM_VEC_ROWS));
-        auto launch = [&](auto kernel) {
+    if (n >= 2) { /* every rows-per-warp choice */
+        auto check = [&](int r, auto kernel) {
+            std::vector<float> mr((size_t)n * rows, NAN);
+            unsigned rgrid = (unsigned)((rows + MM_ROWS_WARPS * r - 1) / (MM_ROWS_WARPS * r));
             emu_launch(kernel, rgrid, MM_ROWS_WARPS * 32, 0, mr.data(), (const uint8_t *)w.data(), rb,
                        (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+            for (size_t i = 0; i < mr.size(); i++)
+                rows_differ += memcmp(&mr[i], &vec[i], sizeof(float)) != 0;
         };
-        if (type == SKV_DTYPE_F32)
-            launch(gemv_vec_rows_kernel<SKV_DTYPE_F32>);
-        else if (type == SKV_DTYPE_F16)
-            launch(gemv_vec_rows_kernel<SKV_DTYPE_F16>);
-        else
-            launch(gemv_vec_rows_kernel<SKV_DTYPE_BF16>);
-        for (size_t i = 0; i < mr.size(); i++)
-            rows_differ += memcmp(&mr[i], &vec[i], sizeof(float)) != 0;
+        if (type == SKV_DTYPE_F32) {
+            check(1, gemv_vec_rows_kernel<SKV_DTYPE_F32, 1>);
+            check(2, gemv_vec_rows_kernel<SKV_DTYPE_F32, 2>);
+            check(MM_VEC_ROWS, gemv_vec_rows_kernel<SKV_DTYPE_F32, MM_VEC_ROWS>);
+        } else if (type == SKV_DTYPE_F16) {
+            check(1, gemv_vec_rows_kernel<SKV_DTYPE_F16, 1>);
+            check(2, gemv_vec_rows_kernel<SKV_DTYPE_F16, 2>);
+            check(MM_VEC_ROWS, gemv_vec_rows_kernel<SKV_DTYPE_F16, MM_VEC_ROWS>);
+        } else {
+            check(1, gemv_vec_rows_kernel<SKV_DTYPE_BF16, 1>);
+            check(2, gemv_vec_rows_kernel<SKV_DTYPE_BF16, 2>);
+            check(MM_VEC_ROWS, gemv_vec_rows_kernel<SKV_DTYPE_BF16, MM_VEC_ROWS>);
+        }
     }
     double num_v = 0, num_e = 0, den = 0;
     for (int j = 0; j < n; j++)
@@ -440,7 +447,7 @@ static int run_gemv(int type, int rows, int cols, int n)
             den += ref * ref;
         }
     bool ok = num_v / den < 1e-11 && num_e / den < 1e-11 && rows_differ == 0;
-    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g; multi-row kernel: %zu differ (bitwise)\n",
+    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g; multi-row kernel (1, 2, 4 rows a warp): %zu differ (bitwise)\n",
            ok ? "ok  " : "FAIL", type, rows, cols, n, num_v / den, num_e / den, rows_differ);
     return !ok;
 }
