@@ -447,7 +447,8 @@ static int run_gemv(int type, int rows, int cols, int n)
             den += ref * ref;
         }
     bool ok = num_v / den < 1e-11 && num_e / den < 1e-11 && rows_differ == 0;
-    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g; multi-row kernel (1, 2, 4 rows a warp): %zu differ (bitwise)\n",
+    printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g; "
+           "multi-row kernel (1, 2, 4 rows a warp): %zu differ (bitwise)\n",
            ok ? "ok  " : "FAIL", type, rows, cols, n, num_v / den, num_e / den, rows_differ);
     return !ok;
 }
