@@ -25,6 +25,8 @@ struct skv_engine {
     float *ob;             /* [CHUNK][dim] */
     float *gb, *ub;        /* [CHUNK][ffn_dim] */
     float *lb;             /* [n_vocab]: one position's logits (decode), kept between calls */
+    float *lg;             /* [decode group][n_vocab]: a decode group's logits, made at its first use and
+                            * kept (an alloc and free a forward cost a device-wide wait on the GPU) */
     uint64_t scratch_bytes;
     int decode_group;      /* sessions per decode forward (decode_group_size); 0: not known yet */
     const struct skv_forward_opts *tick; /* the running forward's opts when they have a tick */
@@ -566,7 +568,8 @@ void skv_kv_cache_growth(const struct skv_kv_cache *c, int n, bool compacts, uin
 
 static void free_buffers(struct skv_engine *e)
 {
-    float **bufs[] = {&e->x, &e->x_in, &e->q, &e->att, &e->xb, &e->kb, &e->vb, &e->ob, &e->gb, &e->ub, &e->lb};
+    float **bufs[] = {&e->x,  &e->x_in, &e->q,  &e->att, &e->xb, &e->kb,
+                      &e->vb, &e->ob,   &e->gb, &e->ub,  &e->lb, &e->lg};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         e->be->ops->free(e->be, *bufs[i]);
         *bufs[i] = NULL;
@@ -1042,6 +1045,7 @@ static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const i
 
 static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *seqs, const int32_t *tokens, int n,
                             bool hook);
+static int decode_group_size(struct skv_engine *e);
 
 /* One forward for the n sequences of a decode group; when it fails, none of them keeps a row
  * of it (forward_undo). */
@@ -1107,15 +1111,19 @@ static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *se
     CHECK(ops->rmsnorm(be, e->xb, e->x, e->m->output_norm.data, n, c->dim, c->norm_eps));
     size_t row = (size_t)c->n_vocab * sizeof(float);
     float *out = e->lb;
-    if (n > 1)
-        CHECK(ops->alloc(be, (size_t)n * row, (void **)&out));
-    int rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, n);
-    for (int i = 0; i < n && !rc; i++)
+    if (n > 1) {
+        if (!e->lg) { /* n <= the group size: skv_engine_decode_batch cuts groups so */
+            size_t bytes = (size_t)decode_group_size(e) * row;
+            CHECK(ops->alloc(be, bytes, (void **)&e->lg));
+            e->scratch_bytes += bytes;
+        }
+        out = e->lg;
+    }
+    CHECK(ops->matmul(be, out, &e->m->output, NULL, e->xb, n));
+    for (int i = 0; i < n; i++)
         if (seqs[i].logits)
-            rc = ops->download(be, seqs[i].logits, out + (size_t)i * c->n_vocab, row);
-    if (out != e->lb)
-        ops->free(be, out);
-    return rc;
+            CHECK(ops->download(be, seqs[i].logits, out + (size_t)i * c->n_vocab, row));
+    return SKV_OK;
 }
 
 /* How many sessions one decode forward takes: as many as every weight's matmul computes row by
