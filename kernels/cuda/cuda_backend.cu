@@ -23,7 +23,7 @@ extern "C" {
 #define MM_GEMV_MAX_N 8
 #define MM_GEMV_WARPS 8
 #define MM_VEC_UNROLL 4        /* 16-byte weight loads in flight per lane (gemv_vec_kernel) */
-#define MM_VEC_ROWS 4          /* gemv_vec_rows_kernel (n >= 2): most weight rows per warp */
+#define MM_VEC_ROWS 4          /* gemv_vec_kernel with n >= 2: most weight rows per warp */
 #define MM_ROWS_WARPS 4        /* and its warps per block */
 /* Bytes of bf16 weight tile a quantized GEMM dequantizes at a time. */
 #define MM_TILE_BYTES ((size_t)64 << 20)
@@ -510,72 +510,25 @@ __device__ __forceinline__ void unpack16(const uint4 v, float *f)
     }
 }
 
-/* gemv_kernel for F32 / F16 / BF16 rows whose bytes and activations are 16-byte aligned: one
- * warp per row, each lane reading 16 bytes at a time (4 or 8 weights), MM_VEC_UNROLL loads in
- * flight, so that decode streams the weights near the memory's bandwidth. */
-template <int TYPE>
-__global__ void gemv_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias,
-                                const float *x, int rows, int cols, int n)
-{
-    constexpr int EPL = TYPE == SKV_DTYPE_F32 ? 4 : 8; /* weights per 16-byte load */
-    const int lane = threadIdx.x % 32;
-    const int r = blockIdx.x * MM_GEMV_WARPS + threadIdx.x / 32;
-    if (r >= rows)
-        return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)r * row_bytes);
-    const int chunks = cols / EPL;
-    float acc[MM_GEMV_MAX_N];
-#pragma unroll
-    for (int j = 0; j < MM_GEMV_MAX_N; j++)
-        acc[j] = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * MM_VEC_UNROLL) {
-        uint4 v[MM_VEC_UNROLL];
-#pragma unroll
-        for (int u = 0; u < MM_VEC_UNROLL; u++)
-            v[u] = c0 + 32 * u < chunks ? __ldg(wr + c0 + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int u = 0; u < MM_VEC_UNROLL; u++) {
-            const int c = c0 + 32 * u;
-            if (c >= chunks)
-                break;
-            float wf[EPL];
-            unpack16<TYPE>(v[u], wf);
-#pragma unroll
-            for (int j = 0; j < MM_GEMV_MAX_N; j++) {
-                if (j >= n)
-                    break;
-                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)j * cols + (size_t)c * EPL);
-#pragma unroll
-                for (int q = 0; q < EPL / 4; q++) {
-                    const float4 xv = __ldg(xp + q);
-                    acc[j] = fmaf(wf[4 * q], xv.x, acc[j]);
-                    acc[j] = fmaf(wf[4 * q + 1], xv.y, acc[j]);
-                    acc[j] = fmaf(wf[4 * q + 2], xv.z, acc[j]);
-                    acc[j] = fmaf(wf[4 * q + 3], xv.w, acc[j]);
-                }
-            }
-        }
-    }
-    gemv_store(out, acc, bias, r, rows, n, lane);
-}
-
-/* gemv_vec_kernel for 2 .. MM_GEMV_MAX_N activation rows (a decode group, a short append): a
- * warp takes R weight rows (gemv_rows_per_warp), so that each activation load serves all of
- * them. With
- * one weight row a warp, n activation rows read n x 32 bytes of activations per 16 bytes of
- * weights, for every weight row: at n = 8 that traffic from L1 and L2, not the weights from
- * DRAM, bounds the kernel. Each lane visits its columns in gemv_vec_kernel's order and keeps
- * one sum per (weight row, activation row), and the warp sums them as gemv_store does: every
- * output is bit for bit gemv_vec_kernel's, so a session's decode does not depend on its
- * group. */
-template <int TYPE, int R>
-__global__ void __launch_bounds__(MM_ROWS_WARPS * 32)
-gemv_vec_rows_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias, const float *x, int rows,
+/* gemv_kernel for F32 / F16 / BF16 rows whose bytes and activations are 16-byte aligned: a warp
+ * per R weight rows, each lane reading 16 bytes of each row at a time (4 or 8 weights),
+ * MM_VEC_UNROLL loads a row in flight, so that decode streams the weights near the memory's
+ * bandwidth; WARPS warps a block. One activation row (batch-1 decode) takes R = 1. With 2 ..
+ * MM_GEMV_MAX_N (a decode group, a short append) a warp takes up to MM_VEC_ROWS weight rows
+ * (gemv_rows_per_warp), so that each activation load serves all of them: one weight row a
+ * warp reads n x 32 bytes of activations per 16 bytes of weights, for every weight row, and at
+ * n = 8 that traffic from L1 and L2, not the weights from DRAM, bounds the kernel. Whatever R
+ * and WARPS, each lane visits its columns in the same order and keeps one sum per (weight row,
+ * activation row), and the warp sums them as gemv_store does: every output is bit for bit the
+ * same, so a session's decode does not depend on its group. */
+template <int TYPE, int R, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+gemv_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, const float *bias, const float *x, int rows,
                      int cols, int n)
 {
     constexpr int EPL = TYPE == SKV_DTYPE_F32 ? 4 : 8;
     const int lane = threadIdx.x % 32;
-    const int r0 = (blockIdx.x * MM_ROWS_WARPS + threadIdx.x / 32) * R;
+    const int r0 = (blockIdx.x * WARPS + threadIdx.x / 32) * R;
     if (r0 >= rows)
         return;
     const uint4 *wr[R];
@@ -662,9 +615,9 @@ __global__ void add_bias_kernel(float *out, const float *bias, int rows, int64_t
         out[k] += bias[k % rows];
 }
 
-/* Weight rows per warp of gemv_vec_rows_kernel: MM_VEC_ROWS while that still gives every SM a
- * block, else 2, else 1, so that a small matrix (a k / v projection) does not leave SMs idle.
- * Every choice gives the same bits. */
+/* Weight rows per warp of gemv_vec_kernel for 2 or more activation rows: MM_VEC_ROWS while that
+ * still gives every SM a block, else 2, else 1, so that a small matrix (a k / v projection) does
+ * not leave SMs idle. Every choice gives the same bits. */
 static int gemv_rows_per_warp(const struct cuda_impl *impl, int rows)
 {
     for (int r = MM_VEC_ROWS; r > 1; r /= 2)
@@ -698,20 +651,20 @@ static int cuda_matmul(struct skv_backend *be, float *out, const struct skv_tens
         if (wide && cols % epl == 0 && row_bytes % 16 == 0 && (uintptr_t)wd % 16 == 0 && (uintptr_t)x % 16 == 0) {
             const int rpw = gemv_rows_per_warp(impl, rows), per_block = MM_ROWS_WARPS * rpw;
             const unsigned rgrid = (unsigned)((rows + per_block - 1) / per_block);
-#define MV_ROWS_LAUNCH(T, R)                                                                                     \
-    gemv_vec_rows_kernel<T, R><<<rgrid, MM_ROWS_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, rows, \
-                                                                               cols, n)
-#define MV_VEC_LAUNCH(T)                                                                                          \
-    do {                                                                                                          \
-        if (n == 1)                                                                                               \
-            gemv_vec_kernel<T><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, bias, x, rows,  \
-                                                                              cols, n);                           \
-        else if (rpw == MM_VEC_ROWS)                                                                              \
-            MV_ROWS_LAUNCH(T, MM_VEC_ROWS);                                                                       \
-        else if (rpw == 2)                                                                                        \
-            MV_ROWS_LAUNCH(T, 2);                                                                                 \
-        else                                                                                                      \
-            MV_ROWS_LAUNCH(T, 1);                                                                                 \
+#define MV_ROWS_LAUNCH(T, R)                                                                                \
+    gemv_vec_kernel<T, R, MM_ROWS_WARPS><<<rgrid, MM_ROWS_WARPS * 32, 0, impl->stream>>>(out, wd, row_bytes, \
+                                                                                         bias, x, rows, cols, n)
+#define MV_VEC_LAUNCH(T)                                                                                     \
+    do {                                                                                                     \
+        if (n == 1)                                                                                          \
+            gemv_vec_kernel<T, 1, MM_GEMV_WARPS><<<grid, MM_GEMV_WARPS * 32, 0, impl->stream>>>(             \
+                out, wd, row_bytes, bias, x, rows, cols, n);                                                 \
+        else if (rpw == MM_VEC_ROWS)                                                                         \
+            MV_ROWS_LAUNCH(T, MM_VEC_ROWS);                                                                  \
+        else if (rpw == 2)                                                                                   \
+            MV_ROWS_LAUNCH(T, 2);                                                                            \
+        else                                                                                                 \
+            MV_ROWS_LAUNCH(T, 1);                                                                            \
     } while (0)
             if (w->type == SKV_DTYPE_F32)
                 MV_VEC_LAUNCH(SKV_DTYPE_F32);

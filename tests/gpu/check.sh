@@ -387,6 +387,24 @@ print(f"{1000 * dec['seconds'] / dec['tokens']:.2f} ms/step; largest: "
 EOF2
 }
 
+# prof_run NAME MODE ARGS...: snapkv-bench speed ARGS on CUDA at depth C1 with SKV_CUDA_PROFILE=MODE,
+# and its row from prof_summary
+prof_run() {
+    local name=$1 mode=$2
+    shift 2
+    if run "$name" 60 env SKV_CUDA_PROFILE="$mode" "$BENCH" speed --backend cuda --prefill none \
+           --decode-depth "$C1" --json "$@"; then
+        local sum
+        if sum=$(prof_summary "$name"); then
+            row "$name" "ok" "$sum"
+        else
+            bad "$name" "no profile table in $BUILD/$name.log"
+        fi
+    elif [ $? != 2 ]; then
+        bad "$name" "snapkv-bench speed with SKV_CUDA_PROFILE=$mode failed (see $BUILD/$name.log)"
+    fi
+}
+
 # 8b. where a decoded token's time goes: SKV_CUDA_PROFILE=1 (host time inside each backend op)
 # and =2 (each op synchronized: its device time too), 128 tokens at depth 1024 on each model;
 # the tables land in prof{1,2}_*.log (SKV_GPU_CHECK_PROFILE=0: not run)
@@ -395,17 +413,7 @@ if [ "$DRY" != 1 ] && [ "$PROFILE" != 0 ]; then
     for pm in "default:$MODEL" "8b:$BIG"; do
         [ -f "${pm#*:}" ] || continue
         for mode in 1 2; do
-            name=prof${mode}_${pm%%:*}
-            if run "$name" 60 env SKV_CUDA_PROFILE=$mode "$BENCH" speed --model "${pm#*:}" --backend cuda \
-                   --prefill none --decode-depth "$C1" --decode-tokens 128 --json; then
-                if sum=$(prof_summary "$name"); then
-                    row "$name" "ok" "$sum"
-                else
-                    bad "$name" "no profile table in $BUILD/$name.log"
-                fi
-            elif [ $? != 2 ]; then
-                bad "$name" "snapkv-bench speed with SKV_CUDA_PROFILE=$mode failed (see $BUILD/$name.log)"
-            fi
+            prof_run "prof${mode}_${pm%%:*}" "$mode" --model "${pm#*:}" --decode-tokens 128
         done
     done
 fi
@@ -430,17 +438,7 @@ print("; ".join("@%d: %.1f t/s over 8, %.2f ms a step" % (x["depth"], x["tokens_
         fi
     done
     if [ "$DRY" != 1 ] && [ "$PROFILE" != 0 ]; then
-        name=prof2_8b_batch8
-        if run "$name" 60 env SKV_CUDA_PROFILE=2 "$BENCH" speed --model "$BIG" --backend cuda --prefill none \
-               --decode-depth "$C1" --decode-tokens 32 --batch 8 --compress "$SNAP" --json; then
-            if sum=$(prof_summary "$name"); then
-                row "$name" "ok" "$sum"
-            else
-                bad "$name" "no profile table in $BUILD/$name.log"
-            fi
-        elif [ $? != 2 ]; then
-            bad "$name" "snapkv-bench speed --batch 8 with SKV_CUDA_PROFILE=2 failed (see $BUILD/$name.log)"
-        fi
+        prof_run prof2_8b_batch8 2 --model "$BIG" --decode-tokens 32 --batch 8 --compress "$SNAP"
     fi
 fi
 

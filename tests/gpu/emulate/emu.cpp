@@ -379,8 +379,9 @@ static int run_topk(const std::vector<float> &keys, int64_t stride, const int *n
 }
 
 /* The decode GEMV: the 16-byte-load kernel and the element kernel on the same rows, both
- * against a double product of the stored (rounded) weights; with n >= 2 also the multi-row
- * kernel, which must give bit for bit the 16-byte-load kernel's output. */
+ * against a double product of the stored (rounded) weights; with n >= 2 also the 16-byte-load
+ * kernel's multi-row forms (1, 2 and 4 weight rows a warp, 4 warps a block), which must give bit
+ * for bit its one-row form's output. */
 static int run_gemv(int type, int rows, int cols, int n)
 {
     const size_t esz = type == SKV_DTYPE_F32 ? 4 : 2, rb = (size_t)cols * esz;
@@ -401,16 +402,18 @@ static int run_gemv(int type, int rows, int cols, int n)
     std::vector<float> vec((size_t)n * rows, NAN), ele((size_t)n * rows, NAN), bias(rows);
     for (auto &v : bias) v = rnd();
     unsigned grid = (unsigned)((rows + MM_GEMV_WARPS - 1) / MM_GEMV_WARPS);
-    if (type == SKV_DTYPE_F32) {
-        emu_launch(gemv_vec_kernel<SKV_DTYPE_F32>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
-        emu_launch(gemv_kernel<SKV_DTYPE_F32>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
-    } else if (type == SKV_DTYPE_F16) {
-        emu_launch(gemv_vec_kernel<SKV_DTYPE_F16>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
-        emu_launch(gemv_kernel<SKV_DTYPE_F16>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
-    } else {
-        emu_launch(gemv_vec_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
-        emu_launch(gemv_kernel<SKV_DTYPE_BF16>, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb, (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
-    }
+    auto both = [&](auto vec_kernel, auto element_kernel) {
+        emu_launch(vec_kernel, grid, MM_GEMV_WARPS * 32, 0, vec.data(), (const uint8_t *)w.data(), rb,
+                   (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+        emu_launch(element_kernel, grid, MM_GEMV_WARPS * 32, 0, ele.data(), (const uint8_t *)w.data(), rb,
+                   (const float *)bias.data(), (const float *)x.data(), rows, cols, n);
+    };
+    if (type == SKV_DTYPE_F32)
+        both(gemv_vec_kernel<SKV_DTYPE_F32, 1, MM_GEMV_WARPS>, gemv_kernel<SKV_DTYPE_F32>);
+    else if (type == SKV_DTYPE_F16)
+        both(gemv_vec_kernel<SKV_DTYPE_F16, 1, MM_GEMV_WARPS>, gemv_kernel<SKV_DTYPE_F16>);
+    else
+        both(gemv_vec_kernel<SKV_DTYPE_BF16, 1, MM_GEMV_WARPS>, gemv_kernel<SKV_DTYPE_BF16>);
     size_t rows_differ = 0;
     if (n >= 2) { /* every rows-per-warp choice */
         auto check = [&](int r, auto kernel) {
@@ -422,17 +425,17 @@ static int run_gemv(int type, int rows, int cols, int n)
                 rows_differ += memcmp(&mr[i], &vec[i], sizeof(float)) != 0;
         };
         if (type == SKV_DTYPE_F32) {
-            check(1, gemv_vec_rows_kernel<SKV_DTYPE_F32, 1>);
-            check(2, gemv_vec_rows_kernel<SKV_DTYPE_F32, 2>);
-            check(MM_VEC_ROWS, gemv_vec_rows_kernel<SKV_DTYPE_F32, MM_VEC_ROWS>);
+            check(1, gemv_vec_kernel<SKV_DTYPE_F32, 1, MM_ROWS_WARPS>);
+            check(2, gemv_vec_kernel<SKV_DTYPE_F32, 2, MM_ROWS_WARPS>);
+            check(MM_VEC_ROWS, gemv_vec_kernel<SKV_DTYPE_F32, MM_VEC_ROWS, MM_ROWS_WARPS>);
         } else if (type == SKV_DTYPE_F16) {
-            check(1, gemv_vec_rows_kernel<SKV_DTYPE_F16, 1>);
-            check(2, gemv_vec_rows_kernel<SKV_DTYPE_F16, 2>);
-            check(MM_VEC_ROWS, gemv_vec_rows_kernel<SKV_DTYPE_F16, MM_VEC_ROWS>);
+            check(1, gemv_vec_kernel<SKV_DTYPE_F16, 1, MM_ROWS_WARPS>);
+            check(2, gemv_vec_kernel<SKV_DTYPE_F16, 2, MM_ROWS_WARPS>);
+            check(MM_VEC_ROWS, gemv_vec_kernel<SKV_DTYPE_F16, MM_VEC_ROWS, MM_ROWS_WARPS>);
         } else {
-            check(1, gemv_vec_rows_kernel<SKV_DTYPE_BF16, 1>);
-            check(2, gemv_vec_rows_kernel<SKV_DTYPE_BF16, 2>);
-            check(MM_VEC_ROWS, gemv_vec_rows_kernel<SKV_DTYPE_BF16, MM_VEC_ROWS>);
+            check(1, gemv_vec_kernel<SKV_DTYPE_BF16, 1, MM_ROWS_WARPS>);
+            check(2, gemv_vec_kernel<SKV_DTYPE_BF16, 2, MM_ROWS_WARPS>);
+            check(MM_VEC_ROWS, gemv_vec_kernel<SKV_DTYPE_BF16, MM_VEC_ROWS, MM_ROWS_WARPS>);
         }
     }
     double num_v = 0, num_e = 0, den = 0;
