@@ -286,11 +286,15 @@ int skv_backend_selftest(struct skv_backend *be)
     rc = rc ? rc : cpu->ops->attention(cpu, want, q, 4, H, &host);
     rc = rc ? rc : selftest_close(be, "rmsnorm", norm_dev, norm_cpu, N * DIM, 1e-8);
     rc = rc ? rc : selftest_close(be, "attention", got, want, 4 * H * D, 1e-8);
-    if (!rc && be->ops->attention_batch) { /* a decode group of two: 6 and 3 rows */
+    if (!rc && be->ops->attention_batch) { /* a decode group of two: 6 rows, and 3 with K and V swapped */
         struct skv_kv_view views[2] = {view, view}, hosts[2] = {host, host};
         for (int h = 0; h < HKV; h++) {
             views[0].prefix_len[h] = hosts[0].prefix_len[h] = ROWS - 2;
             views[1].prefix_len[h] = hosts[1].prefix_len[h] = 2;
+            views[1].k[h] = view.v[h];
+            views[1].v[h] = view.k[h];
+            hosts[1].k[h] = host.v[h];
+            hosts[1].v[h] = host.k[h];
         }
         rc = be->ops->attention_batch(be, dout, dq, 2, H, views);
         rc = rc ? rc : be->ops->download(be, got, dout, (size_t)2 * H * D * sizeof(float));

@@ -26,7 +26,8 @@ struct skv_engine {
     float *gb, *ub;        /* [CHUNK][ffn_dim] */
     float *lb;             /* [n_vocab]: one position's logits (decode), kept between calls */
     float *lg;             /* [decode group][n_vocab]: a decode group's logits, made at its first use and
-                            * kept (an alloc and free a forward cost a device-wide wait on the GPU) */
+                            * kept between forwards (an alloc and a free a forward cost a device-wide wait
+                            * on the GPU); freed with the other buffers when they grow */
     uint64_t scratch_bytes;
     int decode_group;      /* sessions per decode forward (decode_group_size); 0: not known yet */
     const struct skv_forward_opts *tick; /* the running forward's opts when they have a tick */

@@ -3735,20 +3735,6 @@ static void stream_redis_start(const char *port, const char *const *extra, char 
     assert_string_equal(out, "PONG");
 }
 
-/* A spill's value is streamed onto the connection (skv_store_put_stream), against a real
- * redis-server on a unix socket and on TCP (skipped when it is not installed): a 3 MB value
- * written in uneven pieces comes back whole; a writer that writes fewer or more bytes than
- * announced, or fails, leaves nothing stored and the store usable at once; a connection the
- * server closed while idle is made again before the command is sent (over TCP too, where a send
- * would still go out: a GETDEL on it would find the connection closed only when the reply was
- * due); a store that stops reading is a timeout, and the half-sent value is not stored. Takes
- * read the value straight from the socket (an empty one, none, the store's error for a key
- * that is not a string). */
-/* getaddrinfo as this program sees it (store.c is linked into it, so the store's lookup
- * thread calls this one): a name under ".slow.test" is answered as "localhost" after
- * SLOW_LOOKUP_MS, a resolver that takes longer than store-timeout-ms; every other name goes to
- * the next getaddrinfo (libc's, or a sanitizer's in front of it). */
-#define SLOW_LOOKUP_MS 1500
 static uint64_t mono_ms(void)
 {
     struct timespec ts;
@@ -3756,6 +3742,11 @@ static uint64_t mono_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+/* getaddrinfo as this program sees it (store.c is linked into it, so the store's lookup
+ * thread calls this one): a name under ".slow.test" is answered as "localhost" after
+ * SLOW_LOOKUP_MS, a resolver that takes longer than store-timeout-ms; every other name goes to
+ * the next getaddrinfo (libc's, or a sanitizer's in front of it). */
+#define SLOW_LOOKUP_MS 1500
 int getaddrinfo(const char *node, const char *service, const struct addrinfo *hints, struct addrinfo **res)
 {
     typedef int (*gai_fn)(const char *, const char *, const struct addrinfo *, struct addrinfo **);
@@ -3811,6 +3802,15 @@ static void test_store_slow_lookup(void **state)
     usleep((SLOW_LOOKUP_MS + 300) * 1000); /* it ends before the program does */
 }
 
+/* A spill's value is streamed onto the connection (skv_store_put_stream), against a real
+ * redis-server on a unix socket and on TCP (skipped when it is not installed): a 3 MB value
+ * written in uneven pieces comes back whole; a writer that writes fewer or more bytes than
+ * announced, or fails, leaves nothing stored and the store usable at once; a connection the
+ * server closed while idle is made again before the command is sent (over TCP too, where a send
+ * would still go out: a GETDEL on it would find the connection closed only when the reply was
+ * due); a store that stops reading is a timeout, and the half-sent value is not stored. Takes
+ * read the value straight from the socket (an empty one, none, the store's error for a key
+ * that is not a string). */
 static void test_store_stream(void **state)
 {
     (void)state;

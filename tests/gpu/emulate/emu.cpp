@@ -381,7 +381,7 @@ static int run_topk(const std::vector<float> &keys, int64_t stride, const int *n
 /* The decode GEMV: the 16-byte-load kernel and the element kernel on the same rows, both
  * against a double product of the stored (rounded) weights; with n >= 2 also the 16-byte-load
  * kernel's multi-row forms (1, 2 and 4 weight rows a warp, 4 warps a block), which must give bit
- * for bit its one-row form's output. */
+ * for bit its one-row form's output, and that output must be each activation row's alone. */
 static int run_gemv(int type, int rows, int cols, int n)
 {
     const size_t esz = type == SKV_DTYPE_F32 ? 4 : 2, rb = (size_t)cols * esz;
@@ -424,18 +424,32 @@ static int run_gemv(int type, int rows, int cols, int n)
             for (size_t i = 0; i < mr.size(); i++)
                 rows_differ += memcmp(&mr[i], &vec[i], sizeof(float)) != 0;
         };
+        /* and each activation row alone through the one-row form (n = 1): the decode promise */
+        auto alone = [&](auto kernel) {
+            for (int j = 0; j < n; j++) {
+                std::vector<float> one(rows, NAN);
+                const float *xj = x.data() + (size_t)j * cols;
+                emu_launch(kernel, grid, MM_GEMV_WARPS * 32, 0, one.data(), (const uint8_t *)w.data(), rb,
+                           (const float *)bias.data(), xj, rows, cols, 1);
+                for (int r = 0; r < rows; r++)
+                    rows_differ += memcmp(&one[r], &vec[(size_t)j * rows + r], sizeof(float)) != 0;
+            }
+        };
         if (type == SKV_DTYPE_F32) {
             check(1, gemv_vec_kernel<SKV_DTYPE_F32, 1, MM_ROWS_WARPS>);
             check(2, gemv_vec_kernel<SKV_DTYPE_F32, 2, MM_ROWS_WARPS>);
             check(MM_VEC_ROWS, gemv_vec_kernel<SKV_DTYPE_F32, MM_VEC_ROWS, MM_ROWS_WARPS>);
+            alone(gemv_vec_kernel<SKV_DTYPE_F32, 1, MM_GEMV_WARPS>);
         } else if (type == SKV_DTYPE_F16) {
             check(1, gemv_vec_kernel<SKV_DTYPE_F16, 1, MM_ROWS_WARPS>);
             check(2, gemv_vec_kernel<SKV_DTYPE_F16, 2, MM_ROWS_WARPS>);
             check(MM_VEC_ROWS, gemv_vec_kernel<SKV_DTYPE_F16, MM_VEC_ROWS, MM_ROWS_WARPS>);
+            alone(gemv_vec_kernel<SKV_DTYPE_F16, 1, MM_GEMV_WARPS>);
         } else {
             check(1, gemv_vec_kernel<SKV_DTYPE_BF16, 1, MM_ROWS_WARPS>);
             check(2, gemv_vec_kernel<SKV_DTYPE_BF16, 2, MM_ROWS_WARPS>);
             check(MM_VEC_ROWS, gemv_vec_kernel<SKV_DTYPE_BF16, MM_VEC_ROWS, MM_ROWS_WARPS>);
+            alone(gemv_vec_kernel<SKV_DTYPE_BF16, 1, MM_GEMV_WARPS>);
         }
     }
     double num_v = 0, num_e = 0, den = 0;
@@ -451,7 +465,7 @@ static int run_gemv(int type, int rows, int cols, int n)
         }
     bool ok = num_v / den < 1e-11 && num_e / den < 1e-11 && rows_differ == 0;
     printf("%s gemv type=%d rows=%d cols=%d n=%d nmse vec %.3g element %.3g; "
-           "multi-row kernel (1, 2, 4 rows a warp): %zu differ (bitwise)\n",
+           "multi-row forms and rows alone: %zu differ (bitwise)\n",
            ok ? "ok  " : "FAIL", type, rows, cols, n, num_v / den, num_e / den, rows_differ);
     return !ok;
 }
