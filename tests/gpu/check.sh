@@ -436,6 +436,21 @@ print("; ".join("@%d: %.1f t/s over 8, %.2f ms a step" % (x["depth"], x["tokens_
         elif [ $? != 2 ]; then
             bad "$name" "snapkv-bench speed --batch 8 failed (see $BUILD/$name.log)"
         fi
+        # what a step of the group costs against one token decoded alone (the speed step's JSON)
+        one=$BUILD/speed_8b_${sp%%:*}.json
+        if [ -f "$BUILD/$name.json" ] && [ -f "$one" ]; then
+            row "group cost 8b ${sp%%:*}" "reported" "$(python3 -c '
+import json, sys
+grp = {x["depth"]: x for x in json.load(open(sys.argv[1]))["decode"]}
+one = {x["depth"]: x for x in json.load(open(sys.argv[2]))["decode"]}
+out = []
+for d in sorted(grp):
+    if d in one:
+        g, o = grp[d]["seconds"] / grp[d]["tokens"], one[d]["seconds"] / one[d]["tokens"]
+        out.append("@%d: a step of 8 = %.2fx a token alone (%.2f vs %.2f ms)" % (d, g / o, 1000 * g, 1000 * o))
+print("; ".join(out) or "no common depth")
+' "$BUILD/$name.json" "$one")"
+        fi
     done
     if [ "$DRY" != 1 ] && [ "$PROFILE" != 0 ]; then
         prof_run prof2_8b_batch8 2 --model "$BIG" --decode-tokens 32 --batch 8 --compress "$SNAP"
