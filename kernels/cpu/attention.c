@@ -942,23 +942,24 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
 /* Sequences a batched call plans at once (the ones past it go in further rounds). */
 #define ATT_BATCH_MAX 64
 
-/* The planned calls of a batch and where each one's tasks start in the joint task list. */
+/* The planned calls of a batch and their tasks in the joint order: task t is task order[t].task
+ * of call order[t].seq. The order is by task, then call (every call's first task, then every
+ * call's second, ...): sessions forked from one prompt share its blocks, and the same (KV
+ * head, key chunk) of each then runs back to back on one thread while those rows are in its
+ * cache. */
+struct att_batch_task {
+    int32_t seq, task;
+};
 struct att_batch {
     const struct att_ctx *c;
-    const int64_t *task0; /* [n_seq + 1] */
+    const struct att_batch_task *order;
 };
 
 static void att_task_batch(void *p, int64_t begin, int64_t end, int tid)
 {
     const struct att_batch *b = p;
-    int s = 0;
-    while (b->task0[s + 1] <= begin)
-        s++;
-    for (int64_t t = begin; t < end; s++) {
-        const int64_t e = end < b->task0[s + 1] ? end : b->task0[s + 1];
-        att_run_tasks(&b->c[s], t - b->task0[s], e - b->task0[s], tid);
-        t = e;
-    }
+    for (int64_t t = begin; t < end; t++)
+        att_run_tasks(&b->c[b->order[t].seq], b->order[t].task, b->order[t].task + 1, tid);
 }
 
 /* rc (a failed check of sequence s's view) again, its message naming the op and the sequence. */
@@ -1001,16 +1002,25 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
             task0[s + 1] = task0[s] + att_tasks(&c[s]);
             macs += att_macs(&c[s]);
         }
-        size_t total = own_total + (size_t)be->n_threads * thread_floats;
+        const size_t order_floats = round16((size_t)task0[m] * sizeof(struct att_batch_task) / sizeof(float));
+        size_t total = own_total + order_floats + (size_t)be->n_threads * thread_floats;
         float *mem = skv_cpu_scratch(be, 0, total * sizeof(float));
         if (!mem)
             return skv_errorf(SKV_E_NOMEM, "attention: %zu bytes of scratch", total * sizeof(float));
         float *at = mem;
         for (int s = 0; s < m; s++) {
-            att_bind(&c[s], at, mem + own_total, thread_floats);
+            att_bind(&c[s], at, mem + own_total + order_floats, thread_floats);
             at += own[s];
         }
-        struct att_batch b = {.c = c, .task0 = task0};
+        struct att_batch_task *order = (struct att_batch_task *)(mem + own_total);
+        int64_t most = 0, t = 0;
+        for (int s = 0; s < m; s++)
+            most = task0[s + 1] - task0[s] > most ? task0[s + 1] - task0[s] : most;
+        for (int64_t k = 0; k < most; k++)
+            for (int s = 0; s < m; s++)
+                if (k < task0[s + 1] - task0[s])
+                    order[t++] = (struct att_batch_task){s, (int32_t)k};
+        struct att_batch b = {.c = c, .order = order};
         if (macs < ATT_INLINE_MACS)
             att_task_batch(&b, 0, task0[m], 0);
         else
