@@ -82,6 +82,44 @@ int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op)
     return SKV_OK;
 }
 
+int skv_attention_check(const char *op, const float *out, const float *q, int n, int n_heads,
+                        const struct skv_kv_view *kv)
+{
+    if (!out || !q || !kv)
+        return skv_errorf(SKV_E_INVAL, "%s: NULL buffer", op);
+    if (n < 0 || n_heads <= 0 || kv->head_dim <= 0)
+        return skv_errorf(SKV_E_INVAL, "%s: n=%d n_heads=%d head_dim=%d", op, n, n_heads, kv->head_dim);
+    if (kv->n_kv_heads <= 0 || kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads != 0)
+        return skv_errorf(SKV_E_INVAL, "%s: %d heads over %d KV heads (max %d)", op, n_heads, kv->n_kv_heads,
+                          SKV_MAX_KV_HEADS);
+    if (kv->kv_type != SKV_DTYPE_F32)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: KV type %d (only f32)", op, kv->kv_type);
+    for (int g = 0; g < kv->n_kv_heads; g++)
+        if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
+            return skv_errorf(SKV_E_INVAL, "%s: KV head %d prefix %d with %d new", op, g, (int)kv->prefix_len[g], n);
+    int rc = skv_kv_view_check_rows(kv, op);
+    return rc ? rc : skv_kv_view_check_window(kv, op);
+}
+
+int skv_attention_batch_check(const float *out, const float *q, int n_seq, int n_heads,
+                              const struct skv_kv_view *kv)
+{
+    if (!out || !q || !kv || n_seq < 0)
+        return skv_errorf(SKV_E_INVAL, "attention_batch: NULL buffer or %d sequences", n_seq);
+    for (int s = 0; s < n_seq; s++) {
+        int rc = skv_attention_check("attention", out, q, 1, n_heads, &kv[s]);
+        if (rc < 0) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", skv_error_msg());
+            return skv_errorf(rc, "attention_batch: sequence %d: %s", s, why);
+        }
+        if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
+            return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
+                              s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);
+    }
+    return SKV_OK;
+}
+
 /* ---- compression scores -------------------------------------------------------------------- */
 
 int skv_group_scores_check(const float *out, const float *colsum, int64_t stride, int n_heads, int n_kv,

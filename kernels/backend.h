@@ -130,6 +130,15 @@ int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op);
 /* SKV_OK when every head of the view has its rows (k and v, or a block table and
  * block_rows > 0), else SKV_E_INVAL with a message naming op. */
 int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op);
+/* The arguments of `attention` (n queries of n_heads over kv: buffers, head counts, an f32 view,
+ * lengths, the window's positions, every head's rows), SKV_E_INVAL or SKV_E_UNSUPPORTED with a
+ * message naming op otherwise. Every backend's attention checks through it. */
+int skv_attention_check(const char *op, const float *out, const float *q, int n, int n_heads,
+                        const struct skv_kv_view *kv);
+/* The arguments of `attention_batch`: skv_attention_check of each sequence's one query (the
+ * message then names the sequence) and views of one shape. */
+int skv_attention_batch_check(const float *out, const float *q, int n_seq, int n_heads,
+                              const struct skv_kv_view *kv);
 
 struct skv_backend;
 

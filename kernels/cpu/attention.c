@@ -9,7 +9,6 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "common/status.h"
@@ -45,6 +44,7 @@ struct att_ctx {
     int n, n_heads, n_kv, group, d;
     float qscale;
     int bq, nqb;                 /* queries per block, query blocks */
+    int64_t max_len;             /* rows of the longest head, the call's n new ones included */
     int64_t chunk;               /* split-K: keys per chunk */
     int nchunks;                 /* split-K: chunks per KV head (0: no split) */
     float *part;                 /* split-K partials: [n_kv][nchunks][rows][d + 2] */
@@ -797,28 +797,6 @@ static void att_combine(const struct att_ctx *c)
         }
 }
 
-static int att_check(const float *out, const float *q, int n, int n_heads,
-                     const struct skv_kv_view *kv)
-{
-    if (!out || !q || !kv)
-        return skv_errorf(SKV_E_INVAL, "attention: NULL buffer");
-    if (n < 0 || n_heads <= 0 || kv->head_dim <= 0)
-        return skv_errorf(SKV_E_INVAL, "attention: n=%d n_heads=%d head_dim=%d", n, n_heads,
-                          kv->head_dim);
-    if (kv->n_kv_heads <= 0 || kv->n_kv_heads > SKV_MAX_KV_HEADS ||
-        n_heads % kv->n_kv_heads != 0)
-        return skv_errorf(SKV_E_INVAL, "attention: %d heads over %d KV heads (max %d)", n_heads,
-                          kv->n_kv_heads, SKV_MAX_KV_HEADS);
-    if (kv->kv_type != SKV_DTYPE_F32)
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention: KV type %d (only f32)", kv->kv_type);
-    for (int g = 0; g < kv->n_kv_heads; g++) {
-        if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
-            return skv_errorf(SKV_E_INVAL, "attention: KV head %d prefix %d with %d new", g,
-                              (int)kv->prefix_len[g], n);
-    }
-    return skv_kv_view_check_rows(kv, "attention");
-}
-
 /* A query block: each (KV head, query block) task sees the keys from the block's first visible
  * one to its last query's row, in ATT_BK blocks from a multiple of ATT_BK, and the kernel it
  * takes depends on its rows only; with at least 2 blocks a call never takes split-K. So calls
@@ -852,10 +830,10 @@ static size_t att_plan(struct att_ctx *c, float *out, const float *q, int n, int
     c->bq = ATT_ROWS / c->group > 0 ? ATT_ROWS / c->group : 1;
     c->nqb = (n + c->bq - 1) / c->bq;
 
-    int64_t max_len = 0;
     for (int g = 0; g < c->n_kv; g++)
-        if (kv->prefix_len[g] + (int64_t)n > max_len)
-            max_len = kv->prefix_len[g] + (int64_t)n;
+        if (kv->prefix_len[g] + (int64_t)n > c->max_len)
+            c->max_len = kv->prefix_len[g] + (int64_t)n;
+    const int64_t max_len = c->max_len;
     if (c->nqb == 1 && max_len >= 2 * ATT_CHUNK_MIN) {
         const int64_t max_chunks = ATT_MAX_TASKS / c->n_kv > 1 ? ATT_MAX_TASKS / c->n_kv : 2;
         int64_t per = (max_len + max_chunks - 1) / max_chunks;
@@ -902,19 +880,13 @@ static void att_run_tasks(const struct att_ctx *c, int64_t begin, int64_t end, i
 /* Multiply-adds of a planned call (queries x heads x longest head x head_dim). */
 static int64_t att_macs(const struct att_ctx *c)
 {
-    int64_t max_len = 0;
-    for (int g = 0; g < c->n_kv; g++)
-        if (c->kv->prefix_len[g] + (int64_t)c->n > max_len)
-            max_len = c->kv->prefix_len[g] + (int64_t)c->n;
-    return (int64_t)c->n * c->n_heads * max_len * c->d;
+    return (int64_t)c->n * c->n_heads * c->max_len * c->d;
 }
 
 int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                       const struct skv_kv_view *kv)
 {
-    int rc = att_check(out, q, n, n_heads, kv);
-    if (rc == SKV_OK)
-        rc = skv_kv_view_check_window(kv, "attention");
+    int rc = skv_attention_check("attention", out, q, n, n_heads, kv);
     if (rc < 0)
         return rc;
     if (n == 0)
@@ -962,32 +934,15 @@ static void att_task_batch(void *p, int64_t begin, int64_t end, int tid)
         att_run_tasks(&b->c[b->order[t].seq], b->order[t].task, b->order[t].task + 1, tid);
 }
 
-/* rc (a failed check of sequence s's view) again, its message naming the op and the sequence. */
-static int batch_error(int rc, int s)
-{
-    char why[256];
-    snprintf(why, sizeof why, "%s", skv_error_msg());
-    return skv_errorf(rc, "attention_batch: sequence %d: %s", s, why);
-}
-
 /* Each sequence's call is planned as `attention` plans it and runs the same tasks, so it gets
  * the same bits; only the tasks of all of them share one parallel job (a decode group's
  * attention wakes the pool once per layer, not once per sequence). */
 int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                             const struct skv_kv_view *kv)
 {
-    if (!out || !q || !kv || n_seq < 0)
-        return skv_errorf(SKV_E_INVAL, "attention_batch: NULL buffer or %d sequences", n_seq);
-    for (int s = 0; s < n_seq; s++) {
-        int rc = att_check(out, q, 1, n_heads, &kv[s]);
-        if (rc == SKV_OK)
-            rc = skv_kv_view_check_window(&kv[s], "attention");
-        if (rc < 0)
-            return batch_error(rc, s);
-        if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
-            return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
-                              s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);
-    }
+    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
+    if (rc < 0)
+        return rc;
     const size_t qdim = n_seq > 0 ? (size_t)n_heads * kv[0].head_dim : 0;
     for (int s0 = 0; s0 < n_seq; s0 += ATT_BATCH_MAX) {
         const int m = n_seq - s0 < ATT_BATCH_MAX ? n_seq - s0 : ATT_BATCH_MAX;

@@ -991,28 +991,6 @@ struct att_params {
     const int32_t *first; /* device [n_kv][n]: sliding window's first row per query; NULL: 0 */
 };
 
-static int att_check(const char *op, const float *out, const float *q, int n, int n_heads,
-                     const struct skv_kv_view *kv)
-{
-    if (!out || !q || !kv)
-        return skv_errorf(SKV_E_INVAL, "%s: NULL buffer", op);
-    if (n < 0 || n_heads <= 0 || kv->head_dim <= 0)
-        return skv_errorf(SKV_E_INVAL, "%s: n=%d n_heads=%d head_dim=%d", op, n, n_heads,
-                          kv->head_dim);
-    if (kv->n_kv_heads <= 0 || kv->n_kv_heads > SKV_MAX_KV_HEADS ||
-        n_heads % kv->n_kv_heads != 0)
-        return skv_errorf(SKV_E_INVAL, "%s: %d heads over %d KV heads (max %d)", op, n_heads,
-                          kv->n_kv_heads, SKV_MAX_KV_HEADS);
-    if (kv->kv_type != SKV_DTYPE_F32)
-        return skv_errorf(SKV_E_UNSUPPORTED, "%s: KV type %d (only f32)", op, kv->kv_type);
-    for (int g = 0; g < kv->n_kv_heads; g++) {
-        if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
-            return skv_errorf(SKV_E_INVAL, "%s: KV head %d prefix %d with %d new", op, g,
-                              (int)kv->prefix_len[g], n);
-    }
-    return skv_kv_view_check_rows(kv, op);
-}
-
 static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, int n,
                             int n_heads)
 {
@@ -1625,9 +1603,7 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
                           const struct skv_kv_view *kv)
 {
     prof_scope prof_(be, P_ATTENTION, n);
-    int rc = att_check("attention", out, q, n, n_heads, kv);
-    if (rc == SKV_OK)
-        rc = skv_kv_view_check_window(kv, "attention");
+    int rc = skv_attention_check("attention", out, q, n, n_heads, kv);
     if (rc < 0)
         return rc;
     if (n == 0)
@@ -1690,21 +1666,9 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
                                 const struct skv_kv_view *kv)
 {
     prof_scope prof_(be, P_ATT_BATCH, 1);
-    if (!out || !q || !kv || n_seq < 0)
-        return skv_errorf(SKV_E_INVAL, "attention_batch: NULL buffer or %d sequences", n_seq);
-    for (int s = 0; s < n_seq; s++) {
-        int rc = att_check("attention", out, q, 1, n_heads, &kv[s]);
-        if (rc == SKV_OK)
-            rc = skv_kv_view_check_window(&kv[s], "attention");
-        if (rc < 0) {
-            char why[256];
-            snprintf(why, sizeof why, "%s", skv_error_msg());
-            return skv_errorf(rc, "attention_batch: sequence %d: %s", s, why);
-        }
-        if (kv[s].n_kv_heads != kv[0].n_kv_heads || kv[s].head_dim != kv[0].head_dim)
-            return skv_errorf(SKV_E_INVAL, "attention_batch: sequence %d has %d KV heads of %d, sequence 0 %d of %d",
-                              s, kv[s].n_kv_heads, kv[s].head_dim, kv[0].n_kv_heads, kv[0].head_dim);
-    }
+    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
+    if (rc < 0)
+        return rc;
     if (n_seq == 0)
         return SKV_OK;
     if ((int64_t)n_seq * n_heads * kv[0].head_dim > INT_MAX)
@@ -1712,11 +1676,9 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
                           kv[0].head_dim);
     const int d = kv[0].head_dim, qstride = n_heads * d;
     if (n_seq == 1 || d > ATT_MAX_D) {
-        for (int s = 0; s < n_seq; s++) {
-            int rc = cuda_attention(be, out + (size_t)s * qstride, q + (size_t)s * qstride, 1, n_heads, &kv[s]);
-            if (rc < 0)
+        for (int s = 0; s < n_seq; s++)
+            if ((rc = cuda_attention(be, out + (size_t)s * qstride, q + (size_t)s * qstride, 1, n_heads, &kv[s])) < 0)
                 return rc;
-        }
         return SKV_OK;
     }
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -1728,38 +1690,35 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
     const int group = n_heads / kv[0].n_kv_heads, dcap = ATT_DEC_WARPS * ATT_DEC_RPW;
     const int slices = (group + dcap - 1) / dcap, rb = (group + slices - 1) / slices;
     const int64_t per_chunk = (int64_t)kv[0].n_kv_heads * slices;
-    /* scratch: every sequence's staged tables, then the sequences, then the partials */
-    size_t tables = 0, parts = 0;
+    /* scratch: every sequence's staged tables, then the sequences (planned into the host
+     * staging first), then the partials */
+    size_t tables = 0;
+    for (int s = 0; s < n_seq; s++)
+        tables += stage_bytes(&kv[s], 1);
+    const size_t seq_bytes = align_up((size_t)n_seq * sizeof(struct att_seq)), up = tables + seq_bytes;
+    void *dev = NULL, *host = NULL;
+    if ((rc = stage_get(impl, up, &host)) < 0)
+        return rc;
+    struct att_seq *seqs = (struct att_seq *)((char *)host + tables);
+    size_t parts = 0;
     int64_t blocks = 0;
     int max_chunks = 0;
     for (int s = 0; s < n_seq; s++) {
-        int chunk = 0, nchunks = 0;
-        att_split_plan(impl, &kv[s], 1, per_chunk, &chunk, &nchunks);
-        tables += stage_bytes(&kv[s], 1);
-        parts += (size_t)n_heads * nchunks * (d + 2);
-        blocks += per_chunk * nchunks;
-        max_chunks = nchunks > max_chunks ? nchunks : max_chunks;
+        struct att_seq *sq = &seqs[s];
+        att_split_plan(impl, &kv[s], 1, per_chunk, &sq->chunk, &sq->nchunks);
+        sq->block0 = (int)blocks; /* past INT_MAX: refused below, before any use */
+        sq->part0 = parts;
+        blocks += per_chunk * sq->nchunks;
+        parts += (size_t)n_heads * sq->nchunks * (d + 2);
+        max_chunks = sq->nchunks > max_chunks ? sq->nchunks : max_chunks;
     }
     if (blocks > INT_MAX)
         return skv_errorf(SKV_E_INVAL, "attention_batch: %lld blocks", (long long)blocks);
-    const size_t seq_bytes = align_up((size_t)n_seq * sizeof(struct att_seq)), up = tables + seq_bytes;
-    void *dev = NULL, *host = NULL;
-    int rc = scratch_get(impl, up + parts * sizeof(float), &dev);
-    if (rc < 0 || (rc = stage_get(impl, up, &host)) < 0)
+    if ((rc = scratch_get(impl, up + parts * sizeof(float), &dev)) < 0)
         return rc;
-    struct att_seq *seqs = (struct att_seq *)((char *)host + tables);
-    size_t at = 0, part0 = 0;
-    int block0 = 0;
-    for (int s = 0; s < n_seq; s++) {
-        struct att_seq *sq = &seqs[s];
-        att_params_fill(&sq->p, &kv[s], 1, n_heads);
-        att_stage_fill(&kv[s], 1, (char *)host + at, (char *)dev + at, &sq->p);
-        at += stage_bytes(&kv[s], 1);
-        att_split_plan(impl, &kv[s], 1, per_chunk, &sq->chunk, &sq->nchunks);
-        sq->block0 = block0;
-        sq->part0 = part0;
-        block0 += (int)(per_chunk * sq->nchunks);
-        part0 += (size_t)n_heads * sq->nchunks * (d + 2);
+    for (size_t s = 0, at = 0; s < (size_t)n_seq; at += stage_bytes(&kv[s], 1), s++) {
+        att_params_fill(&seqs[s].p, &kv[s], 1, n_heads);
+        att_stage_fill(&kv[s], 1, (char *)host + at, (char *)dev + at, &seqs[s].p);
     }
     if ((rc = upload_table(impl, dev, host, up)) < 0)
         return rc;
