@@ -92,8 +92,8 @@ int skv_attention_check(const char *op, const float *out, const float *q, int n,
     if (kv->n_kv_heads <= 0 || kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads != 0)
         return skv_errorf(SKV_E_INVAL, "%s: %d heads over %d KV heads (max %d)", op, n_heads, kv->n_kv_heads,
                           SKV_MAX_KV_HEADS);
-    if (kv->kv_type != SKV_DTYPE_F32)
-        return skv_errorf(SKV_E_UNSUPPORTED, "%s: KV type %d (only f32)", op, kv->kv_type);
+    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: KV type %d (f32 or f16)", op, kv->kv_type);
     for (int g = 0; g < kv->n_kv_heads; g++)
         if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
             return skv_errorf(SKV_E_INVAL, "%s: KV head %d prefix %d with %d new", op, g, (int)kv->prefix_len[g], n);

@@ -75,7 +75,9 @@ struct skv_rope {
 };
 
 /* The keys and values one layer's attention reads: per KV head a contiguous [len][d] run
- * of rows (f32 unless kv_type says otherwise). Query i of a batch of n new tokens sees the
+ * of rows of kv_type: f32, or f16 (IEEE half, the KV pool's `kv-type f16`: half the bytes; ops
+ * that read such rows widen each one to f32 exactly, so attention over f16 rows gives bit for
+ * bit what it gives over an f32 view of the same values). Query i of a batch of n new tokens sees the
  * first prefix_len[h] + i + 1 rows of head h: the cache before the batch, then the batch
  * causally. So one op serves a fresh prefill (prefix 0), an append and a decode step (n = 1),
  * with per-head lengths after head-wise compression.
@@ -94,7 +96,7 @@ struct skv_rope {
 struct skv_kv_view {
     int n_kv_heads;
     int head_dim;
-    int kv_type;                          /* SKV_DTYPE_F32 (F16 later) */
+    int kv_type;                          /* SKV_DTYPE_F32 or SKV_DTYPE_F16 */
     const void *k[SKV_MAX_KV_HEADS];      /* head h: [prefix_len[h] + n][head_dim] */
     const void *v[SKV_MAX_KV_HEADS];
     int32_t prefix_len[SKV_MAX_KV_HEADS];
@@ -104,14 +106,27 @@ struct skv_kv_view {
     void *const *blocks[SKV_MAX_KV_HEADS]; /* head h: [ceil(rows / block_rows)] blocks */
 };
 
-/* Row j of head h: K (which == 0) or V (which == 1), in either layout. */
+/* Bytes of one row of head_dim elements of a KV type (0 for a type a KV view cannot hold). */
+static inline size_t skv_kv_row_bytes(int kv_type, int64_t head_dim)
+{
+    return kv_type == SKV_DTYPE_F32 ? (size_t)head_dim * 4 : kv_type == SKV_DTYPE_F16 ? (size_t)head_dim * 2 : 0;
+}
+
+/* Row j of head h: K (which == 0) or V (which == 1), in either layout, as raw bytes of
+ * kv_type. */
+static inline const void *skv_kv_view_row_raw(const struct skv_kv_view *kv, int h, int which, int64_t j)
+{
+    const size_t row = skv_kv_row_bytes(kv->kv_type, kv->head_dim);
+    if (kv->block_rows <= 0)
+        return (const char *)(which ? kv->v[h] : kv->k[h]) + (size_t)j * row;
+    const int64_t t = kv->block_rows;
+    return (const char *)kv->blocks[h][j / t] + (size_t)(which * t + j % t) * row;
+}
+
+/* The same row of an f32 view. */
 static inline const float *skv_kv_view_row(const struct skv_kv_view *kv, int h, int which, int64_t j)
 {
-    const int64_t d = kv->head_dim;
-    if (kv->block_rows <= 0)
-        return (const float *)(which ? kv->v[h] : kv->k[h]) + j * d;
-    const int64_t t = kv->block_rows;
-    return (const float *)kv->blocks[h][j / t] + (which * t + j % t) * d;
+    return (const float *)skv_kv_view_row_raw(kv, h, which, j);
 }
 
 /* One weight of a matmul_multi: out[n][rows] = x . w^T (+ bias[rows] when bias != NULL). */
@@ -130,8 +145,8 @@ int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op);
 /* SKV_OK when every head of the view has its rows (k and v, or a block table and
  * block_rows > 0), else SKV_E_INVAL with a message naming op. */
 int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op);
-/* The arguments of `attention` (n queries of n_heads over kv: buffers, head counts, an f32 view,
- * lengths, the window's positions, every head's rows), SKV_E_INVAL or SKV_E_UNSUPPORTED with a
+/* The arguments of `attention` (n queries of n_heads over kv: buffers, head counts, an f32 or f16
+ * view (a backend without store_rows_f16 refuses f16 itself), lengths, the window's positions, every head's rows), SKV_E_INVAL or SKV_E_UNSUPPORTED with a
  * message naming op otherwise. Every backend's attention checks through it. */
 int skv_attention_check(const char *op, const float *out, const float *q, int n, int n_heads,
                         const struct skv_kv_view *kv);
@@ -265,6 +280,13 @@ struct skv_backend_ops {
      * table in one copy and launches one decode and one combine kernel for all. */
     int (*attention_batch)(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                            const struct skv_kv_view *kv);
+
+    /* Optional (NULL: the backend keeps f32 KV only): n rows of d f32 values, each from its own
+     * place to its own place as f16, rounded to nearest even (host arrays of backend
+     * pointers, as copy_rows). What the engine stores a forward's new K / V rows with in a
+     * pool of `kv-type f16`; a backend that has it also reads f16 views in attention,
+     * attention_batch and attention_colsum. */
+    int (*store_rows_f16)(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
 };
 
 struct skv_backend {

@@ -51,10 +51,12 @@ struct att_ctx {
     float *thread_mem;           /* per thread: see get_row_bufs() and get_wide_bufs() */
     size_t thread_floats;
     size_t rows_max;             /* rows of the largest task */
+    size_t kvt_floats;           /* per thread, first: an f16 view's key block widened (else 0) */
 };
 
 /* Working set of the row kernels: row r is query i0 + r / group, head g * group + r % group. */
 struct row_bufs {
+    float *kvt;                  /* f16 view: [2][ATT_BK][d], a block's K and V rows as f32; else NULL */
     float *qs, *acc;             /* [rows][d]: scaled q, unnormalized output */
     float *m, *l;                /* [rows]: running max (base 2) and sum */
     float *s;                    /* [ATT_BK]: one row's scores */
@@ -62,6 +64,7 @@ struct row_bufs {
 
 /* Working set of the wide kernels, rows padded to rp (a multiple of ATT_RT). */
 struct wide_bufs {
+    float *kvt;                  /* as in row_bufs */
     size_t rp;
     float *qt;                   /* [d][rp]: scaled q, transposed */
     float *st;                   /* [ATT_BK][rp]: scores, then probabilities */
@@ -485,11 +488,22 @@ static void att_row(const float *q, const float *const *k, const float *const *v
 
 /* Row pointers of keys [kb, kb + nk) of KV head g (nk <= ATT_BK), in either view layout:
  * the kernels read rows through these, so a paged view computes exactly what the
- * contiguous one does (same tiles, same order). */
+ * contiguous one does (same tiles, same order). An f16 view's rows are widened into kvt
+ * ([2][ATT_BK][d]) first, exactly, so the kernels see the f32 view of the same values. */
 static void tile_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk,
-                      const float **krow, const float **vrow)
+                      const float **krow, const float **vrow, float *kvt)
 {
     const int64_t d = kv->head_dim;
+    if (kv->kv_type == SKV_DTYPE_F16) {
+        for (int j = 0; j < nk; j++) {
+            float *kt = kvt + (size_t)j * d, *vt = kvt + ((size_t)ATT_BK + j) * d;
+            skv_cpu_f16_to_f32(kt, skv_kv_view_row_raw(kv, g, 0, kb + j), d);
+            skv_cpu_f16_to_f32(vt, skv_kv_view_row_raw(kv, g, 1, kb + j), d);
+            krow[j] = kt;
+            vrow[j] = vt;
+        }
+        return;
+    }
     if (kv->block_rows <= 0) {
         const float *K = (const float *)kv->k[g] + kb * d, *V = (const float *)kv->v[g] + kb * d;
         for (int j = 0; j < nk; j++) {
@@ -540,9 +554,10 @@ static size_t thread_floats_for(size_t rows_max, int d)
 
 static struct row_bufs get_row_bufs(const struct att_ctx *c, int tid)
 {
-    float *base = c->thread_mem + (size_t)tid * c->thread_floats;
+    float *kvt = c->thread_mem + (size_t)tid * c->thread_floats, *base = kvt + c->kvt_floats;
     const size_t rd = round16(c->rows_max * c->d), rr = round16(c->rows_max);
     struct row_bufs b = {
+        .kvt = c->kvt_floats ? kvt : NULL,
         .qs = base,
         .acc = base + rd,
         .m = base + 2 * rd,
@@ -554,9 +569,10 @@ static struct row_bufs get_row_bufs(const struct att_ctx *c, int tid)
 
 static struct wide_bufs get_wide_bufs(const struct att_ctx *c, int tid, size_t rows)
 {
-    float *base = c->thread_mem + (size_t)tid * c->thread_floats;
+    float *kvt = c->thread_mem + (size_t)tid * c->thread_floats, *base = kvt + c->kvt_floats;
     const size_t rp = rows_padded(rows), rpd = round16(rp * c->d), r16 = round16(rp);
     struct wide_bufs b = {
+        .kvt = c->kvt_floats ? kvt : NULL,
         .rp = rp,
         .qt = base,
         .acct = base + rpd,
@@ -580,7 +596,7 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
 
     for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
         const int64_t nblk = ke - kb < ATT_BK ? ke - kb : ATT_BK;
-        tile_rows(c->kv, g, kb, (int)nblk, krow, vrow);
+        tile_rows(c->kv, g, kb, (int)nblk, krow, vrow, b->kvt);
         for (int i = i0; i < i1; i++) {
             const int64_t lim = prefix + i + 1 - kb;
             if (lim <= 0)
@@ -638,7 +654,7 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
 
     for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
         const int nblk = (int)(ke - kb < ATT_BK ? ke - kb : ATT_BK);
-        tile_rows(c->kv, g, kb, nblk, krow, vrow);
+        tile_rows(c->kv, g, kb, nblk, krow, vrow, w->kvt);
         for (size_t r0 = 0; r0 < rp; r0 += ATT_RT) {
             int32_t lo = INT32_MAX, hi = 0, first_lo = INT32_MAX, first_hi = 0;
             for (size_t r = r0; r < r0 + ATT_RT; r++) {
@@ -842,7 +858,8 @@ static size_t att_plan(struct att_ctx *c, float *out, const float *q, int n, int
         c->nchunks = (int)((max_len + c->chunk - 1) / c->chunk);
     }
     c->rows_max = (size_t)(c->nqb == 1 ? n : c->bq) * c->group;
-    c->thread_floats = thread_floats_for(c->rows_max, c->d);
+    c->kvt_floats = kv->kv_type == SKV_DTYPE_F16 ? round16((size_t)2 * ATT_BK * c->d) : 0;
+    c->thread_floats = c->kvt_floats + thread_floats_for(c->rows_max, c->d);
     return round16((size_t)c->n_kv * c->nchunks * c->rows_max * (c->d + 2)) +
            (kv->window > 0 ? round16((size_t)c->n_kv * n) : 0);
 }

@@ -18,6 +18,39 @@ void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_
  * call with the same thread_id). NULL on allocation failure. */
 void *skv_cpu_scratch(struct skv_backend *be, int thread_id, size_t bytes);
 
+/* KV rows of f16 (a pool of kv-type f16) widened to f32, exactly, and f32 rows rounded to f16
+ * (nearest even), n values. */
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+static inline void skv_cpu_f16_to_f32(float *dst, const uint16_t *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++)
+        dst[i] = skv_fp16_to_f32(src[i]);
+}
+static inline void skv_cpu_f32_to_f16(uint16_t *dst, const float *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = skv_f32_to_fp16(src[i]);
+}
+#else
+static inline void skv_cpu_f16_to_f32(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = skv_fp16_to_f32(src[i]);
+}
+static inline void skv_cpu_f32_to_f16(uint16_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = skv_f32_to_fp16(src[i]);
+}
+#endif
+
 /* Op entry points (signatures as in struct skv_backend_ops). */
 int skv_cpu_get_rows(struct skv_backend *be, float *out, const struct skv_tensor *table,
                      const int32_t *ids, int n);
@@ -49,6 +82,7 @@ int skv_cpu_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const floa
 int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, const float *b, int n,
                         int dim);
 int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n);
+int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
  * calling thread for the length of the call, and attention takes slot 0 for its working

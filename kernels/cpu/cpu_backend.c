@@ -344,6 +344,7 @@ static const struct skv_backend_ops cpu_ops = {
     .topk_rows = skv_cpu_topk_rows,
     .cosine_mean = skv_cpu_cosine_mean,
     .copy_rows = skv_cpu_copy_rows,
+    .store_rows_f16 = skv_cpu_store_rows_f16,
     .ipc_open = cpu_ipc_open,
     .ipc_close = cpu_ipc_close,
     .attention_split_rows = skv_cpu_attention_split_rows,

@@ -60,7 +60,9 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         int prefix = job->kv->prefix_len[kvh];
         int n_keys = prefix + job->n;
         float *out = job->out + h * job->out_stride;
-        float *p = skv_cpu_scratch(job->be, thread_id, (size_t)n_keys * sizeof(float));
+        /* the scores, then (f16 rows) one key widened to f32 */
+        float *p = skv_cpu_scratch(job->be, thread_id, ((size_t)n_keys + (size_t)d) * sizeof(float));
+        float *krow = p + n_keys;
         if (!p) {
             atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
@@ -71,7 +73,13 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
             int seen = prefix + i + 1, lo = skv_kv_view_first(job->kv, kvh, i);
             float mx = -INFINITY;
             for (int j = lo; j < seen; j++) {
-                p[j] = dot(qi, skv_kv_view_row(job->kv, kvh, 0, j), d) * scale;
+                const void *raw = skv_kv_view_row_raw(job->kv, kvh, 0, j);
+                const float *k = raw;
+                if (job->kv->kv_type == SKV_DTYPE_F16) {
+                    skv_cpu_f16_to_f32(krow, raw, d);
+                    k = krow;
+                }
+                p[j] = dot(qi, k, d) * scale;
                 mx = p[j] > mx ? p[j] : mx;
             }
             double sum = 0;
@@ -92,8 +100,8 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
     if (!be || !out || !q || !kv || n <= 0 || n_heads <= 0 || kv->n_kv_heads <= 0 ||
         kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads || q_first < 0 || q_first >= n)
         return skv_errorf(SKV_E_INVAL, "attention_colsum: bad shape");
-    if (kv->kv_type != SKV_DTYPE_F32)
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d", kv->kv_type);
+    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16)
+        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d (f32 or f16)", kv->kv_type);
     int rc = skv_kv_view_check_window(kv, "attention_colsum");
     if (!rc)
         rc = skv_kv_view_check_rows(kv, "attention_colsum");
@@ -142,6 +150,19 @@ int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *cons
             return skv_errorf(SKV_E_INVAL, "copy_rows: row %d has no %s", i, dst[i] ? "source" : "destination");
     for (int i = 0; i < n; i++)
         memcpy(dst[i], src[i], row_bytes);
+    return SKV_OK;
+}
+
+int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
+{
+    (void)be;
+    if (n < 0 || d <= 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "store_rows_f16: bad arguments");
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "store_rows_f16: row %d has no %s", i, dst[i] ? "source" : "destination");
+    for (int i = 0; i < n; i++)
+        skv_cpu_f32_to_f16(dst[i], src[i], d);
     return SKV_OK;
 }
 

@@ -1606,6 +1606,8 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     int rc = skv_attention_check("attention", out, q, n, n_heads, kv);
     if (rc < 0)
         return rc;
+    if (kv->kv_type != SKV_DTYPE_F32) /* no store_rows_f16: the pool of this backend is f32 */
+        return skv_errorf(SKV_E_UNSUPPORTED, "attention: the cuda backend reads f32 KV only");
     if (n == 0)
         return SKV_OK;
     if ((int64_t)n * n_heads > INT_MAX)
@@ -1669,6 +1671,9 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
     int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
     if (rc < 0)
         return rc;
+    for (int s = 0; s < n_seq; s++)
+        if (kv[s].kv_type != SKV_DTYPE_F32)
+            return skv_errorf(SKV_E_UNSUPPORTED, "attention_batch: the cuda backend reads f32 KV only");
     if (n_seq == 0)
         return SKV_OK;
     if ((int64_t)n_seq * n_heads * kv[0].head_dim > INT_MAX)
@@ -2367,6 +2372,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
     /* device_lost */ cuda_device_lost,
     /* attention_batch */ cuda_attention_batch,
+    /* store_rows_f16 */ NULL, /* the pool stays f32: the kernels read f32 rows */
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

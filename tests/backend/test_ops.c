@@ -1182,6 +1182,190 @@ static void test_attention_paged(void **state)
     }
 }
 
+/* Blocks of t rows of `row` bytes (K rows then V rows each, the pool's layout) from host rows. */
+static void **paged_from_bytes(struct skv_backend *be, const void *k, const void *v, int rows, size_t row, int t)
+{
+    const int nb = (rows + t - 1) / t;
+    void **tbl = calloc((size_t)(nb ? nb : 1), sizeof *tbl);
+    unsigned char *blk = malloc(2 * (size_t)t * row);
+    assert_non_null(tbl);
+    assert_non_null(blk);
+    memset(blk, 0xff, 2 * (size_t)t * row); /* f16 NaN in the rows past the end */
+    for (int b = 0; b < nb; b++) {
+        const int m = rows - b * t < t ? rows - b * t : t;
+        memcpy(blk, (const char *)k + (size_t)b * t * row, (size_t)m * row);
+        memcpy(blk + (size_t)t * row, (const char *)v + (size_t)b * t * row, (size_t)m * row);
+        tbl[b] = dev_from(be, blk, 2 * (size_t)t * row);
+    }
+    free(blk);
+    return tbl;
+}
+
+/* f16 KV (kv-type f16): attention, attention_colsum and attention_batch over f16 rows, contiguous
+ * and paged, give bit for bit what they give over an f32 view of the same (rounded) values, on
+ * every path (prefill tiles, wide and row kernels, split-K decode, a sliding window, odd head_dim).
+ * store_rows_f16 rounds as skv_f32_to_fp16 does. A backend without store_rows_f16 refuses f16 views. */
+static void test_kv_f16(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0xf16f16ULL};
+    const struct att_case cases[] = {
+        {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 0, 0}, .q_scale = 1.0},
+        {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 2.0},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {4095, 2000, 77}, .q_scale = 1.0},
+        {.n = 16, .n_heads = 8, .n_kv = 2, .d = 18, .prefix = {1000, 601}, .q_scale = 1.5},
+        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2999, 1000, 700}, .q_scale = 1.0,
+         .window = 900, .gaps = 3},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const struct att_case *c = &cases[ci];
+        const int n = c->n, d = c->d;
+        const size_t qcount = (size_t)n * c->n_heads * d;
+        float *q = host_normal(&r, qcount, c->q_scale);
+        float *kr[SKV_MAX_KV_HEADS], *vr[SKV_MAX_KV_HEADS];
+        uint16_t *kh[SKV_MAX_KV_HEADS], *vh[SKV_MAX_KV_HEADS];
+        int32_t *pos[SKV_MAX_KV_HEADS] = {NULL};
+        struct skv_kv_view f32v = {.n_kv_heads = c->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32,
+                                   .window = c->window};
+        struct skv_kv_view f16v = f32v;
+        f16v.kv_type = SKV_DTYPE_F16;
+        int max_rows = 0;
+        for (int g = 0; g < c->n_kv; g++) {
+            const int rows = c->prefix[g] + n;
+            const size_t cnt = (size_t)rows * d;
+            kr[g] = host_normal(&r, cnt, 1.0);
+            vr[g] = host_normal(&r, cnt, 1.0);
+            kh[g] = malloc(cnt * sizeof(uint16_t));
+            vh[g] = malloc(cnt * sizeof(uint16_t));
+            assert_non_null(kh[g]);
+            assert_non_null(vh[g]);
+            for (size_t i = 0; i < cnt; i++) { /* the f32 view holds exactly the f16 values */
+                kh[g][i] = skv_f32_to_fp16(kr[g][i]);
+                vh[g][i] = skv_f32_to_fp16(vr[g][i]);
+                kr[g][i] = skv_fp16_to_f32(kh[g][i]);
+                vr[g][i] = skv_fp16_to_f32(vh[g][i]);
+            }
+            f32v.k[g] = dev_from(be, kr[g], cnt * sizeof(float));
+            f32v.v[g] = dev_from(be, vr[g], cnt * sizeof(float));
+            f16v.k[g] = dev_from(be, kh[g], cnt * sizeof(uint16_t));
+            f16v.v[g] = dev_from(be, vh[g], cnt * sizeof(uint16_t));
+            f32v.prefix_len[g] = f16v.prefix_len[g] = c->prefix[g];
+            if (c->window > 0)
+                f32v.pos[g] = f16v.pos[g] = pos[g] = case_positions(c, g);
+            max_rows = rows > max_rows ? rows : max_rows;
+        }
+        const int q_first = n > 4 ? n - 4 : 0;
+        const size_t ccount = (size_t)c->n_heads * max_rows;
+        float *dq = dev_from(be, q, qcount * sizeof(float));
+        float *want = host_nan(qcount), *got = host_nan(qcount);
+        float *cwant = calloc(ccount, sizeof(float)), *cgot = calloc(ccount, sizeof(float));
+        assert_non_null(cwant);
+        assert_non_null(cgot);
+        float *dout = dev_from(be, want, 2 * qcount * sizeof(float));
+        float *dcol = dev_from(be, cwant, ccount * sizeof(float));
+        if (!be->ops->store_rows_f16) {
+            assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &f16v), SKV_E_UNSUPPORTED);
+            assert_int_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &f16v, q_first),
+                             SKV_E_UNSUPPORTED);
+            if (n == 1 && be->ops->attention_batch)
+                assert_int_equal(be->ops->attention_batch(be, dout, dq, 1, c->n_heads, &f16v), SKV_E_UNSUPPORTED);
+        } else {
+            assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &f32v), SKV_OK);
+            dev_to(be, want, dout, qcount * sizeof(float));
+            assert_int_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &f32v, q_first),
+                             SKV_OK);
+            dev_to(be, cwant, dcol, ccount * sizeof(float));
+            const int blocks[] = {0, 16, 5};
+            for (size_t bi = 0; bi < sizeof blocks / sizeof blocks[0]; bi++) {
+                struct skv_kv_view v = f16v;
+                void **tbl[SKV_MAX_KV_HEADS] = {NULL};
+                if (blocks[bi] > 0) {
+                    v.block_rows = blocks[bi];
+                    for (int g = 0; g < c->n_kv; g++) {
+                        v.k[g] = v.v[g] = NULL;
+                        v.blocks[g] = tbl[g] = paged_from_bytes(be, kh[g], vh[g], c->prefix[g] + n,
+                                                                (size_t)d * sizeof(uint16_t), blocks[bi]);
+                    }
+                }
+                assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &v), SKV_OK);
+                dev_to(be, got, dout, qcount * sizeof(float));
+                assert_int_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &v, q_first),
+                                 SKV_OK);
+                dev_to(be, cgot, dcol, ccount * sizeof(float));
+                if (memcmp(got, want, qcount * sizeof(float)) || memcmp(cgot, cwant, ccount * sizeof(float)))
+                    fail_msg("case %zu, blocks of %d rows: the f16 view differs from the f32 one", ci, blocks[bi]);
+                if (n == 1 && be->ops->attention_batch) { /* an f16 and an f32 sequence in one call */
+                    struct skv_kv_view two[2] = {v, f32v};
+                    float *both = host_nan(2 * qcount), *dq_both = NULL;
+                    memcpy(both, q, qcount * sizeof(float));
+                    memcpy(both + qcount, q, qcount * sizeof(float));
+                    dq_both = dev_from(be, both, 2 * qcount * sizeof(float));
+                    assert_int_equal(be->ops->attention_batch(be, dout, dq_both, 2, c->n_heads, two), SKV_OK);
+                    dev_to(be, both, dout, 2 * qcount * sizeof(float));
+                    assert_memory_equal(both, want, qcount * sizeof(float));
+                    assert_memory_equal(both + qcount, want, qcount * sizeof(float));
+                    be->ops->free(be, dq_both);
+                    free(both);
+                }
+                for (int g = 0; g < c->n_kv && blocks[bi] > 0; g++)
+                    paged_free(be, tbl[g], c->prefix[g] + n, blocks[bi]);
+            }
+        }
+        be->ops->free(be, dcol);
+        be->ops->free(be, dout);
+        be->ops->free(be, dq);
+        for (int g = 0; g < c->n_kv; g++) {
+            be->ops->free(be, (void *)f32v.k[g]);
+            be->ops->free(be, (void *)f32v.v[g]);
+            be->ops->free(be, (void *)f16v.k[g]);
+            be->ops->free(be, (void *)f16v.v[g]);
+            free(kr[g]);
+            free(vr[g]);
+            free(kh[g]);
+            free(vh[g]);
+            free(pos[g]);
+        }
+        free(cwant);
+        free(cgot);
+        free(want);
+        free(got);
+        free(q);
+    }
+    if (!be->ops->store_rows_f16)
+        return;
+    /* store_rows_f16: scattered rows, odd and vector-sized widths, values from tiny to past f16's range */
+    const int dims[] = {64, 13};
+    for (size_t di = 0; di < 2; di++) {
+        enum { N = 29 };
+        const int d = dims[di];
+        float *src = host_normal(&r, (size_t)N * d, 1.0);
+        for (int i = 0; i < N * d; i++)
+            src[i] *= (float)pow(2.0, (double)(i % 48) - 30.0); /* subnormals, overflow to inf */
+        uint16_t want16[N * 64], got16[N * 64];
+        memset(want16, 0xab, sizeof want16);
+        float *dsrc = dev_from(be, src, (size_t)N * d * sizeof(float));
+        uint16_t *ddst = dev_from(be, want16, (size_t)N * d * sizeof(uint16_t));
+        void *to[N];
+        const float *from[N];
+        for (int i = 0; i < N; i++) {
+            int j = (i * 7 + 3) % N;
+            to[i] = ddst + (size_t)i * d;
+            from[i] = dsrc + (size_t)j * d;
+            for (int t = 0; t < d; t++)
+                want16[i * d + t] = skv_f32_to_fp16(src[j * d + t]);
+        }
+        assert_int_equal(be->ops->store_rows_f16(be, to, from, d, N), SKV_OK);
+        dev_to(be, got16, ddst, (size_t)N * d * sizeof(uint16_t));
+        assert_memory_equal(got16, want16, (size_t)N * d * sizeof(uint16_t));
+        assert_int_equal(be->ops->store_rows_f16(be, to, from, d, -1), SKV_E_INVAL);
+        to[0] = NULL;
+        assert_int_equal(be->ops->store_rows_f16(be, to, from, d, 1), SKV_E_INVAL);
+        be->ops->free(be, dsrc);
+        be->ops->free(be, ddst);
+        free(src);
+    }
+}
+
 /* copy_rows: rows moved between two buffers in a scrambled order, odd and word-sized rows. */
 static void test_copy_rows(void **state)
 {
@@ -1499,7 +1683,7 @@ static void test_attention_invalid(void **state)
     kv.head_dim = 0;
     assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_INVAL);
     kv.head_dim = 64;
-    kv.kv_type = SKV_DTYPE_F16;
+    kv.kv_type = SKV_DTYPE_BF16; /* f32 and f16 only (f16: test_kv_f16) */
     assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_UNSUPPORTED);
     kv.kv_type = SKV_DTYPE_F32;
     kv.prefix_len[1] = -1;
@@ -1805,7 +1989,8 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention_paths), cmocka_unit_test(test_colsum_window),       \
         cmocka_unit_test(test_attention_paged), cmocka_unit_test(test_attention_batch),     \
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
-        cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid)
+        cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid),         \
+        cmocka_unit_test(test_kv_f16)
 
 int main(void)
 {
