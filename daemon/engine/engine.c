@@ -35,6 +35,7 @@ struct skv_engine {
     void **row_dst;
     const void **row_src;
     size_t n_rows, rows_cap;
+    int rows_type;         /* the KV type of the queued rows' cache (f16: stored by store_rows_f16) */
     struct skv_kv_view *views; /* [SKV_ENGINE_MAX_BATCH]: a decode group's (attention_batch); NULL until one */
 };
 
@@ -58,6 +59,8 @@ int skv_kv_cache_new_in(const struct skv_model *m, struct skv_kv_pool *pool, str
     }
     c->pool = skv_kv_pool_ref(pool);
     c->block_rows = skv_kv_pool_block_rows(pool);
+    c->kv_type = skv_kv_pool_kv_type(pool);
+    c->row_bytes = skv_kv_row_bytes(c->kv_type, c->head_dim);
     *out = c;
     return SKV_OK;
 }
@@ -191,7 +194,7 @@ static int head_rows_staged(const struct skv_kv_cache *c, const struct skv_kv_he
 {
     struct skv_backend *be = c->be;
     const int t = c->block_rows;
-    const size_t row = (size_t)c->head_dim * sizeof(float);
+    const size_t row = c->row_bytes;
     char *tmp = NULL;
     void **blk = malloc((size_t)n * sizeof *blk), **run = malloc((size_t)n * sizeof *run);
     int rc = blk && run ? be->ops->alloc(be, (size_t)n * row, (void **)&tmp) : skv_errorf(SKV_E_NOMEM, "KV rows: tables");
@@ -221,14 +224,14 @@ static int head_rows_staged(const struct skv_kv_cache *c, const struct skv_kv_he
 }
 
 /* Copies rows [row0, row0 + n) of a head between its blocks and a run of n rows of K
- * (which == 0) or V elsewhere, `stride` bytes apart. The blocks are present (and, to be
- * written, private). */
+ * (which == 0) or V elsewhere, `stride` bytes apart, in the cache's KV type (ROWS_FROM_BACKEND:
+ * f32 caches only). The blocks are present (and, to be written, private). */
 static int head_rows_io(const struct skv_kv_cache *c, const struct skv_kv_head *hd, int which, int row0, int n,
                         void *other, size_t stride, enum rows_io dir)
 {
     struct skv_backend *be = c->be;
     const int t = c->block_rows;
-    const size_t row = (size_t)c->head_dim * sizeof(float);
+    const size_t row = c->row_bytes;
     if (n <= 0) /* (at a block boundary the test below would take the staged path, a device buffer) */
         return SKV_OK;
     if (dir != ROWS_FROM_BACKEND && stride == row && row0 / t != (row0 + n - 1) / t)
@@ -354,7 +357,7 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
         return SKV_OK; /* strictly increasing and as many as there are: every row in place */
     struct skv_backend *be = c->be;
     const int t = c->block_rows, nb = blocks_for(c, cnt);
-    const size_t row = (size_t)c->head_dim * sizeof(float), kv_off = (size_t)t * row;
+    const size_t row = c->row_bytes, kv_off = (size_t)t * row;
     struct skv_kv_block **fresh = calloc((size_t)(nb ? nb : 1), sizeof *fresh);
     /* K and V of every moved row, one copy_rows call for the head */
     void **to = malloc((size_t)(2 * cnt + 1) * sizeof *to);
@@ -454,7 +457,18 @@ int skv_kv_cache_read_rows(const struct skv_kv_cache *c, int layer, int h, int w
     const struct skv_kv_head *hd = &c->heads[layer * c->n_kv_heads + h];
     if (row0 < 0 || n < 0 || row0 + n > hd->len || (which != 0 && which != 1))
         return skv_errorf(SKV_E_INVAL, "reading rows [%d, %d) of %d", row0, row0 + n, hd->len);
-    return head_rows_io(c, hd, which, row0, n, dst, (size_t)c->head_dim * sizeof(float), ROWS_TO_HOST);
+    if (c->kv_type == SKV_DTYPE_F32)
+        return head_rows_io(c, hd, which, row0, n, dst, c->row_bytes, ROWS_TO_HOST);
+    /* f16 rows: read as they are, widened on the host */
+    const int64_t count = (int64_t)n * c->head_dim;
+    uint16_t *half = malloc(count > 0 ? (size_t)count * sizeof *half : 1);
+    if (!half)
+        return skv_errorf(SKV_E_NOMEM, "reading %d f16 rows", n);
+    int rc = head_rows_io(c, hd, which, row0, n, half, c->row_bytes, ROWS_TO_HOST);
+    for (int64_t i = 0; !rc && i < count; i++)
+        dst[i] = skv_fp16_to_f32(half[i]);
+    free(half);
+    return rc;
 }
 
 int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which, int row0, int n,
@@ -466,8 +480,18 @@ int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which,
     int rc = head_grow(c, hd, row0 + n);
     if (!rc)
         rc = head_open(c, hd, row0, n);
-    if (!rc)
-        rc = head_rows_io(c, hd, which, row0, n, (void *)src, (size_t)c->head_dim * sizeof(float), ROWS_FROM_HOST);
+    if (!rc && c->kv_type == SKV_DTYPE_F32) {
+        rc = head_rows_io(c, hd, which, row0, n, (void *)src, c->row_bytes, ROWS_FROM_HOST);
+    } else if (!rc) { /* f16 rows: rounded on the host (nearest even), written as they are */
+        const int64_t count = (int64_t)n * c->head_dim;
+        uint16_t *half = malloc(count > 0 ? (size_t)count * sizeof *half : 1);
+        if (!half)
+            return skv_errorf(SKV_E_NOMEM, "writing %d f16 rows", n);
+        for (int64_t i = 0; i < count; i++)
+            half[i] = skv_f32_to_fp16(src[i]);
+        rc = head_rows_io(c, hd, which, row0, n, half, c->row_bytes, ROWS_FROM_HOST);
+        free(half);
+    }
     if (!rc && row0 + n > hd->len)
         hd->len = row0 + n;
     return rc;
@@ -477,7 +501,7 @@ void skv_kv_cache_view(struct skv_kv_cache *c, int layer, struct skv_kv_view *vi
 {
     view->n_kv_heads = c->n_kv_heads;
     view->head_dim = c->head_dim;
-    view->kv_type = SKV_DTYPE_F32;
+    view->kv_type = c->kv_type;
     view->block_rows = c->block_rows;
     for (int h = 0; h < c->n_kv_heads; h++) {
         struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
@@ -492,7 +516,7 @@ uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *c)
     uint64_t rows = 0;
     for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
         rows += (uint64_t)c->heads[i].len;
-    return rows * 2 * (uint64_t)c->head_dim * sizeof(float);
+    return rows * 2 * (uint64_t)c->row_bytes;
 }
 
 void skv_kv_head_blocks(const struct skv_kv_cache *c, const struct skv_kv_head *hd, struct skv_kv_blocks *out)
@@ -689,13 +713,28 @@ static int attn_project(struct skv_engine *e, int l, int i0, int m)
  * copies per head cost a launch each); longer runs go by copy_2d, one per block. */
 #define STORE_BY_ROWS 8
 
+/* Stores every queued row: one copy_rows (f32 caches) or store_rows_f16. */
+static int rows_flush(struct skv_engine *e)
+{
+    int n = (int)e->n_rows;
+    e->n_rows = 0;
+    if (n == 0)
+        return SKV_OK;
+    if (e->rows_type == SKV_DTYPE_F16)
+        return e->be->ops->store_rows_f16(e->be, e->row_dst, (const float *const *)e->row_src, e->m->cfg.head_dim, n);
+    return e->be->ops->copy_rows(e->be, e->row_dst, e->row_src, e->m->cfg.head_dim * sizeof(float), n);
+}
+
 /* Queues rows [j, j + m) of e->kb / e->vb for rows at[h] ... of every head of layer l (the
- * heads have room), to be stored by rows_flush. Queues nothing when it fails. */
+ * heads have room), to be stored by rows_flush (rows of a cache of the other KV type queued
+ * before are stored first). Queues nothing else when it fails. */
 static int rows_add(struct skv_engine *e, struct skv_kv_cache *cache, int l, const int32_t *at, int j, int m)
 {
     const struct skv_model_config *c = &e->m->cfg;
     const int hd = c->head_dim, t = cache->block_rows;
-    const size_t kvdim = (size_t)c->n_kv_heads * hd, row = (size_t)hd * sizeof(float);
+    const size_t kvdim = (size_t)c->n_kv_heads * hd, row = cache->row_bytes;
+    if (e->n_rows > 0 && e->rows_type != cache->kv_type)
+        CHECK(rows_flush(e)); /* a cache of the other type: its rows go by the other op */
     const size_t need = e->n_rows + 2 * (size_t)c->n_kv_heads * m;
     if (need > e->rows_cap) {
         size_t cap = e->rows_cap ? e->rows_cap : 256;
@@ -722,16 +761,8 @@ static int rows_add(struct skv_engine *e, struct skv_kv_cache *cache, int l, con
             }
         }
     }
+    e->rows_type = cache->kv_type;
     return SKV_OK;
-}
-
-/* Stores every queued row: one copy_rows. */
-static int rows_flush(struct skv_engine *e)
-{
-    int n = (int)e->n_rows;
-    e->n_rows = 0;
-    return n > 0 ? e->be->ops->copy_rows(e->be, e->row_dst, e->row_src, e->m->cfg.head_dim * sizeof(float), n)
-                 : SKV_OK;
 }
 
 /* Records positions e->pos[i0 ...] and zero scores for rows at[h] ... of every head. */
@@ -752,7 +783,7 @@ static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, 
     const struct skv_model_config *c = &e->m->cfg;
     int hd = c->head_dim;
     size_t kvdim = (size_t)c->n_kv_heads * hd;
-    if (m <= STORE_BY_ROWS) {
+    if (m <= STORE_BY_ROWS || cache->kv_type != SKV_DTYPE_F32) { /* f16: always converted by rows */
         CHECK(rows_add(e, cache, l, at, j, m));
         CHECK(rows_flush(e));
     } else {

@@ -33,6 +33,8 @@ struct skv_kv_cache {
     struct skv_backend *be;
     struct skv_kv_pool *pool;   /* where its blocks come from (one reference held) */
     int block_rows;
+    int kv_type;                /* its pool's: SKV_DTYPE_F32 or SKV_DTYPE_F16 */
+    size_t row_bytes;           /* one K or V row of head_dim in kv_type */
 };
 
 /* An empty cache whose blocks come from the model's pool (m->kv_pool). */

@@ -22,7 +22,7 @@ struct skv_kv_slab {
 struct skv_kv_pool {
     pthread_mutex_t lock;
     struct skv_backend *be;
-    int head_dim, block_rows;
+    int head_dim, block_rows, kv_type;
     size_t block_bytes;
     int refs;                               /* the pool's own references (caches, owner) */
     struct skv_kv_slab *slabs;
@@ -34,10 +34,14 @@ struct skv_kv_pool {
     int pins;                               /* weak references may exist: no slab leaves */
 };
 
-int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct skv_kv_pool **out)
+int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, int kv_type, struct skv_kv_pool **out)
 {
     if (!be || !out || head_dim <= 0 || block_rows <= 0 || block_rows > (1 << 16))
         return skv_errorf(SKV_E_INVAL, "KV pool: head_dim %d, %d rows per block", head_dim, block_rows);
+    if (kv_type != SKV_DTYPE_F32 && kv_type != SKV_DTYPE_F16)
+        return skv_errorf(SKV_E_INVAL, "KV pool: KV type %d (f32 or f16)", kv_type);
+    if (kv_type == SKV_DTYPE_F16 && !be->ops->store_rows_f16)
+        return skv_errorf(SKV_E_UNSUPPORTED, "KV pool: the %s backend keeps f32 KV only (kv-type f32)", be->name);
     struct skv_kv_pool *p = calloc(1, sizeof *p);
     if (!p)
         return SKV_E_NOMEM;
@@ -48,7 +52,8 @@ int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct
     p->be = be;
     p->head_dim = head_dim;
     p->block_rows = block_rows;
-    p->block_bytes = (size_t)2 * block_rows * head_dim * sizeof(float);
+    p->kv_type = kv_type;
+    p->block_bytes = (size_t)2 * block_rows * skv_kv_row_bytes(kv_type, head_dim);
     p->refs = 1;
     *out = p;
     return SKV_OK;
@@ -130,6 +135,11 @@ int skv_kv_pool_block_rows(const struct skv_kv_pool *pool)
 int skv_kv_pool_head_dim(const struct skv_kv_pool *pool)
 {
     return pool->head_dim;
+}
+
+int skv_kv_pool_kv_type(const struct skv_kv_pool *pool)
+{
+    return pool->kv_type;
 }
 
 size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool)

@@ -17,7 +17,8 @@ struct skv_kv_pool;
 struct skv_kv_slab;
 
 struct skv_kv_block {
-    void *mem;                          /* backend: K [block_rows][head_dim], V [block_rows][head_dim] */
+    void *mem;                          /* backend: K [block_rows][head_dim], V [block_rows][head_dim] of
+                                           the pool's kv_type */
     int refs;                           /* block tables holding it; 0: free (pool lock) */
     uint64_t stamp;                     /* new whenever the block may be written (taken from the pool,
                                            unshared to be written): two looks at one stamp saw the same bytes */
@@ -29,15 +30,16 @@ struct skv_kv_block {
 
 struct skv_kv_pool_stats {
     int block_rows;
-    size_t block_bytes;        /* 2 * block_rows * head_dim * 4 */
+    size_t block_bytes;        /* 2 * block_rows * head_dim * (4: f32, 2: f16) */
     uint64_t blocks_in_use;    /* unique blocks some table holds */
     uint64_t blocks_shared;    /* of those, held by more than one table */
     uint64_t blocks_free;      /* carved and reusable without allocating */
     uint64_t bytes_reserved;   /* backend memory the pool's slabs hold */
 };
 
-/* A pool of blocks of block_rows (> 0) rows of head_dim f32 on `be`, holding one reference. */
-int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, struct skv_kv_pool **out);
+/* A pool of blocks of block_rows (> 0) rows of head_dim values of kv_type (SKV_DTYPE_F32, or
+ * SKV_DTYPE_F16 on a backend with store_rows_f16: half the bytes) on `be`, holding one reference. */
+int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, int kv_type, struct skv_kv_pool **out);
 /* Another reference (a cache made from this pool); returns pool. */
 struct skv_kv_pool *skv_kv_pool_ref(struct skv_kv_pool *pool);
 /* Drops a reference; the last one frees the pool, which must then hold no block in use.
@@ -46,6 +48,7 @@ void skv_kv_pool_unref(struct skv_kv_pool **pool_p);
 
 int skv_kv_pool_block_rows(const struct skv_kv_pool *pool);
 int skv_kv_pool_head_dim(const struct skv_kv_pool *pool);
+int skv_kv_pool_kv_type(const struct skv_kv_pool *pool);
 size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool);
 
 /* A block of undefined contents with one reference (SKV_E_NOMEM / SKV_E_DEVICE when the

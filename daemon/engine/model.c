@@ -931,7 +931,7 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
     if (!rc)
         rc = prepare_weights(m);
     if (!rc)
-        rc = skv_kv_pool_new(be, m->cfg.head_dim, SKV_KV_BLOCK_ROWS, &m->kv_pool);
+        rc = skv_kv_pool_new(be, m->cfg.head_dim, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32, &m->kv_pool);
     if (rc) {
         skv_model_free(&m);
         return rc;
@@ -944,8 +944,13 @@ int skv_model_load(const char *path, struct skv_backend *be, const struct skv_mo
 
 int skv_model_set_kv_block_rows(struct skv_model *m, int rows)
 {
+    return skv_model_set_kv_pool(m, rows, skv_kv_pool_kv_type(m->kv_pool));
+}
+
+int skv_model_set_kv_pool(struct skv_model *m, int rows, int kv_type)
+{
     struct skv_kv_pool *pool = NULL;
-    int rc = skv_kv_pool_new(m->be, m->cfg.head_dim, rows, &pool);
+    int rc = skv_kv_pool_new(m->be, m->cfg.head_dim, rows, kv_type, &pool);
     if (rc)
         return rc;
     skv_kv_pool_unref(&m->kv_pool);

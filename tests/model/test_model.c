@@ -842,6 +842,140 @@ static void test_decode_batch_matches_single(void **state)
     free(path);
 }
 
+/* kv-type f16 on the real model: a pool of half the bytes a block; layer 0's stored rows are
+ * exactly the f32 cache's rounded to f16 (nothing before them differs); rows written and read
+ * on the host round and widen; a compaction moves f16 rows intact; a decode group of f16 caches
+ * gives each one's own logits bit for bit; and the model's outputs stay close to the f32
+ * cache's (logit error, and 24 greedy tokens of a natural prompt the same). */
+static void test_kv_f16(void **state)
+{
+    (void)state;
+    char *path = fixture_model_path();
+    if (!path) {
+        free(path);
+        skip();
+    }
+    struct skv_backend *be = NULL;
+    struct skv_model *m = NULL;
+    struct skv_engine *e = NULL;
+    assert_int_equal(backend_new(2, &be), SKV_OK);
+    assert_int_equal(skv_model_load(path, be, NULL, &m), SKV_OK);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    const int nv = m->cfg.n_vocab, d = m->cfg.head_dim;
+    const size_t block32 = skv_kv_pool_block_bytes(m->kv_pool);
+    struct skv_kv_cache *c32 = NULL, *c16 = NULL, *g16 = NULL;
+    assert_int_equal(skv_kv_cache_new(m, &c32), SKV_OK);
+    assert_int_equal(skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, 99), SKV_E_INVAL);
+    assert_int_equal(skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16), SKV_OK);
+    assert_int_equal(skv_kv_pool_block_bytes(m->kv_pool) * 2, block32);
+    assert_int_equal(skv_kv_cache_new(m, &c16), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &g16), SKV_OK);
+    assert_int_equal(c16->kv_type, SKV_DTYPE_F16);
+
+    static const char text[] =
+        "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+        "Rome was not built in a day, and neither was the library of Alexandria, which held scrolls from all over "
+        "the known world. Scholars came from far away to read them, copy them and argue about what they meant. "
+        "Today we remember the library as a symbol of learning. The capital of France is";
+    int32_t ids[256], n = 0;
+    assert_int_equal(skv_tokenizer_encode(m->tok, text, strlen(text), false, false, ids, 256, &n), SKV_OK);
+    assert_true(n > 60);
+    float *l32 = malloc((size_t)nv * sizeof *l32), *l16 = malloc((size_t)nv * sizeof *l16);
+    float *lg = malloc((size_t)nv * sizeof *lg);
+    assert_non_null(l32);
+    assert_non_null(l16);
+    assert_non_null(lg);
+    assert_int_equal(skv_engine_forward(e, c32, ids, n, NULL, l32), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, c16, ids, n, NULL, l16), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, g16, ids, n - 7, NULL, lg), SKV_OK);
+    assert_int_equal(skv_kv_cache_bytes(c16) * 2, skv_kv_cache_bytes(c32));
+
+    /* layer 0: the same inputs, so the f16 rows are the f32 rows rounded */
+    float *a = malloc((size_t)n * d * sizeof *a), *b = malloc((size_t)n * d * sizeof *b);
+    assert_non_null(a);
+    assert_non_null(b);
+    for (int h = 0; h < m->cfg.n_kv_heads; h++)
+        for (int which = 0; which < 2; which++) {
+            assert_int_equal(skv_kv_cache_read_rows(c32, 0, h, which, 0, n, a), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(c16, 0, h, which, 0, n, b), SKV_OK);
+            for (int i = 0; i < n * d; i++)
+                if (memcmp(&b[i], &(float){skv_fp16_to_f32(skv_f32_to_fp16(a[i]))}, sizeof(float)) != 0)
+                    fail_msg("layer 0 head %d %s value %d: f32 %.9g, f16 cache %.9g", h, which ? "V" : "K", i, a[i],
+                             b[i]);
+        }
+    /* the host's rows: written rounded, read widened */
+    struct skv_kv_cache *w16 = NULL;
+    assert_int_equal(skv_kv_cache_new(m, &w16), SKV_OK);
+    assert_int_equal(skv_kv_cache_write_rows(w16, 3, 1, 1, 0, n, a), SKV_OK); /* several blocks: staged */
+    assert_int_equal(skv_kv_cache_read_rows(w16, 3, 1, 1, 0, n, b), SKV_OK);
+    for (int i = 0; i < n * d; i++)
+        assert_true(b[i] == skv_fp16_to_f32(skv_f32_to_fp16(a[i])));
+    /* a compaction moves whole f16 rows */
+    struct skv_kv_cache *k16 = NULL;
+    assert_int_equal(skv_kv_cache_clone(c16, &k16), SKV_OK);
+    int32_t keep[40];
+    for (int i = 0; i < 40; i++)
+        keep[i] = i * (n - 1) / 39;
+    assert_int_equal(skv_kv_cache_read_rows(c16, 5, 0, 1, 0, n, a), SKV_OK);
+    assert_int_equal(skv_kv_cache_compact(k16, 5, 0, keep, 40), SKV_OK);
+    assert_int_equal(skv_kv_cache_read_rows(k16, 5, 0, 1, 0, 40, b), SKV_OK);
+    for (int i = 0; i < 40; i++)
+        assert_memory_equal(b + (size_t)i * d, a + (size_t)keep[i] * d, (size_t)d * sizeof(float));
+    skv_kv_cache_free(&k16);
+    skv_kv_cache_free(&w16);
+
+    /* next-token logits close to the f32 cache's, and greedy decoding that agrees */
+    double worst = 0;
+    int best32 = 0, best16 = 0;
+    for (int i = 0; i < nv; i++) {
+        double diff = fabs((double)l32[i] - l16[i]);
+        worst = diff > worst ? diff : worst;
+        best32 = l32[i] > l32[best32] ? i : best32;
+        best16 = l16[i] > l16[best16] ? i : best16;
+    }
+    print_message("f16 KV: largest logit difference %.4f at %d tokens\n", worst, n);
+    assert_true(worst < 0.1);
+    int agree = 0;
+    for (int step = 0; step < 24; step++) {
+        assert_int_equal(best16, best32);
+        agree++;
+        int32_t t32 = best32, t16 = best16;
+        /* the f16 cache in a decode group with another f16 cache: its own logits, bit for bit */
+        int bg = 0;
+        for (int i = 1; i < nv; i++)
+            bg = lg[i] > lg[bg] ? i : bg;
+        struct skv_kv_cache *single = NULL;
+        assert_int_equal(skv_kv_cache_clone(c16, &single), SKV_OK);
+        struct skv_batch_seq seqs[2] = {{c16, t16, NULL, l16}, {g16, bg, NULL, lg}};
+        assert_int_equal(skv_engine_decode_batch(e, seqs, 2), SKV_OK);
+        float *alone = malloc((size_t)nv * sizeof *alone);
+        assert_non_null(alone);
+        assert_int_equal(skv_engine_forward(e, single, &t16, 1, NULL, alone), SKV_OK);
+        assert_memory_equal(alone, l16, (size_t)nv * sizeof(float));
+        free(alone);
+        skv_kv_cache_free(&single);
+        assert_int_equal(skv_engine_forward(e, c32, &t32, 1, NULL, l32), SKV_OK);
+        best32 = best16 = 0;
+        for (int i = 1; i < nv; i++) {
+            best32 = l32[i] > l32[best32] ? i : best32;
+            best16 = l16[i] > l16[best16] ? i : best16;
+        }
+    }
+    assert_int_equal(agree, 24);
+    free(a);
+    free(b);
+    free(l32);
+    free(l16);
+    free(lg);
+    skv_kv_cache_free(&c32);
+    skv_kv_cache_free(&c16);
+    skv_kv_cache_free(&g16);
+    skv_engine_free(&e);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+    free(path);
+}
+
 static void test_load_errors(void **state)
 {
     (void)state;
@@ -1171,7 +1305,7 @@ int main(void)
         cmocka_unit_test(test_tiny_llama),        cmocka_unit_test(test_tiny_llama_sharded),
         cmocka_unit_test(test_tiny_llama_bf16),   cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_llama3_rope),  cmocka_unit_test(test_incremental_matches_full),
-        cmocka_unit_test(test_decode_batch_matches_single),
+        cmocka_unit_test(test_decode_batch_matches_single), cmocka_unit_test(test_kv_f16),
         cmocka_unit_test(test_load_errors),       cmocka_unit_test(test_gguf_rope_freqs),
         cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),

@@ -89,9 +89,9 @@ static void test_pool_counts(void **state)
 {
     struct tiny *t = *state;
     struct skv_kv_pool *p = NULL;
-    assert_int_equal(skv_kv_pool_new(t->be, 16, 0, &p), SKV_E_INVAL);
-    assert_int_equal(skv_kv_pool_new(NULL, 16, 16, &p), SKV_E_INVAL);
-    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, &p), SKV_OK);
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 0, SKV_DTYPE_F32, &p), SKV_E_INVAL);
+    assert_int_equal(skv_kv_pool_new(NULL, 16, 16, SKV_DTYPE_F32, &p), SKV_E_INVAL);
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, SKV_DTYPE_F32, &p), SKV_OK);
     assert_int_equal(skv_kv_pool_block_bytes(p), (size_t)2 * 4 * 16 * 4);
     enum { N = 200 };
     struct skv_kv_block *b[N];
@@ -139,7 +139,7 @@ static void test_pool_weak(void **state)
 {
     struct tiny *t = *state;
     struct skv_kv_pool *p = NULL;
-    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, &p), SKV_OK);
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, SKV_DTYPE_F32, &p), SKV_OK);
     enum { N = 200 };
     struct skv_kv_block *b[N];
     uint64_t stamp[N];
@@ -187,7 +187,7 @@ static void test_pool_reserve(void **state)
 {
     struct tiny *t = *state;
     struct skv_kv_pool *p = NULL;
-    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, &p), SKV_OK);
+    assert_int_equal(skv_kv_pool_new(t->be, 16, 4, SKV_DTYPE_F32, &p), SKV_OK);
     const size_t bb = skv_kv_pool_block_bytes(p), slab = 64 * bb;
     assert_int_equal(skv_kv_pool_reserve(p, 3 * slab - 1), SKV_OK); /* rounds up to slabs */
     struct skv_kv_pool_stats s = pool_stats(p);
@@ -455,7 +455,7 @@ static void test_block_sizes(void **state)
         struct skv_kv_pool *pool = NULL;
         struct skv_kv_cache *c = NULL;
         float *out = s == 0 ? want : got;
-        assert_int_equal(skv_kv_pool_new(t->be, t->m->cfg.head_dim, sizes[s], &pool), SKV_OK);
+        assert_int_equal(skv_kv_pool_new(t->be, t->m->cfg.head_dim, sizes[s], SKV_DTYPE_F32, &pool), SKV_OK);
         assert_int_equal(skv_kv_cache_new_in(t->m, pool, &c), SKV_OK);
         skv_kv_pool_unref(&pool); /* the cache holds it */
         prefill(t, c, t->ids, 37, out);
@@ -491,7 +491,7 @@ static void test_rows_io(void **state)
     const int d = t->m->cfg.head_dim;
     struct skv_kv_pool *pool = NULL;
     struct skv_kv_cache *c = NULL, *f = NULL;
-    assert_int_equal(skv_kv_pool_new(t->be, d, 5, &pool), SKV_OK);
+    assert_int_equal(skv_kv_pool_new(t->be, d, 5, SKV_DTYPE_F32, &pool), SKV_OK);
     assert_int_equal(skv_kv_cache_new_in(t->m, pool, &c), SKV_OK);
     skv_kv_pool_unref(&pool);
     float *k = malloc((size_t)N * d * sizeof *k), *v = malloc((size_t)N * d * sizeof *v);
