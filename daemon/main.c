@@ -333,10 +333,13 @@ int main(int argc, char **argv)
         exit_code = 0;
         goto out_model;
     }
-    if ((rc = skv_model_set_kv_block_rows(model, (int)cfg.kv_block_tokens))) {
-        skv_log(SKV_LOG_ERROR, "KV pool: %s", skv_error_msg());
+    if ((rc = skv_model_set_kv_pool(model, (int)cfg.kv_block_tokens,
+                                    strcmp(cfg.kv_type, "f16") == 0 ? SKV_DTYPE_F16 : SKV_DTYPE_F32))) {
+        skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_model;
     }
+    skv_log(SKV_LOG_INFO, "KV pool: %s rows, %lld tokens a block of %zu bytes", cfg.kv_type,
+            (long long)cfg.kv_block_tokens, skv_kv_pool_block_bytes(model->kv_pool));
     if (cfg.pool_prealloc && strcmp(be->name, "cpu") == 0) {
         /* host memory is taken page by page: refuse what would end in the OOM killer */
         uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);

@@ -547,6 +547,7 @@ static json_t *meta_json(const struct qctx *q)
     json_object_set_new(j, "model_fingerprint", json_string(q->m->fingerprint));
     json_object_set_new(j, "backend", json_string(q->m->be->name));
     json_object_set_new(j, "threads", json_integer(q->m->be->n_threads));
+    json_object_set_new(j, "kv_type", json_string(skv_dtype_name(skv_kv_pool_kv_type(q->m->kv_pool))));
     json_object_set_new(j, "mode", json_string(q->m->reference ? "reference" : "fast"));
     json_object_set_new(j, "seed", json_integer((json_int_t)q->o->seed));
     time_t t = time(NULL);

@@ -352,6 +352,8 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
     snprintf(a[15], sizeof a[15], "--queue-depth=%d", 1 << 16);
     snprintf(a[16], sizeof a[16], "--queue-depth-per-tenant=%d", 1 << 16);
     int n_args = 17;
+    if (x->o->kv_type)
+        snprintf(a[n_args++], sizeof a[0], "--kv-type=%s", x->o->kv_type);
     if (x->yield_ms >= 0)
         snprintf(a[n_args++], sizeof a[0], "--decode-yield-ms=%lld", (long long)x->yield_ms);
     if (x->queue_order)
@@ -2739,6 +2741,7 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
     json_object_set_new(j, "model", json_string(m->name));
     json_object_set_new(j, "backend", json_string(m->be->name));
     json_object_set_new(j, "threads", json_integer(m->be->n_threads));
+    json_object_set_new(j, "kv_type", json_string(skv_dtype_name(skv_kv_pool_kv_type(m->kv_pool))));
     json_object_set_new(j, "cpu", json_string(cpu));
     json_object_set_new(j, "online_cpus", json_integer(sysconf(_SC_NPROCESSORS_ONLN)));
     json_object_set_new(j, "daemon_started_by_bench", json_boolean(x.d.pid != 0));

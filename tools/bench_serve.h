@@ -15,6 +15,7 @@ struct skv_serve_opts {
     const char *argv0;           /* the child is <dir of argv0>/snapkvd */
     const char *model_path;      /* the child's --model */
     int threads;                 /* the child's --threads (0: all online CPUs) */
+    const char *kv_type;         /* the child's --kv-type (NULL: its default, f32) */
     int clients;                 /* client processes of the throughput run; <= 0: 8 */
     int requests;                /* requests per client; <= 0: 4 */
     int context;                 /* long-session prompt tokens; <= 0: 4096 */

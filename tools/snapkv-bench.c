@@ -33,6 +33,7 @@ struct args {
     const char *cmd;
     const char *model;
     const char *backend;
+    const char *kv_type;       /* f32 | f16: the model's KV pool (and a serve daemon's kv-type) */
     int threads;
     bool json;
     bool reference;
@@ -77,7 +78,7 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: snapkv-bench COMMAND --model PATH [--threads N] [--backend auto|cpu|cuda] [--json]\n"
-            "                    [--reference]\n"
+            "                    [--reference] [--kv-type f32|f16]\n"
             "commands:\n"
             "  tokenize [--special] [--bos] [--cap N] stdin text -> token ids; --cap: the count a\n"
             "                                        request's limit of N tokens stops at, and its time\n"
@@ -534,7 +535,7 @@ static int cmd_select(const struct args *a, struct skv_engine *e, struct skv_mod
         return fail("select", rc);
     }
     const struct skv_model_config *c = &m->cfg;
-    uint64_t before = (uint64_t)n * c->n_layers * c->n_kv_heads * c->head_dim * 2 * sizeof(float);
+    uint64_t before = (uint64_t)n * c->n_layers * c->n_kv_heads * 2 * cache->row_bytes;
     uint64_t after = skv_kv_cache_bytes(cache);
     json_t *j = json_object(), *layers = json_array();
     json_object_set_new(j, "n_tokens", json_integer(n));
@@ -629,13 +630,11 @@ static uint64_t decode_weight_bytes(const struct skv_model *m)
     return b;
 }
 
-/* KV bytes one decode step reads: every kept K and V row (f32) of every layer and KV head. */
+/* KV bytes one decode step reads: every kept K and V row (of the cache's KV type) of every
+ * layer and KV head. */
 static uint64_t kv_read_bytes(const struct skv_kv_cache *c)
 {
-    uint64_t rows = 0;
-    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
-        rows += (uint64_t)c->heads[i].len;
-    return rows * (uint64_t)c->head_dim * 2 * sizeof(float);
+    return skv_kv_cache_bytes(c);
 }
 
 /* Prefill and decode speed. With --compress SPEC every prefill (the timed ones and the one
@@ -821,6 +820,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     json_object_set_new(j, "model", json_string(m->name));
     json_object_set_new(j, "backend", json_string(m->be->name));
     json_object_set_new(j, "threads", json_integer(m->be->n_threads));
+    json_object_set_new(j, "kv_type", json_string(skv_dtype_name(skv_kv_pool_kv_type(m->kv_pool))));
     json_object_set_new(j, "mode", json_string(m->reference ? "reference" : "fast"));
     json_object_set_new(j, "compress", spec ? json_string(spec) : json_null());
     json_object_set_new(j, "weight_bytes", json_integer((json_int_t)decode_weight_bytes(m)));
@@ -1026,6 +1026,7 @@ static int cmd_serve(struct args *a, struct skv_engine *e, struct skv_model *m, 
     s->argv0 = argv[0];
     s->model_path = a->model;
     s->threads = a->threads;
+    s->kv_type = a->kv_type;
     s->decode_tokens = a->decode_tokens;
     s->specs = a->quality.specs;
     s->json_stdout = a->json;
@@ -1083,7 +1084,7 @@ static const struct {
 /* Whether command cmd reads option opt (SKV_OK), a message and 2 when not. */
 static int check_option(const char *cmd, const char *opt)
 {
-    static const char common[] = " model threads backend json reference help ";
+    static const char common[] = " model threads backend json reference kv-type help ";
     char word[64];
     snprintf(word, sizeof word, " %s ", opt);
     if (strstr(common, word))
@@ -1112,11 +1113,11 @@ int main(int argc, char **argv)
     const char *missing; /* links libskvcpu.a, whose check ran before main (this file uses AVX2) */
     if (!skv_cpu_ok(&missing))
         return 1;
-    struct args a = {.backend = "auto", .threads = 0, .cap = -1, .quality = {.passkey_style = -1}};
+    struct args a = {.backend = "auto", .kv_type = "f32", .threads = 0, .cap = -1, .quality = {.passkey_style = -1}};
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM, O_CAP, O_BATCH };
+           O_FIDM, O_CAP, O_BATCH, O_KVTYPE };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
            O_STORE_SIGNED };
     static const struct option opts[] = {
@@ -1142,7 +1143,7 @@ int main(int argc, char **argv)
         {"clients", required_argument, NULL, O_CLIENTS},   {"requests", required_argument, NULL, O_REQUESTS},
         {"sessions", required_argument, NULL, O_SESSIONS}, {"context", required_argument, NULL, O_CONTEXT},
         {"pool-gib", required_argument, NULL, O_POOL_GIB}, {"parts", required_argument, NULL, O_PARTS},
-        {"store-signed", no_argument, NULL, O_STORE_SIGNED},
+        {"store-signed", no_argument, NULL, O_STORE_SIGNED}, {"kv-type", required_argument, NULL, O_KVTYPE},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c, li = -1, n_given = 0;
@@ -1157,6 +1158,13 @@ int main(int argc, char **argv)
         case O_MODEL: a.model = optarg; break;
         case O_THREADS: ok = int_opt("threads", optarg, 0, 1024, &a.threads); break;
         case O_BACKEND: a.backend = optarg; break;
+        case O_KVTYPE:
+            a.kv_type = optarg;
+            if (strcmp(optarg, "f32") != 0 && strcmp(optarg, "f16") != 0) {
+                fprintf(stderr, "snapkv-bench: --kv-type: '%s' is not f32 or f16\n", optarg);
+                ok = false;
+            }
+            break;
         case O_JSON: a.json = true; break;
         case O_REF: a.reference = true; break;
         case O_PROMPT: a.prompt = optarg; break;
@@ -1234,7 +1242,10 @@ int main(int argc, char **argv)
         return fail("backend", rc);
     struct skv_model_opts mo = {.reference = a.reference};
     rc = skv_model_load(a.model, be, &mo, &m);
+    if (!rc && strcmp(a.kv_type, "f16") == 0)
+        rc = skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16);
     if (rc) {
+        skv_model_free(&m);
         skv_backend_destroy(&be);
         return fail(a.model, rc);
     }

@@ -2954,6 +2954,43 @@ static void test_persist(void **state)
     persist_off(f, dir);
 }
 
+/* kv-type f16 through the worker: a session holds half the bytes of its f32 twin; a restart
+ * with persist brings it back (the block store holds rows as f32, exactly the f16 values), and it
+ * decodes what a session prefilled after the restart decodes, token for token. */
+static void test_kv_f16_persist(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-kvf16-XXXXXX";
+    uint8_t a32[16], a[16], c[16];
+    uint64_t bytes32 = 0, bytes16 = 0;
+    prefill_for(f, "t", 40, "policy=full", a32);
+    assert_int_equal(listed(f, a32, &bytes32, NULL), 40);
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_model_set_kv_pool(f->tiny->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16), SKV_OK);
+    persist_on(f, dir, "0");
+    prefill_for(f, "t", 40, "policy=full", a);
+    assert_int_equal(listed(f, a, &bytes16, NULL), 40);
+    assert_true(bytes16 > 0);
+    assert_int_equal(bytes16 * 2, bytes32);
+    restart(f);
+    assert_int_equal(listed(f, a, NULL, NULL), 40);
+    prefill_for(f, "t", 40, "policy=full", c);
+    uint32_t ta[12], tc[12];
+    int na = 0, nc = 0;
+    submit_decode(f, ID_X, "t", a, 12, false);
+    Snapkv__Reply *rep = decode_final(f, ID_X, ta, &na, 12);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    submit_decode(f, ID_X, "t", c, 12, false);
+    rep = decode_final(f, ID_X, tc, &nc, 12);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(na, 12);
+    assert_int_equal(nc, 12);
+    assert_memory_equal(ta, tc, sizeof ta);
+    persist_off(f, dir);
+}
+
 /* A start that cannot restore every session (here: max-sessions-per-tenant lowered below what
  * was saved) keeps the saved state in persist.unrestored, and moved back it restores all of it
  * once the limit is back (before, the files of the sessions not restored were removed). */
@@ -4298,6 +4335,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_evict_idle_fork, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_round_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_kv_f16_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_older_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
