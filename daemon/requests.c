@@ -297,7 +297,7 @@ static int fill_kept(const struct skv_kv_cache *c, struct kept_arena *a, bool wi
             int len = c->heads[l * H + h].len;
             k->kept_per_head[h] = (uint32_t)len;
             k->kept = (uint32_t)len > k->kept ? (uint32_t)len : k->kept;
-            k->bytes += (uint64_t)len * c->head_dim * 2 * sizeof(float);
+            k->bytes += (uint64_t)len * 2 * c->row_bytes;
         }
         if (with_blocks) {
             k->n_blocks_per_head = k->n_shared_blocks_per_head = (size_t)H;
@@ -326,7 +326,8 @@ static void free_kept(struct kept_arena *a)
 
 static uint64_t full_bytes(const struct skv_model *m, int n_tokens)
 {
-    return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * m->cfg.head_dim * 2 * sizeof(float);
+    return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * 2 *
+           skv_kv_row_bytes(skv_kv_pool_kv_type(m->kv_pool), m->cfg.head_dim);
 }
 
 /* Progress of a long prefill: one non-final PREFILL reply per layer done. */
@@ -1348,9 +1349,11 @@ static int import_check(const struct skv_config *cfg, const struct skv_model *m,
                                       "length (%u)",
                                       l, h, im->positions[at], j, im->original_length);
         }
-    /* the rows' bytes alone past the tenant's quota or the pool: refused before the layout is
-     * read (a CUDA buffer's is staged whole in host memory, at most n_kv_heads times this) */
-    uint64_t row_bytes = (uint64_t)2 * d * sizeof(float), have = (uint64_t)n_pos * row_bytes;
+    /* the rows' bytes alone (in the pool's KV type) past the tenant's quota or the pool: refused
+     * before the layout is read (a CUDA buffer's is staged whole in host memory, at most
+     * n_kv_heads times this) */
+    uint64_t row_bytes = (uint64_t)2 * skv_kv_row_bytes(skv_kv_pool_kv_type(m->kv_pool), d);
+    uint64_t have = (uint64_t)n_pos * row_bytes;
     if ((cfg->max_bytes_per_tenant > 0 && have > (uint64_t)cfg->max_bytes_per_tenant) ||
         have > (uint64_t)cfg->pool_size)
         return skv_errorf(SKV_E_LIMIT, "the import's %llu rows take %llu bytes: more than max-bytes-per-tenant "

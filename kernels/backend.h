@@ -282,7 +282,8 @@ struct skv_backend_ops {
                            const struct skv_kv_view *kv);
 
     /* Optional (NULL: the backend keeps f32 KV only): n rows of d f32 values, each from its own
-     * place to its own place as f16, rounded to nearest even (host arrays of backend
+     * place to its own place as f16, rounded to nearest even and saturating at +-65504
+     * (skv_f32_to_fp16_sat) (host arrays of backend
      * pointers, as copy_rows). What the engine stores a forward's new K / V rows with in a
      * pool of `kv-type f16`; a backend that has it also reads f16 views in attention,
      * attention_batch and attention_colsum. */
@@ -340,6 +341,12 @@ int skv_dequantize_row(int type, const void *src, float *dst, int64_t n);
 /* fp16 / bf16 scalar conversions (host). */
 float skv_fp16_to_f32(uint16_t h);
 uint16_t skv_f32_to_fp16(float f);
+/* The same, saturating: magnitudes past 65504 (f16's largest) give +-65504, not inf; NaN stays
+ * NaN. What f16 KV rows are stored with. */
+static inline uint16_t skv_f32_to_fp16_sat(float f)
+{
+    return skv_f32_to_fp16(f > 65504.0f ? 65504.0f : f < -65504.0f ? -65504.0f : f);
+}
 float skv_bf16_to_f32(uint16_t h);
 uint16_t skv_f32_to_bf16(float f);
 

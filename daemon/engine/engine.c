@@ -482,13 +482,13 @@ int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which,
         rc = head_open(c, hd, row0, n);
     if (!rc && c->kv_type == SKV_DTYPE_F32) {
         rc = head_rows_io(c, hd, which, row0, n, (void *)src, c->row_bytes, ROWS_FROM_HOST);
-    } else if (!rc) { /* f16 rows: rounded on the host (nearest even), written as they are */
+    } else if (!rc) { /* f16 rows: rounded on the host (nearest even, saturating), written as they are */
         const int64_t count = (int64_t)n * c->head_dim;
         uint16_t *half = malloc(count > 0 ? (size_t)count * sizeof *half : 1);
         if (!half)
             return skv_errorf(SKV_E_NOMEM, "writing %d f16 rows", n);
         for (int64_t i = 0; i < count; i++)
-            half[i] = skv_f32_to_fp16(src[i]);
+            half[i] = skv_f32_to_fp16_sat(src[i]);
         rc = head_rows_io(c, hd, which, row0, n, half, c->row_bytes, ROWS_FROM_HOST);
         free(half);
     }

@@ -556,6 +556,15 @@ static int store_read(struct skv_kv_store *st, uint32_t idx, uint64_t *key)
     return SKV_OK;
 }
 
+/* Whether every value of the record in st->buf is an f16 value (an f16 cache holds it unchanged). */
+static bool record_is_half(const struct skv_kv_store *st)
+{
+    for (size_t i = 0; i < 2 * st->rows_bytes / sizeof(float); i++)
+        if (skv_fp16_to_f32(skv_f32_to_fp16(st->buf[i])) != st->buf[i])
+            return false;
+    return true;
+}
+
 int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, int rows, uint64_t group, struct skv_kv_cache *c,
                      int layer, int h, bool *shared)
 {
@@ -593,9 +602,12 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, int rows, uint64_t g
         rc = skv_kv_cache_truncate(c, layer, h, row0 + rows);
     if (rc || !whole)
         return rc; /* rows: this cache's own */
-    /* the block now holds record idx: a save that goes on from this store need not write it */
+    /* the block now holds record idx: a save that goes on from this store need not write it
+     * (unless the record holds values an f16 block rounded: the block's own rows differ) */
     struct skv_kv_block *b = hd->blk[row0 / br];
     uint64_t bkey = block_key(st, b, rows);
+    if (bkey && c->kv_type != SKV_DTYPE_F32 && !record_is_half(st))
+        bkey = 0;
     if ((bkey && map_set(&st->last, bkey, idx, true)) || map_set(&st->by_content, key, idx, false))
         return SKV_E_NOMEM;
     if (l->b && skv_kv_pool_hold_if(st->pool, l->b, l->stamp)) {

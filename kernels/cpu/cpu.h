@@ -19,7 +19,8 @@ void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_
 void *skv_cpu_scratch(struct skv_backend *be, int thread_id, size_t bytes);
 
 /* KV rows of f16 (a pool of kv-type f16) widened to f32, exactly, and f32 rows rounded to f16
- * (nearest even), n values. */
+ * (nearest even; magnitudes past f16's largest, 65504, saturate to it, so a stored row stays
+ * finite and saves and loads like any other; NaN stays NaN), n values. */
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 static inline void skv_cpu_f16_to_f32(float *dst, const uint16_t *src, int64_t n)
@@ -32,11 +33,14 @@ static inline void skv_cpu_f16_to_f32(float *dst, const uint16_t *src, int64_t n
 }
 static inline void skv_cpu_f32_to_f16(uint16_t *dst, const float *src, int64_t n)
 {
+    const __m256 hi = _mm256_set1_ps(65504.0f), lo = _mm256_set1_ps(-65504.0f);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i + 8 <= n; i += 8) { /* min(hi, x), max(lo, y): the second operand (x, y) when it is NaN */
+        const __m256 x = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(src + i)));
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
     for (; i < n; i++)
-        dst[i] = skv_f32_to_fp16(src[i]);
+        dst[i] = skv_f32_to_fp16_sat(src[i]);
 }
 #else
 static inline void skv_cpu_f16_to_f32(float *dst, const uint16_t *src, int64_t n)
@@ -47,7 +51,7 @@ static inline void skv_cpu_f16_to_f32(float *dst, const uint16_t *src, int64_t n
 static inline void skv_cpu_f32_to_f16(uint16_t *dst, const float *src, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
-        dst[i] = skv_f32_to_fp16(src[i]);
+        dst[i] = skv_f32_to_fp16_sat(src[i]);
 }
 #endif
 

@@ -62,11 +62,11 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         float *out = job->out + h * job->out_stride;
         /* the scores, then (f16 rows) one key widened to f32 */
         float *p = skv_cpu_scratch(job->be, thread_id, ((size_t)n_keys + (size_t)d) * sizeof(float));
-        float *krow = p + n_keys;
         if (!p) {
             atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
         }
+        float *krow = p + n_keys;
         memset(out, 0, (size_t)n_keys * sizeof *out);
         for (int i = job->q_first; i < job->n; i++) {
             const float *qi = job->q + ((size_t)i * job->n_heads + (size_t)h) * d;

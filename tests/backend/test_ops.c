@@ -1257,7 +1257,7 @@ static void test_kv_f16(void **state)
         const int q_first = n > 4 ? n - 4 : 0;
         const size_t ccount = (size_t)c->n_heads * max_rows;
         float *dq = dev_from(be, q, qcount * sizeof(float));
-        float *want = host_nan(qcount), *got = host_nan(qcount);
+        float *want = host_nan(2 * qcount), *got = host_nan(qcount); /* dout takes two sequences' */
         float *cwant = calloc(ccount, sizeof(float)), *cgot = calloc(ccount, sizeof(float));
         assert_non_null(cwant);
         assert_non_null(cgot);
@@ -1333,14 +1333,19 @@ static void test_kv_f16(void **state)
     }
     if (!be->ops->store_rows_f16)
         return;
-    /* store_rows_f16: scattered rows, odd and vector-sized widths, values from tiny to past f16's range */
+    /* store_rows_f16: scattered rows, odd and vector-sized widths, values from tiny to past f16's
+     * range, which saturate at +-65504 (a stored row stays finite) */
     const int dims[] = {64, 13};
     for (size_t di = 0; di < 2; di++) {
         enum { N = 29 };
         const int d = dims[di];
         float *src = host_normal(&r, (size_t)N * d, 1.0);
         for (int i = 0; i < N * d; i++)
-            src[i] *= (float)pow(2.0, (double)(i % 48) - 30.0); /* subnormals, overflow to inf */
+            src[i] *= (float)pow(2.0, (double)(i % 48) - 30.0); /* subnormals, past 65504 */
+        src[0] = 65519.0f;  /* rounds down to 65504 */
+        src[1] = 65520.0f;  /* would round to inf */
+        src[2] = -1e30f;
+        src[3] = INFINITY;
         uint16_t want16[N * 64], got16[N * 64];
         memset(want16, 0xab, sizeof want16);
         float *dsrc = dev_from(be, src, (size_t)N * d * sizeof(float));
@@ -1351,8 +1356,11 @@ static void test_kv_f16(void **state)
             int j = (i * 7 + 3) % N;
             to[i] = ddst + (size_t)i * d;
             from[i] = dsrc + (size_t)j * d;
-            for (int t = 0; t < d; t++)
-                want16[i * d + t] = skv_f32_to_fp16(src[j * d + t]);
+            for (int t = 0; t < d; t++) {
+                float x = src[j * d + t];
+                want16[i * d + t] = skv_f32_to_fp16(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
+                assert_int_equal(want16[i * d + t], skv_f32_to_fp16_sat(x));
+            }
         }
         assert_int_equal(be->ops->store_rows_f16(be, to, from, d, N), SKV_OK);
         dev_to(be, got16, ddst, (size_t)N * d * sizeof(uint16_t));

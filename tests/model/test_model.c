@@ -906,10 +906,13 @@ static void test_kv_f16(void **state)
     /* the host's rows: written rounded, read widened */
     struct skv_kv_cache *w16 = NULL;
     assert_int_equal(skv_kv_cache_new(m, &w16), SKV_OK);
+    a[1] = 1e6f; /* past f16's range: saturates, stays finite */
+    a[2] = -70000.0f;
     assert_int_equal(skv_kv_cache_write_rows(w16, 3, 1, 1, 0, n, a), SKV_OK); /* several blocks: staged */
     assert_int_equal(skv_kv_cache_read_rows(w16, 3, 1, 1, 0, n, b), SKV_OK);
     for (int i = 0; i < n * d; i++)
-        assert_true(b[i] == skv_fp16_to_f32(skv_f32_to_fp16(a[i])));
+        assert_true(b[i] == skv_fp16_to_f32(skv_f32_to_fp16_sat(a[i])));
+    assert_true(b[1] == 65504.0f && b[2] == -65504.0f);
     /* a compaction moves whole f16 rows */
     struct skv_kv_cache *k16 = NULL;
     assert_int_equal(skv_kv_cache_clone(c16, &k16), SKV_OK);

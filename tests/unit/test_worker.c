@@ -2968,6 +2968,14 @@ static void test_kv_f16_persist(void **state)
     skv_worker_stop(&f->w);
     assert_int_equal(skv_model_set_kv_pool(f->tiny->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16), SKV_OK);
     persist_on(f, dir, "0");
+    /* the reply's figures in f16 rows: 48 rows a head held (3 blocks), 40 of them a full cache's */
+    Snapkv__Reply *rep = prefill_reply(f, "t", 48, "policy=full", 0);
+    assert_int_equal(rep->status, SKV_OK);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    assert_int_equal(rep->prefill->bytes_before, (uint64_t)48 * mc->n_layers * mc->n_kv_heads * 2 * mc->head_dim * 2);
+    assert_int_equal(rep->prefill->bytes_after, rep->prefill->bytes_before);
+    assert_int_equal(rep->prefill->kept[0]->bytes, (uint64_t)48 * mc->n_kv_heads * 2 * mc->head_dim * 2);
+    snapkv__reply__free_unpacked(rep, NULL);
     prefill_for(f, "t", 40, "policy=full", a);
     assert_int_equal(listed(f, a, &bytes16, NULL), 40);
     assert_true(bytes16 > 0);
@@ -2978,7 +2986,7 @@ static void test_kv_f16_persist(void **state)
     uint32_t ta[12], tc[12];
     int na = 0, nc = 0;
     submit_decode(f, ID_X, "t", a, 12, false);
-    Snapkv__Reply *rep = decode_final(f, ID_X, ta, &na, 12);
+    rep = decode_final(f, ID_X, ta, &na, 12);
     assert_int_equal(rep->status, SKV_OK);
     snapkv__reply__free_unpacked(rep, NULL);
     submit_decode(f, ID_X, "t", c, 12, false);
