@@ -1000,7 +1000,7 @@ static int prefill_long(struct serve_ctx *x, int spec, struct snapkv_session_id 
 /* Private copies of `src` (EXPORT_KV once, then IMPORT_KV: each copy holds its own blocks, as
  * a separately prefilled session would; a FORK shares src's blocks copy-on-write and costs the
  * pool nothing) until the pool evicts; *held: sessions held before the first eviction.
- * buffer_bytes: at least src's KV bytes (its full-cache size does). */
+ * buffer_bytes: at least src's KV rows as f32, EXPORT_KV's form (its full-cache f32 size does). */
 static int fill_pool(struct serve_ctx *x, const struct snapkv_session_id *src, uint64_t buffer_bytes,
                      int64_t expected, int64_t *held)
 {
@@ -1088,7 +1088,10 @@ static int bench_capacity(struct serve_ctx *x, json_t *out, uint64_t bytes_after
         }
         int64_t held = -1;
         fprintf(stderr, "serve:   %lld sessions should fit; copying until the pool evicts ...\n", (long long)cap[s]);
-        if ((rc = fill_pool(x, &id, before, cap[s], &held)))
+        /* EXPORT_KV's rows are f32 whatever the pool holds: a full cache's f32 bytes */
+        const struct skv_model_config *mc = &x->m->cfg;
+        const uint64_t exchange = (uint64_t)x->context * mc->n_layers * mc->n_kv_heads * 2 * mc->head_dim * sizeof(float);
+        if ((rc = fill_pool(x, &id, exchange, cap[s], &held)))
             break;
         fprintf(stderr, "serve:   %lld sessions held before the first eviction\n", (long long)held);
         bytes_after_out[s] = after;
