@@ -24,7 +24,7 @@ static const struct skv_config_option options[] = {
      "tokens of one KV head of one layer per pool block (smaller: less rounding of small budgets)"},
     {"kv-type", SKV_CFG_STRING, OPT(kv_type), "f32", 0, 0,
      "what a KV pool block holds its K and V rows in: f32, or f16 (half the bytes, so twice the tokens in a "
-     "pool-size; every row rounded to the nearest half; the CPU backend only for now)"},
+     "pool-size; every row rounded to the nearest half, magnitudes past 65504 saturating)"},
     {"pool-prealloc", SKV_CFG_BOOL, OPT(pool_prealloc), "no", 0, 0,
      "take the whole pool-size of KV blocks at start (fails to start when the memory is not there)"},
     {"endpoint", SKV_CFG_STRING, OPT(endpoint), "ipc:///run/snapkvd/snapkvd.sock", 0, 0,

@@ -75,7 +75,7 @@ void skv_model_free(struct skv_model **model_p);
  * on; caches made before keep the pool they hold. */
 int skv_model_set_kv_block_rows(struct skv_model *m, int rows);
 /* The same with the KV type of its rows too: SKV_DTYPE_F32 (the default) or SKV_DTYPE_F16 (half
- * the bytes; SKV_E_UNSUPPORTED on a backend without store_rows_f16, the CUDA one for now). */
+ * the bytes; SKV_E_UNSUPPORTED on a backend without store_rows_f16). */
 int skv_model_set_kv_pool(struct skv_model *m, int rows, int kv_type);
 
 static inline const struct skv_model_config *skv_model_config(const struct skv_model *m)

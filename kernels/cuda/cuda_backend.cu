@@ -981,10 +981,11 @@ static int cuda_add(struct skv_backend *be, float *out, const float *a, const fl
  * block tables are host memory: each call copies them into device scratch (att_stage, one
  * copy with the window bounds), a few KB per layer, and blk[g] points there. */
 struct att_params {
-    const float *k[SKV_MAX_KV_HEADS];
-    const float *v[SKV_MAX_KV_HEADS];
-    const float *const *blk[SKV_MAX_KV_HEADS]; /* device [blocks of head g]; block_rows > 0 */
-    int block_rows;                            /* 0: contiguous k / v */
+    const char *k[SKV_MAX_KV_HEADS];
+    const char *v[SKV_MAX_KV_HEADS];
+    const char *const *blk[SKV_MAX_KV_HEADS]; /* device [blocks of head g]; block_rows > 0 */
+    int block_rows;                           /* 0: contiguous k / v */
+    int esz;                                  /* bytes of a K / V element: 4 (f32) or 2 (f16) */
     int prefix[SKV_MAX_KV_HEADS];
     int n, n_heads, group, d;
     float scale;
@@ -995,8 +996,8 @@ static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, 
                             int n_heads)
 {
     for (int g = 0; g < kv->n_kv_heads; g++) {
-        p->k[g] = (const float *)kv->k[g];
-        p->v[g] = (const float *)kv->v[g];
+        p->k[g] = (const char *)kv->k[g];
+        p->v[g] = (const char *)kv->v[g];
         p->prefix[g] = kv->prefix_len[g];
     }
     p->n = n;
@@ -1006,6 +1007,7 @@ static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, 
     p->scale = 1.0f / sqrtf((float)kv->head_dim);
     p->first = NULL;
     p->block_rows = kv->block_rows > 0 ? kv->block_rows : 0;
+    p->esz = kv->kv_type == SKV_DTYPE_F16 ? 2 : 4;
     for (int g = 0; g < SKV_MAX_KV_HEADS; g++)
         p->blk[g] = NULL;
 }
@@ -1027,14 +1029,37 @@ static size_t tables_bytes(const struct skv_kv_view *kv, int n)
     return align_up(count * sizeof(void *));
 }
 
-/* Row j of KV head g: K (which == 0) or V, in either layout (skv_kv_view_row's twin). */
-__device__ __forceinline__ const float *kv_row(const struct att_params &p, int g, int which,
-                                               int j)
+/* Row j of KV head g: K (which == 0) or V, in either layout, as bytes of p.esz-byte elements
+ * (skv_kv_view_row_raw's twin). */
+__device__ __forceinline__ const char *kv_row(const struct att_params &p, int g, int which,
+                                              int j)
 {
+    const size_t row = (size_t)p.d * p.esz;
     if (p.block_rows <= 0)
-        return (which ? p.v[g] : p.k[g]) + (size_t)j * p.d;
+        return (which ? p.v[g] : p.k[g]) + (size_t)j * row;
     const int t = p.block_rows;
-    return p.blk[g][j / t] + ((size_t)which * t + j % t) * p.d;
+    return p.blk[g][j / t] + ((size_t)which * t + j % t) * row;
+}
+
+/* Element t of a row kv_row() gave, as f32 (an f16 row's widened exactly). */
+__device__ __forceinline__ float kv_at(const struct att_params &p, const char *row, int t)
+{
+    return p.esz == 2 ? __half2float(((const __half *)row)[t]) : ((const float *)row)[t];
+}
+
+/* Elements e .. e + 3 of such a row, the row 16-byte (f32) or 8-byte (f16) aligned at e. */
+__device__ __forceinline__ float4 kv_at4(const struct att_params &p, const char *row, int e)
+{
+    if (p.esz == 4)
+        return *(const float4 *)((const float *)row + e);
+    const __half2 *h = (const __half2 *)((const __half *)row + e);
+    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    float4 r;
+    r.x = a.x;
+    r.y = a.y;
+    r.z = b.x;
+    r.w = b.y;
+    return r;
 }
 
 /* Bytes of the window bounds on the device: 0 without a sliding window. */
@@ -1066,7 +1091,7 @@ static void att_stage_fill(const struct skv_kv_view *kv, int n, void *host, void
     }
     if (kv->block_rows > 0) {
         void **ht = (void **)((char *)host + fb);
-        const float **dt = (const float **)((char *)dst + fb);
+        const char **dt = (const char **)((char *)dst + fb);
         for (int g = 0; g < kv->n_kv_heads; g++) {
             const size_t nb = view_blocks(kv, g, n);
             memcpy(ht, kv->blocks[g], nb * sizeof(void *));
@@ -1100,10 +1125,10 @@ __device__ __forceinline__ void att_scores(float *sc, const float *qs, const str
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     for (int jj = warp; jj < tn; jj += nw) {
-        const float *kr = kv_row(p, g, 0, j0 + jj);
+        const char *kr = kv_row(p, g, 0, j0 + jj);
         float s = 0.0f;
         for (int t = lane; t < d; t += 32)
-            s = fmaf(qs[t], kr[t], s);
+            s = fmaf(qs[t], kv_at(p, kr, t), s);
         s = warp_sum(s);
         if (lane == 0)
             sc[jj] = s * scale;
@@ -1168,7 +1193,7 @@ __global__ void attention_kernel(float *out, const float *q, struct att_params p
         for (int t = threadIdx.x; t < d; t += blockDim.x) {
             double a = acc[t] * alpha;
             for (int jj = 0; jj < tn; jj++)
-                a += (double)sc[jj] * kv_row(p, g, 1, j0 + jj)[t];
+                a += (double)sc[jj] * kv_at(p, kv_row(p, g, 1, j0 + jj), t);
             acc[t] = a;
         }
         __syncthreads();
@@ -1236,7 +1261,7 @@ __device__ __forceinline__ void att_decode_block(float *dsm, float *part, const 
          * shape at 1K context: ncu, 725344a.) */
         for (int b0 = 0; b0 < ATT_TK / ATT_DEC_WARPS; b0 += ATT_DEC_LROWS) {
             float4 kr[ATT_DEC_LROWS][ATT_MAX_D / 128], vr[ATT_DEC_LROWS][ATT_MAX_D / 128];
-            const float *kp[ATT_DEC_LROWS], *vp[ATT_DEC_LROWS];
+            const char *kp[ATT_DEC_LROWS], *vp[ATT_DEC_LROWS];
             bool vec[ATT_DEC_LROWS];
 #pragma unroll
             for (int u = 0; u < ATT_DEC_LROWS; u++) {
@@ -1247,15 +1272,16 @@ __device__ __forceinline__ void att_decode_block(float *dsm, float *part, const 
                     continue;
                 kp[u] = kv_row(p, g, 0, j0 + r);
                 vp[u] = kv_row(p, g, 1, j0 + r);
-                vec[u] = (d & 3) == 0 && ((uintptr_t)kp[u] & 15) == 0 && ((uintptr_t)vp[u] & 15) == 0;
+                const uintptr_t al = (uintptr_t)(4 * p.esz - 1); /* 4 elements: 16 or 8 bytes */
+                vec[u] = (d & 3) == 0 && ((uintptr_t)kp[u] & al) == 0 && ((uintptr_t)vp[u] & al) == 0;
                 if (!vec[u])
                     continue;
 #pragma unroll
                 for (int s4 = 0; s4 < ATT_MAX_D / 128; s4++) {
                     const int e = 4 * lane + 128 * s4;
                     if (e < d) {
-                        kr[u][s4] = *(const float4 *)(kp[u] + e);
-                        vr[u][s4] = *(const float4 *)(vp[u] + e);
+                        kr[u][s4] = kv_at4(p, kp[u], e);
+                        vr[u][s4] = kv_at4(p, vp[u], e);
                     }
                 }
             }
@@ -1267,8 +1293,8 @@ __device__ __forceinline__ void att_decode_block(float *dsm, float *part, const 
                 float *kd = kt + (size_t)r * dp, *vd = vt + (size_t)r * d;
                 if (!vec[u]) {
                     for (int e = lane; e < d; e += 32) {
-                        kd[e] = kp[u][e];
-                        vd[e] = vp[u][e];
+                        kd[e] = kv_at(p, kp[u], e);
+                        vd[e] = kv_at(p, vp[u], e);
                     }
                     continue;
                 }
@@ -1445,8 +1471,8 @@ __global__ void att_gather_kernel(float *kd, float *vd, struct att_params p, int
     for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < total;
          x += (int64_t)gridDim.x * blockDim.x) {
         const int j = (int)(x / p.d), t = (int)(x % p.d);
-        kd[x] = kv_row(p, g, 0, j)[t];
-        vd[x] = kv_row(p, g, 1, j)[t];
+        kd[x] = kv_at(p, kv_row(p, g, 0, j), t);
+        vd[x] = kv_at(p, kv_row(p, g, 1, j), t);
     }
 }
 
@@ -1511,7 +1537,7 @@ static int att_gemm_rows(struct cuda_impl *impl, float *out, int64_t out_stride,
     int lmax = 0;
     for (int g = 0; g < kv->n_kv_heads; g++)
         lmax = p->prefix[g] + n > lmax ? p->prefix[g] + n : lmax;
-    const bool paged = p->block_rows > 0;
+    const bool paged = p->block_rows > 0 || p->esz != 4; /* f16 rows: gathered (widened) too */
     const size_t kv_bytes = paged ? align_up((size_t)lmax * d * sizeof(float)) : 0;
     int64_t mq = (int64_t)(ATT_GEMM_S_BYTES / ((size_t)group * lmax * sizeof(float)));
     mq = mq < 1 ? 1 : mq > w ? w : mq;
@@ -1529,7 +1555,7 @@ static int att_gemm_rows(struct cuda_impl *impl, float *out, int64_t out_stride,
     const int ldq = n_heads * d;
     for (int g = 0; g < kv->n_kv_heads; g++) {
         const int rows = p->prefix[g] + n;
-        const float *kg = p->k[g], *vg = p->v[g];
+        const float *kg = (const float *)p->k[g], *vg = (const float *)p->v[g];
         if (paged) {
             att_gather_kernel<<<grid_for((int64_t)rows * d, EW_THREADS), EW_THREADS, 0, impl->stream>>>(
                 kd, vd, *p, g, rows);
@@ -1606,8 +1632,6 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     int rc = skv_attention_check("attention", out, q, n, n_heads, kv);
     if (rc < 0)
         return rc;
-    if (kv->kv_type != SKV_DTYPE_F32) /* no store_rows_f16: the pool of this backend is f32 */
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention: the cuda backend reads f32 KV only");
     if (n == 0)
         return SKV_OK;
     if ((int64_t)n * n_heads > INT_MAX)
@@ -1671,9 +1695,6 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
     int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
     if (rc < 0)
         return rc;
-    for (int s = 0; s < n_seq; s++)
-        if (kv[s].kv_type != SKV_DTYPE_F32)
-            return skv_errorf(SKV_E_UNSUPPORTED, "attention_batch: the cuda backend reads f32 KV only");
     if (n_seq == 0)
         return SKV_OK;
     if ((int64_t)n_seq * n_heads * kv[0].head_dim > INT_MAX)
@@ -1806,7 +1827,7 @@ __global__ void colsum_sum_kernel(float *out, int64_t out_stride, const float *q
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n_keys)
         return;
-    const float *kr = kv_row(p, g, 0, j);
+    const char *kr = kv_row(p, g, 0, j);
     int i0 = j - p.prefix[g];
     i0 = i0 > q_first ? i0 : q_first;
     double sum = 0.0;
@@ -1816,7 +1837,7 @@ __global__ void colsum_sum_kernel(float *out, int64_t out_stride, const float *q
         const float *qi = q + ((size_t)i * p.n_heads + h) * d;
         float s = 0.0f;
         for (int t = 0; t < d; t++)
-            s = fmaf(qi[t], kr[t], s);
+            s = fmaf(qi[t], kv_at(p, kr, t), s);
         const int si = (i - q_first) * p.n_heads + h;
         sum += (double)expf(s * p.scale - m_in[si]) / l_in[si];
     }
@@ -1832,8 +1853,8 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
         kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads || q_first < 0 ||
         q_first >= n || kv->head_dim <= 0)
         return skv_errorf(SKV_E_INVAL, "attention_colsum: bad shape");
-    if (kv->kv_type != SKV_DTYPE_F32)
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d", kv->kv_type);
+    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16)
+        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d (f32 or f16)", kv->kv_type);
     int rc = skv_kv_view_check_window(kv, "attention_colsum");
     if (rc == SKV_OK)
         rc = skv_kv_view_check_rows(kv, "attention_colsum");
@@ -2156,6 +2177,47 @@ static int cuda_topk_rows(struct skv_backend *be, int32_t *idx, int *cnt, const 
     return SKV_OK;
 }
 
+/* f16 KV rows: row i of n, dst[i] <- src[i] (d f32 values) as f16, nearest even, magnitudes
+ * past 65504 saturating (skv_f32_to_fp16_sat's twin; NaN stays NaN). */
+__global__ void store_rows_f16_kernel(__half *const *dst, const float *const *src, int d, int n)
+{
+    const int64_t total = (int64_t)n * d;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
+         k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = k / d, e = k % d;
+        const float x = src[i][e];
+        dst[i][e] = __float2half_rn(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
+    }
+}
+
+/* The two pointer tables go to device scratch (one upload), then one kernel stores every row. */
+static int cuda_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
+{
+    prof_scope prof_(be, P_COPY_ROWS, -1);
+    if (n < 0 || d <= 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "store_rows_f16: bad arguments");
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "store_rows_f16: row %d has no %s", i, dst[i] ? "source" : "destination");
+    if (n == 0)
+        return SKV_OK;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    const size_t table = (size_t)n * sizeof(void *);
+    void *s = NULL, *host = NULL;
+    int rc = scratch_get(impl, 2 * align_up(table), &s);
+    if (rc < 0 || (rc = stage_get(impl, 2 * align_up(table), &host)) < 0)
+        return rc;
+    __half **ddst = (__half **)s;
+    const float **dsrc = (const float **)((char *)s + align_up(table));
+    memcpy(host, dst, table);
+    memcpy((char *)host + align_up(table), src, table);
+    if ((rc = upload_table(impl, ddst, host, align_up(table) + table)) < 0)
+        return rc;
+    store_rows_f16_kernel<<<grid_for((int64_t)n * d, EW_THREADS), EW_THREADS, 0, impl->stream>>>(ddst, dsrc, d, n);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    return SKV_OK;
+}
+
 /* Row i of n: dst[i] <- src[i], 32-bit words when every pointer and the row allow it. */
 __global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src, size_t row_bytes, int n,
                                  int words)
@@ -2372,7 +2434,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
     /* device_lost */ cuda_device_lost,
     /* attention_batch */ cuda_attention_batch,
-    /* store_rows_f16 */ NULL, /* the pool stays f32: the kernels read f32 rows */
+    /* store_rows_f16 */ cuda_store_rows_f16,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

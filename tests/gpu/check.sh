@@ -457,6 +457,22 @@ print("; ".join(out) or "no common depth")
     fi
 fi
 
+# 8d. kv-type f16 on the 8B-shaped model: the full cache's decode with f16 rows (half the bytes
+# a step reads) against the f32 run of step 7
+if [ -f "$BIG" ]; then
+    speed speed_8b_full_f16 "$BIG" --kv-type f16
+    if [ -f "$BUILD/speed_8b_full_f16.json" ] && [ -f "$BUILD/speed_8b_full.json" ]; then
+        row "kv f16 vs f32 8b full" "reported" "$(python3 -c '
+import json, sys
+h = {x["depth"]: x for x in json.load(open(sys.argv[1]))["decode"]}
+f = {x["depth"]: x for x in json.load(open(sys.argv[2]))["decode"]}
+print("; ".join("@%d: %.2f vs %.2f ms/token (%.2fx)" % (d, 1000 * h[d]["seconds"] / h[d]["tokens"],
+      1000 * f[d]["seconds"] / f[d]["tokens"], (f[d]["seconds"] / f[d]["tokens"]) / (h[d]["seconds"] / h[d]["tokens"])))
+      for d in sorted(h) if d in f) or "no common depth")
+' "$BUILD/speed_8b_full_f16.json" "$BUILD/speed_8b_full.json")"
+    fi
+fi
+
 # 9. transformers + kvpress SnapKVPress on the same shapes and budget (when torch imports)
 if compgen -G "$SRC/.whl/*.whl" >/dev/null; then
     say "+ $PY -m pip install --no-index --no-deps --target $BUILD/pysite $SRC/.whl/*.whl"

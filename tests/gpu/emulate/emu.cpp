@@ -68,6 +68,7 @@ static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return
 template <class T> static T __ldg(const T *p) { return *p; }
 static __half __ushort_as_half(unsigned short u) { return {u}; }
 static float __half2float(__half h) { return skv_fp16_to_f32(h.x); }
+static __half __float2half_rn(float f) { return {skv_f32_to_fp16(f)}; }
 static float2 __half22float2(__half2 h) { return {skv_fp16_to_f32(h.x), skv_fp16_to_f32(h.y)}; }
 static float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 typedef int cudaError_t;
@@ -156,18 +157,23 @@ using namespace emu;
 static uint64_t rs = 88172645463325252ULL;
 static float rnd() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (float)((rs >> 11) * (1.0 / 9007199254740992.0) * 2 - 1) * 1.7f; }
 
+/* Cases made while set hold f16 KV (kv-type f16): the CPU's view holds the f16 values as f32. */
+static bool g_kv_f16 = false;
+
 /* A random KV cache of n_kv heads (prefix p0 / p1 rows before the batch's n, positions with a
  * gap so that a sliding window cuts inside the prefix), its contiguous view for the CPU and a
- * paged copy (blocks of block_rows, unused rows NaN) for the kernels when block_rows > 0. */
+ * paged copy (blocks of block_rows, unused rows NaN) for the kernels when block_rows > 0. With
+ * g_kv_f16 the kernels' view holds f16 rows (paged, or contiguous copies when block_rows is 0). */
 struct kv_case {
     struct skv_kv_view kv, paged;
     std::vector<std::vector<float>> K, V;
+    std::vector<std::vector<uint16_t>> Kh, Vh;
     std::vector<std::vector<int32_t>> pos;
     std::vector<std::vector<void *>> tbl;
     int max_rows = 0;
 
     kv_case(int n, int n_kv, int d, int p0, int p1, int window, int block_rows)
-        : K(n_kv), V(n_kv), pos(n_kv), tbl(n_kv)
+        : K(n_kv), V(n_kv), Kh(n_kv), Vh(n_kv), pos(n_kv), tbl(n_kv)
     {
         memset(&kv, 0, sizeof kv);
         kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
@@ -178,6 +184,10 @@ struct kv_case {
             K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
             for (auto &x : K[g]) x = rnd();
             for (auto &x : V[g]) x = rnd();
+            if (g_kv_f16) {
+                for (auto &x : K[g]) { Kh[g].push_back(skv_f32_to_fp16(x)); x = skv_fp16_to_f32(Kh[g].back()); }
+                for (auto &x : V[g]) { Vh[g].push_back(skv_f32_to_fp16(x)); x = skv_fp16_to_f32(Vh[g].back()); }
+            }
             kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
             pos[g].resize(rows);
             for (int j = 0; j < rows; j++) pos[g][j] = j < pre ? 2 * j : 2 * pre + (j - pre);
@@ -185,7 +195,28 @@ struct kv_case {
         }
         paged = kv;
         paged.block_rows = block_rows;
-        for (int g = 0; g < n_kv && block_rows > 0; g++) {
+        if (g_kv_f16) {
+            paged.kv_type = SKV_DTYPE_F16;
+            for (int g = 0; g < n_kv; g++) {
+                paged.k[g] = Kh[g].data();
+                paged.v[g] = Vh[g].data();
+            }
+        }
+        for (int g = 0; g < n_kv && block_rows > 0 && g_kv_f16; g++) { /* blocks of f16 rows */
+            int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
+            for (int b = 0; b < nb; b++) {
+                uint16_t *blk = (uint16_t *)malloc((size_t)2 * block_rows * d * 2);
+                for (int x = 0; x < 2 * block_rows * d; x++) blk[x] = 0x7e00; /* NaN */
+                for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
+                    memcpy(blk + (size_t)r * d, &Kh[g][(size_t)(b * block_rows + r) * d], d * 2);
+                    memcpy(blk + (size_t)(block_rows + r) * d, &Vh[g][(size_t)(b * block_rows + r) * d], d * 2);
+                }
+                tbl[g].push_back(blk);
+            }
+            paged.blocks[g] = tbl[g].data();
+            paged.k[g] = paged.v[g] = NULL;
+        }
+        for (int g = 0; g < n_kv && block_rows > 0 && !g_kv_f16; g++) {
             int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
             for (int b = 0; b < nb; b++) {
                 float *blk = (float *)malloc((size_t)2 * block_rows * d * 4);
@@ -544,6 +575,28 @@ static int run_rope(int n, int n_heads, int head_dim, int rot_dim, int mode, int
 /* Suites: attention (the cuBLAS prefill, split-K decode and fallback paths, the batched decode), batch (the
  * batched decode alone), colsum (+ cosine), gemv, topk (+ group scores), norm (rmsnorm and rope); all of them
  * without an argument. */
+/* cuda_store_rows_f16 against skv_f32_to_fp16_sat: scattered rows, values past f16's range. */
+static int run_store_f16(int n, int d)
+{
+    std::vector<float> src((size_t)n * d);
+    for (size_t i = 0; i < src.size(); i++) src[i] = rnd() * (float)std::ldexp(1.0, (int)(i % 44) - 28);
+    src[0] = 65519.0f; src[1] = 65520.0f; src[2] = -1e30f; src[3] = INFINITY;
+    std::vector<uint16_t> got((size_t)n * d, 0xabab), want((size_t)n * d);
+    std::vector<void *> to(n);
+    std::vector<const float *> from(n);
+    for (int i = 0; i < n; i++) {
+        int j = (i * 7 + 3) % n;
+        to[i] = got.data() + (size_t)i * d;
+        from[i] = src.data() + (size_t)j * d;
+        for (int t = 0; t < d; t++) want[(size_t)i * d + t] = skv_f32_to_fp16_sat(src[(size_t)j * d + t]);
+    }
+    emu_backend e;
+    int rc = cuda_store_rows_f16(&e.be, to.data(), from.data(), d, n);
+    bool ok = rc == 0 && got == want;
+    printf("%s store_rows_f16 n=%d d=%d rc=%d\n", ok ? "ok  " : "FAIL", n, d, rc);
+    return !ok;
+}
+
 int main(int argc, char **argv)
 {
     bool all = argc < 2;
@@ -574,6 +627,26 @@ int main(int argc, char **argv)
         fails += run_batch(4, 2, 20, 64, 90, 0, 7, 4);     /* 20 rows: two slices */
         fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);    /* head_dim above ATT_MAX_D: one call each */
         fails += run_batch(1, 2, 3, 64, 200, 0, 16, 4);
+    }
+    if (want("f16")) { /* kv-type f16: the kernels read f16 rows, the CPU the same values as f32 */
+        g_kv_f16 = true;
+        fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
+        fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
+        fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
+        fails += run(3, 2, 4, 64, 1000, 17, 0, 0, 8);
+        fails += run(9, 2, 4, 128, 100, 37, 0, 16, 4);
+        fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
+        fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
+        fails += run(5, 2, 3, 18, 40, 7, 0, 16, 4);      /* odd head_dim: element loads */
+        fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D */
+        fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
+        fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);
+        fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
+        fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
+        fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
+        fails += run_store_f16(29, 64);
+        fails += run_store_f16(7, 13);
+        g_kv_f16 = false;
     }
     if (want("colsum")) {
         /* n kv group d p0 p1 window block_rows q_first */
