@@ -1022,6 +1022,92 @@ static int store_save_cache(struct skv_kv_store *st, const struct skv_kv_cache *
     return found;
 }
 
+/* A store written by an f32 pool, restored into an f16 pool (kv-type changed across a restart):
+ * the caches hold the rows rounded, and the store, going on, does not take those blocks for their
+ * records (the records hold the unrounded values): the next save writes each block's own rows, and
+ * the save after finds them all. A store written from f16 blocks restores into f16 caches whose
+ * blocks it finds at once. */
+static void test_store_f16(void **state)
+{
+    struct tiny *t = *state;
+    const int br = SKV_KV_BLOCK_ROWS, n = 2 * br;
+    int32_t ids[64], other[64];
+    two_prompts(t, ids, other, 64);
+    struct skv_kv_cache *a = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &a), SKV_OK);
+    assert_int_equal(a->kv_type, SKV_DTYPE_F32);
+    prefill(t, a, ids, n, NULL);
+    const int heads = a->n_layers * a->n_kv_heads, full = n / br, d = a->head_dim;
+    char fp[64], path[] = "/tmp/skv-store16-XXXXXX";
+    memset(fp, 'b', sizeof fp);
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    uint32_t *ra = calloc((size_t)heads * full, 4), *r2 = calloc((size_t)heads * full, 4);
+    struct skv_kv_store *st = NULL;
+    assert_int_equal(skv_kv_store_create(path, fp, t->m->kv_pool, &st), SKV_OK);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a, ra), 0);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    skv_kv_store_close(&st);
+
+    assert_int_equal(skv_model_set_kv_pool(t->m, br, SKV_DTYPE_F16), SKV_OK);
+    struct skv_kv_cache *a16 = NULL, *b16 = NULL;
+    int shared;
+    assert_int_equal(skv_kv_store_open(path, fp, br, d, heads * full, &st), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a16, &shared), SKV_OK);
+    assert_int_equal(a16->kv_type, SKV_DTYPE_F16);
+    float *x = malloc((size_t)n * d * sizeof *x), *y = malloc((size_t)n * d * sizeof *y);
+    int rounded = 0;
+    for (int i = 0; i < heads; i++)
+        for (int kv = 0; kv < 2; kv++) {
+            assert_int_equal(skv_kv_cache_read_rows(a, i / a->n_kv_heads, i % a->n_kv_heads, kv, 0, n, x), SKV_OK);
+            assert_int_equal(skv_kv_cache_read_rows(a16, i / a->n_kv_heads, i % a->n_kv_heads, kv, 0, n, y), SKV_OK);
+            for (int e = 0; e < n * d; e++) {
+                assert_true(y[e] == skv_fp16_to_f32(skv_f32_to_fp16_sat(x[e])));
+                rounded += y[e] != x[e];
+            }
+        }
+    assert_true(rounded > 0);
+    assert_int_equal(skv_kv_store_continue(st, path, t->m->kv_pool), SKV_OK);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a16, r2), 0); /* every block's own rows written */
+    assert_int_equal(skv_kv_store_appended(st), heads * full);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, a16, r2), heads * full); /* and found after */
+    assert_int_equal(skv_kv_store_appended(st), 0);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    skv_kv_store_close(&st);
+    /* the f16 records restore into f16 caches, which the store takes for them at once */
+    assert_int_equal(skv_kv_store_open(path, fp, br, d, 2 * heads * full, &st), SKV_OK);
+    assert_int_equal(store_get_cache(t, st, a16, r2, full, 1, &b16, &shared), SKV_OK);
+    assert_int_equal(skv_kv_store_continue(st, path, t->m->kv_pool), SKV_OK);
+    skv_kv_store_begin(st);
+    assert_int_equal(store_save_cache(st, b16, ra), heads * full);
+    assert_int_equal(skv_kv_store_appended(st), 0);
+    assert_int_equal(skv_kv_store_finish(st), SKV_OK);
+    skv_kv_store_end(st, true);
+    skv_kv_store_close(&st);
+    for (int i = 0; i < heads; i++) {
+        assert_int_equal(skv_kv_cache_read_rows(a16, i / a->n_kv_heads, i % a->n_kv_heads, 1, 0, n, x), SKV_OK);
+        assert_int_equal(skv_kv_cache_read_rows(b16, i / a->n_kv_heads, i % a->n_kv_heads, 1, 0, n, y), SKV_OK);
+        assert_memory_equal(x, y, (size_t)n * d * sizeof *x);
+    }
+    unlink(path);
+    skv_kv_cache_free(&a);
+    skv_kv_cache_free(&a16);
+    skv_kv_cache_free(&b16);
+    assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32), SKV_OK);
+    free(x);
+    free(y);
+    free(ra);
+    free(r2);
+}
+
 /* One store across saves (checkpoints): a save appends only the blocks written since the last
  * one (new ones, and old ones written again: their stamps changed); blocks named by a save that
  * did not end are found by the next; a store read back by a restore goes on, finding the
@@ -1193,6 +1279,7 @@ int main(void)
         cmocka_unit_test(test_store),
         cmocka_unit_test(test_store_partial),
         cmocka_unit_test(test_store_saves),
+        cmocka_unit_test(test_store_f16),
     };
     return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
 }
