@@ -283,7 +283,7 @@ struct skv_backend_ops {
 
     /* Optional (NULL: the backend keeps f32 KV only): n rows of d f32 values, each from its own
      * place to its own place as f16, rounded to nearest even and saturating at +-65504
-     * (skv_f32_to_fp16_sat) (host arrays of backend
+     * (skv_f32_to_fp16_sat; a NaN stays a NaN, its bits may differ by backend) (host arrays of backend
      * pointers, as copy_rows). What the engine stores a forward's new K / V rows with in a
      * pool of `kv-type f16`; a backend that has it also reads f16 views in attention,
      * attention_batch and attention_colsum. */

@@ -1052,8 +1052,8 @@ __device__ __forceinline__ float4 kv_at4(const struct att_params &p, const char 
 {
     if (p.esz == 4)
         return *(const float4 *)((const float *)row + e);
-    const __half2 *h = (const __half2 *)((const __half *)row + e);
-    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    const uint2 u = *(const uint2 *)((const __half *)row + e); /* one 8-byte load */
+    const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
     float4 r;
     r.x = a.x;
     r.y = a.y;
@@ -1519,8 +1519,8 @@ __global__ void att_colsum_add_kernel(float *out, int64_t out_stride, const floa
 
 /* Prefill attention (n > ATT_SPLIT_MAX_N queries) as two cuBLAS fp32 GEMMs per KV head and
  * batch of queries: S = scale * Q K^T for the group's query heads (one strided batch, K shared),
- * a masked softmax over each row of S, then out = P V. A paged view's rows are first gathered
- * into contiguous K and V. Queries go in batches of m whose scores fit ATT_GEMM_S_BYTES; a
+ * a masked softmax over each row of S, then out = P V. A paged view's rows, and f16 rows, are
+ * first gathered into contiguous f32 K and V. Queries go in batches of m whose scores fit ATT_GEMM_S_BYTES; a
  * batch's keys end at its last query's causal end, so the masked work is at most m x m / 2 per
  * head. (The flash-style kernel this replaced, with warp-wide dot products per key and query,
  * ran a 32K-token prefill of an 8B-shaped model at 2.8 TFLOP/s.) With out_stride > 0 it is
@@ -1624,7 +1624,9 @@ static void att_split_plan(const struct cuda_impl *impl, const struct skv_kv_vie
  *  - head_dim > ATT_MAX_D in decode, or a prefill whose GEMM scratch would pass
  *    ATT_GEMM_MAX_BYTES: attention_kernel, one block per (query, head), double accumulators
  *    (the first kernel written; kept as the fallback).
- * The choice depends on shapes only, so a paged view gives the contiguous result. */
+ * The choice depends on shapes (and, for a prefill's scratch, on whether rows are gathered: paged
+ * or f16 views) and every path computes the same f32 values, so a paged or f16 view gives the
+ * contiguous f32 result. */
 static int cuda_attention(struct skv_backend *be, float *out, const float *q, int n, int n_heads,
                           const struct skv_kv_view *kv)
 {

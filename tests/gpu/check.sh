@@ -464,8 +464,11 @@ if [ -f "$BIG" ]; then
     if [ -f "$BUILD/speed_8b_full_f16.json" ] && [ -f "$BUILD/speed_8b_full.json" ]; then
         row "kv f16 vs f32 8b full" "reported" "$(python3 -c '
 import json, sys
-h = {x["depth"]: x["seconds"] / x["tokens"] for x in json.load(open(sys.argv[1]))["decode"]}
-f = {x["depth"]: x["seconds"] / x["tokens"] for x in json.load(open(sys.argv[2]))["decode"]}
+try:
+    h = {x["depth"]: x["seconds"] / x["tokens"] for x in json.load(open(sys.argv[1]))["decode"]}
+    f = {x["depth"]: x["seconds"] / x["tokens"] for x in json.load(open(sys.argv[2]))["decode"]}
+except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+    sys.exit(print("no figures (a run failed or was cut: see speed_8b_full*.log): %s" % e))
 out = ["@%d: f16 %.2f vs f32 %.2f ms/token (f32 / f16 = %.2f)" % (d, 1000 * h[d], 1000 * f[d], f[d] / h[d])
        for d in sorted(h) if d in f]
 print("; ".join(out) or "no common depth")

@@ -64,6 +64,7 @@ struct __half2 { unsigned short x, y; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 template <class T> static T __ldg(const T *p) { return *p; }
 static __half __ushort_as_half(unsigned short u) { return {u}; }
@@ -638,8 +639,10 @@ int main(int argc, char **argv)
         fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
         fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
         fails += run(5, 2, 3, 18, 40, 7, 0, 16, 4);      /* odd head_dim: element loads */
-        fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D */
+        fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D: prefill (cuBLAS) */
+        fails += run(2, 2, 2, 320, 300, 30, 0, 16, 4);   /* and decode: attention_kernel */
         fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
+        fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);
         fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);
         fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
         fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
