@@ -1092,23 +1092,24 @@ static void test_attention_batch(void **state)
  * block sizes that do and do not divide the kernels' tiles and lengths that are not a
  * multiple of the block: every kernel path (wide prefill tiles, row tiles, split-K decode,
  * sliding window). */
+/* Views every kernel path reads: wide prefill tiles, row tiles, split-K decode, head_dim 18, a
+ * sliding window over rows with holes (test_attention_paged, test_kv_f16). */
+static const struct att_case view_cases[] = {
+    {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 0, 0}, .q_scale = 1.0},
+    {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 2.0},
+    {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {4095, 2000, 77}, .q_scale = 1.0},
+    {.n = 16, .n_heads = 8, .n_kv = 2, .d = 18, .prefix = {1000, 601}, .q_scale = 1.5},
+    {.n = 100, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 40, 130}, .q_scale = 3.0, .window = 50, .gaps = 2},
+    {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2999, 1000, 700}, .q_scale = 1.0, .window = 900, .gaps = 3},
+};
+
 static void test_attention_paged(void **state)
 {
     struct skv_backend *be = fixture_be(state);
     struct rng r = {0x9a9eULL};
-    const struct att_case cases[] = {
-        {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 0, 0}, .q_scale = 1.0},
-        {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 2.0},
-        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {4095, 2000, 77}, .q_scale = 1.0},
-        {.n = 16, .n_heads = 8, .n_kv = 2, .d = 18, .prefix = {1000, 601}, .q_scale = 1.5},
-        {.n = 100, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 40, 130}, .q_scale = 3.0,
-         .window = 50, .gaps = 2},
-        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2999, 1000, 700}, .q_scale = 1.0,
-         .window = 900, .gaps = 3},
-    };
     const int blocks[] = {1, 5, 16, 64, 100};
-    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
-        const struct att_case *c = &cases[ci];
+    for (size_t ci = 0; ci < sizeof view_cases / sizeof view_cases[0]; ci++) {
+        const struct att_case *c = &view_cases[ci];
         const int n = c->n, d = c->d;
         const size_t qcount = (size_t)n * c->n_heads * d;
         float *q = host_normal(&r, qcount, c->q_scale);
@@ -1209,16 +1210,8 @@ static void test_kv_f16(void **state)
 {
     struct skv_backend *be = fixture_be(state);
     struct rng r = {0xf16f16ULL};
-    const struct att_case cases[] = {
-        {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 0, 0}, .q_scale = 1.0},
-        {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 2.0},
-        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {4095, 2000, 77}, .q_scale = 1.0},
-        {.n = 16, .n_heads = 8, .n_kv = 2, .d = 18, .prefix = {1000, 601}, .q_scale = 1.5},
-        {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2999, 1000, 700}, .q_scale = 1.0,
-         .window = 900, .gaps = 3},
-    };
-    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
-        const struct att_case *c = &cases[ci];
+    for (size_t ci = 0; ci < sizeof view_cases / sizeof view_cases[0]; ci++) {
+        const struct att_case *c = &view_cases[ci];
         const int n = c->n, d = c->d;
         const size_t qcount = (size_t)n * c->n_heads * d;
         float *q = host_normal(&r, qcount, c->q_scale);

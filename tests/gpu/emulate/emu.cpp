@@ -203,28 +203,23 @@ struct kv_case {
                 paged.v[g] = Vh[g].data();
             }
         }
-        for (int g = 0; g < n_kv && block_rows > 0 && g_kv_f16; g++) { /* blocks of f16 rows */
+        const size_t esz = g_kv_f16 ? 2 : 4; /* blocks of f16 or f32 rows, unused rows NaN */
+        for (int g = 0; g < n_kv && block_rows > 0; g++) {
             int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
+            const char *ks = g_kv_f16 ? (const char *)Kh[g].data() : (const char *)K[g].data();
+            const char *vs = g_kv_f16 ? (const char *)Vh[g].data() : (const char *)V[g].data();
             for (int b = 0; b < nb; b++) {
-                uint16_t *blk = (uint16_t *)malloc((size_t)2 * block_rows * d * 2);
-                for (int x = 0; x < 2 * block_rows * d; x++) blk[x] = 0x7e00; /* NaN */
-                for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
-                    memcpy(blk + (size_t)r * d, &Kh[g][(size_t)(b * block_rows + r) * d], d * 2);
-                    memcpy(blk + (size_t)(block_rows + r) * d, &Vh[g][(size_t)(b * block_rows + r) * d], d * 2);
+                char *blk = (char *)malloc((size_t)2 * block_rows * d * esz);
+                for (int x = 0; x < 2 * block_rows * d; x++) {
+                    if (g_kv_f16)
+                        ((uint16_t *)blk)[x] = 0x7e00;
+                    else
+                        ((float *)blk)[x] = NAN;
                 }
-                tbl[g].push_back(blk);
-            }
-            paged.blocks[g] = tbl[g].data();
-            paged.k[g] = paged.v[g] = NULL;
-        }
-        for (int g = 0; g < n_kv && block_rows > 0 && !g_kv_f16; g++) {
-            int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
-            for (int b = 0; b < nb; b++) {
-                float *blk = (float *)malloc((size_t)2 * block_rows * d * 4);
-                for (int x = 0; x < 2 * block_rows * d; x++) blk[x] = NAN;
                 for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
-                    memcpy(blk + (size_t)r * d, &K[g][(size_t)(b * block_rows + r) * d], d * 4);
-                    memcpy(blk + (size_t)(block_rows + r) * d, &V[g][(size_t)(b * block_rows + r) * d], d * 4);
+                    const size_t at = (size_t)(b * block_rows + r) * d * esz;
+                    memcpy(blk + (size_t)r * d * esz, ks + at, d * esz);
+                    memcpy(blk + (size_t)(block_rows + r) * d * esz, vs + at, d * esz);
                 }
                 tbl[g].push_back(blk);
             }
