@@ -326,8 +326,7 @@ static void free_kept(struct kept_arena *a)
 
 static uint64_t full_bytes(const struct skv_model *m, int n_tokens)
 {
-    return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * 2 *
-           skv_kv_row_bytes(skv_kv_pool_kv_type(m->kv_pool), m->cfg.head_dim);
+    return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * 2 * skv_kv_pool_row_bytes(m->kv_pool);
 }
 
 /* Progress of a long prefill: one non-final PREFILL reply per layer done. */
@@ -1352,7 +1351,7 @@ static int import_check(const struct skv_config *cfg, const struct skv_model *m,
     /* the rows' bytes alone (in the pool's KV type) past the tenant's quota or the pool: refused
      * before the layout is read (a CUDA buffer's is staged whole in host memory, at most
      * n_kv_heads times this) */
-    uint64_t row_bytes = (uint64_t)2 * skv_kv_row_bytes(skv_kv_pool_kv_type(m->kv_pool), d);
+    uint64_t row_bytes = (uint64_t)2 * skv_kv_pool_row_bytes(m->kv_pool);
     uint64_t have = (uint64_t)n_pos * row_bytes;
     if ((cfg->max_bytes_per_tenant > 0 && have > (uint64_t)cfg->max_bytes_per_tenant) ||
         have > (uint64_t)cfg->pool_size)

@@ -630,13 +630,6 @@ static uint64_t decode_weight_bytes(const struct skv_model *m)
     return b;
 }
 
-/* KV bytes one decode step reads: every kept K and V row (of the cache's KV type) of every
- * layer and KV head. */
-static uint64_t kv_read_bytes(const struct skv_kv_cache *c)
-{
-    return skv_kv_cache_bytes(c);
-}
-
 /* Prefill and decode speed. With --compress SPEC every prefill (the timed ones and the one
  * that builds each decode depth) compresses as it goes, the compressor's share of the prefill
  * is timed (the backend synchronized around it), and decode runs with the decode-time hook. */
@@ -707,7 +700,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
             if (dt < best) {
                 best = dt;
                 best_comp = run.compress_seconds;
-                kv_after = cache ? kv_read_bytes(cache) : 0;
+                kv_after = cache ? skv_kv_cache_bytes(cache) : 0;
             }
             skv_compressor_free(&run.comp);
             skv_kv_cache_free(&cache);
@@ -739,7 +732,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         if (!rc)
             rc = m->be->ops->sync(m->be);
         t_pre = now_s() - t_pre;
-        uint64_t kv_bytes = rc ? 0 : kv_read_bytes(cache);
+        uint64_t kv_bytes = rc ? 0 : skv_kv_cache_bytes(cache); /* what a decode step reads */
         double best = 1e30, rate_sum = 0;
         int druns = 0;
         for (int r = 0; r < rep && !rc; r++) {

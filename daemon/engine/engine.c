@@ -60,7 +60,7 @@ int skv_kv_cache_new_in(const struct skv_model *m, struct skv_kv_pool *pool, str
     c->pool = skv_kv_pool_ref(pool);
     c->block_rows = skv_kv_pool_block_rows(pool);
     c->kv_type = skv_kv_pool_kv_type(pool);
-    c->row_bytes = skv_kv_row_bytes(c->kv_type, c->head_dim);
+    c->row_bytes = skv_kv_pool_row_bytes(pool);
     *out = c;
     return SKV_OK;
 }
@@ -465,8 +465,8 @@ int skv_kv_cache_read_rows(const struct skv_kv_cache *c, int layer, int h, int w
     if (!half)
         return skv_errorf(SKV_E_NOMEM, "reading %d f16 rows", n);
     int rc = head_rows_io(c, hd, which, row0, n, half, c->row_bytes, ROWS_TO_HOST);
-    for (int64_t i = 0; !rc && i < count; i++)
-        dst[i] = skv_fp16_to_f32(half[i]);
+    if (!rc)
+        rc = skv_dequantize_row(SKV_DTYPE_F16, half, dst, count);
     free(half);
     return rc;
 }

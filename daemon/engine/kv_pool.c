@@ -142,6 +142,11 @@ int skv_kv_pool_kv_type(const struct skv_kv_pool *pool)
     return pool->kv_type;
 }
 
+size_t skv_kv_pool_row_bytes(const struct skv_kv_pool *pool)
+{
+    return skv_kv_row_bytes(pool->kv_type, pool->head_dim);
+}
+
 size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool)
 {
     return pool->block_bytes;

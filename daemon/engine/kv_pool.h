@@ -49,6 +49,8 @@ void skv_kv_pool_unref(struct skv_kv_pool **pool_p);
 int skv_kv_pool_block_rows(const struct skv_kv_pool *pool);
 int skv_kv_pool_head_dim(const struct skv_kv_pool *pool);
 int skv_kv_pool_kv_type(const struct skv_kv_pool *pool);
+/* Bytes of one K or V row of head_dim values of the pool's KV type. */
+size_t skv_kv_pool_row_bytes(const struct skv_kv_pool *pool);
 size_t skv_kv_pool_block_bytes(const struct skv_kv_pool *pool);
 
 /* A block of undefined contents with one reference (SKV_E_NOMEM / SKV_E_DEVICE when the

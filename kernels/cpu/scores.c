@@ -60,25 +60,25 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         int prefix = job->kv->prefix_len[kvh];
         int n_keys = prefix + job->n;
         float *out = job->out + h * job->out_stride;
-        /* the scores, then (f16 rows) one key widened to f32 */
-        float *p = skv_cpu_scratch(job->be, thread_id, ((size_t)n_keys + (size_t)d) * sizeof(float));
+        /* the scores; then, for f16 rows, the keys the queries see widened to f32 once */
+        const bool f16 = job->kv->kv_type == SKV_DTYPE_F16;
+        const int lo0 = skv_kv_view_first(job->kv, kvh, job->q_first); /* no later query sees before */
+        const size_t wide = f16 ? (size_t)(n_keys - lo0) * d : 0;
+        float *p = skv_cpu_scratch(job->be, thread_id, ((size_t)n_keys + wide) * sizeof(float));
         if (!p) {
             atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
         }
-        float *krow = p + n_keys;
+        float *keys = p + n_keys; /* f16: row j at keys + (j - lo0) * d */
+        for (int j = lo0; f16 && j < n_keys; j++)
+            skv_cpu_f16_to_f32(keys + (size_t)(j - lo0) * d, skv_kv_view_row_raw(job->kv, kvh, 0, j), d);
         memset(out, 0, (size_t)n_keys * sizeof *out);
         for (int i = job->q_first; i < job->n; i++) {
             const float *qi = job->q + ((size_t)i * job->n_heads + (size_t)h) * d;
             int seen = prefix + i + 1, lo = skv_kv_view_first(job->kv, kvh, i);
             float mx = -INFINITY;
             for (int j = lo; j < seen; j++) {
-                const void *raw = skv_kv_view_row_raw(job->kv, kvh, 0, j);
-                const float *k = raw;
-                if (job->kv->kv_type == SKV_DTYPE_F16) {
-                    skv_cpu_f16_to_f32(krow, raw, d);
-                    k = krow;
-                }
+                const float *k = f16 ? keys + (size_t)(j - lo0) * d : skv_kv_view_row(job->kv, kvh, 0, j);
                 p[j] = dot(qi, k, d) * scale;
                 mx = p[j] > mx ? p[j] : mx;
             }
