@@ -3,6 +3,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/compress/spec.h"
+#include "kernels/backend.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -23,8 +24,10 @@ static const struct skv_config_option options[] = {
     {"kv-block-tokens", SKV_CFG_INT, OPT(kv_block_tokens), "16", 1, 4096,
      "tokens of one KV head of one layer per pool block (smaller: less rounding of small budgets)"},
     {"kv-type", SKV_CFG_STRING, OPT(kv_type), "f32", 0, 0,
-     "what a KV pool block holds its K and V rows in: f32, or f16 (half the bytes, so twice the tokens in a "
-     "pool-size; every row rounded to the nearest half, magnitudes past 65504 saturating)"},
+     "what a KV pool block holds its K and V rows in: f32; f16 (half the bytes, so twice the tokens in a "
+     "pool-size; every value rounded to the nearest half, magnitudes past 65504 saturating); or q8_0 (GGUF's "
+     "Q8_0: 34 bytes per 32 values, 3.76 times the tokens of f32; per 32 values an f16 scale and 8-bit integers; "
+     "a head_dim that is a multiple of 32)"},
     {"pool-prealloc", SKV_CFG_BOOL, OPT(pool_prealloc), "no", 0, 0,
      "take the whole pool-size of KV blocks at start (fails to start when the memory is not there)"},
     {"endpoint", SKV_CFG_STRING, OPT(endpoint), "ipc:///run/snapkvd/snapkvd.sock", 0, 0,
@@ -243,8 +246,8 @@ static int check_value(const char *name, const char *v)
         return skv_errorf(SKV_E_INVAL, "'%s' is not error, warn, info or debug", v);
     if (strcmp(name, "ipc-tenant") == 0 && strcmp(v, "claimed") != 0 && strcmp(v, "uid") != 0)
         return skv_errorf(SKV_E_INVAL, "'%s' is not claimed or uid", v);
-    if (strcmp(name, "kv-type") == 0 && strcmp(v, "f32") != 0 && strcmp(v, "f16") != 0)
-        return skv_errorf(SKV_E_INVAL, "'%s' is not f32 or f16", v);
+    if (strcmp(name, "kv-type") == 0 && skv_kv_type_parse(v) < 0)
+        return skv_errorf(SKV_E_INVAL, "'%s' is not f32, f16 or q8_0", v);
     if (strcmp(name, "queue-order") == 0 && strcmp(v, "fair") != 0 && strcmp(v, "fifo") != 0)
         return skv_errorf(SKV_E_INVAL, "'%s' is not fair or fifo", v);
     if (strcmp(name, "metrics-listen") == 0 && *v && !listen_form_ok(v))

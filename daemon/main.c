@@ -333,8 +333,7 @@ int main(int argc, char **argv)
         exit_code = 0;
         goto out_model;
     }
-    if ((rc = skv_model_set_kv_pool(model, (int)cfg.kv_block_tokens,
-                                    strcmp(cfg.kv_type, "f16") == 0 ? SKV_DTYPE_F16 : SKV_DTYPE_F32))) {
+    if ((rc = skv_model_set_kv_pool(model, (int)cfg.kv_block_tokens, skv_kv_type_parse(cfg.kv_type)))) {
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_model;
     }

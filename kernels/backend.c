@@ -92,13 +92,31 @@ int skv_attention_check(const char *op, const float *out, const float *q, int n,
     if (kv->n_kv_heads <= 0 || kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads != 0)
         return skv_errorf(SKV_E_INVAL, "%s: %d heads over %d KV heads (max %d)", op, n_heads, kv->n_kv_heads,
                           SKV_MAX_KV_HEADS);
-    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16)
-        return skv_errorf(SKV_E_UNSUPPORTED, "%s: KV type %d (f32 or f16)", op, kv->kv_type);
+    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16 && kv->kv_type != SKV_DTYPE_Q8_0)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%s: KV type %d (f32, f16 or q8_0)", op, kv->kv_type);
+    if (skv_kv_row_bytes(kv->kv_type, kv->head_dim) == 0)
+        return skv_errorf(SKV_E_INVAL, "%s: q8_0 rows of head_dim %d (a multiple of 32)", op, kv->head_dim);
     for (int g = 0; g < kv->n_kv_heads; g++)
         if (kv->prefix_len[g] < 0 || (int64_t)kv->prefix_len[g] + n > INT32_MAX)
             return skv_errorf(SKV_E_INVAL, "%s: KV head %d prefix %d with %d new", op, g, (int)kv->prefix_len[g], n);
     int rc = skv_kv_view_check_rows(kv, op);
     return rc ? rc : skv_kv_view_check_window(kv, op);
+}
+
+int skv_kv_type_parse(const char *name)
+{
+    return !name ? -1 : strcmp(name, "f32") == 0 ? SKV_DTYPE_F32 : strcmp(name, "f16") == 0 ? SKV_DTYPE_F16
+           : strcmp(name, "q8_0") == 0 ? SKV_DTYPE_Q8_0 : -1;
+}
+
+bool skv_backend_kv_type_ok(const struct skv_backend *be, int kv_type)
+{
+    switch (kv_type) {
+    case SKV_DTYPE_F32: return true;
+    case SKV_DTYPE_F16: return be->ops->store_rows_f16 != NULL;
+    case SKV_DTYPE_Q8_0: return be->ops->store_rows_q8_0 != NULL;
+    default: return false;
+    }
 }
 
 int skv_attention_batch_check(const float *out, const float *q, int n_seq, int n_heads,

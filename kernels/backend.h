@@ -75,9 +75,11 @@ struct skv_rope {
 };
 
 /* The keys and values one layer's attention reads: per KV head a contiguous [len][d] run
- * of rows of kv_type: f32, or f16 (IEEE half, the KV pool's `kv-type f16`: half the bytes; ops
- * that read such rows widen each one to f32 exactly, so attention over f16 rows gives bit for
- * bit what it gives over an f32 view of the same values). Query i of a batch of n new tokens sees the
+ * of rows of kv_type: f32; f16 (IEEE half, the KV pool's `kv-type f16`: half the bytes); or
+ * q8_0 (GGUF's Q8_0 blocks: per 32 values an f16 scale d and 32 int8 q, x = d * q; `kv-type
+ * q8_0`, 34 bytes per 32 values; head_dim a multiple of 32). Ops that read f16 or q8_0 rows
+ * widen each one to f32 exactly, so attention over them gives bit for bit what it gives over an
+ * f32 view of the same values. Query i of a batch of n new tokens sees the
  * first prefix_len[h] + i + 1 rows of head h: the cache before the batch, then the batch
  * causally. So one op serves a fresh prefill (prefix 0), an append and a decode step (n = 1),
  * with per-head lengths after head-wise compression.
@@ -96,7 +98,7 @@ struct skv_rope {
 struct skv_kv_view {
     int n_kv_heads;
     int head_dim;
-    int kv_type;                          /* SKV_DTYPE_F32 or SKV_DTYPE_F16 */
+    int kv_type;                          /* SKV_DTYPE_F32, SKV_DTYPE_F16 or SKV_DTYPE_Q8_0 */
     const void *k[SKV_MAX_KV_HEADS];      /* head h: [prefix_len[h] + n][head_dim] */
     const void *v[SKV_MAX_KV_HEADS];
     int32_t prefix_len[SKV_MAX_KV_HEADS];
@@ -106,10 +108,18 @@ struct skv_kv_view {
     void *const *blocks[SKV_MAX_KV_HEADS]; /* head h: [ceil(rows / block_rows)] blocks */
 };
 
-/* Bytes of one row of head_dim elements of a KV type (0 for a type a KV view cannot hold). */
+/* Bytes of one row of head_dim elements of a KV type (0 for a type a KV view cannot hold, or
+ * q8_0 rows of a head_dim that is not a multiple of 32). */
 static inline size_t skv_kv_row_bytes(int kv_type, int64_t head_dim)
 {
-    return kv_type == SKV_DTYPE_F32 ? (size_t)head_dim * 4 : kv_type == SKV_DTYPE_F16 ? (size_t)head_dim * 2 : 0;
+    if (head_dim <= 0)
+        return 0;
+    switch (kv_type) {
+    case SKV_DTYPE_F32: return (size_t)head_dim * 4;
+    case SKV_DTYPE_F16: return (size_t)head_dim * 2;
+    case SKV_DTYPE_Q8_0: return head_dim % 32 ? 0 : (size_t)head_dim / 32 * 34;
+    default: return 0;
+    }
 }
 
 /* Row j of head h: K (which == 0) or V (which == 1), in either layout, as raw bytes of
@@ -145,8 +155,9 @@ int skv_kv_view_check_window(const struct skv_kv_view *kv, const char *op);
 /* SKV_OK when every head of the view has its rows (k and v, or a block table and
  * block_rows > 0), else SKV_E_INVAL with a message naming op. */
 int skv_kv_view_check_rows(const struct skv_kv_view *kv, const char *op);
-/* The arguments of `attention` (n queries of n_heads over kv: buffers, head counts, an f32 or f16
- * view (a backend without store_rows_f16 refuses f16 itself), lengths, the window's positions, every head's rows), SKV_E_INVAL or SKV_E_UNSUPPORTED with a
+/* The arguments of `attention` (n queries of n_heads over kv: buffers, head counts, an f32, f16
+ * or q8_0 view (a backend without the store op of a type refuses views of it itself), lengths,
+ * the window's positions, every head's rows), SKV_E_INVAL or SKV_E_UNSUPPORTED with a
  * message naming op otherwise. Every backend's attention checks through it. */
 int skv_attention_check(const char *op, const float *out, const float *q, int n, int n_heads,
                         const struct skv_kv_view *kv);
@@ -288,6 +299,11 @@ struct skv_backend_ops {
      * pool of `kv-type f16`; a backend that has it also reads f16 views in attention,
      * attention_batch and attention_colsum. */
     int (*store_rows_f16)(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
+
+    /* Optional (NULL: no q8_0 KV): the same as q8_0 rows (d a multiple of 32), each 32 values
+     * quantized as skv_quantize_row_q8_0 does (GGUF's reference quantizer). What a pool of
+     * `kv-type q8_0` stores rows with; a backend that has it also reads q8_0 views. */
+    int (*store_rows_q8_0)(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
 };
 
 struct skv_backend {
@@ -349,5 +365,18 @@ static inline uint16_t skv_f32_to_fp16_sat(float f)
 }
 float skv_bf16_to_f32(uint16_t h);
 uint16_t skv_f32_to_bf16(float f);
+
+/* n f32 values (n a multiple of 32) as Q8_0 blocks, as GGUF's reference quantizer (ggml's
+ * quantize_row_q8_0_ref, gguf-py's Q8_0.quantize_blocks) makes them: per 32 values d = amax /
+ * 127 (amax the largest magnitude), stored as f16, and q = roundf(x * (1 / d)) with the f32 d,
+ * halves away from zero (all q 0 when d is 0). Past what the reference defines, so that every
+ * stored block is finite and every value in range: d saturates at 65504 (q then at +-127), NaN
+ * is ignored by amax and gives q = 0. What q8_0 KV rows are stored with. */
+void skv_quantize_row_q8_0(void *dst, const float *src, int64_t n);
+/* A KV type's name (the config's kv-type: "f32", "f16", "q8_0") as its SKV_DTYPE_, or -1. */
+int skv_kv_type_parse(const char *name);
+/* Whether backend `be` stores (and so reads) KV rows of kv_type: f32 always, f16 and q8_0 with
+ * their store op. */
+bool skv_backend_kv_type_ok(const struct skv_backend *be, int kv_type);
 
 #endif

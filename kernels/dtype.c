@@ -1,8 +1,9 @@
 /* The dtype table (GGML ids, block sizes, names, what the CPU backend supports) and the
  * scalar fp16 / bf16 <-> f32 conversions, exact and round-to-nearest-even, that every
- * loader and kernel shares. */
+ * loader and kernel shares; the Q8_0 quantizer of q8_0 KV rows. */
 #include "kernels/backend.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -161,4 +162,26 @@ uint16_t skv_f32_to_bf16(float f)
     /* round to nearest even; overflow carries into infinity as it should */
     x += 0x7fffu + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
+}
+
+void skv_quantize_row_q8_0(void *dst, const float *src, int64_t n)
+{
+    uint8_t *o = dst;
+    for (int64_t b = 0; b + 32 <= n; b += 32, o += 34, src += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(src[i]);
+            amax = a > amax ? a : amax; /* a NaN never passes */
+        }
+        float d = amax / 127.0f;
+        d = d > 65504.0f ? 65504.0f : d;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = skv_f32_to_fp16(d);
+        memcpy(o, &h, sizeof h);
+        for (int i = 0; i < 32; i++) {
+            const float v = src[i] * id;
+            const float r = v >= 127.0f ? 127.0f : v <= -127.0f ? -127.0f : v == v ? roundf(v) : 0.0f;
+            o[2 + i] = (uint8_t)(int8_t)r;
+        }
+    }
 }

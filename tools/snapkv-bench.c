@@ -33,7 +33,7 @@ struct args {
     const char *cmd;
     const char *model;
     const char *backend;
-    const char *kv_type;       /* f32 | f16: the model's KV pool (and a serve daemon's kv-type) */
+    const char *kv_type;       /* f32 | f16 | q8_0: the model's KV pool (and a serve daemon's kv-type) */
     int threads;
     bool json;
     bool reference;
@@ -78,7 +78,7 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: snapkv-bench COMMAND --model PATH [--threads N] [--backend auto|cpu|cuda] [--json]\n"
-            "                    [--reference] [--kv-type f32|f16]\n"
+            "                    [--reference] [--kv-type f32|f16|q8_0]\n"
             "commands:\n"
             "  tokenize [--special] [--bos] [--cap N] stdin text -> token ids; --cap: the count a\n"
             "                                        request's limit of N tokens stops at, and its time\n"
@@ -1153,8 +1153,8 @@ int main(int argc, char **argv)
         case O_BACKEND: a.backend = optarg; break;
         case O_KVTYPE:
             a.kv_type = optarg;
-            if (strcmp(optarg, "f32") != 0 && strcmp(optarg, "f16") != 0) {
-                fprintf(stderr, "snapkv-bench: --kv-type: '%s' is not f32 or f16\n", optarg);
+            if (skv_kv_type_parse(optarg) < 0) {
+                fprintf(stderr, "snapkv-bench: --kv-type: '%s' is not f32, f16 or q8_0\n", optarg);
                 ok = false;
             }
             break;
@@ -1235,8 +1235,8 @@ int main(int argc, char **argv)
         return fail("backend", rc);
     struct skv_model_opts mo = {.reference = a.reference};
     rc = skv_model_load(a.model, be, &mo, &m);
-    if (!rc && strcmp(a.kv_type, "f16") == 0)
-        rc = skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16);
+    if (!rc && skv_kv_type_parse(a.kv_type) != SKV_DTYPE_F32)
+        rc = skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, skv_kv_type_parse(a.kv_type));
     if (rc) {
         skv_model_free(&m);
         skv_backend_destroy(&be);

@@ -35,7 +35,7 @@ struct skv_engine {
     void **row_dst;
     const void **row_src;
     size_t n_rows, rows_cap;
-    int rows_type;         /* the KV type of the queued rows' cache (f16: stored by store_rows_f16) */
+    int rows_type;         /* the KV type of the queued rows' cache (f16 / q8_0: by their store op) */
     struct skv_kv_view *views; /* [SKV_ENGINE_MAX_BATCH]: a decode group's (attention_batch); NULL until one */
 };
 
@@ -459,15 +459,14 @@ int skv_kv_cache_read_rows(const struct skv_kv_cache *c, int layer, int h, int w
         return skv_errorf(SKV_E_INVAL, "reading rows [%d, %d) of %d", row0, row0 + n, hd->len);
     if (c->kv_type == SKV_DTYPE_F32)
         return head_rows_io(c, hd, which, row0, n, dst, c->row_bytes, ROWS_TO_HOST);
-    /* f16 rows: read as they are, widened on the host */
-    const int64_t count = (int64_t)n * c->head_dim;
-    uint16_t *half = malloc(count > 0 ? (size_t)count * sizeof *half : 1);
-    if (!half)
-        return skv_errorf(SKV_E_NOMEM, "reading %d f16 rows", n);
-    int rc = head_rows_io(c, hd, which, row0, n, half, c->row_bytes, ROWS_TO_HOST);
+    /* f16 / q8_0 rows: read as they are, widened on the host */
+    void *raw = malloc(n > 0 ? (size_t)n * c->row_bytes : 1);
+    if (!raw)
+        return skv_errorf(SKV_E_NOMEM, "reading %d %s rows", n, skv_dtype_name(c->kv_type));
+    int rc = head_rows_io(c, hd, which, row0, n, raw, c->row_bytes, ROWS_TO_HOST);
     if (!rc)
-        rc = skv_dequantize_row(SKV_DTYPE_F16, half, dst, count);
-    free(half);
+        rc = skv_dequantize_row(c->kv_type, raw, dst, (int64_t)n * c->head_dim);
+    free(raw);
     return rc;
 }
 
@@ -482,15 +481,20 @@ int skv_kv_cache_write_rows(struct skv_kv_cache *c, int layer, int h, int which,
         rc = head_open(c, hd, row0, n);
     if (!rc && c->kv_type == SKV_DTYPE_F32) {
         rc = head_rows_io(c, hd, which, row0, n, (void *)src, c->row_bytes, ROWS_FROM_HOST);
-    } else if (!rc) { /* f16 rows: rounded on the host (nearest even, saturating), written as they are */
+    } else if (!rc) { /* f16 / q8_0 rows: rounded on the host as the store op rounds, written as they are */
         const int64_t count = (int64_t)n * c->head_dim;
-        uint16_t *half = malloc(count > 0 ? (size_t)count * sizeof *half : 1);
-        if (!half)
-            return skv_errorf(SKV_E_NOMEM, "writing %d f16 rows", n);
-        for (int64_t i = 0; i < count; i++)
-            half[i] = skv_f32_to_fp16_sat(src[i]);
-        rc = head_rows_io(c, hd, which, row0, n, half, c->row_bytes, ROWS_FROM_HOST);
-        free(half);
+        void *raw = malloc(n > 0 ? (size_t)n * c->row_bytes : 1);
+        if (!raw)
+            return skv_errorf(SKV_E_NOMEM, "writing %d %s rows", n, skv_dtype_name(c->kv_type));
+        if (c->kv_type == SKV_DTYPE_F16)
+            for (int64_t i = 0; i < count; i++)
+                ((uint16_t *)raw)[i] = skv_f32_to_fp16_sat(src[i]);
+        else
+            for (int r = 0; r < n; r++)
+                skv_quantize_row_q8_0((char *)raw + (size_t)r * c->row_bytes, src + (size_t)r * c->head_dim,
+                                      c->head_dim);
+        rc = head_rows_io(c, hd, which, row0, n, raw, c->row_bytes, ROWS_FROM_HOST);
+        free(raw);
     }
     if (!rc && row0 + n > hd->len)
         hd->len = row0 + n;
@@ -713,15 +717,18 @@ static int attn_project(struct skv_engine *e, int l, int i0, int m)
  * copies per head cost a launch each); longer runs go by copy_2d, one per block. */
 #define STORE_BY_ROWS 8
 
-/* Stores every queued row: one copy_rows (f32 caches) or store_rows_f16. */
+/* Stores every queued row: one copy_rows (f32 caches), store_rows_f16 or store_rows_q8_0. */
 static int rows_flush(struct skv_engine *e)
 {
     int n = (int)e->n_rows;
     e->n_rows = 0;
     if (n == 0)
         return SKV_OK;
+    const float *const *src = (const float *const *)e->row_src;
     if (e->rows_type == SKV_DTYPE_F16)
-        return e->be->ops->store_rows_f16(e->be, e->row_dst, (const float *const *)e->row_src, e->m->cfg.head_dim, n);
+        return e->be->ops->store_rows_f16(e->be, e->row_dst, src, e->m->cfg.head_dim, n);
+    if (e->rows_type == SKV_DTYPE_Q8_0)
+        return e->be->ops->store_rows_q8_0(e->be, e->row_dst, src, e->m->cfg.head_dim, n);
     return e->be->ops->copy_rows(e->be, e->row_dst, e->row_src, e->m->cfg.head_dim * sizeof(float), n);
 }
 
@@ -783,7 +790,7 @@ static int cache_store(struct skv_engine *e, struct skv_kv_cache *cache, int l, 
     const struct skv_model_config *c = &e->m->cfg;
     int hd = c->head_dim;
     size_t kvdim = (size_t)c->n_kv_heads * hd;
-    if (m <= STORE_BY_ROWS || cache->kv_type != SKV_DTYPE_F32) { /* f16: always converted by rows */
+    if (m <= STORE_BY_ROWS || cache->kv_type != SKV_DTYPE_F32) { /* f16 / q8_0: always converted by rows */
         CHECK(rows_add(e, cache, l, at, j, m));
         CHECK(rows_flush(e));
     } else {

@@ -33,7 +33,7 @@ struct skv_kv_cache {
     struct skv_backend *be;
     struct skv_kv_pool *pool;   /* where its blocks come from (one reference held) */
     int block_rows;
-    int kv_type;                /* its pool's: SKV_DTYPE_F32 or SKV_DTYPE_F16 */
+    int kv_type;                /* its pool's: SKV_DTYPE_F32, SKV_DTYPE_F16 or SKV_DTYPE_Q8_0 */
     size_t row_bytes;           /* one K or V row of head_dim in kv_type */
 };
 

@@ -38,10 +38,14 @@ int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, int kv
 {
     if (!be || !out || head_dim <= 0 || block_rows <= 0 || block_rows > (1 << 16))
         return skv_errorf(SKV_E_INVAL, "KV pool: head_dim %d, %d rows per block", head_dim, block_rows);
-    if (kv_type != SKV_DTYPE_F32 && kv_type != SKV_DTYPE_F16)
-        return skv_errorf(SKV_E_INVAL, "KV pool: KV type %d (f32 or f16)", kv_type);
-    if (kv_type == SKV_DTYPE_F16 && !be->ops->store_rows_f16)
-        return skv_errorf(SKV_E_UNSUPPORTED, "KV pool: the %s backend keeps f32 KV only (kv-type f32)", be->name);
+    if (kv_type != SKV_DTYPE_F32 && kv_type != SKV_DTYPE_F16 && kv_type != SKV_DTYPE_Q8_0)
+        return skv_errorf(SKV_E_INVAL, "KV pool: KV type %d (f32, f16 or q8_0)", kv_type);
+    if (skv_kv_row_bytes(kv_type, head_dim) == 0)
+        return skv_errorf(SKV_E_UNSUPPORTED, "KV pool: q8_0 rows need a head_dim that is a multiple of 32, not %d",
+                          head_dim);
+    if (!skv_backend_kv_type_ok(be, kv_type))
+        return skv_errorf(SKV_E_UNSUPPORTED, "KV pool: the %s backend does not keep %s KV", be->name,
+                          skv_dtype_name(kv_type));
     struct skv_kv_pool *p = calloc(1, sizeof *p);
     if (!p)
         return SKV_E_NOMEM;

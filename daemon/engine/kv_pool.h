@@ -30,15 +30,17 @@ struct skv_kv_block {
 
 struct skv_kv_pool_stats {
     int block_rows;
-    size_t block_bytes;        /* 2 * block_rows * head_dim * (4: f32, 2: f16) */
+    size_t block_bytes;        /* 2 * block_rows * the row's bytes (f32: 4 * head_dim, f16: 2 *, q8_0: 34 / 32 *) */
     uint64_t blocks_in_use;    /* unique blocks some table holds */
     uint64_t blocks_shared;    /* of those, held by more than one table */
     uint64_t blocks_free;      /* carved and reusable without allocating */
     uint64_t bytes_reserved;   /* backend memory the pool's slabs hold */
 };
 
-/* A pool of blocks of block_rows (> 0) rows of head_dim values of kv_type (SKV_DTYPE_F32, or
- * SKV_DTYPE_F16 on a backend with store_rows_f16: half the bytes) on `be`, holding one reference. */
+/* A pool of blocks of block_rows (> 0) rows of head_dim values of kv_type (SKV_DTYPE_F32;
+ * SKV_DTYPE_F16 on a backend with store_rows_f16: half the bytes; SKV_DTYPE_Q8_0 on one with
+ * store_rows_q8_0, head_dim a multiple of 32: 17/64 of the bytes) on `be`, holding one
+ * reference. */
 int skv_kv_pool_new(struct skv_backend *be, int head_dim, int block_rows, int kv_type, struct skv_kv_pool **out);
 /* Another reference (a cache made from this pool); returns pool. */
 struct skv_kv_pool *skv_kv_pool_ref(struct skv_kv_pool *pool);

@@ -556,12 +556,25 @@ static int store_read(struct skv_kv_store *st, uint32_t idx, uint64_t *key)
     return SKV_OK;
 }
 
-/* Whether every value of the record in st->buf is an f16 value (an f16 cache holds it unchanged). */
-static bool record_is_half(const struct skv_kv_store *st)
+/* Whether a block of kv_type (f16 or q8_0) holds the record in st->buf unchanged: every value
+ * an f16 value, or every 32 values (a q8_0 block: rows are whole blocks) bit for bit what their
+ * quantization dequantizes to. */
+static bool record_is_exact(const struct skv_kv_store *st, int kv_type)
 {
-    for (size_t i = 0; i < 2 * st->rows_bytes / sizeof(float); i++)
-        if (skv_fp16_to_f32(skv_f32_to_fp16(st->buf[i])) != st->buf[i])
+    const size_t n = 2 * st->rows_bytes / sizeof(float);
+    if (kv_type == SKV_DTYPE_F16) {
+        for (size_t i = 0; i < n; i++)
+            if (skv_fp16_to_f32(skv_f32_to_fp16(st->buf[i])) != st->buf[i])
+                return false;
+        return true;
+    }
+    uint8_t q[34];
+    float back[32];
+    for (size_t i = 0; i + 32 <= n; i += 32) {
+        skv_quantize_row_q8_0(q, st->buf + i, 32);
+        if (skv_dequantize_row(SKV_DTYPE_Q8_0, q, back, 32) || memcmp(back, st->buf + i, sizeof back) != 0)
             return false;
+    }
     return true;
 }
 
@@ -603,10 +616,10 @@ int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, int rows, uint64_t g
     if (rc || !whole)
         return rc; /* rows: this cache's own */
     /* the block now holds record idx: a save that goes on from this store need not write it
-     * (unless the record holds values an f16 block rounded: the block's own rows differ) */
+     * (unless the record holds values an f16 or q8_0 block rounded: the block's own rows differ) */
     struct skv_kv_block *b = hd->blk[row0 / br];
     uint64_t bkey = block_key(st, b, rows);
-    if (bkey && c->kv_type != SKV_DTYPE_F32 && !record_is_half(st))
+    if (bkey && c->kv_type != SKV_DTYPE_F32 && !record_is_exact(st, c->kv_type))
         bkey = 0;
     if ((bkey && map_set(&st->last, bkey, idx, true)) || map_set(&st->by_content, key, idx, false))
         return SKV_E_NOMEM;

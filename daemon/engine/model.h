@@ -74,8 +74,9 @@ void skv_model_free(struct skv_model **model_p);
 /* Gives the model a new KV pool of `rows` rows per block (> 0) for the caches made from now
  * on; caches made before keep the pool they hold. */
 int skv_model_set_kv_block_rows(struct skv_model *m, int rows);
-/* The same with the KV type of its rows too: SKV_DTYPE_F32 (the default) or SKV_DTYPE_F16 (half
- * the bytes; SKV_E_UNSUPPORTED on a backend without store_rows_f16). */
+/* The same with the KV type of its rows too: SKV_DTYPE_F32 (the default), SKV_DTYPE_F16 (half
+ * the bytes) or SKV_DTYPE_Q8_0 (17/64 of the bytes; head_dim a multiple of 32): SKV_E_UNSUPPORTED
+ * on a backend without the type's store op. */
 int skv_model_set_kv_pool(struct skv_model *m, int rows, int kv_type);
 
 static inline const struct skv_model_config *skv_model_config(const struct skv_model *m)

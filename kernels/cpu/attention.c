@@ -51,12 +51,12 @@ struct att_ctx {
     float *thread_mem;           /* per thread: see get_row_bufs() and get_wide_bufs() */
     size_t thread_floats;
     size_t rows_max;             /* rows of the largest task */
-    size_t kvt_floats;           /* per thread, first: an f16 view's key block widened (else 0) */
+    size_t kvt_floats;           /* per thread, first: an f16 / q8_0 view's key block widened (else 0) */
 };
 
 /* Working set of the row kernels: row r is query i0 + r / group, head g * group + r % group. */
 struct row_bufs {
-    float *kvt;                  /* f16 view: [2][ATT_BK][d], a block's K and V rows as f32; else NULL */
+    float *kvt;                  /* f16 / q8_0 view: [2][ATT_BK][d], a block's K and V rows as f32; else NULL */
     float *qs, *acc;             /* [rows][d]: scaled q, unnormalized output */
     float *m, *l;                /* [rows]: running max (base 2) and sum */
     float *s;                    /* [ATT_BK]: one row's scores */
@@ -488,17 +488,17 @@ static void att_row(const float *q, const float *const *k, const float *const *v
 
 /* Row pointers of keys [kb, kb + nk) of KV head g (nk <= ATT_BK), in either view layout:
  * the kernels read rows through these, so a paged view computes exactly what the
- * contiguous one does (same tiles, same order). An f16 view's rows are widened into kvt
+ * contiguous one does (same tiles, same order). An f16 or q8_0 view's rows are widened into kvt
  * ([2][ATT_BK][d]) first, exactly, so the kernels see the f32 view of the same values. */
 static void tile_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk,
                       const float **krow, const float **vrow, float *kvt)
 {
     const int64_t d = kv->head_dim;
-    if (kv->kv_type == SKV_DTYPE_F16) {
+    if (kv->kv_type != SKV_DTYPE_F32) {
         for (int j = 0; j < nk; j++) {
             float *kt = kvt + (size_t)j * d, *vt = kvt + ((size_t)ATT_BK + j) * d;
-            skv_cpu_f16_to_f32(kt, skv_kv_view_row_raw(kv, g, 0, kb + j), d);
-            skv_cpu_f16_to_f32(vt, skv_kv_view_row_raw(kv, g, 1, kb + j), d);
+            skv_cpu_kv_widen(kt, skv_kv_view_row_raw(kv, g, 0, kb + j), kv->kv_type, d);
+            skv_cpu_kv_widen(vt, skv_kv_view_row_raw(kv, g, 1, kb + j), kv->kv_type, d);
             krow[j] = kt;
             vrow[j] = vt;
         }
@@ -858,7 +858,7 @@ static size_t att_plan(struct att_ctx *c, float *out, const float *q, int n, int
         c->nchunks = (int)((max_len + c->chunk - 1) / c->chunk);
     }
     c->rows_max = (size_t)(c->nqb == 1 ? n : c->bq) * c->group;
-    c->kvt_floats = kv->kv_type == SKV_DTYPE_F16 ? round16((size_t)2 * ATT_BK * c->d) : 0;
+    c->kvt_floats = kv->kv_type != SKV_DTYPE_F32 ? round16((size_t)2 * ATT_BK * c->d) : 0;
     c->thread_floats = c->kvt_floats + thread_floats_for(c->rows_max, c->d);
     return round16((size_t)c->n_kv * c->nchunks * c->rows_max * (c->d + 2)) +
            (kv->window > 0 ? round16((size_t)c->n_kv * n) : 0);

@@ -55,6 +55,16 @@ static inline void skv_cpu_f32_to_f16(uint16_t *dst, const float *src, int64_t n
 }
 #endif
 
+/* One K or V row of d values of an f16 or q8_0 KV view widened to f32, exactly (q8_0: d * q
+ * per value, the one product every backend computes). */
+static inline void skv_cpu_kv_widen(float *dst, const void *row, int kv_type, int64_t d)
+{
+    if (kv_type == SKV_DTYPE_F16)
+        skv_cpu_f16_to_f32(dst, row, d);
+    else
+        (void)skv_dequantize_row(SKV_DTYPE_Q8_0, row, dst, d); /* the view's check: d % 32 == 0 */
+}
+
 /* Op entry points (signatures as in struct skv_backend_ops). */
 int skv_cpu_get_rows(struct skv_backend *be, float *out, const struct skv_tensor *table,
                      const int32_t *ids, int n);
@@ -87,6 +97,7 @@ int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, cons
                         int dim);
 int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n);
 int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
+int skv_cpu_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
  * calling thread for the length of the call, and attention takes slot 0 for its working

@@ -345,6 +345,7 @@ static const struct skv_backend_ops cpu_ops = {
     .cosine_mean = skv_cpu_cosine_mean,
     .copy_rows = skv_cpu_copy_rows,
     .store_rows_f16 = skv_cpu_store_rows_f16,
+    .store_rows_q8_0 = skv_cpu_store_rows_q8_0,
     .ipc_open = cpu_ipc_open,
     .ipc_close = cpu_ipc_close,
     .attention_split_rows = skv_cpu_attention_split_rows,

@@ -60,25 +60,26 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         int prefix = job->kv->prefix_len[kvh];
         int n_keys = prefix + job->n;
         float *out = job->out + h * job->out_stride;
-        /* the scores; then, for f16 rows, the keys the queries see widened to f32 once */
-        const bool f16 = job->kv->kv_type == SKV_DTYPE_F16;
+        /* the scores; then, for f16 or q8_0 rows, the keys the queries see widened to f32 once */
+        const bool wide_rows = job->kv->kv_type != SKV_DTYPE_F32;
         const int lo0 = skv_kv_view_first(job->kv, kvh, job->q_first); /* no later query sees before */
-        const size_t wide = f16 ? (size_t)(n_keys - lo0) * d : 0;
+        const size_t wide = wide_rows ? (size_t)(n_keys - lo0) * d : 0;
         float *p = skv_cpu_scratch(job->be, thread_id, ((size_t)n_keys + wide) * sizeof(float));
         if (!p) {
             atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
         }
-        float *keys = p + n_keys; /* f16: row j at keys + (j - lo0) * d */
-        for (int j = lo0; f16 && j < n_keys; j++)
-            skv_cpu_f16_to_f32(keys + (size_t)(j - lo0) * d, skv_kv_view_row_raw(job->kv, kvh, 0, j), d);
+        float *keys = p + n_keys; /* f16 / q8_0: row j at keys + (j - lo0) * d */
+        for (int j = lo0; wide_rows && j < n_keys; j++)
+            skv_cpu_kv_widen(keys + (size_t)(j - lo0) * d, skv_kv_view_row_raw(job->kv, kvh, 0, j), job->kv->kv_type,
+                             d);
         memset(out, 0, (size_t)n_keys * sizeof *out);
         for (int i = job->q_first; i < job->n; i++) {
             const float *qi = job->q + ((size_t)i * job->n_heads + (size_t)h) * d;
             int seen = prefix + i + 1, lo = skv_kv_view_first(job->kv, kvh, i);
             float mx = -INFINITY;
             for (int j = lo; j < seen; j++) {
-                const float *k = f16 ? keys + (size_t)(j - lo0) * d : skv_kv_view_row(job->kv, kvh, 0, j);
+                const float *k = wide_rows ? keys + (size_t)(j - lo0) * d : skv_kv_view_row(job->kv, kvh, 0, j);
                 p[j] = dot(qi, k, d) * scale;
                 mx = p[j] > mx ? p[j] : mx;
             }
@@ -100,8 +101,9 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
     if (!be || !out || !q || !kv || n <= 0 || n_heads <= 0 || kv->n_kv_heads <= 0 ||
         kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads || q_first < 0 || q_first >= n)
         return skv_errorf(SKV_E_INVAL, "attention_colsum: bad shape");
-    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16)
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d (f32 or f16)", kv->kv_type);
+    if (skv_kv_row_bytes(kv->kv_type, kv->head_dim) == 0)
+        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d of head_dim %d (f32, f16, q8_0 of a "
+                          "multiple of 32)", kv->kv_type, kv->head_dim);
     int rc = skv_kv_view_check_window(kv, "attention_colsum");
     if (!rc)
         rc = skv_kv_view_check_rows(kv, "attention_colsum");
@@ -163,6 +165,19 @@ int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float
             return skv_errorf(SKV_E_INVAL, "store_rows_f16: row %d has no %s", i, dst[i] ? "source" : "destination");
     for (int i = 0; i < n; i++)
         skv_cpu_f32_to_f16(dst[i], src[i], d);
+    return SKV_OK;
+}
+
+int skv_cpu_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
+{
+    (void)be;
+    if (n < 0 || d <= 0 || d % 32 != 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: bad arguments (d = %d, a multiple of 32)", d);
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: row %d has no %s", i, dst[i] ? "source" : "destination");
+    for (int i = 0; i < n; i++)
+        skv_quantize_row_q8_0(dst[i], src[i], d);
     return SKV_OK;
 }
 

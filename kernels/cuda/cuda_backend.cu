@@ -2437,6 +2437,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* device_lost */ cuda_device_lost,
     /* attention_batch */ cuda_attention_batch,
     /* store_rows_f16 */ cuda_store_rows_f16,
+    /* store_rows_q8_0 */ NULL,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

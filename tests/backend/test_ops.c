@@ -1202,49 +1202,72 @@ static void **paged_from_bytes(struct skv_backend *be, const void *k, const void
     return tbl;
 }
 
-/* f16 KV (kv-type f16): attention, attention_colsum and attention_batch over f16 rows, contiguous
- * and paged, give bit for bit what they give over an f32 view of the same (rounded) values, on
- * every path (prefill tiles, wide and row kernels, split-K decode, a sliding window, odd head_dim).
- * store_rows_f16 rounds as skv_f32_to_fp16 does. A backend without store_rows_f16 refuses f16 views. */
-static void test_kv_f16(void **state)
+/* Rows of d values (rows * d of them in x) as bytes of kv_type (f16 or q8_0), and x replaced by the
+ * f32 values those bytes hold: an f32 view of x then holds exactly what the typed view holds. */
+static void *kv_round(float *x, size_t rows, int d, int kv_type)
+{
+    const size_t row = skv_kv_row_bytes(kv_type, d);
+    unsigned char *raw = malloc(rows * row + 1);
+    assert_non_null(raw);
+    for (size_t i = 0; i < rows; i++) {
+        float *xi = x + i * d;
+        unsigned char *ri = raw + i * row;
+        if (kv_type == SKV_DTYPE_F16) {
+            for (int t = 0; t < d; t++) {
+                const uint16_t h = skv_f32_to_fp16(xi[t]);
+                memcpy(ri + 2 * t, &h, 2);
+                xi[t] = skv_fp16_to_f32(h);
+            }
+        } else {
+            skv_quantize_row_q8_0(ri, xi, d);
+            assert_int_equal(skv_dequantize_row(SKV_DTYPE_Q8_0, ri, xi, d), SKV_OK);
+        }
+    }
+    return raw;
+}
+
+/* f16 and q8_0 KV (kv-type f16, q8_0): attention, attention_colsum and attention_batch over rows
+ * of kv_type, contiguous and paged, give bit for bit what they give over an f32 view of the same
+ * (rounded) values, on every path (prefill tiles, wide and row kernels, split-K decode, a sliding
+ * window; f16 also an odd head_dim, which q8_0 refuses). A backend without the type's store op
+ * refuses such views. */
+static void kv_typed_views(void **state, int kv_type, uint64_t seed)
 {
     struct skv_backend *be = fixture_be(state);
-    struct rng r = {0xf16f16ULL};
+    struct rng r = {seed};
+    const bool typed_ok = skv_backend_kv_type_ok(be, kv_type);
     for (size_t ci = 0; ci < sizeof view_cases / sizeof view_cases[0]; ci++) {
         const struct att_case *c = &view_cases[ci];
         const int n = c->n, d = c->d;
-        const size_t qcount = (size_t)n * c->n_heads * d;
+        const size_t qcount = (size_t)n * c->n_heads * d, row = skv_kv_row_bytes(kv_type, d);
         float *q = host_normal(&r, qcount, c->q_scale);
         float *kr[SKV_MAX_KV_HEADS], *vr[SKV_MAX_KV_HEADS];
-        uint16_t *kh[SKV_MAX_KV_HEADS], *vh[SKV_MAX_KV_HEADS];
+        void *kh[SKV_MAX_KV_HEADS], *vh[SKV_MAX_KV_HEADS];
         int32_t *pos[SKV_MAX_KV_HEADS] = {NULL};
         struct skv_kv_view f32v = {.n_kv_heads = c->n_kv, .head_dim = d, .kv_type = SKV_DTYPE_F32,
                                    .window = c->window};
-        struct skv_kv_view f16v = f32v;
-        f16v.kv_type = SKV_DTYPE_F16;
+        struct skv_kv_view tv = f32v;
+        tv.kv_type = kv_type;
         int max_rows = 0;
         for (int g = 0; g < c->n_kv; g++) {
             const int rows = c->prefix[g] + n;
             const size_t cnt = (size_t)rows * d;
             kr[g] = host_normal(&r, cnt, 1.0);
             vr[g] = host_normal(&r, cnt, 1.0);
-            kh[g] = malloc(cnt * sizeof(uint16_t));
-            vh[g] = malloc(cnt * sizeof(uint16_t));
-            assert_non_null(kh[g]);
-            assert_non_null(vh[g]);
-            for (size_t i = 0; i < cnt; i++) { /* the f32 view holds exactly the f16 values */
-                kh[g][i] = skv_f32_to_fp16(kr[g][i]);
-                vh[g][i] = skv_f32_to_fp16(vr[g][i]);
-                kr[g][i] = skv_fp16_to_f32(kh[g][i]);
-                vr[g][i] = skv_fp16_to_f32(vh[g][i]);
+            if (row == 0) { /* q8_0 of a head_dim not a multiple of 32: rows of it are not read */
+                kh[g] = malloc(cnt);
+                vh[g] = malloc(cnt);
+            } else {
+                kh[g] = kv_round(kr[g], rows, d, kv_type);
+                vh[g] = kv_round(vr[g], rows, d, kv_type);
             }
             f32v.k[g] = dev_from(be, kr[g], cnt * sizeof(float));
             f32v.v[g] = dev_from(be, vr[g], cnt * sizeof(float));
-            f16v.k[g] = dev_from(be, kh[g], cnt * sizeof(uint16_t));
-            f16v.v[g] = dev_from(be, vh[g], cnt * sizeof(uint16_t));
-            f32v.prefix_len[g] = f16v.prefix_len[g] = c->prefix[g];
+            tv.k[g] = dev_from(be, kh[g], row ? rows * row : cnt);
+            tv.v[g] = dev_from(be, vh[g], row ? rows * row : cnt);
+            f32v.prefix_len[g] = tv.prefix_len[g] = c->prefix[g];
             if (c->window > 0)
-                f32v.pos[g] = f16v.pos[g] = pos[g] = case_positions(c, g);
+                f32v.pos[g] = tv.pos[g] = pos[g] = case_positions(c, g);
             max_rows = rows > max_rows ? rows : max_rows;
         }
         const int q_first = n > 4 ? n - 4 : 0;
@@ -1256,12 +1279,13 @@ static void test_kv_f16(void **state)
         assert_non_null(cgot);
         float *dout = dev_from(be, want, 2 * qcount * sizeof(float));
         float *dcol = dev_from(be, cwant, ccount * sizeof(float));
-        if (!be->ops->store_rows_f16) {
-            assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &f16v), SKV_E_UNSUPPORTED);
-            assert_int_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &f16v, q_first),
-                             SKV_E_UNSUPPORTED);
+        if (!typed_ok || row == 0) {
+            const int bad = row == 0 ? SKV_E_INVAL : SKV_E_UNSUPPORTED;
+            assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &tv), bad);
+            assert_int_not_equal(be->ops->attention_colsum(be, dcol, max_rows, dq, n, c->n_heads, &tv, q_first),
+                                 SKV_OK);
             if (n == 1 && be->ops->attention_batch)
-                assert_int_equal(be->ops->attention_batch(be, dout, dq, 1, c->n_heads, &f16v), SKV_E_UNSUPPORTED);
+                assert_int_equal(be->ops->attention_batch(be, dout, dq, 1, c->n_heads, &tv), bad);
         } else {
             assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &f32v), SKV_OK);
             dev_to(be, want, dout, qcount * sizeof(float));
@@ -1270,14 +1294,13 @@ static void test_kv_f16(void **state)
             dev_to(be, cwant, dcol, ccount * sizeof(float));
             const int blocks[] = {0, 16, 5};
             for (size_t bi = 0; bi < sizeof blocks / sizeof blocks[0]; bi++) {
-                struct skv_kv_view v = f16v;
+                struct skv_kv_view v = tv;
                 void **tbl[SKV_MAX_KV_HEADS] = {NULL};
                 if (blocks[bi] > 0) {
                     v.block_rows = blocks[bi];
                     for (int g = 0; g < c->n_kv; g++) {
                         v.k[g] = v.v[g] = NULL;
-                        v.blocks[g] = tbl[g] = paged_from_bytes(be, kh[g], vh[g], c->prefix[g] + n,
-                                                                (size_t)d * sizeof(uint16_t), blocks[bi]);
+                        v.blocks[g] = tbl[g] = paged_from_bytes(be, kh[g], vh[g], c->prefix[g] + n, row, blocks[bi]);
                     }
                 }
                 assert_int_equal(be->ops->attention(be, dout, dq, n, c->n_heads, &v), SKV_OK);
@@ -1286,8 +1309,9 @@ static void test_kv_f16(void **state)
                                  SKV_OK);
                 dev_to(be, cgot, dcol, ccount * sizeof(float));
                 if (memcmp(got, want, qcount * sizeof(float)) || memcmp(cgot, cwant, ccount * sizeof(float)))
-                    fail_msg("case %zu, blocks of %d rows: the f16 view differs from the f32 one", ci, blocks[bi]);
-                if (n == 1 && be->ops->attention_batch) { /* an f16 and an f32 sequence in one call */
+                    fail_msg("case %zu, blocks of %d rows: the %s view differs from the f32 one", ci, blocks[bi],
+                             skv_dtype_name(kv_type));
+                if (n == 1 && be->ops->attention_batch) { /* a typed and an f32 sequence in one call */
                     struct skv_kv_view two[2] = {v, f32v};
                     float *both = host_nan(2 * qcount), *dq_both = NULL;
                     memcpy(both, q, qcount * sizeof(float));
@@ -1310,8 +1334,8 @@ static void test_kv_f16(void **state)
         for (int g = 0; g < c->n_kv; g++) {
             be->ops->free(be, (void *)f32v.k[g]);
             be->ops->free(be, (void *)f32v.v[g]);
-            be->ops->free(be, (void *)f16v.k[g]);
-            be->ops->free(be, (void *)f16v.v[g]);
+            be->ops->free(be, (void *)tv.k[g]);
+            be->ops->free(be, (void *)tv.v[g]);
             free(kr[g]);
             free(vr[g]);
             free(kh[g]);
@@ -1324,6 +1348,14 @@ static void test_kv_f16(void **state)
         free(got);
         free(q);
     }
+}
+
+/* f16 views (kv_typed_views); store_rows_f16 rounds as skv_f32_to_fp16 does, saturating. */
+static void test_kv_f16(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    struct rng r = {0xf16f16ULL};
+    kv_typed_views(state, SKV_DTYPE_F16, 0xf16f16ULL);
     if (!be->ops->store_rows_f16)
         return;
     /* store_rows_f16: scattered rows, odd and vector-sized widths, values from tiny to past f16's
@@ -1365,6 +1397,111 @@ static void test_kv_f16(void **state)
         be->ops->free(be, ddst);
         free(src);
     }
+}
+
+/* q8_0 views (kv_typed_views); store_rows_q8_0 and skv_quantize_row_q8_0 make the bytes gguf-py's
+ * Q8_0 quantizer makes (tests/fixtures/q8_0_kv.bin, tests/reference/gen_q8_kv_fixture.py: rows of
+ * several magnitudes, outlier channels, a zero block, a subnormal scale, ties that round away from
+ * zero), scattered rows; values the reference leaves undefined (past f16's range, inf, NaN) give
+ * a finite block in range on every backend. */
+static void test_kv_q8_0(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    kv_typed_views(state, SKV_DTYPE_Q8_0, 0x58b0ULL);
+    const char *srcdir = getenv("SKV_SRCDIR") ? getenv("SKV_SRCDIR") : ".";
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tests/fixtures/q8_0_kv.bin", srcdir);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        fail_msg("cannot read %s (set SKV_SRCDIR to the source tree)", path);
+    char magic[8];
+    uint32_t hdr[2];
+    assert_int_equal(fread(magic, 1, 8, f), 8);
+    assert_memory_equal(magic, "SKVQ8001", 8);
+    assert_int_equal(fread(hdr, 4, 2, f), 2);
+    const int rows = (int)hdr[0], d = (int)hdr[1];
+    assert_int_equal(rows, 32);
+    assert_int_equal(d, 64);
+    const size_t row = skv_kv_row_bytes(SKV_DTYPE_Q8_0, d);
+    assert_int_equal(row, 68);
+    float *x = malloc((size_t)rows * d * sizeof(float));
+    unsigned char *want = malloc((size_t)rows * row), *got = malloc((size_t)rows * row);
+    assert_non_null(x);
+    assert_non_null(want);
+    assert_non_null(got);
+    assert_int_equal(fread(x, sizeof(float), (size_t)rows * d, f), (size_t)rows * d);
+    assert_int_equal(fread(want, 1, (size_t)rows * row, f), (size_t)rows * row);
+    assert_int_equal(fgetc(f), EOF);
+    fclose(f);
+    for (int i = 0; i < rows; i++)
+        skv_quantize_row_q8_0(got + (size_t)i * row, x + (size_t)i * d, d);
+    assert_memory_equal(got, want, (size_t)rows * row);
+    /* the tie row: amax 127 gives d = 1.0 (f16 0x3c00); 2.5 -> 3, -0.5 -> -1, 126.5 -> 127 */
+    const unsigned char *tie = want + (size_t)(rows - 2) * row;
+    assert_int_equal(tie[0] | tie[1] << 8, 0x3c00);
+    assert_int_equal((int8_t)tie[2 + 2], 3);
+    assert_int_equal((int8_t)tie[2 + 5], -1);
+    assert_int_equal((int8_t)tie[2 + 6], 127);
+    if (!be->ops->store_rows_q8_0) {
+        free(x);
+        free(want);
+        free(got);
+        return;
+    }
+    /* the backend's op, rows scattered: destination i gets fixture row j */
+    float *dsrc = dev_from(be, x, (size_t)rows * d * sizeof(float));
+    memset(got, 0xab, (size_t)rows * row);
+    unsigned char *ddst = dev_from(be, got, (size_t)rows * row);
+    void *to[32];
+    const float *from[32];
+    unsigned char *perm = malloc((size_t)rows * row);
+    assert_non_null(perm);
+    for (int i = 0; i < rows; i++) {
+        const int j = (i * 7 + 3) % rows;
+        to[i] = ddst + (size_t)i * row;
+        from[i] = dsrc + (size_t)j * d;
+        memcpy(perm + (size_t)i * row, want + (size_t)j * row, row);
+    }
+    assert_int_equal(be->ops->store_rows_q8_0(be, to, from, d, rows), SKV_OK);
+    dev_to(be, got, ddst, (size_t)rows * row);
+    assert_memory_equal(got, perm, (size_t)rows * row);
+    /* past the reference: huge, infinite and NaN values give what the host quantizer gives,
+     * d saturated at 65504 (0x7bff), every q in [-127, 127], NaN as 0 */
+    float edge[64];
+    for (int t = 0; t < 64; t++)
+        edge[t] = (float)(t - 32) * 0.25f;
+    edge[0] = 1e30f;
+    edge[1] = -INFINITY;
+    edge[2] = NAN;
+    edge[40] = NAN;
+    edge[41] = 3e9f;
+    unsigned char ewant[68], egot[68];
+    skv_quantize_row_q8_0(ewant, edge, 64);
+    assert_int_equal(ewant[0] | ewant[1] << 8, 0x7bff);
+    assert_int_equal((int8_t)ewant[2 + 0], 127);
+    assert_int_equal((int8_t)ewant[2 + 1], -127);
+    assert_int_equal((int8_t)ewant[2 + 2], 0);
+    assert_int_equal(ewant[34] | ewant[35] << 8, 0x7bff);
+    assert_int_equal((int8_t)ewant[36 + 8], 0);
+    assert_int_equal((int8_t)ewant[36 + 9], 127);
+    be->ops->free(be, dsrc);
+    dsrc = dev_from(be, edge, sizeof edge);
+    to[0] = ddst;
+    from[0] = dsrc;
+    assert_int_equal(be->ops->store_rows_q8_0(be, to, from, 64, 1), SKV_OK);
+    dev_to(be, egot, ddst, sizeof egot);
+    assert_memory_equal(egot, ewant, sizeof ewant);
+    /* bad arguments */
+    assert_int_equal(be->ops->store_rows_q8_0(be, to, from, 48, 1), SKV_E_INVAL);
+    assert_int_equal(be->ops->store_rows_q8_0(be, to, from, 64, -1), SKV_E_INVAL);
+    to[0] = NULL;
+    assert_int_equal(be->ops->store_rows_q8_0(be, to, from, 64, 1), SKV_E_INVAL);
+    be->ops->free(be, dsrc);
+    be->ops->free(be, ddst);
+    free(perm);
+    free(x);
+    free(want);
+    free(got);
 }
 
 /* copy_rows: rows moved between two buffers in a scrambled order, odd and word-sized rows. */
@@ -1684,7 +1821,7 @@ static void test_attention_invalid(void **state)
     kv.head_dim = 0;
     assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_INVAL);
     kv.head_dim = 64;
-    kv.kv_type = SKV_DTYPE_BF16; /* f32 and f16 only (f16: test_kv_f16) */
+    kv.kv_type = SKV_DTYPE_BF16; /* f32, f16 and q8_0 only (test_kv_f16, test_kv_q8_0) */
     assert_int_equal(be->ops->attention(be, out, q, 1, 8, &kv), SKV_E_UNSUPPORTED);
     kv.kv_type = SKV_DTYPE_F32;
     kv.prefix_len[1] = -1;
@@ -1991,7 +2128,7 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention_paged), cmocka_unit_test(test_attention_batch),     \
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
         cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid),         \
-        cmocka_unit_test(test_kv_f16)
+        cmocka_unit_test(test_kv_f16), cmocka_unit_test(test_kv_q8_0)
 
 int main(void)
 {

@@ -1609,6 +1609,55 @@ static void test_persist_restart(void **state)
     stop_daemon(&d);
 }
 
+/* kv-type q8_0 through the daemon (30 layers, 3 KV heads, head_dim 64: a row is 2 blocks of
+ * 34 bytes): PREFILL reports 68-byte rows, 17/64 of what an f32 pool holds; a fork decodes
+ * what its document decodes; a restart with persist brings the q8_0 session back bit for bit
+ * (the block store holds the dequantized values, which quantize back to the same bytes), so it
+ * decodes what the fork decoded before the stop. */
+static void test_kv_q8_0_daemon(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    snprintf(d.dir, sizeof d.dir, "/tmp/skv-sess-XXXXXX");
+    assert_non_null(mkdtemp(d.dir));
+    char conf[128], opt[160];
+    snprintf(conf, sizeof conf, "%s/snapkvd.conf", d.dir);
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fputs("persist = yes\nkv-type = q8_0\n", f);
+    fclose(f);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    start_daemon_in(&d, "256M", opt, 0);
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 33);
+    snapkv_client_t *c = client(d.endpoint, "p");
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = SPEC};
+    struct snapkv_prefill_result pa;
+    assert_int_equal(snapkv_prefill(c, &po, &pa), SNAPKV_OK);
+    assert_int_equal(pa.bytes_before, (uint64_t)N_PROMPT * 30 * 3 * 2 * 68);
+    assert_int_equal(pa.bytes_after, (uint64_t)48 * 30 * 3 * 2 * 68);
+    struct snapkv_session_id fork;
+    assert_int_equal(snapkv_fork(c, &pa.id, &fork, NULL), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    struct snapkv_decode_result ref, got;
+    assert_int_equal(snapkv_decode(c, &fork, &sp, NULL, NULL, &ref), SNAPKV_OK);
+    assert_int_equal(ref.n_tokens, N_GEN);
+    snapkv_close(&c);
+    assert_int_equal(term_daemon(&d), 0);
+    start_daemon_in(&d, "256M", opt, 0);
+    c = client(d.endpoint, "p");
+    assert_int_equal(snapkv_decode(c, &pa.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    assert_int_equal(got.n_tokens, N_GEN);
+    assert_memory_equal(got.tokens, ref.tokens, N_GEN * sizeof *got.tokens);
+    snapkv_decode_result_free(&got);
+    snapkv_close(&c);
+    snapkv_decode_result_free(&ref);
+    snapkv_prefill_result_free(&pa);
+    stop_daemon(&d);
+}
+
 /* Runs snapkvctl on d's endpoints (below). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap);
 
@@ -4748,6 +4797,7 @@ int main(void)
         cmocka_unit_test_teardown(test_chat_markup_plain, kill_daemons),
         cmocka_unit_test_teardown(test_snapkvctl_edges, kill_daemons),
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
+        cmocka_unit_test_teardown(test_kv_q8_0_daemon, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),

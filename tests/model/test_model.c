@@ -842,14 +842,28 @@ static void test_decode_batch_matches_single(void **state)
     free(path);
 }
 
-/* kv-type f16 on the real model: a pool of half the bytes a block; layer 0's stored rows are
- * exactly the f32 cache's rounded to f16 (nothing before them differs); rows written and read
- * on the host round and widen; a compaction moves f16 rows intact; a decode group of f16 caches
- * gives each one's own logits bit for bit; and the model's outputs stay close to the f32
- * cache's (logit error, and 24 greedy tokens of a natural prompt the same). */
-static void test_kv_f16(void **state)
+/* rows of d values of x (n rows) as a cache of kv_type holds them, into out */
+static void kv_rounded(float *out, const float *x, int n, int d, int kv_type)
 {
-    (void)state;
+    for (size_t i = 0; i < (size_t)n * d; i++)
+        out[i] = skv_fp16_to_f32(skv_f32_to_fp16_sat(x[i]));
+    if (kv_type != SKV_DTYPE_Q8_0)
+        return;
+    unsigned char q[1024];
+    assert_true(skv_kv_row_bytes(kv_type, d) <= sizeof q);
+    for (int i = 0; i < n; i++) {
+        skv_quantize_row_q8_0(q, x + (size_t)i * d, d);
+        assert_int_equal(skv_dequantize_row(SKV_DTYPE_Q8_0, q, out + (size_t)i * d, d), SKV_OK);
+    }
+}
+
+/* kv-type f16 (or q8_0) on the real model: a pool of half (17/64) the bytes a block; layer 0's
+ * stored rows are exactly the f32 cache's rounded to the type (nothing before them differs); rows
+ * written and read on the host round and widen; a compaction moves typed rows intact; a decode
+ * group of typed caches gives each one's own logits bit for bit; and the model's outputs stay
+ * close to the f32 cache's (logit error, and 24 greedy tokens of a natural prompt the same). */
+static void kv_typed_model(int kv_type, double max_logit_diff)
+{
     char *path = fixture_model_path();
     if (!path) {
         free(path);
@@ -866,11 +880,12 @@ static void test_kv_f16(void **state)
     struct skv_kv_cache *c32 = NULL, *c16 = NULL, *g16 = NULL;
     assert_int_equal(skv_kv_cache_new(m, &c32), SKV_OK);
     assert_int_equal(skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, 99), SKV_E_INVAL);
-    assert_int_equal(skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16), SKV_OK);
-    assert_int_equal(skv_kv_pool_block_bytes(m->kv_pool) * 2, block32);
+    assert_int_equal(skv_model_set_kv_pool(m, SKV_KV_BLOCK_ROWS, kv_type), SKV_OK);
+    const size_t row32 = (size_t)d * sizeof(float), row = skv_kv_row_bytes(kv_type, d);
+    assert_int_equal(skv_kv_pool_block_bytes(m->kv_pool) * row32, block32 * row); /* f16 1/2, q8_0 17/64 */
     assert_int_equal(skv_kv_cache_new(m, &c16), SKV_OK);
     assert_int_equal(skv_kv_cache_new(m, &g16), SKV_OK);
-    assert_int_equal(c16->kv_type, SKV_DTYPE_F16);
+    assert_int_equal(c16->kv_type, kv_type);
 
     static const char text[] =
         "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
@@ -888,20 +903,23 @@ static void test_kv_f16(void **state)
     assert_int_equal(skv_engine_forward(e, c32, ids, n, NULL, l32), SKV_OK);
     assert_int_equal(skv_engine_forward(e, c16, ids, n, NULL, l16), SKV_OK);
     assert_int_equal(skv_engine_forward(e, g16, ids, n - 7, NULL, lg), SKV_OK);
-    assert_int_equal(skv_kv_cache_bytes(c16) * 2, skv_kv_cache_bytes(c32));
+    assert_int_equal(skv_kv_cache_bytes(c16) * row32, skv_kv_cache_bytes(c32) * row);
 
-    /* layer 0: the same inputs, so the f16 rows are the f32 rows rounded */
+    /* layer 0: the same inputs, so the typed rows are the f32 rows rounded */
     float *a = malloc((size_t)n * d * sizeof *a), *b = malloc((size_t)n * d * sizeof *b);
+    float *r = malloc((size_t)n * d * sizeof *r);
     assert_non_null(a);
     assert_non_null(b);
+    assert_non_null(r);
     for (int h = 0; h < m->cfg.n_kv_heads; h++)
         for (int which = 0; which < 2; which++) {
             assert_int_equal(skv_kv_cache_read_rows(c32, 0, h, which, 0, n, a), SKV_OK);
             assert_int_equal(skv_kv_cache_read_rows(c16, 0, h, which, 0, n, b), SKV_OK);
+            kv_rounded(r, a, n, d, kv_type);
             for (int i = 0; i < n * d; i++)
-                if (memcmp(&b[i], &(float){skv_fp16_to_f32(skv_f32_to_fp16(a[i]))}, sizeof(float)) != 0)
-                    fail_msg("layer 0 head %d %s value %d: f32 %.9g, f16 cache %.9g", h, which ? "V" : "K", i, a[i],
-                             b[i]);
+                if (memcmp(&b[i], &r[i], sizeof(float)) != 0)
+                    fail_msg("layer 0 head %d %s value %d: f32 %.9g, %s cache %.9g", h, which ? "V" : "K", i, a[i],
+                             skv_dtype_name(kv_type), b[i]);
         }
     /* the host's rows: written rounded, read widened */
     struct skv_kv_cache *w16 = NULL;
@@ -910,10 +928,13 @@ static void test_kv_f16(void **state)
     a[2] = -70000.0f;
     assert_int_equal(skv_kv_cache_write_rows(w16, 3, 1, 1, 0, n, a), SKV_OK); /* several blocks: staged */
     assert_int_equal(skv_kv_cache_read_rows(w16, 3, 1, 1, 0, n, b), SKV_OK);
-    for (int i = 0; i < n * d; i++)
-        assert_true(b[i] == skv_fp16_to_f32(skv_f32_to_fp16_sat(a[i])));
-    assert_true(b[1] == 65504.0f && b[2] == -65504.0f);
-    /* a compaction moves whole f16 rows */
+    kv_rounded(r, a, n, d, kv_type);
+    assert_memory_equal(b, r, (size_t)n * d * sizeof(float));
+    if (kv_type == SKV_DTYPE_F16)
+        assert_true(b[1] == 65504.0f && b[2] == -65504.0f);
+    else /* q8_0: the block's largest value is kept as 127 d */
+        assert_true(fabsf(b[1] - 1e6f) < 1e6f * 1e-3f);
+    /* a compaction moves whole typed rows */
     struct skv_kv_cache *k16 = NULL;
     assert_int_equal(skv_kv_cache_clone(c16, &k16), SKV_OK);
     int32_t keep[40];
@@ -936,14 +957,14 @@ static void test_kv_f16(void **state)
         best32 = l32[i] > l32[best32] ? i : best32;
         best16 = l16[i] > l16[best16] ? i : best16;
     }
-    print_message("f16 KV: largest logit difference %.4f at %d tokens\n", worst, n);
-    assert_true(worst < 0.1);
+    print_message("%s KV: largest logit difference %.4f at %d tokens\n", skv_dtype_name(kv_type), worst, n);
+    assert_true(worst < max_logit_diff);
     int agree = 0;
     for (int step = 0; step < 24; step++) {
         assert_int_equal(best16, best32);
         agree++;
         int32_t t32 = best32, t16 = best16;
-        /* the f16 cache in a decode group with another f16 cache: its own logits, bit for bit */
+        /* the typed cache in a decode group with another: its own logits, bit for bit */
         int bg = 0;
         for (int i = 1; i < nv; i++)
             bg = lg[i] > lg[bg] ? i : bg;
@@ -967,6 +988,7 @@ static void test_kv_f16(void **state)
     assert_int_equal(agree, 24);
     free(a);
     free(b);
+    free(r);
     free(l32);
     free(l16);
     free(lg);
@@ -977,6 +999,20 @@ static void test_kv_f16(void **state)
     skv_model_free(&m);
     skv_backend_destroy(&be);
     free(path);
+}
+
+static void test_kv_f16(void **state)
+{
+    (void)state;
+    kv_typed_model(SKV_DTYPE_F16, 0.1);
+}
+
+/* The same for kv-type q8_0: 17/64 of the bytes, every 32 values of a row quantized as GGUF's
+ * Q8_0 (test_ops test_kv_q8_0 checks the quantizer against gguf-py). */
+static void test_kv_q8_0(void **state)
+{
+    (void)state;
+    kv_typed_model(SKV_DTYPE_Q8_0, 0.5);
 }
 
 static void test_load_errors(void **state)
@@ -1309,6 +1345,7 @@ int main(void)
         cmocka_unit_test(test_tiny_llama_bf16),   cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_llama3_rope),  cmocka_unit_test(test_incremental_matches_full),
         cmocka_unit_test(test_decode_batch_matches_single), cmocka_unit_test(test_kv_f16),
+        cmocka_unit_test(test_kv_q8_0),
         cmocka_unit_test(test_load_errors),       cmocka_unit_test(test_gguf_rope_freqs),
         cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),

@@ -158,11 +158,13 @@ static void test_limits(void **state)
     assert_string_equal(cfg.queue_order, "fifo"); /* unchanged */
     assert_int_equal(skv_config_set(&cfg, "queue-order", "fair"), SKV_OK);
 
-    /* kv-type: f32 by default, or f16; anything else is refused where it is set */
+    /* kv-type: f32 by default, f16 or q8_0; anything else is refused where it is set */
     assert_string_equal(cfg.kv_type, "f32");
+    assert_int_equal(skv_config_set(&cfg, "kv-type", "q8_0"), SKV_OK);
     assert_int_equal(skv_config_set(&cfg, "kv-type", "f16"), SKV_OK);
     assert_int_equal(skv_config_set(&cfg, "kv-type", "bf16"), SKV_E_INVAL);
-    assert_non_null(strstr(skv_error_msg(), "kv-type: 'bf16' is not f32 or f16"));
+    assert_non_null(strstr(skv_error_msg(), "kv-type: 'bf16' is not f32, f16 or q8_0"));
+    assert_int_equal(skv_config_set(&cfg, "kv-type", "q8"), SKV_E_INVAL);
     assert_string_equal(cfg.kv_type, "f16"); /* unchanged */
     assert_int_equal(skv_config_set(&cfg, "kv-type", "f32"), SKV_OK);
 

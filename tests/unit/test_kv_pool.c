@@ -1022,14 +1022,13 @@ static int store_save_cache(struct skv_kv_store *st, const struct skv_kv_cache *
     return found;
 }
 
-/* A store written by an f32 pool, restored into an f16 pool (kv-type changed across a restart):
+/* A store written by an f32 pool, restored into an f16 (q8_0) pool (kv-type changed across a restart):
  * the caches hold the rows rounded, and the store, going on, does not take those blocks for their
  * records (the records hold the unrounded values): the next save writes each block's own rows, and
  * the save after finds them all. A store written from f16 blocks restores into f16 caches whose
  * blocks it finds at once. */
-static void test_store_f16(void **state)
+static void store_typed(struct tiny *t, int kv_type)
 {
-    struct tiny *t = *state;
     const int br = SKV_KV_BLOCK_ROWS, n = 2 * br;
     int32_t ids[64], other[64];
     two_prompts(t, ids, other, 64);
@@ -1052,22 +1051,34 @@ static void test_store_f16(void **state)
     skv_kv_store_end(st, true);
     skv_kv_store_close(&st);
 
-    assert_int_equal(skv_model_set_kv_pool(t->m, br, SKV_DTYPE_F16), SKV_OK);
+    assert_int_equal(skv_model_set_kv_pool(t->m, br, kv_type), SKV_OK);
     struct skv_kv_cache *a16 = NULL, *b16 = NULL;
     int shared;
     assert_int_equal(skv_kv_store_open(path, fp, br, d, heads * full, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a16, &shared), SKV_OK);
-    assert_int_equal(a16->kv_type, SKV_DTYPE_F16);
+    assert_int_equal(a16->kv_type, kv_type);
     float *x = malloc((size_t)n * d * sizeof *x), *y = malloc((size_t)n * d * sizeof *y);
+    float *r = malloc((size_t)n * d * sizeof *r);
+    unsigned char *q = malloc(skv_kv_row_bytes(kv_type, d));
     int rounded = 0;
     for (int i = 0; i < heads; i++)
         for (int kv = 0; kv < 2; kv++) {
             assert_int_equal(skv_kv_cache_read_rows(a, i / a->n_kv_heads, i % a->n_kv_heads, kv, 0, n, x), SKV_OK);
             assert_int_equal(skv_kv_cache_read_rows(a16, i / a->n_kv_heads, i % a->n_kv_heads, kv, 0, n, y), SKV_OK);
-            for (int e = 0; e < n * d; e++) {
-                assert_true(y[e] == skv_fp16_to_f32(skv_f32_to_fp16_sat(x[e])));
-                rounded += y[e] != x[e];
+            for (int row = 0; row < n; row++) { /* the f32 rows as the typed pool rounds them */
+                const float *xr = x + (size_t)row * d;
+                float *rr = r + (size_t)row * d;
+                if (kv_type == SKV_DTYPE_F16)
+                    for (int e = 0; e < d; e++)
+                        rr[e] = skv_fp16_to_f32(skv_f32_to_fp16_sat(xr[e]));
+                else {
+                    skv_quantize_row_q8_0(q, xr, d);
+                    assert_int_equal(skv_dequantize_row(SKV_DTYPE_Q8_0, q, rr, d), SKV_OK);
+                }
             }
+            assert_memory_equal(y, r, (size_t)n * d * sizeof *y);
+            for (int e = 0; e < n * d; e++)
+                rounded += y[e] != x[e];
         }
     assert_true(rounded > 0);
     assert_int_equal(skv_kv_store_continue(st, path, t->m->kv_pool), SKV_OK);
@@ -1104,8 +1115,66 @@ static void test_store_f16(void **state)
     assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32), SKV_OK);
     free(x);
     free(y);
+    free(r);
+    free(q);
     free(ra);
     free(r2);
+}
+
+static void test_store_f16(void **state)
+{
+    store_typed(*state, SKV_DTYPE_F16);
+}
+
+/* The same for a q8_0 pool, on the default model (the tiny one's head_dim of 16 is not a multiple
+ * of 32: a q8_0 pool for it is refused). */
+static void test_store_q8_0(void **state)
+{
+    struct tiny *t = *state;
+    if (!t)
+        skip();
+    store_typed(t, SKV_DTYPE_Q8_0);
+}
+
+/* A q8_0 pool needs a head_dim that is a multiple of 32: refused for the tiny model's 16, with the
+ * pool it had kept. */
+static void test_q8_0_head_dim(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_pool *before = t->m->kv_pool;
+    assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_Q8_0), SKV_E_UNSUPPORTED);
+    assert_non_null(strstr(skv_error_msg(), "multiple of 32"));
+    assert_ptr_equal(t->m->kv_pool, before);
+}
+
+/* The default model as a struct tiny (NULL state when it is not fetched: its tests skip). */
+static int model_setup(void **state)
+{
+    *state = NULL;
+    char *path = fixture_model_path();
+    if (!path)
+        return 0;
+    struct tiny *t = calloc(1, sizeof *t);
+    if (!t || skv_backend_cpu_new(2, &t->be) || skv_model_load(path, t->be, NULL, &t->m) ||
+        skv_engine_new(t->m, &t->e)) {
+        free(path);
+        return -1;
+    }
+    free(path);
+    *state = t;
+    return 0;
+}
+
+static int model_teardown(void **state)
+{
+    struct tiny *t = *state;
+    if (t) {
+        skv_engine_free(&t->e);
+        skv_model_free(&t->m);
+        skv_backend_destroy(&t->be);
+        free(t);
+    }
+    return 0;
 }
 
 /* One store across saves (checkpoints): a save appends only the blocks written since the last
@@ -1280,6 +1349,12 @@ int main(void)
         cmocka_unit_test(test_store_partial),
         cmocka_unit_test(test_store_saves),
         cmocka_unit_test(test_store_f16),
+        cmocka_unit_test(test_q8_0_head_dim),
     };
-    return cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
+    const struct CMUnitTest model_tests[] = {
+        cmocka_unit_test(test_store_q8_0),
+    };
+    int failed = cmocka_run_group_tests_name("kv_pool", tests, tiny_setup, tiny_teardown);
+    failed += cmocka_run_group_tests_name("kv_pool-model", model_tests, model_setup, model_teardown);
+    return failed ? 1 : 0;
 }
