@@ -977,6 +977,8 @@ static int cuda_add(struct skv_backend *be, float *out, const float *a, const fl
 
 /* ---- attention ---------------------------------------------------------------------- */
 
+enum { KVT_F32, KVT_F16, KVT_Q8_0 }; /* att_params.kvt */
+
 /* The KV view as a kernel argument (about 1.8 KB, under the parameter limit). A paged view's
  * block tables are host memory: each call copies them into device scratch (att_stage, one
  * copy with the window bounds), a few KB per layer, and blk[g] points there. */
@@ -985,7 +987,8 @@ struct att_params {
     const char *v[SKV_MAX_KV_HEADS];
     const char *const *blk[SKV_MAX_KV_HEADS]; /* device [blocks of head g]; block_rows > 0 */
     int block_rows;                           /* 0: contiguous k / v */
-    int esz;                                  /* bytes of a K / V element: 4 (f32) or 2 (f16) */
+    int kvt;                                  /* the rows' type: KVT_F32, KVT_F16 or KVT_Q8_0 */
+    int row_bytes;                            /* of one K or V row of d elements */
     int prefix[SKV_MAX_KV_HEADS];
     int n, n_heads, group, d;
     float scale;
@@ -1007,7 +1010,8 @@ static void att_params_fill(struct att_params *p, const struct skv_kv_view *kv, 
     p->scale = 1.0f / sqrtf((float)kv->head_dim);
     p->first = NULL;
     p->block_rows = kv->block_rows > 0 ? kv->block_rows : 0;
-    p->esz = kv->kv_type == SKV_DTYPE_F16 ? 2 : 4;
+    p->kvt = kv->kv_type == SKV_DTYPE_F16 ? KVT_F16 : kv->kv_type == SKV_DTYPE_Q8_0 ? KVT_Q8_0 : KVT_F32;
+    p->row_bytes = (int)skv_kv_row_bytes(kv->kv_type, kv->head_dim);
     for (int g = 0; g < SKV_MAX_KV_HEADS; g++)
         p->blk[g] = NULL;
 }
@@ -1029,29 +1033,53 @@ static size_t tables_bytes(const struct skv_kv_view *kv, int n)
     return align_up(count * sizeof(void *));
 }
 
-/* Row j of KV head g: K (which == 0) or V, in either layout, as bytes of p.esz-byte elements
+/* Row j of KV head g: K (which == 0) or V, in either layout, as p.row_bytes bytes of its type
  * (skv_kv_view_row_raw's twin). */
 __device__ __forceinline__ const char *kv_row(const struct att_params &p, int g, int which,
                                               int j)
 {
-    const size_t row = (size_t)p.d * p.esz;
+    const size_t row = (size_t)p.row_bytes;
     if (p.block_rows <= 0)
         return (which ? p.v[g] : p.k[g]) + (size_t)j * row;
     const int t = p.block_rows;
     return p.blk[g][j / t] + ((size_t)which * t + j % t) * row;
 }
 
-/* Element t of a row kv_row() gave, as f32 (an f16 row's widened exactly). */
+/* Element t of a row kv_row() gave, as f32 (an f16 row's widened exactly; a q8_0 row's value is
+ * d * q, the one product skv_dequantize_row computes too). */
 __device__ __forceinline__ float kv_at(const struct att_params &p, const char *row, int t)
 {
-    return p.esz == 2 ? __half2float(((const __half *)row)[t]) : ((const float *)row)[t];
+    if (p.kvt == KVT_Q8_0) {
+        const char *b = row + (t >> 5) * 34;
+        return __fmul_rn(__half2float(*(const __half *)b), (float)((const signed char *)b)[2 + (t & 31)]);
+    }
+    return p.kvt == KVT_F16 ? __half2float(((const __half *)row)[t]) : ((const float *)row)[t];
 }
 
-/* Elements e .. e + 3 of such a row, the row 16-byte (f32) or 8-byte (f16) aligned at e. */
+/* Address bits that must be 0 for kv_at4 (4 elements): 16 bytes (f32), 8 (f16), 2 (q8_0: two
+ * 2-byte loads inside one block of 32 values). */
+__device__ __forceinline__ uintptr_t kv_align4(const struct att_params &p)
+{
+    return p.kvt == KVT_F32 ? 15 : p.kvt == KVT_F16 ? 7 : 1;
+}
+
+/* Elements e .. e + 3 (e a multiple of 4) of such a row, aligned as kv_align4 asks. */
 __device__ __forceinline__ float4 kv_at4(const struct att_params &p, const char *row, int e)
 {
-    if (p.esz == 4)
+    if (p.kvt == KVT_F32)
         return *(const float4 *)((const float *)row + e);
+    if (p.kvt == KVT_Q8_0) {
+        const char *b = row + (e >> 5) * 34;
+        const float d = __half2float(*(const __half *)b);
+        const unsigned short *w = (const unsigned short *)(b + 2 + (e & 31));
+        const unsigned short lo = w[0], hi = w[1];
+        float4 r;
+        r.x = __fmul_rn(d, (float)(signed char)(lo & 0xff));
+        r.y = __fmul_rn(d, (float)(signed char)(lo >> 8));
+        r.z = __fmul_rn(d, (float)(signed char)(hi & 0xff));
+        r.w = __fmul_rn(d, (float)(signed char)(hi >> 8));
+        return r;
+    }
     const uint2 u = *(const uint2 *)((const __half *)row + e); /* one 8-byte load */
     const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
     float4 r;
@@ -1272,7 +1300,7 @@ __device__ __forceinline__ void att_decode_block(float *dsm, float *part, const 
                     continue;
                 kp[u] = kv_row(p, g, 0, j0 + r);
                 vp[u] = kv_row(p, g, 1, j0 + r);
-                const uintptr_t al = (uintptr_t)(4 * p.esz - 1); /* 4 elements: 16 or 8 bytes */
+                const uintptr_t al = kv_align4(p); /* 4 elements: 16, 8 or 2 bytes */
                 vec[u] = (d & 3) == 0 && ((uintptr_t)kp[u] & al) == 0 && ((uintptr_t)vp[u] & al) == 0;
                 if (!vec[u])
                     continue;
@@ -1537,7 +1565,7 @@ static int att_gemm_rows(struct cuda_impl *impl, float *out, int64_t out_stride,
     int lmax = 0;
     for (int g = 0; g < kv->n_kv_heads; g++)
         lmax = p->prefix[g] + n > lmax ? p->prefix[g] + n : lmax;
-    const bool paged = p->block_rows > 0 || p->esz != 4; /* f16 rows: gathered (widened) too */
+    const bool paged = p->block_rows > 0 || p->kvt != KVT_F32; /* f16 / q8_0 rows: gathered (widened) too */
     const size_t kv_bytes = paged ? align_up((size_t)lmax * d * sizeof(float)) : 0;
     int64_t mq = (int64_t)(ATT_GEMM_S_BYTES / ((size_t)group * lmax * sizeof(float)));
     mq = mq < 1 ? 1 : mq > w ? w : mq;
@@ -1855,8 +1883,9 @@ static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out
         kv->n_kv_heads > SKV_MAX_KV_HEADS || n_heads % kv->n_kv_heads || q_first < 0 ||
         q_first >= n || kv->head_dim <= 0)
         return skv_errorf(SKV_E_INVAL, "attention_colsum: bad shape");
-    if (kv->kv_type != SKV_DTYPE_F32 && kv->kv_type != SKV_DTYPE_F16)
-        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d (f32 or f16)", kv->kv_type);
+    if (skv_kv_row_bytes(kv->kv_type, kv->head_dim) == 0)
+        return skv_errorf(SKV_E_UNSUPPORTED, "attention_colsum: kv type %d of head_dim %d (f32, f16, q8_0 of a "
+                          "multiple of 32)", kv->kv_type, kv->head_dim);
     int rc = skv_kv_view_check_window(kv, "attention_colsum");
     if (rc == SKV_OK)
         rc = skv_kv_view_check_rows(kv, "attention_colsum");
@@ -2220,6 +2249,66 @@ static int cuda_store_rows_f16(struct skv_backend *be, void *const *dst, const f
     return SKV_OK;
 }
 
+/* q8_0 KV rows: one thread per block of 32 values (d a multiple of 32), rows as dst[i] <- src[i],
+ * quantized as skv_quantize_row_q8_0 does, bit for bit: d = amax / 127 (NaN ignored) saturating
+ * at 65504, stored as f16 (nearest even), q = roundf(x * (1 / d)) within +-127, NaN as 0. */
+__global__ void store_rows_q8_0_kernel(unsigned char *const *dst, const float *const *src, int d, int n)
+{
+    const int per = d / 32;
+    const int64_t total = (int64_t)n * per;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < total;
+         k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = k / per, b = k % per;
+        const float *x = src[i] + 32 * b;
+        unsigned char *o = dst[i] + 34 * b;
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) {
+            const float a = fabsf(x[t]);
+            amax = a > amax ? a : amax;
+        }
+        float dq = __fdiv_rn(amax, 127.0f);
+        dq = dq > 65504.0f ? 65504.0f : dq;
+        const float id = dq != 0.0f ? __fdiv_rn(1.0f, dq) : 0.0f;
+        const unsigned short h = __half_as_ushort(__float2half_rn(dq));
+        o[0] = (unsigned char)(h & 0xff);
+        o[1] = (unsigned char)(h >> 8);
+        for (int t = 0; t < 32; t++) {
+            const float v = __fmul_rn(x[t], id);
+            const float r = v >= 127.0f ? 127.0f : v <= -127.0f ? -127.0f : v == v ? roundf(v) : 0.0f;
+            o[2 + t] = (unsigned char)(signed char)r;
+        }
+    }
+}
+
+/* As cuda_store_rows_f16: the pointer tables uploaded, one kernel for every row. */
+static int cuda_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
+{
+    prof_scope prof_(be, P_COPY_ROWS, -1);
+    if (n < 0 || d <= 0 || d % 32 != 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: bad arguments (d = %d, a multiple of 32)", d);
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: row %d has no %s", i, dst[i] ? "source" : "destination");
+    if (n == 0)
+        return SKV_OK;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    const size_t table = (size_t)n * sizeof(void *);
+    void *s = NULL, *host = NULL;
+    int rc = scratch_get(impl, 2 * align_up(table), &s);
+    if (rc < 0 || (rc = stage_get(impl, 2 * align_up(table), &host)) < 0)
+        return rc;
+    unsigned char **ddst = (unsigned char **)s;
+    const float **dsrc = (const float **)((char *)s + align_up(table));
+    memcpy(host, dst, table);
+    memcpy((char *)host + align_up(table), src, table);
+    if ((rc = upload_table(impl, ddst, host, align_up(table) + table)) < 0)
+        return rc;
+    store_rows_q8_0_kernel<<<grid_for((int64_t)n * (d / 32), EW_THREADS), EW_THREADS, 0, impl->stream>>>(
+        ddst, dsrc, d, n);
+    SKV_CUDA_CHECK(cudaGetLastError());
+    return SKV_OK;
+}
+
 /* Row i of n: dst[i] <- src[i], 32-bit words when every pointer and the row allow it. */
 __global__ void copy_rows_kernel(uint8_t *const *dst, const uint8_t *const *src, size_t row_bytes, int n,
                                  int words)
@@ -2437,7 +2526,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* device_lost */ cuda_device_lost,
     /* attention_batch */ cuda_attention_batch,
     /* store_rows_f16 */ cuda_store_rows_f16,
-    /* store_rows_q8_0 */ NULL,
+    /* store_rows_q8_0 */ cuda_store_rows_q8_0,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

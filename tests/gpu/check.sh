@@ -457,23 +457,25 @@ print("; ".join(out) or "no common depth")
     fi
 fi
 
-# 8d. kv-type f16 on the 8B-shaped model: the full cache's decode with f16 rows (half the bytes
-# a step reads) against the f32 run of step 7
+# 8d. kv-type f16 and q8_0 on the 8B-shaped model: the full cache's decode with f16 rows (half the
+# bytes a step reads) and q8_0 rows (17/64 of them) against the f32 run of step 7
 if [ -f "$BIG" ]; then
-    speed speed_8b_full_f16 "$BIG" --kv-type f16
-    if [ -f "$BUILD/speed_8b_full_f16.json" ] && [ -f "$BUILD/speed_8b_full.json" ]; then
-        row "kv f16 vs f32 8b full" "reported" "$(python3 -c '
+    for kvt in f16 q8_0; do
+        speed "speed_8b_full_$kvt" "$BIG" --kv-type "$kvt"
+        if [ -f "$BUILD/speed_8b_full_$kvt.json" ] && [ -f "$BUILD/speed_8b_full.json" ]; then
+            row "kv $kvt vs f32 8b full" "reported" "$(python3 -c '
 import json, sys
 try:
     h = {x["depth"]: x["seconds"] / x["tokens"] for x in json.load(open(sys.argv[1]))["decode"]}
     f = {x["depth"]: x["seconds"] / x["tokens"] for x in json.load(open(sys.argv[2]))["decode"]}
 except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
     sys.exit(print("no figures (a run failed or was cut: see speed_8b_full*.log): %s" % e))
-out = ["@%d: f16 %.2f vs f32 %.2f ms/token (f32 / f16 = %.2f)" % (d, 1000 * h[d], 1000 * f[d], f[d] / h[d])
-       for d in sorted(h) if d in f]
+out = ["@%d: %s %.2f vs f32 %.2f ms/token (f32 / %s = %.2f)" % (d, sys.argv[3], 1000 * h[d], 1000 * f[d],
+       sys.argv[3], f[d] / h[d]) for d in sorted(h) if d in f]
 print("; ".join(out) or "no common depth")
-' "$BUILD/speed_8b_full_f16.json" "$BUILD/speed_8b_full.json")"
-    fi
+' "$BUILD/speed_8b_full_$kvt.json" "$BUILD/speed_8b_full.json" "$kvt")"
+        fi
+    done
 fi
 
 # 9. transformers + kvpress SnapKVPress on the same shapes and budget (when torch imports)

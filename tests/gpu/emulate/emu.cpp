@@ -71,6 +71,9 @@ static __half __ushort_as_half(unsigned short u) { return {u}; }
 static float __half2float(__half h) { return skv_fp16_to_f32(h.x); }
 static __half __float2half_rn(float f) { return {skv_f32_to_fp16(f)}; }
 static float2 __half22float2(__half2 h) { return {skv_fp16_to_f32(h.x), skv_fp16_to_f32(h.y)}; }
+static unsigned short __half_as_ushort(__half h) { return h.x; }
+static float __fmul_rn(float a, float b) { return a * b; }
+static float __fdiv_rn(float a, float b) { return a / b; }
 static float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 typedef int cudaError_t;
 typedef void *cudaStream_t;
@@ -158,24 +161,47 @@ using namespace emu;
 static uint64_t rs = 88172645463325252ULL;
 static float rnd() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (float)((rs >> 11) * (1.0 / 9007199254740992.0) * 2 - 1) * 1.7f; }
 
-/* Cases made while set hold f16 KV (kv-type f16): the CPU's view holds the f16 values as f32. */
-static bool g_kv_f16 = false;
+/* The KV type of the kernels' rows in cases made while set (kv-type f16 or q8_0): the CPU's view
+ * holds the same values as f32. */
+static int g_kv_type = SKV_DTYPE_F32;
 
 /* A random KV cache of n_kv heads (prefix p0 / p1 rows before the batch's n, positions with a
  * gap so that a sliding window cuts inside the prefix), its contiguous view for the CPU and a
  * paged copy (blocks of block_rows, unused rows NaN) for the kernels when block_rows > 0. With
- * g_kv_f16 the kernels' view holds f16 rows (paged, or contiguous copies when block_rows is 0). */
+ * g_kv_type f16 or q8_0 the kernels' view holds rows of that type (paged, or contiguous copies
+ * when block_rows is 0). */
 struct kv_case {
     struct skv_kv_view kv, paged;
     std::vector<std::vector<float>> K, V;
-    std::vector<std::vector<uint16_t>> Kh, Vh;
+    std::vector<std::vector<unsigned char>> Kt, Vt; /* the rows as g_kv_type bytes */
     std::vector<std::vector<int32_t>> pos;
     std::vector<std::vector<void *>> tbl;
     int max_rows = 0;
 
-    kv_case(int n, int n_kv, int d, int p0, int p1, int window, int block_rows)
-        : K(n_kv), V(n_kv), Kh(n_kv), Vh(n_kv), pos(n_kv), tbl(n_kv)
+    /* x's rows of d as bytes of g_kv_type into out, and x replaced by the values they hold */
+    static void typed(std::vector<float> &x, int d, std::vector<unsigned char> &out)
     {
+        const size_t row = skv_kv_row_bytes(g_kv_type, d), rows = x.size() / d;
+        out.assign(rows * row, 0);
+        for (size_t i = 0; i < rows; i++) {
+            float *xi = x.data() + i * d;
+            if (g_kv_type == SKV_DTYPE_F16) {
+                for (int t = 0; t < d; t++) {
+                    uint16_t h = skv_f32_to_fp16(xi[t]);
+                    memcpy(out.data() + i * row + 2 * t, &h, 2);
+                    xi[t] = skv_fp16_to_f32(h);
+                }
+            } else {
+                skv_quantize_row_q8_0(out.data() + i * row, xi, d);
+                skv_dequantize_row(SKV_DTYPE_Q8_0, out.data() + i * row, xi, d);
+            }
+        }
+    }
+
+    kv_case(int n, int n_kv, int d, int p0, int p1, int window, int block_rows)
+        : K(n_kv), V(n_kv), Kt(n_kv), Vt(n_kv), pos(n_kv), tbl(n_kv)
+    {
+        const bool raw = g_kv_type != SKV_DTYPE_F32;
         memset(&kv, 0, sizeof kv);
         kv.n_kv_heads = n_kv; kv.head_dim = d; kv.kv_type = SKV_DTYPE_F32; kv.window = window;
         for (int g = 0; g < n_kv; g++) {
@@ -185,9 +211,9 @@ struct kv_case {
             K[g].resize((size_t)rows * d); V[g].resize((size_t)rows * d);
             for (auto &x : K[g]) x = rnd();
             for (auto &x : V[g]) x = rnd();
-            if (g_kv_f16) {
-                for (auto &x : K[g]) { Kh[g].push_back(skv_f32_to_fp16(x)); x = skv_fp16_to_f32(Kh[g].back()); }
-                for (auto &x : V[g]) { Vh[g].push_back(skv_f32_to_fp16(x)); x = skv_fp16_to_f32(Vh[g].back()); }
+            if (raw) {
+                typed(K[g], d, Kt[g]);
+                typed(V[g], d, Vt[g]);
             }
             kv.k[g] = K[g].data(); kv.v[g] = V[g].data();
             pos[g].resize(rows);
@@ -196,30 +222,30 @@ struct kv_case {
         }
         paged = kv;
         paged.block_rows = block_rows;
-        if (g_kv_f16) {
-            paged.kv_type = SKV_DTYPE_F16;
+        if (raw) {
+            paged.kv_type = g_kv_type;
             for (int g = 0; g < n_kv; g++) {
-                paged.k[g] = Kh[g].data();
-                paged.v[g] = Vh[g].data();
+                paged.k[g] = Kt[g].data();
+                paged.v[g] = Vt[g].data();
             }
         }
-        const size_t esz = g_kv_f16 ? 2 : 4; /* blocks of f16 or f32 rows, unused rows NaN */
+        const size_t row = skv_kv_row_bytes(g_kv_type, d); /* blocks of typed rows, unused rows NaN */
         for (int g = 0; g < n_kv && block_rows > 0; g++) {
             int rows = kv.prefix_len[g] + n, nb = (rows + block_rows - 1) / block_rows;
-            const char *ks = g_kv_f16 ? (const char *)Kh[g].data() : (const char *)K[g].data();
-            const char *vs = g_kv_f16 ? (const char *)Vh[g].data() : (const char *)V[g].data();
+            const char *ks = raw ? (const char *)Kt[g].data() : (const char *)K[g].data();
+            const char *vs = raw ? (const char *)Vt[g].data() : (const char *)V[g].data();
             for (int b = 0; b < nb; b++) {
-                char *blk = (char *)malloc((size_t)2 * block_rows * d * esz);
-                for (int x = 0; x < 2 * block_rows * d; x++) {
-                    if (g_kv_f16)
-                        ((uint16_t *)blk)[x] = 0x7e00;
-                    else
-                        ((float *)blk)[x] = NAN;
-                }
+                char *blk = (char *)malloc((size_t)2 * block_rows * row);
+                if (g_kv_type == SKV_DTYPE_F32)
+                    for (int x = 0; x < 2 * block_rows * d; x++) ((float *)blk)[x] = NAN;
+                else if (g_kv_type == SKV_DTYPE_F16)
+                    for (int x = 0; x < 2 * block_rows * d; x++) ((uint16_t *)blk)[x] = 0x7e00;
+                else
+                    memset(blk, 0xff, (size_t)2 * block_rows * row); /* scale NaN */
                 for (int r = 0; r < block_rows && b * block_rows + r < rows; r++) {
-                    const size_t at = (size_t)(b * block_rows + r) * d * esz;
-                    memcpy(blk + (size_t)r * d * esz, ks + at, d * esz);
-                    memcpy(blk + (size_t)(block_rows + r) * d * esz, vs + at, d * esz);
+                    const size_t at = (size_t)(b * block_rows + r) * row;
+                    memcpy(blk + (size_t)r * row, ks + at, row);
+                    memcpy(blk + (size_t)(block_rows + r) * row, vs + at, row);
                 }
                 tbl[g].push_back(blk);
             }
@@ -569,8 +595,8 @@ static int run_rope(int n, int n_heads, int head_dim, int rot_dim, int mode, int
 }
 
 /* Suites: attention (the cuBLAS prefill, split-K decode and fallback paths, the batched decode), batch (the
- * batched decode alone), colsum (+ cosine), gemv, topk (+ group scores), norm (rmsnorm and rope); all of them
- * without an argument. */
+ * batched decode alone), colsum (+ cosine), gemv, topk (+ group scores), norm (rmsnorm and rope), f16 and
+ * q8_0 (the KV types); all of them without an argument. */
 /* cuda_store_rows_f16 against skv_f32_to_fp16_sat: scattered rows, values past f16's range. */
 static int run_store_f16(int n, int d)
 {
@@ -590,6 +616,31 @@ static int run_store_f16(int n, int d)
     int rc = cuda_store_rows_f16(&e.be, to.data(), from.data(), d, n);
     bool ok = rc == 0 && got == want;
     printf("%s store_rows_f16 n=%d d=%d rc=%d\n", ok ? "ok  " : "FAIL", n, d, rc);
+    return !ok;
+}
+
+/* cuda_store_rows_q8_0 against skv_quantize_row_q8_0: scattered rows, blocks of every magnitude,
+ * a zero block, values past f16's range, inf and NaN. */
+static int run_store_q8_0(int n, int d)
+{
+    std::vector<float> src((size_t)n * d);
+    for (size_t i = 0; i < src.size(); i++) src[i] = rnd() * (float)std::ldexp(1.0, (int)(i / 32 % 44) - 28);
+    for (int t = 32; t < 64 && t < d; t++) src[t] = 0.0f;
+    src[0] = 1e30f; src[1] = -INFINITY; src[2] = NAN; src[3] = 2.5f;
+    const size_t row = skv_kv_row_bytes(SKV_DTYPE_Q8_0, d);
+    std::vector<unsigned char> got((size_t)n * row, 0xab), want((size_t)n * row);
+    std::vector<void *> to(n);
+    std::vector<const float *> from(n);
+    for (int i = 0; i < n; i++) {
+        int j = (i * 7 + 3) % n;
+        to[i] = got.data() + (size_t)i * row;
+        from[i] = src.data() + (size_t)j * d;
+        skv_quantize_row_q8_0(want.data() + (size_t)i * row, from[i], d);
+    }
+    emu_backend e;
+    int rc = cuda_store_rows_q8_0(&e.be, to.data(), from.data(), d, n);
+    bool ok = rc == 0 && got == want && cuda_store_rows_q8_0(&e.be, to.data(), from.data(), 48, 1) == SKV_E_INVAL;
+    printf("%s store_rows_q8_0 n=%d d=%d rc=%d\n", ok ? "ok  " : "FAIL", n, d, rc);
     return !ok;
 }
 
@@ -625,7 +676,7 @@ int main(int argc, char **argv)
         fails += run_batch(1, 2, 3, 64, 200, 0, 16, 4);
     }
     if (want("f16")) { /* kv-type f16: the kernels read f16 rows, the CPU the same values as f32 */
-        g_kv_f16 = true;
+        g_kv_type = SKV_DTYPE_F16;
         fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
         fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
         fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
@@ -644,7 +695,29 @@ int main(int argc, char **argv)
         fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
         fails += run_store_f16(29, 64);
         fails += run_store_f16(7, 13);
-        g_kv_f16 = false;
+        g_kv_type = SKV_DTYPE_F32;
+    }
+    if (want("q8_0")) { /* kv-type q8_0: the kernels read q8_0 rows, the CPU the values they hold */
+        g_kv_type = SKV_DTYPE_Q8_0;
+        fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
+        fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
+        fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
+        fails += run(3, 2, 4, 64, 1000, 17, 0, 0, 8);
+        fails += run(9, 2, 4, 128, 100, 37, 0, 16, 4);
+        fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
+        fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
+        fails += run(4, 1, 8, 96, 300, 0, 100, 16, 4);   /* head_dim 96: 3 blocks a row */
+        fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D: prefill (cuBLAS) */
+        fails += run(2, 2, 2, 320, 300, 30, 0, 16, 4);   /* and decode: attention_kernel */
+        fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
+        fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);
+        fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);
+        fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
+        fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
+        fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
+        fails += run_store_q8_0(29, 64);
+        fails += run_store_q8_0(7, 96);
+        g_kv_type = SKV_DTYPE_F32;
     }
     if (want("colsum")) {
         /* n kv group d p0 p1 window block_rows q_first */
