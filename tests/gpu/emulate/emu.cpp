@@ -620,13 +620,15 @@ static int run_store_f16(int n, int d)
 }
 
 /* cuda_store_rows_q8_0 against skv_quantize_row_q8_0: scattered rows, blocks of every magnitude,
- * a zero block, values past f16's range, inf and NaN. */
+ * a zero block, a block of ties, values past f16's range, inf and NaN (n * d > 96). */
 static int run_store_q8_0(int n, int d)
 {
     std::vector<float> src((size_t)n * d);
     for (size_t i = 0; i < src.size(); i++) src[i] = rnd() * (float)std::ldexp(1.0, (int)(i / 32 % 44) - 28);
     for (int t = 32; t < 64 && t < d; t++) src[t] = 0.0f;
     src[0] = 1e30f; src[1] = -INFINITY; src[2] = NAN; src[3] = 2.5f;
+    for (int t = 64; t < 96; t++) src[t] = 0.0f; /* d = 1: ties that roundf takes away from zero */
+    src[64] = 127.0f; src[65] = 2.5f; src[66] = -0.5f; src[67] = 126.5f; src[68] = -1.5f;
     const size_t row = skv_kv_row_bytes(SKV_DTYPE_Q8_0, d);
     std::vector<unsigned char> got((size_t)n * row, 0xab), want((size_t)n * row);
     std::vector<void *> to(n);
