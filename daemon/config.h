@@ -14,7 +14,7 @@ struct skv_config {
     int64_t threads;          /* 0: all online CPUs */
     int64_t pool_size;        /* bytes of KV pool */
     int64_t kv_block_tokens;  /* rows per KV pool block */
-    char *kv_type;            /* f32 | f16: the KV pool's rows */
+    char *kv_type;            /* f32 | f16 | q8_0: the KV pool's rows */
     bool pool_prealloc;       /* take pool-size bytes of KV blocks at start */
     char *endpoint;           /* client socket */
     char *admin_endpoint;     /* admin socket */

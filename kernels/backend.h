@@ -369,9 +369,10 @@ uint16_t skv_f32_to_bf16(float f);
 /* n f32 values (n a multiple of 32) as Q8_0 blocks, as GGUF's reference quantizer (ggml's
  * quantize_row_q8_0_ref, gguf-py's Q8_0.quantize_blocks) makes them: per 32 values d = amax /
  * 127 (amax the largest magnitude), stored as f16, and q = roundf(x * (1 / d)) with the f32 d,
- * halves away from zero (all q 0 when d is 0). Past what the reference defines, so that every
- * stored block is finite and every value in range: d saturates at 65504 (q then at +-127), NaN
- * is ignored by amax and gives q = 0. What q8_0 KV rows are stored with. */
+ * halves away from zero (all q 0 when d is 0). Past what the reference keeps finite, so that
+ * every stored block is finite and every value in range: a d of 65520 or more (an infinite f16)
+ * becomes 65504 (q then saturates at +-127), and NaN is ignored by amax and gives q = 0. What
+ * q8_0 KV rows are stored with. */
 void skv_quantize_row_q8_0(void *dst, const float *src, int64_t n);
 /* A KV type's name (the config's kv-type: "f32", "f16", "q8_0") as its SKV_DTYPE_, or -1. */
 int skv_kv_type_parse(const char *name);

@@ -174,7 +174,7 @@ void skv_quantize_row_q8_0(void *dst, const float *src, int64_t n)
             amax = a > amax ? a : amax; /* a NaN never passes */
         }
         float d = amax / 127.0f;
-        d = d > 65504.0f ? 65504.0f : d;
+        d = d >= 65520.0f ? 65504.0f : d; /* below 65520 it rounds to 65504 as an f16 by itself */
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         const uint16_t h = skv_f32_to_fp16(d);
         memcpy(o, &h, sizeof h);

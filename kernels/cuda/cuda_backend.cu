@@ -2250,8 +2250,9 @@ static int cuda_store_rows_f16(struct skv_backend *be, void *const *dst, const f
 }
 
 /* q8_0 KV rows: one thread per block of 32 values (d a multiple of 32), rows as dst[i] <- src[i],
- * quantized as skv_quantize_row_q8_0 does, bit for bit: d = amax / 127 (NaN ignored) saturating
- * at 65504, stored as f16 (nearest even), q = roundf(x * (1 / d)) within +-127, NaN as 0. */
+ * quantized as skv_quantize_row_q8_0 does, bit for bit: d = amax / 127 (NaN ignored; 65504 when
+ * it is 65520 or more, which f16 cannot hold), stored as f16 (nearest even), q = roundf(x * (1 /
+ * d)) within +-127, NaN as 0. */
 __global__ void store_rows_q8_0_kernel(unsigned char *const *dst, const float *const *src, int d, int n)
 {
     const int per = d / 32;
@@ -2267,7 +2268,7 @@ __global__ void store_rows_q8_0_kernel(unsigned char *const *dst, const float *c
             amax = a > amax ? a : amax;
         }
         float dq = __fdiv_rn(amax, 127.0f);
-        dq = dq > 65504.0f ? 65504.0f : dq;
+        dq = dq >= 65520.0f ? 65504.0f : dq; /* below 65520 it rounds to 65504 as an f16 by itself */
         const float id = dq != 0.0f ? __fdiv_rn(1.0f, dq) : 0.0f;
         const unsigned short h = __half_as_ushort(__float2half_rn(dq));
         o[0] = (unsigned char)(h & 0xff);

@@ -1093,7 +1093,8 @@ static void test_attention_batch(void **state)
  * multiple of the block: every kernel path (wide prefill tiles, row tiles, split-K decode,
  * sliding window). */
 /* Views every kernel path reads: wide prefill tiles, row tiles, split-K decode, head_dim 18, a
- * sliding window over rows with holes (test_attention_paged, test_kv_f16). */
+ * sliding window over rows with holes, head_dim 96 (rows of 102 bytes in q8_0, 2-byte aligned)
+ * (test_attention_paged, test_kv_f16, test_kv_q8_0). */
 static const struct att_case view_cases[] = {
     {.n = 200, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 0, 0}, .q_scale = 1.0},
     {.n = 5, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {300, 313, 326}, .q_scale = 2.0},
@@ -1101,6 +1102,7 @@ static const struct att_case view_cases[] = {
     {.n = 16, .n_heads = 8, .n_kv = 2, .d = 18, .prefix = {1000, 601}, .q_scale = 1.5},
     {.n = 100, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {0, 40, 130}, .q_scale = 3.0, .window = 50, .gaps = 2},
     {.n = 1, .n_heads = 9, .n_kv = 3, .d = 64, .prefix = {2999, 1000, 700}, .q_scale = 1.0, .window = 900, .gaps = 3},
+    {.n = 3, .n_heads = 4, .n_kv = 2, .d = 96, .prefix = {150, 37}, .q_scale = 1.0}, /* q8_0: 3 blocks a row */
 };
 
 static void test_attention_paged(void **state)
@@ -1401,9 +1403,10 @@ static void test_kv_f16(void **state)
 
 /* q8_0 views (kv_typed_views); store_rows_q8_0 and skv_quantize_row_q8_0 make the bytes gguf-py's
  * Q8_0 quantizer makes (tests/fixtures/q8_0_kv.bin, tests/reference/gen_q8_kv_fixture.py: rows of
- * several magnitudes, outlier channels, a zero block, a subnormal scale, ties that round away from
- * zero), scattered rows; values the reference leaves undefined (past f16's range, inf, NaN) give
- * a finite block in range on every backend. */
+ * several magnitudes, outlier channels, a zero block, a scale that underflows to 0 and subnormal
+ * ones, ties that round away from zero, values that x * (1 / d) and x / d round apart, a scale
+ * between 65504 and 65520), scattered rows; values the reference makes infinite or leaves
+ * undefined (past f16's range, inf, NaN) give a finite block in range on every backend. */
 static void test_kv_q8_0(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -1420,7 +1423,7 @@ static void test_kv_q8_0(void **state)
     assert_memory_equal(magic, "SKVQ8001", 8);
     assert_int_equal(fread(hdr, 4, 2, f), 2);
     const int rows = (int)hdr[0], d = (int)hdr[1];
-    assert_int_equal(rows, 32);
+    assert_int_equal(rows, 35);
     assert_int_equal(d, 64);
     const size_t row = skv_kv_row_bytes(SKV_DTYPE_Q8_0, d);
     assert_int_equal(row, 68);
@@ -1437,11 +1440,17 @@ static void test_kv_q8_0(void **state)
         skv_quantize_row_q8_0(got + (size_t)i * row, x + (size_t)i * d, d);
     assert_memory_equal(got, want, (size_t)rows * row);
     /* the tie row: amax 127 gives d = 1.0 (f16 0x3c00); 2.5 -> 3, -0.5 -> -1, 126.5 -> 127 */
-    const unsigned char *tie = want + (size_t)(rows - 2) * row;
+    const unsigned char *tie = want + (size_t)30 * row;
     assert_int_equal(tie[0] | tie[1] << 8, 0x3c00);
     assert_int_equal((int8_t)tie[2 + 2], 3);
     assert_int_equal((int8_t)tie[2 + 5], -1);
     assert_int_equal((int8_t)tie[2 + 6], 127);
+    /* row 34: d = 65512 is stored as 65504 (0x7bff), and 98262 takes q from the f32 d: 1, not 2 */
+    const unsigned char *big = want + (size_t)34 * row;
+    assert_int_equal(big[0] | big[1] << 8, 0x7bff);
+    assert_int_equal((int8_t)big[2 + 1], 1);
+    /* row 29: d underflows to an f16 0 with q not all 0 (gguf-py's bytes; the values are 0) */
+    assert_int_equal(want[(size_t)29 * row] | want[(size_t)29 * row + 1], 0);
     if (!be->ops->store_rows_q8_0) {
         free(x);
         free(want);
@@ -1452,8 +1461,8 @@ static void test_kv_q8_0(void **state)
     float *dsrc = dev_from(be, x, (size_t)rows * d * sizeof(float));
     memset(got, 0xab, (size_t)rows * row);
     unsigned char *ddst = dev_from(be, got, (size_t)rows * row);
-    void *to[32];
-    const float *from[32];
+    void *to[35];
+    const float *from[35];
     unsigned char *perm = malloc((size_t)rows * row);
     assert_non_null(perm);
     for (int i = 0; i < rows; i++) {

@@ -1610,10 +1610,10 @@ static void test_persist_restart(void **state)
 }
 
 /* kv-type q8_0 through the daemon (30 layers, 3 KV heads, head_dim 64: a row is 2 blocks of
- * 34 bytes): PREFILL reports 68-byte rows, 17/64 of what an f32 pool holds; a fork decodes
- * what its document decodes; a restart with persist brings the q8_0 session back bit for bit
- * (the block store holds the dequantized values, which quantize back to the same bytes), so it
- * decodes what the fork decoded before the stop. */
+ * 34 bytes): PREFILL reports 68-byte rows, 17/64 of what an f32 pool holds; a restart with
+ * persist brings the q8_0 session back bit for bit (the block store holds the dequantized
+ * values, which quantize back to the same bytes: EXPORT_KV gives the same bytes before and
+ * after), and it decodes what a fork of it decoded before the stop. */
 static void test_kv_q8_0_daemon(void **state)
 {
     (void)state;
@@ -1644,10 +1644,26 @@ static void test_kv_q8_0_daemon(void **state)
     struct snapkv_decode_result ref, got;
     assert_int_equal(snapkv_decode(c, &fork, &sp, NULL, NULL, &ref), SNAPKV_OK);
     assert_int_equal(ref.n_tokens, N_GEN);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("q8", 4 << 20, &shm), SNAPKV_OK);
+    size_t bytes0 = 0, bytes1 = 0, n_pos0 = 0, n_pos1 = 0;
+    uint32_t *pos0 = NULL, *pos1 = NULL;
+    void *kv0 = export_copy(c, &pa.id, &shm, &bytes0, &pos0, &n_pos0);
     snapkv_close(&c);
     assert_int_equal(term_daemon(&d), 0);
     start_daemon_in(&d, "256M", opt, 0);
     c = client(d.endpoint, "p");
+    /* the restored document holds the same values, bit for bit (EXPORT_KV widens them to f32) */
+    void *kv1 = export_copy(c, &pa.id, &shm, &bytes1, &pos1, &n_pos1);
+    assert_int_equal(bytes1, bytes0);
+    assert_memory_equal(kv1, kv0, bytes0);
+    assert_int_equal(n_pos1, n_pos0);
+    assert_memory_equal(pos1, pos0, n_pos0 * sizeof *pos0);
+    free(kv0);
+    free(kv1);
+    free(pos0);
+    free(pos1);
+    snapkv_shm_destroy(&shm);
     assert_int_equal(snapkv_decode(c, &pa.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     assert_int_equal(got.n_tokens, N_GEN);
     assert_memory_equal(got.tokens, ref.tokens, N_GEN * sizeof *got.tokens);

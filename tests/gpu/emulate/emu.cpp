@@ -620,7 +620,8 @@ static int run_store_f16(int n, int d)
 }
 
 /* cuda_store_rows_q8_0 against skv_quantize_row_q8_0: scattered rows, blocks of every magnitude,
- * a zero block, a block of ties, values past f16's range, inf and NaN (n * d > 96). */
+ * a zero block, a block of ties, one that x / d would round otherwise, a scale in (65504, 65520),
+ * values past f16's range, inf and NaN (n * d > 160). */
 static int run_store_q8_0(int n, int d)
 {
     std::vector<float> src((size_t)n * d);
@@ -629,6 +630,9 @@ static int run_store_q8_0(int n, int d)
     src[0] = 1e30f; src[1] = -INFINITY; src[2] = NAN; src[3] = 2.5f;
     for (int t = 64; t < 96; t++) src[t] = 0.0f; /* d = 1: ties that roundf takes away from zero */
     src[64] = 127.0f; src[65] = 2.5f; src[66] = -0.5f; src[67] = 126.5f; src[68] = -1.5f;
+    for (int t = 96; t < 160; t++) src[t] = 0.0f;
+    src[96] = 2.7805755f; src[97] = 2.2003765f;  /* x * (1 / d) = 100.5 -> 101; x / d would give 100 */
+    src[128] = 8320024.0f; src[129] = 98262.0f;  /* d = 65512 stored as 65504; q from the f32 d: 1 */
     const size_t row = skv_kv_row_bytes(SKV_DTYPE_Q8_0, d);
     std::vector<unsigned char> got((size_t)n * row, 0xab), want((size_t)n * row);
     std::vector<void *> to(n);
