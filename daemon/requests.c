@@ -246,6 +246,9 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
                             (long long)cfg->max_new_tokens);
         else if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX)
             rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
+        else if (sp && sp->top_logprobs > SKV_TOP_LOGPROBS_MAX)
+            rc = skv_errorf(SKV_E_LIMIT, "top_logprobs %u is above the limit of %u", sp->top_logprobs,
+                            SKV_TOP_LOGPROBS_MAX);
         else if (sp)
             rc = skv_stop_text_check((const char *const *)sp->stop, sp->n_stop);
         break;
@@ -1469,6 +1472,9 @@ void skv_requests_decode_free(struct skv_decode *d)
     }
     skv_sampler_fini(&d->sampler);
     skv_stop_text_fini(&d->stops);
+    free(d->lp);
+    free(d->top_ids);
+    free(d->top_lp);
     free(d->stop);
     free(d->out);
     free(d->text);
@@ -1535,6 +1541,9 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
         rc = skv_sampler_init(&d->sampler, &p, w->m->cfg.n_vocab);
         if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX && !rc)
             rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
+        if (sp && sp->top_logprobs > SKV_TOP_LOGPROBS_MAX && !rc)
+            rc = skv_errorf(SKV_E_LIMIT, "top_logprobs %u is above the limit of %u", sp->top_logprobs,
+                            SKV_TOP_LOGPROBS_MAX);
     }
     if (!rc && !(d->out = malloc((size_t)max * sizeof *d->out)))
         rc = SKV_E_NOMEM;
@@ -1561,6 +1570,8 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     d->max_tokens = max;
     d->stop_at_eos = sp && sp->stop_at_eos;
     d->stream = q->stream;
+    d->top_n = sp ? sp->top_logprobs : 0;
+    d->logprobs = sp && (sp->logprobs || sp->top_logprobs > 0);
     memcpy(d->pending, s->text_pending, s->n_text_pending);
     d->n_pending = s->n_text_pending;
     s->busy = 1;
@@ -1608,6 +1619,7 @@ static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, 
     return out;
 }
 
+/* The reply of d's last n tokens (tokens: those n). */
 static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final, const char *reason, int32_t *tokens,
                          size_t n, const char *text)
 {
@@ -1622,16 +1634,77 @@ static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final,
     dr.text = (char *)text;
     dr.n_generated = d->produced;
     dr.finish_reason = (char *)(reason ? reason : "");
+    const size_t first = d->produced - n; /* of d's tokens, the reply's first */
+    Snapkv__TopLogprobs *tops = NULL, **top_ptrs = NULL;
+    if (d->logprobs && n) {
+        dr.n_logprobs = n;
+        dr.logprobs = d->lp + first;
+    }
+    if (d->top_n && n) {
+        tops = malloc(n * sizeof *tops);
+        top_ptrs = malloc(n * sizeof *top_ptrs);
+        if (!tops || !top_ptrs) {
+            free(tops);
+            free(top_ptrs);
+            skv_requests_fail(w, d->job, SKV_E_NOMEM, "no memory for the reply's top log-probabilities");
+            return;
+        }
+        const uint32_t m = d->top_n < (uint32_t)w->m->cfg.n_vocab ? d->top_n : (uint32_t)w->m->cfg.n_vocab;
+        for (size_t i = 0; i < n; i++) {
+            snapkv__top_logprobs__init(&tops[i]);
+            tops[i].n_tokens = tops[i].n_logprobs = m;
+            tops[i].tokens = (uint32_t *)d->top_ids + (first + i) * d->top_n;
+            tops[i].logprobs = d->top_lp + (first + i) * d->top_n;
+            top_ptrs[i] = &tops[i];
+        }
+        dr.n_top_logprobs = n;
+        dr.top_logprobs = top_ptrs;
+    }
     rep.result_case = SNAPKV__REPLY__RESULT_DECODE;
     rep.decode = &dr;
     skv_worker_reply(w, d->job, &rep);
+    free(tops);
+    free(top_ptrs);
 }
 
-/* Samples d's next token from its session's logits and decides whether it is the last. */
-static void decode_pick(struct skv_worker *w, struct skv_decode *d)
+/* Room in d's log-probability arrays for one more token; SKV_E_NOMEM when there is none. */
+static int logprobs_room(struct skv_decode *d)
+{
+    if (d->produced < d->lp_cap)
+        return SKV_OK;
+    uint32_t cap = d->lp_cap ? 2 * d->lp_cap : 64;
+    cap = cap > d->max_tokens ? d->max_tokens : cap;
+    float *lp = realloc(d->lp, (size_t)cap * sizeof *lp);
+    if (lp)
+        d->lp = lp;
+    int32_t *ids = d->top_n ? realloc(d->top_ids, (size_t)cap * d->top_n * sizeof *ids) : NULL;
+    if (ids)
+        d->top_ids = ids;
+    float *tlp = d->top_n ? realloc(d->top_lp, (size_t)cap * d->top_n * sizeof *tlp) : NULL;
+    if (tlp)
+        d->top_lp = tlp;
+    if (!lp || (d->top_n && (!ids || !tlp)))
+        return skv_errorf(SKV_E_NOMEM, "no memory for the log-probabilities of %u tokens", cap);
+    d->lp_cap = cap;
+    return SKV_OK;
+}
+
+/* Samples d's next token from its session's logits (with its log-probabilities when asked) and
+ * decides whether it is the last; SKV_E_NOMEM (nothing changed) when the log-probabilities have
+ * no room. */
+static int decode_pick(struct skv_worker *w, struct skv_decode *d)
 {
     struct skv_session *s = d->session;
+    if (d->logprobs) {
+        int rc = logprobs_room(d);
+        if (rc)
+            return rc;
+    }
     int32_t t = skv_sampler_sample(&d->sampler, s->logits);
+    if (d->logprobs)
+        (void)skv_logprobs(s->logits, w->m->cfg.n_vocab, t, (int)d->top_n, &d->lp[d->produced],
+                           d->top_n ? d->top_ids + (size_t)d->produced * d->top_n : NULL,
+                           d->top_n ? d->top_lp + (size_t)d->produced * d->top_n : NULL);
     d->out[d->produced++] = t;
     d->token = t;
     d->reason = NULL;
@@ -1643,6 +1716,7 @@ static void decode_pick(struct skv_worker *w, struct skv_decode *d)
         d->reason = "eos";
     if (!d->reason && d->produced >= d->max_tokens)
         d->reason = "length";
+    return SKV_OK;
 }
 
 /* After the token's forward (rc): charge the session and reply; true when d is finished. */
@@ -1712,8 +1786,10 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
     for (int i = 0; i < n; i++) {
         struct skv_session *s = ds[i]->session;
         before[i] = s->cache->n_past;
-        decode_pick(w, ds[i]);
         opts[i] = (struct skv_forward_opts){0};
+        taken[i] = held[i] = unique[i] = 0;
+        if ((rcs[i] = decode_pick(w, ds[i])))
+            continue; /* no room for its log-probabilities: it ends, nothing changed */
         /* room for the token in the pool and the tenant's quota, counting what the round's
          * earlier sessions took: a session that cannot have it ends here, its cache unchanged */
         uint64_t round_held = 0, round_unique = 0;

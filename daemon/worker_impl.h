@@ -33,6 +33,12 @@ struct skv_decode {
     char *text;               /* the text of every token so far (non-streaming reply) */
     size_t text_len, text_cap;
     struct skv_stop_text stops; /* the request's stop sequences and the text they hold back */
+    bool logprobs;            /* Sampling.logprobs (or top_logprobs > 0) */
+    uint32_t top_n;           /* Sampling.top_logprobs, at most SKV_TOP_LOGPROBS_MAX */
+    uint32_t lp_cap;          /* tokens the three below have room for (grown with produced) */
+    float *lp;                /* [produced]: each generated token's log-probability */
+    int32_t *top_ids;         /* [produced][top_n]: each step's most likely tokens */
+    float *top_lp;            /* [produced][top_n]: and theirs */
     struct skv_decode *next;
 };
 

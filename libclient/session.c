@@ -194,7 +194,50 @@ struct decode_acc {
     size_t n_tokens, cap_tokens;
     char *text;
     size_t len_text, cap_text;
+    struct snapkv_logprobs *lp;   /* asked for: what came so far (lp->n of them), else NULL */
+    uint32_t n_top;               /* the top list's length each reply must give */
+    size_t cap_lp;
 };
+
+/* d's log-probabilities, which must be one per token (and each top list n_top long). */
+static int acc_logprobs(struct decode_acc *a, const Snapkv__DecodeReply *d)
+{
+    struct snapkv_logprobs *lp = a->lp;
+    if (d->n_logprobs != d->n_tokens || (a->n_top && d->n_top_logprobs != d->n_tokens))
+        return skv_client_fail(SNAPKV_E_PROTO, "decode: %zu log-probabilities and %zu top lists came for %zu tokens "
+                               "(a daemon that does not know logprobs sends none)",
+                               d->n_logprobs, d->n_top_logprobs, d->n_tokens);
+    for (size_t i = 0; i < d->n_top_logprobs && a->n_top; i++)
+        if (d->top_logprobs[i]->n_tokens != a->n_top || d->top_logprobs[i]->n_logprobs != a->n_top)
+            return skv_client_fail(SNAPKV_E_PROTO, "decode: a top list of %zu tokens and %zu values, not %u",
+                                   d->top_logprobs[i]->n_tokens, d->top_logprobs[i]->n_logprobs, a->n_top);
+    if (lp->n + d->n_tokens > a->cap_lp) {
+        size_t cap = a->cap_lp ? a->cap_lp : 64;
+        while (cap < lp->n + d->n_tokens)
+            cap *= 2;
+        float *v = realloc(lp->logprobs, cap * sizeof *v);
+        if (v)
+            lp->logprobs = v;
+        uint32_t *tt = a->n_top ? realloc(lp->top_tokens, cap * a->n_top * sizeof *tt) : NULL;
+        if (tt)
+            lp->top_tokens = tt;
+        float *tv = a->n_top ? realloc(lp->top_logprobs, cap * a->n_top * sizeof *tv) : NULL;
+        if (tv)
+            lp->top_logprobs = tv;
+        if (!v || (a->n_top && (!tt || !tv)))
+            return skv_client_fail(SNAPKV_E_NOMEM, "decode: out of memory for %zu log-probabilities", cap);
+        a->cap_lp = cap;
+    }
+    for (size_t i = 0; i < d->n_tokens; i++) {
+        lp->logprobs[lp->n + i] = d->logprobs[i];
+        for (uint32_t j = 0; j < a->n_top; j++) {
+            lp->top_tokens[(lp->n + i) * a->n_top + j] = d->top_logprobs[i]->tokens[j];
+            lp->top_logprobs[(lp->n + i) * a->n_top + j] = d->top_logprobs[i]->logprobs[j];
+        }
+    }
+    lp->n += d->n_tokens;
+    return SNAPKV_OK;
+}
 
 /* Every DECODE reply counts the tokens generated so far (n_generated): with d's tokens the
  * accumulated ones must come to it, or the daemon dropped replies (it drops what a client that
@@ -243,7 +286,7 @@ static int acc_add(struct decode_acc *a, const Snapkv__DecodeReply *d)
     memcpy(a->text + a->len_text, d->text ? d->text : "", len);
     a->len_text += len;
     a->text[a->len_text] = '\0';
-    return SNAPKV_OK;
+    return a->lp ? acc_logprobs(a, d) : SNAPKV_OK;
 }
 
 static int decode_partial(void *user, const Snapkv__Reply *rep)
@@ -291,11 +334,20 @@ static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id,
 int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_sampling *sampling,
                   snapkv_token_fn on_tokens, void *user, struct snapkv_decode_result *out)
 {
+    return snapkv_decode_logprobs(c, id, sampling, 0, on_tokens, user, out, NULL);
+}
+
+int snapkv_decode_logprobs(snapkv_client_t *c, const struct snapkv_session_id *id,
+                           const struct snapkv_sampling *sampling, uint32_t top_logprobs, snapkv_token_fn on_tokens,
+                           void *user, struct snapkv_decode_result *out, struct snapkv_logprobs *logprobs)
+{
     int rc = skv_client_check(c, id, "decode");
     if (rc)
         return rc;
     if (!out && !on_tokens)
         return skv_client_fail(SNAPKV_E_INVAL, "decode: give on_tokens, out or both");
+    if (top_logprobs && !logprobs)
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: top_logprobs %u with nowhere to put them", top_logprobs);
     struct snapkv_sampling s;
     if (sampling)
         s = *sampling;
@@ -330,13 +382,17 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     ws.stop_at_eos = s.stop_at_eos;
     ws.n_stop = s.n_stop;
     ws.stop = (char **)s.stop;
+    ws.logprobs = logprobs != NULL;
+    ws.top_logprobs = top_logprobs;
     d.session_id = skv_client_id_wire(id);
     d.sampling = &ws;
     d.stream = on_tokens != NULL;
     req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
     req.decode = &d;
 
-    struct decode_acc acc = {.fn = on_tokens, .user = user};
+    struct snapkv_logprobs lp = {0};
+    uint32_t n_top = top_logprobs < c->hello->n_vocab || !c->hello->n_vocab ? top_logprobs : c->hello->n_vocab;
+    struct decode_acc acc = {.fn = on_tokens, .user = user, .lp = logprobs ? &lp : NULL, .n_top = n_top};
     Snapkv__Reply *rep = NULL;
     bool in_flight = false;
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DECODE, "DECODE", decode_partial, &acc, &in_flight, &rep);
@@ -367,13 +423,29 @@ int snapkv_decode(snapkv_client_t *c, const struct snapkv_session_id *id, const 
         acc.text = NULL;
         *out = res;
     }
+    if (logprobs) {
+        lp.n_top = n_top;
+        *logprobs = lp;
+        lp = (struct snapkv_logprobs){0};
+    }
 
 out_free_reply:
     snapkv__reply__free_unpacked(rep, NULL);
 out_free_acc:
     free(acc.tokens);
     free(acc.text);
+    snapkv_logprobs_free(&lp);
     return rc;
+}
+
+void snapkv_logprobs_free(struct snapkv_logprobs *lp)
+{
+    if (!lp)
+        return;
+    free(lp->logprobs);
+    free(lp->top_tokens);
+    free(lp->top_logprobs);
+    memset(lp, 0, sizeof *lp);
 }
 
 void snapkv_decode_result_free(struct snapkv_decode_result *r)

@@ -64,6 +64,7 @@
  * 7:0:3 (still libsnapkv.so.4): snapkv_events_published and snapkv_place added.
  * 8:0:4 (still libsnapkv.so.4): several daemons behind one handle (snapkv_connect_many,
  * snapkv_many_*), session references (snapkv_session_ref*), SNAPKV_E_UNAVAILABLE added.
+ * 9:0:5 (still libsnapkv.so.4): snapkv_decode_logprobs and snapkv_logprobs_free added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -421,6 +422,27 @@ SNAPKV_API int snapkv_decode(snapkv_client_t *client, const struct snapkv_sessio
                              const struct snapkv_sampling *sampling, snapkv_token_fn on_tokens,
                              void *user, struct snapkv_decode_result *out);
 SNAPKV_API void snapkv_decode_result_free(struct snapkv_decode_result *r);
+
+/* Log-probabilities of a decode's tokens under the model's next-token distribution (the
+ * log-softmax of the logits, before temperature, top_k and top_p), one per generated token, and
+ * with n_top > 0 each step's n_top most likely tokens and theirs, most likely first (equal ones
+ * by id). */
+struct snapkv_logprobs {
+    float *logprobs;              /* [n] */
+    size_t n;                     /* the decode's n_tokens */
+    uint32_t n_top;               /* top_logprobs asked for (fewer only with a smaller vocabulary) */
+    uint32_t *top_tokens;         /* [n][n_top]; NULL when n_top is 0 */
+    float *top_logprobs;          /* [n][n_top] */
+};
+/* snapkv_decode that also gives the tokens' log-probabilities (logprobs, non-NULL; written on
+ * success, also when streamed: the callback gets tokens and text as before) and, with
+ * top_logprobs > 0 (at most 20: SNAPKV_E_LIMIT above), each step's most likely tokens. Free it
+ * with snapkv_logprobs_free(). */
+SNAPKV_API int snapkv_decode_logprobs(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                      const struct snapkv_sampling *sampling, uint32_t top_logprobs,
+                                      snapkv_token_fn on_tokens, void *user, struct snapkv_decode_result *out,
+                                      struct snapkv_logprobs *logprobs);
+SNAPKV_API void snapkv_logprobs_free(struct snapkv_logprobs *lp);
 
 struct snapkv_compress_result {
     uint64_t bytes_before, bytes_after;

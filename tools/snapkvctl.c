@@ -82,7 +82,9 @@ static void usage(FILE *out)
             "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S] [--ref]\n"
             "                                         prints the new session id (--ref: as ENDPOINT#ID)\n"
             "  append SESSION TEXT                    run more text through a session\n"
-            "  decode SESSION [SAMPLING]              generate, streamed to stdout\n"
+            "  decode SESSION [SAMPLING] [--logprobs N]\n"
+            "                                         generate, streamed to stdout; --logprobs: each token's\n"
+            "                                         log-probability and N (0-20) most likely tokens after it\n"
             "  compress SESSION SPEC [--window-from N]\n"
             "  fork SESSION                           copy-on-write copy; prints the new id\n"
             "  export SESSION [--out FILE] [--size BYTES]\n"
@@ -526,6 +528,7 @@ enum {
     OPT_ALL,
     OPT_PROMETHEUS,
     OPT_STOP,
+    OPT_LOGPROBS,
 };
 
 /* --stop TEXT, repeated: the sequences snapkv_sampling.stop points at (optarg stays valid). */
@@ -1107,14 +1110,60 @@ static int cmd_append(const struct ctl *c, int argc, char **argv)
     return ret;
 }
 
+/* The decode's log-probabilities: as JSON ("logprobs", and "top_logprobs" when lp->n_top > 0:
+ * per token a list of {"token", "logprob"}), or as lines "i token logprob [top: token:logprob ...]". */
+static json_t *logprob_json(float x) /* JSON has no -inf (a token of probability 0): null */
+{
+    return isfinite(x) ? json_real(x) : json_null();
+}
+
+static json_t *logprobs_json(const struct snapkv_logprobs *lp)
+{
+    json_t *o = json_object(), *all = json_array(), *tops = json_array();
+    for (size_t i = 0; i < lp->n; i++) {
+        json_push(&all, logprob_json(lp->logprobs[i]));
+        json_t *one = json_array();
+        for (uint32_t j = 0; j < lp->n_top; j++)
+            json_push(&one, json_pack("{s:I, s:o}", "token", (json_int_t)lp->top_tokens[i * lp->n_top + j], "logprob",
+                                      logprob_json(lp->top_logprobs[i * lp->n_top + j])));
+        json_push(&tops, one);
+    }
+    json_put(&o, "logprobs", all);
+    if (lp->n_top)
+        json_put(&o, "top_logprobs", tops);
+    else
+        json_decref(tops);
+    return o;
+}
+
+static void print_logprobs(const struct snapkv_decode_result *dr, const struct snapkv_logprobs *lp)
+{
+    for (size_t i = 0; i < lp->n && i < dr->n_tokens; i++) {
+        printf("%zu %u %.6f", i, dr->tokens[i], (double)lp->logprobs[i]);
+        for (uint32_t j = 0; j < lp->n_top; j++)
+            printf("%s%u:%.6f", j ? " " : " [top: ", lp->top_tokens[i * lp->n_top + j],
+                   (double)lp->top_logprobs[i * lp->n_top + j]);
+        printf("%s\n", lp->n_top ? "]" : "");
+    }
+}
+
 static int cmd_decode(const struct ctl *c, int argc, char **argv)
 {
-    static const struct option opts[] = {SAMPLING_OPTIONS, {NULL, 0, NULL, 0}};
+    static const struct option opts[] = {SAMPLING_OPTIONS, {"logprobs", required_argument, NULL, OPT_LOGPROBS},
+                                         {NULL, 0, NULL, 0}};
     struct snapkv_sampling s;
     sampling_init(&s);
     int o;
+    uint32_t top = 0;
+    bool want_lp = false;
     reset_getopt();
     while ((o = next_opt(argc, argv, opts)) != -1) {
+        if (o == OPT_LOGPROBS) {
+            if (!parse_u32(optarg, &top) || top > 20)
+                return usage_error("decode", "--logprobs wants an integer from 0 to 20, not '%s'", optarg);
+            want_lp = true;
+            continue;
+        }
         int r = sampling_opt("decode", o, &s);
         if (r == 2)
             return 2;
@@ -1130,19 +1179,34 @@ static int cmd_decode(const struct ctl *c, int argc, char **argv)
     if (connect_to(c, false, &cl))
         return 1;
     struct snapkv_decode_result dr;
-    int rc = snapkv_decode(cl, &id, &s, c->json ? NULL : print_tokens, NULL, &dr);
+    struct snapkv_logprobs lp = {0};
+    int rc = snapkv_decode_logprobs(cl, &id, &s, top, c->json ? NULL : print_tokens, NULL, &dr,
+                                    want_lp ? &lp : NULL);
     snapkv_close(&cl);
     if (!c->json)
         putchar('\n');
     if (rc)
         return failed("decode", rc);
     int ret = 0;
-    if (c->json)
-        ret = print_json(json_pack("{s:o, s:o, s:i, s:o}", "text", json_text(dr.text), "tokens",
-                                   u32_json(dr.tokens, dr.n_tokens), "n_generated", dr.n_generated,
-                                   "finish_reason", json_text(dr.finish_reason)));
+    if (c->json) {
+        json_t *j = json_pack("{s:o, s:o, s:i, s:o}", "text", json_text(dr.text), "tokens",
+                              u32_json(dr.tokens, dr.n_tokens), "n_generated", dr.n_generated, "finish_reason",
+                              json_text(dr.finish_reason));
+        if (j && want_lp) {
+            json_t *x = logprobs_json(&lp);
+            if (!x || json_object_update(j, x) != 0) {
+                json_decref(j);
+                j = NULL; /* print_json reports it */
+            }
+            json_decref(x);
+        }
+        ret = print_json(j);
+    } else if (want_lp) {
+        print_logprobs(&dr, &lp);
+    }
     ret = ret ? ret : decode_cancelled("decode", &dr);
     snapkv_decode_result_free(&dr);
+    snapkv_logprobs_free(&lp);
     return ret;
 }
 

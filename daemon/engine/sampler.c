@@ -16,6 +16,46 @@ int32_t skv_argmax(const float *logits, int n)
     return best < 0 ? 0 : best;
 }
 
+int skv_logprobs(const float *logits, int n, int32_t token, int top_n, float *token_lp, int32_t *top_ids,
+                 float *top_lp)
+{
+    float mx = -INFINITY;
+    int n_inf = 0;
+    for (int i = 0; i < n; i++) {
+        mx = logits[i] > mx ? logits[i] : mx; /* a NaN never passes */
+        n_inf += logits[i] == INFINITY;
+    }
+    double lse = INFINITY; /* what every finite logit's log-probability is taken from */
+    if (mx > -INFINITY && mx < INFINITY) {
+        double sum = 0;
+        for (int i = 0; i < n; i++)
+            sum += isnan(logits[i]) ? 0.0 : exp((double)logits[i] - mx);
+        lse = mx + log(sum);
+    }
+    /* the log-probability of logit x */
+#define LP(x) ((x) == INFINITY ? (float)-log((double)n_inf) : isnan(x) || n_inf ? -INFINITY \
+                                                                            : (float)((double)(x) - lse))
+    if (token_lp)
+        *token_lp = token >= 0 && token < n ? LP(logits[token]) : -INFINITY;
+    /* the top_n by insertion, ids in ascending order: an equal one already kept stays first */
+#define KEY(i) (isnan(logits[i]) ? -INFINITY : logits[i])
+    int m = 0;
+    for (int i = 0; i < n && top_n > 0; i++) {
+        const float x = KEY(i);
+        if (m == top_n && !(x > KEY(top_ids[m - 1])))
+            continue;
+        int at = m < top_n ? m++ : top_n - 1;
+        for (; at > 0 && KEY(top_ids[at - 1]) < x; at--)
+            top_ids[at] = top_ids[at - 1];
+        top_ids[at] = i;
+    }
+#undef KEY
+    for (int j = 0; j < m; j++)
+        top_lp[j] = LP(logits[top_ids[j]]);
+#undef LP
+    return m;
+}
+
 int skv_sampler_init(struct skv_sampler *s, const struct skv_sampler_params *p, int n_vocab)
 {
     memset(s, 0, sizeof *s);

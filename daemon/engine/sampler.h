@@ -30,6 +30,16 @@ int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits);
 /* argmax with ties to the lowest id. */
 int32_t skv_argmax(const float *logits, int n);
 
+/* Log-probabilities under the distribution n logits give (their log-softmax in double: x - m -
+ * log(sum exp(x - m)), m the largest; a NaN logit counts as -inf): *token_lp gets token's, and
+ * with top_n > 0 top_ids / top_lp get the min(top_n, n) most likely tokens and theirs, most
+ * likely first, equal ones by id; returns how many. When some logits are +inf those k tokens
+ * share the mass (log(1 / k) each) and the rest get -inf; with every logit -inf or NaN there is
+ * no distribution and every token gets -inf. */
+#define SKV_TOP_LOGPROBS_MAX 20u /* top_logprobs one DECODE may ask for */
+int skv_logprobs(const float *logits, int n, int32_t token, int top_n, float *token_lp, int32_t *top_ids,
+                 float *top_lp);
+
 /* Stop sequences over a decode's text: the text is fed as it is generated; what can no longer
  * begin a stop sequence is released, a suffix that still could is held back, and a complete
  * sequence ends the text just before it (the earliest one where several complete). */

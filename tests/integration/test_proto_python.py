@@ -23,6 +23,7 @@ What it checks, with values from references no one here wrote:
 """
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -182,10 +183,26 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     sid = p.session_id
 
     greedy = short["greedy"]["ids"][:16]
-    rep = c.call("decode", pb.DecodeRequest(session_id=sid, sampling=pb.Sampling(max_tokens=16)))
+    rep = c.call("decode", pb.DecodeRequest(session_id=sid, sampling=pb.Sampling(max_tokens=16, top_logprobs=3)))
     d = rep.decode
     check(rep.status == OK and list(d.tokens) == greedy and d.n_generated == 16 and d.finish_reason == "length",
           f"DECODE: 16 greedy tokens as transformers' generate ({list(d.tokens)[:4]}…), text {d.text[:24]!r}…")
+    # its log-probabilities: the first step's against the log-softmax of the PREFILL logits and of
+    # transformers' logits, its top 3 transformers' top 3; every step's top token the greedy one
+    def log_softmax(xs):
+        m = max(xs)
+        lse = m + math.log(sum(math.exp(x - m) for x in xs))
+        return [x - lse for x in xs]
+    own, ref = log_softmax(list(p.logits)), log_softmax(list(want))
+    top3 = sorted(range(len(want)), key=lambda i: -want[i])[:3]
+    ok = len(d.logprobs) == 16 and len(d.top_logprobs) == 16 and all(len(t.tokens) == 3 for t in d.top_logprobs)
+    check(ok and abs(d.logprobs[0] - own[greedy[0]]) < 1e-4 and abs(d.logprobs[0] - ref[greedy[0]]) < 4e-3 * scale
+          and list(d.top_logprobs[0].tokens) == top3
+          and all(t.tokens[0] == g and abs(t.logprobs[0] - lp) < 1e-7 for t, g, lp in zip(d.top_logprobs, greedy,
+                                                                                          d.logprobs)),
+          f"DECODE log-probabilities: step 0 {list(d.logprobs[:1])} (the PREFILL logits' {own[greedy[0]]:.5}, "
+          f"transformers' {ref[greedy[0]]:.5}), top 3 {list(d.top_logprobs[0].tokens) if ok else None}"
+          f" = transformers' {top3}")
 
     # the code prompt as tokens (a packed repeated field), its decode streamed
     code = PROMPTS["code"]

@@ -1677,6 +1677,111 @@ static void test_kv_q8_0_daemon(void **state)
 /* Runs snapkvctl on d's endpoints (below). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap);
 
+/* Log-probabilities of decoded tokens: the first step's are the log-softmax of the logits PREFILL
+ * returned (computed here in double), and its top list their largest, most likely first; greedy
+ * decoding picks each step's top token; streamed and collected decodes of two forks give the
+ * same values bit for bit; top_logprobs past 20 is LIMIT (the session decodes on); snapkvctl
+ * decode --logprobs prints them in JSON. */
+static void test_decode_logprobs(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "256M");
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 41);
+    snapkv_client_t *c = client(d.endpoint, "lp");
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .return_logits = true};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    assert_true(pr.n_logits > 100);
+    const size_t nv = pr.n_logits;
+    double mx = -INFINITY, sum = 0;
+    for (size_t i = 0; i < nv; i++)
+        mx = pr.logits[i] > mx ? pr.logits[i] : mx;
+    for (size_t i = 0; i < nv; i++)
+        sum += exp((double)pr.logits[i] - mx);
+    const double lse = mx + log(sum);
+    enum { TOP = 5 };
+    struct snapkv_session_id fa, fb;
+    assert_int_equal(snapkv_fork(c, &pr.id, &fa, NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_fork(c, &pr.id, &fb, NULL), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    struct snapkv_decode_result da, db;
+    struct snapkv_logprobs la, lb;
+    assert_int_equal(snapkv_decode_logprobs(c, &fa, &sp, TOP, NULL, NULL, &da, &la), SNAPKV_OK);
+    size_t streamed = 0;
+    assert_int_equal(snapkv_decode_logprobs(c, &fb, &sp, TOP, count_tokens, &streamed, &db, &lb), SNAPKV_OK);
+    assert_int_equal(streamed, N_GEN);
+    assert_int_equal(da.n_tokens, N_GEN);
+    assert_int_equal(la.n, N_GEN);
+    assert_int_equal(la.n_top, TOP);
+    assert_int_equal(lb.n, N_GEN);
+    assert_memory_equal(db.tokens, da.tokens, N_GEN * sizeof *da.tokens);
+    assert_memory_equal(lb.logprobs, la.logprobs, N_GEN * sizeof *la.logprobs);
+    assert_memory_equal(lb.top_tokens, la.top_tokens, N_GEN * TOP * sizeof *la.top_tokens);
+    assert_memory_equal(lb.top_logprobs, la.top_logprobs, N_GEN * TOP * sizeof *la.top_logprobs);
+    /* step 0 against the PREFILL logits */
+    assert_true(fabs(la.logprobs[0] - ((double)pr.logits[da.tokens[0]] - lse)) < 1e-5);
+    bool *used = calloc(nv, sizeof *used);
+    assert_non_null(used);
+    for (int j = 0; j < TOP; j++) { /* the j-th largest logit, the lowest id among equal ones */
+        size_t best = nv;
+        for (size_t i = 0; i < nv; i++)
+            if (!used[i] && (best == nv || pr.logits[i] > pr.logits[best]))
+                best = i;
+        used[best] = true;
+        assert_int_equal(la.top_tokens[j], best);
+        assert_true(fabs(la.top_logprobs[j] - ((double)pr.logits[best] - lse)) < 1e-5);
+    }
+    free(used);
+    for (int k = 0; k < N_GEN; k++) { /* greedy: each step's token is its top one */
+        assert_int_equal(da.tokens[k], la.top_tokens[k * TOP]);
+        assert_memory_equal(&la.logprobs[k], &la.top_logprobs[k * TOP], sizeof(float));
+        assert_true(la.logprobs[k] <= 0.0f);
+        for (int j = 1; j < TOP; j++)
+            assert_true(la.top_logprobs[k * TOP + j] <= la.top_logprobs[k * TOP + j - 1]);
+    }
+    snapkv_logprobs_free(&lb);
+    snapkv_decode_result_free(&db);
+    /* past the limit: LIMIT, and the session decodes on */
+    assert_int_equal(snapkv_decode_logprobs(c, &fb, &sp, 21, NULL, NULL, &db, &lb), SNAPKV_E_LIMIT);
+    assert_non_null(strstr(snapkv_last_error(), "top_logprobs"));
+    sp.max_tokens = 3;
+    assert_int_equal(snapkv_decode_logprobs(c, &fb, &sp, 0, NULL, NULL, &db, &lb), SNAPKV_OK);
+    assert_int_equal(lb.n, 3);
+    assert_int_equal(lb.n_top, 0);
+    assert_null(lb.top_tokens);
+    snapkv_logprobs_free(&lb);
+    snapkv_decode_result_free(&db);
+    /* snapkvctl: the same first step from a third fork */
+    struct snapkv_session_id fc;
+    assert_int_equal(snapkv_fork(c, &pr.id, &fc, NULL), SNAPKV_OK);
+    static char out[65536], err[16384];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    snapkv_session_id_to_hex(&fc, hex, sizeof hex);
+    const char *args[] = {"--json", "--tenant", "lp", "decode", hex, "--max-tokens", "4", "--logprobs", "2", NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json decode --logprobs 2: %s", err);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    assert_non_null(j);
+    json_t *jl = json_object_get(j, "logprobs"), *jt = json_object_get(j, "top_logprobs");
+    assert_int_equal(json_array_size(jl), 4);
+    assert_int_equal(json_array_size(jt), 4);
+    assert_true(fabs(json_real_value(json_array_get(jl, 0)) - la.logprobs[0]) < 1e-6);
+    json_t *t0 = json_array_get(json_array_get(jt, 0), 1);
+    assert_int_equal(json_integer_value(json_object_get(t0, "token")), la.top_tokens[1]);
+    json_decref(j);
+    snapkv_logprobs_free(&la);
+    snapkv_decode_result_free(&da);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
+
 /* One message on sub (fails after 10 s): its batch, an event's or a heartbeat's; *seq its
  * number. */
 static Snapkv__KvEventBatch *recv_batch(void *sub, uint64_t *seq)
@@ -4814,6 +4919,7 @@ int main(void)
         cmocka_unit_test_teardown(test_snapkvctl_edges, kill_daemons),
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
         cmocka_unit_test_teardown(test_kv_q8_0_daemon, kill_daemons),
+        cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),

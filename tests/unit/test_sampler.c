@@ -196,6 +196,51 @@ static int feed_all(const char *const *stop, size_t n_stop, const char *const *p
 /* Stop sequences: a sequence split over pieces, text held back only while it may still begin
  * one (and released when it cannot, or flushed at the end), the earliest of several, a
  * sequence inside one piece with text after it, overlapping prefixes, and the limits. */
+/* skv_logprobs: log-softmax values worked out by hand (logits 0, log 2, log 3, log 2 for 1 : 2 :
+ * 3 : 2, total 8), the top list most likely first with equal ones by id, a NaN as -inf, +inf
+ * logits sharing the mass, and no distribution at all. */
+static void test_logprobs(void **state)
+{
+    (void)state;
+    const float l[5] = {0.0f, logf(2.0f), logf(3.0f), logf(2.0f), NAN};
+    float lp = 0, top_lp[5];
+    int32_t top[5];
+    assert_int_equal(skv_logprobs(l, 5, 2, 3, &lp, top, top_lp), 3);
+    assert_float_equal(lp, logf(3.0f / 8.0f), 1e-6);
+    assert_int_equal(top[0], 2);
+    assert_int_equal(top[1], 1); /* log 2 twice: the lower id first */
+    assert_int_equal(top[2], 3);
+    assert_float_equal(top_lp[0], logf(3.0f / 8.0f), 1e-6);
+    assert_float_equal(top_lp[1], logf(2.0f / 8.0f), 1e-6);
+    assert_float_equal(top_lp[2], logf(2.0f / 8.0f), 1e-6);
+    assert_int_equal(skv_logprobs(l, 5, 4, 5, &lp, top, top_lp), 5); /* all of them: the NaN last */
+    assert_true(isinf(lp) && lp < 0);
+    assert_int_equal(top[3], 0);
+    assert_int_equal(top[4], 4);
+    assert_float_equal(top_lp[3], logf(1.0f / 8.0f), 1e-6);
+    assert_true(isinf(top_lp[4]) && top_lp[4] < 0);
+    assert_int_equal(skv_logprobs(l, 5, 0, 0, &lp, NULL, NULL), 0); /* the token's alone */
+    assert_float_equal(lp, logf(1.0f / 8.0f), 1e-6);
+    /* huge logits: no overflow (x - max first) */
+    const float big[3] = {1000.0f, 1000.0f, 990.0f};
+    assert_int_equal(skv_logprobs(big, 3, 0, 1, &lp, top, top_lp), 1);
+    assert_float_equal(lp, -log(2.0 + exp(-10.0)), 1e-6);
+    assert_int_equal(top[0], 0);
+    /* two +inf logits hold all the mass */
+    const float inf[4] = {1.0f, INFINITY, 5.0f, INFINITY};
+    assert_int_equal(skv_logprobs(inf, 4, 3, 2, &lp, top, top_lp), 2);
+    assert_float_equal(lp, -logf(2.0f), 1e-6);
+    assert_int_equal(top[0], 1);
+    assert_int_equal(top[1], 3);
+    assert_int_equal(skv_logprobs(inf, 4, 2, 0, &lp, NULL, NULL), 0);
+    assert_true(isinf(lp) && lp < 0);
+    /* no distribution */
+    const float none[2] = {-INFINITY, NAN};
+    assert_int_equal(skv_logprobs(none, 2, 0, 2, &lp, top, top_lp), 2);
+    assert_true(isinf(lp) && lp < 0 && isinf(top_lp[0]) && isinf(top_lp[1]));
+    assert_int_equal(top[0], 0);
+}
+
 static void test_stop_text(void **state)
 {
     (void)state;
@@ -257,6 +302,7 @@ int main(void)
         cmocka_unit_test(test_invalid),
         cmocka_unit_test(test_non_finite),
         cmocka_unit_test(test_selection_matches_sort),     cmocka_unit_test(test_stop_text),
+        cmocka_unit_test(test_logprobs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
