@@ -1619,9 +1619,17 @@ static size_t token_text(struct skv_worker *w, struct skv_decode *d, int32_t t, 
     return out;
 }
 
-/* The reply of d's last n tokens (tokens: those n). */
-static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final, const char *reason, int32_t *tokens,
-                         size_t n, const char *text)
+/* Where d keeps token k's log-probabilities: a streamed decode only the current token's (each
+ * reply carries its own), a collected one every token's. */
+static uint32_t lp_slot(const struct skv_decode *d, uint32_t k)
+{
+    return d->stream ? 0 : k;
+}
+
+/* The reply of d's last n tokens (tokens: those n); false when it could not be made (the job
+ * then got its final error reply instead, and the decode must end). */
+static bool decode_reply(struct skv_worker *w, struct skv_decode *d, bool final, const char *reason,
+                         int32_t *tokens, size_t n, const char *text)
 {
     Snapkv__Reply rep;
     Snapkv__DecodeReply dr = SNAPKV__DECODE_REPLY__INIT;
@@ -1634,20 +1642,20 @@ static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final,
     dr.text = (char *)text;
     dr.n_generated = d->produced;
     dr.finish_reason = (char *)(reason ? reason : "");
-    const size_t first = d->produced - n; /* of d's tokens, the reply's first */
-    Snapkv__TopLogprobs *tops = NULL, **top_ptrs = NULL;
+    const size_t first = n ? lp_slot(d, d->produced - (uint32_t)n) : 0; /* the reply's first token's slot */
+    Snapkv__TopLogprobs one, *one_ptr = &one, *tops = NULL, **top_ptrs = NULL;
     if (d->logprobs && n) {
         dr.n_logprobs = n;
         dr.logprobs = d->lp + first;
     }
     if (d->top_n && n) {
-        tops = malloc(n * sizeof *tops);
-        top_ptrs = malloc(n * sizeof *top_ptrs);
+        tops = n == 1 ? &one : malloc(n * sizeof *tops); /* a streamed token's on the stack */
+        top_ptrs = n == 1 ? &one_ptr : malloc(n * sizeof *top_ptrs);
         if (!tops || !top_ptrs) {
             free(tops);
             free(top_ptrs);
             skv_requests_fail(w, d->job, SKV_E_NOMEM, "no memory for the reply's top log-probabilities");
-            return;
+            return false;
         }
         const uint32_t m = d->top_n < (uint32_t)w->m->cfg.n_vocab ? d->top_n : (uint32_t)w->m->cfg.n_vocab;
         for (size_t i = 0; i < n; i++) {
@@ -1663,16 +1671,19 @@ static void decode_reply(struct skv_worker *w, struct skv_decode *d, bool final,
     rep.result_case = SNAPKV__REPLY__RESULT_DECODE;
     rep.decode = &dr;
     skv_worker_reply(w, d->job, &rep);
-    free(tops);
-    free(top_ptrs);
+    if (n > 1) {
+        free(tops);
+        free(top_ptrs);
+    }
+    return true;
 }
 
 /* Room in d's log-probability arrays for one more token; SKV_E_NOMEM when there is none. */
 static int logprobs_room(struct skv_decode *d)
 {
-    if (d->produced < d->lp_cap)
+    if (lp_slot(d, d->produced) < d->lp_cap)
         return SKV_OK;
-    uint32_t cap = d->lp_cap ? 2 * d->lp_cap : 64;
+    uint32_t cap = d->stream ? 1 : d->lp_cap ? 2 * d->lp_cap : 64;
     cap = cap > d->max_tokens ? d->max_tokens : cap;
     float *lp = realloc(d->lp, (size_t)cap * sizeof *lp);
     if (lp)
@@ -1701,10 +1712,11 @@ static int decode_pick(struct skv_worker *w, struct skv_decode *d)
             return rc;
     }
     int32_t t = skv_sampler_sample(&d->sampler, s->logits);
-    if (d->logprobs)
-        (void)skv_logprobs(s->logits, w->m->cfg.n_vocab, t, (int)d->top_n, &d->lp[d->produced],
-                           d->top_n ? d->top_ids + (size_t)d->produced * d->top_n : NULL,
-                           d->top_n ? d->top_lp + (size_t)d->produced * d->top_n : NULL);
+    if (d->logprobs) {
+        const size_t k = lp_slot(d, d->produced);
+        (void)skv_logprobs(s->logits, w->m->cfg.n_vocab, t, (int)d->top_n, &d->lp[k],
+                           d->top_n ? d->top_ids + k * d->top_n : NULL, d->top_n ? d->top_lp + k * d->top_n : NULL);
+    }
     d->out[d->produced++] = t;
     d->token = t;
     d->reason = NULL;
@@ -1746,10 +1758,8 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     } else if (d->reason) {
         len += skv_stop_text_flush(&d->stops, text + len);
     }
-    if (d->stream) {
-        decode_reply(w, d, d->reason != NULL, d->reason, &t, 1, text);
-        return d->reason != NULL;
-    }
+    if (d->stream)
+        return !decode_reply(w, d, d->reason != NULL, d->reason, &t, 1, text) || d->reason != NULL;
     if (d->text_len + len + 1 > d->text_cap) {
         size_t cap = d->text_cap ? d->text_cap : 256;
         while (cap < d->text_len + len + 1)
@@ -1765,7 +1775,7 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     memcpy(d->text + d->text_len, text, len + 1);
     d->text_len += len;
     if (d->reason)
-        decode_reply(w, d, true, d->reason, d->out, d->produced, d->text);
+        (void)decode_reply(w, d, true, d->reason, d->out, d->produced, d->text); /* final either way */
     return d->reason != NULL;
 }
 
@@ -1835,8 +1845,8 @@ void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
         memcpy(all, d->text ? d->text : "", d->text_len);
         memcpy(all + d->text_len, held, n_held + 1);
     }
-    decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced,
-                 d->stream ? held : all ? all : d->text ? d->text : "");
+    (void)decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced,
+                       d->stream ? held : all ? all : d->text ? d->text : ""); /* final either way */
     free(all);
 }
 

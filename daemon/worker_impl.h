@@ -35,8 +35,9 @@ struct skv_decode {
     struct skv_stop_text stops; /* the request's stop sequences and the text they hold back */
     bool logprobs;            /* Sampling.logprobs (or top_logprobs > 0) */
     uint32_t top_n;           /* Sampling.top_logprobs, at most SKV_TOP_LOGPROBS_MAX */
-    uint32_t lp_cap;          /* tokens the three below have room for (grown with produced) */
-    float *lp;                /* [produced]: each generated token's log-probability */
+    uint32_t lp_cap;          /* tokens the three below have room for (grown with produced, at most
+                                 max_tokens; 1 when streamed: each reply carries its token's) */
+    float *lp;                /* [produced] (streamed: [1]): the tokens' log-probabilities */
     int32_t *top_ids;         /* [produced][top_n]: each step's most likely tokens */
     float *top_lp;            /* [produced][top_n]: and theirs */
     struct skv_decode *next;

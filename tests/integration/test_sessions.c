@@ -1680,8 +1680,9 @@ static int run_ctl(const struct daemon *d, const char *const *args, char *out, c
 /* Log-probabilities of decoded tokens: the first step's are the log-softmax of the logits PREFILL
  * returned (computed here in double), and its top list their largest, most likely first; greedy
  * decoding picks each step's top token; streamed and collected decodes of two forks give the
- * same values bit for bit; top_logprobs past 20 is LIMIT (the session decodes on); snapkvctl
- * decode --logprobs prints them in JSON. */
+ * same values bit for bit; a decode sampled at temperature 1.5 gets the untempered ones;
+ * top_logprobs past 20 is LIMIT (the session decodes on); snapkvctl decode --logprobs prints
+ * them in JSON. */
 static void test_decode_logprobs(void **state)
 {
     (void)state;
@@ -1743,6 +1744,21 @@ static void test_decode_logprobs(void **state)
         for (int j = 1; j < TOP; j++)
             assert_true(la.top_logprobs[k * TOP + j] <= la.top_logprobs[k * TOP + j - 1]);
     }
+    snapkv_logprobs_free(&lb);
+    snapkv_decode_result_free(&db);
+    /* sampled at temperature 1.5: the log-probabilities are still the model's (untempered), the
+     * first step's top list the same bits as the greedy decode's */
+    struct snapkv_session_id ft;
+    assert_int_equal(snapkv_fork(c, &pr.id, &ft, NULL), SNAPKV_OK);
+    struct snapkv_sampling hot = sp;
+    hot.temperature = 1.5f;
+    hot.seed = 7;
+    hot.max_tokens = 4;
+    assert_int_equal(snapkv_decode_logprobs(c, &ft, &hot, 3, NULL, NULL, &db, &lb), SNAPKV_OK);
+    assert_int_equal(lb.n, 4);
+    assert_true(fabs(lb.logprobs[0] - ((double)pr.logits[db.tokens[0]] - lse)) < 1e-5);
+    assert_memory_equal(lb.top_tokens, la.top_tokens, 3 * sizeof *lb.top_tokens);
+    assert_memory_equal(lb.top_logprobs, la.top_logprobs, 3 * sizeof *lb.top_logprobs);
     snapkv_logprobs_free(&lb);
     snapkv_decode_result_free(&db);
     /* past the limit: LIMIT, and the session decodes on */

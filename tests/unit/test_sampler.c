@@ -193,9 +193,6 @@ static int feed_all(const char *const *stop, size_t n_stop, const char *const *p
     return hit;
 }
 
-/* Stop sequences: a sequence split over pieces, text held back only while it may still begin
- * one (and released when it cannot, or flushed at the end), the earliest of several, a
- * sequence inside one piece with text after it, overlapping prefixes, and the limits. */
 /* skv_logprobs: log-softmax values worked out by hand (logits 0, log 2, log 3, log 2 for 1 : 2 :
  * 3 : 2, total 8), the top list most likely first with equal ones by id, a NaN as -inf, +inf
  * logits sharing the mass, and no distribution at all. */
@@ -203,8 +200,8 @@ static void test_logprobs(void **state)
 {
     (void)state;
     const float l[5] = {0.0f, logf(2.0f), logf(3.0f), logf(2.0f), NAN};
-    float lp = 0, top_lp[5];
-    int32_t top[5];
+    float lp = 0, top_lp[9];
+    int32_t top[9];
     assert_int_equal(skv_logprobs(l, 5, 2, 3, &lp, top, top_lp), 3);
     assert_float_equal(lp, logf(3.0f / 8.0f), 1e-6);
     assert_int_equal(top[0], 2);
@@ -219,6 +216,9 @@ static void test_logprobs(void **state)
     assert_int_equal(top[4], 4);
     assert_float_equal(top_lp[3], logf(1.0f / 8.0f), 1e-6);
     assert_true(isinf(top_lp[4]) && top_lp[4] < 0);
+    assert_int_equal(skv_logprobs(l, 5, 1, 9, &lp, top, top_lp), 5); /* top_n past n: n of them */
+    assert_int_equal(top[0], 2);
+    assert_int_equal(top[4], 4);
     assert_int_equal(skv_logprobs(l, 5, 0, 0, &lp, NULL, NULL), 0); /* the token's alone */
     assert_float_equal(lp, logf(1.0f / 8.0f), 1e-6);
     /* huge logits: no overflow (x - max first) */
@@ -241,6 +241,9 @@ static void test_logprobs(void **state)
     assert_int_equal(top[0], 0);
 }
 
+/* Stop sequences: a sequence split over pieces, text held back only while it may still begin
+ * one (and released when it cannot, or flushed at the end), the earliest of several, a
+ * sequence inside one piece with text after it, overlapping prefixes, and the limits. */
 static void test_stop_text(void **state)
 {
     (void)state;
