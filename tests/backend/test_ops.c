@@ -1513,6 +1513,125 @@ static void test_kv_q8_0(void **state)
     free(got);
 }
 
+/* attention_batch over f16 / q8_0 paged views whose sequences share blocks, as forks of one
+ * document do: every sequence gets bit for
+ * bit what `attention` gives it alone. Five forks of a 600-row document (37 full blocks shared
+ * by all, the partial 38th shared by the two that appended the same row; split-K decode), one
+ * typed sequence sharing nothing, and one f32 contiguous sequence, in one call. */
+static void kv_shared_batch(void **state, int kv_type)
+{
+    struct skv_backend *be = fixture_be(state);
+    if (!skv_backend_kv_type_ok(be, kv_type))
+        skip();
+    struct rng r = {0x5a4eULL + (uint64_t)kv_type};
+    enum { D = 64, NKV = 2, NH = 6, T = 16, P = 600, NS = 7, LMAX = P + 40 }; /* 600: split-K chunks */
+    const int extra[NS] = {1, 3, 17, 1, 40, 9, 5}; /* rows after the document; 3 appends what 0 did */
+    const size_t row = skv_kv_row_bytes(kv_type, D), qdim = (size_t)NH * D;
+    float *rows[NS][NKV][2];           /* each sequence's rows (rounded), K and V */
+    unsigned char *raw[NS][NKV][2];    /* and as kv_type bytes */
+    for (int g = 0; g < NKV; g++)
+        for (int w = 0; w < 2; w++) {
+            float *doc = host_normal(&r, (size_t)LMAX * D, 1.0);
+            float *tail0 = host_normal(&r, (size_t)40 * D, 1.0);
+            for (int s = 0; s < NS; s++) {
+                rows[s][g][w] = malloc((size_t)LMAX * D * sizeof(float));
+                assert_non_null(rows[s][g][w]);
+                memcpy(rows[s][g][w], doc, (size_t)P * D * sizeof(float));
+                float *tail = s == 0 || s == 3 ? tail0 : host_normal(&r, (size_t)40 * D, 1.0);
+                memcpy(rows[s][g][w] + (size_t)P * D, tail, (size_t)40 * D * sizeof(float));
+                if (s == 5) /* the one that shares nothing: a document of its own */
+                    for (int i = 0; i < P * D; i++)
+                        rows[s][g][w][i] += 0.5f;
+                if (tail != tail0)
+                    free(tail);
+                raw[s][g][w] = kv_round(rows[s][g][w], LMAX, D, kv_type);
+            }
+            free(doc);
+            free(tail0);
+        }
+    /* blocks: 0..5 shared by the forks (0-4), block 6 by 0 and 3, the rest each one's own */
+    void *blk[NS][NKV][LMAX / T + 1];
+    memset(blk, 0, sizeof blk);
+    unsigned char *tmp = malloc(2 * (size_t)T * row);
+    assert_non_null(tmp);
+    for (int s = 0; s < NS; s++)
+        for (int g = 0; g < NKV; g++)
+            for (int b = 0; b * T < P + extra[s]; b++) {
+                const bool fork = s < 5;
+                if (fork && b < P / T && s > 0) {
+                    blk[s][g][b] = blk[0][g][b];
+                    continue;
+                }
+                if (s == 3 && b == P / T) {
+                    blk[s][g][b] = blk[0][g][b];
+                    continue;
+                }
+                memset(tmp, 0xff, 2 * (size_t)T * row);
+                const int m = P + extra[s] - b * T < T ? P + extra[s] - b * T : T;
+                memcpy(tmp, raw[s][g][0] + (size_t)b * T * row, (size_t)m * row);
+                memcpy(tmp + (size_t)T * row, raw[s][g][1] + (size_t)b * T * row, (size_t)m * row);
+                blk[s][g][b] = dev_from(be, tmp, 2 * (size_t)T * row);
+            }
+    free(tmp);
+    struct skv_kv_view kv[NS + 1];
+    memset(kv, 0, sizeof kv);
+    for (int s = 0; s < NS; s++) {
+        kv[s].n_kv_heads = NKV;
+        kv[s].head_dim = D;
+        kv[s].kv_type = kv_type;
+        kv[s].block_rows = T;
+        for (int g = 0; g < NKV; g++) {
+            kv[s].prefix_len[g] = P + extra[s] - 1;
+            kv[s].blocks[g] = blk[s][g];
+        }
+    }
+    float *k32[NKV], *v32[NKV]; /* and an f32 sequence, contiguous */
+    kv[NS] = (struct skv_kv_view){.n_kv_heads = NKV, .head_dim = D, .kv_type = SKV_DTYPE_F32};
+    for (int g = 0; g < NKV; g++) {
+        float *kh = host_normal(&r, 60 * D, 1.0), *vh = host_normal(&r, 60 * D, 1.0);
+        kv[NS].k[g] = k32[g] = dev_from(be, kh, 60 * D * sizeof(float));
+        kv[NS].v[g] = v32[g] = dev_from(be, vh, 60 * D * sizeof(float));
+        kv[NS].prefix_len[g] = 59;
+        free(kh);
+        free(vh);
+    }
+    float *q = host_normal(&r, (NS + 1) * qdim, 2.0), *got = host_nan((NS + 1) * qdim), *one = host_nan(qdim);
+    float *dq = dev_from(be, q, (NS + 1) * qdim * sizeof(float)), *dout = dev_from(be, got, (NS + 1) * qdim * sizeof(float));
+    assert_int_equal(be->ops->attention_batch(be, dout, dq, NS + 1, NH, kv), SKV_OK);
+    dev_to(be, got, dout, (NS + 1) * qdim * sizeof(float));
+    for (int s = 0; s <= NS; s++) {
+        assert_int_equal(be->ops->attention(be, dout, dq + s * qdim, 1, NH, &kv[s]), SKV_OK);
+        dev_to(be, one, dout, qdim * sizeof(float));
+        if (memcmp(one, got + s * qdim, qdim * sizeof(float)) != 0)
+            fail_msg("%s: sequence %d of the batch differs from its own call", skv_dtype_name(kv_type), s);
+    }
+    be->ops->free(be, dq);
+    be->ops->free(be, dout);
+    for (int s = 0; s < NS; s++)
+        for (int g = 0; g < NKV; g++) {
+            for (int b = 0; b * T < P + extra[s]; b++)
+                if (!(s < 5 && s > 0 && b < P / T) && !(s == 3 && b == P / T))
+                    be->ops->free(be, blk[s][g][b]);
+            for (int w = 0; w < 2; w++) {
+                free(rows[s][g][w]);
+                free(raw[s][g][w]);
+            }
+        }
+    for (int g = 0; g < NKV; g++) {
+        be->ops->free(be, k32[g]);
+        be->ops->free(be, v32[g]);
+    }
+    free(q);
+    free(got);
+    free(one);
+}
+
+static void test_kv_shared_batch(void **state)
+{
+    kv_shared_batch(state, SKV_DTYPE_F16);
+    kv_shared_batch(state, SKV_DTYPE_Q8_0);
+}
+
 /* copy_rows: rows moved between two buffers in a scrambled order, odd and word-sized rows. */
 static void test_copy_rows(void **state)
 {
@@ -2137,7 +2256,8 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_attention_paged), cmocka_unit_test(test_attention_batch),     \
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
         cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid),         \
-        cmocka_unit_test(test_kv_f16), cmocka_unit_test(test_kv_q8_0)
+        cmocka_unit_test(test_kv_f16), cmocka_unit_test(test_kv_q8_0),               \
+        cmocka_unit_test(test_kv_shared_batch)
 
 int main(void)
 {
