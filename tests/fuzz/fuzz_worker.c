@@ -273,6 +273,15 @@ static void write_seeds(const char *dir)
     ds.sampling = &samp_stop;
     ds.stream = true;
     write_seed(dir, "decode-stop", 1, SNAPKV__REQUEST__COMMAND_DECODE, &ds);
+    Snapkv__Sampling samp_lp = samp; /* log-probabilities, collected and streamed */
+    samp_lp.logprobs = true;
+    samp_lp.top_logprobs = 3;
+    samp_lp.temperature = 0.8f;
+    Snapkv__DecodeRequest dl = d;
+    dl.sampling = &samp_lp;
+    write_seed(dir, "decode-logprobs", 0, SNAPKV__REQUEST__COMMAND_DECODE, &dl);
+    dl.stream = true;
+    write_seed(dir, "decode-logprobs-stream", 1, SNAPKV__REQUEST__COMMAND_DECODE, &dl);
 
     Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
     c.session_id = sid;
