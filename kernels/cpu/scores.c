@@ -155,30 +155,33 @@ int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *cons
     return SKV_OK;
 }
 
+/* A store op's arguments (op: its name; d a multiple of `multiple`), SKV_E_INVAL naming them. */
+static int store_rows_check(const char *op, void *const *dst, const float *const *src, int d, int multiple, int n)
+{
+    if (n < 0 || d <= 0 || d % multiple != 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "%s: bad arguments (n = %d, d = %d, a multiple of %d)", op, n, d, multiple);
+    for (int i = 0; i < n; i++)
+        if (!dst[i] || !src[i])
+            return skv_errorf(SKV_E_INVAL, "%s: row %d has no %s", op, i, dst[i] ? "source" : "destination");
+    return SKV_OK;
+}
+
 int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
 {
     (void)be;
-    if (n < 0 || d <= 0 || (n > 0 && (!dst || !src)))
-        return skv_errorf(SKV_E_INVAL, "store_rows_f16: bad arguments");
-    for (int i = 0; i < n; i++)
-        if (!dst[i] || !src[i])
-            return skv_errorf(SKV_E_INVAL, "store_rows_f16: row %d has no %s", i, dst[i] ? "source" : "destination");
-    for (int i = 0; i < n; i++)
+    int rc = store_rows_check("store_rows_f16", dst, src, d, 1, n);
+    for (int i = 0; !rc && i < n; i++)
         skv_cpu_f32_to_f16(dst[i], src[i], d);
-    return SKV_OK;
+    return rc;
 }
 
 int skv_cpu_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
 {
     (void)be;
-    if (n < 0 || d <= 0 || d % 32 != 0 || (n > 0 && (!dst || !src)))
-        return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: bad arguments (d = %d, a multiple of 32)", d);
-    for (int i = 0; i < n; i++)
-        if (!dst[i] || !src[i])
-            return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: row %d has no %s", i, dst[i] ? "source" : "destination");
-    for (int i = 0; i < n; i++)
+    int rc = store_rows_check("store_rows_q8_0", dst, src, d, 32, n);
+    for (int i = 0; !rc && i < n; i++)
         skv_quantize_row_q8_0(dst[i], src[i], d);
-    return SKV_OK;
+    return rc;
 }
 
 /* ---- SnapKV / H2O scores and top-k ---------------------------------------------------------- */

@@ -2221,15 +2221,18 @@ __global__ void store_rows_f16_kernel(__half *const *dst, const float *const *sr
     }
 }
 
-/* The two pointer tables go to device scratch (one upload), then one kernel stores every row. */
-static int cuda_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
+/* A store op's checks (op: its name; d a multiple of `multiple`), then its two pointer tables in
+ * device scratch (one upload): *ddst, *dsrc; SKV_OK with nothing to do when n is 0 (*ddst NULL). */
+static int store_rows_tables(struct skv_backend *be, const char *op, void *const *dst, const float *const *src,
+                             int d, int multiple, int n, void ***ddst, const float ***dsrc)
 {
-    prof_scope prof_(be, P_COPY_ROWS, -1);
-    if (n < 0 || d <= 0 || (n > 0 && (!dst || !src)))
-        return skv_errorf(SKV_E_INVAL, "store_rows_f16: bad arguments");
+    *ddst = NULL;
+    *dsrc = NULL;
+    if (n < 0 || d <= 0 || d % multiple != 0 || (n > 0 && (!dst || !src)))
+        return skv_errorf(SKV_E_INVAL, "%s: bad arguments (n = %d, d = %d, a multiple of %d)", op, n, d, multiple);
     for (int i = 0; i < n; i++)
         if (!dst[i] || !src[i])
-            return skv_errorf(SKV_E_INVAL, "store_rows_f16: row %d has no %s", i, dst[i] ? "source" : "destination");
+            return skv_errorf(SKV_E_INVAL, "%s: row %d has no %s", op, i, dst[i] ? "source" : "destination");
     if (n == 0)
         return SKV_OK;
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -2238,13 +2241,27 @@ static int cuda_store_rows_f16(struct skv_backend *be, void *const *dst, const f
     int rc = scratch_get(impl, 2 * align_up(table), &s);
     if (rc < 0 || (rc = stage_get(impl, 2 * align_up(table), &host)) < 0)
         return rc;
-    __half **ddst = (__half **)s;
-    const float **dsrc = (const float **)((char *)s + align_up(table));
     memcpy(host, dst, table);
     memcpy((char *)host + align_up(table), src, table);
-    if ((rc = upload_table(impl, ddst, host, align_up(table) + table)) < 0)
+    if ((rc = upload_table(impl, s, host, align_up(table) + table)) < 0)
         return rc;
-    store_rows_f16_kernel<<<grid_for((int64_t)n * d, EW_THREADS), EW_THREADS, 0, impl->stream>>>(ddst, dsrc, d, n);
+    *ddst = (void **)s;
+    *dsrc = (const float **)((char *)s + align_up(table));
+    return SKV_OK;
+}
+
+/* The pointer tables to the device, then one kernel stores every row. */
+static int cuda_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
+{
+    prof_scope prof_(be, P_COPY_ROWS, -1);
+    void **ddst;
+    const float **dsrc;
+    int rc = store_rows_tables(be, "store_rows_f16", dst, src, d, 1, n, &ddst, &dsrc);
+    if (rc < 0 || !ddst)
+        return rc;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    store_rows_f16_kernel<<<grid_for((int64_t)n * d, EW_THREADS), EW_THREADS, 0, impl->stream>>>((__half **)ddst, dsrc,
+                                                                                                  d, n);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
 }
@@ -2281,31 +2298,18 @@ __global__ void store_rows_q8_0_kernel(unsigned char *const *dst, const float *c
     }
 }
 
-/* As cuda_store_rows_f16: the pointer tables uploaded, one kernel for every row. */
+/* As cuda_store_rows_f16, one thread per block of 32. */
 static int cuda_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n)
 {
     prof_scope prof_(be, P_COPY_ROWS, -1);
-    if (n < 0 || d <= 0 || d % 32 != 0 || (n > 0 && (!dst || !src)))
-        return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: bad arguments (d = %d, a multiple of 32)", d);
-    for (int i = 0; i < n; i++)
-        if (!dst[i] || !src[i])
-            return skv_errorf(SKV_E_INVAL, "store_rows_q8_0: row %d has no %s", i, dst[i] ? "source" : "destination");
-    if (n == 0)
-        return SKV_OK;
+    void **ddst;
+    const float **dsrc;
+    int rc = store_rows_tables(be, "store_rows_q8_0", dst, src, d, 32, n, &ddst, &dsrc);
+    if (rc < 0 || !ddst)
+        return rc;
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
-    const size_t table = (size_t)n * sizeof(void *);
-    void *s = NULL, *host = NULL;
-    int rc = scratch_get(impl, 2 * align_up(table), &s);
-    if (rc < 0 || (rc = stage_get(impl, 2 * align_up(table), &host)) < 0)
-        return rc;
-    unsigned char **ddst = (unsigned char **)s;
-    const float **dsrc = (const float **)((char *)s + align_up(table));
-    memcpy(host, dst, table);
-    memcpy((char *)host + align_up(table), src, table);
-    if ((rc = upload_table(impl, ddst, host, align_up(table) + table)) < 0)
-        return rc;
     store_rows_q8_0_kernel<<<grid_for((int64_t)n * (d / 32), EW_THREADS), EW_THREADS, 0, impl->stream>>>(
-        ddst, dsrc, d, n);
+        (unsigned char **)ddst, dsrc, d, n);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
 }

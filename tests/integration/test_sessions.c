@@ -84,6 +84,21 @@ static void start_daemon_with(struct daemon *d, const char *pool, const char *ex
     start_daemon_in(d, pool, extra, nofile);
 }
 
+/* A fresh state directory for d holding a snapkvd.conf of `text`; opt gets "--config=PATH" for
+ * start_daemon_in (which a restart passes again). */
+static void daemon_dir_conf(struct daemon *d, const char *text, char *opt, size_t cap)
+{
+    snprintf(d->dir, sizeof d->dir, "/tmp/skv-sess-XXXXXX");
+    assert_non_null(mkdtemp(d->dir));
+    char conf[128];
+    snprintf(conf, sizeof conf, "%s/snapkvd.conf", d->dir);
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    assert_int_equal(fclose(f), 0);
+    snprintf(opt, cap, "--config=%s", conf);
+}
+
 static void start_daemon_in(struct daemon *d, const char *pool, const char *extra, long nofile)
 {
     snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
@@ -1446,15 +1461,8 @@ static void test_persist_crash(void **state)
     (void)state;
     NEED_MODEL();
     struct daemon d;
-    snprintf(d.dir, sizeof d.dir, "/tmp/skv-sess-XXXXXX");
-    assert_non_null(mkdtemp(d.dir));
-    char conf[128], opt[160];
-    snprintf(conf, sizeof conf, "%s/snapkvd.conf", d.dir);
-    FILE *f = fopen(conf, "w");
-    assert_non_null(f);
-    fputs("persist = yes\npersist-interval-seconds = 1\n", f);
-    fclose(f);
-    snprintf(opt, sizeof opt, "--config=%s", conf);
+    char opt[160];
+    daemon_dir_conf(&d, "persist = yes\npersist-interval-seconds = 1\n", opt, sizeof opt);
     start_daemon_in(&d, "1G", opt, 0);
     uint32_t ids[N_PROMPT];
     prompt(ids, N_PROMPT, 23);
@@ -1619,15 +1627,8 @@ static void test_kv_q8_0_daemon(void **state)
     (void)state;
     NEED_MODEL();
     struct daemon d;
-    snprintf(d.dir, sizeof d.dir, "/tmp/skv-sess-XXXXXX");
-    assert_non_null(mkdtemp(d.dir));
-    char conf[128], opt[160];
-    snprintf(conf, sizeof conf, "%s/snapkvd.conf", d.dir);
-    FILE *f = fopen(conf, "w");
-    assert_non_null(f);
-    fputs("persist = yes\nkv-type = q8_0\n", f);
-    fclose(f);
-    snprintf(opt, sizeof opt, "--config=%s", conf);
+    char opt[160];
+    daemon_dir_conf(&d, "persist = yes\nkv-type = q8_0\n", opt, sizeof opt);
     start_daemon_in(&d, "256M", opt, 0);
     uint32_t ids[N_PROMPT];
     prompt(ids, N_PROMPT, 33);

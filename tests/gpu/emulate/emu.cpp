@@ -650,6 +650,30 @@ static int run_store_q8_0(int n, int d)
     return !ok;
 }
 
+/* The attention, batch and colsum cases both KV types run (with g_kv_type set): decode tiles of
+ * 4-value loads, paged and contiguous, windows, split-K, the prefill's gather, head_dim past
+ * ATT_MAX_D, the batch kernel, colsum. */
+static int run_typed_cases()
+{
+    int fails = 0;
+    fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
+    fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
+    fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
+    fails += run(3, 2, 4, 64, 1000, 17, 0, 0, 8);
+    fails += run(9, 2, 4, 128, 100, 37, 0, 16, 4);
+    fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
+    fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
+    fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D: prefill (cuBLAS) */
+    fails += run(2, 2, 2, 320, 300, 30, 0, 16, 4);   /* and decode: attention_kernel */
+    fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
+    fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);
+    fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);
+    fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
+    fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
+    fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
+    return fails;
+}
+
 int main(int argc, char **argv)
 {
     bool all = argc < 2;
@@ -683,44 +707,16 @@ int main(int argc, char **argv)
     }
     if (want("f16")) { /* kv-type f16: the kernels read f16 rows, the CPU the same values as f32 */
         g_kv_type = SKV_DTYPE_F16;
-        fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
-        fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
-        fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
-        fails += run(3, 2, 4, 64, 1000, 17, 0, 0, 8);
-        fails += run(9, 2, 4, 128, 100, 37, 0, 16, 4);
-        fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
-        fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
+        fails += run_typed_cases();
         fails += run(5, 2, 3, 18, 40, 7, 0, 16, 4);      /* odd head_dim: element loads */
-        fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D: prefill (cuBLAS) */
-        fails += run(2, 2, 2, 320, 300, 30, 0, 16, 4);   /* and decode: attention_kernel */
-        fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
-        fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);
-        fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);
-        fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
-        fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
-        fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
         fails += run_store_f16(29, 64);
         fails += run_store_f16(7, 13);
         g_kv_type = SKV_DTYPE_F32;
     }
     if (want("q8_0")) { /* kv-type q8_0: the kernels read q8_0 rows, the CPU the values they hold */
         g_kv_type = SKV_DTYPE_Q8_0;
-        fails += run(1, 2, 3, 64, 62, 31, 0, 16, 4);
-        fails += run(1, 2, 4, 128, 63, 31, 20, 0, 4);
-        fails += run(1, 2, 3, 64, 4096, 2048, 0, 16, 4);
-        fails += run(3, 2, 4, 64, 1000, 17, 0, 0, 8);
-        fails += run(9, 2, 4, 128, 100, 37, 0, 16, 4);
-        fails += run(63, 2, 3, 64, 0, 0, 0, 0, 4);
-        fails += run(65, 1, 4, 128, 100, 37, 50, 16, 4);
+        fails += run_typed_cases();
         fails += run(4, 1, 8, 96, 300, 0, 100, 16, 4);   /* head_dim 96: 3 blocks a row */
-        fails += run(12, 1, 2, 320, 5, 0, 0, 16, 4);     /* head_dim above ATT_MAX_D: prefill (cuBLAS) */
-        fails += run(2, 2, 2, 320, 300, 30, 0, 16, 4);   /* and decode: attention_kernel */
-        fails += run_batch(5, 3, 3, 64, 700, 0, 16, 4);
-        fails += run_batch(2, 2, 2, 320, 50, 0, 16, 4);
-        fails += run_batch(3, 2, 4, 128, 300, 40, 16, 8);
-        fails += run_colsum(32, 3, 3, 64, 458, 400, 0, 16, 20);
-        fails += run_colsum(1, 2, 4, 128, 1000, 17, 0, 16, 0);
-        fails += run_colsum(40, 2, 2, 64, 0, 30, 25, 0, 8);
         fails += run_store_q8_0(29, 64);
         fails += run_store_q8_0(7, 96);
         g_kv_type = SKV_DTYPE_F32;
