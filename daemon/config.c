@@ -61,6 +61,9 @@ static const struct skv_config_option options[] = {
      "an events stream idle this long gets a heartbeat, a batch of no events under the last event's number, "
      "so a subscriber learns of a restarted daemon (its boot id) without waiting for an event; 0: none (a "
      "reader that takes every message for one event)"},
+    {"prefix-reuse", SKV_CFG_BOOL, OPT(prefix_reuse), "yes", 0, 0,
+     "a PREFILL whose prompt begins with whole 16-token blocks another full-cache session of the same tenant "
+     "holds shares those blocks copy-on-write and computes only the rest (a PREFILL may opt out)"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},

@@ -337,7 +337,7 @@ struct progress {
     struct skv_worker *w;
     const struct skv_job *job;   /* NULL: no progress replies */
     struct skv_compressor *comp;
-    int n, n_layers;
+    int base, n, n_layers;      /* the forward runs tokens base .. base + n - 1 */
 };
 
 static int progress_hook(void *user, const struct skv_layer_view *v)
@@ -350,8 +350,8 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
         Snapkv__PrefillReply pr = SNAPKV__PREFILL_REPLY__INIT;
         reply_init(&rep, p->job);
         rep.final = false;
-        pr.n_tokens = (uint32_t)p->n;
-        pr.tokens_done = (uint32_t)((int64_t)p->n * (v->layer + 1) / p->n_layers);
+        pr.n_tokens = (uint32_t)(p->base + p->n); /* a reused prefix counts as done */
+        pr.tokens_done = (uint32_t)(p->base + (int64_t)p->n * (v->layer + 1) / p->n_layers);
         rep.result_case = SNAPKV__REPLY__RESULT_PREFILL;
         rep.prefill = &pr;
         skv_worker_reply(p->w, p->job, &rep);
@@ -407,7 +407,7 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
         return SKV_E_NOMEM;
     struct skv_forward_opts fo = {0};
-    struct progress prog = {w, progress_job, s->comp, n, w->m->cfg.n_layers};
+    struct progress prog = {w, progress_job, s->comp, s->cache->n_past, n, w->m->cfg.n_layers};
     int rc = session_hook(s, n, compress, &fo);
     /* progress replies, and per layer of a long forward a heartbeat and a turn for the running
      * decodes (a short one beats when done, and they wait for it) */
@@ -600,6 +600,87 @@ static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int 
 
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
 
+/* Prefix reuse: the session of the tenant whose token history begins with the longest run of
+ * whole blocks of the prompt, among those whose KV is every row the daemon computed for that
+ * history (policy full, no row evicted) and that no forward is half way through. */
+struct prefix_find {
+    const struct skv_session *self, *in_forward;
+    const char *tenant;
+    const int32_t *ids;
+    int limit;                  /* reuse at most this many tokens */
+    int best;
+    struct skv_session *src;
+};
+
+static bool prefix_visit(void *user, struct skv_session *s)
+{
+    struct prefix_find *f = user;
+    const struct skv_kv_cache *c = s->cache;
+    if (s == f->self || s == f->in_forward || s->comp || !c || s->n_tokens != c->n_past ||
+        strcmp(s->tenant, f->tenant) != 0)
+        return false;
+    int cap = s->n_tokens < f->limit ? s->n_tokens : f->limit, k = 0;
+    while (k < cap && s->tokens[k] == f->ids[k])
+        k++;
+    k -= k % c->block_rows;
+    if (k <= f->best)
+        return false;
+    /* a forward under way has more rows in its done layers than n_past; a sliding window
+     * dropped the oldest rows */
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        if (c->heads[i].len != c->n_past || c->heads[i].pos[k - 1] != k - 1)
+            return false;
+    f->best = k;
+    f->src = s;
+    return false;
+}
+
+/* The tokens a PREFILL of ids[0..n) into s (its spec set, its cache empty) can take from
+ * another session: a compressing one keeps its whole observation window to run (the rows it
+ * scores are then what a prefill of the whole prompt scores), H2O's scores and
+ * SqueezeAttention's similarities need every query, so they take none; a full one runs at
+ * least the last token, for its logits. */
+static int prefix_limit(const struct skv_session *s, int n)
+{
+    const struct skv_compress_spec *sp = s->comp ? skv_compressor_spec(s->comp) : NULL;
+    if (!sp)
+        return n - 1;
+    if (sp->policy == SKV_POLICY_H2O || sp->alloc == SKV_ALLOC_SQUEEZE)
+        return 0;
+    return n - (sp->window > 1 ? sp->window : 1);
+}
+
+/* Puts into s (its cache empty) the longest whole-block prefix of ids another session of its
+ * tenant holds (copy-on-write: the blocks are shared), and those tokens into its history.
+ * *reused: how many (0: none found; s unchanged). */
+static int reuse_prefix(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, int *reused)
+{
+    struct prefix_find f = {s, w->forward_session, s->tenant, ids, prefix_limit(s, n), 0, NULL};
+    *reused = 0;
+    if (f.limit < s->cache->block_rows)
+        return SKV_OK;
+    skv_session_foreach(w->sessions, prefix_visit, &f);
+    if (!f.src)
+        return SKV_OK;
+    struct skv_kv_cache *c = NULL;
+    int rc = skv_kv_cache_clone(f.src->cache, &c);
+    for (int i = 0; !rc && i < c->n_layers * c->n_kv_heads; i++)
+        rc = skv_kv_cache_truncate(c, i / c->n_kv_heads, i % c->n_kv_heads, f.best);
+    if (!rc)
+        rc = skv_session_push_tokens(s, ids, f.best);
+    if (rc) {
+        skv_kv_cache_free(&c);
+        s->n_tokens = 0;
+        return rc;
+    }
+    c->n_past = f.best;
+    skv_kv_cache_free(&s->cache);
+    s->cache = c;
+    f.src->last_used_ms = skv_now_ms(); /* a prefix in use stays longer in the LRU order */
+    *reused = f.best;
+    return SKV_OK;
+}
+
 static void handle_prefill(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__PrefillRequest *p = job->req->prefill;
@@ -621,23 +702,29 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
-    if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)))
+    int reused = 0;
+    if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)) ||
+        (cfg->prefix_reuse && !p->no_prefix_reuse && (rc = reuse_prefix(w, s, ids, n, &reused))))
         goto fail;
     /* the bytes are known before the forward: a cache that cannot fit is refused (or room
      * made) before the work, not after it with the pool already past its size. A compressing
      * prefill keeps each layer's budget (a budget at or above the prompt, ratio=1 or
      * SqueezeAttention's cap of 4 B keep layers whole): room for that; it also holds one layer
-     * in full while that layer runs, which is not counted */
-    if ((rc = s->comp ? reserve_compressing(w, s, n) : reserve_forward(w, s, n, false)))
+     * in full while that layer runs, which is not counted. A reused prefix's blocks count for
+     * the tenant (in s's bytes, which the reserve takes) and not again for the pool (a
+     * compressing prefill's room counts the rows it keeps as new) */
+    if ((rc = s->comp ? reserve_compressing(w, s, n - reused) : reserve_forward(w, s, n - reused, false)))
         goto fail;
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
     uint64_t inside0 = w->nested_us; /* what runs inside the forward is not its time */
-    rc = session_forward_progress(w, s, ids, n, true, p->progress ? job : NULL);
+    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL);
     if (rc)
         goto fail;
-    w->metrics.prefill_tokens += (uint64_t)n;
-    skv_worker_tenant(w, job->tenant)->prefill_tokens += (uint64_t)n;
+    w->metrics.prefill_tokens += (uint64_t)(n - reused);
+    w->metrics.prefix_reused_tokens += (uint64_t)reused;
+    w->metrics.prefix_reuse_hits += reused > 0;
+    skv_worker_tenant(w, job->tenant)->prefill_tokens += (uint64_t)(n - reused);
     w->metrics.prefill_seconds += now_s() - t0 - (double)(w->nested_us - inside0) * 1e-6;
     s->prompt_len = n;
     int evicted = 0;
@@ -656,6 +743,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     pr.bytes_before = full_bytes(w->m, n);
     pr.bytes_after = s->bytes;
     pr.next_token = (uint32_t)skv_argmax(s->logits, w->m->cfg.n_vocab);
+    pr.reused_tokens = (uint32_t)reused;
     if (p->return_logits) {
         pr.n_logits = (size_t)w->m->cfg.n_vocab;
         pr.logits = s->logits;

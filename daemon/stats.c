@@ -12,7 +12,13 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
     const struct skv_stat r[SKV_N_STATS] = {
         {"snapkv_requests_total", "requests handled by the engine worker", (double)m->requests},
         {"snapkv_errors_total", "requests answered with an error", (double)m->errors},
-        {"snapkv_prefill_tokens_total", "prompt tokens prefilled", (double)m->prefill_tokens},
+        {"snapkv_prefill_tokens_total", "prompt tokens prefilled (computed: a reused prefix is not)",
+         (double)m->prefill_tokens},
+        {"snapkv_prefix_reused_tokens_total",
+         "prompt tokens whose KV a PREFILL shared from another session of its tenant instead of computing it "
+         "(prefix-reuse)",
+         (double)m->prefix_reused_tokens},
+        {"snapkv_prefix_reuse_hits_total", "PREFILLs that reused a prefix", (double)m->prefix_reuse_hits},
         {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
         {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
          (double)m->decode_batches},

@@ -47,6 +47,15 @@ static int prefill_progress(void *user, const Snapkv__Reply *rep)
 
 int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, struct snapkv_prefill_result *out)
 {
+    return snapkv_prefill_flags(c, opts, 0, out, NULL);
+}
+
+int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
+                         struct snapkv_prefill_result *out, uint32_t *reused_tokens)
+{
+    unsigned unknown = flags & ~(unsigned)SNAPKV_PREFILL_NO_PREFIX_REUSE;
+    if (unknown)
+        return skv_client_fail(SNAPKV_E_INVAL, "prefill: unknown flags 0x%x", unknown);
     int rc = skv_client_check(c, opts, "prefill");
     if (rc)
         return rc;
@@ -77,6 +86,7 @@ int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, s
     p.return_logits = opts->return_logits;
     p.lease_seconds = opts->lease_seconds;
     p.progress = opts->progress != NULL;
+    p.no_prefix_reuse = (flags & SNAPKV_PREFILL_NO_PREFIX_REUSE) != 0;
     req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
     req.prefill = &p;
     Snapkv__Reply *rep = NULL;
@@ -105,6 +115,8 @@ int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, s
         goto out_free_result;
     }
     *out = res;
+    if (reused_tokens)
+        *reused_tokens = r->reused_tokens;
     snapkv__reply__free_unpacked(rep, NULL);
     return SNAPKV_OK;
 

@@ -65,6 +65,8 @@
  * 8:0:4 (still libsnapkv.so.4): several daemons behind one handle (snapkv_connect_many,
  * snapkv_many_*), session references (snapkv_session_ref*), SNAPKV_E_UNAVAILABLE added.
  * 9:0:5 (still libsnapkv.so.4): snapkv_decode_logprobs and snapkv_logprobs_free added.
+ * 10:0:6 (still libsnapkv.so.4): snapkv_prefill_flags (prefix reuse: how many tokens were
+ * reused, or none asked) added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -340,6 +342,14 @@ struct snapkv_prefill_result {
  * opts->compress or the daemon's default-compress). Call snapkv_prefill_result_free() on *out afterwards. */
 SNAPKV_API int snapkv_prefill(snapkv_client_t *client, const struct snapkv_prefill_opts *opts,
                               struct snapkv_prefill_result *out);
+/* snapkv_prefill with flags (0 or SNAPKV_PREFILL_*; another bit: SNAPKV_E_INVAL). A daemon with
+ * prefix-reuse (its default) takes the KV of the prompt's longest run of whole 16-token blocks
+ * that another full-cache session of the same tenant holds, shared copy-on-write, and computes
+ * only the rest; *reused_tokens (may be NULL) is how many tokens it took (0 from a daemon
+ * older than protocol field PrefillReply.reused_tokens). */
+#define SNAPKV_PREFILL_NO_PREFIX_REUSE 1u /* compute every token of the prompt */
+SNAPKV_API int snapkv_prefill_flags(snapkv_client_t *client, const struct snapkv_prefill_opts *opts, unsigned flags,
+                                    struct snapkv_prefill_result *out, uint32_t *reused_tokens);
 /* Frees the arrays and zeroes *r; accepts NULL and a zeroed struct. */
 SNAPKV_API void snapkv_prefill_result_free(struct snapkv_prefill_result *r);
 

@@ -79,8 +79,9 @@ static void usage(FILE *out)
             "  chat [--compress SPEC] [SAMPLING] [--turn-template T] [--stats]\n"
             "                                         interactive: one line per turn, answers streamed\n"
             "                                         (Ctrl-C stops an answer; at the prompt, ends the chat)\n"
-            "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S] [--ref]\n"
-            "                                         prints the new session id (--ref: as ENDPOINT#ID)\n"
+            "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S] [--ref] [--no-reuse]\n"
+            "                                         prints the new session id (--ref: as ENDPOINT#ID);\n"
+            "                                         --no-reuse: compute every token (no prefix reuse)\n"
             "  append SESSION TEXT                    run more text through a session\n"
             "  decode SESSION [SAMPLING] [--logprobs N]\n"
             "                                         generate, streamed to stdout; --logprobs: each token's\n"
@@ -518,6 +519,7 @@ enum {
     OPT_CHAT,
     OPT_LEASE,
     OPT_REF,
+    OPT_NO_REUSE,
     OPT_TURN_TEMPLATE,
     OPT_WINDOW_FROM,
     OPT_OUT,
@@ -1022,10 +1024,11 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     static const struct option opts[] = {
         {"prompt", required_argument, NULL, OPT_PROMPT}, {"file", required_argument, NULL, OPT_FILE},
         {"compress", required_argument, NULL, OPT_COMPRESS}, {"chat", no_argument, NULL, OPT_CHAT},
-        {"lease", required_argument, NULL, OPT_LEASE}, {"ref", no_argument, NULL, OPT_REF}, {NULL, 0, NULL, 0},
+        {"lease", required_argument, NULL, OPT_LEASE}, {"ref", no_argument, NULL, OPT_REF},
+        {"no-reuse", no_argument, NULL, OPT_NO_REUSE}, {NULL, 0, NULL, 0},
     };
     const char *prompt = NULL, *file = NULL, *spec = NULL;
-    bool chat = false, as_ref = false;
+    bool chat = false, as_ref = false, no_reuse = false;
     uint32_t lease = 0;
     int o;
     reset_getopt();
@@ -1036,6 +1039,7 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         case OPT_COMPRESS: spec = optarg; break;
         case OPT_CHAT: chat = true; break;
         case OPT_REF: as_ref = true; break;
+        case OPT_NO_REUSE: no_reuse = true; break;
         case OPT_LEASE:
             if (!parse_u32(optarg, &lease))
                 return usage_error("prefill", "--lease wants seconds, not '%s'", optarg);
@@ -1057,7 +1061,8 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     struct snapkv_prefill_opts po = {
         .text = text, .chat = chat, .compress = spec, .lease_seconds = lease, .progress = show_progress};
     struct snapkv_prefill_result pr;
-    int rc = snapkv_prefill(cl, &po, &pr);
+    uint32_t reused = 0;
+    int rc = snapkv_prefill_flags(cl, &po, no_reuse ? SNAPKV_PREFILL_NO_PREFIX_REUSE : 0, &pr, &reused);
     end_progress();
     if (rc) {
         failed("prefill", rc);
@@ -1068,13 +1073,16 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     id_ref(c->endpoint, &pr.id, ref, sizeof ref);
     ret = 0;
     if (c->json) {
-        ret = print_json(json_pack("{s:s, s:s, s:i, s:I, s:I, s:i, s:o}", "session", hex, "ref", ref, "n_tokens",
-                                   pr.n_tokens, "bytes_before", (json_int_t)pr.bytes_before, "bytes_after",
-                                   (json_int_t)pr.bytes_after, "next_token", pr.next_token, "layers",
-                                   layers_json(pr.layers, pr.n_layers, NULL, 0)));
+        ret = print_json(json_pack("{s:s, s:s, s:i, s:i, s:I, s:I, s:i, s:o}", "session", hex, "ref", ref,
+                                   "n_tokens", pr.n_tokens, "reused_tokens", reused, "bytes_before",
+                                   (json_int_t)pr.bytes_before, "bytes_after", (json_int_t)pr.bytes_after,
+                                   "next_token", pr.next_token, "layers", layers_json(pr.layers, pr.n_layers, NULL, 0)));
     } else {
         puts(as_ref ? ref : hex);
-        fprintf(stderr, "%u prompt tokens\n", pr.n_tokens);
+        if (reused)
+            fprintf(stderr, "%u prompt tokens (%u of them reused from another session)\n", pr.n_tokens, reused);
+        else
+            fprintf(stderr, "%u prompt tokens\n", pr.n_tokens);
         print_ratio("prefill", pr.bytes_before, pr.bytes_after);
     }
     snapkv_prefill_result_free(&pr);

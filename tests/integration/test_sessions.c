@@ -1684,6 +1684,177 @@ static int run_ctl(const struct daemon *d, const char *const *args, char *out, c
  * same values bit for bit; a decode sampled at temperature 1.5 gets the untempered ones;
  * top_logprobs past 20 is LIMIT (the session decodes on); snapkvctl decode --logprobs prints
  * them in JSON. */
+/* A stat of the daemon's STATS (-1 when it has none of that name). */
+static double stat_of(const char *admin, const char *name)
+{
+    snapkv_client_t *a = client(admin, NULL);
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, false, &st), SNAPKV_OK);
+    double v = -1;
+    for (size_t i = 0; i < st.n; i++)
+        if (!strcmp(st.stats[i].name, name))
+            v = st.stats[i].value;
+    snapkv_stats_free(&st);
+    snapkv_close(&a);
+    return v;
+}
+
+/* Sessions a and b keep the same original positions, layer by layer and head by head
+ * (INSPECT); returns a's blocks shared with other sessions. */
+static uint64_t assert_same_kept(const char *admin, const struct snapkv_session_id *a, const struct snapkv_session_id *b)
+{
+    snapkv_client_t *ad = client(admin, NULL);
+    struct snapkv_inspect_result x, y;
+    assert_int_equal(snapkv_admin_inspect(ad, a, true, &x), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(ad, b, true, &y), SNAPKV_OK);
+    assert_int_equal(x.n_layers, y.n_layers);
+    uint64_t shared = 0;
+    for (size_t l = 0; l < x.n_layers; l++)
+        for (uint32_t h = 0; h < x.layers[l].n_heads; h++) {
+            assert_int_equal(x.layers[l].kept_per_head[h], y.layers[l].kept_per_head[h]);
+            shared += x.layers[l].shared_blocks_per_head[h];
+        }
+    assert_true(x.n_positions > 0);
+    assert_int_equal(x.n_positions, y.n_positions);
+    assert_memory_equal(x.positions, y.positions, x.n_positions * sizeof *x.positions);
+    snapkv_inspect_result_free(&x);
+    snapkv_inspect_result_free(&y);
+    snapkv_close(&ad);
+    return shared;
+}
+
+static void progress_first(void *user, uint32_t done, uint32_t total)
+{
+    uint32_t *first = user;
+    if (first[0] == UINT32_MAX) {
+        first[0] = done;
+        first[1] = total;
+    }
+}
+
+/* Prefix reuse: a PREFILL takes the whole 16-token blocks of its prompt's start that another
+ * full-cache session of the tenant holds, and gives what a prefill of every token gives. */
+static void test_prefix_reuse(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    enum { N = 200, P = 100 };
+    struct daemon d;
+    start_daemon(&d, "256M");
+    uint32_t ids[N], other[N];
+    prompt(ids, N, 7);
+    prompt(other, N, 8);
+    snapkv_client_t *c = client(d.endpoint, "pa"), *c2 = client(d.endpoint, "pb");
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = P, .return_logits = true};
+    struct snapkv_prefill_result doc, reuse, fresh, r;
+    uint32_t reused = 1;
+    assert_int_equal(snapkv_prefill_flags(c, &po, 0, &doc, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 0); /* nothing to take yet */
+    /* the first 96 tokens (six whole blocks of the 100) come from doc */
+    po.n_tokens = N;
+    uint32_t first[2] = {UINT32_MAX, 0};
+    po.progress = progress_first;
+    po.progress_user = first;
+    assert_int_equal(snapkv_prefill_flags(c, &po, 0, &reuse, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 96);
+    assert_int_equal(reuse.n_tokens, N);
+    assert_int_equal(first[1], N);
+    assert_true(first[0] >= 96 && first[0] < N); /* the reused tokens count as done */
+    po.progress = NULL;
+    assert_int_equal(snapkv_prefill_flags(c, &po, SNAPKV_PREFILL_NO_PREFIX_REUSE, &fresh, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 0);
+    /* bit for bit what computing every token gives: logits, kept rows, bytes, the tokens after
+     * (the 104 tokens computed take the GEMM path, whose rows do not depend on how many) */
+    assert_int_equal(reuse.n_logits, fresh.n_logits);
+    assert_memory_equal(reuse.logits, fresh.logits, fresh.n_logits * sizeof *fresh.logits);
+    assert_int_equal(reuse.bytes_after, fresh.bytes_after);
+    /* doc's six blocks of every layer and KV head, shared */
+    assert_int_equal(assert_same_kept(d.admin, &reuse.id, &fresh.id), 6 * reuse.n_layers * reuse.layers[0].n_heads);
+    struct snapkv_decode_result da, db;
+    decode_gen(c, &reuse.id, &da);
+    decode_gen(c, &fresh.id, &db);
+    assert_memory_equal(da.tokens, db.tokens, N_GEN * sizeof *da.tokens);
+    snapkv_decode_result_free(&da);
+    snapkv_decode_result_free(&db);
+    assert_int_equal(stat_of(d.admin, "snapkv_prefix_reused_tokens_total"), 96);
+    assert_int_equal(stat_of(d.admin, "snapkv_prefix_reuse_hits_total"), 1);
+    /* the same prompt again: all but the last token's block (192 of 200), from the longest
+     * holder (reuse, fresh: 200 + 12 decoded tokens) */
+    assert_int_equal(snapkv_prefill_flags(c, &po, 0, &r, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 192);
+    /* its 8 computed tokens go through the small-batch kernels (activations quantized), an
+     * APPEND's: logits within 0.0024 on this model, where the whole prompt's GEMM gives those
+     * of fresh */
+    double dmax = 0;
+    for (size_t i = 0; i < fresh.n_logits; i++)
+        dmax = fmax(dmax, fabs((double)r.logits[i] - fresh.logits[i]));
+    print_message("a prefix of 192 of 200 tokens reused: logits within %.6f of a prefill of all\n", dmax);
+    assert_true(dmax < 0.01);
+    assert_int_equal(r.next_token, fresh.next_token);
+    snapkv_prefill_result_free(&r);
+    /* another tenant's sessions serve only their own tenant */
+    assert_int_equal(snapkv_prefill_flags(c2, &po, 0, &r, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 0);
+    assert_memory_equal(r.logits, fresh.logits, fresh.n_logits * sizeof *fresh.logits);
+    snapkv_prefill_result_free(&r);
+    /* SnapKV: the observation window's 32 tokens run, so 160 of 200 come from a full holder,
+     * and the kept rows are those a prefill of every token keeps */
+    po.compress = "policy=snapkv,budget=64";
+    struct snapkv_prefill_result sa, sb;
+    assert_int_equal(snapkv_prefill_flags(c, &po, 0, &sa, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 160);
+    assert_int_equal(snapkv_prefill_flags(c, &po, SNAPKV_PREFILL_NO_PREFIX_REUSE, &sb, &reused), SNAPKV_OK);
+    assert_same_kept(d.admin, &sa.id, &sb.id);
+    assert_memory_equal(sa.logits, sb.logits, sb.n_logits * sizeof *sb.logits);
+    assert_true(sa.bytes_after < reuse.bytes_after);
+    /* ... a compressed session serves nobody's prefix (its rows depend on its whole prompt);
+     * H2O's scores and SqueezeAttention's similarities take every token: they reuse none */
+    struct snapkv_prefill_opts oo = {.tokens = other, .n_tokens = N, .compress = "policy=snapkv,budget=64"};
+    assert_int_equal(snapkv_prefill_flags(c, &oo, 0, &r, &reused), SNAPKV_OK);
+    snapkv_prefill_result_free(&r);
+    oo.compress = NULL;
+    assert_int_equal(snapkv_prefill_flags(c, &oo, 0, &r, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 0);
+    snapkv_prefill_result_free(&r);
+    const char *whole[] = {"policy=h2o,budget=64", "policy=snapkv,alloc=squeeze,budget=64"};
+    for (int i = 0; i < 2; i++) {
+        po.compress = whole[i];
+        assert_int_equal(snapkv_prefill_flags(c, &po, 0, &r, &reused), SNAPKV_OK);
+        assert_int_equal(reused, 0);
+        snapkv_prefill_result_free(&r);
+    }
+    /* the blocks are shared copy-on-write: doc's release leaves the reusing session whole,
+     * and a decode appends to its own blocks */
+    assert_int_equal(snapkv_release(c, &doc.id), SNAPKV_OK);
+    decode_gen(c, &reuse.id, &da);
+    decode_gen(c, &fresh.id, &db);
+    assert_memory_equal(da.tokens, db.tokens, N_GEN * sizeof *da.tokens);
+    snapkv_decode_result_free(&da);
+    snapkv_decode_result_free(&db);
+    unsigned bad = 3;
+    assert_int_equal(snapkv_prefill_flags(c, &po, bad, &r, &reused), SNAPKV_E_INVAL);
+    snapkv_prefill_result_free(&reuse);
+    snapkv_prefill_result_free(&fresh);
+    snapkv_prefill_result_free(&sa);
+    snapkv_prefill_result_free(&sb);
+    snapkv_prefill_result_free(&doc);
+    snapkv_close(&c);
+    snapkv_close(&c2);
+    stop_daemon(&d);
+    /* prefix-reuse = no: nothing taken */
+    start_daemon_with(&d, "256M", "--prefix-reuse=no", 0);
+    c = client(d.endpoint, "pa");
+    po.compress = NULL;
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(snapkv_prefill_flags(c, &po, 0, &r, &reused), SNAPKV_OK);
+        assert_int_equal(reused, 0);
+        snapkv_prefill_result_free(&r);
+    }
+    assert_int_equal(stat_of(d.admin, "snapkv_prefix_reused_tokens_total"), 0);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 static void test_decode_logprobs(void **state)
 {
     (void)state;
@@ -4937,6 +5108,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
         cmocka_unit_test_teardown(test_kv_q8_0_daemon, kill_daemons),
         cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
+        cmocka_unit_test_teardown(test_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),

@@ -26,6 +26,7 @@ static void test_defaults(void **state)
     assert_int_equal(cfg.max_decodes_per_tenant, 32);
     assert_int_equal(skv_config_check(&cfg), SKV_OK);
     assert_true(cfg.foreground);
+    assert_true(cfg.prefix_reuse);
     /* production-sane network defaults: tcp:// needs CURVE, no HTTP metrics */
     assert_false(cfg.allow_insecure_tcp);
     assert_string_equal(cfg.curve_secret_key, "");
@@ -86,6 +87,10 @@ static void test_set(void **state)
     assert_true(cfg.foreground);
     assert_int_equal(skv_config_set(&cfg, "foreground", "yes"), SKV_OK);
     assert_int_equal(skv_config_set(&cfg, "foreground", "maybe"), SKV_E_INVAL);
+    assert_int_equal(skv_config_set(&cfg, "prefix-reuse", "no"), SKV_OK);
+    assert_false(cfg.prefix_reuse);
+    assert_int_equal(skv_config_set(&cfg, "prefix-reuse", "sometimes"), SKV_E_INVAL);
+    assert_false(cfg.prefix_reuse);
     assert_int_equal(skv_config_set(&cfg, "model", "/x/y.gguf"), SKV_OK);
     assert_string_equal(cfg.model, "/x/y.gguf");
     assert_int_equal(skv_config_set(&cfg, "unknown-key", "1"), SKV_E_NOT_FOUND);

@@ -421,6 +421,9 @@ static int setup(void **state)
     be->ops = &g_ops;
     if (skv_config_init(&f->cfg))
         return -1;
+    /* these tests prefill the same ids again and again and count, time and compare what each
+     * computes: a test of prefix reuse turns it on */
+    f->cfg.prefix_reuse = false;
     f->zctx = zmq_ctx_new();
     f->pull = zmq_socket(f->zctx, ZMQ_PULL);
     if (!f->pull || zmq_bind(f->pull, REPLIES) < 0)
@@ -749,6 +752,49 @@ static void test_append_over_quota(void **state)
     uint64_t after = 0;
     assert_int_equal(listed(f, b, &after, NULL), 32);
     assert_int_equal(after, bytes_b);
+}
+
+/* Prefix reuse and the tenant's bytes: the blocks a PREFILL takes from another session count
+ * for its tenant in each session holding them (as a FORK's), once for the pool; past the
+ * tenant's quota its idle sessions go first, the source too (the blocks stay, shared). */
+static void test_prefix_reuse_quota(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const double unit = mc->n_layers * mc->n_kv_heads; /* a block per layer and KV head */
+    for (int quota = 5; quota >= 4; quota--) {
+        restart_with_quota(f, quota); /* 80, then 64 rows per head */
+        uint8_t a[16], b[16];
+        prefill(f, 32, "policy=full", a); /* 2 blocks a head */
+        Snapkv__Reply *rep = prefill_reply(f, NULL, 40, "policy=full", 0);
+        if (rep->status)
+            fail_msg("PREFILL: %d %s", rep->status, rep->message);
+        assert_int_equal(rep->prefill->reused_tokens, 32);
+        assert_int_equal(rep->prefill->n_tokens, 40);
+        memcpy(b, rep->prefill->session_id.data, 16);
+        snapkv__reply__free_unpacked(rep, NULL);
+        uint64_t bytes = 0;
+        assert_int_equal(listed(f, b, &bytes, NULL), 40);
+        assert_int_equal(bytes, 3 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
+        assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 32 + 8);
+        assert_int_equal(stat(f, "snapkv_prefix_reused_tokens_total"), 32);
+        assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 3 * unit);
+        if (quota == 5) { /* a 2 + b 3 blocks a head */
+            assert_int_equal(listed(f, a, NULL, NULL), 32);
+            assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * unit);
+            assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
+        } else { /* 5 > 4: a, idle, went; its blocks are b's alone now */
+            assert_int_equal(listed(f, a, NULL, NULL), -1);
+            assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 0);
+            assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
+        }
+        /* another tenant's session takes nothing from these */
+        rep = prefill_reply(f, "u", 40, "policy=full", 0);
+        assert_int_equal(rep->status, SKV_OK);
+        assert_int_equal(rep->prefill->reused_tokens, 0);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
 }
 
 /* A full-cache PREFILL that cannot fit is refused before its forward (before, after it, with
@@ -4315,6 +4361,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_append_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_text_no_bos, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_reuse_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
