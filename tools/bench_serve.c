@@ -52,7 +52,7 @@
 #define STALL_MAX_TOKENS 2048      /* its DECODE's max_tokens (the daemon's max-new-tokens default) */
 #define STALL_YIELD_OFF 3600000    /* decode-yield-ms that never yields: the daemon before it could */
 
-enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 10 };
+enum { N_DEFAULT_SPECS = 3, MAX_SPECS = 8, N_PARTS = 11 };
 static const char *const default_spec_text[N_DEFAULT_SPECS] = {"", "policy=snapkv,ratio=0.1",
                                                                "policy=snapkv,alloc=squeeze,ratio=0.1"};
 static const char *const default_spec_name[N_DEFAULT_SPECS] = {"full", "snapkv 10%", "squeeze+snapkv 10%"};
@@ -147,6 +147,13 @@ static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* A PREFILL that computes every token: the parts that time prefills, or count what sessions
+ * hold, measure the model, not a prefix another of their sessions holds (--parts prefix does). */
+static int prefill_computed(snapkv_client_t *c, const struct snapkv_prefill_opts *po, struct snapkv_prefill_result *pr)
+{
+    return snapkv_prefill_flags(c, po, SNAPKV_PREFILL_NO_PREFIX_REUSE, pr, NULL);
 }
 
 /* Nearest-rank percentiles, mean, min and max of v (sorted in place), scaled by `scale`. */
@@ -647,7 +654,7 @@ static int child_requests(snapkv_client_t *c, const struct child_job *j, int idx
         struct snapkv_decode_result dr = {0};
         struct snapkv_sampling s;
         sampling_greedy(&s, j->decode_tokens);
-        if ((rc = snapkv_prefill(c, &po, &pr))) {
+        if ((rc = prefill_computed(c, &po, &pr))) {
             child_fail(r, "PREFILL", rc);
             break;
         }
@@ -983,7 +990,7 @@ static int prefill_long(struct serve_ctx *x, int spec, struct snapkv_session_id 
     struct snapkv_prefill_result pr;
     fprintf(stderr, "serve: prefill %d tokens, %s ...\n", n, x->spec_name[spec]);
     double t0 = now_s();
-    int rc = snapkv_prefill(x->cl, &po, &pr);
+    int rc = prefill_computed(x->cl, &po, &pr);
     *seconds = now_s() - t0;
     free(ids);
     if (rc)
@@ -1349,7 +1356,7 @@ static int stall_run(struct serve_ctx *x, int spec, json_t *out)
     fill_ids(prompt, STALL_SESSION_TOKENS, x->m->cfg.n_vocab, 11);
     struct snapkv_prefill_opts po = {.tokens = prompt, .n_tokens = STALL_SESSION_TOKENS};
     struct snapkv_prefill_result pr;
-    int rc = snapkv_prefill(x->cl, &po, &pr);
+    int rc = prefill_computed(x->cl, &po, &pr);
     if (rc)
         return client_fail("PREFILL of the decoding session", rc);
     sd.id = pr.id;
@@ -1368,7 +1375,7 @@ static int stall_run(struct serve_ctx *x, int spec, json_t *out)
     fill_ids(pb.ids, 8, x->m->cfg.n_vocab, 17);
     pthread_t probe;
     bool probing = false;
-    if (!(rc = snapkv_prefill(x->cl, &po, &pr))) {
+    if (!(rc = prefill_computed(x->cl, &po, &pr))) {
         pb.id = pr.id;
         snapkv_prefill_result_free(&pr);
         probing = pthread_create(&probe, NULL, probe_thread, &pb) == 0;
@@ -1521,7 +1528,7 @@ static void *fair_thread(void *arg)
     struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = (size_t)fc->n_tokens, .compress = fc->spec};
     struct snapkv_prefill_result pr = {0};
     const char *what = "PREFILL";
-    if (!rc && !(rc = snapkv_prefill(c, &po, &pr)) && fc->decode_tokens > 0) {
+    if (!rc && !(rc = prefill_computed(c, &po, &pr)) && fc->decode_tokens > 0) {
         struct snapkv_sampling sm;
         sampling_greedy(&sm, fc->decode_tokens);
         struct snapkv_decode_result dr = {0};
@@ -1684,7 +1691,7 @@ static int bench_checkpoint(struct serve_ctx *x, json_t *out)
         struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = (size_t)x->context};
         struct snapkv_prefill_result pr;
         fprintf(stderr, "serve: checkpoints: prefill %d of %d (%d tokens) ...\n", i + 1, CKPT_SESSIONS, x->context);
-        if ((rc = snapkv_prefill(x->cl, &po, &pr))) {
+        if ((rc = prefill_computed(x->cl, &po, &pr))) {
             rc = client_fail("PREFILL", rc);
             break;
         }
@@ -1915,7 +1922,7 @@ static int bench_events(struct serve_ctx *x, json_t *out)
         struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = EVENTS_DOC_TOKENS};
         struct snapkv_prefill_result pr = {0};
         fprintf(stderr, "serve: KV events: prefill of the %d-token document ...\n", EVENTS_DOC_TOKENS);
-        if ((rc = snapkv_prefill(x->cl, &po, &pr)))
+        if ((rc = prefill_computed(x->cl, &po, &pr)))
             rc = client_fail("PREFILL", rc);
         else
             doc = pr.id;
@@ -1932,6 +1939,77 @@ static int bench_events(struct serve_ctx *x, json_t *out)
         json_array_append_new(runs, o);
     }
     return rc ? rc : evict_all(x);
+}
+
+/* ---- 11. Prefix reuse: one document, several questions, as separate PREFILLs ---------------------- */
+
+#define PREFIX_DOC_TOKENS 2048
+#define PREFIX_QUESTION_TOKENS 64
+#define PREFIX_QUESTIONS 6        /* with the document, 7 full f32 sessions of ~100 MB: the 1 GiB pool */
+
+/* The document PREFILLed alone (full cache), then PREFIX_QUESTIONS PREFILLs of the document
+ * followed by a question each under spec `spec`, computing every token or with prefix reuse;
+ * their times, the tokens reused and the pool's bytes with all of them held. */
+static int prefix_run(struct serve_ctx *x, int spec, bool reuse, json_t *out)
+{
+    enum { N = PREFIX_DOC_TOKENS + PREFIX_QUESTION_TOKENS };
+    uint32_t *tok = malloc(N * sizeof *tok);
+    if (!tok)
+        return SKV_E_NOMEM;
+    int nv = x->m->cfg.n_vocab, rc = evict_all(x);
+    fill_ids(tok, PREFIX_DOC_TOKENS, nv, 4242);
+    fprintf(stderr, "serve: prefix, %s, %s ...\n", x->spec_name[spec], reuse ? "reused" : "computed");
+    struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = PREFIX_DOC_TOKENS};
+    struct snapkv_prefill_result pr = {0};
+    double t0 = now_s(), lat[PREFIX_QUESTIONS], used = 0;
+    if (!rc && (rc = prefill_computed(x->cl, &po, &pr)))
+        rc = client_fail("PREFILL", rc);
+    double doc_s = now_s() - t0;
+    snapkv_prefill_result_free(&pr);
+    po.n_tokens = N;
+    po.compress = x->spec_text[spec][0] ? x->spec_text[spec] : NULL;
+    uint64_t reused_sum = 0, kept = 0;
+    for (int q = 0; q < PREFIX_QUESTIONS && !rc; q++) {
+        fill_ids(tok + PREFIX_DOC_TOKENS, PREFIX_QUESTION_TOKENS, nv, 9000 + (uint64_t)q);
+        uint32_t reused = 0;
+        t0 = now_s();
+        if ((rc = snapkv_prefill_flags(x->cl, &po, reuse ? 0 : SNAPKV_PREFILL_NO_PREFIX_REUSE, &pr, &reused)))
+            rc = client_fail("PREFILL", rc);
+        lat[q] = now_s() - t0;
+        reused_sum += reused;
+        kept += pr.bytes_after;
+        snapkv_prefill_result_free(&pr);
+    }
+    if (!rc)
+        rc = stat_get(x->admin, "snapkv_pool_bytes_used", &used);
+    free(tok);
+    if (rc)
+        return rc;
+    json_object_set_new(out, "spec", json_string(x->spec_name[spec]));
+    json_object_set_new(out, "reuse", json_boolean(reuse));
+    json_object_set_new(out, "document_prefill_s", json_real(doc_s));
+    json_object_set_new(out, "prefill_s", summary_json(lat, PREFIX_QUESTIONS, 1.0));
+    json_object_set_new(out, "reused_tokens_mean", json_real((double)reused_sum / PREFIX_QUESTIONS));
+    json_object_set_new(out, "sessions_bytes", json_integer((json_int_t)kept));
+    json_object_set_new(out, "pool_bytes_used", json_integer((json_int_t)used));
+    return evict_all(x);
+}
+
+static int bench_prefix(struct serve_ctx *x, json_t *out)
+{
+    json_object_set_new(out, "document_tokens", json_integer(PREFIX_DOC_TOKENS));
+    json_object_set_new(out, "question_tokens", json_integer(PREFIX_QUESTION_TOKENS));
+    json_object_set_new(out, "questions", json_integer(PREFIX_QUESTIONS));
+    json_t *runs = json_array();
+    json_object_set_new(out, "runs", runs);
+    int rc = SKV_OK;
+    for (int s = 0; s < x->n_specs && !rc; s++)
+        for (int k = 0; k < 2 && !rc; k++) {
+            json_t *o = json_object();
+            json_array_append_new(runs, o);
+            rc = prefix_run(x, s, k == 1, o);
+        }
+    return rc;
 }
 
 /* ---- 9. Several daemons: sessions placed by document, or round robin ----------------------------- */
@@ -1962,7 +2040,7 @@ static int spread_request(snapkv_client_t *cl, struct snapkv_session_id *doc, bo
         fill_ids(tok, SPREAD_DOC_TOKENS, n_vocab, 1000 + (uint64_t)d);
         struct snapkv_prefill_opts po = {.tokens = tok, .n_tokens = SPREAD_DOC_TOKENS};
         struct snapkv_prefill_result pr = {0};
-        rc = snapkv_prefill(cl, &po, &pr);
+        rc = prefill_computed(cl, &po, &pr);
         free(tok);
         if (rc)
             return client_fail("PREFILL", rc);
@@ -2215,7 +2293,7 @@ static int store_run(struct serve_ctx *x, snapkv_client_t *ca, snapkv_client_t *
     fprintf(stderr, "serve: store, %s: prefill %d tokens on A ...\n", x->spec_name[spec], n);
     struct snapkv_prefill_result pr;
     double t0 = now_s();
-    rc = snapkv_prefill(ca, &po, &pr);
+    rc = prefill_computed(ca, &po, &pr);
     double prefill_s = now_s() - t0;
     free(ids);
     if (rc)
@@ -2577,6 +2655,24 @@ static void print_table(FILE *f, const json_t *j)
                     jnum(o, "first_decode_s"), jnum(o, "next_decode_s"));
         }
     }
+    const json_t *px = json_object_get(j, "prefix");
+    if (!part_skipped(f, px, "Prefix reuse")) {
+        fprintf(f, "\nPrefix reuse: a document of %lld tokens PREFILLed alone (full cache), then %lld PREFILLs of it "
+                   "followed by a question of %lld tokens each\n"
+                   "| spec | prefix | tokens reused | PREFILL p50 / max s | KV MB the sessions hold | pool MB used |\n"
+                   "|---|---|---|---|---|---|\n",
+                jint(px, "document_tokens"), jint(px, "questions"), jint(px, "question_tokens"));
+        size_t k;
+        const json_t *o;
+        json_array_foreach(json_object_get(px, "runs"), k, o) {
+            const json_t *ps = json_object_get(o, "prefill_s");
+            if (!ps) /* a run that failed */
+                continue;
+            fprintf(f, "| %s | %s | %.0f | %.3f / %.3f | %.1f | %.1f |\n", json_string_value(json_object_get(o, "spec")),
+                    json_is_true(json_object_get(o, "reuse")) ? "reused" : "computed", jnum(o, "reused_tokens_mean"),
+                    jnum(ps, "p50"), jnum(ps, "max"), jnum(o, "sessions_bytes") / 1e6, jnum(o, "pool_bytes_used") / 1e6);
+        }
+    }
     const json_t *g = json_object_get(j, "goals");
     if (g && json_object_size(g)) {
         fprintf(f, "\n| goal | measured | met |\n|---|---|---|\n");
@@ -2673,13 +2769,14 @@ static int parse_specs(struct serve_ctx *x, const char *list)
 }
 
 /* --parts: which of roundtrip, throughput, capacity, decode, stall, fair, checkpoint, events,
- * spread, store run (NULL: all but checkpoint, events, spread and store). */
+ * spread, store, prefix run (NULL: all but checkpoint, events, spread, store and prefix). */
 static int parse_parts(const char *list, bool on[N_PARTS])
 {
     static const char *const names[N_PARTS] = {"roundtrip", "throughput", "capacity", "decode", "stall",
-                                               "fair",      "checkpoint", "events",   "spread",     "store"};
+                                               "fair",      "checkpoint", "events",   "spread",     "store",
+                                               "prefix"};
     for (int i = 0; i < N_PARTS; i++)
-        on[i] = !list && i < 6; /* checkpoint, events, spread, store: only when asked for */
+        on[i] = !list && i < 6; /* checkpoint, events, spread, store, prefix: only when asked for */
     for (const char *p = list; p && *p;) {
         size_t len = strcspn(p, ",");
         int i = 0;
@@ -2688,7 +2785,7 @@ static int parse_parts(const char *list, bool on[N_PARTS])
         if (i == N_PARTS)
             return skv_errorf(SKV_E_INVAL,
                               "--parts: unknown part '%.*s' (roundtrip, throughput, capacity, decode, stall, fair, "
-                              "checkpoint, events, spread, store)",
+                              "checkpoint, events, spread, store, prefix)",
                               (int)len, p);
         on[i] = true;
         p += len + (p[len] == ',');
@@ -2830,6 +2927,11 @@ int skv_bench_serve(struct skv_engine *e, struct skv_model *m, const struct skv_
         json_t *so = json_object();
         rc = bench_store(&x, so);
         json_object_set_new(j, "store", so);
+    }
+    if (!rc && part[10]) {
+        json_t *px = json_object();
+        rc = bench_prefix(&x, px);
+        json_object_set_new(j, "prefix", px);
     }
     json_object_set_new(j, "seconds", json_real(now_s() - t_all));
     json_object_set_new(j, "load_1min_end", json_real(load_1min()));
