@@ -207,7 +207,7 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     # the code prompt as tokens (a packed repeated field), its decode streamed
     code = PROMPTS["code"]
     rep = c.call("prefill", pb.PrefillRequest(tokens=code["ids"]))
-    csid = rep.prefill.session_id
+    csid, code_next = rep.prefill.session_id, rep.prefill.next_token
     check(rep.status == OK and rep.prefill.n_tokens == len(code["ids"]), f"PREFILL tokens: {len(code['ids'])}")
     parts = c.replies(c.send("decode", pb.DecodeRequest(session_id=csid, stream=True,
                                                         sampling=pb.Sampling(max_tokens=12))))
@@ -215,6 +215,18 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     check(all(r.status == OK for r in parts) and len(parts) > 2 and not any(r.final for r in parts[:-1])
           and streamed == code["greedy"]["ids"][:12] and parts[-1].decode.n_generated == 12,
           f"DECODE stream: {len(parts)} replies, their tokens the 12 of transformers' generate")
+
+    # the code prompt again: its whole 16-token blocks but the last token's come from the first
+    # session (prefix reuse), the next token the same; with no_prefix_reuse, none
+    n = len(code["ids"])
+    for opt_out in (False, True):
+        rep = c.call("prefill", pb.PrefillRequest(tokens=code["ids"], no_prefix_reuse=opt_out))
+        want_reused = 0 if opt_out else (n - 1) // 16 * 16
+        check(rep.status == OK and rep.prefill.reused_tokens == want_reused and rep.prefill.next_token == code_next,
+              f"PREFILL again{' (no_prefix_reuse)' if opt_out else ''}: {rep.prefill.reused_tokens} of {n} tokens "
+              f"reused, next token {rep.prefill.next_token}")
+        rep = c.call("release", pb.ReleaseRequest(session_id=rep.prefill.session_id))
+        check(rep.status == OK, "RELEASE")
 
     # a chat turn rendered with the model's template, as apply_chat_template(add_generation_prompt)
     chat = PROMPTS["chat"]
