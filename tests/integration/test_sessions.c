@@ -1797,16 +1797,26 @@ static void test_prefix_reuse(void **state)
     assert_int_equal(reused, 0);
     assert_memory_equal(r.logits, fresh.logits, fresh.n_logits * sizeof *fresh.logits);
     snapkv_prefill_result_free(&r);
-    /* SnapKV: the observation window's 32 tokens run, so 160 of 200 come from a full holder,
-     * and the kept rows are those a prefill of every token keeps */
-    po.compress = "policy=snapkv,budget=64";
+    /* SnapKV, StreamingLLM, window, PyramidKV (head granularity): the observation window's 32
+     * tokens run, so 160 of 200 come from a full holder, and the kept rows are those a prefill
+     * of every token keeps */
     struct snapkv_prefill_result sa, sb;
-    assert_int_equal(snapkv_prefill_flags(c, &po, 0, &sa, &reused), SNAPKV_OK);
-    assert_int_equal(reused, 160);
-    assert_int_equal(snapkv_prefill_flags(c, &po, SNAPKV_PREFILL_NO_PREFIX_REUSE, &sb, &reused), SNAPKV_OK);
-    assert_same_kept(d.admin, &sa.id, &sb.id);
-    assert_memory_equal(sa.logits, sb.logits, sb.n_logits * sizeof *sb.logits);
-    assert_true(sa.bytes_after < reuse.bytes_after);
+    const char *windowed[] = {"policy=streaming,budget=64", "policy=window,budget=64",
+                              "policy=snapkv,alloc=pyramid,budget=64,granularity=head",
+                              "policy=snapkv,budget=64"}; /* the last stays for below */
+    for (int i = 0; i < 4; i++) {
+        po.compress = windowed[i];
+        assert_int_equal(snapkv_prefill_flags(c, &po, 0, &sa, &reused), SNAPKV_OK);
+        assert_int_equal(reused, 160);
+        assert_int_equal(snapkv_prefill_flags(c, &po, SNAPKV_PREFILL_NO_PREFIX_REUSE, &sb, &reused), SNAPKV_OK);
+        assert_same_kept(d.admin, &sa.id, &sb.id);
+        assert_memory_equal(sa.logits, sb.logits, sb.n_logits * sizeof *sb.logits);
+        assert_true(sa.bytes_after < reuse.bytes_after);
+        if (i < 3) {
+            snapkv_prefill_result_free(&sa);
+            snapkv_prefill_result_free(&sb);
+        }
+    }
     /* ... a compressed session serves nobody's prefix (its rows depend on its whole prompt);
      * H2O's scores and SqueezeAttention's similarities take every token: they reuse none */
     struct snapkv_prefill_opts oo = {.tokens = other, .n_tokens = N, .compress = "policy=snapkv,budget=64"};
