@@ -62,8 +62,13 @@ static const struct skv_config_option options[] = {
      "so a subscriber learns of a restarted daemon (its boot id) without waiting for an event; 0: none (a "
      "reader that takes every message for one event)"},
     {"prefix-reuse", SKV_CFG_BOOL, OPT(prefix_reuse), "yes", 0, 0,
-     "a PREFILL whose prompt begins with whole 16-token blocks another full-cache session of the same tenant "
-     "holds shares those blocks copy-on-write and computes only the rest (a PREFILL may opt out)"},
+     "a PREFILL whose prompt begins with whole KV blocks (kv-block-tokens) another full-cache session of the "
+     "same tenant holds, computed by its PREFILLs or APPENDs, shares those blocks copy-on-write and computes "
+     "only the rest, with the same results (a PREFILL may opt out)"},
+    {"prefix-retain-bytes", SKV_CFG_SIZE, OPT(prefix_retain_bytes), "0", 0, INT64_C(1) << 42,
+     "with prefix-reuse, a full-cache session RELEASEd is kept for it (its blocks, copy-on-write: what other "
+     "sessions share costs nothing more), up to this many bytes together, least recently used going first; "
+     "kept ones are the first to go when the pool needs room, and go after lease-seconds unused; 0: none"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},

@@ -65,6 +65,7 @@ struct skv_config {
     char *events_replay_endpoint; /* ROUTER answering KvReplayRequest (ipc:// only); "" off */
     int64_t events_heartbeat_seconds; /* an idle events stream's heartbeat; 0 none */
     bool prefix_reuse;        /* a PREFILL shares the KV of a prompt prefix another of the tenant's sessions holds */
+    int64_t prefix_retain_bytes; /* released full-cache sessions' KV kept for that, up to this; 0 none */
     bool persist;             /* sessions saved at stop and restored, with their ids, at start */
     int64_t persist_max_seconds; /* the time the save at stop may take */
     int64_t persist_interval_seconds; /* also saved (a checkpoint) this often when idle; 0: at stop only */

@@ -425,8 +425,13 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     /* inside another forward's yield the main engine is that forward's: a short request runs on
      * the decode engine, a request run nested (fair-slice-ms) on its own */
     struct skv_engine *e = w->yielding ? w->decode_engine : w->nesting ? w->nested_engine : w->engine;
+    int from = s->cache->n_past;
+    if (s->exact_rows > from) /* rows from `from` on are written again */
+        s->exact_rows = from;
     if (!rc)
         rc = skv_engine_forward(e, s->cache, ids, n, &fo, s->logits);
+    if (!rc && s->exact_rows == from && n > skv_engine_small_forward(e))
+        s->exact_rows = from + n;
     s->busy = was_busy;
     w->forward_session = outer;
     if (!rc && s->comp && compress)
@@ -586,97 +591,117 @@ static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, b
     return rc;
 }
 
-/* Room for a compressing PREFILL of n tokens into s's empty cache: the blocks its layers hold
- * once each is cut (skv_compressor_prefill_blocks), held like reserve_forward's. */
+/* Room for a compressing PREFILL of n tokens into s's cache (empty, or a reused prefix): the
+ * blocks its layers hold once each is cut (skv_compressor_prefill_blocks), held like
+ * reserve_forward's. The tenant holds the prefix's blocks already (s's bytes), which the cut
+ * layers give back: what they keep past those is new to it; to the pool all of it is. */
 static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int n)
 {
     uint64_t bytes =
         (uint64_t)skv_compressor_prefill_blocks(s->comp, s->cache, n) * skv_kv_pool_block_bytes(s->cache->pool);
-    int rc = skv_session_reserve(w->sessions, s, bytes, bytes, NULL);
+    uint64_t prefix = skv_kv_cache_bytes(s->cache), held = bytes > prefix ? bytes - prefix : 0;
+    int rc = skv_session_reserve(w->sessions, s, held, bytes, NULL);
     if (!rc && !w->nesting && !w->yielding)
-        skv_session_hold_room(w->sessions, s, bytes, bytes);
+        skv_session_hold_room(w->sessions, s, held, bytes);
     return rc;
 }
 
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
 
-/* Prefix reuse: the session of the tenant whose token history begins with the longest run of
- * whole blocks of the prompt, among those whose KV is every row the daemon computed for that
- * history (policy full, no row evicted) and that no forward is half way through. */
+/* Prefix reuse: the session of the tenant, or the prefix it RELEASEd and the daemon kept
+ * (prefix-retain-bytes), whose token history begins with the longest run of whole blocks of the
+ * prompt, among those whose KV is every row the daemon computed for that history (policy full,
+ * no row evicted) and that no forward is half way through. */
 struct prefix_find {
     const struct skv_session *self, *in_forward;
     const char *tenant;
     const int32_t *ids;
     int limit;                  /* reuse at most this many tokens */
     int best;
-    struct skv_session *src;
+    const struct skv_kv_cache *cache; /* best's */
+    struct skv_session *src;          /* a session's, or ... */
+    struct skv_prefix_entry *entry;   /* ... a kept prefix's */
 };
+
+/* How many tokens of f's prompt a history serves whose first `exact` rows may be reused (its
+ * exact_rows): their common start, in whole blocks of block_rows, when that beats f's best so
+ * far (else 0). */
+static int prefix_match(const struct prefix_find *f, const int32_t *tokens, int exact, int block_rows)
+{
+    int cap = exact < f->limit ? exact : f->limit, k = 0;
+    while (k < cap && tokens[k] == f->ids[k])
+        k++;
+    k -= k % block_rows;
+    return k > f->best ? k : 0;
+}
 
 static bool prefix_visit(void *user, struct skv_session *s)
 {
     struct prefix_find *f = user;
-    const struct skv_kv_cache *c = s->cache;
-    if (s == f->self || s == f->in_forward || s->comp || !c || s->n_tokens != c->n_past ||
-        strcmp(s->tenant, f->tenant) != 0)
+    if (s == f->self || s == f->in_forward || s->comp || !s->cache || strcmp(s->tenant, f->tenant) != 0)
         return false;
-    int cap = s->n_tokens < f->limit ? s->n_tokens : f->limit, k = 0;
-    while (k < cap && s->tokens[k] == f->ids[k])
-        k++;
-    k -= k % c->block_rows;
-    if (k <= f->best)
-        return false;
-    /* a forward under way has more rows in its done layers than n_past; a sliding window
-     * dropped the oldest rows */
-    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
-        if (c->heads[i].len != c->n_past || c->heads[i].pos[k - 1] != k - 1)
-            return false;
-    f->best = k;
-    f->src = s;
+    int exact = s->exact_rows < s->n_tokens ? s->exact_rows : s->n_tokens;
+    int k = prefix_match(f, s->tokens, exact, s->cache->block_rows);
+    if (k && skv_prefix_cache_whole(s->cache, s->n_tokens)) {
+        f->best = k;
+        f->cache = s->cache;
+        f->src = s;
+    }
     return false;
 }
 
 /* The tokens a PREFILL of ids[0..n) into s (its spec set, its cache empty) can take from
- * another session: a compressing one keeps its whole observation window to run (the rows it
- * scores are then what a prefill of the whole prompt scores), H2O's scores and
- * SqueezeAttention's similarities need every query, so they take none; a full one runs at
- * least the last token, for its logits. */
-static int prefix_limit(const struct skv_session *s, int n)
+ * another session. It computes more than `small` tokens (the engine's small-batch size), so its
+ * rows come from the kernels a prefill of the whole prompt takes, and the logits and kept rows
+ * are that prefill's; a compressing one also its whole observation window (the rows it scores
+ * are then what a prefill of the whole prompt scores). H2O's scores and SqueezeAttention's
+ * similarities need every query: they take none. */
+static int prefix_limit(const struct skv_session *s, int n, int small)
 {
     const struct skv_compress_spec *sp = s->comp ? skv_compressor_spec(s->comp) : NULL;
-    if (!sp)
-        return n - 1;
-    if (sp->policy == SKV_POLICY_H2O || sp->alloc == SKV_ALLOC_SQUEEZE)
+    if (sp && (sp->policy == SKV_POLICY_H2O || sp->alloc == SKV_ALLOC_SQUEEZE))
         return 0;
-    return n - (sp->window > 1 ? sp->window : 1);
+    int run = sp && sp->window > small ? sp->window : small + 1;
+    return n - run;
 }
 
 /* Puts into s (its cache empty) the longest whole-block prefix of ids another session of its
- * tenant holds (copy-on-write: the blocks are shared), and those tokens into its history.
- * *reused: how many (0: none found; s unchanged). */
+ * tenant, or a kept prefix, holds (copy-on-write: the blocks are shared), and those tokens into
+ * its history. *reused: how many (0: none found, or no memory for the copy; s unchanged). */
 static int reuse_prefix(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, int *reused)
 {
-    struct prefix_find f = {s, w->forward_session, s->tenant, ids, prefix_limit(s, n), 0, NULL};
+    int small = skv_engine_small_forward(w->engine);
+    struct prefix_find f = {s, w->forward_session, s->tenant, ids, prefix_limit(s, n, small), 0, NULL, NULL, NULL};
     *reused = 0;
     if (f.limit < s->cache->block_rows)
         return SKV_OK;
     skv_session_foreach(w->sessions, prefix_visit, &f);
-    if (!f.src)
+    for (struct skv_prefix_entry *e = w->prefix.head; e; e = e->next) {
+        int k = strcmp(e->tenant, s->tenant) == 0 ? prefix_match(&f, e->tokens, e->n_rows, e->cache->block_rows) : 0;
+        if (k) {
+            f.best = k;
+            f.cache = e->cache;
+            f.entry = e;
+            f.src = NULL;
+        }
+    }
+    if (!f.cache)
         return SKV_OK;
     struct skv_kv_cache *c = NULL;
-    int rc = skv_kv_cache_clone(f.src->cache, &c);
-    for (int i = 0; !rc && i < c->n_layers * c->n_kv_heads; i++)
-        rc = skv_kv_cache_truncate(c, i / c->n_kv_heads, i % c->n_kv_heads, f.best);
-    if (!rc)
-        rc = skv_session_push_tokens(s, ids, f.best);
-    if (rc) {
+    int rc = skv_kv_cache_clone_rows(f.cache, f.best, &c);
+    if (!rc && (rc = skv_session_push_tokens(s, ids, f.best))) {
         skv_kv_cache_free(&c);
         s->n_tokens = 0;
-        return rc;
     }
-    c->n_past = f.best;
+    if (rc)
+        return rc;
     skv_kv_cache_free(&s->cache);
     s->cache = c;
-    f.src->last_used_ms = skv_now_ms(); /* a prefix in use stays longer in the LRU order */
+    s->exact_rows = f.best;
+    /* a kept prefix in use stays longer in the LRU order (a session's lease and idle time are
+     * its clients' to keep) */
+    if (f.entry)
+        f.entry->last_used_ms = skv_now_ms();
     *reused = f.best;
     return SKV_OK;
 }
@@ -704,7 +729,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
                                                                                 : cfg->default_compress;
     int reused = 0;
     if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)) ||
-        (cfg->prefix_reuse && !p->no_prefix_reuse && (rc = reuse_prefix(w, s, ids, n, &reused))))
+        (cfg->prefix_reuse && !p->no_prefix_reuse && (rc = reuse_prefix(w, s, ids, n, &reused)) &&
+         rc != SKV_E_NOMEM)) /* without the copy, every token is computed */
         goto fail;
     /* the bytes are known before the forward: a cache that cannot fit is refused (or room
      * made) before the work, not after it with the pool already past its size. A compressing
@@ -985,6 +1011,7 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
     memcpy(s->spec, src->spec, sizeof s->spec);
     s->n_text_pending = (uint8_t)text_pending(w, src, s->text_pending);
     s->prompt_len = src->prompt_len;
+    s->exact_rows = src->exact_rows;
     s->lease_seconds = src->lease_seconds;
     src->last_used_ms = skv_now_ms();
     if ((rc = skv_session_charge(w->sessions, s, NULL)))
@@ -1020,6 +1047,8 @@ static void handle_release(struct skv_worker *w, struct skv_job *job)
         fail_rc(w, job, rc);
         return;
     }
+    if (s && w->cfg->prefix_reuse && skv_prefix_cache_keep(&w->prefix, s, skv_now_ms()))
+        skv_log(SKV_LOG_WARN, "RELEASE: no memory to keep the session's prefix"); /* released all the same */
     if (s)
         skv_session_destroy(w->sessions, s);
     Snapkv__Reply rep;
@@ -2153,6 +2182,7 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
         skv_session_destroy(w->sessions, s);
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
         skv_session_foreach(w->sessions, evict_visit, &e);
+        skv_prefix_cache_clear(&w->prefix, q->all_unpinned ? NULL : q->tenant); /* counted in bytes_freed */
     } else {
         skv_requests_fail(w, job, SKV_E_INVAL, "EVICT needs a session id, a tenant or all_unpinned");
         return;

@@ -22,6 +22,8 @@ struct skv_session_table {
     void *on_destroy_user;
     void (*on_evict)(void *user, struct skv_session *s);
     void *on_evict_user;
+    bool (*on_pressure)(void *user);
+    void *on_pressure_user;
     uint64_t evictions;
     uint64_t mark; /* the last mark_kept's (blocks carry it: skv_kv_block.mark) */
     /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
@@ -187,6 +189,12 @@ void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *us
 }
 
 /* A session the table drops on its own (eviction, a lease that ran out): on_evict first. */
+void skv_session_table_on_pressure(struct skv_session_table *t, bool (*fn)(void *user), void *user)
+{
+    t->on_pressure = fn;
+    t->on_pressure_user = user;
+}
+
 static void evict(struct skv_session_table *t, struct skv_session *s)
 {
     if (t->on_evict)
@@ -417,6 +425,9 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     if (t->hold.s && t->hold.s != s && strcmp(t->hold.s->tenant, s->tenant) == 0)
         tenant_bytes += t->hold.held;
     uint64_t used = pool_bytes_used(t) + more_unique;
+    /* what the pool holds only for reuse goes before any session */
+    while (used > t->lim.pool_bytes && t->on_pressure && t->on_pressure(t->on_pressure_user))
+        used = pool_bytes_used(t) + more_unique;
     /* evict nothing for a request that cannot fit even with every candidate gone (the
      * candidates are counted only when a limit is passed: this runs for every decoded token) */
     if (tenant_bytes > t->lim.max_bytes_per_tenant) {

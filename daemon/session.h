@@ -28,6 +28,10 @@ struct skv_session {
     int32_t *tokens;              /* token history (prompt, appends, generated) */
     int n_tokens, cap_tokens;
     int32_t prompt_len;           /* original prompt length */
+    int32_t exact_rows;           /* its first rows a prefix reuse may take: computed here from its tokens
+                                     by forwards past the engine's small-batch size (PREFILL, APPEND), so
+                                     as a prefill of more tokens computes them; 0 after IMPORT_KV, LOAD,
+                                     a restore; rows from decode steps never count */
     struct skv_kv_cache *cache;
     struct skv_compressor *comp;  /* NULL for policy=full */
     char spec[256];
@@ -80,6 +84,10 @@ void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *
  * asks for. How an evicted session is kept elsewhere (store = ...). */
 void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
                                 void *user);
+/* Calls fn(user) while the pool would be past its size, before any session is evicted for
+ * room: it frees what it can (retained prefixes, prefix_cache.h) and returns false when it has
+ * nothing more to free. */
+void skv_session_table_on_pressure(struct skv_session_table *t, bool (*fn)(void *user), void *user);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or

@@ -19,6 +19,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "(prefix-reuse)",
          (double)m->prefix_reused_tokens},
         {"snapkv_prefix_reuse_hits_total", "PREFILLs that reused a prefix", (double)m->prefix_reuse_hits},
+        {"snapkv_prefix_retained", "released full-cache sessions whose KV is kept for prefix reuse "
+         "(prefix-retain-bytes)", (double)in->prefix_retained},
+        {"snapkv_prefix_retained_bytes", "their blocks' bytes (a block several hold counts for each; the pool "
+         "holds it once)", (double)in->prefix_retained_bytes},
         {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
         {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
          (double)m->decode_batches},

@@ -158,6 +158,8 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         n_decodes++;
     *out = (struct skv_stats_input){
         .metrics = w->metrics,
+        .prefix_retained = (uint64_t)w->prefix.n,
+        .prefix_retained_bytes = w->prefix.bytes,
         .n_sessions = (uint64_t)st.n_sessions,
         .pool_bytes_used = st.bytes_used,
         .pool_bytes_total = (uint64_t)w->cfg->pool_size,
@@ -263,6 +265,12 @@ static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
     }
     w->metrics.decodes_cancelled_gone += (uint64_t)n;
     return n;
+}
+
+/* The session table's pressure hook: a retained prefix goes before any session. */
+static bool drop_retained(void *user)
+{
+    return skv_prefix_cache_drop_lru(user);
 }
 
 static void publish_stats(struct skv_worker *w)
@@ -942,6 +950,7 @@ static void *worker_main(void *arg)
             int n = skv_session_expire(w->sessions, now);
             if (n)
                 skv_log(SKV_LOG_INFO, "released %d session(s) past their lease", n);
+            skv_prefix_cache_expire(&w->prefix, now, (uint64_t)w->cfg->lease_seconds * 1000);
             w->persist_dirty |= n > 0;
             last_expire = now;
             publish_tenants(w);
@@ -1002,8 +1011,11 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
         .max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant,
     };
     int rc = skv_session_table_new(&lim, &w->sessions);
-    if (!rc)
+    w->prefix.cap = (uint64_t)cfg->prefix_retain_bytes;
+    if (!rc) {
         skv_session_table_on_destroy(w->sessions, event_removed, w);
+        skv_session_table_on_pressure(w->sessions, drop_retained, &w->prefix);
+    }
     if (!rc && cfg->store && *cfg->store &&
         !(rc = skv_store_open(cfg, &w->store, w->store_mac_key, &w->store_signed, w->store_accept_key,
                               &w->store_accept)))
@@ -1355,6 +1367,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     skv_engine_free(&w->engine);
     skv_engine_free(&w->decode_engine);
     skv_engine_free(&w->nested_engine);
+    skv_prefix_cache_clear(&w->prefix, NULL); /* their blocks go back to the pool before it goes */
     skv_session_table_free(&w->sessions);
     skv_store_free(&w->store);
     explicit_bzero(w->store_mac_key, sizeof w->store_mac_key);

@@ -8,6 +8,7 @@
 #include <stdbool.h>
 
 #include "daemon/engine/sampler.h"
+#include "daemon/prefix_cache.h"
 #include "daemon/session.h"
 #include "daemon/stats.h"
 #include "daemon/worker.h"
@@ -76,6 +77,7 @@ struct skv_worker {
     struct skv_engine *decode_engine; /* decode rounds' own buffers (they may run inside a forward of engine) */
     struct skv_engine *nested_engine; /* a request run inside a long forward of engine (fair-slice-ms) */
     struct skv_session_table *sessions;
+    struct skv_prefix_cache prefix; /* released sessions' KV kept for prefix reuse (prefix-retain-bytes) */
     struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
     unsigned char store_mac_key[32]; /* (SKV_STORE_KEY_BYTES) */

@@ -343,10 +343,11 @@ struct snapkv_prefill_result {
 SNAPKV_API int snapkv_prefill(snapkv_client_t *client, const struct snapkv_prefill_opts *opts,
                               struct snapkv_prefill_result *out);
 /* snapkv_prefill with flags (0 or SNAPKV_PREFILL_*; another bit: SNAPKV_E_INVAL). A daemon with
- * prefix-reuse (its default) takes the KV of the prompt's longest run of whole 16-token blocks
- * that another full-cache session of the same tenant holds, shared copy-on-write, and computes
- * only the rest; *reused_tokens (may be NULL) is how many tokens it took (0 from a daemon
- * older than protocol field PrefillReply.reused_tokens). */
+ * prefix-reuse (its default) takes the KV of the prompt's longest run of whole KV blocks (16
+ * tokens by default) that another full-cache session of the same tenant holds (or, with
+ * prefix-retain-bytes, held before its RELEASE), shared copy-on-write, and computes only the
+ * rest, with the same results; *reused_tokens (may be NULL) is how many tokens it took (0 from a
+ * daemon older than protocol field PrefillReply.reused_tokens). */
 #define SNAPKV_PREFILL_NO_PREFIX_REUSE 1u /* compute every token of the prompt */
 SNAPKV_API int snapkv_prefill_flags(snapkv_client_t *client, const struct snapkv_prefill_opts *opts, unsigned flags,
                                     struct snapkv_prefill_result *out, uint32_t *reused_tokens);

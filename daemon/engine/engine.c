@@ -4,6 +4,7 @@
 #include "daemon/engine/engine.h"
 #include "common/status.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -271,15 +272,17 @@ int skv_kv_cache_fit(struct skv_kv_cache *c, int layer, int slack)
     return SKV_OK;
 }
 
-int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer)
+/* copy_layer of each head's first `rows` rows at most. */
+static int copy_layer_rows(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer, int rows)
 {
     if (dst->pool != src->pool || dst->head_dim != src->head_dim)
         return skv_errorf(SKV_E_INVAL, "KV cache: copying a layer between different pools");
     for (int h = 0; h < dst->n_kv_heads; h++) {
         const struct skv_kv_head *s = &src->heads[layer * src->n_kv_heads + h];
         struct skv_kv_head *d = skv_kv_cache_head(dst, layer, h);
-        int nb = blocks_for(src, s->len);
-        int rc = head_grow(dst, d, s->len);
+        int len = rows < s->len ? rows : s->len;
+        int nb = blocks_for(src, len);
+        int rc = head_grow(dst, d, len);
         if (!rc)
             rc = table_reserve(d, nb);
         if (rc)
@@ -292,13 +295,18 @@ int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache 
             d->mem[b] = s->mem[b];
         }
         d->n_blocks = nb;
-        if (s->len > 0) { /* an empty head may have no arrays yet */
-            memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
-            memcpy(d->score, s->score, (size_t)s->len * sizeof *d->score);
+        if (len > 0) { /* an empty head may have no arrays yet */
+            memcpy(d->pos, s->pos, (size_t)len * sizeof *d->pos);
+            memcpy(d->score, s->score, (size_t)len * sizeof *d->score);
         }
-        d->len = s->len;
+        d->len = len;
     }
     return SKV_OK;
+}
+
+int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer)
+{
+    return copy_layer_rows(dst, src, layer, INT_MAX);
 }
 
 int skv_kv_cache_reserve(struct skv_kv_cache *c, int extra)
@@ -322,8 +330,10 @@ int skv_kv_cache_prepare(struct skv_kv_cache *c, int extra)
     return rc;
 }
 
-int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out)
+int skv_kv_cache_clone_rows(const struct skv_kv_cache *src, int rows, struct skv_kv_cache **out)
 {
+    if (rows < 0)
+        return skv_errorf(SKV_E_INVAL, "KV cache: a copy of %d rows", rows);
     struct skv_kv_cache *c = calloc(1, sizeof *c);
     if (!c)
         return SKV_E_NOMEM;
@@ -335,14 +345,21 @@ int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out
     }
     skv_kv_pool_ref(c->pool);
     for (int l = 0; l < c->n_layers; l++) {
-        int rc = skv_kv_cache_copy_layer(c, src, l);
+        int rc = copy_layer_rows(c, src, l, rows);
         if (rc) {
             skv_kv_cache_free(&c);
             return rc;
         }
     }
+    if (rows < c->n_past)
+        c->n_past = rows;
     *out = c;
     return SKV_OK;
+}
+
+int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out)
+{
+    return skv_kv_cache_clone_rows(src, INT_MAX, out);
 }
 
 int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t *idx, int cnt)
@@ -1165,6 +1182,27 @@ static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *se
     return SKV_OK;
 }
 
+/* The least and most rows the backend's matmul computes one by one exactly as for one row
+ * (matmul_rows_as_one) over the model's weights; false when the backend does not say. */
+static bool rows_as_one(struct skv_engine *e, int *lo, int *hi)
+{
+    struct skv_backend *be = e->be;
+    if (!be->ops->matmul_rows_as_one)
+        return false;
+    const struct skv_model *m = e->m;
+    *lo = *hi = be->ops->matmul_rows_as_one(be, &m->output);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct skv_layer_weights *w = &m->layers[l];
+        const struct skv_tensor *ts[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+        for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) {
+            int r = be->ops->matmul_rows_as_one(be, ts[k]);
+            *lo = r < *lo ? r : *lo;
+            *hi = r > *hi ? r : *hi;
+        }
+    }
+    return true;
+}
+
 /* How many sessions one decode forward takes: as many as every weight's matmul computes row by
  * row exactly as for one row (the backend's matmul_rows_as_one), so a batch gives each session
  * what decoding it alone gives. */
@@ -1172,22 +1210,16 @@ static int decode_group_size(struct skv_engine *e)
 {
     if (e->decode_group)
         return e->decode_group;
-    struct skv_backend *be = e->be;
-    int g = SKV_ENGINE_MAX_BATCH;
-    if (be->ops->matmul_rows_as_one) {
-        const struct skv_model *m = e->m;
-        g = be->ops->matmul_rows_as_one(be, &m->output);
-        for (int l = 0; l < m->cfg.n_layers; l++) {
-            const struct skv_layer_weights *w = &m->layers[l];
-            const struct skv_tensor *ts[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
-            for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) {
-                int r = be->ops->matmul_rows_as_one(be, ts[k]);
-                g = r < g ? r : g;
-            }
-        }
+    int g = SKV_ENGINE_MAX_BATCH, hi;
+    if (rows_as_one(e, &g, &hi))
         g = g < 1 ? 1 : g > SKV_ENGINE_MAX_BATCH ? SKV_ENGINE_MAX_BATCH : g;
-    }
     return e->decode_group = g;
+}
+
+int skv_engine_small_forward(struct skv_engine *e)
+{
+    int lo, hi;
+    return rows_as_one(e, &lo, &hi) ? hi : 0;
 }
 
 int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)

@@ -54,6 +54,9 @@ int skv_kv_cache_prepare(struct skv_kv_cache *cache, int extra);
 /* FORK: a copy that shares every block of src (reference counts), with its own positions
  * and scores; either side copies a block before writing it. */
 int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out);
+/* The same with each head's first `rows` rows at most, and n_past at most `rows` (prefix reuse:
+ * the rows of a full cache's first `rows` positions, on a whole number of blocks). */
+int skv_kv_cache_clone_rows(const struct skv_kv_cache *src, int rows, struct skv_kv_cache **out);
 static inline struct skv_kv_head *skv_kv_cache_head(struct skv_kv_cache *c, int layer, int h)
 {
     return &c->heads[layer * c->n_kv_heads + h];
@@ -168,6 +171,11 @@ struct skv_batch_seq {
  * skv_engine_forward leaves a failed one and the other groups go on, so after an error each
  * cache either took its token (n_past + 1) or did not; the first error is returned. */
 int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n);
+/* The most tokens a forward of e runs through a matmul kernel that computes each row on its
+ * own (the backend's matmul_rows_as_one, the largest over the model's weights; 0 when it has
+ * none): a forward of more tokens takes the batched kernel for every weight, whose rows on the
+ * CPU backend do not depend on how many there are. */
+int skv_engine_small_forward(struct skv_engine *e);
 
 /* Peak bytes of activation scratch the engine holds. */
 uint64_t skv_engine_scratch_bytes(const struct skv_engine *e);

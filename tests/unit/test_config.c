@@ -27,6 +27,7 @@ static void test_defaults(void **state)
     assert_int_equal(skv_config_check(&cfg), SKV_OK);
     assert_true(cfg.foreground);
     assert_true(cfg.prefix_reuse);
+    assert_int_equal(cfg.prefix_retain_bytes, 0);
     /* production-sane network defaults: tcp:// needs CURVE, no HTTP metrics */
     assert_false(cfg.allow_insecure_tcp);
     assert_string_equal(cfg.curve_secret_key, "");
@@ -91,6 +92,9 @@ static void test_set(void **state)
     assert_false(cfg.prefix_reuse);
     assert_int_equal(skv_config_set(&cfg, "prefix-reuse", "sometimes"), SKV_E_INVAL);
     assert_false(cfg.prefix_reuse);
+    assert_int_equal(skv_config_set(&cfg, "prefix-retain-bytes", "64M"), SKV_OK);
+    assert_int_equal(cfg.prefix_retain_bytes, INT64_C(64) << 20);
+    assert_int_equal(skv_config_set(&cfg, "prefix-retain-bytes", "-1"), SKV_E_INVAL);
     assert_int_equal(skv_config_set(&cfg, "model", "/x/y.gguf"), SKV_OK);
     assert_string_equal(cfg.model, "/x/y.gguf");
     assert_int_equal(skv_config_set(&cfg, "unknown-key", "1"), SKV_E_NOT_FOUND);

@@ -754,6 +754,107 @@ static void test_append_over_quota(void **state)
     assert_int_equal(after, bytes_b);
 }
 
+/* RELEASE of session sid by client X: SKV_OK or its status. */
+static int release_by_x(struct fixture *f, const uint8_t sid[16])
+{
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    req.release = &rr;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    int rc = rep->status;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+/* The tokens a PREFILL of the first n fixed ids reused (it must succeed); its id into sid. */
+static uint32_t prefill_reused(struct fixture *f, const char *tenant, int n, uint8_t sid[16])
+{
+    Snapkv__Reply *rep = prefill_reply(f, tenant, n, "policy=full", 0);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    uint32_t reused = rep->prefill->reused_tokens;
+    memcpy(sid, rep->prefill->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+    return reused;
+}
+
+/* prefix-retain-bytes: a RELEASEd full-cache session's KV stays for prefix reuse; a longer
+ * history of the tenant replaces the one it covers; under pool pressure kept prefixes go before
+ * any session; EVICT drops them; unused for lease-seconds they go. */
+static void test_prefix_retain(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    const uint64_t unit = restart_with_pool(f, 8); /* 8 blocks a layer and head (f->cfg.prefix_retain_bytes 0) */
+    uint8_t a[16], b[16], c[16];
+    assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
+    assert_int_equal(release_by_x(f, a), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0); /* off */
+    assert_int_equal(prefill_reused(f, NULL, 48, b), 0);
+    assert_int_equal(release_by_x(f, b), SKV_OK);
+    f->cfg.prefix_retain_bytes = (int64_t)(4 * unit * bb);
+    restart_with_pool(f, 8);
+    assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
+    assert_int_equal(release_by_x(f, a), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 2 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 2 * unit);
+    assert_int_equal(listed(f, a, NULL, NULL), -1); /* released: no session */
+    /* a's 32 tokens come back; another tenant's do not */
+    assert_int_equal(prefill_reused(f, NULL, 48, b), 32);
+    assert_int_equal(prefill_reused(f, "u", 48, c), 0);
+    assert_int_equal(release_by_x(f, c), SKV_E_NOT_FOUND); /* u's: X asks as t */
+    /* b's history covers a's: a's entry goes, b's stays (3 blocks a head, 2 still shared) */
+    assert_int_equal(release_by_x(f, b), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 3 * unit * bb);
+    /* b's 3 and u's 3 blocks in use; 32 tokens of another tenant take 2 more (8 of 8), then
+     * 48 of a third need 3: the kept prefix goes, and no session */
+    uint8_t d[16], e[16];
+    assert_int_equal(prefill_reused(f, "v", 32, d), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(prefill_reused(f, "w", 48, e), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 8 * unit);
+    /* a cap of 2 blocks a head: b's rows (3) are not kept, a's (2) are */
+    f->cfg.prefix_retain_bytes = (int64_t)(2 * unit * bb);
+    f->cfg.lease_seconds = 1;
+    restart_with_pool(f, 8);
+    assert_int_equal(prefill_reused(f, NULL, 48, b), 0);
+    assert_int_equal(release_by_x(f, b), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
+    assert_int_equal(release_by_x(f, a), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    /* EVICT of every unpinned session drops it */
+    Snapkv__EvictRequest er = SNAPKV__EVICT_REQUEST__INIT;
+    er.all_unpinned = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EVICT;
+    req.evict = &er;
+    Snapkv__Reply *rep = admin_call(f, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->evict->bytes_freed, 2 * unit * bb);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 0);
+    /* unused for lease-seconds (1 s), one goes at the worker's next second */
+    assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
+    assert_int_equal(release_by_x(f, a), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    double left = 1;
+    for (int i = 0; i < 60 && left > 0; i++) {
+        usleep(100 * 1000);
+        left = stat(f, "snapkv_prefix_retained");
+    }
+    assert_int_equal(left, 0);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 0);
+}
+
 /* Prefix reuse and the tenant's bytes: the blocks a PREFILL takes from another session count
  * for its tenant in each session holding them (as a FORK's), once for the pool; past the
  * tenant's quota its idle sessions go first, the source too (the blocks stay, shared). */
@@ -767,17 +868,17 @@ static void test_prefix_reuse_quota(void **state)
         restart_with_quota(f, quota); /* 80, then 64 rows per head */
         uint8_t a[16], b[16];
         prefill(f, 32, "policy=full", a); /* 2 blocks a head */
-        Snapkv__Reply *rep = prefill_reply(f, NULL, 40, "policy=full", 0);
+        Snapkv__Reply *rep = prefill_reply(f, NULL, 48, "policy=full", 0); /* computes more than 8 */
         if (rep->status)
             fail_msg("PREFILL: %d %s", rep->status, rep->message);
         assert_int_equal(rep->prefill->reused_tokens, 32);
-        assert_int_equal(rep->prefill->n_tokens, 40);
+        assert_int_equal(rep->prefill->n_tokens, 48);
         memcpy(b, rep->prefill->session_id.data, 16);
         snapkv__reply__free_unpacked(rep, NULL);
         uint64_t bytes = 0;
-        assert_int_equal(listed(f, b, &bytes, NULL), 40);
+        assert_int_equal(listed(f, b, &bytes, NULL), 48);
         assert_int_equal(bytes, 3 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
-        assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 32 + 8);
+        assert_int_equal(stat(f, "snapkv_prefill_tokens_total"), 32 + 16);
         assert_int_equal(stat(f, "snapkv_prefix_reused_tokens_total"), 32);
         assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 3 * unit);
         if (quota == 5) { /* a 2 + b 3 blocks a head */
@@ -790,7 +891,7 @@ static void test_prefix_reuse_quota(void **state)
             assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
         }
         /* another tenant's session takes nothing from these */
-        rep = prefill_reply(f, "u", 40, "policy=full", 0);
+        rep = prefill_reply(f, "u", 48, "policy=full", 0);
         assert_int_equal(rep->status, SKV_OK);
         assert_int_equal(rep->prefill->reused_tokens, 0);
         snapkv__reply__free_unpacked(rep, NULL);
@@ -4362,6 +4463,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_append_text_no_bos, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_reuse_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_retain, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),

@@ -1,0 +1,52 @@
+/* Retained prefixes (prefix-retain-bytes): the KV of released full-cache sessions, kept as
+ * copy-on-write references to their blocks so that a later PREFILL of the same tenant can take
+ * their prompt's start (prefix reuse) although nobody holds the session any more. They are the
+ * first to go when the pool needs room, and go after lease-seconds unused. Owned by the engine
+ * worker thread. */
+#ifndef SKV_PREFIX_CACHE_H
+#define SKV_PREFIX_CACHE_H
+
+#include "daemon/engine/engine.h"
+#include "daemon/session.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+struct skv_prefix_entry {
+    char tenant[SKV_TENANT_MAX];
+    int32_t *tokens;              /* the first n_rows tokens of the session's history */
+    int n_rows;                   /* its exact_rows, in whole blocks */
+    struct skv_kv_cache *cache;   /* their rows, shared with the session's */
+    uint64_t bytes;               /* its blocks x block bytes (shared ones too) */
+    uint64_t last_used_ms;
+    struct skv_prefix_entry *next;
+};
+
+struct skv_prefix_cache {
+    struct skv_prefix_entry *head;
+    int n;
+    uint64_t bytes;               /* the entries' bytes together (a block two hold counts twice) */
+    uint64_t cap;                 /* prefix-retain-bytes; 0: nothing is kept */
+    uint64_t dropped;             /* entries dropped for room, for the cap or unused */
+};
+
+/* Whether cache holds every row of a history of n_tokens tokens (no row compressed, evicted or
+ * dropped by a sliding window) and no forward is half way through it (its done layers would
+ * hold more rows than n_past). */
+bool skv_prefix_cache_whole(const struct skv_kv_cache *cache, int n_tokens);
+
+/* Keeps the whole blocks of s's rows that prefix reuse may take (its exact_rows) and their
+ * tokens, when s is a full-cache session and they are at least a block (s stays as it is; the
+ * caller destroys it). Entries of the tenant whose tokens start s's are dropped (s covers them);
+ * when one holds s's already, that one is kept instead. Then the least recently used go until
+ * the cap holds; rows over the cap on their own are not kept. */
+int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms);
+
+/* Drops the least recently used entry; false when there is none. */
+bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc);
+/* Drops the entries unused for idle_ms; returns how many. */
+int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64_t idle_ms);
+/* Drops the tenant's entries (NULL: every entry); returns how many. */
+int skv_prefix_cache_clear(struct skv_prefix_cache *pc, const char *tenant);
+
+#endif
