@@ -103,12 +103,6 @@ int skv_attention_check(const char *op, const float *out, const float *q, int n,
     return rc ? rc : skv_kv_view_check_window(kv, op);
 }
 
-int skv_kv_type_parse(const char *name)
-{
-    return !name ? -1 : strcmp(name, "f32") == 0 ? SKV_DTYPE_F32 : strcmp(name, "f16") == 0 ? SKV_DTYPE_F16
-           : strcmp(name, "q8_0") == 0 ? SKV_DTYPE_Q8_0 : -1;
-}
-
 bool skv_backend_kv_type_ok(const struct skv_backend *be, int kv_type)
 {
     switch (kv_type) {

@@ -52,6 +52,12 @@ const char *skv_dtype_name(int type)
     return info ? info->name : NULL;
 }
 
+int skv_kv_type_parse(const char *name)
+{
+    return !name ? -1 : strcmp(name, "f32") == 0 ? SKV_DTYPE_F32 : strcmp(name, "f16") == 0 ? SKV_DTYPE_F16
+           : strcmp(name, "q8_0") == 0 ? SKV_DTYPE_Q8_0 : -1;
+}
+
 int64_t skv_dtype_block_elems(int type)
 {
     const struct dtype_info *info = dtype_info(type);
