@@ -253,6 +253,15 @@ static void write_seeds(const char *dir)
     Snapkv__PrefillRequest pt = SNAPKV__PREFILL_REQUEST__INIT;
     pt.text = "Hello world, the pass key is 12345.";
     write_seed(dir, "prefill-text", 1, SNAPKV__REQUEST__COMMAND_PREFILL, &pt);
+    /* 40 tokens, full cache: past a block and the small-batch size, so the inputs made from it
+     * reuse each other's prefixes, and RELEASEs keep them (prefix-retain-bytes) */
+    uint32_t long_toks[40];
+    for (int i = 0; i < 40; i++)
+        long_toks[i] = (uint32_t)((i * 37 + 11) % 200);
+    Snapkv__PrefillRequest pl = SNAPKV__PREFILL_REQUEST__INIT;
+    pl.n_tokens = 40;
+    pl.tokens = long_toks;
+    write_seed(dir, "prefill-long", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
 
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
     a.session_id = sid;
@@ -355,7 +364,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     /* small limits, so memory stays bounded however many sessions the inputs make */
     const char *set[][2] = {{"state-dir", g.state_dir}, {"pool-size", "16M"}, {"max-prompt-tokens", "256"},
                             {"max-new-tokens", "8"}, {"max-sessions-per-tenant", "24"},
-                            {"max-bytes-per-tenant", "8M"}};
+                            {"max-bytes-per-tenant", "8M"}, {"prefix-retain-bytes", "4M"}};
     for (size_t i = 0; i < sizeof set / sizeof set[0]; i++)
         if (skv_config_set(&g.cfg, set[i][0], set[i][1]) != SKV_OK) {
             fprintf(stderr, "fuzz_worker: %s: %s\n", set[i][0], skv_error_msg());
