@@ -64,7 +64,7 @@ static const struct skv_config_option options[] = {
     {"prefix-reuse", SKV_CFG_BOOL, OPT(prefix_reuse), "yes", 0, 0,
      "a PREFILL whose prompt begins with whole KV blocks (kv-block-tokens) another full-cache session of the "
      "same tenant holds, computed by its PREFILLs or APPENDs, shares those blocks copy-on-write and computes "
-     "only the rest, with the same results (a PREFILL may opt out)"},
+     "only the rest, as a prefill of the whole prompt would (a PREFILL may opt out)"},
     {"prefix-retain-bytes", SKV_CFG_SIZE, OPT(prefix_retain_bytes), "0", 0, INT64_C(1) << 42,
      "with prefix-reuse, a full-cache session RELEASEd is kept for it (its blocks, copy-on-write: what other "
      "sessions share costs nothing more), up to this many bytes together, least recently used going first; "

@@ -36,7 +36,7 @@ static bool starts_with(const int32_t *a, int na, const int32_t *b, int nb)
 int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms)
 {
     const struct skv_kv_cache *c = s->cache;
-    int rows = s->exact_rows < s->n_tokens ? s->exact_rows : s->n_tokens;
+    int rows = s->computed_rows < s->n_tokens ? s->computed_rows : s->n_tokens;
     rows -= rows % c->block_rows;
     uint64_t bytes = (uint64_t)(rows / c->block_rows) * (uint64_t)(c->n_layers * c->n_kv_heads) *
                      skv_kv_pool_block_bytes(c->pool);

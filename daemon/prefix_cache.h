@@ -15,7 +15,7 @@
 struct skv_prefix_entry {
     char tenant[SKV_TENANT_MAX];
     int32_t *tokens;              /* the first n_rows tokens of the session's history */
-    int n_rows;                   /* its exact_rows, in whole blocks */
+    int n_rows;                   /* its computed_rows, in whole blocks */
     struct skv_kv_cache *cache;   /* their rows, shared with the session's */
     uint64_t bytes;               /* its blocks x block bytes (shared ones too) */
     uint64_t last_used_ms;
@@ -27,15 +27,15 @@ struct skv_prefix_cache {
     int n;
     uint64_t bytes;               /* the entries' bytes together (a block two hold counts twice) */
     uint64_t cap;                 /* prefix-retain-bytes; 0: nothing is kept */
-    uint64_t dropped;             /* entries dropped for room, for the cap or unused */
+    uint64_t dropped;             /* entries dropped for room, for the cap, unused or covered (not cleared) */
 };
 
-/* Whether cache holds every row of a history of n_tokens tokens (no row compressed, evicted or
- * dropped by a sliding window) and no forward is half way through it (its done layers would
- * hold more rows than n_past). */
+/* Whether cache holds every row of a history of n_tokens tokens (no row compressed or evicted)
+ * and no forward is half way through it (its done layers would hold more rows than n_past, once
+ * the first has run). */
 bool skv_prefix_cache_whole(const struct skv_kv_cache *cache, int n_tokens);
 
-/* Keeps the whole blocks of s's rows that prefix reuse may take (its exact_rows) and their
+/* Keeps the whole blocks of s's rows that prefix reuse may take (its computed_rows) and their
  * tokens, when s is a full-cache session and they are at least a block (s stays as it is; the
  * caller destroys it). Entries of the tenant whose tokens start s's are dropped (s covers them);
  * when one holds s's already, that one is kept instead. Then the least recently used go until

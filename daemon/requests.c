@@ -426,18 +426,18 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
      * the decode engine, a request run nested (fair-slice-ms) on its own */
     struct skv_engine *e = w->yielding ? w->decode_engine : w->nesting ? w->nested_engine : w->engine;
     int from = s->cache->n_past;
-    if (s->exact_rows > from) /* rows from `from` on are written again */
-        s->exact_rows = from;
+    if (s->computed_rows > from) /* rows from `from` on are written again */
+        s->computed_rows = from;
     if (!rc)
         rc = skv_engine_forward(e, s->cache, ids, n, &fo, s->logits);
-    if (!rc && s->exact_rows == from && n > skv_engine_small_forward(e))
-        s->exact_rows = from + n;
     s->busy = was_busy;
     w->forward_session = outer;
     if (!rc && s->comp && compress)
         rc = skv_compressor_finish(s->comp, s->cache);
     if (!rc)
         rc = skv_session_push_tokens(s, ids, n);
+    if (!rc && s->computed_rows == from && n > skv_engine_small_forward(e))
+        s->computed_rows = from + n;
     if (rc && !had_logits) { /* a failed first forward (of a loaded or imported session) wrote none */
         free(s->logits);
         s->logits = NULL;
@@ -458,7 +458,7 @@ struct session_undo {
     struct skv_kv_cache *cache;
     struct skv_compressor *comp;
     char spec[sizeof ((struct skv_session *)0)->spec];
-    int32_t n_tokens;
+    int32_t n_tokens, computed_rows;
     uint64_t bytes, compressor_bytes; /* the session's counts (a reserve on the copy sets them) */
     float *logits; /* a copy of the next-token logits (NULL: it had none) */
 };
@@ -484,6 +484,7 @@ static int undo_begin(struct skv_worker *w, struct skv_session *s, struct sessio
     u->comp = comp;
     memcpy(u->spec, s->spec, sizeof u->spec);
     u->n_tokens = s->n_tokens;
+    u->computed_rows = s->computed_rows;
     u->bytes = s->bytes;
     u->compressor_bytes = s->compressor_bytes;
     s->cache = cache;
@@ -501,6 +502,7 @@ static void undo_end(struct skv_worker *w, struct skv_session *s, struct session
         s->comp = u->comp;
         memcpy(s->spec, u->spec, sizeof s->spec);
         s->n_tokens = u->n_tokens; /* the tokens up to it are as they were */
+        s->computed_rows = u->computed_rows;
         s->bytes = u->bytes;
         s->compressor_bytes = u->compressor_bytes;
         if (u->logits && s->logits)
@@ -624,7 +626,7 @@ struct prefix_find {
 };
 
 /* How many tokens of f's prompt a history serves whose first `exact` rows may be reused (its
- * exact_rows): their common start, in whole blocks of block_rows, when that beats f's best so
+ * computed_rows): their common start, in whole blocks of block_rows, when that beats f's best so
  * far (else 0). */
 static int prefix_match(const struct prefix_find *f, const int32_t *tokens, int exact, int block_rows)
 {
@@ -640,7 +642,7 @@ static bool prefix_visit(void *user, struct skv_session *s)
     struct prefix_find *f = user;
     if (s == f->self || s == f->in_forward || s->comp || !s->cache || strcmp(s->tenant, f->tenant) != 0)
         return false;
-    int exact = s->exact_rows < s->n_tokens ? s->exact_rows : s->n_tokens;
+    int exact = s->computed_rows < s->n_tokens ? s->computed_rows : s->n_tokens;
     int k = prefix_match(f, s->tokens, exact, s->cache->block_rows);
     if (k && skv_prefix_cache_whole(s->cache, s->n_tokens)) {
         f->best = k;
@@ -697,7 +699,7 @@ static int reuse_prefix(struct skv_worker *w, struct skv_session *s, const int32
         return rc;
     skv_kv_cache_free(&s->cache);
     s->cache = c;
-    s->exact_rows = f.best;
+    s->computed_rows = f.best;
     /* a kept prefix in use stays longer in the LRU order (a session's lease and idle time are
      * its clients' to keep) */
     if (f.entry)
@@ -1011,7 +1013,7 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
     memcpy(s->spec, src->spec, sizeof s->spec);
     s->n_text_pending = (uint8_t)text_pending(w, src, s->text_pending);
     s->prompt_len = src->prompt_len;
-    s->exact_rows = src->exact_rows;
+    s->computed_rows = src->computed_rows;
     s->lease_seconds = src->lease_seconds;
     src->last_used_ms = skv_now_ms();
     if ((rc = skv_session_charge(w->sessions, s, NULL)))

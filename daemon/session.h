@@ -28,10 +28,10 @@ struct skv_session {
     int32_t *tokens;              /* token history (prompt, appends, generated) */
     int n_tokens, cap_tokens;
     int32_t prompt_len;           /* original prompt length */
-    int32_t exact_rows;           /* its first rows a prefix reuse may take: computed here from its tokens
-                                     by forwards past the engine's small-batch size (PREFILL, APPEND), so
-                                     as a prefill of more tokens computes them; 0 after IMPORT_KV, LOAD,
-                                     a restore; rows from decode steps never count */
+    int32_t computed_rows;        /* its first rows a prefix reuse may take: computed here from its tokens
+                                     by forwards of more than the engine's small-batch size (PREFILL,
+                                     APPEND), the kernels a prefill of a long prompt takes; 0 after
+                                     IMPORT_KV, LOAD, a restore; rows of decode steps never count */
     struct skv_kv_cache *cache;
     struct skv_compressor *comp;  /* NULL for policy=full */
     char spec[256];

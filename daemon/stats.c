@@ -23,6 +23,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "(prefix-retain-bytes)", (double)in->prefix_retained},
         {"snapkv_prefix_retained_bytes", "their blocks' bytes (a block several hold counts for each; the pool "
          "holds it once)", (double)in->prefix_retained_bytes},
+        {"snapkv_prefix_retained_dropped_total",
+         "kept prefixes dropped: for pool room, past prefix-retain-bytes, unused for lease-seconds, or covered by "
+         "a longer one of the tenant (not those EVICT drops)",
+         (double)in->prefix_retained_dropped},
         {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
         {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
          (double)m->decode_batches},

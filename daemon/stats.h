@@ -39,6 +39,7 @@ struct skv_stats_input {
     uint64_t pool_bytes_used, pool_bytes_total;
     uint64_t pool_blocks_used, pool_blocks_shared;
     uint64_t prefix_retained, prefix_retained_bytes; /* released sessions' KV kept for prefix reuse */
+    uint64_t prefix_retained_dropped; /* kept ones dropped (room, the cap, unused, covered by a newer one) */
     uint64_t evictions;
     uint64_t client_disconnects;  /* clients (that sent a request) whose connection closed */
     uint64_t n_decodes;           /* DECODEs running */
@@ -58,7 +59,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 49
+#define SKV_N_STATS 50
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -346,7 +346,7 @@ SNAPKV_API int snapkv_prefill(snapkv_client_t *client, const struct snapkv_prefi
  * prefix-reuse (its default) takes the KV of the prompt's longest run of whole KV blocks (16
  * tokens by default) that another full-cache session of the same tenant holds (or, with
  * prefix-retain-bytes, held before its RELEASE), shared copy-on-write, and computes only the
- * rest, with the same results; *reused_tokens (may be NULL) is how many tokens it took (0 from a
+ * rest, as a prefill of the whole prompt would; *reused_tokens (may be NULL) is how many tokens it took (0 from a
  * daemon older than protocol field PrefillReply.reused_tokens). */
 #define SNAPKV_PREFILL_NO_PREFIX_REUSE 1u /* compute every token of the prompt */
 SNAPKV_API int snapkv_prefill_flags(snapkv_client_t *client, const struct snapkv_prefill_opts *opts, unsigned flags,

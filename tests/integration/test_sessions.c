@@ -1734,7 +1734,7 @@ static void test_prefix_reuse(void **state)
     NEED_MODEL();
     enum { N = 200, P = 100 };
     struct daemon d;
-    start_daemon(&d, "256M");
+    start_daemon(&d, "1G"); /* the 2112-token sessions below hold 97 MB each */
     uint32_t ids[N], other[N];
     prompt(ids, N, 7);
     prompt(other, N, 8);
@@ -1849,6 +1849,41 @@ static void test_prefix_reuse(void **state)
         assert_int_equal(reused, 0);
         snapkv_prefill_result_free(&r);
     }
+    /* past the sizes above the kernels a call takes depend on where it starts (matmul chunks of
+     * 256 tokens, attention's query blocks, each counted from the call's first token), so the
+     * results are the same computation, not the same bits: a 288-token document then 400
+     * tokens (rows 256..287 of the document came from a 32-row chunk), and a 2048-token one
+     * then a 64-token question (the PERF.md case) */
+    snapkv_client_t *c4 = client(d.endpoint, "pd");
+    static const int docs[2][2] = {{288, 400}, {2048, 2112}};
+    for (int k = 0; k < 2; k++) {
+        uint32_t *long_ids = malloc((size_t)docs[k][1] * sizeof *long_ids);
+        assert_non_null(long_ids);
+        prompt(long_ids, docs[k][1], 11 + k);
+        struct snapkv_prefill_opts lo = {.tokens = long_ids, .n_tokens = (size_t)docs[k][0]};
+        struct snapkv_prefill_result ld, lr, lf;
+        assert_int_equal(snapkv_prefill_flags(c4, &lo, 0, &ld, &reused), SNAPKV_OK);
+        lo.n_tokens = (size_t)docs[k][1];
+        lo.return_logits = true;
+        assert_int_equal(snapkv_prefill_flags(c4, &lo, 0, &lr, &reused), SNAPKV_OK);
+        assert_int_equal(reused, docs[k][0]);
+        assert_int_equal(snapkv_prefill_flags(c4, &lo, SNAPKV_PREFILL_NO_PREFIX_REUSE, &lf, NULL), SNAPKV_OK);
+        double dl = 0;
+        for (size_t i = 0; i < lf.n_logits; i++)
+            dl = fmax(dl, fabs((double)lr.logits[i] - lf.logits[i]));
+        print_message("%d tokens after a session of %d: logits within %.6f of computing every token\n",
+                      docs[k][1], docs[k][0], dl);
+        assert_true(dl < 0.005);
+        assert_int_equal(lr.next_token, lf.next_token);
+        struct snapkv_session_id *rel[] = {&ld.id, &lr.id, &lf.id};
+        for (int j = 0; j < 3; j++)
+            assert_int_equal(snapkv_release(c4, rel[j]), SNAPKV_OK);
+        snapkv_prefill_result_free(&ld);
+        snapkv_prefill_result_free(&lr);
+        snapkv_prefill_result_free(&lf);
+        free(long_ids);
+    }
+    snapkv_close(&c4);
     /* the blocks are shared copy-on-write: doc's release leaves the reusing session whole,
      * and a decode appends to its own blocks */
     assert_int_equal(snapkv_release(c, &doc.id), SNAPKV_OK);

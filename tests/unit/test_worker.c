@@ -811,6 +811,7 @@ static void test_prefix_retain(void **state)
     assert_int_equal(release_by_x(f, b), SKV_OK);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 3 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 1);
     /* b's 3 and u's 3 blocks in use; 32 tokens of another tenant take 2 more (8 of 8), then
      * 48 of a third need 3: the kept prefix goes, and no session */
     uint8_t d[16], e[16];
@@ -820,9 +821,9 @@ static void test_prefix_retain(void **state)
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
     assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
     assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 8 * unit);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 2);
     /* a cap of 2 blocks a head: b's rows (3) are not kept, a's (2) are */
     f->cfg.prefix_retain_bytes = (int64_t)(2 * unit * bb);
-    f->cfg.lease_seconds = 1;
     restart_with_pool(f, 8);
     assert_int_equal(prefill_reused(f, NULL, 48, b), 0);
     assert_int_equal(release_by_x(f, b), SKV_OK);
@@ -830,6 +831,7 @@ static void test_prefix_retain(void **state)
     assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
     assert_int_equal(release_by_x(f, a), SKV_OK);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 0);
     /* EVICT of every unpinned session drops it */
     Snapkv__EvictRequest er = SNAPKV__EVICT_REQUEST__INIT;
     er.all_unpinned = true;
@@ -842,16 +844,23 @@ static void test_prefix_retain(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
     assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 0);
-    /* unused for lease-seconds (1 s), one goes at the worker's next second */
-    assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
+    /* unused for lease-seconds (2 s here; the session asks for its own lease), it goes at one of
+     * the worker's ticks (every second) */
+    f->cfg.lease_seconds = 2;
+    restart_with_pool(f, 8);
+    Snapkv__Reply *pr = prefill_reply(f, NULL, 32, "policy=full", 600);
+    assert_int_equal(pr->status, SKV_OK);
+    memcpy(a, pr->prefill->session_id.data, 16);
+    snapkv__reply__free_unpacked(pr, NULL);
     assert_int_equal(release_by_x(f, a), SKV_OK);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
     double left = 1;
-    for (int i = 0; i < 60 && left > 0; i++) {
+    for (int i = 0; i < 100 && left > 0; i++) {
         usleep(100 * 1000);
         left = stat(f, "snapkv_prefix_retained");
     }
     assert_int_equal(left, 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 1);
     assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 0);
 }
 
