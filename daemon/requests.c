@@ -654,10 +654,11 @@ static bool prefix_visit(void *user, struct skv_session *s)
 
 /* The tokens a PREFILL of ids[0..n) into s (its spec set, its cache empty) can take from
  * another session. It computes more than `small` tokens (the engine's small-batch size), so its
- * rows come from the kernels a prefill of the whole prompt takes, and the logits and kept rows
- * are that prefill's; a compressing one also its whole observation window (the rows it scores
- * are then what a prefill of the whole prompt scores). H2O's scores and SqueezeAttention's
- * similarities need every query: they take none. */
+ * rows come from the batched kernels a prefill of the whole prompt takes (the same bits where
+ * the kernels do not depend on where the call starts: ARCHITECTURE.md "Prefix reuse"); a
+ * compressing one also its whole observation window (the rows it scores are then what a
+ * prefill of the whole prompt scores). H2O's scores and SqueezeAttention's similarities need
+ * every query: they take none. */
 static int prefix_limit(const struct skv_session *s, int n, int small)
 {
     const struct skv_compress_spec *sp = s->comp ? skv_compressor_spec(s->comp) : NULL;
