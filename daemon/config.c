@@ -67,8 +67,9 @@ static const struct skv_config_option options[] = {
      "only the rest, as a prefill of the whole prompt would (a PREFILL may opt out)"},
     {"prefix-retain-bytes", SKV_CFG_SIZE, OPT(prefix_retain_bytes), "0", 0, INT64_C(1) << 42,
      "with prefix-reuse, a full-cache session RELEASEd is kept for it (its blocks, copy-on-write: what other "
-     "sessions share costs nothing more), up to this many bytes together, least recently used going first; "
-     "kept ones are the first to go when the pool needs room, and go after lease-seconds unused; 0: none"},
+     "sessions share costs nothing more), and so are a compressing PREFILL's prompt rows before it cuts them "
+     "(when the pool has free room for them), up to this many bytes together, least recently used going "
+     "first; kept ones are the first to go when the pool needs room, and go after lease-seconds unused; 0: none"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},

@@ -3,6 +3,7 @@
 #include "common/status.h"
 #include "daemon/engine/kv_pool.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,24 +34,22 @@ static bool starts_with(const int32_t *a, int na, const int32_t *b, int nb)
     return nb <= na && memcmp(a, b, (size_t)nb * sizeof *a) == 0;
 }
 
-int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms)
+int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
+                         const struct skv_kv_cache *c, uint64_t now_ms)
 {
-    const struct skv_kv_cache *c = s->cache;
-    int rows = s->computed_rows < s->n_tokens ? s->computed_rows : s->n_tokens;
-    rows -= rows % c->block_rows;
     uint64_t bytes = (uint64_t)(rows / c->block_rows) * (uint64_t)(c->n_layers * c->n_kv_heads) *
                      skv_kv_pool_block_bytes(c->pool);
-    if (!pc->cap || s->comp || rows < c->block_rows || !skv_prefix_cache_whole(c, s->n_tokens) || bytes > pc->cap)
+    if (!pc->cap || rows < c->block_rows || rows % c->block_rows || bytes > pc->cap)
         return SKV_OK;
     for (struct skv_prefix_entry **link = &pc->head; *link;) {
         struct skv_prefix_entry *e = *link;
-        if (strcmp(e->tenant, s->tenant) != 0) {
+        if (strcmp(e->tenant, tenant) != 0) {
             link = &e->next;
-        } else if (starts_with(e->tokens, e->n_rows, s->tokens, rows)) {
-            e->last_used_ms = now_ms; /* it holds s's rows already */
+        } else if (starts_with(e->tokens, e->n_rows, tokens, rows)) {
+            e->last_used_ms = now_ms; /* it holds these rows already */
             return SKV_OK;
-        } else if (starts_with(s->tokens, rows, e->tokens, e->n_rows)) {
-            entry_free(pc, link); /* s covers it */
+        } else if (starts_with(tokens, rows, e->tokens, e->n_rows)) {
+            entry_free(pc, link); /* the new one covers it */
             pc->dropped++;
         } else {
             link = &e->next;
@@ -67,8 +66,8 @@ int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session 
         free(e);
         return rc;
     }
-    memcpy(e->tenant, s->tenant, sizeof e->tenant);
-    memcpy(e->tokens, s->tokens, (size_t)rows * sizeof *e->tokens);
+    snprintf(e->tenant, sizeof e->tenant, "%s", tenant);
+    memcpy(e->tokens, tokens, (size_t)rows * sizeof *e->tokens);
     e->n_rows = rows;
     e->bytes = skv_kv_cache_bytes(e->cache);
     e->last_used_ms = now_ms;
@@ -79,6 +78,15 @@ int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session 
     while (pc->bytes > pc->cap && skv_prefix_cache_drop_lru(pc))
         ;
     return SKV_OK;
+}
+
+int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms)
+{
+    int rows = s->computed_rows < s->n_tokens ? s->computed_rows : s->n_tokens;
+    rows -= rows % s->cache->block_rows;
+    if (s->comp || !skv_prefix_cache_whole(s->cache, s->n_tokens))
+        return SKV_OK;
+    return skv_prefix_cache_add(pc, s->tenant, s->tokens, rows, s->cache, now_ms);
 }
 
 bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc)

@@ -42,6 +42,12 @@ bool skv_prefix_cache_whole(const struct skv_kv_cache *cache, int n_tokens);
  * the cap holds; rows over the cap on their own are not kept. */
 int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms);
 
+/* Keeps the first `rows` rows of cache (a whole number of blocks, at least one; every row of
+ * those positions, computed here) and their tokens for the tenant, as skv_prefix_cache_keep
+ * does (the cache stays the caller's: the entry shares its blocks). */
+int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
+                         const struct skv_kv_cache *cache, uint64_t now_ms);
+
 /* Drops the least recently used entry; false when there is none. */
 bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc);
 /* Drops the entries unused for idle_ms; returns how many. */

@@ -395,13 +395,30 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
     return compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
 }
 
+/* A compressing PREFILL's hook when it also keeps its prompt's rows (prefix-retain-bytes): each
+ * layer's rows, whole, go into `keep` (shared blocks) before the layer's own hook cuts them. */
+struct keep_rows {
+    struct skv_kv_cache *keep;
+    skv_layer_hook_fn inner;
+    void *inner_user;
+};
+
+static int keep_rows_hook(void *user, const struct skv_layer_view *v)
+{
+    struct keep_rows *k = user;
+    int rc = skv_kv_cache_copy_layer(k->keep, v->cache, v->layer);
+    return rc ? rc : k->inner ? k->inner(k->inner_user, v) : SKV_OK;
+}
+
 /* Runs tokens through the session's model and cache. compress: a compressing forward with
  * comp (prefill / compress); else decode-time upkeep when the session has a compressor. A long
  * one of the running request may stop part way (a deadline, a client gone): what it leaves is
  * nobody's (a PREFILL's session), the engine's undo restores it, or it runs on a copy
- * (session_undo). progress_job: send per-layer progress replies for it (may be NULL). */
+ * (session_undo). progress_job: send per-layer progress replies for it (may be NULL). keep
+ * (NULL: none): a copy of s's cache that takes each layer's rows before the compressor cuts
+ * them. */
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
-                                    bool compress, const struct skv_job *progress_job)
+                                    bool compress, const struct skv_job *progress_job, struct skv_kv_cache *keep)
 {
     bool had_logits = s->logits != NULL;
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
@@ -416,6 +433,11 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         fo.hook_user = &prog;
         fo.tick = forward_tick; /* and between the chunks of a layer's projections and MLP */
         fo.tick_user = w;
+    }
+    struct keep_rows kr = {keep, fo.hook, fo.hook_user};
+    if (keep) {
+        fo.hook = keep_rows_hook;
+        fo.hook_user = &kr;
     }
     int was_busy = s->busy;
     s->busy = 1; /* decode rounds may run inside the forward: they must not evict s */
@@ -448,7 +470,7 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
 
 static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
 {
-    return session_forward_progress(w, s, ids, n, compress, NULL);
+    return session_forward_progress(w, s, ids, n, compress, NULL, NULL);
 }
 
 /* What a request that runs on a copy of a session's cache (sharing every block) keeps to put
@@ -597,7 +619,8 @@ static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, b
  * blocks its layers hold once each is cut (skv_compressor_prefill_blocks), held like
  * reserve_forward's. The tenant holds the prefix's blocks already (s's bytes), which the cut
  * layers give back: what they keep past those is new to it; to the pool all of it is. */
-static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int n)
+static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int n, uint64_t *held_out,
+                               uint64_t *bytes_out)
 {
     uint64_t bytes =
         (uint64_t)skv_compressor_prefill_blocks(s->comp, s->cache, n) * skv_kv_pool_block_bytes(s->cache->pool);
@@ -605,7 +628,29 @@ static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int 
     int rc = skv_session_reserve(w->sessions, s, held, bytes, NULL);
     if (!rc && !w->nesting && !w->yielding)
         skv_session_hold_room(w->sessions, s, held, bytes);
+    *held_out = held;
+    *bytes_out = bytes;
     return rc;
+}
+
+/* prefix-retain-bytes: a compressing PREFILL of ids[0..n) into s (its room reserved: held for the
+ * tenant, room for the pool) also keeps its prompt's rows, whole, for the tenant's next
+ * PREFILLs, when they are rows prefix reuse may take, fit the cap, and fit the pool's free room
+ * besides (no session is evicted for a cache). *keep: the copy of s's cache that will take them
+ * (NULL: not kept); the room they take is held for the forward too. */
+static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n, uint64_t held, uint64_t room,
+                             struct skv_kv_cache **keep)
+{
+    const struct skv_kv_cache *c = s->cache;
+    uint64_t bytes = (uint64_t)((n + c->block_rows - 1) / c->block_rows) * (uint64_t)(c->n_layers * c->n_kv_heads) *
+                     skv_kv_pool_block_bytes(c->pool);
+    *keep = NULL;
+    if (!w->prefix.cap || n - c->n_past <= skv_engine_small_forward(w->engine) || n < c->block_rows ||
+        bytes > w->prefix.cap || pool_in_use_bytes(w) + room + bytes > (uint64_t)w->cfg->pool_size ||
+        skv_kv_cache_clone(c, keep))
+        return; /* (a copy without memory: not kept) */
+    if (!w->nesting && !w->yielding)
+        skv_session_hold_room(w->sessions, s, held, room + bytes);
 }
 
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
@@ -717,6 +762,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     int32_t *ids = NULL;
     int n = 0, rc;
     struct skv_session *s = NULL;
+    struct skv_kv_cache *keep = NULL; /* the prompt's rows, whole, kept for reuse (prefix-retain-bytes) */
     /* a lease is how a session of a client that went away is given back: one longer than
      * max-lease-seconds would hold pool memory for as long as the client liked */
     if (p->lease_seconds > cfg->max_lease_seconds) {
@@ -742,14 +788,26 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
      * in full while that layer runs, which is not counted. A reused prefix's blocks count for
      * the tenant (in s's bytes, which the reserve takes) and not again for the pool (a
      * compressing prefill's room counts the rows it keeps as new) */
-    if ((rc = s->comp ? reserve_compressing(w, s, n - reused) : reserve_forward(w, s, n - reused, false)))
+    uint64_t held = 0, room = 0;
+    if ((rc = s->comp ? reserve_compressing(w, s, n - reused, &held, &room) : reserve_forward(w, s, n - reused, false)))
         goto fail;
+    if (s->comp && cfg->prefix_reuse)
+        keep_prompt_rows(w, s, n, held, room, &keep);
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
     uint64_t inside0 = w->nested_us; /* what runs inside the forward is not its time */
-    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL);
+    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL, keep);
     if (rc)
         goto fail;
+    if (keep) {
+        keep->n_past = n;
+        int rows = s->computed_rows < n ? s->computed_rows : n;
+        rows -= rows % keep->block_rows;
+        if (skv_prefix_cache_whole(keep, n) &&
+            skv_prefix_cache_add(&w->prefix, s->tenant, ids, rows, keep, skv_now_ms()))
+            skv_log(SKV_LOG_WARN, "PREFILL: no memory to keep the prompt's rows"); /* the session is made */
+        skv_kv_cache_free(&keep);
+    }
     w->metrics.prefill_tokens += (uint64_t)(n - reused);
     w->metrics.prefix_reused_tokens += (uint64_t)reused;
     w->metrics.prefix_reuse_hits += reused > 0;
@@ -790,6 +848,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     free(ids);
     return;
 fail:
+    skv_kv_cache_free(&keep);
     fail_rc(w, job, rc);
     if (s)
         skv_session_destroy(w->sessions, s);

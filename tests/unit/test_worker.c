@@ -844,6 +844,26 @@ static void test_prefix_retain(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
     assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 0);
+    /* a compressing PREFILL keeps its prompt's rows too, whole (3 blocks a head), taken before
+     * each layer is cut: a full-cache PREFILL of 64 tokens then reuses 48; with no pool room
+     * for them besides what the session keeps (a pool of 3 blocks a head), they are not kept */
+    f->cfg.prefix_retain_bytes = (int64_t)(4 * unit * bb);
+    for (int blocks = 8; blocks >= 3; blocks -= 5) {
+        restart_with_pool(f, blocks);
+        Snapkv__Reply *cr = prefill_reply(f, NULL, 48, "policy=snapkv,budget=16,window=4", 0);
+        if (cr->status)
+            fail_msg("PREFILL: %d %s", cr->status, cr->message);
+        assert_int_equal(cr->prefill->bytes_after, 1 * unit * bb); /* 16 rows a head */
+        snapkv__reply__free_unpacked(cr, NULL);
+        assert_int_equal(stat(f, "snapkv_prefix_retained"), blocks == 8);
+        if (blocks == 8) {
+            assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 3 * unit * bb);
+            assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 4 * unit);
+            assert_int_equal(prefill_reused(f, NULL, 64, b), 48);
+        } else {
+            assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 1 * unit);
+        }
+    }
     /* unused for lease-seconds (2 s here; the session asks for its own lease), it goes at one of
      * the worker's ticks (every second) */
     f->cfg.lease_seconds = 2;
