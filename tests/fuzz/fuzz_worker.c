@@ -254,7 +254,8 @@ static void write_seeds(const char *dir)
     pt.text = "Hello world, the pass key is 12345.";
     write_seed(dir, "prefill-text", 1, SNAPKV__REQUEST__COMMAND_PREFILL, &pt);
     /* 40 tokens, full cache: past a block and the small-batch size, so the inputs made from it
-     * reuse each other's prefixes, and RELEASEs keep them (prefix-retain-bytes) */
+     * reuse each other's prefixes, and RELEASEs keep them (prefix-retain-bytes); the same
+     * compressed keeps its prompt's rows */
     uint32_t long_toks[40];
     for (int i = 0; i < 40; i++)
         long_toks[i] = (uint32_t)((i * 37 + 11) % 200);
@@ -262,6 +263,8 @@ static void write_seeds(const char *dir)
     pl.n_tokens = 40;
     pl.tokens = long_toks;
     write_seed(dir, "prefill-long", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
+    pl.compress = &spec; /* and compressed: its prompt rows kept before the cut */
+    write_seed(dir, "prefill-long-snapkv", 1, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
 
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
     a.session_id = sid;
