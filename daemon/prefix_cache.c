@@ -34,11 +34,16 @@ static bool starts_with(const int32_t *a, int na, const int32_t *b, int nb)
     return nb <= na && memcmp(a, b, (size_t)nb * sizeof *a) == 0;
 }
 
+uint64_t skv_prefix_cache_rows_bytes(const struct skv_kv_cache *c, int rows)
+{
+    return (uint64_t)((rows + c->block_rows - 1) / c->block_rows) * (uint64_t)(c->n_layers * c->n_kv_heads) *
+           skv_kv_pool_block_bytes(c->pool);
+}
+
 int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
                          const struct skv_kv_cache *c, uint64_t now_ms)
 {
-    uint64_t bytes = (uint64_t)(rows / c->block_rows) * (uint64_t)(c->n_layers * c->n_kv_heads) *
-                     skv_kv_pool_block_bytes(c->pool);
+    uint64_t bytes = skv_prefix_cache_rows_bytes(c, rows);
     if (!pc->cap || rows < c->block_rows || rows % c->block_rows || bytes > pc->cap)
         return SKV_OK;
     for (struct skv_prefix_entry **link = &pc->head; *link;) {

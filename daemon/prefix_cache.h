@@ -42,6 +42,9 @@ bool skv_prefix_cache_whole(const struct skv_kv_cache *cache, int n_tokens);
  * the cap holds; rows over the cap on their own are not kept. */
 int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms);
 
+/* Bytes of the blocks `rows` rows of every layer and KV head of c take. */
+uint64_t skv_prefix_cache_rows_bytes(const struct skv_kv_cache *c, int rows);
+
 /* Keeps the first `rows` rows of cache (a whole number of blocks, at least one; every row of
  * those positions, computed here) and their tokens for the tenant, as skv_prefix_cache_keep
  * does (the cache stays the caller's: the entry shares its blocks). */

@@ -642,8 +642,7 @@ static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n,
                              struct skv_kv_cache **keep)
 {
     const struct skv_kv_cache *c = s->cache;
-    uint64_t bytes = (uint64_t)((n + c->block_rows - 1) / c->block_rows) * (uint64_t)(c->n_layers * c->n_kv_heads) *
-                     skv_kv_pool_block_bytes(c->pool);
+    uint64_t bytes = skv_prefix_cache_rows_bytes(c, n);
     *keep = NULL;
     if (!w->prefix.cap || n - c->n_past <= skv_engine_small_forward(w->engine) || n < c->block_rows ||
         bytes > w->prefix.cap || pool_in_use_bytes(w) + room + bytes > (uint64_t)w->cfg->pool_size ||

@@ -188,13 +188,13 @@ void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *us
     t->on_evict_user = user;
 }
 
-/* A session the table drops on its own (eviction, a lease that ran out): on_evict first. */
 void skv_session_table_on_pressure(struct skv_session_table *t, bool (*fn)(void *user), void *user)
 {
     t->on_pressure = fn;
     t->on_pressure_user = user;
 }
 
+/* A session the table drops on its own (eviction, a lease that ran out): on_evict first. */
 static void evict(struct skv_session_table *t, struct skv_session *s)
 {
     if (t->on_evict)

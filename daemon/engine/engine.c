@@ -31,6 +31,7 @@ struct skv_engine {
                             * on the GPU); freed with the other buffers when they grow */
     uint64_t scratch_bytes;
     int decode_group;      /* sessions per decode forward (decode_group_size); 0: not known yet */
+    int small_forward;     /* skv_engine_small_forward's answer; -1: not known yet */
     const struct skv_forward_opts *tick; /* the running forward's opts when they have a tick */
     /* rows_add / rows_flush: K and V rows bound for the cache, stored by one copy_rows */
     void **row_dst;
@@ -677,6 +678,7 @@ int skv_engine_new(struct skv_model *m, struct skv_engine **out)
         return SKV_E_NOMEM;
     e->m = m;
     e->be = m->be;
+    e->small_forward = -1;
     *out = e;
     return SKV_OK;
 }
@@ -1219,7 +1221,9 @@ static int decode_group_size(struct skv_engine *e)
 int skv_engine_small_forward(struct skv_engine *e)
 {
     int lo, hi;
-    return rows_as_one(e, &lo, &hi) ? hi : 0;
+    if (e->small_forward < 0) /* once: it asks the backend about every weight */
+        e->small_forward = rows_as_one(e, &lo, &hi) ? hi : 0;
+    return e->small_forward;
 }
 
 int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n)
