@@ -40,18 +40,91 @@ uint64_t skv_prefix_cache_rows_bytes(const struct skv_kv_cache *c, int rows)
            skv_kv_pool_block_bytes(c->pool);
 }
 
+void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry *e, uint64_t now_ms)
+{
+    e->last_used_ms = now_ms;
+    e->used = ++pc->uses;
+}
+
+uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant)
+{
+    uint64_t bytes = 0;
+    for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
+        if (strcmp(e->tenant, tenant) == 0)
+            bytes += e->bytes;
+    return bytes;
+}
+
+struct usage {
+    const char *tenant;
+    uint64_t bytes; /* its entries' */
+};
+
+/* Where tenant is in u[0..n), added when absent; -1 on no memory. */
+static int usage_of(struct usage **u, int *n, int *cap, const char *tenant)
+{
+    for (int i = 0; i < *n; i++)
+        if (strcmp((*u)[i].tenant, tenant) == 0)
+            return i;
+    if (*n == *cap) {
+        int grown = *cap ? 2 * *cap : 8;
+        struct usage *p = realloc(*u, (size_t)grown * sizeof *p);
+        if (!p)
+            return -1;
+        *u = p;
+        *cap = grown;
+    }
+    (*u)[*n] = (struct usage){tenant, 0};
+    return (*n)++;
+}
+
+/* The link to the entry to drop for room: the least recently used of the tenants holding more
+ * than an equal share of the entries' bytes (their bytes over the tenants holding entries), so
+ * that a tenant within its share loses nothing while another holds more; when none does (one
+ * tenant, equal shares, no memory to count), the least recently used of all. */
+static struct skv_prefix_entry **fair_victim(struct skv_prefix_cache *pc)
+{
+    struct usage *u = NULL;
+    int n = 0, cap = 0, i = 0;
+    for (const struct skv_prefix_entry *e = pc->head; e && i >= 0; e = e->next)
+        if ((i = usage_of(&u, &n, &cap, e->tenant)) >= 0)
+            u[i].bytes += e->bytes;
+    struct skv_prefix_entry **oldest = NULL;
+    for (struct skv_prefix_entry **link = &pc->head; i >= 0 && n > 1 && *link; link = &(*link)->next)
+        if ((!oldest || (*link)->used < (*oldest)->used) &&
+            u[usage_of(&u, &n, &cap, (*link)->tenant)].bytes > pc->bytes / (uint64_t)n)
+            oldest = link;
+    free(u);
+    return oldest;
+}
+
+bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant)
+{
+    struct skv_prefix_entry **victim = tenant ? NULL : fair_victim(pc);
+    if (!victim) /* the tenant's (or anyone's) least recently used */
+        for (struct skv_prefix_entry **link = &pc->head; *link; link = &(*link)->next)
+            if ((!tenant || strcmp((*link)->tenant, tenant) == 0) &&
+                (!victim || (*link)->used < (*victim)->used))
+                victim = link;
+    if (!victim)
+        return false;
+    entry_free(pc, victim);
+    pc->dropped++;
+    return true;
+}
+
 int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
-                         const struct skv_kv_cache *c, uint64_t now_ms)
+                         const struct skv_kv_cache *c, uint64_t tenant_room, uint64_t now_ms)
 {
     uint64_t bytes = skv_prefix_cache_rows_bytes(c, rows);
-    if (!pc->cap || rows < c->block_rows || rows % c->block_rows || bytes > pc->cap)
+    if (!pc->cap || rows < c->block_rows || rows % c->block_rows || bytes > pc->cap || bytes > tenant_room)
         return SKV_OK;
     for (struct skv_prefix_entry **link = &pc->head; *link;) {
         struct skv_prefix_entry *e = *link;
         if (strcmp(e->tenant, tenant) != 0) {
             link = &e->next;
         } else if (starts_with(e->tokens, e->n_rows, tokens, rows)) {
-            e->last_used_ms = now_ms; /* it holds these rows already */
+            skv_prefix_cache_touch(pc, e, now_ms); /* it holds these rows already */
             return SKV_OK;
         } else if (starts_with(tokens, rows, e->tokens, e->n_rows)) {
             entry_free(pc, link); /* the new one covers it */
@@ -60,6 +133,9 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
             link = &e->next;
         }
     }
+    /* the tenant's own make room within its quota; the cap's room goes by share (below) */
+    while (skv_prefix_cache_tenant_bytes(pc, tenant) + bytes > tenant_room && skv_prefix_cache_drop_lru(pc, tenant))
+        ;
     struct skv_prefix_entry *e = calloc(1, sizeof *e);
     if (!e || !(e->tokens = malloc((size_t)rows * sizeof *e->tokens))) {
         free(e);
@@ -75,36 +151,24 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     memcpy(e->tokens, tokens, (size_t)rows * sizeof *e->tokens);
     e->n_rows = rows;
     e->bytes = skv_kv_cache_bytes(e->cache);
-    e->last_used_ms = now_ms;
+    skv_prefix_cache_touch(pc, e, now_ms);
     e->next = pc->head;
     pc->head = e;
     pc->n++;
     pc->bytes += e->bytes;
-    while (pc->bytes > pc->cap && skv_prefix_cache_drop_lru(pc))
+    while (pc->bytes > pc->cap && skv_prefix_cache_drop_lru(pc, NULL))
         ;
     return SKV_OK;
 }
 
-int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms)
+int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t tenant_room,
+                          uint64_t now_ms)
 {
     int rows = s->computed_rows < s->n_tokens ? s->computed_rows : s->n_tokens;
     rows -= rows % s->cache->block_rows;
     if (s->comp || !skv_prefix_cache_whole(s->cache, s->n_tokens))
         return SKV_OK;
-    return skv_prefix_cache_add(pc, s->tenant, s->tokens, rows, s->cache, now_ms);
-}
-
-bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc)
-{
-    struct skv_prefix_entry **oldest = NULL;
-    for (struct skv_prefix_entry **link = &pc->head; *link; link = &(*link)->next)
-        if (!oldest || (*link)->last_used_ms <= (*oldest)->last_used_ms)
-            oldest = link;
-    if (!oldest)
-        return false;
-    entry_free(pc, oldest);
-    pc->dropped++;
-    return true;
+    return skv_prefix_cache_add(pc, s->tenant, s->tokens, rows, s->cache, tenant_room, now_ms);
 }
 
 int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64_t idle_ms)

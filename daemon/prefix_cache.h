@@ -18,7 +18,8 @@ struct skv_prefix_entry {
     int n_rows;                   /* its computed_rows, in whole blocks */
     struct skv_kv_cache *cache;   /* their rows, shared with the session's */
     uint64_t bytes;               /* its blocks x block bytes (shared ones too) */
-    uint64_t last_used_ms;
+    uint64_t last_used_ms;        /* lease-seconds unused: it goes */
+    uint64_t used;                /* the cache's count of uses when it was last used (LRU order) */
     struct skv_prefix_entry *next;
 };
 
@@ -27,6 +28,7 @@ struct skv_prefix_cache {
     int n;
     uint64_t bytes;               /* the entries' bytes together (a block two hold counts twice) */
     uint64_t cap;                 /* prefix-retain-bytes; 0: nothing is kept */
+    uint64_t uses;                /* entries made or used so far */
     uint64_t dropped;             /* entries dropped for room, for the cap, unused or covered (not cleared) */
 };
 
@@ -37,22 +39,33 @@ bool skv_prefix_cache_whole(const struct skv_kv_cache *cache, int n_tokens);
 
 /* Keeps the whole blocks of s's rows that prefix reuse may take (its computed_rows) and their
  * tokens, when s is a full-cache session and they are at least a block (s stays as it is; the
- * caller destroys it). Entries of the tenant whose tokens start s's are dropped (s covers them);
- * when one holds s's already, that one is kept instead. Then the least recently used go until
- * the cap holds; rows over the cap on their own are not kept. */
-int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t now_ms);
+ * caller destroys it), as skv_prefix_cache_add does. */
+int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session *s, uint64_t tenant_room,
+                          uint64_t now_ms);
 
 /* Bytes of the blocks `rows` rows of every layer and KV head of c take. */
 uint64_t skv_prefix_cache_rows_bytes(const struct skv_kv_cache *c, int rows);
 
 /* Keeps the first `rows` rows of cache (a whole number of blocks, at least one; every row of
- * those positions, computed here) and their tokens for the tenant, as skv_prefix_cache_keep
- * does (the cache stays the caller's: the entry shares its blocks). */
+ * those positions, computed here) and their tokens for the tenant (the cache stays the
+ * caller's: the entry shares its blocks). Entries of the tenant whose tokens start these are
+ * dropped (the new one covers them); when one holds these already, that one is kept instead.
+ * tenant_room is the most the tenant's entries may hold together (max-bytes-per-tenant less
+ * what its sessions hold): its least recently used go to make room, and rows over it, or over
+ * the cap, on their own are not kept. Past the cap, entries go as skv_prefix_cache_drop_lru(pc,
+ * NULL) picks them. */
 int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
-                         const struct skv_kv_cache *cache, uint64_t now_ms);
+                         const struct skv_kv_cache *cache, uint64_t tenant_room, uint64_t now_ms);
 
-/* Drops the least recently used entry; false when there is none. */
-bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc);
+/* Marks e used now (a PREFILL took its rows): the last to go of the least recently used. */
+void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry *e, uint64_t now_ms);
+/* The bytes the tenant's entries hold together. */
+uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant);
+/* Drops the least recently used entry of the tenant; with tenant NULL (room for the pool or the
+ * cap), of the tenants holding more than an equal share of the entries' bytes first, so that a
+ * tenant within its share loses nothing while another holds more (then anyone's). False when
+ * there is none. */
+bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant);
 /* Drops the entries unused for idle_ms; returns how many. */
 int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64_t idle_ms);
 /* Drops the tenant's entries (NULL: every entry); returns how many. */

@@ -652,6 +652,16 @@ static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n,
         skv_session_hold_room(w->sessions, s, held, room + bytes);
 }
 
+/* What s's tenant's kept prefixes may hold together: its max-bytes-per-tenant less what its
+ * sessions hold, s at its bytes now, or none of them when s is going (RELEASE). */
+static uint64_t kept_room(struct skv_worker *w, const struct skv_session *s, bool going)
+{
+    uint64_t quota = (uint64_t)w->cfg->max_bytes_per_tenant,
+             held = skv_session_tenant_bytes(w->sessions, s->tenant, s) +
+                    (going ? 0 : skv_kv_cache_bytes(s->cache) + s->compressor_bytes);
+    return held < quota ? quota - held : 0;
+}
+
 /* ---- PREFILL / APPEND / COMPRESS / FORK / RELEASE ---------------------------------------------- */
 
 /* Prefix reuse: the session of the tenant, or the prefix it RELEASEd and the daemon kept
@@ -748,7 +758,7 @@ static int reuse_prefix(struct skv_worker *w, struct skv_session *s, const int32
     /* a kept prefix in use stays longer in the LRU order (a session's lease and idle time are
      * its clients' to keep) */
     if (f.entry)
-        f.entry->last_used_ms = skv_now_ms();
+        skv_prefix_cache_touch(&w->prefix, f.entry, skv_now_ms());
     *reused = f.best;
     return SKV_OK;
 }
@@ -803,7 +813,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         int rows = s->computed_rows < n ? s->computed_rows : n;
         rows -= rows % keep->block_rows;
         if (skv_prefix_cache_whole(keep, n) &&
-            skv_prefix_cache_add(&w->prefix, s->tenant, ids, rows, keep, skv_now_ms()))
+            skv_prefix_cache_add(&w->prefix, s->tenant, ids, rows, keep, kept_room(w, s, false), skv_now_ms()))
             skv_log(SKV_LOG_WARN, "PREFILL: no memory to keep the prompt's rows"); /* the session is made */
         skv_kv_cache_free(&keep);
     }
@@ -1108,7 +1118,7 @@ static void handle_release(struct skv_worker *w, struct skv_job *job)
         fail_rc(w, job, rc);
         return;
     }
-    if (s && w->cfg->prefix_reuse && skv_prefix_cache_keep(&w->prefix, s, skv_now_ms()))
+    if (s && w->cfg->prefix_reuse && skv_prefix_cache_keep(&w->prefix, s, kept_room(w, s, true), skv_now_ms()))
         skv_log(SKV_LOG_WARN, "RELEASE: no memory to keep the session's prefix"); /* released all the same */
     if (s)
         skv_session_destroy(w->sessions, s);

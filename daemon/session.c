@@ -22,8 +22,9 @@ struct skv_session_table {
     void *on_destroy_user;
     void (*on_evict)(void *user, struct skv_session *s);
     void *on_evict_user;
-    bool (*on_pressure)(void *user);
-    void *on_pressure_user;
+    uint64_t (*cache_held)(void *user, const char *tenant);
+    bool (*cache_drop)(void *user, const char *tenant);
+    void *cache_user;
     uint64_t evictions;
     uint64_t mark; /* the last mark_kept's (blocks carry it: skv_kv_block.mark) */
     /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
@@ -188,10 +189,21 @@ void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *us
     t->on_evict_user = user;
 }
 
-void skv_session_table_on_pressure(struct skv_session_table *t, bool (*fn)(void *user), void *user)
+void skv_session_table_on_pressure(struct skv_session_table *t, uint64_t (*held)(void *user, const char *tenant),
+                                   bool (*drop)(void *user, const char *tenant), void *user)
 {
-    t->on_pressure = fn;
-    t->on_pressure_user = user;
+    t->cache_held = held;
+    t->cache_drop = drop;
+    t->cache_user = user;
+}
+
+uint64_t skv_session_tenant_bytes(const struct skv_session_table *t, const char *tenant,
+                                  const struct skv_session *except)
+{
+    int count;
+    uint64_t bytes;
+    tenant_usage(t, tenant, &count, &bytes);
+    return except && strcmp(except->tenant, tenant) == 0 ? bytes - (except->bytes + except->compressor_bytes) : bytes;
 }
 
 /* A session the table drops on its own (eviction, a lease that ran out): on_evict first. */
@@ -424,9 +436,16 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
      * there and not again until its charge), so all of its reservation is still to come */
     if (t->hold.s && t->hold.s != s && strcmp(t->hold.s->tenant, s->tenant) == 0)
         tenant_bytes += t->hold.held;
+    /* what the pool holds only for reuse counts for the tenant with its sessions, and goes
+     * before any session, the tenant's own for its quota */
+    if (t->cache_held) {
+        uint64_t kept = t->cache_held(t->cache_user, s->tenant);
+        while (kept && tenant_bytes + kept > t->lim.max_bytes_per_tenant && t->cache_drop(t->cache_user, s->tenant))
+            kept = t->cache_held(t->cache_user, s->tenant);
+        tenant_bytes += kept;
+    }
     uint64_t used = pool_bytes_used(t) + more_unique;
-    /* what the pool holds only for reuse goes before any session */
-    while (used > t->lim.pool_bytes && t->on_pressure && t->on_pressure(t->on_pressure_user))
+    while (used > t->lim.pool_bytes && t->cache_drop && t->cache_drop(t->cache_user, NULL))
         used = pool_bytes_used(t) + more_unique;
     /* evict nothing for a request that cannot fit even with every candidate gone (the
      * candidates are counted only when a limit is passed: this runs for every decoded token) */

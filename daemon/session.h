@@ -84,10 +84,17 @@ void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *
  * asks for. How an evicted session is kept elsewhere (store = ...). */
 void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
                                 void *user);
-/* Calls fn(user) while the pool would be past its size, before any session is evicted for
- * room: it frees what it can (retained prefixes, prefix_cache.h) and returns false when it has
- * nothing more to free. */
-void skv_session_table_on_pressure(struct skv_session_table *t, bool (*fn)(void *user), void *user);
+/* What the pool holds besides sessions, only for reuse (retained prefixes, prefix_cache.h):
+ * held(user, tenant) is what a tenant holds of it, which its max-bytes-per-tenant counts with
+ * its sessions; drop(user, tenant) frees a piece of the tenant's (tenant NULL: anyone's, while
+ * the pool would be past its size) and returns false when there is none. skv_session_reserve
+ * drops them before it evicts any session, for the tenant's quota or the pool. */
+void skv_session_table_on_pressure(struct skv_session_table *t, uint64_t (*held)(void *user, const char *tenant),
+                                   bool (*drop)(void *user, const char *tenant), void *user);
+/* The bytes the tenant's sessions hold (as skv_session_charge last counted them; their
+ * compressors' too), less except's when it is the tenant's. */
+uint64_t skv_session_tenant_bytes(const struct skv_session_table *t, const char *tenant,
+                                  const struct skv_session *except);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or

@@ -268,10 +268,16 @@ static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
     return n;
 }
 
-/* The session table's pressure hook: a retained prefix goes before any session. */
-static bool drop_retained(void *user)
+/* The session table's pressure hooks: a retained prefix counts for its tenant and goes before
+ * any session. */
+static uint64_t retained_bytes(void *user, const char *tenant)
 {
-    return skv_prefix_cache_drop_lru(user);
+    return skv_prefix_cache_tenant_bytes(user, tenant);
+}
+
+static bool drop_retained(void *user, const char *tenant)
+{
+    return skv_prefix_cache_drop_lru(user, tenant);
 }
 
 static void publish_stats(struct skv_worker *w)
@@ -1015,7 +1021,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     w->prefix.cap = (uint64_t)cfg->prefix_retain_bytes;
     if (!rc) {
         skv_session_table_on_destroy(w->sessions, event_removed, w);
-        skv_session_table_on_pressure(w->sessions, drop_retained, &w->prefix);
+        skv_session_table_on_pressure(w->sessions, retained_bytes, drop_retained, &w->prefix);
     }
     if (!rc && cfg->store && *cfg->store &&
         !(rc = skv_store_open(cfg, &w->store, w->store_mac_key, &w->store_signed, w->store_accept_key,

@@ -884,6 +884,91 @@ static void test_prefix_retain(void **state)
     assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 0);
 }
 
+/* A full-cache PREFILL for tenant of the first n fixed ids with the first replaced by `first`
+ * (another history for each), then its RELEASE, which keeps its rows (prefix-retain-bytes);
+ * returns the tokens the PREFILL reused. */
+static uint32_t prefill_release(struct fixture *f, const char *tenant, uint32_t first, int n)
+{
+    uint32_t tokens[64];
+    fixed_ids(f, tokens, n);
+    tokens[0] = first % (uint32_t)f->tiny->m->cfg.n_vocab;
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.tokens = tokens;
+    p.n_tokens = (size_t)n;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    req.tenant = (char *)tenant;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("PREFILL: %d %s", rep->status, rep->message);
+    uint32_t reused = rep->prefill->reused_tokens;
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = rep->prefill->session_id;
+    Snapkv__Request rel = SNAPKV__REQUEST__INIT;
+    rel.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    rel.release = &rr;
+    rel.tenant = (char *)tenant;
+    Snapkv__Reply *done = call(f, 0, ID_X, &rel);
+    assert_int_equal(done->status, SKV_OK);
+    snapkv__reply__free_unpacked(done, NULL);
+    snapkv__reply__free_unpacked(rep, NULL);
+    return reused;
+}
+
+/* Kept prefixes and tenants: past the cap, those of a tenant holding more than an equal share
+ * go first, even when another tenant's is older; a tenant's kept prefixes count with its
+ * sessions against max-bytes-per-tenant and go before any of its sessions. */
+static void test_prefix_retain_tenants(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    f->cfg.prefix_retain_bytes = (int64_t)(6 * unit * bb); /* 3 prefixes of 32 tokens */
+    restart_with_pool(f, 16);
+    assert_int_equal(prefill_release(f, "u", 1, 32), 0); /* the oldest */
+    assert_int_equal(prefill_release(f, "t", 2, 32), 0);
+    assert_int_equal(prefill_release(f, "t", 3, 32), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 3);
+    /* t's third: t would hold 6 of 8 blocks a head, more than half: t's oldest goes, not u's */
+    assert_int_equal(prefill_release(f, "t", 4, 32), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 3);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 1);
+    /* each prompt's first block is computed again (more than the small-batch size) */
+    assert_int_equal(prefill_release(f, "u", 1, 32), 16);
+    assert_int_equal(prefill_release(f, "t", 3, 32), 16);
+    assert_int_equal(prefill_release(f, "t", 4, 32), 16);
+    assert_int_equal(prefill_release(f, "t", 2, 32), 0); /* t's oldest went; now t's 3 goes */
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 2);
+    assert_int_equal(prefill_release(f, "u", 1, 32), 16);
+    assert_int_equal(prefill_release(f, "t", 4, 32), 16);
+    /* a quota of 5 blocks a head: kept prefixes and sessions together */
+    f->cfg.prefix_retain_bytes = (int64_t)(16 * unit * bb);
+    restart_with_quota(f, 5);
+    assert_int_equal(prefill_release(f, NULL, 1, 32), 0);
+    assert_int_equal(prefill_release(f, NULL, 2, 32), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
+    assert_int_equal(prefill_release(f, NULL, 3, 32), 0); /* 6 > 5: the oldest goes */
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
+    assert_int_equal(prefill_release(f, NULL, 1, 32), 0); /* 2 goes for its session */
+    /* 48 tokens take 32 from 3's; 1's goes for the session, 3's for the new one covering it */
+    assert_int_equal(prefill_release(f, NULL, 3, 48), 32);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 3 * unit * bb);
+    /* a session of 3 blocks a head: the kept go (oldest first) before it is refused or any session evicted */
+    uint8_t a[16];
+    prefill(f, 48, "policy=full", a);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
+    assert_int_equal(listed(f, a, NULL, NULL), 48);
+    /* another tenant's are its own: u keeps 2 blocks a head beside t's session */
+    assert_int_equal(prefill_release(f, "u", 9, 32), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(listed(f, a, NULL, NULL), 48);
+}
+
 /* Prefix reuse and the tenant's bytes: the blocks a PREFILL takes from another session count
  * for its tenant in each session holding them (as a FORK's), once for the pool; past the
  * tenant's quota its idle sessions go first, the source too (the blocks stay, shared). */
@@ -4493,6 +4578,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_reuse_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_retain_tenants, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
