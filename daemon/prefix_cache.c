@@ -3,6 +3,7 @@
 #include "common/status.h"
 #include "daemon/engine/kv_pool.h"
 
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,8 @@ bool skv_prefix_cache_whole(const struct skv_kv_cache *c, int n_tokens)
 static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **link)
 {
     struct skv_prefix_entry *e = *link;
+    if (pc->on_drop)
+        pc->on_drop(pc->hook_user, e);
     *link = e->next;
     pc->n--;
     pc->bytes -= e->bytes;
@@ -147,6 +150,7 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
         free(e);
         return rc;
     }
+    randombytes_buf(e->id, sizeof e->id);
     snprintf(e->tenant, sizeof e->tenant, "%s", tenant);
     memcpy(e->tokens, tokens, (size_t)rows * sizeof *e->tokens);
     e->n_rows = rows;
@@ -156,6 +160,8 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     pc->head = e;
     pc->n++;
     pc->bytes += e->bytes;
+    if (pc->on_add)
+        pc->on_add(pc->hook_user, e);
     while (pc->bytes > pc->cap && skv_prefix_cache_drop_lru(pc, NULL))
         ;
     return SKV_OK;

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 struct skv_prefix_entry {
+    uint8_t id[SKV_SESSION_ID_BYTES]; /* random: what its KV events call it (no request takes it) */
     char tenant[SKV_TENANT_MAX];
     int32_t *tokens;              /* the first n_rows tokens of the session's history */
     int n_rows;                   /* its computed_rows, in whole blocks */
@@ -30,6 +31,11 @@ struct skv_prefix_cache {
     uint64_t cap;                 /* prefix-retain-bytes; 0: nothing is kept */
     uint64_t uses;                /* entries made or used so far */
     uint64_t dropped;             /* entries dropped for room, for the cap, unused or covered (not cleared) */
+    /* called for each entry made, and for each entry before it goes (dropped or cleared): how
+     * they are announced (KV events); NULL: not called */
+    void (*on_add)(void *user, const struct skv_prefix_entry *e);
+    void (*on_drop)(void *user, const struct skv_prefix_entry *e);
+    void *hook_user;
 };
 
 /* Whether cache holds every row of a history of n_tokens tokens (no row compressed or evicted)

@@ -54,11 +54,11 @@ void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__R
  * One message per event through the reply pipe, under socket index SKV_WORKER_EVENTS_SOCK; the socket
  * thread publishes it with its topic and sequence number. */
 
-/* The chained block hashes of s's token history (whole SKV_EVENT_BLOCK_TOKENS blocks); on no
+/* The chained block hashes of a token history (whole SKV_EVENT_BLOCK_TOKENS blocks); on no
  * memory an event goes without them. */
-size_t skv_worker_block_hashes(const struct skv_session *s, uint64_t **out)
+static size_t block_hashes(const int32_t *tokens, int n_tokens, uint64_t **out)
 {
-    size_t n = (size_t)s->n_tokens / SKV_EVENT_BLOCK_TOKENS;
+    size_t n = (size_t)n_tokens / SKV_EVENT_BLOCK_TOKENS;
     *out = n ? malloc(n * sizeof **out) : NULL;
     if (!*out)
         return 0;
@@ -66,7 +66,7 @@ size_t skv_worker_block_hashes(const struct skv_session *s, uint64_t **out)
     for (size_t b = 0; b < n; b++) {
         memcpy(in, h, 8);
         for (int i = 0; i < SKV_EVENT_BLOCK_TOKENS; i++) {
-            uint32_t t = (uint32_t)s->tokens[b * SKV_EVENT_BLOCK_TOKENS + (size_t)i];
+            uint32_t t = (uint32_t)tokens[b * SKV_EVENT_BLOCK_TOKENS + (size_t)i];
             for (int k = 0; k < 4; k++)
                 in[8 + 4 * i + k] = (uint8_t)(t >> (8 * k));
         }
@@ -77,6 +77,11 @@ size_t skv_worker_block_hashes(const struct skv_session *s, uint64_t **out)
         (*out)[b] = v;
     }
     return n;
+}
+
+size_t skv_worker_block_hashes(const struct skv_session *s, uint64_t **out)
+{
+    return block_hashes(s->tokens, s->n_tokens, out);
 }
 
 static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
@@ -134,6 +139,48 @@ static void event_removed(void *user, struct skv_session *s)
     rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
     rm.tenant = s->tenant;
     rm.n_block_hashes = skv_worker_block_hashes(s, &hashes);
+    rm.block_hashes = hashes;
+    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
+    ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;
+    ev.removed = &rm;
+    event_send(w, &ev);
+    free(hashes);
+}
+
+/* The kept prefixes' hooks (prefix-retain-bytes): one is announced as a SessionStored of its
+ * own id with kept_prefix set, and removed when it goes. */
+static void event_prefix_kept(void *user, const struct skv_prefix_entry *e)
+{
+    struct skv_worker *w = user;
+    if (!w->events)
+        return;
+    uint64_t *hashes;
+    Snapkv__SessionStored st = SNAPKV__SESSION_STORED__INIT;
+    st.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, (uint8_t *)e->id};
+    st.tenant = (char *)e->tenant;
+    st.block_size = SKV_EVENT_BLOCK_TOKENS;
+    st.n_block_hashes = block_hashes(e->tokens, e->n_rows, &hashes);
+    st.block_hashes = hashes;
+    st.n_tokens = (uint32_t)e->n_rows;
+    st.bytes = e->bytes;
+    st.kept_prefix = true;
+    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
+    ev.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
+    ev.stored = &st;
+    event_send(w, &ev);
+    free(hashes);
+}
+
+static void event_prefix_dropped(void *user, const struct skv_prefix_entry *e)
+{
+    struct skv_worker *w = user;
+    if (!w->events)
+        return;
+    uint64_t *hashes;
+    Snapkv__SessionRemoved rm = SNAPKV__SESSION_REMOVED__INIT;
+    rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, (uint8_t *)e->id};
+    rm.tenant = (char *)e->tenant;
+    rm.n_block_hashes = block_hashes(e->tokens, e->n_rows, &hashes);
     rm.block_hashes = hashes;
     Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
     ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;
@@ -1019,6 +1066,9 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     };
     int rc = skv_session_table_new(&lim, &w->sessions);
     w->prefix.cap = (uint64_t)cfg->prefix_retain_bytes;
+    w->prefix.on_add = event_prefix_kept;
+    w->prefix.on_drop = event_prefix_dropped;
+    w->prefix.hook_user = w;
     if (!rc) {
         skv_session_table_on_destroy(w->sessions, event_removed, w);
         skv_session_table_on_pressure(w->sessions, retained_bytes, drop_retained, &w->prefix);

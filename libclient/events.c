@@ -3,6 +3,7 @@
 #include "libclient/client_internal.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -266,6 +267,11 @@ static const Snapkv__KvEvent *next_replayed(struct snapkv_events *ev, double *ts
     return NULL;
 }
 
+/* kept_prefix (11:0:7) took padding: block_size is where it was in 5:0:1, right after compressed */
+_Static_assert(offsetof(struct snapkv_event, block_size) ==
+                   ((offsetof(struct snapkv_event, compressed) + 1 + 3) & ~(size_t)3),
+               "struct snapkv_event's layout changed");
+
 /* Fills *out from e; SNAPKV_E_NOMEM leaves e to be read again. */
 static int event_read(const Snapkv__KvEvent *e, struct snapkv_event *out)
 {
@@ -280,6 +286,7 @@ static int event_read(const Snapkv__KvEvent *e, struct snapkv_event *out)
         out->n_tokens = e->stored->n_tokens;
         out->bytes = e->stored->bytes;
         out->compressed = e->stored->compressed;
+        out->kept_prefix = e->stored->kept_prefix;
         out->block_size = e->stored->block_size;
         out->n_block_hashes = e->stored->n_block_hashes;
         hashes = e->stored->block_hashes;

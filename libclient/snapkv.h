@@ -67,6 +67,8 @@
  * 9:0:5 (still libsnapkv.so.4): snapkv_decode_logprobs and snapkv_logprobs_free added.
  * 10:0:6 (still libsnapkv.so.4): snapkv_prefill_flags (prefix reuse: how many tokens were
  * reused, or none asked) added.
+ * 11:0:7 (still libsnapkv.so.4): struct snapkv_event grew kept_prefix, in the padding after
+ * compressed (its size and every other field's offset are as before).
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -712,6 +714,8 @@ struct snapkv_event {
     uint32_t n_tokens;            /* stored: the session's length */
     uint64_t bytes;               /* stored: KV bytes it holds */
     bool compressed;              /* stored: rows kept by a compression policy */
+    bool kept_prefix;             /* stored: not a session but rows kept for prefix reuse
+                                     (prefix-retain-bytes), under an id no request takes (11:0:7) */
     uint32_t block_size;          /* stored: tokens per hashed block */
     size_t n_block_hashes;        /* chained hashes of the token history's whole blocks */
     uint64_t *block_hashes;       /* owned by the event: snapkv_event_free() */

@@ -2158,6 +2158,7 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
                 json_put(&o, "n_tokens", json_integer(e.n_tokens));
                 json_put(&o, "bytes", json_integer((json_int_t)e.bytes));
                 json_put(&o, "compressed", json_boolean(e.compressed));
+                json_put(&o, "kept_prefix", json_boolean(e.kept_prefix));
                 json_put(&o, "block_size", json_integer(e.block_size));
             }
             json_decref(hashes);
@@ -2171,8 +2172,8 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
         } else {
             printf("%llu %s %s %s blocks=%zu", (unsigned long long)e.sequence, kind, hex, e.tenant, e.n_block_hashes);
             if (e.kind == SNAPKV_EVENT_STORED)
-                printf(" tokens=%u bytes=%llu%s", e.n_tokens, (unsigned long long)e.bytes,
-                       e.compressed ? " compressed" : "");
+                printf(" tokens=%u bytes=%llu%s%s", e.n_tokens, (unsigned long long)e.bytes,
+                       e.compressed ? " compressed" : "", e.kept_prefix ? " kept-prefix" : "");
             printf("\n");
         }
         fflush(stdout);

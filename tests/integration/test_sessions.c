@@ -2149,6 +2149,121 @@ static void events_joined(snapkv_client_t *c, snapkv_events_t *ev)
         snapkv_event_free(&e);
 }
 
+/* The next event of ev (within 10 s), past the 1-token sessions events_joined made. */
+static void next_kept_event(snapkv_events_t *ev, struct snapkv_event *e)
+{
+    do
+        assert_int_equal(snapkv_events_next(ev, 10000, e), SNAPKV_OK);
+    while (e->kind != SNAPKV_EVENT_CLEARED && e->n_block_hashes == 0 && !e->kept_prefix &&
+           (snapkv_event_free(e), true));
+}
+
+/* Kept prefixes (prefix-retain-bytes) in the KV events, so that a router still sees which host
+ * holds a released prompt: a RELEASE of a full-cache session announces its kept rows stored,
+ * under an id of their own with kept_prefix set, then the session removed; a replay's snapshot
+ * holds them; a longer kept prefix covering them announces them removed, and so does an EVICT;
+ * snapkvctl events shows them. */
+static void test_kv_events_kept(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    char conf[4096], ev_ep[96], rp_ep[96];
+    snprintf(ev_ep, sizeof ev_ep, "ipc:///tmp/skv-evk-%d.sock", (int)getpid());
+    snprintf(rp_ep, sizeof rp_ep, "ipc:///tmp/skv-evkr-%d.sock", (int)getpid());
+    char text[300];
+    snprintf(text, sizeof text, "events-endpoint = %s\nevents-replay-endpoint = %s\nprefix-retain-bytes = 64M\n", ev_ep,
+             rp_ep);
+    daemon_dir_conf(&d, text, conf, sizeof conf);
+    start_daemon_in(&d, "1G", conf, 0);
+    snapkv_client_t *c = client(d.endpoint, "ev"), *a = client(d.admin, NULL);
+    uint32_t ids[N_PROMPT + 16];
+    prompt(ids, N_PROMPT + 16, 43);
+    uint64_t want[(N_PROMPT + 16) / 16];
+    const size_t n_want = ref_hashes(ids, N_PROMPT + 16, want);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result full, more;
+    assert_int_equal(snapkv_prefill(c, &po, &full), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &full.id), SNAPKV_OK);
+    /* published: AllCleared, full stored, its rows kept, full removed */
+    snapkv_events_t *ev = NULL;
+    assert_int_equal(snapkv_events_open(ev_ep, &ev), SNAPKV_OK);
+    assert_int_equal(snapkv_events_replay(ev, rp_ep, 10000), SNAPKV_OK);
+    struct snapkv_event e;
+    assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_OK);
+    assert_int_equal(e.kind, SNAPKV_EVENT_CLEARED);
+    assert_int_equal(e.sequence, 4);
+    snapkv_event_free(&e);
+    assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_OK);
+    assert_int_equal(e.kind, SNAPKV_EVENT_STORED);
+    assert_true(e.kept_prefix);
+    assert_false(e.compressed);
+    assert_string_equal(e.tenant, "ev");
+    assert_int_equal(e.n_tokens, N_PROMPT);
+    assert_true(e.bytes > 0);
+    assert_int_equal(e.n_block_hashes, N_PROMPT / 16);
+    assert_memory_equal(e.block_hashes, want, (N_PROMPT / 16) * sizeof *want);
+    struct snapkv_session_id kept1 = e.id;
+    assert_memory_not_equal(kept1.bytes, full.id.bytes, 16);
+    snapkv_event_free(&e);
+    assert_int_equal(snapkv_events_next(ev, 0, &e), SNAPKV_E_TIMEOUT); /* nothing else is held */
+    /* the kept id names no session */
+    struct snapkv_inspect_result info;
+    assert_int_equal(snapkv_admin_inspect(a, &kept1, false, &info), SNAPKV_E_NOT_FOUND);
+    /* snapkvctl events --replay prints it */
+    static char out[16384], err[16384];
+    const char *args[] = {"events", ev_ep, "--replay", rp_ep, "--count", "2", NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl events: %s", err);
+    char kept_hex[SNAPKV_SESSION_ID_HEX_SIZE], line[256];
+    snapkv_session_id_to_hex(&kept1, kept_hex, sizeof kept_hex);
+    snprintf(line, sizeof line, "4 stored %s ev blocks=%d tokens=%d bytes=", kept_hex, N_PROMPT / 16, N_PROMPT);
+    assert_non_null(strstr(out, line));
+    assert_non_null(strstr(out, " kept-prefix\n"));
+
+    /* a longer prompt takes the kept rows; its release keeps its own, which cover the first */
+    events_joined(c, ev);
+    po.n_tokens = N_PROMPT + 16;
+    assert_int_equal(snapkv_prefill(c, &po, &more), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &more.id), SNAPKV_OK);
+    next_kept_event(ev, &e);
+    assert_int_equal(e.kind, SNAPKV_EVENT_STORED);
+    assert_memory_equal(e.id.bytes, more.id.bytes, 16);
+    assert_false(e.kept_prefix);
+    snapkv_event_free(&e);
+    next_kept_event(ev, &e);
+    assert_int_equal(e.kind, SNAPKV_EVENT_REMOVED);
+    assert_memory_equal(e.id.bytes, kept1.bytes, 16);
+    assert_int_equal(e.n_block_hashes, N_PROMPT / 16);
+    snapkv_event_free(&e);
+    next_kept_event(ev, &e);
+    assert_int_equal(e.kind, SNAPKV_EVENT_STORED);
+    assert_true(e.kept_prefix);
+    assert_int_equal(e.n_tokens, N_PROMPT + 16);
+    assert_int_equal(e.n_block_hashes, n_want);
+    assert_memory_equal(e.block_hashes, want, n_want * sizeof *want);
+    struct snapkv_session_id kept2 = e.id;
+    snapkv_event_free(&e);
+    next_kept_event(ev, &e);
+    assert_int_equal(e.kind, SNAPKV_EVENT_REMOVED);
+    assert_memory_equal(e.id.bytes, more.id.bytes, 16);
+    snapkv_event_free(&e);
+    /* EVICT of every unpinned session drops the kept rows too */
+    assert_int_equal(snapkv_admin_evict(a, NULL, NULL, true, NULL, NULL), SNAPKV_OK);
+    next_kept_event(ev, &e);
+    assert_int_equal(e.kind, SNAPKV_EVENT_REMOVED);
+    assert_memory_equal(e.id.bytes, kept2.bytes, 16);
+    assert_string_equal(e.tenant, "ev");
+    snapkv_event_free(&e);
+    assert_int_equal(stat_of(d.admin, "snapkv_prefix_retained"), 0);
+    snapkv_events_close(&ev);
+    snapkv_prefill_result_free(&full);
+    snapkv_prefill_result_free(&more);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
 /* events-replay-endpoint: a subscriber that joins late asks for a snapshot and gets an
  * AllCleared and a stored event per session the stream announced and did not remove (not the
  * released fork), as the stream last announced it (after an APPEND: the longer history), all at
@@ -5196,6 +5311,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),
+        cmocka_unit_test_teardown(test_kv_events_kept, kill_daemons),
         cmocka_unit_test(test_events_missed_then_quiet),
         cmocka_unit_test_teardown(test_refused_requests_dropped, kill_daemons),
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
