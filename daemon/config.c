@@ -69,7 +69,9 @@ static const struct skv_config_option options[] = {
      "with prefix-reuse, a full-cache session RELEASEd is kept for it (its blocks, copy-on-write: what other "
      "sessions share costs nothing more), and so are a compressing PREFILL's prompt rows before it cuts them "
      "(when the pool has free room for them), up to this many bytes together, least recently used going "
-     "first; kept ones are the first to go when the pool needs room, and go after lease-seconds unused; 0: none"},
+     "first, of the tenants holding more than an equal share first; kept ones are the first to go when the "
+     "pool needs room, count with their tenant's sessions against max-bytes-per-tenant (going before any of "
+     "them), and go after lease-seconds unused; 0: none"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
      "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
      "and leases, at start, so a restart loses no cache"},

@@ -21,7 +21,7 @@ bool skv_prefix_cache_whole(const struct skv_kv_cache *c, int n_tokens)
 static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **link)
 {
     struct skv_prefix_entry *e = *link;
-    if (pc->on_drop)
+    if (pc->on_drop && e->announced)
         pc->on_drop(pc->hook_user, e);
     *link = e->next;
     pc->n--;
@@ -49,12 +49,20 @@ void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry
     e->used = ++pc->uses;
 }
 
-uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant)
+/* Bytes of the blocks e holds that no other holder (a session, another entry) shares. */
+static uint64_t alone_bytes(const struct skv_prefix_entry *e)
+{
+    struct skv_kv_blocks b;
+    skv_kv_cache_blocks(e->cache, &b);
+    return (b.held - b.shared) * skv_kv_pool_block_bytes(e->cache->pool);
+}
+
+uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant, bool alone)
 {
     uint64_t bytes = 0;
     for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
         if (strcmp(e->tenant, tenant) == 0)
-            bytes += e->bytes;
+            bytes += alone ? alone_bytes(e) : e->bytes;
     return bytes;
 }
 
@@ -101,14 +109,20 @@ static struct skv_prefix_entry **fair_victim(struct skv_prefix_cache *pc)
     return oldest;
 }
 
-bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant)
+/* The link to the entry skv_prefix_cache_drop_lru drops (NULL: none). */
+static struct skv_prefix_entry **victim_of(struct skv_prefix_cache *pc, const char *tenant)
 {
     struct skv_prefix_entry **victim = tenant ? NULL : fair_victim(pc);
     if (!victim) /* the tenant's (or anyone's) least recently used */
         for (struct skv_prefix_entry **link = &pc->head; *link; link = &(*link)->next)
-            if ((!tenant || strcmp((*link)->tenant, tenant) == 0) &&
-                (!victim || (*link)->used < (*victim)->used))
+            if ((!tenant || strcmp((*link)->tenant, tenant) == 0) && (!victim || (*link)->used < (*victim)->used))
                 victim = link;
+    return victim;
+}
+
+bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant)
+{
+    struct skv_prefix_entry **victim = victim_of(pc, tenant);
     if (!victim)
         return false;
     entry_free(pc, victim);
@@ -136,8 +150,10 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
             link = &e->next;
         }
     }
-    /* the tenant's own make room within its quota; the cap's room goes by share (below) */
-    while (skv_prefix_cache_tenant_bytes(pc, tenant) + bytes > tenant_room && skv_prefix_cache_drop_lru(pc, tenant))
+    /* the tenant's own make room within its quota (what they hold alone, as the quota counts
+     * them); the cap's room goes by share (below) */
+    while (skv_prefix_cache_tenant_bytes(pc, tenant, true) + bytes > tenant_room &&
+           skv_prefix_cache_drop_lru(pc, tenant))
         ;
     struct skv_prefix_entry *e = calloc(1, sizeof *e);
     if (!e || !(e->tokens = malloc((size_t)rows * sizeof *e->tokens))) {
@@ -160,10 +176,19 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     pc->head = e;
     pc->n++;
     pc->bytes += e->bytes;
+    /* past the cap: when the new one is the one to go (its tenant over its share with nothing
+     * older), it goes unannounced and nothing else does */
+    while (pc->bytes > pc->cap) {
+        struct skv_prefix_entry **victim = victim_of(pc, NULL);
+        bool self = *victim == e;
+        entry_free(pc, victim);
+        if (self)
+            return SKV_OK;
+        pc->dropped++;
+    }
+    e->announced = true;
     if (pc->on_add)
         pc->on_add(pc->hook_user, e);
-    while (pc->bytes > pc->cap && skv_prefix_cache_drop_lru(pc, NULL))
-        ;
     return SKV_OK;
 }
 

@@ -21,6 +21,7 @@ struct skv_prefix_entry {
     uint64_t bytes;               /* its blocks x block bytes (shared ones too) */
     uint64_t last_used_ms;        /* lease-seconds unused: it goes */
     uint64_t used;                /* the cache's count of uses when it was last used (LRU order) */
+    bool announced;               /* on_add was called for it (on_drop will be) */
     struct skv_prefix_entry *next;
 };
 
@@ -59,14 +60,16 @@ uint64_t skv_prefix_cache_rows_bytes(const struct skv_kv_cache *c, int rows);
  * tenant_room is the most the tenant's entries may hold together (max-bytes-per-tenant less
  * what its sessions hold): its least recently used go to make room, and rows over it, or over
  * the cap, on their own are not kept. Past the cap, entries go as skv_prefix_cache_drop_lru(pc,
- * NULL) picks them. */
+ * NULL) picks them; when that is the new one, it is not kept (and not announced). */
 int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
                          const struct skv_kv_cache *cache, uint64_t tenant_room, uint64_t now_ms);
 
 /* Marks e used now (a PREFILL took its rows): the last to go of the least recently used. */
 void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry *e, uint64_t now_ms);
-/* The bytes the tenant's entries hold together. */
-uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant);
+/* The bytes the tenant's entries hold together; with alone, only of the blocks no other holder
+ * shares (a session that took an entry's rows holds them too: the pool holds them once), what
+ * max-bytes-per-tenant counts (a walk of their blocks; without it, a sum of their sizes). */
+uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant, bool alone);
 /* Drops the least recently used entry of the tenant; with tenant NULL (room for the pool or the
  * cap), of the tenants holding more than an equal share of the entries' bytes first, so that a
  * tenant within its share loses nothing while another holds more (then anyone's). False when

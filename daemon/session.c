@@ -22,7 +22,7 @@ struct skv_session_table {
     void *on_destroy_user;
     void (*on_evict)(void *user, struct skv_session *s);
     void *on_evict_user;
-    uint64_t (*cache_held)(void *user, const char *tenant);
+    uint64_t (*cache_held)(void *user, const char *tenant, bool alone);
     bool (*cache_drop)(void *user, const char *tenant);
     void *cache_user;
     uint64_t evictions;
@@ -189,7 +189,8 @@ void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *us
     t->on_evict_user = user;
 }
 
-void skv_session_table_on_pressure(struct skv_session_table *t, uint64_t (*held)(void *user, const char *tenant),
+void skv_session_table_on_pressure(struct skv_session_table *t,
+                                   uint64_t (*held)(void *user, const char *tenant, bool alone),
                                    bool (*drop)(void *user, const char *tenant), void *user)
 {
     t->cache_held = held;
@@ -203,7 +204,8 @@ uint64_t skv_session_tenant_bytes(const struct skv_session_table *t, const char 
     int count;
     uint64_t bytes;
     tenant_usage(t, tenant, &count, &bytes);
-    return except && strcmp(except->tenant, tenant) == 0 ? bytes - (except->bytes + except->compressor_bytes) : bytes;
+    uint64_t less = except && strcmp(except->tenant, tenant) == 0 ? except->bytes + except->compressor_bytes : 0;
+    return bytes > less ? bytes - less : 0;
 }
 
 /* A session the table drops on its own (eviction, a lease that ran out): on_evict first. */
@@ -439,9 +441,14 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     /* what the pool holds only for reuse counts for the tenant with its sessions, and goes
      * before any session, the tenant's own for its quota */
     if (t->cache_held) {
-        uint64_t kept = t->cache_held(t->cache_user, s->tenant);
-        while (kept && tenant_bytes + kept > t->lim.max_bytes_per_tenant && t->cache_drop(t->cache_user, s->tenant))
-            kept = t->cache_held(t->cache_user, s->tenant);
+        /* their size bounds it; only past the quota are the blocks they alone hold counted */
+        uint64_t kept = t->cache_held(t->cache_user, s->tenant, false);
+        if (kept && tenant_bytes + kept > t->lim.max_bytes_per_tenant) {
+            kept = t->cache_held(t->cache_user, s->tenant, true);
+            while (kept && tenant_bytes + kept > t->lim.max_bytes_per_tenant &&
+                   t->cache_drop(t->cache_user, s->tenant))
+                kept = t->cache_held(t->cache_user, s->tenant, true);
+        }
         tenant_bytes += kept;
     }
     uint64_t used = pool_bytes_used(t) + more_unique;

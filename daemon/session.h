@@ -85,11 +85,13 @@ void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *
 void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
                                 void *user);
 /* What the pool holds besides sessions, only for reuse (retained prefixes, prefix_cache.h):
- * held(user, tenant) is what a tenant holds of it, which its max-bytes-per-tenant counts with
- * its sessions; drop(user, tenant) frees a piece of the tenant's (tenant NULL: anyone's, while
+ * held(user, tenant, alone) is what a tenant holds of it, with alone only what no session
+ * shares, which its max-bytes-per-tenant counts with its sessions (without alone, a bound of
+ * it, cheaper); drop(user, tenant) frees a piece of the tenant's (tenant NULL: anyone's, while
  * the pool would be past its size) and returns false when there is none. skv_session_reserve
  * drops them before it evicts any session, for the tenant's quota or the pool. */
-void skv_session_table_on_pressure(struct skv_session_table *t, uint64_t (*held)(void *user, const char *tenant),
+void skv_session_table_on_pressure(struct skv_session_table *t,
+                                   uint64_t (*held)(void *user, const char *tenant, bool alone),
                                    bool (*drop)(void *user, const char *tenant), void *user);
 /* The bytes the tenant's sessions hold (as skv_session_charge last counted them; their
  * compressors' too), less except's when it is the tenant's. */

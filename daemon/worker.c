@@ -317,9 +317,9 @@ static int cancel_decodes_of(struct skv_worker *w, const struct skv_job *notice)
 
 /* The session table's pressure hooks: a retained prefix counts for its tenant and goes before
  * any session. */
-static uint64_t retained_bytes(void *user, const char *tenant)
+static uint64_t retained_bytes(void *user, const char *tenant, bool alone)
 {
-    return skv_prefix_cache_tenant_bytes(user, tenant);
+    return skv_prefix_cache_tenant_bytes(user, tenant, alone);
 }
 
 static bool drop_retained(void *user, const char *tenant)

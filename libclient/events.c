@@ -267,10 +267,17 @@ static const Snapkv__KvEvent *next_replayed(struct snapkv_events *ev, double *ts
     return NULL;
 }
 
-/* kept_prefix (11:0:7) took padding: block_size is where it was in 5:0:1, right after compressed */
-_Static_assert(offsetof(struct snapkv_event, block_size) ==
-                   ((offsetof(struct snapkv_event, compressed) + 1 + 3) & ~(size_t)3),
+/* kept_prefix (11:0:7) took the padding right after compressed: block_size is where 5:0:1 had
+ * it (compressed's offset + 1, rounded up to 4), and on LP64 the layout is 5:0:1's byte for byte */
+_Static_assert(offsetof(struct snapkv_event, kept_prefix) == offsetof(struct snapkv_event, compressed) + 1 &&
+                   offsetof(struct snapkv_event, block_size) ==
+                       ((offsetof(struct snapkv_event, compressed) + 1 + 3) & ~(size_t)3),
                "struct snapkv_event's layout changed");
+#if defined(__LP64__)
+_Static_assert(offsetof(struct snapkv_event, compressed) == 184 && offsetof(struct snapkv_event, block_size) == 188 &&
+                   sizeof(struct snapkv_event) == 208,
+               "struct snapkv_event is not 5:0:1's layout");
+#endif
 
 /* Fills *out from e; SNAPKV_E_NOMEM leaves e to be read again. */
 static int event_read(const Snapkv__KvEvent *e, struct snapkv_event *out)

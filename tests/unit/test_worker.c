@@ -950,22 +950,45 @@ static void test_prefix_retain_tenants(void **state)
     assert_int_equal(prefill_release(f, NULL, 1, 32), 0);
     assert_int_equal(prefill_release(f, NULL, 2, 32), 0);
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
-    assert_int_equal(prefill_release(f, NULL, 3, 32), 0); /* 6 > 5: the oldest goes */
+    assert_int_equal(prefill_release(f, NULL, 3, 32), 0); /* its session + 4 > 5: the oldest goes */
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
-    assert_int_equal(prefill_release(f, NULL, 1, 32), 0); /* 2 goes for its session */
-    /* 48 tokens take 32 from 3's; 1's goes for the session, 3's for the new one covering it */
+    assert_int_equal(prefill_release(f, NULL, 1, 32), 0); /* 2's goes for its session */
+    /* 48 tokens take 32 from 3's, whose blocks then count once (in the session): nothing goes
+     * for the session (3 + 1's 2 = 5); its release keeps 3 blocks, covering 3's */
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 2);
     assert_int_equal(prefill_release(f, NULL, 3, 48), 32);
-    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
-    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 3 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 5 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 3);
     /* a session of 3 blocks a head: the kept go (oldest first) before it is refused or any session evicted */
     uint8_t a[16];
     prefill(f, 48, "policy=full", a);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 5);
     assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
     assert_int_equal(listed(f, a, NULL, NULL), 48);
     /* another tenant's are its own: u keeps 2 blocks a head beside t's session */
     assert_int_equal(prefill_release(f, "u", 9, 32), 0);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(listed(f, a, NULL, NULL), 48);
+    /* beside t's idle session of 3, a release keeps 2 (room 2); the next PREFILL's room takes
+     * them (3 + 2 + 2 > 5), not the idle session */
+    assert_int_equal(prefill_release(f, NULL, 5, 32), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(prefill_release(f, NULL, 6, 32), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2); /* u's, and t's 6 */
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 6);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
+    assert_int_equal(listed(f, a, NULL, NULL), 48);
+    /* rows over the room on their own are not kept: a compressing PREFILL of 48 tokens keeps 1
+     * block a head, beside the idle 3 that leaves 1 for its prompt's 3 (t's 6 goes for it) */
+    Snapkv__Reply *cr = prefill_reply(f, NULL, 48, "policy=snapkv,budget=16,window=4", 0);
+    if (cr->status)
+        fail_msg("PREFILL: %d %s", cr->status, cr->message);
+    snapkv__reply__free_unpacked(cr, NULL);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1); /* u's */
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 2 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
     assert_int_equal(listed(f, a, NULL, NULL), 48);
 }
 
