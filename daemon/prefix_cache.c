@@ -49,8 +49,7 @@ void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry
     e->used = ++pc->uses;
 }
 
-/* Bytes of the blocks e holds that no other holder (a session, another entry) shares. */
-static uint64_t alone_bytes(const struct skv_prefix_entry *e)
+uint64_t skv_prefix_entry_alone_bytes(const struct skv_prefix_entry *e)
 {
     struct skv_kv_blocks b;
     skv_kv_cache_blocks(e->cache, &b);
@@ -62,7 +61,7 @@ uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const 
     uint64_t bytes = 0;
     for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
         if (strcmp(e->tenant, tenant) == 0)
-            bytes += alone ? alone_bytes(e) : e->bytes;
+            bytes += alone ? skv_prefix_entry_alone_bytes(e) : e->bytes;
     return bytes;
 }
 
@@ -214,6 +213,16 @@ int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64
             link = &(*link)->next;
         }
     return n;
+}
+
+bool skv_prefix_cache_drop_id(struct skv_prefix_cache *pc, const uint8_t *id)
+{
+    for (struct skv_prefix_entry **link = &pc->head; *link; link = &(*link)->next)
+        if (memcmp((*link)->id, id, sizeof (*link)->id) == 0) {
+            entry_free(pc, link);
+            return true;
+        }
+    return false;
 }
 
 int skv_prefix_cache_clear(struct skv_prefix_cache *pc, const char *tenant)

@@ -75,6 +75,10 @@ uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const 
  * tenant within its share loses nothing while another holds more (then anyone's). False when
  * there is none. */
 bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant);
+/* Bytes of the blocks e holds that no other holder (a session, another entry) shares. */
+uint64_t skv_prefix_entry_alone_bytes(const struct skv_prefix_entry *e);
+/* Drops the entry of that id (EVICT; not counted in dropped); false when there is none. */
+bool skv_prefix_cache_drop_id(struct skv_prefix_cache *pc, const uint8_t *id);
 /* Drops the entries unused for idle_ms; returns how many. */
 int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64_t idle_ms);
 /* Drops the tenant's entries (NULL: every entry); returns how many. */

@@ -2133,8 +2133,39 @@ static bool list_visit(void *user, struct skv_session *s)
     return false;
 }
 
+/* The kept prefixes of `tenant` (NULL or "": all) as LIST shows them, in one allocation. */
+struct kept_list {
+    Snapkv__KeptPrefixInfo **ptrs;
+    Snapkv__KeptPrefixInfo infos[];
+};
+
+static struct kept_list *list_kept(struct skv_worker *w, const char *tenant, size_t *n_out)
+{
+    size_t n = (size_t)w->prefix.n;
+    struct kept_list *k = malloc(sizeof *k + (n ? n : 1) * (sizeof *k->infos + sizeof *k->ptrs));
+    *n_out = 0;
+    if (!k)
+        return NULL;
+    k->ptrs = (Snapkv__KeptPrefixInfo **)(k->infos + (n ? n : 1));
+    for (const struct skv_prefix_entry *e = w->prefix.head; e; e = e->next) {
+        if (tenant && *tenant && strcmp(e->tenant, tenant) != 0)
+            continue;
+        Snapkv__KeptPrefixInfo *x = &k->infos[*n_out];
+        snapkv__kept_prefix_info__init(x);
+        x->id = (ProtobufCBinaryData){sizeof e->id, (uint8_t *)e->id};
+        x->tenant = (char *)e->tenant;
+        x->n_tokens = (uint32_t)e->n_rows;
+        x->bytes = e->bytes;
+        x->alone_bytes = skv_prefix_entry_alone_bytes(e);
+        x->last_used_unix_ms = e->last_used_ms;
+        k->ptrs[(*n_out)++] = x;
+    }
+    return k;
+}
+
 static void handle_list(struct skv_worker *w, struct skv_job *job)
 {
+    struct kept_list *kept = NULL;
     struct skv_session_stats st;
     skv_session_stats(w->sessions, &st);
     struct info_arena a = {.cap = st.n_sessions};
@@ -2154,10 +2185,17 @@ static void handle_list(struct skv_worker *w, struct skv_job *job)
     reply_init(&rep, job);
     lr.n_sessions = (size_t)a.n;
     lr.sessions = a.ptrs;
+    if (job->req->list->kept_prefixes && (kept = list_kept(w, job->req->list->tenant, &lr.n_kept)) == NULL &&
+        w->prefix.n) {
+        skv_requests_fail(w, job, SKV_E_NOMEM, NULL);
+        goto out;
+    }
+    lr.kept = kept ? kept->ptrs : NULL;
     rep.result_case = SNAPKV__REPLY__RESULT_LIST;
     rep.list = &lr;
     skv_worker_reply(w, job, &rep);
 out:
+    free(kept);
     free(a.infos);
     free(a.ptrs);
     free(a.policies);
@@ -2248,12 +2286,17 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
         int rc = find_session(w, job, q->session_id, true, &s);
         if (!rc && s->busy)
             rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
+        if (rc == SKV_E_NOT_FOUND && q->session_id.len == SKV_SESSION_ID_BYTES &&
+            skv_prefix_cache_drop_id(&w->prefix, q->session_id.data)) { /* a kept prefix's id */
+            rc = SKV_OK;
+        } else if (!rc) {
+            skv_session_destroy(w->sessions, s);
+        }
         if (rc) {
             fail_rc(w, job, rc);
             return;
         }
         e.count = 1;
-        skv_session_destroy(w->sessions, s);
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
         skv_session_foreach(w->sessions, evict_visit, &e);
         skv_prefix_cache_clear(&w->prefix, q->all_unpinned ? NULL : q->tenant); /* counted in bytes_freed */

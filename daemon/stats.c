@@ -154,6 +154,9 @@ size_t skv_stats_tenant_rows(const struct skv_tenant_table *t, struct skv_stat *
         {"snapkv_tenant_engine_seconds_total",
          "the engine's time on the tenant's requests (what queue-order = fair evens out) and an even share of "
          "each decode round its DECODEs were in"},
+        {"snapkv_tenant_prefix_retained_bytes",
+         "bytes of the tenant's kept prefixes (prefix-retain-bytes) in blocks no session shares, which "
+         "max-bytes-per-tenant counts with snapkv_tenant_bytes"},
     };
     size_t n = 0;
     for (int k = 0; k < SKV_N_TENANT_STATS; k++)
@@ -162,7 +165,7 @@ size_t skv_stats_tenant_rows(const struct skv_tenant_table *t, struct skv_stat *
             double v[SKV_N_TENANT_STATS] = {
                 (double)x->sessions, (double)x->bytes, (double)x->queued, (double)x->decodes,
                 (double)x->requests, (double)x->errors, (double)x->prefill_tokens, (double)x->decode_tokens,
-                x->engine_seconds,
+                x->engine_seconds, (double)x->kept_bytes,
             };
             snprintf(names[n], SKV_STAT_NAME_MAX, "%s{tenant=\"%s\"}", m[k].name, x->name);
             rows[n] = (struct skv_stat){names[n], m[k].help, v[k]};

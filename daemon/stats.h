@@ -78,13 +78,14 @@ struct skv_tenant_stats {
     double engine_seconds;        /* the engine's time on its requests and decode rounds */
     uint64_t sessions, bytes;     /* gauges: sessions held, their bytes (max-bytes-per-tenant counts) */
     uint64_t queued, decodes;     /* requests waiting, DECODEs running */
+    uint64_t kept_bytes;          /* gauge: its kept prefixes' blocks no session shares (max-bytes-per-tenant counts) */
 };
 struct skv_tenant_table {         /* a plain copy */
     int n;
     struct skv_tenant_stats t[SKV_TENANT_ROWS];
 };
 
-#define SKV_N_TENANT_STATS 9      /* metrics per tenant */
+#define SKV_N_TENANT_STATS 10     /* metrics per tenant */
 #define SKV_STAT_NAME_MAX 112     /* a row's name with its label: snapkv_tenant_x{tenant="..."} */
 /* The per-tenant rows, metric by metric and tenant by tenant (SKV_N_TENANT_STATS x t->n rows),
  * each named with its label (snapkv_tenant_sessions{tenant="a"}), the names written to

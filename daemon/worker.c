@@ -278,9 +278,11 @@ void skv_worker_tenant_table(struct skv_worker *w, struct skv_tenant_table *out)
 {
     for (int i = 0; i < w->tenants.n; i++) {
         struct skv_tenant_stats *x = &w->tenants.t[i];
-        x->sessions = x->bytes = x->queued = x->decodes = 0;
+        x->sessions = x->bytes = x->queued = x->decodes = x->kept_bytes = 0;
     }
     skv_session_foreach(w->sessions, count_session, w);
+    for (const struct skv_prefix_entry *e = w->prefix.head; e; e = e->next)
+        skv_worker_tenant(w, e->tenant)->kept_bytes += skv_prefix_entry_alone_bytes(e);
     for (const struct skv_decode *d = w->decodes; d; d = d->next)
         skv_worker_tenant(w, d->job->tenant)->decodes++;
     pthread_mutex_lock(&w->mu);

@@ -128,6 +128,52 @@ void snapkv_session_list_free(struct snapkv_session_list *l)
     memset(l, 0, sizeof *l);
 }
 
+int snapkv_admin_list_kept(snapkv_client_t *c, const char *tenant, struct snapkv_kept_list *out)
+{
+    if (!c || !out)
+        return skv_client_fail(SNAPKV_E_INVAL, "client and out are required");
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__ListRequest l = SNAPKV__LIST_REQUEST__INIT;
+    l.tenant = (char *)(tenant ? tenant : "");
+    l.kept_prefixes = true;
+    req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
+    req.list = &l;
+    Snapkv__Reply *rep = NULL;
+    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LIST, "LIST", NULL, NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    struct snapkv_kept_list res = {.n = rep->list->n_kept};
+    if (res.n && !(res.kept = calloc(res.n, sizeof *res.kept))) {
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "list: out of memory for %zu kept prefixes", res.n);
+        goto out;
+    }
+    for (size_t i = 0; i < res.n; i++) {
+        const Snapkv__KeptPrefixInfo *k = rep->list->kept[i];
+        struct snapkv_kept_prefix *x = &res.kept[i];
+        if ((rc = skv_client_id_parse(&k->id, "LIST", &x->id))) {
+            free(res.kept);
+            goto out;
+        }
+        snprintf(x->tenant, sizeof x->tenant, "%s", k->tenant ? k->tenant : "");
+        x->n_tokens = k->n_tokens;
+        x->bytes = k->bytes;
+        x->alone_bytes = k->alone_bytes;
+        x->last_used_unix_ms = k->last_used_unix_ms;
+    }
+    *out = res;
+out:
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+void snapkv_kept_list_free(struct snapkv_kept_list *l)
+{
+    if (!l)
+        return;
+    free(l->kept);
+    memset(l, 0, sizeof *l);
+}
+
 /* Sends INSPECT for id; *rep owns the reply (checked to carry an InspectReply). */
 static int inspect_call(snapkv_client_t *c, const struct snapkv_session_id *id, bool with_positions,
                         Snapkv__Reply **rep)

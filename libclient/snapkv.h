@@ -69,6 +69,8 @@
  * reused, or none asked) added.
  * 11:0:7 (still libsnapkv.so.4): struct snapkv_event grew kept_prefix, in the padding after
  * compressed (its size and every other field's offset are as before).
+ * 12:0:8 (still libsnapkv.so.4): snapkv_admin_list_kept and snapkv_kept_list_free added;
+ * snapkv_admin_evict takes a kept prefix's id.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -641,6 +643,25 @@ struct snapkv_session_list {
 SNAPKV_API int snapkv_admin_list(snapkv_client_t *client, const char *tenant, struct snapkv_session_list *out);
 SNAPKV_API void snapkv_session_list_free(struct snapkv_session_list *l);
 
+/* Rows the daemon keeps for prefix reuse (prefix-retain-bytes): not sessions; their ids are the
+ * KV events' kept_prefix ids, and snapkv_admin_evict() takes one (12:0:8). */
+struct snapkv_kept_prefix {
+    struct snapkv_session_id id;
+    char tenant[128];
+    uint32_t n_tokens;            /* the prompt tokens whose rows it holds */
+    uint64_t bytes;               /* KV blocks it holds x block bytes */
+    uint64_t alone_bytes;         /* of bytes, those no session shares: what the tenant's quota counts */
+    uint64_t last_used_unix_ms;   /* kept, or last taken by a PREFILL */
+};
+struct snapkv_kept_list {
+    size_t n;
+    struct snapkv_kept_prefix *kept;
+};
+/* The kept prefixes of `tenant` (NULL or "": all), most recently kept first. Free with
+ * snapkv_kept_list_free(). */
+SNAPKV_API int snapkv_admin_list_kept(snapkv_client_t *client, const char *tenant, struct snapkv_kept_list *out);
+SNAPKV_API void snapkv_kept_list_free(struct snapkv_kept_list *l);
+
 struct snapkv_inspect_result {
     struct snapkv_session_info info;
     char *spec;                   /* the compression spec in force ("" when none) */
@@ -655,7 +676,8 @@ SNAPKV_API int snapkv_admin_inspect(snapkv_client_t *client, const struct snapkv
                                     bool with_positions, struct snapkv_inspect_result *out);
 SNAPKV_API void snapkv_inspect_result_free(struct snapkv_inspect_result *r);
 
-/* Evicts exactly one of: the session `id` (pinned or not; SNAPKV_E_BUSY while it decodes), every
+/* Evicts exactly one of: the session `id` (pinned or not; SNAPKV_E_BUSY while it decodes; or the
+ * kept prefix of that id, snapkv_admin_list_kept), every
  * unpinned session of `tenant`, or (all_unpinned) every unpinned session (these two skip sessions
  * that are decoding). evicted and bytes_freed may be NULL. */
 SNAPKV_API int snapkv_admin_evict(snapkv_client_t *client, const struct snapkv_session_id *id,

@@ -101,11 +101,14 @@ static void usage(FILE *out)
             "  SAMPLING: [--max-tokens N (256)] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
             "admin commands (admin endpoint):\n"
-            "  status | list [TENANT] | inspect SESSION [--positions] [--hashes]\n"
+            "  status | list [--kept] [TENANT] | inspect SESSION [--positions] [--hashes]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
+            "                                         (list --kept: the kept prefixes, prefix-retain-bytes;\n"
+            "                                         evict takes their ids too)\n"
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
             "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
-            "                                         decodes, requests, errors, tokens and engine time\n"
+            "                                         decodes, requests, errors, tokens, engine time and kept\n"
+            "                                         prefixes' bytes\n"
             "  events ENDPOINT [--count N] [--replay R] the KV events of a daemon's events-endpoint, one per line,\n"
             "                                         until N came (default: for ever); --replay: first the\n"
             "                                         sessions it holds now, from its events-replay-endpoint R\n"
@@ -1661,10 +1664,50 @@ static long long idle_seconds(uint64_t last_used_ms)
     return idle < 0 ? 0 : idle;
 }
 
+/* list --kept [TENANT]: the kept prefixes (prefix-retain-bytes) */
+static int list_kept(const struct ctl *c, const char *tenant)
+{
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, true, &cl))
+        return 1;
+    struct snapkv_kept_list l;
+    int rc = snapkv_admin_list_kept(cl, tenant, &l);
+    snapkv_close(&cl);
+    if (rc)
+        return failed("list", rc);
+    int ret = 0;
+    if (c->json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; arr && i < l.n; i++) {
+            const struct snapkv_kept_prefix *k = &l.kept[i];
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+            id_hex(&k->id, hex);
+            json_push(&arr, json_pack("{s:s, s:o, s:i, s:I, s:I, s:I}", "kept_prefix", hex, "tenant",
+                                      json_text(k->tenant), "n_tokens", (int)k->n_tokens, "bytes",
+                                      (json_int_t)k->bytes, "alone_bytes", (json_int_t)k->alone_bytes,
+                                      "last_used_unix_ms", (json_int_t)k->last_used_unix_ms));
+        }
+        ret = print_json(arr);
+    } else {
+        printf("%-32s  %-12s %7s %10s %10s %6s\n", "KEPT PREFIX", "TENANT", "TOKENS", "BYTES", "ALONE", "IDLE");
+        for (size_t i = 0; i < l.n; i++) {
+            const struct snapkv_kept_prefix *k = &l.kept[i];
+            char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], ab[32];
+            id_hex(&k->id, hex);
+            printf("%-32s  %-12.12s %7u %10s %10s %6lld\n", hex, k->tenant, k->n_tokens, fmt_bytes(k->bytes, b, sizeof b),
+                   fmt_bytes(k->alone_bytes, ab, sizeof ab), idle_seconds(k->last_used_unix_ms));
+        }
+    }
+    snapkv_kept_list_free(&l);
+    return ret;
+}
+
 static int cmd_list(const struct ctl *c, int argc, char **argv)
 {
+    if (argc >= 2 && strcmp(argv[1], "--kept") == 0 && argc <= 3 && (argc == 2 || argv[2][0] != '-'))
+        return list_kept(c, argc == 3 ? argv[2] : NULL);
     if (argc > 2 || (argc == 2 && argv[1][0] == '-'))
-        return usage_error("list", "usage: list [TENANT] (options go before the command)");
+        return usage_error("list", "usage: list [--kept] [TENANT] (other options go before the command)");
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
@@ -1982,10 +2025,11 @@ static int cmd_stats(const struct ctl *c, int argc, char **argv)
 }
 
 /* One tenant's row of `tenants`, gathered from the STATS rows labelled with it. */
-#define TENANT_FIELDS 9
+#define TENANT_FIELDS 10
+#define TENANT_SECONDS 8 /* engine_seconds_total: the one not a count */
 static const char *const tenant_fields[TENANT_FIELDS] = {
     "sessions", "bytes", "queue_requests", "decodes_running", "requests_total",
-    "errors_total", "prefill_tokens_total", "decode_tokens_total", "engine_seconds_total",
+    "errors_total", "prefill_tokens_total", "decode_tokens_total", "engine_seconds_total", "prefix_retained_bytes",
 };
 struct tenant_row {
     char name[72];
@@ -2021,8 +2065,8 @@ static void file_tenant_stat(const struct snapkv_stat *st, struct tenant_row *ro
     rows[i].v[k] = st->value;
 }
 
-/* Each tenant's sessions, bytes, waiting requests, running decodes, requests, errors, tokens
- * and engine time (the per-tenant STATS rows, as a table). */
+/* Each tenant's sessions, bytes, waiting requests, running decodes, requests, errors, tokens,
+ * engine time and kept prefixes' bytes (the per-tenant STATS rows, as a table). */
 static int cmd_tenants(const struct ctl *c, int argc, char **argv)
 {
     (void)argv;
@@ -2048,18 +2092,19 @@ static int cmd_tenants(const struct ctl *c, int argc, char **argv)
             json_t *o = json_pack("{s:o}", "tenant", json_text(rows[i].name));
             for (int k = 0; k < TENANT_FIELDS; k++) /* counts as integers; the seconds as they are */
                 json_put(&o, tenant_fields[k],
-                         k < TENANT_FIELDS - 1 ? json_integer((json_int_t)rows[i].v[k]) : json_number(rows[i].v[k]));
+                         k != TENANT_SECONDS ? json_integer((json_int_t)rows[i].v[k]) : json_number(rows[i].v[k]));
             json_push(&arr, o);
         }
         ret = print_json(json_pack("{s:o}", "tenants", arr));
     } else {
-        printf("%-20s %8s %10s %6s %7s %9s %7s %12s %12s %9s\n", "TENANT", "SESSIONS", "BYTES", "QUEUED", "DECODES",
-               "REQUESTS", "ERRORS", "PREFILL_TOK", "DECODE_TOK", "ENGINE_S");
+        printf("%-20s %8s %10s %6s %7s %9s %7s %12s %12s %9s %10s\n", "TENANT", "SESSIONS", "BYTES", "QUEUED",
+               "DECODES", "REQUESTS", "ERRORS", "PREFILL_TOK", "DECODE_TOK", "ENGINE_S", "KEPT");
         for (size_t i = 0; i < n; i++) {
-            char b[32];
+            char b[32], kb[32];
             const double *v = rows[i].v;
-            printf("%-20.20s %8.0f %10s %6.0f %7.0f %9.0f %7.0f %12.0f %12.0f %9.2f\n", rows[i].name, v[0],
-                   fmt_bytes((uint64_t)v[1], b, sizeof b), v[2], v[3], v[4], v[5], v[6], v[7], v[8]);
+            printf("%-20.20s %8.0f %10s %6.0f %7.0f %9.0f %7.0f %12.0f %12.0f %9.2f %10s\n", rows[i].name, v[0],
+                   fmt_bytes((uint64_t)v[1], b, sizeof b), v[2], v[3], v[4], v[5], v[6], v[7], v[8],
+                   fmt_bytes((uint64_t)v[9], kb, sizeof kb));
         }
     }
     free(rows);

@@ -2161,8 +2161,9 @@ static void next_kept_event(snapkv_events_t *ev, struct snapkv_event *e)
 /* Kept prefixes (prefix-retain-bytes) in the KV events, so that a router still sees which host
  * holds a released prompt: a RELEASE of a full-cache session announces its kept rows stored,
  * under an id of their own with kept_prefix set, then the session removed; a replay's snapshot
- * holds them; a longer kept prefix covering them announces them removed, and so does an EVICT;
- * snapkvctl events shows them. */
+ * holds them; a longer kept prefix covering them announces them removed, and so does an EVICT
+ * of their id; snapkvctl events shows them. Admins list them (snapkv_admin_list_kept, snapkvctl
+ * list --kept) and see their tenant's bytes in STATS. */
 static void test_kv_events_kept(void **state)
 {
     (void)state;
@@ -2248,8 +2249,47 @@ static void test_kv_events_kept(void **state)
     assert_int_equal(e.kind, SNAPKV_EVENT_REMOVED);
     assert_memory_equal(e.id.bytes, more.id.bytes, 16);
     snapkv_event_free(&e);
-    /* EVICT of every unpinned session drops the kept rows too */
-    assert_int_equal(snapkv_admin_evict(a, NULL, NULL, true, NULL, NULL), SNAPKV_OK);
+    /* an admin lists the kept prefixes (the library, snapkvctl list --kept) and evicts one by
+     * its id */
+    struct snapkv_kept_list kl;
+    assert_int_equal(snapkv_admin_list_kept(a, "ev", &kl), SNAPKV_OK);
+    assert_int_equal(kl.n, 1);
+    assert_memory_equal(kl.kept[0].id.bytes, kept2.bytes, 16);
+    assert_string_equal(kl.kept[0].tenant, "ev");
+    assert_int_equal(kl.kept[0].n_tokens, N_PROMPT + 16);
+    assert_true(kl.kept[0].bytes > 0 && kl.kept[0].alone_bytes == kl.kept[0].bytes); /* no session shares them */
+    assert_true(kl.kept[0].last_used_unix_ms > 0);
+    const uint64_t kept_bytes = kl.kept[0].bytes;
+    snapkv_kept_list_free(&kl);
+    assert_int_equal(snapkv_admin_list_kept(a, "other", &kl), SNAPKV_OK);
+    assert_int_equal(kl.n, 0);
+    snapkv_kept_list_free(&kl);
+    struct snapkv_session_list sl;
+    assert_int_equal(snapkv_admin_list(a, NULL, &sl), SNAPKV_OK); /* not a session */
+    assert_int_equal(sl.n, 0);
+    snapkv_session_list_free(&sl);
+    const char *kargs[] = {"list", "--kept", NULL}, *kjson[] = {"--json", "list", "--kept", "ev", NULL};
+    if (run_ctl(&d, kargs, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl list --kept: %s", err);
+    snapkv_session_id_to_hex(&kept2, kept_hex, sizeof kept_hex);
+    assert_non_null(strstr(out, "KEPT PREFIX"));
+    snprintf(line, sizeof line, "%s  ev           %7d", kept_hex, N_PROMPT + 16);
+    assert_non_null(strstr(out, line));
+    if (run_ctl(&d, kjson, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json list --kept: %s", err);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    assert_int_equal(json_array_size(j), 1);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(j, 0), "kept_prefix")), kept_hex);
+    assert_int_equal(json_integer_value(json_object_get(json_array_get(j, 0), "bytes")), kept_bytes);
+    json_decref(j);
+    assert_true(stat_of(d.admin, "snapkv_tenant_prefix_retained_bytes{tenant=\"ev\"}") == (double)kept_bytes);
+    uint32_t n_ev = 0;
+    uint64_t freed = 0;
+    assert_int_equal(snapkv_admin_evict(a, &kept2, NULL, false, &n_ev, &freed), SNAPKV_OK);
+    assert_int_equal(n_ev, 1);
+    assert_int_equal(freed, kept_bytes);
+    assert_int_equal(snapkv_admin_evict(a, &kept2, NULL, false, NULL, NULL), SNAPKV_E_NOT_FOUND); /* gone */
     next_kept_event(ev, &e);
     assert_int_equal(e.kind, SNAPKV_EVENT_REMOVED);
     assert_memory_equal(e.id.bytes, kept2.bytes, 16);
@@ -4508,7 +4548,7 @@ static void test_snapkvctl_edges(void **state)
     assert_null(strstr(out, "keygen"));
     const char *help_list[] = {"list", "--help", NULL};
     assert_int_equal(run_ctl(&d, help_list, out, err, sizeof out), 0);
-    assert_non_null(strstr(out, "list [TENANT]"));
+    assert_non_null(strstr(out, "list [--kept] [TENANT]"));
     assert_null(strstr(out, "generate"));
     /* place: the endpoint snapkv_place picks (tests/reference/gen_place_vectors.py: "key-0" over
      * these five is the fourth), connecting to none; too few arguments, a name twice */

@@ -988,6 +988,8 @@ static void test_prefix_retain_tenants(void **state)
     snapkv__reply__free_unpacked(cr, NULL);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 1); /* u's */
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 2 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_tenant_prefix_retained_bytes{tenant=\"u\"}"), 2 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_tenant_prefix_retained_bytes{tenant=\"t\"}"), 0);
     assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
     assert_int_equal(listed(f, a, NULL, NULL), 48);
 }
@@ -2502,7 +2504,8 @@ static void test_tenant_stats(void **state)
     int types = 0;
     for (const char *p = text; (p = strstr(p, "# TYPE snapkv_tenant_")); p++)
         types++;
-    assert_int_equal(types, 9);
+    assert_int_equal(types, 10);
+    assert_non_null(strstr(text, "# TYPE snapkv_tenant_prefix_retained_bytes gauge\n"));
     free(text);
 }
 
