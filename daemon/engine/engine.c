@@ -892,6 +892,19 @@ static int attn_over_caches(struct skv_engine *e, const struct skv_batch_seq *se
                                 e->views);
 }
 
+/* Rows of the chunk of a forward of n rows that starts at row i0: CHUNK, but when the last
+ * chunk would have no more rows than the backend computes one by one (skv_engine_small_forward),
+ * the last two share the rest evenly. So every chunk of a forward of more rows than that takes
+ * the batched kernels, whatever row the call starts at: a PREFILL that computes only a prompt's
+ * end after a reused prefix computes each row as a prefill of the whole prompt does. */
+static int chunk_rows(struct skv_engine *e, int n, int i0)
+{
+    int left = n - i0;
+    if (left <= CHUNK)
+        return left;
+    return left - CHUNK <= skv_engine_small_forward(e) ? left / 2 : CHUNK;
+}
+
 /* attn_over_cache of all n queries; in a forward with a tick, in calls of about SPLIT_QUERIES
  * queries with a tick between them, where the backend says such calls give every query what
  * one call gives (attention_split_rows): the attention of a long prompt is the longest step of
@@ -929,8 +942,8 @@ static int attn_output(struct skv_engine *e, int l, int n)
     const struct skv_backend_ops *ops = be->ops;
     const struct skv_model_config *c = &e->m->cfg;
     size_t qdim = (size_t)c->n_heads * c->head_dim;
-    for (int i0 = 0; i0 < n; i0 += CHUNK) {
-        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    for (int i0 = 0, m; i0 < n; i0 += m) {
+        m = chunk_rows(e, n, i0);
         float *x = e->x + (size_t)i0 * c->dim;
         CHECK(ops->matmul(be, e->ob, &e->m->layers[l].wo, NULL, e->att + (size_t)i0 * qdim, m));
         CHECK(ops->add(be, x, x, e->ob, (int64_t)m * c->dim));
@@ -944,8 +957,8 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
 {
     int32_t len0[SKV_MAX_KV_HEADS];
     CHECK(cache_open_rows(cache, l, n, len0));
-    for (int i0 = 0; i0 < n; i0 += CHUNK) {
-        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    for (int i0 = 0, m; i0 < n; i0 += m) {
+        m = chunk_rows(e, n, i0);
         int32_t at[SKV_MAX_KV_HEADS];
         for (int h = 0; h < cache->n_kv_heads; h++)
             at[h] = len0[h] + i0;
@@ -988,8 +1001,8 @@ static int layer_mlp(struct skv_engine *e, int l, int n)
     const struct skv_backend_ops *ops = be->ops;
     const struct skv_model_config *c = &e->m->cfg;
     const struct skv_layer_weights *w = &e->m->layers[l];
-    for (int i0 = 0; i0 < n; i0 += CHUNK) {
-        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    for (int i0 = 0, m; i0 < n; i0 += m) {
+        m = chunk_rows(e, n, i0);
         float *x = e->x + (size_t)i0 * c->dim;
         CHECK(ops->rmsnorm(be, e->xb, x, w->ffn_norm.data, m, c->dim, c->norm_eps));
         const struct skv_matmul_part gate_up[2] = {{e->gb, &w->w_gate, NULL}, {e->ub, &w->w_up, NULL}};
@@ -1059,8 +1072,8 @@ static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const i
     CHECK(ensure_capacity(e, n));
     for (int i = 0; i < n; i++)
         e->pos[i] = cache->n_past + i;
-    for (int i0 = 0; i0 < n; i0 += CHUNK) {
-        int m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    for (int i0 = 0, m; i0 < n; i0 += m) {
+        m = chunk_rows(e, n, i0);
         CHECK(ops->get_rows(be, e->x + (size_t)i0 * c->dim, &e->m->tok_embd, tokens + i0, m));
     }
     bool hook = opts && opts->hook;
@@ -1081,8 +1094,8 @@ static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const i
         return SKV_OK;
     bool all = opts && opts->logits_all;
     int first = all ? 0 : n - 1, rows = all ? n : 1;
-    for (int i0 = 0; i0 < rows; i0 += CHUNK) {
-        int m = rows - i0 < CHUNK ? rows - i0 : CHUNK;
+    for (int i0 = 0, m; i0 < rows; i0 += m) {
+        m = chunk_rows(e, rows, i0);
         float *out = NULL;
         size_t bytes = (size_t)m * c->n_vocab * sizeof(float);
         CHECK(ops->rmsnorm(be, e->xb, e->x + (size_t)(first + i0) * c->dim, e->m->output_norm.data, m, c->dim,

@@ -710,7 +710,7 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
     for (int64_t t = begin; t < end; t++) {
         const int g = (int)(t % c->n_kv);
         const int qb = zigzag((int)(t / c->n_kv), c->nqb);
-        const int i0 = qb * c->bq, i1 = i0 + c->bq < c->n ? i0 + c->bq : c->n;
+        const int i0 = qb * c->bq, i1 = qb == c->nqb - 1 ? c->n : i0 + c->bq; /* the last takes the rest */
         const size_t rows = (size_t)(i1 - i0) * c->group;
         const int64_t ke = c->kv->prefix_len[g] + (int64_t)i1;
         const int64_t ks = first_block(c, g, i0, i1);
@@ -857,7 +857,16 @@ static size_t att_plan(struct att_ctx *c, float *out, const float *q, int n, int
         c->chunk = per > ATT_CHUNK_MIN ? per : ATT_CHUNK_MIN;
         c->nchunks = (int)((max_len + c->chunk - 1) / c->chunk);
     }
-    c->rows_max = (size_t)(c->nqb == 1 ? n : c->bq) * c->group;
+    /* a last block too short for the wide kernels joins the one before (split-K is decided
+     * above, on the blocks of bq): so every query of a call of several blocks takes the wide
+     * kernels, and a query's kernel does not depend on where the call starts (a PREFILL that
+     * computes a prompt's end after a reused prefix gets the bits of the whole prompt's) */
+    int last = n - (c->nqb - 1) * c->bq;
+    if (ATT_HAVE_WIDE && c->nqb > 1 && !use_wide((size_t)last * c->group)) {
+        c->nqb--;
+        last += c->bq;
+    }
+    c->rows_max = (size_t)(c->nqb == 1 ? n : (last > c->bq ? last : c->bq)) * c->group;
     c->kvt_floats = kv->kv_type != SKV_DTYPE_F32 ? round16((size_t)2 * ATT_BK * c->d) : 0;
     c->thread_floats = c->kvt_floats + thread_floats_for(c->rows_max, c->d);
     return round16((size_t)c->n_kv * c->nchunks * c->rows_max * (c->d + 2)) +
