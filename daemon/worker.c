@@ -106,24 +106,49 @@ static bool rows_dropped(const struct skv_session *s)
     return false;
 }
 
+/* Publishes a SessionStored of what `id` names: the hashes of its n_tokens tokens, st's other
+ * fields as the caller set them. */
+static void send_stored(struct skv_worker *w, Snapkv__SessionStored *st, const uint8_t *id, const char *tenant,
+                        const int32_t *tokens, int n_tokens)
+{
+    uint64_t *hashes;
+    st->session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, (uint8_t *)id};
+    st->tenant = (char *)tenant;
+    st->block_size = SKV_EVENT_BLOCK_TOKENS;
+    st->n_block_hashes = block_hashes(tokens, n_tokens, &hashes);
+    st->block_hashes = hashes;
+    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
+    ev.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
+    ev.stored = st;
+    event_send(w, &ev);
+    free(hashes);
+}
+
 void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
 {
     if (!w->events)
         return;
     s->announced = true;
-    uint64_t *hashes;
     Snapkv__SessionStored st = SNAPKV__SESSION_STORED__INIT;
-    st.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
-    st.tenant = s->tenant;
-    st.block_size = SKV_EVENT_BLOCK_TOKENS;
-    st.n_block_hashes = skv_worker_block_hashes(s, &hashes);
-    st.block_hashes = hashes;
     st.n_tokens = (uint32_t)s->cache->n_past;
     st.bytes = s->bytes;
     st.compressed = s->comp != NULL || rows_dropped(s);
+    send_stored(w, &st, s->id, s->tenant, s->tokens, s->n_tokens);
+}
+
+/* Publishes the removal of what `id` named: its tenant and the hashes of its n_tokens tokens. */
+static void send_removed(struct skv_worker *w, const uint8_t *id, const char *tenant, const int32_t *tokens,
+                         int n_tokens)
+{
+    uint64_t *hashes;
+    Snapkv__SessionRemoved rm = SNAPKV__SESSION_REMOVED__INIT;
+    rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, (uint8_t *)id};
+    rm.tenant = (char *)tenant;
+    rm.n_block_hashes = block_hashes(tokens, n_tokens, &hashes);
+    rm.block_hashes = hashes;
     Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
-    ev.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
-    ev.stored = &st;
+    ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;
+    ev.removed = &rm;
     event_send(w, &ev);
     free(hashes);
 }
@@ -132,19 +157,8 @@ void skv_worker_event_stored(struct skv_worker *w, struct skv_session *s)
 static void event_removed(void *user, struct skv_session *s)
 {
     struct skv_worker *w = user;
-    if (!w->events || !s->announced)
-        return;
-    uint64_t *hashes;
-    Snapkv__SessionRemoved rm = SNAPKV__SESSION_REMOVED__INIT;
-    rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, s->id};
-    rm.tenant = s->tenant;
-    rm.n_block_hashes = skv_worker_block_hashes(s, &hashes);
-    rm.block_hashes = hashes;
-    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
-    ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;
-    ev.removed = &rm;
-    event_send(w, &ev);
-    free(hashes);
+    if (w->events && s->announced)
+        send_removed(w, s->id, s->tenant, s->tokens, s->n_tokens);
 }
 
 /* The kept prefixes' hooks (prefix-retain-bytes): one is announced as a SessionStored of its
@@ -154,39 +168,18 @@ static void event_prefix_kept(void *user, const struct skv_prefix_entry *e)
     struct skv_worker *w = user;
     if (!w->events)
         return;
-    uint64_t *hashes;
     Snapkv__SessionStored st = SNAPKV__SESSION_STORED__INIT;
-    st.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, (uint8_t *)e->id};
-    st.tenant = (char *)e->tenant;
-    st.block_size = SKV_EVENT_BLOCK_TOKENS;
-    st.n_block_hashes = block_hashes(e->tokens, e->n_rows, &hashes);
-    st.block_hashes = hashes;
     st.n_tokens = (uint32_t)e->n_rows;
     st.bytes = e->bytes;
     st.kept_prefix = true;
-    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
-    ev.kind_case = SNAPKV__KV_EVENT__KIND_STORED;
-    ev.stored = &st;
-    event_send(w, &ev);
-    free(hashes);
+    send_stored(w, &st, e->id, e->tenant, e->tokens, e->n_rows);
 }
 
 static void event_prefix_dropped(void *user, const struct skv_prefix_entry *e)
 {
     struct skv_worker *w = user;
-    if (!w->events)
-        return;
-    uint64_t *hashes;
-    Snapkv__SessionRemoved rm = SNAPKV__SESSION_REMOVED__INIT;
-    rm.session_id = (ProtobufCBinaryData){SKV_SESSION_ID_BYTES, (uint8_t *)e->id};
-    rm.tenant = (char *)e->tenant;
-    rm.n_block_hashes = block_hashes(e->tokens, e->n_rows, &hashes);
-    rm.block_hashes = hashes;
-    Snapkv__KvEvent ev = SNAPKV__KV_EVENT__INIT;
-    ev.kind_case = SNAPKV__KV_EVENT__KIND_REMOVED;
-    ev.removed = &rm;
-    event_send(w, &ev);
-    free(hashes);
+    if (w->events)
+        send_removed(w, e->id, e->tenant, e->tokens, e->n_rows);
 }
 
 static void job_free(struct skv_job *job)

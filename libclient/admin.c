@@ -85,17 +85,24 @@ static int session_info(const Snapkv__SessionInfo *s, const char *what, struct s
     return SNAPKV_OK;
 }
 
+/* Sends LIST for tenant (NULL: all), with the kept prefixes when kept; *rep owns the reply. */
+static int list_call(snapkv_client_t *c, const char *tenant, bool kept, Snapkv__Reply **rep)
+{
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__ListRequest l = SNAPKV__LIST_REQUEST__INIT;
+    l.tenant = (char *)(tenant ? tenant : "");
+    l.kept_prefixes = kept;
+    req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
+    req.list = &l;
+    return skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LIST, "LIST", NULL, NULL, NULL, rep);
+}
+
 int snapkv_admin_list(snapkv_client_t *c, const char *tenant, struct snapkv_session_list *out)
 {
     if (!c || !out)
         return skv_client_fail(SNAPKV_E_INVAL, "client and out are required");
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__ListRequest l = SNAPKV__LIST_REQUEST__INIT;
-    l.tenant = (char *)(tenant ? tenant : "");
-    req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
-    req.list = &l;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LIST, "LIST", NULL, NULL, NULL, &rep);
+    int rc = list_call(c, tenant, false, &rep);
     if (rc)
         return rc;
     struct snapkv_session_list res = {.n = rep->list->n_sessions};
@@ -132,14 +139,8 @@ int snapkv_admin_list_kept(snapkv_client_t *c, const char *tenant, struct snapkv
 {
     if (!c || !out)
         return skv_client_fail(SNAPKV_E_INVAL, "client and out are required");
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    Snapkv__ListRequest l = SNAPKV__LIST_REQUEST__INIT;
-    l.tenant = (char *)(tenant ? tenant : "");
-    l.kept_prefixes = true;
-    req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
-    req.list = &l;
     Snapkv__Reply *rep = NULL;
-    int rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_LIST, "LIST", NULL, NULL, NULL, &rep);
+    int rc = list_call(c, tenant, true, &rep);
     if (rc)
         return rc;
     struct snapkv_kept_list res = {.n = rep->list->n_kept};
