@@ -1704,8 +1704,12 @@ static int list_kept(const struct ctl *c, const char *tenant)
 
 static int cmd_list(const struct ctl *c, int argc, char **argv)
 {
-    if (argc >= 2 && strcmp(argv[1], "--kept") == 0 && argc <= 3 && (argc == 2 || argv[2][0] != '-'))
-        return list_kept(c, argc == 3 ? argv[2] : NULL);
+    int kept = argc >= 2 && strcmp(argv[1], "--kept") == 0 ? 1 : argc == 3 && strcmp(argv[2], "--kept") == 0 ? 2 : 0;
+    if (kept && argc <= 3) { /* list --kept [TENANT], list TENANT --kept */
+        const char *tenant = argc == 3 ? argv[3 - kept] : NULL;
+        if (!tenant || tenant[0] != '-')
+            return list_kept(c, tenant);
+    }
     if (argc > 2 || (argc == 2 && argv[1][0] == '-'))
         return usage_error("list", "usage: list [--kept] [TENANT] (other options go before the command)");
     snapkv_client_t *cl = NULL;

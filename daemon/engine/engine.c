@@ -899,10 +899,10 @@ static int attn_over_caches(struct skv_engine *e, const struct skv_batch_seq *se
  * end after a reused prefix computes each row as a prefill of the whole prompt does. */
 static int chunk_rows(struct skv_engine *e, int n, int i0)
 {
-    int left = n - i0;
+    int left = n - i0, small = skv_engine_small_forward(e);
     if (left <= CHUNK)
         return left;
-    return left - CHUNK <= skv_engine_small_forward(e) ? left / 2 : CHUNK;
+    return left - CHUNK <= (small < CHUNK ? small : CHUNK - 1) ? left / 2 : CHUNK; /* left / 2 < CHUNK */
 }
 
 /* attn_over_cache of all n queries; in a forward with a tick, in calls of about SPLIT_QUERIES

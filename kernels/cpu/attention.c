@@ -24,6 +24,13 @@
 #define ATT_ROWS 64          /* target rows (queries x heads of a group) per query block */
 #define ATT_CHUNK_MIN 256    /* split-K: fewest keys per chunk (a multiple of ATT_BK) */
 #define ATT_MAX_TASKS 128    /* split-K: most (KV head, chunk) tasks, bounds the partials */
+/* A call of at most this many queries (decode steps, short appends) may take split-K, and its
+ * blocks the row kernels when they have fewer than ATT_WIDE_MIN_ROWS rows; a call of more takes
+ * neither: the wide kernels for every query block. So a query's kernels do not depend on where
+ * its call starts once the call has more: a PREFILL after a reused prefix computes more tokens
+ * than the engine's small-batch size (at least 9), and a prefill of the whole prompt has them in
+ * the same kernels (it gets the bits of the whole prompt's). */
+#define ATT_SMALL_CALL 8
 #define ATT_LOG2E 1.4426950408889634
 /* Below this many multiply-adds (queries x heads x keys x head_dim) a call runs on the
  * calling thread: waking the pool costs more than the work (a decode step at small depth). */
@@ -44,6 +51,7 @@ struct att_ctx {
     int n, n_heads, n_kv, group, d;
     float qscale;
     int bq, nqb;                 /* queries per block, query blocks */
+    bool wide_all;               /* more than ATT_SMALL_CALL queries: the wide kernels for every block */
     int64_t max_len;             /* rows of the longest head, the call's n new ones included */
     int64_t chunk;               /* split-K: keys per chunk */
     int nchunks;                 /* split-K: chunks per KV head (0: no split) */
@@ -710,12 +718,12 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
     for (int64_t t = begin; t < end; t++) {
         const int g = (int)(t % c->n_kv);
         const int qb = zigzag((int)(t / c->n_kv), c->nqb);
-        const int i0 = qb * c->bq, i1 = qb == c->nqb - 1 ? c->n : i0 + c->bq; /* the last takes the rest */
+        const int i0 = qb * c->bq, i1 = i0 + c->bq < c->n ? i0 + c->bq : c->n;
         const size_t rows = (size_t)(i1 - i0) * c->group;
         const int64_t ke = c->kv->prefix_len[g] + (int64_t)i1;
         const int64_t ks = first_block(c, g, i0, i1);
 
-        if (use_wide(rows)) {
+        if (use_wide(rows) || (ATT_HAVE_WIDE && c->wide_all)) {
             const struct wide_bufs w = get_wide_bufs(c, tid, rows);
             wide_run(c, g, i0, i1, ks, ke, &w);
             for (size_t r = 0; r < rows; r++) {
@@ -850,23 +858,15 @@ static size_t att_plan(struct att_ctx *c, float *out, const float *q, int n, int
         if (kv->prefix_len[g] + (int64_t)n > c->max_len)
             c->max_len = kv->prefix_len[g] + (int64_t)n;
     const int64_t max_len = c->max_len;
-    if (c->nqb == 1 && max_len >= 2 * ATT_CHUNK_MIN) {
+    c->wide_all = n > ATT_SMALL_CALL;
+    if (c->nqb == 1 && !c->wide_all && max_len >= 2 * ATT_CHUNK_MIN) {
         const int64_t max_chunks = ATT_MAX_TASKS / c->n_kv > 1 ? ATT_MAX_TASKS / c->n_kv : 2;
         int64_t per = (max_len + max_chunks - 1) / max_chunks;
         per = (per + ATT_BK - 1) / ATT_BK * ATT_BK;
         c->chunk = per > ATT_CHUNK_MIN ? per : ATT_CHUNK_MIN;
         c->nchunks = (int)((max_len + c->chunk - 1) / c->chunk);
     }
-    /* a last block too short for the wide kernels joins the one before (split-K is decided
-     * above, on the blocks of bq): so every query of a call of several blocks takes the wide
-     * kernels, and a query's kernel does not depend on where the call starts (a PREFILL that
-     * computes a prompt's end after a reused prefix gets the bits of the whole prompt's) */
-    int last = n - (c->nqb - 1) * c->bq;
-    if (ATT_HAVE_WIDE && c->nqb > 1 && !use_wide((size_t)last * c->group)) {
-        c->nqb--;
-        last += c->bq;
-    }
-    c->rows_max = (size_t)(c->nqb == 1 ? n : (last > c->bq ? last : c->bq)) * c->group;
+    c->rows_max = (size_t)(c->nqb == 1 ? n : c->bq) * c->group;
     c->kvt_floats = kv->kv_type != SKV_DTYPE_F32 ? round16((size_t)2 * ATT_BK * c->d) : 0;
     c->thread_floats = c->kvt_floats + thread_floats_for(c->rows_max, c->d);
     return round16((size_t)c->n_kv * c->nchunks * c->rows_max * (c->d + 2)) +

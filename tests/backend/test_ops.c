@@ -1966,15 +1966,20 @@ static void test_attention_invalid(void **state)
 
 /* The CPU attention of a query does not depend on where its call starts: queries [P, n) in a
  * call of their own over the first P rows as prefix give bit for bit what they get in one call
- * of all n, for calls of more than 32 queries (what a PREFILL after a reused prefix computes).
- * The call's last query block is never so short that it takes the row kernels (att_plan), which
- * is what made a call's tail differ. GQA groups of SmolLM2 (3) and Qwen2.5-0.5B (7). */
+ * of all n, for calls of more than 8 queries (a PREFILL after a reused prefix computes more
+ * than the engine's small-batch size: 8 with float weights, 32 with quantized ones). A call of
+ * more than 8 queries takes the wide kernels for every query block, however few its rows, and
+ * never split-K (att_plan, ATT_SMALL_CALL): a short last block taking the row kernels, or a
+ * one-block call taking split-K, made a call's tail differ. GQA groups of SmolLM2 (3) and
+ * Qwen2.5-0.5B (7), and MHA (1, 64-query blocks) past 512 keys, where a 9..64-query call was
+ * one block that took split-K. */
 static void test_attention_start_free(void **state)
 {
     struct skv_backend *be = fixture_be(state);
     struct rng r = {0x5717ULL};
-    const int n = 200, d = 64, groups[] = {3, 7}, starts[] = {167, 160, 136, 135, 117, 59, 16};
-    for (size_t gi = 0; gi < 2; gi++) {
+    const int n = 640, d = 64, groups[] = {3, 7, 1};
+    const int starts[] = {631, 620, 607, 600, 576, 567, 560, 536, 535, 517, 459, 416, 16};
+    for (size_t gi = 0; gi < 3; gi++) {
         const int n_kv = 2, n_heads = n_kv * groups[gi];
         const size_t row = (size_t)n_heads * d, kc = (size_t)n * d;
         float *q = host_normal(&r, (size_t)n * row, 1.0), *whole = host_nan((size_t)n * row);
