@@ -1694,8 +1694,9 @@ static int list_kept(const struct ctl *c, const char *tenant)
             const struct snapkv_kept_prefix *k = &l.kept[i];
             char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], ab[32];
             id_hex(&k->id, hex);
-            printf("%-32s  %-12.12s %7u %10s %10s %6lld\n", hex, k->tenant, k->n_tokens, fmt_bytes(k->bytes, b, sizeof b),
-                   fmt_bytes(k->alone_bytes, ab, sizeof ab), idle_seconds(k->last_used_unix_ms));
+            printf("%-32s  %-12.12s %7u %10s %10s %6lld\n", hex, k->tenant, k->n_tokens,
+                   fmt_bytes(k->bytes, b, sizeof b), fmt_bytes(k->alone_bytes, ab, sizeof ab),
+                   idle_seconds(k->last_used_unix_ms));
         }
     }
     snapkv_kept_list_free(&l);
