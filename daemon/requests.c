@@ -2177,7 +2177,8 @@ static void handle_list(struct skv_worker *w, struct skv_job *job)
         goto out;
     }
     struct list_ctx ctx = {&a, job->req->list->tenant};
-    skv_session_foreach(w->sessions, list_visit, &ctx);
+    if (!job->req->list->kept_prefixes)
+        skv_session_foreach(w->sessions, list_visit, &ctx);
     for (int i = 0; i < a.n; i++)
         a.ptrs[i] = &a.infos[i];
     Snapkv__Reply rep;

@@ -701,28 +701,45 @@ static int cmd_status(const struct ctl *c)
         return 1;
     struct snapkv_status_info s;
     int rc = snapkv_admin_status(cl, &s);
+    /* what the pool holds besides sessions: the kept prefixes (STATS; 0 from a daemon without) */
+    double kept = 0, kept_bytes = 0;
+    struct snapkv_stats st;
+    if (!rc && snapkv_admin_stats(cl, false, &st) == SNAPKV_OK) {
+        for (size_t i = 0; i < st.n; i++)
+            if (strcmp(st.stats[i].name, "snapkv_prefix_retained") == 0)
+                kept = st.stats[i].value;
+            else if (strcmp(st.stats[i].name, "snapkv_prefix_retained_bytes") == 0)
+                kept_bytes = st.stats[i].value;
+        snapkv_stats_free(&st);
+    }
     snapkv_close(&cl);
     if (rc)
         return failed("status", rc);
     if (c->json) {
-        return print_json(json_pack(
+        json_t *o = json_pack(
             "{s:o, s:o, s:o, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:i, s:I, s:i, s:i}", "server_version",
             json_text(s.server_version), "model", json_text(s.model_name), "backend", json_text(s.backend),
             "uptime_seconds", (json_int_t)s.uptime_seconds, "sessions", s.n_sessions, "clients", s.n_clients,
             "pool_bytes_total", (json_int_t)s.pool_bytes_total, "pool_bytes_used", (json_int_t)s.pool_bytes_used,
             "pool_blocks_used", (json_int_t)s.pool_blocks_used, "pool_blocks_shared", (json_int_t)s.pool_blocks_shared,
             "pool_block_rows", (int)s.pool_block_rows, "pool_block_bytes", (json_int_t)s.pool_block_bytes,
-            "queue_depth", s.queue_depth, "threads", s.threads));
+            "queue_depth", s.queue_depth, "threads", s.threads);
+        json_put(&o, "kept_prefixes", json_integer((json_int_t)kept));
+        json_put(&o, "kept_prefix_bytes", json_integer((json_int_t)kept_bytes));
+        return print_json(o);
     } else {
         char a[32], b[32];
         printf("snapkvd %s, model %s, backend %s (%u threads)\n", s.server_version, s.model_name, s.backend,
                s.threads);
         printf("uptime %llu s, %u sessions, %u clients, queue %u\n", (unsigned long long)s.uptime_seconds,
                s.n_sessions, s.n_clients, s.queue_depth);
-        printf("pool %s used of %s: %llu blocks of %u tokens (%llu shared by forks)\n",
+        printf("pool %s used of %s: %llu blocks of %u tokens (%llu shared copy-on-write)\n",
                fmt_bytes(s.pool_bytes_used, a, sizeof a), fmt_bytes(s.pool_bytes_total, b, sizeof b),
                (unsigned long long)s.pool_blocks_used, s.pool_block_rows,
                (unsigned long long)s.pool_blocks_shared);
+        if (kept > 0)
+            printf("kept prefixes %.0f, %s of blocks (prefix-retain-bytes; list --kept)\n", kept,
+                   fmt_bytes((uint64_t)kept_bytes, a, sizeof a));
     }
     return 0;
 }

@@ -2166,7 +2166,7 @@ static void next_kept_event(snapkv_events_t *ev, struct snapkv_event *e)
  * under an id of their own with kept_prefix set, then the session removed; a replay's snapshot
  * holds them; a longer kept prefix covering them announces them removed, and so does an EVICT
  * of their id; snapkvctl events shows them. Admins list them (snapkv_admin_list_kept, snapkvctl
- * list --kept) and see their tenant's bytes in STATS. */
+ * list --kept), see their tenant's bytes in STATS and them in snapkvctl status. */
 static void test_kv_events_kept(void **state)
 {
     (void)state;
@@ -2287,6 +2287,16 @@ static void test_kv_events_kept(void **state)
     assert_int_equal(json_integer_value(json_object_get(json_array_get(j, 0), "bytes")), kept_bytes);
     json_decref(j);
     assert_true(stat_of(d.admin, "snapkv_tenant_prefix_retained_bytes{tenant=\"ev\"}") == (double)kept_bytes);
+    const char *status[] = {"status", NULL}, *status_json[] = {"--json", "status", NULL};
+    if (run_ctl(&d, status, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl status: %s", err);
+    assert_non_null(strstr(out, "\nkept prefixes 1, "));
+    if (run_ctl(&d, status_json, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json status: %s", err);
+    j = json_loads(out, 0, &je);
+    assert_int_equal(json_integer_value(json_object_get(j, "kept_prefixes")), 1);
+    assert_int_equal(json_integer_value(json_object_get(j, "kept_prefix_bytes")), kept_bytes);
+    json_decref(j);
     uint32_t n_ev = 0;
     uint64_t freed = 0;
     assert_int_equal(snapkv_admin_evict(a, &kept2, NULL, false, &n_ev, &freed), SNAPKV_OK);
