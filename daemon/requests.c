@@ -1697,6 +1697,37 @@ static int decode_room(const struct skv_worker *w, const char *tenant)
     return SKV_OK;
 }
 
+/* d's sampler from the request's Sampling (NULL: greedy). */
+static int sampler_start(struct skv_worker *w, const Snapkv__Sampling *sp, struct skv_sampler *out)
+{
+    struct skv_sampler_params p = {0};
+    if (!sp)
+        return skv_sampler_init(out, &p, w->m->cfg.n_vocab);
+    p.temperature = sp->temperature;
+    p.top_k = (int)(sp->top_k > 1000000 ? 1000000 : sp->top_k);
+    p.top_p = sp->top_p;
+    p.seed = sp->seed;
+    p.min_p = sp->min_p;
+    p.repetition_penalty = sp->repetition_penalty;
+    p.repetition_last_n = (int)(sp->repetition_last_n > INT32_MAX ? INT32_MAX : sp->repetition_last_n);
+    p.frequency_penalty = sp->frequency_penalty;
+    p.presence_penalty = sp->presence_penalty;
+    if (sp->n_logit_bias > SKV_LOGIT_BIAS_MAX)
+        return skv_errorf(SKV_E_LIMIT, "at most %u logit_bias entries, not %zu", SKV_LOGIT_BIAS_MAX,
+                          sp->n_logit_bias);
+    int32_t ids[SKV_LOGIT_BIAS_MAX];
+    float bias[SKV_LOGIT_BIAS_MAX];
+    for (size_t i = 0; i < sp->n_logit_bias; i++) {
+        const Snapkv__LogitBias *b = sp->logit_bias[i];
+        ids[i] = b->token > INT32_MAX ? INT32_MAX : (int32_t)b->token;
+        bias[i] = b->bias;
+    }
+    p.bias_ids = ids;
+    p.bias = bias;
+    p.n_bias = sp->n_logit_bias;
+    return skv_sampler_init(out, &p, w->m->cfg.n_vocab);
+}
+
 struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__DecodeRequest *q = job->req->decode;
@@ -1722,14 +1753,7 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
     if (!rc && !(d = calloc(1, sizeof *d)))
         rc = SKV_E_NOMEM;
     if (!rc) {
-        struct skv_sampler_params p = {0};
-        if (sp) {
-            p.temperature = sp->temperature;
-            p.top_k = (int)(sp->top_k > 1000000 ? 1000000 : sp->top_k);
-            p.top_p = sp->top_p;
-            p.seed = sp->seed;
-        }
-        rc = skv_sampler_init(&d->sampler, &p, w->m->cfg.n_vocab);
+        rc = sampler_start(w, sp, &d->sampler);
         if (sp && sp->n_stop_tokens > SKV_STOP_TOKENS_MAX && !rc)
             rc = skv_errorf(SKV_E_LIMIT, "at most %d stop tokens", SKV_STOP_TOKENS_MAX);
         if (sp && sp->top_logprobs > SKV_TOP_LOGPROBS_MAX && !rc)
@@ -1902,7 +1926,7 @@ static int decode_pick(struct skv_worker *w, struct skv_decode *d)
         if (rc)
             return rc;
     }
-    int32_t t = skv_sampler_sample(&d->sampler, s->logits);
+    int32_t t = skv_sampler_next(&d->sampler, s->logits, s->tokens, s->n_tokens, d->out, (int)d->produced);
     if (d->logprobs) {
         const size_t k = lp_slot(d, d->produced);
         (void)skv_logprobs(s->logits, w->m->cfg.n_vocab, t, (int)d->top_n, &d->lp[k],

@@ -513,6 +513,9 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant;
     h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
     h->kv_block_tokens = (uint32_t)cfg->kv_block_tokens;
+    static const char *const features[] = {"sampling-ext"}; /* HelloReply.features */
+    h->n_features = sizeof features / sizeof features[0];
+    h->features = (char **)features;
     if (m->tok) {
         h->bos_token = (uint32_t)skv_tokenizer_bos(m->tok);
         h->eos_token = (uint32_t)skv_tokenizer_eos(m->tok);

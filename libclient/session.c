@@ -353,6 +353,62 @@ int snapkv_decode_logprobs(snapkv_client_t *c, const struct snapkv_session_id *i
                            const struct snapkv_sampling *sampling, uint32_t top_logprobs, snapkv_token_fn on_tokens,
                            void *user, struct snapkv_decode_result *out, struct snapkv_logprobs *logprobs)
 {
+    return snapkv_decode_ext(c, id, sampling, NULL, top_logprobs, on_tokens, user, out, logprobs);
+}
+
+void snapkv_sampling_ext_defaults(struct snapkv_sampling_ext *ext)
+{
+    if (ext)
+        memset(ext, 0, sizeof *ext);
+}
+
+/* The most logit biases one DECODE may carry (the daemon's SKV_LOGIT_BIAS_MAX). */
+#define LOGIT_BIAS_MAX 1024u
+
+/* ext's checks the library can make (the daemon checks the ranges) and its wire form: bias
+ * entries in b[] (room for LOGIT_BIAS_MAX), pointers to them in pb[]. */
+static int ext_wire(const snapkv_client_t *c, const struct snapkv_sampling_ext *ext, Snapkv__Sampling *ws,
+                    Snapkv__LogitBias *b, Snapkv__LogitBias **pb)
+{
+    if (!ext)
+        return SNAPKV_OK;
+    bool used = ext->min_p != 0 || (ext->repetition_penalty != 0 && ext->repetition_penalty != 1) ||
+                ext->frequency_penalty != 0 || ext->presence_penalty != 0 || ext->n_bias;
+    bool heard = false;
+    for (size_t i = 0; i < c->hello->n_features && !heard; i++)
+        heard = strcmp(c->hello->features[i], "sampling-ext") == 0;
+    if (used && !heard)
+        return skv_client_fail(SNAPKV_E_UNSUPPORTED, "decode: the daemon (snapkvd %s) would ignore min_p, the "
+                               "penalties and logit biases: it is older than they are",
+                               c->hello->server_version ? c->hello->server_version : "?");
+    if (ext->n_bias > LOGIT_BIAS_MAX)
+        return skv_client_fail(SNAPKV_E_LIMIT, "decode: at most %u logit biases, not %zu", LOGIT_BIAS_MAX,
+                               ext->n_bias);
+    if (ext->n_bias && (!ext->bias_tokens || !ext->bias))
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: n_bias is %zu but bias_tokens or bias is NULL", ext->n_bias);
+    for (size_t i = 0; i < ext->n_bias; i++) {
+        if (c->hello->n_vocab && ext->bias_tokens[i] >= c->hello->n_vocab)
+            return skv_client_fail(SNAPKV_E_INVAL, "decode: bias token %u at index %zu is outside the vocabulary "
+                                   "[0, %u)", ext->bias_tokens[i], i, c->hello->n_vocab);
+        snapkv__logit_bias__init(&b[i]);
+        b[i].token = ext->bias_tokens[i];
+        b[i].bias = ext->bias[i];
+        pb[i] = &b[i];
+    }
+    ws->min_p = ext->min_p;
+    ws->repetition_penalty = ext->repetition_penalty;
+    ws->repetition_last_n = ext->repetition_last_n;
+    ws->frequency_penalty = ext->frequency_penalty;
+    ws->presence_penalty = ext->presence_penalty;
+    ws->n_logit_bias = ext->n_bias;
+    ws->logit_bias = ext->n_bias ? pb : NULL;
+    return SNAPKV_OK;
+}
+
+int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_sampling *sampling,
+                      const struct snapkv_sampling_ext *ext, uint32_t top_logprobs, snapkv_token_fn on_tokens,
+                      void *user, struct snapkv_decode_result *out, struct snapkv_logprobs *logprobs)
+{
     int rc = skv_client_check(c, id, "decode");
     if (rc)
         return rc;
@@ -396,6 +452,18 @@ int snapkv_decode_logprobs(snapkv_client_t *c, const struct snapkv_session_id *i
     ws.stop = (char **)s.stop;
     ws.logprobs = logprobs != NULL;
     ws.top_logprobs = top_logprobs;
+    Snapkv__LogitBias *bias = NULL, **pbias = NULL;
+    if (ext && ext->n_bias && ext->n_bias <= LOGIT_BIAS_MAX &&
+        (!(bias = malloc(ext->n_bias * sizeof *bias)) || !(pbias = malloc(ext->n_bias * sizeof *pbias)))) {
+        free(bias);
+        return skv_client_fail(SNAPKV_E_NOMEM, "decode: out of memory for %zu logit biases", ext->n_bias);
+    }
+    rc = ext_wire(c, ext, &ws, bias, pbias);
+    if (rc) {
+        free(bias);
+        free(pbias);
+        return rc;
+    }
     d.session_id = skv_client_id_wire(id);
     d.sampling = &ws;
     d.stream = on_tokens != NULL;
@@ -408,6 +476,8 @@ int snapkv_decode_logprobs(snapkv_client_t *c, const struct snapkv_session_id *i
     Snapkv__Reply *rep = NULL;
     bool in_flight = false;
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DECODE, "DECODE", decode_partial, &acc, &in_flight, &rep);
+    free(bias);
+    free(pbias);
     if (rc && in_flight)
         rc = cancel_decode(c, id, rc, acc.stopped ? -1 : CANCEL_WAIT_MS);
     if (rc)

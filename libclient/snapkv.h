@@ -71,6 +71,8 @@
  * compressed (its size and every other field's offset are as before).
  * 12:0:8 (still libsnapkv.so.4): snapkv_admin_list_kept and snapkv_kept_list_free added;
  * snapkv_admin_evict takes a kept prefix's id.
+ * 13:0:9 (still libsnapkv.so.4): struct snapkv_sampling_ext (min-p, repetition, frequency and
+ * presence penalties, logit bias), snapkv_decode_ext and snapkv_sampling_ext_defaults added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -458,6 +460,45 @@ SNAPKV_API int snapkv_decode_logprobs(snapkv_client_t *client, const struct snap
                                       snapkv_token_fn on_tokens, void *user, struct snapkv_decode_result *out,
                                       struct snapkv_logprobs *logprobs);
 SNAPKV_API void snapkv_logprobs_free(struct snapkv_logprobs *lp);
+
+/* More of what picks a decode's tokens, apart from struct snapkv_sampling so that programs built
+ * with an older snapkv.h keep working. Applied to the logits before each token (greedy too), in
+ * this order (transformers' generate, with OpenAI's and vLLM's frequency and presence
+ * penalties):
+ * 1. logit bias: bias[i] is added to the logit of token bias_tokens[i] (at most 1024 distinct
+ *    tokens, each bias in [-100, 100]; -100 all but bans a token);
+ * 2. repetition penalty (0 or 1: off; else (0, 100], as transformers'
+ *    RepetitionPenaltyLogitsProcessor): the logit of each token the session holds (its prompt,
+ *    appends and generated tokens, or only the last repetition_last_n of them; 0: all) is
+ *    divided by it when positive and multiplied by it when negative; 1.1 to 1.3 are usual;
+ * 3. frequency_penalty and presence_penalty (each in [-2, 2]): over this decode's tokens, a
+ *    token's logit loses frequency_penalty for each time it came and presence_penalty once it
+ *    came;
+ * then, when sampling (temperature > 0), temperature, top_k, top_p and min_p ([0, 1], 0: off;
+ * as transformers' MinPLogitsWarper: of the tokens top_k and top_p leave, those less likely than
+ * min_p times the likeliest go). The log-probabilities snapkv_decode_ext gives are the model's,
+ * before all of these. The daemon checks the ranges (SNAPKV_E_INVAL with a message); a daemon
+ * older than these fields would ignore them, so with any of them on snapkv_decode_ext refuses
+ * to send to one (SNAPKV_E_UNSUPPORTED). */
+struct snapkv_sampling_ext {
+    float min_p;
+    float repetition_penalty;
+    uint32_t repetition_last_n;
+    float frequency_penalty;
+    float presence_penalty;
+    const uint32_t *bias_tokens;  /* [n_bias] */
+    const float *bias;            /* [n_bias] */
+    size_t n_bias;
+};
+/* All off (zero): what a NULL ext means. */
+SNAPKV_API void snapkv_sampling_ext_defaults(struct snapkv_sampling_ext *ext);
+/* snapkv_decode_logprobs with ext (NULL: none of it); logprobs may be NULL (then top_logprobs
+ * must be 0). More than 1024 biases: SNAPKV_E_LIMIT; a bias token outside the vocabulary:
+ * SNAPKV_E_INVAL. */
+SNAPKV_API int snapkv_decode_ext(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                 const struct snapkv_sampling *sampling, const struct snapkv_sampling_ext *ext,
+                                 uint32_t top_logprobs, snapkv_token_fn on_tokens, void *user,
+                                 struct snapkv_decode_result *out, struct snapkv_logprobs *logprobs);
 
 struct snapkv_compress_result {
     uint64_t bytes_before, bytes_after;

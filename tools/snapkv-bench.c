@@ -49,6 +49,8 @@ struct args {
     int max_tokens;
     float temperature, top_p;
     int top_k;
+    float min_p, repetition_penalty, frequency_penalty, presence_penalty; /* generate: skv_sampler_params */
+    int repetition_last_n;
     uint64_t seed;
     const char *prefill_sizes;
     const char *decode_depths;
@@ -85,7 +87,9 @@ static void usage(FILE *out)
             "  logits (--prompt T | --prompt-file F | --tokens 1,2,3) [--chat] [--top N] [--all]\n"
             "                                        last-position logits (--all: every value)\n"
             "  generate (--prompt T | --prompt-file F | --tokens ...) [--chat] [--max-tokens N]\n"
-            "           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compress SPEC]\n"
+            "           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compress SPEC] [--min-p P]\n"
+            "           [--repetition-penalty R] [--repetition-last-n N] [--frequency-penalty F]\n"
+            "           [--presence-penalty F]\n"
             "  select (--prompt T | --prompt-file F | --tokens ...) [--chat] [--compress SPEC (policy=full)]\n"
             "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192|none] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
@@ -441,18 +445,27 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
         return fail("prompt", rc);
     int nv = m->cfg.n_vocab, max = a->max_tokens > 0 ? a->max_tokens : 64;
     float *logits = malloc((size_t)nv * sizeof *logits);
-    int32_t *out = malloc((size_t)max * sizeof *out);
+    /* the prompt, then what is generated: the history the repetition penalty looks at */
+    int32_t *seq = malloc((size_t)(n + max) * sizeof *seq), *out = seq ? seq + n : NULL;
     struct skv_kv_cache *cache = NULL;
     struct skv_sampler s;
-    struct skv_sampler_params sp = {
-        .temperature = a->temperature, .top_k = a->top_k, .top_p = a->top_p, .seed = a->seed};
-    rc = logits && out ? skv_sampler_init(&s, &sp, nv) : SKV_E_NOMEM;
+    struct skv_sampler_params sp = {.temperature = a->temperature,
+                                    .top_k = a->top_k,
+                                    .top_p = a->top_p,
+                                    .seed = a->seed,
+                                    .min_p = a->min_p,
+                                    .repetition_penalty = a->repetition_penalty,
+                                    .repetition_last_n = a->repetition_last_n,
+                                    .frequency_penalty = a->frequency_penalty,
+                                    .presence_penalty = a->presence_penalty};
+    rc = logits && seq ? skv_sampler_init(&s, &sp, nv) : SKV_E_NOMEM;
     if (rc) {
         free(ids);
         free(logits);
-        free(out);
+        free(seq);
         return fail("sampler", rc);
     }
+    memcpy(seq, ids, (size_t)n * sizeof *seq);
     rc = skv_kv_cache_new(m, &cache);
     struct prefill_run run = {0};
     double t0 = now_s();
@@ -465,7 +478,7 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
     const char *finish = "length";
     t0 = now_s();
     while (!rc && produced < max) {
-        int32_t t = skv_sampler_sample(&s, logits);
+        int32_t t = skv_sampler_next(&s, logits, seq, n + produced, out, produced);
         out[produced++] = t;
         if (a->chat && m->tok && (t == skv_tokenizer_eot(m->tok) || t == skv_tokenizer_eos(m->tok))) {
             finish = "stop";
@@ -485,7 +498,7 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
     if (rc) {
         free(ids);
         free(logits);
-        free(out);
+        free(seq);
         return fail("generate", rc);
     }
     char *text = NULL;
@@ -511,7 +524,7 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
     free(text);
     free(ids);
     free(logits);
-    free(out);
+    free(seq);
     return 0;
 }
 
@@ -1068,7 +1081,8 @@ static const struct {
 } cmd_opts[] = {
     {"tokenize", "special bos cap"},
     {"logits", "prompt prompt-file tokens chat top all"},
-    {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress"},
+    {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress min-p "
+                 "repetition-penalty repetition-last-n frequency-penalty presence-penalty"},
     {"select", "prompt prompt-file tokens chat compress"},
     {"speed", "prefill decode-depth decode-tokens batch repeat compress"},
     {"gemv", "repeat"},
@@ -1113,7 +1127,7 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM, O_CAP, O_BATCH, O_KVTYPE };
+           O_FIDM, O_CAP, O_BATCH, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
            O_STORE_SIGNED };
     static const struct option opts[] = {
@@ -1140,6 +1154,10 @@ int main(int argc, char **argv)
         {"sessions", required_argument, NULL, O_SESSIONS}, {"context", required_argument, NULL, O_CONTEXT},
         {"pool-gib", required_argument, NULL, O_POOL_GIB}, {"parts", required_argument, NULL, O_PARTS},
         {"store-signed", no_argument, NULL, O_STORE_SIGNED}, {"kv-type", required_argument, NULL, O_KVTYPE},
+        {"min-p", required_argument, NULL, O_MINP},        {"repetition-penalty", required_argument, NULL, O_REPP},
+        {"repetition-last-n", required_argument, NULL, O_REPN},
+        {"frequency-penalty", required_argument, NULL, O_FREQP},
+        {"presence-penalty", required_argument, NULL, O_PRESP},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c, li = -1, n_given = 0;
@@ -1176,6 +1194,20 @@ int main(int argc, char **argv)
         case O_TEMP: ok = real_opt("temperature", optarg, 0, 100, &real); a.temperature = (float)real; break;
         case O_TOPK: ok = int_opt("top-k", optarg, 0, 1 << 24, &a.top_k); break;
         case O_TOPP: ok = real_opt("top-p", optarg, 0, 1, &real); a.top_p = (float)real; break;
+        case O_MINP: ok = real_opt("min-p", optarg, 0, 1, &real); a.min_p = (float)real; break;
+        case O_REPP:
+            ok = real_opt("repetition-penalty", optarg, 0, 100, &real);
+            a.repetition_penalty = (float)real;
+            break;
+        case O_REPN: ok = int_opt("repetition-last-n", optarg, 0, INT_MAX, &a.repetition_last_n); break;
+        case O_FREQP:
+            ok = real_opt("frequency-penalty", optarg, -2, 2, &real);
+            a.frequency_penalty = (float)real;
+            break;
+        case O_PRESP:
+            ok = real_opt("presence-penalty", optarg, -2, 2, &real);
+            a.presence_penalty = (float)real;
+            break;
         case O_SEED: {
             char *end;
             errno = 0;

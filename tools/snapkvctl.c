@@ -100,6 +100,8 @@ static void usage(FILE *out)
             "           --size; cancel --admin, like the admin commands, takes only an id)\n"
             "  SAMPLING: [--max-tokens N (256)] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--no-eos]\n"
             "            [--stop TEXT]... (up to 16 stop sequences: the answer ends before the first one)\n"
+            "            [--min-p P] [--repetition-penalty R (1: off)] [--repetition-last-n N (0: all)]\n"
+            "            [--frequency-penalty F] [--presence-penalty F] [--logit-bias TOKEN=BIAS]...\n"
             "admin commands (admin endpoint):\n"
             "  status | list [--kept] [TENANT] | inspect SESSION [--positions] [--hashes]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
@@ -534,17 +536,34 @@ enum {
     OPT_PROMETHEUS,
     OPT_STOP,
     OPT_LOGPROBS,
+    OPT_MIN_P,
+    OPT_REP_PENALTY,
+    OPT_REP_LAST_N,
+    OPT_FREQ_PENALTY,
+    OPT_PRES_PENALTY,
+    OPT_LOGIT_BIAS,
 };
 
 /* --stop TEXT, repeated: the sequences snapkv_sampling.stop points at (optarg stays valid). */
 static const char *g_stop[SNAPKV_MAX_STOP];
+/* --min-p, the penalties and --logit-bias TOKEN=BIAS (repeated): what snapkv_decode_ext takes
+ * besides struct snapkv_sampling */
+#define MAX_LOGIT_BIAS 1024
+static struct snapkv_sampling_ext g_ext;
+static uint32_t g_bias_tokens[MAX_LOGIT_BIAS];
+static float g_bias[MAX_LOGIT_BIAS];
 
 #define SAMPLING_OPTIONS                                                                                  \
     {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},                                              \
         {"temperature", required_argument, NULL, OPT_TEMPERATURE},                                        \
         {"top-p", required_argument, NULL, OPT_TOP_P}, {"top-k", required_argument, NULL, OPT_TOP_K},     \
         {"seed", required_argument, NULL, OPT_SEED}, {"no-eos", no_argument, NULL, OPT_NO_EOS},           \
-        {"stop", required_argument, NULL, OPT_STOP}
+        {"stop", required_argument, NULL, OPT_STOP}, {"min-p", required_argument, NULL, OPT_MIN_P},        \
+        {"repetition-penalty", required_argument, NULL, OPT_REP_PENALTY},                                 \
+        {"repetition-last-n", required_argument, NULL, OPT_REP_LAST_N},                                   \
+        {"frequency-penalty", required_argument, NULL, OPT_FREQ_PENALTY},                                 \
+        {"presence-penalty", required_argument, NULL, OPT_PRES_PENALTY},                                  \
+        {"logit-bias", required_argument, NULL, OPT_LOGIT_BIAS}
 
 /* Applies one sampling option; returns 1 when o is one, 0 when not, 2 on a bad value. */
 static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
@@ -583,6 +602,45 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
         g_stop[s->n_stop++] = optarg;
         s->stop = g_stop;
         return 1;
+    case OPT_MIN_P:
+        if (!parse_float(optarg, &g_ext.min_p) || !(g_ext.min_p >= 0.0f && g_ext.min_p <= 1.0f))
+            return usage_error(cmd, "--min-p wants a number in [0, 1], not '%s'", optarg);
+        return 1;
+    case OPT_REP_PENALTY:
+        if (!parse_float(optarg, &g_ext.repetition_penalty) ||
+            !(g_ext.repetition_penalty > 0.0f && g_ext.repetition_penalty <= 100.0f))
+            return usage_error(cmd, "--repetition-penalty wants a number in (0, 100], not '%s'", optarg);
+        return 1;
+    case OPT_REP_LAST_N:
+        if (!parse_u32(optarg, &g_ext.repetition_last_n))
+            return usage_error(cmd, "--repetition-last-n wants an integer, not '%s'", optarg);
+        return 1;
+    case OPT_FREQ_PENALTY:
+    case OPT_PRES_PENALTY: {
+        float *v = o == OPT_FREQ_PENALTY ? &g_ext.frequency_penalty : &g_ext.presence_penalty;
+        if (!parse_float(optarg, v) || !(*v >= -2.0f && *v <= 2.0f))
+            return usage_error(cmd, "--%s wants a number in [-2, 2], not '%s'",
+                               o == OPT_FREQ_PENALTY ? "frequency-penalty" : "presence-penalty", optarg);
+        return 1;
+    }
+    case OPT_LOGIT_BIAS: {
+        const char *eq = strchr(optarg, '=');
+        char tok[16];
+        size_t n = eq ? (size_t)(eq - optarg) : 0;
+        if (n)
+            snprintf(tok, sizeof tok, "%.*s", (int)(n < sizeof tok ? n : sizeof tok - 1), optarg);
+        float b;
+        if (!n || n >= sizeof tok || !parse_u32(tok, &g_bias_tokens[g_ext.n_bias]) || !parse_float(eq + 1, &b) ||
+            !(b >= -100.0f && b <= 100.0f))
+            return usage_error(cmd, "--logit-bias wants TOKEN=BIAS (a token id, a number in [-100, 100]), not '%s'",
+                               optarg);
+        if (g_ext.n_bias == MAX_LOGIT_BIAS)
+            return usage_error(cmd, "at most %d --logit-bias", MAX_LOGIT_BIAS);
+        g_bias[g_ext.n_bias++] = b;
+        g_ext.bias_tokens = g_bias_tokens;
+        g_ext.bias = g_bias;
+        return 1;
+    }
     default:
         return 0;
     }
@@ -591,6 +649,7 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
 static void sampling_init(struct snapkv_sampling *s)
 {
     snapkv_sampling_defaults(s);
+    snapkv_sampling_ext_defaults(&g_ext);
     s->max_tokens = DEFAULT_MAX_TOKENS;
     s->seed = (uint64_t)time(NULL);
 }
@@ -849,7 +908,8 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
     }
     struct snapkv_decode_result dr;
     rc = g_interrupted ? SNAPKV_E_CANCELLED
-                       : snapkv_decode(cl, &pr.id, &s, c->json ? until_interrupted : print_tokens, NULL, &dr);
+                       : snapkv_decode_ext(cl, &pr.id, &s, &g_ext, 0, c->json ? until_interrupted : print_tokens,
+                                           NULL, &dr, NULL);
     if (rc && g_interrupted) {
         if (!c->json)
             putchar('\n');
@@ -1009,7 +1069,7 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
             continue;
         }
         struct snapkv_decode_result dr;
-        rc = snapkv_decode(cl, &id, &s, print_tokens, NULL, &dr);
+        rc = snapkv_decode_ext(cl, &id, &s, &g_ext, 0, print_tokens, NULL, &dr, NULL);
         putchar('\n');
         fflush(stdout);
         if (rc == SNAPKV_E_CANCELLED && g_interrupted) {
@@ -1208,8 +1268,8 @@ static int cmd_decode(const struct ctl *c, int argc, char **argv)
         return 1;
     struct snapkv_decode_result dr;
     struct snapkv_logprobs lp = {0};
-    int rc = snapkv_decode_logprobs(cl, &id, &s, top, c->json ? NULL : print_tokens, NULL, &dr,
-                                    want_lp ? &lp : NULL);
+    int rc = snapkv_decode_ext(cl, &id, &s, &g_ext, top, c->json ? NULL : print_tokens, NULL, &dr,
+                               want_lp ? &lp : NULL);
     snapkv_close(&cl);
     if (!c->json)
         putchar('\n');

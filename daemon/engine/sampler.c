@@ -1,5 +1,5 @@
-/* Sampling: temperature-scaled softmax, top-k then top-p truncation, one uniform draw from a
- * splitmix64 stream seeded by the request. */
+/* Sampling: logit bias and penalties, then a temperature-scaled softmax, top-k, top-p and min-p
+ * truncation, one uniform draw from a splitmix64 stream seeded by the request. */
 #include "daemon/engine/sampler.h"
 #include "common/status.h"
 
@@ -56,27 +56,87 @@ int skv_logprobs(const float *logits, int n, int32_t token, int top_n, float *to
     return m;
 }
 
+/* A float parameter in [lo, hi] (NaN is not). */
+static int check_range(const char *name, float v, float lo, float hi)
+{
+    if (isnan(v) || v < lo || v > hi)
+        return skv_errorf(SKV_E_INVAL, "%s %g is outside [%g, %g]", name, v, lo, hi);
+    return SKV_OK;
+}
+
+/* The bias entries: tokens in the vocabulary, each once, values in [-100, 100]. */
+static int check_bias(const struct skv_sampler_params *p, int n_vocab)
+{
+    if (p->n_bias > SKV_LOGIT_BIAS_MAX)
+        return skv_errorf(SKV_E_LIMIT, "at most %u logit_bias entries, not %zu", SKV_LOGIT_BIAS_MAX, p->n_bias);
+    if (p->n_bias && (!p->bias_ids || !p->bias))
+        return skv_errorf(SKV_E_INVAL, "logit_bias has no tokens or no values");
+    for (size_t i = 0; i < p->n_bias; i++) {
+        if (p->bias_ids[i] < 0 || p->bias_ids[i] >= n_vocab)
+            return skv_errorf(SKV_E_INVAL, "logit_bias token %d is outside the vocabulary (%d tokens)",
+                              p->bias_ids[i], n_vocab);
+        if (isnan(p->bias[i]) || p->bias[i] < -100 || p->bias[i] > 100)
+            return skv_errorf(SKV_E_INVAL, "logit_bias %g for token %d is outside [-100, 100]", p->bias[i],
+                              p->bias_ids[i]);
+        for (size_t j = 0; j < i; j++)
+            if (p->bias_ids[j] == p->bias_ids[i])
+                return skv_errorf(SKV_E_INVAL, "logit_bias names token %d twice", p->bias_ids[i]);
+    }
+    return SKV_OK;
+}
+
 int skv_sampler_init(struct skv_sampler *s, const struct skv_sampler_params *p, int n_vocab)
 {
     memset(s, 0, sizeof *s);
     if (n_vocab <= 0)
         return skv_errorf(SKV_E_INVAL, "vocabulary is empty");
-    if (isnan(p->temperature) || p->temperature < 0 || p->temperature > 100)
-        return skv_errorf(SKV_E_INVAL, "temperature %g is outside [0, 100]", p->temperature);
-    if (isnan(p->top_p) || p->top_p < 0 || p->top_p > 1)
-        return skv_errorf(SKV_E_INVAL, "top_p %g is outside [0, 1]", p->top_p);
-    if (p->top_k < 0)
-        return skv_errorf(SKV_E_INVAL, "top_k %d is negative", p->top_k);
+    int rc = check_range("temperature", p->temperature, 0, 100);
+    if (!rc)
+        rc = check_range("top_p", p->top_p, 0, 1);
+    if (!rc && p->top_k < 0)
+        rc = skv_errorf(SKV_E_INVAL, "top_k %d is negative", p->top_k);
+    if (!rc)
+        rc = check_range("min_p", p->min_p, 0, 1);
+    if (!rc)
+        rc = check_range("repetition_penalty", p->repetition_penalty, 0, 100);
+    if (!rc && p->repetition_last_n < 0)
+        rc = skv_errorf(SKV_E_INVAL, "repetition_last_n %d is negative", p->repetition_last_n);
+    if (!rc)
+        rc = check_range("frequency_penalty", p->frequency_penalty, -2, 2);
+    if (!rc)
+        rc = check_range("presence_penalty", p->presence_penalty, -2, 2);
+    if (!rc)
+        rc = check_bias(p, n_vocab);
+    if (rc)
+        return rc;
     s->p = *p;
+    s->p.bias_ids = NULL;
+    s->p.bias = NULL;
     s->state = p->seed ^ 0x9E3779B97F4A7C15ull;
     s->n_vocab = n_vocab;
-    if (p->temperature > 0) {
-        s->idx = malloc((size_t)n_vocab * sizeof *s->idx);
-        s->prob = malloc((size_t)n_vocab * sizeof *s->prob);
-        if (!s->idx || !s->prob) {
-            skv_sampler_fini(s);
-            return SKV_E_NOMEM;
+    s->adjusts = p->n_bias || (p->repetition_penalty > 0 && p->repetition_penalty != 1) ||
+                 p->frequency_penalty != 0 || p->presence_penalty != 0;
+    bool ok = true;
+    if (p->temperature > 0)
+        ok = (s->idx = malloc((size_t)n_vocab * sizeof *s->idx)) &&
+             (s->prob = malloc((size_t)n_vocab * sizeof *s->prob));
+    if (ok && s->adjusts)
+        ok = (s->adj = malloc((size_t)n_vocab * sizeof *s->adj)) &&
+             (s->count = calloc((size_t)n_vocab, sizeof *s->count));
+    if (ok && p->n_bias) {
+        int32_t *ids = malloc(p->n_bias * sizeof *ids);
+        float *bias = malloc(p->n_bias * sizeof *bias);
+        if (ids && bias) {
+            memcpy(ids, p->bias_ids, p->n_bias * sizeof *ids);
+            memcpy(bias, p->bias, p->n_bias * sizeof *bias);
         }
+        s->p.bias_ids = ids;
+        s->p.bias = bias;
+        ok = ids && bias;
+    }
+    if (!ok) {
+        skv_sampler_fini(s);
+        return SKV_E_NOMEM;
     }
     return SKV_OK;
 }
@@ -85,8 +145,16 @@ void skv_sampler_fini(struct skv_sampler *s)
 {
     free(s->idx);
     free(s->prob);
+    free(s->adj);
+    free(s->count);
+    free((void *)s->p.bias_ids);
+    free((void *)s->p.bias);
     s->idx = NULL;
     s->prob = NULL;
+    s->adj = NULL;
+    s->count = NULL;
+    s->p.bias_ids = NULL;
+    s->p.bias = NULL;
 }
 
 static uint64_t splitmix64(uint64_t *state)
@@ -152,14 +220,53 @@ static void select_first(int32_t *idx, int n, int k, const float *prob)
     }
 }
 
-int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
+const float *skv_sampler_adjust(struct skv_sampler *s, const float *logits, const int32_t *history,
+                                int n_history, const int32_t *generated, int n_generated)
+{
+    if (!s->adjusts)
+        return logits;
+    const int n = s->n_vocab;
+    float *a = s->adj;
+    memcpy(a, logits, (size_t)n * sizeof *a);
+    for (size_t i = 0; i < s->p.n_bias; i++)
+        a[s->p.bias_ids[i]] += s->p.bias[i];
+    const float rp = s->p.repetition_penalty;
+    if (rp > 0 && rp != 1 && n_history > 0) {
+        int from = s->p.repetition_last_n > 0 && s->p.repetition_last_n < n_history
+                       ? n_history - s->p.repetition_last_n
+                       : 0;
+        /* count marks the tokens already penalized (each once, as transformers' gather does) */
+        for (int i = from; i < n_history; i++) {
+            int32_t t = history[i];
+            if (t < 0 || t >= n || s->count[t])
+                continue;
+            s->count[t] = 1;
+            a[t] = a[t] < 0 ? a[t] * rp : a[t] / rp;
+        }
+        for (int i = from; i < n_history; i++)
+            if (history[i] >= 0 && history[i] < n)
+                s->count[history[i]] = 0;
+    }
+    const float fp = s->p.frequency_penalty, pp = s->p.presence_penalty;
+    if ((fp != 0 || pp != 0) && n_generated > 0) {
+        for (int i = 0; i < n_generated; i++)
+            if (generated[i] >= 0 && generated[i] < n)
+                s->count[generated[i]]++;
+        for (int i = 0; i < n_generated; i++) {
+            int32_t t = generated[i];
+            if (t < 0 || t >= n || !s->count[t])
+                continue;
+            a[t] -= (float)s->count[t] * fp + pp;
+            s->count[t] = 0;
+        }
+    }
+    return a;
+}
+
+int skv_sampler_candidates(struct skv_sampler *s, const float *logits, double *mass)
 {
     int n = s->n_vocab;
-    int32_t top = skv_argmax(logits, n);
-    float maxl = logits[top];
-    /* +inf holds all the mass; NaN or -inf everywhere is no distribution: the lowest id */
-    if (s->p.temperature <= 0 || !isfinite(maxl))
-        return top;
+    float maxl = logits[skv_argmax(logits, n)];
     double sum = 0;
     for (int i = 0; i < n; i++) {
         s->prob[i] = isnan(logits[i]) ? 0.0f : expf((logits[i] - maxl) / s->p.temperature);
@@ -197,7 +304,7 @@ int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
         kept += s->prob[s->idx[i]];
     if (pruned)
         kept = sum;
-    if (s->p.top_p > 0 && s->p.top_p < 1) {
+    if (nucleus) {
         double acc = 0;
         for (int i = 0; i < k; i++) {
             acc += s->prob[s->idx[i]];
@@ -210,6 +317,35 @@ int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
     }
     if (!need_sort)
         kept = sum;
+    /* min-p last: the likeliest token's weight is exp(0) = 1, so the bound is min_p itself; the
+     * candidates are in order of likelihood, or all of them by id */
+    if (s->p.min_p > 0) {
+        int j = 0;
+        kept = 0;
+        for (int i = 0; i < k; i++) {
+            if (s->prob[s->idx[i]] >= s->p.min_p) {
+                s->idx[j++] = s->idx[i];
+                kept += s->prob[s->idx[i]];
+            } else if (need_sort) {
+                break;
+            }
+        }
+        k = j;
+    }
+    *mass = kept;
+    return k;
+}
+
+int32_t skv_sampler_next(struct skv_sampler *s, const float *logits, const int32_t *history, int n_history,
+                         const int32_t *generated, int n_generated)
+{
+    const float *l = skv_sampler_adjust(s, logits, history, n_history, generated, n_generated);
+    int32_t top = skv_argmax(l, s->n_vocab);
+    /* +inf holds all the mass; NaN or -inf everywhere is no distribution: the lowest id */
+    if (s->p.temperature <= 0 || !isfinite(l[top]))
+        return top;
+    double kept;
+    int k = skv_sampler_candidates(s, l, &kept);
     double u = (double)(splitmix64(&s->state) >> 11) * (1.0 / 9007199254740992.0) * kept;
     double acc = 0;
     for (int i = 0; i < k; i++) {
@@ -218,6 +354,11 @@ int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
             return s->idx[i];
     }
     return s->idx[k - 1];
+}
+
+int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits)
+{
+    return skv_sampler_next(s, logits, NULL, 0, NULL, 0);
 }
 
 /* ---- stop sequences ------------------------------------------------------------------------- */

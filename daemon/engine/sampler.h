@@ -1,5 +1,6 @@
-/* Next-token sampling from logits: greedy, temperature, top-k, top-p, seeded and
- * reproducible (the same seed and logits give the same tokens on every host). */
+/* Next-token sampling from logits: logit bias and repetition / frequency / presence penalties,
+ * then greedy or temperature, top-k, top-p, min-p; seeded and reproducible (the same seed and
+ * logits give the same tokens on every host). */
 #ifndef SKV_SAMPLER_H
 #define SKV_SAMPLER_H
 
@@ -7,26 +8,66 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define SKV_LOGIT_BIAS_MAX 1024u /* logit_bias entries one DECODE may give */
+
+/* What changes the logits before a token is picked, in this order (that of transformers'
+ * generate, with vLLM's frequency and presence penalties):
+ * 1. logit bias: bias[i] is added to the logit of token bias_ids[i];
+ * 2. repetition penalty (transformers' RepetitionPenaltyLogitsProcessor, the CTRL paper): the
+ *    logit of each token the history holds (its last repetition_last_n tokens; 0: all of it) is
+ *    divided by the penalty when positive, multiplied by it when negative;
+ * 3. frequency and presence penalties (OpenAI's and vLLM's), over the tokens this decode
+ *    generated: logit -= count * frequency_penalty + (count > 0) * presence_penalty;
+ * then, when sampling, temperature, top-k, top-p and min-p (transformers' MinPLogitsWarper:
+ * of the tokens top-k and top-p left, those less likely than min_p times the likeliest go). */
 struct skv_sampler_params {
     float temperature;  /* <= 0: greedy */
     int top_k;          /* <= 0: off */
     float top_p;        /* <= 0 or >= 1: off */
     uint64_t seed;
+    float min_p;                /* 0: off; at most 1 */
+    float repetition_penalty;   /* 0 or 1: off; at most 100 */
+    int repetition_last_n;      /* 0: the whole history */
+    float frequency_penalty;    /* 0: off; -2 to 2 */
+    float presence_penalty;     /* 0: off; -2 to 2 */
+    const int32_t *bias_ids;    /* [n_bias] distinct tokens (copied by skv_sampler_init) */
+    const float *bias;          /* [n_bias] -100 to 100 */
+    size_t n_bias;
 };
 
 struct skv_sampler {
-    struct skv_sampler_params p;
+    struct skv_sampler_params p; /* bias_ids and bias point at the sampler's copies */
     uint64_t state;     /* xoshiro-style 64-bit state (splitmix64) */
     int n_vocab;
     int32_t *idx;       /* scratch [n_vocab] */
     float *prob;        /* scratch [n_vocab] */
+    bool adjusts;       /* some bias or penalty is on */
+    float *adj;         /* [n_vocab] the adjusted logits (when adjusts) */
+    uint32_t *count;    /* [n_vocab] zero between calls (when adjusts) */
 };
 
-/* Validates params (SKV_E_INVAL for NaN or negative values, top_p > 1). */
+/* Validates params (SKV_E_INVAL with a message for NaN values or values out of their ranges, a
+ * bias for a token outside the vocabulary or two for one token; SKV_E_LIMIT past
+ * SKV_LOGIT_BIAS_MAX biases). */
 int skv_sampler_init(struct skv_sampler *s, const struct skv_sampler_params *p, int n_vocab);
 void skv_sampler_fini(struct skv_sampler *s);
-/* Picks a token; logits are not modified. Greedy ties go to the lowest id. */
+/* Picks a token from logits alone (no history: bias only, penalties see nothing); logits are
+ * not modified. Greedy ties go to the lowest id. */
 int32_t skv_sampler_sample(struct skv_sampler *s, const float *logits);
+/* Picks a token after the bias and penalties: history is every token before the next one (a
+ * session's prompt, appends and generated tokens; the repetition penalty's), generated this
+ * decode's tokens so far (the frequency and presence penalties'). Ids outside the vocabulary
+ * are ignored. logits are not modified. */
+int32_t skv_sampler_next(struct skv_sampler *s, const float *logits, const int32_t *history, int n_history,
+                         const int32_t *generated, int n_generated);
+/* The logits after the bias and penalties (s's scratch, or logits itself when none is on). */
+const float *skv_sampler_adjust(struct skv_sampler *s, const float *logits, const int32_t *history,
+                                int n_history, const int32_t *generated, int n_generated);
+/* The tokens temperature, top-k, top-p and min-p leave of (adjusted) logits when sampling:
+ * returns how many; s->idx[0..n) holds them (most likely first when top-k or top-p is on, else
+ * by id) and s->prob their weights (exp((logit - max) / temperature), not normalized), *mass
+ * the weights' sum. Needs temperature > 0 and a finite largest logit. */
+int skv_sampler_candidates(struct skv_sampler *s, const float *logits, double *mass);
 /* argmax with ties to the lowest id. */
 int32_t skv_argmax(const float *logits, int n);
 

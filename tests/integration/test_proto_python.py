@@ -204,6 +204,21 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
           f"transformers' {ref[greedy[0]]:.5}), top 3 {list(d.top_logprobs[0].tokens) if ok else None}"
           f" = transformers' {top3}")
 
+    # a repetition penalty and logit biases (LogitBias messages): transformers' generate() with
+    # repetition_penalty and sequence_bias, to its EOS (tests/fixtures/sampling/greedy.json)
+    pen = json.load(open(f"{SRC}/tests/fixtures/sampling/greedy.json"))["cases"][1]
+    psid = c.call("prefill", pb.PrefillRequest(tokens=pen["ids"])).prefill.session_id
+    bias = [pb.LogitBias(token=t, bias=b) for t, b in zip(pen["bias_tokens"], pen["bias_values"])]
+    rep = c.call("decode", pb.DecodeRequest(session_id=psid, sampling=pb.Sampling(
+        max_tokens=40, stop_at_eos=True, repetition_penalty=pen["repetition_penalty"], logit_bias=bias)))
+    c.call("release", pb.ReleaseRequest(session_id=psid))
+    check("sampling-ext" in h.features and rep.status == OK and list(rep.decode.tokens) == pen["tokens"]
+          and rep.decode.finish_reason == "eos",
+          f"DECODE with repetition_penalty {pen['repetition_penalty']} and {len(bias)} logit biases: "
+          f"{len(rep.decode.tokens)} tokens as transformers' generate, {rep.decode.text[:30]!r}…")
+    rep = c.call("decode", pb.DecodeRequest(session_id=sid, sampling=pb.Sampling(max_tokens=2, min_p=1.5)))
+    check(rep.status == E_INVAL and "min_p" in rep.message, f"DECODE min_p 1.5: INVAL, {rep.message!r}")
+
     # the code prompt as tokens (a packed repeated field), its decode streamed
     code = PROMPTS["code"]
     rep = c.call("prefill", pb.PrefillRequest(tokens=code["ids"]))

@@ -2057,6 +2057,177 @@ static void test_decode_logprobs(void **state)
 }
 
 
+/* The in-process engine's tokens for a full-cache prefill of ids under sampler params sp (the
+ * history the daemon gives the penalties: the prompt and the tokens so far). */
+static void expected_sampled(const uint32_t *ids, int n, const struct skv_sampler_params *sp, uint32_t *out,
+                             int n_gen)
+{
+    struct local_run r;
+    local_prefill(ids, n, "policy=full", &r);
+    struct skv_sampler smp;
+    assert_int_equal(skv_sampler_init(&smp, sp, r.m->cfg.n_vocab), SKV_OK);
+    int32_t *seq = malloc((size_t)(n + n_gen) * sizeof *seq);
+    assert_non_null(seq);
+    for (int i = 0; i < n; i++)
+        seq[i] = (int32_t)ids[i];
+    for (int k = 0; k < n_gen; k++) {
+        int32_t tok = skv_sampler_next(&smp, r.logits, seq, n + k, seq + n, k);
+        out[k] = (uint32_t)tok;
+        seq[n + k] = tok;
+        assert_int_equal(skv_engine_forward(r.e, r.cache, &tok, 1, NULL, r.logits), SKV_OK);
+    }
+    free(seq);
+    skv_sampler_fini(&smp);
+    local_free(&r);
+}
+
+/* DECODE with snapkv_sampling_ext: greedy with a repetition penalty gives transformers'
+ * generate(repetition_penalty=1.3) tokens for its prompt (tests/fixtures/sampling/greedy.json,
+ * up to a near-tie), and with a penalty and logit biases its chat answer, ending at EOS where
+ * it ended; frequency and presence penalties, min-p and a bias sampled at a temperature give the
+ * in-process engine's tokens bit for bit (the daemon hands the sampler the session's history and
+ * the decode's tokens); bad values are refused with their names (the session decodes on), past
+ * 1024 biases or a token outside the vocabulary by the library; snapkvctl decode takes the same
+ * options. */
+static void test_decode_penalties(void **state)
+{
+    NEED_MODEL();
+    json_t *fx = fixture_json("tests/fixtures/sampling/greedy.json");
+    assert_non_null(fx);
+    struct daemon d;
+    start_daemon(&d, "256M");
+    snapkv_client_t *c = client(d.endpoint, "pen");
+    json_t *cases = json_object_get(fx, "cases");
+    struct snapkv_session_id first = {0};
+    for (size_t k = 0; k < json_array_size(cases); k++) {
+        json_t *jc = json_array_get(cases, k);
+        json_t *jids = json_object_get(jc, "ids"), *jt = json_object_get(jc, "tokens");
+        json_t *jm = json_object_get(jc, "margins"), *jb = json_object_get(jc, "bias_tokens");
+        uint32_t ids[64], bt[8];
+        float bv[8];
+        size_t n = json_array_size(jids), ng = json_array_size(jt), nb = json_array_size(jb);
+        assert_true(n <= 64 && nb <= 8);
+        for (size_t i = 0; i < n; i++)
+            ids[i] = (uint32_t)json_integer_value(json_array_get(jids, i));
+        for (size_t i = 0; i < nb; i++) {
+            bt[i] = (uint32_t)json_integer_value(json_array_get(jb, i));
+            bv[i] = (float)json_number_value(json_array_get(json_object_get(jc, "bias_values"), i));
+        }
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = n};
+        struct snapkv_prefill_result pr;
+        assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+        if (k == 0)
+            first = pr.id;
+        struct snapkv_sampling sp;
+        snapkv_sampling_defaults(&sp);
+        sp.max_tokens = (uint32_t)json_integer_value(json_object_get(fx, "max_new_tokens"));
+        struct snapkv_sampling_ext ext;
+        snapkv_sampling_ext_defaults(&ext);
+        ext.repetition_penalty = (float)json_number_value(json_object_get(jc, "repetition_penalty"));
+        ext.bias_tokens = bt;
+        ext.bias = bv;
+        ext.n_bias = nb;
+        struct snapkv_decode_result dr;
+        assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, &ext, 0, NULL, NULL, &dr, NULL), SNAPKV_OK);
+        size_t same = 0;
+        while (same < ng && same < dr.n_tokens && dr.tokens[same] == json_integer_value(json_array_get(jt, same)))
+            same++;
+        printf("# %s: %zu of %zu tokens as transformers generates them\n",
+               json_string_value(json_object_get(jc, "name")), same, ng);
+        if (same < ng) /* only a near-tie of the processed scores may differ */
+            assert_true(same < dr.n_tokens && json_real_value(json_array_get(jm, same)) < 0.05);
+        else if (ng < sp.max_tokens) /* transformers stopped at EOS: so did the daemon */
+            assert_true(dr.n_tokens == ng && strcmp(dr.finish_reason, "eos") == 0);
+        snapkv_decode_result_free(&dr);
+        snapkv_prefill_result_free(&pr);
+    }
+    json_decref(fx);
+
+    /* frequency / presence penalties, min-p and a bias, sampled: the in-process engine's tokens */
+    enum { NG = 24 };
+    uint32_t ids[N_PROMPT], want[NG];
+    prompt(ids, N_PROMPT, 53);
+    const int32_t bias_ids[] = {300, 301};
+    const float bias[] = {2.0f, -100.0f};
+    struct skv_sampler_params lp = {.temperature = 0.9f, .top_k = 40, .min_p = 0.05f, .seed = 99,
+                                    .repetition_penalty = 1.1f, .repetition_last_n = 64, .frequency_penalty = 0.7f,
+                                    .presence_penalty = 0.4f, .bias_ids = bias_ids, .bias = bias, .n_bias = 2};
+    expected_sampled(ids, N_PROMPT, &lp, want, NG);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &po, &pr), SNAPKV_OK);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = NG;
+    sp.stop_at_eos = false;
+    sp.temperature = lp.temperature;
+    sp.top_k = (uint32_t)lp.top_k;
+    sp.seed = lp.seed;
+    const uint32_t bt[] = {300, 301};
+    struct snapkv_sampling_ext ext = {.min_p = lp.min_p, .repetition_penalty = lp.repetition_penalty,
+                                      .repetition_last_n = 64, .frequency_penalty = lp.frequency_penalty,
+                                      .presence_penalty = lp.presence_penalty, .bias_tokens = bt, .bias = bias,
+                                      .n_bias = 2};
+    struct snapkv_decode_result dr;
+    assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, &ext, 0, NULL, NULL, &dr, NULL), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, NG);
+    assert_memory_equal(dr.tokens, want, sizeof want);
+    for (size_t i = 0; i < NG; i++)
+        assert_int_not_equal(dr.tokens[i], 301);
+    snapkv_decode_result_free(&dr);
+
+    /* refused: by the daemon with the value's name, the session decoding on; by the library */
+    static const struct {
+        struct snapkv_sampling_ext ext;
+        const char *says;
+    } bad[] = {
+        {{.repetition_penalty = -1.0f}, "repetition_penalty"},
+        {{.min_p = 2.0f}, "min_p"},
+        {{.frequency_penalty = 3.0f}, "frequency_penalty"},
+        {{.presence_penalty = NAN}, "presence_penalty"},
+    };
+    sp.max_tokens = 2;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, &bad[i].ext, 0, NULL, NULL, &dr, NULL), SNAPKV_E_INVAL);
+        assert_non_null(strstr(snapkv_last_error(), bad[i].says));
+    }
+    const float b2[] = {1.0f, 2.0f};
+    const uint32_t dup[] = {7, 7}, outside[] = {7, 1u << 30};
+    struct snapkv_sampling_ext e2 = {.bias_tokens = dup, .bias = b2, .n_bias = 2};
+    assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, &e2, 0, NULL, NULL, &dr, NULL), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "twice"));
+    e2.bias_tokens = outside;
+    assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, &e2, 0, NULL, NULL, &dr, NULL), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "vocabulary"));
+    e2.n_bias = 1025;
+    assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, &e2, 0, NULL, NULL, &dr, NULL), SNAPKV_E_LIMIT);
+    assert_int_equal(snapkv_decode_ext(c, &pr.id, &sp, NULL, 0, NULL, NULL, &dr, NULL), SNAPKV_OK);
+    assert_int_equal(dr.n_tokens, 2);
+    snapkv_decode_result_free(&dr);
+    snapkv_prefill_result_free(&pr);
+
+    /* snapkvctl: the first case again, from a fork of a fresh prefill of its prompt */
+    struct snapkv_session_id f;
+    assert_int_equal(snapkv_fork(c, &first, &f, NULL), SNAPKV_OK);
+    static char out[65536], err[16384];
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE];
+    snapkv_session_id_to_hex(&f, hex, sizeof hex);
+    const char *args[] = {"--json", "--tenant", "pen", "decode", hex, "--max-tokens", "6", "--repetition-penalty",
+                          "1.3", "--presence-penalty", "-0.5", "--logit-bias", "13=-100", NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl decode with penalties: %s", err);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    assert_non_null(j);
+    assert_int_equal(json_array_size(json_object_get(j, "tokens")), 6);
+    json_decref(j);
+    const char *worse[] = {"--tenant", "pen", "decode", hex, "--logit-bias", "13", NULL};
+    assert_int_equal(run_ctl(&d, worse, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "TOKEN=BIAS"));
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* One message on sub (fails after 10 s): its batch, an event's or a heartbeat's; *seq its
  * number. */
 static Snapkv__KvEventBatch *recv_batch(void *sub, uint64_t *seq)
@@ -5360,6 +5531,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_restart, kill_daemons),
         cmocka_unit_test_teardown(test_kv_q8_0_daemon, kill_daemons),
         cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
+        cmocka_unit_test_teardown(test_decode_penalties, kill_daemons),
         cmocka_unit_test_teardown(test_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),

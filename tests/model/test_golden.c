@@ -309,11 +309,82 @@ static void test_fast_vs_reference(void **state)
     free(ids);
 }
 
+/* Greedy decoding with a repetition penalty and logit biases (skv_sampler_next over the prompt
+ * and the tokens so far) gives transformers' generate(do_sample=False, repetition_penalty,
+ * sequence_bias) tokens (tests/fixtures/sampling/greedy.json, the default model only) up to a
+ * near-tie of the processed scores; the penalized answer is not the plain one. */
+static void test_greedy_penalized(void **state)
+{
+    NEED_MODEL(g);
+    if (strcmp(g->dir, "golden") != 0)
+        skip();
+    json_t *fx = fixture_json("tests/fixtures/sampling/greedy.json");
+    assert_non_null(fx);
+    json_t *cases = json_object_get(fx, "cases");
+    int nv = g->ref->cfg.n_vocab;
+    for (size_t c = 0; c < json_array_size(cases); c++) {
+        json_t *jc = json_array_get(cases, c);
+        int n, ng, np, nb;
+        int32_t *ids = json_ids(json_object_get(jc, "ids"), &n);
+        int32_t *want = json_ids(json_object_get(jc, "tokens"), &ng);
+        int32_t *plain = json_ids(json_object_get(jc, "plain"), &np);
+        int32_t *bias_ids = json_ids(json_object_get(jc, "bias_tokens"), &nb);
+        float bias[8];
+        assert_true(nb <= 8);
+        for (int i = 0; i < nb; i++)
+            bias[i] = (float)json_number_value(json_array_get(json_object_get(jc, "bias_values"), (size_t)i));
+        json_t *margins = json_object_get(jc, "margins");
+        assert_true(np >= 8 && ng >= 8 && memcmp(plain, want, 8 * sizeof *want) != 0);
+        struct skv_sampler_params sp = {
+            .repetition_penalty = (float)json_number_value(json_object_get(jc, "repetition_penalty")),
+            .bias_ids = bias_ids,
+            .bias = bias,
+            .n_bias = (size_t)nb,
+        };
+        struct skv_sampler smp;
+        assert_int_equal(skv_sampler_init(&smp, &sp, nv), SKV_OK);
+        int32_t *seq = malloc((size_t)(n + ng) * sizeof *seq);
+        memcpy(seq, ids, (size_t)n * sizeof *seq);
+        struct skv_kv_cache *cache = NULL;
+        struct skv_engine *e = NULL;
+        float *logits = forward(g->ref, ids, n, false, &cache);
+        assert_int_equal(skv_engine_new(g->ref, &e), SKV_OK);
+        int same = 0;
+        for (int k = 0; k < ng; k++) {
+            int32_t t = skv_sampler_next(&smp, logits, seq, n + k, seq + n, k);
+            if (t != want[k]) {
+                double margin = json_real_value(json_array_get(margins, (size_t)k));
+                printf("# %s: token %d differs (%d vs %d), reference margin %.4g\n",
+                       json_string_value(json_object_get(jc, "name")), k, t, want[k], margin);
+                assert_true(margin < TIE_MARGIN);
+                break;
+            }
+            seq[n + k] = t;
+            same++;
+            assert_int_equal(skv_engine_forward(e, cache, &t, 1, NULL, logits), SKV_OK);
+        }
+        printf("# %-21s greedy with penalties: %d of %d tokens identical\n",
+               json_string_value(json_object_get(jc, "name")), same, ng);
+        assert_true(same >= 8);
+        skv_sampler_fini(&smp);
+        skv_engine_free(&e);
+        skv_kv_cache_free(&cache);
+        free(logits);
+        free(seq);
+        free(bias_ids);
+        free(plain);
+        free(want);
+        free(ids);
+    }
+    json_decref(fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_reference_logits),
         cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_greedy_penalized),
         cmocka_unit_test(test_tokenizer_on_prompts),
         cmocka_unit_test(test_fast_vs_reference),
     };

@@ -414,6 +414,22 @@ static void test_argument_checks(void **state)
     s.stop_tokens = stop_bad;
     assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
     assert_non_null(strstr(snapkv_last_error(), "stop token 100 at index 1 is outside the vocabulary"));
+    /* min_p, penalties, biases: a daemon whose HELLO does not list "sampling-ext" (the fake's, as
+     * an older daemon's) would ignore them: refused, nothing sent; all off goes through the checks */
+    struct snapkv_sampling_ext ext;
+    snapkv_sampling_ext_defaults(&ext);
+    ext.repetition_penalty = 1.2f;
+    snapkv_sampling_defaults(&s);
+    int sent = fake_requests(f);
+    assert_int_equal(snapkv_decode_ext(c, &ID_A, &s, &ext, 0, NULL, NULL, &dr, NULL), SNAPKV_E_UNSUPPORTED);
+    assert_non_null(strstr(snapkv_last_error(), "snapkvd 0.1.0-fake"));
+    snapkv_sampling_ext_defaults(&ext);
+    ext.n_bias = 1;
+    assert_int_equal(snapkv_decode_ext(c, &ID_A, &s, &ext, 0, NULL, NULL, &dr, NULL), SNAPKV_E_UNSUPPORTED);
+    ext.repetition_penalty = 1.0f;
+    ext.n_bias = 0;
+    assert_int_equal(snapkv_decode_ext(c, &ID_A, &s, &ext, 3, NULL, NULL, &dr, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(fake_requests(f), sent);
 
     assert_int_equal(snapkv_compress(c, &ID_A, "", 0, NULL), SNAPKV_E_INVAL);
     assert_int_equal(snapkv_compress(c, &ID_A, NULL, 0, NULL), SNAPKV_E_INVAL);

@@ -1,5 +1,6 @@
 /* Sampler: greedy ties, determinism per seed, top-k / top-p truncation, the empirical
- * distribution at temperature 1, and rejected parameters. */
+ * distribution at temperature 1, rejected parameters, and the logit bias, penalties and min-p
+ * against transformers' logits processors (tests/fixtures/sampling/). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,6 +12,7 @@
 
 #include "common/status.h"
 #include "daemon/engine/sampler.h"
+#include "tests/common/fixture.h"
 
 static void test_greedy(void **state)
 {
@@ -297,6 +299,200 @@ static void test_stop_text(void **state)
     assert_int_equal(skv_stop_text_init(&st, many, SKV_STOP_STRINGS_MAX + 1), SKV_E_LIMIT);
 }
 
+/* Ints of a JSON array into out (room for cap); returns how many. */
+static int json_ints(json_t *a, int32_t *out, int cap)
+{
+    int n = (int)json_array_size(a);
+    assert_true(n <= cap);
+    for (int i = 0; i < n; i++)
+        out[i] = (int32_t)json_integer_value(json_array_get(a, (size_t)i));
+    return n;
+}
+
+static float json_num(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    return v ? (float)json_number_value(v) : 0.0f;
+}
+
+/* Against transformers (tests/reference/gen_sampling_fixture.py): for random logits, the logits
+ * after SequenceBiasLogitsProcessor and RepetitionPenaltyLogitsProcessor are skv_sampler_adjust's
+ * bit for bit, and the tokens TemperatureLogitsWarper, TopK, TopP and MinPLogitsWarper leave are
+ * skv_sampler_candidates', with the same probabilities (min-p after top-p: the case
+ * min_p_after_top_p keeps 5 tokens where min-p first would keep 4). */
+static void test_processors_reference(void **state)
+{
+    (void)state;
+    json_t *j = fixture_json("tests/fixtures/sampling/processors.json");
+    size_t size = 0;
+    float *rows = fixture_read("tests/fixtures/sampling/processors.f32", &size);
+    assert_non_null(j);
+    assert_non_null(rows);
+    const int nv = (int)json_integer_value(json_object_get(j, "vocab"));
+    json_t *cases = json_object_get(j, "cases");
+    assert_int_equal(size, json_array_size(cases) * 3 * (size_t)nv * sizeof(float));
+    for (size_t c = 0; c < json_array_size(cases); c++) {
+        json_t *jc = json_array_get(cases, c);
+        const float *logits = rows + c * 3 * nv, *adjusted = logits + nv, *probs = logits + 2 * nv;
+        int32_t hist[64], bias_ids[64];
+        float bias[64];
+        int n_hist = json_ints(json_object_get(jc, "history"), hist, 64);
+        int n_bias = json_ints(json_object_get(jc, "bias_tokens"), bias_ids, 64);
+        for (int i = 0; i < n_bias; i++)
+            bias[i] = (float)json_number_value(json_array_get(json_object_get(jc, "bias_values"), (size_t)i));
+        struct skv_sampler_params p = {
+            .temperature = json_num(jc, "temperature"),
+            .top_k = (int)json_num(jc, "top_k"),
+            .top_p = json_num(jc, "top_p"),
+            .min_p = json_num(jc, "min_p"),
+            .repetition_penalty = json_num(jc, "repetition_penalty"),
+            .repetition_last_n = (int)json_num(jc, "repetition_last_n"),
+            .bias_ids = bias_ids,
+            .bias = bias,
+            .n_bias = (size_t)n_bias,
+        };
+        struct skv_sampler s;
+        assert_int_equal(skv_sampler_init(&s, &p, nv), SKV_OK);
+        const float *a = skv_sampler_adjust(&s, logits, hist, n_hist, NULL, 0);
+        assert_memory_equal(a, adjusted, (size_t)nv * sizeof *a);
+        double mass;
+        int k = skv_sampler_candidates(&s, a, &mass);
+        assert_int_equal(k, json_integer_value(json_object_get(jc, "n_kept")));
+        bool *kept = calloc((size_t)nv, sizeof *kept);
+        assert_non_null(kept);
+        json_t *jk = json_object_get(jc, "kept");
+        for (size_t i = 0; i < json_array_size(jk); i++)
+            kept[json_integer_value(json_array_get(jk, i))] = true;
+        for (int i = 0; i < k; i++) {
+            int32_t t = s.idx[i];
+            assert_true(kept[t]);
+            assert_true(fabs(s.prob[t] / mass - probs[t]) < 2e-6 + 1e-5 * probs[t]);
+        }
+        free(kept);
+        printf("# %-18s %3d of %d tokens kept, as transformers keeps them\n",
+               json_string_value(json_object_get(jc, "name")), k, nv);
+        skv_sampler_fini(&s);
+    }
+    free(rows);
+    json_decref(j);
+}
+
+/* Frequency and presence penalties (OpenAI's formula, worked by hand) over the decode's tokens
+ * only; the repetition penalty over the whole history, each token once, ids outside the
+ * vocabulary ignored; a bias steers greedy picks; history and generated tokens both. */
+static void test_penalties_by_hand(void **state)
+{
+    (void)state;
+    float logits[] = {1.0f, 2.0f, -1.0f, 0.5f, 3.0f, 0.0f};
+    const int32_t hist[] = {0, 2, 2, 9, -1, 4};
+    const int32_t gen[] = {4, 1, 4, 4};
+    struct skv_sampler s;
+    struct skv_sampler_params p = {.frequency_penalty = 0.5f, .presence_penalty = 0.25f};
+    assert_int_equal(skv_sampler_init(&s, &p, 6), SKV_OK);
+    const float *a = skv_sampler_adjust(&s, logits, hist, 6, gen, 4);
+    /* token 4 came 3 times: 3 - 3 * 0.5 - 0.25; token 1 once: 2 - 0.5 - 0.25 */
+    const float want_fp[] = {1.0f, 1.25f, -1.0f, 0.5f, 1.25f, 0.0f};
+    assert_memory_equal(a, want_fp, sizeof want_fp);
+    assert_int_equal(skv_sampler_next(&s, logits, hist, 6, gen, 4), 1); /* 1.25 twice: the lower id */
+    skv_sampler_fini(&s);
+
+    p = (struct skv_sampler_params){.repetition_penalty = 2.0f};
+    assert_int_equal(skv_sampler_init(&s, &p, 6), SKV_OK);
+    a = skv_sampler_adjust(&s, logits, hist, 6, gen, 4);
+    /* 0, 2 and 4 in the history (2 twice: once), 9 and -1 outside: positive halved, negative doubled */
+    const float want_rp[] = {0.5f, 2.0f, -2.0f, 0.5f, 1.5f, 0.0f};
+    assert_memory_equal(a, want_rp, sizeof want_rp);
+    assert_int_equal(skv_sampler_next(&s, logits, hist, 6, gen, 4), 1);
+    /* again: the marks were cleared, the same result */
+    assert_memory_equal(skv_sampler_adjust(&s, logits, hist, 6, gen, 4), want_rp, sizeof want_rp);
+    skv_sampler_fini(&s);
+
+    p.repetition_last_n = 1; /* only token 4 */
+    assert_int_equal(skv_sampler_init(&s, &p, 6), SKV_OK);
+    a = skv_sampler_adjust(&s, logits, hist, 6, gen, 4);
+    assert_true(a[0] == 1.0f && a[2] == -1.0f && a[4] == 1.5f);
+    skv_sampler_fini(&s);
+
+    const int32_t bid[] = {5, 4};
+    const float bv[] = {10.0f, -100.0f};
+    p = (struct skv_sampler_params){.bias_ids = bid, .bias = bv, .n_bias = 2};
+    assert_int_equal(skv_sampler_init(&s, &p, 6), SKV_OK);
+    assert_int_equal(skv_sampler_sample(&s, logits), 5);
+    assert_true(logits[5] == 0.0f && logits[4] == 3.0f); /* not modified */
+    skv_sampler_fini(&s);
+
+    /* none on: the logits themselves, no scratch */
+    p = (struct skv_sampler_params){.repetition_penalty = 1.0f};
+    assert_int_equal(skv_sampler_init(&s, &p, 6), SKV_OK);
+    assert_ptr_equal(skv_sampler_adjust(&s, logits, hist, 6, gen, 4), logits);
+    assert_null(s.adj);
+    skv_sampler_fini(&s);
+}
+
+/* min_p alone: only tokens at least min_p as likely as the top one are drawn, in proportion. */
+static void test_min_p(void **state)
+{
+    (void)state;
+    float logits[] = {logf(0.5f), logf(0.3f), logf(0.12f), logf(0.08f)};
+    struct skv_sampler s;
+    struct skv_sampler_params p = {.temperature = 1.0f, .min_p = 0.2f, .seed = 11};
+    assert_int_equal(skv_sampler_init(&s, &p, 4), SKV_OK);
+    int seen[4] = {0};
+    for (int i = 0; i < 20000; i++)
+        seen[skv_sampler_sample(&s, logits)]++;
+    /* 0.12 / 0.5 = 0.24 stays, 0.08 / 0.5 = 0.16 goes: 0.5 : 0.3 : 0.12 of 0.92 */
+    assert_int_equal(seen[3], 0);
+    assert_true(fabs(seen[0] / 20000.0 - 0.5 / 0.92) < 0.015);
+    assert_true(fabs(seen[2] / 20000.0 - 0.12 / 0.92) < 0.015);
+    skv_sampler_fini(&s);
+}
+
+/* Bad values of the new parameters are refused with a message naming them. */
+static void test_invalid_penalties(void **state)
+{
+    (void)state;
+    struct skv_sampler s;
+    struct {
+        struct skv_sampler_params p;
+        int rc;
+        const char *says;
+    } bad[] = {
+        {{.min_p = 1.5f}, SKV_E_INVAL, "min_p"},
+        {{.min_p = NAN}, SKV_E_INVAL, "min_p"},
+        {{.repetition_penalty = -1.0f}, SKV_E_INVAL, "repetition_penalty"},
+        {{.repetition_penalty = 101.0f}, SKV_E_INVAL, "repetition_penalty"},
+        {{.repetition_last_n = -3}, SKV_E_INVAL, "repetition_last_n"},
+        {{.frequency_penalty = 2.5f}, SKV_E_INVAL, "frequency_penalty"},
+        {{.presence_penalty = -2.5f}, SKV_E_INVAL, "presence_penalty"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(skv_sampler_init(&s, &bad[i].p, 8), bad[i].rc);
+        assert_non_null(strstr(skv_error_msg(), bad[i].says));
+    }
+    int32_t ids[SKV_LOGIT_BIAS_MAX + 1];
+    float b[SKV_LOGIT_BIAS_MAX + 1];
+    for (int i = 0; i <= (int)SKV_LOGIT_BIAS_MAX; i++) {
+        ids[i] = i;
+        b[i] = 1.0f;
+    }
+    struct skv_sampler_params p = {.bias_ids = ids, .bias = b, .n_bias = SKV_LOGIT_BIAS_MAX + 1};
+    assert_int_equal(skv_sampler_init(&s, &p, 4096), SKV_E_LIMIT);
+    p.n_bias = SKV_LOGIT_BIAS_MAX;
+    assert_int_equal(skv_sampler_init(&s, &p, 4096), SKV_OK);
+    skv_sampler_fini(&s);
+    assert_int_equal(skv_sampler_init(&s, &p, 1000), SKV_E_INVAL); /* token 1000 is outside */
+    assert_non_null(strstr(skv_error_msg(), "outside the vocabulary"));
+    ids[1] = 0;
+    p.n_bias = 2;
+    assert_int_equal(skv_sampler_init(&s, &p, 8), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "twice"));
+    ids[1] = 1;
+    b[1] = 100.5f;
+    assert_int_equal(skv_sampler_init(&s, &p, 8), SKV_E_INVAL);
+    b[1] = NAN;
+    assert_int_equal(skv_sampler_init(&s, &p, 8), SKV_E_INVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -306,6 +502,10 @@ int main(void)
         cmocka_unit_test(test_non_finite),
         cmocka_unit_test(test_selection_matches_sort),     cmocka_unit_test(test_stop_text),
         cmocka_unit_test(test_logprobs),
+        cmocka_unit_test(test_processors_reference),
+        cmocka_unit_test(test_penalties_by_hand),
+        cmocka_unit_test(test_min_p),
+        cmocka_unit_test(test_invalid_penalties),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
