@@ -65,46 +65,22 @@ uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const 
     return bytes;
 }
 
-struct usage {
-    const char *tenant;
-    uint64_t bytes; /* its entries' */
-};
-
-/* Where tenant is in u[0..n), added when absent; -1 on no memory. */
-static int usage_of(struct usage **u, int *n, int *cap, const char *tenant)
-{
-    for (int i = 0; i < *n; i++)
-        if (strcmp((*u)[i].tenant, tenant) == 0)
-            return i;
-    if (*n == *cap) {
-        int grown = *cap ? 2 * *cap : 8;
-        struct usage *p = realloc(*u, (size_t)grown * sizeof *p);
-        if (!p)
-            return -1;
-        *u = p;
-        *cap = grown;
-    }
-    (*u)[*n] = (struct usage){tenant, 0};
-    return (*n)++;
-}
-
 /* The link to the entry to drop for room: the least recently used of the tenants holding more
  * than an equal share of the entries' bytes (their bytes over the tenants holding entries), so
  * that a tenant within its share loses nothing while another holds more; when none does (one
  * tenant, equal shares, no memory to count), the least recently used of all. */
 static struct skv_prefix_entry **fair_victim(struct skv_prefix_cache *pc)
 {
-    struct usage *u = NULL;
-    int n = 0, cap = 0, i = 0;
-    for (const struct skv_prefix_entry *e = pc->head; e && i >= 0; e = e->next)
-        if ((i = usage_of(&u, &n, &cap, e->tenant)) >= 0)
-            u[i].bytes += e->bytes;
+    struct skv_tenant_tally u = {0};
+    int rc = SKV_OK;
+    for (const struct skv_prefix_entry *e = pc->head; e && !rc; e = e->next)
+        rc = skv_tenant_tally_add(&u, e->tenant, e->bytes);
     struct skv_prefix_entry **oldest = NULL;
-    for (struct skv_prefix_entry **link = &pc->head; i >= 0 && n > 1 && *link; link = &(*link)->next)
+    for (struct skv_prefix_entry **link = &pc->head; !rc && u.n > 1 && *link; link = &(*link)->next)
         if ((!oldest || (*link)->used < (*oldest)->used) &&
-            u[usage_of(&u, &n, &cap, (*link)->tenant)].bytes > pc->bytes / (uint64_t)n)
+            skv_tenant_tally_bytes(&u, (*link)->tenant) > pc->bytes / (uint64_t)u.n)
             oldest = link;
-    free(u);
+    skv_tenant_tally_free(&u);
     return oldest;
 }
 

@@ -656,12 +656,9 @@ static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n,
  * sessions hold, s at its bytes now, or none of them when s is going (RELEASE). */
 static uint64_t kept_room(struct skv_worker *w, const struct skv_session *s, bool going)
 {
-    struct skv_kv_blocks b = {0};
-    if (!going) /* its blocks, as the quota counts them */
-        skv_kv_cache_blocks(s->cache, &b);
     uint64_t quota = (uint64_t)w->cfg->max_bytes_per_tenant,
              held = skv_session_tenant_bytes(w->sessions, s->tenant, s) +
-                    (going ? 0 : b.held * skv_kv_pool_block_bytes(s->cache->pool) + s->compressor_bytes);
+                    (going ? 0 : skv_session_block_bytes(s) + s->compressor_bytes);
     return held < quota ? quota - held : 0;
 }
 

@@ -290,45 +290,21 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
 static struct skv_session *pool_victim_of(struct skv_session_table *t, const struct skv_session *except, uint64_t keep,
                                           bool alone)
 {
-    struct usage {
-        const char *tenant;
-        uint64_t bytes;
-    } *u = NULL;
-    size_t n = 0, cap = 0;
+    struct skv_tenant_tally u = {0};
     for (int b = 0; b < BUCKETS; b++)
-        for (const struct skv_session *s = t->bucket[b]; s; s = s->next) {
-            size_t i = 0;
-            while (i < n && strcmp(u[i].tenant, s->tenant) != 0)
-                i++;
-            if (i == n) {
-                if (n == cap) {
-                    size_t grown = cap ? 2 * cap : 16;
-                    struct usage *p = realloc(u, grown * sizeof *p);
-                    if (!p) {
-                        free(u);
-                        return lru_victim(t, except, NULL, keep, alone);
-                    }
-                    u = p;
-                    cap = grown;
-                }
-                u[n++] = (struct usage){s->tenant, 0};
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (skv_tenant_tally_add(&u, s->tenant, s->bytes)) {
+                skv_tenant_tally_free(&u);
+                return lru_victim(t, except, NULL, keep, alone);
             }
-            u[i].bytes += s->bytes;
-        }
-    uint64_t share = n ? t->lim.pool_bytes / n : 0;
+    uint64_t share = u.n ? t->lim.pool_bytes / u.n : 0;
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)
-        for (struct skv_session *s = t->bucket[b]; s; s = s->next) {
-            if (!may_evict(s, except) || (best && s->last_used_ms >= best->last_used_ms) ||
-                !frees_blocks(s, keep, alone))
-                continue;
-            size_t i = 0;
-            while (strcmp(u[i].tenant, s->tenant) != 0)
-                i++;
-            if (u[i].bytes > share)
+        for (struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (may_evict(s, except) && (!best || s->last_used_ms < best->last_used_ms) &&
+                frees_blocks(s, keep, alone) && skv_tenant_tally_bytes(&u, s->tenant) > share)
                 best = s;
-        }
-    free(u);
+    skv_tenant_tally_free(&u);
     return best ? best : lru_victim(t, except, NULL, keep, alone);
 }
 
@@ -351,11 +327,45 @@ static uint64_t pool_bytes_used(const struct skv_session_table *t)
     return ps.blocks_in_use * ps.block_bytes;
 }
 
-static uint64_t session_bytes(const struct skv_session *s)
+uint64_t skv_session_block_bytes(const struct skv_session *s)
 {
     struct skv_kv_blocks b;
     skv_kv_cache_blocks(s->cache, &b);
     return b.held * skv_kv_pool_block_bytes(s->cache->pool);
+}
+
+int skv_tenant_tally_add(struct skv_tenant_tally *t, const char *tenant, uint64_t bytes)
+{
+    size_t i = 0;
+    while (i < t->n && strcmp(t->u[i].tenant, tenant) != 0)
+        i++;
+    if (i == t->n) {
+        if (t->n == t->cap) {
+            size_t grown = t->cap ? 2 * t->cap : 16;
+            struct skv_tenant_bytes *p = realloc(t->u, grown * sizeof *p);
+            if (!p)
+                return SKV_E_NOMEM;
+            t->u = p;
+            t->cap = grown;
+        }
+        t->u[t->n++] = (struct skv_tenant_bytes){tenant, 0};
+    }
+    t->u[i].bytes += bytes;
+    return SKV_OK;
+}
+
+uint64_t skv_tenant_tally_bytes(const struct skv_tenant_tally *t, const char *tenant)
+{
+    for (size_t i = 0; i < t->n; i++)
+        if (strcmp(t->u[i].tenant, tenant) == 0)
+            return t->u[i].bytes;
+    return 0;
+}
+
+void skv_tenant_tally_free(struct skv_tenant_tally *t)
+{
+    free(t->u);
+    *t = (struct skv_tenant_tally){0};
 }
 
 uint64_t skv_session_shared_bytes(const struct skv_session *s)
@@ -408,7 +418,7 @@ void skv_session_hold_room(struct skv_session_table *t, struct skv_session *s, u
     t->hold.s = s;
     t->hold.held = held;
     t->hold.unique = unique;
-    t->hold.base = s ? session_bytes(s) : 0;
+    t->hold.base = s ? skv_session_block_bytes(s) : 0;
 }
 
 /* What the held room's forward may still take: its reservation less what its session grew by
@@ -417,14 +427,14 @@ static uint64_t held_left(const struct skv_session_table *t, const struct skv_se
 {
     if (!t->hold.s || t->hold.s == s)
         return 0;
-    uint64_t now = session_bytes(t->hold.s), grown = now > t->hold.base ? now - t->hold.base : 0;
+    uint64_t now = skv_session_block_bytes(t->hold.s), grown = now > t->hold.base ? now - t->hold.base : 0;
     return grown < reserved ? reserved - grown : 0;
 }
 
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out)
 {
-    s->bytes = session_bytes(s);
+    s->bytes = skv_session_block_bytes(s);
     s->compressor_bytes = s->comp ? skv_compressor_bytes(s->comp) : 0;
     if (evicted_out)
         *evicted_out = 0;

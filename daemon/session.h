@@ -136,6 +136,24 @@ struct skv_session_stats {
 void skv_session_stats(const struct skv_session_table *t, struct skv_session_stats *out);
 /* Bytes of s's blocks shared with another session. */
 uint64_t skv_session_shared_bytes(const struct skv_session *s);
+/* Bytes of every block s holds, shared ones too: what the quotas count of it (its compressor's
+ * state aside). */
+uint64_t skv_session_block_bytes(const struct skv_session *s);
+
+/* Bytes per tenant, added up over a set (sessions, kept prefixes) to find who holds more than an
+ * equal share. The names are not copied: they must outlive the tally. */
+struct skv_tenant_tally {
+    struct skv_tenant_bytes {
+        const char *tenant;
+        uint64_t bytes;
+    } *u;
+    size_t n, cap;
+};
+/* Adds bytes to tenant's (a new tenant at 0 first); SKV_E_NOMEM, nothing changed, without room. */
+int skv_tenant_tally_add(struct skv_tenant_tally *t, const char *tenant, uint64_t bytes);
+/* tenant's bytes (0 when absent). */
+uint64_t skv_tenant_tally_bytes(const struct skv_tenant_tally *t, const char *tenant);
+void skv_tenant_tally_free(struct skv_tenant_tally *t);
 
 uint64_t skv_now_ms(void);
 void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1]);
