@@ -97,8 +97,8 @@ int skv_sampler_init(struct skv_sampler *s, const struct skv_sampler_params *p, 
         rc = skv_errorf(SKV_E_INVAL, "top_k %d is negative", p->top_k);
     if (!rc)
         rc = check_range("min_p", p->min_p, 0, 1);
-    if (!rc)
-        rc = check_range("repetition_penalty", p->repetition_penalty, 0, 100);
+    if (!rc && p->repetition_penalty != 0) /* 0: off; below 0.01 a logit / penalty overflows */
+        rc = check_range("repetition_penalty", p->repetition_penalty, 0.01f, 100);
     if (!rc && p->repetition_last_n < 0)
         rc = skv_errorf(SKV_E_INVAL, "repetition_last_n %d is negative", p->repetition_last_n);
     if (!rc)
@@ -256,7 +256,8 @@ const float *skv_sampler_adjust(struct skv_sampler *s, const float *logits, cons
             int32_t t = generated[i];
             if (t < 0 || t >= n || !s->count[t])
                 continue;
-            a[t] -= (float)s->count[t] * fp + pp;
+            a[t] -= (float)s->count[t] * fp; /* two steps, as vLLM takes them */
+            a[t] -= pp;
             s->count[t] = 0;
         }
     }

@@ -11,7 +11,8 @@
 #define SKV_LOGIT_BIAS_MAX 1024u /* logit_bias entries one DECODE may give */
 
 /* What changes the logits before a token is picked, in this order (that of transformers'
- * generate, with vLLM's frequency and presence penalties):
+ * generate, with vLLM's frequency and presence penalties; the history is what the caller knows,
+ * for a daemon session its token history: an imported session's begins at the import):
  * 1. logit bias: bias[i] is added to the logit of token bias_ids[i];
  * 2. repetition penalty (transformers' RepetitionPenaltyLogitsProcessor, the CTRL paper): the
  *    logit of each token the history holds (its last repetition_last_n tokens; 0: all of it) is
@@ -26,7 +27,7 @@ struct skv_sampler_params {
     float top_p;        /* <= 0 or >= 1: off */
     uint64_t seed;
     float min_p;                /* 0: off; at most 1 */
-    float repetition_penalty;   /* 0 or 1: off; at most 100 */
+    float repetition_penalty;   /* 0 or 1: off; else 0.01 to 100 */
     int repetition_last_n;      /* 0: the whole history */
     float frequency_penalty;    /* 0: off; -2 to 2 */
     float presence_penalty;     /* 0: off; -2 to 2 */

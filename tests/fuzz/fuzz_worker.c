@@ -294,6 +294,25 @@ static void write_seeds(const char *dir)
     write_seed(dir, "decode-logprobs", 0, SNAPKV__REQUEST__COMMAND_DECODE, &dl);
     dl.stream = true;
     write_seed(dir, "decode-logprobs-stream", 1, SNAPKV__REQUEST__COMMAND_DECODE, &dl);
+    static Snapkv__LogitBias lb[2] = {SNAPKV__LOGIT_BIAS__INIT, SNAPKV__LOGIT_BIAS__INIT};
+    static Snapkv__LogitBias *lbs[2] = {&lb[0], &lb[1]};
+    lb[0].token = 48;
+    lb[0].bias = -100.0f;
+    lb[1].token = 85;
+    lb[1].bias = 3.5f;
+    Snapkv__Sampling samp_pen = samp; /* min-p, the penalties, logit biases */
+    samp_pen.max_tokens = 6;
+    samp_pen.temperature = 0.9f;
+    samp_pen.min_p = 0.05f;
+    samp_pen.repetition_penalty = 1.3f;
+    samp_pen.repetition_last_n = 8;
+    samp_pen.frequency_penalty = 0.5f;
+    samp_pen.presence_penalty = -0.5f;
+    samp_pen.n_logit_bias = 2;
+    samp_pen.logit_bias = lbs;
+    Snapkv__DecodeRequest dp = d;
+    dp.sampling = &samp_pen;
+    write_seed(dir, "decode-penalties", 0, SNAPKV__REQUEST__COMMAND_DECODE, &dp);
 
     Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
     c.session_id = sid;

@@ -461,6 +461,7 @@ static void test_invalid_penalties(void **state)
         {{.min_p = NAN}, SKV_E_INVAL, "min_p"},
         {{.repetition_penalty = -1.0f}, SKV_E_INVAL, "repetition_penalty"},
         {{.repetition_penalty = 101.0f}, SKV_E_INVAL, "repetition_penalty"},
+        {{.repetition_penalty = 1e-30f}, SKV_E_INVAL, "repetition_penalty"},
         {{.repetition_last_n = -3}, SKV_E_INVAL, "repetition_last_n"},
         {{.frequency_penalty = 2.5f}, SKV_E_INVAL, "frequency_penalty"},
         {{.presence_penalty = -2.5f}, SKV_E_INVAL, "presence_penalty"},
