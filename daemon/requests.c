@@ -239,6 +239,14 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
     case SNAPKV__REQUEST__COMMAND_APPEND: /* the worker's limit is the session's room, at most this */
         rc = admit_tokens(cfg, m, req->append->n_tokens, req->append->text, room);
         break;
+    case SNAPKV__REQUEST__COMMAND_TOKENIZE:
+        rc = admit_tokens(cfg, m, 0, req->tokenize->text, cfg->max_prompt_tokens);
+        break;
+    case SNAPKV__REQUEST__COMMAND_DETOKENIZE:
+        if (req->detokenize->n_tokens > (uint64_t)room)
+            rc = skv_errorf(SKV_E_LIMIT, "%zu tokens: more than the limit of %lld", req->detokenize->n_tokens,
+                            (long long)room);
+        break;
     case SNAPKV__REQUEST__COMMAND_DECODE: {
         const Snapkv__Sampling *sp = req->decode->sampling;
         if (sp && sp->max_tokens > (uint64_t)cfg->max_new_tokens)
@@ -249,6 +257,9 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
         else if (sp && sp->top_logprobs > SKV_TOP_LOGPROBS_MAX)
             rc = skv_errorf(SKV_E_LIMIT, "top_logprobs %u is above the limit of %u", sp->top_logprobs,
                             SKV_TOP_LOGPROBS_MAX);
+        else if (sp && sp->n_logit_bias > SKV_LOGIT_BIAS_MAX)
+            rc = skv_errorf(SKV_E_LIMIT, "at most %u logit_bias entries, not %zu", SKV_LOGIT_BIAS_MAX,
+                            sp->n_logit_bias);
         else if (sp)
             rc = skv_stop_text_check((const char *const *)sp->stop, sp->n_stop);
         break;
@@ -2093,6 +2104,76 @@ static void handle_cancel(struct skv_worker *w, struct skv_job *job)
     rep.result_case = SNAPKV__REPLY__RESULT_CANCEL;
     rep.cancel = &cr;
     skv_worker_reply(w, job, &rep);
+}
+
+/* TOKENIZE: the ids a PREFILL of the text runs (chat: one user turn of the template), or with
+ * append an APPEND's (no BOS; chat: its markup parsed), within a PREFILL's limit. */
+static void handle_tokenize(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__TokenizeRequest *q = job->req->tokenize;
+    int32_t *ids = NULL;
+    int n = 0;
+    int rc = request_tokens(w, NULL, 0, q->text, q->chat && !q->append, q->chat && q->append, !q->append,
+                            (int)w->cfg->max_prompt_tokens, &ids, &n);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__TokenizeReply tr = SNAPKV__TOKENIZE_REPLY__INIT;
+    tr.n_tokens = (size_t)n;
+    tr.tokens = (uint32_t *)ids; /* ids in [0, n_vocab): the same bits */
+    reply_init(&rep, job);
+    rep.result_case = SNAPKV__REPLY__RESULT_TOKENIZE;
+    rep.tokenize = &tr;
+    skv_worker_reply(w, job, &rep);
+    free(ids);
+}
+
+/* DETOKENIZE: the ids' bytes (control tokens' text unless skip_special), made well-formed UTF-8
+ * (skv_utf8_fix: each ill-formed part and each NUL becomes U+FFFD). */
+static void handle_detokenize(struct skv_worker *w, struct skv_job *job)
+{
+    const Snapkv__DetokenizeRequest *q = job->req->detokenize;
+    const struct skv_tokenizer *tok = w->m->tok;
+    int rc = tok ? SKV_OK : skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer");
+    /* ids the model has rows for and the tokenizer no text (a padded embedding) give none, as
+     * Hugging Face's decode skips unknown ids */
+    size_t total = 0, len = 0;
+    for (size_t i = 0; i < q->n_tokens && !rc; i++) {
+        int32_t t = (int32_t)q->tokens[i];
+        if (q->tokens[i] >= (uint32_t)w->m->cfg.n_vocab)
+            rc = skv_errorf(SKV_E_INVAL, "token %u at index %zu is outside the vocabulary [0, %d)", q->tokens[i], i,
+                            w->m->cfg.n_vocab);
+        else if (!(q->skip_special && skv_tokenizer_is_special(tok, t)) &&
+                 skv_tokenizer_token_bytes(tok, t, NULL, 0, &len) != SKV_E_INVAL) /* (LIMIT: room for none) */
+            total += len;
+    }
+    char *raw = rc ? NULL : malloc(total + 1), *text = NULL;
+    if (!rc && !raw)
+        rc = skv_errorf(SKV_E_NOMEM, "no memory for %zu bytes of text", total);
+    size_t at = 0;
+    for (size_t i = 0; i < q->n_tokens && !rc; i++) {
+        int32_t t = (int32_t)q->tokens[i];
+        if (!(q->skip_special && skv_tokenizer_is_special(tok, t)) &&
+            skv_tokenizer_token_bytes(tok, t, raw + at, total - at, &len) == SKV_OK)
+            at += len;
+    }
+    if (!rc && !(text = skv_utf8_fix(raw, at, NULL)))
+        rc = skv_errorf(SKV_E_NOMEM, "no memory for the text");
+    free(raw);
+    if (rc) {
+        fail_rc(w, job, rc);
+        return;
+    }
+    Snapkv__Reply rep;
+    Snapkv__DetokenizeReply dr = SNAPKV__DETOKENIZE_REPLY__INIT;
+    dr.text = text;
+    reply_init(&rep, job);
+    rep.result_case = SNAPKV__REPLY__RESULT_DETOKENIZE;
+    rep.detokenize = &dr;
+    skv_worker_reply(w, job, &rep);
+    free(text);
 }
 
 /* ---- admin ------------------------------------------------------------------------------------ */
@@ -4012,6 +4093,8 @@ void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
     case SNAPKV__REQUEST__COMMAND_FORK: handle_fork(w, job); break;
     case SNAPKV__REQUEST__COMMAND_RELEASE: handle_release(w, job); break;
     case SNAPKV__REQUEST__COMMAND_CANCEL: handle_cancel(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_TOKENIZE: handle_tokenize(w, job); break;
+    case SNAPKV__REQUEST__COMMAND_DETOKENIZE: handle_detokenize(w, job); break;
     case SNAPKV__REQUEST__COMMAND_EXPORT_KV: handle_export(w, job); break;
     case SNAPKV__REQUEST__COMMAND_IMPORT_KV: handle_import(w, job); break;
     case SNAPKV__REQUEST__COMMAND_LIST: handle_list(w, job); break;

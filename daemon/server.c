@@ -513,7 +513,7 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant;
     h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
     h->kv_block_tokens = (uint32_t)cfg->kv_block_tokens;
-    static const char *const features[] = {"sampling-ext"}; /* HelloReply.features */
+    static const char *const features[] = {"sampling-ext", "tokenize"}; /* HelloReply.features */
     h->n_features = sizeof features / sizeof features[0];
     h->features = (char **)features;
     if (m->tok) {
@@ -1049,12 +1049,16 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
     /* only PREFILL, APPEND (tokens, text) and IMPORT_KV (positions) carry more than a few KiB;
      * a larger request of another command is padding (unknown fields), which a running DECODE
      * would hold for as long as it runs, outside the queue's bytes */
-    if (zmq_msg_size(&body) > SMALL_REQUEST_MAX && req->command_case != SNAPKV__REQUEST__COMMAND_PREFILL &&
-        req->command_case != SNAPKV__REQUEST__COMMAND_APPEND && req->command_case != SNAPKV__REQUEST__COMMAND_IMPORT_KV) {
+    Snapkv__Request__CommandCase cc = req->command_case;
+    if (zmq_msg_size(&body) > SMALL_REQUEST_MAX && cc != SNAPKV__REQUEST__COMMAND_PREFILL &&
+        cc != SNAPKV__REQUEST__COMMAND_APPEND && cc != SNAPKV__REQUEST__COMMAND_IMPORT_KV &&
+        cc != SNAPKV__REQUEST__COMMAND_TOKENIZE && cc != SNAPKV__REQUEST__COMMAND_DETOKENIZE) {
         const ProtobufCFieldDescriptor *fd =
             protobuf_c_message_descriptor_get_field(&snapkv__request__descriptor, (unsigned)req->command_case);
-        rc = skv_errorf(SKV_E_LIMIT, "a %s request of %zu bytes: at most %d (only prefill, append and import_kv carry "
-                        "more)", fd ? fd->name : "command", zmq_msg_size(&body), SMALL_REQUEST_MAX);
+        rc = skv_errorf(SKV_E_LIMIT,
+                        "a %s request of %zu bytes: at most %d (only prefill, append, import_kv, tokenize and "
+                        "detokenize carry more)",
+                        fd ? fd->name : "command", zmq_msg_size(&body), SMALL_REQUEST_MAX);
         goto reply;
     }
     if ((rc = bind_tenant(srv, req, &body, admin)))

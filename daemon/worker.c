@@ -591,10 +591,12 @@ static struct skv_job *take_next_locked(struct skv_worker *w, uint64_t *start)
 }
 
 /* Whether a request is short enough to run inside another's long forward: starting or ending a
- * decode, the admin reads, PIN, RELEASE, FORK, and a PREFILL or APPEND of at most 32 token ids
- * or 128 bytes of text (its forward runs on the decode engine, without ticks of its own). */
+ * decode, the admin reads, PIN, RELEASE, FORK, a PREFILL or APPEND of at most 32 token ids or
+ * 128 bytes of text (its forward runs on the decode engine, without ticks of its own), and a
+ * TOKENIZE or DETOKENIZE of at most 64 KiB of text or 65536 ids (no forward at all). */
 #define OVERTAKE_TOKENS 32
 #define OVERTAKE_TEXT 128
+#define OVERTAKE_TOKENIZE 65536 /* bytes of text a TOKENIZE, ids a DETOKENIZE may have to be short */
 static bool job_short(const struct skv_job *job)
 {
     const Snapkv__Request *r = job->req;
@@ -612,6 +614,10 @@ static bool job_short(const struct skv_job *job)
         return r->prefill->n_tokens <= OVERTAKE_TOKENS && strlen(r->prefill->text) <= OVERTAKE_TEXT;
     case SNAPKV__REQUEST__COMMAND_APPEND:
         return r->append->n_tokens <= OVERTAKE_TOKENS && strlen(r->append->text) <= OVERTAKE_TEXT;
+    case SNAPKV__REQUEST__COMMAND_TOKENIZE: /* no forward: short unless it is long text */
+        return strlen(r->tokenize->text) <= OVERTAKE_TOKENIZE;
+    case SNAPKV__REQUEST__COMMAND_DETOKENIZE:
+        return r->detokenize->n_tokens <= OVERTAKE_TOKENIZE;
     default:
         return false;
     }
@@ -847,6 +853,8 @@ static bool job_changes_sessions(const struct skv_job *job)
     case SNAPKV__REQUEST__COMMAND_CONFIG_GET:
     case SNAPKV__REQUEST__COMMAND_EXPORT_KV:
     case SNAPKV__REQUEST__COMMAND_REGISTER_BUFFER:
+    case SNAPKV__REQUEST__COMMAND_TOKENIZE:
+    case SNAPKV__REQUEST__COMMAND_DETOKENIZE:
         return false;
     default:
         return true;

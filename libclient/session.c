@@ -362,6 +362,15 @@ void snapkv_sampling_ext_defaults(struct snapkv_sampling_ext *ext)
         memset(ext, 0, sizeof *ext);
 }
 
+/* Whether the daemon c talks to listed feature in its HELLO. */
+static bool has_feature(const snapkv_client_t *c, const char *feature)
+{
+    for (size_t i = 0; i < c->hello->n_features; i++)
+        if (strcmp(c->hello->features[i], feature) == 0)
+            return true;
+    return false;
+}
+
 /* The most logit biases one DECODE may carry (the daemon's SKV_LOGIT_BIAS_MAX). */
 #define LOGIT_BIAS_MAX 1024u
 
@@ -374,13 +383,13 @@ static int ext_wire(const snapkv_client_t *c, const struct snapkv_sampling_ext *
         return SNAPKV_OK;
     bool used = ext->min_p != 0 || (ext->repetition_penalty != 0 && ext->repetition_penalty != 1) ||
                 ext->frequency_penalty != 0 || ext->presence_penalty != 0 || ext->n_bias;
-    bool heard = false;
-    for (size_t i = 0; i < c->hello->n_features && !heard; i++)
-        heard = strcmp(c->hello->features[i], "sampling-ext") == 0;
-    if (used && !heard)
+    if (used && !has_feature(c, "sampling-ext"))
         return skv_client_fail(SNAPKV_E_UNSUPPORTED, "decode: the daemon (snapkvd %s) would ignore min_p, the "
                                "penalties and logit biases: it is older than they are",
                                c->hello->server_version ? c->hello->server_version : "?");
+    for (size_t i = 0; i < sizeof ext->reserved / sizeof ext->reserved[0]; i++)
+        if (ext->reserved[i])
+            return skv_client_fail(SNAPKV_E_INVAL, "decode: snapkv_sampling_ext.reserved[%zu] is not zero", i);
     if (ext->n_bias > LOGIT_BIAS_MAX)
         return skv_client_fail(SNAPKV_E_LIMIT, "decode: at most %u logit biases, not %zu", LOGIT_BIAS_MAX,
                                ext->n_bias);
@@ -609,6 +618,92 @@ int snapkv_fork(snapkv_client_t *c, const struct snapkv_session_id *id, struct s
         if (shared_bytes)
             *shared_bytes = rep->fork->shared_bytes;
     }
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+/* The checks of a call that names no session: connected, arg given, the daemon's facts fresh,
+ * and the daemon knowing the command (feature). */
+static int check_call(snapkv_client_t *c, const void *arg, const char *what, const char *feature)
+{
+    if (!arg)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: NULL argument", what);
+    int rc = skv_client_check(c, arg, what);
+    if (!rc && feature && !has_feature(c, feature))
+        rc = skv_client_fail(SNAPKV_E_UNSUPPORTED, "%s: the daemon (snapkvd %s) is older than the command", what,
+                             c->hello->server_version ? c->hello->server_version : "?");
+    return rc;
+}
+
+int snapkv_tokenize(snapkv_client_t *c, const char *text, const struct snapkv_tokenize_opts *opts,
+                    struct snapkv_tokens *out)
+{
+    int rc = check_call(c, text, "tokenize", "tokenize");
+    if (rc)
+        return rc;
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "tokenize: out is required");
+    if (!*text)
+        return skv_client_fail(SNAPKV_E_INVAL, "tokenize: the text is empty");
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__TokenizeRequest t = SNAPKV__TOKENIZE_REQUEST__INIT;
+    t.text = (char *)text;
+    t.chat = opts && opts->chat;
+    t.append = opts && opts->append;
+    req.command_case = SNAPKV__REQUEST__COMMAND_TOKENIZE;
+    req.tokenize = &t;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_TOKENIZE, "TOKENIZE", NULL, NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    const Snapkv__TokenizeReply *r = rep->tokenize;
+    uint32_t *ids = r->n_tokens ? malloc(r->n_tokens * sizeof *ids) : NULL;
+    if (r->n_tokens && !ids) {
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "tokenize: out of memory for %zu tokens", r->n_tokens);
+    } else {
+        if (r->n_tokens)
+            memcpy(ids, r->tokens, r->n_tokens * sizeof *ids);
+        *out = (struct snapkv_tokens){ids, r->n_tokens};
+    }
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+void snapkv_tokens_free(struct snapkv_tokens *t)
+{
+    if (!t)
+        return;
+    free(t->tokens);
+    *t = (struct snapkv_tokens){0};
+}
+
+int snapkv_detokenize(snapkv_client_t *c, const uint32_t *tokens, size_t n, bool skip_special, char **text)
+{
+    int rc = check_call(c, text, "detokenize", "tokenize");
+    if (rc)
+        return rc;
+    if (n && !tokens)
+        return skv_client_fail(SNAPKV_E_INVAL, "detokenize: n is %zu but tokens is NULL", n);
+    for (size_t i = 0; i < n; i++)
+        if (c->hello->n_vocab && tokens[i] >= c->hello->n_vocab)
+            return skv_client_fail(SNAPKV_E_INVAL, "detokenize: token %u at index %zu is outside the vocabulary "
+                                   "[0, %u)", tokens[i], i, c->hello->n_vocab);
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    Snapkv__DetokenizeRequest d = SNAPKV__DETOKENIZE_REQUEST__INIT;
+    d.n_tokens = n;
+    d.tokens = (uint32_t *)tokens;
+    d.skip_special = skip_special;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DETOKENIZE;
+    req.detokenize = &d;
+    Snapkv__Reply *rep = NULL;
+    rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_DETOKENIZE, "DETOKENIZE", NULL, NULL, NULL, &rep);
+    if (rc)
+        return rc;
+    char *s = strdup(rep->detokenize->text ? rep->detokenize->text : "");
+    if (!s)
+        rc = skv_client_fail(SNAPKV_E_NOMEM, "detokenize: out of memory for the text");
+    else
+        *text = s;
     snapkv__reply__free_unpacked(rep, NULL);
     return rc;
 }

@@ -72,7 +72,8 @@
  * 12:0:8 (still libsnapkv.so.4): snapkv_admin_list_kept and snapkv_kept_list_free added;
  * snapkv_admin_evict takes a kept prefix's id.
  * 13:0:9 (still libsnapkv.so.4): struct snapkv_sampling_ext (min-p, repetition, frequency and
- * presence penalties, logit bias), snapkv_decode_ext and snapkv_sampling_ext_defaults added.
+ * presence penalties, logit bias), snapkv_decode_ext and snapkv_sampling_ext_defaults added;
+ * snapkv_tokenize, snapkv_tokens_free and snapkv_detokenize added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -467,10 +468,11 @@ SNAPKV_API void snapkv_logprobs_free(struct snapkv_logprobs *lp);
  * penalties):
  * 1. logit bias: bias[i] is added to the logit of token bias_tokens[i] (at most 1024 distinct
  *    tokens, each bias in [-100, 100]; -100 all but bans a token);
- * 2. repetition penalty (0 or 1: off; else (0, 100], as transformers'
+ * 2. repetition penalty (0 or 1: off; else 0.01 to 100, as transformers'
  *    RepetitionPenaltyLogitsProcessor): the logit of each token the session holds (its prompt,
- *    appends and generated tokens, or only the last repetition_last_n of them; 0: all) is
- *    divided by it when positive and multiplied by it when negative; 1.1 to 1.3 are usual;
+ *    appends and generated tokens, an imported session's from the import on; or only the last
+ *    repetition_last_n of them; 0: all) is divided by it when positive and multiplied by it when
+ *    negative; 1.1 to 1.3 are usual;
  * 3. frequency_penalty and presence_penalty (each in [-2, 2]): over this decode's tokens, a
  *    token's logit loses frequency_penalty for each time it came and presence_penalty once it
  *    came;
@@ -489,6 +491,8 @@ struct snapkv_sampling_ext {
     const uint32_t *bias_tokens;  /* [n_bias] */
     const float *bias;            /* [n_bias] */
     size_t n_bias;
+    uint64_t reserved[6];         /* zero (snapkv_sampling_ext_defaults): room for later fields
+                                     without another struct; non-zero is SNAPKV_E_INVAL */
 };
 /* All off (zero): what a NULL ext means. */
 SNAPKV_API void snapkv_sampling_ext_defaults(struct snapkv_sampling_ext *ext);
@@ -499,6 +503,29 @@ SNAPKV_API int snapkv_decode_ext(snapkv_client_t *client, const struct snapkv_se
                                  const struct snapkv_sampling *sampling, const struct snapkv_sampling_ext *ext,
                                  uint32_t top_logprobs, snapkv_token_fn on_tokens, void *user,
                                  struct snapkv_decode_result *out, struct snapkv_logprobs *logprobs);
+
+/* The token ids the daemon runs for a text, without running them (budgets, prompts sent as ids,
+ * logit biases): as a PREFILL's text (BOS as the model asks; chat: one user turn of the chat
+ * template) or, with append, as an APPEND's (no BOS; chat: the text's chat markup parsed). The
+ * limits of a PREFILL's text apply (max-prompt-tokens: SNAPKV_E_LIMIT). out->tokens is malloc'd:
+ * free it with snapkv_tokens_free(). A daemon older than the command (its HELLO does not list
+ * "tokenize"): SNAPKV_E_UNSUPPORTED. */
+struct snapkv_tokenize_opts {
+    bool chat;
+    bool append;
+};
+struct snapkv_tokens {
+    uint32_t *tokens;
+    size_t n_tokens;
+};
+SNAPKV_API int snapkv_tokenize(snapkv_client_t *client, const char *text, const struct snapkv_tokenize_opts *opts,
+                               struct snapkv_tokens *out);
+SNAPKV_API void snapkv_tokens_free(struct snapkv_tokens *t);
+/* The text of n token ids (each in the vocabulary; at most max_prompt_tokens + max_new_tokens of
+ * them): each token's bytes, control tokens (<|im_end|>) as their own text unless skip_special,
+ * bytes that are not UTF-8 as U+FFFD. *text is malloc'd (free()), NUL-terminated. */
+SNAPKV_API int snapkv_detokenize(snapkv_client_t *client, const uint32_t *tokens, size_t n, bool skip_special,
+                                 char **text);
 
 struct snapkv_compress_result {
     uint64_t bytes_before, bytes_after;

@@ -83,6 +83,10 @@ static void usage(FILE *out)
             "                                         prints the new session id (--ref: as ENDPOINT#ID);\n"
             "                                         --no-reuse: compute every token (no prefix reuse)\n"
             "  append SESSION TEXT                    run more text through a session\n"
+            "  tokenize (TEXT | --file F) [--chat] [--append]\n"
+            "                                         the token ids a prefill (--append: an append) of the\n"
+            "                                         text runs, without running them\n"
+            "  detokenize ID... [--skip-special]      the text of token ids\n"
             "  decode SESSION [SAMPLING] [--logprobs N]\n"
             "                                         generate, streamed to stdout; --logprobs: each token's\n"
             "                                         log-probability and N (0-20) most likely tokens after it\n"
@@ -542,6 +546,8 @@ enum {
     OPT_FREQ_PENALTY,
     OPT_PRES_PENALTY,
     OPT_LOGIT_BIAS,
+    OPT_APPEND,
+    OPT_SKIP_SPECIAL,
 };
 
 /* --stop TEXT, repeated: the sequences snapkv_sampling.stop points at (optarg stays valid). */
@@ -608,8 +614,8 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
         return 1;
     case OPT_REP_PENALTY:
         if (!parse_float(optarg, &g_ext.repetition_penalty) ||
-            !(g_ext.repetition_penalty > 0.0f && g_ext.repetition_penalty <= 100.0f))
-            return usage_error(cmd, "--repetition-penalty wants a number in (0, 100], not '%s'", optarg);
+            !(g_ext.repetition_penalty >= 0.01f && g_ext.repetition_penalty <= 100.0f))
+            return usage_error(cmd, "--repetition-penalty wants a number from 0.01 to 100, not '%s'", optarg);
         return 1;
     case OPT_REP_LAST_N:
         if (!parse_u32(optarg, &g_ext.repetition_last_n))
@@ -624,6 +630,8 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
         return 1;
     }
     case OPT_LOGIT_BIAS: {
+        if (g_ext.n_bias == MAX_LOGIT_BIAS)
+            return usage_error(cmd, "at most %d --logit-bias", MAX_LOGIT_BIAS);
         const char *eq = strchr(optarg, '=');
         char tok[16];
         size_t n = eq ? (size_t)(eq - optarg) : 0;
@@ -634,8 +642,6 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
             !(b >= -100.0f && b <= 100.0f))
             return usage_error(cmd, "--logit-bias wants TOKEN=BIAS (a token id, a number in [-100, 100]), not '%s'",
                                optarg);
-        if (g_ext.n_bias == MAX_LOGIT_BIAS)
-            return usage_error(cmd, "at most %d --logit-bias", MAX_LOGIT_BIAS);
         g_bias[g_ext.n_bias++] = b;
         g_ext.bias_tokens = g_bias_tokens;
         g_ext.bias = g_bias;
@@ -1195,6 +1201,100 @@ static int cmd_append(const struct ctl *c, int argc, char **argv)
     else
         printf("session length %u tokens\n", ar.n_tokens);
     snapkv_append_result_free(&ar);
+    return ret;
+}
+
+/* tokenize (TEXT | --file F) [--chat] [--append]: the ids, space-separated (JSON: tokens, n_tokens). */
+static int cmd_tokenize(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"file", required_argument, NULL, OPT_FILE},
+                                         {"chat", no_argument, NULL, OPT_CHAT},
+                                         {"append", no_argument, NULL, OPT_APPEND},
+                                         {NULL, 0, NULL, 0}};
+    const char *file = NULL;
+    struct snapkv_tokenize_opts to = {0};
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        switch (o) {
+        case OPT_FILE: file = optarg; break;
+        case OPT_CHAT: to.chat = true; break;
+        case OPT_APPEND: to.append = true; break;
+        default: return usage_error("tokenize", "unknown option");
+        }
+    }
+    if ((file != NULL) == (optind + 1 == argc) || optind + 1 < argc)
+        return usage_error("tokenize", "usage: tokenize (TEXT | --file F) [--chat] [--append]");
+    char *text = file ? read_text(file) : strdup(argv[optind]);
+    if (!text)
+        return 1;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl)) {
+        free(text);
+        return 1;
+    }
+    struct snapkv_tokens t;
+    int rc = snapkv_tokenize(cl, text, &to, &t);
+    snapkv_close(&cl);
+    free(text);
+    if (rc)
+        return failed("tokenize", rc);
+    int ret = 0;
+    if (c->json) {
+        ret = print_json(json_pack("{s:o, s:I}", "tokens", u32_json(t.tokens, t.n_tokens), "n_tokens",
+                                   (json_int_t)t.n_tokens));
+    } else {
+        for (size_t i = 0; i < t.n_tokens; i++)
+            printf("%s%u", i ? " " : "", t.tokens[i]);
+        putchar('\n');
+    }
+    snapkv_tokens_free(&t);
+    return ret;
+}
+
+/* detokenize ID... [--skip-special]: the ids' text (JSON: text). */
+static int cmd_detokenize(const struct ctl *c, int argc, char **argv)
+{
+    static const struct option opts[] = {{"skip-special", no_argument, NULL, OPT_SKIP_SPECIAL},
+                                         {NULL, 0, NULL, 0}};
+    bool skip = false;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        if (o != OPT_SKIP_SPECIAL)
+            return usage_error("detokenize", "unknown option");
+        skip = true;
+    }
+    size_t n = (size_t)(argc - optind);
+    if (n == 0)
+        return usage_error("detokenize", "usage: detokenize ID... [--skip-special]");
+    uint32_t *ids = malloc(n * sizeof *ids);
+    if (!ids) {
+        fprintf(stderr, "snapkvctl: out of memory\n");
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!parse_u32(argv[optind + (int)i], &ids[i])) {
+            free(ids);
+            return usage_error("detokenize", "'%s' is not a token id", argv[optind + (int)i]);
+        }
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl)) {
+        free(ids);
+        return 1;
+    }
+    char *text = NULL;
+    int rc = snapkv_detokenize(cl, ids, n, skip, &text);
+    snapkv_close(&cl);
+    free(ids);
+    if (rc)
+        return failed("detokenize", rc);
+    int ret = 0;
+    if (c->json)
+        ret = print_json(json_pack("{s:o}", "text", json_text(text)));
+    else
+        printf("%s\n", text);
+    free(text);
     return ret;
 }
 
@@ -2457,6 +2557,7 @@ int main(int argc, char **argv)
         {"import", cmd_import},     {"release", cmd_release}, {"cancel", cmd_cancel}, {"list", cmd_list},       {"inspect", cmd_inspect},
         {"evict", cmd_evict},       {"save", cmd_save},       {"load", cmd_load},       {"stats", cmd_stats},       {"tenants", cmd_tenants},
         {"keygen", cmd_keygen},     {"events", cmd_events},   {"place", cmd_place},
+        {"tokenize", cmd_tokenize}, {"detokenize", cmd_detokenize},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (strcmp(cmd, cmds[i].name) == 0)

@@ -181,6 +181,12 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
           f"PREFILL logits: max |diff| {diff:.3g} against transformers' (limit {2e-3 * scale:.3g}), "
           f"next token {p.next_token} = {top}")
     sid = p.session_id
+    tk = c.call("tokenize", pb.TokenizeRequest(text=short["text"]))
+    dt = c.call("detokenize", pb.DetokenizeRequest(tokens=short["ids"]))
+    check("tokenize" in h.features and tk.status == OK and list(tk.tokenize.tokens) == short["ids"]
+          and dt.status == OK and dt.detokenize.text == short["text"],
+          f"TOKENIZE: transformers' {len(short['ids'])} ids; "
+          f"DETOKENIZE: the text back ({dt.detokenize.text[:20]!r}…)")
 
     greedy = short["greedy"]["ids"][:16]
     rep = c.call("decode", pb.DecodeRequest(session_id=sid, sampling=pb.Sampling(max_tokens=16, top_logprobs=3)))

@@ -2057,6 +2057,128 @@ static void test_decode_logprobs(void **state)
 }
 
 
+/* The ids of a golden prompt (tests/fixtures/golden/reference.json) into ids (room for cap). */
+static size_t golden_ids(json_t *pr, uint32_t *ids, size_t cap)
+{
+    json_t *a = json_object_get(pr, "ids");
+    size_t n = json_array_size(a);
+    assert_true(n <= cap);
+    for (size_t i = 0; i < n; i++)
+        ids[i] = (uint32_t)json_integer_value(json_array_get(a, i));
+    return n;
+}
+
+/* TOKENIZE gives Hugging Face's ids for the golden prompts (a chat turn as apply_chat_template
+ * makes it, and its rendered text with append's markup parsing the same), as many as a PREFILL
+ * of the text runs; DETOKENIZE gives their text back, control tokens as their text or skipped;
+ * over max-prompt-tokens LIMIT; snapkvctl tokenize and detokenize. */
+static void test_tokenize(void **state)
+{
+    NEED_MODEL();
+    json_t *fx = fixture_json("tests/fixtures/golden/reference.json");
+    assert_non_null(fx);
+    struct daemon d;
+    start_daemon_with(&d, "256M", "--max-prompt-tokens=200", 0);
+    snapkv_client_t *c = client(d.endpoint, "tok");
+    json_t *prompts = json_object_get(fx, "prompts");
+    uint32_t want[256];
+    int checked = 0;
+    for (size_t p = 0; p < json_array_size(prompts); p++) {
+        json_t *pr = json_array_get(prompts, p);
+        const char *name = json_string_value(json_object_get(pr, "name"));
+        json_t *msgs = json_object_get(pr, "messages");
+        if (strcmp(name, "long") == 0)
+            continue;
+        size_t n = golden_ids(pr, want, 256);
+        const char *text = msgs ? json_string_value(json_object_get(json_array_get(msgs, 0), "content"))
+                                : json_string_value(json_object_get(pr, "text"));
+        struct snapkv_tokens t;
+        struct snapkv_tokenize_opts to = {.chat = msgs != NULL};
+        assert_int_equal(snapkv_tokenize(c, text, &to, &t), SNAPKV_OK);
+        assert_int_equal(t.n_tokens, n);
+        assert_memory_equal(t.tokens, want, n * sizeof *want);
+        snapkv_tokens_free(&t);
+        if (msgs) { /* the rendered template, its markup parsed as an APPEND's chat text parses it */
+            to = (struct snapkv_tokenize_opts){.chat = true, .append = true};
+            assert_int_equal(snapkv_tokenize(c, json_string_value(json_object_get(pr, "text")), &to, &t), SNAPKV_OK);
+            assert_int_equal(t.n_tokens, n);
+            assert_memory_equal(t.tokens, want, n * sizeof *want);
+            snapkv_tokens_free(&t);
+            to.chat = false; /* the markup as plain text: no control token, more tokens */
+            assert_int_equal(snapkv_tokenize(c, json_string_value(json_object_get(pr, "text")), &to, &t), SNAPKV_OK);
+            assert_true(t.n_tokens > n);
+            for (size_t i = 0; i < t.n_tokens; i++)
+                assert_int_not_equal(t.tokens[i], want[0]); /* <|im_start|> */
+            snapkv_tokens_free(&t);
+        }
+        /* a PREFILL of the same text runs as many */
+        struct snapkv_prefill_opts po = {.text = text, .chat = msgs != NULL};
+        struct snapkv_prefill_result pr_;
+        assert_int_equal(snapkv_prefill(c, &po, &pr_), SNAPKV_OK);
+        assert_int_equal(pr_.n_tokens, n);
+        assert_int_equal(snapkv_release(c, &pr_.id), SNAPKV_OK);
+        snapkv_prefill_result_free(&pr_);
+        /* and back: the text itself (the chat one: its rendered template, or its content alone) */
+        char *back = NULL;
+        assert_int_equal(snapkv_detokenize(c, want, n, false, &back), SNAPKV_OK);
+        assert_string_equal(back, json_string_value(json_object_get(pr, "text")));
+        free(back);
+        if (msgs) {
+            assert_int_equal(snapkv_detokenize(c, want, n, true, &back), SNAPKV_OK);
+            assert_null(strstr(back, "<|im_"));
+            assert_non_null(strstr(back, text));
+            free(back);
+        }
+        checked++;
+    }
+    assert_int_equal(checked, 4);
+    /* over the limit: the paragraph (112 tokens) five times */
+    json_t *para = json_array_get(prompts, 1);
+    const char *pt = json_string_value(json_object_get(para, "text"));
+    char *big = malloc(strlen(pt) * 5 + 5);
+    assert_non_null(big);
+    big[0] = '\0';
+    for (int k = 0; k < 5; k++)
+        strcat(strcat(big, pt), " ");
+    struct snapkv_tokens t;
+    assert_int_equal(snapkv_tokenize(c, big, NULL, &t), SNAPKV_E_LIMIT);
+    free(big);
+    assert_int_equal(snapkv_tokenize(c, "", NULL, &t), SNAPKV_E_INVAL);
+    const uint32_t outside[] = {1, 1u << 30};
+    char *back = NULL;
+    assert_int_equal(snapkv_detokenize(c, outside, 2, false, &back), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_detokenize(c, outside, 0, false, &back), SNAPKV_OK);
+    assert_string_equal(back, "");
+    free(back);
+    /* snapkvctl */
+    static char out[65536], err[16384];
+    const char *args[] = {"--json", "tokenize", "The quick brown fox jumps over the lazy dog.", NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl tokenize: %s", err);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    assert_non_null(j);
+    json_t *short_pr = json_array_get(prompts, 0);
+    size_t n = golden_ids(short_pr, want, 256);
+    assert_int_equal(json_integer_value(json_object_get(j, "n_tokens")), n);
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(json_integer_value(json_array_get(json_object_get(j, "tokens"), i)), want[i]);
+    json_decref(j);
+    char id0[16], id1[16], id2[16];
+    snprintf(id0, sizeof id0, "%u", want[0]);
+    snprintf(id1, sizeof id1, "%u", want[1]);
+    snprintf(id2, sizeof id2, "%u", want[2]);
+    const char *dargs[] = {"detokenize", id0, id1, id2, NULL};
+    if (run_ctl(&d, dargs, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl detokenize: %s", err);
+    assert_string_equal(out, "The quick brown\n");
+    const char *bad[] = {"detokenize", "x7", NULL};
+    assert_int_equal(run_ctl(&d, bad, out, err, sizeof out), 2);
+    json_decref(fx);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* The in-process engine's tokens for a full-cache prefill of ids under sampler params sp (the
  * history the daemon gives the penalties: the prompt and the tokens so far). */
 static void expected_sampled(const uint32_t *ids, int n, const struct skv_sampler_params *sp, uint32_t *out,
@@ -2206,7 +2328,7 @@ static void test_decode_penalties(void **state)
     snapkv_decode_result_free(&dr);
     snapkv_prefill_result_free(&pr);
 
-    /* snapkvctl: the first case again, from a fork of a fresh prefill of its prompt */
+    /* snapkvctl: a fork of the first case's session (its prompt and 40 tokens) */
     struct snapkv_session_id f;
     assert_int_equal(snapkv_fork(c, &first, &f, NULL), SNAPKV_OK);
     static char out[65536], err[16384];
@@ -5532,6 +5654,7 @@ int main(void)
         cmocka_unit_test_teardown(test_kv_q8_0_daemon, kill_daemons),
         cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_decode_penalties, kill_daemons),
+        cmocka_unit_test_teardown(test_tokenize, kill_daemons),
         cmocka_unit_test_teardown(test_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),

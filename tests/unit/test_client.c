@@ -429,6 +429,14 @@ static void test_argument_checks(void **state)
     ext.repetition_penalty = 1.0f;
     ext.n_bias = 0;
     assert_int_equal(snapkv_decode_ext(c, &ID_A, &s, &ext, 3, NULL, NULL, &dr, NULL), SNAPKV_E_INVAL);
+    ext.reserved[2] = 1;
+    assert_int_equal(snapkv_decode_ext(c, &ID_A, &s, &ext, 0, NULL, NULL, &dr, NULL), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "reserved[2]"));
+    struct snapkv_tokens tk; /* TOKENIZE, DETOKENIZE: not sent to a daemon without "tokenize" */
+    assert_int_equal(snapkv_tokenize(c, "hi", NULL, &tk), SNAPKV_E_UNSUPPORTED);
+    char *txt = NULL;
+    assert_int_equal(snapkv_detokenize(c, stop_bad, 1, false, &txt), SNAPKV_E_UNSUPPORTED);
+    assert_int_equal(snapkv_tokenize(c, NULL, NULL, &tk), SNAPKV_E_INVAL);
     assert_int_equal(fake_requests(f), sent);
 
     assert_int_equal(snapkv_compress(c, &ID_A, "", 0, NULL), SNAPKV_E_INVAL);
