@@ -2130,8 +2130,9 @@ static void handle_tokenize(struct skv_worker *w, struct skv_job *job)
     free(ids);
 }
 
-/* DETOKENIZE: the ids' bytes (control tokens' text unless skip_special), made well-formed UTF-8
- * (skv_utf8_fix: each ill-formed part and each NUL becomes U+FFFD). */
+/* DETOKENIZE: the ids' bytes (control tokens' text unless skip_special; ids outside the
+ * tokenizer's vocabulary none), made well-formed UTF-8 (skv_utf8_fix: each ill-formed part and
+ * each NUL becomes U+FFFD). */
 static void handle_detokenize(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__DetokenizeRequest *q = job->req->detokenize;
@@ -2142,12 +2143,12 @@ static void handle_detokenize(struct skv_worker *w, struct skv_job *job)
     size_t total = 0, len = 0;
     for (size_t i = 0; i < q->n_tokens && !rc; i++) {
         int32_t t = (int32_t)q->tokens[i];
+        long n = tok ? skv_tokenizer_token_len(tok, t) : -1;
         if (q->tokens[i] >= (uint32_t)w->m->cfg.n_vocab)
             rc = skv_errorf(SKV_E_INVAL, "token %u at index %zu is outside the vocabulary [0, %d)", q->tokens[i], i,
                             w->m->cfg.n_vocab);
-        else if (!(q->skip_special && skv_tokenizer_is_special(tok, t)) &&
-                 skv_tokenizer_token_bytes(tok, t, NULL, 0, &len) != SKV_E_INVAL) /* (LIMIT: room for none) */
-            total += len;
+        else if (n > 0 && !(q->skip_special && skv_tokenizer_is_special(tok, t)))
+            total += (size_t)n;
     }
     char *raw = rc ? NULL : malloc(total + 1), *text = NULL;
     if (!rc && !raw)
@@ -3661,12 +3662,16 @@ struct persist_saved { /* a session a save wrote or kept, recorded in it when th
 /* Writes every session as generation persist_gen + 1 (see above) and, when all went to disk, a
  * manifest naming it, then removes the files no manifest names. give_way: stop at the first
  * request that arrives (SKV_E_CANCELLED, the last generation left as it was). */
-/* Session s's entry in a manifest: its file of generation gen. */
-static json_t *manifest_entry(const char *hex, uint64_t gen, const struct skv_session *s, uint64_t now)
+/* Session s's entry in a manifest: its file of generation gen, and how many of the first rows
+ * that file holds prefix reuse may take (computed: s's computed_rows when the file was written
+ * now; 0 for a file of an earlier checkpoint, whose rows then may have been others). */
+static json_t *manifest_entry(const char *hex, uint64_t gen, const struct skv_session *s, int32_t computed,
+                              uint64_t now)
 {
-    return json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I}", "id", hex, "file_generation", (json_int_t)gen, "tenant",
-                     s->tenant, "owner", s->owner, "pinned", s->pinned, "lease_seconds", (json_int_t)s->lease_seconds,
-                     "idle_ms", (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0));
+    return json_pack("{s:s, s:I, s:s, s:s, s:b, s:I, s:I, s:i}", "id", hex, "file_generation", (json_int_t)gen,
+                     "tenant", s->tenant, "owner", s->owner, "pinned", s->pinned, "lease_seconds",
+                     (json_int_t)s->lease_seconds, "idle_ms",
+                     (json_int_t)(now > s->last_used_ms ? now - s->last_used_ms : 0), "computed_rows", (int)computed);
 }
 
 /* A checkpoint that does not write session s (past persist-max-seconds, or its write failed)
@@ -3680,7 +3685,7 @@ static bool persist_carry(struct skv_session *s, const char *hex, const struct s
 {
     if (!store || fresh || !s->persist_gen)
         return false;
-    json_t *entry = manifest_entry(hex, s->persist_gen, s, now);
+    json_t *entry = manifest_entry(hex, s->persist_gen, s, 0, now);
     if (!entry || json_array_append_new(list, entry))
         return false;
     p->s = s;
@@ -3743,7 +3748,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
             continue;
         }
         skv_worker_beat(w);
-        json_t *entry = manifest_entry(hex, p->gen, s, now);
+        json_t *entry = manifest_entry(hex, p->gen, s, s->computed_rows, now);
         if (!entry || json_array_append_new(list, entry)) { /* a file the manifest does not name is no save */
             skv_log(SKV_LOG_WARN, "persist: session %s not saved: no memory for its manifest entry", hex);
             failed++;
@@ -3758,7 +3763,8 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     bytes += store ? skv_kv_store_appended_bytes(store) : 0;
     if (!rc && store) /* on disk before the manifest names files that need it */
         rc = skv_kv_store_finish(store);
-    json_t *doc = json_pack("{s:i, s:I, s:o}", "version", 1, "generation", (json_int_t)gen, "sessions", list);
+    json_t *doc = json_pack("{s:i, s:I, s:o, s:s}", "version", 1, "generation", (json_int_t)gen, "sessions", list,
+                            "kv_type", w->cfg->kv_type ? w->cfg->kv_type : "f32");
     if (doc && store) {
         json_object_set_new(doc, "store", json_string(store_name));
         json_object_set_new(doc, "store_blocks", json_integer(skv_kv_store_blocks(store)));
@@ -4000,6 +4006,15 @@ int skv_requests_persist_restore(struct skv_worker *w)
         s->last_used_ms = now > idle ? now - idle : 0; /* idle as long as at the stop; the downtime not counted */
         s->persist_gen = entry_gen(doc, e); /* its file holds it as it is */
         memcpy(s->persist_sum, r.sum, sizeof r.sum);
+        /* rows the daemon computed and saved as they were: prefix reuse may take them again, the
+         * same bits as before the stop, when the pool keeps rows as it did (the same kv-type: a
+         * file holds f32, and f16 rows come back into an f32 pool rounded); an entry without the
+         * count: none */
+        const json_t *cr = json_object_get(e, "computed_rows");
+        const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
+        if (json_is_integer(cr) && json_integer_value(cr) > 0 && json_integer_value(cr) <= s->n_tokens &&
+            saved_type && strcmp(saved_type, w->cfg->kv_type ? w->cfg->kv_type : "f32") == 0)
+            s->computed_rows = (int32_t)json_integer_value(cr);
         skv_worker_event_stored(w, s);
         skv_worker_beat(w);
         restored++;

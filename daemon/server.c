@@ -41,7 +41,8 @@
 #define PROTOCOL_VERSION 1
 #define RCVHWM 4                  /* requests libzmq reads ahead on one connection */
 #define HANDSHAKE_MS 10000        /* ZMQ_HANDSHAKE_IVL of the client and admin endpoints */
-#define SMALL_REQUEST_MAX 65536   /* bytes of a request other than PREFILL, APPEND and IMPORT_KV */
+#define SMALL_REQUEST_MAX 65536   /* bytes of a request other than PREFILL, APPEND, IMPORT_KV, TOKENIZE,
+                                     DETOKENIZE */
 
 /* What the socket thread knows of a client connection, by its fd. */
 struct conn_fd {
@@ -514,7 +515,7 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
     h->kv_block_tokens = (uint32_t)cfg->kv_block_tokens;
     static const char *const features[] = {"sampling-ext", "tokenize"}; /* HelloReply.features */
-    h->n_features = sizeof features / sizeof features[0];
+    h->n_features = sizeof features / sizeof features[0] - (m->tok ? 0 : 1); /* no tokenizer: no TOKENIZE */
     h->features = (char **)features;
     if (m->tok) {
         h->bos_token = (uint32_t)skv_tokenizer_bos(m->tok);
@@ -1046,7 +1047,8 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         rc = skv_errorf(SKV_E_PERM, "admin commands are only accepted on the admin endpoint");
         goto reply;
     }
-    /* only PREFILL, APPEND (tokens, text) and IMPORT_KV (positions) carry more than a few KiB;
+    /* only PREFILL, APPEND, TOKENIZE (tokens, text), DETOKENIZE (tokens) and IMPORT_KV (positions)
+     * carry more than a few KiB;
      * a larger request of another command is padding (unknown fields), which a running DECODE
      * would hold for as long as it runs, outside the queue's bytes */
     Snapkv__Request__CommandCase cc = req->command_case;

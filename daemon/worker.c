@@ -593,10 +593,11 @@ static struct skv_job *take_next_locked(struct skv_worker *w, uint64_t *start)
 /* Whether a request is short enough to run inside another's long forward: starting or ending a
  * decode, the admin reads, PIN, RELEASE, FORK, a PREFILL or APPEND of at most 32 token ids or
  * 128 bytes of text (its forward runs on the decode engine, without ticks of its own), and a
- * TOKENIZE or DETOKENIZE of at most 64 KiB of text or 65536 ids (no forward at all). */
+ * TOKENIZE or DETOKENIZE of at most 4096 bytes of text or 4096 ids (no forward: about a
+ * millisecond). */
 #define OVERTAKE_TOKENS 32
 #define OVERTAKE_TEXT 128
-#define OVERTAKE_TOKENIZE 65536 /* bytes of text a TOKENIZE, ids a DETOKENIZE may have to be short */
+#define OVERTAKE_TOKENIZE 4096 /* bytes of text a TOKENIZE, ids a DETOKENIZE may have to be short */
 static bool job_short(const struct skv_job *job)
 {
     const Snapkv__Request *r = job->req;
@@ -615,7 +616,7 @@ static bool job_short(const struct skv_job *job)
     case SNAPKV__REQUEST__COMMAND_APPEND:
         return r->append->n_tokens <= OVERTAKE_TOKENS && strlen(r->append->text) <= OVERTAKE_TEXT;
     case SNAPKV__REQUEST__COMMAND_TOKENIZE: /* no forward: short unless it is long text */
-        return strlen(r->tokenize->text) <= OVERTAKE_TOKENIZE;
+        return strnlen(r->tokenize->text, OVERTAKE_TOKENIZE + 1) <= OVERTAKE_TOKENIZE;
     case SNAPKV__REQUEST__COMMAND_DETOKENIZE:
         return r->detokenize->n_tokens <= OVERTAKE_TOKENIZE;
     default:
@@ -1288,7 +1289,8 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
 }
 
 /* Whether a queued request only produces something for its client: a new session, whose id is
- * in the reply alone, so once the client is gone nobody could use it. Others still run: an
+ * in the reply alone, or a TOKENIZE's or DETOKENIZE's answer, so once the client is gone nobody
+ * could use it. Others still run: an
  * APPEND's or COMPRESS's session may be another client's too, an EXPORT_KV's buffer may be
  * another process's to read, and a DECODE starts and ends with the notice after it (one round). */
 static bool only_for_client(const struct skv_job *job)
@@ -1297,6 +1299,8 @@ static bool only_for_client(const struct skv_job *job)
     case SNAPKV__REQUEST__COMMAND_PREFILL:
     case SNAPKV__REQUEST__COMMAND_FORK:
     case SNAPKV__REQUEST__COMMAND_IMPORT_KV:
+    case SNAPKV__REQUEST__COMMAND_TOKENIZE:
+    case SNAPKV__REQUEST__COMMAND_DETOKENIZE:
         return true;
     default:
         return false;

@@ -381,15 +381,15 @@ static int ext_wire(const snapkv_client_t *c, const struct snapkv_sampling_ext *
 {
     if (!ext)
         return SNAPKV_OK;
+    for (size_t i = 0; i < sizeof ext->reserved / sizeof ext->reserved[0]; i++)
+        if (ext->reserved[i])
+            return skv_client_fail(SNAPKV_E_INVAL, "decode: snapkv_sampling_ext.reserved[%zu] is not zero", i);
     bool used = ext->min_p != 0 || (ext->repetition_penalty != 0 && ext->repetition_penalty != 1) ||
                 ext->frequency_penalty != 0 || ext->presence_penalty != 0 || ext->n_bias;
     if (used && !has_feature(c, "sampling-ext"))
         return skv_client_fail(SNAPKV_E_UNSUPPORTED, "decode: the daemon (snapkvd %s) would ignore min_p, the "
                                "penalties and logit biases: it is older than they are",
                                c->hello->server_version ? c->hello->server_version : "?");
-    for (size_t i = 0; i < sizeof ext->reserved / sizeof ext->reserved[0]; i++)
-        if (ext->reserved[i])
-            return skv_client_fail(SNAPKV_E_INVAL, "decode: snapkv_sampling_ext.reserved[%zu] is not zero", i);
     if (ext->n_bias > LOGIT_BIAS_MAX)
         return skv_client_fail(SNAPKV_E_LIMIT, "decode: at most %u logit biases, not %zu", LOGIT_BIAS_MAX,
                                ext->n_bias);
@@ -638,13 +638,17 @@ static int check_call(snapkv_client_t *c, const void *arg, const char *what, con
 int snapkv_tokenize(snapkv_client_t *c, const char *text, const struct snapkv_tokenize_opts *opts,
                     struct snapkv_tokens *out)
 {
+    if (!out)
+        return skv_client_fail(SNAPKV_E_INVAL, "tokenize: out is required");
+    *out = (struct snapkv_tokens){0}; /* snapkv_tokens_free is safe whatever comes */
+    for (size_t i = 0; opts && i < sizeof opts->reserved / sizeof opts->reserved[0]; i++)
+        if (opts->reserved[i])
+            return skv_client_fail(SNAPKV_E_INVAL, "tokenize: snapkv_tokenize_opts.reserved[%zu] is not zero", i);
+    if (text && !*text)
+        return skv_client_fail(SNAPKV_E_INVAL, "tokenize: the text is empty");
     int rc = check_call(c, text, "tokenize", "tokenize");
     if (rc)
         return rc;
-    if (!out)
-        return skv_client_fail(SNAPKV_E_INVAL, "tokenize: out is required");
-    if (!*text)
-        return skv_client_fail(SNAPKV_E_INVAL, "tokenize: the text is empty");
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__TokenizeRequest t = SNAPKV__TOKENIZE_REQUEST__INIT;
     t.text = (char *)text;
@@ -684,6 +688,10 @@ int snapkv_detokenize(snapkv_client_t *c, const uint32_t *tokens, size_t n, bool
         return rc;
     if (n && !tokens)
         return skv_client_fail(SNAPKV_E_INVAL, "detokenize: n is %zu but tokens is NULL", n);
+    uint64_t most = (uint64_t)c->hello->max_prompt_tokens + c->hello->max_new_tokens;
+    if (most && n > most)
+        return skv_client_fail(SNAPKV_E_LIMIT, "detokenize: %zu tokens, more than the daemon's limit of %llu", n,
+                               (unsigned long long)most);
     for (size_t i = 0; i < n; i++)
         if (c->hello->n_vocab && tokens[i] >= c->hello->n_vocab)
             return skv_client_fail(SNAPKV_E_INVAL, "detokenize: token %u at index %zu is outside the vocabulary "

@@ -513,6 +513,7 @@ SNAPKV_API int snapkv_decode_ext(snapkv_client_t *client, const struct snapkv_se
 struct snapkv_tokenize_opts {
     bool chat;
     bool append;
+    uint32_t reserved[7];         /* zero: room for later fields; non-zero is SNAPKV_E_INVAL */
 };
 struct snapkv_tokens {
     uint32_t *tokens;
@@ -522,8 +523,9 @@ SNAPKV_API int snapkv_tokenize(snapkv_client_t *client, const char *text, const 
                                struct snapkv_tokens *out);
 SNAPKV_API void snapkv_tokens_free(struct snapkv_tokens *t);
 /* The text of n token ids (each in the vocabulary; at most max_prompt_tokens + max_new_tokens of
- * them): each token's bytes, control tokens (<|im_end|>) as their own text unless skip_special,
- * bytes that are not UTF-8 as U+FFFD. *text is malloc'd (free()), NUL-terminated. */
+ * them: SNAPKV_E_LIMIT): each token's bytes (none for ids the tokenizer does not know), control
+ * tokens (<|im_end|>) as their own text unless skip_special, each ill-formed UTF-8 part and each
+ * NUL as U+FFFD. *text is malloc'd (free()), NUL-terminated. */
 SNAPKV_API int snapkv_detokenize(snapkv_client_t *client, const uint32_t *tokens, size_t n, bool skip_special,
                                  char **text);
 

@@ -83,7 +83,7 @@ static void usage(FILE *out)
             "                                         prints the new session id (--ref: as ENDPOINT#ID);\n"
             "                                         --no-reuse: compute every token (no prefix reuse)\n"
             "  append SESSION TEXT                    run more text through a session\n"
-            "  tokenize (TEXT | --file F) [--chat] [--append]\n"
+            "  tokenize (TEXT | --file F) [--chat] [--append]   (-- before a TEXT that begins with -)\n"
             "                                         the token ids a prefill (--append: an append) of the\n"
             "                                         text runs, without running them\n"
             "  detokenize ID... [--skip-special]      the text of token ids\n"
@@ -1226,8 +1226,11 @@ static int cmd_tokenize(const struct ctl *c, int argc, char **argv)
     if ((file != NULL) == (optind + 1 == argc) || optind + 1 < argc)
         return usage_error("tokenize", "usage: tokenize (TEXT | --file F) [--chat] [--append]");
     char *text = file ? read_text(file) : strdup(argv[optind]);
-    if (!text)
+    if (!text) {
+        if (!file)
+            fprintf(stderr, "snapkvctl: out of memory\n");
         return 1;
+    }
     snapkv_client_t *cl = NULL;
     if (connect_to(c, false, &cl)) {
         free(text);

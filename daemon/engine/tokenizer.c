@@ -1831,6 +1831,11 @@ size_t skv_tokenizer_max_token_bytes(const struct skv_tokenizer *tok)
 /* ---------------------------------------------------------------------------------------- */
 /* decoding */
 
+long skv_tokenizer_token_len(const struct skv_tokenizer *tok, int32_t id)
+{
+    return tok && id >= 0 && id < tok->n_vocab ? (long)tok->bytes_len[id] : -1;
+}
+
 int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char *buf, size_t cap,
                               size_t *len_out)
 {

@@ -313,6 +313,17 @@ static void write_seeds(const char *dir)
     Snapkv__DecodeRequest dp = d;
     dp.sampling = &samp_pen;
     write_seed(dir, "decode-penalties", 0, SNAPKV__REQUEST__COMMAND_DECODE, &dp);
+    Snapkv__TokenizeRequest tk = SNAPKV__TOKENIZE_REQUEST__INIT; /* no session: id unused */
+    tk.text = "<|im_start|>user\nHi, the pass key is 12345.<|im_end|>";
+    write_seed(dir, "tokenize", 0, SNAPKV__REQUEST__COMMAND_TOKENIZE, &tk);
+    tk.chat = true;
+    tk.append = true;
+    write_seed(dir, "tokenize-markup", 0, SNAPKV__REQUEST__COMMAND_TOKENIZE, &tk);
+    Snapkv__DetokenizeRequest dt = SNAPKV__DETOKENIZE_REQUEST__INIT;
+    dt.n_tokens = 12;
+    dt.tokens = toks;
+    dt.skip_special = true;
+    write_seed(dir, "detokenize", 0, SNAPKV__REQUEST__COMMAND_DETOKENIZE, &dt);
 
     Snapkv__CompressRequest c = SNAPKV__COMPRESS_REQUEST__INIT;
     c.session_id = sid;

@@ -183,8 +183,10 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     sid = p.session_id
     tk = c.call("tokenize", pb.TokenizeRequest(text=short["text"]))
     dt = c.call("detokenize", pb.DetokenizeRequest(tokens=short["ids"]))
+    oov = c.call("detokenize", pb.DetokenizeRequest(tokens=[1, h.n_vocab]))
     check("tokenize" in h.features and tk.status == OK and list(tk.tokenize.tokens) == short["ids"]
-          and dt.status == OK and dt.detokenize.text == short["text"],
+          and dt.status == OK and dt.detokenize.text == short["text"] and oov.status == E_INVAL
+          and "outside the vocabulary" in oov.message,
           f"TOKENIZE: transformers' {len(short['ids'])} ids; "
           f"DETOKENIZE: the text back ({dt.detokenize.text[:20]!r}…)")
 
