@@ -1521,6 +1521,45 @@ static void test_persist_crash(void **state)
     stop_daemon(&d);
 }
 
+/* A restart with persist keeps what prefix reuse may take: after it, a PREFILL whose prompt
+ * starts with a restored session's 160 computed tokens reuses them and gets the logits of a
+ * PREFILL that computes every token, bit for bit (the restored rows are the saved ones). */
+static void test_persist_prefix_reuse(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    enum { LONG = N_PROMPT + 48 };
+    uint32_t ids[LONG];
+    prompt(ids, LONG, 29);
+    struct daemon d;
+    start_daemon_with(&d, "1G", "--persist=yes", 0);
+    snapkv_client_t *c = client(d.endpoint, "p");
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result pa, ref;
+    assert_int_equal(snapkv_prefill(c, &po, &pa), SNAPKV_OK);
+    struct snapkv_prefill_opts pl = {.tokens = ids, .n_tokens = LONG, .return_logits = true};
+    uint32_t reused = 99;
+    assert_int_equal(snapkv_prefill_flags(c, &pl, SNAPKV_PREFILL_NO_PREFIX_REUSE, &ref, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 0);
+    assert_int_equal(snapkv_release(c, &ref.id), SNAPKV_OK);
+    snapkv_close(&c);
+    assert_int_equal(term_daemon(&d), 0);
+
+    start_daemon_in(&d, "1G", "--persist=yes", 0);
+    c = client(d.endpoint, "p");
+    struct snapkv_prefill_result pb;
+    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, &pb, &reused), SNAPKV_OK);
+    printf("# after the restart: %u of %d tokens reused\n", reused, LONG);
+    assert_int_equal(reused, N_PROMPT);
+    assert_int_equal(pb.n_logits, ref.n_logits);
+    assert_memory_equal(pb.logits, ref.logits, ref.n_logits * sizeof *ref.logits);
+    snapkv_prefill_result_free(&pb);
+    snapkv_prefill_result_free(&ref);
+    snapkv_prefill_result_free(&pa);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* persist = yes: a restart keeps every session under its id, tenant, pin and lease, and it
  * decodes on exactly as before the stop (a fork taken before the stop decoded the reference);
  * the fork shares its document's blocks again (the pool holds as many blocks as before the
@@ -2150,6 +2189,13 @@ static void test_tokenize(void **state)
     assert_int_equal(snapkv_detokenize(c, outside, 0, false, &back), SNAPKV_OK);
     assert_string_equal(back, "");
     free(back);
+    struct snapkv_server_info si;
+    assert_int_equal(snapkv_server_info(c, &si), SNAPKV_OK);
+    size_t most = (size_t)si.max_prompt_tokens + si.max_new_tokens;
+    uint32_t *many = calloc(most + 1, sizeof *many);
+    assert_non_null(many);
+    assert_int_equal(snapkv_detokenize(c, many, most + 1, false, &back), SNAPKV_E_LIMIT);
+    free(many);
     /* snapkvctl */
     static char out[65536], err[16384];
     const char *args[] = {"--json", "tokenize", "The quick brown fox jumps over the lazy dog.", NULL};
@@ -5654,6 +5700,7 @@ int main(void)
         cmocka_unit_test_teardown(test_kv_q8_0_daemon, kill_daemons),
         cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_decode_penalties, kill_daemons),
+        cmocka_unit_test_teardown(test_persist_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_tokenize, kill_daemons),
         cmocka_unit_test_teardown(test_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
