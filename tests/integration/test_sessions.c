@@ -2174,7 +2174,7 @@ static void test_tokenize(void **state)
     /* over the limit: the paragraph (112 tokens) five times */
     json_t *para = json_array_get(prompts, 1);
     const char *pt = json_string_value(json_object_get(para, "text"));
-    char *big = malloc(strlen(pt) * 5 + 5);
+    char *big = malloc(strlen(pt) * 5 + 6); /* five copies, five spaces, the NUL */
     assert_non_null(big);
     big[0] = '\0';
     for (int k = 0; k < 5; k++)
