@@ -175,11 +175,48 @@ static void test_reference_logits(void **state)
     }
 }
 
+/* Greedy decoding of the reference model from prompt ids[0..n) with sampler params sp (the
+ * penalties see the prompt and the tokens so far; none: plain argmax) against want[0..ng):
+ * returns how many agree, stopping at the first step that differs, which must be a near-tie of
+ * the reference's margins (top-1 minus top-2 there). */
+static int greedy_agrees(struct golden *g, const char *name, const int32_t *ids, int n, const int32_t *want, int ng,
+                         json_t *margins, const struct skv_sampler_params *sp)
+{
+    struct skv_sampler smp;
+    assert_int_equal(skv_sampler_init(&smp, sp, g->ref->cfg.n_vocab), SKV_OK);
+    int32_t *seq = malloc((size_t)(n + ng) * sizeof *seq);
+    assert_non_null(seq);
+    memcpy(seq, ids, (size_t)n * sizeof *seq);
+    struct skv_kv_cache *cache = NULL;
+    struct skv_engine *e = NULL;
+    float *logits = forward(g->ref, ids, n, false, &cache);
+    assert_int_equal(skv_engine_new(g->ref, &e), SKV_OK);
+    int same = 0;
+    for (int k = 0; k < ng; k++) {
+        int32_t t = skv_sampler_next(&smp, logits, seq, n + k, seq + n, k);
+        if (t != want[k]) {
+            double margin = json_real_value(json_array_get(margins, (size_t)k));
+            printf("# %s: token %d differs (%d vs %d), reference margin %.4g\n", name, k, t, want[k], margin);
+            assert_true(margin < TIE_MARGIN); /* only a near-tie may differ; stop there */
+            break;
+        }
+        seq[n + k] = t;
+        same++;
+        assert_int_equal(skv_engine_forward(e, cache, &t, 1, NULL, logits), SKV_OK);
+    }
+    skv_sampler_fini(&smp);
+    skv_engine_free(&e);
+    skv_kv_cache_free(&cache);
+    free(logits);
+    free(seq);
+    return same;
+}
+
 static void test_greedy(void **state)
 {
     NEED_MODEL(g);
     json_t *prompts = json_object_get(g->fixture, "prompts");
-    int nv = g->ref->cfg.n_vocab, checked_prompts = 0;
+    int checked_prompts = 0;
     for (size_t p = 0; p < json_array_size(prompts); p++) {
         json_t *pr = json_array_get(prompts, p), *greedy = json_object_get(pr, "greedy");
         if (!greedy)
@@ -188,29 +225,11 @@ static void test_greedy(void **state)
         int32_t *ids = json_ids(json_object_get(pr, "ids"), &n);
         int32_t *want = json_ids(json_object_get(greedy, "ids"), &ng);
         json_t *margins = json_object_get(greedy, "margins");
-        struct skv_kv_cache *cache = NULL;
-        struct skv_engine *e = NULL;
-        float *logits = forward(g->ref, ids, n, false, &cache);
-        assert_int_equal(skv_engine_new(g->ref, &e), SKV_OK);
-        int same = 0;
-        for (int k = 0; k < ng; k++) {
-            int32_t t = skv_argmax(logits, nv);
-            if (t != want[k]) {
-                double margin = json_real_value(json_array_get(margins, (size_t)k));
-                printf("# %s: token %d differs (%d vs %d), reference margin %.4g\n",
-                       json_string_value(json_object_get(pr, "name")), k, t, want[k], margin);
-                assert_true(margin < TIE_MARGIN); /* only a near-tie may differ; stop there */
-                break;
-            }
-            same++;
-            assert_int_equal(skv_engine_forward(e, cache, &t, 1, NULL, logits), SKV_OK);
-        }
-        printf("# %-9s greedy: %d of %d tokens identical\n", json_string_value(json_object_get(pr, "name")),
-               same, ng);
+        const char *name = json_string_value(json_object_get(pr, "name"));
+        struct skv_sampler_params sp = {0}; /* argmax */
+        int same = greedy_agrees(g, name, ids, n, want, ng, margins, &sp);
+        printf("# %-9s greedy: %d of %d tokens identical\n", name, same, ng);
         checked_prompts++;
-        skv_engine_free(&e);
-        skv_kv_cache_free(&cache);
-        free(logits);
         free(want);
         free(ids);
     }
@@ -321,7 +340,6 @@ static void test_greedy_penalized(void **state)
     json_t *fx = fixture_json("tests/fixtures/sampling/greedy.json");
     assert_non_null(fx);
     json_t *cases = json_object_get(fx, "cases");
-    int nv = g->ref->cfg.n_vocab;
     for (size_t c = 0; c < json_array_size(cases); c++) {
         json_t *jc = json_array_get(cases, c);
         int n, ng, np, nb;
@@ -341,36 +359,10 @@ static void test_greedy_penalized(void **state)
             .bias = bias,
             .n_bias = (size_t)nb,
         };
-        struct skv_sampler smp;
-        assert_int_equal(skv_sampler_init(&smp, &sp, nv), SKV_OK);
-        int32_t *seq = malloc((size_t)(n + ng) * sizeof *seq);
-        memcpy(seq, ids, (size_t)n * sizeof *seq);
-        struct skv_kv_cache *cache = NULL;
-        struct skv_engine *e = NULL;
-        float *logits = forward(g->ref, ids, n, false, &cache);
-        assert_int_equal(skv_engine_new(g->ref, &e), SKV_OK);
-        int same = 0;
-        for (int k = 0; k < ng; k++) {
-            int32_t t = skv_sampler_next(&smp, logits, seq, n + k, seq + n, k);
-            if (t != want[k]) {
-                double margin = json_real_value(json_array_get(margins, (size_t)k));
-                printf("# %s: token %d differs (%d vs %d), reference margin %.4g\n",
-                       json_string_value(json_object_get(jc, "name")), k, t, want[k], margin);
-                assert_true(margin < TIE_MARGIN);
-                break;
-            }
-            seq[n + k] = t;
-            same++;
-            assert_int_equal(skv_engine_forward(e, cache, &t, 1, NULL, logits), SKV_OK);
-        }
-        printf("# %-21s greedy with penalties: %d of %d tokens identical\n",
-               json_string_value(json_object_get(jc, "name")), same, ng);
+        const char *name = json_string_value(json_object_get(jc, "name"));
+        int same = greedy_agrees(g, name, ids, n, want, ng, margins, &sp);
+        printf("# %-21s greedy with penalties: %d of %d tokens identical\n", name, same, ng);
         assert_true(same >= 8);
-        skv_sampler_fini(&smp);
-        skv_engine_free(&e);
-        skv_kv_cache_free(&cache);
-        free(logits);
-        free(seq);
         free(bias_ids);
         free(plain);
         free(want);
