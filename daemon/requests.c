@@ -2136,31 +2136,20 @@ static void handle_tokenize(struct skv_worker *w, struct skv_job *job)
 static void handle_detokenize(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__DetokenizeRequest *q = job->req->detokenize;
-    const struct skv_tokenizer *tok = w->m->tok;
-    int rc = tok ? SKV_OK : skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer");
-    /* ids the model has rows for and the tokenizer no text (a padded embedding) give none, as
-     * Hugging Face's decode skips unknown ids */
-    size_t total = 0, len = 0;
-    for (size_t i = 0; i < q->n_tokens && !rc; i++) {
-        int32_t t = (int32_t)q->tokens[i];
-        long n = tok ? skv_tokenizer_token_len(tok, t) : -1;
+    int rc = w->m->tok ? SKV_OK : skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer");
+    for (size_t i = 0; i < q->n_tokens && !rc; i++)
         if (q->tokens[i] >= (uint32_t)w->m->cfg.n_vocab)
             rc = skv_errorf(SKV_E_INVAL, "token %u at index %zu is outside the vocabulary [0, %d)", q->tokens[i], i,
                             w->m->cfg.n_vocab);
-        else if (n > 0 && !(q->skip_special && skv_tokenizer_is_special(tok, t)))
-            total += (size_t)n;
-    }
-    char *raw = rc ? NULL : malloc(total + 1), *text = NULL;
-    if (!rc && !raw)
-        rc = skv_errorf(SKV_E_NOMEM, "no memory for %zu bytes of text", total);
-    size_t at = 0;
-    for (size_t i = 0; i < q->n_tokens && !rc; i++) {
-        int32_t t = (int32_t)q->tokens[i];
-        if (!(q->skip_special && skv_tokenizer_is_special(tok, t)) &&
-            skv_tokenizer_token_bytes(tok, t, raw + at, total - at, &len) == SKV_OK)
-            at += len;
-    }
-    if (!rc && !(text = skv_utf8_fix(raw, at, NULL)))
+    /* ids the model has rows for and the tokenizer no text (a padded embedding) give none, as
+     * Hugging Face's decode skips unknown ids; the ids are below n_vocab, so int32 as they are
+     * (admission kept their count within an int) */
+    char *raw = NULL, *text = NULL;
+    size_t len = 0;
+    if (!rc)
+        rc = skv_tokenizer_decode_bytes(w->m->tok, (const int32_t *)q->tokens, (int)q->n_tokens, q->skip_special,
+                                        &raw, &len);
+    if (!rc && !(text = skv_utf8_fix(raw, len, NULL)))
         rc = skv_errorf(SKV_E_NOMEM, "no memory for the text");
     free(raw);
     if (rc) {

@@ -374,10 +374,11 @@ static bool has_feature(const snapkv_client_t *c, const char *feature)
 /* The most logit biases one DECODE may carry (the daemon's SKV_LOGIT_BIAS_MAX). */
 #define LOGIT_BIAS_MAX 1024u
 
-/* ext's checks the library can make (the daemon checks the ranges) and its wire form: bias
- * entries in b[] (room for LOGIT_BIAS_MAX), pointers to them in pb[]. */
+/* ext's checks the library can make (the daemon checks the ranges) and its wire form in ws: the
+ * bias entries in *b_out and pointers to them in *pb_out (malloc'd, the caller frees both, also
+ * on failure). */
 static int ext_wire(const snapkv_client_t *c, const struct snapkv_sampling_ext *ext, Snapkv__Sampling *ws,
-                    Snapkv__LogitBias *b, Snapkv__LogitBias **pb)
+                    Snapkv__LogitBias **b_out, Snapkv__LogitBias ***pb_out)
 {
     if (!ext)
         return SNAPKV_OK;
@@ -395,10 +396,15 @@ static int ext_wire(const snapkv_client_t *c, const struct snapkv_sampling_ext *
                                ext->n_bias);
     if (ext->n_bias && (!ext->bias_tokens || !ext->bias))
         return skv_client_fail(SNAPKV_E_INVAL, "decode: n_bias is %zu but bias_tokens or bias is NULL", ext->n_bias);
-    for (size_t i = 0; i < ext->n_bias; i++) {
+    for (size_t i = 0; i < ext->n_bias; i++)
         if (c->hello->n_vocab && ext->bias_tokens[i] >= c->hello->n_vocab)
             return skv_client_fail(SNAPKV_E_INVAL, "decode: bias token %u at index %zu is outside the vocabulary "
                                    "[0, %u)", ext->bias_tokens[i], i, c->hello->n_vocab);
+    Snapkv__LogitBias *b = NULL, **pb = NULL;
+    if (ext->n_bias && (!(b = *b_out = malloc(ext->n_bias * sizeof *b)) ||
+                        !(pb = *pb_out = malloc(ext->n_bias * sizeof *pb))))
+        return skv_client_fail(SNAPKV_E_NOMEM, "decode: out of memory for %zu logit biases", ext->n_bias);
+    for (size_t i = 0; i < ext->n_bias; i++) {
         snapkv__logit_bias__init(&b[i]);
         b[i].token = ext->bias_tokens[i];
         b[i].bias = ext->bias[i];
@@ -462,12 +468,7 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
     ws.logprobs = logprobs != NULL;
     ws.top_logprobs = top_logprobs;
     Snapkv__LogitBias *bias = NULL, **pbias = NULL;
-    if (ext && ext->n_bias && ext->n_bias <= LOGIT_BIAS_MAX &&
-        (!(bias = malloc(ext->n_bias * sizeof *bias)) || !(pbias = malloc(ext->n_bias * sizeof *pbias)))) {
-        free(bias);
-        return skv_client_fail(SNAPKV_E_NOMEM, "decode: out of memory for %zu logit biases", ext->n_bias);
-    }
-    rc = ext_wire(c, ext, &ws, bias, pbias);
+    rc = ext_wire(c, ext, &ws, &bias, &pbias);
     if (rc) {
         free(bias);
         free(pbias);

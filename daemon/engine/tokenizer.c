@@ -1831,11 +1831,6 @@ size_t skv_tokenizer_max_token_bytes(const struct skv_tokenizer *tok)
 /* ---------------------------------------------------------------------------------------- */
 /* decoding */
 
-long skv_tokenizer_token_len(const struct skv_tokenizer *tok, int32_t id)
-{
-    return tok && id >= 0 && id < tok->n_vocab ? (long)tok->bytes_len[id] : -1;
-}
-
 int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char *buf, size_t cap,
                               size_t *len_out)
 {
@@ -1862,24 +1857,34 @@ static bool known_id(const struct skv_tokenizer *tok, int32_t id)
  * 151665), and a sampler may pick one of those rows. */
 int skv_tokenizer_decode(const struct skv_tokenizer *tok, const int32_t *ids, int n, char **out)
 {
+    return skv_tokenizer_decode_bytes(tok, ids, n, false, out, NULL);
+}
+
+int skv_tokenizer_decode_bytes(const struct skv_tokenizer *tok, const int32_t *ids, int n, bool skip_special,
+                               char **out, size_t *len_out)
+{
     if (tok == NULL || out == NULL || n < 0 || (ids == NULL && n > 0))
         return skv_errorf(SKV_E_INVAL, "tokenizer: bad decode arguments");
+#define WANTED(id) (known_id(tok, (id)) && !(skip_special && (tok->attr[(id)] & ATTR_CONTROL)))
     size_t total = 0;
     for (int i = 0; i < n; i++)
-        if (known_id(tok, ids[i]))
+        if (WANTED(ids[i]))
             total += tok->bytes_len[ids[i]];
     char *s = malloc(total + 1);
     if (s == NULL)
         return skv_errorf(SKV_E_NOMEM, "tokenizer: no memory for %zu decoded bytes", total);
     size_t k = 0;
     for (int i = 0; i < n; i++) {
-        if (!known_id(tok, ids[i]))
+        if (!WANTED(ids[i]))
             continue;
         memcpy(s + k, tok->bytes.p + tok->bytes_off[ids[i]], tok->bytes_len[ids[i]]);
         k += tok->bytes_len[ids[i]];
     }
+#undef WANTED
     s[k] = '\0';
     *out = s;
+    if (len_out)
+        *len_out = k;
     return SKV_OK;
 }
 

@@ -44,13 +44,15 @@ int skv_tokenizer_encode_capped(const struct skv_tokenizer *tok, const char *tex
 size_t skv_tokenizer_max_token_bytes(const struct skv_tokenizer *tok);
 /* Bytes of one token (byte-level decoded); special tokens as their text. Writes at most cap
  * bytes; *len_out is the full length. Bytes may be a partial UTF-8 sequence. */
-/* Bytes of one token's text; -1 for an id outside the tokenizer's vocabulary. */
-long skv_tokenizer_token_len(const struct skv_tokenizer *tok, int32_t id);
 int skv_tokenizer_token_bytes(const struct skv_tokenizer *tok, int32_t id, char *buf, size_t cap,
                               size_t *len_out);
 /* Decode ids to a malloc'd NUL-terminated string. Ids outside [0, n_vocab) are skipped (as
  * Hugging Face's decode skips unknown ids): a model may have more embedding rows than tokens. */
 int skv_tokenizer_decode(const struct skv_tokenizer *tok, const int32_t *ids, int n, char **out);
+/* skv_tokenizer_decode that with skip_special leaves out control tokens and gives the length
+ * (*len_out, may be NULL): the bytes may hold a NUL. */
+int skv_tokenizer_decode_bytes(const struct skv_tokenizer *tok, const int32_t *ids, int n, bool skip_special,
+                               char **out, size_t *len_out);
 
 struct skv_chat_msg {
     const char *role;    /* "system", "user", "assistant" */
