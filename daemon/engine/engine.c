@@ -3,6 +3,7 @@
  * Projections and the MLP run in chunks of tokens to bound activation memory. */
 #include "daemon/engine/engine.h"
 #include "common/status.h"
+#include "daemon/engine/sampler.h"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -1054,12 +1055,52 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
         if (tokens[i] < 0 || tokens[i] >= c->n_vocab)
             return skv_errorf(SKV_E_INVAL, "token %d at index %d is outside the vocabulary [0, %d)",
                               tokens[i], i, c->n_vocab);
+    if (opts && opts->n_targets) {
+        if (opts->n_targets < 0 || opts->n_targets > n || !opts->targets || !opts->target_logprobs || !logits ||
+            opts->logits_all)
+            return skv_errorf(SKV_E_INVAL, "scoring %d targets of a forward of %d tokens needs 1 to %d targets, "
+                              "their outputs and the last logits' (not logits_all)", opts->n_targets, n, n);
+        for (int i = 0; i < opts->n_targets; i++)
+            if (opts->targets[i] < 0 || opts->targets[i] >= c->n_vocab)
+                return skv_errorf(SKV_E_INVAL, "target %d at index %d is outside the vocabulary [0, %d)",
+                                  opts->targets[i], i, c->n_vocab);
+    }
     int32_t from = cache->n_past;
     e->tick = opts && opts->tick ? opts : NULL;
     int rc = forward_run(e, cache, tokens, n, opts, logits);
     e->tick = NULL;
     if (rc)
         forward_undo(cache, from);
+    return rc;
+}
+
+/* The output of a forward's first opts->n_targets rows (e->x, after the last layer), a chunk
+ * at a time, scored against opts->targets. */
+static int score_targets(struct skv_engine *e, const struct skv_forward_opts *opts)
+{
+    const struct skv_model_config *c = &e->m->cfg;
+    struct skv_backend *be = e->be;
+    const struct skv_backend_ops *ops = be->ops;
+    int n = opts->n_targets, cap = n < CHUNK ? n : CHUNK;
+    size_t row = (size_t)c->n_vocab * sizeof(float);
+    float *host = malloc((size_t)cap * row), *out = NULL;
+    int rc = host ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
+    for (int i0 = 0, m; !rc && i0 < n; i0 += m) {
+        m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        if (i0)
+            tick(e);
+        rc = ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, e->m->output_norm.data, m, c->dim, c->norm_eps);
+        if (!rc)
+            rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, m);
+        if (!rc)
+            rc = ops->download(be, host, out, (size_t)m * row);
+        for (int r = 0; !rc && r < m; r++)
+            skv_logprobs(host + (size_t)r * c->n_vocab, c->n_vocab, opts->targets[i0 + r], 0,
+                         &opts->target_logprobs[i0 + r], NULL, NULL);
+    }
+    if (out)
+        ops->free(be, out);
+    free(host);
     return rc;
 }
 
@@ -1092,6 +1133,8 @@ static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const i
     cache->n_past += n;
     if (!logits)
         return SKV_OK;
+    if (opts && opts->n_targets)
+        CHECK(score_targets(e, opts));
     bool all = opts && opts->logits_all;
     int first = all ? 0 : n - 1, rows = all ? n : 1;
     for (int i0 = 0, m; i0 < rows; i0 += m) {

@@ -140,6 +140,15 @@ struct skv_forward_opts {
      * state may be touched there */
     void (*tick)(void *user);
     void *tick_user;
+    /* A prompt's scores: with logits != NULL and n_targets in [1, n], for each position i <
+     * n_targets the log-probability the model gives token targets[i] there (skv_logprobs of that
+     * position's logits: a prompt scores its own tokens with targets = tokens + 1) into
+     * target_logprobs[i]; logits still gets the last position's, the same bits as without
+     * targets (logits_all must be false). It runs the output matmul for every position scored,
+     * in chunks (the tick between them). */
+    const int32_t *targets;
+    float *target_logprobs;
+    int n_targets;
 };
 
 int skv_engine_new(struct skv_model *m, struct skv_engine **out);

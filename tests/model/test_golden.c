@@ -1,7 +1,8 @@
 /* Real models against Hugging Face transformers on the same GGUF (fixtures from
  * tests/reference/gen_model_reference.py): reference-mode logits of five prompts (one of
  * 1500-1640 tokens), 64 greedy tokens for three prompts, the tokenizer on the same texts, and
- * the fast (quantized) mode against the reference mode over a 1000-token text. Two groups: the
+ * the fast (quantized) mode against the reference mode over a 1000-token text, and the scores of
+ * the prompts' own tokens (the default model only). Two groups: the
  * default model (SmolLM2-135M, llama, Q4_1; tests/fixtures/golden/) and the second model of the
  * quality runs (Qwen2.5-Coder-0.5B, qwen2, Q4_K_M with Q5_0 / Q6_K / Q8_0 tensors;
  * tests/fixtures/golden-qwen2.5-coder-0.5b/, `scripts/fetch-model qwen2.5-coder-0.5b`). Each
@@ -371,6 +372,116 @@ static void test_greedy_penalized(void **state)
     json_decref(fx);
 }
 
+/* m's scores of ids[from..n) (the log-probability of each given the tokens before it, as a
+ * session of ids[0..from) and a forward of the rest with targets would give them, the first from
+ * the session's last logits; from = 0: the forward of the whole prompt scores ids[1..n)) into
+ * lp; returns how many. The last logits of each forward must be the bits a forward without
+ * targets gives. */
+static int score(struct skv_model *m, const int32_t *ids, int n, int from, float *lp)
+{
+    int nv = m->cfg.n_vocab, k = 0;
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL, *plain_cache = NULL;
+    float *logits = malloc((size_t)nv * sizeof *logits), *plain = malloc((size_t)nv * sizeof *plain);
+    assert_int_equal(skv_engine_new(m, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &cache), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(m, &plain_cache), SKV_OK);
+    if (from > 0) {
+        assert_int_equal(skv_engine_forward(e, cache, ids, from, NULL, logits), SKV_OK);
+        assert_int_equal(skv_engine_forward(e, plain_cache, ids, from, NULL, plain), SKV_OK);
+        skv_logprobs(logits, nv, ids[from], 0, &lp[k++], NULL, NULL);
+    }
+    struct skv_forward_opts fo = {.targets = ids + from + 1, .n_targets = n - from - 1, .target_logprobs = lp + k};
+    assert_int_equal(skv_engine_forward(e, cache, ids + from, n - from, &fo, logits), SKV_OK);
+    assert_int_equal(skv_engine_forward(e, plain_cache, ids + from, n - from, NULL, plain), SKV_OK);
+    assert_memory_equal(logits, plain, (size_t)nv * sizeof *logits);
+    k += n - from - 1;
+    skv_kv_cache_free(&plain_cache);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    free(plain);
+    free(logits);
+    return k;
+}
+
+/* The engine's scores of a prompt's own tokens (skv_forward_opts.targets: PREFILL's and APPEND's
+ * prompt_logprobs) against transformers' log_softmax (tests/fixtures/golden/prompt_logprobs.json,
+ * from tests/reference/gen_prompt_logprobs_fixture.py; the default model only): each token in
+ * reference mode, the sums in fast mode; and a prompt scored as a session of its first tokens and
+ * an APPEND of the rest. Bad targets are refused. */
+static void test_prompt_logprobs(void **state)
+{
+    NEED_MODEL(g);
+    if (strcmp(g->dir, "golden") != 0)
+        skip();
+    json_t *fx = fixture_json("tests/fixtures/golden/prompt_logprobs.json");
+    assert_non_null(fx);
+    json_t *prompts = json_object_get(g->fixture, "prompts"), *want = json_object_get(fx, "prompts");
+    assert_int_equal(json_array_size(want), json_array_size(prompts));
+    for (size_t p = 0; p < json_array_size(prompts); p++) {
+        int n;
+        int32_t *ids = json_ids(json_object_get(json_array_get(prompts, p), "ids"), &n);
+        json_t *w = json_array_get(want, p), *wl = json_object_get(w, "logprobs");
+        assert_int_equal(json_array_size(wl), (size_t)n - 1);
+        float *ref = malloc((size_t)n * sizeof *ref), *fast = malloc((size_t)n * sizeof *fast);
+        assert_int_equal(score(g->ref, ids, n, 0, ref), n - 1);
+        assert_int_equal(score(g->fast, ids, n, 0, fast), n - 1);
+        double max_diff = 0, max_fast = 0, sum_ref = 0, sum_fast = 0;
+        double sum_want = json_number_value(json_object_get(w, "sum"));
+        for (int i = 0; i < n - 1; i++) {
+            double v = json_number_value(json_array_get(wl, (size_t)i));
+            max_diff = fmax(max_diff, fabs(ref[i] - v));
+            max_fast = fmax(max_fast, fabs(fast[i] - v));
+            sum_ref += ref[i];
+            sum_fast += fast[i];
+        }
+        printf("# %-9s %5d tokens: max |diff| %.3g per token (fast mode %.3g); sum %.3f (transformers %.3f), "
+               "fast mode %.3f\n", json_string_value(json_object_get(w, "name")), n, max_diff, max_fast, sum_ref,
+               sum_want, sum_fast);
+        assert_true(max_diff <= 1e-3);
+        assert_true(max_fast <= 1e-2);
+        assert_true(fabs(sum_ref - sum_want) <= 1e-5 * fabs(sum_want) + 1e-3);
+        assert_true(fabs(sum_fast - sum_want) <= 1e-4 * fabs(sum_want) + 1e-2);
+        free(fast);
+        free(ref);
+        free(ids);
+    }
+    /* a session of the paragraph's first `split` tokens, then the rest appended */
+    json_t *ap = json_object_get(fx, "append"), *wl = json_object_get(ap, "logprobs");
+    int split = (int)json_integer_value(json_object_get(ap, "split")), n;
+    int32_t *ids = json_ids(json_object_get(json_array_get(prompts, 1), "ids"), &n);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(prompts, 1), "name")), "paragraph");
+    float *lp = malloc((size_t)n * sizeof *lp);
+    assert_int_equal(score(g->ref, ids, n, split, lp), n - split);
+    assert_int_equal(json_array_size(wl), (size_t)(n - split));
+    double max_diff = 0;
+    for (int i = 0; i < n - split; i++)
+        max_diff = fmax(max_diff, fabs(lp[i] - json_number_value(json_array_get(wl, (size_t)i))));
+    printf("# paragraph as %d + %d tokens: max |diff| %.3g per token\n", split, n - split, max_diff);
+    assert_true(max_diff <= 1e-3);
+    /* refused: a target outside the vocabulary, more targets than tokens, logits_all with targets */
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL;
+    float *logits = malloc((size_t)g->ref->cfg.n_vocab * sizeof *logits);
+    int32_t bad[2] = {ids[1], g->ref->cfg.n_vocab};
+    assert_int_equal(skv_engine_new(g->ref, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(g->ref, &cache), SKV_OK);
+    struct skv_forward_opts fo = {.targets = bad, .n_targets = 2, .target_logprobs = lp};
+    assert_int_equal(skv_engine_forward(e, cache, ids, 3, &fo, logits), SKV_E_INVAL);
+    fo.n_targets = 4;
+    assert_int_equal(skv_engine_forward(e, cache, ids, 3, &fo, logits), SKV_E_INVAL);
+    fo.n_targets = 1;
+    fo.logits_all = true;
+    assert_int_equal(skv_engine_forward(e, cache, ids, 3, &fo, logits), SKV_E_INVAL);
+    assert_int_equal(cache->n_past, 0);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    free(logits);
+    free(lp);
+    free(ids);
+    json_decref(fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -379,6 +490,7 @@ int main(void)
         cmocka_unit_test(test_greedy_penalized),
         cmocka_unit_test(test_tokenizer_on_prompts),
         cmocka_unit_test(test_fast_vs_reference),
+        cmocka_unit_test(test_prompt_logprobs),
     };
     int failed = cmocka_run_group_tests_name("smollm2-135m", tests, setup_smollm2, teardown);
     failed += cmocka_run_group_tests_name("qwen2.5-coder-0.5b", tests, setup_qwen, teardown);
