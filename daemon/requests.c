@@ -427,9 +427,11 @@ static int keep_rows_hook(void *user, const struct skv_layer_view *v)
  * nobody's (a PREFILL's session), the engine's undo restores it, or it runs on a copy
  * (session_undo). progress_job: send per-layer progress replies for it (may be NULL). keep
  * (NULL: none): a copy of s's cache that takes each layer's rows before the compressor cuts
- * them. */
+ * them. scores (NULL: none): the log-probabilities of ids[1..n), each at the position before
+ * it. */
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
-                                    bool compress, const struct skv_job *progress_job, struct skv_kv_cache *keep)
+                                    bool compress, const struct skv_job *progress_job, struct skv_kv_cache *keep,
+                                    float *scores)
 {
     bool had_logits = s->logits != NULL;
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
@@ -444,6 +446,11 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         fo.hook_user = &prog;
         fo.tick = forward_tick; /* and between the chunks of a layer's projections and MLP */
         fo.tick_user = w;
+    }
+    if (scores && n > 1) {
+        fo.targets = ids + 1;
+        fo.n_targets = n - 1;
+        fo.target_logprobs = scores;
     }
     struct keep_rows kr = {keep, fo.hook, fo.hook_user};
     if (keep) {
@@ -481,7 +488,7 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
 
 static int session_forward(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n, bool compress)
 {
-    return session_forward_progress(w, s, ids, n, compress, NULL, NULL);
+    return session_forward_progress(w, s, ids, n, compress, NULL, NULL, NULL);
 }
 
 /* What a request that runs on a copy of a session's cache (sharing every block) keeps to put
@@ -780,6 +787,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     const struct skv_config *cfg = w->cfg;
     const char *tenant = tenant_of(job);
     int32_t *ids = NULL;
+    float *scores = NULL; /* prompt_logprobs */
     int n = 0, rc;
     struct skv_session *s = NULL;
     struct skv_kv_cache *keep = NULL; /* the prompt's rows, whole, kept for reuse (prefix-retain-bytes) */
@@ -794,11 +802,15 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, true, (int)cfg->max_prompt_tokens,
                              &ids, &n)))
         goto fail;
+    if (p->prompt_logprobs && !(scores = malloc((size_t)n * sizeof *scores))) {
+        rc = SKV_E_NOMEM;
+        goto fail;
+    }
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
-    int reused = 0;
+    int reused = 0; /* a scored prompt computes every token: a reused row has no output to score */
     if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)) ||
-        (cfg->prefix_reuse && !p->no_prefix_reuse && (rc = reuse_prefix(w, s, ids, n, &reused)) &&
+        (cfg->prefix_reuse && !p->no_prefix_reuse && !scores && (rc = reuse_prefix(w, s, ids, n, &reused)) &&
          rc != SKV_E_NOMEM)) /* without the copy, every token is computed */
         goto fail;
     /* the bytes are known before the forward: a cache that cannot fit is refused (or room
@@ -816,7 +828,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
     uint64_t inside0 = w->nested_us; /* what runs inside the forward is not its time */
-    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL, keep);
+    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL, keep, scores);
     if (rc)
         goto fail;
     if (keep) {
@@ -855,6 +867,12 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         pr.n_logits = (size_t)w->m->cfg.n_vocab;
         pr.logits = s->logits;
     }
+    if (scores) {
+        pr.n_prompt_logprobs = (size_t)n - 1;
+        pr.prompt_logprobs = scores;
+        pr.n_prompt_tokens = (size_t)n;
+        pr.prompt_tokens = (uint32_t *)ids; /* ids of the vocabulary: none is negative */
+    }
     w->metrics.bytes_before += pr.bytes_before;
     w->metrics.bytes_after += pr.bytes_after;
     if ((rc = fill_kept(s->cache, &arena, false, &pr.n_kept, &pr.kept))) {
@@ -865,6 +883,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     rep.prefill = &pr;
     skv_worker_reply(w, job, &rep);
     free_kept(&arena);
+    free(scores);
     free(ids);
     return;
 fail:
@@ -872,6 +891,7 @@ fail:
     fail_rc(w, job, rc);
     if (s)
         skv_session_destroy(w->sessions, s);
+    free(scores);
     free(ids);
 }
 
@@ -880,6 +900,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     const Snapkv__AppendRequest *a = job->req->append;
     struct skv_session *s = NULL;
     int32_t *ids = NULL;
+    float *scores = NULL; /* prompt_logprobs */
     int n = 0, rc;
     int room = (int)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens);
     if ((rc = find_session(w, job, a->session_id, false, &s)))
@@ -891,6 +912,18 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, false, room - s->cache->n_past, &ids,
                              &n)))
         goto fail;
+    if (a->prompt_logprobs) {
+        if (!s->logits) {
+            rc = skv_errorf(SKV_E_INVAL, "prompt_logprobs: the session has no next-token logits to score its "
+                            "first token with (an imported session gets them from its first APPEND)");
+            goto fail;
+        }
+        if (!(scores = malloc((size_t)n * sizeof *scores))) {
+            rc = SKV_E_NOMEM;
+            goto fail;
+        }
+        skv_logprobs(s->logits, w->m->cfg.n_vocab, ids[0], 0, &scores[0], NULL, NULL);
+    }
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
      * session's upkeep evicts or re-scores rows too, it runs on a copy */
     struct session_undo u;
@@ -904,7 +937,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
             undo_end(w, s, &u, true);
         goto fail;
     }
-    rc = session_forward(w, s, ids, n, false);
+    rc = session_forward_progress(w, s, ids, n, false, NULL, NULL, scores ? scores + 1 : NULL);
     if (copy)
         undo_end(w, s, &u, rc != SKV_OK);
     if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
@@ -920,13 +953,21 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         ar.n_logits = (size_t)w->m->cfg.n_vocab;
         ar.logits = s->logits;
     }
+    if (scores) {
+        ar.n_prompt_logprobs = (size_t)n;
+        ar.prompt_logprobs = scores;
+        ar.n_prompt_tokens = (size_t)n;
+        ar.prompt_tokens = (uint32_t *)ids; /* ids of the vocabulary: none is negative */
+    }
     rep.result_case = SNAPKV__REPLY__RESULT_APPEND;
     rep.append = &ar;
     skv_worker_reply(w, job, &rep);
+    free(scores);
     free(ids);
     return;
 fail:
     fail_rc(w, job, rc);
+    free(scores);
     free(ids);
 }
 

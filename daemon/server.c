@@ -514,9 +514,11 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant;
     h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
     h->kv_block_tokens = (uint32_t)cfg->kv_block_tokens;
-    static const char *const features[] = {"sampling-ext", "tokenize"}; /* HelloReply.features */
-    h->n_features = sizeof features / sizeof features[0] - (m->tok ? 0 : 1); /* no tokenizer: no TOKENIZE */
-    h->features = (char **)features;
+    /* HelloReply.features; without a tokenizer, no TOKENIZE */
+    static const char *const features[] = {"sampling-ext", "prompt-logprobs", "tokenize"};
+    static const char *const no_tok[] = {"sampling-ext", "prompt-logprobs"};
+    h->n_features = m->tok ? sizeof features / sizeof features[0] : sizeof no_tok / sizeof no_tok[0];
+    h->features = (char **)(m->tok ? features : no_tok);
     if (m->tok) {
         h->bos_token = (uint32_t)skv_tokenizer_bos(m->tok);
         h->eos_token = (uint32_t)skv_tokenizer_eos(m->tok);

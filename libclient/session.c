@@ -50,8 +50,60 @@ int snapkv_prefill(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, s
     return snapkv_prefill_flags(c, opts, 0, out, NULL);
 }
 
+/* Whether the daemon c talks to listed feature in its HELLO. */
+static bool has_feature(const snapkv_client_t *c, const char *feature)
+{
+    for (size_t i = 0; i < c->hello->n_features; i++)
+        if (strcmp(c->hello->features[i], feature) == 0)
+            return true;
+    return false;
+}
+
+/* A reply's prompt scores into *out (zeroed first): n_lp log-probabilities, n_tok token ids. */
+static int copy_scores(const float *lp, size_t n_lp, const uint32_t *tok, size_t n_tok, const char *what,
+                       struct snapkv_scores *out)
+{
+    struct snapkv_scores sc = {.n_logprobs = n_lp, .n_tokens = n_tok};
+    if (!skv_client_dup_f32(lp, n_lp, &sc.logprobs) ||
+        (n_tok && !(sc.tokens = malloc(n_tok * sizeof *sc.tokens)))) {
+        free(sc.logprobs);
+        return skv_client_fail(SNAPKV_E_NOMEM, "%s: out of memory for %zu scores", what, n_lp);
+    }
+    if (n_tok)
+        memcpy(sc.tokens, tok, n_tok * sizeof *sc.tokens);
+    *out = sc;
+    return SNAPKV_OK;
+}
+
+/* Scores asked of a daemon: one that does not list prompt-logprobs would ignore the field. */
+static int check_scores_feature(const snapkv_client_t *c, const char *what)
+{
+    if (has_feature(c, "prompt-logprobs"))
+        return SNAPKV_OK;
+    return skv_client_fail(SNAPKV_E_UNSUPPORTED, "%s: the daemon (snapkvd %s) does not score prompts: it is older "
+                           "than prompt_logprobs", what, c->hello->server_version ? c->hello->server_version : "?");
+}
+
+static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
+                        struct snapkv_prefill_result *out, uint32_t *reused_tokens, struct snapkv_scores *scores);
+
 int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
                          struct snapkv_prefill_result *out, uint32_t *reused_tokens)
+{
+    return prefill_call(c, opts, flags, out, reused_tokens, NULL);
+}
+
+int snapkv_prefill_scored(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
+                          struct snapkv_prefill_result *out, struct snapkv_scores *scores)
+{
+    if (scores)
+        memset(scores, 0, sizeof *scores);
+    int rc = skv_client_check(c, scores, "prefill");
+    return rc ? rc : prefill_call(c, opts, flags, out, NULL, scores);
+}
+
+static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
+                        struct snapkv_prefill_result *out, uint32_t *reused_tokens, struct snapkv_scores *scores)
 {
     unsigned unknown = flags & ~(unsigned)SNAPKV_PREFILL_NO_PREFIX_REUSE;
     if (unknown)
@@ -71,6 +123,8 @@ int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *o
     if (max_prompt && opts->n_tokens > max_prompt)
         return skv_client_fail(SNAPKV_E_LIMIT, "prefill: %zu tokens, the daemon takes at most %u", opts->n_tokens,
                                max_prompt);
+    if (scores && (rc = check_scores_feature(c, "prefill")))
+        return rc;
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
@@ -87,6 +141,7 @@ int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *o
     p.lease_seconds = opts->lease_seconds;
     p.progress = opts->progress != NULL;
     p.no_prefix_reuse = (flags & SNAPKV_PREFILL_NO_PREFIX_REUSE) != 0;
+    p.prompt_logprobs = scores != NULL;
     req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
     req.prefill = &p;
     Snapkv__Reply *rep = NULL;
@@ -114,6 +169,14 @@ int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *o
         rc = skv_client_fail(SNAPKV_E_NOMEM, "prefill: out of memory for %zu logits", r->n_logits);
         goto out_free_result;
     }
+    if (scores && (r->n_prompt_tokens != r->n_tokens || r->n_prompt_logprobs + 1 != r->n_tokens)) {
+        rc = skv_client_fail(SNAPKV_E_PROTO, "PREFILL: %zu scores and %zu token ids for a prompt of %u tokens",
+                             r->n_prompt_logprobs, r->n_prompt_tokens, r->n_tokens);
+        goto out_free_result;
+    }
+    if (scores && (rc = copy_scores(r->prompt_logprobs, r->n_prompt_logprobs, r->prompt_tokens, r->n_prompt_tokens,
+                                    "prefill", scores)))
+        goto out_free_result;
     *out = res;
     if (reused_tokens)
         *reused_tokens = r->reused_tokens;
@@ -138,8 +201,27 @@ void snapkv_prefill_result_free(struct snapkv_prefill_result *r)
 
 /* ---- APPEND ------------------------------------------------------------------------------------- */
 
+static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
+                       struct snapkv_append_result *out, struct snapkv_scores *scores);
+
 int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
                   struct snapkv_append_result *out)
+{
+    return append_call(c, id, opts, out, NULL);
+}
+
+int snapkv_append_scored(snapkv_client_t *c, const struct snapkv_session_id *id,
+                         const struct snapkv_append_opts *opts, struct snapkv_append_result *out,
+                         struct snapkv_scores *scores)
+{
+    if (scores)
+        memset(scores, 0, sizeof *scores);
+    int rc = skv_client_check(c, scores, "append");
+    return rc ? rc : append_call(c, id, opts, out, scores);
+}
+
+static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
+                       struct snapkv_append_result *out, struct snapkv_scores *scores)
 {
     int rc = skv_client_check(c, id, "append");
     if (rc)
@@ -152,6 +234,8 @@ int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     if (opts->chat && opts->n_tokens)
         return skv_client_fail(SNAPKV_E_INVAL, "append: chat parses markup in text; token ids go in as they are "
                                "(clear chat, or send text)");
+    if (scores && (rc = check_scores_feature(c, "append")))
+        return rc;
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
@@ -161,18 +245,31 @@ int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const 
     a.text = (char *)(opts->text ? opts->text : "");
     a.return_logits = opts->return_logits;
     a.chat = opts->chat;
+    a.prompt_logprobs = scores != NULL;
     req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
     req.append = &a;
     Snapkv__Reply *rep = NULL;
     rc = skv_client_call(c, &req, SNAPKV__REPLY__RESULT_APPEND, "APPEND", NULL, NULL, NULL, &rep);
     if (rc)
         return rc;
+    const Snapkv__AppendReply *sr = rep->append;
+    if (scores && (sr->n_prompt_logprobs != sr->n_prompt_tokens || !sr->n_prompt_tokens)) {
+        snapkv__reply__free_unpacked(rep, NULL);
+        return skv_client_fail(SNAPKV_E_PROTO, "APPEND: %zu scores for %zu token ids", sr->n_prompt_logprobs,
+                               sr->n_prompt_tokens);
+    }
+    if (scores && (rc = copy_scores(sr->prompt_logprobs, sr->n_prompt_logprobs, sr->prompt_tokens,
+                                    sr->n_prompt_tokens, "append", scores))) {
+        snapkv__reply__free_unpacked(rep, NULL);
+        return rc;
+    }
     if (out) {
         const Snapkv__AppendReply *r = rep->append;
         struct snapkv_append_result res = {.n_tokens = r->n_tokens, .next_token = r->next_token,
                                            .n_logits = r->n_logits};
         if (!skv_client_dup_f32(r->logits, r->n_logits, &res.logits)) {
             snapkv__reply__free_unpacked(rep, NULL);
+            snapkv_scores_free(scores);
             return skv_client_fail(SNAPKV_E_NOMEM, "append: out of memory for %zu logits", r->n_logits);
         }
         *out = res;
@@ -187,6 +284,15 @@ void snapkv_append_result_free(struct snapkv_append_result *r)
         return;
     free(r->logits);
     memset(r, 0, sizeof *r);
+}
+
+void snapkv_scores_free(struct snapkv_scores *s)
+{
+    if (!s)
+        return;
+    free(s->logprobs);
+    free(s->tokens);
+    memset(s, 0, sizeof *s);
 }
 
 /* ---- DECODE ------------------------------------------------------------------------------------- */
@@ -360,15 +466,6 @@ void snapkv_sampling_ext_defaults(struct snapkv_sampling_ext *ext)
 {
     if (ext)
         memset(ext, 0, sizeof *ext);
-}
-
-/* Whether the daemon c talks to listed feature in its HELLO. */
-static bool has_feature(const snapkv_client_t *c, const char *feature)
-{
-    for (size_t i = 0; i < c->hello->n_features; i++)
-        if (strcmp(c->hello->features[i], feature) == 0)
-            return true;
-    return false;
 }
 
 /* The most logit biases one DECODE may carry (the daemon's SKV_LOGIT_BIAS_MAX). */

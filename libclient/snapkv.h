@@ -74,6 +74,8 @@
  * 13:0:9 (still libsnapkv.so.4): struct snapkv_sampling_ext (min-p, repetition, frequency and
  * presence penalties, logit bias), snapkv_decode_ext and snapkv_sampling_ext_defaults added;
  * snapkv_tokenize, snapkv_tokens_free and snapkv_detokenize added.
+ * 14:0:10 (still libsnapkv.so.4): struct snapkv_scores, snapkv_prefill_scored,
+ * snapkv_append_scored and snapkv_scores_free added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -379,6 +381,33 @@ struct snapkv_append_result {
 SNAPKV_API int snapkv_append(snapkv_client_t *client, const struct snapkv_session_id *id,
                              const struct snapkv_append_opts *opts, struct snapkv_append_result *out);
 SNAPKV_API void snapkv_append_result_free(struct snapkv_append_result *r);
+
+/* What the model thought of a prompt's own tokens (perplexity, scoring candidate answers, what
+ * compression costs a continuation): each token's log-probability given the tokens before it,
+ * and the token ids (a text's as the daemon tokenized it). */
+struct snapkv_scores {
+    float *logprobs;              /* [n_logprobs], natural log */
+    size_t n_logprobs;            /* prefill: n_tokens - 1 (logprobs[i] is tokens[i + 1]'s); append: n_tokens */
+    uint32_t *tokens;             /* [n_tokens] */
+    size_t n_tokens;
+};
+/* snapkv_prefill_flags that also scores the prompt. Every token is computed (no prefix reuse:
+ * a reused row has no output to score), and the output layer runs at every position, which
+ * costs about as much again as a forward of this model's dimension per token. A daemon without
+ * the feature (HELLO "prompt-logprobs"): SNAPKV_E_UNSUPPORTED. Free *scores with
+ * snapkv_scores_free(); it is zeroed on failure. */
+SNAPKV_API int snapkv_prefill_scored(snapkv_client_t *client, const struct snapkv_prefill_opts *opts, unsigned flags,
+                                     struct snapkv_prefill_result *out, struct snapkv_scores *scores);
+/* snapkv_append that also scores the appended tokens, each given the session before it: the
+ * first from the session's next-token logits (an imported session has none before its first
+ * APPEND: SNAPKV_E_INVAL). On a compressed session these are the compressed cache's predictions,
+ * so the same text appended to a full-cache and a compressed fork of one document tells what
+ * compression costs it. out may be NULL. */
+SNAPKV_API int snapkv_append_scored(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                    const struct snapkv_append_opts *opts, struct snapkv_append_result *out,
+                                    struct snapkv_scores *scores);
+/* Frees the arrays and zeroes *s; accepts NULL and a zeroed struct. */
+SNAPKV_API void snapkv_scores_free(struct snapkv_scores *s);
 
 struct snapkv_sampling {
     float temperature;            /* 0: greedy */

@@ -80,9 +80,13 @@ static void usage(FILE *out)
             "                                         interactive: one line per turn, answers streamed\n"
             "                                         (Ctrl-C stops an answer; at the prompt, ends the chat)\n"
             "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S] [--ref] [--no-reuse]\n"
-            "                                         prints the new session id (--ref: as ENDPOINT#ID);\n"
-            "                                         --no-reuse: compute every token (no prefix reuse)\n"
-            "  append SESSION TEXT                    run more text through a session\n"
+            "          [--score]                      prints the new session id (--ref: as ENDPOINT#ID);\n"
+            "                                         --no-reuse: compute every token (no prefix reuse);\n"
+            "                                         --score: each prompt token's log-probability given\n"
+            "                                         those before it, their sum and the perplexity\n"
+            "  append SESSION (TEXT | --file F) [--score]\n"
+            "                                         run more text through a session; --score: as prefill's,\n"
+            "                                         each token given the session before it\n"
             "  tokenize (TEXT | --file F) [--chat] [--append]   (-- before a TEXT that begins with -)\n"
             "                                         the token ids a prefill (--append: an append) of the\n"
             "                                         text runs, without running them\n"
@@ -548,6 +552,7 @@ enum {
     OPT_LOGIT_BIAS,
     OPT_APPEND,
     OPT_SKIP_SPECIAL,
+    OPT_SCORE,
 };
 
 /* --stop TEXT, repeated: the sequences snapkv_sampling.stop points at (optarg stays valid). */
@@ -1105,16 +1110,49 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
 
 /* ---- prefill, append, decode, compress, fork, release ------------------------------------------------------- */
 
+/* A prompt's scores in a JSON reply j (taken): prompt_logprobs, prompt_tokens (those scored: a
+ * prefill's from the second on), their sum and the perplexity exp(-sum / n). */
+static json_t *scores_json(json_t *j, const struct snapkv_scores *sc)
+{
+    json_t *lp = json_array(), *tok = json_array();
+    double sum = 0;
+    size_t skip = sc->n_tokens - sc->n_logprobs; /* 1 for a prefill: its first token has none */
+    for (size_t i = 0; i < sc->n_logprobs; i++) {
+        json_array_append_new(lp, json_real(sc->logprobs[i]));
+        json_array_append_new(tok, json_integer(sc->tokens[skip + i]));
+        sum += sc->logprobs[i];
+    }
+    json_object_set_new(j, "prompt_logprobs", lp);
+    json_object_set_new(j, "scored_tokens", tok);
+    json_object_set_new(j, "sum_logprob", json_real(sum));
+    json_object_set_new(j, "perplexity", sc->n_logprobs ? json_real(exp(-sum / (double)sc->n_logprobs)) : json_null());
+    return j;
+}
+
+/* The scores' sum and perplexity, on stderr. */
+static void print_scores(const struct snapkv_scores *sc)
+{
+    double sum = 0;
+    for (size_t i = 0; i < sc->n_logprobs; i++)
+        sum += sc->logprobs[i];
+    if (sc->n_logprobs)
+        fprintf(stderr, "scored %zu tokens: sum log-probability %.4f, %.4f nats a token, perplexity %.4f\n",
+                sc->n_logprobs, sum, -sum / (double)sc->n_logprobs, exp(-sum / (double)sc->n_logprobs));
+    else
+        fprintf(stderr, "scored no token (a one-token prompt has none to score)\n");
+}
+
 static int cmd_prefill(const struct ctl *c, int argc, char **argv)
 {
     static const struct option opts[] = {
         {"prompt", required_argument, NULL, OPT_PROMPT}, {"file", required_argument, NULL, OPT_FILE},
         {"compress", required_argument, NULL, OPT_COMPRESS}, {"chat", no_argument, NULL, OPT_CHAT},
         {"lease", required_argument, NULL, OPT_LEASE}, {"ref", no_argument, NULL, OPT_REF},
-        {"no-reuse", no_argument, NULL, OPT_NO_REUSE}, {NULL, 0, NULL, 0},
+        {"no-reuse", no_argument, NULL, OPT_NO_REUSE}, {"score", no_argument, NULL, OPT_SCORE},
+        {NULL, 0, NULL, 0},
     };
     const char *prompt = NULL, *file = NULL, *spec = NULL;
-    bool chat = false, as_ref = false, no_reuse = false;
+    bool chat = false, as_ref = false, no_reuse = false, score = false;
     uint32_t lease = 0;
     int o;
     reset_getopt();
@@ -1126,6 +1164,7 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         case OPT_CHAT: chat = true; break;
         case OPT_REF: as_ref = true; break;
         case OPT_NO_REUSE: no_reuse = true; break;
+        case OPT_SCORE: score = true; break;
         case OPT_LEASE:
             if (!parse_u32(optarg, &lease))
                 return usage_error("prefill", "--lease wants seconds, not '%s'", optarg);
@@ -1147,8 +1186,11 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     struct snapkv_prefill_opts po = {
         .text = text, .chat = chat, .compress = spec, .lease_seconds = lease, .progress = show_progress};
     struct snapkv_prefill_result pr;
+    struct snapkv_scores sc = {0};
     uint32_t reused = 0;
-    int rc = snapkv_prefill_flags(cl, &po, no_reuse ? SNAPKV_PREFILL_NO_PREFIX_REUSE : 0, &pr, &reused);
+    unsigned flags = no_reuse ? SNAPKV_PREFILL_NO_PREFIX_REUSE : 0;
+    int rc = score ? snapkv_prefill_scored(cl, &po, flags, &pr, &sc)
+                   : snapkv_prefill_flags(cl, &po, flags, &pr, &reused);
     end_progress();
     if (rc) {
         failed("prefill", rc);
@@ -1159,10 +1201,11 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
     id_ref(c->endpoint, &pr.id, ref, sizeof ref);
     ret = 0;
     if (c->json) {
-        ret = print_json(json_pack("{s:s, s:s, s:i, s:i, s:I, s:I, s:i, s:o}", "session", hex, "ref", ref,
-                                   "n_tokens", pr.n_tokens, "reused_tokens", reused, "bytes_before",
-                                   (json_int_t)pr.bytes_before, "bytes_after", (json_int_t)pr.bytes_after,
-                                   "next_token", pr.next_token, "layers", layers_json(pr.layers, pr.n_layers, NULL, 0)));
+        json_t *j = json_pack("{s:s, s:s, s:i, s:i, s:I, s:I, s:i, s:o}", "session", hex, "ref", ref, "n_tokens",
+                              pr.n_tokens, "reused_tokens", reused, "bytes_before", (json_int_t)pr.bytes_before,
+                              "bytes_after", (json_int_t)pr.bytes_after, "next_token", pr.next_token, "layers",
+                              layers_json(pr.layers, pr.n_layers, NULL, 0));
+        ret = print_json(score ? scores_json(j, &sc) : j);
     } else {
         puts(as_ref ? ref : hex);
         if (reused)
@@ -1170,7 +1213,10 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         else
             fprintf(stderr, "%u prompt tokens\n", pr.n_tokens);
         print_ratio("prefill", pr.bytes_before, pr.bytes_after);
+        if (score)
+            print_scores(&sc);
     }
+    snapkv_scores_free(&sc);
     snapkv_prefill_result_free(&pr);
 out_close:
     snapkv_close(&cl);
@@ -1181,25 +1227,51 @@ out_free:
 
 static int cmd_append(const struct ctl *c, int argc, char **argv)
 {
-    if (argc != 3)
-        return usage_error("append", "usage: append SESSION TEXT");
+    static const struct option opts[] = {
+        {"file", required_argument, NULL, OPT_FILE}, {"score", no_argument, NULL, OPT_SCORE}, {NULL, 0, NULL, 0}};
+    const char *file = NULL;
+    bool score = false;
+    int o;
+    reset_getopt();
+    while ((o = next_opt(argc, argv, opts)) != -1) {
+        switch (o) {
+        case OPT_FILE: file = optarg; break;
+        case OPT_SCORE: score = true; break;
+        default: return usage_error("append", "unknown option");
+        }
+    }
+    if (argc - optind != (file ? 1 : 2))
+        return usage_error("append", "usage: append SESSION (TEXT | --file F) [--score]");
     struct snapkv_session_id id;
-    if (!parse_session("append", argv[1], &id))
+    if (!parse_session("append", argv[optind], &id))
         return 2;
-    snapkv_client_t *cl = NULL;
-    if (connect_to(c, false, &cl))
+    char *text = file ? read_text(file) : strdup(argv[optind + 1]);
+    if (!text)
         return 1;
+    snapkv_client_t *cl = NULL;
+    if (connect_to(c, false, &cl)) {
+        free(text);
+        return 1;
+    }
     struct snapkv_append_result ar;
-    int rc = snapkv_append(cl, &id, &(struct snapkv_append_opts){.text = argv[2]}, &ar);
+    struct snapkv_scores sc = {0};
+    const struct snapkv_append_opts ao = {.text = text};
+    int rc = score ? snapkv_append_scored(cl, &id, &ao, &ar, &sc) : snapkv_append(cl, &id, &ao, &ar);
     snapkv_close(&cl);
+    free(text);
     if (rc)
         return failed("append", rc);
     int ret = 0;
-    if (c->json)
-        ret = print_json(json_pack("{s:s, s:i, s:i}", "session", argv[1], "n_tokens", ar.n_tokens, "next_token",
-                                   ar.next_token));
-    else
+    if (c->json) {
+        json_t *j = json_pack("{s:s, s:i, s:i}", "session", argv[optind], "n_tokens", ar.n_tokens, "next_token",
+                              ar.next_token);
+        ret = print_json(score ? scores_json(j, &sc) : j);
+    } else {
         printf("session length %u tokens\n", ar.n_tokens);
+        if (score)
+            print_scores(&sc);
+    }
+    snapkv_scores_free(&sc);
     snapkv_append_result_free(&ar);
     return ret;
 }

@@ -190,6 +190,17 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
           f"TOKENIZE: transformers' {len(short['ids'])} ids; "
           f"DETOKENIZE: the text back ({dt.detokenize.text[:20]!r}…)")
 
+    # the prompt scored: each token's log-probability as transformers' log_softmax gives it
+    sc_want = json.load(open(f"{SRC}/tests/fixtures/golden/prompt_logprobs.json"))["prompts"][0]["logprobs"]
+    rep = c.call("prefill", pb.PrefillRequest(text=short["text"], prompt_logprobs=True))
+    sc = rep.prefill
+    sc_diff = (max(abs(a - b) for a, b in zip(sc.prompt_logprobs, sc_want))
+               if len(sc.prompt_logprobs) == len(sc_want) else float("inf"))
+    check("prompt-logprobs" in h.features and rep.status == OK and list(sc.prompt_tokens) == short["ids"]
+          and sc_diff <= 1e-2 and sc.reused_tokens == 0,
+          f"PREFILL prompt_logprobs: {len(sc.prompt_logprobs)} scores, max |diff| {sc_diff:.3g} against transformers")
+    c.call("release", pb.ReleaseRequest(session_id=sc.session_id))
+
     greedy = short["greedy"]["ids"][:16]
     rep = c.call("decode", pb.DecodeRequest(session_id=sid, sampling=pb.Sampling(max_tokens=16, top_logprobs=3)))
     d = rep.decode

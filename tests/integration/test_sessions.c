@@ -2107,6 +2107,166 @@ static size_t golden_ids(json_t *pr, uint32_t *ids, size_t cap)
     return n;
 }
 
+/* The largest |got[i] - want[from + i]| over n scores, want a JSON array of numbers. */
+static double max_score_diff(const float *got, size_t n, json_t *want, size_t from)
+{
+    assert_true(from + n <= json_array_size(want));
+    double m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fmax(m, fabs(got[i] - json_number_value(json_array_get(want, from + i))));
+    return m;
+}
+
+static double score_sum(const struct snapkv_scores *sc)
+{
+    double sum = 0;
+    for (size_t i = 0; i < sc->n_logprobs; i++)
+        sum += sc->logprobs[i];
+    return sum;
+}
+
+/* PREFILL's and APPEND's prompt_logprobs: a prompt's own tokens scored as transformers scores
+ * them (tests/fixtures/golden/prompt_logprobs.json), every token computed though another session
+ * holds the prompt; an APPEND's the same numbers as the whole prompt's, its first one the same
+ * bits as a DECODE's log-probability of that token; a compressed session scores a continuation
+ * worse than a full cache of the same document; snapkvctl prefill / append --score. */
+static void test_prompt_logprobs(void **state)
+{
+    NEED_MODEL();
+    json_t *fx = fixture_json("tests/fixtures/golden/reference.json");
+    json_t *want = fixture_json("tests/fixtures/golden/prompt_logprobs.json");
+    assert_non_null(fx);
+    assert_non_null(want);
+    json_t *prompts = json_object_get(fx, "prompts"), *wp = json_object_get(want, "prompts");
+    struct daemon d;
+    start_daemon(&d, "512M");
+    snapkv_client_t *c = client(d.endpoint, "score");
+    static uint32_t ids[2048];
+    size_t n = golden_ids(json_array_get(prompts, 1), ids, 2048); /* paragraph: 112 tokens */
+    json_t *wl = json_object_get(json_array_get(wp, 1), "logprobs");
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = n};
+    struct snapkv_prefill_result base, pr;
+    assert_int_equal(snapkv_prefill(c, &po, &base), SNAPKV_OK);
+    /* scored: every token computed, though the session above holds the prompt */
+    struct snapkv_scores sc;
+    assert_int_equal(snapkv_prefill_scored(c, &po, 0, &pr, &sc), SNAPKV_OK);
+    assert_int_equal(sc.n_tokens, n);
+    assert_int_equal(sc.n_logprobs, n - 1);
+    assert_memory_equal(sc.tokens, ids, n * sizeof *ids);
+    double diff = max_score_diff(sc.logprobs, sc.n_logprobs, wl, 0);
+    printf("# PREFILL %zu tokens scored: max |diff| %.3g per token against transformers\n", n, diff);
+    assert_true(diff <= 1e-2);
+    assert_int_equal(pr.next_token, base.next_token);
+    uint32_t reused = 0;
+    struct snapkv_prefill_result again;
+    assert_int_equal(snapkv_prefill_flags(c, &po, 0, &again, &reused), SNAPKV_OK);
+    assert_true(reused >= 64); /* unscored, the same prompt takes the held rows */
+    snapkv_prefill_result_free(&again);
+    /* a session of the first 40 tokens, the rest appended: the same scores */
+    const size_t split = 40;
+    struct snapkv_prefill_result head;
+    po.n_tokens = split;
+    assert_int_equal(snapkv_prefill_flags(c, &po, SNAPKV_PREFILL_NO_PREFIX_REUSE, &head, NULL), SNAPKV_OK);
+    struct snapkv_session_id fa, fb;
+    assert_int_equal(snapkv_fork(c, &head.id, &fa, NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_fork(c, &head.id, &fb, NULL), SNAPKV_OK);
+    struct snapkv_scores as;
+    struct snapkv_append_result ar;
+    struct snapkv_append_opts ao = {.tokens = ids + split, .n_tokens = n - split};
+    assert_int_equal(snapkv_append_scored(c, &head.id, &ao, &ar, &as), SNAPKV_OK);
+    assert_int_equal(ar.n_tokens, n);
+    assert_int_equal(as.n_logprobs, n - split);
+    assert_memory_equal(as.tokens, ids + split, (n - split) * sizeof *ids);
+    double same = 0;
+    for (size_t i = 0; i < as.n_logprobs; i++)
+        same = fmax(same, fabs(as.logprobs[i] - sc.logprobs[split - 1 + i]));
+    printf("# APPEND of %zu tokens to %zu: max |diff| %.3g against the whole prompt's scores\n", n - split, split,
+           same);
+    assert_true(same <= 1e-3);
+    assert_true(max_score_diff(as.logprobs, as.n_logprobs, json_object_get(json_object_get(want, "append"),
+                                                                            "logprobs"), 0) <= 1e-2);
+    snapkv_append_result_free(&ar);
+    snapkv_scores_free(&as);
+    /* a DECODE's log-probability of its token is the APPEND's score of it */
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    sp.max_tokens = 1;
+    struct snapkv_decode_result dr;
+    struct snapkv_logprobs lp;
+    assert_int_equal(snapkv_decode_logprobs(c, &fa, &sp, 0, NULL, NULL, &dr, &lp), SNAPKV_OK);
+    ao = (struct snapkv_append_opts){.tokens = dr.tokens, .n_tokens = 1};
+    assert_int_equal(snapkv_append_scored(c, &fb, &ao, NULL, &as), SNAPKV_OK);
+    assert_int_equal(as.n_logprobs, 1);
+    assert_memory_equal(as.logprobs, lp.logprobs, sizeof(float));
+    snapkv_scores_free(&as);
+    snapkv_logprobs_free(&lp);
+    snapkv_decode_result_free(&dr);
+    /* a compressed cache of a document predicts its continuation worse than the full cache */
+    n = golden_ids(json_array_get(prompts, 4), ids, 2048); /* long: 1639 tokens */
+    const size_t doc = n - 128;
+    double sums[2];
+    const char *specs[2] = {"policy=full", "policy=snapkv,ratio=0.1"};
+    for (int k = 0; k < 2; k++) {
+        struct snapkv_prefill_opts dp = {.tokens = ids, .n_tokens = doc, .compress = specs[k]};
+        struct snapkv_prefill_result dres;
+        assert_int_equal(snapkv_prefill(c, &dp, &dres), SNAPKV_OK);
+        ao = (struct snapkv_append_opts){.tokens = ids + doc, .n_tokens = n - doc};
+        assert_int_equal(snapkv_append_scored(c, &dres.id, &ao, NULL, &as), SNAPKV_OK);
+        assert_int_equal(as.n_logprobs, n - doc);
+        sums[k] = score_sum(&as);
+        if (k == 0) { /* the full cache: transformers' numbers */
+            diff = max_score_diff(as.logprobs, as.n_logprobs, json_object_get(json_array_get(wp, 4), "logprobs"),
+                                  doc - 1);
+            assert_true(diff <= 1e-2);
+        }
+        snapkv_scores_free(&as);
+        snapkv_prefill_result_free(&dres);
+    }
+    printf("# the last %zu tokens of a %zu-token text after the first %zu: %.3f nats a token with the full "
+           "cache, %.3f with SnapKV 10%%\n", n - doc, n, doc, -sums[0] / (double)(n - doc),
+           -sums[1] / (double)(n - doc));
+    assert_true(sums[1] < sums[0]);
+    /* snapkvctl: prefill --score of the short prompt's text, append --score */
+    json_t *short_p = json_array_get(prompts, 0), *short_w = json_object_get(json_array_get(wp, 0), "logprobs");
+    static char out[262144], err[16384];
+    const char *args[] = {"--json", "--tenant", "score", "prefill", "--prompt",
+                          json_string_value(json_object_get(short_p, "text")), "--score", NULL};
+    if (run_ctl(&d, args, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json prefill --score: %s", err);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    assert_non_null(j);
+    json_t *jl = json_object_get(j, "prompt_logprobs");
+    assert_int_equal(json_array_size(jl), json_array_size(short_w));
+    double sum = 0;
+    for (size_t i = 0; i < json_array_size(jl); i++) {
+        assert_true(fabs(json_real_value(json_array_get(jl, i)) - json_number_value(json_array_get(short_w, i))) <=
+                    1e-2);
+        sum += json_real_value(json_array_get(jl, i));
+    }
+    assert_true(fabs(json_real_value(json_object_get(j, "perplexity")) - exp(-sum / (double)json_array_size(jl))) <
+                1e-6);
+    char session[64];
+    snprintf(session, sizeof session, "%s", json_string_value(json_object_get(j, "session")));
+    json_decref(j);
+    const char *app[] = {"--json", "--tenant", "score", "append", session, " It barked.", "--score", NULL};
+    if (run_ctl(&d, app, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json append --score: %s", err);
+    assert_non_null(j = json_loads(out, 0, &je));
+    assert_true(json_array_size(json_object_get(j, "prompt_logprobs")) >= 3);
+    assert_int_equal(json_array_size(json_object_get(j, "scored_tokens")),
+                     json_array_size(json_object_get(j, "prompt_logprobs")));
+    json_decref(j);
+    snapkv_scores_free(&sc);
+    snapkv_prefill_result_free(&head);
+    snapkv_prefill_result_free(&pr);
+    snapkv_prefill_result_free(&base);
+    snapkv_close(&c);
+    stop_daemon(&d);
+    json_decref(want);
+    json_decref(fx);
+}
+
 /* TOKENIZE gives Hugging Face's ids for the golden prompts (a chat turn as apply_chat_template
  * makes it, and its rendered text with append's markup parsing the same), as many as a PREFILL
  * of the text runs; DETOKENIZE gives their text back, control tokens as their text or skipped;
@@ -5702,6 +5862,7 @@ int main(void)
         cmocka_unit_test_teardown(test_decode_penalties, kill_daemons),
         cmocka_unit_test_teardown(test_persist_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_tokenize, kill_daemons),
+        cmocka_unit_test_teardown(test_prompt_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_persist_crash, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events, kill_daemons),
