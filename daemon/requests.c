@@ -914,8 +914,9 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         goto fail;
     if (a->prompt_logprobs) {
         if (!s->logits) {
-            rc = skv_errorf(SKV_E_INVAL, "prompt_logprobs: the session has no next-token logits to score its "
-                            "first token with (an imported session gets them from its first APPEND)");
+            rc = skv_errorf(SKV_E_INVAL, "prompt_logprobs: the session has no next-token logits to score the "
+                            "first token with (an imported session, or one loaded from a save of before version "
+                            "3, gets them from its first APPEND)");
             goto fail;
         }
         if (!(scores = malloc((size_t)n * sizeof *scores))) {

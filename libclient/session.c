@@ -64,13 +64,10 @@ static int copy_scores(const float *lp, size_t n_lp, const uint32_t *tok, size_t
                        struct snapkv_scores *out)
 {
     struct snapkv_scores sc = {.n_logprobs = n_lp, .n_tokens = n_tok};
-    if (!skv_client_dup_f32(lp, n_lp, &sc.logprobs) ||
-        (n_tok && !(sc.tokens = malloc(n_tok * sizeof *sc.tokens)))) {
+    if (!skv_client_dup_f32(lp, n_lp, &sc.logprobs) || !skv_client_dup_u32(tok, n_tok, &sc.tokens)) {
         free(sc.logprobs);
         return skv_client_fail(SNAPKV_E_NOMEM, "%s: out of memory for %zu scores", what, n_lp);
     }
-    if (n_tok)
-        memcpy(sc.tokens, tok, n_tok * sizeof *sc.tokens);
     *out = sc;
     return SNAPKV_OK;
 }
@@ -96,10 +93,10 @@ int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *o
 int snapkv_prefill_scored(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
                           struct snapkv_prefill_result *out, struct snapkv_scores *scores)
 {
-    if (scores)
-        memset(scores, 0, sizeof *scores);
-    int rc = skv_client_check(c, scores, "prefill");
-    return rc ? rc : prefill_call(c, opts, flags, out, NULL, scores);
+    if (!scores)
+        return skv_client_fail(SNAPKV_E_INVAL, "prefill: scores is required");
+    memset(scores, 0, sizeof *scores);
+    return prefill_call(c, opts, flags, out, NULL, scores);
 }
 
 static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
@@ -214,10 +211,10 @@ int snapkv_append_scored(snapkv_client_t *c, const struct snapkv_session_id *id,
                          const struct snapkv_append_opts *opts, struct snapkv_append_result *out,
                          struct snapkv_scores *scores)
 {
-    if (scores)
-        memset(scores, 0, sizeof *scores);
-    int rc = skv_client_check(c, scores, "append");
-    return rc ? rc : append_call(c, id, opts, out, scores);
+    if (!scores)
+        return skv_client_fail(SNAPKV_E_INVAL, "append: scores is required");
+    memset(scores, 0, sizeof *scores);
+    return append_call(c, id, opts, out, scores);
 }
 
 static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
@@ -253,7 +250,8 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
     if (rc)
         return rc;
     const Snapkv__AppendReply *sr = rep->append;
-    if (scores && (sr->n_prompt_logprobs != sr->n_prompt_tokens || !sr->n_prompt_tokens)) {
+    if (scores && (sr->n_prompt_logprobs != sr->n_prompt_tokens || !sr->n_prompt_tokens ||
+                   (opts->n_tokens && sr->n_prompt_tokens != opts->n_tokens))) {
         snapkv__reply__free_unpacked(rep, NULL);
         return skv_client_fail(SNAPKV_E_PROTO, "APPEND: %zu scores for %zu token ids", sr->n_prompt_logprobs,
                                sr->n_prompt_tokens);

@@ -400,9 +400,10 @@ SNAPKV_API int snapkv_prefill_scored(snapkv_client_t *client, const struct snapk
                                      struct snapkv_prefill_result *out, struct snapkv_scores *scores);
 /* snapkv_append that also scores the appended tokens, each given the session before it: the
  * first from the session's next-token logits (an imported session has none before its first
- * APPEND: SNAPKV_E_INVAL). On a compressed session these are the compressed cache's predictions,
- * so the same text appended to a full-cache and a compressed fork of one document tells what
- * compression costs it. out may be NULL. */
+ * APPEND: SNAPKV_E_INVAL), which the forward that made them computed (a compressing PREFILL's
+ * saw the whole prompt); from the second on, on a compressed session, the compressed cache's
+ * predictions, so the same text appended to a full-cache and a compressed session of one
+ * document tells what compression costs it. out may be NULL. */
 SNAPKV_API int snapkv_append_scored(snapkv_client_t *client, const struct snapkv_session_id *id,
                                     const struct snapkv_append_opts *opts, struct snapkv_append_result *out,
                                     struct snapkv_scores *scores);

@@ -1074,6 +1074,18 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
     return rc;
 }
 
+/* Rows of logits one chunk of scoring holds ([SCORE_ROWS][n_vocab] on the device and again on
+ * the host: 25 MB each for a 49152-token vocabulary). The last two chunks split evenly where the
+ * last would be a small-batch one, so that every row of a prompt longer than that takes the
+ * batched matmul. */
+#define SCORE_ROWS 128
+static int score_rows(struct skv_engine *e, int n, int i0)
+{
+    int left = n - i0, small = skv_engine_small_forward(e);
+    small = small < SCORE_ROWS ? small : SCORE_ROWS - 1; /* left / 2 < SCORE_ROWS */
+    return left <= SCORE_ROWS ? left : left - SCORE_ROWS <= small ? left / 2 : SCORE_ROWS;
+}
+
 /* The output of a forward's first opts->n_targets rows (e->x, after the last layer), a chunk
  * at a time, scored against opts->targets. */
 static int score_targets(struct skv_engine *e, const struct skv_forward_opts *opts)
@@ -1081,12 +1093,12 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
     const struct skv_model_config *c = &e->m->cfg;
     struct skv_backend *be = e->be;
     const struct skv_backend_ops *ops = be->ops;
-    int n = opts->n_targets, cap = n < CHUNK ? n : CHUNK;
+    int n = opts->n_targets, cap = n < SCORE_ROWS ? n : SCORE_ROWS;
     size_t row = (size_t)c->n_vocab * sizeof(float);
     float *host = malloc((size_t)cap * row), *out = NULL;
     int rc = host ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
     for (int i0 = 0, m; !rc && i0 < n; i0 += m) {
-        m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        m = score_rows(e, n, i0);
         if (i0)
             tick(e);
         rc = ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, e->m->output_norm.data, m, c->dim, c->norm_eps);

@@ -145,9 +145,11 @@ struct skv_forward_opts {
      * position's logits: a prompt scores its own tokens with targets = tokens + 1) into
      * target_logprobs[i]; logits still gets the last position's, the same bits as without
      * targets (logits_all must be false). It runs the output matmul for every position scored,
-     * in chunks (the tick between them). */
-    const int32_t *targets;
-    float *target_logprobs;
+     * in chunks (the tick between them), with the batched kernel where a chunk is larger than
+     * the small-batch size: with n_targets = n the last position's score may differ in the last
+     * bits from skv_logprobs of `logits`. */
+    const int32_t *targets;      /* [n_targets] */
+    float *target_logprobs;      /* [n_targets] out */
     int n_targets;
 };
 

@@ -437,6 +437,21 @@ static void test_argument_checks(void **state)
     char *txt = NULL;
     assert_int_equal(snapkv_detokenize(c, stop_bad, 1, false, &txt), SNAPKV_E_UNSUPPORTED);
     assert_int_equal(snapkv_tokenize(c, NULL, NULL, &tk), SNAPKV_E_INVAL);
+    /* prompt scores: not sent to a daemon without "prompt-logprobs"; scores required */
+    struct snapkv_scores sc;
+    struct snapkv_prefill_result pres;
+    const uint32_t two[2] = {1, 2};
+    struct snapkv_prefill_opts spo = {.tokens = two, .n_tokens = 2};
+    assert_int_equal(snapkv_prefill_scored(c, &spo, 0, &pres, &sc), SNAPKV_E_UNSUPPORTED);
+    assert_non_null(strstr(snapkv_last_error(), "does not score prompts"));
+    assert_null(sc.logprobs);
+    assert_int_equal(snapkv_prefill_scored(c, &spo, 0, &pres, NULL), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "scores is required"));
+    struct snapkv_append_opts sao = {.tokens = two, .n_tokens = 2};
+    assert_int_equal(snapkv_append_scored(c, &ID_A, &sao, NULL, &sc), SNAPKV_E_UNSUPPORTED);
+    assert_int_equal(snapkv_append_scored(c, &ID_A, &sao, NULL, NULL), SNAPKV_E_INVAL);
+    snapkv_scores_free(&sc);
+    snapkv_scores_free(NULL);
     assert_int_equal(fake_requests(f), sent);
 
     assert_int_equal(snapkv_compress(c, &ID_A, "", 0, NULL), SNAPKV_E_INVAL);
