@@ -265,12 +265,17 @@ static void write_seeds(const char *dir)
     write_seed(dir, "prefill-long", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
     pl.compress = &spec; /* and compressed: its prompt rows kept before the cut */
     write_seed(dir, "prefill-long-snapkv", 1, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
+    pl.prompt_logprobs = true; /* scored: every row's output, no prefix reuse */
+    write_seed(dir, "prefill-long-scored", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
 
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
     a.session_id = sid;
     a.n_tokens = 3;
     a.tokens = toks;
     write_seed(dir, "append", 0, SNAPKV__REQUEST__COMMAND_APPEND, &a);
+    a.prompt_logprobs = true; /* scored: the first from the session's logits */
+    write_seed(dir, "append-scored", 0, SNAPKV__REQUEST__COMMAND_APPEND, &a);
+    a.prompt_logprobs = false;
 
     Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
     d.session_id = sid;
