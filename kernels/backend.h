@@ -304,6 +304,16 @@ struct skv_backend_ops {
      * quantized as skv_quantize_row_q8_0 does (GGUF's reference quantizer). What a pool of
      * `kv-type q8_0` stores rows with; a backend that has it also reads q8_0 views. */
     int (*store_rows_q8_0)(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
+
+    /* Optional (NULL: the engine downloads the logits and takes skv_logprobs of each row on the
+     * host): the log-probability of one target per row, out[r] (host) = logits[r][targets[r]] -
+     * log(sum_j exp(logits[r][j])) over n rows of n_vocab logits (backend memory; targets host,
+     * each in [0, n_vocab), else SKV_E_INVAL), a NaN logit counting as -inf; where some logits
+     * are +inf those k share the mass (log(1 / k) each, -inf for the rest); with none finite or
+     * +inf, -inf. Within 1e-5 of the log-softmax in double (the exponentials may be single
+     * precision). What scores a prompt's tokens (skv_forward_opts.targets). */
+    int (*row_logprobs)(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
+                        int n_vocab);
 };
 
 struct skv_backend {

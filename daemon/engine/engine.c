@@ -1074,8 +1074,8 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
     return rc;
 }
 
-/* Rows of logits one chunk of scoring holds ([SCORE_ROWS][n_vocab] on the device and again on
- * the host: 25 MB each for a 49152-token vocabulary). The last two chunks split evenly where the
+/* Rows of logits one chunk of scoring holds ([SCORE_ROWS][n_vocab] on the device, and again on
+ * the host where the backend has no row_logprobs: 25 MB each for a 49152-token vocabulary). The last two chunks split evenly where the
  * last would be a small-batch one, so that every row of a prompt longer than that takes the
  * batched matmul. */
 #define SCORE_ROWS 128
@@ -1095,8 +1095,9 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
     const struct skv_backend_ops *ops = be->ops;
     int n = opts->n_targets, cap = n < SCORE_ROWS ? n : SCORE_ROWS;
     size_t row = (size_t)c->n_vocab * sizeof(float);
-    float *host = malloc((size_t)cap * row), *out = NULL;
-    int rc = host ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
+    /* without the backend's op, each chunk's logits come to the host */
+    float *host = ops->row_logprobs ? NULL : malloc((size_t)cap * row), *out = NULL;
+    int rc = host || ops->row_logprobs ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
     for (int i0 = 0, m; !rc && i0 < n; i0 += m) {
         m = score_rows(e, n, i0);
         if (i0)
@@ -1104,11 +1105,16 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
         rc = ops->rmsnorm(be, e->xb, e->x + (size_t)i0 * c->dim, e->m->output_norm.data, m, c->dim, c->norm_eps);
         if (!rc)
             rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, m);
-        if (!rc)
+        if (rc)
+            break;
+        if (ops->row_logprobs) {
+            rc = ops->row_logprobs(be, opts->target_logprobs + i0, out, opts->targets + i0, m, c->n_vocab);
+        } else {
             rc = ops->download(be, host, out, (size_t)m * row);
-        for (int r = 0; !rc && r < m; r++)
-            skv_logprobs(host + (size_t)r * c->n_vocab, c->n_vocab, opts->targets[i0 + r], 0,
-                         &opts->target_logprobs[i0 + r], NULL, NULL);
+            for (int r = 0; !rc && r < m; r++)
+                skv_logprobs(host + (size_t)r * c->n_vocab, c->n_vocab, opts->targets[i0 + r], 0,
+                             &opts->target_logprobs[i0 + r], NULL, NULL);
+        }
     }
     if (out)
         ops->free(be, out);

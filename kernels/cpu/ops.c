@@ -1,5 +1,5 @@
 /* CPU elementwise and per-row ops: rmsnorm, rope (NORM / NEOX, linear and Llama 3 scaling,
- * frequency factors), swiglu and add. Rows or tokens are independent, so results do not
+ * frequency factors), swiglu, add and row_logprobs. Rows or tokens are independent, so results do not
  * depend on the thread count. Large calls are split over the backend's pool. */
 #include <math.h>
 #include <stdint.h>
@@ -265,5 +265,96 @@ int skv_cpu_add(struct skv_backend *be, float *out, const float *a, const float 
         return skv_errorf(SKV_E_INVAL, "add: NULL buffer");
     struct binary_args args = {.out = out, .a = a, .b = b};
     skv_cpu_parallel_for(be, count, 4 * OPS_GRAIN_ELEMS, add_range, &args);
+    return SKV_OK;
+}
+
+/* ---- row_logprobs ----------------------------------------------------------------- */
+
+struct logprob_args {
+    float *out;
+    const float *x;
+    const int32_t *targets;
+    int n_vocab;
+};
+
+/* The largest of n logits (a NaN never is). */
+static float row_max(const float *x, int n)
+{
+    float mx = -INFINITY;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8)
+        m = _mm256_max_ps(_mm256_loadu_ps(x + i), m); /* a NaN in the first operand gives the second */
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int k = 0; k < 8; k++)
+        mx = lanes[k] > mx ? lanes[k] : mx;
+#endif
+    for (; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
+
+/* sum exp(x - mx) over n logits, mx their largest (finite); a NaN or -inf adds 0. The
+ * exponentials in single precision (skv_exp2_ps), summed in lanes that go into a double every
+ * 1024 logits. */
+static double sum_exp(const float *x, int n, float mx)
+{
+    double s = 0;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 m = _mm256_set1_ps(mx), log2e = _mm256_set1_ps(1.4426950408889634f);
+    while (i + 8 <= n) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int end = i + 1024 < n ? i + 1024 : n; i + 8 <= end; i += 8) /* NaN, -inf: exp2 gives 0 */
+            acc = _mm256_add_ps(acc, skv_exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m), log2e)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (int k = 0; k < 8; k++)
+            s += lanes[k];
+    }
+#endif
+    for (; i < n; i++)
+        s += isnan(x[i]) ? 0.0 : exp((double)x[i] - mx);
+    return s;
+}
+
+static void logprob_rows(void *p, int64_t begin, int64_t end, int tid)
+{
+    const struct logprob_args *a = p;
+    const int nv = a->n_vocab;
+    (void)tid;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = a->x + r * nv;
+        const float mx = row_max(x, nv), xt = x[a->targets[r]];
+        if (mx == INFINITY) { /* the +inf logits share the mass */
+            int n_inf = 0;
+            for (int i = 0; i < nv; i++)
+                n_inf += x[i] == INFINITY;
+            a->out[r] = xt == INFINITY ? (float)-log((double)n_inf) : -INFINITY;
+        } else if (mx == -INFINITY || isnan(xt)) { /* no distribution, or the target's logit NaN */
+            a->out[r] = -INFINITY;
+        } else {
+            a->out[r] = (float)((double)xt - ((double)mx + log(sum_exp(x, nv, mx))));
+        }
+    }
+}
+
+int skv_cpu_row_logprobs(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
+                         int n_vocab)
+{
+    if (n < 0 || n_vocab <= 0)
+        return skv_errorf(SKV_E_INVAL, "row_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
+    if (n == 0)
+        return SKV_OK;
+    if (!out || !logits || !targets)
+        return skv_errorf(SKV_E_INVAL, "row_logprobs: NULL buffer");
+    for (int r = 0; r < n; r++)
+        if (targets[r] < 0 || targets[r] >= n_vocab)
+            return skv_errorf(SKV_E_INVAL, "row_logprobs: target %d of row %d is outside [0, %d)", targets[r], r,
+                              n_vocab);
+    struct logprob_args a = {.out = out, .x = logits, .targets = targets, .n_vocab = n_vocab};
+    skv_cpu_parallel_for(be, n, 1, logprob_rows, &a);
     return SKV_OK;
 }

@@ -2532,6 +2532,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* attention_batch */ cuda_attention_batch,
     /* store_rows_f16 */ cuda_store_rows_f16,
     /* store_rows_q8_0 */ cuda_store_rows_q8_0,
+    /* row_logprobs */ NULL, /* the engine's host path: the logits downloaded */
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

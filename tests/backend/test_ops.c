@@ -2303,6 +2303,65 @@ static void test_backend_open(void **state)
     skv_backend_destroy(NULL);
 }
 
+/* log-softmax of n logits at t in double, as the op defines it: +inf logits share the mass, a
+ * NaN counts as -inf, no finite or +inf logit: -inf */
+static double ref_logprob(const float *x, int n, int t)
+{
+    double mx = -INFINITY, s = 0;
+    int n_inf = 0;
+    for (int i = 0; i < n; i++) {
+        mx = x[i] > mx ? x[i] : mx;
+        n_inf += x[i] == INFINITY;
+    }
+    if (n_inf)
+        return x[t] == INFINITY ? -log((double)n_inf) : -INFINITY;
+    if (mx == -INFINITY || isnan(x[t]))
+        return -INFINITY;
+    for (int i = 0; i < n; i++)
+        s += isnan(x[i]) ? 0.0 : exp((double)x[i] - mx);
+    return (double)x[t] - mx - log(s);
+}
+
+/* row_logprobs (optional; NULL on a backend without it): random rows of a 49152-token and a
+ * 37-token vocabulary (the vector loop's tail) within 1e-5 of the double-precision log-softmax;
+ * rows with NaN, -inf and +inf logits as the reference defines them; bad targets refused. */
+static void test_row_logprobs(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    if (!be->ops->row_logprobs)
+        skip();
+    struct rng r = {0x10960ULL};
+    const int vocabs[] = {49152, 37};
+    for (int v = 0; v < 2; v++) {
+        const int nv = vocabs[v], n = 9;
+        float *x = host_normal(&r, (size_t)n * nv, 4.0);
+        int32_t t[9];
+        for (int i = 0; i < n; i++)
+            t[i] = (int32_t)((i * 7919 + 3) % nv);
+        x[nv + 5] = NAN;                      /* row 1: a NaN elsewhere */
+        x[2 * nv + t[2]] = NAN;               /* row 2: the target's NaN */
+        x[3 * nv + 1] = INFINITY;             /* row 3: two +inf, one the target */
+        x[3 * nv + t[3]] = INFINITY;
+        for (int i = 0; i < nv; i++)          /* row 4: every logit -inf */
+            x[4 * nv + i] = -INFINITY;
+        x[5 * nv + t[5]] = -INFINITY;         /* row 5: the target -inf */
+        x[6 * nv + 2] = 60.0f;                /* row 6: one logit far above the rest */
+        float *dx = dev_from(be, x, (size_t)n * nv * sizeof *x), got[9];
+        assert_int_equal(be->ops->row_logprobs(be, got, dx, t, n, nv), SKV_OK);
+        for (int i = 0; i < n; i++) {
+            double want = ref_logprob(x + (size_t)i * nv, nv, t[i]);
+            if (isinf(want) || i == 3)
+                assert_true(got[i] == (float)want);
+            else if (fabs(got[i] - want) > 1e-5)
+                fail_msg("vocab %d row %d: %.9g against %.9g", nv, i, got[i], want);
+        }
+        t[0] = nv; /* a target outside the vocabulary */
+        assert_int_equal(be->ops->row_logprobs(be, got, dx, t, n, nv), SKV_E_INVAL);
+        be->ops->free(be, dx);
+        free(x);
+    }
+}
+
 #define OP_TESTS                                                                              \
     cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_rope),                              \
         cmocka_unit_test(test_rope_invalid), cmocka_unit_test(test_swiglu),                   \
@@ -2316,7 +2375,7 @@ static void test_backend_open(void **state)
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
         cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid),         \
         cmocka_unit_test(test_kv_f16), cmocka_unit_test(test_kv_q8_0),               \
-        cmocka_unit_test(test_kv_shared_batch)
+        cmocka_unit_test(test_kv_shared_batch), cmocka_unit_test(test_row_logprobs)
 
 int main(void)
 {
