@@ -55,7 +55,7 @@ static_assert(ATT_TK % ATT_DEC_WARPS == 0, "every warp loads the same number of 
 enum {
     P_ALLOC, P_FREE, P_UPLOAD, P_DOWNLOAD, P_COPY_2D, P_SYNC, P_GET_ROWS, P_MATMUL, P_MATMUL_MULTI, P_RMSNORM,
     P_ROPE, P_SWIGLU, P_ADD, P_ATTENTION, P_COLSUM, P_GROUP_SCORES, P_TOPK, P_COSINE, P_COPY_ROWS, P_ATT_BATCH,
-    P_OPS
+    P_ROW_LOGPROBS, P_OPS
 };
 
 struct cuda_impl {
@@ -88,7 +88,7 @@ struct cuda_impl {
 static const char *const prof_names[P_OPS] = {
     "alloc", "free", "upload", "download", "copy_2d", "sync", "get_rows", "matmul", "matmul_multi", "rmsnorm",
     "rope", "swiglu", "add", "attention", "attention_colsum", "group_scores", "topk_rows", "cosine_mean",
-    "copy_rows", "attention_batch",
+    "copy_rows", "attention_batch", "row_logprobs",
 };
 
 static uint64_t prof_now(void)
@@ -1981,6 +1981,76 @@ static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, 
     return SKV_OK;
 }
 
+/* One block a row: the log-probability of the row's target under the softmax of its n_vocab
+ * logits, as the CPU op defines it (a NaN counts as -inf; +inf logits share the mass; none
+ * finite: -inf). The exponentials in single precision, each thread's in a float, the block's
+ * sum in double. */
+__global__ void row_logprobs_kernel(float *out, const float *logits, const int32_t *targets, int n_vocab)
+{
+    __shared__ float redf[33];
+    __shared__ double redd[33];
+    const float *x = logits + (size_t)blockIdx.x * n_vocab;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+        mx = fmaxf(mx, x[j]); /* a NaN never wins */
+    mx = block_reduce<true>(mx, redf);
+    const float xt = x[targets[blockIdx.x]];
+    if (mx == INFINITY) { /* the same for every thread of the block, as below */
+        double k = 0;
+        for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+            k += x[j] == INFINITY;
+        k = block_sum_d(k, redd);
+        if (threadIdx.x == 0)
+            out[blockIdx.x] = xt == INFINITY ? (float)-log(k) : -INFINITY;
+        return;
+    }
+    if (mx == -INFINITY || isnan(xt)) {
+        if (threadIdx.x == 0)
+            out[blockIdx.x] = -INFINITY;
+        return;
+    }
+    float acc = 0.0f;
+    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+        acc += isnan(x[j]) ? 0.0f : expf(x[j] - mx);
+    const double s = block_sum_d((double)acc, redd);
+    if (threadIdx.x == 0)
+        out[blockIdx.x] = (float)((double)xt - ((double)mx + log(s)));
+}
+
+static int cuda_row_logprobs(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
+                             int n_vocab)
+{
+    prof_scope prof_(be, P_ROW_LOGPROBS, n);
+    if (!be || n < 0 || n_vocab <= 0 || (n && (!out || !logits || !targets)))
+        return skv_errorf(SKV_E_INVAL, "row_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
+    for (int r = 0; r < n; r++)
+        if (targets[r] < 0 || targets[r] >= n_vocab)
+            return skv_errorf(SKV_E_INVAL, "row_logprobs: target %d of row %d is outside [0, %d)", targets[r], r,
+                              n_vocab);
+    if (n == 0)
+        return SKV_OK;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    void *s = NULL;
+    int rc = scratch_get(impl, (size_t)n * (sizeof(float) + sizeof(int32_t)), &s);
+    if (rc < 0)
+        return rc;
+    float *dout = (float *)s;
+    int32_t *dt = (int32_t *)(dout + n);
+    cudaError_t err = cudaMemcpyAsync(dt, targets, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice, impl->stream);
+    if (err == cudaSuccess) {
+        row_logprobs_kernel<<<(unsigned)n, EW_THREADS, 0, impl->stream>>>(dout, logits, dt, n_vocab);
+        err = cudaGetLastError();
+    }
+    if (err == cudaSuccess)
+        err = cudaMemcpyAsync(out, dout, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, impl->stream);
+    if (err == cudaSuccess)
+        err = cudaStreamSynchronize(impl->stream);
+    if (err != cudaSuccess)
+        return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
+                          cudaGetErrorString(err));
+    return SKV_OK;
+}
+
 /* Per-KV-head lengths of the group_scores op, passed by value. */
 struct group_params {
     int len[SKV_MAX_KV_HEADS], pooled[SKV_MAX_KV_HEADS];
@@ -2532,7 +2602,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* attention_batch */ cuda_attention_batch,
     /* store_rows_f16 */ cuda_store_rows_f16,
     /* store_rows_q8_0 */ cuda_store_rows_q8_0,
-    /* row_logprobs */ NULL, /* the engine's host path: the logits downloaded */
+    /* row_logprobs */ cuda_row_logprobs,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -154,6 +154,8 @@ static bool is_device_ptr(const void *) { return false; }
 #define ATT_GEMM_S_BYTES ((size_t)64 << 10) /* prefill attention in several query batches */
 #define EW_THREADS 256
 namespace emu {
+using std::isinf; /* the device code's isnan and isinf, C++ style */
+using std::isnan;
 #include "kern.inc"
 }
 using namespace emu;
@@ -396,6 +398,38 @@ static int run_cosine(int n, int dim)
     return !ok;
 }
 
+/* row_logprobs against the CPU op: random rows, a NaN, two +inf, every logit -inf. */
+static int run_row_logprobs(int n, int nv)
+{
+    std::vector<float> x((size_t)n * nv);
+    for (auto &v : x) v = rnd() * 4.0f;
+    std::vector<int32_t> t(n);
+    for (int r = 0; r < n; r++) t[r] = (int32_t)((r * 7919 + 3) % nv);
+    if (n >= 4) {
+        x[(size_t)nv + 1] = NAN;
+        x[2 * (size_t)nv + 1] = INFINITY;
+        x[2 * (size_t)nv + t[2]] = INFINITY;
+        for (int j = 0; j < nv; j++) x[3 * (size_t)nv + j] = -INFINITY;
+    }
+    std::vector<float> want(n), got(n);
+    struct skv_backend *cpu = NULL;
+    skv_backend_cpu_new(1, &cpu);
+    cpu->ops->row_logprobs(cpu, want.data(), x.data(), t.data(), n, nv);
+    skv_backend_destroy(&cpu);
+    emu_backend e;
+    int rc = cuda_row_logprobs(&e.be, got.data(), x.data(), t.data(), n, nv);
+    bool ok = rc == 0;
+    double worst = 0;
+    for (int r = 0; ok && r < n; r++) {
+        if (isinf(want[r]) || isinf(got[r]) || (n >= 4 && r == 2))
+            ok = got[r] == want[r];
+        else
+            worst = fmax(worst, fabs((double)got[r] - want[r]));
+    }
+    ok = ok && worst <= 1e-5;
+    printf("%s row_logprobs n=%d n_vocab=%d max |diff| %.3g\n", ok ? "ok  " : "FAIL", n, nv, worst);
+    return !ok;
+}
 
 static int run_group(int n_heads, int n_kv, int64_t stride, const int *len, const int *pooled, float div, int kernel,
                      bool pmax, bool gmax)
@@ -731,6 +765,8 @@ int main(int argc, char **argv)
         fails += run_colsum(5, 2, 1, 18, 3, 0, 0, 0, 4);
         fails += run_cosine(7, 576);
         fails += run_cosine(300, 64);
+        fails += run_row_logprobs(5, 49152);
+        fails += run_row_logprobs(3, 37);
     }
     if (want("gemv")) {
         const int types[] = {SKV_DTYPE_F32, SKV_DTYPE_F16, SKV_DTYPE_BF16};
