@@ -427,11 +427,15 @@ static int keep_rows_hook(void *user, const struct skv_layer_view *v)
  * nobody's (a PREFILL's session), the engine's undo restores it, or it runs on a copy
  * (session_undo). progress_job: send per-layer progress replies for it (may be NULL). keep
  * (NULL: none): a copy of s's cache that takes each layer's rows before the compressor cuts
- * them. scores (NULL: none): the log-probabilities of ids[1..n), each at the position before
- * it. */
+ * them. sc (NULL: none): the log-probabilities of ids[1..n), each at the position before it,
+ * and the most likely tokens there, into sc's arrays from their start. */
+struct prompt_scores {
+    float *logprobs;
+    int32_t *top;
+};
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
                                     bool compress, const struct skv_job *progress_job, struct skv_kv_cache *keep,
-                                    float *scores)
+                                    const struct prompt_scores *sc)
 {
     bool had_logits = s->logits != NULL;
     if (!s->logits && !(s->logits = malloc((size_t)w->m->cfg.n_vocab * sizeof *s->logits)))
@@ -447,10 +451,11 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         fo.tick = forward_tick; /* and between the chunks of a layer's projections and MLP */
         fo.tick_user = w;
     }
-    if (scores && n > 1) {
+    if (sc && n > 1) {
         fo.targets = ids + 1;
         fo.n_targets = n - 1;
-        fo.target_logprobs = scores;
+        fo.target_logprobs = sc->logprobs;
+        fo.target_top = sc->top;
     }
     struct keep_rows kr = {keep, fo.hook, fo.hook_user};
     if (keep) {
@@ -787,7 +792,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     const struct skv_config *cfg = w->cfg;
     const char *tenant = tenant_of(job);
     int32_t *ids = NULL;
-    float *scores = NULL; /* prompt_logprobs */
+    float *scores = NULL; /* prompt_logprobs: n floats, then n most likely tokens */
     int n = 0, rc;
     struct skv_session *s = NULL;
     struct skv_kv_cache *keep = NULL; /* the prompt's rows, whole, kept for reuse (prefix-retain-bytes) */
@@ -802,10 +807,11 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, true, (int)cfg->max_prompt_tokens,
                              &ids, &n)))
         goto fail;
-    if (p->prompt_logprobs && !(scores = malloc((size_t)n * sizeof *scores))) {
+    if (p->prompt_logprobs && !(scores = malloc((size_t)n * (sizeof *scores + sizeof(int32_t))))) {
         rc = SKV_E_NOMEM;
         goto fail;
     }
+    const struct prompt_scores sc = {scores, scores ? (int32_t *)(scores + n) : NULL};
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
     int reused = 0; /* a scored prompt computes every token: a reused row has no output to score */
@@ -828,7 +834,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     s->lease_seconds = p->lease_seconds ? p->lease_seconds : (uint32_t)cfg->lease_seconds;
     double t0 = now_s();
     uint64_t inside0 = w->nested_us; /* what runs inside the forward is not its time */
-    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL, keep, scores);
+    rc = session_forward_progress(w, s, ids + reused, n - reused, true, p->progress ? job : NULL, keep,
+                                  scores ? &sc : NULL);
     if (rc)
         goto fail;
     if (keep) {
@@ -872,6 +879,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         pr.prompt_logprobs = scores;
         pr.n_prompt_tokens = (size_t)n;
         pr.prompt_tokens = (uint32_t *)ids; /* ids of the vocabulary: none is negative */
+        pr.n_prompt_top_tokens = (size_t)n - 1;
+        pr.prompt_top_tokens = (uint32_t *)sc.top;
     }
     w->metrics.bytes_before += pr.bytes_before;
     w->metrics.bytes_after += pr.bytes_after;
@@ -900,7 +909,8 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     const Snapkv__AppendRequest *a = job->req->append;
     struct skv_session *s = NULL;
     int32_t *ids = NULL;
-    float *scores = NULL; /* prompt_logprobs */
+    float *scores = NULL; /* prompt_logprobs: n floats, then n most likely tokens */
+    int32_t *top = NULL;
     int n = 0, rc;
     int room = (int)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens);
     if ((rc = find_session(w, job, a->session_id, false, &s)))
@@ -919,12 +929,15 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
                             "3, gets them from its first APPEND)");
             goto fail;
         }
-        if (!(scores = malloc((size_t)n * sizeof *scores))) {
+        if (!(scores = malloc((size_t)n * (sizeof *scores + sizeof *top)))) {
             rc = SKV_E_NOMEM;
             goto fail;
         }
+        top = (int32_t *)(scores + n);
         skv_logprobs(s->logits, w->m->cfg.n_vocab, ids[0], 0, &scores[0], NULL, NULL);
+        top[0] = skv_argmax(s->logits, w->m->cfg.n_vocab);
     }
+    const struct prompt_scores sc = {scores ? scores + 1 : NULL, top ? top + 1 : NULL};
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
      * session's upkeep evicts or re-scores rows too, it runs on a copy */
     struct session_undo u;
@@ -938,7 +951,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
             undo_end(w, s, &u, true);
         goto fail;
     }
-    rc = session_forward_progress(w, s, ids, n, false, NULL, NULL, scores ? scores + 1 : NULL);
+    rc = session_forward_progress(w, s, ids, n, false, NULL, NULL, scores ? &sc : NULL);
     if (copy)
         undo_end(w, s, &u, rc != SKV_OK);
     if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
@@ -959,6 +972,8 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         ar.prompt_logprobs = scores;
         ar.n_prompt_tokens = (size_t)n;
         ar.prompt_tokens = (uint32_t *)ids; /* ids of the vocabulary: none is negative */
+        ar.n_prompt_top_tokens = (size_t)n;
+        ar.prompt_top_tokens = (uint32_t *)top;
     }
     rep.result_case = SNAPKV__REPLY__RESULT_APPEND;
     rep.append = &ar;

@@ -311,9 +311,11 @@ struct skv_backend_ops {
      * each in [0, n_vocab), else SKV_E_INVAL), a NaN logit counting as -inf; where some logits
      * are +inf those k share the mass (log(1 / k) each, -inf for the rest); with none finite or
      * +inf, -inf. Within 1e-5 of the log-softmax in double (the exponentials may be single
-     * precision). What scores a prompt's tokens (skv_forward_opts.targets). */
-    int (*row_logprobs)(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
-                        int n_vocab);
+     * precision). top (host, may be NULL): each row's most likely token, the lowest id among
+     * equal largest logits (a NaN is never the largest; 0 when every logit is NaN). What scores
+     * a prompt's tokens (skv_forward_opts.targets). */
+    int (*row_logprobs)(struct skv_backend *be, float *out, int32_t *top, const float *logits, const int32_t *targets,
+                        int n, int n_vocab);
 };
 
 struct skv_backend {

@@ -59,13 +59,15 @@ static bool has_feature(const snapkv_client_t *c, const char *feature)
     return false;
 }
 
-/* A reply's prompt scores into *out (zeroed first): n_lp log-probabilities, n_tok token ids. */
-static int copy_scores(const float *lp, size_t n_lp, const uint32_t *tok, size_t n_tok, const char *what,
-                       struct snapkv_scores *out)
+/* A reply's prompt scores into *out: n_lp log-probabilities and most likely tokens (top), n_tok
+ * token ids. */
+static int copy_scores(const float *lp, const uint32_t *top, size_t n_lp, const uint32_t *tok, size_t n_tok,
+                       const char *what, struct snapkv_scores *out)
 {
     struct snapkv_scores sc = {.n_logprobs = n_lp, .n_tokens = n_tok};
-    if (!skv_client_dup_f32(lp, n_lp, &sc.logprobs) || !skv_client_dup_u32(tok, n_tok, &sc.tokens)) {
-        free(sc.logprobs);
+    if (!skv_client_dup_f32(lp, n_lp, &sc.logprobs) || !skv_client_dup_u32(tok, n_tok, &sc.tokens) ||
+        !skv_client_dup_u32(top, n_lp, &sc.top_tokens)) {
+        snapkv_scores_free(&sc);
         return skv_client_fail(SNAPKV_E_NOMEM, "%s: out of memory for %zu scores", what, n_lp);
     }
     *out = sc;
@@ -166,13 +168,15 @@ static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *op
         rc = skv_client_fail(SNAPKV_E_NOMEM, "prefill: out of memory for %zu logits", r->n_logits);
         goto out_free_result;
     }
-    if (scores && (r->n_prompt_tokens != r->n_tokens || r->n_prompt_logprobs + 1 != r->n_tokens)) {
-        rc = skv_client_fail(SNAPKV_E_PROTO, "PREFILL: %zu scores and %zu token ids for a prompt of %u tokens",
-                             r->n_prompt_logprobs, r->n_prompt_tokens, r->n_tokens);
+    if (scores && (r->n_prompt_tokens != r->n_tokens || r->n_prompt_logprobs + 1 != r->n_tokens ||
+                   r->n_prompt_top_tokens != r->n_prompt_logprobs)) {
+        rc = skv_client_fail(SNAPKV_E_PROTO, "PREFILL: %zu scores, %zu most likely tokens and %zu token ids for a "
+                             "prompt of %u tokens", r->n_prompt_logprobs, r->n_prompt_top_tokens, r->n_prompt_tokens,
+                             r->n_tokens);
         goto out_free_result;
     }
-    if (scores && (rc = copy_scores(r->prompt_logprobs, r->n_prompt_logprobs, r->prompt_tokens, r->n_prompt_tokens,
-                                    "prefill", scores)))
+    if (scores && (rc = copy_scores(r->prompt_logprobs, r->prompt_top_tokens, r->n_prompt_logprobs, r->prompt_tokens,
+                                    r->n_prompt_tokens, "prefill", scores)))
         goto out_free_result;
     *out = res;
     if (reused_tokens)
@@ -251,13 +255,14 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
         return rc;
     const Snapkv__AppendReply *sr = rep->append;
     if (scores && (sr->n_prompt_logprobs != sr->n_prompt_tokens || !sr->n_prompt_tokens ||
+                   sr->n_prompt_top_tokens != sr->n_prompt_logprobs ||
                    (opts->n_tokens && sr->n_prompt_tokens != opts->n_tokens))) {
         snapkv__reply__free_unpacked(rep, NULL);
-        return skv_client_fail(SNAPKV_E_PROTO, "APPEND: %zu scores for %zu token ids", sr->n_prompt_logprobs,
-                               sr->n_prompt_tokens);
+        return skv_client_fail(SNAPKV_E_PROTO, "APPEND: %zu scores and %zu most likely tokens for %zu token ids",
+                               sr->n_prompt_logprobs, sr->n_prompt_top_tokens, sr->n_prompt_tokens);
     }
-    if (scores && (rc = copy_scores(sr->prompt_logprobs, sr->n_prompt_logprobs, sr->prompt_tokens,
-                                    sr->n_prompt_tokens, "append", scores))) {
+    if (scores && (rc = copy_scores(sr->prompt_logprobs, sr->prompt_top_tokens, sr->n_prompt_logprobs,
+                                    sr->prompt_tokens, sr->n_prompt_tokens, "append", scores))) {
         snapkv__reply__free_unpacked(rep, NULL);
         return rc;
     }
@@ -290,6 +295,7 @@ void snapkv_scores_free(struct snapkv_scores *s)
         return;
     free(s->logprobs);
     free(s->tokens);
+    free(s->top_tokens);
     memset(s, 0, sizeof *s);
 }
 

@@ -1111,20 +1111,33 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
 
 /* ---- prefill, append, decode, compress, fork, release ------------------------------------------------------- */
 
-/* A prompt's scores in a JSON reply j (taken): prompt_logprobs, prompt_tokens (those scored: a
- * prefill's from the second on), their sum and the perplexity exp(-sum / n). */
+/* How many scored tokens were the model's most likely there. */
+static size_t scores_greedy(const struct snapkv_scores *sc)
+{
+    size_t skip = sc->n_tokens - sc->n_logprobs, k = 0; /* 1 for a prefill: its first token has none */
+    for (size_t i = 0; i < sc->n_logprobs; i++)
+        k += sc->top_tokens[i] == sc->tokens[skip + i];
+    return k;
+}
+
+/* A prompt's scores in a JSON reply j (taken): prompt_logprobs, scored_tokens (a prefill's from
+ * the second on), top_tokens (the most likely there), their sum, how many were the most likely
+ * (greedy) and the perplexity exp(-sum / n). */
 static json_t *scores_json(json_t *j, const struct snapkv_scores *sc)
 {
-    json_t *lp = json_array(), *tok = json_array();
+    json_t *lp = json_array(), *tok = json_array(), *top = json_array();
     double sum = 0;
     size_t skip = sc->n_tokens - sc->n_logprobs; /* 1 for a prefill: its first token has none */
     for (size_t i = 0; i < sc->n_logprobs; i++) {
         json_array_append_new(lp, json_real(sc->logprobs[i]));
         json_array_append_new(tok, json_integer(sc->tokens[skip + i]));
+        json_array_append_new(top, json_integer(sc->top_tokens[i]));
         sum += sc->logprobs[i];
     }
     json_object_set_new(j, "prompt_logprobs", lp);
     json_object_set_new(j, "scored_tokens", tok);
+    json_object_set_new(j, "top_tokens", top);
+    json_object_set_new(j, "greedy", json_integer((json_int_t)scores_greedy(sc)));
     json_object_set_new(j, "sum_logprob", json_real(sum));
     json_object_set_new(j, "perplexity", sc->n_logprobs ? json_real(exp(-sum / (double)sc->n_logprobs)) : json_null());
     return j;
@@ -1137,8 +1150,9 @@ static void print_scores(const struct snapkv_scores *sc)
     for (size_t i = 0; i < sc->n_logprobs; i++)
         sum += sc->logprobs[i];
     if (sc->n_logprobs)
-        fprintf(stderr, "scored %zu tokens: sum log-probability %.4f, %.4f nats a token, perplexity %.4f\n",
-                sc->n_logprobs, sum, -sum / (double)sc->n_logprobs, exp(-sum / (double)sc->n_logprobs));
+        fprintf(stderr, "scored %zu tokens: sum log-probability %.4f, %.4f nats a token, perplexity %.4f; %zu were "
+                "the model's most likely\n", sc->n_logprobs, sum, -sum / (double)sc->n_logprobs,
+                exp(-sum / (double)sc->n_logprobs), scores_greedy(sc));
     else
         fprintf(stderr, "scored no token (a one-token prompt has none to score)\n");
 }

@@ -1108,12 +1108,16 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
         if (rc)
             break;
         if (ops->row_logprobs) {
-            rc = ops->row_logprobs(be, opts->target_logprobs + i0, out, opts->targets + i0, m, c->n_vocab);
+            rc = ops->row_logprobs(be, opts->target_logprobs + i0, opts->target_top ? opts->target_top + i0 : NULL,
+                                   out, opts->targets + i0, m, c->n_vocab);
         } else {
             rc = ops->download(be, host, out, (size_t)m * row);
-            for (int r = 0; !rc && r < m; r++)
-                skv_logprobs(host + (size_t)r * c->n_vocab, c->n_vocab, opts->targets[i0 + r], 0,
-                             &opts->target_logprobs[i0 + r], NULL, NULL);
+            for (int r = 0; !rc && r < m; r++) {
+                const float *lg = host + (size_t)r * c->n_vocab;
+                skv_logprobs(lg, c->n_vocab, opts->targets[i0 + r], 0, &opts->target_logprobs[i0 + r], NULL, NULL);
+                if (opts->target_top)
+                    opts->target_top[i0 + r] = skv_argmax(lg, c->n_vocab);
+            }
         }
     }
     if (out)

@@ -150,6 +150,7 @@ struct skv_forward_opts {
      * bits from skv_logprobs of `logits`. */
     const int32_t *targets;      /* [n_targets] */
     float *target_logprobs;      /* [n_targets] out */
+    int32_t *target_top;         /* [n_targets] out, or NULL: each position's most likely token (skv_argmax) */
     int n_targets;
 };
 

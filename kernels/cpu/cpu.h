@@ -120,8 +120,8 @@ int skv_cpu_cosine_mean(struct skv_backend *be, float *out, const float *a, cons
 int skv_cpu_copy_rows(struct skv_backend *be, void *const *dst, const void *const *src, size_t row_bytes, int n);
 int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
 int skv_cpu_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
-int skv_cpu_row_logprobs(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
-                         int n_vocab);
+int skv_cpu_row_logprobs(struct skv_backend *be, float *out, int32_t *top, const float *logits,
+                         const int32_t *targets, int n, int n_vocab);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
  * calling thread for the length of the call, and attention takes slot 0 for its working

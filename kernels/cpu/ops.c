@@ -272,6 +272,7 @@ int skv_cpu_add(struct skv_backend *be, float *out, const float *a, const float 
 
 struct logprob_args {
     float *out;
+    int32_t *top;
     const float *x;
     const int32_t *targets;
     int n_vocab;
@@ -328,6 +329,12 @@ static void logprob_rows(void *p, int64_t begin, int64_t end, int tid)
     for (int64_t r = begin; r < end; r++) {
         const float *x = a->x + r * nv;
         const float mx = row_max(x, nv), xt = x[a->targets[r]];
+        if (a->top) { /* the first logit equal to the largest (0: every one NaN) */
+            int at = 0;
+            while (at < nv && !(x[at] == mx))
+                at++;
+            a->top[r] = at < nv ? at : 0;
+        }
         if (mx == INFINITY) { /* the +inf logits share the mass */
             int n_inf = 0;
             for (int i = 0; i < nv; i++)
@@ -341,8 +348,8 @@ static void logprob_rows(void *p, int64_t begin, int64_t end, int tid)
     }
 }
 
-int skv_cpu_row_logprobs(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
-                         int n_vocab)
+int skv_cpu_row_logprobs(struct skv_backend *be, float *out, int32_t *top, const float *logits,
+                         const int32_t *targets, int n, int n_vocab)
 {
     if (n < 0 || n_vocab <= 0)
         return skv_errorf(SKV_E_INVAL, "row_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
@@ -354,7 +361,7 @@ int skv_cpu_row_logprobs(struct skv_backend *be, float *out, const float *logits
         if (targets[r] < 0 || targets[r] >= n_vocab)
             return skv_errorf(SKV_E_INVAL, "row_logprobs: target %d of row %d is outside [0, %d)", targets[r], r,
                               n_vocab);
-    struct logprob_args a = {.out = out, .x = logits, .targets = targets, .n_vocab = n_vocab};
+    struct logprob_args a = {.out = out, .top = top, .x = logits, .targets = targets, .n_vocab = n_vocab};
     skv_cpu_parallel_for(be, n, 1, logprob_rows, &a);
     return SKV_OK;
 }

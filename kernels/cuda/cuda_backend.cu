@@ -1983,9 +1983,11 @@ static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, 
 
 /* One block a row: the log-probability of the row's target under the softmax of its n_vocab
  * logits, as the CPU op defines it (a NaN counts as -inf; +inf logits share the mass; none
- * finite: -inf). The exponentials in single precision, each thread's in a float, the block's
- * sum in double. */
-__global__ void row_logprobs_kernel(float *out, const float *logits, const int32_t *targets, int n_vocab)
+ * finite: -inf), and the row's most likely token into top (the lowest id of the largest logit;
+ * 0 when every logit is NaN). The exponentials in single precision, each thread's in a float,
+ * the block's sum in double. */
+__global__ void row_logprobs_kernel(float *out, int32_t *top, const float *logits, const int32_t *targets,
+                                    int n_vocab)
 {
     __shared__ float redf[33];
     __shared__ double redd[33];
@@ -1994,6 +1996,15 @@ __global__ void row_logprobs_kernel(float *out, const float *logits, const int32
     for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
         mx = fmaxf(mx, x[j]); /* a NaN never wins */
     mx = block_reduce<true>(mx, redf);
+    float first = -INFINITY; /* -(the lowest id whose logit is mx), as a float: exact below 2^24 */
+    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+        if (x[j] == mx) {
+            first = -(float)j;
+            break;
+        }
+    first = block_reduce<true>(first, redf);
+    if (threadIdx.x == 0)
+        top[blockIdx.x] = first == -INFINITY ? 0 : (int32_t)-first;
     const float xt = x[targets[blockIdx.x]];
     if (mx == INFINITY) { /* the same for every thread of the block, as below */
         double k = 0;
@@ -2017,8 +2028,8 @@ __global__ void row_logprobs_kernel(float *out, const float *logits, const int32
         out[blockIdx.x] = (float)((double)xt - ((double)mx + log(s)));
 }
 
-static int cuda_row_logprobs(struct skv_backend *be, float *out, const float *logits, const int32_t *targets, int n,
-                             int n_vocab)
+static int cuda_row_logprobs(struct skv_backend *be, float *out, int32_t *top, const float *logits,
+                             const int32_t *targets, int n, int n_vocab)
 {
     prof_scope prof_(be, P_ROW_LOGPROBS, n);
     if (!be || n < 0 || n_vocab <= 0 || (n && (!out || !logits || !targets)))
@@ -2031,18 +2042,20 @@ static int cuda_row_logprobs(struct skv_backend *be, float *out, const float *lo
         return SKV_OK;
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
     void *s = NULL;
-    int rc = scratch_get(impl, (size_t)n * (sizeof(float) + sizeof(int32_t)), &s);
+    int rc = scratch_get(impl, (size_t)n * (sizeof(float) + 2 * sizeof(int32_t)), &s);
     if (rc < 0)
         return rc;
     float *dout = (float *)s;
-    int32_t *dt = (int32_t *)(dout + n);
+    int32_t *dt = (int32_t *)(dout + n), *dtop = dt + n;
     cudaError_t err = cudaMemcpyAsync(dt, targets, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice, impl->stream);
     if (err == cudaSuccess) {
-        row_logprobs_kernel<<<(unsigned)n, EW_THREADS, 0, impl->stream>>>(dout, logits, dt, n_vocab);
+        row_logprobs_kernel<<<(unsigned)n, EW_THREADS, 0, impl->stream>>>(dout, dtop, logits, dt, n_vocab);
         err = cudaGetLastError();
     }
     if (err == cudaSuccess)
         err = cudaMemcpyAsync(out, dout, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, impl->stream);
+    if (err == cudaSuccess && top)
+        err = cudaMemcpyAsync(top, dtop, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost, impl->stream);
     if (err == cudaSuccess)
         err = cudaStreamSynchronize(impl->stream);
     if (err != cudaSuccess)

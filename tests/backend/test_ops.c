@@ -2346,17 +2346,30 @@ static void test_row_logprobs(void **state)
             x[4 * nv + i] = -INFINITY;
         x[5 * nv + t[5]] = -INFINITY;         /* row 5: the target -inf */
         x[6 * nv + 2] = 60.0f;                /* row 6: one logit far above the rest */
+        x[7 * nv + 20] = x[7 * nv + 11] = 70.0f; /* row 7: two equal largest, the lower id the top */
         float *dx = dev_from(be, x, (size_t)n * nv * sizeof *x), got[9];
-        assert_int_equal(be->ops->row_logprobs(be, got, dx, t, n, nv), SKV_OK);
+        int32_t top[9];
+        assert_int_equal(be->ops->row_logprobs(be, got, top, dx, t, n, nv), SKV_OK);
         for (int i = 0; i < n; i++) {
-            double want = ref_logprob(x + (size_t)i * nv, nv, t[i]);
+            const float *row = x + (size_t)i * nv;
+            int best = -1; /* the lowest id of the largest logit, NaN never */
+            for (int j = 0; j < nv; j++)
+                if (!isnan(row[j]) && (best < 0 || row[j] > row[best]))
+                    best = j;
+            assert_int_equal(top[i], best < 0 ? 0 : best);
+            double want = ref_logprob(row, nv, t[i]);
             if (isinf(want) || i == 3)
                 assert_true(got[i] == (float)want);
             else if (fabs(got[i] - want) > 1e-5)
                 fail_msg("vocab %d row %d: %.9g against %.9g", nv, i, got[i], want);
         }
+        assert_int_equal(top[6], 2);
+        assert_int_equal(top[7], 11);
+        float again[9];
+        assert_int_equal(be->ops->row_logprobs(be, again, NULL, dx, t, n, nv), SKV_OK); /* no top wanted */
+        assert_memory_equal(again, got, sizeof got);
         t[0] = nv; /* a target outside the vocabulary */
-        assert_int_equal(be->ops->row_logprobs(be, got, dx, t, n, nv), SKV_E_INVAL);
+        assert_int_equal(be->ops->row_logprobs(be, got, top, dx, t, n, nv), SKV_E_INVAL);
         be->ops->free(be, dx);
         free(x);
     }

@@ -197,7 +197,7 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     sc_diff = (max(abs(a - b) for a, b in zip(sc.prompt_logprobs, sc_want))
                if len(sc.prompt_logprobs) == len(sc_want) else float("inf"))
     check("prompt-logprobs" in h.features and rep.status == OK and list(sc.prompt_tokens) == short["ids"]
-          and sc_diff <= 1e-2 and sc.reused_tokens == 0,
+          and sc_diff <= 1e-2 and sc.reused_tokens == 0 and len(sc.prompt_top_tokens) == len(sc_want),
           f"PREFILL prompt_logprobs: {len(sc.prompt_logprobs)} scores, max |diff| {sc_diff:.3g} against transformers")
     c.call("release", pb.ReleaseRequest(session_id=sc.session_id))
 

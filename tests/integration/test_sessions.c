@@ -2154,8 +2154,13 @@ static void test_prompt_logprobs(void **state)
     assert_int_equal(sc.n_logprobs, n - 1);
     assert_memory_equal(sc.tokens, ids, n * sizeof *ids);
     double diff = max_score_diff(sc.logprobs, sc.n_logprobs, wl, 0);
-    printf("# PREFILL %zu tokens scored: max |diff| %.3g per token against transformers\n", n, diff);
+    int greedy = 0, greedy_want = (int)json_integer_value(json_object_get(json_array_get(wp, 1), "top1_matches"));
+    for (size_t i = 0; i < sc.n_logprobs; i++)
+        greedy += sc.top_tokens[i] == ids[i + 1];
+    printf("# PREFILL %zu tokens scored: max |diff| %.3g per token against transformers; %d the most likely "
+           "(transformers %d)\n", n, diff, greedy, greedy_want);
     assert_true(diff <= 1e-2);
+    assert_true(abs(greedy - greedy_want) <= 1);
     assert_int_equal(pr.next_token, base.next_token);
     uint32_t reused = 0;
     struct snapkv_prefill_result again;
@@ -2187,17 +2192,23 @@ static void test_prompt_logprobs(void **state)
                                                                             "logprobs"), 0) <= 1e-2);
     snapkv_append_result_free(&ar);
     snapkv_scores_free(&as);
-    /* a DECODE's log-probability of its token is the APPEND's score of it */
+    /* a greedy DECODE's tokens appended to a fork are each the most likely there, the first
+     * scored as the DECODE gave its log-probability */
     struct snapkv_sampling sp;
     sampling_gen(&sp);
-    sp.max_tokens = 1;
+    sp.max_tokens = 8;
+    sp.stop_at_eos = false;
     struct snapkv_decode_result dr;
     struct snapkv_logprobs lp;
     assert_int_equal(snapkv_decode_logprobs(c, &fa, &sp, 0, NULL, NULL, &dr, &lp), SNAPKV_OK);
-    ao = (struct snapkv_append_opts){.tokens = dr.tokens, .n_tokens = 1};
+    assert_int_equal(dr.n_tokens, 8);
+    ao = (struct snapkv_append_opts){.tokens = dr.tokens, .n_tokens = dr.n_tokens};
     assert_int_equal(snapkv_append_scored(c, &fb, &ao, NULL, &as), SNAPKV_OK);
-    assert_int_equal(as.n_logprobs, 1);
+    assert_int_equal(as.n_logprobs, 8);
     assert_memory_equal(as.logprobs, lp.logprobs, sizeof(float));
+    assert_memory_equal(as.top_tokens, dr.tokens, 8 * sizeof *dr.tokens);
+    for (int i = 1; i < 8; i++) /* through the APPEND's forward: the decode's own within rounding */
+        assert_true(fabs(as.logprobs[i] - lp.logprobs[i]) <= 1e-3);
     snapkv_scores_free(&as);
     snapkv_logprobs_free(&lp);
     snapkv_decode_result_free(&dr);
@@ -2256,6 +2267,9 @@ static void test_prompt_logprobs(void **state)
     assert_true(json_array_size(json_object_get(j, "prompt_logprobs")) >= 3);
     assert_int_equal(json_array_size(json_object_get(j, "scored_tokens")),
                      json_array_size(json_object_get(j, "prompt_logprobs")));
+    assert_int_equal(json_array_size(json_object_get(j, "top_tokens")),
+                     json_array_size(json_object_get(j, "prompt_logprobs")));
+    assert_true(json_is_integer(json_object_get(j, "greedy")));
     json_decref(j);
     snapkv_scores_free(&sc);
     snapkv_prefill_result_free(&head);

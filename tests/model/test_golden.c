@@ -375,9 +375,9 @@ static void test_greedy_penalized(void **state)
 /* m's scores of ids[from..n) (the log-probability of each given the tokens before it, as a
  * session of ids[0..from) and a forward of the rest with targets would give them, the first from
  * the session's last logits; from = 0: the forward of the whole prompt scores ids[1..n)) into
- * lp; returns how many. The last logits of each forward must be the bits a forward without
- * targets gives. */
-static int score(struct skv_model *m, const int32_t *ids, int n, int from, float *lp)
+ * lp, and the most likely tokens there into top; returns how many. The last logits of each
+ * forward must be the bits a forward without targets gives. */
+static int score(struct skv_model *m, const int32_t *ids, int n, int from, float *lp, int32_t *top)
 {
     int nv = m->cfg.n_vocab, k = 0;
     struct skv_engine *e = NULL;
@@ -389,9 +389,11 @@ static int score(struct skv_model *m, const int32_t *ids, int n, int from, float
     if (from > 0) {
         assert_int_equal(skv_engine_forward(e, cache, ids, from, NULL, logits), SKV_OK);
         assert_int_equal(skv_engine_forward(e, plain_cache, ids, from, NULL, plain), SKV_OK);
-        skv_logprobs(logits, nv, ids[from], 0, &lp[k++], NULL, NULL);
+        skv_logprobs(logits, nv, ids[from], 0, &lp[k], NULL, NULL);
+        top[k++] = skv_argmax(logits, nv);
     }
-    struct skv_forward_opts fo = {.targets = ids + from + 1, .n_targets = n - from - 1, .target_logprobs = lp + k};
+    struct skv_forward_opts fo = {.targets = ids + from + 1, .n_targets = n - from - 1, .target_logprobs = lp + k,
+                                  .target_top = top + k};
     assert_int_equal(skv_engine_forward(e, cache, ids + from, n - from, &fo, logits), SKV_OK);
     assert_int_equal(skv_engine_forward(e, plain_cache, ids + from, n - from, NULL, plain), SKV_OK);
     assert_memory_equal(logits, plain, (size_t)nv * sizeof *logits);
@@ -424,8 +426,20 @@ static void test_prompt_logprobs(void **state)
         json_t *w = json_array_get(want, p), *wl = json_object_get(w, "logprobs");
         assert_int_equal(json_array_size(wl), (size_t)n - 1);
         float *ref = malloc((size_t)n * sizeof *ref), *fast = malloc((size_t)n * sizeof *fast);
-        assert_int_equal(score(g->ref, ids, n, 0, ref), n - 1);
-        assert_int_equal(score(g->fast, ids, n, 0, fast), n - 1);
+        int32_t *top = malloc((size_t)n * sizeof *top), *top_fast = malloc((size_t)n * sizeof *top_fast);
+        assert_int_equal(score(g->ref, ids, n, 0, ref, top), n - 1);
+        assert_int_equal(score(g->fast, ids, n, 0, fast, top_fast), n - 1);
+        int greedy = 0, greedy_fast = 0, greedy_want = (int)json_integer_value(json_object_get(w, "top1_matches"));
+        for (int i = 0; i < n - 1; i++) {
+            greedy += top[i] == ids[i + 1];
+            greedy_fast += top_fast[i] == ids[i + 1];
+        }
+        printf("# %-9s %d of %d tokens the most likely (transformers %d), fast mode %d\n",
+               json_string_value(json_object_get(w, "name")), greedy, n - 1, greedy_want, greedy_fast);
+        assert_int_equal(greedy, greedy_want);
+        assert_true(abs(greedy_fast - greedy_want) <= 1);
+        free(top_fast);
+        free(top);
         double max_diff = 0, max_fast = 0, sum_ref = 0, sum_fast = 0;
         double sum_want = json_number_value(json_object_get(w, "sum"));
         for (int i = 0; i < n - 1; i++) {
@@ -452,7 +466,8 @@ static void test_prompt_logprobs(void **state)
     int32_t *ids = json_ids(json_object_get(json_array_get(prompts, 1), "ids"), &n);
     assert_string_equal(json_string_value(json_object_get(json_array_get(prompts, 1), "name")), "paragraph");
     float *lp = malloc((size_t)n * sizeof *lp);
-    assert_int_equal(score(g->ref, ids, n, split, lp), n - split);
+    int32_t *top = malloc((size_t)n * sizeof *top);
+    assert_int_equal(score(g->ref, ids, n, split, lp, top), n - split);
     assert_int_equal(json_array_size(wl), (size_t)(n - split));
     double max_diff = 0;
     for (int i = 0; i < n - split; i++)
@@ -477,6 +492,7 @@ static void test_prompt_logprobs(void **state)
     skv_kv_cache_free(&cache);
     skv_engine_free(&e);
     free(logits);
+    free(top);
     free(lp);
     free(ids);
     json_decref(fx);

@@ -411,14 +411,17 @@ static int run_row_logprobs(int n, int nv)
         x[2 * (size_t)nv + t[2]] = INFINITY;
         for (int j = 0; j < nv; j++) x[3 * (size_t)nv + j] = -INFINITY;
     }
+    if (n >= 5)
+        x[4 * (size_t)nv + 9] = x[4 * (size_t)nv + 3] = 50.0f; /* two equal largest: the lower id */
     std::vector<float> want(n), got(n);
+    std::vector<int32_t> want_top(n), got_top(n);
     struct skv_backend *cpu = NULL;
     skv_backend_cpu_new(1, &cpu);
-    cpu->ops->row_logprobs(cpu, want.data(), x.data(), t.data(), n, nv);
+    cpu->ops->row_logprobs(cpu, want.data(), want_top.data(), x.data(), t.data(), n, nv);
     skv_backend_destroy(&cpu);
     emu_backend e;
-    int rc = cuda_row_logprobs(&e.be, got.data(), x.data(), t.data(), n, nv);
-    bool ok = rc == 0;
+    int rc = cuda_row_logprobs(&e.be, got.data(), got_top.data(), x.data(), t.data(), n, nv);
+    bool ok = rc == 0 && want_top == got_top && (n < 5 || got_top[4] == 3);
     double worst = 0;
     for (int r = 0; ok && r < n; r++) {
         if (isinf(want[r]) || isinf(got[r]) || (n >= 4 && r == 2))
