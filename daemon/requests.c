@@ -849,6 +849,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     }
     w->metrics.prefill_tokens += (uint64_t)(n - reused);
     w->metrics.prefix_reused_tokens += (uint64_t)reused;
+    w->metrics.scored_tokens += scores ? (uint64_t)n - 1 : 0;
     w->metrics.prefix_reuse_hits += reused > 0;
     skv_worker_tenant(w, job->tenant)->prefill_tokens += (uint64_t)(n - reused);
     w->metrics.prefill_seconds += now_s() - t0 - (double)(w->nested_us - inside0) * 1e-6;
@@ -957,6 +958,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
         goto fail;
     skv_worker_event_stored(w, s); /* announced again: its blocks as they are now */
+    w->metrics.scored_tokens += scores ? (uint64_t)n : 0;
     s->n_text_pending = 0; /* the client's text follows: a generated character it cut stays cut */
     Snapkv__Reply rep;
     Snapkv__AppendReply ar = SNAPKV__APPEND_REPLY__INIT;

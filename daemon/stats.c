@@ -27,6 +27,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "kept prefixes dropped: for pool room, past prefix-retain-bytes, unused for lease-seconds, or covered by "
          "a longer one of the tenant (not those EVICT drops)",
          (double)in->prefix_retained_dropped},
+        {"snapkv_prompt_scored_tokens_total", "tokens PREFILLs and APPENDs scored (prompt_logprobs)",
+         (double)m->scored_tokens},
         {"snapkv_decode_tokens_total", "tokens generated", (double)m->decode_tokens},
         {"snapkv_decode_batches_total", "decode forwards (tokens / batches = mean batch size)",
          (double)m->decode_batches},

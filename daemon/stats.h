@@ -11,6 +11,7 @@ struct skv_metrics {
     uint64_t requests, errors;
     uint64_t prefill_tokens, decode_tokens, decode_batches;
     uint64_t prefix_reused_tokens, prefix_reuse_hits; /* prompt tokens PREFILLs took from other sessions */
+    uint64_t scored_tokens;       /* tokens PREFILLs and APPENDs scored (prompt_logprobs) */
     double prefill_seconds, decode_seconds;
     uint64_t bytes_before, bytes_after; /* over all compressed prefills */
     uint64_t ipc_closed_lru;      /* CUDA buffers closed to make room for another (SKV_IPC_* limits) */
@@ -59,7 +60,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 50
+#define SKV_N_STATS 51
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -391,7 +391,7 @@ struct snapkv_scores {
     uint32_t *tokens;             /* [n_tokens] */
     size_t n_tokens;
     uint32_t *top_tokens;         /* [n_logprobs]: the model's most likely token where each scored token
-                                   * stands (the lowest id among equal logits): equal means greedy */
+                                   * stands (the lowest id among equal largest logits): equal means greedy */
 };
 /* snapkv_prefill_flags that also scores the prompt. Every token is computed (no prefix reuse:
  * a reused row has no output to score), and the output layer runs at every position, which

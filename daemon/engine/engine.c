@@ -1075,9 +1075,9 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
 }
 
 /* Rows of logits one chunk of scoring holds ([SCORE_ROWS][n_vocab] on the device, and again on
- * the host where the backend has no row_logprobs: 25 MB each for a 49152-token vocabulary). The last two chunks split evenly where the
- * last would be a small-batch one, so that every row of a prompt longer than that takes the
- * batched matmul. */
+ * the host where the backend has no row_logprobs: 25 MB each for a 49152-token vocabulary). The
+ * last two chunks split evenly where the last would be a small-batch one, so that every row of a
+ * prompt longer than that takes the batched matmul. */
 #define SCORE_ROWS 128
 static int score_rows(struct skv_engine *e, int n, int i0)
 {

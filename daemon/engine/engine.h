@@ -141,13 +141,13 @@ struct skv_forward_opts {
     void (*tick)(void *user);
     void *tick_user;
     /* A prompt's scores: with logits != NULL and n_targets in [1, n], for each position i <
-     * n_targets the log-probability the model gives token targets[i] there (skv_logprobs of that
-     * position's logits: a prompt scores its own tokens with targets = tokens + 1) into
-     * target_logprobs[i]; logits still gets the last position's, the same bits as without
-     * targets (logits_all must be false). It runs the output matmul for every position scored,
-     * in chunks (the tick between them), with the batched kernel where a chunk is larger than
-     * the small-batch size: with n_targets = n the last position's score may differ in the last
-     * bits from skv_logprobs of `logits`. */
+     * n_targets the log-probability the model gives token targets[i] there (a prompt scores its
+     * own tokens with targets = tokens + 1) into target_logprobs[i], and with target_top the most
+     * likely token there; logits still gets the last position's, the same bits as without targets
+     * (logits_all must be false). It runs the output matmul for every position scored, in chunks
+     * (the tick between them), with the batched kernel where a chunk is larger than the
+     * small-batch size, and the backend's row_logprobs (within its tolerance of skv_logprobs;
+     * without the op, skv_logprobs and skv_argmax of the downloaded logits). */
     const int32_t *targets;      /* [n_targets] */
     float *target_logprobs;      /* [n_targets] out */
     int32_t *target_top;         /* [n_targets] out, or NULL: each position's most likely token (skv_argmax) */

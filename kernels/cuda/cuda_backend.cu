@@ -2033,7 +2033,7 @@ static int cuda_row_logprobs(struct skv_backend *be, float *out, int32_t *top, c
 {
     prof_scope prof_(be, P_ROW_LOGPROBS, n);
     if (!be || n < 0 || n_vocab <= 0 || (n && (!out || !logits || !targets)))
-        return skv_errorf(SKV_E_INVAL, "row_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
+        return skv_errorf(SKV_E_INVAL, "row_logprobs: bad shape n=%d n_vocab=%d, or a NULL buffer", n, n_vocab);
     for (int r = 0; r < n; r++)
         if (targets[r] < 0 || targets[r] >= n_vocab)
             return skv_errorf(SKV_E_INVAL, "row_logprobs: target %d of row %d is outside [0, %d)", targets[r], r,
@@ -2058,9 +2058,11 @@ static int cuda_row_logprobs(struct skv_backend *be, float *out, int32_t *top, c
         err = cudaMemcpyAsync(top, dtop, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost, impl->stream);
     if (err == cudaSuccess)
         err = cudaStreamSynchronize(impl->stream);
-    if (err != cudaSuccess)
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError(); /* a launch's or copy's error is not the next op's */
         return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
                           cudaGetErrorString(err));
+    }
     return SKV_OK;
 }
 

@@ -2206,9 +2206,13 @@ static void test_prompt_logprobs(void **state)
     assert_int_equal(snapkv_append_scored(c, &fb, &ao, NULL, &as), SNAPKV_OK);
     assert_int_equal(as.n_logprobs, 8);
     assert_memory_equal(as.logprobs, lp.logprobs, sizeof(float));
-    assert_memory_equal(as.top_tokens, dr.tokens, 8 * sizeof *dr.tokens);
-    for (int i = 1; i < 8; i++) /* through the APPEND's forward: the decode's own within rounding */
+    assert_int_equal(as.top_tokens[0], dr.tokens[0]);
+    int differ = 0; /* the rest through the APPEND's forward: a near-tie may go the other way */
+    for (int i = 1; i < 8; i++) {
+        differ += as.top_tokens[i] != dr.tokens[i];
         assert_true(fabs(as.logprobs[i] - lp.logprobs[i]) <= 1e-3);
+    }
+    assert_true(differ <= 1);
     snapkv_scores_free(&as);
     snapkv_logprobs_free(&lp);
     snapkv_decode_result_free(&dr);
@@ -2233,6 +2237,8 @@ static void test_prompt_logprobs(void **state)
         snapkv_scores_free(&as);
         snapkv_prefill_result_free(&dres);
     }
+    /* 111 + 72 + 8 + 2 x 128 scored so far */
+    assert_int_equal(stat_of(d.admin, "snapkv_prompt_scored_tokens_total"), 111 + 72 + 8 + 2 * 128);
     printf("# the last %zu tokens of a %zu-token text after the first %zu: %.3f nats a token with the full "
            "cache, %.3f with SnapKV 10%%\n", n - doc, n, doc, -sums[0] / (double)(n - doc),
            -sums[1] / (double)(n - doc));
