@@ -54,6 +54,7 @@ struct args {
     uint64_t seed;
     const char *prefill_sizes;
     const char *decode_depths;
+    const char *append_sizes; /* speed: forwards of these many tokens at each depth (an APPEND's) */
     int decode_tokens;
     int batch; /* speed: sequences decoded together (skv_engine_decode_batch); 0: 1 */
     int repeat;
@@ -98,6 +99,8 @@ static void usage(FILE *out)
             "        [--repeat R] [--compress SPEC]  prefill / decode tokens/s and peak memory; with\n"
             "                                        SPEC every prefill compresses (its scoring +\n"
             "                                        compaction timed) and decode runs on the kept KV\n"
+            "        [--append 9,16,21]              also one forward of each many tokens at each depth\n"
+            "                                        (an APPEND's, on a copy of the depth's cache)\n"
             "  gemv [--repeat R]                     decode's weight traffic: every weight matrix\n"
             "                                        times one row, GB/s per dtype, and the host's\n"
             "                                        read bandwidth with the same threads\n"
@@ -651,14 +654,15 @@ static uint64_t decode_weight_bytes(const struct skv_model *m)
  * is timed (the backend synchronized around it), and decode runs with the decode-time hook. */
 static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_model *m)
 {
-    int prefill[16], depth[16];
+    int prefill[16], depth[16], append[16];
     /* --prefill none: only the prefills that build the decode depths (timed there too) */
     bool no_prefill = a->prefill_sizes && strcmp(a->prefill_sizes, "none") == 0;
     const char *sizes = a->prefill_sizes ? a->prefill_sizes : "512,2048,8192";
     const char *depths = a->decode_depths ? a->decode_depths : "0,512,4096,8192";
     int np = no_prefill ? 0 : parse_list("prefill", sizes, prefill, 16, 1, 1 << 24);
     int nd = parse_list("decode-depth", depths, depth, 16, 0, 1 << 24);
-    if (np < 0 || nd < 0)
+    int na = a->append_sizes ? parse_list("append", a->append_sizes, append, 16, 1, 1 << 20) : 0;
+    if (np < 0 || nd < 0 || na < 0)
         return 2;
     int dtok = a->decode_tokens > 0 ? a->decode_tokens : 32;
     int batch = a->batch > 0 ? a->batch : 1;
@@ -669,6 +673,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         maxn = prefill[i] > maxn ? prefill[i] : maxn;
     for (int i = 0; i < nd; i++)
         maxn = depth[i] > maxn ? depth[i] : maxn;
+    for (int i = 0; i < na; i++)
+        maxn = append[i] > maxn ? append[i] : maxn;
     if (spec) {
         struct skv_compress_spec cs;
         int rc = skv_compress_spec_parse(spec, &cs);
@@ -684,7 +690,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         return fail("speed", SKV_E_NOMEM);
     }
     fill_ids(ids, maxn, nv, 42);
-    json_t *j = json_object(), *jp = json_array(), *jd = json_array();
+    json_t *j = json_object(), *jp = json_array(), *jd = json_array(), *ja = json_array();
     /* one untimed forward first: one-time costs (device context, library handles, first-touch
      * pages) stay out of the first figure */
     struct skv_kv_cache *warm = NULL;
@@ -796,6 +802,42 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
             rate_sum += (double)batch * dtok / dt;
             druns++;
         }
+        /* appends: one forward of append[q] tokens on a copy of the cache (and its compressor's
+         * decode upkeep, as an APPEND runs it), best of the repeats */
+        for (int q = 0; q < na && !rc; q++) {
+            double abest = 1e30;
+            for (int r = 0; r < rep && !rc; r++) {
+                struct skv_kv_cache *work = NULL;
+                struct skv_compressor *wc = NULL;
+                rc = skv_kv_cache_clone(cache, &work);
+                if (!rc && run.comp)
+                    rc = skv_compressor_clone(run.comp, &wc);
+                if (!rc)
+                    rc = skv_kv_cache_reserve(work, append[q]);
+                if (!rc && wc)
+                    rc = skv_compressor_begin_decode(wc, work);
+                struct skv_forward_opts ao = {.hook = skv_compressor_hook, .hook_user = wc};
+                double t0 = now_s();
+                if (!rc)
+                    rc = skv_engine_forward(e, work, ids, append[q], wc ? &ao : NULL, logits);
+                if (!rc)
+                    rc = m->be->ops->sync(m->be);
+                double dt = now_s() - t0;
+                skv_compressor_free(&wc);
+                skv_kv_cache_free(&work);
+                abest = !rc && dt < abest ? dt : abest;
+            }
+            if (rc)
+                break;
+            json_t *o = json_object();
+            json_object_set_new(o, "depth", json_integer(depth[i]));
+            json_object_set_new(o, "tokens", json_integer(append[q]));
+            json_object_set_new(o, "seconds", json_real(abest));
+            json_object_set_new(o, "tokens_per_second", json_real(append[q] / abest));
+            json_array_append_new(ja, o);
+            if (!a->json)
+                fprintf(stderr, "append %4d @%5d: %8.3f ms\n", append[q], depth[i], abest * 1e3);
+        }
         double run_comp_s = run.compress_seconds;
         skv_compressor_free(&run.comp);
         skv_kv_cache_free(&cache);
@@ -824,6 +866,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         json_decref(j);
         json_decref(jp);
         json_decref(jd);
+        json_decref(ja);
         return fail("speed", rc);
     }
     json_object_set_new(j, "model", json_string(m->name));
@@ -835,6 +878,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
     json_object_set_new(j, "weight_bytes", json_integer((json_int_t)decode_weight_bytes(m)));
     json_object_set_new(j, "prefill", jp);
     json_object_set_new(j, "decode", jd);
+    json_object_set_new(j, "append", ja);
     json_object_set_new(j, "peak_rss_mib", json_real(peak_rss_mib()));
     if (a->json) {
         emit(j);
@@ -847,6 +891,10 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
                    json_real_value(json_object_get(o, "tokens_per_second")));
         json_array_foreach(jd, k, o)
             printf("| decode @ | %8lld | %12.1f |\n", (long long)json_integer_value(json_object_get(o, "depth")),
+                   json_real_value(json_object_get(o, "tokens_per_second")));
+        json_array_foreach(ja, k, o)
+            printf("| append %lld @ | %8lld | %12.1f |\n", (long long)json_integer_value(json_object_get(o, "tokens")),
+                   (long long)json_integer_value(json_object_get(o, "depth")),
                    json_real_value(json_object_get(o, "tokens_per_second")));
         printf("threads %d, backend %s, mode %s, batch %d, peak RSS %.0f MiB\n", m->be->n_threads, m->be->name,
                m->reference ? "reference" : "fast", batch, peak_rss_mib());
@@ -1084,7 +1132,7 @@ static const struct {
     {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress min-p "
                  "repetition-penalty repetition-last-n frequency-penalty presence-penalty"},
     {"select", "prompt prompt-file tokens chat compress"},
-    {"speed", "prefill decode-depth decode-tokens batch repeat compress"},
+    {"speed", "prefill decode-depth decode-tokens batch repeat compress append"},
     {"gemv", "repeat"},
     {"quality", "task lengths depths specs trials out-dir passkey-style texts fid-prefill fid-tokens max-tokens seed"},
     {"serve", "endpoint admin-endpoint clients requests sessions context pool-gib parts decode-tokens specs "
@@ -1127,7 +1175,7 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM, O_CAP, O_BATCH, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP };
+           O_FIDM, O_CAP, O_BATCH, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP, O_APPEND };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
            O_STORE_SIGNED };
     static const struct option opts[] = {
@@ -1158,6 +1206,7 @@ int main(int argc, char **argv)
         {"repetition-last-n", required_argument, NULL, O_REPN},
         {"frequency-penalty", required_argument, NULL, O_FREQP},
         {"presence-penalty", required_argument, NULL, O_PRESP},
+        {"append", required_argument, NULL, O_APPEND},
         {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
     };
     int c, li = -1, n_given = 0;
@@ -1220,6 +1269,7 @@ int main(int argc, char **argv)
         }
         case O_PREFILL: a.prefill_sizes = optarg; break;
         case O_DEPTH: a.decode_depths = optarg; break;
+        case O_APPEND: a.append_sizes = optarg; break;
         case O_DTOK: ok = int_opt("decode-tokens", optarg, 1, 1 << 20, &a.decode_tokens); break;
         case O_BATCH: ok = int_opt("batch", optarg, 1, SKV_ENGINE_MAX_BATCH, &a.batch); break;
         case O_REPEAT: ok = int_opt("repeat", optarg, 1, 1000000, &a.repeat); break;

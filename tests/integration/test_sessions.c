@@ -620,6 +620,13 @@ static void test_errors_and_tenants(void **state)
     snapkv_decode_result_free(&d1);
     /* the import has no logits yet (test_export_import_values appends to one) */
     assert_int_equal(snapkv_decode(a, &imported, &sp, NULL, NULL, &d2), SNAPKV_E_INVAL); /* nothing to continue */
+    /* nor to score an APPEND's first token with: refused, the import as it was */
+    struct snapkv_scores isc;
+    const uint32_t one_tok[1] = {5};
+    struct snapkv_append_opts one = {.tokens = one_tok, .n_tokens = 1};
+    assert_int_equal(snapkv_append_scored(a, &imported, &one, NULL, &isc), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "prompt_logprobs"));
+    assert_null(isc.logprobs);
     /* an import without its tokens cannot run its window again: COMPRESS refuses and changes nothing */
     struct snapkv_compress_result cr;
     assert_int_equal(snapkv_compress(a, &imported, "policy=window,budget=8", 0, &cr), SNAPKV_E_INVAL);
@@ -2216,6 +2223,28 @@ static void test_prompt_logprobs(void **state)
     snapkv_scores_free(&as);
     snapkv_logprobs_free(&lp);
     snapkv_decode_result_free(&dr);
+    /* a one-token prompt: nothing to score */
+    struct snapkv_prefill_result one;
+    po = (struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 1};
+    assert_int_equal(snapkv_prefill_scored(c, &po, 0, &one, &as), SNAPKV_OK);
+    assert_int_equal(as.n_logprobs, 0);
+    assert_int_equal(as.n_tokens, 1);
+    snapkv_scores_free(&as);
+    /* an H2O session evicts while it appends (the APPEND runs on a copy): 72 tokens scored, each
+     * a log-probability, and the session as long as asked */
+    po = (struct snapkv_prefill_opts){.tokens = ids, .n_tokens = split, .compress = "policy=h2o,budget=24,window=8"};
+    assert_int_equal(snapkv_prefill_scored(c, &po, 0, &one, &as), SNAPKV_OK);
+    snapkv_scores_free(&as);
+    ao = (struct snapkv_append_opts){.tokens = ids + split, .n_tokens = n - split};
+    assert_int_equal(snapkv_append_scored(c, &one.id, &ao, &ar, &as), SNAPKV_OK);
+    assert_int_equal(ar.n_tokens, n);
+    assert_int_equal(as.n_logprobs, n - split);
+    for (size_t i = 0; i < as.n_logprobs; i++)
+        assert_true(as.logprobs[i] <= 0.0f && as.logprobs[i] > -60.0f);
+    assert_true(fabs(as.logprobs[0] - sc.logprobs[split - 1]) <= 1e-3); /* the first from the PREFILL's logits */
+    snapkv_append_result_free(&ar);
+    snapkv_scores_free(&as);
+    snapkv_prefill_result_free(&one);
     /* a compressed cache of a document predicts its continuation worse than the full cache */
     n = golden_ids(json_array_get(prompts, 4), ids, 2048); /* long: 1639 tokens */
     const size_t doc = n - 128;
@@ -2237,8 +2266,8 @@ static void test_prompt_logprobs(void **state)
         snapkv_scores_free(&as);
         snapkv_prefill_result_free(&dres);
     }
-    /* 111 + 72 + 8 + 2 x 128 scored so far */
-    assert_int_equal(stat_of(d.admin, "snapkv_prompt_scored_tokens_total"), 111 + 72 + 8 + 2 * 128);
+    /* scored so far: 111 + 72 + 8, the H2O session's 39 + 72, 2 x 128 */
+    assert_int_equal(stat_of(d.admin, "snapkv_prompt_scored_tokens_total"), 111 + 72 + 8 + 39 + 72 + 2 * 128);
     printf("# the last %zu tokens of a %zu-token text after the first %zu: %.3f nats a token with the full "
            "cache, %.3f with SnapKV 10%%\n", n - doc, n, doc, -sums[0] / (double)(n - doc),
            -sums[1] / (double)(n - doc));

@@ -311,6 +311,7 @@ static void test_bad_arguments(void **state)
         {"speed", {"--prefill", "abc", NULL}, "--prefill: 'abc' is not a list of counts"},
         {"speed", {"--decode-depth", "64,", NULL}, "--decode-depth: '64,' is not a list of counts"},
         {"speed", {"--batch", "65", NULL}, "--batch wants a whole number from 1 to 64, not '65'"},
+        {"speed", {"--append", "0", NULL}, "--append: '0' is not a list of counts"},
         {"gemv", {"--batch", "2", NULL}, "gemv does not take --batch"},
         {"quality", {"--compress", "policy=snapkv,ratio=0.1", NULL}, "quality does not take --compress"},
         {"generate", {"--seed", "abc", NULL}, "--seed: 'abc' is not a number"},
@@ -369,12 +370,13 @@ static void test_select_json(void **state)
 
 /* speed --batch 3: three copies of the depth-64 cache decode 4 steps in one forward each; the
  * JSON names the batch, each sequence's tokens, and tokens/s over all three; with --compress
- * every copy keeps its own compressor (SnapKV re-scores while decoding). */
+ * every copy keeps its own compressor (SnapKV re-scores while decoding). --append 9,21: a
+ * forward of each many tokens on a copy of the depth's cache, timed. */
 static void test_speed_batch(void **state)
 {
     (void)state;
     static const char *const plain[] = {"--prefill", "none", "--decode-depth", "64", "--decode-tokens", "4",
-                                        "--batch", "3", "--threads", "2", "--json", NULL};
+                                        "--batch", "3", "--threads", "2", "--append", "9,21", "--json", NULL};
     static const char *const comp[] = {"--prefill", "none", "--decode-depth", "64", "--decode-tokens", "4",
                                        "--batch", "3", "--threads", "2", "--compress", "policy=snapkv,budget=40",
                                        "--json", NULL};
@@ -396,6 +398,14 @@ static void test_speed_batch(void **state)
         assert_true(fabs(tps * secs - 12.0) < 1e-6);
         /* what a step reads: the cache of 64 rows (SnapKV: its 40), f32 K and V */
         assert_int_equal(json_integer_value(json_object_get(d, "kv_read_bytes")), (k ? 40 : 64) * ROW_BYTES);
+        json_t *ap = json_object_get(j, "append");
+        assert_int_equal(json_array_size(ap), k ? 0 : 2);
+        for (size_t q = 0; q < json_array_size(ap); q++) {
+            json_t *o = json_array_get(ap, q);
+            assert_int_equal(json_integer_value(json_object_get(o, "depth")), 64);
+            assert_int_equal(json_integer_value(json_object_get(o, "tokens")), q ? 21 : 9);
+            assert_true(json_real_value(json_object_get(o, "seconds")) > 0);
+        }
         json_decref(j);
         cleanup(&r);
     }
