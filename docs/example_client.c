@@ -1,6 +1,7 @@
 /* example_client.c: a small program using libsnapkv. It prefills a prompt with SnapKV
  * compression, reads the K/V of the compressed cache through shared memory, forks the session,
- * streams a greedy answer, samples another from the fork, and releases everything.
+ * scores two candidate answers on forks (how likely the compressed cache finds each), streams a
+ * greedy answer, samples another from the fork, and releases everything.
  *
  *   cc example_client.c $(pkg-config --cflags --libs snapkv) -o example_client
  *   ./example_client [ENDPOINT]        (default ipc:///run/snapkvd/snapkvd.sock)
@@ -89,7 +90,28 @@ int main(int argc, char **argv)
     if (check(snapkv_fork(client, &pre.id, &second, NULL), "fork"))
         goto out_release;
 
-    /* 4. stream a greedy answer (NULL sampling: greedy, stop at end of turn) */
+    /* 4. score two candidate answers, each appended to a fork of its own: the log-probability
+     * of each token given the compressed cache and the tokens before it (a daemon older than
+     * prompt scores: SNAPKV_E_UNSUPPORTED) */
+    static const char *const candidates[] = {"The relay passkey was 48213.", "The relay passkey was 12345."};
+    for (int i = 0; i < 2; i++) {
+        struct snapkv_session_id probe;
+        struct snapkv_scores sc;
+        struct snapkv_append_opts ao = {.text = candidates[i]};
+        if (check(snapkv_fork(client, &pre.id, &probe, NULL), "fork"))
+            goto out_release_both;
+        int rc = snapkv_append_scored(client, &probe, &ao, NULL, &sc);
+        check(snapkv_release(client, &probe), "release");
+        if (check(rc, "append (scored)"))
+            goto out_release_both;
+        double sum = 0;
+        for (size_t k = 0; k < sc.n_logprobs; k++)
+            sum += sc.logprobs[k];
+        printf("candidate \"%s\": %zu tokens, log-probability %.2f\n", candidates[i], sc.n_logprobs, sum);
+        snapkv_scores_free(&sc);
+    }
+
+    /* 5. stream a greedy answer (NULL sampling: greedy, stop at end of turn) */
     struct snapkv_sampling sampling;
     snapkv_sampling_defaults(&sampling);
     sampling.max_tokens = 48;
@@ -100,7 +122,7 @@ int main(int argc, char **argv)
     printf("\n(%zu tokens, %s)\n", answer.n_tokens, answer.finish_reason);
     snapkv_decode_result_free(&answer);
 
-    /* 5. the fork answers the same question again, sampled this time, collected in one reply */
+    /* 6. the fork answers the same question again, sampled this time, collected in one reply */
     struct snapkv_sampling warm = sampling;
     warm.temperature = 0.8f;
     warm.top_p = 0.95f;

@@ -5274,7 +5274,8 @@ static void test_chat_markup_plain(void **state)
 }
 
 /* docs/example_client.c, the README's example, built as a user would build it and run against
- * the daemon: it prefills, exports through shared memory, forks, answers twice, releases both. */
+ * the daemon: it prefills, exports through shared memory, forks, scores two candidate answers
+ * on forks, answers twice, releases everything. */
 static void test_example_client(void **state)
 {
     (void)state;
@@ -5297,6 +5298,8 @@ static void test_example_client(void **state)
     assert_non_null(strstr(out, " layers, "));
     assert_non_null(strstr(out, " prompt tokens, KV "));
     assert_non_null(strstr(out, "layer 0 keeps ")); /* the export read back */
+    assert_non_null(strstr(out, "candidate \"The relay passkey was 48213.\": "));
+    assert_non_null(strstr(out, "candidate \"The relay passkey was 12345.\": "));
     assert_non_null(strstr(out, "answer: "));
     assert_non_null(strstr(out, " tokens, ")); /* (48 tokens, length), or fewer and stop */
     assert_non_null(strstr(out, "fork, sampled: "));
