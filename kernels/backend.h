@@ -311,9 +311,9 @@ struct skv_backend_ops {
      * each in [0, n_vocab), else SKV_E_INVAL), a NaN logit counting as -inf; where some logits
      * are +inf those k share the mass (log(1 / k) each, -inf for the rest); with none finite or
      * +inf, -inf. Within 1e-5 + 1e-7 |lp| of the log-softmax in double (the exponentials may be
-     * single precision; the result is a float). top (host, may be NULL): each row's most likely token, the lowest id among
-     * equal largest logits (a NaN is never the largest; 0 when every logit is NaN). What scores
-     * a prompt's tokens (skv_forward_opts.targets). */
+     * single precision; the result is a float). top (host, may be NULL): each row's most likely
+     * token, the lowest id among equal largest logits (a NaN is never the largest; 0 when every
+     * logit is NaN). What scores a prompt's tokens (skv_forward_opts.targets). */
     int (*row_logprobs)(struct skv_backend *be, float *out, int32_t *top, const float *logits, const int32_t *targets,
                         int n, int n_vocab);
 };
