@@ -2230,6 +2230,7 @@ static void test_prompt_logprobs(void **state)
     assert_int_equal(as.n_logprobs, 0);
     assert_int_equal(as.n_tokens, 1);
     snapkv_scores_free(&as);
+    snapkv_prefill_result_free(&one);
     /* an H2O session evicts while it appends (the APPEND runs on a copy): 72 tokens scored, each
      * a log-probability, and the session as long as asked */
     po = (struct snapkv_prefill_opts){.tokens = ids, .n_tokens = split, .compress = "policy=h2o,budget=24,window=8"};
