@@ -267,13 +267,12 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
         return rc;
     }
     if (out) {
-        const Snapkv__AppendReply *r = rep->append;
-        struct snapkv_append_result res = {.n_tokens = r->n_tokens, .next_token = r->next_token,
-                                           .n_logits = r->n_logits};
-        if (!skv_client_dup_f32(r->logits, r->n_logits, &res.logits)) {
+        struct snapkv_append_result res = {.n_tokens = sr->n_tokens, .next_token = sr->next_token,
+                                           .n_logits = sr->n_logits};
+        if (!skv_client_dup_f32(sr->logits, sr->n_logits, &res.logits)) {
             snapkv__reply__free_unpacked(rep, NULL);
             snapkv_scores_free(scores);
-            return skv_client_fail(SNAPKV_E_NOMEM, "append: out of memory for %zu logits", r->n_logits);
+            return skv_client_fail(SNAPKV_E_NOMEM, "append: out of memory for %zu logits", sr->n_logits);
         }
         *out = res;
     }

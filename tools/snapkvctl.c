@@ -1111,6 +1111,15 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
 
 /* ---- prefill, append, decode, compress, fork, release ------------------------------------------------------- */
 
+/* The scores' sum, in nats. */
+static double scores_sum(const struct snapkv_scores *sc)
+{
+    double sum = 0;
+    for (size_t i = 0; i < sc->n_logprobs; i++)
+        sum += sc->logprobs[i];
+    return sum;
+}
+
 /* How many scored tokens were the model's most likely there. */
 static size_t scores_greedy(const struct snapkv_scores *sc)
 {
@@ -1126,13 +1135,12 @@ static size_t scores_greedy(const struct snapkv_scores *sc)
 static json_t *scores_json(json_t *j, const struct snapkv_scores *sc)
 {
     json_t *lp = json_array(), *tok = json_array(), *top = json_array();
-    double sum = 0;
+    const double sum = scores_sum(sc);
     size_t skip = sc->n_tokens - sc->n_logprobs; /* 1 for a prefill: its first token has none */
     for (size_t i = 0; i < sc->n_logprobs; i++) {
         json_array_append_new(lp, json_real(sc->logprobs[i]));
         json_array_append_new(tok, json_integer(sc->tokens[skip + i]));
         json_array_append_new(top, json_integer(sc->top_tokens[i]));
-        sum += sc->logprobs[i];
     }
     json_object_set_new(j, "prompt_logprobs", lp);
     json_object_set_new(j, "scored_tokens", tok);
@@ -1146,9 +1154,7 @@ static json_t *scores_json(json_t *j, const struct snapkv_scores *sc)
 /* The scores' sum and perplexity, on stderr. */
 static void print_scores(const struct snapkv_scores *sc)
 {
-    double sum = 0;
-    for (size_t i = 0; i < sc->n_logprobs; i++)
-        sum += sc->logprobs[i];
+    const double sum = scores_sum(sc);
     if (sc->n_logprobs)
         fprintf(stderr, "scored %zu tokens: sum log-probability %.4f, %.4f nats a token, perplexity %.4f; %zu were "
                 "the model's most likely\n", sc->n_logprobs, sum, -sum / (double)sc->n_logprobs,
