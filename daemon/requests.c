@@ -225,6 +225,14 @@ static int admit_spec(const Snapkv__CompressSpec *cs)
     return SKV_OK;
 }
 
+/* prompt_top_logprobs: as many as a DECODE's top_logprobs */
+static int check_prompt_top(uint32_t top_n)
+{
+    return top_n > SKV_TOP_LOGPROBS_MAX ? skv_errorf(SKV_E_LIMIT, "prompt_top_logprobs %u is above the limit of %u",
+                                                     top_n, SKV_TOP_LOGPROBS_MAX)
+                                        : SKV_OK;
+}
+
 int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, const Snapkv__Request *req)
 {
     int64_t room = cfg->max_prompt_tokens + cfg->max_new_tokens;
@@ -232,12 +240,14 @@ int skv_requests_admit(const struct skv_config *cfg, const struct skv_model *m, 
     switch (req->command_case) {
     case SNAPKV__REQUEST__COMMAND_PREFILL: {
         const Snapkv__PrefillRequest *p = req->prefill;
-        if (!(rc = admit_tokens(cfg, m, p->n_tokens, p->text, cfg->max_prompt_tokens)))
-            rc = admit_spec(p->compress);
+        if (!(rc = admit_tokens(cfg, m, p->n_tokens, p->text, cfg->max_prompt_tokens)) &&
+            !(rc = admit_spec(p->compress)))
+            rc = check_prompt_top(p->prompt_top_logprobs);
         break;
     }
     case SNAPKV__REQUEST__COMMAND_APPEND: /* the worker's limit is the session's room, at most this */
-        rc = admit_tokens(cfg, m, req->append->n_tokens, req->append->text, room);
+        if (!(rc = admit_tokens(cfg, m, req->append->n_tokens, req->append->text, room)))
+            rc = check_prompt_top(req->append->prompt_top_logprobs);
         break;
     case SNAPKV__REQUEST__COMMAND_TOKENIZE:
         rc = admit_tokens(cfg, m, 0, req->tokenize->text, cfg->max_prompt_tokens);
@@ -428,11 +438,59 @@ static int keep_rows_hook(void *user, const struct skv_layer_view *v)
  * (session_undo). progress_job: send per-layer progress replies for it (may be NULL). keep
  * (NULL: none): a copy of s's cache that takes each layer's rows before the compressor cuts
  * them. sc (NULL: none): the log-probabilities of ids[1..n), each at the position before it,
- * and the most likely tokens there, into sc's arrays from their start. */
+ * and the most likely tokens there (with top_n, the top_n most likely and theirs), into sc's
+ * arrays from their start. */
 struct prompt_scores {
     float *logprobs;
     int32_t *top;
+    int top_n;        /* prompt_top_logprobs (at most the vocabulary), 0: none */
+    int32_t *top_ids; /* [][top_n] */
+    float *top_lps;   /* [][top_n] */
 };
+
+/* Room for n positions' scores in one block (free(sc->logprobs)); top_n as prompt_scores'. */
+static int prompt_scores_alloc(struct prompt_scores *sc, int n, int top_n)
+{
+    size_t k = (size_t)top_n;
+    float *mem = malloc((size_t)n * (sizeof(float) + sizeof(int32_t)) * (1 + k));
+    if (!mem)
+        return skv_errorf(SKV_E_NOMEM, "no memory to score %d tokens", n);
+    int32_t *ids = (int32_t *)(mem + (size_t)n * (1 + k));
+    *sc = (struct prompt_scores){mem, ids, top_n, top_n ? ids + n : NULL, top_n ? mem + n : NULL};
+    return SKV_OK;
+}
+
+/* sc's scores from position i on */
+static struct prompt_scores prompt_scores_from(const struct prompt_scores *sc, int i)
+{
+    size_t at = (size_t)i * (size_t)sc->top_n;
+    return (struct prompt_scores){sc->logprobs + i, sc->top + i, sc->top_n, sc->top_n ? sc->top_ids + at : NULL,
+                                  sc->top_n ? sc->top_lps + at : NULL};
+}
+
+/* A reply's prompt_top_logprobs: n messages over sc's arrays, in *tops (free it and *ptrs). */
+static int prompt_top_reply(const struct prompt_scores *sc, size_t n, Snapkv__TopLogprobs **tops,
+                            Snapkv__TopLogprobs ***ptrs)
+{
+    *tops = NULL;
+    *ptrs = NULL;
+    if (!sc->top_n || !n)
+        return SKV_OK;
+    if (!(*tops = malloc(n * sizeof **tops)) || !(*ptrs = malloc(n * sizeof **ptrs))) {
+        free(*tops);
+        *tops = NULL;
+        return skv_errorf(SKV_E_NOMEM, "no memory for the reply's prompt_top_logprobs");
+    }
+    for (size_t i = 0; i < n; i++) {
+        Snapkv__TopLogprobs *t = &(*tops)[i];
+        snapkv__top_logprobs__init(t);
+        t->n_tokens = t->n_logprobs = (size_t)sc->top_n;
+        t->tokens = (uint32_t *)sc->top_ids + i * (size_t)sc->top_n; /* ids of the vocabulary */
+        t->logprobs = sc->top_lps + i * (size_t)sc->top_n;
+        (*ptrs)[i] = t;
+    }
+    return SKV_OK;
+}
 static int session_forward_progress(struct skv_worker *w, struct skv_session *s, const int32_t *ids, int n,
                                     bool compress, const struct skv_job *progress_job, struct skv_kv_cache *keep,
                                     const struct prompt_scores *sc)
@@ -456,6 +514,9 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         fo.n_targets = n - 1;
         fo.target_logprobs = sc->logprobs;
         fo.target_top = sc->top;
+        fo.target_top_n = sc->top_n;
+        fo.target_top_ids = sc->top_ids;
+        fo.target_top_logprobs = sc->top_lps;
     }
     struct keep_rows kr = {keep, fo.hook, fo.hook_user};
     if (keep) {
@@ -792,7 +853,9 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     const struct skv_config *cfg = w->cfg;
     const char *tenant = tenant_of(job);
     int32_t *ids = NULL;
-    float *scores = NULL; /* prompt_logprobs: n floats, then n most likely tokens */
+    struct prompt_scores sc = {0}; /* prompt_logprobs: sc.logprobs holds them all */
+    float *scores = NULL;
+    Snapkv__TopLogprobs *tops = NULL, **top_ptrs = NULL;
     int n = 0, rc;
     struct skv_session *s = NULL;
     struct skv_kv_cache *keep = NULL; /* the prompt's rows, whole, kept for reuse (prefix-retain-bytes) */
@@ -807,11 +870,17 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         (rc = request_tokens(w, p->tokens, p->n_tokens, p->text, p->chat, false, true, (int)cfg->max_prompt_tokens,
                              &ids, &n)))
         goto fail;
-    if (p->prompt_logprobs && !(scores = malloc((size_t)n * (sizeof *scores + sizeof(int32_t))))) {
-        rc = SKV_E_NOMEM;
+    if ((rc = check_prompt_top(p->prompt_top_logprobs)))
         goto fail;
+    if (p->prompt_logprobs || p->prompt_top_logprobs) {
+        uint32_t k = p->prompt_top_logprobs, vocab = (uint32_t)w->m->cfg.n_vocab;
+        /* the reply's messages too, before the work: they point into sc's arrays */
+        if ((rc = prompt_scores_alloc(&sc, n, (int)(k < vocab ? k : vocab))))
+            goto fail;
+        scores = sc.logprobs;
+        if ((rc = prompt_top_reply(&sc, (size_t)n - 1, &tops, &top_ptrs)))
+            goto fail;
     }
-    const struct prompt_scores sc = {scores, scores ? (int32_t *)(scores + n) : NULL};
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
     int reused = 0; /* a scored prompt computes every token: a reused row has no output to score */
@@ -882,6 +951,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         pr.prompt_tokens = (uint32_t *)ids; /* ids of the vocabulary: none is negative */
         pr.n_prompt_top_tokens = (size_t)n - 1;
         pr.prompt_top_tokens = (uint32_t *)sc.top;
+        pr.n_prompt_top_logprobs = tops ? (size_t)n - 1 : 0;
+        pr.prompt_top_logprobs = top_ptrs;
     }
     w->metrics.bytes_before += pr.bytes_before;
     w->metrics.bytes_after += pr.bytes_after;
@@ -893,6 +964,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     rep.prefill = &pr;
     skv_worker_reply(w, job, &rep);
     free_kept(&arena);
+    free(tops);
+    free(top_ptrs);
     free(scores);
     free(ids);
     return;
@@ -901,6 +974,8 @@ fail:
     fail_rc(w, job, rc);
     if (s)
         skv_session_destroy(w->sessions, s);
+    free(tops);
+    free(top_ptrs);
     free(scores);
     free(ids);
 }
@@ -910,8 +985,9 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     const Snapkv__AppendRequest *a = job->req->append;
     struct skv_session *s = NULL;
     int32_t *ids = NULL;
-    float *scores = NULL; /* prompt_logprobs: n floats, then n most likely tokens */
-    int32_t *top = NULL;
+    struct prompt_scores all = {0}; /* prompt_logprobs: all.logprobs holds them all */
+    float *scores = NULL;
+    Snapkv__TopLogprobs *tops = NULL, **top_ptrs = NULL;
     int n = 0, rc;
     int room = (int)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens);
     if ((rc = find_session(w, job, a->session_id, false, &s)))
@@ -923,22 +999,25 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     if ((rc = request_tokens(w, a->tokens, a->n_tokens, a->text, false, a->chat, false, room - s->cache->n_past, &ids,
                              &n)))
         goto fail;
-    if (a->prompt_logprobs) {
+    if ((rc = check_prompt_top(a->prompt_top_logprobs)))
+        goto fail;
+    if (a->prompt_logprobs || a->prompt_top_logprobs) {
         if (!s->logits) {
             rc = skv_errorf(SKV_E_INVAL, "prompt_logprobs: the session has no next-token logits to score the "
                             "first token with (an imported session, or one loaded from a save of before version "
                             "3, gets them from its first APPEND)");
             goto fail;
         }
-        if (!(scores = malloc((size_t)n * (sizeof *scores + sizeof *top)))) {
-            rc = SKV_E_NOMEM;
+        uint32_t k = a->prompt_top_logprobs, vocab = (uint32_t)w->m->cfg.n_vocab;
+        if ((rc = prompt_scores_alloc(&all, n, (int)(k < vocab ? k : vocab))))
             goto fail;
-        }
-        top = (int32_t *)(scores + n);
-        skv_logprobs(s->logits, w->m->cfg.n_vocab, ids[0], 0, &scores[0], NULL, NULL);
-        top[0] = skv_argmax(s->logits, w->m->cfg.n_vocab);
+        scores = all.logprobs;
+        if ((rc = prompt_top_reply(&all, (size_t)n, &tops, &top_ptrs)))
+            goto fail;
+        skv_logprobs(s->logits, w->m->cfg.n_vocab, ids[0], all.top_n, &scores[0], all.top_ids, all.top_lps);
+        all.top[0] = skv_argmax(s->logits, w->m->cfg.n_vocab);
     }
-    const struct prompt_scores sc = {scores ? scores + 1 : NULL, top ? top + 1 : NULL};
+    const struct prompt_scores sc = scores ? prompt_scores_from(&all, 1) : all;
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
      * session's upkeep evicts or re-scores rows too, it runs on a copy */
     struct session_undo u;
@@ -975,16 +1054,22 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         ar.n_prompt_tokens = (size_t)n;
         ar.prompt_tokens = (uint32_t *)ids; /* ids of the vocabulary: none is negative */
         ar.n_prompt_top_tokens = (size_t)n;
-        ar.prompt_top_tokens = (uint32_t *)top;
+        ar.prompt_top_tokens = (uint32_t *)all.top;
+        ar.n_prompt_top_logprobs = tops ? (size_t)n : 0;
+        ar.prompt_top_logprobs = top_ptrs;
     }
     rep.result_case = SNAPKV__REPLY__RESULT_APPEND;
     rep.append = &ar;
     skv_worker_reply(w, job, &rep);
+    free(tops);
+    free(top_ptrs);
     free(scores);
     free(ids);
     return;
 fail:
     fail_rc(w, job, rc);
+    free(tops);
+    free(top_ptrs);
     free(scores);
     free(ids);
 }

@@ -515,8 +515,8 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->max_message_bytes = (uint64_t)cfg->max_message_bytes;
     h->kv_block_tokens = (uint32_t)cfg->kv_block_tokens;
     /* HelloReply.features; without a tokenizer, no TOKENIZE */
-    static const char *const features[] = {"sampling-ext", "prompt-logprobs", "tokenize"};
-    static const char *const no_tok[] = {"sampling-ext", "prompt-logprobs"};
+    static const char *const features[] = {"sampling-ext", "prompt-logprobs", "prompt-top-logprobs", "tokenize"};
+    static const char *const no_tok[] = {"sampling-ext", "prompt-logprobs", "prompt-top-logprobs"};
     h->n_features = m->tok ? sizeof features / sizeof features[0] : sizeof no_tok / sizeof no_tok[0];
     h->features = (char **)(m->tok ? features : no_tok);
     if (m->tok) {

@@ -74,17 +74,82 @@ static int copy_scores(const float *lp, const uint32_t *top, size_t n_lp, const 
     return SNAPKV_OK;
 }
 
-/* Scores asked of a daemon: one that does not list prompt-logprobs would ignore the field. */
-static int check_scores_feature(const snapkv_client_t *c, const char *what)
+/* The most likely tokens a position may ask for (the daemon's SKV_TOP_LOGPROBS_MAX). */
+#define TOP_N_MAX 20u
+
+/* A reply's prompt_top_logprobs (n lists, each n_top long) into *out, beside the n scores lp. */
+static int copy_top(Snapkv__TopLogprobs *const *t, size_t n_t, size_t n, uint32_t n_top, const float *lp,
+                    const char *what, struct snapkv_logprobs *out)
 {
-    if (has_feature(c, "prompt-logprobs"))
+    if (n_t != n)
+        return skv_client_fail(SNAPKV_E_PROTO, "%s: %zu lists of most likely tokens for %zu scores", what, n_t, n);
+    for (size_t i = 0; i < n; i++)
+        if (t[i]->n_tokens != n_top || t[i]->n_logprobs != n_top)
+            return skv_client_fail(SNAPKV_E_PROTO, "%s: a list of %zu most likely tokens and %zu log-probabilities, "
+                                   "not %u", what, t[i]->n_tokens, t[i]->n_logprobs, n_top);
+    struct snapkv_logprobs r = {.n = n, .n_top = n_top};
+    size_t m = n * n_top;
+    if (!skv_client_dup_f32(lp, n, &r.logprobs) || (m && (!(r.top_tokens = malloc(m * sizeof *r.top_tokens)) ||
+                                                          !(r.top_logprobs = malloc(m * sizeof *r.top_logprobs))))) {
+        snapkv_logprobs_free(&r);
+        return skv_client_fail(SNAPKV_E_NOMEM, "%s: out of memory for %zu lists of most likely tokens", what, n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        memcpy(r.top_tokens + i * n_top, t[i]->tokens, n_top * sizeof *r.top_tokens);
+        memcpy(r.top_logprobs + i * n_top, t[i]->logprobs, n_top * sizeof *r.top_logprobs);
+    }
+    *out = r;
+    return SNAPKV_OK;
+}
+
+/* Scores asked of a daemon: one that does not list prompt-logprobs (prompt-top-logprobs for
+ * top_n > 0) would ignore the field. top_n above the limit: SNAPKV_E_LIMIT. */
+static int check_scores_feature(const snapkv_client_t *c, uint32_t top_n, const char *what)
+{
+    if (top_n > TOP_N_MAX)
+        return skv_client_fail(SNAPKV_E_LIMIT, "%s: top_n %u is above the limit of %u", what, top_n,
+                               TOP_N_MAX);
+    const char *feature = top_n ? "prompt-top-logprobs" : "prompt-logprobs";
+    if (has_feature(c, feature))
         return SNAPKV_OK;
-    return skv_client_fail(SNAPKV_E_UNSUPPORTED, "%s: the daemon (snapkvd %s) does not score prompts: it is older "
-                           "than prompt_logprobs", what, c->hello->server_version ? c->hello->server_version : "?");
+    return skv_client_fail(SNAPKV_E_UNSUPPORTED, "%s: the daemon (snapkvd %s) does not %s: it is older than %s", what,
+                           c->hello->server_version ? c->hello->server_version : "?",
+                           top_n ? "give each scored position's most likely tokens" : "score prompts",
+                           top_n ? "prompt_top_logprobs" : "prompt_logprobs");
+}
+
+/* The top list's length a daemon gives for top_n: fewer only with a smaller vocabulary */
+static uint32_t top_len(const snapkv_client_t *c, uint32_t top_n)
+{
+    return c->hello->n_vocab && top_n > c->hello->n_vocab ? c->hello->n_vocab : top_n;
+}
+
+/* What a scoring call asks for and where it goes: scores (NULL: no scoring), and with top_n > 0
+ * each position's most likely tokens into top. */
+struct score_ask {
+    struct snapkv_scores *scores;
+    uint32_t top_n;
+    struct snapkv_logprobs *top;
+};
+
+/* The arguments of a scoring call, checked; the outputs zeroed. */
+static int score_ask(struct snapkv_scores *scores, uint32_t top_n, struct snapkv_logprobs *top, const char *what,
+                     struct score_ask *ask)
+{
+    if (scores)
+        memset(scores, 0, sizeof *scores);
+    if (top)
+        memset(top, 0, sizeof *top);
+    if (!scores)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: scores is required", what);
+    if (top_n && !top)
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: top_n %u with nowhere to put them", what, top_n);
+    *ask = (struct score_ask){scores, top_n, top_n ? top : NULL};
+    return SNAPKV_OK;
 }
 
 static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
-                        struct snapkv_prefill_result *out, uint32_t *reused_tokens, struct snapkv_scores *scores);
+                        struct snapkv_prefill_result *out, uint32_t *reused_tokens, const struct score_ask *ask);
 
 int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
                          struct snapkv_prefill_result *out, uint32_t *reused_tokens)
@@ -95,15 +160,22 @@ int snapkv_prefill_flags(snapkv_client_t *c, const struct snapkv_prefill_opts *o
 int snapkv_prefill_scored(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
                           struct snapkv_prefill_result *out, struct snapkv_scores *scores)
 {
-    if (!scores)
-        return skv_client_fail(SNAPKV_E_INVAL, "prefill: scores is required");
-    memset(scores, 0, sizeof *scores);
-    return prefill_call(c, opts, flags, out, NULL, scores);
+    return snapkv_prefill_scored_top(c, opts, flags, 0, out, scores, NULL);
+}
+
+int snapkv_prefill_scored_top(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
+                              uint32_t top_n, struct snapkv_prefill_result *out, struct snapkv_scores *scores,
+                              struct snapkv_logprobs *top)
+{
+    struct score_ask ask;
+    int rc = score_ask(scores, top_n, top, "prefill", &ask);
+    return rc ? rc : prefill_call(c, opts, flags, out, NULL, &ask);
 }
 
 static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
-                        struct snapkv_prefill_result *out, uint32_t *reused_tokens, struct snapkv_scores *scores)
+                        struct snapkv_prefill_result *out, uint32_t *reused_tokens, const struct score_ask *ask)
 {
+    struct snapkv_scores *scores = ask ? ask->scores : NULL;
     unsigned unknown = flags & ~(unsigned)SNAPKV_PREFILL_NO_PREFIX_REUSE;
     if (unknown)
         return skv_client_fail(SNAPKV_E_INVAL, "prefill: unknown flags 0x%x", unknown);
@@ -122,7 +194,7 @@ static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *op
     if (max_prompt && opts->n_tokens > max_prompt)
         return skv_client_fail(SNAPKV_E_LIMIT, "prefill: %zu tokens, the daemon takes at most %u", opts->n_tokens,
                                max_prompt);
-    if (scores && (rc = check_scores_feature(c, "prefill")))
+    if (scores && (rc = check_scores_feature(c, ask->top_n, "prefill")))
         return rc;
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
@@ -141,6 +213,7 @@ static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *op
     p.progress = opts->progress != NULL;
     p.no_prefix_reuse = (flags & SNAPKV_PREFILL_NO_PREFIX_REUSE) != 0;
     p.prompt_logprobs = scores != NULL;
+    p.prompt_top_logprobs = scores ? ask->top_n : 0;
     req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
     req.prefill = &p;
     Snapkv__Reply *rep = NULL;
@@ -175,9 +248,16 @@ static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *op
                              r->n_tokens);
         goto out_free_result;
     }
-    if (scores && (rc = copy_scores(r->prompt_logprobs, r->prompt_top_tokens, r->n_prompt_logprobs, r->prompt_tokens,
-                                    r->n_prompt_tokens, "prefill", scores)))
+    if (scores && ask->top_n &&
+        (rc = copy_top(r->prompt_top_logprobs, r->n_prompt_top_logprobs, r->n_prompt_logprobs,
+                       top_len(c, ask->top_n), r->prompt_logprobs, "PREFILL", ask->top)))
         goto out_free_result;
+    if (scores && (rc = copy_scores(r->prompt_logprobs, r->prompt_top_tokens, r->n_prompt_logprobs, r->prompt_tokens,
+                                    r->n_prompt_tokens, "prefill", scores))) {
+        if (ask->top)
+            snapkv_logprobs_free(ask->top);
+        goto out_free_result;
+    }
     *out = res;
     if (reused_tokens)
         *reused_tokens = r->reused_tokens;
@@ -203,7 +283,7 @@ void snapkv_prefill_result_free(struct snapkv_prefill_result *r)
 /* ---- APPEND ------------------------------------------------------------------------------------- */
 
 static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
-                       struct snapkv_append_result *out, struct snapkv_scores *scores);
+                       struct snapkv_append_result *out, const struct score_ask *ask);
 
 int snapkv_append(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
                   struct snapkv_append_result *out)
@@ -215,15 +295,22 @@ int snapkv_append_scored(snapkv_client_t *c, const struct snapkv_session_id *id,
                          const struct snapkv_append_opts *opts, struct snapkv_append_result *out,
                          struct snapkv_scores *scores)
 {
-    if (!scores)
-        return skv_client_fail(SNAPKV_E_INVAL, "append: scores is required");
-    memset(scores, 0, sizeof *scores);
-    return append_call(c, id, opts, out, scores);
+    return snapkv_append_scored_top(c, id, opts, 0, out, scores, NULL);
+}
+
+int snapkv_append_scored_top(snapkv_client_t *c, const struct snapkv_session_id *id,
+                             const struct snapkv_append_opts *opts, uint32_t top_n, struct snapkv_append_result *out,
+                             struct snapkv_scores *scores, struct snapkv_logprobs *top)
+{
+    struct score_ask ask;
+    int rc = score_ask(scores, top_n, top, "append", &ask);
+    return rc ? rc : append_call(c, id, opts, out, &ask);
 }
 
 static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, const struct snapkv_append_opts *opts,
-                       struct snapkv_append_result *out, struct snapkv_scores *scores)
+                       struct snapkv_append_result *out, const struct score_ask *ask)
 {
+    struct snapkv_scores *scores = ask ? ask->scores : NULL;
     int rc = skv_client_check(c, id, "append");
     if (rc)
         return rc;
@@ -235,7 +322,7 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
     if (opts->chat && opts->n_tokens)
         return skv_client_fail(SNAPKV_E_INVAL, "append: chat parses markup in text; token ids go in as they are "
                                "(clear chat, or send text)");
-    if (scores && (rc = check_scores_feature(c, "append")))
+    if (scores && (rc = check_scores_feature(c, ask->top_n, "append")))
         return rc;
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
@@ -247,6 +334,7 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
     a.return_logits = opts->return_logits;
     a.chat = opts->chat;
     a.prompt_logprobs = scores != NULL;
+    a.prompt_top_logprobs = scores ? ask->top_n : 0;
     req.command_case = SNAPKV__REQUEST__COMMAND_APPEND;
     req.append = &a;
     Snapkv__Reply *rep = NULL;
@@ -261,9 +349,17 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
         return skv_client_fail(SNAPKV_E_PROTO, "APPEND: %zu scores and %zu most likely tokens for %zu token ids",
                                sr->n_prompt_logprobs, sr->n_prompt_top_tokens, sr->n_prompt_tokens);
     }
+    if (scores && ask->top_n &&
+        (rc = copy_top(sr->prompt_top_logprobs, sr->n_prompt_top_logprobs, sr->n_prompt_logprobs,
+                       top_len(c, ask->top_n), sr->prompt_logprobs, "APPEND", ask->top))) {
+        snapkv__reply__free_unpacked(rep, NULL);
+        return rc;
+    }
     if (scores && (rc = copy_scores(sr->prompt_logprobs, sr->prompt_top_tokens, sr->n_prompt_logprobs,
                                     sr->prompt_tokens, sr->n_prompt_tokens, "append", scores))) {
         snapkv__reply__free_unpacked(rep, NULL);
+        if (ask->top)
+            snapkv_logprobs_free(ask->top);
         return rc;
     }
     if (out) {
@@ -272,6 +368,8 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
         if (!skv_client_dup_f32(sr->logits, sr->n_logits, &res.logits)) {
             snapkv__reply__free_unpacked(rep, NULL);
             snapkv_scores_free(scores);
+            if (ask->top)
+                snapkv_logprobs_free(ask->top);
             return skv_client_fail(SNAPKV_E_NOMEM, "append: out of memory for %zu logits", sr->n_logits);
         }
         *out = res;

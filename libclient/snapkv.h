@@ -76,6 +76,7 @@
  * snapkv_tokenize, snapkv_tokens_free and snapkv_detokenize added.
  * 14:0:10 (still libsnapkv.so.4): struct snapkv_scores, snapkv_prefill_scored,
  * snapkv_append_scored and snapkv_scores_free added.
+ * 15:0:11 (still libsnapkv.so.4): snapkv_prefill_scored_top and snapkv_append_scored_top added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -411,6 +412,21 @@ SNAPKV_API int snapkv_append_scored(snapkv_client_t *client, const struct snapkv
                                     struct snapkv_scores *scores);
 /* Frees the arrays and zeroes *s; accepts NULL and a zeroed struct. */
 SNAPKV_API void snapkv_scores_free(struct snapkv_scores *s);
+struct snapkv_logprobs;
+/* snapkv_prefill_scored and snapkv_append_scored that also give, with top_n > 0 (at most 20:
+ * SNAPKV_E_LIMIT, nothing sent), each scored position's top_n most likely tokens and their
+ * log-probabilities, most likely first (equal ones by id), in *top (a struct snapkv_logprobs
+ * whose n is scores->n_logprobs and whose logprobs are a copy of scores'; free it with
+ * snapkv_logprobs_free(); zeroed on failure; NULL with top_n 0). A daemon without the feature
+ * (HELLO "prompt-top-logprobs"): SNAPKV_E_UNSUPPORTED. Each position's logits then come to the
+ * daemon's host to be ranked. */
+SNAPKV_API int snapkv_prefill_scored_top(snapkv_client_t *client, const struct snapkv_prefill_opts *opts,
+                                         unsigned flags, uint32_t top_n, struct snapkv_prefill_result *out,
+                                         struct snapkv_scores *scores, struct snapkv_logprobs *top);
+SNAPKV_API int snapkv_append_scored_top(snapkv_client_t *client, const struct snapkv_session_id *id,
+                                        const struct snapkv_append_opts *opts, uint32_t top_n,
+                                        struct snapkv_append_result *out, struct snapkv_scores *scores,
+                                        struct snapkv_logprobs *top);
 
 struct snapkv_sampling {
     float temperature;            /* 0: greedy */
@@ -481,7 +497,7 @@ struct snapkv_logprobs {
     float *logprobs;              /* [n] */
     size_t n;                     /* the decode's n_tokens */
     uint32_t n_top;               /* top_logprobs asked for (fewer only with a smaller vocabulary) */
-    uint32_t *top_tokens;         /* [n][n_top]; NULL when n_top is 0 */
+    uint32_t *top_tokens;         /* [n][n_top]; NULL when n * n_top is 0 */
     float *top_logprobs;          /* [n][n_top] */
 };
 /* snapkv_decode that also gives the tokens' log-probabilities (logprobs, non-NULL; written on

@@ -80,14 +80,16 @@ static void usage(FILE *out)
             "                                         interactive: one line per turn, answers streamed\n"
             "                                         (Ctrl-C stops an answer; at the prompt, ends the chat)\n"
             "  prefill (--prompt TEXT | --file F) [--chat] [--compress SPEC] [--lease S] [--ref] [--no-reuse]\n"
-            "          [--score]                      prints the new session id (--ref: as ENDPOINT#ID);\n"
+            "          [--score] [--top N]            prints the new session id (--ref: as ENDPOINT#ID);\n"
             "                                         --no-reuse: compute every token (no prefix reuse);\n"
             "                                         --score: the prompt tokens' log-probabilities (each\n"
             "                                         given those before it): their sum, nats a token and\n"
-            "                                         perplexity (--json: each token's too)\n"
-            "  append SESSION (TEXT | --file F) [--score]   (-- before a TEXT that begins with -)\n"
-            "                                         run more text through a session; --score: as prefill's,\n"
-            "                                         each token given the session before it\n"
+            "                                         perplexity (--json: each token's too); --top N (1-20,\n"
+            "                                         implies --score): each token's line with the N most\n"
+            "                                         likely tokens there (on stderr; --json: top_logprobs)\n"
+            "  append SESSION (TEXT | --file F) [--score] [--top N]   (-- before a TEXT that begins with -)\n"
+            "                                         run more text through a session; --score, --top: as\n"
+            "                                         prefill's, each token given the session before it\n"
             "  tokenize (TEXT | --file F) [--chat] [--append]   (-- before a TEXT that begins with -)\n"
             "                                         the token ids a prefill (--append: an append) of the\n"
             "                                         text runs, without running them\n"
@@ -334,6 +336,12 @@ static bool parse_u32(const char *s, uint32_t *out)
     return true;
 }
 
+/* --top N: the most likely tokens a scored position lists, 1 to 20 */
+static bool parse_top(const char *s, uint32_t *out)
+{
+    return parse_u32(s, out) && *out >= 1 && *out <= 20;
+}
+
 static bool parse_float(const char *s, float *out)
 {
     if (!s || !*s)
@@ -545,6 +553,7 @@ enum {
     OPT_PROMETHEUS,
     OPT_STOP,
     OPT_LOGPROBS,
+    OPT_TOP,
     OPT_MIN_P,
     OPT_REP_PENALTY,
     OPT_REP_LAST_N,
@@ -1129,10 +1138,13 @@ static size_t scores_greedy(const struct snapkv_scores *sc)
     return k;
 }
 
+static json_t *top_logprobs_json(const struct snapkv_logprobs *lp);
+
 /* A prompt's scores in a JSON reply j (taken): prompt_logprobs, scored_tokens (a prefill's from
  * the second on), top_tokens (the most likely there), their sum, how many were the most likely
- * (greedy) and the perplexity exp(-sum / n). */
-static json_t *scores_json(json_t *j, const struct snapkv_scores *sc)
+ * (greedy) and the perplexity exp(-sum / n); with best (n_top > 0), top_logprobs: each scored
+ * position's most likely tokens. */
+static json_t *scores_json(json_t *j, const struct snapkv_scores *sc, const struct snapkv_logprobs *best)
 {
     json_t *lp = json_array(), *tok = json_array(), *top = json_array();
     const double sum = scores_sum(sc);
@@ -1148,13 +1160,20 @@ static json_t *scores_json(json_t *j, const struct snapkv_scores *sc)
     json_object_set_new(j, "greedy", json_integer((json_int_t)scores_greedy(sc)));
     json_object_set_new(j, "sum_logprob", json_real(sum));
     json_object_set_new(j, "perplexity", sc->n_logprobs ? json_real(exp(-sum / (double)sc->n_logprobs)) : json_null());
+    if (best->n_top)
+        json_put(&j, "top_logprobs", top_logprobs_json(best));
     return j;
 }
 
-/* The scores' sum and perplexity, on stderr. */
-static void print_scores(const struct snapkv_scores *sc)
+static void print_logprob_lines(FILE *f, const uint32_t *tokens, const struct snapkv_logprobs *lp);
+
+/* The scores' sum and perplexity, on stderr; with top (n_top > 0), a line for each scored token
+ * there too. */
+static void print_scores(const struct snapkv_scores *sc, const struct snapkv_logprobs *top)
 {
     const double sum = scores_sum(sc);
+    if (top->n_top)
+        print_logprob_lines(stderr, sc->tokens + (sc->n_tokens - sc->n_logprobs), top);
     if (sc->n_logprobs)
         fprintf(stderr, "scored %zu tokens: sum log-probability %.4f, %.4f nats a token, perplexity %.4f; %zu were "
                 "the model's most likely\n", sc->n_logprobs, sum, -sum / (double)sc->n_logprobs,
@@ -1170,11 +1189,11 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         {"compress", required_argument, NULL, OPT_COMPRESS}, {"chat", no_argument, NULL, OPT_CHAT},
         {"lease", required_argument, NULL, OPT_LEASE}, {"ref", no_argument, NULL, OPT_REF},
         {"no-reuse", no_argument, NULL, OPT_NO_REUSE}, {"score", no_argument, NULL, OPT_SCORE},
-        {NULL, 0, NULL, 0},
+        {"top", required_argument, NULL, OPT_TOP}, {NULL, 0, NULL, 0},
     };
     const char *prompt = NULL, *file = NULL, *spec = NULL;
     bool chat = false, as_ref = false, no_reuse = false, score = false;
-    uint32_t lease = 0;
+    uint32_t lease = 0, top_n = 0;
     int o;
     reset_getopt();
     while ((o = next_opt(argc, argv, opts)) != -1) {
@@ -1186,6 +1205,11 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         case OPT_REF: as_ref = true; break;
         case OPT_NO_REUSE: no_reuse = true; break;
         case OPT_SCORE: score = true; break;
+        case OPT_TOP:
+            if (!parse_top(optarg, &top_n))
+                return usage_error("prefill", "--top wants an integer from 1 to 20, not '%s'", optarg);
+            score = true;
+            break;
         case OPT_LEASE:
             if (!parse_u32(optarg, &lease))
                 return usage_error("prefill", "--lease wants seconds, not '%s'", optarg);
@@ -1208,9 +1232,10 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
         .text = text, .chat = chat, .compress = spec, .lease_seconds = lease, .progress = show_progress};
     struct snapkv_prefill_result pr;
     struct snapkv_scores sc = {0};
+    struct snapkv_logprobs top = {0};
     uint32_t reused = 0;
     unsigned flags = no_reuse ? SNAPKV_PREFILL_NO_PREFIX_REUSE : 0;
-    int rc = score ? snapkv_prefill_scored(cl, &po, flags, &pr, &sc)
+    int rc = score ? snapkv_prefill_scored_top(cl, &po, flags, top_n, &pr, &sc, &top)
                    : snapkv_prefill_flags(cl, &po, flags, &pr, &reused);
     end_progress();
     if (rc) {
@@ -1226,7 +1251,7 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
                               pr.n_tokens, "reused_tokens", reused, "bytes_before", (json_int_t)pr.bytes_before,
                               "bytes_after", (json_int_t)pr.bytes_after, "next_token", pr.next_token, "layers",
                               layers_json(pr.layers, pr.n_layers, NULL, 0));
-        ret = print_json(score ? scores_json(j, &sc) : j);
+        ret = print_json(score ? scores_json(j, &sc, &top) : j);
     } else {
         puts(as_ref ? ref : hex);
         if (reused)
@@ -1235,8 +1260,9 @@ static int cmd_prefill(const struct ctl *c, int argc, char **argv)
             fprintf(stderr, "%u prompt tokens\n", pr.n_tokens);
         print_ratio("prefill", pr.bytes_before, pr.bytes_after);
         if (score)
-            print_scores(&sc);
+            print_scores(&sc, &top);
     }
+    snapkv_logprobs_free(&top);
     snapkv_scores_free(&sc);
     snapkv_prefill_result_free(&pr);
 out_close:
@@ -1249,20 +1275,27 @@ out_free:
 static int cmd_append(const struct ctl *c, int argc, char **argv)
 {
     static const struct option opts[] = {
-        {"file", required_argument, NULL, OPT_FILE}, {"score", no_argument, NULL, OPT_SCORE}, {NULL, 0, NULL, 0}};
+        {"file", required_argument, NULL, OPT_FILE}, {"score", no_argument, NULL, OPT_SCORE},
+        {"top", required_argument, NULL, OPT_TOP}, {NULL, 0, NULL, 0}};
     const char *file = NULL;
     bool score = false;
+    uint32_t top_n = 0;
     int o;
     reset_getopt();
     while ((o = next_opt(argc, argv, opts)) != -1) {
         switch (o) {
         case OPT_FILE: file = optarg; break;
         case OPT_SCORE: score = true; break;
+        case OPT_TOP:
+            if (!parse_top(optarg, &top_n))
+                return usage_error("append", "--top wants an integer from 1 to 20, not '%s'", optarg);
+            score = true;
+            break;
         default: return usage_error("append", "unknown option");
         }
     }
     if (argc - optind != (file ? 1 : 2))
-        return usage_error("append", "usage: append SESSION (TEXT | --file F) [--score]");
+        return usage_error("append", "usage: append SESSION (TEXT | --file F) [--score] [--top N]");
     struct snapkv_session_id id;
     if (!parse_session("append", argv[optind], &id))
         return 2;
@@ -1276,8 +1309,9 @@ static int cmd_append(const struct ctl *c, int argc, char **argv)
     }
     struct snapkv_append_result ar;
     struct snapkv_scores sc = {0};
+    struct snapkv_logprobs top = {0};
     const struct snapkv_append_opts ao = {.text = text};
-    int rc = score ? snapkv_append_scored(cl, &id, &ao, &ar, &sc) : snapkv_append(cl, &id, &ao, &ar);
+    int rc = score ? snapkv_append_scored_top(cl, &id, &ao, top_n, &ar, &sc, &top) : snapkv_append(cl, &id, &ao, &ar);
     snapkv_close(&cl);
     free(text);
     if (rc)
@@ -1286,12 +1320,13 @@ static int cmd_append(const struct ctl *c, int argc, char **argv)
     if (c->json) {
         json_t *j = json_pack("{s:s, s:i, s:i}", "session", argv[optind], "n_tokens", ar.n_tokens, "next_token",
                               ar.next_token);
-        ret = print_json(score ? scores_json(j, &sc) : j);
+        ret = print_json(score ? scores_json(j, &sc, &top) : j);
     } else {
         printf("session length %u tokens\n", ar.n_tokens);
         if (score)
-            print_scores(&sc);
+            print_scores(&sc, &top);
     }
+    snapkv_logprobs_free(&top);
     snapkv_scores_free(&sc);
     snapkv_append_result_free(&ar);
     return ret;
@@ -1401,34 +1436,48 @@ static json_t *logprob_json(float x) /* JSON has no -inf (a token of probability
     return isfinite(x) ? json_real(x) : json_null();
 }
 
-static json_t *logprobs_json(const struct snapkv_logprobs *lp)
+/* Each position's most likely tokens: a list of {"token", "logprob"} per position. */
+static json_t *top_logprobs_json(const struct snapkv_logprobs *lp)
 {
-    json_t *o = json_object(), *all = json_array(), *tops = json_array();
+    json_t *tops = json_array();
     for (size_t i = 0; i < lp->n; i++) {
-        json_push(&all, logprob_json(lp->logprobs[i]));
         json_t *one = json_array();
         for (uint32_t j = 0; j < lp->n_top; j++)
             json_push(&one, json_pack("{s:I, s:o}", "token", (json_int_t)lp->top_tokens[i * lp->n_top + j], "logprob",
                                       logprob_json(lp->top_logprobs[i * lp->n_top + j])));
         json_push(&tops, one);
     }
+    return tops;
+}
+
+static json_t *logprobs_json(const struct snapkv_logprobs *lp)
+{
+    json_t *o = json_object(), *all = json_array();
+    for (size_t i = 0; i < lp->n; i++)
+        json_push(&all, logprob_json(lp->logprobs[i]));
     json_put(&o, "logprobs", all);
     if (lp->n_top)
-        json_put(&o, "top_logprobs", tops);
-    else
-        json_decref(tops);
+        json_put(&o, "top_logprobs", top_logprobs_json(lp));
     return o;
+}
+
+/* Lines "i token logprob [top: token:logprob ...]" for lp->n tokens. */
+static void print_logprob_lines(FILE *f, const uint32_t *tokens, const struct snapkv_logprobs *lp)
+{
+    for (size_t i = 0; i < lp->n; i++) {
+        fprintf(f, "%zu %u %.6f", i, tokens[i], (double)lp->logprobs[i]);
+        for (uint32_t j = 0; j < lp->n_top; j++)
+            fprintf(f, "%s%u:%.6f", j ? " " : " [top: ", lp->top_tokens[i * lp->n_top + j],
+                    (double)lp->top_logprobs[i * lp->n_top + j]);
+        fprintf(f, "%s\n", lp->n_top ? "]" : "");
+    }
 }
 
 static void print_logprobs(const struct snapkv_decode_result *dr, const struct snapkv_logprobs *lp)
 {
-    for (size_t i = 0; i < lp->n && i < dr->n_tokens; i++) {
-        printf("%zu %u %.6f", i, dr->tokens[i], (double)lp->logprobs[i]);
-        for (uint32_t j = 0; j < lp->n_top; j++)
-            printf("%s%u:%.6f", j ? " " : " [top: ", lp->top_tokens[i * lp->n_top + j],
-                   (double)lp->top_logprobs[i * lp->n_top + j]);
-        printf("%s\n", lp->n_top ? "]" : "");
-    }
+    struct snapkv_logprobs shown = *lp;
+    shown.n = lp->n < dr->n_tokens ? lp->n : dr->n_tokens;
+    print_logprob_lines(stdout, dr->tokens, &shown);
 }
 
 static int cmd_decode(const struct ctl *c, int argc, char **argv)

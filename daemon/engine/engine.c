@@ -1064,6 +1064,10 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
             if (opts->targets[i] < 0 || opts->targets[i] >= c->n_vocab)
                 return skv_errorf(SKV_E_INVAL, "target %d at index %d is outside the vocabulary [0, %d)",
                                   opts->targets[i], i, c->n_vocab);
+        if (opts->target_top_n < 0 || opts->target_top_n > c->n_vocab ||
+            (opts->target_top_n && (!opts->target_top_ids || !opts->target_top_logprobs)))
+            return skv_errorf(SKV_E_INVAL, "the %d most likely tokens of each position scored: needs 0 to %d, and "
+                              "arrays for them", opts->target_top_n, c->n_vocab);
     }
     int32_t from = cache->n_past;
     e->tick = opts && opts->tick ? opts : NULL;
@@ -1095,9 +1099,12 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
     const struct skv_backend_ops *ops = be->ops;
     int n = opts->n_targets, cap = n < SCORE_ROWS ? n : SCORE_ROWS;
     size_t row = (size_t)c->n_vocab * sizeof(float);
-    /* without the backend's op, each chunk's logits come to the host */
-    float *host = ops->row_logprobs ? NULL : malloc((size_t)cap * row), *out = NULL;
-    int rc = host || ops->row_logprobs ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
+    /* without the backend's op, or for each position's most likely tokens, each chunk's logits
+     * come to the host */
+    int k = opts->target_top_n;
+    bool op = ops->row_logprobs && !k;
+    float *host = op ? NULL : malloc((size_t)cap * row), *out = NULL;
+    int rc = host || op ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
     for (int i0 = 0, m; !rc && i0 < n; i0 += m) {
         m = score_rows(e, n, i0);
         if (i0)
@@ -1107,14 +1114,16 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
             rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, m);
         if (rc)
             break;
-        if (ops->row_logprobs) {
+        if (op) {
             rc = ops->row_logprobs(be, opts->target_logprobs + i0, opts->target_top ? opts->target_top + i0 : NULL,
                                    out, opts->targets + i0, m, c->n_vocab);
         } else {
             rc = ops->download(be, host, out, (size_t)m * row);
             for (int r = 0; !rc && r < m; r++) {
                 const float *lg = host + (size_t)r * c->n_vocab;
-                skv_logprobs(lg, c->n_vocab, opts->targets[i0 + r], 0, &opts->target_logprobs[i0 + r], NULL, NULL);
+                size_t at = (size_t)(i0 + r) * (size_t)k;
+                skv_logprobs(lg, c->n_vocab, opts->targets[i0 + r], k, &opts->target_logprobs[i0 + r],
+                             k ? opts->target_top_ids + at : NULL, k ? opts->target_top_logprobs + at : NULL);
                 if (opts->target_top)
                     opts->target_top[i0 + r] = skv_argmax(lg, c->n_vocab);
             }

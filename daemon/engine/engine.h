@@ -147,11 +147,17 @@ struct skv_forward_opts {
      * (logits_all must be false). It runs the output matmul for every position scored, in chunks
      * (the tick between them), with the batched kernel where a chunk is larger than the
      * small-batch size, and the backend's row_logprobs (within its tolerance of skv_logprobs;
-     * without the op, skv_logprobs and skv_argmax of the downloaded logits). */
+     * without the op, skv_logprobs and skv_argmax of the downloaded logits). With target_top_n
+     * > 0 (at most the vocabulary), each position's target_top_n most likely tokens and their
+     * log-probabilities too, most likely first (skv_logprobs' order); then every chunk's logits
+     * come to the host and skv_logprobs scores them all, target_logprobs too. */
     const int32_t *targets;      /* [n_targets] */
     float *target_logprobs;      /* [n_targets] out */
     int32_t *target_top;         /* [n_targets] out, or NULL: each position's most likely token (skv_argmax) */
     int n_targets;
+    int target_top_n;            /* 0: none */
+    int32_t *target_top_ids;     /* [n_targets][target_top_n] out */
+    float *target_top_logprobs;  /* [n_targets][target_top_n] out */
 };
 
 int skv_engine_new(struct skv_model *m, struct skv_engine **out);

@@ -267,6 +267,9 @@ static void write_seeds(const char *dir)
     write_seed(dir, "prefill-long-snapkv", 1, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
     pl.prompt_logprobs = true; /* scored: every row's output, no prefix reuse */
     write_seed(dir, "prefill-long-scored", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
+    pl.prompt_top_logprobs = 5; /* and each position's 5 most likely, ranked on the host */
+    write_seed(dir, "prefill-long-top", 0, SNAPKV__REQUEST__COMMAND_PREFILL, &pl);
+    pl.prompt_top_logprobs = 0;
 
     Snapkv__AppendRequest a = SNAPKV__APPEND_REQUEST__INIT;
     a.session_id = sid;
@@ -275,6 +278,9 @@ static void write_seeds(const char *dir)
     write_seed(dir, "append", 0, SNAPKV__REQUEST__COMMAND_APPEND, &a);
     a.prompt_logprobs = true; /* scored: the first from the session's logits */
     write_seed(dir, "append-scored", 0, SNAPKV__REQUEST__COMMAND_APPEND, &a);
+    a.prompt_top_logprobs = 20; /* the most a position may ask for */
+    write_seed(dir, "append-top", 0, SNAPKV__REQUEST__COMMAND_APPEND, &a);
+    a.prompt_top_logprobs = 0;
     a.prompt_logprobs = false;
 
     Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;

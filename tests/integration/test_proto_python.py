@@ -35,7 +35,7 @@ import tempfile
 import time
 
 SKIP = 77
-OK, E_INVAL, E_NOT_FOUND, E_PERM, E_VERSION = 0, -2, -8, -12, -13
+OK, E_INVAL, E_NOT_FOUND, E_LIMIT, E_PERM, E_VERSION = 0, -2, -8, -11, -12, -13
 
 
 def skip(why):
@@ -200,6 +200,19 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
           and sc_diff <= 1e-2 and sc.reused_tokens == 0 and len(sc.prompt_top_tokens) == len(sc_want),
           f"PREFILL prompt_logprobs: {len(sc.prompt_logprobs)} scores, max |diff| {sc_diff:.3g} against transformers")
     c.call("release", pb.ReleaseRequest(session_id=sc.session_id))
+    # with each position's 4 most likely tokens (prompt_top_logprobs implies prompt_logprobs)
+    rep = c.call("prefill", pb.PrefillRequest(text=short["text"], prompt_top_logprobs=4))
+    st = rep.prefill
+    lists_ok = (len(st.prompt_top_logprobs) == len(sc_want)
+                and all(len(t.tokens) == 4 and len(t.logprobs) == 4 and t.tokens[0] == st.prompt_top_tokens[i]
+                        and list(t.logprobs) == sorted(t.logprobs, reverse=True)
+                        for i, t in enumerate(st.prompt_top_logprobs)))
+    check("prompt-top-logprobs" in h.features and rep.status == OK and len(st.prompt_logprobs) == len(sc_want)
+          and lists_ok, f"PREFILL prompt_top_logprobs=4: {len(st.prompt_top_logprobs)} lists of 4, most likely first")
+    c.call("release", pb.ReleaseRequest(session_id=st.session_id))
+    rep = c.call("prefill", pb.PrefillRequest(text=short["text"], prompt_top_logprobs=21))
+    check(rep.status == E_LIMIT and "prompt_top_logprobs" in rep.message,
+          f"PREFILL prompt_top_logprobs=21: LIMIT, {rep.message!r}")
 
     greedy = short["greedy"]["ids"][:16]
     rep = c.call("decode", pb.DecodeRequest(session_id=sid, sampling=pb.Sampling(max_tokens=16, top_logprobs=3)))

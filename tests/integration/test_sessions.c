@@ -2132,6 +2132,82 @@ static double score_sum(const struct snapkv_scores *sc)
     return sum;
 }
 
+/* The top lists of a scored PREFILL of the paragraph (ids, n tokens) against transformers' (the
+ * fixture's "top"), and of an APPEND of its tokens from split on to a session of the rest: each
+ * list's first the position's most likely token, its values descending, the scored token's value
+ * where it is listed, the scores beside them within 1e-5 of an unlisted scoring's (sc). */
+static void check_prompt_top(snapkv_client_t *c, json_t *want, const uint32_t *ids, size_t n, size_t split,
+                             const struct snapkv_scores *sc)
+{
+    json_t *top = json_object_get(want, "top"), *wt = json_object_get(top, "tokens");
+    json_t *wl = json_object_get(top, "logprobs");
+    const uint32_t k = (uint32_t)json_integer_value(json_object_get(top, "n"));
+    assert_int_equal(json_array_size(wt), n - 1);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = n};
+    struct snapkv_prefill_result pr;
+    struct snapkv_scores s1;
+    struct snapkv_logprobs t1;
+    assert_int_equal(snapkv_prefill_scored_top(c, &po, 0, k, &pr, &s1, &t1), SNAPKV_OK);
+    assert_int_equal(t1.n, n - 1);
+    assert_int_equal(t1.n_top, k);
+    double diff = 0, beside = 0;
+    size_t same = 0;
+    for (size_t i = 0; i < n - 1; i++) {
+        const uint32_t *ti = t1.top_tokens + i * k;
+        const float *vi = t1.top_logprobs + i * k;
+        assert_int_equal(ti[0], s1.top_tokens[i]);
+        assert_memory_equal(&t1.logprobs[i], &s1.logprobs[i], sizeof(float));
+        beside = fmax(beside, fabs(s1.logprobs[i] - sc->logprobs[i]));
+        for (uint32_t j = 0; j < k; j++) {
+            if (j)
+                assert_true(vi[j] <= vi[j - 1]);
+            if (ti[j] == ids[i + 1])
+                assert_memory_equal(&vi[j], &s1.logprobs[i], sizeof(float));
+            same += ti[j] == (uint32_t)json_integer_value(json_array_get(json_array_get(wt, i), j));
+            diff = fmax(diff, fabs(vi[j] - json_number_value(json_array_get(json_array_get(wl, i), j))));
+        }
+    }
+    printf("# PREFILL %zu tokens, the %u most likely at each: %zu of %zu ids as transformers', max |diff| %.3g; the "
+           "scores beside them within %.3g of those without\n", n, k, same, (n - 1) * k, diff, beside);
+    assert_true(diff <= 1e-2);
+    assert_true(same * 100 >= (n - 1) * k * 98);
+    assert_true(beside <= 1e-5);
+    /* an APPEND of the rest to a session of the first split tokens: the same lists */
+    struct snapkv_prefill_result head;
+    po.n_tokens = split;
+    assert_int_equal(snapkv_prefill_flags(c, &po, SNAPKV_PREFILL_NO_PREFIX_REUSE, &head, NULL), SNAPKV_OK);
+    struct snapkv_append_opts ao = {.tokens = ids + split, .n_tokens = n - split};
+    struct snapkv_scores s2;
+    struct snapkv_logprobs t2;
+    assert_int_equal(snapkv_append_scored_top(c, &head.id, &ao, k, NULL, &s2, &t2), SNAPKV_OK);
+    assert_int_equal(t2.n, n - split);
+    assert_int_equal(t2.n_top, k);
+    double app = 0;
+    size_t app_same = 0;
+    for (size_t i = 0; i < t2.n; i++) {
+        assert_int_equal(t2.top_tokens[i * k], s2.top_tokens[i]);
+        for (uint32_t j = 0; j < k; j++) {
+            app_same += t2.top_tokens[i * k + j] == t1.top_tokens[(split - 1 + i) * k + j];
+            app = fmax(app, fabs(t2.top_logprobs[i * k + j] - t1.top_logprobs[(split - 1 + i) * k + j]));
+        }
+    }
+    printf("# APPEND of %zu tokens to %zu, the %u most likely: %zu of %zu ids as the PREFILL's, max |diff| %.3g\n",
+           n - split, split, k, app_same, t2.n * k, app);
+    assert_true(app <= 1e-3);
+    assert_true(app_same * 100 >= t2.n * k * 98);
+    snapkv_logprobs_free(&t2);
+    snapkv_scores_free(&s2);
+    /* refused before anything is sent: more than 20, or nowhere to put them */
+    assert_int_equal(snapkv_append_scored_top(c, &head.id, &ao, 21, NULL, &s2, &t2), SNAPKV_E_LIMIT);
+    assert_null(t2.top_tokens);
+    assert_int_equal(snapkv_prefill_scored_top(c, &po, 0, 3, &pr, &s2, NULL), SNAPKV_E_INVAL);
+    assert_null(s2.logprobs);
+    snapkv_prefill_result_free(&head);
+    snapkv_logprobs_free(&t1);
+    snapkv_scores_free(&s1);
+    snapkv_prefill_result_free(&pr);
+}
+
 /* PREFILL's and APPEND's prompt_logprobs: a prompt's own tokens scored as transformers scores
  * them (tests/fixtures/golden/prompt_logprobs.json), every token computed though another session
  * holds the prompt; an APPEND's the same numbers as the whole prompt's, its first one the same
@@ -2199,6 +2275,7 @@ static void test_prompt_logprobs(void **state)
                                                                             "logprobs"), 0) <= 1e-2);
     snapkv_append_result_free(&ar);
     snapkv_scores_free(&as);
+    check_prompt_top(c, want, ids, n, split, &sc);
     /* a greedy DECODE's tokens appended to a fork are each the most likely there, the first
      * scored as the DECODE gave its log-probability */
     struct snapkv_sampling sp;
@@ -2267,8 +2344,9 @@ static void test_prompt_logprobs(void **state)
         snapkv_scores_free(&as);
         snapkv_prefill_result_free(&dres);
     }
-    /* scored so far: 111 + 72 + 8, the H2O session's 39 + 72, 2 x 128 */
-    assert_int_equal(stat_of(d.admin, "snapkv_prompt_scored_tokens_total"), 111 + 72 + 8 + 39 + 72 + 2 * 128);
+    /* scored so far: 111 + 72, the top lists' 111 + 72, 8, the H2O session's 39 + 72, 2 x 128 */
+    assert_int_equal(stat_of(d.admin, "snapkv_prompt_scored_tokens_total"),
+                     111 + 72 + 111 + 72 + 8 + 39 + 72 + 2 * 128);
     printf("# the last %zu tokens of a %zu-token text after the first %zu: %.3f nats a token with the full "
            "cache, %.3f with SnapKV 10%%\n", n - doc, n, doc, -sums[0] / (double)(n - doc),
            -sums[1] / (double)(n - doc));
@@ -2306,7 +2384,23 @@ static void test_prompt_logprobs(void **state)
     assert_int_equal(json_array_size(json_object_get(j, "top_tokens")),
                      json_array_size(json_object_get(j, "prompt_logprobs")));
     assert_true(json_is_integer(json_object_get(j, "greedy")));
+    assert_null(json_object_get(j, "top_logprobs"));
     json_decref(j);
+    const char *app_top[] = {"--json", "--tenant", "score", "append", session, " It ran.", "--top", "3", NULL};
+    if (run_ctl(&d, app_top, out, err, sizeof out) != 0)
+        fail_msg("snapkvctl --json append --top 3: %s", err);
+    assert_non_null(j = json_loads(out, 0, &je));
+    json_t *jt = json_object_get(j, "top_logprobs");
+    assert_int_equal(json_array_size(jt), json_array_size(json_object_get(j, "prompt_logprobs")));
+    for (size_t i = 0; i < json_array_size(jt); i++) {
+        json_t *list = json_array_get(jt, i);
+        assert_int_equal(json_array_size(list), 3);
+        assert_int_equal(json_integer_value(json_object_get(json_array_get(list, 0), "token")),
+                         json_integer_value(json_array_get(json_object_get(j, "top_tokens"), i)));
+    }
+    json_decref(j);
+    const char *bad_top[] = {"--tenant", "score", "append", session, " x", "--top", "21", NULL};
+    assert_int_equal(run_ctl(&d, bad_top, out, err, sizeof out), 2);
     snapkv_scores_free(&sc);
     snapkv_prefill_result_free(&head);
     snapkv_prefill_result_free(&pr);

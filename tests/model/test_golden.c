@@ -498,6 +498,97 @@ static void test_prompt_logprobs(void **state)
     json_decref(fx);
 }
 
+/* Each scored position's most likely tokens (skv_forward_opts.target_top_n: prompt_top_logprobs)
+ * against transformers' topk of log_softmax (the fixture's "top": the paragraph, 5 a position):
+ * the same ids in the same order where the reference's neighbours are not within 1e-3 of each
+ * other, the values within 1e-3; the scores beside them are the row_logprobs path's. */
+static void test_prompt_top_logprobs(void **state)
+{
+    NEED_MODEL(g);
+    if (strcmp(g->dir, "golden") != 0)
+        skip();
+    json_t *fx = fixture_json("tests/fixtures/golden/prompt_logprobs.json");
+    assert_non_null(fx);
+    json_t *top = json_object_get(fx, "top"), *wt = json_object_get(top, "tokens");
+    json_t *wl = json_object_get(top, "logprobs");
+    json_t *prompts = json_object_get(g->fixture, "prompts");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(prompts, 1), "name")), "paragraph");
+    int n, k = (int)json_integer_value(json_object_get(top, "n")), nv = g->ref->cfg.n_vocab;
+    int32_t *ids = json_ids(json_object_get(json_array_get(prompts, 1), "ids"), &n);
+    assert_int_equal(json_array_size(wt), (size_t)n - 1);
+    float *lp = malloc((size_t)n * sizeof *lp), *lp_op = malloc((size_t)n * sizeof *lp_op);
+    float *top_lp = malloc((size_t)n * (size_t)k * sizeof *top_lp), *logits = malloc((size_t)nv * sizeof *logits);
+    int32_t *best = malloc((size_t)n * sizeof *best), *best_op = malloc((size_t)n * sizeof *best_op);
+    int32_t *top_ids = malloc((size_t)n * (size_t)k * sizeof *top_ids);
+    struct skv_engine *e = NULL;
+    struct skv_kv_cache *cache = NULL;
+    assert_int_equal(skv_engine_new(g->ref, &e), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(g->ref, &cache), SKV_OK);
+    struct skv_forward_opts fo = {.targets = ids + 1, .n_targets = n - 1, .target_logprobs = lp_op,
+                                  .target_top = best_op};
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, logits), SKV_OK);
+    skv_kv_cache_free(&cache);
+    assert_int_equal(skv_kv_cache_new(g->ref, &cache), SKV_OK);
+    fo.target_logprobs = lp;
+    fo.target_top = best;
+    fo.target_top_n = k;
+    fo.target_top_ids = top_ids;
+    fo.target_top_logprobs = top_lp;
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, logits), SKV_OK);
+    double max_diff = 0, max_op = 0;
+    int same = 0, ties = 0;
+    for (int i = 0; i < n - 1; i++) {
+        json_t *ti = json_array_get(wt, (size_t)i), *li = json_array_get(wl, (size_t)i);
+        assert_int_equal(best[i], best_op[i]);
+        assert_int_equal(top_ids[(size_t)i * k], best[i]);
+        max_op = fmax(max_op, fabs(lp[i] - lp_op[i]));
+        for (int j = 0; j < k; j++) {
+            const float *row = top_lp + (size_t)i * k;
+            double v = json_number_value(json_array_get(li, (size_t)j));
+            max_diff = fmax(max_diff, fabs(row[j] - v));
+            if (j)
+                assert_true(row[j] <= row[j - 1]);
+            if (top_ids[(size_t)i * k + j] == ids[i + 1])
+                assert_float_equal(row[j], lp[i], 0);
+            bool near = (j > 0 && v - json_number_value(json_array_get(li, (size_t)j - 1)) > -1e-3) ||
+                        (j + 1 < k && json_number_value(json_array_get(li, (size_t)j + 1)) - v > -1e-3);
+            if (top_ids[(size_t)i * k + j] == (int32_t)json_integer_value(json_array_get(ti, (size_t)j)))
+                same++;
+            else if (near)
+                ties++;
+            else
+                fail_msg("position %d rank %d: token %d, transformers %lld", i, j, top_ids[(size_t)i * k + j],
+                         (long long)json_integer_value(json_array_get(ti, (size_t)j)));
+        }
+    }
+    printf("# paragraph, %d most likely at %d positions: %d ids as transformers', %d swapped near ties; max |diff| "
+           "%.3g; the scores beside them within %.3g of row_logprobs'\n", k, n - 1, same, ties, max_diff, max_op);
+    assert_true(max_diff <= 1e-3);
+    assert_true(max_op <= 1e-5);
+    /* refused: a negative count, more than the vocabulary, no arrays */
+    skv_kv_cache_free(&cache);
+    assert_int_equal(skv_kv_cache_new(g->ref, &cache), SKV_OK);
+    fo.target_top_n = -1;
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, logits), SKV_E_INVAL);
+    fo.target_top_n = nv + 1;
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, logits), SKV_E_INVAL);
+    fo.target_top_n = k;
+    fo.target_top_ids = NULL;
+    assert_int_equal(skv_engine_forward(e, cache, ids, n, &fo, logits), SKV_E_INVAL);
+    assert_int_equal(cache->n_past, 0);
+    skv_kv_cache_free(&cache);
+    skv_engine_free(&e);
+    free(top_ids);
+    free(best_op);
+    free(best);
+    free(logits);
+    free(top_lp);
+    free(lp_op);
+    free(lp);
+    free(ids);
+    json_decref(fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -507,6 +598,7 @@ int main(void)
         cmocka_unit_test(test_tokenizer_on_prompts),
         cmocka_unit_test(test_fast_vs_reference),
         cmocka_unit_test(test_prompt_logprobs),
+        cmocka_unit_test(test_prompt_top_logprobs),
     };
     int failed = cmocka_run_group_tests_name("smollm2-135m", tests, setup_smollm2, teardown);
     failed += cmocka_run_group_tests_name("qwen2.5-coder-0.5b", tests, setup_qwen, teardown);

@@ -7,7 +7,8 @@ whole prompt and, at every position i, log_softmax(logits[i])[ids[i + 1]]: the l
 the model gives the next prompt token. An "append" case splits one prompt in two: the scores of
 the second part's tokens given the first are the same numbers, which is what an APPEND of the
 second part to a session of the first must return (its first one from the session's next-token
-logits).
+logits). A "top" case gives one prompt's TOP most likely tokens at every position and their
+log-probabilities (prompt_top_logprobs), most likely first.
 
 Deterministic (CPU, float32, eager attention, one thread). Needs torch, transformers, gguf,
 accelerate, numpy (tests/reference/README.md has the versions). Usage:
@@ -41,6 +42,17 @@ def scores(model, ids):
     return [float(v) for v in picked], int((best == nxt).sum())
 
 
+TOP = 5
+
+
+@torch.no_grad()
+def top_scores(model, ids):
+    x = torch.tensor([ids], dtype=torch.long)
+    lp = torch.log_softmax(model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].float(), dim=-1)
+    vals, idx = lp[:-1].topk(TOP, dim=-1)
+    return [[int(t) for t in row] for row in idx], [[float(v) for v in row] for row in vals]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=os.environ.get("SKV_MODEL", DEFAULT_MODEL))
@@ -63,12 +75,16 @@ def main():
     split = 40
     lp, _ = scores(model, para["ids"])
     append = {"prompt": "paragraph", "split": split, "logprobs": lp[split - 1:]}
+    tok, tlp = top_scores(model, para["ids"])
+    top = {"prompt": "paragraph", "n": TOP, "tokens": tok, "logprobs": tlp}
     meta = {"generator": "tests/reference/gen_prompt_logprobs_fixture.py", "model": model_file,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "ids": "reference.json's prompts", "logprobs": "[i]: log_softmax(logits at i)[ids[i + 1]], natural log",
-            "append": "the scores of ids[split:] given ids[:split] (logprobs[split - 1:] of the whole prompt)"}
+            "append": "the scores of ids[split:] given ids[:split] (logprobs[split - 1:] of the whole prompt)",
+            "top": "at each position i < n_tokens - 1, the n largest of log_softmax(logits at i), largest first: "
+                   "tokens[i] their ids, logprobs[i] the values"}
     with open(os.path.join(GOLDEN, "prompt_logprobs.json"), "w") as f:
-        json.dump({"meta": meta, "prompts": prompts, "append": append}, f, indent=1)
+        json.dump({"meta": meta, "prompts": prompts, "append": append, "top": top}, f, indent=1)
         f.write("\n")
 
 

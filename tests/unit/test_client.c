@@ -450,6 +450,16 @@ static void test_argument_checks(void **state)
     struct snapkv_append_opts sao = {.tokens = two, .n_tokens = 2};
     assert_int_equal(snapkv_append_scored(c, &ID_A, &sao, NULL, &sc), SNAPKV_E_UNSUPPORTED);
     assert_int_equal(snapkv_append_scored(c, &ID_A, &sao, NULL, NULL), SNAPKV_E_INVAL);
+    /* each position's most likely tokens: not sent without "prompt-top-logprobs"; at most 20,
+     * and somewhere to put them */
+    struct snapkv_logprobs top;
+    assert_int_equal(snapkv_prefill_scored_top(c, &spo, 0, 3, &pres, &sc, &top), SNAPKV_E_UNSUPPORTED);
+    assert_non_null(strstr(snapkv_last_error(), "prompt_top_logprobs"));
+    assert_null(top.top_tokens);
+    assert_int_equal(snapkv_append_scored_top(c, &ID_A, &sao, 21, NULL, &sc, &top), SNAPKV_E_LIMIT);
+    assert_int_equal(snapkv_append_scored_top(c, &ID_A, &sao, 3, NULL, &sc, NULL), SNAPKV_E_INVAL);
+    assert_int_equal(snapkv_prefill_scored_top(c, &spo, 0, 0, &pres, &sc, NULL), SNAPKV_E_UNSUPPORTED);
+    assert_non_null(strstr(snapkv_last_error(), "does not score prompts"));
     snapkv_scores_free(&sc);
     snapkv_scores_free(NULL);
     assert_int_equal(fake_requests(f), sent);
