@@ -316,6 +316,15 @@ struct skv_backend_ops {
      * logit is NaN). What scores a prompt's tokens (skv_forward_opts.targets). */
     int (*row_logprobs)(struct skv_backend *be, float *out, int32_t *top, const float *logits, const int32_t *targets,
                         int n, int n_vocab);
+
+    /* Optional (NULL: the engine downloads the logits and ranks each row with skv_logprobs on
+     * the host): row_logprobs' out, and each row's k most likely tokens (k in [1, n_vocab]) with
+     * their log-probabilities, ids[r][k] and lps[r][k] (host), most likely first, equal ones by
+     * the lower id, a NaN ranked as -inf (skv_logprobs' order; so ids[r][0] is row_logprobs'
+     * top). The values as out's, within its tolerance; the target's, where it is listed, the
+     * same bits as out[r]. What prompt_top_logprobs ranks with (skv_forward_opts.target_top_n). */
+    int (*row_top_logprobs)(struct skv_backend *be, float *out, int32_t *ids, float *lps, int k, const float *logits,
+                            const int32_t *targets, int n, int n_vocab);
 };
 
 struct skv_backend {

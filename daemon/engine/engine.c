@@ -1099,10 +1099,9 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
     const struct skv_backend_ops *ops = be->ops;
     int n = opts->n_targets, cap = n < SCORE_ROWS ? n : SCORE_ROWS;
     size_t row = (size_t)c->n_vocab * sizeof(float);
-    /* without the backend's op, or for each position's most likely tokens, each chunk's logits
-     * come to the host */
+    /* without the backend's op for what is asked, each chunk's logits come to the host */
     int k = opts->target_top_n;
-    bool op = ops->row_logprobs && !k;
+    bool op = k ? ops->row_top_logprobs != NULL : ops->row_logprobs != NULL;
     float *host = op ? NULL : malloc((size_t)cap * row), *out = NULL;
     int rc = host || op ? ops->alloc(be, (size_t)cap * row, (void **)&out) : SKV_E_NOMEM;
     for (int i0 = 0, m; !rc && i0 < n; i0 += m) {
@@ -1114,7 +1113,13 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
             rc = ops->matmul(be, out, &e->m->output, NULL, e->xb, m);
         if (rc)
             break;
-        if (op) {
+        if (op && k) {
+            size_t at = (size_t)i0 * (size_t)k;
+            rc = ops->row_top_logprobs(be, opts->target_logprobs + i0, opts->target_top_ids + at,
+                                       opts->target_top_logprobs + at, k, out, opts->targets + i0, m, c->n_vocab);
+            for (int r = 0; !rc && opts->target_top && r < m; r++) /* the first of each list */
+                opts->target_top[i0 + r] = opts->target_top_ids[(size_t)(i0 + r) * (size_t)k];
+        } else if (op) {
             rc = ops->row_logprobs(be, opts->target_logprobs + i0, opts->target_top ? opts->target_top + i0 : NULL,
                                    out, opts->targets + i0, m, c->n_vocab);
         } else {

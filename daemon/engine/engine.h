@@ -149,8 +149,9 @@ struct skv_forward_opts {
      * small-batch size, and the backend's row_logprobs (within its tolerance of skv_logprobs;
      * without the op, skv_logprobs and skv_argmax of the downloaded logits). With target_top_n
      * > 0 (at most the vocabulary), each position's target_top_n most likely tokens and their
-     * log-probabilities too, most likely first (skv_logprobs' order); then every chunk's logits
-     * come to the host and skv_logprobs scores them all, target_logprobs too. */
+     * log-probabilities too, most likely first (skv_logprobs' order), by the backend's
+     * row_top_logprobs (without it, skv_logprobs of the downloaded logits), which gives
+     * target_logprobs then too. */
     const int32_t *targets;      /* [n_targets] */
     float *target_logprobs;      /* [n_targets] out */
     int32_t *target_top;         /* [n_targets] out, or NULL: each position's most likely token (skv_argmax) */

@@ -122,6 +122,8 @@ int skv_cpu_store_rows_f16(struct skv_backend *be, void *const *dst, const float
 int skv_cpu_store_rows_q8_0(struct skv_backend *be, void *const *dst, const float *const *src, int d, int n);
 int skv_cpu_row_logprobs(struct skv_backend *be, float *out, int32_t *top, const float *logits,
                          const int32_t *targets, int n, int n_vocab);
+int skv_cpu_row_top_logprobs(struct skv_backend *be, float *out, int32_t *ids, float *lps, int k, const float *logits,
+                             const int32_t *targets, int n, int n_vocab);
 
 /* Scratch rules: matmul's integer path keeps the quantized activations in slot 0 of the
  * calling thread for the length of the call, and attention takes slot 0 for its working

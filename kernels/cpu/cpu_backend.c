@@ -347,6 +347,7 @@ static const struct skv_backend_ops cpu_ops = {
     .store_rows_f16 = skv_cpu_store_rows_f16,
     .store_rows_q8_0 = skv_cpu_store_rows_q8_0,
     .row_logprobs = skv_cpu_row_logprobs,
+    .row_top_logprobs = skv_cpu_row_top_logprobs,
     .ipc_open = cpu_ipc_open,
     .ipc_close = cpu_ipc_close,
     .attention_split_rows = skv_cpu_attention_split_rows,

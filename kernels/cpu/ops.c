@@ -1,6 +1,7 @@
 /* CPU elementwise and per-row ops: rmsnorm, rope (NORM / NEOX, linear and Llama 3 scaling,
- * frequency factors), swiglu, add and row_logprobs. Rows or tokens are independent, so results do not
- * depend on the thread count. Large calls are split over the backend's pool. */
+ * frequency factors), swiglu, add, row_logprobs and row_top_logprobs. Rows or tokens are
+ * independent, so results do not depend on the thread count. Large calls are split over the
+ * backend's pool. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -276,6 +277,9 @@ struct logprob_args {
     const float *x;
     const int32_t *targets;
     int n_vocab;
+    int k;       /* row_top_logprobs: the list's length, with ids and lps [n][k] */
+    int32_t *ids;
+    float *lps;
 };
 
 /* The largest of n logits (a NaN never is). */
@@ -321,30 +325,80 @@ static double sum_exp(const float *x, int n, float mx)
     return s;
 }
 
+/* x's k largest (k in [1, n]) into ids, largest first, equal ones by the lower id, a NaN as
+ * -inf: the first k in order, then each later one larger than the smallest kept is put in its
+ * place (8 at a time compared with that smallest where AVX2 is). */
+#define RANK_KEY(v) (isnan(v) ? -INFINITY : (v))
+static void rank_top(const float *x, int n, int k, int32_t *ids)
+{
+    int m = 0, i = 0;
+    for (; i < n && m < k; i++) { /* the first k, each after the equal ones before it */
+        const float v = RANK_KEY(x[i]);
+        int at = m++;
+        for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < v; at--)
+            ids[at] = ids[at - 1];
+        ids[at] = i;
+    }
+    float low = RANK_KEY(x[ids[k - 1]]);
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) { /* NaN compares false: never above */
+        if (!_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(low), _CMP_GT_OQ)))
+            continue;
+        for (int j = i; j < i + 8; j++) {
+            if (!(x[j] > low))
+                continue;
+            int at = k - 1;
+            for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < x[j]; at--)
+                ids[at] = ids[at - 1];
+            ids[at] = j;
+            low = RANK_KEY(x[ids[k - 1]]);
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        if (!(x[i] > low))
+            continue;
+        int at = k - 1;
+        for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < x[i]; at--)
+            ids[at] = ids[at - 1];
+        ids[at] = i;
+        low = RANK_KEY(x[ids[k - 1]]);
+    }
+}
+
 static void logprob_rows(void *p, int64_t begin, int64_t end, int tid)
 {
     const struct logprob_args *a = p;
-    const int nv = a->n_vocab;
+    const int nv = a->n_vocab, k = a->k;
     (void)tid;
     for (int64_t r = begin; r < end; r++) {
         const float *x = a->x + r * nv;
-        const float mx = row_max(x, nv), xt = x[a->targets[r]];
+        const float mx = row_max(x, nv);
         if (a->top) { /* the first logit equal to the largest (0: every one NaN) */
             int at = 0;
             while (at < nv && !(x[at] == mx))
                 at++;
             a->top[r] = at < nv ? at : 0;
         }
+        /* each logit's log-probability from the row's log-sum-exp */
+        int n_inf = 0;
+        double lse = 0;
         if (mx == INFINITY) { /* the +inf logits share the mass */
-            int n_inf = 0;
             for (int i = 0; i < nv; i++)
                 n_inf += x[i] == INFINITY;
-            a->out[r] = xt == INFINITY ? (float)-log((double)n_inf) : -INFINITY;
-        } else if (mx == -INFINITY || isnan(xt)) { /* no distribution, or the target's logit NaN */
-            a->out[r] = -INFINITY;
-        } else {
-            a->out[r] = (float)((double)xt - ((double)mx + log(sum_exp(x, nv, mx))));
+        } else if (mx > -INFINITY) {
+            lse = (double)mx + log(sum_exp(x, nv, mx));
         }
+#define ROW_LP(v) (n_inf ? ((v) == INFINITY ? (float)-log((double)n_inf) : -INFINITY) \
+                         : mx == -INFINITY || isnan(v) ? -INFINITY : (float)((double)(v) - lse))
+        a->out[r] = ROW_LP(x[a->targets[r]]);
+        if (k) {
+            int32_t *ids = a->ids + r * k;
+            rank_top(x, nv, k, ids);
+            for (int j = 0; j < k; j++)
+                a->lps[r * k + j] = ROW_LP(x[ids[j]]);
+        }
+#undef ROW_LP
     }
 }
 
@@ -362,6 +416,27 @@ int skv_cpu_row_logprobs(struct skv_backend *be, float *out, int32_t *top, const
             return skv_errorf(SKV_E_INVAL, "row_logprobs: target %d of row %d is outside [0, %d)", targets[r], r,
                               n_vocab);
     struct logprob_args a = {.out = out, .top = top, .x = logits, .targets = targets, .n_vocab = n_vocab};
+    skv_cpu_parallel_for(be, n, 1, logprob_rows, &a);
+    return SKV_OK;
+}
+
+int skv_cpu_row_top_logprobs(struct skv_backend *be, float *out, int32_t *ids, float *lps, int k, const float *logits,
+                             const int32_t *targets, int n, int n_vocab)
+{
+    if (k < 1 || k > n_vocab || !ids || !lps)
+        return skv_errorf(SKV_E_INVAL, "row_top_logprobs: %d most likely of %d, or no arrays for them", k, n_vocab);
+    if (n < 0 || n_vocab <= 0)
+        return skv_errorf(SKV_E_INVAL, "row_top_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
+    if (n == 0)
+        return SKV_OK;
+    if (!out || !logits || !targets)
+        return skv_errorf(SKV_E_INVAL, "row_top_logprobs: NULL buffer");
+    for (int r = 0; r < n; r++)
+        if (targets[r] < 0 || targets[r] >= n_vocab)
+            return skv_errorf(SKV_E_INVAL, "row_top_logprobs: target %d of row %d is outside [0, %d)", targets[r],
+                              r, n_vocab);
+    struct logprob_args a = {.out = out, .x = logits, .targets = targets, .n_vocab = n_vocab, .k = k, .ids = ids,
+                             .lps = lps};
     skv_cpu_parallel_for(be, n, 1, logprob_rows, &a);
     return SKV_OK;
 }

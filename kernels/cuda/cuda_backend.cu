@@ -2618,6 +2618,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* store_rows_f16 */ cuda_store_rows_f16,
     /* store_rows_q8_0 */ cuda_store_rows_q8_0,
     /* row_logprobs */ cuda_row_logprobs,
+    /* row_top_logprobs */ NULL, /* the engine ranks downloaded rows on the host */
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -2375,6 +2375,93 @@ static void test_row_logprobs(void **state)
     }
 }
 
+/* The order row_top_logprobs ranks in: larger first, a NaN as -inf, equal ones by the lower id. */
+static const float *g_rank_row;
+static int rank_cmp(const void *pa, const void *pb)
+{
+    const int a = *(const int *)pa, b = *(const int *)pb;
+    const float xa = isnan(g_rank_row[a]) ? -INFINITY : g_rank_row[a];
+    const float xb = isnan(g_rank_row[b]) ? -INFINITY : g_rank_row[b];
+    return xa > xb ? -1 : xa < xb ? 1 : a - b;
+}
+
+/* row_top_logprobs (optional): the rows of test_row_logprobs (NaN, +inf, -inf, equal largest)
+ * and rows with many equal logits, k of 1, 5, 20 and the whole 37-token vocabulary: the ids
+ * a sort by (logit, id) gives, the values within 1e-5 of the double log-softmax, out the same
+ * bits as row_logprobs', the target's value where listed the same bits as out; bad k refused. */
+static void test_row_top_logprobs(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    if (!be->ops->row_top_logprobs)
+        skip();
+    struct rng r = {0x70951ULL};
+    const int vocabs[] = {49152, 37}, ks[] = {1, 5, 20, 37};
+    for (int v = 0; v < 2; v++) {
+        const int nv = vocabs[v], n = 11;
+        float *x = host_normal(&r, (size_t)n * nv, 4.0);
+        int32_t t[11];
+        for (int i = 0; i < n; i++)
+            t[i] = (int32_t)((i * 7919 + 3) % nv);
+        x[nv + 5] = NAN;
+        x[2 * nv + t[2]] = NAN;
+        x[3 * nv + 1] = INFINITY;
+        x[3 * nv + t[3]] = INFINITY;
+        for (int i = 0; i < nv; i++)
+            x[4 * nv + i] = -INFINITY;
+        x[5 * nv + t[5]] = -INFINITY;
+        x[6 * nv + 2] = 60.0f;
+        x[7 * nv + 20] = x[7 * nv + 11] = 70.0f;
+        for (int i = 0; i < nv; i++) /* row 8: four values only, so most are equal to others */
+            x[8 * nv + i] = (float)(i % 4);
+        x[9 * nv + t[9]] = 50.0f; /* row 9: the target the most likely */
+        for (int i = 0; i < nv; i++) /* row 10: every logit NaN */
+            x[10 * nv + i] = NAN;
+        float *dx = dev_from(be, x, (size_t)n * nv * sizeof *x), want_out[11], got_out[11];
+        assert_int_equal(be->ops->row_logprobs(be, want_out, NULL, dx, t, n, nv), SKV_OK);
+        int *order = malloc((size_t)nv * sizeof *order);
+        for (int ki = 0; ki < 4; ki++) {
+            const int k = ks[ki] < nv ? ks[ki] : nv;
+            int32_t *ids = malloc((size_t)n * k * sizeof *ids);
+            float *lps = malloc((size_t)n * k * sizeof *lps);
+            assert_int_equal(be->ops->row_top_logprobs(be, got_out, ids, lps, k, dx, t, n, nv), SKV_OK);
+            assert_memory_equal(got_out, want_out, sizeof got_out);
+            for (int i = 0; i < n; i++) {
+                const float *row = x + (size_t)i * nv;
+                for (int j = 0; j < nv; j++)
+                    order[j] = j;
+                g_rank_row = row;
+                qsort(order, (size_t)nv, sizeof *order, rank_cmp);
+                for (int j = 0; j < k; j++) {
+                    const int32_t id = ids[(size_t)i * k + j];
+                    const float lp = lps[(size_t)i * k + j];
+                    if (id != order[j])
+                        fail_msg("vocab %d k %d row %d rank %d: id %d, the sort's %d", nv, k, i, j, id, order[j]);
+                    double want = ref_logprob(row, nv, id);
+                    if (isinf(want) || i == 3)
+                        assert_true(lp == (float)want);
+                    else if (fabs(lp - want) > 1e-5)
+                        fail_msg("vocab %d k %d row %d rank %d: %.9g against %.9g", nv, k, i, j, lp, want);
+                    if (id == t[i])
+                        assert_memory_equal(&lp, &got_out[i], sizeof lp);
+                }
+            }
+            assert_int_equal(ids[9 * k], t[9]);
+            free(lps);
+            free(ids);
+        }
+        int32_t ids1[11];
+        float lps1[11];
+        assert_int_equal(be->ops->row_top_logprobs(be, got_out, ids1, lps1, 0, dx, t, n, nv), SKV_E_INVAL);
+        assert_int_equal(be->ops->row_top_logprobs(be, got_out, ids1, lps1, nv + 1, dx, t, n, nv), SKV_E_INVAL);
+        assert_int_equal(be->ops->row_top_logprobs(be, got_out, NULL, lps1, 1, dx, t, n, nv), SKV_E_INVAL);
+        t[0] = -1;
+        assert_int_equal(be->ops->row_top_logprobs(be, got_out, ids1, lps1, 1, dx, t, n, nv), SKV_E_INVAL);
+        free(order);
+        be->ops->free(be, dx);
+        free(x);
+    }
+}
+
 #define OP_TESTS                                                                              \
     cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_rope),                              \
         cmocka_unit_test(test_rope_invalid), cmocka_unit_test(test_swiglu),                   \
@@ -2388,7 +2475,8 @@ static void test_row_logprobs(void **state)
         cmocka_unit_test(test_copy_rows), cmocka_unit_test(test_group_scores),              \
         cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid),         \
         cmocka_unit_test(test_kv_f16), cmocka_unit_test(test_kv_q8_0),               \
-        cmocka_unit_test(test_kv_shared_batch), cmocka_unit_test(test_row_logprobs)
+        cmocka_unit_test(test_kv_shared_batch), cmocka_unit_test(test_row_logprobs),        \
+        cmocka_unit_test(test_row_top_logprobs)
 
 int main(void)
 {

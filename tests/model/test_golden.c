@@ -565,6 +565,37 @@ static void test_prompt_top_logprobs(void **state)
            "%.3g; the scores beside them within %.3g of row_logprobs'\n", k, n - 1, same, ties, max_diff, max_op);
     assert_true(max_diff <= 1e-3);
     assert_true(max_op <= 1e-5);
+    /* a backend without the ops (CUDA has no row_top_logprobs): the engine ranks the downloaded
+     * rows with skv_logprobs; the same ids, the values within the op's tolerance */
+    const struct skv_backend_ops *real = g->ref->be->ops;
+    struct skv_backend_ops plain = *real;
+    plain.row_top_logprobs = NULL;
+    plain.row_logprobs = NULL;
+    int32_t *host_ids = malloc((size_t)n * (size_t)k * sizeof *host_ids);
+    float *host_lp = malloc((size_t)n * (size_t)k * sizeof *host_lp);
+    skv_kv_cache_free(&cache);
+    assert_int_equal(skv_kv_cache_new(g->ref, &cache), SKV_OK);
+    fo.target_logprobs = lp_op;
+    fo.target_top = best_op;
+    fo.target_top_ids = host_ids;
+    fo.target_top_logprobs = host_lp;
+    g->ref->be->ops = &plain;
+    int rc_host = skv_engine_forward(e, cache, ids, n, &fo, logits);
+    g->ref->be->ops = real;
+    assert_int_equal(rc_host, SKV_OK);
+    double max_host = 0;
+    for (int i = 0; i < n - 1; i++) {
+        assert_int_equal(best_op[i], best[i]);
+        max_host = fmax(max_host, fabs(lp_op[i] - lp[i]));
+        for (int j = 0; j < k; j++) {
+            assert_int_equal(host_ids[(size_t)i * k + j], top_ids[(size_t)i * k + j]);
+            max_host = fmax(max_host, fabs(host_lp[(size_t)i * k + j] - top_lp[(size_t)i * k + j]));
+        }
+    }
+    printf("# ranked on the host (a backend without the ops): the same ids, values within %.3g\n", max_host);
+    assert_true(max_host <= 1e-5);
+    free(host_lp);
+    free(host_ids);
     /* refused: a negative count, more than the vocabulary, no arrays */
     skv_kv_cache_free(&cache);
     assert_int_equal(skv_kv_cache_new(g->ref, &cache), SKV_OK);
