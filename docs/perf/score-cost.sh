@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What prompt scores cost a PREFILL: two documents (1637 and 4039 tokens) prefilled with every
 # token computed (--no-reuse), alternately unscored and scored (--score), twice each; wall time
-# of snapkvctl's call. B (build folder) and M (model) may be set.
+# of snapkvctl's call. B (build folder) and M (model) may be set; MODES (default "plain --score
+# plain --score") the prefill options of each run in turn, e.g. MODES="--score --top=20
+# --score --top=20" ("plain": none).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 B=${B:-$ROOT/build}; M=${M:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -12,7 +14,8 @@ echo $! > $D/pid
 for i in $(seq 100); do [ -S $D/a.sock ] && $B/snapkvctl -a $AD status >/dev/null 2>&1 && break; sleep 0.2; done
 echo "# $(date -u +%FT%TZ) commit $(git -C "$ROOT" rev-parse --short HEAD), $(lscpu | sed -n 's/^Model name: *//p')"
 for doc in tests/fixtures/golden/long_prompt.txt tests/fixtures/quality/gpl-2.0.txt; do
-  for mode in "" --score "" --score; do
+  for mode in ${MODES:-plain --score plain --score}; do
+    [ "$mode" = plain ] && mode=""
     s=$(date +%s.%N)
     id=$($B/snapkvctl -e $EP --tenant t prefill --file $ROOT/$doc --no-reuse $mode 2> $D/err)
     e=$(date +%s.%N)
