@@ -55,7 +55,7 @@ static_assert(ATT_TK % ATT_DEC_WARPS == 0, "every warp loads the same number of 
 enum {
     P_ALLOC, P_FREE, P_UPLOAD, P_DOWNLOAD, P_COPY_2D, P_SYNC, P_GET_ROWS, P_MATMUL, P_MATMUL_MULTI, P_RMSNORM,
     P_ROPE, P_SWIGLU, P_ADD, P_ATTENTION, P_COLSUM, P_GROUP_SCORES, P_TOPK, P_COSINE, P_COPY_ROWS, P_ATT_BATCH,
-    P_ROW_LOGPROBS, P_OPS
+    P_ROW_LOGPROBS, P_ROW_TOP_LOGPROBS, P_OPS
 };
 
 struct cuda_impl {
@@ -88,7 +88,7 @@ struct cuda_impl {
 static const char *const prof_names[P_OPS] = {
     "alloc", "free", "upload", "download", "copy_2d", "sync", "get_rows", "matmul", "matmul_multi", "rmsnorm",
     "rope", "swiglu", "add", "attention", "attention_colsum", "group_scores", "topk_rows", "cosine_mean",
-    "copy_rows", "attention_batch", "row_logprobs",
+    "copy_rows", "attention_batch", "row_logprobs", "row_top_logprobs",
 };
 
 static uint64_t prof_now(void)
@@ -2066,6 +2066,150 @@ static int cuda_row_logprobs(struct skv_backend *be, float *out, int32_t *top, c
     return SKV_OK;
 }
 
+/* A top list's order: the larger key first (keys are logits, a NaN taken as -inf), equal ones by
+ * the lower id; id INT32_MAX is no item and comes after every item. */
+__device__ __forceinline__ bool rank_before(float ka, int32_t ia, float kb, int32_t ib)
+{
+    return ia != INT32_MAX && (ib == INT32_MAX || ka > kb || (ka == kb && ia < ib));
+}
+
+/* The first (rank_before) of the block's (key, id) pairs, with redk[33] and redi[33] of shared
+ * memory; every thread gets it. The order is total, so every lane of a butterfly agrees. */
+__device__ void block_first(float &key, int32_t &id, float *redk, int32_t *redi)
+{
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float k2 = __shfl_xor_sync(0xffffffffu, key, o);
+        const int32_t i2 = __shfl_xor_sync(0xffffffffu, id, o);
+        if (rank_before(k2, i2, key, id)) {
+            key = k2;
+            id = i2;
+        }
+    }
+    __syncthreads();
+    if (lane == 0) {
+        redk[warp] = key;
+        redi[warp] = id;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float k = lane < nw ? redk[lane] : -INFINITY;
+        int32_t i = lane < nw ? redi[lane] : INT32_MAX;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float k2 = __shfl_xor_sync(0xffffffffu, k, o);
+            const int32_t i2 = __shfl_xor_sync(0xffffffffu, i, o);
+            if (rank_before(k2, i2, k, i)) {
+                k = k2;
+                i = i2;
+            }
+        }
+        if (lane == 0) {
+            redk[32] = k;
+            redi[32] = i;
+        }
+    }
+    __syncthreads();
+    key = redk[32];
+    id = redi[32];
+}
+
+/* One block a row: the target's log-probability as row_logprobs_kernel gives it, and the row's k
+ * most likely tokens (ids[row][k]) with theirs (lps[row][k]), in rank_before's order: k rounds,
+ * each the first item after the one the round before picked. The log-probabilities all from the
+ * row's one log-sum-exp, so the target's, where it is listed, is out's. */
+__global__ void row_top_logprobs_kernel(float *out, int32_t *ids, float *lps, int k, const float *logits,
+                                        const int32_t *targets, int n_vocab)
+{
+    __shared__ float redf[33];
+    __shared__ double redd[33];
+    __shared__ int32_t redi[33];
+    const float *x = logits + (size_t)blockIdx.x * n_vocab;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+        mx = fmaxf(mx, x[j]); /* a NaN never wins */
+    mx = block_reduce<true>(mx, redf);
+    double n_inf = 0, lse = 0; /* the same for every thread of the block */
+    if (mx == INFINITY) { /* the +inf logits share the mass */
+        for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+            n_inf += x[j] == INFINITY;
+        n_inf = block_sum_d(n_inf, redd);
+    } else if (mx > -INFINITY) {
+        float acc = 0.0f;
+        for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+            acc += isnan(x[j]) ? 0.0f : expf(x[j] - mx);
+        lse = (double)mx + log(block_sum_d((double)acc, redd));
+    }
+#define ROW_LP(v) (n_inf > 0 ? ((v) == INFINITY ? (float)-log(n_inf) : -INFINITY) \
+                             : mx == -INFINITY || isnan(v) ? -INFINITY : (float)((double)(v) - lse))
+    if (threadIdx.x == 0)
+        out[blockIdx.x] = ROW_LP(x[targets[blockIdx.x]]);
+    float pk = INFINITY; /* the last pick; (+inf, -1) ranks before every item */
+    int32_t pi = -1;
+    for (int r = 0; r < k; r++) {
+        float bk = -INFINITY;
+        int32_t bi = INT32_MAX;
+        for (int j = threadIdx.x; j < n_vocab; j += blockDim.x) {
+            const float kx = isnan(x[j]) ? -INFINITY : x[j];
+            if (rank_before(pk, pi, kx, j) && rank_before(kx, j, bk, bi)) {
+                bk = kx;
+                bi = j;
+            }
+        }
+        block_first(bk, bi, redf, redi);
+        if (threadIdx.x == 0) {
+            ids[(size_t)blockIdx.x * k + r] = bi;
+            lps[(size_t)blockIdx.x * k + r] = ROW_LP(x[bi]);
+        }
+        pk = bk;
+        pi = bi;
+    }
+#undef ROW_LP
+}
+
+static int cuda_row_top_logprobs(struct skv_backend *be, float *out, int32_t *ids, float *lps, int k,
+                                 const float *logits, const int32_t *targets, int n, int n_vocab)
+{
+    prof_scope prof_(be, P_ROW_TOP_LOGPROBS, n);
+    if (!be || n < 0 || n_vocab <= 0 || k < 1 || k > n_vocab || !ids || !lps || (n && (!out || !logits || !targets)))
+        return skv_errorf(SKV_E_INVAL, "row_top_logprobs: bad shape n=%d n_vocab=%d k=%d, or a NULL buffer", n,
+                          n_vocab, k);
+    for (int r = 0; r < n; r++)
+        if (targets[r] < 0 || targets[r] >= n_vocab)
+            return skv_errorf(SKV_E_INVAL, "row_top_logprobs: target %d of row %d is outside [0, %d)", targets[r],
+                              r, n_vocab);
+    if (n == 0)
+        return SKV_OK;
+    struct cuda_impl *impl = (struct cuda_impl *)be->impl;
+    const size_t nk = (size_t)n * (size_t)k;
+    void *s = NULL;
+    int rc = scratch_get(impl, (size_t)n * (sizeof(float) + sizeof(int32_t)) + nk * (sizeof(float) + sizeof(int32_t)),
+                         &s);
+    if (rc < 0)
+        return rc;
+    float *dout = (float *)s, *dlps = dout + n;
+    int32_t *dt = (int32_t *)(dlps + nk), *dids = dt + n;
+    cudaError_t err = cudaMemcpyAsync(dt, targets, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice, impl->stream);
+    if (err == cudaSuccess) {
+        row_top_logprobs_kernel<<<(unsigned)n, EW_THREADS, 0, impl->stream>>>(dout, dids, dlps, k, logits, dt,
+                                                                              n_vocab);
+        err = cudaGetLastError();
+    }
+    if (err == cudaSuccess)
+        err = cudaMemcpyAsync(out, dout, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, impl->stream);
+    if (err == cudaSuccess)
+        err = cudaMemcpyAsync(ids, dids, nk * sizeof(int32_t), cudaMemcpyDeviceToHost, impl->stream);
+    if (err == cudaSuccess)
+        err = cudaMemcpyAsync(lps, dlps, nk * sizeof(float), cudaMemcpyDeviceToHost, impl->stream);
+    if (err == cudaSuccess)
+        err = cudaStreamSynchronize(impl->stream);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError(); /* a launch's or copy's error is not the next op's */
+        return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
+                          cudaGetErrorString(err));
+    }
+    return SKV_OK;
+}
+
 /* Per-KV-head lengths of the group_scores op, passed by value. */
 struct group_params {
     int len[SKV_MAX_KV_HEADS], pooled[SKV_MAX_KV_HEADS];
@@ -2618,7 +2762,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* store_rows_f16 */ cuda_store_rows_f16,
     /* store_rows_q8_0 */ cuda_store_rows_q8_0,
     /* row_logprobs */ cuda_row_logprobs,
-    /* row_top_logprobs */ NULL, /* the engine ranks downloaded rows on the host */
+    /* row_top_logprobs */ cuda_row_top_logprobs,
 };
 
 /* Probes the device and sets up a stream and a cuBLAS handle bound to it. */

@@ -398,6 +398,57 @@ static int run_cosine(int n, int dim)
     return !ok;
 }
 
+/* row_top_logprobs against the CPU op: random rows, a NaN, two +inf, every logit -inf, two equal
+ * largest, four values only (most equal to others), every logit NaN; the same ids, the values
+ * within row_logprobs' tolerance, the target's the same bits as out. */
+static int run_row_top_logprobs(int n, int nv, int k)
+{
+    std::vector<float> x((size_t)n * nv);
+    for (auto &v : x) v = rnd() * 4.0f;
+    std::vector<int32_t> t(n);
+    for (int r = 0; r < n; r++) t[r] = (int32_t)((r * 7919 + 3) % nv);
+    if (n >= 7) {
+        x[(size_t)nv + 1] = NAN;
+        x[2 * (size_t)nv + 1] = INFINITY;
+        x[2 * (size_t)nv + t[2]] = INFINITY;
+        for (int j = 0; j < nv; j++) x[3 * (size_t)nv + j] = -INFINITY;
+        x[4 * (size_t)nv + 9] = x[4 * (size_t)nv + 3] = 50.0f;
+        for (int j = 0; j < nv; j++) x[5 * (size_t)nv + j] = (float)(j % 4);
+        for (int j = 0; j < nv; j++) x[6 * (size_t)nv + j] = NAN;
+    }
+    std::vector<float> want(n), got(n), want_lp((size_t)n * k), got_lp((size_t)n * k);
+    std::vector<int32_t> want_ids((size_t)n * k), got_ids((size_t)n * k);
+    struct skv_backend *cpu = NULL;
+    if (skv_backend_cpu_new(1, &cpu) || cpu->ops->row_top_logprobs(cpu, want.data(), want_ids.data(), want_lp.data(),
+                                                                   k, x.data(), t.data(), n, nv)) {
+        printf("FAIL row_top_logprobs: the CPU op\n");
+        skv_backend_destroy(&cpu);
+        return 1;
+    }
+    skv_backend_destroy(&cpu);
+    emu_backend e;
+    int rc = cuda_row_top_logprobs(&e.be, got.data(), got_ids.data(), got_lp.data(), k, x.data(), t.data(), n, nv);
+    bool ok = rc == 0 && want_ids == got_ids;
+    double worst = 0;
+    auto close = [&](float g, float w, bool exact) {
+        if (isinf(w) || isinf(g) || exact)
+            ok = ok && g == w;
+        else
+            worst = fmax(worst, fabs((double)g - w) - 1e-7 * fabs(w));
+    };
+    for (int r = 0; ok && r < n; r++) {
+        close(got[r], want[r], n >= 7 && r == 2);
+        for (int j = 0; j < k; j++) {
+            close(got_lp[(size_t)r * k + j], want_lp[(size_t)r * k + j], n >= 7 && r == 2);
+            if (got_ids[(size_t)r * k + j] == t[r])
+                ok = ok && got_lp[(size_t)r * k + j] == got[r];
+        }
+    }
+    ok = ok && worst <= 1e-5;
+    printf("%s row_top_logprobs n=%d n_vocab=%d k=%d max |diff| %.3g\n", ok ? "ok  " : "FAIL", n, nv, k, worst);
+    return !ok;
+}
+
 /* row_logprobs against the CPU op: random rows, a NaN, two +inf, every logit -inf. */
 static int run_row_logprobs(int n, int nv)
 {
@@ -775,6 +826,9 @@ int main(int argc, char **argv)
         fails += run_row_logprobs(5, 49152);
         fails += run_row_logprobs(3, 37);
         fails += run_row_logprobs(2, 151936); /* Qwen2's vocabulary: 594 logits a thread */
+        fails += run_row_top_logprobs(7, 49152, 5);
+        fails += run_row_top_logprobs(7, 37, 37); /* the whole vocabulary, fewer logits than threads */
+        fails += run_row_top_logprobs(2, 1000, 20);
     }
     if (want("gemv")) {
         const int types[] = {SKV_DTYPE_F32, SKV_DTYPE_F16, SKV_DTYPE_BF16};
