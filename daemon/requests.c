@@ -1015,7 +1015,8 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         if ((rc = prompt_top_reply(&all, (size_t)n, &tops, &top_ptrs)))
             goto fail;
         skv_logprobs(s->logits, w->m->cfg.n_vocab, ids[0], all.top_n, &scores[0], all.top_ids, all.top_lps);
-        all.top[0] = skv_argmax(s->logits, w->m->cfg.n_vocab);
+        /* as the forward gives the others */
+        all.top[0] = all.top_n ? all.top_ids[0] : skv_argmax(s->logits, w->m->cfg.n_vocab);
     }
     const struct prompt_scores sc = scores ? prompt_scores_from(&all, 1) : all;
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the

@@ -321,8 +321,10 @@ struct skv_backend_ops {
      * the host): row_logprobs' out, and each row's k most likely tokens (k in [1, n_vocab]) with
      * their log-probabilities, ids[r][k] and lps[r][k] (host), most likely first, equal ones by
      * the lower id, a NaN ranked as -inf (skv_logprobs' order; so ids[r][0] is row_logprobs'
-     * top). The values as out's, within its tolerance; the target's, where it is listed, the
-     * same bits as out[r]. What prompt_top_logprobs ranks with (skv_forward_opts.target_top_n). */
+     * top, but in a row without a finite or +inf logit where a NaN comes before the first
+     * -inf: there it is that NaN's id). The values as out's, within its tolerance; the
+     * target's, where it is listed, the same bits as out[r]. What prompt_top_logprobs ranks
+     * with (skv_forward_opts.target_top_n), and the engine's target_top then. */
     int (*row_top_logprobs)(struct skv_backend *be, float *out, int32_t *ids, float *lps, int k, const float *logits,
                             const int32_t *targets, int n, int n_vocab);
 };

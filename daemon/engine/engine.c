@@ -1130,7 +1130,8 @@ static int score_targets(struct skv_engine *e, const struct skv_forward_opts *op
                 skv_logprobs(lg, c->n_vocab, opts->targets[i0 + r], k, &opts->target_logprobs[i0 + r],
                              k ? opts->target_top_ids + at : NULL, k ? opts->target_top_logprobs + at : NULL);
                 if (opts->target_top)
-                    opts->target_top[i0 + r] = skv_argmax(lg, c->n_vocab);
+                    opts->target_top[i0 + r] = k ? opts->target_top_ids[at]
+                                                 : skv_argmax(lg, c->n_vocab);
             }
         }
     }

@@ -151,7 +151,8 @@ struct skv_forward_opts {
      * > 0 (at most the vocabulary), each position's target_top_n most likely tokens and their
      * log-probabilities too, most likely first (skv_logprobs' order), by the backend's
      * row_top_logprobs (without it, skv_logprobs of the downloaded logits), which gives
-     * target_logprobs then too. */
+     * target_logprobs then too, and target_top the first of each list (skv_argmax's token but
+     * in a row of no finite logit with a NaN first). */
     const int32_t *targets;      /* [n_targets] */
     float *target_logprobs;      /* [n_targets] out */
     int32_t *target_top;         /* [n_targets] out, or NULL: each position's most likely token (skv_argmax) */

@@ -565,8 +565,8 @@ static void test_prompt_top_logprobs(void **state)
            "%.3g; the scores beside them within %.3g of row_logprobs'\n", k, n - 1, same, ties, max_diff, max_op);
     assert_true(max_diff <= 1e-3);
     assert_true(max_op <= 1e-5);
-    /* a backend without the ops (CUDA has no row_top_logprobs): the engine ranks the downloaded
-     * rows with skv_logprobs; the same ids, the values within the op's tolerance */
+    /* a backend without the ops: the engine ranks the downloaded rows with skv_logprobs; the
+     * same ids, the values within the op's tolerance */
     const struct skv_backend_ops *real = g->ref->be->ops;
     struct skv_backend_ops plain = *real;
     plain.row_top_logprobs = NULL;
