@@ -20,8 +20,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <link.h> /* dl_iterate_phdr */
 #include <math.h>
 #include <sodium.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -2587,6 +2589,19 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
  * before each head's: its full blocks, and its partly filled last block too when other sessions
  * hold that block (forks that have not written it), so that a restore shares it again. */
 #define SAVE_MAGIC "SKVSESS1"
+/* After the checksum of a SAVE file or a stored value (not of a persist block-store file),
+ * what prefix reuse may take of its rows: the session's computed_rows and what computed them
+ * (skv_requests_rows_id). A daemon from before stops reading at the checksum, so the trailer costs it
+ * nothing; one without the trailer (older files) serves no prefix. */
+#define ROWS_MAGIC "SKVROWS1"
+struct save_rows {
+    char magic[8];
+    int32_t computed_rows;
+    uint32_t zero;
+    unsigned char rows_id[16];
+    unsigned char sum[16]; /* BLAKE2b-128 of the file's checksum, then the fields above */
+};
+_Static_assert(sizeof(struct save_rows) == 48, "the rows trailer is 48 bytes on disk");
 #define SAVE_VERSION 3
 #define SAVE_VERSION_STORE 4
 #define SAVE_VERSION_RUNS 5
@@ -2601,6 +2616,99 @@ struct save_header {
     char spec[256];
     char pad[3];
 };
+
+/* Hashes the file at path into h; false when it cannot be read whole. */
+static bool hash_file(crypto_generichash_state *h, const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return false;
+    unsigned char buf[65536];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0)
+        crypto_generichash_update(h, buf, n);
+    bool ok = !ferror(f);
+    fclose(f);
+    return ok;
+}
+
+/* One string into h, its length first (no two lists hash alike). */
+static void hash_str(crypto_generichash_state *h, const char *s)
+{
+    uint32_t n = (uint32_t)strlen(s);
+    crypto_generichash_update(h, (const unsigned char *)&n, sizeof n);
+    crypto_generichash_update(h, (const unsigned char *)s, n);
+}
+
+/* dl_iterate_phdr's visit: each shared object's path, size and modification time into h (an
+ * upgraded OpenBLAS or libm is another file; the same package on another host is the same). */
+static int hash_object(struct dl_phdr_info *info, size_t size, void *user)
+{
+    (void)size;
+    struct stat st;
+    if (info->dlpi_name && *info->dlpi_name && stat(info->dlpi_name, &st) == 0) {
+        crypto_generichash_state *h = user;
+        int64_t meta[3] = {(int64_t)st.st_size, (int64_t)st.st_mtim.tv_sec, (int64_t)st.st_mtim.tv_nsec};
+        hash_str(h, info->dlpi_name);
+        crypto_generichash_update(h, (const unsigned char *)meta, sizeof meta);
+    }
+    return 0;
+}
+
+/* What computes this daemon's rows, as far as their bits go: its executable's bytes (the
+ * engine's kernels are linked in), the shared objects it runs with (OpenBLAS: path, size,
+ * time), the CPU's model and features (which kernels OpenBLAS and the CPU backend pick: x86's
+ * "model name" and "flags", ARM's "CPU implementer", "CPU part" and "Features"), the model, the
+ * KV type and the block size. A session saved by a daemon of the same rows_id holds the rows
+ * this one would compute for its tokens, so they may serve prefix reuse. Zero (matching
+ * nothing) on a backend other than the CPU (cuBLAS picks its kernels by shape and device: bits
+ * not promised) and when the executable cannot be read. Worked out once, when the worker starts
+ * (skv_requests_rows_id), so no request waits for the executable's hash. */
+const unsigned char *skv_requests_rows_id(struct skv_worker *w)
+{
+    if (w->rows_id_known)
+        return w->rows_id;
+    w->rows_id_known = true;
+    memset(w->rows_id, 0, sizeof w->rows_id);
+    if (strcmp(w->m->be->name, "cpu") != 0)
+        return w->rows_id;
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, NULL, 0, sizeof w->rows_id);
+    bool ok = hash_file(&h, "/proc/self/exe");
+    dl_iterate_phdr(hash_object, &h);
+    hash_str(&h, PACKAGE_VERSION);
+    hash_str(&h, w->m->be->name);
+    FILE *ci = fopen("/proc/cpuinfo", "r");
+    static const char *const keys[] = {"model name", "flags", "CPU implementer", "CPU part", "Features"};
+    char line[8192];
+    /* the first CPU's lines (each key once: the next processor repeats them) */
+    for (unsigned seen = 0; ci && fgets(line, sizeof line, ci);)
+        for (unsigned k = 0; k < sizeof keys / sizeof keys[0]; k++)
+            if (!(seen & 1u << k) && strncmp(line, keys[k], strlen(keys[k])) == 0) {
+                hash_str(&h, line);
+                seen |= 1u << k;
+            }
+    if (ci)
+        fclose(ci);
+    hash_str(&h, w->m->fingerprint);
+    hash_str(&h, w->cfg->kv_type ? w->cfg->kv_type : "f32");
+    int64_t br = w->cfg->kv_block_tokens;
+    crypto_generichash_update(&h, (const unsigned char *)&br, sizeof br);
+    crypto_generichash_final(&h, w->rows_id, sizeof w->rows_id);
+    if (!ok)
+        memset(w->rows_id, 0, sizeof w->rows_id);
+    return w->rows_id;
+}
+
+/* The trailer's sum: over the file's checksum and the trailer before its own sum. */
+static void rows_sum(const unsigned char file_sum[32], const struct save_rows *t, unsigned char out[16])
+{
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, NULL, 0, 16);
+    crypto_generichash_update(&h, file_sum, 32);
+    crypto_generichash_update(&h, (const unsigned char *)t, offsetof(struct save_rows, sum));
+    crypto_generichash_final(&h, out, 16);
+}
 
 static int save_path(struct skv_worker *w, const char *name, char *out, size_t cap)
 {
@@ -2775,11 +2883,22 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     }
     free(rows);
     free(refs);
+    const off_t trailer = store ? 0 : (off_t)sizeof(struct save_rows);
     if (!hp)
-        return rc ? rc : fseeko(f, 32, SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;
+        return rc ? rc : fseeko(f, 32 + trailer, SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;
     crypto_generichash_final(&h, sum, 32);
     if (!rc && fwrite(sum, 1, 32, f) != 32)
         rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    if (!rc && trailer) { /* what prefix reuse may take of its rows */
+        int32_t served = s->computed_rows < s->n_tokens ? s->computed_rows : s->n_tokens;
+        served = served < s->cache->n_past ? served : s->cache->n_past;
+        struct save_rows t = {.computed_rows = served > 0 ? served : 0};
+        memcpy(t.magic, ROWS_MAGIC, sizeof t.magic);
+        memcpy(t.rows_id, skv_requests_rows_id(w), sizeof t.rows_id);
+        rows_sum(sum, &t, t.sum);
+        if (fwrite(&t, 1, sizeof t, f) != sizeof t)
+            rc = skv_errorf(SKV_E_IO, "write: %s", strerror(errno));
+    }
     return rc;
 }
 
@@ -2926,10 +3045,14 @@ static int open_state_file(const char *path)
 
 /* Reads a saved session from f (named `path` in messages; f stays open) into a new session of
  * tenant (owner: who made it), charged to the pool and the tenant; *out on success (nothing is
- * left behind on failure). */
+ * left behind on failure). With saved_rows (may be NULL): the trailer's computed_rows when it
+ * is there, whole, and of a daemon that computes rows as this one does (skv_requests_rows_id),
+ * else -1. */
 static int session_read(struct skv_worker *w, FILE *f, const char *path, const char *tenant, const char *owner,
-                        struct restore *r, struct skv_session **out)
+                        struct restore *r, struct skv_session **out, int32_t *saved_rows)
 {
+    if (saved_rows)
+        *saved_rows = -1;
     struct skv_session *s = NULL;
     int rc = skv_session_check_tenant(tenant);
     crypto_generichash_state h;
@@ -3065,6 +3188,16 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         else if (r)
             memcpy(r->sum, got, sizeof got);
     }
+    struct save_rows t;
+    unsigned char tsum[16];
+    if (!rc && saved_rows && fread(&t, 1, sizeof t, f) == sizeof t && memcmp(t.magic, ROWS_MAGIC, 8) == 0) {
+        rows_sum(got, &t, tsum);
+        const unsigned char *mine = skv_requests_rows_id(w);
+        if (sodium_memcmp(tsum, t.sum, sizeof tsum) == 0 && t.zero == 0 && t.computed_rows >= 0 &&
+            t.computed_rows <= hd.n_tokens && sodium_memcmp(t.rows_id, mine, sizeof t.rows_id) == 0 &&
+            !sodium_is_zero(t.rows_id, sizeof t.rows_id))
+            *saved_rows = t.computed_rows;
+    }
     if (!rc) {
         s->cache->n_past = hd.n_past;
         s->prompt_len = hd.prompt_len;
@@ -3111,7 +3244,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
 
 /* Reads a saved session from the file `path` (session_read). */
 static int session_load(struct skv_worker *w, const char *path, const char *tenant, const char *owner,
-                        struct restore *r, struct skv_session **out)
+                        struct restore *r, struct skv_session **out, int32_t *saved_rows)
 {
     int rc = skv_session_check_tenant(tenant); /* before the file: a bad name says so */
     if (rc)
@@ -3125,7 +3258,7 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
         close(fd);
         return rc;
     }
-    rc = session_read(w, f, path, tenant, owner, r, out);
+    rc = session_read(w, f, path, tenant, owner, r, out, saved_rows);
     fclose(f);
     return rc;
 }
@@ -3362,6 +3495,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
         return rc;
     struct skv_session *s = NULL;
     struct store_meta m;
+    int32_t saved_rows = -1;
     bool has_meta = store_meta_read(data, n, &m);
     FILE *f = NULL;
     /* one not signed as it should be is not read: it goes back (PERM), for a daemon that does
@@ -3376,11 +3510,15 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     else if (!rc && !(f = fmemopen((void *)data, n, "rb"))) /* read only */
         rc = skv_errorf(SKV_E_NOMEM, "no memory to read a stored session");
     else if (!rc)
-        rc = session_read(w, f, "the stored session", tenant, "store", NULL, &s);
+        rc = session_read(w, f, "the stored session", tenant, "store", NULL, &s, &saved_rows);
     if (f)
         fclose(f);
     if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
         skv_session_destroy(w->sessions, s);
+    /* its rows serve prefix reuse where a daemon of this one's rows_id computed them, and the
+     * value is signed (one anybody could have put there would feed the tenant's other prompts) */
+    if (!rc && saved_rows >= 0 && w->store_signed)
+        s->computed_rows = saved_rows;
     if (!rc && has_meta) { /* its pin and lease, as persist restores them */
         s->pinned = m.pinned;
         s->lease_seconds = m.lease_seconds <= (uint64_t)w->cfg->max_lease_seconds ? m.lease_seconds
@@ -3437,13 +3575,16 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
     char path[1200];
     const char *tenant = q->tenant && *q->tenant ? q->tenant : DEFAULT_TENANT;
     struct skv_session *s = NULL;
+    int32_t saved_rows = -1;
     int rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_load(w, path, tenant, "load", NULL, &s);
+        rc = session_load(w, path, tenant, "load", NULL, &s, &saved_rows);
     if (rc) {
         fail_rc(w, job, rc);
         return;
     }
+    if (saved_rows >= 0) /* rows computed as this daemon computes them serve prefix reuse */
+        s->computed_rows = saved_rows;
     skv_worker_event_stored(w, s);
     Snapkv__Reply rep;
     Snapkv__LoadReply lr = SNAPKV__LOAD_REPLY__INIT;
@@ -4124,7 +4265,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
         if (!rc) {
             persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
             snprintf(file, sizeof file, "%s/%s", dir, name);
-            rc = session_load(w, file, tenant, owner, &r, &s);
+            rc = session_load(w, file, tenant, owner, &r, &s, NULL);
         }
         if (!rc && (rc = skv_session_set_id(w->sessions, s, id)))
             skv_session_destroy(w->sessions, s);

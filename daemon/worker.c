@@ -922,6 +922,7 @@ static void *worker_main(void *arg)
         event_send(w, &ev);
     }
     w->persist_ms = skv_now_ms();
+    skv_requests_rows_id(w); /* the executable's hash, before any request waits for it */
     if (w->cfg->persist && skv_requests_persist_restore(w))
         skv_log(SKV_LOG_WARN, "persist: %s", skv_error_msg());
     publish_stats(w);

@@ -80,6 +80,8 @@ struct skv_worker {
     struct skv_prefix_cache prefix; /* released sessions' KV kept for prefix reuse (prefix-retain-bytes) */
     struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
+    unsigned char rows_id[16]; /* what computes this daemon's rows (requests.c rows_id; zero: unknown) */
+    bool rows_id_known;       /* rows_id was worked out (on the worker thread, at the first use) */
     unsigned char store_mac_key[32]; /* (SKV_STORE_KEY_BYTES) */
     bool store_accept;        /* store-accept-secret-file: its signatures load too */
     unsigned char store_accept_key[32]; /* (SKV_STORE_KEY_BYTES) */
@@ -224,6 +226,9 @@ void skv_requests_ipc_close_all(struct skv_worker *w);
 /* persist = yes: saves every session to <state-dir>/persist at stop (most recently used first,
  * within persist-max-seconds), with a manifest of ids, tenants, pins and leases. */
 int skv_requests_persist_save(struct skv_worker *w);
+/* What computes this daemon's rows (requests.c): 16 bytes, zero when unknown; worked out at the
+ * first call (worker thread only). */
+const unsigned char *skv_requests_rows_id(struct skv_worker *w);
 /* The same while serving (persist-interval-seconds). give_way: SKV_E_CANCELLED when a request
  * arrives meanwhile, the last save left as it was. */
 int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way);

@@ -1567,6 +1567,104 @@ static void test_persist_prefix_reuse(void **state)
     stop_daemon(&d);
 }
 
+#define SAVE_ROWS_TRAILER 48 /* after a saved session's checksum: see SAVE_HEADER's comment */
+static unsigned char *save_read(const char *dir, const char *name, size_t *size, int32_t *n_tokens);
+static void save_write(const char *dir, const char *name, unsigned char *buf, size_t len);
+
+/* A PREFILL of ids[0..LONG) after a LOAD of `name` into tenant p: how many tokens it reused;
+ * its logits into *out (the caller frees); the PREFILL's and the loaded session are released. */
+static uint32_t reuse_after_load(snapkv_client_t *c, snapkv_client_t *a, const char *name, const uint32_t *ids,
+                                 size_t n, struct snapkv_prefill_result *out)
+{
+    struct snapkv_session_id loaded;
+    assert_int_equal(snapkv_admin_load(a, name, "p", &loaded), SNAPKV_OK);
+    struct snapkv_prefill_opts pl = {.tokens = ids, .n_tokens = n, .return_logits = true};
+    uint32_t reused = 99;
+    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, out, &reused), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &out->id), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &loaded), SNAPKV_OK);
+    return reused;
+}
+
+/* A saved session's rows serve prefix reuse after a LOAD as they did before the SAVE (the
+ * file's trailer says how many, and what computed them: rows_id in requests.c): a PREFILL of a
+ * longer prompt takes the loaded session's N_PROMPT tokens and gives the logits of one that
+ * computed every token, bit for bit. The file loads and serves nothing without the trailer (as
+ * a daemon from before wrote it), with another rows_id (another build, CPU, KV type...), with
+ * a trailer whose sum does not match, or one that names more rows than the session's tokens. */
+static void test_save_prefix_reuse(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    enum { LONG = N_PROMPT + 48 };
+    uint32_t ids[LONG];
+    prompt(ids, LONG, 31);
+    struct daemon d;
+    start_daemon(&d, "1G");
+    snapkv_client_t *c = client(d.endpoint, "p"), *a = client(d.admin, NULL);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT};
+    struct snapkv_prefill_result pa, ref, pb;
+    assert_int_equal(snapkv_prefill(c, &po, &pa), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_save(a, &pa.id, "rows-1", NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &pa.id), SNAPKV_OK);
+    struct snapkv_prefill_opts pl = {.tokens = ids, .n_tokens = LONG, .return_logits = true};
+    uint32_t reused = 99;
+    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, &ref, &reused), SNAPKV_OK);
+    assert_int_equal(reused, 0); /* the tenant holds nothing of it */
+    assert_int_equal(snapkv_release(c, &ref.id), SNAPKV_OK);
+    reused = reuse_after_load(c, a, "rows-1", ids, LONG, &pb);
+    printf("# after a LOAD: %u of %d tokens reused\n", reused, LONG);
+    assert_int_equal(reused, N_PROMPT);
+    assert_int_equal(pb.n_logits, ref.n_logits);
+    assert_memory_equal(pb.logits, ref.logits, ref.n_logits * sizeof *ref.logits);
+    snapkv_prefill_result_free(&pb);
+    /* the same file without its trailer, with another rows_id, with a bad trailer sum */
+    size_t size = 0;
+    int32_t n_tokens;
+    unsigned char *buf = save_read(d.dir, "rows-1", &size, &n_tokens), *t = buf + size;
+    save_write(d.dir, "rows-old", buf, size);
+    t[16] ^= 1; /* the rows_id's first byte, and the trailer's sum made again */
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, NULL, 0, 16);
+    crypto_generichash_update(&h, buf + size - 32, 32);
+    crypto_generichash_update(&h, t, 32);
+    crypto_generichash_final(&h, t + 32, 16);
+    char path[256];
+    snprintf(path, sizeof path, "%s/rows-other.skv", d.dir);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, size + SAVE_ROWS_TRAILER, f), size + SAVE_ROWS_TRAILER);
+    fclose(f);
+    t[16] ^= 1; /* the rows_id right, the sum now wrong */
+    snprintf(path, sizeof path, "%s/rows-badsum.skv", d.dir);
+    assert_non_null(f = fopen(path, "wb"));
+    assert_int_equal(fwrite(buf, 1, size + SAVE_ROWS_TRAILER, f), size + SAVE_ROWS_TRAILER);
+    fclose(f);
+    memcpy(t + 8, &(int32_t){N_PROMPT + 1}, 4); /* more rows than tokens, the sum made again */
+    crypto_generichash_init(&h, NULL, 0, 16);
+    crypto_generichash_update(&h, buf + size - 32, 32);
+    crypto_generichash_update(&h, t, 32);
+    crypto_generichash_final(&h, t + 32, 16);
+    snprintf(path, sizeof path, "%s/rows-many.skv", d.dir);
+    assert_non_null(f = fopen(path, "wb"));
+    assert_int_equal(fwrite(buf, 1, size + SAVE_ROWS_TRAILER, f), size + SAVE_ROWS_TRAILER);
+    fclose(f);
+    free(buf);
+    const char *names[] = {"rows-old", "rows-other", "rows-badsum", "rows-many", "rows-1"};
+    for (int k = 0; k < 5; k++) {
+        reused = reuse_after_load(c, a, names[k], ids, LONG, &pb);
+        printf("# after a LOAD of %s: %u tokens reused\n", names[k], reused);
+        assert_int_equal(reused, k == 4 ? N_PROMPT : 0);
+        assert_memory_equal(pb.logits, ref.logits, ref.n_logits * sizeof *ref.logits);
+        snapkv_prefill_result_free(&pb);
+    }
+    snapkv_prefill_result_free(&ref);
+    snapkv_prefill_result_free(&pa);
+    snapkv_close(&a);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 /* persist = yes: a restart keeps every session under its id, tenant, pin and lease, and it
  * decodes on exactly as before the stop (a fork taken before the stop decoded the reference);
  * the fork shares its document's blocks again (the pool holds as many blocks as before the
@@ -3780,17 +3878,23 @@ static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_
 }
 
 /* Saved-session files as test_save_load_goes_on rewrites them: the header is 360 bytes, with
- * the version at byte 8 and n_tokens at byte 32, then the tokens; the file ends with a
- * BLAKE2b-256 checksum of everything before it. */
+ * the version at byte 8 and n_tokens at byte 32, then the tokens; then a BLAKE2b-256
+ * checksum of everything before it, and a 48-byte trailer ("SKVROWS1": what prefix reuse may
+ * take of the rows) that a daemon reads only after the checksum. */
 #define SAVE_HEADER 360
 
-/* <dir>/<name>.skv, whole (malloc'd); *n_tokens from its header. */
+/* <dir>/<name>.skv, whole (malloc'd), without its rows trailer (*size: the rest, which ends
+ * with the checksum: a file as a daemon from before the trailer wrote it); *n_tokens from its
+ * header. */
 static unsigned char *save_read(const char *dir, const char *name, size_t *size, int32_t *n_tokens)
 {
     char path[256];
     snprintf(path, sizeof path, "%s/%s.skv", dir, name);
     unsigned char *buf = fixture_read_file(path, size);
     assert_non_null(buf);
+    assert_true(*size > SAVE_HEADER + 32 + SAVE_ROWS_TRAILER);
+    assert_memory_equal(buf + *size - SAVE_ROWS_TRAILER, "SKVROWS1", 8);
+    *size -= SAVE_ROWS_TRAILER;
     memcpy(n_tokens, buf + 32, 4);
     return buf;
 }
@@ -5490,6 +5594,45 @@ static void wait_spilled(const char *sock, const struct snapkv_session_id *id, c
     assert_true(key[0]);
 }
 
+/* A full-cache session of 64 tokens of c's tenant, spilled from c's daemon (an 8M pool, which
+ * holds two) by two more, taken back by a DECODE, then a PREFILL of its 64 tokens and 48 more
+ * (a PREFILL computes more than the small batch, 32): how many tokens that PREFILL reused.
+ * Everything it made is released. */
+static uint32_t reuse_after_take(snapkv_client_t *c, const char *sock, unsigned seed)
+{
+    uint32_t ids[112];
+    prompt(ids, 112, seed);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 64};
+    struct snapkv_prefill_result p, q[2], r;
+    assert_int_equal(snapkv_prefill(c, &po, &p), SNAPKV_OK);
+    for (int k = 0; k < 2; k++) {
+        uint32_t other[64];
+        prompt(other, 64, seed + 1 + (unsigned)k);
+        struct snapkv_prefill_opts qo = {.tokens = other, .n_tokens = 64};
+        assert_int_equal(snapkv_prefill(c, &qo, &q[k]), SNAPKV_OK);
+    }
+    char key[300];
+    wait_spilled(sock, &p.id, key, sizeof key);
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    sp.max_tokens = 1;
+    struct snapkv_decode_result got;
+    assert_int_equal(snapkv_decode(c, &p.id, &sp, NULL, NULL, &got), SNAPKV_OK); /* back from the store */
+    snapkv_decode_result_free(&got);
+    struct snapkv_prefill_opts pl = {.tokens = ids, .n_tokens = 112};
+    uint32_t reused = 99;
+    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, &r, &reused), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &r.id), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &p.id), SNAPKV_OK);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(snapkv_release(c, &q[k].id), SNAPKV_OK); /* here or in the store */
+        snapkv_prefill_result_free(&q[k]);
+    }
+    snapkv_prefill_result_free(&r);
+    snapkv_prefill_result_free(&p);
+    return reused;
+}
+
 /* store = ...: a session evicted by pool pressure on one daemon, or past its lease, goes to
  * Redis and comes back on another daemon under its id, decoding as it would have; only its
  * tenant can take it; a truncated entry is refused and dropped; with the store gone, evictions
@@ -5608,9 +5751,9 @@ static void test_store(void **state)
     assert_int_equal(got.n_tokens, 1);
     snapkv_decode_result_free(&got);
     wait_spilled(sock, &l.id, key, sizeof key); /* B kept its 1 s lease (the default is 600 s) */
-    /* as an older daemon spilled it (the SAVE bytes without the pin and lease after them): it
-     * loads, with the default lease */
-    store_edit(sock, key, "string.sub(v, 1, -33)");
+    /* as an older daemon spilled it (the SAVE bytes without the rows trailer and the pin and
+     * lease after them): it loads, with the default lease */
+    store_edit(sock, key, "string.sub(v, 1, -81)");
     assert_int_equal(snapkv_decode(ca, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
     snapkv_decode_result_free(&got);
     assert_int_equal(snapkv_admin_inspect(aa, &l.id, false, &ir), SNAPKV_OK);
@@ -5752,6 +5895,12 @@ static void test_store(void **state)
     snapkv_client_t *ae = client(de.admin, NULL);
     assert_int_equal(stat_value(ae, "snapkv_store_refused_total"), 5);
     snapkv_close(&ae);
+    /* a session taken back from the store serves prefix reuse as before its spill when the
+     * value is signed (E); not from a store anybody could have written to (A) */
+    uint32_t reused_e = reuse_after_take(ce, sock, 200), reused_a = reuse_after_take(ca, sock, 210);
+    printf("# taken back from the store: %u of 64 tokens reused (signed), %u (not signed)\n", reused_e, reused_a);
+    assert_int_equal(reused_e, 64);
+    assert_int_equal(reused_a, 0);
 
     /* a rotation: F signs with a new secret and accepts the old one too
      * (store-accept-secret-file): it takes what E signed with the old one, and its own */
@@ -6008,6 +6157,7 @@ int main(void)
         cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_decode_penalties, kill_daemons),
         cmocka_unit_test_teardown(test_persist_prefix_reuse, kill_daemons),
+        cmocka_unit_test_teardown(test_save_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_tokenize, kill_daemons),
         cmocka_unit_test_teardown(test_prompt_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_prefix_reuse, kill_daemons),
