@@ -402,19 +402,27 @@ static void logprob_rows(void *p, int64_t begin, int64_t end, int tid)
     }
 }
 
+/* The row ops' arguments: the shape, the buffers (none needed for no rows), each target in the
+ * vocabulary. */
+static int check_rows(const char *op, const float *out, const float *logits, const int32_t *targets, int n,
+                      int n_vocab)
+{
+    if (n < 0 || n_vocab <= 0)
+        return skv_errorf(SKV_E_INVAL, "%s: bad shape n=%d n_vocab=%d", op, n, n_vocab);
+    if (n && (!out || !logits || !targets))
+        return skv_errorf(SKV_E_INVAL, "%s: NULL buffer", op);
+    for (int r = 0; r < n; r++)
+        if (targets[r] < 0 || targets[r] >= n_vocab)
+            return skv_errorf(SKV_E_INVAL, "%s: target %d of row %d is outside [0, %d)", op, targets[r], r, n_vocab);
+    return SKV_OK;
+}
+
 int skv_cpu_row_logprobs(struct skv_backend *be, float *out, int32_t *top, const float *logits,
                          const int32_t *targets, int n, int n_vocab)
 {
-    if (n < 0 || n_vocab <= 0)
-        return skv_errorf(SKV_E_INVAL, "row_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
-    if (n == 0)
-        return SKV_OK;
-    if (!out || !logits || !targets)
-        return skv_errorf(SKV_E_INVAL, "row_logprobs: NULL buffer");
-    for (int r = 0; r < n; r++)
-        if (targets[r] < 0 || targets[r] >= n_vocab)
-            return skv_errorf(SKV_E_INVAL, "row_logprobs: target %d of row %d is outside [0, %d)", targets[r], r,
-                              n_vocab);
+    int rc = check_rows("row_logprobs", out, logits, targets, n, n_vocab);
+    if (rc || n == 0)
+        return rc;
     struct logprob_args a = {.out = out, .top = top, .x = logits, .targets = targets, .n_vocab = n_vocab};
     skv_cpu_parallel_for(be, n, 1, logprob_rows, &a);
     return SKV_OK;
@@ -425,16 +433,9 @@ int skv_cpu_row_top_logprobs(struct skv_backend *be, float *out, int32_t *ids, f
 {
     if (k < 1 || k > n_vocab || !ids || !lps)
         return skv_errorf(SKV_E_INVAL, "row_top_logprobs: %d most likely of %d, or no arrays for them", k, n_vocab);
-    if (n < 0 || n_vocab <= 0)
-        return skv_errorf(SKV_E_INVAL, "row_top_logprobs: bad shape n=%d n_vocab=%d", n, n_vocab);
-    if (n == 0)
-        return SKV_OK;
-    if (!out || !logits || !targets)
-        return skv_errorf(SKV_E_INVAL, "row_top_logprobs: NULL buffer");
-    for (int r = 0; r < n; r++)
-        if (targets[r] < 0 || targets[r] >= n_vocab)
-            return skv_errorf(SKV_E_INVAL, "row_top_logprobs: target %d of row %d is outside [0, %d)", targets[r],
-                              r, n_vocab);
+    int rc = check_rows("row_top_logprobs", out, logits, targets, n, n_vocab);
+    if (rc || n == 0)
+        return rc;
     struct logprob_args a = {.out = out, .x = logits, .targets = targets, .n_vocab = n_vocab, .k = k, .ids = ids,
                              .lps = lps};
     skv_cpu_parallel_for(be, n, 1, logprob_rows, &a);

@@ -1981,6 +1981,28 @@ static int cuda_cosine_mean(struct skv_backend *be, float *out, const float *a, 
     return SKV_OK;
 }
 
+/* The end of a row op: its copies to the host waited for; or the first error of its launch and
+ * copies (err, or the wait's) as SKV_E_DEVICE, cleared (it is not the next op's). */
+static int row_op_finish(struct cuda_impl *impl, cudaError_t err, const char *op)
+{
+    if (err == cudaSuccess)
+        err = cudaStreamSynchronize(impl->stream);
+    if (err == cudaSuccess)
+        return SKV_OK;
+    (void)cudaGetLastError();
+    return skv_errorf(SKV_E_DEVICE, "%s: %s: %s", op, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+/* The largest of a row's n_vocab logits, over the block (red: block_reduce's); a NaN never is,
+ * -inf when none is larger. */
+__device__ float block_row_max(const float *x, int n_vocab, float *red)
+{
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
+        mx = fmaxf(mx, x[j]);
+    return block_reduce<true>(mx, red);
+}
+
 /* One block a row: the log-probability of the row's target under the softmax of its n_vocab
  * logits, as the CPU op defines it (a NaN counts as -inf; +inf logits share the mass; none
  * finite: -inf), and the row's most likely token into top (the lowest id of the largest logit;
@@ -1992,10 +2014,7 @@ __global__ void row_logprobs_kernel(float *out, int32_t *top, const float *logit
     __shared__ float redf[33];
     __shared__ double redd[33];
     const float *x = logits + (size_t)blockIdx.x * n_vocab;
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
-        mx = fmaxf(mx, x[j]); /* a NaN never wins */
-    mx = block_reduce<true>(mx, redf);
+    const float mx = block_row_max(x, n_vocab, redf);
     float first = -INFINITY; /* -(the lowest id whose logit is mx), as a float: exact below 2^24 */
     for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
         if (x[j] == mx) {
@@ -2056,14 +2075,7 @@ static int cuda_row_logprobs(struct skv_backend *be, float *out, int32_t *top, c
         err = cudaMemcpyAsync(out, dout, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, impl->stream);
     if (err == cudaSuccess && top)
         err = cudaMemcpyAsync(top, dtop, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost, impl->stream);
-    if (err == cudaSuccess)
-        err = cudaStreamSynchronize(impl->stream);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError(); /* a launch's or copy's error is not the next op's */
-        return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
-                          cudaGetErrorString(err));
-    }
-    return SKV_OK;
+    return row_op_finish(impl, err, "row_logprobs");
 }
 
 /* A top list's order: the larger key first (keys are logits, a NaN taken as -inf), equal ones by
@@ -2073,11 +2085,10 @@ __device__ __forceinline__ bool rank_before(float ka, int32_t ia, float kb, int3
     return ia != INT32_MAX && (ib == INT32_MAX || ka > kb || (ka == kb && ia < ib));
 }
 
-/* The first (rank_before) of the block's (key, id) pairs, with redk[33] and redi[33] of shared
- * memory; every thread gets it. The order is total, so every lane of a butterfly agrees. */
-__device__ void block_first(float &key, int32_t &id, float *redk, int32_t *redi)
+/* The first (rank_before) of the warp's (key, id) pairs, by butterfly: the order is total, so
+ * every lane gets the same. */
+__device__ __forceinline__ void warp_first(float &key, int32_t &id)
 {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     for (int o = 16; o > 0; o >>= 1) {
         const float k2 = __shfl_xor_sync(0xffffffffu, key, o);
         const int32_t i2 = __shfl_xor_sync(0xffffffffu, id, o);
@@ -2086,6 +2097,14 @@ __device__ void block_first(float &key, int32_t &id, float *redk, int32_t *redi)
             id = i2;
         }
     }
+}
+
+/* The first of the block's (key, id) pairs, with redk[33] and redi[33] of shared memory; every
+ * thread gets it. */
+__device__ void block_first(float &key, int32_t &id, float *redk, int32_t *redi)
+{
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    warp_first(key, id);
     __syncthreads();
     if (lane == 0) {
         redk[warp] = key;
@@ -2095,14 +2114,7 @@ __device__ void block_first(float &key, int32_t &id, float *redk, int32_t *redi)
     if (warp == 0) {
         float k = lane < nw ? redk[lane] : -INFINITY;
         int32_t i = lane < nw ? redi[lane] : INT32_MAX;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float k2 = __shfl_xor_sync(0xffffffffu, k, o);
-            const int32_t i2 = __shfl_xor_sync(0xffffffffu, i, o);
-            if (rank_before(k2, i2, k, i)) {
-                k = k2;
-                i = i2;
-            }
-        }
+        warp_first(k, i);
         if (lane == 0) {
             redk[32] = k;
             redi[32] = i;
@@ -2124,10 +2136,7 @@ __global__ void row_top_logprobs_kernel(float *out, int32_t *ids, float *lps, in
     __shared__ double redd[33];
     __shared__ int32_t redi[33];
     const float *x = logits + (size_t)blockIdx.x * n_vocab;
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
-        mx = fmaxf(mx, x[j]); /* a NaN never wins */
-    mx = block_reduce<true>(mx, redf);
+    const float mx = block_row_max(x, n_vocab, redf);
     double n_inf = 0, lse = 0; /* the same for every thread of the block */
     if (mx == INFINITY) { /* the +inf logits share the mass */
         for (int j = threadIdx.x; j < n_vocab; j += blockDim.x)
@@ -2200,14 +2209,7 @@ static int cuda_row_top_logprobs(struct skv_backend *be, float *out, int32_t *id
         err = cudaMemcpyAsync(ids, dids, nk * sizeof(int32_t), cudaMemcpyDeviceToHost, impl->stream);
     if (err == cudaSuccess)
         err = cudaMemcpyAsync(lps, dlps, nk * sizeof(float), cudaMemcpyDeviceToHost, impl->stream);
-    if (err == cudaSuccess)
-        err = cudaStreamSynchronize(impl->stream);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError(); /* a launch's or copy's error is not the next op's */
-        return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err),
-                          cudaGetErrorString(err));
-    }
-    return SKV_OK;
+    return row_op_finish(impl, err, "row_top_logprobs");
 }
 
 /* Per-KV-head lengths of the group_scores op, passed by value. */
