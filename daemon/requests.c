@@ -450,9 +450,11 @@ struct prompt_scores {
     float *top_lps;   /* [][top_n] */
 };
 
-/* Room for n positions' scores in one block (free(sc->logprobs)); top_n as prompt_scores'. */
-static int prompt_scores_alloc(struct prompt_scores *sc, int n, int top_n)
+/* Room for n positions' scores in one block (free(sc->logprobs)), with the `asked` most likely
+ * tokens of each (fewer only with a smaller vocabulary, n_vocab). */
+static int prompt_scores_alloc(struct prompt_scores *sc, int n, uint32_t asked, int n_vocab)
 {
+    int top_n = asked < (uint32_t)n_vocab ? (int)asked : n_vocab;
     size_t k = (size_t)top_n;
     float *mem = malloc((size_t)n * (sizeof(float) + sizeof(int32_t)) * (1 + k));
     if (!mem)
@@ -875,9 +877,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     if ((rc = check_prompt_top(p->prompt_top_logprobs)))
         goto fail;
     if (p->prompt_logprobs || p->prompt_top_logprobs) {
-        uint32_t k = p->prompt_top_logprobs, vocab = (uint32_t)w->m->cfg.n_vocab;
         /* the reply's messages too, before the work: they point into sc's arrays */
-        if ((rc = prompt_scores_alloc(&sc, n, (int)(k < vocab ? k : vocab))))
+        if ((rc = prompt_scores_alloc(&sc, n, p->prompt_top_logprobs, w->m->cfg.n_vocab)))
             goto fail;
         scores = sc.logprobs;
         if ((rc = prompt_top_reply(&sc, (size_t)n - 1, &tops, &top_ptrs)))
@@ -1010,8 +1011,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
                             "3, gets them from its first APPEND)");
             goto fail;
         }
-        uint32_t k = a->prompt_top_logprobs, vocab = (uint32_t)w->m->cfg.n_vocab;
-        if ((rc = prompt_scores_alloc(&all, n, (int)(k < vocab ? k : vocab))))
+        if ((rc = prompt_scores_alloc(&all, n, a->prompt_top_logprobs, w->m->cfg.n_vocab)))
             goto fail;
         scores = all.logprobs;
         if ((rc = prompt_top_reply(&all, (size_t)n, &tops, &top_ptrs)))
@@ -2677,7 +2677,6 @@ const unsigned char *skv_requests_rows_id(struct skv_worker *w)
     bool ok = hash_file(&h, "/proc/self/exe");
     dl_iterate_phdr(hash_object, &h);
     hash_str(&h, PACKAGE_VERSION);
-    hash_str(&h, w->m->be->name);
     FILE *ci = fopen("/proc/cpuinfo", "r");
     static const char *const keys[] = {"model name", "flags", "CPU implementer", "CPU part", "Features"};
     char line[8192];

@@ -325,45 +325,40 @@ static double sum_exp(const float *x, int n, float mx)
     return s;
 }
 
+#define RANK_KEY(v) (isnan(v) ? -INFINITY : (v))
+
+/* Puts j in ids[0..at] at its place, the ranked ones below it moved down one (the last drops). */
+static inline void rank_insert(const float *x, int32_t *ids, int at, int32_t j)
+{
+    const float v = RANK_KEY(x[j]);
+    for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < v; at--)
+        ids[at] = ids[at - 1];
+    ids[at] = j;
+}
+
 /* x's k largest (k in [1, n]) into ids, largest first, equal ones by the lower id, a NaN as
  * -inf: the first k in order, then each later one larger than the smallest kept is put in its
  * place (8 at a time compared with that smallest where AVX2 is). */
-#define RANK_KEY(v) (isnan(v) ? -INFINITY : (v))
 static void rank_top(const float *x, int n, int k, int32_t *ids)
 {
-    int m = 0, i = 0;
-    for (; i < n && m < k; i++) { /* the first k, each after the equal ones before it */
-        const float v = RANK_KEY(x[i]);
-        int at = m++;
-        for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < v; at--)
-            ids[at] = ids[at - 1];
-        ids[at] = i;
-    }
+    int i = 0;
+    for (; i < k; i++) /* each after the equal ones before it */
+        rank_insert(x, ids, i, i);
     float low = RANK_KEY(x[ids[k - 1]]);
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8) { /* NaN compares false: never above */
-        if (!_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(low), _CMP_GT_OQ)))
-            continue;
-        for (int j = i; j < i + 8; j++) {
-            if (!(x[j] > low))
-                continue;
-            int at = k - 1;
-            for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < x[j]; at--)
-                ids[at] = ids[at - 1];
-            ids[at] = j;
+    for (; i + 8 <= n; i += 8) /* NaN compares false: never above */
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(low), _CMP_GT_OQ)))
+            for (int j = i; j < i + 8; j++)
+                if (x[j] > low) {
+                    rank_insert(x, ids, k - 1, j);
+                    low = RANK_KEY(x[ids[k - 1]]);
+                }
+#endif
+    for (; i < n; i++)
+        if (x[i] > low) {
+            rank_insert(x, ids, k - 1, i);
             low = RANK_KEY(x[ids[k - 1]]);
         }
-    }
-#endif
-    for (; i < n; i++) {
-        if (!(x[i] > low))
-            continue;
-        int at = k - 1;
-        for (; at > 0 && RANK_KEY(x[ids[at - 1]]) < x[i]; at--)
-            ids[at] = ids[at - 1];
-        ids[at] = i;
-        low = RANK_KEY(x[ids[k - 1]]);
-    }
 }
 
 static void logprob_rows(void *p, int64_t begin, int64_t end, int tid)
