@@ -73,8 +73,8 @@ static const struct skv_config_option options[] = {
      "pool needs room, count with their tenant's sessions against max-bytes-per-tenant (going before any of "
      "them), and go after lease-seconds unused; 0: none"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,
-     "save every session to <state-dir>/persist at stop and restore them, with their ids, tenants, pins "
-     "and leases, at start, so a restart loses no cache"},
+     "save every session (and the kept prefixes of prefix-retain-bytes) to <state-dir>/persist at stop and "
+     "restore them, with their ids, tenants, pins and leases, at start, so a restart loses no cache"},
     {"persist-max-seconds", SKV_CFG_INT, OPT(persist_max_seconds), "30", 1, 3600,
      "the longest the save at stop may take (pinned sessions first, then the most recently used; the rest "
      "are lost; keep it under the unit's TimeoutStopSec)"},

@@ -106,7 +106,7 @@ bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant)
 }
 
 int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
-                         const struct skv_kv_cache *c, uint64_t tenant_room, uint64_t now_ms)
+                         const struct skv_kv_cache *c, uint64_t tenant_room, uint64_t now_ms, const uint8_t *id)
 {
     uint64_t bytes = skv_prefix_cache_rows_bytes(c, rows);
     if (!pc->cap || rows < c->block_rows || rows % c->block_rows || bytes > pc->cap || bytes > tenant_room)
@@ -141,7 +141,10 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
         free(e);
         return rc;
     }
-    randombytes_buf(e->id, sizeof e->id);
+    if (id)
+        memcpy(e->id, id, sizeof e->id);
+    else
+        randombytes_buf(e->id, sizeof e->id);
     snprintf(e->tenant, sizeof e->tenant, "%s", tenant);
     memcpy(e->tokens, tokens, (size_t)rows * sizeof *e->tokens);
     e->n_rows = rows;
@@ -174,7 +177,7 @@ int skv_prefix_cache_keep(struct skv_prefix_cache *pc, const struct skv_session 
     rows -= rows % s->cache->block_rows;
     if (s->comp || !skv_prefix_cache_whole(s->cache, s->n_tokens))
         return SKV_OK;
-    return skv_prefix_cache_add(pc, s->tenant, s->tokens, rows, s->cache, tenant_room, now_ms);
+    return skv_prefix_cache_add(pc, s->tenant, s->tokens, rows, s->cache, tenant_room, now_ms, NULL);
 }
 
 int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64_t idle_ms)
@@ -189,6 +192,14 @@ int skv_prefix_cache_expire(struct skv_prefix_cache *pc, uint64_t now_ms, uint64
             link = &(*link)->next;
         }
     return n;
+}
+
+struct skv_prefix_entry *skv_prefix_cache_find_id(struct skv_prefix_cache *pc, const uint8_t *id)
+{
+    for (struct skv_prefix_entry *e = pc->head; e; e = e->next)
+        if (memcmp(e->id, id, sizeof e->id) == 0)
+            return e;
+    return NULL;
 }
 
 bool skv_prefix_cache_drop_id(struct skv_prefix_cache *pc, const uint8_t *id)

@@ -22,6 +22,9 @@ struct skv_prefix_entry {
     uint64_t last_used_ms;        /* lease-seconds unused: it goes */
     uint64_t used;                /* the cache's count of uses when it was last used (LRU order) */
     bool announced;               /* on_add was called for it (on_drop will be) */
+    uint64_t persist_gen;         /* the persist generation whose file the manifest on disk names for it
+                                     (0: none), and that file's checksum: as a session's */
+    unsigned char persist_sum[32];
     struct skv_prefix_entry *next;
 };
 
@@ -55,14 +58,17 @@ uint64_t skv_prefix_cache_rows_bytes(const struct skv_kv_cache *c, int rows);
 
 /* Keeps the first `rows` rows of cache (a whole number of blocks, at least one; every row of
  * those positions, computed here) and their tokens for the tenant (the cache stays the
- * caller's: the entry shares its blocks). Entries of the tenant whose tokens start these are
+ * caller's: the entry shares its blocks), under id (NULL: a random one; a persist restore gives
+ * back the one it had), last used at now_ms. Entries of the tenant whose tokens start these are
  * dropped (the new one covers them); when one holds these already, that one is kept instead.
  * tenant_room is the most the tenant's entries may hold together (max-bytes-per-tenant less
  * what its sessions hold): its least recently used go to make room, and rows over it, or over
  * the cap, on their own are not kept. Past the cap, entries go as skv_prefix_cache_drop_lru(pc,
  * NULL) picks them; when that is the new one, it is not kept (and not announced). */
 int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const int32_t *tokens, int rows,
-                         const struct skv_kv_cache *cache, uint64_t tenant_room, uint64_t now_ms);
+                         const struct skv_kv_cache *cache, uint64_t tenant_room, uint64_t now_ms, const uint8_t *id);
+/* The entry of that id (NULL: none). */
+struct skv_prefix_entry *skv_prefix_cache_find_id(struct skv_prefix_cache *pc, const uint8_t *id);
 
 /* Marks e used now (a PREFILL took its rows): the last to go of the least recently used. */
 void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry *e, uint64_t now_ms);

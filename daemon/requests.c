@@ -915,7 +915,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         int rows = s->computed_rows < n ? s->computed_rows : n;
         rows -= rows % keep->block_rows;
         if (skv_prefix_cache_whole(keep, n) &&
-            skv_prefix_cache_add(&w->prefix, s->tenant, ids, rows, keep, kept_room(w, s, false), skv_now_ms()))
+            skv_prefix_cache_add(&w->prefix, s->tenant, ids, rows, keep, kept_room(w, s, false), skv_now_ms(),
+                                 NULL))
             skv_log(SKV_LOG_WARN, "PREFILL: no memory to keep the prompt's rows"); /* the session is made */
         skv_kv_cache_free(&keep);
     }
@@ -3598,7 +3599,8 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
  * A save writes, under <state-dir>/persist, every session (the SAVE format, version 6: its full
  * KV blocks, and a partly filled last one other sessions hold too, named by their index in one
  * block store) most recently used first and within
- * persist-max-seconds, and sessions.json, the manifest: the generation, the block store and
+ * persist-max-seconds, then the kept prefixes (prefix-retain-bytes) as full-cache sessions of
+ * their own, and sessions.json, the manifest: the generation, the block store and
  * how many blocks of it count, and per session its file's generation, id, tenant, owner, pin,
  * lease and how long it had been idle. Saves are numbered (generations) and each one leaves the
  * last one's files until its manifest replaces the last one's, so a crash in the middle of one
@@ -3680,7 +3682,8 @@ static void persist_keep(struct skv_worker *w, const json_t *doc)
     w->n_persist_files = 0;
     if (!doc) /* keep nothing: the next sweep empties the directory */
         return;
-    size_t n = json_array_size(json_object_get(doc, "sessions"));
+    const json_t *sessions = json_object_get(doc, "sessions"), *kept = json_object_get(doc, "kept");
+    size_t n_sessions = json_array_size(sessions), n = n_sessions + json_array_size(kept);
     char **files = calloc(n + 2, sizeof *files);
     if (!files)
         goto none;
@@ -3689,8 +3692,8 @@ static void persist_keep(struct skv_worker *w, const json_t *doc)
     files[k++] = strdup(PERSIST_MANIFEST);
     manifest_store(doc, name, sizeof name);
     files[k++] = strdup(name);
-    for (size_t i = 0; i < n; i++) {
-        const json_t *e = json_array_get(json_object_get(doc, "sessions"), i);
+    for (size_t i = 0; i < n; i++) { /* the sessions' files, then the kept prefixes' */
+        const json_t *e = i < n_sessions ? json_array_get(sessions, i) : json_array_get(kept, i - n_sessions);
         const char *hex = json_string_value(json_object_get(e, "id"));
         if (!hex || strlen(hex) != 2 * SKV_SESSION_ID_BYTES)
             continue;
@@ -3968,6 +3971,79 @@ static bool persist_carry(struct skv_session *s, const char *hex, const struct s
     return true;
 }
 
+/* Kept prefix e (prefix-retain-bytes) as the session its persist file holds: its tokens and
+ * their rows, every one computed here, policy full, owned by its tenant. The shell owns
+ * nothing: its tokens and cache are e's. */
+static void kept_shell(const struct skv_prefix_entry *e, struct skv_session *s)
+{
+    memset(s, 0, sizeof *s);
+    memcpy(s->id, e->id, sizeof s->id);
+    snprintf(s->tenant, sizeof s->tenant, "%s", e->tenant);
+    snprintf(s->owner, sizeof s->owner, "%s", e->tenant);
+    s->tokens = e->tokens;
+    s->n_tokens = s->cap_tokens = s->prompt_len = s->computed_rows = e->n_rows;
+    s->cache = e->cache;
+    snprintf(s->spec, sizeof s->spec, "policy=full");
+    s->last_used_ms = e->last_used_ms;
+    s->persist_gen = e->persist_gen;
+    memcpy(s->persist_sum, e->persist_sum, sizeof s->persist_sum);
+}
+
+static int by_recent_use(const void *a, const void *b)
+{
+    const struct skv_prefix_entry *x = *(struct skv_prefix_entry *const *)a, *y = *(struct skv_prefix_entry *const *)b;
+    return x->used < y->used ? 1 : x->used > y->used ? -1 : 0;
+}
+
+struct kept_saved { /* a kept prefix a save wrote or kept, recorded in it when the manifest is on disk */
+    struct skv_prefix_entry *e;
+    uint64_t gen;
+    unsigned char sum[32];
+};
+
+/* The kept prefixes' files of a save of generation gen and their manifest entries (into
+ * list), the most recently used first, after the sessions: they are a cache, so they take what
+ * time the sessions left (persist-max-seconds from t0) and no failure of theirs fails the save
+ * (one of the block store's does: the sessions' blocks went there too). Returns how many were
+ * saved into saved[] (n_kept entries of room), or -1 when a request arrived (give_way). */
+static int persist_kept(struct skv_worker *w, const char *dir, uint64_t gen, struct skv_kv_store *store, bool fresh,
+                        bool give_way, uint64_t t0, json_t *list, struct skv_prefix_entry **kept, int n_kept,
+                        struct kept_saved *saved, uint64_t *bytes, int *written)
+{
+    int n = 0;
+    uint64_t now = skv_now_ms();
+    for (int i = 0; i < n_kept; i++) {
+        if (give_way && skv_worker_has_queued(w))
+            return -1;
+        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
+            skv_log(SKV_LOG_INFO, "persist: %d of %d kept prefix(es) not saved: persist-max-seconds passed",
+                    n_kept - i, n_kept);
+            break;
+        }
+        struct skv_session shell;
+        kept_shell(kept[i], &shell);
+        char hex[2 * SKV_SESSION_ID_BYTES + 1];
+        skv_session_id_hex(shell.id, hex);
+        struct kept_saved *p = &saved[n];
+        long size = 0;
+        if (persist_session(w, &shell, dir, hex, gen, store, fresh, &p->gen, p->sum, &size)) {
+            skv_log(SKV_LOG_WARN, "persist: kept prefix %s not saved: %s", hex, skv_error_msg());
+            if (store && !skv_kv_store_usable(store))
+                break;
+            continue;
+        }
+        skv_worker_beat(w);
+        json_t *entry = manifest_entry(hex, p->gen, &shell, shell.computed_rows, now);
+        if (!entry || json_array_append_new(list, entry))
+            continue; /* no memory: its file is no save's */
+        p->e = kept[i];
+        *bytes += (uint64_t)size;
+        *written += p->gen == gen;
+        n++;
+    }
+    return n;
+}
+
 static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
 {
     char dir[1100], path[1200], tmp[1300], store_name[48];
@@ -4033,12 +4109,30 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         written += p->gen == gen;
         saved++;
     }
+    int n_kept = w->prefix.n, kept_saved = 0;
+    struct skv_prefix_entry **kept = calloc((size_t)(n_kept ? n_kept : 1), sizeof *kept);
+    struct kept_saved *kept_list = calloc((size_t)(n_kept ? n_kept : 1), sizeof *kept_list);
+    json_t *kept_json = json_array();
+    if (n_kept && !stopped && !rc && kept && kept_list && kept_json) {
+        int i = 0;
+        for (struct skv_prefix_entry *e = w->prefix.head; e && i < n_kept; e = e->next)
+            kept[i++] = e;
+        qsort(kept, (size_t)i, sizeof *kept, by_recent_use);
+        kept_saved = persist_kept(w, dir, gen, store, fresh, give_way, t0, kept_json, kept, i, kept_list, &bytes,
+                                  &written);
+        stopped = kept_saved < 0;
+    } else if (n_kept && !stopped && !rc) {
+        skv_log(SKV_LOG_WARN, "persist: no memory to save the %d kept prefix(es)", n_kept);
+    }
     uint32_t appended = store ? skv_kv_store_appended(store) : 0;
     bytes += store ? skv_kv_store_appended_bytes(store) : 0;
     if (!rc && store) /* on disk before the manifest names files that need it */
         rc = skv_kv_store_finish(store);
     json_t *doc = json_pack("{s:i, s:I, s:o, s:s}", "version", 1, "generation", (json_int_t)gen, "sessions", list,
                             "kv_type", w->cfg->kv_type ? w->cfg->kv_type : "f32");
+    if (doc && kept_saved > 0) {
+        json_object_set(doc, "kept", kept_json);
+    }
     if (doc && store) {
         json_object_set_new(doc, "store", json_string(store_name));
         json_object_set_new(doc, "store_blocks", json_integer(skv_kv_store_blocks(store)));
@@ -4063,8 +4157,11 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         if (store != w->persist_store)
             skv_kv_store_close(&store);
         json_decref(doc);
+        json_decref(kept_json);
         free(l.s);
         free(saved_list);
+        free(kept);
+        free(kept_list);
         persist_sweep(w, dir); /* this generation's files; the last one's stay */
         return rc;
     }
@@ -4079,8 +4176,17 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         saved_list[i].s->persist_gen = store ? saved_list[i].gen : 0;
         memcpy(saved_list[i].s->persist_sum, saved_list[i].sum, 32);
     }
+    for (struct skv_prefix_entry *e = w->prefix.head; e; e = e->next)
+        e->persist_gen = 0;
+    for (int i = 0; i < kept_saved; i++) {
+        kept_list[i].e->persist_gen = store ? kept_list[i].gen : 0;
+        memcpy(kept_list[i].e->persist_sum, kept_list[i].sum, 32);
+    }
+    json_decref(kept_json);
     free(l.s);
     free(saved_list);
+    free(kept);
+    free(kept_list);
     w->persist_gen = gen;
     w->persist_ms = skv_now_ms();
     w->metrics.persist_bytes += bytes;
@@ -4089,9 +4195,10 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     json_decref(doc);
     persist_sweep(w, dir);
     skv_log(checkpoint ? SKV_LOG_DEBUG : SKV_LOG_INFO,
-            "persist: %s %d of %d session(s) (%d file(s) written, the others unchanged), %llu bytes written "
-            "(%u new KV blocks; the store holds %u), in %.3f s to %s%s",
-            checkpoint ? "checkpoint:" : "saved", saved, l.n, written, (unsigned long long)bytes, appended,
+            "persist: %s %d of %d session(s) and %d of %d kept prefix(es) (%d file(s) written, the others "
+            "unchanged), %llu bytes written (%u new KV blocks; the store holds %u), in %.3f s to %s%s",
+            checkpoint ? "checkpoint:" : "saved", saved, l.n, kept_saved, n_kept, written, (unsigned long long)bytes,
+            appended,
             store ? skv_kv_store_blocks(store) : 0, w->metrics.persist_last_seconds, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
@@ -4202,6 +4309,76 @@ static bool *persist_over_limit(const json_t *list, size_t n, int64_t max_sessio
     return skip;
 }
 
+/* The kept prefixes (prefix-retain-bytes) a manifest names, least recently used first, each
+ * loaded as a session and kept again under its id as RELEASE keeps one, idle as long as at the
+ * stop. They come before the sessions: a cache, they go when a session needs their room, as
+ * they would while serving. Only where their rows serve as they did: prefix reuse on, a cap,
+ * the same KV type (the files hold f32). Returns how many came back (*n: how many were named). */
+static int persist_restore_kept(struct skv_worker *w, const json_t *doc, const char *dir, struct restore *r,
+                                size_t *n)
+{
+    const json_t *list = json_object_get(doc, "kept");
+    const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
+    *n = json_array_size(list);
+    const char *why = !w->cfg->prefix_reuse ? "prefix-reuse is off" : !w->prefix.cap ? "prefix-retain-bytes is 0"
+                      : !saved_type || strcmp(saved_type, w->cfg->kv_type ? w->cfg->kv_type : "f32") != 0
+                          ? "they were saved from another kv-type"
+                          : NULL;
+    if (*n && why) {
+        skv_log(SKV_LOG_INFO, "persist: %zu kept prefix(es) not restored: %s", *n, why);
+        return 0;
+    }
+    int restored = 0;
+    for (size_t k = *n; k-- > 0;) {
+        const json_t *e = json_array_get(list, k), *cr = json_object_get(e, "computed_rows");
+        uint8_t id[SKV_SESSION_ID_BYTES];
+        const char *tenant, *owner;
+        bool pinned;
+        uint32_t lease;
+        uint64_t idle;
+        char hex[2 * SKV_SESSION_ID_BYTES + 1] = "?", name[128], file[1300];
+        struct skv_session *s = NULL;
+        int rc = persist_entry(e, id, &tenant, &owner, &pinned, &lease, &idle);
+        if (!rc)
+            skv_session_id_hex(id, hex);
+        if (!rc && skv_prefix_cache_find_id(&w->prefix, id))
+            rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
+        if (!rc) {
+            persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
+            snprintf(file, sizeof file, "%s/%s", dir, name);
+            rc = session_load(w, file, tenant, tenant, r, &s, NULL);
+        }
+        int rows = s ? s->n_tokens - s->n_tokens % s->cache->block_rows : 0; /* kv-block-tokens may have changed */
+        if (!rc && (s->comp || !skv_prefix_cache_whole(s->cache, s->n_tokens) || rows < s->cache->block_rows ||
+                    !json_is_integer(cr) || json_integer_value(cr) != s->n_tokens))
+            rc = skv_errorf(SKV_E_FORMAT, "its file holds no kept prefix's rows");
+        struct skv_prefix_entry *kept = NULL;
+        if (!rc) {
+            uint64_t quota = (uint64_t)w->cfg->max_bytes_per_tenant,
+                     held = skv_session_tenant_bytes(w->sessions, tenant, s), now = skv_now_ms();
+            rc = skv_prefix_cache_add(&w->prefix, tenant, s->tokens, rows, s->cache, held < quota ? quota - held : 0,
+                                      now > idle ? now - idle : 0, id);
+            kept = rc ? NULL : skv_prefix_cache_find_id(&w->prefix, id);
+            if (!rc && !kept)
+                rc = skv_errorf(SKV_E_LIMIT, "prefix-retain-bytes or the tenant's max-bytes-per-tenant leaves no "
+                                "room for it");
+        }
+        if (kept && rows == s->n_tokens) { /* its file holds it as it is */
+            kept->persist_gen = entry_gen(doc, e);
+            memcpy(kept->persist_sum, r->sum, sizeof r->sum);
+        }
+        if (s) /* the entry holds its blocks now */
+            skv_session_destroy(w->sessions, s);
+        if (rc) {
+            skv_log(SKV_LOG_INFO, "persist: kept prefix %s not restored: %s", hex, skv_error_msg());
+            continue;
+        }
+        skv_worker_beat(w);
+        restored++;
+    }
+    return restored;
+}
+
 int skv_requests_persist_restore(struct skv_worker *w)
 {
     char dir[1100], path[1300], name[128];
@@ -4242,6 +4419,8 @@ int skv_requests_persist_restore(struct skv_worker *w)
         skv_log(SKV_LOG_WARN, "persist: block store: %s", skv_error_msg());
     if (skv_kv_dedupe_new(w->m->kv_pool, &r.dedupe)) /* without it each older file keeps its own blocks */
         r.dedupe = NULL;
+    size_t n_kept = 0;
+    int kept = persist_restore_kept(w, doc, dir, &r, &n_kept);
     bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         const json_t *e = json_array_get(list, k);
@@ -4319,8 +4498,9 @@ int skv_requests_persist_restore(struct skv_worker *w)
         persist_wipe(w, dir);
     }
     json_decref(doc);
-    skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) from %s in %.1f s; %llu KV block(s) shared again",
-            restored - r.evicted, n, dir, (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)r.n_shared);
+    skv_log(SKV_LOG_INFO, "persist: restored %d of %zu session(s) and %d of %zu kept prefix(es) from %s in %.1f s; "
+            "%llu KV block(s) shared again", restored - r.evicted, n, kept, n_kept, dir,
+            (double)(skv_now_ms() - t0) / 1000.0, (unsigned long long)r.n_shared);
     if (r.evicted)
         skv_log(SKV_LOG_WARN, "persist: %d restored session(s) evicted again to make room: the pool holds less "
                 "than what was saved", r.evicted);

@@ -1567,6 +1567,49 @@ static void test_persist_prefix_reuse(void **state)
     stop_daemon(&d);
 }
 
+static double stat_of(const char *admin, const char *name);
+
+/* A restart with persist keeps the kept prefixes too (prefix-retain-bytes): a one-shot client's
+ * document, PREFILLed and RELEASEd before the stop, serves a PREFILL after it: 160 of its 208
+ * tokens are reused (whole blocks that leave more than the engine's small batch to compute, as
+ * before the stop), and the logits are those of a PREFILL that computes every token, bit for
+ * bit. */
+static void test_persist_kept_prefix(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    enum { LONG = N_PROMPT + 48 };
+    uint32_t ids[LONG];
+    prompt(ids, LONG, 37);
+    struct daemon d;
+    char opt[300];
+    daemon_dir_conf(&d, "persist = yes\nprefix-retain-bytes = 64M\n", opt, sizeof opt);
+    start_daemon_in(&d, "1G", opt, 0);
+    snapkv_client_t *c = client(d.endpoint, "p");
+    struct snapkv_prefill_opts pl = {.tokens = ids, .n_tokens = LONG, .return_logits = true};
+    struct snapkv_prefill_result ref, pb;
+    uint32_t reused = 99;
+    assert_int_equal(snapkv_prefill_flags(c, &pl, SNAPKV_PREFILL_NO_PREFIX_REUSE, &ref, &reused), SNAPKV_OK);
+    assert_int_equal(snapkv_release(c, &ref.id), SNAPKV_OK);
+    assert_int_equal(stat_of(d.admin, "snapkv_prefix_retained"), 1);
+    snapkv_close(&c);
+    assert_int_equal(term_daemon(&d), 0);
+
+    start_daemon_in(&d, "1G", opt, 0);
+    assert_int_equal(stat_of(d.admin, "snapkv_prefix_retained"), 1);
+    assert_int_equal(stat_of(d.admin, "snapkv_sessions"), 0);
+    c = client(d.endpoint, "p");
+    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, &pb, &reused), SNAPKV_OK);
+    printf("# after the restart: %u of %d tokens reused from a kept prefix\n", reused, LONG);
+    assert_int_equal(reused, N_PROMPT);
+    assert_int_equal(pb.n_logits, ref.n_logits);
+    assert_memory_equal(pb.logits, ref.logits, ref.n_logits * sizeof *ref.logits);
+    snapkv_prefill_result_free(&pb);
+    snapkv_prefill_result_free(&ref);
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 #define SAVE_ROWS_TRAILER 48 /* after a saved session's checksum: see SAVE_HEADER's comment */
 static unsigned char *save_read(const char *dir, const char *name, size_t *size, int32_t *n_tokens);
 static void save_write(const char *dir, const char *name, unsigned char *buf, size_t len);
@@ -6157,6 +6200,7 @@ int main(void)
         cmocka_unit_test_teardown(test_decode_logprobs, kill_daemons),
         cmocka_unit_test_teardown(test_decode_penalties, kill_daemons),
         cmocka_unit_test_teardown(test_persist_prefix_reuse, kill_daemons),
+        cmocka_unit_test_teardown(test_persist_kept_prefix, kill_daemons),
         cmocka_unit_test_teardown(test_save_prefix_reuse, kill_daemons),
         cmocka_unit_test_teardown(test_tokenize, kill_daemons),
         cmocka_unit_test_teardown(test_prompt_logprobs, kill_daemons),

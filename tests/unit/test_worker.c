@@ -3614,6 +3614,119 @@ static void test_persist_rows_meta(void **state)
     persist_off(f, dir);
 }
 
+/* The kept prefixes LIST shows (at most 8): their ids, tenants' first letters and tokens, in
+ * the order listed; returns how many. */
+static int kept_listed(struct fixture *f, uint8_t ids[8][16], char tenants[8], uint32_t tokens[8])
+{
+    Snapkv__ListRequest lr = SNAPKV__LIST_REQUEST__INIT;
+    lr.kept_prefixes = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_LIST;
+    req.list = &lr;
+    Snapkv__Reply *rep = admin_call(f, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    int n = (int)rep->list->n_kept;
+    assert_true(n <= 8);
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(rep->list->kept[i]->id.len, 16);
+        memcpy(ids[i], rep->list->kept[i]->id.data, 16);
+        tenants[i] = rep->list->kept[i]->tenant[0];
+        tokens[i] = rep->list->kept[i]->n_tokens;
+    }
+    snapkv__reply__free_unpacked(rep, NULL);
+    return n;
+}
+
+/* The index in ids[0..n) of id (-1: none). */
+static int kept_index(uint8_t ids[8][16], int n, const uint8_t id[16])
+{
+    for (int i = 0; i < n; i++)
+        if (memcmp(ids[i], id, 16) == 0)
+            return i;
+    return -1;
+}
+
+/* persist keeps the kept prefixes (prefix-retain-bytes) across a restart: under their ids and
+ * tenants, serving prefix reuse as before, with the sessions; with checkpoints on, a save that
+ * finds one unchanged names its file of before and writes none. A start with another kv-type,
+ * with prefix reuse off or with no prefix-retain-bytes restores none of them, and every
+ * session all the same. */
+static void test_persist_kept(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[300], path[512], again[512], pattern[64];
+    f->cfg.prefix_reuse = true;
+    f->cfg.prefix_retain_bytes = INT64_C(1) << 26;
+    persist_on(f, dir, "3600"); /* checkpoints keep the files they name; none comes in this test */
+    snprintf(pdir, sizeof pdir, "%s/persist", dir);
+    uint8_t ids[8][16], after[8][16], s[16];
+    char tenants[8], tenants_after[8];
+    uint32_t tokens[8], tokens_after[8];
+    assert_int_equal(prefill_release(f, "t", 3, 32), 0);
+    assert_int_equal(prefill_release(f, "u", 5, 48), 0);
+    /* a compressing PREFILL keeps its prompt's 32 rows too */
+    prefill_for(f, "t", 40, "policy=snapkv,budget=16,window=8", s);
+    assert_int_equal(kept_listed(f, ids, tenants, tokens), 3);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 3);
+    restart(f);
+    assert_int_equal(kept_listed(f, after, tenants_after, tokens_after), 3);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 3);
+    assert_int_equal(listed(f, s, NULL, NULL), 40);
+    for (int i = 0; i < 3; i++) {
+        int k = kept_index(after, 3, ids[i]);
+        assert_true(k >= 0);
+        assert_int_equal(tenants_after[k], tenants[i]);
+        assert_int_equal(tokens_after[k], tokens[i]);
+    }
+    /* the restored rows serve: 48 tokens of u's history of 48 reuse 32 (whole blocks but the
+     * last token's); t's 32 serve t, not u */
+    assert_int_equal(prefill_release(f, "u", 5, 48), 32);
+    assert_int_equal(prefill_release(f, "u", 3, 48), 0);
+    assert_int_equal(prefill_release(f, "t", 3, 48), 32);
+    /* t's 48 now cover its 32; u's kept rows were used, not changed: the next save keeps
+     * their file of before */
+    int n = kept_listed(f, after, tenants_after, tokens_after);
+    assert_int_equal(n, 4); /* t's 48 and 32 (the compressed session's prompt), u's 48 and u's other 48 */
+    int ku = -1;
+    for (int i = 0; i < 3; i++)
+        if (tenants[i] == 'u')
+            ku = kept_index(after, n, ids[i]);
+    assert_true(ku >= 0);
+    char hex[33];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", after[ku][i]);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    only_match(pdir, pattern, path, sizeof path);
+    restart(f);
+    only_match(pdir, pattern, again, sizeof again);
+    assert_string_equal(path, again);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 4);
+    /* none comes back with another kv-type, without prefix reuse, without a cap; the session
+     * does (each round saves its kept prefix under the usual settings first) */
+    for (int k = 0; k < 3; k++) {
+        skv_worker_stop(&f->w);
+        assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f32"), SKV_OK);
+        f->cfg.prefix_reuse = true;
+        f->cfg.prefix_retain_bytes = INT64_C(1) << 26;
+        assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+        if (!stat(f, "snapkv_prefix_retained"))
+            prefill_release(f, "t", 3, 32);
+        assert_true(stat(f, "snapkv_prefix_retained") >= 1);
+        skv_worker_stop(&f->w);
+        if (k == 0)
+            assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f16"), SKV_OK);
+        f->cfg.prefix_reuse = k != 1;
+        f->cfg.prefix_retain_bytes = k == 2 ? 0 : INT64_C(1) << 26;
+        assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+        assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+        assert_int_equal(listed(f, s, NULL, NULL), 40);
+    }
+    assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f32"), SKV_OK);
+    f->cfg.prefix_retain_bytes = 0;
+    f->cfg.prefix_reuse = false;
+    persist_off(f, dir);
+}
+
 /* Rewrites the version-6 persist file at path as the version 5 that daemons wrote before it:
  * each head's count of store blocks goes (it must be its full blocks: no partly filled one
  * shared), the version field says 5 and the BLAKE2b after it is computed again. The layout
@@ -4642,6 +4755,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_kept, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
