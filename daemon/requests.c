@@ -4003,28 +4003,38 @@ struct kept_saved { /* a kept prefix a save wrote or kept, recorded in it when t
 
 /* The kept prefixes' files of a save of generation gen and their manifest entries (into
  * list), the most recently used first, after the sessions: they are a cache, so they take what
- * time the sessions left (persist-max-seconds from t0) and no failure of theirs fails the save
- * (one of the block store's does: the sessions' blocks went there too). Returns how many were
+ * time the sessions left (persist-max-seconds from t0; past it a checkpoint names the file of
+ * before of one that has one in this store, as persist_carry does a session's) and a failure of
+ * one costs that one (the block store's costs them all: persist_write). Returns how many were
  * saved into saved[] (n_kept entries of room), or -1 when a request arrived (give_way). */
 static int persist_kept(struct skv_worker *w, const char *dir, uint64_t gen, struct skv_kv_store *store, bool fresh,
-                        bool give_way, uint64_t t0, json_t *list, struct skv_prefix_entry **kept, int n_kept,
-                        struct kept_saved *saved, uint64_t *bytes, int *written)
+                        bool checkpoint, bool give_way, uint64_t t0, json_t *list, struct skv_prefix_entry **kept,
+                        int n_kept, struct kept_saved *saved, uint64_t *bytes, int *written)
 {
-    int n = 0;
+    int n = 0, late = 0;
     uint64_t now = skv_now_ms();
     for (int i = 0; i < n_kept; i++) {
         if (give_way && skv_worker_has_queued(w))
             return -1;
-        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
-            skv_log(SKV_LOG_INFO, "persist: %d of %d kept prefix(es) not saved: persist-max-seconds passed",
-                    n_kept - i, n_kept);
-            break;
-        }
         struct skv_session shell;
         kept_shell(kept[i], &shell);
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(shell.id, hex);
         struct kept_saved *p = &saved[n];
+        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
+            /* a checkpoint names the file of before of one that has it, as it does a session's */
+            json_t *entry = checkpoint && store && !fresh && shell.persist_gen
+                                ? manifest_entry(hex, shell.persist_gen, &shell, shell.computed_rows, now)
+                                : NULL;
+            if (entry && !json_array_append_new(list, entry)) {
+                *p = (struct kept_saved){kept[i], shell.persist_gen, {0}};
+                memcpy(p->sum, shell.persist_sum, sizeof p->sum);
+                n++;
+            } else {
+                late++;
+            }
+            continue;
+        }
         long size = 0;
         if (persist_session(w, &shell, dir, hex, gen, store, fresh, &p->gen, p->sum, &size)) {
             skv_log(SKV_LOG_WARN, "persist: kept prefix %s not saved: %s", hex, skv_error_msg());
@@ -4041,6 +4051,8 @@ static int persist_kept(struct skv_worker *w, const char *dir, uint64_t gen, str
         *written += p->gen == gen;
         n++;
     }
+    if (late)
+        skv_log(SKV_LOG_INFO, "persist: %d of %d kept prefix(es) not saved: persist-max-seconds passed", late, n_kept);
     return n;
 }
 
@@ -4113,14 +4125,22 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     struct skv_prefix_entry **kept = calloc((size_t)(n_kept ? n_kept : 1), sizeof *kept);
     struct kept_saved *kept_list = calloc((size_t)(n_kept ? n_kept : 1), sizeof *kept_list);
     json_t *kept_json = json_array();
+    bool kept_ran = false;
+    uint32_t named = 0; /* the store's blocks with the sessions' on disk, before the kept prefixes' */
     if (n_kept && !stopped && !rc && kept && kept_list && kept_json) {
-        int i = 0;
-        for (struct skv_prefix_entry *e = w->prefix.head; e && i < n_kept; e = e->next)
-            kept[i++] = e;
-        qsort(kept, (size_t)i, sizeof *kept, by_recent_use);
-        kept_saved = persist_kept(w, dir, gen, store, fresh, give_way, t0, kept_json, kept, i, kept_list, &bytes,
-                                  &written);
-        stopped = kept_saved < 0;
+        /* the sessions' blocks on disk first: a failed write of the kept prefixes' costs them
+         * alone (below), never the sessions */
+        if (!store || !(rc = skv_kv_store_finish(store))) {
+            named = store ? skv_kv_store_blocks(store) : 0;
+            int i = 0;
+            for (struct skv_prefix_entry *e = w->prefix.head; e && i < n_kept; e = e->next)
+                kept[i++] = e;
+            qsort(kept, (size_t)i, sizeof *kept, by_recent_use);
+            kept_saved = persist_kept(w, dir, gen, store, fresh, checkpoint, give_way, t0, kept_json, kept, i,
+                                      kept_list, &bytes, &written);
+            stopped = kept_saved < 0;
+            kept_ran = true;
+        }
     } else if (n_kept && !stopped && !rc) {
         skv_log(SKV_LOG_WARN, "persist: no memory to save the %d kept prefix(es)", n_kept);
     }
@@ -4128,14 +4148,20 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     bytes += store ? skv_kv_store_appended_bytes(store) : 0;
     if (!rc && store) /* on disk before the manifest names files that need it */
         rc = skv_kv_store_finish(store);
+    if (rc && kept_ran && store && !stopped) { /* the store broke on the kept prefixes' blocks */
+        skv_log(SKV_LOG_WARN, "persist: the kept prefixes' blocks could not be written (%s): saved without them",
+                skv_error_msg());
+        rc = SKV_OK;
+        kept_saved = 0;
+    }
+    uint32_t store_blocks = store ? (kept_saved > 0 || !kept_ran ? skv_kv_store_blocks(store) : named) : 0;
     json_t *doc = json_pack("{s:i, s:I, s:o, s:s}", "version", 1, "generation", (json_int_t)gen, "sessions", list,
                             "kv_type", w->cfg->kv_type ? w->cfg->kv_type : "f32");
-    if (doc && kept_saved > 0) {
-        json_object_set(doc, "kept", kept_json);
-    }
+    if (doc && kept_saved > 0 && json_object_set_new(doc, "kept", json_incref(kept_json)))
+        kept_saved = 0; /* no memory: the manifest names none of their files */
     if (doc && store) {
         json_object_set_new(doc, "store", json_string(store_name));
-        json_object_set_new(doc, "store_blocks", json_integer(skv_kv_store_blocks(store)));
+        json_object_set_new(doc, "store_blocks", json_integer(store_blocks));
     }
     snprintf(path, sizeof path, "%s/%s", dir, PERSIST_MANIFEST);
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
@@ -4198,8 +4224,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
             "persist: %s %d of %d session(s) and %d of %d kept prefix(es) (%d file(s) written, the others "
             "unchanged), %llu bytes written (%u new KV blocks; the store holds %u), in %.3f s to %s%s",
             checkpoint ? "checkpoint:" : "saved", saved, l.n, kept_saved, n_kept, written, (unsigned long long)bytes,
-            appended,
-            store ? skv_kv_store_blocks(store) : 0, w->metrics.persist_last_seconds, dir,
+            appended, store_blocks, w->metrics.persist_last_seconds, dir,
             late ? " (persist-max-seconds passed: the least recently used unpinned ones were not saved)" : "");
     if (failed || late)
         skv_log(SKV_LOG_WARN, "persist: %d session(s) %s (%d failed, %d past persist-max-seconds)", failed + late,
@@ -4360,8 +4385,8 @@ static int persist_restore_kept(struct skv_worker *w, const json_t *doc, const c
                                       now > idle ? now - idle : 0, id);
             kept = rc ? NULL : skv_prefix_cache_find_id(&w->prefix, id);
             if (!rc && !kept)
-                rc = skv_errorf(SKV_E_LIMIT, "prefix-retain-bytes or the tenant's max-bytes-per-tenant leaves no "
-                                "room for it");
+                rc = skv_errorf(SKV_E_LIMIT, "not kept (prefix-retain-bytes, the tenant's max-bytes-per-tenant, "
+                                "or a kept prefix of the tenant that holds these tokens already)");
         }
         if (kept && rows == s->n_tokens) { /* its file holds it as it is */
             kept->persist_gen = entry_gen(doc, e);

@@ -45,6 +45,7 @@
 #include <string.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <netdb.h>
 #include <time.h>
@@ -3727,6 +3728,42 @@ static void test_persist_kept(void **state)
     persist_off(f, dir);
 }
 
+/* A save whose block store fails on the kept prefixes' blocks (here a file size limit the
+ * sessions' blocks fit under and the kept prefix's do not) saves the sessions all the same,
+ * without the kept prefixes: the restart restores the session and no kept prefix. */
+static void test_persist_kept_store_fails(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[300], path[512];
+    f->cfg.prefix_reuse = true;
+    f->cfg.prefix_retain_bytes = INT64_C(1) << 26;
+    persist_on(f, dir, "0");
+    snprintf(pdir, sizeof pdir, "%s/persist", dir);
+    uint8_t a[16];
+    prefill_for(f, "t", 32, "policy=full", a);   /* 2 blocks a layer and KV head */
+    assert_int_equal(prefill_release(f, "u", 5, 48), 0); /* 3 of u's, kept */
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const long block = 2L * 16 * mc->head_dim * 4 + 16, units = (long)mc->n_layers * mc->n_kv_heads;
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = (rlim_t)(96 + 3 * units * block); /* the sessions' 2 fit, their 2 and the kept 3 do not */
+    void (*was)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    skv_worker_stop(&f->w);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, was);
+    only_match(pdir, "blocks-*.skvb", path, sizeof path);
+    assert_true(file_size(path) <= (long)lim.rlim_cur);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 32);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    f->cfg.prefix_retain_bytes = 0;
+    f->cfg.prefix_reuse = false;
+    persist_off(f, dir);
+}
+
 /* Rewrites the version-6 persist file at path as the version 5 that daemons wrote before it:
  * each head's count of store blocks goes (it must be its full blocks: no partly filled one
  * shared), the version field says 5 and the BLAKE2b after it is computed again. The layout
@@ -4756,6 +4793,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_kept_store_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
