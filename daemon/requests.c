@@ -2595,11 +2595,12 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
  * (skv_requests_rows_id). A daemon from before stops reading at the checksum, so the trailer costs it
  * nothing; one without the trailer (older files) serves no prefix. */
 #define ROWS_MAGIC "SKVROWS1"
+#define ROWS_ID_BYTES 16
 struct save_rows {
     char magic[8];
     int32_t computed_rows;
     uint32_t zero;
-    unsigned char rows_id[16];
+    unsigned char rows_id[ROWS_ID_BYTES];
     unsigned char sum[16]; /* BLAKE2b-128 of the file's checksum, then the fields above */
 };
 _Static_assert(sizeof(struct save_rows) == 48, "the rows trailer is 48 bytes on disk");
@@ -4159,6 +4160,10 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
                             "kv_type", w->cfg->kv_type ? w->cfg->kv_type : "f32");
     if (doc && kept_saved > 0 && json_object_set_new(doc, "kept", json_incref(kept_json)))
         kept_saved = 0; /* no memory: the manifest names none of their files */
+    char rows_id[2 * ROWS_ID_BYTES + 1];
+    sodium_bin2hex(rows_id, sizeof rows_id, skv_requests_rows_id(w), ROWS_ID_BYTES);
+    if (doc)
+        json_object_set_new(doc, "rows_id", json_string(rows_id));
     if (doc && store) {
         json_object_set_new(doc, "store", json_string(store_name));
         json_object_set_new(doc, "store_blocks", json_integer(store_blocks));
@@ -4334,6 +4339,25 @@ static bool *persist_over_limit(const json_t *list, size_t n, int64_t max_sessio
     return skip;
 }
 
+/* Why the rows a manifest's files hold may not serve prefix reuse here (NULL: they may): the
+ * daemon that saved them must compute rows as this one does, the same rows_id
+ * (skv_requests_rows_id: executable, libraries, CPU, model, kv-type, block size; a manifest
+ * without one is of a daemon from before, another build), or, where neither knows its rows_id
+ * (a backend other than the CPU), the same kv-type (a file holds f32; f16 rows come back into an
+ * f32 pool rounded). */
+static const char *manifest_rows_differ(struct skv_worker *w, const json_t *doc)
+{
+    const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
+    const char *saved_id = json_string_value(json_object_get(doc, "rows_id"));
+    char mine[2 * ROWS_ID_BYTES + 1];
+    sodium_bin2hex(mine, sizeof mine, skv_requests_rows_id(w), ROWS_ID_BYTES);
+    if (!saved_type || strcmp(saved_type, w->cfg->kv_type ? w->cfg->kv_type : "f32") != 0)
+        return "they were saved from another kv-type";
+    if (!saved_id || strcmp(saved_id, mine) != 0)
+        return "they were saved by a daemon that computes rows otherwise (another build, CPU, or kv-block-tokens)";
+    return NULL;
+}
+
 /* The kept prefixes (prefix-retain-bytes) a manifest names, least recently used first, each
  * loaded as a session and kept again under its id as RELEASE keeps one, idle as long as at the
  * stop. They come before the sessions: a cache, they go when a session needs their room, as
@@ -4343,12 +4367,10 @@ static int persist_restore_kept(struct skv_worker *w, const json_t *doc, const c
                                 size_t *n)
 {
     const json_t *list = json_object_get(doc, "kept");
-    const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
     *n = json_array_size(list);
-    const char *why = !w->cfg->prefix_reuse ? "prefix-reuse is off" : !w->prefix.cap ? "prefix-retain-bytes is 0"
-                      : !saved_type || strcmp(saved_type, w->cfg->kv_type ? w->cfg->kv_type : "f32") != 0
-                          ? "they were saved from another kv-type"
-                          : NULL;
+    const char *why = !w->cfg->prefix_reuse ? "prefix-reuse is off"
+                      : !w->prefix.cap      ? "prefix-retain-bytes is 0"
+                                            : manifest_rows_differ(w, doc);
     if (*n && why) {
         skv_log(SKV_LOG_INFO, "persist: %zu kept prefix(es) not restored: %s", *n, why);
         return 0;
@@ -4446,6 +4468,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
         r.dedupe = NULL;
     size_t n_kept = 0;
     int kept = persist_restore_kept(w, doc, dir, &r, &n_kept);
+    const char *rows_differ = manifest_rows_differ(w, doc);
+    bool rows_serve = !rows_differ;
+    if (rows_differ && n)
+        skv_log(SKV_LOG_INFO, "persist: the restored sessions' rows do not serve prefix reuse: %s", rows_differ);
     bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         const json_t *e = json_array_get(list, k);
@@ -4485,13 +4511,11 @@ int skv_requests_persist_restore(struct skv_worker *w)
         s->persist_gen = entry_gen(doc, e); /* its file holds it as it is */
         memcpy(s->persist_sum, r.sum, sizeof r.sum);
         /* rows the daemon computed and saved as they were: prefix reuse may take them again, the
-         * same bits as before the stop, when the pool keeps rows as it did (the same kv-type: a
-         * file holds f32, and f16 rows come back into an f32 pool rounded); an entry without the
-         * count: none */
+         * same bits as before the stop, when this daemon computes rows as the one that saved
+         * them (manifest_rows_differ); an entry without the count: none */
         const json_t *cr = json_object_get(e, "computed_rows");
-        const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
         if (json_is_integer(cr) && json_integer_value(cr) > 0 && json_integer_value(cr) <= s->n_tokens &&
-            saved_type && strcmp(saved_type, w->cfg->kv_type ? w->cfg->kv_type : "f32") == 0)
+            rows_serve)
             s->computed_rows = (int32_t)json_integer_value(cr);
         skv_worker_event_stored(w, s);
         skv_worker_beat(w);

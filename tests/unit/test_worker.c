@@ -3647,6 +3647,25 @@ static int kept_index(uint8_t ids[8][16], int n, const uint8_t id[16])
     return -1;
 }
 
+/* Changes the first hex digit of the rows_id the persist manifest under dir names (as a daemon
+ * that computes rows otherwise would have written it). */
+static void manifest_rows_id_flip(const char *dir)
+{
+    char path[256], text[16384] = {0};
+    snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
+    FILE *fp = fopen(path, "r+");
+    assert_non_null(fp);
+    size_t n = fread(text, 1, sizeof text - 1, fp);
+    assert_true(n > 0 && n < sizeof text - 1);
+    char *at = strstr(text, "\"rows_id\":\"");
+    assert_non_null(at);
+    at += strlen("\"rows_id\":\"");
+    *at = *at == '0' ? '1' : '0';
+    rewind(fp);
+    assert_int_equal(fwrite(text, 1, n, fp), n);
+    fclose(fp);
+}
+
 /* persist keeps the kept prefixes (prefix-retain-bytes) across a restart: under their ids and
  * tenants, serving prefix reuse as before, with the sessions; with checkpoints on, a save that
  * finds one unchanged names its file of before and writes none. A start with another kv-type,
@@ -3702,9 +3721,11 @@ static void test_persist_kept(void **state)
     only_match(pdir, pattern, again, sizeof again);
     assert_string_equal(path, again);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 4);
-    /* none comes back with another kv-type, without prefix reuse, without a cap; the session
-     * does (each round saves its kept prefix under the usual settings first) */
-    for (int k = 0; k < 3; k++) {
+    /* none comes back with another kv-type, without prefix reuse, without a cap, from a daemon
+     * that computes rows otherwise (its rows_id in the manifest changed); the session does (each
+     * round saves its kept prefix under the usual settings first) */
+    uint8_t full[16], x[16];
+    for (int k = 0; k < 4; k++) {
         skv_worker_stop(&f->w);
         assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f32"), SKV_OK);
         f->cfg.prefix_reuse = true;
@@ -3713,14 +3734,22 @@ static void test_persist_kept(void **state)
         if (!stat(f, "snapkv_prefix_retained"))
             prefill_release(f, "t", 3, 32);
         assert_true(stat(f, "snapkv_prefix_retained") >= 1);
+        if (k == 3) /* a full-cache session: its rows serve no reuse after the restart either */
+            prefill_for(f, "v", 48, "policy=full", full);
         skv_worker_stop(&f->w);
         if (k == 0)
             assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f16"), SKV_OK);
+        if (k == 3)
+            manifest_rows_id_flip(dir);
         f->cfg.prefix_reuse = k != 1;
         f->cfg.prefix_retain_bytes = k == 2 ? 0 : INT64_C(1) << 26;
         assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
         assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
         assert_int_equal(listed(f, s, NULL, NULL), 40);
+        if (k == 3) {
+            assert_int_equal(listed(f, full, NULL, NULL), 48);
+            assert_int_equal(prefill_reused(f, "v", 64, x), 0);
+        }
     }
     assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f32"), SKV_OK);
     f->cfg.prefix_retain_bytes = 0;
