@@ -68,8 +68,9 @@ static const struct skv_config_option options[] = {
     {"prefix-retain-bytes", SKV_CFG_SIZE, OPT(prefix_retain_bytes), "0", 0, INT64_C(1) << 42,
      "with prefix-reuse, a full-cache session RELEASEd is kept for it (its blocks, copy-on-write: what other "
      "sessions share costs nothing more), and so are a compressing PREFILL's prompt rows before it cuts them "
-     "(when the pool has free room for them), up to this many bytes together, least recently used going "
-     "first, of the tenants holding more than an equal share first; kept ones are the first to go when the "
+     "(when the pool has free room for them), up to this many bytes together (a block several share counts "
+     "once), least recently used going first, of the tenants holding more than an equal share first; kept "
+     "ones are the first to go when the "
      "pool needs room, count with their tenant's sessions against max-bytes-per-tenant (going before any of "
      "them), and go after lease-seconds unused; 0: none"},
     {"persist", SKV_CFG_BOOL, OPT(persist), "no", 0, 0,

@@ -18,6 +18,34 @@ bool skv_prefix_cache_whole(const struct skv_kv_cache *c, int n_tokens)
     return true;
 }
 
+/* The cache's own marks in the blocks' scratch (skv_kv_block.mark; the session table's are
+ * small numbers): the high bit and a count of walks. */
+static uint64_t next_mark(struct skv_prefix_cache *pc)
+{
+    return (UINT64_C(1) << 63) | ++pc->marks;
+}
+
+static uint64_t block_bytes(const struct skv_prefix_cache *pc)
+{
+    return pc->head ? skv_kv_pool_block_bytes(pc->head->cache->pool) : 0;
+}
+
+/* Counts e's blocks as the entries' (skv_kv_block.kept): pc->bytes has each block the entries
+ * hold once (entries that share a document's start share its blocks), by = +1 when e comes, -1
+ * when it goes. */
+static void count_blocks(struct skv_prefix_cache *pc, const struct skv_prefix_entry *e, int by)
+{
+    const uint64_t bb = skv_kv_pool_block_bytes(e->cache->pool);
+    for (int i = 0; i < e->cache->n_layers * e->cache->n_kv_heads; i++)
+        for (int b = 0; b < e->cache->heads[i].n_blocks; b++) {
+            struct skv_kv_block *blk = e->cache->heads[i].blk[b];
+            if (by > 0 && blk->kept++ == 0)
+                pc->bytes += bb;
+            else if (by < 0 && --blk->kept == 0)
+                pc->bytes -= bb;
+        }
+}
+
 static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **link)
 {
     struct skv_prefix_entry *e = *link;
@@ -25,7 +53,7 @@ static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **li
         pc->on_drop(pc->hook_user, e);
     *link = e->next;
     pc->n--;
-    pc->bytes -= e->bytes;
+    count_blocks(pc, e, -1);
     skv_kv_cache_free(&e->cache);
     free(e->tokens);
     free(e);
@@ -49,20 +77,30 @@ void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry
     e->used = ++pc->uses;
 }
 
-uint64_t skv_prefix_entry_alone_bytes(const struct skv_prefix_entry *e)
+uint64_t skv_prefix_entry_alone_bytes(struct skv_prefix_cache *pc, const struct skv_prefix_entry *e)
 {
-    struct skv_kv_blocks b;
-    skv_kv_cache_blocks(e->cache, &b);
-    return (b.held - b.shared) * skv_kv_pool_block_bytes(e->cache->pool);
+    const uint64_t mark = next_mark(pc);
+    uint64_t n = 0;
+    for (int i = 0; i < e->cache->n_layers * e->cache->n_kv_heads; i++)
+        n += skv_kv_pool_count_kept_only(e->cache->pool, e->cache->heads[i].blk, e->cache->heads[i].n_blocks, mark);
+    return n * skv_kv_pool_block_bytes(e->cache->pool);
 }
 
-uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant, bool alone)
+uint64_t skv_prefix_cache_tenant_bytes(struct skv_prefix_cache *pc, const char *tenant, bool alone)
 {
     uint64_t bytes = 0;
+    if (!alone) { /* a bound: shared blocks count for each entry */
+        for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
+            bytes += strcmp(e->tenant, tenant) == 0 ? e->bytes : 0;
+        return bytes < pc->bytes ? bytes : pc->bytes;
+    }
+    const uint64_t mark = next_mark(pc);
     for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
         if (strcmp(e->tenant, tenant) == 0)
-            bytes += alone ? skv_prefix_entry_alone_bytes(e) : e->bytes;
-    return bytes;
+            for (int i = 0; i < e->cache->n_layers * e->cache->n_kv_heads; i++)
+                bytes += skv_kv_pool_count_kept_only(e->cache->pool, e->cache->heads[i].blk,
+                                                     e->cache->heads[i].n_blocks, mark);
+    return bytes * block_bytes(pc);
 }
 
 /* The link to the entry to drop for room: the least recently used of the tenants holding more
@@ -71,10 +109,16 @@ uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const 
  * tenant, equal shares, no memory to count), the least recently used of all. */
 static struct skv_prefix_entry **fair_victim(struct skv_prefix_cache *pc)
 {
+    bool one_tenant = true; /* then the least recently used of all, without a walk */
+    for (const struct skv_prefix_entry *e = pc->head; e && one_tenant; e = e->next)
+        one_tenant = strcmp(e->tenant, pc->head->tenant) == 0;
+    if (one_tenant)
+        return NULL;
     struct skv_tenant_tally u = {0};
     int rc = SKV_OK;
-    for (const struct skv_prefix_entry *e = pc->head; e && !rc; e = e->next)
-        rc = skv_tenant_tally_add(&u, e->tenant, e->bytes);
+    const uint64_t mark = next_mark(pc), bb = block_bytes(pc);
+    for (const struct skv_prefix_entry *e = pc->head; e && !rc; e = e->next) /* tenants share no block */
+        rc = skv_tenant_tally_add(&u, e->tenant, skv_kv_cache_mark_new(e->cache, mark, mark) * bb);
     struct skv_prefix_entry **oldest = NULL;
     for (struct skv_prefix_entry **link = &pc->head; !rc && u.n > 1 && *link; link = &(*link)->next)
         if ((!oldest || (*link)->used < (*oldest)->used) &&
@@ -153,7 +197,7 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     e->next = pc->head;
     pc->head = e;
     pc->n++;
-    pc->bytes += e->bytes;
+    count_blocks(pc, e, +1);
     /* past the cap: when the new one is the one to go (its tenant over its share with nothing
      * older), it goes unannounced and nothing else does */
     while (pc->bytes > pc->cap) {

@@ -31,10 +31,12 @@ struct skv_prefix_entry {
 struct skv_prefix_cache {
     struct skv_prefix_entry *head;
     int n;
-    uint64_t bytes;               /* the entries' bytes together (a block two hold counts twice) */
+    uint64_t bytes;               /* the bytes of the blocks the entries hold, each block once (entries
+                                     that share a document's start share its blocks) */
     uint64_t cap;                 /* prefix-retain-bytes; 0: nothing is kept */
     uint64_t uses;                /* entries made or used so far */
     uint64_t dropped;             /* entries dropped for room, for the cap, unused or covered (not cleared) */
+    uint64_t marks;               /* walks over the entries' blocks so far (the marks they leave) */
     /* called for each entry made, and for each entry before it goes (dropped or cleared): how
      * they are announced (KV events); NULL: not called */
     void (*on_add)(void *user, const struct skv_prefix_entry *e);
@@ -72,17 +74,20 @@ struct skv_prefix_entry *skv_prefix_cache_find_id(struct skv_prefix_cache *pc, c
 
 /* Marks e used now (a PREFILL took its rows): the last to go of the least recently used. */
 void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry *e, uint64_t now_ms);
-/* The bytes the tenant's entries hold together; with alone, only of the blocks no other holder
- * shares (a session that took an entry's rows holds them too: the pool holds them once), what
- * max-bytes-per-tenant counts (a walk of their blocks; without it, a sum of their sizes). */
-uint64_t skv_prefix_cache_tenant_bytes(const struct skv_prefix_cache *pc, const char *tenant, bool alone);
+/* With alone, the bytes of the blocks the tenant's entries hold and no session holds, each
+ * once (a session that took an entry's rows holds them too, and counts them for the tenant;
+ * entries that share a document's start hold its blocks once): what max-bytes-per-tenant
+ * counts of them (a walk of their blocks). Without alone, a bound of it, cheaper: their sizes
+ * added up, at most pc->bytes. */
+uint64_t skv_prefix_cache_tenant_bytes(struct skv_prefix_cache *pc, const char *tenant, bool alone);
 /* Drops the least recently used entry of the tenant; with tenant NULL (room for the pool or the
  * cap), of the tenants holding more than an equal share of the entries' bytes first, so that a
  * tenant within its share loses nothing while another holds more (then anyone's). False when
  * there is none. */
 bool skv_prefix_cache_drop_lru(struct skv_prefix_cache *pc, const char *tenant);
-/* Bytes of the blocks e holds that no other holder (a session, another entry) shares. */
-uint64_t skv_prefix_entry_alone_bytes(const struct skv_prefix_entry *e);
+/* Bytes of the blocks e holds that no session holds (a block another entry holds too counts in
+ * each). */
+uint64_t skv_prefix_entry_alone_bytes(struct skv_prefix_cache *pc, const struct skv_prefix_entry *e);
 /* Drops the entry of that id (EVICT; not counted in dropped); false when there is none. */
 bool skv_prefix_cache_drop_id(struct skv_prefix_cache *pc, const uint8_t *id);
 /* Drops the entries unused for idle_ms; returns how many. */

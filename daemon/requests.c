@@ -2396,7 +2396,7 @@ static struct kept_list *list_kept(struct skv_worker *w, const char *tenant, siz
         x->tenant = (char *)e->tenant;
         x->n_tokens = (uint32_t)e->n_rows;
         x->bytes = e->bytes;
-        x->alone_bytes = skv_prefix_entry_alone_bytes(e);
+        x->alone_bytes = skv_prefix_entry_alone_bytes(&w->prefix, e);
         x->last_used_unix_ms = e->last_used_ms;
         k->ptrs[(*n_out)++] = x;
     }

@@ -21,8 +21,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_prefix_reuse_hits_total", "PREFILLs that reused a prefix", (double)m->prefix_reuse_hits},
         {"snapkv_prefix_retained", "released full-cache sessions whose KV is kept for prefix reuse "
          "(prefix-retain-bytes)", (double)in->prefix_retained},
-        {"snapkv_prefix_retained_bytes", "their blocks' bytes (a block several hold counts for each; the pool "
-         "holds it once)", (double)in->prefix_retained_bytes},
+        {"snapkv_prefix_retained_bytes", "their blocks' bytes, each block once (kept prefixes that share a "
+         "document's start share its blocks), what prefix-retain-bytes caps", (double)in->prefix_retained_bytes},
         {"snapkv_prefix_retained_dropped_total",
          "kept prefixes dropped: for pool room, past prefix-retain-bytes, unused for lease-seconds, or covered by "
          "a longer one of the tenant (not those EVICT drops)",
@@ -157,8 +157,8 @@ size_t skv_stats_tenant_rows(const struct skv_tenant_table *t, struct skv_stat *
          "the engine's time on the tenant's requests (what queue-order = fair evens out) and an even share of "
          "each decode round its DECODEs were in"},
         {"snapkv_tenant_prefix_retained_bytes",
-         "bytes of the tenant's kept prefixes (prefix-retain-bytes) in blocks no session shares, which "
-         "max-bytes-per-tenant counts with snapkv_tenant_bytes"},
+         "bytes of the tenant's kept prefixes (prefix-retain-bytes) in blocks no session shares, each block "
+         "once, which max-bytes-per-tenant counts with snapkv_tenant_bytes"},
     };
     size_t n = 0;
     for (int k = 0; k < SKV_N_TENANT_STATS; k++)

@@ -274,8 +274,14 @@ void skv_worker_tenant_table(struct skv_worker *w, struct skv_tenant_table *out)
         x->sessions = x->bytes = x->queued = x->decodes = x->kept_bytes = 0;
     }
     skv_session_foreach(w->sessions, count_session, w);
+    struct skv_tenant_tally kept = {0}; /* the tenants with kept prefixes, each once */
     for (const struct skv_prefix_entry *e = w->prefix.head; e; e = e->next)
-        skv_worker_tenant(w, e->tenant)->kept_bytes += skv_prefix_entry_alone_bytes(e);
+        if (skv_tenant_tally_add(&kept, e->tenant, 0))
+            break; /* no memory: those counted so far */
+    for (size_t i = 0; i < kept.n; i++)
+        skv_worker_tenant(w, kept.u[i].tenant)->kept_bytes +=
+            skv_prefix_cache_tenant_bytes(&w->prefix, kept.u[i].tenant, true);
+    skv_tenant_tally_free(&kept);
     for (const struct skv_decode *d = w->decodes; d; d = d->next)
         skv_worker_tenant(w, d->job->tenant)->decodes++;
     pthread_mutex_lock(&w->mu);

@@ -193,6 +193,7 @@ int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out)
         if (b->slab->n_free-- == SLAB_BLOCKS)
             pool->empty_slabs--;
         b->refs = 1;
+        b->kept = 0;
         b->stamp = ++pool->stamps;
         pool->in_use++;
         *out = b;
@@ -267,6 +268,20 @@ bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *
     bool shared = b->refs > 1;
     pthread_mutex_unlock(&pool->lock);
     return shared;
+}
+
+uint64_t skv_kv_pool_count_kept_only(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n,
+                                     uint64_t mark)
+{
+    uint64_t only = 0;
+    pthread_mutex_lock(&pool->lock);
+    for (int i = 0; i < n; i++)
+        if (blocks[i]->mark != mark) {
+            blocks[i]->mark = mark;
+            only += blocks[i]->refs == blocks[i]->kept;
+        }
+    pthread_mutex_unlock(&pool->lock);
+    return only;
 }
 
 uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n)

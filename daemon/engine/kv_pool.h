@@ -24,8 +24,11 @@ struct skv_kv_block {
                                            unshared to be written): two looks at one stamp saw the same bytes */
     struct skv_kv_slab *slab;
     struct skv_kv_block *prev, *next; /* free list */
-    uint64_t mark;                      /* the session table's scratch (worker thread): which
-                                           blocks an eviction would leave held */
+    uint64_t mark;                      /* scratch of the worker thread's walks: the session table's
+                                           (which blocks an eviction would leave held: small numbers)
+                                           and the kept prefixes' (the high bit set) */
+    int kept;                           /* of refs, the kept prefixes' (daemon/prefix_cache.c; worker
+                                           thread) */
 };
 
 struct skv_kv_pool_stats {
@@ -76,6 +79,10 @@ void skv_kv_pool_unpin_slabs(struct skv_kv_pool *pool);
 bool skv_kv_pool_hold_if(struct skv_kv_pool *pool, struct skv_kv_block *b, uint64_t stamp);
 /* True when b has more than one holder. */
 bool skv_kv_pool_is_shared(struct skv_kv_pool *pool, const struct skv_kv_block *b);
+/* Of the n blocks, how many not marked `mark` yet have no holder but kept prefixes (refs ==
+ * kept); marks them (one lock for all). */
+uint64_t skv_kv_pool_count_kept_only(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n,
+                                     uint64_t mark);
 /* How many of the n blocks have more than one holder (one lock for all). */
 uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block *const *blocks, int n);
 

@@ -888,11 +888,19 @@ static void test_prefix_retain(void **state)
 /* A full-cache PREFILL for tenant of the first n fixed ids with the first replaced by `first`
  * (another history for each), then its RELEASE, which keeps its rows (prefix-retain-bytes);
  * returns the tokens the PREFILL reused. */
+static uint32_t prefill_release_ids(struct fixture *f, const char *tenant, uint32_t *tokens, int n);
+
 static uint32_t prefill_release(struct fixture *f, const char *tenant, uint32_t first, int n)
 {
     uint32_t tokens[64];
     fixed_ids(f, tokens, n);
     tokens[0] = first % (uint32_t)f->tiny->m->cfg.n_vocab;
+    return prefill_release_ids(f, tenant, tokens, n);
+}
+
+/* The same for tokens[0..n). */
+static uint32_t prefill_release_ids(struct fixture *f, const char *tenant, uint32_t *tokens, int n)
+{
     Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
     p.tokens = tokens;
     p.n_tokens = (size_t)n;
@@ -915,6 +923,47 @@ static uint32_t prefill_release(struct fixture *f, const char *tenant, uint32_t 
     snapkv__reply__free_unpacked(done, NULL);
     snapkv__reply__free_unpacked(rep, NULL);
     return reused;
+}
+
+/* Kept prefixes that share a document's start (one-shot clients asking different questions
+ * about one document) hold its blocks once, and count them once: against prefix-retain-bytes,
+ * in STATS, and for the tenant's max-bytes-per-tenant, where the blocks no session holds count
+ * (before, each entry counted them against the cap, so a cap of 4 blocks a head kept one of
+ * two such entries, and none counted them for the tenant). */
+static void test_prefix_retain_shared(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    f->cfg.prefix_retain_bytes = (int64_t)(4 * unit * bb);
+    restart_with_pool(f, 16);
+    uint32_t doc[48];
+    fixed_ids(f, doc, 48);
+    assert_int_equal(prefill_release_ids(f, NULL, doc, 48), 0);
+    for (int i = 32; i < 48; i++) /* another question after the same 32 tokens */
+        doc[i] = (doc[i] + 7) % (uint32_t)mc->n_vocab;
+    assert_int_equal(prefill_release_ids(f, NULL, doc, 48), 32);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_used"), 4 * unit);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 0);
+    assert_int_equal(stat(f, "snapkv_tenant_prefix_retained_bytes{tenant=\"t\"}"), 4 * unit * bb);
+    /* a session that takes the shared blocks holds them: they count in it, not again */
+    uint8_t a[16];
+    assert_int_equal(prefill_reused(f, NULL, 48, a), 32);
+    assert_int_equal(stat(f, "snapkv_tenant_prefix_retained_bytes{tenant=\"t\"}"), 2 * unit * bb);
+    /* a third question: 5 distinct blocks a head, past the cap: the least recently used goes
+     * and frees its own block alone */
+    for (int i = 32; i < 48; i++)
+        doc[i] = (doc[i] + 7) % (uint32_t)mc->n_vocab;
+    assert_int_equal(prefill_release_ids(f, NULL, doc, 48), 32);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 1);
+    f->cfg.prefix_retain_bytes = 0;
+    f->cfg.prefix_reuse = false;
 }
 
 /* Kept prefixes and tenants: past the cap, those of a tenant holding more than an equal share
@@ -4784,6 +4833,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_reuse_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_tenants, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_retain_shared, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
