@@ -1528,6 +1528,21 @@ static void test_persist_crash(void **state)
     stop_daemon(&d);
 }
 
+/* A PREFILL of pl after a restart (its ref computed every token before it): it reuses N_PROMPT
+ * tokens (`what` held them) and its logits are ref's, bit for bit. */
+static void expect_reused_after_restart(snapkv_client_t *c, const struct snapkv_prefill_opts *pl,
+                                        const struct snapkv_prefill_result *ref, const char *what)
+{
+    struct snapkv_prefill_result pb;
+    uint32_t reused = 99;
+    assert_int_equal(snapkv_prefill_flags(c, pl, 0, &pb, &reused), SNAPKV_OK);
+    printf("# after the restart: %u of %zu tokens reused from %s\n", reused, pl->n_tokens, what);
+    assert_int_equal(reused, N_PROMPT);
+    assert_int_equal(pb.n_logits, ref->n_logits);
+    assert_memory_equal(pb.logits, ref->logits, ref->n_logits * sizeof *ref->logits);
+    snapkv_prefill_result_free(&pb);
+}
+
 /* A restart with persist keeps what prefix reuse may take: after it, a PREFILL whose prompt
  * starts with a restored session's 160 computed tokens reuses them and gets the logits of a
  * PREFILL that computes every token, bit for bit (the restored rows are the saved ones). */
@@ -1554,13 +1569,7 @@ static void test_persist_prefix_reuse(void **state)
 
     start_daemon_in(&d, "1G", "--persist=yes", 0);
     c = client(d.endpoint, "p");
-    struct snapkv_prefill_result pb;
-    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, &pb, &reused), SNAPKV_OK);
-    printf("# after the restart: %u of %d tokens reused\n", reused, LONG);
-    assert_int_equal(reused, N_PROMPT);
-    assert_int_equal(pb.n_logits, ref.n_logits);
-    assert_memory_equal(pb.logits, ref.logits, ref.n_logits * sizeof *ref.logits);
-    snapkv_prefill_result_free(&pb);
+    expect_reused_after_restart(c, &pl, &ref, "a restored session");
     snapkv_prefill_result_free(&ref);
     snapkv_prefill_result_free(&pa);
     snapkv_close(&c);
@@ -1587,7 +1596,7 @@ static void test_persist_kept_prefix(void **state)
     start_daemon_in(&d, "1G", opt, 0);
     snapkv_client_t *c = client(d.endpoint, "p");
     struct snapkv_prefill_opts pl = {.tokens = ids, .n_tokens = LONG, .return_logits = true};
-    struct snapkv_prefill_result ref, pb;
+    struct snapkv_prefill_result ref;
     uint32_t reused = 99;
     assert_int_equal(snapkv_prefill_flags(c, &pl, SNAPKV_PREFILL_NO_PREFIX_REUSE, &ref, &reused), SNAPKV_OK);
     assert_int_equal(snapkv_release(c, &ref.id), SNAPKV_OK);
@@ -1599,12 +1608,7 @@ static void test_persist_kept_prefix(void **state)
     assert_int_equal(stat_of(d.admin, "snapkv_prefix_retained"), 1);
     assert_int_equal(stat_of(d.admin, "snapkv_sessions"), 0);
     c = client(d.endpoint, "p");
-    assert_int_equal(snapkv_prefill_flags(c, &pl, 0, &pb, &reused), SNAPKV_OK);
-    printf("# after the restart: %u of %d tokens reused from a kept prefix\n", reused, LONG);
-    assert_int_equal(reused, N_PROMPT);
-    assert_int_equal(pb.n_logits, ref.n_logits);
-    assert_memory_equal(pb.logits, ref.logits, ref.n_logits * sizeof *ref.logits);
-    snapkv_prefill_result_free(&pb);
+    expect_reused_after_restart(c, &pl, &ref, "a kept prefix");
     snapkv_prefill_result_free(&ref);
     snapkv_close(&c);
     stop_daemon(&d);

@@ -925,6 +925,14 @@ static uint32_t prefill_release_ids(struct fixture *f, const char *tenant, uint3
     return reused;
 }
 
+/* The blocks of one unit, a block for each layer and KV head, and *bb a block's bytes. */
+static uint64_t kv_unit(const struct fixture *f, uint64_t *bb)
+{
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    *bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    return (uint64_t)mc->n_layers * mc->n_kv_heads;
+}
+
 /* Kept prefixes that share a document's start (one-shot clients asking different questions
  * about one document) hold its blocks once, and count them once: against prefix-retain-bytes,
  * in STATS, and for the tenant's max-bytes-per-tenant, where the blocks no session holds count
@@ -934,16 +942,16 @@ static void test_prefix_retain_shared(void **state)
 {
     struct fixture *f = *state;
     f->cfg.prefix_reuse = true;
-    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
+    const uint32_t n_vocab = (uint32_t)f->tiny->m->cfg.n_vocab;
     f->cfg.prefix_retain_bytes = (int64_t)(4 * unit * bb);
     restart_with_pool(f, 16);
     uint32_t doc[48];
     fixed_ids(f, doc, 48);
     assert_int_equal(prefill_release_ids(f, NULL, doc, 48), 0);
     for (int i = 32; i < 48; i++) /* another question after the same 32 tokens */
-        doc[i] = (doc[i] + 7) % (uint32_t)mc->n_vocab;
+        doc[i] = (doc[i] + 7) % n_vocab;
     assert_int_equal(prefill_release_ids(f, NULL, doc, 48), 32);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
@@ -957,7 +965,7 @@ static void test_prefix_retain_shared(void **state)
     /* a third question: 5 distinct blocks a head, past the cap: the least recently used goes
      * and frees its own block alone */
     for (int i = 32; i < 48; i++)
-        doc[i] = (doc[i] + 7) % (uint32_t)mc->n_vocab;
+        doc[i] = (doc[i] + 7) % n_vocab;
     assert_int_equal(prefill_release_ids(f, NULL, doc, 48), 32);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
@@ -973,9 +981,8 @@ static void test_prefix_retain_tenants(void **state)
 {
     struct fixture *f = *state;
     f->cfg.prefix_reuse = true;
-    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
     f->cfg.prefix_retain_bytes = (int64_t)(6 * unit * bb); /* 3 prefixes of 32 tokens */
     restart_with_pool(f, 16);
     assert_int_equal(prefill_release(f, "u", 1, 32), 0); /* the oldest */
