@@ -57,6 +57,7 @@ struct args {
     const char *append_sizes; /* speed: forwards of these many tokens at each depth (an APPEND's) */
     int decode_tokens;
     int batch; /* speed: sequences decoded together (skv_engine_decode_batch); 0: 1 */
+    bool private_rows; /* speed --private: each sequence of a batch its own copy of the rows */
     int repeat;
     const char *compress;
     struct skv_quality_opts quality;
@@ -94,8 +95,9 @@ static void usage(FILE *out)
             "  select (--prompt T | --prompt-file F | --tokens ...) [--chat] [--compress SPEC (policy=full)]\n"
             "                                        kept original positions per layer and KV head\n"
             "  speed [--prefill 512,2048,8192|none] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
-            "        [--batch B]                    (B sequences at each depth decoded together, one\n"
-            "                                        forward a step: tokens/s over all of them)\n"
+            "        [--batch B [--private]]        (B sequences at each depth decoded together, one\n"
+            "                                        forward a step: tokens/s over all of them; forks\n"
+            "                                        sharing the prefilled rows, --private: each its own)\n"
             "        [--repeat R] [--compress SPEC]  prefill / decode tokens/s and peak memory; with\n"
             "                                        SPEC every prefill compresses (its scoring +\n"
             "                                        compaction timed) and decode runs on the kept KV\n"
@@ -652,6 +654,31 @@ static uint64_t decode_weight_bytes(const struct skv_model *m)
 /* Prefill and decode speed. With --compress SPEC every prefill (the timed ones and the one
  * that builds each decode depth) compresses as it goes, the compressor's share of the prefill
  * is timed (the backend synchronized around it), and decode runs with the decode-time hook. */
+/* Gives cache a copy of each row it shares with another (speed --private: a batch of sessions
+ * that share nothing, as independent clients' are): each head's rows read out and written
+ * back, which copies the shared blocks. */
+static int unshare_rows(struct skv_kv_cache *cache)
+{
+    float *rows = NULL;
+    int rc = SKV_OK;
+    for (int i = 0; i < cache->n_layers * cache->n_kv_heads && !rc; i++) {
+        const int len = cache->heads[i].len;
+        float *more = realloc(rows, (size_t)(len ? len : 1) * (size_t)cache->head_dim * sizeof *rows);
+        if (!more) {
+            rc = SKV_E_NOMEM;
+            break;
+        }
+        rows = more;
+        for (int which = 0; which < 2 && !rc; which++)
+            if (!(rc = skv_kv_cache_read_rows(cache, i / cache->n_kv_heads, i % cache->n_kv_heads, which, 0, len,
+                                              rows)))
+                rc = skv_kv_cache_write_rows(cache, i / cache->n_kv_heads, i % cache->n_kv_heads, which, 0, len,
+                                             rows);
+    }
+    free(rows);
+    return rc;
+}
+
 static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_model *m)
 {
     int prefill[16], depth[16], append[16];
@@ -771,6 +798,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
                     rc = skv_compressor_clone(run.comp, &wc[b]);
                 if (!rc)
                     rc = skv_kv_cache_reserve(work[b], dtok + 1);
+                if (!rc && a->private_rows)
+                    rc = unshare_rows(work[b]);
                 dec[b] = (struct skv_forward_opts){.hook = skv_compressor_hook, .hook_user = wc[b]};
             }
             int32_t t = 0;
@@ -844,6 +873,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
         json_t *o = json_object();
         json_object_set_new(o, "depth", json_integer(depth[i]));
         json_object_set_new(o, "batch", json_integer(batch));
+        json_object_set_new(o, "private", json_boolean(a->private_rows));
         /* tokens: each sequence's; seconds: for all of them (a step each); tokens/s: over all */
         json_object_set_new(o, "tokens", json_integer(dtok));
         json_object_set_new(o, "seconds", json_real(best));
@@ -1132,7 +1162,7 @@ static const struct {
     {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress min-p "
                  "repetition-penalty repetition-last-n frequency-penalty presence-penalty"},
     {"select", "prompt prompt-file tokens chat compress"},
-    {"speed", "prefill decode-depth decode-tokens batch repeat compress append"},
+    {"speed", "prefill decode-depth decode-tokens batch private repeat compress append"},
     {"gemv", "repeat"},
     {"quality", "task lengths depths specs trials out-dir passkey-style texts fid-prefill fid-tokens max-tokens seed"},
     {"serve", "endpoint admin-endpoint clients requests sessions context pool-gib parts decode-tokens specs "
@@ -1175,7 +1205,7 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM, O_CAP, O_BATCH, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP, O_APPEND };
+           O_FIDM, O_CAP, O_BATCH, O_PRIVATE, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP, O_APPEND };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
            O_STORE_SIGNED };
     static const struct option opts[] = {
@@ -1192,6 +1222,7 @@ int main(int argc, char **argv)
         {"prefill", required_argument, NULL, O_PREFILL},   {"decode-depth", required_argument, NULL, O_DEPTH},
         {"decode-tokens", required_argument, NULL, O_DTOK}, {"repeat", required_argument, NULL, O_REPEAT},
         {"compress", required_argument, NULL, O_COMPRESS}, {"batch", required_argument, NULL, O_BATCH},
+        {"private", no_argument, NULL, O_PRIVATE},
         {"task", required_argument, NULL, O_TASK},         {"lengths", required_argument, NULL, O_LENGTHS},
         {"depths", required_argument, NULL, O_DEPTHS},     {"specs", required_argument, NULL, O_SPECS},
         {"trials", required_argument, NULL, O_TRIALS},     {"out-dir", required_argument, NULL, O_OUTDIR},
@@ -1272,6 +1303,7 @@ int main(int argc, char **argv)
         case O_APPEND: a.append_sizes = optarg; break;
         case O_DTOK: ok = int_opt("decode-tokens", optarg, 1, 1 << 20, &a.decode_tokens); break;
         case O_BATCH: ok = int_opt("batch", optarg, 1, SKV_ENGINE_MAX_BATCH, &a.batch); break;
+        case O_PRIVATE: a.private_rows = true; break;
         case O_REPEAT: ok = int_opt("repeat", optarg, 1, 1000000, &a.repeat); break;
         case O_COMPRESS: a.compress = optarg; break;
         case O_TASK: a.quality.task = optarg; break;

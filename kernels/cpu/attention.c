@@ -60,11 +60,30 @@ struct att_ctx {
     size_t thread_floats;
     size_t rows_max;             /* rows of the largest task */
     size_t kvt_floats;           /* per thread, first: an f16 / q8_0 view's key block widened (else 0) */
+    size_t memo_cap;             /* a batch over an f16 / q8_0 view with split-K: the key rows a thread's
+                                    memo holds widened (its last task's range, att_memo); 0: none */
+    size_t memo_floats;          /* per thread, after kvt: the memo (else 0) */
+};
+
+#define ATT_MEMO_ROWS 1024     /* the longest key chunk a memo holds (a call's keys / (128 tasks / KV heads)) */
+#define ATT_MEMO_KEY_MAX (ATT_MEMO_ROWS + 4)
+
+/* A thread's memo, in a batch of sequences over an f16 or q8_0 view: the key range of its last
+ * split-K task, K and V rows widened, with the raw rows they came from. Sessions forked from one
+ * prompt share its blocks, and the batch runs the same (KV head, key chunk) of each back to back
+ * on one thread (att_batch_task), so the next task finds its rows widened already: widening is
+ * exact, the kernels read the same floats either way. Valid within one call (cleared at its
+ * start: the blocks do not change while it runs). */
+struct att_memo {
+    int64_t n;                   /* rows held (0: none) */
+    int64_t n_key;               /* of key: what names those rows (memo_key) */
+    const void *key[];           /* [memo_cap + 4] */
 };
 
 /* Working set of the row kernels: row r is query i0 + r / group, head g * group + r % group. */
 struct row_bufs {
     float *kvt;                  /* f16 / q8_0 view: [2][ATT_BK][d], a block's K and V rows as f32; else NULL */
+    struct att_memo *memo;       /* the thread's memo (att_ctx.memo_cap), else NULL */
     float *qs, *acc;             /* [rows][d]: scaled q, unnormalized output */
     float *m, *l;                /* [rows]: running max (base 2) and sum */
     float *s;                    /* [ATT_BK]: one row's scores */
@@ -562,10 +581,11 @@ static size_t thread_floats_for(size_t rows_max, int d)
 
 static struct row_bufs get_row_bufs(const struct att_ctx *c, int tid)
 {
-    float *kvt = c->thread_mem + (size_t)tid * c->thread_floats, *base = kvt + c->kvt_floats;
+    float *kvt = c->thread_mem + (size_t)tid * c->thread_floats, *base = kvt + c->kvt_floats + c->memo_floats;
     const size_t rd = round16(c->rows_max * c->d), rr = round16(c->rows_max);
     struct row_bufs b = {
         .kvt = c->kvt_floats ? kvt : NULL,
+        .memo = c->memo_cap ? (struct att_memo *)(kvt + c->kvt_floats) : NULL,
         .qs = base,
         .acc = base + rd,
         .m = base + 2 * rd,
@@ -577,7 +597,7 @@ static struct row_bufs get_row_bufs(const struct att_ctx *c, int tid)
 
 static struct wide_bufs get_wide_bufs(const struct att_ctx *c, int tid, size_t rows)
 {
-    float *kvt = c->thread_mem + (size_t)tid * c->thread_floats, *base = kvt + c->kvt_floats;
+    float *kvt = c->thread_mem + (size_t)tid * c->thread_floats, *base = kvt + c->kvt_floats + c->memo_floats;
     const size_t rp = rows_padded(rows), rpd = round16(rp * c->d), r16 = round16(rp);
     struct wide_bufs b = {
         .kvt = c->kvt_floats ? kvt : NULL,
@@ -593,6 +613,70 @@ static struct wide_bufs get_wide_bufs(const struct att_ctx *c, int tid, size_t r
     return b;
 }
 
+static size_t memo_head_floats(size_t cap)
+{
+    return round16((sizeof(struct att_memo) + (cap + 4) * sizeof(const void *) + sizeof(float) - 1) / sizeof(float));
+}
+
+/* What names keys [ks, ke) of KV head g in c's view (at most memo_cap + 4 entries): the KV type
+ * and block size, then a paged view's blocks and where in the first one the range starts, or a
+ * contiguous view's first K and V row. Returns the entries. */
+static int64_t memo_key(const struct att_ctx *c, int g, int64_t ks, int64_t ke, const void **key)
+{
+    const struct skv_kv_view *kv = c->kv;
+    int64_t n = 0;
+    key[n++] = (const void *)(intptr_t)kv->kv_type;
+    key[n++] = (const void *)(intptr_t)kv->block_rows;
+    if (kv->block_rows <= 0) {
+        key[n++] = skv_kv_view_row_raw(kv, g, 0, ks);
+        key[n++] = skv_kv_view_row_raw(kv, g, 1, ks);
+        return n;
+    }
+    key[n++] = (const void *)(intptr_t)(ks % kv->block_rows);
+    for (int64_t b = ks / kv->block_rows; b <= (ke - 1) / kv->block_rows; b++)
+        key[n++] = kv->blocks[g][b];
+    return n;
+}
+
+static size_t memo_floats_for(size_t cap, int d)
+{
+    return memo_head_floats(cap) + round16(2 * cap * (size_t)d);
+}
+
+/* Keys [ks, ke) of KV head g widened in the memo (cap rows at most), from the raw rows unless
+ * it holds those already; their K rows into *k, V rows into *v ([ke - ks][d] each). */
+/* The memo's rows for keys [ks, ke) of KV head g (cap rows at most): *k its K rows, *v its V
+ * rows ([ke - ks][d] each). Returns whether it holds them widened already; if not, it is named
+ * for them now and the caller widens them in, tile by tile as it reads them (memo_fill), so a
+ * miss reads its rows as the tile path does. */
+static bool memo_rows(const struct att_ctx *c, int g, int64_t ks, int64_t ke, struct att_memo *memo,
+                      float **k, float **v)
+{
+    const size_t cap = c->memo_cap, d = (size_t)c->d;
+    const int64_t n = ke - ks;
+    float *rows = (float *)memo + memo_head_floats(cap);
+    const void *key[ATT_MEMO_KEY_MAX];
+    const int64_t n_key = memo_key(c, g, ks, ke, key);
+    *k = rows;
+    *v = rows + cap * d;
+    if (memo->n == n && memo->n_key == n_key && memcmp(memo->key, key, (size_t)n_key * sizeof *key) == 0)
+        return true;
+    memcpy(memo->key, key, (size_t)n_key * sizeof *key);
+    memo->n_key = n_key;
+    memo->n = 0; /* until the caller has widened every row */
+    return false;
+}
+
+/* Widens keys [kb, kb + nk) of KV head g into the memo's rows k, v (which start at key ks). */
+static void memo_fill(const struct att_ctx *c, int g, int64_t ks, int64_t kb, int nk, float *k, float *v)
+{
+    const int64_t d = c->d;
+    for (int j = 0; j < nk; j++) {
+        skv_cpu_kv_widen(k + (kb - ks + j) * d, skv_kv_view_row_raw(c->kv, g, 0, kb + j), c->kv->kv_type, d);
+        skv_cpu_kv_widen(v + (kb - ks + j) * d, skv_kv_view_row_raw(c->kv, g, 1, kb + j), c->kv->kv_type, d);
+    }
+}
+
 /* Row kernels: queries [i0, i1) of KV group g over keys [ks, ke), each row limited causally;
  * state in b (m, l, acc must be initialized). */
 static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks, int64_t ke,
@@ -601,10 +685,21 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
     const int d = c->d, G = c->group;
     const int64_t prefix = c->kv->prefix_len[g];
     const float *krow[ATT_BK], *vrow[ATT_BK];
+    float *mk = NULL, *mv = NULL;
+    const bool memo = b->memo && ke - ks <= (int64_t)c->memo_cap, held = memo && memo_rows(c, g, ks, ke, b->memo,
+                                                                                              &mk, &mv);
 
     for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
         const int64_t nblk = ke - kb < ATT_BK ? ke - kb : ATT_BK;
-        tile_rows(c->kv, g, kb, (int)nblk, krow, vrow, b->kvt);
+        if (memo && !held)
+            memo_fill(c, g, ks, kb, (int)nblk, mk, mv);
+        if (memo)
+            for (int j = 0; j < (int)nblk; j++) {
+                krow[j] = mk + (size_t)(kb - ks + j) * d;
+                vrow[j] = mv + (size_t)(kb - ks + j) * d;
+            }
+        else
+            tile_rows(c->kv, g, kb, (int)nblk, krow, vrow, b->kvt);
         for (int i = i0; i < i1; i++) {
             const int64_t lim = prefix + i + 1 - kb;
             if (lim <= 0)
@@ -621,6 +716,8 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
             }
         }
     }
+    if (memo)
+        b->memo->n = ke - ks; /* every row widened now */
 }
 
 /* Runs the row kernels over [ks, ke) from a fresh state left in b. */
@@ -941,10 +1038,10 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
 #define ATT_BATCH_MAX 64
 
 /* The planned calls of a batch and their tasks in the joint order: task t is task order[t].task
- * of call order[t].seq. The order is by task, then call (every call's first task, then every
- * call's second, ...): sessions forked from one prompt share its blocks, and the same (KV
- * head, key chunk) of each then runs back to back on one thread while those rows are in its
- * cache. */
+ * of call order[t].seq. The order is by KV head, then key chunk (a call without split-K: query
+ * block), then call: sessions forked from one prompt share its blocks, and the same (KV head,
+ * key chunk) of each then runs back to back on one thread (a thread runs a contiguous range of
+ * the order), which widens an f16 / q8_0 view's rows once for all of them (att_memo). */
 struct att_batch_task {
     int32_t seq, task;
 };
@@ -958,6 +1055,18 @@ static void att_task_batch(void *p, int64_t begin, int64_t end, int tid)
     const struct att_batch *b = p;
     for (int64_t t = begin; t < end; t++)
         att_run_tasks(&b->c[b->order[t].seq], b->order[t].task, b->order[t].task + 1, tid);
+}
+
+/* Whether sequence s of the batch's views shares its first key row with another (forks of one
+ * prompt do: their first block): only then may its tasks find their rows in a thread's memo, and
+ * widening into the memo costs a sequence that shares nothing more than a tile does. */
+static bool shares_rows(const struct skv_kv_view *kv, int m, int s)
+{
+    const void *first = kv[s].n_kv_heads > 0 && kv[s].prefix_len[0] > 0 ? skv_kv_view_row_raw(&kv[s], 0, 0, 0) : NULL;
+    for (int t = 0; first && t < m; t++)
+        if (t != s && kv[t].n_kv_heads > 0 && kv[t].prefix_len[0] > 0 && skv_kv_view_row_raw(&kv[t], 0, 0, 0) == first)
+            return true;
+    return false;
 }
 
 /* Each sequence's call is planned as `attention` plans it and runs the same tasks, so it gets
@@ -976,12 +1085,34 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
         size_t own[ATT_BATCH_MAX], own_total = 0, thread_floats = 0;
         int64_t task0[ATT_BATCH_MAX + 1], macs = 0;
         task0[0] = 0;
+        size_t memo_cap = 0; /* the longest key chunk of an f16 / q8_0 view sharing rows: the memo's rows */
+        bool shared[ATT_BATCH_MAX];
         for (int s = 0; s < m; s++) {
             own[s] = att_plan(&c[s], out + (s0 + s) * qdim, q + (s0 + s) * qdim, 1, n_heads, &kv[s0 + s]);
             own_total += own[s];
-            thread_floats = c[s].thread_floats > thread_floats ? c[s].thread_floats : thread_floats;
+            shared[s] = c[s].nchunks > 0 && kv[s0 + s].kv_type != SKV_DTYPE_F32 && !use_wide((size_t)c[s].group) &&
+                        shares_rows(kv + s0, m, s); /* (the wide kernels read tiles) */
+            if (shared[s] && (size_t)c[s].chunk > memo_cap)
+                memo_cap = (size_t)c[s].chunk;
+        }
+        if (memo_cap > ATT_MEMO_ROWS) /* longer chunks widen tile by tile, as a single call does */
+            memo_cap = ATT_MEMO_ROWS;
+        for (int s = 0; s < m; s++) {
             task0[s + 1] = task0[s] + att_tasks(&c[s]);
             macs += att_macs(&c[s]);
+        }
+        const size_t memo_floats = m > 1 && memo_cap ? memo_floats_for(memo_cap, (int)kv[s0].head_dim) : 0;
+        size_t kvt_floats = 0;
+        for (int s = 0; s < m; s++)
+            kvt_floats = c[s].kvt_floats > kvt_floats ? c[s].kvt_floats : kvt_floats;
+        for (int s = 0; s < m; s++) {
+            if (memo_floats) { /* every call's buffers where the memo stays out of their way */
+                c[s].thread_floats += kvt_floats - c[s].kvt_floats + memo_floats;
+                c[s].kvt_floats = kvt_floats;
+                c[s].memo_floats = memo_floats;
+                c[s].memo_cap = shared[s] ? memo_cap : 0;
+            }
+            thread_floats = c[s].thread_floats > thread_floats ? c[s].thread_floats : thread_floats;
         }
         const size_t order_floats = round16((size_t)task0[m] * sizeof(struct att_batch_task) / sizeof(float));
         size_t total = own_total + order_floats + (size_t)be->n_threads * thread_floats;
@@ -993,14 +1124,27 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
             att_bind(&c[s], at, mem + own_total + order_floats, thread_floats);
             at += own[s];
         }
+        if (memo_floats) /* nothing widened yet in this call */
+            for (int t = 0; t < be->n_threads; t++) {
+                float *kvt = mem + own_total + order_floats + (size_t)t * thread_floats;
+                ((struct att_memo *)(kvt + kvt_floats))->n = 0;
+            }
         struct att_batch_task *order = (struct att_batch_task *)(mem + own_total);
+        /* by KV head, then key chunk (or query block), then call: the same chunk of forks back to
+         * back although their calls have other counts of chunks */
         int64_t most = 0, t = 0;
-        for (int s = 0; s < m; s++)
-            most = task0[s + 1] - task0[s] > most ? task0[s + 1] - task0[s] : most;
-        for (int64_t k = 0; k < most; k++)
-            for (int s = 0; s < m; s++)
-                if (k < task0[s + 1] - task0[s])
-                    order[t++] = (struct att_batch_task){s, (int32_t)k};
+        for (int s = 0; s < m; s++) {
+            const int64_t per = c[s].nchunks > 0 ? c[s].nchunks : c[s].nqb; /* tasks a KV head */
+            most = per > most ? per : most;
+        }
+        for (int g = 0; g < c[0].n_kv; g++)
+            for (int64_t k = 0; k < most; k++)
+                for (int s = 0; s < m; s++) {
+                    if (c[s].nchunks > 0 && k < c[s].nchunks) /* att_task_chunks: g * nchunks + chunk */
+                        order[t++] = (struct att_batch_task){s, (int32_t)(g * c[s].nchunks + k)};
+                    else if (c[s].nchunks == 0 && k < c[s].nqb) /* att_task_blocks: block * n_kv + g */
+                        order[t++] = (struct att_batch_task){s, (int32_t)(k * c[s].n_kv + g)};
+                }
         struct att_batch b = {.c = c, .order = order};
         if (macs < ATT_INLINE_MACS)
             att_task_batch(&b, 0, task0[m], 0);
