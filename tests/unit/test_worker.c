@@ -378,22 +378,38 @@ static void fixed_ids(const struct fixture *f, uint32_t *tokens, int n)
         tokens[i] = (uint32_t)f->tiny->ids[i];
 }
 
-/* STATS from the admin endpoint: the value of metric `name`. */
-static double stat(struct fixture *f, const char *name)
+/* STATS from the admin endpoint: whether it has metric `name`, and its value into *v. */
+static bool stat_find(struct fixture *f, const char *name, double *v)
 {
     Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_STATS;
     req.stats = &sr;
     Snapkv__Reply *rep = admin_call(f, &req);
-    double v = -1;
+    bool found = false;
     for (size_t i = 0; i < rep->stats->n_stats; i++)
-        if (strcmp(rep->stats->stats[i]->name, name) == 0)
-            v = rep->stats->stats[i]->value;
+        if (strcmp(rep->stats->stats[i]->name, name) == 0) {
+            *v = rep->stats->stats[i]->value;
+            found = true;
+        }
     snapkv__reply__free_unpacked(rep, NULL);
-    if (v < 0)
+    return found;
+}
+
+/* The value of metric `name` (it must be there). */
+static double stat(struct fixture *f, const char *name)
+{
+    double v = 0;
+    if (!stat_find(f, name, &v))
         fail_msg("no metric %s", name);
     return v;
+}
+
+/* The value of metric `name`, 0 when there is none (a tenant's row before its first request). */
+static double stat_or_0(struct fixture *f, const char *name)
+{
+    double v = 0;
+    return stat_find(f, name, &v) ? v : 0;
 }
 
 static int setup(void **state)
@@ -978,21 +994,6 @@ static void persist_on(struct fixture *f, char *dir, const char *interval);
 static void persist_off(struct fixture *f, const char *dir);
 static void restart(struct fixture *f);
 
-/* STATS' value of metric `name`, 0 when there is none (a tenant's row before its first request). */
-static double stat_or_0(struct fixture *f, const char *name)
-{
-    Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_STATS;
-    req.stats = &sr;
-    Snapkv__Reply *rep = admin_call(f, &req);
-    double v = 0;
-    for (size_t i = 0; i < rep->stats->n_stats; i++)
-        if (strcmp(rep->stats->stats[i]->name, name) == 0)
-            v = rep->stats->stats[i]->value;
-    snapkv__reply__free_unpacked(rep, NULL);
-    return v;
-}
 
 /* Kept prefixes under a random mix of one-shot clients of two tenants (three documents' starts,
  * questions from a random token on, 16 to 64 tokens), EVICTs of a tenant and restarts with
