@@ -994,7 +994,6 @@ static void persist_on(struct fixture *f, char *dir, const char *interval);
 static void persist_off(struct fixture *f, const char *dir);
 static void restart(struct fixture *f);
 
-
 /* Kept prefixes under a random mix of one-shot clients of two tenants (three documents' starts,
  * questions from a random token on, 16 to 64 tokens), EVICTs of a tenant and restarts with
  * persist: with no session held, the pool's blocks in use are the kept prefixes' and
