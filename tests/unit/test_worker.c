@@ -986,8 +986,6 @@ static void test_prefix_retain_shared(void **state)
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 4 * unit * bb);
     assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 1);
-    f->cfg.prefix_retain_bytes = 0;
-    f->cfg.prefix_reuse = false;
 }
 
 static void persist_on(struct fixture *f, char *dir, const char *interval);
@@ -1050,8 +1048,6 @@ static void test_prefix_retain_random(void **state)
     printf("# %d restarts, %d EVICTs; at most %llu of %llu bytes kept, %.0f kept prefixes at the end\n", restarts,
            evicts, (unsigned long long)most, (unsigned long long)cap, stat(f, "snapkv_prefix_retained"));
     assert_true(restarts > 2 && evicts > 2 && most > cap / 2);
-    f->cfg.prefix_retain_bytes = 0;
-    f->cfg.prefix_reuse = false;
     persist_off(f, dir);
 }
 
@@ -3888,9 +3884,6 @@ static void test_persist_kept(void **state)
             assert_int_equal(prefill_reused(f, "v", 64, x), 0);
         }
     }
-    assert_int_equal(skv_config_set(&f->cfg, "kv-type", "f32"), SKV_OK);
-    f->cfg.prefix_retain_bytes = 0;
-    f->cfg.prefix_reuse = false;
     persist_off(f, dir);
 }
 
@@ -3925,8 +3918,6 @@ static void test_persist_kept_store_fails(void **state)
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(listed(f, a, NULL, NULL), 32);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
-    f->cfg.prefix_retain_bytes = 0;
-    f->cfg.prefix_reuse = false;
     persist_off(f, dir);
 }
 
