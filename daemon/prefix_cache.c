@@ -77,13 +77,18 @@ void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry
     e->used = ++pc->uses;
 }
 
-uint64_t skv_prefix_entry_alone_bytes(struct skv_prefix_cache *pc, const struct skv_prefix_entry *e)
+/* e's blocks not marked `mark` yet whose every holder is a kept prefix; marks them. */
+static uint64_t kept_only_blocks(const struct skv_prefix_entry *e, uint64_t mark)
 {
-    const uint64_t mark = next_mark(pc);
     uint64_t n = 0;
     for (int i = 0; i < e->cache->n_layers * e->cache->n_kv_heads; i++)
         n += skv_kv_pool_count_kept_only(e->cache->pool, e->cache->heads[i].blk, e->cache->heads[i].n_blocks, mark);
-    return n * skv_kv_pool_block_bytes(e->cache->pool);
+    return n;
+}
+
+uint64_t skv_prefix_entry_alone_bytes(struct skv_prefix_cache *pc, const struct skv_prefix_entry *e)
+{
+    return kept_only_blocks(e, next_mark(pc)) * skv_kv_pool_block_bytes(e->cache->pool);
 }
 
 uint64_t skv_prefix_cache_tenant_bytes(struct skv_prefix_cache *pc, const char *tenant, bool alone)
@@ -97,9 +102,7 @@ uint64_t skv_prefix_cache_tenant_bytes(struct skv_prefix_cache *pc, const char *
     const uint64_t mark = next_mark(pc);
     for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
         if (strcmp(e->tenant, tenant) == 0)
-            for (int i = 0; i < e->cache->n_layers * e->cache->n_kv_heads; i++)
-                bytes += skv_kv_pool_count_kept_only(e->cache->pool, e->cache->heads[i].blk,
-                                                     e->cache->heads[i].n_blocks, mark);
+            bytes += kept_only_blocks(e, mark);
     return bytes * block_bytes(pc);
 }
 

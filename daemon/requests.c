@@ -2701,6 +2701,12 @@ const unsigned char *skv_requests_rows_id(struct skv_worker *w)
     return w->rows_id;
 }
 
+/* skv_requests_rows_id in hex (what a persist manifest records). */
+static void rows_id_hex(struct skv_worker *w, char out[2 * ROWS_ID_BYTES + 1])
+{
+    sodium_bin2hex(out, 2 * ROWS_ID_BYTES + 1, skv_requests_rows_id(w), ROWS_ID_BYTES);
+}
+
 /* The trailer's sum: over the file's checksum and the trailer before its own sum. */
 static void rows_sum(const unsigned char file_sum[32], const struct save_rows *t, unsigned char out[16])
 {
@@ -4161,7 +4167,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     if (doc && kept_saved > 0 && json_object_set_new(doc, "kept", json_incref(kept_json)))
         kept_saved = 0; /* no memory: the manifest names none of their files */
     char rows_id[2 * ROWS_ID_BYTES + 1];
-    sodium_bin2hex(rows_id, sizeof rows_id, skv_requests_rows_id(w), ROWS_ID_BYTES);
+    rows_id_hex(w, rows_id);
     if (doc)
         json_object_set_new(doc, "rows_id", json_string(rows_id));
     if (doc && store) {
@@ -4350,7 +4356,7 @@ static const char *manifest_rows_differ(struct skv_worker *w, const json_t *doc)
     const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
     const char *saved_id = json_string_value(json_object_get(doc, "rows_id"));
     char mine[2 * ROWS_ID_BYTES + 1];
-    sodium_bin2hex(mine, sizeof mine, skv_requests_rows_id(w), ROWS_ID_BYTES);
+    rows_id_hex(w, mine);
     if (!saved_type || strcmp(saved_type, w->cfg->kv_type ? w->cfg->kv_type : "f32") != 0)
         return "they were saved from another kv-type";
     if (!saved_id || strcmp(saved_id, mine) != 0)
@@ -4362,15 +4368,15 @@ static const char *manifest_rows_differ(struct skv_worker *w, const json_t *doc)
  * loaded as a session and kept again under its id as RELEASE keeps one, idle as long as at the
  * stop. They come before the sessions: a cache, they go when a session needs their room, as
  * they would while serving. Only where their rows serve as they did: prefix reuse on, a cap,
- * the same KV type (the files hold f32). Returns how many came back (*n: how many were named). */
+ * rows_differ NULL (manifest_rows_differ). Returns how many came back (*n: how many were named). */
 static int persist_restore_kept(struct skv_worker *w, const json_t *doc, const char *dir, struct restore *r,
-                                size_t *n)
+                                const char *rows_differ, size_t *n)
 {
     const json_t *list = json_object_get(doc, "kept");
     *n = json_array_size(list);
     const char *why = !w->cfg->prefix_reuse ? "prefix-reuse is off"
                       : !w->prefix.cap      ? "prefix-retain-bytes is 0"
-                                            : manifest_rows_differ(w, doc);
+                                            : rows_differ;
     if (*n && why) {
         skv_log(SKV_LOG_INFO, "persist: %zu kept prefix(es) not restored: %s", *n, why);
         return 0;
@@ -4467,9 +4473,9 @@ int skv_requests_persist_restore(struct skv_worker *w)
     if (skv_kv_dedupe_new(w->m->kv_pool, &r.dedupe)) /* without it each older file keeps its own blocks */
         r.dedupe = NULL;
     size_t n_kept = 0;
-    int kept = persist_restore_kept(w, doc, dir, &r, &n_kept);
     const char *rows_differ = manifest_rows_differ(w, doc);
-    bool rows_serve = !rows_differ;
+    const bool rows_serve = !rows_differ;
+    int kept = persist_restore_kept(w, doc, dir, &r, rows_differ, &n_kept);
     if (rows_differ && n)
         skv_log(SKV_LOG_INFO, "persist: the restored sessions' rows do not serve prefix reuse: %s", rows_differ);
     bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);

@@ -517,17 +517,26 @@ static void att_row(const float *q, const float *const *k, const float *const *v
  * the kernels read rows through these, so a paged view computes exactly what the
  * contiguous one does (same tiles, same order). An f16 or q8_0 view's rows are widened into kvt
  * ([2][ATT_BK][d]) first, exactly, so the kernels see the f32 view of the same values. */
+/* Keys [kb, kb + nk) of KV head g of an f16 / q8_0 view as f32: K rows into k, V rows into v
+ * ([nk][head_dim] each). */
+static void widen_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk, float *k, float *v)
+{
+    const int64_t d = kv->head_dim;
+    for (int j = 0; j < nk; j++) {
+        skv_cpu_kv_widen(k + j * d, skv_kv_view_row_raw(kv, g, 0, kb + j), kv->kv_type, d);
+        skv_cpu_kv_widen(v + j * d, skv_kv_view_row_raw(kv, g, 1, kb + j), kv->kv_type, d);
+    }
+}
+
 static void tile_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk,
                       const float **krow, const float **vrow, float *kvt)
 {
     const int64_t d = kv->head_dim;
     if (kv->kv_type != SKV_DTYPE_F32) {
+        widen_rows(kv, g, kb, nk, kvt, kvt + (size_t)ATT_BK * d);
         for (int j = 0; j < nk; j++) {
-            float *kt = kvt + (size_t)j * d, *vt = kvt + ((size_t)ATT_BK + j) * d;
-            skv_cpu_kv_widen(kt, skv_kv_view_row_raw(kv, g, 0, kb + j), kv->kv_type, d);
-            skv_cpu_kv_widen(vt, skv_kv_view_row_raw(kv, g, 1, kb + j), kv->kv_type, d);
-            krow[j] = kt;
-            vrow[j] = vt;
+            krow[j] = kvt + (size_t)j * d;
+            vrow[j] = kvt + ((size_t)ATT_BK + j) * d;
         }
         return;
     }
@@ -643,8 +652,6 @@ static size_t memo_floats_for(size_t cap, int d)
     return memo_head_floats(cap) + round16(2 * cap * (size_t)d);
 }
 
-/* Keys [ks, ke) of KV head g widened in the memo (cap rows at most), from the raw rows unless
- * it holds those already; their K rows into *k, V rows into *v ([ke - ks][d] each). */
 /* The memo's rows for keys [ks, ke) of KV head g (cap rows at most): *k its K rows, *v its V
  * rows ([ke - ks][d] each). Returns whether it holds them widened already; if not, it is named
  * for them now and the caller widens them in, tile by tile as it reads them (memo_fill), so a
@@ -667,15 +674,6 @@ static bool memo_rows(const struct att_ctx *c, int g, int64_t ks, int64_t ke, st
     return false;
 }
 
-/* Widens keys [kb, kb + nk) of KV head g into the memo's rows k, v (which start at key ks). */
-static void memo_fill(const struct att_ctx *c, int g, int64_t ks, int64_t kb, int nk, float *k, float *v)
-{
-    const int64_t d = c->d;
-    for (int j = 0; j < nk; j++) {
-        skv_cpu_kv_widen(k + (kb - ks + j) * d, skv_kv_view_row_raw(c->kv, g, 0, kb + j), c->kv->kv_type, d);
-        skv_cpu_kv_widen(v + (kb - ks + j) * d, skv_kv_view_row_raw(c->kv, g, 1, kb + j), c->kv->kv_type, d);
-    }
-}
 
 /* Row kernels: queries [i0, i1) of KV group g over keys [ks, ke), each row limited causally;
  * state in b (m, l, acc must be initialized). */
@@ -692,7 +690,7 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
     for (int64_t kb = ks; kb < ke; kb += ATT_BK) {
         const int64_t nblk = ke - kb < ATT_BK ? ke - kb : ATT_BK;
         if (memo && !held)
-            memo_fill(c, g, ks, kb, (int)nblk, mk, mv);
+            widen_rows(c->kv, g, kb, (int)nblk, mk + (size_t)(kb - ks) * d, mv + (size_t)(kb - ks) * d);
         if (memo)
             for (int j = 0; j < (int)nblk; j++) {
                 krow[j] = mk + (size_t)(kb - ks + j) * d;
@@ -1057,14 +1055,14 @@ static void att_task_batch(void *p, int64_t begin, int64_t end, int tid)
         att_run_tasks(&b->c[b->order[t].seq], b->order[t].task, b->order[t].task + 1, tid);
 }
 
-/* Whether sequence s of the batch's views shares its first key row with another (forks of one
- * prompt do: their first block): only then may its tasks find their rows in a thread's memo, and
- * widening into the memo costs a sequence that shares nothing more than a tile does. */
-static bool shares_rows(const struct skv_kv_view *kv, int m, int s)
+/* Whether sequence s shares its first key row with another of the batch's m (first[]: each
+ * one's, NULL for none; forks of one prompt do: their first block): only then may its tasks find
+ * their rows in a thread's memo, and widening into the memo costs a sequence that shares nothing
+ * more than a tile does. */
+static bool shares_rows(const void *const *first, int m, int s)
 {
-    const void *first = kv[s].n_kv_heads > 0 && kv[s].prefix_len[0] > 0 ? skv_kv_view_row_raw(&kv[s], 0, 0, 0) : NULL;
-    for (int t = 0; first && t < m; t++)
-        if (t != s && kv[t].n_kv_heads > 0 && kv[t].prefix_len[0] > 0 && skv_kv_view_row_raw(&kv[t], 0, 0, 0) == first)
+    for (int t = 0; first[s] && t < m; t++)
+        if (t != s && first[t] == first[s])
             return true;
     return false;
 }
@@ -1087,11 +1085,16 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
         task0[0] = 0;
         size_t memo_cap = 0; /* the longest key chunk of an f16 / q8_0 view sharing rows: the memo's rows */
         bool shared[ATT_BATCH_MAX];
+        const void *first[ATT_BATCH_MAX];
+        for (int s = 0; s < m; s++)
+            first[s] = kv[s0 + s].n_kv_heads > 0 && kv[s0 + s].prefix_len[0] > 0
+                           ? skv_kv_view_row_raw(&kv[s0 + s], 0, 0, 0)
+                           : NULL;
         for (int s = 0; s < m; s++) {
             own[s] = att_plan(&c[s], out + (s0 + s) * qdim, q + (s0 + s) * qdim, 1, n_heads, &kv[s0 + s]);
             own_total += own[s];
             shared[s] = c[s].nchunks > 0 && kv[s0 + s].kv_type != SKV_DTYPE_F32 && !use_wide((size_t)c[s].group) &&
-                        shares_rows(kv + s0, m, s); /* (the wide kernels read tiles) */
+                        shares_rows(first, m, s); /* (the wide kernels read tiles) */
             if (shared[s] && (size_t)c[s].chunk > memo_cap)
                 memo_cap = (size_t)c[s].chunk;
         }
