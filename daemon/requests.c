@@ -4008,59 +4008,92 @@ struct kept_saved { /* a kept prefix a save wrote or kept, recorded in it when t
     unsigned char sum[32];
 };
 
+/* A save that does not write kept prefix `shell` (past persist-max-seconds, a request waiting,
+ * the store broken, its write failed) names its file of before where it has one in this same
+ * store, as persist_carry does a session's at a checkpoint; at a stop too, since a kept prefix
+ * never changes: that file holds it as it is. */
+static bool kept_carry(const struct skv_session *shell, const char *hex, const struct skv_kv_store *store,
+                       bool fresh, json_t *list, struct kept_saved *p, struct skv_prefix_entry *e, uint64_t now)
+{
+    if (!store || fresh || !shell->persist_gen)
+        return false;
+    json_t *entry = manifest_entry(hex, shell->persist_gen, shell, shell->computed_rows, now);
+    if (!entry || json_array_append_new(list, entry))
+        return false;
+    *p = (struct kept_saved){e, shell->persist_gen, {0}};
+    memcpy(p->sum, shell->persist_sum, sizeof p->sum);
+    return true;
+}
+
 /* The kept prefixes' files of a save of generation gen and their manifest entries (into
  * list), the most recently used first, after the sessions: they are a cache, so they take what
- * time the sessions left (persist-max-seconds from t0; past it a checkpoint names the file of
- * before of one that has one in this store, as persist_carry does a session's) and a failure of
- * one costs that one (the block store's costs them all: persist_write). Returns how many were
- * saved into saved[] (n_kept entries of room), or -1 when a request arrived (give_way). */
+ * time the sessions left (persist-max-seconds from t0) and, at a checkpoint, give way to a
+ * client's request; one not written then, or once the store breaks, or whose write fails, keeps
+ * its file of before where it has one (kept_carry). A failure of one costs that one (the block
+ * store's costs those written now: persist_write, kept_keep_older). Returns how many were saved
+ * into saved[] (n_kept entries of room); *bytes and *written get their files'. */
 static int persist_kept(struct skv_worker *w, const char *dir, uint64_t gen, struct skv_kv_store *store, bool fresh,
-                        bool checkpoint, bool give_way, uint64_t t0, json_t *list, struct skv_prefix_entry **kept,
-                        int n_kept, struct kept_saved *saved, uint64_t *bytes, int *written)
+                        bool give_way, uint64_t t0, json_t *list, struct skv_prefix_entry **kept, int n_kept,
+                        struct kept_saved *saved, uint64_t *bytes, int *written)
 {
-    int n = 0, late = 0;
+    int n = 0, late = 0, failed = 0;
+    bool waiting = false, broken = false;
     uint64_t now = skv_now_ms();
     for (int i = 0; i < n_kept; i++) {
-        if (give_way && skv_worker_has_queued(w))
-            return -1;
+        waiting = waiting || (give_way && skv_worker_has_queued(w));
         struct skv_session shell;
         kept_shell(kept[i], &shell);
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(shell.id, hex);
         struct kept_saved *p = &saved[n];
-        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
-            /* a checkpoint names the file of before of one that has it, as it does a session's */
-            json_t *entry = checkpoint && store && !fresh && shell.persist_gen
-                                ? manifest_entry(hex, shell.persist_gen, &shell, shell.computed_rows, now)
-                                : NULL;
-            if (entry && !json_array_append_new(list, entry)) {
-                *p = (struct kept_saved){kept[i], shell.persist_gen, {0}};
-                memcpy(p->sum, shell.persist_sum, sizeof p->sum);
+        if (waiting || broken || skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
+            if (kept_carry(&shell, hex, store, fresh, list, p, kept[i], now))
                 n++;
-            } else {
+            else
                 late++;
-            }
             continue;
         }
         long size = 0;
         if (persist_session(w, &shell, dir, hex, gen, store, fresh, &p->gen, p->sum, &size)) {
-            skv_log(SKV_LOG_WARN, "persist: kept prefix %s not saved: %s", hex, skv_error_msg());
-            if (store && !skv_kv_store_usable(store))
-                break;
+            skv_log(SKV_LOG_WARN, "persist: kept prefix %s not written: %s", hex, skv_error_msg());
+            broken = store && !skv_kv_store_usable(store); /* its end unknown: none is written after */
+            if (kept_carry(&shell, hex, store, fresh, list, p, kept[i], now))
+                n++;
+            else
+                failed++;
             continue;
         }
         skv_worker_beat(w);
         json_t *entry = manifest_entry(hex, p->gen, &shell, shell.computed_rows, now);
-        if (!entry || json_array_append_new(list, entry))
-            continue; /* no memory: its file is no save's */
+        if (!entry || json_array_append_new(list, entry)) { /* its file is no save's */
+            skv_log(SKV_LOG_WARN, "persist: kept prefix %s not saved: no memory for its manifest entry", hex);
+            failed++;
+            continue;
+        }
         p->e = kept[i];
         *bytes += (uint64_t)size;
         *written += p->gen == gen;
         n++;
     }
-    if (late)
-        skv_log(SKV_LOG_INFO, "persist: %d of %d kept prefix(es) not saved: persist-max-seconds passed", late, n_kept);
+    if (late || failed)
+        skv_log(SKV_LOG_INFO, "persist: %d of %d kept prefix(es) not saved: %d failed, %d not written (%s)",
+                late + failed, n_kept, failed, late,
+                broken ? "the block store failed" : waiting ? "a request waits" : "persist-max-seconds passed");
     return n;
+}
+
+/* The block store broke on the kept prefixes' blocks: of saved[0, n) (entries of list in order)
+ * keeps those whose file is of an earlier save than gen, whose blocks were in the store before
+ * this one. Returns how many. */
+static int kept_keep_older(json_t *list, struct kept_saved *saved, int n, uint64_t gen)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (saved[i].gen != gen)
+            saved[k++] = saved[i];
+        else
+            json_array_remove(list, (size_t)k);
+    return k;
 }
 
 static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
@@ -4132,7 +4165,9 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     struct skv_prefix_entry **kept = calloc((size_t)(n_kept ? n_kept : 1), sizeof *kept);
     struct kept_saved *kept_list = calloc((size_t)(n_kept ? n_kept : 1), sizeof *kept_list);
     json_t *kept_json = json_array();
-    bool kept_ran = false;
+    bool kept_ran = false, kept_lost = false;
+    uint64_t kept_bytes = 0;
+    int kept_written = 0;
     uint32_t named = 0; /* the store's blocks with the sessions' on disk, before the kept prefixes' */
     if (n_kept && !stopped && !rc && kept && kept_list && kept_json) {
         /* the sessions' blocks on disk first: a failed write of the kept prefixes' costs them
@@ -4143,9 +4178,8 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
             for (struct skv_prefix_entry *e = w->prefix.head; e && i < n_kept; e = e->next)
                 kept[i++] = e;
             qsort(kept, (size_t)i, sizeof *kept, by_recent_use);
-            kept_saved = persist_kept(w, dir, gen, store, fresh, checkpoint, give_way, t0, kept_json, kept, i,
-                                      kept_list, &bytes, &written);
-            stopped = kept_saved < 0;
+            kept_saved = persist_kept(w, dir, gen, store, fresh, give_way, t0, kept_json, kept, i, kept_list,
+                                      &kept_bytes, &kept_written);
             kept_ran = true;
         }
     } else if (n_kept && !stopped && !rc) {
@@ -4155,21 +4189,28 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     bytes += store ? skv_kv_store_appended_bytes(store) : 0;
     if (!rc && store) /* on disk before the manifest names files that need it */
         rc = skv_kv_store_finish(store);
-    if (rc && kept_ran && store && !stopped) { /* the store broke on the kept prefixes' blocks */
-        skv_log(SKV_LOG_WARN, "persist: the kept prefixes' blocks could not be written (%s): saved without them",
-                skv_error_msg());
+    if (rc && kept_ran && store) { /* the store broke on the kept prefixes' blocks */
+        skv_log(SKV_LOG_WARN, "persist: the kept prefixes' blocks could not be written (%s): saved without those "
+                "written now", skv_error_msg());
         rc = SKV_OK;
-        kept_saved = 0;
+        kept_saved = kept_keep_older(kept_json, kept_list, kept_saved, gen);
+        kept_lost = true;
+        kept_bytes = 0;
+        kept_written = 0;
     }
-    uint32_t store_blocks = store ? (kept_saved > 0 || !kept_ran ? skv_kv_store_blocks(store) : named) : 0;
+    bytes += kept_bytes;
+    written += kept_written;
+    uint32_t store_blocks = store ? (kept_lost ? named : skv_kv_store_blocks(store)) : 0;
     json_t *doc = json_pack("{s:i, s:I, s:o, s:s}", "version", 1, "generation", (json_int_t)gen, "sessions", list,
                             "kv_type", w->cfg->kv_type ? w->cfg->kv_type : "f32");
     if (doc && kept_saved > 0 && json_object_set_new(doc, "kept", json_incref(kept_json)))
         kept_saved = 0; /* no memory: the manifest names none of their files */
     char rows_id[2 * ROWS_ID_BYTES + 1];
     rows_id_hex(w, rows_id);
-    if (doc)
+    if (doc) {
         json_object_set_new(doc, "rows_id", json_string(rows_id));
+        json_object_set_new(doc, "backend", json_string(w->m->be->name));
+    }
     if (doc && store) {
         json_object_set_new(doc, "store", json_string(store_name));
         json_object_set_new(doc, "store_blocks", json_integer(store_blocks));
@@ -4349,8 +4390,9 @@ static bool *persist_over_limit(const json_t *list, size_t n, int64_t max_sessio
  * daemon that saved them must compute rows as this one does, the same rows_id
  * (skv_requests_rows_id: executable, libraries, CPU, model, kv-type, block size; a manifest
  * without one is of a daemon from before, another build), or, where neither knows its rows_id
- * (a backend other than the CPU), the same kv-type (a file holds f32; f16 rows come back into an
- * f32 pool rounded). */
+ * (a backend other than the CPU), the same backend and kv-type (a file holds f32; f16 rows come
+ * back into an f32 pool rounded). A CPU daemon that could not work out its rows_id matches
+ * nothing. */
 static const char *manifest_rows_differ(struct skv_worker *w, const json_t *doc)
 {
     const char *saved_type = json_string_value(json_object_get(doc, "kv_type"));
@@ -4361,6 +4403,12 @@ static const char *manifest_rows_differ(struct skv_worker *w, const json_t *doc)
         return "they were saved from another kv-type";
     if (!saved_id || strcmp(saved_id, mine) != 0)
         return "they were saved by a daemon that computes rows otherwise (another build, CPU, or kv-block-tokens)";
+    const bool unknown = sodium_is_zero(skv_requests_rows_id(w), ROWS_ID_BYTES);
+    const char *saved_be = json_string_value(json_object_get(doc, "backend"));
+    if (unknown && strcmp(w->m->be->name, "cpu") == 0) /* its executable could not be read */
+        return "this daemon cannot tell how it computes rows (its executable could not be read)";
+    if (unknown && (!saved_be || strcmp(saved_be, w->m->be->name) != 0))
+        return "they were saved by a daemon on another backend";
     return NULL;
 }
 
@@ -4396,6 +4444,8 @@ static int persist_restore_kept(struct skv_worker *w, const json_t *doc, const c
             skv_session_id_hex(id, hex);
         if (!rc && skv_prefix_cache_find_id(&w->prefix, id))
             rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
+        if (!rc && idle > (uint64_t)w->cfg->lease_seconds * 1000) /* it would expire at the first second */
+            rc = skv_errorf(SKV_E_LIMIT, "idle past lease-seconds (%lld s)", (long long)w->cfg->lease_seconds);
         if (!rc) {
             persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
             snprintf(file, sizeof file, "%s/%s", dir, name);
@@ -4430,6 +4480,23 @@ static int persist_restore_kept(struct skv_worker *w, const json_t *doc, const c
         restored++;
     }
     return restored;
+}
+
+/* How many of the kept prefixes a manifest names the daemon holds. */
+static int kept_held(struct skv_worker *w, const json_t *doc)
+{
+    const json_t *list = json_object_get(doc, "kept");
+    int n = 0;
+    for (size_t k = 0; k < json_array_size(list); k++) {
+        uint8_t id[SKV_SESSION_ID_BYTES];
+        const char *tenant, *owner;
+        bool pinned;
+        uint32_t lease;
+        uint64_t idle;
+        n += !persist_entry(json_array_get(list, k), id, &tenant, &owner, &pinned, &lease, &idle) &&
+             skv_prefix_cache_find_id(&w->prefix, id);
+    }
+    return n;
 }
 
 int skv_requests_persist_restore(struct skv_worker *w)
@@ -4497,6 +4564,8 @@ int skv_requests_persist_restore(struct skv_worker *w)
                             (long long)w->cfg->max_sessions_per_tenant);
         if (!rc && skv_session_find(w->sessions, id, NULL)) /* before its charge could evict another */
             rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
+        if (!rc && skv_prefix_cache_drop_id(&w->prefix, id)) /* one id, one file: the session's */
+            skv_log(SKV_LOG_WARN, "persist: kept prefix %s dropped: the manifest names a session of its id", hex);
         if (!rc) {
             persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
             snprintf(file, sizeof file, "%s/%s", dir, name);
@@ -4529,6 +4598,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
     }
     free(skip);
     skv_kv_dedupe_free(&r.dedupe);
+    kept = kept_held(w, doc); /* those the sessions' room or a later one's add dropped do not count */
     w->persist_gen = manifest_gen(doc);
     bool keep = w->cfg->persist_interval_seconds > 0, aside = false;
     if (restored - r.evicted < (int)n) {

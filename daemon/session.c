@@ -389,7 +389,9 @@ static uint64_t evictable_bytes(const struct skv_session_table *t, const struct 
 }
 
 /* Marks the blocks that evicting sessions for `except` cannot free: those `except` and every
- * session that may not be evicted hold. Returns the mark (never 0). */
+ * session that may not be evicted hold. Returns the mark (never 0). The kept prefixes' walks
+ * (cache_held, cache_drop) write the same field, so none may run between this and the last use
+ * of its mark: the pressure hooks run before it, and on_evict (a spill) walks no kept prefix. */
 static uint64_t mark_kept(struct skv_session_table *t, const struct skv_session *except)
 {
     t->mark += 2;

@@ -1015,8 +1015,8 @@ static void *worker_main(void *arg)
             int n = skv_session_expire(w->sessions, now);
             if (n)
                 skv_log(SKV_LOG_INFO, "released %d session(s) past their lease", n);
-            skv_prefix_cache_expire(&w->prefix, now, (uint64_t)w->cfg->lease_seconds * 1000);
-            w->persist_dirty |= n > 0;
+            int dropped = skv_prefix_cache_expire(&w->prefix, now, (uint64_t)w->cfg->lease_seconds * 1000);
+            w->persist_dirty |= n > 0 || dropped > 0; /* a checkpoint would restore them */
             last_expire = now;
             publish_tenants(w);
             maybe_checkpoint(w, now);

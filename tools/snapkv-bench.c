@@ -651,9 +651,6 @@ static uint64_t decode_weight_bytes(const struct skv_model *m)
     return b;
 }
 
-/* Prefill and decode speed. With --compress SPEC every prefill (the timed ones and the one
- * that builds each decode depth) compresses as it goes, the compressor's share of the prefill
- * is timed (the backend synchronized around it), and decode runs with the decode-time hook. */
 /* Gives cache a copy of each row it shares with another (speed --private: a batch of sessions
  * that share nothing, as independent clients' are): each head's rows read out and written
  * back, which copies the shared blocks. */
@@ -679,6 +676,9 @@ static int unshare_rows(struct skv_kv_cache *cache)
     return rc;
 }
 
+/* Prefill and decode speed. With --compress SPEC every prefill (the timed ones and the one
+ * that builds each decode depth) compresses as it goes, the compressor's share of the prefill
+ * is timed (the backend synchronized around it), and decode runs with the decode-time hook. */
 static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_model *m)
 {
     int prefill[16], depth[16], append[16];

@@ -513,10 +513,6 @@ static void att_row(const float *q, const float *const *k, const float *const *v
 
 /* ---- tiles ------------------------------------------------------------------------ */
 
-/* Row pointers of keys [kb, kb + nk) of KV head g (nk <= ATT_BK), in either view layout:
- * the kernels read rows through these, so a paged view computes exactly what the
- * contiguous one does (same tiles, same order). An f16 or q8_0 view's rows are widened into kvt
- * ([2][ATT_BK][d]) first, exactly, so the kernels see the f32 view of the same values. */
 /* Keys [kb, kb + nk) of KV head g of an f16 / q8_0 view as f32: K rows into k, V rows into v
  * ([nk][head_dim] each). */
 static void widen_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk, float *k, float *v)
@@ -528,6 +524,10 @@ static void widen_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk, 
     }
 }
 
+/* Row pointers of keys [kb, kb + nk) of KV head g (nk <= ATT_BK), in either view layout:
+ * the kernels read rows through these, so a paged view computes exactly what the
+ * contiguous one does (same tiles, same order). An f16 or q8_0 view's rows are widened into kvt
+ * ([2][ATT_BK][d]) first, exactly, so the kernels see the f32 view of the same values. */
 static void tile_rows(const struct skv_kv_view *kv, int g, int64_t kb, int nk,
                       const float **krow, const float **vrow, float *kvt)
 {
@@ -654,7 +654,7 @@ static size_t memo_floats_for(size_t cap, int d)
 
 /* The memo's rows for keys [ks, ke) of KV head g (cap rows at most): *k its K rows, *v its V
  * rows ([ke - ks][d] each). Returns whether it holds them widened already; if not, it is named
- * for them now and the caller widens them in, tile by tile as it reads them (memo_fill), so a
+ * for them now and the caller widens them in, tile by tile as it reads them (widen_rows), so a
  * miss reads its rows as the tile path does. */
 static bool memo_rows(const struct att_ctx *c, int g, int64_t ks, int64_t ke, struct att_memo *memo,
                       float **k, float **v)

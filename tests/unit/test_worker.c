@@ -37,6 +37,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <glob.h>
+#include <jansson.h>
 #include <pthread.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -3921,6 +3922,115 @@ static void test_persist_kept_store_fails(void **state)
     persist_off(f, dir);
 }
 
+/* A save whose block store fails on a kept prefix's new blocks keeps the kept prefixes the
+ * store held before: with checkpoints on the store goes on across the restart, so the one
+ * restored from it is named again, the one added since (written first: the most recently
+ * used) fails, and the restart brings back the first and not the second. */
+static void test_persist_kept_store_fails_later(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[300], path[512];
+    f->cfg.prefix_reuse = true;
+    f->cfg.prefix_retain_bytes = INT64_C(1) << 26;
+    persist_on(f, dir, "3600"); /* the store goes on; no checkpoint comes in this test */
+    snprintf(pdir, sizeof pdir, "%s/persist", dir);
+    uint8_t first[8][16], ids[8][16];
+    char tenants[8];
+    uint32_t tokens[8];
+    assert_int_equal(prefill_release(f, "u", 5, 48), 0); /* 3 blocks a layer and KV head */
+    restart(f);
+    assert_int_equal(kept_listed(f, first, tenants, tokens), 1);
+    assert_int_equal(prefill_release(f, "t", 7, 64), 0); /* 4 more, never written */
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    only_match(pdir, "blocks-*.skvb", path, sizeof path);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const long block = 2L * 16 * mc->head_dim * 4 + 16, units = (long)mc->n_layers * mc->n_kv_heads;
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = (rlim_t)(file_size(path) + 2 * units * block); /* t's 4 do not fit */
+    void (*was)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    skv_worker_stop(&f->w);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, was);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(kept_listed(f, ids, tenants, tokens), 1);
+    assert_memory_equal(ids[0], first[0], 16);
+    assert_int_equal(tokens[0], 48);
+    assert_int_equal(prefill_release(f, "u", 5, 48), 32); /* its rows serve */
+    persist_off(f, dir);
+}
+
+/* The entry of a persist manifest's list (sessions or kept) whose id is hex, or NULL. */
+static json_t *manifest_find(json_t *doc, const char *list, const char *hex)
+{
+    json_t *l = json_object_get(doc, list);
+    for (size_t i = 0; i < json_array_size(l); i++) {
+        json_t *e = json_array_get(l, i);
+        if (strcmp(json_string_value(json_object_get(e, "id")), hex) == 0)
+            return e;
+    }
+    return NULL;
+}
+
+/* Kept prefixes a manifest names that do not come back: one idle past lease-seconds (it would
+ * expire at the first second), and one under the id of a session the manifest also names (the
+ * session comes back, and stays itself across the next restart: before, the kept prefix's file
+ * took the name of the session's at the next save); a third comes back as saved. */
+static void test_persist_kept_manifest(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[512], moved[512], mpath[300];
+    f->cfg.prefix_reuse = true;
+    f->cfg.prefix_retain_bytes = INT64_C(1) << 26;
+    persist_on(f, dir, "0");
+    uint8_t s[16], ids[8][16];
+    char tenants[8];
+    uint32_t tokens[8];
+    assert_int_equal(prefill_release(f, "t", 3, 32), 0);
+    assert_int_equal(prefill_release(f, "u", 5, 48), 0);
+    assert_int_equal(prefill_release(f, "w", 7, 32), 0);
+    prefill_for(f, "v", 40, "policy=full", s);
+    assert_int_equal(kept_listed(f, ids, tenants, tokens), 3);
+    skv_worker_stop(&f->w);
+    snprintf(mpath, sizeof mpath, "%s/persist/sessions.json", dir);
+    json_error_t err;
+    json_t *doc = json_load_file(mpath, 0, &err);
+    assert_non_null(doc);
+    char hex[3][33], shex[33];
+    for (int k = 0; k < 16; k++)
+        snprintf(shex + 2 * k, 3, "%02x", s[k]);
+    for (int i = 0; i < 3; i++)
+        for (int k = 0; k < 16; k++)
+            snprintf(hex[i] + 2 * k, 3, "%02x", ids[i][k]);
+    int kt = tenants[0] == 't' ? 0 : tenants[1] == 't' ? 1 : 2, ku = tenants[0] == 'u' ? 0 : tenants[1] == 'u' ? 1 : 2;
+    json_t *et = manifest_find(doc, "kept", hex[kt]), *eu = manifest_find(doc, "kept", hex[ku]);
+    assert_non_null(et);
+    assert_non_null(eu);
+    json_object_set_new(et, "idle_ms", json_integer((json_int_t)f->cfg.lease_seconds * 1000 + 1000));
+    /* u's under v's id, its file renamed to match, under a generation of its own */
+    json_int_t gen = json_integer_value(json_object_get(eu, "file_generation"));
+    snprintf(path, sizeof path, "%s/persist/%s-%lld.skv", dir, hex[ku], (long long)gen);
+    snprintf(moved, sizeof moved, "%s/persist/%s-%lld.skv", dir, shex, (long long)gen + 100);
+    assert_int_equal(rename(path, moved), 0);
+    json_object_set_new(eu, "id", json_string(shex));
+    json_object_set_new(eu, "file_generation", json_integer(gen + 100));
+    assert_int_equal(json_dump_file(doc, mpath, JSON_COMPACT), 0);
+    json_decref(doc);
+    for (int round = 0; round < 2; round++) {
+        assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+        uint8_t after[8][16];
+        assert_int_equal(kept_listed(f, after, tenants, tokens), 1);
+        assert_int_equal(tenants[0], 'w');
+        assert_int_equal(tokens[0], 32);
+        assert_int_equal(listed(f, s, NULL, NULL), 40);
+        skv_worker_stop(&f->w);
+    }
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    persist_off(f, dir);
+}
+
 /* Rewrites the version-6 persist file at path as the version 5 that daemons wrote before it:
  * each head's count of store blocks goes (it must be its full blocks: no partly filled one
  * shared), the version field says 5 and the BLAKE2b after it is computed again. The layout
@@ -4953,6 +5063,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept_store_fails, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_kept_store_fails_later, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_kept_manifest, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_share, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_stops, setup, teardown),
         cmocka_unit_test(test_store_urls),
