@@ -331,8 +331,10 @@ int snapkv_admin_unpin(snapkv_client_t *c, const struct snapkv_session_id *id)
 static int check_name(const char *name, const char *what)
 {
     size_t n = name ? strlen(name) : 0;
-    if (n == 0 || n > 64 || strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+    if (n == 0 || n > 64)
         return skv_client_fail(SNAPKV_E_INVAL, "%s: a name of 1 to 64 characters is required", what);
+    if (name[0] == '.')
+        return skv_client_fail(SNAPKV_E_INVAL, "%s: name '%s' may not start with '.'", what, name);
     for (size_t i = 0; i < n; i++) {
         char ch = name[i];
         bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||

@@ -152,12 +152,12 @@ static int check_events(snapkv_client_t *c, bool *lost, bool past)
         }
         if (event == ZMQ_EVENT_DISCONNECTED && lost) {
             *lost = true;
-        } else if (past) {
-            if (event & HANDSHAKE_FAILURES) {
-                c->refused_event = event;
-                c->refused_value = value;
-            }
-        } else {
+        } else if (event & HANDSHAKE_FAILURES) {
+            c->refused_event = event; /* the next call fails at once too */
+            c->refused_value = value;
+            if (!past)
+                rc = handshake_failure(c, event, value);
+        } else if (!past) {
             rc = handshake_failure(c, event, value);
         }
     }
@@ -322,6 +322,9 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
         if (c->monitor && (items[1].revents & ZMQ_POLLIN)) {
             bool was_lost = lost;
             if ((rc = check_events(c, &lost, false))) {
+                /* refused: no connection carries the request, nor a reply (the daemon drops, or
+                 * cancels, what a closed connection asked): nothing to CANCEL */
+                *in_flight = false;
                 c->unanswered++;
                 return rc;
             }

@@ -148,6 +148,16 @@ static int score_ask(struct snapkv_scores *scores, uint32_t top_n, struct snapkv
     return SNAPKV_OK;
 }
 
+/* A reply's logits: n_vocab of them when asked (the daemon's HELLO says how many), none when
+ * not, so a caller may read n_vocab floats. */
+static int check_logits(const snapkv_client_t *c, bool asked, size_t n, const char *what)
+{
+    size_t want = asked ? c->hello->n_vocab : 0;
+    if (n != want && (!asked || c->hello->n_vocab))
+        return skv_client_fail(SNAPKV_E_PROTO, "%s: %zu logits in the reply, %zu asked", what, n, want);
+    return SNAPKV_OK;
+}
+
 static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *opts, unsigned flags,
                         struct snapkv_prefill_result *out, uint32_t *reused_tokens, const struct score_ask *ask);
 
@@ -233,6 +243,8 @@ static int prefill_call(snapkv_client_t *c, const struct snapkv_prefill_opts *op
     };
     rc = skv_client_id_parse(&r->session_id, "PREFILL", &res.id);
     if (rc)
+        goto out_free_reply;
+    if ((rc = check_logits(c, opts->return_logits, r->n_logits, "PREFILL")))
         goto out_free_reply;
     rc = skv_client_layers(c, r->kept, r->n_kept, NULL, 0, &res.layers);
     if (rc)
@@ -362,13 +374,20 @@ static int append_call(snapkv_client_t *c, const struct snapkv_session_id *id, c
             snapkv_logprobs_free(ask->top);
         return rc;
     }
+    if ((rc = check_logits(c, opts->return_logits, sr->n_logits, "APPEND"))) {
+        snapkv__reply__free_unpacked(rep, NULL);
+        snapkv_scores_free(scores);
+        if (ask && ask->top)
+            snapkv_logprobs_free(ask->top);
+        return rc;
+    }
     if (out) {
         struct snapkv_append_result res = {.n_tokens = sr->n_tokens, .next_token = sr->next_token,
                                            .n_logits = sr->n_logits};
         if (!skv_client_dup_f32(sr->logits, sr->n_logits, &res.logits)) {
             snapkv__reply__free_unpacked(rep, NULL);
             snapkv_scores_free(scores);
-            if (ask->top)
+            if (ask && ask->top)
                 snapkv_logprobs_free(ask->top);
             return skv_client_fail(SNAPKV_E_NOMEM, "append: out of memory for %zu logits", sr->n_logits);
         }
@@ -699,8 +718,11 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
         rc = acc_add(&acc, r);
     if (rc)
         goto out_free_reply;
-    if (on_tokens && (r->n_tokens || (r->text && *r->text)))
+    if (on_tokens && (r->n_tokens || (r->text && *r->text))) {
+        c->in_call = true; /* inside the call, as every other batch's: its own client is refused */
         (void)on_tokens(user, acc.tokens + first, r->n_tokens, r->text ? r->text : "");
+        c->in_call = false;
+    }
     if (out) {
         struct snapkv_decode_result res = {
             .tokens = acc.tokens,

@@ -453,7 +453,8 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * held back and begins the session's next decode's text (an APPEND in between drops it).
  * Return 0 to go on; anything else ends the decode: the library sends CANCEL for the session
  * and waits until the daemon ended it, then snapkv_decode returns SNAPKV_E_CANCELLED and does
- * not write *out. The session keeps every token made so far and takes the next command at
+ * not write *out (except after the last batch, which comes with the decode's end: what the
+ * callback answers to it is ignored and the call succeeds). The session keeps every token made so far and takes the next command at
  * once: those the callback saw, and any the daemon made before the CANCEL reached it, whose
  * replies the library drops. The caller cannot learn those extra tokens (no other call returns
  * a session's token ids), and there may be many more of them than the callback saw. The
@@ -463,7 +464,8 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * snapkv_cancel() from another thread's client instead: snapkv_decode then returns SNAPKV_OK
  * with finish_reason "cancelled" and all its tokens and text. A decode that fails in any other
  * way while it runs (SNAPKV_E_TIMEOUT, SNAPKV_E_NOMEM, lost replies) is cancelled the same way,
- * waiting a second at most; the message says if that CANCEL failed too. Closing the client (or
+ * waiting a second at most (two when the client must say HELLO again first); the message says
+ * if that CANCEL failed too. Closing the client (or
  * its process ending) cancels it too. Each reply counts the tokens made so far: a streaming
  * client that reads so slowly that the daemon dropped some of its replies gets SNAPKV_E_IO
  * ("lost N streamed tokens"). A DECODE past the daemon's max-decodes or max-decodes-per-tenant
@@ -556,7 +558,8 @@ SNAPKV_API int snapkv_decode_ext(snapkv_client_t *client, const struct snapkv_se
  * logit biases): as a PREFILL's text (BOS as the model asks; chat: one user turn of the chat
  * template) or, with append, as an APPEND's (no BOS; chat: the text's chat markup parsed). The
  * limits of a PREFILL's text apply (max-prompt-tokens: SNAPKV_E_LIMIT). out->tokens is malloc'd:
- * free it with snapkv_tokens_free(). A daemon older than the command (its HELLO does not list
+ * free it with snapkv_tokens_free(). Unlike other calls it writes *out on failure too: zeroed,
+ * so that snapkv_tokens_free() is safe whatever the call returned. A daemon older than the command (its HELLO does not list
  * "tokenize"): SNAPKV_E_UNSUPPORTED. */
 struct snapkv_tokenize_opts {
     bool chat;

@@ -132,7 +132,8 @@ static void usage(FILE *out)
             "                                         snapkv_place): printed, to give as -e; connects to none\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
             "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cancelled\n"
-            "(by CANCEL or the daemon's stop), 130 interrupted (Ctrl-C)\n",
+            "(by CANCEL or the daemon's stop; chat goes on to its next turn), 130 generate or chat interrupted\n"
+            "(Ctrl-C)\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
 
@@ -931,7 +932,7 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
     rc = g_interrupted ? SNAPKV_E_CANCELLED
                        : snapkv_decode_ext(cl, &pr.id, &s, &g_ext, 0, c->json ? until_interrupted : print_tokens,
                                            NULL, &dr, NULL);
-    if (rc && g_interrupted) {
+    if (rc == SNAPKV_E_CANCELLED && g_interrupted) { /* another error after Ctrl-C is that error */
         if (!c->json)
             putchar('\n');
         fprintf(stderr, "snapkvctl generate: interrupted\n");
@@ -2536,8 +2537,13 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
             json_decref(hashes);
             char *line = o ? json_dumps(o, JSON_COMPACT) : NULL;
             json_decref(o);
-            if (line)
+            if (line) {
                 printf("%s\n", line);
+            } else { /* a missing line is a failure, as everywhere else in the tool */
+                fprintf(stderr, "snapkvctl events: out of memory for event %llu's JSON\n",
+                        (unsigned long long)e.sequence);
+                ret = 1;
+            }
             free(line);
         } else if (e.kind == SNAPKV_EVENT_CLEARED) {
             printf("%llu cleared\n", (unsigned long long)e.sequence);

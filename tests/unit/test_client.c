@@ -684,7 +684,7 @@ static bool answer_prefill(struct fake *f, const Snapkv__Request *req)
     l1.kept = 5; /* no per-head counts: every head keeps 5 */
     l1.bytes = 555;
     Snapkv__LayerKept *kept[2] = {&l0, &l1};
-    float logits[4] = {0.5f, -1.0f, 2.0f, 3.5f};
+    float logits[100] = {0.5f, -1.0f, 2.0f, 3.5f}; /* n_vocab of them; "short logits" sends 4 */
     p.session_id = wire_id(&ID_A);
     p.n_tokens = 350;
     p.n_kept = 2;
@@ -693,7 +693,7 @@ static bool answer_prefill(struct fake *f, const Snapkv__Request *req)
     p.bytes_after = 1789;
     p.next_token = 42;
     if (req->prefill->return_logits) {
-        p.n_logits = 4;
+        p.n_logits = req->prefill->text && strcmp(req->prefill->text, "short logits") == 0 ? 4 : 100;
         p.logits = logits;
     }
     rep.final = true;
@@ -749,11 +749,15 @@ static void test_prefill_text(void **state)
     assert_int_equal(r.layers[1].n_heads, 3); /* filled from HELLO's n_kv_heads */
     assert_int_equal(r.layers[1].kept_per_head[0], 5);
     assert_int_equal(r.layers[1].kept_per_head[2], 5);
-    assert_int_equal(r.n_logits, 4);
+    assert_int_equal(r.n_logits, 100);
     assert_true(r.logits[3] == 3.5f);
     snapkv_prefill_result_free(&r);
     assert_null(r.layers);
     assert_int_equal(r.n_layers, 0);
+    /* a reply with fewer logits than the vocabulary (a caller may read n_vocab of them) */
+    o.text = "short logits";
+    assert_int_equal(snapkv_prefill(c, &o, &r), SNAPKV_E_PROTO);
+    assert_non_null(strstr(snapkv_last_error(), "4 logits in the reply, 100 asked"));
     snapkv_close(&c);
     fake_stop(&f);
 }
@@ -1603,11 +1607,11 @@ static bool answer_session_cmds(struct fake *f, const Snapkv__Request *req)
     switch (req->command_case) {
     case SNAPKV__REQUEST__COMMAND_APPEND: {
         Snapkv__AppendReply a = SNAPKV__APPEND_REPLY__INIT;
-        float logits[2] = {1.0f, 2.0f};
+        float logits[100] = {1.0f, 2.0f};
         a.n_tokens = 360;
         a.next_token = 17;
         if (req->append->return_logits) {
-            a.n_logits = 2;
+            a.n_logits = 100;
             a.logits = logits;
         }
         rep.result_case = SNAPKV__REPLY__RESULT_APPEND;
@@ -1658,7 +1662,7 @@ static void test_append_compress_release(void **state)
     snapkv__request__free_unpacked(req, NULL);
     assert_int_equal(ar.n_tokens, 360);
     assert_int_equal(ar.next_token, 17);
-    assert_int_equal(ar.n_logits, 2);
+    assert_int_equal(ar.n_logits, 100);
     assert_true(ar.logits[1] == 2.0f);
     snapkv_append_result_free(&ar);
 
