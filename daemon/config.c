@@ -121,8 +121,9 @@ static const struct skv_config_option options[] = {
     {"max-connections-per-peer", SKV_CFG_INT, OPT(max_connections_per_peer), "256", 1, 1 << 20,
      "open connections one peer may hold on the client endpoint: a user on ipc:// (its uid), an address on "
      "tcp:// (IPv6: its /64); more are closed as they come (a service running more clients as one user raises "
-     "it). With max-message-bytes it bounds the requests libzmq may buffer "
-     "for one peer: 5 x max-message-bytes a connection"},
+     "it). With max-message-bytes it bounds the whole requests libzmq may buffer "
+     "for one peer: 5 x max-message-bytes a connection (a multipart message's frames before its last are not "
+     "bounded by libzmq: see MemoryMax in the systemd unit)"},
     {"queue-depth", SKV_CFG_INT, OPT(queue_depth), "256", 1, 1 << 16, "requests waiting for the engine"},
     {"max-queued-bytes", SKV_CFG_SIZE, OPT(max_queued_bytes), "256M", 1 << 16, INT64_C(1) << 42,
      "memory the requests waiting for the engine may hold together (their unpacked size)"},

@@ -39,6 +39,7 @@ struct skv_replies {
     uint64_t max_per_client, max_per_owner, max_total;
     atomic_ullong total;          /* bytes of every client's replies not taken yet */
     atomic_ullong dropped;        /* replies dropped for a bound */
+    atomic_ullong closed;         /* replies not sent: their request's connection had closed */
 };
 
 /* One reply's buffer: what the free callback needs, then the reply's bytes. */
@@ -281,4 +282,15 @@ bool skv_zmq_has_input(void *sock)
     int events = 0;
     size_t sz = sizeof events;
     return sock && zmq_getsockopt(sock, ZMQ_EVENTS, &events, &sz) == 0 && (events & ZMQ_POLLIN);
+}
+
+void skv_replies_note_closed(struct skv_replies *r)
+{
+    if (r)
+        atomic_fetch_add(&r->closed, 1);
+}
+
+uint64_t skv_replies_closed(const struct skv_replies *r)
+{
+    return r ? atomic_load(&r->closed) : 0;
 }

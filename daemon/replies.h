@@ -39,6 +39,10 @@ uint64_t skv_replies_unread_bytes(const struct skv_replies *r);
 uint64_t skv_replies_unread_bytes_of(struct skv_replies *r, int sock_idx, const void *identity, size_t identity_len);
 /* Replies dropped for the bounds or a full queue since the start (any thread). */
 uint64_t skv_replies_dropped(const struct skv_replies *r);
+/* A reply not sent because its request's connection had closed (socket thread), and how many
+ * since the start (any thread). */
+void skv_replies_note_closed(struct skv_replies *r);
+uint64_t skv_replies_closed(const struct skv_replies *r);
 
 /* True when a ZeroMQ socket (NULL: none) has a message to read now (its ZMQ_EVENTS). */
 bool skv_zmq_has_input(void *sock);

@@ -51,6 +51,8 @@ struct conn_fd {
     uint8_t closing;              /* shut down here (no longer counted), its DISCONNECTED not seen yet */
     uint8_t refused;              /* shut down here for a limit: what it sent is dropped, also after its
                                    * DISCONNECTED, until a connection is accepted on the fd again */
+    uint64_t serial;              /* the connection's number (ACCEPTED's order; never 0): a reply goes
+                                   * only over the connection its request came over (reply_out) */
 };
 
 /* A peer (a user on ipc://, an address on tcp://) and its open client connections. */
@@ -72,6 +74,7 @@ struct skv_server {
     uint64_t refused_connections; /* closed as they came, over max_connections, since last logged */
     uint64_t refused_peer;        /* closed as they came, over max_per_peer, since last logged */
     uint64_t refused_requests;    /* requests of such connections libzmq had read, dropped, since last logged */
+    uint64_t conn_serials;        /* connections accepted on the client endpoint (conn_fd.serial) */
     uint64_t refused_logged_ms;
     struct conn_fd *fds;          /* [fds_cap] by connection fd */
     int fds_cap;
@@ -192,8 +195,10 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
      * messages, 1000 by default, which at max-message-bytes (16M) is 16 GB a connection; past
      * this many it stops reading that connection (the client waits, nothing is dropped). This
      * thread takes them as fast as they come, so a few are enough; with the one being read,
-     * a peer can make libzmq hold (RCVHWM + 1) x max-message-bytes for each of its
-     * max-connections-per-peer connections */
+     * a peer can make libzmq hold (RCVHWM + 1) x max-message-bytes of whole messages for each
+     * of its max-connections-per-peer connections. libzmq counts a message when its last frame
+     * comes: the frames of one that never ends are held unbounded (docs/ARCHITECTURE.md,
+     * "Request limits and the queue": the service's MemoryMax bounds that) */
     int rcvhwm = RCVHWM;
     zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm);
     /* a connection that has not finished its ZMTP (and CURVE) handshake by then is closed: an
@@ -448,13 +453,27 @@ bool skv_server_engine_alive(struct skv_server *srv, uint64_t interval_ms)
     return !srv->worker || skv_worker_alive(srv->worker, interval_ms);
 }
 
+static void read_connections(struct skv_server *srv);
+
 /* Hands a reply to the client's connection without blocking: a client that stops reading
- * fills its queue (libzmq's 1000 messages, or max-reply-bytes-per-client / max-reply-bytes of
- * replies it has not taken) and loses replies, and the socket thread goes on serving everyone
- * else (and SIGTERM). Drops for the byte bounds are logged at most every 10 s. */
-static void reply_out(struct skv_server *srv, int idx, const void *identity, size_t identity_len, const void *body,
-                      size_t len)
+ * fills its queue (libzmq's SNDHWM, or max-reply-bytes-per-client / max-reply-bytes of replies
+ * it has not taken) and loses replies, and the socket thread goes on serving everyone else (and
+ * SIGTERM). Drops for the byte bounds are logged at most every 10 s. A reply on the client
+ * endpoint goes only over the connection its request came over (conn: its fd and serial; 0: not
+ * known): once that one closed, libzmq would route it to whichever connection holds its routing
+ * id now, and a client may choose its routing id (ZMQ_ROUTING_ID) and libzmq's own are a
+ * counter, so another client could take the id of one that went and read its replies. */
+static void reply_out(struct skv_server *srv, int idx, int conn, uint64_t serial, const void *identity,
+                      size_t identity_len, const void *body, size_t len)
 {
+    if (!idx && serial) {
+        read_connections(srv); /* a DISCONNECTED waiting there comes before any new owner's message */
+        if (conn < 0 || conn >= srv->fds_cap || !srv->fds[conn].open || srv->fds[conn].serial != serial) {
+            skv_replies_note_closed(srv->unread);
+            skv_log(SKV_LOG_DEBUG, "reply dropped: its request's connection closed");
+            return;
+        }
+    }
     void *sock = idx ? srv->admin_sock : srv->client_sock;
     int fd = idx ? -1 : skv_clients_fd(srv->clients, identity, identity_len);
     uint64_t owner = fd >= 0 && fd < srv->fds_cap ? srv->fds[fd].peer : 0;
@@ -473,7 +492,8 @@ static void reply_out(struct skv_server *srv, int idx, const void *identity, siz
     }
 }
 
-static void send_reply(struct skv_server *srv, int idx, zmq_msg_t *identity, Snapkv__Reply *rep)
+static void send_reply(struct skv_server *srv, int idx, int conn, uint64_t serial, zmq_msg_t *identity,
+                       Snapkv__Reply *rep)
 {
     size_t len = snapkv__reply__get_packed_size(rep);
     uint8_t *buf = malloc(len ? len : 1);
@@ -482,8 +502,15 @@ static void send_reply(struct skv_server *srv, int idx, zmq_msg_t *identity, Sna
         return;
     }
     snapkv__reply__pack(rep, buf);
-    reply_out(srv, idx, zmq_msg_data(identity), zmq_msg_size(identity), buf, len);
+    reply_out(srv, idx, conn, serial, zmq_msg_data(identity), zmq_msg_size(identity), buf, len);
     free(buf);
+}
+
+/* A client's words made fit for a log line in place: quotes as ', control characters as ?. */
+static void log_plain(char *s)
+{
+    for (; *s; s++)
+        *s = *s == '"' ? '\'' : (unsigned char)*s < 0x20 || *s == 0x7f ? '?' : *s;
 }
 
 static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snapkv__Reply *rep,
@@ -491,13 +518,15 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
 {
     const struct skv_model *m = srv->env.model;
     const struct skv_config *cfg = srv->env.cfg;
-    if (req->hello) { /* a name is the client's own words: bounded, its quotes made plain */
-        char name[65];
+    if (req->hello) { /* a name is the client's own words: bounded, quotes and control characters made
+                       * plain (a newline would forge a log line) */
+        char name[65], tenant[64];
         snprintf(name, sizeof name, "%s", req->hello->client_name ? req->hello->client_name : "");
-        for (char *q = name; (q = strchr(q, '"'));)
-            *q = '\'';
-        skv_log(SKV_LOG_DEBUG, "hello from client \"%s\" (tenant \"%.63s\", protocol %u)", name,
-                req->tenant ? req->tenant : "", req->version);
+        snprintf(tenant, sizeof tenant, "%s", req->tenant ? req->tenant : "");
+        log_plain(name);
+        log_plain(tenant);
+        skv_log(SKV_LOG_DEBUG, "hello from client \"%s\" (tenant \"%s\", protocol %u)", name, tenant,
+                req->version);
     }
     h->server_version = PACKAGE_VERSION;
     h->model_name = (char *)m->name;
@@ -920,6 +949,7 @@ static void read_connections(struct skv_server *srv)
                 if (c) {
                     c->open = 1;
                     c->refused = 0;
+                    c->serial = ++srv->conn_serials;
                     any_over |= peer_accepted(srv, c, ev[i].fd);
                 }
             } else if (ev[i].event == ZMQ_EVENT_DISCONNECTED) {
@@ -1009,6 +1039,13 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         skv_log(SKV_LOG_DEBUG, "a request from a connection closed for a connection limit: dropped");
         goto out;
     }
+    /* the number of the connection it came over, for its replies (reply_out): that connection's
+     * ACCEPTED came before this message, so it is read by now */
+    uint64_t serial = 0;
+    if (conn >= 0) {
+        read_connections(srv);
+        serial = conn < srv->fds_cap ? srv->fds[conn].serial : 0;
+    }
     srv->n_requests++;
     if (!admin &&
         (seen = skv_clients_seen(srv->clients, zmq_msg_data(&identity), zmq_msg_size(&identity), conn,
@@ -1097,6 +1134,8 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
         job->uid = strncmp(ep, "ipc://", 6) == 0 ? peer_uid(&body) : -1;
         memcpy(job->identity, zmq_msg_data(&identity), id_len);
         job->identity_len = id_len;
+        job->conn = conn;
+        job->conn_serial = serial;
         job->req = req;
         job->unpacked_bytes = budget.used;
         rc = skv_worker_submit(srv->worker, job);
@@ -1118,7 +1157,7 @@ reply:
         skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id,
                 skv_status_name(rc), rep.message);
     }
-    send_reply(srv, admin, &identity, &rep);
+    send_reply(srv, admin, conn, serial, &identity, &rep);
     free(arena.entries);
     free(arena.ptrs);
     free(arena.values);
@@ -1133,7 +1172,7 @@ out:
     zmq_msg_close(&body);
 }
 
-/* Forwards one [sock][identity][reply] message from the worker to its ROUTER. */
+/* Forwards one [sock (+ connection)][identity][reply] message from the worker to its ROUTER. */
 static bool forward_reply(struct skv_server *srv, int flags)
 {
     zmq_msg_t parts[3];
@@ -1142,13 +1181,16 @@ static bool forward_reply(struct skv_server *srv, int flags)
     bool ok = zmq_msg_recv(&parts[0], srv->replies, flags) >= 0 && zmq_msg_recv(&parts[1], srv->replies, 0) >= 0 &&
               zmq_msg_recv(&parts[2], srv->replies, 0) >= 0;
     int idx = ok ? *(const uint8_t *)zmq_msg_data(&parts[0]) : 0;
+    struct skv_worker_route route = {.sock = (uint8_t)idx, .conn = -1};
+    if (ok && zmq_msg_size(&parts[0]) == sizeof route)
+        memcpy(&route, zmq_msg_data(&parts[0]), sizeof route);
     if (ok && idx == SKV_WORKER_DONE_SOCK)
         srv->worker_done = true;
     else if (ok && idx == SKV_WORKER_EVENTS_SOCK)
         publish_event(srv, zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
     else if (ok)
-        reply_out(srv, idx ? 1 : 0, zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]), zmq_msg_data(&parts[2]),
-                  zmq_msg_size(&parts[2]));
+        reply_out(srv, idx ? 1 : 0, route.conn, route.serial, zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]),
+                  zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
     for (int i = 0; i < 3; i++)
         zmq_msg_close(&parts[i]);
     return ok;

@@ -73,6 +73,10 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "replies dropped because their client, or all clients, held too many bytes of replies not read yet, "
          "or the client's queue in libzmq was full",
          (double)in->replies_dropped},
+        {"snapkv_replies_dropped_closed_total",
+         "replies not sent because the connection their request came over had closed (another connection may "
+         "hold its routing id now)",
+         (double)in->replies_closed},
         {"snapkv_requests_nested_total",
          "requests of a tenant with less engine time run inside another tenant's long forward (fair-slice-ms)",
          (double)m->requests_nested},

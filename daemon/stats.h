@@ -48,6 +48,7 @@ struct skv_stats_input {
     uint64_t queue_bytes;         /* the memory they hold (max-queued-bytes) */
     uint64_t reply_bytes_unread;  /* replies sent and not taken by their clients yet */
     uint64_t replies_dropped;     /* replies dropped for max-reply-bytes(-per-client) */
+    uint64_t replies_closed;      /* replies not sent: their request's connection had closed */
     uint64_t engine_scratch_bytes; /* activation buffers the worker's engines hold */
     double persist_age_seconds;   /* since the sessions were last saved (the start, when none was); 0: persist off */
     uint64_t store_spills, store_spill_bytes, store_spill_failures; /* store = ...: sessions written there */
@@ -60,7 +61,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 51
+#define SKV_N_STATS 52
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

@@ -27,9 +27,10 @@ static void send_frame(void *push, const void *data, size_t len, int flags)
         ;
 }
 
-/* Packs a message (reply or event batch) and hands [sock][identity][body] to the socket thread. */
-static void push_out(struct skv_worker *w, int sock, const void *identity, size_t identity_len,
-                     const ProtobufCMessage *msg)
+/* Packs a message (reply or event batch) and hands [sock][identity][body] to the socket thread;
+ * a reply's first frame names its request's connection too (route). */
+static void push_out(struct skv_worker *w, int sock, const struct skv_job *route, const void *identity,
+                     size_t identity_len, const ProtobufCMessage *msg)
 {
     size_t len = protobuf_c_message_get_packed_size(msg);
     uint8_t *buf = malloc(len ? len : 1);
@@ -38,8 +39,15 @@ static void push_out(struct skv_worker *w, int sock, const void *identity, size_
         return;
     }
     protobuf_c_message_pack(msg, buf);
-    uint8_t s = (uint8_t)sock;
-    send_frame(w->push, &s, 1, ZMQ_SNDMORE);
+    struct skv_worker_route r;
+    memset(&r, 0, sizeof r); /* (its padding too: the bytes go through the pipe) */
+    r.sock = (uint8_t)sock;
+    r.conn = route ? route->conn : -1;
+    r.serial = route ? route->conn_serial : 0;
+    if (route)
+        send_frame(w->push, &r, sizeof r, ZMQ_SNDMORE);
+    else
+        send_frame(w->push, &r.sock, 1, ZMQ_SNDMORE);
     send_frame(w->push, identity, identity_len, ZMQ_SNDMORE);
     send_frame(w->push, buf, len, 0);
     free(buf);
@@ -47,7 +55,7 @@ static void push_out(struct skv_worker *w, int sock, const void *identity, size_
 
 void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep)
 {
-    push_out(w, job->sock, job->identity, job->identity_len, &rep->base);
+    push_out(w, job->sock, job, job->identity, job->identity_len, &rep->base);
 }
 
 /* ---- KV events (events-endpoint; docs/SCALING.md §2) --------------------------------------------
@@ -92,7 +100,7 @@ static void event_send(struct skv_worker *w, Snapkv__KvEvent *ev)
     skv_worker_event_batch(w, &b);
     b.n_events = 1;
     b.events = &ev;
-    push_out(w, SKV_WORKER_EVENTS_SOCK, "", 0, &b.base);
+    push_out(w, SKV_WORKER_EVENTS_SOCK, NULL, "", 0, &b.base);
 }
 
 /* True when the session holds fewer rows than its tokens in some head: compressed, also when
@@ -216,6 +224,7 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
     const struct skv_replies *r = atomic_load(&w->replies);
     out->reply_bytes_unread = skv_replies_unread_bytes(r);
     out->replies_dropped = skv_replies_dropped(r);
+    out->replies_closed = skv_replies_closed(r);
     uint64_t now = skv_now_ms();
     out->persist_age_seconds = w->cfg->persist && now > w->persist_ms ? (double)(now - w->persist_ms) / 1000.0 : 0;
     if (w->store) {

@@ -36,6 +36,10 @@ struct skv_job {
     char tenant[64];          /* whose engine time it spends (queue-order = fair; set by submit):
                                * its tenant, "(admin)" on the admin endpoint */
     bool late;                /* run past its deadline (a CANCEL or RELEASE: the others are not run) */
+    int conn;                 /* the client connection it came over: its fd and number (the socket
+                               * thread's; serial 0: not known, a notice, the admin endpoint), so its
+                               * replies go over that connection only */
+    uint64_t conn_serial;
     long uid;                 /* the client process's user, as its ipc:// connection's Peer-Address
                                * gives it (SO_PEERCRED when it connected); -1 on tcp:// and for
                                * notices: whose shared-memory objects it may name (open_buffer) */
@@ -129,7 +133,13 @@ bool skv_watchdog_ok(uint64_t now_ms, uint64_t heartbeat_ms, bool idle, uint64_t
 void skv_worker_reply(struct skv_worker *w, const struct skv_job *job, Snapkv__Reply *rep);
 /* The reply pipe's messages are [socket index][routing id][body]; index 0 is the client
  * endpoint, 1 the admin one, and this one a KV event (empty routing id, body a KvEventBatch)
- * for the events endpoint. */
+ * for the events endpoint. A reply's first frame is a struct skv_worker_route: the index and
+ * the connection its request came over (skv_job.conn, conn_serial); the others' one byte. */
+struct skv_worker_route {
+    uint8_t sock;
+    int32_t conn;
+    uint64_t serial;
+};
 #define SKV_WORKER_EVENTS_SOCK 2
 /* The worker's last message after skv_worker_request_stop (empty routing id and body): every
  * reply it sent is before it in the pipe. */

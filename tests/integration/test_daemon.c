@@ -1047,6 +1047,100 @@ static double admin_stat(const char *admin, const char *name)
     return v;
 }
 
+/* A raw DEALER on d's client endpoint under routing id `id` (ZMQ_ROUTING_ID: a client may choose
+ * its own), with a receive timeout. */
+static void *routed_socket(const struct daemon *d, void *ctx, const char *id, int rcv_ms)
+{
+    void *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(s, ZMQ_RCVTIMEO, &rcv_ms, sizeof rcv_ms);
+    zmq_setsockopt(s, ZMQ_ROUTING_ID, id, strlen(id));
+    assert_int_equal(zmq_connect(s, d->endpoint), 0);
+    return s;
+}
+
+/* Whether a raw reply's request_id (field 2, a varint under 128 here) is id. */
+static bool has_request_id(const char *buf, int n, uint8_t id)
+{
+    for (int i = 0; i + 1 < n; i++)
+        if (buf[i] == 0x10 && (uint8_t)buf[i + 1] == id)
+            return true;
+    return false;
+}
+
+/* A reply goes only over the connection its request came over. Client A, under a routing id it
+ * chose, asks for an APPEND that waits behind another client's long PREFILL, and goes; client B
+ * then connects under A's routing id. Before, libzmq routed A's reply to B (libzmq's own routing
+ * ids are a counter, so B could have read another tenant's replies); now the daemon drops it
+ * (snapkv_replies_dropped_closed_total) and B gets only its own. */
+static void test_reply_not_to_new_owner(void **state)
+{
+    NEED_DAEMON(d);
+    const double closed0 = admin_stat(d->admin, "snapkv_replies_dropped_closed_total");
+    void *ctx = zmq_ctx_new();
+    /* C: a PREFILL of 2000 token ids (version 1, request_id 1, prefill { tokens packed }) */
+    enum { N = 2000 };
+    static uint8_t msg[N + 32];
+    size_t len = 0;
+    msg[len++] = 0x08;
+    msg[len++] = (uint8_t)SNAPKV_PROTOCOL_VERSION;
+    msg[len++] = 0x10;
+    msg[len++] = 1;
+    msg[len++] = 0x5a;
+    put_varint(msg, &len, 1 + 2 + N);
+    msg[len++] = 0x0a;
+    put_varint(msg, &len, N);
+    for (int i = 0; i < N; i++)
+        msg[len++] = (uint8_t)(5 + i % 120);
+    void *c = routed_socket(d, ctx, "long-prefill", 120000);
+    assert_int_equal(zmq_send(c, msg, len, 0), (int)len);
+    usleep(300 * 1000);
+    /* A: version 1, request_id 77, append { session_id: 16 zero bytes, text: 200 bytes } (not a
+     * short request: it waits for the PREFILL; not one a gone client's drop takes off the queue) */
+    len = 0;
+    msg[len++] = 0x08;
+    msg[len++] = (uint8_t)SNAPKV_PROTOCOL_VERSION;
+    msg[len++] = 0x10;
+    msg[len++] = 77;
+    msg[len++] = 0x62;
+    put_varint(msg, &len, 2 + 16 + 3 + 200);
+    msg[len++] = 0x0a;
+    msg[len++] = 16;
+    memset(msg + len, 0, 16);
+    len += 16;
+    msg[len++] = 0x1a;
+    put_varint(msg, &len, 200);
+    memset(msg + len, 'a', 200);
+    len += 200;
+    void *a = routed_socket(d, ctx, "victim-0001", 1000);
+    assert_int_equal(zmq_send(a, msg, len, 0), (int)len);
+    usleep(300 * 1000);
+    zmq_close(a);
+    usleep(500 * 1000);
+    /* B: A's routing id, a HELLO (request_id 88) of its own */
+    void *b = routed_socket(d, ctx, "victim-0001", 2000);
+    const uint8_t hello[] = {0x08, (uint8_t)SNAPKV_PROTOCOL_VERSION, 0x10, 88, 0x52, 0x00};
+    assert_int_equal(zmq_send(b, hello, sizeof hello, 0), (int)sizeof hello);
+    char buf[8192];
+    int n = zmq_recv(c, buf, sizeof buf, 0); /* the PREFILL's reply: A's APPEND ran after it */
+    assert_true(n > 0);
+    int got_own = 0, got_other = 0;
+    while ((n = zmq_recv(b, buf, sizeof buf, 0)) >= 0) {
+        got_own += has_request_id(buf, n, 88);
+        got_other += has_request_id(buf, n, 77);
+    }
+    zmq_close(b);
+    zmq_close(c);
+    zmq_ctx_term(ctx);
+    const double closed = admin_stat(d->admin, "snapkv_replies_dropped_closed_total");
+    fprintf(stderr, "routing id taken over: its own replies %d, the gone client's %d; dropped closed %.0f\n",
+            got_own, got_other, closed - closed0);
+    assert_int_equal(got_own, 1);
+    assert_int_equal(got_other, 0);
+    assert_true(closed - closed0 >= 1);
+}
+
 /* A client that sends PREFILLs asking for logits (196 KiB a reply) and does not read: the replies
  * it has not taken stay within max-reply-bytes-per-client (1M here) and the rest are dropped,
  * counted; another client is served meanwhile; once it reads, what it held comes back to 0.
@@ -1228,6 +1322,7 @@ int main(void)
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_unread_replies_bounded),
         cmocka_unit_test(test_unread_replies_per_peer),
+        cmocka_unit_test(test_reply_not_to_new_owner),
         cmocka_unit_test(test_sigterm),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_health_probes: one test */

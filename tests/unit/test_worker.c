@@ -266,6 +266,8 @@ static struct skv_job *job_new(int sock, const uint8_t *id, size_t id_len, Snapk
     job->uid = (long)geteuid(); /* an ipc:// client of this process's user */
     memcpy(job->identity, id, id_len);
     job->identity_len = id_len;
+    job->conn = 40 + id[0]; /* its connection, which every reply names (next_reply) */
+    job->conn_serial = 1000 + id[0];
     return job;
 }
 
@@ -278,6 +280,11 @@ static Snapkv__Reply *next_reply(struct fixture *f, int sock, const uint8_t *id,
         assert_true(zmq_msg_recv(&parts[i], f->pull, 0) >= 0);
     }
     assert_int_equal(*(const uint8_t *)zmq_msg_data(&parts[0]), sock);
+    struct skv_worker_route route;
+    assert_int_equal(zmq_msg_size(&parts[0]), sizeof route); /* the connection of the request */
+    memcpy(&route, zmq_msg_data(&parts[0]), sizeof route);
+    assert_int_equal(route.conn, 40 + id[0]);
+    assert_int_equal(route.serial, 1000 + id[0]);
     assert_int_equal(zmq_msg_size(&parts[1]), id_len);
     assert_memory_equal(zmq_msg_data(&parts[1]), id, id_len);
     Snapkv__Reply *rep = snapkv__reply__unpack(NULL, zmq_msg_size(&parts[2]), zmq_msg_data(&parts[2]));
