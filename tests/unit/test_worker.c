@@ -1806,6 +1806,33 @@ static void test_tenant_queue_share(void **state)
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK); /* room again */
     expect_reply(f, SKV_OK, NULL);
 
+    /* one client has as much room whatever tenants it names (ipc-tenant = claimed), and a name
+     * the worker would refuse is refused before it takes a place (a new worker: X's buffer
+     * opens again, and sticks) */
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    prefill(f, 8, "policy=full", sid);
+    stick(f, sid);
+    static const char *const names[] = {"a", "b", "c"};
+    for (int i = 0; i < 3; i++) {
+        req.tenant = (char *)names[i];
+        assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Y, 5, &req)), SKV_OK);
+    }
+    req.tenant = "d";
+    expect_refused(f, &req, SKV_E_BUSY, "this client already has 3 requests waiting (queue-depth-per-tenant)");
+    req.tenant = "no spaces";
+    expect_refused(f, &req, SKV_E_INVAL, "tenant 'no spaces': only letters, digits");
+    req.tenant = "d";
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Z, 5, &req)), SKV_OK); /* another client */
+    unstick();
+    expect_exported(f, 0, ID_X);
+    for (int i = 0; i < 3; i++)
+        expect_reply(f, SKV_OK, NULL);
+    rep = next_reply(f, 0, ID_Z, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    req.tenant = "t";
+
     /* bytes: two requests' worth per tenant */
     skv_worker_stop(&f->w);
     f->cfg.queue_depth_per_tenant = 64;
@@ -2627,17 +2654,24 @@ static void test_tenant_stats(void **state)
     }
     assert_true(queued == 2);
 
-    /* 128 names: t, u and 126 more (the admin's row is not one); then "(other)", also for a
-     * name no tenant can have */
+    /* 128 names: t, u and 126 more (the admin's row is not one); then "(other)". A name no
+     * tenant can have is refused before it queues, counted for no tenant */
     char name[32];
     for (int i = 0; i < 127; i++) {
         snprintf(name, sizeof name, "tenant-%03d", i);
         release_unknown(f, name);
     }
-    release_unknown(f, "no spaces allowed");
+    static const uint8_t nobody[16] = {0xee};
+    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+    rr.session_id = (ProtobufCBinaryData){16, (uint8_t *)nobody};
+    Snapkv__Request bad = SNAPKV__REQUEST__INIT;
+    bad.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    bad.release = &rr;
+    bad.tenant = "no spaces allowed";
+    expect_refused(f, &bad, SKV_E_INVAL, "tenant 'no spaces allowed': only letters, digits");
     assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"tenant-125\"}") == 1);
-    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"(other)\"}") == 2); /* tenant-126 and the bad one */
-    assert_true(stat(f, "snapkv_tenant_errors_total{tenant=\"(other)\"}") == 2);
+    assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"(other)\"}") == 1); /* tenant-126 */
+    assert_true(stat(f, "snapkv_tenant_errors_total{tenant=\"(other)\"}") == 1);
 
     char *text = prometheus_text(f);
     const char *want = "# TYPE snapkv_tenant_sessions gauge\nsnapkv_tenant_sessions{tenant=\"t\"} 2\n";
