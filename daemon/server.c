@@ -1204,6 +1204,9 @@ static void drain_worker(struct skv_server *srv)
         zmq_pollitem_t it = {srv->replies, 0, ZMQ_POLLIN, 0};
         if (zmq_poll(&it, 1, 200) < 0 && zmq_errno() != EINTR)
             break;
+        /* the connection limits hold while the save runs too: a flood of connections then
+         * could take the file descriptors the save opens */
+        read_connections(srv);
         while (!srv->worker_done && forward_reply(srv, ZMQ_DONTWAIT))
             ;
     }
