@@ -128,8 +128,7 @@ static const struct skv_config_option options[] = {
     {"max-queued-bytes", SKV_CFG_SIZE, OPT(max_queued_bytes), "256M", 1 << 16, INT64_C(1) << 42,
      "memory the requests waiting for the engine may hold together (their unpacked size)"},
     {"queue-depth-per-tenant", SKV_CFG_INT, OPT(queue_depth_per_tenant), "64", 1, 1 << 16,
-     "requests of one tenant waiting for the engine, and of one client whatever tenants it names (the admin "
-     "endpoint's are not counted)"},
+     "requests of one tenant waiting for the engine (the admin endpoint's are not counted)"},
     {"max-queued-bytes-per-tenant", SKV_CFG_SIZE, OPT(max_queued_bytes_per_tenant), "64M", 1 << 16, INT64_C(1) << 42,
      "memory one tenant's waiting requests may hold together"},
     {"max-text-bytes", SKV_CFG_SIZE, OPT(max_text_bytes), "0", 0, INT64_C(1) << 31,

@@ -4407,7 +4407,7 @@ static const char *manifest_rows_differ(struct skv_worker *w, const json_t *doc)
     const char *saved_be = json_string_value(json_object_get(doc, "backend"));
     if (unknown && strcmp(w->m->be->name, "cpu") == 0) /* its executable could not be read */
         return "this daemon cannot tell how it computes rows (its executable could not be read)";
-    if (unknown && (!saved_be || strcmp(saved_be, w->m->be->name) != 0))
+    if (unknown && saved_be && strcmp(saved_be, w->m->be->name) != 0) /* (none: a manifest of before) */
         return "they were saved by a daemon on another backend";
     return NULL;
 }
@@ -4564,8 +4564,6 @@ int skv_requests_persist_restore(struct skv_worker *w)
                             (long long)w->cfg->max_sessions_per_tenant);
         if (!rc && skv_session_find(w->sessions, id, NULL)) /* before its charge could evict another */
             rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
-        if (!rc && skv_prefix_cache_drop_id(&w->prefix, id)) /* one id, one file: the session's */
-            skv_log(SKV_LOG_WARN, "persist: kept prefix %s dropped: the manifest names a session of its id", hex);
         if (!rc) {
             persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
             snprintf(file, sizeof file, "%s/%s", dir, name);
@@ -4577,6 +4575,8 @@ int skv_requests_persist_restore(struct skv_worker *w)
             skv_log(SKV_LOG_WARN, "persist: session %s not restored: %s", hex, skv_error_msg());
             continue;
         }
+        if (skv_prefix_cache_drop_id(&w->prefix, id)) /* one id, one file: the session's */
+            skv_log(SKV_LOG_WARN, "persist: kept prefix %s dropped: the manifest names a session of its id", hex);
         s->pinned = pinned;
         s->lease_seconds = lease && lease <= (uint64_t)w->cfg->max_lease_seconds ? lease
                                                                                 : (uint32_t)w->cfg->lease_seconds;

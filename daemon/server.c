@@ -1032,20 +1032,15 @@ static void serve_one(struct skv_server *srv, void *sock, bool admin)
      * first message, so the events are read again before the fd's mark is believed. (A request
      * of the closed connection still unread when a connection let in took its fd is served.) */
     int conn = admin ? -1 : message_fd(&body);
-    if (conn >= 0 && conn < srv->fds_cap && srv->fds[conn].refused)
+    if (conn >= 0) /* its connection's ACCEPTED came before it: read by now */
         read_connections(srv);
     if (conn >= 0 && conn < srv->fds_cap && srv->fds[conn].refused) {
         srv->refused_requests++;
         skv_log(SKV_LOG_DEBUG, "a request from a connection closed for a connection limit: dropped");
         goto out;
     }
-    /* the number of the connection it came over, for its replies (reply_out): that connection's
-     * ACCEPTED came before this message, so it is read by now */
-    uint64_t serial = 0;
-    if (conn >= 0) {
-        read_connections(srv);
-        serial = conn < srv->fds_cap ? srv->fds[conn].serial : 0;
-    }
+    /* the number of the connection it came over, for its replies (reply_out) */
+    uint64_t serial = conn >= 0 && conn < srv->fds_cap ? srv->fds[conn].serial : 0;
     srv->n_requests++;
     if (!admin &&
         (seen = skv_clients_seen(srv->clients, zmq_msg_data(&identity), zmq_msg_size(&identity), conn,

@@ -1258,31 +1258,24 @@ int skv_worker_submit(struct skv_worker *w, struct skv_job *job)
         return skv_errorf(SKV_E_LIMIT, "the request takes %zu bytes unpacked: more than max-queued-bytes (%llu)",
                           job->bytes, (unsigned long long)max);
     pthread_mutex_lock(&w->mu);
-    /* one tenant's share of the queue (the admin endpoint's requests are not a tenant's), and as
-     * much for one client, whatever tenants it names (with ipc-tenant = claimed a client may name
-     * any: else it could fill the queue under many names) */
+    /* one tenant's share of the queue (the admin endpoint's requests are not a tenant's). With
+     * ipc-tenant = claimed a tenant is the client's claim, so the share holds between tenants,
+     * not between clients (ipc-tenant = uid, tenant-bound keys: between users) */
     if (job->sock != 1 && !w->stopping) {
         const char *tenant = job_tenant(job);
-        int mine = 0, sent = 0;
+        int mine = 0;
         uint64_t mine_bytes = 0;
-        for (const struct skv_job *q = w->head; q; q = q->next) {
-            if (q->kind != SKV_JOB_REQUEST || q->sock == 1)
-                continue;
-            sent += skv_job_same_sender(q, job);
-            if (strcmp(job_tenant(q), tenant) == 0) {
+        for (const struct skv_job *q = w->head; q; q = q->next)
+            if (q->kind == SKV_JOB_REQUEST && q->sock != 1 && strcmp(job_tenant(q), tenant) == 0) {
                 mine++;
                 mine_bytes += q->bytes;
             }
-        }
         int64_t depth = w->cfg->queue_depth_per_tenant, tmax = w->cfg->max_queued_bytes_per_tenant;
-        if (mine >= depth || sent >= depth || mine_bytes + job->bytes > (uint64_t)tmax) {
+        if (mine >= depth || mine_bytes + job->bytes > (uint64_t)tmax) {
             pthread_mutex_unlock(&w->mu);
             if (mine >= depth)
                 return skv_errorf(SKV_E_BUSY, "tenant '%s' already has %d requests waiting (queue-depth-per-tenant)",
                                   tenant, mine);
-            if (sent >= depth)
-                return skv_errorf(SKV_E_BUSY, "this client already has %d requests waiting (queue-depth-per-tenant)",
-                                  sent);
             if (job->bytes > (uint64_t)tmax) /* alone past it: retrying never helps */
                 return skv_errorf(SKV_E_LIMIT,
                                   "the request takes %zu bytes unpacked: more than max-queued-bytes-per-tenant (%lld)",

@@ -55,7 +55,7 @@ static inline bool skv_job_same_sender(const struct skv_job *a, const struct skv
 }
 
 /* Starts the thread; replies are pushed to `reply_endpoint` (an inproc:// PULL the caller bound
- * on context zctx) as [sock byte][identity][reply]. */
+ * on context zctx) as [route][identity][reply] (struct skv_worker_route, below). */
 int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_config *cfg, struct skv_model *m,
                      struct skv_worker **out);
 /* Queues a job (ownership passes on success). Refused first, with the worker's status and
