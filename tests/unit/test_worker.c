@@ -2543,17 +2543,25 @@ static char *prometheus_text(struct fixture *f)
     return text;
 }
 
+/* A RELEASE of a session nobody has, for tenant (rr: its command's storage). */
+static Snapkv__Request release_nobody_req(Snapkv__ReleaseRequest *rr, const char *tenant)
+{
+    static const uint8_t nobody[16] = {0xee};
+    snapkv__release_request__init(rr);
+    rr->session_id = (ProtobufCBinaryData){16, (uint8_t *)nobody};
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+    req.release = rr;
+    req.tenant = (char *)tenant;
+    return req;
+}
+
 /* A RELEASE of a session nobody has, for tenant: a request that fails (not found), with a
  * message that says so, whatever the tenant's name. */
 static void release_unknown(struct fixture *f, const char *tenant)
 {
-    static const uint8_t nobody[16] = {0xee};
-    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
-    rr.session_id = (ProtobufCBinaryData){16, (uint8_t *)nobody};
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
-    req.release = &rr;
-    req.tenant = (char *)tenant;
+    Snapkv__ReleaseRequest rr;
+    Snapkv__Request req = release_nobody_req(&rr, tenant);
     Snapkv__Reply *rep = call(f, 0, ID_Y, &req);
     assert_int_equal(rep->status, SKV_E_NOT_FOUND);
     /* counting the failure under "(other)" keeps the message (it once cleared it) */
@@ -2639,13 +2647,8 @@ static void test_tenant_stats(void **state)
         snprintf(name, sizeof name, "tenant-%03d", i);
         release_unknown(f, name);
     }
-    static const uint8_t nobody[16] = {0xee};
-    Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
-    rr.session_id = (ProtobufCBinaryData){16, (uint8_t *)nobody};
-    Snapkv__Request bad = SNAPKV__REQUEST__INIT;
-    bad.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
-    bad.release = &rr;
-    bad.tenant = "no spaces allowed";
+    Snapkv__ReleaseRequest rr;
+    Snapkv__Request bad = release_nobody_req(&rr, "no spaces allowed");
     expect_refused(f, &bad, SKV_E_INVAL, "tenant 'no spaces allowed': only letters, digits");
     assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"tenant-125\"}") == 1);
     assert_true(stat(f, "snapkv_tenant_requests_total{tenant=\"(other)\"}") == 1); /* tenant-126 */
