@@ -2,7 +2,7 @@
  * id arrived over which connection (its socket fd, as ZMQ_SRCFD gives it) and the socket
  * monitor's ACCEPTED / DISCONNECTED events for those fds. Socket thread only; knows no ZeroMQ.
  *
- * The caller feeds every connection event it has before each message it reads, so an fd closed
+ * The caller feeds every connection event it has before each message it records, so an fd closed
  * and reused by a new connection is seen closed before the new one's first message. Messages
  * that were already on their way when a connection closed can still be read after its
  * DISCONNECTED: they are reported late (the client is gone; its request is still served). */

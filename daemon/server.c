@@ -936,7 +936,7 @@ static void read_connections(struct skv_server *srv)
             zmq_msg_close(&head);
             zmq_msg_close(&addr);
         }
-        if (n == 0) /* the common case: called before every client message */
+        if (n == 0) /* the common case: called for every client message and reply */
             break;
         uint64_t now = skv_now_ms();
         bool any_over = false;
@@ -1216,9 +1216,7 @@ static bool serve_ready(struct skv_server *srv, int idx, int max, bool known_rea
     for (int k = 0; max < 0 || k < max; k++) {
         if (!(k == 0 && known_ready) && !skv_zmq_has_input(sock))
             return false;
-        if (idx == 0)
-            read_connections(srv);
-        serve_one(srv, sock, idx == 1);
+        serve_one(srv, sock, idx == 1); /* (which reads the connection events after the message) */
     }
     return true;
 }
