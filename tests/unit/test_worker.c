@@ -3910,6 +3910,29 @@ static void test_persist_kept(void **state)
     persist_off(f, dir);
 }
 
+/* The bytes of one store block for every layer and KV head of the tiny model (a block store
+ * file's record: 16 rows of K and V in f32 and its 16-byte header). */
+static long store_block_units(const struct fixture *f)
+{
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    return (2L * 16 * mc->head_dim * 4 + 16) * mc->n_layers * mc->n_kv_heads;
+}
+
+/* Stops the worker (its persist save) with files limited to `limit` bytes (RLIMIT_FSIZE,
+ * SIGXFSZ ignored: the write fails instead), then lifts the limit. */
+static void stop_with_file_limit(struct fixture *f, long limit)
+{
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = (rlim_t)limit;
+    void (*was)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    skv_worker_stop(&f->w);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, was);
+}
+
 /* A save whose block store fails on the kept prefixes' blocks (here a file size limit the
  * sessions' blocks fit under and the kept prefix's do not) saves the sessions all the same,
  * without the kept prefixes: the restart restores the session and no kept prefix. */
@@ -3925,19 +3948,10 @@ static void test_persist_kept_store_fails(void **state)
     prefill_for(f, "t", 32, "policy=full", a);   /* 2 blocks a layer and KV head */
     assert_int_equal(prefill_release(f, "u", 5, 48), 0); /* 3 of u's, kept */
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const long block = 2L * 16 * mc->head_dim * 4 + 16, units = (long)mc->n_layers * mc->n_kv_heads;
-    struct rlimit old, lim;
-    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
-    lim = old;
-    lim.rlim_cur = (rlim_t)(96 + 3 * units * block); /* the sessions' 2 fit, their 2 and the kept 3 do not */
-    void (*was)(int) = signal(SIGXFSZ, SIG_IGN);
-    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
-    skv_worker_stop(&f->w);
-    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
-    signal(SIGXFSZ, was);
+    const long limit = 96 + 3 * store_block_units(f); /* the sessions' 2 fit, their 2 and the kept 3 do not */
+    stop_with_file_limit(f, limit);
     only_match(pdir, "blocks-*.skvb", path, sizeof path);
-    assert_true(file_size(path) <= (long)lim.rlim_cur);
+    assert_true(file_size(path) <= limit);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(listed(f, a, NULL, NULL), 32);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
@@ -3965,17 +3979,7 @@ static void test_persist_kept_store_fails_later(void **state)
     assert_int_equal(prefill_release(f, "t", 7, 64), 0); /* 4 more, never written */
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
     only_match(pdir, "blocks-*.skvb", path, sizeof path);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const long block = 2L * 16 * mc->head_dim * 4 + 16, units = (long)mc->n_layers * mc->n_kv_heads;
-    struct rlimit old, lim;
-    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
-    lim = old;
-    lim.rlim_cur = (rlim_t)(file_size(path) + 2 * units * block); /* t's 4 do not fit */
-    void (*was)(int) = signal(SIGXFSZ, SIG_IGN);
-    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
-    skv_worker_stop(&f->w);
-    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
-    signal(SIGXFSZ, was);
+    stop_with_file_limit(f, file_size(path) + 2 * store_block_units(f)); /* t's 4 do not fit */
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(kept_listed(f, ids, tenants, tokens), 1);
     assert_memory_equal(ids[0], first[0], 16);
