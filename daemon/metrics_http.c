@@ -339,16 +339,12 @@ static int bind_listen(const char *address, int *fd_out)
     return SKV_OK;
 }
 
-int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, skv_metrics_health_fn health,
-                           void *user, struct skv_metrics_http **out)
+int skv_metrics_http_bind(const char *address, struct skv_metrics_http **out)
 {
     struct skv_metrics_http *h = calloc(1, sizeof *h);
     if (!h)
         return SKV_E_NOMEM;
     h->listen_fd = h->wake[0] = h->wake[1] = -1;
-    h->render = render;
-    h->health = health;
-    h->user = user;
     snprintf(h->addr, sizeof h->addr, "%s", address);
     int rc = (h->body = malloc(BODY_CAP)) && (h->slots = calloc(SKV_METRICS_CONNECTIONS, sizeof *h->slots))
                  ? SKV_OK
@@ -357,15 +353,24 @@ int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, sk
         rc = bind_listen(address, &h->listen_fd);
     if (!rc && pipe2(h->wake, O_CLOEXEC | O_NONBLOCK) < 0)
         rc = skv_errorf(SKV_E_IO, "metrics: pipe: %s", strerror(errno));
-    if (!rc && skv_thread_create(&h->thread, http_main, h, "skv-metrics") != 0)
-        rc = skv_errorf(SKV_E_INTERNAL, "metrics: cannot start the HTTP thread");
-    h->started = rc == SKV_OK;
     if (rc) {
         skv_metrics_http_stop(&h);
         return rc;
     }
-    skv_log(SKV_LOG_INFO, "metrics on http://%s/metrics (probes /healthz, /readyz)", address);
     *out = h;
+    return SKV_OK;
+}
+
+int skv_metrics_http_start(struct skv_metrics_http *h, skv_metrics_render_fn render, skv_metrics_health_fn health,
+                           void *user)
+{
+    h->render = render;
+    h->health = health;
+    h->user = user;
+    if (skv_thread_create(&h->thread, http_main, h, "skv-metrics") != 0)
+        return skv_errorf(SKV_E_INTERNAL, "metrics: cannot start the HTTP thread");
+    h->started = true;
+    skv_log(SKV_LOG_INFO, "metrics on http://%s/metrics (probes /healthz, /readyz)", h->addr);
     return SKV_OK;
 }
 

@@ -27,10 +27,13 @@ typedef size_t (*skv_metrics_render_fn)(void *user, char *buf, size_t cap);
  * HTTP thread. */
 typedef int (*skv_metrics_health_fn)(void *user, bool ready, char *buf, size_t cap);
 
-/* Binds `address` ("127.0.0.1:9464", "[::1]:9464", "localhost:9464") and starts the thread.
- * SKV_E_INVAL for a malformed address, SKV_E_IO when it cannot be bound. */
-int skv_metrics_http_start(const char *address, skv_metrics_render_fn render, skv_metrics_health_fn health,
-                           void *user, struct skv_metrics_http **out);
+/* Binds `address` ("127.0.0.1:9464", "[::1]:9464", "localhost:9464"), so that a port in use
+ * fails a start before the engine starts (and restores sessions). SKV_E_INVAL for a malformed
+ * address, SKV_E_EXISTS when the port is in use, SKV_E_IO when it cannot be bound otherwise. */
+int skv_metrics_http_bind(const char *address, struct skv_metrics_http **out);
+/* Starts the thread that answers on the bound socket. */
+int skv_metrics_http_start(struct skv_metrics_http *h, skv_metrics_render_fn render, skv_metrics_health_fn health,
+                           void *user);
 /* Stops the thread (an answer in progress is abandoned) and closes the socket. Accepts NULL. */
 void skv_metrics_http_stop(struct skv_metrics_http **http_p);
 

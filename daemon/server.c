@@ -377,6 +377,8 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
         goto out_destroy;
     if (*env->cfg->events_replay_endpoint && (rc = bind_replay(srv, env->cfg->events_replay_endpoint)))
         goto out_destroy;
+    if (*env->cfg->metrics_listen && (rc = skv_metrics_http_bind(env->cfg->metrics_listen, &srv->metrics)))
+        goto out_destroy;
     srv->replies = zmq_socket(srv->zctx, ZMQ_PULL);
     if (!srv->replies || zmq_bind(srv->replies, REPLY_ENDPOINT) < 0) {
         rc = skv_errorf(SKV_E_IO, "inproc reply socket: %s", zmq_strerror(zmq_errno()));
@@ -388,8 +390,7 @@ int skv_server_new(const struct skv_server_env *env, struct skv_auth **auth_p, s
         (rc = skv_worker_start(srv->zctx, REPLY_ENDPOINT, env->cfg, env->model, &srv->worker)))
         goto out_destroy;
     skv_worker_set_replies(srv->worker, srv->unread); /* STATS reports them */
-    if (*env->cfg->metrics_listen &&
-        (rc = skv_metrics_http_start(env->cfg->metrics_listen, render_metrics, health_probe, srv, &srv->metrics)))
+    if (srv->metrics && (rc = skv_metrics_http_start(srv->metrics, render_metrics, health_probe, srv)))
         goto out_destroy;
     *out = srv;
     return SKV_OK;
@@ -407,7 +408,7 @@ void skv_server_destroy(struct skv_server **srv_p)
         return;
     struct skv_server *srv = *srv_p;
     skv_metrics_http_stop(&srv->metrics);
-    /* a start that failed after the engine thread started (metrics-listen): it may be blocked
+    /* a start that failed after the engine thread started (the HTTP thread): it may be blocked
      * on a full reply pipe (a restore's events); else the join below would wait for ever */
     if (srv->worker && !srv->worker_done) {
         skv_worker_request_stop(srv->worker);
