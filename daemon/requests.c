@@ -1875,7 +1875,10 @@ static int sampler_start(struct skv_worker *w, const Snapkv__Sampling *sp, struc
     float bias[SKV_LOGIT_BIAS_MAX];
     for (size_t i = 0; i < sp->n_logit_bias; i++) {
         const Snapkv__LogitBias *b = sp->logit_bias[i];
-        ids[i] = b->token > INT32_MAX ? INT32_MAX : (int32_t)b->token;
+        if (b->token >= (uint32_t)w->m->cfg.n_vocab) /* named here as sent, before the int32 below */
+            return skv_errorf(SKV_E_INVAL, "logit_bias token %u is outside the vocabulary [0, %d)", b->token,
+                              w->m->cfg.n_vocab);
+        ids[i] = (int32_t)b->token;
         bias[i] = b->bias;
     }
     p.bias_ids = ids;
@@ -1920,6 +1923,10 @@ struct skv_decode *skv_requests_decode_start(struct skv_worker *w, struct skv_jo
         rc = SKV_E_NOMEM;
     if (!rc && sp && sp->n_stop)
         rc = skv_stop_text_init(&d->stops, (const char *const *)sp->stop, sp->n_stop);
+    for (size_t i = 0; !rc && sp && i < sp->n_stop_tokens; i++)
+        if (sp->stop_tokens[i] >= (uint32_t)w->m->cfg.n_vocab)
+            rc = skv_errorf(SKV_E_INVAL, "stop token %u at index %zu is outside the vocabulary [0, %d)",
+                            sp->stop_tokens[i], i, w->m->cfg.n_vocab);
     if (!rc && sp && sp->n_stop_tokens) {
         if (!(d->stop = malloc(sp->n_stop_tokens * sizeof *d->stop)))
             rc = SKV_E_NOMEM;
@@ -2261,8 +2268,9 @@ static void handle_tokenize(struct skv_worker *w, struct skv_job *job)
     const Snapkv__TokenizeRequest *q = job->req->tokenize;
     int32_t *ids = NULL;
     int n = 0;
-    int rc = request_tokens(w, NULL, 0, q->text, q->chat && !q->append, q->chat && q->append, !q->append,
-                            (int)w->cfg->max_prompt_tokens, &ids, &n);
+    int rc = *q->text ? request_tokens(w, NULL, 0, q->text, q->chat && !q->append, q->chat && q->append, !q->append,
+                                       (int)w->cfg->max_prompt_tokens, &ids, &n)
+                      : skv_errorf(SKV_E_INVAL, "the text to tokenize is empty");
     if (rc) {
         fail_rc(w, job, rc);
         return;

@@ -665,9 +665,9 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
     for (size_t i = 0; i < s.n_stop; i++)
         if (!s.stop[i] || !*s.stop[i])
             return skv_client_fail(SNAPKV_E_INVAL, "decode: stop sequence %zu is NULL or empty", i);
-    if (s.temperature < 0.0f || s.top_p < 0.0f || s.top_p > 1.0f || s.temperature != s.temperature ||
-        s.top_p != s.top_p)
-        return skv_client_fail(SNAPKV_E_INVAL, "decode: temperature must be >= 0 and top_p in [0, 1]");
+    if (s.temperature < 0.0f || s.temperature > 100.0f || s.top_p < 0.0f || s.top_p > 1.0f ||
+        s.temperature != s.temperature || s.top_p != s.top_p)
+        return skv_client_fail(SNAPKV_E_INVAL, "decode: temperature must be in [0, 100] and top_p in [0, 1]");
 
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;

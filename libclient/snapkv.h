@@ -429,10 +429,11 @@ SNAPKV_API int snapkv_append_scored_top(snapkv_client_t *client, const struct sn
                                         struct snapkv_logprobs *top);
 
 struct snapkv_sampling {
-    float temperature;            /* 0: greedy */
-    uint32_t top_k;               /* 0: off */
+    float temperature;            /* 0: greedy; at most 100 */
+    uint32_t top_k;               /* 0: off; tokens tied with the k-th stay (as transformers') */
     float top_p;                  /* 0 or 1: off */
-    uint64_t seed;
+    uint64_t seed;                /* 0 too is a seed: the same seed, session and settings give the
+                                     same tokens; vary it for different samples */
     const uint32_t *stop_tokens;
     size_t n_stop_tokens;
     uint32_t max_tokens;          /* 0: 64 (at most the daemon's max-new-tokens: LIMIT above it) */

@@ -30,6 +30,8 @@ struct skv_engine {
     float *lg;             /* [decode group][n_vocab]: a decode group's logits, made at its first use and
                             * kept between forwards (an alloc and a free a forward cost a device-wide wait
                             * on the GPU); freed with the other buffers when they grow */
+    float *lhost;          /* [decode group][n_vocab], host: a decode group's logits, given to the
+                            * sequences only once every row came down */
     uint64_t scratch_bytes;
     int decode_group;      /* sessions per decode forward (decode_group_size); 0: not known yet */
     int small_forward;     /* skv_engine_small_forward's answer; -1: not known yet */
@@ -624,6 +626,8 @@ static void free_buffers(struct skv_engine *e)
     }
     free(e->pos);
     e->pos = NULL;
+    free(e->lhost);
+    e->lhost = NULL;
     e->cap_tokens = 0;
     e->scratch_bytes = 0;
 }
@@ -1271,9 +1275,18 @@ static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *se
         out = e->lg;
     }
     CHECK(ops->matmul(be, out, &e->m->output, NULL, e->xb, n));
+    /* every row down first: a download that fails leaves each sequence's logits as they were,
+     * those of the token before, as the caller undoes every cache of the group */
+    if (!e->lhost) {
+        size_t bytes = (size_t)decode_group_size(e) * row;
+        if (!(e->lhost = malloc(bytes)))
+            return SKV_E_NOMEM;
+        e->scratch_bytes += bytes;
+    }
+    CHECK(ops->download(be, e->lhost, out, (size_t)n * row));
     for (int i = 0; i < n; i++)
         if (seqs[i].logits)
-            CHECK(ops->download(be, seqs[i].logits, out + (size_t)i * c->n_vocab, row));
+            memcpy(seqs[i].logits, e->lhost + (size_t)i * c->n_vocab, row);
     return SKV_OK;
 }
 

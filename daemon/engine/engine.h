@@ -188,8 +188,9 @@ struct skv_batch_seq {
  * each sequence's own cache; each sequence's hook sees its own row (view.n = 1). Results
  * equal n separate skv_engine_forward calls. n in [1, SKV_ENGINE_MAX_BATCH]. The sequences
  * go in groups (the backend's matmul_rows_as_one); a group that fails leaves its caches as
- * skv_engine_forward leaves a failed one and the other groups go on, so after an error each
- * cache either took its token (n_past + 1) or did not; the first error is returned. */
+ * skv_engine_forward leaves a failed one, and its sequences' logits as they were, and the other
+ * groups go on, so after an error each cache either took its token (n_past + 1, its logits
+ * those of the token) or did not (its logits untouched); the first error is returned. */
 int skv_engine_decode_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int n);
 /* The most tokens a forward of e runs through a matmul kernel that computes each row on its
  * own (the backend's matmul_rows_as_one, the largest over the model's weights; 0 when it has

@@ -296,8 +296,20 @@ int skv_sampler_candidates(struct skv_sampler *s, const float *logits, double *m
     if (k > m)
         k = m;
     if (need_sort) {
-        if (k < m)
+        if (k < m) {
             select_first(s->idx, m, k, s->prob);
+            /* tokens tied with the k-th stay too, as transformers' TopKLogitsWarper leaves
+             * every token not below the k-th logit */
+            int32_t last = s->idx[0];
+            for (int i = 1; i < k; i++)
+                if (by_prob_desc(&s->idx[i], &last, s->prob) > 0)
+                    last = s->idx[i];
+            for (int i = k; i < m; i++)
+                if (logits[s->idx[i]] == logits[last]) {
+                    SWAP_I32(s->idx[i], s->idx[k]);
+                    k++;
+                }
+        }
         qsort_r(s->idx, (size_t)k, sizeof *s->idx, by_prob_desc, s->prob);
     }
     double kept = 0;

@@ -22,10 +22,10 @@
  * then, when sampling, temperature, top-k, top-p and min-p (transformers' MinPLogitsWarper:
  * of the tokens top-k and top-p left, those less likely than min_p times the likeliest go). */
 struct skv_sampler_params {
-    float temperature;  /* <= 0: greedy */
-    int top_k;          /* <= 0: off */
-    float top_p;        /* <= 0 or >= 1: off */
-    uint64_t seed;
+    float temperature;  /* 0: greedy; at most 100 */
+    int top_k;          /* 0: off; tokens tied with the k-th stay too (transformers' rule) */
+    float top_p;        /* 0 or 1: off */
+    uint64_t seed;      /* 0 too: the same seed gives the same stream */
     float min_p;                /* 0: off; at most 1 */
     float repetition_penalty;   /* 0 or 1: off; else 0.01 to 100 */
     int repetition_last_n;      /* 0: the whole history */

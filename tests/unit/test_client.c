@@ -407,6 +407,9 @@ static void test_argument_checks(void **state)
     snapkv_sampling_defaults(&s);
     s.temperature = -1.0f;
     assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    s.temperature = 150.0f; /* the daemon's limit is 100: refused here, with the limit named */
+    assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);
+    assert_non_null(strstr(snapkv_last_error(), "temperature must be in [0, 100]"));
     snapkv_sampling_defaults(&s);
     s.n_stop_tokens = 2;
     assert_int_equal(snapkv_decode(c, &ID_A, &s, NULL, NULL, &dr), SNAPKV_E_INVAL);

@@ -226,6 +226,20 @@ static int fail_hook(void *user, const struct skv_layer_view *v)
     return SKV_OK;
 }
 
+/* A backend whose downloads fail past the first logits row of a decode group (the test swaps
+ * its ops in): the group's first row comes down, the second does not. */
+static const char *g_first_src;
+static size_t g_row_bytes;
+static int (*g_real_download)(struct skv_backend *be, void *dst, const void *src, size_t bytes);
+static int failing_download(struct skv_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (!g_first_src)
+        g_first_src = src;
+    if ((const char *)src + bytes > g_first_src + g_row_bytes)
+        return skv_errorf(SKV_E_DEVICE, "injected download failure");
+    return g_real_download(be, dst, src, bytes);
+}
+
 /* A forward that fails part way (here at layer 1 of 2, the rows already in both layers' heads
  * up to it) leaves the cache as it was: the same rows, positions and n_past, its blocks back
  * in the pool; the next forward then gives what a cache that never saw the failure gives. A
@@ -284,6 +298,32 @@ static void test_failed_forward_undone(void **state)
             assert_int_equal(skv_kv_cache_head(bc[i], l, 0)->len, n0[i] + (i < 8));
     }
     expect_snapshot(bc[8], snap8, pos, floats);
+
+    /* the logits fail to come down: each sequence keeps the logits of its token before (the
+     * first sequences' were overwritten before, so they sampled from a token not in their cache) */
+    float *lg[2];
+    for (int i = 0; i < 2; i++) {
+        lg[i] = malloc((size_t)nv * sizeof *lg[i]);
+        for (int v = 0; v < nv; v++)
+            lg[i][v] = (float)(i * nv + v);
+        seqs[i] = (struct skv_batch_seq){bc[i], t->ids[50 + i], NULL, lg[i]};
+    }
+    const struct skv_backend_ops *real = t->be->ops;
+    struct skv_backend_ops broken = *real;
+    broken.download = failing_download;
+    g_real_download = real->download;
+    g_first_src = NULL;
+    g_row_bytes = (size_t)nv * sizeof(float);
+    t->be->ops = &broken;
+    int rc = skv_engine_decode_batch(t->e, seqs, 2);
+    t->be->ops = real;
+    assert_int_equal(rc, SKV_E_DEVICE);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(bc[i]->n_past, n0[i] + 1); /* as after the batch above */
+        for (int v = 0; v < nv; v++)
+            assert_true(lg[i][v] == (float)(i * nv + v));
+        free(lg[i]);
+    }
     for (int i = 0; i < NB; i++)
         skv_kv_cache_free(&bc[i]);
     free(snap8);

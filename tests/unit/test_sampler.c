@@ -82,6 +82,35 @@ static void test_truncation(void **state)
     skv_sampler_fini(&s);
 }
 
+/* top_k keeps every token tied with the k-th, as transformers' TopKLogitsWarper (which removes
+ * only those below the k-th logit): {2, 2, 2, 0} with top_k 1 samples 0, 1 and 2 alike, and
+ * {3, 1, 1, 1} with top_k 2 keeps all four. */
+static void test_top_k_ties(void **state)
+{
+    (void)state;
+    float three[] = {2.0f, 2.0f, 2.0f, 0.0f};
+    struct skv_sampler s;
+    struct skv_sampler_params p = {.temperature = 1.0f, .top_k = 1, .seed = 11};
+    assert_int_equal(skv_sampler_init(&s, &p, 4), SKV_OK);
+    double mass = 0;
+    assert_int_equal(skv_sampler_candidates(&s, three, &mass), 3);
+    int seen[4] = {0};
+    for (int i = 0; i < 3000; i++)
+        seen[skv_sampler_sample(&s, three)]++;
+    assert_int_equal(seen[3], 0);
+    for (int i = 0; i < 3; i++)
+        assert_true(seen[i] > 800 && seen[i] < 1200);
+    skv_sampler_fini(&s);
+    float four[] = {3.0f, 1.0f, 1.0f, 1.0f};
+    p.top_k = 2;
+    assert_int_equal(skv_sampler_init(&s, &p, 4), SKV_OK);
+    assert_int_equal(skv_sampler_candidates(&s, four, &mass), 4);
+    assert_int_equal(s.idx[0], 0); /* the likeliest first, then the tied ones by id */
+    assert_int_equal(s.idx[1], 1);
+    assert_int_equal(s.idx[3], 3);
+    skv_sampler_fini(&s);
+}
+
 /* Non-finite logits: NaN is never picked (greedy or sampled), a +inf logit holds all the mass,
  * and NaN or -inf everywhere gives the lowest id, without a NaN in qsort's comparisons. */
 static void test_non_finite(void **state)
@@ -133,8 +162,8 @@ static void test_selection_matches_sort(void **state)
         struct skv_sampler s;
         struct skv_sampler_params pk = {.temperature = 1.0f, .top_k = 7, .seed = (uint64_t)trial};
         assert_int_equal(skv_sampler_init(&s, &pk, N), SKV_OK);
-        for (int i = 0; i < 50; i++)
-            assert_true(rank[skv_sampler_sample(&s, logits)] < 7);
+        for (int i = 0; i < 50; i++) /* not below the 7th largest (tokens tied with it stay) */
+            assert_true(logits[skv_sampler_sample(&s, logits)] >= logits[order[6]]);
         skv_sampler_fini(&s);
         /* the nucleus of top_p 0.5 by the full order */
         double sum = 0, acc = 0, mx = logits[order[0]];
@@ -499,6 +528,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy),     cmocka_unit_test(test_distribution),
         cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_truncation),
+        cmocka_unit_test(test_top_k_ties),
         cmocka_unit_test(test_invalid),
         cmocka_unit_test(test_non_finite),
         cmocka_unit_test(test_selection_matches_sort),     cmocka_unit_test(test_stop_text),

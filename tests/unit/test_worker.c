@@ -1311,6 +1311,44 @@ static void test_decode_over_quota(void **state)
     assert_int_equal(listed(f, s2, NULL, NULL), 20);
 }
 
+/* A DECODE's stop token or logit-bias token outside the vocabulary: INVAL naming the id as sent
+ * (a stop token was taken before and could never match; a bias id above INT32_MAX was named as
+ * 2147483647). The session is as it was. */
+static void test_decode_ids_outside_vocab(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    uint32_t stop[2] = {1, (uint32_t)f->tiny->m->cfg.n_vocab};
+    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+    sm.max_tokens = 2;
+    sm.stop_tokens = stop;
+    sm.n_stop_tokens = 2;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, sid};
+    d.sampling = &sm;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    char want[96];
+    snprintf(want, sizeof want, "stop token %d at index 1 is outside the vocabulary", f->tiny->m->cfg.n_vocab);
+    assert_int_equal(rep->status, SKV_E_INVAL);
+    assert_non_null(strstr(rep->message, want));
+    snapkv__reply__free_unpacked(rep, NULL);
+    sm.n_stop_tokens = 0;
+    Snapkv__LogitBias b = SNAPKV__LOGIT_BIAS__INIT, *bl[1] = {&b};
+    b.token = UINT32_MAX;
+    b.bias = 1.0f;
+    sm.logit_bias = bl;
+    sm.n_logit_bias = 1;
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_INVAL);
+    assert_non_null(strstr(rep->message, "logit_bias token 4294967295 is outside the vocabulary"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, sid, NULL, NULL), 8);
+}
+
 /* ---- shared-memory buffers ------------------------------------------------------------------- */
 
 /* EXPORT_KV of sid into the shared-memory object `name`, from a client of user uid (-1: a
@@ -5052,6 +5090,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_retain_random, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_admit, setup, teardown),
