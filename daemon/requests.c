@@ -391,6 +391,12 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
         if (skv_worker_running_gone(p->w)) {
             atomic_fetch_add(&p->w->dropped_gone, 1);
             rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
+        } else if (atomic_load(&p->w->stop_asked)) {
+            /* a stop does not wait for the rest of a long forward: the save after it must fit
+             * the service manager's stop timeout */
+            rc = skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down: the %s stopped at layer %d of %d%s",
+                            prefill ? "PREFILL" : append ? "APPEND" : "COMPRESS", v->layer + 1, p->n_layers,
+                            append ? ", the session as it was before it" : "");
         } else if (!p->job && skv_worker_running_late(p->w)) {
             p->w->metrics.requests_past_deadline++;
             rc = skv_errorf(SKV_E_TIMEOUT, "the %s passed its deadline of %u ms (the client's timeout) at layer "

@@ -3145,6 +3145,37 @@ static void test_append_stops(void **state)
     assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 1);
 }
 
+/* A stop asked while a long APPEND runs ends it at its next layer, not after its last: the
+ * session is as it was (the stop's save writes its 8 tokens, the next start restores them), and
+ * the worker's last message follows. Before, the stop waited for the whole forward, so a long
+ * PREFILL on a CPU host plus the save could pass the unit's TimeoutStopSec. */
+static void test_stop_ends_forward(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX";
+    persist_on(f, dir, "0");
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    struct long_append la = {f, sid, 0, false};
+    gate_hold(submit_long_append, &la);
+    skv_worker_request_stop(f->w);
+    gate_open();
+    char want[96];
+    snprintf(want, sizeof want, "snapkvd is shutting down: the APPEND stopped at layer 1 of %d, the session as it "
+             "was before it", f->tiny->m->cfg.n_layers);
+    expect_reply(f, SKV_E_CANCELLED, want);
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    assert_true(zmq_msg_recv(&part, f->pull, 0) >= 0);
+    assert_int_equal(*(const uint8_t *)zmq_msg_data(&part), SKV_WORKER_DONE_SOCK);
+    for (int i = 0; i < 2; i++)
+        assert_true(zmq_msg_recv(&part, f->pull, 0) >= 0);
+    zmq_msg_close(&part);
+    restart(f);
+    assert_int_equal(listed(f, sid, NULL, NULL), 8);
+    persist_off(f, dir);
+}
+
 /* A COMPRESS by client Y of session sid that runs its tokens from the second on again (71 of
  * 72: a forward long enough to stop), with a deadline (0: none). */
 struct long_compress {
@@ -5091,6 +5122,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_admit, setup, teardown),
