@@ -168,7 +168,8 @@ static const struct skv_config_option options[] = {
      "one once no value signed with the old secret is left (store-keep-seconds). Needs store-secret-file. \"\": "
      "only store-secret-file's signatures load"},
     {"store-timeout-ms", SKV_CFG_INT, OPT(store_timeout_ms), "1000", 10, 60000,
-     "the longest the engine waits for the store at each step (connect, send, receive); after a failed "
+     "the longest the engine waits for the store: for a connect, and for a command with its reply, plus as "
+     "much again for each MiB of the value it sends or receives; after a failed "
      "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "
      "dropped"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,

@@ -3552,7 +3552,9 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
          * is put back, a value lives no longer than its spill's store-keep-seconds and 300 s */
         int64_t ttl = w->cfg->store_keep_seconds;
         if (has_meta) {
-            int64_t left = (int64_t)m.expires_unix + STORE_CLOCK_SKEW_S - (int64_t)time(NULL);
+            /* (an unsigned value's time is the store's word: kept below what overflows) */
+            int64_t exp = m.expires_unix > (uint64_t)INT64_MAX / 2 ? INT64_MAX / 2 : (int64_t)m.expires_unix;
+            int64_t left = exp + STORE_CLOCK_SKEW_S - (int64_t)time(NULL);
             ttl = left < 1 ? 1 : left < ttl ? left : ttl;
         }
         if (skv_store_put_back(w->store, key, data, n, ttl)) {

@@ -1,4 +1,5 @@
-/* The shared store's connection and its calls (see store.h): hiredis does the protocol. */
+/* The shared store's connection and its calls (see store.h): hiredis makes the connection; the
+ * commands and their replies are written and read here, each command under one deadline. */
 #include "daemon/store.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -9,7 +10,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <limits.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sodium.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -25,6 +28,7 @@
 #define STORE_SEND_BUF (256 << 10) /* a streamed value goes out in pieces of this */
 #define STORE_LINE_MAX (64 << 10)  /* a reply's header line, an error message's included */
 #define STORE_PASSWORD_MAX 4096    /* store-password-file's password, in bytes, and one */
+#define STORE_MIB_STEP (1u << 20)  /* each MiB of a value gives its command store-timeout-ms more */
 
 struct host_lookup;
 static void lookup_unref(struct host_lookup *lk);
@@ -40,6 +44,7 @@ struct skv_store {
     uint64_t max_value;       /* a take refuses a value larger than this */
     struct host_lookup *lookup; /* a lookup of host that outlived a connect's wait, or NULL */
     redisContext *c;          /* NULL: not connected */
+    uint64_t deadline_ms;     /* the running command's (now_ms's clock): deadline_start */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
     char why[512];            /* and why */
@@ -338,12 +343,51 @@ struct store_value {
 static int stream_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, int vi,
                           struct store_value *v);
 
+/* A reply as read_reply reads it. */
+struct store_reply {
+    char type;        /* '+' status, '-' error (line), ':' integer, '$' string (data, n; nil) */
+    char line[512];   /* a status's or an error's text, cut there */
+    long long integer;
+    void *data;       /* malloc'ed */
+    size_t n;
+    bool nil;
+    int rc;           /* read_reply's -1: the status (its message set) */
+};
+
+static int read_reply(struct skv_store *st, const char *command, bool string_ok, struct store_reply *r);
+static void deadline_start(struct skv_store *st, uint64_t value_bytes);
+
+/* A command of a new connection (AUTH, SELECT) and its reply, which must be a status: SKV_OK,
+ * or SKV_E_IO with why set. The reply's text goes into why only as its first word (a store that
+ * does not know the command may quote its arguments, an AUTH's password among them). */
+static int setup_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, char *why,
+                         size_t cap)
+{
+    struct store_value none = {0};
+    struct store_reply r = {0};
+    deadline_start(st, 0);
+    int e = 0;
+    if (stream_command(st, argc, argv, lens, -1, &none) != 0)
+        snprintf(why, cap, "%s: %s", argv[0], none.err == EAGAIN ? "timed out"
+                                              : none.err ? strerror(none.err) : "no memory to send it");
+    else if ((e = read_reply(st, argv[0], false, &r)) != 0)
+        snprintf(why, cap, "%s: %s", argv[0], e < 0 ? skv_error_msg() : e == EAGAIN ? "timed out"
+                                              : e == ECONNRESET ? "the connection closed" : strerror(e));
+    else if (r.type == '-')
+        snprintf(why, cap, "%s refused (%.*s)", argv[0], (int)strcspn(r.line, " "), r.line);
+    else if (r.type != '+')
+        snprintf(why, cap, "%s: an unexpected reply", argv[0]);
+    else
+        return SKV_OK;
+    return SKV_E_IO;
+}
+
 /* AUTH [user] password on a new connection, the password read from its file now: SKV_OK, or
  * SKV_E_IO after store_failed (a refused password counts as a failed connection). The command is
- * written by stream_command, which clears its buffer, and not by hiredis, whose buffers would
- * keep the password in freed memory. st->why, which clients may see in an error, has the
- * store's first word only (a store that does not know AUTH may quote its arguments); the log has
- * the user and the file. */
+ * written by stream_command, which clears its buffer. Neither st->why, which clients may see in
+ * an error, nor the log has more of the store's answer than its first word: a store that does
+ * not know AUTH quotes its arguments, cut (so a long password's start, which no search for the
+ * whole password finds). */
 static int store_auth(struct skv_store *st)
 {
     char pw[STORE_PASSWORD_MAX], why[sizeof st->why];
@@ -360,27 +404,13 @@ static int store_auth(struct skv_store *st)
     }
     argv[argc] = pw;
     lens[argc++] = strlen(pw);
-    struct store_value none = {0};
-    redisReply *r = NULL;
-    bool ok = false;
-    if (stream_command(st, argc, argv, lens, -1, &none) != 0)
-        snprintf(why, sizeof why, "AUTH: %s", none.err == EAGAIN || none.err == EWOULDBLOCK ? "timed out"
-                                              : none.err ? strerror(none.err) : "no memory to send it");
-    else if (redisGetReply(st->c, (void **)&r) != REDIS_OK)
-        snprintf(why, sizeof why, "AUTH: %s", st->c->errstr[0] ? st->c->errstr : "no reply");
-    else if (!(ok = r->type == REDIS_REPLY_STATUS) && r->type == REDIS_REPLY_ERROR)
-        snprintf(why, sizeof why, "AUTH refused (%.*s): check store-user and store-password-file",
-                 (int)strcspn(r->str, " "), r->str);
-    else if (!ok)
-        snprintf(why, sizeof why, "AUTH: an unexpected reply");
-    if (r && r->type == REDIS_REPLY_ERROR)
-        skv_log(SKV_LOG_WARN, "store %s: AUTH%s%s with the password in %s refused: %.200s", st->url,
-                st->user[0] ? " as " : "", st->user, st->password_file,
-                strstr(r->str, pw) ? "(the store's answer quotes the password)" : r->str);
+    int rc = setup_command(st, argc, argv, lens, why, sizeof why);
     explicit_bzero(pw, sizeof pw);
-    if (r)
-        freeReplyObject(r);
-    return ok ? SKV_OK : store_failed(st, why);
+    if (!rc)
+        return SKV_OK;
+    skv_log(SKV_LOG_WARN, "store %s: AUTH%s%s with the password in %s: %s: check store-user and "
+            "store-password-file", st->url, st->user[0] ? " as " : "", st->user, st->password_file, why);
+    return store_failed(st, why);
 }
 
 /* ---- the host's lookup ------------------------------------------------------------- */
@@ -594,29 +624,60 @@ static int store_connect(struct skv_store *st)
     if (st->password_file[0] && store_auth(st))
         return SKV_E_IO;
     if (st->db) {
-        redisReply *r = redisCommand(st->c, "SELECT %d", st->db);
-        bool ok = r && r->type == REDIS_REPLY_STATUS;
-        char why[200];
-        snprintf(why, sizeof why, "SELECT %d: %s", st->db,
-                 !r ? st->c->errstr : r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
-        if (r)
-            freeReplyObject(r);
-        if (!ok)
+        char db[16], why[300];
+        snprintf(db, sizeof db, "%d", st->db);
+        const char *argv[] = {"SELECT", db};
+        const size_t lens[] = {6, strlen(db)};
+        if (setup_command(st, 2, argv, lens, why, sizeof why))
             return store_failed(st, why);
     }
     return SKV_OK;
 }
 
+/* Starts a command's clock: store-timeout-ms for the command and its reply's first line, and
+ * as much again for each MiB (or part of one) of the value it sends. A store that trickles its
+ * bytes (each wait within the timeout) so cannot hold the engine past that. */
+static uint64_t store_timeout_ms(const struct skv_store *st)
+{
+    return (uint64_t)st->timeout.tv_sec * 1000 + (uint64_t)st->timeout.tv_usec / 1000;
+}
+
+static void deadline_start(struct skv_store *st, uint64_t value_bytes)
+{
+    st->deadline_ms = now_ms() + store_timeout_ms(st) * (1 + (value_bytes + STORE_MIB_STEP - 1) / STORE_MIB_STEP);
+}
+
+/* Waits until fd is ready for `events` before the command's deadline: 0, EAGAIN when it passed,
+ * or poll's errno. */
+static int wait_ready(const struct skv_store *st, int fd, short events)
+{
+    for (;;) {
+        uint64_t now = now_ms();
+        if (now >= st->deadline_ms)
+            return EAGAIN;
+        uint64_t left = st->deadline_ms - now;
+        struct pollfd p = {.fd = fd, .events = events};
+        int n = poll(&p, 1, left > INT_MAX ? INT_MAX : (int)left);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return errno;
+        if (n > 0) /* (an error or hang-up too: the send or recv says which) */
+            return 0;
+    }
+}
+
 struct value_sink {
+    struct skv_store *st;
     int fd;
     struct store_value *v;
     uint64_t cap; /* no byte past this count goes out: the value's end while fn writes it */
     bool over;    /* fn wrote past it */
 };
 
-/* fopencookie's write: every byte onto the socket, or 0 (an error) with v->err set, or with
- * `over` set for bytes past the cap. The socket's send timeout (redisSetTimeout) bounds each
- * wait. */
+/* fopencookie's write: every byte onto the socket before the command's deadline, or 0 (an
+ * error) with v->err set (EAGAIN: the deadline passed), or with `over` set for bytes past the
+ * cap. */
 static ssize_t sink_write(void *cookie, const char *buf, size_t n)
 {
     struct value_sink *k = cookie;
@@ -626,8 +687,13 @@ static ssize_t sink_write(void *cookie, const char *buf, size_t n)
     }
     size_t off = 0;
     while (off < n && !k->v->err) {
-        ssize_t m = send(k->fd, buf + off, n - off, MSG_NOSIGNAL);
-        if (m < 0 && errno == EINTR)
+        int w = wait_ready(k->st, k->fd, POLLOUT);
+        if (w) {
+            k->v->err = w;
+            break;
+        }
+        ssize_t m = send(k->fd, buf + off, n - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (m < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
             continue;
         if (m <= 0)
             k->v->err = m < 0 ? errno : EPIPE;
@@ -638,21 +704,20 @@ static ssize_t sink_write(void *cookie, const char *buf, size_t n)
     return k->v->err ? 0 : (ssize_t)n;
 }
 
-/* Sends argv as one command in the protocol's framing (an array of bulk strings; hiredis has no
- * way to send a value it does not hold whole), argument `vi` (-1: none) being the n bytes v->fn
- * writes straight onto the socket: no copy of the value is made, whatever its size. What comes
- * before the value is sent first, so that the value is exactly the next n bytes: fn can send no
- * more, and when it wrote fewer or failed, nothing more goes out (the caller drops the
- * connection, so the store never runs the half-sent command). 0 when all of it went out;
- * otherwise v->err (the socket failed) or v->rc (fn did, or wrote other than n bytes:
- * SKV_E_INTERNAL) says why. */
+/* Sends argv as one command in the protocol's framing (an array of bulk strings), argument `vi`
+ * (-1: none) being the n bytes v->fn writes straight onto the socket: no copy of the value is
+ * made, whatever its size. What comes before the value is sent first, so that the value is
+ * exactly the next n bytes: fn can send no more, and when it wrote fewer or failed, nothing more
+ * goes out (the caller drops the connection, so the store never runs the half-sent command). 0
+ * when all of it went out; otherwise v->err (the socket failed, or EAGAIN: the deadline passed)
+ * or v->rc (fn did, or wrote other than n bytes: SKV_E_INTERNAL) says why. */
 static int stream_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, int vi,
                           struct store_value *v)
 {
     v->sent = 0;
     v->err = 0;
     v->rc = SKV_OK;
-    struct value_sink k = {.fd = st->c->fd, .v = v, .cap = UINT64_MAX};
+    struct value_sink k = {.st = st, .fd = st->c->fd, .v = v, .cap = UINT64_MAX};
     char small[512]; /* a command without a value: a key */
     size_t size = vi >= 0 ? STORE_SEND_BUF : sizeof small;
     char *buf = vi >= 0 ? malloc(size) : small;
@@ -690,23 +755,16 @@ static int stream_command(struct skv_store *st, int argc, const char **argv, con
     return v->err || v->rc ? -1 : 0;
 }
 
-/* A reply that is a bulk string or nil (GETDEL's), read from the socket straight into one
- * allocation of its size: hiredis would grow a buffer to hold it, then copy it once more. */
-struct store_bulk {
-    void *data; /* malloc'ed */
-    size_t n;
-    bool nil;
-    int rc;        /* not such a reply: the status and message to return */
-    bool in_sync;  /* ... and the connection can go on (the store answered an error) */
-};
-
-/* Reads exactly n bytes: 0, or an errno (ECONNRESET for an end of stream; EAGAIN: the receive
- * timeout, redisSetTimeout's, passed with nothing coming). */
-static int recv_all(int fd, void *p, size_t n)
+/* Reads exactly n bytes before the command's deadline: 0, or an errno (ECONNRESET for an end of
+ * stream; EAGAIN: the deadline passed). */
+static int recv_all(struct skv_store *st, void *p, size_t n)
 {
     for (size_t off = 0; off < n;) {
-        ssize_t m = recv(fd, (char *)p + off, n - off, 0);
-        if (m < 0 && errno == EINTR)
+        int w = wait_ready(st, st->c->fd, POLLIN);
+        if (w)
+            return w;
+        ssize_t m = recv(st->c->fd, (char *)p + off, n - off, MSG_DONTWAIT);
+        if (m < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
             continue;
         if (m <= 0)
             return m < 0 ? errno : ECONNRESET;
@@ -715,82 +773,90 @@ static int recv_all(int fd, void *p, size_t n)
     return 0;
 }
 
-/* The reply after a command sent, as struct store_bulk: 0, an errno (the socket failed), or -1
- * with b->rc (its message without the store's name). */
-static int read_bulk(struct skv_store *st, const char *command, struct store_bulk *b)
+/* The reply to a command sent: a status, an error, an integer, or (string_ok: GETDEL's) a bulk
+ * string or nil, read from the socket straight into one allocation of its size, its length
+ * checked against store-max-bytes first, and its bytes given store-timeout-ms more for each MiB.
+ * Any other reply (an array, a string where none is due) is not read on: nothing grows without
+ * bound on what a store sends. 0, an errno (the socket failed; EAGAIN: the deadline passed), or
+ * -1 with r->rc (not such a reply, a value too large, no memory: the connection must go). */
+static int read_reply(struct skv_store *st, const char *command, bool string_ok, struct store_reply *r)
 {
-    char line[512]; /* the line, cut there (an error message's rest is skipped) */
-    size_t k = 0, total = 0;
-    for (;; total++) {
+    char *line = r->line; /* the line, cut there (an error message's rest is skipped) */
+    size_t k = 0;
+    for (size_t total = 0;; total++) {
         char c;
-        int err = recv_all(st->c->fd, &c, 1);
+        int err = recv_all(st, &c, 1);
         if (err)
             return err;
         if (c == '\n')
             break;
         if (total == STORE_LINE_MAX) {
-            b->rc = skv_errorf(SKV_E_IO, "%s: a reply line longer than %d bytes", command, STORE_LINE_MAX);
+            r->rc = skv_errorf(SKV_E_IO, "%s: a reply line longer than %d bytes", command, STORE_LINE_MAX);
             return -1;
         }
-        if (k < sizeof line - 1)
+        if (k < sizeof r->line - 1)
             line[k++] = c;
     }
     line[k && line[k - 1] == '\r' ? k - 1 : k] = '\0';
-    long long n = -2;
+    r->type = line[0];
+    if (r->type == '+' || r->type == '-') {
+        memmove(line, line + 1, strlen(line));
+        return 0;
+    }
     char *end = NULL;
     errno = 0;
-    if (line[0] == '$')
-        n = strtoll(line + 1, &end, 10);
-    if (line[0] == '-' || line[0] == '+' || line[0] == ':') { /* one line: the connection is in sync */
-        b->in_sync = true;
-        b->rc = line[0] == '-' ? skv_errorf(SKV_E_IO, "%s: %s", command, line + 1)
-                               : skv_errorf(SKV_E_IO, "%s: an answer that is not a string", command);
-        return -1;
+    long long n = r->type == ':' || r->type == '$' ? strtoll(line + 1, &end, 10) : 0;
+    bool number = end && end != line + 1 && !*end && errno != ERANGE;
+    if (r->type == ':' && number) {
+        r->integer = n;
+        return 0;
     }
-    if (n < -1 || !end || *end || end == line + 1 || errno == ERANGE) {
-        b->rc = skv_errorf(SKV_E_IO, "%s: an answer that is not a string", command);
+    if (r->type != '$' || !string_ok || !number || n < -1) {
+        r->rc = skv_errorf(SKV_E_IO, "%s: an answer of a kind it does not have ('%c')", command,
+                           r->type > ' ' && r->type < 127 ? r->type : '?');
         return -1;
     }
     if (n == -1) {
-        b->nil = true;
+        r->nil = true;
         return 0;
     }
     if ((uint64_t)n > st->max_value) { /* (the caller drops the connection: the rest is not read) */
-        b->rc = skv_errorf(SKV_E_LIMIT, "%s: a value of %lld bytes, more than store-max-bytes (%llu): it was taken "
+        r->rc = skv_errorf(SKV_E_LIMIT, "%s: a value of %lld bytes, more than store-max-bytes (%llu): it was taken "
                            "from the store and is lost", command, n, (unsigned long long)st->max_value);
         return -1;
     }
-    if (!(b->data = malloc((size_t)n ? (size_t)n : 1))) {
-        b->rc = skv_errorf(SKV_E_NOMEM, "%s: no memory for a value of %lld bytes: it was taken from the store and is "
+    if (!(r->data = malloc((size_t)n ? (size_t)n : 1))) {
+        r->rc = skv_errorf(SKV_E_NOMEM, "%s: no memory for a value of %lld bytes: it was taken from the store and is "
                            "lost", command, n);
         return -1;
     }
-    b->n = (size_t)n;
+    r->n = (size_t)n;
+    st->deadline_ms += store_timeout_ms(st) * (((uint64_t)n + STORE_MIB_STEP - 1) / STORE_MIB_STEP);
     char crlf[2];
-    int err = recv_all(st->c->fd, b->data, b->n);
+    int err = recv_all(st, r->data, r->n);
     if (!err)
-        err = recv_all(st->c->fd, crlf, 2);
+        err = recv_all(st, crlf, 2);
     if (!err && memcmp(crlf, "\r\n", 2) != 0) {
-        b->rc = skv_errorf(SKV_E_IO, "%s: a string not ended as it should be", command);
+        r->rc = skv_errorf(SKV_E_IO, "%s: a string not ended as it should be", command);
         err = -1;
     }
     if (err) {
-        free(b->data);
-        b->data = NULL;
+        free(r->data);
+        r->data = NULL;
     }
     return err;
 }
 
-/* A command: argc arguments; with v, argument vi is the n bytes v->fn writes, streamed
- * (stream_command); with bulk, its reply is read into it (read_bulk); otherwise *reply is set. */
+/* A command: argc arguments; with v, argument vi is the n bytes v->fn writes, streamed; its
+ * reply goes into reply (a string allowed when string_ok). */
 struct store_call {
     int argc;
     const char **argv;
     const size_t *lens;
     int vi;
     struct store_value *v;
-    struct store_bulk *bulk;
-    redisReply *reply;
+    bool string_ok;
+    struct store_reply reply;
 };
 
 /* Whether a reused connection can take a command: the server has not closed it (its `timeout`,
@@ -798,19 +864,20 @@ struct store_call {
  * closed, too late to know whether the command ran) and nothing waits to be read on it. */
 static bool store_usable(struct skv_store *st)
 {
-    const redisReader *rd = st->c->reader;
     char c;
     ssize_t m = recv(st->c->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return rd->len == rd->pos && m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    return m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
-/* Runs a command: SKV_OK, or SKV_E_IO after store_failed (a connection that failed is dropped).
- * A reused connection the server closed while idle is made again before the command is sent
- * (store_usable); one found closed while the command was sent (EPIPE, ECONNRESET) is made again
- * and the command sent once more, but not after an EOF or once a GETDEL's reply was awaited: it
- * may have run, and running a GETDEL again would lose the value. Only a new connection's failure counts as
- * the store being down. A timeout is not retried either. When v->fn fails, or a value does not
- * fit in memory, the connection is dropped (the store is not down) and that status returned. */
+/* Runs a command, all of it (the send, the value, the reply) before its deadline (deadline_start):
+ * SKV_OK with k->reply not an error, or SKV_E_IO after store_failed (a connection that failed is
+ * dropped). A reused connection the server closed while idle is made again before the command is
+ * sent (store_usable); one found closed while the command was sent (EPIPE, ECONNRESET) is made
+ * again and the command sent once more, but never once the whole command went out: it may have
+ * run, and running a GETDEL again would lose the value, a DEL again find nothing. Only a new
+ * connection's failure counts as the store being down. A timeout is not retried either. When
+ * v->fn fails, or a reply is not one the command has, or a value does not fit, the connection is
+ * dropped (the store is not down) and that status returned. */
 static int store_command(struct skv_store *st, struct store_call *k)
 {
     for (int attempt = 0;; attempt++) {
@@ -821,90 +888,61 @@ static int store_command(struct skv_store *st, struct store_call *k)
         bool reused = st->c != NULL;
         if (store_connect(st))
             return SKV_E_IO;
-        redisReply *r = NULL;
         struct store_value none = {0}, *v = k->v ? k->v : &none;
-        int err = 0;
-        bool ok, replying = false;
-        if (k->v || k->bulk) {
-            ok = stream_command(st, k->argc, k->argv, k->lens, k->v ? k->vi : -1, v) == 0;
-            err = v->err;
-            if (!ok && !err) { /* fn failed, or wrote other than it should, or memory */
-                redisFree(st->c);
-                st->c = NULL;
-                return v->rc;
-            }
-            if (ok && k->bulk) {
-                *k->bulk = (struct store_bulk){.rc = SKV_OK};
-                int e = read_bulk(st, k->argv[0], k->bulk);
-                if (e < 0 && k->bulk->in_sync) {
-                    st->retry_ms = STORE_RETRY_MS; /* it answered */
-                    char m[300];
-                    snprintf(m, sizeof m, "%s", skv_error_msg());
-                    return skv_errorf(k->bulk->rc, "store %s: %s", st->url, m);
-                }
-                if (e < 0 && k->bulk->rc != SKV_E_IO) { /* a value too large, or no memory for it */
-                    redisFree(st->c);
-                    st->c = NULL;
-                    return k->bulk->rc;
-                }
-                err = e < 0 ? EPROTO : e;
-                ok = e == 0;
-                replying = true;
-            } else if (ok) {
-                ok = redisGetReply(st->c, (void **)&r) == REDIS_OK;
-                err = errno;
-            }
-        } else {
-            r = redisCommandArgv(st->c, k->argc, k->argv, k->lens);
-            ok = r != NULL;
-            err = errno;
+        deadline_start(st, v->n);
+        bool sent = stream_command(st, k->argc, k->argv, k->lens, k->v ? k->vi : -1, v) == 0;
+        int err = v->err;
+        if (!sent && !err) { /* fn failed, or wrote other than it should, or memory */
+            redisFree(st->c);
+            st->c = NULL;
+            return v->rc;
         }
-        bool eof = st->c->err == REDIS_ERR_EOF;
-        bool closed = !replying && !eof && /* (hiredis finds an EOF only when it reads the reply) */
-                      (st->c->err == REDIS_ERR_IO || v->err) && (err == EPIPE || err == ECONNRESET);
-        if (!ok && reused && attempt == 0 && closed) {
+        if (!sent && reused && attempt == 0 && (err == EPIPE || err == ECONNRESET)) {
             redisFree(st->c);
             st->c = NULL;
             continue;
         }
-        if (!ok) {
-            char why[200];
+        k->reply = (struct store_reply){0};
+        int e = sent ? read_reply(st, k->argv[0], k->string_ok, &k->reply) : err;
+        if (e < 0 && k->reply.rc != SKV_E_IO) { /* a value too large, or no memory for it */
+            redisFree(st->c);
+            st->c = NULL;
+            return k->reply.rc;
+        }
+        if (e) {
+            char why[300];
             snprintf(why, sizeof why, "%s",
-                     err == EPROTO ? skv_error_msg()
-                     : !eof && (err == EAGAIN || err == EWOULDBLOCK) ? "timed out"
-                     : st->c->errstr[0] ? st->c->errstr
-                     : err == ECONNRESET && replying ? "the connection closed before the reply"
-                     : err ? strerror(err) : "the connection failed");
+                     e < 0 ? skv_error_msg()
+                     : e == EAGAIN ? "timed out"
+                     : e == ECONNRESET && sent ? "the connection closed before the reply"
+                     : strerror(e));
             store_failed(st, why);
             return SKV_E_IO;
         }
         st->retry_ms = STORE_RETRY_MS; /* it answered */
-        if (r && r->type == REDIS_REPLY_ERROR) { /* the store answered: the connection is fine */
-            skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], r->str);
-            freeReplyObject(r);
-            return SKV_E_IO;
-        }
-        k->reply = r;
+        if (k->reply.type == '-') /* the store answered: the connection is fine */
+            return skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], k->reply.line);
         return SKV_OK;
     }
 }
 
-static int store_set(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s,
-                     struct store_value *v)
+/* SET key value EX ttl, the value streamed (a spill's, or the bytes of one put back). */
+static int store_set(struct skv_store *st, const char *key, int64_t ttl_s, struct store_value *v, bool spill)
 {
     char ttl[24];
     snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_s);
-    const char *argv[] = {"SET", key, data, "EX", ttl};
-    const size_t lens[] = {3, strlen(key), n, 2, strlen(ttl)};
+    const char *argv[] = {"SET", key, NULL, "EX", ttl};
+    const size_t lens[] = {3, strlen(key), 0, 2, strlen(ttl)};
     struct store_call k = {.argc = 5, .argv = argv, .lens = lens, .vi = 2, .v = v};
     int rc = store_command(st, &k);
+    if (!rc && k.reply.type != '+')
+        rc = skv_errorf(SKV_E_IO, "store %s: SET: an unexpected answer", st->url);
     if (rc) {
-        st->stats.spill_failures += v != NULL;
+        st->stats.spill_failures += spill;
         return rc;
     }
-    freeReplyObject(k.reply);
-    st->stats.spills += v != NULL;
-    st->stats.spill_bytes += v ? v->n : 0;
+    st->stats.spills += spill;
+    st->stats.spill_bytes += spill ? v->n : 0;
     return SKV_OK;
 }
 
@@ -912,32 +950,47 @@ int skv_store_put_stream(struct skv_store *st, const char *key, uint64_t n, int6
                          void *user)
 {
     struct store_value v = {.n = n, .fn = fn, .user = user};
-    return store_set(st, key, NULL, 0, ttl_s, &v);
+    return store_set(st, key, ttl_s, &v, true);
+}
+
+struct bytes_value {
+    const void *data;
+    size_t n;
+};
+
+static int write_bytes(void *user, FILE *f)
+{
+    const struct bytes_value *b = user;
+    return fwrite(b->data, 1, b->n, f) == b->n ? SKV_OK : skv_errorf(SKV_E_IO, "a value could not be sent");
 }
 
 int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s)
 {
-    return store_set(st, key, data, n, ttl_s, NULL);
+    /* streamed from where it is: no copy (a put back follows a load that failed for memory) */
+    struct bytes_value b = {data, n};
+    struct store_value v = {.n = n, .fn = write_bytes, .user = &b};
+    return store_set(st, key, ttl_s, &v, false);
 }
 
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value)
 {
     const char *argv[] = {"GETDEL", key};
     const size_t lens[] = {6, strlen(key)};
-    struct store_bulk b = {0};
-    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .bulk = &b};
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .string_ok = true};
     int rc = store_command(st, &k);
+    if (!rc && k.reply.type != '$')
+        rc = skv_errorf(SKV_E_IO, "store %s: GETDEL: an answer that is not a string", st->url);
     if (rc) {
         st->stats.load_failures++;
         return rc;
     }
-    if (b.nil) {
+    if (k.reply.nil) {
         st->stats.misses++;
         return skv_errorf(SKV_E_NOT_FOUND, "not in the store");
     }
-    *data = b.data;
-    *n = b.n;
-    *value = b.data;
+    *data = k.reply.data;
+    *n = k.reply.n;
+    *value = k.reply.data;
     st->stats.loads++;
     return SKV_OK;
 }
@@ -951,12 +1004,13 @@ int skv_store_delete(struct skv_store *st, const char *key)
 {
     const char *argv[] = {"DEL", key};
     const size_t lens[] = {3, strlen(key)};
-    struct store_call k = {.argc = 2, .argv = argv, .lens = lens};
-    if (store_command(st, &k)) {
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1};
+    int rc = store_command(st, &k);
+    if (!rc && k.reply.type != ':')
+        rc = skv_errorf(SKV_E_IO, "store %s: DEL: an answer that is not a number", st->url);
+    if (rc) {
         st->stats.load_failures++; /* a RELEASE of a session not here */
         return SKV_E_IO;
     }
-    bool there = k.reply->type == REDIS_REPLY_INTEGER && k.reply->integer > 0;
-    freeReplyObject(k.reply);
-    return there ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
+    return k.reply.integer > 0 ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
 }

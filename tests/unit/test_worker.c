@@ -47,12 +47,15 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <netdb.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/log.h"
 #include "common/status.h"
 #include "daemon/config.h"
 #include "daemon/engine/kv_pool.h"
@@ -4876,6 +4879,163 @@ static void write_file_mode(const char *path, const char *text, mode_t mode)
     assert_int_equal(system(cmd), 0);
 }
 
+/* A store that does not behave (a thread of the test on a unix socket): each connection's first
+ * read of a command gets the answer of `mode`. */
+enum hostile_mode { HOSTILE_TRICKLE, HOSTILE_HUGE_REPLY, HOSTILE_QUOTE };
+struct hostile_store {
+    enum hostile_mode mode;
+    int listen_fd;
+    char path[108];
+    const char *quote;        /* HOSTILE_QUOTE: the start of the password it quotes */
+    _Atomic uint64_t sent;    /* bytes of its answer that went out */
+    pthread_t thread;
+};
+
+static void *hostile_main(void *arg)
+{
+    struct hostile_store *h = arg;
+    int fd = accept(h->listen_fd, NULL, NULL);
+    if (fd < 0)
+        return NULL;
+    char buf[4096];
+    if (recv(fd, buf, sizeof buf, 0) <= 0) {
+        close(fd);
+        return NULL;
+    }
+    char head[512];
+    if (h->mode == HOSTILE_TRICKLE) { /* a 50-byte string, a byte every 100 ms */
+        send(fd, "$50\r\n", 5, MSG_NOSIGNAL);
+        for (int i = 0; i < 50 && send(fd, "x", 1, MSG_NOSIGNAL) == 1; i++) {
+            atomic_fetch_add(&h->sent, 1);
+            usleep(100 * 1000);
+        }
+    } else if (h->mode == HOSTILE_HUGE_REPLY) { /* SET answered with a 200 MB string, all sent */
+        static char zeros[1 << 16];
+        send(fd, "$200000000\r\n", 13, MSG_NOSIGNAL);
+        for (uint64_t at = 0; at < 200000000;) {
+            ssize_t k = send(fd, zeros, sizeof zeros, MSG_NOSIGNAL);
+            if (k <= 0)
+                break;
+            at += (uint64_t)k;
+            atomic_fetch_add(&h->sent, (uint64_t)k);
+        }
+    } else { /* as Redis answers a command it does not know: its arguments quoted, cut */
+        int n = snprintf(head, sizeof head, "-ERR unknown command `AUTH`, with args beginning with: `%s`, \r\n",
+                         h->quote);
+        send(fd, head, (size_t)n, MSG_NOSIGNAL);
+        recv(fd, buf, sizeof buf, 0); /* until the client closes */
+    }
+    close(fd);
+    return NULL;
+}
+
+static void hostile_start(struct hostile_store *h, enum hostile_mode mode, const char *dir)
+{
+    h->mode = mode;
+    atomic_store(&h->sent, 0);
+    snprintf(h->path, sizeof h->path, "%s/hostile.sock", dir);
+    unlink(h->path);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", h->path);
+    h->listen_fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    assert_true(h->listen_fd >= 0);
+    assert_int_equal(bind(h->listen_fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(h->listen_fd, 4), 0);
+    assert_int_equal(pthread_create(&h->thread, NULL, hostile_main, h), 0);
+}
+
+static void hostile_stop(struct hostile_store *h)
+{
+    pthread_join(h->thread, NULL);
+    close(h->listen_fd);
+    unlink(h->path);
+}
+
+/* A store that does not behave holds the engine no longer than store-timeout-ms a command (and
+ * as much again a MiB of value) and makes it hold no more than it allows:
+ * - a GETDEL answered a byte every 100 ms (each within the 300 ms timeout, which the socket's
+ *   own timeout restarted at each byte): an error after 600 ms, not after the 5 s of its 50 bytes;
+ * - a SET answered with a 200 MB string (hiredis read what it was sent, without bound): the
+ *   connection is dropped at its first line;
+ * - an AUTH answered as Redis answers a command it does not know, quoting the arguments cut to
+ *   their first 117 bytes: nothing of a 128-byte password reaches the log or the message (a check
+ *   for the whole password in the answer let its start into the log). */
+static void test_store_hostile(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/skv-hostile-XXXXXX", url[160], log[160];
+    assert_non_null(mkdtemp(dir));
+    struct hostile_store h = {0};
+    struct skv_store *st = NULL;
+    const void *data = NULL;
+    void *value = NULL;
+    size_t got = 0;
+
+    hostile_start(&h, HOSTILE_TRICKLE, dir);
+    snprintf(url, sizeof url, "unix://%s", h.path);
+    assert_int_equal(skv_store_new(url, 300, 1 << 30, &st), SKV_OK);
+    uint64_t t0 = mono_ms();
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
+    uint64_t took = mono_ms() - t0;
+    assert_non_null(strstr(skv_error_msg(), "timed out"));
+    skv_store_free(&st);
+    hostile_stop(&h);
+    printf("# a GETDEL answered a byte every 100 ms (timeout 300 ms): an error after %llu ms, %llu bytes read\n",
+           (unsigned long long)took, (unsigned long long)atomic_load(&h.sent));
+    assert_true(took < 2500);
+
+    hostile_start(&h, HOSTILE_HUGE_REPLY, dir);
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    struct pattern_writer pw = {.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pw), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "SET: an answer of a kind it does not have ('$')"));
+    skv_store_free(&st);
+    hostile_stop(&h);
+    printf("# a SET answered with a 200 MB string: %llu bytes of it went out before the connection closed\n",
+           (unsigned long long)atomic_load(&h.sent));
+    assert_true(atomic_load(&h.sent) < (32u << 20));
+
+    char pw128[129], pass[160];
+    for (int i = 0; i < 128; i++)
+        pw128[i] = (char)('A' + (i * 7) % 26);
+    pw128[128] = '\0';
+    char quoted[118];
+    memcpy(quoted, pw128, 117);
+    quoted[117] = '\0';
+    h.quote = quoted;
+    snprintf(pass, sizeof pass, "%s/pass", dir);
+    write_file_mode(pass, pw128, 0600);
+    snprintf(log, sizeof log, "%s/log", dir);
+    assert_int_equal(skv_log_open(log), SKV_OK);
+    hostile_start(&h, HOSTILE_QUOTE, dir);
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_auth(st, "", pass), SKV_OK);
+    pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &pw), SKV_E_IO);
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", skv_error_msg());
+    skv_store_free(&st);
+    hostile_stop(&h);
+    assert_int_equal(skv_log_open(NULL), SKV_OK);
+    FILE *f = fopen(log, "r");
+    assert_non_null(f);
+    char text[8192];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    assert_non_null(strstr(text, "AUTH refused (ERR)"));
+    for (int i = 0; i + 16 <= 128; i++) {
+        char piece[17];
+        memcpy(piece, pw128 + i, 16);
+        piece[16] = '\0';
+        assert_null(strstr(text, piece));
+        assert_null(strstr(msg, piece));
+    }
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* store-user and store-password-file: the file's checks (one line, not empty, a regular file
  * that other users, and a group but root's, cannot read); a url that could hold a password is
  * refused without echoing it; against a redis-server that asks for a password (skipped when it
@@ -5168,6 +5328,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store_stream, stream_teardown),
         cmocka_unit_test_teardown(test_store_slow_lookup, stream_teardown),
         cmocka_unit_test_teardown(test_store_auth, stream_teardown),
+        cmocka_unit_test(test_store_hostile),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
