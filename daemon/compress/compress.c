@@ -632,6 +632,8 @@ static int by_keep_order(const void *a, const void *b)
             return x->prio > y->prio ? -1 : 1;
     } else if (x->key != y->key) {
         return x->key > y->key ? -1 : 1;
+    } else if (x->prio != y->prio) { /* streaming / window: positions a float cannot tell apart */
+        return x->prio > y->prio ? -1 : 1;
     }
     if (x->head != y->head)
         return x->head < y->head ? -1 : 1;
@@ -674,11 +676,14 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
             if (kh->pos[j] < sinks) {
                 r->must = 1;
                 r->prio = -kh->pos[j]; /* earliest sinks first when the budget is tiny */
+            } else {
+                r->prio = kh->pos[j]; /* past 2^24 neighbouring positions are one float */
             }
             r->key = (float)kh->pos[j];
             break;
         case SKV_POLICY_WINDOW:
             r->key = (float)kh->pos[j];
+            r->prio = kh->pos[j];
             break;
         case SKV_POLICY_FULL:
             break;

@@ -37,9 +37,11 @@ static int kmeans3(const float *x, int n, int *label)
         free(pre2);
         return SKV_E_NOMEM;
     }
-    for (int i = 0; i < n; i++) /* NaN (no valid order for qsort): a layer whose change is unknown
-                                  * counts as changing the hidden state most (kept fullest) */
-        s[i] = (struct valued){isnan(x[i]) ? -INFINITY : x[i], i};
+    /* NaN (no valid order for qsort): a layer whose change is unknown counts as changing the
+     * hidden state most (kept fullest): -2, below any cosine (-INFINITY made every sum of
+     * squares NaN, and the first split won whatever the values) */
+    for (int i = 0; i < n; i++)
+        s[i] = (struct valued){isnan(x[i]) ? -2.0f : x[i] < -2.0f ? -2.0f : x[i] > 2.0f ? 2.0f : x[i], i};
     qsort(s, (size_t)n, sizeof *s, by_value);
     pre[0] = pre2[0] = 0;
     for (int i = 0; i < n; i++) {
@@ -47,10 +49,27 @@ static int kmeans3(const float *x, int n, int *label)
         pre2[i + 1] = pre2[i] + (double)s[i].v * s[i].v;
     }
 #define SSE(a, b) (pre2[b] - pre2[a] - (pre[b] - pre[a]) * (pre[b] - pre[a]) / ((b) - (a)))
+    /* splits only between distinct values, so equal layers share a cluster; with two distinct
+     * values the middle cluster is empty (b1 = b2), with one all layers are alike (uniform) */
     double best = INFINITY;
-    int b1 = 1, b2 = 2;
+    int b1 = 0, b2 = 0, cuts = 0;
+    for (int i = 1; i < n; i++)
+        if (s[i].v != s[i - 1].v) {
+            cuts++;
+            b1 = b2 = i;
+        }
+    if (cuts < 2) {
+        for (int r = 0; r < n; r++)
+            label[s[r].i] = r < b1 ? 0 : 2;
+        free(s);
+        free(pre);
+        free(pre2);
+        return SKV_OK;
+    }
     for (int i = 1; i < n - 1; i++)
         for (int j = i + 1; j < n; j++) {
+            if (s[i].v == s[i - 1].v || s[j].v == s[j - 1].v)
+                continue;
             double cost = SSE(0, i) + SSE(i, j) + SSE(j, n);
             if (cost < best - 1e-12) {
                 best = cost;

@@ -209,6 +209,26 @@ static void test_squeeze_budgets(void **state)
     skv_squeeze_budgets(sim, 8, 100, 500, 0.3, 10000, b);
     for (int i = 0; i < 4; i++)
         assert_int_equal(b[low[i]], 100);
+    /* a NaN similarity is the most changing layer, and the others cluster as they would: the
+     * least-changing {3, 4, 7} get 30 (before, -INFINITY made every split's cost NaN, the first
+     * split won, and six layers got 30) */
+    const float with_nan[] = {NAN, 0.1f, 0.2f, 0.9f, 0.95f, 0.5f, 0.55f, 0.92f};
+    skv_squeeze_budgets(with_nan, 8, 100, 0, 0.3, 10000, b);
+    for (int l = 0; l < 8; l++)
+        assert_true(l == 3 || l == 4 || l == 7 ? b[l] == 30 : b[l] > 30);
+    /* equal similarities share a cluster: {1, 2, 3} all 0.9 are squeezed together (before, a
+     * split ran through them and layer 1 got the surplus); two distinct values: the higher
+     * squeezed; one: uniform */
+    const float ties[] = {0.5f, 0.9f, 0.9f, 0.9f, 0.1f};
+    skv_squeeze_budgets(ties, 5, 100, 0, 0.3, 10000, b);
+    assert_true(b[1] == 30 && b[2] == 30 && b[3] == 30 && b[0] + b[4] == 410);
+    const float two[] = {0.4f, 0.8f, 0.4f, 0.8f};
+    skv_squeeze_budgets(two, 4, 100, 0, 0.3, 10000, b);
+    assert_true(b[1] == 30 && b[3] == 30 && b[0] == 170 && b[2] == 170);
+    const float one[] = {0.7f, 0.7f, 0.7f, 0.7f};
+    skv_squeeze_budgets(one, 4, 100, 0, 0.3, 10000, b);
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(b[l], 100);
 }
 
 /* ---- whole compressed prefills on the tiny model ------------------------------------------ */
@@ -527,6 +547,28 @@ static void synthetic_step(struct skv_compressor *comp, struct skv_kv_cache *c, 
     struct skv_layer_view v = {.layer = 0, .n = 1, .q = q, .cache = c};
     assert_int_equal(skv_compressor_hook(comp, &v), SKV_OK);
     c->n_past++;
+}
+
+/* StreamingLLM while decoding past position 2^24, where neighbouring positions are one float:
+ * the newest row stays and the one before it goes (before, both ranked 16777216.0f, the tie
+ * went to the older row, and the token just decoded was dropped). */
+static void test_streaming_high_positions(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    struct skv_compressor *comp = NULL;
+    run(t, "policy=streaming,budget=5,sinks=4", &c, t->ids, 5, &comp);
+    for (int h = 0; h < c->n_kv_heads; h++)
+        skv_kv_cache_head(c, 0, h)->pos[4] = 16777216;
+    c->n_past = 16777217;
+    float q[1024] = {0};
+    assert_true(t->m->cfg.n_heads * c->head_dim <= 1024);
+    synthetic_step(comp, c, q);
+    const int32_t want[] = {0, 1, 2, 3, 16777217};
+    for (int h = 0; h < c->n_kv_heads; h++)
+        expect_positions(c, 0, h, want, 5);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
 }
 
 /* Hand-computed: 10 rows whose keys are c_j * e0 and queries e0 in every head, so each
@@ -1242,6 +1284,7 @@ int main(void)
     };
     const struct CMUnitTest model[] = {
         cmocka_unit_test(test_streaming_and_window), cmocka_unit_test(test_snapkv_matches_naive),
+        cmocka_unit_test(test_streaming_high_positions),
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
         cmocka_unit_test(test_decode_eviction),
         cmocka_unit_test(test_fixed_budget_above_prompt), cmocka_unit_test(test_state_grown_budget),
