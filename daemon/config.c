@@ -69,7 +69,8 @@ static const struct skv_config_option options[] = {
      "with prefix-reuse, a full-cache session RELEASEd is kept for it (its blocks, copy-on-write: what other "
      "sessions share costs nothing more), and so are a compressing PREFILL's prompt rows before it cuts them "
      "(when the pool has free room for them), up to this many bytes together (a block several share counts "
-     "once), least recently used going first, of the tenants holding more than an equal share first; kept "
+     "once; and apart from the blocks, their own host memory, token ids and each head's positions and scores, "
+     "up to as many), least recently used going first, of the tenants holding more than an equal share first; kept "
      "ones are the first to go when the "
      "pool needs room, count with their tenant's sessions against max-bytes-per-tenant (going before any of "
      "them), and go after lease-seconds unused; 0: none"},

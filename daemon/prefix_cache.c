@@ -53,6 +53,7 @@ static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **li
         pc->on_drop(pc->hook_user, e);
     *link = e->next;
     pc->n--;
+    pc->host_bytes -= e->host_bytes;
     count_blocks(pc, e, -1);
     skv_kv_cache_free(&e->cache);
     free(e->tokens);
@@ -196,14 +197,17 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     memcpy(e->tokens, tokens, (size_t)rows * sizeof *e->tokens);
     e->n_rows = rows;
     e->bytes = skv_kv_cache_bytes(e->cache);
+    e->host_bytes = sizeof *e + (uint64_t)rows * sizeof *e->tokens + skv_kv_cache_host_bytes(e->cache);
     skv_prefix_cache_touch(pc, e, now_ms);
     e->next = pc->head;
     pc->head = e;
     pc->n++;
+    pc->host_bytes += e->host_bytes;
     count_blocks(pc, e, +1);
-    /* past the cap: when the new one is the one to go (its tenant over its share with nothing
-     * older), it goes unannounced and nothing else does */
-    while (pc->bytes > pc->cap) {
+    /* past the cap (the blocks, each once, or apart from them the entries' own memory): when the
+     * new one is the one to go (its tenant over its share with nothing older), it goes
+     * unannounced and nothing else does */
+    while (pc->bytes > pc->cap || pc->host_bytes > pc->cap) {
         struct skv_prefix_entry **victim = victim_of(pc, NULL);
         bool self = *victim == e;
         entry_free(pc, victim);

@@ -19,6 +19,8 @@ struct skv_prefix_entry {
     int n_rows;                   /* its computed_rows, in whole blocks */
     struct skv_kv_cache *cache;   /* their rows, shared with the session's */
     uint64_t bytes;               /* its blocks x block bytes (shared ones too) */
+    uint64_t host_bytes;          /* its own memory beside the blocks: tokens, positions, scores, block
+                                     tables (skv_kv_cache_host_bytes), which no sharing makes smaller */
     uint64_t last_used_ms;        /* lease-seconds unused: it goes */
     uint64_t used;                /* the cache's count of uses when it was last used (LRU order) */
     bool announced;               /* on_add was called for it (on_drop will be) */
@@ -33,6 +35,8 @@ struct skv_prefix_cache {
     int n;
     uint64_t bytes;               /* the bytes of the blocks the entries hold, each block once (entries
                                      that share a document's start share its blocks) */
+    uint64_t host_bytes;          /* the entries' host_bytes together: held to cap too (entries sharing a
+                                     document's start add few blocks each, but each its whole index) */
     uint64_t cap;                 /* prefix-retain-bytes; 0: nothing is kept */
     uint64_t uses;                /* entries made or used so far */
     uint64_t dropped;             /* entries dropped for room, for the cap, unused or covered (not cleared) */

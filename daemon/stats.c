@@ -23,6 +23,9 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          "(prefix-retain-bytes)", (double)in->prefix_retained},
         {"snapkv_prefix_retained_bytes", "their blocks' bytes, each block once (kept prefixes that share a "
          "document's start share its blocks), what prefix-retain-bytes caps", (double)in->prefix_retained_bytes},
+        {"snapkv_prefix_retained_host_bytes", "their host memory beside the blocks (token ids, each KV head's "
+         "positions, scores and block table), which sharing does not make smaller: prefix-retain-bytes caps it too",
+         (double)in->prefix_retained_host_bytes},
         {"snapkv_prefix_retained_dropped_total",
          "kept prefixes dropped: for pool room, past prefix-retain-bytes, unused for lease-seconds, or covered by "
          "a longer one of the tenant (not those EVICT drops)",

@@ -40,6 +40,7 @@ struct skv_stats_input {
     uint64_t pool_bytes_used, pool_bytes_total;
     uint64_t pool_blocks_used, pool_blocks_shared;
     uint64_t prefix_retained, prefix_retained_bytes; /* released sessions' KV kept for prefix reuse */
+    uint64_t prefix_retained_host_bytes; /* their own memory beside the blocks */
     uint64_t prefix_retained_dropped; /* kept ones dropped (room, the cap, unused, covered by a newer one) */
     uint64_t evictions;
     uint64_t client_disconnects;  /* clients (that sent a request) whose connection closed */
@@ -61,7 +62,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 52
+#define SKV_N_STATS 53
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

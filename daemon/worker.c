@@ -208,6 +208,7 @@ void skv_worker_stats_input(struct skv_worker *w, struct skv_stats_input *out)
         .metrics = w->metrics,
         .prefix_retained = (uint64_t)w->prefix.n,
         .prefix_retained_bytes = w->prefix.bytes,
+        .prefix_retained_host_bytes = w->prefix.host_bytes,
         .prefix_retained_dropped = w->prefix.dropped,
         .n_sessions = (uint64_t)st.n_sessions,
         .pool_bytes_used = st.bytes_used,

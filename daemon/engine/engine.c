@@ -544,6 +544,17 @@ uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *c)
     return rows * 2 * (uint64_t)c->row_bytes;
 }
 
+uint64_t skv_kv_cache_host_bytes(const struct skv_kv_cache *c)
+{
+    uint64_t bytes = sizeof *c + (uint64_t)c->n_layers * c->n_kv_heads * sizeof *c->heads;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *hd = &c->heads[i];
+        bytes += (uint64_t)hd->cap * (sizeof *hd->pos + sizeof *hd->score) +
+                 (uint64_t)hd->blk_cap * (sizeof *hd->blk + sizeof *hd->mem);
+    }
+    return bytes;
+}
+
 void skv_kv_head_blocks(const struct skv_kv_cache *c, const struct skv_kv_head *hd, struct skv_kv_blocks *out)
 {
     out->held = (uint64_t)hd->n_blocks;

@@ -93,6 +93,8 @@ int skv_kv_cache_write_rows(struct skv_kv_cache *cache, int layer, int h, int wh
 void skv_kv_cache_view(struct skv_kv_cache *cache, int layer, struct skv_kv_view *view);
 /* Bytes of K and V in used rows (what compression keeps; not the blocks' rounding). */
 uint64_t skv_kv_cache_bytes(const struct skv_kv_cache *cache);
+/* Host bytes the cache holds beside its blocks: each head's positions, scores and block table. */
+uint64_t skv_kv_cache_host_bytes(const struct skv_kv_cache *cache);
 /* Blocks the cache holds and how many of them are shared with another holder. */
 struct skv_kv_blocks {
     uint64_t held, shared;

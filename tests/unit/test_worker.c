@@ -999,6 +999,41 @@ static void test_prefix_retain_shared(void **state)
     assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 1);
 }
 
+/* Kept prefixes that share a long document's start add a block a head each, but each holds its
+ * own index of every row (token ids, each head's positions, scores and block table): the cap
+ * holds their host memory too (snapkv_prefix_retained_host_bytes). 50 questions of 16 tokens
+ * after one 448-token start, a cap of 100 blocks a head: the blocks alone would keep all 50
+ * (28 + 50 blocks a head), whose host memory passed the cap. */
+static void test_prefix_retain_host(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb), cap = 100 * unit * bb;
+    const uint32_t n_vocab = (uint32_t)f->tiny->m->cfg.n_vocab;
+    f->cfg.prefix_retain_bytes = (int64_t)cap;
+    restart_with_pool(f, 160);
+    enum { START = 448, N = START + 16, QUESTIONS = 50 };
+    uint32_t doc[N];
+    for (int i = 0; i < N; i++)
+        doc[i] = (uint32_t)(i * 37 + 11) % n_vocab;
+    uint64_t most = 0;
+    for (int q = 0; q < QUESTIONS; q++) {
+        for (int i = START; i < N; i++)
+            doc[i] = (uint32_t)(q * 53 + i * 11 + 5) % n_vocab;
+        assert_int_equal(prefill_release_ids(f, NULL, doc, N), q ? START : 0);
+        uint64_t host = (uint64_t)stat(f, "snapkv_prefix_retained_host_bytes");
+        assert_true(host > 0 && host <= cap);
+        assert_true((uint64_t)stat(f, "snapkv_prefix_retained_bytes") <= cap);
+        most = host > most ? host : most;
+    }
+    int kept = (int)stat(f, "snapkv_prefix_retained");
+    printf("# %d of %d kept prefixes kept; their host memory at most %llu bytes, their blocks %.0f, the cap %llu\n",
+           kept, QUESTIONS, (unsigned long long)most, stat(f, "snapkv_prefix_retained_bytes"),
+           (unsigned long long)cap);
+    assert_true(kept > 1 && kept < QUESTIONS);
+}
+
 static void persist_on(struct fixture *f, char *dir, const char *interval);
 static void persist_off(struct fixture *f, const char *dir);
 static void restart(struct fixture *f);
@@ -5278,6 +5313,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_retain, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_tenants, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_shared, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_retain_host, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_random, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
