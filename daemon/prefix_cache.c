@@ -121,12 +121,13 @@ static struct skv_prefix_entry **fair_victim(struct skv_prefix_cache *pc)
     struct skv_tenant_tally u = {0};
     int rc = SKV_OK;
     const uint64_t mark = next_mark(pc), bb = block_bytes(pc);
-    for (const struct skv_prefix_entry *e = pc->head; e && !rc; e = e->next) /* tenants share no block */
-        rc = skv_tenant_tally_add(&u, e->tenant, skv_kv_cache_mark_new(e->cache, mark, mark) * bb);
+    /* each tenant's distinct blocks (tenants share none) and its entries' own memory */
+    for (const struct skv_prefix_entry *e = pc->head; e && !rc; e = e->next)
+        rc = skv_tenant_tally_add(&u, e->tenant, skv_kv_cache_mark_new(e->cache, mark, mark) * bb + e->host_bytes);
     struct skv_prefix_entry **oldest = NULL;
     for (struct skv_prefix_entry **link = &pc->head; !rc && u.n > 1 && *link; link = &(*link)->next)
         if ((!oldest || (*link)->used < (*oldest)->used) &&
-            skv_tenant_tally_bytes(&u, (*link)->tenant) > pc->bytes / (uint64_t)u.n)
+            skv_tenant_tally_bytes(&u, (*link)->tenant) > (pc->bytes + pc->host_bytes) / (uint64_t)u.n)
             oldest = link;
     skv_tenant_tally_free(&u);
     return oldest;
@@ -198,6 +199,12 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     e->n_rows = rows;
     e->bytes = skv_kv_cache_bytes(e->cache);
     e->host_bytes = sizeof *e + (uint64_t)rows * sizeof *e->tokens + skv_kv_cache_host_bytes(e->cache);
+    if (e->host_bytes > pc->cap) { /* alone past the cap: it would push out every other first */
+        skv_kv_cache_free(&e->cache);
+        free(e->tokens);
+        free(e);
+        return SKV_OK;
+    }
     skv_prefix_cache_touch(pc, e, now_ms);
     e->next = pc->head;
     pc->head = e;

@@ -391,7 +391,7 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
         if (skv_worker_running_gone(p->w)) {
             atomic_fetch_add(&p->w->dropped_gone, 1);
             rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
-        } else if (atomic_load(&p->w->stop_asked)) {
+        } else if (atomic_load(&p->w->stop_asked) && v->layer + 1 < p->n_layers) { /* (the last: it is done) */
             /* a stop does not wait for the rest of a long forward: the save after it must fit
              * the service manager's stop timeout */
             rc = skv_errorf(SKV_E_CANCELLED, "snapkvd is shutting down: the %s stopped at layer %d of %d%s",

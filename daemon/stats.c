@@ -96,7 +96,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_queue_bytes", "memory the waiting requests hold (max-queued-bytes)", (double)in->queue_bytes},
         {"snapkv_engine_scratch_bytes",
          "activation buffers of the engines (the main one, the one decodes and short requests run on, the "
-         "nested one, which gives its buffers back after each request), beside the KV pool",
+         "nested one, which gives its buffers back after each request), with the decode groups' logits on the "
+         "host, beside the KV pool",
          (double)in->engine_scratch_bytes},
         {"snapkv_persist_checkpoints_total",
          "checkpoints of every session written while serving (persist-interval-seconds)",

@@ -358,10 +358,11 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
 static void deadline_start(struct skv_store *st, uint64_t value_bytes);
 
 /* A command of a new connection (AUTH, SELECT) and its reply, which must be a status: SKV_OK,
- * or SKV_E_IO with why set. The reply's text goes into why only as its first word (a store that
- * does not know the command may quote its arguments, an AUTH's password among them). */
-static int setup_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, char *why,
-                         size_t cap)
+ * or SKV_E_IO with why set. A refusal's text goes into why whole, or (first_word: AUTH's) its
+ * first word only: a store that does not know the command may quote its arguments, an AUTH's
+ * password among them. */
+static int setup_command(struct skv_store *st, int argc, const char **argv, const size_t *lens, bool first_word,
+                         char *why, size_t cap)
 {
     struct store_value none = {0};
     struct store_reply r = {0};
@@ -374,7 +375,8 @@ static int setup_command(struct skv_store *st, int argc, const char **argv, cons
         snprintf(why, cap, "%s: %s", argv[0], e < 0 ? skv_error_msg() : e == EAGAIN ? "timed out"
                                               : e == ECONNRESET ? "the connection closed" : strerror(e));
     else if (r.type == '-')
-        snprintf(why, cap, "%s refused (%.*s)", argv[0], (int)strcspn(r.line, " "), r.line);
+        snprintf(why, cap, "%s refused (%.*s)", argv[0], first_word ? (int)strcspn(r.line, " ") : (int)strlen(r.line),
+                 r.line);
     else if (r.type != '+')
         snprintf(why, cap, "%s: an unexpected reply", argv[0]);
     else
@@ -404,7 +406,7 @@ static int store_auth(struct skv_store *st)
     }
     argv[argc] = pw;
     lens[argc++] = strlen(pw);
-    int rc = setup_command(st, argc, argv, lens, why, sizeof why);
+    int rc = setup_command(st, argc, argv, lens, true, why, sizeof why);
     explicit_bzero(pw, sizeof pw);
     if (!rc)
         return SKV_OK;
@@ -628,7 +630,7 @@ static int store_connect(struct skv_store *st)
         snprintf(db, sizeof db, "%d", st->db);
         const char *argv[] = {"SELECT", db};
         const size_t lens[] = {6, strlen(db)};
-        if (setup_command(st, 2, argv, lens, why, sizeof why))
+        if (setup_command(st, 2, argv, lens, false, why, sizeof why))
             return store_failed(st, why);
     }
     return SKV_OK;
@@ -876,8 +878,9 @@ static bool store_usable(struct skv_store *st)
  * again and the command sent once more, but never once the whole command went out: it may have
  * run, and running a GETDEL again would lose the value, a DEL again find nothing. Only a new
  * connection's failure counts as the store being down. A timeout is not retried either. When
- * v->fn fails, or a reply is not one the command has, or a value does not fit, the connection is
- * dropped (the store is not down) and that status returned. */
+ * v->fn fails, or a value does not fit, the connection is dropped (the store is not down) and
+ * that status returned; a reply the command does not have (a store that does not speak the
+ * protocol as it should) is a failure like a timeout. */
 static int store_command(struct skv_store *st, struct store_call *k)
 {
     for (int attempt = 0;; attempt++) {

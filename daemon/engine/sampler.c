@@ -299,13 +299,13 @@ int skv_sampler_candidates(struct skv_sampler *s, const float *logits, double *m
         if (k < m) {
             select_first(s->idx, m, k, s->prob);
             /* tokens tied with the k-th stay too, as transformers' TopKLogitsWarper leaves
-             * every token not below the k-th logit */
-            int32_t last = s->idx[0];
+             * every token not below the k-th logit (the least logit selected: selection went by
+             * probability, which may make two logits one) */
+            float least = logits[s->idx[0]];
             for (int i = 1; i < k; i++)
-                if (by_prob_desc(&s->idx[i], &last, s->prob) > 0)
-                    last = s->idx[i];
+                least = logits[s->idx[i]] < least ? logits[s->idx[i]] : least;
             for (int i = k; i < m; i++)
-                if (logits[s->idx[i]] == logits[last]) {
+                if (logits[s->idx[i]] >= least) {
                     SWAP_I32(s->idx[i], s->idx[k]);
                     k++;
                 }

@@ -3211,6 +3211,22 @@ static void test_stop_ends_forward(void **state)
     zmq_msg_close(&part);
     restart(f);
     assert_int_equal(listed(f, sid, NULL, NULL), 8);
+    /* asked once the last layer's attention runs: its work is done but for the logits, and it
+     * ends as asked (a stop found at the last layer's hook threw it all away) */
+    gate_hold(submit_long_append, &la);
+    for (int k = 1; k < 2 * f->tiny->m->cfg.n_layers - 1; k++) /* to the last layer's first norm */
+        gate_step();
+    skv_worker_request_stop(f->w);
+    gate_open();
+    expect_reply(f, SKV_OK, NULL);
+    zmq_msg_init(&part);
+    assert_true(zmq_msg_recv(&part, f->pull, 0) >= 0);
+    assert_int_equal(*(const uint8_t *)zmq_msg_data(&part), SKV_WORKER_DONE_SOCK);
+    for (int i = 0; i < 2; i++)
+        assert_true(zmq_msg_recv(&part, f->pull, 0) >= 0);
+    zmq_msg_close(&part);
+    restart(f);
+    assert_int_equal(listed(f, sid, NULL, NULL), 8 + 64);
     persist_off(f, dir);
 }
 
@@ -4830,7 +4846,8 @@ static void test_store_stream(void **state)
     skv_store_value_free(value);
     skv_store_free(&st_small);
 
-    /* a store that stops reading: the send times out (300 ms), the connection is dropped */
+    /* a store that stops reading: the send times out (300 ms, and as much again a MiB of the
+     * value), the connection is dropped */
     struct skv_store *st_short = NULL;
     assert_int_equal(skv_store_new(url, 300, 1 << 30, &st_short), SKV_OK);
     assert_int_equal(kill(g_stream_redis, SIGSTOP), 0);
@@ -4843,6 +4860,15 @@ static void test_store_stream(void **state)
     skv_store_stats(st_short, &ss);
     assert_int_equal(ss.spill_failures, 1);
     skv_store_free(&st_short);
+    /* a database the store does not have: SELECT's refusal says why, whole */
+    char db99[96];
+    snprintf(db99, sizeof db99, "%s/99", tcp);
+    struct skv_store *st_db = NULL;
+    assert_int_equal(skv_store_new(db99, 5000, 1 << 30, &st_db), SKV_OK);
+    pw = (struct pattern_writer){.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st_db, "f", 10, 60, pattern_write, &pw), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "SELECT refused (ERR DB index is out of range)"));
+    skv_store_free(&st_db);
     skv_store_free(&st_tcp);
     skv_store_free(&st);
 }
