@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <uninorm.h>
 #include <unistd.h>
 
 #include "common/status.h"
@@ -87,6 +88,8 @@ struct skv_tokenizer {
     struct pre_step steps[TOK_MAX_STEPS];
     int n_steps;
     bool ignore_merges;
+    bool nfc;      /* tokenizer.json's normalizer is NFC (Qwen2's): text between added tokens is
+                      put in Unicode's composed form before the pre-tokenizer (libunistring) */
     int32_t unk;   /* used for bytes the vocabulary lacks; -1: such bytes are dropped */
     bool fuse_unk;
 
@@ -1191,7 +1194,7 @@ int skv_tokenizer_from_json(const char *tokenizer_json_path, struct skv_tokenize
         rc = skv_errorf(SKV_E_UNSUPPORTED, "tokenizer.json: only byte-level BPE without byte_fallback or affixes");
         goto out_free;
     }
-    /* NFC is accepted but not applied (as llama.cpp): input already in NFC tokenizes the same. */
+    /* NFC is applied, as Hugging Face's tokenizers applies it (llama.cpp does not) */
     if (!(norm == NULL || json_is_null(norm) || jstr_is(norm, "type", "NFC"))) {
         rc = skv_errorf(SKV_E_UNSUPPORTED, "tokenizer.json: normalizer is not supported");
         goto out_free;
@@ -1287,6 +1290,7 @@ int skv_tokenizer_from_json(const char *tokenizer_json_path, struct skv_tokenize
     if (rc != SKV_OK)
         goto out_free;
     t->ignore_merges = jbool(model, "ignore_merges", false);
+    t->nfc = json_is_object(norm); /* (checked above: NFC) */
     t->fuse_unk = jbool(model, "fuse_unk", false);
     const json_t *unk = json_object_get(model, "unk_token");
     if (json_is_string(unk)) {
@@ -1656,6 +1660,30 @@ static int pretok(struct enc *e, int step, size_t off, size_t len)
     return rc;
 }
 
+/* A valid UTF-8 run through the pre-tokenizer, in NFC first when the tokenizer asks for it (as
+ * HF's normalizer runs before its pre-tokenizer): the run is normalized into a buffer of its own,
+ * which the pre-tokenizer reads in place of the text for the while. ASCII is NFC already. */
+static int pretok_run(struct enc *e, size_t off, size_t len)
+{
+    const uint8_t *p = (const uint8_t *)e->text + off;
+    size_t k = 0;
+    if (e->t->nfc)
+        while (k < len && p[k] < 0x80)
+            k++;
+    if (!e->t->nfc || k == len)
+        return pretok(e, 0, off, len);
+    size_t n = 0;
+    uint8_t *nf = u8_normalize(UNINORM_NFC, p, len, NULL, &n);
+    if (!nf)
+        return errno == ENOMEM ? SKV_E_NOMEM : skv_errorf(SKV_E_INTERNAL, "tokenizer: NFC: %s", strerror(errno));
+    const char *text = e->text;
+    e->text = (const char *)nf;
+    int rc = pretok(e, 0, 0, n);
+    e->text = text;
+    free(nf);
+    return rc;
+}
+
 /* Text between added tokens: valid UTF-8 runs go through the pre-tokenizer; each invalid byte
  * is a word of its own (its byte token, or nothing when the vocabulary lacks it). */
 static int encode_plain(struct enc *e, size_t off, size_t len)
@@ -1671,13 +1699,13 @@ static int encode_plain(struct enc *e, size_t off, size_t len)
             continue;
         }
         if (i > run)
-            rc = pretok(e, 0, run, i - run);
+            rc = pretok_run(e, run, i - run);
         if (rc == SKV_OK)
             rc = bpe(e, i, 1);
         run = ++i;
     }
     if (rc == SKV_OK && end > run)
-        rc = pretok(e, 0, run, end - run);
+        rc = pretok_run(e, run, end - run);
     return rc;
 }
 

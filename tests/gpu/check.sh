@@ -146,6 +146,7 @@ if [ "$PREBUILT" = 0 ]; then
         done
         pkg-config --exists openblas || compgen -G "/usr/lib/*/libopenblas.so*" >/dev/null ||
             missing="$missing openblas"
+        [ -f /usr/include/uninorm.h ] || missing="$missing libunistring-dev"
     fi
     [ -z "$missing" ] || fatal "missing build dependencies:$missing (see README.md; scripts/setup installs them)"
     if [ "$DRY" = 1 ] && [ -f "$BUILD/Makefile" ]; then

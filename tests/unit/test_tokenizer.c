@@ -995,6 +995,49 @@ static void test_tiny_json_variants(void **state)
 }
 
 
+/* A tokenizer.json whose normalizer is NFC (Qwen2's) puts the text between added tokens in NFC
+ * before its pre-tokenizer, as Hugging Face's does: the ids of tokenizers with that normalizer
+ * (tests/reference/gen_nfc_fixture.py) for composing marks, singletons, Hangul jamo, and text
+ * around a special token; "e" + U+0301 is the one token of U+00E9. Before, NFC was accepted and
+ * not applied, and the decomposed forms gave other ids. */
+static void test_tiny_nfc(void **state)
+{
+    struct fx *f = *state;
+    char dir[] = "/tmp/skv_test_tok_XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
+    json_t *fx = load_json(f->srcdir, "tests/fixtures/tokenizer_nfc_ids.json");
+    assert_non_null(tj);
+    assert_non_null(fx);
+    json_object_set_new(tj, "normalizer", json_pack("{s:s}", "type", "NFC"));
+    assert_int_equal(json_dump_file(tj, path, 0), 0);
+    json_decref(tj);
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_tokenizer_from_json(path, &tok), SKV_OK);
+    size_t i, bad = 0;
+    const json_t *e;
+    json_array_foreach(json_object_get(fx, "strings"), i, e) {
+        const json_t *t = json_object_get(e, "text");
+        bad += !ids_match(tok, json_string_value(t), json_string_length(t), true, json_object_get(e, "ids"), "nfc");
+        bad += !ids_match(tok, json_string_value(t), json_string_length(t), false, json_object_get(e, "plain"),
+                          "nfc plain");
+    }
+    assert_true(json_array_size(json_object_get(fx, "strings")) >= 10);
+    assert_int_equal(bad, 0);
+    int32_t a[4], b[4];
+    int na = 0, nb = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, "e\xcc\x81", 3, false, false, a, 4, &na), SKV_OK);
+    assert_int_equal(skv_tokenizer_encode(tok, "\xc3\xa9", 2, false, false, b, 4, &nb), SKV_OK);
+    assert_int_equal(na, 1);
+    assert_int_equal(nb, 1);
+    assert_int_equal(a[0], b[0]);
+    skv_tokenizer_free(&tok);
+    json_decref(fx);
+    unlink(path);
+    rmdir(dir);
+}
+
 /* A GGUF with no tensors holding the tiny tokenizer.json's vocabulary under `model`/`pre`. */
 static struct gguf_buf tiny_gguf(const json_t *tj, const char *model, const char *pre, const char *tmpl)
 {
@@ -1252,6 +1295,7 @@ int main(void)
         cmocka_unit_test(test_errors),      cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_big_input),   cmocka_unit_test(test_tiny_json),
         cmocka_unit_test(test_tiny_json_variants), cmocka_unit_test(test_tiny_gguf_pre),
+        cmocka_unit_test(test_tiny_nfc),
         cmocka_unit_test(test_llama3_date),
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
         cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
