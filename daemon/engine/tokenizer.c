@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unictype.h>
 #include <uninorm.h>
 #include <unistd.h>
 
@@ -31,6 +32,7 @@ enum {
     ATTR_LSTRIP = 1 << 2,  /* the match swallows whitespace on its left */
     ATTR_RSTRIP = 1 << 3,  /* ... and on its right */
     ATTR_UNUSED = 1 << 4,  /* an id no vocabulary entry names */
+    ATTR_SINGLE_WORD = 1 << 5, /* matched only with no word character (alphanumeric, '_') beside it */
 };
 
 enum split_behavior {
@@ -1244,7 +1246,8 @@ int skv_tokenizer_from_json(const char *tokenizer_json_path, struct skv_tokenize
             goto out_free;
         t->attr[id] = (uint8_t)((jbool(v, "special", false) ? ATTR_CONTROL : ATTR_USER) |
                                 (jbool(v, "lstrip", false) ? ATTR_LSTRIP : 0) |
-                                (jbool(v, "rstrip", false) ? ATTR_RSTRIP : 0));
+                                (jbool(v, "rstrip", false) ? ATTR_RSTRIP : 0) |
+                                (jbool(v, "single_word", false) ? ATTR_SINGLE_WORD : 0));
     }
     rc = vocab_index(t);
     if (rc != SKV_OK)
@@ -1624,6 +1627,7 @@ static int pretok(struct enc *e, int step, size_t off, size_t len)
     struct fold f = {.e = e, .step = step, .behavior = ps->behavior};
     const PCRE2_SPTR subj = (PCRE2_SPTR)e->text + off;
     size_t pos = 0, prev = 0;
+    bool matched = false;
     int rc = SKV_OK;
     while (pos <= len && rc == SKV_OK) {
         int m = pcre2_match(ps->re, subj, len, pos, PCRE2_NO_UTF_CHECK, e->md, NULL);
@@ -1638,6 +1642,16 @@ static int pretok(struct enc *e, int step, size_t off, size_t len)
         }
         const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(e->md);
         size_t ms = ov[0], me = ov[1];
+        if (me == ms && matched && ms == prev) { /* no match, as Oniguruma's iterator (HF's) skips
+                                                  * an empty one where the last match ended */
+            if (me >= len)
+                break;
+            uint32_t cp;
+            size_t k = utf8_next(subj + me, len - me, &cp);
+            pos = me + (k ? k : 1);
+            continue;
+        }
+        matched = true;
         if (ms > prev)
             rc = fold_seg(&f, off + prev, ms - prev, ps->invert);
         if (rc == SKV_OK)
@@ -1756,6 +1770,27 @@ static size_t space_before(const char *text, size_t floor, size_t i)
     return i;
 }
 
+/* HF's word character (Rust's char::is_alphanumeric, or '_'): Unicode Alphabetic or Numeric. */
+static bool is_word_char(uint32_t cp)
+{
+    return cp == '_' || uc_is_property_alphabetic(cp) || uc_is_general_category(cp, UC_CATEGORY_N);
+}
+
+/* Whether text[start, end) has a word character right before it or right after it (a
+ * single_word added token does not match there). */
+static bool word_beside(const char *text, size_t start, size_t end, size_t len)
+{
+    uint32_t cp;
+    if (start > 0) {
+        size_t s = start - 1;
+        while (s > 0 && start - s < 4 && ((uint8_t)text[s] & 0xc0) == 0x80)
+            s--;
+        if (utf8_next((const uint8_t *)text + s, start - s, &cp) == start - s && is_word_char(cp))
+            return true;
+    }
+    return end < len && utf8_next((const uint8_t *)text + end, len - end, &cp) > 0 && is_word_char(cp);
+}
+
 static size_t space_after(const char *text, size_t i, size_t len)
 {
     while (i < len) {
@@ -1798,6 +1833,10 @@ static int encode_marked(const struct skv_tokenizer *tok, const char *text, size
             continue;
         }
         size_t start = i, end = i + tok->bytes_len[id];
+        if ((tok->attr[id] & ATTR_SINGLE_WORD) && word_beside(text, start, end, len)) {
+            i = end; /* plain text, as HF's matcher goes on after the match it set aside */
+            continue;
+        }
         if (tok->attr[id] & ATTR_LSTRIP)
             start = space_before(text, seg, start);
         if (tok->attr[id] & ATTR_RSTRIP)

@@ -997,7 +997,7 @@ static void test_tiny_json_variants(void **state)
 
 /* A tokenizer.json whose normalizer is NFC (Qwen2's) puts the text between added tokens in NFC
  * before its pre-tokenizer, as Hugging Face's does: the ids of tokenizers with that normalizer
- * (tests/reference/gen_nfc_fixture.py) for composing marks, singletons, Hangul jamo, and text
+ * (tests/reference/gen_tokenizer_json_extra.py) for composing marks, singletons, Hangul jamo, and text
  * around a special token; "e" + U+0301 is the one token of U+00E9. Before, NFC was accepted and
  * not applied, and the decomposed forms gave other ids. */
 static void test_tiny_nfc(void **state)
@@ -1007,7 +1007,7 @@ static void test_tiny_nfc(void **state)
     assert_non_null(mkdtemp(dir));
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
-    json_t *fx = load_json(f->srcdir, "tests/fixtures/tokenizer_nfc_ids.json");
+    json_t *fx = load_json(f->srcdir, "tests/fixtures/tokenizer_json_extra_ids.json");
     assert_non_null(tj);
     assert_non_null(fx);
     json_object_set_new(tj, "normalizer", json_pack("{s:s}", "type", "NFC"));
@@ -1017,13 +1017,13 @@ static void test_tiny_nfc(void **state)
     assert_int_equal(skv_tokenizer_from_json(path, &tok), SKV_OK);
     size_t i, bad = 0;
     const json_t *e;
-    json_array_foreach(json_object_get(fx, "strings"), i, e) {
+    json_array_foreach(json_object_get(fx, "nfc"), i, e) {
         const json_t *t = json_object_get(e, "text");
         bad += !ids_match(tok, json_string_value(t), json_string_length(t), true, json_object_get(e, "ids"), "nfc");
         bad += !ids_match(tok, json_string_value(t), json_string_length(t), false, json_object_get(e, "plain"),
                           "nfc plain");
     }
-    assert_true(json_array_size(json_object_get(fx, "strings")) >= 10);
+    assert_true(json_array_size(json_object_get(fx, "nfc")) >= 10);
     assert_int_equal(bad, 0);
     int32_t a[4], b[4];
     int na = 0, nb = 0;
@@ -1032,6 +1032,89 @@ static void test_tiny_nfc(void **state)
     assert_int_equal(na, 1);
     assert_int_equal(nb, 1);
     assert_int_equal(a[0], b[0]);
+    skv_tokenizer_free(&tok);
+    json_decref(fx);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* A Split whose regex matches the empty string (\d*) under each behavior, with tokens "1a" and
+ * "2 " whose merges span where such a match would cut: as Hugging Face's (Oniguruma's
+ * iterator), an empty match that ends where the last match ended is no match, so "1a" under
+ * MergedWithNext is one piece, the token "1a" (the empty match before "a" made two, "1" "a"). */
+static void test_tiny_split_empty(void **state)
+{
+    struct fx *f = *state;
+    char dir[] = "/tmp/skv_test_tok_XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    json_t *fx = load_json(f->srcdir, "tests/fixtures/tokenizer_json_extra_ids.json");
+    assert_non_null(fx);
+    const char *behavior;
+    const json_t *v;
+    int n = 0;
+    size_t bad = 0;
+    json_object_foreach(json_object_get(fx, "split_empty"), behavior, v) {
+        json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
+        assert_non_null(tj);
+        json_object_set(tj, "pre_tokenizer", json_object_get(v, "pre_tokenizer"));
+        json_t *model = json_object_get(tj, "model");
+        json_object_update(json_object_get(model, "vocab"), json_object_get(fx, "split_empty_vocab"));
+        json_t *merges = json_copy(json_object_get(fx, "split_empty_merges"));
+        json_array_extend(merges, json_object_get(model, "merges"));
+        json_object_set_new(model, "merges", merges);
+        assert_int_equal(json_dump_file(tj, path, 0), 0);
+        json_decref(tj);
+        struct skv_tokenizer *tok = NULL;
+        assert_int_equal(skv_tokenizer_from_json(path, &tok), SKV_OK);
+        size_t i;
+        const json_t *e;
+        json_array_foreach(json_object_get(v, "strings"), i, e) {
+            const json_t *t = json_object_get(e, "text");
+            bad += !ids_match(tok, json_string_value(t), json_string_length(t), true, json_object_get(e, "ids"),
+                              behavior);
+        }
+        skv_tokenizer_free(&tok);
+        n++;
+    }
+    assert_int_equal(n, 5);
+    assert_int_equal(bad, 0);
+    json_decref(fx);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* An added token with single_word matches only with no word character (Unicode alphanumeric, or
+ * '_') beside it, as Hugging Face's: "x<tool>" is plain text, " <tool> " and "-<tool>-" the
+ * token; a match set aside is passed over whole ("a<tool><tool>": the second one matches). */
+static void test_tiny_single_word(void **state)
+{
+    struct fx *f = *state;
+    char dir[] = "/tmp/skv_test_tok_XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    json_t *fx = load_json(f->srcdir, "tests/fixtures/tokenizer_json_extra_ids.json");
+    json_t *tj = load_json(f->srcdir, "tests/fixtures/tok_tiny/tokenizer.json");
+    assert_non_null(fx);
+    assert_non_null(tj);
+    size_t i;
+    json_t *a;
+    json_array_foreach(json_object_get(tj, "added_tokens"), i, a)
+        if (strcmp(json_string_value(json_object_get(a, "content")), "<tool>") == 0)
+            json_object_set_new(a, "single_word", json_true());
+    assert_int_equal(json_dump_file(tj, path, 0), 0);
+    json_decref(tj);
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_tokenizer_from_json(path, &tok), SKV_OK);
+    size_t bad = 0;
+    const json_t *e;
+    json_array_foreach(json_object_get(fx, "single_word"), i, e) {
+        const json_t *t = json_object_get(e, "text");
+        bad += !ids_match(tok, json_string_value(t), json_string_length(t), true, json_object_get(e, "ids"),
+                          "single_word");
+    }
+    assert_true(json_array_size(json_object_get(fx, "single_word")) >= 16);
+    assert_int_equal(bad, 0);
     skv_tokenizer_free(&tok);
     json_decref(fx);
     unlink(path);
@@ -1295,7 +1378,8 @@ int main(void)
         cmocka_unit_test(test_errors),      cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_big_input),   cmocka_unit_test(test_tiny_json),
         cmocka_unit_test(test_tiny_json_variants), cmocka_unit_test(test_tiny_gguf_pre),
-        cmocka_unit_test(test_tiny_nfc),
+        cmocka_unit_test(test_tiny_nfc), cmocka_unit_test(test_tiny_split_empty),
+        cmocka_unit_test(test_tiny_single_word),
         cmocka_unit_test(test_llama3_date),
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
         cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
