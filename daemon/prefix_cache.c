@@ -46,18 +46,51 @@ static void count_blocks(struct skv_prefix_cache *pc, const struct skv_prefix_en
         }
 }
 
-static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **link)
+/* Takes the entry at *link out of the list and the counts (it stays whole). */
+static struct skv_prefix_entry *entry_unlink(struct skv_prefix_cache *pc, struct skv_prefix_entry **link)
 {
     struct skv_prefix_entry *e = *link;
-    if (pc->on_drop && e->announced)
-        pc->on_drop(pc->hook_user, e);
     *link = e->next;
+    e->next = NULL;
     pc->n--;
     pc->host_bytes -= e->host_bytes;
     count_blocks(pc, e, -1);
+    return e;
+}
+
+/* Puts an unlinked entry back first in the list and into the counts. */
+static void entry_link(struct skv_prefix_cache *pc, struct skv_prefix_entry *e)
+{
+    e->next = pc->head;
+    pc->head = e;
+    pc->n++;
+    pc->host_bytes += e->host_bytes;
+    count_blocks(pc, e, +1);
+}
+
+/* Frees an unlinked entry, announcing it gone when it was announced. */
+static void entry_destroy(struct skv_prefix_cache *pc, struct skv_prefix_entry *e)
+{
+    if (pc->on_drop && e->announced)
+        pc->on_drop(pc->hook_user, e);
     skv_kv_cache_free(&e->cache);
     free(e->tokens);
     free(e);
+}
+
+static void entry_free(struct skv_prefix_cache *pc, struct skv_prefix_entry **link)
+{
+    entry_destroy(pc, entry_unlink(pc, link));
+}
+
+/* Puts back the entries of `list` (unlinked, chained by next). */
+static void relink_all(struct skv_prefix_cache *pc, struct skv_prefix_entry *list)
+{
+    while (list) {
+        struct skv_prefix_entry *next = list->next;
+        entry_link(pc, list);
+        list = next;
+    }
 }
 
 /* Whether history a (na tokens) begins with history b (nb). */
@@ -160,18 +193,21 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     uint64_t bytes = skv_prefix_cache_rows_bytes(c, rows);
     if (!pc->cap || rows < c->block_rows || rows % c->block_rows || bytes > pc->cap || bytes > tenant_room)
         return SKV_OK;
-    for (struct skv_prefix_entry **link = &pc->head; *link;) {
-        struct skv_prefix_entry *e = *link;
-        if (strcmp(e->tenant, tenant) != 0) {
-            link = &e->next;
-        } else if (starts_with(e->tokens, e->n_rows, tokens, rows)) {
+    for (struct skv_prefix_entry *e = pc->head; e; e = e->next)
+        if (strcmp(e->tenant, tenant) == 0 && starts_with(e->tokens, e->n_rows, tokens, rows)) {
             skv_prefix_cache_touch(pc, e, now_ms); /* it holds these rows already */
             return SKV_OK;
-        } else if (starts_with(tokens, rows, e->tokens, e->n_rows)) {
-            entry_free(pc, link); /* the new one covers it */
-            pc->dropped++;
+        }
+    /* the entries the new one covers are set aside, and go only once it is in: when it cannot
+     * be kept (no memory, or it is the one the cap drops) they come back as they were */
+    struct skv_prefix_entry *covered = NULL;
+    for (struct skv_prefix_entry **link = &pc->head; *link;) {
+        if (strcmp((*link)->tenant, tenant) == 0 && starts_with(tokens, rows, (*link)->tokens, (*link)->n_rows)) {
+            struct skv_prefix_entry *e = entry_unlink(pc, link);
+            e->next = covered;
+            covered = e;
         } else {
-            link = &e->next;
+            link = &(*link)->next;
         }
     }
     /* the tenant's own make room within its quota (what they hold alone, as the quota counts
@@ -182,12 +218,14 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     struct skv_prefix_entry *e = calloc(1, sizeof *e);
     if (!e || !(e->tokens = malloc((size_t)rows * sizeof *e->tokens))) {
         free(e);
+        relink_all(pc, covered);
         return SKV_E_NOMEM;
     }
     int rc = skv_kv_cache_clone_rows(c, rows, &e->cache);
     if (rc) {
         free(e->tokens);
         free(e);
+        relink_all(pc, covered);
         return rc;
     }
     if (id)
@@ -200,27 +238,30 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     e->bytes = skv_kv_cache_bytes(e->cache);
     e->host_bytes = sizeof *e + (uint64_t)rows * sizeof *e->tokens + skv_kv_cache_host_bytes(e->cache);
     if (e->host_bytes > pc->cap) { /* alone past the cap: it would push out every other first */
-        skv_kv_cache_free(&e->cache);
-        free(e->tokens);
-        free(e);
+        entry_destroy(pc, e);
+        relink_all(pc, covered);
         return SKV_OK;
     }
     skv_prefix_cache_touch(pc, e, now_ms);
-    e->next = pc->head;
-    pc->head = e;
-    pc->n++;
-    pc->host_bytes += e->host_bytes;
-    count_blocks(pc, e, +1);
+    entry_link(pc, e);
     /* past the cap (the blocks, each once, or apart from them the entries' own memory): when the
      * new one is the one to go (its tenant over its share with nothing older), it goes
-     * unannounced and nothing else does */
+     * unannounced and those it covers stay */
     while (pc->bytes > pc->cap || pc->host_bytes > pc->cap) {
         struct skv_prefix_entry **victim = victim_of(pc, NULL);
         bool self = *victim == e;
         entry_free(pc, victim);
-        if (self)
+        if (self) {
+            relink_all(pc, covered);
             return SKV_OK;
+        }
         pc->dropped++;
+    }
+    while (covered) { /* gone before the new one is announced, as before */
+        struct skv_prefix_entry *next = covered->next;
+        entry_destroy(pc, covered);
+        pc->dropped++;
+        covered = next;
     }
     e->announced = true;
     if (pc->on_add)

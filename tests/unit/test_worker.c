@@ -1034,6 +1034,36 @@ static void test_prefix_retain_host(void **state)
     assert_true(kept > 1 && kept < QUESTIONS);
 }
 
+/* A kept prefix that a new one covers goes only once the new one is in: tenant b keeps 5 blocks
+ * a head, a keeps document D (5, its own), then D and a question (6, sharing D's 5) under a cap
+ * of 10: a is then over its share and its new entry is the one the cap drops, so D's entry stays
+ * and a's next question reuses D (before, D's entry was dropped first as covered, and a kept
+ * nothing: its next PREFILL reused 0 tokens). */
+static void test_prefix_retain_covered(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
+    const uint32_t n_vocab = (uint32_t)f->tiny->m->cfg.n_vocab;
+    f->cfg.prefix_retain_bytes = (int64_t)(10 * unit * bb);
+    restart_with_pool(f, 48);
+    uint32_t b[80], d[96];
+    for (int i = 0; i < 80; i++)
+        b[i] = (uint32_t)(i * 7 + 3) % n_vocab;
+    for (int i = 0; i < 96; i++)
+        d[i] = (uint32_t)(i * 37 + 11) % n_vocab;
+    assert_int_equal(prefill_release_ids(f, "b", b, 80), 0);
+    assert_int_equal(prefill_release_ids(f, "a", d, 80), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(prefill_release_ids(f, "a", d, 96), 80); /* D + a question: its entry is dropped */
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_true(stat(f, "snapkv_prefix_retained_bytes") <= 10 * unit * bb);
+    for (int i = 80; i < 96; i++) /* another question */
+        d[i] = (uint32_t)(i * 17 + 1) % n_vocab;
+    assert_int_equal(prefill_release_ids(f, "a", d, 96), 80);
+}
+
 static void persist_on(struct fixture *f, char *dir, const char *interval);
 static void persist_off(struct fixture *f, const char *dir);
 static void restart(struct fixture *f);
@@ -5340,6 +5370,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_retain_tenants, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_shared, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_host, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_retain_covered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_random, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
