@@ -1250,7 +1250,11 @@ static void handle_fork(struct skv_worker *w, struct skv_job *job)
     s->computed_rows = src->computed_rows;
     s->lease_seconds = src->lease_seconds;
     src->last_used_ms = skv_now_ms();
-    if ((rc = skv_session_charge(w->sessions, s, NULL)))
+    bool src_busy = src->busy; /* the fork's charge may evict the tenant's idle sessions, not its source */
+    src->busy = true;
+    rc = skv_session_charge(w->sessions, s, NULL);
+    src->busy = src_busy;
+    if (rc)
         goto fail;
     skv_worker_event_stored(w, s);
     Snapkv__Reply rep;
@@ -1479,6 +1483,8 @@ static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snap
     }
     if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
         return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");
+    if (job->uid < 0) /* (a handle is usable on this host only; one learnt elsewhere names another's memory) */
+        return skv_errorf(SKV_E_PERM, "a CUDA IPC handle may be named only over an ipc:// endpoint");
     /* the client states the size; the range must also lie in the allocation as the device
      * knows it (below), or the copy would reach any of the daemon's device memory */
     if (b->offset > b->size || need > b->size - b->offset)
@@ -1763,8 +1769,15 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
         for (int kv = 0; kv < 2; kv++)
             for (int h = 0; h < H; h++) {
                 int len = (int)im->kept[l]->kept_per_head[h];
-                if ((rc = xfer_get(&x, at, scratch, (size_t)len * row)) ||
-                    (rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)scratch)))
+                if ((rc = xfer_get(&x, at, scratch, (size_t)len * row)))
+                    goto fail;
+                for (size_t i = 0; i < (size_t)len * (row / sizeof(float)); i++) /* (as LOAD refuses them) */
+                    if (!isfinite(((const float *)scratch)[i])) {
+                        rc = skv_errorf(SKV_E_INVAL, "IMPORT_KV: a %s of layer %d, KV head %d is not finite",
+                                        kv ? "value" : "key", l, h);
+                        goto fail;
+                    }
+                if ((rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)scratch)))
                     goto fail;
                 at += (uint64_t)mx * row;
             }
@@ -2363,8 +2376,8 @@ static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s, char *poli
     bool short_ok = skv_compress_spec_parse(s->spec, &spec) == SKV_OK &&
                     skv_compress_spec_format_short(&spec, policy, INFO_POLICY_BYTES) == SKV_OK;
     in->policy = short_ok ? policy : s->spec;
-    in->created_unix_ms = s->created_ms;
-    in->last_used_unix_ms = s->last_used_ms;
+    in->created_unix_ms = skv_unix_ms(s->created_ms);
+    in->last_used_unix_ms = skv_unix_ms(s->last_used_ms);
     in->pinned = s->pinned;
     in->lease_seconds = s->lease_seconds;
 }
@@ -2411,7 +2424,7 @@ static struct kept_list *list_kept(struct skv_worker *w, const char *tenant, siz
         x->n_tokens = (uint32_t)e->n_rows;
         x->bytes = e->bytes;
         x->alone_bytes = skv_prefix_entry_alone_bytes(&w->prefix, e);
-        x->last_used_unix_ms = e->last_used_ms;
+        x->last_used_unix_ms = skv_unix_ms(e->last_used_ms);
         k->ptrs[(*n_out)++] = x;
     }
     return k;
@@ -2578,6 +2591,8 @@ static void handle_pin(struct skv_worker *w, struct skv_job *job)
         fail_rc(w, job, rc);
         return;
     }
+    if (s->pinned && !job->req->pin->pin) /* unpinned: a whole lease from now, not from its last use */
+        s->last_used_ms = skv_now_ms();
     s->pinned = job->req->pin->pin;
     Snapkv__Reply rep;
     Snapkv__PinReply pr = SNAPKV__PIN_REPLY__INIT;

@@ -38,8 +38,16 @@ struct skv_session_table {
 uint64_t skv_now_ms(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+uint64_t skv_unix_ms(uint64_t at_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t wall = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000, now = skv_now_ms();
+    return now >= at_ms ? (wall > now - at_ms ? wall - (now - at_ms) : 0) : wall + (at_ms - now);
 }
 
 void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1])

@@ -155,7 +155,11 @@ int skv_tenant_tally_add(struct skv_tenant_tally *t, const char *tenant, uint64_
 uint64_t skv_tenant_tally_bytes(const struct skv_tenant_tally *t, const char *tenant);
 void skv_tenant_tally_free(struct skv_tenant_tally *t);
 
+/* Milliseconds of CLOCK_MONOTONIC: leases, idle times and the LRU order go by it, so a step of
+ * the wall clock (NTP, a VM resumed) neither expires sessions nor keeps them past their lease. */
 uint64_t skv_now_ms(void);
+/* The wall-clock time (Unix ms) of a skv_now_ms() value, for what clients see. */
+uint64_t skv_unix_ms(uint64_t at_ms);
 void skv_session_id_hex(const uint8_t *id, char out[2 * SKV_SESSION_ID_BYTES + 1]);
 
 #endif

@@ -2017,7 +2017,7 @@ static int list_kept(const struct ctl *c, const char *tenant)
             const struct snapkv_kept_prefix *k = &l.kept[i];
             char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], ab[32];
             id_hex(&k->id, hex);
-            printf("%-32s  %-12.12s %7u %10s %10s %6lld\n", hex, k->tenant, k->n_tokens,
+            printf("%-32s  %-12s %7u %10s %10s %6lld\n", hex, k->tenant, k->n_tokens, /* (the whole name) */
                    fmt_bytes(k->bytes, b, sizeof b), fmt_bytes(k->alone_bytes, ab, sizeof ab),
                    idle_seconds(k->last_used_unix_ms));
         }
@@ -2059,7 +2059,7 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
             char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
             id_hex(&s->id, hex);
             const char *spec = strncmp(s->policy, "policy=", 7) == 0 ? s->policy + 7 : s->policy;
-            printf("%-32s  %-12.12s %7u %7u %10s %10s %3s %6u %6lld  %s\n", hex, s->tenant, s->n_tokens,
+            printf("%-32s  %-12s %7u %7u %10s %10s %3s %6u %6lld  %s\n", hex, s->tenant, s->n_tokens,
                    s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb),
                    s->pinned ? "yes" : "", s->lease_seconds, idle_seconds(s->last_used_unix_ms),
                    *spec ? spec : "full");

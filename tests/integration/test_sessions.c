@@ -645,6 +645,11 @@ static void test_errors_and_tenants(void **state)
     /* window_from: where the re-run (and observation window) starts; at or past the end: refused */
     assert_int_equal(snapkv_admin_inspect(adm, &pr.id, false, &ir), SNAPKV_OK);
     uint32_t n_past = ir.info.n_tokens;
+    /* the daemon keeps its times on CLOCK_MONOTONIC (a wall-clock step changes no lease) and
+     * shows them as Unix milliseconds */
+    uint64_t now_unix_ms = (uint64_t)time(NULL) * 1000;
+    assert_true(ir.info.created_unix_ms <= ir.info.last_used_unix_ms);
+    assert_true(ir.info.last_used_unix_ms <= now_unix_ms + 2000 && ir.info.created_unix_ms + 600000 > now_unix_ms);
     snapkv_inspect_result_free(&ir);
     assert_int_equal(n_past, 69); /* 64 + 2 + 3 decoded */
     assert_int_equal(snapkv_compress(a, &pr.id, "policy=snapkv,budget=20,window=4", n_past, &cr), SNAPKV_E_INVAL);

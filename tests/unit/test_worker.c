@@ -38,6 +38,7 @@
 #include <fcntl.h>
 #include <glob.h>
 #include <jansson.h>
+#include <math.h>
 #include <pthread.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -1460,6 +1461,102 @@ static void *shrink_loop(void *arg)
 }
 
 static void expect_refused(struct fixture *f, Snapkv__Request *req, int want, const char *msg);
+
+/* An IMPORT_KV whose rows hold a NaN or an infinity is refused (INVAL, naming where), as LOAD,
+ * the store and persist refuse them: before, it was taken, every attention over the head read
+ * the NaN, and the session could then not be saved and loaded again, nor come back from the
+ * store (FORMAT: lost). The same layout with finite rows is taken. */
+static void test_import_not_finite(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16];
+    prefill(f, 8, "policy=full", a);
+    char name[64];
+    snprintf(name, sizeof name, "/snapkv-test-nan-%ld", (long)getpid());
+    shm_unlink(name);
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, 1 << 20), 0);
+    Snapkv__Reply *ex = export_shm(f, a, name);
+    if (ex->status)
+        fail_msg("EXPORT_KV: %d %s", ex->status, ex->message);
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf.shm_name = name;
+    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
+    im.buffer = &buf;
+    im.n_kept = ex->export_kv->n_kept;
+    im.kept = ex->export_kv->kept;
+    im.n_positions = ex->export_kv->n_positions;
+    im.positions = ex->export_kv->positions;
+    im.original_length = ex->export_kv->original_length;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
+    req.import_kv = &im;
+    float good, odd[2] = {NAN, INFINITY};
+    assert_int_equal(pread(fd, &good, sizeof good, 0), (ssize_t)sizeof good);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(pwrite(fd, &odd[k], sizeof odd[k], 0), (ssize_t)sizeof odd[k]);
+        Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+        assert_int_equal(rep->status, SKV_E_INVAL);
+        assert_non_null(strstr(rep->message, "IMPORT_KV: a key of layer 0, KV head 0 is not finite"));
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    assert_int_equal(pwrite(fd, &good, sizeof good, 0), (ssize_t)sizeof good);
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    snapkv__reply__free_unpacked(ex, NULL);
+    close(fd);
+    shm_unlink(name);
+}
+
+/* A CUDA IPC handle from a tcp:// client (its user unknown) is refused before the handle is
+ * opened, as a shared-memory name is: a handle learnt elsewhere would name another client's
+ * device memory. */
+static void test_ipc_handle_tcp_refused(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    uint8_t handle[64] = {2};
+    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
+    buf.kind_case = SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE;
+    buf.cuda_ipc_handle = (ProtobufCBinaryData){sizeof handle, handle};
+    buf.size = FAKE_BYTES;
+    Snapkv__ExportKvRequest e = SNAPKV__EXPORT_KV_REQUEST__INIT;
+    e.session_id = (ProtobufCBinaryData){16, sid};
+    e.buffer = &buf;
+    e.layer_count = 1;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_EXPORT_KV;
+    req.export_kv = &e;
+    int before = opened(2);
+    struct skv_job *job = job_new(0, ID_X, 5, &req);
+    job->uid = -1; /* a tcp:// client */
+    assert_int_equal(skv_worker_submit(f->w, job), SKV_OK);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_PERM);
+    assert_non_null(strstr(rep->message, "only over an ipc:// endpoint"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(opened(2), before);
+}
+
+/* A FORK whose charge passes the tenant's quota does not evict its own source (the fork's
+ * blocks are the source's: nothing would be freed, and the client's next use of the source
+ * would find it gone): LIMIT, the source stays. */
+static void test_fork_keeps_source(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_quota(f, 4);
+    uint8_t src[16];
+    prefill(f, 48, "policy=full", src); /* 3 blocks a head; a fork counts 3 more */
+    submit_fork(f, ID_X, src);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, src, NULL, NULL), 48);
+}
 
 /* An IMPORT_KV that cannot fit the tenant's quota is refused before a row is written (its
  * blocks are counted first), and the tenant's sessions stay; one that fits once the idle one
@@ -5376,6 +5473,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ipc_handle_tcp_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fork_keeps_source, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shm_buffers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_admit, setup, teardown),
