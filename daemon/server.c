@@ -589,7 +589,7 @@ static int handle_status(struct skv_server *srv, Snapkv__Reply *rep, Snapkv__Sta
 struct config_arena {
     Snapkv__ConfigEntry *entries;
     Snapkv__ConfigEntry **ptrs;
-    char (*values)[1024];
+    char (*values)[8192]; /* the longest value (a path, 64 tenant weights) whole */
 };
 
 static int handle_config_get(struct skv_server *srv, const Snapkv__ConfigGetRequest *creq,

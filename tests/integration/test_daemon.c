@@ -740,6 +740,13 @@ static void config_value(void *user, const char *key, const char *value, const c
     snprintf(user, 64, "%s", value);
 }
 
+static void config_value_long(void *user, const char *key, const char *value, const char *help)
+{
+    (void)key;
+    (void)help;
+    snprintf(user, 4096, "%s", value);
+}
+
 /* A PREFILL of text: its status; the message must hold `msg` (and, when given, not `not`). */
 static int prefill_text(snapkv_client_t *c, const char *text, const char *msg, const char *not)
 {
@@ -1020,6 +1027,31 @@ static void test_health_probes(void **state)
     e->pid = 0;
     assert_true(WIFEXITED(st));
     assert_int_equal(WEXITSTATUS(st), 0);
+}
+
+/* CONFIG GET gives a long value whole: 64 tenant weights (about 1.4 KB) came back cut at 1023
+ * bytes before. */
+static void test_config_long_value(void **state)
+{
+    NEED_DAEMON(d);
+    char weights[2048] = "--tenant-weights=", got[4096] = "";
+    for (int i = 0; i < 64; i++)
+        snprintf(weights + strlen(weights), sizeof weights - strlen(weights), "%stenant-%08d:%d", i ? "," : "",
+                 i, i % 9 + 1);
+    struct daemon e;
+    bool up = second_daemon(&e, weights, NULL);
+    int rc = -1;
+    if (up) {
+        snapkv_client_t *a = NULL;
+        assert_int_equal(snapkv_connect(e.admin, NULL, &a), SNAPKV_OK);
+        rc = snapkv_admin_config_get(a, "tenant-weights", config_value_long, got);
+        snapkv_close(&a);
+    }
+    stop_second(&e);
+    assert_true(up);
+    assert_int_equal(rc, SNAPKV_OK);
+    assert_true(strlen(weights + 17) > 1024);
+    assert_string_equal(got, weights + 17);
 }
 
 /* max-text-bytes set: texts past it are refused for their bytes alone, whatever their tokens. */
@@ -1331,6 +1363,7 @@ int main(void)
         cmocka_unit_test(test_metrics_port_taken),
         cmocka_unit_test(test_text_limits),
         cmocka_unit_test(test_text_bytes_option),
+        cmocka_unit_test(test_config_long_value),
         cmocka_unit_test_teardown(test_health_probes, health_teardown),
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_unread_replies_bounded),
