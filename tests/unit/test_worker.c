@@ -1462,6 +1462,25 @@ static void *shrink_loop(void *arg)
 
 static void expect_refused(struct fixture *f, Snapkv__Request *req, int want, const char *msg);
 
+/* An IMPORT_KV of what the EXPORT_KV reply ex wrote into the shared-memory object `name`. */
+static void import_request(const Snapkv__Reply *ex, char *name, Snapkv__BufferRef *buf, Snapkv__ImportKvRequest *im,
+                           Snapkv__Request *req)
+{
+    *buf = (Snapkv__BufferRef)SNAPKV__BUFFER_REF__INIT;
+    buf->kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
+    buf->shm_name = name;
+    *im = (Snapkv__ImportKvRequest)SNAPKV__IMPORT_KV_REQUEST__INIT;
+    im->buffer = buf;
+    im->n_kept = ex->export_kv->n_kept;
+    im->kept = ex->export_kv->kept;
+    im->n_positions = ex->export_kv->n_positions;
+    im->positions = ex->export_kv->positions;
+    im->original_length = ex->export_kv->original_length;
+    *req = (Snapkv__Request)SNAPKV__REQUEST__INIT;
+    req->command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
+    req->import_kv = im;
+}
+
 /* An IMPORT_KV whose rows hold a NaN or an infinity is refused (INVAL, naming where), as LOAD,
  * the store and persist refuse them: before, it was taken, every attention over the head read
  * the NaN, and the session could then not be saved and loaded again, nor come back from the
@@ -1480,19 +1499,10 @@ static void test_import_not_finite(void **state)
     Snapkv__Reply *ex = export_shm(f, a, name);
     if (ex->status)
         fail_msg("EXPORT_KV: %d %s", ex->status, ex->message);
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
-    buf.shm_name = name;
-    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
-    im.buffer = &buf;
-    im.n_kept = ex->export_kv->n_kept;
-    im.kept = ex->export_kv->kept;
-    im.n_positions = ex->export_kv->n_positions;
-    im.positions = ex->export_kv->positions;
-    im.original_length = ex->export_kv->original_length;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
-    req.import_kv = &im;
+    Snapkv__BufferRef buf;
+    Snapkv__ImportKvRequest im;
+    Snapkv__Request req;
+    import_request(ex, name, &buf, &im, &req);
     float good, odd[2] = {NAN, INFINITY};
     assert_int_equal(pread(fd, &good, sizeof good, 0), (ssize_t)sizeof good);
     for (int k = 0; k < 2; k++) {
@@ -1579,19 +1589,10 @@ static void test_import_over_quota(void **state)
     int count = 0;
     assert_int_equal(listed(f, a, NULL, &count), -1);
     assert_int_equal(listed(f, b, NULL, &count), 8);
-    Snapkv__BufferRef buf = SNAPKV__BUFFER_REF__INIT;
-    buf.kind_case = SNAPKV__BUFFER_REF__KIND_SHM_NAME;
-    buf.shm_name = name;
-    Snapkv__ImportKvRequest im = SNAPKV__IMPORT_KV_REQUEST__INIT;
-    im.buffer = &buf;
-    im.n_kept = ex->export_kv->n_kept;
-    im.kept = ex->export_kv->kept;
-    im.n_positions = ex->export_kv->n_positions;
-    im.positions = ex->export_kv->positions;
-    im.original_length = ex->export_kv->original_length;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_IMPORT_KV;
-    req.import_kv = &im;
+    Snapkv__BufferRef buf;
+    Snapkv__ImportKvRequest im;
+    Snapkv__Request req;
+    import_request(ex, name, &buf, &im, &req);
     /* positions out of order in the last head, a kept entry naming another layer or a kept
      * count not its longest head's: refused before room is made (at submit), so b stays (the
      * positions were checked after the eviction before) */
