@@ -199,11 +199,16 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
             return SKV_OK;
         }
     /* the entries the new one covers are set aside, and go only once it is in: when it cannot
-     * be kept (no memory, or it is the one the cap drops) they come back as they were */
+     * be kept (no memory, or it is the one the cap drops) they come back as they were. Out of
+     * the list first, still in the blocks' kept counts: the tenant's count below then has the
+     * blocks they share with its other entries (each block's holders all kept prefixes) and
+     * not those only they hold, as once they are gone */
     struct skv_prefix_entry *covered = NULL;
     for (struct skv_prefix_entry **link = &pc->head; *link;) {
         if (strcmp((*link)->tenant, tenant) == 0 && starts_with(tokens, rows, (*link)->tokens, (*link)->n_rows)) {
-            struct skv_prefix_entry *e = entry_unlink(pc, link);
+            struct skv_prefix_entry *e = *link;
+            *link = e->next;
+            pc->n--;
             e->next = covered;
             covered = e;
         } else {
@@ -215,6 +220,10 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     while (skv_prefix_cache_tenant_bytes(pc, tenant, true) + bytes > tenant_room &&
            skv_prefix_cache_drop_lru(pc, tenant))
         ;
+    for (struct skv_prefix_entry *v = covered; v; v = v->next) { /* now out of the counts too */
+        pc->host_bytes -= v->host_bytes;
+        count_blocks(pc, v, -1);
+    }
     struct skv_prefix_entry *e = calloc(1, sizeof *e);
     if (!e || !(e->tokens = malloc((size_t)rows * sizeof *e->tokens))) {
         free(e);

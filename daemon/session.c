@@ -35,11 +35,15 @@ struct skv_session_table {
     } hold;
 };
 
+/* Added to CLOCK_MONOTONIC (which starts near 0 at boot), so that a time an idle span before now
+ * (a restored session's last use) never falls below 0 and is cut short (2^40 ms: 34 years). */
+#define CLOCK_BASE_MS (UINT64_C(1) << 40)
+
 uint64_t skv_now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+    return CLOCK_BASE_MS + (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
 uint64_t skv_unix_ms(uint64_t at_ms)

@@ -301,10 +301,13 @@ int skv_sampler_candidates(struct skv_sampler *s, const float *logits, double *m
             /* tokens tied with the k-th stay too, as transformers' TopKLogitsWarper leaves
              * every token not below the k-th logit (the least logit selected: selection went by
              * probability, which may make two logits one) */
-            float least = logits[s->idx[0]];
+            int32_t low = s->idx[0];
             for (int i = 1; i < k; i++)
-                least = logits[s->idx[i]] < least ? logits[s->idx[i]] : least;
-            for (int i = k; i < m; i++)
+                low = logits[s->idx[i]] < logits[low] ? s->idx[i] : low;
+            const float least = logits[low];
+            /* (none when the least selected has no probability: ties would add nothing, and
+             * under a low temperature every token whose weight underflowed would come) */
+            for (int i = k; i < m && s->prob[low] > 0; i++)
                 if (logits[s->idx[i]] >= least) {
                     SWAP_I32(s->idx[i], s->idx[k]);
                     k++;

@@ -109,6 +109,17 @@ static void test_top_k_ties(void **state)
     assert_int_equal(s.idx[1], 1);
     assert_int_equal(s.idx[3], 3);
     skv_sampler_fini(&s);
+    /* a low temperature: the weights of all but the top tokens underflow to 0; top_k 5 keeps
+     * 5, not every token not below the least selected logit (about 1000 to sort a token) */
+    enum { N = 1000 };
+    static float ramp[N];
+    for (int i = 0; i < N; i++)
+        ramp[i] = -(float)(N - i);
+    ramp[N - 1] = 0;
+    struct skv_sampler_params cold = {.temperature = 0.01f, .top_k = 5, .seed = 3};
+    assert_int_equal(skv_sampler_init(&s, &cold, N), SKV_OK);
+    assert_int_equal(skv_sampler_candidates(&s, ramp, &mass), 5);
+    skv_sampler_fini(&s);
 }
 
 /* Non-finite logits: NaN is never picked (greedy or sampled), a +inf logit holds all the mass,
