@@ -58,6 +58,11 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+static uint64_t store_timeout_ms(const struct skv_store *st)
+{
+    return (uint64_t)st->timeout.tv_sec * 1000 + (uint64_t)st->timeout.tv_usec / 1000;
+}
+
 static int parse_uint(const char *p, const char *end, long max, long *out)
 {
     long v = 0;
@@ -558,7 +563,7 @@ static int store_connect_tcp(struct skv_store *st)
         st->c = redisConnectWithTimeout(st->host, st->port, st->timeout);
         return SKV_OK;
     }
-    const uint64_t deadline = now_ms() + (uint64_t)st->timeout.tv_sec * 1000 + (uint64_t)st->timeout.tv_usec / 1000;
+    const uint64_t deadline = now_ms() + store_timeout_ms(st);
     struct addrinfo *res = NULL;
     int rc = store_lookup(st, deadline, &res);
     if (rc)
@@ -619,8 +624,6 @@ static int store_connect(struct skv_store *st)
         return store_failed(st, "no memory for a connection");
     if (st->c->err)
         return store_failed(st, st->c->errstr);
-    if (redisSetTimeout(st->c, st->timeout) != REDIS_OK)
-        return store_failed(st, "cannot set the timeout");
     if (st->port && redisEnableKeepAlive(st->c) != REDIS_OK) /* a peer gone quiet is found */
         return store_failed(st, "cannot enable TCP keep-alive");
     if (st->password_file[0] && store_auth(st))
@@ -636,17 +639,18 @@ static int store_connect(struct skv_store *st)
     return SKV_OK;
 }
 
-/* Starts a command's clock: store-timeout-ms for the command and its reply's first line, and
- * as much again for each MiB (or part of one) of the value it sends. A store that trickles its
- * bytes (each wait within the timeout) so cannot hold the engine past that. */
-static uint64_t store_timeout_ms(const struct skv_store *st)
+/* The time a value of `bytes` adds to its command's: store-timeout-ms for each MiB or part. */
+static uint64_t value_ms(const struct skv_store *st, uint64_t bytes)
 {
-    return (uint64_t)st->timeout.tv_sec * 1000 + (uint64_t)st->timeout.tv_usec / 1000;
+    return store_timeout_ms(st) * ((bytes + STORE_MIB_STEP - 1) / STORE_MIB_STEP);
 }
 
+/* Starts a command's clock: store-timeout-ms for the command and its reply's first line, and
+ * value_ms for the value it sends (read_reply adds a received one's). A store that trickles its
+ * bytes (each wait within the timeout) so cannot hold the engine past that. */
 static void deadline_start(struct skv_store *st, uint64_t value_bytes)
 {
-    st->deadline_ms = now_ms() + store_timeout_ms(st) * (1 + (value_bytes + STORE_MIB_STEP - 1) / STORE_MIB_STEP);
+    st->deadline_ms = now_ms() + store_timeout_ms(st) + value_ms(st, value_bytes);
 }
 
 /* Waits until fd is ready for `events` before the command's deadline: 0, EAGAIN when it passed,
@@ -833,7 +837,7 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
         return -1;
     }
     r->n = (size_t)n;
-    st->deadline_ms += store_timeout_ms(st) * (((uint64_t)n + STORE_MIB_STEP - 1) / STORE_MIB_STEP);
+    st->deadline_ms += value_ms(st, (uint64_t)n);
     char crlf[2];
     int err = recv_all(st, r->data, r->n);
     if (!err)
@@ -850,14 +854,14 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
 }
 
 /* A command: argc arguments; with v, argument vi is the n bytes v->fn writes, streamed; its
- * reply goes into reply (a string allowed when string_ok). */
+ * reply goes into reply, which must be of the kind `want` ('+', ':' or '$') or the store's error. */
 struct store_call {
     int argc;
     const char **argv;
     const size_t *lens;
     int vi;
     struct store_value *v;
-    bool string_ok;
+    char want;
     struct store_reply reply;
 };
 
@@ -906,7 +910,7 @@ static int store_command(struct skv_store *st, struct store_call *k)
             continue;
         }
         k->reply = (struct store_reply){0};
-        int e = sent ? read_reply(st, k->argv[0], k->string_ok, &k->reply) : err;
+        int e = sent ? read_reply(st, k->argv[0], k->want == '$', &k->reply) : err;
         if (e < 0 && k->reply.rc != SKV_E_IO) { /* a value too large, or no memory for it */
             redisFree(st->c);
             st->c = NULL;
@@ -925,6 +929,9 @@ static int store_command(struct skv_store *st, struct store_call *k)
         st->retry_ms = STORE_RETRY_MS; /* it answered */
         if (k->reply.type == '-') /* the store answered: the connection is fine */
             return skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], k->reply.line);
+        if (k->reply.type != k->want) /* in sync too: one line ('$' only when wanted) */
+            return skv_errorf(SKV_E_IO, "store %s: %s: an unexpected answer ('%c')", st->url, k->argv[0],
+                              k->reply.type);
         return SKV_OK;
     }
 }
@@ -936,10 +943,8 @@ static int store_set(struct skv_store *st, const char *key, int64_t ttl_s, struc
     snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_s);
     const char *argv[] = {"SET", key, NULL, "EX", ttl};
     const size_t lens[] = {3, strlen(key), 0, 2, strlen(ttl)};
-    struct store_call k = {.argc = 5, .argv = argv, .lens = lens, .vi = 2, .v = v};
+    struct store_call k = {.argc = 5, .argv = argv, .lens = lens, .vi = 2, .v = v, .want = '+'};
     int rc = store_command(st, &k);
-    if (!rc && k.reply.type != '+')
-        rc = skv_errorf(SKV_E_IO, "store %s: SET: an unexpected answer", st->url);
     if (rc) {
         st->stats.spill_failures += spill;
         return rc;
@@ -979,10 +984,8 @@ int skv_store_take(struct skv_store *st, const char *key, const void **data, siz
 {
     const char *argv[] = {"GETDEL", key};
     const size_t lens[] = {6, strlen(key)};
-    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .string_ok = true};
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
     int rc = store_command(st, &k);
-    if (!rc && k.reply.type != '$')
-        rc = skv_errorf(SKV_E_IO, "store %s: GETDEL: an answer that is not a string", st->url);
     if (rc) {
         st->stats.load_failures++;
         return rc;
@@ -1007,10 +1010,8 @@ int skv_store_delete(struct skv_store *st, const char *key)
 {
     const char *argv[] = {"DEL", key};
     const size_t lens[] = {3, strlen(key)};
-    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1};
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = ':'};
     int rc = store_command(st, &k);
-    if (!rc && k.reply.type != ':')
-        rc = skv_errorf(SKV_E_IO, "store %s: DEL: an answer that is not a number", st->url);
     if (rc) {
         st->stats.load_failures++; /* a RELEASE of a session not here */
         return SKV_E_IO;
