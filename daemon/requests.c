@@ -1301,6 +1301,15 @@ static void handle_release(struct skv_worker *w, struct skv_job *job)
 
 /* ---- EXPORT_KV / IMPORT_KV through a client's buffer ------------------------------------------- */
 
+/* Whether every one of x[0..n) is finite (KV rows from outside: an IMPORT_KV's, a saved file's). */
+static bool all_finite(const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return false;
+    return true;
+}
+
 /* Opens the client's shared-memory object. It is never mapped: the client owns it and may
  * shrink it at any time, and a mapping would then fault (SIGBUS) in the daemon. Transfers go
  * through pread / pwrite, which report a short count instead. The object must belong to the
@@ -1771,12 +1780,11 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
                 int len = (int)im->kept[l]->kept_per_head[h];
                 if ((rc = xfer_get(&x, at, scratch, (size_t)len * row)))
                     goto fail;
-                for (size_t i = 0; i < (size_t)len * (row / sizeof(float)); i++) /* (as LOAD refuses them) */
-                    if (!isfinite(((const float *)scratch)[i])) {
-                        rc = skv_errorf(SKV_E_INVAL, "IMPORT_KV: a %s of layer %d, KV head %d is not finite",
-                                        kv ? "value" : "key", l, h);
-                        goto fail;
-                    }
+                if (!all_finite((const float *)scratch, (size_t)len * (row / sizeof(float)))) { /* as LOAD */
+                    rc = skv_errorf(SKV_E_INVAL, "IMPORT_KV: a %s of layer %d, KV head %d is not finite",
+                                    kv ? "value" : "key", l, h);
+                    goto fail;
+                }
                 if ((rc = skv_kv_cache_write_rows(s->cache, l, h, kv, 0, len, (const float *)scratch)))
                     goto fail;
                 at += (uint64_t)mx * row;
@@ -3013,10 +3021,7 @@ static int read_exact(FILE *f, crypto_generichash_state *h, void *p, size_t n)
 /* A saved K or V that is not a finite number would poison every attention over its head. */
 static int rows_finite(const float *x, size_t n, const char *path)
 {
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return skv_errorf(SKV_E_FORMAT, "%s: a saved key or value is not finite", path);
-    return SKV_OK;
+    return all_finite(x, n) ? SKV_OK : skv_errorf(SKV_E_FORMAT, "%s: a saved key or value is not finite", path);
 }
 
 /* A head's len positions and scores, as write_rows_meta wrote them for `version` (version 1: no

@@ -1756,18 +1756,27 @@ static int32_t match_added(const struct skv_tokenizer *t, const char *text, size
 }
 
 /* Whitespace character ending right before `i` (not before `floor`): its start, else i. */
+/* The character ending right before `i` (not before `floor`): its start, its code point in *cp;
+ * i when there is none or its bytes are not one well-formed character. */
+static size_t char_before(const char *text, size_t floor, size_t i, uint32_t *cp)
+{
+    if (i <= floor)
+        return i;
+    size_t s = i - 1;
+    while (s > floor && i - s < 4 && ((uint8_t)text[s] & 0xc0) == 0x80)
+        s--;
+    return utf8_next((const uint8_t *)text + s, i - s, cp) == i - s ? s : i;
+}
+
 static size_t space_before(const char *text, size_t floor, size_t i)
 {
-    while (i > floor) {
-        size_t s = i - 1;
-        while (s > floor && i - s < 4 && ((uint8_t)text[s] & 0xc0) == 0x80)
-            s--;
+    for (;;) {
         uint32_t cp;
-        if (utf8_next((const uint8_t *)text + s, i - s, &cp) != i - s || !is_unicode_space(cp))
-            break;
+        size_t s = char_before(text, floor, i, &cp);
+        if (s == i || !is_unicode_space(cp))
+            return i;
         i = s;
     }
-    return i;
 }
 
 /* HF's word character (Rust's char::is_alphanumeric, or '_'): Unicode Alphabetic or Numeric. */
@@ -1781,13 +1790,8 @@ static bool is_word_char(uint32_t cp)
 static bool word_beside(const char *text, size_t start, size_t end, size_t len)
 {
     uint32_t cp;
-    if (start > 0) {
-        size_t s = start - 1;
-        while (s > 0 && start - s < 4 && ((uint8_t)text[s] & 0xc0) == 0x80)
-            s--;
-        if (utf8_next((const uint8_t *)text + s, start - s, &cp) == start - s && is_word_char(cp))
-            return true;
-    }
+    if (char_before(text, 0, start, &cp) != start && is_word_char(cp))
+        return true;
     return end < len && utf8_next((const uint8_t *)text + end, len - end, &cp) > 0 && is_word_char(cp);
 }
 
