@@ -3084,6 +3084,98 @@ static int open_state_file(const char *path)
     return fd;
 }
 
+static int save_truncated(const char *path)
+{
+    return skv_errorf(SKV_E_FORMAT, "%s is truncated", path);
+}
+
+/* Steps over n bytes of a saved session (skim_blocks). */
+static int skip_saved(FILE *f, uint64_t n, const char *path)
+{
+    return n <= (uint64_t)INT64_MAX / 2 && fseeko(f, (off_t)n, SEEK_CUR) == 0 ? SKV_OK : save_truncated(path);
+}
+
+static int read_saved_i32(FILE *f, int32_t *v, const char *path)
+{
+    return fread(v, sizeof *v, 1, f) == 1 ? SKV_OK : save_truncated(path);
+}
+
+/* The room a saved session's rows will take in cache c, read ahead from where f stands (just
+ * past the header hd) and f put back there: *held, the bytes of the blocks its heads will hold
+ * (what its tenant is charged), and *unique, those of them no cache holds already (what the pool
+ * gives: a persist block store's block that a session of the same group read before is shared,
+ * skv_kv_store_would_share). It steps over the rows and checks only the counts it needs to find
+ * them and that the file is long enough; the read that follows checks everything (and says
+ * what is wrong with a file this pass could not step over). */
+static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, const struct skv_kv_cache *c,
+                       struct restore *r, uint64_t group, uint64_t *held, uint64_t *unique)
+{
+    off_t start = ftello(f);
+    if (start < 0)
+        return skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    const int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1, cbr = c->block_rows;
+    const uint64_t row = (uint64_t)c->head_dim * sizeof(float);
+    uint64_t blocks = 0, own = 0;
+    int32_t n = 0;
+    int rc = skip_saved(f, (uint64_t)hd->n_tokens * sizeof(int32_t), path);
+    for (int part = 0; part < 3 && !rc; part++) { /* the compressor's state, the logits, a cut character */
+        if (hd->version < (part ? 3u : 2u))
+            continue;
+        if (!(rc = read_saved_i32(f, &n, path)))
+            rc = n < 0 ? skv_errorf(SKV_E_FORMAT, "%s: a count of %d", path, n)
+                       : skip_saved(f, (uint64_t)n * (part == 1 ? sizeof(float) : 1), path);
+    }
+    for (int i = 0; !rc && i < c->n_layers * c->n_kv_heads; i++) {
+        int32_t len, runs = -1, flag = 1;
+        if ((rc = read_saved_i32(f, &len, path)))
+            break;
+        if (len < 0 || len > hd->n_past) {
+            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d holds %d rows", path, i, len);
+            break;
+        }
+        if (hd->version >= SAVE_VERSION_RUNS && (rc = read_saved_i32(f, &runs, path)))
+            break;
+        if (runs < -1 || runs > len) {
+            rc = skv_errorf(SKV_E_FORMAT, "%s: %d runs of positions for %d rows", path, runs, len);
+            break;
+        }
+        rc = skip_saved(f, runs == -1 ? (uint64_t)len * sizeof(int32_t) : (uint64_t)runs * 2 * sizeof(int32_t), path);
+        if (!rc && hd->version >= SAVE_VERSION_RUNS)
+            rc = read_saved_i32(f, &flag, path);
+        if (!rc && hd->version >= 2 && flag)
+            rc = skip_saved(f, (uint64_t)len * sizeof(float), path);
+        int32_t n_full = hd->version >= SAVE_VERSION_STORE ? len / br : 0, n_refs = n_full;
+        if (!rc && hd->version >= SAVE_VERSION_PARTIAL)
+            rc = read_saved_i32(f, &n_refs, path);
+        if (!rc && n_refs != n_full && !(n_refs == n_full + 1 && len % br))
+            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d of %d rows names %d blocks of %d", path, i, len, n_refs, br);
+        uint64_t head_blocks = ((uint64_t)len + (uint64_t)cbr - 1) / (uint64_t)cbr, shared = 0;
+        for (int32_t b = 0; !rc && b < n_refs; b++) {
+            uint32_t idx;
+            if (fread(&idx, sizeof idx, 1, f) != 1)
+                rc = save_truncated(path);
+            else
+                shared += skv_kv_store_would_share(r->store, idx, group, c); /* n_refs > 0: a store's */
+        }
+        int64_t row0 = (int64_t)n_refs * br < len ? (int64_t)n_refs * br : len;
+        if (!rc)
+            rc = skip_saved(f, 2 * (uint64_t)(len - row0) * row, path);
+        blocks += head_blocks;
+        own += head_blocks - (shared < head_blocks ? shared : head_blocks);
+    }
+    off_t end = rc ? 0 : ftello(f), size = 0; /* the checksum follows the rows */
+    if (!rc && (end < 0 || fseeko(f, 0, SEEK_END) != 0 || (size = ftello(f)) < 0))
+        rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    else if (!rc && size - end < 32)
+        rc = save_truncated(path);
+    if (fseeko(f, start, SEEK_SET) != 0 && !rc)
+        rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
+    const uint64_t bb = skv_kv_pool_block_bytes(c->pool);
+    *held = blocks * bb;
+    *unique = own * bb;
+    return rc;
+}
+
 /* Reads a saved session from f (named `path` in messages; f stays open) into a new session of
  * tenant (owner: who made it), charged to the pool and the tenant; *out on success (nothing is
  * left behind on failure). With saved_rows (may be NULL): the trailer's computed_rows when it
@@ -3115,6 +3207,17 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
     hd.spec[sizeof hd.spec - 1] = '\0';
     if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, owner, &s)))
         rc = set_spec(w, s, "policy=full");
+    uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
+    int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
+    /* older files' blocks are shared by their contents only once read (below): their room is
+     * counted by the charge at the end */
+    bool dedupe = r && r->dedupe && s && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows);
+    int evicted = 0;
+    if (!rc && !dedupe) { /* room made, or refused, before any block is taken */
+        uint64_t held = 0, unique = 0; /* a file the skim cannot step over: the read says why */
+        if (skim_blocks(f, &hd, path, s->cache, r, group, &held, &unique) == SKV_OK)
+            rc = skv_session_reserve(w->sessions, s, held, unique, &evicted);
+    }
     int32_t *tok = NULL;
     if (!rc && hd.n_tokens && !(tok = malloc((size_t)hd.n_tokens * sizeof *tok)))
         rc = SKV_E_NOMEM;
@@ -3166,8 +3269,6 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL;    /* one head's K or V rows on their way into its blocks */
     uint32_t *refs = NULL; /* the store indices of its blocks there (version 4 on) */
-    uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
-    int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -3265,11 +3366,12 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
      * blocks equal to those of a session of its tenant loaded before share them, as a fork
      * shared its document's before the stop (version-4 files otherwise name their blocks,
      * shared by the store above): the pool holds them once before it is charged */
-    if (!rc && r && r->dedupe && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows))
+    if (!rc && dedupe)
         rc = skv_kv_cache_dedupe(s->cache, r->dedupe, group, &n_shared);
-    int evicted = 0;
+    int charged_evicted = 0;
     if (!rc)
-        rc = skv_session_charge(w->sessions, s, &evicted);
+        rc = skv_session_charge(w->sessions, s, &charged_evicted);
+    evicted += charged_evicted;
     if (r) {
         r->evicted += evicted;
         r->n_shared += rc ? 0 : n_shared;

@@ -27,6 +27,7 @@ struct skv_session_table {
     void *cache_user;
     uint64_t evictions;
     uint64_t mark; /* the last mark_kept's (blocks carry it: skv_kv_block.mark) */
+    uint64_t tally; /* the last tenant_blocks' tallies are above it (blocks carry them: skv_kv_block.tally) */
     /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
      * counts as used for requests nested in it */
     struct {
@@ -294,21 +295,39 @@ static struct skv_session *lru_victim(struct skv_session_table *t, const struct 
     return best;
 }
 
+/* Each tenant's share of the pool in u: the bytes of the blocks its sessions hold, a block
+ * its sessions share (a document and its forks) once; tenants never share blocks. */
+static int tenant_blocks(struct skv_session_table *t, struct skv_tenant_tally *u)
+{
+    for (int b = 0; b < BUCKETS; b++)
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
+            if (skv_tenant_tally_add(u, s->tenant, 0))
+                return SKV_E_NOMEM;
+    const uint64_t bb = t->pool ? skv_kv_pool_block_bytes(t->pool) : 0;
+    for (int b = 0; b < BUCKETS; b++)
+        for (const struct skv_session *s = t->bucket[b]; s; s = s->next) {
+            size_t i = 0;
+            while (strcmp(u->u[i].tenant, s->tenant) != 0)
+                i++;
+            u->u[i].bytes += skv_kv_cache_tally(s->cache, t->tally + 1 + i) * bb;
+        }
+    t->tally += u->n + 1;
+    return SKV_OK;
+}
+
 /* Pool pressure's victim for `except`'s sake: the least recently used session that may go,
- * taken first from the tenants that hold more than an equal share of the pool (its bytes over
- * the tenants holding sessions now), so that a tenant within its share loses nothing while
- * another holds more; only when none of those has a session that may go, from any tenant
- * (with one tenant that is plain LRU). */
+ * taken first from the tenants that hold more than an equal share of the pool (the bytes of
+ * their blocks, each once, over the tenants holding sessions now: tenant_blocks), so that a
+ * tenant within its share loses nothing while another holds more; only when none of those has
+ * a session that may go, from any tenant (with one tenant that is plain LRU). */
 static struct skv_session *pool_victim_of(struct skv_session_table *t, const struct skv_session *except, uint64_t keep,
                                           bool alone)
 {
     struct skv_tenant_tally u = {0};
-    for (int b = 0; b < BUCKETS; b++)
-        for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
-            if (skv_tenant_tally_add(&u, s->tenant, s->bytes)) {
-                skv_tenant_tally_free(&u);
-                return lru_victim(t, except, NULL, keep, alone);
-            }
+    if (tenant_blocks(t, &u)) {
+        skv_tenant_tally_free(&u);
+        return lru_victim(t, except, NULL, keep, alone);
+    }
     uint64_t share = u.n ? t->lim.pool_bytes / u.n : 0;
     struct skv_session *best = NULL;
     for (int b = 0; b < BUCKETS; b++)

@@ -602,6 +602,18 @@ bool skv_kv_cache_holds_unmarked(const struct skv_kv_cache *c, uint64_t keep)
     return false;
 }
 
+uint64_t skv_kv_cache_tally(const struct skv_kv_cache *c, uint64_t tally)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        for (int b = 0; b < c->heads[i].n_blocks; b++) {
+            struct skv_kv_block *blk = c->heads[i].blk[b];
+            n += blk->tally != tally;
+            blk->tally = tally;
+        }
+    return n;
+}
+
 void skv_kv_cache_growth(const struct skv_kv_cache *c, int n, bool compacts, uint64_t *more_held,
                          uint64_t *more_unique)
 {

@@ -108,6 +108,9 @@ void skv_kv_head_blocks(const struct skv_kv_cache *cache, const struct skv_kv_he
 void skv_kv_cache_mark(const struct skv_kv_cache *cache, uint64_t mark);
 uint64_t skv_kv_cache_mark_new(const struct skv_kv_cache *cache, uint64_t keep, uint64_t mark);
 bool skv_kv_cache_holds_unmarked(const struct skv_kv_cache *cache, uint64_t keep);
+/* Sets every block the cache holds whose tally is not `tally` to it and returns how many it set
+ * (a walk that counts blocks once over several caches: skv_kv_block.tally). */
+uint64_t skv_kv_cache_tally(const struct skv_kv_cache *cache, uint64_t tally);
 /* An upper bound on what a forward of n more tokens adds, in bytes: to the blocks the cache
  * holds (*more_held) and to the pool's unique blocks (*more_unique: also the shared blocks a
  * write copies, i.e. the one the next row goes to, or every shared one when the forward may

@@ -194,6 +194,7 @@ int skv_kv_pool_get(struct skv_kv_pool *pool, struct skv_kv_block **out)
             pool->empty_slabs--;
         b->refs = 1;
         b->kept = 0;
+        b->tally = 0; /* no walk's (theirs start at 1) */
         b->stamp = ++pool->stamps;
         pool->in_use++;
         *out = b;

@@ -27,6 +27,8 @@ struct skv_kv_block {
     uint64_t mark;                      /* scratch of the worker thread's walks: the session table's
                                            (which blocks an eviction would leave held: small numbers)
                                            and the kept prefixes' (the high bit set) */
+    uint64_t tally;                     /* scratch of the session table's count of each tenant's
+                                           blocks, each once (worker thread) */
     int kept;                           /* of refs, the kept prefixes' (daemon/prefix_cache.c; worker
                                            thread) */
 };

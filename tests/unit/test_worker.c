@@ -89,9 +89,28 @@ static int g_gate; /* 0 open, 1 armed, 2 a call waits */
 static int (*g_real_rmsnorm)(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim,
                              float eps);
 
-/* When set: the most blocks the pool had in use at any rmsnorm (each layer's start) since. */
+/* When set: the most blocks the pool had in use at any rmsnorm (each layer's start) or upload
+ * (rows written from the host: IMPORT_KV, LOAD, a restore) since. */
 static struct skv_kv_pool *_Atomic g_track_pool; /* set by the test, read by the worker */
 static _Atomic uint64_t g_pool_peak;
+
+static void track_pool_peak(void)
+{
+    struct skv_kv_pool *track = atomic_load(&g_track_pool);
+    if (track) { /* the worker thread writes the peak, the test reads it after */
+        struct skv_kv_pool_stats ps;
+        skv_kv_pool_stats(track, &ps);
+        if (ps.blocks_in_use > atomic_load(&g_pool_peak))
+            atomic_store(&g_pool_peak, ps.blocks_in_use);
+    }
+}
+
+static int (*g_real_upload)(struct skv_backend *be, void *dst, const void *src, size_t bytes);
+static int tracked_upload(struct skv_backend *be, void *dst, const void *src, size_t bytes)
+{
+    track_pool_peak();
+    return g_real_upload(be, dst, src, bytes);
+}
 
 /* When set: every rmsnorm waits this long (a decode that lasts, whatever the machine's speed). */
 static atomic_int g_slow_rmsnorm_us;
@@ -101,13 +120,7 @@ static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, con
     int slow = atomic_load(&g_slow_rmsnorm_us);
     if (slow)
         usleep((useconds_t)slow);
-    struct skv_kv_pool *track = atomic_load(&g_track_pool);
-    if (track) { /* the worker thread writes the peak, the test reads it after */
-        struct skv_kv_pool_stats ps;
-        skv_kv_pool_stats(track, &ps);
-        if (ps.blocks_in_use > atomic_load(&g_pool_peak))
-            atomic_store(&g_pool_peak, ps.blocks_in_use);
-    }
+    track_pool_peak();
     if (n >= 64) {
         pthread_mutex_lock(&g_gate_mu);
         if (g_gate == 1) {
@@ -447,6 +460,8 @@ static int setup(void **state)
     g_ops.rmsnorm = gated_rmsnorm;
     g_real_download = g_ops.download;
     g_ops.download = slow_download;
+    g_real_upload = g_ops.upload;
+    g_ops.upload = tracked_upload;
     be->ops = &g_ops;
     if (skv_config_init(&f->cfg))
         return -1;
@@ -3415,6 +3430,81 @@ static void test_compress_room(void **state)
                  (unsigned long long)(peak / unit));
 }
 
+/* SAVE of sid as `name` by client X for tenant "t"; the reply's status. */
+static int save_as(struct fixture *f, const uint8_t sid[16], const char *name)
+{
+    Snapkv__SaveRequest sq = SNAPKV__SAVE_REQUEST__INIT;
+    sq.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    sq.name = (char *)name;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
+    req.save = &sq;
+    req.tenant = "t";
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    int status = rep->status;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return status;
+}
+
+/* LOAD of `name` for tenant "t"; the reply's status, and the new session's id in sid. */
+static int load_as(struct fixture *f, const char *name, uint8_t sid[16])
+{
+    Snapkv__LoadRequest lq = SNAPKV__LOAD_REQUEST__INIT;
+    lq.name = (char *)name;
+    lq.tenant = "t";
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
+    req.load = &lq;
+    req.tenant = "t";
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    int status = rep->status;
+    if (!status)
+        memcpy(sid, rep->load->session_id.data, 16);
+    snapkv__reply__free_unpacked(rep, NULL);
+    return status;
+}
+
+/* A LOAD makes its room before it takes a block: with the pool full (two sessions of 4 blocks
+ * per layer and head in a pool of 8), loading a third evicts the least recently used and the
+ * pool never holds more than 8 (it held 12 before the charge after the load evicted one). One
+ * that could not fit even with every candidate gone is refused and evicts nothing. */
+static void test_load_room(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-load-XXXXXX", cmd[300];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    const uint64_t unit = restart_with_pool(f, 8);
+    uint8_t a[16], b[16], c[16], d[16];
+    prefill_for(f, "t", 64, "policy=full", a);
+    assert_int_equal(save_as(f, a, "room"), SKV_OK);
+    prefill_for(f, "t", 64, "policy=full", b);
+    atomic_store(&g_pool_peak, 0);
+    atomic_store(&g_track_pool, f->tiny->m->kv_pool);
+    assert_int_equal(load_as(f, "room", c), SKV_OK);
+    atomic_store(&g_track_pool, NULL);
+    uint64_t peak = atomic_load(&g_pool_peak);
+    if (peak > 8 * unit)
+        fail_msg("the pool held %llu blocks, %llu per layer and head: more than its 8", (unsigned long long)peak,
+                 (unsigned long long)(peak / unit));
+    assert_int_equal(listed(f, a, NULL, NULL), -1); /* the least recently used, evicted */
+    assert_int_equal(listed(f, b, NULL, NULL), 64);
+    assert_int_equal(listed(f, c, NULL, NULL), 64);
+    /* 4 blocks a layer and head in a pool of 3 (a restart: no session): refused before any
+     * block is taken, and the session there kept */
+    restart_with_pool(f, 3);
+    atomic_store(&g_pool_peak, 0);
+    atomic_store(&g_track_pool, f->tiny->m->kv_pool);
+    prefill_for(f, "t", 16, "policy=full", d);
+    uint8_t e[16];
+    assert_int_equal(load_as(f, "room", e), SKV_E_POOL_FULL);
+    atomic_store(&g_track_pool, NULL);
+    assert_true(atomic_load(&g_pool_peak) <= 3 * unit);
+    assert_int_equal(listed(f, d, NULL, NULL), 16);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* A COMPRESS runs on a copy of its session's cache that shares every block, so one stopped
  * part way (its deadline passed, or its client gone) leaves the session exactly as it was: its
  * rows, bytes and spec, and the next requests give the logits of a twin that never had the
@@ -3767,11 +3857,20 @@ static void test_persist_smaller_pool(void **state)
         assert_true(bytes > 0);
         skv_worker_stop(&f->w);
         f->cfg.pool_size = (int64_t)(bytes * 5 / 2); /* room for two and a half */
+        atomic_store(&g_pool_peak, 0);
+        atomic_store(&g_track_pool, f->tiny->m->kv_pool);
         assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
-        int n = 0;
+        int n = 0; /* the worker restores before it serves */
         assert_int_equal(listed(f, sid[3], NULL, &n), 48);
+        atomic_store(&g_track_pool, NULL);
         assert_int_equal(listed(f, sid[2], NULL, NULL), 48);
         assert_int_equal(n, 2);
+        /* each session's room made before its blocks: the pool never passed its size */
+        uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+        if (atomic_load(&g_pool_peak) * bb > (uint64_t)f->cfg.pool_size)
+            fail_msg("restoring, the pool held %llu bytes of blocks, past its %lld",
+                     (unsigned long long)(atomic_load(&g_pool_peak) * bb), (long long)f->cfg.pool_size);
+        assert_true(atomic_load(&g_pool_peak) > 0);
         skv_worker_stop(&f->w); /* the worker reads its config */
         f->cfg.pool_size = pool_size;
         assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
@@ -4557,6 +4656,35 @@ static void test_evict_frees(void **state)
     assert_int_equal(listed(f, other, NULL, NULL), -1);
     assert_int_equal(listed(f, fork, NULL, NULL), 49);
     assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
+}
+
+/* A tenant's share of the pool counts the blocks its sessions share once: a document of 4
+ * blocks a layer and head with two forks of one more block each holds 6, not the 14 its
+ * sessions' tables name. With another tenant at 9 in a pool of 16 (a share of 8 each), the
+ * other's new session evicts the other's own least recently used, not one of the forks (before,
+ * the forks' tenant was "over its share" and its older fork went). */
+static void test_fair_share_forks(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_pool(f, 16);
+    uint8_t doc[16], fork1[16], fork2[16], b[4][16];
+    prefill(f, 64, "policy=full", doc);
+    fork_session(f, doc, fork1);
+    fork_session(f, doc, fork2);
+    assert_int_equal(append(f, fork1, 16, NULL), SKV_OK);
+    assert_int_equal(append(f, fork2, 16, NULL), SKV_OK);
+    for (int i = 0; i < 3; i++) {
+        usleep(5000); /* used one after the other, in different milliseconds */
+        prefill_for(f, "b", 48, "policy=full", b[i]);
+    }
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 0);
+    prefill_for(f, "b", 32, "policy=full", b[3]); /* 17 of 16: one must go */
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 1);
+    assert_int_equal(listed(f, b[0], NULL, NULL), -1);
+    assert_int_equal(listed(f, fork1, NULL, NULL), 80);
+    assert_int_equal(listed(f, fork2, NULL, NULL), 80);
+    assert_int_equal(listed(f, doc, NULL, NULL), 64);
+    assert_int_equal(listed(f, b[3], NULL, NULL), 32);
 }
 
 /* A request that fails with SKV_E_DEVICE asks the backend whether the device is lost: a failure
@@ -5499,6 +5627,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nested_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_frees, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_idle_fork, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_round_room, setup, teardown),
