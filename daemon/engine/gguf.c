@@ -451,6 +451,42 @@ static int parse_tensor_infos(struct skv_gguf *g, struct reader *r, uint64_t *in
     return SKV_OK;
 }
 
+struct placed {
+    uint64_t at;  /* data offset */
+    int64_t i;    /* tensor index */
+};
+
+static int by_data_offset(const void *a, const void *b)
+{
+    uint64_t x = ((const struct placed *)a)->at, y = ((const struct placed *)b)->at;
+    return x < y ? -1 : x > y;
+}
+
+/* Refuses tensors whose data overlap (one tensor's bytes read as another's weights: ggml
+ * places each after the last). */
+static int no_overlap(const struct skv_gguf *g, const uint64_t *info_offsets, const uint64_t *data_offsets)
+{
+    if (g->n_tensors < 2)
+        return SKV_OK;
+    struct placed *order = malloc((size_t)g->n_tensors * sizeof *order);
+    if (!order)
+        return skv_errorf(SKV_E_NOMEM, "gguf: no memory to order %lld tensors", (long long)g->n_tensors);
+    for (int64_t i = 0; i < g->n_tensors; i++)
+        order[i] = (struct placed){data_offsets[i], i};
+    qsort(order, (size_t)g->n_tensors, sizeof *order, by_data_offset);
+    int rc = SKV_OK;
+    for (int64_t k = 1; k < g->n_tensors && !rc; k++) {
+        const struct skv_tensor *a = &g->tensors[order[k - 1].i], *b = &g->tensors[order[k].i];
+        if (order[k - 1].at + a->nbytes > order[k].at)
+            rc = skv_errorf(SKV_E_FORMAT,
+                            "gguf: tensor '%s' at offset %llu: its data [%llu, +%zu) overlap tensor '%s''s [%llu, +%zu)",
+                            b->name, (unsigned long long)info_offsets[order[k].i], (unsigned long long)order[k].at,
+                            b->nbytes, a->name, (unsigned long long)order[k - 1].at, a->nbytes);
+    }
+    free(order);
+    return rc;
+}
+
 /* Copies the names (NUL-terminated), checks duplicates and places each tensor's data. */
 static int place_tensors(struct skv_gguf *g, const uint64_t *info_offsets,
                          const uint64_t *data_offsets, const struct skv_gguf_str *names)
@@ -485,10 +521,17 @@ static int place_tensors(struct skv_gguf *g, const uint64_t *info_offsets,
                               "gguf: tensor '%.*s' at offset %llu: data [%llu, +%zu) past the end of the file (%zu bytes, data at %zu)",
                               shown_len(names[i].len), t->name, (unsigned long long)info_offsets[i],
                               (unsigned long long)data_offsets[i], t->nbytes, g->size, g->data_start);
+        /* weights are read through float and block pointers: at least 4-byte aligned (an
+         * alignment of 1 or 2 could put them anywhere) */
+        if ((g->data_start + data_offsets[i]) % 4 != 0)
+            return skv_errorf(SKV_E_FORMAT,
+                              "gguf: tensor '%.*s' at offset %llu: data at byte %llu of the file is not 4-byte aligned",
+                              shown_len(names[i].len), t->name, (unsigned long long)info_offsets[i],
+                              (unsigned long long)(g->data_start + data_offsets[i]));
         /* the map is read-only; skv_tensor.data is not const only for device buffers */
         t->data = (void *)(g->base + g->data_start + data_offsets[i]);
     }
-    return SKV_OK;
+    return no_overlap(g, info_offsets, data_offsets);
 }
 
 static int parse(struct skv_gguf *g)

@@ -819,8 +819,20 @@ static int load_hf(struct skv_model *m, const char *dir)
         const char *type = json_string_value(json_object_get(rs, "rope_type"));
         if (!type)
             type = json_string_value(json_object_get(rs, "type"));
+        if (!type) { /* transformers refuses it too: no scaling would be a guess */
+            rc = skv_errorf(SKV_E_FORMAT, "%s: rope_scaling names no rope_type (or type)", path);
+            goto out;
+        }
         float factor = 1.0f;
-        bool scales = type && (strcmp(type, "linear") == 0 || strcmp(type, "llama3") == 0);
+        bool scales = strcmp(type, "linear") == 0 || strcmp(type, "llama3") == 0;
+        /* the keys transformers requires of the type: a default would scale positions unseen */
+        static const char *const l3_keys[] = {"factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings"};
+        for (size_t k = 0; scales && k < (strcmp(type, "llama3") == 0 ? 4u : 1u); k++)
+            if (!json_object_get(rs, l3_keys[k])) {
+                rc = skv_errorf(SKV_E_FORMAT, "%s: rope_scaling of type %s has no %s", path, type, l3_keys[k]);
+                goto out;
+            }
         if ((rc = json_float(rs, "factor", &factor)))
             goto out;
         if (scales && (!(factor > 0) || !isfinite(factor))) {
@@ -829,9 +841,9 @@ static int load_hf(struct skv_model *m, const char *dir)
                             type, (double)factor);
             goto out;
         }
-        if (type && strcmp(type, "linear") == 0) {
+        if (strcmp(type, "linear") == 0) {
             c->rope.freq_scale = 1.0f / factor;
-        } else if (type && strcmp(type, "llama3") == 0) {
+        } else if (strcmp(type, "llama3") == 0) {
             c->rope.l3_factor = factor;
             c->rope.l3_low_freq_factor = 1.0f;
             c->rope.l3_high_freq_factor = 4.0f;
@@ -840,7 +852,7 @@ static int load_hf(struct skv_model *m, const char *dir)
                 (rc = json_float(rs, "high_freq_factor", &c->rope.l3_high_freq_factor)) ||
                 (rc = json_int(rs, "original_max_position_embeddings", &c->rope.l3_original_ctx, false)))
                 goto out;
-        } else if (type && strcmp(type, "default") != 0) {
+        } else if (strcmp(type, "default") != 0) {
             rc = skv_errorf(SKV_E_UNSUPPORTED, "%s: rope_scaling type '%s' is not supported", path, type);
             goto out;
         }

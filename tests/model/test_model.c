@@ -282,6 +282,22 @@ static void edit_linear_2(json_t *c)
     json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "rope_type", "linear", "factor", 2.0));
 }
 
+static void edit_rope_no_type(json_t *c)
+{
+    json_object_del(c, "rope_parameters");
+    json_object_set_new(c, "rope_scaling", json_pack("{s:f}", "factor", 2.0));
+}
+static void edit_linear_no_factor(json_t *c)
+{
+    json_object_del(c, "rope_parameters");
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s}", "rope_type", "linear"));
+}
+static void edit_l3_no_original(json_t *c)
+{
+    json_object_del(c, "rope_parameters");
+    json_object_del(json_object_get(c, "rope_scaling"), "original_max_position_embeddings");
+}
+
 /* RoPE parameters config.json gives are checked at load with the rope op's rules: a llama3 band
  * with high_freq_factor <= low_freq_factor (accepted at load before, refused at the first
  * forward) and a factor of 0 (llama3 scaling silently off before) fail there with a message. */
@@ -298,6 +314,13 @@ static void test_hf_rope_config(void **state)
     assert_int_equal(load_edited("tiny-llama3-rope", edit_rope_yarn, w), SKV_E_UNSUPPORTED);
     assert_non_null(strstr(skv_error_msg(), "yarn"));
     assert_int_equal(load_edited("tiny-llama3-rope", edit_linear_2, w), SKV_OK);
+    /* keys transformers requires (before: no scaling, a factor of 1, llama3's defaults) */
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_rope_no_type, w), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "no rope_type"));
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_linear_no_factor, w), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "has no factor"));
+    assert_int_equal(load_edited("tiny-llama3-rope", edit_l3_no_original, w), SKV_E_FORMAT);
+    assert_non_null(strstr(skv_error_msg(), "has no original_max_position_embeddings"));
 }
 
 /* Which layers slide, from each way config.json can say it (transformers' reading). */

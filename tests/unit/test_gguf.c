@@ -906,6 +906,19 @@ static void test_crafted_tensors(void **state)
     s = base_spec();
     s.t[1].dims[0] = 33; /* not a multiple of the q4_0 block */
     expect(s, SKV_E_FORMAT, "block");
+    s = base_spec();
+    s.t[1].offset = 32; /* b's 18 bytes inside a's [0, 64): V read as K */
+    expect(s, SKV_E_FORMAT, "overlap tensor 'a'");
+    s = base_spec();
+    s.t[0].offset = 64; /* the same bytes for both */
+    s.data_bytes = 128;
+    expect(s, SKV_E_FORMAT, "overlap");
+    s = base_spec(); /* an alignment of 2 that leaves the weights at an odd 2: f32 rows read unaligned */
+    add_kv_u32(&s, "general.alignment", 2);
+    s.alignment = 2;
+    s.t[1].offset = 66;
+    s.data_bytes = 96;
+    expect(s, SKV_E_FORMAT, "4-byte aligned");
 
     /* unknown types: removed ids, IQ types, far out */
     static const uint32_t unknown[] = {4, 5, 16, 29, 31, 1000, 0xffffffffu};
