@@ -14,12 +14,14 @@
 #include "kernels/backend.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -158,7 +160,10 @@ static void usage(FILE *out)
 /* With persist = yes every session is written to <state-dir>/persist at a stop: a directory
  * that cannot be made or written refuses the start, rather than a stop that loses them all
  * while it exits 0. */
-static int persist_dir_check(const char *state_dir)
+/* Checks that <state-dir>/persist can be written and takes its lock (*lock_fd, held until the
+ * process ends): a second daemon on the same state-dir would restore the first one's sessions
+ * under the same ids and delete its files at its start and checkpoints. */
+static int persist_dir_check(const char *state_dir, int *lock_fd)
 {
     char dir[1100], probe[1200];
     if ((size_t)snprintf(dir, sizeof dir, "%s/persist", state_dir) >= sizeof dir)
@@ -173,6 +178,26 @@ static int persist_dir_check(const char *state_dir)
                           "directory, or persist = no)", dir, strerror(errno));
     close(fd);
     unlink(probe);
+    snprintf(probe, sizeof probe, "%s/.lock", dir);
+    if ((fd = open(probe, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600)) < 0)
+        return skv_errorf(SKV_E_IO, "persist: %s: %s", probe, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int err = errno;
+        char pid[32] = "";
+        ssize_t n = pread(fd, pid, sizeof pid - 1, 0);
+        pid[n > 0 ? n : 0] = '\0';
+        pid[strcspn(pid, "\n")] = '\0';
+        close(fd);
+        if (err == EWOULDBLOCK)
+            return skv_errorf(SKV_E_BUSY, "persist = yes, but another snapkvd (pid %s) keeps its sessions in %s: "
+                              "give each daemon a state-dir of its own", *pid ? pid : "?", dir);
+        return skv_errorf(SKV_E_IO, "persist: locking %s: %s", probe, strerror(err));
+    }
+    char pid[32];
+    int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)n, 0) != n)
+        skv_log(SKV_LOG_WARN, "persist: %s: cannot write the pid: %s", probe, strerror(errno)); /* the lock holds */
+    *lock_fd = fd;
     return SKV_OK;
 }
 
@@ -201,7 +226,7 @@ int main(int argc, char **argv)
     longopts[n_opts + 1] = (struct option){"version", no_argument, NULL, 'V'};
 
     /* Pass 1: find --config so the file is read before command-line options override it. */
-    int c, rc, exit_code = 1;
+    int c, rc, exit_code = 1, persist_lock = -1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "hV", longopts, NULL)) != -1)
         if (c >= 256 && strcmp(opts[c - 256].name, "config") == 0)
@@ -271,7 +296,7 @@ int main(int argc, char **argv)
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out;
     }
-    if (cfg.persist && (rc = persist_dir_check(cfg.state_dir))) {
+    if (cfg.persist && (rc = persist_dir_check(cfg.state_dir, &persist_lock))) {
         skv_log(SKV_LOG_ERROR, "%s", skv_error_msg());
         goto out_auth;
     }
@@ -393,6 +418,8 @@ out_backend:
 out_auth:
     skv_auth_destroy(&auth);
 out:
+    if (persist_lock >= 0)
+        close(persist_lock); /* after the save at stop */
     free(longopts);
     skv_config_free(&cfg);
     return exit_code;

@@ -709,6 +709,38 @@ static void test_metrics_limits(void **state)
         close(idle[i]);
 }
 
+/* Two daemons with persist on one state-dir: the second is refused at start, naming the first's
+ * pid (before, it started, restored the first one's sessions under their ids and deleted the
+ * first one's files at its start and at each checkpoint); the first stops cleanly after. */
+static void test_state_dir_locked(void **state)
+{
+    NEED_DAEMON(d);
+    struct daemon first = *d, second;
+    snprintf(first.endpoint, sizeof first.endpoint, "ipc://%s/c3.sock", d->dir);
+    snprintf(first.admin, sizeof first.admin, "ipc://%s/a3.sock", d->dir);
+    snprintf(first.log, sizeof first.log, "%s/locked-first.log", d->dir);
+    assert_true((first.metrics_port = fixture_free_port()) > 0);
+    assert_true(strlen(first.dir) + sizeof "/locked" <= sizeof first.dir);
+    strcat(first.dir, "/locked");
+    assert_int_equal(mkdir(first.dir, 0700), 0);
+    char *model = model_path();
+    first.pid = spawn_daemon(&first, model, "--persist=yes", NULL);
+    free(model);
+    assert_true(wait_ready(&first));
+    second = first;
+    snprintf(second.endpoint, sizeof second.endpoint, "ipc://%s/c4.sock", d->dir);
+    snprintf(second.admin, sizeof second.admin, "ipc://%s/a4.sock", d->dir);
+    snprintf(second.log, sizeof second.log, "%s/locked-second.log", d->dir);
+    assert_true((second.metrics_port = fixture_free_port()) > 0);
+    char pid[32];
+    snprintf(pid, sizeof pid, "(pid %d)", (int)first.pid);
+    expect_start_refused_with(&second, "--persist=yes", "another snapkvd", pid);
+    assert_int_equal(kill(first.pid, SIGTERM), 0);
+    int st;
+    assert_int_equal(waitpid(first.pid, &st, 0), first.pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
 /* A metrics port already taken stops the daemon from starting, with the reason, before its engine
  * starts: no restore of the persisted sessions first (minutes for a large pool) and no save at
  * the stop after it. */
@@ -1361,6 +1393,7 @@ int main(void)
         cmocka_unit_test(test_metrics_http),
         cmocka_unit_test(test_metrics_limits),
         cmocka_unit_test(test_metrics_port_taken),
+        cmocka_unit_test(test_state_dir_locked),
         cmocka_unit_test(test_text_limits),
         cmocka_unit_test(test_text_bytes_option),
         cmocka_unit_test(test_config_long_value),
