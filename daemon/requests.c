@@ -1702,10 +1702,17 @@ static int import_check(const struct skv_config *cfg, const struct skv_model *m,
                               k->kept, mx);
         need += (uint64_t)2 * H * mx * d * sizeof(float);
     }
-    if (im->n_positions != n_pos || im->original_length == 0 || im->n_tokens > im->original_length ||
-        im->original_length > (uint32_t)(cfg->max_prompt_tokens + cfg->max_new_tokens))
-        return skv_errorf(SKV_E_INVAL, "positions (%zu, expected %llu), tokens or original length do not fit",
-                          im->n_positions, (unsigned long long)n_pos);
+    const int64_t max_len = (int64_t)cfg->max_prompt_tokens + cfg->max_new_tokens;
+    if ((int64_t)im->original_length > max_len) /* as every other length past the limits */
+        return skv_errorf(SKV_E_LIMIT, "original length %u is past max-prompt-tokens + max-new-tokens (%lld)",
+                          im->original_length, (long long)max_len);
+    /* a session of no rows would hold no block: nothing (not the pool, not the tenant's
+     * quota) would bound how many of them a client makes */
+    if (n_pos == 0)
+        return skv_errorf(SKV_E_INVAL, "the import keeps no rows: every KV head is empty");
+    if (im->n_positions != n_pos || im->original_length == 0 || im->n_tokens > im->original_length)
+        return skv_errorf(SKV_E_INVAL, "positions (%zu, expected %llu), tokens (%zu) or original length (%u) do not fit",
+                          im->n_positions, (unsigned long long)n_pos, im->n_tokens, im->original_length);
     /* each head's positions increase below the length: checked before any session is evicted
      * to make room (a request's own data, so on the socket thread too) */
     size_t at = 0;
@@ -1733,6 +1740,37 @@ static int import_check(const struct skv_config *cfg, const struct skv_model *m,
     return SKV_OK;
 }
 
+/* Every row of the import's layout finite, read once before any room is made for them, so a
+ * refused import has evicted no session (the rows are read again into the blocks). */
+static int import_rows_finite(struct xfer *x, const struct skv_model_config *mc, const Snapkv__ImportKvRequest *im)
+{
+    const int L = mc->n_layers, H = mc->n_kv_heads;
+    const size_t row = (size_t)mc->head_dim * sizeof(float);
+    uint32_t most = 0;
+    for (int l = 0; l < L; l++)
+        for (int h = 0; h < H; h++)
+            most = im->kept[l]->kept_per_head[h] > most ? im->kept[l]->kept_per_head[h] : most;
+    float *rows = malloc(most ? most * row : 1);
+    if (!rows)
+        return skv_errorf(SKV_E_NOMEM, "no memory for a %u-row import scratch", most);
+    int rc = SKV_OK;
+    uint64_t at = 0;
+    for (int l = 0; l < L && !rc; l++) {
+        uint32_t mx = 0;
+        for (int h = 0; h < H; h++)
+            mx = im->kept[l]->kept_per_head[h] > mx ? im->kept[l]->kept_per_head[h] : mx;
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            for (int h = 0; h < H && !rc; h++, at += (uint64_t)mx * row) {
+                uint32_t len = im->kept[l]->kept_per_head[h];
+                if (!(rc = xfer_get(x, at, rows, len * row)) && !all_finite(rows, len * (row / sizeof(float))))
+                    rc = skv_errorf(SKV_E_INVAL, "IMPORT_KV: a %s of layer %d, KV head %d is not finite",
+                                    kv ? "value" : "key", l, h);
+            }
+    }
+    free(rows);
+    return rc;
+}
+
 static void handle_import(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__ImportKvRequest *im = job->req->import_kv;
@@ -1750,6 +1788,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
             goto fail;
         }
     if ((rc = skv_session_check_tenant(tenant_of(job))) || (rc = xfer_open(w, job, im->buffer, need, true, &x)) ||
+        (rc = import_rows_finite(&x, mc, im)) ||
         (rc = skv_session_create(w->sessions, w->m, tenant_of(job), job->req->tenant, &s)) ||
         (rc = set_spec(w, s, "policy=full")))
         goto fail;
@@ -2136,18 +2175,48 @@ static int decode_pick(struct skv_worker *w, struct skv_decode *d)
     return SKV_OK;
 }
 
-/* After the token's forward (rc): charge the session and reply; true when d is finished. */
+/* Ends d before its next token with its final reply, finish_reason `reason`: what a collected
+ * decode produced (streamed ones had theirs), and the text held back for stop sequences. */
+static void decode_end_early(struct skv_worker *w, struct skv_decode *d, const char *reason)
+{
+    char held[SKV_STOP_STRING_BYTES + 1];
+    size_t n_held = skv_stop_text_flush(&d->stops, held);
+    char *all = NULL;
+    if (!d->stream && n_held && (all = malloc(d->text_len + n_held + 1))) {
+        memcpy(all, d->text ? d->text : "", d->text_len);
+        memcpy(all + d->text_len, held, n_held + 1);
+    }
+    (void)decode_reply(w, d, true, reason, d->stream ? NULL : d->out, d->stream ? 0 : d->produced,
+                       d->stream ? held : all ? all : d->text ? d->text : ""); /* final either way */
+    free(all);
+}
+
+/* After the token's forward (rc): charge the session and reply; true when d is finished. A token
+ * refused room (the tenant's quota, the pool) after others went in ends the decode with them,
+ * finish_reason "limit": they are in the session, and a collected decode's client would
+ * otherwise never learn them (an error reply carries none). */
 static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
 {
     struct skv_session *s = d->session;
     int32_t t = d->token;
     if (!rc)
         rc = skv_session_push_tokens(s, &t, 1);
+    const bool in = !rc; /* the token is in the session (its charge may still fail) */
     s->last_used_ms = skv_now_ms();
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     w->metrics.decode_tokens++;
     skv_worker_tenant(w, d->job->tenant)->decode_tokens++;
+    if (rc && (rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL) && d->produced > (in ? 0u : 1u)) {
+        skv_log(SKV_LOG_DEBUG, "a decode ends after %u tokens: %s", d->produced - !in, skv_error_msg());
+        if (!in) {
+            d->produced--; /* the refused one never entered */
+            decode_end_early(w, d, "limit");
+            return true;
+        }
+        d->reason = "limit"; /* in, its charge refused: the last */
+        rc = SKV_OK;
+    }
     if (rc) {
         fail_rc(w, d->job, rc);
         return true;
@@ -2242,17 +2311,7 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
 
 void skv_requests_decode_cancel(struct skv_worker *w, struct skv_decode *d)
 {
-    /* text held back for the stop sequences is the decode's too */
-    char held[SKV_STOP_STRING_BYTES + 1];
-    size_t n_held = skv_stop_text_flush(&d->stops, held);
-    char *all = NULL;
-    if (!d->stream && n_held && (all = malloc(d->text_len + n_held + 1))) {
-        memcpy(all, d->text ? d->text : "", d->text_len);
-        memcpy(all + d->text_len, held, n_held + 1);
-    }
-    (void)decode_reply(w, d, true, "cancelled", d->stream ? NULL : d->out, d->stream ? 0 : d->produced,
-                       d->stream ? held : all ? all : d->text ? d->text : ""); /* final either way */
-    free(all);
+    decode_end_early(w, d, "cancelled"); /* text held back for the stop sequences is the decode's too */
 }
 
 /* CANCEL: the session's running decode ends here, between two of its rounds (this request runs

@@ -857,14 +857,18 @@ static int cmd_config(const struct ctl *c, const char *key)
 
 /* ---- generate, chat ------------------------------------------------------------------------------------------- */
 
-/* A decode that another client's CANCEL or the daemon's stop ended: said on stderr, exit status 3,
- * so that a script tells a cut answer from a finished one (the JSON's finish_reason says it too). */
+/* A decode that another client's CANCEL or the daemon's stop ended, or that had no room for
+ * another token: said on stderr, exit status 3, so that a script tells a cut answer from a
+ * finished one (the JSON's finish_reason says it too). */
 static int decode_cancelled(const char *cmd, const struct snapkv_decode_result *dr)
 {
-    if (strcmp(dr->finish_reason, "cancelled") != 0)
+    bool limit = strcmp(dr->finish_reason, "limit") == 0;
+    if (!limit && strcmp(dr->finish_reason, "cancelled") != 0)
         return 0;
-    fprintf(stderr, "snapkvctl %s: the decode was cancelled after %zu token(s) (a CANCEL, or the daemon "
-            "stopping)%s\n", cmd, dr->n_tokens,
+    fprintf(stderr, "snapkvctl %s: the decode %s after %zu token(s) (%s)%s\n", cmd, limit ? "stopped" : "was cancelled",
+            dr->n_tokens,
+            limit ? "the tenant's max-bytes-per-tenant or the pool had no room for another" : "a CANCEL, or the daemon "
+                                                                                               "stopping",
             strcmp(cmd, "decode") == 0 ? "; the session keeps them" : "");
     return 3;
 }

@@ -1393,6 +1393,44 @@ static void test_decode_over_quota(void **state)
     assert_string_equal(rep->decode->finish_reason, "length");
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(listed(f, s2, NULL, NULL), 20);
+    /* refused after 8 tokens went in (8 prompt rows and 8 more fill the one block): the decode
+     * ends with them, finish_reason "limit", so a collected decode's client learns what its
+     * session now holds (before: an error with no token, and the session 8 tokens longer) */
+    uint8_t s3[16];
+    restart_with_quota(f, 1);
+    prefill(f, 8, "policy=full", s3);
+    sm.max_tokens = 12;
+    d.session_id = (ProtobufCBinaryData){16, s3};
+    rep = call(f, 0, ID_X, &req);
+    if (rep->status)
+        fail_msg("DECODE: %d %s", rep->status, rep->message);
+    assert_string_equal(rep->decode->finish_reason, "limit");
+    assert_int_equal(rep->decode->n_generated, 8);
+    assert_int_equal(rep->decode->n_tokens, 8);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, s3, NULL, NULL), 16);
+    /* and streamed: eight replies of a token, then the final one with none */
+    d.stream = true;
+    restart_with_quota(f, 1);
+    prefill(f, 8, "policy=full", s3);
+    d.session_id = (ProtobufCBinaryData){16, s3};
+    Snapkv__Reply *r1 = call(f, 0, ID_X, &req);
+    int n_streamed = 0;
+    while (r1->status == SKV_OK && !r1->final) {
+        n_streamed += (int)r1->decode->n_tokens;
+        snapkv__reply__free_unpacked(r1, NULL);
+        r1 = next_reply(f, 0, ID_X, 5);
+    }
+    assert_int_equal(r1->status, SKV_OK);
+    assert_string_equal(r1->decode->finish_reason, "limit");
+    assert_int_equal(r1->decode->n_generated, 8);
+    assert_int_equal(n_streamed + (int)r1->decode->n_tokens, 8);
+    snapkv__reply__free_unpacked(r1, NULL);
+    /* the first token refused: nothing went in, an error as before */
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, s3, NULL, NULL), 16);
 }
 
 /* A DECODE's stop token or logit-bias token outside the vocabulary: INVAL naming the id as sent
@@ -1496,6 +1534,8 @@ static void import_request(const Snapkv__Reply *ex, char *name, Snapkv__BufferRe
     req->import_kv = im;
 }
 
+static void expect_refused(struct fixture *f, Snapkv__Request *req, int want, const char *msg);
+
 /* An IMPORT_KV whose rows hold a NaN or an infinity is refused (INVAL, naming where), as LOAD,
  * the store and persist refuse them: before, it was taken, every attention over the head read
  * the NaN, and the session could then not be saved and loaded again, nor come back from the
@@ -1503,7 +1543,10 @@ static void import_request(const Snapkv__Reply *ex, char *name, Snapkv__BufferRe
 static void test_import_not_finite(void **state)
 {
     struct fixture *f = *state;
-    uint8_t a[16];
+    restart_with_pool(f, 2); /* full with an idle session and a: the import needs one gone */
+    uint8_t idle[16], a[16];
+    prefill_for(f, "t2", 16, "policy=full", idle);
+    usleep(5000); /* the idle one the least recently used */
     prefill(f, 8, "policy=full", a);
     char name[64];
     snprintf(name, sizeof name, "/snapkv-test-nan-%ld", (long)getpid());
@@ -1526,11 +1569,37 @@ static void test_import_not_finite(void **state)
         assert_int_equal(rep->status, SKV_E_INVAL);
         assert_non_null(strstr(rep->message, "IMPORT_KV: a key of layer 0, KV head 0 is not finite"));
         snapkv__reply__free_unpacked(rep, NULL);
+        /* refused before its room was made: the idle session was not evicted for it */
+        assert_int_equal(listed(f, idle, NULL, NULL), 16);
     }
     assert_int_equal(pwrite(fd, &good, sizeof good, 0), (ssize_t)sizeof good);
+    /* a length past max-prompt-tokens + max-new-tokens: LIMIT naming them (INVAL before) */
+    uint32_t length = im.original_length;
+    im.original_length = (uint32_t)(f->cfg.max_prompt_tokens + f->cfg.max_new_tokens + 1);
+    expect_refused(f, &req, SKV_E_LIMIT, "max-prompt-tokens + max-new-tokens"); /* on the socket thread */
+    im.original_length = length;
+    /* no rows at all: a session that would hold no block, refused (taken before) */
+    uint32_t kept0[64], kept_l[64];
+    size_t n_pos = im.n_positions;
+    assert_true(im.kept[0]->n_kept_per_head <= 64 && im.n_kept <= 64);
+    memcpy(kept0, im.kept[0]->kept_per_head, im.kept[0]->n_kept_per_head * sizeof *kept0);
+    for (size_t l = 0; l < im.n_kept; l++) {
+        kept_l[l] = im.kept[l]->kept;
+        for (size_t h = 0; h < im.kept[l]->n_kept_per_head; h++)
+            im.kept[l]->kept_per_head[h] = 0;
+        im.kept[l]->kept = 0;
+    }
+    im.n_positions = 0;
+    expect_refused(f, &req, SKV_E_INVAL, "keeps no rows");
+    for (size_t l = 0; l < im.n_kept; l++) { /* every layer kept the same 8 rows a head */
+        memcpy(im.kept[l]->kept_per_head, kept0, im.kept[l]->n_kept_per_head * sizeof *kept0);
+        im.kept[l]->kept = kept_l[l];
+    }
+    im.n_positions = n_pos;
     Snapkv__Reply *rep = call(f, 0, ID_X, &req);
     assert_int_equal(rep->status, SKV_OK);
     snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, idle, NULL, NULL), -1); /* evicted for the import that was taken */
     snapkv__reply__free_unpacked(ex, NULL);
     close(fd);
     shm_unlink(name);
