@@ -172,7 +172,7 @@ static const struct skv_config_option options[] = {
      "the longest the engine waits for the store: for a connect, and for a command with its reply, plus as "
      "much again for each MiB of the value it sends or receives; after a failed "
      "connect none is tried for 1 s, then 2, 4, ... 30 s while it fails, and sessions evicted meanwhile are "
-     "dropped"},
+     "dropped; keep it below half the unit's WatchdogSec (one wait on the store is at most this long)"},
     {"default-compress", SKV_CFG_STRING, OPT(default_compress), "policy=full", 0, 0,
      "compression spec used when a request names none"},
     {"ipc-tenant", SKV_CFG_STRING, OPT(ipc_tenant), "claimed", 0, 0,

@@ -2941,6 +2941,7 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     uint32_t *refs = NULL; /* the store indices of its blocks there */
     int H = s->cache->n_kv_heads, br = s->cache->block_rows;
     for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
+        skv_worker_beat(w); /* a large session written slowly (a SAVE, a spill to the store) is alive */
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
         int n_full = store ? len / br : 0, tail = len - n_full * br, known = 0;

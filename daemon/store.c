@@ -49,6 +49,8 @@ struct skv_store {
     uint64_t retry_ms;        /* the wait after the next failure */
     char why[512];            /* and why */
     struct skv_store_stats stats;
+    void (*progress)(void *);  /* skv_store_on_progress: each time bytes may move */
+    void *progress_user;
 };
 
 static uint64_t now_ms(void)
@@ -284,6 +286,12 @@ int skv_store_open(const struct skv_config *cfg, struct skv_store **out, unsigne
         explicit_bzero(accept, SKV_STORE_KEY_BYTES);
     }
     return rc;
+}
+
+void skv_store_on_progress(struct skv_store *st, void (*fn)(void *user), void *user)
+{
+    st->progress = fn;
+    st->progress_user = user;
 }
 
 void skv_store_free(struct skv_store **st_p)
@@ -657,6 +665,8 @@ static void deadline_start(struct skv_store *st, uint64_t value_bytes)
  * or poll's errno. */
 static int wait_ready(const struct skv_store *st, int fd, short events)
 {
+    if (st->progress) /* a value that moves slowly but moves: the engine is alive (the watchdog) */
+        st->progress(st->progress_user);
     for (;;) {
         uint64_t now = now_ms();
         if (now >= st->deadline_ms)

@@ -19,6 +19,9 @@ struct skv_store;
  * refuses a value over max_value bytes (store-max-bytes). */
 int skv_store_new(const char *url, int timeout_ms, uint64_t max_value, struct skv_store **out);
 void skv_store_free(struct skv_store **st_p);
+/* fn(user) runs on the calling thread before each wait for the store's socket: a command whose
+ * value moves slowly, within its deadline, tells the daemon's watchdog its thread is alive. */
+void skv_store_on_progress(struct skv_store *st, void (*fn)(void *user), void *user);
 /* store-user and store-password-file: each new connection sends AUTH [user] password, the
  * password read from the file then (so a rotated one is used from the next connection). The file
  * is read now too: SKV_E_INVAL, SKV_E_PERM or SKV_E_IO naming it when it cannot serve (see

@@ -378,6 +378,11 @@ void skv_worker_beat(struct skv_worker *w)
     atomic_store(&w->heartbeat_ms, monotonic_ms());
 }
 
+static void store_progress(void *w)
+{
+    skv_worker_beat(w);
+}
+
 bool skv_watchdog_ok(uint64_t now_ms, uint64_t heartbeat_ms, bool idle, uint64_t interval_ms)
 {
     return idle || now_ms < heartbeat_ms || now_ms - heartbeat_ms < interval_ms / 2;
@@ -1096,8 +1101,10 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     }
     if (!rc && cfg->store && *cfg->store &&
         !(rc = skv_store_open(cfg, &w->store, w->store_mac_key, &w->store_signed, w->store_accept_key,
-                              &w->store_accept)))
+                              &w->store_accept))) {
         skv_session_table_on_evict(w->sessions, skv_requests_spill, w);
+        skv_store_on_progress(w->store, store_progress, w);
+    }
     if (!rc)
         rc = skv_engine_new(m, &w->engine);
     if (!rc) /* its own buffers: decode rounds run between the layers of w->engine's forwards */

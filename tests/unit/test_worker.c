@@ -5337,10 +5337,16 @@ static void hostile_stop(struct hostile_store *h)
     unlink(h->path);
 }
 
+static void count_progress(void *user)
+{
+    ++*(int *)user;
+}
+
 /* A store that does not behave holds the engine no longer than store-timeout-ms a command (and
  * as much again a MiB of value) and makes it hold no more than it allows:
  * - a GETDEL answered a byte every 100 ms (each within the 300 ms timeout, which the socket's
- *   own timeout restarted at each byte): an error after 600 ms, not after the 5 s of its 50 bytes;
+ *   own timeout restarted at each byte): an error after 600 ms, not after the 5 s of its 50 bytes,
+ *   with the progress callback run before each wait (the watchdog's beat);
  * - a SET answered with a 200 MB string (hiredis read what it was sent, without bound): the
  *   connection is dropped at its first line;
  * - an AUTH answered as Redis answers a command it does not know, quoting the arguments cut to
@@ -5360,10 +5366,13 @@ static void test_store_hostile(void **state)
     hostile_start(&h, HOSTILE_TRICKLE, dir);
     snprintf(url, sizeof url, "unix://%s", h.path);
     assert_int_equal(skv_store_new(url, 300, 1 << 30, &st), SKV_OK);
+    int progress = 0; /* the worker beats for the watchdog there: a value moving slowly is alive */
+    skv_store_on_progress(st, count_progress, &progress);
     uint64_t t0 = mono_ms();
     assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
     uint64_t took = mono_ms() - t0;
     assert_non_null(strstr(skv_error_msg(), "timed out"));
+    assert_true(progress >= 4); /* each byte of the trickle came after a wait */
     skv_store_free(&st);
     hostile_stop(&h);
     printf("# a GETDEL answered a byte every 100 ms (timeout 300 ms): an error after %llu ms, %llu bytes read\n",
