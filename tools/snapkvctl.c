@@ -65,8 +65,8 @@ static void usage(FILE *out)
     fprintf(out,
             "usage: snapkvctl [-e URL] [-a URL] [--server-key F --client-key F] [--tenant T] [--json] [--timeout MS]\n"
             "                 COMMAND [ARGS]\n"
-            "  -e, --endpoint URL        client endpoint (default %s, or $SNAPKV_ENDPOINT)\n"
-            "  -a, --admin-endpoint URL  admin endpoint (default %s, or $SNAPKV_ADMIN_ENDPOINT)\n"
+            "  -e, --endpoint URL        client endpoint (default %s, or $SNAPKV_ENDPOINT unless empty)\n"
+            "  -a, --admin-endpoint URL  admin endpoint (default %s, or $SNAPKV_ADMIN_ENDPOINT unless empty)\n"
             "      --server-key FILE     CURVE: the daemon's public key file, for tcp:// (or $SNAPKV_SERVER_KEY)\n"
             "      --client-key FILE     CURVE: this client's secret key file (or $SNAPKV_CLIENT_KEY)\n"
             "  -t, --tenant T            tenant of the sessions (default \"default\")\n"
@@ -2636,13 +2636,22 @@ static int cmd_keygen(const struct ctl *c, int argc, char **argv)
     return ret;
 }
 
+/* An environment variable's value; NULL when it is unset or empty (as an env file writes an
+ * unset one: `SNAPKV_ENDPOINT=`). */
+static const char *env_or_null(const char *name)
+{
+    const char *v = getenv(name);
+    return v && *v ? v : NULL;
+}
+
 int main(int argc, char **argv)
 {
     struct ctl c = {
-        .endpoint = getenv("SNAPKV_ENDPOINT") ? getenv("SNAPKV_ENDPOINT") : DEFAULT_ENDPOINT,
-        .admin_endpoint = getenv("SNAPKV_ADMIN_ENDPOINT") ? getenv("SNAPKV_ADMIN_ENDPOINT") : DEFAULT_ADMIN_ENDPOINT,
-        .server_key = getenv("SNAPKV_SERVER_KEY") && *getenv("SNAPKV_SERVER_KEY") ? getenv("SNAPKV_SERVER_KEY") : NULL,
-        .client_key = getenv("SNAPKV_CLIENT_KEY") && *getenv("SNAPKV_CLIENT_KEY") ? getenv("SNAPKV_CLIENT_KEY") : NULL,
+        .endpoint = env_or_null("SNAPKV_ENDPOINT") ? env_or_null("SNAPKV_ENDPOINT") : DEFAULT_ENDPOINT,
+        .admin_endpoint = env_or_null("SNAPKV_ADMIN_ENDPOINT") ? env_or_null("SNAPKV_ADMIN_ENDPOINT")
+                                                              : DEFAULT_ADMIN_ENDPOINT,
+        .server_key = env_or_null("SNAPKV_SERVER_KEY"),
+        .client_key = env_or_null("SNAPKV_CLIENT_KEY"),
         .tenant = "default",
         .timeout_ms = 30000,
     };
@@ -2684,8 +2693,8 @@ int main(int argc, char **argv)
     int sub_argc = argc - optind;
     char **sub_argv = argv + optind;
     /* the global options come before the command (getopt stops there): `list --json` listed a
-     * tenant named "--json" */
-    for (int i = 1; i < sub_argc; i++)
+     * tenant named "--json"; after `--` they are the command's text (`tokenize -- -j`) */
+    for (int i = 1; i < sub_argc && strcmp(sub_argv[i], "--") != 0; i++)
         if (strcmp(sub_argv[i], "--json") == 0 || strcmp(sub_argv[i], "-j") == 0) {
             fprintf(stderr, "snapkvctl: %s goes before the command: snapkvctl --json %s ...\n", sub_argv[i], cmd);
             return 2;

@@ -4784,6 +4784,11 @@ static void test_snapkvctl(void **state)
     const char *late[] = {"list", "--json", NULL};
     assert_int_equal(run_ctl(&d, late, out, err, sizeof out), 2);
     assert_non_null(strstr(err, "before the command"));
+    /* after `--` it is the command's text (refused as a misplaced option before) */
+    const char *dashed[] = {"tokenize", "--", "-j", NULL};
+    if (run_ctl(&d, dashed, out, err, sizeof out) != 0)
+        fail_msg("tokenize -- -j: %s", err);
+    assert_true(strlen(out) > 0);
     const char *extra[] = {"info", "x", NULL};
     assert_int_equal(run_ctl(&d, extra, out, err, sizeof out), 2);
     assert_int_equal(snapkv_release(c, &fork_id), SNAPKV_OK);
