@@ -15,7 +15,8 @@ extern "C" {
         cudaError_t err_ = (expr);                                                                 \
         if (err_ != cudaSuccess) {                                                                 \
             (void)cudaGetLastError(); /* not left for the next launch's check (another request) */ \
-            return skv_errorf(SKV_E_DEVICE, "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err_), \
+            return skv_errorf(err_ == cudaErrorMemoryAllocation ? SKV_E_NOMEM : SKV_E_DEVICE,   \
+                              "%s:%d: %s: %s", __FILE__, __LINE__, cudaGetErrorName(err_),        \
                               cudaGetErrorString(err_));                                           \
         }                                                                                          \
     } while (0)

@@ -2462,6 +2462,20 @@ static void test_row_top_logprobs(void **state)
     }
 }
 
+/* Device memory that is not there is NOMEM, as the CPU's (DEVICE before: a pool slab the GPU
+ * could not hold failed its request as a device error), and the device goes on serving. The
+ * CPU's own case is not run: a sanitizer build aborts on such a size instead of failing it. */
+static void test_alloc_too_much(void **state)
+{
+    struct skv_backend *be = fixture_be(state);
+    if (strcmp(be->name, "cuda") != 0)
+        skip();
+    void *p = NULL;
+    assert_int_equal(be->ops->alloc(be, (size_t)1 << 50, &p), SKV_E_NOMEM);
+    assert_int_equal(be->ops->alloc(be, 4096, &p), SKV_OK);
+    be->ops->free(be, p);
+}
+
 #define OP_TESTS                                                                              \
     cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_rope),                              \
         cmocka_unit_test(test_rope_invalid), cmocka_unit_test(test_swiglu),                   \
@@ -2476,7 +2490,7 @@ static void test_row_top_logprobs(void **state)
         cmocka_unit_test(test_topk_rows), cmocka_unit_test(test_attention_invalid),         \
         cmocka_unit_test(test_kv_f16), cmocka_unit_test(test_kv_q8_0),               \
         cmocka_unit_test(test_kv_shared_batch), cmocka_unit_test(test_row_logprobs),        \
-        cmocka_unit_test(test_row_top_logprobs)
+        cmocka_unit_test(test_row_top_logprobs), cmocka_unit_test(test_alloc_too_much)
 
 int main(void)
 {
