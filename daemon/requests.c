@@ -699,11 +699,15 @@ static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, bool
 
 /* The same for the forward of a request that may run others inside it (PREFILL, APPEND,
  * COMPRESS, not nested themselves): the room stays the forward's until the request ends
- * (skv_session_hold_room; the dispatcher clears it). */
-static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, bool compacts)
+ * (skv_session_hold_room; the dispatcher clears it). undo: the session's undo copy (NULL:
+ * none), whose compressor's query ring, allocated beside the session's own until the request
+ * ends, counts for the tenant too (outside the pool, as the session's own ring). */
+static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, bool compacts,
+                           const struct session_undo *undo)
 {
     uint64_t held, unique;
-    int rc = reserve_rows(w, s, n, compacts, 0, 0, &held, &unique);
+    int rc = reserve_rows(w, s, n, compacts, undo ? skv_compressor_ring_bytes(undo->comp) : 0, 0, &held, &unique);
+    held += undo ? skv_compressor_ring_bytes(undo->comp) : 0;
     if (!rc && !w->nesting && !w->yielding) /* a short request in a yield holds nothing */
         skv_session_hold_room(w->sessions, s, held, unique);
     return rc;
@@ -905,7 +909,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
      * the tenant (in s's bytes, which the reserve takes) and not again for the pool (a
      * compressing prefill's room counts the rows it keeps as new) */
     uint64_t held = 0, room = 0;
-    if ((rc = s->comp ? reserve_compressing(w, s, n - reused, &held, &room) : reserve_forward(w, s, n - reused, false)))
+    if ((rc = s->comp ? reserve_compressing(w, s, n - reused, &held, &room)
+                      : reserve_forward(w, s, n - reused, false, NULL)))
         goto fail;
     if (s->comp && cfg->prefix_reuse)
         keep_prompt_rows(w, s, n, held, room, &keep);
@@ -1036,7 +1041,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         goto fail;
     /* the room, counted on the cache the forward writes: on a copy every block is shared with
      * the old cache until undo_end, so a compaction's fresh blocks count in full */
-    if ((rc = reserve_forward(w, s, n, forward_compacts(s)))) {
+    if ((rc = reserve_forward(w, s, n, forward_compacts(s), copy ? &u : NULL))) {
         if (copy)
             undo_end(w, s, &u, true);
         goto fail;
@@ -1117,7 +1122,7 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
     /* room for the re-run, counted on the copy: every block it keeps is shared with the old
      * cache, which holds them until undo_end, so the compaction's fresh blocks count in full */
     if (!rc)
-        rc = reserve_forward(w, s, window, true);
+        rc = reserve_forward(w, s, window, true, &u);
     if (!rc && s->comp)
         skv_compressor_rerun(s->comp, work, was_h2o, cut);
     if (!rc) {

@@ -182,8 +182,13 @@ SNAPKV_API int snapkv_curve_key_load(const char *path, bool secret, char key[SNA
  * -1: forever). The timeout restarts with every streamed reply, so a long prefill either asks
  * for progress or needs a longer timeout. A reply that arrives after its call timed out is
  * discarded by later calls. Requests are not queued for a daemon that is not connected (not
- * running yet, gone) or that has stopped reading: such a call fails with SNAPKV_E_TIMEOUT
- * ("could not send ...") at its timeout, and a daemon that comes back sees only later calls.
+ * running yet, gone): such a call fails with SNAPKV_E_TIMEOUT ("could not send ...") at its
+ * timeout, and a daemon that comes back sees only later calls. A daemon still connected that
+ * has stopped reading (hung, or stopped with SIGSTOP) is different: up to libzmq's send
+ * high-water mark (1000) of requests wait in the socket, each call failing with "no ... reply"
+ * at its timeout, and when the daemon reads again it runs them, each with its whole deadline (a
+ * PREFILL so retried makes sessions the client never learned, until their lease ends); past
+ * that mark calls fail with "could not send ...".
  * The first call after the connection closed asks HELLO again (see snapkv_server_info), which
  * has its own timeout, so that call may take up to twice it. */
 SNAPKV_API int snapkv_set_timeout(snapkv_client_t *client, int timeout_ms);

@@ -1111,7 +1111,12 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
         }
         if (stats)
             fprintf(stderr, "[%zu tokens, %s]\n", dr.n_tokens, dr.finish_reason);
+        int cut = decode_cancelled("chat", &dr); /* the daemon stopping, or no room: no next turn */
         snapkv_decode_result_free(&dr);
+        if (cut) {
+            ret = cut;
+            break;
+        }
     }
     free(line);
     if (have_session) {

@@ -153,6 +153,11 @@ uint64_t skv_compressor_bytes(const struct skv_compressor *c)
     return (uint64_t)(c->n_layers + 1) * cap * c->n_heads * c->head_dim * sizeof(float);
 }
 
+uint64_t skv_compressor_ring_bytes(const struct skv_compressor *c)
+{
+    return c && c->obs_q ? skv_compressor_bytes(c) : 0;
+}
+
 /* The query ring keeps the newest min(window, decode_budget) queries per layer: more could
  * never be used, since the newest decode_budget rows are all a window can keep. */
 static int obs_alloc(struct skv_compressor *c)

@@ -66,6 +66,9 @@ bool skv_compressor_decode_keeps_rows(const struct skv_compressor *c);
  * the first decoded token), counted whether allocated yet or not, so a tenant's quota holds it
  * from the PREFILL on. */
 uint64_t skv_compressor_bytes(const struct skv_compressor *c);
+/* The same, 0 while the ring is not allocated (c may be NULL): what a copy of the compressor
+ * (skv_compressor_clone) holds besides its session's count. */
+uint64_t skv_compressor_ring_bytes(const struct skv_compressor *c);
 
 /* What the last compression decided: budget per layer (length n_layers) and SqueezeAttention
  * similarities (NULL unless alloc=squeeze). */

@@ -1363,6 +1363,52 @@ static void test_ring_counts_in_quota(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
 }
 
+static void submit_decode(struct fixture *f, const uint8_t *id, const char *tenant, const uint8_t sid[16],
+                          uint32_t max_tokens, bool stream);
+static Snapkv__Reply *decode_final(struct fixture *f, const uint8_t *id, uint32_t *toks, int *n, int cap);
+
+/* The tenant bytes an APPEND of 64 ids to a fresh session of spec (decoded `decoded` tokens
+ * first) says it would hold when the quota of `blocks` refuses it. */
+static unsigned long long append_would_hold(struct fixture *f, int blocks, const char *spec, int decoded)
+{
+    restart_with_quota(f, blocks);
+    uint8_t sid[16];
+    prefill(f, 8, spec, sid);
+    if (decoded) {
+        submit_decode(f, ID_X, NULL, sid, (uint32_t)decoded, false);
+        uint32_t toks[8];
+        int n = 0;
+        Snapkv__Reply *rep = decode_final(f, ID_X, toks, &n, 8);
+        if (rep->status)
+            fail_msg("DECODE: %d %s", rep->status, rep->message);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    submit_append(f, ID_X, sid, 64);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    const char *at = strstr(rep->message, "would hold ");
+    assert_non_null(at);
+    unsigned long long bytes = strtoull(at + strlen("would hold "), NULL, 10);
+    snapkv__reply__free_unpacked(rep, NULL);
+    return bytes;
+}
+
+/* A long APPEND whose policy re-scores runs on a copy of the session, whose compressor's query
+ * ring is a second one beside the session's until the APPEND ends: it counts for the tenant
+ * (before, the quota counted one ring and the tenant held two). Before the first decoded token
+ * the ring is not allocated and its copy holds none: the two counts differ by one ring. */
+static void test_append_copy_ring(void **state)
+{
+    struct fixture *f = *state;
+    const char *spec = "policy=snapkv,budget=8,window=4,decode_budget=8";
+    unsigned long long before = append_would_hold(f, 3, spec, 0), after = append_would_hold(f, 3, spec, 1);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    uint64_t ring = (uint64_t)(mc->n_layers + 1) * 4 * mc->n_heads * mc->head_dim * sizeof(float);
+    printf("# an APPEND of 64: would hold %llu bytes with no ring allocated, %llu with one (a ring: %llu)\n", before,
+           after, (unsigned long long)ring);
+    assert_int_equal(after - before, ring);
+}
+
 static void test_decode_over_quota(void **state)
 {
     struct fixture *f = *state;
@@ -5706,6 +5752,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_frees, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_idle_fork, setup, teardown),
