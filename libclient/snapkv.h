@@ -486,8 +486,8 @@ struct snapkv_decode_result {
     uint32_t n_generated;         /* as the daemon counted */
     /* "length" | "stop" | "eos", or "cancelled": a CANCEL from another connection
      * (snapkv_cancel) or the daemon shutting down ended it; or "limit": the tenant's
-     * max-bytes-per-tenant or the pool had no room for another token (the first one refused is
-     * an error, SNAPKV_E_LIMIT / SNAPKV_E_POOL_FULL). With "cancelled" and "limit" the call
+     * max-bytes-per-tenant or the pool had no room for another token (a decode none of whose
+     * tokens went in is an error, SNAPKV_E_LIMIT / SNAPKV_E_POOL_FULL). With "cancelled" and "limit" the call
      * still succeeds with the tokens made so far and their text, all of them in the session */
     char finish_reason[16];
 };
