@@ -611,10 +611,18 @@ static int load_gguf(struct skv_model *m, const char *path)
         (rc = gguf_optional(g, arch, "attention.value_length",
                             gguf_u32(g, arch, "attention.value_length", &v_dim), path)) ||
         (rc = gguf_optional(g, arch, "context_length", gguf_u32(g, arch, "context_length", &c->max_ctx), path)) ||
-        (rc = gguf_optional(g, arch, "attention.layer_norm_rms_epsilon",
-                            gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps), path)) ||
         (rc = gguf_optional(g, arch, "rope.freq_base", gguf_f32(g, arch, "rope.freq_base", &c->rope.theta), path)))
         return rc;
+    /* required, as llama.cpp requires it: a default would differ from the model's own (1e-5 for
+     * Llama 2, 1e-6 for Qwen2) without a word */
+    if (!gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps)) {
+        char full[128];
+        snprintf(full, sizeof full, "%s.attention.layer_norm_rms_epsilon", arch);
+        return skv_gguf_find_key(g, full) < 0
+                   ? skv_errorf(SKV_E_FORMAT, "%s: missing %s", path, full)
+                   : skv_errorf(SKV_E_UNSUPPORTED, "%s: %s is present but not a single number this engine reads",
+                                path, full);
+    }
     if (v_dim >= 0 && v_dim != c->head_dim)
         return skv_errorf(SKV_E_UNSUPPORTED, "%s: value heads of %d and key heads of %d (one size is supported)", path,
                           v_dim, c->head_dim);

@@ -515,6 +515,7 @@ struct gguf_extra {
     const char *tok_model;    /* its tokenizer.ggml.model (NULL: gpt2) */
     const char *freq_base_str; /* llama.rope.freq_base as a string (a hand-edited file); NULL: none */
     int experts;              /* llama.expert_count; 0: absent */
+    bool no_eps;              /* llama.attention.layer_norm_rms_epsilon left out (else 1e-5) */
 };
 
 /* Writes a llama GGUF to a temporary file and returns its path (malloc'd): 1 layer, dim 8,
@@ -541,6 +542,8 @@ static char *write_gguf(const struct gguf_extra *x)
     gb_kv_u32(&b, "llama.feed_forward_length", 16);
     gb_kv_u32(&b, "llama.attention.head_count", 2);
     gb_kv_u32(&b, "llama.context_length", 64);
+    if (!x->no_eps)
+        gb_kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
     if (x->freq_base != 0.0f)
         gb_kv_f32(&b, "llama.rope.freq_base", x->freq_base);
     if (x->freq_base_str)
@@ -615,19 +618,21 @@ static void test_gguf_rope_scaling(void **state)
         float freq_scale; /* on SKV_OK */
         const char *in_msg; /* otherwise */
     } cases[] = {
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 1.0f, NULL},
-        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 1.0f, NULL},
-        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 0.25f, NULL},
-        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 0.5f, NULL},
-        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0}, SKV_OK, 1.0f, NULL},
-        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
-        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
-        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
-        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
-        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0}, SKV_E_FORMAT, 0.0f, "rope"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 1.0f, NULL},
+        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 1.0f, NULL},
+        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 0.25f, NULL},
+        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 0.5f, NULL},
+        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 1.0f, NULL},
+        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
+        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
+        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
+        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
+        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0, false}, SKV_E_FORMAT, 0.0f, "rope"},
         /* present but unreadable: refused (before, 10000 was used without a word) */
-        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0, false}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8, false}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
+        /* required, as llama.cpp requires it (before, 1e-5 was taken for any model) */
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, true}, SKV_E_FORMAT, 0.0f, "missing llama.attention.layer_norm_rms_epsilon"},
     };
     struct skv_backend *be = NULL;
     assert_int_equal(backend_new(1, &be), SKV_OK);
