@@ -82,6 +82,13 @@ struct skv_server {
     int n_peers, peers_cap;
     int max_per_peer;             /* max-connections-per-peer */
     uint16_t client_port;         /* a tcp:// client endpoint's port (0: ipc://) */
+    uint16_t admin_port;          /* the same of the admin endpoint */
+    void *admin_connections;      /* PAIR: admin_sock's monitor (ACCEPTED, DISCONNECTED) */
+    uint8_t *admin_fds;           /* [admin_fds_cap] by fd: open on the admin endpoint */
+    int admin_fds_cap;
+    int admin_open;               /* admin connections open: ACCEPTED less DISCONNECTED */
+    uint64_t admin_refused;       /* closed as they came, over ADMIN_CONNECTIONS_MAX, since last logged */
+    uint64_t admin_refused_logged_ms;
     uint64_t clients_expired_ms;
     int lock_fds[4];              /* flock()ed next to ipc sockets: one daemon per endpoint */
     char *ipc_paths[4];           /* unlinked at exit (client, admin, events, events replay) */
@@ -104,6 +111,13 @@ struct skv_server {
 
 #define REPLY_ENDPOINT "inproc://snapkvd-replies"
 #define CONNECTIONS_ENDPOINT "inproc://snapkvd-client-connections"
+#define ADMIN_CONNECTIONS_ENDPOINT "inproc://snapkvd-admin-connections"
+/* Connections the admin endpoint keeps open at most (operators' tools need a few); more are
+ * closed as they come. They fit in the descriptors FD_RESERVE keeps besides max-connections:
+ * before, a tcp:// admin endpoint took any number, and a flood of bare connects (no key needed
+ * to hold one through its 10 s handshake) ran the daemon out of descriptors, where libzmq aborts
+ * on the client endpoint's next accept. */
+#define ADMIN_CONNECTIONS_MAX 64
 #define CLIENTS_MAX 4096          /* client routing ids remembered for disconnect notices */
 
 /* For ipc:// endpoints: hold an exclusive lock on "<path>.lock"; a second daemon fails here
@@ -171,6 +185,18 @@ static int monitor_connections(struct skv_server *srv, void *sock, int auth_even
     return SKV_OK;
 }
 
+/* Monitors the admin ROUTER's connections (before it binds): read_admin_connections. */
+static int monitor_admin_connections(struct skv_server *srv, void *sock)
+{
+    int events = ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED, linger = 0;
+    if (zmq_socket_monitor(sock, ADMIN_CONNECTIONS_ENDPOINT, events) < 0 ||
+        !(srv->admin_connections = zmq_socket(srv->zctx, ZMQ_PAIR)) ||
+        zmq_setsockopt(srv->admin_connections, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
+        zmq_connect(srv->admin_connections, ADMIN_CONNECTIONS_ENDPOINT) < 0)
+        return skv_errorf(SKV_E_IO, "admin endpoint: connection monitor: %s", zmq_strerror(zmq_errno()));
+    return SKV_OK;
+}
+
 /* Requests read at a stop (answered SKV_E_CANCELLED), per socket. */
 #define STOP_DRAIN_MAX 4096
 /* How long the connections stay open after a stop's last reply (see skv_server_run). */
@@ -211,7 +237,8 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     int auth_events = 0; /* the client socket's monitor is ours: it carries auth's events too */
     if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT,
                                      idx ? NULL : &auth_events)) ||
-        (idx == 0 && (rc = monitor_connections(srv, s, auth_events)))) {
+        (idx == 0 && (rc = monitor_connections(srv, s, auth_events))) ||
+        (idx == 1 && (rc = monitor_admin_connections(srv, s)))) {
         zmq_close(s);
         return rc;
     }
@@ -222,9 +249,9 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     }
     char bound[256] = "";
     size_t blen = sizeof bound;
-    if (idx == 0 && strncmp(endpoint, "tcp://", 6) == 0 && zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, bound, &blen) == 0) {
+    if (idx <= 1 && strncmp(endpoint, "tcp://", 6) == 0 && zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, bound, &blen) == 0) {
         const char *colon = strrchr(bound, ':'); /* tcp://ADDRESS:PORT, the port it bound ("*": one) */
-        srv->client_port = colon ? (uint16_t)strtoul(colon + 1, NULL, 10) : 0;
+        *(idx ? &srv->admin_port : &srv->client_port) = colon ? (uint16_t)strtoul(colon + 1, NULL, 10) : 0;
     }
     *sock_out = s;
     return SKV_OK;
@@ -419,6 +446,9 @@ void skv_server_destroy(struct skv_server **srv_p)
         zmq_close(srv->replies);
     if (srv->connections)
         zmq_close(srv->connections);
+    if (srv->admin_connections)
+        zmq_close(srv->admin_connections);
+    free(srv->admin_fds);
     if (srv->client_sock)
         zmq_close(srv->client_sock);
     skv_clients_free(&srv->clients);
@@ -890,22 +920,84 @@ static void conn_closed(struct skv_server *srv, int fd)
     srv->fds[fd].open = 0;
 }
 
-/* Whether fd is a connection accepted on the client endpoint (its local address is that
- * endpoint's): a fd read from the monitor may since have closed and been reused. */
-static bool is_client_conn(const struct skv_server *srv, int fd)
+/* Whether fd is a connection accepted on endpoint idx (0 client, 1 admin: its local address is
+ * that endpoint's): a fd read from a monitor may since have closed and been reused. */
+static bool is_endpoint_conn(const struct skv_server *srv, int idx, int fd)
 {
     struct sockaddr_storage ss;
     socklen_t len = sizeof ss;
     if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0)
         return false;
     if (ss.ss_family == AF_UNIX)
-        return srv->ipc_paths[0] && strncmp(((struct sockaddr_un *)&ss)->sun_path, srv->ipc_paths[0],
-                                            sizeof ((struct sockaddr_un *)&ss)->sun_path) == 0;
+        return srv->ipc_paths[idx] && strncmp(((struct sockaddr_un *)&ss)->sun_path, srv->ipc_paths[idx],
+                                              sizeof ((struct sockaddr_un *)&ss)->sun_path) == 0;
     if (ss.ss_family != AF_INET && ss.ss_family != AF_INET6)
         return false;
     uint16_t port = ss.ss_family == AF_INET ? ((struct sockaddr_in *)&ss)->sin_port
                                             : ((struct sockaddr_in6 *)&ss)->sin6_port;
-    return srv->client_port && ntohs(port) == srv->client_port;
+    uint16_t ours = idx ? srv->admin_port : srv->client_port;
+    return ours && ntohs(port) == ours;
+}
+
+static bool is_client_conn(const struct skv_server *srv, int fd)
+{
+    return is_endpoint_conn(srv, 0, fd);
+}
+
+/* The admin endpoint's connection events: each counted, and one past ADMIN_CONNECTIONS_MAX
+ * closed as it comes (the fd checked to be still an admin endpoint's connection). */
+static void read_admin_connections(struct skv_server *srv)
+{
+    for (;;) {
+        zmq_msg_t head, addr;
+        zmq_msg_init(&head);
+        zmq_msg_init(&addr);
+        if (zmq_msg_recv(&head, srv->admin_connections, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&head);
+            zmq_msg_close(&addr);
+            break;
+        }
+        if (zmq_msg_more(&head))
+            zmq_msg_recv(&addr, srv->admin_connections, 0);
+        uint16_t event = 0;
+        uint32_t value = 0;
+        if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
+            memcpy(&event, zmq_msg_data(&head), sizeof event);
+            memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
+        }
+        zmq_msg_close(&head);
+        zmq_msg_close(&addr);
+        int fd = (int)value;
+        if ((event != ZMQ_EVENT_ACCEPTED && event != ZMQ_EVENT_DISCONNECTED) || fd < 0 || fd >= (1 << 24))
+            continue;
+        if (fd >= srv->admin_fds_cap) {
+            int cap = srv->admin_fds_cap ? srv->admin_fds_cap : 256;
+            while (cap <= fd)
+                cap *= 2;
+            uint8_t *grown = realloc(srv->admin_fds, (size_t)cap);
+            if (!grown)
+                continue; /* (not counted: no memory to) */
+            memset(grown + srv->admin_fds_cap, 0, (size_t)(cap - srv->admin_fds_cap));
+            srv->admin_fds = grown;
+            srv->admin_fds_cap = cap;
+        }
+        if (event == ZMQ_EVENT_DISCONNECTED) {
+            srv->admin_open -= srv->admin_fds[fd] && srv->admin_open > 0;
+            srv->admin_fds[fd] = 0;
+            continue;
+        }
+        if (!srv->admin_fds[fd]) /* (else its DISCONNECTED never came: counted once) */
+            srv->admin_open++;
+        srv->admin_fds[fd] = 1;
+        if (srv->admin_open > ADMIN_CONNECTIONS_MAX && is_endpoint_conn(srv, 1, fd) && shutdown(fd, SHUT_RDWR) == 0)
+            srv->admin_refused++; /* counted until its DISCONNECTED, which follows */
+    }
+    if (srv->admin_refused && skv_now_ms() - srv->admin_refused_logged_ms >= 10000) {
+        skv_log(SKV_LOG_WARN, "%d connections are open on the admin endpoint (at most %d): %llu more were closed "
+                "as they came", srv->admin_open, ADMIN_CONNECTIONS_MAX, (unsigned long long)srv->admin_refused);
+        srv->admin_refused_logged_ms = skv_now_ms();
+        srv->admin_refused = 0;
+    }
 }
 
 static void read_connections(struct skv_server *srv)
@@ -1229,7 +1321,16 @@ static bool serve_ready(struct skv_server *srv, int idx, int max, bool known_rea
  * woke, when it was used since it was last asked (a send or receive may take the notice its fd
  * would have given), or after a wait that timed out. The fd signals only new notices, so a
  * socket is asked until it says it has no input before the loop sleeps on its fd again. */
-enum { WAIT_CLIENT, WAIT_ADMIN, WAIT_REPLIES, WAIT_CONNECTIONS, WAIT_REPLAY, WAIT_AUTH, WAIT_MAX = WAIT_AUTH + 3 };
+enum {
+    WAIT_CLIENT,
+    WAIT_ADMIN,
+    WAIT_REPLIES,
+    WAIT_CONNECTIONS,
+    WAIT_ADMIN_CONNECTIONS,
+    WAIT_REPLAY,
+    WAIT_AUTH,
+    WAIT_MAX = WAIT_AUTH + 3
+};
 
 struct waitset {
     int n;
@@ -1246,6 +1347,7 @@ static int waitset_init(struct skv_server *srv, struct waitset *ws)
     ws->sock[WAIT_ADMIN] = srv->admin_sock;
     ws->sock[WAIT_REPLIES] = srv->replies;
     ws->sock[WAIT_CONNECTIONS] = srv->connections;
+    ws->sock[WAIT_ADMIN_CONNECTIONS] = srv->admin_connections;
     ws->sock[WAIT_REPLAY] = srv->replay; /* NULL without events-replay-endpoint: never polled */
     ws->n = WAIT_AUTH + (int)skv_auth_sockets(srv->auth, &ws->sock[WAIT_AUTH]);
     for (int i = 0; i < ws->n; i++) {
@@ -1343,6 +1445,10 @@ int skv_server_run(struct skv_server *srv)
         if (ws.ready[WAIT_CONNECTIONS]) {
             read_connections(srv);
             waitset_served(&ws, WAIT_CONNECTIONS);
+        }
+        if (ws.ready[WAIT_ADMIN_CONNECTIONS]) {
+            read_admin_connections(srv);
+            waitset_served(&ws, WAIT_ADMIN_CONNECTIONS);
         }
         if (ws.ready[WAIT_REPLAY]) { /* a few per wake: each may send every session */
             for (int k = 0; k < 4 && skv_events_mirror_serve(srv->mirror, srv->replay, srv->events_seq,
