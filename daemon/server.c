@@ -506,7 +506,9 @@ static void reply_out(struct skv_server *srv, int idx, int conn, uint64_t serial
         }
     }
     void *sock = idx ? srv->admin_sock : srv->client_sock;
-    int fd = idx ? -1 : skv_clients_fd(srv->clients, identity, identity_len);
+    /* whose replies these count among (max-reply-bytes-per-peer): the connection checked above,
+     * else the one the routing id has (the clients table, which forgets past CLIENTS_MAX) */
+    int fd = idx ? -1 : serial ? conn : skv_clients_fd(srv->clients, identity, identity_len);
     uint64_t owner = fd >= 0 && fd < srv->fds_cap ? srv->fds[fd].peer : 0;
     int rc = skv_replies_send(srv->unread, sock, idx, owner, identity, identity_len, body, len);
     if (rc == SKV_E_BUSY) {
