@@ -382,13 +382,16 @@ static int progress_hook(void *user, const struct skv_layer_view *v)
     if (!rc) /* this layer is done (and compressed): running decodes may take a token */
         skv_worker_yield(p->w);
     if (!rc && skv_worker_running_stoppable(p->w)) {
-        /* its client gone, or (when it gets no progress replies, which would keep it waiting)
-         * past the time it waits: nobody takes the PREFILL's session, an APPEND's is left as
-         * it was (the engine undoes the forward), and a COMPRESS ran on a copy of the cache,
-         * so the rest of the work goes */
+        /* a PREFILL whose client is gone (nobody takes its session), or one (when it gets no
+         * progress replies, which would keep it waiting), an APPEND or a COMPRESS past the time
+         * it waits: an APPEND's session is left as it was (the engine undoes the forward), and a
+         * COMPRESS ran on a copy of the cache, so the rest of the work goes. A gone client's
+         * APPEND and COMPRESS run on, as its queued ones do: another client may count on the
+         * session they change (before, one of 64 tokens or more stopped at its first layer,
+         * since the notice is queued behind it, and a shorter one went in) */
         int cmd = p->w->running->req->command_case;
         bool prefill = cmd == SNAPKV__REQUEST__COMMAND_PREFILL, append = cmd == SNAPKV__REQUEST__COMMAND_APPEND;
-        if (skv_worker_running_gone(p->w)) {
+        if (prefill && skv_worker_running_gone(p->w)) {
             atomic_fetch_add(&p->w->dropped_gone, 1);
             rc = skv_errorf(SKV_E_CANCELLED, "the client's connection closed");
         } else if (atomic_load(&p->w->stop_asked) && v->layer + 1 < p->n_layers) { /* (the last: it is done) */
@@ -708,8 +711,8 @@ static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, b
     uint64_t held, unique;
     int rc = reserve_rows(w, s, n, compacts, undo ? skv_compressor_ring_bytes(undo->comp) : 0, 0, &held, &unique);
     held += undo ? skv_compressor_ring_bytes(undo->comp) : 0;
-    if (!rc && !w->nesting && !w->yielding) /* a short request in a yield holds nothing */
-        skv_session_hold_room(w->sessions, s, held, unique);
+    if (!rc && !w->yielding) /* a short request in a yield holds nothing; a nested one its own level */
+        skv_session_hold_room(w->sessions, w->nesting, s, held, unique);
     return rc;
 }
 
@@ -724,8 +727,8 @@ static int reserve_compressing(struct skv_worker *w, struct skv_session *s, int 
         (uint64_t)skv_compressor_prefill_blocks(s->comp, s->cache, n) * skv_kv_pool_block_bytes(s->cache->pool);
     uint64_t prefix = skv_kv_cache_bytes(s->cache), held = bytes > prefix ? bytes - prefix : 0;
     int rc = skv_session_reserve(w->sessions, s, held, bytes, NULL);
-    if (!rc && !w->nesting && !w->yielding)
-        skv_session_hold_room(w->sessions, s, held, bytes);
+    if (!rc && !w->yielding)
+        skv_session_hold_room(w->sessions, w->nesting, s, held, bytes);
     *held_out = held;
     *bytes_out = bytes;
     return rc;
@@ -746,8 +749,8 @@ static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n,
         bytes > w->prefix.cap || pool_in_use_bytes(w) + room + bytes > (uint64_t)w->cfg->pool_size ||
         skv_kv_cache_clone(c, keep))
         return; /* (a copy without memory: not kept) */
-    if (!w->nesting && !w->yielding)
-        skv_session_hold_room(w->sessions, s, held, room + bytes);
+    if (!w->yielding)
+        skv_session_hold_room(w->sessions, w->nesting, s, held, room + bytes);
 }
 
 /* What s's tenant's kept prefixes may hold together: its max-bytes-per-tenant less what its
@@ -2219,7 +2222,8 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
             decode_end_early(w, d, "limit");
             return true;
         }
-        d->reason = "limit"; /* in, its charge refused: the last */
+        if (!d->reason) /* in, its charge refused: the last (an eos, a stop, the length stand) */
+            d->reason = "limit";
         rc = SKV_OK;
     }
     if (rc) {
@@ -3165,33 +3169,23 @@ static int read_saved_i32(FILE *f, int32_t *v, const char *path)
     return fread(v, sizeof *v, 1, f) == 1 ? SKV_OK : save_truncated(path);
 }
 
-/* The room a saved session's rows will take in cache c, read ahead from where f stands (just
- * past the header hd) and f put back there: *held, the bytes of the blocks its heads will hold
- * (what its tenant is charged), and *unique, those of them no cache holds already (what the pool
- * gives: a persist block store's block that a session of the same group read before is shared,
- * skv_kv_store_would_share). It steps over the rows and checks only the counts it needs to find
- * them and that the file is long enough; the read that follows checks everything (and says
- * what is wrong with a file this pass could not step over). */
+/* The bytes of the blocks a saved session's rows will hold in cache c, read ahead from where f
+ * stands (the first head's row count: the tokens, compressor state, logits and a cut character
+ * read already) and f put back there. It steps over the rows and checks only the counts it
+ * needs to find them and that the file is long enough for its checksum; the read that follows
+ * checks everything (and says what is wrong with a file this pass could not step over). For a
+ * file of a daemon's own kind only (SAVE's, a stored value's: no block store named). */
 static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, const struct skv_kv_cache *c,
-                       struct restore *r, uint64_t group, uint64_t *held, uint64_t *unique)
+                       uint64_t *bytes)
 {
     off_t start = ftello(f);
     if (start < 0)
         return skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    const int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1, cbr = c->block_rows;
-    const uint64_t row = (uint64_t)c->head_dim * sizeof(float);
-    uint64_t blocks = 0, own = 0;
-    int32_t n = 0;
-    int rc = skip_saved(f, (uint64_t)hd->n_tokens * sizeof(int32_t), path);
-    for (int part = 0; part < 3 && !rc; part++) { /* the compressor's state, the logits, a cut character */
-        if (hd->version < (part ? 3u : 2u))
-            continue;
-        if (!(rc = read_saved_i32(f, &n, path)))
-            rc = n < 0 ? skv_errorf(SKV_E_FORMAT, "%s: a count of %d", path, n)
-                       : skip_saved(f, (uint64_t)n * (part == 1 ? sizeof(float) : 1), path);
-    }
+    const uint64_t row = (uint64_t)c->head_dim * sizeof(float), cbr = (uint64_t)c->block_rows;
+    uint64_t blocks = 0;
+    int rc = SKV_OK;
     for (int i = 0; !rc && i < c->n_layers * c->n_kv_heads; i++) {
-        int32_t len, runs = -1, flag = 1;
+        int32_t len, runs = -1, flag = 1, n_refs = 0;
         if ((rc = read_saved_i32(f, &len, path)))
             break;
         if (len < 0 || len > hd->n_past) {
@@ -3209,24 +3203,13 @@ static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, 
             rc = read_saved_i32(f, &flag, path);
         if (!rc && hd->version >= 2 && flag)
             rc = skip_saved(f, (uint64_t)len * sizeof(float), path);
-        int32_t n_full = hd->version >= SAVE_VERSION_STORE ? len / br : 0, n_refs = n_full;
         if (!rc && hd->version >= SAVE_VERSION_PARTIAL)
             rc = read_saved_i32(f, &n_refs, path);
-        if (!rc && n_refs != n_full && !(n_refs == n_full + 1 && len % br))
-            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d of %d rows names %d blocks of %d", path, i, len, n_refs, br);
-        uint64_t head_blocks = ((uint64_t)len + (uint64_t)cbr - 1) / (uint64_t)cbr, shared = 0;
-        for (int32_t b = 0; !rc && b < n_refs; b++) {
-            uint32_t idx;
-            if (fread(&idx, sizeof idx, 1, f) != 1)
-                rc = save_truncated(path);
-            else
-                shared += skv_kv_store_would_share(r->store, idx, group, c); /* n_refs > 0: a store's */
-        }
-        int64_t row0 = (int64_t)n_refs * br < len ? (int64_t)n_refs * br : len;
+        if (!rc && n_refs != 0) /* a block store's: never a file this pass is for */
+            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d names %d stored blocks", path, i, n_refs);
         if (!rc)
-            rc = skip_saved(f, 2 * (uint64_t)(len - row0) * row, path);
-        blocks += head_blocks;
-        own += head_blocks - (shared < head_blocks ? shared : head_blocks);
+            rc = skip_saved(f, 2 * (uint64_t)len * row, path);
+        blocks += ((uint64_t)len + cbr - 1) / cbr;
     }
     off_t end = rc ? 0 : ftello(f), size = 0; /* the checksum follows the rows */
     if (!rc && (end < 0 || fseeko(f, 0, SEEK_END) != 0 || (size = ftello(f)) < 0))
@@ -3235,9 +3218,7 @@ static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, 
         rc = save_truncated(path);
     if (fseeko(f, start, SEEK_SET) != 0 && !rc)
         rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    const uint64_t bb = skv_kv_pool_block_bytes(c->pool);
-    *held = blocks * bb;
-    *unique = own * bb;
+    *bytes = blocks * skv_kv_pool_block_bytes(c->pool);
     return rc;
 }
 
@@ -3272,17 +3253,6 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
     hd.spec[sizeof hd.spec - 1] = '\0';
     if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, owner, &s)))
         rc = set_spec(w, s, "policy=full");
-    uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
-    int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
-    /* older files' blocks are shared by their contents only once read (below): their room is
-     * counted by the charge at the end */
-    bool dedupe = r && r->dedupe && s && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows);
-    int evicted = 0;
-    if (!rc && !dedupe) { /* room made, or refused, before any block is taken */
-        uint64_t held = 0, unique = 0; /* a file the skim cannot step over: the read says why */
-        if (skim_blocks(f, &hd, path, s->cache, r, group, &held, &unique) == SKV_OK)
-            rc = skv_session_reserve(w->sessions, s, held, unique, &evicted);
-    }
     int32_t *tok = NULL;
     if (!rc && hd.n_tokens && !(tok = malloc((size_t)hd.n_tokens * sizeof *tok)))
         rc = SKV_E_NOMEM;
@@ -3331,9 +3301,24 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         else if (n_pending)
             rc = read_exact(f, &h, pending, (size_t)n_pending);
     }
+    /* LOAD's and a stored session's room, made (or refused) before any block is taken, once
+     * everything but the rows is read and checked: nothing is evicted for a file refused before
+     * them (a restore's files may share their blocks with sessions loaded before, which an
+     * eviction for its room could take: its charge at the end counts it, so the pool may pass
+     * its size by that session while it loads, at start) */
+    int evicted = 0;
+    if (!rc && !r) {
+        uint64_t bytes = 0; /* a file the skim cannot step over: the read says why */
+        if (skim_blocks(f, &hd, path, s->cache, &bytes) == SKV_OK)
+            rc = skv_session_reserve(w->sessions, s, bytes, bytes, &evicted);
+    }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL;    /* one head's K or V rows on their way into its blocks */
     uint32_t *refs = NULL; /* the store indices of its blocks there (version 4 on) */
+    uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
+    int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
+    /* older files' blocks are shared by their contents only once read (below) */
+    bool dedupe = r && r->dedupe && s && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows);
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -4905,8 +4890,8 @@ void skv_requests_execute(struct skv_worker *w, struct skv_job *job)
         skv_requests_fail(w, job, SKV_E_UNSUPPORTED, "this command is not served by the engine worker");
         break;
     }
-    /* the request's forward is over: its room is no longer held for it (a request run nested or
-     * in a yield leaves the running forward's hold alone) */
-    if (!w->nesting && !w->yielding)
-        skv_session_hold_room(w->sessions, NULL, 0, 0);
+    /* the request's forward is over: its room is no longer held for it (a request nested in a
+     * forward holds at level 1 and leaves the running forward's alone; one in a yield holds none) */
+    if (!w->yielding)
+        skv_session_hold_room(w->sessions, w->nesting, NULL, 0, 0);
 }

@@ -185,10 +185,12 @@ static int monitor_connections(struct skv_server *srv, void *sock, int auth_even
     return SKV_OK;
 }
 
-/* Monitors the admin ROUTER's connections (before it binds): read_admin_connections. */
-static int monitor_admin_connections(struct skv_server *srv, void *sock)
+/* Monitors the admin ROUTER's connections (before it binds): read_admin_connections. With CURVE
+ * the same monitor carries the handshake failures auth.c logs (one monitor per socket: a second
+ * would stop auth's). */
+static int monitor_admin_connections(struct skv_server *srv, void *sock, int auth_events)
 {
-    int events = ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED, linger = 0;
+    int events = ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | auth_events, linger = 0;
     if (zmq_socket_monitor(sock, ADMIN_CONNECTIONS_ENDPOINT, events) < 0 ||
         !(srv->admin_connections = zmq_socket(srv->zctx, ZMQ_PAIR)) ||
         zmq_setsockopt(srv->admin_connections, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
@@ -234,11 +236,10 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
-    int auth_events = 0; /* the client socket's monitor is ours: it carries auth's events too */
-    if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT,
-                                     idx ? NULL : &auth_events)) ||
+    int auth_events = 0; /* the sockets' monitors are ours: they carry auth's events too */
+    if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT, &auth_events)) ||
         (idx == 0 && (rc = monitor_connections(srv, s, auth_events))) ||
-        (idx == 1 && (rc = monitor_admin_connections(srv, s)))) {
+        (idx == 1 && (rc = monitor_admin_connections(srv, s, auth_events)))) {
         zmq_close(s);
         return rc;
     }
@@ -946,53 +947,80 @@ static bool is_client_conn(const struct skv_server *srv, int fd)
     return is_endpoint_conn(srv, 0, fd);
 }
 
-/* The admin endpoint's connection events: each counted, and one past ADMIN_CONNECTIONS_MAX
- * closed as it comes (the fd checked to be still an admin endpoint's connection). */
+/* Marks fd open (or not) on the admin endpoint; false when it cannot be recorded. */
+static bool admin_fd_set(struct skv_server *srv, int fd, bool open)
+{
+    if (fd < 0 || fd >= (1 << 24))
+        return false;
+    if (fd >= srv->admin_fds_cap) {
+        int cap = srv->admin_fds_cap ? srv->admin_fds_cap : 256;
+        while (cap <= fd)
+            cap *= 2;
+        uint8_t *grown = realloc(srv->admin_fds, (size_t)cap);
+        if (!grown)
+            return false;
+        memset(grown + srv->admin_fds_cap, 0, (size_t)(cap - srv->admin_fds_cap));
+        srv->admin_fds = grown;
+        srv->admin_fds_cap = cap;
+    }
+    if (open && !srv->admin_fds[fd]) /* (an ACCEPTED for a fd still open: its DISCONNECTED never came) */
+        srv->admin_open++;
+    else if (!open && srv->admin_fds[fd])
+        srv->admin_open -= srv->admin_open > 0;
+    srv->admin_fds[fd] = open;
+    return true;
+}
+
+/* The admin endpoint's monitor: connections counted, the newest past ADMIN_CONNECTIONS_MAX shut
+ * down when still open after the batch of events read (and its fd still the admin endpoint's),
+ * as read_connections does for max-connections; CURVE handshake failures to auth.c. */
 static void read_admin_connections(struct skv_server *srv)
 {
-    for (;;) {
-        zmq_msg_t head, addr;
-        zmq_msg_init(&head);
-        zmq_msg_init(&addr);
-        if (zmq_msg_recv(&head, srv->admin_connections, ZMQ_DONTWAIT) < 0) {
+    for (bool more = true; more;) {
+        struct {
+            uint16_t event;
+            int fd;
+        } ev[CONNECTION_BATCH];
+        int n = 0;
+        while (n < CONNECTION_BATCH) {
+            zmq_msg_t head, addr;
+            zmq_msg_init(&head);
+            zmq_msg_init(&addr);
+            if (zmq_msg_recv(&head, srv->admin_connections, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&head);
+                zmq_msg_close(&addr);
+                more = false;
+                break;
+            }
+            if (zmq_msg_more(&head))
+                zmq_msg_recv(&addr, srv->admin_connections, 0);
+            if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
+                uint32_t value;
+                memcpy(&ev[n].event, zmq_msg_data(&head), sizeof ev[n].event);
+                memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
+                ev[n++].fd = (int)value;
+            }
             zmq_msg_close(&head);
             zmq_msg_close(&addr);
-            break;
         }
-        if (zmq_msg_more(&head))
-            zmq_msg_recv(&addr, srv->admin_connections, 0);
-        uint16_t event = 0;
-        uint32_t value = 0;
-        if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
-            memcpy(&event, zmq_msg_data(&head), sizeof event);
-            memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
+        for (int i = 0; i < n; i++) {
+            if (ev[i].event == ZMQ_EVENT_ACCEPTED || ev[i].event == ZMQ_EVENT_DISCONNECTED)
+                (void)admin_fd_set(srv, ev[i].fd, ev[i].event == ZMQ_EVENT_ACCEPTED);
+            else
+                skv_auth_handshake_event(srv->auth, SKV_AUTH_ADMIN, ev[i].event, (uint32_t)ev[i].fd);
         }
-        zmq_msg_close(&head);
-        zmq_msg_close(&addr);
-        int fd = (int)value;
-        if ((event != ZMQ_EVENT_ACCEPTED && event != ZMQ_EVENT_DISCONNECTED) || fd < 0 || fd >= (1 << 24))
-            continue;
-        if (fd >= srv->admin_fds_cap) {
-            int cap = srv->admin_fds_cap ? srv->admin_fds_cap : 256;
-            while (cap <= fd)
-                cap *= 2;
-            uint8_t *grown = realloc(srv->admin_fds, (size_t)cap);
-            if (!grown)
-                continue; /* (not counted: no memory to) */
-            memset(grown + srv->admin_fds_cap, 0, (size_t)(cap - srv->admin_fds_cap));
-            srv->admin_fds = grown;
-            srv->admin_fds_cap = cap;
+        for (int i = n - 1; i >= 0 && srv->admin_open > ADMIN_CONNECTIONS_MAX; i--) {
+            if (ev[i].event != ZMQ_EVENT_ACCEPTED)
+                continue;
+            bool closed_since = false; /* (a handshake event's value is an errno) */
+            for (int j = i + 1; j < n && !closed_since; j++)
+                closed_since = ev[j].event == ZMQ_EVENT_DISCONNECTED && ev[j].fd == ev[i].fd;
+            if (closed_since || ev[i].fd < 0 || ev[i].fd >= srv->admin_fds_cap || !srv->admin_fds[ev[i].fd] ||
+                !is_endpoint_conn(srv, 1, ev[i].fd) || shutdown(ev[i].fd, SHUT_RDWR) != 0)
+                continue;
+            admin_fd_set(srv, ev[i].fd, false); /* its DISCONNECTED follows and is not counted again */
+            srv->admin_refused++;
         }
-        if (event == ZMQ_EVENT_DISCONNECTED) {
-            srv->admin_open -= srv->admin_fds[fd] && srv->admin_open > 0;
-            srv->admin_fds[fd] = 0;
-            continue;
-        }
-        if (!srv->admin_fds[fd]) /* (else its DISCONNECTED never came: counted once) */
-            srv->admin_open++;
-        srv->admin_fds[fd] = 1;
-        if (srv->admin_open > ADMIN_CONNECTIONS_MAX && is_endpoint_conn(srv, 1, fd) && shutdown(fd, SHUT_RDWR) == 0)
-            srv->admin_refused++; /* counted until its DISCONNECTED, which follows */
     }
     if (srv->admin_refused && skv_now_ms() - srv->admin_refused_logged_ms >= 10000) {
         skv_log(SKV_LOG_WARN, "%d connections are open on the admin endpoint (at most %d): %llu more were closed "

@@ -28,12 +28,12 @@ struct skv_session_table {
     uint64_t evictions;
     uint64_t mark; /* the last mark_kept's (blocks carry it: skv_kv_block.mark) */
     uint64_t tally; /* the last tenant_blocks' tallies are above it (blocks carry them: skv_kv_block.tally) */
-    /* the room the running forward reserved (skv_session_hold_room): what it has not taken yet
-     * counts as used for requests nested in it */
+    /* the room the running forward reserved (skv_session_hold_room), [0] the request's, [1] one
+     * nested in it: what it has not taken yet counts as used for requests run inside it */
     struct {
         struct skv_session *s;
         uint64_t held, unique, base; /* base: s's bytes when reserved */
-    } hold;
+    } hold[2];
 };
 
 /* Added to CLOCK_MONOTONIC (which starts near 0 at boot), so that a time an idle span before now
@@ -231,8 +231,9 @@ static void evict(struct skv_session_table *t, struct skv_session *s)
 
 void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
 {
-    if (t->hold.s == s)
-        t->hold.s = NULL;
+    for (int l = 0; l < 2; l++)
+        if (t->hold[l].s == s)
+            t->hold[l].s = NULL;
     if (t->on_destroy)
         t->on_destroy(t->on_destroy_user, s);
     bucket_unlink(t, s);
@@ -446,22 +447,25 @@ static uint64_t freeable_bytes(struct skv_session_table *t, const struct skv_ses
     return n * skv_kv_pool_block_bytes(except->cache->pool);
 }
 
-void skv_session_hold_room(struct skv_session_table *t, struct skv_session *s, uint64_t held, uint64_t unique)
+void skv_session_hold_room(struct skv_session_table *t, int level, struct skv_session *s, uint64_t held,
+                           uint64_t unique)
 {
-    t->hold.s = s;
-    t->hold.held = held;
-    t->hold.unique = unique;
-    t->hold.base = s ? skv_session_block_bytes(s) : 0;
+    t->hold[level].s = s;
+    t->hold[level].held = held;
+    t->hold[level].unique = unique;
+    t->hold[level].base = s ? skv_session_block_bytes(s) : 0;
 }
 
-/* What the held room's forward may still take: its reservation less what its session grew by
- * since (an estimate: a compaction meanwhile gives the whole reservation back to it). */
-static uint64_t held_left(const struct skv_session_table *t, const struct skv_session *s, uint64_t reserved)
+/* What the forward of hold `level` may still take of the pool: its reservation less what its
+ * session grew by since (an estimate: a compaction meanwhile gives the whole reservation back
+ * to it); none for s's own. */
+static uint64_t held_left(const struct skv_session_table *t, const struct skv_session *s, int level)
 {
-    if (!t->hold.s || t->hold.s == s)
+    const struct skv_session *h = t->hold[level].s;
+    if (!h || h == s)
         return 0;
-    uint64_t now = skv_session_block_bytes(t->hold.s), grown = now > t->hold.base ? now - t->hold.base : 0;
-    return grown < reserved ? reserved - grown : 0;
+    uint64_t now = skv_session_block_bytes(h), grown = now > t->hold[level].base ? now - t->hold[level].base : 0;
+    return grown < t->hold[level].unique ? t->hold[level].unique - grown : 0;
 }
 
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
@@ -475,12 +479,15 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     uint64_t tenant_bytes;
     tenant_usage(t, s->tenant, &count, &tenant_bytes);
     tenant_bytes += more_held;
-    /* a request nested in a forward that reserved room: that room is the forward's */
-    more_unique += held_left(t, s, t->hold.unique);
-    /* the tenant's count has the outer session at its bytes when it reserved (s->bytes is set
-     * there and not again until its charge), so all of its reservation is still to come */
-    if (t->hold.s && t->hold.s != s && strcmp(t->hold.s->tenant, s->tenant) == 0)
-        tenant_bytes += t->hold.held;
+    /* a request run inside forwards that reserved room (the running one's, and one nested in
+     * it): that room is theirs */
+    for (int l = 0; l < 2; l++) {
+        more_unique += held_left(t, s, l);
+        /* the tenant's count has the holding session at its bytes when it reserved (s->bytes is
+         * set there and not again until its charge), so all of its reservation is still to come */
+        if (t->hold[l].s && t->hold[l].s != s && strcmp(t->hold[l].s->tenant, s->tenant) == 0)
+            tenant_bytes += t->hold[l].held;
+    }
     /* what the pool holds only for reuse counts for the tenant with its sessions, and goes
      * before any session, the tenant's own for its quota */
     if (t->cache_held) {
@@ -524,9 +531,11 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
                               (unsigned long long)used, (unsigned long long)t->lim.pool_bytes,
                               (unsigned long long)p_free);
     }
-    int evicted = 0;
+    int evicted = 0; /* *evicted_out: those evicted before a refusal too */
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {
         struct skv_session *v = lru_victim(t, s, s->tenant, 0, false);
+        if (!v && evicted_out)
+            *evicted_out = evicted;
         if (!v)
             return skv_errorf(SKV_E_LIMIT, "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu)",
                               s->tenant, (unsigned long long)tenant_bytes,
@@ -541,6 +550,8 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
         if (!keep) /* the tenant's evictions brought it here */
             keep = mark_kept(t, s);
         struct skv_session *v = pool_victim(t, s, keep); /* one that frees a block: not a fork's document */
+        if (!v && evicted_out)
+            *evicted_out = evicted;
         if (!v)
             return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes in use and nothing can be evicted",
                               (unsigned long long)used, (unsigned long long)t->lim.pool_bytes);

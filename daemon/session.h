@@ -105,16 +105,18 @@ int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
  * equal share of it (pool bytes / tenants with sessions), then anyone's;
  * SKV_E_POOL_FULL / SKV_E_LIMIT when that is not enough (the caller then drops `s`, or undoes
  * what it added). Nothing is evicted when evicting every candidate could not make room.
- * *evicted_out (may be NULL) counts the sessions evicted. */
+ * *evicted_out (may be NULL) counts the sessions evicted, also when it then refuses. */
 int skv_session_charge(struct skv_session_table *t, struct skv_session *s, int *evicted_out);
 /* The same before a request adds to s: room for `more_held` more bytes of blocks held by s's
  * tenant and `more_unique` more unique bytes in the pool (skv_kv_cache_growth's bound), so that
  * a request that will not fit fails before it changes anything. */
 /* The room a forward of s reserved (skv_session_reserve's more_held / more_unique) and that it
  * will take while it runs: a request nested in that forward (fair-slice-ms) counts what s has
- * not taken yet as in use, so it cannot take the room and leave the forward short. NULL clears
- * it; destroying s does too. */
-void skv_session_hold_room(struct skv_session_table *t, struct skv_session *s, uint64_t held, uint64_t unique);
+ * not taken yet as in use, so it cannot take the room and leave the forward short. level 0: the
+ * running request's; 1: a request nested in it, whose own forward runs short requests and decode
+ * rounds inside it. NULL clears it; destroying s does too. */
+void skv_session_hold_room(struct skv_session_table *t, int level, struct skv_session *s, uint64_t held,
+                           uint64_t unique);
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out);
 

@@ -578,18 +578,6 @@ static bool record_is_exact(const struct skv_kv_store *st, int kv_type)
     return true;
 }
 
-bool skv_kv_store_would_share(struct skv_kv_store *st, uint32_t idx, uint64_t group, const struct skv_kv_cache *c)
-{
-    if (st->writing || idx >= st->hd.n_blocks || c->block_rows != (int)st->hd.block_rows || !st->pool ||
-        st->pool != c->pool)
-        return false;
-    const struct loaded *l = &st->loaded[idx];
-    if (!l->b || l->group != group || !skv_kv_pool_hold_if(st->pool, l->b, l->stamp))
-        return false;
-    skv_kv_pool_put(st->pool, l->b);
-    return true;
-}
-
 int skv_kv_store_get(struct skv_kv_store *st, uint32_t idx, int rows, uint64_t group, struct skv_kv_cache *c,
                      int layer, int h, bool *shared)
 {

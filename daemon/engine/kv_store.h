@@ -62,10 +62,6 @@ bool skv_kv_store_usable(const struct skv_kv_store *st);
  * changed across the restart) are read as rows, never shared. */
 int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows, int head_dim, int64_t n_named,
                       struct skv_kv_store **out);
-/* Whether skv_kv_store_get would share block idx with cache c of `group` (a cache of the
- * store's pool and block size that names it at a block boundary) rather than give it a block of
- * its own: a block of that group read before and still held. Nothing is taken. */
-bool skv_kv_store_would_share(struct skv_kv_store *st, uint32_t idx, uint64_t group, const struct skv_kv_cache *c);
 /* Appends the first `rows` rows of block idx (1..the store's block_rows: a head's last block
  * may be partly filled) to head h of `layer` as its next rows. The first cache of `group` to
  * name idx gets it read from the file (its checksum and finite values checked) into a block of

@@ -551,6 +551,23 @@ static void test_admin_endpoint_over_curve(void **state)
     assert_int_equal(connect_to(admin_ep, e, &e->alice, NULL, NULL, REFUSE_TIMEOUT_MS, &a), SNAPKV_E_PERM);
     assert_non_null(strstr(snapkv_last_error(), "refused this client's CURVE key"));
     assert_int_equal(connect_to(admin_ep, e, NULL, NULL, NULL, REFUSE_TIMEOUT_MS, &a), SNAPKV_E_PERM);
+    /* the failed handshake is logged: auth's events come through the admin monitor (a monitor
+     * of its own would have stopped auth's, and nothing was logged) */
+    for (int i = 0; i < 200 && !log_has(log, "admin endpoint"); i++)
+        usleep(50 * 1000);
+    bool said = false;
+    for (int i = 0; i < 200 && !said; i++) {
+        FILE *lf = fopen(log, "r");
+        char line[1024];
+        while (lf && fgets(line, sizeof line, lf))
+            said |= strstr(line, "admin endpoint") && strstr(line, "a handshake failed: ");
+        if (lf)
+            fclose(lf);
+        if (!said)
+            usleep(50 * 1000);
+    }
+    if (!said)
+        fail_msg("no admin handshake failure logged in %s", log);
     kill(pid, SIGTERM);
     int status;
     assert_int_equal(waitpid(pid, &status, 0), pid);
