@@ -56,7 +56,6 @@ struct skv_auth {
     struct key_list lists[2];       /* authorized keys per CURVE endpoint */
     void *zctx;
     void *zap;                      /* REP bound on ZAP_ENDPOINT */
-    void *monitor[2];               /* PAIR receiving handshake events of each CURVE endpoint */
     struct log_limit refused, handshake[2];
 };
 
@@ -259,8 +258,6 @@ void skv_auth_destroy(struct skv_auth **auth_p)
     if (a->zap)
         zmq_close(a->zap);
     for (int i = 0; i < 2; i++) {
-        if (a->monitor[i])
-            zmq_close(a->monitor[i]);
         key_list_free(&a->lists[i]);
         free(a->endpoint[i]);
     }
@@ -297,8 +294,7 @@ int skv_auth_start(struct skv_auth *a, void *zctx)
 
 int skv_auth_secure_socket(struct skv_auth *a, void *sock, enum skv_auth_endpoint which, int *monitor_events)
 {
-    if (monitor_events)
-        *monitor_events = 0;
+    *monitor_events = 0;
     if (a->mode[which] != MODE_CURVE)
         return SKV_OK;
     int one = 1;
@@ -307,13 +303,7 @@ int skv_auth_secure_socket(struct skv_auth *a, void *sock, enum skv_auth_endpoin
         zmq_setsockopt(sock, ZMQ_CURVE_SECRETKEY, a->secret_z85, SKV_KEY_Z85_LEN + 1) < 0 ||
         zmq_setsockopt(sock, ZMQ_ZAP_DOMAIN, domain, strlen(domain)) < 0)
         return skv_errorf(SKV_E_IO, "%s endpoint: CURVE options: %s", domain, zmq_strerror(zmq_errno()));
-    char addr[64];
-    snprintf(addr, sizeof addr, "inproc://snapkvd-handshakes-%s", domain);
-    if (monitor_events)
-        *monitor_events = HANDSHAKE_EVENTS; /* the caller monitors the socket */
-    else if (zmq_socket_monitor(sock, addr, HANDSHAKE_EVENTS) < 0 ||
-             !(a->monitor[which] = zmq_socket(a->zctx, ZMQ_PAIR)) || zmq_connect(a->monitor[which], addr) < 0)
-        return skv_errorf(SKV_E_IO, "%s endpoint: handshake monitor: %s", domain, zmq_strerror(zmq_errno()));
+    *monitor_events = HANDSHAKE_EVENTS; /* the caller monitors the socket */
     skv_log(SKV_LOG_INFO, "%s endpoint %s: CURVE, %zu authorized key(s) from %s", domain, a->endpoint[which],
             a->lists[which].n, a->lists[which].path);
     return SKV_OK;
@@ -324,9 +314,6 @@ size_t skv_auth_sockets(const struct skv_auth *a, void **socks)
     size_t n = 0;
     if (a->zap)
         socks[n++] = a->zap;
-    for (int i = 0; i < 2; i++)
-        if (a->monitor[i])
-            socks[n++] = a->monitor[i];
     return n;
 }
 
@@ -455,35 +442,11 @@ void skv_auth_handshake_event(struct skv_auth *a, enum skv_auth_endpoint which, 
     }
 }
 
-static void monitor_read_one(struct skv_auth *a, int which)
-{
-    zmq_msg_t head, addr;
-    zmq_msg_init(&head);
-    zmq_msg_init(&addr);
-    if (zmq_msg_recv(&head, a->monitor[which], ZMQ_DONTWAIT) < 0)
-        goto out;
-    if (zmq_msg_more(&head) && zmq_msg_recv(&addr, a->monitor[which], 0) < 0)
-        goto out;
-    if (zmq_msg_size(&head) != 6)
-        goto out;
-    uint16_t event;
-    uint32_t value;
-    memcpy(&event, zmq_msg_data(&head), sizeof event);
-    memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
-    skv_auth_handshake_event(a, which, event, value);
-out:
-    zmq_msg_close(&head);
-    zmq_msg_close(&addr);
-}
-
 void skv_auth_serve(struct skv_auth *a)
 {
     /* bounded batches: the socket loop has other work */
     for (int k = 0; k < 64 && skv_zmq_has_input(a->zap); k++)
         zap_answer_one(a);
-    for (int i = 0; i < 2; i++)
-        for (int k = 0; k < 64 && skv_zmq_has_input(a->monitor[i]); k++)
-            monitor_read_one(a, i);
 }
 
 int skv_auth_reload(struct skv_auth *a)

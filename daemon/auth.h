@@ -23,22 +23,22 @@ enum skv_auth_endpoint { SKV_AUTH_CLIENT = 0, SKV_AUTH_ADMIN = 1 };
 int skv_auth_new(const struct skv_config *cfg, struct skv_auth **out);
 void skv_auth_destroy(struct skv_auth **auth_p);
 
-/* Binds the ZAP handler and handshake monitors on zctx; call before binding the endpoints. */
+/* Binds the ZAP handler on zctx; call before binding the endpoints. */
 int skv_auth_start(struct skv_auth *auth, void *zctx);
 /* Sets the CURVE server options on sock (a ROUTER not yet bound) when endpoint `which` uses
  * CURVE; does nothing for ipc:// and insecure tcp:// endpoints. libzmq allows one monitor per
- * socket: with monitor_events NULL, auth starts its own handshake monitor on a CURVE socket;
- * otherwise it starts none and sets *monitor_events to the events the caller's monitor must
- * include and pass to skv_auth_handshake_event (0 for an endpoint without CURVE). */
+ * socket, and the caller's monitors every endpoint's connections: *monitor_events gets the
+ * events that monitor must include and pass to skv_auth_handshake_event (0 for an endpoint
+ * without CURVE). */
 int skv_auth_secure_socket(struct skv_auth *auth, void *sock, enum skv_auth_endpoint which, int *monitor_events);
 /* Logs a handshake failure that the caller's monitor of endpoint `which` read (rate-limited);
  * other events are ignored. */
 void skv_auth_handshake_event(struct skv_auth *auth, enum skv_auth_endpoint which, uint16_t event, uint32_t value);
 bool skv_auth_uses_curve(const struct skv_auth *auth, enum skv_auth_endpoint which);
 
-/* The ZAP and monitor sockets to poll for input (n written, at most 3). */
+/* The ZAP socket to poll for input (n written, at most 3). */
 size_t skv_auth_sockets(const struct skv_auth *auth, void **socks);
-/* Answers every waiting ZAP request and logs handshake failures; never blocks. */
+/* Answers every waiting ZAP request; never blocks. */
 void skv_auth_serve(struct skv_auth *auth);
 
 /* Whether the CURVE key z85 (a request's "X-Key" metadata, which the ZAP handler set for its

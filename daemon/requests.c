@@ -701,8 +701,9 @@ static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, bool
 }
 
 /* The same for the forward of a request that may run others inside it (PREFILL, APPEND,
- * COMPRESS, not nested themselves): the room stays the forward's until the request ends
- * (skv_session_hold_room; the dispatcher clears it). undo: the session's undo copy (NULL:
+ * COMPRESS: short requests and decode rounds, and when not nested itself a nested request): the
+ * room stays the forward's until the request ends (skv_session_hold_room, at level 1 for a
+ * nested request; the dispatcher clears it). undo: the session's undo copy (NULL:
  * none), whose compressor's query ring, allocated beside the session's own until the request
  * ends, counts for the tenant too (outside the pool, as the session's own ring). */
 static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, bool compacts,
