@@ -947,6 +947,42 @@ static bool is_client_conn(const struct skv_server *srv, int fd)
     return is_endpoint_conn(srv, 0, fd);
 }
 
+/* One event of a socket monitor: its kind, and its value (the fd for ACCEPTED / DISCONNECTED,
+ * an errno for a handshake failure). */
+struct monitor_event {
+    uint16_t event;
+    int fd;
+};
+
+/* Reads up to CONNECTION_BATCH events waiting on monitor into ev; *more is cleared once none is
+ * left. Returns how many. */
+static int read_monitor_batch(void *monitor, struct monitor_event *ev, bool *more)
+{
+    int n = 0;
+    while (n < CONNECTION_BATCH) {
+        zmq_msg_t head, addr;
+        zmq_msg_init(&head);
+        zmq_msg_init(&addr);
+        if (zmq_msg_recv(&head, monitor, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&head);
+            zmq_msg_close(&addr);
+            *more = false;
+            break;
+        }
+        if (zmq_msg_more(&head))
+            zmq_msg_recv(&addr, monitor, 0);
+        if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value */
+            uint32_t value;
+            memcpy(&ev[n].event, zmq_msg_data(&head), sizeof ev[n].event);
+            memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
+            ev[n++].fd = (int)value;
+        }
+        zmq_msg_close(&head);
+        zmq_msg_close(&addr);
+    }
+    return n;
+}
+
 /* Marks fd open (or not) on the admin endpoint; false when it cannot be recorded. */
 static bool admin_fd_set(struct skv_server *srv, int fd, bool open)
 {
@@ -977,32 +1013,8 @@ static bool admin_fd_set(struct skv_server *srv, int fd, bool open)
 static void read_admin_connections(struct skv_server *srv)
 {
     for (bool more = true; more;) {
-        struct {
-            uint16_t event;
-            int fd;
-        } ev[CONNECTION_BATCH];
-        int n = 0;
-        while (n < CONNECTION_BATCH) {
-            zmq_msg_t head, addr;
-            zmq_msg_init(&head);
-            zmq_msg_init(&addr);
-            if (zmq_msg_recv(&head, srv->admin_connections, ZMQ_DONTWAIT) < 0) {
-                zmq_msg_close(&head);
-                zmq_msg_close(&addr);
-                more = false;
-                break;
-            }
-            if (zmq_msg_more(&head))
-                zmq_msg_recv(&addr, srv->admin_connections, 0);
-            if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
-                uint32_t value;
-                memcpy(&ev[n].event, zmq_msg_data(&head), sizeof ev[n].event);
-                memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
-                ev[n++].fd = (int)value;
-            }
-            zmq_msg_close(&head);
-            zmq_msg_close(&addr);
-        }
+        struct monitor_event ev[CONNECTION_BATCH];
+        int n = read_monitor_batch(srv->admin_connections, ev, &more);
         for (int i = 0; i < n; i++) {
             if (ev[i].event == ZMQ_EVENT_ACCEPTED || ev[i].event == ZMQ_EVENT_DISCONNECTED)
                 (void)admin_fd_set(srv, ev[i].fd, ev[i].event == ZMQ_EVENT_ACCEPTED);
@@ -1033,32 +1045,8 @@ static void read_admin_connections(struct skv_server *srv)
 static void read_connections(struct skv_server *srv)
 {
     for (bool more = true; more;) {
-        struct {
-            uint16_t event;
-            int fd;
-        } ev[CONNECTION_BATCH];
-        int n = 0;
-        while (n < CONNECTION_BATCH) {
-            zmq_msg_t head, addr;
-            zmq_msg_init(&head);
-            zmq_msg_init(&addr);
-            if (zmq_msg_recv(&head, srv->connections, ZMQ_DONTWAIT) < 0) {
-                zmq_msg_close(&head);
-                zmq_msg_close(&addr);
-                more = false;
-                break;
-            }
-            if (zmq_msg_more(&head))
-                zmq_msg_recv(&addr, srv->connections, 0);
-            if (zmq_msg_size(&head) == 6) { /* u16 event, u32 value (the fd for these events) */
-                uint32_t value;
-                memcpy(&ev[n].event, zmq_msg_data(&head), sizeof ev[n].event);
-                memcpy(&value, (const char *)zmq_msg_data(&head) + 2, sizeof value);
-                ev[n++].fd = (int)value;
-            }
-            zmq_msg_close(&head);
-            zmq_msg_close(&addr);
-        }
+        struct monitor_event ev[CONNECTION_BATCH];
+        int n = read_monitor_batch(srv->connections, ev, &more);
         if (n == 0) /* the common case: called for every client message and reply */
             break;
         uint64_t now = skv_now_ms();

@@ -4,14 +4,18 @@
  * error code and a message; the worker then still answers STATS; pool and tenant limits keep
  * memory bounded across inputs (sessions live on between inputs, as in a daemon).
  *
- * Input: byte 0 is the routing id (clients 0..3), the rest a packed snapkv.Request. A
+ * Input: byte 0 is the routing id (clients 0..3), the rest a packed snapkv.Request; or byte 0
+ * is 0xFE and the rest a saved session's file, which an admin LOADs (the saved format's reader,
+ * and the pass over the rows that makes room before it, on hostile bytes: the checksum is
+ * checked only at the end). A
  * session_id of one byte k names the k-th newest session the worker created (so the fuzzer
  * can chain PREFILL, FORK, DECODE, COMPRESS, EXPORT, ... without guessing 16 random bytes); a
  * shm_name "@" names a 1 MiB shared-memory buffer the harness made. The version is set to 1 and
  * admin commands go to the admin endpoint, which is what the socket thread checks first; HELLO,
  * STATUS and CONFIG_GET never reach the worker and are skipped.
  *
- * `fuzz_worker -seeds DIR` writes a seed corpus (one valid request per command) and exits.
+ * `fuzz_worker -seeds DIR` writes a seed corpus (one valid request per command, and two files
+ * SAVE wrote: a full and a compressed session) and exits.
  * Build and run with scripts/fuzz, from the source tree (it stages tests/fixtures/tiny-llama). */
 #include <errno.h>
 #include <fcntl.h>
@@ -379,6 +383,86 @@ static void write_seeds(const char *dir)
     write_seed(dir, "load", 3, SNAPKV__REQUEST__COMMAND_LOAD, &ld);
 }
 
+#define FILE_INPUT 0xFE /* byte 0 of an input that is a saved session's file */
+
+/* LOADs the file bytes data[0..size) as "fz" for tenant "t" on the admin endpoint. */
+static void load_file(const uint8_t *data, size_t size)
+{
+    char path[160];
+    snprintf(path, sizeof path, "%s/fz.skv", g.state_dir);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, size, f) != size || fclose(f) != 0)
+        __builtin_trap();
+    Snapkv__LoadRequest ld = SNAPKV__LOAD_REQUEST__INIT;
+    ld.name = "fz";
+    ld.tenant = "t";
+    Snapkv__Request q = SNAPKV__REQUEST__INIT;
+    q.version = 1;
+    q.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
+    q.load = &ld;
+    uint8_t buf[64];
+    size_t len = snapkv__request__pack(&q, buf);
+    if (submit(1, 3, snapkv__request__unpack(NULL, len, buf)))
+        drain(1, 3);
+}
+
+/* Runs req (a PREFILL, a SAVE) on the worker, on the admin endpoint when admin. */
+static void run_seed_request(Snapkv__Request *req, bool admin)
+{
+    uint8_t buf[1024];
+    req->version = 1;
+    size_t len = snapkv__request__get_packed_size(req);
+    if (len > sizeof buf)
+        exit(1);
+    snapkv__request__pack(req, buf);
+    Snapkv__Request *copy = snapkv__request__unpack(NULL, len, buf);
+    rewrite(copy);
+    if (!submit(admin, admin ? 3 : 0, copy))
+        exit(1);
+    drain(admin, admin ? 3 : 0);
+}
+
+/* Two files SAVE wrote (a 3-token full session, and a 12-token one compressed to 6 rows a
+ * head), each as an input: FILE_INPUT and the file. */
+static void write_file_seeds(const char *dir)
+{
+    uint32_t toks[12] = {11, 48, 85, 122, 159, 196, 233, 14, 51, 88, 125, 162};
+    Snapkv__CompressSpec spec = SNAPKV__COMPRESS_SPEC__INIT;
+    spec.spec = "policy=snapkv,budget=6,window=4";
+    static uint8_t newest[1] = {0};
+    for (int k = 0; k < 2; k++) {
+        Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+        p.n_tokens = k ? 12 : 3;
+        p.tokens = toks;
+        p.compress = k ? &spec : NULL;
+        Snapkv__Request req = SNAPKV__REQUEST__INIT;
+        req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+        req.prefill = &p;
+        run_seed_request(&req, false);
+        Snapkv__SaveRequest sv = SNAPKV__SAVE_REQUEST__INIT;
+        sv.session_id = (ProtobufCBinaryData){1, newest};
+        sv.name = "seed";
+        req = (Snapkv__Request)SNAPKV__REQUEST__INIT;
+        req.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
+        req.save = &sv;
+        run_seed_request(&req, true);
+        char path[512];
+        snprintf(path, sizeof path, "%s/seed.skv", g.state_dir);
+        FILE *f = fopen(path, "rb");
+        uint8_t file[1 << 16];
+        size_t n = f ? fread(file + 1, 1, sizeof file - 1, f) : 0;
+        if (f)
+            fclose(f);
+        if (n == 0)
+            exit(1);
+        file[0] = FILE_INPUT;
+        snprintf(path, sizeof path, "%s/file-%s", dir, k ? "snapkv" : "full");
+        f = fopen(path, "wb");
+        if (!f || fwrite(file, 1, n + 1, f) != n + 1 || fclose(f) != 0)
+            exit(1);
+    }
+}
+
 static void cleanup(void)
 {
     char cmd[128];
@@ -390,11 +474,12 @@ static void cleanup(void)
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
+    const char *seeds = NULL;
     for (int i = 1; i + 1 < *argc; i++)
-        if (strcmp((*argv)[i], "-seeds") == 0) {
-            write_seeds((*argv)[i + 1]);
-            exit(0);
-        }
+        if (strcmp((*argv)[i], "-seeds") == 0)
+            seeds = (*argv)[i + 1];
+    if (seeds)
+        write_seeds(seeds); /* the files SAVE writes after the worker starts, below */
     void *tiny = NULL;
     if (tiny_setup(&tiny)) {
         fprintf(stderr, "fuzz_worker: tiny model: %s (run from the source tree)\n", skv_error_msg());
@@ -426,6 +511,10 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         exit(1);
     }
     atexit(cleanup);
+    if (seeds) {
+        write_file_seeds(seeds);
+        exit(0);
+    }
     return 0;
 }
 
@@ -433,6 +522,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
+    if (data[0] == FILE_INPUT) {
+        load_file(data + 1, size - 1);
+        check_alive();
+        return 0;
+    }
     Snapkv__Request *req = snapkv__request__unpack(NULL, size - 1, data + 1);
     if (!req)
         return 0; /* the socket thread answers SKV_E_PROTO */
