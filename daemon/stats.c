@@ -85,7 +85,7 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
          (double)m->requests_nested},
         {"snapkv_requests_dropped_on_disconnect_total",
          "requests of clients whose connection closed that were dropped while queued (PREFILL, FORK, IMPORT_KV) "
-         "or stopped inside a PREFILL's or APPEND's forward",
+         "or stopped inside a PREFILL's forward",
          (double)m->requests_dropped_gone},
         {"snapkv_requests_past_deadline_total",
          "requests answered TIMEOUT without running because they waited past their client's deadline (its "
