@@ -95,7 +95,8 @@ static int to_f32(struct skv_model *m, struct skv_tensor *t)
 }
 
 /* Copies a matrix of a type the backend does not multiply with into backend memory as f16,
- * some rows at a time (the dequantized values of a quantized type fit f16's range). */
+ * some rows at a time; a value past f16's range (65504: a quantized block's scale can reach
+ * millions) is refused, which would be infinite there and NaN every row it touches. */
 static int to_device_f16(struct skv_model *m, struct skv_tensor *t)
 {
     const int64_t cols = t->ne[0], rows = t->ndim > 1 ? t->ne[1] : 1;
@@ -113,8 +114,15 @@ static int to_device_f16(struct skv_model *m, struct skv_tensor *t)
         int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
         for (int64_t r = 0; !rc && r < n; r++) {
             rc = skv_dequantize_row(t->type, (const uint8_t *)t->data + (size_t)(r0 + r) * row_bytes, f, cols);
-            for (int64_t i = 0; !rc && i < cols; i++)
+            for (int64_t i = 0; !rc && i < cols; i++) {
+                if (!(fabsf(f[i]) <= 65504.0f))
+                    rc = skv_errorf(SKV_E_FORMAT,
+                                    "tensor %s: a weight of %g (row %lld) is past f16's range, to which the %s "
+                                    "backend's copy of a %s matrix is converted",
+                                    t->name ? t->name : "?", (double)f[i], (long long)(r0 + r), m->be->name,
+                                    skv_dtype_name(t->type));
                 h[r * cols + i] = skv_f32_to_fp16(f[i]);
+            }
         }
         if (!rc)
             rc = m->be->ops->upload(m->be, (uint16_t *)dev + r0 * cols, h, (size_t)(n * cols) * sizeof *h);

@@ -516,6 +516,7 @@ struct gguf_extra {
     const char *freq_base_str; /* llama.rope.freq_base as a string (a hand-edited file); NULL: none */
     int experts;              /* llama.expert_count; 0: absent */
     bool no_eps;              /* llama.attention.layer_norm_rms_epsilon left out (else 1e-5) */
+    float weight;             /* every matrix's value (0: 0.01) */
 };
 
 /* Writes a llama GGUF to a temporary file and returns its path (malloc'd): 1 layer, dim 8,
@@ -580,7 +581,7 @@ static char *write_gguf(const struct gguf_extra *x)
     while (b.len % align)
         gb_put(&b, "", 1);
     for (size_t i = 0; i < n_tensors; i++) {
-        float v = tensors[i].ne1 ? 0.01f : 1.0f;
+        float v = tensors[i].ne1 ? (x->weight != 0.0f ? x->weight : 0.01f) : 1.0f;
         for (uint64_t k = 0; k < tensors[i].ne0 * (tensors[i].ne1 ? tensors[i].ne1 : 1); k++)
             gb_put(&b, &v, 4);
         while (b.len % align)
@@ -618,21 +619,21 @@ static void test_gguf_rope_scaling(void **state)
         float freq_scale; /* on SKV_OK */
         const char *in_msg; /* otherwise */
     } cases[] = {
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 1.0f, NULL},
-        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 1.0f, NULL},
-        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 0.25f, NULL},
-        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 0.5f, NULL},
-        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_OK, 1.0f, NULL},
-        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
-        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
-        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
-        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0, false}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
-        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0, false}, SKV_E_FORMAT, 0.0f, "rope"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 1.0f, NULL},
+        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 1.0f, NULL},
+        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 0.25f, NULL},
+        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 0.5f, NULL},
+        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 1.0f, NULL},
+        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
+        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
+        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
+        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
+        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_FORMAT, 0.0f, "rope"},
         /* present but unreadable: refused (before, 10000 was used without a word) */
-        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0, false}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8, false}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
         /* required, as llama.cpp requires it (before, 1e-5 was taken for any model) */
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, true}, SKV_E_FORMAT, 0.0f, "missing llama.attention.layer_norm_rms_epsilon"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, true, 0.0f}, SKV_E_FORMAT, 0.0f, "missing llama.attention.layer_norm_rms_epsilon"},
     };
     struct skv_backend *be = NULL;
     assert_int_equal(backend_new(1, &be), SKV_OK);
@@ -1195,6 +1196,37 @@ static bool f16_f32_only(int type)
     return type == SKV_DTYPE_F32 || type == SKV_DTYPE_F16;
 }
 
+static bool f16_only(int type)
+{
+    return type == SKV_DTYPE_F16;
+}
+
+/* A weight past f16's range (65504) is refused when it must be converted to f16 for a backend
+ * (before, it became infinite there, and every row it touched NaN, where the CPU stayed finite);
+ * within the range it is converted. */
+static void test_weights_f16_range(void **state)
+{
+    (void)state;
+    struct skv_backend *cpu = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &cpu), SKV_OK);
+    struct skv_backend_ops ops = *cpu->ops;
+    ops.weight_type_ok = f16_only;
+    struct skv_backend dev = *cpu; /* host memory, copied as a device's (not destroyed: cpu is) */
+    dev.name = "f16-device";
+    dev.ops = &ops;
+    struct gguf_extra big = {.weight = 1e5f}, fine = {.weight = 60000.0f};
+    struct skv_model *m = NULL;
+    assert_int_equal(load_written(&big, &dev, &m), SKV_E_FORMAT);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "past f16's range"));
+    assert_int_equal(load_written(&fine, &dev, &m), SKV_OK);
+    assert_int_equal(m->layers[0].wq.type, SKV_DTYPE_F16);
+    skv_model_free(&m);
+    assert_int_equal(load_written(&big, cpu, &m), SKV_OK); /* the CPU reads f32 as it is */
+    skv_model_free(&m);
+    skv_backend_destroy(&cpu);
+}
+
 static void test_weights_converted(void **state)
 {
     (void)state;
@@ -1379,7 +1411,8 @@ int main(void)
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
         cmocka_unit_test(test_tokenizer_fits_model), cmocka_unit_test(test_tick_matches_plain),
-        cmocka_unit_test(test_weights_converted),  cmocka_unit_test(test_hf_config_checks),
+        cmocka_unit_test(test_weights_converted),
+        cmocka_unit_test(test_weights_f16_range),  cmocka_unit_test(test_hf_config_checks),
         cmocka_unit_test(test_name_is_text),
     };
     const struct CMUnitTest cuda[] = {
