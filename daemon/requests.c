@@ -709,9 +709,9 @@ static int reserve_rows(struct skv_worker *w, struct skv_session *s, int n, bool
 static int reserve_forward(struct skv_worker *w, struct skv_session *s, int n, bool compacts,
                            const struct session_undo *undo)
 {
-    uint64_t held, unique;
-    int rc = reserve_rows(w, s, n, compacts, undo ? skv_compressor_ring_bytes(undo->comp) : 0, 0, &held, &unique);
-    held += undo ? skv_compressor_ring_bytes(undo->comp) : 0;
+    uint64_t held, unique, ring = undo ? skv_compressor_ring_bytes(undo->comp) : 0;
+    int rc = reserve_rows(w, s, n, compacts, ring, 0, &held, &unique);
+    held += ring;
     if (!rc && !w->yielding) /* a short request in a yield holds nothing; a nested one its own level */
         skv_session_hold_room(w->sessions, w->nesting, s, held, unique);
     return rc;
@@ -2216,7 +2216,7 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     w->metrics.decode_tokens++;
     skv_worker_tenant(w, d->job->tenant)->decode_tokens++;
-    if (rc && (rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL) && d->produced > (in ? 0u : 1u)) {
+    if ((rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL) && d->produced > (in ? 0u : 1u)) {
         skv_log(SKV_LOG_DEBUG, "a decode ends after %u tokens: %s", d->produced - !in, skv_error_msg());
         if (!in) {
             d->produced--; /* the refused one never entered */
@@ -3174,8 +3174,10 @@ static int read_saved_i32(FILE *f, int32_t *v, const char *path)
  * stands (the first head's row count: the tokens, compressor state, logits and a cut character
  * read already) and f put back there. It steps over the rows and checks only the counts it
  * needs to find them and that the file is long enough for its checksum; the read that follows
- * checks everything (and says what is wrong with a file this pass could not step over). For a
- * file of a daemon's own kind only (SAVE's, a stored value's: no block store named). */
+ * checks everything (and says what is wrong with a file this pass could not step over). For
+ * the files LOAD and the store take, versions 1..3 (SAVE_VERSION): each head's positions, from
+ * version 2 its scores, then its K and V rows; the later versions, a persist save's, name a
+ * block store and are refused before. */
 static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, const struct skv_kv_cache *c,
                        uint64_t *bytes)
 {
@@ -3185,31 +3187,19 @@ static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, 
     const uint64_t row = (uint64_t)c->head_dim * sizeof(float), cbr = (uint64_t)c->block_rows;
     uint64_t blocks = 0;
     int rc = SKV_OK;
+    if (hd->version > SAVE_VERSION)
+        return skv_errorf(SKV_E_FORMAT, "%s: version %u names a block store", path, hd->version);
     for (int i = 0; !rc && i < c->n_layers * c->n_kv_heads; i++) {
-        int32_t len, runs = -1, flag = 1, n_refs = 0;
+        int32_t len;
         if ((rc = read_saved_i32(f, &len, path)))
             break;
         if (len < 0 || len > hd->n_past) {
             rc = skv_errorf(SKV_E_FORMAT, "%s: head %d holds %d rows", path, i, len);
             break;
         }
-        if (hd->version >= SAVE_VERSION_RUNS && (rc = read_saved_i32(f, &runs, path)))
-            break;
-        if (runs < -1 || runs > len) {
-            rc = skv_errorf(SKV_E_FORMAT, "%s: %d runs of positions for %d rows", path, runs, len);
-            break;
-        }
-        rc = skip_saved(f, runs == -1 ? (uint64_t)len * sizeof(int32_t) : (uint64_t)runs * 2 * sizeof(int32_t), path);
-        if (!rc && hd->version >= SAVE_VERSION_RUNS)
-            rc = read_saved_i32(f, &flag, path);
-        if (!rc && hd->version >= 2 && flag)
-            rc = skip_saved(f, (uint64_t)len * sizeof(float), path);
-        if (!rc && hd->version >= SAVE_VERSION_PARTIAL)
-            rc = read_saved_i32(f, &n_refs, path);
-        if (!rc && n_refs != 0) /* a block store's: never a file this pass is for */
-            rc = skv_errorf(SKV_E_FORMAT, "%s: head %d names %d stored blocks", path, i, n_refs);
-        if (!rc)
-            rc = skip_saved(f, 2 * (uint64_t)len * row, path);
+        /* positions, scores (version 2 on), K and V */
+        rc = skip_saved(f, (uint64_t)len * (sizeof(int32_t) + (hd->version >= 2 ? sizeof(float) : 0) + 2 * row),
+                        path);
         blocks += ((uint64_t)len + cbr - 1) / cbr;
     }
     off_t end = rc ? 0 : ftello(f), size = 0; /* the checksum follows the rows */
@@ -3307,19 +3297,16 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
      * them (a restore's files may share their blocks with sessions loaded before, which an
      * eviction for its room could take: its charge at the end counts it, so the pool may pass
      * its size by that session while it loads, at start) */
-    int evicted = 0;
     if (!rc && !r) {
         uint64_t bytes = 0; /* a file the skim cannot step over: the read says why */
         if (skim_blocks(f, &hd, path, s->cache, &bytes) == SKV_OK)
-            rc = skv_session_reserve(w->sessions, s, bytes, bytes, &evicted);
+            rc = skv_session_reserve(w->sessions, s, bytes, bytes, NULL);
     }
     size_t row = (size_t)mc->head_dim * sizeof(float);
     float *rows = NULL;    /* one head's K or V rows on their way into its blocks */
     uint32_t *refs = NULL; /* the store indices of its blocks there (version 4 on) */
     uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
     int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
-    /* older files' blocks are shared by their contents only once read (below) */
-    bool dedupe = r && r->dedupe && s && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows);
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -3417,12 +3404,11 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
      * blocks equal to those of a session of its tenant loaded before share them, as a fork
      * shared its document's before the stop (version-4 files otherwise name their blocks,
      * shared by the store above): the pool holds them once before it is charged */
-    if (!rc && dedupe)
+    if (!rc && r && r->dedupe && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows))
         rc = skv_kv_cache_dedupe(s->cache, r->dedupe, group, &n_shared);
-    int charged_evicted = 0;
+    int evicted = 0;
     if (!rc)
-        rc = skv_session_charge(w->sessions, s, &charged_evicted);
-    evicted += charged_evicted;
+        rc = skv_session_charge(w->sessions, s, &evicted);
     if (r) {
         r->evicted += evicted;
         r->n_shared += rc ? 0 : n_shared;

@@ -172,30 +172,20 @@ static int bind_ipc_mode(struct skv_server *srv, int idx, void *sock, const char
     return 0;
 }
 
-/* Monitors the client ROUTER's connections (before it binds, so no connection is missed):
- * ACCEPTED and DISCONNECTED carry the connection's fd, which ZMQ_SRCFD ties to routing ids. */
-static int monitor_connections(struct skv_server *srv, void *sock, int auth_events)
+/* Monitors endpoint idx's ROUTER's connections (before it binds, so no connection is missed)
+ * into a PAIR (srv->connections, read_connections; srv->admin_connections,
+ * read_admin_connections): ACCEPTED and DISCONNECTED carry the connection's fd (ZMQ_SRCFD ties
+ * a client's to its routing id). With CURVE the same monitor carries the handshake failures
+ * auth.c logs (libzmq allows one monitor per socket). */
+static int monitor_connections(struct skv_server *srv, int idx, void *sock, int auth_events)
 {
+    const char *endpoint = idx ? ADMIN_CONNECTIONS_ENDPOINT : CONNECTIONS_ENDPOINT;
+    void **pair = idx ? &srv->admin_connections : &srv->connections;
     int events = ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | auth_events, linger = 0;
-    if (zmq_socket_monitor(sock, CONNECTIONS_ENDPOINT, events) < 0 ||
-        !(srv->connections = zmq_socket(srv->zctx, ZMQ_PAIR)) ||
-        zmq_setsockopt(srv->connections, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
-        zmq_connect(srv->connections, CONNECTIONS_ENDPOINT) < 0)
-        return skv_errorf(SKV_E_IO, "client endpoint: connection monitor: %s", zmq_strerror(zmq_errno()));
-    return SKV_OK;
-}
-
-/* Monitors the admin ROUTER's connections (before it binds): read_admin_connections. With CURVE
- * the same monitor carries the handshake failures auth.c logs (one monitor per socket: a second
- * would stop auth's). */
-static int monitor_admin_connections(struct skv_server *srv, void *sock, int auth_events)
-{
-    int events = ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | auth_events, linger = 0;
-    if (zmq_socket_monitor(sock, ADMIN_CONNECTIONS_ENDPOINT, events) < 0 ||
-        !(srv->admin_connections = zmq_socket(srv->zctx, ZMQ_PAIR)) ||
-        zmq_setsockopt(srv->admin_connections, ZMQ_LINGER, &linger, sizeof linger) < 0 ||
-        zmq_connect(srv->admin_connections, ADMIN_CONNECTIONS_ENDPOINT) < 0)
-        return skv_errorf(SKV_E_IO, "admin endpoint: connection monitor: %s", zmq_strerror(zmq_errno()));
+    if (zmq_socket_monitor(sock, endpoint, events) < 0 || !(*pair = zmq_socket(srv->zctx, ZMQ_PAIR)) ||
+        zmq_setsockopt(*pair, ZMQ_LINGER, &linger, sizeof linger) < 0 || zmq_connect(*pair, endpoint) < 0)
+        return skv_errorf(SKV_E_IO, "%s endpoint: connection monitor: %s", idx ? "admin" : "client",
+                          zmq_strerror(zmq_errno()));
     return SKV_OK;
 }
 
@@ -238,8 +228,7 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
     int auth_events = 0; /* the sockets' monitors are ours: they carry auth's events too */
     if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT, &auth_events)) ||
-        (idx == 0 && (rc = monitor_connections(srv, s, auth_events))) ||
-        (idx == 1 && (rc = monitor_admin_connections(srv, s, auth_events)))) {
+        (idx <= 1 && (rc = monitor_connections(srv, idx, s, auth_events)))) {
         zmq_close(s);
         return rc;
     }
@@ -802,22 +791,32 @@ static void notify_gone(void *user, const uint8_t *identity, size_t identity_len
 
 /* fd's entry, the table grown to hold it (NULL: a bad fd, or no memory: then the connection is
  * left open rather than counted wrong). */
-static struct conn_fd *conn_slot(struct skv_server *srv, int fd)
+/* Entry fd of a table of entries of `size` bytes indexed by fd (*table, *cap entries), grown
+ * zeroed as needed; NULL for a negative fd or no memory. */
+static void *fd_slot(void **table, int *cap, size_t size, int fd)
 {
     if (fd < 0)
         return NULL;
-    if (fd >= srv->fds_cap) {
-        int cap = srv->fds_cap ? srv->fds_cap : 1024;
-        while (cap <= fd)
-            cap *= 2;
-        struct conn_fd *grown = realloc(srv->fds, (size_t)cap * sizeof *grown);
+    if (fd >= *cap) {
+        int grown_cap = *cap ? *cap : 1024;
+        while (grown_cap <= fd)
+            grown_cap *= 2;
+        char *grown = realloc(*table, (size_t)grown_cap * size);
         if (!grown)
             return NULL;
-        memset(grown + srv->fds_cap, 0, (size_t)(cap - srv->fds_cap) * sizeof *grown);
-        srv->fds = grown;
-        srv->fds_cap = cap;
+        memset(grown + (size_t)*cap * size, 0, (size_t)(grown_cap - *cap) * size);
+        *table = grown;
+        *cap = grown_cap;
     }
-    return &srv->fds[fd];
+    return (char *)*table + (size_t)fd * size;
+}
+
+static struct conn_fd *conn_slot(struct skv_server *srv, int fd)
+{
+    void *table = srv->fds;
+    struct conn_fd *slot = fd_slot(&table, &srv->fds_cap, sizeof *srv->fds, fd);
+    srv->fds = table;
+    return slot;
 }
 
 /* Who is at the other end of accepted connection fd: on a Unix socket its user (SO_PEERCRED),
@@ -983,28 +982,19 @@ static int read_monitor_batch(void *monitor, struct monitor_event *ev, bool *mor
     return n;
 }
 
-/* Marks fd open (or not) on the admin endpoint; false when it cannot be recorded. */
-static bool admin_fd_set(struct skv_server *srv, int fd, bool open)
+/* Marks fd open (or not) on the admin endpoint (not counted when it cannot be recorded). */
+static void admin_fd_set(struct skv_server *srv, int fd, bool open)
 {
-    if (fd < 0 || fd >= (1 << 24))
-        return false;
-    if (fd >= srv->admin_fds_cap) {
-        int cap = srv->admin_fds_cap ? srv->admin_fds_cap : 256;
-        while (cap <= fd)
-            cap *= 2;
-        uint8_t *grown = realloc(srv->admin_fds, (size_t)cap);
-        if (!grown)
-            return false;
-        memset(grown + srv->admin_fds_cap, 0, (size_t)(cap - srv->admin_fds_cap));
-        srv->admin_fds = grown;
-        srv->admin_fds_cap = cap;
-    }
-    if (open && !srv->admin_fds[fd]) /* (an ACCEPTED for a fd still open: its DISCONNECTED never came) */
+    void *table = srv->admin_fds;
+    uint8_t *slot = fd_slot(&table, &srv->admin_fds_cap, 1, fd);
+    srv->admin_fds = table;
+    if (!slot)
+        return;
+    if (open && !*slot) /* (an ACCEPTED for a fd still open: its DISCONNECTED never came) */
         srv->admin_open++;
-    else if (!open && srv->admin_fds[fd])
+    else if (!open && *slot)
         srv->admin_open -= srv->admin_open > 0;
-    srv->admin_fds[fd] = open;
-    return true;
+    *slot = open;
 }
 
 /* The admin endpoint's monitor: connections counted, the newest past ADMIN_CONNECTIONS_MAX shut
@@ -1017,7 +1007,7 @@ static void read_admin_connections(struct skv_server *srv)
         int n = read_monitor_batch(srv->admin_connections, ev, &more);
         for (int i = 0; i < n; i++) {
             if (ev[i].event == ZMQ_EVENT_ACCEPTED || ev[i].event == ZMQ_EVENT_DISCONNECTED)
-                (void)admin_fd_set(srv, ev[i].fd, ev[i].event == ZMQ_EVENT_ACCEPTED);
+                admin_fd_set(srv, ev[i].fd, ev[i].event == ZMQ_EVENT_ACCEPTED);
             else
                 skv_auth_handshake_event(srv->auth, SKV_AUTH_ADMIN, ev[i].event, (uint32_t)ev[i].fd);
         }

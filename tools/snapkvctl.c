@@ -860,7 +860,7 @@ static int cmd_config(const struct ctl *c, const char *key)
 /* A decode that another client's CANCEL or the daemon's stop ended, or that had no room for
  * another token: said on stderr, exit status 3, so that a script tells a cut answer from a
  * finished one (the JSON's finish_reason says it too). */
-static int decode_cancelled(const char *cmd, const struct snapkv_decode_result *dr)
+static int decode_cut(const char *cmd, const struct snapkv_decode_result *dr)
 {
     bool limit = strcmp(dr->finish_reason, "limit") == 0;
     if (!limit && strcmp(dr->finish_reason, "cancelled") != 0)
@@ -963,7 +963,7 @@ static int cmd_generate(const struct ctl *c, int argc, char **argv)
                 print_ratio("compression", pr.bytes_before, pr.bytes_after);
             }
         }
-        ret = ret ? ret : decode_cancelled("generate", &dr);
+        ret = ret ? ret : decode_cut("generate", &dr);
         snapkv_decode_result_free(&dr);
     }
     rc = snapkv_release(cl, &pr.id);
@@ -1111,7 +1111,7 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
         }
         if (stats)
             fprintf(stderr, "[%zu tokens, %s]\n", dr.n_tokens, dr.finish_reason);
-        int cut = decode_cancelled("chat", &dr); /* the daemon stopping, or no room: no next turn */
+        int cut = decode_cut("chat", &dr); /* the daemon stopping, or no room: no next turn */
         snapkv_decode_result_free(&dr);
         if (cut) {
             ret = cut;
@@ -1547,7 +1547,7 @@ static int cmd_decode(const struct ctl *c, int argc, char **argv)
     } else if (want_lp) {
         print_logprobs(&dr, &lp);
     }
-    ret = ret ? ret : decode_cancelled("decode", &dr);
+    ret = ret ? ret : decode_cut("decode", &dr);
     snapkv_decode_result_free(&dr);
     snapkv_logprobs_free(&lp);
     return ret;

@@ -609,7 +609,6 @@ static int load_gguf(struct skv_model *m, const char *path)
     c->n_kv_heads = c->n_heads;
     c->head_dim = c->n_heads ? c->dim / c->n_heads : 0;
     c->max_ctx = 4096;
-    c->norm_eps = 1e-5f;
     c->rope.theta = 10000.0f;
     int v_dim = -1;
     if ((rc = gguf_optional(g, arch, "attention.head_count_kv", gguf_u32(g, arch, "attention.head_count_kv",
@@ -623,14 +622,11 @@ static int load_gguf(struct skv_model *m, const char *path)
         return rc;
     /* required, as llama.cpp requires it: a default would differ from the model's own (1e-5 for
      * Llama 2, 1e-6 for Qwen2) without a word */
-    if (!gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps)) {
-        char full[128];
-        snprintf(full, sizeof full, "%s.attention.layer_norm_rms_epsilon", arch);
-        return skv_gguf_find_key(g, full) < 0
-                   ? skv_errorf(SKV_E_FORMAT, "%s: missing %s", path, full)
-                   : skv_errorf(SKV_E_UNSUPPORTED, "%s: %s is present but not a single number this engine reads",
-                                path, full);
-    }
+    const bool has_eps = gguf_f32(g, arch, "attention.layer_norm_rms_epsilon", &c->norm_eps);
+    if ((rc = gguf_optional(g, arch, "attention.layer_norm_rms_epsilon", has_eps, path)))
+        return rc;
+    if (!has_eps)
+        return skv_errorf(SKV_E_FORMAT, "%s: missing %s.attention.layer_norm_rms_epsilon", path, arch);
     if (v_dim >= 0 && v_dim != c->head_dim)
         return skv_errorf(SKV_E_UNSUPPORTED, "%s: value heads of %d and key heads of %d (one size is supported)", path,
                           v_dim, c->head_dim);

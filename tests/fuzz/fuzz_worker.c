@@ -172,17 +172,28 @@ static bool submit(int sock, uint8_t id, Snapkv__Request *req)
     return false;
 }
 
+/* Queues a heap copy of the small request q (version 1; its one-byte session id rewritten) as
+ * the socket thread would hand it over. */
+static bool submit_copy(int sock, uint8_t id, Snapkv__Request *q)
+{
+    uint8_t buf[1024];
+    q->version = 1;
+    if (snapkv__request__get_packed_size(q) > sizeof buf)
+        __builtin_trap();
+    size_t len = snapkv__request__pack(q, buf);
+    Snapkv__Request *copy = snapkv__request__unpack(NULL, len, buf);
+    rewrite(copy);
+    return submit(sock, id, copy);
+}
+
 /* STATS from the admin endpoint must still succeed. */
 static void check_alive(void)
 {
     Snapkv__StatsRequest sr = SNAPKV__STATS_REQUEST__INIT;
     Snapkv__Request q = SNAPKV__REQUEST__INIT;
-    q.version = 1;
     q.command_case = SNAPKV__REQUEST__COMMAND_STATS;
     q.stats = &sr;
-    uint8_t buf[64];
-    size_t len = snapkv__request__pack(&q, buf);
-    if (!submit(1, 200, snapkv__request__unpack(NULL, len, buf)))
+    if (!submit_copy(1, 200, &q))
         __builtin_trap();
     drain(1, 200);
 }
@@ -397,27 +408,16 @@ static void load_file(const uint8_t *data, size_t size)
     ld.name = "fz";
     ld.tenant = "t";
     Snapkv__Request q = SNAPKV__REQUEST__INIT;
-    q.version = 1;
     q.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
     q.load = &ld;
-    uint8_t buf[64];
-    size_t len = snapkv__request__pack(&q, buf);
-    if (submit(1, 3, snapkv__request__unpack(NULL, len, buf)))
+    if (submit_copy(1, 3, &q))
         drain(1, 3);
 }
 
 /* Runs req (a PREFILL, a SAVE) on the worker, on the admin endpoint when admin. */
 static void run_seed_request(Snapkv__Request *req, bool admin)
 {
-    uint8_t buf[1024];
-    req->version = 1;
-    size_t len = snapkv__request__get_packed_size(req);
-    if (len > sizeof buf)
-        exit(1);
-    snapkv__request__pack(req, buf);
-    Snapkv__Request *copy = snapkv__request__unpack(NULL, len, buf);
-    rewrite(copy);
-    if (!submit(admin, admin ? 3 : 0, copy))
+    if (!submit_copy(admin, admin ? 3 : 0, req))
         exit(1);
     drain(admin, admin ? 3 : 0);
 }

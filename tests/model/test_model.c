@@ -1201,6 +1201,18 @@ static bool f16_only(int type)
     return type == SKV_DTYPE_F16;
 }
 
+/* dev: cpu's memory and ops, copied as a device's that multiplies with the types ok takes (ops
+ * holds its table; dev is not destroyed: cpu is). */
+static void fake_device(struct skv_backend *cpu, bool (*ok)(int), struct skv_backend_ops *ops,
+                        struct skv_backend *dev)
+{
+    *ops = *cpu->ops;
+    ops->weight_type_ok = ok;
+    *dev = *cpu;
+    dev->name = "f16-device";
+    dev->ops = ops;
+}
+
 /* A weight past f16's range (65504) is refused when it must be converted to f16 for a backend
  * (before, it became infinite there, and every row it touched NaN, where the CPU stayed finite);
  * within the range it is converted. */
@@ -1209,11 +1221,9 @@ static void test_weights_f16_range(void **state)
     (void)state;
     struct skv_backend *cpu = NULL;
     assert_int_equal(skv_backend_cpu_new(1, &cpu), SKV_OK);
-    struct skv_backend_ops ops = *cpu->ops;
-    ops.weight_type_ok = f16_only;
-    struct skv_backend dev = *cpu; /* host memory, copied as a device's (not destroyed: cpu is) */
-    dev.name = "f16-device";
-    dev.ops = &ops;
+    struct skv_backend_ops ops;
+    struct skv_backend dev;
+    fake_device(cpu, f16_only, &ops, &dev);
     struct gguf_extra big = {.weight = 1e5f}, fine = {.weight = 60000.0f};
     struct skv_model *m = NULL;
     assert_int_equal(load_written(&big, &dev, &m), SKV_E_FORMAT);
@@ -1235,11 +1245,9 @@ static void test_weights_converted(void **state)
         skip();
     struct skv_backend *cpu = NULL;
     assert_int_equal(skv_backend_cpu_new(2, &cpu), SKV_OK);
-    struct skv_backend_ops ops = *cpu->ops;
-    ops.weight_type_ok = f16_f32_only;
-    struct skv_backend dev = *cpu; /* host memory, copied as a device's (not destroyed: cpu is) */
-    dev.name = "f16-device";
-    dev.ops = &ops;
+    struct skv_backend_ops ops;
+    struct skv_backend dev;
+    fake_device(cpu, f16_f32_only, &ops, &dev);
     struct skv_model *m[2] = {NULL, NULL};
     assert_int_equal(skv_model_load(path, cpu, NULL, &m[0]), SKV_OK);
     assert_int_equal(skv_model_load(path, &dev, NULL, &m[1]), SKV_OK);
