@@ -3154,62 +3154,79 @@ static int open_state_file(const char *path)
     return fd;
 }
 
-static int save_truncated(const char *path)
+/* Reads n bytes of rows into buf, at most `cap` bytes at a time, into the checksum h (precheck_rows);
+ * with check, each part's floats must be finite. */
+static int precheck_bytes(FILE *f, crypto_generichash_state *h, void *buf, size_t cap, uint64_t n, bool check,
+                          const char *path)
 {
-    return skv_errorf(SKV_E_FORMAT, "%s is truncated", path);
-}
-
-/* Steps over n bytes of a saved session (skim_blocks). */
-static int skip_saved(FILE *f, uint64_t n, const char *path)
-{
-    return n <= (uint64_t)INT64_MAX / 2 && fseeko(f, (off_t)n, SEEK_CUR) == 0 ? SKV_OK : save_truncated(path);
-}
-
-static int read_saved_i32(FILE *f, int32_t *v, const char *path)
-{
-    return fread(v, sizeof *v, 1, f) == 1 ? SKV_OK : save_truncated(path);
+    int rc = SKV_OK;
+    while (n && !rc) {
+        size_t part = n < cap ? (size_t)n : cap;
+        if (!(rc = read_exact(f, h, buf, part)) && check)
+            rc = rows_finite(buf, part / sizeof(float), path);
+        n -= part;
+    }
+    return rc;
 }
 
 /* The bytes of the blocks a saved session's rows will hold in cache c, read ahead from where f
  * stands (the first head's row count: the tokens, compressor state, logits and a cut character
- * read already) and f put back there. It steps over the rows and checks only the counts it
- * needs to find them and that the file is long enough for its checksum; the read that follows
- * checks everything (and says what is wrong with a file this pass could not step over). For
- * the files LOAD and the store take, versions 1..3 (SAVE_VERSION): each head's positions, from
- * version 2 its scores, then its K and V rows; the later versions, a persist save's, name a
- * block store and are refused before. */
-static int skim_blocks(FILE *f, const struct save_header *hd, const char *path, const struct skv_kv_cache *c,
-                       uint64_t *bytes)
+ * read already into the checksum h, which this pass takes a copy of) and f put back there. It
+ * reads the rest as the read that follows will and refuses what that read would refuse, with the
+ * same message: a head's row count, its positions, a K or V that is not finite, the checksum.
+ * So LOAD and the store make their room only for a file that loads (before, this pass stepped
+ * over the rows and a file with a bad row or checksum had evicted sessions for a load that then
+ * failed). It costs a second read of the file, from the page cache mostly. For the files LOAD and
+ * the store take, versions 1..3 (SAVE_VERSION): each head's positions, from version 2 its
+ * scores, then its K and V rows; the later versions, a persist save's, name a block store and are
+ * refused before. */
+static int precheck_rows(FILE *f, const crypto_generichash_state *h_read, const struct save_header *hd,
+                         const char *path, const struct skv_kv_cache *c, uint64_t *bytes)
 {
+    *bytes = 0;
+    if (hd->version > SAVE_VERSION)
+        return skv_errorf(SKV_E_FORMAT, "%s: version %u names a block store", path, hd->version);
     off_t start = ftello(f);
     if (start < 0)
         return skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    const uint64_t row = (uint64_t)c->head_dim * sizeof(float), cbr = (uint64_t)c->block_rows;
+    crypto_generichash_state h = *h_read;
+    const size_t row = (size_t)c->head_dim * sizeof(float), cap = 256 * row;
+    const uint64_t cbr = (uint64_t)c->block_rows;
+    int32_t *pos = malloc((size_t)(hd->n_past ? hd->n_past : 1) * sizeof *pos);
+    void *buf = malloc(cap);
+    int rc = pos && buf ? SKV_OK : SKV_E_NOMEM;
     uint64_t blocks = 0;
-    int rc = SKV_OK;
-    if (hd->version > SAVE_VERSION)
-        return skv_errorf(SKV_E_FORMAT, "%s: version %u names a block store", path, hd->version);
     for (int i = 0; !rc && i < c->n_layers * c->n_kv_heads; i++) {
         int32_t len;
-        if ((rc = read_saved_i32(f, &len, path)))
+        if ((rc = read_exact(f, &h, &len, sizeof len)))
             break;
         if (len < 0 || len > hd->n_past) {
             rc = skv_errorf(SKV_E_FORMAT, "%s: head %d holds %d rows", path, i, len);
             break;
         }
-        /* positions, scores (version 2 on), K and V */
-        rc = skip_saved(f, (uint64_t)len * (sizeof(int32_t) + (hd->version >= 2 ? sizeof(float) : 0) + 2 * row),
-                        path);
+        if ((rc = read_exact(f, &h, pos, (size_t)len * sizeof *pos)))
+            break;
+        for (int32_t j = 0; j < len && !rc; j++)
+            if (pos[j] < 0 || pos[j] >= hd->n_past || (j && pos[j] <= pos[j - 1]))
+                rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
+        if (!rc && hd->version >= 2) /* the scores */
+            rc = precheck_bytes(f, &h, buf, cap, (uint64_t)len * sizeof(float), false, path);
+        for (int kv = 0; kv < 2 && !rc; kv++)
+            rc = precheck_bytes(f, &h, buf, cap, (uint64_t)len * row, true, path);
         blocks += ((uint64_t)len + cbr - 1) / cbr;
     }
-    off_t end = rc ? 0 : ftello(f), size = 0; /* the checksum follows the rows */
-    if (!rc && (end < 0 || fseeko(f, 0, SEEK_END) != 0 || (size = ftello(f)) < 0))
-        rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    else if (!rc && size - end < 32)
-        rc = save_truncated(path);
+    unsigned char want[32], got[32];
+    if (!rc) {
+        crypto_generichash_final(&h, want, sizeof want);
+        if (fread(got, 1, sizeof got, f) != sizeof got || memcmp(want, got, sizeof got) != 0)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: checksum mismatch", path);
+    }
+    free(pos);
+    free(buf);
     if (fseeko(f, start, SEEK_SET) != 0 && !rc)
         rc = skv_errorf(SKV_E_IO, "%s: %s", path, strerror(errno));
-    *bytes = blocks * skv_kv_pool_block_bytes(c->pool);
+    if (!rc)
+        *bytes = blocks * skv_kv_pool_block_bytes(c->pool);
     return rc;
 }
 
@@ -3293,13 +3310,13 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
             rc = read_exact(f, &h, pending, (size_t)n_pending);
     }
     /* LOAD's and a stored session's room, made (or refused) before any block is taken, once
-     * everything but the rows is read and checked: nothing is evicted for a file refused before
-     * them (a restore's files may share their blocks with sessions loaded before, which an
-     * eviction for its room could take: its charge at the end counts it, so the pool may pass
+     * the whole file is read and checked (the rows by precheck_rows): nothing is evicted for a
+     * file refused (a restore's files may share their blocks with sessions loaded before, which
+     * an eviction for its room could take: its charge at the end counts it, so the pool may pass
      * its size by that session while it loads, at start) */
     if (!rc && !r) {
-        uint64_t bytes = 0; /* a file the skim cannot step over: the read says why */
-        if (skim_blocks(f, &hd, path, s->cache, &bytes) == SKV_OK)
+        uint64_t bytes = 0;
+        if (!(rc = precheck_rows(f, &h, &hd, path, s->cache, &bytes)))
             rc = skv_session_reserve(w->sessions, s, bytes, bytes, NULL);
     }
     size_t row = (size_t)mc->head_dim * sizeof(float);

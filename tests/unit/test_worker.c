@@ -3667,6 +3667,28 @@ static void test_load_room(void **state)
     assert_int_equal((uint64_t)stat(f, "snapkv_evictions_total"), ev0);
     assert_int_equal(listed(f, b, NULL, NULL), 64);
     assert_int_equal(listed(f, c, NULL, NULL), 64);
+    /* nor one whose last V row holds a NaN, nor one whose checksum is off (the last bytes
+     * before the 48-byte trailer): the whole file is read and checked before the room is made
+     * (before, such a file had evicted b for a load that then failed) */
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(save_as(f, b, "room"), SKV_OK);
+        fp = fopen(path, "r+b");
+        assert_non_null(fp);
+        assert_int_equal(fseek(fp, 0, SEEK_END), 0);
+        const long size = ftell(fp);
+        const float nan_row = NAN;
+        unsigned char flipped = 0;
+        assert_int_equal(fseek(fp, size - 48 - 32, SEEK_SET), 0);
+        assert_int_equal(fread(&flipped, 1, 1, fp), 1);
+        flipped ^= 0xff;
+        assert_int_equal(fseek(fp, k ? size - 48 - 32 : size - 48 - 32 - 4, SEEK_SET), 0);
+        assert_int_equal(k ? fwrite(&flipped, 1, 1, fp) : fwrite(&nan_row, 4, 1, fp), 1);
+        assert_int_equal(fclose(fp), 0);
+        assert_int_equal(load_as(f, "room", d), SKV_E_FORMAT);
+        assert_int_equal((uint64_t)stat(f, "snapkv_evictions_total"), ev0);
+        assert_int_equal(listed(f, b, NULL, NULL), 64);
+        assert_int_equal(listed(f, c, NULL, NULL), 64);
+    }
     assert_int_equal(save_as(f, b, "room"), SKV_OK); /* (the file again, for what follows) */
     /* 4 blocks a layer and head in a pool of 3 (a restart: no session): refused before any
      * block is taken, and the session there kept */
