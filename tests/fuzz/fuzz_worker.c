@@ -439,6 +439,9 @@ static void write_file_seeds(const char *dir)
         req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
         req.prefill = &p;
         run_seed_request(&req, false);
+        char path[512];
+        snprintf(path, sizeof path, "%s/seed.skv", g.state_dir);
+        unlink(path); /* a SAVE that failed leaves no file, not the one before (the next check exits) */
         Snapkv__SaveRequest sv = SNAPKV__SAVE_REQUEST__INIT;
         sv.session_id = (ProtobufCBinaryData){1, newest};
         sv.name = "seed";
@@ -446,8 +449,6 @@ static void write_file_seeds(const char *dir)
         req.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
         req.save = &sv;
         run_seed_request(&req, true);
-        char path[512];
-        snprintf(path, sizeof path, "%s/seed.skv", g.state_dir);
         FILE *f = fopen(path, "rb");
         uint8_t file[1 << 16];
         size_t n = f ? fread(file + 1, 1, sizeof file - 1, f) : 0;

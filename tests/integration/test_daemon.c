@@ -741,20 +741,60 @@ static void test_state_dir_locked(void **state)
     assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
 
+/* The names, sizes and SHA-256 of the files under <dir>/persist but its lock (which a start
+ * writes its pid in), into the file `out`. */
+static void persist_digest(const char *dir, const char *out)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && find persist -type f ! -name .lock -print0 | sort -z | xargs -0 -r sha256sum > '%s' && "
+             "grep -q '\\.skv$' '%s'", dir, out, out);
+    if (system(cmd) != 0)
+        fail_msg("no saved session under %s/persist (%s)", dir, out);
+}
+
 /* A metrics port already taken stops the daemon from starting, with the reason, before its engine
- * starts: no restore of the persisted sessions first (minutes for a large pool) and no save at
- * the stop after it. */
+ * starts: no restore of the persisted sessions first (minutes for a large pool; the state
+ * directory holds a saved session, whose restore would say "persist: restored") and no save at
+ * the stop after it (the files as they were). */
 static void test_metrics_port_taken(void **state)
 {
     NEED_DAEMON(d);
     struct daemon second = *d;
     snprintf(second.endpoint, sizeof second.endpoint, "ipc://%s/c2.sock", d->dir);
     snprintf(second.admin, sizeof second.admin, "ipc://%s/a2.sock", d->dir);
-    snprintf(second.log, sizeof second.log, "%s/metrics-taken.log", d->dir);
+    snprintf(second.log, sizeof second.log, "%s/metrics-saved.log", d->dir);
     assert_true(strlen(second.dir) + sizeof "/taken" <= sizeof second.dir);
     strcat(second.dir, "/taken");
     assert_int_equal(mkdir(second.dir, 0700), 0);
+    /* first a session saved there, by a daemon on a free port */
+    assert_true((second.metrics_port = fixture_free_port()) > 0);
+    char *model = model_path();
+    second.pid = spawn_daemon(&second, model, "--persist=yes", NULL);
+    free(model);
+    assert_true(wait_ready(&second));
+    snapkv_client_t *c = NULL;
+    assert_int_equal(snapkv_connect(second.endpoint, NULL, &c), SNAPKV_OK);
+    struct snapkv_prefill_result r = {0};
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.text = "kept across the refused start"}, &r),
+                     SNAPKV_OK);
+    snapkv_prefill_result_free(&r);
+    snapkv_close(&c);
+    assert_int_equal(kill(second.pid, SIGTERM), 0);
+    int st;
+    assert_int_equal(waitpid(second.pid, &st, 0), second.pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    char before[512], after[512], cmd[1200];
+    snprintf(before, sizeof before, "%s/persist-before.txt", d->dir);
+    snprintf(after, sizeof after, "%s/persist-after.txt", d->dir);
+    persist_digest(second.dir, before);
+    /* then the start on the taken port */
+    second.metrics_port = d->metrics_port;
+    snprintf(second.log, sizeof second.log, "%s/metrics-taken.log", d->dir);
     expect_start_refused_with(&second, "--persist=yes", "metrics-listen", "in use");
+    persist_digest(second.dir, after);
+    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", before, after);
+    assert_int_equal(system(cmd), 0);
     FILE *f = fopen(second.log, "r");
     assert_non_null(f);
     char line[1024];

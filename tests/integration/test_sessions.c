@@ -4785,10 +4785,21 @@ static void test_snapkvctl(void **state)
     assert_int_equal(run_ctl(&d, late, out, err, sizeof out), 2);
     assert_non_null(strstr(err, "before the command"));
     /* after `--` it is the command's text (refused as a misplaced option before) */
-    const char *dashed[] = {"tokenize", "--", "-j", NULL};
+    const char *dashed[] = {"--json", "tokenize", "--", "-j", NULL};
     if (run_ctl(&d, dashed, out, err, sizeof out) != 0)
         fail_msg("tokenize -- -j: %s", err);
-    assert_true(strlen(out) > 0);
+    struct snapkv_tokens dash = {0}; /* the ids of the text "-j" */
+    assert_int_equal(snapkv_tokenize(c, "-j", NULL, &dash), SNAPKV_OK);
+    assert_true(dash.n_tokens > 0);
+    j = json_loads(out, 0, &je);
+    if (!j)
+        fail_msg("tokenize -- -j: output '%s' (%s)", out, je.text);
+    json_t *dash_ids = json_object_get(j, "tokens");
+    assert_int_equal(json_array_size(dash_ids), dash.n_tokens);
+    for (size_t i = 0; i < dash.n_tokens; i++)
+        assert_int_equal(json_integer_value(json_array_get(dash_ids, i)), dash.tokens[i]);
+    json_decref(j);
+    snapkv_tokens_free(&dash);
     const char *extra[] = {"info", "x", NULL};
     assert_int_equal(run_ctl(&d, extra, out, err, sizeof out), 2);
     assert_int_equal(snapkv_release(c, &fork_id), SNAPKV_OK);

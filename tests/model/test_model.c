@@ -517,6 +517,8 @@ struct gguf_extra {
     int experts;              /* llama.expert_count; 0: absent */
     bool no_eps;              /* llama.attention.layer_norm_rms_epsilon left out (else 1e-5) */
     float weight;             /* every matrix's value (0: 0.01) */
+    float eps;                /* llama.attention.layer_norm_rms_epsilon (0: 1e-5) */
+    const char *eps_str;      /* the same key as a string instead (a hand-edited file); NULL: none */
 };
 
 /* Writes a llama GGUF to a temporary file and returns its path (malloc'd): 1 layer, dim 8,
@@ -543,8 +545,10 @@ static char *write_gguf(const struct gguf_extra *x)
     gb_kv_u32(&b, "llama.feed_forward_length", 16);
     gb_kv_u32(&b, "llama.attention.head_count", 2);
     gb_kv_u32(&b, "llama.context_length", 64);
-    if (!x->no_eps)
-        gb_kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    if (x->eps_str)
+        gb_kv_str(&b, "llama.attention.layer_norm_rms_epsilon", x->eps_str);
+    else if (!x->no_eps)
+        gb_kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", x->eps != 0.0f ? x->eps : 1e-5f);
     if (x->freq_base != 0.0f)
         gb_kv_f32(&b, "llama.rope.freq_base", x->freq_base);
     if (x->freq_base_str)
@@ -619,21 +623,21 @@ static void test_gguf_rope_scaling(void **state)
         float freq_scale; /* on SKV_OK */
         const char *in_msg; /* otherwise */
     } cases[] = {
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 1.0f, NULL},
-        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 1.0f, NULL},
-        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 0.25f, NULL},
-        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 0.5f, NULL},
-        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_OK, 1.0f, NULL},
-        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
-        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
-        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
-        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
-        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0, false, 0.0f}, SKV_E_FORMAT, 0.0f, "rope"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_OK, 1.0f, NULL},
+        {{"none", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_OK, 1.0f, NULL},
+        {{"linear", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_OK, 0.25f, NULL},
+        {{NULL, 2.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_OK, 0.5f, NULL},
+        {{"linear", 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_OK, 1.0f, NULL},
+        {{"yarn", 4.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_E_UNSUPPORTED, 0.0f, "yarn"},
+        {{"longrope", 0.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_E_UNSUPPORTED, 0.0f, "longrope"},
+        {{"llama3", 8.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_E_UNSUPPORTED, 0.0f, "llama3"},
+        {{"linear", -2.0f, 0.0f, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_E_FORMAT, 0.0f, "rope.scaling.factor"},
+        {{NULL, 0.0f, INFINITY, 0, NULL, NULL, 0, false, 0.0f, 0.0f, NULL}, SKV_E_FORMAT, 0.0f, "rope"},
         /* present but unreadable: refused (before, 10000 was used without a word) */
-        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8, false, 0.0f}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, "500000", 0, false, 0.0f, 0.0f, NULL}, SKV_E_UNSUPPORTED, 0.0f, "llama.rope.freq_base is present but"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 8, false, 0.0f, 0.0f, NULL}, SKV_E_UNSUPPORTED, 0.0f, "mixture of experts"},
         /* required, as llama.cpp requires it (before, 1e-5 was taken for any model) */
-        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, true, 0.0f}, SKV_E_FORMAT, 0.0f, "missing llama.attention.layer_norm_rms_epsilon"},
+        {{NULL, 0.0f, 0.0f, 0, NULL, NULL, 0, true, 0.0f, 0.0f, NULL}, SKV_E_FORMAT, 0.0f, "missing llama.attention.layer_norm_rms_epsilon"},
     };
     struct skv_backend *be = NULL;
     assert_int_equal(backend_new(1, &be), SKV_OK);
@@ -664,6 +668,16 @@ static void test_gguf_rope_scaling(void **state)
         }
         skv_model_free(&m);
     }
+    /* the file's epsilon is the one the norms use (a loader that required the key and kept
+     * 1e-5 passed the cases above); one that is not a number is refused */
+    struct gguf_extra eps = {.eps = 1e-3f}, eps_str = {.eps_str = "1e-6"};
+    struct skv_model *m = NULL;
+    assert_int_equal(load_written(&eps, be, &m), SKV_OK);
+    assert_true(m->cfg.norm_eps == 1e-3f);
+    skv_model_free(&m);
+    assert_int_equal(load_written(&eps_str, be, &m), SKV_E_UNSUPPORTED);
+    assert_null(m);
+    assert_non_null(strstr(skv_error_msg(), "llama.attention.layer_norm_rms_epsilon is present but"));
     skv_backend_destroy(&be);
 }
 
@@ -1224,14 +1238,30 @@ static void test_weights_f16_range(void **state)
     struct skv_backend_ops ops;
     struct skv_backend dev;
     fake_device(cpu, f16_only, &ops, &dev);
-    struct gguf_extra big = {.weight = 1e5f}, fine = {.weight = 60000.0f};
+    struct gguf_extra big = {.weight = 1e5f}, over = {.weight = 65505.0f};
     struct skv_model *m = NULL;
     assert_int_equal(load_written(&big, &dev, &m), SKV_E_FORMAT);
     assert_null(m);
     assert_non_null(strstr(skv_error_msg(), "past f16's range"));
-    assert_int_equal(load_written(&fine, &dev, &m), SKV_OK);
-    assert_int_equal(m->layers[0].wq.type, SKV_DTYPE_F16);
-    skv_model_free(&m);
+    assert_int_equal(load_written(&over, &dev, &m), SKV_E_FORMAT); /* just past f16's largest */
+    assert_null(m);
+    /* within the range: converted to the f16 of the value (the dev's memory is the host's), up
+     * to f16's largest, 65504 */
+    static const struct {
+        float value;
+        uint16_t bits;
+    } fine[] = {{60000.0f, 0x7B53}, {65504.0f, 0x7BFF}, {-65504.0f, 0xFBFF}};
+    for (size_t k = 0; k < sizeof fine / sizeof fine[0]; k++) {
+        struct gguf_extra x = {.weight = fine[k].value};
+        assert_int_equal(load_written(&x, &dev, &m), SKV_OK);
+        assert_int_equal(m->layers[0].wq.type, SKV_DTYPE_F16);
+        const uint16_t *h = m->layers[0].wq.data;
+        for (int i = 0; i < 64; i++) /* 8 x 8 */
+            if (h[i] != fine[k].bits)
+                fail_msg("%g: element %d converted to 0x%04x, 0x%04x expected", (double)fine[k].value, i, h[i],
+                         fine[k].bits);
+        skv_model_free(&m);
+    }
     assert_int_equal(load_written(&big, cpu, &m), SKV_OK); /* the CPU reads f32 as it is */
     skv_model_free(&m);
     skv_backend_destroy(&cpu);

@@ -3485,7 +3485,7 @@ static void test_append_stops(void **state)
     assert_int_equal(skv_worker_client_gone(f->w, ID_Y, sizeof ID_Y, true), SKV_OK);
     gate_open();
     expect_reply(f, SKV_OK, NULL);
-    assert_true(listed(f, sid[2], NULL, NULL) > 74);
+    assert_int_equal(listed(f, sid[2], NULL, NULL), 74 + 64); /* all of its 64 tokens */
     assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 0);
 }
 
@@ -4495,7 +4495,7 @@ static void test_persist_kept_store_fails(void **state)
     const long limit = 96 + 3 * store_block_units(f); /* the sessions' 2 fit, their 2 and the kept 3 do not */
     stop_with_file_limit(f, limit);
     only_match(pdir, "blocks-*.skvb", path, sizeof path);
-    assert_true(file_size(path) <= limit);
+    assert_true(file_size(path) >= 2 * store_block_units(f)); /* the session's blocks went in */
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
     assert_int_equal(listed(f, a, NULL, NULL), 32);
     assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
@@ -5502,7 +5502,9 @@ static void test_store_hostile(void **state)
     hostile_stop(&h);
     printf("# a GETDEL answered a byte every 100 ms (timeout 300 ms): an error after %llu ms, %llu bytes read\n",
            (unsigned long long)took, (unsigned long long)atomic_load(&h.sent));
-    assert_true(took < 2500);
+    /* the client gave up before the 50-byte value ended: the trickle stops at the first byte
+     * it cannot send to the closed connection (no clock in the assertion) */
+    assert_true(atomic_load(&h.sent) < 50);
 
     hostile_start(&h, HOSTILE_HUGE_REPLY, dir);
     assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
