@@ -110,12 +110,14 @@ static void respond(const struct skv_metrics_http *h, int fd, int code, const ch
         send_all(h, fd, body, body_len, deadline);
 }
 
-static void respond_text(const struct skv_metrics_http *h, int fd, int code, const char *reason,
+/* An answer of its status line's text; head_only (a HEAD request): its headers alone, as HTTP
+ * asks of every answer to HEAD (before, a HEAD of an unknown path had the body too). */
+static void respond_text(const struct skv_metrics_http *h, int fd, int code, const char *reason, bool head_only,
                          const char *extra_header)
 {
     char body[128];
     int n = snprintf(body, sizeof body, "%d %s\n", code, reason);
-    respond(h, fd, code, reason, "text/plain; charset=utf-8", body, (size_t)n, false, extra_header);
+    respond(h, fd, code, reason, "text/plain; charset=utf-8", body, (size_t)n, head_only, extra_header);
 }
 
 /* Answers the request whose head is req (NUL-terminated). */
@@ -124,12 +126,12 @@ static void serve_request(struct skv_metrics_http *h, int fd, char *req)
     /* request line: METHOD SP TARGET SP HTTP/1.x */
     char method[16], target[1024], version[16];
     if (sscanf(req, "%15s %1023s %15s", method, target, version) != 3 || strncmp(version, "HTTP/1.", 7) != 0) {
-        respond_text(h, fd, 400, "Bad Request", NULL);
+        respond_text(h, fd, 400, "Bad Request", false, NULL);
         return;
     }
     bool head = strcmp(method, "HEAD") == 0;
     if (strcmp(method, "GET") != 0 && !head) {
-        respond_text(h, fd, 405, "Method Not Allowed", "Allow: GET, HEAD\r\n");
+        respond_text(h, fd, 405, "Method Not Allowed", false, "Allow: GET, HEAD\r\n");
         return;
     }
     char *query = strchr(target, '?');
@@ -144,12 +146,12 @@ static void serve_request(struct skv_metrics_http *h, int fd, char *req)
         return;
     }
     if (strcmp(target, "/metrics") != 0) {
-        respond_text(h, fd, 404, "Not Found", NULL);
+        respond_text(h, fd, 404, "Not Found", head, NULL);
         return;
     }
     size_t len = h->render(h->user, h->body, BODY_CAP);
     if (len == 0) { /* the exposition could not be made (no memory): not an empty 200 */
-        respond_text(h, fd, 503, "Service Unavailable", NULL);
+        respond_text(h, fd, 503, "Service Unavailable", head, NULL);
         return;
     }
     respond(h, fd, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", h->body, len, head, NULL);
@@ -194,7 +196,7 @@ static void slot_input(struct skv_metrics_http *h, struct slot *sl)
         serve_request(h, sl->fd, sl->buf);
         slot_drain(sl);
     } else if (sl->len == sizeof sl->buf - 1) {
-        respond_text(h, sl->fd, 431, "Request Header Fields Too Large", NULL);
+        respond_text(h, sl->fd, 431, "Request Header Fields Too Large", false, NULL);
         slot_drain(sl);
     }
 }
@@ -205,7 +207,7 @@ static void slot_expire(struct skv_metrics_http *h, struct slot *sl, int64_t now
     if (sl->st == SLOT_FREE || now < sl->deadline)
         return;
     if (sl->st == SLOT_READING) {
-        respond_text(h, sl->fd, 408, "Request Timeout", NULL);
+        respond_text(h, sl->fd, 408, "Request Timeout", false, NULL);
         slot_drain(sl);
     } else {
         slot_close(sl);

@@ -2214,8 +2214,6 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     s->last_used_ms = skv_now_ms();
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
-    w->metrics.decode_tokens++;
-    skv_worker_tenant(w, d->job->tenant)->decode_tokens++;
     if ((rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL) && d->produced > (in ? 0u : 1u)) {
         skv_log(SKV_LOG_DEBUG, "a decode ends after %u tokens: %s", d->produced - !in, skv_error_msg());
         if (!in) {
@@ -2231,6 +2229,10 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         fail_rc(w, d->job, rc);
         return true;
     }
+    /* generated: the token stays in the session (one refused room, or whose forward failed, is
+     * not counted: it was, in both counters) */
+    w->metrics.decode_tokens++;
+    skv_worker_tenant(w, d->job->tenant)->decode_tokens++;
     /* the same text streamed or collected: each token's bytes, control tokens none, a
      * character cut by the end held for the session's next DECODE; with stop sequences, up to
      * the first one, and what may begin one held back until it cannot or the decode ends */

@@ -618,6 +618,12 @@ static void test_metrics_http(void **state)
     r = http(d, other, sizeof other - 1);
     assert_true(strncmp(r, "HTTP/1.1 404 Not Found\r\n", 24) == 0);
     free(r);
+    const char head_other[] = "HEAD /other HTTP/1.1\r\n\r\n"; /* the headers alone (it had the body) */
+    r = http(d, head_other, sizeof head_other - 1);
+    assert_true(strncmp(r, "HTTP/1.1 404 Not Found\r\n", 24) == 0);
+    assert_non_null(strstr(r, "Content-Length: 14\r\n")); /* that of "404 Not Found\n", as GET's */
+    assert_string_equal(strstr(r, "\r\n\r\n"), "\r\n\r\n");
+    free(r);
     const char post[] = "POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc";
     r = http(d, post, sizeof post - 1);
     assert_true(strncmp(r, "HTTP/1.1 405 ", 13) == 0);

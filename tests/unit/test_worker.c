@@ -1423,11 +1423,15 @@ static void test_decode_over_quota(void **state)
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
     req.decode = &d;
+    const double tokens0 = stat(f, "snapkv_decode_tokens_total");
     Snapkv__Reply *rep = call(f, 0, ID_X, &req);
     assert_int_equal(rep->status, SKV_E_LIMIT);
     assert_non_null(strstr(rep->message, "max-bytes-per-tenant"));
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(listed(f, sid, NULL, NULL), 16); /* the refused token never entered */
+    /* nor is it counted generated (it was, in both counters) */
+    if (stat(f, "snapkv_decode_tokens_total") != tokens0)
+        fail_msg("%g tokens counted, %g before", stat(f, "snapkv_decode_tokens_total"), tokens0);
     /* a policy that keeps 16 rows fits: streaming evicts as it goes */
     uint8_t s2[16];
     restart_with_quota(f, 2);
@@ -1455,6 +1459,7 @@ static void test_decode_over_quota(void **state)
     assert_int_equal(rep->decode->n_tokens, 8);
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(listed(f, s3, NULL, NULL), 16);
+    assert_true(stat(f, "snapkv_decode_tokens_total") == 8); /* the 8 that went in, not the 9th */
     /* and streamed: eight replies of a token, then the final one with none */
     d.stream = true;
     restart_with_quota(f, 1);
