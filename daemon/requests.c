@@ -634,11 +634,13 @@ static void undo_end(struct skv_worker *w, struct skv_session *s, struct session
     u->logits = NULL;
 }
 
-/* A compressor for spec text (NULL for policy=full), and the spec's canonical form. */
-static int parse_spec(struct skv_worker *w, const char *text, struct skv_compressor **comp, char *canon, size_t cap)
+/* A compressor for spec text (NULL for policy=full), and the spec's canonical form; saved: the
+ * text of a SAVE file, parsed as skv_compress_spec_parse_saved does. */
+static int parse_spec(struct skv_worker *w, const char *text, bool saved, struct skv_compressor **comp, char *canon,
+                      size_t cap)
 {
     struct skv_compress_spec spec;
-    int rc = skv_compress_spec_parse(text, &spec);
+    int rc = saved ? skv_compress_spec_parse_saved(text, &spec) : skv_compress_spec_parse(text, &spec);
     if (rc)
         return rc;
     *comp = NULL;
@@ -648,11 +650,11 @@ static int parse_spec(struct skv_worker *w, const char *text, struct skv_compres
     return SKV_OK;
 }
 
-static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text)
+static int set_spec(struct skv_worker *w, struct skv_session *s, const char *text, bool saved)
 {
     struct skv_compressor *comp = NULL;
     char canon[sizeof s->spec] = {0}; /* all of it goes into the session, and into SAVE files */
-    int rc = parse_spec(w, text, &comp, canon, sizeof canon);
+    int rc = parse_spec(w, text, saved, &comp, canon, sizeof canon);
     if (rc)
         return rc;
     skv_compressor_free(&s->comp);
@@ -901,7 +903,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     const char *spec = p->compress && p->compress->spec && *p->compress->spec ? p->compress->spec
                                                                                 : cfg->default_compress;
     int reused = 0; /* a scored prompt computes every token: a reused row has no output to score */
-    if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) || (rc = set_spec(w, s, spec)) ||
+    if ((rc = skv_session_create(w->sessions, w->m, tenant, job->req->tenant, &s)) ||
+        (rc = set_spec(w, s, spec, false)) ||
         (cfg->prefix_reuse && !p->no_prefix_reuse && !scores && (rc = reuse_prefix(w, s, ids, n, &reused)) &&
          rc != SKV_E_NOMEM)) /* without the copy, every token is computed */
         goto fail;
@@ -1158,7 +1161,8 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     uint64_t before = full_bytes(w->m, s->cache->n_past);
-    if ((rc = parse_spec(w, c->compress && c->compress->spec ? c->compress->spec : "", &comp, canon, sizeof canon)))
+    if ((rc = parse_spec(w, c->compress && c->compress->spec ? c->compress->spec : "", false, &comp, canon,
+                         sizeof canon)))
         goto fail;
     int n_past = s->cache->n_past;
     int cut = n_past - (comp ? skv_compressor_spec(comp)->window : 1);
@@ -1799,7 +1803,7 @@ static void handle_import(struct skv_worker *w, struct skv_job *job)
     if ((rc = skv_session_check_tenant(tenant_of(job))) || (rc = xfer_open(w, job, im->buffer, need, true, &x)) ||
         (rc = import_rows_finite(&x, mc, im)) ||
         (rc = skv_session_create(w->sessions, w->m, tenant_of(job), job->req->tenant, &s)) ||
-        (rc = set_spec(w, s, "policy=full")))
+        (rc = set_spec(w, s, "policy=full", false)))
         goto fail;
     int max_len = 0;
     uint64_t bytes = 0; /* the blocks the imported rows take: room made (or refused) before any is written */
@@ -2452,7 +2456,7 @@ static void fill_info(Snapkv__SessionInfo *in, struct skv_session *s, char *poli
     in->bytes = s->bytes;
     in->shared_bytes = skv_session_shared_bytes(s);
     struct skv_compress_spec spec;
-    bool short_ok = skv_compress_spec_parse(s->spec, &spec) == SKV_OK &&
+    bool short_ok = skv_compress_spec_parse_saved(s->spec, &spec) == SKV_OK &&
                     skv_compress_spec_format_short(&spec, policy, INFO_POLICY_BYTES) == SKV_OK;
     in->policy = short_ok ? policy : s->spec;
     in->created_unix_ms = skv_unix_ms(s->created_ms);
@@ -3262,7 +3266,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         rc = skv_errorf(SKV_E_FORMAT, "%s: implausible lengths", path);
     hd.spec[sizeof hd.spec - 1] = '\0';
     if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, owner, &s)))
-        rc = set_spec(w, s, "policy=full");
+        rc = set_spec(w, s, "policy=full", false);
     int32_t *tok = NULL;
     if (!rc && hd.n_tokens && !(tok = malloc((size_t)hd.n_tokens * sizeof *tok)))
         rc = SKV_E_NOMEM;
@@ -3274,7 +3278,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         rc = skv_session_push_tokens(s, tok, hd.n_tokens);
     free(tok);
     /* the session goes on under its spec: the compressor that reads the state it had */
-    if (!rc && hd.version >= 2 && (rc = set_spec(w, s, hd.spec))) {
+    if (!rc && hd.version >= 2 && (rc = set_spec(w, s, hd.spec, true))) {
         char why[256]; /* skv_errorf() rewrites the buffer skv_error_msg() returns */
         snprintf(why, sizeof why, "%s", skv_error_msg());
         rc = skv_errorf(SKV_E_VERSION, "%s: saved spec: %s", path, why); /* a newer daemon's policy */

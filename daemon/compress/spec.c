@@ -27,23 +27,19 @@ const char *skv_alloc_name(enum skv_alloc a)
 
 void skv_compress_spec_default(struct skv_compress_spec *s)
 {
-    *s = (struct skv_compress_spec){
-        .policy = SKV_POLICY_FULL,
-        .alloc = SKV_ALLOC_UNIFORM,
-        .budget = 0,
-        .ratio = 1.0,
-        .min_budget = 0,
-        .window = 32,
-        .kernel = 7,
-        .pool = SKV_POOL_MAX,
-        .gqa = SKV_GQA_MEAN,
-        .granularity = SKV_GRAN_LAYER,
-        .sinks = 4,
-        .p = 0.3,
-        .pyramid_beta = 20,
-        .decode_budget = 0,
-        .interval = 64,
-    };
+    memset(s, 0, sizeof *s); /* the padding too: specs are compared with memcmp */
+    s->policy = SKV_POLICY_FULL;
+    s->alloc = SKV_ALLOC_UNIFORM;
+    s->ratio = 1.0;
+    s->window = 32;
+    s->kernel = 7;
+    s->pool = SKV_POOL_MAX;
+    s->gqa = SKV_GQA_MEAN;
+    s->granularity = SKV_GRAN_LAYER;
+    s->sinks = 4;
+    s->p = 0.3;
+    s->pyramid_beta = 20;
+    s->interval = 64;
 }
 
 static int parse_enum(const char *key, const char *val, const char *const *names, int n, int *out)
@@ -80,7 +76,39 @@ static int parse_real(const char *key, const char *val, double lo, double hi, do
     return SKV_OK;
 }
 
-int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
+/* A key given a value other than its default where the spec's policy and allocator never read
+ * it (policy=full reads none): refused, naming what reads it (before, `policy=h2o,kernel=11` or
+ * `alloc=uniform,p=0.5` was taken and changed nothing, without a word). window is read by every
+ * policy (COMPRESS runs its last `window` tokens again) and granularity by every compressor, so
+ * neither is refused. false: every key given is read. */
+static bool ignored_key(const struct skv_compress_spec *s, const char **key, const char **reader)
+{
+    struct skv_compress_spec d;
+    skv_compress_spec_default(&d);
+    const bool snapkv = s->policy == SKV_POLICY_SNAPKV, h2o = s->policy == SKV_POLICY_H2O;
+    const struct {
+        bool ignored;
+        const char *key, *reader;
+    } keys[] = {
+        {s->kernel != d.kernel && !snapkv, "kernel", "policy=snapkv (its pooling of scores)"},
+        {s->pool != d.pool && !snapkv, "pool", "policy=snapkv (its pooling of scores)"},
+        {s->gqa != d.gqa && !snapkv && !h2o, "gqa", "policy=snapkv and policy=h2o (their scores over a KV group)"},
+        {s->sinks != d.sinks && s->policy != SKV_POLICY_STREAMING, "sinks", "policy=streaming"},
+        {s->p != d.p && s->alloc != SKV_ALLOC_SQUEEZE, "p", "alloc=squeeze"},
+        {s->pyramid_beta != d.pyramid_beta && s->alloc != SKV_ALLOC_PYRAMID, "beta", "alloc=pyramid"},
+        {s->interval != d.interval && !(snapkv && s->decode_budget > 0), "interval",
+         "policy=snapkv with decode_budget=N (its re-scoring while decoding)"},
+    };
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (keys[i].ignored) {
+            *key = keys[i].key;
+            *reader = keys[i].reader;
+            return true;
+        }
+    return false;
+}
+
+static int parse(const char *text, bool lenient, struct skv_compress_spec *out)
 {
     struct skv_compress_spec s;
     skv_compress_spec_default(&s);
@@ -99,6 +127,8 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         while (*tok == ' ')
             tok++;
+        for (size_t n = strlen(tok); n && tok[n - 1] == ' ';) /* blanks around a pair, not inside */
+            tok[--n] = '\0';
         if (!*tok)
             continue;
         char *eq = strchr(tok, '=');
@@ -147,14 +177,28 @@ int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
     if (s.policy == SKV_POLICY_FULL && (seen[1] || seen[2] || seen[3] || seen[12] || seen[14]))
         return skv_errorf(SKV_E_INVAL, "compression spec: policy=full keeps everything; budget, ratio, min_budget, "
                                        "decode_budget and alloc do not apply");
-    if (seen[14] && !seen[3])
-        return skv_errorf(SKV_E_INVAL, "compression spec: min_budget is a floor under ratio=R; with budget=N "
-                                       "give the tokens directly");
     if (s.policy != SKV_POLICY_FULL && !seen[2] && !seen[3])
         return skv_errorf(SKV_E_INVAL, "compression spec: policy=%s needs budget=N or ratio=R",
                           policy_names[s.policy]);
+    if (seen[14] && !seen[3])
+        return skv_errorf(SKV_E_INVAL, "compression spec: min_budget is a floor under ratio=R; with budget=N "
+                                       "give the tokens directly");
+    const char *key = NULL, *reader = NULL;
+    if (!lenient && ignored_key(&s, &key, &reader))
+        return skv_errorf(SKV_E_INVAL, "compression spec: %s does nothing with policy=%s,alloc=%s; it is read by %s",
+                          key, policy_names[s.policy], alloc_names[s.alloc], reader);
     *out = s;
     return SKV_OK;
+}
+
+int skv_compress_spec_parse(const char *text, struct skv_compress_spec *out)
+{
+    return parse(text, false, out);
+}
+
+int skv_compress_spec_parse_saved(const char *text, struct skv_compress_spec *out)
+{
+    return parse(text, true, out);
 }
 
 /* v as the shortest decimal that reads back as exactly v (the canonical spec is what SAVE

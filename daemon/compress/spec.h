@@ -35,11 +35,16 @@ struct skv_compress_spec {
 /* Defaults: policy=full, alloc=uniform, ratio 1, window 32, kernel 7, pool max, gqa mean,
  * granularity layer, sinks 4, p 0.3, beta 20, interval 64. */
 void skv_compress_spec_default(struct skv_compress_spec *spec);
-/* Parses "policy=snapkv,ratio=0.1,..." over the defaults. Unknown keys, repeated keys and bad
- * values are SKV_E_INVAL with skv_error_msg() naming the key; *spec is written only on success. */
+/* Parses "policy=snapkv,ratio=0.1,..." over the defaults. Unknown keys, repeated keys, bad
+ * values and a key set (to other than its default) that the policy and allocator do not read
+ * are SKV_E_INVAL with skv_error_msg() naming the key; *spec is written only on success. */
 /* The longest spec text skv_compress_spec_parse takes. */
 #define SKV_SPEC_MAX_CHARS 1024
 int skv_compress_spec_parse(const char *text, struct skv_compress_spec *spec);
+/* The same, also taking a key the spec's policy and allocator do not read (which
+ * skv_compress_spec_parse refuses: `policy=h2o,kernel=11`), as specs saved by a daemon from
+ * before that check may hold: for the spec text of SAVE files and sessions, never a client's. */
+int skv_compress_spec_parse_saved(const char *text, struct skv_compress_spec *spec);
 /* Canonical text of a spec (every key); returns SKV_OK or SKV_E_LIMIT when cap is too small. */
 int skv_compress_spec_format(const struct skv_compress_spec *spec, char *buf, size_t cap);
 /* The same spec with only the keys that differ from the defaults (policy and size always), a

@@ -71,6 +71,63 @@ static void test_spec_parse(void **state)
     }
 }
 
+/* A key set where the spec's policy and allocator never read it is refused, naming what reads
+ * it (it was taken, and changed nothing); at its default it is taken, as the canonical text
+ * writes every key. A saved spec (a SAVE file's, maybe from a daemon before the check) is read
+ * as it was. Blanks around a pair are skipped, and a spec with no size says so first. */
+static void test_spec_ignored_keys(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *spec, *msg;
+    } refused[] = {
+        {"policy=h2o,budget=8,kernel=11", "kernel does nothing with policy=h2o,alloc=uniform; it is read by "
+                                          "policy=snapkv"},
+        {"policy=streaming,budget=8,pool=avg", "pool does nothing with policy=streaming"},
+        {"policy=window,budget=8,gqa=max", "gqa does nothing with policy=window"},
+        {"policy=snapkv,budget=8,sinks=8", "sinks does nothing with policy=snapkv,alloc=uniform; it is read by "
+                                           "policy=streaming"},
+        {"policy=snapkv,budget=8,p=0.5", "p does nothing with policy=snapkv,alloc=uniform; it is read by "
+                                         "alloc=squeeze"},
+        {"policy=snapkv,alloc=squeeze,budget=8,beta=10", "beta does nothing with policy=snapkv,alloc=squeeze"},
+        {"policy=snapkv,ratio=0.1,interval=16", "interval does nothing"},
+        {"policy=h2o,budget=8,decode_budget=16,interval=8", "interval does nothing with policy=h2o"},
+        {"policy=full,kernel=11", "kernel does nothing with policy=full"},
+        {"policy=full,sinks=2", "sinks does nothing with policy=full"},
+    };
+    struct skv_compress_spec s, t;
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        if (skv_compress_spec_parse(refused[i].spec, &s) != SKV_E_INVAL || !strstr(skv_error_msg(), refused[i].msg))
+            fail_msg("%s: '%s', '%s' expected", refused[i].spec, skv_error_msg(), refused[i].msg);
+        assert_int_equal(skv_compress_spec_parse_saved(refused[i].spec, &s), SKV_OK);
+    }
+    assert_int_equal(skv_compress_spec_parse_saved("policy=h2o,budget=8,kernel=11", &s), SKV_OK);
+    assert_int_equal(s.kernel, 11);
+    static const char *const taken[] = {
+        "policy=h2o,budget=8,kernel=7,pool=max,sinks=4,p=0.3,beta=20,interval=64", /* the defaults */
+        "policy=streaming,budget=8,window=16", /* window: the tokens COMPRESS runs again */
+        "policy=window,budget=8,granularity=head",
+        "policy=h2o,budget=8,gqa=max",
+        "policy=snapkv,alloc=pyramid,budget=8,beta=10",
+        "policy=streaming,alloc=squeeze,budget=8,p=0.5,sinks=2",
+        "policy=snapkv,budget=8,decode_budget=16,interval=8,kernel=5,pool=avg",
+    };
+    char canon[512];
+    for (size_t i = 0; i < sizeof taken / sizeof taken[0]; i++) {
+        if (skv_compress_spec_parse(taken[i], &s) != SKV_OK)
+            fail_msg("%s: %s", taken[i], skv_error_msg());
+        assert_int_equal(skv_compress_spec_format(&s, canon, sizeof canon), SKV_OK);
+        assert_int_equal(skv_compress_spec_parse(canon, &t), SKV_OK); /* its canonical text, every key */
+        assert_memory_equal(&s, &t, sizeof s);
+    }
+    /* blanks around a pair (the last value's were taken as part of it) */
+    assert_int_equal(skv_compress_spec_parse(" policy=snapkv , ratio=0.1 ", &s), SKV_OK);
+    assert_true(s.policy == SKV_POLICY_SNAPKV && s.ratio == 0.1);
+    /* no size: that first, not min_budget's "with budget=N" */
+    assert_int_equal(skv_compress_spec_parse("policy=snapkv,min_budget=64", &s), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "needs budget=N or ratio=R"));
+}
+
 static void test_spec_format_and_budget(void **state)
 {
     (void)state;
@@ -131,8 +188,8 @@ static void test_spec_format_and_budget(void **state)
         {"policy=h2o,alloc=pyramid,budget=64,window=8,gqa=max", "policy=h2o,alloc=pyramid,budget=64,window=8,gqa=max"},
         {"policy=snapkv,alloc=squeeze,ratio=0.2,min_budget=128,kernel=11,p=0.5,decode_budget=48,interval=8",
          "policy=snapkv,alloc=squeeze,ratio=0.2,min_budget=128,kernel=11,p=0.5,interval=8,decode_budget=48"},
-        {"policy=streaming,ratio=0.1,sinks=8,granularity=head,pool=avg,beta=10",
-         "policy=streaming,ratio=0.1,pool=avg,granularity=head,sinks=8,beta=10"},
+        {"policy=streaming,alloc=pyramid,ratio=0.1,sinks=8,granularity=head,beta=10",
+         "policy=streaming,alloc=pyramid,ratio=0.1,granularity=head,sinks=8,beta=10"},
     };
     for (size_t i = 0; i < sizeof shorts / sizeof shorts[0]; i++) {
         assert_int_equal(skv_compress_spec_parse(shorts[i].in, &s), SKV_OK);
@@ -1279,7 +1336,8 @@ static void test_min_budget(void **state)
 int main(void)
 {
     const struct CMUnitTest pure[] = {
-        cmocka_unit_test(test_spec_parse),   cmocka_unit_test(test_spec_format_and_budget),
+        cmocka_unit_test(test_spec_parse),   cmocka_unit_test(test_spec_ignored_keys),
+        cmocka_unit_test(test_spec_format_and_budget),
         cmocka_unit_test(test_pyramid),      cmocka_unit_test(test_squeeze_budgets),
     };
     const struct CMUnitTest model[] = {

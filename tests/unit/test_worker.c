@@ -3710,6 +3710,46 @@ static void test_load_room(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* A saved spec with a key its policy does not read (a daemon before that check took
+ * `policy=h2o,kernel=9` and wrote it into SAVE files and checkpoints) still loads, under that
+ * spec; a client's spec with it is refused. */
+static void test_load_saved_spec(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-spec-XXXXXX", cmd[300], path[300];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    restart(f);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 24, "policy=h2o,budget=16", a);
+    assert_int_equal(save_as(f, a, "old"), SKV_OK);
+    /* the header's spec as such a daemon wrote it, and the checksum over the file again */
+    snprintf(path, sizeof path, "%s/old.skv", dir);
+    FILE *fp = fopen(path, "r+b");
+    assert_non_null(fp);
+    assert_int_equal(fseek(fp, 0, SEEK_END), 0);
+    const long size = ftell(fp), body = size - 48 - 32; /* before the checksum and the trailer */
+    unsigned char *file = malloc((size_t)size);
+    assert_int_equal(fseek(fp, 0, SEEK_SET), 0);
+    assert_int_equal(fread(file, 1, (size_t)size, fp), (size_t)size);
+    char *k = memmem(file + 101, 256, "kernel=7,", 9);
+    assert_non_null(k);
+    k[7] = '9';
+    crypto_generichash(file + body, 32, file, (size_t)body, NULL, 0);
+    assert_int_equal(fseek(fp, 0, SEEK_SET), 0);
+    assert_int_equal(fwrite(file, 1, (size_t)size, fp), (size_t)size);
+    assert_int_equal(fclose(fp), 0);
+    free(file);
+    assert_int_equal(load_as(f, "old", b), SKV_OK);
+    assert_int_equal(listed(f, b, NULL, NULL), 24);
+    Snapkv__Reply *rep = prefill_reply(f, "t", 8, "policy=h2o,budget=16,kernel=9", 0);
+    assert_int_equal(rep->status, SKV_E_INVAL);
+    assert_non_null(strstr(rep->message, "kernel does nothing with policy=h2o"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* A COMPRESS runs on a copy of its session's cache that shares every block, so one stopped
  * part way (its deadline passed) leaves the session exactly as it was: its
  * rows, bytes and spec, and the next requests give the logits of a twin that never had the
@@ -5838,6 +5878,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_load_saved_spec, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
