@@ -320,6 +320,22 @@ static int state_read_obs(struct skv_compressor *c, const char *p, size_t len, i
     return SKV_OK;
 }
 
+/* The window a policy keeps on top of its selection (snapkv's observation window, h2o's recent
+ * one), which PyramidKV's and SqueezeAttention's shares leave out; streaming and window keep
+ * none (before, PyramidKV counted their spec's window: at budget=32 it took all 32 and
+ * tapered nothing). */
+static int kept_window(const struct skv_compress_spec *s)
+{
+    return s->policy == SKV_POLICY_SNAPKV || s->policy == SKV_POLICY_H2O ? s->window : 0;
+}
+
+/* What a decode grows a layer's budget to when the prompt did not reach it: budget=N, or a
+ * ratio's min_budget floor (0: none). */
+static int decode_floor(const struct skv_compress_spec *s)
+{
+    return s->ratio < 0 ? s->budget : s->min_budget;
+}
+
 int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t len, int n_past)
 {
     size_t base = state_base(c);
@@ -333,7 +349,7 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
     /* rows a layer may be allotted: at most the sequence, or, for a fixed budget, what a layer
      * grows to while decoding (grow_fixed_budgets: up to 4 B under squeeze) */
     long most = (long)n_past + 1;
-    long most_layer = c->spec.ratio < 0 ? (long)c->spec.budget * SQUEEZE_CAP_FACTOR + c->spec.window : 0;
+    long most_layer = (long)decode_floor(&c->spec) * SQUEEZE_CAP_FACTOR + c->spec.window;
     most_layer = most_layer > most ? most_layer : most;
     /* while decoding, a layer's budget is its share of decode_budget (up to L times it),
      * whatever the sequence's length */
@@ -424,7 +440,7 @@ static int plan_budgets(const struct skv_compressor *c, int total_len, int *out)
             out[l] = budget;
         break;
     case SKV_ALLOC_PYRAMID:
-        skv_pyramid_budgets(L, budget, c->spec.window, c->spec.pyramid_beta, total_len, out);
+        skv_pyramid_budgets(L, budget, kept_window(&c->spec), c->spec.pyramid_beta, total_len, out);
         break;
     case SKV_ALLOC_SQUEEZE: {
         /* final budgets are known after the last layer; meanwhile keep a capped upper bound */
@@ -508,29 +524,42 @@ static void spread_decode_budget(struct skv_compressor *c)
         c->decode_budgets[best]++;
         frac[best] = -1;
     }
+    /* a layer holds at least one row (the newest); what that adds comes off the largest, so
+     * the total stays L * D (before, a squeezed layer rounded to 0 and raised to 1 went over) */
+    long over = 0;
     for (int l = 0; l < L; l++)
-        c->decode_budgets[l] = c->decode_budgets[l] > 0 ? c->decode_budgets[l] : 1;
+        if (c->decode_budgets[l] < 1) {
+            over += 1 - c->decode_budgets[l];
+            c->decode_budgets[l] = 1;
+        }
+    for (; over > 0; over--) {
+        int most = 0;
+        for (int l = 1; l < L; l++)
+            most = c->decode_budgets[l] > c->decode_budgets[most] ? l : most;
+        if (c->decode_budgets[most] <= 1)
+            break; /* D >= 1: not reached */
+        c->decode_budgets[most]--;
+    }
     free(frac);
 }
 
-/* A fixed budget (budget=N) that the prompt did not reach was cut to the prompt's length at
- * prefill (the layer kept whole); while decoding, the layers grow to the budget the spec asks
- * for, allocated as at prefill. */
+/* A fixed budget (budget=N), or a ratio's min_budget, that the prompt did not reach was cut to
+ * the prompt's length at prefill (the layer kept whole); while decoding, the layers grow to the
+ * budget the spec asks for, allocated as at prefill (before, a min_budget floor was not: a
+ * 20-token prompt under `ratio=0.1,min_budget=32` decoded at 20 rows). */
 static void grow_fixed_budgets(struct skv_compressor *c)
 {
-    int B = c->spec.budget, L = c->n_layers;
-    bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
+    int B = decode_floor(&c->spec), L = c->n_layers, w = kept_window(&c->spec);
     switch (c->spec.alloc) {
     case SKV_ALLOC_UNIFORM:
         for (int l = 0; l < L; l++)
             c->layer_budget[l] = B;
         break;
     case SKV_ALLOC_PYRAMID: /* a length no layer's share reaches: nothing is cut */
-        skv_pyramid_budgets(L, B, c->spec.window, c->spec.pyramid_beta, 2 * B + c->spec.window + 1, c->layer_budget);
+        skv_pyramid_budgets(L, B, w, c->spec.pyramid_beta, 2 * B + w + 1, c->layer_budget);
         break;
     case SKV_ALLOC_SQUEEZE:
-        skv_squeeze_budgets(c->sim, L, B, kept_window ? c->spec.window : 0, c->spec.p, B * SQUEEZE_CAP_FACTOR,
-                            c->layer_budget);
+        skv_squeeze_budgets(c->sim, L, B, w, c->spec.p, B * SQUEEZE_CAP_FACTOR, c->layer_budget);
         break;
     }
 }
@@ -544,7 +573,7 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
 {
     if (!c->decode && c->spec.decode_budget > 0)
         spread_decode_budget(c); /* the first decode step after a compressing forward */
-    else if (!c->decode && c->spec.ratio < 0 && c->budget < c->spec.budget && c->spec.policy != SKV_POLICY_SNAPKV)
+    else if (!c->decode && c->budget < decode_floor(&c->spec) && c->spec.policy != SKV_POLICY_SNAPKV)
         grow_fixed_budgets(c);
     c->decode = true;
     c->scored_layer = -1;
@@ -940,14 +969,13 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache)
     int *final = malloc((size_t)c->n_layers * sizeof *final);
     if (!final)
         return SKV_E_NOMEM;
-    bool kept_window = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
     /* every layer holds its capped upper bound (min(4 B, prompt)); allocating under that cap
      * in one pass shares what a capped layer cannot hold evenly (within one row) among the
      * layers below it, so no final budget exceeds what its layer holds */
     int lim = c->layer_budget[0];
     for (int l = 1; l < c->n_layers; l++)
         lim = c->layer_budget[l] < lim ? c->layer_budget[l] : lim;
-    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window ? c->spec.window : 0, c->spec.p, lim, final);
+    skv_squeeze_budgets(c->sim, c->n_layers, c->budget, kept_window(&c->spec), c->spec.p, lim, final);
     int rc = SKV_OK;
     /* the rows the hook kept as its window: H2O's recent window is always `window` rows */
     int w_obs = c->spec.policy == SKV_POLICY_H2O || c->spec.window < c->batch ? c->spec.window : c->batch;

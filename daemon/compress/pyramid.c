@@ -4,6 +4,10 @@
 
 void skv_pyramid_budgets(int n_layers, int budget, int window, int beta, int n, int *out)
 {
+    if (n_layers == 1) { /* no schedule to spread over (the reference divides by zero): B */
+        out[0] = budget < n ? budget : n;
+        return;
+    }
     if (window > budget)
         window = budget;
     int avg = budget - window; /* selectable prefix entries per layer on average */

@@ -227,6 +227,11 @@ static void test_pyramid(void **state)
     skv_pyramid_budgets(4, 40, 8, 20, 30, b);
     for (int l = 0; l < 4; l++)
         assert_int_equal(b[l], 30);
+    /* one layer: no schedule, its budget (it had max + w = 118 of B 64) */
+    skv_pyramid_budgets(1, 64, 8, 20, 1000, b);
+    assert_int_equal(b[0], 64);
+    skv_pyramid_budgets(1, 64, 8, 20, 50, b);
+    assert_int_equal(b[0], 50);
 }
 
 static void test_squeeze_budgets(void **state)
@@ -1306,6 +1311,54 @@ static void test_state_decode_budget_past_length(void **state)
     }
 }
 
+/* Layer budgets at their edges: PyramidKV under streaming counts no window (it took the spec's
+ * 32 from budget=8 and tapered nothing); a decode_budget spread keeps its total L * D when a
+ * layer's share rounds to 0 and is raised to 1 (it went over); a ratio's min_budget floor
+ * grows the layers while decoding, as budget=N does (they stayed at the prompt's 20). */
+static void test_budget_edges(void **state)
+{
+    struct tiny *t = *state;
+    struct skv_kv_cache *c = NULL;
+    struct skv_compressor *comp = NULL;
+    run(t, "policy=streaming,alloc=pyramid,budget=8", &c, t->ids, t->n, &comp);
+    int want[16];
+    assert_true(c->n_layers >= 2 && c->n_layers <= 16);
+    skv_pyramid_budgets(c->n_layers, 8, 0, 20, t->n, want);
+    assert_true(want[0] > want[c->n_layers - 1]);
+    for (int l = 0; l < c->n_layers; l++)
+        if (skv_kv_cache_head(c, l, 0)->len != want[l])
+            fail_msg("streaming + pyramid: layer %d keeps %d rows, %d expected", l, skv_kv_cache_head(c, l, 0)->len,
+                     want[l]);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+
+    run(t, "policy=streaming,alloc=pyramid,budget=8,decode_budget=1", &c, t->ids, t->n, &comp);
+    decode_steps(t, comp, c, 40, 1);
+    const int *d = skv_compressor_layer_budgets(comp);
+    int sum = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        assert_true(d[l] >= 1);
+        sum += d[l];
+        assert_int_equal(skv_kv_cache_head(c, l, 0)->len, d[l]);
+    }
+    assert_int_equal(sum, c->n_layers);
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+
+    run(t, "policy=streaming,ratio=0.1,min_budget=32", &c, t->ids, 20, &comp);
+    for (int l = 0; l < c->n_layers; l++)
+        assert_int_equal(skv_kv_cache_head(c, l, 0)->len, 20); /* whole */
+    decode_steps(t, comp, c, 40, 8);
+    for (int l = 0; l < c->n_layers; l++)
+        for (int h = 0; h < c->n_kv_heads; h++)
+            assert_int_equal(skv_kv_cache_head(c, l, h)->len, 28);
+    decode_steps(t, comp, c, 48, 8);
+    for (int l = 0; l < c->n_layers; l++)
+        assert_int_equal(skv_kv_cache_head(c, l, 0)->len, 32); /* the floor, then evicting */
+    skv_compressor_free(&comp);
+    skv_kv_cache_free(&c);
+}
+
 /* min_budget: at 10% of the 40-token prompt a layer would keep 4 rows (the window alone);
  * with min_budget=12 it keeps 12 per head, exactly the rows budget=12 keeps; a floor below
  * the ratio's budget changes nothing. */
@@ -1346,6 +1399,7 @@ int main(void)
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
         cmocka_unit_test(test_decode_eviction),
         cmocka_unit_test(test_fixed_budget_above_prompt), cmocka_unit_test(test_state_grown_budget),
+        cmocka_unit_test(test_budget_edges),
         cmocka_unit_test(test_h2o_matches_naive),
         cmocka_unit_test(test_h2o_rerun_counts_once),      cmocka_unit_test(test_query_aware_reuse),
         cmocka_unit_test(test_squeeze_conserves),    cmocka_unit_test(test_decode_rescore_hand),
