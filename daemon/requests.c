@@ -3258,7 +3258,10 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         rc = skv_errorf(SKV_E_VERSION, "%s is not a saved session of version 1..%d", path, SAVE_VERSION_PARTIAL);
     if (!rc && hd.version >= SAVE_VERSION_STORE && !(r && r->store))
         rc = skv_errorf(SKV_E_FORMAT, "%s names blocks of a persist block store, and there is none", path);
-    if (!rc && (memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 || hd.n_layers != (uint32_t)mc->n_layers ||
+    /* the model's fingerprint, or the legacy one of a file an earlier daemon wrote */
+    if (!rc && ((memcmp(hd.fingerprint, w->m->fingerprint, 64) != 0 &&
+                 memcmp(hd.fingerprint, w->m->legacy_fingerprint, 64) != 0) ||
+                hd.n_layers != (uint32_t)mc->n_layers ||
                 hd.n_kv_heads != (uint32_t)mc->n_kv_heads || hd.head_dim != (uint32_t)mc->head_dim))
         rc = skv_errorf(SKV_E_INVAL, "%s was saved with another model", path);
     if (!rc && (hd.n_tokens < 0 || hd.n_past < 0 || hd.n_tokens > hd.n_past || hd.prompt_len < 0 ||
@@ -3493,11 +3496,15 @@ struct store_meta {
 };
 #define STORE_CLOCK_SKEW_S 300 /* the hosts' clocks may differ by this much */
 
-static void store_key(const struct skv_worker *w, const char *tenant, const uint8_t *id, char *out, size_t cap)
+/* legacy: under the model's legacy fingerprint, as a daemon before the forty-fifth session put
+ * it there (false when that is the fingerprint: no other key) */
+static bool store_key(const struct skv_worker *w, const char *tenant, const uint8_t *id, bool legacy, char *out,
+                      size_t cap)
 {
     char hex[2 * SKV_SESSION_ID_BYTES + 1];
     skv_session_id_hex(id, hex);
-    snprintf(out, cap, "snapkv:%s:%s:%s", w->m->fingerprint, tenant, hex);
+    snprintf(out, cap, "snapkv:%s:%s:%s", legacy ? w->m->legacy_fingerprint : w->m->fingerprint, tenant, hex);
+    return !legacy || strcmp(w->m->legacy_fingerprint, w->m->fingerprint) != 0;
 }
 
 #define STORE_KEY_MAX (7 + 65 + SKV_TENANT_MAX + 2 * SKV_SESSION_ID_BYTES + 8)
@@ -3643,7 +3650,7 @@ void skv_requests_spill(void *user, struct skv_session *s)
     struct skv_worker *w = user; /* (registered, and called by the drain, only with a store) */
     double t0 = now_s();
     char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1];
-    store_key(w, s->tenant, s->id, key, sizeof key);
+    store_key(w, s->tenant, s->id, false, key, sizeof key);
     skv_session_id_hex(s->id, hex);
     uint64_t n = 0;
     FILE *f = fopencookie(&n, "w", (cookie_io_functions_t){.write = count_write, .seek = count_seek});
@@ -3686,12 +3693,16 @@ static int store_load(struct skv_worker *w, const char *tenant, const uint8_t *i
 
 static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out)
 {
-    char key[STORE_KEY_MAX];
-    store_key(w, tenant, id, key, sizeof key);
+    char key[STORE_KEY_MAX], legacy[STORE_KEY_MAX];
+    store_key(w, tenant, id, false, key, sizeof key);
+    const bool has_legacy = store_key(w, tenant, id, true, legacy, sizeof legacy); /* an earlier daemon's */
     const void *data = NULL;
     void *value = NULL;
     size_t n = 0;
-    int rc = skv_store_take(w->store, key, &data, &n, &value);
+    bool took_legacy = false;
+    int rc = skv_store_take_either(w->store, key, has_legacy ? legacy : NULL, &data, &n, &value, &took_legacy);
+    if (took_legacy) /* what its signature covers, and where a put back goes */
+        memcpy(key, legacy, sizeof key);
     if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) /* taken, and too large to hold */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
     if (rc)
@@ -3762,9 +3773,11 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
 static int store_release(struct skv_worker *w, const char *tenant, const uint8_t *id)
 {
     char key[STORE_KEY_MAX], hex[2 * SKV_SESSION_ID_BYTES + 1], why[256];
-    store_key(w, tenant, id, key, sizeof key);
+    store_key(w, tenant, id, false, key, sizeof key);
     skv_session_id_hex(id, hex);
     int rc = skv_store_delete(w->store, key);
+    if (rc == SKV_E_NOT_FOUND && store_key(w, tenant, id, true, key, sizeof key)) /* an earlier daemon's */
+        rc = skv_store_delete(w->store, key);
     if (rc == SKV_E_NOT_FOUND)
         return skv_errorf(SKV_E_NOT_FOUND, "no session %s for this tenant", hex);
     if (rc) {
@@ -4730,8 +4743,8 @@ int skv_requests_persist_restore(struct skv_worker *w)
      * manifest of before stores lived across saves has none: the store's own */
     int64_t n_named = json_is_integer(count) && json_integer_value(count) >= 0 ? (int64_t)json_integer_value(count)
                                                                                : -1;
-    rc = name[0] ? skv_kv_store_open(path, w->m->fingerprint, skv_kv_pool_block_rows(w->m->kv_pool),
-                                     w->m->cfg.head_dim, n_named, &r.store)
+    rc = name[0] ? skv_kv_store_open(path, w->m->fingerprint, w->m->legacy_fingerprint,
+                                     skv_kv_pool_block_rows(w->m->kv_pool), w->m->cfg.head_dim, n_named, &r.store)
                  : skv_errorf(SKV_E_FORMAT, "the manifest names no block store");
     if (rc && rc != SKV_E_NOT_FOUND) /* the files that name its blocks fail; older ones load */
         skv_log(SKV_LOG_WARN, "persist: block store: %s", skv_error_msg());

@@ -992,10 +992,25 @@ int skv_store_put_back(struct skv_store *st, const char *key, const void *data, 
 
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value)
 {
-    const char *argv[] = {"GETDEL", key};
-    const size_t lens[] = {6, strlen(key)};
-    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
-    int rc = store_command(st, &k);
+    bool took_alt;
+    return skv_store_take_either(st, key, NULL, data, n, value, &took_alt);
+}
+
+int skv_store_take_either(struct skv_store *st, const char *key, const char *alt, const void **data, size_t *n,
+                          void **value, bool *took_alt)
+{
+    struct store_call k;
+    int rc = SKV_OK;
+    *took_alt = false;
+    for (int i = 0; i < (alt ? 2 : 1); i++) {
+        const char *argv[] = {"GETDEL", i ? alt : key};
+        const size_t lens[] = {6, strlen(argv[1])};
+        k = (struct store_call){.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
+        if ((rc = store_command(st, &k)) || !k.reply.nil) {
+            *took_alt = i == 1;
+            break;
+        }
+    }
     if (rc) {
         st->stats.load_failures++;
         return rc;

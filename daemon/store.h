@@ -60,6 +60,10 @@ int skv_store_put_back(struct skv_store *st, const char *key, const void *data, 
  * is none; SKV_E_IO as above; SKV_E_LIMIT (over max_value) or SKV_E_NOMEM for a value taken
  * that cannot be held: it is lost. */
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value);
+/* The same, and when key has no value, GETDEL alt (NULL: none; a key an earlier daemon named the
+ * value by): one miss when neither has one. *took_alt: whether it was alt's. */
+int skv_store_take_either(struct skv_store *st, const char *key, const char *alt, const void **data, size_t *n,
+                          void **value, bool *took_alt);
 void skv_store_value_free(void *value);
 /* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above (counted as a
  * load failure). */

@@ -488,8 +488,8 @@ void skv_kv_store_end(struct skv_kv_store *st, bool ok)
     skv_kv_store_begin(st);
 }
 
-int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows, int head_dim, int64_t n_named,
-                      struct skv_kv_store **out)
+int skv_kv_store_open(const char *path, const char *fingerprint, const char *legacy, int block_rows, int head_dim,
+                      int64_t n_named, struct skv_kv_store **out)
 {
     struct skv_kv_store *st;
     int rc = store_new(fingerprint, block_rows, head_dim, &st);
@@ -506,7 +506,8 @@ int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows,
         rc = read_at(st->fd, &hd, sizeof hd, 0);
     if (!rc && (memcmp(hd.magic, STORE_MAGIC, 8) != 0 || hd.version != STORE_VERSION))
         rc = skv_errorf(SKV_E_FORMAT, "%s is not a block store of version %d", path, STORE_VERSION);
-    if (!rc && memcmp(hd.fingerprint, fingerprint, sizeof hd.fingerprint) != 0)
+    if (!rc && memcmp(hd.fingerprint, fingerprint, sizeof hd.fingerprint) != 0 &&
+        !(legacy && memcmp(hd.fingerprint, legacy, sizeof hd.fingerprint) == 0))
         rc = skv_errorf(SKV_E_INVAL, "%s was written with another model", path);
     if (!rc && (hd.head_dim != st->hd.head_dim || hd.block_rows == 0 || hd.block_rows > 1u << 16))
         rc = skv_errorf(SKV_E_INVAL, "%s holds blocks of %u rows of %u, not rows of %d", path, hd.block_rows,

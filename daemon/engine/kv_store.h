@@ -56,12 +56,14 @@ bool skv_kv_store_mostly_garbage(const struct skv_kv_store *st, uint32_t min_gar
 bool skv_kv_store_usable(const struct skv_kv_store *st);
 
 /* Opens the store at `path` to read; SKV_E_FORMAT / SKV_E_INVAL when it is not one, is cut
- * short, or was written for another model. n_named: the blocks the manifest says it holds
+ * short, or was written for another model: one whose fingerprint is neither `fingerprint` nor
+ * `legacy` (NULL: none; the model's name as an earlier daemon wrote it), and the store, written
+ * on, says `fingerprint` from then on. n_named: the blocks the manifest says it holds
  * (what a save appended after them, cut short by a crash, is ignored); -1: the header's count,
  * which must fill the file. Blocks of another block_rows than the caches' (kv-block-tokens
  * changed across the restart) are read as rows, never shared. */
-int skv_kv_store_open(const char *path, const char *fingerprint, int block_rows, int head_dim, int64_t n_named,
-                      struct skv_kv_store **out);
+int skv_kv_store_open(const char *path, const char *fingerprint, const char *legacy, int block_rows, int head_dim,
+                      int64_t n_named, struct skv_kv_store **out);
 /* Appends the first `rows` rows of block idx (1..the store's block_rows: a head's last block
  * may be partly filled) to head h of `layer` as its next rows. The first cache of `group` to
  * name idx gets it read from the file (its checksum and finite values checked) into a block of

@@ -460,14 +460,39 @@ static void fingerprint_tensor(crypto_hash_sha256_state *st, const struct skv_te
     crypto_hash_sha256_update(st, t->data, t->nbytes < 64 ? t->nbytes : 64);
 }
 
-/* Ends a fingerprint hash with a trailing count (file size, tensor count) and writes its hex. */
-static void fingerprint_finish(struct skv_model *m, crypto_hash_sha256_state *st, uint64_t trailer)
+/* What shapes a GGUF model's KV besides its tensors, from its metadata: the heads, the norms'
+ * epsilon, the rope (its mode, dimensions, base, scalings and every rope_freqs factor) and the
+ * layers' sliding windows. Without it two files that differ only there (rope.freq_base edited in
+ * place, another rope scaling, rope_freqs past the 16 factors its first bytes hold) had one
+ * fingerprint, and a restore, LOAD or the store took one's KV for the other's. */
+static void fingerprint_config(crypto_hash_sha256_state *st, const struct skv_model *m)
+{
+    const struct skv_model_config *c = &m->cfg;
+    const struct skv_rope *r = &c->rope;
+    char text[512]; /* hex floats: exact */
+    int n = snprintf(text, sizeof text,
+                     "kv-config arch=%s layers=%d dim=%d heads=%d kv_heads=%d head_dim=%d eps=%a rope=%d,%d,%a,%a,"
+                     "%a,%a,%a,%d sliding=%d qkv_bias=%d",
+                     c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim, (double)c->norm_eps, r->mode,
+                     r->rot_dim, (double)r->theta, (double)r->freq_scale, (double)r->l3_factor,
+                     (double)r->l3_low_freq_factor, (double)r->l3_high_freq_factor, r->l3_original_ctx,
+                     c->sliding_window, c->qkv_bias);
+    crypto_hash_sha256_update(st, (const unsigned char *)text, n > 0 && (size_t)n < sizeof text ? (size_t)n : 0);
+    for (int l = 0; l < c->n_layers; l++)
+        crypto_hash_sha256_update(st, (const unsigned char *)&m->layers[l].window, sizeof m->layers[l].window);
+    if (r->freq_factors)
+        crypto_hash_sha256_update(st, (const unsigned char *)r->freq_factors, (size_t)(r->rot_dim / 2) * sizeof(float));
+}
+
+/* Ends a fingerprint hash with a trailing count (file size, tensor count) and writes its hex
+ * into out[65]. */
+static void fingerprint_finish(char *out, crypto_hash_sha256_state *st, uint64_t trailer)
 {
     unsigned char digest[crypto_hash_sha256_BYTES];
     crypto_hash_sha256_update(st, (const unsigned char *)&trailer, sizeof trailer);
     crypto_hash_sha256_final(st, digest);
     for (int i = 0; i < 32; i++)
-        snprintf(m->fingerprint + 2 * i, 3, "%02x", digest[i]);
+        snprintf(out + 2 * i, 3, "%02x", digest[i]);
 }
 
 /* <arch>.rope.scaling.type as llama.cpp reads it: "none", or "linear" (also when the key is
@@ -662,8 +687,9 @@ static int load_gguf(struct skv_model *m, const char *path)
         if (!lo || d < lo)
             lo = d;
     }
-    /* Fingerprint: every tensor's name, shape, type, relative offset and first bytes, and the
-     * file size, so the same weights hash the same wherever the file lives. */
+    /* Fingerprint: every tensor's name, shape, type, relative offset and first bytes, the
+     * config the metadata gives, and the file size, so the same model hashes the same wherever
+     * the file lives; the legacy one without the config (before the forty-fifth session). */
     struct stat sb;
     if (stat(path, &sb) != 0)
         sb.st_size = 0;
@@ -674,7 +700,10 @@ static int load_gguf(struct skv_model *m, const char *path)
         int64_t off = (const char *)t->data - lo;
         fingerprint_tensor(&st, t, &off);
     }
-    fingerprint_finish(m, &st, (uint64_t)sb.st_size);
+    crypto_hash_sha256_state legacy = st;
+    fingerprint_finish(m->legacy_fingerprint, &legacy, (uint64_t)sb.st_size);
+    fingerprint_config(&st, m);
+    fingerprint_finish(m->fingerprint, &st, (uint64_t)sb.st_size);
     return SKV_OK;
 }
 
@@ -896,7 +925,8 @@ static int load_hf(struct skv_model *m, const char *dir)
         crypto_hash_sha256_update(&st, (const unsigned char *)text, strlen(text));
         for (int64_t i = 0; i < skv_safetensors_n_tensors(impl->st); i++)
             fingerprint_tensor(&st, skv_safetensors_tensor(impl->st, i), NULL);
-        fingerprint_finish(m, &st, (uint64_t)skv_safetensors_n_tensors(impl->st));
+        fingerprint_finish(m->fingerprint, &st, (uint64_t)skv_safetensors_n_tensors(impl->st));
+        memcpy(m->legacy_fingerprint, m->fingerprint, sizeof m->fingerprint);
         free(text);
     }
 out:

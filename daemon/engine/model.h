@@ -55,7 +55,13 @@ struct skv_model {
                                       supported (tok_note then says which: requests carry ids) */
     char tok_note[256];
     char name[128];
-    char fingerprint[65];          /* sha256 hex of the file's header + tensor table */
+    char fingerprint[65];          /* sha256 hex of what makes its KV: the tensors (names, shapes,
+                                    * types, offsets, first bytes), the file size and, for GGUF,
+                                    * the config its metadata gives (rope, eps, heads, windows) */
+    char legacy_fingerprint[65];   /* the same without that config, as daemons before the
+                                    * forty-fifth session named GGUF models (for HF folders, whose
+                                    * config.json was always in it: the fingerprint): their SAVE
+                                    * files, block stores and store keys are still taken */
     char path[1024];
     bool reference;                /* weights dequantized to f32 */
     void *impl;                    /* loader state (mapped files, owned buffers) */

@@ -5834,6 +5834,28 @@ static void test_store(void **state)
     assert_false(ir.info.pinned);
     snapkv_inspect_result_free(&ir);
     assert_int_equal(snapkv_release(ca, &l.id), SNAPKV_OK);
+    /* as a daemon before the forty-fifth session spilled it: under the model's legacy
+     * fingerprint (the tensors only, not the config), which a take finds when the key under
+     * the fingerprint is not there */
+    struct skv_backend *lbe = NULL;
+    struct skv_model *lm = NULL;
+    assert_int_equal(skv_backend_cpu_new(1, &lbe), SKV_OK);
+    assert_int_equal(skv_model_load(g_model, lbe, NULL, &lm), SKV_OK);
+    char legacy_key[300], rn[700], rn_out[64];
+    assert_int_equal(snapkv_prefill(ca, &lo, &l), SNAPKV_OK);
+    wait_spilled(sock, &l.id, key, sizeof key);
+    assert_int_equal(strncmp(key + 7, lm->fingerprint, 64), 0); /* "snapkv:" and the fingerprint */
+    assert_string_not_equal(lm->fingerprint, lm->legacy_fingerprint);
+    snprintf(legacy_key, sizeof legacy_key, "snapkv:%s%s", lm->legacy_fingerprint, key + 7 + 64);
+    skv_model_free(&lm);
+    skv_backend_destroy(&lbe);
+    snprintf(rn, sizeof rn, "RENAME %s %s", key, legacy_key);
+    fixture_redis_cli(sock, rn, rn_out, sizeof rn_out);
+    assert_string_equal(rn_out, "OK");
+    assert_int_equal(snapkv_decode(ca, &l.id, &sp, NULL, NULL, &got), SNAPKV_OK);
+    snapkv_decode_result_free(&got);
+    assert_false(store_has(sock, legacy_key)); /* taken */
+    assert_int_equal(snapkv_release(ca, &l.id), SNAPKV_OK);
 
     /* one that does not fit where it is asked for stays in the store; a RELEASE of one that is
      * not here deletes it there without loading it */

@@ -681,6 +681,39 @@ static void test_gguf_rope_scaling(void **state)
     skv_backend_destroy(&be);
 }
 
+/* A GGUF model's fingerprint covers the config its metadata gives, not only its tensors: two
+ * files that differ only in rope.freq_base, or only in the norms' epsilon (same size, same
+ * tensors), get other fingerprints, so a restore, LOAD or the store tells their KV apart; their
+ * legacy fingerprints (the tensors and the size: what daemons before wrote) were one. */
+static void test_gguf_fingerprint_config(void **state)
+{
+    (void)state;
+    struct skv_backend *be = NULL;
+    assert_int_equal(backend_new(1, &be), SKV_OK);
+    const struct gguf_extra x[3] = {{.freq_base = 10000.0f}, {.freq_base = 500000.0f},
+                                    {.freq_base = 10000.0f, .eps = 1e-6f}};
+    char fp[3][65], legacy[3][65];
+    for (int k = 0; k < 3; k++) {
+        struct skv_model *m = NULL;
+        assert_int_equal(load_written(&x[k], be, &m), SKV_OK);
+        assert_int_equal(strlen(m->fingerprint), 64);
+        snprintf(fp[k], sizeof fp[k], "%s", m->fingerprint);
+        snprintf(legacy[k], sizeof legacy[k], "%s", m->legacy_fingerprint);
+        skv_model_free(&m);
+    }
+    assert_string_not_equal(fp[0], fp[1]);
+    assert_string_not_equal(fp[0], fp[2]);
+    assert_string_not_equal(fp[1], fp[2]);
+    assert_string_equal(legacy[0], legacy[1]);
+    assert_string_equal(legacy[0], legacy[2]);
+    assert_string_not_equal(fp[0], legacy[0]);
+    struct skv_model *m = NULL; /* the same file: the same fingerprint */
+    assert_int_equal(load_written(&x[1], be, &m), SKV_OK);
+    assert_string_equal(m->fingerprint, fp[1]);
+    skv_model_free(&m);
+    skv_backend_destroy(&be);
+}
+
 /* A tokenizer must fit the model: more tokens than embedding rows is refused at load (GGUF and
  * Hugging Face folder); fewer is fine, and decoding skips the rows past the tokenizer. */
 static void test_tokenizer_fits_model(void **state)
@@ -1448,6 +1481,7 @@ int main(void)
         cmocka_unit_test(test_tiny_mistral_swa),  cmocka_unit_test(test_tiny_qwen2_swa),
         cmocka_unit_test(test_swa_config),        cmocka_unit_test(test_swa_compacted_cache),
         cmocka_unit_test(test_hf_rope_config),    cmocka_unit_test(test_gguf_rope_scaling),
+        cmocka_unit_test(test_gguf_fingerprint_config),
         cmocka_unit_test(test_tokenizer_fits_model), cmocka_unit_test(test_tick_matches_plain),
         cmocka_unit_test(test_weights_converted),
         cmocka_unit_test(test_weights_f16_range),  cmocka_unit_test(test_hf_config_checks),

@@ -749,9 +749,9 @@ static void test_store(void **state)
     int32_t *pos_a, *pos_c;
     size_t fa, fc;
     float *snap_a = snapshot(a, &pos_a, &fa), *snap_c = snapshot(c, &pos_c, &fc);
-    assert_int_equal(skv_kv_store_open(path, other_fp, a->block_rows, a->head_dim, -1, &st), SKV_E_INVAL);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim + 1, -1, &st), SKV_E_INVAL);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, -1, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, other_fp, NULL, a->block_rows, a->head_dim, -1, &st), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, a->block_rows, a->head_dim + 1, -1, &st), SKV_E_INVAL);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, a->block_rows, a->head_dim, -1, &st), SKV_OK);
     struct skv_kv_cache *a2, *b2, *c2, *x2;
     int shared;
     assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
@@ -792,7 +792,7 @@ static void test_store(void **state)
     fseek(f, at, SEEK_SET);
     fputc(ch ^ 0x21, f);
     fclose(f);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, -1, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, a->block_rows, a->head_dim, -1, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, c, rc_, full, 1, &c2, &shared), SKV_E_FORMAT);
     assert_null(c2);
     assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a2, &shared), SKV_OK);
@@ -821,7 +821,7 @@ static void test_store(void **state)
 
     /* cut short: does not open */
     assert_int_equal(truncate(path, 96 + 100), 0);
-    assert_int_equal(skv_kv_store_open(path, fp, a->block_rows, a->head_dim, -1, &st), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, a->block_rows, a->head_dim, -1, &st), SKV_E_FORMAT);
     assert_null(st);
     unlink(path);
 
@@ -987,7 +987,7 @@ static void test_store_partial(void **state)
     int32_t *pos_a, *pos_e;
     size_t fa, fe;
     float *snap_a = snapshot(a, &pos_a, &fa), *snap_e = snapshot(e, &pos_e, &fe);
-    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, a->head_dim, -1, &st), SKV_OK);
     struct skv_kv_cache *a2, *b2, *e2;
     int shared;
     assert_int_equal(store_get_cache(t, st, a, ra, n, 1, &a2, &shared), SKV_OK);
@@ -1094,7 +1094,7 @@ static void store_typed(struct tiny *t, int kv_type)
     assert_int_equal(skv_model_set_kv_pool(t->m, br, kv_type), SKV_OK);
     struct skv_kv_cache *a16 = NULL, *b16 = NULL;
     int shared;
-    assert_int_equal(skv_kv_store_open(path, fp, br, d, heads * full, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, d, heads * full, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, a, ra, full, 1, &a16, &shared), SKV_OK);
     assert_int_equal(a16->kv_type, kv_type);
     float *x = malloc((size_t)n * d * sizeof *x), *y = malloc((size_t)n * d * sizeof *y);
@@ -1134,7 +1134,7 @@ static void store_typed(struct tiny *t, int kv_type)
     skv_kv_store_end(st, true);
     skv_kv_store_close(&st);
     /* the f16 records restore into f16 caches, which the store takes for them at once */
-    assert_int_equal(skv_kv_store_open(path, fp, br, d, 2 * heads * full, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, d, 2 * heads * full, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, a16, r2, full, 1, &b16, &shared), SKV_OK);
     assert_int_equal(skv_kv_store_continue(st, path, t->m->kv_pool), SKV_OK);
     skv_kv_store_begin(st);
@@ -1300,9 +1300,9 @@ static void test_store_saves(void **state)
     for (uint64_t i = 0; i < rec + 7; i++)
         fputc(0x5a, f);
     fclose(f);
-    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_E_FORMAT);
-    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, n_blocks + 1, &st), SKV_E_FORMAT);
-    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, n_blocks, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, a->head_dim, -1, &st), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, a->head_dim, n_blocks + 1, &st), SKV_E_FORMAT);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, a->head_dim, n_blocks, &st), SKV_OK);
     int32_t *pos_a, *pos_c;
     size_t fa, fc;
     float *snap_a = snapshot(a, &pos_a, &fa), *snap_c = snapshot(c, &pos_c, &fc);
@@ -1347,7 +1347,7 @@ static void test_store_saves(void **state)
     float *snap_c2 = snapshot(c2, &pos_c, &fc);
     free(pos_c);
     struct skv_kv_cache *c3;
-    assert_int_equal(skv_kv_store_open(path, fp, br, a->head_dim, -1, &st), SKV_OK);
+    assert_int_equal(skv_kv_store_open(path, fp, NULL, br, a->head_dim, -1, &st), SKV_OK);
     assert_int_equal(store_get_cache(t, st, c2, rc_, full + 1, 2, &c3, &shared), SKV_OK);
     free(snap_c);
     snap_c = snapshot(c3, &pos_c, &fc);

@@ -1081,6 +1081,7 @@ static void test_prefix_retain_covered(void **state)
 }
 
 static void persist_on(struct fixture *f, char *dir, const char *interval);
+static void only_match(const char *dir, const char *pattern, char *path, size_t cap);
 static void persist_off(struct fixture *f, const char *dir);
 static void restart(struct fixture *f);
 
@@ -3710,6 +3711,85 @@ static void test_load_room(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* Rewrites n bytes at `at` of the saved session at path and its checksum after them (the 32
+ * bytes before the 48-byte trailer), as a daemon that wrote those bytes would have. */
+static void rewrite_saved(const char *path, long at, const void *bytes, size_t n)
+{
+    FILE *fp = fopen(path, "r+b");
+    assert_non_null(fp);
+    assert_int_equal(fseek(fp, 0, SEEK_END), 0);
+    const long size = ftell(fp), body = size - 48 - 32;
+    assert_true(at >= 0 && at + (long)n <= body);
+    unsigned char *file = malloc((size_t)size);
+    assert_non_null(file);
+    assert_int_equal(fseek(fp, 0, SEEK_SET), 0);
+    assert_int_equal(fread(file, 1, (size_t)size, fp), (size_t)size);
+    memcpy(file + at, bytes, n);
+    crypto_generichash(file + body, 32, file, (size_t)body, NULL, 0);
+    assert_int_equal(fseek(fp, 0, SEEK_SET), 0);
+    assert_int_equal(fwrite(file, 1, (size_t)size, fp), (size_t)size);
+    assert_int_equal(fclose(fp), 0);
+    free(file);
+}
+
+/* Writes the 64 hex digits fp at `at` of the file at path (a block store's header). */
+static void rewrite_at(const char *path, long at, const char *fp)
+{
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    assert_int_equal(fseek(f, at, SEEK_SET), 0);
+    assert_int_equal(fwrite(fp, 1, 64, f), 64);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* A GGUF model's fingerprint covers its config since the forty-fifth session; what an earlier
+ * daemon wrote under the legacy one (the tensors only) still loads: a SAVE file, and a persist
+ * block store at a restart. Another fingerprint is refused (the file), set aside (the store's
+ * sessions). The tiny model is an HF folder (both fingerprints one): its legacy one is set
+ * apart here, as a GGUF model's is. */
+static void test_load_legacy_fingerprint(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-legacy-XXXXXX", pdir[] = "/tmp/skv-legacy-persist-XXXXXX", cmd[300], path[512];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    struct skv_model *m = f->tiny->m;
+    char fp[65];
+    memcpy(fp, m->fingerprint, sizeof fp);
+    assert_string_equal(m->legacy_fingerprint, fp);
+    snprintf(m->legacy_fingerprint, sizeof m->legacy_fingerprint, "%064d", 7);
+    const char other[] = "0000000000000000000000000000000000000000000000000000000000000008";
+    restart(f);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 16, "policy=full", a);
+    assert_int_equal(save_as(f, a, "legacy"), SKV_OK);
+    snprintf(path, sizeof path, "%s/legacy.skv", dir);
+    rewrite_saved(path, 36, m->legacy_fingerprint, 64); /* struct save_header's fingerprint */
+    assert_int_equal(load_as(f, "legacy", b), SKV_OK);
+    assert_int_equal(listed(f, b, NULL, NULL), 16);
+    rewrite_saved(path, 36, other, 64);
+    assert_int_equal(load_as(f, "legacy", b), SKV_E_INVAL);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+
+    persist_on(f, pdir, "0");
+    prefill_for(f, "t", 40, "policy=full", a);
+    skv_worker_stop(&f->w); /* saved */
+    char store[512], ppath[300];
+    snprintf(ppath, sizeof ppath, "%s/persist", pdir);
+    only_match(ppath, "blocks-*.skvb", store, sizeof store);
+    rewrite_at(store, 32, m->legacy_fingerprint); /* struct store_header's fingerprint */
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 40);
+    skv_worker_stop(&f->w);
+    only_match(ppath, "blocks-*.skvb", store, sizeof store);
+    rewrite_at(store, 32, other);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), -1); /* its blocks are another model's */
+    memcpy(m->legacy_fingerprint, fp, sizeof fp);
+    persist_off(f, pdir);
+}
+
 /* A saved spec with a key its policy does not read (a daemon before that check took
  * `policy=h2o,kernel=9` and wrote it into SAVE files and checkpoints) still loads, under that
  * spec; a client's spec with it is refused. */
@@ -3725,21 +3805,16 @@ static void test_load_saved_spec(void **state)
     assert_int_equal(save_as(f, a, "old"), SKV_OK);
     /* the header's spec as such a daemon wrote it, and the checksum over the file again */
     snprintf(path, sizeof path, "%s/old.skv", dir);
-    FILE *fp = fopen(path, "r+b");
+    char spec[256];
+    FILE *fp = fopen(path, "rb");
     assert_non_null(fp);
-    assert_int_equal(fseek(fp, 0, SEEK_END), 0);
-    const long size = ftell(fp), body = size - 48 - 32; /* before the checksum and the trailer */
-    unsigned char *file = malloc((size_t)size);
-    assert_int_equal(fseek(fp, 0, SEEK_SET), 0);
-    assert_int_equal(fread(file, 1, (size_t)size, fp), (size_t)size);
-    char *k = memmem(file + 101, 256, "kernel=7,", 9);
+    assert_int_equal(fseek(fp, 101, SEEK_SET), 0); /* struct save_header's spec */
+    assert_int_equal(fread(spec, 1, sizeof spec, fp), sizeof spec);
+    assert_int_equal(fclose(fp), 0);
+    char *k = memmem(spec, sizeof spec, "kernel=7,", 9);
     assert_non_null(k);
     k[7] = '9';
-    crypto_generichash(file + body, 32, file, (size_t)body, NULL, 0);
-    assert_int_equal(fseek(fp, 0, SEEK_SET), 0);
-    assert_int_equal(fwrite(file, 1, (size_t)size, fp), (size_t)size);
-    assert_int_equal(fclose(fp), 0);
-    free(file);
+    rewrite_saved(path, 101, spec, sizeof spec);
     assert_int_equal(load_as(f, "old", b), SKV_OK);
     assert_int_equal(listed(f, b, NULL, NULL), 24);
     Snapkv__Reply *rep = prefill_reply(f, "t", 8, "policy=h2o,budget=16,kernel=9", 0);
@@ -5879,6 +5954,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_saved_spec, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_load_legacy_fingerprint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
