@@ -3642,6 +3642,8 @@ static int store_mac_check(const struct skv_worker *w, const char *key, const un
     return SKV_OK;
 }
 
+static void spilled_note(struct skv_worker *w, char what, const uint8_t *id);
+
 /* Writes session s to the store, streamed: its size is counted first (the protocol announces
  * it), then it is written straight onto the connection, so a spill costs no memory however large
  * the session. */
@@ -3666,11 +3668,13 @@ void skv_requests_spill(void *user, struct skv_session *s)
         skv_store_count_spill_failure(w->store); /* (the store counts those it refuses) */
     else
         rc = skv_store_put_stream(w->store, key, n, w->cfg->store_keep_seconds, spill_write, &sp);
-    if (rc)
+    if (rc) {
         skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s", hex, s->tenant, skv_error_msg());
-    else
+    } else {
         skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%llu bytes)", hex, s->tenant,
                 (unsigned long long)n);
+        spilled_note(w, 'S', s->id);
+    }
     w->metrics.store_spill_seconds += now_s() - t0;
 }
 
@@ -3764,6 +3768,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     if (rc)
         return rc;
     skv_worker_event_stored(w, s);
+    spilled_note(w, 'T', id); /* here again: a restore after a crash takes its file, not the store */
     *out = s;
     return SKV_OK;
 }
@@ -3829,6 +3834,9 @@ static void handle_load(struct skv_worker *w, struct skv_job *job)
  * loaded under their ids, least recently used first (so when the pool is smaller than before,
  * eviction takes the least recently used). */
 #define PERSIST_MANIFEST "sessions.json"
+#define PERSIST_SPILLED "spilled"
+#define SPILLED_RECORD (2 + 2 * SKV_SESSION_ID_BYTES) /* 'S' or 'T', the id's hex, '\n' */
+#define SPILLED_MAX_BYTES (64 << 20)
 #define PERSIST_BLOCKS "blocks" /* the block store the sessions' files name: blocks-<gen>.skvb */
 /* a new block store when more of the last one's blocks are no session's than are, and at least
  * this many (8 MiB of blocks of 64 rows of 128 at f32 and 16 rows) */
@@ -3849,6 +3857,96 @@ static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
     if ((size_t)snprintf(out, cap, "%s/persist", w->cfg->state_dir) >= cap)
         return skv_errorf(SKV_E_INVAL, "state directory path too long");
     return SKV_OK;
+}
+
+/* With persist and a store, the sessions handed to the store since the manifest was written:
+ * <state-dir>/persist/spilled, a record each, 'S' and the id's hex when one is spilled, 'T' when
+ * one is taken back. A restore after a crash leaves a session whose last record is 'S' in the
+ * store instead of bringing back its checkpoint (before, both were there: the checkpoint older,
+ * and the store's copy taken by another host meanwhile, or spilled over by the older one later);
+ * a save that writes the manifest removes the file. */
+static void spilled_note(struct skv_worker *w, char what, const uint8_t *id)
+{
+    char dir[1100], path[1200], rec[SPILLED_RECORD + 1];
+    if (!w->cfg->persist || persist_dir(w, dir, sizeof dir))
+        return;
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_SPILLED);
+    rec[0] = what;
+    skv_session_id_hex(id, rec + 1);
+    rec[SPILLED_RECORD - 1] = '\n';
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 || write(fd, rec, SPILLED_RECORD) != SPILLED_RECORD)
+        skv_log(SKV_LOG_WARN, "persist: %s: %s: a restore after a crash may bring back session %.*s, which the store "
+                "holds", path, strerror(errno), 2 * SKV_SESSION_ID_BYTES, rec + 1);
+    if (fd >= 0)
+        close(fd);
+}
+
+struct spilled_rec {
+    char hex[2 * SKV_SESSION_ID_BYTES + 1];
+    char what;
+    size_t at; /* its place in the file */
+};
+
+static int spilled_order(const void *a, const void *b)
+{
+    const struct spilled_rec *x = a, *y = b;
+    int c = strcmp(x->hex, y->hex);
+    return c ? c : x->at < y->at ? -1 : x->at > y->at;
+}
+
+static int hex_order(const void *a, const void *b)
+{
+    return strcmp(a, ((const struct spilled_rec *)b)->hex);
+}
+
+/* The ids in dir's spilled file whose last record is 'S' (in the store now), sorted; *n of them
+ * (NULL, 0 without the file). Records that are not whole are skipped. */
+static struct spilled_rec *spilled_read(const char *dir, size_t *n)
+{
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_SPILLED);
+    *n = 0;
+    int fd = open_state_file(path);
+    if (fd < 0)
+        return NULL;
+    struct stat sb;
+    char *text = NULL;
+    struct spilled_rec *r = NULL;
+    size_t len = 0, m = 0;
+    if (fstat(fd, &sb) == 0 && sb.st_size > 0 && sb.st_size <= SPILLED_MAX_BYTES &&
+        (text = malloc((size_t)sb.st_size)) && (r = calloc((size_t)sb.st_size / SPILLED_RECORD + 1, sizeof *r)))
+        for (ssize_t k; len < (size_t)sb.st_size && (k = read(fd, text + len, (size_t)sb.st_size - len)) > 0;)
+            len += (size_t)k;
+    else if (sb.st_size > SPILLED_MAX_BYTES)
+        skv_log(SKV_LOG_WARN, "persist: %s: %lld bytes, more than %d: not read", path, (long long)sb.st_size,
+                SPILLED_MAX_BYTES);
+    close(fd);
+    for (size_t at = 0; r && at + SPILLED_RECORD <= len; at += SPILLED_RECORD) {
+        const char *p = text + at;
+        bool ok = (p[0] == 'S' || p[0] == 'T') && p[SPILLED_RECORD - 1] == '\n';
+        for (int i = 1; ok && i < SPILLED_RECORD - 1; i++)
+            ok = isxdigit((unsigned char)p[i]) && !isupper((unsigned char)p[i]);
+        if (!ok)
+            continue;
+        memcpy(r[m].hex, p + 1, 2 * SKV_SESSION_ID_BYTES);
+        r[m].hex[2 * SKV_SESSION_ID_BYTES] = '\0';
+        r[m].what = p[0];
+        r[m++].at = at;
+    }
+    free(text);
+    if (m)
+        qsort(r, m, sizeof *r, spilled_order);
+    size_t out = 0;
+    for (size_t i = 0; i < m; i++) /* each id's last record */
+        if ((i + 1 == m || strcmp(r[i].hex, r[i + 1].hex) != 0) && r[i].what == 'S')
+            r[out++] = r[i];
+    *n = out;
+    if (!out) {
+        free(r);
+        return NULL;
+    }
+    return r;
 }
 
 static bool ends_with(const char *s, const char *end)
@@ -4483,6 +4581,10 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     persist_keep(w, doc);
     json_decref(doc);
     persist_sweep(w, dir);
+    char spilled[1200]; /* what it records the manifest now says */
+    snprintf(spilled, sizeof spilled, "%s/%s", dir, PERSIST_SPILLED);
+    if (unlink(spilled) != 0 && errno != ENOENT)
+        skv_log(SKV_LOG_WARN, "persist: %s: %s", spilled, strerror(errno));
     skv_log(checkpoint ? SKV_LOG_DEBUG : SKV_LOG_INFO,
             "persist: %s %d of %d session(s) and %d of %d kept prefix(es) (%d file(s) written, the others "
             "unchanged), %llu bytes written (%u new KV blocks; the store holds %u), in %.3f s to %s%s",
@@ -4757,6 +4859,9 @@ int skv_requests_persist_restore(struct skv_worker *w)
     if (rows_differ && n)
         skv_log(SKV_LOG_INFO, "persist: the restored sessions' rows do not serve prefix reuse: %s", rows_differ);
     bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
+    size_t n_spilled = 0;
+    struct spilled_rec *spilled = w->store ? spilled_read(dir, &n_spilled) : NULL;
+    int left_in_store = 0;
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         const json_t *e = json_array_get(list, k);
         uint8_t id[SKV_SESSION_ID_BYTES];
@@ -4775,6 +4880,10 @@ int skv_requests_persist_restore(struct skv_worker *w)
                             (long long)w->cfg->max_sessions_per_tenant);
         if (!rc && skv_session_find(w->sessions, id, NULL)) /* before its charge could evict another */
             rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
+        if (!rc && n_spilled && bsearch(hex, spilled, n_spilled, sizeof *spilled, hex_order)) {
+            left_in_store++; /* handed to the store after this manifest: the store's copy is the newer */
+            continue;
+        }
         if (!rc) {
             persist_name(name, sizeof name, hex, entry_gen(doc, e), ".skv");
             snprintf(file, sizeof file, "%s/%s", dir, name);
@@ -4808,13 +4917,18 @@ int skv_requests_persist_restore(struct skv_worker *w)
         restored++;
     }
     free(skip);
+    free(spilled);
+    if (left_in_store)
+        skv_log(SKV_LOG_INFO, "persist: %d session(s) handed to the store after the last save are left there, not "
+                "restored from their older files", left_in_store);
     skv_kv_dedupe_free(&r.dedupe);
     kept = kept_held(w, doc); /* those the sessions' room or a later one's add dropped do not count */
     w->persist_gen = manifest_gen(doc);
     bool keep = w->cfg->persist_interval_seconds > 0, aside = false;
-    if (restored - r.evicted < (int)n) {
+    if (restored + left_in_store - r.evicted < (int)n) {
         char why[96];
-        snprintf(why, sizeof why, "%d of %zu session(s) not restored", (int)n - (restored - r.evicted), n);
+        snprintf(why, sizeof why, "%d of %zu session(s) not restored",
+                 (int)n - (restored + left_in_store - r.evicted), n);
         aside = persist_set_aside(dir, why) >= 0;
     }
     /* checkpoints go on appending to the store the sessions came from: the blocks they

@@ -5587,6 +5587,75 @@ static void count_progress(void *user)
     ++*(int *)user;
 }
 
+/* APPEND of n tokens to session sid of tenant; the status, and the length in *n_tokens. */
+static int append_as(struct fixture *f, const char *tenant, const uint8_t sid[16], int n, int *n_tokens)
+{
+    submit_append_for(f, ID_X, tenant, sid, n);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    int status = rep->status;
+    if (!status && n_tokens)
+        *n_tokens = (int)rep->append->n_tokens;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return status;
+}
+
+/* A restart after a crash, with persist and a store: a session spilled to the store after the
+ * last save is left there (before, its older file was restored while the store held it too,
+ * where another host could take it: two copies); one spilled and taken back since is restored
+ * from its file; a save removes the record (<state-dir>/persist/spilled). The crash: a lost
+ * device, whose stop saves nothing. Each session its own tenant: equal prompts share no block. */
+static void test_persist_spilled(void **state)
+{
+    struct fixture *f = *state;
+    char sock[200], url[220], dir[] = "/tmp/skv-spilled-XXXXXX", rec[300];
+    stream_redis_start("0", NULL, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    assert_int_equal(skv_config_set(&f->cfg, "store", url), SKV_OK);
+    persist_on(f, dir, "3600"); /* no checkpoint comes in this test */
+    snprintf(rec, sizeof rec, "%s/persist/spilled", dir);
+    restart_with_pool(f, 8);
+    uint8_t a[16], b[16], c[16], d[16], e[16];
+    prefill_for(f, "a", 64, "policy=full", a); /* 4 blocks a layer and head: two fill the pool */
+    usleep(5000);
+    prefill_for(f, "d", 64, "policy=full", d);
+    restart(f); /* saved: a and d, restored */
+    assert_int_equal(listed(f, a, NULL, NULL), 64);
+    assert_int_equal(access(rec, F_OK), -1);
+    prefill_for(f, "b", 64, "policy=full", b); /* a, the least recently used, spilled */
+    usleep(5000);
+    prefill_for(f, "c", 64, "policy=full", c); /* d spilled */
+    assert_int_equal(listed(f, a, NULL, NULL), -1);
+    assert_int_equal(listed(f, d, NULL, NULL), -1);
+    int n = 0;
+    assert_int_equal(append_as(f, "d", d, 1, &n), SKV_OK); /* d taken back (b, c spilled for its room) */
+    assert_int_equal(n, 65);
+    assert_true(file_size(rec) >= 4 * 34); /* S a, S d, S b, T d, ... */
+    prefill(f, 1, "policy=full", e);
+    atomic_store(&g_device_gone, true); /* the crash */
+    submit_export_variant(f, 0, ID_X, e, 1, 0xADDE);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_DEVICE);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_true(skv_worker_device_lost(f->w));
+    skv_worker_stop(&f->w);
+    atomic_store(&g_device_gone, false);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), -1); /* left in the store */
+    assert_int_equal(listed(f, d, NULL, NULL), 64); /* its file, from before the take */
+    assert_int_equal(append_as(f, "a", a, 1, &n), SKV_OK); /* from the store, as it was spilled */
+    assert_int_equal(n, 65);
+    restart(f); /* a save: the record goes */
+    assert_int_equal(access(rec, F_OK), -1);
+    assert_int_equal(listed(f, a, NULL, NULL), 65);
+    persist_off(f, dir);
+}
+
+static int teardown_with_redis(void **state)
+{
+    stream_teardown(state);
+    return teardown(state);
+}
+
 /* A store that does not behave holds the engine no longer than store-timeout-ms a command (and
  * as much again a MiB of value) and makes it hold no more than it allows:
  * - a GETDEL answered a byte every 100 ms (each within the 300 ms timeout, which the socket's
@@ -5955,6 +6024,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_saved_spec, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_legacy_fingerprint, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_spilled, setup, teardown_with_redis),
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
