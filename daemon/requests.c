@@ -3323,6 +3323,13 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
      * file refused (a restore's files may share their blocks with sessions loaded before, which
      * an eviction for its room could take: its charge at the end counts it, so the pool may pass
      * its size by that session while it loads, at start) */
+    /* the compressor's state against its spec, before the room too */
+    if (!rc && hd.version >= 2) {
+        if (!s->comp != !state_len)
+            rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state does not match the spec", path);
+        else if (s->comp)
+            rc = skv_compressor_state_read(s->comp, state, (size_t)state_len, hd.n_past);
+    }
     if (!rc && !r) {
         uint64_t bytes = 0;
         if (!(rc = precheck_rows(f, &h, &hd, path, s->cache, &bytes)))
@@ -3408,14 +3415,8 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         s->cache->n_past = hd.n_past;
         s->prompt_len = hd.prompt_len;
         s->lease_seconds = (uint32_t)w->cfg->lease_seconds;
-        if (hd.version >= 2) {
-            if (!s->comp != !state_len)
-                rc = skv_errorf(SKV_E_FORMAT, "%s: compressor state does not match the spec", path);
-            else if (s->comp)
-                rc = skv_compressor_state_read(s->comp, state, (size_t)state_len, hd.n_past);
-        } else {
+        if (hd.version < 2) /* (from version 2 the compressor's state was read before the rows) */
             snprintf(s->spec, sizeof s->spec, "%s", hd.spec); /* shown; decoding keeps every row */
-        }
     }
     free(state);
     if (!rc && logits) { /* DECODE goes on from where the saved session stood */
@@ -3476,7 +3477,9 @@ static int session_load(struct skv_worker *w, const char *path, const char *tena
  * time holds it). After the SAVE bytes comes a store_meta: what a SAVE does not keep, the pin and
  * the lease. session_read stops at the checksum, so a daemon that knows no store_meta (an older
  * one, in a rolling upgrade) loads such a value as it did, and a value without one (an older
- * daemon's) loads with the default lease, unpinned. With store-secret-file the value is signed:
+ * daemon's) loads with the default lease, unpinned. (Since 2026-12-06 a GGUF model's key has a
+ * fingerprint that covers its config: a daemon from before looks under the legacy one and does
+ * not find what an upgraded host spilled; this one finds both.) With store-secret-file the value is signed:
  * SAVE bytes, a MAC, the store_meta (flag STORE_SIGNED), the MAC a keyed BLAKE2b-256 of the key
  * (model, tenant, id), the SAVE bytes and the store_meta, so that neither the session, nor its
  * pin, lease and time, nor the tenant and id it is for can be changed by someone who can write
@@ -3707,10 +3710,13 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     int rc = skv_store_take_either(w->store, key, has_legacy ? legacy : NULL, &data, &n, &value, &took_legacy);
     if (took_legacy) /* what its signature covers, and where a put back goes */
         memcpy(key, legacy, sizeof key);
-    if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) /* taken, and too large to hold */
+    if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) { /* taken, and too large to hold */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
+        spilled_note(w, 'T', id);
+    }
     if (rc)
         return rc;
+    bool back = false; /* put back in the store */
     struct skv_session *s = NULL;
     struct store_meta m;
     int32_t saved_rows = -1;
@@ -3760,15 +3766,17 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
             rc = skv_errorf(rc, "%s (and putting it back in the store failed: it is lost)", why);
         } else {
             rc = skv_errorf(rc, "%s (it stays in the store)", why);
+            back = true;
         }
     } else if (rc) {
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' (%s) was dropped: %s", tenant, key, skv_error_msg());
     }
     skv_store_value_free(value);
+    if (!back) /* the store holds it no more: a restore after a crash takes its file (the newest left) */
+        spilled_note(w, 'T', id);
     if (rc)
         return rc;
     skv_worker_event_stored(w, s);
-    spilled_note(w, 'T', id); /* here again: a restore after a crash takes its file, not the store */
     *out = s;
     return SKV_OK;
 }
@@ -3860,27 +3868,14 @@ static int persist_dir(const struct skv_worker *w, char *out, size_t cap)
 }
 
 /* With persist and a store, the sessions handed to the store since the manifest was written:
- * <state-dir>/persist/spilled, a record each, 'S' and the id's hex when one is spilled, 'T' when
- * one is taken back. A restore after a crash leaves a session whose last record is 'S' in the
- * store instead of bringing back its checkpoint (before, both were there: the checkpoint older,
- * and the store's copy taken by another host meanwhile, or spilled over by the older one later);
- * a save that writes the manifest removes the file. */
-static void spilled_note(struct skv_worker *w, char what, const uint8_t *id)
-{
-    char dir[1100], path[1200], rec[SPILLED_RECORD + 1];
-    if (!w->cfg->persist || persist_dir(w, dir, sizeof dir))
-        return;
-    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_SPILLED);
-    rec[0] = what;
-    skv_session_id_hex(id, rec + 1);
-    rec[SPILLED_RECORD - 1] = '\n';
-    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd < 0 || write(fd, rec, SPILLED_RECORD) != SPILLED_RECORD)
-        skv_log(SKV_LOG_WARN, "persist: %s: %s: a restore after a crash may bring back session %.*s, which the store "
-                "holds", path, strerror(errno), 2 * SKV_SESSION_ID_BYTES, rec + 1);
-    if (fd >= 0)
-        close(fd);
-}
+ * <state-dir>/persist/spilled, a line each, 'S' and the id's hex when one is spilled, 'T' when
+ * the store no longer holds it (taken back, or dropped as it was taken). A restore after a crash
+ * leaves a session whose last record is 'S' in the store instead of bringing back its checkpoint
+ * (before, both were there: the checkpoint older, and the store's copy taken by another host
+ * meanwhile, or spilled over by the older one later); a save that writes the manifest removes
+ * the file. It is kept short: past twice its size after the last compaction (and 256 KiB) it
+ * is written again with only the ids the manifest names whose last record is 'S'. */
+#define SPILLED_COMPACT_BYTES (256 << 10)
 
 struct spilled_rec {
     char hex[2 * SKV_SESSION_ID_BYTES + 1];
@@ -3900,41 +3895,47 @@ static int hex_order(const void *a, const void *b)
     return strcmp(a, ((const struct spilled_rec *)b)->hex);
 }
 
-/* The ids in dir's spilled file whose last record is 'S' (in the store now), sorted; *n of them
- * (NULL, 0 without the file). Records that are not whole are skipped. */
-static struct spilled_rec *spilled_read(const char *dir, size_t *n)
+/* The ids in the spilled file at path whose last record is 'S' (in the store now), sorted; *n
+ * of them (NULL, 0 without the file; *ok false when it is there and could not be read). A line
+ * that is not a whole record is skipped, the next read from after its newline. */
+static struct spilled_rec *spilled_read(const char *path, size_t *n, bool *ok)
 {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_SPILLED);
     *n = 0;
+    *ok = true;
     int fd = open_state_file(path);
-    if (fd < 0)
+    if (fd < 0) {
+        *ok = fd == SKV_E_NOT_FOUND;
         return NULL;
-    struct stat sb;
+    }
+    struct stat sb = {0};
     char *text = NULL;
     struct spilled_rec *r = NULL;
     size_t len = 0, m = 0;
-    if (fstat(fd, &sb) == 0 && sb.st_size > 0 && sb.st_size <= SPILLED_MAX_BYTES &&
-        (text = malloc((size_t)sb.st_size)) && (r = calloc((size_t)sb.st_size / SPILLED_RECORD + 1, sizeof *r)))
-        for (ssize_t k; len < (size_t)sb.st_size && (k = read(fd, text + len, (size_t)sb.st_size - len)) > 0;)
-            len += (size_t)k;
-    else if (sb.st_size > SPILLED_MAX_BYTES)
-        skv_log(SKV_LOG_WARN, "persist: %s: %lld bytes, more than %d: not read", path, (long long)sb.st_size,
-                SPILLED_MAX_BYTES);
+    if (fstat(fd, &sb) != 0 || sb.st_size > SPILLED_MAX_BYTES ||
+        !(text = malloc((size_t)sb.st_size + 1)) || !(r = calloc((size_t)sb.st_size / SPILLED_RECORD + 1, sizeof *r)))
+        *ok = false;
+    for (ssize_t k; *ok && len < (size_t)sb.st_size && (k = read(fd, text + len, (size_t)sb.st_size - len)) > 0;)
+        len += (size_t)k;
     close(fd);
-    for (size_t at = 0; r && at + SPILLED_RECORD <= len; at += SPILLED_RECORD) {
-        const char *p = text + at;
-        bool ok = (p[0] == 'S' || p[0] == 'T') && p[SPILLED_RECORD - 1] == '\n';
-        for (int i = 1; ok && i < SPILLED_RECORD - 1; i++)
-            ok = isxdigit((unsigned char)p[i]) && !isupper((unsigned char)p[i]);
-        if (!ok)
-            continue;
-        memcpy(r[m].hex, p + 1, 2 * SKV_SESSION_ID_BYTES);
-        r[m].hex[2 * SKV_SESSION_ID_BYTES] = '\0';
-        r[m].what = p[0];
-        r[m++].at = at;
+    for (size_t at = 0; *ok && at < len;) {
+        const char *p = text + at, *nl = memchr(p, '\n', len - at);
+        size_t line = nl ? (size_t)(nl - p) + 1 : len - at;
+        bool whole = line == SPILLED_RECORD && (p[0] == 'S' || p[0] == 'T');
+        for (int i = 1; whole && i < SPILLED_RECORD - 1; i++)
+            whole = isxdigit((unsigned char)p[i]) && !isupper((unsigned char)p[i]);
+        if (whole) {
+            memcpy(r[m].hex, p + 1, 2 * SKV_SESSION_ID_BYTES);
+            r[m].hex[2 * SKV_SESSION_ID_BYTES] = '\0';
+            r[m].what = p[0];
+            r[m++].at = at;
+        }
+        at += line;
     }
     free(text);
+    if (!*ok) {
+        free(r);
+        return NULL;
+    }
     if (m)
         qsort(r, m, sizeof *r, spilled_order);
     size_t out = 0;
@@ -3947,6 +3948,81 @@ static struct spilled_rec *spilled_read(const char *dir, size_t *n)
         return NULL;
     }
     return r;
+}
+
+/* Whether the manifest on disk names session hex (persist_keep's list; not known: yes). */
+static bool manifest_names(const struct skv_worker *w, const char *hex)
+{
+    if (w->n_persist_files < 0)
+        return true;
+    int lo = 0, hi = w->n_persist_files; /* the first name >= hex: "<hex>-<gen>.skv" sorts right there */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (strcmp(w->persist_files[mid], hex) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    size_t n = strlen(hex);
+    return lo < w->n_persist_files && strncmp(w->persist_files[lo], hex, n) == 0 &&
+           (w->persist_files[lo][n] == '-' || w->persist_files[lo][n] == '.');
+}
+
+/* The spilled file written again with what a restore needs of it; false when that failed. */
+static bool spilled_compact(struct skv_worker *w, const char *path)
+{
+    size_t n = 0, kept = 0;
+    bool ok = true;
+    struct spilled_rec *r = spilled_read(path, &n, &ok);
+    char tmp[1300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int fd = ok ? open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600) : -1;
+    ok = fd >= 0;
+    for (size_t i = 0; ok && i < n; i++) {
+        if (!manifest_names(w, r[i].hex))
+            continue;
+        char rec[SPILLED_RECORD + 1];
+        snprintf(rec, sizeof rec, "S%s\n", r[i].hex);
+        ok = write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD;
+        kept++;
+    }
+    if (fd >= 0 && close(fd) != 0)
+        ok = false;
+    if (ok && rename(tmp, path) != 0)
+        ok = false;
+    if (!ok)
+        unlink(tmp);
+    free(r);
+    w->spilled_compacted = ok ? (uint64_t)kept * SPILLED_RECORD : w->spilled_compacted;
+    return ok;
+}
+
+static void spilled_note(struct skv_worker *w, char what, const uint8_t *id)
+{
+    char dir[1100], path[1200], rec[SPILLED_RECORD + 1], msg[512];
+    if (!w->cfg->persist || !w->store || persist_dir(w, dir, sizeof dir))
+        return;
+    snprintf(msg, sizeof msg, "%s", skv_error_msg()); /* the request's message, kept for its reply */
+    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_SPILLED);
+    rec[0] = what;
+    skv_session_id_hex(id, rec + 1);
+    rec[SPILLED_RECORD - 1] = '\n';
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    struct stat sb = {0};
+    bool ok = fd >= 0 && write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD && fstat(fd, &sb) == 0;
+    int err = errno;
+    if (fd >= 0)
+        close(fd);
+    uint64_t limit = 2 * w->spilled_compacted > SPILLED_COMPACT_BYTES ? 2 * w->spilled_compacted
+                                                                       : SPILLED_COMPACT_BYTES;
+    if (ok && (uint64_t)sb.st_size > limit)
+        ok = spilled_compact(w, path);
+    if (!ok) { /* without it a restore brings back every file, as before it (a record lost could lose a session) */
+        unlink(path);
+        skv_log(SKV_LOG_WARN, "persist: %s: %s: the record of the sessions handed to the store is dropped: a restore "
+                "after a crash brings back their files, older than the store's copies", path, strerror(err));
+    }
+    skv_errorf(SKV_OK, "%s", msg);
 }
 
 static bool ends_with(const char *s, const char *end)
@@ -4065,6 +4141,27 @@ static void persist_wipe(struct skv_worker *w, const char *dir)
 
 /* The state files in directory fd dfd (what a set aside holds): how many, removed unless
  * count_only. */
+/* Copies the file `name` of directory sfd into directory dfd under that name; 0, or -1 with
+ * errno. */
+static int copy_at(int sfd, const char *name, int dfd)
+{
+    int in = openat(sfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC), err = 0;
+    int out = in >= 0 ? openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600) : -1;
+    char buf[65536];
+    ssize_t k = out >= 0 ? 1 : -1;
+    while (k > 0 && (k = read(in, buf, sizeof buf)) > 0)
+        if (write(out, buf, (size_t)k) != k)
+            k = -1;
+    if (k < 0)
+        err = errno ? errno : EIO;
+    if (out >= 0 && close(out) != 0 && !err)
+        err = errno;
+    if (in >= 0)
+        close(in);
+    errno = err;
+    return err ? -1 : 0;
+}
+
 static int aside_files(int dfd, bool count_only)
 {
     int n = 0;
@@ -4072,7 +4169,7 @@ static int aside_files(int dfd, bool count_only)
     if (!d)
         return 0;
     for (struct dirent *e; (e = readdir(d));) {
-        if (!persist_ours(e->d_name))
+        if (!persist_ours(e->d_name) && strcmp(e->d_name, PERSIST_SPILLED) != 0)
             continue;
         n++;
         if (!count_only)
@@ -4118,6 +4215,15 @@ static int persist_set_aside(const char *dir, const char *why)
     }
     int n = 0, failed = 0;
     for (struct dirent *e; (e = readdir(d));) {
+        /* the files, and a copy of the spilled record (appended to from now on; without it a
+         * recovery from the set would restore sessions the store holds) */
+        if (strcmp(e->d_name, PERSIST_SPILLED) == 0) {
+            if (copy_at(dirfd(d), e->d_name, afd) == 0)
+                n++;
+            else
+                failed = errno;
+            continue;
+        }
         if (!persist_ours(e->d_name) || ends_with(e->d_name, ".tmp"))
             continue;
         if (linkat(dirfd(d), e->d_name, afd, e->d_name, 0) == 0)
@@ -4585,6 +4691,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     snprintf(spilled, sizeof spilled, "%s/%s", dir, PERSIST_SPILLED);
     if (unlink(spilled) != 0 && errno != ENOENT)
         skv_log(SKV_LOG_WARN, "persist: %s: %s", spilled, strerror(errno));
+    w->spilled_compacted = 0;
     skv_log(checkpoint ? SKV_LOG_DEBUG : SKV_LOG_INFO,
             "persist: %s %d of %d session(s) and %d of %d kept prefix(es) (%d file(s) written, the others "
             "unchanged), %llu bytes written (%u new KV blocks; the store holds %u), in %.3f s to %s%s",
@@ -4860,7 +4967,13 @@ int skv_requests_persist_restore(struct skv_worker *w)
         skv_log(SKV_LOG_INFO, "persist: the restored sessions' rows do not serve prefix reuse: %s", rows_differ);
     bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
     size_t n_spilled = 0;
-    struct spilled_rec *spilled = w->store ? spilled_read(dir, &n_spilled) : NULL;
+    bool spilled_ok = true;
+    char spilled_path[1300];
+    snprintf(spilled_path, sizeof spilled_path, "%s/%s", dir, PERSIST_SPILLED);
+    struct spilled_rec *spilled = spilled_read(spilled_path, &n_spilled, &spilled_ok);
+    if (!spilled_ok)
+        skv_log(SKV_LOG_WARN, "persist: %s could not be read: sessions handed to the store after the last save may "
+                "be restored from their older files", spilled_path);
     int left_in_store = 0;
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         const json_t *e = json_array_get(list, k);

@@ -554,6 +554,7 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     h->server_version = PACKAGE_VERSION;
     h->model_name = (char *)m->name;
     h->model_fingerprint = (char *)m->fingerprint;
+    h->legacy_model_fingerprint = (char *)m->legacy_fingerprint;
     h->backend = (char *)srv->env.backend->name;
     h->n_layers = (uint32_t)m->cfg.n_layers;
     h->n_heads = (uint32_t)m->cfg.n_heads;

@@ -125,6 +125,7 @@ struct skv_worker {
     char persist_store_name[PERSIST_STORE_NAME_MAX]; /* its file in <state-dir>/persist */
     char **persist_files;     /* the files the manifest on disk names, sorted: what sweeps keep */
     int n_persist_files;      /* -1: not known (no memory for the list): sweeps remove nothing */
+    uint64_t spilled_compacted; /* the spilled record's bytes after its last compaction (requests.c) */
     struct skv_tenant_table tenants; /* each tenant's counters (gauges filled in by snapshots) */
     atomic_ullong dropped_gone;   /* requests of gone clients dropped (socket thread) or stopped (worker) */
     atomic_bool device_lost;      /* the backend can run nothing more (skv_worker_device_lost) */

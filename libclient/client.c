@@ -747,6 +747,11 @@ int snapkv_set_timeout(snapkv_client_t *c, int timeout_ms)
     return SNAPKV_OK;
 }
 
+const char *snapkv_server_legacy_fingerprint(snapkv_client_t *c)
+{
+    return c && c->hello && c->hello->legacy_model_fingerprint ? c->hello->legacy_model_fingerprint : "";
+}
+
 int snapkv_server_info(snapkv_client_t *c, struct snapkv_server_info *out)
 {
     if (!c || !out)

@@ -77,6 +77,7 @@
  * 14:0:10 (still libsnapkv.so.4): struct snapkv_scores, snapkv_prefill_scored,
  * snapkv_append_scored and snapkv_scores_free added.
  * 15:0:11 (still libsnapkv.so.4): snapkv_prefill_scored_top and snapkv_append_scored_top added.
+ * 16:0:12 (still libsnapkv.so.4): snapkv_server_legacy_fingerprint added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -211,6 +212,11 @@ struct snapkv_server_info {
     uint32_t bos_token, eos_token;
 };
 SNAPKV_API int snapkv_server_info(snapkv_client_t *client, struct snapkv_server_info *out);
+/* The model's fingerprint as daemons before 2026-12-06 named it (HelloReply's
+ * legacy_model_fingerprint: a GGUF file's without its config), which exports and SAVE files of
+ * such a daemon carry and this one still takes; "" when the daemon does not say (an older one)
+ * or the handle is not connected. Valid while the handle is. */
+SNAPKV_API const char *snapkv_server_legacy_fingerprint(snapkv_client_t *client);
 
 /* ---- sessions -------------------------------------------------------------------------------- */
 

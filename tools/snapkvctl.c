@@ -1924,8 +1924,10 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
         goto out_free;
     struct snapkv_server_info si;
     snapkv_server_info(cl, &si);
+    const char *legacy = snapkv_server_legacy_fingerprint(cl); /* an export from before 2026-12-06 */
     if (si.n_kv_heads != h.n_kv_heads || si.head_dim != h.head_dim ||
-        (h.model_fingerprint[0] && strcmp(si.model_fingerprint, h.model_fingerprint) != 0)) {
+        (h.model_fingerprint[0] && strcmp(si.model_fingerprint, h.model_fingerprint) != 0 &&
+         (!legacy[0] || strcmp(legacy, h.model_fingerprint) != 0))) {
         fprintf(stderr, "snapkvctl import: %s was exported from another model (%s)\n", path, h.model_fingerprint);
         goto out_close;
     }

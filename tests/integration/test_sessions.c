@@ -4848,6 +4848,26 @@ static void test_snapkvctl(void **state)
     const char *imp2[] = {"import", file2, NULL};
     if (run_ctl(&d, imp2, out, err, sizeof out) != 0)
         fail_msg("import: %s", err);
+    /* an export of a daemon before 2026-12-06 names the model by its legacy fingerprint (the
+     * GGUF file's without its config), which HELLO now also gives: imported (it was refused as
+     * another model's); a fingerprint that is neither is refused */
+    const char *legacy = snapkv_server_legacy_fingerprint(c);
+    struct snapkv_server_info si;
+    assert_int_equal(snapkv_server_info(c, &si), SNAPKV_OK);
+    assert_int_equal(strlen(legacy), 64);
+    assert_string_not_equal(legacy, si.model_fingerprint);
+    fd = open(file2, O_RDWR);
+    assert_true(fd >= 0);
+    assert_int_equal(pwrite(fd, legacy, 64, 40), 64); /* struct export_header's model_fingerprint */
+    close(fd);
+    if (run_ctl(&d, imp2, out, err, sizeof out) != 0)
+        fail_msg("import of a legacy export: %s", err);
+    fd = open(file2, O_RDWR);
+    assert_true(fd >= 0);
+    assert_int_equal(pwrite(fd, "0123456789abcdef", 16, 40), 16);
+    close(fd);
+    assert_int_equal(run_ctl(&d, imp2, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "was exported from another model"));
     const char *no_size[] = {"-a", none, "--timeout", "300", "export", hex, "--out", file2, NULL};
     assert_int_equal(unlink(file2), 0);
     assert_int_equal(run_ctl(&d, no_size, out, err, sizeof out), 1);

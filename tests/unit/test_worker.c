@@ -1082,6 +1082,7 @@ static void test_prefix_retain_covered(void **state)
 
 static void persist_on(struct fixture *f, char *dir, const char *interval);
 static void only_match(const char *dir, const char *pattern, char *path, size_t cap);
+static void rewrite_saved(const char *path, long at, const void *bytes, size_t n);
 static void persist_off(struct fixture *f, const char *dir);
 static void restart(struct fixture *f);
 
@@ -3695,6 +3696,15 @@ static void test_load_room(void **state)
         assert_int_equal(listed(f, b, NULL, NULL), 64);
         assert_int_equal(listed(f, c, NULL, NULL), 64);
     }
+    /* nor one whose compressor state does not fit its spec (checksum whole): a snapkv spec over
+     * policy=full's empty state, refused before the room is made (it was after the rows) */
+    assert_int_equal(save_as(f, b, "room"), SKV_OK);
+    char spec[256] = "policy=snapkv,budget=16";
+    rewrite_saved(path, 101, spec, sizeof spec);
+    assert_int_equal(load_as(f, "room", d), SKV_E_FORMAT);
+    assert_int_equal((uint64_t)stat(f, "snapkv_evictions_total"), ev0);
+    assert_int_equal(listed(f, b, NULL, NULL), 64);
+    assert_int_equal(listed(f, c, NULL, NULL), 64);
     assert_int_equal(save_as(f, b, "room"), SKV_OK); /* (the file again, for what follows) */
     /* 4 blocks a layer and head in a pool of 3 (a restart: no session): refused before any
      * block is taken, and the session there kept */
@@ -5621,11 +5631,23 @@ static void test_persist_spilled(void **state)
     restart(f); /* saved: a and d, restored */
     assert_int_equal(listed(f, a, NULL, NULL), 64);
     assert_int_equal(access(rec, F_OK), -1);
+    /* a record past 256 KiB is written again, short, at the next spill: 8000 records of
+     * sessions the manifest does not name go */
+    FILE *jf = fopen(rec, "w");
+    assert_non_null(jf);
+    for (int i = 0; i < 8000; i++)
+        fprintf(jf, "T%032x\n", i);
+    assert_int_equal(fclose(jf), 0);
     prefill_for(f, "b", 64, "policy=full", b); /* a, the least recently used, spilled */
+    assert_int_equal(file_size(rec), 34);     /* S a */
     usleep(5000);
     prefill_for(f, "c", 64, "policy=full", c); /* d spilled */
+    assert_int_equal(file_size(rec), 2 * 34);
     assert_int_equal(listed(f, a, NULL, NULL), -1);
     assert_int_equal(listed(f, d, NULL, NULL), -1);
+    assert_non_null(jf = fopen(rec, "a")); /* a torn record (a host's crash): the next line still counts */
+    assert_true(fputs("S12\n", jf) >= 0);
+    assert_int_equal(fclose(jf), 0);
     int n = 0;
     assert_int_equal(append_as(f, "d", d, 1, &n), SKV_OK); /* d taken back (b, c spilled for its room) */
     assert_int_equal(n, 65);
