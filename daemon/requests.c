@@ -3920,14 +3920,16 @@ static struct spilled_rec *spilled_read(const char *path, size_t *n, bool *ok)
     for (size_t at = 0; *ok && at < len;) {
         const char *p = text + at, *nl = memchr(p, '\n', len - at);
         size_t line = nl ? (size_t)(nl - p) + 1 : len - at;
-        bool whole = line == SPILLED_RECORD && (p[0] == 'S' || p[0] == 'T');
+        if (nl && line > SPILLED_RECORD) /* a record after a torn one (a host's crash): its end */
+            p += line - SPILLED_RECORD;
+        bool whole = nl && line >= SPILLED_RECORD && (p[0] == 'S' || p[0] == 'T');
         for (int i = 1; whole && i < SPILLED_RECORD - 1; i++)
             whole = isxdigit((unsigned char)p[i]) && !isupper((unsigned char)p[i]);
         if (whole) {
             memcpy(r[m].hex, p + 1, 2 * SKV_SESSION_ID_BYTES);
             r[m].hex[2 * SKV_SESSION_ID_BYTES] = '\0';
             r[m].what = p[0];
-            r[m++].at = at;
+            r[m++].at = (size_t)(p - text);
         }
         at += line;
     }
@@ -3950,10 +3952,11 @@ static struct spilled_rec *spilled_read(const char *path, size_t *n, bool *ok)
     return r;
 }
 
-/* Whether the manifest on disk names session hex (persist_keep's list; not known: yes). */
+/* Whether the manifest on disk names session hex (persist_keep's list; not known, as before the
+ * restore's persist_keep, when its list is empty: yes). */
 static bool manifest_names(const struct skv_worker *w, const char *hex)
 {
-    if (w->n_persist_files < 0)
+    if (w->n_persist_files <= 0)
         return true;
     int lo = 0, hi = w->n_persist_files; /* the first name >= hex: "<hex>-<gen>.skv" sorts right there */
     while (lo < hi) {
@@ -3968,7 +3971,8 @@ static bool manifest_names(const struct skv_worker *w, const char *hex)
            (w->persist_files[lo][n] == '-' || w->persist_files[lo][n] == '.');
 }
 
-/* The spilled file written again with what a restore needs of it; false when that failed. */
+/* The spilled file written again with what a restore needs of it; false when that failed
+ * (errno says why). */
 static bool spilled_compact(struct skv_worker *w, const char *path)
 {
     size_t n = 0, kept = 0;
@@ -3978,21 +3982,29 @@ static bool spilled_compact(struct skv_worker *w, const char *path)
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     int fd = ok ? open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600) : -1;
     ok = fd >= 0;
+    int err = ok ? 0 : errno ? errno : EIO;
     for (size_t i = 0; ok && i < n; i++) {
         if (!manifest_names(w, r[i].hex))
             continue;
         char rec[SPILLED_RECORD + 1];
         snprintf(rec, sizeof rec, "S%s\n", r[i].hex);
-        ok = write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD;
+        errno = EIO; /* (a short write sets none) */
+        if (!(ok = write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD))
+            err = errno;
         kept++;
     }
-    if (fd >= 0 && close(fd) != 0)
+    if (fd >= 0 && close(fd) != 0 && ok) {
         ok = false;
-    if (ok && rename(tmp, path) != 0)
+        err = errno;
+    }
+    if (ok && rename(tmp, path) != 0) {
         ok = false;
+        err = errno;
+    }
     if (!ok)
         unlink(tmp);
     free(r);
+    errno = err;
     w->spilled_compacted = ok ? (uint64_t)kept * SPILLED_RECORD : w->spilled_compacted;
     return ok;
 }
@@ -4007,16 +4019,18 @@ static void spilled_note(struct skv_worker *w, char what, const uint8_t *id)
     rec[0] = what;
     skv_session_id_hex(id, rec + 1);
     rec[SPILLED_RECORD - 1] = '\n';
-    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
     struct stat sb = {0};
-    bool ok = fd >= 0 && write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD && fstat(fd, &sb) == 0;
+    errno = EIO; /* (a short write sets none) */
+    bool ok = fd >= 0 && fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) &&
+              write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD && fstat(fd, &sb) == 0;
     int err = errno;
     if (fd >= 0)
         close(fd);
     uint64_t limit = 2 * w->spilled_compacted > SPILLED_COMPACT_BYTES ? 2 * w->spilled_compacted
                                                                        : SPILLED_COMPACT_BYTES;
-    if (ok && (uint64_t)sb.st_size > limit)
-        ok = spilled_compact(w, path);
+    if (ok && (uint64_t)sb.st_size > limit && !(ok = spilled_compact(w, path)))
+        err = errno;
     if (!ok) { /* without it a restore brings back every file, as before it (a record lost could lose a session) */
         unlink(path);
         skv_log(SKV_LOG_WARN, "persist: %s: %s: the record of the sessions handed to the store is dropped: a restore "
@@ -4139,19 +4153,25 @@ static void persist_wipe(struct skv_worker *w, const char *dir)
 
 #define PERSIST_ASIDE_SETS 4 /* persist.unrestored, .2, .3, .4 */
 
-/* The state files in directory fd dfd (what a set aside holds): how many, removed unless
- * count_only. */
 /* Copies the file `name` of directory sfd into directory dfd under that name; 0, or -1 with
  * errno. */
 static int copy_at(int sfd, const char *name, int dfd)
 {
-    int in = openat(sfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC), err = 0;
+    int in = openat(sfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC), err = 0;
+    struct stat sb;
+    if (in >= 0 && (fstat(in, &sb) != 0 || !S_ISREG(sb.st_mode))) { /* no FIFO to wait on */
+        close(in);
+        in = -1;
+        errno = EINVAL;
+    }
     int out = in >= 0 ? openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600) : -1;
     char buf[65536];
     ssize_t k = out >= 0 ? 1 : -1;
-    while (k > 0 && (k = read(in, buf, sizeof buf)) > 0)
+    while (k > 0 && (k = read(in, buf, sizeof buf)) > 0) {
+        errno = EIO; /* (a short write sets none) */
         if (write(out, buf, (size_t)k) != k)
             k = -1;
+    }
     if (k < 0)
         err = errno ? errno : EIO;
     if (out >= 0 && close(out) != 0 && !err)
@@ -4162,6 +4182,8 @@ static int copy_at(int sfd, const char *name, int dfd)
     return err ? -1 : 0;
 }
 
+/* The state files in directory fd dfd (what a set aside holds): how many, removed unless
+ * count_only. */
 static int aside_files(int dfd, bool count_only)
 {
     int n = 0;
@@ -4183,7 +4205,8 @@ static int aside_files(int dfd, bool count_only)
  * every file of the saved state (manifest, session files, block store; no temporary file) is
  * linked into dir.unrestored, or dir.unrestored.2 ... .4 when the earlier ones hold a set (an
  * earlier start's: it is never replaced, since the later set may be the lesser, e.g. a session
- * made under a wrong model while the right one's sessions wait aside). Nothing is copied, and
+ * made under a wrong model while the right one's sessions wait aside). Nothing is copied but the
+ * spilled record (appended to from then on: a copy of it, dropped alone when that fails), and
  * the daemon writes none of those files again (a save writes new session files, and a store is
  * not continued after this), so a set stays as its stop left it: stop the daemon and move it
  * back to restore it. At most four sets (the disk of four saves); with four there, or when a
@@ -4218,10 +4241,13 @@ static int persist_set_aside(const char *dir, const char *why)
         /* the files, and a copy of the spilled record (appended to from now on; without it a
          * recovery from the set would restore sessions the store holds) */
         if (strcmp(e->d_name, PERSIST_SPILLED) == 0) {
-            if (copy_at(dirfd(d), e->d_name, afd) == 0)
+            if (copy_at(dirfd(d), e->d_name, afd) == 0) {
                 n++;
-            else
-                failed = errno;
+            } else { /* the set without it: a recovery from it restores every file, as before it */
+                unlinkat(afd, e->d_name, 0);
+                skv_log(SKV_LOG_WARN, "persist: %s/%s could not be copied into the set aside: %s", dir, e->d_name,
+                        strerror(errno));
+            }
             continue;
         }
         if (!persist_ours(e->d_name) || ends_with(e->d_name, ".tmp"))
@@ -4970,7 +4996,8 @@ int skv_requests_persist_restore(struct skv_worker *w)
     bool spilled_ok = true;
     char spilled_path[1300];
     snprintf(spilled_path, sizeof spilled_path, "%s/%s", dir, PERSIST_SPILLED);
-    struct spilled_rec *spilled = spilled_read(spilled_path, &n_spilled, &spilled_ok);
+    /* (without a store now, those sessions' files are the only copies this host can reach) */
+    struct spilled_rec *spilled = w->store ? spilled_read(spilled_path, &n_spilled, &spilled_ok) : NULL;
     if (!spilled_ok)
         skv_log(SKV_LOG_WARN, "persist: %s could not be read: sessions handed to the store after the last save may "
                 "be restored from their older files", spilled_path);

@@ -461,9 +461,10 @@ static int say_hello(snapkv_client_t *c)
     rep->hello = NULL;
     rep->result_case = SNAPKV__REPLY__RESULT__NOT_SET;
     snapkv__reply__free_unpacked(rep, NULL);
-    const char *info[4] = {keep_string(c, h->server_version), keep_string(c, h->model_name),
-                           keep_string(c, h->model_fingerprint), keep_string(c, h->backend)};
-    if (!info[0] || !info[1] || !info[2] || !info[3]) {
+    const char *info[5] = {keep_string(c, h->server_version), keep_string(c, h->model_name),
+                           keep_string(c, h->model_fingerprint), keep_string(c, h->backend),
+                           keep_string(c, h->legacy_model_fingerprint)};
+    if (!info[0] || !info[1] || !info[2] || !info[3] || !info[4]) {
         snapkv__hello_reply__free_unpacked(h, NULL);
         return skv_client_fail(SNAPKV_E_NOMEM, "out of memory keeping the daemon's HELLO");
     }
@@ -749,7 +750,7 @@ int snapkv_set_timeout(snapkv_client_t *c, int timeout_ms)
 
 const char *snapkv_server_legacy_fingerprint(snapkv_client_t *c)
 {
-    return c && c->hello && c->hello->legacy_model_fingerprint ? c->hello->legacy_model_fingerprint : "";
+    return c && c->hello && c->info[4] ? c->info[4] : ""; /* kept until the handle closes */
 }
 
 int snapkv_server_info(snapkv_client_t *c, struct snapkv_server_info *out)

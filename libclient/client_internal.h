@@ -33,7 +33,8 @@ struct snapkv_client {
                                   * closed while the reply was awaited (snapkv_many_t reads it) */
     struct skv_client_string *strings; /* every server_info string returned so far, kept until
                                         * close (they must outlive a new HELLO) */
-    const char *info[4];         /* server version, model name, fingerprint, backend: in strings */
+    const char *info[5];         /* server version, model name, fingerprint, backend, legacy
+                                  * fingerprint: in strings */
 };
 
 /* Sets this thread's last error and returns status. */

@@ -215,7 +215,7 @@ SNAPKV_API int snapkv_server_info(snapkv_client_t *client, struct snapkv_server_
 /* The model's fingerprint as daemons before 2026-12-06 named it (HelloReply's
  * legacy_model_fingerprint: a GGUF file's without its config), which exports and SAVE files of
  * such a daemon carry and this one still takes; "" when the daemon does not say (an older one)
- * or the handle is not connected. Valid while the handle is. */
+ * or the handle is not connected. Valid until the handle is closed. */
 SNAPKV_API const char *snapkv_server_legacy_fingerprint(snapkv_client_t *client);
 
 /* ---- sessions -------------------------------------------------------------------------------- */
