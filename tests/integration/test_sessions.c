@@ -5862,6 +5862,7 @@ static void test_store(void **state)
     assert_int_equal(skv_backend_cpu_new(1, &lbe), SKV_OK);
     assert_int_equal(skv_model_load(g_model, lbe, NULL, &lm), SKV_OK);
     char legacy_key[300], rn[700], rn_out[64];
+    snapkv_prefill_result_free(&l);
     assert_int_equal(snapkv_prefill(ca, &lo, &l), SNAPKV_OK);
     wait_spilled(sock, &l.id, key, sizeof key);
     assert_int_equal(strncmp(key + 7, lm->fingerprint, 64), 0); /* "snapkv:" and the fingerprint */
