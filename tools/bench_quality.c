@@ -283,7 +283,11 @@ static int parse_specs(const char *list, struct qspec *specs, int max, int *n_ou
                 snprintf(tmp, sizeof tmp, "%s", q->text);
                 char *save = NULL;
                 for (char *it = strtok_r(tmp, ",", &save); it; it = strtok_r(NULL, ",", &save)) {
-                    if (strncmp(it, "ratio=", 6) == 0 || strncmp(it, "budget=", 7) == 0)
+                    while (*it == ' ' || *it == '\t') /* blanks around an item, as the parser takes them */
+                        it++;
+                    for (size_t il = strlen(it); il && (it[il - 1] == ' ' || it[il - 1] == '\t');)
+                        it[--il] = '\0';
+                    if (!*it || strncmp(it, "ratio=", 6) == 0 || strncmp(it, "budget=", 7) == 0)
                         continue;
                     size_t gl = strlen(q->group);
                     snprintf(q->group + gl, sizeof q->group - gl, "%s%s", gl ? "," : "", it);
@@ -1486,10 +1490,14 @@ static int task_fidelity(struct qctx *q, json_t *root)
     int np = 0;
     if (o->texts) {
         const char *p = o->texts;
-        while (*p && np < MAX_LIST) {
+        while (*p) { /* a file past the limits is refused, not left out of the means */
             const char *end = strchr(p, ',');
             size_t len = end ? (size_t)(end - p) : strlen(p);
-            if (len && len < sizeof paths[0]) {
+            if (len && np == MAX_LIST)
+                return skv_errorf(SKV_E_LIMIT, "--texts: at most %d files", MAX_LIST);
+            if (len >= sizeof paths[0])
+                return skv_errorf(SKV_E_LIMIT, "--texts: a path of %zu bytes (at most %zu)", len, sizeof paths[0] - 1);
+            if (len) {
                 memcpy(paths[np], p, len);
                 paths[np++][len] = '\0';
             }

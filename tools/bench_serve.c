@@ -892,8 +892,8 @@ static void throughput_json(json_t *o, double wall, int n_req, double *lat, size
     json_object_set_new(o, "wall_s", json_real(wall));
     json_object_set_new(o, "requests", json_integer(n_req));
     json_object_set_new(o, "requests_per_s", json_real(n_req / wall));
-    json_object_set_new(o, "tokens_per_s", json_real(n_req * (TP_PROMPT_TOKENS + TP_DECODE_TOKENS) / wall));
-    json_object_set_new(o, "generated_tokens_per_s", json_real(n_req * TP_DECODE_TOKENS / wall));
+    json_object_set_new(o, "tokens_per_s", json_real((double)n_req * (TP_PROMPT_TOKENS + TP_DECODE_TOKENS) / wall));
+    json_object_set_new(o, "generated_tokens_per_s", json_real((double)n_req * TP_DECODE_TOKENS / wall));
     json_object_set_new(o, "latency_ms", summary_json(lat, n_lat, 1e3));
 }
 
@@ -2746,7 +2746,11 @@ static int parse_specs(struct serve_ctx *x, const char *list)
     }
     x->n_specs = 0;
     for (const char *p = list; *p;) {
-        size_t len = strcspn(p, ";");
+        size_t len = strcspn(p, ";"), skip = len + (p[len] == ';');
+        while (len && (*p == ' ' || *p == '\t')) /* blanks around a spec (a blank one ran policy=full) */
+            p++, len--, skip--;
+        while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
+            len--;
         if (x->n_specs == MAX_SPECS)
             return skv_errorf(SKV_E_INVAL, "--specs: at most %d specs", MAX_SPECS);
         if (len == 0 || len >= sizeof x->spec_text[0])
@@ -2763,7 +2767,7 @@ static int parse_specs(struct serve_ctx *x, const char *list)
         if (full)
             t[0] = '\0';
         x->n_specs++;
-        p += len + (p[len] == ';');
+        p += skip;
     }
     return SKV_OK;
 }

@@ -41,6 +41,7 @@ struct args {
     const char *prompt_file;
     const char *tokens;
     bool chat;
+    const char *assistant;     /* with --chat: the text the assistant turn starts with */
     bool special;
     bool bos;
     int cap; /* tokenize --cap: -1 unset */
@@ -94,6 +95,8 @@ static void usage(FILE *out)
             "           [--presence-penalty F]\n"
             "  select (--prompt T | --prompt-file F | --tokens ...) [--chat] [--compress SPEC (policy=full)]\n"
             "                                        kept original positions per layer and KV head\n"
+            "  (logits, generate, select: --chat --assistant T starts the assistant turn with T, as\n"
+            "   quality's passkey prompts do: \"The pass key is\")\n"
             "  speed [--prefill 512,2048,8192|none] [--decode-depth 0,512,4096,8192] [--decode-tokens N]\n"
             "        [--batch B [--private]]        (B sequences at each depth decoded together, one\n"
             "                                        forward a step: tokens/s over all of them; forks\n"
@@ -210,19 +213,38 @@ static int prompt_ids(const struct args *a, const struct skv_model *m, int32_t *
         return SKV_E_NOMEM;
     if (!m->tok)
         return free(text), skv_errorf(SKV_E_UNSUPPORTED, "the model has no tokenizer; use --tokens");
-    /* --chat: one user turn of the chat template, which owns BOS and the control tokens */
+    /* --chat: one user turn of the chat template, which owns BOS and the control tokens; with
+     * --assistant, the template's text and T after it, encoded as quality's passkey prompts are
+     * (the markup parsed) */
     struct skv_chat_msg msg = {"user", text};
+    if (a->assistant && !a->chat)
+        return free(text), skv_errorf(SKV_E_INVAL, "--assistant needs --chat");
+    if (a->assistant) {
+        char *rendered = NULL;
+        int rc = skv_tokenizer_chat_render(m->tok, &msg, 1, true, &rendered);
+        free(text);
+        if (rc)
+            return rc;
+        size_t rl = strlen(rendered), al = strlen(a->assistant);
+        if (!(text = malloc(rl + al + 1)))
+            return free(rendered), SKV_E_NOMEM;
+        memcpy(text, rendered, rl);
+        memcpy(text + rl, a->assistant, al + 1);
+        free(rendered);
+        len = rl + al;
+    }
+    const bool chat = a->chat && !a->assistant, markup = a->assistant != NULL;
     bool bos = skv_tokenizer_add_bos(m->tok);
     int n = 0;
-    int rc = a->chat ? skv_tokenizer_chat_encode(m->tok, &msg, 1, true, NULL, 0, &n)
-                     : skv_tokenizer_encode(m->tok, text, len, bos, false, NULL, 0, &n);
+    int rc = chat ? skv_tokenizer_chat_encode(m->tok, &msg, 1, true, NULL, 0, &n)
+                  : skv_tokenizer_encode(m->tok, text, len, bos && !markup, markup, NULL, 0, &n);
     if (rc && rc != SKV_E_LIMIT)
         return free(text), rc;
     int32_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
     if (!ids)
         return free(text), SKV_E_NOMEM;
-    rc = a->chat ? skv_tokenizer_chat_encode(m->tok, &msg, 1, true, ids, n, &n)
-                 : skv_tokenizer_encode(m->tok, text, len, bos, false, ids, n, &n);
+    rc = chat ? skv_tokenizer_chat_encode(m->tok, &msg, 1, true, ids, n, &n)
+              : skv_tokenizer_encode(m->tok, text, len, bos && !markup, markup, ids, n, &n);
     free(text);
     if (rc)
         return free(ids), rc;
@@ -805,7 +827,7 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
             int32_t t = 0;
             double t0 = now_s();
             for (int k = 0; k < dtok && !rc; k++) {
-                t = (int32_t)((t * 7919 + 13) % nv);
+                t = (int32_t)(((int64_t)t * 7919 + 13) % nv);
                 for (int b = 0; b < batch && !rc; b++) {
                     if (wc[b])
                         rc = skv_compressor_begin_decode(wc[b], work[b]);
@@ -1158,10 +1180,10 @@ static const struct {
     const char *cmd, *opts;
 } cmd_opts[] = {
     {"tokenize", "special bos cap"},
-    {"logits", "prompt prompt-file tokens chat top all"},
-    {"generate", "prompt prompt-file tokens chat max-tokens temperature top-k top-p seed compress min-p "
+    {"logits", "prompt prompt-file tokens chat assistant top all"},
+    {"generate", "prompt prompt-file tokens chat assistant max-tokens temperature top-k top-p seed compress min-p "
                  "repetition-penalty repetition-last-n frequency-penalty presence-penalty"},
-    {"select", "prompt prompt-file tokens chat compress"},
+    {"select", "prompt prompt-file tokens chat assistant compress"},
     {"speed", "prefill decode-depth decode-tokens batch private repeat compress append"},
     {"gemv", "repeat"},
     {"quality", "task lengths depths specs trials out-dir passkey-style texts fid-prefill fid-tokens max-tokens seed"},
@@ -1205,7 +1227,8 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_THREADS, O_BACKEND, O_JSON, O_REF, O_PROMPT, O_PFILE, O_TOKENS, O_CHAT, O_SPECIAL,
            O_BOS, O_TOP, O_ALL, O_MAXT, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_PREFILL, O_DEPTH, O_DTOK, O_REPEAT,
            O_COMPRESS, O_TASK, O_LENGTHS, O_DEPTHS, O_SPECS, O_TRIALS, O_OUTDIR, O_PKSTYLE, O_TEXTS, O_FIDN,
-           O_FIDM, O_CAP, O_BATCH, O_PRIVATE, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP, O_APPEND };
+           O_FIDM, O_CAP, O_BATCH, O_PRIVATE, O_KVTYPE, O_MINP, O_REPP, O_REPN, O_FREQP, O_PRESP, O_APPEND,
+           O_ASSISTANT };
     enum { O_ENDPOINT = 512, O_ADMIN_EP, O_CLIENTS, O_REQUESTS, O_SESSIONS, O_CONTEXT, O_POOL_GIB, O_PARTS,
            O_STORE_SIGNED };
     static const struct option opts[] = {
@@ -1214,6 +1237,7 @@ int main(int argc, char **argv)
         {"reference", no_argument, NULL, O_REF},           {"prompt", required_argument, NULL, O_PROMPT},
         {"prompt-file", required_argument, NULL, O_PFILE}, {"tokens", required_argument, NULL, O_TOKENS},
         {"chat", no_argument, NULL, O_CHAT},               {"special", no_argument, NULL, O_SPECIAL},
+        {"assistant", required_argument, NULL, O_ASSISTANT},
         {"bos", no_argument, NULL, O_BOS},                 {"top", required_argument, NULL, O_TOP},
         {"cap", required_argument, NULL, O_CAP},
         {"all", no_argument, NULL, O_ALL},                 {"max-tokens", required_argument, NULL, O_MAXT},
@@ -1265,6 +1289,7 @@ int main(int argc, char **argv)
         case O_PFILE: a.prompt_file = optarg; break;
         case O_TOKENS: a.tokens = optarg; break;
         case O_CHAT: a.chat = true; break;
+        case O_ASSISTANT: a.assistant = optarg; break;
         case O_SPECIAL: a.special = true; break;
         case O_BOS: a.bos = true; break;
         case O_CAP: ok = int_opt("cap", optarg, 0, INT_MAX - 1, &a.cap); break;

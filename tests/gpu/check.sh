@@ -48,6 +48,14 @@ else
     BACKEND=cuda BIG_SHAPE=llama3-8b KVP_BIG=llama3-8b KVP_DEFAULT=smollm2-135m
     C1=1024 C8=8192 C16=16384 C32=32768 BUDGET=1024 DTOK=64 POOL_GIB=60 SERVE_DTOK=32 KVP_DTOK=32 JOBS=16
     NICE="" THREADS="" PYDEV=cuda
+    # the serve step holds the 8B-shaped weights twice (its own engine's and its daemon's, 15 GiB
+    # each) beside the pool: 60 GiB fits an H200's 139 GiB, not an H100's 79 (a read of the
+    # card's size; nothing set)
+    MEM_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null |
+              awk 'NR == 1 {print int($1 / 1024)}')
+    if [ -n "$MEM_GIB" ] && [ "$MEM_GIB" -gt 40 ] && [ $((MEM_GIB - 36)) -lt "$POOL_GIB" ]; then
+        POOL_GIB=$((MEM_GIB - 36))
+    fi
 fi
 SNAP="policy=snapkv,budget=$BUDGET"
 # the 8B-shaped model (16 GB) in RAM where /dev/shm has room: writing it to a VM's disk took

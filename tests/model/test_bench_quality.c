@@ -368,6 +368,37 @@ static void test_select_json(void **state)
     cleanup(&r);
 }
 
+/* select --chat --assistant T: the chat prompt's ids, then T's, as quality's passkey prompts
+ * end ("The pass key is" starts the assistant turn); without --chat it is refused. */
+static void test_select_assistant(void **state)
+{
+    (void)state;
+    static const char *const plain[] = {"--prompt", "Where is the key?", "--chat", "--json", NULL};
+    static const char *const with[] = {"--prompt", "Where is the key?", "--chat", "--assistant", "The pass key is",
+                                       "--json", NULL};
+    static const char *const alone[] = {"--prompt", "Where is the key?", "--assistant", "The pass key is", NULL};
+    struct run r, s, t;
+    bench_cmd(&r, "select", plain);
+    assert_int_equal(r.status, 0);
+    bench_cmd(&s, "select", with);
+    assert_int_equal(s.status, 0);
+    json_t *a = load_json(&r, "stdout"), *b = load_json(&s, "stdout");
+    json_t *ia = json_object_get(a, "ids"), *ib = json_object_get(b, "ids");
+    size_t na = json_array_size(ia), nb = json_array_size(ib);
+    assert_true(na > 10);
+    assert_int_equal(nb, na + 4); /* " The", " pass", " key", " is" in SmolLM2's vocabulary: 4 */
+    for (size_t i = 0; i < na; i++)
+        assert_int_equal(json_integer_value(json_array_get(ia, i)), json_integer_value(json_array_get(ib, i)));
+    json_decref(a);
+    json_decref(b);
+    cleanup(&r);
+    cleanup(&s);
+    bench_cmd(&t, "select", alone);
+    assert_int_equal(t.status, 1);
+    assert_file_has(&t, "stderr", "--assistant needs --chat");
+    cleanup(&t);
+}
+
 /* speed --batch 3: three copies of the depth-64 cache decode 4 steps in one forward each; the
  * JSON names the batch, each sequence's tokens, and tokens/s over all three; with --compress
  * every copy keeps its own compressor (SnapKV re-scores while decoding). --append 9,21: a
@@ -443,7 +474,7 @@ int main(void)
         cmocka_unit_test(test_passkey_run),
         cmocka_unit_test(test_fidelity_run),
         cmocka_unit_test(test_bad_arguments),
-        cmocka_unit_test(test_select_json),
+        cmocka_unit_test(test_select_json), cmocka_unit_test(test_select_assistant),
         cmocka_unit_test(test_speed_batch),
         cmocka_unit_test(test_logits_json_text),
     };
