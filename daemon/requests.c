@@ -3160,6 +3160,16 @@ static int open_state_file(const char *path)
     return fd;
 }
 
+/* A saved head's len positions: each in [0, n_past), in increasing order (the read and
+ * precheck_rows); SKV_E_FORMAT naming path when not. */
+static int positions_ok(const int32_t *pos, int32_t len, int32_t n_past, const char *path)
+{
+    for (int32_t j = 0; j < len; j++)
+        if (pos[j] < 0 || pos[j] >= n_past || (j && pos[j] <= pos[j - 1]))
+            return skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
+    return SKV_OK;
+}
+
 /* Reads n bytes of rows into buf, at most `cap` bytes at a time, into the checksum h (precheck_rows);
  * with check, each part's floats must be finite. */
 static int precheck_bytes(FILE *f, crypto_generichash_state *h, void *buf, size_t cap, uint64_t n, bool check,
@@ -3212,9 +3222,7 @@ static int precheck_rows(FILE *f, const crypto_generichash_state *h_read, const 
         }
         if ((rc = read_exact(f, &h, pos, (size_t)len * sizeof *pos)))
             break;
-        for (int32_t j = 0; j < len && !rc; j++)
-            if (pos[j] < 0 || pos[j] >= hd->n_past || (j && pos[j] <= pos[j - 1]))
-                rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
+        rc = positions_ok(pos, len, hd->n_past, path);
         if (!rc && hd->version >= 2) /* the scores */
             rc = precheck_bytes(f, &h, buf, cap, (uint64_t)len * sizeof(float), false, path);
         for (int kv = 0; kv < 2 && !rc; kv++)
@@ -3318,11 +3326,6 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         else if (n_pending)
             rc = read_exact(f, &h, pending, (size_t)n_pending);
     }
-    /* LOAD's and a stored session's room, made (or refused) before any block is taken, once
-     * the whole file is read and checked (the rows by precheck_rows): nothing is evicted for a
-     * file refused (a restore's files may share their blocks with sessions loaded before, which
-     * an eviction for its room could take: its charge at the end counts it, so the pool may pass
-     * its size by that session while it loads, at start) */
     /* the compressor's state against its spec, before the room too */
     if (!rc && hd.version >= 2) {
         if (!s->comp != !state_len)
@@ -3330,6 +3333,11 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         else if (s->comp)
             rc = skv_compressor_state_read(s->comp, state, (size_t)state_len, hd.n_past);
     }
+    /* LOAD's and a stored session's room, made (or refused) before any block is taken, once
+     * the whole file is read and checked (the rows by precheck_rows): nothing is evicted for a
+     * file refused (a restore's files may share their blocks with sessions loaded before, which
+     * an eviction for its room could take: its charge at the end counts it, so the pool may pass
+     * its size by that session while it loads, at start) */
     if (!rc && !r) {
         uint64_t bytes = 0;
         if (!(rc = precheck_rows(f, &h, &hd, path, s->cache, &bytes)))
@@ -3387,9 +3395,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
                                              rows);
         if (rc)
             break;
-        for (int j = 0; j < len; j++)
-            if (kh->pos[j] < 0 || kh->pos[j] >= hd.n_past || (j && kh->pos[j] <= kh->pos[j - 1]))
-                rc = skv_errorf(SKV_E_FORMAT, "%s: bad positions", path);
+        rc = positions_ok(kh->pos, len, hd.n_past, path);
     }
     free(rows);
     free(refs);
@@ -4009,13 +4015,19 @@ static bool spilled_compact(struct skv_worker *w, const char *path)
     return ok;
 }
 
+/* <dir>/spilled into out[cap] (dir: the persist directory). */
+static void spilled_path(const char *dir, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s/%s", dir, PERSIST_SPILLED);
+}
+
 static void spilled_note(struct skv_worker *w, char what, const uint8_t *id)
 {
     char dir[1100], path[1200], rec[SPILLED_RECORD + 1], msg[512];
     if (!w->cfg->persist || !w->store || persist_dir(w, dir, sizeof dir))
         return;
     snprintf(msg, sizeof msg, "%s", skv_error_msg()); /* the request's message, kept for its reply */
-    snprintf(path, sizeof path, "%s/%s", dir, PERSIST_SPILLED);
+    spilled_path(dir, path, sizeof path);
     rec[0] = what;
     skv_session_id_hex(id, rec + 1);
     rec[SPILLED_RECORD - 1] = '\n';
@@ -4714,7 +4726,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     json_decref(doc);
     persist_sweep(w, dir);
     char spilled[1200]; /* what it records the manifest now says */
-    snprintf(spilled, sizeof spilled, "%s/%s", dir, PERSIST_SPILLED);
+    spilled_path(dir, spilled, sizeof spilled);
     if (unlink(spilled) != 0 && errno != ENOENT)
         skv_log(SKV_LOG_WARN, "persist: %s: %s", spilled, strerror(errno));
     w->spilled_compacted = 0;
@@ -4994,13 +5006,13 @@ int skv_requests_persist_restore(struct skv_worker *w)
     bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
     size_t n_spilled = 0;
     bool spilled_ok = true;
-    char spilled_path[1300];
-    snprintf(spilled_path, sizeof spilled_path, "%s/%s", dir, PERSIST_SPILLED);
+    char spilled_file[1300];
+    spilled_path(dir, spilled_file, sizeof spilled_file);
     /* (without a store now, those sessions' files are the only copies this host can reach) */
-    struct spilled_rec *spilled = w->store ? spilled_read(spilled_path, &n_spilled, &spilled_ok) : NULL;
+    struct spilled_rec *spilled = w->store ? spilled_read(spilled_file, &n_spilled, &spilled_ok) : NULL;
     if (!spilled_ok)
         skv_log(SKV_LOG_WARN, "persist: %s could not be read: sessions handed to the store after the last save may "
-                "be restored from their older files", spilled_path);
+                "be restored from their older files", spilled_file);
     int left_in_store = 0;
     for (size_t k = n; k-- > 0;) { /* least recently used first: under pool pressure they go first */
         const json_t *e = json_array_get(list, k);
