@@ -5861,13 +5861,14 @@ static void test_store(void **state)
     struct skv_model *lm = NULL;
     assert_int_equal(skv_backend_cpu_new(1, &lbe), SKV_OK);
     assert_int_equal(skv_model_load(g_model, lbe, NULL, &lm), SKV_OK);
-    char legacy_key[300], rn[700], rn_out[64];
+    char legacy_key[300], legacy_fp[65], rn[700], rn_out[64];
     snapkv_prefill_result_free(&l);
     assert_int_equal(snapkv_prefill(ca, &lo, &l), SNAPKV_OK);
     wait_spilled(sock, &l.id, key, sizeof key);
     assert_int_equal(strncmp(key + 7, lm->fingerprint, 64), 0); /* "snapkv:" and the fingerprint */
     assert_string_not_equal(lm->fingerprint, lm->legacy_fingerprint);
-    snprintf(legacy_key, sizeof legacy_key, "snapkv:%s%s", lm->legacy_fingerprint, key + 7 + 64);
+    snprintf(legacy_fp, sizeof legacy_fp, "%s", lm->legacy_fingerprint);
+    snprintf(legacy_key, sizeof legacy_key, "snapkv:%s%s", legacy_fp, key + 7 + 64);
     skv_model_free(&lm);
     skv_backend_destroy(&lbe);
     snprintf(rn, sizeof rn, "RENAME %s %s", key, legacy_key);
@@ -5877,6 +5878,18 @@ static void test_store(void **state)
     snapkv_decode_result_free(&got);
     assert_false(store_has(sock, legacy_key)); /* taken */
     assert_int_equal(snapkv_release(ca, &l.id), SNAPKV_OK);
+    /* and a RELEASE of one that is there only under the legacy key deletes it there */
+    snapkv_prefill_result_free(&l);
+    assert_int_equal(snapkv_prefill(ca, &lo, &l), SNAPKV_OK);
+    wait_spilled(sock, &l.id, key, sizeof key);
+    snprintf(legacy_key, sizeof legacy_key, "snapkv:%s%s", legacy_fp, key + 7 + 64);
+    snprintf(rn, sizeof rn, "RENAME %s %s", key, legacy_key);
+    fixture_redis_cli(sock, rn, rn_out, sizeof rn_out);
+    assert_string_equal(rn_out, "OK");
+    assert_true(store_has(sock, legacy_key));
+    assert_int_equal(snapkv_release(ca, &l.id), SNAPKV_OK);
+    assert_false(store_has(sock, legacy_key));
+    assert_int_equal(snapkv_release(ca, &l.id), SNAPKV_E_NOT_FOUND);
 
     /* one that does not fit where it is asked for stays in the store; a RELEASE of one that is
      * not here deletes it there without loading it */
