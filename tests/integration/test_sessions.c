@@ -1878,6 +1878,8 @@ static void test_kv_q8_0_daemon(void **state)
 
 /* Runs snapkvctl on d's endpoints (below). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap);
+static int run_ctl_env(const struct daemon *d, const char *const *env, const char *const *args, char *out, char *err,
+                       size_t cap);
 
 /* A stat of the daemon's STATS (-1 when it has none of that name). */
 static double stat_of(const char *admin, const char *name)
@@ -4618,6 +4620,14 @@ static void test_ipc_tenant_uid(void **state)
  * status; out and err get what it wrote to stdout and stderr (NUL-terminated, cut to cap). */
 static int run_ctl(const struct daemon *d, const char *const *args, char *out, char *err, size_t cap)
 {
+    return run_ctl_env(d, NULL, args, out, err, cap);
+}
+
+/* run_ctl, or with env (NULL-terminated "NAME=VALUE"s) set in its environment and no -e / -a:
+ * the endpoints are what the environment says */
+static int run_ctl_env(const struct daemon *d, const char *const *env, const char *const *args, char *out, char *err,
+                       size_t cap)
+{
     char exe[4096], out_path[128], err_path[128];
     built(exe, sizeof exe, "snapkvctl");
     snprintf(out_path, sizeof out_path, "%s/ctl.out", d->dir);
@@ -4628,6 +4638,12 @@ static int run_ctl(const struct daemon *d, const char *const *args, char *out, c
     if (pid == 0) {
         const char *argv[32] = {exe, "-e", d->endpoint, "-a", d->admin};
         int n = 5;
+        for (int i = 0; env && env[i]; i++) {
+            char *kv = strdup(env[i]), *eq = strchr(kv, '=');
+            *eq = '\0';
+            setenv(kv, eq + 1, 1);
+            n = 1;
+        }
         for (int i = 0; args[i] && n < 31; i++)
             argv[n++] = args[i];
         argv[n] = NULL;
@@ -5394,6 +5410,18 @@ static void test_snapkvctl_edges(void **state)
     assert_int_equal(run_ctl(&d, neg, out, err, sizeof out), 2);
     const char *inf[] = {"generate", "--prompt", "hi", "--temperature", "inf", NULL};
     assert_int_equal(run_ctl(&d, inf, out, err, sizeof out), 2);
+    /* the endpoints from the environment; an empty one is unset (as an env file writes it) */
+    char env_ep[200], env_admin[200];
+    snprintf(env_ep, sizeof env_ep, "SNAPKV_ENDPOINT=%s", d.endpoint);
+    snprintf(env_admin, sizeof env_admin, "SNAPKV_ADMIN_ENDPOINT=%s", d.admin);
+    const char *env_set[] = {env_ep, env_admin, NULL}, *env_empty[] = {"SNAPKV_ENDPOINT=", NULL};
+    const char *tok[] = {"--timeout", "2000", "tokenize", "hi", NULL};
+    const char *stat_args[] = {"--timeout", "2000", "status", NULL};
+    if (run_ctl_env(&d, env_set, tok, out, err, sizeof out) ||
+        run_ctl_env(&d, env_set, stat_args, out, err, sizeof out))
+        fail_msg("snapkvctl on $SNAPKV_ENDPOINT and $SNAPKV_ADMIN_ENDPOINT: %s", err);
+    assert_int_equal(run_ctl_env(&d, env_empty, tok, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "snapkvctl: ipc:///run/snapkvd/snapkvd.sock: ")); /* the default's, not "" */
     const char *help[] = {"generate", "--help", NULL}; /* its own lines, and SAMPLING's, not every command */
     assert_int_equal(run_ctl(&d, help, out, err, sizeof out), 0);
     assert_non_null(strstr(out, "  generate (--prompt TEXT"));
