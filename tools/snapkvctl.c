@@ -56,6 +56,7 @@ struct ctl {
     const char *server_key;       /* file: the daemon's CURVE public key */
     const char *client_key;       /* file: this client's CURVE secret key */
     const char *tenant;
+    bool tenant_given; /* -t: list, evict and load take it as their tenant */
     bool json;
     int timeout_ms;
 };
@@ -69,7 +70,9 @@ static void usage(FILE *out)
             "  -a, --admin-endpoint URL  admin endpoint (default %s, or $SNAPKV_ADMIN_ENDPOINT unless empty)\n"
             "      --server-key FILE     CURVE: the daemon's public key file, for tcp:// (or $SNAPKV_SERVER_KEY)\n"
             "      --client-key FILE     CURVE: this client's secret key file (or $SNAPKV_CLIENT_KEY)\n"
-            "  -t, --tenant T            tenant of the sessions (default \"default\")\n"
+            "  -t, --tenant T            tenant of the client commands' sessions (default \"default\"); also\n"
+            "                            list's, evict's and load's (the other admin commands, and evict\n"
+            "                            SESSION, act on any tenant's; -t with evict --all is refused)\n"
             "  -j, --json                JSON output for scripts\n"
             "      --timeout MS          wait for each reply this long (default 30000; -1 forever)\n"
             "client commands:\n"
@@ -117,7 +120,9 @@ static void usage(FILE *out)
             "  status | list [--kept] [TENANT] | inspect SESSION [--positions] [--hashes]\n"
             "  evict (SESSION | --tenant T | --all) | pin SESSION | unpin SESSION\n"
             "                                         (list --kept: the kept prefixes, prefix-retain-bytes;\n"
-            "                                         evict takes their ids too)\n"
+            "                                         evict takes their ids too; it drops what this daemon\n"
+            "                                         holds, --tenant / --all the sessions neither pinned nor\n"
+            "                                         decoding, and not those spilled to a store)\n"
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
             "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
             "                                         decodes, requests, errors, tokens, engine time and kept\n"
@@ -211,6 +216,20 @@ static int usage_error(const char *cmd, const char *fmt, ...)
     fprintf(stderr, "\n(see snapkvctl --help)\n");
     va_end(ap);
     return 2;
+}
+
+/* The tenant an admin command that takes one (list, evict, load) acts on: its own (*tenant, or
+ * NULL), or -t's when it names none; false (said on stderr) when the two differ. */
+static bool admin_tenant(const struct ctl *c, const char *cmd, const char **tenant)
+{
+    if (!c->tenant_given)
+        return true;
+    if (*tenant && strcmp(*tenant, c->tenant) != 0) {
+        usage_error(cmd, "-t %s and %s name two tenants", c->tenant, *tenant);
+        return false;
+    }
+    *tenant = c->tenant;
+    return true;
 }
 
 /* Reports a failed library call; returns the exit status 1. */
@@ -1882,6 +1901,10 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
         fprintf(stderr, "snapkvctl import: %s is not a snapkvctl export (version %u)\n", path, EXPORT_VERSION);
         goto out_close_file;
     }
+    if (!h.model_fingerprint[0]) { /* every export names it: the check below would let any model take it */
+        fprintf(stderr, "snapkvctl import: %s does not say which model it was exported from\n", path);
+        goto out_close_file;
+    }
     if (h.original_length == 0) {
         fprintf(stderr, "snapkvctl import: %s does not say how long the session was (an export made with --size "
                 "by an older snapkvctl); export the session again\n", path);
@@ -1926,7 +1949,7 @@ static int cmd_import(const struct ctl *c, int argc, char **argv)
     snapkv_server_info(cl, &si);
     const char *legacy = snapkv_server_legacy_fingerprint(cl); /* an export from before 2026-12-06 */
     if (si.n_kv_heads != h.n_kv_heads || si.head_dim != h.head_dim ||
-        (h.model_fingerprint[0] && strcmp(si.model_fingerprint, h.model_fingerprint) != 0 &&
+        (strcmp(si.model_fingerprint, h.model_fingerprint) != 0 &&
          (!legacy[0] || strcmp(legacy, h.model_fingerprint) != 0))) {
         fprintf(stderr, "snapkvctl import: %s was exported from another model (%s)\n", path, h.model_fingerprint);
         goto out_close;
@@ -2043,15 +2066,18 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
     if (kept && argc <= 3) { /* list --kept [TENANT], list TENANT --kept */
         const char *tenant = argc == 3 ? argv[3 - kept] : NULL;
         if (!tenant || tenant[0] != '-')
-            return list_kept(c, tenant);
+            return admin_tenant(c, "list", &tenant) ? list_kept(c, tenant) : 2;
     }
     if (argc > 2 || (argc == 2 && argv[1][0] == '-'))
         return usage_error("list", "usage: list [--kept] [TENANT] (other options go before the command)");
+    const char *tenant = argc == 2 ? argv[1] : NULL;
+    if (!admin_tenant(c, "list", &tenant))
+        return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
     struct snapkv_session_list l;
-    int rc = snapkv_admin_list(cl, argc == 2 ? argv[1] : NULL, &l);
+    int rc = snapkv_admin_list(cl, tenant, &l);
     snapkv_close(&cl);
     if (rc)
         return failed("list", rc);
@@ -2213,6 +2239,10 @@ static int cmd_evict(const struct ctl *c, int argc, char **argv)
         }
     }
     const char *session = optind < argc ? argv[optind] : NULL;
+    if (c->tenant_given && all) /* `-t acme evict --all` evicted every tenant's */
+        return usage_error("evict", "-t names one tenant, --all every tenant's: evict --tenant T for one tenant's");
+    if (!session && !admin_tenant(c, "evict", &tenant))
+        return 2;
     if (optind + (session != NULL) != argc || (session != NULL) + (tenant != NULL) + all != 1)
         return usage_error("evict", "usage: evict (SESSION | --tenant T | --all)");
     struct snapkv_session_id id;
@@ -2294,6 +2324,8 @@ static int cmd_load(const struct ctl *c, int argc, char **argv)
     }
     if (optind + 1 != argc)
         return usage_error("load", "usage: load NAME [--tenant T]");
+    if (!admin_tenant(c, "load", &tenant))
+        return 2;
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
@@ -2651,7 +2683,7 @@ static const char *env_or_null(const char *name)
     return v && *v ? v : NULL;
 }
 
-int main(int argc, char **argv)
+static int run(int argc, char **argv)
 {
     struct ctl c = {
         .endpoint = env_or_null("SNAPKV_ENDPOINT") ? env_or_null("SNAPKV_ENDPOINT") : DEFAULT_ENDPOINT,
@@ -2674,7 +2706,10 @@ int main(int argc, char **argv)
         switch (o) {
         case 'e': c.endpoint = optarg; break;
         case 'a': c.admin_endpoint = optarg; break;
-        case 't': c.tenant = optarg; break;
+        case 't':
+            c.tenant = optarg;
+            c.tenant_given = true;
+            break;
         case 'S': c.server_key = optarg; break;
         case 'K': c.client_key = optarg; break;
         case 'j': c.json = true; break;
@@ -2738,4 +2773,17 @@ int main(int argc, char **argv)
     fprintf(stderr, "snapkvctl: unknown command '%s'\n", cmd);
     usage(stderr);
     return 2;
+}
+
+int main(int argc, char **argv)
+{
+    int ret = run(argc, argv);
+    /* what is still buffered for stdout (a file, a pipe) written now: a full disk or a closed
+     * pipe is a failure, not a short output with status 0 */
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "snapkvctl: writing the output failed: %s\n", strerror(errno));
+        if (ret == 0)
+            ret = 1;
+    }
+    return ret;
 }

@@ -4884,6 +4884,13 @@ static void test_snapkvctl(void **state)
     close(fd);
     assert_int_equal(run_ctl(&d, imp2, out, err, sizeof out), 1);
     assert_non_null(strstr(err, "was exported from another model"));
+    static const char zeros[80]; /* no fingerprint: it was taken for any model's */
+    fd = open(file2, O_RDWR);
+    assert_true(fd >= 0);
+    assert_int_equal(pwrite(fd, zeros, sizeof zeros, 40), (ssize_t)sizeof zeros);
+    close(fd);
+    assert_int_equal(run_ctl(&d, imp2, out, err, sizeof out), 1);
+    assert_non_null(strstr(err, "does not say which model it was exported from"));
     const char *no_size[] = {"-a", none, "--timeout", "300", "export", hex, "--out", file2, NULL};
     assert_int_equal(unlink(file2), 0);
     assert_int_equal(run_ctl(&d, no_size, out, err, sizeof out), 1);
@@ -5495,6 +5502,56 @@ static void test_snapkvctl_edges(void **state)
     const char *cancel[] = {"cancel", "--admin", id, NULL};
     assert_int_equal(run_ctl(&d, cancel, out, err, sizeof out), 0);
     assert_non_null(strstr(out, "no decode was running"));
+    /* -t with the admin commands: list's, evict's and load's tenant (it was ignored: `-t edges
+     * evict --all` evicted every tenant's, and is refused now) */
+    const char *other[] = {"-t", "other", "prefill", "--prompt", "Another tenant's prompt.", NULL};
+    assert_int_equal(run_ctl(&d, other, out, err, sizeof out), 0);
+    char other_id[SNAPKV_SESSION_ID_HEX_SIZE];
+    snprintf(other_id, sizeof other_id, "%.32s", out);
+    const char *list_edges[] = {"-t", "edges", "list", NULL}, *list_kept[] = {"-t", "edges", "list", "--kept", NULL};
+    assert_int_equal(run_ctl(&d, list_edges, out, err, sizeof out), 0);
+    assert_non_null(strstr(out, id));
+    assert_null(strstr(out, other_id));
+    assert_int_equal(run_ctl(&d, list_kept, out, err, sizeof out), 0);
+    const char *list_two[] = {"-t", "edges", "list", "other", NULL};
+    assert_int_equal(run_ctl(&d, list_two, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "-t edges and other name two tenants"));
+    const char *evict_all[] = {"-t", "edges", "evict", "--all", NULL};
+    const char *evict_two[] = {"-t", "edges", "evict", "--tenant", "other", NULL};
+    assert_int_equal(run_ctl(&d, evict_all, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "-t names one tenant, --all every tenant's"));
+    assert_int_equal(run_ctl(&d, evict_two, out, err, sizeof out), 2);
+    const char *status_t[] = {"-t", "edges", "status", NULL}; /* as an alias with -t runs it */
+    assert_int_equal(run_ctl(&d, status_t, out, err, sizeof out), 0);
+    struct snapkv_session_id sid;
+    assert_int_equal(snapkv_session_id_from_hex(other_id, &sid), SNAPKV_OK);
+    snapkv_client_t *adm = client(d.admin, NULL);
+    assert_int_equal(snapkv_admin_save(adm, &sid, "edges-save", NULL), SNAPKV_OK);
+    const char *load[] = {"-t", "edges", "load", "edges-save", NULL};
+    assert_int_equal(run_ctl(&d, load, out, err, sizeof out), 0); /* it went to "default" */
+    struct snapkv_inspect_result ir;
+    char load_id[SNAPKV_SESSION_ID_HEX_SIZE];
+    snprintf(load_id, sizeof load_id, "%.32s", out);
+    assert_int_equal(snapkv_session_id_from_hex(load_id, &sid), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_inspect(adm, &sid, false, &ir), SNAPKV_OK);
+    assert_string_equal(ir.info.tenant, "edges");
+    snapkv_inspect_result_free(&ir);
+    const char *evict_edges[] = {"-t", "edges", "--json", "evict", NULL};
+    assert_int_equal(run_ctl(&d, evict_edges, out, err, sizeof out), 0);
+    assert_non_null(strstr(out, "\"evicted\": 3")); /* the prefill's, the import's and the load's */
+    assert_int_equal(run_ctl(&d, list_edges, out, err, sizeof out), 0);
+    assert_null(strstr(out, id));
+    const char *list_other[] = {"list", "other", NULL};
+    assert_int_equal(run_ctl(&d, list_other, out, err, sizeof out), 0);
+    assert_non_null(strstr(out, other_id));
+    snapkv_close(&adm);
+    /* the output's write failing (a full disk) is a failure, not status 0 and a short file */
+    char full[4200];
+    built(full, sizeof full, "snapkvctl");
+    snprintf(full + strlen(full), sizeof full - strlen(full), " -a %s --json status >/dev/full 2>/dev/null", d.admin);
+    int full_st = system(full);
+    assert_true(WIFEXITED(full_st));
+    assert_int_equal(WEXITSTATUS(full_st), 1);
 
     /* Ctrl-C while generate's answer streams */
     snapkv_client_t *a = client(d.admin, NULL);
