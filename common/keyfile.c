@@ -53,6 +53,12 @@ int skv_keyfile_open(const char *path, enum skv_keyfile_kind kind, FILE **out)
                         "key file %s is writable by its group (mode %04o): a client of the group could add its "
                         "own key; refusing it: run 'chmod g-w %s'",
                         path, (unsigned)(sb.st_mode & 07777), path);
+    else if ((kind == SKV_KEYFILE_LIST || kind == SKV_KEYFILE_DAEMON_SECRET) && sb.st_uid != 0 &&
+             sb.st_uid != geteuid()) /* its owner may change its mode, and then what it says */
+        rc = skv_errorf(SKV_E_PERM,
+                        "key file %s belongs to uid %lu, neither root nor the daemon's user (uid %lu): its owner "
+                        "could give itself a key; refusing it: run 'chown root %s' (or the daemon's user)",
+                        path, (unsigned long)sb.st_uid, (unsigned long)geteuid(), path);
     FILE *f = rc ? NULL : fdopen(fd, "r");
     if (!rc && !f)
         rc = skv_errorf(SKV_E_NOMEM, "key file %s: %s", path, strerror(errno));

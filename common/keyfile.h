@@ -22,7 +22,8 @@ enum skv_keyfile_kind {
 };
 
 /* Opens a key file for reading and checks it is a regular file no bigger than
- * SKV_KEYFILE_MAX_BYTES, with a mode `kind` allows. Errors name the path and say how to fix
+ * SKV_KEYFILE_MAX_BYTES, with a mode `kind` allows (and, for the daemon's LIST and
+ * DAEMON_SECRET, owned by root or the process's user). Errors name the path and say how to fix
  * the mode. On success *out is the open stream. */
 int skv_keyfile_open(const char *path, enum skv_keyfile_kind kind, FILE **out);
 

@@ -148,8 +148,8 @@ static int key_list_load(const char *path, bool tenants_allowed, struct key_list
         l.keys[l.n++] = k;
     }
     fclose(f);
-    if (!rc && l.n == 0)
-        rc = skv_errorf(SKV_E_FORMAT, "%s: no keys (one Z85 public key per line)", path);
+    /* (no keys: every client refused; a list emptied to revoke its last key was refused, and a
+     * reload kept the old one) */
     if (!rc) /* sorted: looked up at every handshake and request (bsearch) */
         qsort(l.keys, l.n, sizeof *l.keys, by_key);
     for (size_t i = 1; !rc && i < l.n; i++)
@@ -304,8 +304,9 @@ int skv_auth_secure_socket(struct skv_auth *a, void *sock, enum skv_auth_endpoin
         zmq_setsockopt(sock, ZMQ_ZAP_DOMAIN, domain, strlen(domain)) < 0)
         return skv_errorf(SKV_E_IO, "%s endpoint: CURVE options: %s", domain, zmq_strerror(zmq_errno()));
     *monitor_events = HANDSHAKE_EVENTS; /* the caller monitors the socket */
-    skv_log(SKV_LOG_INFO, "%s endpoint %s: CURVE, %zu authorized key(s) from %s", domain, a->endpoint[which],
-            a->lists[which].n, a->lists[which].path);
+    skv_log(a->lists[which].n ? SKV_LOG_INFO : SKV_LOG_WARN, "%s endpoint %s: CURVE, %zu authorized key(s) from %s%s",
+            domain, a->endpoint[which], a->lists[which].n, a->lists[which].path,
+            a->lists[which].n ? "" : ": every client is refused");
     return SKV_OK;
 }
 
@@ -465,8 +466,9 @@ int skv_auth_reload(struct skv_auth *a)
         if (a->mode[i] == MODE_CURVE) {
             key_list_free(&a->lists[i]);
             a->lists[i] = fresh[i];
-            skv_log(SKV_LOG_INFO, "%s endpoint: %zu authorized key(s) from %s", endpoint_names[i], a->lists[i].n,
-                    a->lists[i].path);
+            skv_log(a->lists[i].n ? SKV_LOG_INFO : SKV_LOG_WARN, "%s endpoint: %zu authorized key(s) from %s%s",
+                    endpoint_names[i], a->lists[i].n, a->lists[i].path,
+                    a->lists[i].n ? "" : ": every client is refused");
         }
     return SKV_OK;
 }

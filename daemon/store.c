@@ -172,6 +172,10 @@ static int read_secret(const char *option, const char *path, char *out, size_t c
     else if ((sb.st_mode & (S_IRGRP | S_IWGRP)) && sb.st_gid != 0) /* (root's group: systemd's credentials) */
         rc = skv_errorf(SKV_E_PERM, "%s %s: its group may read it (mode %04o), and the clients "
                         "share the daemon's group: chmod g-rwx it", option, path, (unsigned)(sb.st_mode & 07777));
+    else if (sb.st_uid != 0 && sb.st_uid != geteuid()) /* (root reads it whatever it is) */
+        rc = skv_errorf(SKV_E_PERM, "%s %s: it belongs to uid %lu, neither root nor the daemon's user (uid %lu), "
+                        "who could read it: chown it", option, path, (unsigned long)sb.st_uid,
+                        (unsigned long)geteuid());
     while (!rc) { /* (read to its end: its size may have changed since the fstat) */
         char more;
         ssize_t m = n < cap - 1 ? read(fd, out + n, cap - 1 - n) : read(fd, &more, 1);

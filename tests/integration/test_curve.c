@@ -428,6 +428,24 @@ static void test_sighup_reloads_keys(void **state)
     snapkv_close(&c);
     assert_int_equal(rc, SNAPKV_E_PERM);
     assert_still_serving(e); /* the keys still listed go on */
+    /* every key removed (a list with none was refused, and the old one stayed in force) */
+    write_file(e->clients_file, 0600, "# every key revoked\n");
+    assert_int_equal(kill(e->pid, SIGHUP), 0);
+    rc = SNAPKV_OK;
+    for (int i = 0; i < 50 && rc == SNAPKV_OK; i++) {
+        rc = connect_as(e, &e->alice, NULL, NULL, 2000, &c);
+        snapkv_close(&c);
+        if (rc == SNAPKV_OK)
+            usleep(100 * 1000);
+    }
+    assert_int_equal(rc, SNAPKV_E_PERM);
+    write_clients(e, false);
+    assert_int_equal(kill(e->pid, SIGHUP), 0);
+    for (int i = 0; i < 50 && (rc = connect_as(e, &e->alice, NULL, NULL, 2000, &c)) != SNAPKV_OK; i++)
+        usleep(100 * 1000);
+    snapkv_close(&c);
+    assert_int_equal(rc, SNAPKV_OK);
+    assert_still_serving(e);
 }
 
 /* Bad setups exit non-zero before loading the model, saying why. */
@@ -474,6 +492,14 @@ static void test_bad_setups_refused(void **state)
     assert_refuses_to_start(e, NULL, "writable by its group");
     assert_int_equal(chmod(e->clients_file, 0640), 0); /* group read is fine */
     assert_int_equal(chmod(e->server_key_file, 0600), 0);
+    if (geteuid() == 0) { /* owned by a client, the list could get its key whatever its mode */
+        assert_int_equal(chown(e->clients_file, 65534, (gid_t)-1), 0);
+        assert_refuses_to_start(e, NULL, "belongs to uid 65534, neither root nor the daemon's user");
+        assert_int_equal(chown(e->clients_file, 0, (gid_t)-1), 0);
+        assert_int_equal(chown(e->server_key_file, 65534, (gid_t)-1), 0);
+        assert_refuses_to_start(e, NULL, "belongs to uid 65534");
+        assert_int_equal(chown(e->server_key_file, 0, (gid_t)-1), 0);
+    }
 
     char bad_list[160];
     snprintf(bad_list, sizeof bad_list, "%s/bad-clients", e->dir);

@@ -5788,20 +5788,22 @@ static void test_store_auth(void **state)
         const char *text;
         mode_t mode;
         bool other_group; /* the file's group is not root's */
+        bool other_owner; /* it belongs to another user (as root only) */
         int rc;
         const char *said; /* in the message, or the password read */
     } files[] = {
-        {"s3cret\n", 0600, true, SKV_OK, "s3cret"},
-        {"s3cret\r\n", 0600, false, SKV_OK, "s3cret"},
-        {"s3cret", 0400, false, SKV_OK, "s3cret"},
-        {longest, 0600, false, SKV_OK, "01234567890123456789012345678901234567890123456789012345678901"},
-        {"s3cret\n", 0644, false, SKV_E_PERM, "chmod o-rwx"},
-        {"s3cret\n", 0604, false, SKV_E_PERM, "chmod o-rwx"},
-        {"s3cret\n", 0640, true, SKV_E_PERM, "its group may read it"},
-        {"", 0600, false, SKV_E_INVAL, "empty"},
-        {"\n", 0600, false, SKV_E_INVAL, "empty"},
-        {"one\ntwo\n", 0600, false, SKV_E_INVAL, "one line"},
-        {"0123456789012345678901234567890123456789012345678901234567890123", 0600, false, SKV_E_INVAL,
+        {"s3cret\n", 0600, true, false, SKV_OK, "s3cret"},
+        {"s3cret\n", 0600, false, true, SKV_E_PERM, "belongs to uid 65534"},
+        {"s3cret\r\n", 0600, false, false, SKV_OK, "s3cret"},
+        {"s3cret", 0400, false, false, SKV_OK, "s3cret"},
+        {longest, 0600, false, false, SKV_OK, "01234567890123456789012345678901234567890123456789012345678901"},
+        {"s3cret\n", 0644, false, false, SKV_E_PERM, "chmod o-rwx"},
+        {"s3cret\n", 0604, false, false, SKV_E_PERM, "chmod o-rwx"},
+        {"s3cret\n", 0640, true, false, SKV_E_PERM, "its group may read it"},
+        {"", 0600, false, false, SKV_E_INVAL, "empty"},
+        {"\n", 0600, false, false, SKV_E_INVAL, "empty"},
+        {"one\ntwo\n", 0600, false, false, SKV_E_INVAL, "one line"},
+        {"0123456789012345678901234567890123456789012345678901234567890123", 0600, false, false, SKV_E_INVAL,
          "more than 63"},
     };
     for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
@@ -5810,6 +5812,12 @@ static void test_store_auth(void **state)
             snprintf(cmd, sizeof cmd, "chgrp 65534 %s", pass);
             assert_int_equal(system(cmd), 0);
         }
+        if (files[i].other_owner && geteuid() != 0) {
+            assert_int_equal(unlink(pass), 0);
+            continue;
+        }
+        if (files[i].other_owner)
+            assert_int_equal(chown(pass, 65534, (gid_t)-1), 0);
         memset(pw, 'x', sizeof pw);
         assert_int_equal(skv_store_read_password(pass, pw, sizeof pw), files[i].rc);
         if (files[i].rc == SKV_OK) {
