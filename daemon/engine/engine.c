@@ -131,6 +131,25 @@ static int table_reserve(struct skv_kv_head *hd, int nb)
     return SKV_OK;
 }
 
+/* Gives back a head's block table past nb entries (nb >= its blocks; at least 4 kept, as
+ * table_reserve starts): a 128K-row prompt compressed to 1024 rows kept 8192 entries, 128 KiB
+ * a head, for as long as the session lived. A failed realloc keeps the larger table. */
+static void table_shrink(struct skv_kv_head *hd, int nb)
+{
+    if (nb < 4)
+        nb = 4;
+    if (nb >= hd->blk_cap)
+        return;
+    struct skv_kv_block **blk = realloc(hd->blk, (size_t)nb * sizeof *blk);
+    if (!blk)
+        return;
+    hd->blk = blk;
+    hd->blk_cap = nb; /* (mem may stay larger) */
+    void **mem = realloc(hd->mem, (size_t)nb * sizeof *mem);
+    if (mem)
+        hd->mem = mem;
+}
+
 /* Resizes a head's host arrays to exactly `cap` rows (cap >= len) and its table to their
  * blocks. */
 static int head_realloc(struct skv_kv_cache *c, struct skv_kv_head *hd, int cap)
@@ -272,6 +291,7 @@ int skv_kv_cache_fit(struct skv_kv_cache *c, int layer, int slack)
             if (rc)
                 return rc;
         }
+        table_shrink(hd, blocks_for(c, hd->cap));
     }
     return SKV_OK;
 }

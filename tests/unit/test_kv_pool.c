@@ -511,6 +511,42 @@ static void test_block_sizes(void **state)
     free(got);
 }
 
+/* skv_kv_cache_fit gives back the block table too: a head reserved for 4096 rows (as a long
+ * prompt's prefill opens every row of a layer) and fitted to its 37 rows plus 8 keeps a table
+ * of its 3 blocks' size (it kept 256 entries), and goes on as a cache that never grew. */
+static void test_fit_tables(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab;
+    struct skv_kv_cache *c = NULL, *ref = NULL;
+    float *want = malloc((size_t)nv * sizeof *want), *got = malloc((size_t)nv * sizeof *got);
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    assert_int_equal(skv_kv_cache_new(t->m, &ref), SKV_OK);
+    prefill(t, c, t->ids, 37, got);
+    prefill(t, ref, t->ids, 37, want);
+    const uint64_t before = skv_kv_cache_host_bytes(c);
+    assert_int_equal(skv_kv_cache_reserve(c, 4096), SKV_OK);
+    const int rows = c->block_rows;
+    assert_true(skv_kv_cache_head(c, 0, 0)->blk_cap >= (37 + 4096) / rows);
+    for (int l = 0; l < c->n_layers; l++)
+        assert_int_equal(skv_kv_cache_fit(c, l, 8), SKV_OK);
+    for (int l = 0; l < c->n_layers; l++)
+        for (int h = 0; h < c->n_kv_heads; h++) {
+            const struct skv_kv_head *hd = skv_kv_cache_head(c, l, h);
+            int nb = (37 + 8 + rows - 1) / rows;
+            assert_int_equal(hd->cap, 45);
+            assert_int_equal(hd->blk_cap, nb > 4 ? nb : 4);
+        }
+    assert_true(skv_kv_cache_host_bytes(c) <= before);
+    prefill(t, c, t->ids + 37, 1, got);
+    prefill(t, ref, t->ids + 37, 1, want);
+    assert_memory_equal(got, want, (size_t)nv * sizeof *got);
+    skv_kv_cache_free(&c);
+    skv_kv_cache_free(&ref);
+    free(want);
+    free(got);
+}
+
 /* Rows between host memory and the blocks (IMPORT_KV / EXPORT_KV / SAVE / LOAD): runs inside
  * one block go block by block, runs across blocks through one backend buffer; either way each
  * row lands where the other reads it, at any offset, and a clone's write leaves its parent as
@@ -1374,7 +1410,7 @@ static void test_store_saves(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_pool_counts),
+        cmocka_unit_test(test_pool_counts),     cmocka_unit_test(test_fit_tables),
         cmocka_unit_test(test_pool_reserve),
         cmocka_unit_test(test_pool_weak),
         cmocka_unit_test(test_failed_forward_undone),
