@@ -781,16 +781,19 @@ static const struct pre_family {
     const char *pat1, *pat2;
     bool ignore_merges;
     bool add_bos;
+    bool nfc; /* NFC before the pre-tokenizer: Qwen2's tokenizer.json, and transformers' GGUF
+               * converter for Qwen2 (a GGUF keeps no normalizer: a Qwen2 file lost it here) */
 } PRE_FAMILIES[] = {
-    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false, false},
+    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false, false, false},
     /* SmolLM2 / StarCoder: Digits(individual_digits) then ByteLevel(use_regex) */
-    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false, false},
-    {"llama3|llama-v3|llama-bpe|falcon3|falcon-h1|pixtral", PAT_LLAMA3, NULL, true, true},
-    {"dbrx|smaug-bpe", PAT_LLAMA3, NULL, false, false},
-    {"qwen2|deepseek-r1-qwen|megrez", PAT_QWEN2, NULL, false, false},
-    {"qwen35", PAT_QWEN35, NULL, false, false},
-    {"tekken", PAT_TEKKEN, NULL, true, true},
-    {"gpt-4o|llama4", PAT_GPT4O, NULL, false, false},
+    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false, false, false},
+    {"llama3|llama-v3|llama-bpe|falcon3|falcon-h1|pixtral", PAT_LLAMA3, NULL, true, true, false},
+    {"dbrx|smaug-bpe", PAT_LLAMA3, NULL, false, false, false},
+    {"qwen2|deepseek-r1-qwen", PAT_QWEN2, NULL, false, false, true},
+    {"megrez", PAT_QWEN2, NULL, false, false, false},
+    {"qwen35", PAT_QWEN35, NULL, false, false, true},
+    {"tekken", PAT_TEKKEN, NULL, true, true, false},
+    {"gpt-4o|llama4", PAT_GPT4O, NULL, false, false, false},
 };
 
 static bool name_in_list(const char *list, const char *name, size_t n)
@@ -963,6 +966,7 @@ int skv_tokenizer_from_gguf(const struct skv_gguf *g, struct skv_tokenizer **out
     if (rc != SKV_OK)
         goto out_free;
     t->ignore_merges = fam->ignore_merges;
+    t->nfc = fam->nfc;
 
     rc = gguf_opt_id(g, "tokenizer.ggml.bos_token_id", t->n_vocab, &t->bos);
     if (rc == SKV_OK)

@@ -15,7 +15,8 @@ Writes (all under tests/fixtures/):
   tok_tiny/tokenizer_config.json  ByteLevel(use_regex=false), ignore_merges, special and
                               non-special added tokens, Llama 3 chat template).
   tokenizer_tiny_ids.json     ids of every string under the tiny vocabulary for each GGUF
-                              pre-tokenizer family (llama-bpe, qwen2, gpt2, smollm, tekken), for
+                              pre-tokenizer family (llama-bpe, qwen2 with its NFC normalizer, gpt2,
+                              smollm, tekken), for
                               tokenizer.json variants ("v:*": Split behaviors, invert, grouped
                               Digits, lstrip/rstrip added token) and Llama 3 chat renderings.
 
@@ -209,6 +210,8 @@ def tiny(strings, fixtures):
     for name, (pre, ignore_merges) in variants.items():
         v = json.loads(tj_str)
         v["pre_tokenizer"] = pre
+        if name == "qwen2":  # Qwen2's tokenizer.json, and transformers' GGUF Qwen2 converter: NFC
+            v["normalizer"] = {"type": "NFC"}
         v["model"]["ignore_merges"] = ignore_merges
         v["post_processor"] = None
         refs[name] = Tokenizer.from_str(json.dumps(v))

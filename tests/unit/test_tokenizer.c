@@ -1368,6 +1368,45 @@ static void test_gguf_pre_flags(void **state)
     free(b.p);
 }
 
+/* The Qwen2.5 GGUF (models/, SKV_MODEL_QWEN; skipped without it): NFC before its pre-tokenizer,
+ * as its tokenizer.json and transformers' GGUF converter (Qwen2Converter's NFC normalizer) do:
+ * "e" and a combining acute are "\u00e9", one token (they were two, 68 and 53839). SmolLM2's
+ * tokenizer has no normalizer: more than one there. */
+static void test_qwen_gguf_nfc(void **state)
+{
+    struct fx *f = *state;
+    char path[1400];
+    const char *env = getenv("SKV_MODEL_QWEN");
+    if (env && *env)
+        snprintf(path, sizeof path, "%s", env);
+    else
+        snprintf(path, sizeof path, "%s/models/Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf", f->srcdir);
+    if (access(path, R_OK) != 0) {
+        print_message("%s is missing (scripts/fetch-model qwen2.5-coder-0.5b): test_qwen_gguf_nfc skipped\n", path);
+        skip();
+    }
+    struct skv_gguf *g = NULL;
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_gguf_open(path, &g), SKV_OK);
+    assert_int_equal(skv_tokenizer_from_gguf(g, &tok), SKV_OK);
+    int32_t a[4], b[4];
+    int na = 0, nb = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, "e\xcc\x81", 3, false, false, a, 4, &na), SKV_OK);
+    assert_int_equal(skv_tokenizer_encode(tok, "\xc3\xa9", 2, false, false, b, 4, &nb), SKV_OK);
+    assert_int_equal(nb, 1);
+    assert_int_equal(b[0], 963);
+    assert_int_equal(na, 1);
+    assert_int_equal(a[0], 963);
+    skv_tokenizer_free(&tok);
+    skv_gguf_close(&g);
+    if (f->gguf_tok) {
+        assert_int_equal(skv_tokenizer_encode(f->gguf_tok, "e\xcc\x81", 3, false, false, a, 4, &na), SKV_OK);
+        assert_true(na >= 2);
+        assert_int_equal(skv_tokenizer_encode(f->gguf_tok, "\xc3\xa9", 2, false, false, b, 4, &nb), SKV_OK);
+        assert_int_not_equal(a[0], b[0]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1383,7 +1422,7 @@ int main(void)
         cmocka_unit_test(test_llama3_date),
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
         cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
-        cmocka_unit_test(test_capped_word),
+        cmocka_unit_test(test_capped_word),        cmocka_unit_test(test_qwen_gguf_nfc),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
