@@ -91,8 +91,10 @@ uint64_t skv_kv_pool_count_shared(struct skv_kv_pool *pool, struct skv_kv_block 
 void skv_kv_pool_stats(struct skv_kv_pool *pool, struct skv_kv_pool_stats *out);
 /* Takes slabs from the backend until the pool holds at least `bytes` of blocks, and keeps
  * them for its lifetime (free slabs up to that size are never given back): a daemon that
- * reserves its pool-size at start cannot fail an allocation later, and on a GPU none happens
- * while serving. SKV_E_NOMEM / SKV_E_DEVICE when the memory is not there (what was taken
+ * reserves its pool-size at start allocates later only past it, by the blocks a compaction
+ * holds for the moment it copies one head (its kept rows' blocks at most, while a decode
+ * evicts or re-scores on a full pool; the daemon's room counts the cache's rows, not these).
+ * SKV_E_NOMEM / SKV_E_DEVICE when the memory is not there (what was taken
  * stays reserved). */
 int skv_kv_pool_reserve(struct skv_kv_pool *pool, uint64_t bytes);
 
