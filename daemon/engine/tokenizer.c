@@ -928,6 +928,9 @@ int skv_tokenizer_from_gguf(const struct skv_gguf *g, struct skv_tokenizer **out
         if (alpha && (tt == 3 || tt == 4)) {
             t->attr[id] = tt == 3 ? ATTR_CONTROL : ATTR_USER;
             rc = set_bytes_raw(t, id, s.ptr, (size_t)s.len);
+        } else if (tt == 5) { /* unused: llama.cpp's "[PAD151665]" rows past Qwen2.5's tokenizer.json,
+                                 which decode to nothing there (and in llama.cpp), not to their name */
+            rc = set_bytes_raw(t, id, "", 0);
         } else {
             rc = set_bytes_unspelled(t, id);
         }

@@ -1368,6 +1368,48 @@ static void test_gguf_pre_flags(void **state)
     free(b.p);
 }
 
+/* A GGUF's unused tokens (type 5: llama.cpp's "[PAD151665]" ... rows of Qwen2.5, ids its
+ * tokenizer.json does not have) decode to nothing, as there and in llama.cpp; they gave their
+ * name. */
+static void test_gguf_unused(void **state)
+{
+    (void)state;
+    static const char *const toks[] = {"a", "b", "c", "ab", "[PAD4]"};
+    static const char *const merges[] = {"a b"};
+    struct gguf_buf b = {0};
+    gb_begin(&b, 0);
+    gb_kv_str(&b, "general.architecture", "qwen2");
+    gb_kv_str(&b, "tokenizer.ggml.model", "gpt2");
+    gb_kv_str(&b, "tokenizer.ggml.pre", "qwen2");
+    gb_kv_strs(&b, "tokenizer.ggml.tokens", toks, 5);
+    gb_key(&b, "tokenizer.ggml.token_type", 9);
+    gb_u32(&b, 5);
+    gb_u64(&b, 5);
+    for (int i = 0; i < 5; i++)
+        gb_u32(&b, i == 4 ? 5 : 1);
+    gb_kv_strs(&b, "tokenizer.ggml.merges", merges, 1);
+    gb_end(&b);
+    struct skv_gguf *g = NULL;
+    struct skv_tokenizer *tok = NULL;
+    assert_int_equal(skv_gguf_open_buffer(b.p, b.len, &g), SKV_OK);
+    assert_int_equal(skv_tokenizer_from_gguf(g, &tok), SKV_OK);
+    const int32_t ids[] = {3, 4, 2};
+    char *text = NULL;
+    size_t n = 0;
+    assert_int_equal(skv_tokenizer_decode_bytes(tok, ids, 3, false, &text, &n), SKV_OK);
+    assert_int_equal(n, 3);
+    assert_string_equal(text, "abc");
+    free(text);
+    int32_t got[8];
+    int ng = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, "[PAD4]", 6, false, false, got, 8, &ng), SKV_OK);
+    for (int i = 0; i < ng; i++)
+        assert_int_not_equal(got[i], 4);
+    skv_tokenizer_free(&tok);
+    skv_gguf_close(&g);
+    free(b.p);
+}
+
 /* The Qwen2.5 GGUF (models/, SKV_MODEL_QWEN; skipped without it): NFC before its pre-tokenizer,
  * as its tokenizer.json and transformers' GGUF converter (Qwen2Converter's NFC normalizer) do:
  * "e" and a combining acute are "\u00e9", one token (they were two, 68 and 53839). SmolLM2's
@@ -1423,6 +1465,7 @@ int main(void)
         cmocka_unit_test(test_gguf_pre_flags),     cmocka_unit_test(test_chat_injection),
         cmocka_unit_test(test_capped),             cmocka_unit_test(test_max_token_bytes),
         cmocka_unit_test(test_capped_word),        cmocka_unit_test(test_qwen_gguf_nfc),
+        cmocka_unit_test(test_gguf_unused),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
