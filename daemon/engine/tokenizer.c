@@ -783,18 +783,33 @@ static const struct pre_family {
     bool add_bos;
     bool nfc; /* NFC before the pre-tokenizer: Qwen2's tokenizer.json, and transformers' GGUF
                * converter for Qwen2 (a GGUF keeps no normalizer: a Qwen2 file lost it here) */
+    bool qwen; /* QWEN_USER_ADDED are not control tokens */
 } PRE_FAMILIES[] = {
-    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false, false, false},
+    {"default|gpt2|gpt-2", PAT_GPT2, NULL, false, false, false, false},
     /* SmolLM2 / StarCoder: Digits(individual_digits) then ByteLevel(use_regex) */
-    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false, false, false},
-    {"llama3|llama-v3|llama-bpe|falcon3|falcon-h1|pixtral", PAT_LLAMA3, NULL, true, true, false},
-    {"dbrx|smaug-bpe", PAT_LLAMA3, NULL, false, false, false},
-    {"qwen2|deepseek-r1-qwen", PAT_QWEN2, NULL, false, false, true},
-    {"megrez", PAT_QWEN2, NULL, false, false, false},
-    {"qwen35", PAT_QWEN35, NULL, false, false, true},
-    {"tekken", PAT_TEKKEN, NULL, true, true, false},
-    {"gpt-4o|llama4", PAT_GPT4O, NULL, false, false, false},
+    {"smollm|starcoder|refact", PAT_DIGIT, PAT_GPT2, false, false, false, false},
+    {"llama3|llama-v3|llama-bpe|falcon3|falcon-h1|pixtral", PAT_LLAMA3, NULL, true, true, false, false},
+    {"dbrx|smaug-bpe", PAT_LLAMA3, NULL, false, false, false, false},
+    {"qwen2|deepseek-r1-qwen", PAT_QWEN2, NULL, false, false, true, true},
+    {"megrez", PAT_QWEN2, NULL, false, false, false, false},
+    {"qwen35", PAT_QWEN35, NULL, false, false, true, true},
+    {"tekken", PAT_TEKKEN, NULL, true, true, false, false},
+    {"gpt-4o|llama4", PAT_GPT4O, NULL, false, false, false, false},
 };
+
+/* Qwen2.5's added tokens that its tokenizer.json says are not special (fill-in-the-middle and
+ * repository markup: matched in any text, kept by skip_special), which llama.cpp's converter
+ * writes as control tokens (type 3) like every <|...|> name */
+static const char *const QWEN_USER_ADDED[] = {"<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                                              "<|fim_pad|>",    "<|repo_name|>",  "<|file_sep|>"};
+
+static bool qwen_user_added(const char *s, size_t n)
+{
+    for (size_t i = 0; i < sizeof QWEN_USER_ADDED / sizeof QWEN_USER_ADDED[0]; i++)
+        if (strlen(QWEN_USER_ADDED[i]) == n && memcmp(QWEN_USER_ADDED[i], s, n) == 0)
+            return true;
+    return false;
+}
 
 static bool name_in_list(const char *list, const char *name, size_t n)
 {
@@ -926,7 +941,7 @@ int skv_tokenizer_from_gguf(const struct skv_gguf *g, struct skv_tokenizer **out
             goto out_free;
         t->in_vocab[id] = true;
         if (alpha && (tt == 3 || tt == 4)) {
-            t->attr[id] = tt == 3 ? ATTR_CONTROL : ATTR_USER;
+            t->attr[id] = tt == 3 && !(fam->qwen && qwen_user_added(s.ptr, (size_t)s.len)) ? ATTR_CONTROL : ATTR_USER;
             rc = set_bytes_raw(t, id, s.ptr, (size_t)s.len);
         } else if (tt == 5) { /* unused: llama.cpp's "[PAD151665]" rows past Qwen2.5's tokenizer.json,
                                  which decode to nothing there (and in llama.cpp), not to their name */

@@ -1413,7 +1413,7 @@ static void test_gguf_unused(void **state)
 /* The Qwen2.5 GGUF (models/, SKV_MODEL_QWEN; skipped without it): NFC before its pre-tokenizer,
  * as its tokenizer.json and transformers' GGUF converter (Qwen2Converter's NFC normalizer) do:
  * "e" and a combining acute are "\u00e9", one token (they were two, 68 and 53839). SmolLM2's
- * tokenizer has no normalizer: more than one there. */
+ * tokenizer has no normalizer: more than one there. And its non-special added tokens. */
 static void test_qwen_gguf_nfc(void **state)
 {
     struct fx *f = *state;
@@ -1439,6 +1439,22 @@ static void test_qwen_gguf_nfc(void **state)
     assert_int_equal(b[0], 963);
     assert_int_equal(na, 1);
     assert_int_equal(a[0], 963);
+    /* its fill-in-the-middle tokens are not special in its tokenizer.json: matched in plain
+     * text (they were cut into "<|", "fim", ...), and kept by skip_special; <|im_start|> is */
+    int32_t fim[16];
+    int nf = 0;
+    assert_int_equal(skv_tokenizer_encode(tok, "<|fim_prefix|>x<|fim_suffix|><|im_start|>", 41, false, false, fim,
+                                          16, &nf), SKV_OK);
+    assert_true(nf > 4);
+    assert_int_equal(fim[0], 151659);
+    assert_int_equal(fim[2], 151661);
+    assert_int_not_equal(fim[3], 151644); /* a control token: text here */
+    const int32_t kept[] = {151659, 151644, 151664};
+    char *text = NULL;
+    size_t tn = 0;
+    assert_int_equal(skv_tokenizer_decode_bytes(tok, kept, 3, true, &text, &tn), SKV_OK);
+    assert_string_equal(text, "<|fim_prefix|><|file_sep|>");
+    free(text);
     skv_tokenizer_free(&tok);
     skv_gguf_close(&g);
     if (f->gguf_tok) {
