@@ -1802,9 +1802,14 @@ static size_t space_before(const char *text, size_t floor, size_t i)
 }
 
 /* HF's word character (Rust's char::is_alphanumeric, or '_'): Unicode Alphabetic or Numeric. */
+/* Rust regex's Unicode \w, which Hugging Face's single_word check runs: Alphabetic, marks,
+ * decimal digits, connector punctuation, join controls ('_' is Pc; a '\u00b2' or '\u00bd',
+ * numbers but not decimal digits, is no word character, a combining mark is one) */
 static bool is_word_char(uint32_t cp)
 {
-    return cp == '_' || uc_is_property_alphabetic(cp) || uc_is_general_category(cp, UC_CATEGORY_N);
+    return uc_is_property_alphabetic(cp) || uc_is_general_category(cp, UC_CATEGORY_M) ||
+           uc_is_general_category(cp, UC_CATEGORY_Nd) || uc_is_general_category(cp, UC_CATEGORY_Pc) ||
+           uc_is_property_join_control(cp);
 }
 
 /* Whether text[start, end) has a word character right before it or right after it (a

@@ -14,7 +14,8 @@ Each tokenizer is tests/fixtures/tok_tiny/tokenizer.json (made by gen_tokenizer_
   would cut: Oniguruma's iterator skips an empty match that ends where the last match ended.
   The strings: SPLIT_STRINGS and the first 80 tiny strings.
 - "single_word": the added token "<tool>" with single_word set: it matches only with no word
-  character (Unicode alphanumeric, or '_') beside it. The strings: SINGLE_WORD_STRINGS and the
+  character (Rust regex's Unicode \w: Alphabetic, marks, decimal digits, connector punctuation,
+  join controls) beside it. The strings: SINGLE_WORD_STRINGS and the
   tiny strings holding "<tool>".
 
 Writes tests/fixtures/tokenizer_json_extra_ids.json. Usage: gen_tokenizer_json_extra.py [--srcdir DIR]
@@ -44,7 +45,11 @@ SPLIT_STRINGS = ["1a", "12ab3", "a1", "x", "12 34", "a 1 b 22 c", "99 bottles", 
 BEHAVIORS = ["Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"]
 SINGLE_WORD_STRINGS = ["<tool>", "x<tool>", "<tool>y", " <tool> ", "\u00e9<tool>", "_<tool>", "1<tool>",
                        "-<tool>-", "\u01c5<tool>", "\u0663<tool>", "<tool><tool>", "a<tool><tool>",
-                       "<tool><tool>b", "a <tool>b", "call <tool> now", "\u4e2d<tool>\u6587"]
+                       "<tool><tool>b", "a <tool>b", "call <tool> now", "\u4e2d<tool>\u6587",
+                       # Rust regex's \w beyond letters and digits: marks, connector punctuation,
+                       # join controls; numbers that are not decimal digits (No) are not in it
+                       "<tool>\u00b2", "\u00bd<tool>", "<tool>\u0301", "\u0301<tool>", "\u203f<tool>",
+                       "<tool>\u200d", "\u2160<tool>"]
 
 
 def encode(tok, text, parse_special):
