@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "daemon/compress/compress.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/kv_pool.h"
 #include "kernels/backend.h"
 #include "tests/common/fixture.h"
 #include "tests/common/tiny.h"
@@ -526,6 +527,97 @@ static void test_decode_eviction(void **state)
         assert_int_equal(c->n_past, 46);
         skv_compressor_free(&comp);
         skv_kv_cache_free(&c);
+    }
+}
+
+/* Head granularity while decoding: H2O's eviction and SnapKV's re-scoring (decode_budget) cut
+ * one top-k over a layer's heads, so each layer keeps budget x heads rows in all, heads keep
+ * different counts, and every head keeps its window (the newest token among it) in order. */
+static void test_decode_head_granularity(void **state)
+{
+    struct tiny *t = *state;
+    const char *specs[] = {"policy=h2o,budget=10,window=3,granularity=head",
+                           "policy=snapkv,budget=10,window=4,granularity=head,decode_budget=10,interval=2"};
+    for (int s = 0; s < 2; s++) {
+        struct skv_kv_cache *c = NULL;
+        struct skv_compressor *comp = NULL;
+        run(t, specs[s], &c, t->ids, t->n, &comp);
+        struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+        bool differ = false;
+        for (int k = 0; k < 7; k++) {
+            int32_t tok = t->ids[40 + k];
+            assert_int_equal(skv_compressor_begin_decode(comp, c), SKV_OK);
+            assert_int_equal(skv_engine_forward(t->e, c, &tok, 1, &fo, NULL), SKV_OK);
+            for (int l = 0; l < c->n_layers; l++) {
+                int total = 0;
+                for (int h = 0; h < c->n_kv_heads; h++) {
+                    const struct skv_kv_head *kh = skv_kv_cache_head(c, l, h);
+                    total += kh->len;
+                    differ |= kh->len != 10;
+                    assert_true(kh->len >= 3);
+                    assert_int_equal(kh->pos[kh->len - 1], 40 + k); /* the newest, at its position */
+                    for (int r = 1; r < kh->len; r++)
+                        assert_true(kh->pos[r] > kh->pos[r - 1]);
+                }
+                /* SnapKV between re-scorings holds the rows decoded since (interval 2) */
+                if (s == 0 || k % 2 == 1)
+                    assert_int_equal(total, 10 * c->n_kv_heads);
+                else
+                    assert_true(total > 10 * c->n_kv_heads && total <= 11 * c->n_kv_heads);
+            }
+        }
+        assert_true(differ);
+        assert_int_equal(c->n_past, 47);
+        skv_compressor_free(&comp);
+        skv_kv_cache_free(&c);
+    }
+}
+
+/* A compressed cache in an f16 pool decodes as the f32 one does: StreamingLLM keeps the same
+ * positions (it reads none of the values), H2O its budget, and the logits stay within f16's
+ * rounding of the f32 cache's. */
+static void test_decode_f16_pool(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab;
+    const char *specs[] = {"policy=streaming,budget=10,sinks=2", "policy=h2o,budget=10,window=3"};
+    float *lg[2];
+    for (int s = 0; s < 2; s++) {
+        struct skv_kv_cache *c[2] = {NULL, NULL};
+        struct skv_compressor *comp[2] = {NULL, NULL};
+        for (int d = 0; d < 2; d++) {
+            lg[d] = malloc((size_t)nv * sizeof *lg[d]);
+            assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, d ? SKV_DTYPE_F16 : SKV_DTYPE_F32),
+                             SKV_OK);
+            run(t, specs[s], &c[d], t->ids, t->n, &comp[d]);
+            struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp[d]};
+            for (int k = 0; k < 5; k++) {
+                int32_t tok = t->ids[40 + k];
+                assert_int_equal(skv_compressor_begin_decode(comp[d], c[d]), SKV_OK);
+                assert_int_equal(skv_engine_forward(t->e, c[d], &tok, 1, &fo, lg[d]), SKV_OK);
+            }
+        }
+        assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32), SKV_OK);
+        assert_true(skv_kv_cache_bytes(c[1]) * 2 == skv_kv_cache_bytes(c[0]));
+        for (int l = 0; l < c[0]->n_layers; l++)
+            for (int h = 0; h < c[0]->n_kv_heads; h++) {
+                const struct skv_kv_head *a = skv_kv_cache_head(c[0], l, h), *b = skv_kv_cache_head(c[1], l, h);
+                assert_int_equal(a->len, 10);
+                assert_int_equal(b->len, 10);
+                if (s == 0)
+                    assert_memory_equal(a->pos, b->pos, 10 * sizeof *a->pos);
+                assert_int_equal(b->pos[9], 44);
+            }
+        double worst = 0;
+        for (int i = 0; i < nv; i++)
+            worst = fmax(worst, fabs((double)lg[0][i] - lg[1][i]));
+        print_message("%s: f16 pool's logits within %.2g of the f32 pool's\n", specs[s], worst);
+        assert_true(worst < 0.02);
+        for (int d = 0; d < 2; d++) {
+            skv_compressor_free(&comp[d]);
+            skv_kv_cache_free(&c[d]);
+            free(lg[d]);
+        }
     }
 }
 
@@ -1398,6 +1490,8 @@ int main(void)
         cmocka_unit_test(test_streaming_high_positions),
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
         cmocka_unit_test(test_decode_eviction),
+        cmocka_unit_test(test_decode_head_granularity),
+        cmocka_unit_test(test_decode_f16_pool),
         cmocka_unit_test(test_fixed_budget_above_prompt), cmocka_unit_test(test_state_grown_budget),
         cmocka_unit_test(test_budget_edges),
         cmocka_unit_test(test_h2o_matches_naive),
