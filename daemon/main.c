@@ -13,6 +13,7 @@
 #include "daemon/store.h"
 #include "kernels/backend.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -201,6 +202,40 @@ static int persist_dir_check(const char *state_dir, int *lock_fd)
     return SKV_OK;
 }
 
+/* The bytes of a regular file, or of a folder's regular files (an HF model folder); 0 when
+ * neither. */
+static uint64_t path_bytes(const char *path)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return 0;
+    if (S_ISREG(sb.st_mode))
+        return (uint64_t)sb.st_size;
+    if (!S_ISDIR(sb.st_mode))
+        return 0;
+    uint64_t total = 0;
+    DIR *d = opendir(path);
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char p[4096];
+        if (snprintf(p, sizeof p, "%s/%s", path, de->d_name) < (int)sizeof p && stat(p, &sb) == 0 &&
+            S_ISREG(sb.st_mode))
+            total += (uint64_t)sb.st_size;
+    }
+    if (d)
+        closedir(d);
+    return total;
+}
+
+/* EXTEND_TIMEOUT_USEC: seconds more for the start, from now (a service manager that gave no
+ * start timeout ignores it) */
+static void extend_start_timeout(uint64_t seconds)
+{
+    char msg[64];
+    snprintf(msg, sizeof msg, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)seconds * 1000000ull);
+    sd_notify(0, msg);
+}
+
 int main(int argc, char **argv)
 {
     const char *missing; /* (libskvcpu.a checked already, before main: this links it in) */
@@ -335,6 +370,10 @@ int main(int argc, char **argv)
         goto out_backend;
     }
 
+    /* the unit's TimeoutStartSec (300 s) is for a start that hangs, not for a large model on a
+     * slow disk, nor a large pool to reserve: extended by what they may take (systemd counts
+     * from this message) */
+    extend_start_timeout(300 + path_bytes(cfg.model) / (20u << 20)); /* 20 MB/s */
     sd_notify(0, "STATUS=loading model");
     skv_log(SKV_LOG_INFO, "loading model %s", cfg.model);
     rc = skv_model_load(cfg.model, be, NULL, &model);
@@ -375,6 +414,7 @@ int main(int argc, char **argv)
         }
     }
     if (cfg.pool_prealloc) {
+        extend_start_timeout(60 + (uint64_t)cfg.pool_size / (256u << 20)); /* 256 MB/s */
         sd_notify(0, "STATUS=reserving the KV pool");
         if ((rc = skv_kv_pool_reserve(model->kv_pool, (uint64_t)cfg.pool_size))) {
             skv_log(SKV_LOG_ERROR, "pool-prealloc: %s", skv_error_msg());

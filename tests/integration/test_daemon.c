@@ -19,6 +19,7 @@
 #include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1107,6 +1108,56 @@ static void test_health_probes(void **state)
     assert_int_equal(WEXITSTATUS(st), 0);
 }
 
+/* Under a service manager ($NOTIFY_SOCKET), the start-up timeout is extended before the model
+ * loads by what reading it may take (300 s and its size at 20 MB/s: a large model on a slow disk
+ * was killed by the unit's TimeoutStartSec and restarted over and over), then READY=1. */
+static void test_start_notify(void **state)
+{
+    NEED_DAEMON(d);
+    (void)d;
+    char dir[] = "/tmp/skv-notify-XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/notify.sock", dir);
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    setenv("NOTIFY_SOCKET", path, 1);
+    struct daemon e;
+    bool up = second_daemon(&e, NULL, NULL);
+    unsetenv("NOTIFY_SOCKET");
+    assert_true(up);
+    static char all[16384];
+    size_t n = 0;
+    for (int i = 0; i < 300 && !strstr(all, "READY=1"); i++) { /* 30 s at most */
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 100) == 1) {
+            ssize_t k = recv(fd, all + n, sizeof all - 1 - n, 0);
+            if (k > 0) {
+                n += (size_t)k;
+                all[n++] = '\n';
+                all[n] = '\0';
+            }
+        }
+    }
+    printf("# notify: %s", all);
+    const char *ext = strstr(all, "EXTEND_TIMEOUT_USEC="), *ready = strstr(all, "READY=1");
+    assert_non_null(ext);
+    assert_non_null(ready);
+    assert_true(ext < ready && ext < strstr(all, "STATUS=loading model"));
+    char *model = model_path();
+    struct stat sb;
+    assert_int_equal(stat(model, &sb), 0);
+    free(model);
+    assert_int_equal(strtoull(ext + strlen("EXTEND_TIMEOUT_USEC="), NULL, 10),
+                     (300 + (unsigned long long)sb.st_size / (20u << 20)) * 1000000ull);
+    stop_second(&e);
+    close(fd);
+    unlink(path);
+    rmdir(dir);
+}
+
 /* CONFIG GET gives a long value whole: 64 tenant weights (about 1.4 KB) came back cut at 1023
  * bytes before. */
 static void test_config_long_value(void **state)
@@ -1443,6 +1494,7 @@ int main(void)
         cmocka_unit_test(test_text_limits),
         cmocka_unit_test(test_text_bytes_option),
         cmocka_unit_test(test_config_long_value),
+        cmocka_unit_test(test_start_notify),
         cmocka_unit_test_teardown(test_health_probes, health_teardown),
         cmocka_unit_test(test_client_not_reading),
         cmocka_unit_test(test_unread_replies_bounded),
