@@ -1,6 +1,7 @@
 /* Implementation of skv_log(): level names, the output stream and its reopening. */
 #include "common/log.h"
 #include "common/status.h"
+#include "common/utf8.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -84,10 +85,25 @@ void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     /* one line per message: a control character in what a message quotes (a client's name, a
-     * path) cannot start a line that looks like another message */
-    for (char *p = msg; *p; p++)
-        if ((unsigned char)*p < 0x20 || *p == 0x7f)
-            *p = '?';
+     * path) cannot start a line that looks like another message; and a line of text: bytes
+     * that are not UTF-8 (a client's name, a character the 1024 bytes cut) became a line
+     * journald keeps as "[blob data]", out of sight */
+    size_t n = strlen(msg);
+    for (size_t i = 0; i < n;) {
+        unsigned char *p = (unsigned char *)msg + i;
+        bool partial = false;
+        size_t bad = 0, k = skv_utf8_char(p, n - i, &partial, &bad);
+        if (k == 0 && partial) { /* cut at the end */
+            *p = '\0';
+            break;
+        }
+        bool ill = k == 0; /* (bad is set on success too) */
+        if (ill)
+            k = bad;
+        if (ill || *p < 0x20 || *p == 0x7f || (k == 2 && *p == 0xc2 && p[1] < 0xa0)) /* C1 controls too */
+            memset(p, '?', k);
+        i += k;
+    }
 
     pthread_mutex_lock(&log_lock);
     FILE *out = log_stream ? log_stream : stderr;

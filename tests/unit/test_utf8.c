@@ -9,7 +9,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "common/utf8.h"
+
+#include <stdio.h>
+#include <unistd.h>
 
 #define R "\xEF\xBF\xBD"
 
@@ -63,11 +67,54 @@ static void test_fix(void **state)
     expect_fixed("", 0, "");
 }
 
+/* The log's lines are text: bytes that are not UTF-8, C0 and C1 controls become '?', and a
+ * character the 1024-byte message cuts is dropped, not left half (journald keeps a line that
+ * is not UTF-8 as "[blob data]"). Well-formed characters stay. */
+static void test_log_lines(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/skv-log-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(skv_log_open(path), 0);
+    skv_log(SKV_LOG_ERROR, "name '%s'", "a\xff" "b\xc3\xa9\x01\xc2\x85" "c\xe2\x82");
+    char longer[1100];
+    memset(longer, 'x', sizeof longer);
+    for (int i = 1000; i + 3 <= 1090; i += 3)
+        memcpy(longer + i, "\xe2\x82\xac", 3); /* the euro sign, cut somewhere past 1023 bytes */
+    longer[1090] = '\0';
+    skv_log(SKV_LOG_ERROR, "%s", longer);
+    assert_int_equal(skv_log_open(NULL), 0);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    char line[2048];
+    int lines = 0;
+    while (fgets(line, sizeof line, f)) {
+        size_t n = strlen(line);
+        assert_true(n > 0 && line[n - 1] == '\n');
+        for (size_t i = 0; i < n - 1;) {
+            bool partial = false;
+            size_t bad = 0, k = skv_utf8_char((const unsigned char *)line + i, n - 1 - i, &partial, &bad);
+            assert_true(k > 0);
+            assert_true((unsigned char)line[i] >= 0x20);
+            i += k;
+        }
+        if (lines == 0)
+            assert_non_null(strstr(line, "name 'a?b\xc3\xa9?" "?" "?c?" "?'")); /* (no trigraphs) */
+        lines++;
+    }
+    assert_int_equal(lines, 2);
+    fclose(f);
+    unlink(path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_char),
         cmocka_unit_test(test_fix),
+        cmocka_unit_test(test_log_lines),
     };
     return cmocka_run_group_tests_name("utf8", tests, NULL, NULL);
 }
