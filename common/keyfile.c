@@ -22,6 +22,7 @@ bool skv_key_z85_decode(const char *text, unsigned char key[SKV_KEY_BYTES])
         return false;
     if (key)
         memcpy(key, tmp, sizeof tmp);
+    explicit_bzero(tmp, sizeof tmp);
     return true;
 }
 
@@ -116,6 +117,8 @@ int skv_keyfile_read(const char *path, enum skv_keyfile_kind kind, char z85[SKV_
         return rc;
     char line[512], found[SKV_KEY_Z85_LEN + 1] = "", *word, *rest;
     int lineno = 0, more;
+    if (kind != SKV_KEYFILE_PUBLIC) /* a secret key: no copy in stdio's buffer */
+        setvbuf(f, NULL, _IONBF, 0);
     while (!rc && (more = skv_keyfile_next(f, path, line, sizeof line, &lineno, &word, &rest)) != 0) {
         if (more < 0) {
             rc = more;
@@ -129,10 +132,11 @@ int skv_keyfile_read(const char *path, enum skv_keyfile_kind kind, char z85[SKV_
             memcpy(found, word, sizeof found);
     }
     fclose(f);
+    explicit_bzero(line, sizeof line); /* the caller's copy is the only one left */
     if (!rc && !*found)
         rc = skv_errorf(SKV_E_FORMAT, "%s: no key in the file", path);
-    if (rc)
-        return rc;
-    memcpy(z85, found, sizeof found);
-    return SKV_OK;
+    if (!rc)
+        memcpy(z85, found, sizeof found);
+    explicit_bzero(found, sizeof found);
+    return rc;
 }
