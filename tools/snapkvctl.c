@@ -2076,16 +2076,35 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
+    char **long_specs = NULL; /* [l.n]: a spec too long for the list's 64 bytes, whole */
     struct snapkv_session_list l;
     int rc = snapkv_admin_list(cl, tenant, &l);
-    snapkv_close(&cl);
-    if (rc)
+    if (rc) {
+        snapkv_close(&cl);
         return failed("list", rc);
+    }
+    /* a spec the library's 64 bytes cut (a long one: snapkv_session_info.policy) is taken
+     * whole from INSPECT; it was printed cut, a spec that did not parse */
+    for (size_t i = 0; i < l.n; i++) {
+        struct snapkv_session_info *s = &l.sessions[i];
+        struct snapkv_inspect_result ir;
+        if (strlen(s->policy) < sizeof s->policy - 1 || snapkv_admin_inspect(cl, &s->id, false, &ir) != SNAPKV_OK)
+            continue; /* (gone since the LIST: its first 63 bytes) */
+        long_specs = long_specs ? long_specs : calloc(l.n, sizeof *long_specs);
+        if (long_specs)
+            long_specs[i] = strdup(ir.spec);
+        snapkv_inspect_result_free(&ir);
+    }
+    snapkv_close(&cl);
     int ret = 0;
     if (c->json) {
         json_t *arr = json_array();
-        for (size_t i = 0; arr && i < l.n; i++)
-            json_push(&arr, info_json(&l.sessions[i]));
+        for (size_t i = 0; arr && i < l.n; i++) {
+            json_t *o = info_json(&l.sessions[i]);
+            if (o && long_specs && long_specs[i])
+                json_object_set_new(o, "policy", json_text(long_specs[i]));
+            json_push(&arr, o);
+        }
         ret = print_json(arr);
     } else {
         /* the spec last, whole (the keys that differ from the defaults, without "policy=") */
@@ -2095,13 +2114,17 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
             const struct snapkv_session_info *s = &l.sessions[i];
             char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
             id_hex(&s->id, hex);
-            const char *spec = strncmp(s->policy, "policy=", 7) == 0 ? s->policy + 7 : s->policy;
+            const char *whole = long_specs && long_specs[i] ? long_specs[i] : s->policy;
+            const char *spec = strncmp(whole, "policy=", 7) == 0 ? whole + 7 : whole;
             printf("%-32s  %-12s %7u %7u %10s %10s %3s %6u %6lld  %s\n", hex, s->tenant, s->n_tokens,
                    s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb),
                    s->pinned ? "yes" : "", s->lease_seconds, idle_seconds(s->last_used_unix_ms),
                    *spec ? spec : "full");
         }
     }
+    for (size_t i = 0; long_specs && i < l.n; i++)
+        free(long_specs[i]);
+    free(long_specs);
     snapkv_session_list_free(&l);
     return ret;
 }

@@ -5545,6 +5545,25 @@ static void test_snapkvctl_edges(void **state)
     assert_int_equal(run_ctl(&d, list_other, out, err, sizeof out), 0);
     assert_non_null(strstr(out, other_id));
     snapkv_close(&adm);
+    /* a spec longer than the list's 64 bytes is listed whole (from INSPECT): it was cut */
+    const char *long_spec = "policy=snapkv,alloc=pyramid,granularity=head,budget=24,window=8,kernel=5,pool=max,gqa=max";
+    const char *pre_long[] = {"-t", "long", "prefill", "--prompt", "A prompt under a long compression spec, which "
+                              "runs past the window and the budget it names.", "--compress", long_spec, NULL};
+    assert_int_equal(run_ctl(&d, pre_long, out, err, sizeof out), 0);
+    const char *list_long[] = {"--json", "list", "long", NULL}, *list_long_t[] = {"list", "long", NULL};
+    assert_int_equal(run_ctl(&d, list_long, out, err, sizeof out), 0);
+    json_error_t je;
+    json_t *lj = json_loads(out, 0, &je);
+    assert_int_equal(json_array_size(lj), 1);
+    const char *listed = json_string_value(json_object_get(json_array_get(lj, 0), "policy"));
+    assert_non_null(listed);
+    assert_true(strlen(listed) > 63);
+    assert_non_null(strstr(listed, "alloc=pyramid"));
+    assert_non_null(strstr(listed, "gqa=max"));
+    assert_non_null(strstr(listed, "granularity=head"));
+    json_decref(lj);
+    assert_int_equal(run_ctl(&d, list_long_t, out, err, sizeof out), 0);
+    assert_non_null(strstr(out, "gqa=max"));
     /* the output's write failing (a full disk) is a failure, not status 0 and a short file */
     char full[4200];
     built(full, sizeof full, "snapkvctl");
