@@ -600,6 +600,7 @@ static int undo_begin(struct skv_worker *w, struct skv_session *s, struct sessio
     if (u->logits)
         memcpy(u->logits, s->logits, nl);
     u->cache = s->cache;
+    s->side[0] = u->cache; /* what evicting others leaves */
     u->comp = comp;
     memcpy(u->spec, s->spec, sizeof u->spec);
     u->n_tokens = s->n_tokens;
@@ -614,6 +615,7 @@ static int undo_begin(struct skv_worker *w, struct skv_session *s, struct sessio
  * left it, go); else s keeps what it has now, and its old cache and compressor go. */
 static void undo_end(struct skv_worker *w, struct skv_session *s, struct session_undo *u, bool failed)
 {
+    s->side[0] = NULL;
     if (failed) {
         skv_kv_cache_free(&s->cache);
         skv_compressor_free(&s->comp);
@@ -752,6 +754,7 @@ static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n,
         bytes > w->prefix.cap || pool_in_use_bytes(w) + room + bytes > (uint64_t)w->cfg->pool_size ||
         skv_kv_cache_clone(c, keep))
         return; /* (a copy without memory: not kept) */
+    s->side[1] = *keep; /* until the PREFILL is done with it */
     if (!w->yielding)
         skv_session_hold_room(w->sessions, w->nesting, s, held, room + bytes);
 }
@@ -936,6 +939,7 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
             skv_prefix_cache_add(&w->prefix, s->tenant, ids, rows, keep, kept_room(w, s, false), skv_now_ms(),
                                  NULL))
             skv_log(SKV_LOG_WARN, "PREFILL: no memory to keep the prompt's rows"); /* the session is made */
+        s->side[1] = NULL;
         skv_kv_cache_free(&keep);
     }
     w->metrics.prefill_tokens += (uint64_t)(n - reused);
@@ -992,6 +996,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     free(ids);
     return;
 fail:
+    if (s)
+        s->side[1] = NULL;
     skv_kv_cache_free(&keep);
     fail_rc(w, job, rc);
     if (s)

@@ -424,14 +424,22 @@ static uint64_t evictable_bytes(const struct skv_session_table *t, const struct 
  * session that may not be evicted hold. Returns the mark (never 0). The kept prefixes' walks
  * (cache_held, cache_drop) write the same field, so none may run between this and the last use
  * of its mark: the pressure hooks run before it, and on_evict (a spill) walks no kept prefix. */
+static void mark_session(const struct skv_session *s, uint64_t mark)
+{
+    skv_kv_cache_mark(s->cache, mark);
+    for (int i = 0; i < 2; i++)
+        if (s->side[i]) /* (evicting D freed nothing its fork's COMPRESS kept in its undo copy) */
+            skv_kv_cache_mark(s->side[i], mark);
+}
+
 static uint64_t mark_kept(struct skv_session_table *t, const struct skv_session *except)
 {
     t->mark += 2;
-    skv_kv_cache_mark(except->cache, t->mark); /* a session being restored is in no bucket yet */
+    mark_session(except, t->mark); /* a session being restored is in no bucket yet */
     for (int b = 0; b < BUCKETS; b++)
         for (const struct skv_session *s = t->bucket[b]; s; s = s->next)
             if (!may_evict(s, except))
-                skv_kv_cache_mark(s->cache, t->mark);
+                mark_session(s, t->mark);
     return t->mark;
 }
 

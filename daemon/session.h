@@ -33,6 +33,9 @@ struct skv_session {
                                      APPEND), the kernels a prefill of a long prompt takes; 0 after
                                      IMPORT_KV, LOAD, a restore; rows of decode steps never count */
     struct skv_kv_cache *cache;
+    struct skv_kv_cache *side[2]; /* while a request runs on it: its cache before an APPEND or COMPRESS
+                                     on a copy, and a PREFILL's prompt rows kept for reuse; blocks they
+                                     hold stay when other sessions are evicted (not the sessions' to free) */
     struct skv_compressor *comp;  /* NULL for policy=full */
     char spec[256];
     uint64_t created_ms, last_used_ms;

@@ -59,8 +59,10 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/config.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/kv_pool.h"
 #include "daemon/engine/tokenizer.h"
+#include "daemon/session.h"
 #include "daemon/store.h"
 #include "daemon/worker.h"
 #include "kernels/backend.h"
@@ -3359,6 +3361,53 @@ static void test_nested_room(void **state)
     assert_true(atomic_load(&g_pool_peak) <= 7 * unit);
 }
 
+/* A running request's other caches hold blocks too (an APPEND or COMPRESS on a copy keeps the
+ * session's cache until it ends; a PREFILL keeps its prompt's rows): evicting an idle session
+ * whose blocks they share frees nothing. With a pool of 4 blocks per layer and head, D (tenant
+ * a, 2) idle, and S (a, busy) whose side cache shares D's blocks, tenant b's 3 do not fit:
+ * refused with nothing evicted (before, D was evicted for nothing, then the refusal). Without
+ * the side cache, evicting D makes the room. */
+static void test_evict_side_cache(void **state)
+{
+    struct fixture *f = *state;
+    struct skv_model *m = f->tiny->m;
+    const uint64_t unit = (uint64_t)m->cfg.n_layers * m->cfg.n_kv_heads,
+                   bb = skv_kv_pool_block_bytes(m->kv_pool);
+    struct skv_kv_pool_stats ps;
+    skv_kv_pool_stats(m->kv_pool, &ps);
+    const int rows = ps.block_rows;
+    struct skv_session_stats ss;
+    struct skv_session_limits lim = {.pool_bytes = 4 * unit * bb, .max_sessions_per_tenant = 16,
+                                     .max_bytes_per_tenant = UINT64_MAX};
+    struct skv_session_table *t = NULL;
+    struct skv_session *d = NULL, *s = NULL, *n = NULL;
+    assert_int_equal(skv_session_table_new(&lim, &t), SKV_OK);
+    assert_int_equal(skv_session_create(t, m, "a", "a", &d), SKV_OK);
+    int32_t ids[64];
+    for (int i = 0; i < 2 * rows; i++)
+        ids[i] = (int32_t)((i * 37 + 11) % m->cfg.n_vocab);
+    assert_int_equal(skv_engine_forward(f->tiny->e, d->cache, ids, 2 * rows, NULL, NULL), SKV_OK);
+    assert_int_equal(skv_session_charge(t, d, NULL), SKV_OK);
+    assert_int_equal(skv_session_create(t, m, "a", "a", &s), SKV_OK);
+    s->busy = 1;
+    struct skv_kv_cache *side = NULL;
+    assert_int_equal(skv_kv_cache_clone(d->cache, &side), SKV_OK);
+    s->side[0] = side;
+    assert_int_equal(skv_session_create(t, m, "b", "b", &n), SKV_OK);
+    int evicted = -1;
+    assert_int_equal(skv_session_reserve(t, n, 3 * unit * bb, 3 * unit * bb, &evicted), SKV_E_POOL_FULL);
+    assert_int_equal(evicted, 0);
+    skv_session_stats(t, &ss);
+    assert_int_equal(ss.n_sessions, 3); /* D is still there */
+    s->side[0] = NULL;
+    skv_kv_cache_free(&side);
+    assert_int_equal(skv_session_reserve(t, n, 3 * unit * bb, 3 * unit * bb, &evicted), SKV_OK);
+    assert_int_equal(evicted, 1);
+    skv_session_stats(t, &ss);
+    assert_int_equal(ss.n_sessions, 2);
+    skv_session_table_free(&t);
+}
+
 /* The same one level down: a request nested in a forward holds its own room against the short
  * requests and decode rounds that run inside its forward. With the pool at 8 blocks per layer
  * and head, t's 64-token PREFILL (4) holds its room and u's (4) runs nested in it; w's 16-token
@@ -6049,6 +6098,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_tenant_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested_room, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_evict_side_cache, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
