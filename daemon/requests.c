@@ -751,7 +751,8 @@ static void keep_prompt_rows(struct skv_worker *w, struct skv_session *s, int n,
     uint64_t bytes = skv_prefix_cache_rows_bytes(c, n);
     *keep = NULL;
     if (!w->prefix.cap || n - c->n_past <= skv_engine_small_forward(w->engine) || n < c->block_rows ||
-        bytes > w->prefix.cap || pool_in_use_bytes(w) + room + bytes > (uint64_t)w->cfg->pool_size ||
+        bytes > w->prefix.cap ||
+        pool_in_use_bytes(w) + skv_session_room_held(w->sessions, s) + room + bytes > (uint64_t)w->cfg->pool_size ||
         skv_kv_cache_clone(c, keep))
         return; /* (a copy without memory: not kept) */
     s->side[1] = *keep; /* until the PREFILL is done with it */

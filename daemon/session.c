@@ -476,6 +476,11 @@ static uint64_t held_left(const struct skv_session_table *t, const struct skv_se
     return grown < t->hold[level].unique ? t->hold[level].unique - grown : 0;
 }
 
+uint64_t skv_session_room_held(const struct skv_session_table *t, const struct skv_session *s)
+{
+    return held_left(t, s, 0) + held_left(t, s, 1);
+}
+
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out)
 {

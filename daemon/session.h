@@ -122,6 +122,9 @@ void skv_session_hold_room(struct skv_session_table *t, int level, struct skv_se
                            uint64_t unique);
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out);
+/* What the forwards that hold room (skv_session_hold_room) but s's may still take of the pool:
+ * room not free to anything else s's request does. */
+uint64_t skv_session_room_held(const struct skv_session_table *t, const struct skv_session *s);
 
 /* Releases every unpinned session idle past its lease; returns how many. */
 int skv_session_expire(struct skv_session_table *t, uint64_t now_ms);

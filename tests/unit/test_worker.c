@@ -3361,6 +3361,65 @@ static void test_nested_room(void **state)
     assert_true(atomic_load(&g_pool_peak) <= 7 * unit);
 }
 
+/* u's compressing 48-token PREFILL (snapkv, 16 rows kept) for client Z, run nested in t's. */
+static void submit_compressing_48(struct fixture *f)
+{
+    uint32_t tokens[64];
+    fixed_ids(f, tokens, 48);
+    Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
+    cs.spec = "policy=snapkv,budget=16,window=4";
+    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
+    p.tokens = tokens;
+    p.n_tokens = 48;
+    p.compress = &cs;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
+    req.prefill = &p;
+    req.tenant = "u";
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Z, 5, &req)), SKV_OK);
+}
+
+/* The prompt rows a compressing PREFILL keeps for reuse (prefix-retain-bytes) take room only
+ * when the pool has it past what the forward it runs in holds: with the pool at 7 blocks per
+ * layer and head, t's 64-token full PREFILL holds 4; u's 48-token one, nested, keeps 1 and
+ * would retain its 3 prompt blocks. They are not retained, and the pool stays within its size
+ * (before, they were, on room t's forward held, and t's charge dropped them again). */
+static void test_nested_keep(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads,
+                   bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    f->cfg.pool_size = (int64_t)(7 * unit * bb);
+    f->cfg.prefix_retain_bytes = (int64_t)(4 * unit * bb);
+    f->cfg.prefix_reuse = true;
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    atomic_store(&g_pool_peak, 0);
+    atomic_store(&g_track_pool, f->tiny->m->kv_pool);
+    gate_hold(submit_full_64_cb, f);
+    submit_compressing_48(f);
+    usleep(100000); /* past t's slice */
+    gate_open();
+    for (int i = 0; i < 2; i++) {
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    atomic_store(&g_track_pool, NULL);
+    assert_int_equal(stat(f, "snapkv_requests_nested_total"), 1);
+    printf("# pool peak %.2f blocks a layer and head; retained %.0f, dropped %.0f\n",
+           (double)atomic_load(&g_pool_peak) / (double)unit, stat(f, "snapkv_prefix_retained"),
+           stat(f, "snapkv_prefix_retained_dropped_total"));
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+    assert_true(atomic_load(&g_pool_peak) <= 7 * unit);
+}
+
 /* A running request's other caches hold blocks too (an APPEND or COMPRESS on a copy keeps the
  * session's cache until it ends; a PREFILL keeps its prompt's rows): evicting an idle session
  * whose blocks they share frees nothing. With a pool of 4 blocks per layer and head, D (tenant
@@ -6099,6 +6158,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nested, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_side_cache, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nested_keep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_stops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
