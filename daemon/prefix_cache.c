@@ -130,12 +130,12 @@ uint64_t skv_prefix_cache_tenant_bytes(struct skv_prefix_cache *pc, const char *
     uint64_t bytes = 0;
     if (!alone) { /* a bound: shared blocks count for each entry */
         for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
-            bytes += strcmp(e->tenant, tenant) == 0 ? e->bytes : 0;
+            bytes += !tenant || strcmp(e->tenant, tenant) == 0 ? e->bytes : 0;
         return bytes < pc->bytes ? bytes : pc->bytes;
     }
     const uint64_t mark = next_mark(pc);
     for (const struct skv_prefix_entry *e = pc->head; e; e = e->next)
-        if (strcmp(e->tenant, tenant) == 0)
+        if (!tenant || strcmp(e->tenant, tenant) == 0)
             bytes += kept_only_blocks(e, mark);
     return bytes * block_bytes(pc);
 }

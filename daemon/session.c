@@ -481,6 +481,16 @@ uint64_t skv_session_room_held(const struct skv_session_table *t, const struct s
     return held_left(t, s, 0) + held_left(t, s, 1);
 }
 
+static int tenant_refused(const struct skv_session_table *t, const struct skv_session *s, uint64_t tenant_bytes,
+                          uint64_t t_free)
+{
+    return skv_errorf(SKV_E_LIMIT,
+                      "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu), %llu of them in sessions that "
+                      "could be evicted",
+                      s->tenant, (unsigned long long)tenant_bytes, (unsigned long long)t->lim.max_bytes_per_tenant,
+                      (unsigned long long)t_free);
+}
+
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out)
 {
@@ -507,6 +517,11 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
         /* their size bounds it; only past the quota are the blocks they alone hold counted */
         uint64_t kept = t->cache_held(t->cache_user, s->tenant, false);
         if (kept && tenant_bytes + kept > t->lim.max_bytes_per_tenant) {
+            /* none go for a request that cannot fit with every one of them gone, and every
+             * session of the tenant that may go (they all went before its refusal) */
+            uint64_t t_free = evictable_bytes(t, s, s->tenant);
+            if (tenant_bytes - (t_free < tenant_bytes ? t_free : tenant_bytes) > t->lim.max_bytes_per_tenant)
+                return tenant_refused(t, s, tenant_bytes + kept, t_free);
             kept = t->cache_held(t->cache_user, s->tenant, true);
             while (kept && tenant_bytes + kept > t->lim.max_bytes_per_tenant &&
                    t->cache_drop(t->cache_user, s->tenant))
@@ -515,6 +530,17 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
         tenant_bytes += kept;
     }
     uint64_t used = pool_bytes_used(t) + more_unique;
+    if (used > t->lim.pool_bytes && t->cache_held && t->cache_drop) {
+        /* the same for the pool: every tenant's kept prefixes went before a refusal that
+         * evicting every candidate session could not have spared (a pool of pinned sessions) */
+        uint64_t freed = t->cache_held(t->cache_user, NULL, true) + evictable_bytes(t, s, NULL);
+        if (used - (freed < used ? freed : used) > t->lim.pool_bytes)
+            return skv_errorf(SKV_E_POOL_FULL,
+                              "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be "
+                              "evicted and the kept prefixes hold %llu",
+                              (unsigned long long)used, (unsigned long long)t->lim.pool_bytes,
+                              (unsigned long long)freed);
+    }
     while (used > t->lim.pool_bytes && t->cache_drop && t->cache_drop(t->cache_user, NULL))
         used = pool_bytes_used(t) + more_unique;
     /* evict nothing for a request that cannot fit even with every candidate gone (the
@@ -522,11 +548,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
     if (tenant_bytes > t->lim.max_bytes_per_tenant) {
         uint64_t t_free = evictable_bytes(t, s, s->tenant);
         if (tenant_bytes - (t_free < tenant_bytes ? t_free : tenant_bytes) > t->lim.max_bytes_per_tenant)
-            return skv_errorf(SKV_E_LIMIT,
-                              "tenant '%s' would hold %llu bytes (max-bytes-per-tenant %llu), %llu of them in "
-                              "sessions that could be evicted",
-                              s->tenant, (unsigned long long)tenant_bytes,
-                              (unsigned long long)t->lim.max_bytes_per_tenant, (unsigned long long)t_free);
+            return tenant_refused(t, s, tenant_bytes, t_free);
     }
     uint64_t keep = 0;
     if (used > t->lim.pool_bytes) {

@@ -826,6 +826,56 @@ static uint32_t prefill_reused(struct fixture *f, const char *tenant, int n, uin
     return reused;
 }
 
+static void pin(struct fixture *f, const uint8_t sid[16])
+{
+    Snapkv__PinRequest pq = SNAPKV__PIN_REQUEST__INIT;
+    pq.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    pq.pin = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_PIN;
+    req.pin = &pq;
+    Snapkv__Reply *rep = admin_call(f, &req);
+    assert_int_equal(rep->status, 0);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
+/* A request the pool cannot take even with its kept prefixes dropped and every session that may
+ * go evicted is refused with them kept: 8 blocks a layer and head, t's 2 kept, 5 in pinned
+ * sessions, and w's 64-token PREFILL needs 4 (before, every tenant's kept prefixes were
+ * dropped first, and the request refused all the same). */
+static void test_refusal_keeps_prefixes(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    f->cfg.prefix_retain_bytes = (int64_t)(4 * (uint64_t)mc->n_layers * mc->n_kv_heads * bb);
+    restart_with_pool(f, 8);
+    uint8_t a[16], v1[16], v2[16];
+    assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
+    assert_int_equal(release_by_x(f, a), SKV_OK);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    prefill_for(f, "v", 64, "policy=full", v1);
+    prefill_for(f, "v", 16, "policy=full", v2);
+    pin(f, v1);
+    pin(f, v2);
+    Snapkv__Reply *r = prefill_reply(f, "w", 64, "policy=full", 0);
+    assert_int_equal(r->status, SKV_E_POOL_FULL);
+    assert_non_null(strstr(r->message, "kept prefixes"));
+    snapkv__reply__free_unpacked(r, NULL);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 0);
+    /* one that fits once they go: 2 of w's blocks are theirs */
+    r = prefill_reply(f, "w", 16, "policy=full", 0);
+    assert_int_equal(r->status, 0);
+    snapkv__reply__free_unpacked(r, NULL);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 1);
+    r = prefill_reply(f, "w", 32, "policy=full", 0);
+    assert_int_equal(r->status, 0);
+    snapkv__reply__free_unpacked(r, NULL);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 0);
+}
+
 /* prefix-retain-bytes: a RELEASEd full-cache session's KV stays for prefix reuse; a longer
  * history of the tenant replaces the one it covers; under pool pressure kept prefixes go before
  * any session; EVICT drops them; unused for lease-seconds they go. */
@@ -6125,6 +6175,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_reuse_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_refusal_keeps_prefixes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_tenants, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_shared, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_host, setup, teardown),
