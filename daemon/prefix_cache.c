@@ -216,10 +216,15 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
         }
     }
     /* the tenant's own make room within its quota (what they hold alone, as the quota counts
-     * them); the cap's room goes by share (below) */
-    while (skv_prefix_cache_tenant_bytes(pc, tenant, true) + bytes > tenant_room &&
-           skv_prefix_cache_drop_lru(pc, tenant))
-        ;
+     * them); the cap's room goes by share (below). Those that make room are set aside too, out
+     * of the list and the counts, and go only once the new one stays: a new one not kept (no
+     * memory, or the cap's own choice) dropped them for nothing */
+    struct skv_prefix_entry *pushed = NULL, **victim;
+    while (skv_prefix_cache_tenant_bytes(pc, tenant, true) + bytes > tenant_room && (victim = victim_of(pc, tenant))) {
+        struct skv_prefix_entry *v = entry_unlink(pc, victim);
+        v->next = pushed;
+        pushed = v;
+    }
     for (struct skv_prefix_entry *v = covered; v; v = v->next) { /* now out of the counts too */
         pc->host_bytes -= v->host_bytes;
         count_blocks(pc, v, -1);
@@ -227,6 +232,7 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     struct skv_prefix_entry *e = calloc(1, sizeof *e);
     if (!e || !(e->tokens = malloc((size_t)rows * sizeof *e->tokens))) {
         free(e);
+        relink_all(pc, pushed);
         relink_all(pc, covered);
         return SKV_E_NOMEM;
     }
@@ -234,6 +240,7 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     if (rc) {
         free(e->tokens);
         free(e);
+        relink_all(pc, pushed);
         relink_all(pc, covered);
         return rc;
     }
@@ -248,6 +255,7 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     e->host_bytes = sizeof *e + (uint64_t)rows * sizeof *e->tokens + skv_kv_cache_host_bytes(e->cache);
     if (e->host_bytes > pc->cap) { /* alone past the cap: it would push out every other first */
         entry_destroy(pc, e);
+        relink_all(pc, pushed);
         relink_all(pc, covered);
         return SKV_OK;
     }
@@ -255,16 +263,24 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
     entry_link(pc, e);
     /* past the cap (the blocks, each once, or apart from them the entries' own memory): when the
      * new one is the one to go (its tenant over its share with nothing older), it goes
-     * unannounced and those it covers stay */
+     * unannounced and those it pushed out and covers stay */
     while (pc->bytes > pc->cap || pc->host_bytes > pc->cap) {
-        struct skv_prefix_entry **victim = victim_of(pc, NULL);
-        bool self = *victim == e;
-        entry_free(pc, victim);
-        if (self) {
+        victim = victim_of(pc, NULL);
+        struct skv_prefix_entry *v = entry_unlink(pc, victim);
+        if (v == e) {
+            entry_destroy(pc, e);
+            relink_all(pc, pushed);
             relink_all(pc, covered);
             return SKV_OK;
         }
+        v->next = pushed;
+        pushed = v;
+    }
+    while (pushed) {
+        struct skv_prefix_entry *next = pushed->next;
+        entry_destroy(pc, pushed);
         pc->dropped++;
+        pushed = next;
     }
     while (covered) { /* gone before the new one is announced, as before */
         struct skv_prefix_entry *next = covered->next;

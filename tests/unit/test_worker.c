@@ -1132,6 +1132,37 @@ static void test_prefix_retain_covered(void **state)
     assert_int_equal(prefill_release_ids(f, "a", d, 96), 80);
 }
 
+/* A prefix the cap then drops itself (its tenant over its share with nothing older) drops no
+ * other on its way: with a cap of 10 blocks a layer and head, b's 4 and a's 3 kept, a's new 7
+ * push out a's 3 first, and are then the cap's own choice; a's 3 come back (before, they were
+ * gone, and the new 7 not kept either). */
+static void test_prefix_keep_refused(void **state)
+{
+    struct fixture *f = *state;
+    f->cfg.prefix_reuse = true;
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
+    const uint32_t n_vocab = (uint32_t)f->tiny->m->cfg.n_vocab;
+    f->cfg.prefix_retain_bytes = (int64_t)(10 * unit * bb);
+    restart_with_pool(f, 48);
+    uint32_t b[64], a1[48], e[112];
+    for (int i = 0; i < 64; i++)
+        b[i] = (uint32_t)(i * 7 + 3) % n_vocab;
+    for (int i = 0; i < 48; i++)
+        a1[i] = (uint32_t)(i * 37 + 11) % n_vocab;
+    for (int i = 0; i < 112; i++)
+        e[i] = (uint32_t)(i * 13 + 5) % n_vocab;
+    assert_int_equal(prefill_release_ids(f, "b", b, 64), 0);
+    assert_int_equal(prefill_release_ids(f, "a", a1, 48), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 7 * unit * bb);
+    assert_int_equal(prefill_release_ids(f, "a", e, 112), 0);
+    assert_int_equal(stat(f, "snapkv_prefix_retained"), 2);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 7 * unit * bb);
+    assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 0);
+    assert_int_equal(prefill_release_ids(f, "a", a1, 48), 32); /* a's 3 serve it still (one token computed) */
+}
+
 static void persist_on(struct fixture *f, char *dir, const char *interval);
 static void only_match(const char *dir, const char *pattern, char *path, size_t cap);
 static void rewrite_saved(const char *path, long at, const void *bytes, size_t n);
@@ -6180,6 +6211,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_retain_shared, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_host, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_covered, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_keep_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_random, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
