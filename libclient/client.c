@@ -303,6 +303,7 @@ static int call(snapkv_client_t *c, Snapkv__Request *req, Snapkv__Reply__ResultC
         return rc;
     if (req->command_case == SNAPKV__REQUEST__COMMAND_HELLO)
         c->hello_sent_disconnects = c->disconnects; /* closes up to here are before its connection */
+    c->sent_disconnects = c->disconnects;
     *in_flight = true;
 
     /* the connection closing while the reply is awaited (the daemon stopped or restarted) loses

@@ -24,6 +24,7 @@ struct snapkv_client {
     uint16_t refused_event;      /* a failed handshake seen between two calls, none since worked */
     uint32_t refused_value;
     uint64_t hello_sent_disconnects; /* c->disconnects when the last HELLO went out */
+    uint64_t sent_disconnects;   /* c->disconnects when the last request went out */
     uint64_t hello_disconnects;  /* that count when `hello` was asked for: a later close is a new
                                   * connection, maybe to another daemon, so HELLO is asked again */
     bool lost;                   /* the last call failed because its connection closed before the

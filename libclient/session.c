@@ -558,6 +558,12 @@ static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id,
 {
     char why[512], cancel_why[256]; /* copies: the last error is rewritten below */
     snprintf(why, sizeof why, "%s", snapkv_last_error());
+    /* the connection the DECODE went out on closed since (the daemon stopped, or restarted, while
+     * the callback ran): the daemon dropped, or cancels, a gone client's decode, and a CANCEL
+     * would wait for a new connection to say HELLO on (for ever at a timeout of -1) */
+    skv_client_look(c);
+    if (c->disconnects != c->sent_disconnects)
+        return skv_client_fail(rc, "%s", why);
     int timeout_ms = c->timeout_ms;
     if (wait_ms >= 0 && (timeout_ms < 0 || timeout_ms > wait_ms))
         c->timeout_ms = wait_ms;

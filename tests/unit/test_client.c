@@ -1066,6 +1066,46 @@ static void test_decode_cancel_skips_rest(void **state)
     fake_stop(&f);
 }
 
+/* The daemon gone while the callback runs (the fake stopped in it), and the callback then
+ * stops the decode: no CANCEL is asked (the daemon drops a gone client's decode), so the call
+ * ends at once, not after the client's timeout (5 s here; for ever at -1), which a CANCEL spent
+ * waiting for a new connection to say HELLO on. */
+struct stop_gone {
+    struct fake *f;
+};
+
+static int on_tokens_daemon_gone(void *user, const uint32_t *toks, size_t n, const char *text)
+{
+    (void)toks;
+    (void)n;
+    (void)text;
+    struct stop_gone *g = user;
+    fake_stop(&g->f);
+    usleep(300 * 1000); /* the close reaches the client's monitor */
+    return 1;
+}
+
+static void test_decode_stopped_daemon_gone(void **state)
+{
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        struct stop_gone g = {fake_start(answer_decode)};
+        snapkv_client_t *c = connect_fake(g.f, 5000);
+        if (k == 1)
+            assert_int_equal(snapkv_set_timeout(c, -1), SNAPKV_OK);
+        alarm(20); /* (a hang fails the test, not the run) */
+        struct snapkv_decode_result r = {.n_tokens = 99};
+        int64_t t0 = now_ms();
+        assert_int_equal(snapkv_decode(c, &ID_B, NULL, on_tokens_daemon_gone, &g, &r), SNAPKV_E_CANCELLED);
+        int64_t dt = now_ms() - t0;
+        alarm(0);
+        printf("# the callback stopped the decode, the daemon gone: the call took %lld ms\n", (long long)dt);
+        assert_true(dt < 2000);
+        assert_string_equal(snapkv_last_error(), "decode: stopped by the caller");
+        snapkv_close(&c);
+    }
+}
+
 /* A DECODE the fake does not answer (a long one, or a daemon that is slow): the client's
  * timeout ends the call, and the library ends the decode in the daemon with a CANCEL. The
  * first CANCEL is answered, later ones not. */
@@ -3106,6 +3146,7 @@ int main(void)
         cmocka_unit_test(test_decode_collect),
         cmocka_unit_test(test_decode_stream),
         cmocka_unit_test(test_decode_cancel_skips_rest),
+        cmocka_unit_test(test_decode_stopped_daemon_gone),
         cmocka_unit_test(test_decode_timeout_cancels),
         cmocka_unit_test(test_decode_lost_tokens),
         cmocka_unit_test(test_callback_reentry),
