@@ -894,14 +894,23 @@ int skv_client_layers(const snapkv_client_t *c, Snapkv__LayerKept *const *kept, 
     size_t n_heads_total = 0, n_kept_total = 0;
     for (size_t i = 0; i < n; i++) {
         size_t nh = kept[i]->n_kept_per_head ? kept[i]->n_kept_per_head : n_kv_heads;
-        if (nh > 4096)
-            return skv_client_fail(SNAPKV_E_PROTO, "layer %u reports %zu heads", kept[i]->layer, nh);
+        /* what a caller indexes shared memory with (snapkv_kv_offset): the model's heads, and a
+         * layer's kept the most of its heads' */
+        if (nh > 4096 || (n_kv_heads && nh != n_kv_heads))
+            return skv_client_fail(SNAPKV_E_PROTO, "layer %u reports %zu heads (the model has %u)", kept[i]->layer,
+                                   nh, n_kv_heads);
         n_heads_total += nh;
+        uint32_t most = 0;
         if (kept[i]->n_kept_per_head)
-            for (size_t h = 0; h < nh; h++)
+            for (size_t h = 0; h < nh; h++) {
                 n_kept_total += kept[i]->kept_per_head[h];
+                most = kept[i]->kept_per_head[h] > most ? kept[i]->kept_per_head[h] : most;
+            }
         else
             n_kept_total += nh * (size_t)kept[i]->kept;
+        if (kept[i]->n_kept_per_head && most != kept[i]->kept)
+            return skv_client_fail(SNAPKV_E_PROTO, "layer %u reports %u kept, its heads at most %u", kept[i]->layer,
+                                   kept[i]->kept, most);
     }
     /* one allocation: the layer array, then every layer's per-head counts, then (INSPECT)
      * its per-head blocks and shared blocks */

@@ -1281,6 +1281,14 @@ static int export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, con
         free(res.positions);
         goto out_free_reply;
     }
+    uint64_t need = c->hello ? snapkv_kv_bytes(res.layers, res.n_layers, c->hello->n_kv_heads, c->hello->head_dim) : 0;
+    if (need > res.bytes_written) { /* the layout would index past what was written */
+        rc = skv_client_fail(SNAPKV_E_PROTO, "export: the layout the daemon reports takes %llu bytes, %llu written",
+                             (unsigned long long)need, (unsigned long long)res.bytes_written);
+        free(res.layers);
+        free(res.positions);
+        goto out_free_reply;
+    }
     *out = res;
 
 out_free_reply:

@@ -683,7 +683,9 @@ SNAPKV_API uint64_t snapkv_kv_offset(const struct snapkv_kv_layout *l, size_t i,
                                      uint32_t n_kv_heads, uint32_t head_dim);
 
 /* Copies all layers of a session's K/V into shm at `offset`. Free *out with
- * snapkv_kv_layout_free(). A buffer too small for the session is an error from the daemon. */
+ * snapkv_kv_layout_free(). A buffer too small for the session is an error from the daemon. A
+ * reply whose layout snapkv_kv_offset() would read past what was written with (not the model's
+ * heads, a layer's kept not the most of its heads', more bytes than written) is SNAPKV_E_PROTO. */
 SNAPKV_API int snapkv_export_kv(snapkv_client_t *client, const struct snapkv_session_id *id,
                                 const struct snapkv_shm *shm, uint64_t offset, struct snapkv_kv_layout *out);
 /* The same for layers [layer_first, layer_first + layer_count) (layer_count 0: to the end). */

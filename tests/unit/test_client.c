@@ -1862,6 +1862,11 @@ static float kv_value(int layer, int v, int head, int row, int col)
     return (float)(layer * 1000 + v * 100 + head * 10 + row) + (float)col / 10.0f;
 }
 
+/* answer_kv's EXPORT_KV layout, as a buggy or hostile daemon might report it: 0 as it is; 1 a
+ * head's count past the layer's kept; 2 four heads for the model's three; 3 fewer bytes
+ * written than the layout takes */
+static int g_bad_layout;
+
 static bool answer_kv(struct fake *f, const Snapkv__Request *req)
 {
     Snapkv__Reply rep = SNAPKV__REPLY__INIT;
@@ -1899,7 +1904,14 @@ static bool answer_kv(struct fake *f, const Snapkv__Request *req)
         l1.kept_per_head = h1;
         Snapkv__LayerKept *k[2] = {&l0, &l1};
         uint32_t pos[8] = {0, 9, 9, 3, 9, 7, 8, 9};
-        e.bytes_written = written;
+        uint32_t h4[4] = {2, 1, 2, 2};
+        if (g_bad_layout == 1)
+            h0[1] = 4000;
+        if (g_bad_layout == 2) {
+            l0.n_kept_per_head = 4;
+            l0.kept_per_head = h4;
+        }
+        e.bytes_written = g_bad_layout == 3 ? written - 4 : written;
         e.n_kept = 2;
         e.kept = k;
         e.n_positions = 8;
@@ -1973,6 +1985,14 @@ static void test_export_import(void **state)
                         assert_true(rows[r * 4 + col] == kv_value((int)l, v, (int)h, (int)r, col));
             }
     assert_int_equal(snapkv_kv_offset(&lay, 5, 0, false, 3, 4), 0); /* out of range */
+    /* a layout that would index past what was written is refused, not handed on */
+    for (g_bad_layout = 1; g_bad_layout <= 3; g_bad_layout++) {
+        struct snapkv_kv_layout bad = {0};
+        assert_int_equal(snapkv_export_kv(c, &ID_A, &shm, EXPORT_OFFSET, &bad), SNAPKV_E_PROTO);
+        printf("# bad layout %d: %s\n", g_bad_layout, snapkv_last_error());
+        assert_null(bad.layers);
+    }
+    g_bad_layout = 0;
 
     /* and back: the layout an export returned is what an import takes */
     uint32_t toks[3] = {11, 22, 33};
