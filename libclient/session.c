@@ -1143,6 +1143,14 @@ int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out
                              "ftruncate %s to %zu bytes: %s", shm.name, size, strerror(errno));
         goto out_unlink;
     }
+    /* the pages taken now: a tmpfs without room for them took the ftruncate, and the caller's
+     * first write past its room was a SIGBUS */
+    int fa = posix_fallocate(shm.fd, 0, (off_t)size);
+    if (fa && fa != EOPNOTSUPP && fa != EINVAL) {
+        rc = skv_client_fail(fa == ENOSPC || fa == EFBIG ? SNAPKV_E_LIMIT : SNAPKV_E_IO,
+                             "shm %s: %zu bytes: %s", shm.name, size, strerror(fa));
+        goto out_unlink;
+    }
     shm.addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, shm.fd, 0);
     if (shm.addr == MAP_FAILED) {
         rc = skv_client_fail(errno == ENOMEM ? SNAPKV_E_NOMEM : SNAPKV_E_IO, "mmap %s (%zu bytes): %s", shm.name,

@@ -651,7 +651,9 @@ struct snapkv_shm {
     int fd;
 };
 /* Creates (O_EXCL), sizes and maps a new object. name_hint: a few [A-Za-z0-9_-] characters
- * for the name (others are replaced; NULL: "buf"). Pair with snapkv_shm_destroy(). */
+ * for the name (others are replaced; NULL: "buf"). Pair with snapkv_shm_destroy(). Its memory
+ * is taken at once (posix_fallocate): more than /dev/shm has room for is SNAPKV_E_LIMIT here,
+ * not a SIGBUS at the first write past the room. */
 SNAPKV_API int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out);
 /* Unmaps, closes and unlinks; accepts NULL and a zeroed or already destroyed struct. */
 SNAPKV_API void snapkv_shm_destroy(struct snapkv_shm *shm);

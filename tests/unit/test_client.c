@@ -18,6 +18,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
@@ -1790,6 +1791,14 @@ static void test_shm(void **state)
     assert_int_equal(snapkv_shm_create(NULL, 8, &untouched), SNAPKV_OK);
     assert_true(strncmp(untouched.name, "/snapkv-buf-", 12) == 0);
     snapkv_shm_destroy(&untouched);
+    /* more than /dev/shm can hold: refused here (a sparse object was made, and the caller's
+     * writes past the room got SIGBUS) */
+    struct statvfs vs;
+    if (statvfs("/dev/shm", &vs) == 0 && vs.f_blocks > 0) {
+        size_t too_big = (size_t)vs.f_blocks * vs.f_frsize + ((size_t)64 << 20);
+        assert_int_equal(snapkv_shm_create("big", too_big, &untouched), SNAPKV_E_LIMIT);
+        printf("# %zu bytes of shared memory: %s\n", too_big, snapkv_last_error());
+    }
 }
 
 /* Whether a process of user uid, group gid (and no other) can open `name` read/write: 0 yes,
