@@ -320,33 +320,28 @@ static int tenant_blocks(struct skv_session_table *t, struct skv_tenant_tally *u
  * taken first from the tenants that hold more than an equal share of the pool (the bytes of
  * their blocks, each once, over the tenants holding sessions now: tenant_blocks), so that a
  * tenant within its share loses nothing while another holds more; only when none of those has
- * a session that may go, from any tenant (with one tenant that is plain LRU). */
-static struct skv_session *pool_victim_of(struct skv_session_table *t, const struct skv_session *except, uint64_t keep,
-                                          bool alone)
-{
-    struct skv_tenant_tally u = {0};
-    if (tenant_blocks(t, &u)) {
-        skv_tenant_tally_free(&u);
-        return lru_victim(t, except, NULL, keep, alone);
-    }
-    uint64_t share = u.n ? t->lim.pool_bytes / u.n : 0;
-    struct skv_session *best = NULL;
-    for (int b = 0; b < BUCKETS; b++)
-        for (struct skv_session *s = t->bucket[b]; s; s = s->next)
-            if (may_evict(s, except) && (!best || s->last_used_ms < best->last_used_ms) &&
-                frees_blocks(s, keep, alone) && skv_tenant_tally_bytes(&u, s->tenant) > share)
-                best = s;
-    skv_tenant_tally_free(&u);
-    return best ? best : lru_victim(t, except, NULL, keep, alone);
-}
-
-/* Pool pressure's victim: one whose eviction alone frees a block first, so a document whose
- * every block its forks share stays while the forks live; only when none does, one that frees
- * blocks together with other candidates (the document, then its forks). */
+ * a session that may go, from any tenant (with one tenant that is plain LRU). Within each, one
+ * whose eviction alone frees a block first, so a document whose every block its forks share
+ * stays while the forks live; only when none does, one that frees blocks together with other
+ * candidates (the document, then its forks). An over-share tenant's document and idle forks go
+ * before a session of a tenant within its share (which went first when it freed a block alone,
+ * and the over-share tenant's none did). */
 static struct skv_session *pool_victim(struct skv_session_table *t, const struct skv_session *except, uint64_t keep)
 {
-    struct skv_session *v = pool_victim_of(t, except, keep, true);
-    return v ? v : pool_victim_of(t, except, keep, false);
+    struct skv_tenant_tally u = {0};
+    bool tallied = tenant_blocks(t, &u) == SKV_OK;
+    uint64_t share = u.n ? t->lim.pool_bytes / u.n : 0;
+    struct skv_session *best = NULL;
+    for (int pass = 0; pass < 2 && tallied && !best; pass++) /* the over-share tenants': alone, together */
+        for (int b = 0; b < BUCKETS; b++)
+            for (struct skv_session *s = t->bucket[b]; s; s = s->next)
+                if (may_evict(s, except) && (!best || s->last_used_ms < best->last_used_ms) &&
+                    skv_tenant_tally_bytes(&u, s->tenant) > share && frees_blocks(s, keep, pass == 0))
+                    best = s;
+    skv_tenant_tally_free(&u);
+    if (!best)
+        best = lru_victim(t, except, NULL, keep, true);
+    return best ? best : lru_victim(t, except, NULL, keep, false);
 }
 
 /* Bytes of the unique blocks in use: what the pool limit counts. */

@@ -5200,6 +5200,28 @@ static void test_fair_share_forks(void **state)
     assert_int_equal(listed(f, b[3], NULL, NULL), 32);
 }
 
+/* A tenant over its share whose sessions free a block only together (a document and its idle
+ * forks) loses them before a tenant within its share loses its session: pool of 8 blocks a
+ * layer and head, t's 64-token document (4) and two idle forks, b's 32 tokens (2); c's 48 need
+ * 3 (9 of 8): t's go (before, b's went, the only session that freed a block alone). */
+static void test_fair_share_idle_forks(void **state)
+{
+    struct fixture *f = *state;
+    restart_with_pool(f, 8);
+    uint8_t doc[16], fork1[16], fork2[16], b[16], c[16];
+    prefill(f, 64, "policy=full", doc);
+    fork_session(f, doc, fork1);
+    fork_session(f, doc, fork2);
+    usleep(5000);
+    prefill_for(f, "b", 32, "policy=full", b);
+    usleep(5000);
+    prefill_for(f, "c", 48, "policy=full", c);
+    assert_int_equal(listed(f, b, NULL, NULL), 32);
+    assert_int_equal(listed(f, c, NULL, NULL), 48);
+    assert_int_equal(listed(f, doc, NULL, NULL), -1);
+    assert_int_equal(stat(f, "snapkv_evictions_total"), 3); /* the document freed its blocks with its forks */
+}
+
 /* A request that fails with SKV_E_DEVICE asks the backend whether the device is lost: a failure
  * the device recovers from changes nothing; once it is lost, skv_worker_device_lost says so
  * (the socket loop then stops the daemon with an error, for systemd to restart it). */
@@ -6251,6 +6273,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fair_share_idle_forks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_frees, setup, teardown),
         cmocka_unit_test_setup_teardown(test_evict_idle_fork, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_round_room, setup, teardown),
