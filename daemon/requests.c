@@ -1061,9 +1061,13 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     rc = session_forward_progress(w, s, ids, n, false, NULL, NULL, scores ? &sc : NULL);
+    /* on a copy, charged before it is kept: a charge that fails leaves the session as it was
+     * (it failed after the copy was kept, and the client was told so of an APPEND that took) */
+    if (copy && !rc)
+        rc = skv_session_charge(w->sessions, s, NULL);
     if (copy)
         undo_end(w, s, &u, rc != SKV_OK);
-    if (rc || (rc = skv_session_charge(w->sessions, s, NULL)))
+    if (rc || (!copy && (rc = skv_session_charge(w->sessions, s, NULL))))
         goto fail;
     skv_worker_event_stored(w, s); /* announced again: its blocks as they are now */
     w->metrics.scored_tokens += scores ? (uint64_t)n : 0;
@@ -1144,6 +1148,8 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
         s->n_tokens = cut;
         rc = session_forward(w, s, redo, window, true);
     }
+    if (!rc) /* before the copy is kept (as APPEND's) */
+        rc = skv_session_charge(w->sessions, s, NULL);
     free(redo);
     undo_end(w, s, &u, rc != SKV_OK);
     return rc;
