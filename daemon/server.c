@@ -41,6 +41,8 @@
 #define PROTOCOL_VERSION 1
 #define RCVHWM 4                  /* requests libzmq reads ahead on one connection */
 #define HANDSHAKE_MS 10000        /* ZMQ_HANDSHAKE_IVL of the client and admin endpoints */
+#define TCP_HEARTBEAT_IVL_MS 5000      /* ZMTP pings on tcp:// client and admin connections ... */
+#define TCP_HEARTBEAT_TIMEOUT_MS 15000 /* ... and the silence that closes one */
 #define SMALL_REQUEST_MAX 65536   /* bytes of a request other than PREFILL, APPEND, IMPORT_KV, TOKENIZE,
                                      DETOKENIZE */
 
@@ -226,6 +228,13 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof mandatory);
+    if (strncmp(endpoint, "tcp://", 6) == 0) {
+        /* a client whose host went away (no FIN) is closed after this much silence: its work
+         * stops (client gone) and its connection slot is free, not held until TCP gives up */
+        int ivl = TCP_HEARTBEAT_IVL_MS, timeout = TCP_HEARTBEAT_TIMEOUT_MS;
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &timeout, sizeof timeout);
+    }
     int auth_events = 0; /* the sockets' monitors are ours: they carry auth's events too */
     if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT, &auth_events)) ||
         (idx <= 1 && (rc = monitor_connections(srv, idx, s, auth_events)))) {

@@ -25,6 +25,8 @@ _Static_assert((int)SNAPKV_E_CANCELLED == (int)SKV_E_CANCELLED, "client and daem
 _Static_assert(SNAPKV_CURVE_KEY_SIZE == SKV_KEY_Z85_LEN + 1, "CURVE key sizes differ");
 
 #define DEFAULT_TIMEOUT_MS 30000
+#define TCP_HEARTBEAT_IVL_MS 5000      /* ZMTP pings on a tcp:// connection ... */
+#define TCP_HEARTBEAT_TIMEOUT_MS 15000 /* ... and the silence that closes it */
 #define CLIENT_NAME_MAX 4096 /* bytes of snapkv_connect_opts.name */
 #define MONITOR_ENDPOINT "inproc://snapkv-handshake" /* one context per client: no clash */
 #define HANDSHAKE_FAILURES \
@@ -657,6 +659,15 @@ int snapkv_connect(const char *endpoint, const struct snapkv_connect_opts *opts,
     zmq_setsockopt(c->sock, ZMQ_IMMEDIATE, &immediate, sizeof immediate);
     int backoff_ms = 2000; /* reconnects start at 100 ms and double up to this */
     zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL_MAX, &backoff_ms, sizeof backoff_ms);
+    if (strncmp(endpoint, "tcp://", 6) == 0) {
+        /* a daemon's host that went away (no FIN: power, network) closes the connection after
+         * TCP_HEARTBEAT_TIMEOUT_MS of silence, so a call waiting on it fails as for a daemon
+         * that stopped, not at its timeout (never at -1); libzmq's threads answer the pings,
+         * so a busy daemon is not taken for a gone one */
+        int ivl = TCP_HEARTBEAT_IVL_MS, timeout = TCP_HEARTBEAT_TIMEOUT_MS;
+        zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+        zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &timeout, sizeof timeout);
+    }
     if ((rc = setup_curve(c, opts)))
         goto out_close;
     /* an ipc:// socket file this user may not open fails now, saying so, not at the timeout as

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -1126,6 +1127,49 @@ static bool answer_decode_slow(struct fake *f, const Snapkv__Request *req)
     rep.cancel = &r;
     fake_send(f, &rep);
     return true;
+}
+
+/* A tcp:// daemon whose host goes away with no FIN (its process stopped here: nothing answers,
+ * not even libzmq's pings): a DECODE waiting with no timeout fails with SNAPKV_E_IO once the
+ * heartbeat closes the connection (15 s of silence), as for a daemon that stopped (it waited
+ * for ever). */
+static void test_tcp_daemon_gone_silent(void **state)
+{
+    (void)state;
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* stopped, and the test gone: killed still */
+        struct fake *f = fake_start(answer_decode_slow);
+        ssize_t w = write(pfd[1], f->endpoint, sizeof f->endpoint);
+        (void)w;
+        for (;;)
+            pause();
+    }
+    char endpoint[128];
+    assert_int_equal(read(pfd[0], endpoint, sizeof endpoint), (ssize_t)sizeof endpoint);
+    close(pfd[0]);
+    close(pfd[1]);
+    struct snapkv_connect_opts o = {.tenant = "acme", .name = "unit", .timeout_ms = 5000};
+    snapkv_client_t *c = NULL;
+    assert_int_equal(snapkv_connect(endpoint, &o, &c), SNAPKV_OK);
+    assert_int_equal(snapkv_set_timeout(c, -1), SNAPKV_OK);
+    assert_int_equal(kill(pid, SIGSTOP), 0);
+    alarm(90); /* (a hang fails the test, not the run) */
+    struct snapkv_decode_result r = {.n_tokens = 99};
+    int64_t t0 = now_ms();
+    int rc = snapkv_decode(c, &ID_B, NULL, NULL, NULL, &r);
+    int64_t dt = now_ms() - t0;
+    alarm(0);
+    printf("# a silent tcp:// daemon: %d after %lld ms: %s\n", rc, (long long)dt, snapkv_last_error());
+    assert_int_equal(rc, SNAPKV_E_IO);
+    assert_true(dt >= 10000 && dt < 60000);
+    snapkv_close(&c);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
 }
 
 static void test_decode_timeout_cancels(void **state)
@@ -3176,6 +3220,7 @@ int main(void)
         cmocka_unit_test(test_decode_stream),
         cmocka_unit_test(test_decode_cancel_skips_rest),
         cmocka_unit_test(test_decode_stopped_daemon_gone),
+        cmocka_unit_test(test_tcp_daemon_gone_silent),
         cmocka_unit_test(test_decode_timeout_cancels),
         cmocka_unit_test(test_decode_lost_tokens),
         cmocka_unit_test(test_callback_reentry),
