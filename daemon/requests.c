@@ -2439,9 +2439,9 @@ static void handle_detokenize(struct skv_worker *w, struct skv_job *job)
 
 /* ---- admin ------------------------------------------------------------------------------------ */
 
-/* A listing's spec: the keys that differ from the defaults (libsnapkv's summary holds 64 bytes,
- * and the canonical form of every key is longer); INSPECT's spec is the whole canonical one. */
-#define INFO_POLICY_BYTES 64
+/* A listing's spec: the keys that differ from the defaults (libsnapkv's summary field holds 64
+ * bytes of it, snapkv_session_list_spec all); INSPECT's spec is the whole canonical one. */
+#define INFO_POLICY_BYTES 256 /* a short spec fits (a session's spec is at most 255) */
 
 struct info_arena {
     Snapkv__SessionInfo *infos;

@@ -106,25 +106,42 @@ int snapkv_admin_list(snapkv_client_t *c, const char *tenant, struct snapkv_sess
     if (rc)
         return rc;
     struct snapkv_session_list res = {.n = rep->list->n_sessions};
+    /* one allocation: the sessions, then a pointer to each one's whole spec, then the specs'
+     * text (snapkv_session_list_spec) */
+    size_t text = 0;
+    for (size_t i = 0; i < res.n; i++)
+        text += strlen(rep->list->sessions[i]->policy ? rep->list->sessions[i]->policy : "") + 1;
     if (res.n) {
-        res.sessions = calloc(res.n, sizeof *res.sessions);
+        res.sessions = calloc(1, res.n * (sizeof *res.sessions + sizeof(char *)) + text);
         if (!res.sessions) {
             rc = skv_client_fail(SNAPKV_E_NOMEM, "list: out of memory for %zu sessions", res.n);
             goto out_free_reply;
         }
     }
+    char **specs = (char **)(res.sessions + res.n), *at = (char *)(specs + res.n);
     for (size_t i = 0; i < res.n; i++) {
         rc = session_info(rep->list->sessions[i], "LIST", &res.sessions[i]);
         if (rc) {
             free(res.sessions);
             goto out_free_reply;
         }
+        const char *p = rep->list->sessions[i]->policy ? rep->list->sessions[i]->policy : "";
+        specs[i] = at;
+        memcpy(at, p, strlen(p) + 1);
+        at += strlen(p) + 1;
     }
     *out = res;
 
 out_free_reply:
     snapkv__reply__free_unpacked(rep, NULL);
     return rc;
+}
+
+const char *snapkv_session_list_spec(const struct snapkv_session_list *l, size_t i)
+{
+    if (!l || !l->sessions || i >= l->n)
+        return NULL;
+    return ((char *const *)(l->sessions + l->n))[i];
 }
 
 void snapkv_session_list_free(struct snapkv_session_list *l)

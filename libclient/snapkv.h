@@ -78,6 +78,7 @@
  * snapkv_append_scored and snapkv_scores_free added.
  * 15:0:11 (still libsnapkv.so.4): snapkv_prefill_scored_top and snapkv_append_scored_top added.
  * 16:0:12 (still libsnapkv.so.4): snapkv_server_legacy_fingerprint added.
+ * 17:0:13 (still libsnapkv.so.4): snapkv_session_list_spec added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -782,6 +783,10 @@ struct snapkv_session_list {
 /* Sessions of `tenant` (NULL or "": all). Free with snapkv_session_list_free(). */
 SNAPKV_API int snapkv_admin_list(snapkv_client_t *client, const char *tenant, struct snapkv_session_list *out);
 SNAPKV_API void snapkv_session_list_free(struct snapkv_session_list *l);
+/* Session i's spec whole (its policy field holds 63 bytes of it: a long spec is cut there), in
+ * the short form (the keys that differ from the defaults); "" for a full cache. l must come
+ * from snapkv_admin_list(); NULL when i is not below l->n. Freed with the list (17:0:13). */
+SNAPKV_API const char *snapkv_session_list_spec(const struct snapkv_session_list *l, size_t i);
 
 /* Rows the daemon keeps for prefix reuse (prefix-retain-bytes): not sessions; their ids are the
  * KV events' kept_prefix ids, and snapkv_admin_evict() takes one (12:0:8). */

@@ -2076,33 +2076,20 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
     snapkv_client_t *cl = NULL;
     if (connect_to(c, true, &cl))
         return 1;
-    char **long_specs = NULL; /* [l.n]: a spec too long for the list's 64 bytes, whole */
     struct snapkv_session_list l;
     int rc = snapkv_admin_list(cl, tenant, &l);
-    if (rc) {
-        snapkv_close(&cl);
-        return failed("list", rc);
-    }
-    /* a spec the library's 64 bytes cut (a long one: snapkv_session_info.policy) is taken
-     * whole from INSPECT; it was printed cut, a spec that did not parse */
-    for (size_t i = 0; i < l.n; i++) {
-        struct snapkv_session_info *s = &l.sessions[i];
-        struct snapkv_inspect_result ir;
-        if (strlen(s->policy) < sizeof s->policy - 1 || snapkv_admin_inspect(cl, &s->id, false, &ir) != SNAPKV_OK)
-            continue; /* (gone since the LIST: its first 63 bytes) */
-        long_specs = long_specs ? long_specs : calloc(l.n, sizeof *long_specs);
-        if (long_specs)
-            long_specs[i] = strdup(ir.spec);
-        snapkv_inspect_result_free(&ir);
-    }
     snapkv_close(&cl);
+    if (rc)
+        return failed("list", rc);
+    /* each spec whole (snapkv_session_list_spec): the info's 64 bytes cut a long one, printed
+     * as a spec that did not parse */
     int ret = 0;
     if (c->json) {
         json_t *arr = json_array();
         for (size_t i = 0; arr && i < l.n; i++) {
             json_t *o = info_json(&l.sessions[i]);
-            if (o && long_specs && long_specs[i])
-                json_object_set_new(o, "policy", json_text(long_specs[i]));
+            if (o)
+                json_object_set_new(o, "policy", json_text(snapkv_session_list_spec(&l, i)));
             json_push(&arr, o);
         }
         ret = print_json(arr);
@@ -2114,7 +2101,7 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
             const struct snapkv_session_info *s = &l.sessions[i];
             char hex[SNAPKV_SESSION_ID_HEX_SIZE], b[32], sb[32];
             id_hex(&s->id, hex);
-            const char *whole = long_specs && long_specs[i] ? long_specs[i] : s->policy;
+            const char *whole = snapkv_session_list_spec(&l, i);
             const char *spec = strncmp(whole, "policy=", 7) == 0 ? whole + 7 : whole;
             printf("%-32s  %-12s %7u %7u %10s %10s %3s %6u %6lld  %s\n", hex, s->tenant, s->n_tokens,
                    s->kept_tokens, fmt_bytes(s->bytes, b, sizeof b), fmt_bytes(s->shared_bytes, sb, sizeof sb),
@@ -2122,9 +2109,6 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
                    *spec ? spec : "full");
         }
     }
-    for (size_t i = 0; long_specs && i < l.n; i++)
-        free(long_specs[i]);
-    free(long_specs);
     snapkv_session_list_free(&l);
     return ret;
 }

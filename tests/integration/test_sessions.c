@@ -5564,6 +5564,19 @@ static void test_snapkvctl_edges(void **state)
     json_decref(lj);
     assert_int_equal(run_ctl(&d, list_long_t, out, err, sizeof out), 0);
     assert_non_null(strstr(out, "gqa=max"));
+    snapkv_client_t *la = client(d.admin, NULL); /* the library's whole spec, past the info's 63 bytes */
+    struct snapkv_session_list sl;
+    assert_int_equal(snapkv_admin_list(la, "long", &sl), SNAPKV_OK);
+    assert_int_equal(sl.n, 1);
+    const char *spec_whole = snapkv_session_list_spec(&sl, 0);
+    assert_non_null(spec_whole);
+    assert_int_equal(strlen(sl.sessions[0].policy), 63);
+    assert_true(strlen(spec_whole) > 63);
+    assert_memory_equal(spec_whole, sl.sessions[0].policy, 63);
+    assert_non_null(strstr(spec_whole, "gqa=max"));
+    assert_null(snapkv_session_list_spec(&sl, 1));
+    snapkv_session_list_free(&sl);
+    snapkv_close(&la);
     /* the output's write failing (a full disk) is a failure, not status 0 and a short file */
     char full[4200];
     built(full, sizeof full, "snapkvctl");
