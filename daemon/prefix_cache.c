@@ -93,6 +93,16 @@ static void relink_all(struct skv_prefix_cache *pc, struct skv_prefix_entry *lis
     }
 }
 
+/* Takes the entries of `list` (out of the list already, chained by next) out of the counts:
+ * relink_all puts them back in both. */
+static void uncount_all(struct skv_prefix_cache *pc, struct skv_prefix_entry *list)
+{
+    for (struct skv_prefix_entry *v = list; v; v = v->next) {
+        pc->host_bytes -= v->host_bytes;
+        count_blocks(pc, v, -1);
+    }
+}
+
 /* Whether history a (na tokens) begins with history b (nb). */
 static bool starts_with(const int32_t *a, int na, const int32_t *b, int nb)
 {
@@ -221,14 +231,14 @@ int skv_prefix_cache_add(struct skv_prefix_cache *pc, const char *tenant, const 
      * memory, or the cap's own choice) dropped them for nothing */
     struct skv_prefix_entry *pushed = NULL, **victim;
     while (skv_prefix_cache_tenant_bytes(pc, tenant, true) + bytes > tenant_room && (victim = victim_of(pc, tenant))) {
-        struct skv_prefix_entry *v = entry_unlink(pc, victim);
+        struct skv_prefix_entry *v = *victim; /* out of the list, in the counts (as `covered`) */
+        *victim = v->next;
+        pc->n--;
         v->next = pushed;
         pushed = v;
     }
-    for (struct skv_prefix_entry *v = covered; v; v = v->next) { /* now out of the counts too */
-        pc->host_bytes -= v->host_bytes;
-        count_blocks(pc, v, -1);
-    }
+    uncount_all(pc, covered); /* now out of the counts too */
+    uncount_all(pc, pushed);
     struct skv_prefix_entry *e = calloc(1, sizeof *e);
     if (!e || !(e->tokens = malloc((size_t)rows * sizeof *e->tokens))) {
         free(e);

@@ -82,7 +82,7 @@ void skv_prefix_cache_touch(struct skv_prefix_cache *pc, struct skv_prefix_entry
  * once (a session that took an entry's rows holds them too, and counts them for the tenant;
  * entries that share a document's start hold its blocks once): what max-bytes-per-tenant
  * counts of them (a walk of their blocks). Without alone, a bound of it, cheaper: their sizes
- * added up, at most pc->bytes. */
+ * added up, at most pc->bytes. tenant NULL: every tenant's. */
 uint64_t skv_prefix_cache_tenant_bytes(struct skv_prefix_cache *pc, const char *tenant, bool alone);
 /* Drops the least recently used entry of the tenant; with tenant NULL (room for the pool or the
  * cap), of the tenants holding more than an equal share of the entries' bytes first, so that a

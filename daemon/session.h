@@ -88,8 +88,8 @@ void skv_session_table_on_destroy(struct skv_session_table *t, void (*fn)(void *
 void skv_session_table_on_evict(struct skv_session_table *t, void (*fn)(void *user, struct skv_session *s),
                                 void *user);
 /* What the pool holds besides sessions, only for reuse (retained prefixes, prefix_cache.h):
- * held(user, tenant, alone) is what a tenant holds of it, with alone only what no session
- * shares, which its max-bytes-per-tenant counts with its sessions (without alone, a bound of
+ * held(user, tenant, alone) is what a tenant holds of it (tenant NULL: every tenant), with
+ * alone only what no session shares, which its max-bytes-per-tenant counts with its sessions (without alone, a bound of
  * it, cheaper); drop(user, tenant) frees a piece of the tenant's (tenant NULL: anyone's, while
  * the pool would be past its size) and returns false when there is none. skv_session_reserve
  * drops them before it evicts any session, for the tenant's quota or the pool. */

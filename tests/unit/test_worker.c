@@ -62,6 +62,7 @@
 #include "daemon/engine/engine.h"
 #include "daemon/engine/kv_pool.h"
 #include "daemon/engine/tokenizer.h"
+#include "daemon/prefix_cache.h"
 #include "daemon/session.h"
 #include "daemon/store.h"
 #include "daemon/worker.h"
@@ -1161,6 +1162,52 @@ static void test_prefix_keep_refused(void **state)
     assert_int_equal(stat(f, "snapkv_prefix_retained_bytes"), 7 * unit * bb);
     assert_int_equal(stat(f, "snapkv_prefix_retained_dropped_total"), 0);
     assert_int_equal(prefill_release_ids(f, "a", a1, 48), 32); /* a's 3 serve it still (one token computed) */
+}
+
+/* The entries a new one pushes out for its tenant's room keep their blocks in the counts until
+ * they go: X (a document's 4 blocks and a question's 1) and Y (the document and another
+ * question) share the document's; a new 7-block entry with room 8 pushes out X, then Y (Y's
+ * 5 blocks still count: X's going leaves the document's to Y), and the tenant ends within 8
+ * (before, X's going took the document's blocks out of the count, Y stayed, and the tenant
+ * held 12). */
+static void test_prefix_keep_room_shared(void **state)
+{
+    struct fixture *f = *state;
+    struct skv_model *m = f->tiny->m;
+    const uint64_t bb = skv_kv_pool_block_bytes(m->kv_pool),
+                   unit = (uint64_t)m->cfg.n_layers * m->cfg.n_kv_heads;
+    struct skv_kv_pool_stats ps;
+    skv_kv_pool_stats(m->kv_pool, &ps);
+    const int br = ps.block_rows;
+    assert_true(br <= 16);
+    struct skv_prefix_cache pc = {.cap = 100 * unit * bb};
+    int32_t x[8 * 16], y[8 * 16], z[8 * 16];
+    for (int i = 0; i < 8 * br; i++) {
+        x[i] = y[i] = (int32_t)((i * 37 + 11) % m->cfg.n_vocab);
+        z[i] = (int32_t)((i * 13 + 5) % m->cfg.n_vocab);
+    }
+    for (int i = 4 * br; i < 5 * br; i++)
+        y[i] = (int32_t)((i * 7 + 3) % m->cfg.n_vocab);
+    struct skv_kv_cache *cx = NULL, *cy = NULL, *cz = NULL;
+    assert_int_equal(skv_kv_cache_new(m, &cx), SKV_OK);
+    assert_int_equal(skv_engine_forward(f->tiny->e, cx, x, 5 * br, NULL, NULL), SKV_OK);
+    assert_int_equal(skv_kv_cache_clone_rows(cx, 4 * br, &cy), SKV_OK);
+    assert_int_equal(skv_engine_forward(f->tiny->e, cy, y + 4 * br, br, NULL, NULL), SKV_OK);
+    assert_int_equal(skv_prefix_cache_add(&pc, "t", x, 5 * br, cx, UINT64_MAX, 1, NULL), SKV_OK);
+    assert_int_equal(skv_prefix_cache_add(&pc, "t", y, 5 * br, cy, UINT64_MAX, 2, NULL), SKV_OK);
+    skv_kv_cache_free(&cx);
+    skv_kv_cache_free(&cy);
+    assert_int_equal(pc.n, 2);
+    assert_int_equal(skv_prefix_cache_tenant_bytes(&pc, "t", true), 6 * unit * bb);
+    assert_int_equal(skv_kv_cache_new(m, &cz), SKV_OK);
+    assert_int_equal(skv_engine_forward(f->tiny->e, cz, z, 7 * br, NULL, NULL), SKV_OK);
+    assert_int_equal(skv_prefix_cache_add(&pc, "t", z, 7 * br, cz, 8 * unit * bb, 3, NULL), SKV_OK);
+    skv_kv_cache_free(&cz);
+    printf("# the tenant's entries: %d, %llu blocks a layer and head\n", pc.n,
+           (unsigned long long)(skv_prefix_cache_tenant_bytes(&pc, "t", true) / (unit * bb)));
+    assert_true(skv_prefix_cache_tenant_bytes(&pc, "t", true) <= 8 * unit * bb);
+    assert_int_equal(pc.n, 1);
+    skv_prefix_cache_clear(&pc, NULL);
 }
 
 static void persist_on(struct fixture *f, char *dir, const char *interval);
@@ -6234,6 +6281,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_retain_host, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_covered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_keep_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_keep_room_shared, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_retain_random, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
