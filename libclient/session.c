@@ -547,6 +547,8 @@ static int decode_partial(void *user, const Snapkv__Reply *rep)
 
 /* The most a CANCEL after a failed DECODE (not one the callback stopped) waits for its reply. */
 #define CANCEL_WAIT_MS 1000
+/* ... and after one the callback stopped, when the client waits for ever (timeout -1) */
+#define CANCEL_STOP_WAIT_MS 30000
 
 /* After a DECODE call ended while the decode still ran in the daemon (the callback stopped it,
  * or a timeout, no memory, lost replies): ends it there too, so that the session, and the
@@ -567,6 +569,8 @@ static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id,
     int timeout_ms = c->timeout_ms;
     if (wait_ms >= 0 && (timeout_ms < 0 || timeout_ms > wait_ms))
         c->timeout_ms = wait_ms;
+    else if (wait_ms < 0 && timeout_ms < 0) /* (a close the check above had not seen yet would wait for ever) */
+        c->timeout_ms = CANCEL_STOP_WAIT_MS;
     int crc = snapkv_cancel(c, id, NULL, NULL);
     c->timeout_ms = timeout_ms;
     if (!crc)

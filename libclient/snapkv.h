@@ -479,7 +479,8 @@ SNAPKV_API void snapkv_sampling_defaults(struct snapkv_sampling *s);
  * way while it runs (SNAPKV_E_TIMEOUT, SNAPKV_E_NOMEM, lost replies) is cancelled the same way,
  * waiting a second at most (two when the client must say HELLO again first); the message says
  * if that CANCEL failed too. No CANCEL is sent when the connection the DECODE went out on has
- * closed since (the daemon stopped or restarted: it drops a gone client's decode). Closing the client (or
+ * closed since (the daemon stopped or restarted: it drops a gone client's decode); the CANCEL
+ * after a callback's stop waits the client's timeout, 30 s when that is -1. Closing the client (or
  * its process ending) cancels it too. Each reply counts the tokens made so far: a streaming
  * client that reads so slowly that the daemon dropped some of its replies gets SNAPKV_E_IO
  * ("lost N streamed tokens"). A DECODE past the daemon's max-decodes or max-decodes-per-tenant
