@@ -1149,7 +1149,9 @@ int snapkv_shm_create(const char *name_hint, size_t size, struct snapkv_shm *out
     }
     /* the pages taken now: a tmpfs without room for them took the ftruncate, and the caller's
      * first write past its room was a SIGBUS */
-    int fa = posix_fallocate(shm.fd, 0, (off_t)size);
+    int fa;
+    while ((fa = posix_fallocate(shm.fd, 0, (off_t)size)) == EINTR) /* (a signal in a large one) */
+        ;
     if (fa && fa != EOPNOTSUPP && fa != EINVAL) {
         rc = skv_client_fail(fa == ENOSPC || fa == EFBIG ? SNAPKV_E_LIMIT : SNAPKV_E_IO,
                              "shm %s: %zu bytes: %s", shm.name, size, strerror(fa));

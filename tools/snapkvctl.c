@@ -1789,8 +1789,10 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
                     original_length);
             goto out_layout;
         }
-    if (strlen(si.model_fingerprint) >= sizeof(((struct export_header *)0)->model_fingerprint)) {
-        fprintf(stderr, "snapkvctl export: the daemon's model fingerprint is longer than an export holds\n");
+    if (strlen(si.model_fingerprint) >= sizeof(((struct export_header *)0)->model_fingerprint) ||
+        !si.model_fingerprint[0]) { /* (import refuses a file that names no model) */
+        fprintf(stderr, "snapkvctl export: the daemon's model fingerprint is %s\n",
+                si.model_fingerprint[0] ? "longer than an export holds" : "empty");
         goto out_layout;
     }
     /* a session's K/V is the tenant's data: the file is its owner's alone (mkstemp's 0600, not
@@ -2787,8 +2789,9 @@ int main(int argc, char **argv)
     int ret = run(argc, argv);
     /* what is still buffered for stdout (a file, a pipe) written now: a full disk or a closed
      * pipe is a failure, not a short output with status 0 */
+    errno = 0;
     if (fflush(stdout) != 0 || ferror(stdout)) {
-        fprintf(stderr, "snapkvctl: writing the output failed: %s\n", strerror(errno));
+        fprintf(stderr, "snapkvctl: writing the output failed%s%s\n", errno ? ": " : "", errno ? strerror(errno) : "");
         if (ret == 0)
             ret = 1;
     }
