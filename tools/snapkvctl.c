@@ -136,9 +136,9 @@ static void usage(FILE *out)
             "  place KEY ENDPOINT...                  which of the endpoints KEY belongs to (rendezvous hashing,\n"
             "                                         snapkv_place): printed, to give as -e; connects to none\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
-            "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cancelled\n"
-            "(by CANCEL or the daemon's stop; chat goes on to its next turn), 130 generate or chat interrupted\n"
-            "(Ctrl-C)\n",
+            "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cut short\n"
+            "(by CANCEL, the daemon's stop, or no room for another token: max-bytes-per-tenant or the pool;\n"
+            "chat goes on to its next turn), 130 generate or chat interrupted (Ctrl-C)\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
 
