@@ -486,6 +486,13 @@ static int tenant_refused(const struct skv_session_table *t, const struct skv_se
                       (unsigned long long)t_free);
 }
 
+static int pool_refused(const struct skv_session_table *t, uint64_t used, uint64_t freed, const char *what)
+{
+    return skv_errorf(SKV_E_POOL_FULL, "KV pool full: %llu of %llu bytes would be in use, and %s %llu",
+                      (unsigned long long)used, (unsigned long long)t->lim.pool_bytes, what,
+                      (unsigned long long)freed);
+}
+
 int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint64_t more_held, uint64_t more_unique,
                         int *evicted_out)
 {
@@ -530,11 +537,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
          * evicting every candidate session could not have spared (a pool of pinned sessions) */
         uint64_t freed = t->cache_held(t->cache_user, NULL, true) + evictable_bytes(t, s, NULL);
         if (used - (freed < used ? freed : used) > t->lim.pool_bytes)
-            return skv_errorf(SKV_E_POOL_FULL,
-                              "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be "
-                              "evicted and the kept prefixes hold %llu",
-                              (unsigned long long)used, (unsigned long long)t->lim.pool_bytes,
-                              (unsigned long long)freed);
+            return pool_refused(t, used, freed, "the sessions that could be evicted and the kept prefixes hold");
     }
     while (used > t->lim.pool_bytes && t->cache_drop && t->cache_drop(t->cache_user, NULL))
         used = pool_bytes_used(t) + more_unique;
@@ -555,11 +558,7 @@ int skv_session_reserve(struct skv_session_table *t, struct skv_session *s, uint
             p_free = freeable_bytes(t, s, keep);
         }
         if (used - (p_free < used ? p_free : used) > t->lim.pool_bytes)
-            return skv_errorf(SKV_E_POOL_FULL,
-                              "KV pool full: %llu of %llu bytes would be in use, and the sessions that could be "
-                              "evicted hold %llu",
-                              (unsigned long long)used, (unsigned long long)t->lim.pool_bytes,
-                              (unsigned long long)p_free);
+            return pool_refused(t, used, p_free, "the sessions that could be evicted hold");
     }
     int evicted = 0; /* *evicted_out: those evicted before a refusal too */
     while (tenant_bytes > t->lim.max_bytes_per_tenant) {

@@ -1918,7 +1918,7 @@ static float kv_value(int layer, int v, int head, int row, int col)
 /* answer_kv's EXPORT_KV layout, as a buggy or hostile daemon might report it: 0 as it is; 1 a
  * head's count past the layer's kept; 2 four heads for the model's three; 3 fewer bytes
  * written than the layout takes */
-static int g_bad_layout;
+static atomic_int g_bad_layout; /* (the fake's thread reads it) */
 
 static bool answer_kv(struct fake *f, const Snapkv__Request *req)
 {

@@ -3496,13 +3496,9 @@ static void submit_compressing_48(struct fixture *f)
     fixed_ids(f, tokens, 48);
     Snapkv__CompressSpec cs = SNAPKV__COMPRESS_SPEC__INIT;
     cs.spec = "policy=snapkv,budget=16,window=4";
-    Snapkv__PrefillRequest p = SNAPKV__PREFILL_REQUEST__INIT;
-    p.tokens = tokens;
-    p.n_tokens = 48;
+    Snapkv__PrefillRequest p;
+    Snapkv__Request req = prefill_req(&p, tokens, 48);
     p.compress = &cs;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_PREFILL;
-    req.prefill = &p;
     req.tenant = "u";
     assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_Z, 5, &req)), SKV_OK);
 }
