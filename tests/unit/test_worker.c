@@ -684,6 +684,14 @@ static void prefill(struct fixture *f, int n, const char *spec, uint8_t sid[16])
     prefill_for(f, NULL, n, spec, sid);
 }
 
+/* The blocks of one unit, a block for each layer and KV head, and *bb a block's bytes. */
+static uint64_t kv_unit(const struct fixture *f, uint64_t *bb)
+{
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    *bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
+    return (uint64_t)mc->n_layers * mc->n_kv_heads;
+}
+
 /* Restarts the worker with a pool of `blocks` KV blocks per layer and KV head; returns the
  * blocks of one such unit (layers x KV heads). */
 static uint64_t restart_with_pool(struct fixture *f, int blocks)
@@ -848,9 +856,8 @@ static void test_refusal_keeps_prefixes(void **state)
 {
     struct fixture *f = *state;
     f->cfg.prefix_reuse = true;
-    const uint64_t bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    f->cfg.prefix_retain_bytes = (int64_t)(4 * (uint64_t)mc->n_layers * mc->n_kv_heads * bb);
+    uint64_t bb;
+    f->cfg.prefix_retain_bytes = (int64_t)(4 * kv_unit(f, &bb) * bb);
     restart_with_pool(f, 8);
     uint8_t a[16], v1[16], v2[16];
     assert_int_equal(prefill_reused(f, NULL, 32, a), 0);
@@ -1021,14 +1028,6 @@ static uint32_t prefill_release_ids(struct fixture *f, const char *tenant, uint3
     return reused;
 }
 
-/* The blocks of one unit, a block for each layer and KV head, and *bb a block's bytes. */
-static uint64_t kv_unit(const struct fixture *f, uint64_t *bb)
-{
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    *bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
-    return (uint64_t)mc->n_layers * mc->n_kv_heads;
-}
-
 /* Kept prefixes that share a document's start (one-shot clients asking different questions
  * about one document) hold its blocks once, and count them once: against prefix-retain-bytes,
  * in STATS, and for the tenant's max-bytes-per-tenant, where the blocks no session holds count
@@ -1174,8 +1173,8 @@ static void test_prefix_keep_room_shared(void **state)
 {
     struct fixture *f = *state;
     struct skv_model *m = f->tiny->m;
-    const uint64_t bb = skv_kv_pool_block_bytes(m->kv_pool),
-                   unit = (uint64_t)m->cfg.n_layers * m->cfg.n_kv_heads;
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
     struct skv_kv_pool_stats ps;
     skv_kv_pool_stats(m->kv_pool, &ps);
     const int br = ps.block_rows;
@@ -3438,6 +3437,26 @@ static void test_nested(void **state)
     snapkv__reply__free_unpacked(alone_b, NULL);
 }
 
+/* restart_with_pool for the nesting tests: no decode yield, a 1 ms fair slice */
+static uint64_t restart_nesting(struct fixture *f, int blocks)
+{
+    f->cfg.decode_yield_ms = 0;
+    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
+    return restart_with_pool(f, blocks);
+}
+
+/* The next n replies, whoever's: each must be ok. */
+static void expect_ok(struct fixture *f, int n)
+{
+    for (int i = 0; i < n; i++) {
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        if (rep->status)
+            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+}
+
 static void submit_full_64_cb(void *f)
 {
     submit_prefill_as(f, ID_X, "t", 64);
@@ -3452,13 +3471,7 @@ static void submit_full_64_cb(void *f)
 static void test_nested_room(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads; /* one block per layer and head */
-    f->cfg.pool_size = (int64_t)(7 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
-    f->cfg.decode_yield_ms = 0;
-    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    const uint64_t unit = restart_nesting(f, 7); /* one block per layer and head */
     uint8_t idle[16];
     prefill_for(f, "v", 16, "policy=full", idle);
     atomic_store(&g_pool_peak, 0);
@@ -3475,13 +3488,7 @@ static void test_nested_room(void **state)
     submit_prefill_as(f, ID_Z, "u", 48);
     usleep(100000); /* past t's slice */
     gate_open();
-    for (int i = 0; i < 2; i++) {
-        uint8_t id[5];
-        Snapkv__Reply *rep = any_reply(f, id);
-        if (rep->status)
-            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
-        snapkv__reply__free_unpacked(rep, NULL);
-    }
+    expect_ok(f, 2);
     atomic_store(&g_track_pool, NULL);
     assert_int_equal(stat(f, "snapkv_requests_nested_total"), 1);
     int count = 0;
@@ -3511,29 +3518,18 @@ static void submit_compressing_48(struct fixture *f)
 static void test_nested_keep(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads,
-                   bb = skv_kv_pool_block_bytes(f->tiny->m->kv_pool);
-    f->cfg.pool_size = (int64_t)(7 * unit * bb);
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
     f->cfg.prefix_retain_bytes = (int64_t)(4 * unit * bb);
     f->cfg.prefix_reuse = true;
-    f->cfg.decode_yield_ms = 0;
-    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    restart_nesting(f, 7);
     atomic_store(&g_pool_peak, 0);
     atomic_store(&g_track_pool, f->tiny->m->kv_pool);
     gate_hold(submit_full_64_cb, f);
     submit_compressing_48(f);
     usleep(100000); /* past t's slice */
     gate_open();
-    for (int i = 0; i < 2; i++) {
-        uint8_t id[5];
-        Snapkv__Reply *rep = any_reply(f, id);
-        if (rep->status)
-            fail_msg("reply %d: %d %s", i, rep->status, rep->message);
-        snapkv__reply__free_unpacked(rep, NULL);
-    }
+    expect_ok(f, 2);
     atomic_store(&g_track_pool, NULL);
     assert_int_equal(stat(f, "snapkv_requests_nested_total"), 1);
     printf("# pool peak %.2f blocks a layer and head; retained %.0f, dropped %.0f\n",
@@ -3554,8 +3550,8 @@ static void test_evict_side_cache(void **state)
 {
     struct fixture *f = *state;
     struct skv_model *m = f->tiny->m;
-    const uint64_t unit = (uint64_t)m->cfg.n_layers * m->cfg.n_kv_heads,
-                   bb = skv_kv_pool_block_bytes(m->kv_pool);
+    uint64_t bb;
+    const uint64_t unit = kv_unit(f, &bb);
     struct skv_kv_pool_stats ps;
     skv_kv_pool_stats(m->kv_pool, &ps);
     const int rows = ps.block_rows;
@@ -3600,13 +3596,7 @@ static void test_evict_side_cache(void **state)
 static void test_nested_room_inner(void **state)
 {
     struct fixture *f = *state;
-    skv_worker_stop(&f->w);
-    const struct skv_model_config *mc = &f->tiny->m->cfg;
-    const uint64_t unit = (uint64_t)mc->n_layers * mc->n_kv_heads;
-    f->cfg.pool_size = (int64_t)(8 * unit * skv_kv_pool_block_bytes(f->tiny->m->kv_pool));
-    f->cfg.decode_yield_ms = 0;
-    assert_int_equal(skv_config_set(&f->cfg, "fair-slice-ms", "1"), SKV_OK);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    const uint64_t unit = restart_nesting(f, 8);
     atomic_store(&g_pool_peak, 0);
     atomic_store(&g_track_pool, f->tiny->m->kv_pool);
     gate_hold(submit_full_64_cb, f);
