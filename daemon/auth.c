@@ -148,9 +148,10 @@ static int key_list_load(const char *path, bool tenants_allowed, struct key_list
         l.keys[l.n++] = k;
     }
     fclose(f);
-    /* (no keys: every client refused; a list emptied to revoke its last key was refused, and a
-     * reload kept the old one) */
-    if (!rc && l.n) /* sorted: looked up at every handshake and request (bsearch); (no keys: no array) */
+    /* no keys is a list too: every client refused (one emptied to revoke its last key was
+     * refused, and a reload kept the old one); sorted: looked up at every handshake and request
+     * (bsearch) */
+    if (!rc && l.n)
         qsort(l.keys, l.n, sizeof *l.keys, by_key);
     for (size_t i = 1; !rc && i < l.n; i++)
         if (memcmp(l.keys[i - 1].key, l.keys[i].key, SKV_KEY_BYTES) == 0) {

@@ -1063,11 +1063,11 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     rc = session_forward_progress(w, s, ids, n, false, NULL, NULL, scores ? &sc : NULL);
     /* on a copy, charged before it is kept: a charge that fails leaves the session as it was
      * (it failed after the copy was kept, and the client was told so of an APPEND that took) */
-    if (copy && !rc)
+    if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
     if (copy)
         undo_end(w, s, &u, rc != SKV_OK);
-    if (rc || (!copy && (rc = skv_session_charge(w->sessions, s, NULL))))
+    if (rc)
         goto fail;
     skv_worker_event_stored(w, s); /* announced again: its blocks as they are now */
     w->metrics.scored_tokens += scores ? (uint64_t)n : 0;

@@ -118,7 +118,7 @@ int snapkv_admin_list(snapkv_client_t *c, const char *tenant, struct snapkv_sess
             goto out_free_reply;
         }
     }
-    char **specs = (char **)(res.sessions + res.n), *at = (char *)(specs + res.n);
+    char **specs = res.n ? (char **)(res.sessions + res.n) : NULL, *at = res.n ? (char *)(specs + res.n) : NULL;
     for (size_t i = 0; i < res.n; i++) {
         rc = session_info(rep->list->sessions[i], "LIST", &res.sessions[i]);
         if (rc) {
@@ -126,9 +126,9 @@ int snapkv_admin_list(snapkv_client_t *c, const char *tenant, struct snapkv_sess
             goto out_free_reply;
         }
         const char *p = rep->list->sessions[i]->policy ? rep->list->sessions[i]->policy : "";
-        specs[i] = at;
-        memcpy(at, p, strlen(p) + 1);
-        at += strlen(p) + 1;
+        size_t len = strlen(p) + 1;
+        specs[i] = memcpy(at, p, len);
+        at += len;
     }
     *out = res;
 

@@ -2002,14 +2002,15 @@ out_close_file:
 
 /* ---- admin: list, inspect, evict, pin, save, load, stats ------------------------------------------------------ */
 
-static json_t *info_json(const struct snapkv_session_info *s)
+/* s as JSON, its spec `policy` (LIST's whole one, or the info's) */
+static json_t *info_json(const struct snapkv_session_info *s, const char *policy)
 {
     char hex[SNAPKV_SESSION_ID_HEX_SIZE];
     id_hex(&s->id, hex);
     return json_pack("{s:s, s:o, s:o, s:i, s:i, s:I, s:I, s:o, s:I, s:I, s:b, s:i}", "session", hex, "tenant",
                      json_text(s->tenant), "owner", json_text(s->owner), "n_tokens", (int)s->n_tokens,
                      "kept_tokens", (int)s->kept_tokens, "bytes", (json_int_t)s->bytes, "shared_bytes",
-                     (json_int_t)s->shared_bytes, "policy", json_text(s->policy),
+                     (json_int_t)s->shared_bytes, "policy", json_text(policy),
                      "created_unix_ms", (json_int_t)s->created_unix_ms, "last_used_unix_ms",
                      (json_int_t)s->last_used_unix_ms, "pinned", s->pinned, "lease_seconds", (int)s->lease_seconds);
 }
@@ -2088,12 +2089,8 @@ static int cmd_list(const struct ctl *c, int argc, char **argv)
     int ret = 0;
     if (c->json) {
         json_t *arr = json_array();
-        for (size_t i = 0; arr && i < l.n; i++) {
-            json_t *o = info_json(&l.sessions[i]);
-            if (o)
-                json_object_set_new(o, "policy", json_text(snapkv_session_list_spec(&l, i)));
-            json_push(&arr, o);
-        }
+        for (size_t i = 0; arr && i < l.n; i++)
+            json_push(&arr, info_json(&l.sessions[i], snapkv_session_list_spec(&l, i)));
         ret = print_json(arr);
     } else {
         /* the spec last, whole (the keys that differ from the defaults, without "policy=") */
@@ -2171,7 +2168,7 @@ static int cmd_inspect(const struct ctl *c, int argc, char **argv)
         return failed("inspect", rc);
     int ret = 0;
     if (c->json) {
-        json_t *j = info_json(&in.info);
+        json_t *j = info_json(&in.info, in.info.policy);
         json_put(&j, "spec", json_text(in.spec));
         json_put(&j, "layers", layers_json(in.layers, in.n_layers, in.layer_similarity, in.n_layer_similarity));
         if (with_hashes) {
