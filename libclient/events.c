@@ -30,6 +30,7 @@ struct snapkv_events {
     bool restarted;               /* return a CLEARED of sequence 0 before the message being read */
     uint64_t published;           /* the newest event number the stream's daemon announced: the last kept
                                    * message's (an event's, or a heartbeat's last event), or a replay's */
+    int64_t heard_ms;             /* when the stream last brought a message (or the subscriber opened) */
 };
 
 int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
@@ -47,6 +48,7 @@ int snapkv_events_open(const char *endpoint, snapkv_events_t **out)
         snapkv_events_close(&ev);
         return rc;
     }
+    ev->heard_ms = skv_client_now_ms();
     *out = ev;
     return SNAPKV_OK;
 }
@@ -121,6 +123,7 @@ static int recv_batch(struct snapkv_events *ev, int64_t deadline, uint64_t *seq,
     rc = recv_frames(ev->sub, parts, 3, &got, "events");
     if (rc)
         return rc;
+    ev->heard_ms = skv_client_now_ms(); /* whatever it is: something is there */
     if (got != 3 || zmq_msg_size(&parts[1]) != 8) {
         rc = skv_client_fail(SNAPKV_E_PROTO, "events: a message of %d frames is not an event", got);
     } else {
@@ -482,6 +485,14 @@ int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endpoint, int t
 uint64_t snapkv_events_published(const snapkv_events_t *ev)
 {
     return ev ? ev->published : 0;
+}
+
+uint64_t snapkv_events_quiet_ms(const snapkv_events_t *ev)
+{
+    if (!ev)
+        return 0;
+    int64_t now = skv_client_now_ms();
+    return now > ev->heard_ms ? (uint64_t)(now - ev->heard_ms) : 0;
 }
 
 void snapkv_events_close(snapkv_events_t **ev_p)

@@ -79,6 +79,7 @@
  * 15:0:11 (still libsnapkv.so.4): snapkv_prefill_scored_top and snapkv_append_scored_top added.
  * 16:0:12 (still libsnapkv.so.4): snapkv_server_legacy_fingerprint added.
  * 17:0:13 (still libsnapkv.so.4): snapkv_session_list_spec added.
+ * 18:0:14 (still libsnapkv.so.4): snapkv_events_quiet_ms added.
  * SNAPKV_PROTOCOL_VERSION is the wire protocol's, versioned on its own. */
 #ifndef SNAPKV_H
 #define SNAPKV_H
@@ -931,6 +932,12 @@ SNAPKV_API int snapkv_events_replay(snapkv_events_t *ev, const char *replay_endp
  * It also is above 0 when the subscription came after events were published and no event was
  * taken yet. After a CLEARED of sequence 0 (another daemon) it is that daemon's number. */
 SNAPKV_API uint64_t snapkv_events_published(const snapkv_events_t *ev);
+/* Milliseconds since the stream last brought a message (an event, or the heartbeat the daemon
+ * sends every events-heartbeat-seconds while it has none), as the snapkv_events_next() calls
+ * so far read it; since snapkv_events_open() when none came. A stream quiet much longer than
+ * the heartbeat's interval comes from no daemon: it is down, or the endpoint is not its
+ * events-endpoint (or its heartbeat is off: events-heartbeat-seconds 0). 0 for NULL. */
+SNAPKV_API uint64_t snapkv_events_quiet_ms(const snapkv_events_t *ev);
 /* Accepts NULL and *ev == NULL; sets *ev to NULL. */
 SNAPKV_API void snapkv_events_close(snapkv_events_t **ev);
 /* A session's block hashes as its stored event carried them (through INSPECT on the admin

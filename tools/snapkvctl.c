@@ -130,7 +130,9 @@ static void usage(FILE *out)
             "  events ENDPOINT [--count N] [--replay R] the KV events of a daemon's events-endpoint, one per line,\n"
             "                                         until N came (default: for ever); --replay: first the\n"
             "                                         sessions it holds now, from its events-replay-endpoint R\n"
-            "                                         (and again when it finds events were missed)\n"
+            "                                         (and again when it finds events were missed); says on\n"
+            "                                         stderr when nothing, not even a heartbeat, came for\n"
+            "                                         --timeout, and waits on\n"
             "other:\n"
             "  keygen NAME                            CURVE key pair: NAME.pub (public) and NAME.key (secret, 0600)\n"
             "  place KEY ENDPOINT...                  which of the endpoints KEY belongs to (rendezvous hashing,\n"
@@ -2517,11 +2519,19 @@ static int cmd_events(const struct ctl *c, int argc, char **argv)
     }
     int ret = 0;
     uint64_t last = 0; /* the last event's sequence, once there is one (have) */
-    bool have = false;
+    bool have = false, told = false; /* told: the silence below was said */
     for (long n = 0; count < 0 || n < count; n++) {
         struct snapkv_event e;
         int rc;
         while ((rc = snapkv_events_next(ev, 1000, &e)) == SNAPKV_E_TIMEOUT) {
+            /* not even a heartbeat for --timeout: said once a silence, and waited on (a daemon
+             * that restarts comes back on the same endpoint) */
+            uint64_t quiet = snapkv_events_quiet_ms(ev);
+            if (c->timeout_ms >= 0 && quiet >= (uint64_t)c->timeout_ms && !told)
+                fprintf(stderr, "snapkvctl events: nothing from %s for %llu s, not even a heartbeat: is the "
+                        "daemon up, and this its events-endpoint? (still waiting)\n", argv[1],
+                        (unsigned long long)quiet / 1000);
+            told = c->timeout_ms >= 0 && quiet >= (uint64_t)c->timeout_ms;
             /* a quiet stream: the daemon's heartbeat says whether events were missed at its end */
             uint64_t published = snapkv_events_published(ev);
             if (!have || published <= last)

@@ -3683,6 +3683,84 @@ static void test_events_missed_then_quiet(void **state)
     zmq_ctx_term(ctx);
 }
 
+/* The text of file path (at most size - 1 bytes; "" when it cannot be read). */
+static const char *file_text(const char *path, char *buf, size_t size)
+{
+    FILE *f = fopen(path, "r");
+    size_t got = f ? fread(buf, 1, size - 1, f) : 0;
+    buf[got] = '\0';
+    if (f)
+        fclose(f);
+    return buf;
+}
+
+/* snapkvctl events on a stream that goes silent, not even a heartbeat (the daemon died, or the
+ * endpoint is not its events-endpoint): said once on stderr after --timeout, not while
+ * heartbeats come, and the wait goes on to the next event. */
+static void test_events_silent(void **state)
+{
+    (void)state;
+    char ep[128], out_path[128], err_path[128], ctl[4096];
+    snprintf(ep, sizeof ep, "ipc:///tmp/skv-silent-events-%d.sock", (int)getpid());
+    snprintf(out_path, sizeof out_path, "/tmp/skv-silent-events-%d.out", (int)getpid());
+    snprintf(err_path, sizeof err_path, "/tmp/skv-silent-events-%d.err", (int)getpid());
+    built(ctl, sizeof ctl, "snapkvctl");
+    void *ctx = zmq_ctx_new(), *pub = zmq_socket(ctx, ZMQ_XPUB);
+    int linger = 0, timeout = 30000;
+    zmq_setsockopt(pub, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(pub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    assert_int_equal(zmq_bind(pub, ep), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen(out_path, "w", stdout) || !freopen(err_path, "w", stderr))
+            _exit(126);
+        execl(ctl, ctl, "--timeout", "1500", "events", ep, "--count", "1", (char *)NULL);
+        _exit(127);
+    }
+    char sub[32];
+    assert_true(zmq_recv(pub, sub, sizeof sub, 0) > 0); /* its subscription */
+    static char err[4096];
+    for (int i = 0; i < 10; i++) { /* 3 s of heartbeats, 0.3 s apart: nothing to say */
+        publish_batch(pub, 9, 0, NULL);
+        usleep(300 * 1000);
+    }
+    assert_string_equal(file_text(err_path, err, sizeof err), "");
+    bool said = false; /* then silence */
+    for (int i = 0; i < 100 && !said; i++) {
+        usleep(100 * 1000);
+        said = strstr(file_text(err_path, err, sizeof err), "snapkvctl events: nothing from ipc:///tmp/skv-silent"
+                      "-events-") != NULL;
+    }
+    if (!said) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        fail_msg("snapkvctl said nothing of a silent stream: '%s'", err);
+    }
+    assert_non_null(strstr(err, " s, not even a heartbeat: is the daemon up, and this its events-endpoint? "
+                                "(still waiting)\n"));
+    usleep(2500 * 1000); /* a longer silence: said once */
+    static const uint8_t id1[16] = {1};
+    publish_batch(pub, 9, 1, id1);
+    int st = -1;
+    for (int i = 0; i < 300 && waitpid(pid, &st, WNOHANG) != pid; i++)
+        usleep(100 * 1000);
+    if (!WIFEXITED(st)) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+        fail_msg("snapkvctl events did not end after its event");
+    }
+    assert_int_equal(WEXITSTATUS(st), 0);
+    static char out[4096];
+    assert_true(strncmp(file_text(out_path, out, sizeof out), "1 stored 01000000000000000000000000000000 t", 43) == 0);
+    file_text(err_path, err, sizeof err);
+    assert_null(strstr(strstr(err, "nothing from") + 1, "nothing from"));
+    unlink(out_path);
+    unlink(err_path);
+    zmq_close(pub);
+    zmq_ctx_term(ctx);
+}
+
 /* SnapKV re-scoring while decoding through the daemon: the spec string travels, DECODE gives
  * the in-process engine's tokens, and INSPECT shows every layer back at the decode budget
  * (48 kept at prefill, 12 tokens decoded, cut to 40 at 4, 8 and 12). A ratio's floor travels
@@ -6413,6 +6491,7 @@ int main(void)
         cmocka_unit_test_teardown(test_kv_events_replay, kill_daemons),
         cmocka_unit_test_teardown(test_kv_events_kept, kill_daemons),
         cmocka_unit_test(test_events_missed_then_quiet),
+        cmocka_unit_test(test_events_silent),
         cmocka_unit_test_teardown(test_refused_requests_dropped, kill_daemons),
         cmocka_unit_test_teardown(test_sigterm_full_queue, kill_daemons),
         cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
