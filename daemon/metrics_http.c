@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -34,6 +35,7 @@ struct slot {
     int fd;
     int64_t deadline;             /* READING: the head's; DRAINING: the drain's */
     size_t len;                   /* READING: head bytes so far; DRAINING: bytes drained */
+    uint8_t peer[17];             /* the client's address (family, then its bytes): whose it is */
     char buf[SKV_METRICS_MAX_REQUEST];
 };
 
@@ -217,15 +219,56 @@ static void slot_expire(struct skv_metrics_http *h, struct slot *sl, int64_t now
     }
 }
 
-/* A new connection's slot: a free one, or, all taken, the one reading longest (its client
- * silent the most) or failing that draining longest, closed without an answer. */
+/* The address of the client connected on fd, as a key: its family, then its bytes (an IPv4
+ * client of an IPv6 socket, ::ffff:a.b.c.d, is keyed as the IPv4 one). */
+static void peer_key(int fd, uint8_t key[17])
+{
+    struct sockaddr_storage a;
+    socklen_t len = sizeof a;
+    memset(key, 0, 17);
+    if (getpeername(fd, (struct sockaddr *)&a, &len) != 0)
+        return;
+    if (a.ss_family == AF_INET6) {
+        const uint8_t *b = ((const struct sockaddr_in6 *)&a)->sin6_addr.s6_addr;
+        static const uint8_t v4mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        if (memcmp(b, v4mapped, 12) == 0) {
+            key[0] = AF_INET;
+            memcpy(key + 1, b + 12, 4);
+        } else {
+            key[0] = AF_INET6;
+            memcpy(key + 1, b, 16);
+        }
+    } else if (a.ss_family == AF_INET) {
+        key[0] = AF_INET;
+        memcpy(key + 1, &((const struct sockaddr_in *)&a)->sin_addr, 4);
+    }
+}
+
+/* A new connection's slot: a free one, or, all taken, one of the client that holds the most
+ * (a flood from one address pushes out its own connections, not a scraper's from another):
+ * of its, the one reading longest (silent the most) or failing that draining longest, closed
+ * without an answer. */
 static struct slot *slot_take(struct skv_metrics_http *h)
 {
+    int most = 0;
+    const uint8_t *flooder = NULL;
+    for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++) {
+        const struct slot *sl = &h->slots[i];
+        if (sl->st == SLOT_FREE)
+            return &h->slots[i];
+        int n = 0;
+        for (int j = 0; j < SKV_METRICS_CONNECTIONS; j++)
+            n += memcmp(h->slots[j].peer, sl->peer, sizeof sl->peer) == 0;
+        if (n > most) {
+            most = n;
+            flooder = sl->peer;
+        }
+    }
     struct slot *oldest = NULL;
     for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++) {
         struct slot *sl = &h->slots[i];
-        if (sl->st == SLOT_FREE)
-            return sl;
+        if (memcmp(sl->peer, flooder, sizeof sl->peer) != 0)
+            continue;
         if (!oldest || (sl->st == SLOT_READING && oldest->st != SLOT_READING) ||
             (sl->st == oldest->st && sl->deadline < oldest->deadline))
             oldest = sl;
@@ -278,7 +321,11 @@ static void *http_main(void *arg)
             continue;
         }
         struct slot *sl = slot_take(h);
-        *sl = (struct slot){.st = SLOT_READING, .fd = fd, .deadline = mono_ms() + SKV_METRICS_TIMEOUT_MS};
+        sl->st = SLOT_READING;
+        sl->fd = fd;
+        sl->deadline = mono_ms() + SKV_METRICS_TIMEOUT_MS;
+        sl->len = 0;
+        peer_key(fd, sl->peer);
     }
     for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++)
         if (h->slots[i].st != SLOT_FREE)

@@ -716,6 +716,48 @@ static void test_metrics_limits(void **state)
         close(idle[i]);
 }
 
+/* A flood of silent connections from one address (127.0.0.1) does not push out a scraper's from
+ * another (127.0.0.2, connected before the flood and sending its request after it): the
+ * connection closed to make room is the flood's own (before, the one silent the longest: the
+ * scraper's, which read a close and no answer). */
+static void test_metrics_flood(void **state)
+{
+    NEED_DAEMON(d);
+    int scraper = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(scraper >= 0);
+    struct sockaddr_in from = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000002)};
+    assert_int_equal(bind(scraper, (struct sockaddr *)&from, sizeof from), 0);
+    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)d->metrics_port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct timeval tv = {.tv_sec = 10};
+    setsockopt(scraper, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    assert_int_equal(connect(scraper, (struct sockaddr *)&to, sizeof to), 0);
+    usleep(100 * 1000); /* accepted: the oldest silent connection there is */
+    enum { N_FLOOD = 80 }; /* 2.5 x the 32 served at once */
+    int flood[N_FLOOD];
+    for (int i = 0; i < N_FLOOD; i++) {
+        flood[i] = metrics_connect(d);
+        usleep(2000); /* each accepted before the next: every one past the 32nd takes a slot */
+    }
+    usleep(100 * 1000);
+    const char get[] = "GET /metrics HTTP/1.1\r\n\r\n";
+    assert_int_equal(send(scraper, get, sizeof get - 1, MSG_NOSIGNAL), (ssize_t)(sizeof get - 1));
+    char *buf = malloc(1 << 16);
+    read_all(scraper, buf, 1 << 16);
+    close(scraper);
+    int closed = 0; /* the flood's connections closed to make room: read 0 bytes (no answer) */
+    for (int i = 0; i < N_FLOOD; i++) {
+        struct pollfd q = {.fd = flood[i], .events = POLLIN};
+        char c;
+        closed += poll(&q, 1, 0) == 1 && recv(flood[i], &c, 1, MSG_DONTWAIT) == 0;
+        close(flood[i]);
+    }
+    printf("# a scrape from 127.0.0.2 behind %d silent connections from 127.0.0.1: %.17s; %d of them closed\n",
+           N_FLOOD, buf, closed);
+    assert_true(strncmp(buf, "HTTP/1.1 200 OK\r\n", 17) == 0);
+    free(buf);
+}
+
 /* Two daemons with persist on one state-dir: the second is refused at start, naming the first's
  * pid (before, it started, restored the first one's sessions under their ids and deleted the
  * first one's files at its start and at each checkpoint); the first stops cleanly after. */
@@ -1489,6 +1531,7 @@ int main(void)
         cmocka_unit_test(test_second_daemon_refused),
         cmocka_unit_test(test_metrics_http),
         cmocka_unit_test(test_metrics_limits),
+        cmocka_unit_test(test_metrics_flood),
         cmocka_unit_test(test_metrics_port_taken),
         cmocka_unit_test(test_state_dir_locked),
         cmocka_unit_test(test_text_limits),
