@@ -1343,7 +1343,8 @@ static bool all_finite(const float *x, size_t n)
  * without the check a client could have it write into another's buffer (EXPORT_KV) or read
  * another's exported cache into a session of its own (IMPORT_KV), names being listed in
  * /dev/shm for all to see. A tcp:// client's user is not known: it may not name one. */
-static int open_buffer(const struct skv_job *job, const Snapkv__BufferRef *b, uint64_t need, int *fd_out)
+static int open_buffer(const struct skv_job *job, const Snapkv__BufferRef *b, uint64_t need, bool writing,
+                       int *fd_out)
 {
     if (job->uid < 0)
         return skv_errorf(SKV_E_PERM, "a shared-memory buffer may be named only over an ipc:// endpoint, whose "
@@ -1382,6 +1383,16 @@ static int open_buffer(const struct skv_job *job, const Snapkv__BufferRef *b, ui
         close(fd);
         return skv_errorf(SKV_E_LIMIT, "%s holds %llu bytes; %llu are needed from offset %llu", name,
                           (unsigned long long)size, (unsigned long long)need, (unsigned long long)b->offset);
+    }
+    /* pages the daemon's writes allocate in a tmpfs object are charged to the daemon (its
+     * cgroup's memory), not to the client that made the object: an EXPORT_KV writes only into
+     * pages the client allocated (posix_fallocate, as snapkv_shm_create does), else a client
+     * could grow the daemon's memory with sparse objects it never unlinks */
+    if (writing && (uint64_t)sb.st_blocks * 512 < size) { /* (SEEK_HOLE sees fallocated tmpfs pages as holes) */
+        close(fd);
+        return skv_errorf(SKV_E_INVAL, "%s has %llu of its %llu bytes allocated: allocate the whole buffer before "
+                          "an EXPORT_KV (posix_fallocate; snapkv_shm_create does)", name,
+                          (unsigned long long)sb.st_blocks * 512, (unsigned long long)size);
     }
     *fd_out = fd;
     return SKV_OK;
@@ -1514,7 +1525,7 @@ static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snap
         return skv_errorf(SKV_E_INVAL, "a buffer is required");
     if (b->kind_case == SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
         x->base = b->offset;
-        return open_buffer(job, b, need, &x->fd);
+        return open_buffer(job, b, need, !import, &x->fd);
     }
     if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
         return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");

@@ -299,7 +299,7 @@ def run(ctx, daemon, ep, admin_ep, events_ep):
     size = 8 << 20
     fd = os.open(f"/dev/shm{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # the pages the client's, not the daemon's
         buf = mmap.mmap(fd, size)
         rep = c.call("export_kv", pb.ExportKvRequest(session_id=sid, buffer=pb.BufferRef(shm_name=name, size=size)))
         ex = rep.export_kv
