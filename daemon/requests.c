@@ -2123,6 +2123,8 @@ static bool decode_reply(struct skv_worker *w, struct skv_decode *d, bool final,
     dr.text = (char *)text;
     dr.n_generated = d->produced;
     dr.finish_reason = (char *)(reason ? reason : "");
+    if (reason && strcmp(reason, "error") == 0)
+        rep.message = d->error; /* what ended it; the status is OK: the tokens so far went in */
     const size_t first = n ? lp_slot(d, d->produced - (uint32_t)n) : 0; /* the reply's first token's slot */
     Snapkv__TopLogprobs one, *one_ptr = &one, *tops = NULL, **top_ptrs = NULL;
     if (d->logprobs && n) {
@@ -2228,10 +2230,11 @@ static void decode_end_early(struct skv_worker *w, struct skv_decode *d, const c
     free(all);
 }
 
-/* After the token's forward (rc): charge the session and reply; true when d is finished. A token
- * refused room (the tenant's quota, the pool) after others went in ends the decode with them,
- * finish_reason "limit": they are in the session, and a collected decode's client would
- * otherwise never learn them (an error reply carries none). */
+/* After the token's forward (rc): charge the session and reply; true when d is finished. A
+ * token that fails after others went in ends the decode with them, so that a collected decode's
+ * client learns what its session now holds (an error reply carries no token): refused room (the
+ * tenant's quota, the pool), finish_reason "limit"; any other failure (out of memory, the
+ * device), finish_reason "error" and the reason in the reply's message, status OK. */
 static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
 {
     struct skv_session *s = d->session;
@@ -2242,15 +2245,20 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     s->last_used_ms = skv_now_ms();
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
-    if ((rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL) && d->produced > (in ? 0u : 1u)) {
-        skv_log(SKV_LOG_DEBUG, "a decode ends after %u tokens: %s", d->produced - !in, skv_error_msg());
+    if (rc && d->produced > (in ? 0u : 1u)) {
+        const bool limit = rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL;
+        skv_log(limit ? SKV_LOG_DEBUG : SKV_LOG_WARN, "a decode ends after %u tokens: %s", d->produced - !in,
+                skv_error_msg());
+        if (!limit)
+            snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: %s",
+                     d->produced - !in, skv_error_msg());
         if (!in) {
-            d->produced--; /* the refused one never entered */
-            decode_end_early(w, d, "limit");
+            d->produced--; /* the failed one never entered */
+            decode_end_early(w, d, limit ? "limit" : "error");
             return true;
         }
-        if (!d->reason) /* in, its charge refused: the last (an eos, a stop, the length stand) */
-            d->reason = "limit";
+        if (!d->reason || !limit) /* in, its charge refused: the last (an eos, a stop, the length stand) */
+            d->reason = limit ? "limit" : "error";
         rc = SKV_OK;
     }
     if (rc) {
@@ -2279,8 +2287,11 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         while (cap < d->text_len + len + 1)
             cap *= 2;
         char *grown = realloc(d->text, cap);
-        if (!grown) {
-            skv_requests_fail(w, d->job, SKV_E_NOMEM, "no memory for the decoded text");
+        if (!grown) { /* the token is in: the decode ends with its tokens, the text as far as it got */
+            snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: "
+                     "no memory for the decoded text (the reply's ends before the last token's)", d->produced);
+            d->reason = "error";
+            (void)decode_reply(w, d, true, d->reason, d->out, d->produced, d->text ? d->text : "");
             return true;
         }
         d->text = grown;

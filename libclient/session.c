@@ -741,6 +741,8 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
             .n_generated = r->n_generated,
         };
         snprintf(res.finish_reason, sizeof res.finish_reason, "%s", r->finish_reason ? r->finish_reason : "");
+        if (strcmp(res.finish_reason, "error") == 0) /* why, for snapkv_last_error() */
+            (void)skv_client_fail(SNAPKV_OK, "%s", rep->message && *rep->message ? rep->message : "the decode failed");
         acc.tokens = NULL;
         acc.text = NULL;
         *out = res;

@@ -497,8 +497,10 @@ struct snapkv_decode_result {
     /* "length" | "stop" | "eos", or "cancelled": a CANCEL from another connection
      * (snapkv_cancel) or the daemon shutting down ended it; or "limit": the tenant's
      * max-bytes-per-tenant or the pool had no room for another token (a decode none of whose
-     * tokens went in is an error, SNAPKV_E_LIMIT / SNAPKV_E_POOL_FULL). With "cancelled" and "limit" the call
-     * still succeeds with the tokens made so far and their text, all of them in the session */
+     * tokens went in is an error, SNAPKV_E_LIMIT / SNAPKV_E_POOL_FULL); or "error": the daemon
+     * failed a later token (out of memory, the device), snapkv_last_error() says how. With
+     * "cancelled", "limit" and "error" the call still succeeds with the tokens made so far and
+     * their text, all of them in the session */
     char finish_reason[16];
 };
 /* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the

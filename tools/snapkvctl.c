@@ -139,8 +139,9 @@ static void usage(FILE *out)
             "                                         snapkv_place): printed, to give as -e; connects to none\n"
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
             "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cut short\n"
-            "(by CANCEL, the daemon's stop, or no room for another token: max-bytes-per-tenant or the pool;\n"
-            "chat goes on to its next turn), 130 generate or chat interrupted (Ctrl-C)\n",
+            "(by CANCEL, the daemon's stop, no room for another token: max-bytes-per-tenant or the pool, or a\n"
+            "later token failed; the tokens printed are in the session; chat goes on to its next turn),\n"
+            "130 generate or chat interrupted (Ctrl-C)\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
 
@@ -884,6 +885,10 @@ static int cmd_config(const struct ctl *c, const char *key)
 static int decode_cut(const char *cmd, const struct snapkv_decode_result *dr)
 {
     bool limit = strcmp(dr->finish_reason, "limit") == 0;
+    if (strcmp(dr->finish_reason, "error") == 0) {
+        fprintf(stderr, "snapkvctl %s: %s\n", cmd, snapkv_last_error());
+        return 3;
+    }
     if (!limit && strcmp(dr->finish_reason, "cancelled") != 0)
         return 0;
     fprintf(stderr, "snapkvctl %s: the decode %s after %zu token(s) (%s)%s\n", cmd, limit ? "stopped" : "was cancelled",

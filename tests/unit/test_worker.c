@@ -118,8 +118,14 @@ static int tracked_upload(struct skv_backend *be, void *dst, const void *src, si
 /* When set: every rmsnorm waits this long (a decode that lasts, whatever the machine's speed). */
 static atomic_int g_slow_rmsnorm_us;
 
+/* rmsnorm calls so far, and the one that fails with a device error (0: none) */
+static atomic_long g_rmsnorm_calls, g_fail_rmsnorm_at;
+
 static int gated_rmsnorm(struct skv_backend *be, float *out, const float *x, const float *w, int n, int dim, float eps)
 {
+    long call = atomic_fetch_add(&g_rmsnorm_calls, 1) + 1;
+    if (call == atomic_load(&g_fail_rmsnorm_at))
+        return skv_errorf(SKV_E_DEVICE, "test: the device failed");
     int slow = atomic_load(&g_slow_rmsnorm_us);
     if (slow)
         usleep((useconds_t)slow);
@@ -459,6 +465,7 @@ static int setup(void **state)
     g_ops.device_lost = fake_device_lost;
     atomic_store(&g_device_gone, false);
     atomic_store(&g_slow_rmsnorm_us, 0);
+    atomic_store(&g_fail_rmsnorm_at, 0);
     g_real_rmsnorm = g_ops.rmsnorm;
     g_ops.rmsnorm = gated_rmsnorm;
     g_real_download = g_ops.download;
@@ -1538,6 +1545,57 @@ static void test_append_copy_ring(void **state)
     printf("# an APPEND of 64: would hold %llu bytes with no ring allocated, %llu with one (a ring: %llu)\n", before,
            after, (unsigned long long)ring);
     assert_int_equal(after - before, ring);
+}
+
+/* A collected DECODE whose 5th token's forward fails (a device error, in its second layer's
+ * norm) after 4 tokens went in: an OK reply with those 4, finish_reason "error" and the reason in
+ * its message; the session holds them (before: an error reply with no token, the session 4 tokens
+ * longer than its client knew). Streamed: the same final reply after 4 token replies. */
+static void test_decode_fails_midway(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t sid[16];
+    prefill(f, 8, "policy=full", sid);
+    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+    sm.max_tokens = 1;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, sid};
+    d.sampling = &sm;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+    long c0 = atomic_load(&g_rmsnorm_calls);
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req); /* one token's forward: its rmsnorm calls */
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    long per_token = atomic_load(&g_rmsnorm_calls) - c0;
+    assert_true(per_token > 3);
+    for (int stream = 0; stream < 2; stream++) {
+        uint8_t s2[16];
+        prefill(f, 8, "policy=full", s2);
+        d.session_id = (ProtobufCBinaryData){16, s2};
+        d.stream = stream;
+        sm.max_tokens = 12;
+        atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + 4 * per_token + 3);
+        rep = call(f, 0, ID_X, &req);
+        int n_streamed = 0;
+        while (rep->status == SKV_OK && !rep->final) {
+            n_streamed += (int)rep->decode->n_tokens;
+            snapkv__reply__free_unpacked(rep, NULL);
+            rep = next_reply(f, 0, ID_X, 5);
+        }
+        atomic_store(&g_fail_rmsnorm_at, 0);
+        if (rep->status)
+            fail_msg("DECODE (stream %d): %d %s", stream, rep->status, rep->message);
+        assert_string_equal(rep->decode->finish_reason, "error");
+        assert_int_equal(rep->decode->n_generated, 4);
+        assert_int_equal(rep->decode->n_tokens, stream ? 0 : 4);
+        assert_int_equal(n_streamed, stream ? 4 : 0);
+        assert_non_null(strstr(rep->message, "the decode failed after 4 token(s), which are in the session: test: "
+                                             "the device failed"));
+        snapkv__reply__free_unpacked(rep, NULL);
+        assert_int_equal(listed(f, s2, NULL, NULL), 12);
+    }
 }
 
 static void test_decode_over_quota(void **state)
@@ -6290,6 +6348,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_retain_random, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
