@@ -1047,10 +1047,11 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         all.top[0] = all.top_n ? all.top_ids[0] : skv_argmax(s->logits, w->m->cfg.n_vocab);
     }
     const struct prompt_scores sc = scores ? prompt_scores_from(&all, 1) : all;
-    /* a long one may stop part way: the engine's undo drops the rows it added, and where the
-     * session's upkeep evicts or re-scores rows too, it runs on a copy */
+    /* a long one may stop part way, and any may fail part way (memory, the device): the
+     * engine's undo drops the rows it added, and where the session's upkeep evicts or re-scores
+     * rows too (the layers before the failure would keep their evictions), it runs on a copy */
     struct session_undo u;
-    bool copy = n >= 64 && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
+    bool copy = s->comp && !skv_compressor_decode_keeps_rows(s->comp);
     if (copy && (rc = undo_begin(w, s, &u)))
         goto fail;
     /* the room, counted on the cache the forward writes: on a copy every block is shared with

@@ -682,6 +682,39 @@ static int by_head_idx(const void *a, const void *b)
     return x->idx < y->idx ? -1 : x->idx > y->idx;
 }
 
+/* A head's rows over its budget after a decoded token or a short APPEND: at most this many are
+ * found in one pass (n * over comparisons) instead of a sort of all n. */
+#define FEW_OVER 8
+
+/* Copies the n rows of seg (in index order) but the `drop` last in by_keep_order into out, in
+ * the same order (out may be seg or before it); returns how many were copied. The same rows a
+ * sort by by_keep_order would keep first (a total order: no ties). */
+static int keep_all_but_worst(const struct row *seg, int n, int drop, struct row *out)
+{
+    int worst[FEW_OVER]; /* indices into seg, in by_keep_order: worst[nw - 1] is the very worst */
+    int nw = 0;
+    for (int j = 0; j < n && drop > 0; j++) {
+        if (nw == drop) {
+            if (by_keep_order(&seg[j], &seg[worst[0]]) < 0)
+                continue; /* better than every one held */
+            memmove(worst, worst + 1, (size_t)--nw * sizeof *worst); /* the best held one is kept */
+        }
+        int at = nw++;
+        for (; at > 0 && by_keep_order(&seg[worst[at - 1]], &seg[j]) > 0; at--)
+            worst[at] = worst[at - 1];
+        worst[at] = j;
+    }
+    int k = 0;
+    for (int j = 0; j < n; j++) {
+        bool dropped = false;
+        for (int i = 0; i < nw && !dropped; i++)
+            dropped = worst[i] == j;
+        if (!dropped)
+            out[k++] = seg[j]; /* (out[k] is at or before seg[j]: nothing unread is written) */
+    }
+    return k;
+}
+
 /* Writes the rows of head h of the layer into out[]: policy keys, must flags. w_obs: the
  * observation / recent window in rows. */
 static void classify(const struct skv_compressor *c, const struct skv_kv_head *kh, int h, int w_obs, int budget,
@@ -728,9 +761,10 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
 /* Keeps the chosen rows (sorted by head, then index) and compacts each head in place; each
  * head keeps room for `slack` more rows and gives the rest of its memory back. */
 static int compact(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, struct row *keep, int n_keep,
-                   int slack)
+                   int slack, bool sorted)
 {
-    qsort(keep, (size_t)n_keep, sizeof *keep, by_head_idx);
+    if (!sorted)
+        qsort(keep, (size_t)n_keep, sizeof *keep, by_head_idx);
     int at = 0;
     for (int h = 0; h < c->n_kv; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
@@ -800,17 +834,25 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
     if (rc)
         return rc;
     int n_keep = 0;
+    bool sorted = !head_gran; /* the kept rows by head and index (no sort before compact) */
     if (!head_gran) {
-        /* per head: classify into its own segment, sort, move the best `budget` rows to the
-         * front (segments only move towards the start, never over a later head's) */
+        /* per head: classify into its own segment, and keep the best `budget` rows, moved to
+         * the front in index order (segments only move towards the start, never over a later
+         * head's): a few rows over (a decoded token's), the worst found in one pass; more,
+         * by a sort */
         int base = 0;
         for (int h = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
             struct row *seg = c->rows + base;
             classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, seg);
-            qsort(seg, (size_t)kh->len, sizeof *seg, by_keep_order);
             int k = kh->len < budget ? kh->len : budget;
-            memmove(c->rows + n_keep, seg, (size_t)k * sizeof *seg);
+            if (kh->len - k <= FEW_OVER) {
+                k = keep_all_but_worst(seg, kh->len, kh->len - k, c->rows + n_keep);
+            } else {
+                qsort(seg, (size_t)kh->len, sizeof *seg, by_keep_order);
+                qsort(seg, (size_t)k, sizeof *seg, by_head_idx);
+                memmove(c->rows + n_keep, seg, (size_t)k * sizeof *seg);
+            }
             n_keep += k;
             base += kh->len;
         }
@@ -832,7 +874,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         qsort(c->rows, (size_t)base, sizeof *c->rows, by_keep_order);
         n_keep = quota < base ? quota : base;
     }
-    return compact(c, cache, layer, c->rows, n_keep, slack);
+    return compact(c, cache, layer, c->rows, n_keep, slack, sorted);
 }
 
 /* SnapKV's scores of layer `layer`: the attention of the queries q[q_first..nq) (those of the

@@ -1598,6 +1598,45 @@ static void test_decode_fails_midway(void **state)
     }
 }
 
+/* A short APPEND (4 tokens) on a session whose policy evicts as it goes (streaming), failing in
+ * its forward's last norm after every layer's upkeep evicted: an error, and the session as it
+ * was, every layer's positions (before, only long APPENDs ran on a copy: the earlier layers had
+ * lost rows a retry would then not have). */
+static uint32_t *inspect_positions(struct fixture *f, const uint8_t sid[16], size_t *n);
+
+static void test_append_fails_keeps_rows(void **state)
+{
+    struct fixture *f = *state;
+    const char *spec = "policy=streaming,budget=16,sinks=2";
+    uint8_t twin[16], sid[16];
+    prefill(f, 16, spec, twin);
+    prefill(f, 16, spec, sid);
+    long c0 = atomic_load(&g_rmsnorm_calls);
+    assert_int_equal(append(f, twin, 4, NULL), SKV_OK); /* a forward of 4 tokens: its rmsnorm calls */
+    long per_forward = atomic_load(&g_rmsnorm_calls) - c0;
+    assert_true(per_forward > 3);
+    size_t n0, n1;
+    uint32_t *p0 = inspect_positions(f, sid, &n0);
+    atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + per_forward); /* the final norm */
+    int rc = append(f, sid, 4, NULL);
+    atomic_store(&g_fail_rmsnorm_at, 0);
+    assert_int_equal(rc, SKV_E_DEVICE);
+    uint32_t *p1 = inspect_positions(f, sid, &n1);
+    assert_int_equal(n1, n0);
+    assert_memory_equal(p1, p0, n0 * sizeof *p0);
+    assert_int_equal(listed(f, sid, NULL, NULL), 16);
+    free(p0);
+    free(p1);
+    /* and the retry gives what the twin got */
+    assert_int_equal(append(f, sid, 4, NULL), SKV_OK);
+    p0 = inspect_positions(f, twin, &n0);
+    p1 = inspect_positions(f, sid, &n1);
+    assert_int_equal(n1, n0);
+    assert_memory_equal(p1, p0, n0 * sizeof *p0);
+    free(p0);
+    free(p1);
+}
+
 static void test_decode_over_quota(void **state)
 {
     struct fixture *f = *state;
@@ -6349,6 +6388,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_append_fails_keeps_rows, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
