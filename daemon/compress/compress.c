@@ -860,11 +860,19 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         /* one top-k over all heads of the layer (Ada-KV): each head's must-keep rows first
          * (at most budget per head), then the best scored rows of any head */
         int base = 0, quota = budget * c->n_kv;
+        bool must_fit = true; /* no head has more must-keep rows than the per-head budget */
         for (int h = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
             classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, c->rows + base);
+            int must = 0;
+            for (int j = 0; j < kh->len; j++)
+                must += c->rows[base + j].must;
+            must_fit &= must <= budget;
             base += kh->len;
         }
+        if (must_fit && base - quota <= FEW_OVER) /* a decoded token's: the worst in one pass */
+            return compact(c, cache, layer, c->rows, keep_all_but_worst(c->rows, base, base - quota, c->rows), slack,
+                           true);
         /* cap must-keep rows per head at the per-head budget */
         qsort(c->rows, (size_t)base, sizeof *c->rows, by_keep_order);
         int must_per_head[SKV_MAX_KV_HEADS] = {0};
