@@ -424,7 +424,10 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
         return SKV_OK;
     fo->hook = skv_compressor_hook;
     fo->hook_user = s->comp;
-    return compress ? skv_compressor_begin(s->comp, s->cache, n) : skv_compressor_begin_decode(s->comp, s->cache);
+    if (compress)
+        return skv_compressor_begin(s->comp, s->cache, n);
+    int rc = skv_compressor_begin_decode(s->comp, s->cache);
+    return rc ? rc : skv_compressor_decode_reserve(s->comp, s->cache, n); /* in the forward, it would fail a group */
 }
 
 /* A compressing PREFILL's hook when it also keeps its prompt's rows (prefix-retain-bytes): each

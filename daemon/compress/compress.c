@@ -592,6 +592,33 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     return SKV_OK;
 }
 
+static int scores_reserve(struct skv_compressor *c, int64_t max_rows);
+
+int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n)
+{
+    const struct skv_compress_spec *s = &c->spec;
+    if (s->policy == SKV_POLICY_FULL || skv_compressor_decode_keeps_rows(c))
+        return SKV_OK;
+    int rc = rescores_decode(s) ? obs_alloc(c) : SKV_OK;
+    int most = 0, most_total = 0; /* a head's rows, a layer's, after the forward */
+    for (int l = 0; l < c->n_layers; l++) {
+        int total = 0;
+        for (int h = 0; h < c->n_kv; h++) {
+            int len = skv_kv_cache_head((struct skv_kv_cache *)cache, l, h)->len + n;
+            most = len > most ? len : most;
+            total += len;
+        }
+        most_total = total > most_total ? total : most_total;
+    }
+    if (!rc && (s->policy == SKV_POLICY_H2O || rescores_decode(s)))
+        rc = scores_reserve(c, most);
+    if (!rc)
+        rc = grow((void **)&c->rows, &c->rows_cap, most_total, sizeof *c->rows);
+    if (!rc)
+        rc = grow((void **)&c->idx, &c->idx_cap, most + 1, sizeof *c->idx);
+    return rc;
+}
+
 /* Room for scores of max_rows rows per head (backend buffers and their host companions). */
 static int scores_reserve(struct skv_compressor *c, int64_t max_rows)
 {

@@ -55,6 +55,11 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
  * decode_budget * b_l / mean(b) rows (b: the prefill's layer budgets; total conserved), so
  * the allocation holds while decoding (the window then min(window, decode_budget, that)). */
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
+/* After skv_compressor_begin_decode, before a forward of n tokens: the memory the upkeep hook
+ * needs (SnapKV's query ring, the scores, the selection's rows), so that none is allocated
+ * inside the forward, where a failure would fail every session of a decode group and leave the
+ * earlier layers' upkeep done. SKV_E_NOMEM / the backend's status when there is none. */
+int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n);
 /* Whether a forward outside compression (APPEND, DECODE) leaves every row the cache holds as it
  * was: true for snapkv without a decode_budget (it keeps all until a COMPRESS), false when the
  * decode upkeep evicts rows or adds to their scores (h2o, streaming, window, decode_budget).

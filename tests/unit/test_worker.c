@@ -118,6 +118,17 @@ static int tracked_upload(struct skv_backend *be, void *dst, const void *src, si
 /* When set: every rmsnorm waits this long (a decode that lasts, whatever the machine's speed). */
 static atomic_int g_slow_rmsnorm_us;
 
+/* When set: a backend allocation of exactly this many bytes fails (out of device memory). */
+static atomic_size_t g_fail_alloc_bytes;
+static int (*g_real_alloc)(struct skv_backend *be, size_t bytes, void **out);
+
+static int failing_alloc(struct skv_backend *be, size_t bytes, void **out)
+{
+    if (bytes && bytes == atomic_load(&g_fail_alloc_bytes))
+        return skv_errorf(SKV_E_NOMEM, "test: no device memory for %zu bytes", bytes);
+    return g_real_alloc(be, bytes, out);
+}
+
 /* rmsnorm calls so far, and the one that fails with a device error (0: none) */
 static atomic_long g_rmsnorm_calls, g_fail_rmsnorm_at;
 
@@ -466,6 +477,9 @@ static int setup(void **state)
     atomic_store(&g_device_gone, false);
     atomic_store(&g_slow_rmsnorm_us, 0);
     atomic_store(&g_fail_rmsnorm_at, 0);
+    atomic_store(&g_fail_alloc_bytes, 0);
+    g_real_alloc = g_ops.alloc;
+    g_ops.alloc = failing_alloc;
     g_real_rmsnorm = g_ops.rmsnorm;
     g_ops.rmsnorm = gated_rmsnorm;
     g_real_download = g_ops.download;
@@ -2537,6 +2551,40 @@ static Snapkv__Reply *decode_final(struct fixture *f, const uint8_t *id, uint32_
             return rep;
         snapkv__reply__free_unpacked(rep, NULL);
     }
+}
+
+/* Two decodes in one group: B's (streaming) runs while A's first step (SnapKV re-scoring while
+ * decoding) finds no memory for its query ring. A fails alone, before the group's forward; B
+ * goes on to its 8 tokens (before, the ring was allocated in the forward's hook: the group
+ * failed, and B ended part way). */
+static void test_decode_group_alloc_fails_alone(void **state)
+{
+    struct fixture *f = *state;
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    uint8_t a[16], b[16];
+    prefill(f, 16, "policy=snapkv,budget=8,window=4,decode_budget=6,interval=2", a);
+    prefill(f, 16, "policy=streaming,budget=12,sinks=2", b);
+    /* A's ring: the newest min(window, decode_budget) = 4 queries of every layer */
+    atomic_store(&g_fail_alloc_bytes, (size_t)mc->n_layers * 4 * mc->n_heads * mc->head_dim * sizeof(float));
+    freeze(f, b);
+    submit_decode(f, ID_X, "t", b, 8, false);
+    submit_decode(f, ID_Y, "t", a, 8, false);
+    thaw(f);
+    uint32_t toks[16];
+    int n = 0;
+    Snapkv__Reply *rep = decode_final(f, ID_Y, toks, &n, 16);
+    assert_int_equal(rep->status, SKV_E_NOMEM);
+    assert_non_null(strstr(rep->message, "test: no device memory"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = decode_final(f, ID_X, toks, &n, 16);
+    atomic_store(&g_fail_alloc_bytes, 0);
+    if (rep->status)
+        fail_msg("B's DECODE: %d %s", rep->status, rep->message);
+    assert_string_equal(rep->decode->finish_reason, "length");
+    assert_int_equal(n, 8);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(listed(f, a, NULL, NULL), 16); /* A as it was */
+    assert_int_equal(listed(f, b, NULL, NULL), 24);
 }
 
 /* A DECODE past max-decodes-per-tenant or max-decodes running ones is refused at its start with
@@ -6389,6 +6437,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_fails_keeps_rows, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decode_group_alloc_fails_alone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
