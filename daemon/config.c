@@ -104,6 +104,9 @@ static const struct skv_config_option options[] = {
      "DECODEs one tenant may run at once (one more is refused: busy)"},
     {"max-sessions-per-tenant", SKV_CFG_INT, OPT(max_sessions_per_tenant), "64", 1, 1 << 20,
      "sessions one tenant may hold"},
+    {"max-sessions", SKV_CFG_INT, OPT(max_sessions), "16384", 1, 1 << 24,
+     "sessions all tenants together may hold (each holds its next-token logits in host memory, also a FORK "
+     "that shares every KV block)"},
     {"max-bytes-per-tenant", SKV_CFG_SIZE, OPT(max_bytes_per_tenant), "512M", 1 << 16, INT64_C(1) << 42,
      "bytes one tenant's sessions may hold (KV blocks and SnapKV re-scoring's query rings)"},
     {"max-message-bytes", SKV_CFG_SIZE, OPT(max_message_bytes), "16M", 1024, INT64_C(1) << 31,

@@ -37,6 +37,7 @@ struct skv_config {
     int64_t max_decodes;      /* DECODEs running at once, all tenants */
     int64_t max_decodes_per_tenant;
     int64_t max_sessions_per_tenant;
+    int64_t max_sessions;
     int64_t max_bytes_per_tenant;
     int64_t max_message_bytes;
     int64_t max_connections;

@@ -134,6 +134,10 @@ int skv_session_create(struct skv_session_table *t, const struct skv_model *m, c
     if (count >= t->lim.max_sessions_per_tenant)
         return skv_errorf(SKV_E_LIMIT, "tenant '%s' already holds %d sessions (max-sessions-per-tenant)", tenant,
                           count);
+    /* every tenant's together: a client that may name any tenant (ipc-tenant = claimed) would
+     * otherwise hold sessions without end, each with its logits (a FORK costs the pool nothing) */
+    if (t->lim.max_sessions > 0 && t->n_sessions >= t->lim.max_sessions)
+        return skv_errorf(SKV_E_LIMIT, "the daemon holds %d sessions (max-sessions)", t->n_sessions);
     struct skv_session *s = calloc(1, sizeof *s);
     if (!s)
         return SKV_E_NOMEM;

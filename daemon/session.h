@@ -57,6 +57,7 @@ struct skv_session {
 struct skv_session_limits {
     uint64_t pool_bytes;
     int max_sessions_per_tenant;
+    int max_sessions;             /* all tenants together (0: no limit) */
     uint64_t max_bytes_per_tenant;
 };
 
@@ -69,7 +70,7 @@ int skv_session_table_new(const struct skv_session_limits *lim, struct skv_sessi
 void skv_session_table_free(struct skv_session_table **t_p);
 
 /* A new, empty session (random 128-bit id) charged to nobody yet. SKV_E_LIMIT when the
- * tenant holds max_sessions_per_tenant already. */
+ * tenant holds max_sessions_per_tenant already, or the table max_sessions. */
 int skv_session_create(struct skv_session_table *t, const struct skv_model *m, const char *tenant, const char *owner,
                        struct skv_session **out);
 /* Gives s the id `id` (a session persisted across a restart keeps its id); SKV_E_EXISTS when

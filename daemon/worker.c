@@ -1088,6 +1088,7 @@ int skv_worker_start(void *zctx, const char *reply_endpoint, const struct skv_co
     struct skv_session_limits lim = {
         .pool_bytes = (uint64_t)cfg->pool_size,
         .max_sessions_per_tenant = (int)cfg->max_sessions_per_tenant,
+        .max_sessions = (int)cfg->max_sessions,
         .max_bytes_per_tenant = (uint64_t)cfg->max_bytes_per_tenant,
     };
     int rc = skv_session_table_new(&lim, &w->sessions);

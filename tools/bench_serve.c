@@ -358,7 +358,8 @@ static int daemon_start(const struct serve_ctx *x, uint64_t pool_bytes, struct d
      * SnapKV sessions' DECODEs against the default 64 waiting a tenant) */
     snprintf(a[15], sizeof a[15], "--queue-depth=%d", 1 << 16);
     snprintf(a[16], sizeof a[16], "--queue-depth-per-tenant=%d", 1 << 16);
-    int n_args = 17;
+    snprintf(a[17], sizeof a[17], "--max-sessions=%d", 1 << 24); /* (nor all tenants' sessions) */
+    int n_args = 18; /* (28 at most: a[] and argv[] hold them) */
     if (x->o->kv_type)
         snprintf(a[n_args++], sizeof a[0], "--kv-type=%s", x->o->kv_type);
     if (x->yield_ms >= 0)

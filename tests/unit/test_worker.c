@@ -844,6 +844,37 @@ static int release_by_x(struct fixture *f, const uint8_t sid[16])
     return rc;
 }
 
+/* max-sessions bounds every tenant's sessions together: with 3, a fourth tenant's PREFILL and a
+ * FORK (which costs the pool nothing) are refused with LIMIT naming it, the three stay; one
+ * released makes room again (before, a client naming new tenants held sessions without end). */
+static void test_max_sessions(void **state)
+{
+    struct fixture *f = *state;
+    skv_worker_stop(&f->w);
+    f->cfg.max_sessions = 3;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    uint8_t s[3][16];
+    prefill_for(f, "t", 8, "policy=full", s[0]); /* (the tenant submit_fork asks for) */
+    prefill_for(f, "t2", 8, "policy=full", s[1]);
+    prefill_for(f, "t3", 8, "policy=full", s[2]);
+    Snapkv__Reply *rep = prefill_reply(f, "t4", 8, "policy=full", 0);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_string_equal(rep->message, "the daemon holds 3 sessions (max-sessions)");
+    snapkv__reply__free_unpacked(rep, NULL);
+    submit_fork(f, ID_X, s[0]);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_non_null(strstr(rep->message, "(max-sessions)"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    int n_sessions = 0;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(listed(f, s[i], NULL, &n_sessions), 8);
+    assert_int_equal(n_sessions, 3);
+    assert_int_equal(release_by_x(f, s[0]), SKV_OK);
+    uint8_t s4[16];
+    prefill_for(f, "t4", 8, "policy=full", s4);
+}
+
 /* The tokens a PREFILL of the first n fixed ids reused (it must succeed); its id into sid. */
 static uint32_t prefill_reused(struct fixture *f, const char *tenant, int n, uint8_t sid[16])
 {
@@ -6438,6 +6469,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_fails_keeps_rows, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_group_alloc_fails_alone, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
