@@ -1273,18 +1273,6 @@ struct fid_stat {
     int texts;
 };
 
-/* log-sum-exp of logits in double. */
-static double lse(const float *x, int n)
-{
-    double mx = x[0];
-    for (int i = 1; i < n; i++)
-        mx = x[i] > mx ? x[i] : mx;
-    double s = 0;
-    for (int i = 0; i < n; i++)
-        s += exp(x[i] - mx);
-    return mx + log(s);
-}
-
 static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, struct fid_stat *stat, json_t *jtexts)
 {
     struct skv_model *m = q->m;
@@ -1307,7 +1295,6 @@ static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, str
     }
     float *first = malloc((size_t)nv * sizeof *first);
     float *lg = malloc((size_t)S * nv * sizeof *lg);
-    double *lpf = malloc((size_t)nv * sizeof *lpf);
     int32_t *gen = malloc((size_t)S * M * sizeof *gen);
     double *kl = calloc((size_t)S * M, sizeof *kl);
     int *top1 = calloc((size_t)S, sizeof *top1);
@@ -1316,7 +1303,7 @@ static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, str
     int *budget = calloc((size_t)S, sizeof *budget);
     struct fan_run r = {0};
     double t0 = now_s(), t_prefill = 0, t_forced = 0, t_greedy = 0;
-    if (!first || !lg || !lpf || !gen || !kl || !top1 || !clones || !kvb || !budget) {
+    if (!first || !lg || !gen || !kl || !top1 || !clones || !kvb || !budget) {
         rc = SKV_E_NOMEM;
         goto out_free;
     }
@@ -1344,16 +1331,12 @@ static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, str
         if (rc)
             break;
         const float *f = lg;
-        double lf = lse(f, nv);
-        for (int j = 0; j < nv; j++)
-            lpf[j] = f[j] - lf;
         int32_t af = skv_argmax(f, nv);
-        for (int i = 1; i < S; i++) {
+        for (int i = 1; i < S && !rc; i++) {
             const float *c = lg + (size_t)i * nv;
-            double lc = lse(c, nv), s = 0;
-            for (int j = 0; j < nv; j++)
-                s += exp(lpf[j]) * (lpf[j] - (c[j] - lc));
-            kl[(size_t)i * M + t] = s > 0 ? s : 0;
+            /* NaN logits or an infinite divergence fail the run: never a KL of 0 */
+            if ((rc = skv_kl_logits(f, c, nv, &kl[(size_t)i * M + t])))
+                skv_errorf(rc, "fidelity %s, spec %d, forced token %d: %s", path, i, t, skv_error_msg());
             top1[i] += skv_argmax(c, nv) == af;
         }
     }
@@ -1430,7 +1413,6 @@ out_free:
     free(budget);
     free(first);
     free(lg);
-    free(lpf);
     free(gen);
     free(kl);
     free(top1);
@@ -1549,8 +1531,9 @@ static int task_fidelity(struct qctx *q, json_t *root)
                 "KL(full || compressed) and top-1 agreement of the next-token distribution after each forced "
                 "token (the prefill's own logits are the full forward's for every spec and are not counted); "
                 "then a %d-token greedy continuation from the prefilled cache compared with the full cache's: "
-                "identical tokens before the first divergence (prefix) and at the same index (overall).\n\n",
-           model_label(q), q->m->be->name, q->m->be->n_threads, seconds, N, M, M, M);
+                "identical tokens before the first divergence (prefix) and at the same index (overall); its "
+                "first token comes from those same prefill logits, so both are at least 1/%d.\n\n",
+           model_label(q), q->m->be->name, q->m->be->n_threads, seconds, N, M, M, M, M);
     sb_add(&md, "Texts:");
     size_t k;
     json_t *jt;

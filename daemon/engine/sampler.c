@@ -16,6 +16,47 @@ int32_t skv_argmax(const float *logits, int n)
     return best < 0 ? 0 : best;
 }
 
+/* log(sum exp(x)) of n finite-or--inf logits in double; SKV_E_INVAL for a NaN or +inf one, or
+ * when every one is -inf. */
+static int logsumexp(const float *x, int n, const char *which, double *out)
+{
+    double m = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        if (isnan(x[j]) || x[j] == INFINITY)
+            return skv_errorf(SKV_E_INVAL, "KL: %s's logit %d is %s", which, j, isnan(x[j]) ? "NaN" : "+inf");
+        m = x[j] > m ? x[j] : m;
+    }
+    if (m == -INFINITY)
+        return skv_errorf(SKV_E_INVAL, "KL: every logit of %s is -inf", which);
+    double s = 0;
+    for (int j = 0; j < n; j++)
+        s += exp((double)x[j] - m);
+    *out = m + log(s);
+    return SKV_OK;
+}
+
+int skv_kl_logits(const float *p, const float *q, int n, double *out)
+{
+    double lp, lq;
+    int rc = logsumexp(p, n, "P", &lp);
+    if (!rc)
+        rc = logsumexp(q, n, "Q", &lq);
+    if (rc)
+        return rc;
+    double s = 0;
+    for (int j = 0; j < n; j++) {
+        if (p[j] == -INFINITY)
+            continue; /* 0 * log(0 / q): nothing */
+        if (q[j] == -INFINITY)
+            return skv_errorf(SKV_E_INVAL, "KL: token %d has probability under P and none under Q (the divergence "
+                              "is infinite)", j);
+        double a = (double)p[j] - lp;
+        s += exp(a) * (a - ((double)q[j] - lq));
+    }
+    *out = s > 0 ? s : 0; /* (a rounding below 0 when they are equal) */
+    return SKV_OK;
+}
+
 int skv_logprobs(const float *logits, int n, int32_t token, int top_n, float *token_lp, int32_t *top_ids,
                  float *top_lp)
 {

@@ -79,6 +79,13 @@ int32_t skv_argmax(const float *logits, int n);
  * share the mass (log(1 / k) each) and the rest get -inf; with every logit -inf or NaN there is
  * no distribution and every token gets -inf. */
 #define SKV_TOP_LOGPROBS_MAX 20u /* top_logprobs one DECODE may ask for */
+
+/* KL(P || Q) in nats between the distributions two sets of n logits give (log-softmax in
+ * double). Tokens P gives no probability (logit -inf) add nothing. SKV_E_INVAL when either is
+ * no distribution (a NaN or +inf logit, or every logit -inf), or when Q gives no probability
+ * to a token P does (the divergence is infinite): a broken cache is never scored as a perfect
+ * one. */
+int skv_kl_logits(const float *p, const float *q, int n, double *out);
 int skv_logprobs(const float *logits, int n, int32_t token, int top_n, float *token_lp, int32_t *top_ids,
                  float *top_lp);
 

@@ -235,6 +235,31 @@ static int feed_all(const char *const *stop, size_t n_stop, const char *const *p
     return hit;
 }
 
+/* skv_kl_logits: KL(P || Q) worked out by hand, and the cases that are no number: quality's
+ * fidelity turned a NaN (a broken compressed cache) into KL 0, the best score there is. */
+static void test_kl_logits(void **state)
+{
+    (void)state;
+    double kl = -1;
+    const float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, logf(3.0f)}; /* (1/2, 1/2) and (1/4, 3/4) */
+    assert_int_equal(skv_kl_logits(a, a, 2, &kl), SKV_OK);
+    assert_true(kl == 0.0);
+    assert_int_equal(skv_kl_logits(a, b, 2, &kl), SKV_OK);
+    assert_true(fabs(kl - 0.5 * log(4.0 / 3.0)) < 1e-7); /* 1/2 ln 2 + 1/2 ln 2/3 */
+    const float one[2] = {0.0f, -INFINITY}; /* (1, 0): the second token adds nothing */
+    assert_int_equal(skv_kl_logits(one, a, 2, &kl), SKV_OK);
+    assert_true(fabs(kl - log(2.0)) < 1e-7);
+    const float nan_q[2] = {0.0f, NAN}, inf_q[2] = {0.0f, INFINITY}, none[2] = {-INFINITY, -INFINITY};
+    kl = 0;
+    assert_int_equal(skv_kl_logits(a, nan_q, 2, &kl), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "KL: Q's logit 1 is NaN"));
+    assert_int_equal(skv_kl_logits(a, inf_q, 2, &kl), SKV_E_INVAL);
+    assert_int_equal(skv_kl_logits(none, a, 2, &kl), SKV_E_INVAL);
+    assert_non_null(strstr(skv_error_msg(), "KL: every logit of P is -inf"));
+    assert_int_equal(skv_kl_logits(a, one, 2, &kl), SKV_E_INVAL); /* P's second token, none under Q */
+    assert_non_null(strstr(skv_error_msg(), "divergence is infinite"));
+}
+
 /* skv_logprobs: log-softmax values worked out by hand (logits 0, log 2, log 3, log 2 for 1 : 2 :
  * 3 : 2, total 8), the top list most likely first with equal ones by id, a NaN as -inf, +inf
  * logits sharing the mass, and no distribution at all. */
@@ -544,6 +569,7 @@ int main(void)
         cmocka_unit_test(test_non_finite),
         cmocka_unit_test(test_selection_matches_sort),     cmocka_unit_test(test_stop_text),
         cmocka_unit_test(test_logprobs),
+        cmocka_unit_test(test_kl_logits),
         cmocka_unit_test(test_processors_reference),
         cmocka_unit_test(test_penalties_by_hand),
         cmocka_unit_test(test_min_p),
