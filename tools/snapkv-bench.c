@@ -555,6 +555,48 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
     return 0;
 }
 
+/* The bytes the rows of `cache` take when stored at query-head width, as a cache that does not
+ * share a KV head among its query heads holds them: each KV head's rows written once for each
+ * of its n_heads / n_kv_heads query heads into a cache of n_heads heads in the same pool (rows
+ * in use, and blocks held). */
+static int wide_bytes(const struct skv_model *m, const struct skv_kv_cache *cache, uint64_t *rows_bytes,
+                      uint64_t *blocks)
+{
+    struct skv_model wm = *m; /* (only its shape is read: a cache of n_heads KV heads) */
+    wm.cfg.n_kv_heads = m->cfg.n_heads;
+    if (m->cfg.n_heads > SKV_MAX_KV_HEADS)
+        return skv_errorf(SKV_E_UNSUPPORTED, "%d query heads: more than a cache holds", m->cfg.n_heads);
+    struct skv_kv_cache *wide = NULL;
+    int rc = skv_kv_cache_new(&wm, &wide), g = m->cfg.n_heads / m->cfg.n_kv_heads;
+    float *buf = NULL;
+    for (int l = 0; l < m->cfg.n_layers && !rc; l++)
+        for (int h = 0; h < m->cfg.n_kv_heads && !rc; h++) {
+            int len = skv_kv_cache_head((struct skv_kv_cache *)cache, l, h)->len;
+            float *grown = realloc(buf, (size_t)(len ? len : 1) * m->cfg.head_dim * sizeof *buf);
+            if (!grown) {
+                rc = SKV_E_NOMEM;
+                break;
+            }
+            buf = grown;
+            for (int kv = 0; kv < 2 && !rc; kv++) {
+                rc = skv_kv_cache_read_rows(cache, l, h, kv, 0, len, buf);
+                for (int q = 0; q < g && !rc; q++)
+                    rc = skv_kv_cache_write_rows(wide, l, h * g + q, kv, 0, len, buf);
+            }
+        }
+    if (!rc) {
+        struct skv_kv_blocks b;
+        skv_kv_cache_blocks(wide, &b);
+        *rows_bytes = skv_kv_cache_bytes(wide);
+        *blocks = b.held;
+    } else {
+        fprintf(stderr, "select: query-head width not measured: %s\n", skv_error_msg());
+    }
+    free(buf);
+    skv_kv_cache_free(&wide);
+    return rc;
+}
+
 /* Kept original positions per layer and KV head after a compressed prefill. */
 static int cmd_select(const struct args *a, struct skv_engine *e, struct skv_model *m)
 {
@@ -580,12 +622,22 @@ static int cmd_select(const struct args *a, struct skv_engine *e, struct skv_mod
     const struct skv_model_config *c = &m->cfg;
     uint64_t before = (uint64_t)n * c->n_layers * c->n_kv_heads * 2 * cache->row_bytes;
     uint64_t after = skv_kv_cache_bytes(cache);
+    const uint64_t block_bytes = skv_kv_pool_block_bytes(m->kv_pool);
+    struct skv_kv_blocks held;
+    skv_kv_cache_blocks(cache, &held);
+    /* query-head width measured: the kept rows stored as a cache without GQA would store them,
+     * each KV head's rows once for each of its query heads, in the pool's own blocks */
+    uint64_t wide_rows = 0, wide_blocks = 0;
+    bool wide_ok = wide_bytes(m, cache, &wide_rows, &wide_blocks) == SKV_OK;
     json_t *j = json_object(), *layers = json_array();
     json_object_set_new(j, "n_tokens", json_integer(n));
     json_object_set_new(j, "spec", json_string(a->compress ? a->compress : "policy=full"));
     json_object_set_new(j, "bytes_before", json_integer((json_int_t)before));
     json_object_set_new(j, "bytes_after", json_integer((json_int_t)after));
-    json_object_set_new(j, "bytes_query_head_width", json_integer((json_int_t)(after / c->n_kv_heads * c->n_heads)));
+    json_object_set_new(j, "bytes_after_blocks", json_integer((json_int_t)(held.held * block_bytes)));
+    json_object_set_new(j, "bytes_query_head_width", wide_ok ? json_integer((json_int_t)wide_rows) : json_null());
+    json_object_set_new(j, "bytes_query_head_width_blocks",
+                        wide_ok ? json_integer((json_int_t)(wide_blocks * block_bytes)) : json_null());
     json_object_set_new(j, "peak_kv_bytes", json_integer((json_int_t)run.peak_kv_bytes));
     json_object_set_new(j, "seconds", json_real(dt));
     json_object_set_new(j, "ids", ids_json(ids, n));

@@ -327,7 +327,8 @@ static void test_bad_arguments(void **state)
 
 /* select --json on a 54-token prompt with budget=40: every (layer, KV head) keeps exactly
  * 40 sorted original positions, the last 32 (the window) among them; the JSON carries the
- * prompt's ids and the bytes of 40 rows. */
+ * prompt's ids, the bytes of 40 rows, the 48 rows' blocks they hold, and the bytes of the same
+ * rows stored at query-head width. */
 static void test_select_json(void **state)
 {
     (void)state;
@@ -344,6 +345,12 @@ static void test_select_json(void **state)
     assert_true(n > 40 && n < 120); /* 54 with SmolLM2 */
     assert_int_equal(json_array_size(json_object_get(j, "ids")), n);
     assert_int_equal(json_integer_value(json_object_get(j, "bytes_after")), 40 * ROW_BYTES);
+    /* what the pool holds: 3 blocks of 16 rows a head */
+    assert_int_equal(json_integer_value(json_object_get(j, "bytes_after_blocks")), 48 * ROW_BYTES);
+    /* the same rows at query-head width, measured by storing them so (9 query heads, 3 KV
+     * heads): 3 times, rows and blocks (before, this field was bytes_after * 9 / 3, computed) */
+    assert_int_equal(json_integer_value(json_object_get(j, "bytes_query_head_width")), 3 * 40 * ROW_BYTES);
+    assert_int_equal(json_integer_value(json_object_get(j, "bytes_query_head_width_blocks")), 3 * 48 * ROW_BYTES);
     assert_int_equal(json_integer_value(json_object_get(j, "bytes_before")), (json_int_t)n * ROW_BYTES);
     json_t *layers = json_object_get(j, "layers");
     assert_int_equal(json_array_size(layers), 30);
