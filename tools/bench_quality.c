@@ -20,7 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_LIST 32
 /* passkey counts are [length][spec][depth], so the lengths done so far are a prefix */
@@ -529,6 +531,7 @@ struct qctx {
     struct skv_model *m;
     const struct skv_quality_opts *o;
     const char *out_dir;
+    int pk_plots_failed, fid_plots_failed; /* plots the last writes could not draw */
     struct qspec specs[MAX_LIST + 1];
     int n_specs;
     char cmdline[4096];
@@ -907,23 +910,37 @@ static const char GP_TERM[] = "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n
                               "}\n"
                               "set termoption noenhanced\n";
 
-/* Runs gnuplot on a script written into the output folder. */
-static void run_gnuplot(const char *dir, const char *script_name, const char *script)
+/* Runs gnuplot on a script written into the output folder (in that folder, no shell: any
+ * folder name works); false, said on stderr, when no plot came of it. */
+static bool run_gnuplot(const char *dir, const char *script_name, const char *script)
 {
     if (write_file(dir, script_name, script, strlen(script))) {
         fprintf(stderr, "quality: %s\n", skv_error_msg());
-        return;
+        return false;
     }
-    char cmd[2600];
-    snprintf(cmd, sizeof cmd, "cd '%s' && gnuplot '%s'", dir, script_name);
-    int st = system(cmd);
-    if (st != 0)
-        fprintf(stderr, "quality: gnuplot failed on %s/%s (status %d); the data is in the JSON\n", dir, script_name,
-                st);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(dir) != 0)
+            _exit(126);
+        execlp("gnuplot", "gnuplot", script_name, (char *)NULL);
+        _exit(127);
+    }
+    int st = -1;
+    while (pid > 0 && waitpid(pid, &st, 0) < 0 && errno == EINTR)
+        ;
+    if (pid > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0)
+        return true;
+    int code = pid > 0 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    fprintf(stderr, "quality: no plot from %s/%s: %s; the data is in the JSON and the markdown\n", dir, script_name,
+            code == 127 ? "gnuplot is not installed (apt install gnuplot-nox)"
+                        : code == 126 ? "cannot enter the folder" : "gnuplot failed");
+    return false;
 }
 
-static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int nd, int trials, const int *correct)
+static bool plot_passkey(const struct qctx *q, const int *lengths, int nl, int nd, int trials, const int *correct)
 {
+    bool ok = false;
     struct strbuf gp = {0};
     for (int i = 0; i < q->n_specs; i++) {
         sb_add(&gp, "$d%d << EOD\n", i);
@@ -949,8 +966,9 @@ static void plot_passkey(const struct qctx *q, const int *lengths, int nl, int n
                i, i, q->n_specs, i == 0 ? 3 : 1, spec_name(q, i));
     sb_add(&gp, "\n");
     if (!gp.err)
-        run_gnuplot(q->out_dir, "passkey_accuracy.gp", gp.s);
+        ok = run_gnuplot(q->out_dir, "passkey_accuracy.gp", gp.s);
     free(gp.s);
+    return ok;
 }
 
 /* Series of the budget plots: each group (a spec without its ratio= / budget=) that has >= 2
@@ -1001,7 +1019,7 @@ static double pk_kv_kept(const struct qctx *q, const struct pk_run *p, int i, in
 /* passkey_budget.png: accuracy against the KV kept (fraction of the full cache) per policy,
  * one panel per prompt length, the full cache's accuracy as a dashed line. Needs a group
  * with >= 2 budgets. */
-static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, int nl)
+static bool plot_passkey_budget(const struct qctx *q, const struct pk_run *p, int nl)
 {
     const int *correct = p->correct;
     int nd = p->nd, trials = p->trials;
@@ -1012,7 +1030,7 @@ static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, in
     int series[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1];
     int ns = budget_series(q, key, series, len);
     if (ns == 0 || nl == 0)
-        return;
+        return true; /* nothing to plot */
     struct strbuf gp = {0};
     for (int s = 0; s < ns; s++)
         for (int l = 0; l < nl; l++) {
@@ -1052,9 +1070,9 @@ static void plot_passkey_budget(const struct qctx *q, const struct pk_run *p, in
         sb_add(&gp, "\n");
     }
     sb_add(&gp, "unset multiplot\n");
-    if (!gp.err)
-        run_gnuplot(q->out_dir, "passkey_budget.gp", gp.s);
+    bool ok = !gp.err && run_gnuplot(q->out_dir, "passkey_budget.gp", gp.s);
     free(gp.s);
+    return ok;
 }
 
 /* Writes passkey.json / .md / .png for the first nl_done lengths (after each length, so a
@@ -1118,9 +1136,9 @@ static int passkey_write(struct qctx *q, const struct pk_run *p, int nl_done, bo
     if (!rc && final && !q->o->json_stdout)
         fputs(md.s, stdout);
     free(md.s);
-    if (!rc) {
-        plot_passkey(q, lengths, nl_done, nd, trials, correct);
-        plot_passkey_budget(q, p, nl_done);
+    if (!rc) { /* (each write's plots replace the last's: the last says whether there are plots) */
+        q->pk_plots_failed = !plot_passkey(q, lengths, nl_done, nd, trials, correct);
+        q->pk_plots_failed += !plot_passkey_budget(q, p, nl_done);
     }
     if (rc)
         json_decref(jp);
@@ -1420,8 +1438,9 @@ out_free:
     return rc;
 }
 
-static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
+static bool plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
 {
+    bool ok = false;
     /* one series per group (spec without its ratio / budget) with >= 2 specs; x is the KV
      * actually kept */
     int groups[MAX_LIST + 1][MAX_LIST + 1], len[MAX_LIST + 1];
@@ -1441,7 +1460,7 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
     }
     if (ns == 0) {
         free(gp.s);
-        return;
+        return true; /* nothing to plot */
     }
     sb_add(&gp, GP_TERM, 960, 400, 960, 400);
     sb_add(&gp, "set output 'fidelity_kl.png'\nset multiplot layout 1,2 title 'Fidelity vs the full cache: %s'\n"
@@ -1456,8 +1475,9 @@ static void plot_fidelity(const struct qctx *q, const struct fid_stat *stat)
         sb_add(&gp, "%s$s%d using 1:3 with linespoints title '%s'", k ? ", " : "", k, q->specs[groups[k][0]].group);
     sb_add(&gp, "\nunset multiplot\n");
     if (!gp.err)
-        run_gnuplot(q->out_dir, "fidelity_kl.gp", gp.s);
+        ok = run_gnuplot(q->out_dir, "fidelity_kl.gp", gp.s);
     free(gp.s);
+    return ok;
 }
 
 static int task_fidelity(struct qctx *q, json_t *root)
@@ -1576,7 +1596,7 @@ static int task_fidelity(struct qctx *q, json_t *root)
         fputs(md.s, stdout);
     free(md.s);
     if (!rc)
-        plot_fidelity(q, stat);
+        q->fid_plots_failed = !plot_fidelity(q, stat);
     json_object_set(root, "fidelity", jf);
 out_free:
     json_decref(jf);
@@ -1624,6 +1644,11 @@ int skv_bench_quality(struct skv_engine *e, struct skv_model *m, const struct sk
         rc = task_passkey(q, root);
     if (!rc && do_fid)
         rc = task_fidelity(q, root);
+    /* the figures are written either way; a run asked for its plots too */
+    int no_plot = q->pk_plots_failed + q->fid_plots_failed;
+    if (!rc && no_plot)
+        rc = skv_errorf(SKV_E_IO, "%d plot(s) not drawn (see above); the JSON and markdown in %s are complete", no_plot,
+                        q->out_dir);
     if (!rc && o->json_stdout) {
         char *s = json_dumps(root, JSON_INDENT(1) | JSON_REAL_PRECISION(6));
         if (s)

@@ -140,6 +140,34 @@ static json_t *result_of(json_t *results, const char *spec)
  * it (measured: 20 of 20 keys at 512 tokens, docs/QUALITY.md); StreamingLLM at 10% keeps only
  * sinks and the recent tail, so none of the key's rows, and misses it. Every spec's fan-out
  * cache equals its own one-shot compressed prefill. */
+/* Without gnuplot on the PATH (an empty folder) a run writes its JSON and markdown, says why
+ * there is no plot, and exits 1 (before, status 0 and no PNG: a run that asked for plots got
+ * none unnoticed). */
+static void test_no_gnuplot(void **state)
+{
+    (void)state;
+    char empty[] = "/tmp/skv-nognuplot-XXXXXX", *path = getenv("PATH") ? strdup(getenv("PATH")) : NULL;
+    assert_non_null(mkdtemp(empty));
+    setenv("PATH", empty, 1);
+    struct run r;
+    const char *args[] = {"--task", "passkey", "--lengths", "512", "--depths", "50", "--trials", "1",
+                          "--specs", "policy=snapkv,ratio=0.4", NULL};
+    bench(&r, args);
+    if (path)
+        setenv("PATH", path, 1);
+    free(path);
+    rmdir(empty);
+    assert_int_equal(r.status, 1);
+    char *err = slurp(&r, "stderr");
+    assert_non_null(strstr(err, "passkey_accuracy.gp: gnuplot is not installed (apt install gnuplot-nox)"));
+    assert_non_null(strstr(err, "1 plot(s) not drawn"));
+    free(err);
+    json_t *j = load_json(&r, "out/passkey.json");
+    assert_true(json_is_true(json_object_get(j, "complete")));
+    json_decref(j);
+    cleanup(&r);
+}
+
 static void test_passkey_run(void **state)
 {
     (void)state;
@@ -479,6 +507,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_passkey_run),
+        cmocka_unit_test(test_no_gnuplot),
         cmocka_unit_test(test_fidelity_run),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_select_json), cmocka_unit_test(test_select_assistant),
