@@ -464,6 +464,16 @@ static int say_hello(snapkv_client_t *c)
     rep->hello = NULL;
     rep->result_case = SNAPKV__REPLY__RESULT__NOT_SET;
     snapkv__reply__free_unpacked(rep, NULL);
+    /* the shape a caller indexes shared memory and sizes buffers by: a daemon's that no model has
+     * is refused (0: not said) */
+    if (h->n_layers > 4096 || h->n_kv_heads > 4096 || h->n_heads > 65536 || h->head_dim > 65536 ||
+        h->n_vocab > (1u << 24) || (h->n_kv_heads && h->n_heads && h->n_heads % h->n_kv_heads)) {
+        rc = skv_client_fail(SNAPKV_E_PROTO, "the daemon's HELLO gives a model shape no model has: %u layers, %u "
+                             "heads, %u KV heads, head size %u, %u tokens", h->n_layers, h->n_heads, h->n_kv_heads,
+                             h->head_dim, h->n_vocab);
+        snapkv__hello_reply__free_unpacked(h, NULL);
+        return rc;
+    }
     const char *info[5] = {keep_string(c, h->server_version), keep_string(c, h->model_name),
                            keep_string(c, h->model_fingerprint), keep_string(c, h->backend),
                            keep_string(c, h->legacy_model_fingerprint)};

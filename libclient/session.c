@@ -1200,6 +1200,21 @@ static int check_shm(const struct snapkv_shm *shm, uint64_t offset, const char *
 
 /* ---- K/V layout ---------------------------------------------------------------------------------- */
 
+/* snapkv_kv_bytes, false when it does not fit in 64 bits (what a daemon reports is checked so:
+ * a wrapped size would pass the check against the bytes written, and every offset after it
+ * would point past the buffer). */
+static bool kv_bytes_checked(const struct snapkv_layer_kept *layers, size_t n, uint32_t n_kv_heads, uint32_t head_dim,
+                             uint64_t *out)
+{
+    uint64_t total = 0, per_row = 2ull * n_kv_heads * head_dim * sizeof(float), layer; /* (< 2^37) */
+    for (size_t i = 0; layers && i < n; i++)
+        if (__builtin_mul_overflow(per_row, (uint64_t)layers[i].kept, &layer) ||
+            __builtin_add_overflow(total, layer, &total))
+            return false;
+    *out = total;
+    return true;
+}
+
 uint64_t snapkv_kv_bytes(const struct snapkv_layer_kept *layers, size_t n, uint32_t n_kv_heads, uint32_t head_dim)
 {
     uint64_t total = 0;
@@ -1297,7 +1312,13 @@ static int export_kv(snapkv_client_t *c, const struct snapkv_session_id *id, con
         free(res.positions);
         goto out_free_reply;
     }
-    uint64_t need = c->hello ? snapkv_kv_bytes(res.layers, res.n_layers, c->hello->n_kv_heads, c->hello->head_dim) : 0;
+    uint64_t need = 0;
+    if (c->hello && !kv_bytes_checked(res.layers, res.n_layers, c->hello->n_kv_heads, c->hello->head_dim, &need)) {
+        rc = skv_client_fail(SNAPKV_E_PROTO, "export: the layout the daemon reports is larger than 2^64 bytes");
+        free(res.layers);
+        free(res.positions);
+        goto out_free_reply;
+    }
     if (need > res.bytes_written) { /* the layout would index past what was written */
         rc = skv_client_fail(SNAPKV_E_PROTO, "export: the layout the daemon reports takes %llu bytes, %llu written",
                              (unsigned long long)need, (unsigned long long)res.bytes_written);

@@ -692,7 +692,9 @@ SNAPKV_API uint64_t snapkv_kv_offset(const struct snapkv_kv_layout *l, size_t i,
 /* Copies all layers of a session's K/V into shm at `offset`. Free *out with
  * snapkv_kv_layout_free(). A buffer too small for the session is an error from the daemon. A
  * reply whose layout snapkv_kv_offset() would read past what was written with (not the model's
- * heads, a layer's kept not the most of its heads', more bytes than written) is SNAPKV_E_PROTO. */
+ * heads, a layer's kept not the most of its heads', more bytes than written, a size past 64
+ * bits) is SNAPKV_E_PROTO; so is, at connect, a HELLO whose model shape no model has (more than
+ * 4096 layers or KV heads, 65536 heads or a head size past 65536, 2^24 tokens). */
 SNAPKV_API int snapkv_export_kv(snapkv_client_t *client, const struct snapkv_session_id *id,
                                 const struct snapkv_shm *shm, uint64_t offset, struct snapkv_kv_layout *out);
 /* The same for layers [layer_first, layer_first + layer_count) (layer_count 0: to the end). */

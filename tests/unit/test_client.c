@@ -49,6 +49,8 @@ struct fake {
     atomic_uint hello_version;      /* version in the HELLO reply (set by the test while the fake runs) */
     atomic_ullong max_message_bytes;
     atomic_uint n_vocab;            /* in the HELLO reply; another value also names another model */
+    atomic_uint head_dim, n_kv_heads; /* in the HELLO reply when set (else 4 and 3; n_heads twice
+                                       * n_kv_heads) */
     atomic_int close_hellos;        /* HELLOs whose connection is shut down unanswered (a daemon
                                      * past a connection limit whose handshake finished first) */
 
@@ -114,9 +116,9 @@ static void fake_hello(struct fake *f, const Snapkv__Request *req)
     h.model_fingerprint = h.n_vocab == 100 ? "abc123" : "def456";
     h.backend = "cpu";
     h.n_layers = 2;
-    h.n_heads = 6;
-    h.n_kv_heads = 3;
-    h.head_dim = 4;
+    h.n_kv_heads = atomic_load(&f->n_kv_heads) ? atomic_load(&f->n_kv_heads) : 3;
+    h.n_heads = 2 * h.n_kv_heads;
+    h.head_dim = atomic_load(&f->head_dim) ? atomic_load(&f->head_dim) : 4;
     h.max_prompt_tokens = 50;
     h.max_new_tokens = 64;
     h.max_sessions_per_tenant = 8;
@@ -1920,10 +1922,44 @@ static float kv_value(int layer, int v, int head, int row, int col)
  * written than the layout takes */
 static atomic_int g_bad_layout; /* (the fake's thread reads it) */
 
+/* An EXPORT_KV reply of 3 layers of 4096 heads keeping 2^32 - 1, 2^32 - 1 and 2 rows: at a
+ * head size of 65536 a row of a layer's heads is 2^31 bytes, 2^33 rows wrap a 64-bit sum to 0,
+ * under any bytes written. */
+static void answer_wrapping_layout(struct fake *f)
+{
+    static uint32_t most[4096], two[4096];
+    for (int h = 0; h < 4096; h++) {
+        most[h] = UINT32_MAX;
+        two[h] = 2;
+    }
+    Snapkv__LayerKept l[3], *k[3];
+    for (int i = 0; i < 3; i++) {
+        snapkv__layer_kept__init(&l[i]);
+        l[i].layer = (uint32_t)i;
+        l[i].kept = i < 2 ? UINT32_MAX : 2;
+        l[i].n_kept_per_head = 4096;
+        l[i].kept_per_head = i < 2 ? most : two;
+        k[i] = &l[i];
+    }
+    Snapkv__ExportKvReply e = SNAPKV__EXPORT_KV_REPLY__INIT;
+    e.bytes_written = 288;
+    e.n_kept = 3;
+    e.kept = k;
+    Snapkv__Reply rep = SNAPKV__REPLY__INIT;
+    rep.final = true;
+    rep.result_case = SNAPKV__REPLY__RESULT_EXPORT_KV;
+    rep.export_kv = &e;
+    fake_send(f, &rep);
+}
+
 static bool answer_kv(struct fake *f, const Snapkv__Request *req)
 {
     Snapkv__Reply rep = SNAPKV__REPLY__INIT;
     rep.final = true;
+    if (req->command_case == SNAPKV__REQUEST__COMMAND_EXPORT_KV && g_bad_layout == 4) {
+        answer_wrapping_layout(f);
+        return true;
+    }
     if (req->command_case == SNAPKV__REQUEST__COMMAND_EXPORT_KV) {
         const Snapkv__BufferRef *b = req->export_kv->buffer;
         if (!b || b->kind_case != SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
@@ -2046,6 +2082,26 @@ static void test_export_import(void **state)
         assert_null(bad.layers);
     }
     g_bad_layout = 0;
+    /* a layout whose size wraps 64 bits (to 0, under the bytes written): refused, not handed on
+     * with offsets past the buffer (a daemon whose HELLO says head size 65536, 4096 KV heads) */
+    atomic_store(&f->head_dim, 65536);
+    atomic_store(&f->n_kv_heads, 4096);
+    snapkv_client_t *wide = connect_fake(f, 2000);
+    g_bad_layout = 4;
+    struct snapkv_kv_layout wrapped = {0};
+    assert_int_equal(snapkv_export_kv(wide, &ID_A, &shm, EXPORT_OFFSET, &wrapped), SNAPKV_E_PROTO);
+    assert_string_equal(snapkv_last_error(), "export: the layout the daemon reports is larger than 2^64 bytes");
+    assert_null(wrapped.layers);
+    g_bad_layout = 0;
+    snapkv_close(&wide);
+    /* and a HELLO of a shape no model has (head size 2^20): the connect fails */
+    atomic_store(&f->n_kv_heads, 0);
+    atomic_store(&f->head_dim, 1u << 20);
+    struct snapkv_connect_opts o = {.tenant = "acme", .name = "unit", .timeout_ms = 2000};
+    assert_int_equal(snapkv_connect(f->endpoint, &o, &wide), SNAPKV_E_PROTO);
+    assert_non_null(strstr(snapkv_last_error(), "a model shape no model has: 2 layers, 6 heads, 3 KV heads, head "
+                                                "size 1048576"));
+    atomic_store(&f->head_dim, 0);
 
     /* and back: the layout an export returned is what an import takes */
     uint32_t toks[3] = {11, 22, 33};
