@@ -50,6 +50,7 @@ struct tracked {
     size_t id_len;
     uint8_t id[ID_MAX];
     size_t len;
+    uint64_t cost; /* what it counts against the bounds (skv_replies_send) */
     uint8_t data[];
 };
 
@@ -124,17 +125,17 @@ static void tracked_free(void *data, void *hint)
     pthread_mutex_lock(&r->mu);
     struct peer *p = peer_find_locked(r, t->sock, t->id, t->id_len, false);
     if (p) {
-        p->bytes -= t->len;
+        p->bytes -= t->cost;
         if (--p->msgs == 0)
             peer_remove_locked(r, p);
     }
     struct owner *o = t->owner ? owner_find_locked(r, t->owner, false) : NULL;
     if (o) {
-        o->bytes -= t->len;
+        o->bytes -= t->cost;
         if (--o->msgs == 0)
             owner_remove_locked(r, o);
     }
-    atomic_fetch_sub(&r->total, t->len);
+    atomic_fetch_sub(&r->total, t->cost);
     pthread_mutex_unlock(&r->mu);
     free(t);
 }
@@ -180,7 +181,8 @@ int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, uint64_t o
     struct tracked *t = malloc(sizeof *t + (len ? len : 1));
     if (!t)
         return SKV_E_NOMEM;
-    *t = (struct tracked){.r = r, .sock = sock_idx, .owner = owner, .id_len = identity_len, .len = len};
+    const uint64_t cost = len + identity_len + SKV_REPLY_OVERHEAD;
+    *t = (struct tracked){.r = r, .sock = sock_idx, .owner = owner, .id_len = identity_len, .len = len, .cost = cost};
     memcpy(t->id, identity, identity_len);
     memcpy(t->data, body, len);
     /* count the bytes before libzmq has them: its threads may free the reply at once */
@@ -190,9 +192,9 @@ int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, uint64_t o
     struct owner *o = p && owner ? owner_find_locked(r, owner, true) : NULL;
     /* one reply always goes when nothing is held: a bound smaller than a reply delays, never
      * starves, it */
-    if (!p || (owner && !o) || (p->bytes && p->bytes + len > r->max_per_client) ||
-        (o && o->bytes && o->bytes + len > r->max_per_owner) ||
-        (sock_idx == 0 && total && total + len > r->max_total)) {
+    if (!p || (owner && !o) || (p->bytes && p->bytes + cost > r->max_per_client) ||
+        (o && o->bytes && o->bytes + cost > r->max_per_owner) ||
+        (sock_idx == 0 && total && total + cost > r->max_total)) {
         uint64_t held = p ? p->bytes : 0, owned = o ? o->bytes : 0;
         if (p && p->msgs == 0)
             peer_remove_locked(r, p);
@@ -204,19 +206,20 @@ int skv_replies_send(struct skv_replies *r, void *sock, int sock_idx, uint64_t o
             return SKV_E_NOMEM;
         atomic_fetch_add(&r->dropped, 1);
         return skv_errorf(SKV_E_BUSY, "the client holds %llu bytes of replies it has not read, its user or address "
-                          "%llu, all clients %llu; this one's %zu would pass max-reply-bytes-per-client (%llu), "
+                          "%llu, all clients %llu; this one's %llu would pass max-reply-bytes-per-client (%llu), "
                           "max-reply-bytes-per-peer (%llu) or max-reply-bytes (%llu)",
-                          (unsigned long long)held, (unsigned long long)owned, (unsigned long long)total, len,
+                          (unsigned long long)held, (unsigned long long)owned, (unsigned long long)total,
+                          (unsigned long long)cost,
                           (unsigned long long)r->max_per_client, (unsigned long long)r->max_per_owner,
                           (unsigned long long)r->max_total);
     }
-    p->bytes += len;
+    p->bytes += cost;
     p->msgs++;
     if (o) {
-        o->bytes += len;
+        o->bytes += cost;
         o->msgs++;
     }
-    atomic_fetch_add(&r->total, len);
+    atomic_fetch_add(&r->total, cost);
     pthread_mutex_unlock(&r->mu);
 
     zmq_msg_t id, msg;

@@ -13,6 +13,12 @@
 
 struct skv_replies;
 
+/* What a reply costs beyond its body and routing id, counted with them against the bounds: its
+ * tracking record (the routing id's room in it) and libzmq's two messages. Counted as the body
+ * alone, a client's never-read stream of small replies (thousands a connection, libzmq's queue
+ * allows) held about 30 times the bytes the bounds saw. */
+#define SKV_REPLY_OVERHEAD 384
+
 /* Bounds in bytes: one client's replies not taken yet, one owner's (a peer: all the clients of
  * one user or address), and all clients' together. */
 int skv_replies_new(uint64_t max_per_client, uint64_t max_per_owner, uint64_t max_total, struct skv_replies **out);
@@ -21,8 +27,9 @@ void skv_replies_free(struct skv_replies **r_p);
 
 /* Sends [identity][body] on a ROUTER without blocking (socket thread). A client is the socket
  * index `sock_idx` (0 client endpoint, 1 admin) and its routing id; `owner` (0: none known) the
- * peer it belongs to. Returns SKV_OK when libzmq took the reply, SKV_E_BUSY when it was dropped
- * because the client's bytes not taken yet, its owner's, or all clients', plus len would pass
+ * peer it belongs to. A reply counts len + identity_len + SKV_REPLY_OVERHEAD bytes. Returns
+ * SKV_OK when libzmq took the reply, SKV_E_BUSY when it was dropped because the client's bytes
+ * not taken yet, its owner's, or all clients', plus the reply's would pass
  * their bound (counted; a reply finding nothing held by its client or owner always goes,
  * however large; the admin endpoint's are not held to the bound over all clients, so clients
  * that do not read cannot make the operator's replies go) or because the client's queue in

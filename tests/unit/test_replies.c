@@ -42,7 +42,15 @@ static void *dealer(struct fixture *f, const char *id)
     return s;
 }
 
-/* Bounds: 1000 bytes per client, 1200 per owner, 1500 in all. */
+/* What a reply of n body bytes to "A" or "B" counts: its body, its 1-byte routing id and the
+ * tracking record's and libzmq's overhead. */
+#define COST(n) ((uint64_t)(n) + 1 + SKV_REPLY_OVERHEAD)
+#define PER_CLIENT (3 * COST(300) + COST(100))
+#define PER_OWNER (2 * COST(600))
+#define TOTAL (5 * COST(300))
+
+/* Bounds: three replies of 300 bytes and one of 100 per client, two of 600 per owner, five of
+ * 300 in all. */
 static int setup(void **state)
 {
     struct fixture *f = calloc(1, sizeof *f);
@@ -56,7 +64,7 @@ static int setup(void **state)
         return -1;
     f->a = dealer(f, "A");
     f->b = dealer(f, "B");
-    return skv_replies_new(1000, 1200, 1500, &f->r);
+    return skv_replies_new(PER_CLIENT, PER_OWNER, TOTAL, &f->r);
 }
 
 static int teardown(void **state)
@@ -100,20 +108,36 @@ static int take(void *s)
     return zmq_recv(s, buf, sizeof buf, ZMQ_DONTWAIT);
 }
 
+/* A client's bound counts each reply's overhead with its bytes: of 40 replies of 10 bytes, 6 fit
+ * a bound of 2540 (before, all 40: their bodies counted 400 bytes, and a client never reading a
+ * stream of small replies held some 30 times what the bound said). */
+static void test_overhead_counted(void **state)
+{
+    struct fixture *f = *state;
+    int sent = 0;
+    while (sent < 40 && send_to(f, "A", 10) == SKV_OK)
+        sent++;
+    assert_int_equal(sent, 6); /* 2540 / 395 */
+    assert_int_equal(PER_CLIENT, 2540);
+    assert_int_equal(held(f, "A"), sent * COST(10));
+}
+
 static void test_per_client(void **state)
 {
     struct fixture *f = *state;
     for (int i = 0; i < 3; i++)
         assert_int_equal(send_to(f, "A", 300), SKV_OK);
-    assert_int_equal(held(f, "A"), 900);
-    assert_int_equal(send_to(f, "A", 300), SKV_E_BUSY); /* 1200 > 1000 */
-    assert_non_null(strstr(skv_error_msg(), "max-reply-bytes-per-client (1000)"));
+    assert_int_equal(held(f, "A"), 3 * COST(300));
+    assert_int_equal(send_to(f, "A", 300), SKV_E_BUSY); /* a fourth of 300 passes the bound */
+    char want[64];
+    snprintf(want, sizeof want, "max-reply-bytes-per-client (%llu)", (unsigned long long)PER_CLIENT);
+    assert_non_null(strstr(skv_error_msg(), want));
     assert_int_equal(skv_replies_dropped(f->r), 1);
-    assert_int_equal(held(f, "A"), 900);
-    assert_int_equal(send_to(f, "A", 100), SKV_OK); /* exactly 1000 */
+    assert_int_equal(held(f, "A"), 3 * COST(300));
+    assert_int_equal(send_to(f, "A", 100), SKV_OK); /* exactly the bound */
     assert_int_equal(take(f->a), 300);
-    assert_int_equal(held(f, "A"), 700);
-    assert_int_equal(skv_replies_unread_bytes(f->r), 700);
+    assert_int_equal(held(f, "A"), 2 * COST(300) + COST(100));
+    assert_int_equal(skv_replies_unread_bytes(f->r), 2 * COST(300) + COST(100));
     assert_int_equal(send_to(f, "A", 300), SKV_OK);
     while (take(f->a) >= 0)
         ;
@@ -128,18 +152,20 @@ static void test_total(void **state)
     for (int i = 0; i < 3; i++)
         assert_int_equal(send_to(f, "A", 300), SKV_OK);
     assert_int_equal(send_to(f, "B", 300), SKV_OK);
-    assert_int_equal(send_to(f, "B", 300), SKV_OK); /* 1500: the total bound exactly */
+    assert_int_equal(send_to(f, "B", 300), SKV_OK); /* the total bound exactly */
     assert_int_equal(send_to(f, "B", 1), SKV_E_BUSY);
-    assert_non_null(strstr(skv_error_msg(), "max-reply-bytes (1500)"));
-    assert_int_equal(held(f, "B"), 600);
+    char want[64];
+    snprintf(want, sizeof want, "max-reply-bytes (%llu)", (unsigned long long)TOTAL);
+    assert_non_null(strstr(skv_error_msg(), want));
+    assert_int_equal(held(f, "B"), 2 * COST(300));
     assert_int_equal(take(f->a), 300);
     assert_int_equal(send_to(f, "B", 300), SKV_OK); /* A's read made room */
-    assert_int_equal(skv_replies_unread_bytes(f->r), 1500);
+    assert_int_equal(skv_replies_unread_bytes(f->r), TOTAL);
     assert_int_equal(skv_replies_dropped(f->r), 1);
     /* the admin endpoint's replies go past the total (its client's own bound still holds) */
     assert_int_equal(send_as(f, 1, 0, "A", 300), SKV_OK);
-    assert_int_equal(skv_replies_unread_bytes(f->r), 1800);
-    assert_int_equal(skv_replies_unread_bytes_of(f->r, 1, "A", 1), 300);
+    assert_int_equal(skv_replies_unread_bytes(f->r), TOTAL + COST(300));
+    assert_int_equal(skv_replies_unread_bytes_of(f->r, 1, "A", 1), COST(300));
     assert_int_equal(send_to(f, "A", 1), SKV_E_BUSY);
 }
 
@@ -149,14 +175,16 @@ static void test_per_owner(void **state)
 {
     struct fixture *f = *state;
     assert_int_equal(send_as(f, 0, 7, "A", 600), SKV_OK);
-    assert_int_equal(send_as(f, 0, 7, "B", 600), SKV_OK); /* 1200: the owner's bound exactly */
-    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), 1200);
+    assert_int_equal(send_as(f, 0, 7, "B", 600), SKV_OK); /* the owner's bound exactly */
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), PER_OWNER);
     assert_int_equal(send_as(f, 0, 7, "B", 1), SKV_E_BUSY);
-    assert_non_null(strstr(skv_error_msg(), "max-reply-bytes-per-peer (1200)"));
+    char want[64];
+    snprintf(want, sizeof want, "max-reply-bytes-per-peer (%llu)", (unsigned long long)PER_OWNER);
+    assert_non_null(strstr(skv_error_msg(), want));
     assert_int_equal(send_as(f, 0, 9, "B", 200), SKV_OK); /* another owner's client */
-    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 9), 200);
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 9), COST(200));
     assert_int_equal(take(f->a), 600);
-    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), 600);
+    assert_int_equal(skv_replies_unread_bytes_of_owner(f->r, 7), COST(600));
     assert_int_equal(send_as(f, 0, 7, "A", 500), SKV_OK);
     while (take(f->a) >= 0 || take(f->b) >= 0)
         ;
@@ -170,7 +198,7 @@ static void test_large_reply(void **state)
 {
     struct fixture *f = *state;
     assert_int_equal(send_to(f, "A", 5000), SKV_OK); /* over the bound, but A holds nothing */
-    assert_int_equal(held(f, "A"), 5000);
+    assert_int_equal(held(f, "A"), COST(5000));
     assert_int_equal(send_to(f, "A", 1), SKV_E_BUSY);
     assert_int_equal(send_to(f, "B", 1), SKV_E_BUSY); /* the total too */
     assert_int_equal(take(f->a), 5000);
@@ -186,7 +214,7 @@ static void test_unknown_and_gone(void **state)
     assert_int_equal(skv_replies_dropped(f->r), 0);
     assert_int_equal(send_to(f, "A", 300), SKV_OK);
     assert_int_equal(send_to(f, "A", 300), SKV_OK);
-    assert_int_equal(held(f, "A"), 600);
+    assert_int_equal(held(f, "A"), 2 * COST(300));
     zmq_close(f->a);
     f->a = NULL;
     /* libzmq drops what was in the closed connection's pipe as it tears it down */
@@ -206,6 +234,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_per_client, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_overhead_counted, setup, teardown),
         cmocka_unit_test_setup_teardown(test_total, setup, teardown),
         cmocka_unit_test_setup_teardown(test_per_owner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_large_reply, setup, teardown),
