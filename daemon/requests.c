@@ -551,6 +551,8 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
     if (s->computed_rows > from) /* rows from `from` on are written again */
         s->computed_rows = from;
     if (!rc)
+        rc = skv_session_reserve_tokens(s, n); /* the push after the forward cannot fail */
+    if (!rc)
         rc = skv_engine_forward(e, s->cache, ids, n, &fo, s->logits);
     s->busy = was_busy;
     w->forward_session = outer;
@@ -1050,11 +1052,13 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
         all.top[0] = all.top_n ? all.top_ids[0] : skv_argmax(s->logits, w->m->cfg.n_vocab);
     }
     const struct prompt_scores sc = scores ? prompt_scores_from(&all, 1) : all;
-    /* a long one may stop part way, and any may fail part way (memory, the device): the
-     * engine's undo drops the rows it added, and where the session's upkeep evicts or re-scores
-     * rows too (the layers before the failure would keep their evictions), it runs on a copy */
+    /* a long one may stop part way: the engine's undo drops the rows it added, and where the
+     * session's upkeep evicts or re-scores rows too, it runs on a copy. A short one does not:
+     * on a copy every block is shared, so its room would count the whole cache again (a
+     * one-token APPEND near a full pool evicting others); a short one that fails part way (a
+     * device error, memory) leaves the layers before the failure with their upkeep done */
     struct session_undo u;
-    bool copy = s->comp && !skv_compressor_decode_keeps_rows(s->comp);
+    bool copy = n >= 64 && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
     if (copy && (rc = undo_begin(w, s, &u)))
         goto fail;
     /* the room, counted on the cache the forward writes: on a copy every block is shared with
@@ -2193,6 +2197,7 @@ static int logprobs_room(struct skv_decode *d)
 static int decode_pick(struct skv_worker *w, struct skv_decode *d)
 {
     struct skv_session *s = d->session;
+    d->picked = false;
     if (d->logprobs) {
         int rc = logprobs_room(d);
         if (rc)
@@ -2205,6 +2210,7 @@ static int decode_pick(struct skv_worker *w, struct skv_decode *d)
                            d->top_n ? d->top_ids + k * d->top_n : NULL, d->top_n ? d->top_lp + k * d->top_n : NULL);
     }
     d->out[d->produced++] = t;
+    d->picked = true;
     d->token = t;
     d->reason = NULL;
     for (size_t i = 0; i < d->n_stop && !d->reason; i++)
@@ -2249,15 +2255,22 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
     s->last_used_ms = skv_now_ms();
     if (!rc)
         rc = skv_session_charge(w->sessions, s, NULL);
-    if (rc && d->produced > (in ? 0u : 1u)) {
+    /* the tokens in the session: a token that failed was counted if it was sampled (a failure
+     * of its log-probabilities' room comes before) */
+    const uint32_t in_session = d->produced - (!in && d->picked ? 1u : 0u);
+    if (rc && in_session > 0) {
         const bool limit = rc == SKV_E_LIMIT || rc == SKV_E_POOL_FULL;
-        skv_log(limit ? SKV_LOG_DEBUG : SKV_LOG_WARN, "a decode ends after %u tokens: %s", d->produced - !in,
+        skv_log(limit ? SKV_LOG_DEBUG : SKV_LOG_WARN, "a decode ends after %u tokens: %s", in_session,
                 skv_error_msg());
-        if (!limit)
+        if (!limit) { /* a failure as any request's: counted, and a device lost stops the daemon */
             snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: %s",
-                     d->produced - !in, skv_error_msg());
+                     in_session, skv_error_msg());
+            w->metrics.errors++;
+            skv_worker_tenant(w, d->job->tenant)->errors++;
+            skv_worker_note_failure(w, rc);
+        }
         if (!in) {
-            d->produced--; /* the failed one never entered */
+            d->produced = in_session; /* the failed one never entered */
             decode_end_early(w, d, limit ? "limit" : "error");
             return true;
         }
@@ -2294,6 +2307,8 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         if (!grown) { /* the token is in: the decode ends with its tokens, the text as far as it got */
             snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: "
                      "no memory for the decoded text (the reply's ends before the last token's)", d->produced);
+            w->metrics.errors++;
+            skv_worker_tenant(w, d->job->tenant)->errors++;
             d->reason = "error";
             (void)decode_reply(w, d, true, d->reason, d->out, d->produced, d->text ? d->text : "");
             return true;
@@ -2347,6 +2362,8 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
         taken[i] = in_use1 > in_use0 ? in_use1 - in_use0 : 0;
         if (!rcs[i])
             rcs[i] = session_hook(s, 1, false, &opts[i]);
+        if (!rcs[i]) /* the token's place in the history: its push after the forward cannot fail */
+            rcs[i] = skv_session_reserve_tokens(s, 1);
         if (rcs[i])
             release_prepared(s->cache);
         if (!rcs[i])
@@ -4854,13 +4871,15 @@ static int by_tenant_then_entry(const void *a, const void *b)
     return c ? c : x->k < y->k ? -1 : x->k > y->k;
 }
 
-/* Which manifest entries a tenant's max-sessions-per-tenant leaves out (skip[k]): when a tenant
- * saved more sessions than it may now hold, its least recently used unpinned ones, so that what
- * comes back is what the limit keeps in service (pinned first, then the most recently used: the
- * manifest's order). Entries that do not parse are left to the restore to refuse. */
-static bool *persist_over_limit(const json_t *list, size_t n, int64_t max_sessions)
+/* Which manifest entries a tenant's max-sessions-per-tenant (skip[k] 1) or max-sessions (2)
+ * leaves out: when a tenant saved more sessions than it may now hold, its least recently used
+ * unpinned ones, and when all tenants did, the least recently used unpinned ones of all, so that
+ * what comes back is what the limits keep in service (pinned first, then the most recently
+ * used: the manifest's order; the restore runs it backwards, and the limit met there would have
+ * kept the oldest). Entries that do not parse are left to the restore to refuse. */
+static uint8_t *persist_over_limit(const json_t *list, size_t n, int64_t max_sessions, int64_t max_total)
 {
-    bool *skip = calloc(n ? n : 1, sizeof *skip);
+    uint8_t *skip = calloc(n ? n : 1, sizeof *skip);
     struct tenant_entry *e = malloc((n ? n : 1) * sizeof *e);
     if (!skip || !e) {
         free(e);
@@ -4879,6 +4898,9 @@ static bool *persist_over_limit(const json_t *list, size_t n, int64_t max_sessio
         run = i && strcmp(e[i].tenant, e[i - 1].tenant) == 0 ? run + 1 : 0;
         skip[e[i].k] = (int64_t)run >= max_sessions;
     }
+    for (size_t k = 0, kept = 0; k < n; k++)
+        if (!skip[k] && json_string_value(json_object_get(json_array_get(list, k), "tenant")))
+            skip[k] = kept++ >= (size_t)max_total ? 2 : 0;
     free(e);
     return skip;
 }
@@ -5042,7 +5064,7 @@ int skv_requests_persist_restore(struct skv_worker *w)
     int kept = persist_restore_kept(w, doc, dir, &r, rows_differ, &n_kept);
     if (rows_differ && n)
         skv_log(SKV_LOG_INFO, "persist: the restored sessions' rows do not serve prefix reuse: %s", rows_differ);
-    bool *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant);
+    uint8_t *skip = persist_over_limit(list, n, w->cfg->max_sessions_per_tenant, w->cfg->max_sessions);
     size_t n_spilled = 0;
     bool spilled_ok = true;
     char spilled_file[1300];
@@ -5065,10 +5087,13 @@ int skv_requests_persist_restore(struct skv_worker *w)
         rc = persist_entry(e, id, &tenant, &owner, &pinned, &lease, &idle);
         if (!rc)
             skv_session_id_hex(id, hex);
-        if (!rc && skip && skip[k])
+        if (!rc && skip && skip[k] == 1)
             rc = skv_errorf(SKV_E_LIMIT, "tenant '%s' saved more sessions than max-sessions-per-tenant (%lld) now "
                             "allows; its least recently used are left out", tenant,
                             (long long)w->cfg->max_sessions_per_tenant);
+        if (!rc && skip && skip[k] == 2)
+            rc = skv_errorf(SKV_E_LIMIT, "more sessions were saved than max-sessions (%lld) now allows; the least "
+                            "recently used are left out", (long long)w->cfg->max_sessions);
         if (!rc && skv_session_find(w->sessions, id, NULL)) /* before its charge could evict another */
             rc = skv_errorf(SKV_E_FORMAT, "the manifest names it twice");
         if (!rc && n_spilled && bsearch(hex, spilled, n_spilled, sizeof *spilled, hex_order)) {

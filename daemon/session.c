@@ -245,11 +245,9 @@ void skv_session_destroy(struct skv_session_table *t, struct skv_session *s)
     session_free(s);
 }
 
-int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n)
+int skv_session_reserve_tokens(struct skv_session *s, int n)
 {
-    if (n <= 0) /* a fork of an imported session: no token history, and no array to copy into */
-        return SKV_OK;
-    if (s->n_tokens + n > s->cap_tokens) {
+    if (n > 0 && s->n_tokens + n > s->cap_tokens) {
         int cap = s->cap_tokens ? s->cap_tokens : 256;
         while (cap < s->n_tokens + n)
             cap *= 2;
@@ -259,6 +257,16 @@ int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n)
         s->tokens = p;
         s->cap_tokens = cap;
     }
+    return SKV_OK;
+}
+
+int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n)
+{
+    if (n <= 0) /* a fork of an imported session: no token history, and no array to copy into */
+        return SKV_OK;
+    int rc = skv_session_reserve_tokens(s, n);
+    if (rc)
+        return rc;
     memcpy(s->tokens + s->n_tokens, ids, (size_t)n * sizeof *ids);
     s->n_tokens += n;
     return SKV_OK;

@@ -102,6 +102,9 @@ void skv_session_table_on_pressure(struct skv_session_table *t,
 uint64_t skv_session_tenant_bytes(const struct skv_session_table *t, const char *tenant,
                                   const struct skv_session *except);
 int skv_session_push_tokens(struct skv_session *s, const int32_t *ids, int n);
+/* Room in s's token history for n more, so that pushing them after a forward cannot fail for
+ * memory (the rows would be in the cache and the tokens not: n_tokens behind n_past). */
+int skv_session_reserve_tokens(struct skv_session *s, int n);
 
 /* Re-counts s's KV bytes against its tenant and the pool's unique bytes. When the pool or
  * the tenant's quota would overflow, evicts idle, unpinned, not-busy sessions in LRU order (never `s`):

@@ -11,7 +11,8 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
     uint64_t free_bytes = in->pool_bytes_total > in->pool_bytes_used ? in->pool_bytes_total - in->pool_bytes_used : 0;
     const struct skv_stat r[SKV_N_STATS] = {
         {"snapkv_requests_total", "requests handled by the engine worker", (double)m->requests},
-        {"snapkv_errors_total", "requests answered with an error", (double)m->errors},
+        {"snapkv_errors_total", "requests answered with an error, and decodes a failure ended after some tokens "
+                                "(finish_reason error)", (double)m->errors},
         {"snapkv_prefill_tokens_total", "prompt tokens prefilled (computed: a reused prefix is not)",
          (double)m->prefill_tokens},
         {"snapkv_prefix_reused_tokens_total",

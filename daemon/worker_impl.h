@@ -30,6 +30,7 @@ struct skv_decode {
     int32_t token;            /* the token of the current round */
     const char *reason;       /* why it is the last one ("stop", "eos", "length") or NULL */
     char error[256];          /* finish_reason "error": what failed (the final reply's message) */
+    bool picked;              /* the round's token was sampled (counted in produced) */
     char pending[8];          /* bytes of an incomplete UTF-8 character (from the session at the start) */
     size_t n_pending;
     char *text;               /* the text of every token so far (non-streaming reply) */

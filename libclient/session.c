@@ -733,6 +733,10 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
         (void)on_tokens(user, acc.tokens + first, r->n_tokens, r->text ? r->text : "");
         c->in_call = false;
     }
+    const bool failed = r->finish_reason && strcmp(r->finish_reason, "error") == 0;
+    if (failed) /* why, for snapkv_last_error(); a caller without a result learns it by the status */
+        rc = skv_client_fail(out ? SNAPKV_OK : SNAPKV_E_IO, "%s",
+                             rep->message && *rep->message ? rep->message : "the decode failed");
     if (out) {
         struct snapkv_decode_result res = {
             .tokens = acc.tokens,
@@ -741,8 +745,6 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
             .n_generated = r->n_generated,
         };
         snprintf(res.finish_reason, sizeof res.finish_reason, "%s", r->finish_reason ? r->finish_reason : "");
-        if (strcmp(res.finish_reason, "error") == 0) /* why, for snapkv_last_error() */
-            (void)skv_client_fail(SNAPKV_OK, "%s", rep->message && *rep->message ? rep->message : "the decode failed");
         acc.tokens = NULL;
         acc.text = NULL;
         *out = res;

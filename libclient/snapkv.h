@@ -500,7 +500,8 @@ struct snapkv_decode_result {
      * tokens went in is an error, SNAPKV_E_LIMIT / SNAPKV_E_POOL_FULL); or "error": the daemon
      * failed a later token (out of memory, the device), snapkv_last_error() says how. With
      * "cancelled", "limit" and "error" the call still succeeds with the tokens made so far and
-     * their text, all of them in the session */
+     * their text, all of them in the session; without a result (out NULL, the tokens seen by
+     * on_tokens) "error" is SNAPKV_E_IO instead, with the same snapkv_last_error() */
     char finish_reason[16];
 };
 /* Generates tokens in a session. sampling NULL: snapkv_sampling_defaults(). With on_tokens the

@@ -1622,6 +1622,7 @@ static void test_decode_fails_midway(void **state)
         d.stream = stream;
         sm.max_tokens = 12;
         atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + 4 * per_token + 3);
+        const double errors0 = stat(f, "snapkv_errors_total");
         rep = call(f, 0, ID_X, &req);
         int n_streamed = 0;
         while (rep->status == SKV_OK && !rep->final) {
@@ -1640,46 +1641,8 @@ static void test_decode_fails_midway(void **state)
                                              "the device failed"));
         snapkv__reply__free_unpacked(rep, NULL);
         assert_int_equal(listed(f, s2, NULL, NULL), 12);
+        assert_true(stat(f, "snapkv_errors_total") == errors0 + 1); /* a failure, counted as one */
     }
-}
-
-/* A short APPEND (4 tokens) on a session whose policy evicts as it goes (streaming), failing in
- * its forward's last norm after every layer's upkeep evicted: an error, and the session as it
- * was, every layer's positions (before, only long APPENDs ran on a copy: the earlier layers had
- * lost rows a retry would then not have). */
-static uint32_t *inspect_positions(struct fixture *f, const uint8_t sid[16], size_t *n);
-
-static void test_append_fails_keeps_rows(void **state)
-{
-    struct fixture *f = *state;
-    const char *spec = "policy=streaming,budget=16,sinks=2";
-    uint8_t twin[16], sid[16];
-    prefill(f, 16, spec, twin);
-    prefill(f, 16, spec, sid);
-    long c0 = atomic_load(&g_rmsnorm_calls);
-    assert_int_equal(append(f, twin, 4, NULL), SKV_OK); /* a forward of 4 tokens: its rmsnorm calls */
-    long per_forward = atomic_load(&g_rmsnorm_calls) - c0;
-    assert_true(per_forward > 3);
-    size_t n0, n1;
-    uint32_t *p0 = inspect_positions(f, sid, &n0);
-    atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + per_forward); /* the final norm */
-    int rc = append(f, sid, 4, NULL);
-    atomic_store(&g_fail_rmsnorm_at, 0);
-    assert_int_equal(rc, SKV_E_DEVICE);
-    uint32_t *p1 = inspect_positions(f, sid, &n1);
-    assert_int_equal(n1, n0);
-    assert_memory_equal(p1, p0, n0 * sizeof *p0);
-    assert_int_equal(listed(f, sid, NULL, NULL), 16);
-    free(p0);
-    free(p1);
-    /* and the retry gives what the twin got */
-    assert_int_equal(append(f, sid, 4, NULL), SKV_OK);
-    p0 = inspect_positions(f, twin, &n0);
-    p1 = inspect_positions(f, sid, &n1);
-    assert_int_equal(n1, n0);
-    assert_memory_equal(p1, p0, n0 * sizeof *p0);
-    free(p0);
-    free(p1);
 }
 
 static void test_decode_over_quota(void **state)
@@ -4582,6 +4545,30 @@ static void test_persist_set_aside(void **state)
     persist_off(f, dir);
 }
 
+/* A restart with max-sessions below what was saved (two tenants' sessions, one allowed): the
+ * most recently used comes back (before, the restore, least recently used first, kept the
+ * oldest and refused the newest); the other's file is set aside. */
+static void test_persist_max_sessions(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256];
+    persist_on(f, dir, "60");
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 40, "policy=full", a);
+    usleep(5000);
+    prefill_for(f, "u", 8, "policy=full", b);
+    skv_worker_stop(&f->w);
+    f->cfg.max_sessions = 1;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    int n = 0;
+    assert_int_equal(listed(f, b, NULL, &n), 8);
+    assert_int_equal(n, 1);
+    assert_int_equal(listed(f, a, NULL, NULL), -1);
+    snprintf(path, sizeof path, "%s/persist.unrestored/sessions.json", dir);
+    assert_int_equal(access(path, F_OK), 0);
+    persist_off(f, dir);
+}
+
 /* A restart with a pool that holds less than was saved: the least recently used sessions go,
  * and only as many as the room needs. The blocks a restore reads stay in its block store only
  * as long as a session holds them: an evicted session's blocks leave the pool with it, so
@@ -6467,9 +6454,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_append_fails_keeps_rows, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_group_alloc_fails_alone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_max_sessions, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
