@@ -220,7 +220,8 @@ static void slot_expire(struct skv_metrics_http *h, struct slot *sl, int64_t now
 }
 
 /* The address of the client connected on fd, as a key: its family, then its bytes (an IPv4
- * client of an IPv6 socket, ::ffff:a.b.c.d, is keyed as the IPv4 one). */
+ * client of an IPv6 socket, ::ffff:a.b.c.d, is keyed as the IPv4 one; an IPv6 one by its /64,
+ * which one host usually holds whole). */
 static void peer_key(int fd, uint8_t key[17])
 {
     struct sockaddr_storage a;
@@ -236,7 +237,7 @@ static void peer_key(int fd, uint8_t key[17])
             memcpy(key + 1, b + 12, 4);
         } else {
             key[0] = AF_INET6;
-            memcpy(key + 1, b, 16);
+            memcpy(key + 1, b, 8);
         }
     } else if (a.ss_family == AF_INET) {
         key[0] = AF_INET;
@@ -244,30 +245,26 @@ static void peer_key(int fd, uint8_t key[17])
     }
 }
 
-/* A new connection's slot: a free one, or, all taken, one of the client that holds the most
- * (a flood from one address pushes out its own connections, not a scraper's from another):
- * of its, the one reading longest (silent the most) or failing that draining longest, closed
- * without an answer. */
+/* A new connection's slot: a free one, or, all taken, one of the client addresses that hold the
+ * most (a flood from one address pushes out its own connections, not a scraper's from
+ * another): of theirs, the one reading longest (silent the most) or failing that draining
+ * longest, closed without an answer. */
 static struct slot *slot_take(struct skv_metrics_http *h)
 {
-    int most = 0;
-    const uint8_t *flooder = NULL;
+    int count[SKV_METRICS_CONNECTIONS], most = 0;
     for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++) {
         const struct slot *sl = &h->slots[i];
         if (sl->st == SLOT_FREE)
             return &h->slots[i];
-        int n = 0;
+        count[i] = 0;
         for (int j = 0; j < SKV_METRICS_CONNECTIONS; j++)
-            n += memcmp(h->slots[j].peer, sl->peer, sizeof sl->peer) == 0;
-        if (n > most) {
-            most = n;
-            flooder = sl->peer;
-        }
+            count[i] += memcmp(h->slots[j].peer, sl->peer, sizeof sl->peer) == 0;
+        most = count[i] > most ? count[i] : most;
     }
     struct slot *oldest = NULL;
     for (int i = 0; i < SKV_METRICS_CONNECTIONS; i++) {
         struct slot *sl = &h->slots[i];
-        if (memcmp(sl->peer, flooder, sizeof sl->peer) != 0)
+        if (count[i] != most)
             continue;
         if (!oldest || (sl->st == SLOT_READING && oldest->st != SLOT_READING) ||
             (sl->st == oldest->st && sl->deadline < oldest->deadline))

@@ -1,8 +1,8 @@
 /* The optional plain-HTTP metrics endpoint (metrics-listen = HOST:PORT): one thread of its own
  * answering GET /metrics with the Prometheus text, /healthz and /readyz with a probe's answer
  * (200 or 503 and one line saying why), 404 for other paths, up to
- * SKV_METRICS_CONNECTIONS connections at once (one more closes the one silent the longest of
- * the client address that holds the most),
+ * SKV_METRICS_CONNECTIONS connections at once (one more closes the one silent the longest among
+ * the client addresses that hold the most),
  * each with bounded request size and time. It never touches the ZeroMQ sockets, so a slow or
  * hostile HTTP client cannot stall the daemon's request loop, and idle connections do not make
  * a scrape wait behind them. */
