@@ -1353,8 +1353,11 @@ static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, str
         for (int i = 1; i < S && !rc; i++) {
             const float *c = lg + (size_t)i * nv;
             /* NaN logits or an infinite divergence fail the run: never a KL of 0 */
-            if ((rc = skv_kl_logits(f, c, nv, &kl[(size_t)i * M + t])))
-                skv_errorf(rc, "fidelity %s, spec %d, forced token %d: %s", path, i, t, skv_error_msg());
+            if ((rc = skv_kl_logits(f, c, nv, &kl[(size_t)i * M + t]))) {
+                char why[512]; /* (the message is formatted into the buffer it is read from) */
+                snprintf(why, sizeof why, "%s", skv_error_msg());
+                skv_errorf(rc, "fidelity %s, spec %d, forced token %d: %s", path, i, t, why);
+            }
             top1[i] += skv_argmax(c, nv) == af;
         }
     }
@@ -1644,17 +1647,17 @@ int skv_bench_quality(struct skv_engine *e, struct skv_model *m, const struct sk
         rc = task_passkey(q, root);
     if (!rc && do_fid)
         rc = task_fidelity(q, root);
-    /* the figures are written either way; a run asked for its plots too */
-    int no_plot = q->pk_plots_failed + q->fid_plots_failed;
-    if (!rc && no_plot)
-        rc = skv_errorf(SKV_E_IO, "%d plot(s) not drawn (see above); the JSON and markdown in %s are complete", no_plot,
-                        q->out_dir);
     if (!rc && o->json_stdout) {
         char *s = json_dumps(root, JSON_INDENT(1) | JSON_REAL_PRECISION(6));
         if (s)
             puts(s);
         free(s);
     }
+    /* the figures are written (and printed) either way; a run asked for its plots too */
+    int no_plot = q->pk_plots_failed + q->fid_plots_failed;
+    if (!rc && no_plot)
+        rc = skv_errorf(SKV_E_IO, "%d plot(s) not drawn (see above); the JSON and markdown in %s are complete", no_plot,
+                        q->out_dir);
     json_decref(root);
     free(q);
     return rc;
