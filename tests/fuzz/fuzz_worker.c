@@ -501,7 +501,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
             exit(1);
         }
     int fd = shm_open(g.shm_name, O_RDWR | O_CREAT | O_EXCL, 0600);
-    if (fd < 0 || ftruncate(fd, SHM_BYTES) != 0)
+    if (fd < 0 || posix_fallocate(fd, 0, SHM_BYTES) != 0) /* allocated: an EXPORT writes only into such */
         exit(1);
     close(fd);
     g.zctx = zmq_ctx_new();
