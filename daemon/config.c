@@ -151,6 +151,9 @@ static const struct skv_config_option options[] = {
     {"store-max-bytes", SKV_CFG_SIZE, OPT(store_max_bytes), "512M", 1 << 20, INT64_C(1) << 40,
      "the largest session spilled to the store (a larger one is dropped, as without a store); Redis refuses "
      "values over its proto-max-bulk-len, 512M by default"},
+    {"store-max-bytes-per-tenant", SKV_CFG_SIZE, OPT(store_max_bytes_per_tenant), "2G", 1 << 20, INT64_C(1) << 42,
+     "the bytes one tenant's sessions this daemon spilled may hold in the store until taken back, released or "
+     "expired (store-keep-seconds); past it an evicted session of the tenant is dropped, not spilled"},
     {"store-user", SKV_CFG_STRING, OPT(store_user), "", 0, 0,
      "the user the daemon logs in to the store as (Redis 6 ACL); \"\": the default user. Needs "
      "store-password-file"},

@@ -52,6 +52,7 @@ struct skv_config {
     int64_t store_keep_seconds; /* a spilled session's time to live there */
     int64_t store_timeout_ms; /* connect, spill and load */
     int64_t store_max_bytes;  /* the largest session spilled */
+    int64_t store_max_bytes_per_tenant; /* what one tenant's spills this daemon made may hold there */
     char *store_user;         /* AUTH as this user ("": Redis's default one) ... */
     char *store_password_file; /* ... with the password in this file ("": no AUTH) */
     char *store_secret_file;  /* values signed with the secret in this file ("": not signed) */

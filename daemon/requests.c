@@ -3709,6 +3709,56 @@ static int store_mac_check(const struct skv_worker *w, const char *key, const un
 
 static void spilled_note(struct skv_worker *w, char what, const uint8_t *id);
 
+#define SPILL_RECORDS_MAX (1 << 20) /* spills this daemon keeps count of (about 100 MB) */
+
+/* The spill records past their time dropped; the bytes `tenant`'s records hold. */
+static uint64_t spill_tenant_bytes(struct skv_worker *w, const char *tenant)
+{
+    uint64_t now = skv_now_ms(), bytes = 0;
+    for (size_t i = 0; i < w->n_spills;) {
+        if (w->spills[i].expires_ms <= now) {
+            w->spills[i] = w->spills[--w->n_spills];
+            continue;
+        }
+        if (strcmp(w->spills[i].tenant, tenant) == 0)
+            bytes += w->spills[i].bytes;
+        i++;
+    }
+    return bytes;
+}
+
+/* Session id is no longer in the store (taken back, released, dropped): its bytes no longer
+ * count. */
+static void spill_forget(struct skv_worker *w, const uint8_t *id)
+{
+    for (size_t i = 0; i < w->n_spills; i++)
+        if (memcmp(w->spills[i].id, id, SKV_SESSION_ID_BYTES) == 0) {
+            w->spills[i] = w->spills[--w->n_spills];
+            return;
+        }
+}
+
+/* Counts a spill of `bytes` for `tenant`; false when no record could be kept (it then counts
+ * nothing: the store's time still bounds it). */
+static bool spill_remember(struct skv_worker *w, const char *tenant, const uint8_t *id, uint64_t bytes)
+{
+    spill_forget(w, id);
+    if (w->n_spills == w->cap_spills) {
+        size_t cap = w->cap_spills ? 2 * w->cap_spills : 64;
+        struct skv_spill_rec *p = cap <= SPILL_RECORDS_MAX ? realloc(w->spills, cap * sizeof *p) : NULL;
+        if (!p)
+            return false;
+        w->spills = p;
+        w->cap_spills = cap;
+    }
+    struct skv_spill_rec *r = &w->spills[w->n_spills++];
+    snprintf(r->tenant, sizeof r->tenant, "%s", tenant);
+    memcpy(r->id, id, SKV_SESSION_ID_BYTES);
+    r->bytes = bytes;
+    r->expires_ms = skv_now_ms() + (uint64_t)w->cfg->store_keep_seconds * 1000;
+    return true;
+}
+
 /* Writes session s to the store, streamed: its size is counted first (the protocol announces
  * it), then it is written straight onto the connection, so a spill costs no memory however large
  * the session. */
@@ -3728,6 +3778,11 @@ void skv_requests_spill(void *user, struct skv_session *s)
     if (!rc && n > (uint64_t)w->cfg->store_max_bytes)
         rc = skv_errorf(SKV_E_LIMIT, "it takes %llu bytes, more than store-max-bytes (%lld)", (unsigned long long)n,
                         (long long)w->cfg->store_max_bytes);
+    uint64_t held = rc ? 0 : spill_tenant_bytes(w, s->tenant);
+    if (!rc && held + n > (uint64_t)w->cfg->store_max_bytes_per_tenant)
+        rc = skv_errorf(SKV_E_LIMIT, "the tenant's sessions spilled here hold %llu bytes in the store, and %llu more "
+                        "would pass store-max-bytes-per-tenant (%lld)", (unsigned long long)held,
+                        (unsigned long long)n, (long long)w->cfg->store_max_bytes_per_tenant);
     struct spill sp = {w, s, key};
     if (rc)
         skv_store_count_spill_failure(w->store); /* (the store counts those it refuses) */
@@ -3739,6 +3794,7 @@ void skv_requests_spill(void *user, struct skv_session *s)
         skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%llu bytes)", hex, s->tenant,
                 (unsigned long long)n);
         spilled_note(w, 'S', s->id);
+        (void)spill_remember(w, s->tenant, s->id, n);
     }
     w->metrics.store_spill_seconds += now_s() - t0;
 }
@@ -3772,9 +3828,12 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     int rc = skv_store_take_either(w->store, key, has_legacy ? legacy : NULL, &data, &n, &value, &took_legacy);
     if (took_legacy) /* what its signature covers, and where a put back goes */
         memcpy(key, legacy, sizeof key);
+    if (rc == SKV_E_NOT_FOUND) /* gone from the store (its time passed, another host took it) */
+        spill_forget(w, id);
     if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) { /* taken, and too large to hold */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
         spilled_note(w, 'T', id);
+        spill_forget(w, id);
     }
     if (rc)
         return rc;
@@ -3834,8 +3893,10 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' (%s) was dropped: %s", tenant, key, skv_error_msg());
     }
     skv_store_value_free(value);
-    if (!back) /* the store holds it no more: a restore after a crash takes its file (the newest left) */
+    if (!back) { /* the store holds it no more: a restore after a crash takes its file (the newest left) */
         spilled_note(w, 'T', id);
+        spill_forget(w, id);
+    }
     if (rc)
         return rc;
     skv_worker_event_stored(w, s);
@@ -3853,6 +3914,8 @@ static int store_release(struct skv_worker *w, const char *tenant, const uint8_t
     int rc = skv_store_delete(w->store, key);
     if (rc == SKV_E_NOT_FOUND && store_key(w, tenant, id, true, key, sizeof key)) /* an earlier daemon's */
         rc = skv_store_delete(w->store, key);
+    if (rc == SKV_E_NOT_FOUND || !rc)
+        spill_forget(w, id); /* (gone from the store either way) */
     if (rc == SKV_E_NOT_FOUND)
         return skv_errorf(SKV_E_NOT_FOUND, "no session %s for this tenant", hex);
     if (rc) {

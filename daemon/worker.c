@@ -1464,6 +1464,7 @@ void skv_worker_stop(struct skv_worker **w_p)
     skv_prefix_cache_clear(&w->prefix, NULL); /* their blocks go back to the pool before it goes */
     skv_session_table_free(&w->sessions);
     skv_store_free(&w->store);
+    free(w->spills);
     explicit_bzero(w->store_mac_key, sizeof w->store_mac_key);
     explicit_bzero(w->store_accept_key, sizeof w->store_accept_key);
     pthread_mutex_destroy(&w->mu);

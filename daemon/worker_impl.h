@@ -72,6 +72,15 @@ struct skv_tenant_clock {
 
 #define PERSIST_STORE_NAME_MAX 48 /* a block store's file name, blocks-<generation>.skvb, its NUL included */
 
+/* A session this daemon spilled to the store: its bytes count against its tenant's
+ * store-max-bytes-per-tenant until it is taken back, released or its time there passes. */
+struct skv_spill_rec {
+    char tenant[SKV_TENANT_MAX];
+    uint8_t id[SKV_SESSION_ID_BYTES];
+    uint64_t bytes;
+    uint64_t expires_ms; /* skv_now_ms */
+};
+
 struct skv_worker {
     const struct skv_config *cfg;
     struct skv_model *m;
@@ -81,6 +90,8 @@ struct skv_worker {
     struct skv_session_table *sessions;
     struct skv_prefix_cache prefix; /* released sessions' KV kept for prefix reuse (prefix-retain-bytes) */
     struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
+    struct skv_spill_rec *spills; /* what this daemon spilled and the store still holds, per tenant */
+    size_t n_spills, cap_spills;
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
     unsigned char rows_id[16]; /* what computes this daemon's rows (requests.c rows_id; zero: unknown) */
     bool rows_id_known;       /* rows_id was worked out (on the worker thread, at the first use) */

@@ -5882,6 +5882,101 @@ static void wait_spilled(const char *sock, const struct snapkv_session_id *id, c
     assert_true(key[0]);
 }
 
+/* The store's key for session id of `tenant` ("" when it holds none). */
+static void tenant_key_of(const char *sock, const char *tenant, const struct snapkv_session_id *id, char *out,
+                          size_t cap)
+{
+    char hex[SNAPKV_SESSION_ID_HEX_SIZE], args[200];
+    snapkv_session_id_to_hex(id, hex, sizeof hex);
+    snprintf(args, sizeof args, "--scan --pattern 'snapkv:*:%s:%s'", tenant, hex);
+    fixture_redis_cli(sock, args, out, cap);
+}
+
+/* A session of c's tenant (96 tokens cut to 32 rows: 1.4 MiB in the store) with a 1 s lease. */
+static void prefill_leased(snapkv_client_t *c, unsigned seed, struct snapkv_prefill_result *out)
+{
+    uint32_t ids[96];
+    prompt(ids, 96, seed);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 96, .compress = "policy=snapkv,budget=32",
+                                     .lease_seconds = 1};
+    assert_int_equal(snapkv_prefill(c, &po, out), SNAPKV_OK);
+}
+
+/* store-max-bytes-per-tenant (2M): a tenant's second 1.4 MiB session past its lease is dropped,
+ * not spilled, while its first is in the store; another tenant's is spilled; once the first is
+ * taken back (and released) the next one is spilled again (before, one tenant's evictions could
+ * fill the store with up to store-max-bytes each, pushing out other tenants' sessions). */
+static void test_store_tenant_cap(void **state)
+{
+    NEED_MODEL();
+    char dir[64] = "/tmp/skv-storecap-XXXXXX", sock[128], opt[220], conf[200], pass[200], key[300];
+    assert_non_null(mkdtemp(dir));
+    if (!start_redis(dir, sock, sizeof sock)) {
+        rmdir(dir);
+        print_message("redis-server or redis-cli is not installed: test_store_tenant_cap skipped\n");
+        skip();
+    }
+    snprintf(pass, sizeof pass, "%s/store.pass", dir);
+    snprintf(conf, sizeof conf, "%s/store.conf", dir);
+    FILE *cf = fopen(pass, "w");
+    assert_non_null(cf);
+    fputs(STORE_PASSWORD "\n", cf);
+    assert_int_equal(fclose(cf), 0);
+    assert_int_equal(chmod(pass, 0600), 0);
+    assert_non_null(cf = fopen(conf, "w"));
+    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-max-bytes-per-tenant = 2M\n", sock, pass);
+    assert_int_equal(fclose(cf), 0);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    struct daemon d;
+    start_daemon_with(&d, "64M", opt, 0);
+    snapkv_client_t *cp = client(d.endpoint, "p"), *cq = client(d.endpoint, "q"), *adm = client(d.admin, NULL);
+    struct snapkv_prefill_result x, y, z, v;
+    prefill_leased(cp, 71, &x);
+    wait_spilled(sock, &x.id, key, sizeof key);
+    prefill_leased(cp, 72, &y);
+    struct snapkv_inspect_result ir;
+    int rc = SNAPKV_OK;
+    for (int i = 0; i < 300 && rc == SNAPKV_OK; i++) { /* until its lease passed and it went */
+        usleep(100 * 1000);
+        if ((rc = snapkv_admin_inspect(adm, &y.id, false, &ir)) == SNAPKV_OK)
+            snapkv_inspect_result_free(&ir);
+    }
+    assert_int_equal(rc, SNAPKV_E_NOT_FOUND);
+    tenant_key_of(sock, "p", &y.id, key, sizeof key);
+    assert_string_equal(key, ""); /* dropped, not spilled */
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "grep -q 'would pass store-max-bytes-per-tenant (2097152)' %s", d.log);
+    assert_int_equal(system(cmd), 0);
+    prefill_leased(cq, 73, &z); /* another tenant's: spilled */
+    for (int i = 0; i < 300 && !key[0]; i++) {
+        usleep(100 * 1000);
+        tenant_key_of(sock, "q", &z.id, key, sizeof key);
+    }
+    assert_true(key[0]);
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    sp.max_tokens = 1;
+    struct snapkv_decode_result got;
+    assert_int_equal(snapkv_decode(cp, &x.id, &sp, NULL, NULL, &got), SNAPKV_OK); /* taken back */
+    snapkv_decode_result_free(&got);
+    assert_int_equal(snapkv_release(cp, &x.id), SNAPKV_OK);
+    prefill_leased(cp, 74, &v); /* room again */
+    wait_spilled(sock, &v.id, key, sizeof key);
+    snapkv_prefill_result_free(&x);
+    snapkv_prefill_result_free(&y);
+    snapkv_prefill_result_free(&z);
+    snapkv_prefill_result_free(&v);
+    snapkv_close(&cp);
+    snapkv_close(&cq);
+    snapkv_close(&adm);
+    stop_daemon(&d);
+    kill(g_redis, SIGKILL);
+    waitpid(g_redis, NULL, 0);
+    g_redis = 0;
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* A full-cache session of 64 tokens of c's tenant, spilled from c's daemon (an 8M pool, which
  * holds two) by two more, taken back by a DECODE, then a PREFILL of its 64 tokens and 48 more
  * (a PREFILL computes more than the small batch, 32): how many tokens that PREFILL reused.
@@ -6497,6 +6592,7 @@ int main(void)
         cmocka_unit_test_teardown(test_daemon_killed_mid_call, kill_daemons),
         cmocka_unit_test_teardown(test_many_daemons, kill_daemons),
         cmocka_unit_test_teardown(test_store, kill_daemons),
+        cmocka_unit_test_teardown(test_store_tenant_cap, kill_daemons),
         cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
