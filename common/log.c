@@ -125,3 +125,16 @@ void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
         fprintf(out, "%s: %s\n", skv_log_level_name(level), msg);
     pthread_mutex_unlock(&log_lock);
 }
+
+int skv_log_allow(struct skv_log_limit *l, unsigned long long now_ms, unsigned long long *suppressed)
+{
+    if (l->started && now_ms - l->last_ms < SKV_LOG_LIMIT_MS) {
+        l->held++;
+        return 0;
+    }
+    *suppressed = l->held;
+    l->held = 0;
+    l->last_ms = now_ms;
+    l->started = 1;
+    return 1;
+}

@@ -25,6 +25,18 @@ void skv_log_write(int level, const char *file, int line, const char *fmt, ...)
 int skv_log_level_parse(const char *name);
 const char *skv_log_level_name(int level);
 void skv_log_set_level(int level);
+/* Lines a client can cause (an eviction per PREFILL, a spill that failed per eviction, a
+ * connection closed): one a window at most, the others counted and named in the next.
+ * skv_log_allow: whether a line goes now (at now_ms, any clock that does not go back); when it
+ * does, *suppressed gets how many were held back since the last one. Zero-initialised. */
+#define SKV_LOG_LIMIT_MS 10000
+struct skv_log_limit {
+    unsigned long long last_ms;
+    unsigned long long held;
+    int started;
+};
+int skv_log_allow(struct skv_log_limit *l, unsigned long long now_ms, unsigned long long *suppressed);
+
 /* Log to `path` (NULL: stderr). Returns SKV_OK or SKV_E_IO (skv_error_msg() says why). */
 int skv_log_open(const char *path);
 /* Reopens the log file (SIGHUP, after logrotate moved it): SKV_E_IO when the file cannot be

@@ -958,8 +958,10 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
     int evicted = 0;
     if ((rc = skv_session_charge(w->sessions, s, &evicted)))
         goto fail;
-    if (evicted)
-        skv_log(SKV_LOG_INFO, "evicted %d idle session(s) to make room", evicted);
+    unsigned long long more = 0;
+    if (evicted && skv_log_allow(&w->log_evicted, skv_now_ms(), &more))
+        skv_log(SKV_LOG_INFO, "evicted %d idle session(s) to make room (%llu more such evictions in the last %d s)",
+                evicted, more, SKV_LOG_LIMIT_MS / 1000);
     skv_worker_event_stored(w, s);
 
     Snapkv__Reply rep;
@@ -3788,9 +3790,12 @@ void skv_requests_spill(void *user, struct skv_session *s)
         skv_store_count_spill_failure(w->store); /* (the store counts those it refuses) */
     else
         rc = skv_store_put_stream(w->store, key, n, w->cfg->store_keep_seconds, spill_write, &sp);
-    if (rc) {
-        skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s", hex, s->tenant, skv_error_msg());
-    } else {
+    unsigned long long more = 0;
+    if (rc && skv_log_allow(&w->log_spill, skv_now_ms(), &more)) {
+        skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s (%llu more sessions dropped in the "
+                "last %d s: snapkv_store_spill_failures_total)", hex, s->tenant, skv_error_msg(), more,
+                SKV_LOG_LIMIT_MS / 1000);
+    } else if (!rc) {
         skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%llu bytes)", hex, s->tenant,
                 (unsigned long long)n);
         spilled_note(w, 'S', s->id);

@@ -993,11 +993,12 @@ static void *worker_main(void *arg)
         }
         if (job && job->kind == SKV_JOB_CLIENT_GONE) {
             int cancelled = cancel_decodes_of(w, job);
-            if (cancelled)
-                skv_log(SKV_LOG_INFO, "cancelled %d decode(s) of a client whose connection closed", cancelled);
             int closed = skv_requests_client_gone(w, job);
-            if (closed)
-                skv_log(SKV_LOG_INFO, "closed %d CUDA buffer(s) of a client whose connection closed", closed);
+            unsigned long long more = 0;
+            if ((cancelled || closed) && skv_log_allow(&w->log_gone, skv_now_ms(), &more))
+                skv_log(SKV_LOG_INFO, "a client whose connection closed: %d decode(s) cancelled, %d CUDA buffer(s) "
+                        "closed (%llu more such clients in the last %d s)", cancelled, closed, more,
+                        SKV_LOG_LIMIT_MS / 1000);
             job_free(job);
         } else if (job) {
             char tenant[sizeof job->tenant];

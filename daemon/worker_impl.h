@@ -9,6 +9,7 @@
 
 #include "daemon/engine/sampler.h"
 #include "daemon/prefix_cache.h"
+#include "common/log.h"
 #include "daemon/session.h"
 #include "daemon/stats.h"
 #include "daemon/worker.h"
@@ -91,6 +92,7 @@ struct skv_worker {
     struct skv_prefix_cache prefix; /* released sessions' KV kept for prefix reuse (prefix-retain-bytes) */
     struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
     struct skv_spill_rec *spills; /* what this daemon spilled and the store still holds, per tenant */
+    struct skv_log_limit log_evicted, log_gone, log_spill; /* lines clients can cause, one per 10 s */
     size_t n_spills, cap_spills;
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
     unsigned char rows_id[16]; /* what computes this daemon's rows (requests.c rows_id; zero: unknown) */

@@ -70,6 +70,29 @@ static void test_fix(void **state)
 /* The log's lines are text: bytes that are not UTF-8, C0 and C1 controls become '?', and a
  * character the 1024-byte message cuts is dropped, not left half (journald keeps a line that
  * is not UTF-8 as "[blob data]"). Well-formed characters stay. */
+/* skv_log_allow: the first line goes, the next ones within 10 s are held and counted, the first
+ * after the window goes with their count; each limit on its own. */
+static void test_log_limit(void **state)
+{
+    (void)state;
+    struct skv_log_limit a = {0}, b = {0};
+    unsigned long long more = 99;
+    assert_true(skv_log_allow(&a, 5000, &more));
+    assert_int_equal(more, 0);
+    more = 99;
+    for (int i = 1; i <= 3; i++)
+        assert_false(skv_log_allow(&a, 5000 + 3000 * (unsigned long long)i, &more));
+    assert_int_equal(more, 99); /* not touched while held */
+    assert_true(skv_log_allow(&b, 6000, &more)); /* another limit */
+    assert_int_equal(more, 0);
+    assert_false(skv_log_allow(&a, 14999, &more));
+    assert_true(skv_log_allow(&a, 15000, &more));
+    assert_int_equal(more, 4);
+    assert_false(skv_log_allow(&a, 15001, &more));
+    assert_true(skv_log_allow(&a, 25000, &more));
+    assert_int_equal(more, 1);
+}
+
 static void test_log_lines(void **state)
 {
     (void)state;
@@ -115,6 +138,7 @@ int main(void)
         cmocka_unit_test(test_char),
         cmocka_unit_test(test_fix),
         cmocka_unit_test(test_log_lines),
+        cmocka_unit_test(test_log_limit),
     };
     return cmocka_run_group_tests_name("utf8", tests, NULL, NULL);
 }
