@@ -220,8 +220,7 @@ static void slot_expire(struct skv_metrics_http *h, struct slot *sl, int64_t now
 }
 
 /* The address of the client connected on fd, as a key: its family, then its bytes (an IPv4
- * client of an IPv6 socket, ::ffff:a.b.c.d, is keyed as the IPv4 one; an IPv6 one by its /64,
- * which one host usually holds whole). */
+ * client of an IPv6 socket, ::ffff:a.b.c.d, is keyed as the IPv4 one). */
 static void peer_key(int fd, uint8_t key[17])
 {
     struct sockaddr_storage a;
@@ -237,7 +236,7 @@ static void peer_key(int fd, uint8_t key[17])
             memcpy(key + 1, b + 12, 4);
         } else {
             key[0] = AF_INET6;
-            memcpy(key + 1, b, 8);
+            memcpy(key + 1, b, 16);
         }
     } else if (a.ss_family == AF_INET) {
         key[0] = AF_INET;

@@ -960,8 +960,8 @@ static void handle_prefill(struct skv_worker *w, struct skv_job *job)
         goto fail;
     unsigned long long more = 0;
     if (evicted && skv_log_allow(&w->log_evicted, skv_now_ms(), &more))
-        skv_log(SKV_LOG_INFO, "evicted %d idle session(s) to make room (%llu more such evictions in the last %d s)",
-                evicted, more, SKV_LOG_LIMIT_MS / 1000);
+        skv_log(SKV_LOG_INFO, "evicted %d idle session(s) to make room (%llu more requests evicted since the last "
+                "such line)", evicted, more);
     skv_worker_event_stored(w, s);
 
     Snapkv__Reply rep;
@@ -2307,10 +2307,12 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
             cap *= 2;
         char *grown = realloc(d->text, cap);
         if (!grown) { /* the token is in: the decode ends with its tokens, the text as far as it got */
-            snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: "
-                     "no memory for the decoded text (the reply's ends before the last token's)", d->produced);
-            w->metrics.errors++;
-            skv_worker_tenant(w, d->job->tenant)->errors++;
+            if (!d->reason || strcmp(d->reason, "error") != 0) { /* (a failure counted once, its first cause) */
+                snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: "
+                         "no memory for the decoded text (the reply's ends before the last token's)", d->produced);
+                w->metrics.errors++;
+                skv_worker_tenant(w, d->job->tenant)->errors++;
+            }
             d->reason = "error";
             (void)decode_reply(w, d, true, d->reason, d->out, d->produced, d->text ? d->text : "");
             return true;
@@ -3711,7 +3713,7 @@ static int store_mac_check(const struct skv_worker *w, const char *key, const un
 
 static void spilled_note(struct skv_worker *w, char what, const uint8_t *id);
 
-#define SPILL_RECORDS_MAX (1 << 20) /* spills this daemon keeps count of (about 100 MB) */
+#define SPILL_RECORDS_MAX (1 << 16) /* spills this daemon keeps count of (5 MB; a scan is one pass) */
 
 /* The spill records past their time dropped; the bytes `tenant`'s records hold. */
 static uint64_t spill_tenant_bytes(struct skv_worker *w, const char *tenant)
@@ -3729,22 +3731,41 @@ static uint64_t spill_tenant_bytes(struct skv_worker *w, const char *tenant)
     return bytes;
 }
 
-/* Session id is no longer in the store (taken back, released, dropped): its bytes no longer
- * count. */
-static void spill_forget(struct skv_worker *w, const uint8_t *id)
+/* Session id of tenant is no longer in the store (taken back, released, dropped): its bytes no
+ * longer count. */
+static void spill_forget(struct skv_worker *w, const char *tenant, const uint8_t *id)
 {
     for (size_t i = 0; i < w->n_spills; i++)
-        if (memcmp(w->spills[i].id, id, SKV_SESSION_ID_BYTES) == 0) {
+        if (memcmp(w->spills[i].id, id, SKV_SESSION_ID_BYTES) == 0 && strcmp(w->spills[i].tenant, tenant) == 0) {
             w->spills[i] = w->spills[--w->n_spills];
             return;
         }
+}
+
+/* The tenant's records whose sessions the store no longer holds (another host took them back,
+ * the store lost them) forgotten; the bytes the others hold. */
+static uint64_t spill_tenant_recount(struct skv_worker *w, const char *tenant)
+{
+    for (size_t i = 0; i < w->n_spills;) {
+        char key[STORE_KEY_MAX];
+        const struct skv_spill_rec *r = &w->spills[i];
+        if (strcmp(r->tenant, tenant) == 0) {
+            store_key(w, tenant, r->id, false, key, sizeof key);
+            if (skv_store_exists(w->store, key) == SKV_E_NOT_FOUND) {
+                w->spills[i] = w->spills[--w->n_spills];
+                continue;
+            }
+        }
+        i++;
+    }
+    return spill_tenant_bytes(w, tenant);
 }
 
 /* Counts a spill of `bytes` for `tenant`; false when no record could be kept (it then counts
  * nothing: the store's time still bounds it). */
 static bool spill_remember(struct skv_worker *w, const char *tenant, const uint8_t *id, uint64_t bytes)
 {
-    spill_forget(w, id);
+    spill_forget(w, tenant, id);
     if (w->n_spills == w->cap_spills) {
         size_t cap = w->cap_spills ? 2 * w->cap_spills : 64;
         struct skv_spill_rec *p = cap <= SPILL_RECORDS_MAX ? realloc(w->spills, cap * sizeof *p) : NULL;
@@ -3780,8 +3801,12 @@ void skv_requests_spill(void *user, struct skv_session *s)
     if (!rc && n > (uint64_t)w->cfg->store_max_bytes)
         rc = skv_errorf(SKV_E_LIMIT, "it takes %llu bytes, more than store-max-bytes (%lld)", (unsigned long long)n,
                         (long long)w->cfg->store_max_bytes);
-    uint64_t held = rc ? 0 : spill_tenant_bytes(w, s->tenant);
-    if (!rc && held + n > (uint64_t)w->cfg->store_max_bytes_per_tenant)
+    /* (at a stop every session goes, whatever the tenant's spills before: its live bytes are
+     * bounded by its quota already) */
+    uint64_t held = rc || w->store_draining ? 0 : spill_tenant_bytes(w, s->tenant);
+    if (!rc && !w->store_draining && held + n > (uint64_t)w->cfg->store_max_bytes_per_tenant)
+        held = spill_tenant_recount(w, s->tenant); /* are they all still there? */
+    if (!rc && !w->store_draining && held + n > (uint64_t)w->cfg->store_max_bytes_per_tenant)
         rc = skv_errorf(SKV_E_LIMIT, "the tenant's sessions spilled here hold %llu bytes in the store, and %llu more "
                         "would pass store-max-bytes-per-tenant (%lld)", (unsigned long long)held,
                         (unsigned long long)n, (long long)w->cfg->store_max_bytes_per_tenant);
@@ -3792,9 +3817,8 @@ void skv_requests_spill(void *user, struct skv_session *s)
         rc = skv_store_put_stream(w->store, key, n, w->cfg->store_keep_seconds, spill_write, &sp);
     unsigned long long more = 0;
     if (rc && skv_log_allow(&w->log_spill, skv_now_ms(), &more)) {
-        skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s (%llu more sessions dropped in the "
-                "last %d s: snapkv_store_spill_failures_total)", hex, s->tenant, skv_error_msg(), more,
-                SKV_LOG_LIMIT_MS / 1000);
+        skv_log(SKV_LOG_WARN, "session %s of tenant '%s' dropped, not spilled: %s (%llu more dropped since the last "
+                "such line: snapkv_store_spill_failures_total)", hex, s->tenant, skv_error_msg(), more);
     } else if (!rc) {
         skv_log(SKV_LOG_DEBUG, "session %s of tenant '%s' spilled to the store (%llu bytes)", hex, s->tenant,
                 (unsigned long long)n);
@@ -3834,11 +3858,11 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     if (took_legacy) /* what its signature covers, and where a put back goes */
         memcpy(key, legacy, sizeof key);
     if (rc == SKV_E_NOT_FOUND) /* gone from the store (its time passed, another host took it) */
-        spill_forget(w, id);
+        spill_forget(w, tenant, id);
     if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) { /* taken, and too large to hold */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
         spilled_note(w, 'T', id);
-        spill_forget(w, id);
+        spill_forget(w, tenant, id);
     }
     if (rc)
         return rc;
@@ -3900,7 +3924,7 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     skv_store_value_free(value);
     if (!back) { /* the store holds it no more: a restore after a crash takes its file (the newest left) */
         spilled_note(w, 'T', id);
-        spill_forget(w, id);
+        spill_forget(w, tenant, id);
     }
     if (rc)
         return rc;
@@ -3920,7 +3944,7 @@ static int store_release(struct skv_worker *w, const char *tenant, const uint8_t
     if (rc == SKV_E_NOT_FOUND && store_key(w, tenant, id, true, key, sizeof key)) /* an earlier daemon's */
         rc = skv_store_delete(w->store, key);
     if (rc == SKV_E_NOT_FOUND || !rc)
-        spill_forget(w, id); /* (gone from the store either way) */
+        spill_forget(w, tenant, id); /* (gone from the store either way) */
     if (rc == SKV_E_NOT_FOUND)
         return skv_errorf(SKV_E_NOT_FOUND, "no session %s for this tenant", hex);
     if (rc) {
@@ -4881,8 +4905,10 @@ int skv_requests_store_drain(struct skv_worker *w)
     struct skv_store_stats before, after;
     skv_store_stats(w->store, &before);
     int i = 0;
+    w->store_draining = true; /* every session goes, past store-max-bytes-per-tenant too */
     for (; i < l.n && skv_now_ms() - t0 < (uint64_t)w->cfg->persist_max_seconds * 1000; i++)
         skv_requests_spill(w, l.s[i]);
+    w->store_draining = false;
     skv_store_stats(w->store, &after);
     int spilled = (int)(after.spills - before.spills);
     skv_log(l.n > spilled ? SKV_LOG_WARN : SKV_LOG_INFO,

@@ -253,7 +253,7 @@ int skv_session_reserve_tokens(struct skv_session *s, int n)
             cap *= 2;
         int32_t *p = realloc(s->tokens, (size_t)cap * sizeof *p);
         if (!p)
-            return SKV_E_NOMEM;
+            return skv_errorf(SKV_E_NOMEM, "no memory for a token history of %d tokens", cap);
         s->tokens = p;
         s->cap_tokens = cap;
     }

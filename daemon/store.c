@@ -1035,6 +1035,16 @@ void skv_store_value_free(void *value)
     free(value);
 }
 
+int skv_store_exists(struct skv_store *st, const char *key)
+{
+    const char *argv[] = {"EXISTS", key};
+    const size_t lens[] = {6, strlen(key)};
+    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = ':'};
+    if (store_command(st, &k))
+        return SKV_E_IO;
+    return k.reply.integer > 0 ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
+}
+
 int skv_store_delete(struct skv_store *st, const char *key)
 {
     const char *argv[] = {"DEL", key};

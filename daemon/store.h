@@ -65,6 +65,8 @@ int skv_store_take(struct skv_store *st, const char *key, const void **data, siz
 int skv_store_take_either(struct skv_store *st, const char *key, const char *alt, const void **data, size_t *n,
                           void **value, bool *took_alt);
 void skv_store_value_free(void *value);
+/* EXISTS key: SKV_OK when the store holds it, SKV_E_NOT_FOUND when not; SKV_E_IO as above. */
+int skv_store_exists(struct skv_store *st, const char *key);
 /* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above (counted as a
  * load failure). */
 int skv_store_delete(struct skv_store *st, const char *key);

@@ -997,8 +997,7 @@ static void *worker_main(void *arg)
             unsigned long long more = 0;
             if ((cancelled || closed) && skv_log_allow(&w->log_gone, skv_now_ms(), &more))
                 skv_log(SKV_LOG_INFO, "a client whose connection closed: %d decode(s) cancelled, %d CUDA buffer(s) "
-                        "closed (%llu more such clients in the last %d s)", cancelled, closed, more,
-                        SKV_LOG_LIMIT_MS / 1000);
+                        "closed (%llu more such clients since the last such line)", cancelled, closed, more);
             job_free(job);
         } else if (job) {
             char tenant[sizeof job->tenant];

@@ -94,6 +94,7 @@ struct skv_worker {
     struct skv_spill_rec *spills; /* what this daemon spilled and the store still holds, per tenant */
     struct skv_log_limit log_evicted, log_gone, log_spill; /* lines clients can cause, one per 10 s */
     size_t n_spills, cap_spills;
+    bool store_draining;      /* skv_requests_store_drain runs: spills pass the tenant's cap */
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */
     unsigned char rows_id[16]; /* what computes this daemon's rows (requests.c rows_id; zero: unknown) */
     bool rows_id_known;       /* rows_id was worked out (on the worker thread, at the first use) */

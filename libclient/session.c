@@ -749,7 +749,7 @@ int snapkv_decode_ext(snapkv_client_t *c, const struct snapkv_session_id *id, co
         acc.text = NULL;
         *out = res;
     }
-    if (logprobs) {
+    if (logprobs && !rc) { /* (written on success only, as documented) */
         lp.n_top = n_top;
         *logprobs = lp;
         lp = (struct snapkv_logprobs){0};

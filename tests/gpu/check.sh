@@ -343,11 +343,11 @@ if [ "$DRY" != 1 ]; then
         row "CUDA IPC, two processes" "ok" "$(tail -1 "$BUILD/ipc_exchange.out")"
         # the exchange's clients have exited: their buffers must close on disconnect, not at a lease
         for _ in $(seq 1 25); do
-            grep -q "of a client whose connection closed" "$BUILD/snapkvd_ipc.log" && break
+            grep -qE "[1-9][0-9]* CUDA buffer\(s\) closed" "$BUILD/snapkvd_ipc.log" && break
             sleep 0.2
         done
-        if grep -q "of a client whose connection closed" "$BUILD/snapkvd_ipc.log"; then
-            row "CUDA IPC closed on disconnect" "ok" "$(grep "of a client whose connection closed" "$BUILD/snapkvd_ipc.log" | tail -1)"
+        if grep -qE "[1-9][0-9]* CUDA buffer\(s\) closed" "$BUILD/snapkvd_ipc.log"; then
+            row "CUDA IPC closed on disconnect" "ok" "$(grep -E "[1-9][0-9]* CUDA buffer\(s\) closed" "$BUILD/snapkvd_ipc.log" | tail -1)"
         else
             bad "CUDA IPC closed on disconnect" "no client-gone close in snapkvd_ipc.log within 5 s"
         fi

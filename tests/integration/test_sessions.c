@@ -5905,7 +5905,8 @@ static void prefill_leased(snapkv_client_t *c, unsigned seed, struct snapkv_pref
 /* store-max-bytes-per-tenant (2M): a tenant's second 1.4 MiB session past its lease is dropped,
  * not spilled, while its first is in the store; another tenant's is spilled; once the first is
  * taken back (and released) the next one is spilled again (before, one tenant's evictions could
- * fill the store with up to store-max-bytes each, pushing out other tenants' sessions). */
+ * fill the store with up to store-max-bytes each, pushing out other tenants' sessions). A stop
+ * hands every session on, past the cap too. */
 static void test_store_tenant_cap(void **state)
 {
     NEED_MODEL();
@@ -5962,14 +5963,30 @@ static void test_store_tenant_cap(void **state)
     assert_int_equal(snapkv_release(cp, &x.id), SNAPKV_OK);
     prefill_leased(cp, 74, &v); /* room again */
     wait_spilled(sock, &v.id, key, sizeof key);
+    /* at a stop (no persist) every session goes to the store, past the cap too: a host drained
+     * for maintenance hands all of them on */
+    uint32_t ids[96];
+    prompt(ids, 96, 75);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 96, .compress = "policy=snapkv,budget=32"};
+    struct snapkv_prefill_result u;
+    assert_int_equal(snapkv_prefill(cp, &po, &u), SNAPKV_OK);
+    snapkv_close(&cp);
+    snapkv_close(&cq);
+    snapkv_close(&adm);
+    assert_int_equal(kill(d.pid, SIGTERM), 0); /* a stop: the drain */
+    int st = 0;
+    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    forget_daemon(d.pid);
+    d.pid = 0;
+    stop_daemon(&d); /* (its directory) */
+    tenant_key_of(sock, "p", &u.id, key, sizeof key);
+    assert_true(key[0]);
+    snapkv_prefill_result_free(&u);
     snapkv_prefill_result_free(&x);
     snapkv_prefill_result_free(&y);
     snapkv_prefill_result_free(&z);
     snapkv_prefill_result_free(&v);
-    snapkv_close(&cp);
-    snapkv_close(&cq);
-    snapkv_close(&adm);
-    stop_daemon(&d);
     kill(g_redis, SIGKILL);
     waitpid(g_redis, NULL, 0);
     g_redis = 0;

@@ -124,6 +124,7 @@ static void assert_quality_ok(const struct run *r)
     char *err = slurp(r, "stderr");
     assert_non_null(err);
     assert_non_null(strstr(err, "gnuplot is not installed"));
+    assert_non_null(strstr(err, "plot(s) not drawn"));
     free(err);
 }
 

@@ -67,9 +67,6 @@ static void test_fix(void **state)
     expect_fixed("", 0, "");
 }
 
-/* The log's lines are text: bytes that are not UTF-8, C0 and C1 controls become '?', and a
- * character the 1024-byte message cuts is dropped, not left half (journald keeps a line that
- * is not UTF-8 as "[blob data]"). Well-formed characters stay. */
 /* skv_log_allow: the first line goes, the next ones within 10 s are held and counted, the first
  * after the window goes with their count; each limit on its own. */
 static void test_log_limit(void **state)
@@ -93,6 +90,9 @@ static void test_log_limit(void **state)
     assert_int_equal(more, 1);
 }
 
+/* The log's lines are text: bytes that are not UTF-8, C0 and C1 controls become '?', and a
+ * character the 1024-byte message cuts is dropped, not left half (journald keeps a line that
+ * is not UTF-8 as "[blob data]"). Well-formed characters stay. */
 static void test_log_lines(void **state)
 {
     (void)state;
