@@ -3608,6 +3608,52 @@ static void publish_batch(void *pub, uint64_t boot_id, uint64_t seq, const uint8
     zmq_send(pub, buf, len, 0);
 }
 
+/* A publisher framed as the daemon's events (the test's own, so what it sends is exact) on
+ * ipc:///tmp/skv-<tag>-PID.sock, and `snapkvctl [timeout] events EP --count N` reading it, its
+ * stdout and stderr into /tmp/skv-<tag>-PID.out / .err; returns once its subscription came. */
+struct fake_events {
+    char ep[128], out_path[128], err_path[128];
+    void *ctx, *pub;
+    pid_t pid;
+};
+
+static void fake_events_start(struct fake_events *fe, const char *tag, const char *timeout_ms, const char *count)
+{
+    char ctl[4096];
+    snprintf(fe->ep, sizeof fe->ep, "ipc:///tmp/skv-%s-%d.sock", tag, (int)getpid());
+    snprintf(fe->out_path, sizeof fe->out_path, "/tmp/skv-%s-%d.out", tag, (int)getpid());
+    snprintf(fe->err_path, sizeof fe->err_path, "/tmp/skv-%s-%d.err", tag, (int)getpid());
+    built(ctl, sizeof ctl, "snapkvctl");
+    fe->ctx = zmq_ctx_new();
+    fe->pub = zmq_socket(fe->ctx, ZMQ_XPUB);
+    int linger = 0, timeout = 30000;
+    zmq_setsockopt(fe->pub, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(fe->pub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    assert_int_equal(zmq_bind(fe->pub, fe->ep), 0);
+    fflush(NULL);
+    fe->pid = fork();
+    if (fe->pid == 0) {
+        if (!freopen(fe->out_path, "w", stdout) || !freopen(fe->err_path, "w", stderr))
+            _exit(126);
+        if (timeout_ms)
+            execl(ctl, ctl, "--timeout", timeout_ms, "events", fe->ep, "--count", count, (char *)NULL);
+        else
+            execl(ctl, ctl, "events", fe->ep, "--count", count, (char *)NULL);
+        _exit(127);
+    }
+    char sub[32];
+    assert_true(zmq_recv(fe->pub, sub, sizeof sub, 0) > 0); /* its subscription */
+    assert_int_equal(sub[0], 1);
+}
+
+static void fake_events_stop(struct fake_events *fe)
+{
+    unlink(fe->out_path);
+    unlink(fe->err_path);
+    zmq_close(fe->pub);
+    zmq_ctx_term(fe->ctx);
+}
+
 /* snapkvctl events on a stream that lost its last events and went quiet: no later event's
  * number shows the loss, the heartbeat's does, and snapkvctl says so on stderr before any
  * other event comes (then goes on from there). The publisher is the test's own, framed as the
@@ -3615,27 +3661,11 @@ static void publish_batch(void *pub, uint64_t boot_id, uint64_t seq, const uint8
 static void test_events_missed_then_quiet(void **state)
 {
     (void)state;
-    char ep[128], out_path[128], err_path[128], ctl[4096];
-    snprintf(ep, sizeof ep, "ipc:///tmp/skv-fake-events-%d.sock", (int)getpid());
-    snprintf(out_path, sizeof out_path, "/tmp/skv-fake-events-%d.out", (int)getpid());
-    snprintf(err_path, sizeof err_path, "/tmp/skv-fake-events-%d.err", (int)getpid());
-    built(ctl, sizeof ctl, "snapkvctl");
-    void *ctx = zmq_ctx_new(), *pub = zmq_socket(ctx, ZMQ_XPUB);
-    int linger = 0, timeout = 30000;
-    zmq_setsockopt(pub, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(pub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
-    assert_int_equal(zmq_bind(pub, ep), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (!freopen(out_path, "w", stdout) || !freopen(err_path, "w", stderr))
-            _exit(126);
-        execl(ctl, ctl, "events", ep, "--count", "2", (char *)NULL);
-        _exit(127);
-    }
-    char sub[32];
-    assert_true(zmq_recv(pub, sub, sizeof sub, 0) > 0); /* its subscription */
-    assert_int_equal(sub[0], 1);
+    struct fake_events fe;
+    fake_events_start(&fe, "fake-events", NULL, "2");
+    void *pub = fe.pub;
+    const char *out_path = fe.out_path, *err_path = fe.err_path;
+    pid_t pid = fe.pid;
     static const uint8_t id1[16] = {1}, id4[16] = {4};
     publish_batch(pub, 9, 1, id1);
     publish_batch(pub, 9, 3, NULL); /* the heartbeat: events 2 and 3 went out, and were lost */
@@ -3677,10 +3707,7 @@ static void test_events_missed_then_quiet(void **state)
     err[fread(err, 1, sizeof err - 1, f)] = '\0';
     fclose(f);
     assert_null(strstr(strstr(err, "missed") + 1, "missed"));
-    unlink(out_path);
-    unlink(err_path);
-    zmq_close(pub);
-    zmq_ctx_term(ctx);
+    fake_events_stop(&fe);
 }
 
 /* The text of file path (at most size - 1 bytes; "" when it cannot be read). */
@@ -3700,26 +3727,11 @@ static const char *file_text(const char *path, char *buf, size_t size)
 static void test_events_silent(void **state)
 {
     (void)state;
-    char ep[128], out_path[128], err_path[128], ctl[4096];
-    snprintf(ep, sizeof ep, "ipc:///tmp/skv-silent-events-%d.sock", (int)getpid());
-    snprintf(out_path, sizeof out_path, "/tmp/skv-silent-events-%d.out", (int)getpid());
-    snprintf(err_path, sizeof err_path, "/tmp/skv-silent-events-%d.err", (int)getpid());
-    built(ctl, sizeof ctl, "snapkvctl");
-    void *ctx = zmq_ctx_new(), *pub = zmq_socket(ctx, ZMQ_XPUB);
-    int linger = 0, timeout = 30000;
-    zmq_setsockopt(pub, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(pub, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
-    assert_int_equal(zmq_bind(pub, ep), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (!freopen(out_path, "w", stdout) || !freopen(err_path, "w", stderr))
-            _exit(126);
-        execl(ctl, ctl, "--timeout", "1500", "events", ep, "--count", "1", (char *)NULL);
-        _exit(127);
-    }
-    char sub[32];
-    assert_true(zmq_recv(pub, sub, sizeof sub, 0) > 0); /* its subscription */
+    struct fake_events fe;
+    fake_events_start(&fe, "silent-events", "1500", "1");
+    void *pub = fe.pub;
+    const char *out_path = fe.out_path, *err_path = fe.err_path;
+    pid_t pid = fe.pid;
     static char err[4096];
     for (int i = 0; i < 10; i++) { /* 3 s of heartbeats, 0.3 s apart: nothing to say */
         publish_batch(pub, 9, 0, NULL);
@@ -3755,10 +3767,7 @@ static void test_events_silent(void **state)
     assert_true(strncmp(file_text(out_path, out, sizeof out), "1 stored 01000000000000000000000000000000 t", 43) == 0);
     file_text(err_path, err, sizeof err);
     assert_null(strstr(strstr(err, "nothing from") + 1, "nothing from"));
-    unlink(out_path);
-    unlink(err_path);
-    zmq_close(pub);
-    zmq_ctx_term(ctx);
+    fake_events_stop(&fe);
 }
 
 /* SnapKV re-scoring while decoding through the daemon: the spec string travels, DECODE gives
