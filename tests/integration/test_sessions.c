@@ -5891,6 +5891,23 @@ static void wait_spilled(const char *sock, const struct snapkv_session_id *id, c
     assert_true(key[0]);
 }
 
+/* DIR/store.pass (the store's password, mode `mode`) and DIR/store.conf naming the store on
+ * socket sock with that file, and `extra` config lines ("" none); their paths into pass, conf. */
+static void store_conf(const char *dir, const char *sock, mode_t mode, const char *extra, char pass[200],
+                       char conf[200])
+{
+    snprintf(pass, 200, "%s/store.pass", dir);
+    snprintf(conf, 200, "%s/store.conf", dir);
+    FILE *cf = fopen(pass, "w");
+    assert_non_null(cf);
+    fputs(STORE_PASSWORD "\n", cf);
+    assert_int_equal(fclose(cf), 0);
+    assert_int_equal(chmod(pass, mode), 0);
+    assert_non_null(cf = fopen(conf, "w"));
+    fprintf(cf, "store = unix://%s\nstore-password-file = %s\n%s", sock, pass, extra);
+    assert_int_equal(fclose(cf), 0);
+}
+
 /* The store's key for session id of `tenant` ("" when it holds none). */
 static void tenant_key_of(const char *sock, const char *tenant, const struct snapkv_session_id *id, char *out,
                           size_t cap)
@@ -5926,16 +5943,7 @@ static void test_store_tenant_cap(void **state)
         print_message("redis-server or redis-cli is not installed: test_store_tenant_cap skipped\n");
         skip();
     }
-    snprintf(pass, sizeof pass, "%s/store.pass", dir);
-    snprintf(conf, sizeof conf, "%s/store.conf", dir);
-    FILE *cf = fopen(pass, "w");
-    assert_non_null(cf);
-    fputs(STORE_PASSWORD "\n", cf);
-    assert_int_equal(fclose(cf), 0);
-    assert_int_equal(chmod(pass, 0600), 0);
-    assert_non_null(cf = fopen(conf, "w"));
-    fprintf(cf, "store = unix://%s\nstore-password-file = %s\nstore-max-bytes-per-tenant = 2M\n", sock, pass);
-    assert_int_equal(fclose(cf), 0);
+    store_conf(dir, sock, 0600, "store-max-bytes-per-tenant = 2M\n", pass, conf);
     snprintf(opt, sizeof opt, "--config=%s", conf);
     struct daemon d;
     start_daemon_with(&d, "64M", opt, 0);
@@ -6078,16 +6086,7 @@ static void test_store(void **state)
         print_message("redis-server or redis-cli is not installed: test_store skipped\n");
         skip();
     }
-    snprintf(pass, sizeof pass, "%s/store.pass", dir);
-    snprintf(conf, sizeof conf, "%s/store.conf", dir);
-    FILE *cf = fopen(pass, "w");
-    assert_non_null(cf);
-    fputs(STORE_PASSWORD "\n", cf);
-    assert_int_equal(fclose(cf), 0);
-    assert_int_equal(chmod(pass, 0644), 0);
-    assert_non_null(cf = fopen(conf, "w"));
-    fprintf(cf, "store = unix://%s\nstore-password-file = %s\n", sock, pass);
-    assert_int_equal(fclose(cf), 0);
+    store_conf(dir, sock, 0644, "", pass, conf);
     char cmd[5000], exe[4096];
     built(exe, sizeof exe, "snapkvd");
     snprintf(cmd, sizeof cmd, "timeout 60 %s --model=%s --config=%s --state-dir=%s --endpoint=ipc://%s/x.sock "
