@@ -417,7 +417,10 @@ static void forward_tick(void *user)
 }
 
 /* Readies s's compressor for a forward of n tokens (compress: a compressing one; else decode
- * upkeep) and points fo at its hook; nothing to do without a compressor. */
+ * upkeep) and points fo at its hook; nothing to do without a compressor. Decode upkeep takes its
+ * memory now (in the forward, a failure would fail a whole decode group) and, for H2O,
+ * StreamingLLM and window, cuts the layers at the forward's end (fo's done), so that a forward
+ * failing part way (a device error, no memory) leaves every layer as it was. */
 static int session_hook(struct skv_session *s, int n, bool compress, struct skv_forward_opts *fo)
 {
     if (!s->comp)
@@ -427,7 +430,11 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
     if (compress)
         return skv_compressor_begin(s->comp, s->cache, n);
     int rc = skv_compressor_begin_decode(s->comp, s->cache);
-    return rc ? rc : skv_compressor_decode_reserve(s->comp, s->cache, n); /* in the forward, it would fail a group */
+    if (!rc)
+        rc = skv_compressor_decode_reserve(s->comp, s->cache, n, true);
+    fo->done = skv_compressor_hook_done;
+    fo->done_user = s->comp;
+    return rc;
 }
 
 /* A compressing PREFILL's hook when it also keeps its prompt's rows (prefix-retain-bytes): each

@@ -55,6 +55,17 @@ struct skv_compressor {
     int32_t score_from;     /* H2O: this forward's attention goes to rows from this position on */
     int32_t rerun_from;     /* ... set for the next forward by skv_compressor_rerun */
     int32_t obs_end;        /* position after the last token observed; -1: none yet */
+    /* Decode upkeep deferred to the forward's end (skv_compressor_decode_reserve with defer:
+     * H2O, StreamingLLM, window): the hook records each layer, skv_compressor_hook_done cuts
+     * them all once the whole forward succeeded, so a forward that fails part way leaves every
+     * layer as it was. pend[l]: layer l waits; pend_agg [L][n_kv][pend_stride] H2O's scores of
+     * the forward's queries for layer l (pend_rows[l] a head: its longest head then). */
+    bool defer;
+    uint8_t *pend;
+    float *pend_agg;
+    int64_t pend_stride;
+    int64_t *pend_rows;
+    int pend_n;             /* the forward's tokens */
 };
 
 struct row {
@@ -123,6 +134,9 @@ void skv_compressor_free(struct skv_compressor **c_p)
     if (c->obs_win)
         c->be->ops->free(c->be, c->obs_win);
     free(c->agg);
+    free(c->pend);
+    free(c->pend_agg);
+    free(c->pend_rows);
     free(c->sel);
     free(c->rows);
     free(c->idx);
@@ -458,6 +472,9 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     if (n <= 0)
         return skv_errorf(SKV_E_INVAL, "compress: empty forward");
     c->decode = false;
+    c->defer = false;
+    if (c->pend)
+        memset(c->pend, 0, (size_t)c->n_layers);
     c->scored_layer = -1; /* the cache may have changed since the last scores */
     c->score_from = c->rerun_from;
     c->rerun_from = 0;
@@ -576,6 +593,9 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     else if (!c->decode && c->budget < decode_floor(&c->spec) && c->spec.policy != SKV_POLICY_SNAPKV)
         grow_fixed_budgets(c);
     c->decode = true;
+    c->defer = false; /* (skv_compressor_decode_reserve sets it for the forward that follows) */
+    if (c->pend) /* a forward that failed: what it recorded is not done */
+        memset(c->pend, 0, (size_t)c->n_layers);
     c->scored_layer = -1;
     c->score_from = 0;
     c->batch = 1;
@@ -594,9 +614,10 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
 
 static int scores_reserve(struct skv_compressor *c, int64_t max_rows);
 
-int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n)
+int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n, bool defer)
 {
     const struct skv_compress_spec *s = &c->spec;
+    c->defer = false;
     if (s->policy == SKV_POLICY_FULL || skv_compressor_decode_keeps_rows(c))
         return SKV_OK;
     int rc = rescores_decode(s) ? obs_alloc(c) : SKV_OK;
@@ -616,6 +637,23 @@ int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_
         rc = grow((void **)&c->rows, &c->rows_cap, most_total, sizeof *c->rows);
     if (!rc)
         rc = grow((void **)&c->idx, &c->idx_cap, most + 1, sizeof *c->idx);
+    /* deferred upkeep: the pending marks, and H2O's scores of every layer until the end */
+    if (!rc && defer && !rescores_decode(s)) {
+        if (!c->pend && !(c->pend = calloc((size_t)c->n_layers, 1)))
+            rc = SKV_E_NOMEM;
+        if (!rc && !c->pend_rows && !(c->pend_rows = calloc((size_t)c->n_layers, sizeof *c->pend_rows)))
+            rc = SKV_E_NOMEM;
+        if (!rc && s->policy == SKV_POLICY_H2O && most > c->pend_stride) {
+            float *p = realloc(c->pend_agg, (size_t)c->n_layers * c->n_kv * (size_t)most * sizeof *p);
+            if (p) {
+                c->pend_agg = p;
+                c->pend_stride = most;
+            } else {
+                rc = SKV_E_NOMEM;
+            }
+        }
+        c->defer = !rc;
+    }
     return rc;
 }
 
@@ -992,6 +1030,37 @@ static int snapkv_decode_hook(struct skv_compressor *c, const struct skv_layer_v
     return select_layer(c, v->cache, l, budget, w_keep, slack);
 }
 
+/* H2O: the attention a forward's queries gave each row of layer l (agg [n_kv][rows]) added to
+ * the rows' scores; rows scored before already count these queries. */
+static void h2o_add_scores(struct skv_compressor *c, struct skv_kv_cache *cache, int l, const float *agg, int64_t rows)
+{
+    for (int h = 0; h < c->n_kv; h++) {
+        struct skv_kv_head *kh = skv_kv_cache_head(cache, l, h);
+        for (int j = 0; j < kh->len; j++)
+            if (kh->pos[j] >= c->score_from)
+                kh->score[j] += agg[h * rows + j];
+    }
+}
+
+void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache)
+{
+    struct skv_compressor *c = user;
+    if (!c || !c->pend)
+        return;
+    const struct skv_compress_spec *s = &c->spec;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (!c->pend[l])
+            continue;
+        c->pend[l] = 0;
+        if (s->policy == SKV_POLICY_H2O)
+            h2o_add_scores(c, cache, l, c->pend_agg + (size_t)l * c->n_kv * c->pend_stride, c->pend_rows[l]);
+        int w_obs = s->policy == SKV_POLICY_H2O || s->window < c->pend_n ? s->window : c->pend_n;
+        /* a cut that fails (no memory for fresh blocks) leaves the layer over its budget, whole
+         * and valid: the next step cuts it */
+        (void)select_layer(c, cache, l, c->layer_budget[l], w_obs, COMPACT_SLACK);
+    }
+}
+
 int skv_compressor_hook(void *user, const struct skv_layer_view *v)
 {
     struct skv_compressor *c = user;
@@ -1016,6 +1085,25 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         over |= len > budget;
     }
     int w_obs = s->window < v->n ? s->window : v->n;
+    if (c->decode && c->defer && s->policy != SKV_POLICY_SNAPKV) {
+        /* deferred: this layer's scores now (the queries are this forward's), the cut at the
+         * forward's end (skv_compressor_hook_done) */
+        if (s->policy == SKV_POLICY_H2O) {
+            if (max_rows > c->pend_stride)
+                return skv_errorf(SKV_E_INTERNAL, "H2O upkeep: %lld rows past the %lld reserved",
+                                  (long long)max_rows, (long long)c->pend_stride);
+            int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f);
+            if (!rc)
+                rc = c->be->ops->download(c->be, c->pend_agg + (size_t)l * c->n_kv * c->pend_stride, c->scores,
+                                          (size_t)(max_rows * c->n_kv) * sizeof(float));
+            if (rc)
+                return rc;
+        }
+        c->pend_rows[l] = max_rows;
+        c->pend_n = v->n;
+        c->pend[l] = 1;
+        return SKV_OK;
+    }
     if (s->policy == SKV_POLICY_H2O) {
         /* accumulated attention of every query so far; recent window kept */
         int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f);
@@ -1024,12 +1112,7 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
         if (rc)
             return rc;
         w_obs = s->window;
-        for (int h = 0; h < c->n_kv; h++) {
-            struct skv_kv_head *kh = skv_kv_cache_head(v->cache, l, h);
-            for (int j = 0; j < kh->len; j++)
-                if (kh->pos[j] >= c->score_from) /* rows scored before already count these queries */
-                    kh->score[j] += c->agg[h * max_rows + j];
-        }
+        h2o_add_scores(c, v->cache, l, c->agg, max_rows);
     } else if (s->policy == SKV_POLICY_SNAPKV && (over || s->alloc == SKV_ALLOC_SQUEEZE)) {
         /* squeeze: finish() may cut a layer that fits its capped budget now: score it too */
         int rc = snapkv_score(c, v->cache, l, v->q, v->n, v->n - w_obs, w_obs, max_rows);

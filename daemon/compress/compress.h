@@ -59,7 +59,13 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
  * needs (SnapKV's query ring, the scores, the selection's rows), so that none is allocated
  * inside the forward, where a failure would fail every session of a decode group and leave the
  * earlier layers' upkeep done. SKV_E_NOMEM / the backend's status when there is none. */
-int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n);
+int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n, bool defer);
+/* With defer (H2O, StreamingLLM, window), the hook of the forward that follows records each
+ * layer and cuts nothing: skv_compressor_hook_done (the forward's `done`, with the compressor as
+ * its user) cuts them all once the whole forward succeeded, so that one failing part way leaves
+ * every layer as it was; the same rows are kept as cut layer by layer. A caller that sets defer
+ * must set that `done`. */
+void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache);
 /* Whether a forward outside compression (APPEND, DECODE) leaves every row the cache holds as it
  * was: true for snapkv without a decode_budget (it keeps all until a COMPRESS), false when the
  * decode upkeep evicts rows or adds to their scores (h2o, streaming, window, decode_budget).

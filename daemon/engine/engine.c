@@ -1122,6 +1122,8 @@ int skv_engine_forward(struct skv_engine *e, struct skv_kv_cache *cache, const i
     e->tick = NULL;
     if (rc)
         forward_undo(cache, from);
+    else if (opts && opts->done)
+        opts->done(opts->done_user, cache);
     return rc;
 }
 
@@ -1271,9 +1273,11 @@ static int decode_group_forward(struct skv_engine *e, const struct skv_batch_seq
     for (int i = 0; i < n; i++)
         from[i] = seqs[i].cache->n_past;
     int rc = decode_group_run(e, seqs, tokens, n, hook);
-    if (rc)
-        for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++)
+        if (rc)
             forward_undo(seqs[i].cache, from[i]);
+        else if (seqs[i].opts && seqs[i].opts->done)
+            seqs[i].opts->done(seqs[i].opts->done_user, seqs[i].cache);
     return rc;
 }
 

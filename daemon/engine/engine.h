@@ -145,6 +145,11 @@ struct skv_forward_opts {
      * state may be touched there */
     void (*tick)(void *user);
     void *tick_user;
+    /* called once the whole forward succeeded (may be NULL), before it returns: a hook that
+     * deferred its work to there (the compressor's decode upkeep) does it then; a forward that
+     * fails does not call it, and its rows are taken back out of every layer */
+    void (*done)(void *user, struct skv_kv_cache *cache);
+    void *done_user;
     /* A prompt's scores: with logits != NULL and n_targets in [1, n], for each position i <
      * n_targets the log-probability the model gives token targets[i] there (a prompt scores its
      * own tokens with targets = tokens + 1) into target_logprobs[i], and with target_top the most

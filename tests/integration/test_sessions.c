@@ -3827,6 +3827,35 @@ static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_
  * cache, and from an H2O one (its re-run must count each query's attention once, or the scores
  * the decode keeps evicting by differ). A COMPRESS that ran its window from the wrong tokens,
  * or counted the window twice, fails it. */
+/* The daemon's decode with an evicting policy, whose upkeep cuts every layer at the forward's
+ * end, gives the tokens of the in-process engine, whose hook cuts each layer as it goes:
+ * StreamingLLM, window, and H2O per layer and at head granularity. */
+static void test_evicting_decode_matches(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    uint32_t ids[N_PROMPT], want[N_GEN];
+    prompt(ids, N_PROMPT, 9);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a");
+    static const char *const specs[] = {"policy=streaming,budget=24,sinks=4", "policy=window,budget=20",
+                                        "policy=h2o,budget=24,window=8", "policy=h2o,budget=24,window=8,granularity=head"};
+    for (size_t k = 0; k < sizeof specs / sizeof specs[0]; k++) {
+        struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = specs[k]};
+        struct snapkv_prefill_result p;
+        assert_int_equal(snapkv_prefill(c, &po, &p), SNAPKV_OK);
+        expected_tokens(ids, N_PROMPT, specs[k], want, N_GEN);
+        struct snapkv_decode_result got;
+        decode_gen(c, &p.id, &got);
+        if (memcmp(got.tokens, want, sizeof want) != 0)
+            fail_msg("%s: the daemon's tokens differ from the in-process engine's", specs[k]);
+        snapkv_decode_result_free(&got);
+        snapkv_prefill_result_free(&p);
+    }
+    snapkv_close(&c);
+    stop_daemon(&d);
+}
+
 static void test_compress_matches_prefill(void **state)
 {
     NEED_MODEL();
@@ -6579,6 +6608,7 @@ int main(void)
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
         cmocka_unit_test_teardown(test_decode_budget, kill_daemons),
         cmocka_unit_test_teardown(test_compress_matches_prefill, kill_daemons),
+        cmocka_unit_test_teardown(test_evicting_decode_matches, kill_daemons),
         cmocka_unit_test_teardown(test_export_import_values, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),
         cmocka_unit_test_teardown(test_gone_client_decode, kill_daemons),

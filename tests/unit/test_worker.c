@@ -1645,6 +1645,79 @@ static void test_decode_fails_midway(void **state)
     }
 }
 
+static uint32_t *inspect_positions(struct fixture *f, const uint8_t sid[16], size_t *n);
+
+/* A forward on a session whose policy evicts as it goes, failing in its last norm after every
+ * layer's upkeep ran: a short APPEND (4 tokens) and a one-token DECODE, for StreamingLLM, H2O
+ * and window. An error, and the session as it was, every layer's positions; the retry gives
+ * what a twin that never failed got (before, the layers cut as the forward went and kept their
+ * cuts: the session lost a row in every layer but the failed one's). */
+static void test_upkeep_failure_keeps_rows(void **state)
+{
+    struct fixture *f = *state;
+    static const char *const specs[] = {"policy=streaming,budget=16,sinks=2", "policy=h2o,budget=16,window=4",
+                                        "policy=window,budget=16"};
+    for (int k = 0; k < 3; k++)
+        for (int decode = 0; decode < 2; decode++) {
+            uint8_t twin[16], sid[16];
+            prefill(f, 16, specs[k], twin);
+            prefill(f, 16, specs[k], sid);
+            Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+            sm.max_tokens = 1;
+            Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+            d.sampling = &sm;
+            Snapkv__Request req = SNAPKV__REQUEST__INIT;
+            req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+            req.decode = &d;
+            long c0 = atomic_load(&g_rmsnorm_calls);
+            if (decode) {
+                d.session_id = (ProtobufCBinaryData){16, twin};
+                Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+                assert_int_equal(rep->status, SKV_OK);
+                snapkv__reply__free_unpacked(rep, NULL);
+            } else {
+                assert_int_equal(append(f, twin, 4, NULL), SKV_OK);
+            }
+            long per_forward = atomic_load(&g_rmsnorm_calls) - c0; /* its rmsnorm calls */
+            assert_true(per_forward > 3);
+            size_t n0, n1;
+            uint32_t *p0 = inspect_positions(f, sid, &n0);
+            atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + per_forward); /* the final norm */
+            int rc;
+            if (decode) {
+                d.session_id = (ProtobufCBinaryData){16, sid};
+                Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+                rc = rep->status;
+                snapkv__reply__free_unpacked(rep, NULL);
+            } else {
+                rc = append(f, sid, 4, NULL);
+            }
+            atomic_store(&g_fail_rmsnorm_at, 0);
+            assert_int_equal(rc, SKV_E_DEVICE);
+            uint32_t *p1 = inspect_positions(f, sid, &n1);
+            if (n1 != n0 || memcmp(p1, p0, n0 * sizeof *p0) != 0)
+                fail_msg("%s, %s: the failed forward changed the rows (%zu positions, %zu before)", specs[k],
+                         decode ? "DECODE" : "APPEND", n1, n0);
+            assert_int_equal(listed(f, sid, NULL, NULL), 16);
+            free(p0);
+            free(p1);
+            if (decode) { /* the retry: the twin's rows */
+                d.session_id = (ProtobufCBinaryData){16, sid};
+                Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+                assert_int_equal(rep->status, SKV_OK);
+                snapkv__reply__free_unpacked(rep, NULL);
+            } else {
+                assert_int_equal(append(f, sid, 4, NULL), SKV_OK);
+            }
+            p0 = inspect_positions(f, twin, &n0);
+            p1 = inspect_positions(f, sid, &n1);
+            assert_int_equal(n1, n0);
+            assert_memory_equal(p1, p0, n0 * sizeof *p0);
+            free(p0);
+            free(p1);
+        }
+}
+
 static void test_decode_over_quota(void **state)
 {
     struct fixture *f = *state;
@@ -6454,6 +6527,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_ring_counts_in_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_upkeep_failure_keeps_rows, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_group_alloc_fails_alone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_max_sessions, setup, teardown),
