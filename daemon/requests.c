@@ -416,6 +416,8 @@ static void forward_tick(void *user)
     skv_worker_yield(user);
 }
 
+#define APPEND_COPY_MIN 64 /* an APPEND of this many tokens or more on an evicting policy runs on a copy */
+
 /* Readies s's compressor for a forward of n tokens (compress: a compressing one; else decode
  * upkeep) and points fo at its hook; nothing to do without a compressor. Decode upkeep takes its
  * memory now (in the forward, a failure would fail a whole decode group) and, for H2O,
@@ -430,8 +432,11 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
     if (compress)
         return skv_compressor_begin(s->comp, s->cache, n);
     int rc = skv_compressor_begin_decode(s->comp, s->cache);
+    /* (deferred for forwards that do not run on an undo copy: a long APPEND's copy puts the
+     * session back whole, and its cut keeps its per-layer yields, and scores of a layer's
+     * rows for one layer at a time) */
     if (!rc)
-        rc = skv_compressor_decode_reserve(s->comp, s->cache, n, true);
+        rc = skv_compressor_decode_reserve(s->comp, s->cache, n, n < APPEND_COPY_MIN);
     fo->done = skv_compressor_hook_done;
     fo->done_user = s->comp;
     return rc;
@@ -1064,10 +1069,11 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
     /* a long one may stop part way: the engine's undo drops the rows it added, and where the
      * session's upkeep evicts or re-scores rows too, it runs on a copy. A short one does not:
      * on a copy every block is shared, so its room would count the whole cache again (a
-     * one-token APPEND near a full pool evicting others); a short one that fails part way (a
-     * device error, memory) leaves the layers before the failure with their upkeep done */
+     * one-token APPEND near a full pool evicting others); its upkeep cuts at the forward's end
+     * (session_hook), so one that fails part way is undone whole, but with SnapKV's
+     * decode_budget, which cuts layer by layer */
     struct session_undo u;
-    bool copy = n >= 64 && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
+    bool copy = n >= APPEND_COPY_MIN && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
     if (copy && (rc = undo_begin(w, s, &u)))
         goto fail;
     /* the room, counted on the cache the forward writes: on a copy every block is shared with

@@ -57,8 +57,8 @@ int skv_compressor_finish(struct skv_compressor *c, struct skv_kv_cache *cache);
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache);
 /* After skv_compressor_begin_decode, before a forward of n tokens: the memory the upkeep hook
  * needs (SnapKV's query ring, the scores, the selection's rows), so that none is allocated
- * inside the forward, where a failure would fail every session of a decode group and leave the
- * earlier layers' upkeep done. SKV_E_NOMEM / the backend's status when there is none. */
+ * inside the forward, where a failure would fail every session of a decode group. SKV_E_NOMEM
+ * / the backend's status when there is none. */
 int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n, bool defer);
 /* With defer (H2O, StreamingLLM, window), the hook of the forward that follows records each
  * layer and cuts nothing: skv_compressor_hook_done (the forward's `done`, with the compressor as
