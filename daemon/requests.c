@@ -53,14 +53,20 @@ static void reply_init(Snapkv__Reply *rep, const struct skv_job *job)
     rep->final = true;
 }
 
+/* A request that failed (or a decode a failure ended), in the daemon's and its tenant's counts. */
+static void count_error(struct skv_worker *w, const struct skv_job *job)
+{
+    w->metrics.errors++;
+    skv_worker_tenant(w, job->tenant)->errors++;
+}
+
 void skv_requests_fail(struct skv_worker *w, const struct skv_job *job, int status, const char *msg)
 {
     Snapkv__Reply rep;
     reply_init(&rep, job);
     rep.status = status;
     rep.message = (char *)(msg && *msg ? msg : skv_status_str(status));
-    w->metrics.errors++;
-    skv_worker_tenant(w, job->tenant)->errors++;
+    count_error(w, job);
     skv_log(SKV_LOG_DEBUG, "request %llu: %s: %s", (unsigned long long)rep.request_id, skv_status_name(status),
             rep.message);
     skv_worker_note_failure(w, status); /* before the reply: the stop is decided when the client learns */
@@ -2280,8 +2286,7 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
         if (!limit) { /* a failure as any request's: counted, and a device lost stops the daemon */
             snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: %s",
                      in_session, skv_error_msg());
-            w->metrics.errors++;
-            skv_worker_tenant(w, d->job->tenant)->errors++;
+            count_error(w, d->job);
             skv_worker_note_failure(w, rc);
         }
         if (!in) {
@@ -2323,8 +2328,7 @@ static bool decode_done(struct skv_worker *w, struct skv_decode *d, int rc)
             if (!d->reason || strcmp(d->reason, "error") != 0) { /* (a failure counted once, its first cause) */
                 snprintf(d->error, sizeof d->error, "the decode failed after %u token(s), which are in the session: "
                          "no memory for the decoded text (the reply's ends before the last token's)", d->produced);
-                w->metrics.errors++;
-                skv_worker_tenant(w, d->job->tenant)->errors++;
+                count_error(w, d->job);
             }
             d->reason = "error";
             (void)decode_reply(w, d, true, d->reason, d->out, d->produced, d->text ? d->text : "");

@@ -467,14 +467,20 @@ static int plan_budgets(const struct skv_compressor *c, int total_len, int *out)
     return budget;
 }
 
+/* No deferred upkeep: a forward that failed leaves what it recorded undone. */
+static void pend_clear(struct skv_compressor *c)
+{
+    c->defer = false;
+    if (c->pend)
+        memset(c->pend, 0, (size_t)c->n_layers);
+}
+
 int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, int n)
 {
     if (n <= 0)
         return skv_errorf(SKV_E_INVAL, "compress: empty forward");
     c->decode = false;
-    c->defer = false;
-    if (c->pend)
-        memset(c->pend, 0, (size_t)c->n_layers);
+    pend_clear(c);
     c->scored_layer = -1; /* the cache may have changed since the last scores */
     c->score_from = c->rerun_from;
     c->rerun_from = 0;
@@ -593,9 +599,7 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     else if (!c->decode && c->budget < decode_floor(&c->spec) && c->spec.policy != SKV_POLICY_SNAPKV)
         grow_fixed_budgets(c);
     c->decode = true;
-    c->defer = false; /* (skv_compressor_decode_reserve sets it for the forward that follows) */
-    if (c->pend) /* a forward that failed: what it recorded is not done */
-        memset(c->pend, 0, (size_t)c->n_layers);
+    pend_clear(c); /* (skv_compressor_decode_reserve defers the forward that follows) */
     c->scored_layer = -1;
     c->score_from = 0;
     c->batch = 1;
