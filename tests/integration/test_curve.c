@@ -2,7 +2,8 @@
  * prefills and decodes (the reference's greedy tokens), an unlisted key, a client without
  * CURVE and a wrong server key are refused quickly with a clear libsnapkv error while the
  * daemon keeps serving, a key bound to a tenant acts only for it, SIGHUP re-reads the keys,
- * and bad setups (no key, key files others can read) refuse to start. */
+ * bad setups (no key, key files others can read) refuse to start, and a client that goes
+ * silent is closed by the heartbeat. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -209,6 +210,21 @@ static int teardown(void **state)
     struct curve_env *e = *state;                                                                  \
     if (!e)                                                                                        \
         skip();
+
+/* The value of STATS row `name` (admin connection a); the test fails when there is none. */
+static double admin_stat(snapkv_client_t *a, const char *name)
+{
+    struct snapkv_stats st;
+    assert_int_equal(snapkv_admin_stats(a, false, &st), SNAPKV_OK);
+    double v = -1;
+    for (size_t i = 0; i < st.n; i++)
+        if (strcmp(st.stats[i].name, name) == 0)
+            v = st.stats[i].value;
+    snapkv_stats_free(&st);
+    if (v < 0)
+        fail_msg("STATS has no %s", name);
+    return v;
+}
 
 /* The authorized client still gets HELLO answered: the daemon kept serving. */
 static void assert_still_serving(const struct curve_env *e)
@@ -644,6 +660,100 @@ static void test_insecure_tcp_opt_in(void **state)
     waitpid(pid, NULL, 0);
 }
 
+/* The child of test_client_gone_silent: prefills the golden prompt and streams a long DECODE;
+ * at its first tokens it tells the parent (pipe fd `tell`) and stops itself, as a client host
+ * that vanished without closing its connection (no FIN: the kernel still holds the socket). */
+static int stop_at_first_tokens(void *user, const uint32_t *tokens, size_t n_tokens, const char *text)
+{
+    (void)tokens;
+    (void)n_tokens;
+    (void)text;
+    ssize_t w = write(*(int *)user, "t", 1);
+    (void)w;
+    raise(SIGSTOP);
+    return 0;
+}
+
+static void silent_client(const struct curve_env *e, const char *endpoint, int tell)
+{
+    const uint32_t ids[] = {504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30};
+    snapkv_client_t *c = NULL;
+    struct snapkv_prefill_result res;
+    if (connect_to(endpoint, e, &e->alice, NULL, NULL, 60000, &c) ||
+        snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 10}, &res))
+        _exit(1);
+    struct snapkv_sampling sp;
+    snapkv_sampling_defaults(&sp);
+    sp.max_tokens = 8000; /* 80 s and more on 2 cores */
+    sp.stop_at_eos = false;
+    snapkv_decode(c, &res.id, &sp, stop_at_first_tokens, &tell, NULL);
+    _exit(0);
+}
+
+/* A tcp:// client whose process stops mid-DECODE (its host gone: no FIN, no RST) is closed by
+ * the daemon's ZMTP heartbeat after its 15 s of silence: its decode is cancelled (a client
+ * gone) long before its 8000 tokens, and the daemon goes on serving. Without the heartbeat the
+ * connection stays until TCP gives up (hours), and the decode runs to its end. */
+static void test_client_gone_silent(void **state)
+{
+    NEED_DAEMON(e);
+    char opt_ep[96], ep[64], admin[128], opt_admin[160], log[160];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", fixture_free_port());
+    snprintf(opt_ep, sizeof opt_ep, "--endpoint=%s", ep);
+    snprintf(admin, sizeof admin, "ipc://%s/a5.sock", e->dir);
+    snprintf(opt_admin, sizeof opt_admin, "--admin-endpoint=%s", admin);
+    snprintf(log, sizeof log, "%s/silent.log", e->dir);
+    const char *extra[] = {opt_ep, opt_admin, "--max-new-tokens=8000", NULL};
+    pid_t daemon = spawn(e, log, extra);
+    snapkv_client_t *a = NULL;
+    struct snapkv_connect_opts ao = {.timeout_ms = 200};
+    int rc = SNAPKV_E_TIMEOUT;
+    for (int i = 0; i < 600 && rc != SNAPKV_OK; i++) {
+        if (waitpid(daemon, NULL, WNOHANG) == daemon)
+            fail_msg("daemon exited; see %s", log);
+        if ((rc = snapkv_connect(admin, &ao, &a)))
+            usleep(100 * 1000);
+    }
+    assert_int_equal(rc, SNAPKV_OK);
+    assert_int_equal(snapkv_set_timeout(a, 10000), SNAPKV_OK);
+    const char *cancelled = "snapkv_decodes_cancelled_on_disconnect_total";
+    double before = admin_stat(a, cancelled);
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        silent_client(e, ep, pfd[1]);
+    }
+    close(pfd[1]);
+    char b;
+    assert_int_equal(read(pfd[0], &b, 1), 1); /* its first tokens came: it stops now */
+    close(pfd[0]);
+    int64_t t0 = now_ms();
+    double now = before;
+    while (now == before && now_ms() - t0 < 90000) {
+        usleep(200 * 1000);
+        now = admin_stat(a, cancelled);
+    }
+    int64_t dt = now_ms() - t0;
+    printf("# a stopped tcp:// client: %g decode(s) cancelled in %lld ms\n", now - before, (long long)dt);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    assert_true(now == before + 1);
+    assert_true(dt >= 10000 && dt < 60000); /* the heartbeat's timeout, not the decode's end */
+    assert_true(log_has(log, "decode(s) cancelled"));
+    snapkv_client_t *c = NULL; /* and it serves on */
+    assert_int_equal(connect_to(ep, e, &e->bob, NULL, NULL, 10000, &c), SNAPKV_OK);
+    struct snapkv_server_info in;
+    assert_int_equal(snapkv_server_info(c, &in), SNAPKV_OK);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    kill(daemon, SIGKILL);
+    waitpid(daemon, NULL, 0);
+}
+
 /* The key file helpers behind snapkvctl --server-key / --client-key. */
 static void test_key_files(void **state)
 {
@@ -697,6 +807,7 @@ int main(void)
         cmocka_unit_test(test_bad_setups_refused),
         cmocka_unit_test(test_admin_endpoint_over_curve),
         cmocka_unit_test(test_insecure_tcp_opt_in),
+        cmocka_unit_test(test_client_gone_silent),
         cmocka_unit_test(test_key_files),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
