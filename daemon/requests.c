@@ -426,9 +426,9 @@ static void forward_tick(void *user)
 
 /* Readies s's compressor for a forward of n tokens (compress: a compressing one; else decode
  * upkeep) and points fo at its hook; nothing to do without a compressor. Decode upkeep takes its
- * memory now (in the forward, a failure would fail a whole decode group) and, for H2O,
- * StreamingLLM and window, cuts the layers at the forward's end (fo's done), so that a forward
- * failing part way (a device error, no memory) leaves every layer as it was. */
+ * memory now (in the forward, a failure would fail a whole decode group) and cuts the layers
+ * (H2O, StreamingLLM, window; SnapKV's re-scoring) at the forward's end (fo's done), so that a
+ * forward failing part way (a device error, no memory) leaves every layer as it was. */
 static int session_hook(struct skv_session *s, int n, bool compress, struct skv_forward_opts *fo)
 {
     if (!s->comp)
@@ -446,6 +446,20 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
     fo->done = skv_compressor_hook_done;
     fo->done_user = s->comp;
     return rc;
+}
+
+/* The cuts s's last forward's upkeep could not make (skv_compressor_take_cut_failures): counted,
+ * and logged at most once a window. */
+static void note_cut_failures(struct skv_worker *w, struct skv_session *s)
+{
+    int n = s->comp ? skv_compressor_take_cut_failures(s->comp) : 0;
+    if (!n)
+        return;
+    w->metrics.upkeep_cuts_failed += (uint64_t)n;
+    unsigned long long more = 0;
+    if (skv_log_allow(&w->log_cut, skv_now_ms(), &more))
+        skv_log(SKV_LOG_WARN, "decode upkeep: %d layer(s) of a session stay over their budget until a later step "
+                "cuts them (no memory or a device error; %llu more since the last such line)", n, more);
 }
 
 /* A compressing PREFILL's hook when it also keeps its prompt's rows (prefix-retain-bytes): each
@@ -572,6 +586,7 @@ static int session_forward_progress(struct skv_worker *w, struct skv_session *s,
         rc = skv_session_reserve_tokens(s, n); /* the push after the forward cannot fail */
     if (!rc)
         rc = skv_engine_forward(e, s->cache, ids, n, &fo, s->logits);
+    note_cut_failures(w, s);
     s->busy = was_busy;
     w->forward_session = outer;
     if (!rc && s->comp && compress)
@@ -2396,6 +2411,9 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
             release_prepared(ds[i]->session->cache);
     w->metrics.decode_seconds += now_s() - t0;
     w->metrics.decode_batches += nb > 0;
+    for (int i = 0; i < n; i++)
+        if (!rcs[i])
+            note_cut_failures(w, ds[i]->session);
     /* when the batch failed, a session whose token went in (another decode group) goes on */
     for (int i = 0; i < n; i++)
         finished[i] = decode_done(w, ds[i], rcs[i] ? rcs[i] : ds[i]->session->cache->n_past > before[i] ? SKV_OK : rc);

@@ -18,6 +18,7 @@ struct skv_metrics {
     uint64_t ipc_closed_gone;     /* CUDA buffers closed because their client's connection closed */
     uint64_t decodes_cancelled_gone; /* running DECODEs ended because their client's connection closed */
     uint64_t decodes_cancelled;   /* running DECODEs ended by a CANCEL */
+    uint64_t upkeep_cuts_failed;  /* layers a decode's upkeep left over budget (its cut failed) */
     uint64_t decode_rounds_yielded; /* decode rounds run between the layers of a long forward */
     uint64_t requests_overtook;   /* short requests run inside a long forward, ahead of it */
     uint64_t requests_reordered;  /* requests run before an older one (queue-order = fair) */
@@ -62,7 +63,7 @@ struct skv_stat {
     double value;
 };
 
-#define SKV_N_STATS 53
+#define SKV_N_STATS 54
 
 void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N_STATS]);
 

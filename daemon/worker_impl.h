@@ -92,7 +92,7 @@ struct skv_worker {
     struct skv_prefix_cache prefix; /* released sessions' KV kept for prefix reuse (prefix-retain-bytes) */
     struct skv_store *store;  /* store = ...: where evicted sessions go and missing ones come from (NULL: none) */
     struct skv_spill_rec *spills; /* what this daemon spilled and the store still holds, per tenant */
-    struct skv_log_limit log_evicted, log_gone, log_spill; /* lines clients can cause, one per 10 s */
+    struct skv_log_limit log_evicted, log_gone, log_spill, log_cut; /* lines clients can cause, one per 10 s */
     size_t n_spills, cap_spills;
     bool store_draining;      /* skv_requests_store_drain runs: spills pass the tenant's cap */
     bool store_signed;        /* store-secret-file: values are signed, and only signed ones load */

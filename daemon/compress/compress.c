@@ -56,16 +56,18 @@ struct skv_compressor {
     int32_t rerun_from;     /* ... set for the next forward by skv_compressor_rerun */
     int32_t obs_end;        /* position after the last token observed; -1: none yet */
     /* Decode upkeep deferred to the forward's end (skv_compressor_decode_reserve with defer:
-     * H2O, StreamingLLM, window): the hook records each layer, skv_compressor_hook_done cuts
-     * them all once the whole forward succeeded, so a forward that fails part way leaves every
-     * layer as it was. pend[l]: layer l waits; pend_agg [L][n_kv][pend_stride] H2O's scores of
-     * the forward's queries for layer l (pend_rows[l] a head: its longest head then). */
+     * H2O, StreamingLLM, window, SnapKV's re-scoring): the hook records each layer,
+     * skv_compressor_hook_done cuts them all once the whole forward succeeded, so a forward that
+     * fails part way leaves every layer as it was. pend[l]: layer l waits; pend_agg
+     * [L][n_kv][pend_stride] H2O's scores of the forward's queries for layer l (pend_rows[l] a
+     * head: its longest head then). SnapKV's queries wait in its ring (obs_q). */
     bool defer;
     uint8_t *pend;
     float *pend_agg;
     int64_t pend_stride;
     int64_t *pend_rows;
     int pend_n;             /* the forward's tokens */
+    int cut_failures;       /* deferred cuts that failed, for skv_compressor_take_cut_failures */
 };
 
 struct row {
@@ -642,7 +644,7 @@ int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_
     if (!rc)
         rc = grow((void **)&c->idx, &c->idx_cap, most + 1, sizeof *c->idx);
     /* deferred upkeep: the pending marks, and H2O's scores of every layer until the end */
-    if (!rc && defer && !rescores_decode(s)) {
+    if (!rc && defer) {
         if (!c->pend && !(c->pend = calloc((size_t)c->n_layers, 1)))
             rc = SKV_E_NOMEM;
         if (!rc && !c->pend_rows && !(c->pend_rows = calloc((size_t)c->n_layers, sizeof *c->pend_rows)))
@@ -991,6 +993,24 @@ static int obs_copy(struct skv_compressor *c, int layer, float *lin, int32_t fir
     return SKV_OK;
 }
 
+/* SnapKV's re-scoring of layer l (its longest head max_rows rows) with the queries the ring
+ * holds: the newest min(window, decode_budget, D_l) observed ones score every row and the layer
+ * keeps D_l rows per head (D_l * Hkv over its heads, head granularity), those window rows always. */
+static int snapkv_decode_cut(struct skv_compressor *c, struct skv_kv_cache *cache, int l, int64_t max_rows)
+{
+    int budget = c->layer_budget[l], rc;
+    int32_t end = c->obs_end, seen = end - c->obs_start;
+    int w_keep = c->obs_cap < budget ? c->obs_cap : budget; /* min(window, decode_budget, this layer's) */
+    int w_q = seen < w_keep ? seen : w_keep;
+    if (budget > w_keep) { /* else the window is all that stays: no scores needed */
+        if ((rc = obs_copy(c, l, c->obs_win, end - w_q, end, false)) ||
+            (rc = snapkv_score(c, cache, l, c->obs_win, w_q, 0, w_keep, max_rows)))
+            return rc;
+    }
+    int slack = c->spec.interval < budget ? c->spec.interval : budget; /* room for the next interval's rows */
+    return select_layer(c, cache, l, budget, w_keep, slack);
+}
+
 /* SnapKV while decoding: remember the newest queries; when this forward completes another
  * `interval` decoded tokens and the layer holds more than its decode budget D_l rows per head
  * (or D_l * Hkv over its heads, head granularity), re-score every row with the newest window's
@@ -1023,15 +1043,12 @@ static int snapkv_decode_hook(struct skv_compressor *c, const struct skv_layer_v
     }
     if (s->granularity == SKV_GRAN_HEAD ? total <= (int64_t)budget * c->n_kv : !over)
         return SKV_OK;
-    int w_keep = c->obs_cap < budget ? c->obs_cap : budget; /* min(window, decode_budget, this layer's) */
-    int w_q = seen < w_keep ? seen : w_keep;
-    if (budget > w_keep) { /* else the window is all that stays: no scores needed */
-        if ((rc = obs_copy(c, l, c->obs_win, end - w_q, end, false)) ||
-            (rc = snapkv_score(c, v->cache, l, c->obs_win, w_q, 0, w_keep, max_rows)))
-            return rc;
+    if (c->defer) { /* the re-scoring at the forward's end (skv_compressor_hook_done) */
+        c->pend_rows[l] = max_rows;
+        c->pend[l] = 1;
+        return SKV_OK;
     }
-    int slack = s->interval < budget ? s->interval : budget; /* room for the next interval's rows */
-    return select_layer(c, v->cache, l, budget, w_keep, slack);
+    return snapkv_decode_cut(c, v->cache, l, max_rows);
 }
 
 /* H2O: the attention a forward's queries gave each row of layer l (agg [n_kv][rows]) added to
@@ -1056,13 +1073,24 @@ void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache)
         if (!c->pend[l])
             continue;
         c->pend[l] = 0;
+        /* a cut that fails (no memory for fresh blocks, a device error) leaves the layer over
+         * its budget, whole and valid: a later one cuts it */
+        if (rescores_decode(s)) {
+            c->cut_failures += snapkv_decode_cut(c, cache, l, c->pend_rows[l]) != SKV_OK;
+            continue;
+        }
         if (s->policy == SKV_POLICY_H2O)
             h2o_add_scores(c, cache, l, c->pend_agg + (size_t)l * c->n_kv * c->pend_stride, c->pend_rows[l]);
         int w_obs = s->policy == SKV_POLICY_H2O || s->window < c->pend_n ? s->window : c->pend_n;
-        /* a cut that fails (no memory for fresh blocks) leaves the layer over its budget, whole
-         * and valid: the next step cuts it */
-        (void)select_layer(c, cache, l, c->layer_budget[l], w_obs, COMPACT_SLACK);
+        c->cut_failures += select_layer(c, cache, l, c->layer_budget[l], w_obs, COMPACT_SLACK) != SKV_OK;
     }
+}
+
+int skv_compressor_take_cut_failures(struct skv_compressor *c)
+{
+    int n = c->cut_failures;
+    c->cut_failures = 0;
+    return n;
 }
 
 int skv_compressor_hook(void *user, const struct skv_layer_view *v)

@@ -60,12 +60,16 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
  * inside the forward, where a failure would fail every session of a decode group. SKV_E_NOMEM
  * / the backend's status when there is none. */
 int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_cache *cache, int n, bool defer);
-/* With defer (H2O, StreamingLLM, window), the hook of the forward that follows records each
- * layer and cuts nothing: skv_compressor_hook_done (the forward's `done`, with the compressor as
- * its user) cuts them all once the whole forward succeeded, so that one failing part way leaves
- * every layer as it was; the same rows are kept as cut layer by layer. A caller that sets defer
- * must set that `done`. */
+/* With defer (H2O, StreamingLLM, window, SnapKV's re-scoring), the hook of the forward that
+ * follows records each layer and cuts nothing: skv_compressor_hook_done (the forward's `done`,
+ * with the compressor as its user) cuts them all once the whole forward succeeded, so that one
+ * failing part way leaves every layer as it was; the same rows are kept as cut layer by layer.
+ * A caller that sets defer must set that `done`. */
 void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache);
+/* Layers whose cut at a forward's end failed (no memory for fresh blocks, a device error) since
+ * the last call, which resets the count: each stays whole and valid, over its budget, until a
+ * later cut (the next token; SnapKV's next re-scoring). */
+int skv_compressor_take_cut_failures(struct skv_compressor *c);
 /* Whether a forward outside compression (APPEND, DECODE) leaves every row the cache holds as it
  * was: true for snapkv without a decode_budget (it keeps all until a COMPRESS), false when the
  * decode upkeep evicts rows or adds to their scores (h2o, streaming, window, decode_budget).

@@ -129,6 +129,19 @@ static int failing_alloc(struct skv_backend *be, size_t bytes, void **out)
     return g_real_alloc(be, bytes, out);
 }
 
+/* When set: every attention column sum (the compressor's scores) fails with a device error. */
+static atomic_int g_fail_colsum;
+static int (*g_real_colsum)(struct skv_backend *be, float *out, int64_t out_stride, const float *q, int nq,
+                            int n_heads, const struct skv_kv_view *kv, int q_first);
+
+static int failing_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q, int nq,
+                          int n_heads, const struct skv_kv_view *kv, int q_first)
+{
+    if (atomic_load(&g_fail_colsum))
+        return skv_errorf(SKV_E_DEVICE, "test: the device failed scoring");
+    return g_real_colsum(be, out, out_stride, q, nq, n_heads, kv, q_first);
+}
+
 /* rmsnorm calls so far, and the one that fails with a device error (0: none) */
 static atomic_long g_rmsnorm_calls, g_fail_rmsnorm_at;
 
@@ -482,6 +495,9 @@ static int setup(void **state)
     g_ops.alloc = failing_alloc;
     g_real_rmsnorm = g_ops.rmsnorm;
     g_ops.rmsnorm = gated_rmsnorm;
+    atomic_store(&g_fail_colsum, 0);
+    g_real_colsum = g_ops.attention_colsum;
+    g_ops.attention_colsum = failing_colsum;
     g_real_download = g_ops.download;
     g_ops.download = slow_download;
     g_real_upload = g_ops.upload;
@@ -1648,16 +1664,17 @@ static void test_decode_fails_midway(void **state)
 static uint32_t *inspect_positions(struct fixture *f, const uint8_t sid[16], size_t *n);
 
 /* A forward on a session whose policy evicts as it goes, failing in its last norm after every
- * layer's upkeep ran: a short APPEND (4 tokens) and a one-token DECODE, for StreamingLLM, H2O
- * and window. An error, and the session as it was, every layer's positions; the retry gives
+ * layer's upkeep ran: a short APPEND (4 tokens) and a one-token DECODE, for StreamingLLM, H2O,
+ * window and SnapKV re-scoring every token (decode_budget). An error, and the session as it was, every layer's positions; the retry gives
  * what a twin that never failed got (before, the layers cut as the forward went and kept their
  * cuts: the session lost a row in every layer but the failed one's). */
 static void test_upkeep_failure_keeps_rows(void **state)
 {
     struct fixture *f = *state;
     static const char *const specs[] = {"policy=streaming,budget=16,sinks=2", "policy=h2o,budget=16,window=4",
-                                        "policy=window,budget=16"};
-    for (int k = 0; k < 3; k++)
+                                        "policy=window,budget=16",
+                                        "policy=snapkv,budget=16,window=4,decode_budget=16,interval=1"};
+    for (int k = 0; k < 4; k++)
         for (int decode = 0; decode < 2; decode++) {
             uint8_t twin[16], sid[16];
             prefill(f, 16, specs[k], twin);
@@ -1716,6 +1733,44 @@ static void test_upkeep_failure_keeps_rows(void **state)
             free(p0);
             free(p1);
         }
+}
+
+/* SnapKV's re-scoring at a DECODE step's end fails in every layer (the device fails scoring):
+ * the token still goes in, every layer keeps its rows whole (one more per head) and the failures
+ * are counted; the next step's re-scoring cuts every layer to its decode budget. */
+static void test_upkeep_cut_fails(void **state)
+{
+    struct fixture *f = *state;
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    uint8_t sid[16];
+    prefill(f, 16, "policy=snapkv,budget=16,window=4,decode_budget=12,interval=1", sid);
+    size_t n0, n1, n2;
+    free(inspect_positions(f, sid, &n0));
+    assert_int_equal(n0, (size_t)mc->n_layers * mc->n_kv_heads * 16);
+    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+    sm.max_tokens = 1;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, sid};
+    d.sampling = &sm;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+    atomic_store(&g_fail_colsum, 1);
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    atomic_store(&g_fail_colsum, 0);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->decode->n_tokens, 1);
+    snapkv__reply__free_unpacked(rep, NULL);
+    free(inspect_positions(f, sid, &n1));
+    assert_int_equal(n1, (size_t)mc->n_layers * mc->n_kv_heads * 17);
+    assert_int_equal(stat(f, "snapkv_upkeep_cuts_failed_total"), mc->n_layers);
+    assert_int_equal(listed(f, sid, NULL, NULL), 17);
+    rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    free(inspect_positions(f, sid, &n2));
+    assert_int_equal(n2, (size_t)mc->n_layers * mc->n_kv_heads * 12);
+    assert_int_equal(stat(f, "snapkv_upkeep_cuts_failed_total"), mc->n_layers);
 }
 
 static void test_decode_over_quota(void **state)
@@ -6528,6 +6583,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_over_quota, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_fails_midway, setup, teardown),
         cmocka_unit_test_setup_teardown(test_upkeep_failure_keeps_rows, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_upkeep_cut_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_group_alloc_fails_alone, setup, teardown),
         cmocka_unit_test_setup_teardown(test_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_max_sessions, setup, teardown),
