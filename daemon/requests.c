@@ -1091,8 +1091,7 @@ static void handle_append(struct skv_worker *w, struct skv_job *job)
      * session's upkeep evicts or re-scores rows too, it runs on a copy. A short one does not:
      * on a copy every block is shared, so its room would count the whole cache again (a
      * one-token APPEND near a full pool evicting others); its upkeep cuts at the forward's end
-     * (session_hook), so one that fails part way is undone whole, but with SnapKV's
-     * decode_budget, which cuts layer by layer */
+     * (session_hook), so one that fails part way is undone whole */
     struct session_undo u;
     bool copy = n >= APPEND_COPY_MIN && s->comp && !skv_compressor_decode_keeps_rows(s->comp);
     if (copy && (rc = undo_begin(w, s, &u)))

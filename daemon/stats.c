@@ -62,7 +62,7 @@ void skv_stats_rows(const struct skv_stats_input *in, struct skv_stat rows[SKV_N
         {"snapkv_decodes_cancelled_total", "running DECODEs ended by a CANCEL request", (double)m->decodes_cancelled},
         {"snapkv_upkeep_cuts_failed_total",
          "layers whose cut to the budget after a decode step or short APPEND failed (no memory, a device error); "
-         "each stays whole and valid, over its budget, until a later step cuts it",
+         "each stays valid, over its budget, until a later step cuts it",
          (double)m->upkeep_cuts_failed},
         {"snapkv_decode_rounds_in_forwards_total",
          "decode rounds run inside a long PREFILL, APPEND or COMPRESS (decode-yield-ms)",

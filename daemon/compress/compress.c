@@ -55,6 +55,8 @@ struct skv_compressor {
     int32_t score_from;     /* H2O: this forward's attention goes to rows from this position on */
     int32_t rerun_from;     /* ... set for the next forward by skv_compressor_rerun */
     int32_t obs_end;        /* position after the last token observed; -1: none yet */
+    int32_t obs_from;       /* the oldest position whose query the ring still holds for sure: obs_start,
+                             * or past it when a forward that failed wrote over older slots */
     /* Decode upkeep deferred to the forward's end (skv_compressor_decode_reserve with defer:
      * H2O, StreamingLLM, window, SnapKV's re-scoring): the hook records each layer,
      * skv_compressor_hook_done cuts them all once the whole forward succeeded, so a forward that
@@ -218,6 +220,7 @@ int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor
         }
         c->obs_start = src->obs_start;
         c->obs_end = src->obs_end;
+        c->obs_from = src->obs_from;
     }
     *out = c;
     return SKV_OK;
@@ -245,13 +248,13 @@ static size_t state_obs_bytes(const struct skv_compressor *c, int n_obs)
 }
 
 /* Queries the saved observation holds: none before the first decoded token, or when the
- * observation does not end at the cache's end n_past (a forward failed after some layers
- * observed it; restored as "start again"). */
+ * observation does not end at the cache's end n_past (restored as "start again"); those from
+ * obs_from on, when a forward that failed wrote over older ones. */
 static int state_n_obs(const struct skv_compressor *c, int n_past)
 {
-    if (!rescores_decode(&c->spec) || !c->obs_q || c->obs_end <= c->obs_start || c->obs_end != n_past)
+    if (!rescores_decode(&c->spec) || !c->obs_q || c->obs_end <= c->obs_from || c->obs_end != n_past)
         return 0;
-    int32_t seen = c->obs_end - c->obs_start;
+    int32_t seen = c->obs_end - c->obs_from;
     return seen < c->obs_cap ? (int)seen : c->obs_cap;
 }
 
@@ -285,7 +288,9 @@ int skv_compressor_state_write(struct skv_compressor *c, int n_past, void *buf)
     int n_obs = state_n_obs(c, n_past);
     if (!n_obs)
         return SKV_OK;
-    int32_t obs[STATE_OBS_HEAD] = {c->obs_start, c->obs_end, n_obs};
+    /* (a window cut short by a failed forward is saved as starting at obs_from) */
+    int32_t from = c->obs_end - c->obs_from >= c->obs_cap ? c->obs_start : c->obs_from;
+    int32_t obs[STATE_OBS_HEAD] = {from, c->obs_end, n_obs};
     memcpy(p, obs, sizeof obs);
     p += sizeof obs;
     size_t bytes = (size_t)n_obs * c->n_heads * c->head_dim * sizeof(float);
@@ -331,7 +336,7 @@ static int state_read_obs(struct skv_compressor *c, const char *p, size_t len, i
     }
     if (rc)
         return rc;
-    c->obs_start = start;
+    c->obs_start = c->obs_from = start;
     c->obs_end = end;
     return SKV_OK;
 }
@@ -387,13 +392,14 @@ int skv_compressor_state_read(struct skv_compressor *c, const void *buf, size_t 
             return skv_errorf(SKV_E_FORMAT, "compressor state: layer %d out of range", l);
     }
     /* nothing observed: SnapKV re-scoring starts its window with the next decoded token */
-    int32_t obs_start = c->obs_start, obs_end = c->obs_end;
-    c->obs_start = c->obs_end = n_past;
+    int32_t obs_start = c->obs_start, obs_end = c->obs_end, obs_from = c->obs_from;
+    c->obs_start = c->obs_end = c->obs_from = n_past;
     if (len > base) {
         int rc = state_read_obs(c, (const char *)buf + base, len - base, n_past);
         if (rc) {
             c->obs_start = obs_start;
             c->obs_end = obs_end;
+            c->obs_from = obs_from;
             return rc;
         }
     }
@@ -489,7 +495,7 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
     c->batch = n;
     c->total_len = cache->n_past + n;
     /* decoded tokens observed from here on: the rows this forward keeps are no window */
-    c->obs_start = c->obs_end = c->total_len;
+    c->obs_start = c->obs_end = c->obs_from = c->total_len;
     c->budget = plan_budgets(c, c->total_len, c->layer_budget);
     return SKV_OK;
 }
@@ -606,10 +612,19 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     c->score_from = 0;
     c->batch = 1;
     c->total_len = cache->n_past + 1;
-    /* tokens that went through the model without this compressor left no queries here: the
-     * observation (and the interval count) starts again at this forward */
-    if (c->obs_end != cache->n_past)
-        c->obs_start = c->obs_end = cache->n_past;
+    /* a forward that failed after observing [n_past, obs_end): the observation goes on from
+     * n_past as if it never ran (the retry sees the same window and interval count), but its
+     * queries overwrote the ring's slots of the positions obs_cap before them; tokens that went
+     * through the model without this compressor left no queries here: the observation (and the
+     * interval count) starts again at this forward */
+    int32_t n_past = cache->n_past;
+    if (c->obs_end > n_past && c->obs_start <= n_past && c->obs_cap > 0) {
+        int32_t lost_to = c->obs_end - c->obs_cap;
+        c->obs_from = lost_to > c->obs_from ? (lost_to < n_past ? lost_to : n_past) : c->obs_from;
+        c->obs_end = n_past;
+    } else if (c->obs_end != n_past) {
+        c->obs_start = c->obs_end = c->obs_from = n_past;
+    }
     /* h2o / streaming / window keep each layer at its prefill budget (or decode_budget);
      * snapkv keeps all until a decode_budget re-scores it every `interval` tokens */
     for (int l = 0; l < c->n_layers; l++)
@@ -999,7 +1014,7 @@ static int obs_copy(struct skv_compressor *c, int layer, float *lin, int32_t fir
 static int snapkv_decode_cut(struct skv_compressor *c, struct skv_kv_cache *cache, int l, int64_t max_rows)
 {
     int budget = c->layer_budget[l], rc;
-    int32_t end = c->obs_end, seen = end - c->obs_start;
+    int32_t end = c->obs_end, seen = end - c->obs_from; /* the queries there are */
     int w_keep = c->obs_cap < budget ? c->obs_cap : budget; /* min(window, decode_budget, this layer's) */
     int w_q = seen < w_keep ? seen : w_keep;
     if (budget > w_keep) { /* else the window is all that stays: no scores needed */
@@ -1074,7 +1089,7 @@ void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache)
             continue;
         c->pend[l] = 0;
         /* a cut that fails (no memory for fresh blocks, a device error) leaves the layer over
-         * its budget, whole and valid: a later one cuts it */
+         * its budget, valid (whole, or some of its heads cut): a later one cuts it */
         if (rescores_decode(s)) {
             c->cut_failures += snapkv_decode_cut(c, cache, l, c->pend_rows[l]) != SKV_OK;
             continue;

@@ -67,8 +67,8 @@ int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_
  * A caller that sets defer must set that `done`. */
 void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache);
 /* Layers whose cut at a forward's end failed (no memory for fresh blocks, a device error) since
- * the last call, which resets the count: each stays whole and valid, over its budget, until a
- * later cut (the next token; SnapKV's next re-scoring). */
+ * the last call, which resets the count: each stays valid (whole, or some of its heads cut),
+ * over its budget, until a later cut (the next token; SnapKV's next re-scoring). */
 int skv_compressor_take_cut_failures(struct skv_compressor *c);
 /* Whether a forward outside compression (APPEND, DECODE) leaves every row the cache holds as it
  * was: true for snapkv without a decode_budget (it keeps all until a COMPRESS), false when the

@@ -3829,7 +3829,8 @@ static uint32_t *kept_positions(snapkv_client_t *a, const struct snapkv_session_
  * or counted the window twice, fails it. */
 /* The daemon's decode with an evicting policy, whose upkeep cuts every layer at the forward's
  * end, gives the tokens of the in-process engine, whose hook cuts each layer as it goes:
- * StreamingLLM, window, and H2O per layer and at head granularity. */
+ * StreamingLLM, window, H2O and SnapKV's re-scoring (decode_budget), per layer and at head
+ * granularity. */
 static void test_evicting_decode_matches(void **state)
 {
     NEED_MODEL();
