@@ -2720,20 +2720,29 @@ static bool evict_visit(void *user, struct skv_session *s)
     return true;
 }
 
+static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count);
+
 static void handle_evict(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__EvictRequest *q = job->req->evict;
     struct evict_ctx e = {.tenant = q->tenant, .all = q->all_unpinned};
     struct skv_session_stats before, after; /* freed: pool bytes, so blocks forks still hold do not count */
     skv_session_stats(w->sessions, &before);
+    uint32_t stored = 0; /* sessions this daemon spilled, deleted from the store */
     if (q->session_id.len) {
         struct skv_session *s = NULL;
         int rc = find_session(w, job, q->session_id, true, &s);
         if (!rc && s->busy)
             rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
-        if (rc == SKV_E_NOT_FOUND && q->session_id.len == SKV_SESSION_ID_BYTES &&
-            skv_prefix_cache_drop_id(&w->prefix, q->session_id.data)) { /* a kept prefix's id */
-            rc = SKV_OK;
+        bool whole_id = q->session_id.len == SKV_SESSION_ID_BYTES;
+        if (rc == SKV_E_NOT_FOUND && whole_id && skv_prefix_cache_drop_id(&w->prefix, q->session_id.data)) {
+            rc = SKV_OK; /* a kept prefix's id */
+        } else if (rc == SKV_E_NOT_FOUND && whole_id && w->store) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", skv_error_msg()); /* (the answer when the store has none) */
+            rc = store_evict(w, NULL, q->session_id.data, &stored);
+            if (!rc && !stored)
+                rc = skv_errorf(SKV_E_NOT_FOUND, "%s", msg);
         } else if (!rc) {
             skv_session_destroy(w->sessions, s);
         }
@@ -2741,10 +2750,12 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
             fail_rc(w, job, rc);
             return;
         }
-        e.count = 1;
+        e.count = stored ? 0 : 1;
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
         skv_session_foreach(w->sessions, evict_visit, &e);
         skv_prefix_cache_clear(&w->prefix, q->all_unpinned ? NULL : q->tenant); /* counted in bytes_freed */
+        if (w->store && store_evict(w, q->all_unpinned ? NULL : q->tenant, NULL, &stored))
+            skv_log(SKV_LOG_WARN, "evict: %s", skv_error_msg());
     } else {
         skv_requests_fail(w, job, SKV_E_INVAL, "EVICT needs a session id, a tenant or all_unpinned");
         return;
@@ -2753,7 +2764,9 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
     Snapkv__EvictReply er = SNAPKV__EVICT_REPLY__INIT;
     reply_init(&rep, job);
     skv_session_stats(w->sessions, &after);
-    er.evicted = e.count;
+    er.evicted = e.count + stored;
+    if (stored)
+        skv_log(SKV_LOG_INFO, "evict: %u session(s) this daemon had spilled deleted from the store", stored);
     er.bytes_freed = before.bytes_used - after.bytes_used;
     rep.result_case = SNAPKV__REPLY__RESULT_EVICT;
     rep.evict = &er;
@@ -3984,6 +3997,43 @@ static int store_release(struct skv_worker *w, const char *tenant, const uint8_t
     if (rc) {
         snprintf(why, sizeof why, "%s", skv_error_msg());
         return skv_errorf(rc, "session %s is not here, and deleting it from the store failed: %s", hex, why);
+    }
+    return SKV_OK;
+}
+
+/* EVICT of what this daemon spilled and the store still holds (its spill records): session id
+ * (NULL: every one) of tenant (NULL: any), deleted from the store; *count: how many. One that
+ * is not there any more (taken back by another host, its time passed) is forgotten and not
+ * counted. A delete that fails stops there (the store is down, or refuses): the records left
+ * are kept (the store's time bounds them), and the status says how many. */
+static bool spill_matches(const struct skv_spill_rec *r, const char *tenant, const uint8_t *id)
+{
+    return (!tenant || strcmp(r->tenant, tenant) == 0) && (!id || memcmp(r->id, id, SKV_SESSION_ID_BYTES) == 0);
+}
+
+static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count)
+{
+    *count = 0;
+    for (size_t i = 0; i < w->n_spills;) {
+        const struct skv_spill_rec *r = &w->spills[i];
+        if (!spill_matches(r, tenant, id)) {
+            i++;
+            continue;
+        }
+        char key[STORE_KEY_MAX];
+        store_key(w, r->tenant, r->id, false, key, sizeof key);
+        int rc = skv_store_delete(w->store, key);
+        if (rc && rc != SKV_E_NOT_FOUND) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", skv_error_msg());
+            size_t left = 0;
+            for (size_t j = i; j < w->n_spills; j++)
+                left += spill_matches(&w->spills[j], tenant, id);
+            return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s", left,
+                              *count, why);
+        }
+        *count += rc == SKV_OK;
+        w->spills[i] = w->spills[--w->n_spills]; /* (gone from the store either way) */
     }
     return SKV_OK;
 }

@@ -122,7 +122,7 @@ static void usage(FILE *out)
             "                                         (list --kept: the kept prefixes, prefix-retain-bytes;\n"
             "                                         evict takes their ids too; it drops what this daemon\n"
             "                                         holds, --tenant / --all the sessions neither pinned nor\n"
-            "                                         decoding, and not those spilled to a store)\n"
+            "                                         decoding, and deletes from the store what it spilled)\n"
             "  save SESSION NAME | load NAME [--tenant T] | stats [--prometheus] | config [KEY]\n"
             "  tenants                                each tenant's sessions, bytes, waiting requests, running\n"
             "                                         decodes, requests, errors, tokens, engine time and kept\n"

@@ -6043,6 +6043,73 @@ static void test_store_tenant_cap(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* EVICT reaches the sessions this daemon spilled to the store: by id (any tenant), by tenant
+ * (another tenant's stay) and --all; each is deleted from the store and counted in `evicted`,
+ * and an id gone from both is SNAPKV_E_NOT_FOUND (before, spilled sessions stayed in the store
+ * until their time passed or a client took them back, whatever an admin evicted). */
+static void test_store_evict(void **state)
+{
+    NEED_MODEL();
+    char dir[64] = "/tmp/skv-storeev-XXXXXX", sock[128], opt[220], conf[200], pass[200];
+    char kx[300], ky[300], kz[300];
+    assert_non_null(mkdtemp(dir));
+    if (!start_redis(dir, sock, sizeof sock)) {
+        rmdir(dir);
+        print_message("redis-server or redis-cli is not installed: test_store_evict skipped\n");
+        skip();
+    }
+    store_conf(dir, sock, 0600, "", pass, conf);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    struct daemon d;
+    start_daemon_with(&d, "64M", opt, 0);
+    snapkv_client_t *cp = client(d.endpoint, "p"), *cq = client(d.endpoint, "q"), *adm = client(d.admin, NULL);
+    struct snapkv_prefill_result x, y, z;
+    prefill_leased(cp, 81, &x);
+    prefill_leased(cp, 82, &y);
+    prefill_leased(cq, 83, &z);
+    wait_spilled(sock, &x.id, kx, sizeof kx);
+    wait_spilled(sock, &y.id, ky, sizeof ky);
+    kz[0] = '\0';
+    for (int i = 0; i < 300 && !kz[0]; i++) { /* (another tenant's) */
+        usleep(100 * 1000);
+        tenant_key_of(sock, "q", &z.id, kz, sizeof kz);
+    }
+    assert_true(kz[0]);
+    uint32_t evicted = 99;
+    uint64_t freed = 99;
+    assert_int_equal(snapkv_admin_evict(adm, &x.id, NULL, false, &evicted, &freed), SNAPKV_OK);
+    assert_int_equal(evicted, 1);
+    assert_int_equal(freed, 0); /* (pool bytes: it held none here) */
+    assert_false(store_has(sock, kx));
+    assert_true(store_has(sock, ky));
+    assert_int_equal(snapkv_admin_evict(adm, &x.id, NULL, false, &evicted, NULL), SNAPKV_E_NOT_FOUND);
+    assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1);
+    assert_false(store_has(sock, ky));
+    assert_true(store_has(sock, kz)); /* another tenant's */
+    struct snapkv_sampling sp;
+    sampling_gen(&sp);
+    sp.max_tokens = 1;
+    struct snapkv_decode_result got;
+    assert_int_equal(snapkv_decode(cp, &y.id, &sp, NULL, NULL, &got), SNAPKV_E_NOT_FOUND);
+    assert_int_equal(snapkv_admin_evict(adm, NULL, NULL, true, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1);
+    assert_false(store_has(sock, kz));
+    snapkv_close(&cp);
+    snapkv_close(&cq);
+    snapkv_close(&adm);
+    stop_daemon(&d);
+    snapkv_prefill_result_free(&x);
+    snapkv_prefill_result_free(&y);
+    snapkv_prefill_result_free(&z);
+    kill(g_redis, SIGKILL);
+    waitpid(g_redis, NULL, 0);
+    g_redis = 0;
+    char cmd[100];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* A full-cache session of 64 tokens of c's tenant, spilled from c's daemon (an 8M pool, which
  * holds two) by two more, taken back by a DECODE, then a PREFILL of its 64 tokens and 48 more
  * (a PREFILL computes more than the small batch, 32): how many tokens that PREFILL reused.
@@ -6651,6 +6718,7 @@ int main(void)
         cmocka_unit_test_teardown(test_many_daemons, kill_daemons),
         cmocka_unit_test_teardown(test_store, kill_daemons),
         cmocka_unit_test_teardown(test_store_tenant_cap, kill_daemons),
+        cmocka_unit_test_teardown(test_store_evict, kill_daemons),
         cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
