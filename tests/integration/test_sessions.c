@@ -5884,6 +5884,29 @@ static bool start_redis(const char *dir, char *sock, size_t cap)
     return false;
 }
 
+/* A redis-server for the running test in dir (a mkdtemp template), or the test skipped when
+ * Debian's package is not installed. */
+static void redis_or_skip(char *dir, char *sock, size_t cap, const char *test)
+{
+    assert_non_null(mkdtemp(dir));
+    if (!start_redis(dir, sock, cap)) {
+        rmdir(dir);
+        print_message("redis-server or redis-cli is not installed: %s skipped\n", test);
+        skip();
+    }
+}
+
+/* The running test's redis-server stopped, and its directory removed. */
+static void redis_done(const char *dir)
+{
+    kill(g_redis, SIGKILL);
+    waitpid(g_redis, NULL, 0);
+    g_redis = 0;
+    char cmd[100];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* The store's key for a session of tenant p (the model's fingerprint is the daemon's). */
 static void store_key_of(const char *sock, const struct snapkv_session_id *id, char *out, size_t cap)
 {
@@ -5969,12 +5992,7 @@ static void test_store_tenant_cap(void **state)
 {
     NEED_MODEL();
     char dir[64] = "/tmp/skv-storecap-XXXXXX", sock[128], opt[220], conf[200], pass[200], key[300];
-    assert_non_null(mkdtemp(dir));
-    if (!start_redis(dir, sock, sizeof sock)) {
-        rmdir(dir);
-        print_message("redis-server or redis-cli is not installed: test_store_tenant_cap skipped\n");
-        skip();
-    }
+    redis_or_skip(dir, sock, sizeof sock, "test_store_tenant_cap");
     store_conf(dir, sock, 0600, "store-max-bytes-per-tenant = 2M\n", pass, conf);
     snprintf(opt, sizeof opt, "--config=%s", conf);
     struct daemon d;
@@ -6036,11 +6054,7 @@ static void test_store_tenant_cap(void **state)
     snapkv_prefill_result_free(&y);
     snapkv_prefill_result_free(&z);
     snapkv_prefill_result_free(&v);
-    kill(g_redis, SIGKILL);
-    waitpid(g_redis, NULL, 0);
-    g_redis = 0;
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    assert_int_equal(system(cmd), 0);
+    redis_done(dir);
 }
 
 /* EVICT reaches the sessions this daemon spilled to the store: by id (any tenant), by tenant
@@ -6052,12 +6066,7 @@ static void test_store_evict(void **state)
     NEED_MODEL();
     char dir[64] = "/tmp/skv-storeev-XXXXXX", sock[128], opt[220], conf[200], pass[200];
     char kx[300], ky[300], kz[300];
-    assert_non_null(mkdtemp(dir));
-    if (!start_redis(dir, sock, sizeof sock)) {
-        rmdir(dir);
-        print_message("redis-server or redis-cli is not installed: test_store_evict skipped\n");
-        skip();
-    }
+    redis_or_skip(dir, sock, sizeof sock, "test_store_evict");
     store_conf(dir, sock, 0600, "", pass, conf);
     snprintf(opt, sizeof opt, "--config=%s", conf);
     struct daemon d;
@@ -6102,12 +6111,7 @@ static void test_store_evict(void **state)
     snapkv_prefill_result_free(&x);
     snapkv_prefill_result_free(&y);
     snapkv_prefill_result_free(&z);
-    kill(g_redis, SIGKILL);
-    waitpid(g_redis, NULL, 0);
-    g_redis = 0;
-    char cmd[100];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    assert_int_equal(system(cmd), 0);
+    redis_done(dir);
 }
 
 /* A full-cache session of 64 tokens of c's tenant, spilled from c's daemon (an 8M pool, which
@@ -6179,12 +6183,7 @@ static void test_store(void **state)
 {
     NEED_MODEL();
     char dir[64] = "/tmp/skv-store-XXXXXX", sock[128], opt[220], conf[200], pass[200];
-    assert_non_null(mkdtemp(dir));
-    if (!start_redis(dir, sock, sizeof sock)) {
-        rmdir(dir);
-        print_message("redis-server or redis-cli is not installed: test_store skipped\n");
-        skip();
-    }
+    redis_or_skip(dir, sock, sizeof sock, "test_store");
     store_conf(dir, sock, 0644, "", pass, conf);
     char cmd[5000], exe[4096];
     built(exe, sizeof exe, "snapkvd");

@@ -1566,6 +1566,31 @@ static void submit_decode(struct fixture *f, const uint8_t *id, const char *tena
                           uint32_t max_tokens, bool stream);
 static Snapkv__Reply *decode_final(struct fixture *f, const uint8_t *id, uint32_t *toks, int *n, int cap);
 
+/* A collected DECODE of max_tokens in session sid (client ID_X): its reply. */
+static Snapkv__Reply *decode_call(struct fixture *f, const uint8_t sid[16], uint32_t max_tokens)
+{
+    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
+    sm.max_tokens = max_tokens;
+    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
+    d.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    d.sampling = &sm;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &d;
+    return call(f, 0, ID_X, &req);
+}
+
+/* One forward in session sid: a one-token DECODE (decode) or a 4-token APPEND; its status. */
+static int upkeep_step(struct fixture *f, const uint8_t sid[16], bool decode)
+{
+    if (!decode)
+        return append(f, sid, 4, NULL);
+    Snapkv__Reply *rep = decode_call(f, sid, 1);
+    int rc = rep->status;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
 /* The tenant bytes an APPEND of 64 ids to a fresh session of spec (decoded `decoded` tokens
  * first) says it would hold when the quota of `blocks` refuses it. */
 static unsigned long long append_would_hold(struct fixture *f, int blocks, const char *spec, int decoded)
@@ -1685,36 +1710,14 @@ static void test_upkeep_failure_keeps_rows(void **state)
             if (second)
                 for (int t = 0; t < 2; t++)
                     assert_int_equal(append(f, t ? sid : twin, decode ? 1 : 4, NULL), SKV_OK);
-            Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
-            sm.max_tokens = 1;
-            Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
-            d.sampling = &sm;
-            Snapkv__Request req = SNAPKV__REQUEST__INIT;
-            req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
-            req.decode = &d;
             long c0 = atomic_load(&g_rmsnorm_calls);
-            if (decode) {
-                d.session_id = (ProtobufCBinaryData){16, twin};
-                Snapkv__Reply *rep = call(f, 0, ID_X, &req);
-                assert_int_equal(rep->status, SKV_OK);
-                snapkv__reply__free_unpacked(rep, NULL);
-            } else {
-                assert_int_equal(append(f, twin, 4, NULL), SKV_OK);
-            }
+            assert_int_equal(upkeep_step(f, twin, decode), SKV_OK);
             long per_forward = atomic_load(&g_rmsnorm_calls) - c0; /* its rmsnorm calls */
             assert_true(per_forward > 3);
             size_t n0, n1;
             uint32_t *p0 = inspect_positions(f, sid, &n0);
             atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + per_forward); /* the final norm */
-            int rc;
-            if (decode) {
-                d.session_id = (ProtobufCBinaryData){16, sid};
-                Snapkv__Reply *rep = call(f, 0, ID_X, &req);
-                rc = rep->status;
-                snapkv__reply__free_unpacked(rep, NULL);
-            } else {
-                rc = append(f, sid, 4, NULL);
-            }
+            int rc = upkeep_step(f, sid, decode);
             atomic_store(&g_fail_rmsnorm_at, 0);
             assert_int_equal(rc, SKV_E_DEVICE);
             uint32_t *p1 = inspect_positions(f, sid, &n1);
@@ -1724,14 +1727,7 @@ static void test_upkeep_failure_keeps_rows(void **state)
             assert_int_equal(listed(f, sid, NULL, NULL), 16 + (second ? (decode ? 1 : 4) : 0));
             free(p0);
             free(p1);
-            if (decode) { /* the retry: the twin's rows */
-                d.session_id = (ProtobufCBinaryData){16, sid};
-                Snapkv__Reply *rep = call(f, 0, ID_X, &req);
-                assert_int_equal(rep->status, SKV_OK);
-                snapkv__reply__free_unpacked(rep, NULL);
-            } else {
-                assert_int_equal(append(f, sid, 4, NULL), SKV_OK);
-            }
+            assert_int_equal(upkeep_step(f, sid, decode), SKV_OK); /* the retry: the twin's rows */
             p0 = inspect_positions(f, twin, &n0);
             p1 = inspect_positions(f, sid, &n1);
             if (n1 != n0 || memcmp(p1, p0, n0 * sizeof *p0) != 0)
@@ -1754,16 +1750,8 @@ static void test_upkeep_cut_fails(void **state)
     size_t n0, n1, n2;
     free(inspect_positions(f, sid, &n0));
     assert_int_equal(n0, (size_t)mc->n_layers * mc->n_kv_heads * 16);
-    Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
-    sm.max_tokens = 1;
-    Snapkv__DecodeRequest d = SNAPKV__DECODE_REQUEST__INIT;
-    d.session_id = (ProtobufCBinaryData){16, sid};
-    d.sampling = &sm;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
-    req.decode = &d;
     atomic_store(&g_fail_colsum, 1);
-    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    Snapkv__Reply *rep = decode_call(f, sid, 1);
     atomic_store(&g_fail_colsum, 0);
     assert_int_equal(rep->status, SKV_OK);
     assert_int_equal(rep->decode->n_tokens, 1);
@@ -1772,9 +1760,7 @@ static void test_upkeep_cut_fails(void **state)
     assert_int_equal(n1, (size_t)mc->n_layers * mc->n_kv_heads * 17);
     assert_int_equal(stat(f, "snapkv_upkeep_cuts_failed_total"), mc->n_layers);
     assert_int_equal(listed(f, sid, NULL, NULL), 17);
-    rep = call(f, 0, ID_X, &req);
-    assert_int_equal(rep->status, SKV_OK);
-    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(upkeep_step(f, sid, true), SKV_OK);
     free(inspect_positions(f, sid, &n2));
     assert_int_equal(n2, (size_t)mc->n_layers * mc->n_kv_heads * 12);
     assert_int_equal(stat(f, "snapkv_upkeep_cuts_failed_total"), mc->n_layers);
