@@ -2754,8 +2754,18 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
         skv_session_foreach(w->sessions, evict_visit, &e);
         skv_prefix_cache_clear(&w->prefix, q->all_unpinned ? NULL : q->tenant); /* counted in bytes_freed */
-        if (w->store && store_evict(w, q->all_unpinned ? NULL : q->tenant, NULL, &stored))
-            skv_log(SKV_LOG_WARN, "evict: %s", skv_error_msg());
+        int rc = w->store ? store_evict(w, q->all_unpinned ? NULL : q->tenant, NULL, &stored) : SKV_OK;
+        if (rc) { /* what went is gone: the admin learns that too, and what is left */
+            char why[512];
+            snprintf(why, sizeof why, "%s", skv_error_msg());
+            skv_session_stats(w->sessions, &after);
+            skv_log(SKV_LOG_WARN, "evict: %s", why);
+            char msg[700];
+            snprintf(msg, sizeof msg, "%u session(s) evicted here (%llu bytes freed); %s", e.count + stored,
+                     (unsigned long long)(before.bytes_used - after.bytes_used), why);
+            skv_requests_fail(w, job, rc, msg);
+            return;
+        }
     } else {
         skv_requests_fail(w, job, SKV_E_INVAL, "EVICT needs a session id, a tenant or all_unpinned");
         return;
@@ -3762,19 +3772,25 @@ static void spilled_note(struct skv_worker *w, char what, const uint8_t *id);
 
 #define SPILL_RECORDS_MAX (1 << 16) /* spills this daemon keeps count of (5 MB; a scan is one pass) */
 
+/* The spill records past their time dropped (the store's copies expired with them). */
+static void spill_prune(struct skv_worker *w)
+{
+    uint64_t now = skv_now_ms();
+    for (size_t i = 0; i < w->n_spills;)
+        if (w->spills[i].expires_ms <= now)
+            w->spills[i] = w->spills[--w->n_spills];
+        else
+            i++;
+}
+
 /* The spill records past their time dropped; the bytes `tenant`'s records hold. */
 static uint64_t spill_tenant_bytes(struct skv_worker *w, const char *tenant)
 {
-    uint64_t now = skv_now_ms(), bytes = 0;
-    for (size_t i = 0; i < w->n_spills;) {
-        if (w->spills[i].expires_ms <= now) {
-            w->spills[i] = w->spills[--w->n_spills];
-            continue;
-        }
+    spill_prune(w);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < w->n_spills; i++)
         if (strcmp(w->spills[i].tenant, tenant) == 0)
             bytes += w->spills[i].bytes;
-        i++;
-    }
     return bytes;
 }
 
@@ -4002,10 +4018,13 @@ static int store_release(struct skv_worker *w, const char *tenant, const uint8_t
 }
 
 /* EVICT of what this daemon spilled and the store still holds (its spill records): session id
- * (NULL: every one) of tenant (NULL: any), deleted from the store; *count: how many. One that
- * is not there any more (taken back by another host, its time passed) is forgotten and not
- * counted. A delete that fails stops there (the store is down, or refuses): the records left
- * are kept (the store's time bounds them), and the status says how many. */
+ * (NULL: every one) of tenant (NULL: any), deleted from the store, EVICT_BATCH keys a command
+ * (65536 records: 128 round trips); *count: how many the store had. A record past its time is
+ * dropped without a command; one whose session is no longer there (taken back by another host)
+ * is forgotten, not counted. A DEL that fails stops there (the store is down, or refuses): the
+ * records left are kept (the store's time bounds them), and the status says how many. */
+#define EVICT_BATCH 512
+
 static bool spill_matches(const struct skv_spill_rec *r, const char *tenant, const uint8_t *id)
 {
     return (!tenant || strcmp(r->tenant, tenant) == 0) && (!id || memcmp(r->id, id, SKV_SESSION_ID_BYTES) == 0);
@@ -4014,26 +4033,39 @@ static bool spill_matches(const struct skv_spill_rec *r, const char *tenant, con
 static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count)
 {
     *count = 0;
-    for (size_t i = 0; i < w->n_spills;) {
-        const struct skv_spill_rec *r = &w->spills[i];
-        if (!spill_matches(r, tenant, id)) {
-            i++;
-            continue;
+    spill_prune(w);
+    size_t first = w->n_spills; /* the matching records moved to the end: [first, n_spills) */
+    for (size_t i = w->n_spills; i-- > 0;)
+        if (spill_matches(&w->spills[i], tenant, id)) {
+            struct skv_spill_rec t = w->spills[--first];
+            w->spills[first] = w->spills[i];
+            w->spills[i] = t;
         }
-        char key[STORE_KEY_MAX];
-        store_key(w, r->tenant, r->id, false, key, sizeof key);
-        int rc = skv_store_delete(w->store, key);
-        if (rc && rc != SKV_E_NOT_FOUND) {
-            char why[256];
-            snprintf(why, sizeof why, "%s", skv_error_msg());
-            size_t left = 0;
-            for (size_t j = i; j < w->n_spills; j++)
-                left += spill_matches(&w->spills[j], tenant, id);
-            return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s", left,
-                              *count, why);
+    if (first == w->n_spills)
+        return SKV_OK;
+    char *buf = malloc((size_t)EVICT_BATCH * STORE_KEY_MAX);
+    const char **keys = malloc(EVICT_BATCH * sizeof *keys);
+    int rc = buf && keys ? SKV_OK : SKV_E_NOMEM;
+    while (!rc && w->n_spills > first) {
+        size_t n = w->n_spills - first < EVICT_BATCH ? w->n_spills - first : EVICT_BATCH;
+        for (size_t j = 0; j < n; j++) {
+            const struct skv_spill_rec *r = &w->spills[w->n_spills - 1 - j];
+            keys[j] = buf + j * STORE_KEY_MAX;
+            store_key(w, r->tenant, r->id, false, buf + j * STORE_KEY_MAX, STORE_KEY_MAX);
         }
-        *count += rc == SKV_OK;
-        w->spills[i] = w->spills[--w->n_spills]; /* (gone from the store either way) */
+        int deleted = 0;
+        if ((rc = skv_store_delete_many(w->store, keys, (int)n, &deleted)))
+            break;
+        *count += (uint32_t)deleted;
+        w->n_spills -= n; /* (gone from the store either way) */
+    }
+    free(buf);
+    free(keys);
+    if (rc) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", rc == SKV_E_NOMEM ? "no memory" : skv_error_msg());
+        return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s",
+                          w->n_spills - first, *count, why);
     }
     return SKV_OK;
 }

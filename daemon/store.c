@@ -1045,6 +1045,36 @@ int skv_store_exists(struct skv_store *st, const char *key)
     return k.reply.integer > 0 ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
 }
 
+int skv_store_delete_many(struct skv_store *st, const char *const *keys, int n, int *deleted)
+{
+    *deleted = 0;
+    if (n <= 0)
+        return SKV_OK;
+    const char **argv = malloc((size_t)(n + 1) * sizeof *argv);
+    size_t *lens = malloc((size_t)(n + 1) * sizeof *lens);
+    if (!argv || !lens) {
+        free(argv);
+        free(lens);
+        return SKV_E_NOMEM;
+    }
+    argv[0] = "DEL";
+    lens[0] = 3;
+    for (int i = 0; i < n; i++) {
+        argv[i + 1] = keys[i];
+        lens[i + 1] = strlen(keys[i]);
+    }
+    struct store_call k = {.argc = n + 1, .argv = argv, .lens = lens, .vi = -1, .want = ':'};
+    int rc = store_command(st, &k);
+    free(argv);
+    free(lens);
+    if (rc) {
+        st->stats.load_failures++;
+        return SKV_E_IO;
+    }
+    *deleted = k.reply.integer > 0 ? (int)k.reply.integer : 0;
+    return SKV_OK;
+}
+
 int skv_store_delete(struct skv_store *st, const char *key)
 {
     const char *argv[] = {"DEL", key};

@@ -70,6 +70,9 @@ int skv_store_exists(struct skv_store *st, const char *key);
 /* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above (counted as a
  * load failure). */
 int skv_store_delete(struct skv_store *st, const char *key);
+/* DEL of n keys in one command: *deleted how many the store had; SKV_E_IO as above (counted as
+ * a load failure), SKV_E_NOMEM. */
+int skv_store_delete_many(struct skv_store *st, const char *const *keys, int n, int *deleted);
 /* A spill that failed before it reached the store (counted with those the store refused). */
 void skv_store_count_spill_failure(struct skv_store *st);
 

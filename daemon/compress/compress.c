@@ -231,7 +231,8 @@ int skv_compressor_clone(const struct skv_compressor *src, struct skv_compressor
  * wrote them; the model fingerprint already ties them to one model). SnapKV re-scoring
  * (decode_budget) with tokens observed since its last compression adds its observation: int32
  * obs_start, obs_end, n_obs, then float [L][n_obs][n_heads * head_dim], the queries of
- * positions obs_end - n_obs .. obs_end - 1 (n_obs = min(ring, obs_end - obs_start)). */
+ * positions obs_end - n_obs .. obs_end - 1 (n_obs = min(ring, obs_end - obs_start), or fewer
+ * when a forward that failed had written over the older ones). */
 #define STATE_HEAD 4
 #define STATE_OBS_HEAD 3
 
@@ -247,14 +248,35 @@ static size_t state_obs_bytes(const struct skv_compressor *c, int n_obs)
     return STATE_OBS_HEAD * 4 + (size_t)c->n_layers * n_obs * c->n_heads * c->head_dim * sizeof(float);
 }
 
+/* The observation as of the cache's n_past (*end, and *from: the oldest position whose query
+ * the ring holds for sure). A forward that failed once it had observed [n_past, obs_end): the
+ * observation goes on from n_past as if it never ran (a retry sees the twin's window and
+ * interval count), but its queries overwrote the ring's slots of the positions obs_cap before
+ * them, so *from moves past those. false when it cannot go on: tokens went through the model
+ * without this compressor, and left no queries here. */
+static bool obs_as_of(const struct skv_compressor *c, int32_t n_past, int32_t *end, int32_t *from)
+{
+    *end = c->obs_end;
+    *from = c->obs_from;
+    if (c->obs_end == n_past)
+        return true;
+    if (c->obs_end < n_past || c->obs_start > n_past || c->obs_cap <= 0)
+        return false;
+    int32_t lost_to = c->obs_end - c->obs_cap;
+    if (lost_to > *from)
+        *from = lost_to < n_past ? lost_to : n_past;
+    *end = n_past;
+    return true;
+}
+
 /* Queries the saved observation holds: none before the first decoded token, or when the
- * observation does not end at the cache's end n_past (restored as "start again"); those from
- * obs_from on, when a forward that failed wrote over older ones. */
+ * observation cannot go on at n_past (restored as "start again"); those from obs_from on. */
 static int state_n_obs(const struct skv_compressor *c, int n_past)
 {
-    if (!rescores_decode(&c->spec) || !c->obs_q || c->obs_end <= c->obs_from || c->obs_end != n_past)
+    int32_t end, from;
+    if (!rescores_decode(&c->spec) || !c->obs_q || !obs_as_of(c, n_past, &end, &from) || end <= from)
         return 0;
-    int32_t seen = c->obs_end - c->obs_from;
+    int32_t seen = end - from;
     return seen < c->obs_cap ? (int)seen : c->obs_cap;
 }
 
@@ -288,14 +310,13 @@ int skv_compressor_state_write(struct skv_compressor *c, int n_past, void *buf)
     int n_obs = state_n_obs(c, n_past);
     if (!n_obs)
         return SKV_OK;
-    /* (a window cut short by a failed forward is saved as starting at obs_from) */
-    int32_t from = c->obs_end - c->obs_from >= c->obs_cap ? c->obs_start : c->obs_from;
-    int32_t obs[STATE_OBS_HEAD] = {from, c->obs_end, n_obs};
+    /* (n_obs below min(ring, n_past - obs_start): a failed forward wrote over older queries) */
+    int32_t obs[STATE_OBS_HEAD] = {c->obs_start, n_past, n_obs};
     memcpy(p, obs, sizeof obs);
     p += sizeof obs;
     size_t bytes = (size_t)n_obs * c->n_heads * c->head_dim * sizeof(float);
     for (int l = 0; l < c->n_layers; l++, p += bytes) {
-        int rc = obs_copy(c, l, c->obs_win, c->obs_end - n_obs, c->obs_end, false);
+        int rc = obs_copy(c, l, c->obs_win, n_past - n_obs, n_past, false);
         if (rc || (rc = c->be->ops->download(c->be, p, c->obs_win, bytes)))
             return rc;
     }
@@ -314,7 +335,7 @@ static int state_read_obs(struct skv_compressor *c, const char *p, size_t len, i
     int cap = ring_rows(&c->spec);
     int32_t start = obs[0], end = obs[1], n_obs = obs[2];
     int64_t seen = (int64_t)end - start;
-    if (end != n_past || start < 0 || seen < 1 || n_obs != (seen < cap ? seen : cap))
+    if (end != n_past || start < 0 || seen < 1 || n_obs < 1 || n_obs > (seen < cap ? seen : cap))
         return skv_errorf(SKV_E_FORMAT, "compressor state: implausible observation window");
     if (len != state_obs_bytes(c, n_obs))
         return skv_errorf(SKV_E_FORMAT, "compressor state: observation of %zu bytes, expected %zu", len,
@@ -336,7 +357,8 @@ static int state_read_obs(struct skv_compressor *c, const char *p, size_t len, i
     }
     if (rc)
         return rc;
-    c->obs_start = c->obs_from = start;
+    c->obs_start = start;
+    c->obs_from = end - n_obs; /* (past start: what the ring held when it was saved) */
     c->obs_end = end;
     return SKV_OK;
 }
@@ -612,18 +634,14 @@ int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *c
     c->score_from = 0;
     c->batch = 1;
     c->total_len = cache->n_past + 1;
-    /* a forward that failed after observing [n_past, obs_end): the observation goes on from
-     * n_past as if it never ran (the retry sees the same window and interval count), but its
-     * queries overwrote the ring's slots of the positions obs_cap before them; tokens that went
-     * through the model without this compressor left no queries here: the observation (and the
-     * interval count) starts again at this forward */
-    int32_t n_past = cache->n_past;
-    if (c->obs_end > n_past && c->obs_start <= n_past && c->obs_cap > 0) {
-        int32_t lost_to = c->obs_end - c->obs_cap;
-        c->obs_from = lost_to > c->obs_from ? (lost_to < n_past ? lost_to : n_past) : c->obs_from;
-        c->obs_end = n_past;
-    } else if (c->obs_end != n_past) {
-        c->obs_start = c->obs_end = c->obs_from = n_past;
+    /* after a failed forward the observation goes on (obs_as_of); after tokens that went
+     * through the model without this compressor it (and the interval count) starts again here */
+    int32_t end, from;
+    if (obs_as_of(c, cache->n_past, &end, &from)) {
+        c->obs_end = end;
+        c->obs_from = from;
+    } else {
+        c->obs_start = c->obs_end = c->obs_from = cache->n_past;
     }
     /* h2o / streaming / window keep each layer at its prefill budget (or decode_budget);
      * snapkv keeps all until a decode_budget re-scores it every `interval` tokens */
@@ -1042,9 +1060,9 @@ static int snapkv_decode_hook(struct skv_compressor *c, const struct skv_layer_v
         return rc;
     int32_t first = end - c->obs_cap > start ? end - c->obs_cap : start;
     size_t row = (size_t)c->n_heads * c->head_dim;
+    c->obs_end = end; /* first: a copy that fails part way has written over slots too (obs_as_of) */
     if ((rc = obs_copy(c, l, (float *)v->q + (size_t)(first - start) * row, first, end, true)))
         return rc;
-    c->obs_end = end;
     int32_t before = start - c->obs_start, seen = end - c->obs_start;
     if (before / s->interval == seen / s->interval)
         return SKV_OK; /* no re-scoring in this forward */

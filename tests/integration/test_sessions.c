@@ -6060,7 +6060,8 @@ static void test_store_tenant_cap(void **state)
 /* EVICT reaches the sessions this daemon spilled to the store: by id (any tenant), by tenant
  * (another tenant's stay) and --all; each is deleted from the store and counted in `evicted`,
  * and an id gone from both is SNAPKV_E_NOT_FOUND (before, spilled sessions stayed in the store
- * until their time passed or a client took them back, whatever an admin evicted). */
+ * until their time passed or a client took them back, whatever an admin evicted). With the
+ * store gone, the EVICT of a tenant fails and its message says what went and what is left. */
 static void test_store_evict(void **state)
 {
     NEED_MODEL();
@@ -6104,6 +6105,24 @@ static void test_store_evict(void **state)
     assert_int_equal(snapkv_admin_evict(adm, NULL, NULL, true, &evicted, NULL), SNAPKV_OK);
     assert_int_equal(evicted, 1);
     assert_false(store_has(sock, kz));
+    /* the store gone: the EVICT of the tenant fails, and says what went and what is left there */
+    struct snapkv_prefill_result v;
+    prefill_leased(cp, 84, &v);
+    wait_spilled(sock, &v.id, kx, sizeof kx);
+    uint32_t ids[8];
+    prompt(ids, 8, 85);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = 8};
+    struct snapkv_prefill_result u; /* one held here */
+    assert_int_equal(snapkv_prefill(cp, &po, &u), SNAPKV_OK);
+    kill(g_redis, SIGKILL);
+    waitpid(g_redis, NULL, 0);
+    g_redis = 0;
+    assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_E_IO);
+    if (!strstr(snapkv_last_error(), "1 session(s) evicted here") ||
+        !strstr(snapkv_last_error(), "1 session(s) this daemon spilled are still in the store (0 deleted)"))
+        fail_msg("EVICT with the store gone: %s", snapkv_last_error());
+    struct snapkv_inspect_result ir; /* (the one held here went) */
+    assert_int_equal(snapkv_admin_inspect(adm, &u.id, false, &ir), SNAPKV_E_NOT_FOUND);
     snapkv_close(&cp);
     snapkv_close(&cq);
     snapkv_close(&adm);
@@ -6111,7 +6130,11 @@ static void test_store_evict(void **state)
     snapkv_prefill_result_free(&x);
     snapkv_prefill_result_free(&y);
     snapkv_prefill_result_free(&z);
-    redis_done(dir);
+    snapkv_prefill_result_free(&v);
+    snapkv_prefill_result_free(&u);
+    char cmd[100];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
 }
 
 /* A full-cache session of 64 tokens of c's tenant, spilled from c's daemon (an 8M pool, which

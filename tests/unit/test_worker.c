@@ -1566,8 +1566,9 @@ static void submit_decode(struct fixture *f, const uint8_t *id, const char *tena
                           uint32_t max_tokens, bool stream);
 static Snapkv__Reply *decode_final(struct fixture *f, const uint8_t *id, uint32_t *toks, int *n, int cap);
 
-/* A collected DECODE of max_tokens in session sid (client ID_X): its reply. */
-static Snapkv__Reply *decode_call(struct fixture *f, const uint8_t sid[16], uint32_t max_tokens)
+/* A collected DECODE of max_tokens in session sid of tenant (NULL: the default; client ID_X):
+ * its reply. */
+static Snapkv__Reply *decode_call(struct fixture *f, const char *tenant, const uint8_t sid[16], uint32_t max_tokens)
 {
     Snapkv__Sampling sm = SNAPKV__SAMPLING__INIT;
     sm.max_tokens = max_tokens;
@@ -1577,6 +1578,7 @@ static Snapkv__Reply *decode_call(struct fixture *f, const uint8_t sid[16], uint
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
     req.decode = &d;
+    req.tenant = (char *)tenant;
     return call(f, 0, ID_X, &req);
 }
 
@@ -1585,7 +1587,7 @@ static int upkeep_step(struct fixture *f, const uint8_t sid[16], bool decode)
 {
     if (!decode)
         return append(f, sid, 4, NULL);
-    Snapkv__Reply *rep = decode_call(f, sid, 1);
+    Snapkv__Reply *rep = decode_call(f, NULL, sid, 1);
     int rc = rep->status;
     snapkv__reply__free_unpacked(rep, NULL);
     return rc;
@@ -1751,7 +1753,7 @@ static void test_upkeep_cut_fails(void **state)
     free(inspect_positions(f, sid, &n0));
     assert_int_equal(n0, (size_t)mc->n_layers * mc->n_kv_heads * 16);
     atomic_store(&g_fail_colsum, 1);
-    Snapkv__Reply *rep = decode_call(f, sid, 1);
+    Snapkv__Reply *rep = decode_call(f, NULL, sid, 1);
     atomic_store(&g_fail_colsum, 0);
     assert_int_equal(rep->status, SKV_OK);
     assert_int_equal(rep->decode->n_tokens, 1);
@@ -4304,6 +4306,53 @@ static void test_load_legacy_fingerprint(void **state)
 /* A saved spec with a key its policy does not read (a daemon before that check took
  * `policy=h2o,kernel=9` and wrote it into SAVE files and checkpoints) still loads, under that
  * spec; a client's spec with it is refused. */
+/* One DECODE token in session sid of tenant "t"; its status. */
+static int decode_t(struct fixture *f, const uint8_t sid[16])
+{
+    Snapkv__Reply *rep = decode_call(f, "t", sid, 1);
+    int rc = rep->status;
+    snapkv__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+/* A SnapKV session re-scoring while decoding (decode_budget, every second token) SAVEd right
+ * after a DECODE step failed, then LOADed: its next steps keep the rows of a twin that neither
+ * failed nor was saved (before, the save held no observation, since the failed step's was only
+ * rolled back by the next step, and the loaded session re-scored on another schedule). */
+static void test_saved_after_failed_step(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-obs-XXXXXX", cmd[300];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    restart(f);
+    const char *spec = "policy=snapkv,budget=16,window=4,decode_budget=16,interval=2";
+    uint8_t a[16], twin[16], b[16];
+    prefill_for(f, "t", 16, spec, a);
+    prefill_for(f, "t", 16, spec, twin);
+    assert_int_equal(decode_t(f, a), SKV_OK);
+    long c0 = atomic_load(&g_rmsnorm_calls);
+    assert_int_equal(decode_t(f, twin), SKV_OK);
+    long per_forward = atomic_load(&g_rmsnorm_calls) - c0;
+    atomic_store(&g_fail_rmsnorm_at, atomic_load(&g_rmsnorm_calls) + per_forward); /* the final norm */
+    assert_int_equal(decode_t(f, a), SKV_E_DEVICE);
+    atomic_store(&g_fail_rmsnorm_at, 0);
+    assert_int_equal(save_as(f, a, "obs"), SKV_OK);
+    assert_int_equal(load_as(f, "obs", b), SKV_OK);
+    for (int step = 0; step < 4; step++) {
+        assert_int_equal(decode_t(f, twin), SKV_OK);
+        assert_int_equal(decode_t(f, b), SKV_OK);
+        size_t n0, n1;
+        uint32_t *p0 = inspect_positions(f, twin, &n0), *p1 = inspect_positions(f, b, &n1);
+        if (n1 != n0 || memcmp(p1, p0, n0 * sizeof *p0) != 0)
+            fail_msg("step %d after the LOAD: %zu positions, the twin's %zu, or other ones", step, n1, n0);
+        free(p0);
+        free(p1);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 static void test_load_saved_spec(void **state)
 {
     struct fixture *f = *state;
@@ -6611,6 +6660,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_compress_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_saved_spec, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_saved_after_failed_step, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_legacy_fingerprint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_spilled, setup, teardown_with_redis),
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
