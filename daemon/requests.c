@@ -2761,7 +2761,7 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
             skv_session_stats(w->sessions, &after);
             skv_log(SKV_LOG_WARN, "evict: %s", why);
             char msg[700];
-            snprintf(msg, sizeof msg, "%u session(s) evicted here (%llu bytes freed); %s", e.count + stored,
+            snprintf(msg, sizeof msg, "%u session(s) evicted here (%llu bytes freed); %s", e.count,
                      (unsigned long long)(before.bytes_used - after.bytes_used), why);
             skv_requests_fail(w, job, rc, msg);
             return;

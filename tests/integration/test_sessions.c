@@ -3839,10 +3839,11 @@ static void test_evicting_decode_matches(void **state)
     uint32_t ids[N_PROMPT], want[N_GEN];
     prompt(ids, N_PROMPT, 9);
     snapkv_client_t *c = client(d.endpoint, "tenant-a");
-    static const char *const specs[] = {"policy=streaming,budget=24,sinks=4", "policy=window,budget=20",
-                                        "policy=h2o,budget=24,window=8", "policy=h2o,budget=24,window=8,granularity=head",
-                                        "policy=snapkv,budget=24,window=8,decode_budget=20,interval=4",
-                                        "policy=snapkv,budget=24,window=8,decode_budget=20,interval=3,granularity=head"};
+    static const char *const specs[] = {
+        "policy=streaming,budget=24,sinks=4", "policy=window,budget=20", "policy=h2o,budget=24,window=8",
+        "policy=h2o,budget=24,window=8,granularity=head",
+        "policy=snapkv,budget=24,window=8,decode_budget=20,interval=4",
+        "policy=snapkv,budget=24,window=8,decode_budget=20,interval=3,granularity=head"};
     for (size_t k = 0; k < sizeof specs / sizeof specs[0]; k++) {
         struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = specs[k]};
         struct snapkv_prefill_result p;

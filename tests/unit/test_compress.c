@@ -1329,16 +1329,19 @@ static void test_state_round_trip_snapkv(void **state)
     assert_int_equal(obs[0], 40); /* observed from the first decoded token */
     assert_int_equal(obs[1], 45);
     assert_int_equal(obs[2], 4);
-    /* an observation that does not end at the cache's end (a forward failed after some layers
-     * saw it) is not saved: the window starts again */
-    assert_int_equal(skv_compressor_state_size(ca, a->n_past - 1), base);
+    /* an observation past the cache's end (a forward failed after its layers saw the token at
+     * n_past - 1) is saved as of the cache's end: the 3 queries the failed forward did not write
+     * over; one that starts past it is not saved (the window starts again) */
+    assert_int_equal(skv_compressor_state_size(ca, a->n_past - 1),
+                     base + 12 + (size_t)mc->n_layers * 3 * mc->n_heads * mc->head_dim * 4);
+    assert_int_equal(skv_compressor_state_size(ca, 39), base);
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &cb), SKV_OK);
-    /* refused: another n_obs, a window that does not end at the cache's end, a query that is
-     * not finite, a cut observation */
+    /* refused: an n_obs past the ring, a window that does not end at the cache's end, a query
+     * that is not finite, a cut observation */
     memcpy(bad, buf, len);
-    memcpy(bad + base + 8, &(int32_t){3}, 4);
+    memcpy(bad + base + 8, &(int32_t){5}, 4);
     assert_int_equal(skv_compressor_state_read(cb, bad, len, a->n_past), SKV_E_FORMAT);
     assert_non_null(strstr(skv_error_msg(), "implausible observation window"));
     assert_int_equal(skv_compressor_state_read(cb, buf, len, a->n_past + 1), SKV_E_FORMAT);

@@ -4303,9 +4303,6 @@ static void test_load_legacy_fingerprint(void **state)
     persist_off(f, pdir);
 }
 
-/* A saved spec with a key its policy does not read (a daemon before that check took
- * `policy=h2o,kernel=9` and wrote it into SAVE files and checkpoints) still loads, under that
- * spec; a client's spec with it is refused. */
 /* One DECODE token in session sid of tenant "t"; its status. */
 static int decode_t(struct fixture *f, const uint8_t sid[16])
 {
@@ -4353,6 +4350,9 @@ static void test_saved_after_failed_step(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* A saved spec with a key its policy does not read (a daemon before that check took
+ * `policy=h2o,kernel=9` and wrote it into SAVE files and checkpoints) still loads, under that
+ * spec; a client's spec with it is refused. */
 static void test_load_saved_spec(void **state)
 {
     struct fixture *f = *state;
