@@ -356,9 +356,13 @@ static void free_kept(struct kept_arena *a)
     free(a->per_head);
 }
 
+/* What a full cache of n_tokens holds in the pool: each layer's KV heads in whole blocks, as a
+ * session's bytes are counted (a 1-token prompt's full cache is its blocks, not 1/16 of them:
+ * its ratio 100%, not 1600%). */
 static uint64_t full_bytes(const struct skv_model *m, int n_tokens)
 {
-    return (uint64_t)n_tokens * m->cfg.n_layers * m->cfg.n_kv_heads * 2 * skv_kv_pool_row_bytes(m->kv_pool);
+    uint64_t rows = (uint64_t)skv_kv_pool_block_rows(m->kv_pool), blocks = ((uint64_t)n_tokens + rows - 1) / rows;
+    return blocks * m->cfg.n_layers * m->cfg.n_kv_heads * skv_kv_pool_block_bytes(m->kv_pool);
 }
 
 /* Progress of a long prefill: one non-final PREFILL reply per layer done. */

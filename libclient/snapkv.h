@@ -352,8 +352,8 @@ struct snapkv_prefill_opts {
 struct snapkv_prefill_result {
     struct snapkv_session_id id;
     uint32_t n_tokens;            /* prompt length */
-    uint64_t bytes_before;        /* KV bytes a full cache would hold */
-    uint64_t bytes_after;         /* KV bytes kept */
+    uint64_t bytes_before;        /* KV bytes a full cache would hold, in whole pool blocks */
+    uint64_t bytes_after;         /* KV bytes kept, in whole pool blocks */
     uint32_t next_token;          /* greedy next token */
     size_t n_layers;
     struct snapkv_layer_kept *layers;

@@ -4644,6 +4644,13 @@ static void test_kv_f16_persist(void **state)
     assert_int_equal(rep->prefill->bytes_after, rep->prefill->bytes_before);
     assert_int_equal(rep->prefill->kept[0]->bytes, (uint64_t)48 * mc->n_kv_heads * 2 * mc->head_dim * 2);
     snapkv__reply__free_unpacked(rep, NULL);
+    /* a prompt shorter than a block: a full cache's bytes are its blocks too (before, the rows
+     * alone: kept "1600%" of them) */
+    rep = prefill_reply(f, "t", 1, "policy=full", 0);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->prefill->bytes_before, (uint64_t)16 * mc->n_layers * mc->n_kv_heads * 2 * mc->head_dim * 2);
+    assert_int_equal(rep->prefill->bytes_after, rep->prefill->bytes_before);
+    snapkv__reply__free_unpacked(rep, NULL);
     prefill_for(f, "t", 40, "policy=full", a);
     assert_int_equal(listed(f, a, &bytes16, NULL), 40);
     assert_true(bytes16 > 0);
