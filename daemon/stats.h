@@ -13,7 +13,7 @@ struct skv_metrics {
     uint64_t prefix_reused_tokens, prefix_reuse_hits; /* prompt tokens PREFILLs took from other sessions */
     uint64_t scored_tokens;       /* tokens PREFILLs and APPENDs scored (prompt_logprobs) */
     double prefill_seconds, decode_seconds;
-    uint64_t bytes_before, bytes_after; /* over all compressed prefills */
+    uint64_t bytes_before, bytes_after; /* over all PREFILLs (whole pool blocks) */
     uint64_t ipc_closed_lru;      /* CUDA buffers closed to make room for another (SKV_IPC_* limits) */
     uint64_t ipc_closed_gone;     /* CUDA buffers closed because their client's connection closed */
     uint64_t decodes_cancelled_gone; /* running DECODEs ended because their client's connection closed */

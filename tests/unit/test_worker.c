@@ -4636,7 +4636,7 @@ static void test_kv_f16_persist(void **state)
     skv_worker_stop(&f->w);
     assert_int_equal(skv_model_set_kv_pool(f->tiny->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F16), SKV_OK);
     persist_on(f, dir, "0");
-    /* the reply's figures in f16 rows: 48 rows a head held (3 blocks), 40 of them a full cache's */
+    /* the reply's figures in f16 rows: 48 rows a head (3 blocks), before and after alike */
     Snapkv__Reply *rep = prefill_reply(f, "t", 48, "policy=full", 0);
     assert_int_equal(rep->status, SKV_OK);
     const struct skv_model_config *mc = &f->tiny->m->cfg;
