@@ -2414,12 +2414,12 @@ int skv_requests_decode_round(struct skv_worker *w, struct skv_decode **ds, int 
             release_prepared(ds[i]->session->cache);
     w->metrics.decode_seconds += now_s() - t0;
     w->metrics.decode_batches += nb > 0;
-    for (int i = 0; i < n; i++)
+    /* when the batch failed, a session whose token went in (another decode group) goes on */
+    for (int i = 0; i < n; i++) {
         if (!rcs[i])
             note_cut_failures(w, ds[i]->session);
-    /* when the batch failed, a session whose token went in (another decode group) goes on */
-    for (int i = 0; i < n; i++)
         finished[i] = decode_done(w, ds[i], rcs[i] ? rcs[i] : ds[i]->session->cache->n_past > before[i] ? SKV_OK : rc);
+    }
     return n;
 }
 

@@ -1077,13 +1077,8 @@ int skv_store_delete_many(struct skv_store *st, const char *const *keys, int n, 
 
 int skv_store_delete(struct skv_store *st, const char *key)
 {
-    const char *argv[] = {"DEL", key};
-    const size_t lens[] = {3, strlen(key)};
-    struct store_call k = {.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = ':'};
-    int rc = store_command(st, &k);
-    if (rc) {
-        st->stats.load_failures++; /* a RELEASE of a session not here */
-        return SKV_E_IO;
-    }
-    return k.reply.integer > 0 ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
+    int deleted, rc = skv_store_delete_many(st, &key, 1, &deleted); /* (a RELEASE of a session not here) */
+    if (rc)
+        return rc;
+    return deleted > 0 ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
 }

@@ -68,7 +68,7 @@ void skv_store_value_free(void *value);
 /* EXISTS key: SKV_OK when the store holds it, SKV_E_NOT_FOUND when not; SKV_E_IO as above. */
 int skv_store_exists(struct skv_store *st, const char *key);
 /* DEL key: SKV_OK when there was one, SKV_E_NOT_FOUND when not; SKV_E_IO as above (counted as a
- * load failure). */
+ * load failure), SKV_E_NOMEM (skv_store_delete_many of one key). */
 int skv_store_delete(struct skv_store *st, const char *key);
 /* DEL of n keys in one command: *deleted how many the store had; SKV_E_IO as above (counted as
  * a load failure), SKV_E_NOMEM. */
