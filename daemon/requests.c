@@ -2780,7 +2780,7 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
     skv_session_stats(w->sessions, &after);
     er.evicted = e.count + stored;
     if (stored)
-        skv_log(SKV_LOG_INFO, "evict: %u session(s) this daemon had spilled deleted from the store", stored);
+        skv_log(SKV_LOG_INFO, "evict: %u session(s) deleted from the store", stored);
     er.bytes_freed = before.bytes_used - after.bytes_used;
     rep.result_case = SNAPKV__REPLY__RESULT_EVICT;
     rep.evict = &er;
@@ -4021,12 +4021,15 @@ static int store_release(struct skv_worker *w, const char *tenant, const uint8_t
     return SKV_OK;
 }
 
-/* EVICT of what this daemon spilled and the store still holds (its spill records): session id
- * (NULL: every one) of tenant (NULL: any), deleted from the store, EVICT_BATCH keys a command
- * (65536 records: 128 round trips); *count: how many the store had. A record past its time is
- * dropped without a command; one whose session is no longer there (taken back by another host)
- * is forgotten, not counted. A DEL that fails stops there (the store is down, or refuses): the
- * records left are kept (the store's time bounds them), and the status says how many. */
+/* EVICT in the store. Of a tenant or a session: every key of it the store holds under this
+ * model (either fingerprint), found by SCAN, whoever spilled it (another daemon sharing the store,
+ * this one before a restart, a stop's drain), and deleted EVICT_BATCH keys a command; a tenant's
+ * pinned sessions stay there (their store_meta says so, read with a GETRANGE each) as its pinned
+ * sessions here stay. Of every tenant (--all-unpinned): what this daemon spilled and the store
+ * still holds, by its spill records (a record past its time dropped without a command). *count:
+ * how many the store had. A command that fails stops there (the store is down, or refuses), and
+ * the status says how many went. The spill records of what went are dropped; of a walk that
+ * failed, kept (the store's time bounds them). */
 #define EVICT_BATCH 512
 
 static bool spill_matches(const struct skv_spill_rec *r, const char *tenant, const uint8_t *id)
@@ -4034,43 +4037,99 @@ static bool spill_matches(const struct skv_spill_rec *r, const char *tenant, con
     return (!tenant || strcmp(r->tenant, tenant) == 0) && (!id || memcmp(r->id, id, SKV_SESSION_ID_BYTES) == 0);
 }
 
+/* the keys batch[0 .. *n) deleted; *n back to 0 */
+static int evict_batch(struct skv_worker *w, const char **batch, int *n, uint32_t *count)
+{
+    int deleted = 0, rc = skv_store_delete_many(w->store, batch, *n, &deleted);
+    *count += (uint32_t)deleted;
+    *n = 0;
+    return rc;
+}
+
+/* --all-unpinned: by the spill records */
+static int store_evict_records(struct skv_worker *w, uint32_t *count, char *buf, const char **keys)
+{
+    spill_prune(w);
+    int rc = SKV_OK;
+    while (!rc && w->n_spills > 0) {
+        int n = w->n_spills < EVICT_BATCH ? (int)w->n_spills : EVICT_BATCH;
+        for (int j = 0; j < n; j++) {
+            const struct skv_spill_rec *r = &w->spills[w->n_spills - 1 - (size_t)j];
+            keys[j] = buf + (size_t)j * STORE_KEY_MAX;
+            store_key(w, r->tenant, r->id, false, buf + (size_t)j * STORE_KEY_MAX, STORE_KEY_MAX);
+        }
+        int sent = n;
+        if ((rc = evict_batch(w, keys, &n, count)))
+            break;
+        w->n_spills -= (size_t)sent; /* (gone from the store either way) */
+    }
+    return rc ? skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s",
+                           w->n_spills, *count, rc == SKV_E_NOMEM ? "no memory" : skv_error_msg())
+              : SKV_OK;
+}
+
 static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count)
 {
     *count = 0;
-    spill_prune(w);
-    size_t first = w->n_spills; /* the matching records moved to the end: [first, n_spills) */
-    for (size_t i = w->n_spills; i-- > 0;)
-        if (spill_matches(&w->spills[i], tenant, id)) {
-            struct skv_spill_rec t = w->spills[--first];
-            w->spills[first] = w->spills[i];
-            w->spills[i] = t;
-        }
-    if (first == w->n_spills)
-        return SKV_OK;
     char *buf = malloc((size_t)EVICT_BATCH * STORE_KEY_MAX);
-    const char **keys = malloc(EVICT_BATCH * sizeof *keys);
-    int rc = buf && keys ? SKV_OK : SKV_E_NOMEM;
-    while (!rc && w->n_spills > first) {
-        size_t n = w->n_spills - first < EVICT_BATCH ? w->n_spills - first : EVICT_BATCH;
-        for (size_t j = 0; j < n; j++) {
-            const struct skv_spill_rec *r = &w->spills[w->n_spills - 1 - j];
-            keys[j] = buf + j * STORE_KEY_MAX;
-            store_key(w, r->tenant, r->id, false, buf + j * STORE_KEY_MAX, STORE_KEY_MAX);
-        }
-        int deleted = 0;
-        if ((rc = skv_store_delete_many(w->store, keys, (int)n, &deleted)))
-            break;
-        *count += (uint32_t)deleted;
-        w->n_spills -= n; /* (gone from the store either way) */
+    const char **batch = malloc(EVICT_BATCH * sizeof *batch);
+    int rc = buf && batch ? SKV_OK : skv_errorf(SKV_E_NOMEM, "no memory");
+    if (!rc && !tenant && !id) {
+        rc = store_evict_records(w, count, buf, batch);
+        free(buf);
+        free(batch);
+        return rc;
     }
+    char hex[2 * SKV_SESSION_ID_BYTES + 1];
+    if (id)
+        skv_session_id_hex(id, hex);
+    int n = 0;
+    for (int legacy = 0; legacy < 2 && !rc; legacy++) {
+        const char *fp = legacy ? w->m->legacy_fingerprint : w->m->fingerprint;
+        if (legacy && strcmp(fp, w->m->fingerprint) == 0)
+            break;
+        char match[STORE_KEY_MAX];
+        snprintf(match, sizeof match, "snapkv:%s:%s:%s", fp, id ? "*" : tenant, id ? hex : "*");
+        uint64_t cursor = 0;
+        do {
+            char *keys = NULL;
+            int m = 0;
+            if ((rc = skv_store_scan(w->store, &cursor, match, &keys, &m)))
+                break;
+            const char *k = keys;
+            for (int i = 0; i < m && !rc; k += strlen(k) + 1, i++) {
+                unsigned char tail[sizeof(struct store_meta) + STORE_MAC_BYTES];
+                size_t got = 0;
+                struct store_meta meta;
+                if (strlen(k) >= STORE_KEY_MAX)
+                    continue; /* not one of ours */
+                if (!id && ((rc = skv_store_tail(w->store, k, tail, sizeof tail, &got)) ||
+                            (store_meta_read(tail, got, &meta) && meta.pinned)))
+                    continue;
+                batch[n] = buf + (size_t)n * STORE_KEY_MAX;
+                snprintf(buf + (size_t)n++ * STORE_KEY_MAX, STORE_KEY_MAX, "%s", k);
+                if (n == EVICT_BATCH)
+                    rc = evict_batch(w, batch, &n, count);
+            }
+            skv_store_value_free(keys);
+        } while (!rc && cursor);
+    }
+    if (!rc && n)
+        rc = evict_batch(w, batch, &n, count);
     free(buf);
-    free(keys);
+    free(batch);
     if (rc) {
         char why[256];
         snprintf(why, sizeof why, "%s", rc == SKV_E_NOMEM ? "no memory" : skv_error_msg());
-        return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s",
-                          w->n_spills - first, *count, why);
+        return skv_errorf(rc, "%u session(s) deleted from the store; the rest of %s%s%s there could not be reached: "
+                          "%s", *count, id ? "session " : "tenant ", id ? hex : tenant, id ? "" : "'s sessions",
+                          why);
     }
+    for (size_t i = 0; i < w->n_spills;)
+        if (spill_matches(&w->spills[i], tenant, id))
+            w->spills[i] = w->spills[--w->n_spills];
+        else
+            i++;
     return SKV_OK;
 }
 

@@ -362,12 +362,13 @@ static int stream_command(struct skv_store *st, int argc, const char **argv, con
 
 /* A reply as read_reply reads it. */
 struct store_reply {
-    char type;        /* '+' status, '-' error (line), ':' integer, '$' string (data, n; nil) */
+    char type;        /* '+' status, '-' error (line), ':' integer, '$' string (data, n; nil), '*' SCAN's */
     char line[512];   /* a status's or an error's text, cut there */
     long long integer;
     void *data;       /* malloc'ed */
-    size_t n;
+    size_t n;         /* (a SCAN's: how many keys) */
     bool nil;
+    uint64_t cursor;  /* a SCAN's next cursor */
     int rc;           /* read_reply's -1: the status (its message set) */
 };
 
@@ -799,9 +800,10 @@ static int recv_all(struct skv_store *st, void *p, size_t n)
  * Any other reply (an array, a string where none is due) is not read on: nothing grows without
  * bound on what a store sends. 0, an errno (the socket failed; EAGAIN: the deadline passed), or
  * -1 with r->rc (not such a reply, a value too large, no memory: the connection must go). */
-static int read_reply(struct skv_store *st, const char *command, bool string_ok, struct store_reply *r)
+/* One line of a reply into line (cap bytes: cut there, an error message's rest skipped), its
+ * \r\n gone: 0, an errno, or -1 with r->rc (a line longer than STORE_LINE_MAX). */
+static int read_line(struct skv_store *st, const char *command, char *line, size_t cap, struct store_reply *r)
 {
-    char *line = r->line; /* the line, cut there (an error message's rest is skipped) */
     size_t k = 0;
     for (size_t total = 0;; total++) {
         char c;
@@ -814,10 +816,19 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
             r->rc = skv_errorf(SKV_E_IO, "%s: a reply line longer than %d bytes", command, STORE_LINE_MAX);
             return -1;
         }
-        if (k < sizeof r->line - 1)
+        if (k < cap - 1)
             line[k++] = c;
     }
     line[k && line[k - 1] == '\r' ? k - 1 : k] = '\0';
+    return 0;
+}
+
+static int read_reply(struct skv_store *st, const char *command, bool string_ok, struct store_reply *r)
+{
+    char *line = r->line;
+    int err = read_line(st, command, line, sizeof r->line, r);
+    if (err)
+        return err;
     r->type = line[0];
     if (r->type == '+' || r->type == '-') {
         memmove(line, line + 1, strlen(line));
@@ -853,7 +864,7 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
     r->n = (size_t)n;
     st->deadline_ms += value_ms(st, (uint64_t)n);
     char crlf[2];
-    int err = recv_all(st, r->data, r->n);
+    err = recv_all(st, r->data, r->n);
     if (!err)
         err = recv_all(st, crlf, 2);
     if (!err && memcmp(crlf, "\r\n", 2) != 0) {
@@ -867,8 +878,105 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
     return err;
 }
 
+#define SCAN_KEYS_MAX 20000 /* a SCAN page with more keys is not read on (one asks for 1000) */
+#define SCAN_KEY_MAX 1024   /* a longer key is read past and left out: no key of ours is that long */
+
+/* A line `line` of type `type` ('*' an array's, '$' a string's) with a count in [lo, hi]: its
+ * count, or -1 with r->rc set. */
+static long long reply_count(const char *command, const char *line, char type, long long lo, long long hi,
+                             struct store_reply *r)
+{
+    char *end = NULL;
+    errno = 0;
+    long long n = line[0] == type ? strtoll(line + 1, &end, 10) : -1;
+    if (!end || end == line + 1 || *end || errno == ERANGE || n < lo || n > hi) {
+        r->rc = skv_errorf(SKV_E_IO, "%s: an answer of a kind it does not have ('%.20s')", command, line);
+        return -1;
+    }
+    return n;
+}
+
+/* The reply to a SCAN: an error, or [cursor, [key ...]] read into r->cursor and r->data, the
+ * keys one after the other each ended by a NUL (r->n of them; a key longer than SCAN_KEY_MAX or
+ * holding a NUL is left out). 0, an errno, or -1 with r->rc, as read_reply. */
+static int read_scan(struct skv_store *st, const char *command, struct store_reply *r)
+{
+    int err = read_line(st, command, r->line, sizeof r->line, r);
+    if (err)
+        return err;
+    r->type = r->line[0];
+    if (r->type == '-' || r->type == '+') {
+        memmove(r->line, r->line + 1, strlen(r->line));
+        return 0;
+    }
+    char line[64], num[24];
+    long long n;
+    if (reply_count(command, r->line, '*', 2, 2, r) < 0 || (err = read_line(st, command, line, sizeof line, r)) ||
+        (n = reply_count(command, line, '$', 1, 20, r)) < 0 || (err = recv_all(st, num, (size_t)n + 2)))
+        return err ? err : -1;
+    num[n] = '\0';
+    char *end = NULL;
+    errno = 0;
+    r->cursor = strtoull(num, &end, 10);
+    if (*end || errno == ERANGE || num[0] == '-') {
+        r->rc = skv_errorf(SKV_E_IO, "%s: a cursor that is not one", command);
+        return -1;
+    }
+    long long m;
+    if ((err = read_line(st, command, line, sizeof line, r)) ||
+        (m = reply_count(command, line, '*', 0, SCAN_KEYS_MAX, r)) < 0)
+        return err ? err : -1;
+    size_t used = 0, cap = 0;
+    char *keys = NULL, skip[4096];
+    for (long long i = 0; i < m && !err; i++) {
+        if ((err = read_line(st, command, line, sizeof line, r)) ||
+            (n = reply_count(command, line, '$', 0, STORE_LINE_MAX, r)) < 0) {
+            err = err ? err : -1;
+            break;
+        }
+        if (n >= SCAN_KEY_MAX) { /* read past it */
+            for (long long left = n + 2; left > 0 && !err; left -= (long long)sizeof skip)
+                err = recv_all(st, skip, left < (long long)sizeof skip ? (size_t)left : sizeof skip);
+            continue;
+        }
+        if (used + (size_t)n + 2 > cap) {
+            size_t want = cap ? cap * 2 : 16384;
+            while (want < used + (size_t)n + 2)
+                want *= 2;
+            char *p = realloc(keys, want);
+            if (!p) {
+                r->rc = skv_errorf(SKV_E_NOMEM, "%s: no memory for its keys", command);
+                err = -1;
+                break;
+            }
+            keys = p;
+            cap = want;
+        }
+        if ((err = recv_all(st, keys + used, (size_t)n + 2)))
+            break;
+        if (memcmp(keys + used + n, "\r\n", 2) != 0) {
+            r->rc = skv_errorf(SKV_E_IO, "%s: a string not ended as it should be", command);
+            err = -1;
+            break;
+        }
+        keys[used + (size_t)n] = '\0';
+        if (memchr(keys + used, '\0', (size_t)n))
+            continue;
+        used += (size_t)n + 1;
+        r->n++;
+    }
+    if (err) {
+        free(keys);
+        r->n = 0;
+        return err;
+    }
+    r->data = keys;
+    return 0;
+}
+
 /* A command: argc arguments; with v, argument vi is the n bytes v->fn writes, streamed; its
- * reply goes into reply, which must be of the kind `want` ('+', ':' or '$') or the store's error. */
+ * reply goes into reply, which must be of the kind `want` ('+', ':', '$' or a SCAN's '*') or the
+ * store's error. */
 struct store_call {
     int argc;
     const char **argv;
@@ -924,7 +1032,9 @@ static int store_command(struct skv_store *st, struct store_call *k)
             continue;
         }
         k->reply = (struct store_reply){0};
-        int e = sent ? read_reply(st, k->argv[0], k->want == '$', &k->reply) : err;
+        int e = !sent          ? err
+                : k->want == '*' ? read_scan(st, k->argv[0], &k->reply)
+                                 : read_reply(st, k->argv[0], k->want == '$', &k->reply);
         if (e < 0 && k->reply.rc != SKV_E_IO) { /* a value too large, or no memory for it */
             redisFree(st->c);
             st->c = NULL;
@@ -1081,4 +1191,43 @@ int skv_store_delete(struct skv_store *st, const char *key)
     if (rc)
         return rc;
     return deleted > 0 ? SKV_OK : skv_errorf(SKV_E_NOT_FOUND, "not in the store");
+}
+
+int skv_store_scan(struct skv_store *st, uint64_t *cursor, const char *match, char **keys, int *n)
+{
+    *keys = NULL;
+    *n = 0;
+    char at[24];
+    snprintf(at, sizeof at, "%llu", (unsigned long long)*cursor);
+    const char *argv[] = {"SCAN", at, "MATCH", match, "COUNT", "1000"};
+    const size_t lens[] = {4, strlen(at), 5, strlen(match), 5, 4};
+    struct store_call k = {.argc = 6, .argv = argv, .lens = lens, .vi = -1, .want = '*'};
+    if (store_command(st, &k)) {
+        st->stats.load_failures++;
+        return SKV_E_IO;
+    }
+    *keys = k.reply.data ? k.reply.data : NULL;
+    *n = (int)k.reply.n;
+    *cursor = k.reply.cursor;
+    return SKV_OK;
+}
+
+int skv_store_tail(struct skv_store *st, const char *key, void *out, size_t cap, size_t *got)
+{
+    *got = 0;
+    char from[24];
+    snprintf(from, sizeof from, "-%zu", cap);
+    const char *argv[] = {"GETRANGE", key, from, "-1"};
+    const size_t lens[] = {8, strlen(key), strlen(from), 2};
+    struct store_call k = {.argc = 4, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
+    if (store_command(st, &k)) {
+        st->stats.load_failures++;
+        return SKV_E_IO;
+    }
+    if (!k.reply.nil) {
+        *got = k.reply.n < cap ? k.reply.n : cap;
+        memcpy(out, k.reply.data, *got);
+    }
+    free(k.reply.data);
+    return SKV_OK;
 }

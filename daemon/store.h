@@ -73,6 +73,15 @@ int skv_store_delete(struct skv_store *st, const char *key);
 /* DEL of n keys in one command: *deleted how many the store had; SKV_E_IO as above (counted as
  * a load failure), SKV_E_NOMEM. */
 int skv_store_delete_many(struct skv_store *st, const char *const *keys, int n, int *deleted);
+/* SCAN *cursor MATCH match COUNT 1000, one page: the keys into *keys, *n of them one after the
+ * other each ended by a NUL (NULL when none; free with skv_store_value_free), and the next
+ * cursor into *cursor (0: the walk is over). A key may come twice in one walk. SKV_E_IO as
+ * above (counted as a load failure); a reply of more than 20000 keys is refused as one the
+ * command does not have. */
+int skv_store_scan(struct skv_store *st, uint64_t *cursor, const char *match, char **keys, int *n);
+/* GETRANGE key -cap -1: the value's last (up to) cap bytes into out, *got of them (0 when the
+ * key has no value). SKV_E_IO as above. */
+int skv_store_tail(struct skv_store *st, const char *key, void *out, size_t cap, size_t *got);
 /* A spill that failed before it reached the store (counted with those the store refused). */
 void skv_store_count_spill_failure(struct skv_store *st);
 

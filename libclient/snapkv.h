@@ -831,10 +831,11 @@ SNAPKV_API void snapkv_inspect_result_free(struct snapkv_inspect_result *r);
 /* Evicts exactly one of: the session `id` (pinned or not; SNAPKV_E_BUSY while it decodes; or the
  * kept prefix of that id, snapkv_admin_list_kept), every
  * unpinned session of `tenant`, or (all_unpinned) every unpinned session (these two skip sessions
- * that are decoding). Sessions the daemon spilled to its store since it started are deleted there
- * and counted in evicted (not in bytes_freed, the pool's bytes); when the store cannot delete
- * them the call fails (SNAPKV_E_IO) after the daemon's own sessions went, and
- * snapkv_last_error() says how many went and how many are left in the store. evicted and
+ * that are decoding). With a store, what it holds goes too, counted in evicted (not in
+ * bytes_freed, the pool's bytes): the session `id`, or `tenant`'s unpinned sessions, whichever
+ * daemon spilled them (the store is walked with SCAN); for all_unpinned, the sessions this
+ * daemon spilled since it started. When the store cannot be reached the call fails
+ * (SNAPKV_E_IO) after the daemon's own sessions went, and snapkv_last_error() says what went. evicted and
  * bytes_freed may be NULL. */
 SNAPKV_API int snapkv_admin_evict(snapkv_client_t *client, const struct snapkv_session_id *id,
                                   const char *tenant, bool all_unpinned, uint32_t *evicted,

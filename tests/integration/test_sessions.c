@@ -6058,11 +6058,13 @@ static void test_store_tenant_cap(void **state)
     redis_done(dir);
 }
 
-/* EVICT reaches the sessions this daemon spilled to the store: by id (any tenant), by tenant
- * (another tenant's stay) and --all; each is deleted from the store and counted in `evicted`,
- * and an id gone from both is SNAPKV_E_NOT_FOUND (before, spilled sessions stayed in the store
- * until their time passed or a client took them back, whatever an admin evicted). With the
- * store gone, the EVICT of a tenant fails and its message says what went and what is left. */
+/* EVICT reaches the sessions spilled to the store: by id (any tenant), by tenant (another
+ * tenant's stay) and --all; each is deleted from the store and counted in `evicted`, and an id
+ * gone from both is SNAPKV_E_NOT_FOUND (before, spilled sessions stayed in the store until their
+ * time passed or a client took them back, whatever an admin evicted). After a restart, a
+ * tenant's or an id's EVICT still finds what the earlier daemon put there; a tenant's pinned one
+ * stays. With the store gone, the EVICT of a tenant fails and its message says what went and
+ * what is left. */
 static void test_store_evict(void **state)
 {
     NEED_MODEL();
@@ -6106,6 +6108,51 @@ static void test_store_evict(void **state)
     assert_int_equal(snapkv_admin_evict(adm, NULL, NULL, true, &evicted, NULL), SNAPKV_OK);
     assert_int_equal(evicted, 1);
     assert_false(store_has(sock, kz));
+    /* a restart: the stop's drain sends the sessions held to the store, a pinned one too, and
+     * the new daemon has no record of what went there. A tenant's EVICT finds them (by SCAN) and
+     * leaves the pinned one; an id's EVICT finds another tenant's session, and the pinned one */
+    struct snapkv_prefill_result a, b, c;
+    char ka[300], kb[300], kc[300];
+    prefill_leased(cp, 86, &a);
+    wait_spilled(sock, &a.id, ka, sizeof ka);
+    uint32_t pids[8];
+    prompt(pids, 8, 87);
+    struct snapkv_prefill_opts pp = {.tokens = pids, .n_tokens = 8};
+    assert_int_equal(snapkv_prefill(cp, &pp, &b), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(adm, &b.id), SNAPKV_OK);
+    prompt(pids, 8, 88);
+    assert_int_equal(snapkv_prefill(cq, &pp, &c), SNAPKV_OK);
+    snapkv_close(&cp);
+    snapkv_close(&cq);
+    snapkv_close(&adm);
+    assert_int_equal(kill(d.pid, SIGTERM), 0);
+    int st = 0;
+    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    forget_daemon(d.pid);
+    d.pid = 0;
+    stop_daemon(&d); /* (its directory) */
+    tenant_key_of(sock, "p", &b.id, kb, sizeof kb);
+    tenant_key_of(sock, "q", &c.id, kc, sizeof kc);
+    assert_true(kb[0] && kc[0]);
+    start_daemon_with(&d, "64M", opt, 0);
+    cp = client(d.endpoint, "p");
+    cq = client(d.endpoint, "q");
+    adm = client(d.admin, NULL);
+    assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1); /* (before: 0, the old daemon's records gone with it) */
+    assert_false(store_has(sock, ka));
+    assert_true(store_has(sock, kb)); /* pinned */
+    assert_true(store_has(sock, kc));
+    assert_int_equal(snapkv_admin_evict(adm, &c.id, NULL, false, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1);
+    assert_false(store_has(sock, kc));
+    assert_int_equal(snapkv_admin_evict(adm, &b.id, NULL, false, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1);
+    assert_false(store_has(sock, kb));
+    snapkv_prefill_result_free(&a);
+    snapkv_prefill_result_free(&b);
+    snapkv_prefill_result_free(&c);
     /* the store gone: the EVICT of the tenant fails, and says what went and what is left there */
     struct snapkv_prefill_result v;
     prefill_leased(cp, 84, &v);
@@ -6120,7 +6167,8 @@ static void test_store_evict(void **state)
     g_redis = 0;
     assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_E_IO);
     if (!strstr(snapkv_last_error(), "1 session(s) evicted here") ||
-        !strstr(snapkv_last_error(), "1 session(s) this daemon spilled are still in the store (0 deleted)"))
+        !strstr(snapkv_last_error(), "0 session(s) deleted from the store; the rest of tenant p's sessions there "
+                "could not be reached"))
         fail_msg("EVICT with the store gone: %s", snapkv_last_error());
     struct snapkv_inspect_result ir; /* (the one held here went) */
     assert_int_equal(snapkv_admin_inspect(adm, &u.id, false, &ir), SNAPKV_E_NOT_FOUND);

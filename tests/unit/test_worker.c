@@ -6125,12 +6125,14 @@ static void write_file_mode(const char *path, const char *text, mode_t mode)
 
 /* A store that does not behave (a thread of the test on a unix socket): each connection's first
  * read of a command gets the answer of `mode`. */
-enum hostile_mode { HOSTILE_TRICKLE, HOSTILE_HUGE_REPLY, HOSTILE_QUOTE };
+enum hostile_mode { HOSTILE_TRICKLE, HOSTILE_HUGE_REPLY, HOSTILE_QUOTE, HOSTILE_SCRIPT };
 struct hostile_store {
     enum hostile_mode mode;
     int listen_fd;
     char path[108];
     const char *quote;        /* HOSTILE_QUOTE: the start of the password it quotes */
+    const char *script;       /* HOSTILE_SCRIPT: the answer, script_n bytes */
+    size_t script_n;
     _Atomic uint64_t sent;    /* bytes of its answer that went out */
     pthread_t thread;
 };
@@ -6163,6 +6165,10 @@ static void *hostile_main(void *arg)
             at += (uint64_t)k;
             atomic_fetch_add(&h->sent, (uint64_t)k);
         }
+    } else if (h->mode == HOSTILE_SCRIPT) {
+        if (send(fd, h->script, h->script_n, MSG_NOSIGNAL) > 0)
+            atomic_fetch_add(&h->sent, h->script_n);
+        recv(fd, buf, sizeof buf, 0); /* until the client closes */
     } else { /* as Redis answers a command it does not know: its arguments quoted, cut */
         int n = snprintf(head, sizeof head, "-ERR unknown command `AUTH`, with args beginning with: `%s`, \r\n",
                          h->quote);
@@ -6370,6 +6376,105 @@ static void test_store_hostile(void **state)
     char cmd[200];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     assert_int_equal(system(cmd), 0);
+}
+
+/* SCAN, as EVICT walks the store with it: against a store that answers what it likes, a key
+ * longer than 1024 bytes and one holding a NUL are read past and left out, and an array of more
+ * keys than a page may have, or of another shape, is refused without being read on; against
+ * redis-server (skipped without it), a walk of 2500 keys of ours among 300 others finds each
+ * of ours (a key may come twice in a walk) and no other, page by page, and GETRANGE gives a
+ * value's last bytes (and none of a key with no value). */
+static void test_store_scan(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/skv-scan-XXXXXX", url[240];
+    assert_non_null(mkdtemp(dir));
+    struct hostile_store h = {0};
+    struct skv_store *st = NULL;
+    char *keys = NULL;
+    int n = 0;
+    uint64_t cursor = 0;
+    static char reply[8192];
+    char longkey[2001];
+    memset(longkey, 'k', 2000);
+    longkey[2000] = '\0';
+    int len = snprintf(reply, sizeof reply, "*2\r\n$2\r\n17\r\n*4\r\n$5\r\nfirst\r\n$2000\r\n%s\r\n$3\r\na", longkey);
+    static const char rest[] = "\0b\r\n$6\r\nsecond\r\n"; /* the key "a\0b", then one more */
+    memcpy(reply + len, rest, sizeof rest - 1);
+    h.script = reply;
+    h.script_n = (size_t)len + sizeof rest - 1;
+    hostile_start(&h, HOSTILE_SCRIPT, dir);
+    snprintf(url, sizeof url, "unix://%s", h.path);
+    assert_int_equal(skv_store_new(url, 2000, 1 << 30, &st), SKV_OK);
+    assert_int_equal(skv_store_scan(st, &cursor, "snapkv:*", &keys, &n), SKV_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(cursor, 17);
+    assert_string_equal(keys, "first");
+    assert_string_equal(keys + 6, "second");
+    skv_store_value_free(keys);
+    skv_store_free(&st);
+    hostile_stop(&h);
+    const char *bad[][2] = {
+        {"*2\r\n$1\r\n0\r\n*20001\r\n", "('*20001')"},
+        {"*3\r\n$1\r\n0\r\n*0\r\n", "('*3')"},
+        {"*2\r\n$1\r\nx\r\n*0\r\n", "a cursor that is not one"},
+        {"*2\r\n$1\r\n0\r\n*1\r\n$3\r\nabcde\r\n", "a string not ended as it should be"},
+        {"+OK\r\n", "an unexpected answer ('+')"},
+        {"-ERR unknown command 'SCAN'\r\n", "SCAN: ERR unknown command"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        h.script = bad[i][0];
+        h.script_n = strlen(bad[i][0]);
+        hostile_start(&h, HOSTILE_SCRIPT, dir);
+        assert_int_equal(skv_store_new(url, 2000, 1 << 30, &st), SKV_OK);
+        cursor = 0;
+        assert_int_equal(skv_store_scan(st, &cursor, "snapkv:*", &keys, &n), SKV_E_IO);
+        if (!strstr(skv_error_msg(), bad[i][1]))
+            fail_msg("answer %zu: %s", i, skv_error_msg());
+        assert_null(keys);
+        assert_int_equal(n, 0);
+        skv_store_free(&st);
+        hostile_stop(&h);
+    }
+    char cmd[100];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+
+    char sock[200];
+    stream_redis_start("0", NULL, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
+    char key[64];
+    for (int i = 0; i < 2800; i++) {
+        snprintf(key, sizeof key, i < 2500 ? "snapkv:fp:t:%04d" : "other:%04d", i);
+        assert_int_equal(skv_store_put_back(st, key, "0123456789", 10, 600), SKV_OK);
+    }
+    static bool seen[2500];
+    int pages = 0, found = 0;
+    cursor = 0;
+    do {
+        assert_int_equal(skv_store_scan(st, &cursor, "snapkv:fp:t:*", &keys, &n), SKV_OK);
+        const char *k = keys;
+        for (int i = 0; i < n; i++, k += strlen(k) + 1) {
+            int at = -1;
+            assert_int_equal(sscanf(k, "snapkv:fp:t:%d", &at), 1);
+            assert_true(at >= 0 && at < 2500);
+            found += !seen[at];
+            seen[at] = true;
+        }
+        skv_store_value_free(keys);
+        pages++;
+    } while (cursor);
+    assert_int_equal(found, 2500);
+    assert_true(pages >= 2); /* (1000 keys looked at a page) */
+    unsigned char tail[8];
+    size_t got = 99;
+    assert_int_equal(skv_store_tail(st, "snapkv:fp:t:0007", tail, 4, &got), SKV_OK);
+    assert_int_equal(got, 4);
+    assert_memory_equal(tail, "6789", 4);
+    assert_int_equal(skv_store_tail(st, "snapkv:fp:t:none", tail, 4, &got), SKV_OK);
+    assert_int_equal(got, 0);
+    skv_store_free(&st);
 }
 
 /* store-user and store-password-file: the file's checks (one line, not empty, a regular file
@@ -6698,6 +6803,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store_slow_lookup, stream_teardown),
         cmocka_unit_test_teardown(test_store_auth, stream_teardown),
         cmocka_unit_test(test_store_hostile),
+        cmocka_unit_test_teardown(test_store_scan, stream_teardown),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_persist: one test */
         cmocka_set_test_filter(getenv("SKV_TEST_FILTER"));
