@@ -1220,6 +1220,8 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
         goto fail;
     }
+    if ((rc = skv_kv_cache_order(s->cache))) /* the rows it cuts below (by position) are the last ones */
+        goto fail;
     uint64_t before = full_bytes(w->m, s->cache->n_past);
     if ((rc = parse_spec(w, c->compress && c->compress->spec ? c->compress->spec : "", false, &comp, canon,
                          sizeof canon)))
@@ -1660,6 +1662,29 @@ static int xfer_close(struct skv_worker *w, struct xfer *x, bool export_ok)
     return rc;
 }
 
+static int by_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Head kh's rows as read into rows[len][row bytes], in position order (kh's rows are not). */
+static int rows_in_order(const struct skv_kv_head *kh, char *rows, size_t row)
+{
+    int32_t *perm = malloc((size_t)(kh->len ? kh->len : 1) * sizeof *perm);
+    char *copy = malloc((size_t)(kh->len ? kh->len : 1) * row);
+    int rc = perm && copy ? SKV_OK : skv_errorf(SKV_E_NOMEM, "no memory to put %d rows in order", kh->len);
+    if (!rc) {
+        memcpy(copy, rows, (size_t)kh->len * row);
+        skv_kv_head_argsort(kh, perm);
+        for (int j = 0; j < kh->len; j++)
+            memcpy(rows + (size_t)j * row, copy + (size_t)perm[j] * row, row);
+    }
+    free(perm);
+    free(copy);
+    return rc;
+}
+
 static void handle_export(struct skv_worker *w, struct skv_job *job)
 {
     const Snapkv__ExportKvRequest *e = job->req->export_kv;
@@ -1716,6 +1741,8 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
             for (int h = 0; h < H && !rc; h++) {
                 const struct skv_kv_head *kh = &c->heads[l * H + h];
                 rc = skv_kv_cache_read_rows(c, (int)l, h, kv, 0, kh->len, (float *)scratch);
+                if (!rc && c->unordered && !skv_kv_head_in_order(kh))
+                    rc = rows_in_order(kh, scratch, row); /* as every reader wants them */
                 memset(scratch + (size_t)kh->len * row, 0, (size_t)(mx - kh->len) * row);
                 if (!rc)
                     rc = xfer_put(&x, at, scratch, (size_t)mx * row);
@@ -1725,6 +1752,8 @@ static void handle_export(struct skv_worker *w, struct skv_job *job)
             const struct skv_kv_head *kh = &c->heads[l * H + h];
             for (int j = 0; j < kh->len; j++)
                 positions[at_pos++] = (uint32_t)kh->pos[j];
+            if (c->unordered)
+                qsort(positions + at_pos - kh->len, (size_t)kh->len, sizeof *positions, by_u32);
         }
     }
     free(scratch);
@@ -2683,9 +2712,13 @@ static void handle_inspect(struct skv_worker *w, struct skv_job *job)
             goto out;
         }
         size_t at = 0;
-        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++)
+        for (int i = 0; i < s->cache->n_layers * s->cache->n_kv_heads; i++) {
             for (int j = 0; j < s->cache->heads[i].len; j++)
                 positions[at++] = (uint32_t)s->cache->heads[i].pos[j];
+            if (s->cache->unordered) /* in position order, as the rows of a SAVE or an EXPORT */
+                qsort(positions + at - s->cache->heads[i].len, (size_t)s->cache->heads[i].len, sizeof *positions,
+                      by_u32);
+        }
         ir.n_positions = n;
         ir.positions = positions;
     }
@@ -3076,15 +3109,42 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     size_t dim = (size_t)s->cache->head_dim;
     float *rows = NULL;   /* one head's K rows, then its V rows, from row r0 on, read out of its blocks */
     uint32_t *refs = NULL; /* the store indices of its blocks there */
+    /* a head whose rows are out of position order (StreamingLLM's decode moves its newest rows
+     * into the places of those it drops) is written in position order, as every reader wants
+     * it, all of its rows in the file: its positions and scores through `sorted`, its rows
+     * through `perm` */
+    struct skv_kv_head sorted = {0};
+    int32_t *perm = NULL;
+    float *permuted = NULL;
     int H = s->cache->n_kv_heads, br = s->cache->block_rows;
     for (int i = 0; !rc && i < s->cache->n_layers * H; i++) {
         skv_worker_beat(w); /* a large session written slowly (a SAVE, a spill to the store) is alive */
         const struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len = kh->len;
-        int n_full = store ? len / br : 0, tail = len - n_full * br, known = 0;
+        bool in_order = !s->cache->unordered || skv_kv_head_in_order(kh);
+        if (!in_order) {
+            int32_t *p = realloc(perm, (size_t)len * sizeof *perm);
+            int32_t *sp = p ? realloc(sorted.pos, (size_t)len * sizeof *sp) : NULL;
+            float *ss = sp ? realloc(sorted.score, (size_t)len * sizeof *ss) : NULL;
+            perm = p ? p : perm;
+            sorted.pos = sp ? sp : sorted.pos;
+            sorted.score = ss ? ss : sorted.score;
+            if (!ss) {
+                rc = SKV_E_NOMEM;
+                break;
+            }
+            skv_kv_head_argsort(kh, perm);
+            for (int j = 0; j < len; j++) {
+                sorted.pos[j] = kh->pos[perm[j]];
+                sorted.score[j] = kh->score[perm[j]];
+            }
+            sorted.len = len;
+        }
+        int n_full = store && in_order ? len / br : 0, tail = len - n_full * br, known = 0;
         /* a partly filled last block goes to the store when other sessions hold it too (one of
          * this session's own is written again at each save it changed by: the file holds it) */
-        int32_t n_refs = n_full + (store && tail && skv_kv_pool_is_shared(s->cache->pool, kh->blk[n_full]));
+        int32_t n_refs = n_full + (store && in_order && tail &&
+                                   skv_kv_pool_is_shared(s->cache->pool, kh->blk[n_full]));
         int row0 = n_refs * br < len ? n_refs * br : len;
         uint32_t *more_refs = realloc(refs, (size_t)(n_refs ? n_refs : 1) * sizeof *refs);
         if (!more_refs) {
@@ -3103,10 +3163,24 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
         }
         rows = more;
         float *k = rows, *v = rows ? rows + (size_t)n * dim : NULL;
-        if ((rc = write_all(f, hp, &len, sizeof len)) || (rc = write_rows_meta(f, hp, kh, hd.version)) ||
+        if ((rc = write_all(f, hp, &len, sizeof len)) ||
+            (rc = write_rows_meta(f, hp, in_order ? kh : &sorted, hd.version)) ||
             (hp && (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 0, r0, n, k))) ||
             (hp && (rc = skv_kv_cache_read_rows(s->cache, i / H, i % H, 1, r0, n, v))))
             break;
+        if (hp && !in_order) { /* (r0 = 0, n = len: every row) */
+            float *p = realloc(permuted, 2 * (size_t)(n ? n : 1) * dim * sizeof *p);
+            if (!p) {
+                rc = SKV_E_NOMEM;
+                break;
+            }
+            permuted = p;
+            for (int j = 0; j < n; j++) {
+                memcpy(p + (size_t)j * dim, k + (size_t)perm[j] * dim, dim * sizeof *p);
+                memcpy(p + (size_t)(n + j) * dim, v + (size_t)perm[j] * dim, dim * sizeof *p);
+            }
+            memcpy(rows, p, 2 * (size_t)n * dim * sizeof *p);
+        }
         for (int b = known; b < n_refs && !rc; b++)
             rc = skv_kv_store_put(store, kh->blk[b], b < n_full ? br : tail, k + (size_t)(b - known) * br * dim,
                                   v + (size_t)(b - known) * br * dim, &refs[b]);
@@ -3124,6 +3198,10 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     }
     free(rows);
     free(refs);
+    free(perm);
+    free(permuted);
+    free(sorted.pos);
+    free(sorted.score);
     const off_t trailer = store ? 0 : (off_t)sizeof(struct save_rows);
     if (!hp)
         return rc ? rc : fseeko(f, 32 + trailer, SEEK_CUR) == 0 ? SKV_OK : SKV_E_IO;

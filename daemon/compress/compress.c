@@ -793,9 +793,27 @@ static int by_head_idx(const void *a, const void *b)
 /* Copies the n rows of seg (in index order) but the `drop` last in by_keep_order into out, in
  * the same order (out may be seg or before it); returns how many were copied. The same rows a
  * sort by by_keep_order would keep first (a total order: no ties). */
+static int worst_rows(const struct row *seg, int n, int drop, int worst[FEW_OVER]);
+
 static int keep_all_but_worst(const struct row *seg, int n, int drop, struct row *out)
 {
-    int worst[FEW_OVER]; /* indices into seg, in by_keep_order: worst[nw - 1] is the very worst */
+    int worst[FEW_OVER];
+    int nw = worst_rows(seg, n, drop, worst);
+    int k = 0;
+    for (int j = 0; j < n; j++) {
+        bool dropped = false;
+        for (int i = 0; i < nw && !dropped; i++)
+            dropped = worst[i] == j;
+        if (!dropped)
+            out[k++] = seg[j]; /* (out[k] is at or before seg[j]: nothing unread is written) */
+    }
+    return k;
+}
+
+/* The `drop` (<= FEW_OVER) worst of seg's n rows in by_keep_order, into worst[] (indices into
+ * seg, in by_keep_order: worst[nw - 1] is the very worst); returns how many. */
+static int worst_rows(const struct row *seg, int n, int drop, int worst[FEW_OVER])
+{
     int nw = 0;
     for (int j = 0; j < n && drop > 0; j++) {
         if (nw == drop) {
@@ -808,16 +826,9 @@ static int keep_all_but_worst(const struct row *seg, int n, int drop, struct row
             worst[at] = worst[at - 1];
         worst[at] = j;
     }
-    int k = 0;
-    for (int j = 0; j < n; j++) {
-        bool dropped = false;
-        for (int i = 0; i < nw && !dropped; i++)
-            dropped = worst[i] == j;
-        if (!dropped)
-            out[k++] = seg[j]; /* (out[k] is at or before seg[j]: nothing unread is written) */
-    }
-    return k;
+    return nw;
 }
+
 
 /* Writes the rows of head h of the layer into out[]: policy keys, must flags. w_obs: the
  * observation / recent window in rows. */
@@ -860,6 +871,72 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
             break;
         }
     }
+}
+
+/* Decode upkeep of StreamingLLM or window (rows chosen by position alone) on a layer whose
+ * attention does not read positions (no sliding window), each head at most FEW_OVER rows over
+ * `budget`: its worst rows found in one pass, and the head's last rows moved into their places
+ * (skv_kv_cache_drop_rows: a few row copies a token, where a compaction gathered every block
+ * after the first row dropped, about 46 MB a token at budget 1024 for SmolLM2). The same rows
+ * as the compaction keeps, out of position order. false: not such a cut (*rc untouched). */
+static bool drop_worst(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int slack,
+                       int *rc)
+{
+    bool by_pos = c->spec.policy == SKV_POLICY_STREAMING || c->spec.policy == SKV_POLICY_WINDOW;
+    bool head_gran = c->spec.granularity == SKV_GRAN_HEAD;
+    if (!c->decode || !by_pos || c->m->layers[layer].window > 0)
+        return false;
+    int total = 0, must[SKV_MAX_KV_HEADS] = {0};
+    for (int h = 0; h < c->n_kv; h++) {
+        int len = skv_kv_cache_head(cache, layer, h)->len;
+        if (!head_gran && len - budget > FEW_OVER)
+            return false;
+        total += len;
+    }
+    int worst[FEW_OVER], nw = 0;
+    if (head_gran) { /* one pass over the layer's heads, as select_layer's: the same rows */
+        int quota = budget * c->n_kv;
+        if (total - quota > FEW_OVER)
+            return false;
+        if ((*rc = grow((void **)&c->rows, &c->rows_cap, total, sizeof *c->rows)))
+            return true;
+        for (int h = 0, base = 0; h < c->n_kv; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
+            classify(c, kh, h, 0, budget, c->rows + base);
+            for (int j = 0; j < kh->len; j++)
+                must[h] += c->rows[base + j].must;
+            if (must[h] > budget)
+                return false; /* capped first: select_layer's sort */
+            base += kh->len;
+        }
+        nw = worst_rows(c->rows, total, total - quota, worst);
+    }
+    for (int h = 0; h < c->n_kv && !*rc; h++) {
+        const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
+        int drop[FEW_OVER], nd = 0;
+        if (!head_gran) {
+            if (kh->len <= budget)
+                continue;
+            if ((*rc = grow((void **)&c->rows, &c->rows_cap, kh->len, sizeof *c->rows)))
+                break;
+            classify(c, kh, h, 0, budget, c->rows);
+            nw = worst_rows(c->rows, kh->len, kh->len - budget, worst);
+        }
+        for (int i = 0; i < nw; i++) { /* this head's, increasing */
+            const struct row *r = &c->rows[worst[i]];
+            if (r->head != h)
+                continue;
+            int at = nd++;
+            for (; at > 0 && drop[at - 1] > r->idx; at--)
+                drop[at] = drop[at - 1];
+            drop[at] = r->idx;
+        }
+        if (nd)
+            *rc = skv_kv_cache_drop_rows(cache, layer, h, drop, nd);
+    }
+    if (!*rc)
+        *rc = skv_kv_cache_fit(cache, layer, slack);
+    return true;
 }
 
 /* Keeps the chosen rows (sorted by head, then index) and compacts each head in place; each
@@ -934,8 +1011,10 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         return SKV_OK;
     if (c->spec.policy == SKV_POLICY_SNAPKV && c->scored_layer == layer && w_obs < budget)
         return select_scored(c, cache, layer, budget, w_obs, slack);
-    int rc = grow((void **)&c->rows, &c->rows_cap, total, sizeof *c->rows);
-    if (rc)
+    int rc = SKV_OK;
+    if (drop_worst(c, cache, layer, budget, slack, &rc))
+        return rc;
+    if ((rc = grow((void **)&c->rows, &c->rows_cap, total, sizeof *c->rows)))
         return rc;
     int n_keep = 0;
     bool sorted = !head_gran; /* the kept rows by head and index (no sort before compact) */

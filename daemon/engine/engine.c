@@ -330,7 +330,9 @@ static int copy_layer_rows(struct skv_kv_cache *dst, const struct skv_kv_cache *
 
 int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache *src, int layer)
 {
-    return copy_layer_rows(dst, src, layer, INT_MAX);
+    int rc = copy_layer_rows(dst, src, layer, INT_MAX);
+    dst->unordered |= !rc && src->unordered;
+    return rc;
 }
 
 int skv_kv_cache_reserve(struct skv_kv_cache *c, int extra)
@@ -358,6 +360,8 @@ int skv_kv_cache_clone_rows(const struct skv_kv_cache *src, int rows, struct skv
 {
     if (rows < 0)
         return skv_errorf(SKV_E_INVAL, "KV cache: a copy of %d rows", rows);
+    if (src->unordered && rows < src->n_past) /* its first rows need not be its earliest */
+        return skv_errorf(SKV_E_INTERNAL, "KV cache: a copy of the first %d rows of rows out of position order", rows);
     struct skv_kv_cache *c = calloc(1, sizeof *c);
     if (!c)
         return SKV_E_NOMEM;
@@ -386,16 +390,12 @@ int skv_kv_cache_clone(const struct skv_kv_cache *src, struct skv_kv_cache **out
     return skv_kv_cache_clone_rows(src, INT_MAX, out);
 }
 
-int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t *idx, int cnt)
+/* Head hd's rows become rows idx[0..cnt) of it (< len, distinct; increasing: a compaction,
+ * else any order): a block whose every row stays where it is is kept (and stays shared); the
+ * others are gathered into fresh blocks, one copy_rows call for the head, and the old ones
+ * released. */
+static int head_gather(struct skv_kv_cache *c, struct skv_kv_head *hd, const int32_t *idx, int cnt, bool increasing)
 {
-    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
-    if (cnt < 0 || cnt > hd->len || (cnt > 0 && !idx))
-        return skv_errorf(SKV_E_INVAL, "compaction: %d of %d rows", cnt, hd->len);
-    for (int i = 0; i < cnt; i++)
-        if (idx[i] < 0 || idx[i] >= hd->len || (i > 0 && idx[i] <= idx[i - 1]))
-            return skv_errorf(SKV_E_INVAL, "compaction: row %d at %d is out of range or order", idx[i], i);
-    if (cnt == hd->len)
-        return SKV_OK; /* strictly increasing and as many as there are: every row in place */
     struct skv_backend *be = c->be;
     const int t = c->block_rows, nb = blocks_for(c, cnt);
     const size_t row = c->row_bytes, kv_off = (size_t)t * row;
@@ -403,10 +403,16 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
     /* K and V of every moved row, one copy_rows call for the head */
     void **to = malloc((size_t)(2 * cnt + 1) * sizeof *to);
     const void **from = malloc((size_t)(2 * cnt + 1) * sizeof *from);
-    int rc = fresh && to && from ? SKV_OK : SKV_E_NOMEM, moved = 0;
+    /* the positions and scores as they were: in any order they cannot be moved in place */
+    int32_t *pos = increasing ? NULL : malloc((size_t)(cnt + 1) * sizeof *pos);
+    float *score = increasing ? NULL : malloc((size_t)(cnt + 1) * sizeof *score);
+    int rc = fresh && to && from && (increasing || (pos && score)) ? SKV_OK : SKV_E_NOMEM, moved = 0;
     for (int b = 0; b < nb && !rc; b++) {
         int r0 = b * t, r1 = r0 + t < cnt ? r0 + t : cnt;
-        if (idx[r0] == r0 && idx[r1 - 1] == r1 - 1) {
+        bool stays = idx[r0] == r0 && idx[r1 - 1] == r1 - 1; /* increasing: its ends say it */
+        for (int i = r0 + 1; !increasing && i < r1 - 1 && stays; i++)
+            stays = idx[i] == i;
+        if (stays) {
             fresh[b] = hd->blk[b]; /* every row of the block stays where it is */
             skv_kv_pool_hold(c->pool, fresh[b]);
             continue;
@@ -430,6 +436,8 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
         for (int b = 0; fresh && b < nb; b++)
             skv_kv_pool_put(c->pool, fresh[b]);
         free(fresh);
+        free(pos);
+        free(score);
         return rc;
     }
     head_release_from(c, hd, 0);
@@ -438,13 +446,147 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
         hd->mem[b] = fresh[b]->mem;
     }
     hd->n_blocks = nb;
-    for (int i = 0; i < cnt; i++) { /* idx[i] >= i: forward in place */
-        hd->pos[i] = hd->pos[idx[i]];
-        hd->score[i] = hd->score[idx[i]];
+    if (increasing) {
+        for (int i = 0; i < cnt; i++) { /* idx[i] >= i: forward in place */
+            hd->pos[i] = hd->pos[idx[i]];
+            hd->score[i] = hd->score[idx[i]];
+        }
+    } else {
+        for (int i = 0; i < cnt; i++) {
+            pos[i] = hd->pos[idx[i]];
+            score[i] = hd->score[idx[i]];
+        }
+        memcpy(hd->pos, pos, (size_t)cnt * sizeof *pos);
+        memcpy(hd->score, score, (size_t)cnt * sizeof *score);
     }
     hd->len = cnt;
     free(fresh);
+    free(pos);
+    free(score);
     return SKV_OK;
+}
+
+int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t *idx, int cnt)
+{
+    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+    if (cnt < 0 || cnt > hd->len || (cnt > 0 && !idx))
+        return skv_errorf(SKV_E_INVAL, "compaction: %d of %d rows", cnt, hd->len);
+    for (int i = 0; i < cnt; i++)
+        if (idx[i] < 0 || idx[i] >= hd->len || (i > 0 && idx[i] <= idx[i - 1]))
+            return skv_errorf(SKV_E_INVAL, "compaction: row %d at %d is out of range or order", idx[i], i);
+    if (cnt == hd->len)
+        return SKV_OK; /* strictly increasing and as many as there are: every row in place */
+    return head_gather(c, hd, idx, cnt, true);
+}
+
+int skv_kv_cache_drop_rows(struct skv_kv_cache *c, int layer, int h, const int32_t *drop, int n)
+{
+    struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
+    if (n < 0 || n > hd->len || (n > 0 && !drop))
+        return skv_errorf(SKV_E_INVAL, "dropping %d of %d rows", n, hd->len);
+    for (int i = 0; i < n; i++)
+        if (drop[i] < 0 || drop[i] >= hd->len || (i > 0 && drop[i] <= drop[i - 1]))
+            return skv_errorf(SKV_E_INVAL, "dropping row %d at %d: out of range or order", drop[i], i);
+    const int len = hd->len - n, t = c->block_rows;
+    /* the holes below the new length, and as many kept rows from above it, both increasing */
+    int holes = 0;
+    while (holes < n && drop[holes] < len)
+        holes++;
+    int32_t stack_src[16], *src = holes <= 16 ? stack_src : malloc((size_t)holes * sizeof *src);
+    void *stack_to[32], **to = holes <= 16 ? stack_to : malloc((size_t)(2 * holes) * sizeof *to);
+    const void *stack_from[32], **from = holes <= 16 ? stack_from : malloc((size_t)(2 * holes) * sizeof *from);
+    int rc = src && to && from ? SKV_OK : SKV_E_NOMEM;
+    for (int j = len, d = holes, k = 0; !rc && j < hd->len && k < holes; j++) {
+        if (d < n && drop[d] == j)
+            d++;
+        else
+            src[k++] = j;
+    }
+    /* every block written unshared first; a failure leaves the rows as they were */
+    for (int i = 0; i < holes && !rc; i++) {
+        int b = drop[i] / t;
+        if (i == 0 || drop[i - 1] / t != b) {
+            rc = skv_kv_pool_unshare(c->pool, &hd->blk[b]);
+            hd->mem[b] = hd->blk[b]->mem;
+        }
+    }
+    if (!rc && holes) {
+        const size_t row = c->row_bytes, kv_off = (size_t)t * row;
+        for (int i = 0; i < holes; i++) {
+            char *dst = (char *)hd->mem[drop[i] / t] + (size_t)(drop[i] % t) * row;
+            const char *from_row = (const char *)hd->mem[src[i] / t] + (size_t)(src[i] % t) * row;
+            to[2 * i] = dst;
+            from[2 * i] = from_row;
+            to[2 * i + 1] = dst + kv_off;
+            from[2 * i + 1] = from_row + kv_off;
+        }
+        rc = c->be->ops->copy_rows(c->be, to, from, row, 2 * holes);
+    }
+    if (!rc) {
+        for (int i = 0; i < holes; i++) {
+            hd->pos[drop[i]] = hd->pos[src[i]];
+            hd->score[drop[i]] = hd->score[src[i]];
+        }
+        hd->len = len;
+        c->unordered |= holes > 0;
+    }
+    if (src != stack_src)
+        free(src);
+    if (to != stack_to)
+        free(to);
+    if (from != stack_from)
+        free(from);
+    return rc;
+}
+
+static int by_pos_of(const void *a, const void *b, void *arg)
+{
+    const int32_t *pos = arg;
+    int32_t x = pos[*(const int32_t *)a], y = pos[*(const int32_t *)b];
+    return x < y ? -1 : x > y;
+}
+
+bool skv_kv_head_in_order(const struct skv_kv_head *kh)
+{
+    for (int j = 1; j < kh->len; j++)
+        if (kh->pos[j] <= kh->pos[j - 1])
+            return false;
+    return true;
+}
+
+void skv_kv_head_argsort(const struct skv_kv_head *kh, int32_t *idx)
+{
+    for (int k = 0; k < kh->len; k++)
+        idx[k] = k;
+    qsort_r(idx, (size_t)kh->len, sizeof *idx, by_pos_of, kh->pos);
+}
+
+int skv_kv_cache_order(struct skv_kv_cache *c)
+{
+    if (!c->unordered)
+        return SKV_OK;
+    int32_t *idx = NULL;
+    int cap = 0, rc = SKV_OK;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads && !rc; i++) {
+        struct skv_kv_head *hd = &c->heads[i];
+        if (skv_kv_head_in_order(hd))
+            continue;
+        if (hd->len > cap) {
+            int32_t *p = realloc(idx, (size_t)hd->len * sizeof *idx);
+            if (!p) {
+                rc = SKV_E_NOMEM;
+                break;
+            }
+            idx = p;
+            cap = hd->len;
+        }
+        skv_kv_head_argsort(hd, idx);
+        rc = head_gather(c, hd, idx, hd->len, false);
+    }
+    free(idx);
+    if (!rc)
+        c->unordered = false;
+    return rc;
 }
 
 int skv_kv_cache_dedupe(struct skv_kv_cache *c, struct skv_kv_dedupe *d, uint64_t group, uint64_t *n_shared)

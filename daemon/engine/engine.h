@@ -35,6 +35,7 @@ struct skv_kv_cache {
     int block_rows;
     int kv_type;                /* its pool's: SKV_DTYPE_F32, SKV_DTYPE_F16 or SKV_DTYPE_Q8_0 */
     size_t row_bytes;           /* one K or V row of head_dim in kv_type */
+    bool unordered;             /* a head's rows may be out of position order (skv_kv_cache_drop_rows) */
 };
 
 /* An empty cache whose blocks come from the model's pool (m->kv_pool). */
@@ -71,6 +72,22 @@ int skv_kv_cache_copy_layer(struct skv_kv_cache *dst, const struct skv_kv_cache 
  * are kept (and stay shared); the others are gathered into fresh blocks and the old ones
  * released, so a fork's compaction never touches the rows of the cache it shares with. */
 int skv_kv_cache_compact(struct skv_kv_cache *cache, int layer, int h, const int32_t *idx, int cnt);
+/* Drops rows drop[0..n) (strictly increasing, < len) of head h of `layer` by moving the head's
+ * last rows into their places (K, V, position and score): 2 row copies a row dropped, where a
+ * compaction gathers every block after the first one dropped. A block written is unshared
+ * first (a fork's rows stay as they are). The rows are then out of position order: the cache is
+ * marked unordered until skv_kv_cache_order. Attention does not depend on the rows' order;
+ * a sliding-window layer's does (skv_kv_view_first), so the caller never drops this way there.
+ * Blocks past the new length stay held (skv_kv_cache_fit gives them back). */
+int skv_kv_cache_drop_rows(struct skv_kv_cache *cache, int layer, int h, const int32_t *drop, int n);
+/* Puts every head's rows back in position order (a gather into fresh blocks, as a compaction)
+ * when the cache is unordered; what reads the rows as a sequence (SAVE, a spill, EXPORT,
+ * INSPECT's positions, COMPRESS) calls it first. */
+int skv_kv_cache_order(struct skv_kv_cache *cache);
+/* Whether head kh's rows are in position order; idx[0..len): its rows' indices in position
+ * order (what reads the rows as a sequence without changing the cache: a spill's write). */
+bool skv_kv_head_in_order(const struct skv_kv_head *kh);
+void skv_kv_head_argsort(const struct skv_kv_head *kh, int32_t *idx);
 /* Shares the cache's full blocks (every row in use) with equal blocks d indexes under group,
  * and indexes the others (kv_pool.h); *n_shared: how many became shared. */
 int skv_kv_cache_dedupe(struct skv_kv_cache *cache, struct skv_kv_dedupe *d, uint64_t group, uint64_t *n_shared);

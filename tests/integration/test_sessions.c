@@ -3860,6 +3860,121 @@ static void test_evicting_decode_matches(void **state)
     stop_daemon(&d);
 }
 
+/* A StreamingLLM decode leaves a session's rows out of position order (the newest moved into
+ * the places of those it drops; test_compress test_decode_drop_matches). What reads them as a
+ * sequence sees them in position order, as an in-process twin holds them once put back in
+ * order: EXPORT's positions and rows, INSPECT's positions; a SAVE (positions increasing, as
+ * every reader wants them) loads back as a session whose next logits are the twin's, and the
+ * original's within rounding (its rows summed in another order: 1.4e-3 here, the next token
+ * the same). */
+static void test_streaming_rows_in_order(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    const char *spec = "policy=streaming,budget=24,sinks=4";
+    uint32_t ids[N_PROMPT];
+    prompt(ids, N_PROMPT, 13);
+    snapkv_client_t *c = client(d.endpoint, "tenant-a"), *a = client(d.admin, NULL);
+    struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = spec};
+    struct snapkv_prefill_result p;
+    assert_int_equal(snapkv_prefill(c, &po, &p), SNAPKV_OK);
+    struct snapkv_decode_result got;
+    decode_gen(c, &p.id, &got);
+    struct snapkv_shm shm;
+    assert_int_equal(snapkv_shm_create("rows", 4 << 20, &shm), SNAPKV_OK);
+    size_t bytes = 0, n_pos = 0;
+    uint32_t *pos = NULL;
+    float *rows = export_copy(c, &p.id, &shm, &bytes, &pos, &n_pos);
+    struct snapkv_kv_layout lay;
+    assert_int_equal(snapkv_export_kv(c, &p.id, &shm, 0, &lay), SNAPKV_OK);
+    uint32_t n_past = lay.original_length;
+    snapkv_kv_layout_free(&lay);
+    /* the twin: the same prompt and tokens in-process, each decoded token fed back */
+    struct local_run r;
+    local_prefill(ids, N_PROMPT, spec, &r);
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = r.comp};
+    for (uint32_t k = 0; r.cache->n_past < (int32_t)n_past; k++) {
+        assert_true(k < got.n_tokens);
+        int32_t tok = (int32_t)got.tokens[k];
+        assert_int_equal(skv_argmax(r.logits, r.m->cfg.n_vocab), tok);
+        assert_int_equal(skv_compressor_begin_decode(r.comp, r.cache), SKV_OK);
+        assert_int_equal(skv_engine_forward(r.e, r.cache, &tok, 1, &fo, r.logits), SKV_OK);
+    }
+    assert_true(r.cache->unordered); /* (so is the daemon's, which decoded the same way) */
+    assert_int_equal(skv_kv_cache_order(r.cache), SKV_OK);
+    const int L = r.cache->n_layers, H = r.cache->n_kv_heads, dim = r.cache->head_dim;
+    size_t at_pos = 0, at = 0;
+    double worst = 0;
+    float *want = malloc(24 * (size_t)dim * sizeof *want);
+    assert_non_null(want);
+    for (int l = 0; l < L; l++) {
+        for (int kv = 0; kv < 2; kv++)
+            for (int h = 0; h < H; h++) {
+                const struct skv_kv_head *kh = skv_kv_cache_head(r.cache, l, h);
+                assert_int_equal(kh->len, 24);
+                assert_int_equal(skv_kv_cache_read_rows(r.cache, l, h, kv, 0, 24, want), SKV_OK);
+                for (size_t e = 0; e < 24 * (size_t)dim; e++)
+                    worst = fmax(worst, fabs((double)rows[at + e] - want[e]));
+                at += 24 * (size_t)dim;
+            }
+        for (int h = 0; h < H; h++) {
+            const struct skv_kv_head *kh = skv_kv_cache_head(r.cache, l, h);
+            for (int j = 0; j < kh->len; j++, at_pos++) {
+                assert_int_equal(pos[at_pos], (uint32_t)kh->pos[j]);
+                assert_int_equal(pos[at_pos], j < 4 ? (uint32_t)j : n_past - 24 + (uint32_t)j);
+            }
+        }
+    }
+    assert_int_equal(at_pos, n_pos);
+    assert_int_equal(at * sizeof *rows, bytes);
+    printf("EXPORT of a StreamingLLM session after %zu decoded tokens: rows within %.2g of the ordered twin's\n",
+           got.n_tokens, worst);
+    assert_true(worst < 1e-3);
+    size_t n_ins = 0;
+    uint32_t kept0 = 0, *ins = kept_positions(a, &p.id, &n_ins, &kept0);
+    assert_int_equal(n_ins, n_pos);
+    assert_memory_equal(ins, pos, n_pos * sizeof *pos);
+    free(ins);
+    /* SAVE, LOAD: the loaded session's next logits are the original's */
+    struct snapkv_session_id loaded;
+    assert_int_equal(snapkv_admin_save(a, &p.id, "streamed", NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_load(a, "streamed", "tenant-a", &loaded), SNAPKV_OK);
+    uint32_t next = got.tokens[got.n_tokens - 1];
+    struct snapkv_append_opts ao = {.tokens = &next, .n_tokens = 1, .return_logits = true};
+    struct snapkv_append_result x, y;
+    assert_int_equal(snapkv_append(c, &p.id, &ao, &x), SNAPKV_OK);
+    assert_int_equal(snapkv_append(c, &loaded, &ao, &y), SNAPKV_OK);
+    assert_int_equal(x.n_logits, y.n_logits);
+    double diff = 0;
+    for (size_t i = 0; i < x.n_logits; i++)
+        diff = fmax(diff, fabs((double)x.logits[i] - y.logits[i]));
+    /* the twin (rows in order, as the loaded session's) after the same token */
+    int32_t tk = (int32_t)next;
+    assert_int_equal(skv_compressor_begin_decode(r.comp, r.cache), SKV_OK);
+    assert_int_equal(skv_engine_forward(r.e, r.cache, &tk, 1, &fo, r.logits), SKV_OK);
+    double twin = 0;
+    for (size_t i = 0; i < y.n_logits; i++)
+        twin = fmax(twin, fabs((double)y.logits[i] - r.logits[i]));
+    printf("a SAVE of it loaded back: next logits within %.2g of the twin's, %.2g of the original's (its rows "
+           "summed in another order)\n", twin, diff);
+    assert_true(twin < 1e-5);
+    assert_true(diff < 1e-2);
+    assert_int_equal(x.next_token, y.next_token);
+    snapkv_append_result_free(&x);
+    snapkv_append_result_free(&y);
+    free(want);
+    free(rows);
+    free(pos);
+    local_free(&r);
+    snapkv_shm_destroy(&shm);
+    snapkv_decode_result_free(&got);
+    snapkv_prefill_result_free(&p);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
+}
+
 static void test_compress_matches_prefill(void **state)
 {
     NEED_MODEL();
@@ -6749,6 +6864,7 @@ int main(void)
         cmocka_unit_test_teardown(test_shared_document, kill_daemons),   cmocka_unit_test_teardown(test_sigterm_mid_decode, kill_daemons),
         cmocka_unit_test_teardown(test_decode_budget, kill_daemons),
         cmocka_unit_test_teardown(test_compress_matches_prefill, kill_daemons),
+        cmocka_unit_test_teardown(test_streaming_rows_in_order, kill_daemons),
         cmocka_unit_test_teardown(test_evicting_decode_matches, kill_daemons),
         cmocka_unit_test_teardown(test_export_import_values, kill_daemons),     cmocka_unit_test_teardown(test_client_disconnects, kill_daemons),
         cmocka_unit_test_teardown(test_save_load_goes_on, kill_daemons),

@@ -317,6 +317,24 @@ static void run(struct tiny *t, const char *spec_text, struct skv_kv_cache **cac
         skv_compressor_free(&c);
 }
 
+/* The newest position a head holds (a StreamingLLM or window decode moves its newest rows into
+ * the places of those it drops: the rows are then out of position order). */
+static int32_t newest_pos(const struct skv_kv_head *kh)
+{
+    int32_t m = -1;
+    for (int j = 0; j < kh->len; j++)
+        m = kh->pos[j] > m ? kh->pos[j] : m;
+    return m;
+}
+
+static bool holds_pos(const struct skv_kv_head *kh, int32_t p)
+{
+    for (int j = 0; j < kh->len; j++)
+        if (kh->pos[j] == p)
+            return true;
+    return false;
+}
+
 static void expect_positions(struct skv_kv_cache *c, int layer, int h, const int32_t *want, int n)
 {
     const struct skv_kv_head *kh = skv_kv_cache_head(c, layer, h);
@@ -503,6 +521,150 @@ static void test_head_granularity(void **state)
     skv_kv_cache_free(&c);
 }
 
+/* skv_kv_cache_drop_rows: the rows dropped (2, 5, 6 of 40, blocks of 4) take the head's last
+ * rows (37, 38, 39), K, V, position and score, and the cache is marked unordered; a fork that
+ * shared the blocks keeps its rows as they were (the blocks written were unshared); a row at the
+ * end goes without a copy; skv_kv_cache_order puts the rows back in position order with the
+ * same values; a copy of the first rows of an unordered cache is refused; a drop list that is
+ * not increasing or out of range is refused and changes nothing. */
+static void test_drop_rows(void **state)
+{
+    struct tiny *t = *state;
+    assert_int_equal(skv_model_set_kv_pool(t->m, 4, SKV_DTYPE_F32), SKV_OK);
+    struct skv_kv_cache *c = NULL, *fork = NULL, *part = NULL;
+    assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
+    assert_int_equal(skv_kv_cache_reserve(c, 40), SKV_OK);
+    const int d = c->head_dim, H = c->n_kv_heads;
+    float *kr = calloc((size_t)40 * d, sizeof *kr), *vr = calloc((size_t)40 * d, sizeof *vr);
+    assert_true(kr && vr);
+    for (int h = 0; h < H; h++) {
+        for (int j = 0; j < 40; j++)
+            for (int e = 0; e < d; e++) {
+                kr[(size_t)j * d + e] = (float)(j * 100 + e + 10000 * h);
+                vr[(size_t)j * d + e] = -(float)(j * 100 + e + 10000 * h);
+            }
+        assert_int_equal(skv_kv_cache_write_rows(c, 0, h, 0, 0, 40, kr), SKV_OK);
+        assert_int_equal(skv_kv_cache_write_rows(c, 0, h, 1, 0, 40, vr), SKV_OK);
+        struct skv_kv_head *kh = skv_kv_cache_head(c, 0, h);
+        for (int j = 0; j < 40; j++) {
+            kh->pos[j] = j;
+            kh->score[j] = (float)j / 2;
+        }
+    }
+    c->n_past = 40;
+    assert_int_equal(skv_kv_cache_clone(c, &fork), SKV_OK);
+    const int32_t bad[][3] = {{5, 2, 6}, {2, 5, 40}, {-1, 2, 3}};
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(skv_kv_cache_drop_rows(c, 0, 0, bad[i], 3), SKV_E_INVAL);
+    assert_int_equal(skv_kv_cache_head(c, 0, 0)->len, 40);
+    assert_false(c->unordered);
+    const int32_t drop[] = {2, 5, 6};
+    assert_int_equal(skv_kv_cache_drop_rows(c, 0, 0, drop, 3), SKV_OK);
+    assert_true(c->unordered);
+    const int32_t want[] = {0, 1, 37, 3, 4, 38, 39, 7};
+    for (int pass = 0; pass < 2; pass++) { /* as dropped, then in order */
+        const struct skv_kv_head *kh = skv_kv_cache_head(c, 0, 0);
+        assert_int_equal(kh->len, 37);
+        assert_int_equal(skv_kv_cache_read_rows(c, 0, 0, 0, 0, 37, kr), SKV_OK);
+        assert_int_equal(skv_kv_cache_read_rows(c, 0, 0, 1, 0, 37, vr), SKV_OK);
+        for (int j = 0; j < 37; j++) {
+            if (pass == 0 && j < 8)
+                assert_int_equal(kh->pos[j], want[j]);
+            if (pass == 1)
+                assert_int_equal(kh->pos[j], j < 2 ? j : j < 4 ? j + 1 : j + 3);
+            assert_true(kh->score[j] == (float)kh->pos[j] / 2);
+            for (int e = 0; e < d; e++) {
+                assert_true(kr[(size_t)j * d + e] == (float)(kh->pos[j] * 100 + e));
+                assert_true(vr[(size_t)j * d + e] == -(float)(kh->pos[j] * 100 + e));
+            }
+        }
+        if (pass == 0) {
+            assert_int_equal(skv_kv_cache_clone_rows(c, 10, &part), SKV_E_INTERNAL);
+            assert_int_equal(skv_kv_cache_order(c), SKV_OK);
+            assert_false(c->unordered);
+        }
+    }
+    for (int h = 0; h < H; h++) { /* the fork's rows, and the other heads', as written */
+        for (int k = 0; k < 2; k++) {
+            struct skv_kv_cache *x = k ? c : fork;
+            if (k && h == 0)
+                continue;
+            const struct skv_kv_head *kh = skv_kv_cache_head(x, 0, h);
+            assert_int_equal(kh->len, 40);
+            assert_int_equal(skv_kv_cache_read_rows(x, 0, h, 0, 0, 40, kr), SKV_OK);
+            for (int j = 0; j < 40; j++) {
+                assert_int_equal(kh->pos[j], j);
+                assert_true(kr[(size_t)j * d + 1] == (float)(j * 100 + 1 + 10000 * h));
+            }
+        }
+    }
+    const int32_t last[] = {36};
+    assert_int_equal(skv_kv_cache_drop_rows(c, 0, 0, last, 1), SKV_OK); /* no hole: no copy */
+    assert_false(c->unordered);
+    assert_int_equal(skv_kv_cache_head(c, 0, 0)->len, 36);
+    free(kr);
+    free(vr);
+    skv_kv_cache_free(&fork);
+    skv_kv_cache_free(&c);
+    assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32), SKV_OK);
+}
+
+/* A StreamingLLM or window decode drops its rows by moving the newest into their places
+ * (skv_kv_cache_drop_rows): the same rows as a compaction keeps, and the same logits within
+ * float rounding (attention sums the rows in another order). Checked against a twin whose
+ * rows are put back in position order after every step (the layout a compaction makes),
+ * blocks of 4 rows, 12 steps past a budget of 10, layer and head granularity. */
+static void test_decode_drop_matches(void **state)
+{
+    struct tiny *t = *state;
+    const int nv = t->m->cfg.n_vocab;
+    const char *specs[] = {"policy=streaming,budget=10,sinks=2", "policy=window,budget=10",
+                           "policy=streaming,budget=10,sinks=2,alloc=pyramid",
+                           "policy=streaming,budget=10,sinks=2,granularity=head",
+                           "policy=window,budget=10,granularity=head"};
+    float *lg[2] = {malloc((size_t)nv * sizeof(float)), malloc((size_t)nv * sizeof(float))};
+    assert_true(lg[0] && lg[1]);
+    assert_int_equal(skv_model_set_kv_pool(t->m, 4, SKV_DTYPE_F32), SKV_OK);
+    for (int s = 0; s < 5; s++) {
+        struct skv_kv_cache *c[2] = {NULL, NULL};
+        struct skv_compressor *comp[2] = {NULL, NULL};
+        for (int k = 0; k < 2; k++)
+            run(t, specs[s], &c[k], t->ids, t->n, &comp[k]);
+        double worst = 0;
+        bool unordered = false;
+        for (int step = 0; step < 12; step++) {
+            int32_t tok = t->ids[(40 + step) % 64];
+            for (int k = 0; k < 2; k++) {
+                struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp[k]};
+                assert_int_equal(skv_compressor_begin_decode(comp[k], c[k]), SKV_OK);
+                assert_int_equal(skv_engine_forward(t->e, c[k], &tok, 1, &fo, lg[k]), SKV_OK);
+            }
+            unordered |= c[0]->unordered;
+            assert_int_equal(skv_kv_cache_order(c[1]), SKV_OK);
+            for (int i = 0; i < nv; i++)
+                worst = fmax(worst, fabs((double)lg[0][i] - lg[1][i]));
+            for (int l = 0; l < c[0]->n_layers; l++)
+                for (int h = 0; h < c[0]->n_kv_heads; h++) {
+                    const struct skv_kv_head *a = skv_kv_cache_head(c[0], l, h), *b = skv_kv_cache_head(c[1], l, h);
+                    assert_int_equal(a->len, b->len);
+                    for (int j = 0; j < b->len; j++)
+                        assert_true(holds_pos(a, b->pos[j]));
+                    assert_int_equal(newest_pos(a), 40 + step);
+                }
+        }
+        print_message("%s: logits within %.2g of the ordered twin's\n", specs[s], worst);
+        assert_true(unordered);
+        assert_true(worst < 1e-4);
+        for (int k = 0; k < 2; k++) {
+            skv_compressor_free(&comp[k]);
+            skv_kv_cache_free(&c[k]);
+        }
+    }
+    assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32), SKV_OK);
+    free(lg[0]);
+    free(lg[1]);
+}
+
 /* Decode continues at the original positions; streaming and h2o keep evicting to budget;
  * logits after compression differ from full but decode runs. */
 static void test_decode_eviction(void **state)
@@ -520,8 +682,8 @@ static void test_decode_eviction(void **state)
             assert_int_equal(skv_engine_forward(t->e, c, &tok, 1, &fo, NULL), SKV_OK);
             const struct skv_kv_head *kh = skv_kv_cache_head(c, 1, 0);
             assert_int_equal(kh->len, 10);
-            assert_int_equal(kh->pos[kh->len - 1], 40 + k); /* newest row at its original position */
-            if (s == 0)
+            assert_int_equal(newest_pos(kh), 40 + k); /* newest row at its original position */
+            if (s == 0) /* the sinks stay, each in its place */
                 assert_true(kh->pos[0] == 0 && kh->pos[1] == 1);
         }
         assert_int_equal(c->n_past, 46);
@@ -606,7 +768,7 @@ static void test_decode_f16_pool(void **state)
                 assert_int_equal(b->len, 10);
                 if (s == 0)
                     assert_memory_equal(a->pos, b->pos, 10 * sizeof *a->pos);
-                assert_int_equal(b->pos[9], 44);
+                assert_int_equal(newest_pos(b), 44);
             }
         double worst = 0;
         for (int i = 0; i < nv; i++)
@@ -1111,7 +1273,7 @@ static void test_fixed_budget_above_prompt(void **state)
             const struct skv_kv_head *kh = skv_kv_cache_head(c, l, 0);
             if (kh->len != (b < 26 ? b : 26))
                 fail_msg("%s: layer %d keeps %d rows, budget %d", specs[s], l, kh->len, b);
-            assert_int_equal(kh->pos[kh->len - 1], 25); /* the newest token is kept */
+            assert_int_equal(newest_pos(kh), 25); /* the newest token is kept */
         }
         skv_compressor_free(&comp);
         skv_kv_cache_free(&c);
@@ -1492,6 +1654,8 @@ int main(void)
         cmocka_unit_test(test_streaming_and_window), cmocka_unit_test(test_snapkv_matches_naive),
         cmocka_unit_test(test_streaming_high_positions),
         cmocka_unit_test(test_edge_cases),           cmocka_unit_test(test_head_granularity),
+        cmocka_unit_test(test_drop_rows),
+        cmocka_unit_test(test_decode_drop_matches),
         cmocka_unit_test(test_decode_eviction),
         cmocka_unit_test(test_decode_head_granularity),
         cmocka_unit_test(test_decode_f16_pool),
