@@ -1220,11 +1220,11 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         rc = skv_errorf(SKV_E_BUSY, "the session is decoding");
         goto fail;
     }
-    if ((rc = skv_kv_cache_order(s->cache))) /* the rows it cuts below (by position) are the last ones */
-        goto fail;
     uint64_t before = full_bytes(w->m, s->cache->n_past);
     if ((rc = parse_spec(w, c->compress && c->compress->spec ? c->compress->spec : "", false, &comp, canon,
                          sizeof canon)))
+        goto fail;
+    if ((rc = skv_kv_cache_order(s->cache))) /* the rows it cuts below (by position) are the last ones */
         goto fail;
     int n_past = s->cache->n_past;
     int cut = n_past - (comp ? skv_compressor_spec(comp)->window : 1);
@@ -2789,9 +2789,14 @@ static void handle_evict(struct skv_worker *w, struct skv_job *job)
         }
         e.count = stored ? 0 : 1;
     } else if (q->all_unpinned || (q->tenant && *q->tenant)) {
+        int rc = q->all_unpinned ? SKV_OK : skv_session_check_tenant(q->tenant);
+        if (rc) { /* (a name of other characters would be a pattern of the store's SCAN: '*') */
+            fail_rc(w, job, rc);
+            return;
+        }
         skv_session_foreach(w->sessions, evict_visit, &e);
         skv_prefix_cache_clear(&w->prefix, q->all_unpinned ? NULL : q->tenant); /* counted in bytes_freed */
-        int rc = w->store ? store_evict(w, q->all_unpinned ? NULL : q->tenant, NULL, &stored) : SKV_OK;
+        rc = w->store ? store_evict(w, q->all_unpinned ? NULL : q->tenant, NULL, &stored) : SKV_OK;
         if (rc) { /* what went is gone: the admin learns that too, and what is left */
             char why[512];
             snprintf(why, sizeof why, "%s", skv_error_msg());
@@ -4141,9 +4146,12 @@ static int store_evict_records(struct skv_worker *w, uint32_t *count, char *buf,
             break;
         w->n_spills -= (size_t)sent; /* (gone from the store either way) */
     }
-    return rc ? skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s",
-                           w->n_spills, *count, rc == SKV_E_NOMEM ? "no memory" : skv_error_msg())
-              : SKV_OK;
+    if (!rc)
+        return SKV_OK;
+    char why[256]; /* (skv_errorf formats into the buffer skv_error_msg reads) */
+    snprintf(why, sizeof why, "%s", rc == SKV_E_NOMEM ? "no memory" : skv_error_msg());
+    return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s", w->n_spills,
+                      *count, why);
 }
 
 static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count)
@@ -4151,8 +4159,13 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
     *count = 0;
     char *buf = malloc((size_t)EVICT_BATCH * STORE_KEY_MAX);
     const char **batch = malloc(EVICT_BATCH * sizeof *batch);
-    int rc = buf && batch ? SKV_OK : skv_errorf(SKV_E_NOMEM, "no memory");
-    if (!rc && !tenant && !id) {
+    int rc = SKV_OK;
+    if (!buf || !batch) {
+        free(buf);
+        free(batch);
+        return skv_errorf(SKV_E_NOMEM, "no memory for the store's keys: nothing deleted there");
+    }
+    if (!tenant && !id) {
         rc = store_evict_records(w, count, buf, batch);
         free(buf);
         free(batch);

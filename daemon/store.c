@@ -888,7 +888,8 @@ static long long reply_count(const char *command, const char *line, char type, l
 {
     char *end = NULL;
     errno = 0;
-    long long n = line[0] == type ? strtoll(line + 1, &end, 10) : -1;
+    bool digits = line[0] == type && strlen(line) < 24 && strspn(line + 1, "-0123456789") == strlen(line + 1);
+    long long n = digits ? strtoll(line + 1, &end, 10) : -1;
     if (!end || end == line + 1 || *end || errno == ERANGE || n < lo || n > hi) {
         r->rc = skv_errorf(SKV_E_IO, "%s: an answer of a kind it does not have ('%.20s')", command, line);
         return -1;
@@ -914,11 +915,12 @@ static int read_scan(struct skv_store *st, const char *command, struct store_rep
     if (reply_count(command, r->line, '*', 2, 2, r) < 0 || (err = read_line(st, command, line, sizeof line, r)) ||
         (n = reply_count(command, line, '$', 1, 20, r)) < 0 || (err = recv_all(st, num, (size_t)n + 2)))
         return err ? err : -1;
+    bool crlf = num[n] == '\r' && num[n + 1] == '\n';
     num[n] = '\0';
     char *end = NULL;
     errno = 0;
-    r->cursor = strtoull(num, &end, 10);
-    if (*end || errno == ERANGE || num[0] == '-') {
+    r->cursor = strspn(num, "0123456789") == (size_t)n ? strtoull(num, &end, 10) : 0;
+    if (!crlf || !end || *end || errno == ERANGE) {
         r->rc = skv_errorf(SKV_E_IO, "%s: a cursor that is not one", command);
         return -1;
     }

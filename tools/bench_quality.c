@@ -513,8 +513,8 @@ static int greedy(struct skv_engine *e, struct skv_model *m, struct skv_kv_cache
         }
         if (n == max)
             break;
-        if (comp)
-            rc = skv_compressor_begin_decode(comp, cache);
+        if (comp) /* as the daemon decodes: the upkeep at the forward's end */
+            rc = skv_compressor_begin_step(comp, cache, 1, true, &dec);
         if (!rc)
             rc = skv_engine_forward(e, cache, &t, 1, comp ? &dec : NULL, logits);
         if (rc)
@@ -1341,8 +1341,8 @@ static int fidelity_text(struct qctx *q, const char *path, int N_max, int M, str
         int32_t tok = ids[N + t];
         for (int i = 0; i < S && !rc; i++) {
             struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = r.comp[i]};
-            if (r.comp[i])
-                rc = skv_compressor_begin_decode(r.comp[i], r.cache[i]);
+            if (r.comp[i]) /* as the daemon decodes: the upkeep at the forward's end */
+                rc = skv_compressor_begin_step(r.comp[i], r.cache[i], 1, true, &dec);
             if (!rc)
                 rc = skv_engine_forward(q->e, r.cache[i], &tok, 1, r.comp[i] ? &dec : NULL, lg + (size_t)i * nv);
         }

@@ -512,8 +512,8 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
             break;
         }
         if (produced < max) {
-            if (run.comp)
-                rc = skv_compressor_begin_decode(run.comp, cache);
+            if (run.comp) /* as the daemon decodes: the upkeep at the forward's end */
+                rc = skv_compressor_begin_step(run.comp, cache, 1, true, &dec);
             if (!rc)
                 rc = skv_engine_forward(e, cache, &t, 1, run.comp ? &dec : NULL, logits);
         }
@@ -881,8 +881,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
             for (int k = 0; k < dtok && !rc; k++) {
                 t = (int32_t)(((int64_t)t * 7919 + 13) % nv);
                 for (int b = 0; b < batch && !rc; b++) {
-                    if (wc[b])
-                        rc = skv_compressor_begin_decode(wc[b], work[b]);
+                    if (wc[b]) /* as the daemon decodes: the upkeep at the forward's end */
+                        rc = skv_compressor_begin_step(wc[b], work[b], 1, true, &dec[b]);
                     seqs[b] = (struct skv_batch_seq){.cache = work[b], .token = t, .opts = wc[b] ? &dec[b] : NULL,
                                                      .logits = logits + (size_t)b * nv};
                 }
@@ -917,9 +917,9 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
                     rc = skv_compressor_clone(run.comp, &wc);
                 if (!rc)
                     rc = skv_kv_cache_reserve(work, append[q]);
-                if (!rc && wc)
-                    rc = skv_compressor_begin_decode(wc, work);
-                struct skv_forward_opts ao = {.hook = skv_compressor_hook, .hook_user = wc};
+                struct skv_forward_opts ao = {0};
+                if (!rc && wc) /* as the daemon runs an APPEND: deferred upkeep below 64 tokens */
+                    rc = skv_compressor_begin_step(wc, work, append[q], append[q] < 64, &ao);
                 double t0 = now_s();
                 if (!rc)
                     rc = skv_engine_forward(e, work, ids, append[q], wc ? &ao : NULL, logits);

@@ -873,18 +873,21 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
     }
 }
 
-/* Decode upkeep of StreamingLLM or window (rows chosen by position alone) on a layer whose
- * attention does not read positions (no sliding window), each head at most FEW_OVER rows over
- * `budget`: its worst rows found in one pass, and the head's last rows moved into their places
- * (skv_kv_cache_drop_rows: a few row copies a token, where a compaction gathered every block
- * after the first row dropped, about 46 MB a token at budget 1024 for SmolLM2). The same rows
- * as the compaction keeps, out of position order. false: not such a cut (*rc untouched). */
+/* Deferred decode upkeep (skv_compressor_hook_done) of StreamingLLM or window (rows chosen by
+ * position alone) on a layer whose attention does not read positions (no sliding window), each
+ * head at most FEW_OVER rows over `budget` (head granularity: the layer at most FEW_OVER over
+ * budget * heads): the worst rows found in one pass, and the head's last rows moved into their
+ * places (skv_kv_cache_drop_rows: a few row copies a token, where a compaction gathered every
+ * block after the first row dropped, about 46 MB a token at budget 1024 for SmolLM2). The same
+ * rows as the compaction keeps, out of position order. false: not such a cut (*rc untouched). */
 static bool drop_worst(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int slack,
                        int *rc)
 {
     bool by_pos = c->spec.policy == SKV_POLICY_STREAMING || c->spec.policy == SKV_POLICY_WINDOW;
     bool head_gran = c->spec.granularity == SKV_GRAN_HEAD;
-    if (!c->decode || !by_pos || c->m->layers[layer].window > 0)
+    /* deferred only: the cut runs once the whole forward succeeded, so a failed forward's rows
+     * are still its head's last ones when forward_undo takes them back */
+    if (!c->decode || !c->defer || !by_pos || c->m->layers[layer].window > 0)
         return false;
     int total = 0, must[SKV_MAX_KV_HEADS] = {0};
     for (int h = 0; h < c->n_kv; h++) {
@@ -1173,6 +1176,17 @@ static void h2o_add_scores(struct skv_compressor *c, struct skv_kv_cache *cache,
             if (kh->pos[j] >= c->score_from)
                 kh->score[j] += agg[h * rows + j];
     }
+}
+
+int skv_compressor_begin_step(struct skv_compressor *c, struct skv_kv_cache *cache, int n, bool defer,
+                              struct skv_forward_opts *fo)
+{
+    fo->hook = skv_compressor_hook;
+    fo->hook_user = c;
+    fo->done = skv_compressor_hook_done;
+    fo->done_user = c;
+    int rc = skv_compressor_begin_decode(c, cache);
+    return rc ? rc : skv_compressor_decode_reserve(c, cache, n, defer);
 }
 
 void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache)

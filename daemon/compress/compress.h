@@ -66,6 +66,11 @@ int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_
  * failing part way leaves every layer as it was; the same rows are kept as cut layer by layer.
  * A caller that sets defer must set that `done`. */
 void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache);
+/* What the daemon runs before a decode forward of n tokens (one, or a short APPEND's):
+ * skv_compressor_begin_decode, skv_compressor_decode_reserve(defer) and fo's hook and done.
+ * For tools and tests, so that they decode as the daemon does. */
+int skv_compressor_begin_step(struct skv_compressor *c, struct skv_kv_cache *cache, int n, bool defer,
+                              struct skv_forward_opts *fo);
 /* Layers whose cut at a forward's end failed (no memory for fresh blocks, a device error) since
  * the last call, which resets the count: each stays valid (whole, or some of its heads cut),
  * over its budget, until a later cut (the next token; SnapKV's next re-scoring). */

@@ -283,11 +283,11 @@ static void expected_tokens(const uint32_t *ids, int n, const char *spec_text, u
 {
     struct local_run r;
     local_prefill(ids, n, spec_text, &r);
-    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = r.comp};
+    struct skv_forward_opts fo = {0};
     for (int k = 0; k < n_gen; k++) {
         int32_t tok = skv_argmax(r.logits, r.m->cfg.n_vocab);
         out[k] = (uint32_t)tok;
-        assert_int_equal(skv_compressor_begin_decode(r.comp, r.cache), SKV_OK);
+        assert_int_equal(skv_compressor_begin_step(r.comp, r.cache, 1, true, &fo), SKV_OK); /* as the daemon */
         assert_int_equal(skv_engine_forward(r.e, r.cache, &tok, 1, &fo, r.logits), SKV_OK);
     }
     local_free(&r);
@@ -3893,12 +3893,12 @@ static void test_streaming_rows_in_order(void **state)
     /* the twin: the same prompt and tokens in-process, each decoded token fed back */
     struct local_run r;
     local_prefill(ids, N_PROMPT, spec, &r);
-    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = r.comp};
+    struct skv_forward_opts fo = {0};
     for (uint32_t k = 0; r.cache->n_past < (int32_t)n_past; k++) {
         assert_true(k < got.n_tokens);
         int32_t tok = (int32_t)got.tokens[k];
         assert_int_equal(skv_argmax(r.logits, r.m->cfg.n_vocab), tok);
-        assert_int_equal(skv_compressor_begin_decode(r.comp, r.cache), SKV_OK);
+        assert_int_equal(skv_compressor_begin_step(r.comp, r.cache, 1, true, &fo), SKV_OK);
         assert_int_equal(skv_engine_forward(r.e, r.cache, &tok, 1, &fo, r.logits), SKV_OK);
     }
     assert_true(r.cache->unordered); /* (so is the daemon's, which decoded the same way) */
@@ -3951,7 +3951,7 @@ static void test_streaming_rows_in_order(void **state)
         diff = fmax(diff, fabs((double)x.logits[i] - y.logits[i]));
     /* the twin (rows in order, as the loaded session's) after the same token */
     int32_t tk = (int32_t)next;
-    assert_int_equal(skv_compressor_begin_decode(r.comp, r.cache), SKV_OK);
+    assert_int_equal(skv_compressor_begin_step(r.comp, r.cache, 1, true, &fo), SKV_OK);
     assert_int_equal(skv_engine_forward(r.e, r.cache, &tk, 1, &fo, r.logits), SKV_OK);
     double twin = 0;
     for (size_t i = 0; i < y.n_logits; i++)
@@ -6205,6 +6205,10 @@ static void test_store_evict(void **state)
     assert_true(kz[0]);
     uint32_t evicted = 99;
     uint64_t freed = 99;
+    /* a tenant name that is not one is refused: '*' would be a pattern of the store's SCAN, every
+     * tenant's entries (before the check: all three deleted) */
+    assert_int_equal(snapkv_admin_evict(adm, NULL, "*", false, &evicted, NULL), SNAPKV_E_INVAL);
+    assert_true(store_has(sock, kx) && store_has(sock, ky) && store_has(sock, kz));
     assert_int_equal(snapkv_admin_evict(adm, &x.id, NULL, false, &evicted, &freed), SNAPKV_OK);
     assert_int_equal(evicted, 1);
     assert_int_equal(freed, 0); /* (pool bytes: it held none here) */
@@ -6285,6 +6289,9 @@ static void test_store_evict(void **state)
         !strstr(snapkv_last_error(), "0 session(s) deleted from the store; the rest of tenant p's sessions there "
                 "could not be reached"))
         fail_msg("EVICT with the store gone: %s", snapkv_last_error());
+    assert_int_equal(snapkv_admin_evict(adm, NULL, NULL, true, &evicted, NULL), SNAPKV_E_IO);
+    if (!strstr(snapkv_last_error(), "1 session(s) this daemon spilled are still in the store (0 deleted): store"))
+        fail_msg("EVICT --all with the store gone: %s", snapkv_last_error());
     struct snapkv_inspect_result ir; /* (the one held here went) */
     assert_int_equal(snapkv_admin_inspect(adm, &u.id, false, &ir), SNAPKV_E_NOT_FOUND);
     snapkv_close(&cp);
