@@ -76,6 +76,7 @@ struct row {
     float key;      /* policy score (higher keeps) */
     int32_t prio;   /* order among must-keep rows (higher keeps) */
     int32_t idx;    /* row in the head */
+    int32_t pos;    /* its original position (the last tie-break: the rows may be out of order) */
     int16_t head;
     int8_t must;    /* window / sinks: kept before any scored row */
 };
@@ -775,7 +776,7 @@ static int by_keep_order(const void *a, const void *b)
     }
     if (x->head != y->head)
         return x->head < y->head ? -1 : 1;
-    return x->idx < y->idx ? -1 : x->idx > y->idx;
+    return x->pos < y->pos ? -1 : x->pos > y->pos; /* (in order: as by index) */
 }
 
 static int by_head_idx(const void *a, const void *b)
@@ -832,16 +833,53 @@ static int worst_rows(const struct row *seg, int n, int drop, int worst[FEW_OVER
 
 /* Writes the rows of head h of the layer into out[]: policy keys, must flags. w_obs: the
  * observation / recent window in rows. */
-static void classify(const struct skv_compressor *c, const struct skv_kv_head *kh, int h, int w_obs, int budget,
-                     struct row *out)
+/* The position the newest w of head kh's rows start at (its rows in position order or not:
+ * in_order says they are): rows at or past it are the newest w. */
+static int32_t newest_start(const struct skv_kv_head *kh, int w, bool in_order)
+{
+    if (w <= 0)
+        return INT32_MAX;
+    if (w >= kh->len)
+        return INT32_MIN;
+    if (in_order)
+        return kh->pos[kh->len - w];
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
+    for (int j = 0; j < kh->len; j++) {
+        lo = kh->pos[j] < lo ? kh->pos[j] : lo;
+        hi = kh->pos[j] > hi ? kh->pos[j] : hi;
+    }
+    int at_least = 0; /* while decoding, the newest w positions are those of the last w tokens */
+    for (int j = 0; j < kh->len; j++)
+        at_least += kh->pos[j] > hi - w;
+    if (at_least == w)
+        return hi - w + 1;
+    while (lo < hi) { /* the largest t with at least w positions >= t (they are distinct: exactly w) */
+        int32_t mid = lo + (int32_t)(((int64_t)hi - lo + 1) / 2);
+        int cnt = 0;
+        for (int j = 0; j < kh->len; j++)
+            cnt += kh->pos[j] >= mid;
+        if (cnt >= w)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+static void classify(const struct skv_compressor *c, const struct skv_kv_cache *cache, const struct skv_kv_head *kh,
+                     int h, int w_obs, int budget, struct row *out)
 {
     int n = kh->len;
+    /* the observation (snapkv) or recent (h2o) window: the newest w_obs rows, by position (the
+     * last ones unless a decode dropped rows in place) */
+    int32_t recent = newest_start(kh, w_obs, !cache->unordered);
     /* StreamingLLM's sinks leave the newest row a place: with budget <= sinks they would fill
      * it, and each decoded token would go right after its own step */
     int sinks = c->spec.sinks < budget ? c->spec.sinks : budget - 1;
     for (int j = 0; j < n; j++) {
         struct row *r = &out[j];
         r->idx = j;
+        r->pos = kh->pos[j];
         r->head = (int16_t)h;
         r->key = isnan(kh->score[j]) ? -INFINITY : kh->score[j]; /* NaN: last, as the device's top-k */
         r->must = 0;
@@ -849,9 +887,9 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
         switch (c->spec.policy) {
         case SKV_POLICY_SNAPKV:
         case SKV_POLICY_H2O:
-            if (j >= n - w_obs) { /* the observation (snapkv) or recent (h2o) window */
+            if (kh->pos[j] >= recent) { /* the observation (snapkv) or recent (h2o) window */
                 r->must = 1;
-                r->prio = j;
+                r->prio = kh->pos[j];
             }
             break;
         case SKV_POLICY_STREAMING:
@@ -873,21 +911,23 @@ static void classify(const struct skv_compressor *c, const struct skv_kv_head *k
     }
 }
 
-/* Deferred decode upkeep (skv_compressor_hook_done) of StreamingLLM or window (rows chosen by
- * position alone) on a layer whose attention does not read positions (no sliding window), each
+/* Deferred decode upkeep (skv_compressor_hook_done) of StreamingLLM, window or H2O (rows chosen
+ * by position and score, never by index) on a layer whose attention does not read positions (no
+ * sliding window), each
  * head at most FEW_OVER rows over `budget` (head granularity: the layer at most FEW_OVER over
  * budget * heads): the worst rows found in one pass, and the head's last rows moved into their
  * places (skv_kv_cache_drop_rows: a few row copies a token, where a compaction gathered every
  * block after the first row dropped, about 46 MB a token at budget 1024 for SmolLM2). The same
  * rows as the compaction keeps, out of position order. false: not such a cut (*rc untouched). */
-static bool drop_worst(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int slack,
-                       int *rc)
+static bool drop_worst(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, int budget, int w_obs,
+                       int slack, int *rc)
 {
-    bool by_pos = c->spec.policy == SKV_POLICY_STREAMING || c->spec.policy == SKV_POLICY_WINDOW;
+    bool in_place = c->spec.policy == SKV_POLICY_STREAMING || c->spec.policy == SKV_POLICY_WINDOW ||
+                    c->spec.policy == SKV_POLICY_H2O; /* (SnapKV's re-scoring selects by index) */
     bool head_gran = c->spec.granularity == SKV_GRAN_HEAD;
     /* deferred only: the cut runs once the whole forward succeeded, so a failed forward's rows
      * are still its head's last ones when forward_undo takes them back */
-    if (!c->decode || !c->defer || !by_pos || c->m->layers[layer].window > 0)
+    if (!c->decode || !c->defer || !in_place || c->m->layers[layer].window > 0)
         return false;
     int total = 0, must[SKV_MAX_KV_HEADS] = {0};
     for (int h = 0; h < c->n_kv; h++) {
@@ -905,7 +945,7 @@ static bool drop_worst(struct skv_compressor *c, struct skv_kv_cache *cache, int
             return true;
         for (int h = 0, base = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
-            classify(c, kh, h, 0, budget, c->rows + base);
+            classify(c, cache, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, c->rows + base);
             for (int j = 0; j < kh->len; j++)
                 must[h] += c->rows[base + j].must;
             if (must[h] > budget)
@@ -922,7 +962,7 @@ static bool drop_worst(struct skv_compressor *c, struct skv_kv_cache *cache, int
                 continue;
             if ((*rc = grow((void **)&c->rows, &c->rows_cap, kh->len, sizeof *c->rows)))
                 break;
-            classify(c, kh, h, 0, budget, c->rows);
+            classify(c, cache, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, c->rows);
             nw = worst_rows(c->rows, kh->len, kh->len - budget, worst);
         }
         for (int i = 0; i < nw; i++) { /* this head's, increasing */
@@ -1015,7 +1055,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
     if (c->spec.policy == SKV_POLICY_SNAPKV && c->scored_layer == layer && w_obs < budget)
         return select_scored(c, cache, layer, budget, w_obs, slack);
     int rc = SKV_OK;
-    if (drop_worst(c, cache, layer, budget, slack, &rc))
+    if (drop_worst(c, cache, layer, budget, w_obs, slack, &rc))
         return rc;
     if ((rc = grow((void **)&c->rows, &c->rows_cap, total, sizeof *c->rows)))
         return rc;
@@ -1030,7 +1070,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         for (int h = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
             struct row *seg = c->rows + base;
-            classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, seg);
+            classify(c, cache, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, seg);
             int k = kh->len < budget ? kh->len : budget;
             if (kh->len - k <= FEW_OVER) {
                 k = keep_all_but_worst(seg, kh->len, kh->len - k, c->rows + n_keep);
@@ -1049,7 +1089,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
         bool must_fit = true; /* no head has more must-keep rows than the per-head budget */
         for (int h = 0; h < c->n_kv; h++) {
             const struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
-            classify(c, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, c->rows + base);
+            classify(c, cache, kh, h, w_obs < kh->len ? w_obs : kh->len, budget, c->rows + base);
             int must = 0;
             for (int j = 0; j < kh->len; j++)
                 must += c->rows[base + j].must;

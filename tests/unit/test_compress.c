@@ -609,8 +609,9 @@ static void test_drop_rows(void **state)
     assert_int_equal(skv_model_set_kv_pool(t->m, SKV_KV_BLOCK_ROWS, SKV_DTYPE_F32), SKV_OK);
 }
 
-/* A StreamingLLM or window decode, its upkeep deferred to the forward's end as the daemon runs
- * it, drops its rows by moving the newest into their places (skv_kv_cache_drop_rows): the same
+/* A StreamingLLM, window or H2O decode (its recent window, 3 rows, or 12: more than the budget,
+ * found by position), its upkeep deferred to the forward's end as the daemon runs it, drops its
+ * rows by moving the newest into their places (skv_kv_cache_drop_rows): the same
  * rows as the compaction keeps, and the same logits within float rounding (attention sums the
  * rows in another order). Checked against a twin whose upkeep runs inside the forward, which
  * compacts (rows in position order), blocks of 4 rows, 12 steps past a budget of 10, layer and
@@ -622,11 +623,12 @@ static void test_decode_drop_matches(void **state)
     const char *specs[] = {"policy=streaming,budget=10,sinks=2", "policy=window,budget=10",
                            "policy=streaming,budget=10,sinks=2,alloc=pyramid",
                            "policy=streaming,budget=10,sinks=2,granularity=head",
-                           "policy=window,budget=10,granularity=head"};
+                           "policy=window,budget=10,granularity=head", "policy=h2o,budget=10,window=3",
+                           "policy=h2o,budget=10,window=3,granularity=head", "policy=h2o,budget=10,window=12"};
     float *lg[2] = {malloc((size_t)nv * sizeof(float)), malloc((size_t)nv * sizeof(float))};
     assert_true(lg[0] && lg[1]);
     assert_int_equal(skv_model_set_kv_pool(t->m, 4, SKV_DTYPE_F32), SKV_OK);
-    for (int s = 0; s < 5; s++) {
+    for (int s = 0; s < 8; s++) {
         struct skv_kv_cache *c[2] = {NULL, NULL};
         struct skv_compressor *comp[2] = {NULL, NULL};
         for (int k = 0; k < 2; k++)
