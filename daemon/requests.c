@@ -3114,10 +3114,10 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
     size_t dim = (size_t)s->cache->head_dim;
     float *rows = NULL;   /* one head's K rows, then its V rows, from row r0 on, read out of its blocks */
     uint32_t *refs = NULL; /* the store indices of its blocks there */
-    /* a head whose rows are out of position order (StreamingLLM's decode moves its newest rows
-     * into the places of those it drops) is written in position order, as every reader wants
-     * it, all of its rows in the file: its positions and scores through `sorted`, its rows
-     * through `perm` */
+    /* a head whose rows are out of position order (StreamingLLM's, window's and H2O's decode
+     * move their newest rows into the places of those they drop) is written in position order,
+     * as every reader wants it, all of its rows in the file (no block-store references): its
+     * positions and scores through `sorted`, its rows through `perm` */
     struct skv_kv_head sorted = {0};
     int32_t *perm = NULL;
     float *permuted = NULL;

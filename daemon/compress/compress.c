@@ -510,6 +510,12 @@ int skv_compressor_begin(struct skv_compressor *c, struct skv_kv_cache *cache, i
 {
     if (n <= 0)
         return skv_errorf(SKV_E_INVAL, "compress: empty forward");
+    /* SnapKV scores and pools rows by index, and a compressing forward's window is its last
+     * rows: rows an in-place decode left out of order (a FORK of such a session) go back in
+     * order first */
+    int rc = skv_kv_cache_order(cache);
+    if (rc)
+        return rc;
     c->decode = false;
     pend_clear(c);
     c->scored_layer = -1; /* the cache may have changed since the last scores */
@@ -625,6 +631,11 @@ bool skv_compressor_decode_keeps_rows(const struct skv_compressor *c)
 
 int skv_compressor_begin_decode(struct skv_compressor *c, struct skv_kv_cache *cache)
 {
+    if (c->spec.policy == SKV_POLICY_SNAPKV && cache->unordered) { /* its re-scoring reads rows by index */
+        int rc = skv_kv_cache_order(cache);
+        if (rc)
+            return rc;
+    }
     if (!c->decode && c->spec.decode_budget > 0)
         spread_decode_budget(c); /* the first decode step after a compressing forward */
     else if (!c->decode && c->budget < decode_floor(&c->spec) && c->spec.policy != SKV_POLICY_SNAPKV)

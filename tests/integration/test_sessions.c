@@ -3860,22 +3860,18 @@ static void test_evicting_decode_matches(void **state)
     stop_daemon(&d);
 }
 
-/* A StreamingLLM decode leaves a session's rows out of position order (the newest moved into
- * the places of those it drops; test_compress test_decode_drop_matches). What reads them as a
- * sequence sees them in position order, as an in-process twin holds them once put back in
+/* A StreamingLLM or H2O decode leaves a session's rows out of position order (the newest moved
+ * into the places of those it drops; test_compress test_decode_drop_matches). What reads them
+ * as a sequence sees them in position order, as an in-process twin holds them once put back in
  * order: EXPORT's positions and rows, INSPECT's positions; a SAVE (positions increasing, as
- * every reader wants them) loads back as a session whose next logits are the twin's, and the
- * original's within rounding (its rows summed in another order: 1.4e-3 here, the next token
- * the same). */
-static void test_streaming_rows_in_order(void **state)
+ * every reader wants them; H2O's scores with their rows) loads back as a session whose next
+ * logits are the twin's, and the original's within rounding (its rows summed in another order:
+ * 1.4e-3 and 2.5e-3 here, the next token the same), and whose next step keeps the twin's rows. */
+static void rows_in_order_of(struct daemon *d, const char *spec, const char *name)
 {
-    NEED_MODEL();
-    struct daemon d;
-    start_daemon(&d, "1G");
-    const char *spec = "policy=streaming,budget=24,sinks=4";
     uint32_t ids[N_PROMPT];
     prompt(ids, N_PROMPT, 13);
-    snapkv_client_t *c = client(d.endpoint, "tenant-a"), *a = client(d.admin, NULL);
+    snapkv_client_t *c = client(d->endpoint, "tenant-a"), *a = client(d->admin, NULL);
     struct snapkv_prefill_opts po = {.tokens = ids, .n_tokens = N_PROMPT, .compress = spec};
     struct snapkv_prefill_result p;
     assert_int_equal(snapkv_prefill(c, &po, &p), SNAPKV_OK);
@@ -3922,14 +3918,15 @@ static void test_streaming_rows_in_order(void **state)
             const struct skv_kv_head *kh = skv_kv_cache_head(r.cache, l, h);
             for (int j = 0; j < kh->len; j++, at_pos++) {
                 assert_int_equal(pos[at_pos], (uint32_t)kh->pos[j]);
-                assert_int_equal(pos[at_pos], j < 4 ? (uint32_t)j : n_past - 24 + (uint32_t)j);
+                if (strstr(spec, "streaming"))
+                    assert_int_equal(pos[at_pos], j < 4 ? (uint32_t)j : n_past - 24 + (uint32_t)j);
             }
         }
     }
     assert_int_equal(at_pos, n_pos);
     assert_int_equal(at * sizeof *rows, bytes);
-    printf("EXPORT of a StreamingLLM session after %zu decoded tokens: rows within %.2g of the ordered twin's\n",
-           got.n_tokens, worst);
+    printf("%s: EXPORT after %zu decoded tokens: rows within %.2g of the ordered twin's\n", spec, got.n_tokens,
+           worst);
     assert_true(worst < 1e-3);
     size_t n_ins = 0;
     uint32_t kept0 = 0, *ins = kept_positions(a, &p.id, &n_ins, &kept0);
@@ -3938,8 +3935,8 @@ static void test_streaming_rows_in_order(void **state)
     free(ins);
     /* SAVE, LOAD: the loaded session's next logits are the original's */
     struct snapkv_session_id loaded;
-    assert_int_equal(snapkv_admin_save(a, &p.id, "streamed", NULL), SNAPKV_OK);
-    assert_int_equal(snapkv_admin_load(a, "streamed", "tenant-a", &loaded), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_save(a, &p.id, name, NULL), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_load(a, name, "tenant-a", &loaded), SNAPKV_OK);
     uint32_t next = got.tokens[got.n_tokens - 1];
     struct snapkv_append_opts ao = {.tokens = &next, .n_tokens = 1, .return_logits = true};
     struct snapkv_append_result x, y;
@@ -3956,11 +3953,20 @@ static void test_streaming_rows_in_order(void **state)
     double twin = 0;
     for (size_t i = 0; i < y.n_logits; i++)
         twin = fmax(twin, fabs((double)y.logits[i] - r.logits[i]));
-    printf("a SAVE of it loaded back: next logits within %.2g of the twin's, %.2g of the original's (its rows "
-           "summed in another order)\n", twin, diff);
+    printf("%s: a SAVE of it loaded back: next logits within %.2g of the twin's, %.2g of the original's (its "
+           "rows summed in another order)\n", spec, twin, diff);
     assert_true(twin < 1e-5);
     assert_true(diff < 1e-2);
     assert_int_equal(x.next_token, y.next_token);
+    /* and that step kept the twin's rows (H2O: by the scores the SAVE carried with their rows) */
+    assert_int_equal(skv_kv_cache_order(r.cache), SKV_OK);
+    uint32_t *lp = kept_positions(a, &loaded, &n_ins, &kept0);
+    at_pos = 0;
+    for (int i = 0; i < L * H; i++)
+        for (int j = 0; j < r.cache->heads[i].len; j++, at_pos++)
+            assert_int_equal(lp[at_pos], (uint32_t)r.cache->heads[i].pos[j]);
+    assert_int_equal(at_pos, n_ins);
+    free(lp);
     snapkv_append_result_free(&x);
     snapkv_append_result_free(&y);
     free(want);
@@ -3972,6 +3978,15 @@ static void test_streaming_rows_in_order(void **state)
     snapkv_prefill_result_free(&p);
     snapkv_close(&c);
     snapkv_close(&a);
+}
+
+static void test_streaming_rows_in_order(void **state)
+{
+    NEED_MODEL();
+    struct daemon d;
+    start_daemon(&d, "1G");
+    rows_in_order_of(&d, "policy=streaming,budget=24,sinks=4", "streamed");
+    rows_in_order_of(&d, "policy=h2o,budget=24,window=8", "h2o");
     stop_daemon(&d);
 }
 
