@@ -466,14 +466,24 @@ static int head_gather(struct skv_kv_cache *c, struct skv_kv_head *hd, const int
     return SKV_OK;
 }
 
+/* SKV_OK when rows[0..n) of head hd are strictly increasing row indices, else SKV_E_INVAL
+ * naming `what`. */
+static int check_row_list(const struct skv_kv_head *hd, const int32_t *rows, int n, const char *what)
+{
+    if (n < 0 || n > hd->len || (n > 0 && !rows))
+        return skv_errorf(SKV_E_INVAL, "%s: %d of %d rows", what, n, hd->len);
+    for (int i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= hd->len || (i > 0 && rows[i] <= rows[i - 1]))
+            return skv_errorf(SKV_E_INVAL, "%s: row %d at %d is out of range or order", what, rows[i], i);
+    return SKV_OK;
+}
+
 int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t *idx, int cnt)
 {
     struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
-    if (cnt < 0 || cnt > hd->len || (cnt > 0 && !idx))
-        return skv_errorf(SKV_E_INVAL, "compaction: %d of %d rows", cnt, hd->len);
-    for (int i = 0; i < cnt; i++)
-        if (idx[i] < 0 || idx[i] >= hd->len || (i > 0 && idx[i] <= idx[i - 1]))
-            return skv_errorf(SKV_E_INVAL, "compaction: row %d at %d is out of range or order", idx[i], i);
+    int rc = check_row_list(hd, idx, cnt, "compaction");
+    if (rc)
+        return rc;
     if (cnt == hd->len)
         return SKV_OK; /* strictly increasing and as many as there are: every row in place */
     return head_gather(c, hd, idx, cnt, true);
@@ -482,11 +492,9 @@ int skv_kv_cache_compact(struct skv_kv_cache *c, int layer, int h, const int32_t
 int skv_kv_cache_drop_rows(struct skv_kv_cache *c, int layer, int h, const int32_t *drop, int n)
 {
     struct skv_kv_head *hd = skv_kv_cache_head(c, layer, h);
-    if (n < 0 || n > hd->len || (n > 0 && !drop))
-        return skv_errorf(SKV_E_INVAL, "dropping %d of %d rows", n, hd->len);
-    for (int i = 0; i < n; i++)
-        if (drop[i] < 0 || drop[i] >= hd->len || (i > 0 && drop[i] <= drop[i - 1]))
-            return skv_errorf(SKV_E_INVAL, "dropping row %d at %d: out of range or order", drop[i], i);
+    int rc = check_row_list(hd, drop, n, "dropping rows");
+    if (rc)
+        return rc;
     const int len = hd->len - n, t = c->block_rows;
     /* the holes below the new length, and as many kept rows from above it, both increasing */
     int holes = 0;
@@ -495,7 +503,7 @@ int skv_kv_cache_drop_rows(struct skv_kv_cache *c, int layer, int h, const int32
     int32_t stack_src[16], *src = holes <= 16 ? stack_src : malloc((size_t)holes * sizeof *src);
     void *stack_to[32], **to = holes <= 16 ? stack_to : malloc((size_t)(2 * holes) * sizeof *to);
     const void *stack_from[32], **from = holes <= 16 ? stack_from : malloc((size_t)(2 * holes) * sizeof *from);
-    int rc = src && to && from ? SKV_OK : SKV_E_NOMEM;
+    rc = src && to && from ? SKV_OK : SKV_E_NOMEM;
     for (int j = len, d = holes, k = 0; !rc && j < hd->len && k < holes; j++) {
         if (d < n && drop[d] == j)
             d++;

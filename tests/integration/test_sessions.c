@@ -6104,6 +6104,19 @@ static void tenant_key_of(const char *sock, const char *tenant, const struct sna
     fixture_redis_cli(sock, args, out, cap);
 }
 
+/* SIGTERM to d's daemon (with a store and no persist: its stop spills every session there),
+ * its exit 0 waited for, and its directory removed. */
+static void stop_drained(struct daemon *d)
+{
+    assert_int_equal(kill(d->pid, SIGTERM), 0);
+    int st = 0;
+    assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    forget_daemon(d->pid);
+    d->pid = 0;
+    stop_daemon(d);
+}
+
 /* A session of c's tenant (96 tokens cut to 32 rows: 1.4 MiB in the store) with a 1 s lease. */
 static void prefill_leased(snapkv_client_t *c, unsigned seed, struct snapkv_prefill_result *out)
 {
@@ -6171,13 +6184,7 @@ static void test_store_tenant_cap(void **state)
     snapkv_close(&cp);
     snapkv_close(&cq);
     snapkv_close(&adm);
-    assert_int_equal(kill(d.pid, SIGTERM), 0); /* a stop: the drain */
-    int st = 0;
-    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
-    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-    forget_daemon(d.pid);
-    d.pid = 0;
-    stop_daemon(&d); /* (its directory) */
+    stop_drained(&d); /* a stop: the drain */
     tenant_key_of(sock, "p", &u.id, key, sizeof key);
     assert_true(key[0]);
     snapkv_prefill_result_free(&u);
@@ -6259,13 +6266,7 @@ static void test_store_evict(void **state)
     snapkv_close(&cp);
     snapkv_close(&cq);
     snapkv_close(&adm);
-    assert_int_equal(kill(d.pid, SIGTERM), 0);
-    int st = 0;
-    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
-    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-    forget_daemon(d.pid);
-    d.pid = 0;
-    stop_daemon(&d); /* (its directory) */
+    stop_drained(&d);
     tenant_key_of(sock, "p", &b.id, kb, sizeof kb);
     tenant_key_of(sock, "q", &c.id, kc, sizeof kc);
     assert_true(kb[0] && kc[0]);
