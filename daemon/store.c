@@ -800,6 +800,15 @@ static int recv_all(struct skv_store *st, void *p, size_t n)
  * Any other reply (an array, a string where none is due) is not read on: nothing grows without
  * bound on what a store sends. 0, an errno (the socket failed; EAGAIN: the deadline passed), or
  * -1 with r->rc (not such a reply, a value too large, no memory: the connection must go). */
+/* Whether p is a number as the protocol writes one: an optional '-', then 1 to 19 digits (no
+ * space, no '+': strtoll alone would take them). */
+static bool resp_number(const char *p)
+{
+    p += *p == '-';
+    size_t n = strspn(p, "0123456789");
+    return n >= 1 && n <= 19 && !p[n];
+}
+
 /* One line of a reply into line (cap bytes: cut there, an error message's rest skipped), its
  * \r\n gone: 0, an errno, or -1 with r->rc (a line longer than STORE_LINE_MAX). */
 static int read_line(struct skv_store *st, const char *command, char *line, size_t cap, struct store_reply *r)
@@ -836,8 +845,9 @@ static int read_reply(struct skv_store *st, const char *command, bool string_ok,
     }
     char *end = NULL;
     errno = 0;
-    long long n = r->type == ':' || r->type == '$' ? strtoll(line + 1, &end, 10) : 0;
-    bool number = end && end != line + 1 && !*end && errno != ERANGE;
+    bool number = (r->type == ':' || r->type == '$') && resp_number(line + 1);
+    long long n = number ? strtoll(line + 1, &end, 10) : 0;
+    number = number && !*end && errno != ERANGE;
     if (r->type == ':' && number) {
         r->integer = n;
         return 0;
@@ -888,8 +898,7 @@ static long long reply_count(const char *command, const char *line, char type, l
 {
     char *end = NULL;
     errno = 0;
-    bool digits = line[0] == type && strlen(line) < 24 && strspn(line + 1, "-0123456789") == strlen(line + 1);
-    long long n = digits ? strtoll(line + 1, &end, 10) : -1;
+    long long n = line[0] == type && resp_number(line + 1) ? strtoll(line + 1, &end, 10) : -1;
     if (!end || end == line + 1 || *end || errno == ERANGE || n < lo || n > hi) {
         r->rc = skv_errorf(SKV_E_IO, "%s: an answer of a kind it does not have ('%.20s')", command, line);
         return -1;

@@ -6380,7 +6380,8 @@ static void test_store_hostile(void **state)
 
 /* SCAN, as EVICT walks the store with it: against a store that answers what it likes, a key
  * longer than 1024 bytes and one holding a NUL are read past and left out, and an array of more
- * keys than a page may have, or of another shape, is refused without being read on; against
+ * keys than a page may have, or of another shape, is refused without being read on (and a
+ * number with a sign or a space in any reply, which strtoll alone took); against
  * redis-server (skipped without it), a walk of 2500 keys of ours among 300 others finds each
  * of ours (a key may come twice in a walk) and no other, page by page, and GETRANGE gives a
  * value's last bytes (and none of a key with no value). */
@@ -6436,6 +6437,23 @@ static void test_store_scan(void **state)
             fail_msg("answer %zu: %s", i, skv_error_msg());
         assert_null(keys);
         assert_int_equal(n, 0);
+        skv_store_free(&st);
+        hostile_stop(&h);
+    }
+    /* a number of another form in any reply (strtoll alone takes a sign and spaces) */
+    const char *loose[] = {"$+3\r\nabc\r\n", "$ 3\r\nabc\r\n", ": 1\r\n", ":+1\r\n"};
+    for (size_t i = 0; i < sizeof loose / sizeof *loose; i++) {
+        h.script = loose[i];
+        h.script_n = strlen(loose[i]);
+        hostile_start(&h, HOSTILE_SCRIPT, dir);
+        assert_int_equal(skv_store_new(url, 2000, 1 << 30, &st), SKV_OK);
+        const void *data = NULL;
+        void *value = NULL;
+        size_t got = 0;
+        int rc = i < 2 ? skv_store_take(st, "k", &data, &got, &value) : skv_store_exists(st, "k");
+        assert_int_equal(rc, SKV_E_IO);
+        if (!strstr(skv_error_msg(), "an answer of a kind it does not have"))
+            fail_msg("answer '%s': %s", loose[i], skv_error_msg());
         skv_store_free(&st);
         hostile_stop(&h);
     }
