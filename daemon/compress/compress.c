@@ -802,26 +802,6 @@ static int by_head_idx(const void *a, const void *b)
  * found in one pass (n * over comparisons) instead of a sort of all n. */
 #define FEW_OVER 8
 
-/* Copies the n rows of seg (in index order) but the `drop` last in by_keep_order into out, in
- * the same order (out may be seg or before it); returns how many were copied. The same rows a
- * sort by by_keep_order would keep first (a total order: no ties). */
-static int worst_rows(const struct row *seg, int n, int drop, int worst[FEW_OVER]);
-
-static int keep_all_but_worst(const struct row *seg, int n, int drop, struct row *out)
-{
-    int worst[FEW_OVER];
-    int nw = worst_rows(seg, n, drop, worst);
-    int k = 0;
-    for (int j = 0; j < n; j++) {
-        bool dropped = false;
-        for (int i = 0; i < nw && !dropped; i++)
-            dropped = worst[i] == j;
-        if (!dropped)
-            out[k++] = seg[j]; /* (out[k] is at or before seg[j]: nothing unread is written) */
-    }
-    return k;
-}
-
 /* The `drop` (<= FEW_OVER) worst of seg's n rows in by_keep_order, into worst[] (indices into
  * seg, in by_keep_order: worst[nw - 1] is the very worst); returns how many. */
 static int worst_rows(const struct row *seg, int n, int drop, int worst[FEW_OVER])
@@ -841,9 +821,24 @@ static int worst_rows(const struct row *seg, int n, int drop, int worst[FEW_OVER
     return nw;
 }
 
+/* Copies the n rows of seg (in index order) but the `drop` last in by_keep_order into out, in
+ * the same order (out may be seg or before it); returns how many were copied. The same rows a
+ * sort by by_keep_order would keep first (a total order: no ties). */
+static int keep_all_but_worst(const struct row *seg, int n, int drop, struct row *out)
+{
+    int worst[FEW_OVER];
+    int nw = worst_rows(seg, n, drop, worst);
+    int k = 0;
+    for (int j = 0; j < n; j++) {
+        bool dropped = false;
+        for (int i = 0; i < nw && !dropped; i++)
+            dropped = worst[i] == j;
+        if (!dropped)
+            out[k++] = seg[j]; /* (out[k] is at or before seg[j]: nothing unread is written) */
+    }
+    return k;
+}
 
-/* Writes the rows of head h of the layer into out[]: policy keys, must flags. w_obs: the
- * observation / recent window in rows. */
 /* The position the newest w of head kh's rows start at (its rows in position order or not:
  * in_order says they are): rows at or past it are the newest w. */
 static int32_t newest_start(const struct skv_kv_head *kh, int w, bool in_order)
@@ -877,13 +872,16 @@ static int32_t newest_start(const struct skv_kv_head *kh, int w, bool in_order)
     return lo;
 }
 
+/* Writes the rows of head h of the layer into out[]: policy keys, must flags. w_obs: the
+ * observation / recent window in rows. */
 static void classify(const struct skv_compressor *c, const struct skv_kv_cache *cache, const struct skv_kv_head *kh,
                      int h, int w_obs, int budget, struct row *out)
 {
     int n = kh->len;
     /* the observation (snapkv) or recent (h2o) window: the newest w_obs rows, by position (the
-     * last ones unless a decode dropped rows in place) */
-    int32_t recent = newest_start(kh, w_obs, !cache->unordered);
+     * last ones unless a decode dropped rows in place); the other policies have none */
+    bool windowed = c->spec.policy == SKV_POLICY_SNAPKV || c->spec.policy == SKV_POLICY_H2O;
+    int32_t recent = windowed ? newest_start(kh, w_obs, !cache->unordered) : INT32_MAX;
     /* StreamingLLM's sinks leave the newest row a place: with budget <= sinks they would fill
      * it, and each decoded token would go right after its own step */
     int sinks = c->spec.sinks < budget ? c->spec.sinks : budget - 1;
