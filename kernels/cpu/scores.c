@@ -2,6 +2,7 @@
  * H2O's accumulated attention), their reduction over each GQA group with SnapKV's pooling,
  * the top-k of rows by score, the mean residual cosine (SqueezeAttention) and the row
  * copies that compact a paged cache. */
+#include <limits.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -22,29 +23,84 @@ struct colsum_job {
     atomic_int status;         /* SKV_OK, or the first failure (set by any worker) */
 };
 
+/* Row j of KV head kvh's keys as f32: the widened copy (f16 / q8_0 rows, keys != NULL, row lo0
+ * first) or the view's own row. */
+static inline const float *key_row(const struct colsum_job *job, int kvh, const float *keys, int lo0, int j)
+{
+    return keys ? keys + (size_t)(j - lo0) * job->head_dim : skv_kv_view_row(job->kv, kvh, 0, j);
+}
+
+/* The column sums score queries in chunks of at most this many together, each 8-row block of
+ * keys read once for all of them (it stays in L1; a query at a time streamed every key row
+ * from L3 again: 1032 rows x 3 KV heads of SmolLM2 do not fit L2), and a chunk's scores take
+ * at most COLSUM_CHUNK_FLOATS floats a thread (one query's row at the least). */
+#define COLSUM_QUERIES 32
+#define COLSUM_CHUNK_FLOATS (1 << 20)
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-static float dot(const float *a, const float *b, int d)
+#include "kernels/cpu/vdot.h"
+#include "kernels/cpu/vexp.h"
+
+static float hmax8(__m256 v)
 {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= d; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-    float s = _mm_cvtss_f32(s4);
-    for (; i < d; i++)
-        s += a[i] * b[i];
-    return s;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* One query's dot products s[j - base] for its rows j in [lo, seen), of the 8-row blocks
+ * starting at base: become exp(scale * dot - max), the blocks' rows outside [lo, seen) 0 (in
+ * base 2, scaled by log2 e, for the vector exp2); returns 1 / their sum (summed in double). */
+static float row_exp(float *s, int base, int lo, int seen, float scale)
+{
+    const __m256 vscale = _mm256_set1_ps(scale * 1.4426950408889634f), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i before = _mm256_set1_epi32(lo - 1), end = _mm256_set1_epi32(seen);
+    const int b0 = base + ((lo - base) & ~7);
+    __m256 mx = ninf;
+    for (int j = b0; j < seen; j += 8) {
+        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(j), lane);
+        const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, before), _mm256_cmpgt_epi32(end, idx));
+        const __m256 v = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(s + j - base), vscale),
+                                          _mm256_castsi256_ps(in));
+        _mm256_storeu_ps(s + j - base, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    const __m256 m = _mm256_set1_ps(hmax8(mx));
+    __m256d sum_lo = _mm256_setzero_pd(), sum_hi = sum_lo;
+    for (int j = b0; j < seen; j += 8) {
+        const __m256 e = skv_exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j - base), m)); /* exp2(-inf) = 0 */
+        _mm256_storeu_ps(s + j - base, e);
+        sum_lo = _mm256_add_pd(sum_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        sum_hi = _mm256_add_pd(sum_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double sum[4];
+    _mm256_storeu_pd(sum, _mm256_add_pd(sum_lo, sum_hi));
+    return (float)(1.0 / ((sum[0] + sum[1]) + (sum[2] + sum[3])));
 }
 #else
-static float dot(const float *a, const float *b, int d)
+static void dot8(const float *q, const float *const *k, int d, float *s)
 {
-    float s = 0;
-    for (int i = 0; i < d; i++)
-        s += a[i] * b[i];
-    return s;
+    for (int j = 0; j < 8; j++) {
+        s[j] = 0;
+        for (int t = 0; t < d; t++)
+            s[j] += q[t] * k[j][t];
+    }
+}
+
+static float row_exp(float *s, int base, int lo, int seen, float scale)
+{
+    float mx = -INFINITY;
+    for (int j = lo; j < seen; j++) {
+        s[j - base] *= scale;
+        mx = s[j - base] > mx ? s[j - base] : mx;
+    }
+    double sum = 0;
+    for (int j = lo; j < seen; j++)
+        sum += (s[j - base] = expf(s[j - base] - mx));
+    return (float)(1.0 / sum);
 }
 #endif
 
@@ -53,44 +109,56 @@ static float dot(const float *a, const float *b, int d)
 static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
 {
     struct colsum_job *job = arg;
-    int d = job->head_dim;
-    float scale = 1.0f / sqrtf((float)d);
+    const int d = job->head_dim;
+    const float scale = 1.0f / sqrtf((float)d);
     for (int64_t h = begin; h < end; h++) {
         int kvh = (int)h / job->group;
         int prefix = job->kv->prefix_len[kvh];
         int n_keys = prefix + job->n;
         float *out = job->out + h * job->out_stride;
-        /* the scores; then, for f16 or q8_0 rows, the keys the queries see widened to f32 once */
+        /* the chunk's scores, a query's row of blocks from its chunk's first row; then, for f16
+         * or q8_0 rows, the keys the queries see widened to f32 once */
         const bool wide_rows = job->kv->kv_type != SKV_DTYPE_F32;
         const int lo0 = skv_kv_view_first(job->kv, kvh, job->q_first); /* no later query sees before */
+        const size_t stride = ((size_t)(n_keys - lo0) + 7) & ~(size_t)7;
+        size_t qc = COLSUM_CHUNK_FLOATS / stride;
+        qc = qc < 1 ? 1 : qc > COLSUM_QUERIES ? COLSUM_QUERIES : qc;
         const size_t wide = wide_rows ? (size_t)(n_keys - lo0) * d : 0;
-        float *p = skv_cpu_scratch(job->be, thread_id, ((size_t)n_keys + wide) * sizeof(float));
-        if (!p) {
+        float *sc = skv_cpu_scratch(job->be, thread_id, (qc * stride + wide) * sizeof(float));
+        if (!sc) {
             atomic_store(&job->status, SKV_E_NOMEM); /* every writer stores the same value */
             return;
         }
-        float *keys = p + n_keys; /* f16 / q8_0: row j at keys + (j - lo0) * d */
+        float *keys = wide_rows ? sc + qc * stride : NULL; /* f16 / q8_0: row j at keys + (j - lo0) * d */
         for (int j = lo0; wide_rows && j < n_keys; j++)
             skv_cpu_kv_widen(keys + (size_t)(j - lo0) * d, skv_kv_view_row_raw(job->kv, kvh, 0, j), job->kv->kv_type,
                              d);
         memset(out, 0, (size_t)n_keys * sizeof *out);
-        for (int i = job->q_first; i < job->n; i++) {
-            const float *qi = job->q + ((size_t)i * job->n_heads + (size_t)h) * d;
-            int seen = prefix + i + 1, lo = skv_kv_view_first(job->kv, kvh, i);
-            float mx = -INFINITY;
-            for (int j = lo; j < seen; j++) {
-                const float *k = wide_rows ? keys + (size_t)(j - lo0) * d : skv_kv_view_row(job->kv, kvh, 0, j);
-                p[j] = dot(qi, k, d) * scale;
-                mx = p[j] > mx ? p[j] : mx;
+        for (int i0 = job->q_first; i0 < job->n; i0 += (int)qc) {
+            const int i1 = i0 + (int)qc < job->n ? i0 + (int)qc : job->n, seen_max = prefix + i1;
+            int lo[COLSUM_QUERIES], base = INT_MAX;
+            for (int i = i0; i < i1; i++) {
+                lo[i - i0] = skv_kv_view_first(job->kv, kvh, i);
+                base = lo[i - i0] < base ? lo[i - i0] : base;
             }
-            double sum = 0;
-            for (int j = lo; j < seen; j++) {
-                p[j] = expf(p[j] - mx);
-                sum += p[j];
+            /* query i's dot product with row j at sc[(i - i0) * stride + j - base], for the
+             * 8-row blocks (from base) that hold one of its rows [lo, prefix + i + 1) */
+            for (int j = base; j < seen_max; j += 8) {
+                const float *k8[8];
+                for (int t = 0; t < 8; t++) /* past seen_max: row j again, masked by row_exp */
+                    k8[t] = key_row(job, kvh, keys, lo0, j + t < seen_max ? j + t : j);
+                for (int i = j - prefix > i0 ? j - prefix : i0; i < i1; i++)
+                    if (j + 8 > lo[i - i0])
+                        dot8(job->q + ((size_t)i * job->n_heads + (size_t)h) * d, k8, d,
+                             sc + (size_t)(i - i0) * stride + (j - base));
             }
-            float inv = (float)(1.0 / sum);
-            for (int j = lo; j < seen; j++)
-                out[j] += p[j] * inv;
+            for (int i = i0; i < i1; i++) {
+                float *s = sc + (size_t)(i - i0) * stride;
+                const int seen = prefix + i + 1;
+                const float inv = row_exp(s, base, lo[i - i0], seen, scale);
+                for (int j = lo[i - i0]; j < seen; j++)
+                    out[j] += s[j - base] * inv;
+            }
         }
     }
 }
