@@ -4129,29 +4129,42 @@ static int evict_batch(struct skv_worker *w, const char **batch, int *n, uint32_
     return rc;
 }
 
-/* --all-unpinned: by the spill records */
-static int store_evict_records(struct skv_worker *w, uint32_t *count, char *buf, const char **keys)
+/* By the spill records (this daemon's spills since it started): the store's keys of those of
+ * tenant / id (NULL: any) deleted, and the records with them. --all-unpinned, and a tenant's or
+ * an id's EVICT when the store may not be searched. */
+static int store_evict_records(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count,
+                               char *buf, const char **keys)
 {
     spill_prune(w);
     int rc = SKV_OK;
-    while (!rc && w->n_spills > 0) {
-        int n = w->n_spills < EVICT_BATCH ? (int)w->n_spills : EVICT_BATCH;
-        for (int j = 0; j < n; j++) {
-            const struct skv_spill_rec *r = &w->spills[w->n_spills - 1 - (size_t)j];
-            keys[j] = buf + (size_t)j * STORE_KEY_MAX;
-            store_key(w, r->tenant, r->id, false, buf + (size_t)j * STORE_KEY_MAX, STORE_KEY_MAX);
+    size_t at[EVICT_BATCH];
+    for (size_t end = w->n_spills; !rc && end > 0;) {
+        int n = 0;
+        while (end > 0 && n < EVICT_BATCH) {
+            const struct skv_spill_rec *r = &w->spills[--end];
+            if (!spill_matches(r, tenant, id))
+                continue;
+            at[n] = end;
+            keys[n] = buf + (size_t)n * STORE_KEY_MAX;
+            store_key(w, r->tenant, r->id, false, buf + (size_t)n * STORE_KEY_MAX, STORE_KEY_MAX);
+            n++;
         }
         int sent = n;
         if ((rc = evict_batch(w, keys, &n, count)))
             break;
-        w->n_spills -= (size_t)sent; /* (gone from the store either way) */
+        for (int j = 0; j < sent; j++) /* (gone from the store either way; at[] decreasing: the last
+                                         * record, moved into the place, was looked at already) */
+            w->spills[at[j]] = w->spills[--w->n_spills];
     }
     if (!rc)
         return SKV_OK;
     char why[256]; /* (skv_errorf formats into the buffer skv_error_msg reads) */
     snprintf(why, sizeof why, "%s", rc == SKV_E_NOMEM ? "no memory" : skv_error_msg());
-    return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s", w->n_spills,
-                      *count, why);
+    size_t left = 0;
+    for (size_t i = 0; i < w->n_spills; i++)
+        left += spill_matches(&w->spills[i], tenant, id);
+    return skv_errorf(rc, "%zu session(s) this daemon spilled are still in the store (%u deleted): %s", left, *count,
+                      why);
 }
 
 static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count)
@@ -4166,7 +4179,7 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
         return skv_errorf(SKV_E_NOMEM, "no memory for the store's keys: nothing deleted there");
     }
     if (!tenant && !id) {
-        rc = store_evict_records(w, count, buf, batch);
+        rc = store_evict_records(w, NULL, NULL, count, buf, batch);
         free(buf);
         free(batch);
         return rc;
@@ -4207,6 +4220,27 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
     }
     if (!rc && n)
         rc = evict_batch(w, batch, &n, count);
+    if (rc && skv_store_refused(w->store)) {
+        /* a store user whose ACL lacks SCAN or GETRANGE: what this daemon spilled is what it can
+         * name (the keys found before the refusal first) */
+        char refused[256];
+        snprintf(refused, sizeof refused, "%s", skv_error_msg());
+        uint32_t found = *count;
+        rc = n ? evict_batch(w, batch, &n, count) : SKV_OK;
+        if (!rc)
+            rc = store_evict_records(w, tenant, id, count, buf, batch);
+        free(buf);
+        free(batch);
+        if (!rc && id && *count > found)
+            return SKV_OK; /* the id's entry was one of this daemon's */
+        if (!rc)
+            rc = skv_errorf(SKV_E_IO, "the store refused the search (%s): %u of %s%s%s deleted there, by this "
+                            "daemon's records of its spills; others there (another daemon's, or this one's before "
+                            "a restart) stay until store-keep-seconds: give the store user SCAN and GETRANGE",
+                            refused, *count, id ? "session " : "tenant ", id ? hex : tenant,
+                            id ? "'s entries" : "'s sessions");
+        return rc;
+    }
     free(buf);
     free(batch);
     if (rc) {

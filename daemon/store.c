@@ -48,6 +48,7 @@ struct skv_store {
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
     char why[512];            /* and why */
+    bool refused;             /* the last command's answer was NOPERM (skv_store_refused) */
     struct skv_store_stats stats;
     void (*progress)(void *);  /* skv_store_on_progress: each time bytes may move */
     void *progress_user;
@@ -1020,6 +1021,7 @@ static bool store_usable(struct skv_store *st)
  * protocol as it should) is a failure like a timeout. */
 static int store_command(struct skv_store *st, struct store_call *k)
 {
+    st->refused = false;
     for (int attempt = 0;; attempt++) {
         if (st->c && !store_usable(st)) {
             redisFree(st->c);
@@ -1062,6 +1064,7 @@ static int store_command(struct skv_store *st, struct store_call *k)
             return SKV_E_IO;
         }
         st->retry_ms = STORE_RETRY_MS; /* it answered */
+        st->refused = k->reply.type == '-' && strncmp(k->reply.line, "NOPERM", 6) == 0;
         if (k->reply.type == '-') /* the store answered: the connection is fine */
             return skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], k->reply.line);
         if (k->reply.type != k->want) /* in sync too: one line ('$' only when wanted) */
@@ -1221,6 +1224,11 @@ int skv_store_scan(struct skv_store *st, uint64_t *cursor, const char *match, ch
     *n = (int)k.reply.n;
     *cursor = k.reply.cursor;
     return SKV_OK;
+}
+
+bool skv_store_refused(const struct skv_store *st)
+{
+    return st && st->refused;
 }
 
 int skv_store_tail(struct skv_store *st, const char *key, void *out, size_t cap, size_t *got)

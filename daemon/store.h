@@ -82,6 +82,9 @@ int skv_store_scan(struct skv_store *st, uint64_t *cursor, const char *match, ch
 /* GETRANGE key -cap -1: the value's last (up to) cap bytes into out, *got of them (0 when the
  * key has no value). SKV_E_IO as above. */
 int skv_store_tail(struct skv_store *st, const char *key, void *out, size_t cap, size_t *got);
+/* True when the last command failed because the store's ACL refused it (an error reply that
+ * starts "NOPERM": the connection is fine, the user may not run that command or touch that key). */
+bool skv_store_refused(const struct skv_store *st);
 /* A spill that failed before it reached the store (counted with those the store refused). */
 void skv_store_count_spill_failure(struct skv_store *st);
 

@@ -6195,6 +6195,59 @@ static void test_store_tenant_cap(void **state)
     redis_done(dir);
 }
 
+/* A store user whose ACL lacks SCAN: an id's EVICT of a session this daemon spilled deletes it
+ * (its records name the key); a tenant's deletes what this daemon spilled of the tenant, and
+ * fails saying the store refused the search and that the rest there stays (here another
+ * daemon's entry); an id no record names fails the same way. */
+static void test_store_evict_refused(void **state)
+{
+    NEED_MODEL();
+    char dir[64] = "/tmp/skv-storerf-XXXXXX", sock[128], opt[220], conf[200], pass[200], out[300];
+    char kx[300], ky[300], other[300], args[600];
+    redis_or_skip(dir, sock, sizeof sock, "test_store_evict_refused");
+    fixture_redis_cli(sock, "ACL SETUSER limited on '>" STORE_PASSWORD "' '~*' '+@all' '-scan'", out, sizeof out);
+    assert_string_equal(out, "OK");
+    store_conf(dir, sock, 0600, "store-user = limited\n", pass, conf);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    struct daemon d;
+    start_daemon_with(&d, "64M", opt, 0);
+    snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
+    struct snapkv_prefill_result x, y;
+    prefill_leased(cp, 91, &x);
+    prefill_leased(cp, 92, &y);
+    wait_spilled(sock, &x.id, kx, sizeof kx);
+    wait_spilled(sock, &y.id, ky, sizeof ky);
+    const char *hex = "00112233445566778899aabbccddeeff"; /* another daemon's entry of tenant p */
+    snprintf(other, sizeof other, "%.*s:%s", (int)(strrchr(kx, ':') - kx), kx, hex);
+    snprintf(args, sizeof args, "SET %s x", other);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "OK");
+    uint32_t evicted = 99;
+    assert_int_equal(snapkv_admin_evict(adm, &y.id, NULL, false, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1);
+    assert_false(store_has(sock, ky));
+    assert_true(store_has(sock, kx));
+    assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_E_IO);
+    const char *msg = snapkv_last_error();
+    if (!strstr(msg, "the store refused the search") || !strstr(msg, "NOPERM") ||
+        !strstr(msg, "1 of tenant p's sessions deleted there") || !strstr(msg, "give the store user SCAN"))
+        fail_msg("EVICT of a tenant, SCAN refused: %s", msg);
+    assert_false(store_has(sock, kx));
+    assert_true(store_has(sock, other));
+    struct snapkv_session_id oid;
+    assert_int_equal(snapkv_session_id_from_hex(hex, &oid), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_evict(adm, &oid, NULL, false, &evicted, NULL), SNAPKV_E_IO);
+    if (!strstr(snapkv_last_error(), "0 of session 00112233445566778899aabbccddeeff's entries deleted there"))
+        fail_msg("EVICT of an id no record names, SCAN refused: %s", snapkv_last_error());
+    assert_true(store_has(sock, other));
+    snapkv_prefill_result_free(&x);
+    snapkv_prefill_result_free(&y);
+    snapkv_close(&cp);
+    snapkv_close(&adm);
+    stop_daemon(&d);
+    redis_done(dir);
+}
+
 /* EVICT reaches the sessions spilled to the store: by id (any tenant), by tenant (another
  * tenant's stay) and --all; each is deleted from the store and counted in `evicted`, and an id
  * gone from both is SNAPKV_E_NOT_FOUND (before, spilled sessions stayed in the store until their
@@ -6929,6 +6982,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store, kill_daemons),
         cmocka_unit_test_teardown(test_store_tenant_cap, kill_daemons),
         cmocka_unit_test_teardown(test_store_evict, kill_daemons),
+        cmocka_unit_test_teardown(test_store_evict_refused, kill_daemons),
         cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
