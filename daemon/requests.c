@@ -4112,7 +4112,9 @@ static int store_release(struct skv_worker *w, const char *tenant, const uint8_t
  * still holds, by its spill records (a record past its time dropped without a command). *count:
  * how many the store had. A command that fails stops there (the store is down, or refuses), and
  * the status says how many went. The spill records of what went are dropped; of a walk that
- * failed, kept (the store's time bounds them). */
+ * failed, kept (the store's time bounds them). A store user whose ACL refuses the walk (NOPERM:
+ * SCAN, or a tenant's GETRANGE) leaves the spill records: the keys they name of the tenant or id
+ * go, and a tenant's EVICT (or an id's no record names) fails saying the rest stays. */
 #define EVICT_BATCH 512
 
 static bool spill_matches(const struct skv_spill_rec *r, const char *tenant, const uint8_t *id)
@@ -4129,9 +4131,24 @@ static int evict_batch(struct skv_worker *w, const char **batch, int *n, uint32_
     return rc;
 }
 
+/* True when the store's entry `key` is a pinned session's (its store_meta, read with GETRANGE);
+ * *rc the read's failure. A store user that may not GETRANGE (NOPERM) reads as not pinned. */
+static bool store_pinned(struct skv_worker *w, const char *key, int *rc)
+{
+    unsigned char tail[sizeof(struct store_meta) + STORE_MAC_BYTES];
+    size_t got = 0;
+    struct store_meta meta;
+    *rc = skv_store_tail(w->store, key, tail, sizeof tail, &got);
+    if (*rc && skv_store_refused(w->store))
+        *rc = SKV_OK;
+    return !*rc && got && store_meta_read(tail, got, &meta) && meta.pinned;
+}
+
 /* By the spill records (this daemon's spills since it started): the store's keys of those of
- * tenant / id (NULL: any) deleted, and the records with them. --all-unpinned, and a tenant's or
- * an id's EVICT when the store may not be searched. */
+ * tenant / id (NULL: any) deleted, and the records with them; without an id, an entry that is a
+ * pinned session's now (another daemon took the session back, pinned it and its stop drained it
+ * under the same key) stays. --all-unpinned, and a tenant's or an id's EVICT when the store may
+ * not be searched. */
 static int store_evict_records(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count,
                                char *buf, const char **keys)
 {
@@ -4139,21 +4156,24 @@ static int store_evict_records(struct skv_worker *w, const char *tenant, const u
     int rc = SKV_OK;
     size_t at[EVICT_BATCH];
     for (size_t end = w->n_spills; !rc && end > 0;) {
-        int n = 0;
-        while (end > 0 && n < EVICT_BATCH) {
+        int n = 0, looked = 0;
+        while (!rc && end > 0 && n < EVICT_BATCH) {
             const struct skv_spill_rec *r = &w->spills[--end];
             if (!spill_matches(r, tenant, id))
                 continue;
-            at[n] = end;
+            at[looked++] = end;
             keys[n] = buf + (size_t)n * STORE_KEY_MAX;
             store_key(w, r->tenant, r->id, false, buf + (size_t)n * STORE_KEY_MAX, STORE_KEY_MAX);
-            n++;
+            if (id || !store_pinned(w, keys[n], &rc))
+                n++;
         }
-        int sent = n;
+        if (rc) /* (this batch's records kept: nothing of it was deleted) */
+            break;
         if ((rc = evict_batch(w, keys, &n, count)))
             break;
-        for (int j = 0; j < sent; j++) /* (gone from the store either way; at[] decreasing: the last
-                                         * record, moved into the place, was looked at already) */
+        for (int j = 0; j < looked; j++) /* (gone from the store, or another daemon's pinned session
+                                           * now: at[] decreasing, so the last record, moved into
+                                           * the place, was looked at already) */
             w->spills[at[j]] = w->spills[--w->n_spills];
     }
     if (!rc)
@@ -4223,7 +4243,7 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
     if (rc && skv_store_refused(w->store)) {
         /* a store user whose ACL lacks SCAN or GETRANGE: what this daemon spilled is what it can
          * name (the keys found before the refusal first) */
-        char refused[256];
+        char refused[160]; /* (cut: the message below fits the error buffer with its advice) */
         snprintf(refused, sizeof refused, "%s", skv_error_msg());
         uint32_t found = *count;
         rc = n ? evict_batch(w, batch, &n, count) : SKV_OK;
@@ -4235,9 +4255,8 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
             return SKV_OK; /* the id's entry was one of this daemon's */
         if (!rc)
             rc = skv_errorf(SKV_E_IO, "the store refused the search (%s): %u of %s%s%s deleted there, by this "
-                            "daemon's records of its spills; others there (another daemon's, or this one's before "
-                            "a restart) stay until store-keep-seconds: give the store user SCAN and GETRANGE",
-                            refused, *count, id ? "session " : "tenant ", id ? hex : tenant,
+                            "daemon's spill records; the rest there stays until store-keep-seconds: give the store "
+                            "user SCAN and GETRANGE", refused, *count, id ? "session " : "tenant ", id ? hex : tenant,
                             id ? "'s entries" : "'s sessions");
         return rc;
     }

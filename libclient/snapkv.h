@@ -836,8 +836,9 @@ SNAPKV_API void snapkv_inspect_result_free(struct snapkv_inspect_result *r);
  * daemon spilled them (the store is walked with SCAN); for all_unpinned, the sessions this
  * daemon spilled since it started. When the store cannot be reached the call fails
  * (SNAPKV_E_IO) after the daemon's own sessions went, and snapkv_last_error() says what went.
- * When the store's user may not SCAN (its ACL), the entries this daemon spilled since it started
- * go, an id's EVICT of one of them succeeds, and the others fail (SNAPKV_E_IO) saying so.
+ * When the store's user may not SCAN (its ACL; or GETRANGE, a tenant's), the entries this daemon
+ * spilled since it started go, an id's EVICT of one of them succeeds, and the others fail
+ * (SNAPKV_E_IO) saying so.
  * evicted and bytes_freed may be NULL. */
 SNAPKV_API int snapkv_admin_evict(snapkv_client_t *client, const struct snapkv_session_id *id,
                                   const char *tenant, bool all_unpinned, uint32_t *evicted,

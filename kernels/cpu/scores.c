@@ -121,8 +121,9 @@ static void colsum_task(void *arg, int64_t begin, int64_t end, int thread_id)
         const bool wide_rows = job->kv->kv_type != SKV_DTYPE_F32;
         const int lo0 = skv_kv_view_first(job->kv, kvh, job->q_first); /* no later query sees before */
         const size_t stride = ((size_t)(n_keys - lo0) + 7) & ~(size_t)7;
-        size_t qc = COLSUM_CHUNK_FLOATS / stride;
+        size_t qc = COLSUM_CHUNK_FLOATS / stride, nq = (size_t)(job->n - job->q_first);
         qc = qc < 1 ? 1 : qc > COLSUM_QUERIES ? COLSUM_QUERIES : qc;
+        qc = qc < nq ? qc : nq; /* (a decode step's one query: one row) */
         const size_t wide = wide_rows ? (size_t)(n_keys - lo0) * d : 0;
         float *sc = skv_cpu_scratch(job->be, thread_id, (qc * stride + wide) * sizeof(float));
         if (!sc) {
@@ -178,8 +179,8 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
     if (rc)
         return rc;
     for (int h = 0; h < kv->n_kv_heads; h++)
-        if (kv->prefix_len[h] < 0 || kv->prefix_len[h] + n > out_stride)
-            return skv_errorf(SKV_E_INVAL, "attention_colsum: output row too short");
+        if (kv->prefix_len[h] < 0 || kv->prefix_len[h] > INT_MAX - 8 - n || kv->prefix_len[h] + n > out_stride)
+            return skv_errorf(SKV_E_INVAL, "attention_colsum: output row too short (or rows past INT_MAX - 8)");
     struct colsum_job job = {
         .out = out, .out_stride = out_stride, .q = q, .n = n, .n_heads = n_heads,
         .group = n_heads / kv->n_kv_heads, .head_dim = kv->head_dim, .q_first = q_first, .kv = kv, .be = be,

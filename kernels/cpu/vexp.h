@@ -1,5 +1,5 @@
-/* Vector exponential shared by the CPU kernels (attention's softmax, SwiGLU). AVX2 + FMA only:
- * include it inside the files' AVX2 sections. */
+/* Vector exponential shared by the CPU kernels (attention's softmax, SwiGLU, the compression
+ * scores). AVX2 + FMA only: include it inside the files' AVX2 sections. */
 #ifndef SKV_CPU_VEXP_H
 #define SKV_CPU_VEXP_H
 

@@ -6196,52 +6196,73 @@ static void test_store_tenant_cap(void **state)
 }
 
 /* A store user whose ACL lacks SCAN: an id's EVICT of a session this daemon spilled deletes it
- * (its records name the key); a tenant's deletes what this daemon spilled of the tenant, and
- * fails saying the store refused the search and that the rest there stays (here another
- * daemon's entry); an id no record names fails the same way. */
+ * (its records name the key); a tenant's deletes what this daemon spilled of the tenant but an
+ * entry that is a pinned session's now, and fails saying the store refused the search and that
+ * the rest there stays (here another daemon's entry, and a pinned session an earlier daemon's
+ * stop drained); an id no record names fails the same way. */
 static void test_store_evict_refused(void **state)
 {
     NEED_MODEL();
     char dir[64] = "/tmp/skv-storerf-XXXXXX", sock[128], opt[220], conf[200], pass[200], out[300];
-    char kx[300], ky[300], other[300], args[600];
+    char kb[300], kx[300], ky[300], kz[300], other[300], args[700];
     redis_or_skip(dir, sock, sizeof sock, "test_store_evict_refused");
     fixture_redis_cli(sock, "ACL SETUSER limited on '>" STORE_PASSWORD "' '~*' '+@all' '-scan'", out, sizeof out);
     assert_string_equal(out, "OK");
     store_conf(dir, sock, 0600, "store-user = limited\n", pass, conf);
     snprintf(opt, sizeof opt, "--config=%s", conf);
     struct daemon d;
-    start_daemon_with(&d, "64M", opt, 0);
+    start_daemon_with(&d, "64M", opt, 0); /* a pinned session of tenant p, drained by the stop */
     snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
-    struct snapkv_prefill_result x, y;
+    uint32_t pids[8];
+    prompt(pids, 8, 90);
+    struct snapkv_prefill_result b, x, y, z;
+    assert_int_equal(snapkv_prefill(cp, &(struct snapkv_prefill_opts){.tokens = pids, .n_tokens = 8}, &b), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(adm, &b.id), SNAPKV_OK);
+    snapkv_close(&cp);
+    snapkv_close(&adm);
+    stop_drained(&d);
+    tenant_key_of(sock, "p", &b.id, kb, sizeof kb);
+    assert_true(kb[0]);
+    start_daemon_with(&d, "64M", opt, 0);
+    cp = client(d.endpoint, "p");
+    adm = client(d.admin, NULL);
     prefill_leased(cp, 91, &x);
     prefill_leased(cp, 92, &y);
+    prefill_leased(cp, 93, &z);
     wait_spilled(sock, &x.id, kx, sizeof kx);
     wait_spilled(sock, &y.id, ky, sizeof ky);
+    wait_spilled(sock, &z.id, kz, sizeof kz);
     const char *hex = "00112233445566778899aabbccddeeff"; /* another daemon's entry of tenant p */
     snprintf(other, sizeof other, "%.*s:%s", (int)(strrchr(kx, ':') - kx), kx, hex);
     snprintf(args, sizeof args, "SET %s x", other);
     fixture_redis_cli(sock, args, out, sizeof out);
     assert_string_equal(out, "OK");
+    /* x's key a pinned session's now (as when another daemon took x, pinned it and drained it) */
+    snprintf(args, sizeof args, "COPY %s %s REPLACE", kb, kx);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
     uint32_t evicted = 99;
     assert_int_equal(snapkv_admin_evict(adm, &y.id, NULL, false, &evicted, NULL), SNAPKV_OK);
     assert_int_equal(evicted, 1);
     assert_false(store_has(sock, ky));
-    assert_true(store_has(sock, kx));
+    assert_true(store_has(sock, kz));
     assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_E_IO);
     const char *msg = snapkv_last_error();
     if (!strstr(msg, "the store refused the search") || !strstr(msg, "NOPERM") ||
         !strstr(msg, "1 of tenant p's sessions deleted there") || !strstr(msg, "give the store user SCAN"))
         fail_msg("EVICT of a tenant, SCAN refused: %s", msg);
-    assert_false(store_has(sock, kx));
-    assert_true(store_has(sock, other));
+    assert_false(store_has(sock, kz));
+    assert_true(store_has(sock, kx) && store_has(sock, kb) && store_has(sock, other));
     struct snapkv_session_id oid;
     assert_int_equal(snapkv_session_id_from_hex(hex, &oid), SNAPKV_OK);
     assert_int_equal(snapkv_admin_evict(adm, &oid, NULL, false, &evicted, NULL), SNAPKV_E_IO);
     if (!strstr(snapkv_last_error(), "0 of session 00112233445566778899aabbccddeeff's entries deleted there"))
         fail_msg("EVICT of an id no record names, SCAN refused: %s", snapkv_last_error());
     assert_true(store_has(sock, other));
+    snapkv_prefill_result_free(&b);
     snapkv_prefill_result_free(&x);
     snapkv_prefill_result_free(&y);
+    snapkv_prefill_result_free(&z);
     snapkv_close(&cp);
     snapkv_close(&adm);
     stop_daemon(&d);
