@@ -43,6 +43,12 @@ static const struct skv_config_option options[] = {
      "file of admin public keys allowed on a tcp:// admin endpoint, one per line"},
     {"allow-insecure-tcp", SKV_CFG_BOOL, OPT(allow_insecure_tcp), "no", 0, 0,
      "serve tcp:// endpoints without CURVE (no authentication, no encryption)"},
+    {"tcp-user-timeout-seconds", SKV_CFG_INT, OPT(tcp_user_timeout_seconds), "60", 0, 86400,
+     "a tcp:// client or admin connection whose replies stay unacknowledged, or that takes none (its "
+     "receive window full: its process stopped, or its libzmq queue full), this long is closed and its "
+     "work stops as a client gone (TCP_USER_TIMEOUT); covers a host gone while replies streamed to it, "
+     "which the 15 s ZMTP heartbeat cannot (its pings wait behind the replies); 0: the kernel's "
+     "retransmission limit (tcp_retries2, about 15 minutes)"},
     {"metrics-listen", SKV_CFG_STRING, OPT(metrics_listen), "", 0, 0,
      "HOST:PORT for plain-HTTP GET /metrics (Prometheus text) and the probes /healthz and /readyz; empty: off"},
     {"health-stall-seconds", SKV_CFG_INT, OPT(health_stall_seconds), "60", 1, 86400,

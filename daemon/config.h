@@ -66,6 +66,7 @@ struct skv_config {
     char *events_endpoint;    /* KV events PUB socket (ipc:// only); "" off */
     char *events_replay_endpoint; /* ROUTER answering KvReplayRequest (ipc:// only); "" off */
     int64_t events_heartbeat_seconds; /* an idle events stream's heartbeat; 0 none */
+    int64_t tcp_user_timeout_seconds; /* tcp:// connections: unacknowledged or untaken replies this long close it */
     bool prefix_reuse;        /* a PREFILL shares the KV of a prompt prefix another of the tenant's sessions holds */
     int64_t prefix_retain_bytes; /* released full-cache sessions' KV kept for that, up to this; 0 none */
     bool persist;             /* sessions saved at stop and restored, with their ids, at start */

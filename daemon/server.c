@@ -234,6 +234,13 @@ static int bind_socket(struct skv_server *srv, int idx, const char *endpoint, vo
         int ivl = TCP_HEARTBEAT_IVL_MS, timeout = TCP_HEARTBEAT_TIMEOUT_MS;
         zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
         zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &timeout, sizeof timeout);
+        /* a ping waits behind the replies queued before it: towards a host gone while replies
+         * streamed, or a client that takes none, none goes out and the heartbeat never starts.
+         * TCP_USER_TIMEOUT closes such a connection (its sent bytes unacknowledged, or its
+         * receive window full, this long) */
+        int maxrt = (int)(srv->env.cfg->tcp_user_timeout_seconds * 1000);
+        if (maxrt > 0 && zmq_setsockopt(s, ZMQ_TCP_MAXRT, &maxrt, sizeof maxrt) < 0)
+            skv_log(SKV_LOG_WARN, "%s: TCP_USER_TIMEOUT not set: %s", endpoint, zmq_strerror(zmq_errno()));
     }
     int auth_events = 0; /* the sockets' monitors are ours: they carry auth's events too */
     if ((rc = skv_auth_secure_socket(srv->auth, s, idx ? SKV_AUTH_ADMIN : SKV_AUTH_CLIENT, &auth_events)) ||

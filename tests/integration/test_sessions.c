@@ -99,9 +99,20 @@ static void daemon_dir_conf(struct daemon *d, const char *text, char *opt, size_
     snprintf(opt, cap, "--config=%s", conf);
 }
 
+static void start_daemon_at(struct daemon *d, const char *pool, const char *extra, long nofile, const char *endpoint);
+
 static void start_daemon_in(struct daemon *d, const char *pool, const char *extra, long nofile)
 {
-    snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
+    start_daemon_at(d, pool, extra, nofile, NULL);
+}
+
+/* start_daemon_in with the client endpoint `endpoint` (NULL: ipc:// in d's directory). */
+static void start_daemon_at(struct daemon *d, const char *pool, const char *extra, long nofile, const char *endpoint)
+{
+    if (endpoint)
+        snprintf(d->endpoint, sizeof d->endpoint, "%s", endpoint);
+    else
+        snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/c.sock", d->dir);
     snprintf(d->admin, sizeof d->admin, "ipc://%s/a.sock", d->dir);
     snprintf(d->log, sizeof d->log, "%s/daemon.log", d->dir);
     char exe[4096];
@@ -856,6 +867,77 @@ static double wait_stat(snapkv_client_t *a, const char *name, double want)
         v = stat_value(a, name);
     }
     return v;
+}
+
+/* tcp-user-timeout-seconds: a tcp:// client that stops taking a streamed DECODE's replies (its
+ * libzmq keeps one message, its socket a 4 KiB receive buffer: the window closes within a second
+ * or two, the daemon's send buffer fills, and the ZMTP ping, behind the replies, never goes out,
+ * so the heartbeat never starts) is closed once its window stayed full 3 s: its decode is
+ * cancelled as a client gone, and the daemon serves on. Without the timeout (0) the decode ran
+ * on past 60 s. */
+static void test_tcp_user_timeout(void **state)
+{
+    (void)state;
+    NEED_MODEL();
+    struct daemon d;
+    char opt[200], ep[64];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", fixture_free_port());
+    daemon_dir_conf(&d, "allow-insecure-tcp = yes\ntcp-user-timeout-seconds = 3\nmax-new-tokens = 30000\n", opt,
+                    sizeof opt);
+    start_daemon_at(&d, "64M", opt, 0, ep);
+    snapkv_client_t *c = client(ep, "t"), *a = client(d.admin, NULL);
+    uint32_t ids[10];
+    prompt(ids, 10, 31);
+    struct snapkv_prefill_result pr;
+    assert_int_equal(snapkv_prefill(c, &(struct snapkv_prefill_opts){.tokens = ids, .n_tokens = 10}, &pr), SNAPKV_OK);
+    const char *cancelled = "snapkv_decodes_cancelled_on_disconnect_total";
+    double before = stat_value(a, cancelled);
+    void *ctx = zmq_ctx_new(), *dealer = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0, hwm = 1, rcvbuf = 4096;
+    zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(dealer, ZMQ_RCVHWM, &hwm, sizeof hwm);
+    zmq_setsockopt(dealer, ZMQ_RCVBUF, &rcvbuf, sizeof rcvbuf);
+    assert_int_equal(zmq_connect(dealer, ep), 0);
+    Snapkv__Sampling sp = SNAPKV__SAMPLING__INIT;
+    sp.max_tokens = 30000;
+    sp.logprobs = true;
+    sp.top_logprobs = 20; /* about 200 bytes a token */
+    Snapkv__DecodeRequest dq = SNAPKV__DECODE_REQUEST__INIT;
+    dq.session_id = (ProtobufCBinaryData){sizeof pr.id.bytes, pr.id.bytes};
+    dq.sampling = &sp;
+    dq.stream = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.version = SNAPKV_PROTOCOL_VERSION;
+    req.tenant = "t";
+    req.request_id = 1;
+    req.command_case = SNAPKV__REQUEST__COMMAND_DECODE;
+    req.decode = &dq;
+    uint8_t buf[512];
+    size_t len = snapkv__request__pack(&req, buf);
+    assert_int_equal(zmq_send(dealer, buf, len, 0), (int)len); /* and nothing read from now on */
+    assert_true(wait_stat(a, "snapkv_decodes_running", 1) == 1);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double now = before;
+    int64_t dt = 0;
+    while (now == before && dt < 90000) {
+        usleep(200 * 1000);
+        now = stat_value(a, cancelled);
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        dt = (int64_t)(t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000;
+    }
+    printf("# a tcp:// client that takes no streamed replies: %g decode(s) cancelled in %lld ms\n", now - before,
+           (long long)dt);
+    assert_true(now == before + 1);
+    assert_true(dt >= 3000 && dt < 60000); /* the user timeout, not the decode's end */
+    struct snapkv_server_info in; /* and it serves on */
+    assert_int_equal(snapkv_server_info(c, &in), SNAPKV_OK);
+    zmq_close(dealer);
+    zmq_ctx_term(ctx);
+    snapkv_prefill_result_free(&pr);
+    snapkv_close(&c);
+    snapkv_close(&a);
+    stop_daemon(&d);
 }
 
 /* A client process that connects (HELLO) and exits is counted gone within seconds, while
@@ -7004,6 +7086,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store_tenant_cap, kill_daemons),
         cmocka_unit_test_teardown(test_store_evict, kill_daemons),
         cmocka_unit_test_teardown(test_store_evict_refused, kill_daemons),
+        cmocka_unit_test_teardown(test_tcp_user_timeout, kill_daemons),
         cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };
     if (getenv("SKV_TEST_FILTER")) /* e.g. SKV_TEST_FILTER=test_decode_budget: one test */
