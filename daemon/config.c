@@ -47,8 +47,9 @@ static const struct skv_config_option options[] = {
      "a tcp:// client or admin connection whose replies stay unacknowledged, or that takes none (its "
      "receive window full: its process stopped, or its libzmq queue full), this long is closed and its "
      "work stops as a client gone (TCP_USER_TIMEOUT); covers a host gone while replies streamed to it, "
-     "which the 15 s ZMTP heartbeat cannot (its pings wait behind the replies); 0: the kernel's "
-     "retransmission limit (tcp_retries2, about 15 minutes)"},
+     "which the 15 s ZMTP heartbeat cannot (its pings wait behind the replies); 0: none (a host gone: the "
+     "kernel's retransmission limit, tcp_retries2, about 15 minutes; a live peer whose window stays full: "
+     "no limit)"},
     {"metrics-listen", SKV_CFG_STRING, OPT(metrics_listen), "", 0, 0,
      "HOST:PORT for plain-HTTP GET /metrics (Prometheus text) and the probes /healthz and /readyz; empty: off"},
     {"health-stall-seconds", SKV_CFG_INT, OPT(health_stall_seconds), "60", 1, 86400,

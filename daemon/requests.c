@@ -4157,7 +4157,7 @@ static int store_evict_records(struct skv_worker *w, const char *tenant, const u
     size_t at[EVICT_BATCH];
     for (size_t end = w->n_spills; !rc && end > 0;) {
         int n = 0, looked = 0;
-        while (!rc && end > 0 && n < EVICT_BATCH) {
+        while (!rc && end > 0 && looked < EVICT_BATCH) { /* (n <= looked) */
             const struct skv_spill_rec *r = &w->spills[--end];
             if (!spill_matches(r, tenant, id))
                 continue;
