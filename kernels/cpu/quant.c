@@ -13,6 +13,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SKV_QUANT_AVX2 1
 #include <immintrin.h>
+#include "kernels/cpu/vdot.h" /* hsum8 */
 #endif
 
 #define SKV_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -32,14 +33,6 @@ _Static_assert(sizeof(struct skv_block_q8_k) == 292, "q8_k layout");
 /* ---- SIMD helpers ---- */
 
 #if SKV_QUANT_AVX2
-
-static SKV_ALWAYS_INLINE float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 16 packed bytes -> 32 bytes in [0, 15]: low nibbles first, then the high nibbles. */
 static SKV_ALWAYS_INLINE __m256i nibbles32(const uint8_t *qs)

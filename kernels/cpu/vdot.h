@@ -1,5 +1,6 @@
 /* Dot products of f32 rows shared by the CPU kernels (attention's scores, the compression
- * scores). AVX2 + FMA only: include it inside the files' AVX2 sections. */
+ * scores; the quantized GEMVs' horizontal sum). AVX2 + FMA only: include it inside the files'
+ * AVX2 sections. */
 #ifndef SKV_CPU_VDOT_H
 #define SKV_CPU_VDOT_H
 
