@@ -4132,16 +4132,14 @@ static int evict_batch(struct skv_worker *w, const char **batch, int *n, uint32_
 }
 
 /* True when the store's entry `key` is a pinned session's (its store_meta, read with GETRANGE);
- * *rc the read's failure. A store user that may not GETRANGE (NOPERM) reads as not pinned. */
+ * *rc the read's failure (false then). */
 static bool store_pinned(struct skv_worker *w, const char *key, int *rc)
 {
     unsigned char tail[sizeof(struct store_meta) + STORE_MAC_BYTES];
     size_t got = 0;
     struct store_meta meta;
     *rc = skv_store_tail(w->store, key, tail, sizeof tail, &got);
-    if (*rc && skv_store_refused(w->store))
-        *rc = SKV_OK;
-    return !*rc && got && store_meta_read(tail, got, &meta) && meta.pinned;
+    return !*rc && store_meta_read(tail, got, &meta) && meta.pinned;
 }
 
 /* By the spill records (this daemon's spills since it started): the store's keys of those of
@@ -4164,8 +4162,10 @@ static int store_evict_records(struct skv_worker *w, const char *tenant, const u
             at[looked++] = end;
             keys[n] = buf + (size_t)n * STORE_KEY_MAX;
             store_key(w, r->tenant, r->id, false, buf + (size_t)n * STORE_KEY_MAX, STORE_KEY_MAX);
-            if (id || !store_pinned(w, keys[n], &rc))
-                n++;
+            bool pinned = !id && store_pinned(w, keys[n], &rc);
+            if (rc && skv_store_refused(w->store))
+                rc = SKV_OK; /* a user that may not GETRANGE: not known to be pinned */
+            n += !pinned && !rc;
         }
         if (rc) /* (this batch's records kept: nothing of it was deleted) */
             break;
@@ -4222,13 +4222,9 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
                 break;
             const char *k = keys;
             for (int i = 0; i < m && !rc; k += strlen(k) + 1, i++) {
-                unsigned char tail[sizeof(struct store_meta) + STORE_MAC_BYTES];
-                size_t got = 0;
-                struct store_meta meta;
                 if (strlen(k) >= STORE_KEY_MAX)
                     continue; /* not one of ours */
-                if (!id && ((rc = skv_store_tail(w->store, k, tail, sizeof tail, &got)) ||
-                            (store_meta_read(tail, got, &meta) && meta.pinned)))
+                if (!id && (store_pinned(w, k, &rc) || rc))
                     continue;
                 batch[n] = buf + (size_t)n * STORE_KEY_MAX;
                 snprintf(buf + (size_t)n++ * STORE_KEY_MAX, STORE_KEY_MAX, "%s", k);

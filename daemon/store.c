@@ -795,12 +795,6 @@ static int recv_all(struct skv_store *st, void *p, size_t n)
     return 0;
 }
 
-/* The reply to a command sent: a status, an error, an integer, or (string_ok: GETDEL's) a bulk
- * string or nil, read from the socket straight into one allocation of its size, its length
- * checked against store-max-bytes first, and its bytes given store-timeout-ms more for each MiB.
- * Any other reply (an array, a string where none is due) is not read on: nothing grows without
- * bound on what a store sends. 0, an errno (the socket failed; EAGAIN: the deadline passed), or
- * -1 with r->rc (not such a reply, a value too large, no memory: the connection must go). */
 /* Whether p is a number as the protocol writes one: an optional '-', then 1 to 19 digits (no
  * space, no '+': strtoll alone would take them). */
 static bool resp_number(const char *p)
@@ -833,6 +827,12 @@ static int read_line(struct skv_store *st, const char *command, char *line, size
     return 0;
 }
 
+/* The reply to a command sent: a status, an error, an integer, or (string_ok: GETDEL's) a bulk
+ * string or nil, read from the socket straight into one allocation of its size, its length
+ * checked against store-max-bytes first, and its bytes given store-timeout-ms more for each MiB.
+ * Any other reply (an array, a string where none is due) is not read on: nothing grows without
+ * bound on what a store sends. 0, an errno (the socket failed; EAGAIN: the deadline passed), or
+ * -1 with r->rc (not such a reply, a value too large, no memory: the connection must go). */
 static int read_reply(struct skv_store *st, const char *command, bool string_ok, struct store_reply *r)
 {
     char *line = r->line;
