@@ -731,11 +731,11 @@ static bool use_wide(size_t rows)
     return ATT_HAVE_WIDE && rows >= ATT_WIDE_MIN_ROWS;
 }
 
-/* Work order that interleaves cheap early and costly late query blocks, so the
- * contiguous per-thread split of the task list stays balanced. */
-static int zigzag(int j, int nqb)
+/* Work order: the costliest query blocks (the latest, which see the most keys) first, so the
+ * threads, each taking the next task as it finishes one, end on cheap ones together. */
+static int latest_first(int j, int nqb)
 {
-    return j % 2 == 0 ? j / 2 : nqb - 1 - j / 2;
+    return nqb - 1 - j;
 }
 
 /* Start of the first key block any of queries [i0, i1) of KV head g sees (a multiple of
@@ -758,7 +758,7 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
 
     for (int64_t t = begin; t < end; t++) {
         const int g = (int)(t % c->n_kv);
-        const int qb = zigzag((int)(t / c->n_kv), c->nqb);
+        const int qb = latest_first((int)(t / c->n_kv), c->nqb);
         const int i0 = qb * c->bq, i1 = i0 + c->bq < c->n ? i0 + c->bq : c->n;
         const size_t rows = (size_t)(i1 - i0) * c->group;
         const int64_t ke = c->kv->prefix_len[g] + (int64_t)i1;
@@ -968,12 +968,12 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
     att_bind(&c, mem, mem + own, c.thread_floats);
 
     if (c.nchunks > 0) {
-        skv_cpu_parallel_for(be, att_tasks(&c), 1, att_task_chunks, &c);
+        skv_cpu_parallel_tasks(be, att_tasks(&c), att_task_chunks, &c);
         att_combine(&c);
     } else if (att_macs(&c) < ATT_INLINE_MACS) {
         att_task_blocks(&c, 0, att_tasks(&c), 0);
     } else {
-        skv_cpu_parallel_for(be, att_tasks(&c), 1, att_task_blocks, &c);
+        skv_cpu_parallel_tasks(be, att_tasks(&c), att_task_blocks, &c);
     }
     return SKV_OK;
 }
@@ -1097,8 +1097,10 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
         struct att_batch b = {.c = c, .order = order};
         if (macs < ATT_INLINE_MACS)
             att_task_batch(&b, 0, task0[m], 0);
-        else
+        else if (memo_floats) /* a thread's contiguous run of the order finds what it widened */
             skv_cpu_parallel_for(be, task0[m], 1, att_task_batch, &b);
+        else
+            skv_cpu_parallel_tasks(be, task0[m], att_task_batch, &b);
         for (int s = 0; s < m; s++)
             if (c[s].nchunks > 0)
                 att_combine(&c[s]);

@@ -14,6 +14,12 @@
 typedef void (*skv_cpu_task_fn)(void *arg, int64_t begin, int64_t end, int thread_id);
 void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_cpu_task_fn fn,
                           void *arg);
+/* Runs fn(arg, t, t + 1, thread_id) for every task t of [0, n), the threads taking the next
+ * task as each finishes one (an atomic claim a task): tasks of unequal cost balance to within
+ * one task, where parallel_for's one contiguous chunk a thread balances only their count. A
+ * task's result must not depend on the thread that runs it. With one thread, one call runs
+ * them all (fn(arg, 0, n, 0)). */
+void skv_cpu_parallel_tasks(struct skv_backend *be, int64_t n, skv_cpu_task_fn fn, void *arg);
 
 /* Per-thread scratch buffer of at least `bytes`, owned by the backend (valid until the next
  * call with the same thread_id). NULL on allocation failure. */

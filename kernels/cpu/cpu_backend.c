@@ -38,6 +38,7 @@
 #define WORK_GEN(w) ((uint32_t)((w) >> 32))
 #define WORK_NCHUNKS(w) ((uint32_t)(((w) >> 16) & 0xffffu))
 #define WORK_NEXT(w) ((uint32_t)((w)&0xffffu))
+#define WORK_MAX_CHUNKS 0xffff
 
 struct cpu_scratch {
     alignas(CPU_ALIGN) void *ptr;
@@ -155,18 +156,18 @@ static void *worker_main(void *p)
     return NULL;
 }
 
-void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_cpu_task_fn fn,
-                          void *arg)
+/* Runs fn over [0, n) in grains of `grain`, split into `most` chunks or fewer (one per grain
+ * at most), which the threads claim one at a time. */
+static void parallel_run(struct skv_cpu *cpu, int64_t n, int64_t grain, int64_t most, skv_cpu_task_fn fn,
+                         void *arg)
 {
-    struct skv_cpu *cpu = cpu_of(be);
-
     if (n <= 0)
         return;
     if (grain < 1)
         grain = 1;
     int64_t ngrains = (n - 1) / grain + 1;
-    int64_t nch = ngrains < cpu->n_threads ? ngrains : cpu->n_threads;
-    if (nch <= 1) {
+    int64_t nch = ngrains < most ? ngrains : most;
+    if (cpu->n_threads <= 1 || nch <= 1) {
         fn(arg, 0, n, 0);
         return;
     }
@@ -197,6 +198,19 @@ void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_
             sched_yield();
     }
     atomic_store(&cpu->busy, false);
+}
+
+void skv_cpu_parallel_for(struct skv_backend *be, int64_t n, int64_t grain, skv_cpu_task_fn fn,
+                          void *arg)
+{
+    struct skv_cpu *cpu = cpu_of(be);
+    parallel_run(cpu, n, grain, cpu->n_threads, fn, arg);
+}
+
+void skv_cpu_parallel_tasks(struct skv_backend *be, int64_t n, skv_cpu_task_fn fn, void *arg)
+{
+    struct skv_cpu *cpu = cpu_of(be);
+    parallel_run(cpu, n, 1, WORK_MAX_CHUNKS, fn, arg);
 }
 
 void *skv_cpu_scratch(struct skv_backend *be, int thread_id, size_t bytes)

@@ -186,7 +186,7 @@ int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_str
         .group = n_heads / kv->n_kv_heads, .head_dim = kv->head_dim, .q_first = q_first, .kv = kv, .be = be,
     };
     atomic_init(&job.status, SKV_OK);
-    skv_cpu_parallel_for(be, n_heads, 1, colsum_task, &job);
+    skv_cpu_parallel_tasks(be, n_heads, colsum_task, &job); /* (heads of unequal lengths) */
     return atomic_load(&job.status);
 }
 
@@ -322,7 +322,7 @@ int skv_cpu_group_scores(struct skv_backend *be, float *out, const float *colsum
         .div = div, .kernel = kernel, .pool_max = pool_max, .gqa_max = gqa_max, .be = be,
     };
     atomic_init(&job.status, SKV_OK);
-    skv_cpu_parallel_for(be, n_kv, 1, group_task, &job);
+    skv_cpu_parallel_tasks(be, n_kv, group_task, &job);
     return atomic_load(&job.status);
 }
 

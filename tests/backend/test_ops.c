@@ -2026,6 +2026,7 @@ static void test_attention_start_free(void **state)
 struct cover {
     atomic_int *hits;
     int64_t grain;
+    int64_t most; /* > 0: items a call may cover at most */
     int n_threads;
     atomic_int bad;
 };
@@ -2033,7 +2034,8 @@ struct cover {
 static void cover_fn(void *arg, int64_t begin, int64_t end, int tid)
 {
     struct cover *c = arg;
-    if (begin % c->grain != 0 || begin >= end || tid < 0 || tid >= c->n_threads)
+    if (begin % c->grain != 0 || begin >= end || tid < 0 || tid >= c->n_threads ||
+        (c->most > 0 && end - begin > c->most))
         atomic_fetch_add(&c->bad, 1);
     for (int64_t i = begin; i < end; i++)
         atomic_fetch_add_explicit(&c->hits[i], 1, memory_order_relaxed);
@@ -2115,6 +2117,35 @@ static void test_parallel_for(void **state)
                 }
         skv_backend_destroy(&be);
         assert_null(be);
+    }
+    free(hits);
+}
+
+/* skv_cpu_parallel_tasks: every task runs once, on a valid thread, one task a call (two at most
+ * past the 65535 claims a job holds; one thread runs them all in one call). */
+static void test_parallel_tasks(void **state)
+{
+    (void)state;
+    const int threads[] = {1, 2, 3, 8};
+    const int64_t ns[] = {0, 1, 2, 5, 65, 4097, 70000};
+    atomic_int *hits = calloc(70000, sizeof *hits);
+    assert_non_null(hits);
+    for (size_t t = 0; t < sizeof threads / sizeof threads[0]; t++) {
+        struct skv_backend *be = NULL;
+        assert_int_equal(skv_backend_cpu_new(threads[t], &be), SKV_OK);
+        for (int rep = 0; rep < 5; rep++)
+            for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+                struct cover c = {.hits = hits, .grain = 1, .n_threads = threads[t],
+                                  .most = threads[t] == 1 ? 0 : ns[i] > 65535 ? 2 : 1};
+                atomic_init(&c.bad, 0);
+                for (int64_t k = 0; k < ns[i]; k++)
+                    atomic_init(&hits[k], 0);
+                skv_cpu_parallel_tasks(be, ns[i], cover_fn, &c);
+                assert_int_equal(atomic_load(&c.bad), 0);
+                for (int64_t k = 0; k < ns[i]; k++)
+                    assert_int_equal(atomic_load(&hits[k]), 1);
+            }
+        skv_backend_destroy(&be);
     }
     free(hits);
 }
@@ -2498,6 +2529,7 @@ int main(void)
         OP_TESTS,
         cmocka_unit_test(test_rope_llama3_freqs),
         cmocka_unit_test(test_parallel_for),
+        cmocka_unit_test(test_parallel_tasks),
         cmocka_unit_test(test_pool_threads),
         cmocka_unit_test(test_parallel_for_chunks),
         cmocka_unit_test(test_scratch_alloc),
