@@ -4131,15 +4131,21 @@ static int evict_batch(struct skv_worker *w, const char **batch, int *n, uint32_
     return rc;
 }
 
-/* True when the store's entry `key` is a pinned session's (its store_meta, read with GETRANGE);
- * *rc the read's failure (false then). */
-static bool store_pinned(struct skv_worker *w, const char *key, int *rc)
+/* The tails of up to EVICT_BATCH entries (skv_store_tails: one round trip for all), for their
+ * store_meta. */
+#define EVICT_TAIL (sizeof(struct store_meta) + STORE_MAC_BYTES)
+struct evict_tails {
+    unsigned char out[EVICT_BATCH * EVICT_TAIL];
+    size_t got[EVICT_BATCH];
+    signed char state[EVICT_BATCH];
+};
+
+/* Whether entry i of the tails read is a pinned session's (its store_meta says so). */
+static bool tail_pinned(const struct evict_tails *t, int i)
 {
-    unsigned char tail[sizeof(struct store_meta) + STORE_MAC_BYTES];
-    size_t got = 0;
     struct store_meta meta;
-    *rc = skv_store_tail(w->store, key, tail, sizeof tail, &got);
-    return !*rc && store_meta_read(tail, got, &meta) && meta.pinned;
+    return t->state[i] == SKV_TAIL_VALUE && store_meta_read(t->out + (size_t)i * EVICT_TAIL, t->got[i], &meta) &&
+           meta.pinned;
 }
 
 /* By the spill records (this daemon's spills since it started): the store's keys of those of
@@ -4148,27 +4154,33 @@ static bool store_pinned(struct skv_worker *w, const char *key, int *rc)
  * under the same key) stays. --all-unpinned, and a tenant's or an id's EVICT when the store may
  * not be searched. */
 static int store_evict_records(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count,
-                               char *buf, const char **keys)
+                               char *buf, const char **keys, struct evict_tails *t)
 {
     spill_prune(w);
     int rc = SKV_OK;
     size_t at[EVICT_BATCH];
     for (size_t end = w->n_spills; !rc && end > 0;) {
-        int n = 0, looked = 0;
-        while (!rc && end > 0 && looked < EVICT_BATCH) { /* (n <= looked) */
+        int looked = 0;
+        while (end > 0 && looked < EVICT_BATCH) {
             const struct skv_spill_rec *r = &w->spills[--end];
             if (!spill_matches(r, tenant, id))
                 continue;
-            at[looked++] = end;
-            keys[n] = buf + (size_t)n * STORE_KEY_MAX;
-            store_key(w, r->tenant, r->id, false, buf + (size_t)n * STORE_KEY_MAX, STORE_KEY_MAX);
-            bool pinned = !id && store_pinned(w, keys[n], &rc);
+            at[looked] = end;
+            keys[looked] = buf + (size_t)looked * STORE_KEY_MAX;
+            store_key(w, r->tenant, r->id, false, buf + (size_t)looked * STORE_KEY_MAX, STORE_KEY_MAX);
+            looked++;
+        }
+        if (!id) { /* one GETRANGE each, pipelined; a user that may not GETRANGE a key: not known to be pinned */
+            rc = skv_store_tails(w->store, keys, looked, EVICT_TAIL, t->out, t->got, t->state);
             if (rc && skv_store_refused(w->store))
-                rc = SKV_OK; /* a user that may not GETRANGE: not known to be pinned */
-            n += !pinned && !rc;
+                rc = SKV_OK;
         }
         if (rc) /* (this batch's records kept: nothing of it was deleted) */
             break;
+        int n = 0;
+        for (int j = 0; j < looked; j++)
+            if (id || !tail_pinned(t, j))
+                keys[n++] = keys[j];
         if ((rc = evict_batch(w, keys, &n, count)))
             break;
         for (int j = 0; j < looked; j++) /* (gone from the store, or another daemon's pinned session
@@ -4191,17 +4203,22 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
 {
     *count = 0;
     char *buf = malloc((size_t)EVICT_BATCH * STORE_KEY_MAX);
-    const char **batch = malloc(EVICT_BATCH * sizeof *batch);
+    const char **batch = malloc(EVICT_BATCH * sizeof *batch), **look = malloc(EVICT_BATCH * sizeof *look);
+    struct evict_tails *t = malloc(sizeof *t);
     int rc = SKV_OK;
-    if (!buf || !batch) {
+    if (!buf || !batch || !look || !t) {
         free(buf);
         free(batch);
+        free(look);
+        free(t);
         return skv_errorf(SKV_E_NOMEM, "no memory for the store's keys: nothing deleted there");
     }
     if (!tenant && !id) {
-        rc = store_evict_records(w, NULL, NULL, count, buf, batch);
+        rc = store_evict_records(w, NULL, NULL, count, buf, batch, t);
         free(buf);
         free(batch);
+        free(look);
+        free(t);
         return rc;
     }
     char hex[2 * SKV_SESSION_ID_BYTES + 1];
@@ -4221,15 +4238,24 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
             if ((rc = skv_store_scan(w->store, &cursor, match, &keys, &m)))
                 break;
             const char *k = keys;
-            for (int i = 0; i < m && !rc; k += strlen(k) + 1, i++) {
-                if (strlen(k) >= STORE_KEY_MAX)
-                    continue; /* not one of ours */
-                if (!id && (store_pinned(w, k, &rc) || rc))
-                    continue;
-                batch[n] = buf + (size_t)n * STORE_KEY_MAX;
-                snprintf(buf + (size_t)n++ * STORE_KEY_MAX, STORE_KEY_MAX, "%s", k);
-                if (n == EVICT_BATCH)
+            for (int i = 0; i < m && !rc;) {
+                int nl = 0; /* the page's next keys of ours, up to EVICT_BATCH */
+                for (; i < m && nl < EVICT_BATCH; k += strlen(k) + 1, i++)
+                    if (strlen(k) < STORE_KEY_MAX) /* (a longer one is not one of ours) */
+                        look[nl++] = k;
+                if (n + nl > EVICT_BATCH) /* room for all of them: no command between a refused read and
+                                           * the fallback below, which reads its message */
                     rc = evict_batch(w, batch, &n, count);
+                int ok = nl; /* the keys before the first whose read failed (all: no read failed) */
+                if (!rc && !id && (rc = skv_store_tails(w->store, look, nl, EVICT_TAIL, t->out, t->got, t->state)))
+                    for (ok = 0; ok < nl && t->state[ok] == SKV_TAIL_VALUE && skv_store_refused(w->store);)
+                        ok++; /* (a failed connection: none of them is known) */
+                for (int j = 0; j < ok; j++) {
+                    if (!id && tail_pinned(t, j))
+                        continue;
+                    batch[n] = buf + (size_t)n * STORE_KEY_MAX;
+                    snprintf(buf + (size_t)n++ * STORE_KEY_MAX, STORE_KEY_MAX, "%s", look[j]);
+                }
             }
             skv_store_value_free(keys);
         } while (!rc && cursor);
@@ -4244,9 +4270,11 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
         uint32_t found = *count;
         rc = n ? evict_batch(w, batch, &n, count) : SKV_OK;
         if (!rc)
-            rc = store_evict_records(w, tenant, id, count, buf, batch);
+            rc = store_evict_records(w, tenant, id, count, buf, batch, t);
         free(buf);
         free(batch);
+        free(look);
+        free(t);
         if (!rc && id && *count > found)
             return SKV_OK; /* the id's entry was one of this daemon's */
         if (!rc)
@@ -4258,6 +4286,8 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
     }
     free(buf);
     free(batch);
+    free(look);
+    free(t);
     if (rc) {
         char why[256];
         snprintf(why, sizeof why, "%s", rc == SKV_E_NOMEM ? "no memory" : skv_error_msg());

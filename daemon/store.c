@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#define STORE_RECV_BUF 16384 /* a reply's lines and small strings come through this many bytes a recv */
 #define STORE_RETRY_MS 1000      /* no new connection within this of a failed one ... */
 #define STORE_RETRY_MAX_MS 30000 /* ... doubled at each failure in a row, up to this */
 #define STORE_SEND_BUF (256 << 10) /* a streamed value goes out in pieces of this */
@@ -44,6 +45,8 @@ struct skv_store {
     uint64_t max_value;       /* a take refuses a value larger than this */
     struct host_lookup *lookup; /* a lookup of host that outlived a connect's wait, or NULL */
     redisContext *c;          /* NULL: not connected */
+    char rbuf[STORE_RECV_BUF];  /* bytes received on c and not read yet: rbuf[roff .. rlen) */
+    size_t roff, rlen;
     uint64_t deadline_ms;     /* the running command's (now_ms's clock): deadline_start */
     uint64_t down_until_ms;   /* a connection failed: none is tried before this */
     uint64_t retry_ms;        /* the wait after the next failure */
@@ -623,6 +626,7 @@ static int store_connect(struct skv_store *st)
 {
     if (st->c)
         return SKV_OK;
+    st->roff = st->rlen = 0; /* (what an earlier connection left is not this one's) */
     uint64_t now = now_ms();
     if (now < st->down_until_ms)
         return skv_errorf(SKV_E_IO, "store %s: %s (tried again in %.1f s)", st->url, st->why,
@@ -778,19 +782,35 @@ static int stream_command(struct skv_store *st, int argc, const char **argv, con
 }
 
 /* Reads exactly n bytes before the command's deadline: 0, or an errno (ECONNRESET for an end of
- * stream; EAGAIN: the deadline passed). */
+ * stream; EAGAIN: the deadline passed). Through st->rbuf: a recv takes what has come, up to
+ * STORE_RECV_BUF bytes, so a reply's lines (read a byte at a time) and a batch's small answers
+ * cost a system call per buffer, not per byte; what is left of a large string is received
+ * straight into p. Bytes past this reply stay in rbuf for the next (a pipelined batch's). */
 static int recv_all(struct skv_store *st, void *p, size_t n)
 {
-    for (size_t off = 0; off < n;) {
+    size_t off = st->rlen - st->roff < n ? st->rlen - st->roff : n;
+    memcpy(p, st->rbuf + st->roff, off);
+    st->roff += off;
+    while (off < n) {
+        bool direct = n - off >= sizeof st->rbuf;
         int w = wait_ready(st, st->c->fd, POLLIN);
         if (w)
             return w;
-        ssize_t m = recv(st->c->fd, (char *)p + off, n - off, MSG_DONTWAIT);
+        ssize_t m = direct ? recv(st->c->fd, (char *)p + off, n - off, MSG_DONTWAIT)
+                           : recv(st->c->fd, st->rbuf, sizeof st->rbuf, MSG_DONTWAIT);
         if (m < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
             continue;
         if (m <= 0)
             return m < 0 ? errno : ECONNRESET;
-        off += (size_t)m;
+        if (direct) {
+            off += (size_t)m;
+            continue;
+        }
+        size_t take = (size_t)m < n - off ? (size_t)m : n - off;
+        memcpy((char *)p + off, st->rbuf, take);
+        off += take;
+        st->roff = take;
+        st->rlen = (size_t)m;
     }
     return 0;
 }
@@ -1004,6 +1024,8 @@ struct store_call {
  * closed, too late to know whether the command ran) and nothing waits to be read on it. */
 static bool store_usable(struct skv_store *st)
 {
+    if (st->roff < st->rlen) /* bytes no command asked for */
+        return false;
     char c;
     ssize_t m = recv(st->c->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
     return m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
@@ -1231,22 +1253,101 @@ bool skv_store_refused(const struct skv_store *st)
     return st && st->refused;
 }
 
-int skv_store_tail(struct skv_store *st, const char *key, void *out, size_t cap, size_t *got)
+/* The GETRANGEs of skv_store_tails sent one after the other, none waiting for its reply: 0, or
+ * stream_command's -1 with v's err or rc. */
+static int send_tails(struct skv_store *st, const char *const *keys, int n, const char *from, struct store_value *v)
 {
-    *got = 0;
+    for (int i = 0; i < n; i++) {
+        const char *argv[] = {"GETRANGE", keys[i], from, "-1"};
+        const size_t lens[] = {8, strlen(keys[i]), strlen(from), 2};
+        if (stream_command(st, 4, argv, lens, -1, v) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t cap, unsigned char *out,
+                    size_t *got, signed char *state)
+{
+    for (int i = 0; i < n; i++) {
+        got[i] = 0;
+        state[i] = SKV_TAIL_VALUE;
+    }
+    st->refused = false;
+    if (n <= 0)
+        return SKV_OK;
     char from[24];
     snprintf(from, sizeof from, "-%zu", cap);
-    const char *argv[] = {"GETRANGE", key, from, "-1"};
-    const size_t lens[] = {8, strlen(key), strlen(from), 2};
-    struct store_call k = {.argc = 4, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
-    if (store_command(st, &k)) {
-        st->stats.load_failures++;
-        return SKV_E_IO;
+    for (int attempt = 0;; attempt++) {
+        if (st->c && !store_usable(st)) {
+            redisFree(st->c);
+            st->c = NULL;
+        }
+        bool reused = st->c != NULL;
+        if (store_connect(st))
+            return SKV_E_IO;
+        struct store_value v = {0};
+        deadline_start(st, 0); /* one deadline for the whole batch: its replies are small */
+        bool sent = send_tails(st, keys, n, from, &v) == 0;
+        if (!sent && !v.err) { /* no memory */
+            redisFree(st->c);
+            st->c = NULL;
+            return v.rc;
+        }
+        if (!sent && reused && attempt == 0 && (v.err == EPIPE || v.err == ECONNRESET)) {
+            redisFree(st->c); /* (a read: sent again, whatever of it went out) */
+            st->c = NULL;
+            continue;
+        }
+        /* every reply is read, an error's too, so the connection stays in step */
+        int e = sent ? 0 : v.err, refused = -1, other = -1;
+        char first_refused[300] = "", first_other[300] = "";
+        for (int i = 0; i < n && !e; i++) {
+            struct store_reply r = {0};
+            e = read_reply(st, "GETRANGE", true, &r);
+            if (e < 0 && r.rc != SKV_E_IO) { /* no memory, a tail past store-max-bytes */
+                redisFree(st->c);
+                st->c = NULL;
+                st->stats.load_failures++;
+                return r.rc;
+            }
+            if (e)
+                break;
+            if (r.type == '$' && !r.nil) {
+                got[i] = r.n < cap ? r.n : cap;
+                memcpy(out + (size_t)i * cap, r.data, got[i]);
+            } else if (r.type != '$') {
+                bool noperm = r.type == '-' && strncmp(r.line, "NOPERM", 6) == 0;
+                state[i] = noperm ? SKV_TAIL_REFUSED : SKV_TAIL_ERROR;
+                int *at = noperm ? &refused : &other;
+                char *why = noperm ? first_refused : first_other;
+                if (*at < 0) {
+                    *at = i;
+                    if (r.type == '-')
+                        snprintf(why, sizeof first_refused, "%.256s", r.line);
+                    else
+                        snprintf(why, sizeof first_refused, "an unexpected answer ('%c')", r.type);
+                }
+            }
+            free(r.data);
+        }
+        if (e) {
+            char why[300];
+            snprintf(why, sizeof why, "%s", e < 0 ? skv_error_msg()
+                                           : e == EAGAIN ? "timed out"
+                                           : e == ECONNRESET && sent ? "the connection closed before the reply"
+                                           : strerror(e));
+            store_failed(st, why);
+            st->stats.load_failures++;
+            return SKV_E_IO;
+        }
+        st->retry_ms = STORE_RETRY_MS; /* it answered */
+        if (other >= 0 || refused >= 0) { /* the first answer of another error, else the first NOPERM */
+            st->refused = other < 0;
+            st->stats.load_failures++;
+            return skv_errorf(SKV_E_IO, "store %s: GETRANGE: %s", st->url, other >= 0 ? first_other : first_refused);
+        }
+        return SKV_OK;
     }
-    if (!k.reply.nil) {
-        *got = k.reply.n < cap ? k.reply.n : cap;
-        memcpy(out, k.reply.data, *got);
-    }
-    free(k.reply.data);
-    return SKV_OK;
 }
+

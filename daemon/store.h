@@ -79,9 +79,17 @@ int skv_store_delete_many(struct skv_store *st, const char *const *keys, int n, 
  * above (counted as a load failure); a reply of more than 20000 keys is refused as one the
  * command does not have. */
 int skv_store_scan(struct skv_store *st, uint64_t *cursor, const char *match, char **keys, int *n);
-/* GETRANGE key -cap -1: the value's last (up to) cap bytes into out, *got of them (0 when the
- * key has no value). SKV_E_IO as above. */
-int skv_store_tail(struct skv_store *st, const char *key, void *out, size_t cap, size_t *got);
+/* GETRANGE key -cap -1 of n keys, pipelined: every command sent, then every reply read, all
+ * before one store-timeout-ms (one round trip for the batch, not n). Key i's last (up to) cap bytes
+ * into out + i * cap, got[i] of them (0: no value); state[i] SKV_TAIL_VALUE (a value or none),
+ * SKV_TAIL_REFUSED (the store's ACL refused the key: NOPERM) or SKV_TAIL_ERROR (another error
+ * answer). SKV_OK when every key's state is SKV_TAIL_VALUE; SKV_E_IO naming the first other
+ * error answer, else the first NOPERM (skv_store_refused: only NOPERMs), with every state
+ * set; SKV_E_IO (the connection failed, the deadline passed: no state is known), SKV_E_NOMEM or
+ * SKV_E_LIMIT as skv_store_tail. A failure is counted as a load failure. */
+enum { SKV_TAIL_VALUE = 0, SKV_TAIL_REFUSED = 1, SKV_TAIL_ERROR = 2 };
+int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t cap, unsigned char *out,
+                    size_t *got, signed char *state);
 /* True when the last command failed because the store's ACL refused it (an error reply that
  * starts "NOPERM": the connection is fine, the user may not run that command or touch that key). */
 bool skv_store_refused(const struct skv_store *st);

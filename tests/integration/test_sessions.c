@@ -6351,6 +6351,77 @@ static void test_store_evict_refused(void **state)
     redis_done(dir);
 }
 
+/* The store's keys that match pattern, counted. */
+static int store_count(const char *sock, const char *pattern)
+{
+    char args[400], out[64];
+    snprintf(args, sizeof args, "EVAL \"return #redis.call('KEYS', ARGV[1])\" 0 '%s'", pattern);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    return atoi(out);
+}
+
+/* A tenant's EVICT over many entries in the store: 1300 of tenant p (another daemon's, small
+ * values), 5 more that are pinned sessions' (a drained pinned session's tail), the one this
+ * daemon spilled, and 10 of tenant q. The pinned ones are read in pipelined batches of 512 (a
+ * SCAN page of about 1000 keys, and batches that end past the page's end) and stay, with the
+ * drained session itself; the 1301 others go; tenant q's stay. */
+static void test_store_evict_many(void **state)
+{
+    NEED_MODEL();
+    char dir[64] = "/tmp/skv-storemany-XXXXXX", sock[128], opt[220], conf[200], pass[200], out[300];
+    char kb[300], kx[300], prefix[200], args[1200], key[300];
+    redis_or_skip(dir, sock, sizeof sock, "test_store_evict_many");
+    store_conf(dir, sock, 0600, "", pass, conf);
+    snprintf(opt, sizeof opt, "--config=%s", conf);
+    struct daemon d;
+    start_daemon_with(&d, "64M", opt, 0);
+    snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
+    uint32_t pids[8];
+    prompt(pids, 8, 70);
+    struct snapkv_prefill_result b, x;
+    assert_int_equal(snapkv_prefill(cp, &(struct snapkv_prefill_opts){.tokens = pids, .n_tokens = 8}, &b), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(adm, &b.id), SNAPKV_OK);
+    snapkv_close(&cp);
+    snapkv_close(&adm);
+    stop_drained(&d);
+    tenant_key_of(sock, "p", &b.id, kb, sizeof kb);
+    assert_true(kb[0]);
+    start_daemon_with(&d, "64M", opt, 0);
+    cp = client(d.endpoint, "p");
+    adm = client(d.admin, NULL);
+    prefill_leased(cp, 71, &x);
+    wait_spilled(sock, &x.id, kx, sizeof kx);
+    size_t at = (size_t)(strrchr(kx, ':') - kx) - 2; /* "snapkv:FP:p:ID": up to the ':' before "p:" */
+    snprintf(prefix, sizeof prefix, "%.*s", (int)at, kx);
+    snprintf(args, sizeof args,
+             "EVAL \"local t = redis.call('GETRANGE', KEYS[1], -64, -1) "
+             "for i = 1, 1300 do redis.call('SET', ARGV[1] .. ':p:' .. string.format('%%032x', i), 'x') end "
+             "for i = 1, 5 do redis.call('SET', ARGV[1] .. ':p:' .. string.format('%%032x', 5000 + 97 * i), t) end "
+             "for i = 1, 10 do redis.call('SET', ARGV[1] .. ':q:' .. string.format('%%032x', i), 'x') end "
+             "return 1\" 1 %s %s", kb, prefix);
+    fixture_redis_cli(sock, args, out, sizeof out);
+    assert_string_equal(out, "1");
+    snprintf(key, sizeof key, "%s:p:*", prefix);
+    assert_int_equal(store_count(sock, key), 1307);
+    uint32_t evicted = 0;
+    assert_int_equal(snapkv_admin_evict(adm, NULL, "p", false, &evicted, NULL), SNAPKV_OK);
+    assert_int_equal(evicted, 1301);
+    assert_int_equal(store_count(sock, key), 6);
+    assert_true(store_has(sock, kb) && !store_has(sock, kx));
+    for (int i = 1; i <= 5; i++) {
+        snprintf(key, sizeof key, "%s:p:%032x", prefix, 5000 + 97 * i);
+        assert_true(store_has(sock, key));
+    }
+    snprintf(key, sizeof key, "%s:q:*", prefix);
+    assert_int_equal(store_count(sock, key), 10);
+    snapkv_prefill_result_free(&b);
+    snapkv_prefill_result_free(&x);
+    snapkv_close(&cp);
+    snapkv_close(&adm);
+    stop_daemon(&d);
+    redis_done(dir);
+}
+
 /* EVICT reaches the sessions spilled to the store: by id (any tenant), by tenant (another
  * tenant's stay) and --all; each is deleted from the store and counted in `evicted`, and an id
  * gone from both is SNAPKV_E_NOT_FOUND (before, spilled sessions stayed in the store until their
@@ -7086,6 +7157,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store_tenant_cap, kill_daemons),
         cmocka_unit_test_teardown(test_store_evict, kill_daemons),
         cmocka_unit_test_teardown(test_store_evict_refused, kill_daemons),
+        cmocka_unit_test_teardown(test_store_evict_many, kill_daemons),
         cmocka_unit_test_teardown(test_tcp_user_timeout, kill_daemons),
         cmocka_unit_test_teardown(test_example_client, kill_daemons),
     };

@@ -6384,7 +6384,9 @@ static void test_store_hostile(void **state)
  * number with a sign or a space in any reply, which strtoll alone took); against
  * redis-server (skipped without it), a walk of 2500 keys of ours among 300 others finds each
  * of ours (a key may come twice in a walk) and no other, page by page, and GETRANGE gives a
- * value's last bytes (and none of a key with no value). */
+ * value's last bytes (and none of a key with no value), 1200 keys pipelined in one batch; a
+ * batch's answers that are errors (NOPERM, another, not a string) are each its key's, and a
+ * batch whose answers stop coming times out. */
 static void test_store_scan(void **state)
 {
     (void)state;
@@ -6457,6 +6459,49 @@ static void test_store_scan(void **state)
         skv_store_free(&st);
         hostile_stop(&h);
     }
+    /* GETRANGEs pipelined: each key's answer is its own, an error's too, and the connection
+     * stays in step (the next batch reads its own answers) */
+    const struct {
+        const char *script, *why;
+        int rc;
+        bool refused;
+        signed char state[3];
+        size_t got[3];
+    } tails[] = {
+        {"$2\r\nab\r\n$-1\r\n$4\r\nwxyz\r\n", NULL, SKV_OK, false,
+         {SKV_TAIL_VALUE, SKV_TAIL_VALUE, SKV_TAIL_VALUE}, {2, 0, 4}},
+        {"$2\r\nab\r\n-NOPERM no\r\n$-1\r\n", "GETRANGE: NOPERM no", SKV_E_IO, true,
+         {SKV_TAIL_VALUE, SKV_TAIL_REFUSED, SKV_TAIL_VALUE}, {2, 0, 0}},
+        {"-NOPERM first\r\n-ERR other\r\n$1\r\na\r\n", "GETRANGE: ERR other", SKV_E_IO, false,
+         {SKV_TAIL_REFUSED, SKV_TAIL_ERROR, SKV_TAIL_VALUE}, {0, 0, 1}},
+        {"$2\r\nab\r\n:3\r\n$1\r\na\r\n", "an unexpected answer (':')", SKV_E_IO, false,
+         {SKV_TAIL_VALUE, SKV_TAIL_ERROR, SKV_TAIL_VALUE}, {2, 0, 1}},
+        {"$2\r\nab\r\n", "timed out", SKV_E_IO, false, {0}, {0}}, /* two answers never come */
+    };
+    for (size_t i = 0; i < sizeof tails / sizeof *tails; i++) {
+        h.script = tails[i].script;
+        h.script_n = strlen(tails[i].script);
+        hostile_start(&h, HOSTILE_SCRIPT, dir);
+        assert_int_equal(skv_store_new(url, 500, 1 << 30, &st), SKV_OK);
+        const char *tk[3] = {"snapkv:a", "snapkv:b", "snapkv:c"};
+        unsigned char out[3 * 4];
+        size_t got[3];
+        signed char tstate[3];
+        int rc = skv_store_tails(st, tk, 3, 4, out, got, tstate);
+        if (rc != tails[i].rc || (rc && !strstr(skv_error_msg(), tails[i].why)))
+            fail_msg("tails %zu: %d %s", i, rc, skv_error_msg());
+        assert_int_equal(skv_store_refused(st), tails[i].refused);
+        for (int j = 0; i < 4 && j < 3; j++) {
+            assert_int_equal(tstate[j], tails[i].state[j]);
+            assert_int_equal(got[j], tails[i].got[j]);
+        }
+        if (i == 0)
+            assert_memory_equal(out, "ab", 2);
+        if (i == 0)
+            assert_memory_equal(out + 8, "wxyz", 4);
+        skv_store_free(&st);
+        hostile_stop(&h);
+    }
     char cmd[100];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     assert_int_equal(system(cmd), 0);
@@ -6488,13 +6533,29 @@ static void test_store_scan(void **state)
     } while (cursor);
     assert_int_equal(found, 2500);
     assert_true(pages >= 2); /* (1000 keys looked at a page) */
-    unsigned char tail[8];
-    size_t got = 99;
-    assert_int_equal(skv_store_tail(st, "snapkv:fp:t:0007", tail, 4, &got), SKV_OK);
-    assert_int_equal(got, 4);
-    assert_memory_equal(tail, "6789", 4);
-    assert_int_equal(skv_store_tail(st, "snapkv:fp:t:none", tail, 4, &got), SKV_OK);
-    assert_int_equal(got, 0);
+    /* 1200 GETRANGEs in one batch (every fifth key has no value), then a batch of one on the
+     * same connection */
+    enum { NT = 1200 };
+    static char tkey[NT][32];
+    static const char *tk[NT];
+    static unsigned char tail[NT * 4];
+    static size_t got[NT];
+    static signed char tstate[NT];
+    for (int i = 0; i < NT; i++) {
+        snprintf(tkey[i], sizeof tkey[i], i % 5 == 4 ? "snapkv:fp:t:none%d" : "snapkv:fp:t:%04d", i);
+        tk[i] = tkey[i];
+    }
+    assert_int_equal(skv_store_tails(st, tk, NT, 4, tail, got, tstate), SKV_OK);
+    for (int i = 0; i < NT; i++) {
+        assert_int_equal(tstate[i], SKV_TAIL_VALUE);
+        assert_int_equal(got[i], i % 5 == 4 ? 0 : 4);
+        if (i % 5 != 4)
+            assert_memory_equal(tail + (size_t)i * 4, "6789", 4);
+    }
+    tk[0] = "snapkv:fp:t:0007";
+    assert_int_equal(skv_store_tails(st, tk, 1, 8, tail, got, tstate), SKV_OK);
+    assert_int_equal(got[0], 8);
+    assert_memory_equal(tail, "23456789", 8);
     skv_store_free(&st);
 }
 
