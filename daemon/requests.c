@@ -4243,9 +4243,9 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
                 for (; i < m && nl < EVICT_BATCH; k += strlen(k) + 1, i++)
                     if (strlen(k) < STORE_KEY_MAX) /* (a longer one is not one of ours) */
                         look[nl++] = k;
-                if (n + nl > EVICT_BATCH) /* room for all of them: no command between a refused read and
-                                           * the fallback below, which reads its message */
-                    rc = evict_batch(w, batch, &n, count);
+                if (n + nl > EVICT_BATCH && (rc = evict_batch(w, batch, &n, count)))
+                    break; /* (room for all of them first: no command between a refused read and the
+                            * fallback below, which reads its message) */
                 int ok = nl; /* the keys before the first whose read failed (all: no read failed) */
                 if (!rc && !id && (rc = skv_store_tails(w->store, look, nl, EVICT_TAIL, t->out, t->got, t->state)))
                     for (ok = 0; ok < nl && t->state[ok] == SKV_TAIL_VALUE && skv_store_refused(w->store);)

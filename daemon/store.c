@@ -1292,6 +1292,7 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
         if (!sent && !v.err) { /* no memory */
             redisFree(st->c);
             st->c = NULL;
+            st->stats.load_failures++;
             return v.rc;
         }
         if (!sent && reused && attempt == 0 && (v.err == EPIPE || v.err == ECONNRESET)) {
@@ -1302,9 +1303,11 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
         /* every reply is read, an error's too, so the connection stays in step */
         int e = sent ? 0 : v.err, refused = -1, other = -1;
         char first_refused[300] = "", first_other[300] = "";
+        const uint64_t deadline = st->deadline_ms;
         for (int i = 0; i < n && !e; i++) {
             struct store_reply r = {0};
             e = read_reply(st, "GETRANGE", true, &r);
+            st->deadline_ms = deadline; /* (read_reply gives a string time of its own: not here) */
             if (e < 0 && r.rc != SKV_E_IO) { /* no memory, a tail past store-max-bytes */
                 redisFree(st->c);
                 st->c = NULL;

@@ -85,8 +85,9 @@ int skv_store_scan(struct skv_store *st, uint64_t *cursor, const char *match, ch
  * SKV_TAIL_REFUSED (the store's ACL refused the key: NOPERM) or SKV_TAIL_ERROR (another error
  * answer). SKV_OK when every key's state is SKV_TAIL_VALUE; SKV_E_IO naming the first other
  * error answer, else the first NOPERM (skv_store_refused: only NOPERMs), with every state
- * set; SKV_E_IO (the connection failed, the deadline passed: no state is known), SKV_E_NOMEM or
- * SKV_E_LIMIT as skv_store_tail. A failure is counted as a load failure. */
+ * set; SKV_E_IO (the connection failed, the deadline passed: no state is known), SKV_E_NOMEM (or
+ * SKV_E_LIMIT: an answer past store-max-bytes), the connection dropped. A failure is counted as
+ * a load failure. */
 enum { SKV_TAIL_VALUE = 0, SKV_TAIL_REFUSED = 1, SKV_TAIL_ERROR = 2 };
 int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t cap, unsigned char *out,
                     size_t *got, signed char *state);
