@@ -1031,6 +1031,24 @@ static bool store_usable(struct skv_store *st)
     return m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
+/* Drops the connection: the next command makes a new one. */
+static void store_drop(struct skv_store *st)
+{
+    redisFree(st->c);
+    st->c = NULL;
+}
+
+/* A connection for the next command: the one held when the server has not closed it and nothing
+ * waits to be read on it (store_usable), else a new one; *reused: the one held. SKV_OK, or
+ * store_connect's failure. */
+static int store_ready(struct skv_store *st, bool *reused)
+{
+    if (st->c && !store_usable(st))
+        store_drop(st);
+    *reused = st->c != NULL;
+    return store_connect(st);
+}
+
 /* Runs a command, all of it (the send, the value, the reply) before its deadline (deadline_start):
  * SKV_OK with k->reply not an error, or SKV_E_IO after store_failed (a connection that failed is
  * dropped). A reused connection the server closed while idle is made again before the command is
@@ -1045,25 +1063,19 @@ static int store_command(struct skv_store *st, struct store_call *k)
 {
     st->refused = false;
     for (int attempt = 0;; attempt++) {
-        if (st->c && !store_usable(st)) {
-            redisFree(st->c);
-            st->c = NULL;
-        }
-        bool reused = st->c != NULL;
-        if (store_connect(st))
+        bool reused;
+        if (store_ready(st, &reused))
             return SKV_E_IO;
         struct store_value none = {0}, *v = k->v ? k->v : &none;
         deadline_start(st, v->n);
         bool sent = stream_command(st, k->argc, k->argv, k->lens, k->v ? k->vi : -1, v) == 0;
         int err = v->err;
         if (!sent && !err) { /* fn failed, or wrote other than it should, or memory */
-            redisFree(st->c);
-            st->c = NULL;
+            store_drop(st);
             return v->rc;
         }
         if (!sent && reused && attempt == 0 && (err == EPIPE || err == ECONNRESET)) {
-            redisFree(st->c);
-            st->c = NULL;
+            store_drop(st);
             continue;
         }
         k->reply = (struct store_reply){0};
@@ -1071,8 +1083,7 @@ static int store_command(struct skv_store *st, struct store_call *k)
                 : k->want == '*' ? read_scan(st, k->argv[0], &k->reply)
                                  : read_reply(st, k->argv[0], k->want == '$', &k->reply);
         if (e < 0 && k->reply.rc != SKV_E_IO) { /* a value too large, or no memory for it */
-            redisFree(st->c);
-            st->c = NULL;
+            store_drop(st);
             return k->reply.rc;
         }
         if (e) {
@@ -1279,25 +1290,19 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
     char from[24];
     snprintf(from, sizeof from, "-%zu", cap);
     for (int attempt = 0;; attempt++) {
-        if (st->c && !store_usable(st)) {
-            redisFree(st->c);
-            st->c = NULL;
-        }
-        bool reused = st->c != NULL;
-        if (store_connect(st))
+        bool reused;
+        if (store_ready(st, &reused))
             return SKV_E_IO;
         struct store_value v = {0};
         deadline_start(st, 0); /* one deadline for the whole batch: its replies are small */
         bool sent = send_tails(st, keys, n, from, &v) == 0;
         if (!sent && !v.err) { /* no memory */
-            redisFree(st->c);
-            st->c = NULL;
+            store_drop(st);
             st->stats.load_failures++;
             return v.rc;
         }
         if (!sent && reused && attempt == 0 && (v.err == EPIPE || v.err == ECONNRESET)) {
-            redisFree(st->c); /* (a read: sent again, whatever of it went out) */
-            st->c = NULL;
+            store_drop(st); /* (a read: sent again, whatever of it went out) */
             continue;
         }
         /* every reply is read, an error's too, so the connection stays in step */
@@ -1309,8 +1314,7 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
             e = read_reply(st, "GETRANGE", true, &r);
             st->deadline_ms = deadline; /* (read_reply gives a string time of its own: not here) */
             if (e < 0 && r.rc != SKV_E_IO) { /* no memory, a tail past store-max-bytes */
-                redisFree(st->c);
-                st->c = NULL;
+                store_drop(st);
                 st->stats.load_failures++;
                 return r.rc;
             }

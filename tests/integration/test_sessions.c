@@ -6277,6 +6277,25 @@ static void test_store_tenant_cap(void **state)
     redis_done(dir);
 }
 
+/* A daemon started with opt (a store on sock) and a pinned 8-token session of tenant p on it
+ * (prompt seed), which its stop's drain sends to the store: *b, under key kb. */
+static void pinned_drained(const char *opt, const char *sock, unsigned seed, struct snapkv_prefill_result *b,
+                           char *kb, size_t cap)
+{
+    struct daemon d;
+    start_daemon_with(&d, "64M", opt, 0);
+    snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
+    uint32_t pids[8];
+    prompt(pids, 8, seed);
+    assert_int_equal(snapkv_prefill(cp, &(struct snapkv_prefill_opts){.tokens = pids, .n_tokens = 8}, b), SNAPKV_OK);
+    assert_int_equal(snapkv_admin_pin(adm, &b->id), SNAPKV_OK);
+    snapkv_close(&cp);
+    snapkv_close(&adm);
+    stop_drained(&d);
+    tenant_key_of(sock, "p", &b->id, kb, cap);
+    assert_true(kb[0]);
+}
+
 /* A store user whose ACL lacks SCAN: an id's EVICT of a session this daemon spilled deletes it
  * (its records name the key); a tenant's deletes what this daemon spilled of the tenant but an
  * entry that is a pinned session's now, and fails saying the store refused the search and that
@@ -6292,22 +6311,11 @@ static void test_store_evict_refused(void **state)
     assert_string_equal(out, "OK");
     store_conf(dir, sock, 0600, "store-user = limited\n", pass, conf);
     snprintf(opt, sizeof opt, "--config=%s", conf);
-    struct daemon d;
-    start_daemon_with(&d, "64M", opt, 0); /* a pinned session of tenant p, drained by the stop */
-    snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
-    uint32_t pids[8];
-    prompt(pids, 8, 90);
     struct snapkv_prefill_result b, x, y, z;
-    assert_int_equal(snapkv_prefill(cp, &(struct snapkv_prefill_opts){.tokens = pids, .n_tokens = 8}, &b), SNAPKV_OK);
-    assert_int_equal(snapkv_admin_pin(adm, &b.id), SNAPKV_OK);
-    snapkv_close(&cp);
-    snapkv_close(&adm);
-    stop_drained(&d);
-    tenant_key_of(sock, "p", &b.id, kb, sizeof kb);
-    assert_true(kb[0]);
+    pinned_drained(opt, sock, 90, &b, kb, sizeof kb);
+    struct daemon d;
     start_daemon_with(&d, "64M", opt, 0);
-    cp = client(d.endpoint, "p");
-    adm = client(d.admin, NULL);
+    snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
     prefill_leased(cp, 91, &x);
     prefill_leased(cp, 92, &y);
     prefill_leased(cp, 93, &z);
@@ -6373,22 +6381,11 @@ static void test_store_evict_many(void **state)
     redis_or_skip(dir, sock, sizeof sock, "test_store_evict_many");
     store_conf(dir, sock, 0600, "", pass, conf);
     snprintf(opt, sizeof opt, "--config=%s", conf);
+    struct snapkv_prefill_result b, x;
+    pinned_drained(opt, sock, 70, &b, kb, sizeof kb);
     struct daemon d;
     start_daemon_with(&d, "64M", opt, 0);
     snapkv_client_t *cp = client(d.endpoint, "p"), *adm = client(d.admin, NULL);
-    uint32_t pids[8];
-    prompt(pids, 8, 70);
-    struct snapkv_prefill_result b, x;
-    assert_int_equal(snapkv_prefill(cp, &(struct snapkv_prefill_opts){.tokens = pids, .n_tokens = 8}, &b), SNAPKV_OK);
-    assert_int_equal(snapkv_admin_pin(adm, &b.id), SNAPKV_OK);
-    snapkv_close(&cp);
-    snapkv_close(&adm);
-    stop_drained(&d);
-    tenant_key_of(sock, "p", &b.id, kb, sizeof kb);
-    assert_true(kb[0]);
-    start_daemon_with(&d, "64M", opt, 0);
-    cp = client(d.endpoint, "p");
-    adm = client(d.admin, NULL);
     prefill_leased(cp, 71, &x);
     wait_spilled(sock, &x.id, kx, sizeof kx);
     size_t at = (size_t)(strrchr(kx, ':') - kx) - 2; /* "snapkv:FP:p:ID": up to the ':' before "p:" */
