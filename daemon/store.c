@@ -1291,8 +1291,10 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
     snprintf(from, sizeof from, "-%zu", cap);
     for (int attempt = 0;; attempt++) {
         bool reused;
-        if (store_ready(st, &reused))
+        if (store_ready(st, &reused)) {
+            st->stats.load_failures++;
             return SKV_E_IO;
+        }
         struct store_value v = {0};
         deadline_start(st, 0); /* one deadline for the whole batch: its replies are small */
         bool sent = send_tails(st, keys, n, from, &v) == 0;

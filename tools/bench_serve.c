@@ -2646,7 +2646,8 @@ static void print_table(FILE *f, const json_t *j)
                 jnum(i, "requests_per_s"), jnum(i, "tokens_per_s"), jnum(il, "p50"), jnum(il, "p99"));
         const json_t *b = json_object_get(tp, "in_process_batched"), *bl = json_object_get(b, "latency_ms");
         if (b)
-            fprintf(f, "| in-process, %2lld at a time | %6.2f | %5.2f | %8.1f | %6.1f | %6.1f |\n",
+            fprintf(f, "| in-process, %2lld at a time (latency: its round's) "
+                       "| %6.2f | %5.2f | %8.1f | %6.1f | %6.1f |\n",
                     (long long)json_integer_value(json_object_get(tp, "clients")), jnum(b, "wall_s"),
                     jnum(b, "requests_per_s"), jnum(b, "tokens_per_s"), jnum(bl, "p50"), jnum(bl, "p99"));
         fprintf(f, "daemon / in-process throughput: %.3f; greedy tokens equal in %lld of %lld compared requests\n",
