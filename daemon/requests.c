@@ -4131,20 +4131,23 @@ static int evict_batch(struct skv_worker *w, const char **batch, int *n, uint32_
     return rc;
 }
 
-/* The tails of up to EVICT_BATCH entries (skv_store_tails: one round trip for all), for their
- * store_meta. */
+/* An EVICT's working memory (one allocation): the keys of a batch to delete (batch[i] pointing
+ * into key[i]), a SCAN page's next keys looked at (look), and the tails of up to EVICT_BATCH
+ * entries (skv_store_tails: one round trip for all), for their store_meta. */
 #define EVICT_TAIL (sizeof(struct store_meta) + STORE_MAC_BYTES)
-struct evict_tails {
-    unsigned char out[EVICT_BATCH * EVICT_TAIL];
+struct evict_bufs {
+    char key[EVICT_BATCH][STORE_KEY_MAX];
+    const char *batch[EVICT_BATCH], *look[EVICT_BATCH];
+    unsigned char tail[EVICT_BATCH * EVICT_TAIL];
     size_t got[EVICT_BATCH];
     signed char state[EVICT_BATCH];
 };
 
 /* Whether entry i of the tails read is a pinned session's (its store_meta says so). */
-static bool tail_pinned(const struct evict_tails *t, int i)
+static bool tail_pinned(const struct evict_bufs *b, int i)
 {
     struct store_meta meta;
-    return t->state[i] == SKV_TAIL_VALUE && store_meta_read(t->out + (size_t)i * EVICT_TAIL, t->got[i], &meta) &&
+    return b->state[i] == SKV_TAIL_VALUE && store_meta_read(b->tail + (size_t)i * EVICT_TAIL, b->got[i], &meta) &&
            meta.pinned;
 }
 
@@ -4154,8 +4157,9 @@ static bool tail_pinned(const struct evict_tails *t, int i)
  * under the same key) stays. --all-unpinned, and a tenant's or an id's EVICT when the store may
  * not be searched. */
 static int store_evict_records(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count,
-                               char *buf, const char **keys, struct evict_tails *t)
+                               struct evict_bufs *b)
 {
+    const char **keys = b->batch;
     spill_prune(w);
     int rc = SKV_OK;
     size_t at[EVICT_BATCH];
@@ -4166,12 +4170,12 @@ static int store_evict_records(struct skv_worker *w, const char *tenant, const u
             if (!spill_matches(r, tenant, id))
                 continue;
             at[looked] = end;
-            keys[looked] = buf + (size_t)looked * STORE_KEY_MAX;
-            store_key(w, r->tenant, r->id, false, buf + (size_t)looked * STORE_KEY_MAX, STORE_KEY_MAX);
+            keys[looked] = b->key[looked];
+            store_key(w, r->tenant, r->id, false, b->key[looked], STORE_KEY_MAX);
             looked++;
         }
         if (!id) { /* one GETRANGE each, pipelined; a user that may not GETRANGE a key: not known to be pinned */
-            rc = skv_store_tails(w->store, keys, looked, EVICT_TAIL, t->out, t->got, t->state);
+            rc = skv_store_tails(w->store, keys, looked, EVICT_TAIL, b->tail, b->got, b->state);
             if (rc && skv_store_refused(w->store))
                 rc = SKV_OK;
         }
@@ -4179,7 +4183,7 @@ static int store_evict_records(struct skv_worker *w, const char *tenant, const u
             break;
         int n = 0;
         for (int j = 0; j < looked; j++)
-            if (id || !tail_pinned(t, j))
+            if (id || !tail_pinned(b, j))
                 keys[n++] = keys[j];
         if ((rc = evict_batch(w, keys, &n, count)))
             break;
@@ -4202,23 +4206,13 @@ static int store_evict_records(struct skv_worker *w, const char *tenant, const u
 static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *id, uint32_t *count)
 {
     *count = 0;
-    char *buf = malloc((size_t)EVICT_BATCH * STORE_KEY_MAX);
-    const char **batch = malloc(EVICT_BATCH * sizeof *batch), **look = malloc(EVICT_BATCH * sizeof *look);
-    struct evict_tails *t = malloc(sizeof *t);
-    int rc = SKV_OK;
-    if (!buf || !batch || !look || !t) {
-        free(buf);
-        free(batch);
-        free(look);
-        free(t);
+    struct evict_bufs *b = malloc(sizeof *b);
+    if (!b)
         return skv_errorf(SKV_E_NOMEM, "no memory for the store's keys: nothing deleted there");
-    }
+    int rc = SKV_OK;
     if (!tenant && !id) {
-        rc = store_evict_records(w, NULL, NULL, count, buf, batch, t);
-        free(buf);
-        free(batch);
-        free(look);
-        free(t);
+        rc = store_evict_records(w, NULL, NULL, count, b);
+        free(b);
         return rc;
     }
     char hex[2 * SKV_SESSION_ID_BYTES + 1];
@@ -4242,39 +4236,38 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
                 int nl = 0; /* the page's next keys of ours, up to EVICT_BATCH */
                 for (; i < m && nl < EVICT_BATCH; k += strlen(k) + 1, i++)
                     if (strlen(k) < STORE_KEY_MAX) /* (a longer one is not one of ours) */
-                        look[nl++] = k;
-                if (n + nl > EVICT_BATCH && (rc = evict_batch(w, batch, &n, count)))
+                        b->look[nl++] = k;
+                if (n + nl > EVICT_BATCH && (rc = evict_batch(w, b->batch, &n, count)))
                     break; /* (room for all of them first: no command between a refused read and the
                             * fallback below, which reads its message) */
                 int ok = nl; /* the keys before the first whose read failed (all: no read failed) */
-                if (!rc && !id && (rc = skv_store_tails(w->store, look, nl, EVICT_TAIL, t->out, t->got, t->state)))
-                    for (ok = 0; ok < nl && t->state[ok] == SKV_TAIL_VALUE && skv_store_refused(w->store);)
-                        ok++; /* (a failed connection: none of them is known) */
+                if (!id && (rc = skv_store_tails(w->store, b->look, nl, EVICT_TAIL, b->tail, b->got, b->state))) {
+                    ok = 0; /* (a failed connection, or another error: none of them) */
+                    while (skv_store_refused(w->store) && ok < nl && b->state[ok] == SKV_TAIL_VALUE)
+                        ok++;
+                }
                 for (int j = 0; j < ok; j++) {
-                    if (!id && tail_pinned(t, j))
+                    if (!id && tail_pinned(b, j))
                         continue;
-                    batch[n] = buf + (size_t)n * STORE_KEY_MAX;
-                    snprintf(buf + (size_t)n++ * STORE_KEY_MAX, STORE_KEY_MAX, "%s", look[j]);
+                    b->batch[n] = b->key[n];
+                    snprintf(b->key[n++], STORE_KEY_MAX, "%s", b->look[j]);
                 }
             }
             skv_store_value_free(keys);
         } while (!rc && cursor);
     }
     if (!rc && n)
-        rc = evict_batch(w, batch, &n, count);
+        rc = evict_batch(w, b->batch, &n, count);
     if (rc && skv_store_refused(w->store)) {
         /* a store user whose ACL lacks SCAN or GETRANGE: what this daemon spilled is what it can
          * name (the keys found before the refusal first) */
         char refused[160]; /* (cut: the message below fits the error buffer with its advice) */
         snprintf(refused, sizeof refused, "%s", skv_error_msg());
         uint32_t found = *count;
-        rc = n ? evict_batch(w, batch, &n, count) : SKV_OK;
+        rc = n ? evict_batch(w, b->batch, &n, count) : SKV_OK;
         if (!rc)
-            rc = store_evict_records(w, tenant, id, count, buf, batch, t);
-        free(buf);
-        free(batch);
-        free(look);
-        free(t);
+            rc = store_evict_records(w, tenant, id, count, b);
+        free(b);
         if (!rc && id && *count > found)
             return SKV_OK; /* the id's entry was one of this daemon's */
         if (!rc)
@@ -4284,10 +4277,7 @@ static int store_evict(struct skv_worker *w, const char *tenant, const uint8_t *
                             id ? "'s entries" : "'s sessions");
         return rc;
     }
-    free(buf);
-    free(batch);
-    free(look);
-    free(t);
+    free(b);
     if (rc) {
         char why[256];
         snprintf(why, sizeof why, "%s", rc == SKV_E_NOMEM ? "no memory" : skv_error_msg());

@@ -1049,6 +1049,20 @@ static int store_ready(struct skv_store *st, bool *reused)
     return store_connect(st);
 }
 
+/* A command's send or reply that failed with e (an errno, or -1 with the message set; sent: the
+ * command went out): the connection dropped as store_failed drops it; SKV_E_IO. */
+static int store_io_failed(struct skv_store *st, int e, bool sent)
+{
+    char why[300];
+    snprintf(why, sizeof why, "%s",
+             e < 0 ? skv_error_msg()
+             : e == EAGAIN ? "timed out"
+             : e == ECONNRESET && sent ? "the connection closed before the reply"
+             : strerror(e));
+    store_failed(st, why);
+    return SKV_E_IO;
+}
+
 /* Runs a command, all of it (the send, the value, the reply) before its deadline (deadline_start):
  * SKV_OK with k->reply not an error, or SKV_E_IO after store_failed (a connection that failed is
  * dropped). A reused connection the server closed while idle is made again before the command is
@@ -1086,16 +1100,8 @@ static int store_command(struct skv_store *st, struct store_call *k)
             store_drop(st);
             return k->reply.rc;
         }
-        if (e) {
-            char why[300];
-            snprintf(why, sizeof why, "%s",
-                     e < 0 ? skv_error_msg()
-                     : e == EAGAIN ? "timed out"
-                     : e == ECONNRESET && sent ? "the connection closed before the reply"
-                     : strerror(e));
-            store_failed(st, why);
-            return SKV_E_IO;
-        }
+        if (e)
+            return store_io_failed(st, e, sent);
         st->retry_ms = STORE_RETRY_MS; /* it answered */
         st->refused = k->reply.type == '-' && strncmp(k->reply.line, "NOPERM", 6) == 0;
         if (k->reply.type == '-') /* the store answered: the connection is fine */
@@ -1308,7 +1314,8 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
             continue;
         }
         /* every reply is read, an error's too, so the connection stays in step */
-        int e = sent ? 0 : v.err, refused = -1, other = -1;
+        int e = sent ? 0 : v.err;
+        bool refused = false, other = false;
         char first_refused[300] = "", first_other[300] = "";
         const uint64_t deadline = st->deadline_ms;
         for (int i = 0; i < n && !e; i++) {
@@ -1328,10 +1335,10 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
             } else if (r.type != '$') {
                 bool noperm = r.type == '-' && strncmp(r.line, "NOPERM", 6) == 0;
                 state[i] = noperm ? SKV_TAIL_REFUSED : SKV_TAIL_ERROR;
-                int *at = noperm ? &refused : &other;
+                bool *seen = noperm ? &refused : &other;
                 char *why = noperm ? first_refused : first_other;
-                if (*at < 0) {
-                    *at = i;
+                if (!*seen) {
+                    *seen = true;
                     if (r.type == '-')
                         snprintf(why, sizeof first_refused, "%.256s", r.line);
                     else
@@ -1341,22 +1348,15 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
             free(r.data);
         }
         if (e) {
-            char why[300];
-            snprintf(why, sizeof why, "%s", e < 0 ? skv_error_msg()
-                                           : e == EAGAIN ? "timed out"
-                                           : e == ECONNRESET && sent ? "the connection closed before the reply"
-                                           : strerror(e));
-            store_failed(st, why);
             st->stats.load_failures++;
-            return SKV_E_IO;
+            return store_io_failed(st, e, sent);
         }
         st->retry_ms = STORE_RETRY_MS; /* it answered */
-        if (other >= 0 || refused >= 0) { /* the first answer of another error, else the first NOPERM */
-            st->refused = other < 0;
+        if (other || refused) { /* the first answer of another error, else the first NOPERM */
+            st->refused = !other;
             st->stats.load_failures++;
-            return skv_errorf(SKV_E_IO, "store %s: GETRANGE: %s", st->url, other >= 0 ? first_other : first_refused);
+            return skv_errorf(SKV_E_IO, "store %s: GETRANGE: %s", st->url, other ? first_other : first_refused);
         }
         return SKV_OK;
     }
 }
-

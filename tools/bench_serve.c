@@ -2253,22 +2253,42 @@ static int bench_spread(struct serve_ctx *x, json_t *out)
 
 #define STORE_POOL GIB /* each daemon's: a full-cache session of --context tokens fits */
 
-/* Whether redis-server answers PING on the socket. */
-static bool redis_pong(const char *sock)
+/* One command to redis-server on sock in the protocol's framing; its answer's first line (up to
+ * cap - 1 bytes, its \r\n gone) into out. */
+static int redis_call(const char *sock, int argc, const char *const *argv, char *out, size_t cap)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     size_t len = strlen(sock);
     if (len >= sizeof a.sun_path)
-        return false;
+        return skv_errorf(SKV_E_INVAL, "socket path too long: %s", sock);
     memcpy(a.sun_path, sock, len + 1);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
-        return false;
-    char buf[16] = "";
-    bool ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0 && write(fd, "PING\r\n", 6) == 6 &&
-              read(fd, buf, sizeof buf - 1) >= 5 && strncmp(buf, "+PONG", 5) == 0;
+        return skv_errorf(SKV_E_IO, "socket: %s", strerror(errno));
+    char cmd[4096];
+    int n = snprintf(cmd, sizeof cmd, "*%d\r\n", argc);
+    for (int i = 0; i < argc && n > 0 && (size_t)n < sizeof cmd; i++)
+        n += snprintf(cmd + n, sizeof cmd - (size_t)n, "$%zu\r\n%s\r\n", strlen(argv[i]), argv[i]);
+    bool ok = n > 0 && (size_t)n < sizeof cmd && connect(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+              write(fd, cmd, (size_t)n) == n;
+    size_t got = 0;
+    while (ok && got < cap - 1 && (got == 0 || out[got - 1] != '\n')) {
+        ssize_t m = read(fd, out + got, 1);
+        ok = m == 1;
+        got += ok;
+    }
     close(fd);
-    return ok;
+    out[got] = '\0';
+    out[strcspn(out, "\r\n")] = '\0';
+    return ok ? SKV_OK : skv_errorf(SKV_E_IO, "redis-server on %s: %s", sock, argv[0]);
+}
+
+/* Whether redis-server answers PING on the socket. */
+static bool redis_pong(const char *sock)
+{
+    const char *argv[] = {"PING"};
+    char out[16];
+    return redis_call(sock, 1, argv, out, sizeof out) == SKV_OK && strcmp(out, "+PONG") == 0;
 }
 
 /* A redis-server of the benchmark's own on a socket in a new directory (no port, nothing saved);
@@ -2407,36 +2427,6 @@ static int store_run(struct serve_ctx *x, snapkv_client_t *ca, snapkv_client_t *
     fprintf(stderr, "serve:   %.1f MB stored; prefill %.2f s, spill %.3f s, load %.3f s, decode %.3f s then %.3f s\n",
             bytes / 1e6, prefill_s, spill_secs, load_secs, first_s, next_s);
     return SKV_OK;
-}
-
-/* One command to redis-server on sock in the protocol's framing; its answer's first line (up to
- * cap - 1 bytes, its \r\n gone) into out. */
-static int redis_call(const char *sock, int argc, const char *const *argv, char *out, size_t cap)
-{
-    struct sockaddr_un a = {.sun_family = AF_UNIX};
-    size_t len = strlen(sock);
-    if (len >= sizeof a.sun_path)
-        return skv_errorf(SKV_E_INVAL, "socket path too long: %s", sock);
-    memcpy(a.sun_path, sock, len + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return skv_errorf(SKV_E_IO, "socket: %s", strerror(errno));
-    char cmd[4096];
-    int n = snprintf(cmd, sizeof cmd, "*%d\r\n", argc);
-    for (int i = 0; i < argc && n > 0 && (size_t)n < sizeof cmd; i++)
-        n += snprintf(cmd + n, sizeof cmd - (size_t)n, "$%zu\r\n%s\r\n", strlen(argv[i]), argv[i]);
-    bool ok = n > 0 && (size_t)n < sizeof cmd && connect(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-              write(fd, cmd, (size_t)n) == n;
-    size_t got = 0;
-    while (ok && got < cap - 1 && (got == 0 || out[got - 1] != '\n')) {
-        ssize_t m = read(fd, out + got, 1);
-        ok = m == 1;
-        got += ok;
-    }
-    close(fd);
-    out[got] = '\0';
-    out[strcspn(out, "\r\n")] = '\0';
-    return ok ? SKV_OK : skv_errorf(SKV_E_IO, "redis-server on %s: %s", sock, argv[0]);
 }
 
 #define EVICT_ENTRIES 100000 /* a tenant's entries in the store for the EVICT timed */
