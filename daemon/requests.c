@@ -439,6 +439,7 @@ static int session_hook(struct skv_session *s, int n, bool compress, struct skv_
         return SKV_OK;
     fo->hook = skv_compressor_hook;
     fo->hook_user = s->comp;
+    fo->attention_probs = skv_compressor_wants_probs(s->comp);
     if (compress)
         return skv_compressor_begin(s->comp, s->cache, n);
     int rc = skv_compressor_begin_decode(s->comp, s->cache);

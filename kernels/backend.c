@@ -132,6 +132,22 @@ int skv_attention_batch_check(const float *out, const float *q, int n_seq, int n
     return SKV_OK;
 }
 
+int skv_attention_batch_probs_check(const float *out, const float *q, int n_seq, int n_heads,
+                                    const struct skv_kv_view *kv, float *const *probs, const int64_t *stride)
+{
+    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
+    if (rc < 0)
+        return rc;
+    if (!probs || !stride)
+        return skv_errorf(SKV_E_INVAL, "attention_batch_probs: NULL probs or strides");
+    for (int s = 0; s < n_seq; s++)
+        for (int h = 0; probs[s] && h < kv[s].n_kv_heads; h++)
+            if (stride[s] <= kv[s].prefix_len[h])
+                return skv_errorf(SKV_E_INVAL, "attention_batch_probs: sequence %d: stride %lld within head %d's "
+                                  "%d rows", s, (long long)stride[s], h, kv[s].prefix_len[h] + 1);
+    return SKV_OK;
+}
+
 /* ---- compression scores -------------------------------------------------------------------- */
 
 int skv_group_scores_check(const float *out, const float *colsum, int64_t stride, int n_heads, int n_kv,

@@ -165,6 +165,10 @@ int skv_attention_check(const char *op, const float *out, const float *q, int n,
  * message then names the sequence) and views of one shape. */
 int skv_attention_batch_check(const float *out, const float *q, int n_seq, int n_heads,
                               const struct skv_kv_view *kv);
+/* The arguments of `attention_batch_probs`: those of attention_batch, and for each sequence
+ * with a probs buffer a stride past every head's rows (prefix_len + 1). */
+int skv_attention_batch_probs_check(const float *out, const float *q, int n_seq, int n_heads,
+                                    const struct skv_kv_view *kv, float *const *probs, const int64_t *stride);
 
 struct skv_backend;
 
@@ -291,6 +295,16 @@ struct skv_backend_ops {
      * table in one copy and launches one decode and one combine kernel for all. */
     int (*attention_batch)(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                            const struct skv_kv_view *kv);
+    /* Optional (NULL: none; a layer hook that wants a decode step's probabilities computes them
+     * with attention_colsum): attention_batch that also gives, for each sequence s with
+     * probs[s] != NULL (backend memory), the probability its query's head h gave each row j of
+     * the head's KV head: probs[s][h * stride[s] + j] for j <= prefix_len[h], 0 before a sliding
+     * window's start, from the scores and the softmax's max and sum the attention computed (what
+     * attention_colsum gives the one query, to within rounding); stride (host) > every
+     * prefix_len of the sequence. out gets bit for bit what attention_batch gives. H2O's decode
+     * upkeep scores a step's rows with them instead of computing every score again. */
+    int (*attention_batch_probs)(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                                 const struct skv_kv_view *kv, float *const *probs, const int64_t *stride);
 
     /* Optional (NULL: the backend keeps f32 KV only): n rows of d f32 values, each from its own
      * place to its own place as f16, rounded to nearest even and saturating at +-65504

@@ -496,7 +496,8 @@ static int greedy(struct skv_engine *e, struct skv_model *m, struct skv_kv_cache
 {
     int nv = m->cfg.n_vocab, n = 0, rc = SKV_OK;
     memcpy(logits, first, (size_t)nv * sizeof *logits);
-    struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = comp};
+    struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = comp,
+                                   .attention_probs = skv_compressor_wants_probs(comp)};
     while (n < max) {
         int32_t t = skv_argmax(logits, nv);
         if (stop_eot && (t == skv_tokenizer_eot(m->tok) || t == skv_tokenizer_eos(m->tok)))

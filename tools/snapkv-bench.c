@@ -500,7 +500,8 @@ static int cmd_generate(const struct args *a, struct skv_engine *e, struct skv_m
         rc = compressed_forward(e, m, cache, ids, n, a->compress, logits, &run);
     double t_prefill = now_s() - t0;
     uint64_t kv_after = cache ? skv_kv_cache_bytes(cache) : 0;
-    struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = run.comp};
+    struct skv_forward_opts dec = {.hook = skv_compressor_hook, .hook_user = run.comp,
+                                   .attention_probs = skv_compressor_wants_probs(run.comp)};
     int produced = 0;
     const char *finish = "length";
     t0 = now_s();
@@ -874,7 +875,8 @@ static int cmd_speed(const struct args *a, struct skv_engine *e, struct skv_mode
                     rc = skv_kv_cache_reserve(work[b], dtok + 1);
                 if (!rc && a->private_rows)
                     rc = unshare_rows(work[b]);
-                dec[b] = (struct skv_forward_opts){.hook = skv_compressor_hook, .hook_user = wc[b]};
+                dec[b] = (struct skv_forward_opts){.hook = skv_compressor_hook, .hook_user = wc[b],
+                                                   .attention_probs = skv_compressor_wants_probs(wc[b])};
             }
             int32_t t = 0;
             double t0 = now_s();

@@ -745,9 +745,12 @@ static int scores_reserve(struct skv_compressor *c, int64_t max_rows)
  * nq rows, so query i sees rows up to len - nq + i of each head), summed over the queries,
  * reduced over each KV head's group (GQA mean or max) and divided by `div`; each head's rows
  * before its newest `unpooled` are pooled with the spec's kernel (unpooled < 0: none are). Into
- * c->scores [n_kv][max_rows]; nothing comes back to the host. */
+ * c->scores [n_kv][max_rows]; nothing comes back to the host. A decode step's one query
+ * (nq = 1) takes the probabilities its attention gave where the engine has them (probs, of
+ * stride max_rows: skv_layer_view.probs) instead of computing them again. */
 static int layer_scores(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
-                        int q_first, int64_t max_rows, int unpooled, float div)
+                        int q_first, int64_t max_rows, int unpooled, float div, const float *probs,
+                        int64_t probs_stride)
 {
     int rc = scores_reserve(c, max_rows);
     if (rc)
@@ -763,9 +766,13 @@ static int layer_scores(struct skv_compressor *c, struct skv_kv_cache *cache, in
     c->score_stride = max_rows;
     c->scored_layer = -1;
     struct skv_backend *be = c->be;
-    rc = be->ops->attention_colsum(be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
+    const float *colsum = c->colsum;
+    if (probs && nq == 1 && q_first == 0 && probs_stride == max_rows)
+        colsum = probs;
+    else
+        rc = be->ops->attention_colsum(be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
     if (!rc)
-        rc = be->ops->group_scores(be, c->scores, c->colsum, max_rows, c->n_heads, c->n_kv, len, pooled, div,
+        rc = be->ops->group_scores(be, c->scores, colsum, max_rows, c->n_heads, c->n_kv, len, pooled, div,
                                    c->spec.kernel, c->spec.pool == SKV_POOL_MAX, c->spec.gqa == SKV_GQA_MAX);
     if (!rc)
         c->scored_layer = layer;
@@ -1129,7 +1136,7 @@ static int select_layer(struct skv_compressor *c, struct skv_kv_cache *cache, in
 static int snapkv_score(struct skv_compressor *c, struct skv_kv_cache *cache, int layer, const float *q, int nq,
                         int q_first, int n_window, int64_t max_rows)
 {
-    int rc = layer_scores(c, cache, layer, q, nq, q_first, max_rows, n_window, (float)(nq - q_first));
+    int rc = layer_scores(c, cache, layer, q, nq, q_first, max_rows, n_window, (float)(nq - q_first), NULL, 0);
     for (int h = 0; h < c->n_kv && !rc && c->spec.alloc == SKV_ALLOC_SQUEEZE; h++) {
         struct skv_kv_head *kh = skv_kv_cache_head(cache, layer, h);
         rc = c->be->ops->download(c->be, kh->score, c->scores + h * max_rows, (size_t)kh->len * sizeof(float));
@@ -1227,11 +1234,17 @@ static void h2o_add_scores(struct skv_compressor *c, struct skv_kv_cache *cache,
     }
 }
 
+bool skv_compressor_wants_probs(const struct skv_compressor *c)
+{
+    return c && c->spec.policy == SKV_POLICY_H2O;
+}
+
 int skv_compressor_begin_step(struct skv_compressor *c, struct skv_kv_cache *cache, int n, bool defer,
                               struct skv_forward_opts *fo)
 {
     fo->hook = skv_compressor_hook;
     fo->hook_user = c;
+    fo->attention_probs = skv_compressor_wants_probs(c);
     fo->done = skv_compressor_hook_done;
     fo->done_user = c;
     int rc = skv_compressor_begin_decode(c, cache);
@@ -1299,7 +1312,7 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
             if (max_rows > c->pend_stride)
                 return skv_errorf(SKV_E_INTERNAL, "H2O upkeep: %lld rows past the %lld reserved",
                                   (long long)max_rows, (long long)c->pend_stride);
-            int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f);
+            int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f, v->probs, v->probs_stride);
             if (!rc)
                 rc = c->be->ops->download(c->be, c->pend_agg + (size_t)l * c->n_kv * c->pend_stride, c->scores,
                                           (size_t)(max_rows * c->n_kv) * sizeof(float));
@@ -1313,7 +1326,7 @@ int skv_compressor_hook(void *user, const struct skv_layer_view *v)
     }
     if (s->policy == SKV_POLICY_H2O) {
         /* accumulated attention of every query so far; recent window kept */
-        int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f);
+        int rc = layer_scores(c, v->cache, l, v->q, v->n, 0, max_rows, -1, 1.0f, v->probs, v->probs_stride);
         if (!rc)
             rc = c->be->ops->download(c->be, c->agg, c->scores, (size_t)(max_rows * c->n_kv) * sizeof(float));
         if (rc)

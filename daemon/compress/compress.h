@@ -66,8 +66,13 @@ int skv_compressor_decode_reserve(struct skv_compressor *c, const struct skv_kv_
  * failing part way leaves every layer as it was; the same rows are kept as cut layer by layer.
  * A caller that sets defer must set that `done`. */
 void skv_compressor_hook_done(void *user, struct skv_kv_cache *cache);
+/* Whether the decode hook scores a step by the attention's probabilities (H2O): a decode
+ * forward's skv_forward_opts.attention_probs, so that the engine hands them over instead of
+ * the hook computing them again (attention_colsum). */
+bool skv_compressor_wants_probs(const struct skv_compressor *c);
 /* What the daemon runs before a decode forward of n tokens (one, or a short APPEND's):
- * skv_compressor_begin_decode, skv_compressor_decode_reserve(defer) and fo's hook and done.
+ * skv_compressor_begin_decode, skv_compressor_decode_reserve(defer) and fo's hook, its
+ * attention_probs and done.
  * For tools and tests, so that they decode as the daemon does. */
 int skv_compressor_begin_step(struct skv_compressor *c, struct skv_kv_cache *cache, int n, bool defer,
                               struct skv_forward_opts *fo);

@@ -42,6 +42,13 @@ struct skv_engine {
     size_t n_rows, rows_cap;
     int rows_type;         /* the KV type of the queued rows' cache (f16 / q8_0: by their store op) */
     struct skv_kv_view *views; /* [SKV_ENGINE_MAX_BATCH]: a decode group's (attention_batch); NULL until one */
+    /* a layer's attention probabilities (skv_forward_opts.attention_probs): sequence i of the
+     * forward's at probs_at[i] ([n_heads][probs_stride[i]]; NULL: none), in probs (backend memory,
+     * probs_cap floats, made at its first use) */
+    float *probs;
+    size_t probs_cap;
+    float *probs_at[SKV_ENGINE_MAX_BATCH];
+    int64_t probs_stride[SKV_ENGINE_MAX_BATCH];
 };
 
 /* ---- KV cache ----------------------------------------------------------------------------- */
@@ -821,6 +828,9 @@ static void free_buffers(struct skv_engine *e)
     e->pos = NULL;
     free(e->lhost);
     e->lhost = NULL;
+    e->be->ops->free(e->be, e->probs);
+    e->probs = NULL;
+    e->probs_cap = 0;
     e->cap_tokens = 0;
     e->scratch_bytes = 0;
 }
@@ -1076,7 +1086,10 @@ static int attn_over_caches(struct skv_engine *e, const struct skv_batch_seq *se
                             int32_t (*len0)[SKV_MAX_KV_HEADS], int i0, int m)
 {
     const struct skv_backend_ops *ops = e->be->ops;
-    if (!ops->attention_batch || m == 1) {
+    bool probs = false;
+    for (int i = i0; i < i0 + m; i++)
+        probs |= e->probs_at[i] != NULL;
+    if (!probs && (!ops->attention_batch || m == 1)) {
         for (int i = i0; i < i0 + m; i++)
             CHECK(attn_over_cache(e, seqs[i].cache, l, len0[i - i0], i, 1));
         return SKV_OK;
@@ -1086,8 +1099,52 @@ static int attn_over_caches(struct skv_engine *e, const struct skv_batch_seq *se
     size_t qdim = (size_t)e->m->cfg.n_heads * e->m->cfg.head_dim;
     for (int i = i0; i < i0 + m; i++)
         attn_view(e, seqs[i].cache, l, len0[i - i0], 1, &e->views[i - i0]);
+    if (probs)
+        return ops->attention_batch_probs(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, m,
+                                          e->m->cfg.n_heads, e->views, e->probs_at + i0, e->probs_stride + i0);
     return ops->attention_batch(e->be, e->att + (size_t)i0 * qdim, e->q + (size_t)i0 * qdim, m, e->m->cfg.n_heads,
                                 e->views);
+}
+
+/* Where the attention of layer l puts each of the n sequences' probabilities (e->probs_at[i],
+ * NULL for one whose opts do not ask for them, and for every one when the backend has no
+ * attention_batch_probs), with room for them in e->probs. Before the layer's new rows are
+ * opened: a sequence's stride is its longest head's rows then, plus its new one. */
+static int probs_plan(struct skv_engine *e, const struct skv_batch_seq *seqs, int l, int n)
+{
+    struct skv_backend *be = e->be;
+    const int n_heads = e->m->cfg.n_heads;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        const struct skv_forward_opts *o = seqs[i].opts;
+        e->probs_stride[i] = 0;
+        if (!be->ops->attention_batch_probs || !o || !o->attention_probs)
+            continue;
+        for (int h = 0; h < seqs[i].cache->n_kv_heads; h++) {
+            int64_t rows = (int64_t)skv_kv_cache_head(seqs[i].cache, l, h)->len + 1;
+            e->probs_stride[i] = rows > e->probs_stride[i] ? rows : e->probs_stride[i];
+        }
+        total += (size_t)n_heads * (size_t)e->probs_stride[i];
+    }
+    if (total > e->probs_cap) {
+        size_t cap = e->probs_cap ? e->probs_cap : 4096;
+        while (cap < total)
+            cap *= 2;
+        if (e->probs) {
+            be->ops->free(be, e->probs);
+            e->scratch_bytes -= e->probs_cap * sizeof(float);
+        }
+        e->probs = NULL;
+        e->probs_cap = 0;
+        CHECK(be->ops->alloc(be, cap * sizeof(float), (void **)&e->probs));
+        e->probs_cap = cap;
+        e->scratch_bytes += cap * sizeof(float);
+    }
+    for (size_t i = 0, at = 0; i < (size_t)n; i++) {
+        e->probs_at[i] = e->probs_stride[i] ? e->probs + at : NULL;
+        at += (size_t)n_heads * (size_t)e->probs_stride[i];
+    }
+    return SKV_OK;
 }
 
 /* Rows of the chunk of a forward of n rows that starts at row i0: CHUNK, but when the last
@@ -1151,8 +1208,11 @@ static int attn_output(struct skv_engine *e, int l, int n)
 
 /* Attention half of layer l for n tokens of one sequence: projections, RoPE, cache append,
  * attention, output projection and residual. Leaves x = x + attn(x). */
-static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int l, int n)
+static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int l, int n,
+                           const struct skv_forward_opts *opts)
 {
+    const struct skv_batch_seq one = {.cache = cache, .opts = n == 1 ? opts : NULL};
+    CHECK(probs_plan(e, &one, l, 1));
     int32_t len0[SKV_MAX_KV_HEADS];
     CHECK(cache_open_rows(cache, l, n, len0));
     for (int i0 = 0, m; i0 < n; i0 += m) {
@@ -1164,13 +1224,20 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
         CHECK(cache_store(e, cache, l, at, 0, m, i0));
         tick(e);
     }
-    CHECK(attn_over_cache_ticking(e, cache, l, len0, n));
+    if (e->probs_at[0]) {
+        int32_t lens[1][SKV_MAX_KV_HEADS];
+        memcpy(lens[0], len0, sizeof len0);
+        CHECK(attn_over_caches(e, &one, l, lens, 0, 1));
+    } else {
+        CHECK(attn_over_cache_ticking(e, cache, l, len0, n));
+    }
     return attn_output(e, l, n);
 }
 
 /* Attention half of layer l for one new token of each of n sequences (row i: seqs[i]). */
 static int layer_attention_batch(struct skv_engine *e, const struct skv_batch_seq *seqs, int l, int n)
 {
+    CHECK(probs_plan(e, seqs, l, n));
     for (int i0 = 0; i0 < n; i0 += CHUNK) {
         int m = n - i0 < CHUNK ? n - i0 : CHUNK;
         CHECK(attn_project(e, l, i0, m));
@@ -1358,10 +1425,11 @@ static int forward_run(struct skv_engine *e, struct skv_kv_cache *cache, const i
         if (hook)
             CHECK(ops->copy_2d(be, e->x_in, (size_t)n * c->dim * sizeof(float), e->x,
                                (size_t)n * c->dim * sizeof(float), (size_t)n * c->dim * sizeof(float), 1));
-        CHECK(layer_attention(e, cache, l, n));
+        CHECK(layer_attention(e, cache, l, n, opts));
         if (hook) {
             struct skv_layer_view v = {.layer = l, .n = n, .window = e->m->layers[l].window, .q = e->q,
-                                       .x_in = e->x_in, .x_mid = e->x, .cache = cache};
+                                       .x_in = e->x_in, .x_mid = e->x, .cache = cache,
+                                       .probs = e->probs_at[0], .probs_stride = e->probs_stride[0]};
             CHECK(opts->hook(opts->hook_user, &v));
         }
         CHECK(layer_mlp(e, l, n));
@@ -1453,7 +1521,8 @@ static int decode_group_run(struct skv_engine *e, const struct skv_batch_seq *se
                 continue;
             struct skv_layer_view v = {.layer = l, .n = 1, .q = e->q + (size_t)i * qdim,
                                        .x_in = e->x_in + (size_t)i * c->dim, .x_mid = e->x + (size_t)i * c->dim,
-                                       .cache = seqs[i].cache, .window = e->m->layers[l].window};
+                                       .cache = seqs[i].cache, .window = e->m->layers[l].window,
+                                       .probs = e->probs_at[i], .probs_stride = e->probs_stride[i]};
             CHECK(o->hook(o->hook_user, &v));
         }
         CHECK(layer_mlp(e, l, n));

@@ -150,6 +150,11 @@ struct skv_layer_view {
     const float *x_in;
     const float *x_mid;
     struct skv_kv_cache *cache;
+    /* with skv_forward_opts.attention_probs and n = 1, where the backend has
+     * attention_batch_probs: the probability the new query's head h gave row j of its KV head,
+     * probs[h * probs_stride + j] for j < the head's len (backend memory); else NULL */
+    const float *probs;
+    int64_t probs_stride;
 };
 typedef int (*skv_layer_hook_fn)(void *user, const struct skv_layer_view *view);
 
@@ -167,6 +172,10 @@ struct skv_forward_opts {
      * fails does not call it, and its rows are taken back out of every layer */
     void (*done)(void *user, struct skv_kv_cache *cache);
     void *done_user;
+    /* a forward of one token (a decode step, alone or in a group) gives each layer hook the
+     * attention's probabilities (skv_layer_view.probs), where the backend computes them with the
+     * attention: what H2O's upkeep scores the step by */
+    bool attention_probs;
     /* A prompt's scores: with logits != NULL and n_targets in [1, n], for each position i <
      * n_targets the log-probability the model gives token targets[i] there (a prompt scores its
      * own tokens with targets = tokens + 1) into target_logprobs[i], and with target_top the most

@@ -64,6 +64,9 @@ struct att_ctx {
     size_t memo_cap;             /* a batch over an f16 / q8_0 view with split-K: the key rows a thread's
                                     memo holds widened (its last task's range, att_memo); 0: none */
     size_t memo_floats;          /* per thread, after kvt: the memo (else 0) */
+    float *probs;                /* one query (n = 1): [n_heads][probs_stride], each head's scores of its rows
+                                    (base 2), then their probabilities (probs_finish); NULL: none */
+    int64_t probs_stride;
 };
 
 #define ATT_MEMO_ROWS 1024     /* the longest key chunk a memo holds (a call's keys / (128 tasks / KV heads)) */
@@ -441,11 +444,14 @@ static void att_accum(float *acc, const float *p, const float *const *v, int nv,
 #endif
 
 /* One query row against the nv key / value rows k[], v[]: online-softmax update of its
- * running max m, sum l and unnormalized output acc. s is [ATT_BK] scratch. */
+ * running max m, sum l and unnormalized output acc. s is [ATT_BK] scratch; raw (NULL: none)
+ * gets the nv scores. */
 static void att_row(const float *q, const float *const *k, const float *const *v, int nv, int d,
-                    float *m, float *l, float *acc, float *s)
+                    float *m, float *l, float *acc, float *s, float *raw)
 {
     att_scores(q, k, nv, d, s);
+    if (raw)
+        memcpy(raw, s, (size_t)nv * sizeof *s);
     const float mb = max_of(s, nv);
     const float m_new = mb > *m ? mb : *m;
     const float alpha = exp2f(*m - m_new);
@@ -655,8 +661,9 @@ static void row_range(const struct att_ctx *c, int g, int i0, int i1, int64_t ks
             const int s0 = skip > 0 ? (int)skip : 0;
             for (int hh = 0; hh < G; hh++) {
                 const size_t r = (size_t)(i - i0) * G + hh;
+                float *raw = c->probs ? c->probs + (size_t)(g * G + hh) * c->probs_stride + kb + s0 : NULL;
                 att_row(b->qs + r * d, krow + s0, vrow + s0, nv - s0, d, &b->m[r], &b->l[r],
-                        b->acc + r * d, b->s);
+                        b->acc + r * d, b->s, raw);
             }
         }
     }
@@ -719,6 +726,11 @@ static void wide_run(const struct att_ctx *c, int g, int i0, int i1, int64_t ks,
             const int nk = hi - kb < nblk ? (int)(hi - kb) : nblk;
             const bool mask = lo < kb + nk || first_hi > kb;
             wide_scores(w, r0, krow, nk, d);
+            for (size_t r = r0; c->probs && r < r0 + ATT_RT && r < rows; r++) { /* (one query: row r is head r) */
+                float *raw = c->probs + (size_t)(g * c->group + (int)r) * c->probs_stride + kb;
+                for (int j = 0; j < nk; j++)
+                    raw[j] = w->st[(size_t)j * rp + r];
+            }
             wide_softmax8(w, r0, kb, nk, mask, d);
             wide_softmax8(w, r0 + 8, kb, nk, mask, d);
             wide_accum(w, r0, vrow, nk, d);
@@ -750,6 +762,25 @@ static int64_t first_block(const struct att_ctx *c, int g, int i0, int i1)
     return (int64_t)lo / ATT_BK * ATT_BK;
 }
 
+/* One query's row r of KV group g (head g * group + r), once its softmax's max m and sum l
+ * are known: its scores in c->probs become probabilities, 2^(score - m) / l, and the rows
+ * before its sliding window's start 0. */
+static void probs_finish(const struct att_ctx *c, int g, size_t r, float m, float l)
+{
+    float *p = c->probs + (size_t)(g * c->group + (int)r) * c->probs_stride;
+    const int64_t len = c->kv->prefix_len[g] + 1, lo = c->first ? c->first[(int64_t)g * c->n] : 0;
+    const float inv = 1.0f / l;
+    memset(p, 0, (size_t)lo * sizeof *p);
+    int64_t j = lo;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(inv);
+    for (; j + 8 <= len; j += 8)
+        _mm256_storeu_ps(p + j, _mm256_mul_ps(skv_exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)), iv));
+#endif
+    for (; j < len; j++)
+        p[j] = exp2f(p[j] - m) * inv;
+}
+
 /* Task t: (query block, KV head), whole causal key range, normalized output. */
 static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
 {
@@ -771,6 +802,8 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
                 float *o = out_row(c, g, i0, r);
                 for (int k = 0; k < d; k++)
                     o[k] = w.acct[k * w.rp + r] / w.l[r];
+                if (c->probs)
+                    probs_finish(c, g, r, w.m[r], w.l[r]);
             }
         } else {
             const struct row_bufs b = get_row_bufs(c, tid);
@@ -779,6 +812,8 @@ static void att_task_blocks(void *p, int64_t begin, int64_t end, int tid)
                 float *o = out_row(c, g, i0, r);
                 for (int k = 0; k < d; k++)
                     o[k] = b.acc[r * d + k] / b.l[r];
+                if (c->probs)
+                    probs_finish(c, g, r, b.m[r], b.l[r]);
             }
         }
     }
@@ -859,6 +894,8 @@ static void att_combine(const struct att_ctx *c)
             }
             for (int t = 0; t < d; t++)
                 o[t] /= lsum;
+            if (c->probs)
+                probs_finish(c, g, r, mx, lsum);
         }
 }
 
@@ -1016,12 +1053,9 @@ static bool shares_rows(const void *const *first, int m, int s)
 /* Each sequence's call is planned as `attention` plans it and runs the same tasks, so it gets
  * the same bits; only the tasks of all of them share one parallel job (a decode group's
  * attention wakes the pool once per layer, not once per sequence). */
-int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
-                            const struct skv_kv_view *kv)
+static int att_batch_run(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                         const struct skv_kv_view *kv, float *const *probs, const int64_t *stride)
 {
-    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
-    if (rc < 0)
-        return rc;
     const size_t qdim = n_seq > 0 ? (size_t)n_heads * kv[0].head_dim : 0;
     for (int s0 = 0; s0 < n_seq; s0 += ATT_BATCH_MAX) {
         const int m = n_seq - s0 < ATT_BATCH_MAX ? n_seq - s0 : ATT_BATCH_MAX;
@@ -1038,6 +1072,8 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
                            : NULL;
         for (int s = 0; s < m; s++) {
             own[s] = att_plan(&c[s], out + (s0 + s) * qdim, q + (s0 + s) * qdim, 1, n_heads, &kv[s0 + s]);
+            c[s].probs = probs ? probs[s0 + s] : NULL;
+            c[s].probs_stride = probs ? stride[s0 + s] : 0;
             own_total += own[s];
             shared[s] = c[s].nchunks > 0 && kv[s0 + s].kv_type != SKV_DTYPE_F32 && !use_wide((size_t)c[s].group) &&
                         shares_rows(first, m, s); /* (the wide kernels read tiles) */
@@ -1106,4 +1142,18 @@ int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, 
                 att_combine(&c[s]);
     }
     return SKV_OK;
+}
+
+int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                            const struct skv_kv_view *kv)
+{
+    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
+    return rc < 0 ? rc : att_batch_run(be, out, q, n_seq, n_heads, kv, NULL, NULL);
+}
+
+int skv_cpu_attention_batch_probs(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                                  const struct skv_kv_view *kv, float *const *probs, const int64_t *stride)
+{
+    int rc = skv_attention_batch_probs_check(out, q, n_seq, n_heads, kv, probs, stride);
+    return rc < 0 ? rc : att_batch_run(be, out, q, n_seq, n_heads, kv, probs, stride);
 }

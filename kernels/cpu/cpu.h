@@ -114,6 +114,8 @@ int skv_cpu_attention(struct skv_backend *be, float *out, const float *q, int n,
                       const struct skv_kv_view *kv);
 int skv_cpu_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                             const struct skv_kv_view *kv);
+int skv_cpu_attention_batch_probs(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                                  const struct skv_kv_view *kv, float *const *probs, const int64_t *stride);
 int skv_cpu_attention_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q,
                              int n, int n_heads, const struct skv_kv_view *kv, int q_first);
 int skv_cpu_group_scores(struct skv_backend *be, float *out, const float *colsum, int64_t stride, int n_heads,

@@ -366,6 +366,7 @@ static const struct skv_backend_ops cpu_ops = {
     .ipc_close = cpu_ipc_close,
     .attention_split_rows = skv_cpu_attention_split_rows,
     .attention_batch = skv_cpu_attention_batch,
+    .attention_batch_probs = skv_cpu_attention_batch_probs,
 };
 
 int skv_backend_cpu_new(int n_threads, struct skv_backend **out)

@@ -2761,6 +2761,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
     /* device_lost */ cuda_device_lost,
     /* attention_batch */ cuda_attention_batch,
+    /* attention_batch_probs */ NULL, /* H2O's decode scores through attention_colsum */
     /* store_rows_f16 */ cuda_store_rows_f16,
     /* store_rows_q8_0 */ cuda_store_rows_q8_0,
     /* row_logprobs */ cuda_row_logprobs,

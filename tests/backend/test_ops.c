@@ -997,6 +997,87 @@ static void test_colsum_window(void **state)
     free(q);
 }
 
+/* attention_batch_probs' probabilities of one sequence (got, [n_heads][stride], host) against
+ * the column sums of its one query (want, the same layout): within rounding row for row, each
+ * head's summing to 1, and the rows from its KV head's len on left as they were (NaN). */
+static void probs_match(const char *what, const float *got, const float *want, int n_heads, int group,
+                        int64_t stride, const struct skv_kv_view *kv)
+{
+    for (int h = 0; h < n_heads; h++) {
+        const int64_t len = kv->prefix_len[h / group] + 1;
+        double sum = 0;
+        for (int64_t j = 0; j < len; j++) {
+            const float g = got[h * stride + j], w = want[h * stride + j];
+            if (!(fabsf(g - w) <= 1e-5f * w + 1e-12f))
+                fail_msg("%s: head %d row %lld: %.9g from the attention, %.9g from colsum", what, h, (long long)j, g,
+                         w);
+            sum += g;
+        }
+        if (fabs(sum - 1.0) > 1e-6)
+            fail_msg("%s: head %d sums to %.9g", what, h, sum);
+        for (int64_t j = len; j < stride; j++)
+            if (!isnan(got[h * stride + j]))
+                fail_msg("%s: head %d row %lld past its %lld written", what, h, (long long)j, (long long)len);
+    }
+}
+
+/* attention_batch_probs over a batch's views (test_attention_batch): out bit for bit as
+ * attention_batch gives it (want), and each sequence's probabilities those its one query's
+ * column sums give (a sequence without a buffer gets none; a stride within a head's rows is
+ * refused). */
+static void batch_probs(struct skv_backend *be, const char *what, float *dout, const float *dq, int S, int n_heads,
+                        const struct skv_kv_view *views, const float *want, size_t qcount)
+{
+    float **dp = calloc((size_t)S, sizeof *dp);
+    int64_t *stride = calloc((size_t)S, sizeof *stride);
+    assert_true(dp && stride);
+    const int group = n_heads / views[0].n_kv_heads;
+    for (int s = 0; s < S; s++) {
+        for (int g = 0; g < views[s].n_kv_heads; g++)
+            stride[s] = views[s].prefix_len[g] + 1 > stride[s] ? views[s].prefix_len[g] + 1 : stride[s];
+        stride[s] += s % 3; /* (room past the rows: left alone) */
+        if (S == 1 || s != 1) {
+            float *nan = host_nan((size_t)n_heads * stride[s]);
+            dp[s] = dev_from(be, nan, (size_t)n_heads * stride[s] * sizeof(float));
+            free(nan);
+        }
+    }
+    float *got = host_nan(qcount);
+    be->ops->upload(be, dout, got, qcount * sizeof(float));
+    assert_int_equal(be->ops->attention_batch_probs(be, dout, dq, S, n_heads, views, dp, stride), SKV_OK);
+    dev_to(be, got, dout, qcount * sizeof(float));
+    if (memcmp(got, want, qcount * sizeof(float)))
+        fail_msg("%s: attention_batch_probs' output is not attention_batch's", what);
+    const size_t qdim = qcount / (size_t)S;
+    for (int s = 0; s < S; s++) {
+        if (!dp[s])
+            continue;
+        const size_t cnt = (size_t)n_heads * stride[s];
+        float *p = malloc(cnt * sizeof *p), *c = host_nan(cnt), *dc = dev_from(be, c, cnt * sizeof(float));
+        assert_non_null(p);
+        dev_to(be, p, dp[s], cnt * sizeof(float));
+        assert_int_equal(be->ops->attention_colsum(be, dc, stride[s], dq + s * qdim, 1, n_heads, &views[s], 0), SKV_OK);
+        dev_to(be, c, dc, cnt * sizeof(float));
+        char name[96];
+        snprintf(name, sizeof name, "%s, sequence %d", what, s);
+        probs_match(name, p, c, n_heads, group, stride[s], &views[s]);
+        be->ops->free(be, dc);
+        free(c);
+        free(p);
+    }
+    int64_t keep = stride[0];
+    stride[0] = views[0].prefix_len[0]; /* the new row would not fit */
+    if (dp[0])
+        assert_int_equal(be->ops->attention_batch_probs(be, dout, dq, S, n_heads, views, dp, stride), SKV_E_INVAL);
+    stride[0] = keep;
+    for (int s = 0; s < S; s++)
+        if (dp[s])
+            be->ops->free(be, dp[s]);
+    free(got);
+    free(dp);
+    free(stride);
+}
+
 /* attention_batch: a decode group of sequences (one new query each) in one call gives every
  * sequence bit for bit what `attention` with n = 1 gives it alone. The sequences differ in
  * length (short ones that run inline, long ones that take split-K), in per-head lengths and in
@@ -1015,6 +1096,7 @@ static void test_attention_batch(void **state)
         {5, 8, 2, 128, 700, 16, 2500},
         {70, 9, 3, 64, 0, 16, 90},
         {3, 4, 4, 18, 0, 5, 600},
+        {4, 32, 2, 64, 0, 16, 1200}, /* groups of 16 rows: the wide kernels */
     };
     for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
         const struct batch_set *b = &sets[si];
@@ -1062,6 +1144,11 @@ static void test_attention_batch(void **state)
             if (memcmp(&got[x], &want[x], sizeof(float)) != 0)
                 fail_msg("set %zu: sequence %zu, value %zu: %.9g in the batch, %.9g alone", si, x / qdim, x % qdim,
                          got[x], want[x]);
+        if (be->ops->attention_batch_probs) {
+            char what[64];
+            snprintf(what, sizeof what, "set %zu", si);
+            batch_probs(be, what, dout, dq, S, b->n_heads, views, want, qcount);
+        }
         assert_int_equal(be->ops->attention_batch(be, dout, dq, 0, b->n_heads, views), SKV_OK);
         if (S > 1) {
             struct skv_kv_view keep = views[1];
@@ -1323,6 +1410,14 @@ static void kv_typed_views(void **state, int kv_type, uint64_t seed)
                     dev_to(be, both, dout, 2 * qcount * sizeof(float));
                     assert_memory_equal(both, want, qcount * sizeof(float));
                     assert_memory_equal(both + qcount, want, qcount * sizeof(float));
+                    if (be->ops->attention_batch_probs) {
+                        memcpy(both, want, qcount * sizeof(float));
+                        memcpy(both + qcount, want, qcount * sizeof(float));
+                        char what[64];
+                        snprintf(what, sizeof what, "case %zu, %s, blocks of %d", ci, skv_dtype_name(kv_type),
+                                 blocks[bi]);
+                        batch_probs(be, what, dout, dq_both, 2, c->n_heads, two, both, 2 * qcount);
+                    }
                     be->ops->free(be, dq_both);
                     free(both);
                 }

@@ -80,7 +80,8 @@ static int teacher_forced(struct run *r, const char *spec_text, const int32_t *g
     assert_int_equal(skv_compress_spec_parse(spec_text, &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, r->m, &comp), SKV_OK);
     assert_int_equal(skv_kv_cache_new(r->m, &cache), SKV_OK);
-    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp};
+    struct skv_forward_opts fo = {.hook = skv_compressor_hook, .hook_user = comp,
+                                  .attention_probs = skv_compressor_wants_probs(comp)};
     assert_int_equal(skv_compressor_begin(comp, cache, r->n), SKV_OK);
     assert_int_equal(skv_engine_forward(r->e, cache, r->ids, r->n, &fo, logits), SKV_OK);
     assert_int_equal(skv_compressor_finish(comp, cache), SKV_OK);

@@ -837,11 +837,16 @@ static void test_decode_batch_matches_single(void **state)
     assert_int_equal(skv_engine_new(m, &e), SKV_OK);
     const int nv = m->cfg.n_vocab;
     struct skv_kv_cache *one[NS], *bat[NS];
-    struct skv_compressor *c_one = NULL, *c_bat = NULL;
+    struct skv_compressor *c_one = NULL, *c_bat = NULL, *h_one_c = NULL, *h_bat_c = NULL;
     struct skv_compress_spec spec;
     assert_int_equal(skv_compress_spec_parse("policy=streaming,budget=48,sinks=4", &spec), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, m, &c_one), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, m, &c_bat), SKV_OK);
+    /* sequence 4: H2O, scored by the probabilities the attention gives (attention_probs) */
+    assert_int_equal(skv_compress_spec_parse("policy=h2o,budget=32,window=8", &spec), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, m, &h_one_c), SKV_OK);
+    assert_int_equal(skv_compressor_new(&spec, m, &h_bat_c), SKV_OK);
+    assert_true(skv_compressor_wants_probs(h_one_c) && !skv_compressor_wants_probs(c_one));
     float *lo = malloc((size_t)NS * nv * sizeof *lo), *lb = malloc((size_t)NS * nv * sizeof *lb);
     int32_t next[NS];
     assert_non_null(lo);
@@ -852,15 +857,16 @@ static void test_decode_batch_matches_single(void **state)
             ids[i] = (int32_t)((i * 7919 + s * 104729 + 11) % 49000) + 100;
         assert_int_equal(skv_kv_cache_new(m, &one[s]), SKV_OK);
         assert_int_equal(skv_kv_cache_new(m, &bat[s]), SKV_OK);
-        if (s == 2) { /* the compressed one */
-            struct skv_forward_opts o1 = {.hook = skv_compressor_hook, .hook_user = c_one};
-            struct skv_forward_opts o2 = {.hook = skv_compressor_hook, .hook_user = c_bat};
-            assert_int_equal(skv_compressor_begin(c_one, one[s], lens[s]), SKV_OK);
+        if (s == 2 || s == 4) { /* the compressed ones */
+            struct skv_compressor *co = s == 2 ? c_one : h_one_c, *cb = s == 2 ? c_bat : h_bat_c;
+            struct skv_forward_opts o1 = {.hook = skv_compressor_hook, .hook_user = co};
+            struct skv_forward_opts o2 = {.hook = skv_compressor_hook, .hook_user = cb};
+            assert_int_equal(skv_compressor_begin(co, one[s], lens[s]), SKV_OK);
             assert_int_equal(skv_engine_forward(e, one[s], ids, lens[s], &o1, lo + (size_t)s * nv), SKV_OK);
-            assert_int_equal(skv_compressor_finish(c_one, one[s]), SKV_OK);
-            assert_int_equal(skv_compressor_begin(c_bat, bat[s], lens[s]), SKV_OK);
+            assert_int_equal(skv_compressor_finish(co, one[s]), SKV_OK);
+            assert_int_equal(skv_compressor_begin(cb, bat[s], lens[s]), SKV_OK);
             assert_int_equal(skv_engine_forward(e, bat[s], ids, lens[s], &o2, lb + (size_t)s * nv), SKV_OK);
-            assert_int_equal(skv_compressor_finish(c_bat, bat[s]), SKV_OK);
+            assert_int_equal(skv_compressor_finish(cb, bat[s]), SKV_OK);
         } else {
             assert_int_equal(skv_engine_forward(e, one[s], ids, lens[s], NULL, lo + (size_t)s * nv), SKV_OK);
             assert_int_equal(skv_engine_forward(e, bat[s], ids, lens[s], NULL, lb + (size_t)s * nv), SKV_OK);
@@ -868,6 +874,8 @@ static void test_decode_batch_matches_single(void **state)
     }
     struct skv_forward_opts h_one = {.hook = skv_compressor_hook, .hook_user = c_one};
     struct skv_forward_opts h_bat = {.hook = skv_compressor_hook, .hook_user = c_bat};
+    struct skv_forward_opts p_one = {.hook = skv_compressor_hook, .hook_user = h_one_c, .attention_probs = true};
+    struct skv_forward_opts p_bat = {.hook = skv_compressor_hook, .hook_user = h_bat_c, .attention_probs = true};
     for (int step = 0; step < STEPS; step++) {
         struct skv_batch_seq seqs[NS];
         for (int s = 0; s < NS; s++) {
@@ -880,15 +888,19 @@ static void test_decode_batch_matches_single(void **state)
                 if (memcmp(&a[i], &b[i], sizeof a[i]) != 0) /* bit for bit */
                     fail_msg("step %d sequence %d logit %d: single %g batch %g", step, s, i, a[i], b[i]);
             next[s] = best;
-            seqs[s] = (struct skv_batch_seq){bat[s], best, s == 2 ? &h_bat : NULL, lb + (size_t)s * nv};
+            seqs[s] = (struct skv_batch_seq){bat[s], best, s == 2 ? &h_bat : s == 4 ? &p_bat : NULL, lb + (size_t)s * nv};
         }
         for (int s = 0; s < NS; s++) {
             if (s == 2)
                 assert_int_equal(skv_compressor_begin_decode(c_one, one[s]), SKV_OK);
-            assert_int_equal(skv_engine_forward(e, one[s], &next[s], 1, s == 2 ? &h_one : NULL, lo + (size_t)s * nv),
+            if (s == 4)
+                assert_int_equal(skv_compressor_begin_decode(h_one_c, one[s]), SKV_OK);
+            assert_int_equal(skv_engine_forward(e, one[s], &next[s], 1, s == 2 ? &h_one : s == 4 ? &p_one : NULL,
+                                                lo + (size_t)s * nv),
                              SKV_OK);
         }
         assert_int_equal(skv_compressor_begin_decode(c_bat, bat[2]), SKV_OK);
+        assert_int_equal(skv_compressor_begin_decode(h_bat_c, bat[4]), SKV_OK);
         assert_int_equal(skv_engine_decode_batch(e, seqs, NS), SKV_OK);
         for (int s = 0; s < NS; s++) {
             assert_int_equal(bat[s]->n_past, one[s]->n_past);
@@ -896,6 +908,13 @@ static void test_decode_batch_matches_single(void **state)
         }
     }
     assert_int_equal(skv_kv_cache_head(bat[2], 0, 0)->len, 48); /* kept evicting */
+    for (int l = 0; l < bat[4]->n_layers; l++) /* H2O too, the same rows in both */
+        for (int h = 0; h < bat[4]->n_kv_heads; h++) {
+            const struct skv_kv_head *a = skv_kv_cache_head(one[4], l, h), *b = skv_kv_cache_head(bat[4], l, h);
+            assert_true(b->len <= 32 + 1);
+            assert_int_equal(a->len, b->len);
+            assert_memory_equal(a->pos, b->pos, (size_t)a->len * sizeof *a->pos);
+        }
     /* errors change nothing */
     struct skv_batch_seq bad[2] = {{bat[0], 1, NULL, NULL}, {bat[0], 2, NULL, NULL}};
     assert_int_equal(skv_engine_decode_batch(e, bad, 2), SKV_E_INVAL);   /* same cache twice */
@@ -910,6 +929,8 @@ static void test_decode_batch_matches_single(void **state)
     }
     skv_compressor_free(&c_one);
     skv_compressor_free(&c_bat);
+    skv_compressor_free(&h_one_c);
+    skv_compressor_free(&h_bat_c);
     free(lo);
     free(lb);
     skv_engine_free(&e);

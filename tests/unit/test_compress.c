@@ -1101,6 +1101,7 @@ struct naive_h2o {
     double score[2][2][64];  /* [layer][kv head][original position] */
     int32_t want[2][2][64];
     int n_want;
+    int n_probs;             /* layer views of a decode step that came with the probabilities */
 };
 
 static int naive_h2o_hook(void *user, const struct skv_layer_view *v)
@@ -1139,15 +1140,17 @@ static int naive_h2o_hook(void *user, const struct skv_layer_view *v)
                 out[k++] = kh->pos[j];
         nh->n_want = k;
     }
+    if (v->n == 1 && v->probs)
+        nh->n_probs++;
     return skv_compressor_hook(nh->c, v);
 }
 
 /* H2O keeps, after the prefill and after each decoded token, the rows a naive double-precision
  * H2O keeps: the attention every query gave a row, added up across the prompt and the decode
- * steps, with the recent window always kept. */
-static void test_h2o_matches_naive(void **state)
+ * steps, with the recent window always kept. With probs, each decode step is scored by the
+ * probabilities the attention itself computed (skv_forward_opts.attention_probs). */
+static void h2o_vs_naive(struct tiny *t, bool probs)
 {
-    struct tiny *t = *state;
     assert_int_equal(t->m->cfg.n_heads, 4);
     for (int l = 0; l < t->m->cfg.n_layers; l++)
         assert_int_equal(t->m->layers[l].window, 0); /* every row is seen */
@@ -1161,7 +1164,7 @@ static void test_h2o_matches_naive(void **state)
     assert_int_equal(skv_kv_cache_new(t->m, &c), SKV_OK);
     assert_int_equal(skv_compressor_new(&spec, t->m, &nh->c), SKV_OK);
     assert_int_equal(skv_compressor_begin(nh->c, c, t->n), SKV_OK);
-    struct skv_forward_opts fo = {.hook = naive_h2o_hook, .hook_user = nh};
+    struct skv_forward_opts fo = {.hook = naive_h2o_hook, .hook_user = nh, .attention_probs = probs};
     assert_int_equal(skv_engine_forward(t->e, c, t->ids, t->n, &fo, NULL), SKV_OK);
     assert_int_equal(skv_compressor_finish(nh->c, c), SKV_OK);
     int differs = 0; /* H2O's rows are not simply the newest (the test could not tell) */
@@ -1179,9 +1182,16 @@ static void test_h2o_matches_naive(void **state)
     }
     assert_true(differs > 0);
     assert_int_equal(c->n_past, t->n + 8);
+    assert_int_equal(nh->n_probs, probs ? 8 * c->n_layers : 0);
     skv_compressor_free(&nh->c);
     free(nh);
     skv_kv_cache_free(&c);
+}
+
+static void test_h2o_matches_naive(void **state)
+{
+    h2o_vs_naive(*state, false);
+    h2o_vs_naive(*state, true);
 }
 
 /* Decodes k tokens with the compressor's hook. */
