@@ -143,7 +143,7 @@ int skv_attention_batch_probs_check(const float *out, const float *q, int n_seq,
     for (int s = 0; s < n_seq; s++)
         for (int h = 0; probs[s] && h < kv[s].n_kv_heads; h++)
             if (stride[s] <= kv[s].prefix_len[h])
-                return skv_errorf(SKV_E_INVAL, "attention_batch_probs: sequence %d: stride %lld within head %d's "
+                return skv_errorf(SKV_E_INVAL, "attention_batch_probs: sequence %d: stride %lld within KV head %d's "
                                   "%d rows", s, (long long)stride[s], h, kv[s].prefix_len[h] + 1);
     return SKV_OK;
 }

@@ -298,10 +298,11 @@ struct skv_backend_ops {
     /* Optional (NULL: none; a layer hook that wants a decode step's probabilities computes them
      * with attention_colsum): attention_batch that also gives, for each sequence s with
      * probs[s] != NULL (backend memory), the probability its query's head h gave each row j of
-     * the head's KV head: probs[s][h * stride[s] + j] for j <= prefix_len[h], 0 before a sliding
-     * window's start, from the scores and the softmax's max and sum the attention computed (what
-     * attention_colsum gives the one query, to within rounding); stride (host) > every
-     * prefix_len of the sequence. out gets bit for bit what attention_batch gives. H2O's decode
+     * the head's KV head kvh = h / (n_heads / n_kv_heads): probs[s][h * stride[s] + j] for j <=
+     * prefix_len[kvh], 0 before a sliding window's start, from the scores and the softmax's max
+     * and sum the attention computed (what attention_colsum gives the one query, to within
+     * rounding); the rest of each row is left alone; stride (host) > every prefix_len of the
+     * sequence. out gets bit for bit what attention_batch gives. H2O's decode
      * upkeep scores a step's rows with them instead of computing every score again. */
     int (*attention_batch_probs)(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                                  const struct skv_kv_view *kv, float *const *probs, const int64_t *stride);

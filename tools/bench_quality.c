@@ -339,6 +339,7 @@ static int fan_hook(void *user, const struct skv_layer_view *v)
             return rc;
         struct skv_layer_view dv = *v;
         dv.cache = dst;
+        dv.probs = NULL; /* (v->cache's) */
         rc = skv_compressor_hook(r->comp[i], &dv);
         if (!rc)
             rc = skv_kv_cache_fit(dst, v->layer, 0);

@@ -767,10 +767,14 @@ static int layer_scores(struct skv_compressor *c, struct skv_kv_cache *cache, in
     c->scored_layer = -1;
     struct skv_backend *be = c->be;
     const float *colsum = c->colsum;
-    if (probs && nq == 1 && q_first == 0 && probs_stride == max_rows)
+    if (probs && nq == 1 && q_first == 0) {
+        if (probs_stride != max_rows) /* (the engine's stride is the longest head's rows) */
+            return skv_errorf(SKV_E_INTERNAL, "H2O upkeep: probabilities of stride %lld for %lld rows",
+                              (long long)probs_stride, (long long)max_rows);
         colsum = probs;
-    else
+    } else {
         rc = be->ops->attention_colsum(be, c->colsum, max_rows, q, nq, c->n_heads, &kv, q_first);
+    }
     if (!rc)
         rc = be->ops->group_scores(be, c->scores, colsum, max_rows, c->n_heads, c->n_kv, len, pooled, div,
                                    c->spec.kernel, c->spec.pool == SKV_POOL_MAX, c->spec.gqa == SKV_GQA_MAX);

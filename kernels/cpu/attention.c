@@ -865,7 +865,8 @@ static void att_task_chunks(void *p, int64_t begin, int64_t end, int tid)
     }
 }
 
-/* Merges the chunks of each row in chunk order: out = sum_c 2^(m_c - M) acc_c / L. */
+/* Merges the chunks of each row in chunk order: out = sum_c 2^(m_c - M) acc_c / L. With probs,
+ * M and L go to the first chunk's m and l of the row, for probs_task. */
 static void att_combine(const struct att_ctx *c)
 {
     const int d = c->d;
@@ -894,9 +895,30 @@ static void att_combine(const struct att_ctx *c)
             }
             for (int t = 0; t < d; t++)
                 o[t] /= lsum;
-            if (c->probs)
-                probs_finish(c, g, r, mx, lsum);
+            if (c->probs) {
+                float *m0 = part_of(c, g, 0) + rows * d; /* (the row's chunks are read) */
+                m0[r] = mx;
+                m0[rows + r] = lsum;
+            }
         }
+}
+
+/* Task t of a batch of split-K calls (t = call * n_kv + KV head, c[]: the calls): the
+ * probabilities of the KV head's rows, once att_combine left each row's max and sum. */
+static void probs_task(void *p, int64_t begin, int64_t end, int tid)
+{
+    (void)tid;
+    const struct att_ctx *calls = p;
+    for (int64_t t = begin; t < end; t++) {
+        const struct att_ctx *c = &calls[t / calls[0].n_kv];
+        const int g = (int)(t % calls[0].n_kv);
+        if (!c->probs || c->nchunks == 0)
+            continue; /* (finished in its own task) */
+        const size_t rows = (size_t)c->n * c->group;
+        const float *m0 = part_of(c, g, 0) + rows * c->d;
+        for (size_t r = 0; r < rows; r++)
+            probs_finish(c, g, r, m0[r], m0[rows + r]);
+    }
 }
 
 /* A query block: each (KV head, query block) task sees the keys from the block's first visible
@@ -1137,9 +1159,14 @@ static int att_batch_run(struct skv_backend *be, float *out, const float *q, int
             skv_cpu_parallel_for(be, task0[m], 1, att_task_batch, &b);
         else
             skv_cpu_parallel_tasks(be, task0[m], att_task_batch, &b);
+        bool finish = false;
         for (int s = 0; s < m; s++)
-            if (c[s].nchunks > 0)
+            if (c[s].nchunks > 0) {
                 att_combine(&c[s]);
+                finish |= c[s].probs != NULL;
+            }
+        if (finish) /* (the views share n_kv) */
+            skv_cpu_parallel_tasks(be, (int64_t)m * c[0].n_kv, probs_task, c);
     }
     return SKV_OK;
 }

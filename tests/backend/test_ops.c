@@ -1097,6 +1097,7 @@ static void test_attention_batch(void **state)
         {70, 9, 3, 64, 0, 16, 90},
         {3, 4, 4, 18, 0, 5, 600},
         {4, 32, 2, 64, 0, 16, 1200}, /* groups of 16 rows: the wide kernels */
+        {4, 32, 2, 64, 700, 16, 1200}, /* the wide kernels in a sliding window */
     };
     for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
         const struct batch_set *b = &sets[si];
@@ -1700,6 +1701,8 @@ static void kv_shared_batch(void **state, int kv_type)
         if (memcmp(one, got + s * qdim, qdim * sizeof(float)) != 0)
             fail_msg("%s: sequence %d of the batch differs from its own call", skv_dtype_name(kv_type), s);
     }
+    if (be->ops->attention_batch_probs) /* through the memo: the forks' probabilities too */
+        batch_probs(be, skv_dtype_name(kv_type), dout, dq, NS + 1, NH, kv, got, (NS + 1) * qdim);
     be->ops->free(be, dq);
     be->ops->free(be, dout);
     for (int s = 0; s < NS; s++)

@@ -888,7 +888,8 @@ static void test_decode_batch_matches_single(void **state)
                 if (memcmp(&a[i], &b[i], sizeof a[i]) != 0) /* bit for bit */
                     fail_msg("step %d sequence %d logit %d: single %g batch %g", step, s, i, a[i], b[i]);
             next[s] = best;
-            seqs[s] = (struct skv_batch_seq){bat[s], best, s == 2 ? &h_bat : s == 4 ? &p_bat : NULL, lb + (size_t)s * nv};
+            const struct skv_forward_opts *o = s == 2 ? &h_bat : s == 4 ? &p_bat : NULL;
+            seqs[s] = (struct skv_batch_seq){bat[s], best, o, lb + (size_t)s * nv};
         }
         for (int s = 0; s < NS; s++) {
             if (s == 2)

@@ -1145,6 +1145,18 @@ static int naive_h2o_hook(void *user, const struct skv_layer_view *v)
     return skv_compressor_hook(nh->c, v);
 }
 
+/* attention_colsum calls so far (h2o_vs_naive's backend) */
+static int (*g_real_colsum)(struct skv_backend *, float *, int64_t, const float *, int, int,
+                            const struct skv_kv_view *, int);
+static int g_colsum_calls;
+
+static int counting_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q, int n,
+                           int n_heads, const struct skv_kv_view *kv, int q_first)
+{
+    g_colsum_calls++;
+    return g_real_colsum(be, out, out_stride, q, n, n_heads, kv, q_first);
+}
+
 /* H2O keeps, after the prefill and after each decoded token, the rows a naive double-precision
  * H2O keeps: the attention every query gave a row, added up across the prompt and the decode
  * steps, with the recent window always kept. With probs, each decode step is scored by the
@@ -1167,6 +1179,13 @@ static void h2o_vs_naive(struct tiny *t, bool probs)
     struct skv_forward_opts fo = {.hook = naive_h2o_hook, .hook_user = nh, .attention_probs = probs};
     assert_int_equal(skv_engine_forward(t->e, c, t->ids, t->n, &fo, NULL), SKV_OK);
     assert_int_equal(skv_compressor_finish(nh->c, c), SKV_OK);
+    struct skv_backend *be = t->m->be;
+    const struct skv_backend_ops *real = be->ops;
+    struct skv_backend_ops counting = *real;
+    g_real_colsum = real->attention_colsum;
+    counting.attention_colsum = counting_colsum;
+    be->ops = &counting;
+    g_colsum_calls = 0;
     int differs = 0; /* H2O's rows are not simply the newest (the test could not tell) */
     for (int k = 0; k <= 8; k++) {
         if (k > 0) {
@@ -1182,7 +1201,9 @@ static void h2o_vs_naive(struct tiny *t, bool probs)
     }
     assert_true(differs > 0);
     assert_int_equal(c->n_past, t->n + 8);
+    be->ops = real;
     assert_int_equal(nh->n_probs, probs ? 8 * c->n_layers : 0);
+    assert_int_equal(g_colsum_calls, probs ? 0 : 8 * c->n_layers); /* none scored again */
     skv_compressor_free(&nh->c);
     free(nh);
     skv_kv_cache_free(&c);
