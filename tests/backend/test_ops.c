@@ -1081,8 +1081,10 @@ static void batch_probs(struct skv_backend *be, const char *what, float *dout, c
 /* attention_batch: a decode group of sequences (one new query each) in one call gives every
  * sequence bit for bit what `attention` with n = 1 gives it alone. The sequences differ in
  * length (short ones that run inline, long ones that take split-K), in per-head lengths and in
- * block tables; one set has a sliding window; 70 sequences pass one round of the CPU's plan.
- * Views that disagree on their shapes, or one without its rows, are refused. */
+ * block tables; two sets have a sliding window, two groups of 16 (the wide kernels); 70
+ * sequences pass one round of the CPU's plan (short ones, then split-K ones). Views that
+ * disagree on their shapes, or one without its rows, are refused; batch_probs checks
+ * attention_batch_probs on each set. */
 static void test_attention_batch(void **state)
 {
     struct skv_backend *be = fixture_be(state);
@@ -1098,6 +1100,7 @@ static void test_attention_batch(void **state)
         {3, 4, 4, 18, 0, 5, 600},
         {4, 32, 2, 64, 0, 16, 1200}, /* groups of 16 rows: the wide kernels */
         {4, 32, 2, 64, 700, 16, 1200}, /* the wide kernels in a sliding window */
+        {70, 9, 3, 64, 0, 16, 1500},   /* split-K in the plan's second round too */
     };
     for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
         const struct batch_set *b = &sets[si];
