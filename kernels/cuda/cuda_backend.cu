@@ -1247,8 +1247,11 @@ static size_t decode_smem(int rb, int d)
  * whole dot product per lane, no shuffles), the row's online softmax takes one warp max and
  * one warp sum per tile, and each lane accumulates its d / 32 output elements from the V tile.
  * Writes part[row][chunk] = (max, sum, acc[d]) for att_combine_kernel. */
+/* probs (one query, p.n = 1; NULL: none): each visible key's scaled score goes to
+ * probs[h * pstride + j] for query head h, for att_combine_batch_kernel to finish. */
 __device__ __forceinline__ void att_decode_block(float *dsm, float *part, const float *q, const struct att_params &p,
-                                                 int rb, int slices, int chunk, int nchunks, int bid)
+                                                 int rb, int slices, int chunk, int nchunks, int bid,
+                                                 float *probs = NULL, int64_t pstride = 0)
 {
     const int d = p.d, dp = d + 1, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     float *qs = dsm;                     /* [rb][d] */
@@ -1361,6 +1364,8 @@ __device__ __forceinline__ void att_decode_block(float *dsm, float *part, const 
                 for (; e < d; e++)
                     s0 = fmaf(qr[e], kr[e], s0);
                 sc = ((s0 + s1) + (s2 + s3)) * p.scale;
+                if (probs) /* (n = 1: row r0 + r is head g * group + its index in the group) */
+                    probs[(size_t)(g * p.group + r0 + r) * pstride + j] = sc;
             }
             const float m_new = fmaxf(m[u], warp_max(sc));
             if (m_new == -INFINITY) /* nothing visible yet */
@@ -1413,6 +1418,8 @@ struct att_seq {
     struct att_params p;
     int block0, chunk, nchunks;
     size_t part0;
+    float *probs;                /* attention_batch_probs: [n_heads][pstride] (NULL: none) */
+    int64_t pstride;
 };
 
 /* The sequence whose blocks hold block b: the last with block0 <= b (block0 ascending). */
@@ -1440,15 +1447,16 @@ att_decode_batch_kernel(float *part, const float *q, const struct att_seq *seqs,
     const int s = att_seq_of(seqs, n_seq, (int)blockIdx.x);
     const struct att_seq &sq = seqs[s];
     att_decode_block((float *)dsm4, part + sq.part0, q + (size_t)s * qstride, sq.p, rb, slices, sq.chunk, sq.nchunks,
-                     (int)blockIdx.x - sq.block0);
+                     (int)blockIdx.x - sq.block0, sq.probs, sq.pstride);
 }
 
 /* Merges the nchunks split-K partials at base (each (max, sum, acc[d])) into out[d], in chunk
  * order: weights exp(m_c - max), chunks that saw no key (m_c = -inf) skipped. w: shared
- * [nchunks]. */
-__device__ __forceinline__ void att_combine_row(float *out, const float *base, int nchunks, int d, float *w)
+ * [nchunks]. The row's max and sum go to *m_out and *l_out (NULL: not wanted). */
+__device__ __forceinline__ void att_combine_row(float *out, const float *base, int nchunks, int d, float *w,
+                                                float *m_out = NULL, float *l_out = NULL)
 {
-    __shared__ float s_l;
+    __shared__ float s_l, s_m;
     if (threadIdx.x == 0) {
         float mx = -INFINITY;
         for (int c = 0; c < nchunks; c++)
@@ -1460,9 +1468,14 @@ __device__ __forceinline__ void att_combine_row(float *out, const float *base, i
             sum = fmaf(base[(size_t)c * (d + 2) + 1], w[c], sum);
         }
         s_l = sum;
+        s_m = mx;
     }
     __syncthreads();
     const float inv = 1.0f / s_l;
+    if (m_out) {
+        *m_out = s_m;
+        *l_out = s_l;
+    }
     for (int t = threadIdx.x; t < d; t += blockDim.x) {
         float o = 0.0f;
         for (int c = 0; c < nchunks; c++)
@@ -1486,8 +1499,17 @@ __global__ void att_combine_batch_kernel(float *out, const float *part, const st
     extern __shared__ float w[]; /* [the largest nchunks] */
     const int s = (int)blockIdx.x / n_heads, h = (int)blockIdx.x % n_heads;
     const struct att_seq &sq = seqs[s];
+    float mx, l;
     att_combine_row(out + (size_t)blockIdx.x * d, part + sq.part0 + (size_t)h * sq.nchunks * (d + 2), sq.nchunks, d,
-                    w);
+                    w, &mx, &l);
+    if (!sq.probs)
+        return;
+    /* the head's scores (att_decode_block) become probabilities, the rows before its window 0 */
+    float *pr = sq.probs + (size_t)h * sq.pstride;
+    const int g = h / sq.p.group, len = sq.p.prefix[g] + 1, lo = sq.p.first ? sq.p.first[(size_t)g * sq.p.n] : 0;
+    const float inv = 1.0f / l;
+    for (int j = threadIdx.x; j < len; j += blockDim.x)
+        pr[j] = j < lo ? 0.0f : expf(pr[j] - mx) * inv;
 }
 
 
@@ -1718,23 +1740,29 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
  * blocks. Against one call per sequence: one upload and two launches per layer of a decode
  * group instead of n_seq of each. A head_dim past ATT_MAX_D, or one sequence, takes
  * cuda_attention once per sequence. */
-static int cuda_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
-                                const struct skv_kv_view *kv)
+static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q, int n,
+                                 int n_heads, const struct skv_kv_view *kv, int q_first);
+
+/* cuda_attention_batch, and with probs (attention_batch_probs) each asking sequence's
+ * probabilities: its scores written by the decode grid, finished by the combine grid. */
+static int attention_batch_run(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                               const struct skv_kv_view *kv, float *const *probs, const int64_t *stride)
 {
-    prof_scope prof_(be, P_ATT_BATCH, 1);
-    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
-    if (rc < 0)
-        return rc;
+    int rc = SKV_OK;
     if (n_seq == 0)
         return SKV_OK;
     if ((int64_t)n_seq * n_heads * kv[0].head_dim > INT_MAX)
         return skv_errorf(SKV_E_INVAL, "attention_batch: %d sequences x %d heads x %d", n_seq, n_heads,
                           kv[0].head_dim);
     const int d = kv[0].head_dim, qstride = n_heads * d;
-    if (n_seq == 1 || d > ATT_MAX_D) {
-        for (int s = 0; s < n_seq; s++)
+    if ((n_seq == 1 && !probs) || d > ATT_MAX_D) { /* (past ATT_MAX_D: the probabilities by colsum) */
+        for (int s = 0; s < n_seq; s++) {
             if ((rc = cuda_attention(be, out + (size_t)s * qstride, q + (size_t)s * qstride, 1, n_heads, &kv[s])) < 0)
                 return rc;
+            if (probs && probs[s] &&
+                (rc = cuda_attention_colsum(be, probs[s], stride[s], q + (size_t)s * qstride, 1, n_heads, &kv[s], 0)) < 0)
+                return rc;
+        }
         return SKV_OK;
     }
     struct cuda_impl *impl = (struct cuda_impl *)be->impl;
@@ -1764,6 +1792,8 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
         att_split_plan(impl, &kv[s], 1, per_chunk, &sq->chunk, &sq->nchunks);
         sq->block0 = (int)blocks; /* past INT_MAX: refused below, before any use */
         sq->part0 = parts;
+        sq->probs = probs ? probs[s] : NULL;
+        sq->pstride = probs ? stride[s] : 0;
         blocks += per_chunk * sq->nchunks;
         parts += (size_t)n_heads * sq->nchunks * (d + 2);
         max_chunks = sq->nchunks > max_chunks ? sq->nchunks : max_chunks;
@@ -1787,6 +1817,22 @@ static int cuda_attention_batch(struct skv_backend *be, float *out, const float 
                                impl->stream>>>(out, part, dseqs, n_heads, d);
     SKV_CUDA_CHECK(cudaGetLastError());
     return SKV_OK;
+}
+
+static int cuda_attention_batch(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                                const struct skv_kv_view *kv)
+{
+    prof_scope prof_(be, P_ATT_BATCH, 1);
+    int rc = skv_attention_batch_check(out, q, n_seq, n_heads, kv);
+    return rc < 0 ? rc : attention_batch_run(be, out, q, n_seq, n_heads, kv, NULL, NULL);
+}
+
+static int cuda_attention_batch_probs(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
+                                      const struct skv_kv_view *kv, float *const *probs, const int64_t *stride)
+{
+    prof_scope prof_(be, P_ATT_BATCH, 1);
+    int rc = skv_attention_batch_probs_check(out, q, n_seq, n_heads, kv, probs, stride);
+    return rc < 0 ? rc : attention_batch_run(be, out, q, n_seq, n_heads, kv, probs, stride);
 }
 
 /* ---- compression scores ------------------------------------------------------------- */
@@ -2761,7 +2807,7 @@ static const struct skv_backend_ops cuda_ops = {
     /* weight_type_ok */ cuda_type_supported, /* K-quants and q5: converted to f16 at load */
     /* device_lost */ cuda_device_lost,
     /* attention_batch */ cuda_attention_batch,
-    /* attention_batch_probs */ NULL, /* H2O's decode scores through attention_colsum */
+    /* attention_batch_probs */ cuda_attention_batch_probs,
     /* store_rows_f16 */ cuda_store_rows_f16,
     /* store_rows_q8_0 */ cuda_store_rows_q8_0,
     /* row_logprobs */ cuda_row_logprobs,

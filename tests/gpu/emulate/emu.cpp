@@ -13,6 +13,7 @@
 #include <vector>
 #include <type_traits>
 #include <memory>
+#include <algorithm>
 extern "C" {
 #include "common/status.h"
 #include "kernels/backend.h"
@@ -349,7 +350,44 @@ static int run_batch(int n_seq, int n_kv, int group, int d, int max_prefix, int 
            "from one call each (bitwise), nmse vs cpu %.3g\n",
            ok ? "ok  " : "FAIL", n_seq, n_kv, group, d, max_prefix, window, block_rows, sms, rc, differ, q.size(),
            num / den);
-    return !ok;
+    /* attention_batch_probs: the same output bits, and each asking sequence's probabilities the
+     * CPU's column sums of its one query (within rounding; the rows past each head's untouched) */
+    std::vector<std::vector<float>> pr(n_seq), want_p(n_seq);
+    std::vector<float *> pp(n_seq, nullptr);
+    std::vector<int64_t> stride(n_seq);
+    skv_backend_cpu_new(1, &cb);
+    for (int s = 0; s < n_seq; s++) {
+        stride[s] = cases[s]->max_rows + s % 3; /* (n = 1: the longest head's rows) */
+        if (n_seq > 1 && s == 1)
+            continue; /* one that does not ask */
+        pr[s].assign((size_t)n_heads * stride[s], NAN);
+        want_p[s].assign(pr[s].size(), NAN);
+        pp[s] = pr[s].data();
+        rc |= cb->ops->attention_colsum(cb, want_p[s].data(), stride[s], q.data() + s * qdim, 1, n_heads,
+                                        &cases[s]->kv, 0);
+    }
+    skv_backend_destroy(&cb);
+    std::vector<float> got_p(q.size(), NAN);
+    rc |= cuda_attention_batch_probs(&e.be, got_p.data(), q.data(), n_seq, n_heads, views.data(), pp.data(),
+                                     stride.data());
+    size_t pdiffer = memcmp(got_p.data(), got.data(), q.size() * sizeof(float)) != 0, bad = 0;
+    double worst = 0;
+    for (int s = 0; s < n_seq; s++)
+        for (size_t i = 0; i < pr[s].size(); i++) {
+            const float g = pr[s][i], w = want_p[s][i];
+            if (std::isnan(w) || std::isnan(g)) {
+                bad += std::isnan(w) != std::isnan(g);
+                continue;
+            }
+            const double e = fabs((double)g - w);
+            worst = std::max(worst, e / (w > 0 ? w : 1));
+            bad += !(e <= 1e-5 * w + 1e-12);
+        }
+    const bool pok = rc == 0 && pdiffer == 0 && bad == 0;
+    printf("%s batch_probs seqs=%d kv=%d group=%d d=%d: output %s attention_batch's, %zu probabilities off "
+           "(largest relative difference %.3g)\n",
+           pok ? "ok  " : "FAIL", n_seq, n_kv, group, d, pdiffer ? "differs from" : "equals", bad, worst);
+    return !ok + !pok;
 }
 
 static int run_colsum(int n, int n_kv, int group, int d, int p0, int p1, int window, int block_rows, int q_first)
