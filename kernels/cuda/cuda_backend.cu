@@ -1733,18 +1733,18 @@ static int cuda_attention(struct skv_backend *be, float *out, const float *q, in
     return SKV_OK;
 }
 
+static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q, int n,
+                                 int n_heads, const struct skv_kv_view *kv, int q_first);
+
 /* Decode attention of n_seq sequences, one query each (the op's attention_batch): every
  * sequence is planned as cuda_attention plans n = 1 (the same slices and key chunks), its
  * parameters, window bounds and block tables go up in one copy for all, then one
  * att_decode_batch_kernel grid and one att_combine_batch_kernel grid run every sequence's
  * blocks. Against one call per sequence: one upload and two launches per layer of a decode
- * group instead of n_seq of each. A head_dim past ATT_MAX_D, or one sequence, takes
- * cuda_attention once per sequence. */
-static int cuda_attention_colsum(struct skv_backend *be, float *out, int64_t out_stride, const float *q, int n,
-                                 int n_heads, const struct skv_kv_view *kv, int q_first);
-
-/* cuda_attention_batch, and with probs (attention_batch_probs) each asking sequence's
- * probabilities: its scores written by the decode grid, finished by the combine grid. */
+ * group instead of n_seq of each. A head_dim past ATT_MAX_D, or one sequence without
+ * probabilities, takes cuda_attention once per sequence. With probs (attention_batch_probs),
+ * each asking sequence's probabilities: its scores written by the decode grid, finished by the
+ * combine grid (past ATT_MAX_D: cuda_attention_colsum). */
 static int attention_batch_run(struct skv_backend *be, float *out, const float *q, int n_seq, int n_heads,
                                const struct skv_kv_view *kv, float *const *probs, const int64_t *stride)
 {

@@ -1013,7 +1013,7 @@ static void probs_match(const char *what, const float *got, const float *want, i
                          w);
             sum += g;
         }
-        if (fabs(sum - 1.0) > 1e-6)
+        if (fabs(sum - 1.0) > 1e-5) /* (a device sums the softmax's denominator its own way) */
             fail_msg("%s: head %d sums to %.9g", what, h, sum);
         for (int64_t j = len; j < stride; j++)
             if (!isnan(got[h * stride + j]))
