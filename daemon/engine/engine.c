@@ -1108,8 +1108,9 @@ static int attn_over_caches(struct skv_engine *e, const struct skv_batch_seq *se
 
 /* Where the attention of layer l puts each of the n sequences' probabilities (e->probs_at[i],
  * NULL for one whose opts do not ask for them, and for every one when the backend has no
- * attention_batch_probs), with room for them in e->probs. Before the layer's new rows are
- * opened: a sequence's stride is its longest head's rows then, plus its new one. */
+ * attention_batch_probs or there is no memory for them), with room for them in e->probs. Before
+ * the layer's new rows are opened: a sequence's stride is its longest head's rows then, plus
+ * its new one. */
 static int probs_plan(struct skv_engine *e, const struct skv_batch_seq *seqs, int l, int n)
 {
     struct skv_backend *be = e->be;
@@ -1136,9 +1137,16 @@ static int probs_plan(struct skv_engine *e, const struct skv_batch_seq *seqs, in
         }
         e->probs = NULL;
         e->probs_cap = 0;
-        CHECK(be->ops->alloc(be, cap * sizeof(float), (void **)&e->probs));
-        e->probs_cap = cap;
-        e->scratch_bytes += cap * sizeof(float);
+        if (be->ops->alloc(be, cap * sizeof(float), (void **)&e->probs) != SKV_OK) {
+            /* no room: the hooks compute them (attention_colsum, whose memory the compressor
+             * took before the forward), rather than the whole decode group failing */
+            e->probs = NULL;
+            for (int i = 0; i < n; i++)
+                e->probs_stride[i] = 0;
+        } else {
+            e->probs_cap = cap;
+            e->scratch_bytes += cap * sizeof(float);
+        }
     }
     for (size_t i = 0, at = 0; i < (size_t)n; i++) {
         e->probs_at[i] = e->probs_stride[i] ? e->probs + at : NULL;
