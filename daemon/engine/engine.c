@@ -1232,13 +1232,10 @@ static int layer_attention(struct skv_engine *e, struct skv_kv_cache *cache, int
         CHECK(cache_store(e, cache, l, at, 0, m, i0));
         tick(e);
     }
-    if (e->probs_at[0]) {
-        int32_t lens[1][SKV_MAX_KV_HEADS];
-        memcpy(lens[0], len0, sizeof len0);
-        CHECK(attn_over_caches(e, &one, l, lens, 0, 1));
-    } else {
+    if (e->probs_at[0]) /* (n = 1) */
+        CHECK(attn_over_caches(e, &one, l, &len0, 0, 1));
+    else
         CHECK(attn_over_cache_ticking(e, cache, l, len0, n));
-    }
     return attn_output(e, l, n);
 }
 
