@@ -3575,7 +3575,8 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
             break;
         if (hd.version >= SAVE_VERSION_PARTIAL && (rc = read_exact(f, &h, &n_refs, sizeof n_refs)))
             break;
-        if (n_refs != n_full && !(n_refs == n_full + 1 && len % br)) { /* the full ones, or also the last */
+        /* the full ones, or also the last; or none: a head out of position order is written whole */
+        if (n_refs != n_full && !(n_refs == n_full + 1 && len % br) && n_refs != 0) {
             rc = skv_errorf(SKV_E_FORMAT, "%s: head %d of %d rows names %d blocks of %d", path, i, len, n_refs, br);
             break;
         }
