@@ -1178,6 +1178,10 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
     memcpy(s->spec, canon, sizeof s->spec);
     struct skv_kv_cache *work = s->cache;
     int H = work->n_kv_heads;
+    /* the rows cut below (by position) must be the last ones: heads out of position order
+     * (StreamingLLM's, window's, H2O's decode) are gathered in order first, on the copy, so a
+     * request that fails or is refused leaves the session's blocks as they were */
+    rc = skv_kv_cache_order(work);
     for (int i = 0; i < work->n_layers * H && !rc; i++) {
         const struct skv_kv_head *kh = &work->heads[i];
         int len = kh->len;
@@ -1224,8 +1228,6 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
     uint64_t before = full_bytes(w->m, s->cache->n_past);
     if ((rc = parse_spec(w, c->compress && c->compress->spec ? c->compress->spec : "", false, &comp, canon,
                          sizeof canon)))
-        goto fail;
-    if ((rc = skv_kv_cache_order(s->cache))) /* the rows it cuts below (by position) are the last ones */
         goto fail;
     int n_past = s->cache->n_past;
     int cut = n_past - (comp ? skv_compressor_spec(comp)->window : 1);
@@ -3478,8 +3480,12 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
                 hd.n_kv_heads != (uint32_t)mc->n_kv_heads || hd.head_dim != (uint32_t)mc->head_dim))
         rc = skv_errorf(SKV_E_INVAL, "%s was saved with another model", path);
     if (!rc && (hd.n_tokens < 0 || hd.n_past < 0 || hd.n_tokens > hd.n_past || hd.prompt_len < 0 ||
-                hd.prompt_len > hd.n_past || hd.n_past > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens))
+                hd.prompt_len > hd.n_past))
         rc = skv_errorf(SKV_E_FORMAT, "%s: implausible lengths", path);
+    /* a session is never longer than this; a daemon started with lower limits refuses it */
+    if (!rc && hd.n_past > w->cfg->max_prompt_tokens + w->cfg->max_new_tokens)
+        rc = skv_errorf(SKV_E_LIMIT, "%s: %d tokens, more than max-prompt-tokens + max-new-tokens (%lld)", path,
+                        hd.n_past, (long long)(w->cfg->max_prompt_tokens + w->cfg->max_new_tokens));
     hd.spec[sizeof hd.spec - 1] = '\0';
     if (!rc && !(rc = skv_session_create(w->sessions, w->m, tenant, owner, &s)))
         rc = set_spec(w, s, "policy=full", false);
@@ -3553,6 +3559,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
     uint32_t *refs = NULL; /* the store indices of its blocks there (version 4 on) */
     uint64_t group = skv_kv_hash64(tenant, strlen(tenant)), n_shared = 0;
     int br = r && r->store ? skv_kv_store_block_rows(r->store) : 1; /* the saved blocks' rows */
+    bool whole = false; /* a head of full blocks written whole (out of position order when saved) */
     for (int i = 0; !rc && i < mc->n_layers * mc->n_kv_heads; i++) {
         struct skv_kv_head *kh = &s->cache->heads[i];
         int32_t len;
@@ -3581,6 +3588,7 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
             break;
         }
         int row0 = n_refs * br < len ? n_refs * br : len;
+        whole |= n_refs == 0 && n_full > 0;
         uint32_t *more_refs = realloc(refs, (size_t)(n_refs ? n_refs : 1) * sizeof *refs);
         if (!more_refs) {
             rc = SKV_E_NOMEM;
@@ -3639,11 +3647,12 @@ static int session_read(struct skv_worker *w, FILE *f, const char *path, const c
         s->n_text_pending = (uint8_t)n_pending;
     }
     free(logits);
-    /* a file older than the store, or blocks of another size (kv-block-tokens changed): its
-     * blocks equal to those of a session of its tenant loaded before share them, as a fork
-     * shared its document's before the stop (version-4 files otherwise name their blocks,
-     * shared by the store above): the pool holds them once before it is charged */
-    if (!rc && r && r->dedupe && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows))
+    /* a file older than the store, blocks of another size (kv-block-tokens changed), or a head
+     * written whole (its rows were out of position order: a FORK of such a session is written
+     * whole too): its blocks equal to those of a session of its tenant loaded before share
+     * them, as a fork shared its document's before the stop (version-4 files otherwise name
+     * their blocks, shared by the store above): the pool holds them once before it is charged */
+    if (!rc && r && r->dedupe && (hd.version < SAVE_VERSION_STORE || br != s->cache->block_rows || whole))
         rc = skv_kv_cache_dedupe(s->cache, r->dedupe, group, &n_shared);
     int evicted = 0;
     if (!rc)

@@ -5031,7 +5031,9 @@ static void test_persist_rows_meta(void **state)
  * written whole, in position order, with no block-store references; before, the restore refused
  * it ("head 0 of 20 rows names 0 blocks of 16") and set the whole saved state aside. The restored
  * session goes on exactly as a LOAD of a SAVE taken at the same point, whose rows are in the same
- * order: the same logits, bit for bit. */
+ * order: the same logits, bit for bit. A FORK of it, written whole too, shares its full blocks
+ * again after the restart, by their contents (before, each held copies of its own). And a
+ * COMPRESS of the fork that is refused leaves its blocks shared. */
 static void test_persist_unordered(void **state)
 {
     struct fixture *f = *state;
@@ -5057,8 +5059,23 @@ static void test_persist_unordered(void **state)
         assert_int_equal(rep->status, SKV_OK);
         snapkv__reply__free_unpacked(rep, NULL);
     }
+    uint8_t forked[16];
+    fork_session(f, sid[0], forked); /* every block shared */
+    const struct skv_model_config *mc = &f->tiny->m->cfg;
+    const int units = mc->n_layers * mc->n_kv_heads;
+    assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * units); /* 20 rows: 16 and 4 a head */
+    /* a COMPRESS refused changes nothing: it gathers the heads in order only on its copy, once
+     * its checks passed (before, first, on the fork's own cache, unsharing every block) */
+    submit_compress_from(f, ID_X, forked, "policy=streaming,budget=16,sinks=2", 1000);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_INVAL);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * units);
     skv_worker_stop(&f->w);
     assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, forked, NULL, NULL), 46);
+    /* the full block of each head shared again (a partly filled one is not looked up) */
+    assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), units);
     for (int k = 0; k < N_SPECS; k++) {
         assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
         snprintf(name, sizeof name, "unordered-%d", k);
@@ -5074,6 +5091,43 @@ static void test_persist_unordered(void **state)
         expect_as_twin(f, sid[k], loaded, 46, specs[k]);
     }
     persist_off(f, dir);
+}
+
+/* A saved session longer than this daemon's max-prompt-tokens + max-new-tokens (it was started
+ * with lower limits than the one that saved it) is refused as LIMIT, naming them (before: FORMAT,
+ * "implausible lengths", which the store also took for a damaged value and dropped rather than
+ * leave it for a daemon that can take it); with the limits back, it loads. */
+static void test_load_past_limits(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-limits-XXXXXX", cmd[64];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    restart(f);
+    uint8_t a[16], b[16];
+    prefill_for(f, "t", 40, "policy=full", a);
+    assert_int_equal(save_as(f, a, "long"), SKV_OK);
+    const int64_t max_prompt = f->cfg.max_prompt_tokens, max_new = f->cfg.max_new_tokens;
+    f->cfg.max_prompt_tokens = 24;
+    f->cfg.max_new_tokens = 8;
+    restart(f);
+    Snapkv__LoadRequest lq = SNAPKV__LOAD_REQUEST__INIT;
+    lq.name = "long";
+    lq.tenant = "t";
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
+    req.load = &lq;
+    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_non_null(strstr(rep->message, "40 tokens, more than max-prompt-tokens + max-new-tokens (32)"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    f->cfg.max_prompt_tokens = max_prompt;
+    f->cfg.max_new_tokens = max_new;
+    restart(f);
+    assert_int_equal(load_as(f, "long", b), SKV_OK);
+    assert_int_equal(listed(f, b, NULL, NULL), 40);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
 }
 
 /* The kept prefixes LIST shows (at most 8): their ids, tenants' first letters and tokens, in
@@ -6947,6 +7001,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_unordered, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_load_past_limits, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept_store_fails, setup, teardown),
