@@ -1750,31 +1750,40 @@ static int cmd_export(const struct ctl *c, int argc, char **argv)
         return 1;
     struct snapkv_server_info si;
     snapkv_server_info(cl, &si);
-    if (!size) {
-        /* size the buffer from what the session keeps (INSPECT is an admin command) */
-        snapkv_client_t *admin = NULL;
-        if (connect_to(c, true, &admin)) {
-            fprintf(stderr, "snapkvctl export: sizing the buffer needs the admin endpoint, or give --size\n");
-            goto out_close;
+    const bool sized = size != 0; /* --size: the caller's, used as given */
+    for (int attempt = 0;; attempt++) {
+        if (!sized) {
+            /* size the buffer from what the session keeps (INSPECT is an admin command) */
+            snapkv_client_t *admin = NULL;
+            if (connect_to(c, true, &admin)) {
+                fprintf(stderr, "snapkvctl export: sizing the buffer needs the admin endpoint, or give --size\n");
+                goto out_close;
+            }
+            struct snapkv_inspect_result in;
+            rc = snapkv_admin_inspect(admin, &id, false, &in);
+            snapkv_close(&admin);
+            if (rc) {
+                failed("inspect", rc);
+                goto out_close;
+            }
+            size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
+            snapkv_inspect_result_free(&in);
+            size += attempt ? size / 4 : 0; /* room for the rows its decode adds meanwhile */
         }
-        struct snapkv_inspect_result in;
-        rc = snapkv_admin_inspect(admin, &id, false, &in);
-        snapkv_close(&admin);
+        if (size == 0)
+            size = 4096; /* an empty session still needs a buffer to name */
+        rc = snapkv_shm_create("export", (size_t)size, &shm);
         if (rc) {
-            failed("inspect", rc);
+            failed("shared memory", rc);
             goto out_close;
         }
-        size = snapkv_kv_bytes(in.layers, in.n_layers, si.n_kv_heads, si.head_dim);
-        snapkv_inspect_result_free(&in);
+        rc = snapkv_export_kv(cl, &id, &shm, 0, &lay);
+        /* the session grew between its size and the export (a decode running in it adds a row
+         * a round): sized again, with room to spare */
+        if (rc != SNAPKV_E_LIMIT || sized || attempt == 2)
+            break;
+        snapkv_shm_destroy(&shm);
     }
-    if (size == 0)
-        size = 4096; /* an empty session still needs a buffer to name */
-    rc = snapkv_shm_create("export", (size_t)size, &shm);
-    if (rc) {
-        failed("shared memory", rc);
-        goto out_close;
-    }
-    rc = snapkv_export_kv(cl, &id, &shm, 0, &lay);
     if (rc) {
         failed("export", rc);
         goto out_shm;
