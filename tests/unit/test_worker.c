@@ -4103,6 +4103,14 @@ static void test_compress_room(void **state)
                  (unsigned long long)(peak / unit));
 }
 
+/* Makes the directory `dir` (a mkdtemp template) the worker's state-dir, and restarts it. */
+static void state_dir_new(struct fixture *f, char *dir)
+{
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
+    restart(f);
+}
+
 /* SAVE of sid as `name` by client X for tenant "t"; the reply's status. */
 static int save_as(struct fixture *f, const uint8_t sid[16], const char *name)
 {
@@ -4119,8 +4127,8 @@ static int save_as(struct fixture *f, const uint8_t sid[16], const char *name)
     return status;
 }
 
-/* LOAD of `name` for tenant "t"; the reply's status, and the new session's id in sid. */
-static int load_as(struct fixture *f, const char *name, uint8_t sid[16])
+/* LOAD of `name` for tenant "t": the reply. */
+static Snapkv__Reply *load_reply(struct fixture *f, const char *name)
 {
     Snapkv__LoadRequest lq = SNAPKV__LOAD_REQUEST__INIT;
     lq.name = (char *)name;
@@ -4129,7 +4137,13 @@ static int load_as(struct fixture *f, const char *name, uint8_t sid[16])
     req.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
     req.load = &lq;
     req.tenant = "t";
-    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    return call(f, 0, ID_X, &req);
+}
+
+/* LOAD of `name` for tenant "t"; the reply's status, and the new session's id in sid. */
+static int load_as(struct fixture *f, const char *name, uint8_t sid[16])
+{
+    Snapkv__Reply *rep = load_reply(f, name);
     int status = rep->status;
     if (!status)
         memcpy(sid, rep->load->session_id.data, 16);
@@ -4320,9 +4334,7 @@ static void test_saved_after_failed_step(void **state)
 {
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-obs-XXXXXX", cmd[300];
-    assert_non_null(mkdtemp(dir));
-    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
-    restart(f);
+    state_dir_new(f, dir);
     const char *spec = "policy=snapkv,budget=16,window=4,decode_budget=16,interval=2";
     uint8_t a[16], twin[16], b[16];
     prefill_for(f, "t", 16, spec, a);
@@ -4357,9 +4369,7 @@ static void test_load_saved_spec(void **state)
 {
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-spec-XXXXXX", cmd[300], path[300];
-    assert_non_null(mkdtemp(dir));
-    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
-    restart(f);
+    state_dir_new(f, dir);
     uint8_t a[16], b[16];
     prefill_for(f, "t", 24, "policy=h2o,budget=16", a);
     assert_int_equal(save_as(f, a, "old"), SKV_OK);
@@ -5042,22 +5052,13 @@ static void test_persist_unordered(void **state)
     const char *specs[] = {"policy=streaming,budget=20,sinks=2", "policy=h2o,budget=20,window=4"};
     enum { N_SPECS = sizeof specs / sizeof *specs };
     uint8_t sid[N_SPECS][16], loaded[16];
-    Snapkv__SaveRequest sq = SNAPKV__SAVE_REQUEST__INIT;
-    Snapkv__LoadRequest lq = SNAPKV__LOAD_REQUEST__INIT;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__Reply *rep;
     for (int k = 0; k < N_SPECS; k++) {
         prefill(f, 40, specs[k], sid[k]);
         for (int i = 0; i < 6; i++) /* each step drops a row below the newest: out of order */
             assert_int_equal(upkeep_step(f, sid[k], true), SKV_OK);
         snprintf(name, sizeof name, "unordered-%d", k);
-        sq.session_id = (ProtobufCBinaryData){16, sid[k]};
-        sq.name = name;
-        req.command_case = SNAPKV__REQUEST__COMMAND_SAVE;
-        req.save = &sq;
-        rep = call(f, 0, ID_X, &req);
-        assert_int_equal(rep->status, SKV_OK);
-        snapkv__reply__free_unpacked(rep, NULL);
+        assert_int_equal(save_as(f, sid[k], name), SKV_OK);
     }
     uint8_t forked[16];
     fork_session(f, sid[0], forked); /* every block shared */
@@ -5079,15 +5080,7 @@ static void test_persist_unordered(void **state)
     for (int k = 0; k < N_SPECS; k++) {
         assert_int_equal(listed(f, sid[k], NULL, NULL), 46);
         snprintf(name, sizeof name, "unordered-%d", k);
-        lq.name = name;
-        lq.tenant = "t"; /* (the tenant the fixture's requests name) */
-        req = (Snapkv__Request)SNAPKV__REQUEST__INIT;
-        req.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
-        req.load = &lq;
-        rep = call(f, 0, ID_X, &req);
-        assert_int_equal(rep->status, SKV_OK);
-        memcpy(loaded, rep->load->session_id.data, 16);
-        snapkv__reply__free_unpacked(rep, NULL);
+        assert_int_equal(load_as(f, name, loaded), SKV_OK);
         expect_as_twin(f, sid[k], loaded, 46, specs[k]);
     }
     persist_off(f, dir);
@@ -5101,9 +5094,7 @@ static void test_load_past_limits(void **state)
 {
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-limits-XXXXXX", cmd[64];
-    assert_non_null(mkdtemp(dir));
-    assert_int_equal(skv_config_set(&f->cfg, "state-dir", dir), SKV_OK);
-    restart(f);
+    state_dir_new(f, dir);
     uint8_t a[16], b[16];
     prefill_for(f, "t", 40, "policy=full", a);
     assert_int_equal(save_as(f, a, "long"), SKV_OK);
@@ -5111,13 +5102,7 @@ static void test_load_past_limits(void **state)
     f->cfg.max_prompt_tokens = 24;
     f->cfg.max_new_tokens = 8;
     restart(f);
-    Snapkv__LoadRequest lq = SNAPKV__LOAD_REQUEST__INIT;
-    lq.name = "long";
-    lq.tenant = "t";
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_LOAD;
-    req.load = &lq;
-    Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+    Snapkv__Reply *rep = load_reply(f, "long");
     assert_int_equal(rep->status, SKV_E_LIMIT);
     assert_non_null(strstr(rep->message, "40 tokens, more than max-prompt-tokens + max-new-tokens (32)"));
     snapkv__reply__free_unpacked(rep, NULL);
