@@ -1178,10 +1178,6 @@ static int compress_rerun(struct skv_worker *w, struct skv_session *s, struct sk
     memcpy(s->spec, canon, sizeof s->spec);
     struct skv_kv_cache *work = s->cache;
     int H = work->n_kv_heads;
-    /* the rows cut below (by position) must be the last ones: heads out of position order
-     * (StreamingLLM's, window's, H2O's decode) are gathered in order first, on the copy, so a
-     * request that fails or is refused leaves the session's blocks as they were */
-    rc = skv_kv_cache_order(work);
     for (int i = 0; i < work->n_layers * H && !rc; i++) {
         const struct skv_kv_head *kh = &work->heads[i];
         int len = kh->len;
@@ -1250,6 +1246,12 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
         goto fail;
     }
     bool was_h2o = s->comp && skv_compressor_spec(s->comp)->policy == SKV_POLICY_H2O;
+    /* the rows the re-run cuts (by position) must be the last ones: heads out of position order
+     * (StreamingLLM's, window's, H2O's decode) are gathered in order first, once the checks
+     * passed (a refused COMPRESS leaves a fork's blocks shared), on the session's own cache, each
+     * head's old blocks going as its new ones come (the rows stay the same if the re-run fails) */
+    if (window > 0 && (rc = skv_kv_cache_order(s->cache)))
+        goto fail;
     rc = window > 0 ? compress_rerun(w, s, comp, canon, cut, was_h2o) : SKV_OK;
     if (window > 0)
         comp = NULL; /* taken */
