@@ -6371,6 +6371,44 @@ static void test_persist_spilled(void **state)
     persist_off(f, dir);
 }
 
+/* A session in the store longer than this daemon's max-prompt-tokens + max-new-tokens (one with
+ * higher limits spilled it) is refused as LIMIT, naming them, and stays in the store for a daemon
+ * that can take it (before: FORMAT, "implausible lengths", and the value was dropped as damaged);
+ * with the limits back, it is taken. */
+static void test_store_past_limits(void **state)
+{
+    struct fixture *f = *state;
+    char sock[200], url[220], out[64] = "";
+    stream_redis_start("0", NULL, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    assert_int_equal(skv_config_set(&f->cfg, "store", url), SKV_OK);
+    restart_with_pool(f, 8);
+    uint8_t a[16], b[16], c[16];
+    prefill_for(f, "a", 64, "policy=full", a); /* 4 blocks a layer and head: two fill the pool */
+    usleep(5000);
+    prefill_for(f, "b", 64, "policy=full", b);
+    prefill_for(f, "c", 64, "policy=full", c); /* a, the least recently used, spilled */
+    assert_int_equal(listed(f, a, NULL, NULL), -1);
+    const int64_t max_prompt = f->cfg.max_prompt_tokens, max_new = f->cfg.max_new_tokens;
+    f->cfg.max_prompt_tokens = 32;
+    f->cfg.max_new_tokens = 16;
+    restart(f); /* (its stop spills b and c too) */
+    submit_append_for(f, ID_X, "a", a, 1);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_LIMIT);
+    assert_non_null(strstr(rep->message, "64 tokens, more than max-prompt-tokens + max-new-tokens (48)"));
+    assert_non_null(strstr(rep->message, "it stays in the store"));
+    snapkv__reply__free_unpacked(rep, NULL);
+    fixture_redis_cli(sock, "DBSIZE", out, sizeof out);
+    assert_string_equal(out, "3");
+    f->cfg.max_prompt_tokens = max_prompt;
+    f->cfg.max_new_tokens = max_new;
+    restart(f);
+    int n = 0;
+    assert_int_equal(append_as(f, "a", a, 1, &n), SKV_OK);
+    assert_int_equal(n, 65);
+}
+
 static int teardown_with_redis(void **state)
 {
     stream_teardown(state);
@@ -6969,6 +7007,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_saved_after_failed_step, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_legacy_fingerprint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_spilled, setup, teardown_with_redis),
+        cmocka_unit_test_setup_teardown(test_store_past_limits, setup, teardown_with_redis),
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
