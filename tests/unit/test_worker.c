@@ -4111,6 +4111,16 @@ static void state_dir_new(struct fixture *f, char *dir)
     restart(f);
 }
 
+/* Restarts the worker with max-prompt-tokens and max-new-tokens set (written while it is stopped:
+ * the worker thread reads its config). */
+static void restart_with_limits(struct fixture *f, int64_t max_prompt, int64_t max_new)
+{
+    skv_worker_stop(&f->w);
+    f->cfg.max_prompt_tokens = max_prompt;
+    f->cfg.max_new_tokens = max_new;
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
 /* SAVE of sid as `name` by client X for tenant "t"; the reply's status. */
 static int save_as(struct fixture *f, const uint8_t sid[16], const char *name)
 {
@@ -5099,16 +5109,12 @@ static void test_load_past_limits(void **state)
     prefill_for(f, "t", 40, "policy=full", a);
     assert_int_equal(save_as(f, a, "long"), SKV_OK);
     const int64_t max_prompt = f->cfg.max_prompt_tokens, max_new = f->cfg.max_new_tokens;
-    f->cfg.max_prompt_tokens = 24;
-    f->cfg.max_new_tokens = 8;
-    restart(f);
+    restart_with_limits(f, 24, 8);
     Snapkv__Reply *rep = load_reply(f, "long");
     assert_int_equal(rep->status, SKV_E_LIMIT);
     assert_non_null(strstr(rep->message, "40 tokens, more than max-prompt-tokens + max-new-tokens (32)"));
     snapkv__reply__free_unpacked(rep, NULL);
-    f->cfg.max_prompt_tokens = max_prompt;
-    f->cfg.max_new_tokens = max_new;
-    restart(f);
+    restart_with_limits(f, max_prompt, max_new);
     assert_int_equal(load_as(f, "long", b), SKV_OK);
     assert_int_equal(listed(f, b, NULL, NULL), 40);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
@@ -6390,9 +6396,7 @@ static void test_store_past_limits(void **state)
     prefill_for(f, "c", 64, "policy=full", c); /* a, the least recently used, spilled */
     assert_int_equal(listed(f, a, NULL, NULL), -1);
     const int64_t max_prompt = f->cfg.max_prompt_tokens, max_new = f->cfg.max_new_tokens;
-    f->cfg.max_prompt_tokens = 32;
-    f->cfg.max_new_tokens = 16;
-    restart(f); /* (its stop spills b and c too) */
+    restart_with_limits(f, 32, 16); /* (its stop spills b and c too) */
     submit_append_for(f, ID_X, "a", a, 1);
     Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
     assert_int_equal(rep->status, SKV_E_LIMIT);
@@ -6401,9 +6405,7 @@ static void test_store_past_limits(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
     fixture_redis_cli(sock, "DBSIZE", out, sizeof out);
     assert_string_equal(out, "3");
-    f->cfg.max_prompt_tokens = max_prompt;
-    f->cfg.max_new_tokens = max_new;
-    restart(f);
+    restart_with_limits(f, max_prompt, max_new);
     int n = 0;
     assert_int_equal(append_as(f, "a", a, 1, &n), SKV_OK);
     assert_int_equal(n, 65);
