@@ -5075,15 +5075,14 @@ static void test_persist_unordered(void **state)
     const struct skv_model_config *mc = &f->tiny->m->cfg;
     const int units = mc->n_layers * mc->n_kv_heads;
     assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * units); /* 20 rows: 16 and 4 a head */
-    /* a COMPRESS refused changes nothing: it gathers the heads in order only on its copy, once
-     * its checks passed (before, first, on the fork's own cache, unsharing every block) */
+    /* a COMPRESS refused changes nothing: it gathers the heads in order only once its checks
+     * passed (before, first, unsharing every block of the fork) */
     submit_compress_from(f, ID_X, forked, "policy=streaming,budget=16,sinks=2", 1000);
     rep = next_reply(f, 0, ID_X, 5);
     assert_int_equal(rep->status, SKV_E_INVAL);
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * units);
-    skv_worker_stop(&f->w);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    restart(f);
     assert_int_equal(listed(f, forked, NULL, NULL), 46);
     /* the full block of each head shared again (a partly filled one is not looked up) */
     assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), units);
