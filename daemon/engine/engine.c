@@ -604,6 +604,20 @@ int skv_kv_cache_order(struct skv_kv_cache *c)
     return rc;
 }
 
+int skv_kv_cache_order_blocks(const struct skv_kv_cache *c)
+{
+    int shared = 0, most = 0;
+    for (int i = 0; c->unordered && i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *hd = &c->heads[i];
+        if (skv_kv_head_in_order(hd))
+            continue;
+        int n = (int)skv_kv_pool_count_shared(c->pool, hd->blk, hd->n_blocks);
+        shared += n;
+        most = hd->n_blocks - n > most ? hd->n_blocks - n : most;
+    }
+    return shared + most;
+}
+
 int skv_kv_cache_dedupe(struct skv_kv_cache *c, struct skv_kv_dedupe *d, uint64_t group, uint64_t *n_shared)
 {
     *n_shared = 0;

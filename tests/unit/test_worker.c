@@ -5095,6 +5095,44 @@ static void test_persist_unordered(void **state)
     persist_off(f, dir);
 }
 
+/* COMPRESS of a fork of a session decoded out of position order takes room for the blocks that
+ * putting its rows in order makes its own, before it takes them. The pool holds 6 blocks a layer
+ * and head: 2 that a StreamingLLM session shares with its fork, 4 of a pinned session. Before,
+ * the COMPRESS ordered the fork anyway (each of its blocks unshared, the pool 2 blocks a layer
+ * and head past its size) and was then refused with the pool left over. With the pinned
+ * session gone, it has the room: 2 blocks for the order and 2 for the re-run's copy. */
+static void test_compress_order_room(void **state)
+{
+    struct fixture *f = *state;
+    const uint64_t unit = restart_with_pool(f, 6);
+    const char *spec = "policy=streaming,budget=20,sinks=2";
+    uint8_t a[16], forked[16], other[16];
+    prefill(f, 40, spec, a);
+    for (int i = 0; i < 6; i++) /* each step drops a row below the newest: out of order */
+        assert_int_equal(upkeep_step(f, a, true), SKV_OK);
+    pin(f, a);
+    fork_session(f, a, forked);
+    prefill(f, 64, "policy=full", other);
+    pin(f, other);
+    const double pool = (double)f->cfg.pool_size;
+    assert_true(stat(f, "snapkv_pool_bytes_used") == pool);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * unit);
+    submit_compress_from(f, ID_X, forked, "policy=streaming,budget=16,sinks=2", 44);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    if (rep->status != SKV_E_POOL_FULL)
+        fail_msg("COMPRESS: %d '%s', want POOL_FULL", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * unit);
+    assert_true(stat(f, "snapkv_pool_bytes_used") <= pool);
+    assert_int_equal(listed(f, forked, NULL, NULL), 46);
+    /* with room, it is done */
+    assert_int_equal(release_by_x(f, other), SKV_OK);
+    submit_compress_from(f, ID_Y, forked, "policy=streaming,budget=16,sinks=2", 44);
+    expect_reply(f, SKV_OK, NULL);
+    assert_true(stat(f, "snapkv_pool_bytes_used") <= pool);
+    assert_int_equal(listed(f, forked, NULL, NULL), 46);
+}
+
 /* A saved session longer than this daemon's max-prompt-tokens + max-new-tokens (it was started
  * with lower limits than the one that saved it) is refused as LIMIT, naming them (before: FORMAT,
  * "implausible lengths", which the store also took for a damaged value and dropped rather than
@@ -7026,6 +7064,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_unordered, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_compress_order_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_past_limits, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept, setup, teardown),
