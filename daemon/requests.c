@@ -1250,12 +1250,18 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
      * (StreamingLLM's, window's, H2O's decode) are gathered in order first, once the checks
      * passed (a refused COMPRESS leaves a fork's blocks shared), on the session's own cache, each
      * head's old blocks going as its new ones come (the rows stay the same if the re-run fails).
-     * A fork's shared blocks become its own: room for them first, as for any block taken */
+     * A fork's shared blocks become its own, which a re-run refused then could not give back:
+     * room for them and for the re-run (what compress_rerun reserves after its cut) first, in
+     * one reservation, so that one refused takes nothing and evicts no one */
     int order_blocks = window > 0 ? skv_kv_cache_order_blocks(s->cache) : 0;
-    if (order_blocks && (rc = skv_session_reserve(w->sessions, s, 0,
-                                                  (uint64_t)order_blocks * skv_kv_pool_block_bytes(s->cache->pool),
-                                                  NULL)))
-        goto fail;
+    if (order_blocks) {
+        uint64_t held, unique;
+        skv_kv_cache_cut_growth(s->cache, cut, window, &held, &unique);
+        held += skv_compressor_ring_bytes(s->comp); /* the undo copy's ring */
+        unique += (uint64_t)order_blocks * skv_kv_pool_block_bytes(s->cache->pool);
+        if ((rc = skv_session_reserve(w->sessions, s, held, unique, NULL)))
+            goto fail;
+    }
     if (window > 0 && (rc = skv_kv_cache_order(s->cache)))
         goto fail;
     rc = window > 0 ? compress_rerun(w, s, comp, canon, cut, was_h2o) : SKV_OK;

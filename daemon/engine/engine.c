@@ -828,6 +828,23 @@ void skv_kv_cache_growth(const struct skv_kv_cache *c, int n, bool compacts, uin
     *more_unique = (held + unique) * bytes;
 }
 
+void skv_kv_cache_cut_growth(const struct skv_kv_cache *c, int cut, int n, uint64_t *more_held,
+                             uint64_t *more_unique)
+{
+    uint64_t held = 0, kept = 0;
+    for (int i = 0; i < c->n_layers * c->n_kv_heads; i++) {
+        const struct skv_kv_head *hd = &c->heads[i];
+        int below = 0;
+        for (int j = 0; j < hd->len; j++)
+            below += hd->pos[j] < cut;
+        kept += (uint64_t)blocks_for(c, below); /* each shared: the compaction copies it */
+        held += (uint64_t)(blocks_for(c, below + n) - blocks_for(c, below));
+    }
+    size_t bytes = skv_kv_pool_block_bytes(c->pool);
+    *more_held = held * bytes;
+    *more_unique = (held + kept) * bytes;
+}
+
 /* ---- engine --------------------------------------------------------------------------------- */
 
 static void free_buffers(struct skv_engine *e)

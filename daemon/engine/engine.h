@@ -138,6 +138,11 @@ uint64_t skv_kv_cache_tally(const struct skv_kv_cache *cache, uint64_t tally);
  * compact the cache). */
 void skv_kv_cache_growth(const struct skv_kv_cache *cache, int n, bool compacts, uint64_t *more_held,
                          uint64_t *more_unique);
+/* The same bound, compacts true, for n rows on a copy of the cache cut to each head's rows of
+ * positions below `cut` that shares every block it keeps with the cache (a COMPRESS's re-run),
+ * counted before the cut and whatever the rows' order. */
+void skv_kv_cache_cut_growth(const struct skv_kv_cache *cache, int cut, int n, uint64_t *more_held,
+                             uint64_t *more_unique);
 
 struct skv_engine;
 

@@ -5095,18 +5095,21 @@ static void test_persist_unordered(void **state)
     persist_off(f, dir);
 }
 
-/* COMPRESS of a fork of a session decoded out of position order takes room for the blocks that
- * putting its rows in order makes its own, before it takes them. The pool holds 6 blocks a layer
- * and head: 2 that a StreamingLLM session shares with its fork, 4 of a pinned session. Before,
- * the COMPRESS ordered the fork anyway (each of its blocks unshared, the pool 2 blocks a layer
- * and head past its size) and was then refused with the pool left over. With the pinned
- * session gone, it has the room: 2 blocks for the order and 2 for the re-run's copy. */
+/* COMPRESS of a fork of a session decoded out of position order reserves the blocks that putting
+ * its rows in order makes its own, and its re-run's, in one reservation before it takes any. The
+ * pool holds 8 blocks a layer and head: 2 that a StreamingLLM session shares with its fork, 4 of a
+ * pinned session, 2 of an idle one. The COMPRESS needs 2 for the order and 2 for the re-run's copy,
+ * more than evicting the idle session gives: it is refused and evicts no one. Before, it ordered
+ * the fork with no room asked (each of its blocks unshared, the pool 2 blocks a layer and head
+ * past its size, `7579555` asking room for the order alone and evicting the idle session for it),
+ * and its re-run was then refused with the fork's blocks its own. With the pinned session gone,
+ * it is done, evicting no one. */
 static void test_compress_order_room(void **state)
 {
     struct fixture *f = *state;
-    const uint64_t unit = restart_with_pool(f, 6);
+    const uint64_t unit = restart_with_pool(f, 8);
     const char *spec = "policy=streaming,budget=20,sinks=2";
-    uint8_t a[16], forked[16], other[16];
+    uint8_t a[16], forked[16], other[16], idle[16];
     prefill(f, 40, spec, a);
     for (int i = 0; i < 6; i++) /* each step drops a row below the newest: out of order */
         assert_int_equal(upkeep_step(f, a, true), SKV_OK);
@@ -5114,6 +5117,7 @@ static void test_compress_order_room(void **state)
     fork_session(f, a, forked);
     prefill(f, 64, "policy=full", other);
     pin(f, other);
+    prefill(f, 32, "policy=full", idle);
     const double pool = (double)f->cfg.pool_size;
     assert_true(stat(f, "snapkv_pool_bytes_used") == pool);
     assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * unit);
@@ -5123,13 +5127,15 @@ static void test_compress_order_room(void **state)
         fail_msg("COMPRESS: %d '%s', want POOL_FULL", rep->status, rep->message);
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(stat(f, "snapkv_pool_blocks_shared"), 2 * unit);
-    assert_true(stat(f, "snapkv_pool_bytes_used") <= pool);
+    assert_true(stat(f, "snapkv_pool_bytes_used") == pool);
+    assert_int_equal(listed(f, idle, NULL, NULL), 32); /* not evicted */
     assert_int_equal(listed(f, forked, NULL, NULL), 46);
     /* with room, it is done */
     assert_int_equal(release_by_x(f, other), SKV_OK);
     submit_compress_from(f, ID_Y, forked, "policy=streaming,budget=16,sinks=2", 44);
     expect_reply(f, SKV_OK, NULL);
     assert_true(stat(f, "snapkv_pool_bytes_used") <= pool);
+    assert_int_equal(listed(f, idle, NULL, NULL), 32);
     assert_int_equal(listed(f, forked, NULL, NULL), 46);
 }
 
