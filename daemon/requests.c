@@ -1578,6 +1578,7 @@ void skv_requests_ipc_close_all(struct skv_worker *w)
 struct xfer {
     int fd;                    /* shm: the object, -1 otherwise */
     uint64_t base;             /* shm: the buffer's offset in the object */
+    int64_t blocks;            /* shm export: the object's st_blocks when opened (-1: an import) */
     char *host;                /* CUDA: the staged layout */
     char *dev;                 /* CUDA: the opened buffer + offset */
     uint64_t need;
@@ -1586,12 +1587,19 @@ struct xfer {
 static int xfer_open(struct skv_worker *w, const struct skv_job *job, const Snapkv__BufferRef *b, uint64_t need,
                      bool import, struct xfer *x)
 {
-    *x = (struct xfer){.fd = -1, .need = need};
+    *x = (struct xfer){.fd = -1, .blocks = -1, .need = need};
     if (!b)
         return skv_errorf(SKV_E_INVAL, "a buffer is required");
     if (b->kind_case == SNAPKV__BUFFER_REF__KIND_SHM_NAME) {
         x->base = b->offset;
-        return open_buffer(job, b, need, !import, &x->fd);
+        int rc = open_buffer(job, b, need, !import, &x->fd);
+        struct stat sb;
+        if (!rc && !import) {
+            if (fstat(x->fd, &sb) != 0)
+                return skv_errorf(SKV_E_IO, "fstat %s: %s", b->shm_name, strerror(errno));
+            x->blocks = (int64_t)sb.st_blocks;
+        }
+        return rc;
     }
     if (b->kind_case != SNAPKV__BUFFER_REF__KIND_CUDA_IPC_HANDLE)
         return skv_errorf(SKV_E_INVAL, "the buffer is neither a shared-memory object nor a CUDA IPC handle");
@@ -1663,11 +1671,34 @@ static int xfer_get(struct xfer *x, uint64_t at, void *dst, size_t len)
     return SKV_OK;
 }
 
+/* After an export's writes to a shared-memory object: pages they allocated (the object's
+ * st_blocks grew) would be charged to the daemon's memory for as long as the client keeps the
+ * object. open_buffer's count missed the holes they filled when the client allocated pages
+ * past the object's end instead (fallocate FALLOC_FL_KEEP_SIZE), which count in st_blocks as
+ * the range's would: the range is punched out again, giving them back, and the export fails. */
+static int xfer_check_allocated(const struct xfer *x)
+{
+    struct stat sb;
+    if (fstat(x->fd, &sb) != 0)
+        return skv_errorf(SKV_E_IO, "fstat of the shared-memory buffer: %s", strerror(errno));
+    if ((int64_t)sb.st_blocks <= x->blocks)
+        return SKV_OK;
+    unsigned long long grown = (unsigned long long)((int64_t)sb.st_blocks - x->blocks) * 512;
+    if (fallocate(x->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)x->base, (off_t)x->need) != 0)
+        return skv_errorf(SKV_E_INVAL, "the EXPORT_KV's writes allocated %llu bytes of the buffer's range that were "
+                          "not allocated, and giving them back failed: %s", grown, strerror(errno));
+    return skv_errorf(SKV_E_INVAL, "the EXPORT_KV's writes allocated %llu bytes of the buffer's range that were not "
+                      "allocated (pages allocated past the object's end do not count): allocate the range itself "
+                      "(posix_fallocate; snapkv_shm_create does). The range was cleared", grown);
+}
+
 /* Ends a transfer; an export's staged layout (rc == SKV_OK) goes to the CUDA buffer. */
 static int xfer_close(struct skv_worker *w, struct xfer *x, bool export_ok)
 {
     int rc = SKV_OK;
     if (x->fd >= 0) {
+        if (x->blocks >= 0)
+            rc = xfer_check_allocated(x);
         close(x->fd);
     } else if (x->dev && x->host) {
         struct skv_backend *be = w->m->be;
@@ -1675,7 +1706,7 @@ static int xfer_close(struct skv_worker *w, struct xfer *x, bool export_ok)
             rc = be->ops->sync(be);
         free(x->host);
     }
-    *x = (struct xfer){.fd = -1};
+    *x = (struct xfer){.fd = -1, .blocks = -1};
     return rc;
 }
 

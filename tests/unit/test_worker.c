@@ -2194,6 +2194,23 @@ static void test_shm_buffers(void **state)
     close(ofd);
     shm_unlink(mine);
 
+    /* pages allocated past the object's end (fallocate FALLOC_FL_KEEP_SIZE) count in its blocks
+     * as the range's would: the object looks whole, its range is holes. The writes that allocated
+     * them are undone (the range punched out again) and the EXPORT refused. Before, it was done:
+     * 1 MiB more of the daemon's memory for each such object left behind */
+    ofd = shm_open(mine, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(ofd >= 0);
+    assert_int_equal(ftruncate(ofd, 1 << 20), 0);
+    assert_int_equal(fallocate(ofd, FALLOC_FL_KEEP_SIZE, 1 << 20, 1 << 20), 0);
+    assert_int_equal(lseek(ofd, 0, SEEK_DATA), -1); /* the range: holes */
+    rep = export_shm(f, sid, mine);
+    if (rep->status != SKV_E_INVAL || !strstr(rep->message, "were not allocated"))
+        fail_msg("EXPORT_KV into holes: %d '%s'", rep->status, rep->message);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(lseek(ofd, 0, SEEK_DATA), -1); /* the pages written: given back */
+    close(ofd);
+    shm_unlink(mine);
+
     /* a buffer the client keeps shrinking and growing: each export answers, ok or an error */
     char name[64];
     snprintf(name, sizeof name, "/snapkv-test-worker-%ld", (long)getpid());
