@@ -1511,16 +1511,18 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
             mine_lru = i;
         mine++;
     }
-    int victim = mine >= SKV_IPC_PER_CLIENT ? mine_lru : w->n_ipc >= SKV_IPC_MAX ? lru : -1;
-    if (victim >= 0) {
-        ipc_close_at(w, victim);
-        w->metrics.ipc_closed_lru++;
-    }
     void *ptr = NULL;
     uint64_t bytes = 0;
     int rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr, &bytes);
     if (rc)
         return rc;
+    /* the one that goes for room goes once this one opened (a handle that does not open closes
+     * no one's; the driver counts a handle opened twice, and unmaps it at its last close) */
+    int victim = mine >= SKV_IPC_PER_CLIENT ? mine_lru : w->n_ipc >= SKV_IPC_MAX ? lru : -1;
+    if (victim >= 0) {
+        ipc_close_at(w, victim);
+        w->metrics.ipc_closed_lru++;
+    }
     struct skv_ipc_buf *e = &w->ipc[w->n_ipc++];
     e->sock = job->sock;
     memcpy(e->identity, job->identity, job->identity_len);

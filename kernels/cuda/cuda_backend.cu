@@ -2739,7 +2739,19 @@ static int cuda_ipc_open(struct skv_backend *be, const void *handle, size_t hand
     cudaIpcMemHandle_t h;
     memcpy(&h, handle, sizeof h);
     void *p = NULL;
-    SKV_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        /* the handle is the client's: one that names nothing open (freed, never a handle, or
+         * another device's) is the client's mistake, not the device's failure */
+        bool clients = e == cudaErrorInvalidValue || e == cudaErrorInvalidResourceHandle ||
+                       e == cudaErrorMapBufferObjectFailed || e == cudaErrorInvalidDevice ||
+                       e == cudaErrorInvalidDevicePointer || e == cudaErrorPeerAccessUnsupported;
+        return skv_errorf(clients ? SKV_E_INVAL : e == cudaErrorMemoryAllocation ? SKV_E_NOMEM : SKV_E_DEVICE,
+                          "ipc_open: the CUDA IPC handle could not be opened%s: %s: %s",
+                          clients ? " (a buffer freed, not a handle, or another device's)" : "",
+                          cudaGetErrorName(e), cudaGetErrorString(e));
+    }
     int rc = allocation_end(p, bytes_out);
     if (rc) {
         cudaIpcCloseMemHandle(p);

@@ -602,8 +602,9 @@ static void export_variant(struct fixture *f, const uint8_t id[5], const uint8_t
     expect_exported(f, 0, id);
 }
 
-/* The opened CUDA buffers are a cache: a client's ninth closes its least recently used one,
- * and past 256 in all the least recently used of anyone's closes; every transfer succeeds
+/* The opened CUDA buffers are a cache: a client's ninth closes its least recently used one
+ * once it opened (a handle that does not open closes none), and past 256 in all the least
+ * recently used of anyone's closes; every transfer succeeds
  * (before, the ninth of a client was refused, and 32 connections could take all 256 slots
  * from every other client). A closed one opens again when used again. */
 static void test_ipc_lru(void **state)
@@ -616,6 +617,13 @@ static void test_ipc_lru(void **state)
         export_variant(f, ID_X, sid, 1, v);
     assert_int_equal(opened(1) - o1, 9);
     assert_int_equal(closed(1) - c1, 1); /* variant 0 */
+    assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 1);
+    /* a handle that does not open closes none (before, the oldest went first) */
+    submit_export_variant(f, 0, ID_X, sid, 0, 0);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_INVAL);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(closed(1) - c1, 1);
     assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 1);
     export_variant(f, ID_X, sid, 1, 1); /* still open */
     assert_int_equal(opened(1) - o1, 9);
