@@ -4865,16 +4865,17 @@ static int by_save_order(const void *a, const void *b)
 }
 
 /* The block store a save of generation gen appends to: the last save's, unless a write to it
- * failed or most of it is blocks no session held at that save; then a new one (*fresh), which
- * the worker takes when the save ends well. NULL when none can be made (each file then holds
- * its rows whole). */
-static struct skv_kv_store *persist_store(struct skv_worker *w, const char *dir, uint64_t gen, char *name,
-                                          size_t cap, bool *fresh)
+ * failed or, at a checkpoint, most of it is blocks no session held at that save; then a new one
+ * (*fresh), which the worker takes when the save ends well. NULL when none can be made (each file
+ * then holds its rows whole). The save at a stop does not start a new store for its garbage: a
+ * session it then failed to write would be lost (its last file names the old store's blocks). */
+static struct skv_kv_store *persist_store(struct skv_worker *w, const char *dir, uint64_t gen, bool checkpoint,
+                                          char *name, size_t cap, bool *fresh)
 {
     struct skv_kv_store *st = w->persist_store;
     *fresh = false;
     if (st && skv_kv_store_usable(st)) {
-        if (!skv_kv_store_mostly_garbage(st, PERSIST_STORE_GARBAGE)) {
+        if (!checkpoint || !skv_kv_store_mostly_garbage(st, PERSIST_STORE_GARBAGE)) {
             snprintf(name, cap, "%s", w->persist_store_name);
             return st;
         }
@@ -5111,9 +5112,15 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     struct persist_saved *saved_list = calloc((size_t)(l.n ? l.n : 1), sizeof *saved_list);
     json_t *list = json_array();
     uint64_t t0 = skv_now_ms(), now = t0, bytes = 0;
-    int saved = 0, written = 0, failed = 0, late = 0, carried = 0;
+    int saved = 0, written = 0, failed = 0, late = 0, carried = 0, dropped = 0;
     bool stopped = false, fresh = false;
-    struct skv_kv_store *store = persist_store(w, dir, gen, store_name, sizeof store_name, &fresh);
+    struct skv_kv_store *store = persist_store(w, dir, gen, checkpoint, store_name, sizeof store_name, &fresh);
+    /* a checkpoint into a new block store (or none) cannot carry a session over: the files of
+     * the last one name blocks of the store it replaces. It writes every session the last one
+     * holds, past persist-max-seconds too, and one it cannot write fails it, that last one
+     * staying (before, the session was left out and lost to the next crash; with no store
+     * on a full disk, every one was) */
+    const bool whole = checkpoint && (fresh || !store);
     if (store)
         skv_kv_store_begin(store);
     if (!saved_list || !list)
@@ -5127,7 +5134,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(s->id, hex);
         struct persist_saved *p = &saved_list[saved];
-        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000) {
+        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000 && !(whole && s->persist_gen)) {
             if (checkpoint && persist_carry(s, hex, store, fresh, list, p, now))
                 saved++, carried++;
             else
@@ -5141,10 +5148,12 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
                 failed++;
                 break; /* the store's end is unknown: the sessions after would fail too */
             }
-            if (checkpoint && persist_carry(s, hex, store, fresh, list, p, now))
+            if (checkpoint && persist_carry(s, hex, store, fresh, list, p, now)) {
                 saved++, carried++;
-            else
+            } else {
                 failed++;
+                dropped += whole && s->persist_gen;
+            }
             continue;
         }
         skv_worker_beat(w);
@@ -5217,6 +5226,9 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     if (!rc && stopped)
         rc = skv_errorf(SKV_E_CANCELLED, "a request arrived");
+    if (!rc && dropped)
+        rc = skv_errorf(SKV_E_IO, "%d session(s) the last checkpoint holds could not be written to %s: that "
+                        "checkpoint stays", dropped, store ? "a new block store" : "files of their own (no block store)");
     if (!rc)
         rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
                                                                 : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
@@ -5287,6 +5299,8 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     if (carried)
         skv_log(SKV_LOG_WARN, "persist: checkpoint: %d session(s) not written (failed or past persist-max-seconds) "
                 "keep the file of an earlier checkpoint", carried);
+    if (checkpoint && (failed || late || carried))
+        w->persist_dirty = true; /* the next checkpoint tries them again, changed or not */
     return SKV_OK;
 }
 

@@ -983,8 +983,10 @@ static void *worker_main(void *arg)
             /* a lost device: the save's reads would fail, and it would then sweep the files of
              * every session it could not read */
             if (w->cfg->persist && atomic_load(&w->device_lost))
-                skv_log(SKV_LOG_WARN, "persist: the device is lost: no save at this stop (the last checkpoint "
-                        "stays)");
+                skv_log(SKV_LOG_WARN, "persist: the device is lost: no save at this stop (%s)",
+                        w->cfg->persist_interval_seconds > 0
+                            ? "the last checkpoint stays"
+                            : "with no persist-interval-seconds there is no checkpoint: the sessions are lost");
             else if (w->cfg->persist && skv_requests_persist_save(w)) /* every session as it stands now */
                 skv_log(SKV_LOG_ERROR, "persist: no session saved: %s", skv_error_msg());
             else if (!w->cfg->persist && !atomic_load(&w->device_lost)) /* store = ...: to the hosts that share it */

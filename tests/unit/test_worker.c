@@ -854,18 +854,25 @@ static void test_append_over_quota(void **state)
     assert_int_equal(after, bytes_b);
 }
 
-/* RELEASE of session sid by client X: SKV_OK or its status. */
-static int release_by_x(struct fixture *f, const uint8_t sid[16])
+/* RELEASE of sid by client X for tenant (NULL: "t"): SKV_OK or its status. */
+static int release_for(struct fixture *f, const char *tenant, const uint8_t sid[16])
 {
     Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
     rr.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
     req.release = &rr;
+    req.tenant = (char *)tenant;
     Snapkv__Reply *rep = call(f, 0, ID_X, &req);
     int rc = rep->status;
     snapkv__reply__free_unpacked(rep, NULL);
     return rc;
+}
+
+/* The same for tenant "t". */
+static int release_by_x(struct fixture *f, const uint8_t sid[16])
+{
+    return release_for(f, NULL, sid);
 }
 
 /* max-sessions bounds every tenant's sessions together: with 3, a fourth tenant's PREFILL and a
@@ -5022,6 +5029,150 @@ static void test_persist_checkpoint_late(void **state)
     persist_off(f, dir);
 }
 
+static int append_as(struct fixture *f, const char *tenant, const uint8_t sid[16], int n, int *n_tokens);
+
+/* Persist on (checkpoints every second, persist-max-seconds 1) with a's 40 tokens (tenant t)
+ * and b's 8 (tenant u) in a block store that is mostly blocks no session holds: 18 sessions of
+ * 64 tokens, each of its own ids, checkpointed and then released (288 of the store's 296
+ * blocks). The next checkpoint starts a new store. *m0: the manifest then, *store0 the store. */
+static void fresh_store_ahead(struct fixture *f, char *dir, char *pdir, uint8_t a[16], uint8_t b[16], char *m0,
+                              char *store0)
+{
+    char tenant[8];
+    assert_int_equal(skv_config_set(&f->cfg, "persist-max-seconds", "1"), SKV_OK);
+    persist_on(f, dir, "1");
+    sprintf(pdir, "%s/persist", dir);
+    enum { N_GONE = 18 };
+    uint8_t gone[N_GONE][16];
+    prefill_for(f, "t", 40, "policy=full", a);
+    usleep(5000);
+    prefill_for(f, "u", 8, "policy=full", b);
+    for (int k = 0; k < N_GONE; k++) { /* ids of its own: no block equal to another's */
+        uint32_t tokens[64];
+        fixed_ids(f, tokens, 64);
+        for (int i = 0; i < 64; i++)
+            tokens[i] = (tokens[i] + 1 + (uint32_t)k) % (uint32_t)f->tiny->m->cfg.n_vocab;
+        Snapkv__PrefillRequest p;
+        Snapkv__Request req = prefill_req(&p, tokens, 64);
+        snprintf(tenant, sizeof tenant, "g%d", k);
+        req.tenant = tenant;
+        Snapkv__Reply *rep = call(f, 0, ID_X, &req);
+        assert_int_equal(rep->status, SKV_OK);
+        memcpy(gone[k], rep->prefill->session_id.data, 16);
+        snapkv__reply__free_unpacked(rep, NULL);
+    }
+    double n = 0;
+    for (int i = 0; i < 300 && (n = stat(f, "snapkv_persist_checkpoints_total")) < 1; i++)
+        usleep(100000);
+    assert_true(n >= 1);
+    for (int k = 0; k < N_GONE; k++) {
+        snprintf(tenant, sizeof tenant, "g%d", k);
+        assert_int_equal(release_for(f, tenant, gone[k]), SKV_OK);
+    }
+    for (int i = 0; i < 300 && stat(f, "snapkv_persist_checkpoints_total") < n + 1; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), n + 1);
+    only_match(pdir, "blocks-*.skvb", store0, 256);
+    manifest_text(dir, m0, 8192);
+}
+
+/* Persist off again, persist-max-seconds back at 30. */
+static void fresh_store_done(struct fixture *f, const char *dir)
+{
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "persist-max-seconds", "30"), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    persist_off(f, dir);
+}
+
+/* A checkpoint into a new block store writes every session the last checkpoint holds, past
+ * persist-max-seconds too: their files there name blocks of the store it replaces, so it cannot
+ * carry one over (fresh_store_ahead). a's APPEND makes a the first it writes, a slow read of a's
+ * rows takes the second, and b, unchanged, comes past the limit. Before, b was left out of that
+ * checkpoint, whose sweep then removed its file and the old store: a crash lost it. A restart
+ * restores both. */
+static void test_persist_fresh_store_late(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[128], store0[256], store1[256];
+    static char m0[8192], m1[8192];
+    uint8_t a[16], b[16];
+    fresh_store_ahead(f, dir, pdir, a, b, m0, store0);
+    g_slow_download_bytes = (size_t)56 * f->tiny->m->cfg.head_dim * sizeof(float); /* a's rows, at once */
+    atomic_store(&g_slow_download_ms, 1200);
+    const double n = stat(f, "snapkv_persist_checkpoints_total");
+    submit_append_for(f, ID_X, "t", a, 16);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    /* no request until its manifest is there (the checkpoint would give way to one); then its
+     * count, after the sweep */
+    for (int i = 0; i < 600 && strcmp(manifest_text(dir, m1, sizeof m1), m0) == 0; i++)
+        usleep(100000);
+    assert_string_not_equal(m1, m0);
+    for (int i = 0; i < 100 && stat(f, "snapkv_persist_checkpoints_total") == n; i++)
+        usleep(100000);
+    assert_int_equal(atomic_load(&g_slow_download_ms), 0); /* the checkpoint read a's rows */
+    only_match(pdir, "blocks-*.skvb", store1, sizeof store1);
+    assert_string_not_equal(store1, store0); /* a new store */
+    assert_true(manifest_names(dir, a));
+    assert_true(manifest_names(dir, b));
+    restart(f);
+    assert_int_equal(listed(f, a, NULL, NULL), 56);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    fresh_store_done(f, dir);
+}
+
+/* A checkpoint into a new block store that cannot write a session the last checkpoint holds
+ * fails, and that checkpoint stays: a directory where b's next file goes makes its write fail.
+ * Before, the checkpoint left b out and its sweep removed b's file and the old store: after a
+ * crash (a lost device: no save at the stop) b was gone. Now the restart restores a as the last
+ * checkpoint saw it and b. The save at the stop does not start a new store (it would have met
+ * the same failure, and lost b). */
+static void test_persist_fresh_store_fails(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", pdir[128], store0[256], blocked[300], hex[33];
+    static char m0[8192], m1[8192];
+    uint8_t a[16], b[16], e[16];
+    fresh_store_ahead(f, dir, pdir, a, b, m0, store0);
+    const char *g = strstr(m0, "\"generation\":");
+    assert_non_null(g);
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    snprintf(blocked, sizeof blocked, "%s/%s-%lld.skv", pdir, hex, atoll(g + strlen("\"generation\":")) + 1);
+    char cmd[320];
+    snprintf(cmd, sizeof cmd, "mkdir %s", blocked);
+    assert_int_equal(system(cmd), 0);
+    const double failures = stat(f, "snapkv_persist_failures_total");
+    assert_int_equal(append_as(f, "t", a, 16, NULL), SKV_OK);
+    for (int i = 0; i < 300 && stat(f, "snapkv_persist_failures_total") == failures; i++)
+        usleep(100000);
+    assert_int_equal(stat(f, "snapkv_persist_failures_total"), failures + 1);
+    assert_string_equal(manifest_text(dir, m1, sizeof m1), m0); /* the last checkpoint stays */
+    char path[256];
+    only_match(pdir, "blocks-*.skvb", path, sizeof path);
+    assert_string_equal(path, store0);
+    prefill(f, 1, "policy=full", e);
+    atomic_store(&g_device_gone, true); /* the crash */
+    submit_export_variant(f, 0, ID_X, e, 1, 0xADDE);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_DEVICE);
+    snapkv__reply__free_unpacked(rep, NULL);
+    skv_worker_stop(&f->w);
+    atomic_store(&g_device_gone, false);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), 40);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    /* the stop's save keeps the store, with the directory still there: b is kept, not written */
+    assert_int_equal(append_as(f, "t", a, 16, NULL), SKV_OK);
+    restart(f);
+    assert_int_equal(listed(f, a, NULL, NULL), 56);
+    assert_int_equal(listed(f, b, NULL, NULL), 8);
+    assert_int_equal(rmdir(blocked), 0);
+    fresh_store_done(f, dir);
+}
+
 /* After a restart: each saved session sid[k] (40 tokens under specs[k], then an APPEND of 6)
  * is listed and goes on exactly as a twin prefilled now. */
 static void expect_restored_as_twins(struct fixture *f, const char *const *specs, int n, uint8_t (*sid)[16])
@@ -7093,6 +7244,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_smaller_pool, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_set_aside, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_fresh_store_late, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_fresh_store_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_rows_meta, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_unordered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_order_room, setup, teardown),
