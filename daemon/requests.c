@@ -4544,11 +4544,20 @@ static bool spilled_compact(struct skv_worker *w, const char *path)
             err = errno;
         kept++;
     }
+    if (ok && fsync(fd) != 0) { /* its records on disk before its name replaces the file's */
+        ok = false;
+        err = errno;
+    }
     if (fd >= 0 && close(fd) != 0 && ok) {
         ok = false;
         err = errno;
     }
-    if (ok && rename(tmp, path) != 0) {
+    char dir[1300];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *slash = '\0';
+    if (ok && rename_durable(tmp, path, slash ? dir : ".") != SKV_OK) {
         ok = false;
         err = errno;
     }
@@ -4579,11 +4588,20 @@ static void spilled_note(struct skv_worker *w, char what, const uint8_t *id)
     int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
     struct stat sb = {0};
     errno = EIO; /* (a short write sets none) */
+    /* on disk before the reply: a 'T' lost to a power cut left the session neither in the
+     * store nor restored from its file (the 'S' before it said the store had it) */
     bool ok = fd >= 0 && fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) &&
-              write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD && fstat(fd, &sb) == 0;
+              write(fd, rec, SPILLED_RECORD) == SPILLED_RECORD && fdatasync(fd) == 0 && fstat(fd, &sb) == 0;
     int err = errno;
     if (fd >= 0)
         close(fd);
+    if (ok && sb.st_size == SPILLED_RECORD) { /* made now: its name too */
+        int dfd = open(dir, O_RDONLY | O_DIRECTORY);
+        if (dfd >= 0) {
+            fsync(dfd);
+            close(dfd);
+        }
+    }
     uint64_t limit = 2 * w->spilled_compacted > SPILLED_COMPACT_BYTES ? 2 * w->spilled_compacted
                                                                        : SPILLED_COMPACT_BYTES;
     if (ok && (uint64_t)sb.st_size > limit && !(ok = spilled_compact(w, path)))
@@ -5537,10 +5555,20 @@ int skv_requests_persist_restore(struct skv_worker *w)
         close(mfd);
     else if (mfd != SKV_E_NOT_FOUND)
         snprintf(jerr.text, sizeof jerr.text, "%s", skv_error_msg());
+    /* one of another version (a newer daemon's, read in a downgrade) is set aside as one that
+     * does not parse: its sessions read as none would have been swept with their files */
+    const json_t *version = json_object_get(doc, "version");
+    if (doc && (!json_is_integer(version) || json_integer_value(version) != 1 ||
+                !json_is_array(json_object_get(doc, "sessions")))) {
+        snprintf(jerr.text, sizeof jerr.text, "a manifest of another version (%s%lld) or without its list of sessions",
+                 json_is_integer(version) ? "" : "none: ", json_is_integer(version) ? json_integer_value(version) : 0LL);
+        json_decref(doc);
+        doc = NULL;
+    }
     if (!doc) {
         if (access(path, F_OK) == 0) {
             skv_log(SKV_LOG_WARN, "persist: %s: %s; no session restored", path, jerr.text);
-            persist_set_aside(dir, "the manifest does not parse");
+            persist_set_aside(dir, "the manifest does not parse, or is of another version");
         }
         persist_wipe(w, dir);
         return SKV_OK;

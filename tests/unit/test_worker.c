@@ -4774,6 +4774,36 @@ static void test_persist_set_aside(void **state)
     persist_off(f, dir);
 }
 
+/* A manifest of another version (a newer daemon's, met in a downgrade), or one without its
+ * list of sessions, is set aside as one that does not parse, with the files it names, and
+ * restores nothing. Before, it parsed as a save of no session, and the start swept every file:
+ * moved back under the daemon that wrote it, nothing was left to restore. */
+static void test_persist_other_version(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-persist-XXXXXX", path[256], hex[33], pattern[64];
+    persist_on(f, dir, "60");
+    uint8_t a[16];
+    prefill(f, 40, "policy=full", a);
+    skv_worker_stop(&f->w); /* saves a */
+    snprintf(path, sizeof path, "%s/persist/sessions.json", dir);
+    FILE *m = fopen(path, "w");
+    assert_non_null(m);
+    assert_true(fputs("{\"version\": 2, \"sessions\": {\"new\": \"layout\"}}", m) >= 0);
+    assert_int_equal(fclose(m), 0);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    assert_int_equal(listed(f, a, NULL, NULL), -1);
+    snprintf(path, sizeof path, "%s/persist.unrestored/sessions.json", dir);
+    assert_int_equal(access(path, F_OK), 0);
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", a[i]);
+    snprintf(path, sizeof path, "%s/persist.unrestored", dir);
+    snprintf(pattern, sizeof pattern, "%s-*.skv", hex);
+    char file[256];
+    only_match(path, pattern, file, sizeof file); /* a's file, kept */
+    persist_off(f, dir);
+}
+
 /* A restart with max-sessions below what was saved (two tenants' sessions, one allowed): the
  * most recently used comes back (before, the restore, least recently used first, kept the
  * oldest and refused the newest); the other's file is set aside. */
@@ -7243,6 +7273,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_smaller_pool, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_set_aside, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_other_version, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_checkpoint_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_fresh_store_late, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_fresh_store_fails, setup, teardown),
