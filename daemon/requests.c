@@ -3277,12 +3277,17 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
 }
 
 /* Writes `n` bytes, or session s when p is NULL, to `path` through path.tmp, fsynced, renamed,
- * and the rename made durable in `dir`; *bytes: the file's size. */
+ * and the rename made durable in `dir`; *bytes: the file's size. shared: a directory other
+ * daemons may write too (SAVE's: the state directory's lock is persist's), where the
+ * temporary file is path.<pid>.tmp, so that two SAVEs of one name do not write into one file
+ * and rename it, their bytes mixed, over the good one. */
 static int file_write(struct skv_worker *w, struct skv_session *s, const void *p, size_t n, const char *dir,
-                      const char *path, long *bytes)
+                      const char *path, bool shared, long *bytes)
 {
     char tmp[1300];
-    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp)
+    int len = shared ? snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid())
+                     : snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    if ((size_t)len >= sizeof tmp)
         return skv_errorf(SKV_E_INVAL, "state directory path too long");
     /* the daemon user's alone: the state directory is the service group's (every client's), and
      * a saved session holds a tenant's KV and token history */
@@ -3311,9 +3316,10 @@ static int file_write(struct skv_worker *w, struct skv_session *s, const void *p
 }
 
 /* Writes session s to `path` whole (SAVE, and a persist save without a block store). */
-static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path, long *bytes)
+static int session_save(struct skv_worker *w, struct skv_session *s, const char *dir, const char *path, bool shared,
+                        long *bytes)
 {
-    return file_write(w, s, NULL, 0, dir, path, bytes);
+    return file_write(w, s, NULL, 0, dir, path, shared, bytes);
 }
 
 static void handle_save(struct skv_worker *w, struct skv_job *job)
@@ -3326,7 +3332,7 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     if (!rc)
         rc = save_path(w, q->name, path, sizeof path);
     if (!rc)
-        rc = session_save(w, s, w->cfg->state_dir, path, &bytes);
+        rc = session_save(w, s, w->cfg->state_dir, path, true, &bytes);
     if (rc) {
         fail_rc(w, job, rc);
         return;
@@ -4934,7 +4940,7 @@ static int persist_session(struct skv_worker *w, struct skv_session *s, const ch
     *file_gen = gen;
     if (!store) {
         memset(sum, 0, 32); /* never matched: such a file is written at every save */
-        return session_save(w, s, dir, path, bytes);
+        return session_save(w, s, dir, path, false, bytes);
     }
     char *buf = NULL;
     size_t len = 0;
@@ -4948,7 +4954,7 @@ static int persist_session(struct skv_worker *w, struct skv_session *s, const ch
         *file_gen = s->persist_gen; /* unchanged since */
         *bytes = 0;
     } else if (!rc) {
-        rc = file_write(w, s, buf, len, dir, path, bytes);
+        rc = file_write(w, s, buf, len, dir, path, false, bytes);
     }
     free(buf);
     return rc;
