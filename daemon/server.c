@@ -588,10 +588,9 @@ static int handle_hello(struct skv_server *srv, const Snapkv__Request *req, Snap
     static const char *const no_tok[] = {"sampling-ext", "prompt-logprobs", "prompt-top-logprobs"};
     h->n_features = m->tok ? sizeof features / sizeof features[0] : sizeof no_tok / sizeof no_tok[0];
     h->features = (char **)(m->tok ? features : no_tok);
-    if (m->tok) {
-        h->bos_token = (uint32_t)skv_tokenizer_bos(m->tok);
-        h->eos_token = (uint32_t)skv_tokenizer_eos(m->tok);
-    }
+    /* none: UINT32_MAX (SNAPKV_NO_TOKEN; a tokenizer's -1; 0, what no tokenizer sent before, is a token) */
+    h->bos_token = m->tok ? (uint32_t)skv_tokenizer_bos(m->tok) : UINT32_MAX;
+    h->eos_token = m->tok ? (uint32_t)skv_tokenizer_eos(m->tok) : UINT32_MAX;
     rep->result_case = SNAPKV__REPLY__RESULT_HELLO;
     rep->hello = h;
     return SKV_OK;

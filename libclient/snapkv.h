@@ -211,8 +211,9 @@ struct snapkv_server_info {
     uint32_t max_sessions_per_tenant;
     uint64_t max_bytes_per_tenant;
     uint32_t kv_block_tokens;
-    uint32_t bos_token, eos_token;
+    uint32_t bos_token, eos_token; /* SNAPKV_NO_TOKEN: the model has none, or the daemon no tokenizer */
 };
+#define SNAPKV_NO_TOKEN UINT32_MAX
 SNAPKV_API int snapkv_server_info(snapkv_client_t *client, struct snapkv_server_info *out);
 /* The model's fingerprint as daemons before 2026-12-06 named it (HelloReply's
  * legacy_model_fingerprint: a GGUF file's without its config), which exports and SAVE files of

@@ -142,7 +142,8 @@ static void usage(FILE *out)
             "SPEC: a compression spec, e.g. policy=snapkv,ratio=0.1 or policy=snapkv,alloc=squeeze,budget=512\n"
             "exit status: 0 done, 1 failed (the reason on stderr), 2 usage, 3 a decode or generate cut short\n"
             "(by CANCEL, the daemon's stop, no room for another token: max-bytes-per-tenant or the pool, or a\n"
-            "later token failed; the tokens printed are in the session; chat goes on to its next turn),\n"
+            "later token failed; the tokens printed are in the session; chat ends there, Ctrl-C stopping\n"
+            "an answer only),\n"
             "130 generate or chat interrupted (Ctrl-C)\n",
             DEFAULT_ENDPOINT, DEFAULT_ADMIN_ENDPOINT);
 }
@@ -621,8 +622,8 @@ static int sampling_opt(const char *cmd, int o, struct snapkv_sampling *s)
             return usage_error(cmd, "--max-tokens wants a positive integer, not '%s'", optarg);
         return 1;
     case OPT_TEMPERATURE:
-        if (!parse_float(optarg, &s->temperature) || s->temperature < 0.0f)
-            return usage_error(cmd, "--temperature wants a number >= 0, not '%s'", optarg);
+        if (!parse_float(optarg, &s->temperature) || !(s->temperature >= 0.0f && s->temperature <= 100.0f))
+            return usage_error(cmd, "--temperature wants a number in [0, 100], not '%s'", optarg);
         return 1;
     case OPT_TOP_P:
         if (!parse_float(optarg, &s->top_p) || s->top_p < 0.0f || s->top_p > 1.0f)
@@ -767,6 +768,12 @@ static void end_progress(void)
 
 /* ---- info, status, config --------------------------------------------------------------------------------- */
 
+/* A token id of HELLO's; null for SNAPKV_NO_TOKEN (the model has none; before, -1 came out). */
+static json_t *token_json(uint32_t id)
+{
+    return id == SNAPKV_NO_TOKEN ? json_null() : json_integer((json_int_t)id);
+}
+
 static int cmd_info(const struct ctl *c)
 {
     snapkv_client_t *cl = NULL;
@@ -777,12 +784,13 @@ static int cmd_info(const struct ctl *c)
     int ret = 0;
     if (c->json) {
         ret = print_json(json_pack(
-            "{s:o, s:o, s:o, s:o, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I, s:I, s:i, s:i}", "server_version",
+            "{s:o, s:o, s:o, s:o, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:o, s:o, s:I, s:I, s:i, s:i}", "server_version",
             json_text(in.server_version), "model", json_text(in.model_name), "fingerprint",
             json_text(in.model_fingerprint), "backend", json_text(in.backend), "layers", in.n_layers, "heads",
             in.n_heads, "kv_heads", in.n_kv_heads, "head_dim", in.head_dim, "vocab", in.n_vocab, "max_prompt_tokens",
-            in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens, "bos_token", in.bos_token, "eos_token",
-            in.eos_token, "max_message_bytes", (json_int_t)in.max_message_bytes, "max_bytes_per_tenant",
+            in.max_prompt_tokens, "max_new_tokens", in.max_new_tokens, "bos_token", token_json(in.bos_token),
+            "eos_token", token_json(in.eos_token), "max_message_bytes", (json_int_t)in.max_message_bytes,
+            "max_bytes_per_tenant",
             (json_int_t)in.max_bytes_per_tenant, "max_sessions_per_tenant", in.max_sessions_per_tenant,
             "kv_block_tokens", in.kv_block_tokens));
     } else {
@@ -809,13 +817,18 @@ static int cmd_status(const struct ctl *c)
     /* what the pool holds besides sessions: the kept prefixes (STATS; 0 from a daemon without) */
     double kept = 0, kept_bytes = 0;
     struct snapkv_stats st;
+    bool kept_known = false; /* a STATS that failed says nothing of them (not 0) */
     if (!rc && snapkv_admin_stats(cl, false, &st) == SNAPKV_OK) {
+        kept_known = true;
         for (size_t i = 0; i < st.n; i++)
             if (strcmp(st.stats[i].name, "snapkv_prefix_retained") == 0)
                 kept = st.stats[i].value;
             else if (strcmp(st.stats[i].name, "snapkv_prefix_retained_bytes") == 0)
                 kept_bytes = st.stats[i].value;
         snapkv_stats_free(&st);
+    } else if (!rc) {
+        fprintf(stderr, "snapkvctl: status: the kept prefixes are not known: STATS failed: %s\n",
+                snapkv_last_error());
     }
     snapkv_close(&cl);
     if (rc)
@@ -829,8 +842,8 @@ static int cmd_status(const struct ctl *c)
             "pool_blocks_used", (json_int_t)s.pool_blocks_used, "pool_blocks_shared", (json_int_t)s.pool_blocks_shared,
             "pool_block_rows", (int)s.pool_block_rows, "pool_block_bytes", (json_int_t)s.pool_block_bytes,
             "queue_depth", s.queue_depth, "threads", s.threads);
-        json_put(&o, "kept_prefixes", json_integer((json_int_t)kept));
-        json_put(&o, "kept_prefix_bytes", json_integer((json_int_t)kept_bytes));
+        json_put(&o, "kept_prefixes", kept_known ? json_integer((json_int_t)kept) : json_null());
+        json_put(&o, "kept_prefix_bytes", kept_known ? json_integer((json_int_t)kept_bytes) : json_null());
         return print_json(o);
     } else {
         char a[32], b[32];
@@ -1060,6 +1073,8 @@ static int cmd_chat(const struct ctl *c, int argc, char **argv)
     }
     if (optind != argc)
         return usage_error("chat", "unexpected argument '%s'", argv[optind]);
+    if (c->json) /* its turns are text as they come */
+        return usage_error("chat", "--json is not for chat (generate --json answers one prompt in JSON)");
     if (!strstr(tmpl, "%s"))
         return usage_error("chat", "--turn-template needs a %%s for the user's line");
 
@@ -1177,28 +1192,47 @@ static size_t scores_greedy(const struct snapkv_scores *sc)
 }
 
 static json_t *top_logprobs_json(const struct snapkv_logprobs *lp);
+static json_t *logprob_json(float x);
+
+/* x as a JSON number; null when it is not finite (JSON has no infinity: a token of probability
+ * 0 scored, and the sum and perplexity then). */
+static json_t *finite_json(double x)
+{
+    return isfinite(x) ? json_real(x) : json_null();
+}
 
 /* A prompt's scores in a JSON reply j (taken): prompt_logprobs, scored_tokens (a prefill's from
  * the second on), top_tokens (the most likely there), their sum, how many were the most likely
  * (greedy) and the perplexity exp(-sum / n); with best (n_top > 0), top_logprobs: each scored
- * position's most likely tokens. */
+ * position's most likely tokens. A log-probability that is not finite is null, in its place
+ * (before, jansson refused it and the list came out shorter than scored_tokens, the sum and
+ * perplexity gone); NULL when out of memory. */
 static json_t *scores_json(json_t *j, const struct snapkv_scores *sc, const struct snapkv_logprobs *best)
 {
     json_t *lp = json_array(), *tok = json_array(), *top = json_array();
     const double sum = scores_sum(sc);
     size_t skip = sc->n_tokens - sc->n_logprobs; /* 1 for a prefill: its first token has none */
-    for (size_t i = 0; i < sc->n_logprobs; i++) {
-        json_array_append_new(lp, json_real(sc->logprobs[i]));
-        json_array_append_new(tok, json_integer(sc->tokens[skip + i]));
-        json_array_append_new(top, json_integer(sc->top_tokens[i]));
+    for (size_t i = 0; i < sc->n_logprobs && lp && tok && top; i++) {
+        json_push(&lp, logprob_json(sc->logprobs[i]));
+        json_push(&tok, json_integer(sc->tokens[skip + i]));
+        json_push(&top, json_integer(sc->top_tokens[i]));
     }
-    json_object_set_new(j, "prompt_logprobs", lp);
-    json_object_set_new(j, "scored_tokens", tok);
-    json_object_set_new(j, "top_tokens", top);
-    json_object_set_new(j, "greedy", json_integer((json_int_t)scores_greedy(sc)));
-    json_object_set_new(j, "sum_logprob", json_real(sum));
-    json_object_set_new(j, "perplexity", sc->n_logprobs ? json_real(exp(-sum / (double)sc->n_logprobs)) : json_null());
-    if (best->n_top)
+    json_put(&j, "prompt_logprobs", lp);
+    if (j)
+        json_put(&j, "scored_tokens", tok);
+    else
+        json_decref(tok);
+    if (j)
+        json_put(&j, "top_tokens", top);
+    else
+        json_decref(top);
+    if (j)
+        json_put(&j, "greedy", json_integer((json_int_t)scores_greedy(sc)));
+    if (j)
+        json_put(&j, "sum_logprob", finite_json(sum));
+    if (j)
+        json_put(&j, "perplexity", sc->n_logprobs ? finite_json(exp(-sum / (double)sc->n_logprobs)) : json_null());
+    if (j && best->n_top)
         json_put(&j, "top_logprobs", top_logprobs_json(best));
     return j;
 }

@@ -5749,6 +5749,23 @@ static void test_snapkvctl_edges(void **state)
     assert_int_equal(run_ctl(&d, neg, out, err, sizeof out), 2);
     const char *inf[] = {"generate", "--prompt", "hi", "--temperature", "inf", NULL};
     assert_int_equal(run_ctl(&d, inf, out, err, sizeof out), 2);
+    /* the daemon's limit, before any prefill (before: exit 1 after the prompt's prefill) */
+    const char *hot[] = {"generate", "--prompt", "hi", "--temperature", "150", NULL};
+    assert_int_equal(run_ctl(&d, hot, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "--temperature wants a number in [0, 100]"));
+    const char *json_chat[] = {"--json", "chat", NULL}; /* (before: text, and exit 0) */
+    assert_int_equal(run_ctl(&d, json_chat, out, err, sizeof out), 2);
+    assert_non_null(strstr(err, "--json is not for chat"));
+    /* a token the model lacks is null (before: -1) */
+    const char *info[] = {"--json", "info", NULL};
+    assert_int_equal(run_ctl(&d, info, out, err, sizeof out), 0);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    assert_non_null(j);
+    const json_t *bos = json_object_get(j, "bos_token"), *eos = json_object_get(j, "eos_token");
+    assert_true(json_is_null(bos) || (json_is_integer(bos) && json_integer_value(bos) >= 0));
+    assert_true(json_is_integer(eos) && json_integer_value(eos) >= 0);
+    json_decref(j);
     /* the endpoints from the environment; an empty one is unset (as an env file writes it) */
     char env_ep[200], env_admin[200];
     snprintf(env_ep, sizeof env_ep, "SNAPKV_ENDPOINT=%s", d.endpoint);
@@ -5884,7 +5901,6 @@ static void test_snapkvctl_edges(void **state)
     assert_int_equal(run_ctl(&d, pre_long, out, err, sizeof out), 0);
     const char *list_long[] = {"--json", "list", "long", NULL}, *list_long_t[] = {"list", "long", NULL};
     assert_int_equal(run_ctl(&d, list_long, out, err, sizeof out), 0);
-    json_error_t je;
     json_t *lj = json_loads(out, 0, &je);
     assert_int_equal(json_array_size(lj), 1);
     const char *listed = json_string_value(json_object_get(json_array_get(lj, 0), "policy"));
