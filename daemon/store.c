@@ -671,17 +671,20 @@ static void deadline_start(struct skv_store *st, uint64_t value_bytes)
     st->deadline_ms = now_ms() + store_timeout_ms(st) + value_ms(st, value_bytes);
 }
 
-/* Waits until fd is ready for `events` before the command's deadline: 0, EAGAIN when it passed,
- * or poll's errno. */
+/* Waits until fd is ready for `events` before the command's deadline, and at most
+ * store-timeout-ms (one wait: a store that stops moving a large value's bytes fails after that,
+ * not after the time the whole value was given, which held the engine past the watchdog's
+ * window): 0, EAGAIN when either passed, or poll's errno. */
 static int wait_ready(const struct skv_store *st, int fd, short events)
 {
     if (st->progress) /* a value that moves slowly but moves: the engine is alive (the watchdog) */
         st->progress(st->progress_user);
+    const uint64_t until = now_ms() + store_timeout_ms(st);
     for (;;) {
-        uint64_t now = now_ms();
-        if (now >= st->deadline_ms)
+        uint64_t now = now_ms(), end = st->deadline_ms < until ? st->deadline_ms : until;
+        if (now >= end)
             return EAGAIN;
-        uint64_t left = st->deadline_ms - now;
+        uint64_t left = end - now;
         struct pollfd p = {.fd = fd, .events = events};
         int n = poll(&p, 1, left > INT_MAX ? INT_MAX : (int)left);
         if (n < 0 && errno == EINTR)
@@ -1104,8 +1107,16 @@ static int store_command(struct skv_store *st, struct store_call *k)
             return store_io_failed(st, e, sent);
         st->retry_ms = STORE_RETRY_MS; /* it answered */
         st->refused = k->reply.type == '-' && strncmp(k->reply.line, "NOPERM", 6) == 0;
-        if (k->reply.type == '-') /* the store answered: the connection is fine */
+        if (k->reply.type == '-') { /* the store answered: the connection is fine, */
+            /* unless it goes to a server that is a replica now (a failover: READONLY), or a
+             * primary not serving yet: the next command connects again, its address looked up
+             * again when old (before, the connection stayed, and every spill and take failed
+             * on it until it broke) */
+            const char *l = k->reply.line;
+            if (!strncmp(l, "READONLY", 8) || !strncmp(l, "MASTERDOWN", 10) || !strncmp(l, "LOADING", 7))
+                store_drop(st);
             return skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], k->reply.line);
+        }
         if (k->reply.type != k->want) /* in sync too: one line ('$' only when wanted) */
             return skv_errorf(SKV_E_IO, "store %s: %s: an unexpected answer ('%c')", st->url, k->argv[0],
                               k->reply.type);

@@ -6478,6 +6478,7 @@ struct hostile_store {
     const char *script;       /* HOSTILE_SCRIPT: the answer, script_n bytes */
     size_t script_n;
     _Atomic uint64_t sent;    /* bytes of its answer that went out */
+    atomic_bool done;         /* its connection closed */
     pthread_t thread;
 };
 
@@ -6521,6 +6522,7 @@ static void *hostile_main(void *arg)
         recv(fd, buf, sizeof buf, 0); /* until the client closes */
     }
     close(fd);
+    atomic_store(&h->done, true);
     return NULL;
 }
 
@@ -6528,6 +6530,7 @@ static void hostile_start(struct hostile_store *h, enum hostile_mode mode, const
 {
     h->mode = mode;
     atomic_store(&h->sent, 0);
+    atomic_store(&h->done, false);
     snprintf(h->path, sizeof h->path, "%s/hostile.sock", dir);
     unlink(h->path);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -6704,6 +6707,41 @@ static void test_store_hostile(void **state)
     /* the client gave up before the 50-byte value ended: the trickle stops at the first byte
      * it cannot send to the closed connection (no clock in the assertion) */
     assert_true(atomic_load(&h.sent) < 50);
+
+    /* a value's length, then nothing: a failure after one wait (store-timeout-ms, 200 ms), not
+     * after the time the value's size was given (512 MiB: 512 times 200 ms), which held the
+     * engine past the watchdog's window. The bound is 150 times the timeout, to tell the two
+     * apart on any machine, not a measure of speed */
+    static const char silent[] = "$536870912\r\nxxxx";
+    h.script = silent;
+    h.script_n = sizeof silent - 1;
+    hostile_start(&h, HOSTILE_SCRIPT, dir);
+    assert_int_equal(skv_store_new(url, 200, 1 << 30, &st), SKV_OK);
+    t0 = mono_ms();
+    assert_int_equal(skv_store_take(st, "k", &data, &got, &value), SKV_E_IO);
+    took = mono_ms() - t0;
+    assert_non_null(strstr(skv_error_msg(), "timed out"));
+    skv_store_free(&st);
+    hostile_stop(&h);
+    printf("# a GETDEL answered with a 512 MiB length and 4 bytes, then nothing (timeout 200 ms): an error after "
+           "%llu ms\n", (unsigned long long)took);
+    assert_true(took < 30000); /* before: 102 s */
+
+    /* READONLY (the server a replica now, after a failover): the connection is dropped, so the
+     * next command connects again (before, it stayed, and every command failed on it) */
+    static const char readonly[] = "-READONLY You can't write against a read only replica.\r\n";
+    h.script = readonly;
+    h.script_n = sizeof readonly - 1;
+    hostile_start(&h, HOSTILE_SCRIPT, dir);
+    assert_int_equal(skv_store_new(url, 2000, 1 << 30, &st), SKV_OK);
+    struct pattern_writer ro = {.n = 10, .fail_at = SIZE_MAX};
+    assert_int_equal(skv_store_put_stream(st, "k", 10, 60, pattern_write, &ro), SKV_E_IO);
+    assert_non_null(strstr(skv_error_msg(), "READONLY"));
+    for (int i = 0; i < 100 && !atomic_load(&h.done); i++) /* (the store still open) */
+        usleep(50 * 1000);
+    assert_true(atomic_load(&h.done));
+    skv_store_free(&st);
+    hostile_stop(&h);
 
     hostile_start(&h, HOSTILE_HUGE_REPLY, dir);
     assert_int_equal(skv_store_new(url, 5000, 1 << 30, &st), SKV_OK);
