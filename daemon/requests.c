@@ -3885,8 +3885,11 @@ static bool store_meta_read(const void *data, size_t n, struct store_meta *m)
 
 /* With store-secret-file: SKV_OK when the value (with store_meta m, or none) is signed with its
  * secret for this key and its time has not passed; otherwise SKV_E_PERM, the value not read, and
- * *drop set when no daemon should take it (a MAC that does not match, a time past): one not
- * signed may be another daemon's, without a secret, during a rollout. */
+ * *drop set when no daemon should take it (its signature ours, its time past). One whose
+ * signature does not match is put back: it may be another daemon's, signed with a secret this
+ * one lacks (a rotation done out of order, a daemon given a wrong secret, which before deleted
+ * every session it was asked for), and one not signed may be a daemon's without a secret during
+ * a rollout; anyone who could forge a value could delete it as well. */
 static int store_mac_check(const struct skv_worker *w, const char *key, const unsigned char *data, size_t n,
                            bool has_meta, const struct store_meta *m, bool *drop)
 {
@@ -3906,16 +3909,15 @@ static int store_mac_check(const struct skv_worker *w, const char *key, const un
         crypto_generichash_final(&h, mac, sizeof mac);
         match = sodium_memcmp(mac, data + body, sizeof mac) == 0;
     }
-    *drop = true;
     if (!match)
         return skv_errorf(SKV_E_PERM, "the stored session's signature does not match: it was signed with another "
                           "secret than store-secret-file%s, changed, or written for another tenant or id",
                           w->store_accept ? " and store-accept-secret-file" : "");
     int64_t late = (int64_t)time(NULL) - (int64_t)m->expires_unix;
-    if (late > STORE_CLOCK_SKEW_S)
+    *drop = late > STORE_CLOCK_SKEW_S;
+    if (*drop)
         return skv_errorf(SKV_E_PERM, "the stored session's time passed %lld s ago (an old value put back?)",
                           (long long)late);
-    *drop = false;
     return SKV_OK;
 }
 
