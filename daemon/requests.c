@@ -2524,7 +2524,9 @@ static void handle_cancel(struct skv_worker *w, struct skv_job *job)
     Snapkv__CancelReply cr = SNAPKV__CANCEL_REPLY__INIT;
     for (struct skv_decode **pp = &w->decodes; *pp; pp = &(*pp)->next) {
         struct skv_decode *d = *pp;
-        if (d->session != s || (job->late && !skv_job_same_sender(d->job, job)))
+        /* a late one, or one that asks (own), ends only its sender's decode: the one it meant
+         * may have ended, another client's begun on the session since */
+        if (d->session != s || ((job->late || job->req->cancel->own) && !skv_job_same_sender(d->job, job)))
             continue;
         *pp = d->next;
         cr.cancelled = true;

@@ -556,6 +556,9 @@ static int decode_partial(void *user, const Snapkv__Reply *rep)
  * before the CANCEL's and are dropped as stale). Best effort, waiting wait_ms at most (-1: the
  * client's timeout): returns rc, the call's own status, whose message says when the CANCEL
  * failed as well. */
+static int cancel_call(snapkv_client_t *c, const struct snapkv_session_id *id, bool own, bool *cancelled,
+                       uint32_t *n_generated);
+
 static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id, int rc, int wait_ms)
 {
     char why[512], cancel_why[256]; /* copies: the last error is rewritten below */
@@ -571,7 +574,8 @@ static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id,
         c->timeout_ms = wait_ms;
     else if (wait_ms < 0 && timeout_ms < 0) /* (a close the check above had not seen yet would wait for ever) */
         c->timeout_ms = CANCEL_STOP_WAIT_MS;
-    int crc = snapkv_cancel(c, id, NULL, NULL);
+    /* its own decode only: the one it meant may have ended, and another client's begun since */
+    int crc = cancel_call(c, id, true, NULL, NULL);
     c->timeout_ms = timeout_ms;
     if (!crc)
         return skv_client_fail(rc, "%s", why);
@@ -969,7 +973,9 @@ int snapkv_release(snapkv_client_t *c, const struct snapkv_session_id *id)
     return SNAPKV_OK;
 }
 
-int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *cancelled, uint32_t *n_generated)
+/* CANCEL; own: only a decode of this connection's. */
+static int cancel_call(snapkv_client_t *c, const struct snapkv_session_id *id, bool own, bool *cancelled,
+                       uint32_t *n_generated)
 {
     int rc = skv_client_check(c, id, "cancel");
     if (rc)
@@ -977,6 +983,7 @@ int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     Snapkv__CancelRequest r = SNAPKV__CANCEL_REQUEST__INIT;
     r.session_id = skv_client_id_wire(id);
+    r.own = own;
     req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
     req.cancel = &r;
     Snapkv__Reply *rep = NULL;
@@ -989,6 +996,11 @@ int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *
         *n_generated = rep->cancel->n_generated;
     snapkv__reply__free_unpacked(rep, NULL);
     return SNAPKV_OK;
+}
+
+int snapkv_cancel(snapkv_client_t *c, const struct snapkv_session_id *id, bool *cancelled, uint32_t *n_generated)
+{
+    return cancel_call(c, id, false, cancelled, n_generated);
 }
 
 /* ---- POSIX shared memory ---------------------------------------------------------------------------- */

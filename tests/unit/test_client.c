@@ -1054,6 +1054,7 @@ static void test_decode_cancel_skips_rest(void **state)
     Snapkv__Request *cq = fake_last(f);
     assert_int_equal(cq->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
     assert_wire_id(cq->cancel->session_id, &ID_B);
+    assert_true(cq->cancel->own); /* its own decode only: another client's may have begun since */
     snapkv__request__free_unpacked(cq, NULL);
     bool cancelled = false;
     uint32_t n_generated = 0;
@@ -1190,6 +1191,7 @@ static void test_decode_timeout_cancels(void **state)
     Snapkv__Request *req = fake_last(f);
     assert_int_equal(req->command_case, SNAPKV__REQUEST__COMMAND_CANCEL);
     assert_wire_id(req->cancel->session_id, &ID_B);
+    assert_true(req->cancel->own);
     snapkv__request__free_unpacked(req, NULL);
     int n = fake_requests(f);
 

@@ -2997,6 +2997,20 @@ static void submit_cancel_within(struct fixture *f, int sock, const uint8_t *id,
     assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
 }
 
+/* CANCEL of sid by client id for tenant "t" that asks to end only a decode of its own connection
+ * (own: libsnapkv's after its DECODE failed). */
+static void submit_cancel_own(struct fixture *f, const uint8_t *id, const uint8_t sid[16])
+{
+    Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
+    c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    c.own = true;
+    Snapkv__Request req = SNAPKV__REQUEST__INIT;
+    req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
+    req.cancel = &c;
+    req.tenant = "t";
+    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
+}
+
 static void submit_cancel(struct fixture *f, int sock, const uint8_t *id, const char *tenant, const uint8_t sid[16])
 {
     submit_cancel_within(f, sock, id, tenant, sid, 0);
@@ -3103,6 +3117,38 @@ static void test_cancel_past_deadline(void **state)
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 0);
     assert_int_equal(stat(f, "snapkv_decodes_cancelled_total"), 1);
     assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
+}
+
+/* A CANCEL that asks for its own decode (own: what libsnapkv sends after its DECODE failed, a
+ * timeout) ends only a decode of its sender's connection, on time too: the decode it meant may
+ * have ended and another client's DECODE of the session begun since, which it ended before (a
+ * review: X's decode finished as X's client timed out, Y's began, X's CANCEL ended Y's). */
+static void test_cancel_own(void **state)
+{
+    struct fixture *f = *state;
+    uint8_t a[16], b[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    freeze(f, b);
+    submit_decode(f, ID_X, "t", a, 1000, false);
+    submit_cancel_own(f, ID_Y, a);
+    thaw(f);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
+    assert_false(rep->cancel->cancelled); /* X's decode runs on */
+    snapkv__reply__free_unpacked(rep, NULL);
+    submit_cancel_own(f, ID_X, a);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_true(rep->final);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    snapkv__reply__free_unpacked(rep, NULL);
+    rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
+    assert_true(rep->cancel->cancelled);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_int_equal(stat(f, "snapkv_decodes_cancelled_total"), 1);
 }
 
 /* COMPRESS of session sid with `spec`, queued by client id. */
@@ -7279,6 +7325,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_decode_yield, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cancel_decode, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cancel_past_deadline, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cancel_own, setup, teardown),
         cmocka_unit_test_setup_teardown(test_overtake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenant_stats, setup, teardown),
