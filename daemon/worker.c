@@ -821,6 +821,29 @@ static void run_nested(struct skv_worker *w, struct skv_job *job, uint64_t start
 
 #define OVERTAKE_MAX 8 /* short requests one yield may run */
 
+/* The decodes of clients whose client-gone notices wait in the queue behind a long forward end
+ * now, not when the forward ends: until then each round the yields run gave them tokens nobody
+ * read, slowing the forward, and held their sessions busy (a RELEASE refused, no eviction). The
+ * notices stay queued, and run in their turn (their CUDA buffers close then). At most
+ * GONE_PER_YIELD a yield. */
+#define GONE_PER_YIELD 16
+static void cancel_gone_decodes(struct skv_worker *w)
+{
+    struct skv_job gone[GONE_PER_YIELD];
+    int n = 0;
+    pthread_mutex_lock(&w->mu);
+    for (const struct skv_job *j = w->notices ? w->head : NULL; j && n < GONE_PER_YIELD; j = j->next)
+        if (j->kind == SKV_JOB_CLIENT_GONE) {
+            gone[n].sock = j->sock;
+            gone[n].identity_len = j->identity_len;
+            memcpy(gone[n].identity, j->identity, j->identity_len);
+            n++;
+        }
+    pthread_mutex_unlock(&w->mu);
+    for (int i = 0; i < n && w->decodes; i++)
+        cancel_decodes_of(w, &gone[i]);
+}
+
 void skv_worker_yield(struct skv_worker *w)
 {
     /* the queue is the socket thread's too: its count, kept under the lock, is read atomically */
@@ -851,6 +874,8 @@ void skv_worker_yield(struct skv_worker *w)
     pthread_mutex_lock(&w->mu);
     bool stopping = w->stopping;
     pthread_mutex_unlock(&w->mu);
+    if (w->decodes && !stopping)
+        cancel_gone_decodes(w);
     if (w->decodes && !stopping) { /* at a stop they are cancelled when the forward ends */
         decode_rounds(w);
         w->metrics.decode_rounds_yielded++;

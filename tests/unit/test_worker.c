@@ -4077,6 +4077,48 @@ static void test_append_stops(void **state)
     assert_int_equal(stat(f, "snapkv_requests_dropped_on_disconnect_total"), 0);
 }
 
+/* A client-gone notice that waits behind a long forward ends its client's decode at the next
+ * yield, not when the forward ends: X decodes a (streamed), Y's 64-token APPEND of b is held at
+ * its layers' gate, X's connection closes, and after three of the APPEND's yields X's final
+ * "cancelled" is out with the APPEND still held. Before, each yield gave X's decode another
+ * round, tokens nobody read, and a stayed busy until the APPEND ended. */
+static void test_gone_decode_in_yield(void **state)
+{
+    struct fixture *f = *state;
+    restart_yielding_always(f);
+    uint8_t a[16], b[16];
+    prefill(f, 8, "policy=full", a);
+    prefill(f, 8, "policy=full", b);
+    submit_decode(f, ID_X, "t", a, 1000, true);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_false(rep->final);
+    snapkv__reply__free_unpacked(rep, NULL);
+    struct long_append la = {f, b, 0, false};
+    gate_hold(submit_long_append, &la);
+    assert_int_equal(skv_worker_client_gone(f->w, ID_X, sizeof ID_X, true), SKV_OK);
+    for (int i = 0; i < 3; i++)
+        gate_step();
+    for (;;) { /* the tokens streamed before, then the final */
+        zmq_pollitem_t item = {.socket = f->pull, .events = ZMQ_POLLIN};
+        if (zmq_poll(&item, 1, 10000) != 1) { /* none: the decode waits for the APPEND's end */
+            gate_open();
+            fail_msg("no final reply for the gone client's decode while the APPEND was held");
+        }
+        rep = next_reply(f, 0, ID_X, 5);
+        assert_int_equal(rep->status, SKV_OK);
+        bool final = rep->final;
+        if (final)
+            assert_string_equal(rep->decode->finish_reason, "cancelled");
+        snapkv__reply__free_unpacked(rep, NULL);
+        if (final)
+            break;
+    }
+    gate_open();
+    expect_reply(f, SKV_OK, NULL);
+    assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
+}
+
 /* A stop asked while a long APPEND runs ends it at its next layer, not after its last: the
  * session is as it was (the stop's save writes its 8 tokens, the next start restores them), and
  * the worker's last message follows. Before, the stop waited for the whole forward, so a long
@@ -7309,6 +7351,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_gone_decode_in_yield, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ipc_handle_tcp_refused, setup, teardown),
