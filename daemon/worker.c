@@ -651,8 +651,13 @@ static bool job_short(const struct skv_job *job)
 static struct skv_job *take_short(struct skv_worker *w)
 {
     pthread_mutex_lock(&w->mu);
-    struct skv_job *prev = NULL, *found = NULL;
-    int k = 0; /* the oldest SKV_FAIR_WINDOW only, as fair order: the socket thread waits for this lock */
+    struct skv_job *prev = NULL, *found = NULL, *found_prev = NULL;
+    uint64_t found_vt = 0;
+    /* the oldest SKV_FAIR_WINDOW only, as fair order: the socket thread waits for this lock. With
+     * queue-order = fair, of those that may run the one of the tenant with the least engine time
+     * (the first of it), as take_next_locked chooses: before, the first in the queue, so a tenant's
+     * backlog of short requests went before another tenant's DECODE queued after it */
+    int k = 0;
     for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
             continue;
@@ -670,11 +675,17 @@ static struct skv_job *take_short(struct skv_worker *w)
                      q->req->command_case != SNAPKV__REQUEST__COMMAND_RELEASE;
         if (loads && !skv_session_find(w->sessions, sid, q->tenant))
             continue;
-        found = q;
-        break;
+        uint64_t vt = w->fair ? clock_of(w, q->tenant) : 0;
+        if (!found || vt < found_vt) {
+            found = q;
+            found_prev = prev;
+            found_vt = vt;
+        }
+        if (!w->fair)
+            break;
     }
     if (found)
-        dequeue_locked(w, prev, found);
+        dequeue_locked(w, found_prev, found);
     pthread_mutex_unlock(&w->mu);
     return found;
 }

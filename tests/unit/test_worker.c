@@ -4119,6 +4119,66 @@ static void test_gone_decode_in_yield(void **state)
     assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
 }
 
+/* Inside a long forward, the short requests it lets through go in fair order too: tenant u's 16
+ * short requests (RELEASEs of sessions it does not have) queued before tenant v's DECODE, while
+ * tenant t's 64-token APPEND is held at its layers' gate. v has had less of the engine than u
+ * (a PREFILL of 8 tokens to u's 64, and a weight of 100), so its DECODE goes first: its first token comes at that
+ * yield's decode round, before u's 8th reply. Before, the yields took them in the queue's
+ * order, 8 a yield, and the DECODE began after all 16. */
+static void test_overtake_fair(void **state)
+{
+    struct fixture *f = *state;
+    /* t's and v's engine time counted a hundredth: u's is the most whatever the machine's noise */
+    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", "t:100,v:100"), SKV_OK);
+    restart_yielding_always(f);
+    uint8_t a[16], b[16], c[16], none[16] = {1, 2, 3};
+    prefill_for(f, "v", 8, "policy=full", a);
+    prefill_for(f, "u", 64, "policy=full", c); /* u has had more of the engine than v */
+    prefill(f, 8, "policy=full", b);
+    struct long_append la = {f, b, 0, false};
+    gate_hold(submit_long_append, &la);
+    static const uint8_t ID_U[5] = {0, 1, 2, 3, 0x55}, ID_V[5] = {0, 1, 2, 3, 0x56};
+    for (int i = 0; i < 16; i++) {
+        Snapkv__ReleaseRequest rr = SNAPKV__RELEASE_REQUEST__INIT;
+        none[15] = (uint8_t)i;
+        rr.session_id = (ProtobufCBinaryData){16, none};
+        Snapkv__Request req = SNAPKV__REQUEST__INIT;
+        req.command_case = SNAPKV__REQUEST__COMMAND_RELEASE;
+        req.release = &rr;
+        req.tenant = "u";
+        assert_int_equal(skv_worker_submit(f->w, job_new(0, ID_U, 5, &req)), SKV_OK);
+    }
+    submit_decode(f, ID_V, "v", a, 4, true);
+    gate_step();
+    int u_before = 0;
+    for (;;) {
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        snapkv__reply__free_unpacked(rep, NULL);
+        uint8_t who = id[4];
+        if (who == 0x56)
+            break;
+        assert_int_equal(who, 0x55);
+        u_before++;
+        if (u_before == 16)
+            break;
+    }
+    gate_open();
+    if (u_before >= 8)
+        fail_msg("v's DECODE came after %d of u's short requests", u_before);
+    for (int i = 0; i < 1000; i++) { /* the rest: u's, v's tokens, then Y's APPEND */
+        uint8_t id[5];
+        Snapkv__Reply *rep = any_reply(f, id);
+        bool done = id[4] == ID_Y[4];
+        snapkv__reply__free_unpacked(rep, NULL);
+        if (done)
+            break;
+    }
+    skv_worker_stop(&f->w);
+    assert_int_equal(skv_config_set(&f->cfg, "tenant-weights", ""), SKV_OK);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
+
 /* A stop asked while a long APPEND runs ends it at its next layer, not after its last: the
  * session is as it was (the stop's save writes its 8 tokens, the next start restores them), and
  * the worker's last message follows. Before, the stop waited for the whole forward, so a long
@@ -7352,6 +7412,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_max_sessions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decode_ids_outside_vocab, setup, teardown),
         cmocka_unit_test_setup_teardown(test_gone_decode_in_yield, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_overtake_fair, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_ends_forward, setup, teardown),
         cmocka_unit_test_setup_teardown(test_import_not_finite, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ipc_handle_tcp_refused, setup, teardown),
