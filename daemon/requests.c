@@ -3962,20 +3962,51 @@ static void spill_forget(struct skv_worker *w, const char *tenant, const uint8_t
 
 /* The tenant's records whose sessions the store no longer holds (another host took them back,
  * the store lost them) forgotten; the bytes the others hold. */
+#define RECOUNT_BATCH 512
 static uint64_t spill_tenant_recount(struct skv_worker *w, const char *tenant)
 {
-    for (size_t i = 0; i < w->n_spills;) {
-        char key[STORE_KEY_MAX];
-        const struct skv_spill_rec *r = &w->spills[i];
-        if (strcmp(r->tenant, tenant) == 0) {
-            store_key(w, tenant, r->id, false, key, sizeof key);
-            if (skv_store_exists(w->store, key) == SKV_E_NOT_FOUND) {
-                w->spills[i] = w->spills[--w->n_spills];
-                continue;
+    /* a batch of the tenant's keys at a time, pipelined (skv_store_tails: each key's last byte,
+     * none when it has no value): before, an EXISTS and its round trip per record, up to 65536
+     * one after the other on the engine thread at every spill of a tenant at its cap. A key whose
+     * state is not known (an error answer, a batch that failed) keeps its record. */
+    spill_prune(w);
+    struct recount {
+        char keys[RECOUNT_BATCH][STORE_KEY_MAX];
+        const char *ptr[RECOUNT_BATCH];
+        size_t at[RECOUNT_BATCH], got[RECOUNT_BATCH];
+        unsigned char tail[RECOUNT_BATCH];
+        signed char state[RECOUNT_BATCH];
+    } *b = malloc(sizeof *b);
+    bool *gone = calloc(w->n_spills ? w->n_spills : 1, sizeof *gone);
+    bool ok = b && gone;
+    for (size_t i = 0; ok && i < w->n_spills;) {
+        int n = 0;
+        for (; i < w->n_spills && n < RECOUNT_BATCH; i++)
+            if (strcmp(w->spills[i].tenant, tenant) == 0) {
+                store_key(w, tenant, w->spills[i].id, false, b->keys[n], sizeof b->keys[n]);
+                b->ptr[n] = b->keys[n];
+                b->at[n++] = i;
             }
+        for (int k = 0; k < n; k++) { /* (what a batch that failed leaves: kept) */
+            b->state[k] = SKV_TAIL_VALUE;
+            b->got[k] = 1;
         }
-        i++;
+        int rc = n ? skv_store_tails(w->store, b->ptr, n, 1, b->tail, b->got, b->state) : SKV_OK;
+        if (rc == SKV_E_IO) { /* error answers (NOPERM too) set every state; a batch that failed none */
+            bool known = false;
+            for (int k = 0; k < n && !known; k++)
+                known = b->state[k] != SKV_TAIL_VALUE;
+            rc = known ? SKV_OK : rc;
+        }
+        ok = rc == SKV_OK;
+        for (int k = 0; ok && k < n; k++)
+            gone[b->at[k]] = b->state[k] == SKV_TAIL_VALUE && b->got[k] == 0;
     }
+    for (size_t i = w->n_spills; gone && i-- > 0;) /* from the end: each moved record was looked at */
+        if (gone[i])
+            w->spills[i] = w->spills[--w->n_spills];
+    free(gone);
+    free(b);
     return spill_tenant_bytes(w, tenant);
 }
 

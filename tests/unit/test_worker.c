@@ -6811,6 +6811,38 @@ static void test_store_past_limits(void **state)
     assert_int_equal(n, 65);
 }
 
+/* A tenant at its store cap (store-max-bytes-per-tenant, 1 MiB) counts again which of its
+ * spilled sessions the store still holds before it refuses a spill: its 64-token sessions are
+ * spilled one by one as the next evicts them (a pool of two) until one is refused, past the cap;
+ * then the store is emptied (other hosts took them) and the next eviction's spill goes through,
+ * the records of those gone forgotten. The count goes by batches of keys pipelined (a key's
+ * last byte, none when it has no value), where it went by an EXISTS and its round trip a
+ * record, at every spill of a tenant at its cap. */
+static void test_store_recount(void **state)
+{
+    struct fixture *f = *state;
+    char sock[200], url[220], out[64] = "";
+    stream_redis_start("0", NULL, sock, sizeof sock);
+    snprintf(url, sizeof url, "unix://%s", sock);
+    assert_int_equal(skv_config_set(&f->cfg, "store", url), SKV_OK);
+    assert_int_equal(skv_config_set(&f->cfg, "store-max-bytes-per-tenant", "1M"), SKV_OK);
+    restart_with_pool(f, 8);
+    uint8_t sid[16];
+    int spilled = 0;
+    for (int i = 0; i < 100 && stat(f, "snapkv_store_spill_failures_total") == 0; i++) {
+        prefill_for(f, "p", 64, "policy=full", sid); /* 4 blocks a layer and head: two fill the pool */
+        fixture_redis_cli(sock, "DBSIZE", out, sizeof out);
+        spilled = atoi(out);
+    }
+    assert_int_equal(stat(f, "snapkv_store_spill_failures_total"), 1); /* refused at the cap */
+    assert_true(spilled >= 8);
+    fixture_redis_cli(sock, "FLUSHALL", out, sizeof out); /* other hosts took them */
+    prefill_for(f, "p", 64, "policy=full", sid);
+    fixture_redis_cli(sock, "DBSIZE", out, sizeof out);
+    assert_string_equal(out, "1"); /* spilled: the cap's room counted again */
+    assert_int_equal(stat(f, "snapkv_store_spill_failures_total"), 1);
+}
+
 static int teardown_with_redis(void **state)
 {
     stream_teardown(state);
@@ -7448,6 +7480,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_load_legacy_fingerprint, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_spilled, setup, teardown_with_redis),
         cmocka_unit_test_setup_teardown(test_store_past_limits, setup, teardown_with_redis),
+        cmocka_unit_test_setup_teardown(test_store_recount, setup, teardown_with_redis),
         cmocka_unit_test_setup_teardown(test_nested_room_inner, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_copy_ring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fair_share_forks, setup, teardown),
