@@ -4102,13 +4102,14 @@ static int store_take_session(struct skv_worker *w, const char *tenant, const ui
     const void *data = NULL;
     void *value = NULL;
     size_t n = 0;
-    bool took_legacy = false;
-    int rc = skv_store_take_either(w->store, key, has_legacy ? legacy : NULL, &data, &n, &value, &took_legacy);
+    bool took_legacy = false, stays = false;
+    int rc = skv_store_take_either(w->store, key, has_legacy ? legacy : NULL, &data, &n, &value, &took_legacy,
+                                   &stays);
     if (took_legacy) /* what its signature covers, and where a put back goes */
         memcpy(key, legacy, sizeof key);
     if (rc == SKV_E_NOT_FOUND) /* gone from the store (its time passed, another host took it) */
         spill_forget(w, tenant, id);
-    if (rc == SKV_E_LIMIT || rc == SKV_E_NOMEM) { /* taken, and too large to hold */
+    if ((rc == SKV_E_LIMIT && !stays) || rc == SKV_E_NOMEM) { /* taken, and too large to hold */
         skv_log(SKV_LOG_WARN, "a stored session of tenant '%s' was dropped: %s", tenant, skv_error_msg());
         spilled_note(w, 'T', id);
         spill_forget(w, tenant, id);

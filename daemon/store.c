@@ -52,6 +52,7 @@ struct skv_store {
     uint64_t retry_ms;        /* the wait after the next failure */
     char why[512];            /* and why */
     bool refused;             /* the last command's answer was NOPERM (skv_store_refused) */
+    bool no_script;           /* EVAL refused (an ACL, scripting off): takes are plain GETDELs */
     struct skv_store_stats stats;
     void (*progress)(void *);  /* skv_store_on_progress: each time bytes may move */
     void *progress_user;
@@ -1019,6 +1020,7 @@ struct store_call {
     int vi;
     struct store_value *v;
     char want;
+    bool int_ok;              /* an integer answers it too */
     struct store_reply reply;
 };
 
@@ -1117,7 +1119,7 @@ static int store_command(struct skv_store *st, struct store_call *k)
                 store_drop(st);
             return skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], k->reply.line);
         }
-        if (k->reply.type != k->want) /* in sync too: one line ('$' only when wanted) */
+        if (k->reply.type != k->want && !(k->int_ok && k->reply.type == ':')) /* in sync: one line */
             return skv_errorf(SKV_E_IO, "store %s: %s: an unexpected answer ('%c')", st->url, k->argv[0],
                               k->reply.type);
         return SKV_OK;
@@ -1170,26 +1172,62 @@ int skv_store_put_back(struct skv_store *st, const char *key, const void *data, 
 
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value)
 {
-    bool took_alt;
-    return skv_store_take_either(st, key, NULL, data, n, value, &took_alt);
+    bool took_alt, left;
+    return skv_store_take_either(st, key, NULL, data, n, value, &took_alt, &left);
+}
+
+/* A take that leaves a value this daemon cannot hold (past its store-max-bytes: another daemon's
+ * may be higher) in the store: its length when too long, else GETDEL's answer. */
+static const char TAKE_SCRIPT[] = "local n = redis.call('STRLEN', KEYS[1]) "
+                                  "if n > tonumber(ARGV[1]) then return n end "
+                                  "return redis.call('GETDEL', KEYS[1])";
+
+/* GETDEL key, through TAKE_SCRIPT unless the store refused scripts: SKV_OK with k's reply a
+ * value or nil, SKV_E_LIMIT for a value too long (left in the store), or store_command's
+ * failure. */
+static int take_one(struct skv_store *st, const char *key, struct store_call *k)
+{
+    char max[24];
+    snprintf(max, sizeof max, "%llu", (unsigned long long)st->max_value);
+    if (!st->no_script) {
+        const char *argv[] = {"EVAL", TAKE_SCRIPT, "1", key, max};
+        const size_t lens[] = {4, sizeof TAKE_SCRIPT - 1, 1, strlen(key), strlen(max)};
+        *k = (struct store_call){.argc = 5, .argv = argv, .lens = lens, .vi = -1, .want = '$', .int_ok = true};
+        int rc = store_command(st, k);
+        const char *l = k->reply.line;
+        if (rc && k->reply.type == '-' &&
+            (!strncmp(l, "NOPERM", 6) || !strncmp(l, "NOSCRIPT", 8) || strstr(l, "unknown command"))) {
+            st->no_script = true; /* (GETDEL alone from now on: a value too long is then lost) */
+            skv_log(SKV_LOG_WARN, "store %s: EVAL refused (%.80s): a take is a plain GETDEL, and a value past "
+                    "store-max-bytes is lost at it", st->url, l);
+        } else if (!rc && k->reply.type == ':') {
+            return skv_errorf(SKV_E_LIMIT, "store %s: a value of %lld bytes, more than store-max-bytes (%s): it stays "
+                              "in the store", st->url, k->reply.integer, max);
+        } else {
+            return rc;
+        }
+    }
+    const char *argv[] = {"GETDEL", key};
+    const size_t lens[] = {6, strlen(key)};
+    *k = (struct store_call){.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
+    return store_command(st, k);
 }
 
 int skv_store_take_either(struct skv_store *st, const char *key, const char *alt, const void **data, size_t *n,
-                          void **value, bool *took_alt)
+                          void **value, bool *took_alt, bool *left)
 {
     struct store_call k;
     int rc = SKV_OK;
     *took_alt = false;
+    *left = false;
     for (int i = 0; i < (alt ? 2 : 1); i++) {
-        const char *argv[] = {"GETDEL", i ? alt : key};
-        const size_t lens[] = {6, strlen(argv[1])};
-        k = (struct store_call){.argc = 2, .argv = argv, .lens = lens, .vi = -1, .want = '$'};
-        if ((rc = store_command(st, &k)) || !k.reply.nil) {
+        if ((rc = take_one(st, i ? alt : key, &k)) || !k.reply.nil) {
             *took_alt = i == 1;
             break;
         }
     }
     if (rc) {
+        *left = rc == SKV_E_LIMIT && !k.reply.data && k.reply.type == ':'; /* TAKE_SCRIPT's length */
         st->stats.load_failures++;
         return rc;
     }

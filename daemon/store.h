@@ -57,13 +57,15 @@ int skv_store_put_stream(struct skv_store *st, const char *key, uint64_t n, int6
 int skv_store_put_back(struct skv_store *st, const char *key, const void *data, size_t n, int64_t ttl_s);
 /* GETDEL key: the value is removed from the store as it is read, so two hosts never take one.
  * *data and *n: the value, valid until skv_store_value_free(*value). SKV_E_NOT_FOUND when there
- * is none; SKV_E_IO as above; SKV_E_LIMIT (over max_value) or SKV_E_NOMEM for a value taken
- * that cannot be held: it is lost. */
+ * is none; SKV_E_IO as above; SKV_E_LIMIT for a value over max_value, which a script run in the
+ * store (EVAL: STRLEN, then GETDEL) leaves there; when the store refuses scripts (an ACL), a
+ * plain GETDEL, and such a value, or one SKV_E_NOMEM cannot hold, is lost. */
 int skv_store_take(struct skv_store *st, const char *key, const void **data, size_t *n, void **value);
 /* The same, and when key has no value, GETDEL alt (NULL: none; a key an earlier daemon named the
- * value by): one miss when neither has one. *took_alt: whether it was alt's. */
+ * value by): one miss when neither has one. *took_alt: whether it was alt's; *left: an
+ * SKV_E_LIMIT whose value stays in the store. */
 int skv_store_take_either(struct skv_store *st, const char *key, const char *alt, const void **data, size_t *n,
-                          void **value, bool *took_alt);
+                          void **value, bool *took_alt, bool *left);
 void skv_store_value_free(void *value);
 /* EXISTS key: SKV_OK when the store holds it, SKV_E_NOT_FOUND when not; SKV_E_IO as above. */
 int skv_store_exists(struct skv_store *st, const char *key);
