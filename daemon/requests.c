@@ -4928,14 +4928,17 @@ static int by_save_order(const void *a, const void *b)
  * failed or, at a checkpoint, most of it is blocks no session held at that save; then a new one
  * (*fresh), which the worker takes when the save ends well. NULL when none can be made (each file
  * then holds its rows whole). The save at a stop does not start a new store for its garbage: a
- * session it then failed to write would be lost (its last file names the old store's blocks). */
+ * session it then failed to write would be lost (its last file names the old store's blocks);
+ * nor does the checkpoint after one into a new store failed on a session it could not carry
+ * over (persist_keep_store): appending to the last store, it can carry that session, where a new
+ * store each time would fail on it at every try. */
 static struct skv_kv_store *persist_store(struct skv_worker *w, const char *dir, uint64_t gen, bool checkpoint,
                                           char *name, size_t cap, bool *fresh)
 {
     struct skv_kv_store *st = w->persist_store;
     *fresh = false;
     if (st && skv_kv_store_usable(st)) {
-        if (!checkpoint || !skv_kv_store_mostly_garbage(st, PERSIST_STORE_GARBAGE)) {
+        if (!checkpoint || w->persist_keep_store || !skv_kv_store_mostly_garbage(st, PERSIST_STORE_GARBAGE)) {
             snprintf(name, cap, "%s", w->persist_store_name);
             return st;
         }
@@ -5177,9 +5180,10 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     struct skv_kv_store *store = persist_store(w, dir, gen, checkpoint, store_name, sizeof store_name, &fresh);
     /* a checkpoint into a new block store (or none) cannot carry a session over: the files of
      * the last one name blocks of the store it replaces. It writes every session the last one
-     * holds, past persist-max-seconds too, and one it cannot write fails it, that last one
-     * staying (before, the session was left out and lost to the next crash; with no store
-     * on a full disk, every one was) */
+     * holds (its manifest names it: a save without a store leaves persist_gen 0), past
+     * persist-max-seconds too, and one it cannot write fails it, that last one staying (before,
+     * the session was left out and lost to the next crash; with no store on a full disk, every
+     * one was); the next checkpoint then appends to the last store when it can */
     const bool whole = checkpoint && (fresh || !store);
     if (store)
         skv_kv_store_begin(store);
@@ -5194,7 +5198,8 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         char hex[2 * SKV_SESSION_ID_BYTES + 1];
         skv_session_id_hex(s->id, hex);
         struct persist_saved *p = &saved_list[saved];
-        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000 && !(whole && s->persist_gen)) {
+        const bool held = whole && manifest_names(w, hex); /* the last checkpoint holds it */
+        if (skv_now_ms() - t0 >= (uint64_t)w->cfg->persist_max_seconds * 1000 && !held) {
             if (checkpoint && persist_carry(s, hex, store, fresh, list, p, now))
                 saved++, carried++;
             else
@@ -5212,7 +5217,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
                 saved++, carried++;
             } else {
                 failed++;
-                dropped += whole && s->persist_gen;
+                dropped += held;
             }
             continue;
         }
@@ -5286,9 +5291,11 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     if (!rc && stopped)
         rc = skv_errorf(SKV_E_CANCELLED, "a request arrived");
-    if (!rc && dropped)
+    if (!rc && dropped) {
         rc = skv_errorf(SKV_E_IO, "%d session(s) the last checkpoint holds could not be written to %s: that "
                         "checkpoint stays", dropped, store ? "a new block store" : "files of their own (no block store)");
+        w->persist_keep_store = true;
+    }
     if (!rc)
         rc = doc && json_dump_file(doc, tmp, JSON_COMPACT) == 0 ? SKV_OK
                                                                 : skv_errorf(SKV_E_IO, "%s: cannot write it", tmp);
@@ -5336,6 +5343,7 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
     free(kept);
     free(kept_list);
     w->persist_gen = gen;
+    w->persist_keep_store = false;
     w->persist_ms = skv_now_ms();
     w->metrics.persist_bytes += bytes;
     w->metrics.persist_last_seconds = (double)(w->persist_ms - t0) / 1000.0;

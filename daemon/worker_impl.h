@@ -137,6 +137,8 @@ struct skv_worker {
     bool persist_dirty;       /* sessions may have changed since */
     int persist_gave_way;     /* checkpoints in a row stopped by a request */
     uint64_t persist_failed_ms; /* when the last checkpoint failed (0: the last one ended well) */
+    bool persist_keep_store;  /* a checkpoint into a new store failed on a session it could not
+                               * carry: the next appends to the last store when it can */
     struct skv_kv_store *persist_store; /* the block store saves append to (NULL: the next save starts one) */
     char persist_store_name[PERSIST_STORE_NAME_MAX]; /* its file in <state-dir>/persist */
     char **persist_files;     /* the files the manifest on disk names, sorted: what sweeps keep */
