@@ -3281,19 +3281,21 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
 /* Writes `n` bytes, or session s when p is NULL, to `path` through path.tmp, fsynced, renamed,
  * and the rename made durable in `dir`; *bytes: the file's size. shared: a directory other
  * daemons may write too (SAVE's: the state directory's lock is persist's), where the
- * temporary file is path.<pid>.tmp, so that two SAVEs of one name do not write into one file
- * and rename it, their bytes mixed, over the good one. */
+ * temporary file is path.XXXXXX.tmp, a name of its own, so that two SAVEs of one name do not
+ * write into one file and rename it, their bytes mixed, over the good one (one a crash left is
+ * removed an hour on, skv_requests_sweep_saves). */
 static int file_write(struct skv_worker *w, struct skv_session *s, const void *p, size_t n, const char *dir,
                       const char *path, bool shared, long *bytes)
 {
     char tmp[1300];
-    int len = shared ? snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid())
-                     : snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int len = shared ? snprintf(tmp, sizeof tmp, "%s.XXXXXX.tmp", path) : snprintf(tmp, sizeof tmp, "%s.tmp", path);
     if ((size_t)len >= sizeof tmp)
         return skv_errorf(SKV_E_INVAL, "state directory path too long");
     /* the daemon user's alone: the state directory is the service group's (every client's), and
-     * a saved session holds a tenant's KV and token history */
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+     * a saved session holds a tenant's KV and token history. A shared one's name is made unique
+     * (O_EXCL): a pid is not, in containers (each daemon pid 1) */
+    int fd = shared ? mkostemps(tmp, 4, O_CLOEXEC)
+                    : open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
     FILE *f = fd < 0 || fchmod(fd, 0600) != 0 ? NULL : fdopen(fd, "wb");
     if (!f) {
         int err = errno;
@@ -3322,6 +3324,28 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
                         long *bytes)
 {
     return file_write(w, s, NULL, 0, dir, path, shared, bytes);
+}
+
+static bool ends_with(const char *s, const char *end);
+
+void skv_requests_sweep_saves(struct skv_worker *w)
+{
+    /* SAVE's temporary files a crash left in the state directory, an hour old or more (another
+     * daemon sharing the directory may be writing a newer one) */
+    DIR *d = opendir(w->cfg->state_dir);
+    if (!d)
+        return;
+    time_t now = time(NULL);
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *skv = strstr(e->d_name, ".skv.");
+        struct stat sb;
+        if (!skv || !ends_with(e->d_name, ".tmp") || fstatat(dirfd(d), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 ||
+            !S_ISREG(sb.st_mode) || now - sb.st_mtime < 3600)
+            continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) == 0)
+            skv_log(SKV_LOG_INFO, "a SAVE's temporary file a crash left removed: %s/%s", w->cfg->state_dir, e->d_name);
+    }
+    closedir(d);
 }
 
 static void handle_save(struct skv_worker *w, struct skv_job *job)
@@ -5293,7 +5317,8 @@ static int persist_write(struct skv_worker *w, bool checkpoint, bool give_way)
         rc = skv_errorf(SKV_E_CANCELLED, "a request arrived");
     if (!rc && dropped) {
         rc = skv_errorf(SKV_E_IO, "%d session(s) the last checkpoint holds could not be written to %s: that "
-                        "checkpoint stays", dropped, store ? "a new block store" : "files of their own (no block store)");
+                        "checkpoint stays", dropped,
+                        store ? "a new block store" : "files of their own (no block store)");
         w->persist_keep_store = true;
     }
     if (!rc)
@@ -5611,7 +5636,8 @@ int skv_requests_persist_restore(struct skv_worker *w)
     if (doc && (!json_is_integer(version) || json_integer_value(version) != 1 ||
                 !json_is_array(json_object_get(doc, "sessions")))) {
         snprintf(jerr.text, sizeof jerr.text, "a manifest of another version (%s%lld) or without its list of sessions",
-                 json_is_integer(version) ? "" : "none: ", json_is_integer(version) ? json_integer_value(version) : 0LL);
+                 json_is_integer(version) ? "" : "none: ",
+                 json_is_integer(version) ? (long long)json_integer_value(version) : 0LL);
         json_decref(doc);
         doc = NULL;
     }

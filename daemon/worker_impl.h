@@ -248,6 +248,8 @@ int skv_requests_persist_save(struct skv_worker *w);
 /* What computes this daemon's rows (requests.c): 16 bytes, zero when unknown; worked out at the
  * first call (worker thread only). */
 const unsigned char *skv_requests_rows_id(struct skv_worker *w);
+/* Removes the temporary files of SAVEs a crash left in the state directory (an hour old). */
+void skv_requests_sweep_saves(struct skv_worker *w);
 /* The same while serving (persist-interval-seconds). give_way: SKV_E_CANCELLED when a request
  * arrives meanwhile, the last save left as it was. */
 int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way);

@@ -5504,6 +5504,35 @@ static void test_compress_order_room(void **state)
     assert_int_equal(listed(f, forked, NULL, NULL), 46);
 }
 
+/* SAVE writes through a temporary file of a name of its own (mkostemps: two daemons sharing the
+ * state directory, each pid 1 in its container, would otherwise write one file), which it
+ * renames; one a crash left is removed at a start an hour on, not a newer one (another daemon
+ * may be writing it). */
+static void test_save_tmp(void **state)
+{
+    struct fixture *f = *state;
+    char dir[] = "/tmp/skv-savetmp-XXXXXX", cmd[600], path[300];
+    state_dir_new(f, dir);
+    uint8_t a[16];
+    prefill(f, 8, "policy=full", a);
+    assert_int_equal(save_as(f, a, "s"), SKV_OK);
+    snprintf(cmd, sizeof cmd, "ls %s | grep -c tmp", dir);
+    assert_int_not_equal(system(cmd), 0); /* none left */
+    snprintf(cmd, sizeof cmd, "cd %s && echo x > old.skv.Ab12Cd.tmp && touch -d '2 hours ago' old.skv.Ab12Cd.tmp && "
+             "echo x > new.skv.Ef34Gh.tmp && echo x > other.tmp && touch -d '2 hours ago' other.tmp", dir);
+    assert_int_equal(system(cmd), 0);
+    restart(f);
+    assert_int_equal(listed(f, a, NULL, NULL), -1); /* (a request answered: the start's sweep ran) */
+    snprintf(path, sizeof path, "%s/old.skv.Ab12Cd.tmp", dir);
+    assert_int_equal(access(path, F_OK), -1);
+    snprintf(path, sizeof path, "%s/new.skv.Ef34Gh.tmp", dir);
+    assert_int_equal(access(path, F_OK), 0);
+    snprintf(path, sizeof path, "%s/other.tmp", dir); /* not a SAVE's */
+    assert_int_equal(access(path, F_OK), 0);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* A saved session longer than this daemon's max-prompt-tokens + max-new-tokens (it was started
  * with lower limits than the one that saved it) is refused as LIMIT, naming them (before: FORMAT,
  * "implausible lengths", which the store also took for a damaged value and dropped rather than
@@ -7523,6 +7552,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_persist_unordered, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compress_order_room, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_past_limits, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_save_tmp, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_version5, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_kept_store_fails, setup, teardown),
