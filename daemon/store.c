@@ -1043,6 +1043,15 @@ static void store_drop(struct skv_store *st)
     st->c = NULL;
 }
 
+/* Whether an error answer says the connection goes to a server that is a replica now (a
+ * failover: READONLY), or to a primary not serving yet (MASTERDOWN, LOADING): the caller drops
+ * it, so the next command connects again, its address looked up again when old (before, the
+ * connection stayed, and every spill and take failed on it until it broke). */
+static bool store_moved(const char *line)
+{
+    return !strncmp(line, "READONLY", 8) || !strncmp(line, "MASTERDOWN", 10) || !strncmp(line, "LOADING", 7);
+}
+
 /* A connection for the next command: the one held when the server has not closed it and nothing
  * waits to be read on it (store_usable), else a new one; *reused: the one held. SKV_OK, or
  * store_connect's failure. */
@@ -1110,12 +1119,7 @@ static int store_command(struct skv_store *st, struct store_call *k)
         st->retry_ms = STORE_RETRY_MS; /* it answered */
         st->refused = k->reply.type == '-' && strncmp(k->reply.line, "NOPERM", 6) == 0;
         if (k->reply.type == '-') { /* the store answered: the connection is fine, */
-            /* unless it goes to a server that is a replica now (a failover: READONLY), or a
-             * primary not serving yet: the next command connects again, its address looked up
-             * again when old (before, the connection stayed, and every spill and take failed
-             * on it until it broke) */
-            const char *l = k->reply.line;
-            if (!strncmp(l, "READONLY", 8) || !strncmp(l, "MASTERDOWN", 10) || !strncmp(l, "LOADING", 7))
+            if (store_moved(k->reply.line)) /* unless it is not the primary's now */
                 store_drop(st);
             return skv_errorf(SKV_E_IO, "store %s: %s: %s", st->url, k->argv[0], k->reply.line);
         }
@@ -1401,6 +1405,8 @@ int skv_store_tails(struct skv_store *st, const char *const *keys, int n, size_t
             return store_io_failed(st, e, sent);
         }
         st->retry_ms = STORE_RETRY_MS; /* it answered */
+        if (other && store_moved(first_other))
+            store_drop(st);
         if (other || refused) { /* the first answer of another error, else the first NOPERM */
             st->refused = !other;
             st->stats.load_failures++;

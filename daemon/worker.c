@@ -645,9 +645,10 @@ static bool job_short(const struct skv_job *job)
     }
 }
 
-/* Takes out of the queue the first short request that may run before the ones ahead of it:
- * none of them is from its sender (the running request's sender counts as ahead) or names its
- * session, and that session is not busy (the running forward's, or decoding). NULL: none. */
+/* Takes out of the queue a short request that may run before the ones ahead of it: none of them
+ * is from its sender (the running request's sender counts as ahead) or names its session, and
+ * that session is not busy (the running forward's, or decoding); the first such, or with
+ * queue-order = fair the first of the tenant with the least engine time. NULL: none. */
 static struct skv_job *take_short(struct skv_worker *w)
 {
     pthread_mutex_lock(&w->mu);
@@ -660,6 +661,9 @@ static struct skv_job *take_short(struct skv_worker *w)
     int k = 0;
     for (struct skv_job *q = w->head; q && !w->stopping && k < SKV_FAIR_WINDOW; prev = q, q = q->next, k++) {
         if (q->kind != SKV_JOB_REQUEST || !job_short(q))
+            continue;
+        uint64_t vt = w->fair ? clock_of(w, q->tenant) : 0;
+        if (found && vt >= found_vt) /* (before the checks that cost: one no better than the one found) */
             continue;
         bool blocked = (w->running && skv_job_same_sender(w->running, q)) ||
                        (w->outer && skv_job_same_sender(w->outer, q)) || !may_go_first(w, q);
@@ -675,12 +679,9 @@ static struct skv_job *take_short(struct skv_worker *w)
                      q->req->command_case != SNAPKV__REQUEST__COMMAND_RELEASE;
         if (loads && !skv_session_find(w->sessions, sid, q->tenant))
             continue;
-        uint64_t vt = w->fair ? clock_of(w, q->tenant) : 0;
-        if (!found || vt < found_vt) {
-            found = q;
-            found_prev = prev;
-            found_vt = vt;
-        }
+        found = q;
+        found_prev = prev;
+        found_vt = vt;
         if (!w->fair)
             break;
     }
@@ -835,21 +836,30 @@ static void run_nested(struct skv_worker *w, struct skv_job *job, uint64_t start
 /* The decodes of clients whose client-gone notices wait in the queue behind a long forward end
  * now, not when the forward ends: until then each round the yields run gave them tokens nobody
  * read, slowing the forward, and held their sessions busy (a RELEASE refused, no eviction). The
- * notices stay queued, and run in their turn (their CUDA buffers close then). At most
- * GONE_PER_YIELD a yield. */
+ * notices stay queued, and run in their turn (their CUDA buffers close then). Only notices of
+ * clients with a decode are taken (the others would fill the GONE_PER_YIELD a yield takes at
+ * every yield), and the walk stops at the last notice. */
 #define GONE_PER_YIELD 16
 static void cancel_gone_decodes(struct skv_worker *w)
 {
     struct skv_job gone[GONE_PER_YIELD];
     int n = 0;
     pthread_mutex_lock(&w->mu);
-    for (const struct skv_job *j = w->notices ? w->head : NULL; j && n < GONE_PER_YIELD; j = j->next)
-        if (j->kind == SKV_JOB_CLIENT_GONE) {
-            gone[n].sock = j->sock;
-            gone[n].identity_len = j->identity_len;
-            memcpy(gone[n].identity, j->identity, j->identity_len);
-            n++;
-        }
+    int left = w->notices; /* (the decodes are this thread's: read under the lock too) */
+    for (const struct skv_job *j = left ? w->head : NULL; j && left > 0 && n < GONE_PER_YIELD; j = j->next) {
+        if (j->kind != SKV_JOB_CLIENT_GONE)
+            continue;
+        left--;
+        bool decoding = false;
+        for (const struct skv_decode *d = w->decodes; d && !decoding; d = d->next)
+            decoding = skv_job_same_sender(d->job, j);
+        if (!decoding)
+            continue;
+        gone[n].sock = j->sock;
+        gone[n].identity_len = j->identity_len;
+        memcpy(gone[n].identity, j->identity, j->identity_len);
+        n++;
+    }
     pthread_mutex_unlock(&w->mu);
     for (int i = 0; i < n && w->decodes; i++)
         cancel_decodes_of(w, &gone[i]);
