@@ -4079,9 +4079,11 @@ static void test_append_stops(void **state)
 
 /* A client-gone notice that waits behind a long forward ends its client's decode at the next
  * yield, not when the forward ends: X decodes a (streamed), Y's 64-token APPEND of b is held at
- * its layers' gate, X's connection closes, and after three of the APPEND's yields X's final
- * "cancelled" is out with the APPEND still held. Before, each yield gave X's decode another
- * round, tokens nobody read, and a stayed busy until the APPEND ended. */
+ * its layers' gate, 20 clients without a decode and then X's connection close, and after three
+ * of the APPEND's yields X's final "cancelled" is out with the APPEND still held. Before, each
+ * yield gave X's decode another round, tokens nobody read, and a stayed busy until the APPEND
+ * ended (and with the first version of the change, which took the first 16 notices whatever
+ * their clients, X's, the 21st, was never reached). */
 static void test_gone_decode_in_yield(void **state)
 {
     struct fixture *f = *state;
@@ -4096,6 +4098,10 @@ static void test_gone_decode_in_yield(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
     struct long_append la = {f, b, 0, false};
     gate_hold(submit_long_append, &la);
+    for (int k = 0; k < 20; k++) { /* clients without a decode, gone first (a yield takes 16 notices) */
+        const uint8_t id[5] = {9, 9, 9, 9, (uint8_t)k};
+        assert_int_equal(skv_worker_client_gone(f->w, id, sizeof id, true), SKV_OK);
+    }
     assert_int_equal(skv_worker_client_gone(f->w, ID_X, sizeof ID_X, true), SKV_OK);
     for (int i = 0; i < 3; i++)
         gate_step();
