@@ -1253,12 +1253,13 @@ static void handle_compress(struct skv_worker *w, struct skv_job *job)
      * A fork's shared blocks become its own, which a re-run refused then could not give back:
      * room for them and for the re-run (what compress_rerun reserves after its cut) first, in
      * one reservation, so that one refused takes nothing and evicts no one */
-    int order_blocks = window > 0 ? skv_kv_cache_order_blocks(s->cache) : 0;
-    if (order_blocks) {
-        uint64_t held, unique;
+    int shared = 0, most = 0;
+    if (window > 0 && skv_kv_cache_order_blocks(s->cache, &shared, &most)) {
+        uint64_t held, unique, bb = skv_kv_pool_block_bytes(s->cache->pool);
         skv_kv_cache_cut_growth(s->cache, cut, window, &held, &unique);
         held += skv_compressor_ring_bytes(s->comp); /* the undo copy's ring */
-        unique += (uint64_t)order_blocks * skv_kv_pool_block_bytes(s->cache->pool);
+        /* the shared blocks the order takes stay; its transient goes before the re-run starts */
+        unique = (uint64_t)shared * bb + ((uint64_t)most * bb > unique ? (uint64_t)most * bb : unique);
         if ((rc = skv_session_reserve(w->sessions, s, held, unique, NULL)))
             goto fail;
     }

@@ -604,7 +604,7 @@ int skv_kv_cache_order(struct skv_kv_cache *c)
     return rc;
 }
 
-int skv_kv_cache_order_blocks(const struct skv_kv_cache *c)
+int skv_kv_cache_order_blocks(const struct skv_kv_cache *c, int *shared_out, int *most_out)
 {
     int shared = 0, most = 0;
     for (int i = 0; c->unordered && i < c->n_layers * c->n_kv_heads; i++) {
@@ -615,6 +615,8 @@ int skv_kv_cache_order_blocks(const struct skv_kv_cache *c)
         shared += n;
         most = hd->n_blocks - n > most ? hd->n_blocks - n : most;
     }
+    *shared_out = shared;
+    *most_out = most;
     return shared + most;
 }
 

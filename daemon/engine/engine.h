@@ -84,10 +84,11 @@ int skv_kv_cache_drop_rows(struct skv_kv_cache *cache, int layer, int h, const i
  * when the cache is unordered; what reads the rows as a sequence (SAVE, a spill, EXPORT,
  * INSPECT's positions, COMPRESS) calls it first. */
 int skv_kv_cache_order(struct skv_kv_cache *cache);
-/* Blocks skv_kv_cache_order may take from the pool past those it gives back: every shared block
- * of a head out of order (a fork's: the other holder keeps it), and the largest such head's
- * unshared blocks (each head's old blocks go once its new ones are written). */
-int skv_kv_cache_order_blocks(const struct skv_kv_cache *cache);
+/* Blocks skv_kv_cache_order may take from the pool past those it gives back: *shared, every
+ * shared block of a head out of order (a fork's: the other holder keeps it), which stay taken,
+ * and while it runs *most, the largest such head's unshared blocks (each head's old blocks go
+ * once its new ones are written). Returns their sum. */
+int skv_kv_cache_order_blocks(const struct skv_kv_cache *cache, int *shared, int *most);
 /* Whether head kh's rows are in position order; idx[0..len): its rows' indices in position
  * order (what reads the rows as a sequence without changing the cache: a spill's write). */
 bool skv_kv_head_in_order(const struct skv_kv_head *kh);
