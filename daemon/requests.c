@@ -1514,12 +1514,19 @@ static int ipc_buffer(struct skv_worker *w, const struct skv_job *job, const Pro
     }
     void *ptr = NULL;
     uint64_t bytes = 0;
+    /* the one that goes for room goes once this one opened (a handle that does not open closes
+     * no one's; the driver counts a handle opened twice, and unmaps it at its last close), or
+     * first when the open failed for want of room its mapping would give back */
+    int victim = mine >= SKV_IPC_PER_CLIENT ? mine_lru : w->n_ipc >= SKV_IPC_MAX ? lru : -1;
     int rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr, &bytes);
+    if (rc == SKV_E_NOMEM && victim >= 0) {
+        ipc_close_at(w, victim);
+        w->metrics.ipc_closed_lru++;
+        victim = -1;
+        rc = w->m->be->ops->ipc_open(w->m->be, handle->data, handle->len, &ptr, &bytes);
+    }
     if (rc)
         return rc;
-    /* the one that goes for room goes once this one opened (a handle that does not open closes
-     * no one's; the driver counts a handle opened twice, and unmaps it at its last close) */
-    int victim = mine >= SKV_IPC_PER_CLIENT ? mine_lru : w->n_ipc >= SKV_IPC_MAX ? lru : -1;
     if (victim >= 0) {
         ipc_close_at(w, victim);
         w->metrics.ipc_closed_lru++;

@@ -2745,9 +2745,11 @@ static int cuda_ipc_open(struct skv_backend *be, const void *handle, size_t hand
         /* the handle is the client's: one that names nothing open (freed, never a handle, or
          * another device's) is the client's mistake, not the device's failure */
         bool clients = e == cudaErrorInvalidValue || e == cudaErrorInvalidResourceHandle ||
-                       e == cudaErrorMapBufferObjectFailed || e == cudaErrorInvalidDevice ||
-                       e == cudaErrorInvalidDevicePointer || e == cudaErrorPeerAccessUnsupported;
-        return skv_errorf(clients ? SKV_E_INVAL : e == cudaErrorMemoryAllocation ? SKV_E_NOMEM : SKV_E_DEVICE,
+                       e == cudaErrorInvalidDevice || e == cudaErrorInvalidDevicePointer ||
+                       e == cudaErrorPeerAccessUnsupported;
+        /* (a mapping that failed is room: NOMEM, which a closed buffer may give back) */
+        bool room = e == cudaErrorMemoryAllocation || e == cudaErrorMapBufferObjectFailed;
+        return skv_errorf(clients ? SKV_E_INVAL : room ? SKV_E_NOMEM : SKV_E_DEVICE,
                           "ipc_open: the CUDA IPC handle could not be opened%s: %s: %s",
                           clients ? " (a buffer freed, not a handle, or another device's)" : "",
                           cudaGetErrorName(e), cudaGetErrorString(e));

@@ -234,6 +234,10 @@ static int fake_ipc_open(struct skv_backend *be, const void *handle, size_t hand
         return skv_errorf(SKV_E_INVAL, "fake ipc_open: no buffer %d", k);
     if (((const uint8_t *)handle)[1] == 0xDE && ((const uint8_t *)handle)[2] == 0xAD) /* variant 0xADDE */
         return skv_errorf(SKV_E_DEVICE, "fake ipc_open: the device failed");
+    static atomic_bool roomless; /* variant 0xEFBE: no room the first time, then room */
+    const uint8_t *hb = handle;
+    if (hb[1] == 0xBE && hb[2] == 0xEF && !atomic_exchange(&roomless, true))
+        return skv_errorf(SKV_E_NOMEM, "fake ipc_open: no room to map it");
     pthread_mutex_lock(&g_stuck_mu);
     while (k == g_stuck_k) {
         g_stuck = true;
@@ -625,6 +629,7 @@ static void test_ipc_lru(void **state)
     snapkv__reply__free_unpacked(rep, NULL);
     assert_int_equal(closed(1) - c1, 1);
     assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), 1);
+
     export_variant(f, ID_X, sid, 1, 1); /* still open */
     assert_int_equal(opened(1) - o1, 9);
     export_variant(f, ID_X, sid, 1, 0); /* opened again; variant 2 is now the oldest, and goes */
@@ -643,6 +648,11 @@ static void test_ipc_lru(void **state)
     export_variant(f, ID_X, sid, 1, 5); /* X is served again, at the oldest other's cost */
     assert_int_equal(opened(1) - o1, 11);
     assert_int_equal(closed(2) - c2, 1);
+    /* one that does not open for want of room (256 open) opens once the oldest is closed; before,
+     * the open failed first and the request with it */
+    const double room = stat(f, "snapkv_cuda_buffers_closed_for_room_total");
+    export_variant(f, ID_X, sid, 3, 0xEFBE);
+    assert_int_equal(stat(f, "snapkv_cuda_buffers_closed_for_room_total"), room + 1);
     skv_worker_stop(&f->w); /* every one still open closes */
     assert_int_equal(opened(1) - o1, closed(1) - c1);
     assert_int_equal(opened(2) - o2, closed(2) - c2);
