@@ -4110,11 +4110,12 @@ void skv_requests_spill(void *user, struct skv_session *s)
 }
 
 /* Takes session `id` of `tenant` from the store into this daemon, under its id. NOT_FOUND when
- * the store has none. A value that is not a session of this model (FORMAT: cut, damaged;
- * INVAL: another model's), or with store-secret-file one whose signature does not match or whose
- * time passed (PERM), is dropped (it was taken); one that does not load here for any other
- * reason (not signed, the pool, the tenant's limits, memory, a newer format) goes back for what
- * is left of its time, so that it does not outlive it. */
+ * the store has none; LIMIT, left there, when it is past store-max-bytes. A value that is not a
+ * session of this model (FORMAT: cut, damaged; INVAL: another model's), or with
+ * store-secret-file one signed with it whose time passed (PERM), is dropped (it was taken); one
+ * that does not load here for any other reason (not signed, or signed with another secret, the
+ * pool, the tenant's limits, memory, a newer format) goes back for what is left of its time, so
+ * that it does not outlive it. */
 static int store_take_session(struct skv_worker *w, const char *tenant, const uint8_t *id, struct skv_session **out);
 
 /* store_take_session, its time counted (snapkv_store_load_seconds_total). */
