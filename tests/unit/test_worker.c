@@ -2990,15 +2990,14 @@ static void test_decode_yield(void **state)
     snapkv__reply__free_unpacked(alone, NULL);
 }
 
-/* CANCEL ends the session's running decode between two rounds: its final reply ("cancelled",
- * with the tokens so far) comes first, then CANCEL's with how many it made; the session takes
- * the next DECODE at once and goes on as an uninterrupted decode would. Another tenant gets
- * NOT_FOUND, and a session with no decode running answers cancelled = false. */
-static void submit_cancel_within(struct fixture *f, int sock, const uint8_t *id, const char *tenant,
-                                 const uint8_t sid[16], uint32_t deadline_ms)
+/* CANCEL of sid by client id for tenant; own: only a decode of its own connection (libsnapkv's
+ * after its DECODE failed); deadline_ms (0: none). */
+static void submit_cancel_opts(struct fixture *f, int sock, const uint8_t *id, const char *tenant,
+                               const uint8_t sid[16], bool own, uint32_t deadline_ms)
 {
     Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
     c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
+    c.own = own;
     Snapkv__Request req = SNAPKV__REQUEST__INIT;
     req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
     req.cancel = &c;
@@ -3007,25 +3006,15 @@ static void submit_cancel_within(struct fixture *f, int sock, const uint8_t *id,
     assert_int_equal(skv_worker_submit(f->w, job_new(sock, id, 5, &req)), SKV_OK);
 }
 
-/* CANCEL of sid by client id for tenant "t" that asks to end only a decode of its own connection
- * (own: libsnapkv's after its DECODE failed). */
-static void submit_cancel_own(struct fixture *f, const uint8_t *id, const uint8_t sid[16])
-{
-    Snapkv__CancelRequest c = SNAPKV__CANCEL_REQUEST__INIT;
-    c.session_id = (ProtobufCBinaryData){16, (uint8_t *)sid};
-    c.own = true;
-    Snapkv__Request req = SNAPKV__REQUEST__INIT;
-    req.command_case = SNAPKV__REQUEST__COMMAND_CANCEL;
-    req.cancel = &c;
-    req.tenant = "t";
-    assert_int_equal(skv_worker_submit(f->w, job_new(0, id, 5, &req)), SKV_OK);
-}
-
 static void submit_cancel(struct fixture *f, int sock, const uint8_t *id, const char *tenant, const uint8_t sid[16])
 {
-    submit_cancel_within(f, sock, id, tenant, sid, 0);
+    submit_cancel_opts(f, sock, id, tenant, sid, false, 0);
 }
 
+/* CANCEL ends the session's running decode between two rounds: its final reply ("cancelled",
+ * with the tokens so far) comes first, then CANCEL's with how many it made; the session takes
+ * the next DECODE at once and goes on as an uninterrupted decode would. Another tenant gets
+ * NOT_FOUND, and a session with no decode running answers cancelled = false. */
 static void test_cancel_decode(void **state)
 {
     struct fixture *f = *state;
@@ -3088,6 +3077,41 @@ static void test_cancel_decode(void **state)
     assert_memory_equal(got, want, sizeof want);
 }
 
+/* The session X decodes behind a frozen worker (decode_behind_freeze). */
+static uint8_t g_decoded[16];
+
+/* Two sessions of 8 tokens; the worker frozen on the second's export; X's DECODE of the first
+ * (g_decoded), 1000 tokens, queued behind it. */
+static void decode_behind_freeze(struct fixture *f)
+{
+    uint8_t b[16];
+    prefill(f, 8, "policy=full", g_decoded);
+    prefill(f, 8, "policy=full", b);
+    freeze(f, b);
+    submit_decode(f, ID_X, "t", g_decoded, 1000, false);
+}
+
+/* Client id's next reply: a CANCEL's, OK, saying whether it ended a decode. */
+static void expect_cancel_reply(struct fixture *f, const uint8_t *id, bool cancelled)
+{
+    Snapkv__Reply *rep = next_reply(f, 0, id, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
+    assert_int_equal(rep->cancel->cancelled, cancelled);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
+/* Client id's next reply: its DECODE's final, cancelled before max_tokens. */
+static void expect_decode_cancelled(struct fixture *f, const uint8_t *id, uint32_t max_tokens)
+{
+    Snapkv__Reply *rep = next_reply(f, 0, id, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    assert_true(rep->final);
+    assert_string_equal(rep->decode->finish_reason, "cancelled");
+    assert_true(rep->decode->n_generated < max_tokens);
+    snapkv__reply__free_unpacked(rep, NULL);
+}
+
 /* A CANCEL runs when its turn comes whatever its deadline (other requests past theirs are
  * answered TIMEOUT unrun): it ends work its client gave up on. Dropped, the DECODE it named
  * ran on to its max_tokens (CI under TSan: a client's 300 ms timeout passed for its DECODE and
@@ -3097,33 +3121,16 @@ static void test_cancel_decode(void **state)
 static void test_cancel_past_deadline(void **state)
 {
     struct fixture *f = *state;
-    uint8_t a[16], b[16];
-    prefill(f, 8, "policy=full", a);
-    prefill(f, 8, "policy=full", b);
     /* behind a frozen worker: X's DECODE, then late CANCELs from Y (whose connection did not
      * start that decode: it stays) and from X (it ends) */
-    freeze(f, b);
-    submit_decode(f, ID_X, "t", a, 1000, false);
-    submit_cancel_within(f, 0, ID_Y, "t", a, 5);
-    submit_cancel_within(f, 0, ID_X, "t", a, 5);
+    decode_behind_freeze(f);
+    submit_cancel_opts(f, 0, ID_Y, "t", g_decoded, false, 5);
+    submit_cancel_opts(f, 0, ID_X, "t", g_decoded, false, 5);
     usleep(30000); /* past the CANCELs' deadlines, in the queue */
     thaw(f);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
-    assert_false(rep->cancel->cancelled);
-    snapkv__reply__free_unpacked(rep, NULL);
-    rep = next_reply(f, 0, ID_X, 5); /* the decode's, well before its 1000 tokens */
-    assert_int_equal(rep->status, SKV_OK);
-    assert_true(rep->final);
-    assert_string_equal(rep->decode->finish_reason, "cancelled");
-    assert_true(rep->decode->n_generated < 1000);
-    snapkv__reply__free_unpacked(rep, NULL);
-    rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
-    assert_true(rep->cancel->cancelled);
-    snapkv__reply__free_unpacked(rep, NULL);
+    expect_cancel_reply(f, ID_Y, false);
+    expect_decode_cancelled(f, ID_X, 1000); /* well before its 1000 tokens */
+    expect_cancel_reply(f, ID_X, true);
     assert_int_equal(stat(f, "snapkv_requests_past_deadline_total"), 0);
     assert_int_equal(stat(f, "snapkv_decodes_cancelled_total"), 1);
     assert_int_equal(stat(f, "snapkv_decodes_running"), 0);
@@ -3136,28 +3143,13 @@ static void test_cancel_past_deadline(void **state)
 static void test_cancel_own(void **state)
 {
     struct fixture *f = *state;
-    uint8_t a[16], b[16];
-    prefill(f, 8, "policy=full", a);
-    prefill(f, 8, "policy=full", b);
-    freeze(f, b);
-    submit_decode(f, ID_X, "t", a, 1000, false);
-    submit_cancel_own(f, ID_Y, a);
+    decode_behind_freeze(f);
+    submit_cancel_opts(f, 0, ID_Y, "t", g_decoded, true, 0);
     thaw(f);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_Y, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
-    assert_false(rep->cancel->cancelled); /* X's decode runs on */
-    snapkv__reply__free_unpacked(rep, NULL);
-    submit_cancel_own(f, ID_X, a);
-    rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    assert_true(rep->final);
-    assert_string_equal(rep->decode->finish_reason, "cancelled");
-    snapkv__reply__free_unpacked(rep, NULL);
-    rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->result_case, SNAPKV__REPLY__RESULT_CANCEL);
-    assert_true(rep->cancel->cancelled);
-    snapkv__reply__free_unpacked(rep, NULL);
+    expect_cancel_reply(f, ID_Y, false); /* X's decode runs on */
+    submit_cancel_opts(f, 0, ID_X, "t", g_decoded, true, 0);
+    expect_decode_cancelled(f, ID_X, 1000);
+    expect_cancel_reply(f, ID_X, true);
     assert_int_equal(stat(f, "snapkv_decodes_cancelled_total"), 1);
 }
 
@@ -5171,6 +5163,24 @@ static void test_persist_checkpoint(void **state)
     persist_off(f, dir);
 }
 
+/* An APPEND of 16 tokens to a (tenant t) whose rows the next checkpoint reads slowly (the first
+ * read of `rows` rows of a head waits 1.2 s), and that checkpoint's manifest, other than m0, into
+ * m1 (no request is sent until it is there: the checkpoint would give way to one). */
+static void append_slow_checkpoint(struct fixture *f, const char *dir, const uint8_t a[16], int rows, const char *m0,
+                                   char *m1)
+{
+    g_slow_download_bytes = (size_t)rows * f->tiny->m->cfg.head_dim * sizeof(float);
+    atomic_store(&g_slow_download_ms, 1200);
+    submit_append_for(f, ID_X, "t", a, 16);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_OK);
+    snapkv__reply__free_unpacked(rep, NULL);
+    for (int i = 0; i < 600 && strcmp(manifest_text(dir, m1, 8192), m0) == 0; i++)
+        usleep(100000);
+    assert_string_not_equal(m1, m0);
+    assert_int_equal(atomic_load(&g_slow_download_ms), 0); /* the checkpoint read a's rows */
+}
+
 /* A checkpoint that runs past persist-max-seconds before it reaches a session keeps that
  * session's file of the checkpoint before (it was removed, and the session lost to a crash):
  * a's APPEND makes it the first to save, a slow read of its rows takes the second, and b,
@@ -5198,19 +5208,8 @@ static void test_persist_checkpoint_late(void **state)
     static char m0[8192], m1[8192];
     manifest_text(dir, m0, sizeof m0);
     /* a's rows 32..55 after the APPEND: its new block and the 8 rows past it, read at once */
-    g_slow_download_bytes = (size_t)24 * f->tiny->m->cfg.head_dim * sizeof(float);
-    atomic_store(&g_slow_download_ms, 1200);
-    submit_append_for(f, ID_X, "t", a, 16);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    snapkv__reply__free_unpacked(rep, NULL);
-    /* no request until the second checkpoint's manifest is there (renamed into place): the
-     * checkpoint would give way to one */
-    for (int i = 0; i < 600 && strcmp(manifest_text(dir, m1, sizeof m1), m0) == 0; i++)
-        usleep(100000);
-    assert_string_not_equal(m1, m0);
+    append_slow_checkpoint(f, dir, a, 24, m0, m1);
     assert_int_equal(stat(f, "snapkv_persist_checkpoints_total"), 2);
-    assert_int_equal(atomic_load(&g_slow_download_ms), 0); /* the checkpoint read a's rows */
     assert_true(manifest_names(dir, b));
     char path[256];
     only_match(pdir, pattern, path, sizeof path);
@@ -5226,6 +5225,23 @@ static void test_persist_checkpoint_late(void **state)
 }
 
 static int append_as(struct fixture *f, const char *tenant, const uint8_t sid[16], int n, int *n_tokens);
+
+/* A crash and a start: the device lost (a 1-token session's export fails so), so the stop saves
+ * nothing, as a SIGKILL would; then the worker starts again. */
+static void crash_and_start(struct fixture *f)
+{
+    uint8_t e[16];
+    prefill(f, 1, "policy=full", e);
+    atomic_store(&g_device_gone, true);
+    submit_export_variant(f, 0, ID_X, e, 1, 0xADDE);
+    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
+    assert_int_equal(rep->status, SKV_E_DEVICE);
+    snapkv__reply__free_unpacked(rep, NULL);
+    assert_true(skv_worker_device_lost(f->w));
+    skv_worker_stop(&f->w);
+    atomic_store(&g_device_gone, false);
+    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+}
 
 /* Persist on (checkpoints every second, persist-max-seconds 1) with a's 40 tokens (tenant t)
  * and b's 8 (tenant u) in a block store that is mostly blocks no session holds: 18 sessions of
@@ -5294,21 +5310,10 @@ static void test_persist_fresh_store_late(void **state)
     static char m0[8192], m1[8192];
     uint8_t a[16], b[16];
     fresh_store_ahead(f, dir, pdir, a, b, m0, store0);
-    g_slow_download_bytes = (size_t)56 * f->tiny->m->cfg.head_dim * sizeof(float); /* a's rows, at once */
-    atomic_store(&g_slow_download_ms, 1200);
     const double n = stat(f, "snapkv_persist_checkpoints_total");
-    submit_append_for(f, ID_X, "t", a, 16);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_OK);
-    snapkv__reply__free_unpacked(rep, NULL);
-    /* no request until its manifest is there (the checkpoint would give way to one); then its
-     * count, after the sweep */
-    for (int i = 0; i < 600 && strcmp(manifest_text(dir, m1, sizeof m1), m0) == 0; i++)
+    append_slow_checkpoint(f, dir, a, 56, m0, m1); /* a's rows, all of them at once */
+    for (int i = 0; i < 100 && stat(f, "snapkv_persist_checkpoints_total") == n; i++) /* (after the sweep) */
         usleep(100000);
-    assert_string_not_equal(m1, m0);
-    for (int i = 0; i < 100 && stat(f, "snapkv_persist_checkpoints_total") == n; i++)
-        usleep(100000);
-    assert_int_equal(atomic_load(&g_slow_download_ms), 0); /* the checkpoint read a's rows */
     only_match(pdir, "blocks-*.skvb", store1, sizeof store1);
     assert_string_not_equal(store1, store0); /* a new store */
     assert_true(manifest_names(dir, a));
@@ -5331,7 +5336,7 @@ static void test_persist_fresh_store_fails(void **state)
     struct fixture *f = *state;
     char dir[] = "/tmp/skv-persist-XXXXXX", pdir[128], store0[256], blocked[300], hex[33];
     static char m0[8192], m1[8192];
-    uint8_t a[16], b[16], e[16];
+    uint8_t a[16], b[16];
     fresh_store_ahead(f, dir, pdir, a, b, m0, store0);
     const char *g = strstr(m0, "\"generation\":");
     assert_non_null(g);
@@ -5360,15 +5365,7 @@ static void test_persist_fresh_store_fails(void **state)
     assert_true(manifest_names(dir, b));
     only_match(pdir, "blocks-*.skvb", path, sizeof path);
     assert_string_equal(path, store0);
-    prefill(f, 1, "policy=full", e);
-    atomic_store(&g_device_gone, true); /* the crash */
-    submit_export_variant(f, 0, ID_X, e, 1, 0xADDE);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_E_DEVICE);
-    snapkv__reply__free_unpacked(rep, NULL);
-    skv_worker_stop(&f->w);
-    atomic_store(&g_device_gone, false);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    crash_and_start(f);
     assert_int_equal(listed(f, a, NULL, NULL), 56);
     assert_int_equal(listed(f, b, NULL, NULL), 8);
     /* the stop's save keeps the store, with the directory still there: b is kept, not written */
@@ -6796,7 +6793,7 @@ static void test_persist_spilled(void **state)
     persist_on(f, dir, "3600"); /* no checkpoint comes in this test */
     snprintf(rec, sizeof rec, "%s/persist/spilled", dir);
     restart_with_pool(f, 8);
-    uint8_t a[16], b[16], c[16], d[16], e[16];
+    uint8_t a[16], b[16], c[16], d[16];
     prefill_for(f, "a", 64, "policy=full", a); /* 4 blocks a layer and head: two fill the pool */
     usleep(5000);
     prefill_for(f, "d", 64, "policy=full", d);
@@ -6824,16 +6821,7 @@ static void test_persist_spilled(void **state)
     assert_int_equal(append_as(f, "d", d, 1, &n), SKV_OK); /* d taken back (b, c spilled for its room) */
     assert_int_equal(n, 65);
     assert_true(file_size(rec) >= 4 * 34); /* S a, S d, S b, T d, ... */
-    prefill(f, 1, "policy=full", e);
-    atomic_store(&g_device_gone, true); /* the crash */
-    submit_export_variant(f, 0, ID_X, e, 1, 0xADDE);
-    Snapkv__Reply *rep = next_reply(f, 0, ID_X, 5);
-    assert_int_equal(rep->status, SKV_E_DEVICE);
-    snapkv__reply__free_unpacked(rep, NULL);
-    assert_true(skv_worker_device_lost(f->w));
-    skv_worker_stop(&f->w);
-    atomic_store(&g_device_gone, false);
-    assert_int_equal(skv_worker_start(f->zctx, REPLIES, &f->cfg, f->tiny->m, &f->w), SKV_OK);
+    crash_and_start(f);
     assert_int_equal(listed(f, a, NULL, NULL), -1); /* left in the store */
     assert_int_equal(listed(f, d, NULL, NULL), 64); /* its file, from before the take */
     assert_int_equal(append_as(f, "a", a, 1, &n), SKV_OK); /* from the store, as it was spilled */
