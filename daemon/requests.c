@@ -3291,7 +3291,7 @@ static int session_write(struct skv_worker *w, struct skv_session *s, FILE *f, s
  * daemons may write too (SAVE's: the state directory's lock is persist's), where the
  * temporary file is path.XXXXXX.tmp, a name of its own, so that two SAVEs of one name do not
  * write into one file and rename it, their bytes mixed, over the good one (one a crash left is
- * removed an hour on, skv_requests_sweep_saves). */
+ * removed an hour on by a later start's first SAVE, sweep_saves). */
 static int file_write(struct skv_worker *w, struct skv_session *s, const void *p, size_t n, const char *dir,
                       const char *path, bool shared, long *bytes)
 {
@@ -3336,10 +3336,13 @@ static int session_save(struct skv_worker *w, struct skv_session *s, const char 
 
 static bool ends_with(const char *s, const char *end);
 
-void skv_requests_sweep_saves(struct skv_worker *w)
+/* Removes SAVE's temporary files a crash left in the state directory, an hour old or more
+ * (another daemon sharing the directory may be writing a newer one): at a start's first SAVE. */
+static void sweep_saves(struct skv_worker *w)
 {
-    /* SAVE's temporary files a crash left in the state directory, an hour old or more (another
-     * daemon sharing the directory may be writing a newer one) */
+    if (w->saves_swept)
+        return;
+    w->saves_swept = true;
     DIR *d = opendir(w->cfg->state_dir);
     if (!d)
         return;
@@ -3365,8 +3368,10 @@ static void handle_save(struct skv_worker *w, struct skv_job *job)
     int rc = find_session(w, job, q->session_id, true, &s);
     if (!rc)
         rc = save_path(w, q->name, path, sizeof path);
-    if (!rc)
+    if (!rc) {
+        sweep_saves(w);
         rc = session_save(w, s, w->cfg->state_dir, path, true, &bytes);
+    }
     if (rc) {
         fail_rc(w, job, rc);
         return;

@@ -990,7 +990,6 @@ static void *worker_main(void *arg)
     }
     w->persist_ms = skv_now_ms();
     skv_requests_rows_id(w); /* the executable's hash, before any request waits for it */
-    skv_requests_sweep_saves(w);
     if (w->cfg->persist && skv_requests_persist_restore(w))
         skv_log(SKV_LOG_WARN, "persist: %s", skv_error_msg());
     publish_stats(w);

@@ -137,6 +137,7 @@ struct skv_worker {
     bool persist_dirty;       /* sessions may have changed since */
     int persist_gave_way;     /* checkpoints in a row stopped by a request */
     uint64_t persist_failed_ms; /* when the last checkpoint failed (0: the last one ended well) */
+    bool saves_swept;         /* this start's first SAVE removed what crashes left (sweep_saves) */
     bool persist_keep_store;  /* a checkpoint into a new store failed on a session it could not
                                * carry: the next appends to the last store when it can */
     struct skv_kv_store *persist_store; /* the block store saves append to (NULL: the next save starts one) */
@@ -248,8 +249,7 @@ int skv_requests_persist_save(struct skv_worker *w);
 /* What computes this daemon's rows (requests.c): 16 bytes, zero when unknown; worked out at the
  * first call (worker thread only). */
 const unsigned char *skv_requests_rows_id(struct skv_worker *w);
-/* Removes the temporary files of SAVEs a crash left in the state directory (an hour old). */
-void skv_requests_sweep_saves(struct skv_worker *w);
+
 /* The same while serving (persist-interval-seconds). give_way: SKV_E_CANCELLED when a request
  * arrives meanwhile, the last save left as it was. */
 int skv_requests_persist_checkpoint(struct skv_worker *w, bool give_way);
