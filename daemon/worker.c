@@ -895,9 +895,9 @@ void skv_worker_yield(struct skv_worker *w)
     pthread_mutex_lock(&w->mu);
     bool stopping = w->stopping;
     pthread_mutex_unlock(&w->mu);
-    if (w->decodes && !stopping)
+    if (w->decodes && !stopping) /* at a stop they are cancelled when the forward ends */
         cancel_gone_decodes(w);
-    if (w->decodes && !stopping) { /* at a stop they are cancelled when the forward ends */
+    if (w->decodes && !stopping) { /* (the gone clients' cancelled first) */
         decode_rounds(w);
         w->metrics.decode_rounds_yielded++;
     }

@@ -550,15 +550,15 @@ static int decode_partial(void *user, const Snapkv__Reply *rep)
 /* ... and after one the callback stopped, when the client waits for ever (timeout -1) */
 #define CANCEL_STOP_WAIT_MS 30000
 
+static int cancel_call(snapkv_client_t *c, const struct snapkv_session_id *id, bool own, bool *cancelled,
+                       uint32_t *n_generated);
+
 /* After a DECODE call ended while the decode still ran in the daemon (the callback stopped it,
  * or a timeout, no memory, lost replies): ends it there too, so that the session, and the
  * daemon's decode slot, are free when snapkv_decode returns (the decode's remaining replies come
  * before the CANCEL's and are dropped as stale). Best effort, waiting wait_ms at most (-1: the
  * client's timeout): returns rc, the call's own status, whose message says when the CANCEL
  * failed as well. */
-static int cancel_call(snapkv_client_t *c, const struct snapkv_session_id *id, bool own, bool *cancelled,
-                       uint32_t *n_generated);
-
 static int cancel_decode(snapkv_client_t *c, const struct snapkv_session_id *id, int rc, int wait_ms)
 {
     char why[512], cancel_why[256]; /* copies: the last error is rewritten below */
